@@ -1,0 +1,117 @@
+"""Parameter counts and recurrent-state sizes estimated from config.json shapes.
+
+Primitives:
+    count_params(cfg, kinds, mla, head_dim) -> (total, active per token)
+    linear_state_bytes(cfg, hidden)         -> fixed state of one Mamba/linear layer
+
+The count covers embeddings, attention (standard or MLA), linear-attention/Mamba mixers and
+gated MLPs (dense or mixture-of-experts, with shared experts). Norms and biases are left out:
+they are well under 0.1% of any model this tool sizes. Checked against published totals in
+tests/unit/test_plan_modelspec.py (Llama-3-8B 8.03B, Llama-3-70B 70.6B, DeepSeek-V3 671B).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvtier.ops.modelspec import MlaSpec
+
+# Recurrent state is kept in the model dtype by default (vLLM `mamba_ssm_cache_dtype=auto`).
+_STATE_ELEM_BYTES = 2
+
+
+def count_params(
+    cfg: Mapping[str, Any], kinds: Sequence[str], mla: MlaSpec | None, head_dim: int
+) -> tuple[int, int]:
+    """Return (total parameters, parameters active per token)."""
+    hidden = int(cfg["hidden_size"])
+    vocab = int(cfg.get("vocab_size") or 0)
+    embed = vocab * hidden * (1 if cfg.get("tie_word_embeddings") else 2)
+    attn = _mla_params(cfg, mla) if mla else _attention_params(cfg, head_dim)
+    mixer = _linear_mixer_params(cfg, hidden)
+    total = active = embed
+    for i, kind in enumerate(kinds):
+        layer = mixer if kind == "linear" else attn
+        mlp_total, mlp_active = _mlp_params(cfg, hidden, i)
+        total += layer + mlp_total
+        active += layer + mlp_active
+    return total, active
+
+
+def linear_state_bytes(cfg: Mapping[str, Any], hidden: int) -> int:
+    """Per-sequence state of one linear-attention or Mamba layer (conv + SSM), in bytes."""
+    if cfg.get("linear_num_value_heads"):  # gated DeltaNet (Qwen3-Next / Qwen3.5)
+        kd = int(cfg["linear_num_key_heads"]) * int(cfg["linear_key_head_dim"])
+        vh, vdim = int(cfg["linear_num_value_heads"]), int(cfg["linear_value_head_dim"])
+        conv = (2 * kd + vh * vdim) * (int(cfg.get("linear_conv_kernel_dim") or 4) - 1)
+        return (conv + vh * int(cfg["linear_key_head_dim"]) * vdim) * _STATE_ELEM_BYTES
+    d_state = cfg.get("mamba_d_state") or cfg.get("ssm_state_size") or cfg.get("state_size")
+    if not d_state:
+        return 0
+    d_inner = _mamba_inner(cfg, hidden)
+    d_conv = int(cfg.get("mamba_d_conv") or cfg.get("conv_kernel") or 4)
+    groups = int(cfg.get("n_groups") or cfg.get("mamba_n_groups") or 0)
+    conv = (d_inner + 2 * groups * int(d_state)) * (d_conv - 1)
+    return (conv + d_inner * int(d_state)) * _STATE_ELEM_BYTES
+
+
+def _mamba_inner(cfg: Mapping[str, Any], hidden: int) -> int:
+    if cfg.get("mamba_num_heads") and cfg.get("mamba_head_dim"):
+        return int(cfg["mamba_num_heads"]) * int(cfg["mamba_head_dim"])
+    return int(cfg.get("mamba_expand") or cfg.get("expand") or 2) * hidden
+
+
+def _attention_params(cfg: Mapping[str, Any], head_dim: int) -> int:
+    hidden = int(cfg["hidden_size"])
+    heads = int(cfg["num_attention_heads"])
+    kv = int(cfg.get("num_key_value_heads") or heads)
+    return 2 * hidden * heads * head_dim + 2 * hidden * kv * head_dim  # q, o + k, v
+
+
+def _mla_params(cfg: Mapping[str, Any], mla: MlaSpec) -> int:
+    hidden = int(cfg["hidden_size"])
+    heads = int(cfg["num_attention_heads"])
+    qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    if mla.q_lora_rank:
+        q = hidden * mla.q_lora_rank + mla.q_lora_rank * heads * qk
+    else:
+        q = hidden * heads * qk
+    kv_a = hidden * (mla.kv_lora_rank + mla.qk_rope_head_dim)
+    kv_b = mla.kv_lora_rank * heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+    return q + kv_a + kv_b + heads * mla.v_head_dim * hidden
+
+
+def _linear_mixer_params(cfg: Mapping[str, Any], hidden: int) -> int:
+    if cfg.get("linear_num_value_heads"):
+        kd = int(cfg["linear_num_key_heads"]) * int(cfg["linear_key_head_dim"])
+        vh = int(cfg["linear_num_value_heads"])
+        vd = vh * int(cfg["linear_value_head_dim"])
+        # in_proj_qkvz + in_proj_ba + out_proj
+        return hidden * (2 * kd + 2 * vd) + hidden * 2 * vh + vd * hidden
+    d_inner = _mamba_inner(cfg, hidden)
+    return 3 * hidden * d_inner  # in_proj (x and gate) + out_proj, ignoring small terms
+
+
+def _mlp_params(cfg: Mapping[str, Any], hidden: int, layer: int) -> tuple[int, int]:
+    """(total, active) MLP parameters of decoder layer `layer`."""
+    experts = int(cfg.get("n_routed_experts") or cfg.get("num_experts")
+                  or cfg.get("num_local_experts") or 0)
+    dense_inter = int(cfg.get("intermediate_size") or 4 * hidden)
+    dense_first = int(cfg.get("first_k_dense_replace") or 0)
+    sparse_step = int(cfg.get("decoder_sparse_step") or 1)
+    mlp_only = set(cfg.get("mlp_only_layers") or ())
+    is_moe = (experts > 0 and layer >= dense_first and layer not in mlp_only
+              and (layer + 1) % sparse_step == 0)
+    if not is_moe:
+        dense = 3 * hidden * dense_inter
+        return dense, dense
+    inter = int(cfg.get("moe_intermediate_size") or dense_inter)
+    per_expert = 3 * hidden * inter
+    shared_inter = int(cfg.get("shared_expert_intermediate_size") or 0)
+    shared = 3 * hidden * shared_inter if shared_inter else (
+        int(cfg.get("n_shared_experts") or 0) * per_expert)
+    router = hidden * experts
+    top_k = int(cfg.get("num_experts_per_tok") or 1)
+    return experts * per_expert + shared + router, top_k * per_expert + shared + router
