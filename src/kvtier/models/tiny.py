@@ -1,0 +1,239 @@
+"""Small random-weight Llama models that vLLM can load with no downloads.
+
+kvtier's end-to-end tests and benchmarks need a real model inside a real vLLM, and the
+machines that run them cannot download one. This module writes one: a transformers
+`LlamaForCausalLM` with random weights drawn from a fixed seed, saved as safetensors, and a
+`tokenizers` WordLevel tokenizer saved next to it.
+
+Random weights at the usual initializer range give near-uniform logits, so greedy decoding
+breaks near-ties differently when two code paths round differently (see
+../shared/VLLM_CPU.md). Two knobs make the logits decisive, so that "identical outputs with
+and without the cache" is a meaningful check:
+  - `lm_head_scale` multiplies the output head, which spreads the logits far apart;
+  - `initializer_range` (larger than Llama's 0.02) sharpens attention, so that the output
+    depends on the whole context and a wrongly loaded KV block changes the tokens.
+
+Primitives:
+  - `TinyModelSpec`: the frozen parameters of a model; `.digest()` names its directory.
+  - `PRESETS`: "test" (fast start-up) and "bench" (an 8k-token prefill takes >= 2 s on a
+    2-core CPU, for `kvtier bench ttft`).
+  - `make_tiny_model(root, ...)`: write (or reuse) the model directory and return its path.
+  - `make_preset_model(name, root)`: the same for a preset.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+# Bump when the files written change, so that cached directories from an older layout are
+# not reused.
+_FORMAT_VERSION = 1
+# Written last; a directory without it is an interrupted write and is rebuilt.
+_COMPLETE_MARKER = "kvtier-tiny-model.json"
+# Token ids 0..2 are special; prompts should use ids >= FIRST_WORD_ID.
+UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
+FIRST_WORD_ID = 3
+
+
+@dataclass(frozen=True, slots=True)
+class TinyModelSpec:
+    """Parameters of a tiny random Llama; every field is part of the cache digest."""
+
+    # Decoder layers; kvtier stores KV for each, so more layers = more bytes per token.
+    num_layers: int = 2
+    # Model width; must be divisible by num_heads.
+    hidden_size: int = 128
+    # Query heads.
+    num_heads: int = 4
+    # KV heads (GQA when < num_heads); with head_size this sets the KV bytes per token.
+    num_kv_heads: int = 2
+    # MLP width.
+    intermediate_size: int = 256
+    # Vocabulary size, special tokens included.
+    vocab_size: int = 512
+    # Longest sequence vLLM will accept (max_model_len defaults to it).
+    max_position_embeddings: int = 4096
+    # Seed of the random weights.
+    seed: int = 0
+    # Weight dtype written to config.json, a torch name ("bfloat16", "float32", "float16").
+    dtype: str = "bfloat16"
+    # Std of the random init; larger than Llama's 0.02 so that attention is peaked.
+    initializer_range: float = 0.1
+    # Multiplier on the output head after init; makes the greedy choice decisive.
+    lm_head_scale: float = 8.0
+
+    @property
+    def head_size(self) -> int:
+        """Size of one attention head."""
+        return self.hidden_size // self.num_heads
+
+    def digest(self) -> str:
+        """Return a short hex digest of every parameter and the file format version."""
+        fields = dataclasses.asdict(self)
+        fields["_format_version"] = _FORMAT_VERSION
+        text = json.dumps(fields, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V for one token over all layers (what a KV cache holds)."""
+        itemsize = {"bfloat16": 2, "float16": 2, "float32": 4}[self.dtype]
+        return 2 * self.num_layers * self.num_kv_heads * self.head_size * itemsize
+
+
+PRESETS: dict[str, TinyModelSpec] = {
+    # Starts in a few seconds; short prompts. Used by tests/vllm.
+    "test": TinyModelSpec(),
+    # Sized so that an 8k-token prefill takes >= 2 s on the 2-core CI machine (measured in
+    # docs/vllm-connector-notes.md); 17 KiB of KV per token, like a small real model.
+    "bench": TinyModelSpec(
+        num_layers=8,
+        hidden_size=512,
+        num_heads=8,
+        num_kv_heads=4,
+        intermediate_size=1536,
+        vocab_size=1024,
+        max_position_embeddings=20480,
+        initializer_range=0.05,
+    ),
+}
+
+
+def make_tiny_model(root: str | os.PathLike[str], **params: object) -> Path:
+    """Write a tiny random Llama under `root` (or reuse the one already there).
+
+    Args:
+        root: cache directory; the model goes to `root/tiny-llama-<digest>`.
+        **params: fields of `TinyModelSpec` (num_layers, hidden_size, num_heads,
+            num_kv_heads, vocab_size, max_position_embeddings, seed, ...).
+
+    Returns:
+        The model directory, loadable by vLLM and transformers with no downloads.
+
+    Raises:
+        TypeError: on an unknown parameter name.
+        ValueError: when hidden_size is not divisible by num_heads, or num_heads by
+            num_kv_heads, or vocab_size leaves no room for words.
+
+    Safe to call from several processes: the model is written to a temporary directory and
+    renamed into place, and a complete directory is never rewritten.
+    """
+    spec = TinyModelSpec(**params)  # type: ignore[arg-type]
+    return write_model(spec, Path(root))
+
+
+def make_preset_model(name: str, root: str | os.PathLike[str]) -> Path:
+    """Write (or reuse) the preset model `name` ("test" or "bench") under `root`.
+
+    Raises:
+        KeyError: on an unknown preset name.
+    """
+    return write_model(PRESETS[name], Path(root))
+
+
+def write_model(spec: TinyModelSpec, root: Path) -> Path:
+    """Write (or reuse) the model of `spec` under `root`; see `make_tiny_model`."""
+    _validate(spec)
+    final = root / f"tiny-llama-{spec.digest()}"
+    if (final / _COMPLETE_MARKER).is_file():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-tiny-llama-", dir=root))
+    try:
+        _write_weights(spec, tmp)
+        write_tokenizer(spec.vocab_size, tmp)
+        marker = {"spec": dataclasses.asdict(spec), "format_version": _FORMAT_VERSION}
+        (tmp / _COMPLETE_MARKER).write_text(json.dumps(marker, indent=2))
+        if final.exists():
+            # An interrupted earlier write (no marker): replace it. A concurrent writer that
+            # finished first also lands here only if its marker is missing, so this is safe.
+            if (final / _COMPLETE_MARKER).is_file():
+                return final
+            shutil.rmtree(final)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            # Another process renamed its copy into place first; use that one.
+            if not (final / _COMPLETE_MARKER).is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _validate(spec: TinyModelSpec) -> None:
+    if spec.hidden_size % spec.num_heads:
+        raise ValueError(f"hidden_size={spec.hidden_size} not divisible by num_heads")
+    if spec.num_heads % spec.num_kv_heads:
+        raise ValueError(f"num_heads={spec.num_heads} not divisible by num_kv_heads")
+    if spec.vocab_size <= FIRST_WORD_ID:
+        raise ValueError(f"vocab_size={spec.vocab_size} leaves no room for words")
+
+
+def _llama_config(spec: TinyModelSpec):  # -> transformers.LlamaConfig
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_size,
+        max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.initializer_range,
+        tie_word_embeddings=False,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=UNK_ID,
+        torch_dtype=spec.dtype,
+    )
+
+
+def _write_weights(spec: TinyModelSpec, out: Path) -> None:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    config = _llama_config(spec)
+    # Seed a private generator state: the weights depend on the spec only, not on what
+    # the caller's process drew from torch's global RNG before.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        model = LlamaForCausalLM(config)
+        with torch.no_grad():
+            model.lm_head.weight.mul_(spec.lm_head_scale)
+    model = model.to(getattr(torch, spec.dtype))
+    model.save_pretrained(out, safe_serialization=True)
+
+
+def write_tokenizer(vocab_size: int, out: Path) -> None:
+    """Save a WordLevel tokenizer of `vocab_size` ids to `out` (tokenizer.json + config).
+
+    Ids 0, 1, 2 are <unk>, <s>, </s>; id i >= 3 is the word "w{i}", so the text
+    "w5 w17" encodes to [5, 17] and any id sequence decodes to readable text.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": UNK_ID, "<s>": BOS_ID, "</s>": EOS_ID}
+    vocab.update({f"w{i}": i for i in range(FIRST_WORD_ID, vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<unk>",
+        model_max_length=1 << 30,
+    )
+    fast.save_pretrained(out)
