@@ -1,0 +1,53 @@
+"""Eviction policies and admission, shared by every tier that needs them.
+
+A policy tracks which resident keys to evict first; tiers own the data and the locking.
+
+Primitives: `EvictionPolicy` (protocol), `make_policy`, `POLICIES`, `AdmissionFilter`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Protocol
+
+from kvtier.core.policies.admission import AdmissionFilter
+from kvtier.core.policies.arc import ARCPolicy
+from kvtier.core.policies.lru import LRUPolicy
+from kvtier.errors import ConfigError
+
+
+class EvictionPolicy(Protocol):
+    """Orders resident keys for eviction. Not thread-safe: the owning tier locks."""
+
+    def insert(self, key: Hashable) -> None:
+        """A key became resident."""
+
+    def touch(self, key: Hashable) -> None:
+        """A resident key was read."""
+
+    def remove(self, key: Hashable) -> None:
+        """A key left for another reason than eviction (delete, corruption)."""
+
+    def evict(self) -> Hashable | None:
+        """Choose the next victim and forget it as resident; None when nothing is resident."""
+
+    def __len__(self) -> int: ...
+
+
+POLICIES = ("lru", "arc")
+
+
+def make_policy(name: str, capacity_chunks: int) -> EvictionPolicy:
+    """Return a new policy by name ("lru" or "arc") for a tier of `capacity_chunks`.
+
+    Raises:
+        ConfigError: unknown policy name.
+    """
+    if name == "lru":
+        return LRUPolicy()
+    if name == "arc":
+        return ARCPolicy(capacity_chunks)
+    raise ConfigError("eviction", name, f"one of {POLICIES}")
+
+
+__all__ = ["AdmissionFilter", "ARCPolicy", "EvictionPolicy", "LRUPolicy", "POLICIES", "make_policy"]

@@ -1,0 +1,145 @@
+"""kvtier's typed configuration, validated once at the edge (CLI, YAML/JSON, vLLM extra config).
+
+A store is an ordered list of tiers, fastest first. Sizes accept ints or strings like "8GiB".
+Any invalid value raises `ConfigError` naming the field, the value and what is allowed.
+
+Example (YAML):
+    tiers:
+      - {kind: memory, capacity: 8GiB}
+      - {kind: disk, path: /mnt/nvme/kvtier, capacity: 200GiB}
+      - {kind: shared, path: /mnt/shared/kvtier, capacity: 2TiB, eviction: lru}
+
+Primitives: `StoreConfig` (with `.parse`, `.load`), `MemoryTierConfig`, `DiskTierConfig`,
+`SharedTierConfig`, `TierConfig`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+
+from kvtier.errors import ConfigError
+from kvtier.units import parse_size
+
+ByteSize = Annotated[int, BeforeValidator(lambda v: parse_size(v, "capacity")), Field(ge=0)]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class _TierBase(_Frozen):
+    name: str | None = None  # unique name in the store; defaults to `kind`
+    capacity: ByteSize  # bytes this tier may hold, e.g. "8GiB"
+    eviction: Literal["lru", "arc"] = "lru"  # which chunk leaves first when full
+    admit_after: int = Field(1, ge=1)  # store a chunk only on its N-th offer (1 = always)
+
+    @property
+    def tier_name(self) -> str:
+        return self.name or self.kind  # type: ignore[attr-defined]
+
+
+class MemoryTierConfig(_TierBase):
+    """Host RAM: one preallocated slab of fixed-size slots (pinned when CUDA is present)."""
+
+    kind: Literal["memory"]
+    pin: Literal["auto", "on", "off"] = "auto"  # page-locked memory for async GPU copies
+
+
+class DiskTierConfig(_TierBase):
+    """A local directory (NVMe): one file per chunk, bounded, indexed at start-up."""
+
+    kind: Literal["disk"]
+    path: Path  # directory; created 0700 when missing
+    o_direct: Literal["auto", "on", "off"] = "auto"  # bypass the page cache when supported
+    io_threads: int = Field(4, ge=1, le=64)  # parallel reads/writes against this directory
+
+
+class SharedTierConfig(_TierBase):
+    """A POSIX directory shared by many processes and nodes (NFS, CephFS, Lustre, ...)."""
+
+    kind: Literal["shared"]
+    path: Path  # the shared directory; created 0700 when missing (see group_shared)
+    group_shared: bool = False  # create directories 0770 / files 0660 for a shared group
+    scan_interval_s: float = Field(30.0, gt=0)  # how often usage is re-measured for the quota
+    io_threads: int = Field(4, ge=1, le=64)  # parallel reads/writes against this directory
+
+
+TierConfig = Annotated[
+    MemoryTierConfig | DiskTierConfig | SharedTierConfig, Field(discriminator="kind")
+]
+
+
+class StoreConfig(_Frozen):
+    """A tiered store: tiers in order, fastest first, and its write-behind settings."""
+
+    tiers: list[TierConfig] = Field(min_length=1)  # fastest first
+    write_queue_depth: int = Field(64, ge=1)  # chunks waiting per lower tier before drops
+    io_threads: int = Field(4, ge=1, le=64)  # threads for parallel reads and lookups
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> StoreConfig:
+        names = [t.tier_name for t in self.tiers]
+        for name in names:
+            if names.count(name) > 1:
+                raise ValueError(f"tier name {name!r} is used twice; give tiers distinct names")
+        return self
+
+    @classmethod
+    def parse(cls, data: Any, where: str = "config") -> StoreConfig:
+        """Validate a dict (from JSON, YAML or vLLM's kv_connector_extra_config).
+
+        Raises:
+            ConfigError: naming `where.field`, the value and what is allowed.
+        """
+        return parse_model(cls, data, where)
+
+    @classmethod
+    def load(cls, path: str | Path) -> StoreConfig:
+        """Read and validate a YAML or JSON file.
+
+        Raises:
+            ConfigError: unreadable file, bad syntax or an invalid value.
+        """
+        try:
+            text = Path(path).read_text()
+            data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+        except (OSError, ValueError, yaml.YAMLError) as exc:
+            raise ConfigError("config file", str(path), f"a readable YAML or JSON file ({exc})")
+        return cls.parse(data, where=str(path))
+
+
+def parse_model(model: type[BaseModel], data: Any, where: str) -> Any:
+    """Validate `data` into `model`, turning the first pydantic error into a ConfigError."""
+    try:
+        return model.model_validate(data)
+    except ConfigError as exc:  # raised by parse_size inside a validator
+        raise ConfigError(f"{where}.{exc.field}", exc.value, exc.allowed) from None
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        loc, value, allowed = error["loc"], error.get("input"), error["msg"]
+        cause = error.get("ctx", {}).get("error")
+        if isinstance(cause, ConfigError):
+            allowed = cause.allowed
+        elif isinstance(cause, ValueError):
+            allowed = str(cause)
+        if error["type"] == "union_tag_invalid":
+            loc, value = (*loc, "kind"), error["ctx"]["tag"]
+            allowed = f"one of {error['ctx']['expected_tags']}"
+        field = ".".join(str(part) for part in (where, *loc))
+        if error["type"] == "extra_forbidden":
+            allowed = "unknown field; allowed fields: " + ", ".join(_fields_at(model, error["loc"]))
+        raise ConfigError(field, value, allowed) from None
+
+
+def _fields_at(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """Names of the fields allowed where an unknown one was found (best effort)."""
+    if len(loc) >= 3 and loc[0] == "tiers":
+        for tier in (MemoryTierConfig, DiskTierConfig, SharedTierConfig):
+            if tier.__name__.lower().startswith(str(loc[2])):
+                return sorted(tier.model_fields)
+    return sorted(model.model_fields)

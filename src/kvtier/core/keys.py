@@ -1,0 +1,70 @@
+"""Content-addressed chunk keys: a chained hash over token ids within a namespace.
+
+The key of chunk i covers the namespace and ALL tokens of chunks 0..i, so equal keys mean
+equal prefixes. Hashing is blake3 over a canonical byte encoding (little-endian int64 token
+ids), so keys are identical across processes, machines and restarts: nothing depends on
+Python's `hash()` or PYTHONHASHSEED (a known cause of 0% hit rates with shared caches).
+
+Primitives: `ChunkKey`, `Namespace`, `chunk_keys`, `key_hex`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NewType
+
+import blake3
+import numpy as np
+
+ChunkKey = NewType("ChunkKey", bytes)  # KEY_BYTES bytes
+KEY_BYTES = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """Everything besides token ids that decides whether two chunks hold the same KV."""
+
+    model_id: str  # the served model's name or path
+    layout_digest: str  # KVLayout.digest(): shape, dtype, TP rank and size, chunk size
+    weights_fingerprint: str | None = None  # e.g. a checkpoint's revision or hash, if known
+    cache_salt: str | None = None  # per-tenant salt: different salts never share chunks
+    extra: tuple[str, ...] = ()  # anything else that changes the KV (e.g. LoRA adapter names)
+
+    def digest(self) -> bytes:
+        """The namespace's 16-byte seed for the key chain."""
+        fields = (
+            self.model_id, self.layout_digest, self.weights_fingerprint or "",
+            self.cache_salt or "", *self.extra,
+        )
+        # Length-prefix each field so ("ab", "c") and ("a", "bc") differ.
+        encoded = b"".join(len(f.encode()).to_bytes(4, "little") + f.encode() for f in fields)
+        return blake3.blake3(b"kvtier-ns-v1" + encoded).digest(length=KEY_BYTES)
+
+
+def chunk_keys(
+    token_ids: Sequence[int] | np.ndarray, namespace: Namespace, tokens_per_chunk: int,
+    parent: ChunkKey | None = None,
+) -> list[ChunkKey]:
+    """Return one key per FULL chunk of `token_ids` (a trailing partial chunk gets none).
+
+    Args:
+        token_ids: the prompt (and generated) token ids, from the first token.
+        namespace: the namespace the keys live in.
+        tokens_per_chunk: chunk size in tokens.
+        parent: key of the chunk before `token_ids[0]`, to extend a chain incrementally.
+    """
+    tokens = np.asarray(token_ids, dtype="<i8")
+    previous = parent if parent is not None else ChunkKey(namespace.digest())
+    keys: list[ChunkKey] = []
+    for start in range(0, len(tokens) - tokens_per_chunk + 1, tokens_per_chunk):
+        hasher = blake3.blake3(previous)
+        hasher.update(tokens[start : start + tokens_per_chunk].tobytes())
+        previous = ChunkKey(hasher.digest(length=KEY_BYTES))
+        keys.append(previous)
+    return keys
+
+
+def key_hex(key: ChunkKey) -> str:
+    """The key as lowercase hex, as used in file names and logs."""
+    return key.hex()

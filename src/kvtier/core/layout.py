@@ -1,0 +1,71 @@
+"""What the KV bytes of one chunk are: the layout descriptor and its stable digest.
+
+A chunk holds the K and V of `tokens_per_chunk` consecutive tokens, for every layer, for the
+KV heads of one tensor-parallel rank. The layout digest namespaces every stored chunk, so KV of
+another model shape, dtype or parallel layout can never be served by mistake.
+
+Primitives: `KVLayout`, `DTYPE_BYTES`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import blake3
+
+from kvtier.errors import ConfigError
+
+# Bytes per element of the KV dtypes engines use (torch-style names).
+DTYPE_BYTES: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "uint8": 1,
+    "int8": 1,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """The shape of the KV that one chunk holds. Validated on construction."""
+
+    num_layers: int  # attention layers that keep per-token KV
+    num_kv_heads: int  # KV heads held by THIS tensor-parallel rank
+    head_size: int  # elements per head (for MLA: the latent + rope width)
+    dtype: str  # element type, a key of DTYPE_BYTES
+    tokens_per_chunk: int  # tokens per stored chunk (a multiple of the engine's block size)
+    tp_rank: int = 0  # this rank's index in its tensor-parallel group
+    tp_world_size: int = 1  # tensor-parallel group size
+    kv_factor: int = 2  # 2 for separate K and V; 1 for MLA's single latent
+
+    def __post_init__(self) -> None:
+        for field in ("num_layers", "num_kv_heads", "head_size", "tokens_per_chunk", "tp_world_size"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"layout.{field}", value, "a positive integer")
+        if self.dtype not in DTYPE_BYTES:
+            raise ConfigError("layout.dtype", self.dtype, f"one of {sorted(DTYPE_BYTES)}")
+        if not 0 <= self.tp_rank < self.tp_world_size:
+            raise ConfigError("layout.tp_rank", self.tp_rank, f"0 <= tp_rank < {self.tp_world_size}")
+        if self.kv_factor not in (1, 2):
+            raise ConfigError("layout.kv_factor", self.kv_factor, "1 (MLA) or 2 (K and V)")
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes one token takes on this rank, over all layers."""
+        return (
+            self.kv_factor * self.num_layers * self.num_kv_heads * self.head_size
+            * DTYPE_BYTES[self.dtype]
+        )
+
+    @property
+    def bytes_per_chunk(self) -> int:
+        """KV bytes of one full chunk on this rank."""
+        return self.bytes_per_token * self.tokens_per_chunk
+
+    def digest(self) -> str:
+        """A 32-hex-digit digest of every field; equal layouts have equal digests everywhere."""
+        text = ";".join(f"{k}={v}" for k, v in sorted(asdict(self).items()))
+        return blake3.blake3(text.encode()).hexdigest(length=16)

@@ -1,0 +1,33 @@
+"""Least-recently-used eviction."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable
+
+
+class LRUPolicy:
+    """Evicts the key read or inserted longest ago."""
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[Hashable, None] = OrderedDict()
+
+    def insert(self, key: Hashable) -> None:
+        self._order[key] = None
+        self._order.move_to_end(key)
+
+    def touch(self, key: Hashable) -> None:
+        if key in self._order:
+            self._order.move_to_end(key)
+
+    def remove(self, key: Hashable) -> None:
+        self._order.pop(key, None)
+
+    def evict(self) -> Hashable | None:
+        if not self._order:
+            return None
+        key, _ = self._order.popitem(last=False)
+        return key
+
+    def __len__(self) -> int:
+        return len(self._order)

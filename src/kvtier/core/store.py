@@ -1,0 +1,218 @@
+"""The tiered store: tiers composed fastest first, with lookup, get-and-promote and
+write-behind.
+
+- `lookup(keys)`: the longest prefix of `keys` held by any tier, and which tier holds each.
+- `get_into(key, out)`: read from the highest tier that holds the chunk (a failed or corrupt
+  read falls through to the next tier), then promote the chunk to the tiers above it.
+- `put(key, data)`: store in the top tier at once; lower tiers are written behind, on their
+  own threads, through bounded queues: when a queue is full the write is dropped and counted,
+  never blocking the caller.
+A tier that raises is skipped for that call (logged, counted as a miss or a drop): a broken
+tier costs hits, never the engine.
+
+Primitives: `TieredStore`, `LookupResult`, `StoreStats`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from kvtier.config import StoreConfig
+from kvtier.core.keys import ChunkKey
+from kvtier.core.layout import KVLayout
+from kvtier.core.tier import Tier, TierCounters, TierStats
+from kvtier.tiers import build_tier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """The longest available prefix of the keys asked about."""
+
+    num_chunks: int  # keys[:num_chunks] are all held somewhere
+    tiers: tuple[str, ...]  # the name of the (fastest) tier holding each of them
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    """Counters of every tier, fastest first, plus the store's write-behind drops."""
+
+    tiers: tuple[TierStats, ...]
+    queued_writes: int  # write-behind jobs waiting or running now
+    queue_drops: dict[str, int]  # tier name -> writes dropped because its queue was full
+
+
+class _WriteBehind:
+    """A bounded queue of writes to one lower tier, drained by its own threads."""
+
+    def __init__(self, tier: Tier, depth: int, threads: int) -> None:
+        self.tier = tier
+        self.drops = 0
+        self._slots = threading.BoundedSemaphore(depth)
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"kvtier-write-{tier.name}")
+        self._idle = threading.Condition()
+        self._pending = 0
+
+    def submit(self, key: ChunkKey, data: memoryview) -> bool:
+        if not self._slots.acquire(blocking=False):  # full: drop rather than block
+            self.drops += 1
+            return False
+        with self._idle:
+            self._pending += 1
+        self._pool.submit(self._write, key, data)
+        return True
+
+    def _write(self, key: ChunkKey, data: memoryview) -> None:
+        try:
+            self.tier.put(key, data)
+        except Exception:  # a broken tier must not kill the writer thread
+            log.exception("tier %r: write-behind of %s failed", self.tier.name, key.hex())
+        finally:
+            self._slots.release()
+            with self._idle:
+                self._pending -= 1
+                self._idle.notify_all()
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        with self._idle:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout_s)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class TieredStore:
+    """Tiers in order, fastest first. Every method is safe to call from any thread."""
+
+    def __init__(self, config: StoreConfig, layout: KVLayout, tiers: Sequence[Tier] | None = None):
+        """Build the tiers `config` names (or use `tiers`, already built, e.g. in tests).
+
+        Raises:
+            ConfigError: a tier's settings are invalid.
+            OSError: a tier's directory cannot be created.
+        """
+        self.layout = layout
+        self.config = config
+        self.tiers: list[Tier] = list(tiers) if tiers is not None else [
+            build_tier(tier_config, layout) for tier_config in config.tiers
+        ]
+        self._below = [
+            _WriteBehind(tier, config.write_queue_depth, getattr(tier_config, "io_threads", 1))
+            for tier, tier_config in zip(self.tiers[1:], config.tiers[1:])
+        ]
+        self._reader = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-read")
+        self._errors = TierCounters("store", 0)
+
+    # -- lookups ---------------------------------------------------------------------------
+    def lookup(self, keys: Sequence[ChunkKey]) -> LookupResult:
+        """The longest prefix of `keys` held by some tier. Stats one file per key per tier
+        at most (shared directory); index lookups elsewhere."""
+        holders: list[str] = []
+        for key in keys:
+            tier = next((t for t in self.tiers if self._contains(t, key)), None)
+            if tier is None:
+                break
+            holders.append(tier.name)
+        return LookupResult(len(holders), tuple(holders))
+
+    def submit_lookup(self, keys: Sequence[ChunkKey]) -> Future[LookupResult]:
+        """`lookup` on a store thread, for callers that must not block on I/O."""
+        return self._reader.submit(self.lookup, list(keys))
+
+    def _contains(self, tier: Tier, key: ChunkKey) -> bool:
+        try:
+            return tier.contains(key)
+        except Exception as exc:
+            log.warning("tier %r: lookup failed (%s); treated as a miss", tier.name, exc)
+            return False
+
+    # -- reads -----------------------------------------------------------------------------
+    def get_into(self, key: ChunkKey, out: memoryview) -> str | None:
+        """Copy the chunk into `out`; return the name of the tier that served it, or None.
+
+        A tier whose copy is missing, corrupt or unreadable is skipped for the next one.
+        `out` holds undefined bytes when this returns None.
+        """
+        for level, tier in enumerate(self.tiers):
+            if not self._contains(tier, key):
+                continue
+            try:
+                hit = tier.get_into(key, out)
+            except Exception as exc:
+                log.warning("tier %r: read of %s failed (%s); trying the next", tier.name,
+                            key.hex(), exc)
+                continue
+            if hit:
+                self._promote(level, key, out)
+                return tier.name
+        return None
+
+    def get_many_into(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview]) -> list[str | None]:
+        """`get_into` for many chunks at once, in parallel on the store's read threads."""
+        return list(self._reader.map(self.get_into, keys, outs))
+
+    def _promote(self, level: int, key: ChunkKey, data: memoryview) -> None:
+        """Copy a chunk found at `level` into the faster tiers above it."""
+        if level == 0:
+            return
+        self._put_top(key, data)
+        if level > 1:
+            copy = memoryview(bytes(data))
+            for writer in self._below[: level - 1]:
+                writer.submit(key, copy)
+
+    # -- writes ----------------------------------------------------------------------------
+    def put(self, key: ChunkKey, data: memoryview) -> bool:
+        """Store a chunk (exactly layout.bytes_per_chunk bytes): in the top tier now, in the
+        lower tiers behind. True when the top tier stored it (or already held it)."""
+        stored = self._put_top(key, data)
+        pending = [w for w in self._below if not self._contains(w.tier, key)]
+        if pending:
+            copy = memoryview(bytes(data))  # the caller may reuse `data` once we return
+            for writer in pending:
+                writer.submit(key, copy)
+        return stored
+
+    def _put_top(self, key: ChunkKey, data: memoryview) -> bool:
+        top = self.tiers[0]
+        try:
+            return top.put(key, data)
+        except Exception as exc:
+            log.warning("tier %r: write of %s failed (%s); dropped", top.name, key.hex(), exc)
+            return False
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every write-behind queue is empty; False on timeout."""
+        return all(writer.flush(timeout_s) for writer in self._below)
+
+    # -- upkeep ----------------------------------------------------------------------------
+    def stats(self) -> StoreStats:
+        return StoreStats(
+            tiers=tuple(tier.stats() for tier in self.tiers),
+            queued_writes=sum(w.pending for w in self._below),
+            queue_drops={w.tier.name: w.drops for w in self._below},
+        )
+
+    def close(self) -> None:
+        """Finish queued writes, stop the store's threads and close every tier."""
+        self.flush()
+        for writer in self._below:
+            writer.close()
+        self._reader.shutdown(wait=True)
+        for tier in self.tiers:
+            tier.close()
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

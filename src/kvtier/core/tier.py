@@ -1,0 +1,101 @@
+"""The contract every tier implements, and the counters every tier keeps.
+
+A tier holds whole chunks of one layout, addressed by ChunkKey. It never raises for I/O on
+its data path: a failed or corrupt read is a miss (counted, logged), a failed write is a
+dropped write (counted, logged). `tiers/memory.py` is the reference implementation.
+
+Primitives: `Tier` (protocol), `TierStats` (snapshot), `TierCounters` (thread-safe counters).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, fields, replace
+from typing import Protocol, runtime_checkable
+
+from kvtier.core.keys import ChunkKey
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    """A snapshot of one tier's counters."""
+
+    name: str
+    hits: int = 0  # get_into calls that returned data
+    misses: int = 0  # get_into calls that did not (absent, corrupt, unreadable)
+    bytes_read: int = 0  # payload bytes returned by hits
+    bytes_written: int = 0  # payload bytes stored by puts
+    read_s: float = 0.0  # seconds spent in get_into
+    write_s: float = 0.0  # seconds spent in put
+    puts: int = 0  # chunks stored
+    evictions: int = 0  # chunks removed to make room
+    corrupt_reads: int = 0  # reads that failed verification (and were removed)
+    dropped_writes: int = 0  # puts not stored: I/O error, no space, queue full
+    chunks: int = 0  # chunks held now
+    used_bytes: int = 0  # bytes held now (as stored, headers included)
+    capacity_bytes: int = 0  # the tier's bound
+
+    def as_dict(self) -> dict[str, float | int | str]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class TierCounters:
+    """Thread-safe accumulators behind TierStats. `add(hits=1, bytes_read=n)`."""
+
+    def __init__(self, name: str, capacity_bytes: int) -> None:
+        self._lock = threading.Lock()
+        self._stats = TierStats(name=name, capacity_bytes=capacity_bytes)
+
+    def add(self, **deltas: float) -> None:
+        with self._lock:
+            current = self._stats
+            self._stats = replace(
+                current, **{k: getattr(current, k) + v for k, v in deltas.items()}
+            )
+
+    def set(self, **values: float) -> None:
+        with self._lock:
+            self._stats = replace(self._stats, **values)
+
+    def snapshot(self) -> TierStats:
+        with self._lock:
+            return self._stats
+
+
+@runtime_checkable
+class Tier(Protocol):
+    """A store of whole chunks of one layout. Safe to call from any thread."""
+
+    name: str  # unique within a store, e.g. "memory", "disk", "shared"
+
+    def contains(self, key: ChunkKey) -> bool:
+        """Whether the chunk is (probably) held. Cheap: an index lookup or one stat call."""
+        ...
+
+    def get_into(self, key: ChunkKey, out: memoryview) -> bool:
+        """Copy the chunk's payload into `out` (exactly one chunk long); True on a hit.
+
+        A verified hit only: absent, corrupt or unreadable data is a miss (and corrupt
+        data is removed). Never raises for I/O.
+        """
+        ...
+
+    def put(self, key: ChunkKey, data: memoryview) -> bool:
+        """Store one chunk's payload; True when it is stored (or already was).
+
+        False when the tier declined (admission) or could not store it (counted as a
+        dropped write). Evicts older chunks to stay within capacity. Never raises for I/O.
+        """
+        ...
+
+    def delete(self, key: ChunkKey) -> bool:
+        """Remove a chunk; True if it was held."""
+        ...
+
+    def stats(self) -> TierStats:
+        """A snapshot of this tier's counters."""
+        ...
+
+    def close(self) -> None:
+        """Release resources; later calls may fail."""
+        ...

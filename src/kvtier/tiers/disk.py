@@ -1,0 +1,150 @@
+"""The local-disk tier (NVMe): one file per chunk, bounded in bytes, persistent.
+
+The index (key -> file) lives in memory and is rebuilt from the directory at start-up, in the
+files' modification-time order, so the tier survives restarts with its LRU order. Hits touch
+the file's mtime for the same reason. Capacity is reserved before a write so concurrent writes
+cannot overshoot it; a full filesystem (ENOSPC) evicts and counts the write as dropped.
+Assumes one store owns the directory; for a directory shared by processes use `shared`.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+import time
+
+from kvtier.config import DiskTierConfig
+from kvtier.core.keys import ChunkKey
+from kvtier.core.layout import KVLayout
+from kvtier.core.policies import AdmissionFilter, make_policy
+from kvtier.core.tier import TierCounters, TierStats
+from kvtier.errors import CorruptBlock
+from kvtier.tiers.chunkfiles import ChunkFiles
+
+log = logging.getLogger(__name__)
+ENOSPC_EVICT_CHUNKS = 4  # chunks evicted when the filesystem itself is full
+
+
+class DiskTier:
+    """Chunks as files in a local directory, within `capacity` bytes. Thread-safe."""
+
+    def __init__(self, config: DiskTierConfig, layout: KVLayout) -> None:
+        self.name = config.tier_name
+        self.capacity_bytes = config.capacity
+        self.files = ChunkFiles(config.path, layout.digest(), layout.bytes_per_chunk,
+                                config.o_direct)
+        self.file_bytes = self.files.file_bytes
+        self._index: set[ChunkKey] = set()
+        self._used_bytes = 0  # held + reserved by writes in flight
+        self._policy = make_policy(config.eviction, config.capacity // self.file_bytes)
+        self._admission = AdmissionFilter(config.admit_after)
+        self._lock = threading.Lock()
+        self._counters = TierCounters(self.name, config.capacity)
+        self._rebuild_index()
+
+    def _rebuild_index(self) -> None:
+        corrupt = 0
+        for found in sorted(self.files.scan(), key=lambda f: f.mtime):
+            if found.size_bytes != self.file_bytes:
+                found.path.unlink(missing_ok=True)
+                corrupt += 1
+                continue
+            self._index.add(found.key)
+            self._policy.insert(found.key)
+            self._used_bytes += self.file_bytes
+        with self._lock:
+            self._evict_to(self.capacity_bytes)
+        self._counters.add(corrupt_reads=corrupt)
+        self._publish_usage()
+        log.info("disk tier %r: %d chunks (%d B) found in %s", self.name, len(self._index),
+                 self._used_bytes, self.files.directory)
+
+    def _evict_to(self, limit_bytes: int) -> None:
+        """Evict by policy until usage <= limit. Caller holds the lock."""
+        while self._used_bytes > limit_bytes:
+            victim = self._policy.evict()
+            if victim is None:
+                return
+            self._index.discard(victim)  # type: ignore[arg-type]
+            self._used_bytes -= self.file_bytes
+            self.files.remove(victim)  # type: ignore[arg-type]
+            self._counters.add(evictions=1)
+
+    def _publish_usage(self) -> None:
+        self._counters.set(chunks=len(self._index), used_bytes=len(self._index) * self.file_bytes)
+
+    def contains(self, key: ChunkKey) -> bool:
+        return key in self._index
+
+    def get_into(self, key: ChunkKey, out: memoryview) -> bool:
+        if key not in self._index:
+            self._counters.add(misses=1)
+            return False
+        start = time.perf_counter()
+        try:
+            self.files.read_into(key, out)
+        except (CorruptBlock, OSError) as exc:
+            self._forget(key, corrupt=isinstance(exc, CorruptBlock))
+            log.warning("disk tier %r: chunk %s unreadable (%s); treated as a miss",
+                        self.name, key.hex(), exc)
+            self._counters.add(misses=1)
+            return False
+        with self._lock:
+            self._policy.touch(key)
+        self.files.touch(key)
+        self._counters.add(hits=1, bytes_read=len(out), read_s=time.perf_counter() - start)
+        return True
+
+    def _forget(self, key: ChunkKey, corrupt: bool) -> None:
+        with self._lock:
+            if key in self._index:
+                self._index.discard(key)
+                self._policy.remove(key)
+                self._used_bytes -= self.file_bytes
+        self.files.remove(key)
+        if corrupt:
+            self._counters.add(corrupt_reads=1)
+        self._publish_usage()
+
+    def put(self, key: ChunkKey, data: memoryview) -> bool:
+        if key in self._index:
+            return True
+        if not self._admission.offer(key) or self.file_bytes > self.capacity_bytes:
+            return False
+        with self._lock:
+            self._evict_to(self.capacity_bytes - self.file_bytes)
+            self._used_bytes += self.file_bytes  # reserve before writing
+        start = time.perf_counter()
+        try:
+            self.files.write(key, data)
+        except OSError as exc:
+            with self._lock:
+                self._used_bytes -= self.file_bytes
+                if exc.errno == errno.ENOSPC:  # the filesystem is fuller than our quota
+                    self._evict_to(self._used_bytes - ENOSPC_EVICT_CHUNKS * self.file_bytes)
+            self._counters.add(dropped_writes=1)
+            self._publish_usage()
+            log.warning("disk tier %r: write of %s failed (%s); dropped", self.name, key.hex(), exc)
+            return False
+        with self._lock:
+            if key in self._index:  # a concurrent put of the same key won
+                self._used_bytes -= self.file_bytes
+            else:
+                self._index.add(key)
+                self._policy.insert(key)
+        self._counters.add(puts=1, bytes_written=len(data), write_s=time.perf_counter() - start)
+        self._publish_usage()
+        return True
+
+    def delete(self, key: ChunkKey) -> bool:
+        held = key in self._index
+        self._forget(key, corrupt=False)
+        return held
+
+    def stats(self) -> TierStats:
+        return self._counters.snapshot()
+
+    def close(self) -> None:
+        pass  # nothing buffered: every put is on disk when it returns
+

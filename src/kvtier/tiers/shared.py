@@ -1,0 +1,125 @@
+"""The shared-directory tier: a POSIX directory used by many processes and nodes at once.
+
+The directory itself is the index: a lookup is one stat of the chunk's path, so chunks
+written by any process are found by every other. Writes are atomic (see chunkfiles), so
+concurrent writers of one chunk are safe. Each hit touches the file's mtime, which makes the
+quota's eviction least-recently-used across all processes: when usage (re-measured every
+`scan_interval_s`, or sooner when this process's estimate reaches the quota) exceeds the
+capacity, the oldest files are deleted down to LOW_WATERMARK of it. Unlike vLLM's FS tier, the
+directory never grows without bound, and no separate evictor deployment is needed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from kvtier.config import SharedTierConfig
+from kvtier.core.keys import ChunkKey
+from kvtier.core.layout import KVLayout
+from kvtier.core.policies import AdmissionFilter
+from kvtier.core.tier import TierCounters, TierStats
+from kvtier.errors import CorruptBlock
+from kvtier.tiers.chunkfiles import ChunkFiles, scan_tree
+
+log = logging.getLogger(__name__)
+LOW_WATERMARK = 0.9  # eviction frees space down to this fraction of the capacity
+
+
+class SharedTier:
+    """Chunks as files in a directory shared with other processes. Thread-safe."""
+
+    def __init__(self, config: SharedTierConfig, layout: KVLayout) -> None:
+        self.name = config.tier_name
+        self.capacity_bytes = config.capacity
+        self.scan_interval_s = config.scan_interval_s
+        modes = (0o770, 0o660) if config.group_shared else (0o700, 0o600)
+        self.files = ChunkFiles(config.path, layout.digest(), layout.bytes_per_chunk,
+                                "auto", *modes)
+        self.file_bytes = self.files.file_bytes
+        self._admission = AdmissionFilter(config.admit_after)
+        self._counters = TierCounters(self.name, config.capacity)
+        self._quota_lock = threading.Lock()
+        self._estimate_bytes = 0
+        self._scanned_at = 0.0
+        self.enforce_quota()
+
+    def contains(self, key: ChunkKey) -> bool:
+        return self.files.path_of(key).exists()
+
+    def get_into(self, key: ChunkKey, out: memoryview) -> bool:
+        start = time.perf_counter()
+        try:
+            self.files.read_into(key, out)
+        except FileNotFoundError:
+            self._counters.add(misses=1)
+            return False
+        except (CorruptBlock, OSError) as exc:
+            if isinstance(exc, CorruptBlock):
+                self.files.remove(key)
+                self._counters.add(corrupt_reads=1)
+            log.warning("shared tier %r: chunk %s unreadable (%s); treated as a miss",
+                        self.name, key.hex(), exc)
+            self._counters.add(misses=1)
+            return False
+        self.files.touch(key)
+        self._counters.add(hits=1, bytes_read=len(out), read_s=time.perf_counter() - start)
+        return True
+
+    def put(self, key: ChunkKey, data: memoryview) -> bool:
+        path = self.files.path_of(key)
+        if path.exists():
+            self.files.touch(key)
+            return True
+        if not self._admission.offer(key) or self.file_bytes > self.capacity_bytes:
+            return False
+        due = time.monotonic() - self._scanned_at > self.scan_interval_s
+        if due or self._estimate_bytes + self.file_bytes > self.capacity_bytes:
+            self.enforce_quota(self.file_bytes)
+        start = time.perf_counter()
+        try:
+            self.files.write(key, data)
+        except OSError as exc:
+            self._counters.add(dropped_writes=1)
+            log.warning("shared tier %r: write of %s failed (%s); dropped",
+                        self.name, key.hex(), exc)
+            self.enforce_quota(self.file_bytes, force=True)
+            return False
+        self._estimate_bytes += self.file_bytes
+        self._counters.add(puts=1, bytes_written=len(data), write_s=time.perf_counter() - start)
+        return True
+
+    def enforce_quota(self, incoming_bytes: int = 0, force: bool = False) -> None:
+        """Measure the whole directory (every layout) and delete least recently used files
+        until it fits the capacity with room for `incoming_bytes`. With `force`, free down to
+        the low watermark even when the quota is met (the filesystem itself is full)."""
+        if not self._quota_lock.acquire(blocking=False):
+            return  # another thread of this process is doing it
+        try:
+            files = sorted(scan_tree(self.files.root), key=lambda f: f.mtime)
+            used = sum(f.size_bytes for f in files)
+            evicted = 0
+            if force or used + incoming_bytes > self.capacity_bytes:
+                target = LOW_WATERMARK * self.capacity_bytes - incoming_bytes
+                for found in files:
+                    if used <= target:
+                        break
+                    found.path.unlink(missing_ok=True)  # another process may have won
+                    used -= found.size_bytes
+                    evicted += 1
+            self._estimate_bytes = used
+            self._scanned_at = time.monotonic()
+            self._counters.add(evictions=evicted)
+            self._counters.set(chunks=len(files) - evicted, used_bytes=used)
+        finally:
+            self._quota_lock.release()
+
+    def delete(self, key: ChunkKey) -> bool:
+        return self.files.remove(key)
+
+    def stats(self) -> TierStats:
+        return self._counters.snapshot()
+
+    def close(self) -> None:
+        pass  # nothing buffered: every put is in the directory when it returns
