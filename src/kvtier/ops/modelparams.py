@@ -1,7 +1,7 @@
 """Parameter counts and recurrent-state sizes estimated from config.json shapes.
 
 Primitives:
-    count_params(cfg, kinds, mla, head_dim) -> (total, active per token)
+    ParamCount, count_params(cfg, kinds, mla, head_dim)
     linear_state_bytes(cfg, hidden)         -> fixed state of one Mamba/linear layer
 
 The count covers embeddings, attention (standard or MLA), linear-attention/Mamba mixers and
@@ -13,6 +13,7 @@ tests/unit/test_plan_modelspec.py (Llama-3-8B 8.03B, Llama-3-70B 70.6B, DeepSeek
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -22,10 +23,19 @@ if TYPE_CHECKING:
 _STATE_ELEM_BYTES = 2
 
 
+@dataclass(frozen=True, slots=True)
+class ParamCount:
+    """Parameter totals of one model."""
+
+    total: int  # every parameter
+    active: int  # parameters one token passes through (top-k experts for MoE)
+    embedding: int  # input embedding + LM head (no FLOPs in prefill but one position)
+
+
 def count_params(
     cfg: Mapping[str, Any], kinds: Sequence[str], mla: MlaSpec | None, head_dim: int
-) -> tuple[int, int]:
-    """Return (total parameters, parameters active per token)."""
+) -> ParamCount:
+    """Estimate the parameter counts of a model from its config shapes."""
     hidden = int(cfg["hidden_size"])
     vocab = int(cfg.get("vocab_size") or 0)
     embed = vocab * hidden * (1 if cfg.get("tie_word_embeddings") else 2)
@@ -37,7 +47,7 @@ def count_params(
         mlp_total, mlp_active = _mlp_params(cfg, hidden, i)
         total += layer + mlp_total
         active += layer + mlp_active
-    return total, active
+    return ParamCount(total=total, active=active, embedding=embed)
 
 
 def linear_state_bytes(cfg: Mapping[str, Any], hidden: int) -> int:

@@ -72,6 +72,7 @@ class ModelSpec:
     linear_state_bytes: int  # fixed per-sequence state of ONE "linear" layer, all ranks
     param_count: int  # total parameters
     active_param_count: int  # parameters used per token (differs for MoE)
+    embedding_param_count: int  # input embedding + LM head, included in both counts above
     weight_bytes_per_param: float  # 2 for BF16, 1 for FP8 checkpoints, 0.5 for 4-bit
     max_position_embeddings: int  # longest context the model was built for
 
@@ -207,7 +208,7 @@ def parse_model_config(
     mla = _mla(cfg)
     head_dim = int(cfg.get("head_dim") or hidden // heads)
     spec_window = cfg.get("sliding_window") if "sliding" in kinds else None
-    total, active = count_params(cfg, kinds, mla, head_dim)
+    counted = count_params(cfg, kinds, mla, head_dim)
     return ModelSpec(
         name=name,
         model_type=str(raw.get("model_type") or cfg.get("model_type") or "unknown"),
@@ -219,8 +220,9 @@ def parse_model_config(
         sliding_window=int(spec_window) if spec_window else None,
         mla=mla,
         linear_state_bytes=linear_state_bytes(cfg, hidden),
-        param_count=param_count or total,
-        active_param_count=min(active, param_count) if param_count else active,
+        param_count=param_count or counted.total,
+        active_param_count=min(counted.active, param_count) if param_count else counted.active,
+        embedding_param_count=counted.embedding,
         weight_bytes_per_param=_weight_bytes(cfg, outer_quant or cfg.get("quantization_config")),
         max_position_embeddings=int(cfg.get("max_position_embeddings") or 0),
     )

