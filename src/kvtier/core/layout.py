@@ -47,9 +47,12 @@ class KVLayout:
                 raise ConfigError(f"layout.{field}", value, "a positive integer")
         if self.dtype not in DTYPE_BYTES:
             raise ConfigError("layout.dtype", self.dtype, f"one of {sorted(DTYPE_BYTES)}")
-        if not 0 <= self.tp_rank < self.tp_world_size:
+        # tp_rank and kv_factor must be ints too: "0" used to raise TypeError here, and 2.0
+        # passed, giving a layout equal to kv_factor=2 with another digest (its text is
+        # "kv_factor=2.0"), so its chunks were never found (tests/unit/test_layout.py).
+        if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_world_size:
             raise ConfigError("layout.tp_rank", self.tp_rank, f"0 <= tp_rank < {self.tp_world_size}")
-        if self.kv_factor not in (1, 2):
+        if not isinstance(self.kv_factor, int) or self.kv_factor not in (1, 2):
             raise ConfigError("layout.kv_factor", self.kv_factor, "1 (MLA) or 2 (K and V)")
 
     @property
