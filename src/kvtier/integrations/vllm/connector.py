@@ -1,0 +1,153 @@
+"""`KVTierConnector`: kvtier as a vLLM v1 KV connector (a thin shell).
+
+vLLM builds one instance per role: SCHEDULER (in the engine-core process) delegates to
+`scheduler.ConnectorScheduler`; WORKER (in each worker process) delegates to
+`worker.ConnectorWorker`. Loads and stores are synchronous in phase 1: loads run in
+`start_load_kv` before the forward pass (the scheduler marks the step as having sync loads),
+stores in `wait_for_save` after it, so no block outlives its request.
+
+Enable with
+    kv_transfer_config={"kv_connector": "KVTierConnector",
+                        "kv_connector_module_path": "kvtier.integrations.vllm",
+                        "kv_role": "kv_both", "kv_connector_extra_config": {...}}
+
+Primitives: `KVTierConnector`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvtier.core.layout import KVLayout
+from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.config import ConnectorConfig
+from kvtier.integrations.vllm.placeholder import PlaceholderStore
+from kvtier.integrations.vllm.scheduler import ConnectorScheduler, KVTierMetadata
+from kvtier.integrations.vllm.worker import ConnectorWorker, PagedKV
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+def scheduler_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
+                     tokens_per_chunk: int) -> KVLayout:
+    """The chunk layout as the scheduler sees it (rank 0 of the TP group; keys are shared
+    by all ranks, each rank's store keeps its own shard apart by its own layout).
+
+    Raises:
+        ConfigError: for models with more than one KV cache group (hybrid, sliding window).
+    """
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ConfigError("kv_cache_groups", len(groups),
+                          "exactly one (full-attention models only in phase 1)")
+    spec = groups[0].kv_cache_spec
+    return KVLayout(num_layers=len(groups[0].layer_names), num_kv_heads=spec.num_kv_heads,
+                    head_size=spec.head_size,
+                    dtype=str(spec.dtype).removeprefix("torch."),
+                    tokens_per_chunk=tokens_per_chunk,
+                    tp_world_size=vllm_config.parallel_config.tensor_parallel_size)
+
+
+class KVTierConnector(KVConnectorBase_V1):
+    """vLLM KV connector backed by kvtier (phase 1: the placeholder store)."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._config = ConnectorConfig.parse(self._kv_transfer_config.kv_connector_extra_config)
+        self._block_size = vllm_config.cache_config.block_size
+        self._config.check_block_size(self._block_size)
+        self._scheduler: ConnectorScheduler | None = None
+        self._worker: ConnectorWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            layout = scheduler_layout(vllm_config, kv_cache_config,
+                                      self._config.tokens_per_chunk)
+            self._scheduler = ConnectorScheduler(
+                self._config, block_size=self._block_size,
+                model_id=vllm_config.model_config.model, layout_digest=layout.digest(),
+                index_max_keys=self._config.placeholder_capacity_bytes // layout.bytes_per_chunk)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A cache: a dropped store is a future miss, never a lost hand-off.
+        return False
+
+    # -- scheduler side -------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        self._scheduler.request_finished(request)
+        return False, None
+
+    # -- worker side ----------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        paged = PagedKV(kv_caches, self._block_size)
+        layout = paged.layout(self._config.tokens_per_chunk,
+                              tp_rank=get_tensor_model_parallel_rank(),
+                              tp_world_size=self._vllm_config.parallel_config.tensor_parallel_size)
+        store = PlaceholderStore(layout.bytes_per_chunk, self._config.placeholder_capacity_bytes)
+        self._worker = ConnectorWorker(paged, layout, store)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if self._worker is not None and isinstance(meta, KVTierMetadata) and meta.loads:
+            self._worker.load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        return  # stores run in wait_for_save, once every layer is computed
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        if self._worker is not None and isinstance(meta, KVTierMetadata) and meta.stores:
+            self._worker.store(meta)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_failed_block_ids() if self._worker is not None else set()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._worker.take_report() if self._worker is not None else None

@@ -1,0 +1,277 @@
+"""Scheduler side of the kvtier connector: decides what to load and what to store.
+
+Runs in vLLM's engine-core process, on its main (scheduler) thread; never touches KV bytes
+and never does blocking I/O. It keeps, per running request, the chunk keys of its tokens and
+its vLLM block ids, and turns them into a per-step plan (`KVTierMetadata`) that the worker
+side executes.
+
+What kvtier holds is known here through `ChunkIndex`, fed by the keys the workers report
+as stored (`KVTierWorkerMetadata`) and forgotten when a worker reports a key missing.
+The bytes live in the worker process (phase 1: the placeholder store; later: TieredStore).
+
+Primitives: `ChunkTransfer`, `KVTierMetadata`, `KVTierWorkerMetadata`, `ChunkIndex`,
+`ConnectorScheduler`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+from kvtier.core.keys import ChunkKey, Namespace, chunk_keys
+from kvtier.integrations.vllm.config import ConnectorConfig, RequestControls
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+# Label of the byte order inside a chunk (see worker.py); part of every key's namespace, so
+# a change of order can never serve old bytes.
+CHUNK_ORDER = "chunk-order=L2HTD-v1"
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkTransfer:
+    """One chunk to move between kvtier and vLLM's paged KV."""
+
+    key: ChunkKey
+    # vLLM block ids holding the chunk's tokens, in token order (tokens_per_chunk/block_size).
+    block_ids: tuple[int, ...]
+    # Loads only: blocks before this index already hold valid KV (a local prefix-cache hit,
+    # possibly shared with other requests) and must not be written.
+    first_block: int = 0
+
+
+@dataclass(slots=True)
+class KVTierMetadata(KVConnectorMetadata):
+    """Scheduler -> worker plan for one engine step."""
+
+    # Loads, per request, in chunk order; done before the forward pass.
+    loads: dict[str, list[ChunkTransfer]] = field(default_factory=dict)
+    # Stores of chunks that this step's forward completes; done after the forward pass.
+    stores: list[ChunkTransfer] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler report for one engine step."""
+
+    stored: set[ChunkKey] = field(default_factory=set)  # keys now held by kvtier
+    missing: set[ChunkKey] = field(default_factory=set)  # keys a load did not find
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTierWorkerMetadata:
+        # Tensor parallel: a chunk is usable only when every rank stored its shard.
+        assert isinstance(other, KVTierWorkerMetadata)
+        return KVTierWorkerMetadata(stored=self.stored & other.stored,
+                                    missing=self.missing | other.missing)
+
+
+class ChunkIndex:
+    """The keys kvtier is believed to hold, as an LRU set bounded by `max_keys`.
+
+    A stale entry costs a failed load (reported, recomputed), never a wrong token.
+    """
+
+    def __init__(self, max_keys: int) -> None:
+        self._keys: OrderedDict[ChunkKey, None] = OrderedDict()
+        self._max_keys = max(1, max_keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def add(self, key: ChunkKey) -> None:
+        self._keys[key] = None
+        self._keys.move_to_end(key)
+        while len(self._keys) > self._max_keys:
+            self._keys.popitem(last=False)
+
+    def discard(self, key: ChunkKey) -> None:
+        self._keys.pop(key, None)
+
+    def prefix_length(self, keys: list[ChunkKey]) -> int:
+        """Number of leading `keys` held (the longest available prefix, in chunks)."""
+        for i, key in enumerate(keys):
+            if key not in self._keys:
+                return i
+            self._keys.move_to_end(key)
+        return len(keys)
+
+
+@dataclass(slots=True)
+class _RequestState:
+    request: Request
+    controls: RequestControls
+    namespace: Namespace
+    keys: list[ChunkKey] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    # Local (vLLM prefix cache) tokens at the last lookup; loads start there.
+    lookup_computed_tokens: int = 0
+    # Chunks already planned (loaded, stored or found in the index).
+    num_planned_chunks: int = 0
+
+
+class ConnectorScheduler:
+    """Scheduler-side logic behind KVTierConnector's scheduler hooks (one thread)."""
+
+    def __init__(self, config: ConnectorConfig, *, block_size: int, model_id: str,
+                 layout_digest: str, index_max_keys: int) -> None:
+        config.check_block_size(block_size)
+        self._config = config
+        self._block_size = block_size
+        self._blocks_per_chunk = config.tokens_per_chunk // block_size
+        self._model_id = model_id
+        self._layout_digest = layout_digest
+        self._index = ChunkIndex(index_max_keys)
+        self._requests: dict[str, _RequestState] = {}
+        self._pending_loads: dict[str, list[ChunkTransfer]] = {}
+        # Keys sent to workers for storing and not yet reported back (not stored twice).
+        self._inflight_stores: set[ChunkKey] = set()
+
+    # -- lookup ---------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens beyond `num_computed_tokens` that kvtier can load (synchronously)."""
+        state = self._state(request)
+        state.lookup_computed_tokens = num_computed_tokens
+        if state.controls.skip_load:
+            return 0, False
+        # The last token is always recomputed: vLLM needs its logits.
+        loadable_chunks = (request.num_tokens - 1) // self._config.tokens_per_chunk
+        keys = self._keys_for(state, loadable_chunks)
+        hit_tokens = self._index.prefix_length(keys) * self._config.tokens_per_chunk
+        if hit_tokens <= num_computed_tokens:
+            return 0, False
+        return hit_tokens - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        """Plan the load of the tokens vLLM accepted, into the blocks it allocated."""
+        state = self._state(request)
+        if num_external_tokens == 0:
+            return
+        tpc = self._config.tokens_per_chunk
+        block_ids = blocks.get_block_ids()[0]
+        start = state.lookup_computed_tokens
+        end = start + num_external_tokens
+        assert end % tpc == 0, "a kvtier hit ends on a chunk boundary"
+        transfers = []
+        for chunk in range(start // tpc, end // tpc):
+            first = chunk * self._blocks_per_chunk
+            transfers.append(ChunkTransfer(
+                key=state.keys[chunk],
+                block_ids=tuple(block_ids[first: first + self._blocks_per_chunk]),
+                first_block=max(0, start // self._block_size - first),
+            ))
+        self._pending_loads[request.request_id] = transfers
+        state.num_planned_chunks = max(state.num_planned_chunks, end // tpc)
+
+    # -- per step -------------------------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMetadata:
+        """This step's plan: the pending loads, and stores of chunks the step completes."""
+        meta = KVTierMetadata(loads=self._pending_loads)
+        self._pending_loads = {}
+        for req_id in scheduler_output.preempted_req_ids or ():
+            if req_id in self._requests:
+                # Its blocks are freed; the resumed request gets a full new block list, and
+                # chunks it had not stored yet are stored when recomputed.
+                self._requests[req_id].block_ids = []
+                self._requests[req_id].num_planned_chunks = 0
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is None:
+                continue
+            state.block_ids = list(new.block_ids[0])
+            computed = new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id]
+            self._plan_stores(state, computed, meta.stores)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(new_blocks[0]) if new_blocks else []
+            elif new_blocks:
+                state.block_ids.extend(new_blocks[0])
+            computed = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id]
+            self._plan_stores(state, computed, meta.stores)
+        return meta
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """Learn which chunks the workers stored, and which loads found nothing."""
+        report = output.kv_connector_worker_meta
+        if not isinstance(report, KVTierWorkerMetadata):
+            return
+        for key in report.stored:
+            self._index.add(key)
+        for key in report.missing:
+            self._index.discard(key)
+        self._inflight_stores.clear()
+
+    def request_finished(self, request: Request) -> None:
+        """Forget the request; stores are synchronous, so its blocks can be freed now."""
+        self._requests.pop(request.request_id, None)
+        self._pending_loads.pop(request.request_id, None)
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _state(self, request: Request) -> _RequestState:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            extra = [CHUNK_ORDER]
+            if request.lora_request is not None:
+                extra.append(f"lora={request.lora_request.lora_name}")
+            namespace = Namespace(model_id=self._model_id, layout_digest=self._layout_digest,
+                                  cache_salt=request.cache_salt, extra=tuple(extra))
+            state = _RequestState(request=request, namespace=namespace,
+                                  controls=RequestControls.from_params(
+                                      request.kv_transfer_params))
+            self._requests[request.request_id] = state
+        return state
+
+    def _keys_for(self, state: _RequestState, num_chunks: int) -> list[ChunkKey]:
+        """The first `num_chunks` chunk keys of the request's tokens (extends the chain)."""
+        tpc = self._config.tokens_per_chunk
+        have = len(state.keys)
+        if num_chunks > have:
+            tokens = state.request.all_token_ids[have * tpc: num_chunks * tpc]
+            parent = state.keys[-1] if state.keys else None
+            state.keys.extend(chunk_keys(tokens, state.namespace, tpc, parent=parent))
+        return state.keys[:num_chunks]
+
+    def _plan_stores(self, state: _RequestState, computed_tokens: int,
+                     out: list[ChunkTransfer]) -> None:
+        """Append stores of the full chunks whose KV this step's forward completes."""
+        if state.controls.skip_store:
+            return
+        tpc = self._config.tokens_per_chunk
+        limit = min(computed_tokens, len(state.request.all_token_ids),
+                    len(state.block_ids) * self._block_size)
+        if state.controls.max_offload_tokens is not None:
+            limit = min(limit, state.controls.max_offload_tokens)
+        full_chunks = limit // tpc
+        if full_chunks <= state.num_planned_chunks:
+            return
+        keys = self._keys_for(state, full_chunks)
+        for chunk in range(state.num_planned_chunks, full_chunks):
+            key = keys[chunk]
+            if key in self._index or key in self._inflight_stores:
+                continue
+            first = chunk * self._blocks_per_chunk
+            out.append(ChunkTransfer(
+                key=key, block_ids=tuple(state.block_ids[first: first + self._blocks_per_chunk])))
+            self._inflight_stores.add(key)
+        state.num_planned_chunks = full_chunks
