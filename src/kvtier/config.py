@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from kvtier.errors import ConfigError
 from kvtier.units import parse_size
@@ -81,13 +81,16 @@ class StoreConfig(_Frozen):
     write_queue_depth: int = Field(64, ge=1)  # chunks waiting per lower tier before drops
     io_threads: int = Field(4, ge=1, le=64)  # threads for parallel reads and lookups
 
-    @model_validator(mode="after")
-    def _unique_names(self) -> StoreConfig:
-        names = [t.tier_name for t in self.tiers]
+    # A field validator (not a model validator) so the ConfigError names "tiers" rather than
+    # the whole config (tests/unit/test_config.py).
+    @field_validator("tiers")
+    @classmethod
+    def _unique_names(cls, tiers: list[TierConfig]) -> list[TierConfig]:
+        names = [t.tier_name for t in tiers]
         for name in names:
             if names.count(name) > 1:
                 raise ValueError(f"tier name {name!r} is used twice; give tiers distinct names")
-        return self
+        return tiers
 
     @classmethod
     def parse(cls, data: Any, where: str = "config") -> StoreConfig:
@@ -113,6 +116,10 @@ class StoreConfig(_Frozen):
         return cls.parse(data, where=str(path))
 
 
+_TIER_KINDS = [get_args(t.model_fields["kind"].annotation)[0]
+               for t in (MemoryTierConfig, DiskTierConfig, SharedTierConfig)]
+
+
 def parse_model(model: type[BaseModel], data: Any, where: str) -> Any:
     """Validate `data` into `model`, turning the first pydantic error into a ConfigError."""
     try:
@@ -130,6 +137,9 @@ def parse_model(model: type[BaseModel], data: Any, where: str) -> Any:
         if error["type"] == "union_tag_invalid":
             loc, value = (*loc, "kind"), error["ctx"]["tag"]
             allowed = f"one of {error['ctx']['expected_tags']}"
+        elif error["type"] == "union_tag_not_found":  # no `kind` at all: say which exist
+            loc, value = (*loc, "kind"), None
+            allowed = "a tier kind, one of " + ", ".join(repr(k) for k in _TIER_KINDS)
         field = ".".join(str(part) for part in (where, *loc))
         if error["type"] == "extra_forbidden":
             allowed = "unknown field; allowed fields: " + ", ".join(_fields_at(model, error["loc"]))

@@ -25,6 +25,9 @@ def parse_size(value: str | int | float, field: str = "size") -> int:
     if isinstance(value, bool):
         raise ConfigError(field, value, "a size in bytes or a string such as '8GiB'")
     if isinstance(value, (int, float)):
+        # inf (YAML ".inf") and NaN used to escape as OverflowError/ValueError from int().
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ConfigError(field, value, "a finite size in bytes or a string such as '8GiB'")
         if value < 0:
             raise ConfigError(field, value, "a size must not be negative")
         return int(value)
