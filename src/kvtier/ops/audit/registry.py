@@ -1,0 +1,99 @@
+"""The audit rule registry and the audit run.
+
+Primitives:
+    AuditOptions           -- what the audit knows beyond the command (GPU, typical context)
+    Rule, rule(id, summary) -- register a check: `(cmd, options) -> Iterable[Finding]`
+    all_rules()            -- every registered rule (rule modules are imported on first use)
+    run_audit(cmd, options) -> list[Finding], most severe first
+    model_traits(cmd)      -- what the audit can tell about the served model
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from kvtier.ops.audit.command import ServeCommand
+from kvtier.ops.audit.finding import Finding
+from kvtier.ops.hardware import GPU_PROFILES, GpuProfile
+from kvtier.ops.modelspec import parse_model_config
+
+# One line per rule module; each registers its rules with @rule when imported.
+RULE_MODULES: tuple[str, ...] = (
+    "kvtier.ops.audit.rules_offload",
+    "kvtier.ops.audit.rules_lmcache",
+    "kvtier.ops.audit.rules_kvcache",
+    "kvtier.ops.audit.rules_env",
+    "kvtier.ops.audit.rules_versions",
+)
+# Model names whose layers mix attention kinds (sliding+full, linear/Mamba+full).
+_HYBRID_NAME = re.compile(
+    r"qwen3[._-]?[56]|qwen3-next|gemma-?[234]|jamba|nemotron-h|granite-4|mamba|falcon-h1|"
+    r"minimax|zamba|bamba|plamo", re.I)
+
+
+@dataclass(frozen=True, slots=True)
+class AuditOptions:
+    """Context the command line does not carry."""
+
+    gpu: GpuProfile = GPU_PROFILES["h100"]  # the GPU the server runs on
+    typical_context_tokens: int | None = None  # p95/p99 prompt+output length of real traffic
+
+
+CheckFn = Callable[[ServeCommand, AuditOptions], Iterable[Finding]]
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """One registered check."""
+
+    id: str  # stable id, shown in findings and usable in CI allow-lists
+    summary: str  # one line: the pitfall it catches
+    check: CheckFn
+
+
+_RULES: dict[str, Rule] = {}
+
+
+def rule(rule_id: str, summary: str) -> Callable[[CheckFn], CheckFn]:
+    """Register the decorated function as rule `rule_id`."""
+
+    def register(fn: CheckFn) -> CheckFn:
+        if rule_id in _RULES:
+            raise ValueError(f"audit rule {rule_id!r} registered twice")
+        _RULES[rule_id] = Rule(rule_id, summary, fn)
+        return fn
+
+    return register
+
+
+def all_rules() -> tuple[Rule, ...]:
+    """Every rule, in registration order."""
+    for name in RULE_MODULES:
+        importlib.import_module(name)
+    return tuple(_RULES.values())
+
+
+def run_audit(cmd: ServeCommand, options: AuditOptions | None = None) -> list[Finding]:
+    """Run every rule on `cmd`; findings sorted most severe first, then by rule order."""
+    opts = options or AuditOptions()
+    findings = [f for r in all_rules() for f in r.check(cmd, opts)]
+    return sorted(findings, key=lambda f: -f.severity)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelTraits:
+    """What the audit can tell about the served model."""
+
+    hybrid: bool  # mixes attention kinds: the hybrid-manager and LMCache pitfalls apply
+    known: bool  # True when read from config.json, False when guessed from the name
+
+
+def model_traits(cmd: ServeCommand) -> ModelTraits:
+    """Hybrid or not: from `cmd.model_config` when given, else from the model's name."""
+    if cmd.model_config is not None:
+        spec = parse_model_config(cmd.model_config)
+        return ModelTraits(hybrid=len(set(spec.layer_kinds)) > 1, known=True)
+    return ModelTraits(hybrid=bool(_HYBRID_NAME.search(cmd.model or "")), known=False)

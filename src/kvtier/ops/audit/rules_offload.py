@@ -1,0 +1,160 @@
+"""Audit rules about KV offload itself: which flag, how big, which companions it needs."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+from kvtier.ops.audit.command import ServeCommand
+from kvtier.ops.audit.finding import Finding, Severity
+from kvtier.ops.audit.registry import AuditOptions, model_traits, rule
+from kvtier.ops.flags import DISABLE_HMA
+from kvtier.ops.vllm_versions import NATIVE_CONNECTORS, format_version, hma_verdict
+
+_GIB = 1024**3
+
+
+@rule("cpu-offload-gb-not-kv", "--cpu-offload-gb offloads weights, not KV")
+def cpu_offload_gb(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
+    if not cmd.number("--cpu-offload-gb"):
+        return
+    also_kv = " (KV offload is configured too)" if cmd.offloads else ""
+    yield Finding(
+        "cpu-offload-gb-not-kv", Severity.INFO if cmd.offloads else Severity.WARNING,
+        f"--cpu-offload-gb {cmd.value('--cpu-offload-gb')} is set{also_kv}",
+        "it moves model WEIGHTS (per GPU) to host RAM and streams them over PCIe every "
+        "forward pass: prefill gets slower; it does not extend the KV cache at all",
+        "for KV tiering use --kv-offloading-size <GiB total> --kv-offloading-backend native "
+        "(or kvtier's connector); keep --cpu-offload-gb only if the weights do not fit in HBM",
+    )
+
+
+@rule("offload-size-per-gpu", "--kv-offloading-size sized per GPU (SGLang habit)")
+def offload_size_per_gpu(cmd: ServeCommand, opts: AuditOptions) -> Iterator[Finding]:
+    size, tp = cmd.number("--kv-offloading-size"), cmd.tp
+    if size is None or tp < 2:
+        return
+    util = cmd.number("--gpu-memory-utilization") or 0.9
+    # A CPU tier smaller than one GPU's KV budget per GPU only mirrors HBM; half of the
+    # GPU's usable memory is a conservative lower bound on that budget.
+    floor_gib = opts.gpu.hbm_bytes * util / 2 / _GIB
+    if size / tp >= floor_gib:
+        return
+    yield Finding(
+        "offload-size-per-gpu", Severity.WARNING,
+        f"--kv-offloading-size {size:g} with TP={tp} gives each GPU {size / tp:.1f} GiB of "
+        f"host cache, under half of one {opts.gpu.name}'s usable memory ({floor_gib:.0f} GiB)",
+        "the flag is the TOTAL across TP ranks (SGLang's is per rank): a per-GPU number "
+        "gives 1/TP of the intended tier, which mostly mirrors HBM and adds few hits",
+        f"if {size:g} was meant per GPU, pass --kv-offloading-size {size * tp:g} "
+        f"(= {size:g} x {tp}); `kvtier plan --from-sglang {size:g} --tp {tp}` does the math",
+    )
+
+
+@rule("offload-needs-hma-flag", "offload without --disable-hybrid-kv-cache-manager")
+def offload_needs_hma(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
+    if not cmd.offloads or cmd.has(DISABLE_HMA):
+        return
+    hybrid = model_traits(cmd).hybrid
+    for connector in cmd.connectors:
+        verdict = hma_verdict(cmd.vllm_version, connector, hybrid)
+        if verdict.required is False:
+            continue
+        yield Finding(
+            "offload-needs-hma-flag",
+            Severity.ERROR if verdict.required else Severity.WARNING,
+            f"{connector} is configured without {DISABLE_HMA}",
+            f"{verdict.reason}; startup fails with 'Connector {connector} does not support "
+            "HMA but HMA is enabled'",
+            f"add {DISABLE_HMA}" + ("" if verdict.required else
+                                    ", or pass --vllm-version so the audit can decide"),
+        )
+        return
+
+
+@rule("hma-flag-unneeded", "--disable-hybrid-kv-cache-manager kept where not needed")
+def hma_flag_unneeded(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
+    if not cmd.has(DISABLE_HMA) or cmd.vllm_version is None:
+        return
+    hybrid = model_traits(cmd).hybrid
+    verdicts = [hma_verdict(cmd.vllm_version, c, hybrid) for c in cmd.connectors]
+    if not verdicts or any(v.required is not False for v in verdicts):
+        return
+    yield Finding(
+        "hma-flag-unneeded", Severity.INFO,
+        f"{DISABLE_HMA} is set on {format_version(cmd.vllm_version)} with "
+        f"{', '.join(cmd.connectors)}",
+        f"{verdicts[0].reason}; with the manager off, sliding-window and Mamba layers are "
+        "allocated like full attention, so hybrid models lose KV capacity",
+        f"re-test without {DISABLE_HMA}; keep it only if startup still fails",
+    )
+
+
+@rule("offload-without-prefix-caching", "offload with prefix caching disabled")
+def offload_without_prefix_caching(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
+    disabled = cmd.has("--no-enable-prefix-caching") or str(
+        cmd.value("--enable-prefix-caching")).lower() in ("false", "0")
+    if cmd.offloads and disabled:
+        yield Finding(
+            "offload-without-prefix-caching", Severity.ERROR,
+            "KV offload is configured but prefix caching is disabled",
+            "without prefix caching vLLM never looks up earlier KV, so the offload tier is "
+            "written to and never hit: pure cost",
+            "remove --no-enable-prefix-caching (or pass --enable-prefix-caching)",
+        )
+
+
+@rule("shared-storage-hash-seed", "shared KV storage without a fixed PYTHONHASHSEED")
+def shared_storage_hash_seed(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
+    seed = cmd.env.get("PYTHONHASHSEED")
+    if seed is not None and seed.isdigit():
+        return
+    shared = _shared_storage(cmd)
+    if shared:
+        yield Finding(
+            "shared-storage-hash-seed", Severity.ERROR,
+            f"{shared} without PYTHONHASHSEED fixed (it is {seed or 'unset'})",
+            "vLLM and LMCache seed their block hashes from Python's hash seed; each process "
+            "picks a random one, so identical prompts get different keys across instances "
+            "(and TP workers): 0% shared hit rate",
+            "set PYTHONHASHSEED=0 (any fixed number) in every instance's environment; "
+            "kvtier's own keys are blake3 of the tokens and do not need it",
+        )
+
+
+@rule("offload-ep-eagle3", "offload + expert parallel + EAGLE3 (vLLM#40259)")
+def offload_ep_eagle3(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
+    spec = (cmd.value("--speculative-config") or "").lower()
+    if cmd.offloads and cmd.has("--enable-expert-parallel") and "eagle3" in spec:
+        yield Finding(
+            "offload-ep-eagle3", Severity.ERROR,
+            "KV offload combined with --enable-expert-parallel and EAGLE3 speculative decoding",
+            "known segfault in cuMemcpyDtoHAsync (vllm-project/vllm#40259, open 2026-05)",
+            "drop one of the three (offload, expert parallel, EAGLE3) until #40259 is fixed",
+        )
+
+
+@rule("hybrid-spec-decode-prefix-hits", "hybrid model + speculative decoding (vLLM#40624)")
+def hybrid_spec_decode(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
+    if cmd.has("--speculative-config") and "gemma-4" in (cmd.model or "").lower().replace(
+            "gemma4", "gemma-4"):
+        yield Finding(
+            "hybrid-spec-decode-prefix-hits", Severity.WARNING,
+            "Gemma-4 with speculative decoding (3+ attention groups in the hybrid manager)",
+            "prefix cache hit rate drops to 0% (vllm-project/vllm#40624), so offload and "
+            "prefix caching gain nothing",
+            f"add {DISABLE_HMA} and lower --max-model-len to fit the non-hybrid allocation",
+        )
+
+
+def _shared_storage(cmd: ServeCommand) -> str | None:
+    """Describe the cross-instance storage that depends on the hash seed, if any."""
+    cfg = cmd.transfer_config or {}
+    extra = json.dumps(cfg.get("kv_connector_extra_config") or {})
+    if any(c in NATIVE_CONNECTORS for c in cmd.connectors) and (
+            '"type": "fs"' in extra or "shared_storage_path" in extra):
+        return "OffloadingConnector with a file-system tier"
+    if cmd.uses_lmcache and (cmd.env.get("LMCACHE_REMOTE_URL") or cmd.tp > 1):
+        return "LMCache with a remote store" if cmd.env.get("LMCACHE_REMOTE_URL") else (
+            f"LMCache with TP={cmd.tp} workers")
+    return None
