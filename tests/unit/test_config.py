@@ -1,0 +1,154 @@
+"""Config is validated once, at the edge; every mistake is a ConfigError that names the
+field, echoes the value and says what is allowed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.config import DiskTierConfig, MemoryTierConfig, SharedTierConfig, StoreConfig
+from kvtier.errors import ConfigError
+from kvtier.units import format_size, parse_size
+
+GOOD_YAML = """\
+tiers:
+  - {kind: memory, capacity: 8GiB}
+  - {kind: disk, path: /mnt/nvme/kvtier, capacity: 200GiB, eviction: arc, admit_after: 2}
+  - {kind: shared, path: /mnt/shared/kvtier, capacity: 2TiB}
+write_queue_depth: 16
+"""
+
+
+def _memory(**fields: Any) -> dict[str, Any]:
+    return {"tiers": [{"kind": "memory", "capacity": "1GiB", **fields}]}
+
+
+def test_the_documented_yaml_example_loads_into_typed_tiers(tmp_path: Path) -> None:
+    """An operator writes the README's YAML; it loads into typed, frozen tier configs."""
+    path = tmp_path / "kvtier.yaml"
+    path.write_text(GOOD_YAML)
+    config = StoreConfig.load(path)
+    memory, disk, shared = config.tiers
+    assert isinstance(memory, MemoryTierConfig) and memory.capacity == 8 * 2**30
+    assert isinstance(disk, DiskTierConfig) and disk.path == Path("/mnt/nvme/kvtier")
+    assert disk.eviction == "arc" and disk.admit_after == 2 and disk.capacity == 200 * 2**30
+    assert isinstance(shared, SharedTierConfig) and shared.capacity == 2 * 2**40
+    assert [t.tier_name for t in config.tiers] == ["memory", "disk", "shared"]
+    assert config.write_queue_depth == 16
+    with pytest.raises(Exception):
+        memory.capacity = 1  # type: ignore[misc]  # frozen
+
+
+def test_json_loads_the_same_config_as_yaml(tmp_path: Path) -> None:
+    yaml_path, json_path = tmp_path / "a.yaml", tmp_path / "a.json"
+    yaml_path.write_text(GOOD_YAML)
+    json_path.write_text(json.dumps(StoreConfig.load(yaml_path).model_dump(mode="json")))
+    assert StoreConfig.load(json_path) == StoreConfig.load(yaml_path)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("8GiB", 8 * 2**30), ("512 MiB", 512 * 2**20), ("1.5GB", 1_500_000_000), ("4096", 4096),
+    ("2tib", 2 * 2**40), ("10KB", 10_000), (123, 123), ("0", 0),
+])
+def test_sizes_accept_human_units(text: str | int, expected: int) -> None:
+    assert parse_size(text) == expected
+    assert StoreConfig.parse(_memory(capacity=text)).tiers[0].capacity == expected
+
+
+def test_format_size_is_binary_and_readable() -> None:
+    assert format_size(1536) == "1.5 KiB" and format_size(100) == "100 B"
+    assert format_size(8 * 2**30) == "8.0 GiB"
+
+
+@pytest.mark.parametrize("config, field, value, allowed", [
+    (_memory(capacity="8 bananas"), "tiers.0.memory.capacity", "8 bananas", "GiB"),
+    (_memory(capacity="-1GiB"), "tiers.0.memory.capacity", "-1GiB", "GiB"),
+    (_memory(capacity=-5), "tiers.0.memory.capacity", -5, "negative"),
+    (_memory(capacity=True), "tiers.0.memory.capacity", True, "8GiB"),
+    (_memory(capacity=float("inf")), "tiers.0.memory.capacity", float("inf"), "GiB"),
+    (_memory(eviction="fifo"), "tiers.0.memory.eviction", "fifo", "lru"),
+    (_memory(admit_after=0), "tiers.0.memory.admit_after", 0, "1"),
+    (_memory(pin="maybe"), "tiers.0.memory.pin", "maybe", "auto"),
+    ({"tiers": [{"kind": "nvme", "capacity": 1}]}, "tiers.0.kind", "nvme", "shared"),
+    ({"tiers": [{"capacity": 1}]}, "tiers.0.kind", None, "memory"),
+    ({"tiers": [{"kind": "disk", "capacity": 1, "path": "/x", "io_threads": 0}]},
+     "tiers.0.disk.io_threads", 0, "1"),
+    ({"tiers": [{"kind": "disk", "capacity": 1, "path": "/x", "o_direct": "yes"}]},
+     "tiers.0.disk.o_direct", "yes", "auto"),
+    ({"tiers": [{"kind": "shared", "capacity": 1, "path": "/x", "scan_interval_s": 0}]},
+     "tiers.0.shared.scan_interval_s", 0, "0"),
+    ({"tiers": []}, "tiers", [], "at least 1"),
+    ({**_memory(), "write_queue_depth": 0}, "write_queue_depth", 0, "1"),
+    ({**_memory(), "io_threads": 1000}, "io_threads", 1000, "64"),
+])
+def test_every_bad_value_names_field_value_and_what_is_allowed(
+    config: dict[str, Any], field: str, value: object, allowed: str,
+) -> None:
+    """Each of these is a real typo or misunderstanding; the error must say where, what was
+    given and what would have been accepted - not a pydantic traceback or an OverflowError."""
+    with pytest.raises(ConfigError) as caught:
+        StoreConfig.parse(config, where="kvtier.yaml")
+    error = caught.value
+    assert error.field == f"kvtier.yaml.{field}"
+    assert error.value == value or (value is None and error.value is None)
+    assert allowed in error.allowed
+    assert error.field in str(error) and repr(error.value) in str(error)
+
+
+def test_a_missing_required_field_is_named() -> None:
+    """A disk tier without a path: the error names `path`."""
+    with pytest.raises(ConfigError) as caught:
+        StoreConfig.parse({"tiers": [{"kind": "disk", "capacity": "1GiB"}]})
+    assert caught.value.field == "config.tiers.0.disk.path"
+    assert "required" in caught.value.allowed.lower()
+
+
+def test_an_unknown_field_is_rejected_and_the_known_ones_listed() -> None:
+    """A misspelt option (`capcity`) must not be silently ignored (the tier would run with
+    a default the operator never chose): the error lists the fields that exist."""
+    with pytest.raises(ConfigError) as caught:
+        StoreConfig.parse({"tiers": [{"kind": "disk", "path": "/x", "capacity": 1,
+                                      "capcity": "9GiB"}]})
+    assert caught.value.field == "config.tiers.0.disk.capcity"
+    assert caught.value.value == "9GiB"
+    assert "capacity" in caught.value.allowed and "o_direct" in caught.value.allowed
+    with pytest.raises(ConfigError) as caught:
+        StoreConfig.parse({**_memory(), "write_depth": 3})
+    assert caught.value.field == "config.write_depth"
+    assert "write_queue_depth" in caught.value.allowed
+
+
+def test_two_tiers_with_one_name_are_rejected_naming_the_name() -> None:
+    """Two memory tiers without names would both be called "memory": stats and logs could
+    not tell them apart. Naming them apart fixes it."""
+    twice = {"tiers": [{"kind": "memory", "capacity": 1}, {"kind": "memory", "capacity": 2}]}
+    with pytest.raises(ConfigError) as caught:
+        StoreConfig.parse(twice)
+    assert caught.value.field == "config.tiers"
+    assert "'memory'" in caught.value.allowed and "twice" in caught.value.allowed
+    named = {"tiers": [{"kind": "memory", "capacity": 1, "name": "hot"},
+                       {"kind": "memory", "capacity": 2, "name": "warm"}]}
+    assert [t.tier_name for t in StoreConfig.parse(named).tiers] == ["hot", "warm"]
+
+
+def test_unreadable_or_malformed_files_are_config_errors(tmp_path: Path) -> None:
+    """A missing file, broken YAML or broken JSON: ConfigError naming the file."""
+    broken_yaml, broken_json = tmp_path / "bad.yaml", tmp_path / "bad.json"
+    broken_yaml.write_text("tiers: [ {kind: memory")
+    broken_json.write_text("{not json")
+    for path in (tmp_path / "missing.yaml", broken_yaml, broken_json):
+        with pytest.raises(ConfigError) as caught:
+            StoreConfig.load(path)
+        assert caught.value.value == str(path)
+
+
+def test_a_file_that_is_not_a_mapping_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "list.yaml"
+    path.write_text("- memory\n- disk\n")
+    with pytest.raises(ConfigError) as caught:
+        StoreConfig.load(path)
+    assert caught.value.field == str(path)
+    assert "dictionary" in caught.value.allowed

@@ -1,0 +1,154 @@
+"""Eviction policies (LRU, ARC) and admission, driven by small access traces.
+
+`_replay` plays a trace against a cache of `capacity` chunks the way a tier uses a policy:
+a hit touches, a miss evicts one victim when full and inserts the key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+
+import pytest
+
+from kvtier.core.policies import AdmissionFilter, ARCPolicy, EvictionPolicy, LRUPolicy, make_policy
+from kvtier.errors import ConfigError
+
+
+def _replay(policy: EvictionPolicy, capacity: int, trace: Iterable[Hashable]) -> int:
+    """Return the hits of `trace` on a cache of `capacity` keys ordered by `policy`."""
+    resident: set[Hashable] = set()
+    hits = 0
+    for key in trace:
+        if key in resident:
+            hits += 1
+            policy.touch(key)
+            continue
+        if len(resident) >= capacity:
+            victim = policy.evict()
+            assert victim in resident, "a policy evicted a key that is not resident"
+            resident.discard(victim)
+        policy.insert(key)
+        resident.add(key)
+        assert len(policy) == len(resident)
+    return hits
+
+
+def test_lru_evicts_the_key_used_longest_ago() -> None:
+    """a, b, c are stored; a is read again; the next two victims are b, then c, then a."""
+    lru = LRUPolicy()
+    for key in "abc":
+        lru.insert(key)
+    lru.touch("a")
+    assert [lru.evict(), lru.evict(), lru.evict(), lru.evict()] == ["b", "c", "a", None]
+
+
+def test_lru_forgets_removed_keys_and_ignores_touches_of_unknown_ones() -> None:
+    lru = LRUPolicy()
+    for key in "abc":
+        lru.insert(key)
+    lru.remove("a")
+    lru.touch("zzz")
+    assert len(lru) == 2 and lru.evict() == "b"
+
+
+def _loop_and_scans(rounds: int = 30) -> list[str]:
+    """A chat service: 6 shared system prompts, each used twice at start-up (so they are
+    known to be reused) and then once every round; between rounds, a burst of 12 one-shot
+    prompts (a scan) that will never be seen again."""
+    trace = [f"hot{i}" for i in range(6)] * 2
+    for round_ in range(rounds):
+        trace += [f"scan{round_}-{i}" for i in range(12)]
+        trace += [f"hot{i}" for i in range(6)]
+    return trace
+
+
+def test_arc_keeps_reused_prefixes_through_scans_that_flush_lru() -> None:
+    """With room for 10 chunks, every 12-chunk scan flushes LRU's hot prompts (only the
+    start-up repeats hit); ARC holds the hot ones in its frequency list, lets the scans
+    replace each other in its recency list, and hits the hot prompts every round."""
+    trace = _loop_and_scans()
+    lru_hits = _replay(LRUPolicy(), 10, trace)
+    arc_hits = _replay(ARCPolicy(10), 10, trace)
+    assert lru_hits == 6
+    assert arc_hits >= 6 + 0.9 * 6 * 30, (arc_hits, lru_hits)
+
+
+def test_arc_matches_lru_on_pure_recency_traffic() -> None:
+    """On a trace with no scans (a sliding window of reuse) ARC must not be worse than
+    LRU by more than a little."""
+    trace = [f"k{i // 3 + j}" for i in range(300) for j in range(2)]
+    assert _replay(ARCPolicy(8), 8, trace) >= 0.9 * _replay(LRUPolicy(), 8, trace)
+
+
+def test_a_hit_on_a_recency_ghost_grows_the_recency_target() -> None:
+    """Key a is evicted from T1 (seen once) and comes back: ARC learns that recency matters
+    and raises p, the target size of T1; a returns as a frequent key."""
+    arc = ARCPolicy(4)
+    for key in "abcd":
+        arc.insert(key)
+    assert arc.p == 0
+    assert arc.evict() == "a"  # T1's oldest goes to the ghost list B1
+    arc.insert("a")
+    assert arc.p >= 1
+    assert len(arc) == 4
+    # a is now frequent (T2): with p = 1, T1's once-seen keys b and c go before it.
+    assert [arc.evict() for _ in range(2)] == ["b", "c"]
+
+
+def test_a_hit_on_a_frequency_ghost_shrinks_the_recency_target() -> None:
+    """Key x was frequent (T2), got evicted into ghost list B2 and comes back: ARC lowers p
+    to favour frequency again."""
+    arc = ARCPolicy(4)
+    arc.insert("x")
+    arc.touch("x")  # x: T1 -> T2
+    for key in "abc":
+        arc.insert(key)
+    arc.evict()  # a (T1) -> B1
+    arc.insert("a")  # ghost hit in B1: p rises
+    raised = arc.p
+    assert raised > 0
+    victims = [arc.evict() for _ in range(4)]
+    assert "x" in victims  # x went to B2 at some point
+    arc.insert("x")  # ghost hit in B2
+    assert arc.p < raised
+
+
+def test_arc_ghost_lists_stay_bounded() -> None:
+    """A long scan must not make ARC's bookkeeping grow without bound (ghosts <= 2c)."""
+    arc = ARCPolicy(16)
+    _replay(arc, 16, (f"k{i}" for i in range(5000)))
+    ghosts = len(arc._b1) + len(arc._b2)  # noqa: SLF001 - the bound is the point
+    assert len(arc) + ghosts <= 2 * 16
+
+
+def test_make_policy_builds_by_name_and_rejects_unknown_names() -> None:
+    assert isinstance(make_policy("lru", 4), LRUPolicy)
+    assert isinstance(make_policy("arc", 4), ARCPolicy)
+    with pytest.raises(ConfigError) as caught:
+        make_policy("lfu", 4)
+    assert caught.value.field == "eviction" and "arc" in caught.value.allowed
+
+
+def test_admission_stores_a_chunk_only_from_its_nth_offer() -> None:
+    """With threshold 3, a one-shot prompt is never stored; a prompt seen three times is,
+    and stays admitted afterwards."""
+    admission = AdmissionFilter(threshold=3)
+    assert [admission.offer("p") for _ in range(5)] == [False, False, True, True, True]
+    assert admission.offer("one-shot") is False
+
+
+def test_admission_threshold_one_admits_everything() -> None:
+    admission = AdmissionFilter(threshold=1)
+    assert all(admission.offer(i) for i in range(100))
+
+
+def test_admission_memory_is_bounded_and_forgets_the_oldest_offers() -> None:
+    """Under unique traffic the offer table stays at `remembered_keys`; a key pushed out of
+    it starts counting again from zero."""
+    admission = AdmissionFilter(threshold=2, remembered_keys=2)
+    assert admission.offer("a") is False
+    admission.offer("b")
+    admission.offer("c")  # a is forgotten
+    assert admission.offer("a") is False
+    assert admission.offer("a") is True
+    assert len(admission._counts) <= 2  # noqa: SLF001 - the bound is the point
