@@ -1,0 +1,87 @@
+"""Helpers for end-to-end tests on a real vLLM (CPU backend) with a generated model.
+
+Engines are expensive (~20-35 s to start on 2 cores), so each test module builds its engine
+once (module-scoped fixture through `start_engine`) and its cases share it; a module's
+engine is shut down before the next module starts one, so at most one engine runs.
+
+Primitives:
+  - `start_engine(model_dir, kv_transfer_config, **overrides)`: a context manager that
+    yields an `LLM` with small CPU settings and shuts its processes down afterwards.
+  - `random_prompts`, `greedy`, `token_ids`, `metric`: small helpers for the cases.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from kvtier.models import FIRST_WORD_ID, PRESETS
+
+# Small, fast settings: 32-token blocks (the CPU backend's minimum) so that short prompts
+# span several blocks; a fixed, small number of KV blocks (4,096 tokens).
+BLOCK_SIZE = 32
+NUM_BLOCKS = 128
+MAX_MODEL_LEN = 2048
+
+
+@contextlib.contextmanager
+def start_engine(model_dir: Path, kv_transfer_config: dict[str, Any] | None = None,
+                 **overrides: Any) -> Iterator[Any]:
+    """Yield a `vllm.LLM` on the CPU backend; shut it down on exit.
+
+    Args:
+        model_dir: the model to serve.
+        kv_transfer_config: the connector config, or None for no connector.
+        **overrides: any other `LLM(...)` argument (e.g. num_gpu_blocks_override).
+    """
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = dict(
+        model=str(model_dir), enforce_eager=True, gpu_memory_utilization=0.3,
+        num_gpu_blocks_override=NUM_BLOCKS, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
+        disable_log_stats=False, seed=0,
+    )
+    if kv_transfer_config is not None:
+        kwargs["kv_transfer_config"] = kv_transfer_config
+    kwargs.update(overrides)
+    llm = LLM(**kwargs)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def random_prompts(lengths: list[int], seed: int = 0) -> list[dict[str, list[int]]]:
+    """Prompts of random word ids (as token ids, to bypass tokenizer surprises)."""
+    rng = random.Random(seed)
+    vocab = PRESETS["test"].vocab_size
+    return [{"prompt_token_ids": [rng.randrange(FIRST_WORD_ID, vocab) for _ in range(n)]}
+            for n in lengths]
+
+
+def greedy(max_tokens: int = 16) -> Any:
+    """Greedy sampling that never stops early (random models emit EOS at random)."""
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def token_ids(llm: Any, prompts: list[dict[str, Any]], max_tokens: int = 16) -> list[list[int]]:
+    """Generated token ids, one list per prompt."""
+    outputs = llm.generate(prompts, greedy(max_tokens), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def metric(llm: Any, name: str) -> float:
+    """The value of one of vLLM's counters/gauges (summed over label sets), 0 if absent."""
+    total = 0.0
+    for m in llm.get_metrics():
+        if m.name == name and isinstance(getattr(m, "value", None), (int, float)):
+            total += m.value
+    return total
