@@ -108,6 +108,12 @@ class DiskTier:
         self._publish_usage()
 
     def put(self, key: ChunkKey, data: memoryview) -> bool:
+        # Checked first, as the memory tier does: a wrong size used to be stored zero-padded
+        # (shorter) or to raise IndexError after reserving capacity, leaking the reservation
+        # (tests/tiers/test_tier_contract.py).
+        if len(data) != self.files.chunk_bytes:
+            raise ValueError(f"chunk is {len(data)} bytes, this tier stores "
+                             f"{self.files.chunk_bytes}")
         if key in self._index:
             return True
         if not self._admission.offer(key) or self.file_bytes > self.capacity_bytes:

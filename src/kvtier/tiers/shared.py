@@ -57,7 +57,8 @@ class SharedTier:
             return False
         except (CorruptBlock, OSError) as exc:
             if isinstance(exc, CorruptBlock):
-                self.files.remove(key)
+                if self.files.remove(key):
+                    self._forgotten()
                 self._counters.add(corrupt_reads=1)
             log.warning("shared tier %r: chunk %s unreadable (%s); treated as a miss",
                         self.name, key.hex(), exc)
@@ -68,6 +69,9 @@ class SharedTier:
         return True
 
     def put(self, key: ChunkKey, data: memoryview) -> bool:
+        if len(data) != self.files.chunk_bytes:  # see DiskTier.put
+            raise ValueError(f"chunk is {len(data)} bytes, this tier stores "
+                             f"{self.files.chunk_bytes}")
         path = self.files.path_of(key)
         if path.exists():
             self.files.touch(key)
@@ -87,7 +91,10 @@ class SharedTier:
             self.enforce_quota(self.file_bytes, force=True)
             return False
         self._estimate_bytes += self.file_bytes
-        self._counters.add(puts=1, bytes_written=len(data), write_s=time.perf_counter() - start)
+        # chunks/used_bytes used to change only when the directory was re-measured, so stats
+        # said 0 bytes used after puts; keep them current between scans.
+        self._counters.add(puts=1, bytes_written=len(data), write_s=time.perf_counter() - start,
+                           chunks=1, used_bytes=self.file_bytes)
         return True
 
     def enforce_quota(self, incoming_bytes: int = 0, force: bool = False) -> None:
@@ -116,7 +123,15 @@ class SharedTier:
             self._quota_lock.release()
 
     def delete(self, key: ChunkKey) -> bool:
-        return self.files.remove(key)
+        removed = self.files.remove(key)
+        if removed:
+            self._forgotten()
+        return removed
+
+    def _forgotten(self) -> None:
+        """One chunk file less (deleted, or removed as corrupt): update the usage estimate."""
+        self._estimate_bytes = max(0, self._estimate_bytes - self.file_bytes)
+        self._counters.add(chunks=-1, used_bytes=-self.file_bytes)
 
     def stats(self) -> TierStats:
         return self._counters.snapshot()
