@@ -18,6 +18,7 @@ from kvtier.errors import ConfigError
 # One line per sub-command module, in the order `kvtier --help` lists them.
 COMMANDS: tuple[str, ...] = (
     "kvtier.cli.bench",
+    "kvtier.cli.plan", "kvtier.cli.audit", "kvtier.cli.doctor",
 )
 
 
