@@ -1,0 +1,145 @@
+"""`kvtier plan`: size the KV tiers for a model on a machine and print the serve flags."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from kvtier.ops.flags import shell_quote_flags, sglang_per_rank_to_vllm_total
+from kvtier.ops.hardware import gpu_profile
+from kvtier.ops.modelspec import load_model_spec
+from kvtier.ops.sizing import Plan, PlanRequest, make_plan
+from kvtier.ops.vllm_versions import format_version, installed_vllm_version, parse_version
+from kvtier.units import format_size, parse_size
+
+_GIB = 1024**3
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("plan", help="size KV tiers and print vLLM/kvtier/LMCache flags")
+    p.add_argument("model", help="path to the model's config.json (or its folder)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    p.add_argument("--gpu", default="h100", help="h100, h200, a100, l40s or cpu (default h100)")
+    p.add_argument("--hbm", help="override GPU memory, e.g. 94GiB")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--host-ram", help="host RAM of the node (default 256GiB per GPU)")
+    p.add_argument("--host-kv-fraction", type=float, default=0.6,
+                   help="share of host RAM for the CPU tier (default 0.6)")
+    p.add_argument("--nvme", default="4TB", help="NVMe space for the disk tier; 0 = none")
+    p.add_argument("--nvme-path", default="/mnt/nvme/kvtier")
+    p.add_argument("--nvme-gen", type=int, default=4, choices=(4, 5))
+    p.add_argument("--pcie-gen", type=int, choices=(4, 5), help="default: the GPU's own")
+    p.add_argument("--context", type=int, default=0,
+                   help="typical session length in tokens (default min(model max, 32768))")
+    p.add_argument("--concurrency", type=int, default=16, help="target live sessions")
+    p.add_argument("--kv-dtype", default="bf16", help="bf16 or fp8")
+    p.add_argument("--params", type=float, help="override the parameter count, e.g. 70.6e9")
+    p.add_argument("--vllm-version", help="target vLLM release (default: installed, if any)")
+    p.add_argument("--from-sglang", type=float, metavar="GB_PER_RANK",
+                   help="SGLang per-rank host KV size to convert (x TP) into the CPU tier")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Compute and print the plan. Raises ConfigError on bad input (exit 2)."""
+    version = parse_version(args.vllm_version) if args.vllm_version else installed_vllm_version()
+    cpu_tier = None
+    if args.from_sglang is not None:
+        cpu_tier = int(sglang_per_rank_to_vllm_total(args.from_sglang, args.tp) * _GIB)
+    req = PlanRequest(
+        model=load_model_spec(args.model, int(args.params) if args.params else None),
+        gpu=gpu_profile(args.gpu, args.hbm), tp=args.tp,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        host_ram_bytes=parse_size(args.host_ram, "host_ram") if args.host_ram else 0,
+        host_kv_fraction=args.host_kv_fraction, nvme_bytes=parse_size(args.nvme, "nvme"),
+        nvme_path=args.nvme_path, nvme_gen=args.nvme_gen, pcie_gen=args.pcie_gen,
+        context_tokens=args.context, concurrency=args.concurrency, kv_dtype=args.kv_dtype,
+        vllm_version=version, cpu_tier_bytes=cpu_tier)
+    plan = make_plan(req)
+    if args.json:
+        print(json.dumps(plan_to_dict(plan), indent=2))
+    else:
+        _print(plan)
+    return 0
+
+
+def plan_to_dict(plan: Plan) -> dict[str, Any]:
+    """The JSON form of a plan (sizes in bytes, times in seconds)."""
+    req, spec = plan.request, plan.request.model
+    return {
+        "model": {"name": spec.name, "attention": spec.attention_kind,
+                  "layers": {k: spec.count(k) for k in ("full", "sliding", "linear")},
+                  "sliding_window": spec.sliding_window, "params": spec.param_count,
+                  "active_params": spec.active_param_count},
+        "hardware": {"gpu": req.gpu.name, "gpu_source": req.gpu.source, "tp": req.tp,
+                     "hbm_bytes": req.gpu.hbm_bytes},
+        "vllm_version": format_version(req.vllm_version) if req.vllm_version else None,
+        "context_tokens": plan.context_tokens,
+        "weights_bytes": plan.weights_bytes, "weights_per_gpu_bytes": plan.weights_per_gpu_bytes,
+        "kv_bytes_per_token_per_rank": plan.kv_bytes_per_token_rank,
+        "kv_bytes_per_token_total": plan.kv_bytes_per_token_total,
+        "session_bytes_total": plan.session_bytes_total,
+        "gpu_kv_bytes_per_gpu": plan.gpu_kv_bytes_per_gpu, "gpu_kv_tokens": plan.gpu_kv_tokens,
+        "live_sessions": plan.live_sessions, "reprefill_s": plan.reprefill_s,
+        "hybrid_kv_cache_manager": plan.hybrid_manager, "hybrid_manager_reason": plan.hma_reason,
+        "tiers": [{"name": t.name, "capacity_bytes": t.capacity_bytes,
+                   "warm_sessions": t.warm_sessions, "load_s": t.load_s,
+                   "speedup_vs_reprefill": None if math.isinf(t.speedup) else t.speedup,
+                   "link": t.link.name if t.link else None,
+                   "link_gbps": t.link.bandwidth_gbps if t.link else None,
+                   "link_source": t.link.source if t.link else None} for t in plan.tiers],
+        "recommended": {"kv_offloading_size_gib": plan.cpu_offload_gib,
+                        "nvme_gib": plan.nvme_gib},
+        "flags": {"serve": list(plan.serve_flags), "kvtier": list(plan.kvtier_flags),
+                  "vllm_native": list(plan.native_flags), "lmcache": list(plan.lmcache_flags),
+                  "lmcache_env": plan.lmcache_env},
+        "notes": list(plan.notes),
+    }
+
+
+def _print(plan: Plan) -> None:
+    console = Console(width=max(Console().width, 120))
+    req, spec = plan.request, plan.request.model
+    head = Table(title=f"{spec.name} on {req.tp} x {req.gpu.name}", show_header=False)
+    rows = [
+        ("attention", f"{spec.attention_kind}; layers full/sliding/linear = "
+         f"{spec.count('full')}/{spec.count('sliding')}/{spec.count('linear')}"),
+        ("weights", f"{format_size(plan.weights_bytes)} "
+         f"({format_size(plan.weights_per_gpu_bytes)} per GPU)"),
+        ("KV per token", f"{plan.kv_bytes_per_token_rank:,} B per rank, "
+         f"{plan.kv_bytes_per_token_total:,} B total"),
+        ("one session", f"{plan.context_tokens:,} tokens = "
+         f"{format_size(plan.session_bytes_total)}"),
+        ("GPU KV", f"{format_size(plan.gpu_kv_bytes_per_gpu)} per GPU = "
+         f"{plan.gpu_kv_tokens:,} tokens"),
+        ("live sessions", str(plan.live_sessions)),
+        ("re-prefill one session", f"{plan.reprefill_s:.2f} s"),
+        ("hybrid KV manager", f"{'on' if plan.hybrid_manager else 'off'}: {plan.hma_reason}"),
+    ]
+    for key, value in rows:
+        head.add_row(key, value)
+    console.print(head)
+    tiers = Table(title="tiers (one session back to the GPUs)")
+    for col in ("tier", "capacity", "warm sessions", "load", "vs re-prefill", "link used"):
+        tiers.add_column(col)
+    for t in plan.tiers:
+        link = f"{t.link.name} {t.link.bandwidth_gbps:g} GB/s ({t.link.source})" if t.link \
+            else "-"
+        tiers.add_row(t.name, format_size(t.capacity_bytes), f"{t.warm_sessions:,}",
+                      f"{t.load_s:.3f} s", "-" if math.isinf(t.speedup) else f"{t.speedup:.1f}x",
+                      link)
+    console.print(tiers)
+    console.print(f"[bold]serve[/bold]:   vllm serve <model> {shell_quote_flags(plan.serve_flags)}")
+    console.print(f"[bold]kvtier[/bold]:  {shell_quote_flags(plan.kvtier_flags)}", soft_wrap=True)
+    console.print(f"[bold]native[/bold]:  {shell_quote_flags(plan.native_flags)}")
+    env = " ".join(f"{k}={v}" for k, v in plan.lmcache_env.items())
+    console.print(f"[bold]LMCache[/bold]: {env} {shell_quote_flags(plan.lmcache_flags)}",
+                  soft_wrap=True)
+    for note in plan.notes:
+        console.print(f"[yellow]note[/yellow]: {note}")

