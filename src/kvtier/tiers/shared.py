@@ -11,6 +11,7 @@ directory never grows without bound, and no separate evictor deployment is neede
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
@@ -41,7 +42,8 @@ class SharedTier:
         self._admission = AdmissionFilter(config.admit_after)
         self._counters = TierCounters(self.name, config.capacity)
         self._quota_lock = threading.Lock()
-        self._estimate_bytes = 0
+        self._estimate_bytes = 0  # files held + reserved by writes in flight
+        self._inflight_bytes = 0  # reserved by writes in flight
         self._scanned_at = 0.0
         self.enforce_quota()
 
@@ -78,49 +80,81 @@ class SharedTier:
             return True
         if not self._admission.offer(key) or self.file_bytes > self.capacity_bytes:
             return False
-        due = time.monotonic() - self._scanned_at > self.scan_interval_s
-        if due or self._estimate_bytes + self.file_bytes > self.capacity_bytes:
-            self.enforce_quota(self.file_bytes)
+        if not self._reserve():
+            self._counters.add(dropped_writes=1)
+            log.warning("shared tier %r: quota held by writes in flight; %s dropped",
+                        self.name, key.hex())
+            return False
         start = time.perf_counter()
         try:
             self.files.write(key, data)
         except OSError as exc:
+            self._release(written=False)
             self._counters.add(dropped_writes=1)
             log.warning("shared tier %r: write of %s failed (%s); dropped",
                         self.name, key.hex(), exc)
-            self.enforce_quota(self.file_bytes, force=True)
+            # Only a full filesystem is helped by evicting; EACCES or EIO used to evict 10%
+            # of everyone's chunks on every failed write (tests/faults/test_write_failures.py).
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                self.enforce_quota(self.file_bytes, force=True)
             return False
-        self._estimate_bytes += self.file_bytes
+        self._release(written=True)
         # chunks/used_bytes used to change only when the directory was re-measured, so stats
         # said 0 bytes used after puts; keep them current between scans.
         self._counters.add(puts=1, bytes_written=len(data), write_s=time.perf_counter() - start,
                            chunks=1, used_bytes=self.file_bytes)
         return True
 
+    def _reserve(self) -> bool:
+        """Reserve room for one file in the quota, evicting first when needed; False when
+        writes in flight hold the rest. Check and reservation are one step under the lock:
+        concurrent puts of this process used to all pass the check and overshoot the quota
+        many times over (tests/tiers/test_tier_contract.py, concurrent puts)."""
+        with self._quota_lock:
+            due = time.monotonic() - self._scanned_at > self.scan_interval_s
+            if due or self._estimate_bytes + self.file_bytes > self.capacity_bytes:
+                self._enforce_locked(self.file_bytes, force=False)
+            if self._estimate_bytes + self.file_bytes > self.capacity_bytes:
+                return False
+            self._estimate_bytes += self.file_bytes
+            self._inflight_bytes += self.file_bytes
+            return True
+
+    def _release(self, written: bool) -> None:
+        """End a reservation: the file now exists (`written`) or its room is given back."""
+        with self._quota_lock:
+            self._inflight_bytes -= self.file_bytes
+            if not written:
+                self._estimate_bytes -= self.file_bytes
+
     def enforce_quota(self, incoming_bytes: int = 0, force: bool = False) -> None:
         """Measure the whole directory (every layout) and delete least recently used files
-        until it fits the capacity with room for `incoming_bytes`. With `force`, free down to
-        the low watermark even when the quota is met (the filesystem itself is full)."""
-        if not self._quota_lock.acquire(blocking=False):
-            return  # another thread of this process is doing it
-        try:
-            files = sorted(scan_tree(self.files.root), key=lambda f: f.mtime)
-            used = sum(f.size_bytes for f in files)
-            evicted = 0
-            if force or used + incoming_bytes > self.capacity_bytes:
-                target = LOW_WATERMARK * self.capacity_bytes - incoming_bytes
-                for found in files:
-                    if used <= target:
-                        break
-                    found.path.unlink(missing_ok=True)  # another process may have won
-                    used -= found.size_bytes
-                    evicted += 1
-            self._estimate_bytes = used
-            self._scanned_at = time.monotonic()
-            self._counters.add(evictions=evicted)
-            self._counters.set(chunks=len(files) - evicted, used_bytes=used)
-        finally:
-            self._quota_lock.release()
+        until it fits the capacity with room for `incoming_bytes` and the writes in flight.
+        With `force` (the filesystem itself is full), free down to the low watermark of
+        what is held even when the quota is met."""
+        with self._quota_lock:
+            self._enforce_locked(incoming_bytes, force)
+
+    def _enforce_locked(self, incoming_bytes: int, force: bool) -> None:
+        files = sorted(scan_tree(self.files.root), key=lambda f: f.mtime)
+        used = sum(f.size_bytes for f in files)
+        evicted = 0
+        needed = used + self._inflight_bytes + incoming_bytes
+        if force or needed > self.capacity_bytes:
+            # A quota larger than the filesystem used to make `force` free nothing (the
+            # target was 90% of the quota, above what the full filesystem held).
+            limit = min(used, self.capacity_bytes) if force else self.capacity_bytes
+            target = LOW_WATERMARK * limit - incoming_bytes - self._inflight_bytes
+            for found in files:
+                if used <= target:
+                    break
+                found.path.unlink(missing_ok=True)  # another process may have won
+                used -= found.size_bytes
+                evicted += 1
+        self._estimate_bytes = used + self._inflight_bytes
+        self._scanned_at = time.monotonic()
+        self._counters.add(evictions=evicted)
+        self._counters.set(chunks=len(files) - evicted, used_bytes=used)
 
     def delete(self, key: ChunkKey) -> bool:
         removed = self.files.remove(key)
@@ -130,7 +164,8 @@ class SharedTier:
 
     def _forgotten(self) -> None:
         """One chunk file less (deleted, or removed as corrupt): update the usage estimate."""
-        self._estimate_bytes = max(0, self._estimate_bytes - self.file_bytes)
+        with self._quota_lock:
+            self._estimate_bytes = max(0, self._estimate_bytes - self.file_bytes)
         self._counters.add(chunks=-1, used_bytes=-self.file_bytes)
 
     def stats(self) -> TierStats:
