@@ -137,7 +137,8 @@ def _print(plan: Plan) -> None:
     console.print(tiers)
     console.print(f"[bold]serve[/bold]:   vllm serve <model> {shell_quote_flags(plan.serve_flags)}")
     console.print(f"[bold]kvtier[/bold]:  {shell_quote_flags(plan.kvtier_flags)}", soft_wrap=True)
-    console.print(f"[bold]native[/bold]:  {shell_quote_flags(plan.native_flags)}")
+    console.print(f"[bold]native[/bold]:  {shell_quote_flags(plan.native_flags)}",
+                  soft_wrap=True)
     env = " ".join(f"{k}={v}" for k, v in plan.lmcache_env.items())
     console.print(f"[bold]LMCache[/bold]: {env} {shell_quote_flags(plan.lmcache_flags)}",
                   soft_wrap=True)
