@@ -91,7 +91,7 @@ PRESETS: dict[str, TinyModelSpec] = {
     # Starts in a few seconds; short prompts. Used by tests/vllm.
     "test": TinyModelSpec(),
     # Sized so that an 8k-token prefill takes >= 2 s on the 2-core CI machine (measured in
-    # docs/vllm-connector-notes.md); 17 KiB of KV per token, like a small real model.
+    # docs/vllm-connector-notes.md: 8k tokens in 4.3-4.7 s); 8 KiB of KV per token.
     "bench": TinyModelSpec(
         num_layers=8,
         hidden_size=512,
