@@ -19,6 +19,7 @@ from kvtier.errors import ConfigError
 COMMANDS: tuple[str, ...] = (
     "kvtier.cli.bench",
     "kvtier.cli.plan", "kvtier.cli.audit", "kvtier.cli.doctor",
+    "kvtier.cli.simulate",
 )
 
 
