@@ -168,7 +168,8 @@ def parse_kubernetes(
         docs = [d for d in yaml.safe_load_all(text) if d is not None]
     except yaml.YAMLError as exc:
         raise ConfigError("deployment", "YAML", f"valid YAML ({exc})") from exc
-    containers = [c for d in docs for c in _containers(d)]
+    containers = [c for d in docs for c in (
+        [{"args": d}] if _is_arg_list(d) else _containers(d))]
     if not containers:
         raise ConfigError("deployment", "YAML", "a container with `args` or `command`")
     chosen = next((c for c in containers if "vllm" in json.dumps(c).lower()), containers[0])
@@ -197,11 +198,14 @@ def load_deployment(
     return parse_command_line(text, env, vllm_version, model_config)
 
 
+def _is_arg_list(node: Any) -> bool:
+    """A document that is just a list of arguments."""
+    return isinstance(node, list) and bool(node) and all(
+        isinstance(a, (str, int, float)) for a in node)
+
+
 def _containers(node: Any) -> Iterable[dict[str, Any]]:
     if isinstance(node, list):
-        if node and all(isinstance(a, (str, int, float)) for a in node):
-            yield {"args": node}
-            return
         for item in node:
             yield from _containers(item)
     elif isinstance(node, dict):
