@@ -1,61 +1,14 @@
-"""Shared test helpers: a tiny layout, and one way to configure any tier by kind.
-
-`tier_settings(kind, ...)` is the single place that knows how each tier kind is configured;
-the contract suite, the store's property tests and the fault drills all build tiers through
-it. To run all of them against a new tier (e.g. redis), add its kind to TIER_KINDS and a
-branch here (a redis tier would take its server address from a fixture).
-"""
+"""Fixtures shared by the core's tests; the helpers themselves live in tests/tierkit.py."""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
-
 import pytest
 
-from kvtier.config import StoreConfig
-from kvtier.core.chunkformat import ALIGN_BYTES, stored_size
 from kvtier.core.layout import KVLayout
-from kvtier.core.tier import Tier
-from kvtier.tiers import build_tier
-
-TIER_KINDS = ("memory", "disk", "shared")
-
-
-def tiny_layout(tokens_per_chunk: int = 16) -> KVLayout:
-    """1 layer x 1 KV head x 64 fp16 elements, K and V: 256 B a token (4 KiB a 16-token chunk)."""
-    return KVLayout(num_layers=1, num_kv_heads=1, head_size=64, dtype="float16",
-                    tokens_per_chunk=tokens_per_chunk)
-
-
-def footprint_bytes(kind: str, layout: KVLayout) -> int:
-    """Bytes one chunk takes against a tier's capacity (slot or file, headers included)."""
-    if kind == "memory":
-        return -(-layout.bytes_per_chunk // ALIGN_BYTES) * ALIGN_BYTES
-    return stored_size(layout.bytes_per_chunk)
-
-
-def tier_settings(kind: str, root: Path, layout: KVLayout, capacity_chunks: int,
-                  **options: Any) -> dict[str, Any]:
-    """The config dict of a `kind` tier holding `capacity_chunks` chunks of `layout`."""
-    settings: dict[str, Any] = {"kind": kind,
-                                "capacity": capacity_chunks * footprint_bytes(kind, layout)}
-    if kind in ("disk", "shared"):
-        settings["path"] = str(root / kind)
-    if kind == "memory":
-        settings["pin"] = "off"
-    settings.update(options)
-    return settings
-
-
-def make_tier(kind: str, root: Path, layout: KVLayout, capacity_chunks: int,
-              **options: Any) -> Tier:
-    """A real tier of `kind`, built through the registry as a store would build it."""
-    config = StoreConfig.parse({"tiers": [tier_settings(kind, root, layout, capacity_chunks,
-                                                        **options)]})
-    return build_tier(config.tiers[0], layout)
+from tierkit import tiny_layout
 
 
 @pytest.fixture
 def layout() -> KVLayout:
+    """A 4 KiB-chunk layout (see tierkit.tiny_layout)."""
     return tiny_layout()

@@ -16,7 +16,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import tier_settings, tiny_layout
+from tierkit import tier_settings, tiny_layout
 from kvtier.config import StoreConfig
 from kvtier.core.keys import ChunkKey
 from kvtier.core.store import TieredStore

@@ -1,6 +1,6 @@
 """The Tier contract, checked the same way against every tier kind.
 
-Every test is parametrized over TIER_KINDS (tests/conftest.py): memory, a local disk
+Every test is parametrized over TIER_KINDS (tests/tierkit.py): memory, a local disk
 directory and a shared directory, both on a real filesystem under tmp_path. A new tier kind
 (e.g. redis) joins by adding its kind there.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TIER_KINDS, footprint_bytes, make_tier, tiny_layout
+from tierkit import TIER_KINDS, footprint_bytes, make_tier, tiny_layout
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.tier import Tier
