@@ -1,0 +1,127 @@
+"""`kvtier plan`, `kvtier audit`, `kvtier doctor` end to end through the CLI dispatcher."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.cli.main import main
+
+CONFIGS = Path(__file__).parents[1] / "data" / "configs"
+
+
+def run_json(capsys, argv):
+    code = main(argv)
+    return code, json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in CONFIGS.glob("*.json")))
+def test_plan_json_for_every_fixture(capsys, name):
+    code, out = run_json(capsys, ["plan", str(CONFIGS / f"{name}.json"), "--tp", "8", "--gpu",
+                                  "h200", "--vllm-version", "0.21.0", "--json"])
+    assert code == 0
+    assert out["kv_bytes_per_token_total"] == 8 * out["kv_bytes_per_token_per_rank"]
+    assert [t["name"] for t in out["tiers"]] == ["GPU HBM", "CPU DRAM", "NVMe"]
+    kv_cfg = out["flags"]["kvtier"][out["flags"]["kvtier"].index("--kv-transfer-config") + 1]
+    assert json.loads(kv_cfg)["kv_connector"] == "KVTierConnector"
+
+
+def test_plan_from_sglang_converts_per_rank_to_total(capsys):
+    code, out = run_json(capsys, ["plan", str(CONFIGS / "llama-3-70b.json"), "--tp", "8",
+                                  "--from-sglang", "200", "--vllm-version", "0.20.0", "--json"])
+    assert code == 0
+    assert out["recommended"]["kv_offloading_size_gib"] == 1600
+    native = out["flags"]["vllm_native"]
+    assert native[native.index("--kv-offloading-size") + 1] == "1600"
+    assert "--disable-hybrid-kv-cache-manager" in native  # v0.20 needs it
+    assert out["flags"]["lmcache_env"]["LMCACHE_MAX_LOCAL_CPU_SIZE"] == "200"
+
+
+def test_plan_table_output_states_figures(capsys):
+    assert main(["plan", str(CONFIGS / "deepseek-v3.json"), "--tp", "8", "--gpu", "h200",
+                 "--context", "131072", "--vllm-version", "0.21.0"]) == 0
+    out = capsys.readouterr().out
+    assert "mla" in out and "PCIe Gen5 x16" in out and "--block-size 32" in out
+    assert "--kv-offloading-size" in out and "LMCACHE_MAX_LOCAL_CPU_SIZE" in out
+
+
+def test_plan_bad_input_exits_2(capsys):
+    assert main(["plan", str(CONFIGS / "nope.json")]) == 2
+    assert main(["plan", str(CONFIGS / "llama-3-8b.json"), "--gpu", "tpu"]) == 2
+    assert "invalid config" in capsys.readouterr().err
+
+
+def test_audit_exit_code_follows_error_findings(capsys):
+    bad = ("vllm serve m --kv-offloading-backend native --kv-offloading-size 100 "
+           "--no-enable-prefix-caching")
+    code, out = run_json(capsys, ["audit", bad, "--vllm-version", "0.21.0", "--json"])
+    assert code == 1 and out["ok"] is False
+    assert "offload-without-prefix-caching" in {f["rule"] for f in out["findings"]}
+    good = ("vllm serve m --kv-offloading-backend native --kv-offloading-size 100 "
+            "--enable-prefix-caching --max-model-len 16384")
+    code, out = run_json(capsys, ["audit", good, "--vllm-version", "0.21.0", "--json"])
+    assert code == 0 and out["findings"] == []
+
+
+def test_audit_kubernetes_file_with_env_flag(capsys, tmp_path):
+    manifest = tmp_path / "deploy.yaml"
+    manifest.write_text("""
+spec:
+  containers:
+  - name: vllm
+    image: vllm/vllm-openai:v0.20.1
+    args: ["--model", "m", "--kv-offloading-size", "100"]
+    env: [{name: VLLM_USE_FASTSAFETENSOR, value: "1"}]
+""")
+    code, out = run_json(capsys, ["audit", str(manifest), "--env", "PYTHONHASHSEED=0",
+                                  "--json"])
+    rules = {f["rule"] for f in out["findings"]}
+    assert code == 1  # v0.20.1 from the image tag: HMA flag missing is an error
+    assert {"offload-needs-hma-flag", "nonexistent-env-var"} <= rules
+    assert out["vllm_version"] == [0, 20, 1]
+
+
+def test_audit_table_and_list_rules(capsys):
+    assert main(["audit", "--list-rules"]) == 0
+    assert "offload-size-per-gpu" in capsys.readouterr().out
+    assert main(["audit", "vllm serve m --enforce-eager"]) == 0
+    assert "enforce-eager-workaround" in capsys.readouterr().out
+    assert main(["audit", "vllm serve m", "--env", "NOEQUALS"]) == 2
+
+
+def test_audit_subprocess_reads_stdin():
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli.main", "audit", "-", "--vllm-version", "0.11.0",
+         "--json"], input="vllm serve m --kv-offloading-size 10\n", capture_output=True,
+        text=True, timeout=60)
+    assert proc.returncode == 1
+    assert "flag-predates-version" in {f["rule"] for f in json.loads(proc.stdout)["findings"]}
+
+
+def test_doctor_json_prints_transfer_config_and_fails_on_missing_connector(capsys, tmp_path):
+    code, out = run_json(capsys, ["doctor", "--memory", "1MiB", "--disk",
+                                  f"{tmp_path}/nvme:1MiB", "--connector-module",
+                                  "kvtier_missing_connector_xyz", "--json"])
+    status = {c["name"]: c["status"] for c in out["checks"]}
+    assert status["connector"] == "fail" and status["config"] == "ok"
+    assert status[f"tier disk: {tmp_path}/nvme"] == "ok"
+    assert code == 1 and out["ok"] is False
+    assert out["kv_transfer_config"]["kv_connector_extra_config"]["store"]["tiers"][1] == {
+        "kind": "disk", "path": f"{tmp_path}/nvme", "capacity": "1MiB"}
+
+
+def test_doctor_table_from_config_file(capsys, tmp_path):
+    cfg = tmp_path / "kvtier.yaml"
+    cfg.write_text(f"tiers:\n- {{kind: memory, capacity: 1MiB}}\n"
+                   f"- {{kind: disk, path: {tmp_path}/d, capacity: 1MiB}}\n")
+    main(["doctor", str(cfg), "--connector-module", "kvtier_missing_connector_xyz"])
+    out = capsys.readouterr().out
+    assert "--kv-transfer-config '{\"kv_connector\":\"KVTierConnector\"" in out
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tiers:\n- {kind: tape, capacity: 1MiB}\n")
+    assert main(["doctor", str(bad), "--connector-module", "kvtier_missing_connector_xyz"]) == 1
+    assert "config is invalid" in capsys.readouterr().out

@@ -1,0 +1,127 @@
+"""Doctor checks on a real temp directory; Redis against a closed port (and a real server
+when redis-server is installed)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import time
+
+import pytest
+
+from kvtier.errors import ConfigError
+from kvtier.ops.doctor import (
+    check_connector, check_memory, check_redis, check_store_config, check_tier_paths,
+    check_vllm, read_store, store_from_flags, transfer_config_json,
+)
+
+
+def test_store_from_flags_and_config_files(tmp_path):
+    store = store_from_flags("8GiB", (f"{tmp_path}/nvme:10GiB",), (), "redis://h:6379/0")
+    assert [t["kind"] for t in store["tiers"]] == ["memory", "disk", "redis"]
+    assert store["tiers"][1] == {"kind": "disk", "path": f"{tmp_path}/nvme", "capacity": "10GiB"}
+    yml = tmp_path / "kvtier.yaml"
+    yml.write_text("store:\n  tiers:\n  - {kind: memory, capacity: 1GiB}\n")
+    assert read_store(yml) == {"tiers": [{"kind": "memory", "capacity": "1GiB"}]}
+    js = tmp_path / "kvtier.json"
+    js.write_text(json.dumps({"tiers": [{"kind": "memory", "capacity": "2GiB"}]}))
+    assert read_store(js)["tiers"][0]["capacity"] == "2GiB"
+    with pytest.raises(ConfigError):
+        store_from_flags(None, ("/no/size",))
+    with pytest.raises(ConfigError):
+        store_from_flags()
+    js.write_text("[1, 2]")
+    with pytest.raises(ConfigError):
+        read_store(js)
+
+
+def test_tier_path_writable_creatable_and_too_small(tmp_path):
+    store = {"tiers": [
+        {"kind": "disk", "path": str(tmp_path), "capacity": "1MiB"},
+        {"kind": "shared", "path": str(tmp_path / "new" / "dir"), "capacity": "1MiB"},
+        {"kind": "disk", "path": str(tmp_path / "huge"), "capacity": "1000000TiB"},
+    ]}
+    ok, creatable, huge = check_tier_paths(store)
+    assert ok.status == "ok" and "free" in ok.detail
+    assert creatable.status == "ok" and "will be created" in creatable.detail
+    assert huge.status == "fail" and "only" in huge.detail
+    assert not (tmp_path / "new").exists()  # the doctor does not create tier directories
+
+
+def test_tier_path_under_a_file_fails(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    [check] = check_tier_paths({"tiers": [{"kind": "disk", "path": str(blocker / "kv"),
+                                           "capacity": "1MiB"}]})
+    assert check.status == "fail" and "not a directory" in check.detail
+
+
+def test_memory_check():
+    assert check_memory({"tiers": [{"kind": "memory", "capacity": "1MiB"}]}).status == "ok"
+    assert check_memory({"tiers": [{"kind": "memory", "capacity": "1000000TiB"}]}).status \
+        == "fail"
+    assert check_memory({"tiers": []}).status == "skip"
+
+
+def test_store_config_validation_and_transfer_config(tmp_path):
+    good = {"tiers": [{"kind": "memory", "capacity": "64GiB"},
+                      {"kind": "disk", "path": "/mnt/nvme/kvtier", "capacity": "1TiB"}]}
+    assert check_store_config(good).status == "ok"
+    cfg = json.loads(transfer_config_json(good))
+    assert cfg["kv_connector"] == "KVTierConnector"
+    assert cfg["kv_connector_module_path"] == "kvtier.integrations.vllm"
+    assert cfg["kv_connector_extra_config"]["store"] == good
+    bad = {"tiers": [{"kind": "memory", "capacity": "lots"}]}
+    assert check_store_config(bad).status == "fail"
+    with pytest.raises(ConfigError):
+        transfer_config_json(bad)
+
+
+def test_connector_import_check_reports_failure_as_data():
+    missing = check_connector("kvtier_no_such_module_xyz")
+    assert missing.status == "fail" and "ModuleNotFoundError" in missing.detail
+    no_attr = check_connector("kvtier.units", "KVTierConnector")
+    assert no_attr.status == "fail" and "AttributeError" in no_attr.detail
+    assert check_connector("kvtier.ops.flags", "KVTIER_CONNECTOR").status == "ok"
+
+
+def test_vllm_check_returns_a_result():
+    result = check_vllm()
+    assert result.status in ("ok", "fail") and result.detail
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_redis_unreachable_is_a_failed_check_quickly():
+    port = _free_port()
+    start = time.monotonic()
+    [check] = check_redis({"tiers": [{"kind": "redis", "url": f"redis://127.0.0.1:{port}/0"}]})
+    assert check.status == "fail" and "unreachable" in check.detail
+    assert time.monotonic() - start < 5
+    assert check_redis({"tiers": []})[0].status == "skip"
+
+
+@pytest.mark.redis
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
+def test_redis_reachable(tmp_path):
+    port = _free_port()
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--save", "",
+                             "--appendonly", "no", "--dir", str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"redis://127.0.0.1:{port}/0"
+        for _ in range(50):
+            [check] = check_redis({"tiers": [{"kind": "redis", "url": url}]})
+            if check.status == "ok":
+                break
+            time.sleep(0.05)
+        assert check.status == "ok"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=5)
