@@ -27,7 +27,8 @@ KVTIER_SHARED = json.dumps({"kv_connector": "KVTierConnector",
                             "kv_role": "kv_both", "kv_connector_extra_config": {"store": {
                                 "tiers": [{"kind": "shared", "path": "/mnt/kv",
                                            "capacity": "1TiB"}]}}})
-EAGLE3 = "--speculative-config '{\"method\":\"eagle3\",\"model\":\"x\",\"num_speculative_tokens\":3}'"
+EAGLE3 = ("--speculative-config "
+          "'{\"method\":\"eagle3\",\"model\":\"x\",\"num_speculative_tokens\":3}'")
 
 # rule id -> (triggering case, clean case); a case is (command, env, version, severity).
 CASES = {

@@ -13,8 +13,15 @@ import pytest
 
 from kvtier.errors import ConfigError
 from kvtier.ops.doctor import (
-    check_connector, check_memory, check_redis, check_store_config, check_tier_paths,
-    check_vllm, read_store, store_from_flags, transfer_config_json,
+    check_connector,
+    check_memory,
+    check_redis,
+    check_store_config,
+    check_tier_paths,
+    check_vllm,
+    read_store,
+    store_from_flags,
+    transfer_config_json,
 )
 
 

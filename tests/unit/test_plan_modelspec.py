@@ -13,7 +13,11 @@ import pytest
 
 from kvtier.errors import ConfigError
 from kvtier.ops.modelspec import (
-    kv_dtype_bytes, kv_footprint, load_model_spec, parse_model_config, session_kv_bytes,
+    kv_dtype_bytes,
+    kv_footprint,
+    load_model_spec,
+    parse_model_config,
+    session_kv_bytes,
 )
 
 CONFIGS = Path(__file__).parents[1] / "data" / "configs"

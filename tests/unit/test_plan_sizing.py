@@ -8,7 +8,10 @@ import pytest
 
 from kvtier.errors import ConfigError
 from kvtier.ops.flags import (
-    lmcache_env, native_offload_flags, sglang_per_rank_to_vllm_total, kvtier_transfer_config,
+    kvtier_transfer_config,
+    lmcache_env,
+    native_offload_flags,
+    sglang_per_rank_to_vllm_total,
 )
 from kvtier.ops.hardware import gpu_profile
 from kvtier.ops.modelspec import kv_footprint, load_model_spec

@@ -12,7 +12,11 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtier.ops.doctor import (
-    check_store_config, read_store, run_doctor, store_from_flags, transfer_config_json,
+    check_store_config,
+    read_store,
+    run_doctor,
+    store_from_flags,
+    transfer_config_json,
 )
 from kvtier.ops.flags import KVTIER_MODULE
 

@@ -10,7 +10,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from kvtier.ops.flags import shell_quote_flags, sglang_per_rank_to_vllm_total
+from kvtier.ops.flags import sglang_per_rank_to_vllm_total, shell_quote_flags
 from kvtier.ops.hardware import gpu_profile
 from kvtier.ops.modelspec import load_model_spec
 from kvtier.ops.sizing import Plan, PlanRequest, make_plan

@@ -22,7 +22,7 @@ per layer per token, once (no separate K and V), and every TP rank holds the who
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -249,17 +249,24 @@ def _layer_kinds(cfg: Mapping[str, Any], n: int) -> tuple[LayerKind, ...]:
         return tuple("full" if c == "*" else "linear" for c in pattern if c in "M*")
     if cfg.get("full_attention_interval"):  # Qwen3-Next: every k-th layer is attention
         k = int(cfg["full_attention_interval"])
-        return tuple("full" if (i + 1) % k == 0 else "linear" for i in range(n))
+        return _pattern(n, lambda i: (i + 1) % k == 0, "full", "linear")
     if cfg.get("attn_layer_period"):  # Jamba
         period, offset = int(cfg["attn_layer_period"]), int(cfg.get("attn_layer_offset", 0))
-        return tuple("full" if i % period == offset else "linear" for i in range(n))
+        return _pattern(n, lambda i: i % period == offset, "full", "linear")
     if not cfg.get("sliding_window") or cfg.get("use_sliding_window") is False:
-        return ("full",) * n
+        return _pattern(n, lambda _: True, "full", "full")
     # Gemma 2 alternates local/global; Gemma 3 has `sliding_window_pattern` local:global.
-    period = cfg.get("sliding_window_pattern") or (2 if cfg.get("model_type") == "gemma2" else 0)
-    if period:
-        return tuple("full" if (i + 1) % int(period) == 0 else "sliding" for i in range(n))
-    return ("sliding",) * n  # Mistral-style: every layer uses the window
+    every = int(cfg.get("sliding_window_pattern") or (2 if cfg.get("model_type") == "gemma2"
+                                                       else 0))
+    if every:
+        return _pattern(n, lambda i: (i + 1) % every == 0, "full", "sliding")
+    return _pattern(n, lambda _: True, "sliding", "sliding")  # Mistral: window everywhere
+
+
+def _pattern(
+    n: int, is_hit: Callable[[int], bool], hit: LayerKind, miss: LayerKind
+) -> tuple[LayerKind, ...]:
+    return tuple(hit if is_hit(i) else miss for i in range(n))
 
 
 def _mla(cfg: Mapping[str, Any]) -> MlaSpec | None:

@@ -7,7 +7,11 @@ with `@rule` in registry.py.
 """
 
 from kvtier.ops.audit.command import (
-    ServeCommand, load_deployment, parse_argv, parse_command_line, parse_kubernetes,
+    ServeCommand,
+    load_deployment,
+    parse_argv,
+    parse_command_line,
+    parse_kubernetes,
 )
 from kvtier.ops.audit.finding import Finding, Severity
 from kvtier.ops.audit.registry import AuditOptions, all_rules, run_audit

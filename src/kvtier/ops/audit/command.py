@@ -27,7 +27,10 @@ import yaml
 
 from kvtier.errors import ConfigError
 from kvtier.ops.vllm_versions import (
-    LMCACHE_CONNECTORS, NATIVE_CONNECTORS, Version, parse_version,
+    LMCACHE_CONNECTORS,
+    NATIVE_CONNECTORS,
+    Version,
+    parse_version,
 )
 
 # vLLM flags that take no value (so the next token is not theirs).
@@ -192,7 +195,7 @@ def load_deployment(
         else source
     stripped = text.lstrip()
     looks_yaml = stripped.startswith(("apiVersion", "kind:", "args:", "containers:", "- ")) \
-        or re.search(r"^\s*(args|containers|command):", text, re.M) is not None
+        or re.search(r"^\s*(args|containers|command):", text, re.MULTILINE) is not None
     if looks_yaml:
         return parse_kubernetes(text, env, vllm_version, model_config)
     return parse_command_line(text, env, vllm_version, model_config)

@@ -31,7 +31,7 @@ RULE_MODULES: tuple[str, ...] = (
 # Model names whose layers mix attention kinds (sliding+full, linear/Mamba+full).
 _HYBRID_NAME = re.compile(
     r"qwen3[._-]?[56]|qwen3-next|gemma-?[234]|jamba|nemotron-h|granite-4|mamba|falcon-h1|"
-    r"minimax|zamba|bamba|plamo", re.I)
+    r"minimax|zamba|bamba|plamo", re.IGNORECASE)
 
 
 @dataclass(frozen=True, slots=True)

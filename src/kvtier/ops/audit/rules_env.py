@@ -21,7 +21,7 @@ KNOWN_FAKE_ENV: dict[str, str] = {
     "VLLM_ENABLE_PREFIX_CACHING": "--enable-prefix-caching",
 }
 _QUOTED = re.compile(r'"(VLLM_[A-Z0-9_]+)"')
-_ANNOTATED = re.compile(r"^\s+(VLLM_[A-Z0-9_]+)\s*:", re.M)
+_ANNOTATED = re.compile(r"^\s+(VLLM_[A-Z0-9_]+)\s*:", re.MULTILINE)
 
 
 @functools.cache
