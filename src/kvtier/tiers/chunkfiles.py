@@ -123,7 +123,11 @@ class ChunkFiles:
         try:
             written = os.pwritev(fd, parts, 0)
             if written != self.file_bytes:
-                raise OSError(errno.EIO, f"short write: {written} of {self.file_bytes} bytes")
+                # A short write to a regular file means the filesystem (or a quota) filled up
+                # mid-file. Reported as EIO, the tiers never evicted on a full filesystem and
+                # dropped every later put (tests/faults/test_write_failures.py, real tmpfs).
+                raise OSError(errno.ENOSPC, f"short write: {written} of {self.file_bytes} "
+                              "bytes (filesystem full)")
             os.close(fd)
             fd = -1
             os.replace(temp, path)
