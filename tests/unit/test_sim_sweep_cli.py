@@ -1,0 +1,89 @@
+"""Sweeps, their verdicts and plot, and the `kvtier simulate` command."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from kvtier.cli.main import main
+from kvtier.errors import ConfigError
+from kvtier.sim.engine import EngineConfig
+from kvtier.sim.fleet import SimConfig, simulate
+from kvtier.sim.sweep import sweep, verdict
+from kvtier.sim.tiers import parse_tier
+from kvtier.sim.workload import workload_preset
+
+SMALL = SimConfig(workload=workload_preset("chat", think_s=60.0, rate_rps=6.0),
+                  engine=EngineConfig(kv_blocks=400), requests=600,
+                  tiers=(parse_tier("cpu=8GB"),))
+
+
+def test_verdict_rules() -> None:
+    base = simulate(replace(SMALL, requests=200, tiers=()))
+    faster = replace(base, ttft_p50_s=base.ttft_p50_s * 0.9)
+    slower = replace(base, ttft_p50_s=base.ttft_p50_s * 1.01)
+    more = replace(base, throughput_tok_s=base.throughput_tok_s * 1.03)
+    assert verdict(faster, base) == "pays"
+    assert verdict(more, base) == "pays"
+    assert verdict(slower, base) == "only costs"
+    assert verdict(base, base) == "neutral"
+
+
+def test_cpu_sweep_finds_where_offload_pays_and_plots(tmp_path: Path) -> None:
+    calls: list[tuple[int, int]] = []
+    result = sweep(SMALL, "cpu_gb", [1, 16], lambda d, t: calls.append((d, t)))
+    assert calls[-1] == (3, 3)  # the baseline runs once for a capacity sweep
+    small, large = result.points
+    assert small.baseline is large.baseline
+    assert large.verdict == "pays" and result.pays_from == 16
+    assert small.verdict != "pays"  # 1 GB is smaller than the GPU pool: no extra hits
+    from kvtier.sim.plot import plot_sweep
+
+    out = plot_sweep(result, tmp_path / "s.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_unique_traffic_never_pays() -> None:
+    unique = replace(SMALL, workload=workload_preset("unique", rate_rps=6.0),
+                     engine=EngineConfig(kv_blocks=4000))
+    result = sweep(unique, "rate", [3.0, 6.0])
+    assert result.pays_from is None
+    assert result.costs_at  # the stores and the connector are pure overhead
+
+
+def test_bad_sweep_parameter() -> None:
+    with pytest.raises(ConfigError):
+        sweep(SMALL, "colour", [1])
+
+
+def test_cli_json_report(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["simulate", "--requests", "300", "--rate", "4", "--tier", "cpu=8GiB",
+                 "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["report"]["completed"] == 300
+    assert out["config"]["workload"]["rate_rps"] == 4.0
+    assert out["report"]["tiers"][0]["name"] == "cpu"
+
+
+def test_cli_sweep_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["simulate", "--requests", "200", "--sweep", "rate=2,4", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [p["value"] for p in out["points"]] == [2.0, 4.0]
+
+
+def test_cli_validate_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--validate", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert all(r["ok"] for r in rows) and len(rows) == 6
+
+
+@pytest.mark.parametrize("argv", [["--tier", "gpu=1GiB"], ["--sweep", "rate=a"],
+                                  ["--hbm-util", "1.5"], ["--model", "nope"]])
+def test_cli_bad_input_exits_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--requests", "10", *argv]) == 2
+    assert "invalid config" in capsys.readouterr().err
