@@ -10,7 +10,7 @@ Example (YAML):
       - {kind: shared, path: /mnt/shared/kvtier, capacity: 2TiB, eviction: lru}
 
 Primitives: `StoreConfig` (with `.parse`, `.load`), `MemoryTierConfig`, `DiskTierConfig`,
-`SharedTierConfig`, `TierConfig`.
+`SharedTierConfig`, `RedisTierConfig`, `TierConfig`.
 """
 
 from __future__ import annotations
@@ -69,8 +69,77 @@ class SharedTierConfig(_TierBase):
     io_threads: int = Field(4, ge=1, le=64)  # parallel reads/writes against this directory
 
 
+class RedisTierConfig(_TierBase):
+    """A Redis or Valkey server, or a Redis Cluster (see kvtier/tiers/redis.py).
+
+    Credentials never come from the command line or the URL: a password file, or an
+    environment variable (`password_env`, else KVTIER_REDIS_PASSWORD, else REDIS_PASSWORD).
+    """
+
+    kind: Literal["redis"]
+    capacity: ByteSize = 0  # bytes the tier keeps per namespace; 0 = the server's maxmemory
+    url: str = "redis://127.0.0.1:6379/0"  # standalone server; rediss:// for TLS; no password
+    cluster_nodes: tuple[str, ...] = ()  # "host:port" of some Redis Cluster nodes (replaces url)
+    tls: bool = False  # TLS to the cluster nodes (a standalone server: use rediss://)
+    tls_ca_file: Path | None = None  # CA bundle that signed the server's certificate
+    username: str | None = None  # ACL user; None = "default"
+    password_file: Path | None = None  # file whose first line is the password (mode 0600)
+    password_env: str | None = None  # env var holding the password (see class docstring)
+    ttl_s: float | None = Field(None, gt=0)  # expire chunks idle this long; None = never
+    part_bytes: ByteSize = 8 * 1024**2  # largest value written; larger chunks are split
+    socket_timeout_ms: int = Field(200, ge=1)  # longest wait for a reply before "down"
+    connect_timeout_ms: int = Field(200, ge=1)  # longest wait for a TCP/TLS connect
+    retry_max_s: float = Field(30.0, gt=0)  # longest backoff between retries of a down server
+    key_prefix: str = "kvtier:"  # prefix of every key this tier writes
+    io_threads: int = Field(4, ge=1, le=64)  # write-behind threads the store gives this tier
+
+    @field_validator("url")
+    @classmethod
+    def _url_without_password(cls, url: str) -> str:
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(url)
+        if parts.scheme not in ("redis", "rediss"):
+            raise ValueError("a redis:// or rediss:// (TLS) URL")
+        if parts.password is not None:
+            raise ValueError("no password in the URL: it would show in process listings, logs "
+                             "and shell history; use password_file or password_env")
+        return url
+
+    @field_validator("cluster_nodes")
+    @classmethod
+    def _host_ports(cls, nodes: tuple[str, ...]) -> tuple[str, ...]:
+        for node in nodes:
+            host, _, port = node.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"{node!r} is not host:port")
+        return nodes
+
+    @field_validator("part_bytes")
+    @classmethod
+    def _part_size(cls, size: int) -> int:
+        if size < 4096:
+            raise ValueError("at least 4096 bytes (a few MiB is best; Redis allows 512 MiB)")
+        return size
+
+    @field_validator("key_prefix")
+    @classmethod
+    def _no_braces(cls, prefix: str) -> str:
+        if "{" in prefix or "}" in prefix:
+            raise ValueError("no '{' or '}': the tier uses them as Redis Cluster hash tags")
+        return prefix
+
+    @field_validator("eviction")
+    @classmethod
+    def _lru_only(cls, eviction: str) -> str:
+        if eviction != "lru":
+            raise ValueError("'lru' (the tier's index orders chunks by last use)")
+        return eviction
+
+
 TierConfig = Annotated[
-    MemoryTierConfig | DiskTierConfig | SharedTierConfig, Field(discriminator="kind")
+    MemoryTierConfig | DiskTierConfig | SharedTierConfig | RedisTierConfig,
+    Field(discriminator="kind"),
 ]
 
 
@@ -117,7 +186,7 @@ class StoreConfig(_Frozen):
 
 
 _TIER_KINDS = [get_args(t.model_fields["kind"].annotation)[0]
-               for t in (MemoryTierConfig, DiskTierConfig, SharedTierConfig)]
+               for t in (MemoryTierConfig, DiskTierConfig, SharedTierConfig, RedisTierConfig)]
 
 
 def parse_model(model: type[BaseModel], data: Any, where: str) -> Any:
@@ -149,7 +218,7 @@ def parse_model(model: type[BaseModel], data: Any, where: str) -> Any:
 def _fields_at(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     """Names of the fields allowed where an unknown one was found (best effort)."""
     if len(loc) >= 3 and loc[0] == "tiers":
-        for tier in (MemoryTierConfig, DiskTierConfig, SharedTierConfig):
+        for tier in (MemoryTierConfig, DiskTierConfig, SharedTierConfig, RedisTierConfig):
             if tier.__name__.lower().startswith(str(loc[2])):
                 return sorted(tier.model_fields)
     return sorted(model.model_fields)
