@@ -18,6 +18,7 @@ TIER_CLASSES: dict[str, str] = {
     "memory": "kvtier.tiers.memory:MemoryTier",
     "disk": "kvtier.tiers.disk:DiskTier",
     "shared": "kvtier.tiers.shared:SharedTier",
+    "redis": "kvtier.tiers.redis:RedisTier",
 }
 
 
