@@ -203,6 +203,8 @@ def parse_model(model: type[BaseModel], data: Any, where: str) -> Any:
             allowed = cause.allowed
         elif isinstance(cause, ValueError):
             allowed = str(cause)
+        if error["type"] == "missing":
+            value, allowed = None, "a value is required here"
         if error["type"] == "union_tag_invalid":
             loc, value = (*loc, "kind"), error["ctx"]["tag"]
             allowed = f"one of {error['ctx']['expected_tags']}"

@@ -1,4 +1,4 @@
-"""kvtier's connector inside a real vLLM (CPU backend), phase 1 (placeholder store).
+"""kvtier's connector inside a real vLLM (CPU backend), backed by its tiered store.
 
 One engine for the module (start ~20 s); each case runs in about a second. Chunks are 64
 tokens (2 vLLM blocks of 32). Every case uses its own prompts (its own seed) so that cases

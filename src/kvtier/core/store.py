@@ -124,6 +124,10 @@ class TieredStore:
             holders.append(tier.name)
         return LookupResult(len(holders), tuple(holders))
 
+    def contains(self, key: ChunkKey) -> bool:
+        """Whether some tier holds the chunk (index lookups; one stat for a shared tier)."""
+        return any(self._contains(tier, key) for tier in self.tiers)
+
     def submit_lookup(self, keys: Sequence[ChunkKey]) -> Future[LookupResult]:
         """`lookup` on a store thread, for callers that must not block on I/O."""
         return self._reader.submit(self.lookup, list(keys))

@@ -1,8 +1,10 @@
 """The tier registry: one module per tier, imported only when a store uses it.
 
-Every tier is built the same way: `TierClass(config, layout)`.
+Every tier is built the same way: `TierClass(config, layout)`. Tiers whose contents other
+processes can see (files, remote stores) also offer a probe: a side-effect-free "is this chunk
+stored?" for processes that do not own the tier (vLLM's scheduler).
 
-Primitives: `build_tier`, `TIER_CLASSES`.
+Primitives: `build_tier`, `build_probe`, `TIER_CLASSES`.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import importlib
 
 from kvtier.config import TierConfig
 from kvtier.core.layout import KVLayout
+from kvtier.core.locator import Probe
 from kvtier.core.tier import Tier
 
 # kind -> "module:Class"
@@ -27,3 +30,16 @@ def build_tier(config: TierConfig, layout: KVLayout) -> Tier:
     module_name, class_name = TIER_CLASSES[config.kind].split(":")
     tier_class = getattr(importlib.import_module(module_name), class_name)
     return tier_class(config, layout)  # type: ignore[no-any-return]
+
+
+def build_probe(config: TierConfig, layouts: list[KVLayout]) -> Probe | None:
+    """A probe of the tier `config` names for chunks of all `layouts` (e.g. every TP rank's),
+    or None for a tier private to its process (memory)."""
+    from kvtier.tiers.chunkfiles import FileProbe
+
+    digests = [layout.digest() for layout in layouts]
+    if config.kind == "disk":
+        return FileProbe(config.path, digests, blocking_ok=True)
+    if config.kind == "shared":  # may be NFS: stat latency is the network's
+        return FileProbe(config.path, digests, blocking_ok=False)
+    return None

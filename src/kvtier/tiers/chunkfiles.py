@@ -8,7 +8,8 @@ of the same chunk both write whole files; the last rename wins and both are iden
 Reads and writes use O_DIRECT when the filesystem supports it (no page-cache copy) and fall
 back to buffered I/O otherwise. Shared by the disk and shared-directory tiers.
 
-Primitives: `ChunkFiles` (path_of, write, read_into, touch, remove, scan), `scan_tree`.
+Primitives: `ChunkFiles` (path_of, write, read_into, touch, remove, scan), `chunk_path`,
+`scan_tree`.
 """
 
 from __future__ import annotations
@@ -46,6 +47,12 @@ class ChunkFile:
     path: Path
     size_bytes: int
     mtime: float
+
+
+def chunk_path(root: Path, layout_digest: str, key: ChunkKey) -> Path:
+    """Where the chunk `key` of a layout lives under `root` (no I/O)."""
+    name = key.hex()
+    return root / layout_digest / name[:2] / name[2:4] / f"{name}{SUFFIX}"
 
 
 def _aligned(buffer: memoryview) -> bool:
@@ -95,8 +102,7 @@ class ChunkFiles:
         return self._local.header, self._local.staging
 
     def path_of(self, key: ChunkKey) -> Path:
-        name = key.hex()
-        return self.directory / name[:2] / name[2:4] / f"{name}{SUFFIX}"
+        return chunk_path(self.root, self.layout_digest, key)
 
     def _flags(self, flags: int) -> int:
         return flags | os.O_DIRECT if self.o_direct else flags
@@ -221,3 +227,20 @@ def _key_of(filename: str) -> ChunkKey | None:
         return ChunkKey(bytes.fromhex(filename[: -len(SUFFIX)]))
     except ValueError:
         return None
+
+
+class FileProbe:
+    """Answers "is this chunk stored?" for a chunk-file directory, from any process, with
+    no side effects (no mkdir, no scan): one stat per layout. With several layouts (the
+    tensor-parallel ranks of one model) a chunk counts only when every rank's file exists."""
+
+    def __init__(self, root: Path, layout_digests: list[str], blocking_ok: bool) -> None:
+        self.root = Path(root)
+        self.layout_digests = list(layout_digests)
+        self.blocking_ok = blocking_ok  # cheap enough for a scheduler thread (local disk)
+
+    def contains(self, key: ChunkKey) -> bool:
+        try:
+            return all(chunk_path(self.root, d, key).exists() for d in self.layout_digests)
+        except OSError:  # e.g. EACCES or a stale NFS handle: a miss, never an error
+            return False

@@ -2,7 +2,7 @@
 
 Modules: `connector` (the KVConnectorBase_V1 shell), `scheduler` (what to load and store),
 `worker` (moving bytes between vLLM's paged KV and chunk buffers), `config` (parsing
-kv_connector_extra_config), `placeholder` (phase 1 stand-in for TieredStore).
+kv_connector_extra_config).
 """
 
 from kvtier.integrations.vllm.connector import KVTierConnector

@@ -10,29 +10,36 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from kvtier.config import StoreConfig
 from kvtier.errors import ConfigError
-from kvtier.units import parse_size
 
 logger = logging.getLogger(__name__)
 
 WHERE = "kv_connector_extra_config"
-_KNOWN_KEYS = frozenset({"tokens_per_chunk", "store", "placeholder_capacity"})
+# Used when the extra config names no tiers: host RAM only.
+DEFAULT_TIERS: tuple[dict[str, Any], ...] = ({"kind": "memory", "capacity": "2GiB"},)
+_CONNECTOR_KEYS = frozenset({"tokens_per_chunk", "index_max_keys"})
 
 
 @dataclass(frozen=True, slots=True)
 class ConnectorConfig:
-    """Validated connector settings."""
+    """Validated connector settings: the connector's own keys plus the store config.
 
+    `kv_connector_extra_config` example:
+        {"tokens_per_chunk": 256,
+         "tiers": [{"kind": "memory", "capacity": "8GiB"},
+                   {"kind": "disk", "path": "/mnt/nvme/kvtier", "capacity": "200GiB"}]}
+    """
+
+    store: StoreConfig  # tiers, sizes, paths, write-behind settings
     # Tokens per stored chunk; a multiple of vLLM's block size (checked against it later).
     tokens_per_chunk: int = 256
-    # The kvtier store config (tiers, sizes, paths), handed as-is to
-    # `kvtier.config.StoreConfig.parse` once the core store is wired in.
-    store: Mapping[str, Any] = field(default_factory=dict)
-    # Phase 1 only: byte budget of the in-process placeholder store (see placeholder.py).
-    placeholder_capacity_bytes: int = 1 << 30
+    # Keys the scheduler remembers as stored (~100 B each). None: as many chunks as the
+    # tiers can hold together, so the index forgets about as fast as the tiers evict.
+    index_max_keys: int | None = None
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -42,19 +49,23 @@ class ConnectorConfig:
             ConfigError: naming the field, on an unknown key or a bad value.
         """
         extra = dict(extra or {})
-        unknown = sorted(set(extra) - _KNOWN_KEYS)
+        allowed = _CONNECTOR_KEYS | set(StoreConfig.model_fields)
+        unknown = sorted(set(extra) - allowed)
         if unknown:
             raise ConfigError(f"{WHERE}.{unknown[0]}", extra[unknown[0]],
-                              f"a known key: {sorted(_KNOWN_KEYS)}")
-        tpc = extra.get("tokens_per_chunk", cls.tokens_per_chunk)
-        if isinstance(tpc, bool) or not isinstance(tpc, int) or tpc < 1:
-            raise ConfigError(f"{WHERE}.tokens_per_chunk", tpc, "a positive integer")
-        store = extra.get("store", {})
-        if not isinstance(store, Mapping):
-            raise ConfigError(f"{WHERE}.store", store, "a mapping (the kvtier store config)")
-        capacity = parse_size(extra.get("placeholder_capacity", 1 << 30),
-                              field=f"{WHERE}.placeholder_capacity")
-        return cls(tokens_per_chunk=tpc, store=dict(store), placeholder_capacity_bytes=capacity)
+                              f"a known key: {sorted(allowed)}")
+        values = {k: extra.pop(k) for k in _CONNECTOR_KEYS if k in extra}
+        for name, value in values.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{WHERE}.{name}", value, "a positive integer")
+        extra.setdefault("tiers", [dict(t) for t in DEFAULT_TIERS])
+        return cls(store=StoreConfig.parse(extra, where=WHERE), **values)
+
+    def index_keys(self, bytes_per_chunk: int) -> int:
+        """The scheduler index's bound in keys (see index_max_keys)."""
+        if self.index_max_keys is not None:
+            return self.index_max_keys
+        return max(1024, sum(t.capacity for t in self.store.tiers) // bytes_per_chunk)
 
     def check_block_size(self, block_size: int) -> None:
         """Raise ConfigError unless tokens_per_chunk is a multiple of vLLM's block size."""

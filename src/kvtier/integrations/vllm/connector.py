@@ -2,9 +2,10 @@
 
 vLLM builds one instance per role: SCHEDULER (in the engine-core process) delegates to
 `scheduler.ConnectorScheduler`; WORKER (in each worker process) delegates to
-`worker.ConnectorWorker`. Loads and stores are synchronous in phase 1: loads run in
-`start_load_kv` before the forward pass (the scheduler marks the step as having sync loads),
-stores in `wait_for_save` after it, so no block outlives its request.
+`worker.ConnectorWorker`, which owns the worker's `TieredStore`. Loads run in `start_load_kv`
+before the forward pass (the scheduler marks the step as having sync loads); stores run in
+`wait_for_save` after it and copy the blocks out before returning, so no block outlives its
+request; slower tiers are written behind, off the engine's thread.
 
 Enable with
     kv_transfer_config={"kv_connector": "KVTierConnector",
@@ -28,9 +29,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.core.layout import KVLayout
+from kvtier.core.locator import ChunkLocator
+from kvtier.core.store import TieredStore
+from kvtier.tiers import build_probe
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import ConnectorConfig
-from kvtier.integrations.vllm.placeholder import PlaceholderStore
 from kvtier.integrations.vllm.scheduler import ConnectorScheduler, KVTierMetadata
 from kvtier.integrations.vllm.worker import ConnectorWorker, PagedKV
 
@@ -45,10 +48,10 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-def scheduler_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
-                     tokens_per_chunk: int) -> KVLayout:
-    """The chunk layout as the scheduler sees it (rank 0 of the TP group; keys are shared
-    by all ranks, each rank's store keeps its own shard apart by its own layout).
+def scheduler_layouts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
+                      tokens_per_chunk: int) -> list[KVLayout]:
+    """The chunk layout of every tensor-parallel rank, as the scheduler sees them. Keys use
+    rank 0's digest (all ranks share keys); each rank stores its shard under its own layout.
 
     Raises:
         ConfigError: for models with more than one KV cache group (hybrid, sliding window).
@@ -56,17 +59,19 @@ def scheduler_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise ConfigError("kv_cache_groups", len(groups),
-                          "exactly one (full-attention models only in phase 1)")
+                          "exactly one (full-attention models only for now)")
     spec = groups[0].kv_cache_spec
-    return KVLayout(num_layers=len(groups[0].layer_names), num_kv_heads=spec.num_kv_heads,
-                    head_size=spec.head_size,
-                    dtype=str(spec.dtype).removeprefix("torch."),
-                    tokens_per_chunk=tokens_per_chunk,
-                    tp_world_size=vllm_config.parallel_config.tensor_parallel_size)
+    world = vllm_config.parallel_config.tensor_parallel_size
+    return [
+        KVLayout(num_layers=len(groups[0].layer_names), num_kv_heads=spec.num_kv_heads,
+                 head_size=spec.head_size, dtype=str(spec.dtype).removeprefix("torch."),
+                 tokens_per_chunk=tokens_per_chunk, tp_rank=rank, tp_world_size=world)
+        for rank in range(world)
+    ]
 
 
 class KVTierConnector(KVConnectorBase_V1):
-    """vLLM KV connector backed by kvtier (phase 1: the placeholder store)."""
+    """vLLM KV connector backed by kvtier's tiered store."""
 
     _cache_hit_source = CacheHitSource.HOST
 
@@ -79,12 +84,15 @@ class KVTierConnector(KVConnectorBase_V1):
         self._scheduler: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            layout = scheduler_layout(vllm_config, kv_cache_config,
-                                      self._config.tokens_per_chunk)
+            layouts = scheduler_layouts(vllm_config, kv_cache_config,
+                                        self._config.tokens_per_chunk)
+            probes = [build_probe(tier, layouts) for tier in self._config.store.tiers]
+            locator = ChunkLocator([p for p in probes if p is not None],
+                                   self._config.index_keys(layouts[0].bytes_per_chunk))
             self._scheduler = ConnectorScheduler(
                 self._config, block_size=self._block_size,
-                model_id=vllm_config.model_config.model, layout_digest=layout.digest(),
-                index_max_keys=self._config.placeholder_capacity_bytes // layout.bytes_per_chunk)
+                model_id=vllm_config.model_config.model, layout_digest=layouts[0].digest(),
+                locator=locator)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -126,8 +134,7 @@ class KVTierConnector(KVConnectorBase_V1):
         layout = paged.layout(self._config.tokens_per_chunk,
                               tp_rank=get_tensor_model_parallel_rank(),
                               tp_world_size=self._vllm_config.parallel_config.tensor_parallel_size)
-        store = PlaceholderStore(layout.bytes_per_chunk, self._config.placeholder_capacity_bytes)
-        self._worker = ConnectorWorker(paged, layout, store)
+        self._worker = ConnectorWorker(paged, layout, TieredStore(self._config.store, layout))
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -151,3 +158,10 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self._worker.take_report() if self._worker is not None else None
+
+    def shutdown(self) -> None:
+        """Finish queued writes to the slower tiers and close the store (engine exit)."""
+        if self._worker is not None:
+            self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.close()

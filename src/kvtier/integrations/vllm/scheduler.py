@@ -5,18 +5,18 @@ and never does blocking I/O. It keeps, per running request, the chunk keys of it
 its vLLM block ids, and turns them into a per-step plan (`KVTierMetadata`) that the worker
 side executes.
 
-What kvtier holds is known here through `ChunkIndex`, fed by the keys the workers report
-as stored (`KVTierWorkerMetadata`) and forgotten when a worker reports a key missing.
-The bytes live in the worker process (phase 1: the placeholder store; later: TieredStore).
+What kvtier holds is known here through a `ChunkLocator`: an index fed by the keys the
+workers report as stored (`KVTierWorkerMetadata`) and forgotten when a worker reports a key
+missing, plus probes of the tiers this process can see (disk and shared directories), which
+find chunks stored before a restart or by another engine. The bytes live in the workers'
+`TieredStore`s.
 
-Primitives: `ChunkTransfer`, `KVTierMetadata`, `KVTierWorkerMetadata`, `ChunkIndex`,
-`ConnectorScheduler`.
+Primitives: `ChunkTransfer`, `KVTierMetadata`, `KVTierWorkerMetadata`, `ConnectorScheduler`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtier.core.keys import ChunkKey, Namespace, chunk_keys
+from kvtier.core.locator import ChunkLocator
 from kvtier.integrations.vllm.config import ConnectorConfig, RequestControls
 
 if TYPE_CHECKING:
@@ -77,37 +78,6 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
                                     missing=self.missing | other.missing)
 
 
-class ChunkIndex:
-    """The keys kvtier is believed to hold, as an LRU set bounded by `max_keys`.
-
-    A stale entry costs a failed load (reported, recomputed), never a wrong token.
-    """
-
-    def __init__(self, max_keys: int) -> None:
-        self._keys: OrderedDict[ChunkKey, None] = OrderedDict()
-        self._max_keys = max(1, max_keys)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._keys
-
-    def add(self, key: ChunkKey) -> None:
-        self._keys[key] = None
-        self._keys.move_to_end(key)
-        while len(self._keys) > self._max_keys:
-            self._keys.popitem(last=False)
-
-    def discard(self, key: ChunkKey) -> None:
-        self._keys.pop(key, None)
-
-    def prefix_length(self, keys: list[ChunkKey]) -> int:
-        """Number of leading `keys` held (the longest available prefix, in chunks)."""
-        for i, key in enumerate(keys):
-            if key not in self._keys:
-                return i
-            self._keys.move_to_end(key)
-        return len(keys)
-
-
 @dataclass(slots=True)
 class _RequestState:
     request: Request
@@ -125,14 +95,14 @@ class ConnectorScheduler:
     """Scheduler-side logic behind KVTierConnector's scheduler hooks (one thread)."""
 
     def __init__(self, config: ConnectorConfig, *, block_size: int, model_id: str,
-                 layout_digest: str, index_max_keys: int) -> None:
+                 layout_digest: str, locator: ChunkLocator) -> None:
         config.check_block_size(block_size)
         self._config = config
         self._block_size = block_size
         self._blocks_per_chunk = config.tokens_per_chunk // block_size
         self._model_id = model_id
         self._layout_digest = layout_digest
-        self._index = ChunkIndex(index_max_keys)
+        self._locator = locator
         self._requests: dict[str, _RequestState] = {}
         self._pending_loads: dict[str, list[ChunkTransfer]] = {}
         # Keys sent to workers for storing and not yet reported back (not stored twice).
@@ -141,8 +111,9 @@ class ConnectorScheduler:
     # -- lookup ---------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request,
-                                   num_computed_tokens: int) -> tuple[int, bool]:
-        """Tokens beyond `num_computed_tokens` that kvtier can load (synchronously)."""
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens beyond `num_computed_tokens` that kvtier can load (synchronously), or
+        (None, False) while a slow tier is still being asked (vLLM asks again later)."""
         state = self._state(request)
         state.lookup_computed_tokens = num_computed_tokens
         if state.controls.skip_load:
@@ -150,7 +121,10 @@ class ConnectorScheduler:
         # The last token is always recomputed: vLLM needs its logits.
         loadable_chunks = (request.num_tokens - 1) // self._config.tokens_per_chunk
         keys = self._keys_for(state, loadable_chunks)
-        hit_tokens = self._index.prefix_length(keys) * self._config.tokens_per_chunk
+        held = self._locator.prefix_length(request.request_id, keys)
+        if held is None:
+            return None, False
+        hit_tokens = held * self._config.tokens_per_chunk
         if hit_tokens <= num_computed_tokens:
             return 0, False
         return hit_tokens - num_computed_tokens, False
@@ -215,16 +189,15 @@ class ConnectorScheduler:
         report = output.kv_connector_worker_meta
         if not isinstance(report, KVTierWorkerMetadata):
             return
-        for key in report.stored:
-            self._index.add(key)
-        for key in report.missing:
-            self._index.discard(key)
+        self._locator.record_stored(report.stored)
+        self._locator.record_missing(report.missing)
         self._inflight_stores.clear()
 
     def request_finished(self, request: Request) -> None:
         """Forget the request; stores are synchronous, so its blocks can be freed now."""
         self._requests.pop(request.request_id, None)
         self._pending_loads.pop(request.request_id, None)
+        self._locator.forget(request.request_id)
 
     # -- helpers --------------------------------------------------------------------------
 
@@ -268,10 +241,13 @@ class ConnectorScheduler:
         keys = self._keys_for(state, full_chunks)
         for chunk in range(state.num_planned_chunks, full_chunks):
             key = keys[chunk]
-            if key in self._index or key in self._inflight_stores:
+            if key in self._locator.index or key in self._inflight_stores:
                 continue
             first = chunk * self._blocks_per_chunk
             out.append(ChunkTransfer(
                 key=key, block_ids=tuple(state.block_ids[first: first + self._blocks_per_chunk])))
             self._inflight_stores.add(key)
         state.num_planned_chunks = full_chunks
+
+    def close(self) -> None:
+        self._locator.close()

@@ -45,6 +45,10 @@ class ChunkStore(Protocol):
 
     def put(self, key: ChunkKey, data: memoryview) -> bool: ...
 
+    def contains(self, key: ChunkKey) -> bool: ...
+
+    def close(self) -> None: ...
+
 
 def _torch_dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
@@ -144,6 +148,9 @@ class ConnectorWorker:
     def store(self, meta: KVTierMetadata) -> None:
         """Store every planned chunk whose KV the forward pass just computed."""
         for transfer in meta.stores:
+            if self._store.contains(transfer.key):  # e.g. a prefix vLLM itself had cached
+                self._report.stored.add(transfer.key)
+                continue
             self._paged.gather(transfer.block_ids, self._chunk)
             if self._store.put(transfer.key, self._buffer_view):
                 self._report.stored.add(transfer.key)
@@ -159,3 +166,7 @@ class ConnectorWorker:
             return None
         report, self._report = self._report, KVTierWorkerMetadata()
         return report
+
+    def close(self) -> None:
+        """Flush write-behind queues and close the store."""
+        self._store.close()

@@ -1,0 +1,127 @@
+"""Which leading chunks of a prompt are held, answered for a process that does not own the
+tiers (vLLM's scheduler), without blocking it on slow I/O.
+
+Two sources, in order:
+  1. an index of keys the data-owning processes reported as stored (an LRU set; covers the
+     process-private memory tier), and
+  2. probes of tiers other processes can see (disk, shared directory, remote stores): how
+     chunks written before a restart, or by another engine, are found. Probes cheap enough
+     for the caller's thread (a local stat) run inline; slower ones (NFS, network) run on a
+     thread, and the caller is told "not ready, ask again" until they finish.
+A stale answer costs a failed load (reported to the engine and recomputed), never wrong KV.
+
+Primitives: `Probe` (protocol), `ChunkIndex`, `ChunkLocator`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
+
+from kvtier.core.keys import ChunkKey
+
+
+class Probe(Protocol):
+    """A side-effect-free "is this chunk stored?" for one tier."""
+
+    blocking_ok: bool  # cheap enough to call on a latency-critical thread
+
+    def contains(self, key: ChunkKey) -> bool: ...
+
+
+class ChunkIndex:
+    """Keys believed held, as an LRU set of at most `max_keys` (memory stays bounded)."""
+
+    def __init__(self, max_keys: int) -> None:
+        self._keys: OrderedDict[ChunkKey, None] = OrderedDict()
+        self._max_keys = max(1, max_keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def add(self, key: ChunkKey) -> None:
+        self._keys[key] = None
+        self._keys.move_to_end(key)
+        while len(self._keys) > self._max_keys:
+            self._keys.popitem(last=False)
+
+    def discard(self, key: ChunkKey) -> None:
+        self._keys.pop(key, None)
+
+    def prefix_length(self, keys: Sequence[ChunkKey]) -> int:
+        """Number of leading `keys` held."""
+        for i, key in enumerate(keys):
+            if key not in self._keys:
+                return i
+            self._keys.move_to_end(key)
+        return len(keys)
+
+
+def _probed_prefix(probes: Sequence[Probe], keys: Sequence[ChunkKey]) -> int:
+    """Number of leading `keys` that some probe finds."""
+    for i, key in enumerate(keys):
+        if not any(probe.contains(key) for probe in probes):
+            return i
+    return len(keys)
+
+
+class ChunkLocator:
+    """Index + probes. Called from one thread (the scheduler's); probes run on its own."""
+
+    def __init__(self, probes: Sequence[Probe], max_keys: int) -> None:
+        self.index = ChunkIndex(max_keys)
+        self._inline = [p for p in probes if p.blocking_ok]
+        self._all = list(probes)
+        self._slow = len(self._inline) < len(self._all)
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="kvtier-probe") if self._slow else None
+        self._pending: dict[str, tuple[int, Future[int]]] = {}
+
+    def record_stored(self, keys: Iterable[ChunkKey]) -> None:
+        for key in keys:
+            self.index.add(key)
+
+    def record_missing(self, keys: Iterable[ChunkKey]) -> None:
+        for key in keys:
+            self.index.discard(key)
+
+    def prefix_length(self, request_id: str, keys: Sequence[ChunkKey]) -> int | None:
+        """Number of leading `keys` held, or None while a slow probe for this request runs
+        (ask again on a later call)."""
+        held = self.index.prefix_length(keys)
+        held = self._extend(held, keys, _probed_prefix(self._inline, keys[held:]))
+        if held == len(keys) or not self._slow:
+            self._pending.pop(request_id, None)
+            return held
+        pending = self._pending.get(request_id)
+        if pending is None:
+            assert self._pool is not None
+            future = self._pool.submit(_probed_prefix, self._all, list(keys[held:]))
+            self._pending[request_id] = (held, future)
+            return None
+        start, future = pending
+        if not future.done():
+            return None
+        del self._pending[request_id]
+        found = future.result() if future.exception() is None else 0
+        return max(held, self._extend(start, keys, found))
+
+    def _extend(self, start: int, keys: Sequence[ChunkKey], found: int) -> int:
+        """Remember `found` keys after `start` as held (so the next lookup is an index hit)."""
+        for key in keys[start : start + found]:
+            self.index.add(key)
+        return start + found
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's pending probe."""
+        pending = self._pending.pop(request_id, None)
+        if pending is not None:
+            pending[1].cancel()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
