@@ -110,7 +110,7 @@ def test_doctor_json_prints_transfer_config_and_fails_on_missing_connector(capsy
     assert status["connector"] == "fail" and status["config"] == "ok"
     assert status[f"tier disk: {tmp_path}/nvme"] == "ok"
     assert code == 1 and out["ok"] is False
-    assert out["kv_transfer_config"]["kv_connector_extra_config"]["store"]["tiers"][1] == {
+    assert out["kv_transfer_config"]["kv_connector_extra_config"]["tiers"][1] == {
         "kind": "disk", "path": f"{tmp_path}/nvme", "capacity": "1MiB"}
 
 

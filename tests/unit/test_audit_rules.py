@@ -24,9 +24,9 @@ FS_TIER = json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both
                           "secondary_tiers": [{"type": "fs", "root_dir": "/mnt/kv"}]}})
 KVTIER_SHARED = json.dumps({"kv_connector": "KVTierConnector",
                             "kv_connector_module_path": "kvtier.integrations.vllm",
-                            "kv_role": "kv_both", "kv_connector_extra_config": {"store": {
+                            "kv_role": "kv_both", "kv_connector_extra_config": {
                                 "tiers": [{"kind": "shared", "path": "/mnt/kv",
-                                           "capacity": "1TiB"}]}}})
+                                           "capacity": "1TiB"}]}})
 EAGLE3 = ("--speculative-config "
           "'{\"method\":\"eagle3\",\"model\":\"x\",\"num_speculative_tokens\":3}'")
 

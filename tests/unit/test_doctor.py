@@ -79,7 +79,7 @@ def test_store_config_validation_and_transfer_config(tmp_path):
     cfg = json.loads(transfer_config_json(good))
     assert cfg["kv_connector"] == "KVTierConnector"
     assert cfg["kv_connector_module_path"] == "kvtier.integrations.vllm"
-    assert cfg["kv_connector_extra_config"]["store"] == good
+    assert cfg["kv_connector_extra_config"] == good
     bad = {"tiers": [{"kind": "memory", "capacity": "lots"}]}
     assert check_store_config(bad).status == "fail"
     with pytest.raises(ConfigError):

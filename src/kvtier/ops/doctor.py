@@ -32,7 +32,9 @@ import yaml
 
 from kvtier.config import StoreConfig
 from kvtier.errors import ConfigError
-from kvtier.ops.flags import KVTIER_CONNECTOR, KVTIER_MODULE, kvtier_transfer_config
+from kvtier.ops.flags import (
+    CONNECTOR_KEYS, KVTIER_CONNECTOR, KVTIER_MODULE, kvtier_transfer_config,
+)
 from kvtier.units import format_size, parse_size
 
 Status = Literal["ok", "fail", "skip"]
@@ -131,7 +133,8 @@ def check_connector(module: str = KVTIER_MODULE, attr: str = KVTIER_CONNECTOR) -
 def check_store_config(store: Mapping[str, Any]) -> Check:
     """Does the store dict validate as kvtier's StoreConfig?"""
     try:
-        StoreConfig.parse(dict(store), where="store")
+        StoreConfig.parse({k: v for k, v in store.items() if k not in CONNECTOR_KEYS},
+                          where="store")
     except ConfigError as exc:
         return Check("config", "fail", str(exc))
     return Check("config", "ok", f"{len(store['tiers'])} tier(s) valid")

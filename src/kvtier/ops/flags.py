@@ -44,21 +44,27 @@ def sglang_per_rank_to_vllm_total(per_rank: float, tp: int) -> float:
     return per_rank * tp
 
 
+# The connector's own keys in kv_connector_extra_config (see kvtier.integrations.vllm.config).
+CONNECTOR_KEYS = ("tokens_per_chunk", "index_max_keys")
+
+
 def kvtier_transfer_config(store: Mapping[str, Any]) -> dict[str, Any]:
     """Return the `--kv-transfer-config` dict that loads kvtier with store config `store`.
 
-    `store` is validated by `kvtier.config.StoreConfig` (the schema the connector reads under
-    `kv_connector_extra_config.store`).
+    `store` is validated by `kvtier.config.StoreConfig`; the connector reads it as its
+    `kv_connector_extra_config`, beside its own keys (tokens_per_chunk, index_max_keys).
 
     Raises:
         ConfigError: when `store` is not a valid kvtier store config.
     """
-    StoreConfig.parse(dict(store), where="kv_connector_extra_config.store")
+    connector_keys = {k: store[k] for k in CONNECTOR_KEYS if k in store}
+    StoreConfig.parse({k: v for k, v in store.items() if k not in CONNECTOR_KEYS},
+                      where="kv_connector_extra_config")
     return {
         "kv_connector": KVTIER_CONNECTOR,
         "kv_connector_module_path": KVTIER_MODULE,
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"store": dict(store)},
+        "kv_connector_extra_config": {**connector_keys, **dict(store)},
     }
 
 
