@@ -49,18 +49,22 @@ def plot_sweep(result: SweepResult, path: str | Path, title: str = "") -> Path:
     ax_thr.plot(xs, [p.offload.throughput_tok_s for p in result.points], color="#1f77b4",
                 marker="o", label="offload")
     ax_thr.set_ylabel("output tokens/s")
-    ax_thr.set_ylim(bottom=0)
+    top = max(max(p.baseline.throughput_tok_s, p.offload.throughput_tok_s)
+              for p in result.points)
+    ax_thr.set_ylim(0, top * 1.2 or 1.0)
     ax_thr.legend(fontsize=8)
     ax_hit.plot(xs, [p.offload.gpu_hit_rate for p in result.points], marker="o",
                 color="#2ca02c", label="GPU prefix cache")
-    names = [t.name for t in result.points[0].offload.tiers]
-    for k, name in enumerate(names):
-        ax_hit.plot(xs, [p.offload.tiers[k].hit_rate for p in result.points], marker="o",
-                    label=f"{name} tier")
+    names = list(dict.fromkeys(t.name for p in result.points for t in p.offload.tiers))
+    for name in names:
+        rates = [sum(t.hit_rate for t in p.offload.tiers if t.name == name)
+                 for p in result.points]
+        ax_hit.plot(xs, rates, marker="o", label=f"{name} tier")
     ax_hit.set_ylabel("share of prompt blocks")
     ax_hit.set_ylim(0, 1)
     ax_hit.legend(fontsize=8)
-    fig.suptitle(title or f"kvtier simulate: sweep of {result.param}")
+    fig.suptitle((title or f"kvtier simulate: sweep of {result.param}")
+                 + "\n(green: offload pays; red: offload only costs)", fontsize=11)
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -70,11 +74,12 @@ def plot_sweep(result: SweepResult, path: str | Path, title: str = "") -> Path:
 
 
 def _shade(ax: object, result: SweepResult) -> None:
-    pts = result.points
-    for i, p in enumerate(pts):
+    xs = [p.value for p in result.points]
+    for i, p in enumerate(result.points):
         color = _SHADE.get(p.verdict)
         if color is None:
             continue
-        lo = (pts[i - 1].value + p.value) / 2 if i else p.value
-        hi = (p.value + pts[i + 1].value) / 2 if i + 1 < len(pts) else p.value
-        ax.axvspan(lo, hi, color=color, zorder=0)  # type: ignore[attr-defined]
+        left = xs[i] - xs[i - 1] if i else (xs[1] - xs[0] if len(xs) > 1 else 1.0)
+        right = xs[i + 1] - xs[i] if i + 1 < len(xs) else left
+        ax.axvspan(xs[i] - left / 2, xs[i] + right / 2,  # type: ignore[attr-defined]
+                   color=color, zorder=0)
