@@ -6,7 +6,9 @@ import argparse
 import importlib
 
 # One line per `kvtier bench` workload module; each exposes `register(subparsers)`.
-WORKLOADS: tuple[str, ...] = ()
+WORKLOADS: tuple[str, ...] = (
+    "kvtier.cli.bench_storage",
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -1,0 +1,74 @@
+"""`kvtier bench storage --quick`, end to end, on small chunks in a temp dir.
+
+The command is a benchmark, not a timed test: this checks that one run measures every tier,
+size and ceiling it was asked for and writes them as positive numbers, never how fast.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.cli.main import main
+
+SIZES_MIB = (0.5, 2)
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    # A small run of the real command: two sizes, tiny rounds, files on the test's own disk.
+    tmp = tmp_path_factory.mktemp("bench")
+    out = tmp / "bench-storage.json"
+    code = main(["bench", "storage", "--quick", "--sizes", ",".join(map(str, SIZES_MIB)),
+                 "--trial-bytes", "4MiB", "--dir", str(tmp), "--json", str(out)])
+    assert code == 0
+    data: dict = json.loads(out.read_text())
+    data["_dir_after"] = sorted(p.name for p in tmp.iterdir())
+    return data
+
+
+def test_every_tier_size_and_ceiling_is_measured_with_positive_numbers(report: dict) -> None:
+    # Ceilings (copy, O_DIRECT per file and in one file) and the three tiers, both directions,
+    # at both sizes; each with three trials.
+    sizes = {int(mib * 1024**2) for mib in SIZES_MIB}
+    subjects = {"copy", "direct", "direct_1file", "memory", "disk", "shared"}
+    seen = {(m["subject"], m["op"], m["size_bytes"]) for m in report["measurements"]}
+    assert seen == {(s, op, size) for s in subjects for op in ("put", "get") for size in sizes}
+    for m in report["measurements"]:
+        assert m["gbps"] > 0 and len(m["trial_s"]) == 3 and min(m["trial_s"]) > 0
+
+
+def test_every_tier_is_judged_against_its_ceiling(report: dict) -> None:
+    # Targets apply from 2 MiB: memory and disk get a pass/fail there, shared is information.
+    verdicts = {(v["tier"], v["op"], v["size_bytes"]): v for v in report["verdicts"]}
+    assert len(verdicts) == 3 * 2 * len(SIZES_MIB)
+    for (tier, op, size), v in verdicts.items():
+        assert v["ratio"] > 0 and v["ceiling_gbps"] > 0
+        assert v["ceiling"] == ("copy" if tier == "memory" else "direct")
+        judged = tier in ("memory", "disk") and size >= 2 * 1024**2
+        assert (v["passed"] is not None) == judged
+
+
+def test_the_report_says_where_and_under_what_load(report: dict) -> None:
+    machine = report["machine"]
+    assert len(machine["loadavg_before"]) == 3 and len(machine["loadavg_after"]) == 3
+    assert machine["filesystem"]["type"]
+    assert report["lmcache"] is None  # not asked for
+
+
+def test_the_run_leaves_nothing_behind_in_its_directory(report: dict) -> None:
+    assert report["_dir_after"] == ["bench-storage.json"]
+
+
+def test_a_bad_size_is_a_config_error_naming_the_field(tmp_path: Path) -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli.main", "bench", "storage", "--sizes", "0.001",
+         "--dir", str(tmp_path), "--json", str(tmp_path / "x.json")],
+        capture_output=True, text=True, check=False,
+    )
+    assert run.returncode == 2
+    assert "sizes" in run.stderr and "4 KiB" in run.stderr
