@@ -5,6 +5,7 @@ other's files. No read may ever return a torn chunk or another chunk's bytes."""
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.synchronize
 import random
 import time
 from pathlib import Path
@@ -28,8 +29,10 @@ def content(k: bytes) -> bytes:
     return blake3.blake3(k).digest(length=LAYOUT.bytes_per_chunk)
 
 
-def _worker(root: str, seed: int, results: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+def _worker(root: str, seed: int, start: multiprocessing.synchronize.Barrier,
+            results: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
     tier = make_tier("shared", Path(root), LAYOUT, capacity_chunks=10, scan_interval_s=0.05)
+    start.wait(timeout=60)  # both run at the same time, however long each took to start
     rng = random.Random(seed)
     out = bytearray(LAYOUT.bytes_per_chunk)
     hits = misses = wrong = puts = 0
@@ -52,8 +55,8 @@ def test_two_processes_never_see_a_torn_or_wrong_chunk(tmp_path: Path) -> None:
     """Both processes hammer 24 keys for 1.5 s; every hit in either process holds exactly
     the bytes its key derives, and no file was ever found corrupt."""
     context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    workers = [context.Process(target=_worker, args=(str(tmp_path), seed, results))
+    results, start = context.Queue(), context.Barrier(2)
+    workers = [context.Process(target=_worker, args=(str(tmp_path), seed, start, results))
                for seed in (1, 2)]
     for worker in workers:
         worker.start()

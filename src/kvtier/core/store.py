@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from kvtier.config import StoreConfig
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
-from kvtier.core.tier import Tier, TierCounters, TierStats
+from kvtier.core.tier import BatchLookup, Tier, TierCounters, TierStats
 from kvtier.tiers import build_tier
 
 log = logging.getLogger(__name__)
@@ -115,10 +115,15 @@ class TieredStore:
     # -- lookups ---------------------------------------------------------------------------
     def lookup(self, keys: Sequence[ChunkKey]) -> LookupResult:
         """The longest prefix of `keys` held by some tier. Stats one file per key per tier
-        at most (shared directory); index lookups elsewhere."""
+        at most (shared directory); index lookups elsewhere; one batch per remote tier."""
+        # A tier with BatchLookup (a remote store) answers every key in one round trip up
+        # front, rather than one round trip per key.
+        batched = {id(t): self._contains_many(t, keys) for t in self.tiers
+                   if isinstance(t, BatchLookup)}
         holders: list[str] = []
-        for key in keys:
-            tier = next((t for t in self.tiers if self._contains(t, key)), None)
+        for i, key in enumerate(keys):
+            tier = next((t for t in self.tiers if (batched[id(t)][i] if id(t) in batched
+                                                   else self._contains(t, key))), None)
             if tier is None:
                 break
             holders.append(tier.name)
@@ -131,6 +136,14 @@ class TieredStore:
     def submit_lookup(self, keys: Sequence[ChunkKey]) -> Future[LookupResult]:
         """`lookup` on a store thread, for callers that must not block on I/O."""
         return self._reader.submit(self.lookup, list(keys))
+
+    def _contains_many(self, tier: BatchLookup, keys: Sequence[ChunkKey]) -> list[bool]:
+        try:
+            return tier.contains_many(keys)
+        except Exception as exc:
+            log.warning("tier %r: batch lookup failed (%s); treated as misses",
+                        getattr(tier, "name", "?"), exc)
+            return [False] * len(keys)
 
     def _contains(self, tier: Tier, key: ChunkKey) -> bool:
         try:
