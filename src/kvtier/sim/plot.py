@@ -7,6 +7,7 @@ Primitives:
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from kvtier.sim.sweep import SweepResult
 
@@ -53,16 +54,7 @@ def plot_sweep(result: SweepResult, path: str | Path, title: str = "") -> Path:
               for p in result.points)
     ax_thr.set_ylim(0, top * 1.2 or 1.0)
     ax_thr.legend(fontsize=8)
-    ax_hit.plot(xs, [p.offload.gpu_hit_rate for p in result.points], marker="o",
-                color="#2ca02c", label="GPU prefix cache")
-    names = list(dict.fromkeys(t.name for p in result.points for t in p.offload.tiers))
-    for name in names:
-        rates = [sum(t.hit_rate for t in p.offload.tiers if t.name == name)
-                 for p in result.points]
-        ax_hit.plot(xs, rates, marker="o", label=f"{name} tier")
-    ax_hit.set_ylabel("share of prompt blocks")
-    ax_hit.set_ylim(0, 1)
-    ax_hit.legend(fontsize=8)
+    _hit_panel(ax_hit, result)
     fig.suptitle((title or f"kvtier simulate: sweep of {result.param}")
                  + "\n(green: offload pays; red: offload only costs)", fontsize=11)
     fig.tight_layout()
@@ -71,6 +63,20 @@ def plot_sweep(result: SweepResult, path: str | Path, title: str = "") -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def _hit_panel(ax: Any, result: SweepResult) -> None:
+    xs = [p.value for p in result.points]
+    ax.plot(xs, [p.offload.gpu_hit_rate for p in result.points], marker="o",
+            color="#2ca02c", label="GPU prefix cache")
+    names = list(dict.fromkeys(t.name for p in result.points for t in p.offload.tiers))
+    for name in names:
+        rates = [sum(t.hit_rate for t in p.offload.tiers if t.name == name)
+                 for p in result.points]
+        ax.plot(xs, rates, marker="o", label=f"{name} tier")
+    ax.set_ylabel("share of prompt blocks")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=8)
 
 
 def _shade(ax: object, result: SweepResult) -> None:

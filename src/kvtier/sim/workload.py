@@ -26,6 +26,7 @@ import math
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 from kvtier.errors import ConfigError
 
@@ -84,7 +85,7 @@ WORKLOAD_PRESETS: dict[str, WorkloadConfig] = {
 }
 
 
-def workload_preset(name: str, **overrides: float) -> WorkloadConfig:
+def workload_preset(name: str, **overrides: Any) -> WorkloadConfig:
     """Return a preset with `overrides` applied (None values are ignored).
 
     Raises:
