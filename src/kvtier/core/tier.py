@@ -4,12 +4,14 @@ A tier holds whole chunks of one layout, addressed by ChunkKey. It never raises 
 its data path: a failed or corrupt read is a miss (counted, logged), a failed write is a
 dropped write (counted, logged). `tiers/memory.py` is the reference implementation.
 
-Primitives: `Tier` (protocol), `TierStats` (snapshot), `TierCounters` (thread-safe counters).
+Primitives: `Tier` (protocol), `BatchLookup` (optional protocol: many lookups in one round trip),
+`TierStats` (snapshot), `TierCounters` (thread-safe counters).
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Protocol, runtime_checkable
 
@@ -98,4 +100,15 @@ class Tier(Protocol):
 
     def close(self) -> None:
         """Release resources; later calls may fail."""
+        ...
+
+
+@runtime_checkable
+class BatchLookup(Protocol):
+    """An optional ability of a tier: `contains` for many keys at once, for tiers where each
+    call is a network round trip (remote stores). `TieredStore.lookup` uses it when present."""
+
+    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """`contains` of each key, in order, in one round trip (or one per server). A key
+        whose server cannot answer is reported absent. Never raises for I/O."""
         ...
