@@ -1,0 +1,464 @@
+"""The redis tier: chunks in a Redis or Valkey server, or a Redis Cluster, shared by every
+engine that points at it.
+
+Stored values. A chunk is one header value plus N payload parts:
+    <prefix><layout digest>:{<key hex>}:h      kvtier's chunk header (core/chunkformat), verbatim
+    <prefix><layout digest>:{<key hex>}:0..N-1 the payload, cut into `part_bytes` slices
+One header for the whole chunk (payload size and xxh3 checksum of the whole payload), in a value
+of its own so the payload goes to the socket straight from the caller's buffer (no copy to glue a
+header on). The payload is not padded: the 4 KiB alignment of the format is for O_DIRECT files.
+The `{key hex}` hash tag puts a chunk's values in one Cluster slot (one node, one MGET), while
+distinct chunks spread over every node. A put sends the parts first and the header last, in one
+pipeline on one connection, so a reader that sees the header sees every part; a read is one
+MGET of header and parts, verified (header, layout, key, sizes, checksum) before a byte is used,
+never unpickled. A missing part (the server evicted it alone), a value of the wrong size or a
+checksum mismatch is a counted miss, and the chunk's values are deleted.
+
+Capacity: the tier enforces `capacity` when it is > 0, and leaves it to the server when it is 0.
+  - capacity > 0: per namespace (prefix + layout) and across every client: a sorted set
+    <prefix>{<digest>}:lru scores chunks by last use (server clock); one Lua script adds a new
+    chunk, applies the hits batched since the last call, and pops the least recently used beyond
+    capacity, atomically, so concurrent writers on many hosts never overshoot. For a server
+    shared with other data (which maxmemory eviction would also throw out), or to split one
+    server between namespaces. Costs one more round trip per put, on the node holding the set.
+  - capacity = 0 (recommended for a dedicated cache server or cluster): the server's `maxmemory`
+    with `allkeys-lru` (or `allkeys-lfu`) evicts, with Redis's exact memory accounting, no extra
+    round trip and no hot index key. With the default `noeviction` policy a full server refuses
+    writes: they are counted as dropped writes. `chunks`/`used_bytes` are then not tracked
+    (see `kvtier inspect`).
+
+Failures (tiers/guard.py): the tier starts with the server down; a server (a Cluster node) that
+fails a call is marked down and retried with exponential backoff up to `retry_max_s`; while it
+is down, lookups and reads miss and writes are dropped (counted) in microseconds, without I/O.
+A call blocks at most `socket_timeout_ms` on an open connection, `connect_timeout_ms` +
+`socket_timeout_ms` on a new one: redis-py's own retries are off, as they would multiply that.
+For a Cluster, start the servers with `cluster-require-full-coverage no`, so that a dead node
+costs only the chunks of its slots (with the default `yes` the whole cluster refuses queries once
+it notices).
+
+TTL: `ttl_s` expires chunks idle that long; each hit refreshes it.
+Credentials: `password_file` or an environment variable (config.py); never the URL or argv.
+TLS: `rediss://` or `tls: true`, verified against `tls_ca_file` or the system CAs.
+
+Primitives: `RedisTier`, `ChunkNames`, `connect`, `read_password`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import ClusterDownError, RedisClusterException, SlotNotCoveredError
+from redis.retry import Retry
+
+from kvtier.config import RedisTierConfig
+from kvtier.core.chunkformat import HEADER_BYTES, encode_header, verify_header, verify_payload
+from kvtier.core.keys import ChunkKey
+from kvtier.core.layout import KVLayout
+from kvtier.core.policies import AdmissionFilter
+from kvtier.core.tier import TierCounters, TierStats
+from kvtier.errors import ConfigError, CorruptBlock, TierUnavailable
+from kvtier.tiers.guard import Guard
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+Client = redis.Redis | RedisCluster
+# Errors that mean "the server is not answering" (AuthenticationError is a ConnectionError).
+UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, SlotNotCoveredError,
+               OSError)
+PASSWORD_ENVS = ("KVTIER_REDIS_PASSWORD", "REDIS_PASSWORD")
+MIN_BACKOFF_S = 0.25  # first retry of a server that failed
+TOUCH_FLUSH_S = 1.0  # hits are reported to the LRU index at least this often...
+TOUCH_FLUSH_KEYS = 256  # ...or when this many are pending
+
+# KEYS[1] the namespace's LRU set; ARGV: capacity (chunks), TTL (ms, 0 = none), the new chunk
+# ("" for none), then chunks hit since the last call. Returns {chunks held, {victim, score...}}.
+_INDEX_SCRIPT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local ttl_ms = tonumber(ARGV[2])
+if ttl_ms > 0 then redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - ttl_ms * 1000) end
+for i = 4, #ARGV do redis.call('ZADD', KEYS[1], 'XX', now, ARGV[i]) end
+if ARGV[3] ~= '' then redis.call('ZADD', KEYS[1], now, ARGV[3]) end
+local victims = {}
+local excess = redis.call('ZCARD', KEYS[1]) - tonumber(ARGV[1])
+if excess > 0 then victims = redis.call('ZPOPMIN', KEYS[1], excess) end
+return {redis.call('ZCARD', KEYS[1]), victims}
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkNames:
+    """Where the values of a namespace's chunks live (see the module docstring)."""
+
+    prefix: str  # config.key_prefix
+    digest: str  # the layout digest
+    parts: int  # payload parts per chunk
+
+    def header(self, key: ChunkKey) -> str:
+        return f"{self.prefix}{self.digest}:{{{key.hex()}}}:h"
+
+    def values(self, key: ChunkKey) -> list[str]:
+        """Header first, then the payload parts in order."""
+        base = f"{self.prefix}{self.digest}:{{{key.hex()}}}:"
+        return [base + "h", *(base + str(i) for i in range(self.parts))]
+
+    @property
+    def index(self) -> str:
+        return f"{self.prefix}{{{self.digest}}}:lru"
+
+
+def read_password(config: RedisTierConfig) -> str | None:
+    """The password: `password_file`'s first line, else the environment (`password_env`, or
+    KVTIER_REDIS_PASSWORD, then REDIS_PASSWORD), else None.
+
+    Raises:
+        ConfigError: the file is unreadable or empty, or `password_env` names an unset variable.
+    """
+    if config.password_file is not None:
+        try:
+            lines = config.password_file.read_text().splitlines()
+        except OSError as exc:
+            raise ConfigError("password_file", str(config.password_file),
+                              f"a readable file ({exc.strerror})") from None
+        if not lines or not lines[0]:
+            raise ConfigError("password_file", str(config.password_file),
+                              "a file whose first line is the password")
+        if config.password_file.stat().st_mode & 0o077:
+            log.warning("redis password file %s is readable by others; chmod 600 it",
+                        config.password_file)
+        return lines[0]
+    names = (config.password_env,) if config.password_env else PASSWORD_ENVS
+    for name in names:
+        if os.environ.get(name):
+            return os.environ[name]
+    if config.password_env:
+        raise ConfigError("password_env", config.password_env, "a set environment variable")
+    return None
+
+
+def connect(config: RedisTierConfig, password: str | None) -> Client:
+    """A client for the server or cluster `config` names, with its timeouts and no retries.
+
+    A standalone client connects on first use; a cluster client asks a node for the slot map
+    now.
+
+    Raises:
+        redis.ConnectionError: no cluster node answered.
+    """
+    common: dict[str, Any] = {
+        "username": config.username, "password": password,
+        "socket_timeout": config.socket_timeout_ms / 1000,
+        "socket_connect_timeout": config.connect_timeout_ms / 1000,
+        "retry": Retry(NoBackoff(), 0),
+    }
+    if config.tls_ca_file is not None:
+        common["ssl_ca_certs"] = str(config.tls_ca_file)
+    if not config.cluster_nodes:
+        if not config.url.startswith("rediss://"):
+            common.pop("ssl_ca_certs", None)
+        return redis.Redis.from_url(config.url, **common)
+    nodes = [ClusterNode(host, int(port))
+             for host, _, port in (node.rpartition(":") for node in config.cluster_nodes)]
+    try:
+        return RedisCluster(startup_nodes=nodes, ssl=config.tls, require_full_coverage=False,
+                            **common)
+    except RedisClusterException as exc:  # "cannot be connected": no node answered
+        raise redis.ConnectionError(str(exc)) from exc
+
+
+class RedisTier:
+    """Chunks in Redis/Valkey (standalone or Cluster). Thread-safe.
+
+    Raises (constructor): ConfigError when the password file or variable is unusable. A server
+    that is down is not an error: the tier starts unavailable and keeps retrying.
+    """
+
+    def __init__(self, config: RedisTierConfig, layout: KVLayout) -> None:
+        self.name = config.tier_name
+        self.chunk_bytes = layout.bytes_per_chunk
+        self.part_bytes = config.part_bytes
+        self.names = ChunkNames(config.key_prefix, layout.digest(),
+                                max(1, -(-self.chunk_bytes // self.part_bytes)))
+        self.stored_bytes = HEADER_BYTES + self.chunk_bytes  # one chunk's values, as stored
+        self.bounded = config.capacity > 0
+        self.capacity_chunks = config.capacity // self.stored_bytes
+        self.ttl_ms = int(config.ttl_s * 1000) if config.ttl_s else None
+        self.cluster = bool(config.cluster_nodes)
+        self._config = config
+        self._password = read_password(config)
+        self._server = "cluster" if self.cluster else (urlsplit(config.url).netloc or "server")
+        self._client: Client | None = None
+        self._client_lock = threading.Lock()
+        self.guard = Guard(self.name, MIN_BACKOFF_S, config.retry_max_s)
+        self._admission = AdmissionFilter(config.admit_after)
+        self._counters = TierCounters(self.name, config.capacity)
+        self._touch_lock = threading.Lock()
+        self._touched: set[str] = set()
+        self._touched_at = 0.0
+        self._script: Any = None
+
+    # -- plumbing ----------------------------------------------------------------------------
+    def _connected(self) -> Client:
+        if self._client is None:
+            with self._client_lock:
+                if self._client is None:
+                    self._client = connect(self._config, self._password)
+                    self._script = self._client.register_script(_INDEX_SCRIPT)
+        return self._client
+
+    def _endpoint(self, name: str) -> str:
+        """The server holding value `name`: a Cluster node's "host:port", or the server."""
+        client = self._client
+        if not self.cluster or client is None:
+            return self._server
+        try:
+            return str(client.nodes_manager.get_node_from_slot(client.keyslot(name)).name)
+        except (RedisClusterException, SlotNotCoveredError, IndexError, KeyError):
+            return self._server
+
+    def _run(self, endpoint: str, call: Callable[[Client], T]) -> T:
+        """`call(client)` through `endpoint`'s circuit breaker.
+
+        Raises:
+            TierUnavailable: the endpoint is down (no I/O was done) or just failed.
+            redis.RedisError: any other failure of the call (e.g. OOM, a full server).
+        """
+        if not self.guard.allow(endpoint):
+            raise TierUnavailable(f"{endpoint} is down")
+        try:
+            result = call(self._connected())
+        except UNAVAILABLE as exc:
+            self.guard.failed(endpoint, exc)
+            raise TierUnavailable(f"{endpoint}: {exc}") from exc
+        except redis.RedisError:
+            self.guard.succeeded(endpoint)  # it answered, with an error
+            raise
+        self.guard.succeeded(endpoint)
+        return result
+
+    def _by_endpoint(self, names: Sequence[str]) -> dict[str, list[int]]:
+        groups: dict[str, list[int]] = {}
+        for i, name in enumerate(names):
+            groups.setdefault(self._endpoint(name), []).append(i)
+        return groups
+
+    # -- lookups -----------------------------------------------------------------------------
+    def contains(self, key: ChunkKey) -> bool:
+        header = self.names.header(key)
+        try:
+            return bool(self._run(self._endpoint(header), lambda c: c.exists(header)))
+        except (TierUnavailable, redis.RedisError):
+            return False
+
+    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """`contains` of each key: one pipelined round trip per server (Cluster node)."""
+        headers = [self.names.header(key) for key in keys]
+        found = [False] * len(keys)
+        for endpoint, indexes in self._by_endpoint(headers).items():
+            def exists(client: Client, indexes: list[int] = indexes) -> list[Any]:
+                pipe = client.pipeline(transaction=False)
+                for i in indexes:
+                    pipe.exists(headers[i])
+                return pipe.execute()  # type: ignore[no-any-return]
+
+            try:
+                for i, answer in zip(indexes, self._run(endpoint, exists)):
+                    found[i] = bool(answer)
+            except (TierUnavailable, redis.RedisError):
+                pass  # this server's keys stay "absent"
+        return found
+
+    # -- reads -------------------------------------------------------------------------------
+    def get_into(self, key: ChunkKey, out: memoryview) -> bool:
+        if len(out) != self.chunk_bytes:
+            raise ValueError(f"buffer is {len(out)} bytes, this tier's chunks {self.chunk_bytes}")
+        start = time.perf_counter()
+        names = self.names.values(key)
+        try:
+            values = self._run(self._endpoint(names[0]), lambda c: self._fetch(c, names))
+        except (TierUnavailable, redis.RedisError) as exc:
+            log.debug("redis tier %r: read of %s failed (%s); a miss", self.name, key.hex(), exc)
+            self._counters.add(misses=1)
+            return False
+        if values[0] is None or None in values:
+            if values[0] is not None:  # parts evicted by the server: the header is an orphan
+                log.info("redis tier %r: chunk %s lost a part; a miss", self.name, key.hex())
+                self._remove(key)
+            self._counters.add(misses=1)
+            return False
+        try:
+            self._verify_into(key, values, out)
+        except CorruptBlock as exc:
+            log.warning("redis tier %r: chunk %s is corrupt (%s); removed, a miss", self.name,
+                        key.hex(), exc)
+            self._remove(key)
+            self._counters.add(misses=1, corrupt_reads=1)
+            return False
+        self._touch(key)
+        self._counters.add(hits=1, bytes_read=len(out), read_s=time.perf_counter() - start)
+        return True
+
+    def _fetch(self, client: Client, names: list[str]) -> list[bytes | None]:
+        pipe = client.pipeline(transaction=False)
+        pipe.mget(names)
+        if self.ttl_ms:
+            for name in names:
+                pipe.pexpire(name, self.ttl_ms)
+        return pipe.execute()[0]  # type: ignore[no-any-return]
+
+    def _verify_into(self, key: ChunkKey, values: list[bytes | None], out: memoryview) -> None:
+        """Check the header and every part's size, copy the parts into `out`, check the
+        payload's checksum. Raises CorruptBlock."""
+        header, parts = values[0], values[1:]
+        assert header is not None
+        if len(header) != HEADER_BYTES:
+            raise CorruptBlock(f"header value is {len(header)} bytes, expected {HEADER_BYTES}")
+        size, payload_sum = verify_header(header, key, self.names.digest)
+        if size != self.chunk_bytes:
+            raise CorruptBlock(f"payload is {size} bytes, expected {self.chunk_bytes}")
+        offset = 0
+        for i, part in enumerate(parts):
+            assert part is not None
+            expected = min(self.part_bytes, self.chunk_bytes - offset)
+            if len(part) != expected:
+                raise CorruptBlock(f"part {i} is {len(part)} bytes, expected {expected}")
+            out[offset : offset + expected] = part
+            offset += expected
+        verify_payload(out, payload_sum)
+
+    # -- writes ------------------------------------------------------------------------------
+    def put(self, key: ChunkKey, data: memoryview) -> bool:
+        if len(data) != self.chunk_bytes:
+            raise ValueError(f"chunk is {len(data)} bytes, this tier stores {self.chunk_bytes}")
+        names = self.names.values(key)
+        endpoint = self._endpoint(names[0])
+        try:
+            if self._run(endpoint, lambda c: c.exists(names[0])):
+                self._touch(key)
+                return True
+            if not self._admission.offer(key) or (self.bounded and self.capacity_chunks == 0):
+                return False
+            start = time.perf_counter()
+            header = encode_header(key, self.names.digest, data)
+            self._run(endpoint, lambda c: self._store(c, names, header, data))
+        except (TierUnavailable, redis.RedisError) as exc:
+            log.debug("redis tier %r: write of %s dropped (%s)", self.name, key.hex(), exc)
+            self._counters.add(dropped_writes=1)
+            return False
+        self._counters.add(puts=1, bytes_written=len(data), write_s=time.perf_counter() - start)
+        if self.bounded:
+            self._update_index(key.hex())
+        return True
+
+    def _store(self, client: Client, names: list[str], header: bytes, data: memoryview) -> None:
+        pipe = client.pipeline(transaction=False)
+        view = data.cast("B") if data.format != "B" else data
+        for i, name in enumerate(names[1:]):  # parts first, the header last (see docstring)
+            pipe.set(name, view[i * self.part_bytes : (i + 1) * self.part_bytes], px=self.ttl_ms)
+        pipe.set(names[0], header, px=self.ttl_ms)
+        pipe.execute()
+
+    def delete(self, key: ChunkKey) -> bool:
+        names = self.names.values(key)
+        try:
+            held = bool(self._run(self._endpoint(names[0]), lambda c: c.delete(*names)))
+        except (TierUnavailable, redis.RedisError):
+            return False
+        if self.bounded:
+            self._unindex([key.hex()])
+        return held
+
+    def _remove(self, key: ChunkKey) -> None:
+        """Best-effort removal of a bad chunk's values and index entry."""
+        self._delete_values([key.hex()])
+        if self.bounded:
+            self._unindex([key.hex()])
+
+    def _delete_values(self, hex_keys: Sequence[str]) -> None:
+        """Delete chunks' values (header first), one pipeline per server that is up."""
+        all_names = [self.names.values(ChunkKey(bytes.fromhex(h))) for h in hex_keys]
+        groups = self._by_endpoint([names[0] for names in all_names])
+        for endpoint, indexes in groups.items():
+            def delete(client: Client, indexes: list[int] = indexes) -> None:
+                pipe = client.pipeline(transaction=False)
+                for i in indexes:
+                    pipe.delete(*all_names[i])
+                pipe.execute()
+
+            try:
+                self._run(endpoint, delete)
+            except (TierUnavailable, redis.RedisError) as exc:
+                # Left to the TTL or the server's maxmemory; the index no longer counts them.
+                log.info("redis tier %r: %d evicted chunk(s) not deleted (%s)", self.name,
+                         len(indexes), exc)
+
+    # -- the LRU index (capacity > 0) --------------------------------------------------------
+    def _touch(self, key: ChunkKey) -> None:
+        """Note a hit for the index; flushed with the next put, or when due."""
+        if not self.bounded:
+            return
+        with self._touch_lock:
+            self._touched.add(key.hex())
+            due = (len(self._touched) >= TOUCH_FLUSH_KEYS
+                   or time.monotonic() - self._touched_at > TOUCH_FLUSH_S)
+        if due:
+            self._update_index("")
+
+    def _update_index(self, new_hex: str) -> None:
+        """Add `new_hex` (unless ""), apply pending hits, evict beyond capacity."""
+        with self._touch_lock:
+            touched, self._touched = self._touched, set()
+            self._touched_at = time.monotonic()
+        index = self.names.index
+        args = [self.capacity_chunks, self.ttl_ms or 0, new_hex, *touched]
+        try:
+            held, flat = self._run(self._endpoint(index),
+                                   lambda c: self._script(keys=[index], args=args, client=c))
+        except (TierUnavailable, redis.RedisError) as exc:
+            log.debug("redis tier %r: index update failed (%s)", self.name, exc)
+            return
+        victims = [v.decode() for v in flat[::2]]
+        if victims:
+            self._delete_values(victims)
+            self._counters.add(evictions=len(victims))
+        self._counters.set(chunks=int(held), used_bytes=int(held) * self.stored_bytes)
+
+    def _unindex(self, hex_keys: list[str]) -> None:
+        index = self.names.index
+
+        def zrem(client: Client) -> int:
+            pipe = client.pipeline(transaction=False)
+            pipe.zrem(index, *hex_keys)
+            pipe.zcard(index)
+            return int(pipe.execute()[1])
+
+        try:
+            held = self._run(self._endpoint(index), zrem)
+        except (TierUnavailable, redis.RedisError):
+            return
+        self._counters.set(chunks=held, used_bytes=held * self.stored_bytes)
+
+    # -- upkeep ------------------------------------------------------------------------------
+    def available(self) -> bool:
+        """Whether no server of this tier is marked down."""
+        return not self.guard.down_endpoints()
+
+    def stats(self) -> TierStats:
+        return self._counters.snapshot()
+
+    def close(self) -> None:
+        if self.bounded and self._touched and self.available():
+            self._update_index("")
+        client, self._client = self._client, None
+        if client is not None:
+            client.close()
