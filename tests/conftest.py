@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 
+import tierkit
 from kvtier.core.layout import KVLayout
+from redis_server import REDIS_SERVER, SKIP_REASON, RedisClusterNodes, RedisServer
 from tierkit import tiny_layout
 
 
@@ -12,3 +17,62 @@ from tierkit import tiny_layout
 def layout() -> KVLayout:
     """A 4 KiB-chunk layout (see tierkit.tiny_layout)."""
     return tiny_layout()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests parametrized with kind="redis" (the tier contract suite) need redis-server."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and callspec.params.get("kind") == "redis":
+            item.add_marker(pytest.mark.redis)
+
+
+@pytest.fixture(scope="session")
+def redis_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One redis-server for the whole session (tests share it through `redis_url`)."""
+    if REDIS_SERVER is None:
+        pytest.skip(SKIP_REASON)
+    server = RedisServer(tmp_path_factory.mktemp("redis-session")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_session: RedisServer) -> Iterator[str]:
+    """The URL of an empty redis-server on 127.0.0.1 (the session's, flushed)."""
+    redis_session.client().flushall()
+    yield redis_session.url
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server of this test's own (to kill, slow down or restart), killed after it."""
+    if REDIS_SERVER is None:
+        pytest.skip(SKIP_REASON)
+    server = RedisServer(tmp_path / "redis").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_cluster(tmp_path: Path) -> Iterator[RedisClusterNodes]:
+    """A 3-node Redis Cluster on 127.0.0.1, killed after the test."""
+    if REDIS_SERVER is None:
+        pytest.skip(SKIP_REASON)
+    cluster = RedisClusterNodes(tmp_path / "cluster")
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(autouse=True)
+def _redis_for_kind_redis(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Give tierkit the server address when a test is parametrized with kind="redis"."""
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is None or callspec.params.get("kind") != "redis":
+        yield
+        return
+    tierkit.REDIS_URL = request.getfixturevalue("redis_url")
+    yield
+    tierkit.REDIS_URL = None

@@ -4,8 +4,9 @@ never picks up another folder's conftest module.)
 
 `tier_settings(kind, ...)` is the single place that knows how each tier kind is configured;
 the contract suite, the store's property tests and the fault drills all build tiers through
-it. To run all of them against a new tier (e.g. redis), add its kind to TIER_KINDS and a
-branch here (a redis tier would take its server address from a fixture).
+it. To run all of them against a new tier, add its kind to TIER_KINDS and a branch here. The
+redis tier takes its server from REDIS_URL, which tests/conftest.py sets for tests
+parametrized with kind="redis" (and marks them `redis`).
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.config import StoreConfig
-from kvtier.core.chunkformat import ALIGN_BYTES, stored_size
+from kvtier.core.chunkformat import ALIGN_BYTES, HEADER_BYTES, stored_size
 from kvtier.core.layout import KVLayout
 from kvtier.core.tier import Tier
 from kvtier.tiers import build_tier
 
-TIER_KINDS = ("memory", "disk", "shared")
+TIER_KINDS = ("memory", "disk", "shared", "redis")
+REDIS_URL: str | None = None  # the redis-server of the running test (tests/conftest.py)
 
 
 def tiny_layout(tokens_per_chunk: int = 16) -> KVLayout:
@@ -32,6 +34,8 @@ def footprint_bytes(kind: str, layout: KVLayout) -> int:
     """Bytes one chunk takes against a tier's capacity (slot or file, headers included)."""
     if kind == "memory":
         return -(-layout.bytes_per_chunk // ALIGN_BYTES) * ALIGN_BYTES
+    if kind == "redis":  # a header value and the unpadded payload
+        return HEADER_BYTES + layout.bytes_per_chunk
     return stored_size(layout.bytes_per_chunk)
 
 
@@ -44,6 +48,9 @@ def tier_settings(kind: str, root: Path, layout: KVLayout, capacity_chunks: int,
         settings["path"] = str(root / kind)
     if kind == "memory":
         settings["pin"] = "off"
+    if kind == "redis":  # parts of 1.5 KiB: a 4 KiB chunk is stored as 3 parts
+        assert REDIS_URL, "use the redis_url fixture (tests/conftest.py sets REDIS_URL)"
+        settings.update(url=REDIS_URL, part_bytes=1536, retry_max_s=1.0)
     settings.update(options)
     return settings
 

@@ -118,8 +118,8 @@ class RedisTierConfig(_TierBase):
     @field_validator("part_bytes")
     @classmethod
     def _part_size(cls, size: int) -> int:
-        if size < 4096:
-            raise ValueError("at least 4096 bytes (a few MiB is best; Redis allows 512 MiB)")
+        if size < 1024:
+            raise ValueError("at least 1 KiB (a few MiB is best; Redis allows 512 MiB a value)")
         return size
 
     @field_validator("key_prefix")
