@@ -8,6 +8,7 @@ import importlib
 # One line per `kvtier bench` workload module; each exposes `register(subparsers)`.
 WORKLOADS: tuple[str, ...] = (
     "kvtier.cli.bench_storage",
+    "kvtier.cli.bench_serve",
 )
 
 

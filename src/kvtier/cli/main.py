@@ -20,6 +20,7 @@ COMMANDS: tuple[str, ...] = (
     "kvtier.cli.bench",
     "kvtier.cli.plan", "kvtier.cli.audit", "kvtier.cli.doctor",
     "kvtier.cli.simulate",
+    "kvtier.cli.serve",
 )
 
 
