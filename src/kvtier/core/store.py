@@ -4,27 +4,31 @@ write-behind.
 - `lookup(keys)`: the longest prefix of `keys` held by any tier, and which tier holds each.
 - `get_into(key, out)`: read from the highest tier that holds the chunk (a failed or corrupt
   read falls through to the next tier), then promote the chunk to the tiers above it.
+- `borrow(key, spare)`: the same as a read-only view for the duration of a `with` block: a
+  tier that lends views (`Lender`: the memory tier) is read in place, without a copy; any
+  other tier is read into `spare` (and promoted).
 - `put(key, data)`: store in the top tier at once; lower tiers are written behind, on their
   own threads, through bounded queues: when a queue is full the write is dropped and counted,
   never blocking the caller.
 A tier that raises is skipped for that call (logged, counted as a miss or a drop): a broken
 tier costs hits, never the engine.
 
-Primitives: `TieredStore`, `LookupResult`, `StoreStats`.
+Primitives: `TieredStore`, `LookupResult`, `ChunkView`, `StoreStats`.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 from kvtier.config import StoreConfig
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
-from kvtier.core.tier import BatchLookup, Tier, TierCounters, TierStats
+from kvtier.core.tier import BatchLookup, Lender, Tier, TierCounters, TierStats
 from kvtier.tiers import build_tier
 
 log = logging.getLogger(__name__)
@@ -36,6 +40,14 @@ class LookupResult:
 
     num_chunks: int  # keys[:num_chunks] are all held somewhere
     tiers: tuple[str, ...]  # the name of the (fastest) tier holding each of them
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkView:
+    """A chunk lent by `TieredStore.borrow`: valid only inside its `with` block."""
+
+    data: memoryview  # the payload, read-only (a tier's own memory, or the caller's spare)
+    tier: str  # the name of the tier that served it
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +183,36 @@ class TieredStore:
             if hit:
                 self._promote(level, key, out)
                 return tier.name
+        return None
+
+    @contextmanager
+    def borrow(self, key: ChunkKey, spare: memoryview) -> Iterator[ChunkView | None]:
+        """Lend the chunk read-only, from the fastest tier that holds it; None on a miss.
+
+        A `Lender` tier (the memory tier) lends its own memory, pinned until the block
+        exits: no copy. Any other tier is read into `spare` (one chunk long, the caller's
+        buffer), promoted as by `get_into`, and `spare` is lent. Tiers that fail or hold a
+        corrupt copy are skipped, as by `get_into`. Any thread.
+        """
+        with ExitStack() as stack:
+            yield self._open(stack, key, spare)
+
+    def _open(self, stack: ExitStack, key: ChunkKey, spare: memoryview) -> ChunkView | None:
+        for level, tier in enumerate(self.tiers):
+            if not self._contains(tier, key):
+                continue
+            try:
+                if isinstance(tier, Lender):
+                    view = stack.enter_context(tier.borrow(key))
+                else:
+                    view = spare if tier.get_into(key, spare) else None
+            except Exception as exc:
+                log.warning("tier %r: read of %s failed (%s); trying the next", tier.name,
+                            key.hex(), exc)
+                continue
+            if view is not None:
+                self._promote(level, key, view)
+                return ChunkView(view.toreadonly(), tier.name)
         return None
 
     def get_many_into(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview]) -> list[str | None]:

@@ -5,6 +5,7 @@ its data path: a failed or corrupt read is a miss (counted, logged), a failed wr
 dropped write (counted, logged). `tiers/memory.py` is the reference implementation.
 
 Primitives: `Tier` (protocol), `BatchLookup` (optional protocol: many lookups in one round trip),
+`Lender` (optional protocol: lend a read-only view of a held chunk, no copy),
 `TierStats` (snapshot), `TierCounters` (thread-safe counters).
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, fields, replace
 from typing import Protocol, runtime_checkable
 
@@ -111,4 +113,22 @@ class BatchLookup(Protocol):
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
         """`contains` of each key, in order, in one round trip (or one per server). A key
         whose server cannot answer is reported absent. Never raises for I/O."""
+        ...
+
+
+@runtime_checkable
+class Lender(Protocol):
+    """An optional ability of a tier whose chunks already sit in addressable memory (the
+    memory tier): lend a read-only view of a chunk instead of copying it out, so that the
+    vLLM worker scatters straight from the tier into the paged KV (one copy, not two)."""
+
+    def borrow(self, key: ChunkKey) -> AbstractContextManager[memoryview | None]:
+        """A context manager yielding a read-only view of the chunk's payload, or None when
+        the chunk is not held (a miss, counted as by `get_into`).
+
+        The chunk's storage is pinned while the block runs: it is neither overwritten nor
+        reused, even if the chunk is evicted or deleted meanwhile (its space is freed when
+        the last borrower leaves). The view must not be used after the block. Never raises
+        for I/O. Any thread; borrowers do not block each other.
+        """
         ...

@@ -4,6 +4,10 @@ This is the reference tier: the smallest complete implementation of `kvtier.core
 and the tier tests use as a double. The slab is allocated once (page-locked when CUDA is
 present, so GPU copies can be asynchronous) and never grows; a full tier evicts by policy.
 Slots are page-aligned, so the disk tiers can write them with O_DIRECT without a bounce copy.
+
+Besides the `Tier` contract it is a `Lender`: `borrow(key)` lends a read-only view of a slot,
+pinned (never overwritten or reused) until the borrower leaves, so the vLLM worker scatters
+straight from the slab.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import logging
 import mmap
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -45,6 +51,10 @@ class MemoryTier:
         self._admission = AdmissionFilter(config.admit_after)
         self._lock = threading.Lock()
         self._counters = TierCounters(self.name, self.num_slots * self.slot_bytes)
+        # Borrowed slots: slot -> borrowers now reading it. A pinned slot is never handed
+        # out for writing; one evicted or deleted while pinned is freed by its last borrower.
+        self._pins: dict[int, int] = {}
+        self._orphans: set[int] = set()
 
     def _allocate(self, size_bytes: int, pin: str) -> np.ndarray:
         if pin != "off":
@@ -86,6 +96,36 @@ class MemoryTier:
         self._counters.add(hits=1, bytes_read=self.chunk_bytes, read_s=time.perf_counter() - start)
         return True
 
+    @contextmanager
+    def borrow(self, key: ChunkKey) -> Iterator[memoryview | None]:
+        """Lend a read-only view of the chunk's slot (see `kvtier.core.tier.Lender`); None on
+        a miss. The slot is pinned, not locked: puts, gets and other borrowers go on."""
+        start = time.perf_counter()
+        with self._lock:
+            index = self._index.get(key)
+            if index is not None:
+                self._pins[index] = self._pins.get(index, 0) + 1
+                self._policy.touch(key)
+        if index is None:
+            self._counters.add(misses=1)
+            yield None
+            return
+        try:
+            yield self.slot(index).data.toreadonly()
+        finally:
+            self._unpin(index)
+            self._counters.add(hits=1, bytes_read=self.chunk_bytes,
+                               read_s=time.perf_counter() - start)
+
+    def _unpin(self, index: int) -> None:
+        with self._lock:
+            self._pins[index] -= 1
+            if self._pins[index] == 0:
+                del self._pins[index]
+                if index in self._orphans:
+                    self._orphans.discard(index)
+                    self._free.append(index)
+
     def put(self, key: ChunkKey, data: memoryview) -> bool:
         if len(data) != self.chunk_bytes:
             raise ValueError(f"chunk is {len(data)} bytes, this tier stores {self.chunk_bytes}")
@@ -112,11 +152,13 @@ class MemoryTier:
         """A free slot, evicting by policy when none is free. Caller holds the lock."""
         if self._free:
             return self._free.pop()
-        victim = self._policy.evict()
-        if victim is None:
-            return None
-        self._counters.add(evictions=1)
-        return self._index.pop(victim)  # type: ignore[call-overload]
+        while (victim := self._policy.evict()) is not None:
+            self._counters.add(evictions=1)
+            index = self._index.pop(victim)  # type: ignore[call-overload]
+            if index not in self._pins:
+                return index
+            self._orphans.add(index)  # being read: its last borrower frees it
+        return None
 
     def delete(self, key: ChunkKey) -> bool:
         with self._lock:
@@ -124,7 +166,10 @@ class MemoryTier:
             if index is None:
                 return False
             self._policy.remove(key)
-            self._free.append(index)
+            if index in self._pins:
+                self._orphans.add(index)
+            else:
+                self._free.append(index)
             held = len(self._index)
         self._counters.set(chunks=held, used_bytes=held * self.slot_bytes)
         return True
@@ -135,4 +180,5 @@ class MemoryTier:
     def close(self) -> None:
         with self._lock:
             self._index.clear()
-            self._free = list(range(self.num_slots - 1, -1, -1))
+            self._orphans = set(self._pins)
+            self._free = [i for i in range(self.num_slots - 1, -1, -1) if i not in self._pins]
