@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec kvtier bench storage "$@"
+exec kvtier bench storage --quick "$@"  # ~10-20 s; drop --quick for the full run

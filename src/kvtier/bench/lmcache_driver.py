@@ -7,14 +7,17 @@ on stdin, so LMCache's trials interleave with kvtier's in the same run; each rep
 JSON line on stdout (LMCache's own logging goes to stderr).
 
 Commands:
-    {"op": "setup", "chunk_bytes": N, "chunks": K}  allocate K random source chunks of N bytes
+    {"op": "setup", "chunk_bytes": N, "chunks": K, "threads": T}
+                     a backend with T disk I/O threads; K random source chunks of N bytes
     {"op": "put"}    store the K chunks; reply {"ok": true, "seconds": S} once all are on disk
-    {"op": "get"}    read the K chunks back, one blocking get each; reply with seconds
+    {"op": "get"}    read the K chunks back (T == 1: `get_blocking` for each chunk;
+                     T > 1: `batched_get_blocking`, its concurrent read path); reply seconds
     {"op": "clear"}  remove the K chunks (untimed)
     {"op": "quit"}
 
 The backend is configured as LMCache's disk offload usually is: local_cpu off, O_DIRECT on
-(`extra_config.use_odirect`), its default 4 disk I/O threads and LRU policy. Puts are
+(`extra_config.use_odirect`), LRU policy; `disk_io_threads` (LMCache's default: 4) is T, so
+it runs with the same concurrency as kvtier's subjects in the same run. Puts are
 asynchronous in LMCache (a thread pool writes), so a put trial ends when the completion
 callback of the last chunk has run. A get is `get_blocking`, which allocates a buffer from
 the CPU backend and reads the file into it; the buffer is released after the trial's clock
@@ -51,10 +54,11 @@ class Driver:
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
         self.backend: LocalDiskBackend | None = None
+        self.threads = 1
         self.keys: list[CacheEngineKey] = []
         self.sources: list[Any] = []
 
-    def setup(self, chunk_bytes: int, chunks: int) -> dict[str, Any]:
+    def setup(self, chunk_bytes: int, chunks: int, threads: int) -> dict[str, Any]:
         self.close()
         if chunk_bytes % TOKEN_BYTES:
             return {"ok": False, "error": f"chunk_bytes must be a multiple of {TOKEN_BYTES}"}
@@ -65,7 +69,7 @@ class Driver:
             chunk_size=chunk_bytes // TOKEN_BYTES, local_cpu=False,
             max_local_cpu_size=pool_bytes / GIB, local_disk=self.directory,
             max_local_disk_size=4 * chunks * chunk_bytes / GIB,
-            extra_config={"use_odirect": True},
+            extra_config={"use_odirect": True, "disk_io_threads": threads},
         )
         # The allocator LocalCPUBackend builds by default; its buffer is page-aligned, which
         # O_DIRECT needs (a torch.empty pool is not, and LMCache then fails every write
@@ -83,7 +87,7 @@ class Driver:
             self.sources.append(obj)
         self.keys = [CacheEngineKey("kvtier-bench", 1, 0, i, torch.bfloat16)
                      for i in range(chunks)]
-        self.backend = backend
+        self.backend, self.threads = backend, threads
         return {"ok": True}
 
     def put(self) -> dict[str, Any]:
@@ -104,7 +108,10 @@ class Driver:
     def get(self) -> dict[str, Any]:
         assert self.backend is not None, "setup first"
         start = time.perf_counter()
-        objs = [self.backend.get_blocking(key) for key in self.keys]
+        if self.threads > 1:
+            objs = self.backend.batched_get_blocking(self.keys)
+        else:
+            objs = [self.backend.get_blocking(key) for key in self.keys]
         seconds = time.perf_counter() - start
         missing = sum(obj is None for obj in objs)
         for obj in objs:

@@ -54,6 +54,7 @@ class BenchConfig:
     trials: int = 7  # timed rounds per size; figures are medians over them
     trial_bytes: int = 512 * MIB  # payload bytes each subject moves per round (per size)
     min_chunks: int = 4  # at least this many chunks per round, whatever trial_bytes says
+    threads: int = 1  # threads issuing the file subjects' chunks (O_DIRECT, disk, shared, LMCache)
     lmcache_python: str | None = None  # interpreter with lmcache installed, or None
 
     def validate(self) -> None:
@@ -68,6 +69,8 @@ class BenchConfig:
             raise ConfigError("trials", self.trials, "at least 1")
         if self.min_chunks < 1:
             raise ConfigError("min_chunks", self.min_chunks, "at least 1")
+        if not 1 <= self.threads <= 64:
+            raise ConfigError("threads", self.threads, "1 to 64")
 
     def chunks_for(self, size_bytes: int) -> int:
         return max(self.min_chunks, self.trial_bytes // size_bytes)
@@ -183,11 +186,11 @@ def run_bench(config: BenchConfig, on_round: Callable[[str], None] = lambda _: N
         for size in config.sizes_bytes:
             chunks = config.chunks_for(size)
             with ExitStack() as size_stack:
-                bench = SizeBench(work, size, chunks)
+                bench = SizeBench(work, size, chunks, config.threads, size_stack)
                 size_stack.callback(shutil.rmtree, bench.raw_dir, ignore_errors=True)
                 files = [bench.direct()] + [bench.tier(k, size_stack) for k in config.tiers
                                             if k != "memory"]
-                if lmcache is not None and (found := lmcache.subject(size, chunks)):
+                if lmcache is not None and (found := lmcache.subject(size, chunks, config.threads)):
                     files.append(found)
                 groups = [[bench.copy()], [bench.direct_1file()], files]
                 if "memory" in config.tiers:
@@ -198,6 +201,7 @@ def run_bench(config: BenchConfig, on_round: Callable[[str], None] = lambda _: N
             measurements += [Measurement(subject, op, size, chunks, tuple(seconds))
                              for (subject, op, at), seconds in samples.items() if at == size]
     machine["loadavg_after"] = list(os.getloadavg())
+    machine["pressure_after"] = pressure()
     return BenchResult(config, tuple(measurements), verdicts(measurements), machine,
                        lmcache_info, time.perf_counter() - started)
 
@@ -247,9 +251,23 @@ def machine_info(directory: Path) -> dict[str, Any]:
     """CPU count, load averages, and the filesystem `directory` lives on."""
     return {
         "cpus": os.cpu_count(), "loadavg_before": list(os.getloadavg()),
+        "pressure_before": pressure(),
         "filesystem": filesystem_of(directory), "python": sys.version.split()[0],
         "numpy": np.__version__,
     }
+
+
+def pressure() -> dict[str, float]:
+    """Linux PSI: % of the last 60 s some task waited for CPU / I/O / memory (if known)."""
+    found = {}
+    for resource in ("cpu", "io", "memory"):
+        try:
+            line = Path(f"/proc/pressure/{resource}").read_text().splitlines()[0]
+        except (OSError, IndexError):
+            continue
+        fields = dict(part.split("=") for part in line.split()[1:])
+        found[f"{resource}_some_avg60"] = float(fields.get("avg60", "nan"))
+    return found
 
 
 def filesystem_of(directory: Path) -> dict[str, str]:

@@ -5,14 +5,18 @@ Every subject of one chunk size moves the same chunks between the same page-alig
 
 - `copy`: numpy copyto src -> dst, chunk by chunk (the in-memory ceiling; the same op in both
   phases);
-- `direct`: O_DIRECT, one file per chunk: create + one pwrite + close, then open + one pread
-  + close (the file tiers' ceiling: the same bytes in the same number of files, so it
-  includes the filesystem's cost of a file per chunk, which any such design pays, and leaves
-  kvtier's own costs, header, checksum, temp file and rename, index, to the ratio);
-- `direct_1file`: O_DIRECT into one file at offset i * size (the device's sequential rate,
-  for information);
+- `direct`: O_DIRECT, one file per chunk in the tiers' directory tree: create + one pwrite
+  + close, then open + one pread + close (the file tiers' ceiling: the same bytes in the
+  same files and directories, so it includes the filesystem's cost of a file per chunk,
+  which any such design pays, and leaves kvtier's own costs, header, checksum, temp file
+  and rename, index, to the ratio);
+- `direct_1file`: O_DIRECT into one file at offset i * size, always one thread (the
+  device's sequential rate, for information);
 - a tier (`memory`, `disk`, `shared`) built with `build_tier` and called directly;
 - `lmcache`: LMCache's LocalDiskBackend in a subprocess of another interpreter.
+
+With `threads` > 1, `direct`, the file tiers and LMCache move their chunks from that many
+threads at once (LMCache: its own pools of that size); copy and memory stay on one thread.
 
 Primitives: `Subject`, `SizeBench`, `LMCacheProcess`, `layout_for`, `aligned_buffer`.
 """
@@ -25,6 +29,7 @@ import os
 import subprocess
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,8 +91,15 @@ def _check(done: int, expected: int) -> None:
 class SizeBench:
     """The buffers, keys and directories of one chunk size; makes its subjects."""
 
-    def __init__(self, work: Path, size_bytes: int, chunks: int) -> None:
+    def __init__(self, work: Path, size_bytes: int, chunks: int, threads: int,
+                 stack: ExitStack) -> None:
+        """`threads` > 1: the file subjects (not copy, not memory) issue their chunks from
+        that many threads at once, chunk i on thread i % threads."""
         self.work, self.size, self.chunks = work, size_bytes, chunks
+        self.threads = threads
+        self._pool = ThreadPoolExecutor(threads) if threads > 1 else None
+        if self._pool is not None:
+            stack.callback(self._pool.shutdown)
         self.layout = layout_for(size_bytes)
         rng = np.random.default_rng(size_bytes)
         self.src = aligned_buffer(chunks * size_bytes)
@@ -96,6 +108,20 @@ class SizeBench:
         self.keys = [ChunkKey(rng.bytes(16)) for _ in range(chunks)]
         self.raw_dir = work / f"raw-{size_bytes}"
         self.raw_dir.mkdir(parents=True, exist_ok=True)
+
+    def each(self, body: Callable[[int], None], parallel: bool = True) -> None:
+        """body(i) for every chunk i: on the pool when there is one and `parallel`."""
+        if self._pool is None or not parallel:
+            for i in range(self.chunks):
+                body(i)
+            return
+        for future in [self._pool.submit(self._stride, body, first, self.threads)
+                       for first in range(self.threads)]:
+            future.result()  # re-raises the first failure
+
+    def _stride(self, body: Callable[[int], None], first: int, stride: int) -> None:
+        for i in range(first, self.chunks, stride):
+            body(i)
 
     def view(self, array: np.ndarray, i: int) -> memoryview:
         return memoryview(array[i * self.size : (i + 1) * self.size])  # type: ignore[arg-type]
@@ -108,29 +134,33 @@ class SizeBench:
         return Subject("copy", _timed(copy), _timed(copy), lambda: None)
 
     def direct(self) -> Subject:
-        paths = [self.raw_dir / f"{i}.raw" for i in range(self.chunks)]
+        # The tiers' tree (<k[0:2]>/<k[2:4]>/<key>): a file per chunk in the same directories
+        # as the tiers would use, made beforehand, so creates contend the same way. (All in
+        # one directory, concurrent creates serialise on its lock: 0.3 GB/s at 0.5 MiB.)
+        paths = [self.raw_dir / key.hex()[:2] / key.hex()[2:4] / key.hex() for key in self.keys]
+        for path in paths:
+            path.parent.mkdir(parents=True, exist_ok=True)
 
-        def write() -> None:
-            for i, path in enumerate(paths):
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
-                try:
-                    _check(os.pwrite(fd, self.view(self.src, i), 0), self.size)
-                finally:
-                    os.close(fd)
+        def write(i: int) -> None:
+            fd = os.open(paths[i], os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
+            try:
+                _check(os.pwrite(fd, self.view(self.src, i), 0), self.size)
+            finally:
+                os.close(fd)
 
-        def read() -> None:
-            for i, path in enumerate(paths):
-                fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-                try:
-                    _check(os.preadv(fd, [self.view(self.dst, i)], 0), self.size)
-                finally:
-                    os.close(fd)
+        def read(i: int) -> None:
+            fd = os.open(paths[i], os.O_RDONLY | os.O_DIRECT)
+            try:
+                _check(os.preadv(fd, [self.view(self.dst, i)], 0), self.size)
+            finally:
+                os.close(fd)
 
         def clean() -> None:
             for path in paths:
                 path.unlink(missing_ok=True)
 
-        return Subject("direct", _timed(write), _timed(read), clean)
+        return Subject("direct", _timed(lambda: self.each(write)),
+                       _timed(lambda: self.each(read)), clean)
 
     def direct_1file(self) -> Subject:
         path = self.raw_dir / "one.raw"
@@ -159,21 +189,21 @@ class SizeBench:
         tier = build_tier(self._tier_config(kind), self.layout)
         stack.callback(tier.close)
 
-        def put() -> None:
-            for i, key in enumerate(self.keys):
-                if not tier.put(key, self.view(self.src, i)):
-                    raise RuntimeError(f"{kind} tier dropped a put of {self.size} B")
+        def put(i: int) -> None:
+            if not tier.put(self.keys[i], self.view(self.src, i)):
+                raise RuntimeError(f"{kind} tier dropped a put of {self.size} B")
 
-        def get() -> None:
-            for i, key in enumerate(self.keys):
-                if not tier.get_into(key, self.view(self.dst, i)):
-                    raise RuntimeError(f"{kind} tier missed a chunk it holds ({self.size} B)")
+        def get(i: int) -> None:
+            if not tier.get_into(self.keys[i], self.view(self.dst, i)):
+                raise RuntimeError(f"{kind} tier missed a chunk it holds ({self.size} B)")
 
         def clean() -> None:
             for key in self.keys:
                 tier.delete(key)
 
-        return Subject(kind, _timed(put), _timed(get), clean)
+        parallel = kind != "memory"  # like copy, its ceiling: one thread
+        return Subject(kind, _timed(lambda: self.each(put, parallel)),
+                       _timed(lambda: self.each(get, parallel)), clean)
 
     def _tier_config(self, kind: str) -> TierConfig:
         # Room for one round, so the timed path never evicts. For the file tiers the
@@ -219,11 +249,11 @@ class LMCacheProcess:
         self._process.stdin.flush()
         return self._reply()
 
-    def subject(self, size_bytes: int, chunks: int) -> Subject | None:
+    def subject(self, size_bytes: int, chunks: int, threads: int) -> Subject | None:
         """LMCache at this size, or None when the size is not whole Llama-8B tokens."""
         if size_bytes % LLAMA8B_TOKEN_BYTES:
             return None
-        self.call("setup", chunk_bytes=size_bytes, chunks=chunks)
+        self.call("setup", chunk_bytes=size_bytes, chunks=chunks, threads=threads)
 
         def clean() -> None:
             self.call("clear")

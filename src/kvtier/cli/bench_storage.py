@@ -54,6 +54,9 @@ def register(workloads: argparse._SubParsersAction) -> None:
     parser.add_argument("--trials", type=int, help="timed rounds per size (default 7; quick 3)")
     parser.add_argument("--trial-bytes", help="bytes each subject moves per round "
                                               "(default 512MiB; quick 64MiB)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="threads issuing the chunks of O_DIRECT, the disk and shared "
+                             "tiers and LMCache (default 1; copy and memory stay on one)")
     parser.add_argument("--quick", action="store_true", help="a ~10 s run (CI smoke, demo)")
     parser.add_argument("--lmcache-python", metavar="PATH",
                         help="an interpreter with lmcache 0.5.6 installed: measure its "
@@ -87,7 +90,7 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
         directory=args.dir, sizes_bytes=parse_sizes(args.sizes),
         tiers=tuple(dict.fromkeys(args.tier)) if args.tier else TIERS,
-        lmcache_python=args.lmcache_python, **settings,  # type: ignore[arg-type]
+        lmcache_python=args.lmcache_python, threads=args.threads, **settings,  # type: ignore[arg-type]
     )
 
 
@@ -135,7 +138,8 @@ def verdict_table(result: BenchResult) -> Table:
         mark = ("[green]pass[/]" if v.passed else "[red]FAIL[/]") if v.passed is not None \
             else "[dim]-[/]"
         target = f">={v.target:g}x" if v.target is not None else "-"
-        ceiling = f"{CEILING_NAMES[(v.ceiling, v.op)]} {v.ceiling_gbps:.2f}"
+        ceiling = f"{CEILING_NAMES[(v.ceiling, v.op)].removeprefix('O_DIRECT ')} " \
+            f"{v.ceiling_gbps:.2f}"
         table.add_row(v.tier, v.op, f"{v.size_bytes / MIB:g} MiB", f"{v.gbps:.2f}", ceiling,
                       f"{v.ratio:.2f}x", target, mark)
     return table
@@ -147,5 +151,6 @@ def summary(result: BenchResult) -> str:
     fs = result.machine["filesystem"]
     verdict = f"[red]{len(failed)} below target[/]" if failed else "[green]all targets met[/]"
     return (f"{verdict} (targets apply to chunks >= {TARGET_MIN_BYTES / MIB:g} MiB); "
-            f"{result.wall_s:.0f} s; load average {before:.2f} -> {after:.2f} on "
-            f"{result.machine['cpus']} CPUs; files on {fs['type']} ({fs['mount']})")
+            f"{result.wall_s:.0f} s; {result.config.threads} I/O thread(s); load average "
+            f"{before:.2f} -> {after:.2f} on {result.machine['cpus']} CPUs; files on "
+            f"{fs['type']} ({fs['mount']})")
