@@ -34,6 +34,7 @@ from kvtier.core.store import TieredStore
 from kvtier.tiers import build_probe
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import ConnectorConfig
+from kvtier.integrations.vllm.metrics import KVTierConnectorStats, KVTierPromMetrics
 from kvtier.integrations.vllm.scheduler import ConnectorScheduler, KVTierMetadata
 from kvtier.integrations.vllm.worker import ConnectorWorker, PagedKV
 
@@ -158,6 +159,22 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self._worker.take_report() if self._worker is not None else None
+
+    # -- metrics (both roles) -------------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> KVTierConnectorStats | None:
+        side = self._worker or self._scheduler
+        return side.take_stats() if side is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVTierConnectorStats:
+        return KVTierConnectorStats(data=data if data is not None else {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVTierPromMetrics:
+        return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         """Finish queued writes to the slower tiers and close the store (engine exit)."""

@@ -28,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvtier.core.keys import ChunkKey, Namespace, chunk_keys
 from kvtier.core.locator import ChunkLocator
 from kvtier.integrations.vllm.config import ConnectorConfig, RequestControls
+from kvtier.integrations.vllm.metrics import KVTierConnectorStats, StatsDelta
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -103,6 +104,7 @@ class ConnectorScheduler:
         self._model_id = model_id
         self._layout_digest = layout_digest
         self._locator = locator
+        self._stats = StatsDelta()
         self._requests: dict[str, _RequestState] = {}
         self._pending_loads: dict[str, list[ChunkTransfer]] = {}
         # Keys sent to workers for storing and not yet reported back (not stored twice).
@@ -125,6 +127,8 @@ class ConnectorScheduler:
         if held is None:
             return None, False
         hit_tokens = held * self._config.tokens_per_chunk
+        self._stats.add("lookup_tokens", max(0, request.num_tokens - num_computed_tokens))
+        self._stats.add("lookup_hit_tokens", max(0, hit_tokens - num_computed_tokens))
         if hit_tokens <= num_computed_tokens:
             return 0, False
         return hit_tokens - num_computed_tokens, False
@@ -251,3 +255,7 @@ class ConnectorScheduler:
 
     def close(self) -> None:
         self._locator.close()
+
+    def take_stats(self) -> KVTierConnectorStats | None:
+        """Lookup counter deltas since the last call (vLLM's get_kv_connector_stats)."""
+        return self._stats.take()

@@ -25,6 +25,7 @@ a store), `ConnectorWorker`.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -32,7 +33,9 @@ import torch
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
+from kvtier.core.store import StoreStats
 from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.metrics import KVTierConnectorStats, StatsDelta
 from kvtier.integrations.vllm.scheduler import KVTierMetadata, KVTierWorkerMetadata
 
 logger = logging.getLogger(__name__)
@@ -46,6 +49,8 @@ class ChunkStore(Protocol):
     def put(self, key: ChunkKey, data: memoryview) -> bool: ...
 
     def contains(self, key: ChunkKey) -> bool: ...
+
+    def stats(self) -> StoreStats: ...
 
     def close(self) -> None: ...
 
@@ -119,6 +124,11 @@ class PagedKV:
                 self._block_view(layer, block_ids[j]).copy_(src[:, :, j * bs:(j + 1) * bs])
 
 
+def len_blocks(layout: KVLayout, block_size: int) -> int:
+    """vLLM blocks per kvtier chunk."""
+    return layout.tokens_per_chunk // block_size
+
+
 class ConnectorWorker:
     """Worker-side logic behind KVTierConnector's worker hooks (model runner thread)."""
 
@@ -132,9 +142,12 @@ class ConnectorWorker:
         self._buffer_view = memoryview(self._buffer.numpy())
         self._failed_block_ids: set[int] = set()
         self._report = KVTierWorkerMetadata()
+        self._stats = StatsDelta(rank=layout.tp_rank)
+        self._block_bytes = layout.bytes_per_chunk // len_blocks(layout, paged.block_size)
 
     def load(self, meta: KVTierMetadata) -> None:
         """Load every planned chunk into vLLM's blocks; record failures (before forward)."""
+        start = time.perf_counter()
         for transfers in meta.loads.values():
             for i, transfer in enumerate(transfers):
                 if self._store.get_into(transfer.key, self._buffer_view) is None:
@@ -142,11 +155,17 @@ class ConnectorWorker:
                     self._report.missing.add(transfer.key)
                     for failed in transfers[i:]:
                         self._failed_block_ids.update(failed.block_ids[failed.first_block:])
+                    self._stats.add("load_failures", len(transfers) - i)
                     break
                 self._paged.scatter(self._chunk, transfer.block_ids, transfer.first_block)
+                blocks = len(transfer.block_ids) - transfer.first_block
+                self._stats.add("loaded_tokens", blocks * self._paged.block_size)
+                self._stats.add("loaded_bytes", blocks * self._block_bytes)
+        self._stats.add("load_seconds", time.perf_counter() - start)
 
     def store(self, meta: KVTierMetadata) -> None:
         """Store every planned chunk whose KV the forward pass just computed."""
+        start = time.perf_counter()
         for transfer in meta.stores:
             if self._store.contains(transfer.key):  # e.g. a prefix vLLM itself had cached
                 self._report.stored.add(transfer.key)
@@ -154,6 +173,14 @@ class ConnectorWorker:
             self._paged.gather(transfer.block_ids, self._chunk)
             if self._store.put(transfer.key, self._buffer_view):
                 self._report.stored.add(transfer.key)
+                self._stats.add("stored_tokens", len(transfer.block_ids) * self._paged.block_size)
+                self._stats.add("stored_bytes", len(self._buffer_view))
+        self._stats.add("store_seconds", time.perf_counter() - start)
+
+    def take_stats(self) -> KVTierConnectorStats | None:
+        """Counter deltas since the last call (vLLM's get_kv_connector_stats)."""
+        self._stats.observe_store(self._store.stats())
+        return self._stats.take()
 
     def take_failed_block_ids(self) -> set[int]:
         """Block ids whose load failed since the last call."""

@@ -1,0 +1,182 @@
+"""kvtier's counters as vLLM connector stats, logged by vLLM and exported on its /metrics.
+
+Flow: each worker's `ConnectorWorker` and the scheduler's `ConnectorScheduler` keep counter
+*deltas* since they were last asked; vLLM collects them every step through
+`get_kv_connector_stats`, merges workers and scheduler with `aggregate`, logs `reduce()` and
+feeds `KVTierPromMetrics.observe`, which adds the deltas to Prometheus counters and sets the
+gauges. The payload is plain dicts (vLLM ships it between processes):
+    {"counters": {name: {tier: value}}, "gauges": {name: {"tier@rank": value}}}
+where tier is "" for connector-wide counters. Gauges are keyed by rank so that merging
+workers keeps every rank, and merging intervals keeps the newest value.
+
+Primitives: `COUNTERS`, `GAUGES`, `StatsDelta`, `KVTierConnectorStats`, `KVTierPromMetrics`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+from kvtier.core.store import StoreStats
+
+# "vllm:" so that LLM.get_metrics() (which keeps only vllm: names) and vLLM's own
+# unregistering between engines cover them; "kvtier_" says whose they are.
+PREFIX = "vllm:kvtier_"
+# name -> help; names starting with "tier_" carry a `tier` label.
+COUNTERS: dict[str, str] = {
+    "tier_hits": "Chunk reads served by the tier",
+    "tier_queries": "Chunk reads asked of the tier (hits + misses)",
+    "tier_bytes_read": "Payload bytes read from the tier",
+    "tier_bytes_written": "Payload bytes written to the tier",
+    "tier_read_seconds": "Seconds spent reading from the tier",
+    "tier_write_seconds": "Seconds spent writing to the tier",
+    "tier_evictions": "Chunks evicted from the tier to make room",
+    "tier_corrupt_reads": "Chunks that failed verification (treated as misses, removed)",
+    "tier_dropped_writes": "Writes the tier did not store (I/O error, full disk, full queue)",
+    "lookup_tokens": "Prompt tokens the scheduler asked kvtier about",
+    "lookup_hit_tokens": "Prompt tokens kvtier could load (beyond vLLM's own cache)",
+    "loaded_tokens": "Tokens loaded into vLLM's KV cache",
+    "loaded_bytes": "KV bytes loaded into vLLM's KV cache",
+    "load_seconds": "Seconds the workers spent loading KV (read + copy into blocks)",
+    "load_failures": "Chunks whose load failed (vLLM recomputed them)",
+    "stored_tokens": "Tokens stored from vLLM's KV cache",
+    "stored_bytes": "KV bytes stored from vLLM's KV cache",
+    "store_seconds": "Seconds the workers spent storing KV (copy out of blocks + top tier)",
+}
+GAUGES: dict[str, str] = {
+    "tier_used_bytes": "Bytes the tier holds now",
+    "tier_capacity_bytes": "Bytes the tier may hold",
+    "tier_chunks": "Chunks the tier holds now",
+}
+_TIER_FIELDS = {  # counter -> TierStats field (queries = hits + misses, handled apart)
+    "tier_hits": "hits", "tier_bytes_read": "bytes_read", "tier_bytes_written": "bytes_written",
+    "tier_read_seconds": "read_s", "tier_write_seconds": "write_s",
+    "tier_evictions": "evictions", "tier_corrupt_reads": "corrupt_reads",
+    "tier_dropped_writes": "dropped_writes",
+}
+
+
+@dataclass
+class StatsDelta:
+    """Counter deltas since the last `take()`, for one side (a worker or the scheduler)."""
+
+    rank: int = 0
+    counters: dict[str, dict[str, float]] = field(default_factory=lambda: defaultdict(dict))
+    _last_store: dict[str, dict[str, float]] = field(default_factory=dict)
+    _gauges: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def add(self, name: str, value: float, tier: str = "") -> None:
+        if value:
+            self.counters[name][tier] = self.counters[name].get(tier, 0) + value
+
+    def observe_store(self, stats: StoreStats) -> None:
+        """Turn the store's cumulative counters into deltas; refresh the gauges."""
+        for tier in stats.tiers:
+            now = {name: float(getattr(tier, f)) for name, f in _TIER_FIELDS.items()}
+            now["tier_queries"] = float(tier.hits + tier.misses)
+            now["tier_dropped_writes"] += stats.queue_drops.get(tier.name, 0)
+            last = self._last_store.get(tier.name, {})
+            for name, value in now.items():
+                self.add(name, value - last.get(name, 0.0), tier.name)
+            self._last_store[tier.name] = now
+            where = f"{tier.name}@{self.rank}"
+            self._gauges.setdefault("tier_used_bytes", {})[where] = tier.used_bytes
+            self._gauges.setdefault("tier_capacity_bytes", {})[where] = tier.capacity_bytes
+            self._gauges.setdefault("tier_chunks", {})[where] = tier.chunks
+
+    def take(self) -> KVTierConnectorStats | None:
+        """The deltas (and current gauges) since the last call, or None if nothing moved."""
+        counters = {k: dict(v) for k, v in self.counters.items() if v}
+        self.counters = defaultdict(dict)
+        stats = KVTierConnectorStats(data={"counters": counters,
+                                           "gauges": {k: dict(v) for k, v in self._gauges.items()}})
+        return None if stats.is_empty() else stats
+
+
+class KVTierConnectorStats(KVConnectorStats):
+    """vLLM's container for kvtier's deltas; see the module docstring for the payload."""
+
+    def reset(self) -> None:
+        self.data = {"counters": {}, "gauges": {}}
+
+    def aggregate(self, other: KVConnectorStats) -> KVTierConnectorStats:
+        counters = {k: dict(v) for k, v in self.data.get("counters", {}).items()}
+        for name, by_tier in other.data.get("counters", {}).items():
+            mine = counters.setdefault(name, {})
+            for tier, value in by_tier.items():
+                mine[tier] = mine.get(tier, 0) + value
+        gauges = {k: dict(v) for k, v in self.data.get("gauges", {}).items()}
+        for name, by_where in other.data.get("gauges", {}).items():
+            gauges.setdefault(name, {}).update(by_where)  # newer interval / other rank
+        return KVTierConnectorStats(data={"counters": counters, "gauges": gauges})
+
+    def reduce(self) -> dict[str, int | float]:
+        """One line's worth for vLLM's periodic log: totals, per-tier hits/queries."""
+        counters = self.data.get("counters", {})
+        out: dict[str, int | float] = {}
+        for name in ("loaded_tokens", "stored_tokens", "load_failures"):
+            out[name] = sum(counters.get(name, {}).values())
+        seconds = sum(counters.get("load_seconds", {}).values())
+        loaded = sum(counters.get("loaded_bytes", {}).values())
+        out["load_GBps"] = round(loaded / seconds / 1e9, 3) if seconds else 0.0
+        for tier, hits in counters.get("tier_hits", {}).items():
+            out[f"{tier}_hits"] = hits
+            out[f"{tier}_queries"] = counters.get("tier_queries", {}).get(tier, hits)
+        return out
+
+    def is_empty(self) -> bool:
+        counters = self.data.get("counters", {})
+        return not any(v for by_tier in counters.values() for v in by_tier.values()) and not any(
+            self.data.get("gauges", {}).values())
+
+
+class KVTierPromMetrics(KVConnectorPromMetrics):
+    """kvtier's Prometheus counters and gauges, labelled per engine (and per tier)."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict[type, type],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        _unregister_kvtier_metrics()  # vLLM only unregisters its own "vllm:" names
+        self._metrics: dict[str, Any] = {}
+        for name, doc in COUNTERS.items():
+            self._metrics[name] = self._counter_cls(
+                name=PREFIX + name, documentation=doc, labelnames=self._labels_for(name))
+        for name, doc in GAUGES.items():
+            self._metrics[name] = self._gauge_cls(
+                name=PREFIX + name, documentation=doc, labelnames=self._labels_for(name),
+                multiprocess_mode="mostrecent")
+
+    def _labels_for(self, name: str) -> list[str]:
+        return self._labelnames + (["tier"] if name.startswith("tier_") else [])
+
+    def _child(self, name: str, engine_idx: int, tier: str) -> Any:
+        values = [str(v) for v in self.per_engine_labelvalues.get(engine_idx, [])]
+        return self._metrics[name].labels(*values, *([tier] if name.startswith("tier_") else []))
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, by_tier in transfer_stats_data.get("counters", {}).items():
+            if name in COUNTERS:
+                for tier, value in by_tier.items():
+                    if value > 0:
+                        self._child(name, engine_idx, tier).inc(value)
+        for name, by_where in transfer_stats_data.get("gauges", {}).items():
+            if name in GAUGES:
+                totals: dict[str, float] = defaultdict(float)
+                for where, value in by_where.items():
+                    totals[where.rsplit("@", 1)[0]] += value  # summed over TP ranks
+                for tier, value in totals.items():
+                    self._child(name, engine_idx, tier).set(value)
+
+
+def _unregister_kvtier_metrics() -> None:
+    from prometheus_client import REGISTRY
+
+    for collector in list(REGISTRY._collector_to_names):
+        if getattr(collector, "_name", "").startswith(PREFIX):
+            REGISTRY.unregister(collector)

@@ -1,0 +1,77 @@
+"""kvtier's connector stats: deltas, merging across workers and intervals, Prometheus export.
+
+No engine here: these check the algebra vLLM relies on (aggregate / reduce / observe) with
+the real prometheus_client registry. The engine-level flow is checked in the e2e modules.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+
+from kvtier.core.store import StoreStats
+from kvtier.core.tier import TierStats
+from kvtier.integrations.vllm.metrics import KVTierConnectorStats, KVTierPromMetrics, StatsDelta
+
+
+class _VllmConfig:
+    kv_transfer_config = None
+
+
+def _store(hits: int, misses: int, used: int) -> StoreStats:
+    tier = TierStats(name="memory", hits=hits, misses=misses, bytes_read=hits * 10,
+                     used_bytes=used, capacity_bytes=1000, chunks=used // 100)
+    return StoreStats(tiers=(tier,), queued_writes=0, queue_drops={"memory": 0})
+
+
+def test_store_counters_become_deltas_between_takes() -> None:
+    """A worker reports what moved since its last report, not running totals."""
+    delta = StatsDelta(rank=0)
+    delta.observe_store(_store(hits=3, misses=1, used=300))
+    first = delta.take()
+    assert first is not None
+    assert first.data["counters"]["tier_hits"] == {"memory": 3}
+    assert first.data["counters"]["tier_queries"] == {"memory": 4}
+    delta.observe_store(_store(hits=5, misses=1, used=500))
+    second = delta.take()
+    assert second is not None
+    assert second.data["counters"]["tier_hits"] == {"memory": 2}
+    assert "tier_queries" in second.data["counters"]
+    assert second.data["gauges"]["tier_used_bytes"] == {"memory@0": 500}
+
+
+def test_nothing_moved_means_no_stats() -> None:
+    delta = StatsDelta()
+    assert delta.take() is None
+    delta.add("loaded_tokens", 0)
+    assert delta.take() is None
+
+
+def test_aggregate_sums_counters_and_keeps_each_ranks_newest_gauge() -> None:
+    """Two TP ranks merge into one report; a later interval replaces a rank's gauge."""
+    rank0 = KVTierConnectorStats(data={"counters": {"loaded_tokens": {"": 64}},
+                                       "gauges": {"tier_used_bytes": {"memory@0": 100}}})
+    rank1 = KVTierConnectorStats(data={"counters": {"loaded_tokens": {"": 64}},
+                                       "gauges": {"tier_used_bytes": {"memory@1": 120}}})
+    later = KVTierConnectorStats(data={"counters": {"load_failures": {"": 1}},
+                                       "gauges": {"tier_used_bytes": {"memory@0": 300}}})
+    merged = rank0.aggregate(rank1).aggregate(later)
+    assert merged.data["counters"] == {"loaded_tokens": {"": 128}, "load_failures": {"": 1}}
+    assert merged.data["gauges"]["tier_used_bytes"] == {"memory@0": 300, "memory@1": 120}
+    assert merged.reduce()["loaded_tokens"] == 128
+    assert merged.reduce()["load_failures"] == 1
+    assert rank0.data["counters"] == {"loaded_tokens": {"": 64}}  # inputs untouched
+
+
+def test_prometheus_export_labels_tiers_and_sums_gauges_over_ranks() -> None:
+    prom = KVTierPromMetrics(_VllmConfig(), {Counter: Counter, Gauge: Gauge, Histogram: Histogram},
+                             ["model_name", "engine"], {0: ["tiny", 0]})
+    prom.observe({"counters": {"tier_hits": {"disk": 2}, "loaded_tokens": {"": 64}},
+                  "gauges": {"tier_used_bytes": {"disk@0": 100, "disk@1": 50}}})
+    prom.observe({"counters": {"tier_hits": {"disk": 3}}, "gauges": {}})
+    labels = {"model_name": "tiny", "engine": "0"}
+    assert REGISTRY.get_sample_value("vllm:kvtier_tier_hits_total", {**labels, "tier": "disk"}) == 5
+    assert REGISTRY.get_sample_value("vllm:kvtier_loaded_tokens_total", labels) == 64
+    assert REGISTRY.get_sample_value("vllm:kvtier_tier_used_bytes", {**labels, "tier": "disk"}) == 150
+    # A second engine in the same process re-registers without "Duplicated timeseries".
+    KVTierPromMetrics(_VllmConfig(), {Counter: Counter, Gauge: Gauge, Histogram: Histogram},
+                      ["model_name", "engine"], {0: ["tiny", 0]})
