@@ -7,6 +7,7 @@ Primitives: `REDIS_SERVER`, `RedisServer`, `RedisClusterNodes`, `free_port`.
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -21,10 +22,22 @@ SKIP_REASON = "redis-server is not installed (scripts/setup.sh installs it with 
 START_TIMEOUT_S = 10.0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def free_port(cluster_bus: bool = False) -> int:
+    """A free port on 127.0.0.1; with `cluster_bus`, one <= 55535 whose +10000 (the Cluster
+    bus port) is free too."""
+    if not cluster_bus:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+    for port in random.sample(range(20000, 45000), 200):
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 10000))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair for a cluster node")
 
 
 class RedisServer:
@@ -85,7 +98,7 @@ class RedisClusterNodes:
     serve its slots while another is down (`cluster-require-full-coverage no`)."""
 
     def __init__(self, directory: Path, count: int = 3) -> None:
-        self.nodes = [RedisServer(directory / f"node{i}", None, "--cluster-enabled", "yes",
+        self.nodes = [RedisServer(directory / f"node{i}", free_port(True), "--cluster-enabled", "yes",
                                   "--cluster-config-file", "nodes.conf",
                                   "--cluster-require-full-coverage", "no",
                                   "--cluster-node-timeout", "1000")

@@ -310,7 +310,9 @@ class RedisTier:
 
     def _fetch(self, client: Client, names: list[str]) -> list[bytes | None]:
         pipe = client.pipeline(transaction=False)
-        pipe.mget(names)
+        # One MGET (the values share a slot): a consistent snapshot of the chunk. Through
+        # execute_command because redis-py's ClusterPipeline blocks its mget() helper.
+        pipe.execute_command("MGET", *names)
         if self.ttl_ms:
             for name in names:
                 pipe.pexpire(name, self.ttl_ms)
