@@ -335,11 +335,23 @@ def _signal_group(pgid: int, sig: int) -> None:
 
 
 def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
+    """Whether a live (non-zombie) process is in group `pgid`. Zombies are skipped: an
+    orphan waits for init to reap it, which can take seconds on some machines."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # exited while we looked
+        if fields[2] == str(pgid) and fields[0] != "Z":  # state, ppid, pgrp
+            return True
+    return False
 
 
 def _has_flag(args: Sequence[str], flag: str) -> bool:

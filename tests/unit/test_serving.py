@@ -1,0 +1,176 @@
+"""`kvtier serve`'s command line, tier sizing, config files, and the server subprocess helper.
+
+The subprocess tests run a stand-in server (a Python script that answers /health on
+127.0.0.1 and starts a child process, as vLLM starts its engine core), so that "stop kills
+the whole process group" is checked on real processes without starting vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from kvtier.cli.main import main
+from kvtier.errors import ConfigError
+from kvtier.serving import (
+    GIB,
+    ServeCommand,
+    ServeConfig,
+    ServerError,
+    build_command,
+    connector_config,
+    default_tiers,
+    free_port,
+    load_connector_config,
+    running_server,
+)
+
+TIERS = [{"kind": "memory", "capacity": "2GiB"},
+         {"kind": "disk", "path": "/tmp/kv", "capacity": "10GiB"}]
+
+
+def flag(argv: tuple[str, ...], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+def test_kvtier_command_carries_the_exact_connector_schema():
+    cmd = build_command(ServeConfig("m", extra_config=connector_config(TIERS), cpu=False,
+                                    port=9000, vllm_args=("--max-model-len", "4096")))
+    assert cmd.argv[1:5] == ("-m", "vllm.entrypoints.openai.api_server", "--model", "m")
+    assert flag(cmd.argv, "--host") == "127.0.0.1" and flag(cmd.argv, "--port") == "9000"
+    assert json.loads(flag(cmd.argv, "--kv-transfer-config")) == {
+        "kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"tokens_per_chunk": 256, "tiers": TIERS}}
+    assert cmd.argv[-2:] == ("--max-model-len", "4096")  # user's args last, verbatim
+    assert "--kv-cache-memory-bytes" not in cmd.argv  # GPU: vLLM's own default is fine
+    assert cmd.url == "http://127.0.0.1:9000" and "--kv-transfer-config" in cmd.display()
+
+
+def test_baseline_is_the_same_server_without_the_connector():
+    cmd = build_command(ServeConfig("m", kvtier=False, cpu=True, engine_kv_bytes=64 << 20))
+    assert "--kv-transfer-config" not in cmd.argv and cmd.kv_transfer_config is None
+    # CPU backend: the default gpu_memory_utilization fails, so the KV cache is sized.
+    assert flag(cmd.argv, "--kv-cache-memory-bytes") == str(64 << 20)
+    assert any("CPU backend" in note for note in cmd.notes)
+
+
+def test_a_users_kv_cache_size_flag_wins_on_cpu():
+    cmd = build_command(ServeConfig("m", kvtier=False, cpu=True,
+                                    vllm_args=("--gpu-memory-utilization=0.3",)))
+    assert "--kv-cache-memory-bytes" not in cmd.argv
+
+
+def test_tokens_per_chunk_follows_an_unusual_block_size():
+    cmd = build_command(ServeConfig("m", extra_config=connector_config(TIERS), cpu=False,
+                                    vllm_args=("--block-size", "48")))
+    extra = cmd.kv_transfer_config["kv_connector_extra_config"]  # type: ignore[index]
+    assert extra["tokens_per_chunk"] == 288  # the first multiple of 48 >= 256
+
+
+def test_default_tiers_take_sizes_from_flags_or_the_machine(tmp_path):
+    assert default_tiers(cpu=True, memory_bytes=GIB, disk_path=tmp_path, disk_bytes=3 * GIB) == [
+        {"kind": "memory", "capacity": "1GiB"},
+        {"kind": "disk", "path": str(tmp_path), "capacity": "3GiB"}]
+    assert default_tiers(cpu=False, memory_bytes=0, disk_path=tmp_path / "new" / "dir",
+                         disk_bytes=100 << 20) == [
+        {"kind": "disk", "path": str(tmp_path / "new" / "dir"), "capacity": "100MiB"}]
+    sized = default_tiers(cpu=True, disk_path=tmp_path)
+    assert [t["kind"] for t in sized] == ["memory", "disk"]
+    with pytest.raises(ConfigError):
+        default_tiers(cpu=True, memory_bytes=0, disk_bytes=0)
+
+
+def test_config_file_is_validated_and_becomes_the_extra_config(tmp_path):
+    good = tmp_path / "store.yaml"
+    good.write_text("tiers:\n  - {kind: memory, capacity: 1GiB}\nio_threads: 2\n")
+    assert load_connector_config(good) == {
+        "tokens_per_chunk": 256, "tiers": [{"kind": "memory", "capacity": "1GiB"}],
+        "io_threads": 2}
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tiers:\n  - {kind: tape, capacity: 1GiB}\n")
+    with pytest.raises(ConfigError):
+        load_connector_config(bad)
+    unknown = tmp_path / "unknown.json"
+    unknown.write_text('{"tiers": [], "colour": "blue"}')
+    with pytest.raises(ConfigError, match="colour"):
+        load_connector_config(unknown)
+
+
+def test_serve_dry_run_prints_the_command_and_passes_args_after_the_dashes(capsys, tmp_path):
+    code = main(["serve", "./model", "--dry-run", "--memory", "1GiB", "--disk", "0",
+                 "--", "--enforce-eager", "--max-model-len", "2048"])
+    out = capsys.readouterr().out
+    assert code == 0
+    line = out.strip().splitlines()[-1]
+    assert "vllm.entrypoints.openai.api_server --model ./model" in line
+    assert line.endswith("--enforce-eager --max-model-len 2048")
+    assert '"tiers":[{"kind":"memory","capacity":"1GiB"}]' in line
+
+
+# --- the subprocess helper ---------------------------------------------------------------------
+
+STAND_IN = textwrap.dedent("""\
+    import http.server, os, subprocess, sys, time
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    open(sys.argv[2], "w").write(str(child.pid))
+    if sys.argv[3] == "crash":
+        print("stand-in: failing on purpose", flush=True)
+        sys.exit(3)
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if sys.argv[3] == "ok" else 503)
+            self.end_headers()
+        def log_message(self, *args):
+            pass
+    http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+    """)
+
+
+def stand_in(tmp_path: Path, mode: str) -> tuple[ServeCommand, Path]:
+    script = tmp_path / "server.py"
+    script.write_text(STAND_IN)
+    port, child_pid = free_port(), tmp_path / "child.pid"
+    argv = (sys.executable, str(script), str(port), str(child_pid), mode)
+    return ServeCommand(argv, {}, f"http://127.0.0.1:{port}", None), child_pid
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it has exited all the same.
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split(")")[-1].split()[0] != "Z"
+
+
+def test_running_server_waits_for_health_and_kills_the_whole_group(tmp_path):
+    cmd, child_pid = stand_in(tmp_path, "ok")
+    with running_server(cmd, log_path=tmp_path / "log", startup_timeout_s=30) as server:
+        assert server.proc is not None and server.proc.poll() is None
+        child = int(child_pid.read_text())
+        assert alive(child)
+    assert server.proc is None
+    assert not alive(child)  # the "engine core" went with it
+
+
+def test_a_server_that_exits_early_raises_with_its_log(tmp_path):
+    cmd, child_pid = stand_in(tmp_path, "crash")
+    with pytest.raises(ServerError, match="failing on purpose"), \
+            running_server(cmd, log_path=tmp_path / "log", startup_timeout_s=30):
+        pass
+    assert not alive(int(child_pid.read_text()))  # its orphaned child was killed too
+
+
+def test_a_server_that_never_gets_healthy_times_out_and_is_stopped(tmp_path):
+    cmd, child_pid = stand_in(tmp_path, "unhealthy")
+    with pytest.raises(ServerError, match="not healthy"), \
+            running_server(cmd, log_path=tmp_path / "log", startup_timeout_s=1.5):
+        pass
+    assert not alive(int(child_pid.read_text()))
