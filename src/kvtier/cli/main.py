@@ -21,6 +21,8 @@ COMMANDS: tuple[str, ...] = (
     "kvtier.cli.plan", "kvtier.cli.audit", "kvtier.cli.doctor",
     "kvtier.cli.simulate",
     "kvtier.cli.serve",
+    "kvtier.cli.inspect",
+    "kvtier.cli.gc",
 )
 
 
