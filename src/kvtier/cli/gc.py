@@ -1,0 +1,66 @@
+"""`kvtier gc --config FILE`: evict chunks of persistent tiers to a quota (`--quota 500GiB`),
+by age (`--max-age 7d`), or a whole namespace (`--namespace DIGEST`); `--dry-run` reports
+what would go. Rules combine (see kvtier/admin/gc.py).
+
+Exit codes: 0 done, 1 a tier's storage could not be read, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+
+from rich.console import Console
+from rich.table import Table
+
+from kvtier.admin.gc import GcOutcome, GcRequest, parse_duration, run_gc
+from kvtier.admin.inventory import open_inventories
+from kvtier.cli.inspect import load_store
+from kvtier.units import format_size, parse_size
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("gc", help="evict chunks to a quota, by age, or a namespace")
+    p.add_argument("--config", required=True, help="kvtier store config file (YAML or JSON)")
+    p.add_argument("--tier", help="only this tier (its name in the config)")
+    p.add_argument("--quota", help="keep at most this much per tier, e.g. 500GiB")
+    p.add_argument("--max-age", help="evict chunks unused for longer, e.g. 12h, 7d")
+    p.add_argument("--namespace", help="only this layout digest (alone: evict all of it)")
+    p.add_argument("--dry-run", action="store_true", help="report, delete nothing")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    request = GcRequest(
+        quota_bytes=parse_size(args.quota, "--quota") if args.quota is not None else None,
+        max_age_s=parse_duration(args.max_age) if args.max_age is not None else None,
+        namespace=args.namespace, dry_run=args.dry_run)
+    request.validate()
+    outcomes: list[GcOutcome] = []
+    errors: dict[str, str] = {}
+    for inventory in open_inventories(load_store(args.config), args.tier):
+        try:
+            outcomes += run_gc([inventory], request)
+        except Exception as exc:  # an unreachable tier is reported, the others still run
+            errors[inventory.name] = f"{type(exc).__name__}: {exc}"
+        finally:
+            inventory.close()
+    if args.json:
+        print(json.dumps({"outcomes": [asdict(o) for o in outcomes], "errors": errors,
+                          "dry_run": args.dry_run}, indent=2))
+        return 1 if errors else 0
+    verb = "would remove" if args.dry_run else "removed"
+    table = Table(title=f"kvtier gc{' (dry run)' if args.dry_run else ''}")
+    for column in ("tier", "namespace", f"{verb} chunks", f"{verb} bytes", "kept chunks",
+                   "kept bytes"):
+        table.add_column(column)
+    for o in outcomes:
+        table.add_row(o.tier, o.namespace, str(o.removed_chunks), format_size(o.removed_bytes),
+                      str(o.kept_chunks), format_size(o.kept_bytes))
+    console = Console(width=max(Console().width, 120))
+    console.print(table)
+    for tier, error in errors.items():
+        console.print(f"[bold red]tier {tier}: not readable: {error}[/]")
+    return 1 if errors else 0

@@ -1,0 +1,73 @@
+"""`kvtier inspect --config FILE`: what each persistent tier holds, per namespace (layout
+digest): chunks, bytes, least and most recently used. Reads storage only; changes nothing.
+
+Exit codes: 0 listed, 1 a tier's storage could not be read, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict
+
+from rich.console import Console
+from rich.table import Table
+
+from kvtier.admin.inventory import NamespaceUsage, open_inventories, summarize
+from kvtier.config import StoreConfig
+from kvtier.ops.doctor import read_store
+from kvtier.units import format_size
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("inspect", help="chunks and bytes per tier and namespace")
+    p.add_argument("--config", required=True, help="kvtier store config file (YAML or JSON)")
+    p.add_argument("--tier", help="only this tier (its name in the config)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run)
+
+
+def load_store(path: str) -> StoreConfig:
+    """A store config file, or a connector config with a `store` section.
+
+    Raises:
+        ConfigError: unreadable or invalid.
+    """
+    return StoreConfig.parse(read_store(path), where=path)
+
+
+def run(args: argparse.Namespace) -> int:
+    rows: list[NamespaceUsage] = []
+    errors: dict[str, str] = {}
+    for inventory in open_inventories(load_store(args.config), args.tier):
+        try:
+            rows += summarize(inventory, list(inventory.chunks()))
+        except Exception as exc:  # an unreachable tier is reported, the others still listed
+            errors[inventory.name] = f"{type(exc).__name__}: {exc}"
+        finally:
+            inventory.close()
+    if args.json:
+        print(json.dumps({"namespaces": [asdict(r) for r in rows], "errors": errors}, indent=2))
+        return 1 if errors else 0
+    table = Table(title="kvtier inspect")
+    for column in ("tier", "kind", "namespace", "chunks", "bytes", "oldest", "newest", "hits"):
+        table.add_column(column, justify="right" if column in ("chunks", "bytes") else "left")
+    for r in rows:
+        table.add_row(r.tier, r.kind, r.namespace, str(r.chunks), format_size(r.size_bytes),
+                      _ago(r.oldest_s), _ago(r.newest_s), "n/a" if r.hits is None else str(r.hits))
+    console = Console(width=max(Console().width, 120))
+    console.print(table)
+    for tier, error in errors.items():
+        console.print(f"[bold red]tier {tier}: not readable: {error}[/]")
+    return 1 if errors else 0
+
+
+def _ago(when_s: float | None) -> str:
+    if when_s is None:
+        return "-"
+    age = max(0.0, time.time() - when_s)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if age >= size:
+            return f"{age / size:.1f}{unit} ago"
+    return f"{age:.0f}s ago"
