@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -105,6 +106,10 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         return 0
     server = VllmServer(command)
+    # vLLM runs in its own process group (so that stop() reaches its engine processes); a
+    # SIGTERM/SIGHUP to `kvtier serve` must therefore stop it explicitly, via `finally`.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _exit_on_signal)
     try:
         server.start()
         server.wait_ready()
@@ -120,3 +125,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         code = server.stop()
     return 0 if code in (0, -15, None) else int(code)
+
+
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
