@@ -27,6 +27,7 @@ class FakeServer:
     stall_prompt_len: int | None = None  # prompts of this length never get an answer
     fail_status: int | None = None
     prompts: list[list[int]] = field(default_factory=list)
+    asked_ids: list[bool] = field(default_factory=list)  # return_token_ids, per request
     in_flight: int = 0
     max_in_flight: int = 0
     url: str = ""
@@ -41,6 +42,7 @@ class FakeServer:
             return web.Response(status=self.fail_status, text="nope")
         prompt = body["prompt"]
         self.prompts.append(prompt)
+        self.asked_ids.append(bool(body.get("return_token_ids")))
         self.queries += len(prompt)
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
@@ -49,9 +51,12 @@ class FakeServer:
             await resp.prepare(request)
             if len(prompt) == self.stall_prompt_len:
                 await asyncio.sleep(1.0)  # past the client timeout, short for teardown
-            for tok in self.answer(prompt, body["max_tokens"]):
+            for k, tok in enumerate(self.answer(prompt, body["max_tokens"])):
                 await asyncio.sleep(self.delay_s)
-                event = {"choices": [{"index": 0, "text": f" w{tok}", "token_ids": [tok]}]}
+                choice = {"index": 0, "text": f" w{tok}", "token_ids": [tok]}
+                if k == 0 and body.get("return_token_ids"):
+                    choice["prompt_token_ids"] = prompt  # as vLLM does
+                event = {"choices": [choice]}
                 await resp.write(f"data: {json.dumps(event)}\n\n".encode())
             usage = {"choices": [], "usage": {"completion_tokens": body["max_tokens"]}}
             await resp.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
@@ -112,6 +117,19 @@ def test_multi_round_sends_the_servers_own_answer_back_in_the_history(fake):
         third = second + fake.answer(second, 3) + list(turns[(user, 2)].tokens)
         assert third in fake.prompts
     assert [r.prompt_tokens for r in run.results] == [20, 20, 28, 28, 36, 36]
+
+
+def test_a_long_prompt_echoed_in_one_event_is_read(fake):
+    # 20,000 ids echoed back make one event line of ~100 KiB, past aiohttp's line limit.
+    w = multi_round(users=1, turns=2, first_len=20_000, user_len=5, output_len=2)
+    run = bench_endpoint(w, cfg(fake))
+    assert all(r.ok for r in run.results) and run.run.answers_from_server
+
+
+def test_only_chained_workloads_ask_for_token_ids(fake):
+    bench_endpoint(long_doc(docs=1, questions=2, doc_len=10), cfg(fake))
+    bench_endpoint(multi_round(users=1, turns=1), cfg(fake))
+    assert fake.asked_ids == [False, False, True]
 
 
 def test_ttft_and_inter_token_gaps_are_measured_per_request(fake):

@@ -8,9 +8,9 @@ has its own timeout, so a run ends by `duration_s + request_timeout_s` at the la
 Failures come back as `RequestResult(error=...)`, never as exceptions.
 
 vLLM extras, on by default and off with `vllm_extras=False` for servers that reject unknown
-fields: `ignore_eos` (exact output lengths, so runs are comparable) and `return_token_ids`
-(the real answer tokens go into the next turn's history; without them `Turn.filler_answer`
-stands in).
+fields: `ignore_eos` (exact output lengths, so runs are comparable) and, for chained workloads
+only, `return_token_ids` (the real answer tokens go into the next turn's history; without
+them `Turn.filler_answer` stands in).
 
 Primitives: `ClientConfig`, `WorkloadRun`, `run_workload` (async), `fetch_model`,
 `api_base`.
@@ -106,7 +106,7 @@ async def run_workload(workload: Workload, cfg: ClientConfig,
 
         async def one(i: int, turn: Turn, prompt: tuple[int, ...]) -> None:
             try:
-                result, answer = await _send(http, cfg, turn, prompt, t0)
+                result, answer = await _send(http, cfg, turn, prompt, t0, workload.chained)
                 if workload.chained and answer is None:
                     from_server[0] = False
                 history[turn.session] = (prompt, answer or turn.filler_answer)
@@ -136,7 +136,8 @@ async def run_workload(workload: Workload, cfg: ClientConfig,
 
 
 async def _send(http: aiohttp.ClientSession, cfg: ClientConfig, turn: Turn,
-                prompt: tuple[int, ...], t0: float) -> tuple[RequestResult, tuple[int, ...] | None]:
+                prompt: tuple[int, ...], t0: float,
+                chained: bool) -> tuple[RequestResult, tuple[int, ...] | None]:
     """Stream one completion; returns its result and the answer's token ids (None if the
     server sent none). Never raises for server or network failures."""
     body: dict[str, Any] = {
@@ -144,7 +145,9 @@ async def _send(http: aiohttp.ClientSession, cfg: ClientConfig, turn: Turn,
         "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
     }
     if cfg.vllm_extras:
-        body.update(ignore_eos=True, return_token_ids=True)
+        body["ignore_eos"] = True
+        if chained:  # only chained turns need the answer's ids (they also echo the prompt)
+            body["return_token_ids"] = True
     stream = _Stream(time.perf_counter())
     error: str | None = None
     try:
@@ -154,8 +157,15 @@ async def _send(http: aiohttp.ClientSession, cfg: ClientConfig, turn: Turn,
             if resp.status != 200:
                 error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
             else:
-                async for raw in resp.content:
-                    stream.feed(raw, time.perf_counter())
+                # Not `async for line in resp.content`: aiohttp refuses lines over 64 KiB,
+                # and vLLM's first event echoes the whole prompt when token ids are asked for.
+                pending = b""
+                async for chunk in resp.content.iter_any():
+                    now = time.perf_counter()
+                    *lines, pending = (pending + chunk).split(b"\n")
+                    for line in lines:
+                        stream.feed(line, now)
+                stream.feed(pending, time.perf_counter())
                 error = stream.error
     except TimeoutError:
         error = f"timeout after {cfg.request_timeout_s:g} s"
