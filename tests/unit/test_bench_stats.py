@@ -173,8 +173,10 @@ vllm:prefix_cache_queries_created{engine="0",model_name="m"} 1.7e9
 vllm:prefix_cache_hits_total{engine="0",model_name="m"} 10.0
 # TYPE vllm:external_prefix_cache_queries counter
 vllm:external_prefix_cache_queries_total{engine="0",model_name="m"} 0.0
-# TYPE kvtier_tier_hits counter
-kvtier_tier_hits_total{tier="memory"} 5.0
+# TYPE vllm:kvtier_tier_hits counter
+vllm:kvtier_tier_hits_total{engine="0",tier="memory"} 5.0
+# TYPE vllm:kvtier_tier_queries counter
+vllm:kvtier_tier_queries_total{engine="0",tier="memory"} 10.0
 # TYPE vllm:kv_cache_usage_perc gauge
 vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
 """
@@ -187,9 +189,18 @@ vllm:prefix_cache_hits_total{engine="0",model_name="m"} 160.0
 vllm:prefix_cache_hits_total{engine="1",model_name="m"} 50.0
 # TYPE vllm:external_prefix_cache_queries counter
 vllm:external_prefix_cache_queries_total{engine="0",model_name="m"} 0.0
-# TYPE kvtier_tier_hits counter
-kvtier_tier_hits_total{tier="memory"} 12.0
-kvtier_tier_hits_total{tier="disk"} 3.0
+# TYPE vllm:kvtier_tier_hits counter
+vllm:kvtier_tier_hits_total{engine="0",tier="memory"} 12.0
+vllm:kvtier_tier_hits_total{engine="0",tier="disk"} 3.0
+# TYPE vllm:kvtier_tier_queries counter
+vllm:kvtier_tier_queries_total{engine="0",tier="memory"} 20.0
+vllm:kvtier_tier_queries_total{engine="0",tier="disk"} 13.0
+# TYPE vllm:kvtier_lookup_tokens counter
+vllm:kvtier_lookup_tokens_total{engine="0"} 512.0
+# TYPE vllm:kvtier_lookup_hit_tokens counter
+vllm:kvtier_lookup_hit_tokens_total{engine="0"} 256.0
+# TYPE vllm:kvtier_tier_used_bytes gauge
+vllm:kvtier_tier_used_bytes{engine="0",tier="memory"} 4096.0
 """
 
 
@@ -198,9 +209,38 @@ def test_metrics_diff_sums_engines_and_subtracts_before():
                           promdiff.parse_metrics(METRICS_AFTER))
     assert delta["vllm:prefix_cache_queries_total"] == 300.0  # 400 over two engines - 100
     assert delta["vllm:prefix_cache_hits_total"] == 200.0
-    assert delta["kvtier_tier_hits_total{tier=memory}"] == 7.0  # labels other than engine kept
-    assert delta["kvtier_tier_hits_total{tier=disk}"] == 3.0  # new label set: from 0
+    # Labels other than engine/model_name are kept; a new label set counts from 0.
+    assert delta["vllm:kvtier_tier_hits_total{tier=memory}"] == 7.0
+    assert delta["vllm:kvtier_tier_hits_total{tier=disk}"] == 3.0
+    assert delta["vllm:kvtier_tier_used_bytes{tier=memory}"] == 4096.0  # a gauge: its value
     assert not any(k.endswith("_created") or "usage_perc" in k for k in delta)
     rates = promdiff.hit_rates(delta)
     assert rates["prefix_cache"] == pytest.approx(200 / 300)
     assert rates["external_prefix_cache"] is None  # no connector queries: no rate, not 0 %
+    assert rates["kvtier_tier:memory"] == pytest.approx(7 / 10)
+    assert rates["kvtier_tier:disk"] == pytest.approx(3 / 13)
+    assert rates["kvtier_lookup"] == pytest.approx(0.5)
+
+
+def test_report_table_shows_hit_rates_per_kvtier_tier_and_ratios():
+    from rich.console import Console
+
+    from kvtier.bench.client import WorkloadRun
+    from kvtier.bench.report import summary_table
+    from kvtier.bench.runner import BenchRun
+
+    delta = promdiff.diff(promdiff.parse_metrics(METRICS_BEFORE),
+                          promdiff.parse_metrics(METRICS_AFTER))
+
+    def run(label: str, ttft: float, metrics: dict[str, float] | None) -> BenchRun:
+        results = (result(ttft, turn=0), result(ttft, turn=1))
+        return BenchRun(label, "http://x", "m", "multi-round", {}, WorkloadRun(results, 1.0, True),
+                        summarize(results, 1.0), metrics, promdiff.hit_rates(metrics or {}))
+
+    console = Console(record=True, width=200)
+    console.print(summary_table([run("without", 0.4, None), run("with", 0.1, delta)]))
+    text = console.export_text()
+    assert "with / without" in text
+    assert "kvtier memory tier hit rate" in text and "70.0%" in text
+    assert "kvtier lookup hit rate" in text and "50.0%" in text
+    assert "0.25x" in text  # TTFT p50 of "with" is a quarter of "without"

@@ -70,7 +70,7 @@ def diff(before: Mapping[str, float], after: Mapping[str, float]) -> Scrape:
     out: Scrape = {}
     for key, value in after.items():
         name = key.split("{", 1)[0]
-        if name not in WATCHED and not name.startswith("kvtier"):
+        if name not in WATCHED and not _is_kvtier(name):
             continue
         if name.endswith(_MONOTONIC_SUFFIXES):
             out[key] = value - before.get(key, 0.0)
@@ -80,14 +80,42 @@ def diff(before: Mapping[str, float], after: Mapping[str, float]) -> Scrape:
 
 
 def hit_rates(delta: Mapping[str, float]) -> dict[str, float | None]:
-    """Token hit rates of the run: vLLM's own prefix cache and the connector's (external).
-
-    Returns `{"prefix_cache": hits/queries, "external_prefix_cache": ...}`, None where no
-    query was counted.
+    """Hit rates of the run, each None where nothing was queried:
+      - "prefix_cache": vLLM's own prefix cache (tokens);
+      - "external_prefix_cache": what the KV connector supplied (tokens);
+      - "kvtier_lookup": prompt tokens kvtier could load / tokens asked about;
+      - "kvtier_tier:<name>": chunk reads a tier served / chunk reads asked of it.
     """
     rates: dict[str, float | None] = {}
     for kind in ("prefix_cache", "external_prefix_cache"):
-        queries = delta.get(f"vllm:{kind}_queries_total", 0.0)
-        hits = delta.get(f"vllm:{kind}_hits_total", 0.0)
-        rates[kind] = hits / queries if queries > 0 else None
+        rates[kind] = _rate(delta.get(f"vllm:{kind}_hits_total", 0.0),
+                            delta.get(f"vllm:{kind}_queries_total", 0.0))
+    lookups = kvtier_counters(delta, "lookup_tokens_total")
+    if lookups:
+        rates["kvtier_lookup"] = _rate(
+            sum(kvtier_counters(delta, "lookup_hit_tokens_total").values()),
+            sum(lookups.values()))
+    hits = kvtier_counters(delta, "tier_hits_total")
+    for tier, queries in kvtier_counters(delta, "tier_queries_total").items():
+        rates[f"kvtier_tier:{tier}"] = _rate(hits.get(tier, 0.0), queries)
     return rates
+
+
+def kvtier_counters(delta: Mapping[str, float], suffix: str) -> dict[str, float]:
+    """kvtier metric `<prefix>kvtier_<suffix>` summed per `tier` label ("" when unlabelled)."""
+    out: dict[str, float] = {}
+    for key, value in delta.items():
+        name, _, labels = key.partition("{")
+        if _is_kvtier(name) and name.endswith("kvtier_" + suffix):
+            tier = next((part.split("=", 1)[1] for part in labels.rstrip("}").split(",")
+                         if part.startswith("tier=")), "")
+            out[tier] = out.get(tier, 0.0) + value
+    return out
+
+
+def _is_kvtier(name: str) -> bool:
+    return name.startswith(("kvtier", "vllm:kvtier"))
+
+
+def _rate(hits: float, queries: float) -> float | None:
+    return hits / queries if queries > 0 else None

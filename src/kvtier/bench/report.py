@@ -23,6 +23,7 @@ from typing import Any
 
 from rich.table import Table
 
+from kvtier.bench import promdiff
 from kvtier.bench.runner import BenchRun
 from kvtier.bench.stats import Summary, by_turn, ratios, summarize
 
@@ -73,10 +74,22 @@ def summary_table(runs: Sequence[BenchRun]) -> Table:
     ratio_of = _ratio_rows(runs) if two else {}
     for label, fmt in _ROWS:
         table.add_row(label, *(fmt(r) for r in runs), *([ratio_of.get(label, "")] if two else []))
-    for key in sorted({k for r in runs for k in (r.metrics or {}) if k.startswith("kvtier")}):
-        table.add_row(key, *(f"{(r.metrics or {}).get(key, 0):g}" for r in runs),
-                      *([""] if two else []))
+    for key in sorted({k for r in runs for k in r.hit_rates if k.startswith("kvtier")}):
+        label = ("kvtier lookup hit rate" if key == "kvtier_lookup"
+                 else f"kvtier {key.split(':', 1)[1]} tier hit rate")
+        table.add_row(label, *(_rate(r.hit_rates.get(key)) for r in runs), *([""] if two else []))
+    for suffix, label in _KVTIER_TOTALS:
+        values = [sum(promdiff.kvtier_counters(r.metrics or {}, suffix).values()) for r in runs]
+        if any(values):
+            table.add_row(label, *(f"{v:,.0f}" for v in values), *([""] if two else []))
     return table
+
+
+# kvtier counters the table shows as totals over tiers (all of them are in the JSON).
+_KVTIER_TOTALS = (("loaded_tokens_total", "kvtier tokens loaded"),
+                  ("stored_tokens_total", "kvtier tokens stored"),
+                  ("tier_evictions_total", "kvtier evictions"),
+                  ("load_failures_total", "kvtier load failures"))
 
 
 def _ratio_rows(runs: Sequence[BenchRun]) -> dict[str, str]:
