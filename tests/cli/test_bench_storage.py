@@ -72,3 +72,17 @@ def test_a_bad_size_is_a_config_error_naming_the_field(tmp_path: Path) -> None:
     )
     assert run.returncode == 2
     assert "sizes" in run.stderr and "4 KiB" in run.stderr
+
+
+def test_an_interpreter_without_lmcache_is_reported_not_fatal(tmp_path: Path) -> None:
+    # The system interpreter has no lmcache: the driver exits at import, the run goes on
+    # and the JSON says why LMCache was not measured.
+    out = tmp_path / "r.json"
+    code = main(["bench", "storage", "--quick", "--sizes", "0.5", "--trial-bytes", "1MiB",
+                 "--tier", "memory", "--dir", str(tmp_path), "--json", str(out),
+                 "--lmcache-python", sys.executable])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert "lmcache" in report["lmcache"]["error"]
+    assert {m["subject"] for m in report["measurements"]} == {"copy", "direct", "direct_1file",
+                                                              "memory"}

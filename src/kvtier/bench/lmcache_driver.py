@@ -68,7 +68,11 @@ class Driver:
         config = LMCacheEngineConfig.from_defaults(
             chunk_size=chunk_bytes // TOKEN_BYTES, local_cpu=False,
             max_local_cpu_size=pool_bytes / GIB, local_disk=self.directory,
-            max_local_disk_size=4 * chunks * chunk_bytes / GIB,
+            # Only a bound in LMCache's accounting (nothing is preallocated), and a large
+            # one on purpose: `remove()` does not give back `current_cache_size`, so after a
+            # few put/clear rounds a tight bound would make every put "insufficient
+            # evictable space", skipped silently, its completion callback never called.
+            max_local_disk_size=1024.0,
             extra_config={"use_odirect": True, "disk_io_threads": threads},
         )
         # The allocator LocalCPUBackend builds by default; its buffer is page-aligned, which
@@ -97,8 +101,8 @@ class Driver:
         for key, obj in zip(self.keys, self.sources, strict=True):
             self.backend.submit_put_task(key, obj, on_complete_callback=lambda _k: done.release())
         for _ in self.keys:
-            if not done.acquire(timeout=120):
-                return {"ok": False, "error": "put did not complete in 120 s"}
+            if not done.acquire(timeout=60):  # LMCache skips some puts without a word
+                return {"ok": False, "error": "put did not complete in 60 s (skipped?)"}
         seconds = time.perf_counter() - start
         stored = sum(self.backend.contains(key) for key in self.keys)
         if stored != len(self.keys):

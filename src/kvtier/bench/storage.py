@@ -28,11 +28,13 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.bench.redis_baseline import local_redis, redis_subjects
 from kvtier.bench.subjects import LMCacheProcess, SizeBench, Subject
 from kvtier.errors import ConfigError
 
 MIB = 1024**2
-TIERS = ("memory", "disk", "shared")
+TIERS = ("memory", "disk", "shared", "redis")
+DEFAULT_TIERS = TIERS[:3]  # redis only when asked: it starts a private redis-server
 # (tier, op) -> (ceiling it is held to, the issue's minimum ratio); for chunks >= TARGET_MIN.
 # lmcache and shared have no target in the issue (0.0): their ratios are for information.
 TARGETS: dict[tuple[str, str], tuple[str, float]] = {
@@ -40,6 +42,7 @@ TARGETS: dict[tuple[str, str], tuple[str, float]] = {
     ("disk", "put"): ("direct", 0.8), ("disk", "get"): ("direct", 0.8),
     ("shared", "put"): ("direct", 0.0), ("shared", "get"): ("direct", 0.0),
     ("lmcache", "put"): ("direct", 0.0), ("lmcache", "get"): ("direct", 0.0),
+    ("redis", "put"): ("redis_raw", 0.7), ("redis", "get"): ("redis_raw", 0.7),
 }
 TARGET_MIN_BYTES = 2 * MIB  # the issue's targets apply to chunks of at least this size
 
@@ -50,7 +53,7 @@ class BenchConfig:
 
     directory: Path  # a temp dir is made in it for the file tiers and O_DIRECT ceilings
     sizes_bytes: tuple[int, ...] = (MIB // 2, 2 * MIB, 8 * MIB, 32 * MIB)  # chunk sizes
-    tiers: tuple[str, ...] = TIERS  # which tiers to measure
+    tiers: tuple[str, ...] = DEFAULT_TIERS  # which tiers to measure
     trials: int = 7  # timed rounds per size; figures are medians over them
     trial_bytes: int = 512 * MIB  # payload bytes each subject moves per round (per size)
     min_chunks: int = 4  # at least this many chunks per round, whatever trial_bytes says
@@ -120,16 +123,16 @@ class BenchResult:
     config: BenchConfig
     measurements: tuple[Measurement, ...]
     verdicts: tuple[Verdict, ...]
-    machine: dict[str, Any]  # cpus, load averages before/after, filesystem, O_DIRECT
-    lmcache: dict[str, Any] | None  # driver's versions, or why it could not run
+    machine: dict[str, Any]  # cpus, load averages and PSI before/after, filesystem
+    lmcache: dict[str, Any] | None  # the driver's versions, or {"error": why it did not run}
     wall_s: float
 
-    def as_json(self) -> dict[str, Any]:
+    def as_json(self, command: str = "") -> dict[str, Any]:
         config = asdict(self.config)
         config["directory"] = str(self.config.directory)
         return {
             "benchmark": "kvtier bench storage",
-            "command": " ".join(["kvtier", *sys.argv[1:]]) if sys.argv else "",
+            "command": command,
             "config": config,
             "machine": self.machine,
             "lmcache": self.lmcache,
@@ -143,9 +146,9 @@ class BenchResult:
             "verdicts": [asdict(v) for v in self.verdicts],
         }
 
-    def write_json(self, path: Path) -> None:
+    def write_json(self, path: Path, command: str = "") -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.as_json(), indent=2) + "\n")
+        path.write_text(json.dumps(self.as_json(command), indent=2) + "\n")
 
 
 def rounds_total(config: BenchConfig) -> int:
@@ -165,7 +168,8 @@ def run_bench(config: BenchConfig, on_round: Callable[[str], None] = lambda _: N
     Raises:
         ConfigError: a bad config value.
         OSError: the directory is unusable or O_DIRECT fails there (the ceilings need it).
-        RuntimeError: a tier dropped a put or missed a get, or the LMCache driver failed.
+        RuntimeError: a tier dropped a put or missed a get, or the LMCache driver failed
+            during the run (one that cannot start is reported in `BenchResult.lmcache`).
     """
     config.validate()
     started = time.perf_counter()
@@ -178,21 +182,28 @@ def run_bench(config: BenchConfig, on_round: Callable[[str], None] = lambda _: N
         # A fresh directory of our own inside it, removed at the end whatever happens.
         work = Path(tempfile.mkdtemp(prefix=".kvtier-bench-", dir=config.directory))
         stack.callback(shutil.rmtree, work, ignore_errors=True)
+        redis_url = stack.enter_context(local_redis(work)) if "redis" in config.tiers else None
         lmcache = None
         if config.lmcache_python:
-            lmcache = LMCacheProcess(config.lmcache_python, work / "lmcache")
-            stack.callback(lmcache.close)
-            lmcache_info = lmcache.info
+            try:
+                lmcache = LMCacheProcess(config.lmcache_python, work / "lmcache")
+            except RuntimeError as exc:  # not installed, or cannot start here: say why
+                lmcache_info = {"error": str(exc)}
+            else:
+                stack.callback(lmcache.close)
+                lmcache_info = lmcache.info
         for size in config.sizes_bytes:
             chunks = config.chunks_for(size)
             with ExitStack() as size_stack:
                 bench = SizeBench(work, size, chunks, config.threads, size_stack)
                 size_stack.callback(shutil.rmtree, bench.raw_dir, ignore_errors=True)
                 files = [bench.direct()] + [bench.tier(k, size_stack) for k in config.tiers
-                                            if k != "memory"]
+                                            if k not in ("memory", "redis")]
                 if lmcache is not None and (found := lmcache.subject(size, chunks, config.threads)):
                     files.append(found)
                 groups = [[bench.copy()], [bench.direct_1file()], files]
+                if redis_url is not None:  # the tier next to raw SET/GET on the same server
+                    groups.append(redis_subjects(bench, redis_url, size_stack))
                 if "memory" in config.tiers:
                     groups[0].append(bench.tier("memory", size_stack))
                 for trial in range(config.trials + 1):  # round 0 is the untimed warm-up

@@ -227,7 +227,10 @@ class LMCacheProcess:
         self._log = directory.parent / "lmcache-driver.log"
         with self._log.open("w") as log:
             self._process = subprocess.Popen(
-                [python, str(LMCACHE_DRIVER), "--dir", str(directory)], stdin=subprocess.PIPE,
+                # -I: the script's folder (kvtier/bench, with modules named like the
+                # stdlib's, e.g. copy.py) must not shadow anything on the driver's path.
+                [python, "-I", str(LMCACHE_DRIVER), "--dir", str(directory)],
+                stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=log, text=True,
             )
         self.info = {k: v for k, v in self._reply().items() if k != "ok"}

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
+import sys
 from pathlib import Path
 
 from rich.console import Console
@@ -17,6 +19,7 @@ from rich.table import Table
 
 from kvtier.bench.storage import (
     MIB,
+    DEFAULT_TIERS,
     TARGET_MIN_BYTES,
     TIERS,
     BenchConfig,
@@ -89,7 +92,7 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
         raise ConfigError("lmcache-python", args.lmcache_python, "an executable interpreter")
     return BenchConfig(
         directory=args.dir, sizes_bytes=parse_sizes(args.sizes),
-        tiers=tuple(dict.fromkeys(args.tier)) if args.tier else TIERS,
+        tiers=tuple(dict.fromkeys(args.tier)) if args.tier else DEFAULT_TIERS,
         lmcache_python=args.lmcache_python, threads=args.threads, **settings,  # type: ignore[arg-type]
     )
 
@@ -109,7 +112,9 @@ def run(args: argparse.Namespace) -> int:
     console.print(ceiling_table(result))
     console.print(verdict_table(result))
     console.print(summary(result))
-    result.write_json(args.json)
+    if result.lmcache and "error" in result.lmcache:
+        console.print(f"[yellow]LMCache not measured:[/] {result.lmcache['error']}")
+    result.write_json(args.json, shlex.join(["kvtier", *sys.argv[1:]]))
     console.print(f"results written to {args.json}")
     return 0
 
@@ -132,7 +137,7 @@ def verdict_table(result: BenchResult) -> Table:
                           ("GB/s", "right"), ("ceiling", "left"), ("ratio", "right"),
                           ("target", "right"), ("", "left")):
         table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
-    order = ("memory", "disk", "shared", "lmcache")
+    order = ("memory", "disk", "shared", "lmcache", "redis")
     for v in sorted(result.verdicts, key=lambda v: (v.size_bytes, order.index(v.tier),
                                                     v.op == "get")):
         mark = ("[green]pass[/]" if v.passed else "[red]FAIL[/]") if v.passed is not None \
