@@ -38,7 +38,7 @@ CEILINGS = (("copy", "put", "copy"), ("direct", "put", "O_DIRECT write"),
 
 
 CEILING_NAMES = {(subject, op): title for subject, op, title in CEILINGS} | {
-    ("copy", "get"): "copy"}
+    ("copy", "get"): "copy", ("redis_raw", "put"): "raw SET", ("redis_raw", "get"): "raw GET"}
 
 
 def register(workloads: argparse._SubParsersAction) -> None:
