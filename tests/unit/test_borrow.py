@@ -12,13 +12,13 @@ import threading
 from pathlib import Path
 
 import pytest
+from tierkit import footprint_bytes, tier_settings, tiny_layout
 
 from kvtier.config import MemoryTierConfig, StoreConfig
 from kvtier.core.keys import ChunkKey
 from kvtier.core.store import TieredStore
 from kvtier.core.tier import Lender
 from kvtier.tiers.memory import MemoryTier
-from tierkit import footprint_bytes, tier_settings, tiny_layout
 
 LAYOUT = tiny_layout(4)  # 1 KiB chunks
 

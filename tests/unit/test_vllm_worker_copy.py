@@ -1,9 +1,15 @@
-"""The connector's worker copies: vLLM's CPU paged KV <-> kvtier chunk byte order.
+"""The connector's worker copies: vLLM's paged KV <-> kvtier chunk byte order.
 
-Pure torch on vLLM-shaped tensors (no engine); importing vllm takes a few seconds.
+Pure torch on vLLM-shaped tensors (no engine); importing vllm takes a few seconds. The
+vectorized copies (`PagedKV`: one op over all layers when they share an allocation, one op
+per layer otherwise) are checked against a plain per-layer, per-block reference written
+from the documented layouts, on the CPU backend's layout and on the flash layout.
 """
 
 from __future__ import annotations
+
+import random
+import warnings
 
 import pytest
 import torch
@@ -63,3 +69,88 @@ def test_unknown_kv_shapes_and_bad_settings_are_refused() -> None:
         ConnectorConfig.parse({"tiers": []})
     controls = RequestControls.from_params({"skip_load": "yes", "max_offload_tokens": 128})
     assert controls == RequestControls(skip_load=False, max_offload_tokens=128)
+
+
+def one_allocation_cpu_kv(layers: int = LAYERS, blocks: int = BLOCKS) -> dict[str, torch.Tensor]:
+    """Like the CPU backend's LBHNC: every layer a slice of one tensor, layer outermost."""
+    gen = torch.Generator().manual_seed(1)
+    base = torch.randn(layers, blocks, HEADS, BS, 2 * DIM, generator=gen).to(torch.bfloat16)
+    return {f"model.layers.{i}.self_attn.attn": base[i] for i in range(layers)}
+
+
+def flash_kv(one_allocation: bool) -> dict[str, torch.Tensor]:
+    """The flash layout [2, blocks, block_size, heads, dim] per layer."""
+    gen = torch.Generator().manual_seed(2)
+    base = torch.randn(LAYERS, 2, BLOCKS, BS, HEADS, DIM, generator=gen).to(torch.bfloat16)
+    return {f"l{i}": base[i] if one_allocation else base[i].clone() for i in range(LAYERS)}
+
+
+def reference_block(kv: dict[str, torch.Tensor], layer: int, block: int) -> torch.Tensor:
+    """Block `block` of layer `layer` as [2, heads, block_size, dim], from the layout docs."""
+    t = list(kv.values())[layer]
+    if t.ndim == 4:  # CPU: per head, K rows [0, BS) then V rows [BS, 2*BS)
+        return t[block].reshape(HEADS, 2, BS, DIM).transpose(0, 1)
+    return t[:, block].permute(0, 2, 1, 3)  # flash: [2, BS, H, D] -> [2, H, BS, D]
+
+
+def reference_gather(kv: dict[str, torch.Tensor], block_ids: tuple[int, ...]) -> torch.Tensor:
+    return torch.stack([torch.cat([reference_block(kv, layer, b) for b in block_ids], dim=2)
+                        for layer in range(len(kv))])
+
+
+KV_CASES = {
+    "cpu, layers apart": cpu_kv,
+    "cpu, one allocation": one_allocation_cpu_kv,
+    "flash, layers apart": lambda: flash_kv(False),
+    "flash, one allocation": lambda: flash_kv(True),
+}
+
+
+@pytest.mark.parametrize("case", KV_CASES)
+def test_gather_matches_the_per_block_reference(case: str) -> None:
+    kv = KV_CASES[case]()
+    paged = PagedKV(kv, BS)
+    assert paged.single_allocation == ("one allocation" in case)
+    rng = random.Random(case)
+    for _ in range(5):
+        block_ids = tuple(rng.sample(range(BLOCKS), 3))
+        chunk = torch.empty(LAYERS, 2, HEADS, 3 * BS, DIM, dtype=torch.bfloat16)
+        paged.gather(block_ids, chunk)
+        assert torch.equal(chunk, reference_gather(kv, block_ids))
+
+
+@pytest.mark.parametrize("case", KV_CASES)
+def test_scatter_from_a_read_only_byte_buffer_writes_only_its_blocks(case: str) -> None:
+    kv = KV_CASES[case]()
+    paged = PagedKV(kv, BS)
+    before = {name: t.clone() for name, t in kv.items()}
+    gen = torch.Generator().manual_seed(3)
+    chunk = torch.randn(LAYERS, 2, HEADS, 3 * BS, DIM, generator=gen).to(torch.bfloat16)
+    # As the worker gets it from a borrowed slot: read-only uint8 bytes.
+    lent = memoryview(chunk.view(torch.uint8).numpy().tobytes()).toreadonly()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: "the given buffer is not writable"
+        raw = torch.frombuffer(lent, dtype=torch.uint8)
+    paged.scatter(raw, (4, 0, 6), first_block=1)  # block 4: a local hit, left alone
+    for layer in range(LAYERS):
+        for j, block in enumerate((0, 6), start=1):
+            assert torch.equal(reference_block(kv, layer, block),
+                               chunk[layer, :, :, j * BS:(j + 1) * BS])
+    untouched = [b for b in range(BLOCKS) if b not in (0, 6)]
+    for name, t in kv.items():
+        if t.ndim == 4:
+            assert torch.equal(t[untouched], before[name][untouched])
+        else:
+            assert torch.equal(t[:, untouched], before[name][:, untouched])
+
+
+def test_a_gathered_chunk_scatters_back_to_the_same_bytes_elsewhere() -> None:
+    kv = one_allocation_cpu_kv()
+    paged = PagedKV(kv, BS)
+    chunk = torch.empty(paged.layout(2 * BS).bytes_per_chunk, dtype=torch.uint8)
+    paged.gather((1, 2), chunk)
+    paged.scatter(chunk, (5, 7), first_block=0)
+    for t in kv.values():
+        assert torch.equal(t[5], t[1]) and torch.equal(t[7], t[2])
+    with pytest.raises(RuntimeError):  # a non-contiguous chunk would gather into a copy
+        paged.gather((1, 2), torch.empty(2 * chunk.numel(), dtype=torch.uint8)[::2])

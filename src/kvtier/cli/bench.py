@@ -9,6 +9,7 @@ import importlib
 WORKLOADS: tuple[str, ...] = (
     "kvtier.cli.bench_storage",
     "kvtier.cli.bench_serve",
+    "kvtier.cli.bench_copy",
 )
 
 

