@@ -101,7 +101,7 @@ def fake() -> Iterator[FakeServer]:
 
 
 def cfg(fake: FakeServer, **kw) -> ClientConfig:
-    return ClientConfig(url=fake.url + "/v1", model="fake", **kw)
+    return ClientConfig(url=fake.url + "/v1", model="fake", **{"warmup_requests": 0, **kw})
 
 
 def test_multi_round_sends_the_servers_own_answer_back_in_the_history(fake):
@@ -186,6 +186,16 @@ def test_counters_are_diffed_and_every_output_file_is_written(fake, tmp_path):
     assert "TTFT p50" in doc["ratios_b_over_a"]
     assert len(paths["csv"].read_text().splitlines()) == 1 + 8
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_warmup_requests_go_first_and_are_not_counted(fake):
+    w = long_doc(docs=1, questions=1, doc_len=40)
+    run = bench_endpoint(w, cfg(fake, warmup_requests=2))
+    assert len(fake.prompts) == 3 and len(run.results) == 1
+    assert fake.prompts[0] == list(reversed(w.turns[0].tokens[:32]))  # no shared prefix block
+    assert run.metrics is not None
+    # Only the workload's 72 tokens (document 40 + question 32): the warm-up came before.
+    assert run.metrics["vllm:prefix_cache_queries_total"] == len(w.turns[0].tokens) == 72
 
 
 def test_api_base_accepts_the_v1_suffix():

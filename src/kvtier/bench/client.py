@@ -12,8 +12,8 @@ fields: `ignore_eos` (exact output lengths, so runs are comparable) and, for cha
 only, `return_token_ids` (the real answer tokens go into the next turn's history; without
 them `Turn.filler_answer` stands in).
 
-Primitives: `ClientConfig`, `WorkloadRun`, `run_workload` (async), `fetch_model`,
-`api_base`.
+Primitives: `ClientConfig`, `WorkloadRun`, `run_workload` (async), `warm_up` (async),
+`fetch_model`, `api_base`.
 """
 
 from __future__ import annotations
@@ -43,6 +43,9 @@ class ClientConfig:
     duration_s: float | None = None  # stop sending after this long (None: no limit)
     request_timeout_s: float = 300.0  # one request's limit, streaming included
     vllm_extras: bool = True  # send ignore_eos and return_token_ids (vLLM's extensions)
+    # Short requests sent (and not counted) before the run: the first requests after a
+    # server starts pay one-off costs (lazy initialisation) that would skew a comparison.
+    warmup_requests: int = 1
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -51,6 +54,8 @@ class ClientConfig:
             raise ConfigError("max_requests", self.max_requests, "an integer >= 1")
         if self.duration_s is not None and self.duration_s <= 0:
             raise ConfigError("duration_s", self.duration_s, "a positive number of seconds")
+        if self.warmup_requests < 0:
+            raise ConfigError("warmup_requests", self.warmup_requests, "an integer >= 0")
         if self.request_timeout_s <= 0:
             raise ConfigError("request_timeout_s", self.request_timeout_s, "positive seconds")
 
@@ -133,6 +138,19 @@ async def run_workload(workload: Workload, cfg: ClientConfig,
         await asyncio.gather(*tasks)
     done = tuple(r for r in results if r is not None)
     return WorkloadRun(done, max(end[0] - t0, 1e-9), from_server[0])
+
+
+async def warm_up(workload: Workload, cfg: ClientConfig) -> list[RequestResult]:
+    """Send `cfg.warmup_requests` short requests that share no prefix block with the workload
+    (the first turn's first 32 tokens, reversed); their results are for logging only."""
+    tokens = tuple(reversed(workload.turns[0].tokens[:32]))
+    results = []
+    async with aiohttp.ClientSession() as http:
+        for k in range(cfg.warmup_requests):
+            turn = Turn(session=-1, turn=k, tokens=tokens, max_tokens=2)
+            result, _ = await _send(http, cfg, turn, tokens, time.perf_counter(), False)
+            results.append(result)
+    return results
 
 
 async def _send(http: aiohttp.ClientSession, cfg: ClientConfig, turn: Turn,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.bench import promdiff
-from kvtier.bench.client import ClientConfig, WorkloadRun, run_workload
+from kvtier.bench.client import ClientConfig, WorkloadRun, run_workload, warm_up
 from kvtier.bench.stats import RequestResult, Summary, summarize
 from kvtier.bench.workloads import Workload
 
@@ -52,6 +52,7 @@ def bench_endpoint(workload: Workload, cfg: ClientConfig, label: str = "A",
 
 async def _bench(workload: Workload, cfg: ClientConfig, label: str,
                  on_done: Callable[[RequestResult], None] | None) -> BenchRun:
+    await warm_up(workload, cfg)
     before = await promdiff.scrape(cfg.url)
     run = await run_workload(workload, cfg, on_done)
     after = await promdiff.scrape(cfg.url)

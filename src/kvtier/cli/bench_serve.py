@@ -61,6 +61,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration-s", type=float, help="stop sending after this many seconds")
     p.add_argument("--request-timeout-s", type=float, default=300.0,
                    help="one request's time limit (default 300)")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="short uncounted requests sent first (default 1)")
     p.add_argument("--seed", type=int, default=0, help="prompt RNG seed (default 0)")
     p.add_argument("--token-ids", default="3:500", metavar="LOW:HIGH",
                    help="draw token ids from [LOW, HIGH) (default 3:500; HIGH <= vocab size)")
@@ -90,7 +92,7 @@ def _client_config(args: argparse.Namespace, url: str, workload: Workload) -> Cl
     return ClientConfig(url=url, model=args.model or listed, concurrency=args.concurrency,
                         max_requests=args.max_requests, duration_s=args.duration_s,
                         request_timeout_s=args.request_timeout_s,
-                        vllm_extras=not args.no_vllm_extras)
+                        vllm_extras=not args.no_vllm_extras, warmup_requests=args.warmup)
 
 
 def run(args: argparse.Namespace) -> int:
