@@ -244,3 +244,14 @@ def test_report_table_shows_hit_rates_per_kvtier_tier_and_ratios():
     assert "kvtier memory tier hit rate" in text and "70.0%" in text
     assert "kvtier lookup hit rate" in text and "50.0%" in text
     assert "0.25x" in text  # TTFT p50 of "with" is a quarter of "without"
+
+
+def test_every_bench_help_renders(capsys):
+    # argparse %-formats help strings: a stray "%" in a generator's docstring broke --help.
+    from kvtier.cli.main import main
+
+    for argv in (["bench", "--help"], ["bench", "multi-round", "--help"], ["serve", "--help"]):
+        with pytest.raises(SystemExit) as done:
+            main(argv)
+        assert done.value.code == 0
+    assert "prefix-repetition" in capsys.readouterr().out

@@ -119,7 +119,7 @@ def next_prompt(turn: Turn, prev_prompt: Sequence[int], prev_answer: Sequence[in
 def prefix_repetition(*, num_prefixes: int = 4, prefix_len: int = 512, suffix_len: int = 64,
                       output_len: int = 16, num_requests: int = 32, seed: int = 0,
                       token_ids: TokenRange = TokenRange()) -> Workload:
-    """N shared prefixes; request i = prefix[i % N] + its own suffix.
+    """N shared prefixes; request i = prefix number (i mod N) + its own suffix.
 
     Raises:
         ConfigError: a size below its minimum.
@@ -141,7 +141,7 @@ def prefix_repetition(*, num_prefixes: int = 4, prefix_len: int = 512, suffix_le
 def multi_round(*, users: int = 8, turns: int = 4, first_len: int = 256, user_len: int = 64,
                 output_len: int = 32, seed: int = 0,
                 token_ids: TokenRange = TokenRange()) -> Workload:
-    """U users, T turns each; the history grows by the answer and `user_len` tokens a turn.
+    """U users, T turns each; every turn the history grows by the answer and user_len tokens.
 
     Turn 0 of a user sends `first_len` tokens (system prompt and first message, unique to the
     user); turn k > 0 sends the whole history plus `user_len` new tokens.
