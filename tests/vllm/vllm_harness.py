@@ -8,6 +8,10 @@ Primitives:
   - `start_engine(model_dir, kv_transfer_config, **overrides)`: a context manager that
     yields an `LLM` with small CPU settings and shuts its processes down afterwards.
   - `random_prompts`, `greedy`, `token_ids`, `metric`: small helpers for the cases.
+  - `kvtier_transfer_config(tiers)`: the KVTierConnector config (64-token chunks).
+  - `kvtier_counter(name, tier)`: one of kvtier's own counters (the connector's stats, as
+    vLLM exports them on /metrics).
+  - `chunk_files(root)`: the chunk files a disk or shared tier holds under `root`.
 """
 
 from __future__ import annotations
@@ -65,17 +69,59 @@ def random_prompts(lengths: list[int], seed: int = 0) -> list[dict[str, list[int
             for n in lengths]
 
 
-def greedy(max_tokens: int = 16) -> Any:
-    """Greedy sampling that never stops early (random models emit EOS at random)."""
+def greedy(max_tokens: int = 16, kv_transfer_params: dict[str, Any] | None = None) -> Any:
+    """Greedy sampling that never stops early (random models emit EOS at random), with
+    optional per-request connector controls (vLLM routes `extra_args["kv_transfer_params"]`
+    to `Request.kv_transfer_params`)."""
     from vllm import SamplingParams
 
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                          extra_args=extra)
 
 
-def token_ids(llm: Any, prompts: list[dict[str, Any]], max_tokens: int = 16) -> list[list[int]]:
-    """Generated token ids, one list per prompt."""
-    outputs = llm.generate(prompts, greedy(max_tokens), use_tqdm=False)
+def token_ids(llm: Any, prompts: list[dict[str, Any]], max_tokens: int = 16,
+              kv_transfer_params: dict[str, Any] | None = None) -> list[list[int]]:
+    """Generated token ids, one list per prompt (all prompts submitted at once)."""
+    outputs = llm.generate(prompts, greedy(max_tokens, kv_transfer_params), use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def kvtier_transfer_config(tiers: list[dict[str, Any]] | None = None,
+                           tokens_per_chunk: int = 64) -> dict[str, Any]:
+    """`kv_transfer_config` loading kvtier's connector with `tiers` (default: memory only)."""
+    extra: dict[str, Any] = {"tokens_per_chunk": tokens_per_chunk}
+    if tiers is not None:
+        extra["tiers"] = tiers
+    return {"kv_connector": "KVTierConnector",
+            "kv_connector_module_path": "kvtier.integrations.vllm",
+            "kv_role": "kv_both", "kv_connector_extra_config": extra}
+
+
+def kvtier_counter(name: str, tier: str | None = None) -> float:
+    """kvtier's counter `name` (summed over engines, and over tiers unless `tier`).
+
+    Read from this process's Prometheus registry, where vLLM's stat logger feeds the
+    connector's stats (the same numbers a server shows on /metrics).
+    """
+    from prometheus_client import REGISTRY
+
+    from kvtier.integrations.vllm.metrics import PREFIX
+
+    total = 0.0
+    for family in REGISTRY.collect():
+        if family.name != PREFIX + name:
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_total") and (
+                    tier is None or sample.labels.get("tier") == tier):
+                total += sample.value
+    return total
+
+
+def chunk_files(root: Path) -> list[Path]:
+    """The chunk files under a disk or shared tier's directory, sorted."""
+    return sorted(Path(root).rglob("*.kvc"))
 
 
 def metric(llm: Any, name: str) -> float:

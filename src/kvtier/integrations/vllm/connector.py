@@ -17,6 +17,7 @@ Primitives: `KVTierConnector`.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,6 +38,8 @@ from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, KVTierPromMetrics
 from kvtier.integrations.vllm.scheduler import ConnectorScheduler, KVTierMetadata
 from kvtier.integrations.vllm.worker import ConnectorWorker, PagedKV
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -80,6 +83,15 @@ class KVTierConnector(KVConnectorBase_V1):
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._config = ConnectorConfig.parse(self._kv_transfer_config.kv_connector_extra_config)
+        # vLLM's default kv_load_failure_policy is "fail": a request whose load we report
+        # (get_block_ids_with_load_errors: a corrupt or vanished chunk) finished with an
+        # error and no tokens (tests/vllm/test_kvtier_restart.py, damaged chunk files). A
+        # cache miss must cost recomputation only. vLLM's scheduler reads the policy right
+        # after building this (scheduler-role) connector, so setting it here takes effect.
+        if getattr(self._kv_transfer_config, "kv_load_failure_policy", None) == "fail":
+            logger.info("kvtier: kv_load_failure_policy 'fail' -> 'recompute' (a failed "
+                        "kvtier load is recomputed, never an error)")
+            self._kv_transfer_config.kv_load_failure_policy = "recompute"
         self._block_size = vllm_config.cache_config.block_size
         self._config.check_block_size(self._block_size)
         self._scheduler: ConnectorScheduler | None = None
