@@ -73,7 +73,7 @@ class ChunkFiles:
         self.file_bytes = stored_size(chunk_bytes)
         self.dir_mode, self.file_mode = dir_mode, file_mode
         self.directory = self.root / layout_digest
-        self.directory.mkdir(mode=dir_mode, parents=True, exist_ok=True)
+        make_dirs(self.directory, dir_mode)
         self._local = threading.local()
         self.o_direct = o_direct != "off" and self._probe_o_direct(o_direct == "on")
 
@@ -114,7 +114,7 @@ class ChunkFiles:
             OSError: the write failed (ENOSPC, EACCES, EIO, ...); nothing is left behind.
         """
         path = self.path_of(key)
-        path.parent.mkdir(mode=self.dir_mode, parents=True, exist_ok=True)
+        make_dirs(path.parent, self.dir_mode)
         temp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}{TEMP_SUFFIX}")
         header, staging = self._buffers()
         header[:] = encode_header(key, self.layout_digest, data)
@@ -127,6 +127,7 @@ class ChunkFiles:
             parts = [staging]
         fd = os.open(temp, self._flags(os.O_WRONLY | os.O_CREAT | os.O_EXCL), self.file_mode)
         try:
+            os.fchmod(fd, self.file_mode)  # the umask must not narrow group_shared's 0660
             written = os.pwritev(fd, parts, 0)
             if written != self.file_bytes:
                 # A short write to a regular file means the filesystem (or a quota) filled up
@@ -196,6 +197,23 @@ class ChunkFiles:
     def scan(self) -> Iterator[ChunkFile]:
         """Every chunk file of this layout (see `scan_tree`)."""
         return scan_tree(self.directory)
+
+
+def make_dirs(directory: Path, mode: int) -> None:
+    """Create `directory` and its missing parents with exactly `mode`, whatever the umask;
+    directories that exist are left alone. `mkdir(parents=True)` used to create the tier's
+    own root 0755 under umask 022 (key names listable by all users), and umask 022 narrowed
+    group_shared's 0770 to 0750 (tests/tiers/test_permissions.py)."""
+    missing = []
+    while not directory.is_dir():
+        missing.append(directory)
+        directory = directory.parent
+    for path in reversed(missing):
+        try:
+            path.mkdir(mode=mode)
+        except FileExistsError:  # another process made it: its mode is its creator's
+            continue
+        os.chmod(path, mode)
 
 
 def scan_tree(directory: Path) -> Iterator[ChunkFile]:
