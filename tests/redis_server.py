@@ -90,7 +90,7 @@ class RedisServer:
         self.proc = None
 
     def client(self, **kwargs: object) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5, **kwargs)
+        return redis.Redis(host="127.0.0.1", port=self.port, **{"socket_timeout": 5, **kwargs})
 
 
 class RedisClusterNodes:
