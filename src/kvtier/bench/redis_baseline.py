@@ -107,7 +107,7 @@ def _raw(bench: SizeBench, url: str, stack: ExitStack) -> Subject:
             list(pool.map(body, range(bench.threads)))
 
     return Subject("redis_raw", _timed(lambda: per_thread(put_thread)),
-                   _timed(lambda: per_thread(get_thread)), lambda: client.delete(*names))
+                   _timed(lambda: per_thread(get_thread)), lambda: None if client.delete(*names) else None)
 
 
 def _tier(bench: SizeBench, url: str, stack: ExitStack) -> Subject:

@@ -219,7 +219,7 @@ class RedisTier:
     def _endpoint(self, name: str) -> str:
         """The server holding value `name`: a Cluster node's "host:port", or the server."""
         client = self._client
-        if not self.cluster or client is None:
+        if not isinstance(client, RedisCluster):  # standalone, or a cluster not reached yet
             return self._server
         try:
             return str(client.nodes_manager.get_node_from_slot(client.keyslot(name)).name)
