@@ -13,13 +13,14 @@ write-behind.
 A tier that raises is skipped for that call (logged, counted as a miss or a drop): a broken
 tier costs hits, never the engine.
 
-Primitives: `TieredStore`, `LookupResult`, `ChunkView`, `StoreStats`.
+Primitives: `TieredStore`, `LookupResult`, `ChunkView`, `StoreEvent`, `StoreStats`.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
@@ -28,10 +29,11 @@ from dataclasses import dataclass
 from kvtier.config import StoreConfig
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
-from kvtier.core.tier import BatchLookup, Lender, Tier, TierCounters, TierStats
+from kvtier.core.tier import BatchLookup, EventSource, Lender, Tier, TierStats
 from kvtier.tiers import build_tier
 
 log = logging.getLogger(__name__)
+MAX_PENDING_EVENTS = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +50,15 @@ class ChunkView:
 
     data: memoryview  # the payload, read-only (a tier's own memory, or the caller's spare)
     tier: str  # the name of the tier that served it
+
+
+@dataclass(frozen=True, slots=True)
+class StoreEvent:
+    """A chunk a tier stored or removed (evicted, deleted, found corrupt)."""
+
+    kind: str  # "stored" | "removed"
+    key: ChunkKey
+    tier: str  # the tier's name
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +133,22 @@ class TieredStore:
             for tier, tier_config in zip(self.tiers[1:], config.tiers[1:])
         ]
         self._reader = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-read")
-        self._errors = TierCounters("store", 0)
+        # What tiers stored and removed, until `take_events`; bounded so that a store nobody
+        # drains keeps only the newest events.
+        self._events: deque[StoreEvent] = deque(maxlen=MAX_PENDING_EVENTS)
+        for tier in self.tiers:
+            if isinstance(tier, EventSource):
+                tier.events.listen(self._on_tier_event)
+
+    def _on_tier_event(self, tier: str, kind: str, key: ChunkKey) -> None:
+        self._events.append(StoreEvent(kind, key, tier))  # deque.append is thread-safe
+
+    def take_events(self) -> list[StoreEvent]:
+        """Chunks stored in and removed from each tier since the last call, in order."""
+        events = []
+        while self._events:
+            events.append(self._events.popleft())
+        return events
 
     # -- lookups ---------------------------------------------------------------------------
     def lookup(self, keys: Sequence[ChunkKey]) -> LookupResult:

@@ -6,13 +6,14 @@ dropped write (counted, logged). `tiers/memory.py` is the reference implementati
 
 Primitives: `Tier` (protocol), `BatchLookup` (optional protocol: many lookups in one round trip),
 `Lender` (optional protocol: lend a read-only view of a held chunk, no copy),
+`EventSource` (optional protocol: report chunks stored and removed), `TierEvents`,
 `TierStats` (snapshot), `TierCounters` (thread-safe counters).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, fields, replace
 from typing import Protocol, runtime_checkable
@@ -132,3 +133,36 @@ class Lender(Protocol):
         for I/O. Any thread; borrowers do not block each other.
         """
         ...
+
+
+# (tier name, "stored" | "removed", key). Called on the tier's thread, possibly under its
+# lock: a listener must only record, never block or call back into the tier.
+TierListener = Callable[[str, str, ChunkKey], None]
+
+
+class TierEvents:
+    """Where a tier reports the chunks it stored and removed (evicted, deleted, corrupt)."""
+
+    def __init__(self, tier_name: str) -> None:
+        self.tier_name = tier_name
+        self._listener: TierListener | None = None
+
+    def listen(self, listener: TierListener | None) -> None:
+        self._listener = listener
+
+    def stored(self, key: ChunkKey) -> None:
+        if self._listener is not None:
+            self._listener(self.tier_name, "stored", key)
+
+    def removed(self, key: ChunkKey) -> None:
+        if self._listener is not None:
+            self._listener(self.tier_name, "removed", key)
+
+
+@runtime_checkable
+class EventSource(Protocol):
+    """An optional ability: the tier reports what it stores and removes (KV events, and the
+    scheduler's index of what is held). Tiers whose contents change behind their back
+    (a server's own eviction) cannot offer it."""
+
+    events: TierEvents

@@ -18,7 +18,7 @@ from kvtier.config import DiskTierConfig
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.policies import AdmissionFilter, make_policy
-from kvtier.core.tier import TierCounters, TierStats
+from kvtier.core.tier import TierCounters, TierEvents, TierStats
 from kvtier.errors import CorruptBlock
 from kvtier.tiers.chunkfiles import ChunkFiles
 
@@ -41,6 +41,7 @@ class DiskTier:
         self._admission = AdmissionFilter(config.admit_after)
         self._lock = threading.Lock()
         self._counters = TierCounters(self.name, config.capacity)
+        self.events = TierEvents(self.name)
         self._rebuild_index()
 
     def _rebuild_index(self) -> None:
@@ -70,6 +71,7 @@ class DiskTier:
             self._used_bytes -= self.file_bytes
             self.files.remove(victim)  # type: ignore[arg-type]
             self._counters.add(evictions=1)
+            self.events.removed(victim)  # type: ignore[arg-type]
 
     def _publish_usage(self) -> None:
         self._counters.set(chunks=len(self._index), used_bytes=len(self._index) * self.file_bytes)
@@ -98,11 +100,14 @@ class DiskTier:
 
     def _forget(self, key: ChunkKey, corrupt: bool) -> None:
         with self._lock:
-            if key in self._index:
+            held = key in self._index
+            if held:
                 self._index.discard(key)
                 self._policy.remove(key)
                 self._used_bytes -= self.file_bytes
         self.files.remove(key)
+        if held:
+            self.events.removed(key)
         if corrupt:
             self._counters.add(corrupt_reads=1)
         self._publish_usage()
@@ -148,6 +153,7 @@ class DiskTier:
             else:
                 self._index.add(key)
                 self._policy.insert(key)
+                self.events.stored(key)
         self._counters.add(puts=1, bytes_written=len(data), write_s=time.perf_counter() - start)
         self._publish_usage()
         return True

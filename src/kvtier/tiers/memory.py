@@ -26,7 +26,7 @@ from kvtier.core.chunkformat import ALIGN_BYTES
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.policies import AdmissionFilter, make_policy
-from kvtier.core.tier import TierCounters, TierStats
+from kvtier.core.tier import TierCounters, TierEvents, TierStats
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,7 @@ class MemoryTier:
         self._admission = AdmissionFilter(config.admit_after)
         self._lock = threading.Lock()
         self._counters = TierCounters(self.name, self.num_slots * self.slot_bytes)
+        self.events = TierEvents(self.name)
         # Borrowed slots: slot -> borrowers now reading it. A pinned slot is never handed
         # out for writing; one evicted or deleted while pinned is freed by its last borrower.
         self._pins: dict[int, int] = {}
@@ -142,6 +143,7 @@ class MemoryTier:
             np.copyto(self.slot(index), np.frombuffer(data, dtype=np.uint8))
             self._index[key] = index
             self._policy.insert(key)
+            self.events.stored(key)
             held = len(self._index)
         self._counters.add(puts=1, bytes_written=self.chunk_bytes,
                            write_s=time.perf_counter() - start)
@@ -154,6 +156,7 @@ class MemoryTier:
             return self._free.pop()
         while (victim := self._policy.evict()) is not None:
             self._counters.add(evictions=1)
+            self.events.removed(victim)  # type: ignore[arg-type]
             index = self._index.pop(victim)  # type: ignore[call-overload]
             if index not in self._pins:
                 return index
@@ -172,6 +175,7 @@ class MemoryTier:
                 self._free.append(index)
             held = len(self._index)
         self._counters.set(chunks=held, used_bytes=held * self.slot_bytes)
+        self.events.removed(key)
         return True
 
     def stats(self) -> TierStats:

@@ -20,7 +20,7 @@ from kvtier.config import SharedTierConfig
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.policies import AdmissionFilter
-from kvtier.core.tier import TierCounters, TierStats
+from kvtier.core.tier import TierCounters, TierEvents, TierStats
 from kvtier.errors import CorruptBlock
 from kvtier.tiers.chunkfiles import ChunkFiles, scan_tree
 
@@ -41,6 +41,7 @@ class SharedTier:
         self.file_bytes = self.files.file_bytes
         self._admission = AdmissionFilter(config.admit_after)
         self._counters = TierCounters(self.name, config.capacity)
+        self.events = TierEvents(self.name)
         self._quota_lock = threading.Lock()
         self._estimate_bytes = 0  # files held + reserved by writes in flight
         self._inflight_bytes = 0  # reserved by writes in flight
@@ -60,7 +61,7 @@ class SharedTier:
         except (CorruptBlock, OSError) as exc:
             if isinstance(exc, CorruptBlock):
                 if self.files.remove(key):
-                    self._forgotten()
+                    self._forgotten(key)
                 self._counters.add(corrupt_reads=1)
             log.warning("shared tier %r: chunk %s unreadable (%s); treated as a miss",
                         self.name, key.hex(), exc)
@@ -103,6 +104,7 @@ class SharedTier:
         # said 0 bytes used after puts; keep them current between scans.
         self._counters.add(puts=1, bytes_written=len(data), write_s=time.perf_counter() - start,
                            chunks=1, used_bytes=self.file_bytes)
+        self.events.stored(key)
         return True
 
     def _reserve(self) -> bool:
@@ -151,6 +153,7 @@ class SharedTier:
                 found.path.unlink(missing_ok=True)  # another process may have won
                 used -= found.size_bytes
                 evicted += 1
+                self.events.removed(found.key)
         self._estimate_bytes = used + self._inflight_bytes
         self._scanned_at = time.monotonic()
         self._counters.add(evictions=evicted)
@@ -159,14 +162,15 @@ class SharedTier:
     def delete(self, key: ChunkKey) -> bool:
         removed = self.files.remove(key)
         if removed:
-            self._forgotten()
+            self._forgotten(key)
         return removed
 
-    def _forgotten(self) -> None:
+    def _forgotten(self, key: ChunkKey) -> None:
         """One chunk file less (deleted, or removed as corrupt): update the usage estimate."""
         with self._quota_lock:
             self._estimate_bytes = max(0, self._estimate_bytes - self.file_bytes)
         self._counters.add(chunks=-1, used_bytes=-self.file_bytes)
+        self.events.removed(key)
 
     def stats(self) -> TierStats:
         return self._counters.snapshot()

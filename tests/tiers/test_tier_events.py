@@ -1,0 +1,74 @@
+"""Tiers report what they store and remove; the store queues those events in order.
+
+The vLLM connector turns them into KV events for routers and into its scheduler's index of
+what is held, so a chunk evicted from every tier stops being offered as a hit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier.config import StoreConfig
+from kvtier.core.keys import ChunkKey
+from kvtier.core.layout import KVLayout
+from kvtier.core.store import StoreEvent, TieredStore
+
+LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_size=64, dtype="float16", tokens_per_chunk=16)
+CHUNK = LAYOUT.bytes_per_chunk  # 4 KiB
+
+
+def _key(i: int) -> ChunkKey:
+    return ChunkKey(i.to_bytes(16, "little"))
+
+
+def _data(i: int) -> memoryview:
+    return memoryview(np.full(CHUNK, i % 251, dtype=np.uint8))
+
+
+@pytest.mark.parametrize("kind", ["memory", "disk", "shared"])
+def test_a_full_tier_reports_each_store_and_each_eviction(kind: str, tmp_path: Path) -> None:
+    """Three chunks into a tier that holds two: three stored events, the oldest removed."""
+    stored_bytes = CHUNK if kind == "memory" else CHUNK + 4096  # files carry a 4 KiB header
+    tier: dict[str, object] = {"kind": kind, "capacity": 2 * stored_bytes}
+    if kind != "memory":
+        tier["path"] = str(tmp_path / kind)
+    with TieredStore(StoreConfig.parse({"tiers": [tier]}), LAYOUT) as store:
+        for i in range(3):
+            store.put(_key(i), _data(i))
+        events = store.take_events()
+        assert [e for e in events if e.kind == "stored"] == [
+            StoreEvent("stored", _key(i), kind) for i in range(3)]
+        assert StoreEvent("removed", _key(0), kind) in events
+        assert store.take_events() == []  # drained
+
+
+def test_deleting_and_corruption_are_removals(tmp_path: Path) -> None:
+    config = StoreConfig.parse({"tiers": [
+        {"kind": "disk", "path": str(tmp_path / "d"), "capacity": "1MiB"}]})
+    with TieredStore(config, LAYOUT) as store:
+        store.put(_key(1), _data(1))
+        store.put(_key(2), _data(2))
+        store.take_events()
+        assert store.tiers[0].delete(_key(1))
+        path = store.tiers[0].files.path_of(_key(2))  # type: ignore[attr-defined]
+        raw = bytearray(path.read_bytes())
+        raw[-1] ^= 0xFF
+        path.write_bytes(bytes(raw))
+        assert store.get_into(_key(2), memoryview(bytearray(CHUNK))) is None
+        assert store.take_events() == [StoreEvent("removed", _key(1), "disk"),
+                                       StoreEvent("removed", _key(2), "disk")]
+
+
+def test_write_behind_reports_per_tier(tmp_path: Path) -> None:
+    """A put lands in memory at once and on disk behind it: one stored event per tier."""
+    config = StoreConfig.parse({"tiers": [
+        {"kind": "memory", "capacity": "64KiB"},
+        {"kind": "disk", "path": str(tmp_path / "d"), "capacity": "1MiB"}]})
+    with TieredStore(config, LAYOUT) as store:
+        store.put(_key(7), _data(7))
+        store.flush()
+        assert sorted((e.tier, e.kind) for e in store.take_events()) == [
+            ("disk", "stored"), ("memory", "stored")]
