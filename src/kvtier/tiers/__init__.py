@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 
 from kvtier.config import TierConfig
+from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.locator import Probe
 from kvtier.core.tier import Tier
@@ -42,4 +43,18 @@ def build_probe(config: TierConfig, layouts: list[KVLayout]) -> Probe | None:
         return FileProbe(config.path, digests, blocking_ok=True)
     if config.kind == "shared":  # may be NFS: stat latency is the network's
         return FileProbe(config.path, digests, blocking_ok=False)
+    if config.kind == "redis":  # connects lazily: building it does no I/O
+        return TierProbe([build_tier(config, layout) for layout in layouts], blocking_ok=False)
     return None
+
+
+class TierProbe:
+    """A probe through tier objects whose construction has no side effects (redis): a chunk
+    counts only when the tier of every layout (every TP rank) holds it."""
+
+    def __init__(self, tiers: list[Tier], blocking_ok: bool) -> None:
+        self.tiers = tiers
+        self.blocking_ok = blocking_ok
+
+    def contains(self, key: ChunkKey) -> bool:
+        return all(tier.contains(key) for tier in self.tiers)

@@ -1,0 +1,64 @@
+"""Probes: how vLLM's scheduler (a process without the tiers) finds chunks that a worker or
+another engine stored, through the disk, shared and redis tiers, with no side effects.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier.config import StoreConfig
+from kvtier.core.keys import ChunkKey
+from kvtier.core.layout import KVLayout
+from kvtier.core.locator import ChunkLocator
+from kvtier.core.store import TieredStore
+from kvtier.tiers import build_probe
+
+RANKS = [KVLayout(num_layers=1, num_kv_heads=1, head_size=64, dtype="float16",
+                  tokens_per_chunk=16, tp_rank=r, tp_world_size=2) for r in range(2)]
+
+
+def _key(i: int) -> ChunkKey:
+    return ChunkKey(i.to_bytes(16, "little"))
+
+
+def _tier(kind: str, tmp_path: Path, redis_url: str) -> dict[str, object]:
+    if kind == "redis":
+        return {"kind": "redis", "url": redis_url, "capacity": 0}
+    return {"kind": kind, "path": str(tmp_path / kind), "capacity": "1MiB"}
+
+
+@pytest.mark.parametrize("kind", ["disk", "shared", pytest.param("redis", marks=pytest.mark.redis)])
+def test_a_chunk_counts_only_once_every_tp_rank_stored_its_shard(
+        kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """Rank 0 stores chunks 0-2, rank 1 only chunks 0-1: the scheduler sees a 2-chunk prefix."""
+    redis_url = request.getfixturevalue("redis_url") if kind == "redis" else ""
+    config = StoreConfig.parse({"tiers": [_tier(kind, tmp_path, redis_url)]})
+    for layout, stored in zip(RANKS, (3, 2)):
+        with TieredStore(config, layout) as store:
+            for i in range(stored):
+                store.put(_key(i), memoryview(np.full(layout.bytes_per_chunk, i, np.uint8)))
+    probe = build_probe(config.tiers[0], RANKS)
+    assert probe is not None
+    assert [probe.contains(_key(i)) for i in range(4)] == [True, True, False, False]
+    locator = ChunkLocator([probe], max_keys=100)
+    keys = [_key(i) for i in range(4)]
+    held = locator.prefix_length("req", keys)
+    if not probe.blocking_ok:  # shared and redis probes run on a thread: ask until ready
+        for _ in range(200):
+            if held is not None:
+                break
+            time.sleep(0.01)
+            held = locator.prefix_length("req", keys)
+    assert held == 2
+    # Found chunks are remembered: the next lookup is answered from the index alone.
+    assert locator.index.prefix_length(keys) == 2
+    locator.close()
+
+
+def test_memory_tiers_have_no_probe() -> None:
+    config = StoreConfig.parse({"tiers": [{"kind": "memory", "capacity": "1MiB"}]})
+    assert build_probe(config.tiers[0], RANKS) is None
