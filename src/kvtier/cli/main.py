@@ -23,6 +23,7 @@ COMMANDS: tuple[str, ...] = (
     "kvtier.cli.serve",
     "kvtier.cli.inspect",
     "kvtier.cli.gc",
+    "kvtier.cli.demo",
 )
 
 
