@@ -18,6 +18,7 @@ Primitives: `KVTierConnector`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,6 +43,7 @@ from kvtier.integrations.vllm.worker import ConnectorWorker, PagedKV
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
@@ -102,10 +104,13 @@ class KVTierConnector(KVConnectorBase_V1):
             probes = [build_probe(tier, layouts) for tier in self._config.store.tiers]
             locator = ChunkLocator([p for p in probes if p is not None],
                                    self._config.index_keys(layouts[0].bytes_per_chunk))
+            events = vllm_config.kv_events_config
             self._scheduler = ConnectorScheduler(
                 self._config, block_size=self._block_size,
                 model_id=vllm_config.model_config.model, layout_digest=layouts[0].digest(),
-                locator=locator)
+                locator=locator,
+                tier_kinds={t.tier_name: t.kind for t in self._config.store.tiers},
+                emit_events=bool(events and events.enable_kv_cache_events))
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -165,6 +170,9 @@ class KVTierConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if self._worker is not None and isinstance(meta, KVTierMetadata) and meta.stores:
             self._worker.store(meta)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return self._scheduler.take_events() if self._scheduler is not None else ()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_failed_block_ids() if self._worker is not None else set()

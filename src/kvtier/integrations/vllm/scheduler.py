@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
@@ -27,10 +29,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtier.core.keys import ChunkKey, Namespace, chunk_keys
 from kvtier.core.locator import ChunkLocator
+from kvtier.core.store import StoreEvent
 from kvtier.integrations.vllm.config import ConnectorConfig, RequestControls
+from kvtier.integrations.vllm.events import ChunkInfo, ChunkTokens, kv_events
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, StatsDelta
 
 if TYPE_CHECKING:
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
@@ -71,12 +76,17 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
 
     stored: set[ChunkKey] = field(default_factory=set)  # keys now held by kvtier
     missing: set[ChunkKey] = field(default_factory=set)  # keys a load did not find
+    removed: set[ChunkKey] = field(default_factory=set)  # keys no tier holds any more
+    events: list[StoreEvent] = field(default_factory=list)  # per-tier stores and removals
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTierWorkerMetadata:
-        # Tensor parallel: a chunk is usable only when every rank stored its shard.
+        # Tensor parallel: a chunk is usable only when every rank stored its shard, and
+        # unusable as soon as one rank lost it. Ranks report the same events: keep one.
         assert isinstance(other, KVTierWorkerMetadata)
         return KVTierWorkerMetadata(stored=self.stored & other.stored,
-                                    missing=self.missing | other.missing)
+                                    missing=self.missing | other.missing,
+                                    removed=self.removed | other.removed,
+                                    events=list(dict.fromkeys(self.events + other.events)))
 
 
 @dataclass(slots=True)
@@ -96,7 +106,8 @@ class ConnectorScheduler:
     """Scheduler-side logic behind KVTierConnector's scheduler hooks (one thread)."""
 
     def __init__(self, config: ConnectorConfig, *, block_size: int, model_id: str,
-                 layout_digest: str, locator: ChunkLocator) -> None:
+                 layout_digest: str, locator: ChunkLocator,
+                 tier_kinds: dict[str, str] | None = None, emit_events: bool = False) -> None:
         config.check_block_size(block_size)
         self._config = config
         self._block_size = block_size
@@ -105,6 +116,11 @@ class ConnectorScheduler:
         self._layout_digest = layout_digest
         self._locator = locator
         self._stats = StatsDelta()
+        # KV events for routers (vLLM publishes them when --kv-events-config enables them).
+        self._emit_events = emit_events
+        self._tier_kinds = tier_kinds or {}
+        self._chunk_tokens = ChunkTokens()
+        self._kv_events: list[KVCacheEvent] = []
         self._requests: dict[str, _RequestState] = {}
         self._pending_loads: dict[str, list[ChunkTransfer]] = {}
         # Keys sent to workers for storing and not yet reported back (not stored twice).
@@ -195,6 +211,10 @@ class ConnectorScheduler:
             return
         self._locator.record_stored(report.stored)
         self._locator.record_missing(report.missing)
+        self._locator.record_missing(report.removed)  # evicted from every tier
+        if self._emit_events:
+            self._kv_events.extend(kv_events(report.events, self._chunk_tokens,
+                                             self._tier_kinds, self._config.tokens_per_chunk))
         self._inflight_stores.clear()
 
     def request_finished(self, request: Request) -> None:
@@ -226,7 +246,10 @@ class ConnectorScheduler:
         if num_chunks > have:
             tokens = state.request.all_token_ids[have * tpc: num_chunks * tpc]
             parent = state.keys[-1] if state.keys else None
-            state.keys.extend(chunk_keys(tokens, state.namespace, tpc, parent=parent))
+            new_keys = chunk_keys(tokens, state.namespace, tpc, parent=parent)
+            if self._emit_events:
+                self._remember_tokens(state, new_keys, tokens, parent)
+            state.keys.extend(new_keys)
         return state.keys[:num_chunks]
 
     def _plan_stores(self, state: _RequestState, computed_tokens: int,
@@ -255,6 +278,23 @@ class ConnectorScheduler:
 
     def close(self) -> None:
         self._locator.close()
+
+    def _remember_tokens(self, state: _RequestState, keys: list[ChunkKey], tokens: Any,
+                         parent: ChunkKey | None) -> None:
+        """Keep the token ids of new chunks for the KV events of their later stores."""
+        tpc = self._config.tokens_per_chunk
+        ids = np.asarray(tokens, dtype="<i4")
+        lora = state.request.lora_request.lora_name if state.request.lora_request else None
+        for i, key in enumerate(keys):
+            self._chunk_tokens.remember(key, ChunkInfo(
+                parent=parent, token_ids=ids[i * tpc:(i + 1) * tpc].tobytes(), lora_name=lora,
+                cache_salt=state.request.cache_salt))
+            parent = key
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """KV events since the last call (vLLM's connector take_events)."""
+        events, self._kv_events = self._kv_events, []
+        return events
 
     def take_stats(self) -> KVTierConnectorStats | None:
         """Lookup counter deltas since the last call (vLLM's get_kv_connector_stats)."""
