@@ -26,7 +26,7 @@ import torch
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
-from kvtier.core.store import ChunkView, StoreStats
+from kvtier.core.store import ChunkView, StoreEvent, StoreStats
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, StatsDelta
 from kvtier.integrations.vllm.paged import PagedKV
 from kvtier.integrations.vllm.scheduler import (
@@ -60,6 +60,8 @@ class ChunkStore(Protocol):
     def contains(self, key: ChunkKey) -> bool: ...
 
     def stats(self) -> StoreStats: ...
+
+    def take_events(self) -> list[StoreEvent]: ...
 
     def close(self) -> None: ...
 
@@ -153,12 +155,18 @@ class ConnectorWorker:
         return failed
 
     def take_report(self) -> KVTierWorkerMetadata | None:
-        """The stored / missing keys since the last call, or None when there are none."""
+        """The stored / missing / removed keys and the tiers' events since the last call,
+        or None when there are none."""
         if self._cuda is not None:
             self._report.stored.update(self._cuda.take_stored())
-        if not self._report.stored and not self._report.missing:
+        for event in self._store.take_events():
+            self._report.events.append(event)
+            if event.kind == "removed" and not self._store.contains(event.key):
+                self._report.removed.add(event.key)  # no tier holds it any more
+        report = self._report
+        if not (report.stored or report.missing or report.removed or report.events):
             return None
-        report, self._report = self._report, KVTierWorkerMetadata()
+        self._report = KVTierWorkerMetadata()
         return report
 
     def close(self) -> None:
