@@ -118,3 +118,18 @@ def test_the_store_lends_memory_in_place_and_disk_through_the_spare(
     with store.borrow(key(7), spare) as lent:
         assert lent is None
     store.close()
+
+
+def test_a_batch_lends_memory_in_place_reads_disk_in_parallel_and_marks_misses(
+        two_tier_store: TieredStore) -> None:
+    store = two_tier_store
+    spares = [memoryview(bytearray(LAYOUT.bytes_per_chunk)) for _ in range(3)]
+    store.put(key(0), memoryview(payload(0)))
+    store.put(key(1), memoryview(payload(1)))  # memory holds one chunk: key 0 is on disk only
+    assert store.flush(timeout_s=5)
+    with store.borrow_many([key(1), key(0), key(5)], spares) as lent:
+        assert [v.tier if v else None for v in lent] == ["memory", "disk", None]
+        assert lent[0] is not None and bytes(lent[0].data) == payload(1)
+        assert lent[1] is not None and bytes(lent[1].data) == payload(0) == bytes(spares[1])
+        assert bytes(spares[0]) != payload(1)  # lent in place, not copied
+    store.close()

@@ -10,6 +10,7 @@ WORKLOADS: tuple[str, ...] = (
     "kvtier.cli.bench_storage",
     "kvtier.cli.bench_serve",
     "kvtier.cli.bench_copy",
+    "kvtier.cli.bench_ttft",
 )
 
 

@@ -6,7 +6,8 @@ write-behind.
   read falls through to the next tier), then promote the chunk to the tiers above it.
 - `borrow(key, spare)`: the same as a read-only view for the duration of a `with` block: a
   tier that lends views (`Lender`: the memory tier) is read in place, without a copy; any
-  other tier is read into `spare` (and promoted).
+  other tier is read into `spare` (and promoted). `borrow_many` does a batch, reading the
+  chunks that are not lent in place in parallel.
 - `put(key, data)`: store in the top tier at once; lower tiers are written behind, on their
   own threads, through bounded queues: when a queue is full the write is dropped and counted,
   never blocking the caller.
@@ -223,9 +224,30 @@ class TieredStore:
         with ExitStack() as stack:
             yield self._open(stack, key, spare)
 
-    def _open(self, stack: ExitStack, key: ChunkKey, spare: memoryview) -> ChunkView | None:
+    @contextmanager
+    def borrow_many(self, keys: Sequence[ChunkKey],
+                    spares: Sequence[memoryview]) -> Iterator[list[ChunkView | None]]:
+        """`borrow` for many chunks in one block (a view or None per key, in order).
+
+        Chunks a `Lender` tier holds are lent in place; the others are read in parallel on
+        the store's read threads, chunk i into `spares[i]`, so a batch of disk reads costs
+        about one read. Any thread.
+        """
+        with ExitStack() as stack:
+            views = [self._open(stack, key, spare, read=False) for key, spare in zip(keys, spares)]
+            todo = [i for i, view in enumerate(views) if view is None]
+            read = self._reader.map(lambda i: self._open(stack, keys[i], spares[i], lend=False),
+                                    todo)
+            for i, view in zip(todo, read):
+                views[i] = view
+            yield views
+
+    def _open(self, stack: ExitStack, key: ChunkKey, spare: memoryview, *, lend: bool = True,
+              read: bool = True) -> ChunkView | None:
+        """The chunk from the fastest tier holding it: lent by a Lender (entered on `stack`;
+        skipped unless `lend`) or read into `spare` (other tiers; skipped unless `read`)."""
         for level, tier in enumerate(self.tiers):
-            if not self._contains(tier, key):
+            if not (lend if isinstance(tier, Lender) else read) or not self._contains(tier, key):
                 continue
             try:
                 if isinstance(tier, Lender):

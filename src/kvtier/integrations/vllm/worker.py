@@ -6,7 +6,7 @@ buffer and hands it to the store (after the forward pass), or fills the buffer f
 store and scatters it into the blocks (before the forward pass).
 
 The chunk byte order and vLLM's KV layouts are in `paged.py` (`PagedKV`, re-exported
-here). Loads borrow the chunk from the store (`TieredStore.borrow`): from the memory tier
+here). Loads borrow chunks from the store (`TieredStore.borrow_many`): from the memory tier
 the scatter reads the tier's slot in place, one copy in all; on CUDA the copies run on
 side streams (`cuda.py`).
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol
 
@@ -45,6 +46,8 @@ logger = logging.getLogger(__name__)
 # to it. The scatter only reads it.
 warnings.filterwarnings("ignore", message="The given buffer is not writable",
                         category=UserWarning)
+# Chunks lent or read per borrow_many call: slow tiers' reads of one batch run in parallel.
+LOAD_BATCH = 4
 
 
 class ChunkStore(Protocol):
@@ -54,6 +57,9 @@ class ChunkStore(Protocol):
 
     def borrow(self, key: ChunkKey,
                spare: memoryview) -> AbstractContextManager[ChunkView | None]: ...
+
+    def borrow_many(self, keys: Sequence[ChunkKey], spares: Sequence[memoryview],
+                    ) -> AbstractContextManager[list[ChunkView | None]]: ...
 
     def put(self, key: ChunkKey, data: memoryview) -> bool: ...
 
@@ -78,7 +84,11 @@ class ConnectorWorker:
         self._paged = paged
         self._store = store
         self._buffer = torch.empty(layout.bytes_per_chunk, dtype=torch.uint8)
-        self._buffer_view = memoryview(self._buffer.numpy())
+        self._buffer_view = self._buffer.numpy().data
+        # Where chunks of tiers that cannot lend (disk, shared, redis) are read, a batch at a
+        # time (allocated lazily by the OS: untouched until a slow tier is read).
+        self._spares = [torch.empty(layout.bytes_per_chunk, dtype=torch.uint8).numpy().data
+                        for _ in range(LOAD_BATCH)]
         self._failed_block_ids: set[int] = set()
         self._report = KVTierWorkerMetadata()
         self._cuda: CudaChunkMover | None = None
@@ -93,14 +103,14 @@ class ConnectorWorker:
         """Load every planned chunk into vLLM's blocks; record failures (before forward)."""
         start = time.perf_counter()
         for transfers in meta.loads.values():
-            for i, transfer in enumerate(transfers):
-                if self._load_chunk(transfer) is None:
-                    # This chunk and the rest of the request are recomputed by vLLM.
-                    self._report.missing.add(transfer.key)
-                    for failed in transfers[i:]:
-                        self._failed_block_ids.update(failed.block_ids[failed.first_block:])
-                    self._stats.add("load_failures", len(transfers) - i)
-                    break
+            loaded = self._load_request(transfers)
+            if loaded < len(transfers):
+                # This chunk and the rest of the request are recomputed by vLLM.
+                self._report.missing.add(transfers[loaded].key)
+                for failed in transfers[loaded:]:
+                    self._failed_block_ids.update(failed.block_ids[failed.first_block:])
+                self._stats.add("load_failures", len(transfers) - loaded)
+            for transfer in transfers[:loaded]:
                 blocks = len(transfer.block_ids) - transfer.first_block
                 self._stats.add("loaded_tokens", blocks * self._paged.block_size)
                 self._stats.add("loaded_bytes", blocks * self._block_bytes)
@@ -124,21 +134,28 @@ class ConnectorWorker:
         self._stats.observe_store(self._store.stats())
         return self._stats.take()
 
-    def _load_chunk(self, transfer: ChunkTransfer) -> str | None:
-        """Scatter one chunk from the store into its blocks; the serving tier, None on a miss.
+    def _load_request(self, transfers: list[ChunkTransfer]) -> int:
+        """Scatter a request's chunks, in order, from the store into their blocks; the
+        number loaded before the first miss.
 
-        The memory tier lends its slot and the scatter reads it in place (one copy); a slower
-        tier is read into the worker's buffer first. On CUDA the copy is queued ahead of the
-        forward pass (cuda.py)."""
+        Chunks come in batches of `LOAD_BATCH` (`TieredStore.borrow_many`): the memory tier
+        lends its slots and the scatter reads them in place (one copy); chunks of slower
+        tiers are read in parallel into the worker's spare buffers first. On CUDA each copy
+        is queued ahead of the forward pass (cuda.py)."""
         if self._cuda is not None:
-            return self._cuda.load(self._store, transfer.key, transfer.block_ids,
-                                   transfer.first_block)
-        with self._store.borrow(transfer.key, self._buffer_view) as lent:
-            if lent is None:
-                return None
-            self._paged.scatter(torch.frombuffer(lent.data, dtype=torch.uint8),
-                                transfer.block_ids, transfer.first_block)
-            return lent.tier
+            for i, t in enumerate(transfers):
+                if self._cuda.load(self._store, t.key, t.block_ids, t.first_block) is None:
+                    return i
+            return len(transfers)
+        for first in range(0, len(transfers), LOAD_BATCH):
+            batch = transfers[first:first + LOAD_BATCH]
+            with self._store.borrow_many([t.key for t in batch], self._spares) as lent:
+                for i, (transfer, view) in enumerate(zip(batch, lent)):
+                    if view is None:
+                        return first + i
+                    self._paged.scatter(torch.frombuffer(view.data, dtype=torch.uint8),
+                                        transfer.block_ids, transfer.first_block)
+        return len(transfers)
 
     def _store_chunk(self, transfer: ChunkTransfer) -> bool:
         """Gather one chunk and put it in the store; True when stored now. On CUDA the copy

