@@ -193,11 +193,29 @@ def test_damaged_chunk_files_are_recomputed_and_the_engine_keeps_serving(
     assert kvtier_counter("load_failures") - before["load_failures"] == 5 + 6
     assert kvtier_counter("tier_corrupt_reads") - before["tier_corrupt_reads"] == 2
     assert metric(reader, HITS) - hits == CHUNK * (6 + 6 + 2)
-    # Corrupt files are removed, not served again.
-    assert not flipped.disk_files[1].exists() and not truncated.disk_files[0].exists()
+    # The corrupt files were removed and the recomputed chunks stored again in their place
+    # (written behind: wait for the files).
+    wait_for_files([flipped.disk_files[1], truncated.disk_files[0]])
 
     # The engine keeps serving: a new prompt, and the damaged prompts again.
     [fresh] = random_prompts([100], seed=40)
     assert len(token_ids(reader, [fresh], MAX_TOKENS)[0]) == MAX_TOKENS
     assert reader.reset_prefix_cache()
     assert token_ids(reader, [w.prompt for w in written["damaged"]], MAX_TOKENS) == outputs
+    # The deleted file is back only now: the reader's disk tier kept it in its in-memory index
+    # (it assumes it owns its directory), so the first rerun reported it held and this one's
+    # load of it failed and was recomputed (open issue: DiskTier.contains trusts the index).
+    wait_for_files([deleted.disk_files[2]])
+    assert reader.reset_prefix_cache()
+    hits, failures = metric(reader, HITS), kvtier_counter("load_failures")
+    assert token_ids(reader, [w.prompt for w in written["damaged"]], MAX_TOKENS) == outputs
+    assert metric(reader, HITS) - hits == 3 * loadable(400)
+    assert kvtier_counter("load_failures") == failures
+
+
+def wait_for_files(paths: list[Path], timeout_s: float = 30.0) -> None:
+    """Wait until every path exists (write-behind is asynchronous); fail after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while not all(p.exists() for p in paths) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [p.exists() for p in paths] == [True] * len(paths)

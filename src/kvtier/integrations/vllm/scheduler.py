@@ -216,6 +216,16 @@ class ConnectorScheduler:
             self._kv_events.extend(kv_events(report.events, self._chunk_tokens,
                                              self._tier_kinds, self._config.tokens_per_chunk))
         self._inflight_stores.clear()
+        if report.missing:
+            # vLLM recomputes a failed load into the same blocks; plan its chunks again so
+            # they are stored once recomputed. Without this a corrupt or vanished chunk stayed
+            # missing (the load had marked it planned), and the next request with that prefix
+            # missed too (tests/vllm/test_kvtier_restart.py, damaged chunk files).
+            for state in self._requests.values():
+                failed = [i for i, key in enumerate(state.keys[: state.num_planned_chunks])
+                          if key in report.missing]
+                if failed:
+                    state.num_planned_chunks = failed[0]
 
     def request_finished(self, request: Request) -> None:
         """Forget the request; stores are synchronous, so its blocks can be freed now."""
