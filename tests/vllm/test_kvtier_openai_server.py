@@ -1,0 +1,92 @@
+"""vLLM's OpenAI server with kvtier: starts, serves a cached prompt, shows it on /metrics.
+
+One server subprocess for the module (`kvtier.serving.running_server`: its own process group,
+on 127.0.0.1 and a free port, healthy on /health, always stopped), started with kvtier's
+connector (memory + disk tiers, 64-token chunks) and `VLLM_SERVER_DEV_MODE=1` so that the
+test can empty vLLM's own prefix cache (`POST /reset_prefix_cache`, which leaves kvtier
+alone): the repeat of a prompt is then served from kvtier, and /metrics shows it as
+`vllm:external_prefix_cache_hits_total` and kvtier's `vllm:kvtier_loaded_tokens_total`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm_harness import BLOCK_SIZE, MAX_MODEL_LEN, NUM_BLOCKS, random_prompts
+
+from kvtier.integrations.vllm.metrics import PREFIX
+from kvtier.serving import ServeConfig, build_command, free_port, running_server
+
+pytestmark = pytest.mark.vllm
+
+CHUNK = 64
+EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
+LOADED_TOKENS = f"{PREFIX}loaded_tokens_total"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    root = tmp_path_factory.mktemp("kvtier-server")
+    extra = {"tokens_per_chunk": CHUNK,
+             "tiers": [{"kind": "memory", "capacity": "64MiB"},
+                       {"kind": "disk", "path": str(root / "disk"), "capacity": "256MiB"}]}
+    command = build_command(ServeConfig(
+        model=str(tiny_model_dir), extra_config=extra, port=free_port(), cpu=True,
+        vllm_args=("--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override",
+                   str(NUM_BLOCKS), "--gpu-memory-utilization", "0.3",
+                   "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--seed", "0")))
+    command = dataclasses.replace(command, env={**command.env, "VLLM_SERVER_DEV_MODE": "1"})
+    with running_server(command, log_path=root / "vllm.log", startup_timeout_s=300) as srv:
+        yield srv
+
+
+def post(url: str, body: dict[str, Any] | None = None) -> Any:
+    data = json.dumps(body).encode() if body is not None else b""
+    request = urllib.request.Request(url, data=data, method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        text = response.read().decode()
+    return json.loads(text) if text.strip().startswith("{") else text
+
+
+def complete(server: Any, model: str, prompt: list[int], **extra: Any) -> str:
+    """Greedy completion of a prompt given as token ids; the generated text."""
+    body = {"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0.0,
+            "ignore_eos": True, **extra}
+    return str(post(server.url + "/v1/completions", body)["choices"][0]["text"])
+
+
+def scrape(server: Any, name: str) -> float:
+    """A counter from /metrics, summed over its label sets (0 if absent)."""
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", re.MULTILINE)
+    return sum(float(v) for v in pattern.findall(text))
+
+
+def test_the_server_serves_a_repeated_prompt_from_kvtier(server: Any,
+                                                         tiny_model_dir: Path) -> None:
+    model = str(tiny_model_dir)
+    [prompt] = random_prompts([500], seed=50)
+    tokens = prompt["prompt_token_ids"]
+    first = complete(server, model, tokens)
+    hits, loaded = scrape(server, EXTERNAL_HITS), scrape(server, LOADED_TOKENS)
+    # Empty vLLM's own cache: the repeat can only be served from kvtier.
+    post(server.url + "/reset_prefix_cache")
+    assert complete(server, model, tokens) == first
+    expected = (len(tokens) - 1) // CHUNK * CHUNK
+    assert scrape(server, EXTERNAL_HITS) - hits == expected
+    assert scrape(server, LOADED_TOKENS) - loaded == expected
+
+    # kv_transfer_params in the request body reach the connector: skip_load recomputes.
+    post(server.url + "/reset_prefix_cache")
+    hits = scrape(server, EXTERNAL_HITS)
+    assert complete(server, model, tokens, kv_transfer_params={"skip_load": True}) == first
+    assert scrape(server, EXTERNAL_HITS) == hits
