@@ -1,0 +1,87 @@
+"""KV events: a router subscribed to vLLM's ZMQ publisher sees kvtier's chunks come and go.
+
+kvtier's tier events travel through vLLM's own publisher (`--kv-events-config`), in vLLM's
+msgpack wire format; this test decodes them with vLLM's `KVEventBatch` in a real ZMQ SUB
+socket. Chunks are 64 tokens; the memory tier holds 4 of them, so a second prompt evicts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+from vllm_harness import random_prompts, start_engine, token_ids
+
+from kvtier.models import PRESETS
+
+pytestmark = pytest.mark.vllm
+TPC = 64
+CHUNK_BYTES = PRESETS["test"].kv_bytes_per_token() * TPC
+
+
+@pytest.fixture(scope="module")
+def engine_and_subscriber(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+                          ) -> Iterator[tuple[Any, zmq.Socket]]:
+    # vLLM's publisher binds wildcard and ipc endpoints (its default is tcp://*:5557, every
+    # interface); an ipc socket keeps the test on this machine with the same topology:
+    # engines bind, routers connect.
+    endpoint = f"ipc://{tmp_path_factory.mktemp('events')}/kv-events.sock"
+    kvtier = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+              "kv_role": "kv_both",
+              "kv_connector_extra_config": {"tokens_per_chunk": TPC, "tiers": [
+                  {"kind": "memory", "capacity": 4 * CHUNK_BYTES}]}}
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
+              "topic": "kv"}
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    try:
+        with start_engine(tiny_model_dir, kvtier, kv_events_config=events) as llm:
+            sub.connect(endpoint)  # the engine's publisher is bound by now
+            time.sleep(0.5)  # let the subscription reach the publisher before events flow
+            yield llm, sub
+    finally:
+        sub.close(linger=0)
+        context.term()
+
+
+def _kvtier_events(sub: zmq.Socket, wait_s: float = 3.0) -> list[Any]:
+    """Every kvtier event published until the stream has been quiet for a moment."""
+    from vllm.distributed.kv_events import KVEventBatch
+
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    found: list[Any] = []
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if sub.poll(timeout=200):
+            _topic, _seq, payload = sub.recv_multipart()
+            batch = decoder.decode(payload)
+            found += [e for e in batch.events if (getattr(e, "ownership", None) or "").startswith("kvtier/")]
+    return found
+
+
+def test_routers_see_stored_chunks_with_their_tokens_then_their_eviction(
+        engine_and_subscriber: tuple[Any, zmq.Socket]) -> None:
+    llm, sub = engine_and_subscriber
+    [first] = random_prompts([300], seed=11)
+    token_ids(llm, [first])
+    stored = [e for e in _kvtier_events(sub) if type(e).__name__ == "BlockStored"]
+    # 300 prompt tokens + 16 generated: 4 full chunks, each announced once, with its tokens.
+    assert len(stored) == 4
+    tokens = first["prompt_token_ids"]
+    assert [e.token_ids for e in stored] == [tokens[i * TPC:(i + 1) * TPC] for i in range(4)]
+    assert all(e.block_size == TPC and e.medium == "CPU" and e.locality == "LOCAL"
+               for e in stored)
+    assert stored[0].parent_block_hash is None
+    assert [e.parent_block_hash for e in stored[1:]] == [e.block_hashes[0] for e in stored[:-1]]
+
+    # A second prompt's chunks push the first prompt's out of the 4-chunk memory tier.
+    token_ids(llm, random_prompts([300], seed=12))
+    events = _kvtier_events(sub)
+    removed = {bytes(h) for e in events if type(e).__name__ == "BlockRemoved" for h in e.block_hashes}
+    assert {bytes(e.block_hashes[0]) for e in stored} <= removed
