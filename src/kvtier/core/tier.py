@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, fields, replace
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from kvtier.core.keys import ChunkKey
 
@@ -51,14 +51,14 @@ class TierCounters:
         self._lock = threading.Lock()
         self._stats = TierStats(name=name, capacity_bytes=capacity_bytes)
 
-    def add(self, **deltas: float) -> None:
+    def add(self, **deltas: Any) -> None:
         with self._lock:
             current = self._stats
             self._stats = replace(
                 current, **{k: getattr(current, k) + v for k, v in deltas.items()}
             )
 
-    def set(self, **values: float) -> None:
+    def set(self, **values: Any) -> None:
         with self._lock:
             self._stats = replace(self._stats, **values)
 

@@ -171,7 +171,7 @@ class ChunkFiles:
             os.close(fd)
         if got != self.file_bytes:
             raise CorruptBlock(f"short read: {got} of {self.file_bytes} bytes")
-        payload_bytes, payload_sum = verify_header(header, key, self.layout_digest)
+        payload_bytes, payload_sum = verify_header(memoryview(header), key, self.layout_digest)
         if payload_bytes != len(out):
             raise CorruptBlock(f"payload is {payload_bytes} bytes, expected {len(out)}")
         verify_payload(payload, payload_sum)

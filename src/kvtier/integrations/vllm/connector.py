@@ -28,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.core.layout import KVLayout
@@ -67,6 +68,9 @@ def scheduler_layouts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
         raise ConfigError("kv_cache_groups", len(groups),
                           "exactly one (full-attention models only for now)")
     spec = groups[0].kv_cache_spec
+    if not isinstance(spec, AttentionSpec):
+        raise ConfigError("kv_cache_spec", type(spec).__name__,
+                          "an attention KV cache (per-token K and V)")
     world = vllm_config.parallel_config.tensor_parallel_size
     return [
         KVLayout(num_layers=len(groups[0].layer_names), num_kv_heads=spec.num_kv_heads,

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from vllm.distributed.kv_events import (
@@ -68,7 +69,7 @@ def kv_events(store_events: Iterable[StoreEvent], tokens: ChunkTokens, tier_kind
     out: list[KVCacheEvent] = []
     for event in store_events:
         kind = tier_kinds.get(event.tier, "memory")
-        where = dict(medium=MEDIUM_CPU if kind == "memory" else MEDIUM_STORAGE,
+        where: dict[str, Any] = dict(medium=MEDIUM_CPU if kind == "memory" else MEDIUM_STORAGE,
                      locality="REMOTE" if kind in REMOTE_KINDS else "LOCAL",
                      ownership=f"kvtier/{event.tier}")
         if event.kind == "removed":

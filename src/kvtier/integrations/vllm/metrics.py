@@ -147,8 +147,9 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
         for name, doc in COUNTERS.items():
             self._metrics[name] = self._counter_cls(
                 name=PREFIX + name, documentation=doc, labelnames=self._labels_for(name))
+        gauge_cls: Any = self._gauge_cls  # vLLM's gauge classes take multiprocess_mode
         for name, doc in GAUGES.items():
-            self._metrics[name] = self._gauge_cls(
+            self._metrics[name] = gauge_cls(
                 name=PREFIX + name, documentation=doc, labelnames=self._labels_for(name),
                 multiprocess_mode="mostrecent")
 
