@@ -15,6 +15,7 @@ import argparse
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -116,7 +117,9 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of `kvtier demo`; 0, 1 when a server failed or a request failed, 130
     when interrupted."""
     plan: DemoPlan = PLANS["quick" if args.quick else "full"]
-    console = Console()
+    # Piped or captured output (CI logs) gets room for the table's four columns; a
+    # terminal keeps its own width.
+    console = Console(width=None if sys.stdout.isatty() else 120)
     events = ConsoleEvents(console)
     console.print(
         f"[bold]kvtier demo[/bold] ({plan.name}): {plan.users} users x {plan.turns} turns of a "
