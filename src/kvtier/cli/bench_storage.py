@@ -18,8 +18,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvtier.bench.storage import (
-    MIB,
     DEFAULT_TIERS,
+    MIB,
     TARGET_MIN_BYTES,
     TIERS,
     BenchConfig,
