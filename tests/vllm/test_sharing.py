@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from redis_server import RedisServer
 from vllm_harness import (
     chunk_files,
     kvtier_counter,
@@ -34,8 +35,6 @@ from vllm_harness import (
     start_engine,
     token_ids,
 )
-
-from redis_server import RedisServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.redis]
 
@@ -113,9 +112,9 @@ def computed_by_a(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
             files_before, headers_before = set(chunk_files(shared)), redis_headers(server)
             outputs = token_ids(llm, prompts, MAX_TOKENS)
             expected = sum(stored_chunks(n) for n in lengths)
-            wait_until(lambda: len(set(chunk_files(shared)) - files_before) >= expected,
+            wait_until(lambda f=files_before, n=expected: len(set(chunk_files(shared)) - f) >= n,
                        f"{expected} shared files")
-            wait_until(lambda: len(redis_headers(server) - headers_before) >= expected,
+            wait_until(lambda h=headers_before, n=expected: len(redis_headers(server) - h) >= n,
                        f"{expected} redis chunks")
             new_files = set(chunk_files(shared)) - files_before
             new_headers = redis_headers(server) - headers_before

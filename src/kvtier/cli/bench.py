@@ -11,6 +11,7 @@ WORKLOADS: tuple[str, ...] = (
     "kvtier.cli.bench_serve",
     "kvtier.cli.bench_copy",
     "kvtier.cli.bench_ttft",
+    "kvtier.cli.bench_sharing",
 )
 
 
