@@ -204,8 +204,17 @@ def build_command(cfg: ServeConfig) -> ServeCommand:
         argv += ["--kv-cache-memory-bytes", str(kv_bytes)]
         notes.append("CPU backend: the default --gpu-memory-utilization (0.92) fails at start-up; "
                      f"the engine's KV cache is set to {kv_bytes // MIB} MiB of host RAM")
+    env: dict[str, str] = {}
     transfer = None
     if cfg.kvtier:
+        if cpu and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ:
+            reserved = _cpu_reserved_cores(cfg.vllm_args)
+            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(reserved)
+            notes.append(
+                f"VLLM_CPU_NUM_OF_RESERVED_CPU={reserved}: the CPU backend reserves one more "
+                "core per worker whenever any KV connector is configured (meant for NIXL); on "
+                "a small machine that left no core for the engine core and API server, and "
+                "every step slowed down (docs/performance.md, kvtier demo)")
         extra = dict(cfg.extra_config) if cfg.extra_config is not None else connector_config(
             default_tiers(cpu=cpu))
         block = _flag_value(cfg.vllm_args, "--block-size")
@@ -216,7 +225,8 @@ def build_command(cfg: ServeConfig) -> ServeCommand:
         transfer = kvtier_transfer_config(extra)
         argv += kvtier_flags(extra, disable_hma=False)
     argv += list(cfg.vllm_args)
-    return ServeCommand(tuple(argv), {}, f"http://{cfg.host}:{cfg.port}", transfer, tuple(notes))
+    return ServeCommand(tuple(argv), env, f"http://{cfg.host}:{cfg.port}", transfer,
+                        tuple(notes))
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -365,6 +375,20 @@ def _flag_value(args: Sequence[str], flag: str) -> str | None:
         if a.startswith(flag + "="):
             return a.split("=", 1)[1]
     return None
+
+
+def _cpu_reserved_cores(vllm_args: Sequence[str]) -> int:
+    """Cores vLLM's CPU backend reserves for its other processes WITHOUT a KV connector: one
+    per local worker (tensor x pipeline parallel size; vllm/utils/ompmultiprocessing.py).
+    With a connector it reserves twice that; kvtier's connector needs no core of its own
+    (its copies run on the worker's thread, its write-behind threads share the worker's
+    cores), so a kvtier server gets the same binding as the same server without it."""
+    sizes = 1
+    for flags in (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp")):
+        value = next((v for f in flags if (v := _flag_value(vllm_args, f)) is not None), None)
+        if value is not None and value.isdigit() and int(value) > 0:
+            sizes *= int(value)
+    return sizes
 
 
 def _existing_ancestor(path: Path) -> Path:

@@ -66,6 +66,23 @@ def test_a_users_kv_cache_size_flag_wins_on_cpu():
     assert "--kv-cache-memory-bytes" not in cmd.argv
 
 
+def test_cpu_kvtier_server_keeps_the_baselines_core_binding(monkeypatch):
+    # vLLM's CPU backend reserves an extra core whenever a KV connector is configured; on a
+    # 2-core machine that unbound the worker and slowed every step (docs/performance.md).
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    cmd = build_command(ServeConfig("m", extra_config=connector_config(TIERS), cpu=True))
+    assert cmd.env == {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+    assert cmd.display().startswith("VLLM_CPU_NUM_OF_RESERVED_CPU=1 ")
+    tp2 = build_command(ServeConfig("m", extra_config=connector_config(TIERS), cpu=True,
+                                    vllm_args=("-tp", "2")))
+    assert tp2.env == {"VLLM_CPU_NUM_OF_RESERVED_CPU": "2"}
+    assert build_command(ServeConfig("m", kvtier=False, cpu=True)).env == {}
+    assert build_command(ServeConfig("m", extra_config=connector_config(TIERS),
+                                     cpu=False)).env == {}
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # the user's choice wins
+    assert build_command(ServeConfig("m", extra_config=connector_config(TIERS), cpu=True)).env == {}
+
+
 def test_tokens_per_chunk_follows_an_unusual_block_size():
     cmd = build_command(ServeConfig("m", extra_config=connector_config(TIERS), cpu=False,
                                     vllm_args=("--block-size", "48")))
