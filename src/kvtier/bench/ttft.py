@@ -12,7 +12,12 @@ once), on the generated "bench" model (`kvtier.models`, an 8k-token prefill take
     it, so the loads come from disk).
   - `example`: a hit from vLLM's ExampleConnector (safetensors files; runs on CPU too).
 
-TTFT is the wall time of `generate(prompt, max_tokens=1)`, median of `reps`. A prompt of
+TTFT is the wall time of `generate(prompt, max_tokens=1)`, median of `reps`. The other
+processes on a small shared machine make the load drift from engine to engine, so the
+targets use paired figures taken inside one engine: before each connector hit the same
+prompt is timed as vLLM's own prefix hit in that engine (`Ttft.extra_s` is the median of
+the differences), and the kvtier engine's throughput rounds alternate with rounds where
+kvtier is switched off per request (`skip_load` + `skip_store`). A prompt of
 "N tokens" is N cached tokens plus 2 new ones: with 128-token blocks and 256-token chunks
 vLLM, kvtier and ExampleConnector (which hashes all tokens but the last, block-aligned) then
 all serve exactly N tokens from cache and compute 2, so their hits are comparable.
@@ -52,6 +57,7 @@ NEW_TOKENS = 2  # tokens after the cached prefix (see the module docstring)
 KV_BYTES_PER_TOKEN = PRESETS["bench"].kv_bytes_per_token()
 TARGET_EXTRA_VS_COPY = 1.5  # a hit's extra time over vLLM's <= 1.5x the raw copy
 TARGET_THROUGHPUT = 0.97  # 0%-hit throughput with kvtier >= 0.97x without
+SKIPPED = "kvtier-memory, kvtier off"  # throughput rounds with skip_load + skip_store
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +107,17 @@ class Ttft:
     # kvtier only: the worker's own load time per trial (vllm:kvtier_load_seconds), which
     # the engine's step-to-step noise does not blur; () when not reported.
     load_s: tuple[float, ...] = ()
+    # Connector engines: a vLLM prefix hit of the same prompt in the same engine, timed right
+    # before each trial (paired), so the machine's load, which drifts between engines on a
+    # shared machine, cancels out of `extra_s`.
+    local_s: tuple[float, ...] = ()
+
+    @property
+    def extra_s(self) -> float | None:
+        """Median over pairs of (this hit - vLLM's own hit just before), or None."""
+        if not self.local_s:
+            return None
+        return statistics.median(t - f for t, f in zip(self.trials_s, self.local_s))
 
     @property
     def median_s(self) -> float:
@@ -130,7 +147,8 @@ class TtftResult:
 
     def write_json(self, path: Path) -> None:
         data = asdict(self)
-        data["ttft"] = [dict(asdict(t), median_s=t.median_s, min_s=t.min_s) for t in self.ttft]
+        data["ttft"] = [dict(asdict(t), median_s=t.median_s, min_s=t.min_s, extra_s=t.extra_s)
+                        for t in self.ttft]
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(data, indent=2, default=str) + "\n")
 
@@ -188,10 +206,12 @@ def _counter(llm: Any, name: str) -> float:
                if m.name == name and isinstance(getattr(m, "value", None), (int, float)))
 
 
-def _generate_s(llm: Any, prompts: list[dict[str, list[int]]], max_tokens: int) -> float:
+def _generate_s(llm: Any, prompts: list[dict[str, list[int]]], max_tokens: int,
+                kv_params: dict[str, Any] | None = None) -> float:
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                            extra_args={"kv_transfer_params": kv_params} if kv_params else None)
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     return time.perf_counter() - start
@@ -212,17 +232,15 @@ def _measure_ttft(llm: Any, engine: str, config: TtftConfig, scratch: Path,
             _wait_for_files(scratch / "disk", "*.kvc", _chunks_stored_so_far(config, n))
         counter = "vllm:prefix_cache_hits" if engine == "vllm-prefix" \
             else "vllm:external_prefix_cache_hits"
-        trials, loads = [], []
+        trials, locals_ = [], []
         for _ in range(config.reps):
             if engine != "vllm-prefix":
+                locals_.append(_generate_s(llm, [prompt], 1))  # vLLM's own hit, paired
                 llm.reset_prefix_cache()  # the prefix can come only from the connector
             before = _counter(llm, counter)
-            load_before = _counter(llm, "vllm:kvtier_load_seconds")
             trials.append(_generate_s(llm, [prompt], 1))
             hit = int(_counter(llm, counter) - before)
-            loads.append(_counter(llm, "vllm:kvtier_load_seconds") - load_before)
-        out.append(Ttft(engine, n, tuple(trials), hit,
-                        tuple(loads) if engine.startswith("kvtier") and any(loads) else ()))
+        out.append(Ttft(engine, n, tuple(trials), hit, local_s=tuple(locals_)))
     return out
 
 
@@ -240,14 +258,26 @@ def _wait_for_files(directory: Path, pattern: str, count: int, timeout_s: float 
     raise TimeoutError(f"{directory}: fewer than {count} {pattern} files after {timeout_s} s")
 
 
-def _throughput(llm: Any, config: TtftConfig, seed: int) -> list[float]:
-    rounds = []
+def _throughput(llm: Any, config: TtftConfig, seed: int,
+                kv_params: dict[str, Any] | None = None) -> float:
+    """Requests/s of one round of unique prompts (none shares a chunk with another)."""
+    prompts = [_prompt(config.throughput_prompt_tokens, seed=seed + i)
+               for i in range(config.throughput_prompts)]
+    seconds = _generate_s(llm, prompts, config.throughput_output_tokens, kv_params)
+    return config.throughput_prompts / seconds
+
+
+def _throughput_rounds(llm: Any, engine: str, config: TtftConfig) -> dict[str, tuple[float, ...]]:
+    """Rounds of unique prompts. In the kvtier engine, rounds with kvtier switched off per
+    request (skip_load + skip_store) alternate with rounds with it on: a paired ratio."""
+    rounds: dict[str, list[float]] = {}
     for r in range(config.throughput_reps):
-        prompts = [_prompt(config.throughput_prompt_tokens, seed=seed + 1000 * r + i)
-                   for i in range(config.throughput_prompts)]
-        seconds = _generate_s(llm, prompts, config.throughput_output_tokens)
-        rounds.append(config.throughput_prompts / seconds)
-    return rounds
+        seed = 10**6 + 1000 * r
+        if engine == "kvtier-memory":
+            off = {"skip_load": True, "skip_store": True}
+            rounds.setdefault(SKIPPED, []).append(_throughput(llm, config, seed + 500, off))
+        rounds.setdefault(engine, []).append(_throughput(llm, config, seed))
+    return {name: tuple(values) for name, values in rounds.items()}
 
 
 def _copy_ceiling_s(nbytes: int, reps: int = 9) -> float:
@@ -322,7 +352,7 @@ def run_ttft_bench(config: TtftConfig,
                 ttft += _measure_ttft(llm, engine, config, scratch, progress)
                 if engine in ("vllm-prefix", "kvtier-memory"):
                     progress(f"{engine}: throughput, 0% hits")
-                    throughput[engine] = tuple(_throughput(llm, config, seed=10**6))
+                    throughput.update(_throughput_rounds(llm, engine, config))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return TtftResult(config=config, ttft=tuple(ttft), throughput_rps=throughput,

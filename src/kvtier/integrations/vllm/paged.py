@@ -19,16 +19,19 @@ a chunk viewed as `[L, 2, heads, blocks_per_chunk, block_size, dim]` then matche
 for block. When every layer is an equally spaced slice of one allocation (the CPU backend's
 LBHNC), one view spans all layers and a chunk moves in one op per block (CPU) or one op in
 all (CUDA), rather than layers x blocks small copies. Measured choices (`kvtier bench copy`,
-docs/performance.md): on CPU, gather and scatter are one all-layer strided `copy_` per block
-(runs of block_size x head_size elements), at about memcpy speed; CPU `index_select` was
-1.5-2x slower and CPU `index_copy_` 5x slower (it moves one element at a time). On CUDA both
-are single `index_select` / `index_copy_` kernels, which are fast there.
+docs/performance.md): on CPU, gather and scatter are one all-layer strided numpy `copyto` per
+block (runs of block_size x head_size elements), at memcpy speed. Not torch: its CPU copies
+run on OpenMP threads, and on a busy machine (vLLM's own threads, other engines) a parallel
+region waits for descheduled threads: the same strided copies took 3-6x longer through torch
+`copy_` than through single-threaded numpy, and CPU `index_copy_` moves one element at a
+time. On CUDA both are single `index_select` / `index_copy_` kernels.
 
 Primitives: `PagedKV`.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kvtier.core.layout import KVLayout
@@ -37,6 +40,14 @@ from kvtier.errors import ConfigError
 
 def _torch_dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _as_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's memory as a numpy array of integers of its element width (no copy)."""
+    return tensor.view(_SAME_WIDTH_INT[tensor.element_size()]).numpy()
 
 
 class PagedKV:
@@ -79,6 +90,11 @@ class PagedKV:
         # [L, 2, H, NB, BS, D] over every layer at once, or None (layers not evenly spaced
         # in one allocation): then gather/scatter loop over layers.
         self._all = self._all_layers_view()
+        # On CPU the copies run through numpy (see the module docstring): the same memory,
+        # seen as integers of the KV dtype's width (numpy has no bfloat16; bytes are bytes).
+        self._views_np = [_as_numpy(v) for v in self._views] if self.device.type == "cpu" else []
+        self._all_np = _as_numpy(self._all) if self.device.type == "cpu" and \
+            self._all is not None else None
 
     @property
     def single_allocation(self) -> bool:
@@ -140,13 +156,13 @@ class PagedKV:
                 for view, layer_dst in zip(self._views, dst):
                     torch.index_select(view, 2, index, out=layer_dst)
             return
-        # CPU: one strided copy per block, as in scatter (faster than CPU index_select).
+        dst_np = _as_numpy(dst)
         for j, block in enumerate(block_ids):
-            if self._all is not None:
-                dst[:, :, :, j].copy_(self._all[:, :, :, block])
+            if self._all_np is not None:
+                np.copyto(dst_np[:, :, :, j], self._all_np[:, :, :, block])
             else:
-                for view, layer_dst in zip(self._views, dst):
-                    layer_dst[:, :, j].copy_(view[:, :, block])
+                for layer_np, layer_dst in zip(self._views_np, dst_np):
+                    np.copyto(layer_dst[:, :, j], layer_np[:, :, block])
 
     def scatter(self, chunk: torch.Tensor, block_ids: tuple[int, ...], first_block: int) -> None:
         """Copy `chunk` (see `chunk_view`) into its blocks, all layers, from `first_block` on
@@ -164,11 +180,10 @@ class PagedKV:
                 for view, layer_src in zip(self._views, src):
                     view.index_copy_(2, index, layer_src)
             return
-        # CPU: one strided copy per block (runs of block_size * dim elements) beats CPU
-        # index_copy_, which moves one element at a time.
+        src_np = _as_numpy(src)
         for j, block in enumerate(targets):
-            if self._all is not None:
-                self._all[:, :, :, block].copy_(src[:, :, :, j])
+            if self._all_np is not None:
+                np.copyto(self._all_np[:, :, :, block], src_np[:, :, :, j])
             else:
-                for view, layer_src in zip(self._views, src):
-                    view[:, :, block].copy_(layer_src[:, :, j])
+                for layer_np, layer_src in zip(self._views_np, src_np):
+                    np.copyto(layer_np[:, :, block], layer_src[:, :, j])
