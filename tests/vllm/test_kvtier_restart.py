@@ -1,6 +1,6 @@
 """kvtier's disk and shared tiers across engine restarts, and damaged chunk files.
 
-Two engines, one after the other, in two processes trees (start ~20-45 s each):
+Two engines, one after the other, in two process trees (start ~20-45 s each):
   - the *writer* (memory + disk + shared tiers) computes every prompt of this module once
     (the miss path) and writes its chunks behind to the disk and shared directories;
   - the *reader* is a new engine on the same directories whose memory tier is too small to
@@ -36,12 +36,13 @@ from vllm_harness import (
     token_ids,
 )
 
+from kvtier.core.chunkformat import HEADER_BYTES  # a chunk file's payload starts here
+
 pytestmark = pytest.mark.vllm
 
 CHUNK = 64
 MAX_TOKENS = 16
 HITS = "vllm:external_prefix_cache_hits"
-HEADER_BYTES = 4096  # kvtier.core.chunkformat: payload starts after a 4 KiB header
 
 
 @dataclass
