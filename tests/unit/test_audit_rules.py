@@ -99,6 +99,11 @@ CASES = {
     "version-unknown": (
         (f"vllm serve m {NATIVE} 100", {}, None, Severity.INFO),
         (f"vllm serve m {NATIVE} 100", {}, V21, None)),
+    "cpu-connector-reserves-core": (
+        (f"vllm serve m --kv-transfer-config '{KVTIER_SHARED}'", {"VLLM_CPU_KVCACHE_SPACE": "8"},
+         V21, Severity.WARNING),
+        (f"vllm serve m --kv-transfer-config '{KVTIER_SHARED}'",
+         {"VLLM_CPU_KVCACHE_SPACE": "8", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}, V21, None)),
 }
 OPTS = AuditOptions(typical_context_tokens=10_000)
 

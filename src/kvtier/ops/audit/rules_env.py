@@ -68,3 +68,27 @@ def _finding(name: str, fix: str, checked: str) -> Finding:
         "the setting silently does nothing, and the feature it was meant to turn on is off",
         fix,
     )
+
+
+# Variables only vLLM's CPU backend reads: their presence says the server runs on CPUs.
+CPU_BACKEND_ENV = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU")
+
+
+@rule("cpu-connector-reserves-core", "a KV connector on the CPU backend takes a core per worker")
+def cpu_connector_reserved_core(cmd: ServeCommand, options: AuditOptions) -> Iterator[Finding]:
+    on_cpu = options.gpu.pcie_gen == 0 or any(name in cmd.env for name in CPU_BACKEND_ENV) or (
+        cmd.env.get("VLLM_TARGET_DEVICE", "").lower() == "cpu")
+    if not on_cpu or not cmd.connectors or "VLLM_CPU_NUM_OF_RESERVED_CPU" in cmd.env:
+        return
+    workers = cmd.tp * int(cmd.number("--pipeline-parallel-size") or cmd.number("-pp") or 1)
+    yield Finding(
+        "cpu-connector-reserves-core", Severity.WARNING,
+        f"KV connector {cmd.connectors[0]} on the CPU backend without "
+        "VLLM_CPU_NUM_OF_RESERVED_CPU",
+        "with any KV connector configured, vLLM's CPU backend reserves one more core per worker "
+        "(meant for NIXL's transfer threads) and binds the worker's OpenMP threads to fewer "
+        "cores; on a small host that leaves the engine core and API server without a core and "
+        "every step slows down (seen: ~5x on 2 cores with kvtier, whose copies need no core)",
+        f"set VLLM_CPU_NUM_OF_RESERVED_CPU={workers} (one per worker, the binding without a "
+        "connector), as `kvtier serve` does",
+    )
