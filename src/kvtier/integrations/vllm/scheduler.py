@@ -206,6 +206,10 @@ class ConnectorScheduler:
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """Learn which chunks the workers stored, and which loads found nothing."""
+        # The workers ran this step's stores (synchronously) whether or not they report any:
+        # a store the tiers dropped (e.g. Redis down) reports nothing, and its key used to stay
+        # "in flight" forever, never stored again (tests/faults/test_engine_faults.py).
+        self._inflight_stores.clear()
         report = output.kv_connector_worker_meta
         if not isinstance(report, KVTierWorkerMetadata):
             return
@@ -215,7 +219,6 @@ class ConnectorScheduler:
         if self._emit_events:
             self._kv_events.extend(kv_events(report.events, self._chunk_tokens,
                                              self._tier_kinds, self._config.tokens_per_chunk))
-        self._inflight_stores.clear()
         if report.missing:
             # vLLM recomputes a failed load into the same blocks; plan its chunks again so
             # they are stored once recomputed. Without this a corrupt or vanished chunk stayed
