@@ -209,3 +209,26 @@ def test_a_file_deleted_between_the_tiers_own_check_and_its_read_is_a_counted_mi
     assert not tier.contains(key(1))
     assert tier.put(key(1), memoryview(payload(1, layout)))
     assert tier.get_into(key(1), memoryview(out)) and bytes(out) == payload(1, layout)
+
+
+def test_a_chunk_file_deleted_behind_the_disk_tiers_back_is_stored_again(tmp_path: Path) -> None:
+    """Someone deletes a chunk file under a running disk tier: the tier stops claiming it
+    (a removal event, a miss) and the next put writes it again instead of skipping it."""
+    from kvtier.config import StoreConfig
+    from kvtier.core.keys import ChunkKey
+    from kvtier.core.layout import KVLayout
+    from kvtier.core.store import TieredStore
+
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_size=64, dtype="float16",
+                      tokens_per_chunk=16)
+    key, data = ChunkKey(b"k" * 16), memoryview(bytes(range(256)) * 16)
+    config = StoreConfig.parse({"tiers": [{"kind": "disk", "path": str(tmp_path), "capacity": "1MiB"}]})
+    with TieredStore(config, layout) as store:
+        assert store.put(key, data)
+        disk = store.tiers[0]
+        disk.files.path_of(key).unlink()  # type: ignore[attr-defined]
+        assert not store.contains(key)
+        assert store.put(key, data)
+        out = memoryview(bytearray(len(data)))
+        assert store.get_into(key, out) == "disk" and bytes(out) == bytes(data)
+        assert [e.kind for e in store.take_events()] == ["stored", "removed", "stored"]

@@ -77,7 +77,15 @@ class DiskTier:
         self._counters.set(chunks=len(self._index), used_bytes=len(self._index) * self.file_bytes)
 
     def contains(self, key: ChunkKey) -> bool:
-        return key in self._index
+        """Index lookup, confirmed by one stat: a file deleted behind the tier's back (an
+        operator, `kvtier gc` from another process) used to stay "held", so the worker skipped
+        storing it again and the next load failed (tests/vllm/test_kvtier_restart.py)."""
+        if key not in self._index:
+            return False
+        if self.files.path_of(key).exists():
+            return True
+        self._forget(key, corrupt=False)
+        return False
 
     def get_into(self, key: ChunkKey, out: memoryview) -> bool:
         if key not in self._index:
@@ -119,7 +127,7 @@ class DiskTier:
         if len(data) != self.files.chunk_bytes:
             raise ValueError(f"chunk is {len(data)} bytes, this tier stores "
                              f"{self.files.chunk_bytes}")
-        if key in self._index:
+        if self.contains(key):
             return True
         if not self._admission.offer(key) or self.file_bytes > self.capacity_bytes:
             return False
