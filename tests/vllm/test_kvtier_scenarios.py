@@ -208,3 +208,18 @@ def test_preempted_requests_are_restored_from_kvtier_with_identical_outputs(llm:
     assert delta["loaded_tokens"] > 0
     assert delta["load_failures"] == 0
     assert pressured == reference(llm, prompts, max_tokens=200)
+
+
+def test_different_cache_salts_never_share_chunks(llm: Any) -> None:
+    """Tenant B sends tenant A's exact prompt with another cache_salt: no kvtier hit."""
+    [prompt] = random_prompts([200], seed=2)
+    tenant_a = {**prompt, "cache_salt": "tenant-a"}
+    tenant_b = {**prompt, "cache_salt": "tenant-b"}
+    expected = token_ids(llm, [tenant_a])
+    assert llm.reset_prefix_cache()
+    hits_before = metric(llm, "vllm:external_prefix_cache_hits")
+    assert token_ids(llm, [tenant_b]) == expected
+    assert metric(llm, "vllm:external_prefix_cache_hits") == hits_before
+    assert llm.reset_prefix_cache()
+    assert token_ids(llm, [tenant_a]) == expected
+    assert metric(llm, "vllm:external_prefix_cache_hits") - hits_before == 3 * 64
