@@ -105,8 +105,13 @@ class ConnectorWorker:
         for transfers in meta.loads.values():
             loaded = self._load_request(transfers)
             if loaded < len(transfers):
-                # This chunk and the rest of the request are recomputed by vLLM.
+                # This chunk and the rest of the request are recomputed by vLLM. Report every
+                # chunk of the rest the store no longer holds, not just the first: after an
+                # outage the scheduler's index otherwise healed one chunk per request, each a
+                # failed load (tests/faults/test_engine_faults.py, Redis killed mid-run).
                 self._report.missing.add(transfers[loaded].key)
+                self._report.missing.update(t.key for t in transfers[loaded + 1:]
+                                            if not self._store.contains(t.key))
                 for failed in transfers[loaded:]:
                     self._failed_block_ids.update(failed.block_ids[failed.first_block:])
                 self._stats.add("load_failures", len(transfers) - loaded)
