@@ -331,6 +331,10 @@ def run_ttft_bench(config: TtftConfig,
         TimeoutError: the disk tier did not write its chunks within a minute.
     """
     config.validate()
+    # With any KV connector, vLLM's CPU backend reserves one more core per worker unless
+    # this is set (README, `kvtier audit` rule cpu-connector-reserves-core): the connector
+    # engines would run their forward passes on fewer cores than the vLLM-only ones.
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     begin = time.perf_counter()
     model_dir = make_preset_model("bench", config.model_root)
     scratch = Path(tempfile.mkdtemp(prefix=".kvtier-ttft-", dir=config.directory))
@@ -359,4 +363,6 @@ def run_ttft_bench(config: TtftConfig,
                       copy_s=copy_s, direct_read_s=direct_s, engine_start_s=starts,
                       wall_s=time.perf_counter() - begin,
                       machine={"cpus": os.cpu_count(), "loadavg_before": load_before,
-                               "loadavg_after": os.getloadavg()})
+                               "loadavg_after": os.getloadavg(),
+                               "VLLM_CPU_NUM_OF_RESERVED_CPU":
+                                   os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"]})
