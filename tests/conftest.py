@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,6 +12,11 @@ import tierkit
 from kvtier.core.layout import KVLayout
 from redis_server import REDIS_SERVER, SKIP_REASON, RedisClusterNodes, RedisServer
 from tierkit import tiny_layout
+
+# Engines started by the tests (in-process LLM and servers) get the core binding they would
+# have without a KV connector: vLLM's CPU backend otherwise reserves one more core for any
+# connector, which on a 2-core machine slows every step several-fold (see kvtier.serving).
+os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
 
 
 @pytest.fixture
