@@ -12,7 +12,14 @@ vLLM's per-layer tensor layouts understood here:
     2 * head_size]`, which the attention kernel reads as `[num_blocks, num_kv_heads,
     2 * block_size, head_size]` with K in rows [0, block_size) and V after: inside a block,
     per head, all K rows then all V rows. (The last dim is NOT "K then V of one token".)
-  - FlashAttention-style (CUDA): `[2, num_blocks, block_size, num_kv_heads, head_size]`.
+  - FlashAttention in CUDA vLLM 0.33 ("halves"): the same shape as the CPU backend's,
+    `[num_blocks, num_kv_heads, block_size, 2 * head_size]`, but read as
+    `kv_cache.transpose(1, 2).split(head_size, dim=-1)`: K and V are the two halves of the
+    last dimension of each token. Same shape, other meaning: the layout is chosen by device
+    (CPU tensors: "cpu"; any accelerator: "halves"), and both yield the same chunk bytes for
+    the same KV, so CPU and CUDA engines can share chunks.
+  - FlashAttention-style, older CUDA builds: `[2, num_blocks, block_size, num_kv_heads,
+    head_size]`.
 
 Both are seen through one strided view per layer, `[2, heads, num_blocks, block_size, dim]`;
 a chunk viewed as `[L, 2, heads, blocks_per_chunk, block_size, dim]` then matches it block
@@ -53,11 +60,14 @@ def _as_numpy(tensor: torch.Tensor) -> np.ndarray:
 class PagedKV:
     """vLLM's per-layer paged KV tensors, gathered into and scattered from chunks."""
 
-    def __init__(self, kv_caches: dict[str, torch.Tensor], block_size: int) -> None:
+    def __init__(self, kv_caches: dict[str, torch.Tensor], block_size: int,
+                 backend: str | None = None) -> None:
         """Args:
             kv_caches: layer name -> KV tensor, as passed to register_kv_caches, in model
                 layer order.
             block_size: vLLM's block size in tokens.
+            backend: "cpu", "halves" or "flash" (see the module docstring); None chooses by
+                shape and device.
 
         Raises:
             ConfigError: on a tensor layout this module does not know.
@@ -74,14 +84,17 @@ class PagedKV:
         if first.ndim == 4 and shape[2] == block_size and shape[3] % 2 == 0:
             self.num_blocks, self.num_kv_heads, _, two_d = shape
             self.head_size = two_d // 2
-            self.backend = "cpu"
+            self.backend = backend or ("cpu" if first.device.type == "cpu" else "halves")
         elif first.ndim == 5 and shape[0] == 2 and shape[2] == block_size:
             _, self.num_blocks, _, self.num_kv_heads, self.head_size = shape
-            self.backend = "flash"
+            self.backend = backend or "flash"
         else:
             raise ConfigError("kv cache tensor shape", shape,
                               "[blocks, heads, block_size, 2*dim] (CPU) or "
                               "[2, blocks, block_size, heads, dim] (flash)")
+        allowed = ("cpu", "halves") if first.ndim == 4 else ("flash",)
+        if self.backend not in allowed:
+            raise ConfigError("kv cache layout", self.backend, f"one of {allowed} for {shape}")
         for name, tensor in kv_caches.items():
             if tuple(tensor.shape) != shape or tensor.dtype != first.dtype:
                 raise ConfigError(f"kv cache of {name}", tuple(tensor.shape),
@@ -106,6 +119,8 @@ class PagedKV:
         h, bs, d = self.num_kv_heads, self.block_size, self.head_size
         if self.backend == "cpu":
             return layer.view(self.num_blocks, h, 2, bs, d).permute(2, 1, 0, 3, 4)
+        if self.backend == "halves":
+            return layer.view(self.num_blocks, h, bs, 2, d).permute(3, 1, 0, 2, 4)
         return layer.permute(0, 3, 1, 2, 4)
 
     def _all_layers_view(self) -> torch.Tensor | None:

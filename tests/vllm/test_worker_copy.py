@@ -154,3 +154,33 @@ def test_a_gathered_chunk_scatters_back_to_the_same_bytes_elsewhere() -> None:
         assert torch.equal(t[5], t[1]) and torch.equal(t[7], t[2])
     with pytest.raises(RuntimeError):  # a non-contiguous chunk would gather into a copy
         paged.gather((1, 2), torch.empty(2 * chunk.numel(), dtype=torch.uint8)[::2])
+
+
+def halves_from_cpu(kv: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same K and V in CUDA vLLM 0.33's layout: [blocks, heads, block_size, 2*dim] with K
+    and V as the halves of each token's last dimension (CPU: all K rows, then all V rows)."""
+    return {name: t.view(BLOCKS, HEADS, 2, BS, DIM).permute(0, 1, 3, 2, 4)
+            .reshape(BLOCKS, HEADS, BS, 2 * DIM).contiguous() for name, t in kv.items()}
+
+
+def test_same_shape_other_meaning_the_halves_layout_yields_the_cpu_layouts_chunks() -> None:
+    """A CUDA engine (halves) and a CPU engine holding the same KV store identical chunks, so
+    they can share a cache; and a halves chunk scatters back to its own layout."""
+    cpu = cpu_kv()
+    halves = halves_from_cpu(cpu)
+    from_cpu = torch.empty(LAYERS, 2, HEADS, 2 * BS, DIM, dtype=torch.bfloat16)
+    from_halves = torch.empty_like(from_cpu)
+    PagedKV(cpu, BS).gather((5, 2), from_cpu)
+    paged = PagedKV(halves, BS, backend="halves")
+    paged.gather((5, 2), from_halves)
+    assert torch.equal(from_cpu, from_halves)
+    assert torch.equal(from_halves[1, 0, 1, 3], list(halves.values())[1][5, 1, 3, :DIM])  # K
+    assert torch.equal(from_halves[1, 1, 1, 3], list(halves.values())[1][5, 1, 3, DIM:])  # V
+    paged.scatter(from_cpu, (0, 1), first_block=0)
+    for t in halves.values():
+        assert torch.equal(t[0], t[5]) and torch.equal(t[1], t[2])
+
+
+def test_a_layout_that_does_not_fit_the_shape_is_refused() -> None:
+    with pytest.raises(ConfigError, match="kv cache layout"):
+        PagedKV(cpu_kv(), BS, backend="flash")
