@@ -136,12 +136,18 @@ def test_redis_killed_mid_run_costs_hits_only_and_hits_resume_after_a_restart(
     assert run_fresh(llm, prompts) == expected
     assert kvtier_counter("tier_hits", tier="redis") - hits == 6 * (399 // CHUNK)
 
-    # SIGKILL the server while rounds of requests (each loading from redis) are running.
+    # SIGKILL the server while rounds of requests (each loading from redis) are running, and
+    # go on until one whole round has run after the kill: its failed loads (recomputed) tell
+    # the scheduler's index that the chunks are gone. (A fixed 4 rounds could all finish
+    # before the kill on a fast engine, leaving the index to claim every chunk below.)
     killer = threading.Timer(0.3, server.stop)
     killer.start()
     try:
-        for _ in range(4):
+        for _ in range(50):
+            killed_before_round = server.proc is None
             assert run_fresh(llm, prompts) == expected
+            if killed_before_round:
+                break
     finally:
         killer.join()
     assert server.proc is None, "the server was not killed during the run"
