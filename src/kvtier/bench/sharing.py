@@ -23,7 +23,6 @@ Primitives: `SharingConfig`, `SharingResult`, `Ttft`, `run_sharing_bench`, `SOUR
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import os
 import random
@@ -31,17 +30,17 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.engines import counter, kvtier_transfer_config, offline_engine
 from kvtier.bench.redis_baseline import local_redis
 from kvtier.errors import ConfigError
 from kvtier.models import FIRST_WORD_ID, PRESETS, make_preset_model
 
 SOURCES = ("shared", "redis")  # how B gets A's chunks
-BLOCK_SIZE = 128  # vLLM's CPU default
 TOKENS_PER_CHUNK = 256
 NEW_TOKENS = 2  # tokens after the cached prefix: B computes these in every case
 KV_BYTES_PER_TOKEN = PRESETS["bench"].kv_bytes_per_token()
@@ -151,31 +150,12 @@ def _tiers(role: str, shared: Path, redis_url: str) -> list[dict[str, Any]]:
     return [memory, shared_tier if role == "B-shared" else redis_tier]
 
 
-@contextlib.contextmanager
 def _engine(model_dir: Path, config: SharingConfig, tiers: list[dict[str, Any]]
-            ) -> Iterator[Any]:
+            ) -> contextlib.AbstractContextManager[Any]:
     """An offline LLM with kvtier on `tiers`; its processes are shut down on exit."""
-    from vllm import LLM
-
-    transfer = {"kv_connector": "KVTierConnector",
-                "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both",
-                "kv_connector_extra_config": {"tokens_per_chunk": TOKENS_PER_CHUNK,
-                                              "write_queue_depth": 1024, "tiers": tiers}}
-    llm = LLM(model=str(model_dir), enforce_eager=True, gpu_memory_utilization=0.3, seed=0,
-              block_size=BLOCK_SIZE, max_model_len=config.max_model_len,
-              max_num_batched_tokens=config.max_model_len, num_gpu_blocks_override=384,
-              disable_log_stats=False, kv_transfer_config=transfer)
-    try:
-        yield llm
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
-
-
-def _counter(llm: Any, name: str) -> float:
-    return sum(m.value for m in llm.get_metrics()
-               if m.name == name and isinstance(getattr(m, "value", None), (int, float)))
+    transfer = kvtier_transfer_config({"tokens_per_chunk": TOKENS_PER_CHUNK,
+                                       "write_queue_depth": 1024, "tiers": tiers})
+    return offline_engine(model_dir, config.max_model_len, kv_transfer_config=transfer)
 
 
 def _generate_s(llm: Any, prompt: dict[str, list[int]], skip_load: bool = False) -> float:
@@ -213,9 +193,9 @@ def _measure_b(llm: Any, source: str, config: SharingConfig,
     for n in config.cached_tokens:
         progress(f"B-{source}: {n} tokens")
         prompt = _prompt(n + NEW_TOKENS, seed=n)
-        before = _counter(llm, "vllm:external_prefix_cache_hits")
+        before = counter(llm, "vllm:external_prefix_cache_hits")
         first = _generate_s(llm, prompt)
-        hit_tokens = int(_counter(llm, "vllm:external_prefix_cache_hits") - before)
+        hit_tokens = int(counter(llm, "vllm:external_prefix_cache_hits") - before)
         hits = []
         for _ in range(config.reps):
             llm.reset_prefix_cache()

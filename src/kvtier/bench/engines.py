@@ -1,0 +1,60 @@
+"""Offline vLLM engines for the benchmarks that time prefills in-process (ttft, sharing).
+
+Primitives: `offline_engine` (an `LLM` with the benches' small CPU settings, shut down on
+exit), `counter` (one of vLLM's counters, summed over labels), `kvtier_transfer_config`,
+`quiet_engine_logs`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+BLOCK_SIZE = 128  # tokens per vLLM block (the CPU backend's default)
+NUM_BLOCKS = 384  # the engine's own KV cache, in blocks
+
+
+def kvtier_transfer_config(extra: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's kv_transfer_config loading kvtier with `extra` as its extra config."""
+    return {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+            "kv_role": "kv_both", "kv_connector_extra_config": extra}
+
+
+@contextlib.contextmanager
+def offline_engine(model_dir: Path, max_model_len: int, **overrides: Any) -> Iterator[Any]:
+    """An offline `vllm.LLM` (eager, seeded, stats on); its processes are shut down on exit.
+
+    `overrides` are any other `LLM(...)` arguments (kv_transfer_config, enable_prefix_caching).
+    """
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = dict(
+        model=str(model_dir), enforce_eager=True, gpu_memory_utilization=0.3, seed=0,
+        block_size=BLOCK_SIZE, max_model_len=max_model_len, max_num_batched_tokens=max_model_len,
+        num_gpu_blocks_override=NUM_BLOCKS, disable_log_stats=False)
+    kwargs.update(overrides)
+    llm = LLM(**kwargs)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def counter(llm: Any, name: str) -> float:
+    """One of vLLM's counters (e.g. "vllm:kvtier_loaded_tokens"), summed over its labels."""
+    return sum(m.value for m in llm.get_metrics()
+               if m.name == name and isinstance(getattr(m, "value", None), (int, float)))
+
+
+def quiet_engine_logs() -> None:
+    """Keep engine start-up logs from burying a bench's tables."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    for name in ("vllm", "kvtier"):
+        logging.getLogger(name).setLevel(logging.WARNING)
