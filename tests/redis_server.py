@@ -2,7 +2,7 @@
 on free ports, with their files in a temp dir and persistence off. Always killed by the
 fixtures that start them (tests/conftest.py). (Not named conftest.py: imported by name.)
 
-Primitives: `REDIS_SERVER`, `RedisServer`, `RedisClusterNodes`, `free_port`.
+Primitives: `REDIS_SERVER`, `RedisServer`, `TlsRedisServer`, `RedisClusterNodes`, `free_port`.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import shutil
 import socket
+import ssl
 import subprocess
 import time
 from pathlib import Path
@@ -56,13 +57,22 @@ class RedisServer:
         self.directory.mkdir(parents=True, exist_ok=True)
         log = open(self.directory / f"redis-{self.port}.log", "ab")
         self.proc = subprocess.Popen(
-            [REDIS_SERVER, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
+            [REDIS_SERVER, "--bind", "127.0.0.1", *self._listen_args(), "--save", "",
              "--appendonly", "no", "--dir", str(self.directory), "--enable-debug-command",
              "local", *self.args],
             stdout=log, stderr=subprocess.STDOUT)
         log.close()
         self._wait_ready()
         return self
+
+    def _listen_args(self) -> list[str]:
+        return ["--port", str(self.port)]
+
+    def _ping(self) -> bytes:
+        """The server's reply to PING; raises OSError while it is not listening."""
+        with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(64)
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -71,10 +81,7 @@ class RedisServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"redis-server exited: see {self.directory}")
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    reply = s.recv(64)
-                if reply.startswith((b"+PONG", b"-NOAUTH")):
+                if self._ping().startswith((b"+PONG", b"-NOAUTH")):
                     return
             except OSError:
                 pass
@@ -91,6 +98,30 @@ class RedisServer:
 
     def client(self, **kwargs: object) -> redis.Redis:
         return redis.Redis(host="127.0.0.1", port=self.port, **{"socket_timeout": 5, **kwargs})
+
+
+class TlsRedisServer(RedisServer):
+    """One redis-server speaking only TLS on 127.0.0.1:`port` (no plain port), with the given
+    certificate, key and CA (PEM files); clients need no certificate of their own."""
+
+    def __init__(self, directory: Path, cert: Path, key: Path, ca: Path) -> None:
+        super().__init__(directory, None, "--tls-cert-file", str(cert), "--tls-key-file",
+                         str(key), "--tls-ca-cert-file", str(ca), "--tls-auth-clients", "no")
+        self.ca = ca
+        self.url = f"rediss://127.0.0.1:{self.port}/0"
+
+    def _listen_args(self) -> list[str]:
+        return ["--port", "0", "--tls-port", str(self.port)]
+
+    def _ping(self) -> bytes:
+        context = ssl.create_default_context(cafile=str(self.ca))
+        with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as raw, \
+                context.wrap_socket(raw, server_hostname="127.0.0.1") as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(64)
+
+    def log_text(self) -> str:
+        return (self.directory / f"redis-{self.port}.log").read_text(errors="replace")
 
 
 class RedisClusterNodes:

@@ -80,7 +80,7 @@ class RedisTierConfig(_TierBase):
     capacity: ByteSize = 0  # bytes the tier keeps per namespace; 0 = the server's maxmemory
     url: str = "redis://127.0.0.1:6379/0"  # standalone server; rediss:// for TLS; no password
     cluster_nodes: tuple[str, ...] = ()  # "host:port" of some Redis Cluster nodes (replaces url)
-    tls: bool = False  # TLS to the cluster nodes (a standalone server: use rediss://)
+    tls: bool = False  # TLS to the server or cluster nodes (as a rediss:// url does)
     tls_ca_file: Path | None = None  # CA bundle that signed the server's certificate
     username: str | None = None  # ACL user; None = "default"
     password_file: Path | None = None  # file whose first line is the password (mode 0600)

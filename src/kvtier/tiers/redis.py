@@ -164,9 +164,12 @@ def connect(config: RedisTierConfig, password: str | None) -> Client:
     if config.tls_ca_file is not None:
         common["ssl_ca_certs"] = str(config.tls_ca_file)
     if not config.cluster_nodes:
-        if not config.url.startswith("rediss://"):
+        url = config.url
+        if config.tls and url.startswith("redis://"):  # `tls: true` must not mean plaintext
+            url = "rediss://" + url.removeprefix("redis://")
+        if not url.startswith("rediss://"):
             common.pop("ssl_ca_certs", None)
-        return redis.Redis.from_url(config.url, **common)
+        return redis.Redis.from_url(url, **common)
     nodes = [ClusterNode(host, int(port))
              for host, _, port in (node.rpartition(":") for node in config.cluster_nodes)]
     try:
