@@ -318,6 +318,7 @@ def run_ttft_bench(config: TtftConfig,
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     begin = time.perf_counter()
     model_dir = make_preset_model("bench", config.model_root)
+    Path(config.directory).mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=".kvtier-ttft-", dir=config.directory))
     ttft: list[Ttft] = []
     throughput: dict[str, tuple[float, ...]] = {}
