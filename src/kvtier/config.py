@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator,
+)
 
 from kvtier.errors import ConfigError
 from kvtier.units import parse_size
@@ -114,6 +116,14 @@ class RedisTierConfig(_TierBase):
             if not host or not port.isdigit():
                 raise ValueError(f"{node!r} is not host:port")
         return nodes
+
+    @model_validator(mode="after")
+    def _ca_only_with_tls(self) -> RedisTierConfig:
+        # A CA file with a plain redis:// URL used to be dropped silently: the operator
+        # believed the connection was verified TLS while it was clear text.
+        if self.tls_ca_file is not None and not self.tls and not self.url.startswith("rediss://"):
+            raise ValueError("tls_ca_file is set but TLS is off: use a rediss:// url or tls: true")
+        return self
 
     @field_validator("part_bytes")
     @classmethod

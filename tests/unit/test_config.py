@@ -152,3 +152,12 @@ def test_a_file_that_is_not_a_mapping_is_a_config_error(tmp_path: Path) -> None:
         StoreConfig.load(path)
     assert caught.value.field == str(path)
     assert "dictionary" in caught.value.allowed
+
+
+def test_a_redis_ca_file_without_tls_is_refused() -> None:
+    """A CA bundle with a plain redis:// URL would leave the connection in clear text."""
+    with pytest.raises(ConfigError, match="tls_ca_file"):
+        StoreConfig.parse({"tiers": [{"kind": "redis", "capacity": 0, "tls_ca_file": "/ca.pem"}]})
+    tls = StoreConfig.parse({"tiers": [{"kind": "redis", "capacity": 0, "tls": True,
+                                        "tls_ca_file": "/ca.pem"}]})
+    assert str(tls.tiers[0].tls_ca_file) == "/ca.pem"
