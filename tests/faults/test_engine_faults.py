@@ -20,13 +20,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import json
-import re
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -43,10 +40,13 @@ from vllm_harness import (
     MAX_MODEL_LEN,
     NUM_BLOCKS,
     chunk_files,
+    complete,
     kvtier_counter,
     kvtier_transfer_config,
     metric,
+    post,
     random_prompts,
+    scrape,
     start_engine,
     token_ids,
 )
@@ -244,29 +244,6 @@ def two_servers(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     finally:
         for server in servers:
             server.stop()
-
-
-def post(url: str, body: dict[str, Any] | None = None) -> Any:
-    data = json.dumps(body).encode() if body is not None else b""
-    request = urllib.request.Request(url, data=data, method="POST",
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=300) as response:
-        text = response.read().decode()
-    return json.loads(text) if text.strip().startswith("{") else text
-
-
-def complete(server: VllmServer, prompt: list[int], **extra: Any) -> str:
-    body = {"model": server.command.argv[server.command.argv.index("--model") + 1],
-            "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
-            "ignore_eos": True, **extra}
-    return str(post(server.url + "/v1/completions", body)["choices"][0]["text"])
-
-
-def scrape(server: VllmServer, name: str) -> float:
-    with urllib.request.urlopen(server.url + "/metrics", timeout=60) as response:
-        text = response.read().decode()
-    pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", re.MULTILINE)
-    return sum(float(v) for v in pattern.findall(text))
 
 
 def test_two_servers_writing_the_same_prompts_into_one_directory_serve_no_torn_chunk(

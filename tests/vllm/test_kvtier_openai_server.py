@@ -11,15 +11,14 @@ alone): the repeat of a prompt is then served from kvtier, and /metrics shows it
 from __future__ import annotations
 
 import dataclasses
-import json
-import re
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_harness import BLOCK_SIZE, MAX_MODEL_LEN, NUM_BLOCKS, random_prompts
+from vllm_harness import (
+    BLOCK_SIZE, MAX_MODEL_LEN, NUM_BLOCKS, complete, post, random_prompts, scrape,
+)
 
 from kvtier.integrations.vllm.metrics import PREFIX
 from kvtier.serving import ServeConfig, build_command, free_port, running_server
@@ -47,40 +46,16 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         yield srv
 
 
-def post(url: str, body: dict[str, Any] | None = None) -> Any:
-    data = json.dumps(body).encode() if body is not None else b""
-    request = urllib.request.Request(url, data=data, method="POST",
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=120) as response:
-        text = response.read().decode()
-    return json.loads(text) if text.strip().startswith("{") else text
-
-
-def complete(server: Any, model: str, prompt: list[int], **extra: Any) -> str:
-    """Greedy completion of a prompt given as token ids; the generated text."""
-    body = {"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0.0,
-            "ignore_eos": True, **extra}
-    return str(post(server.url + "/v1/completions", body)["choices"][0]["text"])
-
-
-def scrape(server: Any, name: str) -> float:
-    """A counter from /metrics, summed over its label sets (0 if absent)."""
-    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as response:
-        text = response.read().decode()
-    pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", re.MULTILINE)
-    return sum(float(v) for v in pattern.findall(text))
-
-
 def test_the_server_serves_a_repeated_prompt_from_kvtier(server: Any,
                                                          tiny_model_dir: Path) -> None:
     model = str(tiny_model_dir)
     [prompt] = random_prompts([500], seed=50)
     tokens = prompt["prompt_token_ids"]
-    first = complete(server, model, tokens)
+    first = complete(server, tokens, model=model)
     hits, loaded = scrape(server, EXTERNAL_HITS), scrape(server, LOADED_TOKENS)
     # Empty vLLM's own cache: the repeat can only be served from kvtier.
     post(server.url + "/reset_prefix_cache")
-    assert complete(server, model, tokens) == first
+    assert complete(server, tokens, model=model) == first
     expected = (len(tokens) - 1) // CHUNK * CHUNK
     assert scrape(server, EXTERNAL_HITS) - hits == expected
     assert scrape(server, LOADED_TOKENS) - loaded == expected
@@ -88,5 +63,5 @@ def test_the_server_serves_a_repeated_prompt_from_kvtier(server: Any,
     # kv_transfer_params in the request body reach the connector: skip_load recomputes.
     post(server.url + "/reset_prefix_cache")
     hits = scrape(server, EXTERNAL_HITS)
-    assert complete(server, model, tokens, kv_transfer_params={"skip_load": True}) == first
+    assert complete(server, tokens, model=model, kv_transfer_params={"skip_load": True}) == first
     assert scrape(server, EXTERNAL_HITS) == hits

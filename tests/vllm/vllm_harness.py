@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import random
+import re
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -131,3 +134,34 @@ def metric(llm: Any, name: str) -> float:
         if m.name == name and isinstance(getattr(m, "value", None), (int, float)):
             total += m.value
     return total
+
+
+# -- an OpenAI server's HTTP API (servers started through kvtier.serving) ---------------------
+
+def post(url: str, body: dict[str, Any] | None = None, timeout_s: float = 300) -> Any:
+    """POST `body` as JSON (or nothing); the decoded JSON reply, or its text."""
+    data = json.dumps(body).encode() if body is not None else b""
+    request = urllib.request.Request(url, data=data, method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        text = response.read().decode()
+    return json.loads(text) if text.strip().startswith("{") else text
+
+
+def complete(server: Any, prompt: list[int], *, model: str | None = None, max_tokens: int = 16,
+             **extra: Any) -> str:
+    """Greedy completion of a prompt given as token ids; the generated text. `model`
+    defaults to the one on the server's command line."""
+    if model is None:
+        model = server.command.argv[server.command.argv.index("--model") + 1]
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, **extra}
+    return str(post(server.url + "/v1/completions", body)["choices"][0]["text"])
+
+
+def scrape(server: Any, name: str) -> float:
+    """A counter from the server's /metrics, summed over its label sets (0 if absent)."""
+    with urllib.request.urlopen(server.url + "/metrics", timeout=60) as response:
+        text = response.read().decode()
+    pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", re.MULTILINE)
+    return sum(float(v) for v in pattern.findall(text))
