@@ -17,16 +17,18 @@ Primitives:
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import random
 import re
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.engines import kvtier_counter, offline_engine
+from kvtier.bench.engines import kvtier_transfer_config as transfer_config
 from kvtier.models import FIRST_WORD_ID, PRESETS
+
+__all__ = ["kvtier_counter"]  # re-exported for the cases
 
 # Small, fast settings: 32-token blocks (the CPU backend's minimum) so that short prompts
 # span several blocks; a fixed, small number of KV blocks (4,096 tokens).
@@ -35,33 +37,20 @@ NUM_BLOCKS = 128
 MAX_MODEL_LEN = 2048
 
 
-@contextlib.contextmanager
 def start_engine(model_dir: Path, kv_transfer_config: dict[str, Any] | None = None,
-                 **overrides: Any) -> Iterator[Any]:
-    """Yield a `vllm.LLM` on the CPU backend; shut it down on exit.
+                 **overrides: Any) -> contextlib.AbstractContextManager[Any]:
+    """A `vllm.LLM` on the CPU backend with the tests' small settings, shut down on exit.
 
     Args:
         model_dir: the model to serve.
         kv_transfer_config: the connector config, or None for no connector.
         **overrides: any other `LLM(...)` argument (e.g. num_gpu_blocks_override).
     """
-    from vllm import LLM
-
-    kwargs: dict[str, Any] = dict(
-        model=str(model_dir), enforce_eager=True, gpu_memory_utilization=0.3,
-        num_gpu_blocks_override=NUM_BLOCKS, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
-        disable_log_stats=False, seed=0,
-    )
     if kv_transfer_config is not None:
-        kwargs["kv_transfer_config"] = kv_transfer_config
-    kwargs.update(overrides)
-    llm = LLM(**kwargs)
-    try:
-        yield llm
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
+        overrides.setdefault("kv_transfer_config", kv_transfer_config)
+    settings: dict[str, Any] = {"block_size": BLOCK_SIZE, "num_gpu_blocks_override": NUM_BLOCKS,
+                                "max_num_batched_tokens": None}  # None: vLLM's default
+    return offline_engine(model_dir, MAX_MODEL_LEN, **(settings | overrides))
 
 
 def random_prompts(lengths: list[int], seed: int = 0) -> list[dict[str, list[int]]]:
@@ -96,30 +85,7 @@ def kvtier_transfer_config(tiers: list[dict[str, Any]] | None = None,
     extra: dict[str, Any] = {"tokens_per_chunk": tokens_per_chunk}
     if tiers is not None:
         extra["tiers"] = tiers
-    return {"kv_connector": "KVTierConnector",
-            "kv_connector_module_path": "kvtier.integrations.vllm",
-            "kv_role": "kv_both", "kv_connector_extra_config": extra}
-
-
-def kvtier_counter(name: str, tier: str | None = None) -> float:
-    """kvtier's counter `name` (summed over engines, and over tiers unless `tier`).
-
-    Read from this process's Prometheus registry, where vLLM's stat logger feeds the
-    connector's stats (the same numbers a server shows on /metrics).
-    """
-    from prometheus_client import REGISTRY
-
-    from kvtier.integrations.vllm.metrics import PREFIX
-
-    total = 0.0
-    for family in REGISTRY.collect():
-        if family.name != PREFIX + name:
-            continue
-        for sample in family.samples:
-            if sample.name.endswith("_total") and (
-                    tier is None or sample.labels.get("tier") == tier):
-                total += sample.value
-    return total
+    return transfer_config(extra)
 
 
 def chunk_files(root: Path) -> list[Path]:

@@ -1,7 +1,8 @@
 """Offline vLLM engines for the benchmarks that time prefills in-process (ttft, sharing).
 
 Primitives: `offline_engine` (an `LLM` with the benches' small CPU settings, shut down on
-exit), `counter` (one of vLLM's counters, summed over labels), `kvtier_transfer_config`,
+exit), `counter` (one of vLLM's counters, summed over labels), `kvtier_counter` (one of
+kvtier's, from this process's Prometheus registry), `kvtier_transfer_config`,
 `quiet_engine_logs`.
 """
 
@@ -51,6 +52,27 @@ def counter(llm: Any, name: str) -> float:
     """One of vLLM's counters (e.g. "vllm:kvtier_loaded_tokens"), summed over its labels."""
     return sum(m.value for m in llm.get_metrics()
                if m.name == name and isinstance(getattr(m, "value", None), (int, float)))
+
+
+def kvtier_counter(name: str, tier: str | None = None) -> float:
+    """kvtier's counter `name` (summed over engines, and over tiers unless `tier`).
+
+    Read from this process's Prometheus registry, where vLLM's stat logger feeds the
+    connector's stats (the same numbers a server shows on /metrics).
+    """
+    from prometheus_client import REGISTRY
+
+    from kvtier.integrations.vllm.metrics import PREFIX
+
+    total = 0.0
+    for family in REGISTRY.collect():
+        if family.name != PREFIX + name:
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_total") and (
+                    tier is None or sample.labels.get("tier") == tier):
+                total += sample.value
+    return total
 
 
 def quiet_engine_logs() -> None:

@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.engines import counter, kvtier_transfer_config, offline_engine
+from kvtier.bench.engines import counter, kvtier_counter, kvtier_transfer_config, offline_engine
 from kvtier.bench.subjects import aligned_buffer
 from kvtier.errors import ConfigError
 from kvtier.models import FIRST_WORD_ID, PRESETS, make_preset_model
@@ -56,7 +56,8 @@ NEW_TOKENS = 2  # tokens after the cached prefix (see the module docstring)
 KV_BYTES_PER_TOKEN = PRESETS["bench"].kv_bytes_per_token()
 TARGET_EXTRA_VS_COPY = 1.5  # a hit's extra time over vLLM's <= 1.5x the raw copy
 TARGET_THROUGHPUT = 0.97  # 0%-hit throughput with kvtier >= 0.97x without
-SKIPPED = "kvtier-memory, kvtier off"  # throughput rounds with skip_load + skip_store
+SKIPPED = "kvtier-memory, kvtier off"
+LOAD_SECONDS = "vllm:kvtier_load_seconds"  # the workers' own time in loads  # throughput rounds with skip_load + skip_store
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +104,7 @@ class Ttft:
     cached_tokens: int
     trials_s: tuple[float, ...]
     cache_hit_tokens: int  # tokens served from cache in the last trial (vLLM's counters)
-    # kvtier only: the worker's own load time per trial (vllm:kvtier_load_seconds), which
+    # kvtier only: the workers' own load time per trial (vllm:kvtier_load_seconds), which
     # the engine's step-to-step noise does not blur; () when not reported.
     load_s: tuple[float, ...] = ()
     # Connector engines: a vLLM prefix hit of the same prompt in the same engine, timed right
@@ -213,15 +214,19 @@ def _measure_ttft(llm: Any, engine: str, config: TtftConfig, scratch: Path,
             _wait_for_files(scratch / "disk", "*.kvc", _chunks_stored_so_far(config, n))
         hits_counter = "vllm:prefix_cache_hits" if engine == "vllm-prefix" \
             else "vllm:external_prefix_cache_hits"
-        trials, locals_ = [], []
+        trials, locals_, loads = [], [], []
         for _ in range(config.reps):
             if engine != "vllm-prefix":
                 locals_.append(_generate_s(llm, [prompt], 1))  # vLLM's own hit, paired
                 llm.reset_prefix_cache()  # the prefix can come only from the connector
             before = counter(llm, hits_counter)
+            load_before = kvtier_counter("load_seconds")
             trials.append(_generate_s(llm, [prompt], 1))
             hit = int(counter(llm, hits_counter) - before)
-        out.append(Ttft(engine, n, tuple(trials), hit, local_s=tuple(locals_)))
+            if engine.startswith("kvtier"):
+                loads.append(kvtier_counter("load_seconds") - load_before)
+        out.append(Ttft(engine, n, tuple(trials), hit, load_s=tuple(loads),
+                        local_s=tuple(locals_)))
     return out
 
 

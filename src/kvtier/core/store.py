@@ -134,6 +134,10 @@ class TieredStore:
             for tier, tier_config in zip(self.tiers[1:], config.tiers[1:])
         ]
         self._reader = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-read")
+        # Each tier's optional abilities, checked once: a runtime Protocol isinstance costs
+        # ~3 us, and loads asked it per chunk per tier (a quarter of a memory-tier borrow).
+        self._lenders: dict[int, Lender] = {id(t): t for t in self.tiers if isinstance(t, Lender)}
+        self._batched = [t for t in self.tiers if isinstance(t, BatchLookup)]
         # What tiers stored and removed, until `take_events`; bounded so that a store nobody
         # drains keeps only the newest events.
         self._events: deque[StoreEvent] = deque(maxlen=MAX_PENDING_EVENTS)
@@ -157,8 +161,7 @@ class TieredStore:
         at most (shared directory); index lookups elsewhere; one batch per remote tier."""
         # A tier with BatchLookup (a remote store) answers every key in one round trip up
         # front, rather than one round trip per key.
-        batched = {id(t): self._contains_many(t, keys) for t in self.tiers
-                   if isinstance(t, BatchLookup)}
+        batched = {id(t): self._contains_many(t, keys) for t in self._batched}
         holders: list[str] = []
         for i, key in enumerate(keys):
             tier = next((t for t in self.tiers if (batched[id(t)][i] if id(t) in batched
@@ -247,11 +250,12 @@ class TieredStore:
         """The chunk from the fastest tier holding it: lent by a Lender (entered on `stack`;
         skipped unless `lend`) or read into `spare` (other tiers; skipped unless `read`)."""
         for level, tier in enumerate(self.tiers):
-            if not (lend if isinstance(tier, Lender) else read) or not self._contains(tier, key):
+            lender = self._lenders.get(id(tier))
+            if not (lend if lender is not None else read) or not self._contains(tier, key):
                 continue
             try:
-                if isinstance(tier, Lender):
-                    view = stack.enter_context(tier.borrow(key))
+                if lender is not None:
+                    view = stack.enter_context(lender.borrow(key))
                 else:
                     view = spare if tier.get_into(key, spare) else None
             except Exception as exc:

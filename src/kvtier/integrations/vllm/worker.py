@@ -17,6 +17,7 @@ a store), `ConnectorWorker`.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 import warnings
@@ -49,7 +50,10 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable",
                         category=UserWarning)
 # Chunks lent or read per borrow_many call: slow tiers' reads of one batch run in parallel.
 LOAD_BATCH = 4
-COPY_THREADS = 2  # CPU scatter threads for a load batch
+# CPU scatter threads for a load batch, at most; never more than the CPUs this process may
+# run on. vLLM's CPU backend binds each worker process to its own cores (on a 2-core machine:
+# one), and two copy threads sharing one core were slower than one (docs/performance.md).
+COPY_THREADS = 2
 
 
 class ChunkStore(Protocol):
@@ -91,7 +95,9 @@ class ConnectorWorker:
         # time (allocated lazily by the OS: untouched until a slow tier is read).
         self._spares = [torch.empty(layout.bytes_per_chunk, dtype=torch.uint8).numpy().data
                         for _ in range(LOAD_BATCH)]
-        self._copiers = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="kvtier-scatter")
+        threads = min(COPY_THREADS, len(os.sched_getaffinity(0)))
+        self._copiers = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-scatter") \
+            if threads > 1 else None
         self._failed_block_ids: set[int] = set()
         self._report = KVTierWorkerMetadata()
         self._cuda: CudaChunkMover | None = None
@@ -160,9 +166,9 @@ class ConnectorWorker:
             with self._store.borrow_many([t.key for t in batch], self._spares) as lent:
                 held = next((i for i, view in enumerate(lent) if view is None), len(batch))
                 # The chunks fill disjoint blocks and numpy drops the GIL while it copies, so
-                # two threads scatter them at once: loads run before the forward pass, when
-                # the engine's cores have nothing else to do (kvtier bench copy: load step).
-                list(self._copiers.map(self._scatter, batch[:held], lent[:held]))
+                # where the process has two cores two threads scatter them at once.
+                scatter = map if self._copiers is None else self._copiers.map
+                list(scatter(self._scatter, batch[:held], lent[:held]))
                 if held < len(batch):
                     return first + held
         return len(transfers)
@@ -205,5 +211,6 @@ class ConnectorWorker:
         """Flush write-behind queues and close the store."""
         if self._cuda is not None:
             self._cuda.close()
-        self._copiers.shutdown(wait=True)
+        if self._copiers is not None:
+            self._copiers.shutdown(wait=True)
         self._store.close()
