@@ -31,23 +31,25 @@ def cpu_kv() -> dict[str, torch.Tensor]:
             for i in range(LAYERS)}
 
 
-def test_chunk_holds_k_then_v_per_layer_head_and_token() -> None:
+def test_chunk_holds_per_layer_block_head_k_then_v_rows() -> None:
     kv = cpu_kv()
     paged = PagedKV(kv, BS)
-    chunk = torch.empty(LAYERS, 2, HEADS, 2 * BS, DIM, dtype=torch.bfloat16)
+    chunk = torch.empty(LAYERS, 2, HEADS, 2, BS, DIM, dtype=torch.bfloat16)
     paged.gather((5, 2), chunk)
     layer1 = kv["model.layers.1.self_attn.attn"]
     # The CPU kernel's view: per block and head, K rows [0, BS) then V rows [BS, 2*BS).
     rows = layer1.view(BLOCKS, HEADS, 2 * BS, DIM)
-    assert torch.equal(chunk[1, 0, 1, 3], rows[5, 1, 3])  # K, token 3 (block 5)
-    assert torch.equal(chunk[1, 1, 1, 3], rows[5, 1, BS + 3])  # V, token 3
-    assert torch.equal(chunk[1, 1, 0, BS + 7], rows[2, 0, BS + 7])  # V, token 39 (block 2)
+    assert torch.equal(chunk[1, 0, 1, 0, 3], rows[5, 1, 3])  # K, token 3 (block 5)
+    assert torch.equal(chunk[1, 0, 1, 1, 3], rows[5, 1, BS + 3])  # V, token 3
+    assert torch.equal(chunk[1, 1, 0, 1, 7], rows[2, 0, BS + 7])  # V, token BS + 7 (block 2)
+    # A (layer, block) of the chunk is that block of that layer, byte for byte.
+    assert torch.equal(chunk[0, 1].reshape(-1), kv["model.layers.0.self_attn.attn"][2].reshape(-1))
 
 
 def test_scatter_restores_gathered_blocks_and_spares_the_local_ones() -> None:
     kv = cpu_kv()
     paged = PagedKV(kv, BS)
-    chunk = torch.empty(LAYERS, 2, HEADS, 2 * BS, DIM, dtype=torch.bfloat16)
+    chunk = torch.empty(LAYERS, 2, HEADS, 2, BS, DIM, dtype=torch.bfloat16)
     paged.gather((0, 1), chunk)
     before = {name: t.clone() for name, t in kv.items()}
     paged.scatter(chunk, (6, 7), first_block=1)  # block 6 is a local hit: untouched
@@ -86,15 +88,16 @@ def flash_kv(one_allocation: bool) -> dict[str, torch.Tensor]:
 
 
 def reference_block(kv: dict[str, torch.Tensor], layer: int, block: int) -> torch.Tensor:
-    """Block `block` of layer `layer` as [2, heads, block_size, dim], from the layout docs."""
+    """Block `block` of layer `layer` as [heads, 2, block_size, dim], from the layout docs."""
     t = list(kv.values())[layer]
     if t.ndim == 4:  # CPU: per head, K rows [0, BS) then V rows [BS, 2*BS)
-        return t[block].reshape(HEADS, 2, BS, DIM).transpose(0, 1)
-    return t[:, block].permute(0, 2, 1, 3)  # flash: [2, BS, H, D] -> [2, H, BS, D]
+        return t[block].reshape(HEADS, 2, BS, DIM)
+    return t[:, block].permute(2, 0, 1, 3)  # flash: [2, BS, H, D] -> [H, 2, BS, D]
 
 
 def reference_gather(kv: dict[str, torch.Tensor], block_ids: tuple[int, ...]) -> torch.Tensor:
-    return torch.stack([torch.cat([reference_block(kv, layer, b) for b in block_ids], dim=2)
+    """[layers, blocks, heads, 2, block_size, dim]: the documented chunk order."""
+    return torch.stack([torch.stack([reference_block(kv, layer, b) for b in block_ids])
                         for layer in range(len(kv))])
 
 
@@ -114,7 +117,7 @@ def test_gather_matches_the_per_block_reference(case: str) -> None:
     rng = random.Random(case)
     for _ in range(5):
         block_ids = tuple(rng.sample(range(BLOCKS), 3))
-        chunk = torch.empty(LAYERS, 2, HEADS, 3 * BS, DIM, dtype=torch.bfloat16)
+        chunk = torch.empty(LAYERS, 3, HEADS, 2, BS, DIM, dtype=torch.bfloat16)
         paged.gather(block_ids, chunk)
         assert torch.equal(chunk, reference_gather(kv, block_ids))
 
@@ -125,7 +128,7 @@ def test_scatter_from_a_read_only_byte_buffer_writes_only_its_blocks(case: str) 
     paged = PagedKV(kv, BS)
     before = {name: t.clone() for name, t in kv.items()}
     gen = torch.Generator().manual_seed(3)
-    chunk = torch.randn(LAYERS, 2, HEADS, 3 * BS, DIM, generator=gen).to(torch.bfloat16)
+    chunk = torch.randn(LAYERS, 3, HEADS, 2, BS, DIM, generator=gen).to(torch.bfloat16)
     # As the worker gets it from a borrowed slot: read-only uint8 bytes.
     lent = memoryview(chunk.view(torch.uint8).numpy().tobytes()).toreadonly()
     with warnings.catch_warnings():
@@ -134,8 +137,7 @@ def test_scatter_from_a_read_only_byte_buffer_writes_only_its_blocks(case: str) 
     paged.scatter(raw, (4, 0, 6), first_block=1)  # block 4: a local hit, left alone
     for layer in range(LAYERS):
         for j, block in enumerate((0, 6), start=1):
-            assert torch.equal(reference_block(kv, layer, block),
-                               chunk[layer, :, :, j * BS:(j + 1) * BS])
+            assert torch.equal(reference_block(kv, layer, block), chunk[layer, j])
     untouched = [b for b in range(BLOCKS) if b not in (0, 6)]
     for name, t in kv.items():
         if t.ndim == 4:
@@ -168,14 +170,14 @@ def test_same_shape_other_meaning_the_halves_layout_yields_the_cpu_layouts_chunk
     they can share a cache; and a halves chunk scatters back to its own layout."""
     cpu = cpu_kv()
     halves = halves_from_cpu(cpu)
-    from_cpu = torch.empty(LAYERS, 2, HEADS, 2 * BS, DIM, dtype=torch.bfloat16)
+    from_cpu = torch.empty(LAYERS, 2, HEADS, 2, BS, DIM, dtype=torch.bfloat16)
     from_halves = torch.empty_like(from_cpu)
     PagedKV(cpu, BS).gather((5, 2), from_cpu)
     paged = PagedKV(halves, BS, backend="halves")
     paged.gather((5, 2), from_halves)
     assert torch.equal(from_cpu, from_halves)
-    assert torch.equal(from_halves[1, 0, 1, 3], list(halves.values())[1][5, 1, 3, :DIM])  # K
-    assert torch.equal(from_halves[1, 1, 1, 3], list(halves.values())[1][5, 1, 3, DIM:])  # V
+    assert torch.equal(from_halves[1, 0, 1, 0, 3], list(halves.values())[1][5, 1, 3, :DIM])  # K
+    assert torch.equal(from_halves[1, 0, 1, 1, 3], list(halves.values())[1][5, 1, 3, DIM:])  # V
     paged.scatter(from_cpu, (0, 1), first_block=0)
     for t in halves.values():
         assert torch.equal(t[0], t[5]) and torch.equal(t[1], t[2])

