@@ -10,7 +10,12 @@ once), on the generated "bench" model (`kvtier.models`, an 8k-token prefill take
     throughput with kvtier.
   - `kvtier-disk`: a kvtier hit from the disk tier (a memory tier of two chunks in front of
     it, so the loads come from disk).
-  - `example`: a hit from vLLM's ExampleConnector (safetensors files; runs on CPU too).
+  - `example`: a hit from vLLM's ExampleConnector (safetensors files; runs on CPU too). It
+    writes and reads through the page cache, so its files are read from RAM: the peer of
+    kvtier's memory tier.
+  - `example-cold`: the same, with its files dropped from the page cache before each timed
+    hit (fsync + posix_fadvise DONTNEED, no root needed), so it reads the device as kvtier's
+    disk tier (O_DIRECT) does: the peer of kvtier's disk tier.
 
 TTFT is the wall time of `generate(prompt, max_tokens=1)`, median of `reps`. The other
 processes on a small shared machine make the load drift from engine to engine, so the
@@ -50,7 +55,7 @@ from kvtier.bench.subjects import aligned_buffer
 from kvtier.errors import ConfigError
 from kvtier.models import FIRST_WORD_ID, PRESETS, make_preset_model
 
-ENGINES = ("recompute", "vllm-prefix", "kvtier-memory", "kvtier-disk", "example")
+ENGINES = ("recompute", "vllm-prefix", "kvtier-memory", "kvtier-disk", "example", "example-cold")
 TOKENS_PER_CHUNK = 256  # kvtier chunk: 2 MiB of the bench model's KV
 NEW_TOKENS = 2  # tokens after the cached prefix (see the module docstring)
 KV_BYTES_PER_TOKEN = PRESETS["bench"].kv_bytes_per_token()
@@ -168,11 +173,11 @@ def _kv_transfer_config(engine: str, scratch: Path) -> dict[str, Any] | None:
         extra = {"tokens_per_chunk": TOKENS_PER_CHUNK, "write_queue_depth": 1024, "tiers": [
             {"kind": "memory", "capacity": 2 * TOKENS_PER_CHUNK * KV_BYTES_PER_TOKEN},
             {"kind": "disk", "path": str(scratch / "disk"), "capacity": "4GiB"}]}
-    elif engine == "example":
+    elif engine.startswith("example"):
         return {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                 "kv_connector_module_path":
                     "vllm.distributed.kv_transfer.kv_connector.v1.example_connector",
-                "kv_connector_extra_config": {"shared_storage_path": str(scratch / "example")}}
+                "kv_connector_extra_config": {"shared_storage_path": str(scratch / engine)}}
     else:
         return None
     return kvtier_transfer_config(extra)
@@ -219,6 +224,8 @@ def _measure_ttft(llm: Any, engine: str, config: TtftConfig, scratch: Path,
             if engine != "vllm-prefix":
                 locals_.append(_generate_s(llm, [prompt], 1))  # vLLM's own hit, paired
                 llm.reset_prefix_cache()  # the prefix can come only from the connector
+            if engine == "example-cold":
+                _drop_page_cache(scratch / engine)
             before = counter(llm, hits_counter)
             load_before = kvtier_counter("load_seconds")
             trials.append(_generate_s(llm, [prompt], 1))
@@ -232,6 +239,20 @@ def _measure_ttft(llm: Any, engine: str, config: TtftConfig, scratch: Path,
 
 def _chunks_stored_so_far(config: TtftConfig, upto: int) -> int:
     return sum(n // TOKENS_PER_CHUNK for n in config.cached_tokens if n <= upto)
+
+
+def _drop_page_cache(directory: Path) -> None:
+    """Evict the files under `directory` from the page cache: their next read goes to the
+    device. Written pages are flushed first (DONTNEED drops clean pages only)."""
+    for path in directory.rglob("*"):
+        if not path.is_file():
+            continue
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def _wait_for_files(directory: Path, pattern: str, count: int, timeout_s: float = 60) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -111,7 +112,8 @@ class _WriteBehind:
             return self._idle.wait_for(lambda: self._pending == 0, timeout_s)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        """Stop the threads: writes not started yet are dropped, running ones finish."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 class TieredStore:
@@ -302,8 +304,11 @@ class TieredStore:
             return False
 
     def flush(self, timeout_s: float | None = None) -> bool:
-        """Wait until every write-behind queue is empty; False on timeout."""
-        return all(writer.flush(timeout_s) for writer in self._below)
+        """Wait until every write-behind queue is empty, `timeout_s` in all; False on
+        timeout."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        return all(writer.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                   for writer in self._below)
 
     # -- upkeep ----------------------------------------------------------------------------
     def stats(self) -> StoreStats:
@@ -313,9 +318,15 @@ class TieredStore:
             queue_drops={w.tier.name: w.drops for w in self._below},
         )
 
-    def close(self) -> None:
-        """Finish queued writes, stop the store's threads and close every tier."""
-        self.flush()
+    def close(self, flush_timeout_s: float | None = None) -> None:
+        """Finish queued writes (waiting at most `flush_timeout_s`; the writes still queued
+        then are dropped and logged), stop the store's threads and close every tier."""
+        if not self.flush(flush_timeout_s):
+            for writer in self._below:
+                if writer.pending:
+                    log.warning("tier %r: %d queued writes not finished within %.1f s of "
+                                "closing; dropped (a cache: those chunks miss later)",
+                                writer.tier.name, writer.pending, flush_timeout_s)
         for writer in self._below:
             writer.close()
         self._reader.shutdown(wait=True)

@@ -201,8 +201,16 @@ class KVTierConnector(KVConnectorBase_V1):
         return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
-        """Finish queued writes to the slower tiers and close the store (engine exit)."""
+        """Finish queued writes to the slower tiers and close the store (engine exit).
+
+        vLLM gives a stopping worker VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (5 s) before it
+        signals it, then kills it: the flush stops a second before that, and the writes
+        still queued are dropped and logged rather than cut off mid-way. Raise that
+        variable to give a large write-behind queue more time."""
         if self._worker is not None:
-            self._worker.close()
+            from vllm import envs
+
+            self._worker.close(
+                flush_timeout_s=max(0.5, envs.VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS - 1.0))
         if self._scheduler is not None:
             self._scheduler.close()

@@ -75,7 +75,7 @@ class ChunkStore(Protocol):
 
     def take_events(self) -> list[StoreEvent]: ...
 
-    def close(self) -> None: ...
+    def close(self, flush_timeout_s: float | None = None) -> None: ...
 
 
 def len_blocks(layout: KVLayout, block_size: int) -> int:
@@ -207,10 +207,10 @@ class ConnectorWorker:
         self._report = KVTierWorkerMetadata()
         return report
 
-    def close(self) -> None:
-        """Flush write-behind queues and close the store."""
+    def close(self, flush_timeout_s: float | None = None) -> None:
+        """Flush write-behind queues (at most `flush_timeout_s`) and close the store."""
         if self._cuda is not None:
             self._cuda.close()
         if self._copiers is not None:
             self._copiers.shutdown(wait=True)
-        self._store.close()
+        self._store.close(flush_timeout_s)

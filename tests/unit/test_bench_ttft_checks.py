@@ -1,0 +1,65 @@
+"""`kvtier bench ttft`'s targets, computed from known figures (no engine is started)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from kvtier.bench.ttft import Ttft, TtftConfig, TtftResult, _drop_page_cache
+from kvtier.cli.bench_ttft import checks
+from kvtier.errors import ConfigError
+
+N = 4096
+
+
+def hit(engine: str, extra_ms: float) -> Ttft:
+    """Nine trials, each `extra_ms` above a 20 ms vLLM hit timed just before it."""
+    local = tuple(0.020 + i * 1e-4 for i in range(9))
+    return Ttft(engine, N, tuple(t + extra_ms / 1e3 for t in local), N, local_s=local)
+
+
+def result(*ttft: Ttft) -> TtftResult:
+    config = TtftConfig(directory=Path("."), model_root=Path("."), cached_tokens=(N,))
+    return TtftResult(config=config, ttft=ttft, throughput_rps={}, copy_s={N: 0.002},
+                      direct_read_s={N: 0.040}, engine_start_s={}, wall_s=1.0)
+
+
+def by_name(res: TtftResult) -> dict[str, bool | None]:
+    return {c.what: c.passed for c in checks(res)}
+
+
+def test_each_tier_is_held_to_its_ceiling_and_to_the_peer_reading_the_same_medium():
+    got = by_name(result(hit("kvtier-memory", 2.9), hit("kvtier-disk", 61.0),
+                         hit("example", 9.0), hit("example-cold", 70.0)))
+    # 1.5x the raw copy: 3.0 ms for memcpy, 60 ms for O_DIRECT.
+    assert got[f"kvtier-memory {N}: extra over vLLM hit"] is True
+    assert got[f"kvtier-disk {N}: extra over vLLM hit"] is False
+    # The memory tier races ExampleConnector reading its page cache; the disk tier races it
+    # reading the device, not the warm copy (9 ms) it could never match from a disk.
+    assert got[f"kvtier-memory {N}: extra vs example's"] is True
+    assert got[f"kvtier-disk {N}: extra vs example-cold's"] is True
+    assert f"kvtier-disk {N}: extra vs example's" not in got
+
+
+def test_without_a_peer_run_there_is_no_peer_check():
+    got = by_name(result(hit("kvtier-disk", 10.0)))
+    assert list(got) == [f"kvtier-disk {N}: extra over vLLM hit"]
+
+
+def test_bad_settings_name_the_field():
+    with pytest.raises(ConfigError, match="cached_tokens"):
+        TtftConfig(directory=Path("."), model_root=Path("."), cached_tokens=(1000,)).validate()
+    with pytest.raises(ConfigError, match="engines"):
+        TtftConfig(directory=Path("."), model_root=Path("."), engines=("lmcache",)).validate()
+
+
+def test_dropping_the_page_cache_keeps_the_files_whole(tmp_path: Path):
+    (tmp_path / "a").mkdir()
+    data = os.urandom(1 << 20)
+    for name in ("a/one.safetensors", "two.safetensors"):
+        (tmp_path / name).write_bytes(data)  # dirty pages: flushed, then dropped
+    _drop_page_cache(tmp_path)
+    assert (tmp_path / "a/one.safetensors").read_bytes() == data
+    assert (tmp_path / "two.safetensors").read_bytes() == data
