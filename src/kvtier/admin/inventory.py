@@ -111,7 +111,7 @@ class RedisInventory:
     the values' LRU clock (a GET would make every chunk look just used)."""
 
     def __init__(self, name: str, config: RedisTierConfig) -> None:
-        from kvtier.tiers.redis import connect, read_password
+        from kvtier.tiers.redis_client import connect, read_password
 
         self.name, self.kind, self.prefix = name, "redis", config.key_prefix
         self.client: Any = connect(config, read_password(config))

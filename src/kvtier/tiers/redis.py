@@ -18,9 +18,10 @@ Capacity: the tier enforces `capacity` when it is > 0, and leaves it to the serv
   - capacity > 0: per namespace (prefix + layout) and across every client: a sorted set
     <prefix>{<digest>}:lru scores chunks by last use (server clock); one Lua script adds a new
     chunk, applies the hits batched since the last call, and pops the least recently used beyond
-    capacity, atomically, so concurrent writers on many hosts never overshoot. For a server
-    shared with other data (which maxmemory eviction would also throw out), or to split one
-    server between namespaces. Costs one more round trip per put, on the node holding the set.
+    capacity, atomically, so concurrent writers on many hosts never overshoot (see
+    tiers/redis_index.py). For a server shared with other data (which maxmemory eviction would
+    also throw out), or to split one server between namespaces. Costs one more round trip per
+    put, on the node holding the set.
   - capacity = 0 (recommended for a dedicated cache server or cluster): the server's `maxmemory`
     with `allkeys-lru` (or `allkeys-lfu`) evicts, with Redis's exact memory accounting, no extra
     round trip and no hot index key. With the default `noeviction` policy a full server refuses
@@ -39,14 +40,14 @@ it notices).
 TTL: `ttl_s` expires chunks idle that long; each hit refreshes it.
 Credentials: `password_file` or an environment variable (config.py); never the URL or argv.
 TLS: `rediss://` or `tls: true`, verified against `tls_ca_file` or the system CAs.
+(Both in tiers/redis_client.py, with the client's timeouts.)
 
-Primitives: `RedisTier`, `ChunkNames`, `connect`, `read_password`.
+Primitives: `RedisTier`, `ChunkNames`.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -55,10 +56,8 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import redis
-from redis.backoff import NoBackoff
-from redis.cluster import ClusterNode, RedisCluster
-from redis.exceptions import ClusterDownError, RedisClusterException, SlotNotCoveredError
-from redis.retry import Retry
+from redis.cluster import RedisCluster
+from redis.exceptions import RedisClusterException, SlotNotCoveredError
 
 from kvtier.config import RedisTierConfig
 from kvtier.core.chunkformat import HEADER_BYTES, encode_header, verify_header, verify_payload
@@ -66,34 +65,14 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.policies import AdmissionFilter
 from kvtier.core.tier import TierCounters, TierStats
-from kvtier.errors import ConfigError, CorruptBlock, TierUnavailable
+from kvtier.errors import CorruptBlock, TierUnavailable
 from kvtier.tiers.guard import Guard
+from kvtier.tiers.redis_client import UNAVAILABLE, Client, connect, read_password
+from kvtier.tiers.redis_index import RedisLRUIndex
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-Client = redis.Redis | RedisCluster
-# Errors that mean "the server is not answering" (AuthenticationError is a ConnectionError).
-UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, SlotNotCoveredError,
-               OSError)
-PASSWORD_ENVS = ("KVTIER_REDIS_PASSWORD", "REDIS_PASSWORD")
 MIN_BACKOFF_S = 0.25  # first retry of a server that failed
-TOUCH_FLUSH_S = 1.0  # hits are reported to the LRU index at least this often...
-TOUCH_FLUSH_KEYS = 256  # ...or when this many are pending
-
-# KEYS[1] the namespace's LRU set; ARGV: capacity (chunks), TTL (ms, 0 = none), the new chunk
-# ("" for none), then chunks hit since the last call. Returns {chunks held, {victim, score...}}.
-_INDEX_SCRIPT = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local ttl_ms = tonumber(ARGV[2])
-if ttl_ms > 0 then redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - ttl_ms * 1000) end
-for i = 4, #ARGV do redis.call('ZADD', KEYS[1], 'XX', now, ARGV[i]) end
-if ARGV[3] ~= '' then redis.call('ZADD', KEYS[1], now, ARGV[3]) end
-local victims = {}
-local excess = redis.call('ZCARD', KEYS[1]) - tonumber(ARGV[1])
-if excess > 0 then victims = redis.call('ZPOPMIN', KEYS[1], excess) end
-return {redis.call('ZCARD', KEYS[1]), victims}
-"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,68 +94,6 @@ class ChunkNames:
     @property
     def index(self) -> str:
         return f"{self.prefix}{{{self.digest}}}:lru"
-
-
-def read_password(config: RedisTierConfig) -> str | None:
-    """The password: `password_file`'s first line, else the environment (`password_env`, or
-    KVTIER_REDIS_PASSWORD, then REDIS_PASSWORD), else None.
-
-    Raises:
-        ConfigError: the file is unreadable or empty, or `password_env` names an unset variable.
-    """
-    if config.password_file is not None:
-        try:
-            lines = config.password_file.read_text().splitlines()
-        except OSError as exc:
-            raise ConfigError("password_file", str(config.password_file),
-                              f"a readable file ({exc.strerror})") from None
-        if not lines or not lines[0]:
-            raise ConfigError("password_file", str(config.password_file),
-                              "a file whose first line is the password")
-        if config.password_file.stat().st_mode & 0o077:
-            log.warning("redis password file %s is readable by others; chmod 600 it",
-                        config.password_file)
-        return lines[0]
-    names = (config.password_env,) if config.password_env else PASSWORD_ENVS
-    for name in names:
-        if os.environ.get(name):
-            return os.environ[name]
-    if config.password_env:
-        raise ConfigError("password_env", config.password_env, "a set environment variable")
-    return None
-
-
-def connect(config: RedisTierConfig, password: str | None) -> Client:
-    """A client for the server or cluster `config` names, with its timeouts and no retries.
-
-    A standalone client connects on first use; a cluster client asks a node for the slot map
-    now.
-
-    Raises:
-        redis.ConnectionError: no cluster node answered.
-    """
-    common: dict[str, Any] = {
-        "username": config.username, "password": password,
-        "socket_timeout": config.socket_timeout_ms / 1000,
-        "socket_connect_timeout": config.connect_timeout_ms / 1000,
-        "retry": Retry(NoBackoff(), 0),
-    }
-    if config.tls_ca_file is not None:
-        common["ssl_ca_certs"] = str(config.tls_ca_file)
-    if not config.cluster_nodes:
-        url = config.url
-        if config.tls and url.startswith("redis://"):  # `tls: true` must not mean plaintext
-            url = "rediss://" + url.removeprefix("redis://")
-        if not url.startswith("rediss://"):
-            common.pop("ssl_ca_certs", None)
-        return redis.Redis.from_url(url, **common)
-    nodes = [ClusterNode(host, int(port))
-             for host, _, port in (node.rpartition(":") for node in config.cluster_nodes)]
-    try:
-        return RedisCluster(startup_nodes=nodes, ssl=config.tls, require_full_coverage=False,
-                            **common)
-    except RedisClusterException as exc:  # "cannot be connected": no node answered
-        raise redis.ConnectionError(str(exc)) from exc
 
 
 class RedisTier:
@@ -205,10 +122,10 @@ class RedisTier:
         self.guard = Guard(self.name, MIN_BACKOFF_S, config.retry_max_s)
         self._admission = AdmissionFilter(config.admit_after)
         self._counters = TierCounters(self.name, config.capacity)
-        self._touch_lock = threading.Lock()
-        self._touched: set[str] = set()
-        self._touched_at = 0.0
-        self._script: Any = None
+        self._index = (RedisLRUIndex(self.name, self.names.index, self.capacity_chunks,
+                                     self.ttl_ms, self.stored_bytes, self._counters,
+                                     self._run_for, self._delete_values)
+                       if self.bounded else None)
 
     # -- plumbing ----------------------------------------------------------------------------
     def _connected(self) -> Client:
@@ -216,7 +133,6 @@ class RedisTier:
             with self._client_lock:
                 if self._client is None:
                     self._client = connect(self._config, self._password)
-                    self._script = self._client.register_script(_INDEX_SCRIPT)
         return self._client
 
     def _endpoint(self, name: str) -> str:
@@ -248,6 +164,10 @@ class RedisTier:
             raise
         self.guard.succeeded(endpoint)
         return result
+
+    def _run_for(self, name: str, call: Callable[[Client], T]) -> T:
+        """`_run` on the server holding value `name`."""
+        return self._run(self._endpoint(name), call)
 
     def _by_endpoint(self, names: Sequence[str]) -> dict[str, list[int]]:
         groups: dict[str, list[int]] = {}
@@ -307,7 +227,8 @@ class RedisTier:
             self._remove(key)
             self._counters.add(misses=1, corrupt_reads=1)
             return False
-        self._touch(key)
+        if self._index is not None:
+            self._index.touch(key)
         self._counters.add(hits=1, bytes_read=len(out), read_s=time.perf_counter() - start)
         return True
 
@@ -349,7 +270,8 @@ class RedisTier:
         endpoint = self._endpoint(names[0])
         try:
             if self._run(endpoint, lambda c: c.exists(names[0])):
-                self._touch(key)
+                if self._index is not None:
+                    self._index.touch(key)
                 return True
             if not self._admission.offer(key) or (self.bounded and self.capacity_chunks == 0):
                 return False
@@ -361,8 +283,8 @@ class RedisTier:
             self._counters.add(dropped_writes=1)
             return False
         self._counters.add(puts=1, bytes_written=len(data), write_s=time.perf_counter() - start)
-        if self.bounded:
-            self._update_index(key.hex())
+        if self._index is not None:
+            self._index.update(key.hex())
         return True
 
     def _store(self, client: Client, names: list[str], header: bytes, data: memoryview) -> None:
@@ -379,15 +301,15 @@ class RedisTier:
             held = bool(self._run(self._endpoint(names[0]), lambda c: c.delete(*names)))
         except (TierUnavailable, redis.RedisError):
             return False
-        if self.bounded:
-            self._unindex([key.hex()])
+        if self._index is not None:
+            self._index.remove([key.hex()])
         return held
 
     def _remove(self, key: ChunkKey) -> None:
         """Best-effort removal of a bad chunk's values and index entry."""
         self._delete_values([key.hex()])
-        if self.bounded:
-            self._unindex([key.hex()])
+        if self._index is not None:
+            self._index.remove([key.hex()])
 
     def _delete_values(self, hex_keys: Sequence[str]) -> None:
         """Delete chunks' values (header first), one pipeline per server that is up."""
@@ -407,52 +329,6 @@ class RedisTier:
                 log.info("redis tier %r: %d evicted chunk(s) not deleted (%s)", self.name,
                          len(indexes), exc)
 
-    # -- the LRU index (capacity > 0) --------------------------------------------------------
-    def _touch(self, key: ChunkKey) -> None:
-        """Note a hit for the index; flushed with the next put, or when due."""
-        if not self.bounded:
-            return
-        with self._touch_lock:
-            self._touched.add(key.hex())
-            due = (len(self._touched) >= TOUCH_FLUSH_KEYS
-                   or time.monotonic() - self._touched_at > TOUCH_FLUSH_S)
-        if due:
-            self._update_index("")
-
-    def _update_index(self, new_hex: str) -> None:
-        """Add `new_hex` (unless ""), apply pending hits, evict beyond capacity."""
-        with self._touch_lock:
-            touched, self._touched = self._touched, set()
-            self._touched_at = time.monotonic()
-        index = self.names.index
-        args = [self.capacity_chunks, self.ttl_ms or 0, new_hex, *touched]
-        try:
-            held, flat = self._run(self._endpoint(index),
-                                   lambda c: self._script(keys=[index], args=args, client=c))
-        except (TierUnavailable, redis.RedisError) as exc:
-            log.debug("redis tier %r: index update failed (%s)", self.name, exc)
-            return
-        victims = [v.decode() for v in flat[::2]]
-        if victims:
-            self._delete_values(victims)
-            self._counters.add(evictions=len(victims))
-        self._counters.set(chunks=int(held), used_bytes=int(held) * self.stored_bytes)
-
-    def _unindex(self, hex_keys: list[str]) -> None:
-        index = self.names.index
-
-        def zrem(client: Client) -> int:
-            pipe = client.pipeline(transaction=False)
-            pipe.zrem(index, *hex_keys)
-            pipe.zcard(index)
-            return int(pipe.execute()[1])
-
-        try:
-            held = self._run(self._endpoint(index), zrem)
-        except (TierUnavailable, redis.RedisError):
-            return
-        self._counters.set(chunks=held, used_bytes=held * self.stored_bytes)
-
     # -- upkeep ------------------------------------------------------------------------------
     def available(self) -> bool:
         """Whether no server of this tier is marked down."""
@@ -462,8 +338,8 @@ class RedisTier:
         return self._counters.snapshot()
 
     def close(self) -> None:
-        if self.bounded and self._touched and self.available():
-            self._update_index("")
+        if self._index is not None and self._index.pending and self.available():
+            self._index.update("")
         client, self._client = self._client, None
         if client is not None:
             client.close()

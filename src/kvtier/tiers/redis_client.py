@@ -1,0 +1,91 @@
+"""The redis tier's connection to a Redis/Valkey server or a Redis Cluster (see tiers/redis.py):
+the password, a client with the tier's timeouts and redis-py's retries off, and which errors mean
+"the server is not answering".
+
+Primitives: `Client`, `UNAVAILABLE`, `read_password`, `connect`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import ClusterDownError, RedisClusterException, SlotNotCoveredError
+from redis.retry import Retry
+
+from kvtier.config import RedisTierConfig
+from kvtier.errors import ConfigError
+
+# The tier's logger, not this module's: operators filter on "kvtier.tiers.redis" for the tier.
+log = logging.getLogger("kvtier.tiers.redis")
+Client = redis.Redis | RedisCluster
+# Errors that mean "the server is not answering" (AuthenticationError is a ConnectionError).
+UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, SlotNotCoveredError,
+               OSError)
+PASSWORD_ENVS = ("KVTIER_REDIS_PASSWORD", "REDIS_PASSWORD")
+
+
+def read_password(config: RedisTierConfig) -> str | None:
+    """The password: `password_file`'s first line, else the environment (`password_env`, or
+    KVTIER_REDIS_PASSWORD, then REDIS_PASSWORD), else None.
+
+    Raises:
+        ConfigError: the file is unreadable or empty, or `password_env` names an unset variable.
+    """
+    if config.password_file is not None:
+        try:
+            lines = config.password_file.read_text().splitlines()
+        except OSError as exc:
+            raise ConfigError("password_file", str(config.password_file),
+                              f"a readable file ({exc.strerror})") from None
+        if not lines or not lines[0]:
+            raise ConfigError("password_file", str(config.password_file),
+                              "a file whose first line is the password")
+        if config.password_file.stat().st_mode & 0o077:
+            log.warning("redis password file %s is readable by others; chmod 600 it",
+                        config.password_file)
+        return lines[0]
+    names = (config.password_env,) if config.password_env else PASSWORD_ENVS
+    for name in names:
+        if os.environ.get(name):
+            return os.environ[name]
+    if config.password_env:
+        raise ConfigError("password_env", config.password_env, "a set environment variable")
+    return None
+
+
+def connect(config: RedisTierConfig, password: str | None) -> Client:
+    """A client for the server or cluster `config` names, with its timeouts and no retries.
+
+    A standalone client connects on first use; a cluster client asks a node for the slot map
+    now.
+
+    Raises:
+        redis.ConnectionError: no cluster node answered.
+    """
+    common: dict[str, Any] = {
+        "username": config.username, "password": password,
+        "socket_timeout": config.socket_timeout_ms / 1000,
+        "socket_connect_timeout": config.connect_timeout_ms / 1000,
+        "retry": Retry(NoBackoff(), 0),
+    }
+    if config.tls_ca_file is not None:
+        common["ssl_ca_certs"] = str(config.tls_ca_file)
+    if not config.cluster_nodes:
+        url = config.url
+        if config.tls and url.startswith("redis://"):  # `tls: true` must not mean plaintext
+            url = "rediss://" + url.removeprefix("redis://")
+        if not url.startswith("rediss://"):
+            common.pop("ssl_ca_certs", None)
+        return redis.Redis.from_url(url, **common)
+    nodes = [ClusterNode(host, int(port))
+             for host, _, port in (node.rpartition(":") for node in config.cluster_nodes)]
+    try:
+        return RedisCluster(startup_nodes=nodes, ssl=config.tls, require_full_coverage=False,
+                            **common)
+    except RedisClusterException as exc:  # "cannot be connected": no node answered
+        raise redis.ConnectionError(str(exc)) from exc
