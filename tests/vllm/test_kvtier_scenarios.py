@@ -152,6 +152,26 @@ def test_a_chunk_partly_in_vllms_cache_is_loaded_around_the_shared_blocks(llm: A
     assert counters.delta()["loaded_tokens"] == loadable(300) - 3 * BLOCK_SIZE
 
 
+def test_two_requests_sharing_a_prefix_being_loaded_load_it_once_in_one_step(llm: Any) -> None:
+    """A prompt and a longer one starting with it, sent together after vLLM's cache was
+    emptied: kvtier loads the shared chunks once, for the first; the second takes them from
+    the first's blocks through vLLM's own prefix cache in the same step, rather than
+    waiting for (or repeating) the load."""
+    [base, tail] = random_prompts([640, 70], seed=21)
+    token_ids(llm, [base])  # stored: its prompt and answer
+    twin = {"prompt_token_ids": base["prompt_token_ids"] + tail["prompt_token_ids"]}
+    expected = reference(llm, [base, twin])
+    assert llm.reset_prefix_cache()
+    counters = Counters(llm)
+    assert token_ids(llm, [base, twin]) == expected
+    delta = counters.delta()
+    assert delta["loaded_tokens"] == loadable(640)  # once, not twice
+    assert delta["external_hits"] == loadable(640)
+    # The twin's whole shared prefix (20 blocks) came from the base's fresh blocks.
+    assert delta["local_hits"] == 640
+    assert delta["load_failures"] == 0
+
+
 def test_turn_two_loads_turn_ones_prompt_and_answer_from_kvtier(llm: Any) -> None:
     [turn1, new] = random_prompts([300, 50], seed=16)
     [answer] = token_ids(llm, [turn1], max_tokens=100)

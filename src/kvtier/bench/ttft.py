@@ -77,7 +77,7 @@ class TtftConfig:
     throughput_prompts: int = 16  # unique prompts per throughput round
     throughput_prompt_tokens: int = 1024  # tokens per unique prompt
     throughput_output_tokens: int = 16  # generated tokens per unique prompt
-    throughput_reps: int = 3  # throughput rounds per engine
+    throughput_reps: int = 5  # throughput rounds per engine (paired on/off in kvtier-memory)
     engines: tuple[str, ...] = ENGINES  # which configurations to run
 
     def validate(self) -> None:
