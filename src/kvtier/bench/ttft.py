@@ -28,9 +28,11 @@ vLLM, kvtier and ExampleConnector (which hashes all tokens but the last, block-a
 all serve exactly N tokens from cache and compute 2, so their hits are comparable.
 Throughput: `throughput_prompts` unique prompts (0% hits) in one `generate`, median of reps.
 
-The targets' ceilings are measured in this process, in the same run: a raw memcpy of a
-prompt's KV bytes between two page-aligned buffers (memory tier) and a raw O_DIRECT read of
-those bytes from chunk-sized files in the disk tier's filesystem (disk tier).
+The targets' ceilings are measured in this process, right before each kvtier hit (so that
+both see the machine, and the VM's disk, in the same state): a raw memcpy of the prompt's KV
+bytes between two page-aligned buffers (memory tier) and a raw O_DIRECT read of those bytes
+from chunk-sized files in the disk tier's filesystem (disk tier). Run-level medians of both
+are measured at the start too, for the record.
 
 Primitives: `TtftConfig`, `TtftResult`, `run_ttft_bench`, `ENGINES`.
 """
@@ -116,6 +118,9 @@ class Ttft:
     # before each trial (paired), so the machine's load, which drifts between engines on a
     # shared machine, cancels out of `extra_s`.
     local_s: tuple[float, ...] = ()
+    # kvtier engines: the raw copy of the same bytes (memcpy or O_DIRECT read), timed right
+    # before each trial: the target's ceiling, paired in time like `local_s`.
+    ceiling_s: tuple[float, ...] = ()
 
     @property
     def extra_s(self) -> float | None:
@@ -140,8 +145,10 @@ class TtftResult:
     config: TtftConfig
     ttft: tuple[Ttft, ...]
     throughput_rps: dict[str, tuple[float, ...]]  # engine -> requests/s of each round
-    copy_s: dict[int, float]  # cached tokens -> raw memcpy of their KV bytes (median)
-    direct_read_s: dict[int, float]  # cached tokens -> raw O_DIRECT read of them (median)
+    # Cached tokens -> raw memcpy / O_DIRECT read of their KV bytes, median, at the start
+    # (for information; targets use each Ttft's own `ceiling_s` when it has one).
+    copy_s: dict[int, float]
+    direct_read_s: dict[int, float]
     engine_start_s: dict[str, float]
     wall_s: float
     machine: dict[str, Any] = field(default_factory=dict)
@@ -205,7 +212,10 @@ def _generate_s(llm: Any, prompts: list[dict[str, list[int]]], max_tokens: int,
 
 
 def _measure_ttft(llm: Any, engine: str, config: TtftConfig, scratch: Path,
-                  progress: Callable[[str], None]) -> list[Ttft]:
+                  progress: Callable[[str], None],
+                  ceiling: Callable[[int], float] | None = None) -> list[Ttft]:
+    """TTFT of each prompt length's hits; `ceiling(nbytes)` (the raw copy a target compares
+    with) is timed right before each trial, so both see the machine in the same state."""
     out = []
     for n in config.cached_tokens:
         progress(f"{engine}: {n} tokens")
@@ -219,8 +229,10 @@ def _measure_ttft(llm: Any, engine: str, config: TtftConfig, scratch: Path,
             _wait_for_files(scratch / "disk", "*.kvc", _chunks_stored_so_far(config, n))
         hits_counter = "vllm:prefix_cache_hits" if engine == "vllm-prefix" \
             else "vllm:external_prefix_cache_hits"
-        trials, locals_, loads = [], [], []
+        trials, locals_, loads, raw = [], [], [], []
         for _ in range(config.reps):
+            if ceiling is not None:
+                raw.append(ceiling(n * KV_BYTES_PER_TOKEN))
             if engine != "vllm-prefix":
                 locals_.append(_generate_s(llm, [prompt], 1))  # vLLM's own hit, paired
                 llm.reset_prefix_cache()  # the prefix can come only from the connector
@@ -233,7 +245,7 @@ def _measure_ttft(llm: Any, engine: str, config: TtftConfig, scratch: Path,
             if engine.startswith("kvtier"):
                 loads.append(kvtier_counter("load_seconds") - load_before)
         out.append(Ttft(engine, n, tuple(trials), hit, load_s=tuple(loads),
-                        local_s=tuple(locals_)))
+                        local_s=tuple(locals_), ceiling_s=tuple(raw)))
     return out
 
 
@@ -287,46 +299,72 @@ def _throughput_rounds(llm: Any, engine: str, config: TtftConfig) -> dict[str, t
     return {name: tuple(values) for name, values in rounds.items()}
 
 
-def _copy_ceiling_s(nbytes: int, reps: int = 9) -> float:
-    """Median seconds of one memcpy of `nbytes` between page-aligned, touched buffers, each
-    repetition on other bytes of a >= 256 MiB region, so the copy reads memory, not a CPU
-    cache (a kvtier hit reads slab slots that are not in cache either)."""
-    import numpy as np
+class _CopyCeiling:
+    """Times one memcpy of n bytes between page-aligned, touched buffers, each time on other
+    bytes of a >= 256 MiB region, so the copy reads memory, not a CPU cache (a kvtier hit
+    reads slab slots that are not in cache either)."""
 
-    slices = max(2, -(-256 * 2**20 // nbytes))
-    src, dst = aligned_buffer(slices * nbytes), aligned_buffer(slices * nbytes)
-    trials = []
-    for i in range(reps + 1):
-        at = (i % slices) * nbytes
+    def __init__(self, max_bytes: int) -> None:
+        self._region = max(2 * max_bytes, 256 * 2**20)
+        self._src, self._dst = aligned_buffer(self._region), aligned_buffer(self._region)
+        self._at = 0
+
+    def time_s(self, nbytes: int) -> float:
+        import numpy as np
+
+        if self._at + nbytes > self._region:
+            self._at = 0
+        at, self._at = self._at, self._at + nbytes
         start = time.perf_counter()
-        np.copyto(dst[at:at + nbytes], src[at:at + nbytes])
-        trials.append(time.perf_counter() - start)
-    return statistics.median(trials[1:])
+        np.copyto(self._dst[at:at + nbytes], self._src[at:at + nbytes])
+        return time.perf_counter() - start
 
 
-def _direct_read_ceiling_s(nbytes: int, directory: Path, reps: int = 5) -> float:
-    """Median seconds to read `nbytes` with O_DIRECT from chunk-sized files (one per chunk,
-    as the disk tier stores them), into one page-aligned buffer."""
-    chunk = TOKENS_PER_CHUNK * KV_BYTES_PER_TOKEN
-    buffer = aligned_buffer(chunk)
-    directory.mkdir(parents=True, exist_ok=True)
-    paths = [directory / f"{i}.raw" for i in range(nbytes // chunk)]
-    for path in paths:
-        path.write_bytes(bytes(buffer))
-    flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
-    trials = []
-    for _ in range(reps + 1):
+class _DirectReadCeiling:
+    """Times an O_DIRECT read of n bytes from chunk-sized files (one per chunk, as the disk
+    tier stores them) into one page-aligned buffer, one thread."""
+
+    def __init__(self, directory: Path, max_bytes: int) -> None:
+        self._chunk = TOKENS_PER_CHUNK * KV_BYTES_PER_TOKEN
+        self._buffer = aligned_buffer(self._chunk)
+        directory.mkdir(parents=True, exist_ok=True)
+        self._paths = [directory / f"{i}.raw" for i in range(-(-max_bytes // self._chunk))]
+        for path in self._paths:
+            path.write_bytes(bytes(self._buffer))
+
+    def time_s(self, nbytes: int) -> float:
+        flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
         start = time.perf_counter()
-        for path in paths:
+        for path in self._paths[:nbytes // self._chunk]:
             fd = os.open(path, flags)
             try:
-                os.preadv(fd, [buffer.data], 0)
+                os.preadv(fd, [self._buffer.data], 0)
             finally:
                 os.close(fd)
-        trials.append(time.perf_counter() - start)
-    for path in paths:
-        path.unlink()
-    return statistics.median(trials[1:])
+        return time.perf_counter() - start
+
+
+@dataclass(slots=True)
+class _Ceilings:
+    """The raw copies the targets compare with, measured in this process."""
+
+    copy: _CopyCeiling
+    direct: _DirectReadCeiling
+
+    def for_engine(self, engine: str) -> Callable[[int], float] | None:
+        """The ceiling timed beside each hit of `engine`, or None."""
+        return {"kvtier-memory": self.copy.time_s,
+                "kvtier-disk": self.direct.time_s}.get(engine)
+
+    def medians_s(self, cached_tokens: tuple[int, ...], reps: int = 5
+                  ) -> tuple[dict[int, float], dict[int, float]]:
+        """Run-level medians per prompt length: (memcpy, O_DIRECT); after one warm-up."""
+        out: tuple[dict[int, float], dict[int, float]] = ({}, {})
+        for n in cached_tokens:
+            for ceiling, medians in ((self.copy, out[0]), (self.direct, out[1])):
+                trials = [ceiling.time_s(n * KV_BYTES_PER_TOKEN) for _ in range(reps + 1)]
+                medians[n] = statistics.median(trials[1:])
+        return out
 
 
 def run_ttft_bench(config: TtftConfig,
@@ -352,16 +390,17 @@ def run_ttft_bench(config: TtftConfig,
     load_before = os.getloadavg()
     try:
         progress("raw copy and O_DIRECT ceilings")
-        copy_s = {n: _copy_ceiling_s(n * KV_BYTES_PER_TOKEN) for n in config.cached_tokens}
-        direct_s = {n: _direct_read_ceiling_s(n * KV_BYTES_PER_TOKEN, scratch / "direct")
-                    for n in config.cached_tokens}
+        most = max(config.cached_tokens) * KV_BYTES_PER_TOKEN
+        ceilings = _Ceilings(_CopyCeiling(most), _DirectReadCeiling(scratch / "direct", most))
+        copy_s, direct_s = ceilings.medians_s(config.cached_tokens)
         for engine in config.engines:
             progress(f"{engine}: starting the engine")
             start = time.perf_counter()
             with _engine(model_dir, engine, config, scratch) as llm:
                 _generate_s(llm, [_prompt(64, seed=7)], 1)  # warm-up, not timed
                 starts[engine] = time.perf_counter() - start
-                ttft += _measure_ttft(llm, engine, config, scratch, progress)
+                ttft += _measure_ttft(llm, engine, config, scratch, progress,
+                                      ceilings.for_engine(engine))
                 if engine in ("vllm-prefix", "kvtier-memory"):
                     progress(f"{engine}: throughput, 0% hits")
                     throughput.update(_throughput_rounds(llm, engine, config))
