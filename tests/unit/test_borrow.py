@@ -1,9 +1,12 @@
-"""Borrowing a chunk without copying it: `MemoryTier.borrow` and `TieredStore.borrow`.
+"""Moving a chunk without copying it: `MemoryTier.borrow` / `reserve` and the store's
+`borrow` / `put_from`.
 
 The vLLM worker scatters a loaded chunk straight from the memory tier's slab into the paged
 KV (issue 3, "data path speed"), so a borrowed slot must stay intact while it is read, even
-when puts evict or delete its chunk meanwhile; and a chunk found only in a slower tier is
-read into the caller's spare buffer instead.
+when puts evict or delete its chunk meanwhile; a chunk found only in a slower tier is read
+straight into a slot the memory tier reserves (else into the caller's spare buffer). Stores
+gather straight into a reserved slot: a reservation is stored only when committed, and its
+slot stays intact until it is left.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from tierkit import footprint_bytes, tier_settings, tiny_layout
 from kvtier.config import MemoryTierConfig, StoreConfig
 from kvtier.core.keys import ChunkKey
 from kvtier.core.store import TieredStore
-from kvtier.core.tier import Lender
+from kvtier.core.tier import Lender, Reserver
 from kvtier.tiers.memory import MemoryTier
 
 LAYOUT = tiny_layout(4)  # 1 KiB chunks
@@ -111,7 +114,9 @@ def test_the_store_lends_memory_in_place_and_disk_through_the_spare(
         assert bytes(lent.data) == payload(1) and bytes(spare) != payload(1)  # no copy
     with store.borrow(key(0), spare) as lent:
         assert lent is not None and lent.tier == "disk"
-        assert bytes(lent.data) == payload(0) == bytes(spare)
+        # Read straight into a memory-tier slot it reserved (that read is the promotion),
+        # not into the spare and then copied.
+        assert bytes(lent.data) == payload(0) and bytes(spare) != payload(0)
     # The disk hit was promoted: the next borrow is served by memory.
     with store.borrow(key(0), spare) as lent:
         assert lent is not None and lent.tier == "memory"
@@ -128,8 +133,114 @@ def test_a_batch_lends_memory_in_place_reads_disk_in_parallel_and_marks_misses(
     store.put(key(1), memoryview(payload(1)))  # memory holds one chunk: key 0 is on disk only
     assert store.flush(timeout_s=5)
     with store.borrow_many([key(1), key(0), key(5)], spares) as lent:
+        # Memory's one slot is lent (pinned), so it has none to reserve for key 0: the
+        # disk read goes to the spare.
         assert [v.tier if v else None for v in lent] == ["memory", "disk", None]
         assert lent[0] is not None and bytes(lent[0].data) == payload(1)
         assert lent[1] is not None and bytes(lent[1].data) == payload(0) == bytes(spares[1])
         assert bytes(spares[0]) != payload(1)  # lent in place, not copied
+    store.close()
+
+
+class Boom(Exception):
+    pass
+
+
+def test_a_reserved_slot_is_stored_on_commit_and_stays_intact_until_left() -> None:
+    tier = memory_tier(2)
+    assert isinstance(tier, Reserver)
+    with tier.reserve(key(0)) as slot:
+        assert slot is not None and not slot.data.readonly
+        slot.data[:] = payload(0)
+        assert not tier.contains(key(0))  # not before the commit
+        slot.commit()
+        assert tier.contains(key(0))
+        # Two puts evict key 0 (and then key 1: key 0's slot is pinned, so key 2 takes
+        # key 1's); what the block reads never changes.
+        tier.put(key(1), memoryview(payload(1)))
+        tier.put(key(2), memoryview(payload(2)))
+        assert not tier.contains(key(0)) and bytes(slot.data) == payload(0)
+    assert tier.stats().puts == 3 and tier.stats().chunks == 1
+    assert tier.put(key(3), memoryview(payload(3)))  # key 0's slot, freed on leaving
+    assert tier.stats().chunks == 2 and tier.stats().evictions == 2
+
+
+def test_a_reservation_left_without_a_commit_or_by_an_error_stores_nothing() -> None:
+    tier = memory_tier(1)
+    with tier.reserve(key(0)) as slot:
+        assert slot is not None
+        slot.data[:] = payload(0)
+    with pytest.raises(Boom), tier.reserve(key(1)) as slot:
+        raise Boom
+    assert not tier.contains(key(0)) and not tier.contains(key(1))
+    assert tier.stats().puts == 0
+    assert tier.put(key(2), memoryview(payload(2)))  # the only slot was freed both times
+
+
+def test_no_slot_for_a_held_chunk_nor_when_every_slot_is_pinned() -> None:
+    tier = memory_tier(1)
+    tier.put(key(0), memoryview(payload(0)))
+    with tier.reserve(key(0)) as slot:
+        assert slot is None  # held already: not a dropped write
+    assert tier.stats().dropped_writes == 0
+    with tier.borrow(key(0)), tier.reserve(key(1)) as slot:
+        assert slot is None
+    assert tier.stats().dropped_writes == 1
+
+
+def test_two_writers_of_one_chunk_store_it_once() -> None:
+    tier = memory_tier(2)
+    with tier.reserve(key(0)) as first, tier.reserve(key(0)) as second:
+        assert first is not None and second is not None
+        first.data[:] = payload(0)
+        second.data[:] = payload(0)
+        first.commit()
+        second.commit()  # another writer stored it meanwhile: this slot is spare
+    assert tier.stats().chunks == 1 and tier.stats().puts == 1
+    assert tier.put(key(1), memoryview(payload(1)))  # the spare slot is free again
+    assert tier.stats().chunks == 2
+
+
+def test_put_from_fills_the_memory_slot_in_place_and_the_disk_behind(
+        two_tier_store: TieredStore, tmp_path: Path) -> None:
+    store = two_tier_store
+    spare = memoryview(bytearray(LAYOUT.bytes_per_chunk))
+    filled: list[int] = []
+
+    def fill(i: int):  # noqa: ANN202
+        def write(view: memoryview) -> None:
+            filled.append(i)
+            view[:] = payload(i)
+        return write
+
+    assert store.put_from(key(0), fill(0), spare)
+    assert bytes(spare) != payload(0)  # gathered straight into the slot
+    assert store.flush(timeout_s=5)
+    out = memoryview(bytearray(LAYOUT.bytes_per_chunk))
+    assert store.tiers[0].get_into(key(0), out) and bytes(out) == payload(0)
+    assert store.tiers[1].get_into(key(0), out) and bytes(out) == payload(0)
+    # Held everywhere: nothing to gather.
+    assert store.put_from(key(0), fill(0), spare) and filled == [0]
+    # A fill that fails stores nothing and frees the slot.
+    with pytest.raises(Boom):
+        store.put_from(key(1), lambda view: (_ for _ in ()).throw(Boom()), spare)
+    assert not store.contains(key(1))
+    store.close()
+
+
+def test_put_from_writes_lower_tiers_when_the_top_declines(tmp_path: Path) -> None:
+    tiers = [tier_settings("memory", tmp_path, LAYOUT, 2, admit_after=2),
+             tier_settings("disk", tmp_path, LAYOUT, 4, o_direct="off")]
+    store = TieredStore(StoreConfig.parse({"tiers": tiers}), LAYOUT)
+    spare = memoryview(bytearray(LAYOUT.bytes_per_chunk))
+
+    def fill(view: memoryview) -> None:
+        view[:] = payload(3)
+
+    # First sighting: memory's admission filter declines, the disk still gets the chunk.
+    assert not store.put_from(key(3), fill, spare)
+    assert store.flush(timeout_s=5)
+    assert not store.tiers[0].contains(key(3)) and store.tiers[1].contains(key(3))
+    # Second sighting: admitted to memory.
+    assert store.put_from(key(3), fill, spare) and store.tiers[0].contains(key(3))
     store.close()

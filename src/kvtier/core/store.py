@@ -6,11 +6,13 @@ write-behind.
   read falls through to the next tier), then promote the chunk to the tiers above it.
 - `borrow(key, spare)`: the same as a read-only view for the duration of a `with` block: a
   tier that lends views (`Lender`: the memory tier) is read in place, without a copy; any
-  other tier is read into `spare` (and promoted). `borrow_many` does a batch, reading the
+  other tier is read straight into a slot the top tier reserves (`Reserver`: the read is the
+  promotion), else into `spare` (and promoted). `borrow_many` does a batch, reading the
   chunks that are not lent in place in parallel.
 - `put(key, data)`: store in the top tier at once; lower tiers are written behind, on their
   own threads, through bounded queues: when a queue is full the write is dropped and counted,
-  never blocking the caller.
+  never blocking the caller. `put_from(key, fill, spare)` has the chunk written straight
+  into a reserved slot of the top tier (the vLLM worker's gather).
 A tier that raises is skipped for that call (logged, counted as a miss or a drop): a broken
 tier costs hits, never the engine.
 
@@ -23,7 +25,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 from kvtier.config import StoreConfig
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
-from kvtier.core.tier import BatchLookup, EventSource, Lender, Tier, TierStats
+from kvtier.core.tier import BatchLookup, EventSource, Lender, Reserver, Tier, TierStats
 from kvtier.tiers import build_tier
 
 log = logging.getLogger(__name__)
@@ -139,6 +141,10 @@ class TieredStore:
         # Each tier's optional abilities, checked once: a runtime Protocol isinstance costs
         # ~3 us, and loads asked it per chunk per tier (a quarter of a memory-tier borrow).
         self._lenders: dict[int, Lender] = {id(t): t for t in self.tiers if isinstance(t, Lender)}
+        # A top tier that reserves space is filled in place: by the caller's gather
+        # (`put_from`) and by reads of slower tiers (promotion without a copy).
+        self._reserver = self.tiers[0] if self.tiers and isinstance(self.tiers[0], Reserver) \
+            else None
         self._batched = [t for t in self.tiers if isinstance(t, BatchLookup)]
         # What tiers stored and removed, until `take_events`; bounded so that a store nobody
         # drains keeps only the newest events.
@@ -255,9 +261,13 @@ class TieredStore:
             lender = self._lenders.get(id(tier))
             if not (lend if lender is not None else read) or not self._contains(tier, key):
                 continue
+            top_done = False
             try:
                 if lender is not None:
                     view = stack.enter_context(lender.borrow(key))
+                elif level > 0 and self._reserver is not None:
+                    view, top_done = self._read_in_place(stack, self._reserver, tier, key,
+                                                         spare), True
                 else:
                     view = spare if tier.get_into(key, spare) else None
             except Exception as exc:
@@ -265,19 +275,37 @@ class TieredStore:
                             key.hex(), exc)
                 continue
             if view is not None:
-                self._promote(level, key, view)
+                self._promote(level, key, view, top=not top_done)
                 return ChunkView(view.toreadonly(), tier.name)
         return None
+
+    @staticmethod
+    def _read_in_place(stack: ExitStack, top: Reserver, tier: Tier, key: ChunkKey,
+                       spare: memoryview) -> memoryview | None:
+        """Read `tier`'s chunk straight into a slot the top tier reserves (the read is the
+        promotion: no copy; the slot stays pinned until `stack` closes), or into `spare`
+        when the top tier gives none (declined, full, or holding it already)."""
+        with ExitStack() as reservation:
+            slot = reservation.enter_context(top.reserve(key))
+            target = spare if slot is None else slot.data
+            if not tier.get_into(key, target):
+                return None  # the slot is released here
+            if slot is not None:
+                slot.commit()
+            stack.enter_context(reservation.pop_all())  # pinned until `stack` closes
+            return target
 
     def get_many_into(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview]) -> list[str | None]:
         """`get_into` for many chunks at once, in parallel on the store's read threads."""
         return list(self._reader.map(self.get_into, keys, outs))
 
-    def _promote(self, level: int, key: ChunkKey, data: memoryview) -> None:
-        """Copy a chunk found at `level` into the faster tiers above it."""
+    def _promote(self, level: int, key: ChunkKey, data: memoryview, top: bool = True) -> None:
+        """Copy a chunk found at `level` into the faster tiers above it (the top one too
+        unless `top` is False: it was filled in place)."""
         if level == 0:
             return
-        self._put_top(key, data)
+        if top:
+            self._put_top(key, data)
         if level > 1:
             copy = memoryview(bytes(data))
             for writer in self._below[: level - 1]:
@@ -294,6 +322,30 @@ class TieredStore:
             for writer in pending:
                 writer.submit(key, copy)
         return stored
+
+    def put_from(self, key: ChunkKey, fill: Callable[[memoryview], None],
+                 spare: memoryview) -> bool:
+        """`put` of a chunk that `fill(view)` writes into a chunk-long view: straight into
+        a slot of the top tier when it is a `Reserver` (one copy in all), else into `spare`
+        (the caller's buffer), then stored as by `put`. True when the top tier stored it
+        (or held it already). `fill` runs on the calling thread; what it raises propagates
+        and nothing is stored."""
+        if self._reserver is None:
+            fill(spare)
+            return self.put(key, spare)
+        pending = [w for w in self._below if not self._contains(w.tier, key)]
+        with self._reserver.reserve(key) as slot:
+            if slot is None and not pending:  # held already, or declined: nothing to write
+                return self._contains(self.tiers[0], key)
+            data = spare if slot is None else slot.data
+            fill(data)
+            # The lower tiers' copy is taken before the commit makes the slot evictable.
+            copy = memoryview(bytes(data)) if pending else data
+            if slot is not None:
+                slot.commit()
+        for writer in pending:
+            writer.submit(key, copy)
+        return slot is not None or self._contains(self.tiers[0], key)
 
     def _put_top(self, key: ChunkKey, data: memoryview) -> bool:
         top = self.tiers[0]

@@ -6,6 +6,7 @@ dropped write (counted, logged). `tiers/memory.py` is the reference implementati
 
 Primitives: `Tier` (protocol), `BatchLookup` (optional protocol: many lookups in one round trip),
 `Lender` (optional protocol: lend a read-only view of a held chunk, no copy),
+`Reserver` + `Slot` (optional protocol: hand out the space of a chunk to fill in place),
 `EventSource` (optional protocol: report chunks stored and removed), `TierEvents`,
 `TierStats` (snapshot), `TierCounters` (thread-safe counters).
 """
@@ -138,6 +139,36 @@ class Lender(Protocol):
         reused, even if the chunk is evicted or deleted meanwhile (its space is freed when
         the last borrower leaves). The view must not be used after the block. Never raises
         for I/O. Any thread; borrowers do not block each other.
+        """
+        ...
+
+
+class Slot(Protocol):
+    """The space `Reserver.reserve` hands out for one chunk."""
+
+    data: memoryview  # writable, exactly one chunk long
+
+    def commit(self) -> None:
+        """Store what `data` holds under the reserved key: visible to lookups from now on,
+        still pinned until the reservation's block exits."""
+        ...
+
+
+@runtime_checkable
+class Reserver(Protocol):
+    """An optional ability of a tier whose chunks sit in addressable memory (the memory
+    tier): hand out the space for a chunk so that it is filled in place, by a gather from
+    vLLM's paged KV or a read from a slower tier, rather than filled elsewhere and copied
+    in by `put` (one copy, not two)."""
+
+    def reserve(self, key: ChunkKey) -> AbstractContextManager[Slot | None]:
+        """A context manager yielding free space for `key`, or None when the tier holds
+        the chunk already, declines it (admission) or has no free space (a dropped write).
+
+        Fill `slot.data`, then `slot.commit()` to store it. The space stays pinned until
+        the block exits (neither overwritten nor reused, as by `Lender.borrow`), so the
+        caller may read it back; a block left without a commit stores nothing. Never
+        raises for I/O. Any thread.
         """
         ...
 

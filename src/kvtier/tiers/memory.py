@@ -7,7 +7,9 @@ Slots are page-aligned, so the disk tiers can write them with O_DIRECT without a
 
 Besides the `Tier` contract it is a `Lender`: `borrow(key)` lends a read-only view of a slot,
 pinned (never overwritten or reused) until the borrower leaves, so the vLLM worker scatters
-straight from the slab.
+straight from the slab; and a `Reserver`: `reserve(key)` hands out a free slot to fill in
+place (the worker's gather, a slower tier's read), so a store or a promotion is one copy.
+`put` is a reservation filled by a copy.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import logging
 import mmap
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import numpy as np
@@ -31,9 +33,20 @@ from kvtier.core.tier import TierCounters, TierEvents, TierStats
 log = logging.getLogger(__name__)
 
 
+class _Slot:
+    """A reserved slot (see `kvtier.core.tier.Reserver`)."""
+
+    __slots__ = ("commit", "data")
+
+    def __init__(self, data: memoryview, commit: Callable[[], None]) -> None:
+        self.data = data
+        self.commit = commit
+
+
 class MemoryTier:
-    """Chunks in a host-RAM slab. Thread-safe; copies happen under the tier's lock so a slot
-    is never reused while it is being read (a 32 MiB copy holds the lock for a few ms)."""
+    """Chunks in a host-RAM slab. Thread-safe. `get_into` copies under the tier's lock so a
+    slot is never reused while it is read (a 32 MiB copy holds the lock for a few ms); borrowed
+    and reserved slots are pinned instead, and filled or read without the lock."""
 
     def __init__(self, config: MemoryTierConfig, layout: KVLayout) -> None:
         self.name = config.tier_name
@@ -130,17 +143,49 @@ class MemoryTier:
     def put(self, key: ChunkKey, data: memoryview) -> bool:
         if len(data) != self.chunk_bytes:
             raise ValueError(f"chunk is {len(data)} bytes, this tier stores {self.chunk_bytes}")
+        with self.reserve(key) as slot:
+            if slot is None:
+                return key in self._index
+            np.copyto(np.frombuffer(slot.data, dtype=np.uint8), np.frombuffer(data, dtype=np.uint8))
+            slot.commit()
+        return True
+
+    @contextmanager
+    def reserve(self, key: ChunkKey) -> Iterator[_Slot | None]:
+        """A free slot for `key`, pinned until the block exits (see `Reserver`)."""
         if key in self._index or not self._admission.offer(key):
-            return key in self._index
+            yield None
+            return
         start = time.perf_counter()
         with self._lock:
-            if key in self._index:
-                return True
-            index = self._take_slot()
-            if index is None:
+            index = None if key in self._index else self._take_slot()
+            if index is not None:
+                self._pins[index] = 1  # in neither the index nor the free list: ours alone
+        if index is None:
+            if key not in self._index:
                 self._counters.add(dropped_writes=1)
-                return False
-            np.copyto(self.slot(index), np.frombuffer(data, dtype=np.uint8))
+            yield None
+            return
+        committed = False
+
+        def commit() -> None:
+            nonlocal committed
+            committed = True
+            self._commit(key, index, start)
+
+        try:
+            yield _Slot(self.slot(index).data, commit)
+        finally:
+            if not committed:
+                with self._lock:
+                    self._orphans.add(index)  # freed by the unpin below
+            self._unpin(index)
+
+    def _commit(self, key: ChunkKey, index: int, start: float) -> None:
+        with self._lock:
+            if key in self._index:  # another writer stored it meanwhile: this slot is spare
+                self._orphans.add(index)
+                return
             self._index[key] = index
             self._policy.insert(key)
             self.events.stored(key)
@@ -148,7 +193,6 @@ class MemoryTier:
         self._counters.add(puts=1, bytes_written=self.chunk_bytes,
                            write_s=time.perf_counter() - start)
         self._counters.set(chunks=held, used_bytes=held * self.slot_bytes)
-        return True
 
     def _take_slot(self) -> int | None:
         """A free slot, evicting by policy when none is free. Caller holds the lock."""

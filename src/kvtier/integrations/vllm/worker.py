@@ -2,13 +2,14 @@
 
 Runs in each vLLM worker process, on the model runner's thread. For every chunk of a plan
 (`KVTierMetadata`) it gathers the chunk's blocks from every layer into one contiguous
-buffer and hands it to the store (after the forward pass), or fills the buffer from the
-store and scatters it into the blocks (before the forward pass).
+chunk for the store (after the forward pass), or scatters a chunk of the store into the
+blocks (before the forward pass).
 
 The chunk byte order and vLLM's KV layouts are in `paged.py` (`PagedKV`, re-exported
-here). Loads borrow chunks from the store (`TieredStore.borrow_many`): from the memory tier
-the scatter reads the tier's slot in place, one copy in all; on CUDA the copies run on
-side streams (`cuda.py`).
+here). Stores gather straight into a slot the memory tier reserves (`TieredStore.put_from`)
+and loads borrow chunks (`TieredStore.borrow_many`): the scatter reads the memory tier's
+slot in place, and a slower tier's read lands in a reserved slot too, so each direction is
+one copy on the CPU. On CUDA the copies run on side streams (`cuda.py`).
 
 Primitives: `ChunkStore` (what the worker needs of
 a store), `ConnectorWorker`.
@@ -17,11 +18,9 @@ a store), `ConnectorWorker`.
 from __future__ import annotations
 
 import logging
-import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol
 
@@ -50,10 +49,6 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable",
                         category=UserWarning)
 # Chunks lent or read per borrow_many call: slow tiers' reads of one batch run in parallel.
 LOAD_BATCH = 4
-# CPU scatter threads for a load batch, at most; never more than the CPUs this process may
-# run on. vLLM's CPU backend binds each worker process to its own cores (on a 2-core machine:
-# one), and two copy threads sharing one core were slower than one (docs/performance.md).
-COPY_THREADS = 2
 
 
 class ChunkStore(Protocol):
@@ -68,6 +63,9 @@ class ChunkStore(Protocol):
                     ) -> AbstractContextManager[list[ChunkView | None]]: ...
 
     def put(self, key: ChunkKey, data: memoryview) -> bool: ...
+
+    def put_from(self, key: ChunkKey, fill: Callable[[memoryview], None],
+                 spare: memoryview) -> bool: ...
 
     def contains(self, key: ChunkKey) -> bool: ...
 
@@ -95,9 +93,6 @@ class ConnectorWorker:
         # time (allocated lazily by the OS: untouched until a slow tier is read).
         self._spares = [torch.empty(layout.bytes_per_chunk, dtype=torch.uint8).numpy().data
                         for _ in range(LOAD_BATCH)]
-        threads = min(COPY_THREADS, len(os.sched_getaffinity(0)))
-        self._copiers = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-scatter") \
-            if threads > 1 else None
         self._failed_block_ids: set[int] = set()
         self._report = KVTierWorkerMetadata()
         self._cuda: CudaChunkMover | None = None
@@ -154,8 +149,9 @@ class ConnectorWorker:
 
         Chunks come in batches of `LOAD_BATCH` (`TieredStore.borrow_many`): the memory tier
         lends its slots and the scatter reads them in place (one copy); chunks of slower
-        tiers are read in parallel into the worker's spare buffers first. On CUDA each copy
-        is queued ahead of the forward pass (cuda.py)."""
+        tiers are read in parallel into slots the memory tier reserves (or the worker's
+        spare buffers) first. On CUDA each copy is queued ahead of the forward pass
+        (cuda.py)."""
         if self._cuda is not None:
             for i, t in enumerate(transfers):
                 if self._cuda.load(self._store, t.key, t.block_ids, t.first_block) is None:
@@ -165,18 +161,16 @@ class ConnectorWorker:
             batch = transfers[first:first + LOAD_BATCH]
             with self._store.borrow_many([t.key for t in batch], self._spares) as lent:
                 held = next((i for i, view in enumerate(lent) if view is None), len(batch))
-                # The chunks fill disjoint blocks and numpy drops the GIL while it copies, so
-                # where the process has two cores two threads scatter them at once.
-                scatter = map if self._copiers is None else self._copiers.map
-                list(scatter(self._scatter, batch[:held], lent[:held]))
+                # One thread: memory bandwidth, not the CPU, bounds a scatter; two threads
+                # scattered 1.25x slower than one here, and vLLM binds a CPU worker's
+                # threads to its own cores anyway (docs/performance.md).
+                for transfer, view in zip(batch[:held], lent[:held]):
+                    assert view is not None
+                    self._paged.scatter(torch.frombuffer(view.data, dtype=torch.uint8),
+                                        transfer.block_ids, transfer.first_block)
                 if held < len(batch):
                     return first + held
         return len(transfers)
-
-    def _scatter(self, transfer: ChunkTransfer, view: ChunkView | None) -> None:
-        assert view is not None
-        self._paged.scatter(torch.frombuffer(view.data, dtype=torch.uint8),
-                            transfer.block_ids, transfer.first_block)
 
     def _store_chunk(self, transfer: ChunkTransfer) -> bool:
         """Gather one chunk and put it in the store; True when stored now. On CUDA the copy
@@ -184,8 +178,11 @@ class ConnectorWorker:
         if self._cuda is not None:
             self._cuda.submit_store(self._store, transfer.key, transfer.block_ids)
             return False
-        self._paged.gather(transfer.block_ids, self._buffer)
-        return self._store.put(transfer.key, self._buffer_view)
+        def gather(view: memoryview) -> None:
+            self._paged.gather(transfer.block_ids, torch.frombuffer(view, dtype=torch.uint8))
+
+        # Straight into a memory-tier slot (one copy), or into the worker's buffer first.
+        return self._store.put_from(transfer.key, gather, self._buffer_view)
 
     def take_failed_block_ids(self) -> set[int]:
         """Block ids whose load failed since the last call."""
@@ -211,6 +208,4 @@ class ConnectorWorker:
         """Flush write-behind queues (at most `flush_timeout_s`) and close the store."""
         if self._cuda is not None:
             self._cuda.close()
-        if self._copiers is not None:
-            self._copiers.shutdown(wait=True)
         self._store.close(flush_timeout_s)
