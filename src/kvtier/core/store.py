@@ -256,18 +256,19 @@ class TieredStore:
     def _open(self, stack: ExitStack, key: ChunkKey, spare: memoryview, *, lend: bool = True,
               read: bool = True) -> ChunkView | None:
         """The chunk from the fastest tier holding it: lent by a Lender (entered on `stack`;
-        skipped unless `lend`) or read into `spare` (other tiers; skipped unless `read`)."""
+        skipped unless `lend`) or read (other tiers; skipped unless `read`) into a slot the
+        top tier reserves (entered on `stack`) or into `spare`."""
         for level, tier in enumerate(self.tiers):
             lender = self._lenders.get(id(tier))
             if not (lend if lender is not None else read) or not self._contains(tier, key):
                 continue
-            top_done = False
+            in_place = lender is None and level > 0 and self._reserver is not None
             try:
                 if lender is not None:
                     view = stack.enter_context(lender.borrow(key))
-                elif level > 0 and self._reserver is not None:
-                    view, top_done = self._read_in_place(stack, self._reserver, tier, key,
-                                                         spare), True
+                elif in_place:
+                    assert self._reserver is not None
+                    view = self._read_in_place(stack, self._reserver, tier, key, spare)
                 else:
                     view = spare if tier.get_into(key, spare) else None
             except Exception as exc:
@@ -275,7 +276,7 @@ class TieredStore:
                             key.hex(), exc)
                 continue
             if view is not None:
-                self._promote(level, key, view, top=not top_done)
+                self._promote(level, key, view, top=not in_place)
                 return ChunkView(view.toreadonly(), tier.name)
         return None
 
@@ -358,9 +359,10 @@ class TieredStore:
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every write-behind queue is empty, `timeout_s` in all; False on
         timeout."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        return all(writer.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
-                   for writer in self._below)
+        if timeout_s is None:
+            return all(writer.flush() for writer in self._below)
+        deadline = time.monotonic() + timeout_s
+        return all(writer.flush(max(0.0, deadline - time.monotonic())) for writer in self._below)
 
     # -- upkeep ----------------------------------------------------------------------------
     def stats(self) -> StoreStats:

@@ -178,6 +178,7 @@ class ConnectorWorker:
         if self._cuda is not None:
             self._cuda.submit_store(self._store, transfer.key, transfer.block_ids)
             return False
+
         def gather(view: memoryview) -> None:
             self._paged.gather(transfer.block_ids, torch.frombuffer(view, dtype=torch.uint8))
 
