@@ -68,13 +68,15 @@ class PagedKV:
     """vLLM's per-layer paged KV tensors, gathered into and scattered from chunks."""
 
     def __init__(self, kv_caches: dict[str, torch.Tensor], block_size: int,
-                 backend: str | None = None) -> None:
+                 backend: str | None = None, torch_ops: bool | None = None) -> None:
         """Args:
             kv_caches: layer name -> KV tensor, as passed to register_kv_caches, in model
                 layer order.
             block_size: vLLM's block size in tokens.
             backend: "cpu", "halves" or "flash" (see the module docstring); None chooses by
                 shape and device.
+            torch_ops: copy with torch index ops (True) or numpy (False); None: torch on
+                accelerators, numpy on CPU.
 
         Raises:
             ConfigError: on a tensor layout this module does not know.
@@ -112,9 +114,12 @@ class PagedKV:
         self._all = self._all_layers_view()
         # On CPU the copies run through numpy (see the module docstring): the same memory,
         # seen as integers of the KV dtype's width (numpy has no bfloat16; bytes are bytes).
-        self._views_np = [_as_numpy(v) for v in self._views] if self.device.type == "cpu" else []
-        self._all_np = _as_numpy(self._all) if self.device.type == "cpu" and \
-            self._all is not None else None
+        # `torch_ops` forces the accelerators' torch index ops, so that tests check that path
+        # on CPU tensors where no GPU is at hand.
+        self._torch_ops = self.device.type != "cpu" if torch_ops is None else torch_ops
+        numpy_ops = not self._torch_ops
+        self._views_np = [_as_numpy(v) for v in self._views] if numpy_ops else []
+        self._all_np = _as_numpy(self._all) if numpy_ops and self._all is not None else None
 
     @property
     def single_allocation(self) -> bool:
@@ -170,7 +175,7 @@ class PagedKV:
         """Copy the blocks of one chunk, all layers, into `chunk` (see `chunk_view`). On CUDA
         the copy is enqueued on the current stream."""
         dst = self.chunk_view(chunk)
-        if self.device.type != "cpu":
+        if self._torch_ops:
             index = self._index(block_ids)
             if self._all is not None:
                 torch.index_select(self._all, 1, index, out=dst)
@@ -194,7 +199,7 @@ class PagedKV:
         targets = block_ids[first_block:]
         if not targets:
             return
-        if self.device.type != "cpu":
+        if self._torch_ops:
             index = self._index(targets)
             if self._all is not None:
                 self._all.index_copy_(1, index, src)
