@@ -99,6 +99,10 @@ CASES = {
     "version-unknown": (
         (f"vllm serve m {NATIVE} 100", {}, None, Severity.INFO),
         (f"vllm serve m {NATIVE} 100", {}, V21, None)),
+    "kvtier-shared-block-size": (
+        (f"vllm serve m --kv-transfer-config '{KVTIER_SHARED}'", {}, V21, Severity.INFO),
+        (f"vllm serve m --block-size 16 --kv-transfer-config '{KVTIER_SHARED}'", {}, V21,
+         None)),
     "cpu-connector-reserves-core": (
         (f"vllm serve m --kv-transfer-config '{KVTIER_SHARED}'", {"VLLM_CPU_KVCACHE_SPACE": "8"},
          V21, Severity.WARNING),
@@ -193,3 +197,13 @@ def test_findings_sorted_most_severe_first():
     severities = [f.severity for f in run_audit(cmd)]
     assert severities == sorted(severities, reverse=True)
     assert severities[0] is Severity.ERROR
+
+
+def test_kvtier_without_a_shared_tier_needs_no_common_block_size():
+    private = json.dumps({"kv_connector": "KVTierConnector", "kv_role": "kv_both",
+                          "kv_connector_module_path": "kvtier.integrations.vllm",
+                          "kv_connector_extra_config": {"tiers": [
+                              {"kind": "memory", "capacity": "8GiB"},
+                              {"kind": "disk", "path": "/nvme/kv", "capacity": "1TiB"}]}})
+    assert findings_of("kvtier-shared-block-size",
+                       (f"vllm serve m --kv-transfer-config '{private}'", {}, V21, None)) == []

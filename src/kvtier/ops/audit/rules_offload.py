@@ -122,6 +122,26 @@ def shared_storage_hash_seed(cmd: ServeCommand, _: AuditOptions) -> Iterator[Fin
         )
 
 
+@rule("kvtier-shared-block-size", "kvtier shared tier with vLLM's default block size")
+def kvtier_shared_block_size(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
+    if "KVTierConnector" not in cmd.connectors or cmd.has("--block-size"):
+        return
+    extra = (cmd.transfer_config or {}).get("kv_connector_extra_config") or {}
+    tiers = extra.get("tiers", []) if isinstance(extra, dict) else []
+    shared = sorted({str(t.get("kind")) for t in tiers if isinstance(t, dict)
+                     and t.get("kind") in ("shared", "redis")})
+    if shared:
+        yield Finding(
+            "kvtier-shared-block-size", Severity.INFO,
+            f"kvtier {' and '.join(shared)} tier without an explicit --block-size",
+            "a kvtier chunk holds vLLM's blocks (chunk order LBH2TD-v2), so engines share "
+            "chunks only at the same block size, and vLLM's default differs by platform "
+            "(16 on CUDA, 128 on the CPU backend): a mixed fleet would see 0% shared hits",
+            "pass the same --block-size (e.g. 16, or 128 with a CPU engine in the fleet) to "
+            "every engine that shares the tier",
+        )
+
+
 @rule("offload-ep-eagle3", "offload + expert parallel + EAGLE3 (vLLM#40259)")
 def offload_ep_eagle3(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
     spec = (cmd.value("--speculative-config") or "").lower()
