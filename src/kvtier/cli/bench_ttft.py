@@ -80,10 +80,10 @@ def run(args: argparse.Namespace) -> int:
 
 def ttft_table(result: TtftResult) -> Table:
     table = Table(title="TTFT, ms (median of reps); in brackets: x vLLM's own prefix-cache hit")
-    table.add_column("cached tokens", justify="right")
-    table.add_column("KV MiB", justify="right")
-    for engine in result.config.engines:
-        table.add_column(engine, justify="right")
+    table.add_column("cached\ntokens", justify="right")
+    table.add_column("KV\nMiB", justify="right")
+    for engine in result.config.engines:  # one word a line: six engines fit 80 columns
+        table.add_column(engine.replace("-", "\n"), justify="right")
     for n in result.config.cached_tokens:
         floor = result.get("vllm-prefix", n)
         cells = []
@@ -92,7 +92,7 @@ def ttft_table(result: TtftResult) -> Table:
             if t is None:
                 cells.append("-")
                 continue
-            ratio = f" ({t.median_s / floor.median_s:.2f}x)" if floor else ""
+            ratio = f"\n({t.median_s / floor.median_s:.2f}x)" if floor else ""
             cells.append(f"{t.median_s * 1e3:.1f}{ratio}")
         table.add_row(str(n), f"{n * KV_BYTES_PER_TOKEN / 2**20:.0f}", *cells)
     return table

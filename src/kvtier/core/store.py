@@ -146,6 +146,7 @@ class TieredStore:
         self._reserver = self.tiers[0] if self.tiers and isinstance(self.tiers[0], Reserver) \
             else None
         self._batched = [t for t in self.tiers if isinstance(t, BatchLookup)]
+        self._stack_lock = threading.Lock()
         # What tiers stored and removed, until `take_events`; bounded so that a store nobody
         # drains keeps only the newest events.
         self._events: deque[StoreEvent] = deque(maxlen=MAX_PENDING_EVENTS)
@@ -280,8 +281,7 @@ class TieredStore:
                 return ChunkView(view.toreadonly(), tier.name)
         return None
 
-    @staticmethod
-    def _read_in_place(stack: ExitStack, top: Reserver, tier: Tier, key: ChunkKey,
+    def _read_in_place(self, stack: ExitStack, top: Reserver, tier: Tier, key: ChunkKey,
                        spare: memoryview) -> memoryview | None:
         """Read `tier`'s chunk straight into a slot the top tier reserves (the read is the
         promotion: no copy; the slot stays pinned until `stack` closes), or into `spare`
@@ -293,7 +293,8 @@ class TieredStore:
                 return None  # the slot is released here
             if slot is not None:
                 slot.commit()
-            stack.enter_context(reservation.pop_all())  # pinned until `stack` closes
+            with self._stack_lock:  # borrow_many's reads share one stack across threads
+                stack.enter_context(reservation.pop_all())  # pinned until `stack` closes
             return target
 
     def get_many_into(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview]) -> list[str | None]:
