@@ -244,3 +244,39 @@ def test_put_from_writes_lower_tiers_when_the_top_declines(tmp_path: Path) -> No
     # Second sighting: admitted to memory.
     assert store.put_from(key(3), fill, spare) and store.tiers[0].contains(key(3))
     store.close()
+
+
+def test_batches_on_many_threads_read_disk_into_reserved_slots_without_mixing_chunks(
+        tmp_path: Path) -> None:
+    """Four threads borrow batches of disk-held chunks while a writer keeps evicting: every
+    view holds its own chunk's bytes for as long as it is lent, whether it landed in a
+    reserved memory slot or, when none was free, in the spare."""
+    tiers = [tier_settings("memory", tmp_path, LAYOUT, 4),
+             tier_settings("disk", tmp_path, LAYOUT, 64, o_direct="off")]
+    store = TieredStore(StoreConfig.parse({"tiers": tiers}), LAYOUT)
+    for i in range(24):
+        store.put(key(i), memoryview(payload(i)))
+    assert store.flush(timeout_s=10)
+    errors: list[str] = []
+
+    def reader(seed: int) -> None:
+        spares = [memoryview(bytearray(LAYOUT.bytes_per_chunk)) for _ in range(3)]
+        for n in range(60):
+            ids = [(seed * 7 + n * 3 + j) % 24 for j in range(3)]
+            with store.borrow_many([key(i) for i in ids], spares) as lent:
+                for i, view in zip(ids, lent):
+                    if view is None or bytes(view.data) != payload(i):
+                        errors.append(f"chunk {i}: {view.tier if view else 'missing'}")
+
+    def writer() -> None:
+        for n in range(200):
+            store.put(key(100 + n % 8), memoryview(payload(100 + n % 8)))
+
+    threads = [threading.Thread(target=reader, args=(s,)) for s in range(4)]
+    threads.append(threading.Thread(target=writer))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    store.close()
+    assert errors == []
