@@ -63,8 +63,7 @@ NEW_TOKENS = 2  # tokens after the cached prefix (see the module docstring)
 KV_BYTES_PER_TOKEN = PRESETS["bench"].kv_bytes_per_token()
 TARGET_EXTRA_VS_COPY = 1.5  # a hit's extra time over vLLM's <= 1.5x the raw copy
 TARGET_THROUGHPUT = 0.97  # 0%-hit throughput with kvtier >= 0.97x without
-SKIPPED = "kvtier-memory, kvtier off"
-LOAD_SECONDS = "vllm:kvtier_load_seconds"  # the workers' own time in loads  # throughput rounds with skip_load + skip_store
+SKIPPED = "kvtier-memory, kvtier off"  # throughput rounds with skip_load + skip_store
 
 
 @dataclass(frozen=True, slots=True)
