@@ -72,3 +72,18 @@ def test_dropping_the_page_cache_keeps_the_files_whole(tmp_path: Path):
     _drop_page_cache(tmp_path)
     assert (tmp_path / "a/one.safetensors").read_bytes() == data
     assert (tmp_path / "two.safetensors").read_bytes() == data
+
+
+def test_the_ttft_table_names_every_engine_in_80_columns():
+    from rich.console import Console
+
+    from kvtier.bench.ttft import ENGINES
+    from kvtier.cli.bench_ttft import ttft_table
+
+    res = result(*(hit(engine, 1.0) for engine in ENGINES))
+    console = Console(width=80, record=True)
+    console.print(ttft_table(res))
+    text = console.export_text()
+    assert "…" not in text  # nothing cut
+    for word in ("recompute", "memory", "disk", "example", "cold"):
+        assert word in text
