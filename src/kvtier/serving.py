@@ -218,10 +218,12 @@ def build_command(cfg: ServeConfig) -> ServeCommand:
         extra = dict(cfg.extra_config) if cfg.extra_config is not None else connector_config(
             default_tiers(cpu=cpu))
         block = _flag_value(cfg.vllm_args, "--block-size")
-        if block and int(block) > 0 and extra.get("tokens_per_chunk", TOKENS_PER_CHUNK) % int(block):
-            tpc = int(block) * -(-TOKENS_PER_CHUNK // int(block))
+        wanted = int(extra.get("tokens_per_chunk", TOKENS_PER_CHUNK))
+        if block and int(block) > 0 and wanted % int(block):
+            tpc = int(block) * -(-wanted // int(block))
             extra["tokens_per_chunk"] = tpc
-            notes.append(f"tokens_per_chunk={tpc}: a multiple of --block-size {block}")
+            notes.append(f"tokens_per_chunk={tpc}: the first multiple of --block-size {block} "
+                         f">= {wanted}")
         transfer = kvtier_transfer_config(extra)
         argv += kvtier_flags(extra, disable_hma=False)
     argv += list(cfg.vllm_args)

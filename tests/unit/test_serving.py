@@ -90,6 +90,19 @@ def test_tokens_per_chunk_follows_an_unusual_block_size():
     assert extra["tokens_per_chunk"] == 288  # the first multiple of 48 >= 256
 
 
+def test_serve_takes_a_chunk_size_and_rounds_it_to_the_block_size(capsys):
+    assert main(["serve", "./model", "--dry-run", "--memory", "1GiB", "--disk", "0",
+                 "--tokens-per-chunk", "64", "--", "--block-size", "32"]) == 0
+    assert '"tokens_per_chunk":64' in capsys.readouterr().out
+    assert main(["serve", "./model", "--dry-run", "--memory", "1GiB", "--disk", "0",
+                 "--tokens-per-chunk", "100", "--", "--block-size", "32"]) == 0
+    out = capsys.readouterr().out
+    assert '"tokens_per_chunk":128' in out and "multiple of --block-size 32 >= 100" in out
+    assert main(["serve", "./model", "--dry-run", "--tokens-per-chunk", "0"]) != 0
+    captured = capsys.readouterr()
+    assert "tokens_per_chunk" in captured.out + captured.err
+
+
 def test_default_tiers_take_sizes_from_flags_or_the_machine(tmp_path):
     assert default_tiers(cpu=True, memory_bytes=GIB, disk_path=tmp_path, disk_bytes=3 * GIB) == [
         {"kind": "memory", "capacity": "1GiB"},

@@ -6,6 +6,7 @@ Ctrl-C, and stops vLLM's whole process group on the way out. Thin layer over kvt
     kvtier serve ./my-model                      # tiers sized from free RAM and disk
     kvtier serve ./my-model --memory 8GiB --disk-path /nvme/kv --disk 200GiB
     kvtier serve ./my-model --config store.yaml -- --max-model-len 8192
+    kvtier serve ./my-model --tokens-per-chunk 64 -- --block-size 32
     kvtier serve ./my-model --no-kvtier          # the same server without kvtier (baseline)
     kvtier serve ./my-model --dry-run            # print the command only
 """
@@ -48,6 +49,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                   "most 100GiB; 0: no disk tier)")
     p.add_argument("--config", type=Path, help="a kvtier store config file (YAML/JSON); "
                                                "replaces --memory/--disk/--disk-path")
+    p.add_argument("--tokens-per-chunk", type=int,
+                   help="tokens per stored chunk, a multiple of vLLM's --block-size (default "
+                        "256; smaller chunks recompute less of a returning prompt's tail, at "
+                        "more chunks per prompt: docs/performance.md)")
     p.add_argument("--engine-kv", help="CPU backend: the engine's own KV cache size "
                                        "(--kv-cache-memory-bytes; default a share of RAM)")
     p.add_argument("--no-kvtier", action="store_true",
@@ -87,6 +92,10 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                 memory_bytes=None if args.memory is None else parse_size(args.memory, "memory"),
                 disk_path=args.disk_path,
                 disk_bytes=None if args.disk is None else parse_size(args.disk, "disk")))
+    if extra is not None and args.tokens_per_chunk is not None:
+        if args.tokens_per_chunk < 1:
+            raise ConfigError("tokens_per_chunk", args.tokens_per_chunk, "a positive integer")
+        extra["tokens_per_chunk"] = args.tokens_per_chunk
     engine_kv = None if args.engine_kv is None else parse_size(args.engine_kv, "engine_kv")
     return ServeConfig(model=args.model, kvtier=not args.no_kvtier, extra_config=extra,
                        host=args.host, port=args.port, cpu=cpu, engine_kv_bytes=engine_kv,
