@@ -156,7 +156,8 @@ class KVTierConnector(KVConnectorBase_V1):
         layout = paged.layout(self._config.tokens_per_chunk,
                               tp_rank=get_tensor_model_parallel_rank(),
                               tp_world_size=self._vllm_config.parallel_config.tensor_parallel_size)
-        self._worker = ConnectorWorker(paged, layout, TieredStore(self._config.store, layout))
+        self._worker = ConnectorWorker(paged, layout, TieredStore(self._config.store, layout),
+                                       load_batch=self._config.store.io_threads)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
