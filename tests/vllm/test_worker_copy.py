@@ -193,3 +193,36 @@ def test_same_shape_other_meaning_the_halves_layout_yields_the_cpu_layouts_chunk
 def test_a_layout_that_does_not_fit_the_shape_is_refused() -> None:
     with pytest.raises(ConfigError, match="kv cache layout"):
         PagedKV(cpu_kv(), BS, backend="flash")
+
+
+def test_loads_from_disk_come_in_batches_and_stop_at_the_first_miss(tmp_path) -> None:
+    """Chunks on the disk tier come back through the worker in batches of 2 (read in
+    parallel, into the memory tier's reserved slots or the worker's spares); a chunk missing
+    from disk ends the load there: the chunks before it are in their blocks, its blocks and
+    the rest are reported failed."""
+    from kvtier.config import StoreConfig
+    from kvtier.core.keys import ChunkKey
+    from kvtier.core.store import TieredStore
+    from kvtier.integrations.vllm.scheduler import ChunkTransfer, KVTierMetadata
+    from kvtier.integrations.vllm.worker import ConnectorWorker
+
+    kv = one_allocation_cpu_kv(blocks=32)
+    paged = PagedKV(kv, BS)
+    layout = paged.layout(BS)  # one block per chunk
+    store = TieredStore(StoreConfig.parse({"tiers": [
+        {"kind": "memory", "capacity": 2 * layout.bytes_per_chunk, "pin": "off"},  # 2 slots
+        {"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "64MiB"}]}), layout)
+    worker = ConnectorWorker(paged, layout, store, load_batch=2)
+    keys = [ChunkKey(b"ahead" + i.to_bytes(11, "big")) for i in range(7)]
+    worker.store(KVTierMetadata(stores=[ChunkTransfer(k, (i,)) for i, k in enumerate(keys)]))
+    assert store.flush(timeout_s=10)
+    for k in keys:  # only the disk holds them now
+        store.tiers[0].delete(k)
+    store.tiers[1].delete(keys[5])  # the sixth chunk is lost
+    worker.load(KVTierMetadata(loads={"r": [ChunkTransfer(k, (16 + i,))
+                                            for i, k in enumerate(keys)]}))
+    for t in kv.values():
+        for i in range(5):
+            assert torch.equal(t[16 + i], t[i])
+    assert worker.take_failed_block_ids() == {21, 22}
+    worker.close()
