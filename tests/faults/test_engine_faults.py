@@ -19,7 +19,6 @@ Engines (start ~20-45 s each, at most two at once):
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import subprocess
 import sys
 import threading
@@ -36,9 +35,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "vllm"))  # vllm
 import redis
 from redis_server import REDIS_SERVER, SKIP_REASON, RedisServer
 from vllm_harness import (
-    BLOCK_SIZE,
-    MAX_MODEL_LEN,
-    NUM_BLOCKS,
     chunk_files,
     complete,
     kvtier_counter,
@@ -47,12 +43,13 @@ from vllm_harness import (
     post,
     random_prompts,
     scrape,
+    server_command,
     start_engine,
     token_ids,
 )
 
 from kvtier.models import make_preset_model
-from kvtier.serving import ServeConfig, VllmServer, build_command, free_port
+from kvtier.serving import VllmServer
 
 pytestmark = pytest.mark.vllm
 
@@ -228,13 +225,7 @@ def two_servers(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
                        {"kind": "shared", "path": str(root / "shared"), "capacity": "256MiB"}]}
     servers = []
     for name in ("a", "b"):
-        command = build_command(ServeConfig(
-            model=str(model_dir), extra_config=extra, port=free_port(), cpu=True,
-            vllm_args=("--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override",
-                       str(NUM_BLOCKS), "--gpu-memory-utilization", "0.3",
-                       "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--seed", "0")))
-        command = dataclasses.replace(command, env={**command.env, "VLLM_SERVER_DEV_MODE": "1"})
-        servers.append(VllmServer(command, root / f"vllm-{name}.log"))
+        servers.append(VllmServer(server_command(model_dir, extra), root / f"vllm-{name}.log"))
     try:
         for server in servers:  # both start at once
             server.start()

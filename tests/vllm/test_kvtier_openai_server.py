@@ -10,18 +10,15 @@ alone): the repeat of a prompt is then served from kvtier, and /metrics shows it
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_harness import (
-    BLOCK_SIZE, MAX_MODEL_LEN, NUM_BLOCKS, complete, post, random_prompts, scrape,
-)
+from vllm_harness import complete, post, random_prompts, scrape, server_command
 
 from kvtier.integrations.vllm.metrics import PREFIX
-from kvtier.serving import ServeConfig, build_command, free_port, running_server
+from kvtier.serving import running_server
 
 pytestmark = pytest.mark.vllm
 
@@ -36,12 +33,7 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     extra = {"tokens_per_chunk": CHUNK,
              "tiers": [{"kind": "memory", "capacity": "64MiB"},
                        {"kind": "disk", "path": str(root / "disk"), "capacity": "256MiB"}]}
-    command = build_command(ServeConfig(
-        model=str(tiny_model_dir), extra_config=extra, port=free_port(), cpu=True,
-        vllm_args=("--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override",
-                   str(NUM_BLOCKS), "--gpu-memory-utilization", "0.3",
-                   "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--seed", "0")))
-    command = dataclasses.replace(command, env={**command.env, "VLLM_SERVER_DEV_MODE": "1"})
+    command = server_command(tiny_model_dir, extra)
     with running_server(command, log_path=root / "vllm.log", startup_timeout_s=300) as srv:
         yield srv
 

@@ -12,6 +12,7 @@ Primitives:
   - `kvtier_counter(name, tier)`: one of kvtier's own counters (the connector's stats, as
     vLLM exports them on /metrics).
   - `chunk_files(root)`: the chunk files a disk or shared tier holds under `root`.
+  - `server_command(model_dir, extra)`: a kvtier OpenAI server's command, tests' settings.
 """
 
 from __future__ import annotations
@@ -51,6 +52,22 @@ def start_engine(model_dir: Path, kv_transfer_config: dict[str, Any] | None = No
     settings: dict[str, Any] = {"block_size": BLOCK_SIZE, "num_gpu_blocks_override": NUM_BLOCKS,
                                 "max_num_batched_tokens": None}  # None: vLLM's default
     return offline_engine(model_dir, MAX_MODEL_LEN, **(settings | overrides))
+
+
+def server_command(model_dir: Path, extra: dict[str, Any]) -> Any:
+    """The `kvtier serve` command (a `kvtier.serving.ServeCommand`) of an OpenAI server with
+    kvtier's `extra` config and the tests' small settings; dev mode on (its /reset_prefix_cache
+    endpoint empties vLLM's own cache)."""
+    import dataclasses
+
+    from kvtier.serving import ServeConfig, build_command, free_port
+
+    command = build_command(ServeConfig(
+        model=str(model_dir), extra_config=extra, port=free_port(), cpu=True,
+        vllm_args=("--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override",
+                   str(NUM_BLOCKS), "--gpu-memory-utilization", "0.3",
+                   "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--seed", "0")))
+    return dataclasses.replace(command, env={**command.env, "VLLM_SERVER_DEV_MODE": "1"})
 
 
 def random_prompts(lengths: list[int], seed: int = 0) -> list[dict[str, list[int]]]:

@@ -3,7 +3,9 @@
 Primitives: `offline_engine` (an `LLM` with the benches' small CPU settings, shut down on
 exit), `counter` (one of vLLM's counters, summed over labels), `kvtier_counter` (one of
 kvtier's, from this process's Prometheus registry), `kvtier_transfer_config`,
-`quiet_engine_logs`.
+`quiet_engine_logs`; and what the ttft and sharing benches share about their prompts on the
+generated "bench" model: `TOKENS_PER_CHUNK`, `NEW_TOKENS`, `KV_BYTES_PER_TOKEN`, `bench_prompt`,
+`check_settings`.
 """
 
 from __future__ import annotations
@@ -12,12 +14,50 @@ import contextlib
 import gc
 import logging
 import os
-from collections.abc import Iterator
+import random
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvtier.errors import ConfigError
+from kvtier.models import FIRST_WORD_ID, PRESETS
+
 BLOCK_SIZE = 128  # tokens per vLLM block (the CPU backend's default)
 NUM_BLOCKS = 384  # the engine's own KV cache, in blocks
+
+
+TOKENS_PER_CHUNK = 256  # kvtier chunk: 2 MiB of the bench model's KV
+NEW_TOKENS = 2  # tokens after a prompt's cached prefix: computed in every case
+KV_BYTES_PER_TOKEN = PRESETS["bench"].kv_bytes_per_token()
+
+
+def bench_prompt(tokens: int, seed: int) -> dict[str, list[int]]:
+    """A prompt of `tokens` random word ids of the bench model (the same for a seed)."""
+    rng = random.Random(seed)
+    vocab = PRESETS["bench"].vocab_size
+    return {"prompt_token_ids": [rng.randrange(FIRST_WORD_ID, vocab) for _ in range(tokens)]}
+
+
+def check_settings(settings: Any, cached_tokens: Sequence[int], counts: Iterable[str],
+                   choices: tuple[str, Sequence[str], Sequence[str]]) -> None:
+    """Raise ConfigError naming the first bad field of a bench's settings: `cached_tokens`
+    (whole chunks that fit the bench model with NEW_TOKENS), the `counts` (fields >= 1) and
+    `choices` = (field, values chosen, values allowed)."""
+    if not cached_tokens:
+        raise ConfigError("cached_tokens", "", "at least one length")
+    for n in cached_tokens:
+        if n < TOKENS_PER_CHUNK or n % TOKENS_PER_CHUNK:
+            raise ConfigError("cached_tokens", n, f"multiples of {TOKENS_PER_CHUNK}")
+    longest = PRESETS["bench"].max_position_embeddings - NEW_TOKENS
+    if max(cached_tokens) > longest:
+        raise ConfigError("cached_tokens", max(cached_tokens), f"at most {longest}")
+    for name in counts:
+        if getattr(settings, name) < 1:
+            raise ConfigError(name, getattr(settings, name), "at least 1")
+    field, chosen, allowed = choices
+    for value in chosen:
+        if value not in allowed:
+            raise ConfigError(field, value, f"some of {tuple(allowed)}")
 
 
 def kvtier_transfer_config(extra: dict[str, Any]) -> dict[str, Any]:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import shutil
 import statistics
 import tempfile
@@ -35,15 +34,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.engines import counter, kvtier_transfer_config, offline_engine
+from kvtier.bench.engines import (
+    KV_BYTES_PER_TOKEN,
+    NEW_TOKENS,
+    TOKENS_PER_CHUNK,
+    bench_prompt,
+    check_settings,
+    counter,
+    kvtier_transfer_config,
+    offline_engine,
+)
 from kvtier.bench.redis_baseline import local_redis
-from kvtier.errors import ConfigError
-from kvtier.models import FIRST_WORD_ID, PRESETS, make_preset_model
+from kvtier.models import make_preset_model
 
 SOURCES = ("shared", "redis")  # how B gets A's chunks
-TOKENS_PER_CHUNK = 256
-NEW_TOKENS = 2  # tokens after the cached prefix: B computes these in every case
-KV_BYTES_PER_TOKEN = PRESETS["bench"].kv_bytes_per_token()
 KEY_PREFIX = "kvtier-bench-sharing:"
 
 
@@ -61,20 +65,8 @@ class SharingConfig:
 
     def validate(self) -> None:
         """Raises ConfigError naming the first bad field."""
-        for n in self.cached_tokens:
-            if n < TOKENS_PER_CHUNK or n % TOKENS_PER_CHUNK:
-                raise ConfigError("cached_tokens", n, f"multiples of {TOKENS_PER_CHUNK}")
-        if not self.cached_tokens:
-            raise ConfigError("cached_tokens", "", "at least one length")
-        if max(self.cached_tokens) + NEW_TOKENS > PRESETS["bench"].max_position_embeddings:
-            raise ConfigError("cached_tokens", max(self.cached_tokens),
-                              f"at most {PRESETS['bench'].max_position_embeddings - 2}")
-        for name in ("reps", "recompute_reps"):
-            if getattr(self, name) < 1:
-                raise ConfigError(name, getattr(self, name), "at least 1")
-        for source in self.sources:
-            if source not in SOURCES:
-                raise ConfigError("sources", source, f"some of {SOURCES}")
+        check_settings(self, self.cached_tokens, ("reps", "recompute_reps"),
+                       ("sources", self.sources, SOURCES))
 
     @property
     def max_model_len(self) -> int:
@@ -132,12 +124,6 @@ class SharingResult:
         os.replace(temp, path)
 
 
-def _prompt(tokens: int, seed: int) -> dict[str, list[int]]:
-    rng = random.Random(seed)
-    vocab = PRESETS["bench"].vocab_size
-    return {"prompt_token_ids": [rng.randrange(FIRST_WORD_ID, vocab) for _ in range(tokens)]}
-
-
 def _tiers(role: str, shared: Path, redis_url: str) -> list[dict[str, Any]]:
     """A: a memory tier that holds its prompts, both lower tiers. B: a memory tier smaller
     than one chunk (stores nothing) over the one source it is measured on."""
@@ -192,7 +178,7 @@ def _measure_b(llm: Any, source: str, config: SharingConfig,
     out = []
     for n in config.cached_tokens:
         progress(f"B-{source}: {n} tokens")
-        prompt = _prompt(n + NEW_TOKENS, seed=n)
+        prompt = bench_prompt(n + NEW_TOKENS, seed=n)
         before = counter(llm, "vllm:external_prefix_cache_hits")
         first = _generate_s(llm, prompt)
         hit_tokens = int(counter(llm, "vllm:external_prefix_cache_hits") - before)
@@ -234,7 +220,7 @@ def run_sharing_bench(config: SharingConfig,
             with _engine(model_dir, config, _tiers("A", shared, url)) as llm:
                 starts["A"] = time.perf_counter() - start
                 for n in config.cached_tokens:
-                    _generate_s(llm, _prompt(n + NEW_TOKENS, seed=n))
+                    _generate_s(llm, bench_prompt(n + NEW_TOKENS, seed=n))
                 want = _stored_chunks(config)
                 _wait_until(lambda: sum(1 for _ in shared.rglob("*.kvc")) >= want,
                             f"fewer than {want} chunk files in {shared}")
@@ -244,7 +230,7 @@ def run_sharing_bench(config: SharingConfig,
                 progress(f"B-{source}: starting the engine")
                 start = time.perf_counter()
                 with _engine(model_dir, config, _tiers(f"B-{source}", shared, url)) as llm:
-                    _generate_s(llm, _prompt(64, seed=7))  # warm-up, not timed, not shared
+                    _generate_s(llm, bench_prompt(64, seed=7))  # warm-up, not timed, not shared
                     starts[f"B-{source}"] = time.perf_counter() - start
                     ttft += _measure_b(llm, source, config, progress)
     finally:

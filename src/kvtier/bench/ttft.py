@@ -42,7 +42,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import shutil
 import statistics
 import tempfile
@@ -52,15 +51,21 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.engines import counter, kvtier_counter, kvtier_transfer_config, offline_engine
+from kvtier.bench.engines import (
+    KV_BYTES_PER_TOKEN,
+    NEW_TOKENS,
+    TOKENS_PER_CHUNK,
+    bench_prompt,
+    check_settings,
+    counter,
+    kvtier_counter,
+    kvtier_transfer_config,
+    offline_engine,
+)
 from kvtier.bench.subjects import aligned_buffer
-from kvtier.errors import ConfigError
-from kvtier.models import FIRST_WORD_ID, PRESETS, make_preset_model
+from kvtier.models import make_preset_model
 
 ENGINES = ("recompute", "vllm-prefix", "kvtier-memory", "kvtier-disk", "example", "example-cold")
-TOKENS_PER_CHUNK = 256  # kvtier chunk: 2 MiB of the bench model's KV
-NEW_TOKENS = 2  # tokens after the cached prefix (see the module docstring)
-KV_BYTES_PER_TOKEN = PRESETS["bench"].kv_bytes_per_token()
 TARGET_EXTRA_VS_COPY = 1.5  # a hit's extra time over vLLM's <= 1.5x the raw copy
 TARGET_THROUGHPUT = 0.97  # 0%-hit throughput with kvtier >= 0.97x without
 SKIPPED = "kvtier-memory, kvtier off"  # throughput rounds with skip_load + skip_store
@@ -83,18 +88,9 @@ class TtftConfig:
 
     def validate(self) -> None:
         """Raises ConfigError naming the first bad field."""
-        for n in self.cached_tokens:
-            if n < TOKENS_PER_CHUNK or n % TOKENS_PER_CHUNK:
-                raise ConfigError("cached_tokens", n, f"multiples of {TOKENS_PER_CHUNK}")
-        if max(self.cached_tokens) + NEW_TOKENS > PRESETS["bench"].max_position_embeddings:
-            raise ConfigError("cached_tokens", max(self.cached_tokens),
-                              f"at most {PRESETS['bench'].max_position_embeddings - 2}")
-        for name in ("reps", "recompute_reps", "throughput_prompts", "throughput_reps"):
-            if getattr(self, name) < 1:
-                raise ConfigError(name, getattr(self, name), "at least 1")
-        for engine in self.engines:
-            if engine not in ENGINES:
-                raise ConfigError("engines", engine, f"some of {ENGINES}")
+        check_settings(self, self.cached_tokens,
+                       ("reps", "recompute_reps", "throughput_prompts", "throughput_reps"),
+                       ("engines", self.engines, ENGINES))
 
     @property
     def max_model_len(self) -> int:
@@ -164,12 +160,6 @@ class TtftResult:
         path.write_text(json.dumps(data, indent=2, default=str) + "\n")
 
 
-def _prompt(tokens: int, seed: int) -> dict[str, list[int]]:
-    rng = random.Random(seed)
-    vocab = PRESETS["bench"].vocab_size
-    return {"prompt_token_ids": [rng.randrange(FIRST_WORD_ID, vocab) for _ in range(tokens)]}
-
-
 def _kv_transfer_config(engine: str, scratch: Path) -> dict[str, Any] | None:
     if engine == "kvtier-memory":
         extra: dict[str, Any] = {"tokens_per_chunk": TOKENS_PER_CHUNK,
@@ -218,7 +208,7 @@ def _measure_ttft(llm: Any, engine: str, config: TtftConfig, scratch: Path,
     out = []
     for n in config.cached_tokens:
         progress(f"{engine}: {n} tokens")
-        prompt = _prompt(n + NEW_TOKENS, seed=n)
+        prompt = bench_prompt(n + NEW_TOKENS, seed=n)
         if engine == "recompute":
             trials = [_generate_s(llm, [prompt], 1) for _ in range(config.recompute_reps)]
             out.append(Ttft(engine, n, tuple(trials), 0))
@@ -279,7 +269,7 @@ def _wait_for_files(directory: Path, pattern: str, count: int, timeout_s: float 
 def _throughput(llm: Any, config: TtftConfig, seed: int,
                 kv_params: dict[str, Any] | None = None) -> float:
     """Requests/s of one round of unique prompts (none shares a chunk with another)."""
-    prompts = [_prompt(config.throughput_prompt_tokens, seed=seed + i)
+    prompts = [bench_prompt(config.throughput_prompt_tokens, seed=seed + i)
                for i in range(config.throughput_prompts)]
     seconds = _generate_s(llm, prompts, config.throughput_output_tokens, kv_params)
     return config.throughput_prompts / seconds
@@ -396,7 +386,7 @@ def run_ttft_bench(config: TtftConfig,
             progress(f"{engine}: starting the engine")
             start = time.perf_counter()
             with _engine(model_dir, engine, config, scratch) as llm:
-                _generate_s(llm, [_prompt(64, seed=7)], 1)  # warm-up, not timed
+                _generate_s(llm, [bench_prompt(64, seed=7)], 1)  # warm-up, not timed
                 starts[engine] = time.perf_counter() - start
                 ttft += _measure_ttft(llm, engine, config, scratch, progress,
                                       ceilings.for_engine(engine))

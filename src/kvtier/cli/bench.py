@@ -1,9 +1,20 @@
-"""`kvtier bench ...`: benchmark commands. Each workload is one sub-command module."""
+"""`kvtier bench ...`: benchmark commands. Each workload is one sub-command module.
+
+Primitives: `register`, `run_and_report` (what every in-process bench command does around its
+measurement: a spinner with its progress, its tables, its JSON).
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from rich.console import Console
+
+R = TypeVar("R")
 
 # One line per `kvtier bench` workload module; each exposes `register(subparsers)`.
 WORKLOADS: tuple[str, ...] = (
@@ -20,3 +31,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     workloads = parser.add_subparsers(dest="workload", metavar="WORKLOAD", required=True)
     for name in WORKLOADS:
         importlib.import_module(name).register(workloads)
+
+
+def run_and_report(name: str, measure: Callable[[Callable[[str], None]], R],
+                   render: Callable[[R], Iterable[Any]],
+                   write_json: Callable[[R], None], json_path: Path) -> R:
+    """Run `measure(progress)` under a spinner showing its progress, print what `render`
+    returns (tables, lines), then `write_json` the result and say where."""
+    console = Console()
+    with console.status(f"bench {name}") as status:
+        result = measure(lambda text: status.update(f"bench {name}: {text}"))
+    for item in render(result):
+        console.print(item)
+    write_json(result)
+    console.print(f"results written to {json_path}")
+    return result

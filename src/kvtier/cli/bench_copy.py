@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
 from kvtier.bench.copy import TARGET_RATIO, CopyBenchConfig, CopyBenchResult, run_copy_bench
+from kvtier.cli.bench import run_and_report
 
 CPU_BLOCKS = 64  # default scattered blocks on CPU: 128 MiB of Llama-3-8B KV each way
 CUDA_BLOCKS = 512  # on CUDA: 1 GiB each way
@@ -53,13 +53,9 @@ def config_from(args: argparse.Namespace) -> CopyBenchConfig:
 def run(args: argparse.Namespace) -> int:
     config = config_from(args)
     config.validate()
-    console = Console()
-    with console.status("bench copy") as status:
-        result = run_copy_bench(config, lambda text: status.update(f"bench copy: {text}"))
-    console.print(table(result))
-    console.print(summary(result))
-    result.write_json(args.json)
-    console.print(f"results written to {args.json}")
+    run_and_report("copy", lambda progress: run_copy_bench(config, progress),
+                   lambda r: (table(r), summary(r)), lambda r: r.write_json(args.json),
+                   args.json)
     return 0
 
 

@@ -10,9 +10,9 @@ import shlex
 import sys
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
+from kvtier.bench.engines import quiet_engine_logs
 from kvtier.bench.sharing import (
     KV_BYTES_PER_TOKEN,
     SOURCES,
@@ -20,7 +20,7 @@ from kvtier.bench.sharing import (
     SharingResult,
     run_sharing_bench,
 )
-from kvtier.bench.engines import quiet_engine_logs
+from kvtier.cli.bench import run_and_report
 from kvtier.errors import ConfigError
 
 
@@ -61,13 +61,10 @@ def run(args: argparse.Namespace) -> int:
     config.validate()
     if not args.verbose:  # the engines' start-up logs would bury the table
         quiet_engine_logs()
-    console = Console()
-    with console.status("bench sharing") as status:
-        result = run_sharing_bench(config, lambda text: status.update(f"bench sharing: {text}"))
-    console.print(sharing_table(result))
-    console.print(summary(result))
-    result.write_json(args.json, command=shlex.join(["kvtier", *sys.argv[1:]]))
-    console.print(f"results written to {args.json}")
+    command = shlex.join(["kvtier", *sys.argv[1:]])
+    run_and_report("sharing", lambda progress: run_sharing_bench(config, progress),
+                   lambda r: (sharing_table(r), summary(r)),
+                   lambda r: r.write_json(args.json, command=command), args.json)
     return 0
 
 

@@ -9,7 +9,6 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
 from kvtier.bench.engines import quiet_engine_logs
@@ -23,6 +22,7 @@ from kvtier.bench.ttft import (
     TtftResult,
     run_ttft_bench,
 )
+from kvtier.cli.bench import run_and_report
 from kvtier.errors import ConfigError
 
 QUICK = {"cached_tokens": (1024, 4096), "reps": 5, "recompute_reps": 2,
@@ -67,14 +67,9 @@ def run(args: argparse.Namespace) -> int:
     config.validate()
     if not args.verbose:  # the engines' start-up logs would bury the tables
         quiet_engine_logs()
-    console = Console()
-    with console.status("bench ttft") as status:
-        result = run_ttft_bench(config, lambda text: status.update(f"bench ttft: {text}"))
-    console.print(ttft_table(result))
-    console.print(target_table(result))
-    console.print(summary(result))
-    result.write_json(args.json)
-    console.print(f"results written to {args.json}")
+    run_and_report("ttft", lambda progress: run_ttft_bench(config, progress),
+                   lambda r: (ttft_table(r), target_table(r), summary(r)),
+                   lambda r: r.write_json(args.json), args.json)
     return 0
 
 
