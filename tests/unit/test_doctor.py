@@ -91,7 +91,7 @@ def test_connector_import_check_reports_failure_as_data():
     assert missing.status == "fail" and "ModuleNotFoundError" in missing.detail
     no_attr = check_connector("kvtier.units", "KVTierConnector")
     assert no_attr.status == "fail" and "AttributeError" in no_attr.detail
-    assert check_connector("kvtier.ops.flags", "KVTIER_CONNECTOR").status == "ok"
+    assert check_connector("kvtier.integrations.vllm.config", "CONNECTOR_CLASS").status == "ok"
 
 
 def test_vllm_check_returns_a_result():

@@ -7,12 +7,8 @@ from pathlib import Path
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.ops.flags import (
-    kvtier_transfer_config,
-    lmcache_env,
-    native_offload_flags,
-    sglang_per_rank_to_vllm_total,
-)
+from kvtier.integrations.vllm.config import kvtier_transfer_config
+from kvtier.ops.flags import lmcache_env, native_offload_flags, sglang_per_rank_to_vllm_total
 from kvtier.ops.hardware import gpu_profile
 from kvtier.ops.modelspec import kv_footprint, load_model_spec
 from kvtier.ops.sizing import PlanRequest, make_plan

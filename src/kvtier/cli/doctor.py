@@ -11,6 +11,7 @@ import json
 from rich.console import Console
 from rich.table import Table
 
+from kvtier.integrations.vllm.config import CONNECTOR_MODULE
 from kvtier.ops.doctor import (
     check_store_config,
     read_store,
@@ -18,7 +19,6 @@ from kvtier.ops.doctor import (
     store_from_flags,
     transfer_config_json,
 )
-from kvtier.ops.flags import KVTIER_MODULE
 
 _STYLE = {"ok": "green", "fail": "bold red", "skip": "dim"}
 
@@ -30,7 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--disk", action="append", default=[], metavar="PATH:SIZE")
     p.add_argument("--shared", action="append", default=[], metavar="PATH:SIZE")
     p.add_argument("--redis", metavar="URL", help="e.g. redis://10.0.0.5:6379/0")
-    p.add_argument("--connector-module", default=KVTIER_MODULE, help=argparse.SUPPRESS)
+    p.add_argument("--connector-module", default=CONNECTOR_MODULE, help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
 

@@ -30,10 +30,12 @@ from typing import Any, Literal
 
 import yaml
 
-from kvtier.config import StoreConfig
 from kvtier.errors import ConfigError
-from kvtier.ops.flags import (
-    CONNECTOR_KEYS, KVTIER_CONNECTOR, KVTIER_MODULE, kvtier_transfer_config,
+from kvtier.integrations.vllm.config import (
+    CONNECTOR_CLASS,
+    CONNECTOR_MODULE,
+    ConnectorConfig,
+    kvtier_transfer_config,
 )
 from kvtier.units import format_size, parse_size
 
@@ -115,7 +117,7 @@ def check_vllm() -> Check:
     return Check("vllm", "fail", "not installed: pip install 'kvtier[vllm]'")
 
 
-def check_connector(module: str = KVTIER_MODULE, attr: str = KVTIER_CONNECTOR) -> Check:
+def check_connector(module: str = CONNECTOR_MODULE, attr: str = CONNECTOR_CLASS) -> Check:
     """Can vLLM import `module.attr`? Probed in a child interpreter with a timeout."""
     code = f"import importlib; getattr(importlib.import_module({module!r}), {attr!r})"
     try:
@@ -131,10 +133,9 @@ def check_connector(module: str = KVTIER_MODULE, attr: str = KVTIER_CONNECTOR) -
 
 
 def check_store_config(store: Mapping[str, Any]) -> Check:
-    """Does the store dict validate as kvtier's StoreConfig?"""
+    """Does the store dict validate as the connector's extra config (ConnectorConfig)?"""
     try:
-        StoreConfig.parse({k: v for k, v in store.items() if k not in CONNECTOR_KEYS},
-                          where="store")
+        ConnectorConfig.parse(store, where="store")
     except ConfigError as exc:
         return Check("config", "fail", str(exc))
     return Check("config", "ok", f"{len(store['tiers'])} tier(s) valid")
@@ -190,7 +191,7 @@ def ping_redis(url: str) -> Check:
     return Check(f"redis {url}", "ok", "PING answered")
 
 
-def run_doctor(store: Mapping[str, Any], connector_module: str = KVTIER_MODULE) -> list[Check]:
+def run_doctor(store: Mapping[str, Any], connector_module: str = CONNECTOR_MODULE) -> list[Check]:
     """Every check, in the order an operator fixes them."""
     return [check_vllm(), check_connector(connector_module), check_store_config(store),
             check_memory(store), *check_tier_paths(store), *check_redis(store)]

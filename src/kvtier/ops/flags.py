@@ -2,8 +2,9 @@
 
 Primitives:
     sglang_per_rank_to_vllm_total(per_rank, tp) -- SGLang sizes are per rank, vLLM's total
-    kvtier_transfer_config(store)         -- the --kv-transfer-config dict for kvtier
-    kvtier_flags(store, hma)              -- flags to serve with kvtier's connector
+    kvtier_flags(extra, hma)              -- flags to serve with kvtier's connector (its
+                                             --kv-transfer-config comes from
+                                             kvtier.integrations.vllm.config, the schema)
     native_offload_flags(total_gib, hma)  -- flags for vLLM's native CPU offload
     lmcache_env(total_gib, tp, ...), lmcache_flags(hma)
                                           -- LMCache in-process env + flags
@@ -23,11 +24,9 @@ import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvtier.config import StoreConfig
 from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.config import kvtier_transfer_config
 
-KVTIER_CONNECTOR = "KVTierConnector"
-KVTIER_MODULE = "kvtier.integrations.vllm"
 DISABLE_HMA = "--disable-hybrid-kv-cache-manager"
 
 
@@ -44,33 +43,14 @@ def sglang_per_rank_to_vllm_total(per_rank: float, tp: int) -> float:
     return per_rank * tp
 
 
-# The connector's own keys in kv_connector_extra_config (see kvtier.integrations.vllm.config).
-CONNECTOR_KEYS = ("tokens_per_chunk", "index_max_keys")
-
-
-def kvtier_transfer_config(store: Mapping[str, Any]) -> dict[str, Any]:
-    """Return the `--kv-transfer-config` dict that loads kvtier with store config `store`.
-
-    `store` is validated by `kvtier.config.StoreConfig`; the connector reads it as its
-    `kv_connector_extra_config`, beside its own keys (tokens_per_chunk, index_max_keys).
+def kvtier_flags(extra: Mapping[str, Any], disable_hma: bool) -> list[str]:
+    """Flags for `vllm serve` with kvtier's connector (prefix caching must stay on), `extra`
+    being its kv_connector_extra_config.
 
     Raises:
-        ConfigError: when `store` is not a valid kvtier store config.
+        ConfigError: when the connector would refuse `extra` (ConnectorConfig.parse).
     """
-    connector_keys = {k: store[k] for k in CONNECTOR_KEYS if k in store}
-    StoreConfig.parse({k: v for k, v in store.items() if k not in CONNECTOR_KEYS},
-                      where="kv_connector_extra_config")
-    return {
-        "kv_connector": KVTIER_CONNECTOR,
-        "kv_connector_module_path": KVTIER_MODULE,
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {**connector_keys, **dict(store)},
-    }
-
-
-def kvtier_flags(store: Mapping[str, Any], disable_hma: bool) -> list[str]:
-    """Flags for `vllm serve` with kvtier's connector (prefix caching must stay on)."""
-    config = json.dumps(kvtier_transfer_config(store), separators=(",", ":"))
+    config = json.dumps(kvtier_transfer_config(extra), separators=(",", ":"))
     return ["--enable-prefix-caching", "--kv-transfer-config", config] + (
         [DISABLE_HMA] if disable_hma else [])
 

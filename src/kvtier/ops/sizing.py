@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, field
 
 from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.config import CONNECTOR_CLASS
 from kvtier.ops import flags
 from kvtier.ops.costmodel import prefill_seconds, transfer_seconds
 from kvtier.ops.hardware import GpuProfile, LinkProfile, dram_link, host_link, nvme_link
@@ -120,7 +121,7 @@ def make_plan(req: PlanRequest) -> Plan:
     store = {"tiers": [{"kind": "memory", "capacity": f"{cpu_gib}GiB"}] + (
         [{"kind": "disk", "path": req.nvme_path, "capacity": f"{nvme_gib}GiB"}]
         if nvme_gib else [])}
-    kvtier_verdict = hma_verdict(req.vllm_version, flags.KVTIER_CONNECTOR, hybrid_model)
+    kvtier_verdict = hma_verdict(req.vllm_version, CONNECTOR_CLASS, hybrid_model)
     return Plan(
         request=req, context_tokens=ctx, weights_bytes=spec.weights_bytes,
         weights_per_gpu_bytes=weights_gpu, kv_bytes_per_token_rank=fp.bytes_per_token,

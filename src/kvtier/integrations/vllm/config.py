@@ -1,9 +1,15 @@
-"""The connector's settings, parsed once from vLLM's `kv_connector_extra_config`.
+"""The connector's settings schema: the one description of `kv_connector_extra_config`.
 
-Primitives: `ConnectorConfig` (frozen, validated), `ConnectorConfig.parse(extra)`,
-`RequestControls.from_params(kv_transfer_params)` (per-request switches).
+Primitives:
+  - `ConnectorConfig` (frozen, validated), `ConnectorConfig.parse(extra, where)`,
+    `ConnectorConfig.known_keys()`: what the connector accepts, parsed once at the edge.
+  - `kvtier_transfer_config(extra)`: vLLM's `kv_transfer_config` loading the connector with
+    `extra`, validated by the same parser the connector runs.
+  - `CONNECTOR_CLASS`, `CONNECTOR_MODULE`, `CONNECTOR_KEYS`, `TOKENS_PER_CHUNK`.
+  - `RequestControls.from_params(kv_transfer_params)` (per-request switches).
 
-This module does not import vllm, so it is unit-testable on its own.
+This module imports neither vllm nor torch (the package imports the connector lazily), so
+`kvtier serve`, `kvtier plan`, `kvtier doctor` and the benches use it instead of copying it.
 """
 
 from __future__ import annotations
@@ -19,9 +25,15 @@ from kvtier.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 WHERE = "kv_connector_extra_config"
+# vLLM loads the connector as getattr(import_module(CONNECTOR_MODULE), CONNECTOR_CLASS).
+CONNECTOR_CLASS = "KVTierConnector"
+CONNECTOR_MODULE = "kvtier.integrations.vllm"
+# Default tokens per stored chunk: 2 MiB of KV for the bench model, 32 MiB for Llama-3-8B.
+TOKENS_PER_CHUNK = 256
 # Used when the extra config names no tiers: host RAM only.
 DEFAULT_TIERS: tuple[dict[str, Any], ...] = ({"kind": "memory", "capacity": "2GiB"},)
-_CONNECTOR_KEYS = frozenset({"tokens_per_chunk", "index_max_keys"})
+# The connector's own keys; every other key of the extra config belongs to StoreConfig.
+CONNECTOR_KEYS = frozenset({"tokens_per_chunk", "index_max_keys"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,30 +48,40 @@ class ConnectorConfig:
 
     store: StoreConfig  # tiers, sizes, paths, write-behind settings
     # Tokens per stored chunk; a multiple of vLLM's block size (checked against it later).
-    tokens_per_chunk: int = 256
+    tokens_per_chunk: int = TOKENS_PER_CHUNK
     # Keys the scheduler remembers as stored (~100 B each). None: as many chunks as the
     # tiers can hold together, so the index forgets about as fast as the tiers evict.
     index_max_keys: int | None = None
 
+    @staticmethod
+    def known_keys() -> frozenset[str]:
+        """Every key the extra config may hold: the connector's own and StoreConfig's."""
+        return CONNECTOR_KEYS | frozenset(StoreConfig.model_fields)
+
     @classmethod
-    def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
-        """Return the settings in `extra` (vLLM's kv_connector_extra_config).
+    def parse(cls, extra: Mapping[str, Any] | None, where: str = WHERE) -> ConnectorConfig:
+        """Return the settings in `extra` (vLLM's kv_connector_extra_config, or a config
+        file's contents); tiers default to DEFAULT_TIERS.
+
+        Args:
+            extra: the mapping to parse (not modified).
+            where: the prefix of field names in errors (a file's path, for a file).
 
         Raises:
-            ConfigError: naming the field, on an unknown key or a bad value.
+            ConfigError: naming `where.field`, on an unknown key or a bad value.
         """
         extra = dict(extra or {})
-        allowed = _CONNECTOR_KEYS | set(StoreConfig.model_fields)
+        allowed = cls.known_keys()
         unknown = sorted(set(extra) - allowed)
         if unknown:
-            raise ConfigError(f"{WHERE}.{unknown[0]}", extra[unknown[0]],
+            raise ConfigError(f"{where}.{unknown[0]}", extra[unknown[0]],
                               f"a known key: {sorted(allowed)}")
-        values = {k: extra.pop(k) for k in _CONNECTOR_KEYS if k in extra}
+        values = {k: extra.pop(k) for k in CONNECTOR_KEYS if k in extra}
         for name, value in values.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{WHERE}.{name}", value, "a positive integer")
+                raise ConfigError(f"{where}.{name}", value, "a positive integer")
         extra.setdefault("tiers", [dict(t) for t in DEFAULT_TIERS])
-        return cls(store=StoreConfig.parse(extra, where=WHERE), **values)
+        return cls(store=StoreConfig.parse(extra, where=where), **values)
 
     def index_keys(self, bytes_per_chunk: int) -> int:
         """The scheduler index's bound in keys (see index_max_keys)."""
@@ -72,6 +94,21 @@ class ConnectorConfig:
         if self.tokens_per_chunk % block_size:
             raise ConfigError(f"{WHERE}.tokens_per_chunk", self.tokens_per_chunk,
                               f"a multiple of vLLM's block_size ({block_size})")
+
+
+def kvtier_transfer_config(extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """vLLM's `kv_transfer_config` (`--kv-transfer-config`, `LLM(kv_transfer_config=...)`)
+    loading kvtier's connector with `extra` as its kv_connector_extra_config.
+
+    `extra` is checked here by `ConnectorConfig.parse`, the parser the connector runs, so a
+    config that passes here is one the connector accepts. It is passed on as given.
+
+    Raises:
+        ConfigError: naming the field, on an unknown key or a bad value.
+    """
+    ConnectorConfig.parse(extra)
+    return {"kv_connector": CONNECTOR_CLASS, "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": "kv_both", "kv_connector_extra_config": dict(extra or {})}
 
 
 @dataclass(frozen=True, slots=True)
