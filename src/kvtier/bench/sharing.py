@@ -2,7 +2,7 @@
 shared directory and through Redis, against B's own recompute, in one run.
 
 Engines run one after the other (never two at once), each an offline `vllm.LLM` with its own
-engine-core process, on the generated "bench" model (`kvtier.models`):
+engine-core process, on the generated "bench" model (`kvtier.bench.tinymodel`):
   - `A`: memory + shared + redis tiers. Computes every prompt once (the miss path) and writes
     its chunks behind to the shared directory and to Redis; then it is shut down.
   - `B-shared`: a new engine on A's directory; its memory tier is smaller than one chunk, so
@@ -37,15 +37,13 @@ from typing import Any
 from kvtier.bench.engines import (
     KV_BYTES_PER_TOKEN,
     NEW_TOKENS,
-    TOKENS_PER_CHUNK,
     bench_prompt,
     check_settings,
     counter,
-    kvtier_transfer_config,
     offline_engine,
 )
-from kvtier.bench.redis_baseline import local_redis
-from kvtier.models import make_preset_model
+from kvtier.bench.tinymodel import make_preset_model
+from kvtier.integrations.vllm.config import TOKENS_PER_CHUNK, kvtier_transfer_config
 
 SOURCES = ("shared", "redis")  # how B gets A's chunks
 KEY_PREFIX = "kvtier-bench-sharing:"
@@ -203,6 +201,8 @@ def run_sharing_bench(config: SharingConfig,
         RuntimeError: no redis_url and redis-server is not installed or does not start.
         TimeoutError: A's chunks did not reach the shared directory or Redis in 2 minutes.
     """
+    from kvtier.bench.redis_baseline import local_redis  # redis-py: ~0.3 s to import
+
     config.validate()
     begin = time.perf_counter()
     model_dir = make_preset_model("bench", config.model_root)

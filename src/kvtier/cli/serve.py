@@ -1,7 +1,8 @@
 """`kvtier serve MODEL [-- extra vllm args]`: vLLM's OpenAI server with kvtier configured.
 
 Prints the exact command first (so nothing is magic), then runs it in the foreground until
-Ctrl-C, and stops vLLM's whole process group on the way out. Thin layer over kvtier.serving.
+Ctrl-C, and stops vLLM's whole process group on the way out. Thin layer over kvtier.ops.serving
+and kvtier.ops.server.
 
     kvtier serve ./my-model                      # tiers sized from free RAM and disk
     kvtier serve ./my-model --memory 8GiB --disk-path /nvme/kv --disk 200GiB
@@ -20,10 +21,9 @@ import sys
 from pathlib import Path
 
 from kvtier.errors import ConfigError
-from kvtier.serving import (
+from kvtier.ops.server import ServerError, VllmServer
+from kvtier.ops.serving import (
     ServeConfig,
-    ServerError,
-    VllmServer,
     build_command,
     connector_config,
     default_tiers,

@@ -9,7 +9,7 @@ cache has evicted that user's history:
   - without kvtier, every returning turn recomputes its whole history (prefill);
   - with kvtier, the history's chunks come back from kvtier's memory tier, and only the new
     tokens are computed.
-The model is the "bench" preset (kvtier.models.tiny): big enough that prefill dominates a
+The model is the "bench" preset (kvtier.bench.tinymodel): big enough that prefill dominates a
 request's time on a 2-core CPU, as it does with a real model on a GPU.
 
 Primitives:
@@ -32,18 +32,17 @@ from kvtier.bench.client import ClientConfig
 from kvtier.bench.report import write_outputs
 from kvtier.bench.runner import BenchRun, bench_endpoint
 from kvtier.bench.stats import RequestResult, Summary, summarize
+from kvtier.bench.tinymodel import PRESETS, make_preset_model
 from kvtier.bench.workloads import Workload, multi_round
-from kvtier.models import PRESETS, make_preset_model
-from kvtier.serving import (
+from kvtier.ops.server import free_port, running_server
+from kvtier.ops.serving import (
     MIB,
     ServeCommand,
     ServeConfig,
     build_command,
     connector_config,
     default_tiers,
-    free_port,
     is_cpu_backend,
-    running_server,
 )
 
 
@@ -54,7 +53,7 @@ class DemoPlan:
     users' histories; kvtier's memory tier must hold them all."""
 
     name: str  # "full" or "quick"
-    preset: str  # model preset (kvtier.models.tiny.PRESETS)
+    preset: str  # model preset (kvtier.bench.tinymodel.PRESETS)
     users: int  # conversations, served round-robin
     turns: int  # turns per conversation; turns >= 1 are the "returning" ones
     first_len: int  # tokens of a conversation's first prompt (system prompt + question)
@@ -180,7 +179,7 @@ def run_demo(plan: DemoPlan, out_dir: Path, *, work_dir: Path, model_root: Path,
         The runs, the headline ratios, and the files written.
 
     Raises:
-        kvtier.serving.ServerError: a server did not start (the message has its log's tail).
+        kvtier.ops.server.ServerError: a server did not start (the message has its log's tail).
         OSError: out_dir or work_dir not writable.
         KeyboardInterrupt: passed on, after the running server is stopped.
 
