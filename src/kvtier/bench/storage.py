@@ -28,7 +28,6 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.bench.redis_baseline import local_redis, redis_subjects
 from kvtier.bench.subjects import LMCacheProcess, SizeBench, Subject
 from kvtier.errors import ConfigError
 
@@ -177,6 +176,10 @@ def run_bench(config: BenchConfig, on_round: Callable[[str], None] = lambda _: N
     samples: dict[tuple[str, str, int], list[float]] = {}  # (subject, op, size) -> seconds
     measurements: list[Measurement] = []
     lmcache_info: dict[str, Any] | None = None
+    # Here, not at the top: redis-py takes ~0.3 s to import, and `kvtier` imports this
+    # module to build its parser (tests/cli/test_startup.py).
+    from kvtier.bench.redis_baseline import local_redis, redis_subjects
+
     with ExitStack() as stack:
         config.directory.mkdir(parents=True, exist_ok=True)
         # A fresh directory of our own inside it, removed at the end whatever happens.

@@ -1,15 +1,20 @@
 """`kvtier bench copy`: the connector's worker copy path (paged KV <-> host chunks) against a
-raw contiguous copy of the same bytes. A thin command over `kvtier.bench.copy`."""
+raw contiguous copy of the same bytes. A thin command over `kvtier.bench.copy`, which imports
+torch: it is imported when the command runs, not when `kvtier` builds its parser."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.table import Table
 
-from kvtier.bench.copy import TARGET_RATIO, CopyBenchConfig, CopyBenchResult, run_copy_bench
 from kvtier.cli.bench import run_and_report
+from kvtier.integrations.vllm.config import TOKENS_PER_CHUNK
+
+if TYPE_CHECKING:
+    from kvtier.bench.copy import CopyBenchConfig, CopyBenchResult
 
 CPU_BLOCKS = 64  # default scattered blocks on CPU: 128 MiB of Llama-3-8B KV each way
 CUDA_BLOCKS = 512  # on CUDA: 1 GiB each way
@@ -25,7 +30,8 @@ def register(workloads: argparse._SubParsersAction) -> None:
                         help=f"scattered blocks each way (default {CUDA_BLOCKS} on CUDA, "
                              f"{CPU_BLOCKS} on CPU)")
     parser.add_argument("--block-size", type=int, default=16, help="vLLM block size (16)")
-    parser.add_argument("--tokens-per-chunk", type=int, default=256, help="kvtier chunk (256)")
+    parser.add_argument("--tokens-per-chunk", type=int, default=TOKENS_PER_CHUNK,
+                        help=f"kvtier chunk ({TOKENS_PER_CHUNK})")
     parser.add_argument("--layers", type=int, default=32, help="model layers (Llama-3-8B: 32)")
     parser.add_argument("--kv-heads", type=int, default=8, help="KV heads (8)")
     parser.add_argument("--head-size", type=int, default=128, help="head size (128)")
@@ -40,6 +46,8 @@ def register(workloads: argparse._SubParsersAction) -> None:
 
 
 def config_from(args: argparse.Namespace) -> CopyBenchConfig:
+    from kvtier.bench.copy import CopyBenchConfig
+
     base = CopyBenchConfig(device=args.device)
     blocks = args.blocks or (32 if args.quick else
                              CUDA_BLOCKS if base.resolved_device() == "cuda" else CPU_BLOCKS)
@@ -51,6 +59,8 @@ def config_from(args: argparse.Namespace) -> CopyBenchConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvtier.bench.copy import run_copy_bench
+
     config = config_from(args)
     config.validate()
     run_and_report("copy", lambda progress: run_copy_bench(config, progress),
@@ -74,6 +84,8 @@ def table(result: CopyBenchResult) -> Table:
 
 
 def summary(result: CopyBenchResult) -> str:
+    from kvtier.bench.copy import TARGET_RATIO
+
     parts = [f"{name} {ratio:.2f}x raw" for name, ratio in result.ratios.items()]
     mark = "[green]target met[/]" if result.passed else "[red]below target[/]"
     check = "verified" if result.verified else "[red]LOADED BYTES DIFFER[/]"
