@@ -34,6 +34,7 @@ import torch
 from kvtier.config import StoreConfig
 from kvtier.core.keys import ChunkKey
 from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.config import TOKENS_PER_CHUNK
 
 TARGET_RATIO = 0.8  # issue 3, "GPU": kvtier's copy path >= 0.8x a raw pinned copy
 GB = 1e9
@@ -49,7 +50,7 @@ class CopyBenchConfig:
     head_size: int = 128
     dtype: str = "bfloat16"
     block_size: int = 16  # vLLM's block size in tokens
-    tokens_per_chunk: int = 256  # kvtier chunk (16 blocks: 32 MiB for Llama-3-8B)
+    tokens_per_chunk: int = TOKENS_PER_CHUNK  # kvtier chunk (16 blocks: 32 MiB, Llama-3-8B)
     blocks: int = 512  # scattered blocks moved each way (1 GiB for Llama-3-8B)
     trials: int = 5  # timed trials after one warm-up; figures are medians
     threads: int | None = None  # torch CPU threads (None: torch's default)
