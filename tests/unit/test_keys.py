@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from kvtier.core.keys import KEY_BYTES, Namespace, chunk_keys, key_hex
+from kvtier.core.keys import KEY_BYTES, Namespace, chunk_keys
 
 NS = Namespace(model_id="meta-llama/Llama-3.1-8B", layout_digest="0" * 32)
 PROMPT = list(range(1000, 1064))  # 64 tokens: 4 chunks of 16
@@ -132,8 +132,3 @@ def test_token_container_and_integer_width_do_not_matter() -> None:
     assert chunk_keys(np.array(PROMPT, dtype=np.int32), NS, 16) == expected
     assert chunk_keys(np.array(PROMPT, dtype=np.int64), NS, 16) == expected
     assert chunk_keys(tuple(PROMPT), NS, 16) == expected
-
-
-def test_key_hex_is_lowercase_hex_of_the_key() -> None:
-    key = chunk_keys(PROMPT, NS, 16)[0]
-    assert key_hex(key) == key.hex() and bytes.fromhex(key_hex(key)) == key

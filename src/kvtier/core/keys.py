@@ -5,7 +5,7 @@ equal prefixes. Hashing is blake3 over a canonical byte encoding (little-endian 
 ids), so keys are identical across processes, machines and restarts: nothing depends on
 Python's `hash()` or PYTHONHASHSEED (a known cause of 0% hit rates with shared caches).
 
-Primitives: `ChunkKey`, `Namespace`, `chunk_keys`, `key_hex`.
+Primitives: `ChunkKey`, `Namespace`, `chunk_keys`.
 """
 
 from __future__ import annotations
@@ -63,8 +63,3 @@ def chunk_keys(
         previous = ChunkKey(hasher.digest(length=KEY_BYTES))
         keys.append(previous)
     return keys
-
-
-def key_hex(key: ChunkKey) -> str:
-    """The key as lowercase hex, as used in file names and logs."""
-    return key.hex()

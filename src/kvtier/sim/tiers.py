@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from kvtier.core.policies import POLICIES, make_policy
+from kvtier.core.policies import POLICIES, EvictionPolicy, make_policy
 from kvtier.errors import ConfigError
 from kvtier.ops.hardware import DRAM_GBPS, NVME_GBPS
 from kvtier.units import parse_size
@@ -83,7 +83,7 @@ class SimTier:
         self.spec = spec
         self.capacity_blocks = int(spec.capacity_bytes // block_bytes)
         self.resident: set[int] = set()
-        self.policy = make_policy(spec.policy, max(1, self.capacity_blocks))
+        self.policy: EvictionPolicy[int] = make_policy(spec.policy, max(1, self.capacity_blocks))
         self.busy_until_s = 0.0  # when its read channel is free again
         self.hit_blocks = 0  # blocks served to lookups
         self.stored_blocks = 0  # blocks written into it (stores, demotions, promotions)

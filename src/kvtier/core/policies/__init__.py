@@ -8,7 +8,7 @@ Primitives: `EvictionPolicy` (protocol), `make_policy`, `POLICIES`, `AdmissionFi
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from kvtier.core.policies.admission import AdmissionFilter
 from kvtier.core.policies.arc import ARCPolicy
@@ -16,19 +16,23 @@ from kvtier.core.policies.lru import LRUPolicy
 from kvtier.errors import ConfigError
 
 
-class EvictionPolicy(Protocol):
-    """Orders resident keys for eviction. Not thread-safe: the owning tier locks."""
+K = TypeVar("K", bound=Hashable)
 
-    def insert(self, key: Hashable) -> None:
+
+class EvictionPolicy(Protocol[K]):
+    """Orders resident keys (of type K, e.g. ChunkKey) for eviction. Not thread-safe: the
+    owning tier locks."""
+
+    def insert(self, key: K) -> None:
         """A key became resident."""
 
-    def touch(self, key: Hashable) -> None:
+    def touch(self, key: K) -> None:
         """A resident key was read."""
 
-    def remove(self, key: Hashable) -> None:
+    def remove(self, key: K) -> None:
         """A key left for another reason than eviction (delete, corruption)."""
 
-    def evict(self) -> Hashable | None:
+    def evict(self) -> K | None:
         """Choose the next victim and forget it as resident; None when nothing is resident."""
 
     def __len__(self) -> int: ...
@@ -37,8 +41,9 @@ class EvictionPolicy(Protocol):
 POLICIES = ("lru", "arc")
 
 
-def make_policy(name: str, capacity_chunks: int) -> EvictionPolicy:
-    """Return a new policy by name ("lru" or "arc") for a tier of `capacity_chunks`.
+def make_policy(name: str, capacity_chunks: int) -> EvictionPolicy[K]:
+    """Return a new policy by name ("lru" or "arc") for a tier of `capacity_chunks`; its key
+    type is the one the caller's annotation asks for.
 
     Raises:
         ConfigError: unknown policy name.

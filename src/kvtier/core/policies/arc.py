@@ -13,20 +13,23 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable
+from typing import Generic, TypeVar
+
+K = TypeVar("K", bound=Hashable)
 
 
-class ARCPolicy:
+class ARCPolicy(Generic[K]):
     """ARC over a tier holding at most `capacity` chunks."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = max(1, capacity)
         self.p = 0.0  # target size of T1
-        self._t1: OrderedDict[Hashable, None] = OrderedDict()
-        self._t2: OrderedDict[Hashable, None] = OrderedDict()
-        self._b1: OrderedDict[Hashable, None] = OrderedDict()
-        self._b2: OrderedDict[Hashable, None] = OrderedDict()
+        self._t1: OrderedDict[K, None] = OrderedDict()
+        self._t2: OrderedDict[K, None] = OrderedDict()
+        self._b1: OrderedDict[K, None] = OrderedDict()
+        self._b2: OrderedDict[K, None] = OrderedDict()
 
-    def insert(self, key: Hashable) -> None:
+    def insert(self, key: K) -> None:
         if key in self._t1 or key in self._t2:
             self.touch(key)
             return
@@ -42,18 +45,18 @@ class ARCPolicy:
             self._t1[key] = None
         self._trim_ghosts()
 
-    def touch(self, key: Hashable) -> None:
+    def touch(self, key: K) -> None:
         if key in self._t1:
             del self._t1[key]
             self._t2[key] = None
         elif key in self._t2:
             self._t2.move_to_end(key)
 
-    def remove(self, key: Hashable) -> None:
+    def remove(self, key: K) -> None:
         for resident in (self._t1, self._t2):
             resident.pop(key, None)
 
-    def evict(self) -> Hashable | None:
+    def evict(self) -> K | None:
         if self._t1 and (len(self._t1) > self.p or not self._t2):
             key, _ = self._t1.popitem(last=False)
             self._b1[key] = None
