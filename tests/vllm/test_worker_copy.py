@@ -203,7 +203,7 @@ def test_loads_from_disk_come_in_batches_and_stop_at_the_first_miss(tmp_path) ->
     from kvtier.config import StoreConfig
     from kvtier.core.keys import ChunkKey
     from kvtier.core.store import TieredStore
-    from kvtier.integrations.vllm.scheduler import ChunkTransfer, KVTierMetadata
+    from kvtier.integrations.vllm.messages import ChunkTransfer, KVTierMetadata
     from kvtier.integrations.vllm.worker import ConnectorWorker
 
     kv = one_allocation_cpu_kv(blocks=32)

@@ -157,7 +157,7 @@ def run_copy_bench(config: CopyBenchConfig,
     Raises:
         ConfigError: a bad setting.
     """
-    from kvtier.integrations.vllm.scheduler import ChunkTransfer, KVTierMetadata
+    from kvtier.integrations.vllm.messages import ChunkTransfer, KVTierMetadata
     from kvtier.integrations.vllm.worker import ConnectorWorker, PagedKV
 
     config.validate()

@@ -38,7 +38,8 @@ from kvtier.tiers import build_probe
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, KVTierPromMetrics
-from kvtier.integrations.vllm.scheduler import ConnectorScheduler, KVTierMetadata
+from kvtier.integrations.vllm.messages import KVTierMetadata
+from kvtier.integrations.vllm.scheduler import ConnectorScheduler
 from kvtier.integrations.vllm.worker import ConnectorWorker, PagedKV
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,17 @@ def scheduler_layouts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
                  tokens_per_chunk=tokens_per_chunk, tp_rank=rank, tp_world_size=world)
         for rank in range(world)
     ]
+
+
+def tp_any(flags: list[bool]) -> list[bool]:
+    """OR each flag across the tensor-parallel ranks (a collective on the TP group's CPU
+    group: every rank calls it in the same step with as many flags)."""
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_tp_group
+
+    votes = torch.tensor(flags, dtype=torch.int32)
+    dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=get_tp_group().cpu_group)
+    return [bool(v) for v in votes.tolist()]
 
 
 class KVTierConnector(KVConnectorBase_V1):
@@ -153,16 +165,19 @@ class KVTierConnector(KVConnectorBase_V1):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         paged = PagedKV(kv_caches, self._block_size)
+        world = self._vllm_config.parallel_config.tensor_parallel_size
         layout = paged.layout(self._config.tokens_per_chunk,
-                              tp_rank=get_tensor_model_parallel_rank(),
-                              tp_world_size=self._vllm_config.parallel_config.tensor_parallel_size)
+                              tp_rank=get_tensor_model_parallel_rank(), tp_world_size=world)
         self._worker = ConnectorWorker(paged, layout, TieredStore(self._config.store, layout),
-                                       load_batch=self._config.store.io_threads)
+                                       load_batch=self._config.store.io_threads,
+                                       agree=tp_any if world > 1 else None)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        if self._worker is not None and isinstance(meta, KVTierMetadata) and meta.loads:
-            self._worker.load(meta)
+        if self._worker is not None and isinstance(meta, KVTierMetadata):
+            self._worker.begin_step(meta)
+            if meta.loads:
+                self._worker.load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv

@@ -45,6 +45,8 @@ COUNTERS: dict[str, str] = {
     "loaded_bytes": "KV bytes loaded into vLLM's KV cache",
     "load_seconds": "Seconds the workers spent loading KV (read + copy into blocks)",
     "load_failures": "Chunks whose load failed (vLLM recomputed them)",
+    "unsafe_stores_skipped": "Chunks not stored because they were computed over a failed "
+                             "load (stored once recomputed)",
     "stored_tokens": "Tokens stored from vLLM's KV cache",
     "stored_bytes": "KV bytes stored from vLLM's KV cache",
     "store_seconds": "Seconds the workers spent storing KV (copy out of blocks + top tier)",

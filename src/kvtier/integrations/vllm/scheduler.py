@@ -11,7 +11,12 @@ missing, plus probes of the tiers this process can see (disk and shared director
 find chunks stored before a restart or by another engine. The bytes live in the workers'
 `TieredStore`s.
 
-Primitives: `ChunkTransfer`, `KVTierMetadata`, `KVTierWorkerMetadata`, `ConnectorScheduler`.
+A load that fails leaves blocks unfilled under a forward pass that vLLM runs anyway: stores
+planned before the scheduler learns of the failure name the recently loaded blocks they
+depend on, so that a worker can refuse them (see messages.py); the refused chunks are planned
+again and stored once vLLM has recomputed them.
+
+Primitives: `ConnectorScheduler`.
 """
 
 from __future__ import annotations
@@ -22,16 +27,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorMetadata,
-    KVConnectorWorkerMetadata,
-)
-
 from kvtier.core.keys import ChunkKey, Namespace, chunk_keys
 from kvtier.core.locator import ChunkLocator
-from kvtier.core.store import StoreEvent
 from kvtier.integrations.vllm.config import ConnectorConfig, RequestControls
 from kvtier.integrations.vllm.events import ChunkInfo, ChunkTokens, kv_events
+from kvtier.integrations.vllm.messages import ChunkTransfer, KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, StatsDelta
 
 if TYPE_CHECKING:
@@ -46,47 +46,11 @@ logger = logging.getLogger(__name__)
 # Label of the byte order inside a chunk (see paged.py); part of every key's namespace with
 # the block size it depends on, so a change of order can never serve old bytes.
 CHUNK_ORDER = "chunk-order=LBH2TD-v2"
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkTransfer:
-    """One chunk to move between kvtier and vLLM's paged KV."""
-
-    key: ChunkKey
-    # vLLM block ids holding the chunk's tokens, in token order (tokens_per_chunk/block_size).
-    block_ids: tuple[int, ...]
-    # Loads only: blocks before this index already hold valid KV (a local prefix-cache hit,
-    # possibly shared with other requests) and must not be written.
-    first_block: int = 0
-
-
-@dataclass(slots=True)
-class KVTierMetadata(KVConnectorMetadata):
-    """Scheduler -> worker plan for one engine step."""
-
-    # Loads, per request, in chunk order; done before the forward pass.
-    loads: dict[str, list[ChunkTransfer]] = field(default_factory=dict)
-    # Stores of chunks that this step's forward completes; done after the forward pass.
-    stores: list[ChunkTransfer] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler report for one engine step."""
-
-    stored: set[ChunkKey] = field(default_factory=set)  # keys now held by kvtier
-    missing: set[ChunkKey] = field(default_factory=set)  # keys a load did not find
-    removed: set[ChunkKey] = field(default_factory=set)  # keys no tier holds any more
-    events: list[StoreEvent] = field(default_factory=list)  # per-tier stores and removals
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTierWorkerMetadata:
-        # Tensor parallel: a chunk is usable only when every rank stored its shard, and
-        # unusable as soon as one rank lost it. Ranks report the same events: keep one.
-        assert isinstance(other, KVTierWorkerMetadata)
-        return KVTierWorkerMetadata(stored=self.stored & other.stored,
-                                    missing=self.missing | other.missing,
-                                    removed=self.removed | other.removed,
-                                    events=list(dict.fromkeys(self.events + other.events)))
+# Engine steps during which a load's blocks count as unconfirmed (stores depending on them name
+# them). vLLM reports a step's outcome before it schedules the step after next (async
+# scheduling keeps one step in flight), so 2 would do; the rest is slack. A block past the
+# window whose load failed was acknowledged long since (see _acked_failed_blocks).
+LOAD_CONFIRM_STEPS = 4
 
 
 @dataclass(slots=True)
@@ -125,6 +89,11 @@ class ConnectorScheduler:
         self._pending_loads: dict[str, list[ChunkTransfer]] = {}
         # Keys sent to workers for storing and not yet reported back (not stored twice).
         self._inflight_stores: set[ChunkKey] = set()
+        # Blocks planned to be loaded -> the step that loads them, for LOAD_CONFIRM_STEPS.
+        self._step = 0
+        self._recent_loads: dict[int, int] = {}
+        # Blocks whose failed load a worker reported, to acknowledge in the next plan.
+        self._acked_failed_blocks: set[int] = set()
 
     # -- lookup ---------------------------------------------------------------------------
 
@@ -175,8 +144,10 @@ class ConnectorScheduler:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMetadata:
         """This step's plan: the pending loads, and stores of chunks the step completes."""
-        meta = KVTierMetadata(loads=self._pending_loads)
-        self._pending_loads = {}
+        meta = KVTierMetadata(loads=self._pending_loads,
+                              acked_failed_blocks=self._acked_failed_blocks)
+        self._pending_loads, self._acked_failed_blocks = {}, set()
+        self._remember_loads(meta.loads)
         for req_id in scheduler_output.preempted_req_ids or ():
             if req_id in self._requests:
                 # Its blocks are freed; the resumed request gets a full new block list, and
@@ -219,14 +190,17 @@ class ConnectorScheduler:
         if self._emit_events:
             self._kv_events.extend(kv_events(report.events, self._chunk_tokens,
                                              self._tier_kinds, self._config.tokens_per_chunk))
-        if report.missing:
-            # vLLM recomputes a failed load into the same blocks; plan its chunks again so
-            # they are stored once recomputed. Without this a corrupt or vanished chunk stayed
+        self._acked_failed_blocks |= report.failed_blocks
+        replan = report.missing | report.skipped
+        if replan:
+            # vLLM recomputes a failed load into the same blocks, and what its forward
+            # computed over them (stores the workers skipped); plan those chunks again so they
+            # are stored once recomputed. Without this a corrupt or vanished chunk stayed
             # missing (the load had marked it planned), and the next request with that prefix
             # missed too (tests/vllm/test_kvtier_restart.py, damaged chunk files).
             for state in self._requests.values():
                 failed = [i for i, key in enumerate(state.keys[: state.num_planned_chunks])
-                          if key in report.missing]
+                          if key in replan]
                 if failed:
                     state.num_planned_chunks = failed[0]
 
@@ -279,15 +253,31 @@ class ConnectorScheduler:
         if full_chunks <= state.num_planned_chunks:
             return
         keys = self._keys_for(state, full_chunks)
+        bpc = self._blocks_per_chunk
+        # Recently loaded blocks of the prefix, with their positions (usually none).
+        loaded = [(i, b) for i, b in enumerate(state.block_ids[: full_chunks * bpc])
+                  if b in self._recent_loads] if self._recent_loads else []
         for chunk in range(state.num_planned_chunks, full_chunks):
             key = keys[chunk]
             if key in self._locator.index or key in self._inflight_stores:
                 continue
-            first = chunk * self._blocks_per_chunk
+            first = chunk * bpc
             out.append(ChunkTransfer(
-                key=key, block_ids=tuple(state.block_ids[first: first + self._blocks_per_chunk])))
+                key=key, block_ids=tuple(state.block_ids[first: first + bpc]),
+                depends_on=tuple(b for i, b in loaded if i < first + bpc)))
             self._inflight_stores.add(key)
         state.num_planned_chunks = full_chunks
+
+    def _remember_loads(self, loads: dict[str, list[ChunkTransfer]]) -> None:
+        """Count a new step; note the blocks it loads, forget loads past the window."""
+        self._step += 1
+        for transfers in loads.values():
+            for transfer in transfers:
+                for block in transfer.block_ids[transfer.first_block:]:
+                    self._recent_loads[block] = self._step
+        if self._recent_loads:
+            oldest = self._step - LOAD_CONFIRM_STEPS
+            self._recent_loads = {b: s for b, s in self._recent_loads.items() if s > oldest}
 
     def close(self) -> None:
         self._locator.close()

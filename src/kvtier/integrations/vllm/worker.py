@@ -11,8 +11,11 @@ and loads borrow chunks (`TieredStore.borrow_many`): the scatter reads the memor
 slot in place, and a slower tier's read lands in a reserved slot too, so each direction is
 one copy on the CPU. On CUDA the copies run on side streams (`cuda.py`).
 
-Primitives: `ChunkStore` (what the worker needs of
-a store), `ConnectorWorker`.
+A store whose request's prefix depends on a block whose load failed is refused (its KV was
+computed over unfilled blocks, see messages.py): every tensor-parallel rank refuses it when
+one rank's load failed (`agree`).
+
+Primitives: `ChunkStore` (what the worker needs of a store), `ConnectorWorker`.
 """
 
 from __future__ import annotations
@@ -31,11 +34,7 @@ from kvtier.core.layout import KVLayout
 from kvtier.core.store import ChunkView, StoreEvent, StoreStats
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, StatsDelta
 from kvtier.integrations.vllm.paged import PagedKV
-from kvtier.integrations.vllm.scheduler import (
-    ChunkTransfer,
-    KVTierMetadata,
-    KVTierWorkerMetadata,
-)
+from kvtier.integrations.vllm.messages import ChunkTransfer, KVTierMetadata, KVTierWorkerMetadata
 
 if TYPE_CHECKING:
     from kvtier.integrations.vllm.cuda import CudaChunkMover
@@ -86,10 +85,13 @@ class ConnectorWorker:
     """Worker-side logic behind KVTierConnector's worker hooks (model runner thread)."""
 
     def __init__(self, paged: PagedKV, layout: KVLayout, store: ChunkStore,
-                 load_batch: int = LOAD_BATCH) -> None:
+                 load_batch: int = LOAD_BATCH,
+                 agree: Callable[[list[bool]], list[bool]] | None = None) -> None:
         """Args:
             load_batch: chunks per `borrow_many`: a slow tier's reads of one batch run in
                 parallel (8 at a time read the VM disk here 25-30% faster than 4).
+            agree: under tensor parallelism, ORs a list of flags across the ranks (a
+                collective every rank enters with the same list length); None: one rank.
         """
         self._paged = paged
         self._store = store
@@ -101,6 +103,9 @@ class ConnectorWorker:
         self._spares = [torch.empty(layout.bytes_per_chunk, dtype=torch.uint8).numpy().data
                         for _ in range(load_batch)]
         self._failed_block_ids: set[int] = set()
+        # Blocks whose load failed, until the scheduler acknowledges it (a later step).
+        self._unfilled: set[int] = set()
+        self._agree = agree
         self._report = KVTierWorkerMetadata()
         self._cuda: CudaChunkMover | None = None
         if paged.device.type == "cuda":
@@ -110,11 +115,18 @@ class ConnectorWorker:
         self._stats = StatsDelta(rank=layout.tp_rank)
         self._block_bytes = layout.bytes_per_chunk // len_blocks(layout, paged.block_size)
 
+    def begin_step(self, meta: KVTierMetadata) -> None:
+        """Take the step's plan in (before its loads): forget the failures the scheduler
+        has acknowledged (vLLM recomputes those blocks from this step on)."""
+        self._unfilled -= meta.acked_failed_blocks
+
     def load(self, meta: KVTierMetadata) -> None:
         """Load every planned chunk into vLLM's blocks; record failures (before forward)."""
         start = time.perf_counter()
         for transfers in meta.loads.values():
             loaded = self._load_request(transfers)
+            for transfer in transfers[:loaded]:
+                self._unfilled.difference_update(transfer.block_ids[transfer.first_block:])
             if loaded < len(transfers):
                 # This chunk and the rest of the request are recomputed by vLLM. Report every
                 # chunk of the rest the store no longer holds, not just the first: after an
@@ -124,7 +136,10 @@ class ConnectorWorker:
                 self._report.missing.update(t.key for t in transfers[loaded + 1:]
                                             if not self._store.contains(t.key))
                 for failed in transfers[loaded:]:
-                    self._failed_block_ids.update(failed.block_ids[failed.first_block:])
+                    blocks = failed.block_ids[failed.first_block:]
+                    self._failed_block_ids.update(blocks)
+                    self._unfilled.update(blocks)
+                    self._report.failed_blocks.update(blocks)
                 self._stats.add("load_failures", len(transfers) - loaded)
             for transfer in transfers[:loaded]:
                 blocks = len(transfer.block_ids) - transfer.first_block
@@ -135,7 +150,7 @@ class ConnectorWorker:
     def store(self, meta: KVTierMetadata) -> None:
         """Store every planned chunk whose KV the forward pass just computed."""
         start = time.perf_counter()
-        for transfer in meta.stores:
+        for transfer in self._safe_stores(meta.stores):
             if self._store.contains(transfer.key):  # e.g. a prefix vLLM itself had cached
                 self._report.stored.add(transfer.key)
                 continue
@@ -144,6 +159,24 @@ class ConnectorWorker:
                 self._stats.add("stored_tokens", len(transfer.block_ids) * self._paged.block_size)
                 self._stats.add("stored_bytes", len(self._buffer_view))
         self._stats.add("store_seconds", time.perf_counter() - start)
+
+    def _safe_stores(self, stores: list[ChunkTransfer]) -> list[ChunkTransfer]:
+        """The stores whose KV was not computed over a failed load (of this rank or, through
+        `agree`, of any rank); the others are reported skipped and counted."""
+        dependent = [t for t in stores if t.depends_on]
+        if not dependent:
+            return stores
+        unsafe = [not self._unfilled.isdisjoint(t.depends_on) for t in dependent]
+        if self._agree is not None:
+            unsafe = self._agree(unsafe)
+        refused = {t.key for t, bad in zip(dependent, unsafe) if bad}
+        if not refused:
+            return stores
+        logger.warning("kvtier: not storing %d chunk(s) computed over a failed load (they "
+                       "are stored once vLLM has recomputed them)", len(refused))
+        self._report.skipped.update(refused)
+        self._stats.add("unsafe_stores_skipped", len(refused))
+        return [t for t in stores if t.key not in refused]
 
     def take_stats(self) -> KVTierConnectorStats | None:
         """Counter deltas since the last call (vLLM's get_kv_connector_stats)."""
@@ -207,7 +240,8 @@ class ConnectorWorker:
             if event.kind == "removed" and not self._store.contains(event.key):
                 self._report.removed.add(event.key)  # no tier holds it any more
         report = self._report
-        if not (report.stored or report.missing or report.removed or report.events):
+        if not (report.stored or report.missing or report.removed or report.events
+                or report.skipped or report.failed_blocks):
             return None
         self._report = KVTierWorkerMetadata()
         return report

@@ -1,0 +1,80 @@
+"""The messages between the connector's scheduler side and its workers, once per engine step.
+
+vLLM carries them: the scheduler's plan (`KVTierMetadata`) goes to every worker with the step's
+scheduler output; each worker's report (`KVTierWorkerMetadata`) comes back with the step's
+model output, merged across tensor-parallel ranks by `aggregate`.
+
+A failed load leaves blocks unfilled, and vLLM still runs that step's forward over them (it
+recomputes them in a later step). So every store names the blocks loaded by recent steps that
+its request's prefix depends on (`ChunkTransfer.depends_on`): a worker refuses a store that
+depends on a block whose load failed and the scheduler has not yet acknowledged
+(`KVTierMetadata.acked_failed_blocks`), reports it `skipped`, and the scheduler plans it again
+once the recomputation has run.
+
+Primitives: `ChunkTransfer`, `KVTierMetadata`, `KVTierWorkerMetadata`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+from kvtier.core.keys import ChunkKey
+from kvtier.core.store import StoreEvent
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkTransfer:
+    """One chunk to move between kvtier and vLLM's paged KV."""
+
+    key: ChunkKey
+    # vLLM block ids holding the chunk's tokens, in token order (tokens_per_chunk/block_size).
+    block_ids: tuple[int, ...]
+    # Loads only: blocks before this index already hold valid KV (a local prefix-cache hit,
+    # possibly shared with other requests) and must not be written.
+    first_block: int = 0
+    # Stores only: blocks of the request's prefix (this chunk's included) that kvtier loaded
+    # in a step whose outcome the scheduler may not know yet. A failed one makes the store
+    # unsafe: its KV was computed over unfilled blocks.
+    depends_on: tuple[int, ...] = ()
+
+
+@dataclass(slots=True)
+class KVTierMetadata(KVConnectorMetadata):
+    """Scheduler -> worker plan for one engine step."""
+
+    # Loads, per request, in chunk order; done before the forward pass.
+    loads: dict[str, list[ChunkTransfer]] = field(default_factory=dict)
+    # Stores of chunks that this step's forward completes; done after the forward pass.
+    stores: list[ChunkTransfer] = field(default_factory=list)
+    # Blocks whose failed load the scheduler has learned of (vLLM recomputes them from this
+    # step on): stores need no longer avoid them.
+    acked_failed_blocks: set[int] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler report for one engine step."""
+
+    stored: set[ChunkKey] = field(default_factory=set)  # keys now held by kvtier
+    missing: set[ChunkKey] = field(default_factory=set)  # keys a load did not find
+    removed: set[ChunkKey] = field(default_factory=set)  # keys no tier holds any more
+    # Stores refused because their KV was computed over a failed load: plan them again.
+    skipped: set[ChunkKey] = field(default_factory=set)
+    failed_blocks: set[int] = field(default_factory=set)  # blocks whose load failed
+    events: list[StoreEvent] = field(default_factory=list)  # per-tier stores and removals
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTierWorkerMetadata:
+        # Tensor parallel: a chunk is usable only when every rank stored its shard, and
+        # unusable as soon as one rank lost it. Ranks report the same events: keep one.
+        assert isinstance(other, KVTierWorkerMetadata)
+        return KVTierWorkerMetadata(stored=self.stored & other.stored,
+                                    missing=self.missing | other.missing,
+                                    removed=self.removed | other.removed,
+                                    skipped=self.skipped | other.skipped,
+                                    failed_blocks=self.failed_blocks | other.failed_blocks,
+                                    events=list(dict.fromkeys(self.events + other.events)))

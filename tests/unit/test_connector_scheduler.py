@@ -1,0 +1,188 @@
+"""The connector's scheduler side, driven the way vLLM's scheduler drives it, step by step.
+
+Pure logic on real vLLM `Request`s (importing vllm takes a few seconds; no engine): what it
+offers to load, where loads land, which chunks each step stores, how a failed load is kept
+out of the cache, and the per-request controls. Chunks of 64 tokens over vLLM blocks of 32.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm import SamplingParams  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+
+from kvtier.core.keys import ChunkKey  # noqa: E402
+from kvtier.core.locator import ChunkLocator  # noqa: E402
+from kvtier.integrations.vllm.config import ConnectorConfig  # noqa: E402
+from kvtier.integrations.vllm.messages import KVTierMetadata, KVTierWorkerMetadata  # noqa: E402
+from kvtier.integrations.vllm.scheduler import ConnectorScheduler  # noqa: E402
+
+CHUNK, BLOCK = 64, 32
+
+
+def request(rid: str, num_tokens: int, salt: str | None = None,
+            params: dict[str, Any] | None = None, first: int = 1000) -> Request:
+    """A prompt of `num_tokens` consecutive token ids from `first` (equal prefixes for
+    equal `first`)."""
+    extra = {"kv_transfer_params": params} if params else None
+    return Request(rid, list(range(first, first + num_tokens)),
+                   SamplingParams(max_tokens=16, extra_args=extra), None, cache_salt=salt)
+
+
+class Engine:
+    """vLLM's side of the conversation: lookups, allocations, steps and worker reports."""
+
+    def __init__(self) -> None:
+        self.locator = ChunkLocator([], max_keys=1024)
+        self.sched = ConnectorScheduler(ConnectorConfig.parse({"tokens_per_chunk": CHUNK}),
+                                        block_size=BLOCK, model_id="tiny",
+                                        layout_digest="0" * 32, locator=self.locator)
+
+    def admit(self, req: Request, blocks: list[int], local_tokens: int = 0) -> int:
+        """Ask how much kvtier can load beyond vLLM's `local_tokens`, allocate `blocks`."""
+        external, is_async = self.sched.get_num_new_matched_tokens(req, local_tokens)
+        assert external is not None and not is_async
+        self.sched.update_state_after_alloc(
+            req, SimpleNamespace(get_block_ids=lambda: (blocks,)), external)
+        return external
+
+    def step(self, new: dict[str, tuple[list[int], int, int]] | None = None,
+             cached: dict[str, tuple[list[int], int, int]] | None = None,
+             preempted: set[str] | None = None, resumed: set[str] | None = None
+             ) -> KVTierMetadata:
+        """One step's plan. `new`/`cached`: req id -> (new block ids, computed tokens before
+        the step, tokens the step computes)."""
+        new, cached = new or {}, cached or {}
+        output = SimpleNamespace(
+            scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(b,), num_computed_tokens=c)
+                                for r, (b, c, _) in new.items()],
+            scheduled_cached_reqs=SimpleNamespace(
+                req_ids=list(cached), new_block_ids=[(b,) if b else None
+                                                     for b, _, _ in cached.values()],
+                num_computed_tokens=[c for _, c, _ in cached.values()],
+                resumed_req_ids=resumed or set()),
+            num_scheduled_tokens={r: n for r, (_, _, n) in (new | cached).items()},
+            preempted_req_ids=preempted or set())
+        return self.sched.build_connector_meta(output)  # type: ignore[arg-type]
+
+    def report(self, **fields: Any) -> None:
+        self.sched.update_connector_output(  # type: ignore[arg-type]
+            SimpleNamespace(kv_connector_worker_meta=KVTierWorkerMetadata(**fields)))
+
+    def store_all(self, meta: KVTierMetadata) -> list[ChunkKey]:
+        """A worker that stores every planned chunk and says so."""
+        keys = [t.key for t in meta.stores]
+        self.report(stored=set(keys))
+        return keys
+
+
+def test_a_new_prompt_misses_and_its_prefill_stores_every_full_chunk() -> None:
+    engine = Engine()
+    req = request("a", 200)
+    assert engine.admit(req, list(range(7))) == 0
+    meta = engine.step(new={"a": (list(range(7)), 0, 200)})
+    assert meta.loads == {}
+    # 200 tokens: chunks 0-2 are full (192 tokens), the last 8 tokens are not stored.
+    assert [t.block_ids for t in meta.stores] == [(0, 1), (2, 3), (4, 5)]
+    assert all(t.depends_on == () for t in meta.stores)
+
+
+def test_a_returning_prompt_loads_whole_chunks_and_the_step_stores_what_follows() -> None:
+    engine = Engine()
+    first = request("a", 200)
+    engine.admit(first, list(range(7)))
+    stored = engine.store_all(engine.step(new={"a": (list(range(7)), 0, 200)}))
+    engine.sched.request_finished(first)
+    # The same 200 tokens and 60 more: 3 chunks held, the 4th completes in this step.
+    again = request("b", 260)
+    blocks = list(range(10, 19))
+    assert engine.admit(again, blocks) == 192
+    meta = engine.step(new={"b": (blocks, 192, 68)})
+    assert [(t.key, t.block_ids, t.first_block) for t in meta.loads["b"]] == [
+        (stored[0], (10, 11), 0), (stored[1], (12, 13), 0), (stored[2], (14, 15), 0)]
+    [store] = meta.stores
+    assert store.block_ids == (16, 17)
+    # Its KV is computed over the loaded blocks: it names them, should a load fail.
+    assert store.depends_on == (10, 11, 12, 13, 14, 15)
+
+
+def test_loads_start_after_vllms_own_cached_blocks() -> None:
+    engine = Engine()
+    engine.admit(request("a", 200), list(range(7)))
+    engine.store_all(engine.step(new={"a": (list(range(7)), 0, 200)}))
+    # vLLM holds 3 blocks (96 tokens) itself: chunk 1's first block is not written.
+    again = request("b", 200)
+    assert engine.admit(again, [0, 1, 2, 20, 21, 22, 23], local_tokens=96) == 96
+    meta = engine.step(new={"b": ([0, 1, 2, 20, 21, 22, 23], 192, 8)})
+    assert [(t.block_ids, t.first_block) for t in meta.loads["b"]] == [((2, 20), 1), ((21, 22), 0)]
+
+
+def test_a_failed_load_is_never_stored_and_is_stored_once_recomputed() -> None:
+    engine = Engine()
+    engine.admit(request("a", 200), list(range(7)))
+    held = engine.store_all(engine.step(new={"a": (list(range(7)), 0, 200)}))
+    req = request("b", 260)
+    blocks = list(range(10, 19))
+    engine.admit(req, blocks)
+    meta = engine.step(new={"b": (blocks, 192, 68)})
+    later = meta.stores[0].key
+    # The worker: chunk 1 was corrupt (blocks 12-15 unfilled), so it refused the store of
+    # chunk 3 computed over them.
+    engine.report(missing={held[1]}, skipped={later}, failed_blocks={12, 13, 14, 15})
+    # vLLM recomputes from block 12 (token 64): the next plan acknowledges the failure to
+    # the workers, and stores the corrupt chunk 1 and the refused chunk 3 once this step has
+    # recomputed them (chunk 2 is still held: its load was only abandoned after chunk 1's).
+    meta = engine.step(cached={"b": ([], 64, 196)})
+    assert meta.acked_failed_blocks == {12, 13, 14, 15}
+    assert [t.key for t in meta.stores] == [held[1], later]
+    assert engine.step().acked_failed_blocks == set()
+
+
+def test_a_decode_token_that_completes_a_chunk_stores_it() -> None:
+    engine = Engine()
+    req = request("a", 100)
+    engine.admit(req, [0, 1, 2, 3])
+    assert len(engine.step(new={"a": ([0, 1, 2, 3], 0, 100)}).stores) == 1  # chunk 0
+    for computed in range(100, 128):
+        req.append_output_token_ids(7)
+        meta = engine.step(cached={"a": ([], computed, 1)})
+        assert len(meta.stores) == (1 if computed == 127 else 0)
+    assert meta.stores[0].block_ids == (2, 3)
+
+
+def test_a_preempted_request_stores_its_unstored_chunks_from_its_new_blocks() -> None:
+    engine = Engine()
+    req = request("a", 200)
+    engine.admit(req, list(range(7)))
+    meta = engine.step(new={"a": (list(range(7)), 0, 128)})  # chunked prefill: 2 chunks
+    engine.report(stored={meta.stores[0].key})  # chunk 1's store was dropped
+    engine.step(preempted={"a"})
+    meta = engine.step(cached={"a": (list(range(30, 37)), 0, 200)}, resumed={"a"})
+    assert [t.block_ids for t in meta.stores] == [(32, 33), (34, 35)]  # chunks 1 and 2
+
+
+def test_skip_load_skip_store_and_max_offload_tokens() -> None:
+    engine = Engine()
+    engine.admit(request("a", 200), list(range(7)))
+    engine.store_all(engine.step(new={"a": (list(range(7)), 0, 200)}))
+    assert engine.admit(request("b", 200, params={"skip_load": True}), list(range(7))) == 0
+    skip = request("c", 300, params={"skip_store": True}, first=5000)
+    engine.admit(skip, list(range(20, 30)))
+    assert engine.step(new={"c": (list(range(20, 30)), 0, 300)}).stores == []
+    capped = request("d", 300, params={"max_offload_tokens": 130}, first=9000)
+    engine.admit(capped, list(range(40, 50)))
+    assert len(engine.step(new={"d": (list(range(40, 50)), 0, 300)}).stores) == 2
+
+
+def test_different_cache_salts_never_share_chunks() -> None:
+    engine = Engine()
+    engine.admit(request("a", 200, salt="tenant-a"), list(range(7)))
+    engine.store_all(engine.step(new={"a": (list(range(7)), 0, 200)}))
+    assert engine.admit(request("b", 200, salt="tenant-b"), list(range(10, 17))) == 0
+    assert engine.admit(request("c", 200, salt="tenant-a"), list(range(20, 27))) == 192
