@@ -1,6 +1,6 @@
-"""Test helpers shared by tests/unit, tests/tiers and tests/faults: a tiny layout, and one
-way to configure any tier by kind. (Not named conftest.py, so that `from tierkit import`
-never picks up another folder's conftest module.)
+"""Test helpers shared by tests/unit, tests/tiers, tests/faults and tests/cli: chunk keys
+(`key`), a tiny layout, and one way to configure any tier by kind. (Not named conftest.py,
+so that `from tierkit import` never picks up another folder's conftest module.)
 
 `tier_settings(kind, ...)` is the single place that knows how each tier kind is configured;
 the contract suite, the store's property tests and the fault drills all build tiers through
@@ -16,12 +16,18 @@ from typing import Any
 
 from kvtier.config import StoreConfig
 from kvtier.core.chunkformat import ALIGN_BYTES, HEADER_BYTES, stored_size
+from kvtier.core.keys import KEY_BYTES, ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.tier import Tier
 from kvtier.tiers import build_tier
 
-TIER_KINDS = ("memory", "disk", "shared", "redis")
+TIER_KINDS = ("memory", "disk", "shared", "redis", "example")
 REDIS_URL: str | None = None  # the redis-server of the running test (tests/conftest.py)
+
+
+def key(i: int) -> ChunkKey:
+    """The i-th test key: `i` big-endian in KEY_BYTES bytes (distinct, and sorted like i)."""
+    return ChunkKey(i.to_bytes(KEY_BYTES, "big"))
 
 
 def tiny_layout(tokens_per_chunk: int = 16) -> KVLayout:
@@ -36,6 +42,8 @@ def footprint_bytes(kind: str, layout: KVLayout) -> int:
         return -(-layout.bytes_per_chunk // ALIGN_BYTES) * ALIGN_BYTES
     if kind == "redis":  # a header value and the unpadded payload
         return HEADER_BYTES + layout.bytes_per_chunk
+    if kind == "example":  # the payload, as a bytes value
+        return layout.bytes_per_chunk
     return stored_size(layout.bytes_per_chunk)
 
 

@@ -23,18 +23,13 @@ from kvtier.admin.gc import GcRequest, parse_duration, select_victims
 from kvtier.admin.inventory import StoredChunk
 from kvtier.cli.main import main
 from kvtier.config import StoreConfig
-from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.errors import ConfigError
 from kvtier.tiers import build_tier
-from tierkit import tiny_layout
+from tierkit import key, tiny_layout
 
 KINDS = ["disk", "shared", pytest.param("redis", marks=pytest.mark.redis)]
 LAYOUT_A, LAYOUT_B = tiny_layout(16), tiny_layout(32)
-
-
-def key(i: int) -> ChunkKey:
-    return ChunkKey(b"cli-gc!!" + i.to_bytes(8, "big"))
 
 
 def tier_config(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> dict[str, Any]:

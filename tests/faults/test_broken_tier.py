@@ -13,9 +13,9 @@ from kvtier.config import StoreConfig
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.store import TieredStore
-from kvtier.core.tier import Tier, TierStats
-from tierkit import tier_settings
-from kvtier.tiers import build_tier
+from kvtier.core.tier import Tier, TierResult, TierStats
+from kvtier.tiers import build_tier, store_settings
+from tierkit import key, tier_settings
 
 
 class BrokenTier:
@@ -35,11 +35,11 @@ class BrokenTier:
         self._check()
         return self.inner.contains(key)
 
-    def get_into(self, key: ChunkKey, out: memoryview) -> bool:
+    def get_into(self, key: ChunkKey, out: memoryview) -> TierResult:
         self._check()
         return self.inner.get_into(key, out)
 
-    def put(self, key: ChunkKey, data: memoryview) -> bool:
+    def put(self, key: ChunkKey, data: memoryview) -> TierResult:
         self._check()
         return self.inner.put(key, data)
 
@@ -52,10 +52,6 @@ class BrokenTier:
 
     def close(self) -> None:
         self.inner.close()
-
-
-def key(i: int) -> ChunkKey:
-    return ChunkKey(b"broken!!" + i.to_bytes(8, "big"))
 
 
 def payload(i: int, layout: KVLayout) -> bytes:
@@ -71,7 +67,7 @@ def _store(root: Path, layout: KVLayout, broken: str, error: Exception,
     wrapper = BrokenTier(tiers[index], error)
     assert isinstance(wrapper, Tier)
     tiers[index] = wrapper
-    return TieredStore(config, layout, tiers=tiers), wrapper
+    return TieredStore(tiers, store_settings(config)), wrapper
 
 
 ERRORS = [OSError(5, "Input/output error (injected)"), RuntimeError("tier bug (injected)")]
@@ -119,11 +115,13 @@ def test_a_broken_top_tier_does_not_stop_puts_or_gets(
         out = bytearray(layout.bytes_per_chunk)
         assert store.get_into(key(1), memoryview(out)) == "disk"
         assert bytes(out) == payload(1, layout)
-        assert store.get_many_into([key(1), key(2)], [memoryview(out),
-                                   memoryview(bytearray(layout.bytes_per_chunk))]
-                                   ) == ["disk", None]
+        spares = [memoryview(out), memoryview(bytearray(layout.bytes_per_chunk))]
+        with store.borrow_many([key(1), key(2)], spares) as views:
+            assert [view and view.tier for view in views] == ["disk", None]
         assert str(error) in caplog.text
-        assert store.stats().tiers[0].name == "memory"
+        stats = store.stats()
+        assert stats.tiers[0].name == "memory"
+        assert stats.failures["memory"]["raised"] >= 3  # the put, and two failed promotions
 
 
 def test_a_broken_bottom_tier_costs_only_its_own_copies(tmp_path: Path,

@@ -23,14 +23,12 @@ from kvtier.core.chunkformat import HEADER_BYTES
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.store import TieredStore
+from kvtier.tiers import open_store
 from kvtier.config import StoreConfig
-from tierkit import make_tier, tier_settings
+from kvtier.core.tier import CORRUPT, MISSING
+from tierkit import key, make_tier, tier_settings
 
 PERSISTENT = ("disk", "shared")
-
-
-def key(i: int) -> ChunkKey:
-    return ChunkKey(b"faults!!" + i.to_bytes(8, "big"))
 
 
 def payload(i: int, layout: KVLayout) -> bytes:
@@ -115,7 +113,7 @@ def test_a_damaged_file_is_a_counted_logged_miss_and_the_tier_keeps_working(
 
     out = bytearray(b"\xee" * layout.bytes_per_chunk)
     with caplog.at_level(logging.WARNING):
-        assert tier.get_into(key(1), memoryview(out)) is False
+        assert tier.get_into(key(1), memoryview(out)) == CORRUPT
     stats = tier.stats()
     assert (stats.misses, stats.hits, stats.corrupt_reads) == (1, 0, 1)
     assert key(1).hex() in caplog.text
@@ -145,7 +143,7 @@ def test_a_damaged_file_on_disk_at_start_up_is_dropped_from_the_index(
 
 def _store(root: Path, layout: KVLayout) -> TieredStore:
     tiers = [tier_settings(kind, root, layout, 8) for kind in ("memory", "disk", "shared")]
-    return TieredStore(StoreConfig.parse({"tiers": tiers}), layout)
+    return open_store(StoreConfig.parse({"tiers": tiers}), layout)
 
 
 def test_the_store_serves_a_good_copy_from_a_lower_tier_when_one_copy_is_corrupt(
@@ -176,7 +174,7 @@ def test_a_file_deleted_between_lookup_and_read_is_a_plain_miss(
     engine's lookup promised it: the read is a miss - not an exception, not a stale buffer
     handed back as data - and the next lookup no longer promises it."""
     tiers = [tier_settings("memory", tmp_path, layout, 8), tier_settings(kind, tmp_path, layout, 8)]
-    with TieredStore(StoreConfig.parse({"tiers": tiers}), layout) as store:
+    with open_store(StoreConfig.parse({"tiers": tiers}), layout) as store:
         store.put(key(1), memoryview(payload(1, layout)))
         store.put(key(2), memoryview(payload(2, layout)))
         assert store.flush(timeout_s=10)
@@ -203,7 +201,7 @@ def test_a_file_deleted_between_the_tiers_own_check_and_its_read_is_a_counted_mi
     assert tier.contains(key(1))
     tier.files.path_of(key(1)).unlink()  # type: ignore[attr-defined]
     out = bytearray(layout.bytes_per_chunk)
-    assert tier.get_into(key(1), memoryview(out)) is False
+    assert tier.get_into(key(1), memoryview(out)) == MISSING
     stats = tier.stats()
     assert (stats.misses, stats.hits, stats.corrupt_reads) == (1, 0, 0)
     assert not tier.contains(key(1))
@@ -223,7 +221,7 @@ def test_a_chunk_file_deleted_behind_the_disk_tiers_back_is_stored_again(tmp_pat
                       tokens_per_chunk=16)
     key, data = ChunkKey(b"k" * 16), memoryview(bytes(range(256)) * 16)
     config = StoreConfig.parse({"tiers": [{"kind": "disk", "path": str(tmp_path), "capacity": "1MiB"}]})
-    with TieredStore(config, layout) as store:
+    with open_store(config, layout) as store:
         assert store.put(key, data)
         disk = store.tiers[0]
         disk.files.path_of(key).unlink()  # type: ignore[attr-defined]

@@ -24,14 +24,12 @@ from redis.cluster import key_slot
 from redis.retry import Retry
 
 from kvtier.config import StoreConfig
-from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
-from kvtier.core.store import TieredStore
 from kvtier.errors import ConfigError
-from kvtier.tiers import build_tier
+from kvtier.tiers import build_tier, open_store
 from kvtier.tiers.redis import RedisTier
 from redis_server import REDIS_CLI, RedisClusterNodes, RedisServer
-from tierkit import tier_settings, tiny_layout
+from tierkit import key, tier_settings, tiny_layout
 
 pytestmark = pytest.mark.redis
 T = TypeVar("T")
@@ -39,10 +37,6 @@ TIMEOUT_MS = 200  # socket and connect timeouts of the tiers below
 SLACK_S = 1.0  # for a loaded CI machine; the bound checked is connect + socket timeout + this
 # (1.4 s in all: still well under the 2 s DEBUG SLEEP stall, which a blocked call would wait)
 BOUND_S = 2 * TIMEOUT_MS / 1000 + SLACK_S
-
-
-def key(i: int) -> ChunkKey:
-    return ChunkKey(b"redisflt" + i.to_bytes(8, "big"))
 
 
 def payload(i: int, layout: KVLayout) -> bytes:
@@ -75,7 +69,7 @@ def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
 
 def read(tier: RedisTier, i: int, layout: KVLayout) -> bool:
     out = bytearray(layout.bytes_per_chunk)
-    hit = tier.get_into(key(i), memoryview(out))
+    hit = tier.get_into(key(i), memoryview(out)).ok
     assert not hit or bytes(out) == payload(i, layout), "a hit returned wrong bytes"
     return hit
 
@@ -121,7 +115,7 @@ def test_a_store_starts_and_serves_with_redis_down(tmp_path: Path, layout: KVLay
         tier_settings("memory", tmp_path, layout, capacity_chunks=2),
         {"kind": "redis", "url": server.url, "capacity": "1MiB", "retry_max_s": 0.3,
          "socket_timeout_ms": TIMEOUT_MS, "connect_timeout_ms": TIMEOUT_MS}]})
-    with TieredStore(config, layout) as store:
+    with open_store(config, layout) as store:
         for i in range(6):
             _, elapsed = timed(lambda: store.put(key(i), memoryview(payload(i, layout))))
             assert elapsed < BOUND_S
@@ -165,7 +159,7 @@ def test_a_stalled_server_never_blocks_a_call_past_the_timeout(
             for call in (lambda: read(tier, 1, layout), lambda: tier.contains(key(1)),
                          lambda: tier.put(key(2), memoryview(payload(2, layout)))):
                 result, elapsed = timed(call)
-                assert result is False
+                assert not result
                 durations.append(elapsed)
         assert max(durations) < BOUND_S
         assert tier.stats().dropped_writes >= 1
@@ -266,7 +260,7 @@ def test_acl_user_with_password_from_a_file(redis_server: RedisServer, tmp_path:
     monkeypatch.setenv("KVTIER_REDIS_PASSWORD", "wrong")
     wrong = redis_tier(layout, url=redis_server.url, username="kvcache")
     assert read(wrong, 1, layout) is False
-    assert wrong.put(key(3), memoryview(payload(3, layout))) is False
+    assert not wrong.put(key(3), memoryview(payload(3, layout)))
     assert wrong.stats().dropped_writes == 1 and not wrong.available()
 
     with pytest.raises(ConfigError, match="no password in the URL"):

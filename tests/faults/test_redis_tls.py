@@ -22,9 +22,11 @@ import pytest
 from redis_server import REDIS_SERVER, SKIP_REASON, TlsRedisServer
 
 from kvtier.config import StoreConfig
-from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.store import TieredStore
+from kvtier.tiers import open_store
+from kvtier.core.tier import UNAVAILABLE
+from tierkit import key
 
 pytestmark = pytest.mark.redis
 TIMEOUT_MS = 500  # socket and connect timeouts: a TLS handshake on a loaded CI machine
@@ -140,17 +142,13 @@ def tls_server(tmp_path: Path, certs: Certs) -> Iterator[TlsRedisServer]:
         server.stop()
 
 
-def key(i: int) -> ChunkKey:
-    return ChunkKey(b"redistls" + i.to_bytes(8, "big"))
-
-
 def payload(i: int, layout: KVLayout) -> bytes:
     return bytes((i * 13 + j) % 251 for j in range(layout.bytes_per_chunk))
 
 
 def redis_store(layout: KVLayout, **settings: Any) -> TieredStore:
     """A store whose only tier is redis (so puts and reads go to it directly)."""
-    return TieredStore(StoreConfig.parse({"tiers": [{
+    return open_store(StoreConfig.parse({"tiers": [{
         "kind": "redis", "socket_timeout_ms": TIMEOUT_MS, "connect_timeout_ms": TIMEOUT_MS,
         "retry_max_s": 0.3, "part_bytes": 1536, **settings}]}), layout)
 
@@ -200,7 +198,7 @@ def test_a_tier_that_cannot_verify_or_speak_tls_fails_closed(
             assert out == bytearray(layout.bytes_per_chunk), "a miss wrote into the buffer"
             tier = store.tiers[0]
             out2 = bytearray(layout.bytes_per_chunk)
-            assert tier.get_into(key(0), memoryview(out2)) is False  # the tier itself, too
+            assert tier.get_into(key(0), memoryview(out2)) == UNAVAILABLE  # the tier, too
             assert out2 == bytearray(layout.bytes_per_chunk)
         stats = store.stats().tiers[0]
         assert stats.puts == 0 and stats.hits == 0 and stats.bytes_read == 0

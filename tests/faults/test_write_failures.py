@@ -22,14 +22,11 @@ import pytest
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
-from tierkit import make_tier, tiny_layout
+from kvtier.core.tier import FULL, IO_ERROR, OK
+from tierkit import key, make_tier, tiny_layout
 
 PERSISTENT = ("disk", "shared")
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT
-
-
-def key(i: int) -> ChunkKey:
-    return ChunkKey(b"wfaults!" + i.to_bytes(8, "big"))
 
 
 def payload(i: int, layout: KVLayout) -> bytes:
@@ -75,7 +72,7 @@ def test_an_unwritable_directory_drops_writes_and_keeps_what_it_holds(
     deny_writes_below.append(tmp_path)
     with caplog.at_level(logging.WARNING):
         for i in range(10, 14):
-            assert tier.put(key(i), memoryview(payload(i, layout))) is False
+            assert tier.put(key(i), memoryview(payload(i, layout))) == IO_ERROR
     assert tier.stats().dropped_writes == 4 and tier.stats().puts == 7
     assert "Permission denied" in caplog.text and key(10).hex() in caplog.text
     assert not any(tier.contains(key(i)) for i in range(10, 14))
@@ -97,10 +94,10 @@ def test_a_file_where_a_shard_directory_belongs_drops_only_that_shards_writes(
     shard = tier.files.path_of(key(1)).parent  # type: ignore[attr-defined]
     shard.parent.mkdir(parents=True, exist_ok=True)
     shard.write_bytes(b"not a directory")
-    assert tier.put(key(1), memoryview(payload(1, layout))) is False
+    assert tier.put(key(1), memoryview(payload(1, layout))) == IO_ERROR
     assert tier.stats().dropped_writes == 1
-    assert tier.get_into(key(1), memoryview(bytearray(layout.bytes_per_chunk))) is False
-    elsewhere = ChunkKey(bytes(16))  # another shard directory
+    assert not tier.get_into(key(1), memoryview(bytearray(layout.bytes_per_chunk)))
+    elsewhere = ChunkKey(b"\xff" * 16)  # another shard directory
     assert tier.files.path_of(elsewhere).parent != shard  # type: ignore[attr-defined]
     assert tier.put(elsewhere, memoryview(payload(2, layout)))
     out = bytearray(layout.bytes_per_chunk)
@@ -125,7 +122,7 @@ def test_an_injected_enospc_is_a_dropped_write_that_leaves_nothing_behind(
 
     monkeypatch.setattr(os, "pwritev", full_disk)
     with caplog.at_level(logging.WARNING):
-        assert tier.put(key(100), memoryview(payload(100, layout))) is False
+        assert tier.put(key(100), memoryview(payload(100, layout))) == FULL
     stats = tier.stats()
     assert stats.dropped_writes == 1 and "No space left" in caplog.text
     assert not tier.contains(key(100)) and _no_temp_files(tmp_path)
@@ -168,12 +165,12 @@ def test_a_real_full_filesystem_smaller_than_the_quota_keeps_accepting_puts(
         for i in range(40):
             outcomes.append(tier.put(key(i), memoryview(payload(i, layout))))
     stats = tier.stats()
-    assert stats.dropped_writes == outcomes.count(False) > 0, "the filesystem never filled"
-    assert stats.puts == outcomes.count(True)
+    assert stats.dropped_writes == outcomes.count(FULL) > 0, "the filesystem never filled"
+    assert stats.puts == outcomes.count(OK)
     assert stats.evictions > 0
     assert all(outcomes[i + 1] for i, ok in enumerate(outcomes[:-1]) if not ok), outcomes
-    after_full = outcomes[outcomes.index(False):]
-    assert after_full.count(True) >= 0.6 * len(after_full), outcomes  # most puts still land
+    after_full = outcomes[outcomes.index(FULL):]
+    assert after_full.count(OK) >= 0.6 * len(after_full), outcomes  # most puts still land
     held = [i for i in range(40) if tier.contains(key(i))]
     assert held and all(_readable(tier, layout, i) for i in held)
     assert _no_temp_files(tiny_tmpfs)
@@ -188,6 +185,7 @@ def test_a_slow_disk_at_close_costs_the_unwritten_chunks_only(
 
     from kvtier.config import StoreConfig
     from kvtier.core.store import TieredStore
+    from kvtier.tiers import open_store
     from kvtier.tiers.disk import DiskTier
     from tierkit import tier_settings
 
@@ -202,7 +200,7 @@ def test_a_slow_disk_at_close_costs_the_unwritten_chunks_only(
         return real_put(self, k, data)
 
     monkeypatch.setattr(DiskTier, "put", slow_put)
-    store = TieredStore(config, layout)
+    store = open_store(config, layout)
     for i in range(20):
         assert store.put(key(i), memoryview(payload(i, layout)))
     start = time.monotonic()

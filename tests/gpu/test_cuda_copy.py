@@ -23,14 +23,12 @@ pytest.importorskip("vllm")
 from kvtier.config import StoreConfig
 from kvtier.core.keys import ChunkKey
 from kvtier.core.store import TieredStore
-from kvtier.integrations.vllm.messages import ChunkTransfer, KVTierMetadata
+from kvtier.tiers import open_store
+from kvtier.integrations.vllm.scheduler import ChunkTransfer, KVTierMetadata
 from kvtier.integrations.vllm.worker import ConnectorWorker, PagedKV
+from tierkit import key
 
 LAYERS, BLOCKS, HEADS, BS, DIM, PER_CHUNK = 4, 64, 8, 16, 128, 4
-
-
-def key(i: int) -> ChunkKey:
-    return ChunkKey(b"gpu-test" + i.to_bytes(8, "big"))
 
 
 @pytest.fixture
@@ -39,7 +37,7 @@ def worker() -> tuple[ConnectorWorker, dict[str, torch.Tensor], TieredStore]:
     kv = {f"model.layers.{i}.self_attn.attn": base[i] for i in range(LAYERS)}
     paged = PagedKV(kv, BS)
     layout = paged.layout(PER_CHUNK * BS)
-    store = TieredStore(StoreConfig.parse(
+    store = open_store(StoreConfig.parse(
         {"tiers": [{"kind": "memory", "capacity": "64MiB", "pin": "on"}]}), layout)
     assert store.tiers[0].pinned  # type: ignore[attr-defined]
     return ConnectorWorker(paged, layout, store), kv, store

@@ -11,18 +11,13 @@ import numpy as np
 import pytest
 
 from kvtier.config import StoreConfig
-from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
-from kvtier.core.locator import ChunkLocator
-from kvtier.core.store import TieredStore
-from kvtier.tiers import build_probe
+from kvtier.core.locator import ChunkLocator, Located, LookupStatus
+from kvtier.tiers import build_probe, open_store
+from tierkit import key
 
 RANKS = [KVLayout(num_layers=1, num_kv_heads=1, head_size=64, dtype="float16",
                   tokens_per_chunk=16, tp_rank=r, tp_world_size=2) for r in range(2)]
-
-
-def _key(i: int) -> ChunkKey:
-    return ChunkKey(i.to_bytes(16, "little"))
 
 
 def _tier(kind: str, tmp_path: Path, redis_url: str) -> dict[str, object]:
@@ -38,22 +33,23 @@ def test_a_chunk_counts_only_once_every_tp_rank_stored_its_shard(
     redis_url = request.getfixturevalue("redis_url") if kind == "redis" else ""
     config = StoreConfig.parse({"tiers": [_tier(kind, tmp_path, redis_url)]})
     for layout, stored in zip(RANKS, (3, 2)):
-        with TieredStore(config, layout) as store:
+        with open_store(config, layout) as store:
             for i in range(stored):
-                store.put(_key(i), memoryview(np.full(layout.bytes_per_chunk, i, np.uint8)))
+                store.put(key(i), memoryview(np.full(layout.bytes_per_chunk, i, np.uint8)))
     probe = build_probe(config.tiers[0], RANKS)
     assert probe is not None
-    assert [probe.contains(_key(i)) for i in range(4)] == [True, True, False, False]
+    assert [probe.contains(key(i)) for i in range(4)] == [True, True, False, False]
     locator = ChunkLocator([probe], max_keys=100)
-    keys = [_key(i) for i in range(4)]
-    held = locator.prefix_length("req", keys)
+    keys = [key(i) for i in range(4)]
+    located = locator.locate("req", keys)
     if not probe.blocking_ok:  # shared and redis probes run on a thread: ask until ready
+        assert located.status is LookupStatus.RETRY
         for _ in range(200):
-            if held is not None:
+            if located.status is not LookupStatus.RETRY:
                 break
             time.sleep(0.01)
-            held = locator.prefix_length("req", keys)
-    assert held == 2
+            located = locator.locate("req", keys)
+    assert located == Located(LookupStatus.HIT, 2)
     # Found chunks are remembered: the next lookup is answered from the index alone.
     assert locator.index.prefix_length(keys) == 2
     locator.close()

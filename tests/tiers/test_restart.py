@@ -9,15 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from tierkit import make_tier, tier_settings, tiny_layout
 from kvtier.config import StoreConfig
-from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.store import TieredStore
-
-
-def key(i: int) -> ChunkKey:
-    return ChunkKey(b"restart!" + i.to_bytes(8, "big"))
+from kvtier.tiers import open_store
+from tierkit import key, make_tier, tier_settings, tiny_layout
 
 
 def payload(i: int, layout: KVLayout) -> bytes:
@@ -28,7 +24,7 @@ def _store(root: Path, layout: KVLayout) -> TieredStore:
     tiers = [tier_settings("memory", root, layout, 4),
              tier_settings("disk", root, layout, 8),
              tier_settings("shared", root, layout, 16)]
-    return TieredStore(StoreConfig.parse({"tiers": tiers}), layout)
+    return open_store(StoreConfig.parse({"tiers": tiers}), layout)
 
 
 def test_a_new_store_finds_what_the_old_one_wrote(tmp_path: Path, layout: KVLayout) -> None:

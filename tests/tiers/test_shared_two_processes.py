@@ -12,16 +12,11 @@ from pathlib import Path
 
 import blake3
 
-from kvtier.core.keys import ChunkKey
-from tierkit import make_tier, tiny_layout
+from tierkit import key, make_tier, tiny_layout
 
 LAYOUT = tiny_layout(256)  # 64 KiB chunks: a torn write would be easy to catch
 KEYS = 24
 RUN_S = 1.5
-
-
-def key(i: int) -> ChunkKey:
-    return ChunkKey(b"two-proc" + i.to_bytes(8, "big"))
 
 
 def content(k: bytes) -> bytes:

@@ -16,17 +16,13 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tierkit import tier_settings, tiny_layout
 from kvtier.config import StoreConfig
-from kvtier.core.keys import ChunkKey
 from kvtier.core.store import TieredStore
+from kvtier.tiers import open_store
+from tierkit import key, tier_settings, tiny_layout
 
 LAYOUT = tiny_layout(4)  # 1 KiB chunks
 KEYS = 12
-
-
-def key(i: int) -> ChunkKey:
-    return ChunkKey(b"prop" + i.to_bytes(12, "big"))
 
 
 def payload(i: int) -> bytes:
@@ -37,7 +33,7 @@ def _store(root: Path, eviction: str) -> TieredStore:
     tiers = [tier_settings("memory", root, LAYOUT, 2, eviction=eviction),
              tier_settings("disk", root, LAYOUT, 4, eviction=eviction, o_direct="off"),
              tier_settings("shared", root, LAYOUT, 6)]
-    return TieredStore(StoreConfig.parse({"tiers": tiers, "io_threads": 2}), LAYOUT)
+    return open_store(StoreConfig.parse({"tiers": tiers, "io_threads": 2}), LAYOUT)
 
 
 def _held(store: TieredStore, i: int) -> list[str]:

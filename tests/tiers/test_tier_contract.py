@@ -14,16 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from tierkit import TIER_KINDS, footprint_bytes, make_tier, tiny_layout
-from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
-from kvtier.core.tier import Tier
+from kvtier.core.tier import DECLINED, MISSING, OK, Tier
+from tierkit import TIER_KINDS, footprint_bytes, key, make_tier, tiny_layout
 
 pytestmark = pytest.mark.parametrize("kind", TIER_KINDS)
-
-
-def key(i: int) -> ChunkKey:
-    return ChunkKey(i.to_bytes(16, "big"))
 
 
 def payload(i: int, layout: KVLayout) -> bytes:
@@ -47,10 +42,10 @@ def test_a_put_chunk_is_got_back_byte_for_byte(kind: str, tmp_path: Path,
     layout = tiny_layout(tokens_per_chunk)
     tier = make_tier(kind, tmp_path, layout, capacity_chunks=8)
     for i in (1, 2):
-        assert tier.put(key(i), memoryview(payload(i, layout))) is True
+        assert tier.put(key(i), memoryview(payload(i, layout))) == OK
     for i in (2, 1):
         out = bytearray(layout.bytes_per_chunk)
-        assert tier.get_into(key(i), memoryview(out)) is True
+        assert tier.get_into(key(i), memoryview(out)) == OK
         assert bytes(out) == payload(i, layout)
     tier.close()
 
@@ -78,7 +73,7 @@ def test_contains_and_delete_follow_what_was_put(kind: str, tmp_path: Path,
     assert tier.delete(key(1)) is True
     assert tier.delete(key(1)) is False
     assert tier.contains(key(1)) is False and tier.contains(key(2)) is True
-    assert tier.get_into(key(1), memoryview(bytearray(layout.bytes_per_chunk))) is False
+    assert tier.get_into(key(1), memoryview(bytearray(layout.bytes_per_chunk))) == MISSING
     assert tier.stats().chunks == 1
 
 
@@ -86,7 +81,7 @@ def test_a_get_of_an_absent_key_is_a_counted_miss(kind: str, tmp_path: Path,
                                                   layout: KVLayout) -> None:
     tier = make_tier(kind, tmp_path, layout, capacity_chunks=4)
     before = tier.stats()
-    assert tier.get_into(key(99), memoryview(bytearray(layout.bytes_per_chunk))) is False
+    assert tier.get_into(key(99), memoryview(bytearray(layout.bytes_per_chunk))) == MISSING
     after = tier.stats()
     assert (after.misses, after.hits, after.bytes_read) == (before.misses + 1, 0, 0)
 
@@ -175,8 +170,8 @@ def test_admission_stores_a_chunk_on_its_second_offer(kind: str, tmp_path: Path,
     is stored."""
     tier = make_tier(kind, tmp_path, layout, capacity_chunks=4, admit_after=2)
     data = memoryview(payload(1, layout))
-    assert tier.put(key(1), data) is False and not tier.contains(key(1))
-    assert tier.put(key(1), data) is True and tier.contains(key(1))
+    assert tier.put(key(1), data) == DECLINED and not tier.contains(key(1))
+    assert tier.put(key(1), data) == OK and tier.contains(key(1))
     assert tier.stats().dropped_writes == 0 and tier.stats().puts == 1
 
 

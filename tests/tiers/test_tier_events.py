@@ -12,16 +12,14 @@ import numpy as np
 import pytest
 
 from kvtier.config import StoreConfig
-from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
-from kvtier.core.store import StoreEvent, TieredStore
+from kvtier.core.store import StoreEvent
+from kvtier.core.tier import EventKind
+from kvtier.tiers import open_store
+from tierkit import key
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_size=64, dtype="float16", tokens_per_chunk=16)
 CHUNK = LAYOUT.bytes_per_chunk  # 4 KiB
-
-
-def _key(i: int) -> ChunkKey:
-    return ChunkKey(i.to_bytes(16, "little"))
 
 
 def _data(i: int) -> memoryview:
@@ -35,31 +33,31 @@ def test_a_full_tier_reports_each_store_and_each_eviction(kind: str, tmp_path: P
     tier: dict[str, object] = {"kind": kind, "capacity": 2 * stored_bytes}
     if kind != "memory":
         tier["path"] = str(tmp_path / kind)
-    with TieredStore(StoreConfig.parse({"tiers": [tier]}), LAYOUT) as store:
+    with open_store(StoreConfig.parse({"tiers": [tier]}), LAYOUT) as store:
         for i in range(3):
-            store.put(_key(i), _data(i))
+            store.put(key(i), _data(i))
         events = store.take_events()
-        assert [e for e in events if e.kind == "stored"] == [
-            StoreEvent("stored", _key(i), kind) for i in range(3)]
-        assert StoreEvent("removed", _key(0), kind) in events
+        assert [e for e in events if e.kind is EventKind.STORED] == [
+            StoreEvent(EventKind.STORED, key(i), kind) for i in range(3)]
+        assert StoreEvent(EventKind.REMOVED, key(0), kind) in events
         assert store.take_events() == []  # drained
 
 
 def test_deleting_and_corruption_are_removals(tmp_path: Path) -> None:
     config = StoreConfig.parse({"tiers": [
         {"kind": "disk", "path": str(tmp_path / "d"), "capacity": "1MiB"}]})
-    with TieredStore(config, LAYOUT) as store:
-        store.put(_key(1), _data(1))
-        store.put(_key(2), _data(2))
+    with open_store(config, LAYOUT) as store:
+        store.put(key(1), _data(1))
+        store.put(key(2), _data(2))
         store.take_events()
-        assert store.tiers[0].delete(_key(1))
-        path = store.tiers[0].files.path_of(_key(2))  # type: ignore[attr-defined]
+        assert store.tiers[0].delete(key(1))
+        path = store.tiers[0].files.path_of(key(2))  # type: ignore[attr-defined]
         raw = bytearray(path.read_bytes())
         raw[-1] ^= 0xFF
         path.write_bytes(bytes(raw))
-        assert store.get_into(_key(2), memoryview(bytearray(CHUNK))) is None
-        assert store.take_events() == [StoreEvent("removed", _key(1), "disk"),
-                                       StoreEvent("removed", _key(2), "disk")]
+        assert store.get_into(key(2), memoryview(bytearray(CHUNK))) is None
+        assert store.take_events() == [StoreEvent(EventKind.REMOVED, key(1), "disk"),
+                                       StoreEvent(EventKind.REMOVED, key(2), "disk")]
 
 
 def test_write_behind_reports_per_tier(tmp_path: Path) -> None:
@@ -67,8 +65,8 @@ def test_write_behind_reports_per_tier(tmp_path: Path) -> None:
     config = StoreConfig.parse({"tiers": [
         {"kind": "memory", "capacity": "64KiB"},
         {"kind": "disk", "path": str(tmp_path / "d"), "capacity": "1MiB"}]})
-    with TieredStore(config, LAYOUT) as store:
-        store.put(_key(7), _data(7))
+    with open_store(config, LAYOUT) as store:
+        store.put(key(7), _data(7))
         store.flush()
         assert sorted((e.tier, e.kind) for e in store.take_events()) == [
             ("disk", "stored"), ("memory", "stored")]

@@ -15,19 +15,15 @@ import threading
 from pathlib import Path
 
 import pytest
-from tierkit import footprint_bytes, tier_settings, tiny_layout
 
-from kvtier.config import MemoryTierConfig, StoreConfig
-from kvtier.core.keys import ChunkKey
+from kvtier.config import StoreConfig
 from kvtier.core.store import TieredStore
 from kvtier.core.tier import Lender, Reserver
-from kvtier.tiers.memory import MemoryTier
+from kvtier.tiers import open_store
+from kvtier.tiers.memory import MemoryTier, MemoryTierConfig
+from tierkit import footprint_bytes, key, tier_settings, tiny_layout
 
 LAYOUT = tiny_layout(4)  # 1 KiB chunks
-
-
-def key(i: int) -> ChunkKey:
-    return ChunkKey(b"borrow" + i.to_bytes(10, "big"))
 
 
 def payload(i: int) -> bytes:
@@ -99,7 +95,7 @@ def test_borrowers_on_many_threads_read_their_own_chunks_while_puts_evict() -> N
 def two_tier_store(tmp_path: Path) -> TieredStore:
     tiers = [tier_settings("memory", tmp_path, LAYOUT, 1),
              tier_settings("disk", tmp_path, LAYOUT, 4, o_direct="off")]
-    return TieredStore(StoreConfig.parse({"tiers": tiers}), LAYOUT)
+    return open_store(StoreConfig.parse({"tiers": tiers}), LAYOUT)
 
 
 def test_the_store_lends_memory_in_place_and_disk_through_the_spare(
@@ -231,7 +227,7 @@ def test_put_from_fills_the_memory_slot_in_place_and_the_disk_behind(
 def test_put_from_writes_lower_tiers_when_the_top_declines(tmp_path: Path) -> None:
     tiers = [tier_settings("memory", tmp_path, LAYOUT, 2, admit_after=2),
              tier_settings("disk", tmp_path, LAYOUT, 4, o_direct="off")]
-    store = TieredStore(StoreConfig.parse({"tiers": tiers}), LAYOUT)
+    store = open_store(StoreConfig.parse({"tiers": tiers}), LAYOUT)
     spare = memoryview(bytearray(LAYOUT.bytes_per_chunk))
 
     def fill(view: memoryview) -> None:
@@ -253,7 +249,7 @@ def test_batches_on_many_threads_read_disk_into_reserved_slots_without_mixing_ch
     reserved memory slot or, when none was free, in the spare."""
     tiers = [tier_settings("memory", tmp_path, LAYOUT, 4),
              tier_settings("disk", tmp_path, LAYOUT, 64, o_direct="off")]
-    store = TieredStore(StoreConfig.parse({"tiers": tiers}), LAYOUT)
+    store = open_store(StoreConfig.parse({"tiers": tiers}), LAYOUT)
     for i in range(24):
         store.put(key(i), memoryview(payload(i)))
     assert store.flush(timeout_s=10)

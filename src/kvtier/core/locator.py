@@ -7,10 +7,12 @@ Two sources, in order:
   2. probes of tiers other processes can see (disk, shared directory, remote stores): how
      chunks written before a restart, or by another engine, are found. Probes cheap enough
      for the caller's thread (a local stat) run inline; slower ones (NFS, network) run on a
-     thread, and the caller is told "not ready, ask again" until they finish.
+     thread, and the caller is told RETRY ("not ready, ask again") until they finish.
 A stale answer costs a failed load (reported to the engine and recomputed), never wrong KV.
 
-Primitives: `Probe` (protocol), `ChunkIndex`, `ChunkLocator`.
+Primitives: `Probe` (protocol), `ProbeSource` (optional protocol of a tier class),
+`ChunkIndex`, `ChunkLocator`, `Located` + `LookupStatus` (modelled on vLLM's kv_offload
+`LookupResult`: MISS / HIT / RETRY; kvtier has no HIT_PENDING, a chunk is held or not).
 """
 
 from __future__ import annotations
@@ -18,9 +20,39 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Protocol
+from dataclasses import dataclass
+from enum import Enum, auto
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from kvtier.core.keys import ChunkKey
+
+if TYPE_CHECKING:
+    from kvtier.core.layout import KVLayout
+
+
+class LookupStatus(Enum):
+    """How a `ChunkLocator.locate` call ended."""
+
+    MISS = auto()  # not even the first chunk is held
+    HIT = auto()  # the first `num_chunks` chunks are held
+    RETRY = auto()  # a slow probe is still running: ask again on a later call
+
+
+@dataclass(frozen=True, slots=True)
+class Located:
+    """The answer of `ChunkLocator.locate`."""
+
+    status: LookupStatus
+    num_chunks: int = 0  # leading chunks held (0 unless status is HIT)
+
+    @staticmethod
+    def prefix(num_chunks: int) -> Located:
+        """HIT of `num_chunks` leading chunks, or MISS when that is 0."""
+        return Located(LookupStatus.HIT, num_chunks) if num_chunks else MISS
+
+
+MISS = Located(LookupStatus.MISS)
+RETRY = Located(LookupStatus.RETRY)
 
 
 class Probe(Protocol):
@@ -29,6 +61,18 @@ class Probe(Protocol):
     blocking_ok: bool  # cheap enough to call on a latency-critical thread
 
     def contains(self, key: ChunkKey) -> bool: ...
+
+
+@runtime_checkable
+class ProbeSource(Protocol):
+    """An optional ability of a tier CLASS whose contents other processes can see (files,
+    remote stores): build a `Probe` for the tier a config names, with no side effects."""
+
+    @classmethod
+    def probe(cls, config: Any, layouts: Sequence[KVLayout]) -> Probe:
+        """A probe for chunks of all `layouts` (e.g. every TP rank's): a chunk counts only
+        when every layout's copy is held."""
+        ...
 
 
 class ChunkIndex:
@@ -89,26 +133,26 @@ class ChunkLocator:
         for key in keys:
             self.index.discard(key)
 
-    def prefix_length(self, request_id: str, keys: Sequence[ChunkKey]) -> int | None:
-        """Number of leading `keys` held, or None while a slow probe for this request runs
-        (ask again on a later call)."""
+    def locate(self, request_id: str, keys: Sequence[ChunkKey]) -> Located:
+        """How many leading `keys` are held: HIT (or MISS), or RETRY while a slow probe for
+        this request runs (ask again on a later call). Scheduler thread only."""
         held = self.index.prefix_length(keys)
         held = self._extend(held, keys, _probed_prefix(self._inline, keys[held:]))
         if held == len(keys) or not self._slow:
             self._pending.pop(request_id, None)
-            return held
+            return Located.prefix(held)
         pending = self._pending.get(request_id)
         if pending is None:
             assert self._pool is not None
             future = self._pool.submit(_probed_prefix, self._all, list(keys[held:]))
             self._pending[request_id] = (held, future)
-            return None
+            return RETRY
         start, future = pending
         if not future.done():
-            return None
+            return RETRY
         del self._pending[request_id]
         found = future.result() if future.exception() is None else 0
-        return max(held, self._extend(start, keys, found))
+        return Located.prefix(max(held, self._extend(start, keys, found)))
 
     def _extend(self, start: int, keys: Sequence[ChunkKey], found: int) -> int:
         """Remember `found` keys after `start` as held (so the next lookup is an index hit)."""

@@ -13,10 +13,15 @@ write-behind.
   own threads, through bounded queues: when a queue is full the write is dropped and counted,
   never blocking the caller. `put_from(key, fill, spare)` has the chunk written straight
   into a reserved slot of the top tier (the vLLM worker's gather).
-A tier that raises is skipped for that call (logged, counted as a miss or a drop): a broken
+A tier call that fails is counted per tier and per `Failure` reason (`StoreStats.failures`);
+a tier that raises is skipped for that call (logged, counted as `Failure.RAISED`): a broken
 tier costs hits, never the engine.
 
-Primitives: `TieredStore`, `LookupResult`, `ChunkView`, `StoreEvent`, `StoreStats`.
+The store receives its tiers already built (`kvtier.tiers.open_store` builds them from a
+config): the core does not know which tiers exist.
+
+Primitives: `TieredStore`, `StoreSettings`, `LookupResult`, `ChunkView`, `StoreEvent`,
+`StoreStats`.
 """
 
 from __future__ import annotations
@@ -25,19 +30,28 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from kvtier.config import StoreConfig
 from kvtier.core.keys import ChunkKey
-from kvtier.core.layout import KVLayout
-from kvtier.core.tier import BatchLookup, EventSource, Lender, Reserver, Tier, TierStats
-from kvtier.tiers import build_tier
+from kvtier.core.tier import (
+    BatchLookup, EventKind, EventSource, Failure, Lender, Reserver, Tier, TierResult, TierStats,
+)
 
 log = logging.getLogger(__name__)
 MAX_PENDING_EVENTS = 1 << 16
+
+
+@dataclass(frozen=True, slots=True)
+class StoreSettings:
+    """How the store runs its tiers (the store-wide part of `kvtier.config.StoreConfig`)."""
+
+    write_queue_depth: int = 64  # chunks waiting per lower tier before writes are dropped
+    io_threads: int = 8  # threads for parallel reads (`borrow_many`)
+    # tier name -> threads writing behind to it; a lower tier missing here gets one
+    write_threads: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,26 +74,46 @@ class ChunkView:
 class StoreEvent:
     """A chunk a tier stored or removed (evicted, deleted, found corrupt)."""
 
-    kind: str  # "stored" | "removed"
+    kind: EventKind  # a str enum: compares equal to "stored" / "removed"
     key: ChunkKey
     tier: str  # the tier's name
 
 
 @dataclass(frozen=True, slots=True)
 class StoreStats:
-    """Counters of every tier, fastest first, plus the store's write-behind drops."""
+    """Counters of every tier, fastest first, plus what the store itself saw fail."""
 
     tiers: tuple[TierStats, ...]
     queued_writes: int  # write-behind jobs waiting or running now
     queue_drops: dict[str, int]  # tier name -> writes dropped because its queue was full
+    # tier name -> Failure value -> tier calls made by the store that failed for that reason
+    failures: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+class _FailureCounts:
+    """tier name -> Failure -> count, thread-safe (readers and writers count at once)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[str, dict[str, int]] = {}
+
+    def add(self, tier: str, failure: Failure) -> None:
+        with self._lock:
+            by_reason = self._counts.setdefault(tier, {})
+            by_reason[failure.value] = by_reason.get(failure.value, 0) + 1
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        with self._lock:
+            return {tier: dict(reasons) for tier, reasons in self._counts.items()}
 
 
 class _WriteBehind:
     """A bounded queue of writes to one lower tier, drained by its own threads."""
 
-    def __init__(self, tier: Tier, depth: int, threads: int) -> None:
+    def __init__(self, tier: Tier, depth: int, threads: int, failures: _FailureCounts) -> None:
         self.tier = tier
         self.drops = 0
+        self._failures = failures
         self._slots = threading.BoundedSemaphore(depth)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"kvtier-write-{tier.name}")
         self._idle = threading.Condition()
@@ -96,9 +130,12 @@ class _WriteBehind:
 
     def _write(self, key: ChunkKey, data: memoryview) -> None:
         try:
-            self.tier.put(key, data)
+            result = self.tier.put(key, data)
+            if result.failure is not None:
+                self._failures.add(self.tier.name, result.failure)
         except Exception:  # a broken tier must not kill the writer thread
             log.exception("tier %r: write-behind of %s failed", self.tier.name, key.hex())
+            self._failures.add(self.tier.name, Failure.RAISED)
         finally:
             self._slots.release()
             with self._idle:
@@ -121,23 +158,25 @@ class _WriteBehind:
 class TieredStore:
     """Tiers in order, fastest first. Every method is safe to call from any thread."""
 
-    def __init__(self, config: StoreConfig, layout: KVLayout, tiers: Sequence[Tier] | None = None):
-        """Build the tiers `config` names (or use `tiers`, already built, e.g. in tests).
+    def __init__(self, tiers: Sequence[Tier], settings: StoreSettings | None = None) -> None:
+        """Compose `tiers` (built, fastest first; the store owns them from now on: `close`
+        closes them). `kvtier.tiers.open_store` builds them from a config.
 
         Raises:
-            ConfigError: a tier's settings are invalid.
-            OSError: a tier's directory cannot be created.
+            ValueError: no tiers, or two with one name.
         """
-        self.layout = layout
-        self.config = config
-        self.tiers: list[Tier] = list(tiers) if tiers is not None else [
-            build_tier(tier_config, layout) for tier_config in config.tiers
-        ]
+        names = [tier.name for tier in tiers]
+        if not names or len(set(names)) != len(names):
+            raise ValueError(f"a store needs one or more tiers with distinct names: {names}")
+        self.settings = settings = settings or StoreSettings()
+        self.tiers: list[Tier] = list(tiers)
+        self._failures = _FailureCounts()
         self._below = [
-            _WriteBehind(tier, config.write_queue_depth, getattr(tier_config, "io_threads", 1))
-            for tier, tier_config in zip(self.tiers[1:], config.tiers[1:])
+            _WriteBehind(tier, settings.write_queue_depth,
+                         settings.write_threads.get(tier.name, 1), self._failures)
+            for tier in self.tiers[1:]
         ]
-        self._reader = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-read")
+        self._reader = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="kvtier-read")
         # Each tier's optional abilities, checked once: a runtime Protocol isinstance costs
         # ~3 us, and loads asked it per chunk per tier (a quarter of a memory-tier borrow).
         self._lenders: dict[int, Lender] = {id(t): t for t in self.tiers if isinstance(t, Lender)}
@@ -154,7 +193,7 @@ class TieredStore:
             if isinstance(tier, EventSource):
                 tier.events.listen(self._on_tier_event)
 
-    def _on_tier_event(self, tier: str, kind: str, key: ChunkKey) -> None:
+    def _on_tier_event(self, tier: str, kind: EventKind, key: ChunkKey) -> None:
         self._events.append(StoreEvent(kind, key, tier))  # deque.append is thread-safe
 
     def take_events(self) -> list[StoreEvent]:
@@ -184,10 +223,6 @@ class TieredStore:
         """Whether some tier holds the chunk (index lookups; one stat for a shared tier)."""
         return any(self._contains(tier, key) for tier in self.tiers)
 
-    def submit_lookup(self, keys: Sequence[ChunkKey]) -> Future[LookupResult]:
-        """`lookup` on a store thread, for callers that must not block on I/O."""
-        return self._reader.submit(self.lookup, list(keys))
-
     def _contains_many(self, tier: BatchLookup, keys: Sequence[ChunkKey]) -> list[bool]:
         try:
             return tier.contains_many(keys)
@@ -213,16 +248,25 @@ class TieredStore:
         for level, tier in enumerate(self.tiers):
             if not self._contains(tier, key):
                 continue
-            try:
-                hit = tier.get_into(key, out)
-            except Exception as exc:
-                log.warning("tier %r: read of %s failed (%s); trying the next", tier.name,
-                            key.hex(), exc)
-                continue
-            if hit:
+            if self._get(tier, key, out):
                 self._promote(level, key, out)
                 return tier.name
         return None
+
+    def _get(self, tier: Tier, key: ChunkKey, out: memoryview) -> bool:
+        """`tier.get_into`, its failure (or exception) counted; True on a hit."""
+        try:
+            result = tier.get_into(key, out)
+        except Exception as exc:
+            log.warning("tier %r: read of %s failed (%s); trying the next", tier.name,
+                        key.hex(), exc)
+            result = TierResult(Failure.RAISED)
+        return self._counted(tier, result)
+
+    def _counted(self, tier: Tier, result: TierResult) -> bool:
+        if result.failure is not None:
+            self._failures.add(tier.name, result.failure)
+        return result.failure is None
 
     @contextmanager
     def borrow(self, key: ChunkKey, spare: memoryview) -> Iterator[ChunkView | None]:
@@ -267,14 +311,17 @@ class TieredStore:
             try:
                 if lender is not None:
                     view = stack.enter_context(lender.borrow(key))
+                    if view is None:
+                        self._failures.add(tier.name, Failure.MISSING)
                 elif in_place:
                     assert self._reserver is not None
                     view = self._read_in_place(stack, self._reserver, tier, key, spare)
                 else:
-                    view = spare if tier.get_into(key, spare) else None
+                    view = spare if self._counted(tier, tier.get_into(key, spare)) else None
             except Exception as exc:
                 log.warning("tier %r: read of %s failed (%s); trying the next", tier.name,
                             key.hex(), exc)
+                self._failures.add(tier.name, Failure.RAISED)
                 continue
             if view is not None:
                 self._promote(level, key, view, top=not in_place)
@@ -289,17 +336,13 @@ class TieredStore:
         with ExitStack() as reservation:
             slot = reservation.enter_context(top.reserve(key))
             target = spare if slot is None else slot.data
-            if not tier.get_into(key, target):
+            if not self._counted(tier, tier.get_into(key, target)):
                 return None  # the slot is released here
             if slot is not None:
                 slot.commit()
             with self._stack_lock:  # borrow_many's reads share one stack across threads
                 stack.enter_context(reservation.pop_all())  # pinned until `stack` closes
             return target
-
-    def get_many_into(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview]) -> list[str | None]:
-        """`get_into` for many chunks at once, in parallel on the store's read threads."""
-        return list(self._reader.map(self.get_into, keys, outs))
 
     def _promote(self, level: int, key: ChunkKey, data: memoryview, top: bool = True) -> None:
         """Copy a chunk found at `level` into the faster tiers above it (the top one too
@@ -352,10 +395,11 @@ class TieredStore:
     def _put_top(self, key: ChunkKey, data: memoryview) -> bool:
         top = self.tiers[0]
         try:
-            return top.put(key, data)
+            result = top.put(key, data)
         except Exception as exc:
             log.warning("tier %r: write of %s failed (%s); dropped", top.name, key.hex(), exc)
-            return False
+            result = TierResult(Failure.RAISED)
+        return self._counted(top, result)
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every write-behind queue is empty, `timeout_s` in all; False on
@@ -367,10 +411,12 @@ class TieredStore:
 
     # -- upkeep ----------------------------------------------------------------------------
     def stats(self) -> StoreStats:
+        """A snapshot of every tier's counters and of the store's own. Any thread."""
         return StoreStats(
             tiers=tuple(tier.stats() for tier in self.tiers),
             queued_writes=sum(w.pending for w in self._below),
             queue_drops={w.tier.name: w.drops for w in self._below},
+            failures=self._failures.snapshot(),
         )
 
     def close(self, flush_timeout_s: float | None = None) -> None:

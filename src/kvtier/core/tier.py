@@ -1,25 +1,68 @@
 """The contract every tier implements, and the counters every tier keeps.
 
 A tier holds whole chunks of one layout, addressed by ChunkKey. It never raises for I/O on
-its data path: a failed or corrupt read is a miss (counted, logged), a failed write is a
-dropped write (counted, logged). `tiers/memory.py` is the reference implementation.
+its data path: a failed or corrupt read is a miss, a failed write is a dropped write; both
+come back as a `TierResult` whose `failure` says why (and are counted, logged).
+`tiers/example.py` is the tutorial (a dict of bytes); `tiers/memory.py` the production
+reference.
 
-Primitives: `Tier` (protocol), `BatchLookup` (optional protocol: many lookups in one round trip),
+Primitives: `Tier` (protocol), `TierResult` + `Failure` (what a get or put did),
+`StoredChunk` + `Inventory` (what a persistent tier's storage holds, for operators),
+`BatchLookup` (optional protocol: many lookups in one round trip),
 `Lender` (optional protocol: lend a read-only view of a held chunk, no copy),
 `Reserver` + `Slot` (optional protocol: hand out the space of a chunk to fill in place),
 `EventSource` (optional protocol: report chunks stored and removed), `TierEvents`,
-`TierStats` (snapshot), `TierCounters` (thread-safe counters).
+`TierStats` (snapshot), `TierCounters` (thread-safe counters), `EventKind`.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, fields
+from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
 from kvtier.core.keys import ChunkKey
+
+
+class Failure(StrEnum):
+    """Why a tier's get or put did not succeed. The values name the store's stats counters."""
+
+    MISSING = "missing"  # not held (absent, evicted, or a part lost by a server)
+    CORRUPT = "corrupt"  # read back but failed verification (and was removed)
+    IO_ERROR = "io_error"  # the medium or server failed the call (EIO, EACCES, an error reply)
+    UNAVAILABLE = "unavailable"  # the server is down or timed out (circuit breaker open)
+    FULL = "full"  # no room: capacity held by writes in flight, or the filesystem/server full
+    DECLINED = "declined"  # admission: not offered often enough yet (by design, not a fault)
+    RAISED = "raised"  # the tier raised instead of returning (a bug; the store logs it)
+
+
+@dataclass(frozen=True, slots=True)
+class TierResult:
+    """What one `get_into` or `put` did: `failure` is None on success.
+
+    Truthy when it succeeded, so `if tier.put(key, data):` reads naturally.
+    """
+
+    failure: Failure | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+    def __bool__(self) -> bool:
+        return self.failure is None
+
+
+OK = TierResult()
+MISSING = TierResult(Failure.MISSING)
+CORRUPT = TierResult(Failure.CORRUPT)
+IO_ERROR = TierResult(Failure.IO_ERROR)
+UNAVAILABLE = TierResult(Failure.UNAVAILABLE)
+FULL = TierResult(Failure.FULL)
+DECLINED = TierResult(Failure.DECLINED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,19 +128,20 @@ class Tier(Protocol):
         """Whether the chunk is (probably) held. Cheap: an index lookup or one stat call."""
         ...
 
-    def get_into(self, key: ChunkKey, out: memoryview) -> bool:
-        """Copy the chunk's payload into `out` (exactly one chunk long); True on a hit.
+    def get_into(self, key: ChunkKey, out: memoryview) -> TierResult:
+        """Copy the chunk's payload into `out` (exactly one chunk long); OK on a hit.
 
-        A verified hit only: absent, corrupt or unreadable data is a miss (and corrupt
-        data is removed). Never raises for I/O.
+        A verified hit only: absent, corrupt or unreadable data is a miss whose `failure`
+        says which (and corrupt data is removed). Never raises for I/O.
         """
         ...
 
-    def put(self, key: ChunkKey, data: memoryview) -> bool:
-        """Store one chunk's payload; True when it is stored (or already was).
+    def put(self, key: ChunkKey, data: memoryview) -> TierResult:
+        """Store one chunk's payload; OK when it is stored (or already was).
 
-        False when the tier declined (admission) or could not store it (counted as a
-        dropped write). Evicts older chunks to stay within capacity. Never raises for I/O.
+        A failure when the tier declined (admission) or could not store it (counted as a
+        dropped write). Evicts older chunks to stay within capacity. Never raises for I/O;
+        raises ValueError when `data` is not exactly one chunk (the caller's bug).
         """
         ...
 
@@ -173,9 +217,16 @@ class Reserver(Protocol):
         ...
 
 
-# (tier name, "stored" | "removed", key). Called on the tier's thread, possibly under its
-# lock: a listener must only record, never block or call back into the tier.
-TierListener = Callable[[str, str, ChunkKey], None]
+class EventKind(StrEnum):
+    """What happened to a chunk in a tier."""
+
+    STORED = "stored"
+    REMOVED = "removed"  # evicted, deleted, or found corrupt
+
+
+# (tier name, kind, key). Called on the tier's thread, possibly under its lock: a listener
+# must only record, never block or call back into the tier.
+TierListener = Callable[[str, EventKind, ChunkKey], None]
 
 
 class TierEvents:
@@ -190,11 +241,11 @@ class TierEvents:
 
     def stored(self, key: ChunkKey) -> None:
         if self._listener is not None:
-            self._listener(self.tier_name, "stored", key)
+            self._listener(self.tier_name, EventKind.STORED, key)
 
     def removed(self, key: ChunkKey) -> None:
         if self._listener is not None:
-            self._listener(self.tier_name, "removed", key)
+            self._listener(self.tier_name, EventKind.REMOVED, key)
 
 
 @runtime_checkable
@@ -204,3 +255,46 @@ class EventSource(Protocol):
     (a server's own eviction) cannot offer it."""
 
     events: TierEvents
+
+
+@dataclass(frozen=True, slots=True)
+class StoredChunk:
+    """One chunk as a persistent tier's storage holds it (see `Inventory`)."""
+
+    namespace: str  # the layout digest
+    key_hex: str  # the chunk key
+    size_bytes: int  # bytes it takes in the tier (file size; Redis MEMORY USAGE of its values)
+    last_used_s: float  # unix time of its last write or hit (mtime; LRU index or idle time)
+    locations: tuple[str, ...]  # its file path, or its Redis value names
+
+
+class Inventory(Protocol):
+    """The chunks a persistent tier's storage holds, every namespace, read without building
+    the tier (building one evicts to its quota; `kvtier inspect` must change nothing), and a
+    way to remove some (`kvtier gc`)."""
+
+    name: str  # the tier's name in the store config
+    kind: str  # the tier's kind
+
+    def chunks(self) -> Iterator[StoredChunk]:
+        """Every chunk stored, every namespace.
+
+        Raises:
+            OSError, redis.RedisError (or the medium's own error): storage unreachable.
+        """
+        ...
+
+    def remove(self, chunks: Sequence[StoredChunk]) -> int:
+        """Delete these chunks; the number that were still there."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class InventorySource(Protocol):
+    """An optional ability of a persistent tier's CLASS: open an `Inventory` of the storage
+    a tier config names, without building the tier."""
+
+    @classmethod
+    def open_inventory(cls, config: Any) -> Inventory: ...

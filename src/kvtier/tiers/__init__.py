@@ -1,60 +1,71 @@
-"""The tier registry: one module per tier, imported only when a store uses it.
+"""The tiers: one module per tier kind, found through `kvtier.tiers.registry`, and the
+functions that build them from a config.
 
 Every tier is built the same way: `TierClass(config, layout)`. Tiers whose contents other
 processes can see (files, remote stores) also offer a probe: a side-effect-free "is this chunk
 stored?" for processes that do not own the tier (vLLM's scheduler).
 
-Primitives: `build_tier`, `build_probe`, `TIER_CLASSES`.
+Primitives: `open_store`, `build_tier`, `build_probe`, `store_settings`, `TIER_CLASSES`.
 """
 
 from __future__ import annotations
 
-import importlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from kvtier.config import TierConfig
-from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
-from kvtier.core.locator import Probe
+from kvtier.core.locator import Probe, ProbeSource
+from kvtier.core.store import StoreSettings, TieredStore
 from kvtier.core.tier import Tier
+from kvtier.tiers.registry import TIER_CLASSES, tier_class
 
-# kind -> "module:Class"
-TIER_CLASSES: dict[str, str] = {
-    "memory": "kvtier.tiers.memory:MemoryTier",
-    "disk": "kvtier.tiers.disk:DiskTier",
-    "shared": "kvtier.tiers.shared:SharedTier",
-    "redis": "kvtier.tiers.redis:RedisTier",
-}
+if TYPE_CHECKING:
+    from kvtier.config import StoreConfig, TierSettings
+
+__all__ = ["TIER_CLASSES", "build_probe", "build_tier", "open_store", "store_settings"]
 
 
-def build_tier(config: TierConfig, layout: KVLayout) -> Tier:
-    """Construct the tier that `config.kind` names."""
-    module_name, class_name = TIER_CLASSES[config.kind].split(":")
-    tier_class = getattr(importlib.import_module(module_name), class_name)
-    return tier_class(config, layout)  # type: ignore[no-any-return]
+def build_tier(config: TierSettings, layout: KVLayout) -> Tier:
+    """Construct the tier that `config.kind` names, for chunks of `layout`.
+
+    Raises:
+        ConfigError: a setting the config model cannot check is unusable (e.g. a password
+            file); OSError: the tier's directory cannot be created.
+    """
+    tier: Tier = tier_class(config.kind)(config, layout)
+    return tier
 
 
-def build_probe(config: TierConfig, layouts: list[KVLayout]) -> Probe | None:
+def build_probe(config: TierSettings, layouts: Sequence[KVLayout]) -> Probe | None:
     """A probe of the tier `config` names for chunks of all `layouts` (e.g. every TP rank's),
     or None for a tier private to its process (memory)."""
-    from kvtier.tiers.chunkfiles import FileProbe
-
-    digests = [layout.digest() for layout in layouts]
-    if config.kind == "disk":
-        return FileProbe(config.path, digests, blocking_ok=True)
-    if config.kind == "shared":  # may be NFS: stat latency is the network's
-        return FileProbe(config.path, digests, blocking_ok=False)
-    if config.kind == "redis":  # connects lazily: building it does no I/O
-        return TierProbe([build_tier(config, layout) for layout in layouts], blocking_ok=False)
-    return None
+    cls = tier_class(config.kind)
+    return cls.probe(config, layouts) if isinstance(cls, ProbeSource) else None
 
 
-class TierProbe:
-    """A probe through tier objects whose construction has no side effects (redis): a chunk
-    counts only when the tier of every layout (every TP rank) holds it."""
+def store_settings(config: StoreConfig) -> StoreSettings:
+    """The store-wide settings of `config`: write-behind depth, read threads, and each tier's
+    `io_threads` (when its kind has one) as its write-behind threads."""
+    return StoreSettings(
+        write_queue_depth=config.write_queue_depth,
+        io_threads=config.io_threads,
+        write_threads={t.tier_name: getattr(t, "io_threads", 1) for t in config.tiers},
+    )
 
-    def __init__(self, tiers: list[Tier], blocking_ok: bool) -> None:
-        self.tiers = tiers
-        self.blocking_ok = blocking_ok
 
-    def contains(self, key: ChunkKey) -> bool:
-        return all(tier.contains(key) for tier in self.tiers)
+def open_store(config: StoreConfig, layout: KVLayout) -> TieredStore:
+    """Build every tier `config` names, fastest first, and compose them into a store.
+
+    Raises:
+        ConfigError: a tier's settings are unusable; OSError: a tier's directory cannot be
+            created. Tiers built before the failure are closed.
+    """
+    tiers: list[Tier] = []
+    try:
+        for tier_config in config.tiers:
+            tiers.append(build_tier(tier_config, layout))
+    except BaseException:
+        for tier in tiers:
+            tier.close()
+        raise
+    return TieredStore(tiers, store_settings(config))

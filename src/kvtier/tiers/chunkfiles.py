@@ -9,7 +9,8 @@ Reads and writes use O_DIRECT when the filesystem supports it (no page-cache cop
 back to buffered I/O otherwise. Shared by the disk and shared-directory tiers.
 
 Primitives: `ChunkFiles` (path_of, write, read_into, touch, remove, scan), `chunk_path`,
-`scan_tree`.
+`scan_tree`, `FileProbe` (the disk and shared tiers' probe), `FileInventory` (their
+`kvtier inspect` / `kvtier gc` view).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from kvtier.core.chunkformat import (
     ALIGN_BYTES, HEADER_BYTES, encode_header, stored_size, verify_header, verify_payload,
 )
 from kvtier.core.keys import KEY_BYTES, ChunkKey
+from kvtier.core.tier import StoredChunk
 from kvtier.errors import CorruptBlock
 
 log = logging.getLogger(__name__)
@@ -262,3 +264,40 @@ class FileProbe:
             return all(chunk_path(self.root, d, key).exists() for d in self.layout_digests)
         except OSError:  # e.g. EACCES or a stale NFS handle: a miss, never an error
             return False
+
+
+class FileInventory:
+    """A disk or shared tier's directory as `kvtier.core.tier.Inventory`:
+    ROOT/<digest>/<k0k1>/<k2k3>/<key hex>.kvc. Reads stat data only; changes nothing."""
+
+    def __init__(self, name: str, kind: str, root: Path) -> None:
+        self.name, self.kind, self.root = name, kind, Path(root)
+
+    def chunks(self) -> Iterator[StoredChunk]:
+        if not self.root.is_dir():
+            return
+        for namespace in sorted(p.name for p in self.root.iterdir() if p.is_dir()):
+            for dirpath, _dirs, filenames in os.walk(self.root / namespace):
+                for filename in filenames:
+                    key = _key_of(filename)
+                    if key is None:
+                        continue  # temp files and strangers: not chunks
+                    path = os.path.join(dirpath, filename)
+                    try:
+                        info = os.stat(path)
+                    except FileNotFoundError:  # evicted by a running tier meanwhile
+                        continue
+                    yield StoredChunk(namespace, key.hex(), info.st_size, info.st_mtime, (path,))
+
+    def remove(self, chunks: Sequence[StoredChunk]) -> int:
+        removed = 0
+        for chunk in chunks:
+            try:
+                os.unlink(chunk.locations[0])
+                removed += 1
+            except FileNotFoundError:
+                pass
+        return removed
+
+    def close(self) -> None:
+        pass

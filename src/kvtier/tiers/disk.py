@@ -13,21 +13,49 @@ import errno
 import logging
 import threading
 import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
 
-from kvtier.config import DiskTierConfig
+from pydantic import Field
+
+from kvtier.config import TierSettings
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
-from kvtier.core.policies import AdmissionFilter, make_policy
-from kvtier.core.tier import TierCounters, TierEvents, TierStats
+from kvtier.core.policies import AdmissionFilter, EvictionPolicy, make_policy
+from kvtier.core.tier import (
+    CORRUPT, DECLINED, FULL, IO_ERROR, MISSING, OK, TierCounters, TierEvents, TierResult,
+    TierStats,
+)
 from kvtier.errors import CorruptBlock
-from kvtier.tiers.chunkfiles import ChunkFiles
+from kvtier.tiers.chunkfiles import ChunkFiles, FileInventory, FileProbe
 
 log = logging.getLogger(__name__)
 ENOSPC_EVICT_CHUNKS = 4  # chunks evicted when the filesystem itself is full
 
 
+class DiskTierConfig(TierSettings):
+    """A local directory (NVMe): one file per chunk, bounded, indexed at start-up."""
+
+    kind: Literal["disk"]
+    path: Path  # directory; created 0700 when missing
+    o_direct: Literal["auto", "on", "off"] = "auto"  # bypass the page cache when supported
+    io_threads: int = Field(4, ge=1, le=64)  # parallel reads/writes against this directory
+
+
 class DiskTier:
     """Chunks as files in a local directory, within `capacity` bytes. Thread-safe."""
+
+    config_model = DiskTierConfig
+
+    @classmethod
+    def probe(cls, config: DiskTierConfig, layouts: Sequence[KVLayout]) -> FileProbe:
+        """One stat per layout: cheap enough for the scheduler's thread (a local disk)."""
+        return FileProbe(config.path, [layout.digest() for layout in layouts], blocking_ok=True)
+
+    @classmethod
+    def open_inventory(cls, config: DiskTierConfig) -> FileInventory:
+        return FileInventory(config.tier_name, config.kind, config.path)
 
     def __init__(self, config: DiskTierConfig, layout: KVLayout) -> None:
         self.name = config.tier_name
@@ -37,7 +65,8 @@ class DiskTier:
         self.file_bytes = self.files.file_bytes
         self._index: set[ChunkKey] = set()
         self._used_bytes = 0  # held + reserved by writes in flight
-        self._policy = make_policy(config.eviction, config.capacity // self.file_bytes)
+        self._policy: EvictionPolicy[ChunkKey] = make_policy(
+            config.eviction, config.capacity // self.file_bytes)
         self._admission = AdmissionFilter(config.admit_after)
         self._lock = threading.Lock()
         self._counters = TierCounters(self.name, config.capacity)
@@ -67,11 +96,11 @@ class DiskTier:
             victim = self._policy.evict()
             if victim is None:
                 return
-            self._index.discard(victim)  # type: ignore[arg-type]
+            self._index.discard(victim)
             self._used_bytes -= self.file_bytes
-            self.files.remove(victim)  # type: ignore[arg-type]
+            self.files.remove(victim)
             self._counters.add(evictions=1)
-            self.events.removed(victim)  # type: ignore[arg-type]
+            self.events.removed(victim)
 
     def _publish_usage(self) -> None:
         self._counters.set(chunks=len(self._index), used_bytes=len(self._index) * self.file_bytes)
@@ -87,10 +116,10 @@ class DiskTier:
         self._forget(key, corrupt=False)
         return False
 
-    def get_into(self, key: ChunkKey, out: memoryview) -> bool:
+    def get_into(self, key: ChunkKey, out: memoryview) -> TierResult:
         if key not in self._index:
             self._counters.add(misses=1)
-            return False
+            return MISSING
         start = time.perf_counter()
         try:
             self.files.read_into(key, out)
@@ -99,12 +128,14 @@ class DiskTier:
             log.warning("disk tier %r: chunk %s unreadable (%s); treated as a miss",
                         self.name, key.hex(), exc)
             self._counters.add(misses=1)
-            return False
+            if isinstance(exc, CorruptBlock):
+                return CORRUPT
+            return MISSING if isinstance(exc, FileNotFoundError) else IO_ERROR
         with self._lock:
             self._policy.touch(key)
         self.files.touch(key)
         self._counters.add(hits=1, bytes_read=len(out), read_s=time.perf_counter() - start)
-        return True
+        return OK
 
     def _forget(self, key: ChunkKey, corrupt: bool) -> None:
         with self._lock:
@@ -120,7 +151,7 @@ class DiskTier:
             self._counters.add(corrupt_reads=1)
         self._publish_usage()
 
-    def put(self, key: ChunkKey, data: memoryview) -> bool:
+    def put(self, key: ChunkKey, data: memoryview) -> TierResult:
         # Checked first, as the memory tier does: a wrong size used to be stored zero-padded
         # (shorter) or to raise IndexError after reserving capacity, leaking the reservation
         # (tests/tiers/test_tier_contract.py).
@@ -128,9 +159,11 @@ class DiskTier:
             raise ValueError(f"chunk is {len(data)} bytes, this tier stores "
                              f"{self.files.chunk_bytes}")
         if self.contains(key):
-            return True
-        if not self._admission.offer(key) or self.file_bytes > self.capacity_bytes:
-            return False
+            return OK
+        if self.file_bytes > self.capacity_bytes:
+            return FULL
+        if not self._admission.offer(key):
+            return DECLINED
         with self._lock:
             self._evict_to(self.capacity_bytes - self.file_bytes)
             # Eviction cannot free room reserved by writes in flight: reserving anyway used to
@@ -142,7 +175,7 @@ class DiskTier:
             self._counters.add(dropped_writes=1)
             log.warning("disk tier %r: capacity held by writes in flight; %s dropped",
                         self.name, key.hex())
-            return False
+            return FULL
         start = time.perf_counter()
         try:
             self.files.write(key, data)
@@ -154,7 +187,7 @@ class DiskTier:
             self._counters.add(dropped_writes=1)
             self._publish_usage()
             log.warning("disk tier %r: write of %s failed (%s); dropped", self.name, key.hex(), exc)
-            return False
+            return FULL if exc.errno in (errno.ENOSPC, errno.EDQUOT) else IO_ERROR
         with self._lock:
             if key in self._index:  # a concurrent put of the same key won
                 self._used_bytes -= self.file_bytes
@@ -164,7 +197,7 @@ class DiskTier:
                 self.events.stored(key)
         self._counters.add(puts=1, bytes_written=len(data), write_s=time.perf_counter() - start)
         self._publish_usage()
-        return True
+        return OK
 
     def delete(self, key: ChunkKey) -> bool:
         held = key in self._index

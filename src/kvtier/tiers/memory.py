@@ -1,7 +1,7 @@
 """The host-RAM tier: one preallocated slab cut into fixed-size slots, with an index.
 
-This is the reference tier: the smallest complete implementation of `kvtier.core.tier.Tier`,
-and the tier tests use as a double. The slab is allocated once (page-locked when CUDA is
+The production reference tier (the tutorial, and the double of the store's unit tests, is
+`tiers/example.py`, a dict of bytes). The slab is allocated once (page-locked when CUDA is
 present, so GPU copies can be asynchronous) and never grows; a full tier evicts by policy.
 Slots are page-aligned, so the disk tiers can write them with O_DIRECT without a bounce copy.
 
@@ -20,17 +20,27 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Literal
 
 import numpy as np
 
-from kvtier.config import MemoryTierConfig
+from kvtier.config import TierSettings
 from kvtier.core.chunkformat import ALIGN_BYTES
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
-from kvtier.core.policies import AdmissionFilter, make_policy
-from kvtier.core.tier import TierCounters, TierEvents, TierStats
+from kvtier.core.policies import AdmissionFilter, EvictionPolicy, make_policy
+from kvtier.core.tier import (
+    DECLINED, FULL, MISSING, OK, TierCounters, TierEvents, TierResult, TierStats,
+)
 
 log = logging.getLogger(__name__)
+
+
+class MemoryTierConfig(TierSettings):
+    """Host RAM: one preallocated slab of fixed-size slots (pinned when CUDA is present)."""
+
+    kind: Literal["memory"]
+    pin: Literal["auto", "on", "off"] = "auto"  # page-locked memory for async GPU copies
 
 
 class _Slot:
@@ -48,6 +58,8 @@ class MemoryTier:
     slot is never reused while it is read (a 32 MiB copy holds the lock for a few ms); borrowed
     and reserved slots are pinned instead, and filled or read without the lock."""
 
+    config_model = MemoryTierConfig
+
     def __init__(self, config: MemoryTierConfig, layout: KVLayout) -> None:
         self.name = config.tier_name
         self.chunk_bytes = layout.bytes_per_chunk
@@ -60,7 +72,7 @@ class MemoryTier:
         self._slab = self._allocate(self.num_slots * self.slot_bytes, config.pin)
         self._index: dict[ChunkKey, int] = {}
         self._free = list(range(self.num_slots - 1, -1, -1))
-        self._policy = make_policy(config.eviction, self.num_slots)
+        self._policy: EvictionPolicy[ChunkKey] = make_policy(config.eviction, self.num_slots)
         self._admission = AdmissionFilter(config.admit_after)
         self._lock = threading.Lock()
         self._counters = TierCounters(self.name, self.num_slots * self.slot_bytes)
@@ -97,7 +109,7 @@ class MemoryTier:
     def contains(self, key: ChunkKey) -> bool:
         return key in self._index
 
-    def get_into(self, key: ChunkKey, out: memoryview) -> bool:
+    def get_into(self, key: ChunkKey, out: memoryview) -> TierResult:
         start = time.perf_counter()
         with self._lock:
             index = self._index.get(key)
@@ -106,9 +118,9 @@ class MemoryTier:
                 self._policy.touch(key)
         if index is None:
             self._counters.add(misses=1)
-            return False
+            return MISSING
         self._counters.add(hits=1, bytes_read=self.chunk_bytes, read_s=time.perf_counter() - start)
-        return True
+        return OK
 
     @contextmanager
     def borrow(self, key: ChunkKey) -> Iterator[memoryview | None]:
@@ -140,21 +152,30 @@ class MemoryTier:
                     self._orphans.discard(index)
                     self._free.append(index)
 
-    def put(self, key: ChunkKey, data: memoryview) -> bool:
+    def put(self, key: ChunkKey, data: memoryview) -> TierResult:
         if len(data) != self.chunk_bytes:
             raise ValueError(f"chunk is {len(data)} bytes, this tier stores {self.chunk_bytes}")
-        with self.reserve(key) as slot:
-            if slot is None:
-                return key in self._index
+        with self._reserve(key) as slot:
+            if isinstance(slot, TierResult):
+                return slot
             np.copyto(np.frombuffer(slot.data, dtype=np.uint8), np.frombuffer(data, dtype=np.uint8))
             slot.commit()
-        return True
+        return OK
 
     @contextmanager
     def reserve(self, key: ChunkKey) -> Iterator[_Slot | None]:
         """A free slot for `key`, pinned until the block exits (see `Reserver`)."""
-        if key in self._index or not self._admission.offer(key):
-            yield None
+        with self._reserve(key) as slot:
+            yield None if isinstance(slot, TierResult) else slot
+
+    @contextmanager
+    def _reserve(self, key: ChunkKey) -> Iterator[_Slot | TierResult]:
+        """`reserve`, saying why there is no slot: OK (held already), DECLINED or FULL."""
+        if key in self._index:
+            yield OK
+            return
+        if not self._admission.offer(key):
+            yield DECLINED
             return
         start = time.perf_counter()
         with self._lock:
@@ -162,9 +183,11 @@ class MemoryTier:
             if index is not None:
                 self._pins[index] = 1  # in neither the index nor the free list: ours alone
         if index is None:
-            if key not in self._index:
-                self._counters.add(dropped_writes=1)
-            yield None
+            if key in self._index:
+                yield OK
+                return
+            self._counters.add(dropped_writes=1)
+            yield FULL
             return
         committed = False
 
@@ -200,8 +223,8 @@ class MemoryTier:
             return self._free.pop()
         while (victim := self._policy.evict()) is not None:
             self._counters.add(evictions=1)
-            self.events.removed(victim)  # type: ignore[arg-type]
-            index = self._index.pop(victim)  # type: ignore[call-overload]
+            self.events.removed(victim)
+            index = self._index.pop(victim)
             if index not in self._pins:
                 return index
             self._orphans.add(index)  # being read: its last borrower frees it

@@ -42,7 +42,8 @@ Credentials: `password_file` or an environment variable (config.py); never the U
 TLS: `rediss://` or `tls: true`, verified against `tls_ca_file` or the system CAs.
 (Both in tiers/redis_client.py, with the client's timeouts.)
 
-Primitives: `RedisTier`, `ChunkNames`.
+Primitives: `RedisTier`, `ChunkNames`, `TierProbe`. The config model is `RedisTierConfig`
+(tiers/redis_config.py), the operator's view `RedisInventory` (tiers/redis_inventory.py).
 """
 
 from __future__ import annotations
@@ -59,16 +60,21 @@ import redis
 from redis.cluster import RedisCluster
 from redis.exceptions import RedisClusterException, SlotNotCoveredError
 
-from kvtier.config import RedisTierConfig
 from kvtier.core.chunkformat import HEADER_BYTES, encode_header, verify_header, verify_payload
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.policies import AdmissionFilter
-from kvtier.core.tier import TierCounters, TierStats
+from kvtier.core.tier import (
+    CORRUPT, DECLINED, FULL, IO_ERROR, MISSING, OK, UNAVAILABLE, Tier, TierCounters, TierResult,
+    TierStats,
+)
 from kvtier.errors import CorruptBlock, TierUnavailable
 from kvtier.tiers.guard import Guard
-from kvtier.tiers.redis_client import UNAVAILABLE, Client, connect, read_password
+from kvtier.tiers.redis_client import UNAVAILABLE as DOWN_ERRORS
+from kvtier.tiers.redis_client import Client, connect, read_password
+from kvtier.tiers.redis_config import RedisTierConfig
 from kvtier.tiers.redis_index import RedisLRUIndex
+from kvtier.tiers.redis_inventory import RedisInventory
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -102,6 +108,18 @@ class RedisTier:
     Raises (constructor): ConfigError when the password file or variable is unusable. A server
     that is down is not an error: the tier starts unavailable and keeps retrying.
     """
+
+    config_model = RedisTierConfig
+
+    @classmethod
+    def probe(cls, config: RedisTierConfig, layouts: Sequence[KVLayout]) -> TierProbe:
+        """Tier objects per layout (they connect lazily: building them does no I/O), asked
+        off the scheduler's thread (each lookup is a network round trip)."""
+        return TierProbe([cls(config, layout) for layout in layouts], blocking_ok=False)
+
+    @classmethod
+    def open_inventory(cls, config: RedisTierConfig) -> RedisInventory:
+        return RedisInventory(config.tier_name, config)
 
     def __init__(self, config: RedisTierConfig, layout: KVLayout) -> None:
         self.name = config.tier_name
@@ -156,7 +174,7 @@ class RedisTier:
             raise TierUnavailable(f"{endpoint} is down")
         try:
             result = call(self._connected())
-        except UNAVAILABLE as exc:
+        except DOWN_ERRORS as exc:
             self.guard.failed(endpoint, exc)
             raise TierUnavailable(f"{endpoint}: {exc}") from exc
         except redis.RedisError:
@@ -202,7 +220,7 @@ class RedisTier:
         return found
 
     # -- reads -------------------------------------------------------------------------------
-    def get_into(self, key: ChunkKey, out: memoryview) -> bool:
+    def get_into(self, key: ChunkKey, out: memoryview) -> TierResult:
         if len(out) != self.chunk_bytes:
             raise ValueError(f"buffer is {len(out)} bytes, this tier's chunks {self.chunk_bytes}")
         start = time.perf_counter()
@@ -212,13 +230,13 @@ class RedisTier:
         except (TierUnavailable, redis.RedisError) as exc:
             log.debug("redis tier %r: read of %s failed (%s); a miss", self.name, key.hex(), exc)
             self._counters.add(misses=1)
-            return False
+            return UNAVAILABLE if isinstance(exc, TierUnavailable) else IO_ERROR
         if values[0] is None or None in values:
             if values[0] is not None:  # parts evicted by the server: the header is an orphan
                 log.info("redis tier %r: chunk %s lost a part; a miss", self.name, key.hex())
                 self._remove(key)
             self._counters.add(misses=1)
-            return False
+            return MISSING
         try:
             self._verify_into(key, values, out)
         except CorruptBlock as exc:
@@ -226,11 +244,11 @@ class RedisTier:
                         key.hex(), exc)
             self._remove(key)
             self._counters.add(misses=1, corrupt_reads=1)
-            return False
+            return CORRUPT
         if self._index is not None:
             self._index.touch(key)
         self._counters.add(hits=1, bytes_read=len(out), read_s=time.perf_counter() - start)
-        return True
+        return OK
 
     def _fetch(self, client: Client, names: list[str]) -> list[bytes | None]:
         pipe = client.pipeline(transaction=False)
@@ -263,7 +281,7 @@ class RedisTier:
         verify_payload(out, payload_sum)
 
     # -- writes ------------------------------------------------------------------------------
-    def put(self, key: ChunkKey, data: memoryview) -> bool:
+    def put(self, key: ChunkKey, data: memoryview) -> TierResult:
         if len(data) != self.chunk_bytes:
             raise ValueError(f"chunk is {len(data)} bytes, this tier stores {self.chunk_bytes}")
         names = self.names.values(key)
@@ -272,20 +290,22 @@ class RedisTier:
             if self._run(endpoint, lambda c: c.exists(names[0])):
                 if self._index is not None:
                     self._index.touch(key)
-                return True
-            if not self._admission.offer(key) or (self.bounded and self.capacity_chunks == 0):
-                return False
+                return OK
+            if self.bounded and self.capacity_chunks == 0:
+                return FULL
+            if not self._admission.offer(key):
+                return DECLINED
             start = time.perf_counter()
             header = encode_header(key, self.names.digest, data)
             self._run(endpoint, lambda c: self._store(c, names, header, data))
         except (TierUnavailable, redis.RedisError) as exc:
             log.debug("redis tier %r: write of %s dropped (%s)", self.name, key.hex(), exc)
             self._counters.add(dropped_writes=1)
-            return False
+            return _write_failure(exc)
         self._counters.add(puts=1, bytes_written=len(data), write_s=time.perf_counter() - start)
         if self._index is not None:
             self._index.update(key.hex())
-        return True
+        return OK
 
     def _store(self, client: Client, names: list[str], header: bytes, data: memoryview) -> None:
         pipe = client.pipeline(transaction=False)
@@ -343,3 +363,25 @@ class RedisTier:
         client, self._client = self._client, None
         if client is not None:
             client.close()
+
+
+def _write_failure(exc: Exception) -> TierResult:
+    """Why a write failed: the server down, full ("OOM command not allowed" under
+    maxmemory with noeviction), or another error reply."""
+    if isinstance(exc, TierUnavailable):
+        return UNAVAILABLE
+    if isinstance(exc, redis.ResponseError) and str(exc).startswith("OOM"):
+        return FULL
+    return IO_ERROR
+
+
+class TierProbe:
+    """A probe through tier objects whose construction has no side effects (redis): a chunk
+    counts only when the tier of every layout (every TP rank) holds it."""
+
+    def __init__(self, tiers: Sequence[Tier], blocking_ok: bool) -> None:
+        self.tiers = list(tiers)
+        self.blocking_ok = blocking_ok
+
+    def contains(self, key: ChunkKey) -> bool:
+        return all(tier.contains(key) for tier in self.tiers)

@@ -17,8 +17,8 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import ClusterDownError, RedisClusterException, SlotNotCoveredError
 from redis.retry import Retry
 
-from kvtier.config import RedisTierConfig
 from kvtier.errors import ConfigError
+from kvtier.tiers.redis_config import RedisTierConfig
 
 # The tier's logger, not this module's: operators filter on "kvtier.tiers.redis" for the tier.
 log = logging.getLogger("kvtier.tiers.redis")

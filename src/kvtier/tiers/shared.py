@@ -15,21 +15,50 @@ import errno
 import logging
 import threading
 import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
 
-from kvtier.config import SharedTierConfig
+from pydantic import Field
+
+from kvtier.config import TierSettings
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.policies import AdmissionFilter
-from kvtier.core.tier import TierCounters, TierEvents, TierStats
+from kvtier.core.tier import (
+    CORRUPT, DECLINED, FULL, IO_ERROR, MISSING, OK, TierCounters, TierEvents, TierResult,
+    TierStats,
+)
 from kvtier.errors import CorruptBlock
-from kvtier.tiers.chunkfiles import ChunkFiles, scan_tree
+from kvtier.tiers.chunkfiles import ChunkFiles, FileInventory, FileProbe, scan_tree
 
 log = logging.getLogger(__name__)
 LOW_WATERMARK = 0.9  # eviction frees space down to this fraction of the capacity
 
 
+class SharedTierConfig(TierSettings):
+    """A POSIX directory shared by many processes and nodes (NFS, CephFS, Lustre, ...)."""
+
+    kind: Literal["shared"]
+    path: Path  # the shared directory; created 0700 when missing (see group_shared)
+    group_shared: bool = False  # create directories 0770 / files 0660 for a shared group
+    scan_interval_s: float = Field(30.0, gt=0)  # how often usage is re-measured for the quota
+    io_threads: int = Field(4, ge=1, le=64)  # parallel reads/writes against this directory
+
+
 class SharedTier:
     """Chunks as files in a directory shared with other processes. Thread-safe."""
+
+    config_model = SharedTierConfig
+
+    @classmethod
+    def probe(cls, config: SharedTierConfig, layouts: Sequence[KVLayout]) -> FileProbe:
+        """One stat per layout, off the scheduler's thread: on NFS a stat is a round trip."""
+        return FileProbe(config.path, [layout.digest() for layout in layouts], blocking_ok=False)
+
+    @classmethod
+    def open_inventory(cls, config: SharedTierConfig) -> FileInventory:
+        return FileInventory(config.tier_name, config.kind, config.path)
 
     def __init__(self, config: SharedTierConfig, layout: KVLayout) -> None:
         self.name = config.tier_name
@@ -51,13 +80,13 @@ class SharedTier:
     def contains(self, key: ChunkKey) -> bool:
         return self.files.path_of(key).exists()
 
-    def get_into(self, key: ChunkKey, out: memoryview) -> bool:
+    def get_into(self, key: ChunkKey, out: memoryview) -> TierResult:
         start = time.perf_counter()
         try:
             self.files.read_into(key, out)
         except FileNotFoundError:
             self._counters.add(misses=1)
-            return False
+            return MISSING
         except (CorruptBlock, OSError) as exc:
             if isinstance(exc, CorruptBlock):
                 if self.files.remove(key):
@@ -66,26 +95,28 @@ class SharedTier:
             log.warning("shared tier %r: chunk %s unreadable (%s); treated as a miss",
                         self.name, key.hex(), exc)
             self._counters.add(misses=1)
-            return False
+            return CORRUPT if isinstance(exc, CorruptBlock) else IO_ERROR
         self.files.touch(key)
         self._counters.add(hits=1, bytes_read=len(out), read_s=time.perf_counter() - start)
-        return True
+        return OK
 
-    def put(self, key: ChunkKey, data: memoryview) -> bool:
+    def put(self, key: ChunkKey, data: memoryview) -> TierResult:
         if len(data) != self.files.chunk_bytes:  # see DiskTier.put
             raise ValueError(f"chunk is {len(data)} bytes, this tier stores "
                              f"{self.files.chunk_bytes}")
         path = self.files.path_of(key)
         if path.exists():
             self.files.touch(key)
-            return True
-        if not self._admission.offer(key) or self.file_bytes > self.capacity_bytes:
-            return False
+            return OK
+        if self.file_bytes > self.capacity_bytes:
+            return FULL
+        if not self._admission.offer(key):
+            return DECLINED
         if not self._reserve():
             self._counters.add(dropped_writes=1)
             log.warning("shared tier %r: quota held by writes in flight; %s dropped",
                         self.name, key.hex())
-            return False
+            return FULL
         start = time.perf_counter()
         try:
             self.files.write(key, data)
@@ -98,14 +129,15 @@ class SharedTier:
             # of everyone's chunks on every failed write (tests/faults/test_write_failures.py).
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 self.enforce_quota(self.file_bytes, force=True)
-            return False
+                return FULL
+            return IO_ERROR
         self._release(written=True)
         # chunks/used_bytes used to change only when the directory was re-measured, so stats
         # said 0 bytes used after puts; keep them current between scans.
         self._counters.add(puts=1, bytes_written=len(data), write_s=time.perf_counter() - start,
                            chunks=1, used_bytes=self.file_bytes)
         self.events.stored(key)
-        return True
+        return OK
 
     def _reserve(self) -> bool:
         """Reserve room for one file in the quota, evicting first when needed; False when

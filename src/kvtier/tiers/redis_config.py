@@ -1,0 +1,92 @@
+"""The redis tier's config model (kind "redis"); see kvtier/tiers/redis.py for the tier.
+
+In a module of its own (not redis.py) because the connection code (redis_client.py) and the
+operator's inventory (redis_inventory.py) read it too.
+
+Primitives: `RedisTierConfig`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from kvtier.config import ByteSize, TierSettings
+
+
+class RedisTierConfig(TierSettings):
+    """A Redis or Valkey server, or a Redis Cluster (see kvtier/tiers/redis.py).
+
+    Credentials never come from the command line or the URL: a password file, or an
+    environment variable (`password_env`, else KVTIER_REDIS_PASSWORD, else REDIS_PASSWORD).
+    """
+
+    kind: Literal["redis"]
+    capacity: ByteSize = 0  # bytes the tier keeps per namespace; 0 = the server's maxmemory
+    url: str = "redis://127.0.0.1:6379/0"  # standalone server; rediss:// for TLS; no password
+    cluster_nodes: tuple[str, ...] = ()  # "host:port" of some Redis Cluster nodes (replaces url)
+    tls: bool = False  # TLS to the server or cluster nodes (as a rediss:// url does)
+    tls_ca_file: Path | None = None  # CA bundle that signed the server's certificate
+    username: str | None = None  # ACL user; None = "default"
+    password_file: Path | None = None  # file whose first line is the password (mode 0600)
+    password_env: str | None = None  # env var holding the password (see class docstring)
+    ttl_s: float | None = Field(None, gt=0)  # expire chunks idle this long; None = never
+    part_bytes: ByteSize = 8 * 1024**2  # largest value written; larger chunks are split
+    socket_timeout_ms: int = Field(200, ge=1)  # longest wait for a reply before "down"
+    connect_timeout_ms: int = Field(200, ge=1)  # longest wait for a TCP/TLS connect
+    retry_max_s: float = Field(30.0, gt=0)  # longest backoff between retries of a down server
+    key_prefix: str = "kvtier:"  # prefix of every key this tier writes
+    io_threads: int = Field(4, ge=1, le=64)  # write-behind threads the store gives this tier
+
+    @field_validator("url")
+    @classmethod
+    def _url_without_password(cls, url: str) -> str:
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(url)
+        if parts.scheme not in ("redis", "rediss"):
+            raise ValueError("a redis:// or rediss:// (TLS) URL")
+        if parts.password is not None:
+            raise ValueError("no password in the URL: it would show in process listings, logs "
+                             "and shell history; use password_file or password_env")
+        return url
+
+    @field_validator("cluster_nodes")
+    @classmethod
+    def _host_ports(cls, nodes: tuple[str, ...]) -> tuple[str, ...]:
+        for node in nodes:
+            host, _, port = node.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"{node!r} is not host:port")
+        return nodes
+
+    @model_validator(mode="after")
+    def _ca_only_with_tls(self) -> RedisTierConfig:
+        # A CA file with a plain redis:// URL used to be dropped silently: the operator
+        # believed the connection was verified TLS while it was clear text.
+        if self.tls_ca_file is not None and not self.tls and not self.url.startswith("rediss://"):
+            raise ValueError("tls_ca_file is set but TLS is off: use a rediss:// url or tls: true")
+        return self
+
+    @field_validator("part_bytes")
+    @classmethod
+    def _part_size(cls, size: int) -> int:
+        if size < 1024:
+            raise ValueError("at least 1 KiB (a few MiB is best; Redis allows 512 MiB a value)")
+        return size
+
+    @field_validator("key_prefix")
+    @classmethod
+    def _no_braces(cls, prefix: str) -> str:
+        if "{" in prefix or "}" in prefix:
+            raise ValueError("no '{' or '}': the tier uses them as Redis Cluster hash tags")
+        return prefix
+
+    @field_validator("eviction")
+    @classmethod
+    def _lru_only(cls, eviction: str) -> str:
+        if eviction != "lru":
+            raise ValueError("'lru' (the tier's index orders chunks by last use)")
+        return eviction

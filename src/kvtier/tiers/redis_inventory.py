@@ -1,0 +1,83 @@
+"""What a redis tier's server holds, as `kvtier.core.tier.Inventory` (`kvtier inspect`,
+`kvtier gc`), read from the server without building the tier.
+
+Primitives: `RedisInventory`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from kvtier.core.keys import KEY_BYTES
+from kvtier.core.tier import StoredChunk
+from kvtier.tiers.redis_client import connect, read_password
+from kvtier.tiers.redis_config import RedisTierConfig
+
+SCAN_BATCH = 500  # Redis keys measured per pipelined round trip
+
+
+class RedisInventory:
+    """A redis tier's values: <prefix><digest>:{<key hex>}:h|<part>, and LRU sets
+    <prefix>{<digest>}:lru. Reads with MEMORY USAGE and OBJECT IDLETIME, which do not touch
+    the values' LRU clock (a GET would make every chunk look just used)."""
+
+    def __init__(self, name: str, config: RedisTierConfig) -> None:
+        self.name, self.kind, self.prefix = name, "redis", config.key_prefix
+        self.client: Any = connect(config, read_password(config))
+
+    def _values(self) -> tuple[dict[tuple[str, str], list[str]], dict[str, str]]:
+        """(namespace, key hex) -> value names; namespace -> its LRU set's name."""
+        chunks: dict[tuple[str, str], list[str]] = {}
+        indexes: dict[str, str] = {}
+        for raw in self.client.scan_iter(match=f"{self.prefix}*", count=1000):
+            name = raw.decode()
+            rest = name[len(self.prefix):]
+            if rest.startswith("{") and rest.endswith("}:lru"):
+                indexes[rest[1:-5]] = name
+                continue
+            namespace, _, tagged = rest.partition(":{")
+            key_hex, _, _part = tagged.partition("}:")
+            if namespace and len(key_hex) == 2 * KEY_BYTES:
+                chunks.setdefault((namespace, key_hex), []).append(name)
+        return chunks, indexes
+
+    def chunks(self) -> Iterator[StoredChunk]:
+        now = time.time()
+        values, indexes = self._values()
+        scores: dict[tuple[str, str], float] = {}
+        for namespace, index in indexes.items():
+            for member, score in self.client.zscan_iter(index, count=1000):
+                scores[(namespace, member.decode())] = score / 1e6  # microseconds
+        items = sorted(values.items())
+        for start in range(0, len(items), SCAN_BATCH):
+            batch = items[start : start + SCAN_BATCH]
+            pipe = self.client.pipeline(transaction=False)
+            for _chunk, names in batch:
+                for name in names:
+                    pipe.execute_command("MEMORY", "USAGE", name)
+                pipe.execute_command("OBJECT", "IDLETIME", min(names))  # the ":0" or ":h"
+            replies = pipe.execute(raise_on_error=False)
+            position = 0
+            for (namespace, key_hex), names in batch:
+                sizes = replies[position : position + len(names)]
+                idle = replies[position + len(names)]
+                position += len(names) + 1
+                idle_s = float(idle) if isinstance(idle, int) else 0.0
+                yield StoredChunk(
+                    namespace, key_hex, sum(s for s in sizes if isinstance(s, int)),
+                    scores.get((namespace, key_hex), now - idle_s), tuple(sorted(names)))
+
+    def remove(self, chunks: Sequence[StoredChunk]) -> int:
+        pipe = self.client.pipeline(transaction=False)
+        for chunk in chunks:
+            # Header first: a reader that finds no header finds no chunk.
+            names = sorted(chunk.locations, key=lambda n: not n.endswith(":h"))
+            pipe.delete(*names)
+            pipe.zrem(f"{self.prefix}{{{chunk.namespace}}}:lru", chunk.key_hex)
+        replies = pipe.execute()
+        return sum(1 for deleted in replies[::2] if deleted)
+
+    def close(self) -> None:
+        self.client.close()
