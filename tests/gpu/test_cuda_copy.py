@@ -23,9 +23,9 @@ pytest.importorskip("vllm")
 from kvtier.config import StoreConfig
 from kvtier.core.keys import ChunkKey
 from kvtier.core.store import TieredStore
-from kvtier.tiers import open_store
-from kvtier.integrations.vllm.scheduler import ChunkTransfer, KVTierMetadata
+from kvtier.integrations.vllm.messages import ChunkTransfer, KVTierMetadata
 from kvtier.integrations.vllm.worker import ConnectorWorker, PagedKV
+from kvtier.tiers import open_store
 from tierkit import key
 
 LAYERS, BLOCKS, HEADS, BS, DIM, PER_CHUNK = 4, 64, 8, 16, 128, 4
