@@ -168,10 +168,10 @@ def run_copy_bench(config: CopyBenchConfig,
     paged = PagedKV(_paged_kv(config, device), config.block_size)
     layout = paged.layout(config.tokens_per_chunk)
     chunks = config.blocks // config.blocks_per_chunk
-    from kvtier.core.store import TieredStore
+    from kvtier.tiers import open_store
 
     slot_bytes = -(-layout.bytes_per_chunk // 4096) * 4096
-    store = TieredStore(StoreConfig.parse(
+    store = open_store(StoreConfig.parse(
         {"tiers": [{"kind": "memory", "capacity": chunks * slot_bytes, "pin": "auto"}]}), layout)
     worker = ConnectorWorker(paged, layout, store)
     # Scattered blocks: even ids are stored, odd ids are loaded into, in a shuffled order.

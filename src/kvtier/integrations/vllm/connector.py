@@ -33,8 +33,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.core.layout import KVLayout
 from kvtier.core.locator import ChunkLocator
-from kvtier.core.store import TieredStore
-from kvtier.tiers import build_probe
+from kvtier.tiers import build_probe, open_store
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, KVTierPromMetrics
@@ -168,7 +167,7 @@ class KVTierConnector(KVConnectorBase_V1):
         world = self._vllm_config.parallel_config.tensor_parallel_size
         layout = paged.layout(self._config.tokens_per_chunk,
                               tp_rank=get_tensor_model_parallel_rank(), tp_world_size=world)
-        self._worker = ConnectorWorker(paged, layout, TieredStore(self._config.store, layout),
+        self._worker = ConnectorWorker(paged, layout, open_store(self._config.store, layout),
                                        load_batch=self._config.store.io_threads,
                                        agree=tp_any if world > 1 else None)
 

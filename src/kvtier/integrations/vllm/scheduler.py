@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvtier.core.keys import ChunkKey, Namespace, chunk_keys
-from kvtier.core.locator import ChunkLocator
+from kvtier.core.locator import ChunkLocator, LookupStatus
 from kvtier.integrations.vllm.config import ConnectorConfig, RequestControls
 from kvtier.integrations.vllm.events import ChunkInfo, ChunkTokens, kv_events
 from kvtier.integrations.vllm.messages import ChunkTransfer, KVTierMetadata, KVTierWorkerMetadata
@@ -108,10 +108,10 @@ class ConnectorScheduler:
         # The last token is always recomputed: vLLM needs its logits.
         loadable_chunks = (request.num_tokens - 1) // self._config.tokens_per_chunk
         keys = self._keys_for(state, loadable_chunks)
-        held = self._locator.prefix_length(request.request_id, keys)
-        if held is None:
+        located = self._locator.locate(request.request_id, keys)
+        if located.status is LookupStatus.RETRY:
             return None, False
-        hit_tokens = held * self._config.tokens_per_chunk
+        hit_tokens = located.num_chunks * self._config.tokens_per_chunk
         self._stats.add("lookup_tokens", max(0, request.num_tokens - num_computed_tokens))
         self._stats.add("lookup_hit_tokens", max(0, hit_tokens - num_computed_tokens))
         if hit_tokens <= num_computed_tokens:
