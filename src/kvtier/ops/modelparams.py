@@ -14,10 +14,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from kvtier.ops.modelspec import MlaSpec
+
+@dataclass(frozen=True, slots=True)
+class MlaSpec:
+    """Multi-head latent attention numbers (DeepSeek-style compressed KV)."""
+
+    kv_lora_rank: int  # width of the compressed KV latent that is cached
+    qk_rope_head_dim: int  # decoupled RoPE key width, cached next to the latent
+    qk_nope_head_dim: int  # per-head non-RoPE query/key width (weights only)
+    v_head_dim: int  # per-head value width (weights only)
+    q_lora_rank: int | None  # query compression rank; None when queries are not compressed
+
 
 # Recurrent state is kept in the model dtype by default (vLLM `mamba_ssm_cache_dtype=auto`).
 _STATE_ELEM_BYTES = 2

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kvtier.errors import ConfigError
-from kvtier.ops.modelparams import count_params, linear_state_bytes
+from kvtier.ops.modelparams import MlaSpec, count_params, linear_state_bytes
 
 LayerKind = Literal["full", "sliding", "linear"]
 
@@ -43,17 +43,6 @@ _LAYER_TYPE_NAMES: dict[str, LayerKind] = {
     "sliding_attention": "sliding", "local": "sliding", "chunked_attention": "sliding",
     "linear_attention": "linear", "mamba": "linear", "mamba2": "linear", "conv": "linear",
 }
-
-
-@dataclass(frozen=True, slots=True)
-class MlaSpec:
-    """Multi-head latent attention numbers (DeepSeek-style compressed KV)."""
-
-    kv_lora_rank: int  # width of the compressed KV latent that is cached
-    qk_rope_head_dim: int  # decoupled RoPE key width, cached next to the latent
-    qk_nope_head_dim: int  # per-head non-RoPE query/key width (weights only)
-    v_head_dim: int  # per-head value width (weights only)
-    q_lora_rank: int | None  # query compression rank; None when queries are not compressed
 
 
 @dataclass(frozen=True, slots=True)
