@@ -136,10 +136,10 @@ class ConnectorWorker:
                 self._report.missing.update(t.key for t in transfers[loaded + 1:]
                                             if not self._store.contains(t.key))
                 for failed in transfers[loaded:]:
-                    blocks = failed.block_ids[failed.first_block:]
-                    self._failed_block_ids.update(blocks)
-                    self._unfilled.update(blocks)
-                    self._report.failed_blocks.update(blocks)
+                    unfilled = failed.block_ids[failed.first_block:]
+                    self._failed_block_ids.update(unfilled)
+                    self._unfilled.update(unfilled)
+                    self._report.failed_blocks.update(unfilled)
                 self._stats.add("load_failures", len(transfers) - loaded)
             for transfer in transfers[:loaded]:
                 blocks = len(transfer.block_ids) - transfer.first_block
