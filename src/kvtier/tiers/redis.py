@@ -69,7 +69,7 @@ from kvtier.core.tier import (
     TierStats,
 )
 from kvtier.errors import CorruptBlock, TierUnavailable
-from kvtier.tiers.guard import Guard
+from kvtier.core.guard import Guard
 from kvtier.tiers.redis_client import UNAVAILABLE as DOWN_ERRORS
 from kvtier.tiers.redis_client import Client, connect, read_password
 from kvtier.tiers.redis_config import RedisTierConfig

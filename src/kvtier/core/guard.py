@@ -1,4 +1,4 @@
-"""Circuit breakers for remote tiers: a server that fails is skipped at once, retried with
+"""Circuit breakers for tiers: a server (or a tier) that fails is skipped at once, retried with
 exponential backoff, and used again as soon as a retry succeeds.
 
 A remote tier asks `Guard.allow(endpoint)` before each call. While the endpoint is up, every
