@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 from kvtier.errors import ConfigError
+
+# The largest size accepted: the largest file offset / allocation a 64-bit OS can address.
+# A bigger number is a typo; `int(float("1" * 400))` used to escape as OverflowError.
+MAX_SIZE_BYTES = 2**63 - 1
 
 _UNITS = {
     "": 1, "b": 1,
@@ -19,8 +24,8 @@ def parse_size(value: str | int | float, field: str = "size") -> int:
     """Return a size in bytes from an int or a string such as "8GiB" or "1.5 GB".
 
     Raises:
-        ConfigError: naming `field` when the value is negative, not a size, or has an
-            unknown unit.
+        ConfigError: naming `field` when the value is negative, not a size, larger than
+            MAX_SIZE_BYTES, or has an unknown unit.
     """
     if isinstance(value, bool):
         raise ConfigError(field, value, "a size in bytes or a string such as '8GiB'")
@@ -30,7 +35,7 @@ def parse_size(value: str | int | float, field: str = "size") -> int:
             raise ConfigError(field, value, "a finite size in bytes or a string such as '8GiB'")
         if value < 0:
             raise ConfigError(field, value, "a size must not be negative")
-        return int(value)
+        return _bounded(int(value), field, value)
     match = _SIZE.match(str(value))
     unit = match.group(2).lower() if match else None
     if not match or unit not in _UNITS:
@@ -38,7 +43,22 @@ def parse_size(value: str | int | float, field: str = "size") -> int:
             field, value, "a size such as 4096, '512MiB', '8GiB' or '1.5GB' (units: B, KB, "
             "MB, GB, TB, KiB, MiB, GiB, TiB)"
         )
-    return int(float(match.group(1)) * _UNITS[unit])
+    number = float(match.group(1)) * _UNITS[unit]
+    if not math.isfinite(number):
+        raise ConfigError(field, _short(value), f"a size of at most {MAX_SIZE_BYTES} bytes")
+    return _bounded(int(number), field, value)
+
+
+def _bounded(size: int, field: str, value: object) -> int:
+    if size > MAX_SIZE_BYTES:
+        raise ConfigError(field, _short(value), f"a size of at most {MAX_SIZE_BYTES} bytes")
+    return size
+
+
+def _short(value: object) -> object:
+    """The value for an error message; a 300-digit string is cut to a readable length."""
+    text = str(value)
+    return value if len(text) <= 40 else text[:20] + "..." + text[-8:]
 
 
 def format_size(size_bytes: float) -> str:
