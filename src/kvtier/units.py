@@ -36,6 +36,8 @@ def parse_size(value: str | int | float, field: str = "size") -> int:
         if value < 0:
             raise ConfigError(field, value, "a size must not be negative")
         return _bounded(int(value), field, value)
+    if str(value).lstrip().startswith("-"):  # "-5GiB" used to be told "not a size"
+        raise ConfigError(field, value, "a size must not be negative (e.g. '5GiB')")
     match = _SIZE.match(str(value))
     unit = match.group(2).lower() if match else None
     if not match or unit not in _UNITS:
