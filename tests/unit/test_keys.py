@@ -132,3 +132,13 @@ def test_token_container_and_integer_width_do_not_matter() -> None:
     assert chunk_keys(np.array(PROMPT, dtype=np.int32), NS, 16) == expected
     assert chunk_keys(np.array(PROMPT, dtype=np.int64), NS, 16) == expected
     assert chunk_keys(tuple(PROMPT), NS, 16) == expected
+
+
+def test_extra_bytes_change_their_chunk_and_every_later_one_and_none_changes_nothing() -> None:
+    plain = chunk_keys(PROMPT, NS, 16)
+    assert chunk_keys(PROMPT, NS, 16, extras=[None, None, None, None]) == plain
+    cat = chunk_keys(PROMPT, NS, 16, extras=[None, b"image:cat", None, None])
+    dog = chunk_keys(PROMPT, NS, 16, extras=[None, b"image:dog", None, None])
+    assert cat[0] == dog[0] == plain[0]  # before the image: shared
+    assert all(c != d for c, d in zip(cat[1:], dog[1:]))
+    assert all(c != p for c, p in zip(cat[1:], plain[1:]))

@@ -1,7 +1,9 @@
 """Content-addressed chunk keys: a chained hash over token ids within a namespace.
 
 The key of chunk i covers the namespace and ALL tokens of chunks 0..i, so equal keys mean
-equal prefixes. Hashing is blake3 over a canonical byte encoding (little-endian int64 token
+equal prefixes. A chunk may also carry extra bytes (what else its KV depends on: e.g. the
+images behind multimodal placeholder tokens, see integrations/vllm/request_keys.py); a chunk
+without extras hashes exactly as it did before extras existed. Hashing is blake3 over a canonical byte encoding (little-endian int64 token
 ids), so keys are identical across processes, machines and restarts: nothing depends on
 Python's `hash()` or PYTHONHASHSEED (a known cause of 0% hit rates with shared caches).
 
@@ -44,7 +46,7 @@ class Namespace:
 
 def chunk_keys(
     token_ids: Sequence[int] | np.ndarray, namespace: Namespace, tokens_per_chunk: int,
-    parent: ChunkKey | None = None,
+    parent: ChunkKey | None = None, extras: Sequence[bytes | None] | None = None,
 ) -> list[ChunkKey]:
     """Return one key per FULL chunk of `token_ids` (a trailing partial chunk gets none).
 
@@ -53,13 +55,18 @@ def chunk_keys(
         namespace: the namespace the keys live in.
         tokens_per_chunk: chunk size in tokens.
         parent: key of the chunk before `token_ids[0]`, to extend a chain incrementally.
+        extras: per full chunk, extra bytes its KV depends on, or None (as if absent).
     """
     tokens = np.asarray(token_ids, dtype="<i8")
     previous = parent if parent is not None else ChunkKey(namespace.digest())
     keys: list[ChunkKey] = []
-    for start in range(0, len(tokens) - tokens_per_chunk + 1, tokens_per_chunk):
+    for i, start in enumerate(range(0, len(tokens) - tokens_per_chunk + 1, tokens_per_chunk)):
         hasher = blake3.blake3(previous)
         hasher.update(tokens[start : start + tokens_per_chunk].tobytes())
+        extra = extras[i] if extras is not None else None
+        if extra:
+            # After a fixed-length token block, so a tag and a length keep it unambiguous.
+            hasher.update(b"kvtier-extra-v1" + len(extra).to_bytes(8, "little") + extra)
         previous = ChunkKey(hasher.digest(length=KEY_BYTES))
         keys.append(previous)
     return keys

@@ -41,6 +41,8 @@ COUNTERS: dict[str, str] = {
     "tier_dropped_writes": "Writes the tier did not store (I/O error, full disk, full queue)",
     "lookup_tokens": "Prompt tokens the scheduler asked kvtier about",
     "lookup_hit_tokens": "Prompt tokens kvtier could load (beyond vLLM's own cache)",
+    "uncacheable_requests": "Requests neither looked up nor stored: their KV depends on "
+                            "something kvtier cannot key (see request_keys.py)",
     "loaded_tokens": "Tokens loaded into vLLM's KV cache",
     "loaded_bytes": "KV bytes loaded into vLLM's KV cache",
     "load_seconds": "Seconds the workers spent loading KV (read + copy into blocks)",

@@ -33,6 +33,11 @@ from kvtier.integrations.vllm.config import ConnectorConfig, RequestControls
 from kvtier.integrations.vllm.events import ChunkInfo, ChunkTokens, kv_events
 from kvtier.integrations.vllm.messages import ChunkTransfer, KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, StatsDelta
+from kvtier.integrations.vllm.request_keys import (
+    UncacheableRequest,
+    chunk_extras,
+    needs_chunk_extras,
+)
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent
@@ -64,6 +69,10 @@ class _RequestState:
     lookup_computed_tokens: int = 0
     # Chunks already planned (loaded, stored or found in the index).
     num_planned_chunks: int = 0
+    # Whether its chunks carry extra key bytes (multimodal, prompt embeds: request_keys.py).
+    has_extras: bool = False
+    # Its KV depends on something kvtier cannot key: never looked up, never stored.
+    uncacheable: bool = False
 
 
 class ConnectorScheduler:
@@ -71,6 +80,7 @@ class ConnectorScheduler:
 
     def __init__(self, config: ConnectorConfig, *, block_size: int, model_id: str,
                  layout_digest: str, locator: ChunkLocator,
+                 weights_fingerprint: str | None = None,
                  tier_kinds: dict[str, str] | None = None, emit_events: bool = False) -> None:
         config.check_block_size(block_size)
         self._config = config
@@ -78,6 +88,7 @@ class ConnectorScheduler:
         self._blocks_per_chunk = config.tokens_per_chunk // block_size
         self._model_id = model_id
         self._layout_digest = layout_digest
+        self._weights_fingerprint = weights_fingerprint
         self._locator = locator
         self._stats = StatsDelta()
         # KV events for routers (vLLM publishes them when --kv-events-config enables them).
@@ -108,6 +119,8 @@ class ConnectorScheduler:
         # The last token is always recomputed: vLLM needs its logits.
         loadable_chunks = (request.num_tokens - 1) // self._config.tokens_per_chunk
         keys = self._keys_for(state, loadable_chunks)
+        if state.uncacheable:
+            return 0, False
         located = self._locator.locate(request.request_id, keys)
         if located.status is LookupStatus.RETRY:
             return None, False
@@ -217,23 +230,42 @@ class ConnectorScheduler:
         if state is None:
             extra = [CHUNK_ORDER, f"block-size={self._block_size}"]
             if request.lora_request is not None:
-                extra.append(f"lora={request.lora_request.lora_name}")
+                # Name and path, as vLLM's block hash: a name re-pointed at another adapter
+                # must not reuse the old adapter's KV.
+                lora = request.lora_request
+                extra += [f"lora={lora.lora_name}", f"lora-path={lora.lora_path}"]
             namespace = Namespace(model_id=self._model_id, layout_digest=self._layout_digest,
+                                  weights_fingerprint=self._weights_fingerprint,
                                   cache_salt=request.cache_salt, extra=tuple(extra))
             state = _RequestState(request=request, namespace=namespace,
                                   controls=RequestControls.from_params(
-                                      request.kv_transfer_params))
+                                      request.kv_transfer_params),
+                                  has_extras=needs_chunk_extras(request))
             self._requests[request.request_id] = state
         return state
 
     def _keys_for(self, state: _RequestState, num_chunks: int) -> list[ChunkKey]:
-        """The first `num_chunks` chunk keys of the request's tokens (extends the chain)."""
+        """The first `num_chunks` chunk keys of the request's tokens (extends the chain);
+        none once the request is found uncacheable (marked and counted here, once)."""
+        if state.uncacheable:
+            return []
         tpc = self._config.tokens_per_chunk
         have = len(state.keys)
         if num_chunks > have:
             tokens = state.request.all_token_ids[have * tpc: num_chunks * tpc]
             parent = state.keys[-1] if state.keys else None
-            new_keys = chunk_keys(tokens, state.namespace, tpc, parent=parent)
+            extras = None
+            if state.has_extras:
+                try:
+                    extras = chunk_extras(state.request, have, num_chunks - have, tpc,
+                                          self._block_size)
+                except UncacheableRequest as e:
+                    logger.warning("kvtier: request %s is not cached: %s",
+                                   state.request.request_id, e)
+                    self._stats.add("uncacheable_requests", 1)
+                    state.uncacheable = True
+                    return []
+            new_keys = chunk_keys(tokens, state.namespace, tpc, parent=parent, extras=extras)
             if self._emit_events:
                 self._remember_tokens(state, new_keys, tokens, parent)
             state.keys.extend(new_keys)
@@ -242,7 +274,7 @@ class ConnectorScheduler:
     def _plan_stores(self, state: _RequestState, computed_tokens: int,
                      out: list[ChunkTransfer]) -> None:
         """Append stores of the full chunks whose KV this step's forward completes."""
-        if state.controls.skip_store:
+        if state.controls.skip_store or state.uncacheable:
             return
         tpc = self._config.tokens_per_chunk
         limit = min(computed_tokens, len(state.request.all_token_ids),
@@ -253,6 +285,8 @@ class ConnectorScheduler:
         if full_chunks <= state.num_planned_chunks:
             return
         keys = self._keys_for(state, full_chunks)
+        if state.uncacheable:
+            return
         bpc = self._blocks_per_chunk
         # Recently loaded blocks of the prefix, with their positions (usually none).
         loaded = [(i, b) for i, b in enumerate(state.block_ids[: full_chunks * bpc])

@@ -1,0 +1,107 @@
+"""What, besides token ids, decides a chunk's KV: vLLM's per-block extra keys, as bytes.
+
+Two requests with equal token ids can hold different KV: multimodal placeholder tokens stand
+for different images (vLLM mixes each item's identifier and position into the block hash), and
+prompt-embeds requests have all token ids 0 (vLLM mixes a hash of each block's embeddings). So
+each chunk's key also covers the extra keys vLLM's own prefix cache uses for the chunk's blocks
+(`generate_block_hash_extra_keys`, called here block by block, exactly as vLLM's block hasher
+does): the two caches can never disagree about which prefixes are equal.
+
+The extra keys are encoded with a canonical, type-tagged, length-prefixed byte encoding (never
+Python's `hash()` or `repr()`), so every process and node computes the same bytes. A value the
+encoding does not know (a future vLLM key of a new type) makes the request uncacheable: it is
+neither looked up nor stored, rather than keyed on a guess.
+
+LoRA and the cache salt are in the namespace (scheduler.py), so a text-only request, the
+common case, skips the extraction entirely (`needs_chunk_extras`).
+
+Primitives: `UncacheableRequest`, `needs_chunk_extras`, `chunk_extras`, `encode_extra_keys`.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import TYPE_CHECKING, Any
+
+from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+
+class UncacheableRequest(Exception):
+    """The request's KV depends on something kvtier cannot encode deterministically."""
+
+
+def needs_chunk_extras(request: Request) -> bool:
+    """Whether the request's chunks need extra key bytes (multimodal inputs or prompt
+    embeddings); False for text-only requests, which then cost nothing more."""
+    return bool(request.mm_features) or request.prompt_embeds is not None
+
+
+def chunk_extras(request: Request, first_chunk: int, num_chunks: int, tokens_per_chunk: int,
+                 block_size: int) -> list[bytes | None]:
+    """Extra key bytes for chunks `first_chunk .. first_chunk + num_chunks - 1`, one entry
+    per chunk: None where none of its blocks has extra keys.
+
+    Raises:
+        UncacheableRequest: an extra key holds a value of a type the encoding does not know,
+            or a multimodal item has no identifier.
+    """
+    out: list[bytes | None] = []
+    for chunk in range(first_chunk, first_chunk + num_chunks):
+        start = chunk * tokens_per_chunk
+        parts: list[bytes] = []
+        for block_start in range(start, start + tokens_per_chunk, block_size):
+            block_end = block_start + block_size
+            try:
+                # mm index 0: vLLM skips the items before the block itself (cheap: few items).
+                keys, _ = generate_block_hash_extra_keys(request, block_start, block_end, 0)
+            except AssertionError as e:  # an item without an identifier
+                raise UncacheableRequest(f"vLLM extra keys: {e!r}") from e
+            if request.prompt_is_token_ids is not None:
+                # Mixed prompts: which positions are embeddings (token id 0 there).
+                mask = bytes(request.prompt_is_token_ids[block_start:block_end])
+                keys = (*(keys or ()), ("prompt_is_token_ids", mask))
+            parts.append(encode_extra_keys(keys) if keys else b"")
+        if any(parts):
+            out.append(b"".join(len(p).to_bytes(4, "little") + p for p in parts))
+        else:
+            out.append(None)
+    return out
+
+
+def encode_extra_keys(value: Any) -> bytes:
+    """A canonical byte encoding of an extra-keys value: tuples/lists, str, bytes, int,
+    bool, float and None, each type-tagged and length-prefixed.
+
+    Raises:
+        UncacheableRequest: for a value of any other type.
+    """
+    out = bytearray()
+    _encode(value, out)
+    return bytes(out)
+
+
+def _encode(value: Any, out: bytearray) -> None:
+    # bool before int: bool is an int subclass.
+    if value is None:
+        out += b"N"
+    elif isinstance(value, bool):
+        out += b"T" if value else b"F"
+    elif isinstance(value, int):
+        raw = str(value).encode()
+        out += b"i" + len(raw).to_bytes(4, "little") + raw
+    elif isinstance(value, float):
+        out += b"f" + struct.pack("<d", value)
+    elif isinstance(value, str):
+        raw = value.encode()
+        out += b"s" + len(raw).to_bytes(4, "little") + raw
+    elif isinstance(value, (bytes, bytearray)):
+        out += b"b" + len(value).to_bytes(4, "little") + bytes(value)
+    elif isinstance(value, (tuple, list)):
+        out += b"t" + len(value).to_bytes(4, "little")
+        for item in value:
+            _encode(item, out)
+    else:
+        raise UncacheableRequest(f"an extra key of type {type(value).__name__}")
