@@ -93,6 +93,13 @@ class StoreConfig(_Frozen):
     # Threads for parallel reads and lookups; the vLLM worker reads this many chunks at once
     # (8 read the VM disk 25-30% faster than 4: docs/performance.md).
     io_threads: int = Field(8, ge=1, le=64)
+    # A read of a tier below RAM not finished within this is abandoned (the load is
+    # recomputed) and the tier is skipped until it answers again: a dead NFS mount or a
+    # server that never replies costs hits, never a hung engine.
+    read_timeout_s: float = Field(5.0, gt=0, le=3600)
+    # The scheduler waits this long for a slow tier's lookup (shared directory, Redis) before
+    # treating the rest of the prefix as a miss; probes are skipped while one stays stuck.
+    lookup_timeout_s: float = Field(2.0, gt=0, le=3600)
 
     @field_validator("tiers", mode="before")
     @classmethod

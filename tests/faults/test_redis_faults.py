@@ -91,7 +91,7 @@ def test_redis_killed_mid_run_misses_fast_drops_writes_and_recovers(
                      lambda: tier.put(key(100 + i), memoryview(payload(100 + i, layout))),
                      lambda: tier.contains_many([key(0), key(1)])):
             result, elapsed = timed(call)
-            assert result in (False, [False, False])
+            assert not (any(result) if isinstance(result, list) else result)  # misses
             durations.append(elapsed)
     assert max(durations) < BOUND_S
     # Fast failure while down: most calls did no I/O at all (the breaker was open).

@@ -144,7 +144,8 @@ def test_declined_and_full_writes_are_counted_per_reason() -> None:
         assert store.flush(timeout_s=10)
         assert store.stats().failures == {"ram": {"full": 1}, "disk": {"declined": 1}}
         assert [f.value for f in Failure] == [
-            "missing", "corrupt", "io_error", "unavailable", "full", "declined", "raised"]
+            "missing", "corrupt", "io_error", "unavailable", "timeout", "full", "declined",
+            "raised"]
 
 
 def test_stores_and_evictions_come_back_as_typed_events() -> None:

@@ -7,7 +7,10 @@ Two sources, in order:
   2. probes of tiers other processes can see (disk, shared directory, remote stores): how
      chunks written before a restart, or by another engine, are found. Probes cheap enough
      for the caller's thread (a local stat) run inline; slower ones (NFS, network) run on a
-     thread, and the caller is told RETRY ("not ready, ask again") until they finish.
+     thread, and the caller is told RETRY ("not ready, ask again") until they finish, or
+     for `timeout_s` at most: a probe that has not answered by then (a dead NFS server, a
+     Redis that never replies) leaves the rest of the prefix a miss, and no slow probe is
+     started until it returns (the scheduler goes on with the index and the local probes).
 A stale answer costs a failed load (reported to the engine and recomputed), never wrong KV.
 
 Primitives: `Probe` (protocol), `ProbeSource` (optional protocol of a tier class),
@@ -17,6 +20,8 @@ Primitives: `Probe` (protocol), `ProbeSource` (optional protocol of a tier class
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,6 +30,8 @@ from enum import Enum, auto
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from kvtier.core.keys import ChunkKey
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from kvtier.core.layout import KVLayout
@@ -117,13 +124,22 @@ def _probed_prefix(probes: Sequence[Probe], keys: Sequence[ChunkKey]) -> int:
 class ChunkLocator:
     """Index + probes. Called from one thread (the scheduler's); probes run on its own."""
 
-    def __init__(self, probes: Sequence[Probe], max_keys: int) -> None:
+    def __init__(self, probes: Sequence[Probe], max_keys: int, timeout_s: float = 2.0) -> None:
+        """Args:
+            probes: the probes of the tiers this process can see (see `Probe`).
+            max_keys: the index's bound.
+            timeout_s: how long a lookup may wait for the slow probes (then: a miss).
+        """
         self.index = ChunkIndex(max_keys)
         self._inline = [p for p in probes if p.blocking_ok]
         self._all = list(probes)
         self._slow = len(self._inline) < len(self._all)
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="kvtier-probe") if self._slow else None
-        self._pending: dict[str, tuple[int, Future[int]]] = {}
+        self._timeout_s = timeout_s
+        # request id -> (prefix held before the probe, the probe, when it started)
+        self._pending: dict[str, tuple[int, Future[int], float]] = {}
+        self._stuck: Future[int] | None = None  # a probe that outlived timeout_s
+        self.timeouts = 0  # lookups that gave up waiting for a probe
 
     def record_stored(self, keys: Iterable[ChunkKey]) -> None:
         for key in keys:
@@ -143,16 +159,33 @@ class ChunkLocator:
             return Located.prefix(held)
         pending = self._pending.get(request_id)
         if pending is None:
+            if self._probes_stuck():
+                return Located.prefix(held)
             assert self._pool is not None
             future = self._pool.submit(_probed_prefix, self._all, list(keys[held:]))
-            self._pending[request_id] = (held, future)
+            self._pending[request_id] = (held, future, time.monotonic())
             return RETRY
-        start, future = pending
+        start, future, started = pending
         if not future.done():
-            return RETRY
+            if time.monotonic() - started < self._timeout_s:
+                return RETRY
+            del self._pending[request_id]
+            self.timeouts += 1
+            self._stuck = future
+            log.warning("kvtier: a slow tier's lookup took over %.3g s; the rest of the "
+                        "prefix is a miss, and slow tiers are not asked until it answers",
+                        self._timeout_s)
+            return Located.prefix(held)
         del self._pending[request_id]
         found = future.result() if future.exception() is None else 0
         return Located.prefix(max(held, self._extend(start, keys, found)))
+
+    def _probes_stuck(self) -> bool:
+        """Whether a probe that outlived timeout_s is still running."""
+        if self._stuck is not None and self._stuck.done():
+            log.warning("kvtier: the stuck lookup answered; slow tiers are asked again")
+            self._stuck = None
+        return self._stuck is not None
 
     def _extend(self, start: int, keys: Sequence[ChunkKey], found: int) -> int:
         """Remember `found` keys after `start` as held (so the next lookup is an index hit)."""

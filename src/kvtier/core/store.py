@@ -8,14 +8,19 @@ write-behind.
   tier that lends views (`Lender`: the memory tier) is read in place, without a copy; any
   other tier is read straight into a slot the top tier reserves (`Reserver`: the read is the
   promotion), else into `spare` (and promoted). `borrow_many` does a batch, reading the
-  chunks that are not lent in place in parallel.
+  chunks that are not lent in place in parallel, and waits for them at most
+  `read_timeout_s`.
 - `put(key, data)`: store in the top tier at once; lower tiers are written behind, on their
   own threads, through bounded queues: when a queue is full the write is dropped and counted,
   never blocking the caller. `put_from(key, fill, spare)` has the chunk written straight
   into a reserved slot of the top tier (the vLLM worker's gather).
 A tier call that fails is counted per tier and per `Failure` reason (`StoreStats.failures`);
 a tier that raises is skipped for that call (logged, counted as `Failure.RAISED`): a broken
-tier costs hits, never the engine.
+tier costs hits, never the engine. A tier below the top one that does not answer in time
+(a dead NFS mount, a server that never replies) is abandoned for that call, counted as
+`Failure.TIMEOUT`, and skipped until it answers again (`stall.StallGuard`): a stalled tier
+costs hits, never a hung engine. Only the top tier (RAM) is called on the caller's thread;
+`get_into`, `borrow` and `lookup` are the unbounded exceptions, for tools and tests.
 
 The store receives its tiers already built (`kvtier.tiers.open_store` builds them from a
 config): the core does not know which tiers exist.
@@ -30,17 +35,28 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Iterator, Mapping, MutableSequence, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from kvtier.core.keys import ChunkKey
+from kvtier.core.stall import StallGuard
 from kvtier.core.tier import (
-    BatchLookup, EventKind, EventSource, Failure, Lender, Reserver, Tier, TierResult, TierStats,
+    BatchLookup,
+    EventKind,
+    EventSource,
+    Failure,
+    Lender,
+    Reserver,
+    Tier,
+    TierResult,
+    TierStats,
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 MAX_PENDING_EVENTS = 1 << 16
 
 
@@ -50,6 +66,9 @@ class StoreSettings:
 
     write_queue_depth: int = 64  # chunks waiting per lower tier before writes are dropped
     io_threads: int = 8  # threads for parallel reads (`borrow_many`)
+    # A read (or lookup) of a tier below the top not finished by then is abandoned: a miss,
+    # and the tier is skipped until it answers again.
+    read_timeout_s: float = 5.0
     # tier name -> threads writing behind to it; a lower tier missing here gets one
     write_threads: Mapping[str, int] = field(default_factory=dict)
 
@@ -130,6 +149,8 @@ class _WriteBehind:
 
     def _write(self, key: ChunkKey, data: memoryview) -> None:
         try:
+            if self.tier.contains(key):  # asked here, off the caller's thread: may block
+                return
             result = self.tier.put(key, data)
             if result.failure is not None:
                 self._failures.add(self.tier.name, result.failure)
@@ -155,6 +176,29 @@ class _WriteBehind:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
+class _Pins:
+    """What a `borrow_many` keeps until its block exits (loans, reserved slots), entered
+    from the store's read threads. A read that finishes after the block has exited (its
+    borrow gave up waiting) must not pin anything: it is released at once."""
+
+    def __init__(self, stack: ExitStack) -> None:
+        self._stack = stack
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def enter_context(self, cm: AbstractContextManager[T]) -> T | None:
+        """`cm` entered and kept until the borrow ends; None (and `cm` exited) once it has."""
+        with self._lock:
+            if not self._closed:
+                return self._stack.enter_context(cm)
+        with cm:
+            return None
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+
+
 class TieredStore:
     """Tiers in order, fastest first. Every method is safe to call from any thread."""
 
@@ -176,7 +220,7 @@ class TieredStore:
                          settings.write_threads.get(tier.name, 1), self._failures)
             for tier in self.tiers[1:]
         ]
-        self._reader = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="kvtier-read")
+        self._calls = StallGuard(settings.io_threads, settings.read_timeout_s)
         # Each tier's optional abilities, checked once: a runtime Protocol isinstance costs
         # ~3 us, and loads asked it per chunk per tier (a quarter of a memory-tier borrow).
         self._lenders: dict[int, Lender] = {id(t): t for t in self.tiers if isinstance(t, Lender)}
@@ -185,7 +229,6 @@ class TieredStore:
         self._reserver = self.tiers[0] if self.tiers and isinstance(self.tiers[0], Reserver) \
             else None
         self._batched = [t for t in self.tiers if isinstance(t, BatchLookup)]
-        self._stack_lock = threading.Lock()
         # What tiers stored and removed, until `take_events`; bounded so that a store nobody
         # drains keeps only the newest events.
         self._events: deque[StoreEvent] = deque(maxlen=MAX_PENDING_EVENTS)
@@ -220,8 +263,11 @@ class TieredStore:
         return LookupResult(len(holders), tuple(holders))
 
     def contains(self, key: ChunkKey) -> bool:
-        """Whether some tier holds the chunk (index lookups; one stat for a shared tier)."""
-        return any(self._contains(tier, key) for tier in self.tiers)
+        """Whether some tier holds the chunk (index lookups; one stat for a shared tier).
+        Tiers below the top are asked with the read deadline (a stalled one: False)."""
+        return self._contains(self.tiers[0], key) or any(
+            self._calls.call(tier.name, False, self._contains, tier, key)
+            for tier in self.tiers[1:])
 
     def _contains_many(self, tier: BatchLookup, keys: Sequence[ChunkKey]) -> list[bool]:
         try:
@@ -281,41 +327,77 @@ class TieredStore:
             yield self._open(stack, key, spare)
 
     @contextmanager
-    def borrow_many(self, keys: Sequence[ChunkKey],
-                    spares: Sequence[memoryview]) -> Iterator[list[ChunkView | None]]:
+    def borrow_many(self, keys: Sequence[ChunkKey], spares: MutableSequence[memoryview],
+                    ) -> Iterator[list[ChunkView | None]]:
         """`borrow` for many chunks in one block (a view or None per key, in order).
 
         Chunks a `Lender` tier holds are lent in place; the others are read in parallel on
         the store's read threads, chunk i into `spares[i]`, so a batch of disk reads costs
-        about one read. Any thread.
+        about one read. Reads not finished within `read_timeout_s` are abandoned (None, the
+        tier marked stalled); the spare such a read still writes into is replaced in
+        `spares` by a new buffer, so that the caller never reuses it. Any thread.
         """
         with ExitStack() as stack:
-            views = [self._open(stack, key, spare, read=False) for key, spare in zip(keys, spares)]
-            todo = [i for i, view in enumerate(views) if view is None]
-            read = self._reader.map(lambda i: self._open(stack, keys[i], spares[i], lend=False),
-                                    todo)
-            for i, view in zip(todo, read):
-                views[i] = view
-            yield views
+            pins = _Pins(stack)
+            try:
+                views = [self._open(pins, key, spare, read=False)
+                         for key, spare in zip(keys, spares)]
+                todo = [i for i, view in enumerate(views) if view is None]
+                reading: dict[int, str] = {}  # key index -> the tier its read is waiting on
+                futures: dict[Future[ChunkView | None], int] = {
+                    self._calls.submit(self._open, pins, keys[i], spares[i], lend=False,
+                                       reading=(reading, i)): i
+                    for i in todo}
+                done, late = wait(futures, timeout=self._calls.timeout_s)
+                for future in done:
+                    views[futures[future]] = future.result()
+                for future in late:
+                    self._abandon(futures[future], reading, spares)
+                yield views
+            finally:
+                pins.close()  # reads finishing after this release their own slots
 
-    def _open(self, stack: ExitStack, key: ChunkKey, spare: memoryview, *, lend: bool = True,
-              read: bool = True) -> ChunkView | None:
-        """The chunk from the fastest tier holding it: lent by a Lender (entered on `stack`;
-        skipped unless `lend`) or read (other tiers; skipped unless `read`) into a slot the
-        top tier reserves (entered on `stack`) or into `spare`."""
+    def _abandon(self, i: int, reading: dict[int, str], spares: MutableSequence[memoryview],
+                 ) -> None:
+        """Give up the late read of key `i`: count it, mark its tier stalled, and replace the
+        spare it may still write into."""
+        tier = reading.get(i)
+        if tier is not None:
+            log.warning("tier %r: a read took over %.3g s; abandoned (a miss), the tier is "
+                        "skipped until it answers again", tier, self._calls.timeout_s)
+            self._failures.add(tier, Failure.TIMEOUT)
+            self._calls.stalled(tier)
+        spares[i] = memoryview(bytearray(len(spares[i])))
+
+    def _open(self, pins: _Pins | ExitStack, key: ChunkKey, spare: memoryview, *,
+              lend: bool = True, read: bool = True,
+              reading: tuple[dict[int, str], int] | None = None) -> ChunkView | None:
+        """The chunk from the fastest tier holding it: lent by a Lender (kept on `pins`;
+        skipped unless `lend`) or read (other tiers; skipped unless `read`, and unless
+        stalled) into a slot the top tier reserves (kept on `pins`) or into `spare`.
+        `reading`: (where, i) to note in `where[i]` the tier a read is waiting on."""
         for level, tier in enumerate(self.tiers):
             lender = self._lenders.get(id(tier))
-            if not (lend if lender is not None else read) or not self._contains(tier, key):
+            if not (lend if lender is not None else read):
+                continue
+            if reading is not None:
+                if not self._calls.usable(tier.name):
+                    continue
+                reading[0][reading[1]] = tier.name
+            held = self._contains(tier, key)
+            if reading is not None:
+                self._calls.answered(tier.name)
+            if not held:
                 continue
             in_place = lender is None and level > 0 and self._reserver is not None
             try:
                 if lender is not None:
-                    view = stack.enter_context(lender.borrow(key))
+                    view = pins.enter_context(lender.borrow(key))
                     if view is None:
                         self._failures.add(tier.name, Failure.MISSING)
                 elif in_place:
                     assert self._reserver is not None
-                    view = self._read_in_place(stack, self._reserver, tier, key, spare)
+                    view = self._read_in_place(pins, self._reserver, tier, key, spare)
                 else:
                     view = spare if self._counted(tier, tier.get_into(key, spare)) else None
             except Exception as exc:
@@ -328,11 +410,12 @@ class TieredStore:
                 return ChunkView(view.toreadonly(), tier.name)
         return None
 
-    def _read_in_place(self, stack: ExitStack, top: Reserver, tier: Tier, key: ChunkKey,
+    def _read_in_place(self, pins: _Pins | ExitStack, top: Reserver, tier: Tier, key: ChunkKey,
                        spare: memoryview) -> memoryview | None:
         """Read `tier`'s chunk straight into a slot the top tier reserves (the read is the
-        promotion: no copy; the slot stays pinned until `stack` closes), or into `spare`
-        when the top tier gives none (declined, full, or holding it already)."""
+        promotion: no copy; the slot stays pinned on `pins`), or into `spare` when the top
+        tier gives none (declined, full, or holding it already). None when the read fails,
+        or when the borrow it was for was abandoned meanwhile (the slot is released)."""
         with ExitStack() as reservation:
             slot = reservation.enter_context(top.reserve(key))
             target = spare if slot is None else slot.data
@@ -340,8 +423,8 @@ class TieredStore:
                 return None  # the slot is released here
             if slot is not None:
                 slot.commit()
-            with self._stack_lock:  # borrow_many's reads share one stack across threads
-                stack.enter_context(reservation.pop_all())  # pinned until `stack` closes
+            if pins.enter_context(reservation.pop_all()) is None:
+                return None  # abandoned: `reservation` released the slot (it was committed)
             return target
 
     def _promote(self, level: int, key: ChunkKey, data: memoryview, top: bool = True) -> None:
@@ -361,12 +444,17 @@ class TieredStore:
         """Store a chunk (exactly layout.bytes_per_chunk bytes): in the top tier now, in the
         lower tiers behind. True when the top tier stored it (or already held it)."""
         stored = self._put_top(key, data)
-        pending = [w for w in self._below if not self._contains(w.tier, key)]
+        pending = self._writers()
         if pending:
             copy = memoryview(bytes(data))  # the caller may reuse `data` once we return
             for writer in pending:
                 writer.submit(key, copy)
         return stored
+
+    def _writers(self) -> list[_WriteBehind]:
+        """The lower tiers to write behind to: all but the stalled ones (whether one holds
+        the chunk already is asked on its own threads, where a stall blocks nobody)."""
+        return [w for w in self._below if self._calls.usable(w.tier.name)]
 
     def put_from(self, key: ChunkKey, fill: Callable[[memoryview], None],
                  spare: memoryview) -> bool:
@@ -378,10 +466,12 @@ class TieredStore:
         if self._reserver is None:
             fill(spare)
             return self.put(key, spare)
-        pending = [w for w in self._below if not self._contains(w.tier, key)]
         with self._reserver.reserve(key) as slot:
-            if slot is None and not pending:  # held already, or declined: nothing to write
-                return self._contains(self.tiers[0], key)
+            if slot is None and self._contains(self.tiers[0], key):
+                return True  # held: written behind when it was stored
+            pending = self._writers()
+            if slot is None and not pending:  # declined, and no lower tier to write
+                return False
             data = spare if slot is None else slot.data
             fill(data)
             # The lower tiers' copy is taken before the commit makes the slot evictable.
@@ -430,7 +520,7 @@ class TieredStore:
                                 writer.tier.name, writer.pending, flush_timeout_s)
         for writer in self._below:
             writer.close()
-        self._reader.shutdown(wait=True)
+        self._calls.close()
         for tier in self.tiers:
             tier.close()
 

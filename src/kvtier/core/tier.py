@@ -34,6 +34,7 @@ class Failure(StrEnum):
     CORRUPT = "corrupt"  # read back but failed verification (and was removed)
     IO_ERROR = "io_error"  # the medium or server failed the call (EIO, EACCES, an error reply)
     UNAVAILABLE = "unavailable"  # the server is down or timed out (circuit breaker open)
+    TIMEOUT = "timeout"  # no answer within the store's read deadline (the call was abandoned)
     FULL = "full"  # no room: capacity held by writes in flight, or the filesystem/server full
     DECLINED = "declined"  # admission: not offered often enough yet (by design, not a fault)
     RAISED = "raised"  # the tier raised instead of returning (a bug; the store logs it)

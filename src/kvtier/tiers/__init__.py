@@ -49,6 +49,7 @@ def store_settings(config: StoreConfig) -> StoreSettings:
     return StoreSettings(
         write_queue_depth=config.write_queue_depth,
         io_threads=config.io_threads,
+        read_timeout_s=config.read_timeout_s,
         write_threads={t.tier_name: getattr(t, "io_threads", 1) for t in config.tiers},
     )
 

@@ -118,7 +118,8 @@ class KVTierConnector(KVConnectorBase_V1):
                                         self._config.tokens_per_chunk)
             probes = [build_probe(tier, layouts) for tier in self._config.store.tiers]
             locator = ChunkLocator([p for p in probes if p is not None],
-                                   self._config.index_keys(layouts[0].bytes_per_chunk))
+                                   self._config.index_keys(layouts[0].bytes_per_chunk),
+                                   timeout_s=self._config.store.lookup_timeout_s)
             events = vllm_config.kv_events_config
             self._scheduler = ConnectorScheduler(
                 self._config, block_size=self._block_size,

@@ -151,9 +151,8 @@ class ConnectorWorker:
         """Store every planned chunk whose KV the forward pass just computed."""
         start = time.perf_counter()
         for transfer in self._safe_stores(meta.stores):
-            if self._store.contains(transfer.key):  # e.g. a prefix vLLM itself had cached
-                self._report.stored.add(transfer.key)
-                continue
+            # A chunk the top tier holds already (e.g. a prefix vLLM itself had cached) counts
+            # as stored without a copy; lower tiers are asked off this thread (they may stall).
             if self._store_chunk(transfer):
                 self._report.stored.add(transfer.key)
                 self._stats.add("stored_tokens", len(transfer.block_ids) * self._paged.block_size)

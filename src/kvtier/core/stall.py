@@ -1,0 +1,102 @@
+"""Calls into tiers that may stall, bounded in time: a tier that does not answer is skipped.
+
+A dead hard-mounted NFS server blocks a `stat` or a `read` in the kernel for ever; a server
+that accepts and never replies does the same to a socket without a timeout. Inside vLLM such
+a call on the engine's thread is a hung engine. So the store runs every call into a tier
+below the top one on these threads and waits at most `timeout_s`: a call that has not
+returned by then is abandoned (its thread is left to finish whenever the tier answers), the
+caller gets a miss, and the tier is marked stalled: skipped at once by every caller, retried
+by one probe after a backoff (`Guard`), used again as soon as any call to it returns.
+
+The threads are replaced when a call is abandoned, so that stalled calls never queue the
+next ones behind them; abandoned threads are as many as the stalled calls, which the
+backoff keeps few.
+
+Primitives: `StallGuard` (usable, answered, stalled, call, submit, close).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import ParamSpec, TypeVar
+
+from kvtier.core.guard import Guard
+
+log = logging.getLogger(__name__)
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class StallGuard:
+    """Bounded calls into tiers, named by the tier's name. Thread-safe."""
+
+    def __init__(self, threads: int, timeout_s: float, *, min_backoff_s: float = 1.0,
+                 max_backoff_s: float = 60.0) -> None:
+        """Args:
+            threads: calls in flight at once.
+            timeout_s: how long a caller waits for a call before abandoning it.
+            min_backoff_s, max_backoff_s: how long a stalled tier is skipped before one call
+                probes it again (doubling from the first to the second).
+        """
+        self.timeout_s = timeout_s
+        self._threads = threads
+        self._guard = Guard("stall", min_backoff_s, max_backoff_s)
+        self._lock = threading.Lock()
+        self._pool = self._new_pool()
+        self._abandoned = 0
+
+    def _new_pool(self) -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(self._threads, thread_name_prefix="kvtier-read")
+
+    def usable(self, tier: str) -> bool:
+        """Whether a call to `tier` may go out now (False while it is stalled; the first
+        True after its backoff makes the caller its probe: report with `answered`)."""
+        return self._guard.allow(tier)
+
+    def answered(self, tier: str) -> None:
+        """A call to `tier` returned (whatever it returned): the tier answers."""
+        self._guard.succeeded(tier)
+
+    def stalled(self, tier: str) -> None:
+        """A call to `tier` was abandoned: skip the tier, and give later calls new threads."""
+        self._guard.failed(tier, TimeoutError(f"no answer within {self.timeout_s:g} s"))
+        with self._lock:
+            self._abandoned += 1
+            old, self._pool = self._pool, self._new_pool()
+        old.shutdown(wait=False)
+
+    def submit(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> Future[R]:
+        """Run `fn` on a call thread (the caller waits, with `timeout_s`, and reports)."""
+        with self._lock:
+            return self._pool.submit(fn, *args, **kwargs)
+
+    def call(self, tier: str, default: R, fn: Callable[P, R], *args: P.args,
+             **kwargs: P.kwargs) -> R:
+        """`fn(*args)` for `tier`, or `default` when the tier is stalled or does not answer
+        within `timeout_s` (then it is marked stalled). What `fn` raises propagates."""
+        if not self.usable(tier):
+            return default
+        future = self.submit(fn, *args, **kwargs)
+        try:
+            result = future.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            self.stalled(tier)
+            return default
+        self.answered(tier)
+        return result
+
+    @property
+    def abandoned(self) -> int:
+        """Calls abandoned so far."""
+        return self._abandoned
+
+    def close(self) -> None:
+        """Stop the threads: wait for the running calls unless some were abandoned (a
+        stalled call may never return)."""
+        with self._lock:
+            pool, wait = self._pool, self._abandoned == 0
+        pool.shutdown(wait=wait, cancel_futures=True)

@@ -1,0 +1,175 @@
+"""A tier that stops answering (a dead hard-mounted NFS server, a server that accepts and never
+replies) costs hits, never a hung caller (issue 12, item 6).
+
+The store waits at most `read_timeout_s` for a read or a lookup of a tier below RAM: a read
+not finished by then is a miss counted as `timeout`, the tier is skipped at once by every
+later call, and used again as soon as it answers. The scheduler's locator waits at most
+`timeout_s` for a slow tier's probe. Faults are injected with tier doubles whose calls block
+until released (the example tier, tiers/example.py, with a gate).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from tierkit import key, make_tier, tiny_layout
+
+from kvtier.core.keys import ChunkKey
+from kvtier.core.locator import ChunkLocator, LookupStatus
+from kvtier.core.store import StoreSettings, TieredStore
+from kvtier.core.tier import TierResult
+from kvtier.tiers.example import ExampleTier, ExampleTierConfig
+
+LAYOUT = tiny_layout()
+CHUNK = LAYOUT.bytes_per_chunk
+TIMEOUT_S = 0.3
+
+
+class HangingTier(ExampleTier):
+    """Holds chunks like the example tier, but while `hang` is set its reads and lookups
+    block until `release` is set (then answer normally)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.hang = threading.Event()
+        self.release = threading.Event()
+        self.calls = 0
+
+    def _gate(self) -> None:
+        self.calls += 1
+        if self.hang.is_set():
+            self.release.wait(30)
+
+    def contains(self, key: ChunkKey) -> bool:
+        self._gate()
+        return super().contains(key)
+
+    def get_into(self, key: ChunkKey, out: memoryview) -> TierResult:
+        self._gate()
+        return super().get_into(key, out)
+
+
+def example(name: str, cls: type[ExampleTier] = ExampleTier) -> ExampleTier:
+    return cls(ExampleTierConfig(kind="example", name=name, capacity=16 * CHUNK), LAYOUT)
+
+
+@pytest.fixture
+def hanging() -> Iterator[HangingTier]:
+    tier = example("nfs", HangingTier)
+    assert isinstance(tier, HangingTier)
+    yield tier
+    tier.release.set()  # let abandoned threads finish
+
+
+def spares(n: int) -> list[memoryview]:
+    return [memoryview(bytearray(CHUNK)) for _ in range(n)]
+
+
+def test_a_read_that_hangs_is_a_timely_miss_and_the_tier_is_then_skipped(
+        hanging: HangingTier) -> None:
+    store = TieredStore([example("ram"), hanging], StoreSettings(read_timeout_s=TIMEOUT_S))
+    hanging.put(key(1), memoryview(b"\x01" * CHUNK))
+    buffers = spares(1)
+    given = buffers[0]
+    hanging.hang.set()
+    start = time.monotonic()
+    with store.borrow_many([key(1)], buffers) as views:
+        assert views == [None]
+    assert time.monotonic() - start < TIMEOUT_S + 0.2
+    # The stuck read may still write into the spare it was given: the caller gets a new one.
+    assert buffers[0] is not given and len(buffers[0]) == CHUNK
+    assert store.stats().failures["nfs"]["timeout"] == 1
+    # Skipped at once while stalled: reads, lookups and write-behind.
+    calls = hanging.calls
+    start = time.monotonic()
+    with store.borrow_many([key(1)], buffers) as views:
+        assert views == [None]
+    assert not store.contains(key(1))
+    assert store.put(key(2), memoryview(b"\x02" * CHUNK))  # RAM stores it
+    assert time.monotonic() - start < 0.1
+    assert hanging.calls == calls
+
+
+def test_a_stalled_tier_is_used_again_once_it_answers(hanging: HangingTier) -> None:
+    store = TieredStore([example("ram"), hanging], StoreSettings(read_timeout_s=TIMEOUT_S))
+    hanging.put(key(1), memoryview(b"\x01" * CHUNK))
+    hanging.hang.set()
+    with store.borrow_many([key(1)], spares(1)) as views:
+        assert views == [None]
+    hanging.hang.clear()
+    hanging.release.set()  # the stuck read returns: the tier answers again
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        with store.borrow_many([key(1)], spares(1)) as views:
+            if views[0] is not None:
+                assert bytes(views[0].data) == b"\x01" * CHUNK
+                return
+        time.sleep(0.05)
+    raise AssertionError("the tier was never used again")
+
+
+def test_a_late_read_into_a_reserved_ram_slot_releases_it(tmp_path: object,
+                                                           hanging: HangingTier) -> None:
+    ram = make_tier("memory", tmp_path, LAYOUT, 2)  # type: ignore[arg-type]
+    store = TieredStore([ram, hanging], StoreSettings(read_timeout_s=TIMEOUT_S))
+    hanging.put(key(1), memoryview(b"\x07" * CHUNK))
+    hanging.hang.set()
+    with store.borrow_many([key(1)], spares(1)) as views:
+        assert views == [None]  # abandoned while reading into a reserved RAM slot
+    hanging.release.set()
+    # The late read fills its slot (the promotion) and releases it: RAM serves the chunk,
+    # and both slots can still be filled (none is pinned for ever).
+    deadline = time.monotonic() + 5
+    while not ram.contains(key(1)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    with store.borrow_many([key(1)], spares(1)) as views:
+        assert views[0] is not None and views[0].tier == ram.name
+    assert store.put(key(2), memoryview(b"\x02" * CHUNK))
+    assert store.put(key(3), memoryview(b"\x03" * CHUNK))
+
+
+def test_a_lookup_that_hangs_leaves_the_rest_of_the_prefix_a_miss() -> None:
+    gate = threading.Event()
+
+    class HangingProbe:
+        blocking_ok = False  # a network filesystem: asked off the scheduler's thread
+
+        def contains(self, key: ChunkKey) -> bool:
+            gate.wait(30)
+            return True
+
+    locator = ChunkLocator([HangingProbe()], max_keys=64, timeout_s=TIMEOUT_S)
+    locator.record_stored([key(0)])
+    keys = [key(0), key(1), key(2)]
+    try:
+        start = time.monotonic()
+        while (found := locator.locate("r1", keys)).status is LookupStatus.RETRY:
+            assert time.monotonic() - start < TIMEOUT_S + 0.5
+            time.sleep(0.02)
+        assert found.num_chunks == 1  # the index's key; the probe never answered
+        assert locator.timeouts == 1
+        # While it stays stuck, lookups answer at once from the index (no RETRY).
+        assert locator.locate("r2", keys).num_chunks == 1
+        gate.set()  # it answers: slow probes are asked again
+        deadline = time.monotonic() + 5
+        while locator.locate("r3", keys).status is not LookupStatus.RETRY:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    finally:
+        gate.set()
+        locator.close()
+
+
+def test_the_deadlines_are_validated_settings() -> None:
+    from kvtier.config import StoreConfig
+    from kvtier.errors import ConfigError
+
+    config = StoreConfig.parse({"tiers": [{"kind": "memory", "capacity": "1MiB"}],
+                                "read_timeout_s": 0.5, "lookup_timeout_s": 1})
+    assert (config.read_timeout_s, config.lookup_timeout_s) == (0.5, 1.0)
+    with pytest.raises(ConfigError, match="read_timeout_s"):
+        StoreConfig.parse({"tiers": [{"kind": "memory", "capacity": "1MiB"}],
+                           "read_timeout_s": 0})
