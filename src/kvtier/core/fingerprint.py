@@ -1,0 +1,164 @@
+"""A model fingerprint: what about the model decides its KV, cheap enough for a 100+ GB model.
+
+Part of every key's namespace, so that an updated checkpoint at the same path (or another
+`--revision`, dtype, quantization, RoPE setting) never hits KV computed with the old one, and
+the same checkpoint at another path, on another node, does.
+
+It covers:
+- the revision and code revision, quantization method and model dtype, as given;
+- the HF config keys in `KV_CONFIG_KEYS` (and the same keys in a nested `text_config`): what
+  shapes the hidden states, hence the K/V of every layer after the first;
+- the checkpoint's content, sampled (`weights_digest`): per `*.safetensors` file (sorted by
+  file name) its name, size, a blake3 of its JSON header (names, dtypes, shapes, offsets) and
+  the first 4 KiB of up to 256 of its tensors, spread evenly; where there is no safetensors
+  file, per `*.bin`/`*.pt`/`*.pth` file its name, size and its first and last MiB. A
+  re-trained or re-quantized checkpoint changes these; an edit confined to bytes that are not
+  sampled (one element deep inside a tensor) does not: the samples bound start-up reads (a few
+  MB per file) rather than prove equality.
+Never paths or mtimes: nodes mount models at different paths and copy them at different times.
+
+No vllm or torch here: the connector gathers the inputs (integrations/vllm/connector.py).
+
+Primitives: `KV_CONFIG_KEYS`, `ModelFingerprint`, `model_fingerprint`, `weights_digest`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import blake3
+
+# HF config keys that change the KV (names across model families; absent keys are skipped).
+KV_CONFIG_KEYS = (
+    "model_type", "architectures",
+    "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "hidden_size", "intermediate_size", "hidden_act", "vocab_size",
+    "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon",
+    "rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor",
+    "max_position_embeddings", "original_max_position_embeddings",
+    "sliding_window", "layer_types", "attention_bias", "attention_multiplier",
+    "query_pre_attn_scalar", "attn_logit_softcapping", "embedding_multiplier",
+    "residual_multiplier", "tie_word_embeddings", "qk_layernorm", "use_qk_norm",
+    "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+    "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+    "quantization_config",
+)
+SAMPLE_BYTES = 4096  # bytes read at the start of each sampled safetensors tensor
+SAMPLED_TENSORS_PER_FILE = 256
+OPAQUE_SAMPLE_BYTES = 1 << 20  # bytes read at each end of a .bin/.pt file
+_MAX_HEADER_BYTES = 100 << 20  # a larger safetensors header is treated as an opaque file
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFingerprint:
+    """A model's fingerprint and what went into it."""
+
+    digest: str  # 32 hex chars
+    weight_files: int  # checkpoint files sampled; 0: weights not fingerprinted
+
+
+def model_fingerprint(model_dir: str | os.PathLike[str] | None, config: Mapping[str, Any], *,
+                      revision: str | None = None, code_revision: str | None = None,
+                      quantization: str | None = None,
+                      dtype: str | None = None) -> ModelFingerprint:
+    """The fingerprint of a model (reads a few MB per checkpoint file; run once at start-up).
+
+    Args:
+        model_dir: the checkpoint's directory (or single file); None when not on disk.
+        config: the model's HF config as a dict.
+        revision, code_revision, quantization, dtype: as the engine was given them.
+
+    Raises:
+        OSError: a checkpoint file could not be read.
+    """
+    weights = weights_digest(model_dir) if model_dir is not None else None
+    picked = {"model": _kv_config(config)}
+    text = config.get("text_config")
+    if isinstance(text, Mapping):
+        picked["text"] = _kv_config(text)
+    document = {
+        "revision": revision, "code_revision": code_revision, "quantization": quantization,
+        "dtype": dtype, "config": picked, "weights": weights[0] if weights else None,
+    }
+    encoded = json.dumps(document, sort_keys=True, default=str).encode()
+    return ModelFingerprint(digest=blake3.blake3(b"kvtier-model-v1" + encoded).hexdigest(16),
+                            weight_files=weights[1] if weights else 0)
+
+
+def weights_digest(model_dir: str | os.PathLike[str]) -> tuple[str, int] | None:
+    """(hex digest, number of files) of a checkpoint's sampled content, or None when the
+    directory holds no checkpoint file kvtier knows.
+
+    Raises:
+        OSError: a checkpoint file could not be read.
+    """
+    root = Path(model_dir)
+    if root.is_file():
+        files = [root]
+    elif root.is_dir():
+        files = sorted(root.glob("*.safetensors"), key=lambda p: p.name)
+        if not files:
+            files = sorted((p for ext in ("*.bin", "*.pt", "*.pth") for p in root.glob(ext)),
+                           key=lambda p: p.name)
+    else:
+        return None
+    if not files:
+        return None
+    hasher = blake3.blake3(b"kvtier-weights-v1")
+    for path in files:
+        name = path.name.encode()
+        hasher.update(len(name).to_bytes(4, "little") + name)
+        hasher.update(_file_digest(path))
+    return hasher.hexdigest(16), len(files)
+
+
+def _kv_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: config[key] for key in KV_CONFIG_KEYS if key in config}
+
+
+def _file_digest(path: Path) -> bytes:
+    """Size and samples of one checkpoint file (a safetensors file's header and tensors)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        hasher = blake3.blake3(size.to_bytes(8, "little"))
+        tensors = _safetensors_tensors(f, size) if path.suffix == ".safetensors" else None
+        if tensors is not None:
+            header, data_start, spans = tensors
+            hasher.update(b"header" + blake3.blake3(header).digest())
+            step = max(1, len(spans) / SAMPLED_TENSORS_PER_FILE)
+            for i in range(min(len(spans), SAMPLED_TENSORS_PER_FILE)):
+                begin, end = spans[int(i * step)]
+                hasher.update(os.pread(f.fileno(), min(SAMPLE_BYTES, end - begin),
+                                       data_start + begin))
+        else:
+            hasher.update(b"opaque" + os.pread(f.fileno(), OPAQUE_SAMPLE_BYTES, 0))
+            tail = max(0, size - OPAQUE_SAMPLE_BYTES)
+            hasher.update(os.pread(f.fileno(), OPAQUE_SAMPLE_BYTES, tail))
+    return hasher.digest()
+
+
+def _safetensors_tensors(f: Any, size: int) -> tuple[bytes, int, list[tuple[int, int]]] | None:
+    """(header bytes, data start, tensor [begin, end) spans by offset), or None where the file
+    is not a well-formed safetensors file (it is then sampled as an opaque file)."""
+    prefix = os.pread(f.fileno(), 8, 0)
+    if len(prefix) < 8:
+        return None
+    length = int.from_bytes(prefix, "little")
+    if length > min(_MAX_HEADER_BYTES, size - 8):
+        return None
+    header = os.pread(f.fileno(), length, 8)
+    try:
+        entries = json.loads(header)
+        spans = sorted(
+            (int(e["data_offsets"][0]), int(e["data_offsets"][1]))
+            for name, e in entries.items() if name != "__metadata__")
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return None
+    if any(not 0 <= b <= e <= size - 8 - length for b, e in spans):
+        return None
+    return header, 8 + length, spans

@@ -1,0 +1,119 @@
+"""The model fingerprint: the same checkpoint anywhere agrees, a changed one never does.
+
+Scenarios on tiny checkpoints written by hand (safetensors: an 8-byte little-endian header
+length, a JSON header, the tensor bytes) in a temp dir.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+
+from kvtier.core.fingerprint import model_fingerprint, weights_digest
+
+CONFIG = {"model_type": "llama", "num_hidden_layers": 2, "num_key_value_heads": 2,
+          "hidden_size": 64, "rope_theta": 10000.0, "_name_or_path": "/models/tiny",
+          "transformers_version": "4.57.0"}
+
+
+def write_safetensors(path: Path, tensors: dict[str, bytes], metadata: str = "pt") -> None:
+    header: dict[str, object] = {"__metadata__": {"format": metadata}}
+    offset = 0
+    for name, data in tensors.items():
+        header[name] = {"dtype": "F32", "shape": [len(data) // 4],
+                        "data_offsets": [offset, offset + len(data)]}
+        offset += len(data)
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"".join(tensors.values()))
+
+
+def floats(seed: float, n: int = 2048) -> bytes:
+    return struct.pack(f"<{n}f", *(seed + i for i in range(n)))
+
+
+def make_model(root: Path, seed: float = 1.0, config: dict[str, object] | None = None) -> Path:
+    root.mkdir(parents=True)
+    write_safetensors(root / "model-00001-of-00002.safetensors",
+                      {"embed": floats(seed), "layer0.k": floats(seed + 1)})
+    write_safetensors(root / "model-00002-of-00002.safetensors", {"layer1.k": floats(seed + 2)})
+    (root / "config.json").write_text(json.dumps(config or CONFIG))
+    return root
+
+
+def fingerprint(model: Path) -> str:
+    config = json.loads((model / "config.json").read_text())
+    return model_fingerprint(model, config, dtype="float32").digest
+
+
+def test_the_same_weights_at_two_paths_agree(tmp_path: Path) -> None:
+    here = make_model(tmp_path / "node-a" / "tiny")
+    there = tmp_path / "elsewhere" / "copy"
+    shutil.copytree(here, there)
+    # The config's own path differs too (HF writes _name_or_path): not a KV input.
+    config = json.loads((there / "config.json").read_text())
+    (there / "config.json").write_text(json.dumps(config | {"_name_or_path": str(there)}))
+    assert fingerprint(here) == fingerprint(there)
+    assert model_fingerprint(here, CONFIG).weight_files == 2
+
+
+def test_a_later_mtime_changes_nothing(tmp_path: Path) -> None:
+    model = make_model(tmp_path / "tiny")
+    before = fingerprint(model)
+    for file in model.iterdir():
+        os.utime(file, (1_900_000_000, 1_900_000_000))
+    assert fingerprint(model) == before
+
+
+def test_a_changed_safetensors_header_changes_the_fingerprint(tmp_path: Path) -> None:
+    model = make_model(tmp_path / "tiny")
+    before = fingerprint(model)
+    write_safetensors(model / "model-00002-of-00002.safetensors", {"layer1.k": floats(3.0)},
+                      metadata="pt2")
+    assert fingerprint(model) != before
+
+
+def test_weights_overwritten_in_place_with_the_same_shapes_change_the_fingerprint(
+        tmp_path: Path) -> None:
+    model = make_model(tmp_path / "tiny")
+    before = fingerprint(model)
+    shutil.rmtree(model)
+    make_model(model, seed=7.0)  # same names, shapes and header bytes: new values
+    assert fingerprint(model) != before
+
+
+def test_a_rope_theta_change_in_the_config_changes_the_fingerprint(tmp_path: Path) -> None:
+    model = make_model(tmp_path / "tiny")
+    other = make_model(tmp_path / "tiny-long", config=CONFIG | {"rope_theta": 500000.0})
+    assert fingerprint(model) != fingerprint(other)
+
+
+def test_revision_dtype_and_quantization_are_part_of_it(tmp_path: Path) -> None:
+    model = make_model(tmp_path / "tiny")
+    base = model_fingerprint(model, CONFIG).digest
+    assert model_fingerprint(model, CONFIG, revision="abc").digest != base
+    assert model_fingerprint(model, CONFIG, dtype="bfloat16").digest != base
+    assert model_fingerprint(model, CONFIG, quantization="fp8").digest != base
+
+
+def test_pickled_checkpoints_are_sampled_at_both_ends(tmp_path: Path) -> None:
+    model = tmp_path / "old"
+    model.mkdir()
+    (model / "pytorch_model.bin").write_bytes(b"\0" * (3 << 20))
+    before = weights_digest(model)
+    with open(model / "pytorch_model.bin", "r+b") as f:
+        f.seek((3 << 20) - 10)
+        f.write(b"x")
+    after = weights_digest(model)
+    assert before is not None and after is not None and before != after
+
+
+def test_a_model_not_on_disk_is_fingerprinted_by_what_is_known(tmp_path: Path) -> None:
+    assert weights_digest(tmp_path / "missing") is None
+    assert weights_digest(tmp_path) is None  # a directory without checkpoint files
+    hub = model_fingerprint(None, CONFIG, revision="main")
+    assert hub.weight_files == 0
+    assert hub.digest == model_fingerprint(None, CONFIG, revision="main").digest
+    assert hub.digest != model_fingerprint(None, CONFIG, revision="v2").digest
