@@ -18,6 +18,7 @@ Primitives: `KVTierConnector`.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvtier.core.fingerprint import ModelFingerprint, model_fingerprint
 from kvtier.core.layout import KVLayout
 from kvtier.core.locator import ChunkLocator
 from kvtier.tiers import build_probe, open_store
@@ -80,6 +82,44 @@ def scheduler_layouts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
     ]
 
 
+def scheduler_model_identity(vllm_config: VllmConfig) -> tuple[str, ModelFingerprint]:
+    """(model id, fingerprint) of the served model for the keys' namespace; logs the
+    fingerprint. Only the scheduler computes keys: workers store and load them as given.
+
+    A checkpoint on disk (a directory, or a hub model in the local HF cache) is fingerprinted
+    by content, and its path is left out of the namespace, so that copies at other paths (other
+    nodes) share; otherwise the model's name stays in it, with what is known (config, revision).
+    """
+    model = vllm_config.model_config
+    model_dir = model.model if os.path.exists(model.model) else _hub_snapshot(vllm_config)
+    fingerprint = model_fingerprint(
+        model_dir, model.hf_config.to_dict(), revision=model.revision,
+        code_revision=model.code_revision, quantization=model.quantization,
+        dtype=str(model.dtype).removeprefix("torch."))
+    if fingerprint.weight_files:
+        logger.info("kvtier: model fingerprint %s (config, dtype, revision and %d weight "
+                    "files)", fingerprint.digest[:12], fingerprint.weight_files)
+        return "", fingerprint
+    logger.warning("kvtier: model fingerprint %s covers config, dtype and revision only: no "
+                   "checkpoint files found for %s, weights are not fingerprinted (an update "
+                   "under the same name and revision would reuse old KV)",
+                   fingerprint.digest[:12], model.model)
+    return model.model, fingerprint
+
+
+def _hub_snapshot(vllm_config: VllmConfig) -> str | None:
+    """The local snapshot directory of a hub model vLLM downloaded, or None."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return str(snapshot_download(vllm_config.model_config.model,
+                                     revision=vllm_config.model_config.revision,
+                                     cache_dir=vllm_config.load_config.download_dir,
+                                     local_files_only=True))
+    except Exception:  # not a hub model, or not in the local cache: not fingerprinted
+        return None
+
+
 def tp_any(flags: list[bool]) -> list[bool]:
     """OR each flag across the tensor-parallel ranks (a collective on the TP group's CPU
     group: every rank calls it in the same step with as many flags)."""
@@ -121,10 +161,11 @@ class KVTierConnector(KVConnectorBase_V1):
                                    self._config.index_keys(layouts[0].bytes_per_chunk),
                                    timeout_s=self._config.store.lookup_timeout_s)
             events = vllm_config.kv_events_config
+            model_id, fingerprint = scheduler_model_identity(vllm_config)
             self._scheduler = ConnectorScheduler(
                 self._config, block_size=self._block_size,
-                model_id=vllm_config.model_config.model, layout_digest=layouts[0].digest(),
-                locator=locator,
+                model_id=model_id, layout_digest=layouts[0].digest(),
+                weights_fingerprint=fingerprint.digest, locator=locator,
                 tier_kinds={t.tier_name: t.kind for t in self._config.store.tiers},
                 emit_events=bool(events and events.enable_kv_cache_events))
 
