@@ -49,14 +49,15 @@ def chunk_extras(request: Request, first_chunk: int, num_chunks: int, tokens_per
             or a multimodal item has no identifier.
     """
     out: list[bytes | None] = []
+    mm_index = 0  # carried from block to block, as vLLM's block hasher does
     for chunk in range(first_chunk, first_chunk + num_chunks):
         start = chunk * tokens_per_chunk
         parts: list[bytes] = []
         for block_start in range(start, start + tokens_per_chunk, block_size):
             block_end = block_start + block_size
             try:
-                # mm index 0: vLLM skips the items before the block itself (cheap: few items).
-                keys, _ = generate_block_hash_extra_keys(request, block_start, block_end, 0)
+                keys, mm_index = generate_block_hash_extra_keys(request, block_start, block_end,
+                                                                mm_index)
             except AssertionError as e:  # an item without an identifier
                 raise UncacheableRequest(f"vLLM extra keys: {e!r}") from e
             if request.prompt_is_token_ids is not None:
