@@ -13,13 +13,16 @@ from kvtier.config import DiskTierConfig, MemoryTierConfig, SharedTierConfig, St
 from kvtier.errors import ConfigError
 from kvtier.units import format_size, parse_size
 
+# The README's example; its paths are rooted in the test's temp dir, because a path is
+# checked when the config is validated (tests/unit/test_tier_paths.py).
 GOOD_YAML = """\
 tiers:
-  - {kind: memory, capacity: 8GiB}
-  - {kind: disk, path: /mnt/nvme/kvtier, capacity: 200GiB, eviction: arc, admit_after: 2}
-  - {kind: shared, path: /mnt/shared/kvtier, capacity: 2TiB}
+  - {{kind: memory, capacity: 8GiB}}
+  - {{kind: disk, path: {root}/mnt/nvme/kvtier, capacity: 200GiB, eviction: arc, admit_after: 2}}
+  - {{kind: shared, path: {root}/mnt/shared/kvtier, capacity: 2TiB}}
 write_queue_depth: 16
 """
+X = "/tmp/kvtier-test"  # a creatable path, for tests of other fields of a file tier
 
 
 def _memory(**fields: Any) -> dict[str, Any]:
@@ -29,11 +32,11 @@ def _memory(**fields: Any) -> dict[str, Any]:
 def test_the_documented_yaml_example_loads_into_typed_tiers(tmp_path: Path) -> None:
     """An operator writes the README's YAML; it loads into typed, frozen tier configs."""
     path = tmp_path / "kvtier.yaml"
-    path.write_text(GOOD_YAML)
+    path.write_text(GOOD_YAML.format(root=tmp_path))
     config = StoreConfig.load(path)
     memory, disk, shared = config.tiers
     assert isinstance(memory, MemoryTierConfig) and memory.capacity == 8 * 2**30
-    assert isinstance(disk, DiskTierConfig) and disk.path == Path("/mnt/nvme/kvtier")
+    assert isinstance(disk, DiskTierConfig) and disk.path == tmp_path / "mnt/nvme/kvtier"
     assert disk.eviction == "arc" and disk.admit_after == 2 and disk.capacity == 200 * 2**30
     assert isinstance(shared, SharedTierConfig) and shared.capacity == 2 * 2**40
     assert [t.tier_name for t in config.tiers] == ["memory", "disk", "shared"]
@@ -44,7 +47,7 @@ def test_the_documented_yaml_example_loads_into_typed_tiers(tmp_path: Path) -> N
 
 def test_json_loads_the_same_config_as_yaml(tmp_path: Path) -> None:
     yaml_path, json_path = tmp_path / "a.yaml", tmp_path / "a.json"
-    yaml_path.write_text(GOOD_YAML)
+    yaml_path.write_text(GOOD_YAML.format(root=tmp_path))
     json_path.write_text(json.dumps(StoreConfig.load(yaml_path).model_dump(mode="json")))
     assert StoreConfig.load(json_path) == StoreConfig.load(yaml_path)
 
@@ -65,7 +68,7 @@ def test_format_size_is_binary_and_readable() -> None:
 
 @pytest.mark.parametrize("config, field, value, allowed", [
     (_memory(capacity="8 bananas"), "tiers.0.memory.capacity", "8 bananas", "GiB"),
-    (_memory(capacity="-1GiB"), "tiers.0.memory.capacity", "-1GiB", "GiB"),
+    (_memory(capacity="-1GiB"), "tiers.0.memory.capacity", "-1GiB", "must not be negative"),
     (_memory(capacity=-5), "tiers.0.memory.capacity", -5, "negative"),
     (_memory(capacity=True), "tiers.0.memory.capacity", True, "8GiB"),
     (_memory(capacity=float("inf")), "tiers.0.memory.capacity", float("inf"), "GiB"),
@@ -74,11 +77,11 @@ def test_format_size_is_binary_and_readable() -> None:
     (_memory(pin="maybe"), "tiers.0.memory.pin", "maybe", "auto"),
     ({"tiers": [{"kind": "nvme", "capacity": 1}]}, "tiers.0.kind", "nvme", "shared"),
     ({"tiers": [{"capacity": 1}]}, "tiers.0.kind", None, "memory"),
-    ({"tiers": [{"kind": "disk", "capacity": 1, "path": "/x", "io_threads": 0}]},
+    ({"tiers": [{"kind": "disk", "capacity": 1, "path": X, "io_threads": 0}]},
      "tiers.0.disk.io_threads", 0, "1"),
-    ({"tiers": [{"kind": "disk", "capacity": 1, "path": "/x", "o_direct": "yes"}]},
+    ({"tiers": [{"kind": "disk", "capacity": 1, "path": X, "o_direct": "yes"}]},
      "tiers.0.disk.o_direct", "yes", "auto"),
-    ({"tiers": [{"kind": "shared", "capacity": 1, "path": "/x", "scan_interval_s": 0}]},
+    ({"tiers": [{"kind": "shared", "capacity": 1, "path": X, "scan_interval_s": 0}]},
      "tiers.0.shared.scan_interval_s", 0, "0"),
     ({"tiers": []}, "tiers", [], "at least 1"),
     ({**_memory(), "write_queue_depth": 0}, "write_queue_depth", 0, "1"),
@@ -110,7 +113,7 @@ def test_an_unknown_field_is_rejected_and_the_known_ones_listed() -> None:
     """A misspelt option (`capcity`) must not be silently ignored (the tier would run with
     a default the operator never chose): the error lists the fields that exist."""
     with pytest.raises(ConfigError) as caught:
-        StoreConfig.parse({"tiers": [{"kind": "disk", "path": "/x", "capacity": 1,
+        StoreConfig.parse({"tiers": [{"kind": "disk", "path": X, "capacity": 1,
                                       "capcity": "9GiB"}]})
     assert caught.value.field == "config.tiers.0.disk.capcity"
     assert caught.value.value == "9GiB"

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from kvtier.config import TierSettings
 from kvtier.core.keys import ChunkKey
@@ -29,6 +29,7 @@ from kvtier.core.tier import (
 )
 from kvtier.errors import CorruptBlock
 from kvtier.tiers.chunkfiles import ChunkFiles, FileInventory, FileProbe
+from kvtier.tiers.directories import check_directory
 
 log = logging.getLogger(__name__)
 ENOSPC_EVICT_CHUNKS = 4  # chunks evicted when the filesystem itself is full
@@ -41,6 +42,13 @@ class DiskTierConfig(TierSettings):
     path: Path  # directory; created 0700 when missing
     o_direct: Literal["auto", "on", "off"] = "auto"  # bypass the page cache when supported
     io_threads: int = Field(4, ge=1, le=64)  # parallel reads/writes against this directory
+
+    @field_validator("path")
+    @classmethod
+    def _usable_directory(cls, path: Path) -> Path:
+        # Checked here, not when the tier is built: a bad path used to surface as a raw
+        # NotADirectoryError/PermissionError in a vLLM worker ~45 s into start-up (issue 12).
+        return check_directory(path, read_only_ok=False)
 
 
 class DiskTier:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from kvtier.config import TierSettings
 from kvtier.core.keys import ChunkKey
@@ -31,6 +31,7 @@ from kvtier.core.tier import (
 )
 from kvtier.errors import CorruptBlock
 from kvtier.tiers.chunkfiles import ChunkFiles, FileInventory, FileProbe, scan_tree
+from kvtier.tiers.directories import check_directory
 
 log = logging.getLogger(__name__)
 LOW_WATERMARK = 0.9  # eviction frees space down to this fraction of the capacity
@@ -44,6 +45,14 @@ class SharedTierConfig(TierSettings):
     group_shared: bool = False  # create directories 0770 / files 0660 for a shared group
     scan_interval_s: float = Field(30.0, gt=0)  # how often usage is re-measured for the quota
     io_threads: int = Field(4, ge=1, le=64)  # parallel reads/writes against this directory
+
+    @field_validator("path")
+    @classmethod
+    def _usable_directory(cls, path: Path) -> Path:
+        # Checked here, not when the tier is built: a bad path used to surface as a raw
+        # NotADirectoryError/PermissionError in a vLLM worker ~45 s into start-up (issue 12).
+        # A read-only directory is accepted: the tier can still serve hits from it.
+        return check_directory(path, read_only_ok=True)
 
 
 class SharedTier:

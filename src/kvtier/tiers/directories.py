@@ -1,0 +1,77 @@
+"""What a file tier's directory (`disk`, `shared`: the `path` field) must be, checked when the
+config is validated, so that a bad path is a ConfigError naming the field, the value and the
+fix, not a NotADirectoryError or PermissionError from deep in a vLLM worker 45 s into start-up
+(issue 12, item 10).
+
+A usable path is an existing directory this process can use, or one it can create: its
+nearest existing ancestor is a directory it may write into. Never under /proc or /sys (kernel
+views, not storage: writes there fail or, worse, reach a kernel knob). A `disk` tier must be
+able to write; a `shared` tier may be a read-only directory (it serves the hits others wrote),
+so only what cannot be used at all is refused for it.
+
+The check does no I/O beyond stat/access: it creates nothing (the tier creates its directory
+when it is built), so validating a config changes nothing on the machine.
+
+Primitives: `check_directory`, `KERNEL_FILESYSTEMS`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+KERNEL_FILESYSTEMS = (Path("/proc"), Path("/sys"))
+_FIX = ("give a directory on a local or shared filesystem that exists and is writable by this "
+        "user, or that can be created under a writable parent")
+
+
+def check_directory(path: Path, *, read_only_ok: bool) -> Path:
+    """`path` unchanged when a tier can use it as its directory.
+
+    Args:
+        path: the configured directory (relative paths are taken from the working directory,
+            as the tier takes them).
+        read_only_ok: accept an existing directory this process may read but not write
+            (a `shared` tier serving hits only).
+
+    Returns:
+        `path`, as given.
+
+    Raises:
+        ValueError: what is wrong and the fix (pydantic and `kvtier.config.parse_model` turn
+            it into a ConfigError naming the field and the value).
+    """
+    full = Path(os.path.abspath(path))
+    real = Path(os.path.realpath(full))
+    for kernel in KERNEL_FILESYSTEMS:
+        if full.is_relative_to(kernel) or real.is_relative_to(kernel):
+            raise ValueError(f"{kernel} is a kernel filesystem, not storage; {_FIX}")
+    existing = full
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "a file" if existing.is_file() else "not a directory"
+        subject = "it is" if existing == full else f"{existing}, a parent of it, is"
+        raise ValueError(f"not a directory: {subject} {what}; {_FIX}")
+    if existing != full:  # to be created by the tier
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise ValueError(f"does not exist and cannot be created: {_denied(existing)}; "
+                             f"{_FIX}")
+        return path
+    if not os.access(full, os.R_OK | os.X_OK):
+        raise ValueError(f"the directory is not readable by this user (uid {os.getuid()}); "
+                         f"chmod/chown it or {_FIX}")
+    if not read_only_ok and not os.access(full, os.W_OK):
+        raise ValueError(f"the directory is not writable: {_denied(full)}; {_FIX}")
+    return path
+
+
+def _denied(directory: Path) -> str:
+    """Why this process may not write in `directory` (an existing directory)."""
+    try:
+        read_only = bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    if read_only:
+        return f"{directory} is on a read-only filesystem"
+    return f"{directory} is not writable by this user (uid {os.getuid()})"

@@ -1,0 +1,125 @@
+"""A file tier's `path` is checked when the config is validated (issue 12, item 10): a path
+that is a file, lies under /proc or /sys, or cannot be written is a ConfigError naming the
+field, the value and the fix, at once, instead of a NotADirectoryError or PermissionError from
+a vLLM worker 45 s into start-up. A `shared` tier may be a read-only directory (it serves hits).
+
+The unwritable directory is real: a read-only tmpfs when the tests run as root (root writes
+through any mode bits), a 0555 directory otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.config import DiskTierConfig, SharedTierConfig, StoreConfig
+from kvtier.errors import ConfigError
+
+FIX = "writable by this user, or that can be created under a writable parent"
+
+
+def _tier(kind: str, path: Path | str, **fields: Any) -> dict[str, Any]:
+    return {"tiers": [{"kind": kind, "path": str(path), "capacity": "1GiB", **fields}]}
+
+
+def _path(config: StoreConfig) -> Path:
+    tier = config.tiers[0]
+    assert isinstance(tier, (DiskTierConfig, SharedTierConfig))
+    return tier.path
+
+
+def _refused(kind: str, path: Path | str) -> ConfigError:
+    with pytest.raises(ConfigError) as caught:
+        StoreConfig.parse(_tier(kind, path), where="kvtier.yaml")
+    error = caught.value
+    assert error.field == f"kvtier.yaml.tiers.0.{kind}.path"
+    assert error.value == str(path) and str(path) in str(error)
+    return error
+
+
+@pytest.fixture
+def read_only_dir(tmp_path: Path) -> Iterator[Path]:
+    """An existing directory, holding one file, that this process cannot write into."""
+    directory = tmp_path / "ro"
+    directory.mkdir()
+    if os.getuid() != 0:
+        (directory / "chunk").write_bytes(b"x")
+        directory.chmod(0o555)
+        yield directory
+        directory.chmod(0o755)
+        return
+    mount = shutil.which("mount")
+    if mount is None or subprocess.run([mount, "-t", "tmpfs", "-o", "size=1m", "tmpfs",
+                                        str(directory)], check=False,
+                                       capture_output=True).returncode:
+        pytest.skip("running as root without the right to mount a read-only tmpfs")
+    try:
+        (directory / "chunk").write_bytes(b"x")
+        subprocess.run([mount, "-o", "remount,ro", str(directory)], check=True)
+        yield directory
+    finally:
+        subprocess.run(["umount", str(directory)], check=True)
+
+
+@pytest.mark.parametrize("kind", ["disk", "shared"])
+def test_a_path_that_is_a_file_names_the_field_and_the_fix(tmp_path: Path, kind: str) -> None:
+    blocker = tmp_path / "kv.img"
+    blocker.write_bytes(b"not a directory")
+    error = _refused(kind, blocker)
+    assert "it is a file" in error.allowed and FIX in error.allowed
+    error = _refused(kind, blocker / "kvtier")  # a file where a parent directory should be
+    assert f"{blocker}, a parent of it, is a file" in error.allowed
+
+
+@pytest.mark.parametrize("kind", ["disk", "shared"])
+@pytest.mark.parametrize("path", ["/proc/kvtier", "/sys/kernel/kvtier", "/proc"])
+def test_kernel_filesystems_are_refused(kind: str, path: str) -> None:
+    """As root, /proc and /sys look writable to access(2); the tier would fail (or poke a
+    kernel knob) only when it writes."""
+    error = _refused(kind, path)
+    assert "kernel filesystem, not storage" in error.allowed and FIX in error.allowed
+
+
+def test_a_symlink_into_proc_is_refused(tmp_path: Path) -> None:
+    link = tmp_path / "kv"
+    link.symlink_to("/proc/self")
+    assert "/proc is a kernel filesystem" in _refused("disk", link).allowed
+
+
+def test_an_unwritable_disk_directory_is_refused_a_read_only_shared_one_is_served(
+        read_only_dir: Path) -> None:
+    """A disk tier must write; a shared tier on a read-only export can still serve the hits
+    other nodes wrote, so it is accepted. Neither can create a directory inside it."""
+    error = _refused("disk", read_only_dir)
+    assert "not writable" in error.allowed and FIX in error.allowed
+    if os.getuid() == 0:
+        assert "read-only filesystem" in error.allowed
+    assert _path(StoreConfig.parse(_tier("shared", read_only_dir))) == read_only_dir
+    for kind in ("disk", "shared"):
+        error = _refused(kind, read_only_dir / "kvtier")
+        assert "does not exist and cannot be created" in error.allowed
+
+
+def test_a_missing_directory_under_a_writable_parent_is_accepted_and_not_created(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Validation has no side effect: the tier creates its directory when it is built."""
+    for kind in ("disk", "shared"):
+        path = tmp_path / kind / "deep" / "kv"
+        assert _path(StoreConfig.parse(_tier(kind, path))) == path
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.chdir(tmp_path)  # a relative path is taken from the working directory
+    assert _path(StoreConfig.parse(_tier("disk", "kv"))) == Path("kv")
+
+
+@pytest.mark.parametrize("text", ["-5GiB", " -1", "-0.5 MiB"])
+def test_a_negative_size_says_so(text: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        StoreConfig.parse({"tiers": [{"kind": "memory", "capacity": text}]})
+    assert caught.value.field == "config.tiers.0.memory.capacity"
+    assert "must not be negative" in caught.value.allowed
