@@ -202,14 +202,14 @@ def test_loads_from_disk_come_in_batches_and_stop_at_the_first_miss(tmp_path) ->
     the rest are reported failed."""
     from kvtier.config import StoreConfig
     from kvtier.core.keys import ChunkKey
-    from kvtier.core.store import TieredStore
     from kvtier.integrations.vllm.messages import ChunkTransfer, KVTierMetadata
     from kvtier.integrations.vllm.worker import ConnectorWorker
+    from kvtier.tiers import open_store
 
     kv = one_allocation_cpu_kv(blocks=32)
     paged = PagedKV(kv, BS)
     layout = paged.layout(BS)  # one block per chunk
-    store = TieredStore(StoreConfig.parse({"tiers": [
+    store = open_store(StoreConfig.parse({"tiers": [
         {"kind": "memory", "capacity": 2 * layout.bytes_per_chunk, "pin": "off"},  # 2 slots
         {"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "64MiB"}]}), layout)
     worker = ConnectorWorker(paged, layout, store, load_batch=2)
