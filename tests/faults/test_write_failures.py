@@ -50,7 +50,11 @@ def deny_writes_below(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Path]]:
     real_open = os.open
 
     def guarded_open(path: object, flags: int, *args: object, **kwargs: object) -> int:
-        if flags & WRITE_FLAGS and any(Path(str(path)).is_relative_to(d) for d in denied):
+        where = Path(str(path))
+        dir_fd = kwargs.get("dir_fd")
+        if dir_fd is not None:  # the tiers open files relative to a directory fd
+            where = Path(os.readlink(f"/proc/self/fd/{dir_fd}")) / where
+        if flags & WRITE_FLAGS and any(where.is_relative_to(d) for d in denied):
             raise PermissionError(errno.EACCES, "Permission denied (injected)", str(path))
         return real_open(path, flags, *args, **kwargs)  # type: ignore[arg-type]
 

@@ -37,6 +37,7 @@ class Failure(StrEnum):
     TIMEOUT = "timeout"  # no answer within the store's read deadline (the call was abandoned)
     FULL = "full"  # no room: capacity held by writes in flight, or the filesystem/server full
     DECLINED = "declined"  # admission: not offered often enough yet (by design, not a fault)
+    READ_ONLY = "read_only"  # a write to storage this process may only read (a read-only mount)
     RAISED = "raised"  # the tier raised instead of returning (a bug; the store logs it)
 
 
@@ -64,6 +65,7 @@ IO_ERROR = TierResult(Failure.IO_ERROR)
 UNAVAILABLE = TierResult(Failure.UNAVAILABLE)
 FULL = TierResult(Failure.FULL)
 DECLINED = TierResult(Failure.DECLINED)
+READ_ONLY = TierResult(Failure.READ_ONLY)
 
 
 @dataclass(frozen=True, slots=True)

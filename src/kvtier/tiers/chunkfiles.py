@@ -8,22 +8,30 @@ of the same chunk both write whole files; the last rename wins and both are iden
 Reads and writes use O_DIRECT when the filesystem supports it (no page-cache copy) and fall
 back to buffered I/O otherwise. Shared by the disk and shared-directory tiers.
 
-Primitives: `ChunkFiles` (path_of, write, read_into, touch, remove, scan), `chunk_path`,
-`scan_tree`, `FileProbe` (the disk and shared tiers' probe), `FileInventory` (their
-`kvtier inspect` / `kvtier gc` view).
+Nothing below ROOT is trusted (other processes and users write there): every path is reached
+without following links (`kvtier.tiers.filetree`), a chunk is read only from a regular file
+opened O_NOFOLLOW | O_NONBLOCK (a FIFO used to hang the reader for ever), and every read is
+bounded by the file size the format dictates. A directory that cannot be written (a read-only
+mount) is served read-only: `writable` is False and writes fail with EROFS.
+
+Primitives: `ChunkFiles` (path_of, write, read_into, exists, touch, remove, scan), `chunk_path`,
+`scan_tree` + `TreeScan`, `FileProbe` (the disk and shared tiers' probe), `FileInventory`
+(their `kvtier inspect` / `kvtier gc` view).
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import mmap
 import os
+import stat
 import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -34,27 +42,52 @@ from kvtier.core.chunkformat import (
 from kvtier.core.keys import KEY_BYTES, ChunkKey
 from kvtier.core.tier import StoredChunk
 from kvtier.errors import CorruptBlock
+from kvtier.tiers.filetree import (
+    TEMP_STALE_S, is_layout_name, lstat_file, make_root, open_dir, unlink_file, walk,
+)
 
 log = logging.getLogger(__name__)
 SUFFIX = ".kvc"
 TEMP_SUFFIX = ".tmp"
-STALE_TEMP_S = 600.0  # temp files older than this are leftovers of a crashed writer
+READ_ONLY_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
+_FILE_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 @dataclass(frozen=True, slots=True)
 class ChunkFile:
-    """A chunk file found by `scan`."""
+    """A chunk file found by a scan."""
 
     key: ChunkKey
     path: Path
     size_bytes: int
     mtime: float
+    layout_digest: str = ""
+
+    def parts(self) -> tuple[str, ...]:
+        """Its path below the root, component by component."""
+        name = self.key.hex()
+        return (self.layout_digest, name[:2], name[2:4], f"{name}{SUFFIX}")
+
+
+@dataclass(slots=True)
+class TreeScan:
+    """What `scan_tree` found: chunk files, and kvtier temp files still being written."""
+
+    chunks: list[ChunkFile] = field(default_factory=list)
+    temp_bytes: int = 0  # size of kvtier temp files younger than TEMP_STALE_S
+    temp_files: int = 0
+    swept: int = 0  # stale kvtier temp files deleted by the scan
+
+
+def chunk_parts(layout_digest: str, key: ChunkKey) -> tuple[str, str, str, str]:
+    """The chunk `key`'s path below the root, component by component (no I/O)."""
+    name = key.hex()
+    return (layout_digest, name[:2], name[2:4], f"{name}{SUFFIX}")
 
 
 def chunk_path(root: Path, layout_digest: str, key: ChunkKey) -> Path:
     """Where the chunk `key` of a layout lives under `root` (no I/O)."""
-    name = key.hex()
-    return root / layout_digest / name[:2] / name[2:4] / f"{name}{SUFFIX}"
+    return Path(root).joinpath(*chunk_parts(layout_digest, key))
 
 
 def _aligned(buffer: memoryview) -> bool:
@@ -69,20 +102,45 @@ class ChunkFiles:
         self, root: Path, layout_digest: str, chunk_bytes: int, o_direct: str = "auto",
         dir_mode: int = 0o700, file_mode: int = 0o600,
     ) -> None:
+        """Raises:
+            OSError: the directory cannot be used at all (nor read), or `o_direct` is "on"
+                and O_DIRECT writes fail.
+        """
         self.root = Path(root)
         self.layout_digest = layout_digest
         self.chunk_bytes = chunk_bytes
         self.file_bytes = stored_size(chunk_bytes)
         self.dir_mode, self.file_mode = dir_mode, file_mode
         self.directory = self.root / layout_digest
-        make_dirs(self.directory, dir_mode)
         self._local = threading.local()
-        self.o_direct = o_direct != "off" and self._probe_o_direct(o_direct == "on")
+        self.writable = self._prepare_directory()
+        self.o_direct = o_direct != "off" and self.writable and self._probe_o_direct(
+            o_direct == "on")
+
+    def _prepare_directory(self) -> bool:
+        """Create the layout directory; False when the root is read-only for this process
+        (a read-only mount, or a directory others made without write permission for us).
+        The constructor used to raise there, after logging "O_DIRECT not supported"."""
+        try:
+            make_root(self.root, self.dir_mode)
+            os.close(open_dir(self.root, [self.layout_digest], self.dir_mode))
+            if os.access(self.directory, os.W_OK):
+                return True
+            reason = "no write permission, or a read-only mount"
+        except OSError as exc:
+            if exc.errno not in READ_ONLY_ERRNOS or not os.access(self.root, os.R_OK | os.X_OK):
+                raise
+            reason = exc.strerror
+        log.warning("%s is read-only for this process (%s): chunks are served from it, writes "
+                    "are dropped", self.root, reason)
+        return False
 
     def _probe_o_direct(self, required: bool) -> bool:
-        probe = self.directory / f".probe-{uuid.uuid4().hex}{TEMP_SUFFIX}"
+        name = f".probe-{uuid.uuid4().hex}{TEMP_SUFFIX}"
+        dir_fd = open_dir(self.root, [self.layout_digest])
         try:
-            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, self.file_mode)
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT | _FILE_FLAGS,
+                         self.file_mode, dir_fd=dir_fd)
             try:
                 os.write(fd, self._buffers()[0])
             finally:
@@ -94,7 +152,11 @@ class ChunkFiles:
             log.info("%s: O_DIRECT not supported (%s); using buffered I/O", self.directory, exc)
             return False
         finally:
-            probe.unlink(missing_ok=True)
+            try:
+                os.unlink(name, dir_fd=dir_fd)
+            except FileNotFoundError:
+                pass
+            os.close(dir_fd)
 
     def _buffers(self) -> tuple[mmap.mmap, mmap.mmap]:
         """This thread's page-aligned (header, whole-file staging) buffers."""
@@ -109,55 +171,77 @@ class ChunkFiles:
     def _flags(self, flags: int) -> int:
         return flags | os.O_DIRECT if self.o_direct else flags
 
-    def write(self, key: ChunkKey, data: memoryview) -> None:
-        """Store `data` as the chunk `key`, atomically.
+    def write(self, key: ChunkKey, data: memoryview) -> int:
+        """Store `data` as the chunk `key`, atomically: `prepare_write`, `fill`, `complete`.
 
+        Returns:
+            The bytes of a chunk file it replaced (another writer's), else 0.
         Raises:
-            OSError: the write failed (ENOSPC, EACCES, EIO, ...); nothing is left behind.
+            OSError: the write failed (ENOSPC, EACCES, EIO, EROFS, ELOOP for a link on the
+                way, ...); nothing is left behind.
         """
-        path = self.path_of(key)
-        make_dirs(path.parent, self.dir_mode)
-        temp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}{TEMP_SUFFIX}")
-        header, staging = self._buffers()
-        header[:] = encode_header(key, self.layout_digest, data)
-        if _aligned(data):
-            parts: list[memoryview | mmap.mmap] = [header, data]
-        else:  # bounce through an aligned buffer, zero-padded to the file size
-            staging[HEADER_BYTES : HEADER_BYTES + len(data)] = data
-            staging[HEADER_BYTES + len(data) :] = bytes(self.file_bytes - HEADER_BYTES - len(data))
-            staging[:HEADER_BYTES] = header
-            parts = [staging]
-        fd = os.open(temp, self._flags(os.O_WRONLY | os.O_CREAT | os.O_EXCL), self.file_mode)
+        pending = self.prepare_write(key)
         try:
-            os.fchmod(fd, self.file_mode)  # the umask must not narrow group_shared's 0660
-            written = os.pwritev(fd, parts, 0)
-            if written != self.file_bytes:
-                # A short write to a regular file means the filesystem (or a quota) filled up
-                # mid-file. Reported as EIO, the tiers never evicted on a full filesystem and
-                # dropped every later put (tests/faults/test_write_failures.py, real tmpfs).
-                raise OSError(errno.ENOSPC, f"short write: {written} of {self.file_bytes} "
-                              "bytes (filesystem full)")
-            os.close(fd)
-            fd = -1
-            os.replace(temp, path)
+            pending.fill(data)
+            return pending.complete()
         except BaseException:
-            if fd >= 0:
-                os.close(fd)
-            temp.unlink(missing_ok=True)
+            pending.abort()
             raise
 
+    def prepare_write(self, key: ChunkKey) -> PendingWrite:
+        """Create the chunk's temp file, already `file_bytes` long (sparse): from now on a
+        scan of the directory counts the bytes the write will take. Directories on the way
+        are created, never followed if they are links.
+
+        Raises:
+            OSError: EROFS (read-only), EACCES, ELOOP/ENOTDIR (a link or a file where a
+                directory belongs), ENOSPC, ...; nothing is left behind.
+        """
+        if not self.writable:
+            raise OSError(errno.EROFS, f"{self.root} is read-only for this process")
+        parts = chunk_parts(self.layout_digest, key)
+        dir_fd = open_dir(self.root, parts[:-1], self.dir_mode)
+        temp = f".{parts[-1]}.{uuid.uuid4().hex[:12]}{TEMP_SUFFIX}"
+        try:
+            fd = os.open(temp, self._flags(os.O_WRONLY | os.O_CREAT | os.O_EXCL | _FILE_FLAGS),
+                         self.file_mode, dir_fd=dir_fd)
+        except BaseException:
+            os.close(dir_fd)
+            raise
+        pending = PendingWrite(self, key, dir_fd, fd, temp, parts[-1])
+        try:
+            os.fchmod(fd, self.file_mode)  # the umask must not narrow group_shared's 0660
+            os.ftruncate(fd, self.file_bytes)
+        except BaseException:
+            pending.abort()
+            raise
+        return pending
+
     def read_into(self, key: ChunkKey, out: memoryview) -> None:
-        """Read and verify the chunk `key` into `out` (chunk_bytes long).
+        """Read and verify the chunk `key` into `out` (chunk_bytes long). Never blocks on
+        anything but the medium: only a regular file of the expected size is read.
 
         `out` holds undefined bytes when this raises.
 
         Raises:
             FileNotFoundError: the chunk is not stored.
-            CorruptBlock: the file is short, long, or fails header or checksum verification.
+            CorruptBlock: the file is short, long, not a regular file (a FIFO, a device, a
+                symlink, or a link on the way), or fails header or checksum verification.
             OSError: any other read failure.
         """
+        parts = chunk_parts(self.layout_digest, key)
+        try:
+            dir_fd = open_dir(self.root, parts[:-1])
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise CorruptBlock(f"{self.path_of(key)}: a link or a file where kvtier's "
+                                   "directory belongs; not followed") from exc
+            raise
+        try:
+            fd = self._open_regular(dir_fd, parts[-1])
+        finally:
+            os.close(dir_fd)
         header, staging = self._buffers()
-        fd = os.open(self.path_of(key), self._flags(os.O_RDONLY))
         try:
             size = os.fstat(fd).st_size
             if size != self.file_bytes:
@@ -180,64 +264,170 @@ class ChunkFiles:
         if payload is not out:
             out[:] = payload
 
+    def _open_regular(self, dir_fd: int, name: str) -> int:
+        """An fd of the regular file `name`, opened for reading without blocking on a FIFO
+        or a device and without following a link."""
+        flags = self._flags(os.O_RDONLY | os.O_NONBLOCK | _FILE_FLAGS)
+        try:
+            fd = os.open(name, flags, dir_fd=dir_fd)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise CorruptBlock(f"{name}: a symlink at a chunk path; not followed") from exc
+            if exc.errno == errno.EINVAL and self.o_direct:  # O_DIRECT refused (not a file)
+                raise CorruptBlock(f"{name}: cannot be read as a chunk file ({exc})") from exc
+            raise
+        try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                raise CorruptBlock(f"{name}: not a regular file (mode {stat.filemode(mode)})")
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def exists(self, key: ChunkKey) -> bool:
+        """Whether the chunk's file is a regular file reached without a link (one lstat per
+        component). Never raises: EACCES or a stale NFS handle is a miss."""
+        try:
+            return lstat_file(self.root, chunk_parts(self.layout_digest, key)) is not None
+        except OSError:
+            return False
+
     def touch(self, key: ChunkKey) -> None:
         """Record an access in the file's mtime: the LRU order that survives restarts and
         that every process sharing the directory sees."""
+        parts = chunk_parts(self.layout_digest, key)
         try:
-            os.utime(self.path_of(key))
+            dir_fd = open_dir(self.root, parts[:-1])
         except OSError:
-            pass  # evicted meanwhile, or a read-only directory: the order is only advisory
-
-    def remove(self, key: ChunkKey) -> bool:
-        """Delete the chunk's file; True if it existed."""
+            return  # evicted meanwhile, or not ours: the order is only advisory
         try:
-            self.path_of(key).unlink()
-            return True
-        except FileNotFoundError:
-            return False
+            os.utime(parts[-1], dir_fd=dir_fd, follow_symlinks=False)
+        except OSError:
+            pass  # evicted meanwhile, or a read-only directory
+        finally:
+            os.close(dir_fd)
 
-    def scan(self) -> Iterator[ChunkFile]:
+    def remove(self, key: ChunkKey) -> int | None:
+        """Delete the chunk's file (or whatever non-directory sits at its path, never
+        through a link). None when nothing was removed; else the bytes that freed (0 for a
+        link or special file). Never raises: a read-only directory keeps its files (logged)."""
+        try:
+            return unlink_file(self.root, chunk_parts(self.layout_digest, key))
+        except OSError as exc:
+            log.warning("%s: cannot remove chunk %s (%s)", self.directory, key.hex(), exc)
+            return None
+
+    def scan(self) -> TreeScan:
         """Every chunk file of this layout (see `scan_tree`)."""
-        return scan_tree(self.directory)
+        return scan_tree(self.root, [self.layout_digest], sweep=self.writable)
 
 
-def make_dirs(directory: Path, mode: int) -> None:
-    """Create `directory` and its missing parents with exactly `mode`, whatever the umask;
-    directories that exist are left alone. `mkdir(parents=True)` used to create the tier's
-    own root 0755 under umask 022 (key names listable by all users), and umask 022 narrowed
-    group_shared's 0770 to 0750 (tests/tiers/test_permissions.py)."""
-    missing = []
-    while not directory.is_dir():
-        missing.append(directory)
-        directory = directory.parent
-    for path in reversed(missing):
+class PendingWrite:
+    """One chunk write between `ChunkFiles.prepare_write` and `complete` (or `abort`):
+    its temp file exists, full size. Used by one thread."""
+
+    def __init__(self, files: ChunkFiles, key: ChunkKey, dir_fd: int, fd: int, temp: str,
+                 name: str) -> None:
+        self.files, self.key = files, key
+        self._dir_fd, self._fd, self._temp, self._name = dir_fd, fd, temp, name
+
+    def fill(self, data: memoryview) -> None:
+        """Write the header and `data` (one chunk) into the temp file.
+
+        Raises:
+            OSError: ENOSPC for a short write (the filesystem filled up), EIO, ...
+        """
+        files = self.files
+        header, staging = files._buffers()
+        header[:] = encode_header(self.key, files.layout_digest, data)
+        if _aligned(data):
+            iov: list[memoryview | mmap.mmap] = [header, data]
+        else:  # bounce through an aligned buffer, zero-padded to the file size
+            staging[HEADER_BYTES : HEADER_BYTES + len(data)] = data
+            staging[HEADER_BYTES + len(data) :] = bytes(files.file_bytes - HEADER_BYTES
+                                                        - len(data))
+            staging[:HEADER_BYTES] = header
+            iov = [staging]
+        written = os.pwritev(self._fd, iov, 0)
+        if written != files.file_bytes:
+            # A short write to a regular file means the filesystem (or a quota) filled up
+            # mid-file. Reported as EIO, the tiers never evicted on a full filesystem and
+            # dropped every later put (tests/faults/test_write_failures.py, real tmpfs).
+            raise OSError(errno.ENOSPC, f"short write: {written} of {files.file_bytes} "
+                          "bytes (filesystem full)")
+
+    def complete(self) -> int:
+        """Rename the filled temp file into place: readers see the whole chunk from now on.
+
+        Returns:
+            The bytes of a chunk file it replaced (another writer's), else 0.
+        Raises:
+            OSError: the rename failed (FileNotFoundError: the temp file was swept as stale
+                by another process); call `abort`.
+        """
+        os.close(self._fd)
+        self._fd = -1
         try:
-            path.mkdir(mode=mode)
-        except FileExistsError:  # another process made it: its mode is its creator's
-            continue
-        os.chmod(path, mode)
+            old = os.stat(self._name, dir_fd=self._dir_fd, follow_symlinks=False)
+            replaced = old.st_size if stat.S_ISREG(old.st_mode) and old.st_nlink == 1 else 0
+        except FileNotFoundError:
+            replaced = 0
+        os.replace(self._temp, self._name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+        self._temp = ""
+        os.close(self._dir_fd)
+        self._dir_fd = -1
+        return replaced
+
+    def abort(self) -> int:
+        """Give up: remove the temp file. The bytes that freed (0 when it had been swept).
+        Never raises."""
+        freed = 0
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if self._dir_fd >= 0:
+            if self._temp:
+                try:
+                    freed = os.stat(self._temp, dir_fd=self._dir_fd,
+                                    follow_symlinks=False).st_size
+                    os.unlink(self._temp, dir_fd=self._dir_fd)
+                except OSError:
+                    freed = 0  # swept as stale by another process (filetree.TEMP_STALE_S)
+            os.close(self._dir_fd)
+            self._dir_fd = -1
+        return freed
 
 
-def scan_tree(directory: Path) -> Iterator[ChunkFile]:
-    """Every chunk file below `directory`; deletes stale temp files on the way.
+def scan_tree(root: Path, layout_digests: Sequence[str] | None = None,
+              sweep: bool = True) -> TreeScan:
+    """Every chunk file of `layout_digests` (default: every layout) below `root`, found
+    without following links (`filetree.walk`); with `sweep`, deletes kvtier's own temp files
+    older than TEMP_STALE_S on the way (a writer that died), and nothing else.
 
     Files whose names are not keys are skipped; a chunk's content is verified when read.
+    Raises OSError when `root` cannot be listed.
     """
-    now = time.time()
-    for dirpath, _dirnames, filenames in os.walk(directory):
-        for filename in filenames:
-            path = Path(dirpath) / filename
-            try:
-                info = path.stat()
-            except FileNotFoundError:
-                continue
-            if filename.endswith(TEMP_SUFFIX):
-                if now - info.st_mtime > STALE_TEMP_S:
-                    path.unlink(missing_ok=True)
-                continue
-            key = _key_of(filename)
-            if key is not None:
-                yield ChunkFile(key, path, info.st_size, info.st_mtime)
+    found = TreeScan()
+    stale_before = time.time() - TEMP_STALE_S
+    for entry in walk(Path(root), layout_digests):
+        if entry.temp:
+            if sweep and entry.mtime < stale_before:
+                try:
+                    if unlink_file(Path(root), entry.parts()) is not None:
+                        found.swept += 1
+                        continue
+                except OSError:
+                    pass  # read-only for us: it still counts as used
+            found.temp_files += 1
+            found.temp_bytes += entry.size_bytes
+            continue
+        key = _key_of(entry.name)
+        if key is not None:
+            found.chunks.append(ChunkFile(key, Path(root).joinpath(*entry.parts()),
+                                          entry.size_bytes, entry.mtime, entry.layout_digest))
+    return found
 
 
 def _key_of(filename: str) -> ChunkKey | None:
@@ -251,7 +441,8 @@ def _key_of(filename: str) -> ChunkKey | None:
 
 class FileProbe:
     """Answers "is this chunk stored?" for a chunk-file directory, from any process, with
-    no side effects (no mkdir, no scan): one stat per layout. With several layouts (the
+    no side effects (no mkdir, no scan): an lstat per path component and layout, never
+    through a link, and only a regular file counts. With several layouts (the
     tensor-parallel ranks of one model) a chunk counts only when every rank's file exists."""
 
     def __init__(self, root: Path, layout_digests: list[str], blocking_ok: bool) -> None:
@@ -261,42 +452,37 @@ class FileProbe:
 
     def contains(self, key: ChunkKey) -> bool:
         try:
-            return all(chunk_path(self.root, d, key).exists() for d in self.layout_digests)
+            return all(lstat_file(self.root, chunk_parts(d, key)) is not None
+                       for d in self.layout_digests)
         except OSError:  # e.g. EACCES or a stale NFS handle: a miss, never an error
             return False
 
 
 class FileInventory:
     """A disk or shared tier's directory as `kvtier.core.tier.Inventory`:
-    ROOT/<digest>/<k0k1>/<k2k3>/<key hex>.kvc. Reads stat data only; changes nothing."""
+    ROOT/<digest>/<k0k1>/<k2k3>/<key hex>.kvc. Reads stat data only; changes nothing. Lists
+    and removes only regular chunk files of kvtier's layout, reached without following a
+    link: `kvtier gc --namespace` used to delete a file outside the tree through a
+    symlinked directory (tests/faults/test_symlinks.py)."""
 
     def __init__(self, name: str, kind: str, root: Path) -> None:
         self.name, self.kind, self.root = name, kind, Path(root)
 
     def chunks(self) -> Iterator[StoredChunk]:
-        if not self.root.is_dir():
-            return
-        for namespace in sorted(p.name for p in self.root.iterdir() if p.is_dir()):
-            for dirpath, _dirs, filenames in os.walk(self.root / namespace):
-                for filename in filenames:
-                    key = _key_of(filename)
-                    if key is None:
-                        continue  # temp files and strangers: not chunks
-                    path = os.path.join(dirpath, filename)
-                    try:
-                        info = os.stat(path)
-                    except FileNotFoundError:  # evicted by a running tier meanwhile
-                        continue
-                    yield StoredChunk(namespace, key.hex(), info.st_size, info.st_mtime, (path,))
+        for entry in walk(self.root):
+            key = None if entry.temp else _key_of(entry.name)
+            if key is not None:  # temp files are not chunks
+                yield StoredChunk(entry.layout_digest, key.hex(), entry.size_bytes, entry.mtime,
+                                  (str(self.root.joinpath(*entry.parts())),))
 
     def remove(self, chunks: Sequence[StoredChunk]) -> int:
         removed = 0
         for chunk in chunks:
-            try:
-                os.unlink(chunk.locations[0])
+            key = _key_of(f"{chunk.key_hex}{SUFFIX}")
+            if key is None or key.hex() != chunk.key_hex or not is_layout_name(chunk.namespace):
+                continue  # not a name of kvtier's layout: never deleted
+            if unlink_file(self.root, chunk_parts(chunk.namespace, key)) is not None:
                 removed += 1
-            except FileNotFoundError:
-                pass
         return removed
 
     def close(self) -> None:

@@ -24,8 +24,8 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.policies import AdmissionFilter, EvictionPolicy, make_policy
 from kvtier.core.tier import (
-    CORRUPT, DECLINED, FULL, IO_ERROR, MISSING, OK, TierCounters, TierEvents, TierResult,
-    TierStats,
+    CORRUPT, DECLINED, FULL, IO_ERROR, MISSING, OK, READ_ONLY, TierCounters, TierEvents,
+    TierResult, TierStats,
 )
 from kvtier.errors import CorruptBlock
 from kvtier.tiers.chunkfiles import ChunkFiles, FileInventory, FileProbe
@@ -83,9 +83,9 @@ class DiskTier:
 
     def _rebuild_index(self) -> None:
         corrupt = 0
-        for found in sorted(self.files.scan(), key=lambda f: f.mtime):
+        for found in sorted(self.files.scan().chunks, key=lambda f: f.mtime):
             if found.size_bytes != self.file_bytes:
-                found.path.unlink(missing_ok=True)
+                self.files.remove(found.key)
                 corrupt += 1
                 continue
             self._index.add(found.key)
@@ -119,7 +119,7 @@ class DiskTier:
         storing it again and the next load failed (tests/vllm/test_kvtier_restart.py)."""
         if key not in self._index:
             return False
-        if self.files.path_of(key).exists():
+        if self.files.exists(key):  # a regular file, reached without following a link
             return True
         self._forget(key, corrupt=False)
         return False
@@ -168,6 +168,9 @@ class DiskTier:
                              f"{self.files.chunk_bytes}")
         if self.contains(key):
             return OK
+        if not self.files.writable:  # a read-only directory: serve what it holds
+            self._counters.add(dropped_writes=1)
+            return READ_ONLY
         if self.file_bytes > self.capacity_bytes:
             return FULL
         if not self._admission.offer(key):

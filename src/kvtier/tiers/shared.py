@@ -15,6 +15,8 @@ import errno
 import logging
 import threading
 import time
+from collections import deque
+from dataclasses import replace
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
@@ -26,11 +28,15 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.policies import AdmissionFilter
 from kvtier.core.tier import (
-    CORRUPT, DECLINED, FULL, IO_ERROR, MISSING, OK, TierCounters, TierEvents, TierResult,
-    TierStats,
+    CORRUPT, DECLINED, FULL, IO_ERROR, MISSING, OK, READ_ONLY, TierCounters, TierEvents,
+    TierResult, TierStats,
 )
 from kvtier.errors import CorruptBlock
-from kvtier.tiers.chunkfiles import ChunkFiles, FileInventory, FileProbe, scan_tree
+from kvtier.tiers.chunkfiles import (
+    ChunkFile, ChunkFiles, FileInventory, FileProbe, PendingWrite, scan_tree,
+)
+from kvtier.tiers.filetree import lstat_file, unlink_file
+from kvtier.tiers.quota import LedgerState, QuotaLedger
 from kvtier.tiers.directories import check_directory
 
 log = logging.getLogger(__name__)
@@ -80,14 +86,17 @@ class SharedTier:
         self._admission = AdmissionFilter(config.admit_after)
         self._counters = TierCounters(self.name, config.capacity)
         self.events = TierEvents(self.name)
-        self._quota_lock = threading.Lock()
-        self._estimate_bytes = 0  # files held + reserved by writes in flight
-        self._inflight_bytes = 0  # reserved by writes in flight
+        # A read-only directory (a pre-warmed read-only mount) is served read-only: hits
+        # are served, every put is a dropped write (Failure.READ_ONLY). It used to fail the
+        # constructor with an OSError about a `.probe` file (tests/faults/test_read_only.py).
+        self.ledger = QuotaLedger(self.files.root, modes[1]) if self.files.writable else None
+        self._scan_lock = threading.Lock()  # one re-measure at a time in this process
+        self._victims: deque[ChunkFile] = deque()  # eviction order: last scan, then own puts
         self._scanned_at = 0.0
         self.enforce_quota()
 
     def contains(self, key: ChunkKey) -> bool:
-        return self.files.path_of(key).exists()
+        return self.files.exists(key)
 
     def get_into(self, key: ChunkKey, out: memoryview) -> TierResult:
         start = time.perf_counter()
@@ -98,7 +107,7 @@ class SharedTier:
             return MISSING
         except (CorruptBlock, OSError) as exc:
             if isinstance(exc, CorruptBlock):
-                if self.files.remove(key):
+                if self._unlink(key):
                     self._forgotten(key)
                 self._counters.add(corrupt_reads=1)
             log.warning("shared tier %r: chunk %s unreadable (%s); treated as a miss",
@@ -113,24 +122,28 @@ class SharedTier:
         if len(data) != self.files.chunk_bytes:  # see DiskTier.put
             raise ValueError(f"chunk is {len(data)} bytes, this tier stores "
                              f"{self.files.chunk_bytes}")
-        path = self.files.path_of(key)
-        if path.exists():
+        if self.files.exists(key):
             self.files.touch(key)
             return OK
+        if self.ledger is None:
+            self._counters.add(dropped_writes=1)
+            return READ_ONLY
         if self.file_bytes > self.capacity_bytes:
             return FULL
         if not self._admission.offer(key):
             return DECLINED
-        if not self._reserve():
-            self._counters.add(dropped_writes=1)
-            log.warning("shared tier %r: quota held by writes in flight; %s dropped",
-                        self.name, key.hex())
-            return FULL
+        if time.monotonic() - self._scanned_at > self.scan_interval_s:
+            self.enforce_quota()
         start = time.perf_counter()
         try:
-            self.files.write(key, data)
+            pending = self._reserve(key)
+            if pending is None:
+                self._counters.add(dropped_writes=1)
+                log.warning("shared tier %r: quota full and nothing left to evict; %s dropped",
+                            self.name, key.hex())
+                return FULL
+            self._write(pending, data)
         except OSError as exc:
-            self._release(written=False)
             self._counters.add(dropped_writes=1)
             log.warning("shared tier %r: write of %s failed (%s); dropped",
                         self.name, key.hex(), exc)
@@ -140,7 +153,6 @@ class SharedTier:
                 self.enforce_quota(self.file_bytes, force=True)
                 return FULL
             return IO_ERROR
-        self._release(written=True)
         # chunks/used_bytes used to change only when the directory was re-measured, so stats
         # said 0 bytes used after puts; keep them current between scans.
         self._counters.add(puts=1, bytes_written=len(data), write_s=time.perf_counter() - start,
@@ -148,68 +160,118 @@ class SharedTier:
         self.events.stored(key)
         return OK
 
-    def _reserve(self) -> bool:
-        """Reserve room for one file in the quota, evicting first when needed; False when
-        writes in flight hold the rest. Check and reservation are one step under the lock:
-        concurrent puts of this process used to all pass the check and overshoot the quota
-        many times over (tests/tiers/test_tier_contract.py, concurrent puts)."""
-        with self._quota_lock:
-            due = time.monotonic() - self._scanned_at > self.scan_interval_s
-            if due or self._estimate_bytes + self.file_bytes > self.capacity_bytes:
-                self._enforce_locked(self.file_bytes, force=False)
-            if self._estimate_bytes + self.file_bytes > self.capacity_bytes:
-                return False
-            self._estimate_bytes += self.file_bytes
-            self._inflight_bytes += self.file_bytes
-            return True
+    def _reserve(self, key: ChunkKey) -> PendingWrite | None:
+        """Reserve room for one file in the shared quota (evicting first when needed) and
+        create its full-size temp file, as one step under the ledger's lock (see
+        kvtier.tiers.quota: that is what bounds the usage with many writers). None when
+        nothing is left to evict. Raises OSError when the temp file cannot be created."""
+        assert self.ledger is not None
+        with self.ledger.locked() as ledger:
+            if not ledger.valid:  # reset by someone: re-measure before writing again
+                self._scanned_at = 0.0
+                return None
+            if ledger.used_bytes + self.file_bytes > self.capacity_bytes:
+                self._evict_locked(ledger, LOW_WATERMARK * self.capacity_bytes - self.file_bytes)
+            if ledger.used_bytes + self.file_bytes > self.capacity_bytes:
+                self._scanned_at = 0.0  # eviction candidates ran out: re-measure next put
+                return None
+            pending = self.files.prepare_write(key)
+            ledger.used_bytes += self.file_bytes
+            ledger.reserved_total += self.file_bytes
+            return pending
 
-    def _release(self, written: bool) -> None:
-        """End a reservation: the file now exists (`written`) or its room is given back."""
-        with self._quota_lock:
-            self._inflight_bytes -= self.file_bytes
-            if not written:
-                self._estimate_bytes -= self.file_bytes
+    def _write(self, pending: PendingWrite, data: memoryview) -> None:
+        """Fill the reserved temp file (unlocked), then rename it into place under the lock.
+        Raises OSError; the temp file is gone and its reservation given back."""
+        assert self.ledger is not None
+        try:
+            pending.fill(data)
+            with self.ledger.locked() as ledger:
+                ledger.used_bytes -= pending.complete()
+                ledger.completed_total += self.file_bytes
+        except BaseException:
+            with self.ledger.locked() as ledger:
+                ledger.used_bytes -= pending.abort()
+            raise
+        self._victims.append(ChunkFile(pending.key, self.files.path_of(pending.key),
+                                       self.file_bytes, time.time(), self.files.layout_digest))
 
     def enforce_quota(self, incoming_bytes: int = 0, force: bool = False) -> None:
-        """Measure the whole directory (every layout) and delete least recently used files
-        until it fits the capacity with room for `incoming_bytes` and the writes in flight.
-        With `force` (the filesystem itself is full), free down to the low watermark of
-        what is held even when the quota is met."""
-        with self._quota_lock:
-            self._enforce_locked(incoming_bytes, force)
+        """Re-measure the whole directory (every layout) and delete least recently used files
+        until it fits the capacity with room for `incoming_bytes`. With `force` (the
+        filesystem itself is full), free down to the low watermark of what is held even when
+        the quota is met. Sweeps kvtier's stale temp files (filetree.TEMP_STALE_S)."""
+        with self._scan_lock:
+            if self.ledger is None:  # read-only: count only
+                scan = scan_tree(self.files.root, sweep=False)
+                self._counters.set(chunks=len(scan.chunks),
+                                   used_bytes=sum(f.size_bytes for f in scan.chunks))
+                self._scanned_at = time.monotonic()
+                return
+            reserved_before, completed_before = self.ledger.totals()
+            scan = scan_tree(self.files.root)
+            files = sorted(scan.chunks, key=lambda f: f.mtime)
+            with self.ledger.locked() as ledger:
+                # Every file present now was seen by the scan, or reserved or renamed into
+                # place since it started: an upper bound of the usage (kvtier.tiers.quota).
+                ledger.used_bytes = (sum(f.size_bytes for f in files) + scan.temp_bytes
+                                     + ledger.reserved_total - reserved_before
+                                     + ledger.completed_total - completed_before)
+                ledger.valid = True
+                self._victims = deque(files)
+                evicted = 0
+                if force or ledger.used_bytes + incoming_bytes > self.capacity_bytes:
+                    # A quota larger than the filesystem used to make `force` free nothing (the
+                    # target was 90% of the quota, above what the full filesystem held).
+                    limit = min(ledger.used_bytes, self.capacity_bytes) if force else \
+                        self.capacity_bytes
+                    evicted = self._evict_locked(ledger, LOW_WATERMARK * limit - incoming_bytes)
+                held = sum(f.size_bytes for f in self._victims)
+            self._counters.set(chunks=len(files) - evicted, used_bytes=held)
+            self._scanned_at = time.monotonic()
 
-    def _enforce_locked(self, incoming_bytes: int, force: bool) -> None:
-        files = sorted(scan_tree(self.files.root), key=lambda f: f.mtime)
-        used = sum(f.size_bytes for f in files)
+    def _evict_locked(self, ledger: LedgerState, target_bytes: float) -> int:
+        """Delete least recently used files until the ledger's usage is <= target (or no
+        candidate is left); the number deleted. Caller holds the ledger's lock."""
         evicted = 0
-        needed = used + self._inflight_bytes + incoming_bytes
-        if force or needed > self.capacity_bytes:
-            # A quota larger than the filesystem used to make `force` free nothing (the
-            # target was 90% of the quota, above what the full filesystem held).
-            limit = min(used, self.capacity_bytes) if force else self.capacity_bytes
-            target = LOW_WATERMARK * limit - incoming_bytes - self._inflight_bytes
-            for found in files:
-                if used <= target:
-                    break
-                found.path.unlink(missing_ok=True)  # another process may have won
-                used -= found.size_bytes
-                evicted += 1
-                self.events.removed(found.key)
-        self._estimate_bytes = used + self._inflight_bytes
-        self._scanned_at = time.monotonic()
-        self._counters.add(evictions=evicted)
-        self._counters.set(chunks=len(files) - evicted, used_bytes=used)
+        while ledger.used_bytes > target_bytes and self._victims:
+            victim = self._victims.popleft()
+            try:
+                now = lstat_file(self.files.root, victim.parts())
+                if now is not None and now.st_mtime > victim.mtime:  # a hit since: keep it
+                    self._victims.append(replace(victim, mtime=now.st_mtime))
+                    continue
+                freed = unlink_file(self.files.root, victim.parts())
+            except OSError as exc:
+                log.warning("shared tier %r: cannot evict %s (%s)", self.name, victim.path, exc)
+                continue
+            if freed is None:
+                continue  # another process evicted it first (and counted it)
+            ledger.used_bytes -= freed
+            evicted += 1
+            if victim.layout_digest == self.files.layout_digest:
+                self.events.removed(victim.key)
+        self._counters.add(evictions=evicted, chunks=-evicted,
+                           used_bytes=-evicted * self.file_bytes)
+        return evicted
+
+    def _unlink(self, key: ChunkKey) -> bool:
+        """Delete this layout's chunk file, accounted in the ledger; True if one was there."""
+        if self.ledger is None:
+            return self.files.remove(key) is not None
+        with self.ledger.locked() as ledger:
+            freed = self.files.remove(key)
+            ledger.used_bytes -= freed or 0
+        return freed is not None
 
     def delete(self, key: ChunkKey) -> bool:
-        removed = self.files.remove(key)
+        removed = self._unlink(key)
         if removed:
             self._forgotten(key)
         return removed
 
     def _forgotten(self, key: ChunkKey) -> None:
-        """One chunk file less (deleted, or removed as corrupt): update the usage estimate."""
-        with self._quota_lock:
-            self._estimate_bytes = max(0, self._estimate_bytes - self.file_bytes)
+        """One chunk file less (deleted, or removed as corrupt)."""
         self._counters.add(chunks=-1, used_bytes=-self.file_bytes)
         self.events.removed(key)
 

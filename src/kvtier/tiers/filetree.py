@@ -1,0 +1,264 @@
+"""A file tier's directory tree, walked without ever following a link below its root.
+
+The disk and shared tiers keep ROOT/<layout digest>/<k0k1>/<k2k3>/<key hex>.kvc. Other users
+and processes can change that tree (a shared directory, a group-writable cache), so nothing
+below ROOT is trusted: a directory replaced by a symlink used to make kvtier write into and
+delete from the link's target, and a FIFO at a chunk path hung the reader (issue 12, items 1
+and 2; tests/faults/test_symlinks.py, test_fifo_and_devices.py). Every path below ROOT is
+therefore reached one component at a time from a directory fd, each opened with
+O_NOFOLLOW | O_DIRECTORY: a symlink anywhere on the way is an error (ELOOP/ENOTDIR), never a
+detour. ROOT itself is the operator's configured path and may be a link.
+
+Only kvtier's own names are walked or removed: layout directories (32 hex digits), shard
+directories (2 hex digits), chunk files (32 hex digits + ".kvc") and kvtier's temp files
+(`.<key hex>.kvc.<12 hex>.tmp` next to a chunk, `.probe-<32 hex>.tmp` in a layout directory).
+Anything else found in the tree, and anything that is not what its name says (a symlink, a
+FIFO, a device, a directory named like a file), is skipped and left alone.
+
+Directories kvtier creates get the tier's mode with the setgid bit kept: under a setgid root
+(the administrator's way to keep a group cache in one group) the kernel sets S_ISGID on each
+new directory, and an explicit chmod to 0770 used to clear it, so later files fell into the
+writer's primary group (issue 12, item 4; tests/faults/test_group_sharing.py).
+
+Primitives: `open_dir`, `make_root`, `lstat_file`, `unlink_file`, `walk`, `Entry`,
+`TEMP_STALE_S`, `is_layout_name`, `is_temp_name`, `DIR_FLAGS`, `NOT_OURS`.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import stat
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# A kvtier temp file older than this belongs to a writer that died: it is deleted by the next
+# scan (the shared tier's quota scan, every scan_interval_s; the disk tier's start-up scan).
+# A chunk write takes well under a second; a live writer whose temp file is swept anyway
+# (clock skew between nodes) only loses that one write (its rename fails: a dropped write).
+TEMP_STALE_S = 120.0
+_LAYOUT = re.compile(r"[0-9a-f]{32}")
+_SHARD = re.compile(r"[0-9a-f]{2}")
+_CHUNK = re.compile(r"[0-9a-f]{32}\.kvc")
+_CHUNK_TEMP = re.compile(r"\.[0-9a-f]{32}\.kvc\.[0-9a-f]{12}\.tmp")
+_PROBE_TEMP = re.compile(r"\.probe-[0-9a-f]{32}\.tmp")
+# errnos of a path that is not (or no longer) what kvtier's layout says it is
+NOT_OURS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP})
+
+
+def is_layout_name(name: str) -> bool:
+    """Whether `name` can be a layout directory of kvtier's (a layout digest)."""
+    return bool(_LAYOUT.fullmatch(name))
+
+
+def is_temp_name(name: str) -> bool:
+    """Whether `name` is one of kvtier's temp files (a chunk write, or an O_DIRECT probe)."""
+    return bool(_CHUNK_TEMP.fullmatch(name) or _PROBE_TEMP.fullmatch(name))
+
+
+def open_dir(root: Path, parts: Sequence[str], create_mode: int | None = None) -> int:
+    """An fd of root/parts[0]/.../parts[-1], no link followed below `root`.
+
+    Args:
+        create_mode: create missing directories with this mode (setgid kept, see module
+            docstring); None: a missing directory raises FileNotFoundError.
+    Returns:
+        A directory fd (O_CLOEXEC), the caller's to close.
+    Raises:
+        OSError: ELOOP/ENOTDIR when a component is a link or not a directory, ENOENT when
+            missing (and not created), EACCES, EROFS, ...
+    """
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in parts:
+            child = _open_child(fd, part, create_mode)
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_child(parent_fd: int, name: str, create_mode: int | None) -> int:
+    try:
+        return os.open(name, DIR_FLAGS, dir_fd=parent_fd)
+    except FileNotFoundError:
+        if create_mode is None:
+            raise
+    try:
+        os.mkdir(name, create_mode, dir_fd=parent_fd)
+    except FileExistsError:  # another process made it: its mode is its creator's
+        return os.open(name, DIR_FLAGS, dir_fd=parent_fd)
+    fd = os.open(name, DIR_FLAGS, dir_fd=parent_fd)
+    _set_mode(fd, create_mode)
+    return fd
+
+
+def _set_mode(fd: int, mode: int) -> None:
+    """`mode` whatever the umask, keeping the S_ISGID the kernel inherited from the parent."""
+    os.fchmod(fd, mode | (os.fstat(fd).st_mode & stat.S_ISGID))
+
+
+def make_root(directory: Path, mode: int) -> None:
+    """Create `directory` (the tier's root) and its missing parents with exactly `mode`
+    (setgid kept), whatever the umask; existing directories are left alone.
+    `mkdir(parents=True)` used to create the root 0755 under umask 022 (key names listable
+    by all users; tests/tiers/test_permissions.py)."""
+    missing = []
+    while not directory.is_dir():
+        missing.append(directory)
+        directory = directory.parent
+    for path in reversed(missing):
+        try:
+            path.mkdir(mode=mode)
+        except FileExistsError:
+            continue
+        fd = os.open(path, DIR_FLAGS)
+        try:
+            _set_mode(fd, mode)
+        finally:
+            os.close(fd)
+
+
+def lstat_file(root: Path, parts: Sequence[str]) -> os.stat_result | None:
+    """The lstat of root/parts... when it is a regular file reached without a link; None
+    when it is absent, not a regular file, or behind a link. Raises other OSErrors
+    (EACCES, ESTALE, ...)."""
+    try:
+        fd = open_dir(root, parts[:-1])
+    except OSError as exc:
+        if exc.errno in NOT_OURS:
+            return None
+        raise
+    try:
+        info = os.stat(parts[-1], dir_fd=fd, follow_symlinks=False)
+    except OSError as exc:
+        if exc.errno in NOT_OURS:
+            return None
+        raise
+    finally:
+        os.close(fd)
+    return info if stat.S_ISREG(info.st_mode) else None
+
+
+def unlink_file(root: Path, parts: Sequence[str]) -> int | None:
+    """Delete the regular file root/parts... (never through a link, never anything but a
+    regular file, or a symlink/FIFO/device sitting at a chunk path of kvtier's layout).
+
+    Returns:
+        None when nothing was removed (absent, a directory, or behind a link); else the
+        bytes freed: the file's size, 0 for a link or special file, or for a regular file
+        with other hard links (which frees nothing).
+    Raises:
+        OSError: other than absent/not-ours (EACCES, EROFS, ...).
+    """
+    try:
+        fd = open_dir(root, parts[:-1])
+    except OSError as exc:
+        if exc.errno in NOT_OURS:
+            return None
+        raise
+    try:
+        info = os.stat(parts[-1], dir_fd=fd, follow_symlinks=False)
+        if stat.S_ISDIR(info.st_mode):
+            return None
+        os.unlink(parts[-1], dir_fd=fd)  # unlink never follows a link: it removes the link
+    except OSError as exc:
+        if exc.errno in NOT_OURS:
+            return None
+        raise
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:
+        return 0
+    return info.st_size
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """A regular file of kvtier's layout found by `walk`."""
+
+    layout_digest: str
+    shard: tuple[str, str] | None  # (k0k1, k2k3); None for a file in the layout directory
+    name: str
+    size_bytes: int
+    mtime: float
+    temp: bool  # one of kvtier's temp files (not a chunk)
+
+    def parts(self) -> tuple[str, ...]:
+        """Its path below the root, component by component."""
+        return (self.layout_digest, *(self.shard or ()), self.name)
+
+
+def walk(root: Path, layout_digests: Sequence[str] | None = None) -> Iterator[Entry]:
+    """Every regular chunk and kvtier temp file below `root` (of `layout_digests`, or of
+    every layout), found with directory fds and lstat only: links, special files, foreign
+    names and directories kvtier does not make are neither entered nor reported.
+
+    Raises:
+        OSError: `root` itself cannot be opened (absent: nothing is yielded).
+    """
+    try:
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    try:
+        names = layout_digests if layout_digests is not None else [
+            n for n, _ in _children(root_fd, directories=True) if _LAYOUT.fullmatch(n)]
+        for digest in names:
+            yield from _walk_layout(root_fd, digest)
+    finally:
+        os.close(root_fd)
+
+
+def _walk_layout(root_fd: int, digest: str) -> Iterator[Entry]:
+    for layout_fd in _subdir(root_fd, digest):
+        for name, info in _children(layout_fd, directories=False):
+            if _PROBE_TEMP.fullmatch(name):
+                yield Entry(digest, None, name, info.st_size, info.st_mtime, True)
+        for first, _ in _children(layout_fd, directories=True):
+            if not _SHARD.fullmatch(first):
+                continue
+            for first_fd in _subdir(layout_fd, first):
+                for second, _ in _children(first_fd, directories=True):
+                    if not _SHARD.fullmatch(second):
+                        continue
+                    for shard_fd in _subdir(first_fd, second):
+                        for name, info in _children(shard_fd, directories=False):
+                            temp = bool(_CHUNK_TEMP.fullmatch(name))
+                            if temp or _CHUNK.fullmatch(name):
+                                yield Entry(digest, (first, second), name, info.st_size,
+                                            info.st_mtime, temp)
+
+
+def _subdir(parent_fd: int, name: str) -> Iterator[int]:
+    """Zero or one fd of the real directory `name` (closed after use)."""
+    try:
+        fd = os.open(name, DIR_FLAGS, dir_fd=parent_fd)
+    except OSError as exc:
+        if exc.errno in NOT_OURS or exc.errno == errno.EACCES:
+            return
+        raise
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _children(fd: int, directories: bool) -> list[tuple[str, os.stat_result]]:
+    """(name, lstat) of the directories, or of the regular files, in the directory `fd`."""
+    found = []
+    with os.scandir(fd) as entries:
+        for entry in entries:
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:  # removed meanwhile
+                continue
+            wanted = stat.S_ISDIR if directories else stat.S_ISREG
+            if wanted(info.st_mode):
+                found.append((entry.name, info))
+    return found
