@@ -5,6 +5,8 @@ normally returned as data (a miss, a dropped write) and counted; these exception
 the caller's mistakes (ConfigError) and for tier internals that the store turns into misses.
 """
 
+from kvtier.redaction import redact_text, redact_value
+
 
 class KVTierError(Exception):
     """Base class of all kvtier errors."""
@@ -13,14 +15,16 @@ class KVTierError(Exception):
 class ConfigError(KVTierError, ValueError):
     """A configuration value is invalid.
 
-    The message names the field, the value given and what is allowed.
+    The message names the field, the value given and what is allowed. Credentials in the
+    value or the explanation (a URL's password, `?password=`) are masked (kvtier.redaction):
+    these messages are printed and logged.
     """
 
     def __init__(self, field: str, value: object, allowed: str) -> None:
         self.field = field
-        self.value = value
-        self.allowed = allowed
-        super().__init__(f"invalid config {field}={value!r}: {allowed}")
+        self.value = redact_value(value)
+        self.allowed = redact_text(allowed)
+        super().__init__(f"invalid config {field}={self.value!r}: {self.allowed}")
 
 
 class TierUnavailable(KVTierError):

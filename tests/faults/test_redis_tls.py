@@ -206,3 +206,17 @@ def test_a_tier_that_cannot_verify_or_speak_tls_fails_closed(
     assert why in caplog.text  # failed for the reason meant, not some other one
     with redis_store(layout, url=tls_server.url, tls_ca_file=str(tls_server.ca)) as trusted:
         assert trusted.lookup([key(0), key(1)]).tiers == ("redis",)  # key 1 never reached it
+
+
+def test_doctor_pings_over_tls_with_the_tiers_ca(tls_server: TlsRedisServer,
+                                                 certs: Certs) -> None:
+    """`kvtier doctor` reaches Redis as the tier does (issue 12, item 8): over TLS, verified
+    against the config's CA; a plain PING of the URL could not even speak to this server."""
+    from kvtier.ops.doctor import check_redis
+
+    tier = {"kind": "redis", "capacity": 0, "url": tls_server.url, "tls_ca_file": str(certs.ca)}
+    [check] = check_redis({"tiers": [tier]})
+    assert check.status == "ok" and "TLS" in check.detail, check
+    plain = {"kind": "redis", "capacity": 0, "url": tls_server.url.replace("rediss", "redis")}
+    [check] = check_redis({"tiers": [plain]})
+    assert check.status == "fail"

@@ -74,7 +74,7 @@ def test_memory_check():
 
 def test_store_config_validation_and_transfer_config(tmp_path):
     good = {"tiers": [{"kind": "memory", "capacity": "64GiB"},
-                      {"kind": "disk", "path": "/mnt/nvme/kvtier", "capacity": "1TiB"}]}
+                      {"kind": "disk", "path": str(tmp_path / "nvme"), "capacity": "1TiB"}]}
     assert check_store_config(good).status == "ok"
     cfg = json.loads(transfer_config_json(good))
     assert cfg["kv_connector"] == "KVTierConnector"

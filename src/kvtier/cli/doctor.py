@@ -19,6 +19,7 @@ from kvtier.ops.doctor import (
     store_from_flags,
     transfer_config_json,
 )
+from kvtier.redaction import redact_text
 
 _STYLE = {"ok": "green", "fail": "bold red", "skip": "dim"}
 
@@ -29,7 +30,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--memory", help="memory tier capacity, e.g. 64GiB")
     p.add_argument("--disk", action="append", default=[], metavar="PATH:SIZE")
     p.add_argument("--shared", action="append", default=[], metavar="PATH:SIZE")
-    p.add_argument("--redis", metavar="URL", help="e.g. redis://10.0.0.5:6379/0")
+    p.add_argument("--redis", metavar="URL",
+                   help="e.g. redis://10.0.0.5:6379/0, no password: it is read from "
+                        "KVTIER_REDIS_PASSWORD or REDIS_PASSWORD (a config file can name "
+                        "password_file, TLS and cluster nodes)")
     p.add_argument("--connector-module", default=CONNECTOR_MODULE, help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
@@ -43,7 +47,9 @@ def run(args: argparse.Namespace) -> int:
         store = store_from_flags(args.memory, tuple(args.disk), tuple(args.shared), args.redis)
     checks = run_doctor(store, args.connector_module)
     valid = check_store_config(store).status == "ok"
-    config = transfer_config_json(store) if valid else None
+    # Valid configs hold no credential (a password in a URL is refused); redacted anyway,
+    # as everything doctor prints (issue 12, item 8).
+    config = redact_text(transfer_config_json(store)) if valid else None
     failed = any(c.status == "fail" for c in checks)
     if args.json:
         print(json.dumps({"checks": [{"name": c.name, "status": c.status, "detail": c.detail}

@@ -30,6 +30,7 @@ from kvtier.ops.serving import (
     is_cpu_backend,
     load_connector_config,
 )
+from kvtier.redaction import redact_value
 from kvtier.units import parse_size
 
 
@@ -109,8 +110,8 @@ def run(args: argparse.Namespace) -> int:
     for note in command.notes:
         print(f"#   {note}")
     if command.kv_transfer_config is not None:
-        print("#   kv_connector_extra_config: "
-              + json.dumps(command.kv_transfer_config["kv_connector_extra_config"]))
+        print("#   kv_connector_extra_config: " + json.dumps(
+            redact_value(command.kv_transfer_config["kv_connector_extra_config"])))
     print(command.display(), flush=True)
     if args.dry_run:
         return 0

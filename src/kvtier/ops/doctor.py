@@ -5,8 +5,11 @@ Primitives:
     read_store(path)            -- a kvtier config file -> the store dict (tiers...)
     store_from_flags(...)       -- the same from --memory/--disk/--shared/--redis
     check_vllm(), check_connector(module), check_store_config(store),
-    check_tier_paths(store), check_memory(store), check_redis(store)
+    check_tier_paths(store), check_memory(store), check_redis(store), ping_redis(config)
     run_doctor(store, connector_module) -> list[Check]
+
+Nothing it prints holds a credential: URLs are redacted (kvtier.redaction), and Redis is
+reached with the tier's own password_file/password_env, never a password in a URL.
 
 No check raises for an unhealthy machine: failures come back as Check(status="fail").
 vLLM and the connector are probed without importing vLLM into this process (the connector
@@ -30,6 +33,7 @@ from typing import Any, Literal
 
 import yaml
 
+from kvtier.config import parse_model
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import (
     CONNECTOR_CLASS,
@@ -37,6 +41,8 @@ from kvtier.integrations.vllm.config import (
     ConnectorConfig,
     kvtier_transfer_config,
 )
+from kvtier.redaction import redact, redact_text
+from kvtier.tiers.redis_config import RedisTierConfig
 from kvtier.units import format_size, parse_size
 
 Status = Literal["ok", "fail", "skip"]
@@ -167,34 +173,69 @@ def check_memory(store: Mapping[str, Any]) -> Check:
 
 
 def check_redis(store: Mapping[str, Any]) -> list[Check]:
-    """Each redis tier answers PING within REDIS_TIMEOUT_S."""
+    """Each redis tier answers PING within REDIS_TIMEOUT_S, reached as the tier reaches it
+    (`ping_redis`). A tier whose settings are invalid (e.g. a password in its URL) fails
+    without a connection attempt."""
     out = []
-    for tier in store.get("tiers", []):
-        if tier.get("kind") != "redis":
+    for index, tier in enumerate(store.get("tiers", [])):
+        if not isinstance(tier, Mapping) or tier.get("kind") != "redis":
             continue
-        url = str(tier.get("url") or "redis://127.0.0.1:6379/0")
-        out.append(ping_redis(url))
+        name = f"redis {_redis_target(tier)}"
+        try:
+            config = parse_model(RedisTierConfig, dict(tier), f"store.tiers.{index}.redis")
+        except ConfigError as exc:
+            out.append(Check(name, "fail", str(exc)))
+            continue
+        out.append(ping_redis(config))
     return out or [Check("redis", "skip", "no redis tier configured")]
 
 
-def ping_redis(url: str) -> Check:
-    """PING the Redis/Valkey server at `url` with a short timeout."""
+def ping_redis(config: RedisTierConfig) -> Check:
+    """PING a redis tier's server (every node of a Cluster) the way the tier connects: its
+    URL or cluster nodes, TLS and CA file, ACL user, password from password_file or the
+    environment (never the URL); with REDIS_TIMEOUT_S timeouts. Credentials are never in the
+    result (kvtier.redaction)."""
     import redis  # local: only doctor runs with a redis tier need it
 
+    from kvtier.tiers.redis_client import connect, read_password
+
+    name = f"redis {_redis_target(config.model_dump())}"
+    timeout_ms = int(REDIS_TIMEOUT_S * 1000)
+    quick = config.model_copy(update={"socket_timeout_ms": timeout_ms,
+                                      "connect_timeout_ms": timeout_ms})
     try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=REDIS_TIMEOUT_S,
-                                      socket_timeout=REDIS_TIMEOUT_S)
-        client.ping()
-        client.close()
+        password = read_password(config)
+    except ConfigError as exc:
+        return Check(name, "fail", str(exc))
+    try:
+        client = connect(quick, password)
+        try:
+            client.ping()
+        finally:
+            client.close()
     except (redis.RedisError, OSError, ValueError) as exc:
-        return Check(f"redis {url}", "fail", f"unreachable: {exc}")
-    return Check(f"redis {url}", "ok", "PING answered")
+        return Check(name, "fail", f"unreachable: {redact_text(str(exc))}")
+    how = [f"{len(config.cluster_nodes)} cluster node(s)"] if config.cluster_nodes else []
+    if config.tls or config.url.startswith("rediss://"):
+        how.append("TLS")
+    if config.username or password is not None:
+        how.append(f"as user {config.username or 'default'} with a password")
+    return Check(name, "ok", "PING answered" + (f" ({', '.join(how)})" if how else ""))
+
+
+def _redis_target(tier: Mapping[str, Any]) -> str:
+    """What a redis tier connects to, for display: its cluster nodes or its URL, redacted."""
+    nodes = tier.get("cluster_nodes")
+    if nodes:
+        return redact_text(",".join(str(node) for node in nodes))
+    return redact(str(tier.get("url") or "redis://127.0.0.1:6379/0"))
 
 
 def run_doctor(store: Mapping[str, Any], connector_module: str = CONNECTOR_MODULE) -> list[Check]:
-    """Every check, in the order an operator fixes them."""
-    return [check_vllm(), check_connector(connector_module), check_store_config(store),
-            check_memory(store), *check_tier_paths(store), *check_redis(store)]
+    """Every check, in the order an operator fixes them; any URL in them redacted."""
+    checks = [check_vllm(), check_connector(connector_module), check_store_config(store),
+              check_memory(store), *check_tier_paths(store), *check_redis(store)]
+    return [Check(redact_text(c.name), c.status, redact_text(c.detail)) for c in checks]
 
 
 def transfer_config_json(store: Mapping[str, Any]) -> str:

@@ -40,6 +40,7 @@ from kvtier.integrations.vllm.config import (
     kvtier_transfer_config,
 )
 from kvtier.ops.flags import kvtier_flags
+from kvtier.redaction import redact_text
 
 MIB = 1024**2
 GIB = 1024**3
@@ -84,9 +85,10 @@ class ServeCommand:
     notes: tuple[str, ...] = ()  # why kvtier added what it added
 
     def display(self) -> str:
-        """The command as one copy-pasteable shell line."""
+        """The command as one copy-pasteable shell line, any credential in it masked (a
+        validated config holds none: kvtier.redaction, issue 12 item 8)."""
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
-        return (env + " " if env else "") + shlex.join(self.argv)
+        return redact_text((env + " " if env else "") + shlex.join(self.argv))
 
 
 def is_cpu_backend() -> bool:

@@ -134,7 +134,9 @@ class RedisTier:
         self.cluster = bool(config.cluster_nodes)
         self._config = config
         self._password = read_password(config)
-        self._server = "cluster" if self.cluster else (urlsplit(config.url).netloc or "server")
+        # host:port only: the userinfo (an ACL user) stays out of logs and error messages
+        self._server = ("cluster" if self.cluster
+                        else urlsplit(config.url).netloc.rpartition("@")[2] or "server")
         self._client: Client | None = None
         self._client_lock = threading.Lock()
         self.guard = Guard(self.name, MIN_BACKOFF_S, config.retry_max_s)

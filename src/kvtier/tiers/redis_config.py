@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
 from kvtier.config import ByteSize, TierSettings
+from kvtier.redaction import redact_text, url_credentials
 
 
 class RedisTierConfig(TierSettings):
@@ -43,14 +45,17 @@ class RedisTierConfig(TierSettings):
     @field_validator("url")
     @classmethod
     def _url_without_password(cls, url: str) -> str:
-        from urllib.parse import urlsplit
-
+        # Any part of the URL: `?password=` passed the userinfo-only check, and redis-py
+        # honours it over password_file (issue 12, item 8). ConfigError masks it when shown.
         parts = urlsplit(url)
         if parts.scheme not in ("redis", "rediss"):
             raise ValueError("a redis:// or rediss:// (TLS) URL")
-        if parts.password is not None:
-            raise ValueError("no password in the URL: it would show in process listings, logs "
-                             "and shell history; use password_file or password_env")
+        found = url_credentials(url)
+        if found:
+            raise ValueError(f"no password in the URL (found: {'; '.join(found)}): it would "
+                             "show in process listings, logs and shell history; put it in a "
+                             "file named by password_file, or an environment variable named "
+                             "by password_env")
         return url
 
     @field_validator("cluster_nodes")
@@ -58,6 +63,9 @@ class RedisTierConfig(TierSettings):
     def _host_ports(cls, nodes: tuple[str, ...]) -> tuple[str, ...]:
         for node in nodes:
             host, _, port = node.rpartition(":")
+            if "@" in node or "/" in node:  # "user:pw@host:port" would pass as a host
+                raise ValueError(f"{redact_text(node)!r} is not host:port "
+                                 "(no credentials here: use password_file or password_env)")
             if not host or not port.isdigit():
                 raise ValueError(f"{node!r} is not host:port")
         return nodes
