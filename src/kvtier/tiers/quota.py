@@ -32,7 +32,7 @@ filesystem; NFSv4, CephFS; Lustre mounted with -o flock), and (3) nothing but kv
 files to the tree. Where `flock` fails (ENOLCK) the ledger is used unlocked and the bound
 no longer holds (logged once).
 
-Primitives: `QuotaLedger` (locked, totals, path), `LedgerState`, `LEDGER_NAME`.
+Primitives: `QuotaLedger` (locked, totals, close, path), `LedgerState`, `LEDGER_NAME`.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ _FORMAT = struct.Struct("<qqq")
 # One fd and one thread lock per ledger file per process: flock is per open file on a local
 # filesystem but a POSIX lock on NFS (per process, released by closing ANY fd of the file),
 # so two tiers of one process must not each open the file.
-_OPEN: dict[str, tuple[int, threading.Lock]] = {}
+_OPEN: dict[str, tuple[int, threading.Lock, list[int]]] = {}  # path -> fd, lock, [users]
 _OPEN_LOCK = threading.Lock()
 
 
@@ -87,12 +87,26 @@ class QuotaLedger:
             OSError: the ledger cannot be opened or created (a link at its path: ELOOP).
         """
         self.path = Path(root) / LEDGER_NAME
-        key = os.path.realpath(root)
+        self._key = os.path.realpath(root)
         with _OPEN_LOCK:
-            if key not in _OPEN:
-                _OPEN[key] = (_open_ledger(self.path, file_mode), threading.Lock())
-            self._fd, self._thread_lock = _OPEN[key]
+            if self._key not in _OPEN:
+                _OPEN[self._key] = (_open_ledger(self.path, file_mode), threading.Lock(), [0])
+            self._fd, self._thread_lock, users = _OPEN[self._key]
+            users[0] += 1
         self._lock_works = True
+        self._closed = False
+
+    def close(self) -> None:
+        """Stop using the ledger; its file is closed when the process's last user closes."""
+        with _OPEN_LOCK:
+            if self._closed:
+                return
+            self._closed = True
+            fd, _lock, users = _OPEN[self._key]
+            users[0] -= 1
+            if users[0] == 0:
+                del _OPEN[self._key]
+                os.close(fd)
 
     @contextmanager
     def locked(self) -> Iterator[LedgerState]:

@@ -3,10 +3,24 @@
 The directory itself is the index: a lookup is one stat of the chunk's path, so chunks
 written by any process are found by every other. Writes are atomic (see chunkfiles), so
 concurrent writers of one chunk are safe. Each hit touches the file's mtime, which makes the
-quota's eviction least-recently-used across all processes: when usage (re-measured every
-`scan_interval_s`, or sooner when this process's estimate reaches the quota) exceeds the
+quota's eviction least-recently-used across all processes: when a write would pass the
 capacity, the oldest files are deleted down to LOW_WATERMARK of it. Unlike vLLM's FS tier, the
 directory never grows without bound, and no separate evictor deployment is needed.
+
+The quota's bound, for N writer processes on N nodes: the bytes of kvtier's chunk files AND
+temp files (writes in flight, or left by killed writers) in the directory never exceed the
+capacity (usage <= quota, no per-writer slack): every write reserves its room in the
+directory's ledger and creates its full-size temp file under one lock, evicting first
+(`kvtier.tiers.quota` states the proof and the conditions: every writer a kvtier with the
+ledger, a coherent `flock` between nodes, nothing else adding files). The ledger is
+re-measured every `scan_interval_s`, which also deletes kvtier's temp files older than
+`filetree.TEMP_STALE_S` (120 s): a killed writer's leftovers count against the quota until
+then, and are gone within 120 s + scan_interval_s. Files that are not kvtier's own names in
+kvtier's own layout are never counted, swept or deleted. Measured: docs/performance.md,
+"Shared quota with concurrent writers".
+
+A read-only directory (a pre-warmed read-only mount) is served read-only: hits are served,
+every put is a dropped write with Failure.READ_ONLY, nothing is evicted.
 """
 
 from __future__ import annotations
@@ -279,4 +293,6 @@ class SharedTier:
         return self._counters.snapshot()
 
     def close(self) -> None:
-        pass  # nothing buffered: every put is in the directory when it returns
+        # Nothing buffered: every put is in the directory when it returns.
+        if self.ledger is not None:
+            self.ledger.close()
