@@ -170,11 +170,19 @@ def load_model_spec(path: str | Path, param_count: int | None = None) -> ModelSp
     if p.is_dir():
         p = p / "config.json"
     try:
-        raw = json.loads(p.read_text())
+        raw = json.loads(p.read_bytes().decode("utf-8"))
     except FileNotFoundError as exc:
         raise ConfigError("model", str(path), "a path to an existing config.json") from exc
+    except OSError as exc:
+        raise ConfigError("model", str(path), f"a readable config.json ({exc.strerror})") \
+            from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError("model", str(path), f"UTF-8 JSON text (byte {exc.start} is not)") \
+            from exc
     except json.JSONDecodeError as exc:
         raise ConfigError("model", str(path), f"valid JSON ({exc.msg})") from exc
+    except RecursionError as exc:
+        raise ConfigError("model", str(path), "JSON nested less deeply") from exc
     if not isinstance(raw, dict):
         raise ConfigError("model", str(path), "a JSON object")
     name = str(raw.get("_name_or_path") or p.parent.name or p.stem)
@@ -187,10 +195,27 @@ def parse_model_config(
     """Build a ModelSpec from a parsed config.json (multimodal `text_config` is unwrapped).
 
     Raises:
-        ConfigError: when hidden_size, num_hidden_layers or num_attention_heads is missing.
+        ConfigError: when hidden_size, num_hidden_layers or num_attention_heads is missing,
+            or any field has a value of the wrong type (e.g. `text_config: 5`,
+            `sliding_window: "x"`).
     """
+    text_config = raw.get("text_config")
+    if text_config is not None and not isinstance(text_config, Mapping):
+        raise ConfigError("config.json:text_config", text_config, "a JSON object")
+    try:
+        return _parse_model_config(raw, text_config or raw, name, param_count)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError, OverflowError, ZeroDivisionError, AttributeError) as exc:
+        # The config is untrusted input read by many int()/float() conversions below; a
+        # value of the wrong type anywhere is the caller's mistake, not a crash (issue 14).
+        raise ConfigError("config.json", name, f"numbers where numbers belong ({exc})") \
+            from exc
+
+
+def _parse_model_config(raw: Mapping[str, Any], cfg: Mapping[str, Any], name: str,
+                        param_count: int | None) -> ModelSpec:
     outer_quant = raw.get("quantization_config")
-    cfg: Mapping[str, Any] = raw.get("text_config") or raw
     hidden = _req_int(cfg, "hidden_size")
     heads = _req_int(cfg, "num_attention_heads")
     kinds = _layer_kinds(cfg, _req_int(cfg, "num_hidden_layers"))
@@ -217,10 +242,17 @@ def parse_model_config(
     )
 
 
+# Larger than any real model's layer count, width or head count: a typo, and a layer list of
+# 10**9 entries would take minutes to build.
+_MAX_DIMENSION = 1 << 20
+
+
 def _req_int(cfg: Mapping[str, Any], key: str) -> int:
     value = cfg.get(key)
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ConfigError(f"config.json:{key}", value, "a positive integer")
+    if value > _MAX_DIMENSION:
+        raise ConfigError(f"config.json:{key}", value, f"at most {_MAX_DIMENSION}")
     return value
 
 
