@@ -93,6 +93,54 @@ def test_audit_table_and_list_rules(capsys):
     assert main(["audit", "vllm serve m", "--env", "NOEQUALS"]) == 2
 
 
+def test_audit_single_instance_local_disk_tier_exits_0_with_a_warning(capsys):
+    # issue 14: the hash seed matters only where instances share the tier.
+    fs_tier = json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                          "kv_connector_extra_config": {
+                              "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 10**10,
+                              "secondary_tiers": [{"type": "fs", "root_dir": "/nvme/kv"}]}})
+    code, out = run_json(capsys, ["audit", f"vllm serve m --kv-transfer-config '{fs_tier}'",
+                                  "--vllm-version", "0.21.0", "--json"])
+    assert code == 0
+    assert [(f["rule"], f["severity"]) for f in out["findings"]] == [
+        ("shared-storage-hash-seed", "warning")]
+
+
+@pytest.mark.parametrize("command", [
+    "vllm serve m --kv-transfer-config '{\"kv_connector\":'",
+    "vllm serve m --kv-transfer-config null",
+    "vllm serve m --tensor-parallel-size 0",
+    "vllm serve m --block-size abc",
+])
+def test_audit_malformed_input_exits_1_naming_the_argument(capsys, command):
+    code, out = run_json(capsys, ["audit", command, "--json"])
+    assert code == 1 and not out["ok"]
+    flag = command.split()[3]
+    assert any(f["severity"] == "error" and flag in f["what"] for f in out["findings"])
+
+
+def test_audit_unreadable_inputs_exit_2_with_one_line(capsys, tmp_path):
+    binary = tmp_path / "serve.sh"
+    binary.write_bytes(b"\xff\xfe vllm serve m")
+    bad_config = tmp_path / "config.json"
+    bad_config.write_text('{"hidden_size": 64, "num_attention_heads": 4, '
+                          '"num_hidden_layers": 2, "text_config": 5}')
+    for argv in (["audit", str(tmp_path / "deploy.yaml")], ["audit", str(binary)],
+                 ["audit", "vllm serve m", "--model-config", str(binary)],
+                 ["audit", "vllm serve m", "--model-config", str(bad_config)]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def test_audit_help_says_which_rules_need_options(capsys):
+    with pytest.raises(SystemExit):
+        main(["audit", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--typical-context is needed by: max-model-len-too-high" in out
+    assert "--model-config is read by:" in out and "fp8-kv-without-scales" in out
+
+
 def test_audit_subprocess_reads_stdin():
     proc = subprocess.run(
         [sys.executable, "-m", "kvtier.cli.main", "audit", "-", "--vllm-version", "0.11.0",

@@ -110,3 +110,40 @@ def test_bad_inputs_raise_config_error():
         parse_kubernetes("kind: Service\nspec: {ports: [80]}\n")
     with pytest.raises(ConfigError):
         parse_kubernetes("args: [unclosed\n")
+
+
+def test_a_mistyped_file_name_is_an_error_not_a_model_name(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        load_deployment(str(tmp_path / "deploy.yml"))
+    with pytest.raises(ConfigError, match="no such file"):
+        load_deployment("serve.sh")
+    assert load_deployment("vllm serve m").model == "m"  # a command line stays one
+
+
+def test_non_utf8_file_is_a_config_error(tmp_path):
+    path = tmp_path / "serve.sh"
+    path.write_bytes(b"vllm serve m \xff\xfe\n")
+    with pytest.raises(ConfigError, match="UTF-8"):
+        load_deployment(str(path))
+
+
+def test_a_yaml_file_is_read_as_yaml_even_when_it_does_not_look_like_it(tmp_path):
+    path = tmp_path / "deploy.yaml"
+    path.write_text("metadata: {name: x}\nspec: {containers: [{args: [--model, m]\n")
+    with pytest.raises(ConfigError, match="valid YAML"):
+        load_deployment(str(path))
+
+
+def test_odd_manifest_shapes_parse_or_raise_config_error():
+    # a string where a list belongs, dates (not JSON-serialisable), bad sh -c quoting
+    cmd = parse_kubernetes("command: vllm\nargs: serve\nimage: x\nenv: 2024-01-01\n")
+    assert cmd.model is None or isinstance(cmd.model, str)
+    with pytest.raises(ConfigError):
+        parse_kubernetes('command: ["sh", "-c"]\nargs: ["vllm serve \'m"]\n')
+
+
+def test_human_readable_token_counts_and_bad_tp_fall_back():
+    cmd = parse_command_line("vllm serve m --max-model-len 32k -tp 0")
+    assert cmd.number("--max-model-len") == 32_000 and cmd.tp == 1
+    assert parse_command_line("vllm serve m --max-model-len 32K").number("--max-model-len") == \
+        32 * 1024

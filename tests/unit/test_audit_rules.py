@@ -10,8 +10,16 @@ import json
 
 import pytest
 
-from kvtier.ops.audit import AuditOptions, Severity, all_rules, parse_command_line, run_audit
+from kvtier.ops.audit import (
+    AuditOptions,
+    Severity,
+    all_rules,
+    parse_command_line,
+    parse_kubernetes,
+    run_audit,
+)
 from kvtier.ops.audit.rules_env import installed_vllm_env_names
+from kvtier.ops.hardware import gpu_profile
 from kvtier.ops.vllm_versions import installed_vllm_version
 
 V20, V21, V32 = (0, 20, 2), (0, 21, 0), (0, 32, 0)
@@ -27,6 +35,21 @@ KVTIER_SHARED = json.dumps({"kv_connector": "KVTierConnector",
                             "kv_role": "kv_both", "kv_connector_extra_config": {
                                 "tiers": [{"kind": "shared", "path": "/mnt/kv",
                                            "capacity": "1TiB"}]}})
+KVTIER_MODULE = "kvtier.integrations.vllm"
+
+
+def transfer(connector="OffloadingConnector", **extra):
+    """A `--kv-transfer-config '...'` flag for `connector` with `extra` as its settings."""
+    cfg = {"kv_connector": connector, "kv_role": "kv_both", "kv_connector_extra_config": extra}
+    if connector == "KVTierConnector":
+        cfg["kv_connector_module_path"] = KVTIER_MODULE
+    return f"--kv-transfer-config '{json.dumps(cfg)}'"
+
+
+CPU10 = {"cpu_bytes_to_use": 10**10}
+TIERING = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 10**10}
+FS = {"type": "fs", "root_dir": "/mnt/kv"}
+MEM_BAD, MEM_OK = {"kind": "memory", "capacity": "-5"}, {"kind": "memory", "capacity": "5GiB"}
 EAGLE3 = ("--speculative-config "
           "'{\"method\":\"eagle3\",\"model\":\"x\",\"num_speculative_tokens\":3}'")
 
@@ -48,8 +71,9 @@ CASES = {
         (f"vllm serve m {NATIVE} 100 --no-enable-prefix-caching", {}, V21, Severity.ERROR),
         (f"vllm serve m {NATIVE} 100 --enable-prefix-caching", {}, V21, None)),
     "shared-storage-hash-seed": (
-        (f"vllm serve m --kv-transfer-config '{FS_TIER}'", {}, V21, Severity.ERROR),
-        (f"vllm serve m --kv-transfer-config '{FS_TIER}'", {"PYTHONHASHSEED": "0"}, V21, None)),
+        (f"vllm serve m -dp 2 --kv-transfer-config '{FS_TIER}'", {}, V21, Severity.ERROR),
+        (f"vllm serve m -dp 2 --kv-transfer-config '{FS_TIER}'", {"PYTHONHASHSEED": "0"}, V21,
+         None)),
     "offload-ep-eagle3": (
         (f"vllm serve m {NATIVE} 100 --enable-expert-parallel {EAGLE3}", {}, V21,
          Severity.ERROR),
@@ -84,8 +108,58 @@ CASES = {
         ("vllm serve m --max-model-len 200000", {}, V21, Severity.INFO),
         ("vllm serve m --max-model-len 200000 --block-size 32", {}, V21, None)),
     "no-max-num-batched-tokens": (
-        ("vllm serve m --max-model-len 65536", {}, V21, Severity.WARNING),
-        ("vllm serve m --max-model-len 65536 --max-num-batched-tokens 8192", {}, V21, None)),
+        ("vllm serve m --max-model-len 65536 --no-enable-chunked-prefill", {}, V21,
+         Severity.WARNING),
+        (("vllm serve m --max-model-len 65536 --no-enable-chunked-prefill "
+          "--max-num-batched-tokens 8192"), {}, V21, None)),
+    "malformed-flag-value": (
+        ("vllm serve m --tensor-parallel-size 0", {}, V21, Severity.ERROR),
+        ("vllm serve m --tensor-parallel-size 2", {}, V21, None)),
+    "malformed-kv-transfer-config": (
+        ("vllm serve m --kv-transfer-config '{\"kv_connector\":\"OffloadingConnector\"'", {},
+         V21, Severity.ERROR),
+        ("vllm serve m --kv-transfer-config '{\"kv_connector\":\"OffloadingConnector\"}'", {},
+         V21, None)),
+    "unknown-kv-connector": (
+        (f"vllm serve m {transfer('OfloadingConnector', **CPU10)}", {}, V21, Severity.ERROR),
+        (f"vllm serve m {transfer('OffloadingConnector', **CPU10)}", {}, V21, None)),
+    "kvtier-connector-config": (
+        (f"vllm serve m {transfer('KVTierConnector', tiers=[MEM_BAD])}", {}, V21,
+         Severity.ERROR),
+        (f"vllm serve m {transfer('KVTierConnector', tiers=[MEM_OK])}", {}, V21, None)),
+    "kvtier-unsupported-model": (
+        (f"vllm serve Qwen/Qwen3-Next-80B-A3B {transfer('KVTierConnector')}", {}, V21,
+         Severity.WARNING),
+        (f"vllm serve Qwen/Qwen3-32B {transfer('KVTierConnector')}", {}, V21, None)),
+    "offload-cpu-bytes-required": (
+        (f"vllm serve m {transfer(num_cpu_blocks=8192)}", {}, V21, Severity.ERROR),
+        (f"vllm serve m {transfer(**CPU10)}", {}, V21, None)),
+    "offload-block-size-multiple": (
+        (f"vllm serve m --block-size 16 {transfer(block_size=24, **CPU10)}", {}, V21,
+         Severity.ERROR),
+        (f"vllm serve m --block-size 16 {transfer(block_size=64, **CPU10)}", {}, V21, None)),
+    "offload-tiering-store-threshold": (
+        (f"vllm serve m {transfer(store_threshold=2, secondary_tiers=[FS], **TIERING)}", {},
+         V21, Severity.ERROR),
+        (f"vllm serve m {transfer(store_threshold=2, **CPU10)}", {}, V21, None)),
+    "offload-tiering-kv-events": (
+        (f"vllm serve m {transfer(self_describing_kv_events=True, **TIERING)}", {}, V21,
+         Severity.ERROR),
+        (f"vllm serve m {transfer(self_describing_kv_events=True, **CPU10)}", {}, V21, None)),
+    "offload-secondary-tiers": (
+        (f"vllm serve m {transfer(secondary_tiers=[{'type': 'fs'}], **TIERING)}", {}, V21,
+         Severity.ERROR),
+        (f"vllm serve m {transfer(secondary_tiers=[FS], **TIERING)}", {}, V21, None)),
+    "offload-config-values": (
+        (f"vllm serve m {transfer(eviction_policy='fifo', **CPU10)}", {}, V21, Severity.ERROR),
+        (f"vllm serve m {transfer(eviction_policy='arc', **CPU10)}", {}, V21, None)),
+    "offload-config-unknown-key": (
+        (f"vllm serve m {transfer(evicton_policy='arc', **CPU10)}", {}, V21, Severity.WARNING),
+        (f"vllm serve m {transfer(eviction_policy='arc', **CPU10)}", {}, V21, None)),
+    "lmcache-unknown-env-var": (
+        (f"vllm serve m {LMC} {HMA}", {"LMCACHE_MAX_LOCAL_CPU_SIZ": "20"}, V21,
+         Severity.WARNING),
+        (f"vllm serve m {LMC} {HMA}", {"LMCACHE_MAX_LOCAL_CPU_SIZE": "20"}, V21, None)),
     "nonexistent-env-var": (
         ("vllm serve m", {"VLLM_USE_FASTSAFETENSOR": "1"}, V21, Severity.WARNING),
         ("vllm serve m --load-format fastsafetensors", {"HF_HUB_ENABLE_HF_TRANSFER": "1"},
@@ -207,3 +281,183 @@ def test_kvtier_without_a_shared_tier_needs_no_common_block_size():
                               {"kind": "disk", "path": "/nvme/kv", "capacity": "1TiB"}]}})
     assert findings_of("kvtier-shared-block-size",
                        (f"vllm serve m --kv-transfer-config '{private}'", {}, V21, None)) == []
+
+
+def severities(rule_id, command, env=None, version=V21, **kwargs):
+    cmd = parse_command_line(command, env=env or {}, vllm_version=version, **kwargs)
+    return [f.severity for f in run_audit(cmd, OPTS) if f.rule == rule_id]
+
+
+# --- malformed input (issue 14: these used to audit clean) ---
+
+@pytest.mark.parametrize("raw, words", [
+    ("'{\"kv_connector\":\"OffloadingConnector\"'", "truncated JSON"),
+    ("\"{'kv_connector': 'OffloadingConnector'}\"", "a Python dict"),
+    ("'[1,2]'", "a JSON array"),
+    ("null", "JSON null"),
+    ("'\"OffloadingConnector\"'", "a JSON string"),
+])
+def test_malformed_transfer_config_says_what_is_wrong(raw, words):
+    cmd = parse_command_line(f"vllm serve m --kv-transfer-config {raw}", vllm_version=V21)
+    found = [f for f in run_audit(cmd) if f.rule == "malformed-kv-transfer-config"]
+    assert [f.severity for f in found] == [Severity.ERROR]
+    assert "--kv-transfer-config" in found[0].what and words in found[0].what
+
+
+def test_transfer_config_entry_without_connector_or_with_a_list_as_extra():
+    bad = json.dumps({"kv_role": "kv_both", "kv_connector_extra_config": [1]})
+    found = [f.what for f in run_audit(parse_command_line(
+        f"vllm serve m --kv-transfer-config '{bad}'")) if f.rule == "malformed-kv-transfer-config"]
+    assert len(found) == 2 and "kv_connector is missing" in found[0]
+
+
+def test_unknown_connector_in_a_multiconnector_child_and_kvtier_without_module_path():
+    multi = json.dumps({"kv_connector": "MultiConnector", "kv_role": "kv_both",
+                        "kv_connector_extra_config": {"connectors": [
+                            {"kv_connector": "NixlConector", "kv_role": "kv_both"}]}})
+    found = [f.what for f in run_audit(parse_command_line(
+        f"vllm serve m --kv-transfer-config '{multi}'")) if f.rule == "unknown-kv-connector"]
+    assert found == [("--kv-transfer-config.connectors[0].kv_connector 'NixlConector' is not "
+                      "a connector vLLM knows (did you mean 'NixlConnector'?)")]
+    bare = json.dumps({"kv_connector": "KVTierConnector", "kv_role": "kv_both"})
+    assert severities("unknown-kv-connector", f"vllm serve m --kv-transfer-config '{bare}'") == [
+        Severity.ERROR]
+    custom = json.dumps({"kv_connector": "MyConnector", "kv_connector_module_path": "my.mod"})
+    assert severities("unknown-kv-connector",
+                      f"vllm serve m --kv-transfer-config '{custom}'") == []
+
+
+def test_kvtier_config_checked_by_kvtiers_own_schema():
+    cmd = parse_command_line(f"vllm serve m {transfer('KVTierConnector', tokens_per_chunk='x')}")
+    found = [f for f in run_audit(cmd) if f.rule == "kvtier-connector-config"]
+    assert "tokens_per_chunk" in found[0].what and "'x'" in found[0].what
+    # tokens_per_chunk must be a multiple of the GPU block size when that is stated
+    assert severities("kvtier-connector-config", "vllm serve m --block-size 48 "
+                      f"{transfer('KVTierConnector', tokens_per_chunk=256)}") == [Severity.ERROR]
+    assert severities("kvtier-connector-config", "vllm serve m --block-size 64 "
+                      f"{transfer('KVTierConnector', tokens_per_chunk=256)}") == []
+
+
+def test_kvtier_on_a_mamba_model_from_config_json_is_an_error():
+    nemotron_h = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 4,
+                  "hybrid_override_pattern": "M*M*"}
+    assert severities("kvtier-unsupported-model",
+                      f"vllm serve /models/x {transfer('KVTierConnector')}",
+                      model_config=nemotron_h) == [Severity.ERROR]
+
+
+@pytest.mark.parametrize("flags", ["--block-size abc", "-tp 0", "--max-model-len 0",
+                                   "--gpu-memory-utilization 1.5", "--kv-offloading-size -5",
+                                   "--kv-offloading-backend nativ", "--max-num-seqs"])
+def test_malformed_flag_values(flags):
+    assert severities("malformed-flag-value", f"vllm serve m {flags}") == [Severity.ERROR]
+
+
+@pytest.mark.parametrize("flags", ["--max-model-len 32k", "--max-model-len auto",
+                                   "--max-num-batched-tokens 8K", "--kv-offloading-size 0"])
+def test_flag_values_vllm_accepts(flags):
+    assert severities("malformed-flag-value", f"vllm serve m {flags}") == []
+
+
+# --- OffloadingConnector config keys (seed 003) ---
+
+def test_cpu_bytes_to_use_on_releases_before_it_is_not_required():
+    assert severities("offload-cpu-bytes-required", f"vllm serve m {transfer(num_cpu_blocks=8)}",
+                      version=(0, 12, 0)) == []
+    assert severities("offload-cpu-bytes-required",
+                      f"vllm serve m {transfer(cpu_bytes_to_use=0)}") == [Severity.ERROR]
+
+
+def test_out_of_tree_spec_keeps_its_own_keys():
+    llmd = transfer(spec_name="SharedStorageOffloadingSpec",
+                    spec_module_path="llmd_fs_backend.spec",
+                    shared_storage_path="/mnt/kv-cache/", block_size=256, threads_per_gpu=64)
+    findings = run_audit(parse_command_line(f"vllm serve m --block-size 16 {llmd}",
+                                            vllm_version=V21))
+    assert not [f for f in findings if f.rule.startswith("offload-c")
+                or f.rule == "offload-block-size-multiple"]
+
+
+def test_offload_block_size_against_the_default_gpu_block_size_is_a_warning():
+    assert severities("offload-block-size-multiple",
+                      f"vllm serve m {transfer(block_size=24, **CPU10)}") == [Severity.WARNING]
+
+
+def test_secondary_tier_type_and_key_typos_suggest_the_documented_name():
+    tiers = [{"type": "fss", "root_dir": "/x"},
+             {"type": "fs", "root_dir": "/x", "n_read_thread": 8}]
+    cmd = parse_command_line(f"vllm serve m {transfer(secondary_tiers=tiers, **TIERING)}")
+    whats = [f.what for f in run_audit(cmd) if f.rule == "offload-secondary-tiers"]
+    assert "did you mean 'fs'" in whats[0] and "did you mean 'n_read_threads'" in whats[1]
+    # secondary tiers under the single-tier spec are ignored by vLLM
+    assert severities("offload-secondary-tiers",
+                      f"vllm serve m {transfer(secondary_tiers=[FS], **CPU10)}") == [
+        Severity.WARNING]
+
+
+def test_lmcache_unknown_name_without_a_near_miss_is_information():
+    assert severities("lmcache-unknown-env-var", f"vllm serve m {LMC}",
+                      env={"LMCACHE_SOMETHING_ELSE": "1"}) == [Severity.INFO]
+
+
+# --- the hash seed: an error only where sharing is shown (issue 14) ---
+
+def test_single_instance_with_a_local_fs_tier_is_a_warning_not_an_error():
+    assert severities("shared-storage-hash-seed",
+                      f"vllm serve m --kv-transfer-config '{FS_TIER}'") == [Severity.WARNING]
+
+
+def test_lmcache_remote_store_without_hash_seed_is_an_error():
+    assert severities("shared-storage-hash-seed", f"vllm serve m {LMC}",
+                      env={"LMCACHE_REMOTE_URL": "redis://10.0.0.5:6379"}) == [Severity.ERROR]
+
+
+def test_lmcache_local_disk_single_instance_is_a_warning():
+    assert severities("shared-storage-hash-seed", f"vllm serve m {LMC}",
+                      env={"LMCACHE_LOCAL_DISK": "file:///nvme/lmc"}) == [Severity.WARNING]
+
+
+FS_DEPLOYMENT = """
+apiVersion: apps/v1
+kind: Deployment
+spec:
+  replicas: {replicas}
+  template:
+    spec:
+      volumes:
+      - name: kv
+        {volume}
+      containers:
+      - name: vllm
+        image: vllm/vllm-openai:v0.21.0
+        args: ["--model=m", "--kv-transfer-config", '{config}']
+        volumeMounts:
+        - {{name: kv, mountPath: /mnt}}
+"""
+
+
+@pytest.mark.parametrize("replicas, volume, severity", [
+    (1, "hostPath: {path: /nvme}", Severity.WARNING),
+    (3, "hostPath: {path: /nvme}", Severity.ERROR),
+    (1, "nfs: {server: nas, path: /kv}", Severity.ERROR),
+])
+def test_manifest_replicas_or_a_network_volume_show_sharing(replicas, volume, severity):
+    text = FS_DEPLOYMENT.format(replicas=replicas, volume=volume, config=FS_TIER)
+    cmd = parse_kubernetes(text)
+    assert [f.severity for f in run_audit(cmd) if f.rule == "shared-storage-hash-seed"] == [
+        severity]
+
+
+# --- vLLM's default step cap (issue 14) ---
+
+@pytest.mark.parametrize("gpu", ["h100", "a100", "l40s"])
+def test_long_context_with_chunked_prefill_on_uses_vllms_default_cap(gpu):
+    cmd = parse_command_line("vllm serve m --max-model-len 131072", vllm_version=V21)
+    assert not [f for f in run_audit(cmd, AuditOptions(gpu=gpu_profile(gpu)))
+                if f.rule == "no-max-num-batched-tokens"]
+
+
+def test_every_needs_and_reads_option_is_an_audit_option():
+    options = {"--typical-context", "--model-config", "--gpu", "--vllm-version"}
+    for r in all_rules():
+        assert set(r.needs) | set(r.reads) <= options, r.id

@@ -15,7 +15,10 @@ argparse does.
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import json
+import math
 import re
 import shlex
 from collections.abc import Iterable, Mapping, Sequence
@@ -46,6 +49,14 @@ _SHORT_FLAGS = {"-tp": "--tensor-parallel-size", "-pp": "--pipeline-parallel-siz
                 "-dp": "--data-parallel-size", "-ep": "--enable-expert-parallel"}
 _ENV_ASSIGN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 _IMAGE_TAG = re.compile(r"vllm[-/\w.]*:v?(\d+\.\d+(?:\.\d+)?)")
+# vLLM's human-readable integers ("32k" = 32,000, "32K" = 32,768), for token-count flags.
+_HUMAN_INT = re.compile(r"^\s*(\d+(?:\.\d+)?)([kKmMgGtT])\s*$")
+_HUMAN_MULT = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+               "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+# A source that names a file rather than holding a command (checked when no such file).
+_FILE_LIKE = re.compile(r"^[\w./~-]+\.(ya?ml|json|sh|bash|txt|conf|cfg|env)$|^[.~]?/\S+$")
+# Kubernetes volume kinds whose files other pods (and nodes) see.
+_SHARED_VOLUMES = ("nfs", "cephfs", "glusterfs", "azureFile", "csi")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +68,9 @@ class ServeCommand:
     env: Mapping[str, str] = field(default_factory=dict)  # environment variables
     vllm_version: Version | None = None  # from --vllm-version or the image tag
     model_config: Mapping[str, Any] | None = None  # the model's config.json, when given
+    replicas: int | None = None  # a Kubernetes Deployment/StatefulSet's replicas, when given
+    # Mount paths of volumes that other pods see (NFS, CephFS, ...), from a manifest.
+    shared_mounts: tuple[str, ...] = ()
 
     def has(self, flag: str) -> bool:
         return flag in self.flags
@@ -65,19 +79,28 @@ class ServeCommand:
         return self.flags.get(flag)
 
     def number(self, flag: str) -> float | None:
-        """The flag's value as a number, None when absent or not numeric."""
-        try:
-            return float(self.flags[flag])  # type: ignore[arg-type]
-        except (KeyError, TypeError, ValueError):
+        """The flag's value as a finite number ("32k" and "32K" as vLLM reads them), None
+        when absent or not numeric."""
+        raw = self.flags.get(flag)
+        if raw is None:
             return None
+        match = _HUMAN_INT.match(raw)
+        try:
+            value = float(match.group(1)) * _HUMAN_MULT[match.group(2)] if match else float(raw)
+        except ValueError:
+            return None
+        return value if math.isfinite(value) else None
 
     @property
     def tp(self) -> int:
-        return int(self.number("--tensor-parallel-size") or 1)
+        """The tensor-parallel size; 1 when absent or not a positive integer (the
+        `malformed-flag-value` rule reports the latter)."""
+        value = self.number("--tensor-parallel-size")
+        return int(value) if value is not None and value >= 1 and value == int(value) else 1
 
     @property
     def transfer_config(self) -> dict[str, Any] | None:
-        """The parsed `--kv-transfer-config` JSON (None when absent or not JSON)."""
+        """The parsed `--kv-transfer-config` JSON (None when absent or not a JSON object)."""
         raw = self.value("--kv-transfer-config")
         if not raw:
             return None
@@ -86,6 +109,24 @@ class ServeCommand:
         except json.JSONDecodeError:
             return None
         return parsed if isinstance(parsed, dict) else None
+
+    @property
+    def transfer_config_problem(self) -> str | None:
+        """What is wrong with `--kv-transfer-config`, None when absent or a JSON object."""
+        if not self.has("--kv-transfer-config"):
+            return None
+        raw = self.value("--kv-transfer-config")
+        if not raw or not raw.strip():
+            return "no value (it takes a JSON object)"
+        try:
+            parsed = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            return _json_problem(raw, exc)
+        except RecursionError:
+            return "JSON nested too deeply"
+        if not isinstance(parsed, dict):
+            return f"{_json_kind(parsed)}, not an object ({{\"kv_connector\": ...}})"
+        return None
 
     @property
     def connectors(self) -> tuple[str, ...]:
@@ -175,30 +216,139 @@ def parse_kubernetes(
         [{"args": d}] if _is_arg_list(d) else _containers(d))]
     if not containers:
         raise ConfigError("deployment", "YAML", "a container with `args` or `command`")
-    chosen = next((c for c in containers if "vllm" in json.dumps(c).lower()), containers[0])
-    argv = [str(a) for a in (chosen.get("command") or []) + (chosen.get("args") or [])]
+    chosen = next((c for c in containers
+                   if "vllm" in json.dumps(c, default=str).lower()), containers[0])
+    argv = [str(a) for a in _as_list(chosen.get("command")) + _as_list(chosen.get("args"))]
     if len(argv) >= 2 and argv[-2] == "-c":  # sh -c "vllm serve ..."
-        argv = shlex.split(argv[-1])
+        try:
+            argv = shlex.split(argv[-1])
+        except ValueError as exc:
+            raise ConfigError("deployment", argv[-1][:80], f"valid shell quoting ({exc})") \
+                from exc
     pod_env = {str(e["name"]): str(e["value"]) if "value" in e else "<valueFrom>"
-               for e in chosen.get("env") or [] if isinstance(e, dict) and "name" in e}
+               for e in _as_list(chosen.get("env")) if isinstance(e, dict) and "name" in e}
     version = vllm_version or _version_from_tokens([str(chosen.get("image", ""))])
-    return parse_argv(argv, {**pod_env, **(env or {})}, version, model_config)
+    cmd = parse_argv(argv, {**pod_env, **(env or {})}, version, model_config)
+    return dataclasses.replace(cmd, replicas=_replicas(docs),
+                               shared_mounts=_shared_mounts(docs, chosen))
 
 
 def load_deployment(
     source: str, env: Mapping[str, str] | None = None, vllm_version: Version | None = None,
     model_config: Mapping[str, Any] | None = None,
 ) -> ServeCommand:
-    """Read `source` (a file path or the text itself) as YAML or a shell command line."""
-    path = Path(source)
-    text = path.read_text() if len(source) < 4096 and "\n" not in source and path.is_file() \
-        else source
+    """Read `source` (a file path or the text itself) as YAML or a shell command line.
+
+    A file named *.yaml/*.yml/*.json is always read as YAML.
+
+    Raises:
+        ConfigError: naming `source` when it names a file that does not exist or cannot be
+            read as UTF-8 text, or when its content is not valid shell or YAML.
+    """
+    is_path = len(source) < 4096 and "\n" not in source
+    suffix = ""
+    if is_path and _is_file(source):
+        text, suffix = read_text_file(source, "source"), Path(source).suffix.lower()
+    elif is_path and _FILE_LIKE.match(source.strip()) and not _is_entrypoint(source.split()):
+        raise ConfigError("source", source, "an existing file (no such file) or a quoted "
+                          "`vllm serve ...` command line")
+    else:
+        text = source
     stripped = text.lstrip()
     looks_yaml = stripped.startswith(("apiVersion", "kind:", "args:", "containers:", "- ")) \
-        or re.search(r"^\s*(args|containers|command):", text, re.MULTILINE) is not None
+        or re.search(r"^\s*(args|containers|command):", text, re.MULTILINE) is not None \
+        or suffix in (".yaml", ".yml", ".json")
     if looks_yaml:
         return parse_kubernetes(text, env, vllm_version, model_config)
     return parse_command_line(text, env, vllm_version, model_config)
+
+
+def _is_file(source: str) -> bool:
+    """Whether `source` names a file; False for text no file could be named (a NUL byte, a
+    component longer than the OS allows: a long command line often has one)."""
+    try:
+        return Path(source).is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def read_text_file(path: str | Path, argument: str) -> str:
+    """The UTF-8 text of `path`.
+
+    Raises:
+        ConfigError: naming `argument` when the file cannot be read or is not UTF-8 text.
+    """
+    try:
+        return Path(path).read_bytes().decode("utf-8")
+    except OSError as exc:
+        raise ConfigError(argument, str(path), f"a readable file ({exc.strerror or exc})") \
+            from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(argument, str(path), f"UTF-8 text (byte {exc.start} is not)") \
+            from exc
+
+
+def _json_problem(raw: str, exc: json.JSONDecodeError) -> str:
+    """Say what is wrong with text that is not JSON, in an operator's words."""
+    try:
+        literal = ast.literal_eval(raw)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        literal = None
+    if isinstance(literal, dict):
+        return "a Python dict, not JSON (JSON needs double quotes, true/false/null)"
+    if exc.pos >= len(raw.rstrip()):
+        return f"truncated JSON ({exc.msg} at the end: a closing brace or quote is missing)"
+    return f"not valid JSON ({exc.msg} at character {exc.pos})"
+
+
+def _json_kind(value: Any) -> str:
+    if value is None:
+        return "JSON null"
+    if isinstance(value, bool):
+        return "a JSON boolean"
+    if isinstance(value, list):
+        return "a JSON array"
+    if isinstance(value, str):
+        return "a JSON string"
+    return "a JSON number"
+
+
+def _as_list(value: Any) -> list[Any]:
+    """A manifest field that should be a list: a lone string or number is one item."""
+    if value is None:
+        return []
+    return list(value) if isinstance(value, list) else [value]
+
+
+def _replicas(docs: Sequence[Any]) -> int | None:
+    """The largest `spec.replicas` among the documents, None when none states it."""
+    counts = [d["spec"]["replicas"] for d in docs if isinstance(d, dict)
+              and isinstance(d.get("spec"), dict)
+              and isinstance(d["spec"].get("replicas"), int)
+              and not isinstance(d["spec"].get("replicas"), bool)]
+    return max(counts) if counts else None
+
+
+def _shared_mounts(docs: Sequence[Any], container: Mapping[str, Any]) -> tuple[str, ...]:
+    """Mount paths of `container` whose volume is a network file system."""
+    shared_names = {str(v.get("name")) for v in _volumes(docs)
+                    if any(kind in v for kind in _SHARED_VOLUMES)}
+    mounts = container.get("volumeMounts") or []
+    return tuple(str(m.get("mountPath")) for m in mounts if isinstance(m, dict)
+                 and str(m.get("name")) in shared_names and m.get("mountPath"))
+
+
+def _volumes(node: Any) -> Iterable[dict[str, Any]]:
+    if isinstance(node, list):
+        for item in node:
+            yield from _volumes(item)
+    elif isinstance(node, dict):
+        volumes = node.get("volumes")
+        if isinstance(volumes, list):
+            yield from (v for v in volumes if isinstance(v, dict))
+        for value in node.values():
+            if isinstance(value, (dict, list)):
+                yield from _volumes(value)
 
 
 def _is_arg_list(node: Any) -> bool:
@@ -280,7 +430,8 @@ def _version_from_tokens(tokens: Sequence[str]) -> Version | None:
 def _connector_names(cfg: Mapping[str, Any]) -> list[str]:
     names = [str(cfg.get("kv_connector", ""))]
     extra = cfg.get("kv_connector_extra_config") or {}
-    for child in extra.get("connectors", []) if isinstance(extra, dict) else []:
+    children = extra.get("connectors") if isinstance(extra, dict) else None
+    for child in children if isinstance(children, list) else []:
         if isinstance(child, dict):
             names.extend(_connector_names(child))
     return [n for n in names if n]

@@ -2,7 +2,8 @@
 
 Primitives:
     AuditOptions           -- what the audit knows beyond the command (GPU, typical context)
-    Rule, rule(id, summary) -- register a check: `(cmd, options) -> Iterable[Finding]`
+    Rule, rule(id, summary, needs=..., reads=...) -- register a check:
+                              `(cmd, options) -> Iterable[Finding]`
     all_rules()            -- every registered rule (rule modules are imported on first use)
     run_audit(cmd, options) -> list[Finding], most severe first
     model_traits(cmd)      -- what the audit can tell about the served model
@@ -22,7 +23,9 @@ from kvtier.ops.modelspec import parse_model_config
 
 # One line per rule module; each registers its rules with @rule when imported.
 RULE_MODULES: tuple[str, ...] = (
+    "kvtier.ops.audit.rules_input",
     "kvtier.ops.audit.rules_offload",
+    "kvtier.ops.audit.rules_native",
     "kvtier.ops.audit.rules_lmcache",
     "kvtier.ops.audit.rules_kvcache",
     "kvtier.ops.audit.rules_env",
@@ -32,6 +35,10 @@ RULE_MODULES: tuple[str, ...] = (
 _HYBRID_NAME = re.compile(
     r"qwen3[._-]?[56]|qwen3-next|gemma-?[234]|jamba|nemotron-h|granite-4|mamba|falcon-h1|"
     r"minimax|zamba|bamba|plamo", re.IGNORECASE)
+# Of those, the names whose models hold Mamba / linear-attention state.
+_LINEAR_NAME = re.compile(
+    r"qwen3[._-]?[56]|qwen3-next|jamba|nemotron-h|granite-4|mamba|falcon-h1|minimax|zamba|"
+    r"bamba|plamo", re.IGNORECASE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,18 +59,23 @@ class Rule:
     id: str  # stable id, shown in findings and usable in CI allow-lists
     summary: str  # one line: the pitfall it catches
     check: CheckFn
+    # `kvtier audit` options without which the rule never fires, e.g. ("--typical-context",)
+    needs: tuple[str, ...] = ()
+    # options the rule reads when given and otherwise guesses (e.g. from the model's name)
+    reads: tuple[str, ...] = ()
 
 
 _RULES: dict[str, Rule] = {}
 
 
-def rule(rule_id: str, summary: str) -> Callable[[CheckFn], CheckFn]:
-    """Register the decorated function as rule `rule_id`."""
+def rule(rule_id: str, summary: str, needs: tuple[str, ...] = (),
+         reads: tuple[str, ...] = ()) -> Callable[[CheckFn], CheckFn]:
+    """Register the decorated function as rule `rule_id` (see `Rule` for `needs`/`reads`)."""
 
     def register(fn: CheckFn) -> CheckFn:
         if rule_id in _RULES:
             raise ValueError(f"audit rule {rule_id!r} registered twice")
-        _RULES[rule_id] = Rule(rule_id, summary, fn)
+        _RULES[rule_id] = Rule(rule_id, summary, fn, needs, reads)
         return fn
 
     return register
@@ -89,11 +101,15 @@ class ModelTraits:
 
     hybrid: bool  # mixes attention kinds: the hybrid-manager and LMCache pitfalls apply
     known: bool  # True when read from config.json, False when guessed from the name
+    linear: bool = False  # has Mamba / linear-attention layers (state, not per-token KV)
 
 
 def model_traits(cmd: ServeCommand) -> ModelTraits:
     """Hybrid or not: from `cmd.model_config` when given, else from the model's name."""
     if cmd.model_config is not None:
         spec = parse_model_config(cmd.model_config)
-        return ModelTraits(hybrid=len(set(spec.layer_kinds)) > 1, known=True)
-    return ModelTraits(hybrid=bool(_HYBRID_NAME.search(cmd.model or "")), known=False)
+        return ModelTraits(hybrid=len(set(spec.layer_kinds)) > 1, known=True,
+                           linear="linear" in spec.layer_kinds)
+    name = cmd.model or ""
+    return ModelTraits(hybrid=bool(_HYBRID_NAME.search(name)), known=False,
+                       linear=bool(_LINEAR_NAME.search(name)))

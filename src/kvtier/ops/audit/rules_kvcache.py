@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from kvtier.ops.audit.command import ServeCommand
 from kvtier.ops.audit.finding import Finding, Severity
 from kvtier.ops.audit.registry import AuditOptions, model_traits, rule
+from kvtier.ops.hardware import GpuProfile
 from kvtier.ops.vllm_versions import format_version
 
 # --calculate-kv-scales: deprecated (no effect) from v0.19; absent from the installed 0.32.0.
@@ -15,9 +16,11 @@ _SCALES_ABSENT = (0, 32, 0)
 _LONG_CONTEXT = 128 * 1024  # --block-size 32 pays from here
 _SHORT_CONTEXT = 32 * 1024  # --block-size 32 is neutral or a slight loss below this
 _LONG_PROMPTS = 32 * 1024  # without a prefill cap, long prompts starve decode
+_GIB = 1024**3
 
 
-@rule("fp8-kv-without-scales", "FP8 KV cache on a checkpoint without calibrated scales")
+@rule("fp8-kv-without-scales", "FP8 KV cache on a checkpoint without calibrated scales",
+      reads=("--model-config",))
 def fp8_kv(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
     dtype = (cmd.value("--kv-cache-dtype") or "auto").lower()
     if not dtype.startswith("fp8"):
@@ -53,7 +56,8 @@ def calculate_kv_scales(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]
     )
 
 
-@rule("enforce-eager-workaround", "--enforce-eager used as a fragmentation workaround")
+@rule("enforce-eager-workaround", "--enforce-eager used as a fragmentation workaround",
+      reads=("--model-config",))
 def enforce_eager(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
     if not cmd.has("--enforce-eager"):
         return
@@ -68,7 +72,8 @@ def enforce_eager(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
     )
 
 
-@rule("max-model-len-too-high", "--max-model-len far above what traffic needs")
+@rule("max-model-len-too-high", "--max-model-len far above what traffic needs",
+      needs=("--typical-context",))
 def max_model_len(cmd: ServeCommand, opts: AuditOptions) -> Iterator[Finding]:
     mml = cmd.number("--max-model-len")
     need = opts.typical_context_tokens
@@ -104,15 +109,43 @@ def block_size(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
         )
 
 
-@rule("no-max-num-batched-tokens", "long prompts without --max-num-batched-tokens")
-def no_batched_tokens_cap(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
+@rule("no-max-num-batched-tokens", "long prompts with chunked prefill off and no step cap",
+      reads=("--gpu",))
+def no_batched_tokens_cap(cmd: ServeCommand, opts: AuditOptions) -> Iterator[Finding]:
+    # With chunked prefill on (vLLM's default since the V1 engine, and for contexts over 32k
+    # before it) the step is already capped by vLLM's default max_num_batched_tokens: 8192
+    # on H100/H200-class GPUs, 2048 on smaller ones, 16384 on >= 160 GiB (issue 14: the rule
+    # used to fire on every long --max-model-len). Only with chunked prefill off does vLLM
+    # raise the cap to max_model_len, so one long prompt is prefilled in one huge step.
     mml = cmd.number("--max-model-len")
     if mml is None or mml < _LONG_PROMPTS or cmd.has("--max-num-batched-tokens"):
         return
+    if not _chunked_prefill_off(cmd):
+        return
+    default = vllm_default_batched_tokens(opts.gpu)
     yield Finding(
         "no-max-num-batched-tokens", Severity.WARNING,
-        f"--max-model-len {mml:g} and no --max-num-batched-tokens",
-        "a burst of long prompts is prefilled in huge steps that starve decode and spike "
-        "tail TTFT",
-        "add --max-num-batched-tokens 8192 (4096-8192 on H100/H200-class GPUs)",
+        f"--max-model-len {mml:g} with chunked prefill off and no --max-num-batched-tokens",
+        f"without chunked prefill vLLM raises the step cap from its default ({default} on "
+        f"{opts.gpu.name}) to max_model_len: a burst of long prompts is prefilled in huge "
+        "steps that starve decode and spike tail TTFT",
+        "turn chunked prefill back on (drop --no-enable-chunked-prefill) or add "
+        "--max-num-batched-tokens 8192 (4096-8192 on H100/H200-class GPUs)",
     )
+
+
+def vllm_default_batched_tokens(gpu: GpuProfile) -> int:
+    """vLLM's default max_num_batched_tokens for `vllm serve` on `gpu` (arg_utils.py,
+    get_batch_defaults, v0.32)."""
+    if gpu.pcie_gen == 0:  # the CPU backend
+        return 2048
+    if gpu.hbm_bytes >= 160 * _GIB:
+        return 16384
+    if gpu.hbm_bytes >= 70 * _GIB and "a100" not in gpu.name.lower():
+        return 8192
+    return 2048
+
+
+def _chunked_prefill_off(cmd: ServeCommand) -> bool:
+    value = str(cmd.value("--enable-chunked-prefill")).lower()
+    return cmd.has("--no-enable-chunked-prefill") or value in ("false", "0", "no")

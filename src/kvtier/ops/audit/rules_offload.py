@@ -29,7 +29,8 @@ def cpu_offload_gb(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
     )
 
 
-@rule("offload-size-per-gpu", "--kv-offloading-size sized per GPU (SGLang habit)")
+@rule("offload-size-per-gpu", "--kv-offloading-size sized per GPU (SGLang habit)",
+      reads=("--gpu",))
 def offload_size_per_gpu(cmd: ServeCommand, opts: AuditOptions) -> Iterator[Finding]:
     size, tp = cmd.number("--kv-offloading-size"), cmd.tp
     if size is None or tp < 2:
@@ -51,7 +52,8 @@ def offload_size_per_gpu(cmd: ServeCommand, opts: AuditOptions) -> Iterator[Find
     )
 
 
-@rule("offload-needs-hma-flag", "offload without --disable-hybrid-kv-cache-manager")
+@rule("offload-needs-hma-flag", "offload without --disable-hybrid-kv-cache-manager",
+      reads=("--model-config", "--vllm-version"))
 def offload_needs_hma(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
     if not cmd.offloads or cmd.has(DISABLE_HMA):
         return
@@ -72,7 +74,8 @@ def offload_needs_hma(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
         return
 
 
-@rule("hma-flag-unneeded", "--disable-hybrid-kv-cache-manager kept where not needed")
+@rule("hma-flag-unneeded", "--disable-hybrid-kv-cache-manager kept where not needed",
+      reads=("--model-config", "--vllm-version"))
 def hma_flag_unneeded(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
     if not cmd.has(DISABLE_HMA) or cmd.vllm_version is None:
         return
@@ -104,22 +107,29 @@ def offload_without_prefix_caching(cmd: ServeCommand, _: AuditOptions) -> Iterat
         )
 
 
-@rule("shared-storage-hash-seed", "shared KV storage without a fixed PYTHONHASHSEED")
+@rule("shared-storage-hash-seed", "KV storage shared between processes without PYTHONHASHSEED")
 def shared_storage_hash_seed(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
     seed = cmd.env.get("PYTHONHASHSEED")
     if seed is not None and seed.isdigit():
         return
-    shared = _shared_storage(cmd)
-    if shared:
-        yield Finding(
-            "shared-storage-hash-seed", Severity.ERROR,
-            f"{shared} without PYTHONHASHSEED fixed (it is {seed or 'unset'})",
-            "vLLM and LMCache seed their block hashes from Python's hash seed; each process "
-            "picks a random one, so identical prompts get different keys across instances "
-            "(and TP workers): 0% shared hit rate",
-            "set PYTHONHASHSEED=0 (any fixed number) in every instance's environment; "
-            "kvtier's own keys are blake3 of the tokens and do not need it",
-        )
+    storage = _hash_keyed_storage(cmd)
+    if storage is None:
+        return
+    what, sharing = storage
+    yield Finding(
+        "shared-storage-hash-seed", Severity.ERROR if sharing else Severity.WARNING,
+        f"{what} without PYTHONHASHSEED fixed (it is {seed or 'unset'})"
+        + (f"; shared: {sharing}" if sharing else
+           "; sharing between instances cannot be ruled out from the input"),
+        "vLLM and LMCache seed their block hashes from Python's hash seed; each process "
+        "picks a random one, so identical prompts get different keys in every process "
+        "sharing the storage: 0% shared hit rate" + (
+            "" if sharing else "; a single instance misses only what it stored before a "
+            "restart"),
+        "set PYTHONHASHSEED=0 (any fixed number) in every instance's environment"
+        + ("" if sharing else " if another instance uses the same storage") +
+        "; kvtier's own keys are blake3 of the tokens and do not need it",
+    )
 
 
 @rule("kvtier-shared-block-size", "kvtier shared tier with vLLM's default block size")
@@ -127,7 +137,8 @@ def kvtier_shared_block_size(cmd: ServeCommand, _: AuditOptions) -> Iterator[Fin
     if "KVTierConnector" not in cmd.connectors or cmd.has("--block-size"):
         return
     extra = (cmd.transfer_config or {}).get("kv_connector_extra_config") or {}
-    tiers = extra.get("tiers", []) if isinstance(extra, dict) else []
+    tiers = extra.get("tiers") if isinstance(extra, dict) else None
+    tiers = tiers if isinstance(tiers, list) else []
     shared = sorted({str(t.get("kind")) for t in tiers if isinstance(t, dict)
                      and t.get("kind") in ("shared", "redis")})
     if shared:
@@ -167,14 +178,41 @@ def hybrid_spec_decode(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
         )
 
 
-def _shared_storage(cmd: ServeCommand) -> str | None:
-    """Describe the cross-instance storage that depends on the hash seed, if any."""
+def _hash_keyed_storage(cmd: ServeCommand) -> tuple[str, str | None] | None:
+    """The storage keyed by vLLM's/LMCache's block hashes that outlives or spans processes,
+    and the evidence that several processes share it (None: no evidence either way)."""
     cfg = cmd.transfer_config or {}
     extra = json.dumps(cfg.get("kv_connector_extra_config") or {})
-    if any(c in NATIVE_CONNECTORS for c in cmd.connectors) and (
-            '"type": "fs"' in extra or "shared_storage_path" in extra):
-        return "OffloadingConnector with a file-system tier"
-    if cmd.uses_lmcache and (cmd.env.get("LMCACHE_REMOTE_URL") or cmd.tp > 1):
-        return "LMCache with a remote store" if cmd.env.get("LMCACHE_REMOTE_URL") else (
-            f"LMCache with TP={cmd.tp} workers")
+    replicas = f"{cmd.replicas} replicas" if (cmd.replicas or 0) > 1 else None
+    dp = cmd.number("--data-parallel-size") or 1
+    engines = f"--data-parallel-size {dp:g} (one engine process each)" if dp > 1 else None
+    if any(c in NATIVE_CONNECTORS for c in cmd.connectors):
+        if "SharedStorageOffloadingSpec" in extra or "shared_storage_path" in extra:
+            return ("OffloadingConnector with llm-d's shared-storage backend",
+                    replicas or engines or "llm-d's shared_storage_path is shared by design")
+        if '"type": "fs"' in extra:
+            return ("OffloadingConnector with a file-system tier",
+                    replicas or engines or _on_network_volume(cmd))
+    if cmd.uses_lmcache:
+        remote = cmd.env.get("LMCACHE_REMOTE_URL")
+        if remote:
+            return "LMCache with a remote store", f"remote store {remote} (Redis, ...)"
+        if cmd.tp > 1:
+            return f"LMCache with TP={cmd.tp} workers", f"{cmd.tp} worker processes"
+        if cmd.env.get("LMCACHE_LOCAL_DISK"):
+            return "LMCache with a local-disk tier", replicas or engines
+    return None
+
+
+def _on_network_volume(cmd: ServeCommand) -> str | None:
+    """Evidence that an fs secondary tier's root_dir is on a volume other pods mount."""
+    extra = (cmd.transfer_config or {}).get("kv_connector_extra_config") or {}
+    tiers = extra.get("secondary_tiers") if isinstance(extra, dict) else None
+    roots = [str(t.get("root_dir")) for t in (tiers if isinstance(tiers, list) else [])
+             if isinstance(t, dict)
+             and t.get("type") == "fs" and t.get("root_dir")]
+    for root in roots:
+        for mount in cmd.shared_mounts:
+            if root == mount or root.startswith(mount.rstrip("/") + "/"):
+                return f"root_dir {root} is on a network volume mounted at {mount}"
     return None
