@@ -130,7 +130,7 @@ class ChunkFiles:
         except OSError as exc:
             if exc.errno not in READ_ONLY_ERRNOS or not os.access(self.root, os.R_OK | os.X_OK):
                 raise
-            reason = exc.strerror
+            reason = exc.strerror or str(exc)
         log.warning("%s is read-only for this process (%s): chunks are served from it, writes "
                     "are dropped", self.root, reason)
         return False

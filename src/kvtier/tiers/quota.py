@@ -117,9 +117,11 @@ class QuotaLedger:
             self._flock(fcntl.LOCK_EX)
             try:
                 raw = os.pread(self._fd, _FORMAT.size, 0)
-                numbers = _FORMAT.unpack(raw) if len(raw) == _FORMAT.size else (-1, 0, 0)
-                valid = min(numbers) >= 0
-                state = LedgerState(*numbers, valid) if valid else LedgerState(0, 0, 0, False)
+                used, reserved, completed = (_FORMAT.unpack(raw) if len(raw) == _FORMAT.size
+                                             else (-1, 0, 0))
+                valid = min(used, reserved, completed) >= 0
+                state = (LedgerState(used, reserved, completed, True) if valid
+                         else LedgerState(0, 0, 0, False))
                 before = (state.used_bytes, state.reserved_total, state.completed_total)
                 try:
                     yield state
