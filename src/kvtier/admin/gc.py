@@ -4,7 +4,9 @@ Selection is a pure function over an inventory (`select_victims`), so a dry run 
 what a real run deletes. Order of the rules, per tier: keep only the chunks of `namespace`
 when one is given; drop those idle longer than `max_age_s`; then drop the least recently used
 until what is left of the selection fits `quota_bytes`. A namespace with neither rule drops
-the whole namespace.
+the whole namespace. Every run (a dry run only counts them) also deletes the orphans of
+tiers that can have some (`OrphanSource`: redis parts a failed write left without a header),
+in the selected namespace; `orphans_only` does only that.
 
 Safe next to running engines: a chunk deleted under a reader is a miss for it (files are
 renamed into place and read whole; redis headers are deleted first).
@@ -19,7 +21,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvtier.admin.inventory import Inventory, StoredChunk
+from kvtier.admin.inventory import Inventory, OrphanSource, StoredChunk
 from kvtier.errors import ConfigError
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)?\s*$")
@@ -34,11 +36,16 @@ class GcRequest:
     max_age_s: float | None = None  # evict chunks not used for longer than this
     namespace: str | None = None  # consider only this layout digest (alone: evict all of it)
     dry_run: bool = False  # report only
+    orphans_only: bool = False  # evict no chunk: only delete orphans (e.g. redis parts)
 
     def validate(self) -> None:
-        """Raises ConfigError when no rule is set."""
-        if self.quota_bytes is None and self.max_age_s is None and self.namespace is None:
-            raise ConfigError("gc", None, "at least one of --quota, --max-age, --namespace")
+        """Raises ConfigError when no rule is set (or a rule with `orphans_only`)."""
+        rules = (self.quota_bytes, self.max_age_s)
+        if self.orphans_only and any(rule is not None for rule in rules):
+            raise ConfigError("gc", "--orphans", "alone, or with --namespace only")
+        if not self.orphans_only and all(rule is None for rule in (*rules, self.namespace)):
+            raise ConfigError("gc", None, "at least one of --quota, --max-age, --namespace, "
+                                          "--orphans")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +59,7 @@ class GcOutcome:
     kept_chunks: int
     kept_bytes: int
     dry_run: bool
+    removed_orphans: int = 0  # values left without a header by failed writes (redis parts)
 
 
 def parse_duration(text: str, field: str = "--max-age") -> float:
@@ -98,12 +106,13 @@ def run_gc(inventories: Sequence[Inventory], request: GcRequest) -> list[GcOutco
     request.validate()
     outcomes: list[GcOutcome] = []
     for inventory in inventories:
+        orphans = _sweep_orphans(inventory, request)
         chunks = list(inventory.chunks())
-        victims = select_victims(chunks, request, time.time())
+        victims = [] if request.orphans_only else select_victims(chunks, request, time.time())
         if victims and not request.dry_run:
             inventory.remove(victims)
         gone = {(c.namespace, c.key_hex) for c in victims}
-        for namespace in sorted({c.namespace for c in chunks}):
+        for namespace in sorted({c.namespace for c in chunks} | set(orphans)):
             if request.namespace not in (None, namespace):
                 continue
             mine = [c for c in chunks if c.namespace == namespace]
@@ -112,5 +121,19 @@ def run_gc(inventories: Sequence[Inventory], request: GcRequest) -> list[GcOutco
                 inventory.name, namespace, len(removed), sum(c.size_bytes for c in removed),
                 len(mine) - len(removed),
                 sum(c.size_bytes for c in mine) - sum(c.size_bytes for c in removed),
-                request.dry_run))
+                request.dry_run, orphans.get(namespace, 0)))
     return outcomes
+
+
+def _sweep_orphans(inventory: Inventory, request: GcRequest) -> dict[str, int]:
+    """Delete (unless a dry run) the orphans of `request`'s namespaces: namespace -> how
+    many chunks' leftovers were (or would be) removed."""
+    if not isinstance(inventory, OrphanSource):
+        return {}
+    orphans = [o for o in inventory.orphans() if request.namespace in (None, o.namespace)]
+    if orphans and not request.dry_run:
+        inventory.remove_orphans(orphans)
+    counts: dict[str, int] = {}
+    for orphan in orphans:
+        counts[orphan.namespace] = counts.get(orphan.namespace, 0) + 1
+    return counts

@@ -12,20 +12,22 @@ How a tier's storage is read is the tier's own business: a tier class that offer
 live in a process and have nothing to inspect.
 
 Primitives: `StoredChunk`, `NamespaceUsage`, `Inventory` (protocol; both from
-kvtier.core.tier), `open_inventories`, `summarize`.
+kvtier.core.tier), `OrphanSource` (its optional ability), `open_inventories`, `summarize`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 from kvtier.config import StoreConfig
 from kvtier.core.tier import Inventory, InventorySource, StoredChunk
 from kvtier.errors import ConfigError
 from kvtier.tiers.registry import tier_class
 
-__all__ = ["Inventory", "NamespaceUsage", "StoredChunk", "open_inventories", "summarize"]
+__all__ = ["Inventory", "NamespaceUsage", "OrphanSource", "StoredChunk", "open_inventories",
+           "summarize"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +42,20 @@ class NamespaceUsage:
     oldest_s: float | None  # unix time of the least recently used chunk
     newest_s: float | None  # unix time of the most recently used chunk
     hits: int | None  # hits recorded by the storage itself; None when it records none
+
+
+@runtime_checkable
+class OrphanSource(Protocol):
+    """An optional ability of an `Inventory`: values a failed write left behind that no
+    reader can reach (redis parts without their header), which `kvtier gc` deletes."""
+
+    def orphans(self) -> list[StoredChunk]:
+        """Every orphan, every namespace. Raises what `Inventory.chunks` raises."""
+        ...
+
+    def remove_orphans(self, orphans: Sequence[StoredChunk]) -> int:
+        """Delete these orphans (those not completed since); the values deleted."""
+        ...
 
 
 def open_inventories(config: StoreConfig, tier: str | None = None) -> list[Inventory]:

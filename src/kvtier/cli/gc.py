@@ -1,6 +1,7 @@
 """`kvtier gc --config FILE`: evict chunks of persistent tiers to a quota (`--quota 500GiB`),
 by age (`--max-age 7d`), or a whole namespace (`--namespace DIGEST`); `--dry-run` reports
-what would go. Rules combine (see kvtier/admin/gc.py).
+what would go. Every run also deletes what failed writes left (redis parts without a header);
+`--orphans` does only that. Rules combine (see kvtier/admin/gc.py).
 
 Exit codes: 0 done, 1 a tier's storage could not be read, 2 bad input.
 """
@@ -27,6 +28,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--quota", help="keep at most this much per tier, e.g. 500GiB")
     p.add_argument("--max-age", help="evict chunks unused for longer, e.g. 12h, 7d")
     p.add_argument("--namespace", help="only this layout digest (alone: evict all of it)")
+    p.add_argument("--orphans", action="store_true",
+                   help="evict no chunk, only delete what failed writes left behind (redis "
+                        "parts without a header; every gc run deletes them too)")
     p.add_argument("--dry-run", action="store_true", help="report, delete nothing")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
@@ -36,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     request = GcRequest(
         quota_bytes=parse_size(args.quota, "--quota") if args.quota is not None else None,
         max_age_s=parse_duration(args.max_age) if args.max_age is not None else None,
-        namespace=args.namespace, dry_run=args.dry_run)
+        namespace=args.namespace, dry_run=args.dry_run, orphans_only=args.orphans)
     request.validate()
     outcomes: list[GcOutcome] = []
     errors: dict[str, str] = {}
@@ -54,11 +58,11 @@ def run(args: argparse.Namespace) -> int:
     verb = "would remove" if args.dry_run else "removed"
     table = Table(title=f"kvtier gc{' (dry run)' if args.dry_run else ''}")
     for column in ("tier", "namespace", f"{verb} chunks", f"{verb} bytes", "kept chunks",
-                   "kept bytes"):
+                   "kept bytes", f"{verb} orphans"):
         table.add_column(column)
     for o in outcomes:
         table.add_row(o.tier, o.namespace, str(o.removed_chunks), format_size(o.removed_bytes),
-                      str(o.kept_chunks), format_size(o.kept_bytes))
+                      str(o.kept_chunks), format_size(o.kept_bytes), str(o.removed_orphans))
     console = Console(width=max(Console().width, 120))
     console.print(table)
     for tier, error in errors.items():

@@ -9,10 +9,13 @@ of its own so the payload goes to the socket straight from the caller's buffer (
 header on). The payload is not padded: the 4 KiB alignment of the format is for O_DIRECT files.
 The `{key hex}` hash tag puts a chunk's values in one Cluster slot (one node, one MGET), while
 distinct chunks spread over every node. A put sends the parts first and the header last, in one
-pipeline on one connection, so a reader that sees the header sees every part; a read is one
-MGET of header and parts, verified (header, layout, key, sizes, checksum) before a byte is used,
-never unpickled. A missing part (the server evicted it alone), a value of the wrong size or a
-checksum mismatch is a counted miss, and the chunk's values are deleted.
+pipeline on one connection, so a reader that sees the header sees every part. The parts carry a
+60 s TTL until one Lua script commits the header and lifts it, atomically, only if every part
+is there: a put that fails part-way (a full server) leaves no orphan (tiers/redis_write.py,
+`kvtier gc` sweeps any left by older versions). A read is one MGET of header and parts,
+verified (header, layout, key, sizes, checksum) before a byte is used, never unpickled. A
+missing part (the server evicted it alone), a value of the wrong size or a checksum mismatch
+is a counted miss, and the chunk's values are deleted.
 
 Capacity: the tier enforces `capacity` when it is > 0, and leaves it to the server when it is 0.
   - capacity > 0: per namespace (prefix + layout) and across every client: a sorted set
@@ -58,7 +61,7 @@ from urllib.parse import urlsplit
 
 import redis
 from redis.cluster import RedisCluster
-from redis.exceptions import RedisClusterException, SlotNotCoveredError
+from redis.exceptions import OutOfMemoryError, RedisClusterException, SlotNotCoveredError
 
 from kvtier.core.chunkformat import HEADER_BYTES, encode_header, verify_header, verify_payload
 from kvtier.core.keys import ChunkKey
@@ -75,6 +78,7 @@ from kvtier.tiers.redis_client import Client, connect, read_password
 from kvtier.tiers.redis_config import RedisTierConfig
 from kvtier.tiers.redis_index import RedisLRUIndex
 from kvtier.tiers.redis_inventory import RedisInventory
+from kvtier.tiers.redis_write import abort_chunk, write_chunk
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -310,12 +314,18 @@ class RedisTier:
         return OK
 
     def _store(self, client: Client, names: list[str], header: bytes, data: memoryview) -> None:
-        pipe = client.pipeline(transaction=False)
+        """Parts (short TTL) and an atomic commit of the header (tiers/redis_write.py); when
+        the server refuses part of it, the parts are deleted before the error goes up."""
         view = data.cast("B") if data.format != "B" else data
-        for i, name in enumerate(names[1:]):  # parts first, the header last (see docstring)
-            pipe.set(name, view[i * self.part_bytes : (i + 1) * self.part_bytes], px=self.ttl_ms)
-        pipe.set(names[0], header, px=self.ttl_ms)
-        pipe.execute()
+        try:
+            write_chunk(client, names, header, view, self.part_bytes, self.ttl_ms)
+        except redis.ResponseError:
+            try:
+                abort_chunk(client, names)
+            except redis.RedisError as exc:  # the parts' TTL (PART_TTL_MS) still bounds them
+                log.debug("redis tier %r: parts of a failed write not deleted (%s)", self.name,
+                          exc)
+            raise
 
     def delete(self, key: ChunkKey) -> bool:
         names = self.names.values(key)
@@ -372,7 +382,10 @@ def _write_failure(exc: Exception) -> TierResult:
     maxmemory with noeviction), or another error reply."""
     if isinstance(exc, TierUnavailable):
         return UNAVAILABLE
-    if isinstance(exc, redis.ResponseError) and str(exc).startswith("OOM"):
+    # redis-py raises OutOfMemoryError for an "OOM" reply (and drops the prefix from the
+    # message); the text test catches an OOM a Lua script reports as a plain error.
+    if isinstance(exc, OutOfMemoryError) or (
+            isinstance(exc, redis.ResponseError) and "OOM" in str(exc)):
         return FULL
     return IO_ERROR
 

@@ -1,5 +1,6 @@
 """What a redis tier's server holds, as `kvtier.core.tier.Inventory` (`kvtier inspect`,
-`kvtier gc`), read from the server without building the tier.
+`kvtier gc`), read from the server without building the tier, and the parts that failed
+writes left without a header (`orphans`, swept by `kvtier gc`).
 
 Primitives: `RedisInventory`.
 """
@@ -14,6 +15,7 @@ from kvtier.core.keys import KEY_BYTES
 from kvtier.core.tier import StoredChunk
 from kvtier.tiers.redis_client import connect, read_password
 from kvtier.tiers.redis_config import RedisTierConfig
+from kvtier.tiers.redis_write import abort_chunk
 
 SCAN_BATCH = 500  # Redis keys measured per pipelined round trip
 
@@ -44,8 +46,29 @@ class RedisInventory:
         return chunks, indexes
 
     def chunks(self) -> Iterator[StoredChunk]:
-        now = time.time()
+        """Every committed chunk (a header and its parts)."""
         values, indexes = self._values()
+        yield from self._measure({c: n for c, n in values.items() if _has_header(n)}, indexes)
+
+    def orphans(self) -> list[StoredChunk]:
+        """Payload parts without a header: no reader can reach them. Left by a write that
+        failed part-way before parts had a TTL (tiers/redis_write.py), or in flight right
+        now (its commit then finds a part missing and drops the write: never corrupt)."""
+        values, _indexes = self._values()
+        return list(self._measure({c: n for c, n in values.items() if not _has_header(n)}, {}))
+
+    def remove_orphans(self, orphans: Sequence[StoredChunk]) -> int:
+        """Delete orphans' parts, each only while its chunk still has no header (a writer
+        may have committed it since). Returns the values deleted."""
+        deleted = 0
+        for orphan in orphans:
+            header = f"{self.prefix}{orphan.namespace}:{{{orphan.key_hex}}}:h"
+            deleted += abort_chunk(self.client, [header, *orphan.locations])
+        return deleted
+
+    def _measure(self, values: dict[tuple[str, str], list[str]],
+                 indexes: dict[str, str]) -> Iterator[StoredChunk]:
+        now = time.time()
         scores: dict[tuple[str, str], float] = {}
         for namespace, index in indexes.items():
             for member, score in self.client.zscan_iter(index, count=1000):
@@ -81,3 +104,7 @@ class RedisInventory:
 
     def close(self) -> None:
         self.client.close()
+
+
+def _has_header(names: list[str]) -> bool:
+    return any(name.endswith(":h") for name in names)

@@ -1,0 +1,184 @@
+"""Redis puts that fail part-way leave nothing behind (issue 12, item 7), against a real
+redis-server with a small `maxmemory` and `maxmemory-policy noeviction`.
+
+A 64 KiB chunk goes as 4 parts of 16 KiB then a header. With the server squeezed to a few
+KiB of headroom, it accepts the first parts and refuses the rest ("OOM command not allowed").
+Before the fix those parts stayed for ever: no header (never read), no TTL, no LRU entry.
+Now: parts carry a 60 s TTL until the header's commit lifts it, the tier deletes them when
+the server refuses the write, and `kvtier gc` deletes any still there. The partial writes are
+seen in the server's own command counters (SETs executed and SETs refused in one put).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import yaml
+from redis_server import RedisServer
+from tierkit import key, tiny_layout
+
+from kvtier.admin.gc import GcRequest, run_gc
+from kvtier.cli.main import main
+from kvtier.config import StoreConfig
+from kvtier.core.layout import KVLayout
+from kvtier.core.tier import FULL
+from kvtier.tiers import build_tier
+from kvtier.tiers.redis import RedisTier
+from kvtier.tiers.redis_config import RedisTierConfig
+from kvtier.tiers.redis_inventory import RedisInventory
+from kvtier.tiers.redis_write import PART_TTL_MS
+
+pytestmark = pytest.mark.redis
+LAYOUT = tiny_layout(tokens_per_chunk=256)  # 64 KiB chunks
+PART_BYTES = 16 * 1024  # 4 parts a chunk
+HEADROOM_STEP = 4 * 1024  # the server is squeezed to 0, 4, 8... KiB above what it holds
+
+
+def payload(i: int, layout: KVLayout = LAYOUT) -> memoryview:
+    return memoryview(bytes((i * 11 + j) % 251 for j in range(256)) * (
+        layout.bytes_per_chunk // 256))
+
+
+@pytest.fixture
+def tight(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    """An admin client of a server that refuses writes when full (noeviction)."""
+    client = redis_server.client()
+    client.config_set("maxmemory-policy", "noeviction")
+    yield client
+    client.config_set("maxmemory", 0)
+
+
+def squeeze(client: redis.Redis, headroom_bytes: int) -> None:
+    """maxmemory = what the server uses now + `headroom_bytes`."""
+    client.config_set("maxmemory", 0)
+    client.config_set("maxmemory", int(client.info("memory")["used_memory"]) + headroom_bytes)
+
+
+def set_counts(client: redis.Redis) -> tuple[int, int]:
+    """SETs the server executed and SETs it refused (INFO commandstats), so far."""
+    stats = client.info("commandstats").get("cmdstat_set", {})
+    return int(stats.get("calls", 0)), int(stats.get("rejected_calls", 0))
+
+
+def headerless(client: redis.Redis, prefix: str = "kvtier:") -> dict[str, list[str]]:
+    """Chunk -> its values, for every chunk whose values exist without a header."""
+    groups: dict[str, list[str]] = {}
+    for raw in client.scan_iter(match=f"{prefix}*"):
+        name = raw.decode()
+        if not name.endswith(":lru"):
+            groups.setdefault(name.rpartition(":")[0], []).append(name)
+    return {base: names for base, names in groups.items() if base + ":h" not in names}
+
+
+def redis_config(url: str, **settings: Any) -> RedisTierConfig:
+    config = StoreConfig.parse({"tiers": [{"kind": "redis", "url": url, "capacity": 0,
+                                           "part_bytes": PART_BYTES, **settings}]})
+    tier_config = config.tiers[0]
+    assert isinstance(tier_config, RedisTierConfig)
+    return tier_config
+
+
+def redis_tier(url: str, **settings: Any) -> RedisTier:
+    tier = build_tier(redis_config(url, **settings), LAYOUT)
+    assert isinstance(tier, RedisTier)
+    return tier
+
+
+def squeezed_puts(tier: RedisTier, client: redis.Redis, first_key: int) -> Iterator[bool]:
+    """Puts under growing headroom; yields, for each refused put, whether the server
+    executed part of it (some SETs done, some refused) - a partial write."""
+    for n, headroom in enumerate(range(0, 128 * 1024, HEADROOM_STEP)):
+        squeeze(client, headroom)
+        before = set_counts(client)
+        result = tier.put(key(first_key + n), payload(n))
+        after = set_counts(client)
+        if not result.ok:
+            assert result == FULL, result
+            yield after[0] > before[0] and after[1] > before[1]
+
+
+def test_a_refused_put_deletes_its_parts_at_once(redis_server: RedisServer,
+                                                 tight: redis.Redis) -> None:
+    tier = redis_tier(redis_server.url)
+    partial = 0
+    for was_partial in squeezed_puts(tier, tight, 0):
+        partial += was_partial
+        assert headerless(tight) == {}, "a refused put left parts behind"
+    assert partial >= 1, "no put was refused part-way: the test proved nothing"
+    stats = tier.stats()
+    assert stats.dropped_writes >= partial and stats.puts >= 1
+    tier.close()
+
+
+def test_parts_left_by_a_failed_cleanup_expire_and_gc_deletes_them(
+        redis_server: RedisServer, tight: redis.Redis, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cleanup itself fails (injected): the parts left carry the short TTL, so the
+    server deletes them within PART_TTL_MS, and `kvtier gc --orphans` deletes them now,
+    leaving every committed chunk readable."""
+    def cleanup_fails(client: Any, names: list[str]) -> int:
+        raise redis.ConnectionError("injected: the connection dropped before the cleanup")
+
+    monkeypatch.setattr("kvtier.tiers.redis.abort_chunk", cleanup_fails)
+    tier = redis_tier(redis_server.url)
+    assert any(list(squeezed_puts(tier, tight, 0)))  # every put made, some partial
+    tight.config_set("maxmemory", 0)
+    left = headerless(tight)
+    assert left, "a partial put must have left parts (the cleanup was disabled)"
+    for names in left.values():
+        for name in names:
+            assert 0 < tight.pttl(name) <= PART_TTL_MS, f"{name} has no short TTL"
+    committed = [i for i in range(32) if tier.contains(key(i))]
+    assert committed
+    for i in committed:  # a committed chunk's TTL was lifted by the commit
+        assert all(tight.pttl(n) == -1 for n in tier.names.values(key(i)))
+
+    config = tmp_path / "kvtier.yaml"
+    config.write_text(yaml.safe_dump({"tiers": [{"kind": "redis", "url": redis_server.url,
+                                                 "capacity": 0}]}))
+    assert main(["gc", "--config", str(config), "--orphans", "--dry-run"]) == 0
+    assert headerless(tight) == left
+    assert main(["gc", "--config", str(config), "--orphans"]) == 0
+    assert headerless(tight) == {}
+    out = bytearray(LAYOUT.bytes_per_chunk)
+    for i in committed:
+        assert tier.get_into(key(i), memoryview(out)).ok
+    tier.close()
+
+
+def test_gc_deletes_orphans_without_a_ttl_and_spares_committed_chunks(
+        redis_url: str) -> None:
+    """Parts an older kvtier left (no header, no TTL) are found by any gc run and deleted;
+    chunks, their header included, are not touched unless a rule selects them."""
+    tier = redis_tier(redis_url)
+    for i in range(3):
+        assert tier.put(key(i), payload(i))
+    client = redis.Redis.from_url(redis_url)
+    orphan_names = tier.names.values(key(9))[1:3]  # two parts, never a header
+    for name in orphan_names:
+        client.set(name, b"x" * 100)
+    inventory = RedisInventory("redis", redis_config(redis_url))
+    try:
+        assert [o.locations for o in inventory.orphans()] == [tuple(sorted(orphan_names))]
+        assert sorted(c.key_hex for c in inventory.chunks()) == [key(i).hex() for i in range(3)]
+        [outcome] = run_gc([inventory], GcRequest(max_age_s=7 * 86400))
+    finally:
+        inventory.close()
+    assert (outcome.removed_orphans, outcome.removed_chunks, outcome.kept_chunks) == (1, 0, 3)
+    assert client.exists(*orphan_names) == 0 and headerless(client) == {}
+    assert all(tier.contains(key(i)) for i in range(3))
+    tier.close()
+
+
+def test_the_commit_lifts_the_part_ttl_to_the_tiers_own(redis_url: str) -> None:
+    """With `ttl_s`, the parts get the chunk's TTL, not the 60 s of an uncommitted part."""
+    tier = redis_tier(redis_url, ttl_s=3600)
+    assert tier.put(key(1), payload(1))
+    client = redis.Redis.from_url(redis_url)
+    ttls = [client.pttl(name) for name in tier.names.values(key(1))]
+    assert all(PART_TTL_MS < ttl <= 3_600_000 for ttl in ttls), ttls
+    tier.close()
