@@ -137,6 +137,9 @@ class _WriteBehind:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"kvtier-write-{tier.name}")
         self._idle = threading.Condition()
         self._pending = 0
+        # Keys queued or being written: held for `TieredStore.contains` (a chunk the top tier
+        # evicts while its copy is on its way down is not lost).
+        self.inflight: set[ChunkKey] = set()
 
     def submit(self, key: ChunkKey, data: memoryview) -> bool:
         if not self._slots.acquire(blocking=False):  # full: drop rather than block
@@ -144,6 +147,7 @@ class _WriteBehind:
             return False
         with self._idle:
             self._pending += 1
+            self.inflight.add(key)
         self._pool.submit(self._write, key, data)
         return True
 
@@ -161,6 +165,7 @@ class _WriteBehind:
             self._slots.release()
             with self._idle:
                 self._pending -= 1
+                self.inflight.discard(key)
                 self._idle.notify_all()
 
     @property
@@ -263,11 +268,13 @@ class TieredStore:
         return LookupResult(len(holders), tuple(holders))
 
     def contains(self, key: ChunkKey) -> bool:
-        """Whether some tier holds the chunk (index lookups; one stat for a shared tier).
-        Tiers below the top are asked with the read deadline (a stalled one: False)."""
-        return self._contains(self.tiers[0], key) or any(
-            self._calls.call(tier.name, False, self._contains, tier, key)
-            for tier in self.tiers[1:])
+        """Whether some tier holds the chunk, or a write behind to one is on its way (index
+        lookups; one stat for a shared tier). Tiers below the top are asked with the read
+        deadline (a stalled one: False)."""
+        return (self._contains(self.tiers[0], key)
+                or any(key in writer.inflight for writer in self._below)
+                or any(self._calls.call(tier.name, False, self._contains, tier, key)
+                       for tier in self.tiers[1:]))
 
     def _contains_many(self, tier: BatchLookup, keys: Sequence[ChunkKey]) -> list[bool]:
         try:
@@ -351,23 +358,24 @@ class TieredStore:
                 done, late = wait(futures, timeout=self._calls.timeout_s)
                 for future in done:
                     views[futures[future]] = future.result()
-                for future in late:
-                    self._abandon(futures[future], reading, spares)
+                stalled = {self._abandon(futures[future], reading, spares) for future in late}
+                for tier in stalled - {None}:
+                    log.warning("tier %r: reads took over %.3g s; abandoned (misses), the tier "
+                                "is skipped until it answers again", tier, self._calls.timeout_s)
+                    self._calls.stalled(tier)
                 yield views
             finally:
                 pins.close()  # reads finishing after this release their own slots
 
     def _abandon(self, i: int, reading: dict[int, str], spares: MutableSequence[memoryview],
-                 ) -> None:
-        """Give up the late read of key `i`: count it, mark its tier stalled, and replace the
-        spare it may still write into."""
+                 ) -> str | None:
+        """Give up the late read of key `i`: count it, replace the spare it may still write
+        into; the name of the tier it waits on (None: it had not started)."""
         tier = reading.get(i)
         if tier is not None:
-            log.warning("tier %r: a read took over %.3g s; abandoned (a miss), the tier is "
-                        "skipped until it answers again", tier, self._calls.timeout_s)
             self._failures.add(tier, Failure.TIMEOUT)
-            self._calls.stalled(tier)
         spares[i] = memoryview(bytearray(len(spares[i])))
+        return tier
 
     def _open(self, pins: _Pins | ExitStack, key: ChunkKey, spare: memoryview, *,
               lend: bool = True, read: bool = True,

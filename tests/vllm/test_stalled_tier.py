@@ -1,0 +1,135 @@
+"""A tier that stops answering inside a real vLLM run costs hits, never a hung engine
+(issue 12, item 6).
+
+The fault is injected at the file-open level in vLLM's own processes (the scheduler's
+EngineCore and the worker, both spawned): a `sitecustomize` on their PYTHONPATH makes every
+`open`/`stat` of a path under the shared tier's directory block for HANG_S while a HANG file
+exists beside it (a dead hard-mounted NFS server does the same). The engine's kvtier settings
+bound lookups and reads to TIMEOUT_S. Requests must complete with the outputs of the clean
+run, each within the bound: the timeouts plus a few engine steps.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm_harness import kvtier_counter, random_prompts, start_engine, token_ids
+
+from kvtier.integrations.vllm.config import kvtier_transfer_config
+
+pytestmark = pytest.mark.vllm
+
+TIMEOUT_S = 1.0
+HANG_S = 20.0
+MAX_TOKENS = 8
+# A request's worst latency while the tier hangs: its lookup's and its load's deadlines, plus
+# its prefill and decode on this 2-core machine (~1 s), with slack for a loaded CI host.
+BOUND_S = 2 * TIMEOUT_S + 4.0
+
+SITECUSTOMIZE = '''
+"""Test fault injection (tests/vllm/test_stalled_tier.py): blocks file access under a dir."""
+import os
+import time
+
+_ROOT = os.environ.get("KVTIER_TEST_HANG_ROOT")
+if _ROOT:
+    _open, _stat, _lstat = os.open, os.stat, os.lstat
+    _flag = os.path.join(_ROOT, "HANG")
+
+    def _gate(path, dir_fd=None):
+        p = os.fsdecode(path) if isinstance(path, (str, bytes, os.PathLike)) else ""
+        if dir_fd is not None and not os.path.isabs(p):  # relative to an open directory
+            try:
+                p = os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), p)
+            except OSError:
+                return
+        if (p + os.sep).startswith(_ROOT + os.sep) and p != _flag:
+            try:
+                _stat(_flag)
+            except OSError:
+                return
+            time.sleep(float(os.environ["KVTIER_TEST_HANG_S"]))
+
+    def open(path, *args, **kwargs):
+        _gate(path, kwargs.get("dir_fd"))
+        return _open(path, *args, **kwargs)
+
+    def stat(path, *args, **kwargs):
+        _gate(path, kwargs.get("dir_fd"))
+        return _stat(path, *args, **kwargs)
+
+    def lstat(path, *args, **kwargs):
+        _gate(path, kwargs.get("dir_fd"))
+        return _lstat(path, *args, **kwargs)
+
+    os.open, os.stat, os.lstat = open, stat, lstat
+'''
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[tuple[Any, Path]]:
+    """An engine whose shared tier's file access blocks while `root/HANG` exists."""
+    inject = tmp_path_factory.mktemp("inject")
+    (inject / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    root = tmp_path_factory.mktemp("hanging-shared")
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "KVTIER_TEST_HANG_ROOT",
+                                            "KVTIER_TEST_HANG_S")}
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(inject), saved["PYTHONPATH"]]))
+    os.environ["KVTIER_TEST_HANG_ROOT"] = str(root)
+    os.environ["KVTIER_TEST_HANG_S"] = str(HANG_S)
+    config = kvtier_transfer_config({
+        "tokens_per_chunk": 64, "read_timeout_s": TIMEOUT_S, "lookup_timeout_s": TIMEOUT_S,
+        "tiers": [{"kind": "memory", "capacity": "64KiB"},  # two chunks
+                  {"kind": "shared", "path": str(root), "capacity": "64MiB"}]})
+    try:
+        with start_engine(tiny_model_dir, config) as llm:
+            yield llm, root
+    finally:
+        (root / "HANG").unlink(missing_ok=True)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def timed_run(llm: Any, prompt: dict[str, list[int]]) -> tuple[list[int], float]:
+    start = time.monotonic()
+    [out] = token_ids(llm, [prompt], MAX_TOKENS)
+    return out, time.monotonic() - start
+
+
+def test_a_hanging_shared_tier_costs_hits_not_the_engine(engine: tuple[Any, Path]) -> None:
+    llm, root = engine
+    held, unknown = random_prompts([400, 300], seed=90)
+    clean_held, _ = timed_run(llm, held)  # stores its chunks: the scheduler's index has them
+    deadline = time.monotonic() + 30
+    while len(list(root.rglob("*.kvc"))) < 6 and time.monotonic() < deadline:
+        time.sleep(0.1)  # written behind
+    # A prompt kvtier never stored (its lookups probe the directory): its clean output.
+    [clean_unknown] = token_ids(llm, [unknown], MAX_TOKENS, {"skip_store": True})
+
+    (root / "HANG").touch()
+    failures = kvtier_counter("load_failures")
+    assert llm.reset_prefix_cache()
+    # Held chunks: their reads hang, are abandoned after TIMEOUT_S, and are recomputed.
+    out, held_s = timed_run(llm, held)
+    assert out == clean_held
+    assert kvtier_counter("load_failures") > failures
+    # An unknown prefix: the directory's probe hangs; the lookup gives up after TIMEOUT_S.
+    out, unknown_s = timed_run(llm, unknown)
+    assert out == clean_unknown
+    # The tier is skipped now: the next request does not wait at all.
+    assert llm.reset_prefix_cache()
+    out, again_s = timed_run(llm, held)
+    assert out == clean_held
+    print(f"\nlatency while the shared tier hangs (timeouts {TIMEOUT_S:g} s): held prefix "
+          f"{held_s:.2f} s, unknown prefix {unknown_s:.2f} s, then {again_s:.2f} s")
+    assert max(held_s, unknown_s, again_s) < BOUND_S
+    assert again_s < TIMEOUT_S
