@@ -84,8 +84,8 @@ def offline_engine(model_dir: Path, max_model_len: int, **overrides: Any) -> Ite
 
 def counter(llm: Any, name: str) -> float:
     """One of vLLM's counters (e.g. "vllm:kvtier_loaded_tokens"), summed over its labels."""
-    return sum(m.value for m in llm.get_metrics()
-               if m.name == name and isinstance(getattr(m, "value", None), (int, float)))
+    return float(sum(m.value for m in llm.get_metrics()
+                     if m.name == name and isinstance(getattr(m, "value", None), (int, float))))
 
 
 def kvtier_counter(name: str, tier: str | None = None) -> float:

@@ -31,6 +31,10 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig
 
 # Bump when the files written change, so that cached directories from an older layout are
 # not reused.
@@ -177,7 +181,7 @@ def _validate(spec: TinyModelSpec) -> None:
         raise ValueError(f"vocab_size={spec.vocab_size} leaves no room for words")
 
 
-def _llama_config(spec: TinyModelSpec):  # -> transformers.LlamaConfig
+def _llama_config(spec: TinyModelSpec) -> LlamaConfig:
     from transformers import LlamaConfig
 
     return LlamaConfig(

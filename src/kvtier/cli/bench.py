@@ -26,7 +26,7 @@ WORKLOADS: tuple[str, ...] = (
 )
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser("bench", help="measure kvtier against baselines")
     workloads = parser.add_subparsers(dest="workload", metavar="WORKLOAD", required=True)
     for name in WORKLOADS:

@@ -20,7 +20,7 @@ CPU_BLOCKS = 64  # default scattered blocks on CPU: 128 MiB of Llama-3-8B KV eac
 CUDA_BLOCKS = 512  # on CUDA: 1 GiB each way
 
 
-def register(workloads: argparse._SubParsersAction) -> None:
+def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = workloads.add_parser(
         "copy", help="worker copy path (paged KV <-> pinned host chunks) vs a raw copy",
         description=__doc__.splitlines()[0],

@@ -35,7 +35,7 @@ from kvtier.errors import ConfigError
 _NOT_SIZES = ("seed", "token_ids")
 
 
-def register(workloads: argparse._SubParsersAction) -> None:
+def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     for name, generator in WORKLOADS.items():
         doc = (generator.__doc__ or "").splitlines()[0]
         p = workloads.add_parser(name, help=doc, description=doc)
@@ -76,7 +76,9 @@ def build_workload(args: argparse.Namespace) -> Workload:
     """The workload the arguments describe. Raises ConfigError."""
     sizes = {name: getattr(args, name) for name in inspect.signature(args.generator).parameters
              if name not in _NOT_SIZES}
-    return args.generator(**sizes, seed=args.seed, token_ids=TokenRange.parse(args.token_ids))
+    workload: Workload = args.generator(**sizes, seed=args.seed,
+                                        token_ids=TokenRange.parse(args.token_ids))
+    return workload
 
 
 def _client_config(args: argparse.Namespace, url: str, workload: Workload) -> ClientConfig:

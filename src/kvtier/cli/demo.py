@@ -39,7 +39,7 @@ from kvtier.ops.server import ServerError
 from kvtier.ops.serving import ServeCommand
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "demo", help="see kvtier make returning conversations fast (vLLM, no downloads)",
         description=__doc__.splitlines()[0])

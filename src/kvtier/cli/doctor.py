@@ -24,7 +24,7 @@ from kvtier.redaction import redact_text
 _STYLE = {"ok": "green", "fail": "bold red", "skip": "dim"}
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("doctor", help="check vLLM, the connector, tier paths and Redis")
     p.add_argument("config", nargs="?", help="kvtier config file (YAML or JSON)")
     p.add_argument("--memory", help="memory tier capacity, e.g. 64GiB")

@@ -21,7 +21,7 @@ from kvtier.cli.inspect import load_store
 from kvtier.units import format_size, parse_size
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("gc", help="evict chunks to a quota, by age, or a namespace")
     p.add_argument("--config", required=True, help="kvtier store config file (YAML or JSON)")
     p.add_argument("--tier", help="only this tier (its name in the config)")

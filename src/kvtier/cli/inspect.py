@@ -20,7 +20,7 @@ from kvtier.ops.doctor import read_store
 from kvtier.units import format_size
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("inspect", help="chunks and bytes per tier and namespace")
     p.add_argument("--config", required=True, help="kvtier store config file (YAML or JSON)")
     p.add_argument("--tier", help="only this tier (its name in the config)")

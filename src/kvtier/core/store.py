@@ -358,8 +358,9 @@ class TieredStore:
                 done, late = wait(futures, timeout=self._calls.timeout_s)
                 for future in done:
                     views[futures[future]] = future.result()
-                stalled = {self._abandon(futures[future], reading, spares) for future in late}
-                for tier in stalled - {None}:
+                stalled = {tier for future in late
+                           if (tier := self._abandon(futures[future], reading, spares))}
+                for tier in stalled:
                     log.warning("tier %r: reads took over %.3g s; abandoned (misses), the tier "
                                 "is skipped until it answers again", tier, self._calls.timeout_s)
                     self._calls.stalled(tier)

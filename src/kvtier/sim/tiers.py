@@ -102,9 +102,9 @@ class SimTier:
             return None
         victim = self.policy.evict()
         assert victim is not None, "policy lost track of resident blocks"
-        self.resident.discard(victim)  # type: ignore[arg-type]
+        self.resident.discard(victim)
         self.evicted_blocks += 1
-        return victim  # type: ignore[return-value]
+        return victim
 
 
 class TierStack:

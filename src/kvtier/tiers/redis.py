@@ -216,7 +216,8 @@ class RedisTier:
                 pipe = client.pipeline(transaction=False)
                 for i in indexes:
                     pipe.exists(headers[i])
-                return pipe.execute()  # type: ignore[no-any-return]
+                found: list[bool] = pipe.execute()
+                return found
 
             try:
                 for i, answer in zip(indexes, self._run(endpoint, exists)):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableSequence, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol
 
@@ -59,7 +59,7 @@ class ChunkStore(Protocol):
     def borrow(self, key: ChunkKey,
                spare: memoryview) -> AbstractContextManager[ChunkView | None]: ...
 
-    def borrow_many(self, keys: Sequence[ChunkKey], spares: Sequence[memoryview],
+    def borrow_many(self, keys: Sequence[ChunkKey], spares: MutableSequence[memoryview],
                     ) -> AbstractContextManager[list[ChunkView | None]]: ...
 
     def put(self, key: ChunkKey, data: memoryview) -> bool: ...
