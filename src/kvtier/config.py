@@ -12,15 +12,23 @@ Example (YAML):
       - {kind: disk, path: /mnt/nvme/kvtier, capacity: 200GiB}
       - {kind: shared, path: /mnt/shared/kvtier, capacity: 2TiB, eviction: lru}
 
-Primitives: `StoreConfig` (with `.parse`, `.load`), `TierSettings` (the base of every tier's
-config model), `parse_model`.
+Capacities are per engine (one vLLM instance on one node), like vLLM's `cpu_bytes_to_use` /
+`--kv-offloading-size`: the total across its tensor-parallel ranks. Each rank stores its own
+shard of every chunk (its KV heads, under its own layout digest) in its own store, so a tier
+whose capacity a rank enforces on its own chunks (memory, disk, redis with capacity > 0) gives
+each rank `capacity // tp_world_size` (`StoreConfig.per_rank`). A shared directory's quota is
+one ledger for the whole directory, enforced together by every writer of every engine: it is
+never split.
+
+Primitives: `StoreConfig` (with `.parse`, `.load`, `.per_rank`), `TierSettings` (the base of
+every tier's config model), `parse_model`.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from pydantic import (
@@ -49,6 +57,10 @@ class TierSettings(_Frozen):
     capacity: ByteSize  # bytes this tier may hold, e.g. "8GiB"
     eviction: Literal["lru", "arc"] = "lru"  # which chunk leaves first when full
     admit_after: int = Field(1, ge=1)  # store a chunk only on its N-th offer (1 = always)
+    # Whether each tensor-parallel rank enforces `capacity` on its own chunks (its layout
+    # digest), so that an engine's ranks split it (StoreConfig.per_rank). False for a tier
+    # whose quota all its writers enforce together (the shared directory's ledger).
+    capacity_split_by_rank: ClassVar[bool] = True
 
     @property
     def tier_name(self) -> str:
@@ -120,6 +132,24 @@ class StoreConfig(_Frozen):
                 raise ValueError(f"tier name {name!r} is used twice; give tiers distinct names")
         return tiers
 
+    def per_rank(self, tp_world_size: int) -> StoreConfig:
+        """This config as one of `tp_world_size` tensor-parallel ranks builds its store: the
+        capacity of every tier with `capacity_split_by_rank` divided evenly (rounded down),
+        the rest unchanged. Capacities in a config are per engine, the total of its ranks.
+
+        Raises:
+            ConfigError: `tp_world_size` < 1.
+        """
+        if isinstance(tp_world_size, bool) or tp_world_size < 1:
+            raise ConfigError("tensor_parallel_size", tp_world_size, "an integer >= 1")
+        if tp_world_size == 1:
+            return self
+        # A positive capacity stays positive: a redis tier's 0 means "no bound of kvtier's".
+        tiers = [t.model_copy(update={"capacity": max(t.capacity // tp_world_size,
+                                                      min(t.capacity, 1))})
+                 if t.capacity_split_by_rank else t for t in self.tiers]
+        return self.model_copy(update={"tiers": tiers})
+
     @classmethod
     def parse(cls, data: Any, where: str = "config") -> StoreConfig:
         """Validate a dict (from JSON, YAML or vLLM's kv_connector_extra_config).
@@ -127,7 +157,8 @@ class StoreConfig(_Frozen):
         Raises:
             ConfigError: naming `where.field`, the value and what is allowed.
         """
-        return parse_model(cls, data, where)
+        config: StoreConfig = parse_model(cls, data, where)
+        return config
 
     @classmethod
     def load(cls, path: str | Path) -> StoreConfig:

@@ -33,7 +33,7 @@ from collections import deque
 from dataclasses import replace
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
 
@@ -65,6 +65,9 @@ class SharedTierConfig(TierSettings):
     group_shared: bool = False  # create directories 0770 / files 0660 for a shared group
     scan_interval_s: float = Field(30.0, gt=0)  # how often usage is re-measured for the quota
     io_threads: int = Field(4, ge=1, le=64)  # parallel reads/writes against this directory
+    # The capacity is the whole directory's quota (every layout, engine and node: one
+    # ledger), so a tensor-parallel rank enforces all of it, not a share (kvtier.config).
+    capacity_split_by_rank: ClassVar[bool] = False
 
     @field_validator("path")
     @classmethod

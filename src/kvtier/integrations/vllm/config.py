@@ -46,7 +46,8 @@ class ConnectorConfig:
                    {"kind": "disk", "path": "/mnt/nvme/kvtier", "capacity": "200GiB"}]}
     """
 
-    store: StoreConfig  # tiers, sizes, paths, write-behind settings
+    # tiers, sizes (per engine: the total of its TP ranks), paths, write-behind settings
+    store: StoreConfig
     # Tokens per stored chunk; a multiple of vLLM's block size (checked against it later).
     tokens_per_chunk: int = TOKENS_PER_CHUNK
     # Keys the scheduler remembers as stored (~100 B each). None: as many chunks as the
@@ -84,7 +85,8 @@ class ConnectorConfig:
         return cls(store=StoreConfig.parse(extra, where=where), **values)
 
     def index_keys(self, bytes_per_chunk: int) -> int:
-        """The scheduler index's bound in keys (see index_max_keys)."""
+        """The scheduler index's bound in keys (see index_max_keys), for chunks of
+        `bytes_per_chunk` summed over the tensor-parallel ranks (capacities are per engine)."""
         if self.index_max_keys is not None:
             return self.index_max_keys
         return max(1024, sum(t.capacity for t in self.store.tiers) // bytes_per_chunk)

@@ -35,19 +35,19 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.core.fingerprint import ModelFingerprint, model_fingerprint
 from kvtier.core.layout import KVLayout
 from kvtier.core.locator import ChunkLocator
-from kvtier.tiers import build_probe, open_store
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import ConnectorConfig
-from kvtier.integrations.vllm.metrics import KVTierConnectorStats, KVTierPromMetrics
 from kvtier.integrations.vllm.messages import KVTierMetadata
+from kvtier.integrations.vllm.metrics import KVTierConnectorStats, KVTierPromMetrics
 from kvtier.integrations.vllm.scheduler import ConnectorScheduler
 from kvtier.integrations.vllm.worker import ConnectorWorker, PagedKV
+from kvtier.tiers import build_probe, open_store
 
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -157,8 +157,10 @@ class KVTierConnector(KVConnectorBase_V1):
             layouts = scheduler_layouts(vllm_config, kv_cache_config,
                                         self._config.tokens_per_chunk)
             probes = [build_probe(tier, layouts) for tier in self._config.store.tiers]
+            # A key stands for one shard per rank: the index bound counts whole chunks.
             locator = ChunkLocator([p for p in probes if p is not None],
-                                   self._config.index_keys(layouts[0].bytes_per_chunk),
+                                   self._config.index_keys(
+                                       sum(layout.bytes_per_chunk for layout in layouts)),
                                    timeout_s=self._config.store.lookup_timeout_s)
             events = vllm_config.kv_events_config
             model_id, fingerprint = scheduler_model_identity(vllm_config)
@@ -207,9 +209,14 @@ class KVTierConnector(KVConnectorBase_V1):
 
         paged = PagedKV(kv_caches, self._block_size)
         world = self._vllm_config.parallel_config.tensor_parallel_size
-        layout = paged.layout(self._config.tokens_per_chunk,
-                              tp_rank=get_tensor_model_parallel_rank(), tp_world_size=world)
-        self._worker = ConnectorWorker(paged, layout, open_store(self._config.store, layout),
+        rank = get_tensor_model_parallel_rank()
+        layout = paged.layout(self._config.tokens_per_chunk, tp_rank=rank, tp_world_size=world)
+        # Capacities are per engine, like vLLM's cpu_bytes_to_use: each rank holds its share.
+        store_config = self._config.store.per_rank(world)
+        if world > 1:
+            logger.info("kvtier: TP rank %d of %d: %s", rank, world, ", ".join(
+                f"{t.tier_name} {t.capacity} B" for t in store_config.tiers))
+        self._worker = ConnectorWorker(paged, layout, open_store(store_config, layout),
                                        load_batch=self._config.store.io_threads,
                                        agree=tp_any if world > 1 else None)
 
