@@ -7,7 +7,10 @@ feeds `KVTierPromMetrics.observe`, which adds the deltas to Prometheus counters 
 gauges. The payload is plain dicts (vLLM ships it between processes):
     {"counters": {name: {tier: value}}, "gauges": {name: {"tier@rank": value}}}
 where tier is "" for connector-wide counters. Gauges are keyed by rank so that merging
-workers keeps every rank, and merging intervals keeps the newest value.
+workers keeps every rank, and merging intervals keeps the newest value. Under tensor
+parallelism bytes, seconds and tier counters add up over the ranks (each moves its own shard)
+and so do gauges (a tier's capacity is the engine's total); token counts and
+`unsafe_stores_skipped` are the engine's, counted by rank 0 only.
 
 Primitives: `COUNTERS`, `GAUGES`, `StatsDelta`, `KVTierConnectorStats`, `KVTierPromMetrics`.
 """
@@ -47,6 +50,8 @@ COUNTERS: dict[str, str] = {
     "loaded_bytes": "KV bytes loaded into vLLM's KV cache",
     "load_seconds": "Seconds the workers spent loading KV (read + copy into blocks)",
     "load_failures": "Chunks whose load failed (vLLM recomputed them)",
+    "async_loads": "Requests whose hit was loaded while the engine ran others (load_mode)",
+    "async_load_seconds": "Seconds from the start to the end of asynchronous loads (summed)",
     "unsafe_stores_skipped": "Chunks not stored because they were computed over a failed "
                              "load (stored once recomputed)",
     "stored_tokens": "Tokens stored from vLLM's KV cache",

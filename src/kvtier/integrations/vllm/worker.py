@@ -24,6 +24,7 @@ import logging
 import time
 import warnings
 from collections.abc import Callable, MutableSequence, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol
 
@@ -32,9 +33,9 @@ import torch
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.store import ChunkView, StoreEvent, StoreStats
+from kvtier.integrations.vllm.messages import ChunkTransfer, KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, StatsDelta
 from kvtier.integrations.vllm.paged import PagedKV
-from kvtier.integrations.vllm.messages import ChunkTransfer, KVTierMetadata, KVTierWorkerMetadata
 
 if TYPE_CHECKING:
     from kvtier.integrations.vllm.cuda import CudaChunkMover
@@ -102,6 +103,13 @@ class ConnectorWorker:
         # time (allocated lazily by the OS: untouched until a slow tier is read).
         self._spares = [torch.empty(layout.bytes_per_chunk, dtype=torch.uint8).numpy().data
                         for _ in range(load_batch)]
+        # Asynchronous loads (vLLM's WAITING_FOR_REMOTE_KVS) run on one load thread with
+        # spares of their own, while the model runner goes on with the other requests.
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
+        self._async_spares = [torch.empty(layout.bytes_per_chunk, dtype=torch.uint8).numpy().data
+                              for _ in range(load_batch)]
+        # request id -> (its chunks, the load, when it started)
+        self._loading: dict[str, tuple[list[ChunkTransfer], Future[int], float]] = {}
         self._failed_block_ids: set[int] = set()
         # Blocks whose load failed, until the scheduler acknowledges it (a later step).
         self._unfilled: set[int] = set()
@@ -113,6 +121,9 @@ class ConnectorWorker:
 
             self._cuda = CudaChunkMover(paged, layout.bytes_per_chunk)
         self._stats = StatsDelta(rank=layout.tp_rank)
+        # Token counts are the engine's, not the sum of its ranks' (each rank moves its own
+        # shard of the same tokens): rank 0 counts them; bytes and seconds add up over ranks.
+        self._token_scale = 1 if layout.tp_rank == 0 else 0
         self._block_bytes = layout.bytes_per_chunk // len_blocks(layout, paged.block_size)
 
     def begin_step(self, meta: KVTierMetadata) -> None:
@@ -124,28 +135,59 @@ class ConnectorWorker:
         """Load every planned chunk into vLLM's blocks; record failures (before forward)."""
         start = time.perf_counter()
         for transfers in meta.loads.values():
-            loaded = self._load_request(transfers)
-            for transfer in transfers[:loaded]:
-                self._unfilled.difference_update(transfer.block_ids[transfer.first_block:])
-            if loaded < len(transfers):
-                # This chunk and the rest of the request are recomputed by vLLM. Report every
-                # chunk of the rest the store no longer holds, not just the first: after an
-                # outage the scheduler's index otherwise healed one chunk per request, each a
-                # failed load (tests/faults/test_engine_faults.py, Redis killed mid-run).
-                self._report.missing.add(transfers[loaded].key)
-                self._report.missing.update(t.key for t in transfers[loaded + 1:]
-                                            if not self._store.contains(t.key))
-                for failed in transfers[loaded:]:
-                    unfilled = failed.block_ids[failed.first_block:]
-                    self._failed_block_ids.update(unfilled)
-                    self._unfilled.update(unfilled)
-                    self._report.failed_blocks.update(unfilled)
-                self._stats.add("load_failures", len(transfers) - loaded)
-            for transfer in transfers[:loaded]:
-                blocks = len(transfer.block_ids) - transfer.first_block
-                self._stats.add("loaded_tokens", blocks * self._paged.block_size)
-                self._stats.add("loaded_bytes", blocks * self._block_bytes)
+            self._account(transfers, self._load_request(transfers, self._spares))
         self._stats.add("load_seconds", time.perf_counter() - start)
+
+    def start_async(self, meta: KVTierMetadata) -> None:
+        """Start the step's asynchronous loads on the load thread (model runner thread).
+        On CUDA they load here, queued on the copy stream like synchronous ones."""
+        for req_id, transfers in meta.async_loads.items():
+            if self._cuda is not None:
+                done: Future[int] = Future()
+                done.set_result(self._load_request(transfers, self._spares))
+            else:
+                done = self._loader.submit(self._load_request, transfers, self._async_spares)
+            self._loading[req_id] = (transfers, done, time.perf_counter())
+
+    def take_finished_loads(self) -> set[str]:
+        """Requests whose asynchronous load ended since the last call, loaded or not
+        (vLLM's get_finished: a failure is reported like a synchronous one, through the
+        failed block ids and the report). Model runner thread."""
+        finished = {req_id for req_id, (_, load, _) in self._loading.items() if load.done()}
+        for req_id in finished:
+            transfers, load, started = self._loading.pop(req_id)
+            try:
+                loaded = load.result()
+            except Exception:  # a bug, not an I/O error (those are misses): recompute
+                logger.exception("kvtier: asynchronous load of request %s failed", req_id)
+                loaded = 0
+            self._account(transfers, loaded)
+            self._stats.add("async_load_seconds", time.perf_counter() - started)
+        return finished
+
+    def _account(self, transfers: list[ChunkTransfer], loaded: int) -> None:
+        """Record a request's load of `transfers`, of which the first `loaded` arrived."""
+        for transfer in transfers[:loaded]:
+            self._unfilled.difference_update(transfer.block_ids[transfer.first_block:])
+        if loaded < len(transfers):
+            # This chunk and the rest of the request are recomputed by vLLM. Report every
+            # chunk of the rest the store no longer holds, not just the first: after an
+            # outage the scheduler's index otherwise healed one chunk per request, each a
+            # failed load (tests/faults/test_engine_faults.py, Redis killed mid-run).
+            self._report.missing.add(transfers[loaded].key)
+            self._report.missing.update(t.key for t in transfers[loaded + 1:]
+                                        if not self._store.contains(t.key))
+            for failed in transfers[loaded:]:
+                unfilled = failed.block_ids[failed.first_block:]
+                self._failed_block_ids.update(unfilled)
+                self._unfilled.update(unfilled)
+                self._report.failed_blocks.update(unfilled)
+            self._stats.add("load_failures", len(transfers) - loaded)
+        for transfer in transfers[:loaded]:
+            blocks = len(transfer.block_ids) - transfer.first_block
+            self._stats.add("loaded_tokens",
+                            blocks * self._paged.block_size * self._token_scale)
+            self._stats.add("loaded_bytes", blocks * self._block_bytes)
 
     def store(self, meta: KVTierMetadata) -> None:
         """Store every planned chunk whose KV the forward pass just computed."""
@@ -155,7 +197,8 @@ class ConnectorWorker:
             # as stored without a copy; lower tiers are asked off this thread (they may stall).
             if self._store_chunk(transfer):
                 self._report.stored.add(transfer.key)
-                self._stats.add("stored_tokens", len(transfer.block_ids) * self._paged.block_size)
+                self._stats.add("stored_tokens", len(transfer.block_ids)
+                                * self._paged.block_size * self._token_scale)
                 self._stats.add("stored_bytes", len(self._buffer_view))
         self._stats.add("store_seconds", time.perf_counter() - start)
 
@@ -168,13 +211,14 @@ class ConnectorWorker:
         unsafe = [not self._unfilled.isdisjoint(t.depends_on) for t in dependent]
         if self._agree is not None:
             unsafe = self._agree(unsafe)
-        refused = {t.key for t, bad in zip(dependent, unsafe) if bad}
+        refused = {t.key for t, bad in zip(dependent, unsafe, strict=True) if bad}
         if not refused:
             return stores
         logger.warning("kvtier: not storing %d chunk(s) computed over a failed load (they "
                        "are stored once vLLM has recomputed them)", len(refused))
         self._report.skipped.update(refused)
-        self._stats.add("unsafe_stores_skipped", len(refused))
+        # The same chunks on every rank (agree): counted once, like tokens.
+        self._stats.add("unsafe_stores_skipped", len(refused) * self._token_scale)
         return [t for t in stores if t.key not in refused]
 
     def take_stats(self) -> KVTierConnectorStats | None:
@@ -182,7 +226,8 @@ class ConnectorWorker:
         self._stats.observe_store(self._store.stats())
         return self._stats.take()
 
-    def _load_request(self, transfers: list[ChunkTransfer]) -> int:
+    def _load_request(self, transfers: list[ChunkTransfer],
+                      spares: MutableSequence[memoryview]) -> int:
         """Scatter a request's chunks, in order, from the store into their blocks; the
         number loaded before the first miss.
 
@@ -198,12 +243,12 @@ class ConnectorWorker:
             return len(transfers)
         for first in range(0, len(transfers), self._load_batch):
             batch = transfers[first:first + self._load_batch]
-            with self._store.borrow_many([t.key for t in batch], self._spares) as lent:
+            with self._store.borrow_many([t.key for t in batch], spares) as lent:
                 held = next((i for i, view in enumerate(lent) if view is None), len(batch))
                 # One thread: memory bandwidth, not the CPU, bounds a scatter; two threads
                 # scattered 1.25x slower than one here, and vLLM binds a CPU worker's
                 # threads to its own cores anyway (docs/performance.md).
-                for transfer, view in zip(batch[:held], lent[:held]):
+                for transfer, view in zip(batch[:held], lent[:held], strict=True):
                     assert view is not None
                     self._paged.scatter(torch.frombuffer(view.data, dtype=torch.uint8),
                                         transfer.block_ids, transfer.first_block)
@@ -247,6 +292,7 @@ class ConnectorWorker:
 
     def close(self, flush_timeout_s: float | None = None) -> None:
         """Flush write-behind queues (at most `flush_timeout_s`) and close the store."""
+        self._loader.shutdown(wait=True, cancel_futures=True)
         if self._cuda is not None:
             self._cuda.close()
         self._store.close(flush_timeout_s)
