@@ -55,6 +55,9 @@ def test_tier_path_writable_creatable_and_too_small(tmp_path):
     assert creatable.status == "ok" and "will be created" in creatable.detail
     assert huge.status == "fail" and "only" in huge.detail
     assert not (tmp_path / "new").exists()  # the doctor does not create tier directories
+    # What the capacities mean (issue 11, item 4): a disk tier's is the engine's total, split
+    # across its TP ranks; a shared directory's is one quota for the whole directory.
+    assert "per engine" in ok.detail and "whole directory" in creatable.detail
 
 
 def test_tier_path_under_a_file_fails(tmp_path):
@@ -66,7 +69,8 @@ def test_tier_path_under_a_file_fails(tmp_path):
 
 
 def test_memory_check():
-    assert check_memory({"tiers": [{"kind": "memory", "capacity": "1MiB"}]}).status == "ok"
+    ok = check_memory({"tiers": [{"kind": "memory", "capacity": "1MiB"}]})
+    assert ok.status == "ok" and "per engine: the total of its TP ranks" in ok.detail
     assert check_memory({"tiers": [{"kind": "memory", "capacity": "1000000TiB"}]}).status \
         == "fail"
     assert check_memory({"tiers": []}).status == "skip"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -129,3 +130,16 @@ def test_lmcache_env_divides_by_tp_and_keeps_local_cpu_on():
 def test_bad_requests_raise_config_error(field, kw):
     with pytest.raises(ConfigError, match=field):
         make_plan(req("llama-3-8b", **kw))
+
+
+def test_kvtier_capacity_is_the_same_total_as_native_offload_at_tp_8():
+    """One meaning of a capacity at any TP (issue 11, item 4): the plan's kvtier memory tier
+    is the engine's total, equal to --kv-offloading-size; the note says each rank's share."""
+    plan = make_plan(req("llama-3-70b", tp=8, cpu_tier_bytes=1600 * GIB,
+                         vllm_version=(0, 21, 0)))
+    config = json.loads(plan.kvtier_flags[plan.kvtier_flags.index("--kv-transfer-config") + 1])
+    memory = config["kv_connector_extra_config"]["tiers"][0]
+    assert memory == {"kind": "memory", "capacity": "1600GiB"}
+    [note] = [n for n in plan.notes if "per engine" in n]
+    assert "8 TP ranks" in note and "each rank's CPU tier 200 GiB" in note
+    assert not any("per engine" in n for n in make_plan(req("llama-3-8b")).notes)

@@ -224,3 +224,19 @@ def test_a_server_that_never_gets_healthy_times_out_and_is_stopped(tmp_path):
             running_server(cmd, log_path=tmp_path / "log", startup_timeout_s=1.5):
         pass
     assert not alive(int(child_pid.read_text()))
+
+
+def test_a_tp_server_says_what_each_rank_holds():
+    """Capacities are per engine (issue 11, item 4): at -tp 4 the command's notes say each
+    rank holds a quarter of the memory and disk tiers, and a shared quota stays whole."""
+    tiers = [*TIERS, {"kind": "shared", "path": "/tmp/kv-shared", "capacity": "1TiB"}]
+    cmd = build_command(ServeConfig("m", extra_config=connector_config(tiers), cpu=False,
+                                    vllm_args=("--tensor-parallel-size", "4")))
+    [note] = [n for n in cmd.notes if "per engine" in n]
+    assert "4 TP ranks" in note and "memory 512.0 MiB, disk 2.5 GiB, shared 1.0 TiB" in note
+    assert "shared: one quota for the whole directory" in note
+    # The command still carries the totals: the connector splits them itself.
+    extra = json.loads(flag(cmd.argv, "--kv-transfer-config"))["kv_connector_extra_config"]
+    assert extra["tiers"][0]["capacity"] == "2GiB"
+    single = build_command(ServeConfig("m", extra_config=connector_config(TIERS), cpu=False))
+    assert not any("per engine" in n for n in single.notes)

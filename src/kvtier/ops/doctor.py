@@ -48,6 +48,8 @@ from kvtier.units import format_size, parse_size
 Status = Literal["ok", "fail", "skip"]
 CONNECTOR_IMPORT_TIMEOUT_S = 120.0
 REDIS_TIMEOUT_S = 1.0
+# What a memory or disk capacity means (kvtier.config): one engine's, whatever its TP size.
+PER_ENGINE = "per engine: the total of its TP ranks, each holds 1/TP"
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +156,8 @@ def check_tier_paths(store: Mapping[str, Any]) -> list[Check]:
         if tier.get("kind") not in ("disk", "shared") or "path" not in tier:
             continue
         name = f"tier {tier.get('name') or tier['kind']}: {tier['path']}"
-        out.append(_check_dir(name, Path(str(tier["path"])), tier.get("capacity", 0)))
+        scope = PER_ENGINE if tier["kind"] == "disk" else "the whole directory's quota"
+        out.append(_check_dir(name, Path(str(tier["path"])), tier.get("capacity", 0), scope))
     return out
 
 
@@ -168,8 +171,8 @@ def check_memory(store: Mapping[str, Any]) -> Check:
     if avail is None:
         return Check("host memory", "skip", "MemAvailable unknown on this OS")
     status: Status = "ok" if want <= avail else "fail"
-    return Check("host memory", status, f"memory tiers want {format_size(want)}, "
-                 f"{format_size(avail)} available")
+    return Check("host memory", status, f"memory tiers want {format_size(want)} "
+                 f"({PER_ENGINE}), {format_size(avail)} available")
 
 
 def check_redis(store: Mapping[str, Any]) -> list[Check]:
@@ -247,7 +250,7 @@ def transfer_config_json(store: Mapping[str, Any]) -> str:
     return json.dumps(kvtier_transfer_config(store), separators=(",", ":"))
 
 
-def _check_dir(name: str, path: Path, capacity: Any) -> Check:
+def _check_dir(name: str, path: Path, capacity: Any, scope: str) -> Check:
     existing = path
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
@@ -265,7 +268,7 @@ def _check_dir(name: str, path: Path, capacity: Any) -> Check:
         return Check(name, "fail", f"capacity {format_size(want)} but only "
                      f"{format_size(free)} free{where}")
     return Check(name, "ok", f"writable, {format_size(free)} free for "
-                 f"{format_size(want)}{where}")
+                 f"{format_size(want)} ({scope}){where}")
 
 
 def _size(value: Any) -> int:

@@ -33,6 +33,7 @@ from typing import Any
 
 import yaml
 
+from kvtier.config import StoreConfig
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import (
     TOKENS_PER_CHUNK,
@@ -41,6 +42,7 @@ from kvtier.integrations.vllm.config import (
 )
 from kvtier.ops.flags import kvtier_flags
 from kvtier.redaction import redact_text
+from kvtier.units import format_size
 
 MIB = 1024**2
 GIB = 1024**3
@@ -120,7 +122,8 @@ def default_disk_path() -> Path:
 
 def default_tiers(*, cpu: bool, memory_bytes: int | None = None, disk_path: Path | None = None,
                   disk_bytes: int | None = None) -> list[dict[str, Any]]:
-    """kvtier's tiers sized from this machine: a memory tier and a disk tier.
+    """kvtier's tiers sized from this machine: a memory tier and a disk tier. The sizes are
+    the engine's, shared by its tensor-parallel ranks (each holds 1/TP: config.py).
 
     Args:
         cpu: CPU backend (the engine's KV cache shares host RAM with the memory tier).
@@ -167,7 +170,8 @@ def load_connector_config(path: str | Path) -> dict[str, Any]:
         text = Path(path).read_text()
         data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
     except (OSError, ValueError, yaml.YAMLError) as exc:
-        raise ConfigError("config file", str(path), f"a readable YAML or JSON file ({exc})")
+        raise ConfigError("config file", str(path),
+                          f"a readable YAML or JSON file ({exc})") from exc
     if not isinstance(data, Mapping):
         raise ConfigError(str(path), type(data).__name__, "a mapping with a 'tiers' list")
     ConnectorConfig.parse(data, where=str(path))
@@ -212,9 +216,30 @@ def build_command(cfg: ServeConfig) -> ServeCommand:
                          f">= {wanted}")
         transfer = kvtier_transfer_config(extra)
         argv += kvtier_flags(extra, disable_hma=False)
+        tp = _tp_size(cfg.vllm_args)
+        if tp > 1:
+            notes.append(per_rank_note(ConnectorConfig.parse(extra).store, tp))
     argv += list(cfg.vllm_args)
     return ServeCommand(tuple(argv), env, f"http://{cfg.host}:{cfg.port}", transfer,
                         tuple(notes))
+
+
+def per_rank_note(store: StoreConfig, tp: int) -> str:
+    """What each of `tp` tensor-parallel ranks holds of `store`, whose capacities are per
+    engine (the total across its ranks, as vLLM's --kv-offloading-size)."""
+    shares = ", ".join(f"{t.tier_name} {format_size(t.capacity)}"
+                       for t in store.per_rank(tp).tiers)
+    whole = [t.tier_name for t in store.tiers if not t.capacity_split_by_rank]
+    return (f"capacities are per engine, the total across its {tp} TP ranks: each rank "
+            f"holds {shares}" + (f" ({', '.join(whole)}: one quota for the whole directory, "
+                                 "enforced by every writer)" if whole else ""))
+
+
+def _tp_size(vllm_args: Sequence[str]) -> int:
+    """The tensor-parallel size in vLLM's arguments (1 when absent or not a number)."""
+    value = next((v for f in ("--tensor-parallel-size", "-tp")
+                  if (v := _flag_value(vllm_args, f)) is not None), None)
+    return int(value) if value is not None and value.isdigit() and int(value) > 0 else 1
 
 
 def _has_flag(args: Sequence[str], flag: str) -> bool:

@@ -210,8 +210,17 @@ def _notes(
     if hybrid_model:
         notes.append("hybrid-attention model: LMCache cannot serve it (LMCache#3106); use "
                      "native offload on vLLM v0.21.0+ or kvtier")
+    if req.tp > 1:
+        notes.append(f"sizes are per engine, the total across its {req.tp} TP ranks: kvtier's "
+                     f"capacities and --kv-offloading-size split evenly (each rank's CPU tier "
+                     f"{_gib_text(cpu_bytes / req.tp)}); LMCache's sizes are per rank")
     if hma_required is None:
         notes.append("vLLM version unknown: the native-offload flags include "
                      "--disable-hybrid-kv-cache-manager (needed on v0.18-v0.20); pass "
                      "--vllm-version to decide")
     return notes
+
+
+def _gib_text(n: float) -> str:
+    """Bytes as GiB with at most one decimal ("12 GiB", "12.5 GiB")."""
+    return f"{n / _GIB:.1f}".removesuffix(".0") + " GiB"
