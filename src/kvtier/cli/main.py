@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import io
 import logging
+import os
 import sys
 
 from kvtier import __version__
@@ -39,18 +41,69 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Exit status after stdout's reader went away (`kvtier audit --json | head`): 128 + SIGPIPE,
+# what a shell reports for a command killed by the broken pipe.
+EXIT_BROKEN_PIPE = 141
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one sub-command; returns its exit status.
+
+    Bad input is one line on stderr and status 2: a ConfigError anywhere, and a ValueError
+    (UnicodeDecodeError included), which in these commands comes from converting what the
+    user gave. Other exceptions are bugs and keep their traceback; `-v` shows the traceback
+    of a ValueError too.
+    """
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    _refuse_double_dash_values(parser, argv)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a broken pipe shows here when the output was buffered
+        return code
     except ConfigError as exc:
-        print(f"kvtier: {exc}", file=sys.stderr)
+        print(f"kvtier: {_one_line(exc)}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
+    except ValueError as exc:
+        if args.verbose:
+            raise
+        print(f"kvtier {args.command}: invalid input: {_one_line(exc)} (-v for details)",
+              file=sys.stderr)
+        return 2
+
+
+def _refuse_double_dash_values(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """Exit 2 on `--flag=--`: argparse (CPython < 3.12) drops the "--" and hands the
+    command an empty list instead of calling the flag's type, which then crashes."""
+    for token in argv:
+        if token == "--":
+            return  # the rest is positional (or passed on, e.g. to `vllm serve`)
+        name, eq, value = token.partition("=")
+        if eq and value == "--" and name.startswith("--"):
+            parser.error(f"argument {name}: expected a value, got '--'")
+
+
+def _one_line(exc: Exception) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 500 else text[:497] + "..."
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not raise again
+    (the recipe in Python's `signal` documentation, "Note on SIGPIPE")."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        pass  # stdout is not a real file (a test's capture): nothing will flush it
 
 
 if __name__ == "__main__":

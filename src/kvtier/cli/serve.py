@@ -20,6 +20,7 @@ import signal
 import sys
 from pathlib import Path
 
+from kvtier.cli.argtypes import port_number
 from kvtier.errors import ConfigError
 from kvtier.ops.server import ServerError, VllmServer
 from kvtier.ops.serving import (
@@ -41,7 +42,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog="Arguments after `--` go to vLLM verbatim.")
     p.add_argument("model", help="model name or local directory (vLLM's --model)")
     p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="listen port (default 8000)")
+    p.add_argument("--port", type=port_number, default=8000,
+                   help="listen port, 1-65535 (default 8000)")
     p.add_argument("--memory", help="kvtier memory tier size, e.g. 8GiB (default: a share of "
                                     "the available RAM; 0: no memory tier)")
     p.add_argument("--disk-path", type=Path, help="kvtier disk tier directory "

@@ -1,0 +1,119 @@
+"""argparse `type=` functions for numbers that must be finite and in range.
+
+Primitives: `finite_float`, `positive_float`, `fraction`, `positive_int`,
+`non_negative_int`, `int_in(low, high)`, `size_gb`, `port_number`, `path_text`.
+
+argparse turns their `ArgumentTypeError` into "kvtier CMD: error: argument --x: ..." and
+exit status 2, before a command runs; `float("inf")`, `float("nan")` and "1e400" are refused
+here instead of escaping later as OverflowError from int() (issue 14).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+# A billion GB (an exabyte): larger sizes are typos.
+MAX_GB = 1e9
+# The longest file-name component Linux file systems take (NAME_MAX).
+NAME_MAX_BYTES = 255
+# Larger counts (sessions, tokens, engines) are typos; they would make the tools allocate
+# or loop for hours.
+MAX_COUNT = 10**9
+
+
+def finite_float(text: str) -> float:
+    """A finite number (not nan, inf or an overflowing literal such as 1e400)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0."""
+    value = finite_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be greater than 0")
+    return value
+
+
+def size_gb(text: str) -> float:
+    """A size in GB/GiB, > 0 and at most MAX_GB (1e300 overflowed when turned into bytes)."""
+    value = positive_float(text)
+    if value > MAX_GB:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be at most {MAX_GB:g}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A number in (0, 1]."""
+    value = finite_float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be in (0, 1]")
+    return value
+
+
+def _integer(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if abs(value) > MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be at most {MAX_COUNT}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """A whole number in 1..MAX_COUNT."""
+    value = _integer(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """A whole number in 0..MAX_COUNT."""
+    value = _integer(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be 0 or more")
+    return value
+
+
+def int_in(low: int, high: int) -> Callable[[str], int]:
+    """A type function for a whole number in low..high."""
+
+    def whole_number(text: str) -> int:
+        value = _integer(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be in {low}..{high}")
+        return value
+
+    return whole_number
+
+
+def port_number(text: str) -> int:
+    """A TCP port, 1-65535 (issue 14: -1 and 99999 were accepted)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is outside 1-65535")
+    return port
+
+
+def path_text(text: str) -> str:
+    """A path that can name a file: not empty, no NUL byte, no component longer than
+    NAME_MAX_BYTES (the OS refuses those with ENAMETOOLONG, which escaped as OSError)."""
+    if not text.strip() or "\0" in text:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a path")
+    longest = max(len(part.encode("utf-8", "surrogateescape")) for part in text.split("/"))
+    if longest > NAME_MAX_BYTES:
+        raise argparse.ArgumentTypeError(
+            f"{text[:40]!r}...: a path component is {longest} bytes, over {NAME_MAX_BYTES}")
+    return text
