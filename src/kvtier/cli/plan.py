@@ -10,6 +10,14 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from kvtier.cli.argtypes import (
+    fraction,
+    non_negative_int,
+    path_text,
+    positive_float,
+    positive_int,
+    size_gb,
+)
 from kvtier.ops.flags import sglang_per_rank_to_vllm_total, shell_quote_flags
 from kvtier.ops.hardware import gpu_profile
 from kvtier.ops.modelspec import load_model_spec
@@ -20,27 +28,27 @@ from kvtier.units import format_size, parse_size
 _GIB = 1024**3
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("plan", help="size KV tiers and print vLLM/kvtier/LMCache flags")
     p.add_argument("model", help="path to the model's config.json (or its folder)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size (default 1)")
     p.add_argument("--gpu", default="h100", help="h100, h200, a100, l40s or cpu (default h100)")
     p.add_argument("--hbm", help="override GPU memory, e.g. 94GiB")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9)
     p.add_argument("--host-ram", help="host RAM of the node (default 256GiB per GPU)")
-    p.add_argument("--host-kv-fraction", type=float, default=0.6,
+    p.add_argument("--host-kv-fraction", type=fraction, default=0.6,
                    help="share of host RAM for the CPU tier (default 0.6)")
     p.add_argument("--nvme", default="4TB", help="NVMe space for the disk tier; 0 = none")
-    p.add_argument("--nvme-path", default="/mnt/nvme/kvtier")
+    p.add_argument("--nvme-path", type=path_text, default="/mnt/nvme/kvtier")
     p.add_argument("--nvme-gen", type=int, default=4, choices=(4, 5))
     p.add_argument("--pcie-gen", type=int, choices=(4, 5), help="default: the GPU's own")
-    p.add_argument("--context", type=int, default=0,
+    p.add_argument("--context", type=non_negative_int, default=0,
                    help="typical session length in tokens (default min(model max, 32768))")
-    p.add_argument("--concurrency", type=int, default=16, help="target live sessions")
+    p.add_argument("--concurrency", type=positive_int, default=16, help="target live sessions")
     p.add_argument("--kv-dtype", default="bf16", help="bf16 or fp8")
-    p.add_argument("--params", type=float, help="override the parameter count, e.g. 70.6e9")
+    p.add_argument("--params", type=positive_float, help="override the parameter count, e.g. 70.6e9")
     p.add_argument("--vllm-version", help="target vLLM release (default: installed, if any)")
-    p.add_argument("--from-sglang", type=float, metavar="GB_PER_RANK",
+    p.add_argument("--from-sglang", type=size_gb, metavar="GB_PER_RANK",
                    help="SGLang per-rank host KV size to convert (x TP) into the CPU tier")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)

@@ -13,6 +13,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
+from kvtier.cli.argtypes import finite_float, fraction, int_in, non_negative_int, positive_int
 from kvtier.errors import ConfigError
 from kvtier.sim.cost import MODEL_PRESETS
 from kvtier.sim.engine import EngineConfig
@@ -22,29 +23,33 @@ from kvtier.sim.sweep import SWEEP_PARAMS, SweepResult, sweep
 from kvtier.sim.tiers import parse_tier
 from kvtier.sim.workload import WORKLOAD_PRESETS, workload_preset
 
+# The simulator builds every engine up front: a larger fleet is a typo that would exhaust
+# memory before the first request.
+MAX_ENGINES = 4096
 _OVERRIDES = ("rate_rps", "think_s", "turns_mean", "system_tokens", "doc_prob",
               "user_tokens", "output_tokens", "max_context")
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("simulate", help="simulate serving with kvtier's tiers")
     p.add_argument("--model", default="llama-3.1-8b",
                    help=f"preset ({', '.join(MODEL_PRESETS)}) or path to a config.json")
     p.add_argument("--gpu", default="h100", help="h100, h200, a100, l40s")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size per engine")
-    p.add_argument("--engines", type=int, default=1, help="engines in the fleet")
+    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size per engine")
+    p.add_argument("--engines", type=int_in(1, MAX_ENGINES), default=1,
+                   help=f"engines in the fleet (1-{MAX_ENGINES})")
     p.add_argument("--router", default="session", choices=ROUTERS)
     p.add_argument("--workload", default="chat", choices=list(WORKLOAD_PRESETS))
     for name in _OVERRIDES:
         p.add_argument("--" + name.replace("_", "-").removesuffix("-rps"), dest=name,
-                       type=float, default=None, help=f"override the preset's {name}")
+                       type=finite_float, default=None, help=f"override the preset's {name}")
     p.add_argument("--tier", action="append", default=None, metavar="NAME=SIZE[:POLICY]",
                    help="offload tier, fastest first (repeat); default cpu=64GiB; 'none'")
-    p.add_argument("--hbm-util", type=float, default=0.9, help="gpu_memory_utilization")
-    p.add_argument("--block-tokens", type=int, default=64)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-batched-tokens", type=int, default=8192)
-    p.add_argument("--requests", type=int, default=20_000)
+    p.add_argument("--hbm-util", type=fraction, default=0.9, help="gpu_memory_utilization")
+    p.add_argument("--block-tokens", type=positive_int, default=64)
+    p.add_argument("--max-num-seqs", type=positive_int, default=256)
+    p.add_argument("--max-batched-tokens", type=positive_int, default=8192)
+    p.add_argument("--requests", type=non_negative_int, default=20_000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sweep", metavar="PARAM=V1,V2,...",
                    help=f"sweep one of {', '.join(SWEEP_PARAMS)}")

@@ -167,15 +167,12 @@ def load_model_spec(path: str | Path, param_count: int | None = None) -> ModelSp
         ConfigError: when the file is missing, not JSON, or lacks required fields.
     """
     p = Path(path)
-    if p.is_dir():
-        p = p / "config.json"
     try:
+        if p.is_dir():
+            p = p / "config.json"
         raw = json.loads(p.read_bytes().decode("utf-8"))
     except FileNotFoundError as exc:
         raise ConfigError("model", str(path), "a path to an existing config.json") from exc
-    except OSError as exc:
-        raise ConfigError("model", str(path), f"a readable config.json ({exc.strerror})") \
-            from exc
     except UnicodeDecodeError as exc:
         raise ConfigError("model", str(path), f"UTF-8 JSON text (byte {exc.start} is not)") \
             from exc
@@ -183,6 +180,9 @@ def load_model_spec(path: str | Path, param_count: int | None = None) -> ModelSp
         raise ConfigError("model", str(path), f"valid JSON ({exc.msg})") from exc
     except RecursionError as exc:
         raise ConfigError("model", str(path), "JSON nested less deeply") from exc
+    except (OSError, ValueError) as exc:  # too long a name; ValueError: a NUL byte
+        reason = exc.strerror if isinstance(exc, OSError) else str(exc)
+        raise ConfigError("model", str(path), f"a readable config.json ({reason})") from exc
     if not isinstance(raw, dict):
         raise ConfigError("model", str(path), "a JSON object")
     name = str(raw.get("_name_or_path") or p.parent.name or p.stem)

@@ -60,7 +60,11 @@ def model_spec(name_or_path: str) -> ModelSpec:
     key = name_or_path.strip().lower()
     if key in MODEL_PRESETS:
         return parse_model_config(MODEL_PRESETS[key], name=key)
-    if Path(name_or_path).exists():
+    try:
+        exists = Path(name_or_path).exists()
+    except (OSError, ValueError):  # a name too long for a path, or with a NUL byte
+        exists = False
+    if exists:
         return load_model_spec(name_or_path)
     raise ConfigError("model", name_or_path,
                       f"a preset ({', '.join(MODEL_PRESETS)}) or a path to a config.json")

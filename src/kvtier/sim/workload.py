@@ -63,10 +63,22 @@ class WorkloadConfig:
         if self.output_tokens < 1 or self.user_tokens < 1:
             raise ConfigError("workload.output_tokens/user_tokens",
                               (self.output_tokens, self.user_tokens), "means >= 1 token")
+        for name in _TOKEN_FIELDS:
+            if getattr(self, name) > MAX_TOKENS:
+                raise ConfigError(f"workload.{name}", getattr(self, name),
+                                  f"at most {MAX_TOKENS:,} tokens")
         if self.max_context < self.system_tokens + 2 * self.user_tokens:
             raise ConfigError("workload.max_context", self.max_context,
                               "room for the system prompt and a turn")
 
+
+# The longest context a workload may ask for (10M tokens, the longest any model offers);
+# more is a typo, and each block of it costs the simulator time and memory.
+MAX_TOKENS = 10_000_000
+_TOKEN_FIELDS = ("system_tokens", "doc_tokens", "user_tokens", "output_tokens", "max_context")
+# Turns in a row that may end their session without a request before the workload is
+# declared impossible.
+_MAX_EMPTY_TURNS = 10_000
 
 WORKLOAD_PRESETS: dict[str, WorkloadConfig] = {
     # Chat: a few shared system prompts, several turns, short messages.
@@ -228,13 +240,20 @@ class _Generator:
                 prefix.extend((1 << 20) + doc_id, doc_len, self.bt)
             self.prefixes[key] = prefix
         p = 1.0 / cfg.turns_mean  # geometric number of turns with the configured mean
-        turns = 1 if p >= 1 else 1 + int(math.log(1.0 - rng.random()) / math.log(1.0 - p))
+        # log1p: log(1 - p) is 0.0 for p < 1e-16 (turns_mean 1e30 divided by zero)
+        turns = 1 if p >= 1 else 1 + int(math.log(1.0 - rng.random()) / math.log1p(-p))
         self.sessions += 1
         return _Session(self.sessions, prefix.copy(), turns)
 
     def next_request(self, rid: int) -> Request:
-        """Pop the earliest pending turn, or start a session if that comes first."""
-        while True:
+        """Pop the earliest pending turn, or start a session if that comes first.
+
+        Raises:
+            ConfigError: when _MAX_EMPTY_TURNS turns in a row end their session before a
+                request (the token means leave no room in max_context; it used to loop
+                forever).
+        """
+        for _ in range(_MAX_EMPTY_TURNS):
             if not self.pending or self.next_session_s <= self.pending[0][0]:
                 now = self.next_session_s
                 self.next_session_s += self.rng.expovariate(1.0 / self.session_gap_s)
@@ -244,6 +263,9 @@ class _Generator:
             request = self._turn(rid, now, session)
             if request is not None:
                 return request
+        raise ConfigError("workload.max_context", self.cfg.max_context,
+                          f"room for a turn: {_MAX_EMPTY_TURNS:,} sessions in a row ended "
+                          "before one; raise max_context or lower the token means")
 
     def _turn(self, rid: int, now: float, s: _Session) -> Request | None:
         cfg, chain = self.cfg, s.chain
