@@ -46,7 +46,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="typical session length in tokens (default min(model max, 32768))")
     p.add_argument("--concurrency", type=positive_int, default=16, help="target live sessions")
     p.add_argument("--kv-dtype", default="bf16", help="bf16 or fp8")
-    p.add_argument("--params", type=positive_float, help="override the parameter count, e.g. 70.6e9")
+    p.add_argument("--params", type=positive_float,
+                   help="override the parameter count, e.g. 70.6e9")
     p.add_argument("--vllm-version", help="target vLLM release (default: installed, if any)")
     p.add_argument("--from-sglang", type=size_gb, metavar="GB_PER_RANK",
                    help="SGLang per-rank host KV size to convert (x TP) into the CPU tier")
