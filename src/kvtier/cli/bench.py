@@ -23,6 +23,7 @@ WORKLOADS: tuple[str, ...] = (
     "kvtier.cli.bench_copy",
     "kvtier.cli.bench_ttft",
     "kvtier.cli.bench_sharing",
+    "kvtier.cli.bench_interference",
 )
 
 

@@ -1,0 +1,487 @@
+"""`kvtier bench interference`: what running streams feel while other requests' prefixes load.
+
+Issue 13's benchmark. For each configuration, in sequence (one server at a time), a vLLM
+OpenAI server on 127.0.0.1 serves the generated "bench" model (`kvtier.bench.tinymodel`):
+
+  - `vllm`: no kvtier; the arrivals' prefixes are recomputed.
+  - `kvtier-sync`: kvtier with `load_mode: sync`; a hit is loaded inside the step that
+    needs it, so every running stream waits for it.
+  - `kvtier-async`: kvtier with `load_mode: async`; a hit is loaded on a worker thread
+    while the engine keeps stepping the other requests.
+  - `kvtier-auto` (not run by default): the connector's default rule.
+
+kvtier's memory tier holds `memory_tier_chunks` chunks only, in front of a disk tier in a
+scratch directory, so the arrivals' prefixes come back from the disk (read with O_DIRECT: the
+page cache does not serve them).
+
+Per configuration:
+  1. warm-up, not timed: one short request (one-off start-up costs), then every arrival's
+     prefix once (its chunks go to the disk tier; the bench waits until they are there), then
+     POST /reset_prefix_cache (the server runs with VLLM_SERVER_DEV_MODE=1), so that vLLM's
+     own prefix cache cannot serve them;
+  2. baseline: K streams decode `stream_tokens` tokens each with no arrivals;
+  3. timed: K other streams decode (`stream_tokens`, or more where at the baseline's pace
+     they would stop before the last arrival: `timed_stream_tokens`), and M arrivals are sent
+     on `arrival_schedule` (a warmed prefix + `new_tokens` new tokens, `arrival_max_tokens`
+     generated).
+The streams' ITL with arrivals counts the gaps whose later token came inside the arrival
+window (from the first arrival sent to the last one answered), so streams that run past the
+window do not dilute it (`gaps_in_window`). Requests are sent by `kvtier.bench.client`.
+
+Primitives: `InterferenceConfig`, `Arrival`, `arrival_schedule`, `token_times`,
+`gaps_in_window`, `timed_stream_tokens`, `ConfigRun`, `Check`, `checks`, `InterferenceResult`,
+`run_interference_bench`, `CONFIGS`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from kvtier.bench import promdiff
+from kvtier.bench.client import ClientConfig, run_workload
+from kvtier.bench.engines import KV_BYTES_PER_TOKEN, bench_prompt
+from kvtier.bench.stats import Percentiles, RequestResult, percentiles
+from kvtier.bench.tinymodel import PRESETS, make_preset_model
+from kvtier.bench.workloads import Turn, Workload
+from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.config import TOKENS_PER_CHUNK
+from kvtier.ops.server import ServerError, free_port, running_server
+from kvtier.ops.serving import GIB, ServeCommand, ServeConfig, build_command
+
+CONFIGS = ("vllm", "kvtier-sync", "kvtier-async")
+CHOICES = (*CONFIGS, "kvtier-auto")
+TARGET_ITL_P99_RATIO = 1.2  # async: streams' ITL p99 with arrivals <= 1.2x without
+TARGET_TTFT_VS_SYNC = 1.0  # async: arrivals' TTFT p50 and p99 no worse than sync
+# The timed streams decode at least this long after the last arrival is sent.
+STREAM_TAIL_S = 2.0
+# A server that cannot start because another engine holds the memory is retried.
+_MEMORY_SHORT = "less than desired"
+_START_RETRIES = 3
+_RETRY_WAIT_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class InterferenceConfig:
+    """What one `kvtier bench interference` run does. Validated by `validate`."""
+
+    directory: Path  # a scratch directory (server logs, the disk tiers) is made under it
+    model_root: Path  # where the generated bench model is written (or reused)
+    configs: tuple[str, ...] = CONFIGS  # which configurations to run (CHOICES)
+    streams: int = 4  # K: requests decoding while the arrivals come
+    stream_prompt_tokens: int = 64  # each stream's prompt (unique, under one chunk)
+    stream_tokens: int = 256  # tokens each stream generates (ignore_eos)
+    arrivals: int = 8  # M: requests whose prefixes are in the disk tier
+    arrival_gap_s: float = 0.5  # between two arrivals
+    lead_s: float = 1.0  # the first arrival is sent this long after the streams
+    prefix_tokens: tuple[int, ...] = (4096, 8192)  # arrival i's prefix: item i % len
+    new_tokens: int = 16  # tokens after an arrival's prefix (computed in every case)
+    arrival_max_tokens: int = 4  # tokens each arrival generates
+    memory_tier_chunks: int = 2  # kvtier's memory tier; the disk tier holds the rest
+    engine_kv_bytes: int = 1 * GIB  # vLLM's own KV cache (--kv-cache-memory-bytes)
+    startup_timeout_s: float = 600.0  # per server start
+    request_timeout_s: float = 300.0  # one request's limit
+
+    def validate(self) -> None:
+        """Raises ConfigError naming the first bad field."""
+        for name in ("streams", "stream_prompt_tokens", "stream_tokens", "arrivals",
+                     "new_tokens", "arrival_max_tokens", "memory_tier_chunks"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, getattr(self, name), "an integer >= 1")
+        if self.arrival_gap_s < 0 or self.lead_s < 0:
+            raise ConfigError("arrival_gap_s", (self.arrival_gap_s, self.lead_s),
+                              "seconds >= 0")
+        if not self.prefix_tokens:
+            raise ConfigError("prefix_tokens", "", "at least one length")
+        for n in self.prefix_tokens:
+            if n < TOKENS_PER_CHUNK or n % TOKENS_PER_CHUNK:
+                raise ConfigError("prefix_tokens", n, f"multiples of {TOKENS_PER_CHUNK}")
+        if self.max_model_len > PRESETS["bench"].max_position_embeddings:
+            raise ConfigError("prefix_tokens", max(self.prefix_tokens),
+                              "prefix + new + generated tokens within the bench model's "
+                              f"{PRESETS['bench'].max_position_embeddings} positions")
+        for name in self.configs:
+            if name not in CHOICES:
+                raise ConfigError("configs", name, f"some of {CHOICES}")
+
+    @property
+    def max_model_len(self) -> int:
+        return max(max(self.prefix_tokens, default=0) + self.new_tokens
+                   + self.arrival_max_tokens, self.stream_prompt_tokens + self.stream_tokens)
+
+    def chunks_stored(self) -> int:
+        """Chunks the warm-up's prefixes put in kvtier (all of them reach the disk tier)."""
+        return sum(a.prefix_tokens // TOKENS_PER_CHUNK for a in self.schedule())
+
+    def schedule(self) -> tuple[Arrival, ...]:
+        return arrival_schedule(self.arrivals, self.arrival_gap_s, self.lead_s,
+                                self.prefix_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """One arriving request of the timed phase."""
+
+    index: int  # its number; its prefix is the warm-up's prefix of the same number
+    send_at_s: float  # when it is sent, seconds after the timed phase's streams
+    prefix_tokens: int  # tokens of its warmed prefix
+
+
+def arrival_schedule(count: int, gap_s: float, lead_s: float,
+                     prefix_tokens: Sequence[int]) -> tuple[Arrival, ...]:
+    """`count` arrivals `gap_s` apart, the first at `lead_s`; prefix lengths cycle through
+    `prefix_tokens`.
+
+    Raises:
+        ConfigError: count < 0, a negative time, or no prefix length.
+    """
+    if count < 0 or gap_s < 0 or lead_s < 0:
+        raise ConfigError("arrivals", (count, gap_s, lead_s), "count >= 0, times >= 0")
+    if not prefix_tokens:
+        raise ConfigError("prefix_tokens", "", "at least one length")
+    return tuple(Arrival(i, lead_s + i * gap_s, prefix_tokens[i % len(prefix_tokens)])
+                 for i in range(count))
+
+
+def timed_stream_tokens(config: InterferenceConfig, itl_mean_s: float | None) -> int:
+    """Tokens each stream of the timed phase generates: `stream_tokens`, or more where, at
+    the baseline's pace (`itl_mean_s`), the streams would stop before the last arrival is
+    sent plus STREAM_TAIL_S (arrivals only slow them down); at most what max_model_len
+    leaves after the stream's prompt."""
+    last_s = config.lead_s + (config.arrivals - 1) * config.arrival_gap_s + STREAM_TAIL_S
+    needed = math.ceil(last_s / itl_mean_s) if itl_mean_s else 0
+    return min(max(config.stream_tokens, needed),
+               config.max_model_len - config.stream_prompt_tokens)
+
+
+def token_times(result: RequestResult) -> list[float]:
+    """When each token of `result` arrived, seconds since its run began ([] without one)."""
+    if result.ttft_s is None:
+        return []
+    times = [result.start_s + result.ttft_s]
+    for gap in result.itl_s:
+        times.append(times[-1] + gap)
+    return times
+
+
+def gaps_in_window(results: Sequence[RequestResult], start_s: float,
+                   end_s: float) -> list[float]:
+    """The inter-token gaps of `results` whose later token arrived in [start_s, end_s]."""
+    gaps = []
+    for r in results:
+        times = token_times(r)
+        gaps += [gap for gap, t in zip(r.itl_s, times[1:]) if start_s <= t <= end_s]
+    return gaps
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigRun:
+    """What one configuration's server did."""
+
+    name: str  # one of CHOICES
+    command: str  # the server's command line
+    startup_s: float  # until /health answered
+    warmup_s: float  # phase 1: the prefixes computed, stored and reset
+    timed_stream_tokens: int  # tokens each stream generated in phase 3 (timed_stream_tokens)
+    baseline: tuple[RequestResult, ...]  # the streams with no arrivals
+    streams: tuple[RequestResult, ...]  # the streams of the timed phase
+    arrivals: tuple[RequestResult, ...]  # the arrivals, in schedule order
+    metrics: dict[str, float] | None  # counter deltas over the timed phase (promdiff)
+
+    @property
+    def window_s(self) -> tuple[float, float]:
+        """(first arrival sent, last arrival answered), seconds into the timed phase."""
+        if not self.arrivals:
+            return (0.0, 0.0)
+        return (min(r.start_s for r in self.arrivals),
+                max(r.start_s + r.latency_s for r in self.arrivals))
+
+    @property
+    def baseline_itl(self) -> Percentiles:
+        return percentiles([g for r in self.baseline if r.ok for g in r.itl_s])
+
+    @property
+    def itl(self) -> Percentiles:
+        """The streams' gaps while the arrivals came (see gaps_in_window)."""
+        return percentiles(gaps_in_window([r for r in self.streams if r.ok], *self.window_s))
+
+    @property
+    def ttft(self) -> Percentiles:
+        return percentiles([r.ttft_s for r in self.arrivals if r.ok and r.ttft_s is not None])
+
+    @property
+    def itl_p99_ratio(self) -> float | None:
+        """Streams' ITL p99 with arrivals / without."""
+        return _ratio(self.itl.p99, self.baseline_itl.p99)
+
+    @property
+    def streams_cover_window(self) -> bool:
+        """Whether some stream was still decoding when the last arrival was answered."""
+        ends = [t[-1] for r in self.streams if (t := token_times(r))]
+        return bool(ends) and max(ends) >= self.window_s[1]
+
+    @property
+    def failures(self) -> list[str]:
+        return [r.error or "no token" for r in (*self.baseline, *self.streams, *self.arrivals)
+                if not r.ok]
+
+    def counter(self, suffix: str) -> float:
+        """A kvtier counter's delta over the timed phase, summed over tiers."""
+        return sum(promdiff.kvtier_counters(self.metrics or {}, suffix).values())
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """One of the issue's targets, with its figures."""
+
+    what: str
+    value: str
+    limit: str
+    passed: bool | None  # None: not measured in this run
+
+
+def checks(runs: Mapping[str, ConfigRun]) -> list[Check]:
+    """Issue 13's targets over the runs by configuration name (those absent are skipped)."""
+    out = []
+    if (a := runs.get("kvtier-async")) is not None:
+        ratio = a.itl_p99_ratio
+        out.append(Check("kvtier-async: streams' ITL p99, with / without arrivals",
+                         _x(ratio), f"<= {TARGET_ITL_P99_RATIO}x",
+                         None if ratio is None else ratio <= TARGET_ITL_P99_RATIO))
+    s = runs.get("kvtier-sync")
+    if a is not None and s is not None:
+        for q in ("p50", "p99"):
+            ratio = _ratio(getattr(a.ttft, q), getattr(s.ttft, q))
+            out.append(Check(f"arrivals' TTFT {q}, async / sync", _x(ratio),
+                             f"<= {TARGET_TTFT_VS_SYNC}x (no worse)",
+                             None if ratio is None else ratio <= TARGET_TTFT_VS_SYNC))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class InterferenceResult:
+    """Everything one run measured."""
+
+    config: InterferenceConfig
+    runs: tuple[ConfigRun, ...]
+    wall_s: float
+    machine: dict[str, Any] = field(default_factory=dict)
+
+    def by_name(self) -> dict[str, ConfigRun]:
+        return {r.name: r for r in self.runs}
+
+    def write_json(self, path: Path) -> None:
+        data: dict[str, Any] = {"config": asdict(self.config), "wall_s": self.wall_s,
+                                "machine": self.machine, "runs": [], "checks": [
+                                    asdict(c) for c in checks(self.by_name())]}
+        for run in self.runs:
+            data["runs"].append(dict(
+                asdict(run), window_s=run.window_s, baseline_itl=asdict(run.baseline_itl),
+                itl=asdict(run.itl), ttft=asdict(run.ttft), itl_p99_ratio=run.itl_p99_ratio,
+                streams_cover_window=run.streams_cover_window))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _x(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
+
+# -- running it ------------------------------------------------------------------------------
+
+def server_command(config: InterferenceConfig, name: str, model: Path,
+                   scratch: Path) -> ServeCommand:
+    """The OpenAI server of configuration `name`, dev mode on (/reset_prefix_cache)."""
+    extra: dict[str, Any] | None = None
+    if name != "vllm":
+        extra = {"tokens_per_chunk": TOKENS_PER_CHUNK, "load_mode": name.split("-", 1)[1],
+                 # the warm-up's chunks all reach the disk tier (none dropped on the way)
+                 "write_queue_depth": max(1024, config.chunks_stored()),
+                 "tiers": [{"kind": "memory", "capacity":
+                            config.memory_tier_chunks * TOKENS_PER_CHUNK * KV_BYTES_PER_TOKEN},
+                           {"kind": "disk", "path": str(scratch / name / "disk"),
+                            "capacity": "8GiB"}]}
+    command = build_command(ServeConfig(
+        str(model), kvtier=extra is not None, extra_config=extra, port=free_port(),
+        vllm_args=("--enforce-eager", "--seed", "0", "--max-model-len",
+                   str(config.max_model_len), "--kv-cache-memory-bytes",
+                   str(config.engine_kv_bytes))))
+    return dataclasses.replace(command, env={**command.env, "VLLM_SERVER_DEV_MODE": "1"})
+
+
+def _prompt(tokens: int, seed: int) -> tuple[int, ...]:
+    return tuple(bench_prompt(tokens, seed)["prompt_token_ids"])
+
+
+def _streams(config: InterferenceConfig, seed: int, tokens: int) -> Workload:
+    turns = tuple(Turn(session=i, turn=0, max_tokens=tokens,
+                       tokens=_prompt(config.stream_prompt_tokens, seed + i))
+                  for i in range(config.streams))
+    return Workload("streams", turns, chained=False)
+
+
+def _arrival_turn(config: InterferenceConfig, arrival: Arrival, timed: bool) -> Turn:
+    """Arrival `arrival`'s prompt: its prefix + new tokens (other ones in the warm-up)."""
+    prefix = _prompt(arrival.prefix_tokens, 1_000 + arrival.index)
+    new = _prompt(config.new_tokens, (3_000 if timed else 2_000) + arrival.index)
+    return Turn(session=arrival.index, turn=int(timed), tokens=prefix + new,
+                max_tokens=config.arrival_max_tokens if timed else 1)
+
+
+async def _reset_prefix_cache(url: str) -> None:
+    """Empty vLLM's own prefix cache. Raises ServerError when the server refuses."""
+    async with aiohttp.ClientSession() as http, \
+            http.post(url + "/reset_prefix_cache", timeout=aiohttp.ClientTimeout(60)) as resp:
+        if resp.status != 200:
+            raise ServerError(f"POST /reset_prefix_cache: HTTP {resp.status} "
+                              f"{(await resp.text())[:200]}")
+
+
+def _wait_for_chunks(directory: Path, count: int, timeout_s: float = 180.0) -> None:
+    """Wait until the disk tier's write-behind has put `count` chunk files in `directory`.
+
+    Raises:
+        TimeoutError: fewer after `timeout_s`.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if sum(1 for _ in directory.rglob("*.kvc")) >= count:
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"{directory}: fewer than {count} chunk files after {timeout_s:g} s")
+
+
+async def _send(workload: Workload, cfg: ClientConfig, concurrency: int, delay_s: float,
+                t0: float) -> list[RequestResult]:
+    """Send `workload` after `delay_s`; start times shifted to seconds since `t0`."""
+    await asyncio.sleep(delay_s)
+    begun = time.perf_counter() - t0
+    run = await run_workload(workload, dataclasses.replace(cfg, concurrency=concurrency))
+    return [dataclasses.replace(r, start_s=r.start_s + begun) for r in run.results]
+
+
+_Timed = tuple[list[RequestResult], list[RequestResult], dict[str, float] | None]
+
+
+async def _timed_phase(config: InterferenceConfig, cfg: ClientConfig,
+                       stream_tokens: int) -> _Timed:
+    """Phase 3: the streams and, on schedule, the arrivals; and the counters' deltas."""
+    before = await promdiff.scrape(cfg.url)
+    t0 = time.perf_counter()
+    streams = asyncio.create_task(_send(_streams(config, 500, stream_tokens), cfg,
+                                        config.streams, 0.0, t0))
+    arrivals = [asyncio.create_task(_send(
+        Workload("arrival", (_arrival_turn(config, a, timed=True),), chained=False),
+        cfg, 1, a.send_at_s, t0)) for a in config.schedule()]
+    arrived = [r for results in await asyncio.gather(*arrivals) for r in results]
+    streamed = await streams
+    after = await promdiff.scrape(cfg.url)
+    metrics = promdiff.diff(before, after) if before is not None and after is not None else None
+    return streamed, arrived, metrics
+
+
+def _measure(config: InterferenceConfig, name: str, url: str, model: str, disk: Path | None,
+             progress: Callable[[str], None]) -> ConfigRun:
+    """Phases 1-3 against a ready server (command and startup_s left for the caller).
+
+    Raises:
+        ServerError: a warm-up request failed, or the prefix cache could not be reset.
+        TimeoutError: the disk tier did not get the warm-up's chunks in time.
+    """
+    cfg = ClientConfig(url, model, request_timeout_s=config.request_timeout_s)
+    started = time.perf_counter()
+    progress(f"{name}: warm-up, {config.arrivals} prefixes computed and stored")
+    warm = Workload("warm-up", (Turn(-1, 0, _prompt(64, 7), 2),
+                                *(_arrival_turn(config, a, timed=False)
+                                  for a in config.schedule())), chained=False)
+    one_at_a_time = dataclasses.replace(cfg, concurrency=1)
+    failed = [r.error for r in asyncio.run(run_workload(warm, one_at_a_time)).results
+              if not r.ok]
+    if failed:
+        raise ServerError(f"{name}: a warm-up request failed: {failed[0]}")
+    if disk is not None:
+        _wait_for_chunks(disk, config.chunks_stored())
+    asyncio.run(_reset_prefix_cache(url))
+    warmup_s = time.perf_counter() - started
+    progress(f"{name}: {config.streams} streams, no arrivals")
+    baseline = asyncio.run(run_workload(_streams(config, 100, config.stream_tokens),
+                                        dataclasses.replace(cfg, concurrency=config.streams)))
+    tokens = timed_stream_tokens(config, percentiles(
+        [g for r in baseline.results if r.ok for g in r.itl_s]).mean)
+    asyncio.run(_reset_prefix_cache(url))
+    progress(f"{name}: {config.streams} streams, {config.arrivals} arrivals")
+    streamed, arrived, metrics = asyncio.run(_timed_phase(config, cfg, tokens))
+    return ConfigRun(name, "", 0.0, warmup_s, tokens, baseline.results, tuple(streamed),
+                     tuple(arrived), metrics)
+
+
+def _run_config(config: InterferenceConfig, name: str, model: Path, scratch: Path,
+                progress: Callable[[str], None]) -> ConfigRun:
+    """Start configuration `name`'s server, measure, stop it. A start that fails because
+    another engine on the machine holds the memory is retried after a minute.
+
+    Raises:
+        ServerError: the server did not start (the message has its log's tail).
+    """
+    command = server_command(config, name, model, scratch)
+    for attempt in range(_START_RETRIES + 1):
+        progress(f"{name}: starting the server")
+        started = time.perf_counter()
+        try:
+            with running_server(command, log_path=scratch / f"{name}.log",
+                                startup_timeout_s=config.startup_timeout_s) as server:
+                startup_s = time.perf_counter() - started
+                run = _measure(config, name, server.url, str(model),
+                               scratch / name / "disk" if name != "vllm" else None, progress)
+                return dataclasses.replace(run, command=command.display(),
+                                           startup_s=startup_s)
+        except ServerError as exc:
+            if _MEMORY_SHORT not in str(exc) or attempt == _START_RETRIES:
+                raise
+            progress(f"{name}: not enough free memory (another engine?), retrying in "
+                     f"{_RETRY_WAIT_S:g} s")
+            time.sleep(_RETRY_WAIT_S)
+    raise AssertionError("unreachable")
+
+
+def run_interference_bench(config: InterferenceConfig,
+                           progress: Callable[[str], None] = lambda _text: None
+                           ) -> InterferenceResult:
+    """Run every configuration in sequence; see the module docstring.
+
+    Raises:
+        ConfigError: a bad setting.
+        ServerError: a server did not start, or a warm-up request failed.
+        TimeoutError: a disk tier did not get the warm-up's chunks in time.
+    """
+    config.validate()
+    begin = time.perf_counter()
+    model = make_preset_model("bench", config.model_root)
+    Path(config.directory).mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=".kvtier-interference-", dir=config.directory))
+    load_before = os.getloadavg()
+    runs = []
+    try:
+        for name in config.configs:
+            runs.append(_run_config(config, name, model, scratch, progress))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return InterferenceResult(config, tuple(runs), time.perf_counter() - begin, machine={
+        "cpus": os.cpu_count(), "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg()})

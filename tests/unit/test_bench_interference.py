@@ -1,0 +1,152 @@
+"""`kvtier bench interference`'s pure parts: the arrival schedule, which inter-token gaps count
+as "while the arrivals came", and the ratios the targets are judged on."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from kvtier.bench.interference import (
+    CONFIGS,
+    ConfigRun,
+    InterferenceConfig,
+    arrival_schedule,
+    checks,
+    gaps_in_window,
+    timed_stream_tokens,
+    token_times,
+)
+from kvtier.bench.stats import RequestResult
+from kvtier.cli.bench_interference import config_from
+from kvtier.errors import ConfigError
+
+
+def _request(start_s: float, ttft_s: float | None, gaps: tuple[float, ...] = (),
+             error: str | None = None) -> RequestResult:
+    return RequestResult(session=0, turn=0, prompt_tokens=10, output_tokens=len(gaps) + 1,
+                         start_s=start_s, ttft_s=ttft_s, latency_s=(ttft_s or 0) + sum(gaps),
+                         itl_s=gaps, error=error)
+
+
+def _run(name: str, baseline_gaps: tuple[float, ...], stream_gaps: tuple[float, ...],
+         ttfts: tuple[float, ...]) -> ConfigRun:
+    """A run whose one stream starts at 0 with its first token at 0.1 s, and whose arrivals
+    are sent at 1 s, 2 s, ... and answer right after their first token."""
+    arrivals = tuple(_request(1.0 + i, t) for i, t in enumerate(ttfts))
+    return ConfigRun(name, "cmd", 1.0, 1.0, 300, baseline=(_request(0.0, 0.1, baseline_gaps),),
+                     streams=(_request(0.0, 0.1, stream_gaps),), arrivals=arrivals,
+                     metrics=None)
+
+
+def test_arrivals_are_spaced_after_the_lead_and_cycle_through_the_prefix_lengths() -> None:
+    schedule = arrival_schedule(5, gap_s=0.5, lead_s=1.0, prefix_tokens=(4096, 8192))
+    assert [a.send_at_s for a in schedule] == [1.0, 1.5, 2.0, 2.5, 3.0]
+    assert [a.prefix_tokens for a in schedule] == [4096, 8192, 4096, 8192, 4096]
+    assert [a.index for a in schedule] == [0, 1, 2, 3, 4]
+    assert arrival_schedule(0, 0.5, 1.0, (4096,)) == ()
+
+
+def test_a_schedule_with_negative_times_or_no_prefix_is_refused() -> None:
+    with pytest.raises(ConfigError):
+        arrival_schedule(2, gap_s=-1, lead_s=0, prefix_tokens=(4096,))
+    with pytest.raises(ConfigError):
+        arrival_schedule(2, gap_s=0.5, lead_s=0, prefix_tokens=())
+
+
+def test_token_times_add_the_gaps_to_the_first_token() -> None:
+    assert token_times(_request(2.0, 0.5, (0.1, 0.2))) == pytest.approx([2.5, 2.6, 2.8])
+    assert token_times(_request(2.0, None)) == []
+
+
+def test_only_gaps_ending_inside_the_window_count() -> None:
+    # Tokens at 1.0, 2.0, 3.0, 4.0: the gaps ending at 2.0 and 3.0 are inside [1.5, 3.0].
+    stream = _request(0.0, 1.0, (1.0, 1.0, 1.0))
+    assert gaps_in_window([stream], 1.5, 3.0) == [1.0, 1.0]
+    assert gaps_in_window([stream], 5.0, 6.0) == []
+
+
+def test_the_window_runs_from_the_first_arrival_sent_to_the_last_answered() -> None:
+    run = _run("kvtier-async", (0.01,), (0.01,), ttfts=(0.2, 0.3))
+    assert run.window_s == pytest.approx((1.0, 2.3))
+
+
+def test_stream_itl_with_arrivals_is_judged_against_the_same_server_without_them() -> None:
+    # Baseline gaps 10 ms; during the window (1.0-2.3 s) five gaps of 30 ms among 10 ms ones.
+    stream = (0.01,) * 90 + (0.03,) * 5 + (0.01,) * 200
+    run = _run("kvtier-async", (0.01,) * 100, stream, ttfts=(0.2, 0.3))
+    assert run.baseline_itl.p99 == pytest.approx(0.01)
+    assert run.itl.p99 == pytest.approx(0.03)
+    assert run.itl_p99_ratio == pytest.approx(3.0)
+    assert run.streams_cover_window  # the stream decodes until 2.99 s
+
+
+def test_a_stream_that_ended_before_the_last_arrival_does_not_cover_the_window() -> None:
+    run = _run("kvtier-sync", (0.01,), (0.01,) * 10, ttfts=(0.2, 0.3))
+    assert not run.streams_cover_window
+
+
+def test_targets_async_itl_within_1_2x_and_ttft_no_worse_than_sync() -> None:
+    base = (0.01,) * 100
+    good = _run("kvtier-async", base, (0.011,) * 300, ttfts=(0.20, 0.30))
+    sync = _run("kvtier-sync", base, (0.05,) * 300, ttfts=(0.25, 0.35))
+    verdicts = {c.what: c.passed for c in checks({"kvtier-async": good, "kvtier-sync": sync})}
+    assert verdicts == {"kvtier-async: streams' ITL p99, with / without arrivals": True,
+                        "arrivals' TTFT p50, async / sync": True,
+                        "arrivals' TTFT p99, async / sync": True}
+    slow = _run("kvtier-async", base, (0.02,) * 300, ttfts=(0.5, 0.6))
+    assert not any(c.passed for c in checks({"kvtier-async": slow, "kvtier-sync": sync}))
+
+
+def test_no_check_without_the_runs_it_needs() -> None:
+    assert checks({}) == []
+    only_sync = _run("kvtier-sync", (0.01,), (0.01,), ttfts=(0.2,))
+    assert checks({"kvtier-sync": only_sync}) == []
+
+
+def test_failed_requests_are_reported_and_left_out_of_the_figures() -> None:
+    run = ConfigRun("vllm", "cmd", 1.0, 1.0, 300, baseline=(_request(0.0, 0.1, (0.01,)),),
+                    streams=(), metrics=None,
+                    arrivals=(_request(1.0, 0.2), _request(1.5, None, error="HTTP 500")))
+    assert run.failures == ["HTTP 500"]
+    assert run.ttft.count == 1
+
+
+def _args(**overrides: object) -> argparse.Namespace:
+    values: dict[str, object] = dict(
+        quick=False, streams=None, stream_tokens=None, arrivals=None, arrival_gap_s=None,
+        prefix_tokens=None, config=None, dir=Path("."), model_root=Path("."))
+    values.update(overrides)
+    return argparse.Namespace(**values)
+
+
+def test_quick_is_smaller_and_flags_override_it() -> None:
+    full = config_from(_args())
+    quick = config_from(_args(quick=True, arrivals=3))
+    assert full.configs == CONFIGS and full.arrivals == 8
+    assert quick.arrivals == 3 and quick.prefix_tokens == (4096,) and quick.streams < 4
+
+
+@pytest.mark.parametrize("overrides", [{"prefix_tokens": "4000"}, {"prefix_tokens": "x"},
+                                       {"prefix_tokens": "32768"}, {"streams": 0},
+                                       {"config": ["nope"]}])
+def test_bad_settings_name_the_field(overrides: dict[str, object]) -> None:
+    with pytest.raises(ConfigError):
+        config_from(_args(**overrides))
+
+
+def test_the_warm_up_stores_every_prefix_chunk() -> None:
+    config = InterferenceConfig(Path("."), Path("."), arrivals=3, prefix_tokens=(4096, 8192))
+    assert config.chunks_stored() == 16 + 32 + 16
+    assert config.max_model_len == 8192 + config.new_tokens + config.arrival_max_tokens
+
+
+def test_timed_streams_last_past_the_last_arrival_at_the_baseline_pace() -> None:
+    config = InterferenceConfig(Path("."), Path("."), arrivals=4, arrival_gap_s=0.5,
+                                lead_s=1.0, stream_tokens=128, prefix_tokens=(4096,))
+    # The last arrival at 2.5 s, + 2 s: 4.5 s at 10 ms a token.
+    assert timed_stream_tokens(config, 0.01) == 450
+    assert timed_stream_tokens(config, 1.0) == 128  # slow enough already
+    assert timed_stream_tokens(config, None) == 128  # no baseline figure
+    assert timed_stream_tokens(config, 1e-6) == config.max_model_len - 64  # the context's end
