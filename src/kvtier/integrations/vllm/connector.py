@@ -35,10 +35,10 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.core.fingerprint import ModelFingerprint, model_fingerprint
 from kvtier.core.layout import KVLayout
 from kvtier.core.locator import ChunkLocator
-from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.messages import KVTierMetadata
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, KVTierPromMetrics
+from kvtier.integrations.vllm.models import HMA_ALTERNATIVE, check_supported, model_traits, refuse
 from kvtier.integrations.vllm.scheduler import ConnectorScheduler
 from kvtier.integrations.vllm.worker import ConnectorWorker, PagedKV
 from kvtier.tiers import build_probe, open_store
@@ -63,16 +63,18 @@ def scheduler_layouts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
     rank 0's digest (all ranks share keys); each rank stores its shard under its own layout.
 
     Raises:
-        ConfigError: for models with more than one KV cache group (hybrid, sliding window).
+        ConfigError: naming the model, for KV cache groups kvtier cannot store (models.py).
     """
     groups = kv_cache_config.kv_cache_groups
+    model = str(vllm_config.model_config.model)
     if len(groups) != 1:
-        raise ConfigError("kv_cache_groups", len(groups),
-                          "exactly one (full-attention models only for now)")
+        raise refuse(model, f"{len(groups)} KV cache groups (" + ", ".join(
+            type(g.kv_cache_spec).__name__ for g in groups) + "); kvtier stores one group of "
+            "attention layers", HMA_ALTERNATIVE)
     spec = groups[0].kv_cache_spec
     if not isinstance(spec, AttentionSpec):
-        raise ConfigError("kv_cache_spec", type(spec).__name__,
-                          "an attention KV cache (per-token K and V)")
+        raise refuse(model, f"a {type(spec).__name__} KV cache, not per-token K and V",
+                     HMA_ALTERNATIVE)
     world = vllm_config.parallel_config.tensor_parallel_size
     return [
         KVLayout(num_layers=len(groups[0].layer_names), num_kv_heads=spec.num_kv_heads,
@@ -139,6 +141,7 @@ class KVTierConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        check_supported(model_traits(vllm_config))
         self._config = ConnectorConfig.parse(self._kv_transfer_config.kv_connector_extra_config)
         # vLLM's default kv_load_failure_policy is "fail": a request whose load we report
         # (get_block_ids_with_load_errors: a corrupt or vanished chunk) finished with an
@@ -170,6 +173,20 @@ class KVTierConnector(KVConnectorBase_V1):
                 weights_fingerprint=fingerprint.digest, locator=locator,
                 tier_kinds={t.tier_name: t.kind for t in self._config.store.tiers},
                 emit_events=bool(events and events.enable_kv_cache_events))
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """None (vLLM's own choice). vLLM asks this in the engine-core process after loading
+        the model and before profiling memory and building the KV cache groups: the first
+        point where the connector sees the model, so a model kvtier cannot serve is refused
+        here, by kvtier, in one line (models.py), rather than by vLLM's "Failed to promote
+        local KV cache specs" later.
+
+        Raises:
+            ConfigError: naming the model, the reason and the alternative.
+        """
+        check_supported(model_traits(vllm_config))
+        return None
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -1,0 +1,107 @@
+"""Which models kvtier serves: a model it cannot serve is refused by kvtier at start-up, with one
+line naming the model, the reason and what to run instead (issue 11, item 3).
+
+kvtier stores the per-token K and V of attention layers, for one KV cache group of
+full-attention layers. It does not implement vLLM's hybrid KV cache manager interface
+(`SupportsHMA`), so vLLM runs it with that manager off, and then:
+
+  - full-attention models: served;
+  - sliding-window + full attention (Gemma 2/3, GPT-OSS style `layer_types`): served. vLLM
+    promotes the sliding layers to full attention (`_promote_local_kv_cache_specs`), keeps
+    every token's KV in every layer, and kvtier stores and loads all of it; outputs are
+    those of the miss path (tests/vllm/test_hybrid_models.py). The window's memory saving
+    is lost, in vLLM and in kvtier;
+  - layers whose state is not per-token KV — Mamba/SSM, short convolutions, linear attention
+    (Jamba, Bamba, LFM2, Qwen3-Next, ...), or no attention at all: vLLM cannot promote them
+    and used to die with "Failed to promote local KV cache specs to one unified type". A
+    prefix hit on such a model needs the state at the end of the prefix, which kvtier does not
+    store: refused;
+  - encoder-decoder models (cross-attention KV computed from the encoder's input, which no
+    key of kvtier's covers): refused.
+
+The check runs in vLLM's engine-core process when vLLM asks the connector class for its KV
+cache layout (`get_required_kvcache_layout`), after the model is loaded and before memory
+profiling and the KV cache groups (where the promotion failed), and again when the scheduler
+connector is built, on the groups themselves.
+
+This module imports neither vllm nor torch.
+
+Primitives: `ModelTraits`, `model_traits(vllm_config)`, `unsupported_reason(traits)`,
+`check_supported(traits)`, `refuse(model, reason)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvtier.errors import ConfigError
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+# What to run instead, for each kind of refusal.
+WITHOUT_KVTIER = "serve it without kvtier's connector (vLLM's own prefix cache still works)"
+HMA_ALTERNATIVE = (WITHOUT_KVTIER + ", or with vLLM's native offloading (OffloadingConnector, "
+                   "which supports the hybrid KV cache manager from vLLM 0.21, on CUDA)")
+# `layer_types` values of attention layers (HF configs: Gemma 2/3, GPT-OSS, Qwen2/3, LFM2, ...).
+ATTENTION_LAYER_TYPES = frozenset({
+    "attention", "full_attention", "sliding_attention", "sliding_window_attention",
+    "chunked_attention", "local_attention", "global_attention"})
+
+
+@dataclass(frozen=True, slots=True)
+class ModelTraits:
+    """What decides whether kvtier can serve a model (from vLLM's model config)."""
+
+    model: str  # the model as given to vLLM (name or path), for the message
+    architecture: str  # the HF architecture, e.g. "Lfm2ForCausalLM"
+    attention_free: bool = False  # no attention layer at all (Mamba, RWKV)
+    hybrid: bool = False  # state layers (Mamba/SSM, conv, linear attention) beside attention
+    encoder_decoder: bool = False  # cross-attention over an encoder's output
+    layer_types: tuple[str, ...] = ()  # the HF config's `layer_types`, when it has one
+
+
+def model_traits(vllm_config: VllmConfig) -> ModelTraits:
+    """The traits of the model `vllm_config` serves, as vLLM's model registry knows them."""
+    model = vllm_config.model_config
+    hf_config: Any = model.hf_text_config
+    layer_types = getattr(hf_config, "layer_types", None) or ()
+    return ModelTraits(
+        model=str(model.model), architecture=str(model.architecture),
+        attention_free=bool(model.is_attention_free), hybrid=bool(model.is_hybrid),
+        encoder_decoder=bool(model.is_encoder_decoder),
+        layer_types=tuple(str(t) for t in layer_types))
+
+
+def unsupported_reason(traits: ModelTraits) -> tuple[str, str] | None:
+    """(why kvtier cannot serve the model, what to run instead), or None when it can."""
+    state_layers = sorted({t for t in traits.layer_types if t not in ATTENTION_LAYER_TYPES})
+    if traits.attention_free:
+        return "attention-free model (Mamba/SSM state, no per-token KV)", WITHOUT_KVTIER
+    if traits.hybrid or state_layers:
+        kinds = "/".join(state_layers) if state_layers else "Mamba/SSM, conv or linear-attention"
+        return (f"hybrid KV cache: {kinds} state layers besides attention (a prefix hit needs "
+                "their state, which kvtier does not store)", HMA_ALTERNATIVE)
+    if traits.encoder_decoder:
+        return "encoder-decoder model (cross-attention KV of the encoder's input)", \
+            WITHOUT_KVTIER
+    return None
+
+
+def refuse(model: str, reason: str, alternative: str = WITHOUT_KVTIER) -> ConfigError:
+    """The one-line error refusing `model` (to raise)."""
+    return ConfigError("model", model, f"kvtier cannot serve it: {reason}; {alternative}")
+
+
+def check_supported(traits: ModelTraits) -> None:
+    """Raise unless kvtier can serve the model.
+
+    Raises:
+        ConfigError: naming the model (and its architecture), the reason and the alternative.
+    """
+    found = unsupported_reason(traits)
+    if found is not None:
+        reason, alternative = found
+        raise refuse(traits.model, f"{traits.architecture}, {reason}", alternative)
+

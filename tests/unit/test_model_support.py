@@ -1,0 +1,49 @@
+"""Which models kvtier serves (issue 11, item 3): the decision on a model's traits, without vLLM.
+A refused model gets one line naming it, the reason and what to run instead; the real start-up
+refusal of an LFM2-style model is tests/vllm/test_hybrid_models.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.models import ModelTraits, check_supported, unsupported_reason
+
+
+def _traits(**fields: object) -> ModelTraits:
+    return ModelTraits(model="/models/m", architecture="SomeForCausalLM", **fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("layer_types", [
+    (),  # Llama: no layer_types
+    ("full_attention",) * 4,
+    ("sliding_attention", "full_attention") * 2,  # Gemma 3 / GPT-OSS: vLLM promotes them
+])
+def test_attention_only_models_are_served(layer_types: tuple[str, ...]) -> None:
+    assert unsupported_reason(_traits(layer_types=layer_types)) is None
+    check_supported(_traits(layer_types=layer_types))
+
+
+def test_a_conv_hybrid_is_refused_in_one_line_naming_model_reason_and_alternative() -> None:
+    lfm2 = ModelTraits(model="/models/lfm2", architecture="Lfm2ForCausalLM", hybrid=True,
+                       layer_types=("conv", "full_attention") * 2)
+    with pytest.raises(ConfigError) as caught:
+        check_supported(lfm2)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert "/models/lfm2" in message and "Lfm2ForCausalLM" in message
+    assert "conv state layers besides attention" in message
+    assert "without kvtier's connector" in message and "OffloadingConnector" in message
+
+
+@pytest.mark.parametrize(("traits", "reason"), [
+    # vLLM's registry knows a Mamba hybrid even when its config has no layer_types (Jamba).
+    (dict(hybrid=True), "Mamba/SSM, conv or linear-attention state layers"),
+    # layer_types alone tell a state layer (Qwen3-Next's linear attention).
+    (dict(layer_types=("linear_attention", "full_attention")), "linear_attention state"),
+    (dict(attention_free=True), "attention-free"),
+    (dict(encoder_decoder=True), "encoder-decoder"),
+])
+def test_every_kind_of_refusal_names_its_reason(traits: dict[str, object], reason: str) -> None:
+    found = unsupported_reason(_traits(**traits))
+    assert found is not None and reason in found[0]

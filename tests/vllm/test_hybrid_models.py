@@ -1,0 +1,121 @@
+"""Hybrid models in a real vLLM (CPU backend) with kvtier, issue 11 item 3.
+
+Two generated random-weight models, two engine starts:
+  - Gemma-3 style, sliding-window + full attention layers (`layer_types`, window 64): served.
+    kvtier does not implement vLLM's hybrid KV cache manager interface, so vLLM runs with that
+    manager off and keeps every token's KV in the sliding layers too (it promotes them to full
+    attention); kvtier stores and loads all of it, and hits give the miss path's tokens.
+  - LFM2 style, short-convolution + full attention layers: its conv state is not per-token
+    KV, vLLM cannot promote it ("Failed to promote local KV cache specs to one unified type"
+    before kvtier refused it). kvtier refuses it at start-up, in one line naming the model,
+    the reason and the alternative (kvtier/integrations/vllm/models.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm_harness import (
+    kvtier_counter,
+    kvtier_transfer_config,
+    random_prompts,
+    start_engine,
+    token_ids,
+)
+
+from kvtier.bench.tinymodel import BOS_ID, EOS_ID, UNK_ID, write_tokenizer
+
+pytestmark = pytest.mark.vllm
+
+CHUNK = 64
+BYPASS = {"skip_load": True, "skip_store": True}
+SHAPE: dict[str, Any] = dict(
+    vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+    bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=UNK_ID)
+
+
+def _save(model: Any, out: Path) -> Path:
+    import torch
+
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    write_tokenizer(SHAPE["vocab_size"], out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Gemma-3 style model: sliding-window (64 tokens) and full attention layers."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    extra: dict[str, Any] = dict(  # config.json keys the config class does not declare
+        torch_dtype="bfloat16")
+    config = Gemma3TextConfig(
+        **SHAPE, head_dim=32, sliding_window=64, initializer_range=0.1,
+        layer_types=["sliding_attention", "full_attention"] * 2, **extra)
+    torch.manual_seed(0)
+    return _save(Gemma3ForCausalLM(config), tmp_path_factory.mktemp("gemma3-style"))
+
+
+@pytest.fixture(scope="module")
+def lfm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An LFM2 style model: short-convolution and full attention layers. The `conv_dim` and
+    `block_*` keys are the names vLLM 0.32's Lfm2 reads (transformers 5 writes others)."""
+    import torch
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    hidden, ffn = SHAPE["hidden_size"], SHAPE["intermediate_size"]
+    extra: dict[str, Any] = dict(  # config.json keys the config class does not declare
+        torch_dtype="bfloat16", conv_dim=hidden, conv_dim_out=hidden, block_dim=hidden,
+        block_ff_dim=ffn)
+    config = Lfm2Config(
+        **SHAPE, layer_types=["conv", "full_attention"] * 2, block_multiple_of=ffn,
+        block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=False, **extra)
+    model_class: Any = Lfm2ForCausalLM  # untyped in transformers
+    torch.manual_seed(0)
+    return _save(model_class(config), tmp_path_factory.mktemp("lfm2-style"))
+
+
+@pytest.fixture(scope="module")
+def gemma3(gemma3_dir: Path) -> Iterator[Any]:
+    config = kvtier_transfer_config([{"kind": "memory", "capacity": "64MiB"}], CHUNK)
+    with start_engine(gemma3_dir, config) as engine:
+        yield engine
+
+
+def test_a_conv_hybrid_model_is_refused_by_kvtier_in_one_line(
+        lfm2_dir: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """The engine does not start, and the reason is kvtier's one line, not vLLM's
+    "Failed to promote local KV cache specs to one unified type". (First in the module: the
+    other case's engine is not running yet, so one engine at a time.)"""
+    config = kvtier_transfer_config([{"kind": "memory", "capacity": "8MiB"}], CHUNK)
+    with pytest.raises(RuntimeError, match="Engine core initialization failed"):
+        with start_engine(lfm2_dir, config):
+            pass
+    captured = capfd.readouterr()
+    output = captured.out + captured.err
+    [line] = {line.split("ConfigError: ", 1)[1] for line in output.splitlines()
+              if "ConfigError: " in line and "kvtier cannot serve it" in line}
+    assert str(lfm2_dir) in line and "Lfm2ForCausalLM" in line
+    assert "conv state layers besides attention" in line
+    assert "without kvtier's connector" in line and "OffloadingConnector" in line
+    assert "Failed to promote" not in output
+
+
+def test_sliding_window_and_full_attention_hits_give_the_miss_paths_tokens(gemma3: Any) -> None:
+    """Prompts longer than the window: every full chunk but the last token's loads from
+    kvtier, and the tokens are those of the miss path (kvtier bypassed)."""
+    prompts = random_prompts([300, 200], seed=31)
+    miss = token_ids(gemma3, prompts, kv_transfer_params=BYPASS)
+    gemma3.reset_prefix_cache()
+    first = token_ids(gemma3, prompts)
+    gemma3.reset_prefix_cache()
+    loaded = kvtier_counter("loaded_tokens")
+    second = token_ids(gemma3, prompts)
+    assert first == miss and second == miss
+    loadable = sum((len(p["prompt_token_ids"]) - 1) // CHUNK * CHUNK for p in prompts)
+    assert kvtier_counter("loaded_tokens") - loaded == loadable
