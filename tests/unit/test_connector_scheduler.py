@@ -186,3 +186,42 @@ def test_different_cache_salts_never_share_chunks() -> None:
     engine.store_all(engine.step(new={"a": (list(range(7)), 0, 200)}))
     assert engine.admit(request("b", 200, salt="tenant-b"), list(range(10, 17))) == 0
     assert engine.admit(request("c", 200, salt="tenant-a"), list(range(20, 27))) == 192
+
+
+def test_a_hit_held_in_ram_loads_inline_and_one_below_it_loads_async() -> None:
+    from kvtier.core.store import StoreEvent
+    from kvtier.core.tier import EventKind
+
+    engine = Engine()
+    engine.admit(request("a", 200), list(range(7)))
+    held = engine.store_all(engine.step(new={"a": (list(range(7)), 0, 200)}))
+    # In RAM (the workers reported the stores): a memcpy, loaded within the step.
+    assert engine.sched.get_num_new_matched_tokens(request("b", 200), 0) == (192, False)
+    # RAM evicted chunk 1 (it lives on in a lower tier): the hit is loaded while the engine
+    # runs the other requests, and the plan carries it apart.
+    engine.report(events=[StoreEvent(EventKind.REMOVED, held[1], "memory")])
+    late = request("c", 200)
+    assert engine.sched.get_num_new_matched_tokens(late, 0) == (192, True)
+    engine.sched.update_state_after_alloc(
+        late, SimpleNamespace(get_block_ids=lambda: (list(range(10, 17)),)), 192)
+    meta = engine.step()
+    assert meta.loads == {} and [t.key for t in meta.async_loads["c"]] == held
+
+
+def test_load_mode_forces_either_way_and_a_failed_load_is_not_asked_again() -> None:
+    engine = Engine()
+    engine.sched._config = ConnectorConfig.parse({"tokens_per_chunk": CHUNK,
+                                                  "load_mode": "async"})
+    engine.admit(request("a", 200), list(range(7)))
+    held = engine.store_all(engine.step(new={"a": (list(range(7)), 0, 200)}))
+    req = request("b", 200)
+    assert engine.sched.get_num_new_matched_tokens(req, 0) == (192, True)
+    engine.sched.update_state_after_alloc(
+        req, SimpleNamespace(get_block_ids=lambda: (list(range(10, 17)),)), 192)
+    assert "b" in engine.step().async_loads
+    engine.report(missing={held[0]}, failed_blocks=set(range(10, 16)))
+    # vLLM frees its blocks and asks again: kvtier says recompute (a stalled tier would fail
+    # again and keep the request waiting).
+    assert engine.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    with pytest.raises(Exception, match="load_mode"):
+        ConnectorConfig.parse({"load_mode": "sometimes"})

@@ -33,7 +33,11 @@ TOKENS_PER_CHUNK = 256
 # Used when the extra config names no tiers: host RAM only.
 DEFAULT_TIERS: tuple[dict[str, Any], ...] = ({"kind": "memory", "capacity": "2GiB"},)
 # The connector's own keys; every other key of the extra config belongs to StoreConfig.
-CONNECTOR_KEYS = frozenset({"tokens_per_chunk", "index_max_keys"})
+CONNECTOR_KEYS = frozenset({"tokens_per_chunk", "index_max_keys", "load_mode"})
+# How a hit is loaded: "sync" inside the step that needs it (the whole batch waits for it),
+# "async" while other requests keep running (the request waits one step or more), "auto":
+# async unless every chunk of the hit is in RAM (a RAM hit is a memcpy: cheaper inline).
+LOAD_MODES = ("auto", "sync", "async")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +57,8 @@ class ConnectorConfig:
     # Keys the scheduler remembers as stored (~100 B each). None: as many chunks as the
     # tiers can hold together, so the index forgets about as fast as the tiers evict.
     index_max_keys: int | None = None
+    # See LOAD_MODES.
+    load_mode: str = "auto"
 
     @staticmethod
     def known_keys() -> frozenset[str]:
@@ -79,7 +85,10 @@ class ConnectorConfig:
                               f"a known key: {sorted(allowed)}")
         values = {k: extra.pop(k) for k in CONNECTOR_KEYS if k in extra}
         for name, value in values.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if name == "load_mode":
+                if value not in LOAD_MODES:
+                    raise ConfigError(f"{where}.{name}", value, f"one of {LOAD_MODES}")
+            elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{where}.{name}", value, "a positive integer")
         extra.setdefault("tiers", [dict(t) for t in DEFAULT_TIERS])
         return cls(store=StoreConfig.parse(extra, where=where), **values)

@@ -243,6 +243,8 @@ class KVTierConnector(KVConnectorBase_V1):
             self._worker.begin_step(meta)
             if meta.loads:
                 self._worker.load(meta)
+            if meta.async_loads:
+                self._worker.start_async(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv
@@ -258,6 +260,14 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         return self._scheduler.take_events() if self._scheduler is not None else ()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(None, the requests whose asynchronous load ended): kvtier's stores are
+        synchronous, so no request waits on one; an ended load may have failed (see
+        get_block_ids_with_load_errors, asked right after this)."""
+        if self._worker is None:
+            return None, None
+        return None, self._worker.take_finished_loads() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_failed_block_ids() if self._worker is not None else set()

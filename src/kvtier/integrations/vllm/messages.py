@@ -49,6 +49,9 @@ class KVTierMetadata(KVConnectorMetadata):
 
     # Loads, per request, in chunk order; done before the forward pass.
     loads: dict[str, list[ChunkTransfer]] = field(default_factory=dict)
+    # Loads of requests waiting for them (vLLM's WAITING_FOR_REMOTE_KVS): started this step,
+    # done on the worker's load thread while the engine runs, reported by `get_finished`.
+    async_loads: dict[str, list[ChunkTransfer]] = field(default_factory=dict)
     # Stores of chunks that this step's forward completes; done after the forward pass.
     stores: list[ChunkTransfer] = field(default_factory=list)
     # Blocks whose failed load the scheduler has learned of (vLLM recomputes them from this

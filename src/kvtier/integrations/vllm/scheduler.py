@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvtier.core.keys import ChunkKey, Namespace, chunk_keys
-from kvtier.core.locator import ChunkLocator, LookupStatus
+from kvtier.core.locator import ChunkIndex, ChunkLocator, LookupStatus
+from kvtier.core.tier import EventKind
 from kvtier.integrations.vllm.config import ConnectorConfig, RequestControls
 from kvtier.integrations.vllm.events import ChunkInfo, ChunkTokens, kv_events
 from kvtier.integrations.vllm.messages import ChunkTransfer, KVTierMetadata, KVTierWorkerMetadata
@@ -56,6 +57,9 @@ CHUNK_ORDER = "chunk-order=LBH2TD-v2"
 # scheduling keeps one step in flight), so 2 would do; the rest is slack. A block past the
 # window whose load failed was acknowledged long since (see _acked_failed_blocks).
 LOAD_CONFIRM_STEPS = 4
+# Keys remembered as held in the workers' RAM tier (~100 B each): 2^17 chunks is 256 GiB of
+# RAM tier at 2 MiB a chunk; past that the oldest are forgotten (their hits load async).
+IN_RAM_MAX_KEYS = 1 << 17
 
 
 @dataclass(slots=True)
@@ -73,6 +77,11 @@ class _RequestState:
     has_extras: bool = False
     # Its KV depends on something kvtier cannot key: never looked up, never stored.
     uncacheable: bool = False
+    # Its last lookup's hit is loaded asynchronously (the request waits for it).
+    load_async: bool = False
+    # A load of it failed: it is recomputed, never looked up again (a tier that failed once,
+    # e.g. stalled, would fail again and keep the request waiting).
+    load_failed: bool = False
 
 
 class ConnectorScheduler:
@@ -105,16 +114,23 @@ class ConnectorScheduler:
         self._recent_loads: dict[int, int] = {}
         # Blocks whose failed load a worker reported, to acknowledge in the next plan.
         self._acked_failed_blocks: set[int] = set()
+        # Async loads planned for the next step (request id -> chunks).
+        self._pending_async: dict[str, list[ChunkTransfer]] = {}
+        # Keys the workers' top tier (RAM) holds, as their reports and tier events tell:
+        # a hit entirely in RAM is loaded inline (load_mode "auto").
+        self._top_tier = config.store.tiers[0].tier_name
+        self._in_ram = ChunkIndex(IN_RAM_MAX_KEYS)
 
     # -- lookup ---------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Tokens beyond `num_computed_tokens` that kvtier can load (synchronously), or
-        (None, False) while a slow tier is still being asked (vLLM asks again later)."""
+        """Tokens beyond `num_computed_tokens` that kvtier can load, and whether the load is
+        asynchronous; (None, False) while a slow tier is still being asked (vLLM asks again
+        later)."""
         state = self._state(request)
         state.lookup_computed_tokens = num_computed_tokens
-        if state.controls.skip_load:
+        if state.controls.skip_load or state.load_failed:
             return 0, False
         # The last token is always recomputed: vLLM needs its logits.
         loadable_chunks = (request.num_tokens - 1) // self._config.tokens_per_chunk
@@ -129,7 +145,16 @@ class ConnectorScheduler:
         self._stats.add("lookup_hit_tokens", max(0, hit_tokens - num_computed_tokens))
         if hit_tokens <= num_computed_tokens:
             return 0, False
-        return hit_tokens - num_computed_tokens, False
+        state.load_async = self._loads_async(keys[num_computed_tokens // self._config.tokens_per_chunk:
+                                                  located.num_chunks])
+        return hit_tokens - num_computed_tokens, state.load_async
+
+    def _loads_async(self, keys: list[ChunkKey]) -> bool:
+        """Whether a hit of `keys` is loaded asynchronously (see config.LOAD_MODES)."""
+        mode = self._config.load_mode
+        if mode != "auto":
+            return mode == "async"
+        return not all(key in self._in_ram for key in keys)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -150,17 +175,20 @@ class ConnectorScheduler:
                 block_ids=tuple(block_ids[first: first + self._blocks_per_chunk]),
                 first_block=max(0, start // self._block_size - first),
             ))
-        self._pending_loads[request.request_id] = transfers
+        pending = self._pending_async if state.load_async else self._pending_loads
+        pending[request.request_id] = transfers
+        if state.load_async:
+            self._stats.add("async_loads", 1)
         state.num_planned_chunks = max(state.num_planned_chunks, end // tpc)
 
     # -- per step -------------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMetadata:
         """This step's plan: the pending loads, and stores of chunks the step completes."""
-        meta = KVTierMetadata(loads=self._pending_loads,
+        meta = KVTierMetadata(loads=self._pending_loads, async_loads=self._pending_async,
                               acked_failed_blocks=self._acked_failed_blocks)
-        self._pending_loads, self._acked_failed_blocks = {}, set()
-        self._remember_loads(meta.loads)
+        self._pending_loads, self._pending_async, self._acked_failed_blocks = {}, {}, set()
+        self._remember_loads(meta.loads | meta.async_loads)
         for req_id in scheduler_output.preempted_req_ids or ():
             if req_id in self._requests:
                 # Its blocks are freed; the resumed request gets a full new block list, and
@@ -198,6 +226,14 @@ class ConnectorScheduler:
         if not isinstance(report, KVTierWorkerMetadata):
             return
         self._locator.record_stored(report.stored)
+        for key in report.stored:  # stores go to the top tier
+            self._in_ram.add(key)
+        for event in report.events:
+            if event.tier == self._top_tier:
+                if event.kind is EventKind.STORED:
+                    self._in_ram.add(event.key)
+                else:
+                    self._in_ram.discard(event.key)
         self._locator.record_missing(report.missing)
         self._locator.record_missing(report.removed)  # evicted from every tier
         if self._emit_events:
@@ -212,15 +248,17 @@ class ConnectorScheduler:
             # missing (the load had marked it planned), and the next request with that prefix
             # missed too (tests/vllm/test_kvtier_restart.py, damaged chunk files).
             for state in self._requests.values():
-                failed = [i for i, key in enumerate(state.keys[: state.num_planned_chunks])
-                          if key in replan]
+                planned = state.keys[: state.num_planned_chunks]
+                failed = [i for i, key in enumerate(planned) if key in replan]
                 if failed:
                     state.num_planned_chunks = failed[0]
+                    state.load_failed |= not report.missing.isdisjoint(planned)
 
     def request_finished(self, request: Request) -> None:
         """Forget the request; stores are synchronous, so its blocks can be freed now."""
         self._requests.pop(request.request_id, None)
         self._pending_loads.pop(request.request_id, None)
+        self._pending_async.pop(request.request_id, None)
         self._locator.forget(request.request_id)
 
     # -- helpers --------------------------------------------------------------------------

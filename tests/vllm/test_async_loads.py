@@ -1,0 +1,101 @@
+"""Asynchronous loads in real vLLM (issue 13): hits that live below RAM are loaded while the
+engine runs other requests (vLLM's WAITING_FOR_REMOTE_KVS), with the outputs of the miss path.
+
+One engine, load_mode "auto": its RAM tier holds two chunks, so hits come from the disk tier
+and load asynchronously; vLLM's own cache is emptied before each case so that kvtier serves it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm_harness import (
+    chunk_files,
+    kvtier_counter,
+    kvtier_transfer_config,
+    metric,
+    random_prompts,
+    start_engine,
+    token_ids,
+)
+
+from kvtier.core.chunkformat import HEADER_BYTES
+
+pytestmark = pytest.mark.vllm
+
+CHUNK = 64
+MAX_TOKENS = 12
+HITS = "vllm:external_prefix_cache_hits"
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[tuple[Any, Path]]:
+    disk = tmp_path_factory.mktemp("async-disk")
+    tiers = [{"kind": "memory", "capacity": "64KiB"},  # two 32 KiB chunks
+             {"kind": "disk", "path": str(disk), "capacity": "256MiB"}]
+    with start_engine(tiny_model_dir, kvtier_transfer_config(tiers, CHUNK)) as llm:
+        yield llm, disk
+
+
+def misses(llm: Any, prompts: list[dict[str, list[int]]]) -> list[list[int]]:
+    """The miss path's outputs, one prompt at a time (each stores its chunks)."""
+    outs = []
+    for prompt in prompts:
+        assert llm.reset_prefix_cache()
+        outs += token_ids(llm, [prompt], MAX_TOKENS)
+    return outs
+
+
+def test_disk_hits_load_async_with_the_miss_paths_outputs(engine: tuple[Any, Path]) -> None:
+    llm, _ = engine
+    prompts = random_prompts([500, 300, 700], seed=120)
+    clean = misses(llm, prompts)
+    asyncs, hits = kvtier_counter("async_loads"), metric(llm, HITS)
+    assert llm.reset_prefix_cache()
+    assert token_ids(llm, prompts, MAX_TOKENS) == clean  # one batch, three loads
+    assert kvtier_counter("async_loads") - asyncs == 3
+    assert metric(llm, HITS) - hits == sum((len(p["prompt_token_ids"]) - 1) // CHUNK * CHUNK
+                                           for p in prompts)
+
+
+def test_partial_hits_and_two_requests_sharing_a_prefix_being_loaded(
+        engine: tuple[Any, Path]) -> None:
+    llm, _ = engine
+    [base] = random_prompts([400], seed=121)
+    tokens = base["prompt_token_ids"]
+    longer = {"prompt_token_ids": tokens + [5, 6, 7] * 40}  # shares 6 chunks, adds 2
+    twin = {"prompt_token_ids": tokens[:300] + [9] * 50}  # shares 4 chunks
+    clean = misses(llm, [base]) + misses(llm, [longer, twin])
+    assert llm.reset_prefix_cache()
+    # The longer prompt first (its prefix loads), then both others in one batch.
+    assert token_ids(llm, [longer], MAX_TOKENS) == [clean[1]]
+    assert llm.reset_prefix_cache()
+    assert token_ids(llm, [base, twin], MAX_TOKENS) == [clean[0], clean[2]]
+
+
+def test_a_corrupt_chunk_loaded_async_is_recomputed(engine: tuple[Any, Path]) -> None:
+    llm, disk = engine
+    [prompt] = random_prompts([450], seed=122)
+    before = set(chunk_files(disk))
+    [clean] = misses(llm, [prompt])
+    new = sorted(set(chunk_files(disk)) - before)
+    assert new
+    for path in new:  # every chunk of it corrupt: the whole async load fails
+        with open(path, "r+b") as f:
+            f.seek(HEADER_BYTES + 100)
+            byte = f.read(1)
+            f.seek(HEADER_BYTES + 100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    failures = kvtier_counter("load_failures")
+    assert llm.reset_prefix_cache()
+    assert token_ids(llm, [prompt], MAX_TOKENS) == [clean]
+    assert kvtier_counter("load_failures") > failures
+    # Recomputed and stored again: the next run hits.
+    assert llm.reset_prefix_cache()
+    hits = metric(llm, HITS)
+    assert token_ids(llm, [prompt], MAX_TOKENS) == [clean]
+    assert metric(llm, HITS) > hits
