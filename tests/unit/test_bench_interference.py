@@ -150,3 +150,9 @@ def test_timed_streams_last_past_the_last_arrival_at_the_baseline_pace() -> None
     assert timed_stream_tokens(config, 1.0) == 128  # slow enough already
     assert timed_stream_tokens(config, None) == 128  # no baseline figure
     assert timed_stream_tokens(config, 1e-6) == config.max_model_len - 64  # the context's end
+
+
+def test_the_floor_run_is_reported_for_reference_not_judged() -> None:
+    floor = _run("vllm-prefix", (0.01,) * 100, (0.02,) * 300, ttfts=(0.05,))
+    (check,) = checks({"vllm-prefix": floor})
+    assert check.passed is None and check.value == "2.00x"

@@ -9,6 +9,9 @@ OpenAI server on 127.0.0.1 serves the generated "bench" model (`kvtier.bench.tin
   - `kvtier-async`: kvtier with `load_mode: async`; a hit is loaded on a worker thread
     while the engine keeps stepping the other requests.
   - `kvtier-auto` (not run by default): the connector's default rule.
+  - `vllm-prefix` (not run by default): no kvtier, and vLLM's own prefix cache is not reset,
+    so the arrivals hit it: the floor, what the arrivals' own new tokens cost the streams
+    with a free load.
 
 kvtier's memory tier holds `memory_tier_chunks` chunks only, in front of a disk tier in a
 scratch directory, so the arrivals' prefixes come back from the disk (read with O_DIRECT: the
@@ -62,7 +65,7 @@ from kvtier.ops.server import ServerError, free_port, running_server
 from kvtier.ops.serving import GIB, ServeCommand, ServeConfig, build_command
 
 CONFIGS = ("vllm", "kvtier-sync", "kvtier-async")
-CHOICES = (*CONFIGS, "kvtier-auto")
+CHOICES = (*CONFIGS, "kvtier-auto", "vllm-prefix")
 TARGET_ITL_P99_RATIO = 1.2  # async: streams' ITL p99 with arrivals <= 1.2x without
 TARGET_TTFT_VS_SYNC = 1.0  # async: arrivals' TTFT p50 and p99 no worse than sync
 # The timed streams decode at least this long after the last arrival is sent.
@@ -260,6 +263,9 @@ def checks(runs: Mapping[str, ConfigRun]) -> list[Check]:
         out.append(Check("kvtier-async: streams' ITL p99, with / without arrivals",
                          _x(ratio), f"<= {TARGET_ITL_P99_RATIO}x",
                          None if ratio is None else ratio <= TARGET_ITL_P99_RATIO))
+    if (f := runs.get("vllm-prefix")) is not None:
+        out.append(Check("floor (vllm-prefix: arrivals hit vLLM's own cache): streams' ITL "
+                         "p99, with / without", _x(f.itl_p99_ratio), "(for reference)", None))
     s = runs.get("kvtier-sync")
     if a is not None and s is not None:
         for q in ("p50", "p99"):
@@ -309,7 +315,7 @@ def server_command(config: InterferenceConfig, name: str, model: Path,
                    scratch: Path) -> ServeCommand:
     """The OpenAI server of configuration `name`, dev mode on (/reset_prefix_cache)."""
     extra: dict[str, Any] | None = None
-    if name != "vllm":
+    if name.startswith("kvtier"):
         extra = {"tokens_per_chunk": TOKENS_PER_CHUNK, "load_mode": name.split("-", 1)[1],
                  # the warm-up's chunks all reach the disk tier (none dropped on the way)
                  "write_queue_depth": max(1024, config.chunks_stored()),
@@ -417,14 +423,17 @@ def _measure(config: InterferenceConfig, name: str, url: str, model: str, disk: 
         raise ServerError(f"{name}: a warm-up request failed: {failed[0]}")
     if disk is not None:
         _wait_for_chunks(disk, config.chunks_stored())
-    asyncio.run(_reset_prefix_cache(url))
+    keep = name == "vllm-prefix"  # the floor: the arrivals hit vLLM's own cache
+    if not keep:
+        asyncio.run(_reset_prefix_cache(url))
     warmup_s = time.perf_counter() - started
     progress(f"{name}: {config.streams} streams, no arrivals")
     baseline = asyncio.run(run_workload(_streams(config, 100, config.stream_tokens),
                                         dataclasses.replace(cfg, concurrency=config.streams)))
     tokens = timed_stream_tokens(config, percentiles(
         [g for r in baseline.results if r.ok for g in r.itl_s]).mean)
-    asyncio.run(_reset_prefix_cache(url))
+    if not keep:
+        asyncio.run(_reset_prefix_cache(url))
     progress(f"{name}: {config.streams} streams, {config.arrivals} arrivals")
     streamed, arrived, metrics = asyncio.run(_timed_phase(config, cfg, tokens))
     return ConfigRun(name, "", 0.0, warmup_s, tokens, baseline.results, tuple(streamed),
@@ -447,8 +456,8 @@ def _run_config(config: InterferenceConfig, name: str, model: Path, scratch: Pat
             with running_server(command, log_path=scratch / f"{name}.log",
                                 startup_timeout_s=config.startup_timeout_s) as server:
                 startup_s = time.perf_counter() - started
-                run = _measure(config, name, server.url, str(model),
-                               scratch / name / "disk" if name != "vllm" else None, progress)
+                disk = scratch / name / "disk" if name.startswith("kvtier") else None
+                run = _measure(config, name, server.url, str(model), disk, progress)
                 return dataclasses.replace(run, command=command.display(),
                                            startup_s=startup_s)
         except ServerError as exc:
