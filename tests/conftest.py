@@ -7,11 +7,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 import tierkit
-from kvtier.core.layout import KVLayout
 from redis_server import REDIS_SERVER, SKIP_REASON, RedisClusterNodes, RedisServer
 from tierkit import tiny_layout
+
+from kvtier.core.layout import KVLayout
 
 # Engines started by the tests (in-process LLM and servers) get the core binding they would
 # have without a KV connector: vLLM's CPU backend otherwise reserves one more core for any

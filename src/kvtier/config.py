@@ -32,7 +32,12 @@ from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from pydantic import (
-    BaseModel, BeforeValidator, ConfigDict, Field, SerializeAsAny, ValidationError,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SerializeAsAny,
+    ValidationError,
     field_validator,
 )
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import yaml
+from tierkit import key, tiny_layout
 
 from kvtier.admin.gc import GcRequest, parse_duration, select_victims
 from kvtier.admin.inventory import StoredChunk
@@ -26,7 +27,6 @@ from kvtier.config import StoreConfig
 from kvtier.core.layout import KVLayout
 from kvtier.errors import ConfigError
 from kvtier.tiers import build_tier
-from tierkit import key, tiny_layout
 
 KINDS = ["disk", "shared", pytest.param("redis", marks=pytest.mark.redis)]
 LAYOUT_A, LAYOUT_B = tiny_layout(16), tiny_layout(32)

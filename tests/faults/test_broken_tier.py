@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 import pytest
+from tierkit import key, tier_settings
 
 from kvtier.config import StoreConfig
 from kvtier.core.keys import ChunkKey
@@ -15,7 +16,6 @@ from kvtier.core.layout import KVLayout
 from kvtier.core.store import TieredStore
 from kvtier.core.tier import Tier, TierResult, TierStats
 from kvtier.tiers import build_tier, store_settings
-from tierkit import key, tier_settings
 
 
 class BrokenTier:

@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tierkit import key, make_tier
 
 from kvtier.core.layout import KVLayout
 from kvtier.core.tier import CORRUPT, TierResult
-from tierkit import key, make_tier
 
 PERSISTENT = ("disk", "shared")
 DEADLINE_S = 5.0
@@ -80,9 +80,10 @@ def test_a_fifo_is_never_counted_by_the_probe_nor_the_scan(kind: str, tmp_path: 
     """The scheduler's probe (another process's view) and a restarted tier's scan see only
     regular files: a FIFO left at a chunk path before start-up is neither a hit nor a
     chunk held, and the start-up scan does not block on it."""
+    from tierkit import tier_settings
+
     from kvtier.config import StoreConfig
     from kvtier.tiers import build_probe
-    from tierkit import tier_settings
 
     tier = make_tier(kind, tmp_path, layout, capacity_chunks=8)
     assert tier.put(key(1), memoryview(payload(1, layout)))

@@ -14,8 +14,9 @@ import os
 import time
 from pathlib import Path
 
-from kvtier.core.layout import KVLayout
 from tierkit import key, make_tier, tiny_layout
+
+from kvtier.core.layout import KVLayout
 
 OLD_S = 100_000.0  # older than any sweep threshold, old (600 s) or new (TEMP_STALE_S)
 

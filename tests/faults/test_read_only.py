@@ -16,12 +16,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from tierkit import key, make_tier, tier_settings
 
 from kvtier.config import StoreConfig
 from kvtier.core.layout import KVLayout
 from kvtier.core.tier import Failure
 from kvtier.tiers import build_probe
-from tierkit import key, make_tier, tier_settings
 
 
 def payload(i: int, layout: KVLayout) -> bytes:

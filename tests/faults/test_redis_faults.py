@@ -22,14 +22,14 @@ import redis
 from redis.backoff import NoBackoff
 from redis.cluster import key_slot
 from redis.retry import Retry
+from redis_server import REDIS_CLI, RedisClusterNodes, RedisServer
+from tierkit import key, tier_settings, tiny_layout
 
 from kvtier.config import StoreConfig
 from kvtier.core.layout import KVLayout
 from kvtier.errors import ConfigError
 from kvtier.tiers import build_tier, open_store
 from kvtier.tiers.redis import RedisTier
-from redis_server import REDIS_CLI, RedisClusterNodes, RedisServer
-from tierkit import key, tier_settings, tiny_layout
 
 pytestmark = pytest.mark.redis
 T = TypeVar("T")
@@ -330,7 +330,7 @@ def test_concurrent_readers_while_the_server_dies(redis_server: RedisServer,
                 _, elapsed = timed(lambda: read(tier, (t + n) % 8, layout))
                 slowest[0] = max(slowest[0], elapsed)
                 tier.put(key(1000 + t * 100 + n), memoryview(payload(n, layout)))
-        except BaseException as exc:  # noqa: BLE001 - the test reports any escape
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]

@@ -20,13 +20,13 @@ from typing import Any
 
 import pytest
 from redis_server import REDIS_SERVER, SKIP_REASON, TlsRedisServer
+from tierkit import key
 
 from kvtier.config import StoreConfig
 from kvtier.core.layout import KVLayout
 from kvtier.core.store import TieredStore
-from kvtier.tiers import open_store
 from kvtier.core.tier import UNAVAILABLE
-from tierkit import key
+from kvtier.tiers import open_store
 
 pytestmark = pytest.mark.redis
 TIMEOUT_MS = 500  # socket and connect timeouts: a TLS handshake on a loaded CI machine

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 import pytest
+from tierkit import key, make_tier, tier_settings
 
 from kvtier.admin.gc import GcRequest, run_gc
 from kvtier.admin.inventory import open_inventories
@@ -21,7 +22,6 @@ from kvtier.config import StoreConfig
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.tiers import build_probe
-from tierkit import key, make_tier, tier_settings
 
 PERSISTENT = ("disk", "shared")
 

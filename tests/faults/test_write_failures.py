@@ -19,11 +19,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from tierkit import key, make_tier, tiny_layout
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.tier import FULL, IO_ERROR, OK
-from tierkit import key, make_tier, tiny_layout
 
 PERSISTENT = ("disk", "shared")
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT
@@ -187,11 +187,11 @@ def test_a_slow_disk_at_close_costs_the_unwritten_chunks_only(
     dropped and logged, and no half-written file is left."""
     import time
 
+    from tierkit import tier_settings
+
     from kvtier.config import StoreConfig
-    from kvtier.core.store import TieredStore
     from kvtier.tiers import open_store
     from kvtier.tiers.disk import DiskTier
-    from tierkit import tier_settings
 
     layout = tiny_layout()
     config = StoreConfig.parse({"write_queue_depth": 64, "tiers": [

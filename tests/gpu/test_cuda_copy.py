@@ -20,13 +20,14 @@ pytestmark = [
 ]
 pytest.importorskip("vllm")
 
+from tierkit import key
+
 from kvtier.config import StoreConfig
 from kvtier.core.keys import ChunkKey
 from kvtier.core.store import TieredStore
 from kvtier.integrations.vllm.messages import ChunkTransfer, KVTierMetadata
 from kvtier.integrations.vllm.worker import ConnectorWorker, PagedKV
 from kvtier.tiers import open_store
-from tierkit import key
 
 LAYERS, BLOCKS, HEADS, BS, DIM, PER_CHUNK = 4, 64, 8, 16, 128, 4
 

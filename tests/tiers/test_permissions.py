@@ -13,10 +13,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from tierkit import make_tier
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
-from tierkit import make_tier
 
 
 @pytest.fixture(params=[0o022, 0o077], ids=["umask022", "umask077"])

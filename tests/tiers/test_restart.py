@@ -8,12 +8,12 @@ import time
 from pathlib import Path
 
 import pytest
+from tierkit import key, make_tier, tier_settings, tiny_layout
 
 from kvtier.config import StoreConfig
 from kvtier.core.layout import KVLayout
 from kvtier.core.store import TieredStore
 from kvtier.tiers import open_store
-from tierkit import key, make_tier, tier_settings, tiny_layout
 
 
 def payload(i: int, layout: KVLayout) -> bytes:

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import blake3
-
 from tierkit import key, make_tier, tiny_layout
 
 LAYOUT = tiny_layout(256)  # 64 KiB chunks: a torn write would be easy to catch

@@ -15,11 +15,11 @@ from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tierkit import key, tier_settings, tiny_layout
 
 from kvtier.config import StoreConfig
 from kvtier.core.store import TieredStore
 from kvtier.tiers import open_store
-from tierkit import key, tier_settings, tiny_layout
 
 LAYOUT = tiny_layout(4)  # 1 KiB chunks
 KEYS = 12

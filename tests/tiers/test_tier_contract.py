@@ -13,10 +13,10 @@ import threading
 from pathlib import Path
 
 import pytest
+from tierkit import TIER_KINDS, footprint_bytes, key, make_tier, tiny_layout
 
 from kvtier.core.layout import KVLayout
 from kvtier.core.tier import DECLINED, MISSING, OK, Tier
-from tierkit import TIER_KINDS, footprint_bytes, key, make_tier, tiny_layout
 
 pytestmark = pytest.mark.parametrize("kind", TIER_KINDS)
 

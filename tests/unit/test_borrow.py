@@ -15,13 +15,13 @@ import threading
 from pathlib import Path
 
 import pytest
+from tierkit import footprint_bytes, key, tier_settings, tiny_layout
 
 from kvtier.config import StoreConfig
 from kvtier.core.store import TieredStore
 from kvtier.core.tier import Lender, Reserver
 from kvtier.tiers import open_store
 from kvtier.tiers.memory import MemoryTier, MemoryTierConfig
-from tierkit import footprint_bytes, key, tier_settings, tiny_layout
 
 LAYOUT = tiny_layout(4)  # 1 KiB chunks
 
@@ -203,7 +203,7 @@ def test_put_from_fills_the_memory_slot_in_place_and_the_disk_behind(
     spare = memoryview(bytearray(LAYOUT.bytes_per_chunk))
     filled: list[int] = []
 
-    def fill(i: int):  # noqa: ANN202
+    def fill(i: int):
         def write(view: memoryview) -> None:
             filled.append(i)
             view[:] = payload(i)

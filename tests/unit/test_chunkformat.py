@@ -15,7 +15,13 @@ import pytest
 import xxhash
 
 from kvtier.core.chunkformat import (
-    ALIGN_BYTES, HEADER_BYTES, MAGIC, encode_header, stored_size, verify_header, verify_payload,
+    ALIGN_BYTES,
+    HEADER_BYTES,
+    MAGIC,
+    encode_header,
+    stored_size,
+    verify_header,
+    verify_payload,
 )
 from kvtier.errors import CorruptBlock
 

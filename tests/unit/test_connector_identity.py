@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvtier.integrations.vllm.connector import scheduler_model_identity  # noqa: E402
+from kvtier.integrations.vllm.connector import scheduler_model_identity
 
 
 def vllm_config(model: str, config: dict[str, Any]) -> Any:

@@ -14,14 +14,14 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm import SamplingParams  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
+from vllm import SamplingParams
+from vllm.v1.request import Request
 
-from kvtier.core.keys import ChunkKey  # noqa: E402
-from kvtier.core.locator import ChunkLocator  # noqa: E402
-from kvtier.integrations.vllm.config import ConnectorConfig  # noqa: E402
-from kvtier.integrations.vllm.messages import KVTierMetadata, KVTierWorkerMetadata  # noqa: E402
-from kvtier.integrations.vllm.scheduler import ConnectorScheduler  # noqa: E402
+from kvtier.core.keys import ChunkKey
+from kvtier.core.locator import ChunkLocator
+from kvtier.integrations.vllm.config import ConnectorConfig
+from kvtier.integrations.vllm.messages import KVTierMetadata, KVTierWorkerMetadata
+from kvtier.integrations.vllm.scheduler import ConnectorScheduler
 
 CHUNK, BLOCK = 64, 32
 

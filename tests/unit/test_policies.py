@@ -117,7 +117,7 @@ def test_arc_ghost_lists_stay_bounded() -> None:
     """A long scan must not make ARC's bookkeeping grow without bound (ghosts <= 2c)."""
     arc = ARCPolicy(16)
     _replay(arc, 16, (f"k{i}" for i in range(5000)))
-    ghosts = len(arc._b1) + len(arc._b2)  # noqa: SLF001 - the bound is the point
+    ghosts = len(arc._b1) + len(arc._b2)
     assert len(arc) + ghosts <= 2 * 16
 
 
@@ -151,4 +151,4 @@ def test_admission_memory_is_bounded_and_forgets_the_oldest_offers() -> None:
     admission.offer("c")  # a is forgotten
     assert admission.offer("a") is False
     assert admission.offer("a") is True
-    assert len(admission._counts) <= 2  # noqa: SLF001 - the bound is the point
+    assert len(admission._counts) <= 2

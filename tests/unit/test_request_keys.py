@@ -19,16 +19,16 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import torch  # noqa: E402
-from vllm import SamplingParams  # noqa: E402
-from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
+import torch
+from vllm import SamplingParams
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+from vllm.v1.request import Request
 
-from kvtier.core.keys import Namespace, chunk_keys  # noqa: E402
-from kvtier.core.locator import ChunkLocator  # noqa: E402
-from kvtier.integrations.vllm.config import ConnectorConfig  # noqa: E402
-from kvtier.integrations.vllm.messages import KVTierWorkerMetadata  # noqa: E402
-from kvtier.integrations.vllm.scheduler import CHUNK_ORDER, ConnectorScheduler  # noqa: E402
+from kvtier.core.keys import Namespace, chunk_keys
+from kvtier.core.locator import ChunkLocator
+from kvtier.integrations.vllm.config import ConnectorConfig
+from kvtier.integrations.vllm.messages import KVTierWorkerMetadata
+from kvtier.integrations.vllm.scheduler import CHUNK_ORDER, ConnectorScheduler
 
 CHUNK, BLOCK = 64, 32
 IMAGE_TOKEN = 99  # the placeholder token of every image

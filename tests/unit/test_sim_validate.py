@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.sim.validate import (SPEEDUP_TOLERANCE, TIME_TOLERANCE, cold_and_hit_ttft,
-                                 validate)
+from kvtier.sim.validate import SPEEDUP_TOLERANCE, TIME_TOLERANCE, cold_and_hit_ttft, validate
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from vllm_harness import metric, random_prompts, start_engine, token_ids
 
 pytestmark = pytest.mark.vllm

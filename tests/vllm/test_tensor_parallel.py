@@ -104,7 +104,7 @@ def test_each_rank_holds_half_of_the_engines_capacity(llm: Any, disk_dir: Path) 
         for path in chunk_files(disk_dir):
             by_rank.setdefault(path.relative_to(disk_dir).parts[0], set()).add(path.name)
         shards = list(by_rank.values())
-        if len(shards) == 2 and shards[0] == shards[1] or time.monotonic() > deadline:
+        if (len(shards) == 2 and shards[0] == shards[1]) or time.monotonic() > deadline:
             break
         time.sleep(0.2)
     assert len(shards) == 2  # one layout directory per rank

@@ -16,9 +16,9 @@ import torch
 
 pytest.importorskip("vllm")
 
-from kvtier.errors import ConfigError  # noqa: E402
-from kvtier.integrations.vllm.config import ConnectorConfig, RequestControls  # noqa: E402
-from kvtier.integrations.vllm.worker import PagedKV  # noqa: E402
+from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.config import ConnectorConfig, RequestControls
+from kvtier.integrations.vllm.worker import PagedKV
 
 LAYERS, BLOCKS, HEADS, BS, DIM = 2, 8, 2, 32, 16
 

@@ -155,7 +155,7 @@ def main() -> int:
             break
         try:
             reply = getattr(driver, op)(**command)
-        except Exception as exc:  # noqa: BLE001 - any failure goes back to the benchmark
+        except Exception as exc:
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         print(json.dumps(reply), flush=True)
     driver.close()

@@ -18,7 +18,7 @@ from collections import OrderedDict
 class GpuKVCache:
     """Block accounting of one engine's GPU KV pool. Single-threaded."""
 
-    __slots__ = ("total", "ref", "cached", "private", "evictions")
+    __slots__ = ("cached", "evictions", "private", "ref", "total")
 
     def __init__(self, total_blocks: int) -> None:
         self.total = total_blocks

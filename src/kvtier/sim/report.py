@@ -21,9 +21,23 @@ from kvtier.sim.tiers import SimTier
 class EngineStats:
     """Counters of one engine. Updated only by that engine's loop."""
 
-    __slots__ = ("arrived", "completed", "rejected", "preemptions", "output_tokens",
-                 "prompt_tokens", "prefill_tokens", "queried_blocks", "gpu_hit_blocks",
-                 "loaded_blocks", "loads", "steps", "busy_s", "ttft_s", "last_finish_s")
+    __slots__ = (
+        "arrived",
+        "busy_s",
+        "completed",
+        "gpu_hit_blocks",
+        "last_finish_s",
+        "loaded_blocks",
+        "loads",
+        "output_tokens",
+        "preemptions",
+        "prefill_tokens",
+        "prompt_tokens",
+        "queried_blocks",
+        "rejected",
+        "steps",
+        "ttft_s",
+    )
 
     def __init__(self) -> None:
         self.arrived = 0  # requests handed to the engine

@@ -76,8 +76,17 @@ def parse_tier(text: str) -> TierSpec:
 class SimTier:
     """Residency and counters of one tier. Single-threaded (the simulator's loop)."""
 
-    __slots__ = ("spec", "capacity_blocks", "resident", "policy", "busy_until_s",
-                 "hit_blocks", "stored_blocks", "evicted_blocks", "loads")
+    __slots__ = (
+        "busy_until_s",
+        "capacity_blocks",
+        "evicted_blocks",
+        "hit_blocks",
+        "loads",
+        "policy",
+        "resident",
+        "spec",
+        "stored_blocks",
+    )
 
     def __init__(self, spec: TierSpec, block_bytes: float) -> None:
         self.spec = spec

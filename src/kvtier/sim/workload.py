@@ -113,9 +113,22 @@ class Request:
     """One request. `hashes` is shared with its session and only ever appended to."""
 
     __slots__ = (
-        "rid", "session", "arrival_s", "prompt_tokens", "output_tokens", "hashes",
-        "n_full_blocks", "generated", "first_token_s", "held", "n_private", "computed",
-        "target", "g0", "version", "load_blocks",
+        "arrival_s",
+        "computed",
+        "first_token_s",
+        "g0",
+        "generated",
+        "hashes",
+        "held",
+        "load_blocks",
+        "n_full_blocks",
+        "n_private",
+        "output_tokens",
+        "prompt_tokens",
+        "rid",
+        "session",
+        "target",
+        "version",
     )
 
     def __init__(self, rid: int, session: int, arrival_s: float, prompt_tokens: int,
@@ -141,7 +154,7 @@ class Request:
 class _Chain:
     """Block hashes of a growing token sequence (a session's history)."""
 
-    __slots__ = ("hashes", "tokens", "tail")
+    __slots__ = ("hashes", "tail", "tokens")
 
     def __init__(self) -> None:
         self.hashes: list[int] = []

@@ -37,13 +37,24 @@ from pathlib import Path
 import numpy as np
 
 from kvtier.core.chunkformat import (
-    ALIGN_BYTES, HEADER_BYTES, encode_header, stored_size, verify_header, verify_payload,
+    ALIGN_BYTES,
+    HEADER_BYTES,
+    encode_header,
+    stored_size,
+    verify_header,
+    verify_payload,
 )
 from kvtier.core.keys import KEY_BYTES, ChunkKey
 from kvtier.core.tier import StoredChunk
 from kvtier.errors import CorruptBlock
 from kvtier.tiers.filetree import (
-    TEMP_STALE_S, is_layout_name, lstat_file, make_root, open_dir, unlink_file, walk,
+    TEMP_STALE_S,
+    is_layout_name,
+    lstat_file,
+    make_root,
+    open_dir,
+    unlink_file,
+    walk,
 )
 
 log = logging.getLogger(__name__)

@@ -24,8 +24,17 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.policies import AdmissionFilter, EvictionPolicy, make_policy
 from kvtier.core.tier import (
-    CORRUPT, DECLINED, FULL, IO_ERROR, MISSING, OK, READ_ONLY, TierCounters, TierEvents,
-    TierResult, TierStats,
+    CORRUPT,
+    DECLINED,
+    FULL,
+    IO_ERROR,
+    MISSING,
+    OK,
+    READ_ONLY,
+    TierCounters,
+    TierEvents,
+    TierResult,
+    TierStats,
 )
 from kvtier.errors import CorruptBlock
 from kvtier.tiers.chunkfiles import ChunkFiles, FileInventory, FileProbe

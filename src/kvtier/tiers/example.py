@@ -38,7 +38,14 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.policies import AdmissionFilter, EvictionPolicy, make_policy
 from kvtier.core.tier import (
-    DECLINED, FULL, MISSING, OK, TierCounters, TierEvents, TierResult, TierStats,
+    DECLINED,
+    FULL,
+    MISSING,
+    OK,
+    TierCounters,
+    TierEvents,
+    TierResult,
+    TierStats,
 )
 
 

@@ -64,15 +64,24 @@ from redis.cluster import RedisCluster
 from redis.exceptions import OutOfMemoryError, RedisClusterException, SlotNotCoveredError
 
 from kvtier.core.chunkformat import HEADER_BYTES, encode_header, verify_header, verify_payload
+from kvtier.core.guard import Guard
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.policies import AdmissionFilter
 from kvtier.core.tier import (
-    CORRUPT, DECLINED, FULL, IO_ERROR, MISSING, OK, UNAVAILABLE, Tier, TierCounters, TierResult,
+    CORRUPT,
+    DECLINED,
+    FULL,
+    IO_ERROR,
+    MISSING,
+    OK,
+    UNAVAILABLE,
+    Tier,
+    TierCounters,
+    TierResult,
     TierStats,
 )
 from kvtier.errors import CorruptBlock, TierUnavailable
-from kvtier.core.guard import Guard
 from kvtier.tiers.redis_client import UNAVAILABLE as DOWN_ERRORS
 from kvtier.tiers.redis_client import Client, connect, read_password
 from kvtier.tiers.redis_config import RedisTierConfig

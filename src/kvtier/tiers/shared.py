@@ -30,8 +30,8 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import replace
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import ClassVar, Literal
 
@@ -42,16 +42,30 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.policies import AdmissionFilter
 from kvtier.core.tier import (
-    CORRUPT, DECLINED, FULL, IO_ERROR, MISSING, OK, READ_ONLY, TierCounters, TierEvents,
-    TierResult, TierStats,
+    CORRUPT,
+    DECLINED,
+    FULL,
+    IO_ERROR,
+    MISSING,
+    OK,
+    READ_ONLY,
+    TierCounters,
+    TierEvents,
+    TierResult,
+    TierStats,
 )
 from kvtier.errors import CorruptBlock
 from kvtier.tiers.chunkfiles import (
-    ChunkFile, ChunkFiles, FileInventory, FileProbe, PendingWrite, scan_tree,
+    ChunkFile,
+    ChunkFiles,
+    FileInventory,
+    FileProbe,
+    PendingWrite,
+    scan_tree,
 )
+from kvtier.tiers.directories import check_directory
 from kvtier.tiers.filetree import lstat_file, unlink_file
 from kvtier.tiers.quota import LedgerState, QuotaLedger
-from kvtier.tiers.directories import check_directory
 
 log = logging.getLogger(__name__)
 LOW_WATERMARK = 0.9  # eviction frees space down to this fraction of the capacity

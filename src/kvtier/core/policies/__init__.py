@@ -15,7 +15,6 @@ from kvtier.core.policies.arc import ARCPolicy
 from kvtier.core.policies.lru import LRUPolicy
 from kvtier.errors import ConfigError
 
-
 K = TypeVar("K", bound=Hashable)
 
 
@@ -55,4 +54,4 @@ def make_policy(name: str, capacity_chunks: int) -> EvictionPolicy[K]:
     raise ConfigError("eviction", name, f"one of {POLICIES}")
 
 
-__all__ = ["AdmissionFilter", "ARCPolicy", "EvictionPolicy", "LRUPolicy", "POLICIES", "make_policy"]
+__all__ = ["POLICIES", "ARCPolicy", "AdmissionFilter", "EvictionPolicy", "LRUPolicy", "make_policy"]
