@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, cast
 
 import yaml
 from pydantic import (
@@ -176,7 +176,8 @@ class StoreConfig(_Frozen):
             text = Path(path).read_text()
             data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
         except (OSError, ValueError, yaml.YAMLError) as exc:
-            raise ConfigError("config file", str(path), f"a readable YAML or JSON file ({exc})")
+            raise ConfigError("config file", str(path),
+                              f"a readable YAML or JSON file ({exc})") from exc
         return cls.parse(data, where=str(path))
 
 
@@ -212,5 +213,5 @@ _MOVED = {"MemoryTierConfig": "memory", "DiskTierConfig": "disk",
 def __getattr__(name: str) -> type[TierSettings]:
     """`from kvtier.config import DiskTierConfig` still works (imports the tier module)."""
     if name in _MOVED:
-        return config_model(_MOVED[name])
+        return cast("type[TierSettings]", config_model(_MOVED[name]))
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -24,7 +24,7 @@ from kvtier.ops.vllm_versions import parse_version
 _STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "audit", help="check a `vllm serve` command line or manifest for KV-cache pitfalls",
         description="Input: a command line (quoted), a file holding one, or a Kubernetes "

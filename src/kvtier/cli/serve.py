@@ -35,7 +35,7 @@ from kvtier.redaction import redact_value
 from kvtier.units import parse_size
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "serve", help="start vLLM's OpenAI-compatible server with kvtier",
         description=__doc__.splitlines()[0],

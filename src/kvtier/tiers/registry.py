@@ -16,10 +16,9 @@ Primitives: `TIER_CLASSES`, `tier_class`, `config_model`, `public_kinds`.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from kvtier.config import TierSettings
+from pydantic import BaseModel
 
 # kind -> "module:Class"
 TIER_CLASSES: dict[str, str] = {
@@ -42,9 +41,10 @@ def tier_class(kind: str) -> Any:
     return getattr(importlib.import_module(module_name), class_name)
 
 
-def config_model(kind: str) -> type[TierSettings]:
-    """The pydantic model of tier `kind`'s config (its module imported now)."""
-    model: type[TierSettings] = tier_class(kind).config_model
+def config_model(kind: str) -> type[BaseModel]:
+    """The pydantic model of tier `kind`'s config (its module imported now): a subclass of
+    `kvtier.config.TierSettings` (not imported here, which would be an import cycle)."""
+    model: type[BaseModel] = tier_class(kind).config_model
     return model
 
 
