@@ -55,13 +55,13 @@ class RedisServer:
     def start(self) -> RedisServer:
         assert REDIS_SERVER, SKIP_REASON
         self.directory.mkdir(parents=True, exist_ok=True)
-        log = open(self.directory / f"redis-{self.port}.log", "ab")
-        self.proc = subprocess.Popen(
-            [REDIS_SERVER, "--bind", "127.0.0.1", *self._listen_args(), "--save", "",
-             "--appendonly", "no", "--dir", str(self.directory), "--enable-debug-command",
-             "local", *self.args],
-            stdout=log, stderr=subprocess.STDOUT)
-        log.close()
+        # The child keeps its own copy of the log's descriptor; ours closes once it started.
+        with open(self.directory / f"redis-{self.port}.log", "ab") as log:
+            self.proc = subprocess.Popen(
+                [REDIS_SERVER, "--bind", "127.0.0.1", *self._listen_args(), "--save", "",
+                 "--appendonly", "no", "--dir", str(self.directory), "--enable-debug-command",
+                 "local", *self.args],
+                stdout=log, stderr=subprocess.STDOUT)
         self._wait_ready()
         return self
 
@@ -129,7 +129,8 @@ class RedisClusterNodes:
     serve its slots while another is down (`cluster-require-full-coverage no`)."""
 
     def __init__(self, directory: Path, count: int = 3) -> None:
-        self.nodes = [RedisServer(directory / f"node{i}", free_port(True), "--cluster-enabled", "yes",
+        self.nodes = [RedisServer(directory / f"node{i}", free_port(True),
+                                  "--cluster-enabled", "yes",
                                   "--cluster-config-file", "nodes.conf",
                                   "--cluster-require-full-coverage", "no",
                                   "--cluster-node-timeout", "1000")

@@ -44,7 +44,7 @@ def test_every_tier_is_judged_against_its_ceiling(report: dict) -> None:
     # Targets apply from 2 MiB: memory and disk get a pass/fail there, shared is information.
     verdicts = {(v["tier"], v["op"], v["size_bytes"]): v for v in report["verdicts"]}
     assert len(verdicts) == 3 * 2 * len(SIZES_MIB)
-    for (tier, op, size), v in verdicts.items():
+    for (tier, _op, size), v in verdicts.items():
         assert v["ratio"] > 0 and v["ceiling_gbps"] > 0
         assert v["ceiling"] == ("copy" if tier == "memory" else "direct")
         judged = tier in ("memory", "disk") and size >= 2 * 1024**2

@@ -17,15 +17,15 @@ import pytest
 HEAVY = ("torch", "vllm")
 
 # Runs `kvtier ARGV` in-process, then prints which HEAVY modules got imported, as JSON.
-PROBE = """\
+PROBE = f"""\
 import json, sys
 from kvtier.cli.main import main
 try:
     code = main(json.loads(sys.argv[1]))
 except SystemExit as exc:
     code = exc.code
-print(json.dumps({"code": code, "loaded": [m for m in %r if m in sys.modules]}))
-""" % (HEAVY,)
+print(json.dumps({{"code": code, "loaded": [m for m in {HEAVY!r} if m in sys.modules]}}))
+"""
 
 
 def run_cli(*argv: str) -> dict[str, object]:

@@ -107,7 +107,7 @@ def test_a_broken_top_tier_does_not_stop_puts_or_gets(
     """The RAM tier raises on everything: put reports the chunk not stored in the top tier
     (False, no exception) yet the lower tiers still receive it, and gets are served from
     disk - the failed promotion into RAM is only logged."""
-    store, memory = _store(tmp_path, layout, "memory", error)
+    store, _memory = _store(tmp_path, layout, "memory", error)
     with store, caplog.at_level(logging.WARNING):
         assert store.put(key(1), memoryview(payload(1, layout))) is False
         assert store.flush(timeout_s=10)

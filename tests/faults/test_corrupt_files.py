@@ -154,7 +154,7 @@ def test_the_store_serves_a_good_copy_from_a_lower_tier_when_one_copy_is_corrupt
     with _store(tmp_path, layout) as store:
         store.put(key(1), memoryview(payload(1, layout)))
         assert store.flush(timeout_s=10)
-        memory, disk, shared = store.tiers
+        memory, disk, _shared = store.tiers
         memory.delete(key(1))
         flip_payload_byte(disk.files.path_of(key(1)), Path())  # type: ignore[attr-defined]
         out = bytearray(layout.bytes_per_chunk)
@@ -218,7 +218,8 @@ def test_a_chunk_file_deleted_behind_the_disk_tiers_back_is_stored_again(tmp_pat
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_size=64, dtype="float16",
                       tokens_per_chunk=16)
     key, data = ChunkKey(b"k" * 16), memoryview(bytes(range(256)) * 16)
-    config = StoreConfig.parse({"tiers": [{"kind": "disk", "path": str(tmp_path), "capacity": "1MiB"}]})
+    config = StoreConfig.parse(
+        {"tiers": [{"kind": "disk", "path": str(tmp_path), "capacity": "1MiB"}]})
     with open_store(config, layout) as store:
         assert store.put(key, data)
         disk = store.tiers[0]

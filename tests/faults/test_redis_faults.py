@@ -87,8 +87,10 @@ def test_redis_killed_mid_run_misses_fast_drops_writes_and_recovers(
     redis_server.stop()
     durations = []
     for i in range(40):  # a bounded "engine loop" while the server is gone
-        for call in (lambda: tier.contains(key(i % 4)), lambda: read(tier, i % 4, layout),
-                     lambda: tier.put(key(100 + i), memoryview(payload(100 + i, layout))),
+        # Each lambda binds this turn's i (i=i), though all are called within the turn.
+        for call in (lambda i=i: tier.contains(key(i % 4)),
+                     lambda i=i: read(tier, i % 4, layout),
+                     lambda i=i: tier.put(key(100 + i), memoryview(payload(100 + i, layout))),
                      lambda: tier.contains_many([key(0), key(1)])):
             result, elapsed = timed(call)
             assert not (any(result) if isinstance(result, list) else result)  # misses
@@ -117,7 +119,7 @@ def test_a_store_starts_and_serves_with_redis_down(tmp_path: Path, layout: KVLay
          "socket_timeout_ms": TIMEOUT_MS, "connect_timeout_ms": TIMEOUT_MS}]})
     with open_store(config, layout) as store:
         for i in range(6):
-            _, elapsed = timed(lambda: store.put(key(i), memoryview(payload(i, layout))))
+            _, elapsed = timed(lambda i=i: store.put(key(i), memoryview(payload(i, layout))))
             assert elapsed < BOUND_S
         assert store.flush(timeout_s=10)
         assert store.lookup([key(4), key(5)]).tiers == ("memory", "memory")
@@ -327,7 +329,7 @@ def test_concurrent_readers_while_the_server_dies(redis_server: RedisServer,
     def worker(t: int) -> None:
         try:
             for n in range(60):
-                _, elapsed = timed(lambda: read(tier, (t + n) % 8, layout))
+                _, elapsed = timed(lambda n=n: read(tier, (t + n) % 8, layout))
                 slowest[0] = max(slowest[0], elapsed)
                 tier.put(key(1000 + t * 100 + n), memoryview(payload(n, layout)))
         except BaseException as exc:

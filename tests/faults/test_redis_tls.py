@@ -190,7 +190,7 @@ def test_a_tier_that_cannot_verify_or_speak_tls_fails_closed(
     url = settings.get("url", tls_server.url).format(port=tls_server.port)
     caplog.set_level(logging.DEBUG, logger="kvtier")
     with redis_store(layout, **{**settings, "url": url}) as store:
-        for attempt in range(3):  # the first fails on the handshake, the rest fail fast
+        for _attempt in range(3):  # the first fails on the handshake, the rest fail fast
             assert not store.put(key(1), memoryview(payload(1, layout)))
             assert store.lookup([key(0), key(1)]).num_chunks == 0
             out = bytearray(layout.bytes_per_chunk)

@@ -44,7 +44,8 @@ def worker() -> tuple[ConnectorWorker, dict[str, torch.Tensor], TieredStore]:
     return ConnectorWorker(paged, layout, store), kv, store
 
 
-def stored_keys(w: ConnectorWorker, expected: set[ChunkKey], timeout_s: float = 10) -> set[ChunkKey]:
+def stored_keys(w: ConnectorWorker, expected: set[ChunkKey],
+                timeout_s: float = 10) -> set[ChunkKey]:
     """Stores complete on a side thread: collect reports until `expected` or the timeout."""
     got: set[ChunkKey] = set()
     deadline = time.monotonic() + timeout_s

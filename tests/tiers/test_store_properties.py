@@ -26,7 +26,8 @@ KEYS = 12
 
 
 def payload(i: int) -> bytes:
-    return bytes([i % 256]) * 7 + bytes((i * 13 + j) % 256 for j in range(LAYOUT.bytes_per_chunk - 7))
+    return bytes([i % 256]) * 7 + bytes((i * 13 + j) % 256
+                                        for j in range(LAYOUT.bytes_per_chunk - 7))
 
 
 def _store(root: Path, eviction: str) -> TieredStore:

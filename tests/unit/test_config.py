@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from kvtier.config import DiskTierConfig, MemoryTierConfig, SharedTierConfig, StoreConfig
 from kvtier.errors import ConfigError
@@ -41,8 +42,8 @@ def test_the_documented_yaml_example_loads_into_typed_tiers(tmp_path: Path) -> N
     assert isinstance(shared, SharedTierConfig) and shared.capacity == 2 * 2**40
     assert [t.tier_name for t in config.tiers] == ["memory", "disk", "shared"]
     assert config.write_queue_depth == 16
-    with pytest.raises(Exception):
-        memory.capacity = 1  # type: ignore[misc]  # frozen
+    with pytest.raises(ValidationError, match="frozen"):
+        memory.capacity = 1  # type: ignore[misc]
 
 
 def test_json_loads_the_same_config_as_yaml(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from itertools import pairwise
 
 import pytest
 
@@ -73,11 +74,11 @@ def test_hit_rate_and_ttft_improve_with_cpu_tier_capacity() -> None:
     reports = [simulate(replace(PRESSURE, tiers=(parse_tier(f"cpu={gb}GB"),)))
                for gb in (0.5, 2, 4, 8, 16)]
     hits = [r.gpu_hit_rate + sum(t.hit_rate for t in r.tiers) for r in reports]
-    for small, large in zip(hits, hits[1:]):
+    for small, large in pairwise(hits):
         assert large >= small - 0.002
     assert hits[-1] > hits[0] + 0.1
     ttft = [r.ttft_mean_s for r in reports]
-    for small, large in zip(ttft, ttft[1:]):
+    for small, large in pairwise(ttft):
         assert large <= small * 1.02
     assert ttft[-1] < ttft[0] * 0.8
     assert reports[-1].reprefills_avoided > reports[0].reprefills_avoided
@@ -92,7 +93,7 @@ def test_throughput_at_saturation_grows_with_cpu_tier_capacity() -> None:
     base = simulate(replace(hot, tiers=()))
     thr = [simulate(replace(hot, tiers=(parse_tier(f"cpu={gb}GB"),))).throughput_tok_s
            for gb in (4, 16, 64)]
-    for small, large in zip(thr, thr[1:]):
+    for small, large in pairwise(thr):
         assert large >= small * 0.99
     assert thr[-1] > base.throughput_tok_s * 1.1
 

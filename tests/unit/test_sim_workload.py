@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 
 from kvtier.errors import ConfigError
@@ -43,7 +45,7 @@ def test_a_later_turn_extends_the_whole_previous_turn() -> None:
         by_session.setdefault(r.session, []).append((r, snapshot))
     checked = 0
     for turns in by_session.values():
-        for (prev, prev_hashes), (nxt, nxt_hashes) in zip(turns, turns[1:]):
+        for (prev, prev_hashes), (nxt, nxt_hashes) in pairwise(turns):
             assert nxt.prompt_tokens > prev.prompt_tokens + prev.output_tokens
             assert nxt_hashes[:len(prev_hashes)] == prev_hashes
             checked += 1

@@ -69,9 +69,10 @@ def test_prometheus_export_labels_tiers_and_sums_gauges_over_ranks() -> None:
                   "gauges": {"tier_used_bytes": {"disk@0": 100, "disk@1": 50}}})
     prom.observe({"counters": {"tier_hits": {"disk": 3}}, "gauges": {}})
     labels = {"model_name": "tiny", "engine": "0"}
-    assert REGISTRY.get_sample_value("vllm:kvtier_tier_hits_total", {**labels, "tier": "disk"}) == 5
+    disk_labels = {**labels, "tier": "disk"}
+    assert REGISTRY.get_sample_value("vllm:kvtier_tier_hits_total", disk_labels) == 5
     assert REGISTRY.get_sample_value("vllm:kvtier_loaded_tokens_total", labels) == 64
-    assert REGISTRY.get_sample_value("vllm:kvtier_tier_used_bytes", {**labels, "tier": "disk"}) == 150
+    assert REGISTRY.get_sample_value("vllm:kvtier_tier_used_bytes", disk_labels) == 150
     # A second engine in the same process re-registers without "Duplicated timeseries".
     KVTierPromMetrics(_VllmConfig(), {Counter: Counter, Gauge: Gauge, Histogram: Histogram},
                       ["model_name", "engine"], {0: ["tiny", 0]})

@@ -32,7 +32,8 @@ MAX_TOKENS = 8
 BOUND_S = 2 * TIMEOUT_S + 4.0
 
 SITECUSTOMIZE = '''
-"""Test fault injection (tests/vllm/test_hanging_tier_in_engine.py): blocks file access under a dir."""
+"""Test fault injection (tests/vllm/test_hanging_tier_in_engine.py): blocks file access
+under a dir."""
 import os
 import time
 

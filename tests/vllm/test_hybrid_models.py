@@ -93,9 +93,9 @@ def test_a_conv_hybrid_model_is_refused_by_kvtier_in_one_line(
     "Failed to promote local KV cache specs to one unified type". (First in the module: the
     other case's engine is not running yet, so one engine at a time.)"""
     config = kvtier_transfer_config([{"kind": "memory", "capacity": "8MiB"}], CHUNK)
-    with pytest.raises(RuntimeError, match="Engine core initialization failed"):
-        with start_engine(lfm2_dir, config):
-            pass
+    with (pytest.raises(RuntimeError, match="Engine core initialization failed"),
+          start_engine(lfm2_dir, config)):
+        pass
     captured = capfd.readouterr()
     output = captured.out + captured.err
     [line] = {line.split("ConfigError: ", 1)[1] for line in output.splitlines()

@@ -31,7 +31,8 @@ def engine_and_subscriber(tiny_model_dir: Path, tmp_path_factory: pytest.TempPat
     # interface); an ipc socket keeps the test on this machine with the same topology:
     # engines bind, routers connect.
     endpoint = f"ipc://{tmp_path_factory.mktemp('events')}/kv-events.sock"
-    kvtier = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+    kvtier = {"kv_connector": "KVTierConnector",
+              "kv_connector_module_path": "kvtier.integrations.vllm",
               "kv_role": "kv_both",
               "kv_connector_extra_config": {"tokens_per_chunk": TPC, "tiers": [
                   {"kind": "memory", "capacity": 4 * CHUNK_BYTES}]}}
@@ -61,7 +62,8 @@ def _kvtier_events(sub: zmq.Socket, wait_s: float = 3.0) -> list[Any]:
         if sub.poll(timeout=200):
             _topic, _seq, payload = sub.recv_multipart()
             batch = decoder.decode(payload)
-            found += [e for e in batch.events if (getattr(e, "ownership", None) or "").startswith("kvtier/")]
+            found += [e for e in batch.events
+                      if (getattr(e, "ownership", None) or "").startswith("kvtier/")]
     return found
 
 
@@ -83,5 +85,6 @@ def test_routers_see_stored_chunks_with_their_tokens_then_their_eviction(
     # A second prompt's chunks push the first prompt's out of the 4-chunk memory tier.
     token_ids(llm, random_prompts([300], seed=12))
     events = _kvtier_events(sub)
-    removed = {bytes(h) for e in events if type(e).__name__ == "BlockRemoved" for h in e.block_hashes}
+    removed = {bytes(h) for e in events if type(e).__name__ == "BlockRemoved"
+               for h in e.block_hashes}
     assert {bytes(e.block_hashes[0]) for e in stored} <= removed

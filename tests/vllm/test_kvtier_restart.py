@@ -124,8 +124,9 @@ def written(tiny_model_dir: Path, dirs: tuple[Path, Path]) -> dict[str, list[Wri
                     ordered.disk_files += part.disk_files
                     ordered.shared_files += part.shared_files
                 assert llm.reset_prefix_cache()
+                expected = stored_chunks(len(tokens)) - len(ordered.disk_files)
                 rest = run_and_collect(llm, prompt, (disk, shared), {"skip_load": True},
-                                       expected=stored_chunks(len(tokens)) - len(ordered.disk_files))
+                                       expected=expected)
                 written = Written(prompt, rest.output, ordered.disk_files + rest.disk_files,
                                   ordered.shared_files + rest.shared_files)
                 assert len(written.disk_files) == len(written.shared_files) \

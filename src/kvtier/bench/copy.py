@@ -8,7 +8,8 @@ pinned when CUDA is present) the blocks are stored (gather + put: device -> host
 back into other scattered blocks (borrow + scatter: host -> device), then checked byte for
 byte. The ceiling is a raw copy of the same bytes between one contiguous buffer and another
 (on CUDA: device <-> pinned host, `copy_(non_blocking=True)`; on CPU: a single-threaded numpy
-memcpy between two host buffers). A ratio is kvtier's GB/s over the ceiling's, per trial, then the median.
+memcpy between two host buffers). A ratio is kvtier's GB/s over the ceiling's, per trial, then
+the median.
 
 The steps are also timed one by one on CPU (`steps`): the vectorized gather and scatter,
 the store's put and get_into memcpys, and the earlier per-layer, per-block loop, so a change
@@ -180,8 +181,10 @@ def run_copy_bench(config: CopyBenchConfig,
     dst_blocks = [2 * i + 1 for i in order]
     per = config.blocks_per_chunk
     keys = [ChunkKey(b"bench-copy" + i.to_bytes(6, "big")) for i in range(chunks)]
-    stores = [ChunkTransfer(k, tuple(src_blocks[i * per:(i + 1) * per])) for i, k in enumerate(keys)]
-    loads = [ChunkTransfer(k, tuple(dst_blocks[i * per:(i + 1) * per])) for i, k in enumerate(keys)]
+    stores = [ChunkTransfer(k, tuple(src_blocks[i * per:(i + 1) * per]))
+              for i, k in enumerate(keys)]
+    loads = [ChunkTransfer(k, tuple(dst_blocks[i * per:(i + 1) * per]))
+             for i, k in enumerate(keys)]
     total = chunks * layout.bytes_per_chunk
 
     def store_all() -> None:

@@ -106,8 +106,11 @@ def _raw(bench: SizeBench, url: str, stack: ExitStack) -> Subject:
         with ThreadPoolExecutor(bench.threads) as pool:
             list(pool.map(body, range(bench.threads)))
 
+    def clean() -> None:
+        client.delete(*names)
+
     return Subject("redis_raw", _timed(lambda: per_thread(put_thread)),
-                   _timed(lambda: per_thread(get_thread)), lambda: None if client.delete(*names) else None)
+                   _timed(lambda: per_thread(get_thread)), clean)
 
 
 def _tier(bench: SizeBench, url: str, stack: ExitStack) -> Subject:

@@ -28,7 +28,8 @@ from kvtier.bench.runner import BenchRun
 from kvtier.bench.stats import Summary, by_turn, ratios, summarize
 
 # What a turn index means in each workload (x axis of the plot).
-_TURN_LABEL = {"multi-round": "turn", "long-doc": "question", "prefix-repetition": "use of the prefix"}
+_TURN_LABEL = {"multi-round": "turn", "long-doc": "question",
+               "prefix-repetition": "use of the prefix"}
 _COLORS = ("#888888", "#1f77b4", "#2ca02c", "#d62728")
 
 

@@ -42,7 +42,8 @@ class TokenRange:
 
     def __post_init__(self) -> None:
         if self.low < 0 or self.high <= self.low:
-            raise ConfigError("token_ids", f"{self.low}:{self.high}", "LOW:HIGH with 0 <= LOW < HIGH")
+            raise ConfigError("token_ids", f"{self.low}:{self.high}",
+                              "LOW:HIGH with 0 <= LOW < HIGH")
 
     @classmethod
     def parse(cls, text: str) -> TokenRange:
@@ -111,7 +112,8 @@ class Workload:
         return prompts
 
 
-def next_prompt(turn: Turn, prev_prompt: Sequence[int], prev_answer: Sequence[int]) -> tuple[int, ...]:
+def next_prompt(turn: Turn, prev_prompt: Sequence[int],
+                prev_answer: Sequence[int]) -> tuple[int, ...]:
     """The prompt of a chained turn: the previous prompt, its answer, then the new tokens."""
     return (*prev_prompt, *prev_answer, *turn.tokens)
 

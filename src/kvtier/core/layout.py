@@ -41,7 +41,8 @@ class KVLayout:
     kv_factor: int = 2  # 2 for separate K and V; 1 for MLA's single latent
 
     def __post_init__(self) -> None:
-        for field in ("num_layers", "num_kv_heads", "head_size", "tokens_per_chunk", "tp_world_size"):
+        for field in ("num_layers", "num_kv_heads", "head_size", "tokens_per_chunk",
+                      "tp_world_size"):
             value = getattr(self, field)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"layout.{field}", value, "a positive integer")
@@ -51,7 +52,8 @@ class KVLayout:
         # passed, giving a layout equal to kv_factor=2 with another digest (its text is
         # "kv_factor=2.0"), so its chunks were never found (tests/unit/test_layout.py).
         if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_world_size:
-            raise ConfigError("layout.tp_rank", self.tp_rank, f"0 <= tp_rank < {self.tp_world_size}")
+            raise ConfigError("layout.tp_rank", self.tp_rank,
+                              f"0 <= tp_rank < {self.tp_world_size}")
         if not isinstance(self.kv_factor, int) or self.kv_factor not in (1, 2):
             raise ConfigError("layout.kv_factor", self.kv_factor, "1 (MLA) or 2 (K and V)")
 

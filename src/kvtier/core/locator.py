@@ -134,7 +134,8 @@ class ChunkLocator:
         self._inline = [p for p in probes if p.blocking_ok]
         self._all = list(probes)
         self._slow = len(self._inline) < len(self._all)
-        self._pool = ThreadPoolExecutor(2, thread_name_prefix="kvtier-probe") if self._slow else None
+        self._pool = (ThreadPoolExecutor(2, thread_name_prefix="kvtier-probe") if self._slow
+                      else None)
         self._timeout_s = timeout_s
         # request id -> (prefix held before the probe, the probe, when it started)
         self._pending: dict[str, tuple[int, Future[int], float]] = {}

@@ -21,6 +21,7 @@ Primitives: `ChunkFiles` (path_of, write, read_into, exists, touch, remove, scan
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -163,10 +164,8 @@ class ChunkFiles:
             log.info("%s: O_DIRECT not supported (%s); using buffered I/O", self.directory, exc)
             return False
         finally:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(name, dir_fd=dir_fd)
-            except FileNotFoundError:
-                pass
             os.close(dir_fd)
 
     def _buffers(self) -> tuple[mmap.mmap, mmap.mmap]:

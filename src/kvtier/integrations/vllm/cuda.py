@@ -47,7 +47,8 @@ log = logging.getLogger(__name__)
 class _Store(Protocol):
     """What the mover needs of kvtier's store (TieredStore provides it)."""
 
-    def borrow(self, key: ChunkKey, spare: memoryview) -> AbstractContextManager[ChunkView | None]: ...
+    def borrow(self, key: ChunkKey,
+               spare: memoryview) -> AbstractContextManager[ChunkView | None]: ...
 
     def put(self, key: ChunkKey, data: memoryview) -> bool: ...
 

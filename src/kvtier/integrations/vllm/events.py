@@ -62,8 +62,8 @@ class ChunkTokens:
         return self._chunks.get(key)
 
 
-def kv_events(store_events: Iterable[StoreEvent], tokens: ChunkTokens, tier_kinds: Mapping[str, str],
-              tokens_per_chunk: int) -> list[KVCacheEvent]:
+def kv_events(store_events: Iterable[StoreEvent], tokens: ChunkTokens,
+              tier_kinds: Mapping[str, str], tokens_per_chunk: int) -> list[KVCacheEvent]:
     """vLLM KV events for the tier events; a stored chunk whose tokens are unknown (planned
     too long ago) is skipped: a router cannot index it anyway."""
     out: list[KVCacheEvent] = []

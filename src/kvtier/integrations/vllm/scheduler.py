@@ -145,8 +145,8 @@ class ConnectorScheduler:
         self._stats.add("lookup_hit_tokens", max(0, hit_tokens - num_computed_tokens))
         if hit_tokens <= num_computed_tokens:
             return 0, False
-        state.load_async = self._loads_async(keys[num_computed_tokens // self._config.tokens_per_chunk:
-                                                  located.num_chunks])
+        first_chunk = num_computed_tokens // self._config.tokens_per_chunk
+        state.load_async = self._loads_async(keys[first_chunk:located.num_chunks])
         return hit_tokens - num_computed_tokens, state.load_async
 
     def _loads_async(self, keys: list[ChunkKey]) -> bool:

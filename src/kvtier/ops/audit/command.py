@@ -187,7 +187,8 @@ def parse_command_line(
         try:
             words = shlex.split(line, comments=True)
         except ValueError as exc:
-            raise ConfigError("command", line.strip()[:80], f"valid shell quoting ({exc})")
+            raise ConfigError("command", line.strip()[:80],
+                              f"valid shell quoting ({exc})") from exc
         if words[:1] == ["export"]:
             script_env.update(w.split("=", 1) for w in words[1:] if "=" in w)  # type: ignore
         elif words and (not command or _is_entrypoint(words)):

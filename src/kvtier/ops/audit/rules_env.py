@@ -71,7 +71,8 @@ def _finding(name: str, fix: str, checked: str) -> Finding:
 
 
 # Variables only vLLM's CPU backend reads: their presence says the server runs on CPUs.
-CPU_BACKEND_ENV = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU")
+CPU_BACKEND_ENV = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND",
+                   "VLLM_CPU_NUM_OF_RESERVED_CPU")
 
 
 @rule("cpu-connector-reserves-core", "a KV connector on the CPU backend takes a core per worker")
