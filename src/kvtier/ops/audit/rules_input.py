@@ -138,11 +138,11 @@ def unknown_connector(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
         name, module = str(entry["kv_connector"]), entry.get("kv_connector_module_path")
         if name == KVTIER_CONNECTOR and not module:
             yield Finding(
-                "unknown-kv-connector", Severity.ERROR,
+                "unknown-kv-connector", Severity.INFO,
                 f"{where}.kv_connector is {name} without kv_connector_module_path",
-                "vLLM's connector registry does not hold kvtier's connector; without the "
-                "module path start-up fails with an unknown connector",
-                f'add "kv_connector_module_path": "{KVTIER_MODULE}" (or use `kvtier serve`)',
+                "vLLM finds it by name through kvtier's plugin (the vllm.general_plugins "
+                "entry point), so kvtier must be installed in the vLLM server's environment",
+                f'or name the module: "kv_connector_module_path": "{KVTIER_MODULE}"',
             )
         elif name not in known and not module:
             close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
