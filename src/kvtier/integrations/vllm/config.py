@@ -6,7 +6,8 @@ Primitives:
   - `kvtier_transfer_config(extra)`: vLLM's `kv_transfer_config` loading the connector with
     `extra`, validated by the same parser the connector runs.
   - `CONNECTOR_CLASS`, `CONNECTOR_MODULE`, `CONNECTOR_KEYS`, `TOKENS_PER_CHUNK`.
-  - `RequestControls.from_params(kv_transfer_params)` (per-request switches).
+  - `RequestControls.from_params(kv_transfer_params)` (per-request switches),
+    `RequestControls.within_role(kv_role)` (what vLLM's kv_role leaves of them).
 
 This module imports neither vllm nor torch (the package imports the connector lazily), so
 `kvtier serve`, `kvtier plan`, `kvtier doctor` and the benches use it instead of copying it.
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvtier.config import StoreConfig
@@ -150,3 +151,10 @@ class RequestControls:
             logger.warning("kvtier: ignoring kv_transfer_params.max_offload_tokens=%r", limit)
             limit = None
         return cls(skip_load=skip_load, skip_store=skip_store, max_offload_tokens=limit)
+
+    def within_role(self, kv_role: str | None) -> RequestControls:
+        """These switches as the engine's vLLM `kv_role` allows them: a "kv_producer" (a
+        disaggregated prefill instance) only stores, a "kv_consumer" (a decode instance) only
+        loads, "kv_both" (or None) does both (docs/sharing.md, disaggregated prefill)."""
+        return replace(self, skip_load=self.skip_load or kv_role == "kv_producer",
+                       skip_store=self.skip_store or kv_role == "kv_consumer")

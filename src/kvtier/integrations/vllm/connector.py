@@ -11,6 +11,8 @@ Enable with
     kv_transfer_config={"kv_connector": "KVTierConnector",
                         "kv_connector_module_path": "kvtier.integrations.vllm",
                         "kv_role": "kv_both", "kv_connector_extra_config": {...}}
+kv_role "kv_producer" (a disaggregated prefill instance) only stores, and waits for its
+writes to reach the shared tier; "kv_consumer" (a decode instance) only loads.
 
 Primitives: `KVTierConnector`.
 """
@@ -172,7 +174,8 @@ class KVTierConnector(KVConnectorBase_V1):
                 model_id=model_id, layout_digest=layouts[0].digest(),
                 weights_fingerprint=fingerprint.digest, locator=locator,
                 tier_kinds={t.tier_name: t.kind for t in self._config.store.tiers},
-                emit_events=bool(events and events.enable_kv_cache_events))
+                emit_events=bool(events and events.enable_kv_cache_events),
+                kv_role=self._kv_transfer_config.kv_role)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
@@ -233,9 +236,14 @@ class KVTierConnector(KVConnectorBase_V1):
         if world > 1:
             logger.info("kvtier: TP rank %d of %d: %s", rank, world, ", ".join(
                 f"{t.tier_name} {t.capacity} B" for t in store_config.tiers))
+        # A prefill instance hands its KV over through the lower tiers: its steps wait for
+        # their writes (a stalled tier is abandoned after read_timeout_s, like a read).
+        handoff = self._kv_transfer_config.kv_role == "kv_producer"
         self._worker = ConnectorWorker(paged, layout, open_store(store_config, layout),
                                        load_batch=self._config.store.io_threads,
-                                       agree=tp_any if world > 1 else None)
+                                       agree=tp_any if world > 1 else None,
+                                       handoff_timeout_s=self._config.store.read_timeout_s
+                                       if handoff else None)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

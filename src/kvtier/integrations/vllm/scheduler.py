@@ -90,9 +90,13 @@ class ConnectorScheduler:
     def __init__(self, config: ConnectorConfig, *, block_size: int, model_id: str,
                  layout_digest: str, locator: ChunkLocator,
                  weights_fingerprint: str | None = None,
-                 tier_kinds: dict[str, str] | None = None, emit_events: bool = False) -> None:
+                 tier_kinds: dict[str, str] | None = None, emit_events: bool = False,
+                 kv_role: str | None = "kv_both") -> None:
+        """`kv_role` is vLLM's: a "kv_producer" never loads (every lookup answers 0), a
+        "kv_consumer" never stores (RequestControls.within_role)."""
         config.check_block_size(block_size)
         self._config = config
+        self._kv_role = kv_role
         self._block_size = block_size
         self._blocks_per_chunk = config.tokens_per_chunk // block_size
         self._model_id = model_id
@@ -277,7 +281,7 @@ class ConnectorScheduler:
                                   cache_salt=request.cache_salt, extra=tuple(extra))
             state = _RequestState(request=request, namespace=namespace,
                                   controls=RequestControls.from_params(
-                                      request.kv_transfer_params),
+                                      request.kv_transfer_params).within_role(self._kv_role),
                                   has_extras=needs_chunk_extras(request))
             self._requests[request.request_id] = state
         return state

@@ -76,6 +76,8 @@ class ChunkStore(Protocol):
 
     def close(self, flush_timeout_s: float | None = None) -> None: ...
 
+    def flush(self, timeout_s: float | None = None) -> bool: ...
+
 
 def len_blocks(layout: KVLayout, block_size: int) -> int:
     """vLLM blocks per kvtier chunk."""
@@ -87,12 +89,17 @@ class ConnectorWorker:
 
     def __init__(self, paged: PagedKV, layout: KVLayout, store: ChunkStore,
                  load_batch: int = LOAD_BATCH,
-                 agree: Callable[[list[bool]], list[bool]] | None = None) -> None:
+                 agree: Callable[[list[bool]], list[bool]] | None = None,
+                 handoff_timeout_s: float | None = None) -> None:
         """Args:
             load_batch: chunks per `borrow_many`: a slow tier's reads of one batch run in
                 parallel (8 at a time read the VM disk here 25-30% faster than 4).
             agree: under tensor parallelism, ORs a list of flags across the ranks (a
                 collective every rank enters with the same list length); None: one rank.
+            handoff_timeout_s: a kv_producer's: a step that stored chunks waits until they
+                reached every tier, at most this long, so that a prefill's KV is in the
+                shared tier when its response returns (the decode instance looks it up
+                next); None: lower tiers are written behind, the step does not wait.
         """
         self._paged = paged
         self._store = store
@@ -114,6 +121,7 @@ class ConnectorWorker:
         # Blocks whose load failed, until the scheduler acknowledges it (a later step).
         self._unfilled: set[int] = set()
         self._agree = agree
+        self._handoff_timeout_s = handoff_timeout_s
         self._report = KVTierWorkerMetadata()
         self._cuda: CudaChunkMover | None = None
         if paged.device.type == "cuda":
@@ -200,6 +208,10 @@ class ConnectorWorker:
                 self._stats.add("stored_tokens", len(transfer.block_ids)
                                 * self._paged.block_size * self._token_scale)
                 self._stats.add("stored_bytes", len(self._buffer_view))
+        if self._handoff_timeout_s is not None and meta.stores \
+                and not self._store.flush(self._handoff_timeout_s):
+            logger.warning("kvtier: a prefill's chunks did not reach every tier within %.1f s "
+                           "(the decode instance may miss them)", self._handoff_timeout_s)
         self._stats.add("store_seconds", time.perf_counter() - start)
 
     def _safe_stores(self, stores: list[ChunkTransfer]) -> list[ChunkTransfer]:
