@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -26,8 +27,15 @@ def test_plan_json_for_every_fixture(capsys, name):
     assert code == 0
     assert out["kv_bytes_per_token_total"] == 8 * out["kv_bytes_per_token_per_rank"]
     assert [t["name"] for t in out["tiers"]] == ["GPU HBM", "CPU DRAM", "NVMe"]
-    kv_cfg = out["flags"]["kvtier"][out["flags"]["kvtier"].index("--kv-transfer-config") + 1]
+    alternatives = {a["name"]: a for a in out["alternatives"]}
+    kvtier = alternatives["kvtier"]
+    if kvtier["refused"]:  # a model kvtier refuses at start-up gets no kvtier command
+        assert name == "qwen3-next-80b-a3b" and kvtier["command"] is None
+        return
+    flags = kvtier["flags"]
+    kv_cfg = flags[flags.index("--kv-transfer-config") + 1]
     assert json.loads(kv_cfg)["kv_connector"] == "KVTierConnector"
+    assert kv_cfg in shlex.split(kvtier["command"])
 
 
 def test_plan_from_sglang_converts_per_rank_to_total(capsys):
@@ -35,10 +43,11 @@ def test_plan_from_sglang_converts_per_rank_to_total(capsys):
                                   "--from-sglang", "200", "--vllm-version", "0.20.0", "--json"])
     assert code == 0
     assert out["recommended"]["kv_offloading_size_gib"] == 1600
-    native = out["flags"]["vllm_native"]
+    alternatives = {a["name"]: a for a in out["alternatives"]}
+    native = alternatives["native"]["flags"]
     assert native[native.index("--kv-offloading-size") + 1] == "1600"
     assert "--disable-hybrid-kv-cache-manager" in native  # v0.20 needs it
-    assert out["flags"]["lmcache_env"]["LMCACHE_MAX_LOCAL_CPU_SIZE"] == "200"
+    assert alternatives["lmcache"]["env"]["LMCACHE_MAX_LOCAL_CPU_SIZE"] == "200"
 
 
 def test_plan_table_output_states_figures(capsys):
@@ -47,6 +56,42 @@ def test_plan_table_output_states_figures(capsys):
     out = capsys.readouterr().out
     assert "mla" in out and "PCIe Gen5 x16" in out and "--block-size 32" in out
     assert "--kv-offloading-size" in out and "LMCACHE_MAX_LOCAL_CPU_SIZE" in out
+
+
+def test_plan_prints_each_alternative_as_a_complete_command(capsys, tmp_path):
+    model = tmp_path / "Llama-3-70B"
+    model.mkdir()
+    (model / "config.json").write_text((CONFIGS / "llama-3-70b.json").read_text())
+    assert main(["plan", str(model), "--tp", "8", "--vllm-version", "0.21.0"]) == 0
+    out = capsys.readouterr().out
+    commands = [line.strip() for line in out.splitlines()
+                if line.strip().startswith(("vllm serve", "LMCACHE_"))]
+    assert len(commands) == 4 and "pick ONE" in out
+    for number in range(1, 5):
+        assert f"  {number}. " in out
+    for command in commands:
+        words = shlex.split(command)
+        assert words[words.index("serve") + 1] == str(model)
+        assert words[words.index("--tensor-parallel-size") + 1] == "8"
+    assert "assumed: a 4 TB NVMe drive" in " ".join(out.split())
+    assert "assumed: 70.55B parameters" in out
+
+
+def test_plan_never_prints_a_command_for_a_refused_backend(capsys):
+    assert main(["plan", str(CONFIGS / "qwen3-next-80b-a3b.json"), "--tp", "4",
+                 "--vllm-version", "0.21.0", "--served-model", "Qwen/Qwen3-Next"]) == 0
+    out = capsys.readouterr().out
+    commands = [line for line in out.splitlines() if "vllm serve" in line]
+    assert len(commands) == 2  # vLLM alone, native offload
+    assert not any("KVTierConnector" in c or "LMCache" in c for c in commands)
+    flat = " ".join(out.split())
+    assert "not an option: kvtier connector" in flat and "not an option: LMCache" in flat
+
+
+def test_plan_impossible_tp_exits_2_with_one_line(capsys):
+    assert main(["plan", str(CONFIGS / "llama-3-8b.json"), "--tp", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "32 attention heads and 8 KV heads" in err
 
 
 def test_plan_bad_input_exits_2(capsys):

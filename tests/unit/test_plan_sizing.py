@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from kvtier.integrations.vllm.config import kvtier_transfer_config
 from kvtier.ops.flags import lmcache_env, native_offload_flags, sglang_per_rank_to_vllm_total
 from kvtier.ops.hardware import gpu_profile
 from kvtier.ops.modelspec import kv_footprint, load_model_spec
-from kvtier.ops.sizing import PlanRequest, make_plan
+from kvtier.ops.sizing import Plan, PlanRequest, make_plan
 
 CONFIGS = Path(__file__).parents[1] / "data" / "configs"
 GIB = 1024**3
@@ -23,15 +24,21 @@ def req(model: str, **kw) -> PlanRequest:
     return PlanRequest(model=load_model_spec(CONFIGS / f"{model}.json"), **kw)
 
 
+def flag(plan: Plan, alternative: str, name: str) -> str:
+    """The value of flag `name` in an alternative's own flags."""
+    flags = plan.alternative(alternative).flags
+    return flags[flags.index(name) + 1]
+
+
 def test_sglang_per_rank_200gb_on_8_gpus_is_1600_on_vllm():
     # Operator's guide: "200 GB per GPU x 8 GPUs = 1600 GB, use --kv-offloading-size 1600".
     assert sglang_per_rank_to_vllm_total(200, 8) == 1600
     plan = make_plan(req("llama-3-70b", tp=8, cpu_tier_bytes=1600 * GIB,
                          vllm_version=(0, 21, 0)))
     assert plan.cpu_offload_gib == 1600
-    assert plan.native_flags[plan.native_flags.index("--kv-offloading-size") + 1] == "1600"
+    assert flag(plan, "native", "--kv-offloading-size") == "1600"
     # LMCache allocates per rank: 1600 / 8 = 200 per worker keeps the same total.
-    assert plan.lmcache_env["LMCACHE_MAX_LOCAL_CPU_SIZE"] == "200"
+    assert plan.alternative("lmcache").env["LMCACHE_MAX_LOCAL_CPU_SIZE"] == "200"
     with pytest.raises(ConfigError):
         sglang_per_rank_to_vllm_total(200, 0)
 
@@ -75,10 +82,10 @@ def test_bigger_host_ram_never_holds_fewer_warm_sessions():
 def test_hma_flag_follows_version_for_native_offload():
     old = make_plan(req("llama-3-8b", vllm_version=(0, 20, 2)))
     new = make_plan(req("llama-3-8b", vllm_version=(0, 21, 0)))
-    assert "--disable-hybrid-kv-cache-manager" in old.native_flags
-    assert "--disable-hybrid-kv-cache-manager" not in new.native_flags
+    assert "--disable-hybrid-kv-cache-manager" in old.alternative("native").flags
+    assert "--disable-hybrid-kv-cache-manager" not in new.alternative("native").flags
     # LMCache needs it on every version.
-    assert "--disable-hybrid-kv-cache-manager" in new.lmcache_flags
+    assert "--disable-hybrid-kv-cache-manager" in new.alternative("lmcache").flags
 
 
 def test_sliding_window_model_loses_capacity_when_hma_must_be_off():
@@ -86,7 +93,7 @@ def test_sliding_window_model_loses_capacity_when_hma_must_be_off():
     off = make_plan(req("gemma-3-27b", context_tokens=32768, vllm_version=(0, 20, 0)))
     assert on.hybrid_manager and not off.hybrid_manager
     assert on.live_sessions > 3 * off.live_sessions
-    assert any("LMCache cannot serve" in n for n in on.notes)
+    assert "LMCache cannot serve" in (on.alternative("lmcache").refused or "")
 
 
 def test_notes_for_weights_not_fitting_and_tiny_host():
@@ -108,7 +115,7 @@ def test_long_context_gets_block_size_and_batch_cap():
 
 def test_kvtier_flags_carry_validated_store_config():
     plan = make_plan(req("llama-3-8b", host_ram_bytes=200 * GIB, nvme_bytes=0))
-    cfg = plan.kvtier_flags[plan.kvtier_flags.index("--kv-transfer-config") + 1]
+    cfg = flag(plan, "kvtier", "--kv-transfer-config")
     assert '"kv_connector":"KVTierConnector"' in cfg
     assert '"tiers":[{"kind":"memory","capacity":"120GiB"}]' in cfg
     with pytest.raises(ConfigError):
@@ -137,9 +144,126 @@ def test_kvtier_capacity_is_the_same_total_as_native_offload_at_tp_8():
     is the engine's total, equal to --kv-offloading-size; the note says each rank's share."""
     plan = make_plan(req("llama-3-70b", tp=8, cpu_tier_bytes=1600 * GIB,
                          vllm_version=(0, 21, 0)))
-    config = json.loads(plan.kvtier_flags[plan.kvtier_flags.index("--kv-transfer-config") + 1])
+    config = json.loads(flag(plan, "kvtier", "--kv-transfer-config"))
     memory = config["kv_connector_extra_config"]["tiers"][0]
     assert memory == {"kind": "memory", "capacity": "1600GiB"}
     [note] = [n for n in plan.notes if "per engine" in n]
     assert "8 TP ranks" in note and "each rank's CPU tier 200 GiB" in note
     assert not any("per engine" in n for n in make_plan(req("llama-3-8b")).notes)
+
+
+def test_every_command_is_complete_and_carries_tp():
+    # issue 14: the serve line once lacked --tensor-parallel-size, so a `--tp 8` plan pasted
+    # as printed loaded all 131 GiB of a 70B model's weights onto one GPU.
+    plan = make_plan(req("llama-3-70b", tp=8, vllm_version=(0, 21, 0),
+                         model_ref="meta-llama/Llama-3.1-70B-Instruct"))
+    assert [a.name for a in plan.alternatives] == ["none", "native", "kvtier", "lmcache"]
+    for alt in plan.alternatives:
+        words = shlex.split(alt.command)
+        env = [w for w in words[:words.index("vllm")] if "=" in w]
+        assert words[len(env):len(env) + 3] == ["vllm", "serve",
+                                                "meta-llama/Llama-3.1-70B-Instruct"]
+        assert words[words.index("--tensor-parallel-size") + 1] == "8"
+        assert words.count("--enable-prefix-caching") == 1
+        assert words[words.index("--max-model-len") + 1] == "8192"
+    lmcache = shlex.split(plan.alternative("lmcache").command)
+    assert "LMCACHE_MAX_LOCAL_CPU_SIZE=153.6" in lmcache  # 60% of 2048 GiB = 1228.8, / 8 ranks
+
+
+def test_all_sliding_window_model_keeps_its_window_without_the_hybrid_manager():
+    # Mistral-7B v0.1: 32 layers, all sliding (window 4096), 8 KV heads x 128, BF16.
+    # KV per token = 2 (K, V) x 8 x 128 x 2 B x 32 layers = 131,072 B; the default context
+    # is min(32768, 32768) = 32768. vLLM promotes sliding layers to full only next to full
+    # layers (_promote_local_kv_cache_specs), so even with the hybrid manager off (v0.20,
+    # and kvtier/LMCache on any version) a session keeps 4096 tokens:
+    # 4096 x 131,072 = 536,870,912 B = 512 MiB, not 32768 x 131,072 = 4 GiB.
+    # HBM for KV: 81559 MiB x 0.9 = 76,968,728,985 B - weights 7,241,465,856 params x 2 B
+    # = 14,482,931,712 B - 2 GiB reserve = 60,338,313,625 B; / 512 MiB = 112.4 -> 112
+    # sessions (at 4 GiB it would be 14).
+    for version in ((0, 20, 0), (0, 21, 0)):
+        plan = make_plan(req("mistral-7b-v0.1", vllm_version=version))
+        assert plan.context_tokens == 32768
+        assert plan.gpu_kv_bytes_per_gpu == 60_338_313_625
+        for alt in plan.alternatives:
+            assert alt.session_bytes_total == 512 * 1024**2, alt.name
+            assert alt.live_sessions == 112, alt.name
+        assert plan.alternative("lmcache").refused is None  # one attention kind: not hybrid
+
+
+def test_hybrid_sliding_model_capacity_follows_each_backend():
+    # Gemma 3 27B on v0.21: native offload keeps the hybrid manager (sliding layers capped
+    # at 1024 tokens); kvtier runs with it off, so its sliding layers cost the whole context.
+    plan = make_plan(req("gemma-3-27b", context_tokens=32768, vllm_version=(0, 21, 0)))
+    native, kvtier = plan.alternative("native"), plan.alternative("kvtier")
+    assert native.hybrid_manager and not kvtier.hybrid_manager
+    assert kvtier.session_bytes_total > 3 * native.session_bytes_total
+    assert kvtier.live_sessions < native.live_sessions
+    assert "--disable-hybrid-kv-cache-manager" in kvtier.command
+    assert any(n.startswith("kvtier connector") and "whole context" in n for n in plan.notes)
+    # LMCache cannot serve it: no command at all, the reason instead.
+    lmcache = plan.alternative("lmcache")
+    assert lmcache.refused and "LMCache#3106" in lmcache.refused and lmcache.command == ""
+
+
+def test_linear_attention_hybrid_is_never_recommended_to_kvtier_or_lmcache():
+    # Qwen3-Next: gated DeltaNet layers beside attention. kvtier refuses it at start-up
+    # (integrations.vllm.models.unsupported_reason): plan must not offer it.
+    plan = make_plan(req("qwen3-next-80b-a3b", tp=4, vllm_version=(0, 21, 0)))
+    kvtier = plan.alternative("kvtier")
+    assert kvtier.refused and "kvtier refuses this model" in kvtier.refused
+    assert kvtier.command == "" and plan.alternative("lmcache").command == ""
+    native = plan.alternative("native")
+    assert native.refused is None and native.hybrid_manager
+    assert "--disable-hybrid-kv-cache-manager" not in native.command
+    # Before v0.21 native offload needs the manager off, which such a model cannot run with.
+    old = make_plan(req("qwen3-next-80b-a3b", tp=4, vllm_version=(0, 20, 0)))
+    assert old.alternative("native").refused
+    assert [a.name for a in old.alternatives if a.refused is None] == ["none"]
+
+
+def test_cpu_tier_is_capped_by_host_ram_and_flagged():
+    # issue 14: SGLang's 300 GB per rank x 8 = 2400 GiB was advised on a 2048 GiB host.
+    plan = make_plan(req("llama-3-70b", tp=8, host_ram_bytes=2048 * GIB,
+                         cpu_tier_bytes=2400 * GIB, vllm_version=(0, 21, 0)))
+    assert plan.host_ram_exceeded and plan.cpu_tier_wanted_bytes == 2400 * GIB
+    assert plan.cpu_tier_bytes == int(2048 * GIB * 0.8)  # 1638.4 GiB
+    assert flag(plan, "native", "--kv-offloading-size") == "1638.4"
+    assert any("more than the host can give" in n for n in plan.notes)
+    assert not make_plan(req("llama-3-70b", tp=8, host_ram_bytes=2048 * GIB,
+                             cpu_tier_bytes=1600 * GIB)).host_ram_exceeded
+
+
+@pytest.mark.parametrize("tp", [3, 5, 6, 64])
+def test_tp_that_cannot_split_the_heads_is_an_error(tp):
+    # Llama-3-8B: 32 query heads, 8 KV heads. vLLM needs heads % tp == 0 and either
+    # kv % tp == 0 or (tp > kv) tp % kv == 0.
+    with pytest.raises(ConfigError, match="1, 2, 4, 8, 16, 32"):
+        make_plan(req("llama-3-8b", tp=tp))
+
+
+def test_tp_beyond_kv_heads_replicates_and_mla_ignores_kv_heads():
+    assert make_plan(req("llama-3-8b", tp=16)).kv_bytes_per_token_rank == 32 * 2 * 128 * 2
+    make_plan(req("deepseek-v3", gpu=gpu_profile("h200"), tp=8))  # 128 heads, MLA
+
+
+def test_cpu_tier_is_not_rounded_down_to_whole_gib():
+    # issue 14: 6 GB (5.588 GiB) once became 5 GiB, 10.5% fewer tokens. Now 5.58 GiB: -0.14%.
+    plan = make_plan(req("qwen3-4b", cpu_tier_bytes=6 * 10**9, nvme_bytes=0,
+                         vllm_version=(0, 21, 0)))
+    size = float(flag(plan, "native", "--kv-offloading-size"))
+    assert size == 5.58 and 1 - size * GIB / (6 * 10**9) < 0.01
+    cfg = json.loads(flag(plan, "kvtier", "--kv-transfer-config"))
+    assert cfg["kv_connector_extra_config"]["tiers"] == [{"kind": "memory",
+                                                          "capacity": "5.58GiB"}]
+    assert plan.alternative("lmcache").env["LMCACHE_MAX_LOCAL_CPU_SIZE"] == "5.58"
+
+
+def test_defaults_are_stated_as_assumptions():
+    plan = make_plan(req("llama-3-8b"))
+    text = " ".join(plan.assumptions)
+    assert "estimated from config.json" in text and "pass --params" in text
+    assert "4 TB NVMe" in text and "90%" in text and "--host-ram" in text
+    given = PlanRequest(model=load_model_spec(CONFIGS / "llama-3-8b.json", 8_030_000_000),
+                        gpu=gpu_profile("h100"), nvme_bytes=2 * 10**12,
+                        host_ram_bytes=512 * GIB, context_tokens=8192, pcie_gen=5)
+    assert make_plan(given).assumptions == ()

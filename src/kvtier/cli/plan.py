@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -18,10 +19,10 @@ from kvtier.cli.argtypes import (
     positive_int,
     size_gb,
 )
-from kvtier.ops.flags import sglang_per_rank_to_vllm_total, shell_quote_flags
+from kvtier.ops.flags import sglang_per_rank_to_vllm_total
 from kvtier.ops.hardware import gpu_profile
 from kvtier.ops.modelspec import load_model_spec
-from kvtier.ops.sizing import Plan, PlanRequest, make_plan
+from kvtier.ops.sizing import Alternative, Plan, PlanRequest, TierEstimate, make_plan
 from kvtier.ops.vllm_versions import format_version, installed_vllm_version, parse_version
 from kvtier.units import format_size, parse_size
 
@@ -38,7 +39,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--host-ram", help="host RAM of the node (default 256GiB per GPU)")
     p.add_argument("--host-kv-fraction", type=fraction, default=0.6,
                    help="share of host RAM for the CPU tier (default 0.6)")
-    p.add_argument("--nvme", default="4TB", help="NVMe space for the disk tier; 0 = none")
+    p.add_argument("--nvme", help="NVMe space for the disk tier (default: a 4TB drive, said as "
+                   "an assumption); 0 = none")
     p.add_argument("--nvme-path", type=path_text, default="/mnt/nvme/kvtier")
     p.add_argument("--nvme-gen", type=int, default=4, choices=(4, 5))
     p.add_argument("--pcie-gen", type=int, choices=(4, 5), help="default: the GPU's own")
@@ -51,6 +53,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--vllm-version", help="target vLLM release (default: installed, if any)")
     p.add_argument("--from-sglang", type=size_gb, metavar="GB_PER_RANK",
                    help="SGLang per-rank host KV size to convert (x TP) into the CPU tier")
+    p.add_argument("--served-model", metavar="NAME",
+                   help="the model as `vllm serve` takes it in the printed commands (default: "
+                        "the folder holding config.json, else its _name_or_path)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
 
@@ -61,12 +66,14 @@ def run(args: argparse.Namespace) -> int:
     cpu_tier = None
     if args.from_sglang is not None:
         cpu_tier = int(sglang_per_rank_to_vllm_total(args.from_sglang, args.tp) * _GIB)
+    spec = load_model_spec(args.model, int(args.params) if args.params else None)
     req = PlanRequest(
-        model=load_model_spec(args.model, int(args.params) if args.params else None),
+        model=spec, model_ref=args.served_model or _model_ref(args.model, spec.name),
         gpu=gpu_profile(args.gpu, args.hbm), tp=args.tp,
         gpu_memory_utilization=args.gpu_memory_utilization,
         host_ram_bytes=parse_size(args.host_ram, "host_ram") if args.host_ram else 0,
-        host_kv_fraction=args.host_kv_fraction, nvme_bytes=parse_size(args.nvme, "nvme"),
+        host_kv_fraction=args.host_kv_fraction,
+        nvme_bytes=None if args.nvme is None else parse_size(args.nvme, "nvme"),
         nvme_path=args.nvme_path, nvme_gen=args.nvme_gen, pcie_gen=args.pcie_gen,
         context_tokens=args.context, concurrency=args.concurrency, kv_dtype=args.kv_dtype,
         vllm_version=version, cpu_tier_bytes=cpu_tier)
@@ -76,6 +83,16 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print(plan)
     return 0
+
+
+def _model_ref(path: str, name: str) -> str:
+    """What `vllm serve` should be given for the model whose config is at `path`."""
+    p = Path(path)
+    if p.is_dir():
+        return path
+    if p.name == "config.json":
+        return str(p.parent)
+    return name if name and name != p.parent.name else "<model>"
 
 
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
@@ -97,19 +114,35 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "gpu_kv_bytes_per_gpu": plan.gpu_kv_bytes_per_gpu, "gpu_kv_tokens": plan.gpu_kv_tokens,
         "live_sessions": plan.live_sessions, "reprefill_s": plan.reprefill_s,
         "hybrid_kv_cache_manager": plan.hybrid_manager, "hybrid_manager_reason": plan.hma_reason,
-        "tiers": [{"name": t.name, "capacity_bytes": t.capacity_bytes,
-                   "warm_sessions": t.warm_sessions, "load_s": t.load_s,
-                   "speedup_vs_reprefill": None if math.isinf(t.speedup) else t.speedup,
-                   "link": t.link.name if t.link else None,
-                   "link_gbps": t.link.bandwidth_gbps if t.link else None,
-                   "link_source": t.link.source if t.link else None} for t in plan.tiers],
+        "tiers": [_tier_dict(t) for t in plan.tiers],
         "recommended": {"kv_offloading_size_gib": plan.cpu_offload_gib,
-                        "nvme_gib": plan.nvme_gib},
-        "flags": {"serve": list(plan.serve_flags), "kvtier": list(plan.kvtier_flags),
-                  "vllm_native": list(plan.native_flags), "lmcache": list(plan.lmcache_flags),
-                  "lmcache_env": plan.lmcache_env},
+                        "cpu_tier_bytes": plan.cpu_tier_bytes,
+                        "cpu_tier_wanted_bytes": plan.cpu_tier_wanted_bytes,
+                        "host_ram_bytes": plan.host_ram_bytes,
+                        "host_ram_exceeded": plan.host_ram_exceeded, "nvme_gib": plan.nvme_gib},
+        "serve_flags": list(plan.serve_flags),
+        "alternatives": [_alternative_dict(a) for a in plan.alternatives],
+        "assumptions": list(plan.assumptions),
         "notes": list(plan.notes),
     }
+
+
+def _tier_dict(t: TierEstimate) -> dict[str, Any]:
+    return {"name": t.name, "capacity_bytes": t.capacity_bytes,
+            "warm_sessions": t.warm_sessions, "load_s": t.load_s,
+            "speedup_vs_reprefill": None if math.isinf(t.speedup) else t.speedup,
+            "link": t.link.name if t.link else None,
+            "link_gbps": t.link.bandwidth_gbps if t.link else None,
+            "link_source": t.link.source if t.link else None}
+
+
+def _alternative_dict(a: Alternative) -> dict[str, Any]:
+    return {"name": a.name, "title": a.title, "refused": a.refused,
+            "hybrid_kv_cache_manager": a.hybrid_manager, "hybrid_manager_reason": a.hma_reason,
+            "session_bytes_total": a.session_bytes_total, "live_sessions": a.live_sessions,
+            "gpu_kv_tokens": a.gpu_kv_tokens, "tiers": [_tier_dict(t) for t in a.tiers],
+            "flags": list(a.flags), "env": a.env, "command": a.command or None,
+            "notes": list(a.notes)}
 
 
 def _print(plan: Plan) -> None:
@@ -144,12 +177,29 @@ def _print(plan: Plan) -> None:
                       f"{t.load_s:.3f} s", "-" if math.isinf(t.speedup) else f"{t.speedup:.1f}x",
                       link)
     console.print(tiers)
-    console.print(f"[bold]serve[/bold]:   vllm serve <model> {shell_quote_flags(plan.serve_flags)}")
-    console.print(f"[bold]kvtier[/bold]:  {shell_quote_flags(plan.kvtier_flags)}", soft_wrap=True)
-    console.print(f"[bold]native[/bold]:  {shell_quote_flags(plan.native_flags)}",
-                  soft_wrap=True)
-    env = " ".join(f"{k}={v}" for k, v in plan.lmcache_env.items())
-    console.print(f"[bold]LMCache[/bold]: {env} {shell_quote_flags(plan.lmcache_flags)}",
-                  soft_wrap=True)
+    _print_alternatives(console, plan)
+
+
+def _print_alternatives(console: Console, plan: Plan) -> None:
+    table = Table(title="alternatives: capacity with each")
+    for col in ("alternative", "hybrid KV manager", "one session", "live sessions",
+                "warm sessions (CPU / NVMe)"):
+        table.add_column(col)
+    for a in plan.alternatives:
+        warm = " / ".join(f"{t.warm_sessions:,}" for t in a.tiers[1:]) or "-"
+        table.add_row(a.title, "on" if a.hybrid_manager else "off",
+                      format_size(a.session_bytes_total), f"{a.live_sessions:,}",
+                      "refused" if a.refused else warm)
+    console.print(table)
+    console.print("[bold]alternatives[/bold], pick ONE (each line is a complete command):")
+    usable = [a for a in plan.alternatives if a.refused is None]
+    for number, a in enumerate(usable, 1):
+        console.print(f"  [bold]{number}. {a.title}[/bold]: {a.live_sessions:,} live sessions")
+        print(f"     {a.command}")  # plain print: no markup, no wrapping, copy-pasteable
+    for a in plan.alternatives:
+        if a.refused:
+            console.print(f"  [red]not an option[/red]: {a.title}: {a.refused}")
+    for line in plan.assumptions:
+        console.print(f"[cyan]assumed[/cyan]: {line}")
     for note in plan.notes:
         console.print(f"[yellow]note[/yellow]: {note}")

@@ -6,6 +6,7 @@ Primitives:
                                              --kv-transfer-config comes from
                                              kvtier.integrations.vllm.config, the schema)
     native_offload_flags(total_gib, hma)  -- flags for vLLM's native CPU offload
+    gib_number(value_gib)                 -- a GiB size as flags take it, rounded down
     lmcache_env(total_gib, tp, ...), lmcache_flags(hma)
                                           -- LMCache in-process env + flags
     shell_quote_flags(flags)              -- one copy-pasteable line
@@ -20,6 +21,7 @@ Size conventions (the #1 sizing mistake, see the operator's guide):
 from __future__ import annotations
 
 import json
+import math
 import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -55,14 +57,26 @@ def kvtier_flags(extra: Mapping[str, Any], disable_hma: bool) -> list[str]:
         [DISABLE_HMA] if disable_hma else [])
 
 
-def native_offload_flags(total_gib: int, disable_hma: bool) -> list[str]:
+def gib_number(value_gib: float) -> str:
+    """A size in GiB as `--kv-offloading-size`, LMCache and kvtier capacities take it (all
+    accept fractions), rounded DOWN so a tier never exceeds its budget: to 0.01 GiB from
+    1 GiB up, 0.001 below, which loses under 1% (issue 14: 6 GB once became 5 GiB, -10.5%).
+    1600 -> "1600", 6e9 B = 5.588 GiB -> "5.58"."""
+    digits = 2 if value_gib >= 1 else 3
+    # + 1e-6: a size computed through int() bytes sits a hair below its decimal value
+    floored = math.floor(value_gib * 10**digits + 1e-6) / 10**digits
+    return f"{floored:.{digits}f}".rstrip("0").rstrip(".") or "0"
+
+
+def native_offload_flags(total_gib: float, disable_hma: bool) -> list[str]:
     """Flags for vLLM's native CPU offload of `total_gib` GiB across all TP ranks."""
     return ["--enable-prefix-caching", "--kv-offloading-backend", "native",
-            "--kv-offloading-size", str(total_gib)] + ([DISABLE_HMA] if disable_hma else [])
+            "--kv-offloading-size", gib_number(total_gib)] + (
+        [DISABLE_HMA] if disable_hma else [])
 
 
 def lmcache_env(
-    total_gib: int, tp: int, disk_path: str | None = None, disk_total_gib: int = 0
+    total_gib: float, tp: int, disk_path: str | None = None, disk_total_gib: float = 0
 ) -> dict[str, str]:
     """LMCache (in-process `LMCacheConnectorV1`) environment for a `total_gib` CPU tier.
 
@@ -73,12 +87,12 @@ def lmcache_env(
     env = {
         "LMCACHE_CHUNK_SIZE": "256",
         "LMCACHE_LOCAL_CPU": "True",
-        "LMCACHE_MAX_LOCAL_CPU_SIZE": _gb(total_gib / tp),
+        "LMCACHE_MAX_LOCAL_CPU_SIZE": gib_number(total_gib / tp),
         "PYTHONHASHSEED": "0",
     }
     if disk_path and disk_total_gib > 0:
         env["LMCACHE_LOCAL_DISK"] = f"file://{disk_path.rstrip('/')}/"
-        env["LMCACHE_MAX_LOCAL_DISK_SIZE"] = _gb(disk_total_gib / tp)
+        env["LMCACHE_MAX_LOCAL_DISK_SIZE"] = gib_number(disk_total_gib / tp)
     return env
 
 
@@ -94,6 +108,3 @@ def shell_quote_flags(flags: Sequence[str]) -> str:
     """Join flags into one shell-safe line (JSON values single-quoted)."""
     return " ".join(shlex.quote(f) for f in flags)
 
-
-def _gb(value: float) -> str:
-    return str(int(value)) if value == int(value) else f"{value:.1f}"

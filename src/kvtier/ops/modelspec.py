@@ -10,8 +10,10 @@ Primitives:
     session_kv_bytes(fp, tokens) -- one sequence's KV on one rank at `tokens` context
 
 Layer kinds: "full" attention keeps KV for every token; "sliding" attention keeps at most
-`sliding_window` tokens (only while vLLM's hybrid KV cache manager is on: with
-`--disable-hybrid-kv-cache-manager` vLLM allocates sliding layers like full ones);
+`sliding_window` tokens. With `--disable-hybrid-kv-cache-manager` vLLM allocates sliding
+layers like full ones, but only in a model that has both kinds
+(`_promote_local_kv_cache_specs` promotes only when full and sliding layers are present): a
+model whose layers are all sliding (Mistral-7B v0.1) keeps the window either way;
 "linear" (Mamba, gated DeltaNet, other linear attention) keeps a fixed state per sequence
 and no per-token KV.
 
@@ -64,6 +66,9 @@ class ModelSpec:
     embedding_param_count: int  # input embedding + LM head, included in both counts above
     weight_bytes_per_param: float  # 2 for BF16, 1 for FP8 checkpoints, 0.5 for 4-bit
     max_position_embeddings: int  # longest context the model was built for
+    architecture: str = ""  # HF `architectures[0]`, e.g. "LlamaForCausalLM"; "" if absent
+    encoder_decoder: bool = False  # HF `is_encoder_decoder`: cross-attention over an encoder
+    params_estimated: bool = True  # param_count estimated from shapes, not given by the user
 
     @property
     def num_layers(self) -> int:
@@ -123,7 +128,8 @@ def kv_footprint(
     GQA heads are split across ranks; when there are fewer KV heads than ranks vLLM keeps one
     replicated head per rank. MLA latents are replicated on every rank. With
     `hybrid_manager=False` (vLLM `--disable-hybrid-kv-cache-manager`) sliding layers are
-    allocated for the whole context like full layers.
+    allocated for the whole context like full layers when the model also has full-attention
+    layers; a model of sliding layers only keeps its window (vLLM promotes only mixed ones).
 
     Raises:
         ConfigError: when `tp` < 1 or the dtype is unknown.
@@ -136,7 +142,10 @@ def kv_footprint(
     else:
         per_layer = 2 * max(1, spec.num_kv_heads // tp) * spec.head_dim * elem
     full, sliding = spec.count("full"), spec.count("sliding")
-    capped = hybrid_manager and sliding > 0 and spec.sliding_window is not None
+    # vLLM promotes sliding layers to full ones only beside full layers (kv_cache_utils.py,
+    # _promote_local_kv_cache_specs): all-sliding Mistral keeps its window without HMA (#14).
+    capped = (sliding > 0 and spec.sliding_window is not None
+              and (hybrid_manager or full == 0))
     if not capped:
         full, sliding = full + sliding, 0
     state = -(-spec.linear_state_bytes * spec.count("linear") // tp)  # ceil: heads split
@@ -239,7 +248,15 @@ def _parse_model_config(raw: Mapping[str, Any], cfg: Mapping[str, Any], name: st
         embedding_param_count=counted.embedding,
         weight_bytes_per_param=_weight_bytes(cfg, outer_quant or cfg.get("quantization_config")),
         max_position_embeddings=int(cfg.get("max_position_embeddings") or 0),
+        architecture=_architecture(raw),
+        encoder_decoder=bool(raw.get("is_encoder_decoder") or cfg.get("is_encoder_decoder")),
+        params_estimated=not param_count,
     )
+
+
+def _architecture(raw: Mapping[str, Any]) -> str:
+    names = raw.get("architectures")
+    return str(names[0]) if isinstance(names, list) and names else ""
 
 
 # Larger than any real model's layer count, width or head count: a typo, and a layer list of

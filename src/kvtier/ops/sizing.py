@@ -1,35 +1,51 @@
-"""The `kvtier plan` math: from a model and a machine to tier sizes and serve flags.
+"""The `kvtier plan` math: from a model and a machine to tier sizes and serve commands.
 
 Primitives:
-    PlanRequest           -- the inputs (frozen; defaults for all but model and GPU)
-    TierEstimate, Plan    -- the results (frozen)
-    make_plan(request)    -- compute a Plan
+    PlanRequest                  -- the inputs (frozen; defaults for all but model and GPU)
+    TierEstimate, Alternative, Plan -- the results (frozen)
+    make_plan(request)           -- compute a Plan
 
-Steps: weights per GPU -> KV memory per GPU -> live sessions at the context length ->
-warm sessions per tier -> time to load one session from each tier vs re-prefilling it ->
-recommended sizes and the flags for kvtier, vLLM native offload and LMCache.
+Steps: weights per GPU -> KV memory per GPU -> the CPU and NVMe tiers the host can give ->
+for each way to serve (vLLM alone, vLLM native offload, kvtier, LMCache): whether it can serve
+the model on this vLLM version, whether vLLM's hybrid KV cache manager stays on with it (which
+decides what one session costs on hybrid models), live and warm sessions, load time vs
+re-prefill, and the complete `vllm serve` command (kvtier.ops.alternatives).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm.config import CONNECTOR_CLASS
-from kvtier.ops import flags
-from kvtier.ops.costmodel import prefill_seconds, transfer_seconds
-from kvtier.ops.hardware import GpuProfile, LinkProfile, dram_link, host_link, nvme_link
-from kvtier.ops.modelspec import ModelSpec, kv_dtype_bytes, kv_footprint, session_kv_bytes
-from kvtier.ops.vllm_versions import Version, hma_verdict
+from kvtier.ops.alternatives import (
+    Alternative,
+    TierEstimate,
+    build_alternatives,
+    serve_flags,
+    tier_estimates,
+)
+from kvtier.ops.costmodel import prefill_seconds
+from kvtier.ops.flags import gib_number
+from kvtier.ops.hardware import GpuProfile
+from kvtier.ops.modelspec import ModelSpec, kv_dtype_bytes
+from kvtier.ops.vllm_versions import Version
+
+__all__ = ["Alternative", "Plan", "PlanRequest", "TierEstimate", "make_plan"]
 
 _GIB = 1024**3
 # Per-GPU memory vLLM needs besides weights and KV (activation peak, CUDA graphs, NCCL).
 RUNTIME_RESERVE_BYTES = 2 * _GIB
-# Contexts from which the operator's guide recommends --block-size 32 / a prefill cap.
-LONG_CONTEXT_BLOCK32 = 128 * 1024
-LONG_PROMPT_BATCH_CAP = 32 * 1024
-MAX_NUM_BATCHED_TOKENS = 8192
+# What plan assumes when not told (each said in Plan.assumptions, never used silently).
+DEFAULT_HOST_RAM_PER_GPU = 256 * _GIB  # DGX-like nodes
+DEFAULT_NVME_BYTES = 4 * 10**12  # one 4 TB drive
+DEFAULT_CONTEXT_CAP = 32768
+# Share of an NVMe drive the disk tier takes (filesystem overhead, free space for the SSD).
+NVME_USABLE_FRACTION = 0.9
+# The most of host RAM a CPU tier may take: the rest is the OS, the vLLM processes (tokenizer,
+# CUDA contexts, pinned staging buffers) and the page cache NVMe reads go through. A tier
+# above it is capped and flagged (issue 14: 2400 GiB was once advised on a 2048 GiB host).
+MAX_HOST_KV_FRACTION = 0.8
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,9 +56,9 @@ class PlanRequest:
     gpu: GpuProfile  # from gpu_profile
     tp: int = 1  # tensor-parallel size (GPUs per instance)
     gpu_memory_utilization: float = 0.9  # vLLM --gpu-memory-utilization
-    host_ram_bytes: int = 0  # host RAM of the node; 0 = 256 GiB per GPU (DGX-like)
+    host_ram_bytes: int = 0  # host RAM of the node; 0 = assume DEFAULT_HOST_RAM_PER_GPU x tp
     host_kv_fraction: float = 0.6  # share of host RAM given to the CPU tier (50-70% advised)
-    nvme_bytes: int = 4 * 10**12  # local NVMe space for the disk tier; 0 = no disk tier
+    nvme_bytes: int | None = None  # NVMe space; None = assume DEFAULT_NVME_BYTES; 0 = none
     nvme_path: str = "/mnt/nvme/kvtier"  # where the disk tier lives
     nvme_gen: int = 4  # NVMe PCIe generation
     pcie_gen: int | None = None  # host<->GPU link generation; None = the GPU's own
@@ -51,23 +67,13 @@ class PlanRequest:
     kv_dtype: str = "bf16"  # vLLM --kv-cache-dtype
     vllm_version: Version | None = None  # decides the hybrid-manager flag
     cpu_tier_bytes: int | None = None  # force the CPU tier size (total across ranks)
-
-
-@dataclass(frozen=True, slots=True)
-class TierEstimate:
-    """What one tier holds and how fast a session comes back from it."""
-
-    name: str  # "GPU HBM", "CPU DRAM", "NVMe"
-    capacity_bytes: int  # total across TP ranks
-    warm_sessions: int  # sessions of `context_tokens` it holds
-    link: LinkProfile | None  # bottleneck path back to the GPU; None for HBM itself
-    load_s: float  # time to bring one session's KV back to the GPUs
-    speedup: float  # re-prefill time / load time (inf for HBM)
+    model_ref: str = "<model>"  # what `vllm serve` is given: a hub id or the model's folder
 
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """Everything `kvtier plan` reports."""
+    """Everything `kvtier plan` reports. The top-level capacity fields are those of vLLM's
+    native offload (the reference); each alternative carries its own."""
 
     request: PlanRequest
     context_tokens: int  # the resolved context length
@@ -80,64 +86,75 @@ class Plan:
     gpu_kv_tokens: int  # tokens of KV the GPUs hold at this context
     live_sessions: int  # sessions at context_tokens that fit in HBM at once
     reprefill_s: float  # time to recompute one session's KV
-    hybrid_manager: bool  # whether vLLM's hybrid KV manager stays on with offload
+    hybrid_manager: bool  # whether vLLM's hybrid KV manager stays on with native offload
     hma_reason: str  # why
-    tiers: tuple[TierEstimate, ...]
-    cpu_offload_gib: int  # recommended --kv-offloading-size (total)
-    nvme_gib: int  # recommended disk tier size
-    serve_flags: tuple[str, ...]  # long-context knobs for every backend
-    kvtier_flags: tuple[str, ...]
-    native_flags: tuple[str, ...]
-    lmcache_flags: tuple[str, ...]
-    lmcache_env: dict[str, str] = field(default_factory=dict)
-    notes: tuple[str, ...] = ()  # warnings and advice, most important first
+    tiers: tuple[TierEstimate, ...]  # HBM, CPU DRAM, NVMe, at native offload's session size
+    cpu_tier_bytes: int  # recommended CPU tier (total across ranks), within the host's RAM
+    cpu_offload_gib: float  # the same in GiB, rounded down to 0.01 (--kv-offloading-size)
+    cpu_tier_wanted_bytes: int  # the CPU tier asked for, before the host-RAM cap
+    host_ram_bytes: int  # the node's RAM (given or assumed)
+    nvme_gib: float  # recommended disk tier size (total across ranks)
+    serve_flags: tuple[str, ...]  # flags every alternative's command shares
+    alternatives: tuple[Alternative, ...]  # each way to serve, refused ones included
+    assumptions: tuple[str, ...] = ()  # defaults the figures rest on, to check
+    notes: tuple[str, ...] = field(default=())  # warnings and advice, most important first
+
+    def alternative(self, name: str) -> Alternative:
+        """The alternative called `name` ("none", "native", "kvtier", "lmcache").
+
+        Raises:
+            KeyError: for another name.
+        """
+        for alt in self.alternatives:
+            if alt.name == name:
+                return alt
+        raise KeyError(name)
+
+    @property
+    def host_ram_exceeded(self) -> bool:
+        """The CPU tier asked for is more than the host can give (it was capped)."""
+        return self.cpu_tier_wanted_bytes > self.cpu_tier_bytes
 
 
 def make_plan(req: PlanRequest) -> Plan:
     """Compute the plan for `req`.
 
     Raises:
-        ConfigError: for out-of-range inputs (tp, utilization, context, concurrency, dtype).
+        ConfigError: for out-of-range inputs (tp, utilization, context, concurrency, dtype),
+            and a TP size vLLM cannot split the model's heads by.
     """
     _validate(req)
     spec, tp = req.model, req.tp
-    ctx = req.context_tokens or min(spec.max_position_embeddings or 32768, 32768)
-    hybrid_model = len(set(spec.layer_kinds)) > 1
-    verdict = hma_verdict(req.vllm_version, "OffloadingConnector", hybrid_model)
-    hma_on = verdict.required is False
-    fp = kv_footprint(spec, req.kv_dtype, tp, hybrid_manager=hma_on)
-    session_rank = session_kv_bytes(fp, ctx)
+    ctx = req.context_tokens or min(spec.max_position_embeddings or DEFAULT_CONTEXT_CAP,
+                                    DEFAULT_CONTEXT_CAP)
     weights_gpu = math.ceil(spec.weights_bytes / tp)
     kv_gpu = max(0, int(req.gpu.hbm_bytes * req.gpu_memory_utilization)
                  - weights_gpu - RUNTIME_RESERVE_BYTES)
-    live = kv_gpu // session_rank
     reprefill = prefill_seconds(spec, ctx, req.gpu, tp)
-    host_ram = req.host_ram_bytes or 256 * _GIB * tp
-    cpu_bytes = req.cpu_tier_bytes if req.cpu_tier_bytes is not None else int(
+    host_ram = req.host_ram_bytes or DEFAULT_HOST_RAM_PER_GPU * tp
+    wanted = req.cpu_tier_bytes if req.cpu_tier_bytes is not None else int(
         host_ram * req.host_kv_fraction)
-    cpu_gib = cpu_bytes // _GIB // tp * tp  # a multiple of TP: per-rank LMCache sizes stay whole
-    nvme_gib = int(req.nvme_bytes * 0.9) // _GIB
-    tiers = _tiers(req, session_rank, kv_gpu, live, cpu_gib * _GIB, nvme_gib * _GIB, reprefill)
-    store = {"tiers": [{"kind": "memory", "capacity": f"{cpu_gib}GiB"}] + (
-        [{"kind": "disk", "path": req.nvme_path, "capacity": f"{nvme_gib}GiB"}]
-        if nvme_gib else [])}
-    kvtier_verdict = hma_verdict(req.vllm_version, CONNECTOR_CLASS, hybrid_model)
-    return Plan(
+    cpu_bytes = min(wanted, int(host_ram * MAX_HOST_KV_FRACTION))
+    cpu_gib = float(gib_number(cpu_bytes / _GIB))
+    nvme_total = DEFAULT_NVME_BYTES if req.nvme_bytes is None else req.nvme_bytes
+    nvme_gib = float(gib_number(nvme_total * NVME_USABLE_FRACTION / _GIB))
+    flags = serve_flags(req.tp, req.gpu_memory_utilization, ctx, req.kv_dtype)
+    alts = build_alternatives(req, ctx, kv_gpu, cpu_gib, nvme_gib, reprefill, flags)
+    native = next(a for a in alts if a.name == "native")
+    plan = Plan(
         request=req, context_tokens=ctx, weights_bytes=spec.weights_bytes,
-        weights_per_gpu_bytes=weights_gpu, kv_bytes_per_token_rank=fp.bytes_per_token,
-        kv_bytes_per_token_total=fp.bytes_per_token * tp, session_bytes_total=session_rank * tp,
-        gpu_kv_bytes_per_gpu=kv_gpu, gpu_kv_tokens=int(kv_gpu / session_rank * ctx),
-        live_sessions=live, reprefill_s=reprefill, hybrid_manager=hma_on,
-        hma_reason=verdict.reason, tiers=tiers, cpu_offload_gib=cpu_gib, nvme_gib=nvme_gib,
-        serve_flags=tuple(_serve_flags(ctx)),
-        kvtier_flags=tuple(flags.kvtier_flags(store, kvtier_verdict.required is not False)),
-        native_flags=tuple(flags.native_offload_flags(cpu_gib, not hma_on)),
-        lmcache_flags=tuple(flags.lmcache_flags(True)),
-        lmcache_env=flags.lmcache_env(cpu_gib, tp, req.nvme_path if nvme_gib else None,
-                                      nvme_gib),
-        notes=tuple(_notes(req, ctx, live, kv_gpu, cpu_gib * _GIB, tiers, hybrid_model,
-                           verdict.required)),
-    )
+        weights_per_gpu_bytes=weights_gpu, kv_bytes_per_token_rank=native.bytes_per_token_rank,
+        kv_bytes_per_token_total=native.bytes_per_token_rank * tp,
+        session_bytes_total=native.session_bytes_total, gpu_kv_bytes_per_gpu=kv_gpu,
+        gpu_kv_tokens=native.gpu_kv_tokens, live_sessions=native.live_sessions,
+        reprefill_s=reprefill, hybrid_manager=native.hybrid_manager,
+        hma_reason=native.hma_reason, cpu_tier_bytes=cpu_bytes,
+        tiers=tier_estimates(req, native.session_bytes_total // tp, kv_gpu, cpu_bytes,
+                             int(nvme_gib * _GIB), reprefill),
+        cpu_offload_gib=cpu_gib, cpu_tier_wanted_bytes=wanted, host_ram_bytes=host_ram,
+        nvme_gib=nvme_gib, serve_flags=tuple(flags), alternatives=alts,
+        assumptions=tuple(_assumptions(req, ctx, host_ram, nvme_gib)))
+    return _with_notes(plan, kv_gpu)
 
 
 def _validate(req: PlanRequest) -> None:
@@ -152,70 +169,88 @@ def _validate(req: PlanRequest) -> None:
     if req.concurrency < 1:
         raise ConfigError("concurrency", req.concurrency, "an integer >= 1")
     kv_dtype_bytes(req.kv_dtype)
+    _validate_tp(req.model, req.tp)
 
 
-def _tiers(
-    req: PlanRequest, session_rank: int, kv_gpu: int, live: int, cpu_bytes: int,
-    nvme_bytes: int, reprefill: float,
-) -> tuple[TierEstimate, ...]:
-    tp, session_total = req.tp, session_rank * req.tp
-    pcie = host_link(req.gpu, req.pcie_gen)
-    # Each GPU pulls its own shard over its own link; all of them share host DRAM.
-    host_load = max(transfer_seconds(session_rank, pcie),
-                    transfer_seconds(session_total, dram_link()))
-    disk = nvme_link(req.nvme_gen)
-    disk_load = max(transfer_seconds(session_total, disk), host_load)
-    tiers = [TierEstimate("GPU HBM", kv_gpu * tp, live, None, 0.0, math.inf),
-             TierEstimate("CPU DRAM", cpu_bytes, cpu_bytes // session_total, pcie, host_load,
-                          reprefill / host_load)]
-    if nvme_bytes:
-        tiers.append(TierEstimate("NVMe", nvme_bytes, nvme_bytes // session_total, disk,
-                                  disk_load, reprefill / disk_load))
-    return tuple(tiers)
+def _tp_splits(spec: ModelSpec, tp: int) -> bool:
+    """Whether vLLM can shard `spec` over `tp` ranks (ModelConfig.verify_with_parallel_config
+    and QKVParallelLinear): query heads divide evenly; KV heads divide evenly, or (more ranks
+    than KV heads) each KV head is replicated on tp/kv ranks. MLA has one latent per layer."""
+    heads, kv = spec.num_attention_heads, spec.num_kv_heads
+    if heads % tp:
+        return False
+    return spec.mla is not None or (kv % tp == 0 if tp <= kv else tp % kv == 0)
 
 
-def _serve_flags(ctx: int) -> list[str]:
-    out = ["--max-model-len", str(ctx), "--enable-prefix-caching"]
-    if ctx >= LONG_CONTEXT_BLOCK32:
-        out += ["--block-size", "32"]
-    if ctx >= LONG_PROMPT_BATCH_CAP:
-        out += ["--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS)]
+def _validate_tp(spec: ModelSpec, tp: int) -> None:
+    if _tp_splits(spec, tp):
+        return
+    allowed = [t for t in range(1, spec.num_attention_heads + 1) if _tp_splits(spec, t)]
+    kv = "" if spec.mla is not None else f" and {spec.num_kv_heads} KV heads"
+    raise ConfigError("tp", tp, f"a size vLLM can split {spec.num_attention_heads} attention "
+                      f"heads{kv} by: one of {', '.join(map(str, allowed))}")
+
+
+def _assumptions(req: PlanRequest, ctx: int, host_ram: int, nvme_gib: float) -> list[str]:
+    spec, out = req.model, []
+    if spec.params_estimated:
+        out.append(f"{spec.param_count / 1e9:.2f}B parameters at "
+                   f"{spec.weight_bytes_per_param:g} B each, estimated from config.json "
+                   "(shapes, torch_dtype, quantization_config); pass --params with the real "
+                   "count")
+    if not req.host_ram_bytes:
+        out.append(f"host RAM {_gib_text(host_ram)} ({_gib_text(DEFAULT_HOST_RAM_PER_GPU)} "
+                   "per GPU, DGX-like); pass --host-ram")
+    if req.nvme_bytes is None:
+        out.append(f"a {DEFAULT_NVME_BYTES / 1e12:g} TB NVMe drive at {req.nvme_path}, "
+                   f"{NVME_USABLE_FRACTION:.0%} of it ({nvme_gib:g} GiB) for the disk tier; "
+                   "pass --nvme SIZE, or --nvme 0 for no disk tier")
+    if not req.context_tokens:
+        out.append(f"sessions of {ctx:,} tokens (the model's maximum, at most "
+                   f"{DEFAULT_CONTEXT_CAP:,}); pass --context")
+    if req.pcie_gen is None and req.gpu.pcie_gen:
+        out.append(f"PCIe Gen{req.gpu.pcie_gen} host links (the GPU's own); pass --pcie-gen")
     return out
 
 
-def _notes(
-    req: PlanRequest, ctx: int, live: int, kv_gpu: int, cpu_bytes: int,
-    tiers: tuple[TierEstimate, ...], hybrid_model: bool, hma_required: bool | None,
-) -> list[str]:
-    spec, notes = req.model, []
+def _with_notes(plan: Plan, kv_gpu: int) -> Plan:
+    return replace(plan, notes=tuple(_notes(plan, kv_gpu)))
+
+
+def _notes(plan: Plan, kv_gpu: int) -> list[str]:
+    req, ctx, spec, notes = plan.request, plan.context_tokens, plan.request.model, []
+    if plan.host_ram_exceeded:
+        notes.append(f"the CPU tier asked for ({_gib_text(plan.cpu_tier_wanted_bytes)}) is "
+                     f"more than the host can give: {MAX_HOST_KV_FRACTION:.0%} of its "
+                     f"{_gib_text(plan.host_ram_bytes)} RAM is {_gib_text(plan.cpu_tier_bytes)};"
+                     " the commands use that (pass --host-ram if the host has more)")
     if kv_gpu == 0:
         notes.append("the weights do not fit: raise --tensor-parallel-size or use a larger GPU")
-    elif live < req.concurrency:
-        notes.append(f"HBM holds {live} live session(s) at {ctx} tokens, below the target "
-                     f"{req.concurrency}: offload adds WARM sessions (no re-prefill on return), "
-                     "not live ones; shorten the context or add GPUs for more live sessions")
+    elif plan.live_sessions < req.concurrency:
+        notes.append(f"HBM holds {plan.live_sessions} live session(s) at {ctx} tokens, below "
+                     f"the target {req.concurrency}: offload adds WARM sessions (no "
+                     "re-prefill on return), not live ones; shorten the context or add GPUs "
+                     "for more live sessions")
     if spec.max_position_embeddings and ctx > spec.max_position_embeddings:
         notes.append(f"context {ctx} exceeds the model's max_position_embeddings "
                      f"({spec.max_position_embeddings})")
-    if cpu_bytes <= kv_gpu * req.tp:
+    if plan.cpu_tier_bytes <= kv_gpu * req.tp:
         notes.append("the CPU tier is not larger than the GPUs' KV cache: it would only "
                      "mirror HBM and add no hit rate; give it more host RAM or skip offload")
-    for tier in tiers[1:]:
+    for tier in plan.tiers[1:]:
         if tier.speedup < 1:
             notes.append(f"{tier.name}: loading a {ctx}-token session ({tier.load_s:.2f} s) "
                          f"is slower than re-prefilling it; this tier does not pay here")
     if req.kv_dtype.lower().startswith("fp8"):
         notes.append("FP8 KV: without calibrated k/v scales in the checkpoint vLLM uses "
                      "scale 1.0 and may clip outliers at long context; prefer BF16 KV + offload")
-    if hybrid_model:
-        notes.append("hybrid-attention model: LMCache cannot serve it (LMCache#3106); use "
-                     "native offload on vLLM v0.21.0+ or kvtier")
+    notes += [n for alt in plan.alternatives for n in alt.notes]
     if req.tp > 1:
         notes.append(f"sizes are per engine, the total across its {req.tp} TP ranks: kvtier's "
                      f"capacities and --kv-offloading-size split evenly (each rank's CPU tier "
-                     f"{_gib_text(cpu_bytes / req.tp)}); LMCache's sizes are per rank")
-    if hma_required is None:
-        notes.append("vLLM version unknown: the native-offload flags include "
+                     f"{_gib_text(plan.cpu_tier_bytes / req.tp)}); LMCache's sizes are per rank")
+    if req.vllm_version is None:
+        notes.append("vLLM version unknown: the native-offload command includes "
                      "--disable-hybrid-kv-cache-manager (needed on v0.18-v0.20); pass "
                      "--vllm-version to decide")
     return notes
@@ -224,3 +259,4 @@ def _notes(
 def _gib_text(n: float) -> str:
     """Bytes as GiB with at most one decimal ("12 GiB", "12.5 GiB")."""
     return f"{n / _GIB:.1f}".removesuffix(".0") + " GiB"
+
