@@ -1,0 +1,187 @@
+"""kvtier's disaggregated-prefill proxy: one OpenAI-compatible front over a prefill instance
+and a decode instance that share a kvtier tier (a `shared` directory or Redis).
+
+Each `/v1/completions` (or `/v1/chat/completions`) request goes
+
+1. to the prefill instance (`kv_role: kv_producer`) with `max_tokens` 1, not streamed: it
+   computes the prompt's KV and kvtier stores it; a producer's step waits until its chunks
+   reached every tier, so they are in the shared tier when this response returns;
+2. then, unchanged, to the decode instance (`kv_role: kv_consumer`), whose kvtier finds the
+   prompt's whole chunks in the shared tier, loads them and decodes. Its answer, streamed or
+   not, is passed back byte for byte with its status.
+
+Both instances get the same body apart from the prefill's length fields, so `cache_salt`
+reaches both: kvtier's keys include the salt, and a prompt prefilled under one salt is never
+served to a request under another. The prefill's `kv_transfer_params`, when it returns any
+(a MultiConnector composing kvtier with NixlConnector), go to the decode request.
+
+A prefill that fails for a bad request (4xx) is the answer (the decode instance would
+refuse it too); one that fails otherwise (5xx, refused connection, timeout) is logged and
+the request goes to the decode instance alone, which computes the prompt itself: a prefill
+instance down costs time to first token, never a request.
+
+Primitives: `ProxyConfig`, `prefill_body(body)`, `build_app(config)`, `run_proxy(config)`
+(blocking, the `kvtier proxy` command), `running_proxy(config)` (in a thread: tests, benches).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import threading
+from collections.abc import AsyncIterator, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+logger = logging.getLogger(__name__)
+
+# The request paths forwarded through prefill then decode.
+GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
+# Fields the prefill request drops: its length is 1 token, and it is never streamed.
+_PREFILL_DROPS = ("max_completion_tokens", "min_tokens", "stream_options")
+# Request headers passed on to both instances (an API key; vLLM's request id).
+_FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyConfig:
+    """Where the proxy listens and which instances it fronts."""
+
+    prefill_url: str  # the kv_producer instance's base URL, e.g. http://10.0.0.1:8100
+    decode_url: str  # the kv_consumer instance's base URL
+    host: str = "127.0.0.1"  # listen address
+    port: int = 8000  # listen port
+    request_timeout_s: float = 600.0  # one upstream request's limit, streaming included
+
+
+_APP_CONFIG = web.AppKey("config", ProxyConfig)
+_APP_HTTP = web.AppKey("http", aiohttp.ClientSession)
+
+
+def prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The prefill instance's request for `body`: the same prompt and fields (cache_salt
+    included), one token, not streamed, one choice."""
+    out = {k: v for k, v in body.items() if k not in _PREFILL_DROPS}
+    out.update(max_tokens=1, stream=False, n=1)
+    return out
+
+
+def build_app(config: ProxyConfig) -> web.Application:
+    """The proxy's aiohttp application (its client session opens with the app)."""
+    app = web.Application()
+    app[_APP_CONFIG] = config
+    app.cleanup_ctx.append(_client_session)
+    for path in GENERATE_PATHS:
+        app.router.add_post(path, _generate)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    return app
+
+
+async def _client_session(app: web.Application) -> AsyncIterator[None]:
+    timeout = aiohttp.ClientTimeout(total=app[_APP_CONFIG].request_timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        app[_APP_HTTP] = http
+        yield
+
+
+async def _generate(request: web.Request) -> web.StreamResponse:
+    config, http = request.app[_APP_CONFIG], request.app[_APP_HTTP]
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return web.json_response({"error": {"message": "the body is not JSON"}}, status=400)
+    if not isinstance(body, dict):
+        return web.json_response({"error": {"message": "the body is not an object"}},
+                                 status=400)
+    headers = {h: request.headers[h] for h in _FORWARDED_HEADERS if h in request.headers}
+    try:
+        async with http.post(config.prefill_url + request.path, json=prefill_body(body),
+                             headers=headers) as prefill:
+            answer = await prefill.read()
+            if 400 <= prefill.status < 500:
+                return web.Response(body=answer, status=prefill.status,
+                                    content_type=prefill.content_type)
+            if prefill.status != 200:
+                raise aiohttp.ClientResponseError(prefill.request_info, (),
+                                                  status=prefill.status)
+            params = json.loads(answer).get("kv_transfer_params")
+            if params:
+                body = {**body, "kv_transfer_params": params}
+    except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+        logger.warning("kvtier proxy: prefill at %s failed (%s); the decode instance "
+                       "computes the prompt itself", config.prefill_url, exc)
+    return await _relay(request, http, config.decode_url + request.path, body, headers)
+
+
+async def _relay(request: web.Request, http: aiohttp.ClientSession, url: str,
+                 body: Mapping[str, Any], headers: Mapping[str, str]) -> web.StreamResponse:
+    """POST `body` to `url` and pass its response back as it arrives."""
+    try:
+        async with http.post(url, json=body, headers=headers) as upstream:
+            response = web.StreamResponse(status=upstream.status, headers={
+                "Content-Type": upstream.headers.get("Content-Type", "application/json")})
+            await response.prepare(request)
+            async for data in upstream.content.iter_any():
+                await response.write(data)
+            await response.write_eof()
+            return response
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        return web.json_response({"error": {"message": f"decode instance: {exc}"}},
+                                 status=502)
+
+
+async def _models(request: web.Request) -> web.Response:
+    config, http = request.app[_APP_CONFIG], request.app[_APP_HTTP]
+    async with http.get(config.decode_url + "/v1/models") as upstream:
+        return web.Response(body=await upstream.read(), status=upstream.status,
+                            content_type=upstream.content_type)
+
+
+async def _health(request: web.Request) -> web.Response:
+    """200 when both instances answer their /health with 200, else 503 naming them."""
+    config, http = request.app[_APP_CONFIG], request.app[_APP_HTTP]
+    down = []
+    for name, url in (("prefill", config.prefill_url), ("decode", config.decode_url)):
+        try:
+            async with http.get(url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                if r.status != 200:
+                    down.append(name)
+        except (TimeoutError, aiohttp.ClientError):
+            down.append(name)
+    return web.json_response({"down": down}, status=503 if down else 200)
+
+
+def run_proxy(config: ProxyConfig) -> None:
+    """Serve until interrupted (the `kvtier proxy` command). Main thread."""
+    logger.info("kvtier proxy on http://%s:%d: prefill %s, decode %s", config.host,
+                config.port, config.prefill_url, config.decode_url)
+    web.run_app(build_app(config), host=config.host, port=config.port, print=None)
+
+
+@contextlib.contextmanager
+def running_proxy(config: ProxyConfig) -> Iterator[str]:
+    """Serve on a thread of its own; yields the proxy's URL, stops it on exit.
+
+    Raises:
+        OSError: the port could not be bound.
+    """
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(build_app(config))
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, config.host, config.port)
+    loop.run_until_complete(site.start())
+    thread = threading.Thread(target=loop.run_forever, name="kvtier-proxy", daemon=True)
+    thread.start()
+    try:
+        yield f"http://{config.host}:{config.port}"
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.run_until_complete(runner.cleanup())
+        loop.close()

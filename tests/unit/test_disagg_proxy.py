@@ -1,0 +1,132 @@
+"""The disaggregated-prefill proxy in front of two stand-in instances (small aiohttp apps
+that answer like vLLM's OpenAI server and record what they were sent): what the prefill
+instance is asked, what the decode instance is asked, what comes back, and what happens
+when the prefill instance fails. Real vLLM instances: tests/vllm/test_disagg_prefill.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from kvtier.ops.disagg_proxy import ProxyConfig, prefill_body, running_proxy
+from kvtier.ops.server import free_port
+
+
+class Instance:
+    """A stand-in vLLM OpenAI server on a thread; `bodies` are the requests it got."""
+
+    def __init__(self, name: str, status: int = 200) -> None:
+        self.name, self.status = name, status
+        self.bodies: list[dict[str, Any]] = []
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        if self.status != 200:
+            return web.json_response({"error": {"message": "no"}}, status=self.status)
+        if not body.get("stream"):
+            return web.json_response({"choices": [{"text": f"{self.name}:{body['max_tokens']}"}]})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for i in range(3):
+            await response.write(f"data: {json.dumps({'choices': [{'text': str(i)}]})}\n\n"
+                                 .encode())
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[Instance]:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/health", healthy)
+        loop = asyncio.new_event_loop()
+        runner = web.AppRunner(app)
+        loop.run_until_complete(runner.setup())
+        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
+        thread = threading.Thread(target=loop.run_forever, daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join()
+            loop.run_until_complete(runner.cleanup())
+            loop.close()
+
+
+async def healthy(_request: web.Request) -> web.Response:
+    return web.Response(text="ok")
+
+
+@contextlib.contextmanager
+def deployment(prefill_status: int = 200, prefill_up: bool = True
+               ) -> Iterator[tuple[str, Instance, Instance]]:
+    prefill, decode = Instance("prefill", prefill_status), Instance("decode")
+    with contextlib.ExitStack() as stack:
+        if prefill_up:
+            stack.enter_context(prefill.running())
+        stack.enter_context(decode.running())
+        url = stack.enter_context(running_proxy(ProxyConfig(
+            prefill.url, decode.url, port=free_port(), request_timeout_s=10)))
+        yield url, prefill, decode
+
+
+def post(url: str, body: dict[str, Any]) -> tuple[int, bytes]:
+    request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+BODY = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 16, "min_tokens": 4,
+        "cache_salt": "tenant-a", "temperature": 0.0}
+
+
+def test_prefill_gets_one_token_unstreamed_and_decode_the_request_as_sent() -> None:
+    with deployment() as (url, prefill, decode):
+        status, answer = post(url, BODY)
+    assert status == 200 and json.loads(answer)["choices"][0]["text"] == "decode:16"
+    assert prefill.bodies == [{**prefill_body(BODY)}]
+    assert prefill.bodies[0] == {"model": "m", "prompt": [1, 2, 3], "max_tokens": 1,
+                                 "cache_salt": "tenant-a", "temperature": 0.0,
+                                 "stream": False, "n": 1}
+    assert decode.bodies == [BODY]
+
+
+def test_a_streamed_answer_comes_back_as_the_decode_instance_streams_it() -> None:
+    with deployment() as (url, prefill, decode):
+        status, answer = post(url, {**BODY, "stream": True,
+                                    "stream_options": {"include_usage": True}})
+    assert status == 200
+    assert answer.decode().count("data: ") == 4 and answer.endswith(b"data: [DONE]\n\n")
+    assert prefill.bodies[0]["stream"] is False and "stream_options" not in prefill.bodies[0]
+    assert decode.bodies[0]["stream"] is True
+
+
+def test_a_bad_request_is_answered_by_the_prefill_instance() -> None:
+    with deployment(prefill_status=400) as (url, _prefill, decode):
+        status, _ = post(url, BODY)
+    assert status == 400 and decode.bodies == []
+
+
+@pytest.mark.parametrize("failure", ["500", "down"])
+def test_a_failed_prefill_leaves_the_prompt_to_the_decode_instance(failure: str) -> None:
+    with deployment(prefill_status=500, prefill_up=failure != "down") as (url, _p, decode):
+        status, answer = post(url, BODY)
+    assert status == 200 and json.loads(answer)["choices"][0]["text"] == "decode:16"
+    assert decode.bodies == [BODY]
