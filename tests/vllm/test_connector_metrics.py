@@ -76,3 +76,50 @@ def test_prometheus_export_labels_tiers_and_sums_gauges_over_ranks() -> None:
     # A second engine in the same process re-registers without "Duplicated timeseries".
     KVTierPromMetrics(_VllmConfig(), {Counter: Counter, Gauge: Gauge, Histogram: Histogram},
                       ["model_name", "engine"], {0: ["tiny", 0]})
+
+
+def test_tier_failures_become_deltas_by_tier_and_reason() -> None:
+    """The store's cumulative failure counts reach Prometheus as `tier/reason` deltas."""
+    delta = StatsDelta(rank=0)
+    stats = _store(hits=0, misses=2, used=0)
+    stats.failures["disk"] = {"timeout": 2, "corrupt": 1}
+    delta.observe_store(stats)
+    first = delta.take()
+    assert first is not None
+    assert first.data["counters"]["tier_failures"] == {"disk/timeout": 2, "disk/corrupt": 1}
+    stats.failures["disk"] = {"timeout": 5, "corrupt": 1}
+    delta.observe_store(stats)
+    second = delta.take()
+    assert second is not None
+    assert second.data["counters"]["tier_failures"] == {"disk/timeout": 3}
+
+
+def test_latencies_travel_as_observations_and_merge_by_concatenation() -> None:
+    """Histograms ship the interval's observations; two ranks' reports keep both."""
+    rank0, rank1 = StatsDelta(rank=0), StatsDelta(rank=1)
+    rank0.observe("load_request_seconds", 0.002, "sync")
+    rank0.observe("store_step_seconds", 0.01)
+    rank1.observe("load_request_seconds", 0.004, "sync")
+    first, second = rank0.take(), rank1.take()
+    assert first is not None and second is not None  # observations alone are worth a report
+    merged = first.aggregate(second)
+    assert merged.data["observations"]["load_request_seconds"] == {"sync": [0.002, 0.004]}
+    assert merged.data["observations"]["store_step_seconds"] == {"": [0.01]}
+    assert rank0.take() is None  # taken: the next report starts empty
+
+
+def test_prometheus_export_of_histograms_and_failure_reasons() -> None:
+    prom = KVTierPromMetrics(_VllmConfig(), {Counter: Counter, Gauge: Gauge, Histogram: Histogram},
+                             ["model_name", "engine"], {0: ["tiny", 0]})
+    prom.observe({"counters": {"tier_failures": {"disk/timeout": 2}}, "gauges": {},
+                  "observations": {"load_request_seconds": {"sync": [0.002, 0.3]},
+                                   "store_step_seconds": {"": [0.004]}}})
+    labels = {"model_name": "tiny", "engine": "0"}
+    get = REGISTRY.get_sample_value
+    assert get("vllm:kvtier_tier_failures_total",
+               {**labels, "tier": "disk", "reason": "timeout"}) == 2
+    sync = {**labels, "mode": "sync"}
+    assert get("vllm:kvtier_load_request_seconds_count", sync) == 2
+    assert get("vllm:kvtier_load_request_seconds_bucket", {**sync, "le": "0.0025"}) == 1
+    assert get("vllm:kvtier_load_request_seconds_bucket", {**sync, "le": "+Inf"}) == 2
+    assert get("vllm:kvtier_store_step_seconds_count", labels) == 1

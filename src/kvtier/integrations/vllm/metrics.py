@@ -4,15 +4,30 @@ Flow: each worker's `ConnectorWorker` and the scheduler's `ConnectorScheduler` k
 *deltas* since they were last asked; vLLM collects them every step through
 `get_kv_connector_stats`, merges workers and scheduler with `aggregate`, logs `reduce()` and
 feeds `KVTierPromMetrics.observe`, which adds the deltas to Prometheus counters and sets the
-gauges. The payload is plain dicts (vLLM ships it between processes):
-    {"counters": {name: {tier: value}}, "gauges": {name: {"tier@rank": value}}}
-where tier is "" for connector-wide counters. Gauges are keyed by rank so that merging
-workers keeps every rank, and merging intervals keeps the newest value. Under tensor
-parallelism bytes, seconds and tier counters add up over the ranks (each moves its own shard)
-and so do gauges (a tier's capacity is the engine's total); token counts and
-`unsafe_stores_skipped` are the engine's, counted by rank 0 only.
+gauges, and observes each latency into its histogram. The payload is plain dicts (vLLM ships
+it between processes):
+    {"counters": {name: {labels: value}}, "gauges": {name: {"tier@rank": value}},
+     "observations": {name: {labels: [seconds, ...]}}}
+where labels is the metric's label values joined by "/" (`LABELS`: the tier, "disk/timeout"
+for a tier and a failure reason, "sync" for a load mode) or "" for connector-wide ones.
+Gauges are keyed by rank so that merging workers keeps every rank, and merging intervals keeps
+the newest value. Histograms travel as the interval's observations, as vLLM's own NIXL
+connector ships its transfer times: vLLM asks every step, so a list holds one step's loads
+(and one store per rank); merging concatenates them. Under tensor parallelism bytes, seconds
+and tier counters add up over the ranks (each moves its own shard) and so do gauges (a tier's
+capacity is the engine's total); token counts and `unsafe_stores_skipped` are the engine's,
+counted by rank 0 only; each rank observes its own latencies (the slowest rank's is the one
+the step waits for, and p99 over all ranks' observations shows it).
 
-Primitives: `COUNTERS`, `GAUGES`, `StatsDelta`, `KVTierConnectorStats`, `KVTierPromMetrics`.
+Latencies (histograms, `HISTOGRAMS`): `load_request_seconds` is one request's hit, from the
+first chunk read to the last block filled: what a request's TTFT pays for a hit (mode="sync":
+inside the step, which waits for it; "async": from the start of the load to the step that saw
+it end). `store_step_seconds` is one step's stores (the step waits for them). Per request and
+per step rather than per chunk: that is what a user and the engine wait for; per chunk a tier's
+average read is `tier_read_seconds / tier_hits`.
+
+Primitives: `COUNTERS`, `GAUGES`, `HISTOGRAMS`, `LABELS`, `StatsDelta`,
+`KVTierConnectorStats`, `KVTierPromMetrics`.
 """
 
 from __future__ import annotations
@@ -31,7 +46,7 @@ from kvtier.core.store import StoreStats
 # "vllm:" so that LLM.get_metrics() (which keeps only vllm: names) and vLLM's own
 # unregistering between engines cover them; "kvtier_" says whose they are.
 PREFIX = "vllm:kvtier_"
-# name -> help; names starting with "tier_" carry a `tier` label.
+# name -> help; names starting with "tier_" carry a `tier` label (and more, see `LABELS`).
 COUNTERS: dict[str, str] = {
     "tier_hits": "Chunk reads served by the tier",
     "tier_queries": "Chunk reads asked of the tier (hits + misses)",
@@ -42,6 +57,8 @@ COUNTERS: dict[str, str] = {
     "tier_evictions": "Chunks evicted from the tier to make room",
     "tier_corrupt_reads": "Chunks that failed verification (treated as misses, removed)",
     "tier_dropped_writes": "Writes the tier did not store (I/O error, full disk, full queue)",
+    "tier_failures": "Tier calls the store made that failed, by reason (kvtier.core.tier.Failure:"
+                     " missing, corrupt, io_error, unavailable, timeout, full, declined, ...)",
     "lookup_tokens": "Prompt tokens the scheduler asked kvtier about",
     "lookup_hit_tokens": "Prompt tokens kvtier could load (beyond vLLM's own cache)",
     "uncacheable_requests": "Requests neither looked up nor stored: their KV depends on "
@@ -63,6 +80,25 @@ GAUGES: dict[str, str] = {
     "tier_capacity_bytes": "Bytes the tier may hold",
     "tier_chunks": "Chunks the tier holds now",
 }
+HISTOGRAMS: dict[str, str] = {
+    "load_request_seconds": "Seconds to load one request's hit into vLLM's KV cache (read + "
+                            "copy into blocks); mode=sync: the step waits for it, async: from "
+                            "its start to the step that saw it end",
+    "store_step_seconds": "Seconds one step spent storing KV (copy out of blocks + top tier; "
+                          "the step waits for it)",
+}
+# Label names beyond vLLM's own (model_name, engine), in the order of a payload key's parts.
+LABELS: dict[str, list[str]] = {
+    **{name: ["tier"] for name in (*COUNTERS, *GAUGES) if name.startswith("tier_")},
+    "tier_failures": ["tier", "reason"],
+    "load_request_seconds": ["mode"],
+}
+# From a fast RAM hit (~1 ms) to a stalled tier's read deadline (seconds).
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                     10.0, 30.0)
+# At most this many observations of one series per report (vLLM asks every step, so a report
+# holds a few; the bound keeps a report small should nobody ask for a while).
+MAX_OBSERVATIONS = 4096
 _TIER_FIELDS = {  # counter -> TierStats field (queries = hits + misses, handled apart)
     "tier_hits": "hits", "tier_bytes_read": "bytes_read", "tier_bytes_written": "bytes_written",
     "tier_read_seconds": "read_s", "tier_write_seconds": "write_s",
@@ -77,12 +113,21 @@ class StatsDelta:
 
     rank: int = 0
     counters: dict[str, dict[str, float]] = field(default_factory=lambda: defaultdict(dict))
+    observations: dict[str, dict[str, list[float]]] = field(
+        default_factory=lambda: defaultdict(dict))
     _last_store: dict[str, dict[str, float]] = field(default_factory=dict)
+    _last_failures: dict[str, int] = field(default_factory=dict)
     _gauges: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def add(self, name: str, value: float, tier: str = "") -> None:
         if value:
             self.counters[name][tier] = self.counters[name].get(tier, 0) + value
+
+    def observe(self, name: str, seconds: float, labels: str = "") -> None:
+        """One latency for histogram `name` (labels: its `LABELS` values joined by "/")."""
+        series = self.observations[name].setdefault(labels, [])
+        if len(series) < MAX_OBSERVATIONS:
+            series.append(seconds)
 
     def observe_store(self, stats: StoreStats) -> None:
         """Turn the store's cumulative counters into deltas; refresh the gauges."""
@@ -98,13 +143,21 @@ class StatsDelta:
             self._gauges.setdefault("tier_used_bytes", {})[where] = tier.used_bytes
             self._gauges.setdefault("tier_capacity_bytes", {})[where] = tier.capacity_bytes
             self._gauges.setdefault("tier_chunks", {})[where] = tier.chunks
+        for tier_name, by_reason in stats.failures.items():
+            for reason, count in by_reason.items():
+                key = f"{tier_name}/{reason}"
+                self.add("tier_failures", count - self._last_failures.get(key, 0), key)
+                self._last_failures[key] = count
 
     def take(self) -> KVTierConnectorStats | None:
         """The deltas (and current gauges) since the last call, or None if nothing moved."""
         counters = {k: dict(v) for k, v in self.counters.items() if v}
+        observations = {k: dict(v) for k, v in self.observations.items() if v}
         self.counters = defaultdict(dict)
+        self.observations = defaultdict(dict)
         stats = KVTierConnectorStats(data={"counters": counters,
-                                           "gauges": {k: dict(v) for k, v in self._gauges.items()}})
+                                           "gauges": {k: dict(v) for k, v in self._gauges.items()},
+                                           "observations": observations})
         return None if stats.is_empty() else stats
 
 
@@ -112,7 +165,7 @@ class KVTierConnectorStats(KVConnectorStats):
     """vLLM's container for kvtier's deltas; see the module docstring for the payload."""
 
     def reset(self) -> None:
-        self.data = {"counters": {}, "gauges": {}}
+        self.data = {"counters": {}, "gauges": {}, "observations": {}}
 
     def aggregate(self, other: KVConnectorStats) -> KVTierConnectorStats:
         counters = {k: dict(v) for k, v in self.data.get("counters", {}).items()}
@@ -123,7 +176,14 @@ class KVTierConnectorStats(KVConnectorStats):
         gauges = {k: dict(v) for k, v in self.data.get("gauges", {}).items()}
         for name, by_where in other.data.get("gauges", {}).items():
             gauges.setdefault(name, {}).update(by_where)  # newer interval / other rank
-        return KVTierConnectorStats(data={"counters": counters, "gauges": gauges})
+        observations = {k: {labels: list(seconds) for labels, seconds in v.items()}
+                        for k, v in self.data.get("observations", {}).items()}
+        for name, by_labels in other.data.get("observations", {}).items():
+            seen = observations.setdefault(name, {})
+            for labels, seconds in by_labels.items():
+                seen.setdefault(labels, []).extend(seconds)
+        return KVTierConnectorStats(data={"counters": counters, "gauges": gauges,
+                                          "observations": observations})
 
     def reduce(self) -> dict[str, int | float]:
         """One line's worth for vLLM's periodic log: totals, per-tier hits/queries."""
@@ -141,12 +201,15 @@ class KVTierConnectorStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         counters = self.data.get("counters", {})
-        return not any(v for by_tier in counters.values() for v in by_tier.values()) and not any(
-            self.data.get("gauges", {}).values())
+        observations = self.data.get("observations", {})
+        return (not any(v for by_tier in counters.values() for v in by_tier.values())
+                and not any(self.data.get("gauges", {}).values())
+                and not any(s for by_labels in observations.values() for s in by_labels.values()))
 
 
 class KVTierPromMetrics(KVConnectorPromMetrics):
-    """kvtier's Prometheus counters and gauges, labelled per engine (and per tier)."""
+    """kvtier's Prometheus counters, gauges and histograms, labelled per engine (and per
+    tier, failure reason or load mode: `LABELS`)."""
 
     def __init__(self, vllm_config: Any, metric_types: dict[type, type],
                  labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
@@ -161,13 +224,21 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             self._metrics[name] = gauge_cls(
                 name=PREFIX + name, documentation=doc, labelnames=self._labels_for(name),
                 multiprocess_mode="mostrecent")
+        histogram_cls: Any = self._histogram_cls  # typed as Counter by vLLM
+        for name, doc in HISTOGRAMS.items():
+            self._metrics[name] = histogram_cls(
+                name=PREFIX + name, documentation=doc, labelnames=self._labels_for(name),
+                buckets=LATENCY_BUCKETS_S)
 
     def _labels_for(self, name: str) -> list[str]:
-        return self._labelnames + (["tier"] if name.startswith("tier_") else [])
+        return self._labelnames + LABELS.get(name, [])
 
-    def _child(self, name: str, engine_idx: int, tier: str) -> Any:
+    def _child(self, name: str, engine_idx: int, labels: str) -> Any:
         values = [str(v) for v in self.per_engine_labelvalues.get(engine_idx, [])]
-        return self._metrics[name].labels(*values, *([tier] if name.startswith("tier_") else []))
+        extra = len(LABELS.get(name, []))
+        # rsplit: a tier's name may hold a "/", a reason or a mode never does.
+        return self._metrics[name].labels(*values, *(labels.rsplit("/", extra - 1) if extra
+                                                     else []))
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, by_tier in transfer_stats_data.get("counters", {}).items():
@@ -182,6 +253,12 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
                     totals[where.rsplit("@", 1)[0]] += value  # summed over TP ranks
                 for tier, value in totals.items():
                     self._child(name, engine_idx, tier).set(value)
+        for name, by_labels in transfer_stats_data.get("observations", {}).items():
+            if name in HISTOGRAMS:
+                for labels, seconds in by_labels.items():
+                    child = self._child(name, engine_idx, labels)
+                    for value in seconds:
+                        child.observe(value)
 
 
 def _unregister_kvtier_metrics() -> None:

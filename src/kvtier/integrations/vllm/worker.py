@@ -143,7 +143,11 @@ class ConnectorWorker:
         """Load every planned chunk into vLLM's blocks; record failures (before forward)."""
         start = time.perf_counter()
         for transfers in meta.loads.values():
-            self._account(transfers, self._load_request(transfers, self._spares))
+            started = time.perf_counter()
+            loaded = self._load_request(transfers, self._spares)
+            # A request's latency, failed loads included (a stalled tier shows in the p99).
+            self._stats.observe("load_request_seconds", time.perf_counter() - started, "sync")
+            self._account(transfers, loaded)
         self._stats.add("load_seconds", time.perf_counter() - start)
 
     def start_async(self, meta: KVTierMetadata) -> None:
@@ -170,7 +174,9 @@ class ConnectorWorker:
                 logger.exception("kvtier: asynchronous load of request %s failed", req_id)
                 loaded = 0
             self._account(transfers, loaded)
-            self._stats.add("async_load_seconds", time.perf_counter() - started)
+            elapsed_s = time.perf_counter() - started
+            self._stats.add("async_load_seconds", elapsed_s)
+            self._stats.observe("load_request_seconds", elapsed_s, "async")
         return finished
 
     def _account(self, transfers: list[ChunkTransfer], loaded: int) -> None:
@@ -213,6 +219,7 @@ class ConnectorWorker:
             logger.warning("kvtier: a prefill's chunks did not reach every tier within %.1f s "
                            "(the decode instance may miss them)", self._handoff_timeout_s)
         self._stats.add("store_seconds", time.perf_counter() - start)
+        self._stats.observe("store_step_seconds", time.perf_counter() - start)
 
     def _safe_stores(self, stores: list[ChunkTransfer]) -> list[ChunkTransfer]:
         """The stores whose KV was not computed over a failed load (of this rank or, through
