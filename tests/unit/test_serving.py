@@ -89,6 +89,19 @@ def test_tokens_per_chunk_follows_an_unusual_block_size():
     assert extra["tokens_per_chunk"] == 288  # the first multiple of 48 >= 256
 
 
+def test_a_disaggregated_instance_carries_its_kv_role(capsys):
+    cmd = build_command(ServeConfig("m", extra_config=connector_config(TIERS), cpu=False,
+                                    kv_role="kv_producer"))
+    transfer = json.loads(flag(cmd.argv, "--kv-transfer-config"))
+    assert transfer["kv_role"] == cmd.kv_transfer_config["kv_role"] == "kv_producer"
+    assert transfer["kv_connector_extra_config"]["tiers"] == TIERS
+    with pytest.raises(ConfigError, match="kv_role"):
+        build_command(ServeConfig("m", extra_config=connector_config(TIERS), kv_role="both"))
+    assert main(["serve", "./model", "--dry-run", "--memory", "1GiB", "--disk", "0",
+                 "--kv-role", "kv_consumer"]) == 0
+    assert '"kv_role":"kv_consumer"' in capsys.readouterr().out
+
+
 def test_serve_takes_a_chunk_size_and_rounds_it_to_the_block_size(capsys):
     assert main(["serve", "./model", "--dry-run", "--memory", "1GiB", "--disk", "0",
                  "--tokens-per-chunk", "64", "--", "--block-size", "32"]) == 0

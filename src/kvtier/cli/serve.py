@@ -9,6 +9,7 @@ and kvtier.ops.server.
     kvtier serve ./my-model --config store.yaml -- --max-model-len 8192
     kvtier serve ./my-model --tokens-per-chunk 64 -- --block-size 32
     kvtier serve ./my-model --no-kvtier          # the same server without kvtier (baseline)
+    kvtier serve ./my-model --config shared.yaml --kv-role kv_producer   # prefill instance
     kvtier serve ./my-model --dry-run            # print the command only
 """
 
@@ -24,6 +25,7 @@ from kvtier.cli.argtypes import port_number
 from kvtier.errors import ConfigError
 from kvtier.ops.server import ServerError, VllmServer
 from kvtier.ops.serving import (
+    KV_ROLES,
     ServeConfig,
     build_command,
     connector_config,
@@ -58,6 +60,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                         "more chunks per prompt: docs/performance.md)")
     p.add_argument("--engine-kv", help="CPU backend: the engine's own KV cache size "
                                        "(--kv-cache-memory-bytes; default a share of RAM)")
+    p.add_argument("--kv-role", choices=KV_ROLES, default="kv_both",
+                   help="vLLM's kv_role: kv_producer (a disaggregated prefill instance: "
+                        "only stores), kv_consumer (its decode instance: only loads); see "
+                        "`kvtier proxy` (default kv_both)")
     p.add_argument("--no-kvtier", action="store_true",
                    help="start the same server without kvtier (a baseline)")
     p.add_argument("--dry-run", action="store_true", help="print the command and exit")
@@ -102,7 +108,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     engine_kv = None if args.engine_kv is None else parse_size(args.engine_kv, "engine_kv")
     return ServeConfig(model=args.model, kvtier=not args.no_kvtier, extra_config=extra,
                        host=args.host, port=args.port, cpu=cpu, engine_kv_bytes=engine_kv,
-                       vllm_args=tuple(vllm_args))
+                       vllm_args=tuple(vllm_args), kv_role=args.kv_role)
 
 
 def run(args: argparse.Namespace) -> int:

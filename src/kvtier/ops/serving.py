@@ -55,6 +55,8 @@ GPU_MEMORY_TIER_SHARE = 0.5
 # kvtier's disk tier by default: this share of the free space, at most DISK_TIER_MAX_BYTES.
 DISK_TIER_SHARE = 0.5
 DISK_TIER_MAX_BYTES = 100 * GIB
+# vLLM's kv_role values (see ServeConfig.kv_role).
+KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
 # Flags that size the engine's KV cache; when the user gives one, kvtier adds none.
 _KV_SIZE_FLAGS = ("--kv-cache-memory-bytes", "--gpu-memory-utilization",
                   "--num-gpu-blocks-override")
@@ -74,6 +76,9 @@ class ServeConfig:
     cpu: bool | None = None  # CPU backend settings; None: detect (is_cpu_backend())
     engine_kv_bytes: int | None = None  # CPU backend: engine KV cache; None: a share of RAM
     vllm_args: tuple[str, ...] = ()  # passed to vLLM verbatim, after kvtier's own flags
+    # vLLM's kv_role: "kv_producer" for a disaggregated prefill instance (only stores),
+    # "kv_consumer" for its decode instance (only loads); see ops/disagg_proxy.py.
+    kv_role: str = "kv_both"
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,6 +221,12 @@ def build_command(cfg: ServeConfig) -> ServeCommand:
                          f">= {wanted}")
         transfer = kvtier_transfer_config(extra)
         argv += kvtier_flags(extra, disable_hma=False)
+        if cfg.kv_role != transfer["kv_role"]:
+            if cfg.kv_role not in KV_ROLES:
+                raise ConfigError("kv_role", cfg.kv_role, f"one of {KV_ROLES}")
+            transfer["kv_role"] = cfg.kv_role
+            argv[argv.index("--kv-transfer-config") + 1] = json.dumps(
+                transfer, separators=(",", ":"))
         tp = _tp_size(cfg.vllm_args)
         if tp > 1:
             notes.append(per_rank_note(ConnectorConfig.parse(extra).store, tp))
