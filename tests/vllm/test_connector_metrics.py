@@ -123,3 +123,19 @@ def test_prometheus_export_of_histograms_and_failure_reasons() -> None:
     assert get("vllm:kvtier_load_request_seconds_bucket", {**sync, "le": "0.0025"}) == 1
     assert get("vllm:kvtier_load_request_seconds_bucket", {**sync, "le": "+Inf"}) == 2
     assert get("vllm:kvtier_store_step_seconds_count", labels) == 1
+
+
+def test_series_start_at_zero_so_alerts_and_panels_find_them() -> None:
+    """Counters that have not moved (no corrupt read yet) are exported at 0, per tier once
+    the tier has reported, so that an alert's rate() sees their first rise."""
+    prom = KVTierPromMetrics(_VllmConfig(), {Counter: Counter, Gauge: Gauge, Histogram: Histogram},
+                             ["model_name", "engine"], {0: ["tiny", 0]})
+    labels = {"model_name": "tiny", "engine": "0"}
+    get = REGISTRY.get_sample_value
+    assert get("vllm:kvtier_load_failures_total", labels) == 0
+    assert get("vllm:kvtier_load_request_seconds_count", {**labels, "mode": "async"}) == 0
+    assert get("vllm:kvtier_tier_corrupt_reads_total", {**labels, "tier": "disk"}) is None
+    prom.observe({"counters": {}, "gauges": {"tier_used_bytes": {"disk@0": 1}}})
+    assert get("vllm:kvtier_tier_corrupt_reads_total", {**labels, "tier": "disk"}) == 0
+    assert get("vllm:kvtier_tier_failures_total",
+               {**labels, "tier": "disk", "reason": "timeout"}) == 0

@@ -42,6 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvtier.core.store import StoreStats
+from kvtier.core.tier import Failure
 
 # "vllm:" so that LLM.get_metrics() (which keeps only vllm: names) and vLLM's own
 # unregistering between engines cover them; "kvtier_" says whose they are.
@@ -229,6 +230,27 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             self._metrics[name] = histogram_cls(
                 name=PREFIX + name, documentation=doc, labelnames=self._labels_for(name),
                 buckets=LATENCY_BUCKETS_S)
+        # Every series starts at 0 (Prometheus' advice): a panel or an alert over a counter
+        # that has not moved yet (corrupt reads, timeouts) finds a series, and the first
+        # increment is a rise from 0 rather than a new series rate() cannot see.
+        self._tiers_seen: set[tuple[int, str]] = set()
+        for engine_idx in self.per_engine_labelvalues:
+            for name in (*COUNTERS, *HISTOGRAMS):
+                if name not in LABELS:
+                    self._child(name, engine_idx, "")
+            for mode in ("sync", "async"):
+                self._child("load_request_seconds", engine_idx, mode)
+
+    def _start_tier(self, engine_idx: int, tier: str) -> None:
+        """Create a tier's counters at 0 the first time the tier reports."""
+        if (engine_idx, tier) in self._tiers_seen:
+            return
+        self._tiers_seen.add((engine_idx, tier))
+        for name in COUNTERS:
+            if LABELS.get(name) == ["tier"]:
+                self._child(name, engine_idx, tier)
+        for reason in Failure:
+            self._child("tier_failures", engine_idx, f"{tier}/{reason.value}")
 
     def _labels_for(self, name: str) -> list[str]:
         return self._labelnames + LABELS.get(name, [])
@@ -252,6 +274,7 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
                 for where, value in by_where.items():
                     totals[where.rsplit("@", 1)[0]] += value  # summed over TP ranks
                 for tier, value in totals.items():
+                    self._start_tier(engine_idx, tier)
                     self._child(name, engine_idx, tier).set(value)
         for name, by_labels in transfer_stats_data.get("observations", {}).items():
             if name in HISTOGRAMS:
