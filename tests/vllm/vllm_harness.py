@@ -54,19 +54,21 @@ def start_engine(model_dir: Path, kv_transfer_config: dict[str, Any] | None = No
     return offline_engine(model_dir, MAX_MODEL_LEN, **(settings | overrides))
 
 
-def server_command(model_dir: Path, extra: dict[str, Any]) -> Any:
+def server_command(model_dir: Path, extra: dict[str, Any], *, kv_role: str = "kv_both",
+                   memory_utilization: float = 0.3) -> Any:
     """The `kvtier serve` command (a `kvtier.ops.serving.ServeCommand`) of an OpenAI server with
     kvtier's `extra` config and the tests' small settings; dev mode on (its /reset_prefix_cache
-    endpoint empties vLLM's own cache)."""
+    endpoint empties vLLM's own cache). `memory_utilization`: the share of the NUMA node's
+    memory vLLM checks is free at start-up (lower it to run two servers at once)."""
     import dataclasses
 
     from kvtier.ops.server import free_port
     from kvtier.ops.serving import ServeConfig, build_command
 
     command = build_command(ServeConfig(
-        model=str(model_dir), extra_config=extra, port=free_port(), cpu=True,
+        model=str(model_dir), extra_config=extra, port=free_port(), cpu=True, kv_role=kv_role,
         vllm_args=("--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override",
-                   str(NUM_BLOCKS), "--gpu-memory-utilization", "0.3",
+                   str(NUM_BLOCKS), "--gpu-memory-utilization", str(memory_utilization),
                    "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--seed", "0")))
     return dataclasses.replace(command, env={**command.env, "VLLM_SERVER_DEV_MODE": "1"})
 
