@@ -218,3 +218,24 @@ def test_doctor_table_from_config_file(capsys, tmp_path):
     bad.write_text("tiers:\n- {kind: tape, capacity: 1MiB}\n")
     assert main(["doctor", str(bad), "--connector-module", "kvtier_missing_connector_xyz"]) == 1
     assert "config is invalid" in capsys.readouterr().out
+
+
+def test_doctor_without_arguments_checks_the_machine_and_says_what_next(capsys, tmp_path,
+                                                                         monkeypatch):
+    # issue 14: `kvtier doctor` alone once exited 2 without a check. The connector probe
+    # imports a stand-in module here (the real one imports vLLM: ~10 s).
+    (tmp_path / "standin_connector.py").write_text("KVTierConnector = object\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    code, out = run_json(capsys, ["doctor", "--connector-module", "standin_connector",
+                                  "--json"])
+    names = [c["name"] for c in out["checks"]]
+    assert names[:4] == ["vllm", "connector", "pinned host memory", "host RAM"]
+    assert names[4] == f"default disk tier: {tmp_path}/cache/kvtier/kv"
+    assert code == (1 if any(c["status"] == "fail" for c in out["checks"]) else 0)
+    assert out["checks"][1]["status"] == "ok" and out["checks"][4]["status"] == "ok"
+    assert any(step.startswith("check a tier layout: kvtier doctor --memory ")
+               for step in out["next"])
+    code = main(["doctor", "--connector-module", "kvtier_missing_connector_xyz"])
+    text = capsys.readouterr().out
+    assert code == 1 and "no config given" in text and "kvtier plan MODEL_DIR" in text

