@@ -24,6 +24,7 @@ WORKLOADS: tuple[str, ...] = (
     "kvtier.cli.bench_ttft",
     "kvtier.cli.bench_sharing",
     "kvtier.cli.bench_interference",
+    "kvtier.cli.bench_disagg",
 )
 
 
