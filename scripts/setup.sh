@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything kvtier needs on a fresh Debian machine with Python >= 3.11:
-# redis-server (for the redis tier and its tests), kvtier itself with vLLM's CPU build and the
-# test tools. Safe to run again: each step is skipped or quick when already done.
+# redis-server (for the redis tier and its tests), prometheus (for the tests of the alerts and
+# dashboard in deploy/), kvtier itself with vLLM's CPU build and the test tools. Safe to run again: each step is skipped or quick when already done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -9,6 +9,13 @@ if ! command -v redis-server >/dev/null 2>&1; then
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+fi
+# Prometheus (promtool and a server on 127.0.0.1) for the tests of deploy/'s alerts and dashboard.
+if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
+    prometheus >/dev/null
 fi
 
 python3 -m pip install -q -e ".[vllm,test]"

@@ -6,11 +6,25 @@ the real prometheus_client registry. The engine-level flow is checked in the e2e
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
 from kvtier.core.store import StoreStats
 from kvtier.core.tier import TierStats
-from kvtier.integrations.vllm.metrics import KVTierConnectorStats, KVTierPromMetrics, StatsDelta
+from kvtier.integrations.vllm.metrics import (
+    COUNTERS,
+    GAUGES,
+    HISTOGRAMS,
+    PREFIX,
+    KVTierConnectorStats,
+    KVTierPromMetrics,
+    StatsDelta,
+)
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
 
 class _VllmConfig:
@@ -139,3 +153,16 @@ def test_series_start_at_zero_so_alerts_and_panels_find_them() -> None:
     assert get("vllm:kvtier_tier_corrupt_reads_total", {**labels, "tier": "disk"}) == 0
     assert get("vllm:kvtier_tier_failures_total",
                {**labels, "tier": "disk", "reason": "timeout"}) == 0
+
+
+def test_the_dashboard_and_alerts_name_only_series_kvtier_exports() -> None:
+    """A misspelt series evaluates to nothing, silently: every vllm:kvtier_* name in
+    deploy/grafana and deploy/prometheus must be one of these."""
+    exported = ({f"{PREFIX}{n}_total" for n in COUNTERS} | {PREFIX + n for n in GAUGES}
+                | {f"{PREFIX}{n}_{s}" for n in HISTOGRAMS for s in ("bucket", "sum", "count")})
+    panels = json.loads((DEPLOY / "grafana" / "kvtier-dashboard.json").read_text())["panels"]
+    texts = [t["expr"] for p in panels for t in p.get("targets", [])]
+    texts.append((DEPLOY / "prometheus" / "kvtier-alerts.yml").read_text())
+    named = {m for text in texts for m in re.findall(r"vllm:kvtier_\w+", text)}
+    assert len(named) > 20
+    assert named <= exported, sorted(named - exported)
