@@ -97,6 +97,18 @@ def test_mistral_style_window_on_all_layers_and_qwen_disabled_window():
     assert jamba.linear_state_bytes == (8192 * 3 + 8192 * 16) * 2
 
 
+def test_all_sliding_model_keeps_its_window_with_the_hybrid_manager_off():
+    # vLLM promotes sliding layers to full ones only next to full layers
+    # (_promote_local_kv_cache_specs); an all-sliding model stays one sliding group (issue 14).
+    base = {"hidden_size": 4096, "num_attention_heads": 32, "num_hidden_layers": 4,
+            "num_key_value_heads": 8, "vocab_size": 32000, "intermediate_size": 14336}
+    mistral = parse_model_config({**base, "sliding_window": 4096})
+    for hma in (True, False):
+        fp = kv_footprint(mistral, hybrid_manager=hma)
+        assert fp.sliding_window == 4096
+        assert session_kv_bytes(fp, 32768) == 4096 * 4 * 2 * 8 * 128 * 2
+
+
 @pytest.mark.parametrize("name, published, tolerance", [
     ("llama-3-8b", 8.03e9, 0.01),
     ("llama-3-70b", 70.6e9, 0.01),
