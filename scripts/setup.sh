@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything kvtier needs on a fresh Debian machine with Python >= 3.11:
 # redis-server (for the redis tier and its tests), prometheus (for the tests of the alerts and
-# dashboard in deploy/), kvtier itself with vLLM's CPU build and the test tools. Safe to run again: each step is skipped or quick when already done.
+# dashboard in deploy/), kvtier itself with vLLM's CPU build and the test tools. Safe to run
+# again: each step is skipped or quick when already done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
