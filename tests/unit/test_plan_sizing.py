@@ -267,3 +267,14 @@ def test_defaults_are_stated_as_assumptions():
                         gpu=gpu_profile("h100"), nvme_bytes=2 * 10**12,
                         host_ram_bytes=512 * GIB, context_tokens=8192, pcie_gen=5)
     assert make_plan(given).assumptions == ()
+
+
+def test_unknown_version_never_disables_the_manager_a_linear_hybrid_needs():
+    # Without the hybrid manager vLLM cannot serve Mamba/linear layers: with the version
+    # unknown, native offload's command is v0.21.0+'s, and says so.
+    plan = make_plan(req("qwen3-next-80b-a3b", tp=4))
+    native = plan.alternative("native")
+    assert native.refused is None and "--disable-hybrid-kv-cache-manager" not in native.command
+    assert "v0.21.0" in native.hma_reason
+    assert not any("vLLM version unknown" in n for n in plan.notes)
+    assert any("vLLM version unknown" in n for n in make_plan(req("llama-3-8b")).notes)

@@ -26,7 +26,7 @@ from kvtier.ops.alternatives import (
     tier_estimates,
 )
 from kvtier.ops.costmodel import prefill_seconds
-from kvtier.ops.flags import gib_number
+from kvtier.ops.flags import DISABLE_HMA, gib_number
 from kvtier.ops.hardware import GpuProfile
 from kvtier.ops.modelspec import ModelSpec, kv_dtype_bytes
 from kvtier.ops.vllm_versions import Version
@@ -249,7 +249,7 @@ def _notes(plan: Plan, kv_gpu: int) -> list[str]:
         notes.append(f"sizes are per engine, the total across its {req.tp} TP ranks: kvtier's "
                      f"capacities and --kv-offloading-size split evenly (each rank's CPU tier "
                      f"{_gib_text(plan.cpu_tier_bytes / req.tp)}); LMCache's sizes are per rank")
-    if req.vllm_version is None:
+    if req.vllm_version is None and DISABLE_HMA in plan.alternative("native").flags:
         notes.append("vLLM version unknown: the native-offload command includes "
                      "--disable-hybrid-kv-cache-manager (needed on v0.18-v0.20); pass "
                      "--vllm-version to decide")
