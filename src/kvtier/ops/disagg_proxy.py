@@ -172,7 +172,7 @@ def running_proxy(config: ProxyConfig) -> Iterator[str]:
         OSError: the port could not be bound.
     """
     loop = asyncio.new_event_loop()
-    runner = web.AppRunner(build_app(config))
+    runner = web.AppRunner(build_app(config), access_log=None)  # a bench's tables stay clean
     loop.run_until_complete(runner.setup())
     site = web.TCPSite(runner, config.host, config.port)
     loop.run_until_complete(site.start())
