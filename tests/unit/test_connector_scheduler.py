@@ -225,3 +225,18 @@ def test_load_mode_forces_either_way_and_a_failed_load_is_not_asked_again() -> N
     assert engine.sched.get_num_new_matched_tokens(req, 0) == (0, False)
     with pytest.raises(Exception, match="load_mode"):
         ConnectorConfig.parse({"load_mode": "sometimes"})
+
+
+def test_an_idle_engine_loads_even_a_disk_hit_inline() -> None:
+    """No other request runs: there is no batch to protect, and an asynchronous load would
+    cost the request one more step."""
+    from kvtier.core.store import StoreEvent
+    from kvtier.core.tier import EventKind
+
+    engine = Engine()
+    first = request("a", 200)
+    engine.admit(first, list(range(7)))
+    held = engine.store_all(engine.step(new={"a": (list(range(7)), 0, 200)}))
+    engine.report(events=[StoreEvent(EventKind.REMOVED, key, "memory") for key in held])
+    engine.sched.request_finished(first)
+    assert engine.sched.get_num_new_matched_tokens(request("b", 200), 0) == (192, False)

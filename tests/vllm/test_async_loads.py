@@ -1,8 +1,10 @@
 """Asynchronous loads in real vLLM (issue 13): hits that live below RAM are loaded while the
 engine runs other requests (vLLM's WAITING_FOR_REMOTE_KVS), with the outputs of the miss path.
 
-One engine, load_mode "auto": its RAM tier holds two chunks, so hits come from the disk tier
-and load asynchronously; vLLM's own cache is emptied before each case so that kvtier serves it.
+One engine with load_mode "async" (under "auto" a batch submitted at once to an idle engine
+loads inline: no request runs yet; tests/unit/test_connector_scheduler.py covers the rule):
+its RAM tier holds two chunks, so hits come from the disk tier; vLLM's own cache is emptied
+before each case so that kvtier serves it.
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     disk = tmp_path_factory.mktemp("async-disk")
     tiers = [{"kind": "memory", "capacity": "64KiB"},  # two 32 KiB chunks
              {"kind": "disk", "path": str(disk), "capacity": "256MiB"}]
-    with start_engine(tiny_model_dir, kvtier_transfer_config(tiers, CHUNK)) as llm:
+    config = kvtier_transfer_config(tiers, CHUNK)
+    config["kv_connector_extra_config"]["load_mode"] = "async"
+    with start_engine(tiny_model_dir, config) as llm:
         yield llm, disk
 
 

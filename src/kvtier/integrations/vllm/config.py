@@ -37,7 +37,8 @@ DEFAULT_TIERS: tuple[dict[str, Any], ...] = ({"kind": "memory", "capacity": "2Gi
 CONNECTOR_KEYS = frozenset({"tokens_per_chunk", "index_max_keys", "load_mode"})
 # How a hit is loaded: "sync" inside the step that needs it (the whole batch waits for it),
 # "async" while other requests keep running (the request waits one step or more), "auto":
-# async unless every chunk of the hit is in RAM (a RAM hit is a memcpy: cheaper inline).
+# async when the hit reads below RAM while other requests run (a RAM hit is a memcpy, and an
+# idle engine has no batch to protect: both cheaper inline).
 LOAD_MODES = ("auto", "sync", "async")
 
 
