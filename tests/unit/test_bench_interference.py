@@ -8,15 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.bench.arrivals import arrival_schedule, gaps_in_window, token_times
 from kvtier.bench.interference import (
     CONFIGS,
     ConfigRun,
     InterferenceConfig,
-    arrival_schedule,
     checks,
-    gaps_in_window,
     timed_stream_tokens,
-    token_times,
 )
 from kvtier.bench.stats import RequestResult
 from kvtier.cli.bench_interference import config_from

@@ -36,9 +36,19 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench import promdiff
+from kvtier.bench.arrivals import (
+    arrival_schedule,
+    arrival_ttft,
+    arrival_window,
+    failures,
+    machine,
+    prompt,
+    retry_while_memory_short,
+    send_after,
+    streams_itl_in_window,
+    streams_workload,
+)
 from kvtier.bench.client import ClientConfig, run_workload
-from kvtier.bench.engines import bench_prompt
-from kvtier.bench.interference import arrival_schedule, gaps_in_window
 from kvtier.bench.stats import Percentiles, RequestResult, percentiles
 from kvtier.bench.tinymodel import PRESETS, make_preset_model
 from kvtier.bench.workloads import Turn, Workload
@@ -48,10 +58,6 @@ from kvtier.ops.server import ServerError, VllmServer, free_port
 from kvtier.ops.serving import GIB, ServeConfig, build_command
 
 SETUPS = ("single", "disagg")
-# A server that cannot start because another engine holds the memory is retried.
-_MEMORY_SHORT = "less than desired"
-_START_RETRIES = 3
-_RETRY_WAIT_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,18 +120,15 @@ class SetupRun:
     @property
     def window_s(self) -> tuple[float, float]:
         """(first arrival sent, last arrival answered), seconds into the run."""
-        if not self.arrivals:
-            return (0.0, 0.0)
-        return (min(r.start_s for r in self.arrivals),
-                max(r.start_s + r.latency_s for r in self.arrivals))
+        return arrival_window(self.arrivals)
 
     @property
     def stream_itl(self) -> Percentiles:
-        return percentiles(gaps_in_window([r for r in self.streams if r.ok], *self.window_s))
+        return streams_itl_in_window(self.streams, self.arrivals)
 
     @property
     def ttft(self) -> Percentiles:
-        return percentiles([r.ttft_s for r in self.arrivals if r.ok and r.ttft_s is not None])
+        return arrival_ttft(self.arrivals)
 
     @property
     def arrival_itl(self) -> Percentiles:
@@ -137,7 +140,7 @@ class SetupRun:
 
     @property
     def failures(self) -> list[str]:
-        return [r.error or "no token" for r in (*self.streams, *self.arrivals) if not r.ok]
+        return failures((*self.streams, *self.arrivals))
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,54 +178,32 @@ def _command(config: DisaggBenchConfig, model: Path, shared: Path, kv_role: str)
 @contextlib.contextmanager
 def _servers(config: DisaggBenchConfig, model: Path, scratch: Path, roles: tuple[str, ...],
              progress: Callable[[str], None]) -> Iterator[tuple[list[VllmServer], float]]:
-    """Start one server per kv role side by side (retried while memory is short); yields
-    them and the start-up time, stops them on exit."""
-    for attempt in range(_START_RETRIES + 1):
-        servers = [VllmServer(_command(config, model, scratch / "shared", role),
-                              scratch / f"{role}.log") for role in roles]
-        started = time.perf_counter()
-        try:
-            progress(f"starting {', '.join(roles)}")
-            for server in servers:
-                server.start()
-            for server in servers:
-                server.wait_ready(config.startup_timeout_s)
-            yield servers, time.perf_counter() - started
-            return
-        except ServerError as exc:
-            if _MEMORY_SHORT not in str(exc) or attempt == _START_RETRIES:
-                raise
-            progress(f"not enough free memory (another engine?), retrying in "
-                     f"{_RETRY_WAIT_S:g} s")
-        finally:
-            for server in servers:
-                server.stop()
-        time.sleep(_RETRY_WAIT_S)
-
-
-def _prompt(tokens: int, seed: int) -> tuple[int, ...]:
-    return tuple(bench_prompt(tokens, seed)["prompt_token_ids"])
-
-
-async def _send(workload: Workload, cfg: ClientConfig, delay_s: float,
-                t0: float) -> list[RequestResult]:
-    """Send `workload` after `delay_s`; start times shifted to seconds since `t0`."""
-    await asyncio.sleep(delay_s)
-    begun = time.perf_counter() - t0
-    run = await run_workload(workload, cfg)
-    return [dataclasses.replace(r, start_s=r.start_s + begun) for r in run.results]
+    """Start one server per kv role side by side; yields them and the start-up time, stops
+    them on exit."""
+    servers = [VllmServer(_command(config, model, scratch / "shared", role),
+                          scratch / f"{role}.log") for role in roles]
+    started = time.perf_counter()
+    try:
+        progress(f"starting {', '.join(roles)}")
+        for server in servers:
+            server.start()
+        for server in servers:
+            server.wait_ready(config.startup_timeout_s)
+        yield servers, time.perf_counter() - started
+    finally:
+        for server in servers:
+            server.stop()
 
 
 async def _timed(config: DisaggBenchConfig, cfg: ClientConfig, seed: int
                  ) -> tuple[list[RequestResult], list[RequestResult]]:
     t0 = time.perf_counter()
-    streams = Workload("streams", tuple(
-        Turn(session=i, turn=0, tokens=_prompt(config.stream_prompt_tokens, seed + i),
-             max_tokens=config.stream_tokens) for i in range(config.streams)), chained=False)
-    streaming = asyncio.create_task(_send(
+    streams = streams_workload(config.streams, config.stream_prompt_tokens,
+                               config.stream_tokens, seed)
+    streaming = asyncio.create_task(send_after(
         streams, dataclasses.replace(cfg, concurrency=config.streams), 0.0, t0))
-    arrivals = [asyncio.create_task(_send(Workload("arrival", (Turn(
-        session=a.index, turn=0, tokens=_prompt(config.arrival_tokens, seed + 100 + a.index),
+    arrivals = [asyncio.create_task(send_after(Workload("arrival", (Turn(
+        session=a.index, turn=0, tokens=prompt(config.arrival_tokens, seed + 100 + a.index),
         max_tokens=config.arrival_max_tokens),), chained=False), cfg, a.send_at_s, t0))
         for a in arrival_schedule(config.arrivals, config.arrival_gap_s, config.lead_s,
                                   (config.arrival_tokens,))]
@@ -234,7 +215,7 @@ def _measure(config: DisaggBenchConfig, name: str, front: str, answering: str, m
              seed: int) -> tuple[list[RequestResult], list[RequestResult], dict[str, float] | None]:
     cfg = ClientConfig(front, model, concurrency=1, request_timeout_s=config.request_timeout_s,
                        warmup_requests=0)
-    warm = Workload("warm-up", (Turn(-1, 0, _prompt(config.arrival_tokens, seed - 1), 2),),
+    warm = Workload("warm-up", (Turn(-1, 0, prompt(config.arrival_tokens, seed - 1), 2),),
                     chained=False)
     failed = [r.error for r in asyncio.run(run_workload(warm, cfg)).results if not r.ok]
     if failed:
@@ -248,20 +229,25 @@ def _measure(config: DisaggBenchConfig, name: str, front: str, answering: str, m
 
 def _run_setup(config: DisaggBenchConfig, name: str, model: Path, scratch: Path, seed: int,
                progress: Callable[[str], None]) -> SetupRun:
+    """Start setup `name`'s servers (retried while memory is short), measure, stop them."""
     roles = ("kv_both",) if name == "single" else ("kv_producer", "kv_consumer")
     directory = scratch / name
-    with _servers(config, model, directory, roles, progress) as (servers, startup_s):
-        progress(f"{name}: {config.streams} streams, {config.arrivals} arrivals")
-        commands = tuple(s.command.display() for s in servers)
-        if name == "single":
-            run = _measure(config, name, servers[0].url, servers[0].url, str(model), seed)
-        else:
-            proxy = ProxyConfig(servers[0].url, servers[1].url, port=free_port(),
-                                request_timeout_s=config.request_timeout_s)
-            with running_proxy(proxy) as url:
-                run = _measure(config, name, url, servers[1].url, str(model), seed)
-    streams, arrivals, metrics = run
-    return SetupRun(name, commands, startup_s, tuple(streams), tuple(arrivals), metrics)
+
+    def attempt() -> SetupRun:
+        with _servers(config, model, directory, roles, progress) as (servers, startup_s):
+            progress(f"{name}: {config.streams} streams, {config.arrivals} arrivals")
+            commands = tuple(s.command.display() for s in servers)
+            if name == "single":
+                run = _measure(config, name, servers[0].url, servers[0].url, str(model), seed)
+            else:
+                proxy = ProxyConfig(servers[0].url, servers[1].url, port=free_port(),
+                                    request_timeout_s=config.request_timeout_s)
+                with running_proxy(proxy) as url:
+                    run = _measure(config, name, url, servers[1].url, str(model), seed)
+        streams, arrivals, metrics = run
+        return SetupRun(name, commands, startup_s, tuple(streams), tuple(arrivals), metrics)
+
+    return retry_while_memory_short(attempt, progress)
 
 
 def run_disagg_bench(config: DisaggBenchConfig,
@@ -285,6 +271,5 @@ def run_disagg_bench(config: DisaggBenchConfig,
             runs.append(_run_setup(config, name, model, scratch, 10_000, progress))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return DisaggResult(config, tuple(runs), time.perf_counter() - begin, machine={
-        "cpus": os.cpu_count(), "loadavg_before": load_before,
-        "loadavg_after": os.getloadavg()})
+    return DisaggResult(config, tuple(runs), time.perf_counter() - begin,
+                        machine=machine(load_before))

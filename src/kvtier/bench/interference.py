@@ -29,11 +29,11 @@ Per configuration:
      generated).
 The streams' ITL with arrivals counts the gaps whose later token came inside the arrival
 window (from the first arrival sent to the last one answered), so streams that run past the
-window do not dilute it (`gaps_in_window`). Requests are sent by `kvtier.bench.client`.
+window do not dilute it (`gaps_in_window`). Requests are sent by `kvtier.bench.client`; the
+schedule, the window and the server start's retries are `kvtier.bench.arrivals`'.
 
-Primitives: `InterferenceConfig`, `Arrival`, `arrival_schedule`, `token_times`,
-`gaps_in_window`, `timed_stream_tokens`, `ConfigRun`, `Check`, `checks`, `InterferenceResult`,
-`run_interference_bench`, `CONFIGS`.
+Primitives: `InterferenceConfig`, `timed_stream_tokens`, `ConfigRun`, `Check`, `checks`,
+`InterferenceResult`, `run_interference_bench`, `CONFIGS`.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,8 +54,22 @@ from typing import Any
 import aiohttp
 
 from kvtier.bench import promdiff
+from kvtier.bench.arrivals import (
+    Arrival,
+    arrival_schedule,
+    arrival_ttft,
+    arrival_window,
+    failures,
+    machine,
+    prompt,
+    retry_while_memory_short,
+    send_after,
+    streams_itl_in_window,
+    streams_workload,
+    token_times,
+)
 from kvtier.bench.client import ClientConfig, run_workload
-from kvtier.bench.engines import KV_BYTES_PER_TOKEN, bench_prompt
+from kvtier.bench.engines import KV_BYTES_PER_TOKEN
 from kvtier.bench.stats import Percentiles, RequestResult, percentiles
 from kvtier.bench.tinymodel import PRESETS, make_preset_model
 from kvtier.bench.workloads import Turn, Workload
@@ -70,10 +84,6 @@ TARGET_ITL_P99_RATIO = 1.2  # async: streams' ITL p99 with arrivals <= 1.2x with
 TARGET_TTFT_VS_SYNC = 1.0  # async: arrivals' TTFT p50 and p99 no worse than sync
 # The timed streams decode at least this long after the last arrival is sent.
 STREAM_TAIL_S = 2.0
-# A server that cannot start because another engine holds the memory is retried.
-_MEMORY_SHORT = "less than desired"
-_START_RETRIES = 3
-_RETRY_WAIT_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,31 +143,6 @@ class InterferenceConfig:
                                 self.prefix_tokens)
 
 
-@dataclass(frozen=True, slots=True)
-class Arrival:
-    """One arriving request of the timed phase."""
-
-    index: int  # its number; its prefix is the warm-up's prefix of the same number
-    send_at_s: float  # when it is sent, seconds after the timed phase's streams
-    prefix_tokens: int  # tokens of its warmed prefix
-
-
-def arrival_schedule(count: int, gap_s: float, lead_s: float,
-                     prefix_tokens: Sequence[int]) -> tuple[Arrival, ...]:
-    """`count` arrivals `gap_s` apart, the first at `lead_s`; prefix lengths cycle through
-    `prefix_tokens`.
-
-    Raises:
-        ConfigError: count < 0, a negative time, or no prefix length.
-    """
-    if count < 0 or gap_s < 0 or lead_s < 0:
-        raise ConfigError("arrivals", (count, gap_s, lead_s), "count >= 0, times >= 0")
-    if not prefix_tokens:
-        raise ConfigError("prefix_tokens", "", "at least one length")
-    return tuple(Arrival(i, lead_s + i * gap_s, prefix_tokens[i % len(prefix_tokens)])
-                 for i in range(count))
-
-
 def timed_stream_tokens(config: InterferenceConfig, itl_mean_s: float | None) -> int:
     """Tokens each stream of the timed phase generates: `stream_tokens`, or more where, at
     the baseline's pace (`itl_mean_s`), the streams would stop before the last arrival is
@@ -167,26 +152,6 @@ def timed_stream_tokens(config: InterferenceConfig, itl_mean_s: float | None) ->
     needed = math.ceil(last_s / itl_mean_s) if itl_mean_s else 0
     return min(max(config.stream_tokens, needed),
                config.max_model_len - config.stream_prompt_tokens)
-
-
-def token_times(result: RequestResult) -> list[float]:
-    """When each token of `result` arrived, seconds since its run began ([] without one)."""
-    if result.ttft_s is None:
-        return []
-    times = [result.start_s + result.ttft_s]
-    for gap in result.itl_s:
-        times.append(times[-1] + gap)
-    return times
-
-
-def gaps_in_window(results: Sequence[RequestResult], start_s: float,
-                   end_s: float) -> list[float]:
-    """The inter-token gaps of `results` whose later token arrived in [start_s, end_s]."""
-    gaps = []
-    for r in results:
-        times = token_times(r)
-        gaps += [gap for gap, t in zip(r.itl_s, times[1:]) if start_s <= t <= end_s]
-    return gaps
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,10 +171,7 @@ class ConfigRun:
     @property
     def window_s(self) -> tuple[float, float]:
         """(first arrival sent, last arrival answered), seconds into the timed phase."""
-        if not self.arrivals:
-            return (0.0, 0.0)
-        return (min(r.start_s for r in self.arrivals),
-                max(r.start_s + r.latency_s for r in self.arrivals))
+        return arrival_window(self.arrivals)
 
     @property
     def baseline_itl(self) -> Percentiles:
@@ -218,11 +180,11 @@ class ConfigRun:
     @property
     def itl(self) -> Percentiles:
         """The streams' gaps while the arrivals came (see gaps_in_window)."""
-        return percentiles(gaps_in_window([r for r in self.streams if r.ok], *self.window_s))
+        return streams_itl_in_window(self.streams, self.arrivals)
 
     @property
     def ttft(self) -> Percentiles:
-        return percentiles([r.ttft_s for r in self.arrivals if r.ok and r.ttft_s is not None])
+        return arrival_ttft(self.arrivals)
 
     @property
     def itl_p99_ratio(self) -> float | None:
@@ -237,8 +199,7 @@ class ConfigRun:
 
     @property
     def failures(self) -> list[str]:
-        return [r.error or "no token" for r in (*self.baseline, *self.streams, *self.arrivals)
-                if not r.ok]
+        return failures((*self.baseline, *self.streams, *self.arrivals))
 
     def counter(self, suffix: str) -> float:
         """A kvtier counter's delta over the timed phase, summed over tiers."""
@@ -331,21 +292,10 @@ def server_command(config: InterferenceConfig, name: str, model: Path,
     return dataclasses.replace(command, env={**command.env, "VLLM_SERVER_DEV_MODE": "1"})
 
 
-def _prompt(tokens: int, seed: int) -> tuple[int, ...]:
-    return tuple(bench_prompt(tokens, seed)["prompt_token_ids"])
-
-
-def _streams(config: InterferenceConfig, seed: int, tokens: int) -> Workload:
-    turns = tuple(Turn(session=i, turn=0, max_tokens=tokens,
-                       tokens=_prompt(config.stream_prompt_tokens, seed + i))
-                  for i in range(config.streams))
-    return Workload("streams", turns, chained=False)
-
-
 def _arrival_turn(config: InterferenceConfig, arrival: Arrival, timed: bool) -> Turn:
     """Arrival `arrival`'s prompt: its prefix + new tokens (other ones in the warm-up)."""
-    prefix = _prompt(arrival.prefix_tokens, 1_000 + arrival.index)
-    new = _prompt(config.new_tokens, (3_000 if timed else 2_000) + arrival.index)
+    prefix = prompt(arrival.prefix_tokens, 1_000 + arrival.index)
+    new = prompt(config.new_tokens, (3_000 if timed else 2_000) + arrival.index)
     return Turn(session=arrival.index, turn=int(timed), tokens=prefix + new,
                 max_tokens=config.arrival_max_tokens if timed else 1)
 
@@ -373,15 +323,6 @@ def _wait_for_chunks(directory: Path, count: int, timeout_s: float = 180.0) -> N
     raise TimeoutError(f"{directory}: fewer than {count} chunk files after {timeout_s:g} s")
 
 
-async def _send(workload: Workload, cfg: ClientConfig, concurrency: int, delay_s: float,
-                t0: float) -> list[RequestResult]:
-    """Send `workload` after `delay_s`; start times shifted to seconds since `t0`."""
-    await asyncio.sleep(delay_s)
-    begun = time.perf_counter() - t0
-    run = await run_workload(workload, dataclasses.replace(cfg, concurrency=concurrency))
-    return [dataclasses.replace(r, start_s=r.start_s + begun) for r in run.results]
-
-
 _Timed = tuple[list[RequestResult], list[RequestResult], dict[str, float] | None]
 
 
@@ -390,11 +331,12 @@ async def _timed_phase(config: InterferenceConfig, cfg: ClientConfig,
     """Phase 3: the streams and, on schedule, the arrivals; and the counters' deltas."""
     before = await promdiff.scrape(cfg.url)
     t0 = time.perf_counter()
-    streams = asyncio.create_task(_send(_streams(config, 500, stream_tokens), cfg,
-                                        config.streams, 0.0, t0))
-    arrivals = [asyncio.create_task(_send(
+    streams = asyncio.create_task(send_after(
+        streams_workload(config.streams, config.stream_prompt_tokens, stream_tokens, 500),
+        dataclasses.replace(cfg, concurrency=config.streams), 0.0, t0))
+    arrivals = [asyncio.create_task(send_after(
         Workload("arrival", (_arrival_turn(config, a, timed=True),), chained=False),
-        cfg, 1, a.send_at_s, t0)) for a in config.schedule()]
+        dataclasses.replace(cfg, concurrency=1), a.send_at_s, t0)) for a in config.schedule()]
     arrived = [r for results in await asyncio.gather(*arrivals) for r in results]
     streamed = await streams
     after = await promdiff.scrape(cfg.url)
@@ -413,7 +355,7 @@ def _measure(config: InterferenceConfig, name: str, url: str, model: str, disk: 
     cfg = ClientConfig(url, model, request_timeout_s=config.request_timeout_s)
     started = time.perf_counter()
     progress(f"{name}: warm-up, {config.arrivals} prefixes computed and stored")
-    warm = Workload("warm-up", (Turn(-1, 0, _prompt(64, 7), 2),
+    warm = Workload("warm-up", (Turn(-1, 0, prompt(64, 7), 2),
                                 *(_arrival_turn(config, a, timed=False)
                                   for a in config.schedule())), chained=False)
     one_at_a_time = dataclasses.replace(cfg, concurrency=1)
@@ -428,8 +370,9 @@ def _measure(config: InterferenceConfig, name: str, url: str, model: str, disk: 
         asyncio.run(_reset_prefix_cache(url))
     warmup_s = time.perf_counter() - started
     progress(f"{name}: {config.streams} streams, no arrivals")
-    baseline = asyncio.run(run_workload(_streams(config, 100, config.stream_tokens),
-                                        dataclasses.replace(cfg, concurrency=config.streams)))
+    baseline = asyncio.run(run_workload(
+        streams_workload(config.streams, config.stream_prompt_tokens, config.stream_tokens, 100),
+        dataclasses.replace(cfg, concurrency=config.streams)))
     tokens = timed_stream_tokens(config, percentiles(
         [g for r in baseline.results if r.ok for g in r.itl_s]).mean)
     if not keep:
@@ -449,24 +392,18 @@ def _run_config(config: InterferenceConfig, name: str, model: Path, scratch: Pat
         ServerError: the server did not start (the message has its log's tail).
     """
     command = server_command(config, name, model, scratch)
-    for attempt in range(_START_RETRIES + 1):
+
+    def attempt() -> ConfigRun:
         progress(f"{name}: starting the server")
         started = time.perf_counter()
-        try:
-            with running_server(command, log_path=scratch / f"{name}.log",
-                                startup_timeout_s=config.startup_timeout_s) as server:
-                startup_s = time.perf_counter() - started
-                disk = scratch / name / "disk" if name.startswith("kvtier") else None
-                run = _measure(config, name, server.url, str(model), disk, progress)
-                return dataclasses.replace(run, command=command.display(),
-                                           startup_s=startup_s)
-        except ServerError as exc:
-            if _MEMORY_SHORT not in str(exc) or attempt == _START_RETRIES:
-                raise
-            progress(f"{name}: not enough free memory (another engine?), retrying in "
-                     f"{_RETRY_WAIT_S:g} s")
-            time.sleep(_RETRY_WAIT_S)
-    raise AssertionError("unreachable")
+        with running_server(command, log_path=scratch / f"{name}.log",
+                            startup_timeout_s=config.startup_timeout_s) as server:
+            startup_s = time.perf_counter() - started
+            disk = scratch / name / "disk" if name.startswith("kvtier") else None
+            run = _measure(config, name, server.url, str(model), disk, progress)
+            return dataclasses.replace(run, command=command.display(), startup_s=startup_s)
+
+    return retry_while_memory_short(attempt, progress, f"{name}: ")
 
 
 def run_interference_bench(config: InterferenceConfig,
@@ -491,6 +428,5 @@ def run_interference_bench(config: InterferenceConfig,
             runs.append(_run_config(config, name, model, scratch, progress))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return InterferenceResult(config, tuple(runs), time.perf_counter() - begin, machine={
-        "cpus": os.cpu_count(), "loadavg_before": load_before,
-        "loadavg_after": os.getloadavg()})
+    return InterferenceResult(config, tuple(runs), time.perf_counter() - begin,
+                              machine=machine(load_before))

@@ -19,8 +19,7 @@ from kvtier.bench.disagg import (
     run_disagg_bench,
 )
 from kvtier.bench.engines import quiet_engine_logs
-from kvtier.bench.stats import Percentiles
-from kvtier.cli.bench import run_and_report
+from kvtier.cli.bench import ms_p50_p99, run_and_report, run_summary, runs_table
 
 # ~4 minutes on 2 cores, most of it the three server start-ups.
 QUICK = {"streams": 2, "stream_tokens": 128, "arrivals": 4, "arrival_tokens": 2048}
@@ -77,37 +76,22 @@ def run(args: argparse.Namespace) -> int:
     return 1 if any(run.failures for run in result.runs) else 0
 
 
-def _ms(p: Percentiles) -> str:
-    return " / ".join("-" if v is None else f"{v * 1e3:.1f}" for v in (p.p50, p.p99))
-
-
 def figures_table(result: DisaggResult) -> Table:
     """One column per setup."""
     c = result.config
-    table = Table(title=f"{c.streams} streams x {c.stream_tokens} tokens; {c.arrivals} new "
-                        f"{c.arrival_tokens}-token prompts {c.arrival_gap_s:g} s apart, "
-                        f"{c.arrival_max_tokens} tokens each")
-    table.add_column("")
-    for run in result.runs:
-        table.add_column(run.name, justify="right")
     rows: tuple[tuple[str, Callable[[SetupRun], str]], ...] = (
-        ("streams' ITL p50 / p99, arrivals coming (ms)", lambda r: _ms(r.stream_itl)),
-        ("arrivals' TTFT p50 / p99 (ms)", lambda r: _ms(r.ttft)),
-        ("arrivals' ITL p50 / p99 (ms)", lambda r: _ms(r.arrival_itl)),
+        ("streams' ITL p50 / p99, arrivals coming (ms)", lambda r: ms_p50_p99(r.stream_itl)),
+        ("arrivals' TTFT p50 / p99 (ms)", lambda r: ms_p50_p99(r.ttft)),
+        ("arrivals' ITL p50 / p99 (ms)", lambda r: ms_p50_p99(r.arrival_itl)),
         ("external hit tokens (answering server)", lambda r: f"{r.external_hit_tokens:,.0f}"),
         ("arrival window (s)", lambda r: "{:.1f}-{:.1f}".format(*r.window_s)),
         ("failed requests", lambda r: str(len(r.failures))),
         ("servers' start (s)", lambda r: f"{r.startup_s:.0f}"),
     )
-    for label, fmt in rows:
-        table.add_row(label, *(fmt(run) for run in result.runs))
-    return table
+    return runs_table(f"{c.streams} streams x {c.stream_tokens} tokens; {c.arrivals} new "
+                      f"{c.arrival_tokens}-token prompts {c.arrival_gap_s:g} s apart, "
+                      f"{c.arrival_max_tokens} tokens each", result.runs, rows)
 
 
 def summary(result: DisaggResult) -> str:
-    before, after = result.machine["loadavg_before"][0], result.machine["loadavg_after"][0]
-    failures = [f"{run.name}: {run.failures[0]}" for run in result.runs if run.failures]
-    return "\n".join([
-        f"{result.wall_s:.0f} s; load average {before:.2f} -> {after:.2f} on "
-        f"{result.machine['cpus']} CPUs",
-        *(f"[red]failed request, {f}[/red]" for f in failures)])
+    return run_summary(result.wall_s, result.machine, result.runs)

@@ -24,8 +24,7 @@ from kvtier.bench.interference import (
     checks,
     run_interference_bench,
 )
-from kvtier.bench.stats import Percentiles
-from kvtier.cli.bench import run_and_report
+from kvtier.cli.bench import ms_p50_p99, run_and_report, run_summary, runs_table
 from kvtier.errors import ConfigError
 
 # ~3 minutes on 2 cores, most of it the three server start-ups.
@@ -95,24 +94,14 @@ def run(args: argparse.Namespace) -> int:
     return 1 if any(run.failures for run in result.runs) else 0
 
 
-def _ms(p: Percentiles) -> str:
-    return " / ".join("-" if v is None else f"{v * 1e3:.1f}" for v in (p.p50, p.p99))
-
-
 def figures_table(result: InterferenceResult) -> Table:
     """One column per configuration."""
     c = result.config
-    table = Table(title=f"{c.streams} streams x {c.stream_tokens} tokens; {c.arrivals} arrivals "
-                        f"{c.arrival_gap_s:g} s apart, prefixes "
-                        f"{'/'.join(map(str, c.prefix_tokens))} tokens from the disk tier")
-    table.add_column("")
-    for run in result.runs:
-        table.add_column(run.name, justify="right")
     rows: tuple[tuple[str, Callable[[ConfigRun], str]], ...] = (
-        ("streams' ITL p50 / p99, no arrivals (ms)", lambda r: _ms(r.baseline_itl)),
-        ("streams' ITL p50 / p99, with arrivals (ms)", lambda r: _ms(r.itl)),
+        ("streams' ITL p50 / p99, no arrivals (ms)", lambda r: ms_p50_p99(r.baseline_itl)),
+        ("streams' ITL p50 / p99, with arrivals (ms)", lambda r: ms_p50_p99(r.itl)),
         ("ITL p99 with / without", lambda r: _x(r.itl_p99_ratio)),
-        ("arrivals' TTFT p50 / p99 (ms)", lambda r: _ms(r.ttft)),
+        ("arrivals' TTFT p50 / p99 (ms)", lambda r: ms_p50_p99(r.ttft)),
         ("arrival window (s)", lambda r: "{:.1f}-{:.1f}".format(*r.window_s)),
         ("streams decode through it", lambda r: "yes" if r.streams_cover_window else "NO"),
         ("kvtier tokens loaded", lambda r: f"{r.counter('loaded_tokens_total'):,.0f}"),
@@ -121,9 +110,10 @@ def figures_table(result: InterferenceResult) -> Table:
         ("tokens per stream, timed phase", lambda r: str(r.timed_stream_tokens)),
         ("server start / warm-up (s)", lambda r: f"{r.startup_s:.0f} / {r.warmup_s:.0f}"),
     )
-    for label, fmt in rows:
-        table.add_row(label, *(fmt(run) for run in result.runs))
-    return table
+    return runs_table(f"{c.streams} streams x {c.stream_tokens} tokens; {c.arrivals} arrivals "
+                      f"{c.arrival_gap_s:g} s apart, prefixes "
+                      f"{'/'.join(map(str, c.prefix_tokens))} tokens from the disk tier",
+                      result.runs, rows)
 
 
 def _x(ratio: float | None) -> str:
@@ -141,9 +131,4 @@ def target_table(result: InterferenceResult) -> Table:
 
 
 def summary(result: InterferenceResult) -> str:
-    before, after = result.machine["loadavg_before"][0], result.machine["loadavg_after"][0]
-    failures = [f"{run.name}: {run.failures[0]}" for run in result.runs if run.failures]
-    return "\n".join([
-        (f"{result.wall_s:.0f} s; load average {before:.2f} -> {after:.2f} on "
-         f"{result.machine['cpus']} CPUs"), THROUGHPUT_NOTE,
-        *(f"[red]failed request, {f}[/red]" for f in failures)])
+    return run_summary(result.wall_s, result.machine, result.runs, (THROUGHPUT_NOTE,))
