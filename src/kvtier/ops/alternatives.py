@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import shlex
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvtier.integrations.vllm.config import CONNECTOR_CLASS
 from kvtier.integrations.vllm.models import ModelTraits, unsupported_reason
@@ -28,6 +28,7 @@ from kvtier.ops import flags as backend_flags
 from kvtier.ops.costmodel import transfer_seconds
 from kvtier.ops.hardware import LinkProfile, dram_link, host_link, nvme_link
 from kvtier.ops.modelspec import ModelSpec, kv_footprint, session_kv_bytes
+from kvtier.ops.plan_request import PlanRequest
 from kvtier.ops.vllm_versions import (
     NATIVE_OFFLOAD_HMA_SINCE,
     Version,
@@ -35,9 +36,6 @@ from kvtier.ops.vllm_versions import (
     gates_for_flag,
     hma_verdict,
 )
-
-if TYPE_CHECKING:
-    from kvtier.ops.sizing import PlanRequest
 
 _GIB = 1024**3
 # Contexts from which the operator's guide recommends --block-size 32 / a prefill cap.

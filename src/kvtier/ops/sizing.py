@@ -27,9 +27,8 @@ from kvtier.ops.alternatives import (
 )
 from kvtier.ops.costmodel import prefill_seconds
 from kvtier.ops.flags import DISABLE_HMA, gib_number
-from kvtier.ops.hardware import GpuProfile
 from kvtier.ops.modelspec import ModelSpec, kv_dtype_bytes
-from kvtier.ops.vllm_versions import Version
+from kvtier.ops.plan_request import PlanRequest
 
 __all__ = ["Alternative", "Plan", "PlanRequest", "TierEstimate", "make_plan"]
 
@@ -46,28 +45,6 @@ NVME_USABLE_FRACTION = 0.9
 # CUDA contexts, pinned staging buffers) and the page cache NVMe reads go through. A tier
 # above it is capped and flagged (issue 14: 2400 GiB was once advised on a 2048 GiB host).
 MAX_HOST_KV_FRACTION = 0.8
-
-
-@dataclass(frozen=True, slots=True)
-class PlanRequest:
-    """What `kvtier plan` is asked; sizes in bytes."""
-
-    model: ModelSpec  # from load_model_spec
-    gpu: GpuProfile  # from gpu_profile
-    tp: int = 1  # tensor-parallel size (GPUs per instance)
-    gpu_memory_utilization: float = 0.9  # vLLM --gpu-memory-utilization
-    host_ram_bytes: int = 0  # host RAM of the node; 0 = assume DEFAULT_HOST_RAM_PER_GPU x tp
-    host_kv_fraction: float = 0.6  # share of host RAM given to the CPU tier (50-70% advised)
-    nvme_bytes: int | None = None  # NVMe space; None = assume DEFAULT_NVME_BYTES; 0 = none
-    nvme_path: str = "/mnt/nvme/kvtier"  # where the disk tier lives
-    nvme_gen: int = 4  # NVMe PCIe generation
-    pcie_gen: int | None = None  # host<->GPU link generation; None = the GPU's own
-    context_tokens: int = 0  # typical session length; 0 = min(model max, 32k)
-    concurrency: int = 16  # sessions expected to run at once
-    kv_dtype: str = "bf16"  # vLLM --kv-cache-dtype
-    vllm_version: Version | None = None  # decides the hybrid-manager flag
-    cpu_tier_bytes: int | None = None  # force the CPU tier size (total across ranks)
-    model_ref: str = "<model>"  # what `vllm serve` is given: a hub id or the model's folder
 
 
 @dataclass(frozen=True, slots=True)
