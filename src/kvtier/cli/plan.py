@@ -22,7 +22,8 @@ from kvtier.cli.argtypes import (
 from kvtier.ops.flags import sglang_per_rank_to_vllm_total
 from kvtier.ops.hardware import gpu_profile
 from kvtier.ops.modelspec import load_model_spec
-from kvtier.ops.sizing import Alternative, Plan, PlanRequest, TierEstimate, make_plan
+from kvtier.ops.plan_request import PlanRequest
+from kvtier.ops.sizing import Alternative, Plan, TierEstimate, make_plan
 from kvtier.ops.vllm_versions import format_version, installed_vllm_version, parse_version
 from kvtier.units import format_size, parse_size
 
