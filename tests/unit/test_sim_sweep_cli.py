@@ -76,12 +76,6 @@ def test_cli_sweep_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert [p["value"] for p in out["points"]] == [2.0, 4.0]
 
 
-def test_cli_validate_json(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["simulate", "--validate", "--json"]) == 0
-    rows = json.loads(capsys.readouterr().out)
-    assert all(r["ok"] for r in rows) and len(rows) == 6
-
-
 @pytest.mark.parametrize("argv", [["--tier", "gpu=1GiB"], ["--sweep", "rate=a"],
                                   ["--hbm-util", "1.5"], ["--model", "nope"]])
 def test_cli_bad_input_exits_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:

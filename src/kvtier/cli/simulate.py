@@ -161,7 +161,7 @@ def _print_report(cfg: SimConfig, r: SimReport) -> None:
         *[(f"{t.name} tier hit rate", f"{t.hit_rate:.1%} ({t.loads:,} loads)") for t in r.tiers],
         ("re-prefills avoided", f"{r.reprefills_avoided:,} ({r.tokens_loaded:,} tokens loaded)"),
         ("tokens prefilled", f"{r.prefill_tokens:,}"),
-        ("preemptions", f"{r.preemptions:,}"),
+        ("preemptions (tokens recomputed)", f"{r.preemptions:,} ({r.recomputed_tokens:,})"),
         ("wall time", f"{r.wall_s:,.1f} s"),
     ]
     for name, value in rows:
@@ -196,6 +196,9 @@ def _print_sweep(result: SweepResult, as_json: bool) -> None:
 def _run_validate(as_json: bool) -> int:
     from kvtier.sim.validate import validate
 
+    if not as_json and sys.stderr.isatty():
+        print("kvtier simulate --validate: propagating each assumption through the simulator "
+              "(about a minute)...", file=sys.stderr)
     rows = validate()
     if as_json:
         print(json.dumps([{**asdict(r), "ok": r.ok} for r in rows], indent=2))
@@ -203,12 +206,20 @@ def _run_validate(as_json: bool) -> int:
         from rich.console import Console
         from rich.table import Table
 
-        table = Table(title="kvtier simulate --validate: model vs published")
-        for col in ("check", "published", "model", "error", "tolerance", "ok", "source"):
-            table.add_column(col)
+        table = Table(title="kvtier simulate --validate: published figures vs the simulator "
+                            "(tolerances stated from assumptions before comparing)")
+        for col in ("figure", "published", "simulated", "error", "stated tolerance", "reason",
+                    "pass/fail"):
+            table.add_column(col, overflow="fold")
         for r in rows:
-            tol = "info" if r.tolerance is None else f"±{r.tolerance:.0%}"
-            table.add_row(r.name, f"{r.published:g} {r.unit}", f"{r.model:.2f} {r.unit}",
-                          f"{r.rel_error:+.0%}", tol, "yes" if r.ok else "NO", r.source)
-        Console().print(table)
+            tol = "reported only" if r.tolerance is None else f"±{r.tolerance:.0%}"
+            table.add_row(r.name, f"{r.published:,.4g} {r.unit}", f"{r.model:,.4g} {r.unit}",
+                          f"{r.rel_error:+.0%}", tol, r.reason,
+                          "pass" if r.ok and r.tolerance is not None
+                          else ("-" if r.tolerance is None else "FAIL"))
+        console = Console()
+        console.print(table)
+        for r in rows:
+            if r.explanation:
+                console.print(f"[bold]{r.name}[/bold]: {r.explanation}")
     return 0 if all(r.ok for r in rows) else 1

@@ -205,6 +205,8 @@ class Engine:
         for req, c in chunks:
             req.computed += c
             self.stats.prefill_tokens += c
+            if req.generated:  # resumed after a preemption: this KV was computed before
+                self.stats.recomputed_tokens += c
             if req.computed >= req.target:
                 finished = True
                 self._start_decoding(req)

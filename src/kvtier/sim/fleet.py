@@ -46,6 +46,7 @@ class SimConfig:
     router: str = "session"  # how arrivals are spread over engines
     mfu: float = PREFILL_MFU  # share of peak FLOPs a step reaches
     step_overhead_s: float = STEP_OVERHEAD_S  # fixed CPU cost per engine step
+    link_gbps: float | None = None  # host<->GPU GB/s per rank; None: the GPU's PCIe profile
 
     def __post_init__(self) -> None:
         if self.requests < 0:
@@ -54,6 +55,8 @@ class SimConfig:
             raise ConfigError("engines", self.engines, "an integer >= 1")
         if self.tp < 1:
             raise ConfigError("tp", self.tp, "an integer >= 1")
+        if self.link_gbps is not None and not self.link_gbps > 0:
+            raise ConfigError("link_gbps", self.link_gbps, "GB/s > 0 or None")
         if self.router not in ROUTERS:
             raise ConfigError("router", self.router, f"one of {ROUTERS}")
         names = [t.name for t in self.tiers]
@@ -67,7 +70,8 @@ class SimConfig:
             ConfigError: unknown model or GPU, or bad cost parameters.
         """
         return build_cost_model(model_spec(self.model), gpu_profile(self.gpu), self.tp,
-                                mfu=self.mfu, step_overhead_s=self.step_overhead_s)
+                                mfu=self.mfu, step_overhead_s=self.step_overhead_s,
+                                link_gbps=self.link_gbps)
 
 
 def build_fleet(cfg: SimConfig) -> tuple[list[Engine], list[SimTier]]:
