@@ -39,6 +39,12 @@ class Failure(StrEnum):
     DECLINED = "declined"  # admission: not offered often enough yet (by design, not a fault)
     READ_ONLY = "read_only"  # a write to storage this process may only read (a read-only mount)
     RAISED = "raised"  # the tier raised instead of returning (a bug; the store logs it)
+    # A chunk whose codec this reader does not know, or whose bytes did not decode to the
+    # payload its header describes (core/codecs.py; removed like a corrupt one).
+    CODEC = "codec"
+    # A sealed chunk that failed authentication or was sealed under a key this reader does
+    # not hold (another tenant or secret: core/sealing.py; removed like a corrupt one).
+    AUTH = "auth"
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +72,8 @@ UNAVAILABLE = TierResult(Failure.UNAVAILABLE)
 FULL = TierResult(Failure.FULL)
 DECLINED = TierResult(Failure.DECLINED)
 READ_ONLY = TierResult(Failure.READ_ONLY)
+CODEC = TierResult(Failure.CODEC)
+AUTH = TierResult(Failure.AUTH)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,9 @@
 """Chunk files in a directory: where a chunk goes on disk, and how it is written and read.
 
 Layout: ROOT/<layout digest>/<k[0:2]>/<k[2:4]>/<key hex>.kvc, one file per chunk, holding the
-header of `kvtier.core.chunkformat` and the payload padded to 4 KiB. Writes are atomic: an
+header of `kvtier.core.chunkformat` and the body padded to 4 KiB: the payload itself, or its
+codec's and seal's output (`ChunkEncoder`: a file is then as long as its body needs, so a
+compressed chunk takes less disk). Writes are atomic: an
 O_EXCL temp file in the same directory, a short-write check, then `os.replace`, so a reader
 (in this or another process, on this or another node) sees a whole file or none. Two writers
 of the same chunk both write whole files; the last rename wins and both are identical.
@@ -40,10 +42,10 @@ import numpy as np
 from kvtier.core.chunkformat import (
     ALIGN_BYTES,
     HEADER_BYTES,
-    encode_header,
+    ChunkEncoder,
+    Encoded,
+    read_header,
     stored_size,
-    verify_header,
-    verify_payload,
 )
 from kvtier.core.keys import KEY_BYTES, ChunkKey
 from kvtier.core.tier import StoredChunk
@@ -112,16 +114,22 @@ class ChunkFiles:
 
     def __init__(
         self, root: Path, layout_digest: str, chunk_bytes: int, o_direct: str = "auto",
-        dir_mode: int = 0o700, file_mode: int = 0o600,
+        dir_mode: int = 0o700, file_mode: int = 0o600, encoder: ChunkEncoder | None = None,
     ) -> None:
-        """Raises:
+        """`encoder`: how chunks are stored (a codec, a seal); None: as is (version 1).
+
+        Raises:
             OSError: the directory cannot be used at all (nor read), or `o_direct` is "on"
                 and O_DIRECT writes fail.
         """
         self.root = Path(root)
         self.layout_digest = layout_digest
         self.chunk_bytes = chunk_bytes
-        self.file_bytes = stored_size(chunk_bytes)
+        self.encoder = encoder or ChunkEncoder(layout_digest, "uint8", chunk_bytes)
+        self.file_bytes = stored_size(chunk_bytes)  # a chunk stored as is
+        # The largest file a chunk of this layout takes (a sealed chunk: its tag and
+        # checksum more); any chunk file of another size is corrupt.
+        self.max_file_bytes = max(self.file_bytes, stored_size(self.encoder.max_body_bytes))
         self.dir_mode, self.file_mode = dir_mode, file_mode
         self.directory = self.root / layout_digest
         self._local = threading.local()
@@ -172,7 +180,7 @@ class ChunkFiles:
         """This thread's page-aligned (header, whole-file staging) buffers."""
         if not hasattr(self._local, "header"):
             self._local.header = mmap.mmap(-1, HEADER_BYTES)
-            self._local.staging = mmap.mmap(-1, self.file_bytes)
+            self._local.staging = mmap.mmap(-1, self.max_file_bytes)
         return self._local.header, self._local.staging
 
     def path_of(self, key: ChunkKey) -> Path:
@@ -181,8 +189,18 @@ class ChunkFiles:
     def _flags(self, flags: int) -> int:
         return flags | os.O_DIRECT if self.o_direct else flags
 
-    def write(self, key: ChunkKey, data: memoryview) -> int:
-        """Store `data` as the chunk `key`, atomically: `prepare_write`, `fill`, `complete`.
+    def encode(self, key: ChunkKey, data: memoryview) -> Encoded:
+        """The chunk as it will be stored (codec, seal): on the caller's (write) thread."""
+        return self.encoder.encode(key, data)
+
+    @staticmethod
+    def size_of(encoded: Encoded) -> int:
+        """The bytes the file of `encoded` takes."""
+        return stored_size(len(encoded.body))
+
+    def write(self, key: ChunkKey, data: memoryview | Encoded) -> int:
+        """Store `data` (a payload, or `encode`'s output) as the chunk `key`, atomically:
+        `prepare_write`, `fill`, `complete`.
 
         Returns:
             The bytes of a chunk file it replaced (another writer's), else 0.
@@ -190,18 +208,19 @@ class ChunkFiles:
             OSError: the write failed (ENOSPC, EACCES, EIO, EROFS, ELOOP for a link on the
                 way, ...); nothing is left behind.
         """
-        pending = self.prepare_write(key)
+        encoded = data if isinstance(data, Encoded) else self.encode(key, data)
+        pending = self.prepare_write(key, self.size_of(encoded))
         try:
-            pending.fill(data)
+            pending.fill(encoded)
             return pending.complete()
         except BaseException:
             pending.abort()
             raise
 
-    def prepare_write(self, key: ChunkKey) -> PendingWrite:
-        """Create the chunk's temp file, already `file_bytes` long (sparse): from now on a
-        scan of the directory counts the bytes the write will take. Directories on the way
-        are created, never followed if they are links.
+    def prepare_write(self, key: ChunkKey, size_bytes: int | None = None) -> PendingWrite:
+        """Create the chunk's temp file, already `size_bytes` long (default `file_bytes`;
+        sparse): from now on a scan of the directory counts the bytes the write will take.
+        Directories on the way are created, never followed if they are links.
 
         Raises:
             OSError: EROFS (read-only), EACCES, ELOOP/ENOTDIR (a link or a file where a
@@ -218,25 +237,28 @@ class ChunkFiles:
         except BaseException:
             os.close(dir_fd)
             raise
-        pending = PendingWrite(self, key, dir_fd, fd, temp, parts[-1])
+        pending = PendingWrite(self, key, dir_fd, fd, temp, parts[-1],
+                               size_bytes or self.file_bytes)
         try:
             os.fchmod(fd, self.file_mode)  # the umask must not narrow group_shared's 0660
-            os.ftruncate(fd, self.file_bytes)
+            os.ftruncate(fd, pending.size_bytes)
         except BaseException:
             pending.abort()
             raise
         return pending
 
     def read_into(self, key: ChunkKey, out: memoryview) -> None:
-        """Read and verify the chunk `key` into `out` (chunk_bytes long). Never blocks on
-        anything but the medium: only a regular file of the expected size is read.
+        """Read, verify and decode the chunk `key` into `out` (chunk_bytes long). Never
+        blocks on anything but the medium: only a regular file of a chunk's size is read.
 
         `out` holds undefined bytes when this raises.
 
         Raises:
             FileNotFoundError: the chunk is not stored.
             CorruptBlock: the file is short, long, not a regular file (a FIFO, a device, a
-                symlink, or a link on the way), or fails header or checksum verification.
+                symlink, or a link on the way), or fails header or checksum verification;
+                AuthFailure / CodecFailure (CorruptBlocks): it cannot be opened or decoded
+                here (`kvtier.core.chunkformat.failure_of` tells which).
             OSError: any other read failure.
         """
         parts = chunk_parts(self.layout_digest, key)
@@ -254,25 +276,32 @@ class ChunkFiles:
         header, staging = self._buffers()
         try:
             size = os.fstat(fd).st_size
-            if size != self.file_bytes:
-                raise CorruptBlock(f"file is {size} bytes, expected {self.file_bytes}")
-            if _aligned(out) and len(out) == self.file_bytes - HEADER_BYTES:
+            if size % ALIGN_BYTES or not HEADER_BYTES < size <= self.max_file_bytes:
+                raise CorruptBlock(f"file is {size} bytes, not a chunk file of this layout "
+                                   f"(at most {self.max_file_bytes})")
+            # A chunk stored as is lands in `out` straight from the medium (O_DIRECT, no
+            # bounce); an encoded one (smaller, or larger by a seal) in the staging buffer,
+            # then is decoded into `out`.
+            in_place = size == self.file_bytes and _aligned(out) \
+                and len(out) == size - HEADER_BYTES
+            if in_place:
                 got = os.preadv(fd, [header, out], 0)
-                payload = out
+                body = out
             else:
-                got = os.preadv(fd, [staging], 0)
+                got = os.preadv(fd, [memoryview(staging)[:size]], 0)
                 header[:] = staging[:HEADER_BYTES]
-                payload = memoryview(staging)[HEADER_BYTES : HEADER_BYTES + len(out)]
+                body = memoryview(staging)[HEADER_BYTES:size]
         finally:
             os.close(fd)
-        if got != self.file_bytes:
-            raise CorruptBlock(f"short read: {got} of {self.file_bytes} bytes")
-        payload_bytes, payload_sum = verify_header(memoryview(header), key, self.layout_digest)
-        if payload_bytes != len(out):
-            raise CorruptBlock(f"payload is {payload_bytes} bytes, expected {len(out)}")
-        verify_payload(payload, payload_sum)
-        if payload is not out:
-            out[:] = payload
+        if got != size:
+            raise CorruptBlock(f"short read: {got} of {size} bytes")
+        chunk = read_header(memoryview(header), key, self.layout_digest)
+        if stored_size(chunk.body_bytes) != size:
+            raise CorruptBlock(f"file is {size} bytes, its header says {chunk.body_bytes}")
+        if body is out and not chunk.plain:  # an encoded chunk of the plain size: rare
+            staging[HEADER_BYTES:size] = out
+            body = memoryview(staging)[HEADER_BYTES:size]
+        self.encoder.decode(key, chunk, body[: chunk.body_bytes], out)
 
     def _open_regular(self, dir_fd: int, name: str) -> int:
         """An fd of the regular file `name`, opened for reading without blocking on a FIFO
@@ -339,33 +368,40 @@ class PendingWrite:
     its temp file exists, full size. Used by one thread."""
 
     def __init__(self, files: ChunkFiles, key: ChunkKey, dir_fd: int, fd: int, temp: str,
-                 name: str) -> None:
+                 name: str, size_bytes: int) -> None:
         self.files, self.key = files, key
+        self.size_bytes = size_bytes  # the file's size once filled
         self._dir_fd, self._fd, self._temp, self._name = dir_fd, fd, temp, name
 
-    def fill(self, data: memoryview) -> None:
-        """Write the header and `data` (one chunk) into the temp file.
+    def fill(self, data: memoryview | Encoded) -> None:
+        """Write the header and body of `data` (a payload, or `ChunkFiles.encode`'s output
+        for this key, `size_bytes` long once stored) into the temp file.
 
         Raises:
             OSError: ENOSPC for a short write (the filesystem filled up), EIO, ...
+            ValueError: `data` does not make a file of `size_bytes` (the caller's bug).
         """
         files = self.files
+        encoded = data if isinstance(data, Encoded) else files.encode(self.key, data)
+        body = encoded.body
+        if stored_size(len(body)) != self.size_bytes:
+            raise ValueError(f"a chunk of {len(body)} bytes does not fill {self.size_bytes}")
         header, staging = files._buffers()
-        header[:] = encode_header(self.key, files.layout_digest, data)
-        if _aligned(data):
-            iov: list[memoryview | mmap.mmap] = [header, data]
+        header[:] = encoded.header
+        if _aligned(body):
+            iov: list[memoryview | mmap.mmap] = [header, body]
         else:  # bounce through an aligned buffer, zero-padded to the file size
-            staging[HEADER_BYTES : HEADER_BYTES + len(data)] = data
-            staging[HEADER_BYTES + len(data) :] = bytes(files.file_bytes - HEADER_BYTES
-                                                        - len(data))
+            staging[HEADER_BYTES : HEADER_BYTES + len(body)] = body
+            staging[HEADER_BYTES + len(body) : self.size_bytes] = bytes(
+                self.size_bytes - HEADER_BYTES - len(body))
             staging[:HEADER_BYTES] = header
-            iov = [staging]
+            iov = [memoryview(staging)[: self.size_bytes]]
         written = os.pwritev(self._fd, iov, 0)
-        if written != files.file_bytes:
+        if written != self.size_bytes:
             # A short write to a regular file means the filesystem (or a quota) filled up
             # mid-file. Reported as EIO, the tiers never evicted on a full filesystem and
             # dropped every later put (tests/faults/test_write_failures.py, real tmpfs).
-            raise OSError(errno.ENOSPC, f"short write: {written} of {files.file_bytes} "
+            raise OSError(errno.ENOSPC, f"short write: {written} of {self.size_bytes} "
                           "bytes (filesystem full)")
 
     def complete(self) -> int:

@@ -1,10 +1,14 @@
 """The local-disk tier (NVMe): one file per chunk, bounded in bytes, persistent.
 
-The index (key -> file) lives in memory and is rebuilt from the directory at start-up, in the
-files' modification-time order, so the tier survives restarts with its LRU order. Hits touch
-the file's mtime for the same reason. Capacity is reserved before a write so concurrent writes
-cannot overshoot it; a full filesystem (ENOSPC) evicts and counts the write as dropped.
+The index (key -> file size) lives in memory and is rebuilt from the directory at start-up,
+in the files' modification-time order, so the tier survives restarts with its LRU order. Hits
+touch the file's mtime for the same reason. Capacity is reserved before a write so concurrent
+writes cannot overshoot it; a full filesystem (ENOSPC) evicts and counts the write as dropped.
 Assumes one store owns the directory; for a directory shared by processes use `shared`.
+
+With a `codec` (and/or encryption, `kvtier.tiers.encoding`) a chunk is encoded on the
+write-behind thread that puts it, before its room is reserved: the capacity counts the bytes
+files really take, so a compressed tier holds more chunks in the same capacity.
 """
 
 from __future__ import annotations
@@ -19,12 +23,11 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from kvtier.config import TierSettings
+from kvtier.core.chunkformat import ALIGN_BYTES, HEADER_BYTES, failure_of
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.policies import AdmissionFilter, EvictionPolicy, make_policy
 from kvtier.core.tier import (
-    CORRUPT,
     DECLINED,
     FULL,
     IO_ERROR,
@@ -39,12 +42,13 @@ from kvtier.core.tier import (
 from kvtier.errors import CorruptBlock
 from kvtier.tiers.chunkfiles import ChunkFiles, FileInventory, FileProbe
 from kvtier.tiers.directories import check_directory
+from kvtier.tiers.encoding import EncodedTierSettings, build_encoder
 
 log = logging.getLogger(__name__)
 ENOSPC_EVICT_CHUNKS = 4  # chunks evicted when the filesystem itself is full
 
 
-class DiskTierConfig(TierSettings):
+class DiskTierConfig(EncodedTierSettings):
     """A local directory (NVMe): one file per chunk, bounded, indexed at start-up."""
 
     kind: Literal["disk"]
@@ -78,9 +82,9 @@ class DiskTier:
         self.name = config.tier_name
         self.capacity_bytes = config.capacity
         self.files = ChunkFiles(config.path, layout.digest(), layout.bytes_per_chunk,
-                                config.o_direct)
-        self.file_bytes = self.files.file_bytes
-        self._index: set[ChunkKey] = set()
+                                config.o_direct, encoder=build_encoder(config, layout))
+        self.file_bytes = self.files.file_bytes  # a chunk stored as is (encoded: at most)
+        self._index: dict[ChunkKey, int] = {}  # key -> its file's bytes
         self._used_bytes = 0  # held + reserved by writes in flight
         self._policy: EvictionPolicy[ChunkKey] = make_policy(
             config.eviction, config.capacity // self.file_bytes)
@@ -93,13 +97,16 @@ class DiskTier:
     def _rebuild_index(self) -> None:
         corrupt = 0
         for found in sorted(self.files.scan().chunks, key=lambda f: f.mtime):
-            if found.size_bytes != self.file_bytes:
+            # Any size a chunk of this layout can take (encoded chunks are smaller, sealed
+            # ones a page larger); the content is verified when read.
+            size = found.size_bytes
+            if size % ALIGN_BYTES or not HEADER_BYTES < size <= self.files.max_file_bytes:
                 self.files.remove(found.key)
                 corrupt += 1
                 continue
-            self._index.add(found.key)
+            self._index[found.key] = size
             self._policy.insert(found.key)
-            self._used_bytes += self.file_bytes
+            self._used_bytes += size
         with self._lock:
             self._evict_to(self.capacity_bytes)
         self._counters.add(corrupt_reads=corrupt)
@@ -113,14 +120,15 @@ class DiskTier:
             victim = self._policy.evict()
             if victim is None:
                 return
-            self._index.discard(victim)
-            self._used_bytes -= self.file_bytes
+            self._used_bytes -= self._index.pop(victim, 0)
             self.files.remove(victim)
             self._counters.add(evictions=1)
             self.events.removed(victim)
 
     def _publish_usage(self) -> None:
-        self._counters.set(chunks=len(self._index), used_bytes=len(self._index) * self.file_bytes)
+        with self._lock:
+            chunks, used = len(self._index), sum(self._index.values())
+        self._counters.set(chunks=chunks, used_bytes=used)
 
     def contains(self, key: ChunkKey) -> bool:
         """Index lookup, confirmed by one stat: a file deleted behind the tier's back (an
@@ -146,7 +154,7 @@ class DiskTier:
                         self.name, key.hex(), exc)
             self._counters.add(misses=1)
             if isinstance(exc, CorruptBlock):
-                return CORRUPT
+                return TierResult(failure_of(exc))
             return MISSING if isinstance(exc, FileNotFoundError) else IO_ERROR
         with self._lock:
             self._policy.touch(key)
@@ -158,9 +166,8 @@ class DiskTier:
         with self._lock:
             held = key in self._index
             if held:
-                self._index.discard(key)
+                self._used_bytes -= self._index.pop(key)
                 self._policy.remove(key)
-                self._used_bytes -= self.file_bytes
         self.files.remove(key)
         if held:
             self.events.removed(key)
@@ -180,28 +187,30 @@ class DiskTier:
         if not self.files.writable:  # a read-only directory: serve what it holds
             self._counters.add(dropped_writes=1)
             return READ_ONLY
-        if self.file_bytes > self.capacity_bytes:
+        if self.files.max_file_bytes > self.capacity_bytes:
             return FULL
         if not self._admission.offer(key):
             return DECLINED
+        start = time.perf_counter()
+        encoded = self.files.encode(key, data)  # compressed / sealed here, off the engine
+        size = self.files.size_of(encoded)
         with self._lock:
-            self._evict_to(self.capacity_bytes - self.file_bytes)
+            self._evict_to(self.capacity_bytes - size)
             # Eviction cannot free room reserved by writes in flight: reserving anyway used to
             # overshoot the capacity under concurrent puts (tests/tiers/test_tier_contract.py).
-            full = self._used_bytes + self.file_bytes > self.capacity_bytes
+            full = self._used_bytes + size > self.capacity_bytes
             if not full:
-                self._used_bytes += self.file_bytes  # reserve before writing
+                self._used_bytes += size  # reserve before writing
         if full:
             self._counters.add(dropped_writes=1)
             log.warning("disk tier %r: capacity held by writes in flight; %s dropped",
                         self.name, key.hex())
             return FULL
-        start = time.perf_counter()
         try:
-            self.files.write(key, data)
+            self.files.write(key, encoded)
         except OSError as exc:
             with self._lock:
-                self._used_bytes -= self.file_bytes
+                self._used_bytes -= size
                 if exc.errno == errno.ENOSPC:  # the filesystem is fuller than our quota
                     self._evict_to(self._used_bytes - ENOSPC_EVICT_CHUNKS * self.file_bytes)
             self._counters.add(dropped_writes=1)
@@ -210,9 +219,9 @@ class DiskTier:
             return FULL if exc.errno in (errno.ENOSPC, errno.EDQUOT) else IO_ERROR
         with self._lock:
             if key in self._index:  # a concurrent put of the same key won
-                self._used_bytes -= self.file_bytes
+                self._used_bytes -= size
             else:
-                self._index.add(key)
+                self._index[key] = size
                 self._policy.insert(key)
                 self.events.stored(key)
         self._counters.add(puts=1, bytes_written=len(data), write_s=time.perf_counter() - start)

@@ -40,6 +40,13 @@ For a Cluster, start the servers with `cluster-require-full-coverage no`, so tha
 costs only the chunks of its slots (with the default `yes` the whole cluster refuses queries once
 it notices).
 
+Codec and encryption (`codec`, `encryption_secret_file`/`_env`: tiers/encoding.py): a chunk
+is encoded on the write-behind thread that puts it and stored as a version 2 header plus as
+many parts as its body needs (a compressed chunk: fewer bytes and parts); a read fetches the
+header and every part name a chunk of this layout can have, and decodes into the caller's
+buffer. A bounded tier (capacity > 0) still counts whole chunks of the uncompressed size;
+with capacity 0 the server's maxmemory counts real bytes, so compression holds more chunks.
+
 TTL: `ttl_s` expires chunks idle that long; each hit refreshes it.
 Credentials: `password_file` or an environment variable (config.py); never the URL or argv.
 TLS: `rediss://` or `tls: true`, verified against `tls_ca_file` or the system CAs.
@@ -63,13 +70,12 @@ import redis
 from redis.cluster import RedisCluster
 from redis.exceptions import OutOfMemoryError, RedisClusterException, SlotNotCoveredError
 
-from kvtier.core.chunkformat import HEADER_BYTES, encode_header, verify_header, verify_payload
+from kvtier.core.chunkformat import HEADER_BYTES, failure_of, read_header
 from kvtier.core.guard import Guard
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.policies import AdmissionFilter
 from kvtier.core.tier import (
-    CORRUPT,
     DECLINED,
     FULL,
     IO_ERROR,
@@ -82,6 +88,7 @@ from kvtier.core.tier import (
     TierStats,
 )
 from kvtier.errors import CorruptBlock, TierUnavailable
+from kvtier.tiers.encoding import build_encoder
 from kvtier.tiers.redis_client import UNAVAILABLE as DOWN_ERRORS
 from kvtier.tiers.redis_client import Client, connect, read_password
 from kvtier.tiers.redis_config import RedisTierConfig
@@ -105,10 +112,12 @@ class ChunkNames:
     def header(self, key: ChunkKey) -> str:
         return f"{self.prefix}{self.digest}:{{{key.hex()}}}:h"
 
-    def values(self, key: ChunkKey) -> list[str]:
-        """Header first, then the payload parts in order."""
+    def values(self, key: ChunkKey, parts: int | None = None) -> list[str]:
+        """Header first, then the payload parts in order (`parts` of them; default all a
+        chunk of the layout can have)."""
         base = f"{self.prefix}{self.digest}:{{{key.hex()}}}:"
-        return [base + "h", *(base + str(i) for i in range(self.parts))]
+        return [base + "h", *(base + str(i) for i in range(self.parts if parts is None
+                                                            else parts))]
 
     @property
     def index(self) -> str:
@@ -138,8 +147,9 @@ class RedisTier:
         self.name = config.tier_name
         self.chunk_bytes = layout.bytes_per_chunk
         self.part_bytes = config.part_bytes
+        self.encoder = build_encoder(config, layout)
         self.names = ChunkNames(config.key_prefix, layout.digest(),
-                                max(1, -(-self.chunk_bytes // self.part_bytes)))
+                                self._parts(self.encoder.max_body_bytes))
         self.stored_bytes = HEADER_BYTES + self.chunk_bytes  # one chunk's values, as stored
         self.bounded = config.capacity > 0
         self.capacity_chunks = config.capacity // self.stored_bytes
@@ -159,6 +169,10 @@ class RedisTier:
                                      self.ttl_ms, self.stored_bytes, self._counters,
                                      self._run_for, self._delete_values)
                        if self.bounded else None)
+
+    def _parts(self, body_bytes: int) -> int:
+        """Payload parts a body of `body_bytes` is cut into."""
+        return max(1, -(-body_bytes // self.part_bytes))
 
     # -- plumbing ----------------------------------------------------------------------------
     def _connected(self) -> Client:
@@ -247,20 +261,22 @@ class RedisTier:
             log.debug("redis tier %r: read of %s failed (%s); a miss", self.name, key.hex(), exc)
             self._counters.add(misses=1)
             return UNAVAILABLE if isinstance(exc, TierUnavailable) else IO_ERROR
-        if values[0] is None or None in values:
-            if values[0] is not None:  # parts evicted by the server: the header is an orphan
-                log.info("redis tier %r: chunk %s lost a part; a miss", self.name, key.hex())
-                self._remove(key)
+        if values[0] is None:
             self._counters.add(misses=1)
             return MISSING
         try:
-            self._verify_into(key, values, out)
+            lost = not self._verify_into(key, values, out)
         except CorruptBlock as exc:
             log.warning("redis tier %r: chunk %s is corrupt (%s); removed, a miss", self.name,
                         key.hex(), exc)
             self._remove(key)
             self._counters.add(misses=1, corrupt_reads=1)
-            return CORRUPT
+            return TierResult(failure_of(exc))
+        if lost:  # parts evicted by the server: the header is an orphan
+            log.info("redis tier %r: chunk %s lost a part; a miss", self.name, key.hex())
+            self._remove(key)
+            self._counters.add(misses=1)
+            return MISSING
         if self._index is not None:
             self._index.touch(key)
         self._counters.add(hits=1, bytes_read=len(out), read_s=time.perf_counter() - start)
@@ -276,25 +292,41 @@ class RedisTier:
                 pipe.pexpire(name, self.ttl_ms)
         return pipe.execute()[0]  # type: ignore[no-any-return]
 
-    def _verify_into(self, key: ChunkKey, values: list[bytes | None], out: memoryview) -> None:
-        """Check the header and every part's size, copy the parts into `out`, check the
-        payload's checksum. Raises CorruptBlock."""
-        header, parts = values[0], values[1:]
+    def _verify_into(self, key: ChunkKey, values: list[bytes | None], out: memoryview) -> bool:
+        """Check the header and every part's size, decode the parts into `out` (verifying
+        checksums). False when a part the header needs is gone (evicted by the server).
+
+        Raises:
+            CorruptBlock (AuthFailure, CodecFailure): see ChunkEncoder.decode.
+        """
+        header = values[0]
         assert header is not None
         if len(header) != HEADER_BYTES:
             raise CorruptBlock(f"header value is {len(header)} bytes, expected {HEADER_BYTES}")
-        size, payload_sum = verify_header(header, key, self.names.digest)
-        if size != self.chunk_bytes:
-            raise CorruptBlock(f"payload is {size} bytes, expected {self.chunk_bytes}")
+        chunk = read_header(header, key, self.names.digest)
+        if chunk.payload_bytes != self.chunk_bytes:
+            raise CorruptBlock(f"payload is {chunk.payload_bytes} bytes, expected "
+                               f"{self.chunk_bytes}")
+        needed = self._parts(chunk.body_bytes)
+        if needed > len(values) - 1:
+            raise CorruptBlock(f"body of {chunk.body_bytes} bytes: more than this layout's "
+                               f"{len(values) - 1} parts")
+        parts = values[1 : 1 + needed]
+        if None in parts:
+            return False
+        # A chunk stored as is is cut straight into `out`; an encoded one is joined first.
+        body = out if chunk.plain and chunk.body_bytes == len(out) \
+            else memoryview(bytearray(chunk.body_bytes))
         offset = 0
         for i, part in enumerate(parts):
             assert part is not None
-            expected = min(self.part_bytes, self.chunk_bytes - offset)
+            expected = min(self.part_bytes, chunk.body_bytes - offset)
             if len(part) != expected:
                 raise CorruptBlock(f"part {i} is {len(part)} bytes, expected {expected}")
-            out[offset : offset + expected] = part
+            body[offset : offset + expected] = part
             offset += expected
-        verify_payload(out, payload_sum)
+        self.encoder.decode(key, chunk, body, out)
+        return True
 
     # -- writes ------------------------------------------------------------------------------
     def put(self, key: ChunkKey, data: memoryview) -> TierResult:
@@ -312,8 +344,9 @@ class RedisTier:
             if not self._admission.offer(key):
                 return DECLINED
             start = time.perf_counter()
-            header = encode_header(key, self.names.digest, data)
-            self._run(endpoint, lambda c: self._store(c, names, header, data))
+            encoded = self.encoder.encode(key, data)  # compressed / sealed, off the engine
+            used = names[: 1 + self._parts(len(encoded.body))]
+            self._run(endpoint, lambda c: self._store(c, used, encoded.header, encoded.body))
         except (TierUnavailable, redis.RedisError) as exc:
             log.debug("redis tier %r: write of %s dropped (%s)", self.name, key.hex(), exc)
             self._counters.add(dropped_writes=1)

@@ -14,15 +14,17 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
-from kvtier.config import ByteSize, TierSettings
+from kvtier.config import ByteSize
 from kvtier.redaction import redact_text, url_credentials
+from kvtier.tiers.encoding import EncodedTierSettings
 
 
-class RedisTierConfig(TierSettings):
+class RedisTierConfig(EncodedTierSettings):
     """A Redis or Valkey server, or a Redis Cluster (see kvtier/tiers/redis.py).
 
     Credentials never come from the command line or the URL: a password file, or an
     environment variable (`password_env`, else KVTIER_REDIS_PASSWORD, else REDIS_PASSWORD).
+    `codec` and the encryption settings: `kvtier.tiers.encoding.EncodedTierSettings`.
     """
 
     kind: Literal["redis"]

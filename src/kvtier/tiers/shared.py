@@ -21,6 +21,10 @@ kvtier's own layout are never counted, swept or deleted. Measured: docs/performa
 
 A read-only directory (a pre-warmed read-only mount) is served read-only: hits are served,
 every put is a dropped write with Failure.READ_ONLY, nothing is evicted.
+
+With a `codec` (and/or encryption, `kvtier.tiers.encoding`) a chunk is encoded before its
+room is reserved in the ledger, which counts the bytes its file really takes. Readers decode
+any codec they know, whatever their own setting: engines sharing the directory may differ.
 """
 
 from __future__ import annotations
@@ -37,12 +41,11 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from kvtier.config import TierSettings
+from kvtier.core.chunkformat import Encoded, failure_of
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.policies import AdmissionFilter
 from kvtier.core.tier import (
-    CORRUPT,
     DECLINED,
     FULL,
     IO_ERROR,
@@ -64,6 +67,7 @@ from kvtier.tiers.chunkfiles import (
     scan_tree,
 )
 from kvtier.tiers.directories import check_directory
+from kvtier.tiers.encoding import EncodedTierSettings, build_encoder
 from kvtier.tiers.filetree import lstat_file, unlink_file
 from kvtier.tiers.quota import LedgerState, QuotaLedger
 
@@ -71,7 +75,7 @@ log = logging.getLogger(__name__)
 LOW_WATERMARK = 0.9  # eviction frees space down to this fraction of the capacity
 
 
-class SharedTierConfig(TierSettings):
+class SharedTierConfig(EncodedTierSettings):
     """A POSIX directory shared by many processes and nodes (NFS, CephFS, Lustre, ...)."""
 
     kind: Literal["shared"]
@@ -112,7 +116,7 @@ class SharedTier:
         self.scan_interval_s = config.scan_interval_s
         modes = (0o770, 0o660) if config.group_shared else (0o700, 0o600)
         self.files = ChunkFiles(config.path, layout.digest(), layout.bytes_per_chunk,
-                                "auto", *modes)
+                                "auto", *modes, encoder=build_encoder(config, layout))
         self.file_bytes = self.files.file_bytes
         self._admission = AdmissionFilter(config.admit_after)
         self._counters = TierCounters(self.name, config.capacity)
@@ -138,13 +142,14 @@ class SharedTier:
             return MISSING
         except (CorruptBlock, OSError) as exc:
             if isinstance(exc, CorruptBlock):
-                if self._unlink(key):
-                    self._forgotten(key)
+                freed = self._unlink(key)
+                if freed is not None:
+                    self._forgotten(key, freed)
                 self._counters.add(corrupt_reads=1)
             log.warning("shared tier %r: chunk %s unreadable (%s); treated as a miss",
                         self.name, key.hex(), exc)
             self._counters.add(misses=1)
-            return CORRUPT if isinstance(exc, CorruptBlock) else IO_ERROR
+            return TierResult(failure_of(exc)) if isinstance(exc, CorruptBlock) else IO_ERROR
         self.files.touch(key)
         self._counters.add(hits=1, bytes_read=len(out), read_s=time.perf_counter() - start)
         return OK
@@ -159,21 +164,23 @@ class SharedTier:
         if self.ledger is None:
             self._counters.add(dropped_writes=1)
             return READ_ONLY
-        if self.file_bytes > self.capacity_bytes:
+        if self.files.max_file_bytes > self.capacity_bytes:
             return FULL
         if not self._admission.offer(key):
             return DECLINED
         if time.monotonic() - self._scanned_at > self.scan_interval_s:
             self.enforce_quota()
         start = time.perf_counter()
+        encoded = self.files.encode(key, data)  # compressed / sealed here, off the engine
+        size = self.files.size_of(encoded)
         try:
-            pending = self._reserve(key)
+            pending = self._reserve(key, size)
             if pending is None:
                 self._counters.add(dropped_writes=1)
                 log.warning("shared tier %r: quota full and nothing left to evict; %s dropped",
                             self.name, key.hex())
                 return FULL
-            self._write(pending, data)
+            self._write(pending, encoded)
         except OSError as exc:
             self._counters.add(dropped_writes=1)
             log.warning("shared tier %r: write of %s failed (%s); dropped",
@@ -181,37 +188,38 @@ class SharedTier:
             # Only a full filesystem is helped by evicting; EACCES or EIO used to evict 10%
             # of everyone's chunks on every failed write (tests/faults/test_write_failures.py).
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                self.enforce_quota(self.file_bytes, force=True)
+                self.enforce_quota(size, force=True)
                 return FULL
             return IO_ERROR
         # chunks/used_bytes used to change only when the directory was re-measured, so stats
         # said 0 bytes used after puts; keep them current between scans.
         self._counters.add(puts=1, bytes_written=len(data), write_s=time.perf_counter() - start,
-                           chunks=1, used_bytes=self.file_bytes)
+                           chunks=1, used_bytes=size)
         self.events.stored(key)
         return OK
 
-    def _reserve(self, key: ChunkKey) -> PendingWrite | None:
+    def _reserve(self, key: ChunkKey, size: int | None = None) -> PendingWrite | None:
         """Reserve room for one file in the shared quota (evicting first when needed) and
         create its full-size temp file, as one step under the ledger's lock (see
         kvtier.tiers.quota: that is what bounds the usage with many writers). None when
         nothing is left to evict. Raises OSError when the temp file cannot be created."""
         assert self.ledger is not None
+        size = size or self.file_bytes  # a file of `size` bytes (default: a chunk as is)
         with self.ledger.locked() as ledger:
             if not ledger.valid:  # reset by someone: re-measure before writing again
                 self._scanned_at = 0.0
                 return None
-            if ledger.used_bytes + self.file_bytes > self.capacity_bytes:
-                self._evict_locked(ledger, LOW_WATERMARK * self.capacity_bytes - self.file_bytes)
-            if ledger.used_bytes + self.file_bytes > self.capacity_bytes:
+            if ledger.used_bytes + size > self.capacity_bytes:
+                self._evict_locked(ledger, LOW_WATERMARK * self.capacity_bytes - size)
+            if ledger.used_bytes + size > self.capacity_bytes:
                 self._scanned_at = 0.0  # eviction candidates ran out: re-measure next put
                 return None
-            pending = self.files.prepare_write(key)
-            ledger.used_bytes += self.file_bytes
-            ledger.reserved_total += self.file_bytes
+            pending = self.files.prepare_write(key, size)
+            ledger.used_bytes += size
+            ledger.reserved_total += size
             return pending
 
-    def _write(self, pending: PendingWrite, data: memoryview) -> None:
+    def _write(self, pending: PendingWrite, data: Encoded) -> None:
         """Fill the reserved temp file (unlocked), then rename it into place under the lock.
         Raises OSError; the temp file is gone and its reservation given back."""
         assert self.ledger is not None
@@ -219,13 +227,14 @@ class SharedTier:
             pending.fill(data)
             with self.ledger.locked() as ledger:
                 ledger.used_bytes -= pending.complete()
-                ledger.completed_total += self.file_bytes
+                ledger.completed_total += pending.size_bytes
         except BaseException:
             with self.ledger.locked() as ledger:
                 ledger.used_bytes -= pending.abort()
             raise
         self._victims.append(ChunkFile(pending.key, self.files.path_of(pending.key),
-                                       self.file_bytes, time.time(), self.files.layout_digest))
+                                       pending.size_bytes, time.time(),
+                                       self.files.layout_digest))
 
     def enforce_quota(self, incoming_bytes: int = 0, force: bool = False) -> None:
         """Re-measure the whole directory (every layout) and delete least recently used files
@@ -264,7 +273,7 @@ class SharedTier:
     def _evict_locked(self, ledger: LedgerState, target_bytes: float) -> int:
         """Delete least recently used files until the ledger's usage is <= target (or no
         candidate is left); the number deleted. Caller holds the ledger's lock."""
-        evicted = 0
+        evicted = freed_own = 0
         while ledger.used_bytes > target_bytes and self._victims:
             victim = self._victims.popleft()
             try:
@@ -280,30 +289,31 @@ class SharedTier:
                 continue  # another process evicted it first (and counted it)
             ledger.used_bytes -= freed
             evicted += 1
+            freed_own += freed
             if victim.layout_digest == self.files.layout_digest:
                 self.events.removed(victim.key)
-        self._counters.add(evictions=evicted, chunks=-evicted,
-                           used_bytes=-evicted * self.file_bytes)
+        self._counters.add(evictions=evicted, chunks=-evicted, used_bytes=-freed_own)
         return evicted
 
-    def _unlink(self, key: ChunkKey) -> bool:
-        """Delete this layout's chunk file, accounted in the ledger; True if one was there."""
+    def _unlink(self, key: ChunkKey) -> int | None:
+        """Delete this layout's chunk file, accounted in the ledger; the bytes that freed,
+        None if none was there."""
         if self.ledger is None:
-            return self.files.remove(key) is not None
+            return self.files.remove(key)
         with self.ledger.locked() as ledger:
             freed = self.files.remove(key)
             ledger.used_bytes -= freed or 0
-        return freed is not None
+        return freed
 
     def delete(self, key: ChunkKey) -> bool:
-        removed = self._unlink(key)
-        if removed:
-            self._forgotten(key)
-        return removed
+        freed = self._unlink(key)
+        if freed is not None:
+            self._forgotten(key, freed)
+        return freed is not None
 
-    def _forgotten(self, key: ChunkKey) -> None:
+    def _forgotten(self, key: ChunkKey, freed_bytes: int) -> None:
         """One chunk file less (deleted, or removed as corrupt)."""
-        self._counters.add(chunks=-1, used_bytes=-self.file_bytes)
+        self._counters.add(chunks=-1, used_bytes=-freed_bytes)
         self.events.removed(key)
 
     def stats(self) -> TierStats:
