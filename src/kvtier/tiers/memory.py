@@ -39,6 +39,7 @@ from kvtier.core.tier import (
     TierResult,
     TierStats,
 )
+from kvtier.tiers.prefault import prefault_in_background
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,9 @@ class MemoryTierConfig(TierSettings):
 
     kind: Literal["memory"]
     pin: Literal["auto", "on", "off"] = "auto"  # page-locked memory for async GPU copies
+    # Commit the slab's RAM in the background from the start (tiers/prefault.py), so that
+    # no store pays a first-touch page fault; False: pages are committed as they are used.
+    prefault: bool = True
 
 
 class _Slot:
@@ -77,6 +81,11 @@ class MemoryTier:
                         self.name, config.capacity, self.slot_bytes)
         self.pinned = False
         self._slab = self._allocate(self.num_slots * self.slot_bytes, config.pin)
+        self._stop_prefault = threading.Event()
+        self.prefaulting: threading.Thread | None = None  # running or finished; None: off
+        if config.prefault and not self.pinned and self._slab.nbytes:
+            self.prefaulting = prefault_in_background(
+                self._slab, f"memory tier {self.name!r}", self._stop_prefault)
         self._index: dict[ChunkKey, int] = {}
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._policy: EvictionPolicy[ChunkKey] = make_policy(config.eviction, self.num_slots)
@@ -256,6 +265,7 @@ class MemoryTier:
         return self._counters.snapshot()
 
     def close(self) -> None:
+        self._stop_prefault.set()
         with self._lock:
             self._index.clear()
             self._orphans = set(self._pins)
