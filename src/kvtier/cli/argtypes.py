@@ -1,7 +1,8 @@
 """argparse `type=` functions for numbers that must be finite and in range.
 
 Primitives: `finite_float`, `positive_float`, `fraction`, `positive_int`,
-`non_negative_int`, `int_in(low, high)`, `size_gb`, `port_number`, `path_text`.
+`non_negative_int`, `int_in(low, high)`, `size_gb`, `port_number`, `path_text`,
+`output_file`, `output_dir` (their parent must exist), `work_dir` (a writable directory).
 
 argparse turns their `ArgumentTypeError` into "kvtier CMD: error: argument --x: ..." and
 exit status 2, before a command runs; `float("inf")`, `float("nan")` and "1e400" are refused
@@ -12,7 +13,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 # A billion GB (an exabyte): larger sizes are typos.
 MAX_GB = 1e9
@@ -117,3 +121,48 @@ def path_text(text: str) -> str:
         raise argparse.ArgumentTypeError(
             f"{text[:40]!r}...: a path component is {longest} bytes, over {NAME_MAX_BYTES}")
     return text
+
+
+def _parent_exists(text: str) -> Path:
+    path = Path(path_text(text))
+    parent = path.parent
+    if not parent.is_dir():
+        what = "is not a directory" if parent.exists() else "does not exist"
+        raise argparse.ArgumentTypeError(
+            f"directory {str(parent)!r} {what} (kvtier creates no parent directories)")
+    return path
+
+
+def output_file(text: str) -> Path:
+    """A file to write: its parent directory must exist already, since kvtier creates no
+    parent directories (issue 14: `--plot a/b/c.png` made a/b anywhere); not a directory."""
+    path = _parent_exists(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file")
+    return path
+
+
+def output_dir(text: str) -> Path:
+    """A directory to write into (made if missing): its parent must exist already."""
+    path = _parent_exists(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} exists and is not a directory")
+    return path
+
+
+def work_dir(text: str) -> Path:
+    """An existing directory where files can be created: probed by creating (and removing) a
+    temporary directory in it, so /proc, a read-only mount or a full disk fail here, in one
+    line, instead of half-way through a benchmark (issue 14: `--dir /proc` gave a traceback).
+    """
+    path = Path(path_text(text))
+    if not path.is_dir():
+        what = "is not a directory" if path.exists() else "does not exist"
+        raise argparse.ArgumentTypeError(f"{text!r} {what}")
+    try:
+        probe = tempfile.mkdtemp(prefix=".kvtier-probe-", dir=path)
+        os.rmdir(probe)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: cannot create files there ({exc.strerror or exc})") from None
+    return path

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from rich.table import Table
 
+from kvtier.cli.argtypes import output_file
 from kvtier.cli.bench import run_and_report
 from kvtier.integrations.vllm.config import TOKENS_PER_CHUNK
 
@@ -40,7 +41,7 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                         help="torch CPU threads (default: torch's; 1 is steadier on a busy "
                              "machine)")
     parser.add_argument("--quick", action="store_true", help="2 trials, 32 blocks")
-    parser.add_argument("--json", type=Path, default=Path("results/bench-copy.json"),
+    parser.add_argument("--json", type=output_file, default=Path("results/bench-copy.json"),
                         help="where to write the results (default results/bench-copy.json)")
     parser.set_defaults(func=run)
 

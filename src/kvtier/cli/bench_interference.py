@@ -24,6 +24,7 @@ from kvtier.bench.interference import (
     checks,
     run_interference_bench,
 )
+from kvtier.cli.argtypes import output_file, work_dir
 from kvtier.cli.bench import ms_p50_p99, run_and_report, run_summary, runs_table
 from kvtier.errors import ConfigError
 
@@ -52,13 +53,13 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     parser.add_argument("--prefix-tokens",
                         help="arrivals' prefix lengths, comma-separated, cycled; multiples of "
                              "256 (" + ",".join(map(str, defaults.prefix_tokens)) + ")")
-    parser.add_argument("--dir", type=Path, default=Path("."),
+    parser.add_argument("--dir", type=work_dir, default=Path("."),
                         help="a scratch dir (server logs, disk tiers) is made here")
     parser.add_argument("--model-root", type=Path, default=Path(".kvtier-models"),
                         help="where the generated bench model is cached")
     parser.add_argument("--quick", action="store_true",
                         help="2 streams, 4 arrivals, 4k-token prefixes (~3 min)")
-    parser.add_argument("--json", type=Path, default=Path("results/bench-interference.json"))
+    parser.add_argument("--json", type=output_file, default=Path("results/bench-interference.json"))
     parser.set_defaults(func=run)
 
 

@@ -30,6 +30,7 @@ from kvtier.bench.report import summary_table, write_outputs
 from kvtier.bench.runner import BenchRun, bench_endpoint
 from kvtier.bench.stats import RequestResult
 from kvtier.bench.workloads import WORKLOADS, TokenRange, Workload
+from kvtier.cli.argtypes import output_dir
 from kvtier.errors import ConfigError
 
 _NOT_SIZES = ("seed", "token_ids")
@@ -68,7 +69,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="draw token ids from [LOW, HIGH) (default 3:500; HIGH <= vocab size)")
     p.add_argument("--no-vllm-extras", action="store_true",
                    help="do not send vLLM's ignore_eos/return_token_ids (for other servers)")
-    p.add_argument("--out", type=Path, default=Path("results/bench-serve"),
+    p.add_argument("--out", type=output_dir, default=Path("results/bench-serve"),
                    help="directory for JSON, CSV and PNG (default results/bench-serve)")
 
 

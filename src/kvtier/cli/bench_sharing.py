@@ -19,6 +19,7 @@ from kvtier.bench.sharing import (
     SharingResult,
     run_sharing_bench,
 )
+from kvtier.cli.argtypes import output_file, work_dir
 from kvtier.cli.bench import run_and_report
 from kvtier.errors import ConfigError
 
@@ -36,11 +37,11 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                         help="how B gets A's chunks (repeatable; default both)")
     parser.add_argument("--redis-url", default=None,
                         help="an existing Redis (default: a private redis-server on 127.0.0.1)")
-    parser.add_argument("--dir", type=Path, default=Path("."),
+    parser.add_argument("--dir", type=work_dir, default=Path("."),
                         help="the shared directory (a temp dir) goes here")
     parser.add_argument("--model-root", type=Path, default=Path(".kvtier-models"),
                         help="where the generated bench model is cached")
-    parser.add_argument("--json", type=Path, default=Path("results/bench-sharing.json"))
+    parser.add_argument("--json", type=output_file, default=Path("results/bench-sharing.json"))
     parser.set_defaults(func=run)
 
 

@@ -27,6 +27,7 @@ from kvtier.bench.storage import (
     rounds_total,
     run_bench,
 )
+from kvtier.cli.argtypes import output_file, work_dir
 from kvtier.errors import ConfigError
 from kvtier.units import parse_size
 
@@ -51,7 +52,7 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     parser.add_argument("--sizes", default="0.5,2,8,32",
                         help="chunk sizes, comma-separated, in MiB or with a unit "
                              "(e.g. 512KiB); default 0.5,2,8,32")
-    parser.add_argument("--dir", type=Path, default=Path("."),
+    parser.add_argument("--dir", type=work_dir, default=Path("."),
                         help="a temp dir is made here for the disk and shared tiers and the "
                              "O_DIRECT ceilings (default: the current directory's filesystem)")
     parser.add_argument("--trials", type=int, help="timed rounds per size (default 7; quick 3)")
@@ -64,7 +65,7 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     parser.add_argument("--lmcache-python", metavar="PATH",
                         help="an interpreter with lmcache 0.5.6 installed: measure its "
                              "LocalDiskBackend beside kvtier")
-    parser.add_argument("--json", type=Path, default=Path("results/bench-storage.json"),
+    parser.add_argument("--json", type=output_file, default=Path("results/bench-storage.json"),
                         help="where to write the results (default results/bench-storage.json)")
     parser.set_defaults(func=run)
 

@@ -21,6 +21,7 @@ from kvtier.bench.ttft import (
     TtftResult,
     run_ttft_bench,
 )
+from kvtier.cli.argtypes import output_file, work_dir
 from kvtier.cli.bench import run_and_report
 from kvtier.errors import ConfigError
 
@@ -37,13 +38,13 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     parser.add_argument("--reps", type=int, default=9, help="timed hits per point (9)")
     parser.add_argument("--engine", action="append", choices=ENGINES,
                         help="configuration to run (repeatable; default all)")
-    parser.add_argument("--dir", type=Path, default=Path("."),
+    parser.add_argument("--dir", type=work_dir, default=Path("."),
                         help="scratch dirs (disk tier, ExampleConnector, O_DIRECT) go here")
     parser.add_argument("--model-root", type=Path, default=Path(".kvtier-models"),
                         help="where the generated bench model is cached")
     parser.add_argument("--quick", action="store_true",
                         help="1k and 4k only, fewer repetitions (~4 min)")
-    parser.add_argument("--json", type=Path, default=Path("results/bench-ttft.json"))
+    parser.add_argument("--json", type=output_file, default=Path("results/bench-ttft.json"))
     parser.set_defaults(func=run)
 
 

@@ -35,6 +35,7 @@ from kvtier.bench.demo import PLANS, DemoEvents, DemoPlan, headline_lines, run_d
 from kvtier.bench.report import summary_table
 from kvtier.bench.runner import BenchRun
 from kvtier.bench.stats import RequestResult
+from kvtier.cli.argtypes import output_dir
 from kvtier.ops.server import ServerError
 from kvtier.ops.serving import ServeCommand
 
@@ -45,7 +46,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true",
                    help="a smaller workload (about half the time; for CI)")
-    p.add_argument("--out", type=Path, default=Path("results/demo"),
+    p.add_argument("--out", type=output_dir, default=Path("results/demo"),
                    help="directory for JSON, CSV and PNG (default results/demo)")
     p.add_argument("--model-dir", type=Path, default=None,
                    help="where the generated model is cached (default ~/.cache/kvtier/models)")

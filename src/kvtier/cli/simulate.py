@@ -13,7 +13,14 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from kvtier.cli.argtypes import finite_float, fraction, int_in, non_negative_int, positive_int
+from kvtier.cli.argtypes import (
+    finite_float,
+    fraction,
+    int_in,
+    non_negative_int,
+    output_file,
+    positive_int,
+)
 from kvtier.errors import ConfigError
 from kvtier.sim.cost import MODEL_PRESETS
 from kvtier.sim.engine import EngineConfig
@@ -53,7 +60,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sweep", metavar="PARAM=V1,V2,...",
                    help=f"sweep one of {', '.join(SWEEP_PARAMS)}")
-    p.add_argument("--plot", metavar="OUT.png", help="with --sweep: write a PNG")
+    p.add_argument("--plot", type=output_file, metavar="OUT.png", help="with --sweep: write a PNG")
     p.add_argument("--validate", action="store_true",
                    help="compare the model with published figures and exit")
     p.add_argument("--json", action="store_true", help="machine-readable output")

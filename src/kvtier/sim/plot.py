@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from kvtier.errors import ConfigError
 from kvtier.sim.sweep import SweepResult
 
 _LABELS = {
@@ -59,7 +60,9 @@ def plot_sweep(result: SweepResult, path: str | Path, title: str = "") -> Path:
                  + "\n(green: offload pays; red: offload only costs)", fontsize=11)
     fig.tight_layout()
     out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if not out.parent.is_dir():  # no parent directories are created (issue 14)
+        plt.close(fig)
+        raise ConfigError("plot", str(out), "a path in an existing directory")
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
