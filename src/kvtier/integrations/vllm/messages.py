@@ -41,6 +41,9 @@ class ChunkTransfer:
     # in a step whose outcome the scheduler may not know yet. A failed one makes the store
     # unsafe: its KV was computed over unfilled blocks.
     depends_on: tuple[int, ...] = ()
+    # The request's cache salt (its tenant), or None: a tier that encrypts at rest seals the
+    # chunk under that tenant's key (kvtier.core.sealing; the worker notes it in TENANTS).
+    tenant: str | None = None
 
 
 @dataclass(slots=True)
@@ -57,6 +60,11 @@ class KVTierMetadata(KVConnectorMetadata):
     # Blocks whose failed load the scheduler has learned of (vLLM recomputes them from this
     # step on): stores need no longer avoid them.
     acked_failed_blocks: set[int] = field(default_factory=set)
+
+    def transfers(self) -> list[ChunkTransfer]:
+        """Every chunk this plan loads or stores."""
+        loads = [t for ts in (*self.loads.values(), *self.async_loads.values()) for t in ts]
+        return loads + self.stores
 
 
 @dataclass(slots=True)

@@ -184,6 +184,7 @@ class ConnectorScheduler:
                 key=state.keys[chunk],
                 block_ids=tuple(block_ids[first: first + self._blocks_per_chunk]),
                 first_block=max(0, start // self._block_size - first),
+                tenant=request.cache_salt,
             ))
         pending = self._pending_async if state.load_async else self._pending_loads
         pending[request.request_id] = transfers
@@ -346,7 +347,8 @@ class ConnectorScheduler:
             first = chunk * bpc
             out.append(ChunkTransfer(
                 key=key, block_ids=tuple(state.block_ids[first: first + bpc]),
-                depends_on=tuple(b for i, b in loaded if i < first + bpc)))
+                depends_on=tuple(b for i, b in loaded if i < first + bpc),
+                tenant=state.request.cache_salt))
             self._inflight_stores.add(key)
         state.num_planned_chunks = full_chunks
 

@@ -32,6 +32,7 @@ import torch
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
+from kvtier.core.sealing import TENANTS
 from kvtier.core.store import ChunkView, StoreEvent, StoreStats
 from kvtier.integrations.vllm.messages import ChunkTransfer, KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, StatsDelta
@@ -136,8 +137,11 @@ class ConnectorWorker:
 
     def begin_step(self, meta: KVTierMetadata) -> None:
         """Take the step's plan in (before its loads): forget the failures the scheduler
-        has acknowledged (vLLM recomputes those blocks from this step on)."""
+        has acknowledged (vLLM recomputes those blocks from this step on); note each chunk's
+        tenant for the tiers that encrypt at rest (kvtier.core.sealing)."""
         self._unfilled -= meta.acked_failed_blocks
+        for transfer in meta.transfers():
+            TENANTS.note((transfer.key,), transfer.tenant)
 
     def load(self, meta: KVTierMetadata) -> None:
         """Load every planned chunk into vLLM's blocks; record failures (before forward)."""
