@@ -1,0 +1,167 @@
+"""The tiers below RAM encrypting at rest: disk and shared directories on tmp_path and a real
+redis-server, each built through the registry as a store builds it, with an operator secret
+from an environment variable, the tenants noted as the vLLM worker notes them.
+
+The story: two tenants' chunks are stored sealed (their bytes are not in the storage in
+clear), each opens only under its own tenant's key, a tampered chunk is a counted miss
+(Failure.AUTH) and removed, unsalted chunks stay in clear, and `kvtier inspect` over an
+encrypting tier shows no key material.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import tierkit
+import xxhash
+import yaml
+from tierkit import key, make_tier
+
+from kvtier.cli.main import main
+from kvtier.core.chunkformat import HEADER_BYTES
+from kvtier.core.layout import KVLayout
+from kvtier.core.sealing import TENANTS
+from kvtier.core.tier import OK, Failure, Tier
+
+KINDS = ["disk", "shared", pytest.param("redis", marks=pytest.mark.redis)]
+SECRET = "operator-secret-for-the-sealed-tier-tests-0123456789"
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_size=64, dtype="bfloat16",
+                  tokens_per_chunk=16)
+
+
+def payload(i: int) -> bytes:
+    return bytes((i * 13 + j * 7) % 251 for j in range(LAYOUT.bytes_per_chunk))
+
+
+@pytest.fixture(autouse=True)
+def _secret_and_clean_book(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv("KVTIER_SEAL_SECRET", SECRET)
+    TENANTS.forget()
+    yield
+    TENANTS.forget()
+
+
+@pytest.fixture(params=KINDS)
+def kind(request: pytest.FixtureRequest) -> str:
+    if request.param == "redis":
+        tierkit.REDIS_URL = request.getfixturevalue("redis_url")
+    return str(request.param)
+
+
+def sealed_tier(kind: str, tmp_path: Path, **options: Any) -> Tier:
+    return make_tier(kind, tmp_path, LAYOUT, 8, encryption_secret_env="KVTIER_SEAL_SECRET",
+                     **options)
+
+
+def raw_values(kind: str, tier: Tier, k: bytes) -> tuple[bytes, bytes]:
+    """The chunk as stored: (header, body)."""
+    if kind == "redis":
+        client = redis.Redis.from_url(str(tierkit.REDIS_URL))
+        names = tier.names.values(k)  # type: ignore[attr-defined]
+        return client.get(names[0]), b"".join(client.get(n) or b"" for n in names[1:])
+    data = tier.files.path_of(k).read_bytes()  # type: ignore[attr-defined]
+    return data[:HEADER_BYTES], data[HEADER_BYTES:]
+
+
+def test_two_tenants_chunks_are_sealed_and_open_only_under_their_own_key(
+        kind: str, tmp_path: Path) -> None:
+    tier = sealed_tier(kind, tmp_path)
+    TENANTS.note([key(1)], "salt-a")
+    TENANTS.note([key(2)], "salt-b")
+    assert tier.put(key(1), memoryview(payload(1))) == OK
+    assert tier.put(key(2), memoryview(payload(2))) == OK
+    for i in (1, 2):
+        _, body = raw_values(kind, tier, key(i))
+        assert payload(i)[:256] not in body  # not in clear in the storage
+    out = bytearray(LAYOUT.bytes_per_chunk)
+    assert tier.get_into(key(2), memoryview(out)) == OK and bytes(out) == payload(2)
+    # Tenant b's key for tenant a's chunk: a miss, counted, never a's KV handed over.
+    TENANTS.note([key(1)], "salt-b")
+    assert tier.get_into(key(1), memoryview(out)).failure is Failure.AUTH
+    assert tier.stats().corrupt_reads == 1 and not tier.contains(key(1))
+    tier.close()
+
+
+def test_an_engine_with_another_secret_cannot_read_them(kind: str, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    writer = sealed_tier(kind, tmp_path)
+    TENANTS.note([key(3)], "salt-a")
+    assert writer.put(key(3), memoryview(payload(3))) == OK
+    writer.close()
+    monkeypatch.setenv("KVTIER_SEAL_SECRET", SECRET[::-1])
+    reader = sealed_tier(kind, tmp_path)
+    result = reader.get_into(key(3), memoryview(bytearray(LAYOUT.bytes_per_chunk)))
+    assert result.failure is Failure.AUTH
+    reader.close()
+
+
+def test_tampered_ciphertext_is_a_counted_miss(kind: str, tmp_path: Path) -> None:
+    """Bytes changed and the stored checksums fixed up (whoever writes the storage can):
+    the GCM tag catches it."""
+    tier = sealed_tier(kind, tmp_path)
+    TENANTS.note([key(4), key(5)], "salt-a")
+    for i in (4, 5):
+        assert tier.put(key(i), memoryview(payload(i))) == OK
+    header, body = raw_values(kind, tier, key(4))
+    forged_body = bytearray(body)
+    forged_body[5] ^= 0x80
+    fields = bytearray(header[:104])
+    body_bytes = int.from_bytes(fields[68:76], "little")
+    fields[76:84] = xxhash.xxh3_64_intdigest(bytes(forged_body[:body_bytes])).to_bytes(
+        8, "little")
+    forged_header = (bytes(fields) + xxhash.xxh3_64_intdigest(bytes(fields)).to_bytes(
+        8, "little")).ljust(HEADER_BYTES, b"\0")
+    if kind == "redis":
+        client = redis.Redis.from_url(str(tierkit.REDIS_URL))
+        names = tier.names.values(key(4))  # type: ignore[attr-defined]
+        client.set(names[0], forged_header)
+        part = tier.part_bytes  # type: ignore[attr-defined]
+        for n, name in enumerate(names[1:]):
+            chunk = bytes(forged_body[n * part:(n + 1) * part])
+            if client.exists(name):
+                client.set(name, chunk)
+    else:
+        tier.files.path_of(key(4)).write_bytes(  # type: ignore[attr-defined]
+            forged_header + bytes(forged_body))
+    out = bytearray(LAYOUT.bytes_per_chunk)
+    assert tier.get_into(key(4), memoryview(out)).failure is Failure.AUTH
+    assert tier.get_into(key(5), memoryview(out)) == OK and bytes(out) == payload(5)
+    tier.close()
+
+
+def test_unsalted_chunks_stay_in_clear_unless_asked(kind: str, tmp_path: Path) -> None:
+    tier = sealed_tier(kind, tmp_path / "clear")
+    assert tier.put(key(6), memoryview(payload(6))) == OK
+    assert raw_values(kind, tier, key(6))[1].startswith(payload(6))
+    tier.delete(key(6))
+    sealed = sealed_tier(kind, tmp_path / "sealed", encrypt_unsalted=True)
+    assert sealed.put(key(6), memoryview(payload(6))) == OK
+    assert payload(6)[:256] not in raw_values(kind, sealed, key(6))[1]
+    out = bytearray(LAYOUT.bytes_per_chunk)
+    assert sealed.get_into(key(6), memoryview(out)) == OK and bytes(out) == payload(6)
+
+
+@pytest.mark.parametrize("kind_", ["disk", "shared"])
+def test_inspect_of_an_encrypting_tier_shows_no_key_material(
+        kind_: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tier = sealed_tier(kind_, tmp_path, codec="zstd")
+    TENANTS.note([key(7)], "salt-of-a-tenant")
+    assert tier.put(key(7), memoryview(payload(7))) == OK
+    tier.close()
+    config = tmp_path / "store.yaml"
+    config.write_text(yaml.safe_dump({"tiers": [
+        {"kind": "memory", "capacity": "1MiB", "pin": "off"},
+        {"kind": kind_, "path": str(tmp_path / kind_), "capacity": "1MiB", "codec": "zstd",
+         "encryption_secret_env": "KVTIER_SEAL_SECRET"}]}))
+    assert main(["inspect", "--config", str(config), "--json"]) == 0
+    listed = capsys.readouterr()
+    assert [n["chunks"] for n in json.loads(listed.out)["namespaces"]] == [1]
+    assert main(["inspect", "--config", str(config)]) == 0
+    table = capsys.readouterr()
+    for text in (listed.out, listed.err, table.out, table.err):
+        assert SECRET not in text and "salt-of-a-tenant" not in text

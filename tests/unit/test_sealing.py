@@ -1,0 +1,243 @@
+"""Per-tenant encryption at rest (kvtier.core.sealing, through ChunkEncoder) and its settings
+(kvtier.tiers.encoding).
+
+The story: a salted chunk is sealed under its tenant's key and opened only with it; another
+tenant's key, another secret, tampered bytes, a swapped header or a chunk put back in clear
+are all AuthFailures (a counted miss), never wrong KV; unsalted chunks stay in clear unless
+`encrypt_unsalted`; the secret comes from a file or an environment variable only, and never
+shows in an error, a repr or a log line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+from pathlib import Path
+
+import pytest
+import xxhash
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from tierkit import key
+
+from kvtier.config import StoreConfig
+from kvtier.core.chunkformat import ChunkEncoder, failure_of, read_header
+from kvtier.core.layout import KVLayout
+from kvtier.core.sealing import AuthFailure, Sealer, TenantBook
+from kvtier.core.tier import Failure
+from kvtier.errors import ConfigError
+from kvtier.tiers import build_tier
+
+SECRET = b"s3cr3t-operator-key-0123456789abcdefXYZ"
+OTHER_SECRET = b"another-operator-key-0123456789abcdefXYZ"
+LAYOUT = KVLayout(num_layers=1, num_kv_heads=2, head_size=64, dtype="bfloat16",
+                  tokens_per_chunk=32)
+PAYLOAD = bytes((i * 37 + 11) % 256 for i in range(LAYOUT.bytes_per_chunk))
+
+
+def refresh_body_checksum(header: bytes, body: bytes) -> bytes:
+    """`header` (version 2) with its body checksum set to `body`'s and its header checksum
+    valid again: what someone who can write the storage can forge."""
+    fields = bytearray(header[:104])  # the version 2 fields; the body checksum at 76
+    struct.pack_into("<Q", fields, 76, xxhash.xxh3_64_intdigest(body))
+    return (bytes(fields) + struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(fields)))
+            ).ljust(len(header), b"\0")
+
+
+def encoder(book: TenantBook, secret: bytes = SECRET, codec: str = "none",
+            encrypt_unsalted: bool = False) -> ChunkEncoder:
+    return ChunkEncoder(LAYOUT.digest(), LAYOUT.dtype, LAYOUT.bytes_per_chunk, codec,
+                        Sealer(secret, encrypt_unsalted), book)
+
+
+def open_chunk(enc: ChunkEncoder, k: bytes, header: bytes, body: bytes | memoryview) -> bytes:
+    out = bytearray(LAYOUT.bytes_per_chunk)
+    enc.decode(k, read_header(header, k, LAYOUT.digest()), memoryview(body), memoryview(out))
+    return bytes(out)
+
+
+@pytest.mark.parametrize("codec", ["none", "zstd"])
+def test_a_salted_chunk_is_sealed_and_opens_only_under_its_tenants_key(codec: str) -> None:
+    book = TenantBook()
+    book.note([key(1)], "tenant-a")
+    enc = encoder(book, codec=codec)
+    sealed = enc.encode(key(1), memoryview(PAYLOAD))
+    assert not sealed.plain and PAYLOAD[:64] not in bytes(sealed.body)
+    assert open_chunk(enc, key(1), sealed.header, sealed.body) == PAYLOAD
+    # The same key under tenant b's name (as if b asked for a's chunk): no key for it.
+    book.note([key(1)], "tenant-b")
+    with pytest.raises(AuthFailure, match="key this reader does not hold") as err:
+        open_chunk(enc, key(1), sealed.header, sealed.body)
+    assert failure_of(err.value) is Failure.AUTH
+    # Tenant a again, but an engine with another secret.
+    book.note([key(1)], "tenant-a")
+    with pytest.raises(AuthFailure):
+        open_chunk(encoder(book, OTHER_SECRET), key(1), sealed.header, sealed.body)
+
+
+def test_each_write_has_its_own_nonce() -> None:
+    book = TenantBook()
+    book.note([key(1)], "tenant-a")
+    enc = encoder(book)
+    first, second = (enc.encode(key(1), memoryview(PAYLOAD)) for _ in range(2))
+    assert bytes(first.body) != bytes(second.body)
+    assert read_header(first.header, key(1), LAYOUT.digest()).nonce != \
+        read_header(second.header, key(1), LAYOUT.digest()).nonce
+
+
+def test_tampered_ciphertext_with_a_fixed_up_checksum_fails_authentication() -> None:
+    """Whoever can write the storage can recompute xxh3 checksums; not the GCM tag."""
+    book = TenantBook()
+    book.note([key(2)], "tenant-a")
+    enc = encoder(book)
+    sealed = enc.encode(key(2), memoryview(PAYLOAD))
+    body = bytearray(sealed.body)
+    body[10] ^= 0x01
+    header = refresh_body_checksum(sealed.header, bytes(body))
+    with pytest.raises(AuthFailure, match="authentication failed"):
+        open_chunk(enc, key(2), header, body)
+
+
+def test_a_header_moved_onto_another_chunks_bytes_fails_authentication() -> None:
+    book = TenantBook()
+    book.note([key(3), key(4)], "tenant-a")
+    enc = encoder(book)
+    three = enc.encode(key(3), memoryview(PAYLOAD))
+    four = enc.encode(key(4), memoryview(PAYLOAD[::-1]))
+    # key 4's body under key 3's header (checksum fixed up): another nonce, another AAD
+    swapped = refresh_body_checksum(three.header, bytes(four.body))
+    with pytest.raises(AuthFailure):
+        open_chunk(enc, key(3), swapped, four.body)
+
+
+def test_a_sealed_chunk_replaced_by_one_in_clear_is_refused() -> None:
+    """A chunk in clear, checksums valid, where the tier seals the tenant's chunks: refused,
+    or anyone who can write the directory could plant KV for a tenant."""
+    book = TenantBook()
+    plain = ChunkEncoder(LAYOUT.digest(), LAYOUT.dtype, LAYOUT.bytes_per_chunk)
+    forged = plain.encode(key(5), memoryview(PAYLOAD))
+    book.note([key(5)], "tenant-a")
+    with pytest.raises(AuthFailure, match="in clear"):
+        open_chunk(encoder(book), key(5), forged.header, forged.body)
+
+
+def test_unsalted_chunks_stay_in_clear_unless_encrypt_unsalted() -> None:
+    book = TenantBook()
+    clear = encoder(book).encode(key(6), memoryview(PAYLOAD))
+    assert clear.plain and bytes(clear.body) == PAYLOAD
+    enc = encoder(book, encrypt_unsalted=True)
+    sealed = enc.encode(key(6), memoryview(PAYLOAD))
+    assert not sealed.plain and open_chunk(enc, key(6), sealed.header, sealed.body) == PAYLOAD
+
+
+def test_a_forgotten_key_reads_as_unsalted_and_misses_rather_than_decrypting_wrongly() -> None:
+    book = TenantBook(max_keys=2)
+    book.note([key(7)], "tenant-a")
+    enc = encoder(book)
+    sealed = enc.encode(key(7), memoryview(PAYLOAD))
+    book.note([key(8), key(9)], "tenant-b")  # key 7 falls out of the book
+    assert book.tenant_of(key(7)) is None
+    with pytest.raises(AuthFailure):
+        open_chunk(enc, key(7), sealed.header, sealed.body)
+
+
+def test_no_key_material_in_reprs() -> None:
+    sealer = Sealer(SECRET)
+    tenant_key = sealer.key_for("tenant-a")
+    assert tenant_key is not None
+    for text in (repr(sealer), repr(tenant_key), str(tenant_key)):
+        assert SECRET.decode() not in text and "tenant-a" not in text
+        assert derived_key("tenant-a").hex() not in text
+
+
+def derived_key(salt: str, secret: bytes = SECRET) -> bytes:
+    """The AES key kvtier derives for `salt` (to check it never leaks anywhere)."""
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None,
+                info=b"kvtier-seal-v1|" + salt.encode()).derive(secret)
+
+
+# -- settings ------------------------------------------------------------------------------
+
+def disk(tmp_path: Path, **options: object) -> dict[str, object]:
+    return {"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "1MiB", **options}
+
+
+def test_a_secret_given_inline_is_refused_without_showing_it(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        StoreConfig.parse({"tiers": [disk(tmp_path, encryption_secret=SECRET.decode())]})
+    message = str(err.value)
+    assert "tiers.0.disk.encryption_secret" in message and "never inline" in message
+    assert "encryption_secret_file" in message and "encryption_secret_env" in message
+    assert SECRET.decode() not in message
+
+
+def test_the_secret_comes_from_a_file_or_an_environment_variable(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    secret_file = tmp_path / "secret"
+    secret_file.write_bytes(SECRET + b"\n")
+    os.chmod(secret_file, 0o600)
+    for options in ({"encryption_secret_file": str(secret_file)},
+                    {"encryption_secret_env": "KVTIER_TEST_SECRET"}):
+        monkeypatch.setenv("KVTIER_TEST_SECRET", SECRET.decode())
+        config = StoreConfig.parse({"tiers": [disk(tmp_path, **options)]})
+        tier = build_tier(config.tiers[0], LAYOUT)
+        assert tier.files.encoder.sealer is not None  # type: ignore[attr-defined]
+        tier.close()
+
+
+@pytest.mark.parametrize("problem", ["short file", "missing file", "unset env", "short env",
+                                     "both", "unsalted without secret"])
+def test_unusable_secrets_are_config_errors_that_never_show_the_secret(
+        problem: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    short = tmp_path / "short"
+    short.write_bytes(b"tooshort")
+    monkeypatch.setenv("KVTIER_SHORT", "tooshort")
+    monkeypatch.delenv("KVTIER_UNSET", raising=False)
+    options = {
+        "short file": {"encryption_secret_file": str(short)},
+        "missing file": {"encryption_secret_file": str(tmp_path / "nope")},
+        "unset env": {"encryption_secret_env": "KVTIER_UNSET"},
+        "short env": {"encryption_secret_env": "KVTIER_SHORT"},
+        "both": {"encryption_secret_file": str(short), "encryption_secret_env": "KVTIER_SHORT"},
+        "unsalted without secret": {"encrypt_unsalted": True},
+    }[problem]
+    with pytest.raises(ConfigError) as err:
+        config = StoreConfig.parse({"tiers": [disk(tmp_path, **options)]})
+        build_tier(config.tiers[0], LAYOUT)
+    assert "tooshort" not in str(err.value)
+    assert "encrypt" in str(err.value)
+
+
+def test_no_key_material_in_logs_of_an_encrypting_tier(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Writes, hits, a tampered chunk and another tenant's read, all logged at DEBUG: no
+    secret, no derived key, no salt in any line."""
+    from kvtier.core.sealing import TENANTS
+
+    monkeypatch.setenv("KVTIER_TEST_SECRET", SECRET.decode())
+    config = StoreConfig.parse({"tiers": [disk(tmp_path,
+                                               encryption_secret_env="KVTIER_TEST_SECRET",
+                                               codec="zstd")]})
+    with caplog.at_level(logging.DEBUG):
+        tier = build_tier(config.tiers[0], LAYOUT)
+        TENANTS.note([key(101)], "salt-of-tenant-a")
+        TENANTS.note([key(102)], "salt-of-tenant-a")
+        out = memoryview(bytearray(LAYOUT.bytes_per_chunk))
+        assert tier.put(key(101), memoryview(PAYLOAD)) and tier.put(key(102),
+                                                                     memoryview(PAYLOAD))
+        assert tier.get_into(key(101), out)
+        TENANTS.note([key(101)], "salt-of-tenant-b")
+        assert tier.get_into(key(101), out).failure is Failure.AUTH
+        path = tier.files.path_of(key(102))  # type: ignore[attr-defined]
+        data = bytearray(path.read_bytes())
+        data[4096 + 10] ^= 1  # in the sealed body
+        path.write_bytes(bytes(data))
+        assert not tier.get_into(key(102), out)
+        tier.close()
+    text = caplog.text
+    assert "encrypted at rest" in text  # the tier did log, and was heard
+    for secret in (SECRET.decode(), SECRET.hex(), derived_key("salt-of-tenant-a").hex(),
+                   "salt-of-tenant-a", "salt-of-tenant-b"):
+        assert secret not in text
