@@ -11,8 +11,8 @@ write-behind.
   chunks that are not lent in place in parallel, and waits for them at most
   `read_timeout_s`.
 - `put(key, data)`: store in the top tier at once; lower tiers are written behind, on their
-  own threads, through bounded queues: when a queue is full the write is dropped and counted,
-  never blocking the caller. `put_from(key, fill, spare)` has the chunk written straight
+  own threads, through bounded queues (`writebehind.WriteBehind`): when a queue is full the
+  write is dropped and counted, never blocking the caller. `put_from(key, fill, spare)` has the chunk written straight
   into a reserved slot of the top tier (the vLLM worker's gather).
 A tier call that fails is counted per tier and per `Failure` reason (`StoreStats.failures`);
 a tier that raises is skipped for that call (logged, counted as `Failure.RAISED`): a broken
@@ -36,7 +36,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, MutableSequence, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -54,6 +54,7 @@ from kvtier.core.tier import (
     TierResult,
     TierStats,
 )
+from kvtier.core.writebehind import FailureCounts, WriteBehind
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -109,78 +110,6 @@ class StoreStats:
     failures: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
-class _FailureCounts:
-    """tier name -> Failure -> count, thread-safe (readers and writers count at once)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._counts: dict[str, dict[str, int]] = {}
-
-    def add(self, tier: str, failure: Failure) -> None:
-        with self._lock:
-            by_reason = self._counts.setdefault(tier, {})
-            by_reason[failure.value] = by_reason.get(failure.value, 0) + 1
-
-    def snapshot(self) -> dict[str, dict[str, int]]:
-        with self._lock:
-            return {tier: dict(reasons) for tier, reasons in self._counts.items()}
-
-
-class _WriteBehind:
-    """A bounded queue of writes to one lower tier, drained by its own threads."""
-
-    def __init__(self, tier: Tier, depth: int, threads: int, failures: _FailureCounts) -> None:
-        self.tier = tier
-        self.drops = 0
-        self._failures = failures
-        self._slots = threading.BoundedSemaphore(depth)
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"kvtier-write-{tier.name}")
-        self._idle = threading.Condition()
-        self._pending = 0
-        # Keys queued or being written: held for `TieredStore.contains` (a chunk the top tier
-        # evicts while its copy is on its way down is not lost).
-        self.inflight: set[ChunkKey] = set()
-
-    def submit(self, key: ChunkKey, data: memoryview) -> bool:
-        if not self._slots.acquire(blocking=False):  # full: drop rather than block
-            self.drops += 1
-            return False
-        with self._idle:
-            self._pending += 1
-            self.inflight.add(key)
-        self._pool.submit(self._write, key, data)
-        return True
-
-    def _write(self, key: ChunkKey, data: memoryview) -> None:
-        try:
-            if self.tier.contains(key):  # asked here, off the caller's thread: may block
-                return
-            result = self.tier.put(key, data)
-            if result.failure is not None:
-                self._failures.add(self.tier.name, result.failure)
-        except Exception:  # a broken tier must not kill the writer thread
-            log.exception("tier %r: write-behind of %s failed", self.tier.name, key.hex())
-            self._failures.add(self.tier.name, Failure.RAISED)
-        finally:
-            self._slots.release()
-            with self._idle:
-                self._pending -= 1
-                self.inflight.discard(key)
-                self._idle.notify_all()
-
-    @property
-    def pending(self) -> int:
-        return self._pending
-
-    def flush(self, timeout_s: float | None = None) -> bool:
-        with self._idle:
-            return self._idle.wait_for(lambda: self._pending == 0, timeout_s)
-
-    def close(self) -> None:
-        """Stop the threads: writes not started yet are dropped, running ones finish."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
-
-
 class _Pins:
     """What a `borrow_many` keeps until its block exits (loans, reserved slots), entered
     from the store's read threads. A read that finishes after the block has exited (its
@@ -219,9 +148,9 @@ class TieredStore:
             raise ValueError(f"a store needs one or more tiers with distinct names: {names}")
         self.settings = settings = settings or StoreSettings()
         self.tiers: list[Tier] = list(tiers)
-        self._failures = _FailureCounts()
+        self._failures = FailureCounts()
         self._below = [
-            _WriteBehind(tier, settings.write_queue_depth,
+            WriteBehind(tier, settings.write_queue_depth,
                          settings.write_threads.get(tier.name, 1), self._failures)
             for tier in self.tiers[1:]
         ]
@@ -460,7 +389,7 @@ class TieredStore:
                 writer.submit(key, copy)
         return stored
 
-    def _writers(self) -> list[_WriteBehind]:
+    def _writers(self) -> list[WriteBehind]:
         """The lower tiers to write behind to: all but the stalled ones (whether one holds
         the chunk already is asked on its own threads, where a stall blocks nobody)."""
         return [w for w in self._below if self._calls.usable(w.tier.name)]
