@@ -1,0 +1,73 @@
+"""The worker's report of chunks no tier holds any more (`KVTierWorkerMetadata.removed`).
+
+When the RAM tier evicts a chunk the scheduler must learn whether any tier still holds it,
+else it plans loads that fail. The worker asks the lower tiers off the model runner's
+thread (a lower tier's lookup goes through the store's stall guard: ~90 us per evicted
+chunk, a third of a chunk's gather, paid once per store when RAM is full), so the answer
+arrives in a later report. Pure torch on CPU tensors and real tiers; no engine.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from kvtier.config import StoreConfig
+from kvtier.integrations.vllm.messages import ChunkTransfer, KVTierMetadata
+from kvtier.integrations.vllm.worker import ConnectorWorker, PagedKV
+from kvtier.tiers import open_store
+
+LAYERS, BLOCKS, HEADS, BS, DIM = 2, 8, 2, 32, 16
+TOKENS_PER_CHUNK = 64  # two blocks
+
+
+def worker(tiers: list[dict[str, object]]) -> ConnectorWorker:
+    kv = {f"model.layers.{i}.self_attn.attn":
+          torch.randn(BLOCKS, HEADS, BS, 2 * DIM).to(torch.bfloat16) for i in range(LAYERS)}
+    paged = PagedKV(kv, BS)
+    layout = paged.layout(TOKENS_PER_CHUNK)
+    return ConnectorWorker(paged, layout, open_store(StoreConfig.parse({"tiers": tiers}), layout))
+
+
+def store(w: ConnectorWorker, key: bytes, blocks: tuple[int, ...]) -> None:
+    w.store(KVTierMetadata(stores=[ChunkTransfer(key=key, block_ids=blocks)]))
+
+
+def removed_within(w: ConnectorWorker, seconds: float) -> set[bytes]:
+    """Everything reported removed until `seconds` have passed."""
+    found: set[bytes] = set()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        report = w.take_report()
+        if report is not None:
+            found |= report.removed
+        time.sleep(0.01)
+    return found
+
+
+def one_chunk_of_ram(tiers: list[dict[str, object]]) -> list[dict[str, object]]:
+    chunk = LAYERS * HEADS * 2 * TOKENS_PER_CHUNK * DIM * 2
+    return [{"kind": "memory", "capacity": -(-chunk // 4096) * 4096}, *tiers]
+
+
+def test_a_chunk_evicted_from_the_only_tier_is_reported_removed() -> None:
+    w = worker(one_chunk_of_ram([]))
+    a, b = b"a" * 16, b"b" * 16
+    store(w, a, (0, 1))
+    store(w, b, (2, 3))  # evicts a: nothing else holds it
+    assert removed_within(w, 1.0) == {a}
+    w.close()
+
+
+def test_a_chunk_a_lower_tier_still_holds_is_not() -> None:
+    w = worker(one_chunk_of_ram([{"kind": "example", "capacity": "1MiB"}]))
+    a, b = b"a" * 16, b"b" * 16
+    store(w, a, (0, 1))
+    assert w._store.flush(5.0)  # a reached the lower tier
+    store(w, b, (2, 3))  # evicts a from RAM only
+    assert removed_within(w, 1.0) == set()
+    w.close()
