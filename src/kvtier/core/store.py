@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from kvtier.core.keys import ChunkKey
+from kvtier.core.retention import ChunkMeta, MetaKeeper, RetentionStats
 from kvtier.core.stall import StallGuard
 from kvtier.core.tier import (
     BatchLookup,
@@ -108,6 +109,8 @@ class StoreStats:
     queue_drops: dict[str, int]  # tier name -> writes dropped because its queue was full
     # tier name -> Failure value -> tier calls made by the store that failed for that reason
     failures: dict[str, dict[str, int]] = field(default_factory=dict)
+    # tier name -> its pins, expiries and per-tenant usage (tiers that are MetaKeepers)
+    retention: dict[str, RetentionStats] = field(default_factory=dict)
 
 
 class _Pins:
@@ -163,6 +166,9 @@ class TieredStore:
         self._reserver = self.tiers[0] if self.tiers and isinstance(self.tiers[0], Reserver) \
             else None
         self._batched = [t for t in self.tiers if isinstance(t, BatchLookup)]
+        # Tiers that keep each chunk's tenant, pin and expiry (kvtier.core.retention).
+        self._keepers: dict[int, MetaKeeper] = {
+            id(t): t for t in self.tiers if isinstance(t, MetaKeeper)}
         # What tiers stored and removed, until `take_events`; bounded so that a store nobody
         # drains keeps only the newest events.
         self._events: deque[StoreEvent] = deque(maxlen=MAX_PENDING_EVENTS)
@@ -355,7 +361,11 @@ class TieredStore:
         tier gives none (declined, full, or holding it already). None when the read fails,
         or when the borrow it was for was abandoned meanwhile (the slot is released)."""
         with ExitStack() as reservation:
-            slot = reservation.enter_context(top.reserve(key))
+            meta = self._meta_of(tier, key)
+            keeper = self._keepers.get(id(top)) if meta is not None else None
+            slot = reservation.enter_context(
+                top.reserve(key) if keeper is None or meta is None
+                else keeper.reserve_meta(key, meta))
             target = spare if slot is None else slot.data
             if not self._counted(tier, tier.get_into(key, target)):
                 return None  # the slot is released here
@@ -367,27 +377,59 @@ class TieredStore:
 
     def _promote(self, level: int, key: ChunkKey, data: memoryview, top: bool = True) -> None:
         """Copy a chunk found at `level` into the faster tiers above it (the top one too
-        unless `top` is False: it was filled in place)."""
+        unless `top` is False: it was filled in place), with its tenant, pin and expiry
+        where the tier it came from keeps them."""
         if level == 0:
             return
+        meta = self._meta_of(self.tiers[level], key)
         if top:
-            self._put_top(key, data)
+            self._put_top(key, data, meta)
         if level > 1:
             copy = memoryview(bytes(data))
             for writer in self._below[: level - 1]:
-                writer.submit(key, copy)
+                writer.submit(key, copy, meta)
+
+    def _meta_of(self, tier: Tier, key: ChunkKey) -> ChunkMeta | None:
+        keeper = self._keepers.get(id(tier))
+        return None if keeper is None else self._guarded(tier, None, keeper.meta_of, key)
 
     # -- writes ----------------------------------------------------------------------------
-    def put(self, key: ChunkKey, data: memoryview) -> bool:
+    def put(self, key: ChunkKey, data: memoryview, meta: ChunkMeta | None = None) -> bool:
         """Store a chunk (exactly layout.bytes_per_chunk bytes): in the top tier now, in the
-        lower tiers behind. True when the top tier stored it (or already held it)."""
-        stored = self._put_top(key, data)
+        lower tiers behind. True when the top tier stored it (or already held it).
+        `meta`: its tenant, pin and expiry, for the tiers that keep them (`MetaKeeper`)."""
+        stored = self._put_top(key, data, meta)
         pending = self._writers()
         if pending:
             copy = memoryview(bytes(data))  # the caller may reuse `data` once we return
             for writer in pending:
-                writer.submit(key, copy)
+                writer.submit(key, copy, meta)
         return stored
+
+    def retain(self, key: ChunkKey, meta: ChunkMeta) -> int:
+        """Extend a held chunk's pin and expiry to `meta`'s in every tier that keeps them
+        and holds it (a hit of a request that asks to retain its prefix); the number of
+        tiers that did. Tiers below the top are asked with the read deadline. Any thread."""
+        done = 0
+        for level, tier in enumerate(self.tiers):
+            keeper = self._keepers.get(id(tier))
+            if keeper is None:
+                continue
+            if level == 0:
+                done += self._guarded(tier, False, keeper.retain, key, meta)
+            else:
+                done += self._calls.call(tier.name, False, self._guarded, tier, False,
+                                         keeper.retain, key, meta)
+        return done
+
+    def _guarded(self, tier: Tier, default: T, fn: Callable[..., T], *args: object) -> T:
+        """`fn(*args)`, or `default` (logged) when it raises: a broken tier costs its
+        metadata, never the caller."""
+        try:
+            return fn(*args)
+        except Exception as exc:
+            log.warning("tier %r: %s failed (%s)", tier.name, getattr(fn, "__name__", fn), exc)
+            return default
 
     def _writers(self) -> list[WriteBehind]:
         """The lower tiers to write behind to: all but the stalled ones (whether one holds
@@ -395,16 +437,18 @@ class TieredStore:
         return [w for w in self._below if self._calls.usable(w.tier.name)]
 
     def put_from(self, key: ChunkKey, fill: Callable[[memoryview], None],
-                 spare: memoryview) -> bool:
+                 spare: memoryview, meta: ChunkMeta | None = None) -> bool:
         """`put` of a chunk that `fill(view)` writes into a chunk-long view: straight into
         a slot of the top tier when it is a `Reserver` (one copy in all), else into `spare`
         (the caller's buffer), then stored as by `put`. True when the top tier stored it
         (or held it already). `fill` runs on the calling thread; what it raises propagates
-        and nothing is stored."""
+        and nothing is stored. `meta` as for `put`."""
         if self._reserver is None:
             fill(spare)
-            return self.put(key, spare)
-        with self._reserver.reserve(key) as slot:
+            return self.put(key, spare, meta)
+        keeper = self._keepers.get(id(self._reserver)) if meta is not None else None
+        with (self._reserver.reserve(key) if keeper is None or meta is None
+              else keeper.reserve_meta(key, meta)) as slot:
             if slot is None and self._contains(self.tiers[0], key):
                 return True  # held: written behind when it was stored
             pending = self._writers()
@@ -417,13 +461,15 @@ class TieredStore:
             if slot is not None:
                 slot.commit()
         for writer in pending:
-            writer.submit(key, copy)
+            writer.submit(key, copy, meta)
         return slot is not None or self._contains(self.tiers[0], key)
 
-    def _put_top(self, key: ChunkKey, data: memoryview) -> bool:
+    def _put_top(self, key: ChunkKey, data: memoryview, meta: ChunkMeta | None = None) -> bool:
         top = self.tiers[0]
+        keeper = self._keepers.get(id(top)) if meta is not None else None
         try:
-            result = top.put(key, data)
+            result = top.put(key, data) if keeper is None or meta is None \
+                else keeper.put_meta(key, data, meta)
         except Exception as exc:
             log.warning("tier %r: write of %s failed (%s); dropped", top.name, key.hex(), exc)
             result = TierResult(Failure.RAISED)
@@ -445,6 +491,9 @@ class TieredStore:
             queued_writes=sum(w.pending for w in self._below),
             queue_drops={w.tier.name: w.drops for w in self._below},
             failures=self._failures.snapshot(),
+            retention={tier.name: self._guarded(tier, RetentionStats(), keeper.retention_stats)
+                       for tier in self.tiers
+                       if (keeper := self._keepers.get(id(tier))) is not None},
         )
 
     def close(self, flush_timeout_s: float | None = None) -> None:

@@ -15,6 +15,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from kvtier.core.keys import ChunkKey
+from kvtier.core.retention import ChunkMeta, MetaKeeper
 from kvtier.core.tier import Failure, Tier
 
 log = logging.getLogger(__name__)
@@ -52,21 +53,27 @@ class WriteBehind:
         # evicts while its copy is on its way down is not lost).
         self.inflight: set[ChunkKey] = set()
 
-    def submit(self, key: ChunkKey, data: memoryview) -> bool:
+    def submit(self, key: ChunkKey, data: memoryview, meta: ChunkMeta | None = None) -> bool:
+        """Queue a write (`meta`: the chunk's tenant, pin and expiry, passed on to a tier
+        that keeps them); False when the queue is full (dropped, counted)."""
         if not self._slots.acquire(blocking=False):  # full: drop rather than block
             self.drops += 1
             return False
         with self._idle:
             self._pending += 1
             self.inflight.add(key)
-        self._pool.submit(self._write, key, data)
+        self._pool.submit(self._write, key, data, meta)
         return True
 
-    def _write(self, key: ChunkKey, data: memoryview) -> None:
+    def _write(self, key: ChunkKey, data: memoryview, meta: ChunkMeta | None) -> None:
+        keeper = self.tier if meta is not None and isinstance(self.tier, MetaKeeper) else None
         try:
             if self.tier.contains(key):  # asked here, off the caller's thread: may block
+                if keeper is not None and meta is not None:
+                    keeper.retain(key, meta)  # a later pin or expiry still applies
                 return
-            result = self.tier.put(key, data)
+            result = self.tier.put(key, data) if keeper is None or meta is None \
+                else keeper.put_meta(key, data, meta)
             if result.failure is not None:
                 self._failures.add(self.tier.name, result.failure)
         except Exception:  # a broken tier must not kill the writer thread

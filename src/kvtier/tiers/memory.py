@@ -10,6 +10,13 @@ pinned (never overwritten or reused) until the borrower leaves, so the vLLM work
 straight from the slab; and a `Reserver`: `reserve(key)` hands out a free slot to fill in
 place (the worker's gather, a slower tier's read), so a store or a promotion is one copy.
 `put` is a reservation filled by a copy.
+
+It is also a `MetaKeeper` (`kvtier.core.retention`): chunks carry their tenant (cache salt),
+pin and expiry. With `tenant_quota`, a tenant at its limit evicts its own least recently used
+chunk to make room, so one tenant's flood cannot push another's warm set out; pinned chunks
+are left out of the eviction policy until their pin ends (pinned bytes bounded by
+`max_pinned_share`); an expired chunk is a miss and its slot is reclaimed (`ttl_s`, or the
+request's own).
 """
 
 from __future__ import annotations
@@ -24,11 +31,11 @@ from typing import Literal
 
 import numpy as np
 
-from kvtier.config import TierSettings
 from kvtier.core.chunkformat import ALIGN_BYTES
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.policies import AdmissionFilter, EvictionPolicy, make_policy
+from kvtier.core.retention import ChunkMeta, RetentionStats
 from kvtier.core.tier import (
     DECLINED,
     FULL,
@@ -40,11 +47,12 @@ from kvtier.core.tier import (
     TierStats,
 )
 from kvtier.tiers.prefault import prefault_in_background
+from kvtier.tiers.retention import RetentionTierSettings, build_book
 
 log = logging.getLogger(__name__)
 
 
-class MemoryTierConfig(TierSettings):
+class MemoryTierConfig(RetentionTierSettings):
     """Host RAM: one preallocated slab of fixed-size slots (pinned when CUDA is present)."""
 
     kind: Literal["memory"]
@@ -71,7 +79,9 @@ class MemoryTier:
 
     config_model = MemoryTierConfig
 
-    def __init__(self, config: MemoryTierConfig, layout: KVLayout) -> None:
+    def __init__(self, config: MemoryTierConfig, layout: KVLayout, *,
+                 clock: Callable[[], float] = time.time) -> None:
+        """`clock`: wall-clock seconds for pins and expiry (a fake in tests)."""
         self.name = config.tier_name
         self.chunk_bytes = layout.bytes_per_chunk
         self.slot_bytes = -(-self.chunk_bytes // ALIGN_BYTES) * ALIGN_BYTES
@@ -97,6 +107,10 @@ class MemoryTier:
         # out for writing; one evicted or deleted while pinned is freed by its last borrower.
         self._pins: dict[int, int] = {}
         self._orphans: set[int] = set()
+        self._config = config
+        # Tenants, pins and expiry of the chunks held (kvtier.core.retention). The policy
+        # holds unpinned chunks only: a pinned one re-enters it when its pin ends.
+        self._book = build_book(config, self.num_slots * self.slot_bytes, clock)
 
     def _allocate(self, size_bytes: int, pin: str) -> np.ndarray:
         if pin != "off":
@@ -123,15 +137,17 @@ class MemoryTier:
         return self._slab[start : start + self.chunk_bytes]
 
     def contains(self, key: ChunkKey) -> bool:
-        return key in self._index
+        return key in self._index and not (self._book.has_deadlines
+                                           and self._book.is_expired(key))
 
     def get_into(self, key: ChunkKey, out: memoryview) -> TierResult:
         start = time.perf_counter()
         with self._lock:
-            index = self._index.get(key)
+            index = self._held(key)
             if index is not None:
                 np.copyto(np.frombuffer(out, dtype=np.uint8), self.slot(index))
                 self._policy.touch(key)
+                self._book.touch(key)
         if index is None:
             self._counters.add(misses=1)
             return MISSING
@@ -144,10 +160,11 @@ class MemoryTier:
         a miss. The slot is pinned, not locked: puts, gets and other borrowers go on."""
         start = time.perf_counter()
         with self._lock:
-            index = self._index.get(key)
+            index = self._held(key)
             if index is not None:
                 self._pins[index] = self._pins.get(index, 0) + 1
                 self._policy.touch(key)
+                self._book.touch(key)
         if index is None:
             self._counters.add(misses=1)
             yield None
@@ -168,10 +185,24 @@ class MemoryTier:
                     self._orphans.discard(index)
                     self._free.append(index)
 
+    def _held(self, key: ChunkKey) -> int | None:
+        """The slot of a held, unexpired chunk (an expired one is removed). Lock held."""
+        index = self._index.get(key)
+        if index is not None and self._book.has_deadlines and self._book.is_expired(key):
+            self._remove(key)
+            self._book.expired_count += 1
+            self._publish()
+            return None
+        return index
+
     def put(self, key: ChunkKey, data: memoryview) -> TierResult:
+        return self.put_meta(key, data, None)
+
+    def put_meta(self, key: ChunkKey, data: memoryview, meta: ChunkMeta | None) -> TierResult:
+        """`put` with the chunk's tenant, pin and expiry (`MetaKeeper`)."""
         if len(data) != self.chunk_bytes:
             raise ValueError(f"chunk is {len(data)} bytes, this tier stores {self.chunk_bytes}")
-        with self._reserve(key) as slot:
+        with self._reserve(key, meta) as slot:
             if isinstance(slot, TierResult):
                 return slot
             np.copyto(np.frombuffer(slot.data, dtype=np.uint8), np.frombuffer(data, dtype=np.uint8))
@@ -181,25 +212,36 @@ class MemoryTier:
     @contextmanager
     def reserve(self, key: ChunkKey) -> Iterator[_Slot | None]:
         """A free slot for `key`, pinned until the block exits (see `Reserver`)."""
-        with self._reserve(key) as slot:
+        with self._reserve(key, None) as slot:
             yield None if isinstance(slot, TierResult) else slot
 
     @contextmanager
-    def _reserve(self, key: ChunkKey) -> Iterator[_Slot | TierResult]:
+    def reserve_meta(self, key: ChunkKey, meta: ChunkMeta | None) -> Iterator[_Slot | None]:
+        """`reserve` of a chunk with its tenant, pin and expiry (`MetaKeeper`); a chunk held
+        already gets `meta`'s pin and expiry (as by `retain`)."""
+        with self._reserve(key, meta) as slot:
+            yield None if isinstance(slot, TierResult) else slot
+
+    @contextmanager
+    def _reserve(self, key: ChunkKey, meta: ChunkMeta | None) -> Iterator[_Slot | TierResult]:
         """`reserve`, saying why there is no slot: OK (held already), DECLINED or FULL."""
-        if key in self._index:
+        if self.contains(key):
+            if meta is not None:
+                self.retain(key, meta)
             yield OK
             return
         if not self._admission.offer(key):
             yield DECLINED
             return
         start = time.perf_counter()
+        tenant = meta.tenant if meta is not None else None
         with self._lock:
-            index = None if key in self._index else self._take_slot()
+            held = self._held(key) is not None
+            index = None if held else self._take_slot(tenant)
             if index is not None:
                 self._pins[index] = 1  # in neither the index nor the free list: ours alone
         if index is None:
-            if key in self._index:
+            if held or key in self._index:
                 yield OK
                 return
             self._counters.add(dropped_writes=1)
@@ -210,7 +252,7 @@ class MemoryTier:
         def commit() -> None:
             nonlocal committed
             committed = True
-            self._commit(key, index, start)
+            self._commit(key, index, start, meta)
 
         try:
             yield _Slot(self.slot(index).data, commit)
@@ -220,45 +262,108 @@ class MemoryTier:
                     self._orphans.add(index)  # freed by the unpin below
             self._unpin(index)
 
-    def _commit(self, key: ChunkKey, index: int, start: float) -> None:
+    def _commit(self, key: ChunkKey, index: int, start: float, meta: ChunkMeta | None) -> None:
         with self._lock:
             if key in self._index:  # another writer stored it meanwhile: this slot is spare
                 self._orphans.add(index)
                 return
             self._index[key] = index
-            self._policy.insert(key)
+            if not self._book.record(key, meta, self.slot_bytes):
+                self._policy.insert(key)  # pinned chunks stay out of the policy
             self.events.stored(key)
             held = len(self._index)
         self._counters.add(puts=1, bytes_written=self.chunk_bytes,
                            write_s=time.perf_counter() - start)
         self._counters.set(chunks=held, used_bytes=held * self.slot_bytes)
 
-    def _take_slot(self) -> int | None:
-        """A free slot, evicting by policy when none is free. Caller holds the lock."""
+    def _take_slot(self, tenant: str | None) -> int | None:
+        """A free slot for a chunk of `tenant`: one of its own chunks when it is at its quota
+        (None when all of them are pinned), else a free one, else one evicted by policy
+        (never a pinned chunk). Caller holds the lock."""
+        self._reap()
+        if self._book.over_quota(tenant, self.slot_bytes):
+            victim = self._book.own_victim(tenant)
+            if victim is None:
+                return None
+            self._policy.remove(victim)
+            index = self._evict(victim)
+            if index is not None:
+                return index
         if self._free:
             return self._free.pop()
         while (victim := self._policy.evict()) is not None:
-            self._counters.add(evictions=1)
-            self.events.removed(victim)
-            index = self._index.pop(victim)
-            if index not in self._pins:
+            index = self._evict(victim)
+            if index is not None:
                 return index
-            self._orphans.add(index)  # being read: its last borrower frees it
         return None
+
+    def _evict(self, victim: ChunkKey) -> int | None:
+        """Evict `victim` (out of the policy already); its slot, or None when it is being
+        read (its last borrower frees it). Caller holds the lock."""
+        self._counters.add(evictions=1)
+        self.events.removed(victim)
+        self._book.forget(victim, evicted=True)
+        index = self._index.pop(victim)
+        if index not in self._pins:
+            return index
+        self._orphans.add(index)
+        return None
+
+    def _remove(self, key: ChunkKey) -> None:
+        """Remove a held chunk (deleted or expired) and free its slot. Caller holds the
+        lock; the caller publishes the counters."""
+        index = self._index.pop(key)
+        self._policy.remove(key)
+        self._book.forget(key)
+        if index in self._pins:
+            self._orphans.add(index)
+        else:
+            self._free.append(index)
+        self.events.removed(key)
+
+    def _reap(self) -> None:
+        """Put chunks whose pin ended back in the policy; remove expired ones. Lock held."""
+        if not self._book.has_deadlines:
+            return
+        for key in self._book.lapsed_pins():
+            self._policy.insert(key)
+        expired = [key for key in self._book.due_expiries() if key in self._index]
+        for key in expired:
+            self._remove(key)
+        if expired:
+            self._publish()
+
+    def _publish(self) -> None:
+        held = len(self._index)
+        self._counters.set(chunks=held, used_bytes=held * self.slot_bytes)
+
+    # -- MetaKeeper: tenants, pins, expiry ---------------------------------------------------
+    def retain(self, key: ChunkKey, meta: ChunkMeta) -> bool:
+        """Extend a held chunk's pin and expiry (`MetaKeeper`); False when not held."""
+        with self._lock:
+            if self._held(key) is None:
+                return False
+            if self._book.retain(key, meta):
+                self._policy.remove(key)  # pinned now: out of the policy
+            return True
+
+    def meta_of(self, key: ChunkKey) -> ChunkMeta | None:
+        with self._lock:
+            return self._book.meta_of(key)
+
+    def retention_stats(self) -> RetentionStats:
+        """Pins, expiries and per-tenant usage; expired chunks are reclaimed first, so the
+        figures are current (the vLLM worker asks every step)."""
+        with self._lock:
+            self._reap()
+            return self._book.stats()
 
     def delete(self, key: ChunkKey) -> bool:
         with self._lock:
-            index = self._index.pop(key, None)
-            if index is None:
+            if key not in self._index:
                 return False
-            self._policy.remove(key)
-            if index in self._pins:
-                self._orphans.add(index)
-            else:
-                self._free.append(index)
-            held = len(self._index)
-        self._counters.set(chunks=held, used_bytes=held * self.slot_bytes)
-        self.events.removed(key)
+            self._remove(key)
+            self._publish()
         return True
 
     def stats(self) -> TierStats:
@@ -268,5 +373,7 @@ class MemoryTier:
         self._stop_prefault.set()
         with self._lock:
             self._index.clear()
+            self._book = build_book(self._config, self.num_slots * self.slot_bytes,
+                                    self._book.clock)
             self._orphans = set(self._pins)
             self._free = [i for i in range(self.num_slots - 1, -1, -1) if i not in self._pins]

@@ -1,0 +1,381 @@
+"""Per-chunk tenant, pin and expiry, and per-tenant quotas: what a tier needs to honour them.
+
+A chunk stored for a request carries a `ChunkMeta`: its tenant (the request's vLLM
+`cache_salt`; None is the default tenant), until when it is pinned (`retain_until`: eviction
+never picks it before then) and when it expires (`expires_at`: from then on it is a miss and
+its space is reclaimed). Times are wall-clock seconds (`time.time()`), so that a deadline
+means the same in every process and survives a restart where a tier persists it.
+
+Tiers that keep this metadata offer the optional `MetaKeeper` protocol; the store passes
+metadata only to those (`kvtier.core.store.TieredStore.put(..., meta=)`), and other tiers
+never see it. A tier's own bookkeeping is a `RetentionBook` (tier-independent, not
+thread-safe: the tier locks): per-tenant usage and LRU order, pins bounded by
+`max_pinned_share` of the tier, expiry, and the counters behind `RetentionStats`.
+
+Tenant names never reach logs or metrics: `tenant_label` gives a bounded-cardinality label
+(a hash prefix of the salt, "other" beyond MAX_TENANT_LABELS distinct tenants).
+
+Primitives: `ChunkMeta`, `MetaKeeper` (optional tier protocol), `TenantQuota`,
+`RetentionBook`, `RetentionStats`, `TenantUsage`, `tenant_label`, `DEFAULT_TENANT`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from kvtier.core.keys import ChunkKey
+from kvtier.core.tier import Slot, TierResult
+
+DEFAULT_TENANT = "default"  # the label of chunks of requests without a cache salt
+OTHER_TENANTS = "other"  # the label of every tenant past MAX_TENANT_LABELS
+MAX_TENANT_LABELS = 32  # distinct tenant labels per process (bounded metric cardinality)
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkMeta:
+    """What a request asks of its chunks' lifetime in the tiers, and whose they are."""
+
+    tenant: str | None = None  # the request's cache_salt; None: the default tenant
+    retain_until: float | None = None  # wall-clock s: never evicted before then (a pin)
+    expires_at: float | None = None  # wall-clock s: a miss from then on, space reclaimed
+
+    @classmethod
+    def for_request(cls, tenant: str | None, retain_s: float | None, ttl_s: float | None,
+                    now_s: float) -> ChunkMeta:
+        """The metadata of a request's chunks stored at `now_s` (wall clock)."""
+        return cls(tenant=tenant,
+                   retain_until=None if retain_s is None else now_s + retain_s,
+                   expires_at=None if ttl_s is None else now_s + ttl_s)
+
+    def __repr__(self) -> str:  # the tenant is a cache salt: possibly a secret
+        return (f"ChunkMeta(tenant={tenant_label(self.tenant)}, "
+                f"retain_until={self.retain_until}, expires_at={self.expires_at})")
+
+
+@runtime_checkable
+class MetaKeeper(Protocol):
+    """An optional ability of a tier: it keeps each chunk's `ChunkMeta` (tenant for quotas,
+    pins, expiry). `TieredStore` calls these instead of `put`/`reserve` when it has metadata
+    to pass, and never calls them on other tiers."""
+
+    def put_meta(self, key: ChunkKey, data: memoryview, meta: ChunkMeta) -> TierResult:
+        """`Tier.put` of a chunk with its metadata (an already held chunk gets `meta`
+        merged in, as by `retain`)."""
+        ...
+
+    def reserve_meta(self, key: ChunkKey,
+                     meta: ChunkMeta) -> AbstractContextManager[Slot | None]:
+        """`Reserver.reserve` of a chunk with its metadata (for tiers that reserve)."""
+        ...
+
+    def retain(self, key: ChunkKey, meta: ChunkMeta) -> bool:
+        """Extend a held chunk's pin and expiry to `meta`'s (a later pin or expiry wins; a
+        pin beyond the tier's bound is refused and counted). False when not held."""
+        ...
+
+    def meta_of(self, key: ChunkKey) -> ChunkMeta | None:
+        """The metadata of a held chunk (carried along when it is promoted), or None."""
+        ...
+
+    def retention_stats(self) -> RetentionStats:
+        """Pins, expiries and per-tenant usage now."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class TenantQuota:
+    """How much of a tier one tenant may hold: a share of its capacity or a cap in bytes
+    (exactly one of them; checked by the tier's config model)."""
+
+    share: float | None = None  # (0, 1]: at most this share of the tier's capacity
+    cap_bytes: int | None = None  # at most this many bytes
+
+    def limit_bytes(self, capacity_bytes: int) -> int:
+        if self.cap_bytes is not None:
+            return self.cap_bytes
+        return int(capacity_bytes * (self.share if self.share is not None else 1.0))
+
+
+@dataclass(frozen=True, slots=True)
+class TenantUsage:
+    """One tenant's part of a tier (labels are bounded: see `tenant_label`)."""
+
+    tenant: str  # label: "default", "t-<8 hex of a hash of the salt>", or "other"
+    used_bytes: int  # bytes its chunks take now
+    chunks: int  # chunks it holds now
+    evictions: int  # its chunks evicted so far (by its own quota or the tier's LRU)
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionStats:
+    """A tier's pins, expiries and per-tenant usage (a snapshot)."""
+
+    pinned_bytes: int = 0  # bytes of chunks pinned now
+    pinned_chunks: int = 0  # chunks pinned now
+    pins_refused: int = 0  # pins refused (beyond max_pinned_share): stored unpinned
+    expired: int = 0  # chunks removed because their expiry passed
+    quota_evictions: int = 0  # chunks evicted because their tenant was at its quota
+    tenants: tuple[TenantUsage, ...] = ()
+
+
+class _Labels:
+    """Salt -> bounded label, first come first served. Thread-safe."""
+
+    def __init__(self, max_labels: int) -> None:
+        self._lock = threading.Lock()
+        self._labels: dict[str, str] = {}
+        self._max = max_labels
+
+    def label(self, tenant: str | None) -> str:
+        if tenant is None:
+            return DEFAULT_TENANT
+        with self._lock:
+            found = self._labels.get(tenant)
+            if found is None:
+                if len(self._labels) >= self._max:
+                    return OTHER_TENANTS
+                digest = hashlib.sha256(b"kvtier-tenant-label-v1|" + tenant.encode()).hexdigest()
+                found = self._labels[tenant] = "t-" + digest[:8]
+            return found
+
+
+_LABELS = _Labels(MAX_TENANT_LABELS)
+
+
+def tenant_label(tenant: str | None) -> str:
+    """A label naming `tenant` in metrics and logs without revealing it: "default" (no
+    salt), "t-" + 8 hex digits of a domain-separated SHA-256 of the salt (stable across
+    processes and restarts), or "other" once MAX_TENANT_LABELS tenants have labels."""
+    return _LABELS.label(tenant)
+
+
+class _Tenant:
+    """One tenant's chunks in a `RetentionBook`."""
+
+    __slots__ = ("chunks", "evictions", "order", "used_bytes")
+
+    def __init__(self) -> None:
+        self.used_bytes = 0
+        self.chunks = 0
+        self.evictions = 0
+        # Its unpinned chunks, least recently used first (its own victims under a quota).
+        self.order: OrderedDict[ChunkKey, None] = OrderedDict()
+
+
+class RetentionBook:
+    """Tenant, pin and expiry of every chunk of one tier, and per-tenant usage.
+
+    Not thread-safe: the owning tier calls it under its own lock. The tier keeps its own
+    eviction policy over *unpinned* chunks only: `record` says whether a new chunk is pinned
+    (then the tier leaves it out of its policy), and `lapsed_pins` hands back chunks whose
+    pin ended (the tier puts them back into its policy).
+    """
+
+    def __init__(self, capacity_bytes: int, *, quota: TenantQuota | None = None,
+                 max_pinned_share: float = 0.5, ttl_s: float | None = None,
+                 clock: Callable[[], float]) -> None:
+        """Args:
+            capacity_bytes: the tier's capacity (shares are of it).
+            quota: per-tenant limit, or None (no quota).
+            max_pinned_share: pinned bytes never exceed this share of the capacity.
+            ttl_s: the tier's default expiry for chunks whose request set none (None: never).
+            clock: wall-clock seconds (`time.time`; a fake in tests).
+        """
+        self.clock = clock
+        self._quota_bytes = None if quota is None else quota.limit_bytes(capacity_bytes)
+        self._max_pinned_bytes = int(capacity_bytes * max_pinned_share)
+        self._ttl_s = ttl_s
+        self._tenant_of: dict[ChunkKey, str | None] = {}
+        self._size: dict[ChunkKey, int] = {}
+        self._tenants: dict[str | None, _Tenant] = {}
+        self._pinned: dict[ChunkKey, float] = {}  # key -> pinned until
+        self._pin_heap: list[tuple[float, ChunkKey]] = []
+        self._expires: dict[ChunkKey, float] = {}  # key -> expires at
+        self._expiry_heap: list[tuple[float, ChunkKey]] = []
+        self.pinned_bytes = 0
+        self.pins_refused = 0
+        self.expired_count = 0
+        self.quota_evictions = 0
+        self._gone: dict[str | None, int] = {}  # evictions of tenants holding nothing now
+
+    # -- chunks in and out -------------------------------------------------------------------
+    def record(self, key: ChunkKey, meta: ChunkMeta | None, size_bytes: int) -> bool:
+        """A chunk became resident; True when it is pinned (leave it out of the policy)."""
+        tenant = meta.tenant if meta is not None else None
+        self._tenant_of[key] = tenant
+        self._size[key] = size_bytes
+        account = self._tenants.get(tenant)
+        if account is None:
+            account = self._tenants[tenant] = _Tenant()
+            account.evictions = self._gone.pop(tenant, 0)
+        account.used_bytes += size_bytes
+        account.chunks += 1
+        expires_at = meta.expires_at if meta is not None else None
+        if expires_at is None and self._ttl_s is not None:
+            expires_at = self.clock() + self._ttl_s
+        if expires_at is not None:
+            self._set_expiry(key, expires_at)
+        until = meta.retain_until if meta is not None else None
+        if until is not None and self._pin(key, until):
+            return True
+        account.order[key] = None
+        return False
+
+    def forget(self, key: ChunkKey, *, evicted: bool = False) -> None:
+        """A chunk left (deleted, evicted, expired, corrupt); `evicted` counts it against its
+        tenant's evictions."""
+        if key not in self._tenant_of:
+            return
+        tenant = self._tenant_of.pop(key)
+        size = self._size.pop(key)
+        account = self._tenants[tenant]
+        account.used_bytes -= size
+        account.chunks -= 1
+        account.order.pop(key, None)
+        if evicted:
+            account.evictions += 1
+        if key in self._pinned:
+            del self._pinned[key]
+            self.pinned_bytes -= size
+        self._expires.pop(key, None)
+        if account.chunks == 0:
+            del self._tenants[tenant]
+            self._gone[tenant] = account.evictions
+            if len(self._gone) > 4 * MAX_TENANT_LABELS:  # bounded: oldest forgotten
+                del self._gone[next(iter(self._gone))]
+
+    def touch(self, key: ChunkKey) -> None:
+        """A resident chunk was read (its tenant's LRU order)."""
+        tenant = self._tenant_of.get(key, None)
+        account = self._tenants.get(tenant)
+        if account is not None and key in account.order:
+            account.order.move_to_end(key)
+
+    def retain(self, key: ChunkKey, meta: ChunkMeta) -> bool:
+        """Extend a resident chunk's pin and expiry (later ones win); True when the chunk
+        has just become pinned (the tier takes it out of its policy)."""
+        if meta.expires_at is not None and meta.expires_at > self._expires.get(key, 0.0):
+            self._set_expiry(key, meta.expires_at)
+        if meta.retain_until is None:
+            return False
+        if key in self._pinned:
+            if meta.retain_until > self._pinned[key]:
+                self._pinned[key] = meta.retain_until
+                heapq.heappush(self._pin_heap, (meta.retain_until, key))
+            return False
+        if self._pin(key, meta.retain_until):
+            self._tenants[self._tenant_of[key]].order.pop(key, None)
+            return True
+        return False
+
+    # -- what to evict -----------------------------------------------------------------------
+    def tenant_of(self, key: ChunkKey) -> str | None:
+        return self._tenant_of.get(key)
+
+    def meta_of(self, key: ChunkKey) -> ChunkMeta | None:
+        if key not in self._tenant_of:
+            return None
+        return ChunkMeta(self._tenant_of[key], self._pinned.get(key), self._expires.get(key))
+
+    def is_pinned(self, key: ChunkKey) -> bool:
+        return key in self._pinned
+
+    def over_quota(self, tenant: str | None, size_bytes: int) -> bool:
+        """Whether storing `size_bytes` more for `tenant` would pass its quota."""
+        if self._quota_bytes is None:
+            return False
+        account = self._tenants.get(tenant)
+        used = account.used_bytes if account is not None else 0
+        return used + size_bytes > self._quota_bytes
+
+    def own_victim(self, tenant: str | None) -> ChunkKey | None:
+        """The tenant's least recently used unpinned chunk, counted as a quota eviction (the
+        tier evicts it and calls `forget`), or None when it has none."""
+        account = self._tenants.get(tenant)
+        if account is None or not account.order:
+            return None
+        key = next(iter(account.order))
+        self.quota_evictions += 1
+        return key
+
+    def is_expired(self, key: ChunkKey) -> bool:
+        """Whether a resident chunk's expiry has passed (a miss; the tier reclaims it)."""
+        at = self._expires.get(key)
+        return at is not None and at <= self.clock()
+
+    def due_expiries(self) -> list[ChunkKey]:
+        """Resident chunks whose expiry has passed (the tier removes them and calls
+        `forget`); counted as expired."""
+        now = self.clock()
+        due: list[ChunkKey] = []
+        while self._expiry_heap and self._expiry_heap[0][0] <= now:
+            at, key = heapq.heappop(self._expiry_heap)
+            if self._expires.get(key) == at:
+                due.append(key)
+        self.expired_count += len(due)
+        return due
+
+    def lapsed_pins(self) -> list[ChunkKey]:
+        """Chunks whose pin has ended (now unpinned: the tier puts them back in its policy)."""
+        now = self.clock()
+        lapsed: list[ChunkKey] = []
+        while self._pin_heap and self._pin_heap[0][0] <= now:
+            until, key = heapq.heappop(self._pin_heap)
+            if self._pinned.get(key) == until:
+                del self._pinned[key]
+                self.pinned_bytes -= self._size[key]
+                self._tenants[self._tenant_of[key]].order[key] = None
+                lapsed.append(key)
+        return lapsed
+
+    @property
+    def has_deadlines(self) -> bool:
+        """Whether any chunk has a pin or an expiry (else nothing needs checking)."""
+        return bool(self._pin_heap or self._expiry_heap)
+
+    def stats(self) -> RetentionStats:
+        usage: dict[str, list[int]] = {}
+        for tenant, account in self._tenants.items():
+            row = usage.setdefault(tenant_label(tenant), [0, 0, 0])
+            row[0] += account.used_bytes
+            row[1] += account.chunks
+            row[2] += account.evictions
+        for tenant, evictions in self._gone.items():
+            usage.setdefault(tenant_label(tenant), [0, 0, 0])[2] += evictions
+        return RetentionStats(
+            pinned_bytes=self.pinned_bytes, pinned_chunks=len(self._pinned),
+            pins_refused=self.pins_refused, expired=self.expired_count,
+            quota_evictions=self.quota_evictions,
+            tenants=tuple(TenantUsage(label, *row) for label, row in sorted(usage.items())))
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _pin(self, key: ChunkKey, until: float) -> bool:
+        if until <= self.clock():
+            return False
+        size = self._size[key]
+        if self.pinned_bytes + size > self._max_pinned_bytes:
+            self.pins_refused += 1
+            return False
+        self._pinned[key] = until
+        self.pinned_bytes += size
+        heapq.heappush(self._pin_heap, (until, key))
+        if len(self._pin_heap) > 2 * len(self._pinned) + 1024:
+            self._pin_heap = [(t, k) for k, t in self._pinned.items()]
+            heapq.heapify(self._pin_heap)
+        return True
+
+    def _set_expiry(self, key: ChunkKey, at: float) -> None:
+        self._expires[key] = at
+        heapq.heappush(self._expiry_heap, (at, key))
+        # Entries of chunks gone or re-dated stay until their time: rebuild when they
+        # outnumber the live ones, so that churn under a long TTL keeps the heap bounded.
+        if len(self._expiry_heap) > 2 * len(self._expires) + 1024:
+            self._expiry_heap = [(t, k) for k, t in self._expires.items()]
+            heapq.heapify(self._expiry_heap)

@@ -1,0 +1,59 @@
+"""The retention settings a tier may take (per-tenant quota, default TTL, pin bound), and
+the `RetentionBook` built from them (`kvtier.core.retention`).
+
+A tier's config model subclasses `RetentionTierSettings` to accept them (the memory tier
+does); every setting is off by default except the pin bound, which only matters once a
+request asks for a pin (`kv_transfer_params.retain_s`).
+
+Primitives: `TenantQuotaSettings`, `RetentionTierSettings`, `build_book`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from kvtier.config import ByteSize, TierSettings
+from kvtier.core.retention import RetentionBook, TenantQuota
+
+
+class TenantQuotaSettings(BaseModel):
+    """What one tenant (one cache salt; requests without a salt are the "default" tenant)
+    may hold of the tier: exactly one of `share` and `cap`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    share: float | None = Field(None, gt=0, le=1)  # at most this share of the capacity
+    cap: ByteSize | None = None  # at most this many bytes, e.g. "2GiB"
+
+    @model_validator(mode="after")
+    def _one_limit(self) -> TenantQuotaSettings:
+        if (self.share is None) == (self.cap is None):
+            raise ValueError("exactly one of share (0-1] or cap (bytes, e.g. \"2GiB\")")
+        return self
+
+    def quota(self) -> TenantQuota:
+        return TenantQuota(share=self.share, cap_bytes=self.cap)
+
+
+class RetentionTierSettings(TierSettings):
+    """Settings of a tier that keeps per-chunk tenant, pin and expiry (`MetaKeeper`)."""
+
+    # Per-tenant limit, e.g. {"share": 0.5} or {"cap": "2GiB"}; a tenant at its limit
+    # evicts its own least recently used chunks first. None: no quota.
+    tenant_quota: TenantQuotaSettings | None = None
+    # Chunks expire this long after they are stored unless their request set `ttl_s`
+    # (a miss from then on; the space is reclaimed). None: never.
+    ttl_s: float | None = Field(None, gt=0)
+    # Pinned bytes (`kv_transfer_params.retain_s`) never exceed this share of the capacity:
+    # a pin beyond it is refused (counted) and its chunk stored unpinned. 0: no pins.
+    max_pinned_share: float = Field(0.5, ge=0, le=1)
+
+
+def build_book(config: RetentionTierSettings, capacity_bytes: int,
+               clock: Callable[[], float]) -> RetentionBook:
+    """The `RetentionBook` of a tier of `capacity_bytes` with `config`'s settings."""
+    quota = config.tenant_quota.quota() if config.tenant_quota is not None else None
+    return RetentionBook(capacity_bytes, quota=quota, max_pinned_share=config.max_pinned_share,
+                         ttl_s=config.ttl_s, clock=clock)
