@@ -10,6 +10,13 @@ directory), `chunk_tokens`-token chunks:
     shared directory behind `kvtier proxy` (kvtier.ops.disagg_proxy), which gets every
     request; the two servers share this machine's cores.
 
+Where the servers' model compute runs (`split_cores`): by default vLLM's CPU backend binds
+each server's worker threads itself, to the same cores in every process (the first cores of
+the NUMA node, the last one reserved for the engine core), so on one machine the prefill and
+the decode instance compute on the same core(s). `split_cores` binds them instead
+(VLLM_CPU_OMP_THREADS_BIND): the single server's worker on every core, the prefill's on the
+first half, the decode's on the second, the way separate hardware would hold them.
+
 The workload (the same for both): K streams (short prompts) decode `stream_tokens` tokens
 each; while they run, M long, new prompts (`arrival_tokens`, never seen before) arrive
 `arrival_gap_s` apart and generate `arrival_max_tokens` each. Measured, through the front
@@ -78,6 +85,9 @@ class DisaggBenchConfig:
     chunk_tokens: int = 128  # kvtier's tokens_per_chunk (a multiple of vLLM's block, 128)
     engine_kv_bytes: int = 1 * GIB  # each server's own KV cache (--kv-cache-memory-bytes)
     startup_timeout_s: float = 600.0  # per server start
+    # False: vLLM's own CPU binding (every server's worker on the same cores); True: the
+    # cores split between prefill and decode, all of them for single (module docstring)
+    split_cores: bool = False
     request_timeout_s: float = 300.0  # one request's limit
 
     def validate(self) -> None:
@@ -98,6 +108,8 @@ class DisaggBenchConfig:
         for name in self.setups:
             if name not in SETUPS:
                 raise ConfigError("setups", name, f"some of {SETUPS}")
+        if self.split_cores and len(os.sched_getaffinity(0)) < 2:
+            raise ConfigError("split_cores", True, "a machine with at least 2 cores")
 
     @property
     def max_model_len(self) -> int:
@@ -168,11 +180,29 @@ def _command(config: DisaggBenchConfig, model: Path, shared: Path, kv_role: str)
     extra = {"tokens_per_chunk": config.chunk_tokens,
              "tiers": [{"kind": "memory", "capacity": "2GiB"},
                        {"kind": "shared", "path": str(shared), "capacity": "8GiB"}]}
-    return build_command(ServeConfig(
+    command = build_command(ServeConfig(
         str(model), extra_config=extra, port=free_port(), kv_role=kv_role,
         vllm_args=("--enforce-eager", "--seed", "0", "--max-model-len",
                    str(config.max_model_len), "--kv-cache-memory-bytes",
                    str(config.engine_kv_bytes))))
+    if not config.split_cores:
+        return command
+    return dataclasses.replace(command, env={
+        **command.env, "VLLM_CPU_OMP_THREADS_BIND": worker_cores(kv_role)})
+
+
+def worker_cores(kv_role: str, cores: list[int] | None = None) -> str:
+    """The cores (VLLM_CPU_OMP_THREADS_BIND's "0,1" form) of a server's worker threads under
+    `split_cores`: every core for kv_both (the single server), the first half of them for the
+    prefill instance (kv_producer), the rest for the decode instance (kv_consumer).
+
+    Args:
+        cores: the cores to split; default: those this process may run on.
+    """
+    cores = sorted(os.sched_getaffinity(0)) if cores is None else sorted(cores)
+    half = max(1, len(cores) // 2)
+    chosen = {"kv_producer": cores[:half], "kv_consumer": cores[half:]}.get(kv_role, cores)
+    return ",".join(str(c) for c in chosen)
 
 
 @contextlib.contextmanager
