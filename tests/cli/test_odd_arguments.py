@@ -1,26 +1,35 @@
 """Odd argument values never make the CLI print a traceback (issue 14).
 
-Hypothesis feeds `kvtier plan`, `kvtier audit` and `kvtier simulate` (in process, through
-`kvtier.cli.main.main`) with odd values: empty strings, NaN and infinities, 300-digit
-numbers, negative sizes, control characters, Python dicts where JSON belongs, and random JSON
-connector configs. Each run must end with exit status 0, 1 or 2, print no traceback, and
-finish within a few seconds; a status of 2 ends with a `kvtier` error line.
+Hypothesis feeds every command (in process, through `kvtier.cli.main.main`) with odd values:
+empty strings, NaN and infinities, 300-digit numbers, negative sizes, control characters,
+Python dicts where JSON belongs, and random JSON connector configs. Each run must end with
+exit status 0, 1 or 2, print no traceback, and finish within a few seconds; a status of 2
+ends with a `kvtier` error line. The options of doctor, inspect, gc, serve and bench are read
+from the parser itself, so a new option is fed too.
+
+What must not happen in a test is cut off where it would start, never earlier: `serve` always
+gets `--dry-run`, `gc` always `--dry-run`, and each benchmark's measuring function (which
+would start vLLM or move gigabytes) is replaced by one that ends the run, so argument
+parsing and configuration checks run for real. doctor's two child-process probes (importing
+the connector, pinning memory: seconds each, independent of the arguments) are stubbed.
 """
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import shlex
 import signal
-from contextlib import contextmanager, redirect_stderr, redirect_stdout
+import tempfile
+from contextlib import contextmanager, redirect_stderr, redirect_stdout, suppress
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtier.cli.main import EXIT_BROKEN_PIPE, main
+from kvtier.cli.main import EXIT_BROKEN_PIPE, build_parser, main
 
 CONFIG = str(Path(__file__).parents[1] / "data" / "configs" / "llama-3-8b.json")
 SECONDS_PER_RUN = 20  # a generous bound: a hang on odd input is a finding too
@@ -207,3 +216,151 @@ def test_non_utf8_model_config_for_plan(tmp_path):
 def test_simulate_workloads_that_cannot_fit_end_with_an_error(options, expected):
     code, err = run_cli(["simulate", "--requests=5", *options])
     assert code == expected and "Traceback" not in err, err
+
+
+# --- doctor, inspect, gc, serve, bench: options read from the parser ---
+
+def _subparser(parser: argparse.ArgumentParser, path: list[str]) -> argparse.ArgumentParser:
+    for name in path:
+        action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = action.choices[name]
+    return parser
+
+
+def options_of(*path: str, skip: tuple[str, ...] = ()) -> list[str]:
+    """The long options of `kvtier <path>`, --help and `skip` left out."""
+    parser = _subparser(build_parser(), list(path))
+    return sorted(o for a in parser._actions for o in a.option_strings
+                  if o.startswith("--") and o != "--help" and o not in skip)
+
+
+class _WouldRun(Exception):
+    """Raised where a benchmark would start measuring."""
+
+
+def _would_run(*args, **kwargs):
+    raise _WouldRun
+
+
+BENCH_RUNNERS = {  # module -> the names through which it starts measuring
+    "kvtier.cli.bench_storage": ("run_bench",),
+    "kvtier.cli.bench_copy": ("run_and_report",),
+    "kvtier.cli.bench_ttft": ("run_and_report",),
+    "kvtier.cli.bench_sharing": ("run_and_report",),
+    "kvtier.cli.bench_interference": ("run_and_report",),
+    "kvtier.cli.bench_disagg": ("run_and_report",),
+    "kvtier.cli.bench_serve": ("fetch_model", "bench_endpoint"),
+}
+
+
+@contextmanager
+def _nothing_starts():
+    import importlib
+
+    with pytest.MonkeyPatch.context() as mp:
+        for module, names in BENCH_RUNNERS.items():
+            for name in names:
+                mp.setattr(importlib.import_module(module), name, _would_run)
+        from kvtier.ops import doctor
+        from kvtier.ops.machine import Check
+
+        mp.setattr(doctor, "check_connector", lambda *a, **k: Check("connector", "ok", "stub"))
+        mp.setattr(doctor, "check_pinned_memory", lambda *a, **k: Check("pinned", "ok", "stub"))
+        yield
+
+
+def assert_clean_or_would_run(argv: list[str]) -> None:
+    with _nothing_starts(), suppress(_WouldRun):  # parsed and configured; it would measure now
+        assert_clean(argv)
+
+
+WORKDIR = Path(tempfile.mkdtemp(prefix="kvtier-odd-"))
+STORE = WORKDIR / "store.json"
+STORE.write_text(json.dumps({"tiers": [{"kind": "disk", "path": str(WORKDIR / "disk"),
+                                         "capacity": "64MiB"}]}))
+CONFIG_ARG = st.one_of(st.just(str(STORE)), ODD)
+
+
+@SETTINGS
+@given(config=st.one_of(st.none(), CONFIG_ARG),
+       options=_options(options_of("doctor", skip=("--json",))), as_json=st.booleans())
+def test_doctor_odd_values(config, options, as_json):
+    assert_clean_or_would_run(["doctor", *([config] if config is not None else []), *options]
+                              + (["--json"] if as_json else []))
+
+
+@SETTINGS
+@given(config=CONFIG_ARG, options=_options(options_of("inspect", skip=("--config", "--json"))),
+       as_json=st.booleans())
+def test_inspect_odd_values(config, options, as_json):
+    assert_clean(["inspect", f"--config={config}", *options] + (["--json"] if as_json else []))
+
+
+@SETTINGS
+@given(config=CONFIG_ARG,
+       options=_options(options_of("gc", skip=("--config", "--dry-run", "--json"))),
+       as_json=st.booleans())
+def test_gc_odd_values(config, options, as_json):
+    assert_clean(["gc", f"--config={config}", "--dry-run", *options]
+                 + (["--json"] if as_json else []))
+
+
+@SETTINGS
+@given(model=ODD.filter(lambda s: not s.startswith("-")),
+       options=_options(options_of("serve", skip=("--dry-run",))))
+def test_serve_dry_run_odd_values(model, options):
+    assert_clean(["serve", "--dry-run", *options, model])
+
+
+BENCH_WORKLOADS = sorted(next(
+    a for a in _subparser(build_parser(), ["bench"])._actions
+    if isinstance(a, argparse._SubParsersAction)).choices)
+
+
+@SETTINGS
+@given(data=st.data())
+def test_bench_odd_values(data):
+    workload = data.draw(st.sampled_from(BENCH_WORKLOADS))
+    options = data.draw(_options(options_of("bench", workload)))
+    assert_clean_or_would_run(["bench", workload, *options])
+
+
+def test_the_stubs_are_where_the_benchmarks_start():
+    # If a runner is renamed, the property test above would start real benchmarks.
+    import importlib
+
+    for module, names in BENCH_RUNNERS.items():
+        for name in names:
+            assert callable(getattr(importlib.import_module(module), name)), (module, name)
+    assert len(BENCH_WORKLOADS) >= 9
+
+
+# --- every option of every command, each curated odd value, one at a time ---
+# Hypothesis samples; this sweep makes sure that each option meets each of the worst values
+# at least once (it found `bench storage --sizes=1e400`, an OverflowError).
+SWEEP_VALUES = ["", "nan", "inf", "-1", "1e400", "1" * 300, "9" * 300 + "GiB", "abc", "\x00",
+                "{'a': 1}", "99999"]
+SWEEP = [
+    (["plan", CONFIG], options_of("plan", skip=("--json",)), assert_clean),
+    (["audit", "vllm serve m"], options_of("audit", skip=("--json",)), assert_clean),
+    (["simulate", "--requests=5", "--json"],
+     options_of("simulate", skip=("--json", "--requests", "--validate")), assert_clean),
+    (["doctor"], options_of("doctor", skip=("--json",)), assert_clean_or_would_run),
+    (["inspect", f"--config={STORE}"], options_of("inspect", skip=("--json",)), assert_clean),
+    (["gc", f"--config={STORE}", "--dry-run"], options_of("gc", skip=("--json", "--dry-run")),
+     assert_clean),
+    (["serve", "--dry-run", "m"], options_of("serve", skip=("--dry-run",)), assert_clean),
+    *((["bench", w], options_of("bench", w), assert_clean_or_would_run)
+      for w in BENCH_WORKLOADS),
+]
+
+
+@pytest.mark.parametrize(("command", "options", "check"), SWEEP,
+                         ids=[" ".join(c[:2]) for c, _, _ in SWEEP])
+def test_every_option_meets_every_curated_value(command, options, check):
+    assert options, command
+    for option in options:
+        for value in SWEEP_VALUES:
+            check([*command[:-1], f"{option}={value}", command[-1]]
+                  if command[0] in ("serve", "plan", "audit") else
+                  [*command, f"{option}={value}"])

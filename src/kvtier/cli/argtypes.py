@@ -2,7 +2,8 @@
 
 Primitives: `finite_float`, `positive_float`, `fraction`, `positive_int`,
 `non_negative_int`, `int_in(low, high)`, `size_gb`, `port_number`, `path_text`,
-`output_file`, `output_dir` (their parent must exist), `work_dir` (a writable directory).
+`output_file`, `output_dir` (their parent must exist), `work_dir` (a writable directory),
+`any_path`.
 
 argparse turns their `ArgumentTypeError` into "kvtier CMD: error: argument --x: ..." and
 exit status 2, before a command runs; `float("inf")`, `float("nan")` and "1e400" are refused
@@ -166,3 +167,8 @@ def work_dir(text: str) -> Path:
         raise argparse.ArgumentTypeError(
             f"{text!r}: cannot create files there ({exc.strerror or exc})") from None
     return path
+
+
+def any_path(text: str) -> Path:
+    """`path_text` as a Path (it need not exist)."""
+    return Path(path_text(text))

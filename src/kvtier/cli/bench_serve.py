@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import inspect
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
@@ -73,10 +74,29 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="directory for JSON, CSV and PNG (default results/bench-serve)")
 
 
+# Prompt tokens a workload draws and sends in all, from its sizes (multi-round's history
+# grows every turn); more than MAX_PROMPT_TOKENS is a typo (issue 14: `--docs 99999` or
+# `--output-len 1e300` spent minutes building prompts before any request).
+_PROMPT_TOKENS: dict[str, Callable[[dict[str, int]], int]] = {
+    "prefix-repetition": lambda s: (s["num_prefixes"] * s["prefix_len"]
+                                    + s["num_requests"] * (s["prefix_len"] + s["suffix_len"])),
+    "multi-round": lambda s: s["users"] * (s["turns"] * s["first_len"] + s["turns"]
+                                           * (s["turns"] + 1) // 2
+                                           * (s["user_len"] + s["output_len"])),
+    "long-doc": lambda s: s["docs"] * s["questions"] * (s["doc_len"] + s["question_len"]),
+}
+MAX_PROMPT_TOKENS = 20_000_000
+
+
 def build_workload(args: argparse.Namespace) -> Workload:
     """The workload the arguments describe. Raises ConfigError."""
     sizes = {name: getattr(args, name) for name in inspect.signature(args.generator).parameters
              if name not in _NOT_SIZES}
+    name = next((k for k, v in WORKLOADS.items() if v is args.generator), "")
+    total = _PROMPT_TOKENS[name](sizes) if name in _PROMPT_TOKENS else 0
+    if total > MAX_PROMPT_TOKENS:
+        raise ConfigError("workload sizes", sizes,
+                          f"at most {MAX_PROMPT_TOKENS:,} prompt tokens in all ({total:,} asked)")
     workload: Workload = args.generator(**sizes, seed=args.seed,
                                         token_ids=TokenRange.parse(args.token_ids))
     return workload

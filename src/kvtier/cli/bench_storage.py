@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import shlex
 import sys
@@ -31,6 +32,7 @@ from kvtier.cli.argtypes import output_file, work_dir
 from kvtier.errors import ConfigError
 from kvtier.units import parse_size
 
+MAX_CHUNK_BYTES = 1 << 40  # 1 TiB: a larger chunk is a typo
 QUICK = {"trials": 3, "trial_bytes": 32 * MIB, "min_chunks": 2}  # ~10 s on a 2-core VM
 # (subject, op, column title) of the ceilings table
 CEILINGS = (("copy", "put", "copy"), ("direct", "put", "O_DIRECT write"),
@@ -75,9 +77,13 @@ def parse_sizes(text: str) -> tuple[int, ...]:
     sizes = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         try:
-            sizes.append(int(float(part) * MIB))
+            mib = float(part)
         except ValueError:
             sizes.append(parse_size(part, "sizes"))
+            continue
+        if not math.isfinite(mib) or mib * MIB > MAX_CHUNK_BYTES:  # 1e400 overflowed int()
+            raise ConfigError("sizes", part, f"a finite size up to {MAX_CHUNK_BYTES // MIB} MiB")
+        sizes.append(int(mib * MIB))
     if not sizes:
         raise ConfigError("sizes", text, "at least one chunk size, e.g. 0.5,2,8,32")
     return tuple(sizes)

@@ -19,9 +19,8 @@ import argparse
 import json
 import signal
 import sys
-from pathlib import Path
 
-from kvtier.cli.argtypes import port_number
+from kvtier.cli.argtypes import any_path, port_number
 from kvtier.errors import ConfigError
 from kvtier.ops.server import ServerError, VllmServer
 from kvtier.ops.serving import (
@@ -48,11 +47,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="listen port, 1-65535 (default 8000)")
     p.add_argument("--memory", help="kvtier memory tier size, e.g. 8GiB (default: a share of "
                                     "the available RAM; 0: no memory tier)")
-    p.add_argument("--disk-path", type=Path, help="kvtier disk tier directory "
+    p.add_argument("--disk-path", type=any_path, help="kvtier disk tier directory "
                                                   "(default ~/.cache/kvtier/kv)")
     p.add_argument("--disk", help="kvtier disk tier size (default: half the free space, at "
                                   "most 100GiB; 0: no disk tier)")
-    p.add_argument("--config", type=Path, help="a kvtier store config file (YAML/JSON); "
+    p.add_argument("--config", type=any_path, help="a kvtier store config file (YAML/JSON); "
                                                "replaces --memory/--disk/--disk-path")
     p.add_argument("--tokens-per-chunk", type=int,
                    help="tokens per stored chunk, a multiple of vLLM's --block-size (default "
