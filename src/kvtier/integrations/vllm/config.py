@@ -131,6 +131,12 @@ class RequestControls:
     skip_load: bool = False  # never load this request's prefix from kvtier
     skip_store: bool = False  # never store this request's chunks
     max_offload_tokens: int | None = None  # store at most the first N tokens (0 = none)
+    # Pin this request's chunks for this many seconds (LRU never evicts them meanwhile; tiers
+    # bound pinned bytes by their max_pinned_share); a hit extends the pin. None: no pin.
+    retain_s: float | None = None
+    # This request's chunks expire this many seconds after they are stored (a miss from then
+    # on, space reclaimed); None: the tier's own ttl_s, if any.
+    ttl_s: float | None = None
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any] | None) -> RequestControls:
@@ -151,7 +157,8 @@ class RequestControls:
                                   or limit < 0):
             logger.warning("kvtier: ignoring kv_transfer_params.max_offload_tokens=%r", limit)
             limit = None
-        return cls(skip_load=skip_load, skip_store=skip_store, max_offload_tokens=limit)
+        return cls(skip_load=skip_load, skip_store=skip_store, max_offload_tokens=limit,
+                   retain_s=_duration(params, "retain_s"), ttl_s=_duration(params, "ttl_s"))
 
     def within_role(self, kv_role: str | None) -> RequestControls:
         """These switches as the engine's vLLM `kv_role` allows them: a "kv_producer" (a
@@ -159,3 +166,16 @@ class RequestControls:
         loads, "kv_both" (or None) does both (docs/sharing.md, disaggregated prefill)."""
         return replace(self, skip_load=self.skip_load or kv_role == "kv_producer",
                        skip_store=self.skip_store or kv_role == "kv_consumer")
+
+
+def _duration(params: Mapping[str, Any], name: str) -> float | None:
+    """A positive number of seconds from `params[name]`, or None (absent or invalid: logged
+    and ignored, like every per-request switch)."""
+    value = params.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e9:
+        logger.warning("kvtier: ignoring kv_transfer_params.%s=%r (a number of seconds > 0)",
+                       name, value)
+        return None
+    return float(value)

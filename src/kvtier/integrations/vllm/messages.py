@@ -44,6 +44,10 @@ class ChunkTransfer:
     # The request's cache salt (its tenant), or None: a tier that encrypts at rest seals the
     # chunk under that tenant's key (kvtier.core.sealing; the worker notes it in TENANTS).
     tenant: str | None = None
+    # The request's kv_transfer_params.retain_s / ttl_s (config.RequestControls): a store
+    # pins / dates the chunk (kvtier.core.retention.ChunkMeta), a load extends its pin.
+    retain_s: float | None = None
+    ttl_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -60,6 +64,9 @@ class KVTierMetadata(KVConnectorMetadata):
     # Blocks whose failed load the scheduler has learned of (vLLM recomputes them from this
     # step on): stores need no longer avoid them.
     acked_failed_blocks: set[int] = field(default_factory=set)
+    # Chunks kvtier holds already, of requests with retain_s / ttl_s: their pin and expiry
+    # are extended (TieredStore.retain), e.g. a warm-up of a prompt stored before.
+    retains: list[ChunkTransfer] = field(default_factory=list)
 
     def transfers(self) -> list[ChunkTransfer]:
         """Every chunk this plan loads or stores."""

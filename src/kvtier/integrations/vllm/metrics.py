@@ -75,11 +75,22 @@ COUNTERS: dict[str, str] = {
     "stored_tokens": "Tokens stored from vLLM's KV cache",
     "stored_bytes": "KV bytes stored from vLLM's KV cache",
     "store_seconds": "Seconds the workers spent storing KV (copy out of blocks + top tier)",
+    # Retention (kvtier.core.retention; tiers that keep tenants, pins and expiry)
+    "tier_tenant_evictions": "Chunks of a tenant evicted from the tier (by its own quota or "
+                             "the tier's LRU); tenant: a hash prefix of its cache salt, "
+                             "'default' (no salt) or 'other'",
+    "tier_quota_evictions": "Chunks evicted because their tenant was at its tenant_quota",
+    "tier_pins_refused": "Pins (kv_transfer_params.retain_s) refused because the tier's "
+                         "pinned bytes reached max_pinned_share (stored unpinned)",
+    "tier_expired": "Chunks removed from the tier because their TTL passed",
 }
 GAUGES: dict[str, str] = {
     "tier_used_bytes": "Bytes the tier holds now",
     "tier_capacity_bytes": "Bytes the tier may hold",
     "tier_chunks": "Chunks the tier holds now",
+    "tier_pinned_bytes": "Bytes of pinned chunks (retain_s) the tier holds now",
+    "tier_tenant_used_bytes": "Bytes a tenant's chunks take in the tier now (tenant as in "
+                              "tier_tenant_evictions)",
 }
 HISTOGRAMS: dict[str, str] = {
     "load_request_seconds": "Seconds to load one request's hit into vLLM's KV cache (read + "
@@ -92,6 +103,8 @@ HISTOGRAMS: dict[str, str] = {
 LABELS: dict[str, list[str]] = {
     **{name: ["tier"] for name in (*COUNTERS, *GAUGES) if name.startswith("tier_")},
     "tier_failures": ["tier", "reason"],
+    "tier_tenant_evictions": ["tier", "tenant"],
+    "tier_tenant_used_bytes": ["tier", "tenant"],
     "load_request_seconds": ["mode"],
 }
 # From a fast RAM hit (~1 ms) to a stalled tier's read deadline (seconds).
@@ -119,6 +132,7 @@ class StatsDelta:
     _last_store: dict[str, dict[str, float]] = field(default_factory=dict)
     _last_failures: dict[str, int] = field(default_factory=dict)
     _gauges: dict[str, dict[str, float]] = field(default_factory=dict)
+    _last_kept: dict[tuple[str, str], int] = field(default_factory=dict)
 
     def add(self, name: str, value: float, tier: str = "") -> None:
         if value:
@@ -144,11 +158,36 @@ class StatsDelta:
             self._gauges.setdefault("tier_used_bytes", {})[where] = tier.used_bytes
             self._gauges.setdefault("tier_capacity_bytes", {})[where] = tier.capacity_bytes
             self._gauges.setdefault("tier_chunks", {})[where] = tier.chunks
+        self._observe_retention(stats)
         for tier_name, by_reason in stats.failures.items():
             for reason, count in by_reason.items():
                 key = f"{tier_name}/{reason}"
                 self.add("tier_failures", count - self._last_failures.get(key, 0), key)
                 self._last_failures[key] = count
+
+    def _observe_retention(self, stats: StoreStats) -> None:
+        """Pins, expiries and per-tenant usage of the tiers that keep them: counters as
+        deltas, gauges refreshed (a tenant gone from a tier reads 0)."""
+        for tier_name, kept in stats.retention.items():
+            now = {("tier_pins_refused", tier_name): kept.pins_refused,
+                   ("tier_expired", tier_name): kept.expired,
+                   ("tier_quota_evictions", tier_name): kept.quota_evictions}
+            now |= {("tier_tenant_evictions", f"{tier_name}/{u.tenant}"): u.evictions
+                    for u in kept.tenants}
+            for (name, labels), value in now.items():
+                last = self._last_kept.get((name, labels), 0)
+                if value > last:
+                    self.add(name, value - last, labels)
+                    self._last_kept[(name, labels)] = value
+            rank = f"@{self.rank}"
+            self._gauges.setdefault("tier_pinned_bytes", {})[tier_name + rank] = \
+                kept.pinned_bytes
+            tenants = self._gauges.setdefault("tier_tenant_used_bytes", {})
+            for where in tenants:
+                if where.startswith(tier_name + "/"):
+                    tenants[where] = 0
+            for usage in kept.tenants:
+                tenants[f"{tier_name}/{usage.tenant}{rank}"] = usage.used_bytes
 
     def take(self) -> KVTierConnectorStats | None:
         """The deltas (and current gauges) since the last call, or None if nothing moved."""
@@ -273,9 +312,10 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
                 totals: dict[str, float] = defaultdict(float)
                 for where, value in by_where.items():
                     totals[where.rsplit("@", 1)[0]] += value  # summed over TP ranks
-                for tier, value in totals.items():
-                    self._start_tier(engine_idx, tier)
-                    self._child(name, engine_idx, tier).set(value)
+                for labels, value in totals.items():
+                    if LABELS.get(name) == ["tier"]:  # not "tier/tenant"
+                        self._start_tier(engine_idx, labels)
+                    self._child(name, engine_idx, labels).set(value)
         for name, by_labels in transfer_stats_data.get("observations", {}).items():
             if name in HISTOGRAMS:
                 for labels, seconds in by_labels.items():

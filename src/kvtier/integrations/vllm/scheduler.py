@@ -124,6 +124,8 @@ class ConnectorScheduler:
         # a hit entirely in RAM is loaded inline (load_mode "auto").
         self._top_tier = config.store.tiers[0].tier_name
         self._in_ram = ChunkIndex(IN_RAM_MAX_KEYS)
+        # Held chunks of requests with retain_s / ttl_s, for the next plan's `retains`.
+        self._retains: list[ChunkTransfer] = []
 
     # -- lookup ---------------------------------------------------------------------------
 
@@ -185,6 +187,7 @@ class ConnectorScheduler:
                 block_ids=tuple(block_ids[first: first + self._blocks_per_chunk]),
                 first_block=max(0, start // self._block_size - first),
                 tenant=request.cache_salt,
+                retain_s=state.controls.retain_s, ttl_s=state.controls.ttl_s,
             ))
         pending = self._pending_async if state.load_async else self._pending_loads
         pending[request.request_id] = transfers
@@ -225,6 +228,7 @@ class ConnectorScheduler:
                 state.block_ids.extend(new_blocks[0])
             computed = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id]
             self._plan_stores(state, computed, meta.stores)
+        meta.retains, self._retains = self._retains, []
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
@@ -343,12 +347,17 @@ class ConnectorScheduler:
         for chunk in range(state.num_planned_chunks, full_chunks):
             key = keys[chunk]
             if key in self._locator.index or key in self._inflight_stores:
+                if state.controls.retain_s is not None or state.controls.ttl_s is not None:
+                    self._retains.append(ChunkTransfer(
+                        key=key, block_ids=(), tenant=state.request.cache_salt,
+                        retain_s=state.controls.retain_s, ttl_s=state.controls.ttl_s))
                 continue
             first = chunk * bpc
             out.append(ChunkTransfer(
                 key=key, block_ids=tuple(state.block_ids[first: first + bpc]),
                 depends_on=tuple(b for i, b in loaded if i < first + bpc),
-                tenant=state.request.cache_salt))
+                tenant=state.request.cache_salt,
+                retain_s=state.controls.retain_s, ttl_s=state.controls.ttl_s))
             self._inflight_stores.add(key)
         state.num_planned_chunks = full_chunks
 

@@ -33,6 +33,7 @@ import torch
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
+from kvtier.core.retention import ChunkMeta
 from kvtier.core.sealing import TENANTS
 from kvtier.core.store import ChunkView, StoreEvent, StoreStats
 from kvtier.integrations.vllm.messages import ChunkTransfer, KVTierMetadata, KVTierWorkerMetadata
@@ -68,7 +69,9 @@ class ChunkStore(Protocol):
     def put(self, key: ChunkKey, data: memoryview) -> bool: ...
 
     def put_from(self, key: ChunkKey, fill: Callable[[memoryview], None],
-                 spare: memoryview) -> bool: ...
+                 spare: memoryview, meta: ChunkMeta | None = None) -> bool: ...
+
+    def retain(self, key: ChunkKey, meta: ChunkMeta) -> int: ...
 
     def contains(self, key: ChunkKey) -> bool: ...
 
@@ -79,6 +82,15 @@ class ChunkStore(Protocol):
     def close(self, flush_timeout_s: float | None = None) -> None: ...
 
     def flush(self, timeout_s: float | None = None) -> bool: ...
+
+
+def chunk_meta(transfer: ChunkTransfer) -> ChunkMeta | None:
+    """The tenant, pin and expiry of a planned chunk, dated now; None for a chunk of the
+    default tenant with neither (the tiers' defaults apply, nothing is passed down)."""
+    if transfer.tenant is None and transfer.retain_s is None and transfer.ttl_s is None:
+        return None
+    return ChunkMeta.for_request(transfer.tenant, transfer.retain_s, transfer.ttl_s,
+                                 time.time())
 
 
 def len_blocks(layout: KVLayout, block_size: int) -> int:
@@ -148,6 +160,8 @@ class ConnectorWorker:
         self._unfilled -= meta.acked_failed_blocks
         for transfer in meta.transfers():
             TENANTS.note((transfer.key,), transfer.tenant)
+        for transfer in meta.retains:  # held already: extend the pin / expiry
+            self._retain(transfer)
 
     def load(self, meta: KVTierMetadata) -> None:
         """Load every planned chunk into vLLM's blocks; record failures (before forward)."""
@@ -193,6 +207,8 @@ class ConnectorWorker:
         """Record a request's load of `transfers`, of which the first `loaded` arrived."""
         for transfer in transfers[:loaded]:
             self._unfilled.difference_update(transfer.block_ids[transfer.first_block:])
+            if transfer.retain_s is not None or transfer.ttl_s is not None:
+                self._retain(transfer)  # a hit of a request that pins its prefix
         if loaded < len(transfers):
             # This chunk and the rest of the request are recomputed by vLLM. Report every
             # chunk of the rest the store no longer holds, not just the first: after an
@@ -212,6 +228,12 @@ class ConnectorWorker:
             self._stats.add("loaded_tokens",
                             blocks * self._paged.block_size * self._token_scale)
             self._stats.add("loaded_bytes", blocks * self._block_bytes)
+
+    def _retain(self, transfer: ChunkTransfer) -> None:
+        """Extend a held chunk's pin and expiry to what its request asks."""
+        meta = chunk_meta(transfer)
+        if meta is not None:
+            self._store.retain(transfer.key, meta)
 
     def store(self, meta: KVTierMetadata) -> None:
         """Store every planned chunk whose KV the forward pass just computed."""
@@ -296,7 +318,8 @@ class ConnectorWorker:
             self._paged.gather(transfer.block_ids, torch.frombuffer(view, dtype=torch.uint8))
 
         # Straight into a memory-tier slot (one copy), or into the worker's buffer first.
-        return self._store.put_from(transfer.key, gather, self._buffer_view)
+        return self._store.put_from(transfer.key, gather, self._buffer_view,
+                                    meta=chunk_meta(transfer))
 
     def take_failed_block_ids(self) -> set[int]:
         """Block ids whose load failed since the last call."""

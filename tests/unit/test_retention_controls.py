@@ -1,0 +1,47 @@
+"""retain_s / ttl_s per request: read from kv_transfer_params, carried by each planned chunk,
+and turned into a pin / expiry by the worker (`chunk_meta`). Pure scheduler logic on real
+vLLM `Request`s, as in test_connector_scheduler.py (whose `Engine` driver is reused)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from test_connector_scheduler import Engine, request
+
+from kvtier.integrations.vllm.config import RequestControls
+from kvtier.integrations.vllm.worker import chunk_meta
+
+
+def test_controls_are_read_and_bad_values_ignored() -> None:
+    controls = RequestControls.from_params({"retain_s": 3600, "ttl_s": 600.5})
+    assert (controls.retain_s, controls.ttl_s) == (3600.0, 600.5)
+    for bad in (0, -1, "1h", True, float("nan"), 1e12):
+        assert RequestControls.from_params({"retain_s": bad, "ttl_s": bad}) == RequestControls()
+
+
+def test_stores_carry_the_salt_pin_and_ttl_and_held_chunks_are_retained() -> None:
+    engine = Engine()
+    req = request("a", 200, salt="tenant-1", params={"retain_s": 60, "ttl_s": 120})
+    engine.admit(req, list(range(7)))
+    meta = engine.step(new={"a": (list(range(7)), 0, 200)})
+    assert [(t.tenant, t.retain_s, t.ttl_s) for t in meta.stores] == [("tenant-1", 60, 120)] * 3
+    stored = engine.store_all(meta)
+    pinned = chunk_meta(meta.stores[0])
+    assert pinned is not None and pinned.tenant == "tenant-1"
+    assert pinned.expires_at is not None and pinned.retain_until is not None
+    assert pinned.expires_at - pinned.retain_until == pytest.approx(60, abs=1)
+    engine.sched.request_finished(req)
+    # The same prompt again, all of it in vLLM's own prefix cache (nothing for kvtier to
+    # load or store): its chunks are retained (pins extended) anyway.
+    again = request("b", 200, salt="tenant-1", params={"retain_s": 600})
+    assert engine.admit(again, list(range(7)), local_tokens=192) == 0
+    meta = engine.step(new={"b": (list(range(7)), 192, 8)})
+    assert meta.stores == []
+    assert [(t.key, t.retain_s) for t in meta.retains] == [(k, 600) for k in stored]
+    # A request without retain_s / ttl_s retains nothing; nor is its meta passed down.
+    plain = request("c", 200, first=7000)
+    engine.admit(plain, list(range(20, 27)))
+    meta = engine.step(new={"c": (list(range(20, 27)), 0, 200)})
+    assert meta.retains == [] and chunk_meta(meta.stores[0]) is None
