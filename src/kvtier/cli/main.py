@@ -23,6 +23,7 @@ COMMANDS: tuple[str, ...] = (
     "kvtier.cli.plan", "kvtier.cli.audit", "kvtier.cli.doctor",
     "kvtier.cli.simulate",
     "kvtier.cli.serve",
+    "kvtier.cli.warm",
     "kvtier.cli.proxy",
     "kvtier.cli.inspect",
     "kvtier.cli.gc",

@@ -1,0 +1,60 @@
+"""`kvtier warm`: bad input and an unusable server are one line and an exit status, never a
+traceback (the real warm-up through a vLLM server is tests/vllm/test_warmup_e2e.py)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from kvtier.cli.main import main
+from kvtier.ops.warmup import WarmPrompt, load_prompts
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])  # closed once the block exits: nothing listens
+
+
+def run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    code = main(["warm", *args])
+    err = capsys.readouterr().err.strip()
+    return code, err
+
+
+def test_bad_input_is_one_line_naming_what_is_wrong(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("a system prompt")
+    url = f"http://127.0.0.1:{closed_port()}"
+    bad_json = tmp_path / "bad.jsonl"
+    bad_json.write_text('{"prompt": "ok"}\n{"prompt": 3}\n')
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    cases = [
+        ([url, str(tmp_path / "missing.txt")], 2, "an existing file"),
+        (["not-a-url", str(prompt)], 2, "http:// or https://"),
+        ([url, "--jsonl", str(bad_json)], 2, "bad.jsonl:2"),
+        ([url, str(empty)], 2, "it is empty"),
+        ([url], 2, "at least one prompt"),
+        ([url, str(prompt), "--cache-salt-env", "KVTIER_NO_SUCH_VAR"], 2, "environment"),
+        ([url, str(prompt)], 1, "server unreachable"),
+    ]
+    for args, status, message in cases:
+        code, err = run(args, capsys)
+        assert (code, len(err.splitlines())) == (status, 1), (args, err)
+        assert message in err and "Traceback" not in err, (args, err)
+
+
+def test_prompts_from_text_and_jsonl_files(tmp_path: Path) -> None:
+    (tmp_path / "doc.txt").write_text("a document\nof two lines\n")
+    (tmp_path / "p.jsonl").write_text('{"prompt": "first"}\n\n'
+                                      '{"name": "ids", "prompt_token_ids": [5, 6, 7], '
+                                      '"cache_salt": "tenant-9"}\n')
+    prompts = load_prompts([tmp_path / "doc.txt"], [tmp_path / "p.jsonl"])
+    assert prompts == [WarmPrompt("doc.txt", "a document\nof two lines\n"),
+                       WarmPrompt("p.jsonl:1", "first"),
+                       WarmPrompt("ids", [5, 6, 7], "tenant-9")]
+    assert "tenant-9" not in repr(prompts)
