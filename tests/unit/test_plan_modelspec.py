@@ -145,3 +145,13 @@ def test_bad_inputs_raise_config_error(tmp_path):
         kv_dtype_bytes("int3")
     with pytest.raises(ConfigError, match="tp"):
         kv_footprint(spec("llama-3-8b"), tp=0)
+
+
+@pytest.mark.parametrize("field, value", [("sliding_window", "x"), ("head_dim", [128]),
+                                          ("num_key_value_heads", True),
+                                          ("max_position_embeddings", {"a": 1})])
+def test_a_non_number_is_named_by_its_field(field, value) -> None:  # type: ignore[no-untyped-def]
+    raw = {"hidden_size": 4096, "num_attention_heads": 32, "num_hidden_layers": 32,
+           field: value}
+    with pytest.raises(ConfigError, match=f"config.json:{field}"):
+        parse_model_config(raw)

@@ -211,6 +211,7 @@ def parse_model_config(
     text_config = raw.get("text_config")
     if text_config is not None and not isinstance(text_config, Mapping):
         raise ConfigError("config.json:text_config", text_config, "a JSON object")
+    _check_numbers(text_config or raw)
     try:
         return _parse_model_config(raw, text_config or raw, name, param_count)
     except ConfigError:
@@ -220,6 +221,24 @@ def parse_model_config(
         # value of the wrong type anywhere is the caller's mistake, not a crash (issue 14).
         raise ConfigError("config.json", name, f"numbers where numbers belong ({exc})") \
             from exc
+
+
+# Numeric fields the sizing reads; a value of another type is named in the error (the
+# generic fallback above can only say which conversion failed).
+_NUMERIC_FIELDS = ("sliding_window", "sliding_window_pattern", "head_dim", "num_key_value_heads",
+                   "max_position_embeddings", "intermediate_size", "vocab_size",
+                   "full_attention_interval", "attn_layer_period", "attn_layer_offset",
+                   "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+                   "v_head_dim", "num_experts", "n_routed_experts", "num_experts_per_tok",
+                   "moe_intermediate_size")
+
+
+def _check_numbers(cfg: Mapping[str, Any]) -> None:
+    for key in _NUMERIC_FIELDS:
+        value = cfg.get(key)
+        if value is not None and (isinstance(value, bool)
+                                  or not isinstance(value, int | float)):
+            raise ConfigError(f"config.json:{key}", value, "a number (or null)")
 
 
 def _parse_model_config(raw: Mapping[str, Any], cfg: Mapping[str, Any], name: str,
