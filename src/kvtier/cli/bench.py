@@ -43,6 +43,7 @@ WORKLOADS: tuple[str, ...] = (
     "kvtier.cli.bench_sharing",
     "kvtier.cli.bench_interference",
     "kvtier.cli.bench_disagg",
+    "kvtier.cli.bench_codecs",
 )
 
 

@@ -28,6 +28,7 @@ Primitives: `ChunkEncoder` (a tier's `encode` on write threads / `decode` on rea
 
 from __future__ import annotations
 
+import mmap
 import struct
 import threading
 from dataclasses import dataclass
@@ -196,6 +197,9 @@ class Encoded:
     header: bytes  # HEADER_BYTES
     body: memoryview  # the bytes after the header (the payload itself when `plain`)
     plain: bool  # version 1: the body is the caller's payload, not a copy
+    # `body` in a page-aligned buffer zero-padded to a multiple of ALIGN_BYTES, when it is in
+    # one (a file tier writes it with O_DIRECT as is); else None
+    padded: memoryview | None = None
 
 
 class ChunkEncoder:
@@ -237,7 +241,10 @@ class ChunkEncoder:
 
     def encode(self, key: ChunkKey, payload: memoryview) -> Encoded:
         """The header and body of `payload` (one chunk) stored under `key`: compressed by
-        the codec (kept only when smaller), then sealed when the key's tenant has a key."""
+        the codec (kept only when smaller), then sealed when the key's tenant has a key.
+
+        A sealed body lives in this thread's buffer: store it before this thread encodes
+        another chunk (as the tiers do: encode, then write, on one thread)."""
         tenant_key = self._key_of(key)
         codec, body = self.codec, b""
         if codec.id != 0:
@@ -257,14 +264,32 @@ class ChunkEncoder:
             h = ChunkHeader(VERSION_ENCODED, len(payload), payload_sum, codec.id, 0,
                             len(encoded), checksum(encoded))
             return Encoded(_pack(key, self.layout_digest, h), memoryview(encoded), False)
-        sealed_bytes = CHECKSUM_BYTES + len(encoded) + SEAL_OVERHEAD
+        # Stored as is, the payload is encrypted straight from the caller's buffer (no codec,
+        # so no decoded checksum: the tag alone proves it); else checksum + encoded bytes.
+        plain = encoded if codec.id == 0 else _U64.pack(payload_sum) + bytes(encoded)
+        sealed_bytes = len(plain) + SEAL_OVERHEAD
         h = ChunkHeader(VERSION_ENCODED, len(payload), 0, codec.id, SEAL_AES_GCM,
                         sealed_bytes, 0, tenant_key.key_id, new_nonce())
-        sealed = tenant_key.seal(h.nonce, _U64.pack(payload_sum) + bytes(encoded),
-                                 _aad(key, self.layout_digest, h))
+        padded = self._seal_buffer(sealed_bytes)
+        sealed = padded[:sealed_bytes]
+        tenant_key.seal_into(h.nonce, plain, _aad(key, self.layout_digest, h), sealed)
         h = ChunkHeader(h.version, h.payload_bytes, 0, h.codec_id, h.seal, h.body_bytes,
                         checksum(sealed), h.key_id, h.nonce)
-        return Encoded(_pack(key, self.layout_digest, h), memoryview(sealed), False)
+        return Encoded(_pack(key, self.layout_digest, h), sealed, False, padded)
+
+    def _seal_buffer(self, size: int) -> memoryview:
+        """This thread's page-aligned buffer for a sealed body of `size` bytes, zero-padded
+        to ALIGN_BYTES (a file tier writes it with O_DIRECT as is, without a bounce copy).
+        Reused: a fresh buffer per chunk cost more in page faults than the encryption
+        (1.2 GB/s against AES-GCM's 10 here)."""
+        buffer: mmap.mmap | None = getattr(self._local, "seal_buffer", None)
+        if buffer is None:
+            capacity = -(-self.max_body_bytes // ALIGN_BYTES) * ALIGN_BYTES
+            buffer = self._local.seal_buffer = mmap.mmap(-1, capacity)
+        end = -(-size // ALIGN_BYTES) * ALIGN_BYTES
+        view = memoryview(buffer)
+        view[size:end] = bytes(end - size)
+        return view[:end]
 
     def decode(self, key: ChunkKey, header: ChunkHeader, body: memoryview,
                out: memoryview) -> None:
@@ -297,7 +322,19 @@ class ChunkEncoder:
         payload_sum = header.payload_sum
         encoded = body
         if header.seal:
-            encoded, payload_sum = self._open(key, header, body)
+            tenant_key = self._tenant_key(key, header)
+            aad = _aad(key, self.layout_digest, header)
+            if header.codec_id == 0:  # stored as is: decrypted straight into `out`
+                if header.body_bytes != len(out) + SEAL_OVERHEAD:
+                    raise CorruptBlock(f"sealed body of {header.body_bytes} bytes")
+                tenant_key.open_into(header.nonce, body, aad, out)
+                return
+            if header.body_bytes < CHECKSUM_BYTES + SEAL_OVERHEAD:
+                raise CorruptBlock(f"sealed body of {header.body_bytes} bytes")
+            scratch = self._scratch(header.body_bytes - SEAL_OVERHEAD)
+            tenant_key.open_into(header.nonce, body, aad, scratch)
+            (payload_sum,) = _U64.unpack_from(scratch)
+            encoded = memoryview(scratch)[CHECKSUM_BYTES:]
         try:
             codec.decode(encoded, out)
         except CodecFailure:
@@ -307,23 +344,15 @@ class ChunkEncoder:
         if checksum(out) != payload_sum:
             raise CodecFailure(f"{codec.name}: decoded payload checksum mismatch")
 
-    def _open(self, key: ChunkKey, header: ChunkHeader, body: memoryview,
-              ) -> tuple[memoryview, int]:
-        """Decrypt a sealed body into this thread's scratch buffer: (encoded bytes, payload
-        checksum). Raises AuthFailure, CodecFailure."""
+    def _tenant_key(self, key: ChunkKey, header: ChunkHeader) -> TenantKey:
+        """The key that opens a sealed chunk. Raises AuthFailure, CodecFailure."""
         if header.seal != SEAL_AES_GCM:
             raise CodecFailure(f"unknown seal {header.seal}")
         tenant_key = self._key_of(key)
         if tenant_key is None or tenant_key.key_id != header.key_id:
             raise AuthFailure("sealed under a key this reader does not hold (another tenant "
                               "or secret)")
-        if header.body_bytes < CHECKSUM_BYTES + SEAL_OVERHEAD:
-            raise CorruptBlock(f"sealed body of {header.body_bytes} bytes")
-        scratch = self._scratch(header.body_bytes - SEAL_OVERHEAD)
-        tenant_key.open_into(header.nonce, body, _aad(key, self.layout_digest, header), scratch)
-        view = memoryview(scratch)
-        (payload_sum,) = _U64.unpack_from(view)
-        return view[CHECKSUM_BYTES:], payload_sum
+        return tenant_key
 
     def _scratch(self, size: int) -> bytearray:
         """This thread's buffer of exactly `size` bytes (reused while the size repeats)."""

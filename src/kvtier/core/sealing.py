@@ -99,11 +99,13 @@ class TenantKey:
     key_id: bytes  # KEY_ID_BYTES, stored in the header
     aead: Any = field(repr=False)  # cryptography's AESGCM over the derived key
 
-    def seal(self, nonce: bytes, plain: bytes | memoryview, aad: bytes) -> bytes:
-        """Ciphertext + tag of `plain`."""
-        return bytes(self.aead.encrypt(nonce, bytes(plain), aad))
+    def seal_into(self, nonce: bytes, plain: bytes | memoryview, aad: bytes,
+                  out: memoryview) -> None:
+        """Write the ciphertext + tag of `plain` into `out` (len(plain) + TAG_BYTES long)."""
+        self.aead.encrypt_into(nonce, plain, aad, out)
 
-    def open_into(self, nonce: bytes, sealed: memoryview, aad: bytes, out: bytearray) -> None:
+    def open_into(self, nonce: bytes, sealed: memoryview, aad: bytes,
+                  out: bytearray | memoryview) -> None:
         """Decrypt `sealed` (ciphertext + tag) into `out` (len(sealed) - TAG_BYTES long).
 
         Raises:

@@ -388,8 +388,11 @@ class PendingWrite:
             raise ValueError(f"a chunk of {len(body)} bytes does not fill {self.size_bytes}")
         header, staging = files._buffers()
         header[:] = encoded.header
-        if _aligned(body):
-            iov: list[memoryview | mmap.mmap] = [header, body]
+        if encoded.padded is not None and _aligned(encoded.padded) \
+                and HEADER_BYTES + len(encoded.padded) == self.size_bytes:
+            iov: list[memoryview | mmap.mmap] = [header, encoded.padded]
+        elif _aligned(body):
+            iov = [header, body]
         else:  # bounce through an aligned buffer, zero-padded to the file size
             staging[HEADER_BYTES : HEADER_BYTES + len(body)] = body
             staging[HEADER_BYTES + len(body) : self.size_bytes] = bytes(

@@ -1,0 +1,308 @@
+"""`kvtier bench codecs`: what each codec and encryption cost and save on real chunks of KV.
+
+Where the chunks come from (`KVSource`):
+  - `--kv-dir DIR`: the chunk files of a kvtier disk or shared directory (stored as is, i.e.
+    written without a codec): the KV of whatever model filled it, e.g. a production one;
+  - default: the bench generates them: it runs the generated test model through vLLM (CPU)
+    with a RAM tier of two chunks over a disk tier with the LOSSY fp8 codec and a shared
+    tier stored as is; the shared tier's files are the KV measured. The same run measures
+    fp8's effect on outputs: every prompt's greedy tokens and their logprobs on the miss
+    path (exact KV) against a hit read back from the fp8 disk tier (token agreement,
+    logprob deltas). Random weights: the ratios are NOT those of a trained model's KV.
+  - `--synthetic`: normal-distributed bf16 (no engine; a smoke test of the command).
+
+Per codec (and the lossless codecs without the byte-plane split, for comparison): stored
+ratio, file ratio (4 KiB header, 4 KiB-aligned body) and the effective capacity gain of a file
+tier (1 / file ratio), compress and decompress GB/s of payload on one thread. Encryption:
+ChunkEncoder GB/s sealed vs in clear, and a disk tier's put/get GB/s with each setting, all in
+the same run (target: sealed >= ENCRYPTION_TARGET of in clear).
+
+Primitives: `CodecsConfig`, `CodecsResult`, `run_codecs_bench`, `ENCRYPTION_TARGET`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvtier.core.chunkformat import HEADER_BYTES, ChunkEncoder, read_header, stored_size
+from kvtier.core.codecs import CODEC_NAMES, Codec, Lz4Codec, ZstdCodec, make_codec
+from kvtier.core.keys import ChunkKey
+from kvtier.core.layout import DTYPE_BYTES, KVLayout
+from kvtier.core.sealing import Sealer, TenantBook
+from kvtier.errors import ConfigError, CorruptBlock
+
+GB = 1e9
+ENCRYPTION_TARGET = 0.8  # issue 15: an encrypted tier >= 0.8x the same tier in clear
+BENCH_SECRET = b"kvtier-bench-codecs-not-a-secret-0123456789"  # a bench's own, never an operator's
+
+
+@dataclass(frozen=True, slots=True)
+class CodecsConfig:
+    """What one run measures."""
+
+    kv_dir: Path | None = None  # chunk files to measure; None: generate (or synthetic)
+    synthetic: bool = False  # normal bf16 instead of an engine's KV
+    dtype: str = "bfloat16"  # the KV dtype of the chunks in kv_dir
+    prompts: int = 8  # prompts the engine runs (generated KV and the fp8 outputs check)
+    prompt_tokens: int = 640  # tokens per prompt
+    max_tokens: int = 16  # tokens generated per prompt (fp8 outputs check)
+    max_chunks: int = 64  # chunks measured at most
+    trials: int = 3  # timed passes per figure; the median is reported
+    work_dir: Path = Path(".")  # where temp tiers go (the filesystem measured)
+
+    def validate(self) -> None:
+        """Raises ConfigError naming the first bad field."""
+        if self.dtype not in DTYPE_BYTES:
+            raise ConfigError("dtype", self.dtype, f"one of {sorted(DTYPE_BYTES)}")
+        for name in ("prompts", "prompt_tokens", "max_tokens", "max_chunks", "trials"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, getattr(self, name), "an integer >= 1")
+        if self.kv_dir is not None and not Path(self.kv_dir).is_dir():
+            raise ConfigError("kv_dir", str(self.kv_dir), "a kvtier disk or shared directory")
+
+
+@dataclass(frozen=True, slots=True)
+class CodecFigures:
+    """One codec on the measured chunks."""
+
+    codec: str
+    lossy: bool
+    ratio: float  # stored bytes / payload bytes
+    file_ratio: float  # file bytes / a chunk file's bytes stored as is
+    capacity_gain: float  # chunks a file tier holds with the codec / without
+    compress_gbps: float  # payload GB/s, one thread
+    decompress_gbps: float
+
+
+@dataclass(frozen=True, slots=True)
+class SealFigures:
+    """One setting's encode/decode (ChunkEncoder) and disk tier put/get GB/s."""
+
+    setting: str  # e.g. "zstd, sealed"
+    encode_gbps: float
+    decode_gbps: float
+    tier_put_gbps: float
+    tier_get_gbps: float
+
+
+@dataclass(frozen=True, slots=True)
+class OutputEffect:
+    """fp8 hits against the miss path's exact KV, over `prompts` prompts."""
+
+    prompts: int
+    identical_prompts: int  # prompts whose every generated token matched
+    token_agreement: float  # matching tokens / generated tokens (position by position)
+    logprob_delta_mean: float  # |delta| of the chosen tokens' logprobs, positions that agree
+    logprob_delta_max: float
+
+
+@dataclass(slots=True)
+class CodecsResult:
+    config: CodecsConfig
+    source: str  # where the chunks came from
+    chunks: int
+    chunk_bytes: int
+    codecs: list[CodecFigures] = field(default_factory=list)
+    sealing: list[SealFigures] = field(default_factory=list)
+    fp8_outputs: OutputEffect | None = None
+    machine: dict[str, Any] = field(default_factory=dict)
+
+    def write_json(self, path: Path) -> None:
+        data = asdict(self)
+        data["config"] = {k: str(v) if isinstance(v, Path) else v
+                          for k, v in data["config"].items()}
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(data, indent=2))
+
+
+# -- the chunks --------------------------------------------------------------------------
+
+def read_chunk_files(root: Path, max_chunks: int) -> tuple[list[bytes], str]:
+    """Payloads of the chunk files stored as is under `root` (every layout; the largest
+    layout's, when several): (payloads, layout digest). Files with a codec are skipped."""
+    by_layout: dict[str, list[bytes]] = {}
+    for path in sorted(Path(root).rglob("*.kvc")):
+        digest = path.parent.parent.parent.name
+        data = path.read_bytes()
+        try:
+            header = read_header(data[:HEADER_BYTES], ChunkKey(bytes.fromhex(path.stem)), digest)
+        except (CorruptBlock, ValueError):
+            continue  # not a chunk of kvtier's layout, or corrupt
+        if header.plain and len(by_layout.setdefault(digest, [])) < max_chunks:
+            by_layout[digest].append(data[HEADER_BYTES:HEADER_BYTES + header.payload_bytes])
+    if not by_layout:
+        raise ConfigError("kv_dir", str(root), "a directory holding kvtier chunk files "
+                          "stored without a codec")
+    digest = max(by_layout, key=lambda d: len(by_layout[d]) * len(by_layout[d][0]))
+    return by_layout[digest], digest
+
+
+def synthetic_chunks(count: int, chunk_bytes: int = 1 << 20) -> list[bytes]:
+    """Normal-distributed bf16, a scale per 64 values (heads of different magnitudes)."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(count):
+        n = chunk_bytes // 2
+        scale = rng.choice([0.05, 0.5, 4.0], size=n // 64).repeat(64)
+        out.append((rng.standard_normal(n) * scale).astype(ml_dtypes.bfloat16).tobytes())
+    return out
+
+
+# -- timing ------------------------------------------------------------------------------
+
+def _median_gbps(nbytes: int, trials: int, run: Callable[[], None]) -> float:
+    times = []
+    for _ in range(trials):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return nbytes / statistics.median(times) / GB
+
+
+def measure_codec(name: str, codec: Codec, chunks: Sequence[bytes],
+                  trials: int) -> CodecFigures:
+    views = [memoryview(c) for c in chunks]
+    payload = sum(len(c) for c in chunks)
+    encoded = [codec.encode(v) for v in views]
+    # a chunk that does not shrink is stored as is (ChunkEncoder does the same)
+    kept = [min(len(e), len(c)) for e, c in zip(encoded, chunks)]
+    out = memoryview(bytearray(len(chunks[0])))
+
+    def encode_all() -> None:
+        for v in views:
+            codec.encode(v)
+
+    compress = _median_gbps(payload, trials, encode_all)
+
+    def decode_all() -> None:
+        for e in encoded:
+            codec.decode(memoryview(e), out)
+
+    decompress = _median_gbps(payload, trials, decode_all)
+    files = sum(stored_size(k) for k in kept)
+    plain_files = sum(stored_size(len(c)) for c in chunks)
+    return CodecFigures(name, codec.lossy, sum(kept) / payload, files / plain_files,
+                        plain_files / files, compress, decompress)
+
+
+def measure_codecs(chunks: Sequence[bytes], dtype: str, trials: int,
+                   progress: Callable[[str], None]) -> list[CodecFigures]:
+    element = DTYPE_BYTES[dtype]
+    variants: list[tuple[str, Codec]] = [(n, make_codec(n, dtype)) for n in CODEC_NAMES
+                                         if n != "fp8" or dtype in ("bfloat16", "float16")]
+    variants += [("zstd, no byte planes", ZstdCodec(element, split=False)),
+                 ("lz4, no byte planes", Lz4Codec(element, split=False))]
+    figures = []
+    for name, codec in variants:
+        progress(f"codec {name}")
+        figures.append(measure_codec(name, codec, chunks, trials))
+    return figures
+
+
+def measure_sealing(chunks: Sequence[bytes], dtype: str, trials: int, work_dir: Path,
+                    progress: Callable[[str], None]) -> list[SealFigures]:
+    """ChunkEncoder and a disk tier, in clear and sealed, codec none and zstd."""
+    from kvtier.config import StoreConfig
+    from kvtier.core.sealing import TENANTS
+    from kvtier.tiers import build_tier
+
+    chunk_bytes = len(chunks[0])
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_size=chunk_bytes // DTYPE_BYTES[dtype],
+                      dtype=dtype, tokens_per_chunk=1, kv_factor=1)  # one chunk's bytes
+    keys = [ChunkKey(i.to_bytes(16, "big")) for i in range(1, len(chunks) + 1)]
+    TENANTS.note(keys, "kvtier-bench-tenant")
+    book = TenantBook()
+    book.note(keys, "kvtier-bench-tenant")
+    payload = chunk_bytes * len(chunks)
+    views = [memoryview(c) for c in chunks]
+    out = memoryview(bytearray(chunk_bytes))
+    figures = []
+    with tempfile.TemporaryDirectory(dir=work_dir, prefix="kvtier-bench-codecs-") as tmp:
+        secret_file = Path(tmp) / "secret"
+        secret_file.write_bytes(BENCH_SECRET)
+        secret_file.chmod(0o600)
+        for codec in ("none", "zstd"):
+            for sealed in (False, True):
+                setting = f"{codec}, {'sealed' if sealed else 'in clear'}"
+                progress(f"encryption: {setting}")
+                encoder = ChunkEncoder(layout.digest(), dtype, chunk_bytes, codec,
+                                       Sealer(BENCH_SECRET) if sealed else None, book)
+                # (a sealed body lives in the encoding thread's buffer until its next encode)
+                encoded = [(item.header, bytes(item.body)) for item in
+                           (encoder.encode(k, v) for k, v in zip(keys, views))]
+
+                def encode(e: ChunkEncoder = encoder) -> None:
+                    for k, v in zip(keys, views):
+                        e.encode(k, v)
+
+                encoded_gbps = _median_gbps(payload, trials, encode)
+
+                def decode(e: ChunkEncoder = encoder, done: list[Any] = encoded) -> None:
+                    for k, (header, body) in zip(keys, done):
+                        e.decode(k, read_header(header, k, layout.digest()), memoryview(body),
+                                 out)
+
+                decoded = _median_gbps(payload, trials, decode)
+                settings: dict[str, Any] = {"kind": "disk", "path": f"{tmp}/{codec}-{sealed}",
+                                            "capacity": 4 * payload + (64 << 20), "codec": codec}
+                if sealed:
+                    settings["encryption_secret_file"] = str(secret_file)
+                config = StoreConfig.parse({"tiers": [settings]}).tiers[0]
+                tier = build_tier(config, layout)
+                puts, gets = [], []
+                for _ in range(trials):
+                    for k in keys:
+                        tier.delete(k)
+                    start = time.perf_counter()
+                    for k, v in zip(keys, views):
+                        tier.put(k, v)
+                    puts.append(time.perf_counter() - start)
+                    start = time.perf_counter()
+                    for k in keys:
+                        if not tier.get_into(k, out):
+                            raise RuntimeError(f"bench tier {setting}: a chunk did not read back")
+                    gets.append(time.perf_counter() - start)
+                tier.close()
+                figures.append(SealFigures(setting, encoded_gbps, decoded,
+                                           payload / statistics.median(puts) / GB,
+                                           payload / statistics.median(gets) / GB))
+    return figures
+
+
+def run_codecs_bench(config: CodecsConfig, progress: Callable[[str], None]) -> CodecsResult:
+    """Measure (see the module docstring). Raises ConfigError for a bad config or KV dir."""
+    config.validate()
+    load_before = os.getloadavg()
+    effect = None
+    if config.kv_dir is not None:
+        chunks, digest = read_chunk_files(config.kv_dir, config.max_chunks)
+        source = f"chunk files in {config.kv_dir} (layout {digest})"
+    elif config.synthetic:
+        chunks = synthetic_chunks(min(config.max_chunks, 16))
+        source = "synthetic normal bf16 (not KV)"
+    else:
+        from kvtier.bench.codecs_engine import generate_kv
+
+        progress("running vLLM to produce KV (the generated test model)")
+        chunks, effect = generate_kv(config)
+        source = ("KV of the generated test model (random weights) run through vLLM: "
+                  "UNVERIFIED for trained models")
+    result = CodecsResult(config, source, len(chunks), len(chunks[0]), fp8_outputs=effect)
+    result.codecs = measure_codecs(chunks, config.dtype, config.trials, progress)
+    result.sealing = measure_sealing(chunks, config.dtype, config.trials, config.work_dir,
+                                     progress)
+    result.machine = {"cpus": os.cpu_count(), "loadavg_before": load_before,
+                      "loadavg_after": os.getloadavg()}
+    return result

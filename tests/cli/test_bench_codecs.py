@@ -1,0 +1,57 @@
+"""`kvtier bench codecs` end to end without an engine: on synthetic bf16 and on the chunk
+files of a kvtier disk directory (--kv-dir), every codec and the encryption settings are
+measured and written to JSON. Not a timed test: only what the figures must be by
+construction is checked (ratios; the lossy flag; the sealed tier's reads served)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from kvtier.bench.codecs import read_chunk_files
+from kvtier.cli.main import main
+from kvtier.config import StoreConfig
+from kvtier.core.keys import ChunkKey
+from kvtier.core.layout import KVLayout
+from kvtier.errors import ConfigError
+from kvtier.tiers import build_tier
+
+
+def test_synthetic_run_measures_every_codec_and_encryption(tmp_path: Path) -> None:
+    out = tmp_path / "codecs.json"
+    assert main(["bench", "codecs", "--synthetic", "--quick", "--dir", str(tmp_path),
+                 "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    codecs = {c["codec"]: c for c in result["codecs"]}
+    assert {"none", "zstd", "lz4", "fp8", "zstd, no byte planes"} <= set(codecs)
+    assert codecs["none"]["ratio"] == 1.0 and codecs["fp8"]["lossy"] is True
+    assert codecs["zstd"]["ratio"] < codecs["zstd, no byte planes"]["ratio"] <= 1.0
+    assert [s["setting"] for s in result["sealing"]] == [
+        "none, in clear", "none, sealed", "zstd, in clear", "zstd, sealed"]
+    assert all(s["tier_get_gbps"] > 0 for s in result["sealing"])
+    assert "kvtier-bench-codecs-not-a-secret" not in out.read_text()
+
+
+def test_kv_dir_measures_the_chunk_files_of_a_tier(tmp_path: Path) -> None:
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_size=64, dtype="bfloat16",
+                      tokens_per_chunk=64)
+    tier = build_tier(StoreConfig.parse({"tiers": [
+        {"kind": "disk", "path": str(tmp_path / "kv"), "capacity": "16MiB"}]}).tiers[0], layout)
+    rng = np.random.default_rng(0)
+    for i in range(4):
+        values = rng.standard_normal(layout.bytes_per_chunk // 2).astype(ml_dtypes.bfloat16)
+        assert tier.put(ChunkKey(i.to_bytes(16, "big")), memoryview(values.tobytes()))
+    tier.close()
+    out = tmp_path / "codecs.json"
+    assert main(["bench", "codecs", "--kv-dir", str(tmp_path / "kv"), "--quick", "--dir",
+                 str(tmp_path), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["chunks"] == 4 and result["chunk_bytes"] == layout.bytes_per_chunk
+    assert main(["bench", "codecs", "--kv-dir", str(tmp_path / "missing")]) == 2
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="kv_dir"):
+        read_chunk_files(tmp_path / "empty", 4)
