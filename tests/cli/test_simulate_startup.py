@@ -40,3 +40,13 @@ def test_simulator_and_plan_do_not_import_torch_or_vllm(argv: tuple[str, ...]) -
                           capture_output=True, text=True, timeout=120, check=True)
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result == {"code": 0, "loaded": []}
+
+
+def test_simulate_imports_no_benchmark_dependencies() -> None:
+    # Only the command that runs is imported: the benchmarks' numpy, pydantic and aiohttp
+    # (55 MiB, seconds of start-up) stay out of `kvtier simulate` (and of its 1M-request RSS).
+    probe = PROBE.replace(repr(HEAVY), repr(("numpy", "pydantic", "aiohttp", "kvtier.bench")))
+    proc = subprocess.run([sys.executable, "-c", probe,
+                           json.dumps(["simulate", "--requests", "20", "--json"])],
+                          capture_output=True, text=True, timeout=120, check=True)
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"code": 0, "loaded": []}
