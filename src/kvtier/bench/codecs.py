@@ -10,6 +10,7 @@ Where the chunks come from (`KVSource`):
     path (exact KV) against a hit read back from the fp8 disk tier (token agreement,
     logprob deltas). Random weights: the ratios are NOT those of a trained model's KV.
   - `--synthetic`: normal-distributed bf16 (no engine; a smoke test of the command).
+With `--ttft TOKENS`, a disk-tier hit's TTFT with each codec too (bench/codecs_ttft.py).
 
 Per codec (and the lossless codecs without the byte-plane split, for comparison): stored
 ratio, file ratio (4 KiB header, 4 KiB-aligned body) and the effective capacity gain of a file
@@ -59,6 +60,9 @@ class CodecsConfig:
     max_chunks: int = 64  # chunks measured at most
     trials: int = 3  # timed passes per figure; the median is reported
     work_dir: Path = Path(".")  # where temp tiers go (the filesystem measured)
+    ttft_tokens: int = 0  # > 0: also time a disk hit of this many tokens per codec (engines)
+    ttft_reps: int = 5  # timed disk hits per codec
+    ttft_codecs: tuple[str, ...] = ("none", "zstd", "lz4")
 
     def validate(self) -> None:
         """Raises ConfigError naming the first bad field."""
@@ -115,6 +119,7 @@ class CodecsResult:
     codecs: list[CodecFigures] = field(default_factory=list)
     sealing: list[SealFigures] = field(default_factory=list)
     fp8_outputs: OutputEffect | None = None
+    ttft: list[Any] = field(default_factory=list)  # codecs_ttft.TtftFigures, per codec
     machine: dict[str, Any] = field(default_factory=dict)
 
     def write_json(self, path: Path) -> None:
@@ -303,6 +308,11 @@ def run_codecs_bench(config: CodecsConfig, progress: Callable[[str], None]) -> C
     result.codecs = measure_codecs(chunks, config.dtype, config.trials, progress)
     result.sealing = measure_sealing(chunks, config.dtype, config.trials, config.work_dir,
                                      progress)
+    if config.ttft_tokens > 0:
+        from kvtier.bench.codecs_ttft import measure_disk_ttft
+
+        result.ttft = measure_disk_ttft(config.ttft_codecs, config.ttft_tokens,
+                                        config.ttft_reps, config.work_dir, progress)
     result.machine = {"cpus": os.cpu_count(), "loadavg_before": load_before,
                       "loadavg_after": os.getloadavg()}
     return result

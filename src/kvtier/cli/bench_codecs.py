@@ -32,6 +32,10 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     parser.add_argument("--trials", type=int, default=3, help="timed passes (median; 3)")
     parser.add_argument("--dir", type=work_dir, default=Path("."),
                         help="where the temporary tiers go (the filesystem measured)")
+    parser.add_argument("--ttft", type=int, default=0, metavar="TOKENS",
+                        help="also time a disk-tier hit of TOKENS cached tokens with codecs "
+                             "none, zstd, lz4 (one engine each; e.g. 4096)")
+    parser.add_argument("--ttft-reps", type=int, default=5, help="timed hits per codec (5)")
     parser.add_argument("--quick", action="store_true", help="2 prompts, 8 chunks, 1 trial")
     parser.add_argument("--json", type=output_file, default=Path("results/bench-codecs.json"),
                         help="where to write the results (default results/bench-codecs.json)")
@@ -45,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
                           prompts=2 if args.quick else args.prompts,
                           prompt_tokens=args.prompt_tokens,
                           max_chunks=8 if args.quick else args.max_chunks,
-                          trials=1 if args.quick else args.trials, work_dir=args.dir)
+                          trials=1 if args.quick else args.trials, work_dir=args.dir,
+                          ttft_tokens=args.ttft, ttft_reps=args.ttft_reps)
     config.validate()
     run_and_report("codecs", lambda progress: run_codecs_bench(config, progress), render,
                    lambda r: r.write_json(args.json), args.json)
@@ -85,6 +90,18 @@ def render(result: Any) -> Iterable[Any]:
                f"{effect.identical_prompts}/{effect.prompts} identical outputs, token "
                f"agreement {effect.token_agreement:.1%}, |logprob delta| of agreeing tokens "
                f"mean {effect.logprob_delta_mean:.4f} max {effect.logprob_delta_max:.4f}")
+    if result.ttft:
+        ttft = Table(title="disk-tier hit TTFT per codec (RAM tier of two chunks in front; "
+                           "medians; extra = kvtier hit - vLLM's own prefix hit, paired)")
+        for name in ("codec", "cached tokens", "disk MiB", "kvtier hit ms", "vLLM hit ms",
+                     "extra ms", "vs none"):
+            ttft.add_column(name, justify="left" if name == "codec" else "right")
+        base = result.ttft[0]
+        for t in result.ttft:
+            ttft.add_row(t.codec, str(t.tokens), f"{t.file_bytes / 2**20:.1f}",
+                         f"{t.hit_s * 1e3:.1f}", f"{t.prefix_s * 1e3:.1f}",
+                         f"{t.extra_s * 1e3:.1f}", f"{t.hit_s / base.hit_s:.2f}x")
+        yield ttft
     m = result.machine
     yield (f"load average {m['loadavg_before'][0]:.2f} -> {m['loadavg_after'][0]:.2f} on "
            f"{m['cpus']} CPUs")
