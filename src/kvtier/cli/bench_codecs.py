@@ -11,7 +11,7 @@ from typing import Any
 
 from rich.table import Table
 
-from kvtier.cli.argtypes import output_file, work_dir
+from kvtier.cli.argtypes import any_path, output_file, work_dir
 from kvtier.cli.bench import run_and_report
 
 
@@ -20,7 +20,7 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         "codecs", help="codec ratio, GB/s and capacity gain on real KV; encryption cost",
         description=__doc__.splitlines()[0])
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--kv-dir", type=Path,
+    source.add_argument("--kv-dir", type=any_path,
                         help="measure the chunk files of this kvtier disk/shared directory "
                              "(default: run the generated bench model through vLLM)")
     source.add_argument("--synthetic", action="store_true",

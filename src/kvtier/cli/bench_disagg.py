@@ -19,7 +19,7 @@ from kvtier.bench.disagg import (
     run_disagg_bench,
 )
 from kvtier.bench.engines import quiet_engine_logs
-from kvtier.cli.argtypes import output_file, work_dir
+from kvtier.cli.argtypes import output_dir, output_file, work_dir
 from kvtier.cli.bench import ms_p50_p99, run_and_report, run_summary, runs_table
 
 # ~4 minutes on 2 cores, most of it the three server start-ups.
@@ -44,7 +44,7 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                         help=f"seconds between arrivals ({defaults.arrival_gap_s})")
     parser.add_argument("--dir", type=work_dir, default=Path("."),
                         help="a scratch dir (server logs, the shared tier) is made here")
-    parser.add_argument("--model-root", type=Path, default=Path(".kvtier-models"),
+    parser.add_argument("--model-root", type=output_dir, default=Path(".kvtier-models"),
                         help="where the generated bench model is cached")
     parser.add_argument("--quick", action="store_true",
                         help="2 streams, 4 arrivals of 2048 tokens (~4 min)")

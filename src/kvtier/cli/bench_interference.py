@@ -24,7 +24,7 @@ from kvtier.bench.interference import (
     checks,
     run_interference_bench,
 )
-from kvtier.cli.argtypes import output_file, work_dir
+from kvtier.cli.argtypes import output_dir, output_file, work_dir
 from kvtier.cli.bench import ms_p50_p99, run_and_report, run_summary, runs_table
 from kvtier.errors import ConfigError
 
@@ -55,7 +55,7 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                              "256 (" + ",".join(map(str, defaults.prefix_tokens)) + ")")
     parser.add_argument("--dir", type=work_dir, default=Path("."),
                         help="a scratch dir (server logs, disk tiers) is made here")
-    parser.add_argument("--model-root", type=Path, default=Path(".kvtier-models"),
+    parser.add_argument("--model-root", type=output_dir, default=Path(".kvtier-models"),
                         help="where the generated bench model is cached")
     parser.add_argument("--quick", action="store_true",
                         help="2 streams, 4 arrivals, 4k-token prefixes (~3 min)")

@@ -19,7 +19,7 @@ from kvtier.bench.sharing import (
     SharingResult,
     run_sharing_bench,
 )
-from kvtier.cli.argtypes import output_file, work_dir
+from kvtier.cli.argtypes import output_dir, output_file, work_dir
 from kvtier.cli.bench import run_and_report
 from kvtier.errors import ConfigError
 
@@ -39,7 +39,7 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                         help="an existing Redis (default: a private redis-server on 127.0.0.1)")
     parser.add_argument("--dir", type=work_dir, default=Path("."),
                         help="the shared directory (a temp dir) goes here")
-    parser.add_argument("--model-root", type=Path, default=Path(".kvtier-models"),
+    parser.add_argument("--model-root", type=output_dir, default=Path(".kvtier-models"),
                         help="where the generated bench model is cached")
     parser.add_argument("--json", type=output_file, default=Path("results/bench-sharing.json"))
     parser.set_defaults(func=run)

@@ -21,7 +21,7 @@ from kvtier.bench.ttft import (
     TtftResult,
     run_ttft_bench,
 )
-from kvtier.cli.argtypes import output_file, work_dir
+from kvtier.cli.argtypes import output_dir, output_file, work_dir
 from kvtier.cli.bench import run_and_report
 from kvtier.errors import ConfigError
 
@@ -40,7 +40,7 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                         help="configuration to run (repeatable; default all)")
     parser.add_argument("--dir", type=work_dir, default=Path("."),
                         help="scratch dirs (disk tier, ExampleConnector, O_DIRECT) go here")
-    parser.add_argument("--model-root", type=Path, default=Path(".kvtier-models"),
+    parser.add_argument("--model-root", type=output_dir, default=Path(".kvtier-models"),
                         help="where the generated bench model is cached")
     parser.add_argument("--quick", action="store_true",
                         help="1k and 4k only, fewer repetitions (~4 min)")

@@ -48,7 +48,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="a smaller workload (about half the time; for CI)")
     p.add_argument("--out", type=output_dir, default=Path("results/demo"),
                    help="directory for JSON, CSV and PNG (default results/demo)")
-    p.add_argument("--model-dir", type=Path, default=None,
+    p.add_argument("--model-dir", type=output_dir, default=None,
                    help="where the generated model is cached (default ~/.cache/kvtier/models)")
     p.add_argument("--keep-logs", action="store_true",
                    help="keep the servers' logs (in the output directory's logs/)")

@@ -14,13 +14,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvtier.cli.argtypes import positive_float
+from kvtier.cli.argtypes import any_path, positive_float
 from kvtier.errors import ConfigError
 from kvtier.ops.warmup import (
     WarmResult,
@@ -40,8 +39,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                     "KV (pinned for --retain-s, expiring after --ttl-s) before traffic comes.")
     p.add_argument("url", help="the vLLM server (OpenAI API) with kvtier, e.g. "
                                "http://127.0.0.1:8000")
-    p.add_argument("files", nargs="*", type=Path, help="text files, one prompt each")
-    p.add_argument("--jsonl", action="append", type=Path, default=[], metavar="FILE",
+    p.add_argument("files", nargs="*", type=any_path, help="text files, one prompt each")
+    p.add_argument("--jsonl", action="append", type=any_path, default=[], metavar="FILE",
                    help='JSONL of prompts: {"prompt": "..."} or {"prompt_token_ids": [...]}, '
                         'optionally "name" and "cache_salt" (repeatable)')
     p.add_argument("--model", help="served model name (default: the server's first model)")
