@@ -26,11 +26,14 @@ WRITERS = [
     (["bench", "storage"], "--json"), (["bench", "copy"], "--json"),
     (["bench", "ttft"], "--json"), (["bench", "sharing"], "--json"),
     (["bench", "interference"], "--json"), (["bench", "disagg"], "--json"),
+    (["bench", "codecs"], "--json"), (["bench", "ttft"], "--model-root"),
+    (["bench", "sharing"], "--model-root"), (["demo"], "--model-dir"),
     (["bench", "multi-round"], "--out"), (["bench", "prefix-repetition"], "--out"),
     (["bench", "long-doc"], "--out"), (["demo"], "--out"),
     (["simulate", "--sweep", "cpu_gb=0,16", "--requests", "5"], "--plot"),
 ]
-WORK_DIRS = [["bench", cmd] for cmd in ("storage", "ttft", "sharing", "interference", "disagg")]
+WORK_DIRS = [["bench", cmd]
+             for cmd in ("storage", "ttft", "sharing", "interference", "disagg", "codecs")]
 
 
 def run_cli(argv: list[str]) -> tuple[int, str]:
