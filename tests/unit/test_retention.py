@@ -176,3 +176,30 @@ def test_pins_and_expiry_go_down_the_write_behind_and_up_with_promotions(
         assert lower.meta_of(key(0)) == ChunkMeta("t", T0 + 500, T0 + 200)
         clock.now = T0 + 201
         assert store.lookup([key(0)]).num_chunks == 0  # expired everywhere
+
+
+def test_a_retain_never_shortens_a_chunks_life(tmp_path: Path) -> None:
+    clock = Clock()
+    tier = memory(tmp_path, 4, clock)
+    put(tier, 0)  # never expires
+    put(tier, 1, ChunkMeta(expires_at=T0 + 10))
+    tier.retain(key(0), ChunkMeta(expires_at=T0 + 5))
+    tier.retain(key(1), ChunkMeta(expires_at=T0 + 5))  # earlier: ignored
+    tier.retain(key(1), ChunkMeta(expires_at=T0 + 20))  # later: extends
+    clock.now = T0 + 15
+    assert held(tier, [0, 1]) == [0, 1]
+    clock.now = T0 + 21
+    assert held(tier, [0, 1]) == [0]
+
+
+def test_without_settings_or_metadata_the_tier_records_nothing(tmp_path: Path) -> None:
+    # The plain path (no quota, no TTL, chunks without metadata) keeps no per-chunk book.
+    tier = memory(tmp_path, 4, Clock())
+    for i in range(10):
+        put(tier, i)
+    assert tier.retention_stats().tenants == ()
+    with_quota = memory(tmp_path, 4, Clock(), name="q", tenant_quota={"share": 1})
+    for i in range(10):
+        put(with_quota, i)
+    [default] = with_quota.retention_stats().tenants
+    assert (default.tenant, default.chunks, default.evictions) == ("default", 4, 6)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -172,6 +173,10 @@ class _Tenant:
 class RetentionBook:
     """Tenant, pin and expiry of every chunk of one tier, and per-tenant usage.
 
+    Chunks are recorded when they carry metadata, or always once the tier has a quota or a
+    default TTL (`records_all`): without those, chunks stored without metadata cost nothing
+    here (the tier leaves them out), so the plain path is unchanged.
+
     Not thread-safe: the owning tier calls it under its own lock. The tier keeps its own
     eviction policy over *unpinned* chunks only: `record` says whether a new chunk is pinned
     (then the tier leaves it out of its policy), and `lapsed_pins` hands back chunks whose
@@ -192,6 +197,9 @@ class RetentionBook:
         self._quota_bytes = None if quota is None else quota.limit_bytes(capacity_bytes)
         self._max_pinned_bytes = int(capacity_bytes * max_pinned_share)
         self._ttl_s = ttl_s
+        # Whether every chunk must be recorded (a quota counts all of a tenant's chunks, a
+        # default TTL dates all of them); else only chunks that carry metadata.
+        self.records_all = quota is not None or ttl_s is not None
         self._tenant_of: dict[ChunkKey, str | None] = {}
         self._size: dict[ChunkKey, int] = {}
         self._tenants: dict[str | None, _Tenant] = {}
@@ -258,10 +266,16 @@ class RetentionBook:
         if account is not None and key in account.order:
             account.order.move_to_end(key)
 
-    def retain(self, key: ChunkKey, meta: ChunkMeta) -> bool:
-        """Extend a resident chunk's pin and expiry (later ones win); True when the chunk
-        has just become pinned (the tier takes it out of its policy)."""
-        if meta.expires_at is not None and meta.expires_at > self._expires.get(key, 0.0):
+    def retain(self, key: ChunkKey, meta: ChunkMeta, size_bytes: int) -> bool:
+        """Extend a resident chunk's pin and expiry: a later pin or expiry wins, and a chunk
+        that never expires keeps never expiring (a retain never shortens a chunk's life).
+        True when the chunk has just become pinned (the tier takes it out of its policy).
+        A chunk not recorded yet (stored without metadata) is the default tenant's."""
+        if key not in self._tenant_of:
+            if meta.retain_until is None:
+                return False
+            return self.record(key, ChunkMeta(None, meta.retain_until, None), size_bytes)
+        if meta.expires_at is not None and meta.expires_at > self._expires.get(key, math.inf):
             self._set_expiry(key, meta.expires_at)
         if meta.retain_until is None:
             return False

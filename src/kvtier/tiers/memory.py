@@ -268,7 +268,8 @@ class MemoryTier:
                 self._orphans.add(index)
                 return
             self._index[key] = index
-            if not self._book.record(key, meta, self.slot_bytes):
+            if (meta is None and not self._book.records_all) \
+                    or not self._book.record(key, meta, self.slot_bytes):
                 self._policy.insert(key)  # pinned chunks stay out of the policy
             self.events.stored(key)
             held = len(self._index)
@@ -343,7 +344,7 @@ class MemoryTier:
         with self._lock:
             if self._held(key) is None:
                 return False
-            if self._book.retain(key, meta):
+            if self._book.retain(key, meta, self.slot_bytes):
                 self._policy.remove(key)  # pinned now: out of the policy
             return True
 
