@@ -10,6 +10,7 @@ pytest.importorskip("vllm")
 
 from test_connector_scheduler import Engine, request
 
+from kvtier.core.retention import tenant_id, tenant_label
 from kvtier.integrations.vllm.config import RequestControls
 from kvtier.integrations.vllm.worker import chunk_meta
 
@@ -29,7 +30,8 @@ def test_stores_carry_the_salt_pin_and_ttl_and_held_chunks_are_retained() -> Non
     assert [(t.tenant, t.retain_s, t.ttl_s) for t in meta.stores] == [("tenant-1", 60, 120)] * 3
     stored = engine.store_all(meta)
     pinned = chunk_meta(meta.stores[0])
-    assert pinned is not None and pinned.tenant == "tenant-1"
+    # The tiers get the tenant's id (a hash), never its salt.
+    assert pinned is not None and pinned.tenant == tenant_id("tenant-1") != "tenant-1"
     assert pinned.expires_at is not None and pinned.retain_until is not None
     assert pinned.expires_at - pinned.retain_until == pytest.approx(60, abs=1)
     engine.sched.request_finished(req)
@@ -45,3 +47,8 @@ def test_stores_carry_the_salt_pin_and_ttl_and_held_chunks_are_retained() -> Non
     engine.admit(plain, list(range(20, 27)))
     meta = engine.step(new={"c": (list(range(20, 27)), 0, 200)})
     assert meta.retains == [] and chunk_meta(meta.stores[0]) is None
+
+
+def test_a_tenants_label_is_the_same_from_its_salt_or_its_id() -> None:
+    assert tenant_label("tenant-1") == tenant_label(tenant_id("tenant-1")) == \
+        "t-" + (tenant_id("tenant-1") or "")[:8]

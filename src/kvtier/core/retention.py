@@ -1,10 +1,11 @@
 """Per-chunk tenant, pin and expiry, and per-tenant quotas: what a tier needs to honour them.
 
-A chunk stored for a request carries a `ChunkMeta`: its tenant (the request's vLLM
-`cache_salt`; None is the default tenant), until when it is pinned (`retain_until`: eviction
-never picks it before then) and when it expires (`expires_at`: from then on it is a miss and
-its space is reclaimed). Times are wall-clock seconds (`time.time()`), so that a deadline
-means the same in every process and survives a restart where a tier persists it.
+A chunk stored for a request carries a `ChunkMeta`: its tenant (`tenant_id` of the
+request's vLLM `cache_salt`, a hash: the salt itself never reaches a tier; None is the
+default tenant), until when it is pinned (`retain_until`: eviction never picks it before
+then) and when it expires (`expires_at`: from then on it is a miss and its space is
+reclaimed). Times are wall-clock seconds (`time.time()`), so that a deadline means the same
+in every process and survives a restart where a tier persists it.
 
 Tiers that keep this metadata offer the optional `MetaKeeper` protocol; the store passes
 metadata only to those (`kvtier.core.store.TieredStore.put(..., meta=)`), and other tiers
@@ -12,11 +13,12 @@ never see it. A tier's own bookkeeping is a `RetentionBook` (tier-independent, n
 thread-safe: the tier locks): per-tenant usage and LRU order, pins bounded by
 `max_pinned_share` of the tier, expiry, and the counters behind `RetentionStats`.
 
-Tenant names never reach logs or metrics: `tenant_label` gives a bounded-cardinality label
-(a hash prefix of the salt, "other" beyond MAX_TENANT_LABELS distinct tenants).
+Salts never reach logs or metrics: `tenant_label` gives a bounded-cardinality label (a
+prefix of the tenant id, "other" beyond MAX_TENANT_LABELS distinct tenants).
 
-Primitives: `ChunkMeta`, `MetaKeeper` (optional tier protocol), `TenantQuota`,
-`RetentionBook`, `RetentionStats`, `TenantUsage`, `tenant_label`, `DEFAULT_TENANT`.
+Primitives: `ChunkMeta`, `MetaKeeper` + `MetaReserver` (optional tier protocols),
+`TenantQuota`, `RetentionBook`, `RetentionStats`, `TenantUsage`, `tenant_id`, `tenant_label`,
+`DEFAULT_TENANT`.
 """
 
 from __future__ import annotations
@@ -43,19 +45,20 @@ MAX_TENANT_LABELS = 32  # distinct tenant labels per process (bounded metric car
 class ChunkMeta:
     """What a request asks of its chunks' lifetime in the tiers, and whose they are."""
 
-    tenant: str | None = None  # the request's cache_salt; None: the default tenant
+    tenant: str | None = None  # tenant_id(the request's cache_salt); None: the default tenant
     retain_until: float | None = None  # wall-clock s: never evicted before then (a pin)
     expires_at: float | None = None  # wall-clock s: a miss from then on, space reclaimed
 
     @classmethod
-    def for_request(cls, tenant: str | None, retain_s: float | None, ttl_s: float | None,
+    def for_request(cls, cache_salt: str | None, retain_s: float | None, ttl_s: float | None,
                     now_s: float) -> ChunkMeta:
-        """The metadata of a request's chunks stored at `now_s` (wall clock)."""
-        return cls(tenant=tenant,
+        """The metadata of the chunks of a request with `cache_salt`, stored at `now_s`
+        (wall clock)."""
+        return cls(tenant=tenant_id(cache_salt),
                    retain_until=None if retain_s is None else now_s + retain_s,
                    expires_at=None if ttl_s is None else now_s + ttl_s)
 
-    def __repr__(self) -> str:  # the tenant is a cache salt: possibly a secret
+    def __repr__(self) -> str:  # short, and never more of the tenant than its label
         return (f"ChunkMeta(tenant={tenant_label(self.tenant)}, "
                 f"retain_until={self.retain_until}, expires_at={self.expires_at})")
 
@@ -63,17 +66,12 @@ class ChunkMeta:
 @runtime_checkable
 class MetaKeeper(Protocol):
     """An optional ability of a tier: it keeps each chunk's `ChunkMeta` (tenant for quotas,
-    pins, expiry). `TieredStore` calls these instead of `put`/`reserve` when it has metadata
-    to pass, and never calls them on other tiers."""
+    pins, expiry). `TieredStore` calls `put_meta` instead of `put` when it has metadata to
+    pass, and never calls these on other tiers."""
 
     def put_meta(self, key: ChunkKey, data: memoryview, meta: ChunkMeta) -> TierResult:
         """`Tier.put` of a chunk with its metadata (an already held chunk gets `meta`
         merged in, as by `retain`)."""
-        ...
-
-    def reserve_meta(self, key: ChunkKey,
-                     meta: ChunkMeta) -> AbstractContextManager[Slot | None]:
-        """`Reserver.reserve` of a chunk with its metadata (for tiers that reserve)."""
         ...
 
     def retain(self, key: ChunkKey, meta: ChunkMeta) -> bool:
@@ -87,6 +85,16 @@ class MetaKeeper(Protocol):
 
     def retention_stats(self) -> RetentionStats:
         """Pins, expiries and per-tenant usage now."""
+        ...
+
+
+@runtime_checkable
+class MetaReserver(Protocol):
+    """An optional ability of a `Reserver` tier that keeps metadata (the memory tier)."""
+
+    def reserve_meta(self, key: ChunkKey,
+                     meta: ChunkMeta) -> AbstractContextManager[Slot | None]:
+        """`Reserver.reserve` of a chunk with its metadata."""
         ...
 
 
@@ -108,7 +116,7 @@ class TenantQuota:
 class TenantUsage:
     """One tenant's part of a tier (labels are bounded: see `tenant_label`)."""
 
-    tenant: str  # label: "default", "t-<8 hex of a hash of the salt>", or "other"
+    tenant: str  # label: "default", "t-<first 8 hex digits of its tenant_id>", or "other"
     used_bytes: int  # bytes its chunks take now
     chunks: int  # chunks it holds now
     evictions: int  # its chunks evicted so far (by its own quota or the tier's LRU)
@@ -126,8 +134,21 @@ class RetentionStats:
     tenants: tuple[TenantUsage, ...] = ()
 
 
+def tenant_id(cache_salt: str | None) -> str | None:
+    """The tenant of a request with `cache_salt`, as tiers know it: a domain-separated
+    SHA-256 of the salt (64 hex digits; the same in every process and after a restart), or
+    None for no salt (the default tenant)."""
+    if cache_salt is None:
+        return None
+    return hashlib.sha256(b"kvtier-tenant-v1|" + cache_salt.encode()).hexdigest()
+
+
+def _is_tenant_id(text: str) -> bool:
+    return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
+
+
 class _Labels:
-    """Salt -> bounded label, first come first served. Thread-safe."""
+    """Tenant -> bounded label, first come first served. Thread-safe."""
 
     def __init__(self, max_labels: int) -> None:
         self._lock = threading.Lock()
@@ -137,13 +158,14 @@ class _Labels:
     def label(self, tenant: str | None) -> str:
         if tenant is None:
             return DEFAULT_TENANT
+        ident = tenant if _is_tenant_id(tenant) else tenant_id(tenant)
+        assert ident is not None
         with self._lock:
-            found = self._labels.get(tenant)
+            found = self._labels.get(ident)
             if found is None:
                 if len(self._labels) >= self._max:
                     return OTHER_TENANTS
-                digest = hashlib.sha256(b"kvtier-tenant-label-v1|" + tenant.encode()).hexdigest()
-                found = self._labels[tenant] = "t-" + digest[:8]
+                found = self._labels[ident] = "t-" + ident[:8]
             return found
 
 
@@ -151,9 +173,10 @@ _LABELS = _Labels(MAX_TENANT_LABELS)
 
 
 def tenant_label(tenant: str | None) -> str:
-    """A label naming `tenant` in metrics and logs without revealing it: "default" (no
-    salt), "t-" + 8 hex digits of a domain-separated SHA-256 of the salt (stable across
-    processes and restarts), or "other" once MAX_TENANT_LABELS tenants have labels."""
+    """A label naming a tenant in metrics and logs without revealing its salt: "default"
+    (None), "t-" + the first 8 hex digits of its `tenant_id` (stable across processes and
+    restarts; `tenant` may be the id or the salt: the same label), or "other" once
+    MAX_TENANT_LABELS tenants have labels in this process."""
     return _LABELS.label(tenant)
 
 

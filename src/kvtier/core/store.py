@@ -12,8 +12,8 @@ write-behind.
   `read_timeout_s`.
 - `put(key, data)`: store in the top tier at once; lower tiers are written behind, on their
   own threads, through bounded queues (`writebehind.WriteBehind`): when a queue is full the
-  write is dropped and counted, never blocking the caller. `put_from(key, fill, spare)` has the chunk written straight
-  into a reserved slot of the top tier (the vLLM worker's gather).
+  write is dropped and counted, never blocking the caller. `put_from(key, fill, spare)` has
+  the chunk written straight into a reserved slot of the top tier (the vLLM worker's gather).
 A tier call that fails is counted per tier and per `Failure` reason (`StoreStats.failures`);
 a tier that raises is skipped for that call (logged, counted as `Failure.RAISED`): a broken
 tier costs hits, never the engine. A tier below the top one that does not answer in time
@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from kvtier.core.keys import ChunkKey
-from kvtier.core.retention import ChunkMeta, MetaKeeper, RetentionStats
+from kvtier.core.retention import ChunkMeta, MetaKeeper, MetaReserver, RetentionStats
 from kvtier.core.stall import StallGuard
 from kvtier.core.tier import (
     BatchLookup,
@@ -169,6 +169,8 @@ class TieredStore:
         # Tiers that keep each chunk's tenant, pin and expiry (kvtier.core.retention).
         self._keepers: dict[int, MetaKeeper] = {
             id(t): t for t in self.tiers if isinstance(t, MetaKeeper)}
+        self._meta_reserver = self._reserver if isinstance(self._reserver, MetaReserver) \
+            else None
         # What tiers stored and removed, until `take_events`; bounded so that a store nobody
         # drains keeps only the newest events.
         self._events: deque[StoreEvent] = deque(maxlen=MAX_PENDING_EVENTS)
@@ -362,7 +364,7 @@ class TieredStore:
         or when the borrow it was for was abandoned meanwhile (the slot is released)."""
         with ExitStack() as reservation:
             meta = self._meta_of(tier, key)
-            keeper = self._keepers.get(id(top)) if meta is not None else None
+            keeper = self._meta_reserver if top is self._reserver else None
             slot = reservation.enter_context(
                 top.reserve(key) if keeper is None or meta is None
                 else keeper.reserve_meta(key, meta))
@@ -446,7 +448,7 @@ class TieredStore:
         if self._reserver is None:
             fill(spare)
             return self.put(key, spare, meta)
-        keeper = self._keepers.get(id(self._reserver)) if meta is not None else None
+        keeper = self._meta_reserver
         with (self._reserver.reserve(key) if keeper is None or meta is None
               else keeper.reserve_meta(key, meta)) as slot:
             if slot is None and self._contains(self.tiers[0], key):

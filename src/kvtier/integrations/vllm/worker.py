@@ -85,8 +85,9 @@ class ChunkStore(Protocol):
 
 
 def chunk_meta(transfer: ChunkTransfer) -> ChunkMeta | None:
-    """The tenant, pin and expiry of a planned chunk, dated now; None for a chunk of the
-    default tenant with neither (the tiers' defaults apply, nothing is passed down)."""
+    """The tenant (`tenant_id` of its cache salt), pin and expiry of a planned chunk, dated
+    now; None for a chunk of the default tenant with neither (the tiers' defaults apply,
+    nothing is passed down)."""
     if transfer.tenant is None and transfer.retain_s is None and transfer.ttl_s is None:
         return None
     return ChunkMeta.for_request(transfer.tenant, transfer.retain_s, transfer.ttl_s,
