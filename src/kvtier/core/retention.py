@@ -321,6 +321,14 @@ class RetentionBook:
             return None
         return ChunkMeta(self._tenant_of[key], self._pinned.get(key), self._expires.get(key))
 
+    def metas(self) -> list[tuple[ChunkKey, ChunkMeta]]:
+        """Every recorded chunk's metadata (a persistent tier's journal, compacted)."""
+        return [(key, ChunkMeta(tenant, self._pinned.get(key), self._expires.get(key)))
+                for key, tenant in self._tenant_of.items()]
+
+    def __len__(self) -> int:
+        return len(self._tenant_of)
+
     def is_pinned(self, key: ChunkKey) -> bool:
         return key in self._pinned
 

@@ -9,6 +9,11 @@ Assumes one store owns the directory; for a directory shared by processes use `s
 With a `codec` (and/or encryption, `kvtier.tiers.encoding`) a chunk is encoded on the
 write-behind thread that puts it, before its room is reserved: the capacity counts the bytes
 files really take, so a compressed tier holds more chunks in the same capacity.
+
+Tenants, pins and expiry (`kvtier.core.retention`, settings `tenant_quota`, `ttl_s`,
+`max_pinned_share`) work as in the memory tier; each chunk's metadata is appended to a
+retention journal in the layout directory (`tiers/retention_journal.py`) so that a restart
+keeps pins and expiries.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from kvtier.core.chunkformat import ALIGN_BYTES, HEADER_BYTES, failure_of
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.policies import AdmissionFilter, EvictionPolicy, make_policy
+from kvtier.core.retention import ChunkMeta, RetentionStats
 from kvtier.core.tier import (
     DECLINED,
     FULL,
@@ -43,12 +49,14 @@ from kvtier.errors import CorruptBlock
 from kvtier.tiers.chunkfiles import ChunkFiles, FileInventory, FileProbe
 from kvtier.tiers.directories import check_directory
 from kvtier.tiers.encoding import EncodedTierSettings, build_encoder
+from kvtier.tiers.retention import RetentionTierSettings, build_book
+from kvtier.tiers.retention_journal import RetentionJournal
 
 log = logging.getLogger(__name__)
 ENOSPC_EVICT_CHUNKS = 4  # chunks evicted when the filesystem itself is full
 
 
-class DiskTierConfig(EncodedTierSettings):
+class DiskTierConfig(EncodedTierSettings, RetentionTierSettings):
     """A local directory (NVMe): one file per chunk, bounded, indexed at start-up."""
 
     kind: Literal["disk"]
@@ -92,6 +100,9 @@ class DiskTier:
         self._lock = threading.Lock()
         self._counters = TierCounters(self.name, config.capacity)
         self.events = TierEvents(self.name)
+        # Tenants, pins, expiry (kvtier.core.retention); the policy holds unpinned chunks.
+        self._book = build_book(config, config.capacity, time.time)
+        self._journal = RetentionJournal(self.files.directory, self.files.writable)
         self._rebuild_index()
 
     def _rebuild_index(self) -> None:
@@ -107,6 +118,7 @@ class DiskTier:
             self._index[found.key] = size
             self._policy.insert(found.key)
             self._used_bytes += size
+        self._restore_retention()
         with self._lock:
             self._evict_to(self.capacity_bytes)
         self._counters.add(corrupt_reads=corrupt)
@@ -121,6 +133,7 @@ class DiskTier:
             if victim is None:
                 return
             self._used_bytes -= self._index.pop(victim, 0)
+            self._book.forget(victim, evicted=True)
             self.files.remove(victim)
             self._counters.add(evictions=1)
             self.events.removed(victim)
@@ -136,12 +149,17 @@ class DiskTier:
         storing it again and the next load failed (tests/vllm/test_kvtier_restart.py)."""
         if key not in self._index:
             return False
+        if self._book.has_deadlines and self._book.is_expired(key):
+            self._expire(key)
+            return False
         if self.files.exists(key):  # a regular file, reached without following a link
             return True
         self._forget(key, corrupt=False)
         return False
 
     def get_into(self, key: ChunkKey, out: memoryview) -> TierResult:
+        if key in self._index and self._book.has_deadlines and self._book.is_expired(key):
+            self._expire(key)
         if key not in self._index:
             self._counters.add(misses=1)
             return MISSING
@@ -158,6 +176,7 @@ class DiskTier:
             return MISSING if isinstance(exc, FileNotFoundError) else IO_ERROR
         with self._lock:
             self._policy.touch(key)
+            self._book.touch(key)
         self.files.touch(key)
         self._counters.add(hits=1, bytes_read=len(out), read_s=time.perf_counter() - start)
         return OK
@@ -168,6 +187,7 @@ class DiskTier:
             if held:
                 self._used_bytes -= self._index.pop(key)
                 self._policy.remove(key)
+                self._book.forget(key)
         self.files.remove(key)
         if held:
             self.events.removed(key)
@@ -176,6 +196,10 @@ class DiskTier:
         self._publish_usage()
 
     def put(self, key: ChunkKey, data: memoryview) -> TierResult:
+        return self.put_meta(key, data, None)
+
+    def put_meta(self, key: ChunkKey, data: memoryview, meta: ChunkMeta | None) -> TierResult:
+        """`put` with the chunk's tenant, pin and expiry (`MetaKeeper`)."""
         # Checked first, as the memory tier does: a wrong size used to be stored zero-padded
         # (shorter) or to raise IndexError after reserving capacity, leaking the reservation
         # (tests/tiers/test_tier_contract.py).
@@ -183,6 +207,8 @@ class DiskTier:
             raise ValueError(f"chunk is {len(data)} bytes, this tier stores "
                              f"{self.files.chunk_bytes}")
         if self.contains(key):
+            if meta is not None:
+                self.retain(key, meta)
             return OK
         if not self.files.writable:  # a read-only directory: serve what it holds
             self._counters.add(dropped_writes=1)
@@ -195,6 +221,9 @@ class DiskTier:
         encoded = self.files.encode(key, data)  # compressed / sealed here, off the engine
         size = self.files.size_of(encoded)
         with self._lock:
+            if not self._make_tenant_room(meta.tenant if meta else None, size):
+                self._counters.add(dropped_writes=1)
+                return FULL  # the tenant is at its quota with pinned chunks only
             self._evict_to(self.capacity_bytes - size)
             # Eviction cannot free room reserved by writes in flight: reserving anyway used to
             # overshoot the capacity under concurrent puts (tests/tiers/test_tier_contract.py).
@@ -222,11 +251,107 @@ class DiskTier:
                 self._used_bytes -= size
             else:
                 self._index[key] = size
-                self._policy.insert(key)
+                if (meta is None and not self._book.records_all) \
+                        or not self._book.record(key, meta, size):
+                    self._policy.insert(key)  # pinned chunks stay out of the policy
                 self.events.stored(key)
+        if meta is not None:
+            self._journal_append(key)
         self._counters.add(puts=1, bytes_written=len(data), write_s=time.perf_counter() - start)
         self._publish_usage()
         return OK
+
+    # -- tenants, pins, expiry (MetaKeeper) ---------------------------------------------------
+    def retain(self, key: ChunkKey, meta: ChunkMeta) -> bool:
+        """Extend a held chunk's pin and expiry (`MetaKeeper`); False when not held."""
+        with self._lock:
+            size = self._index.get(key)
+            if size is None:
+                return False
+            if self._book.retain(key, meta, size):
+                self._policy.remove(key)  # pinned now: out of the policy
+        self._journal_append(key)
+        return True
+
+    def meta_of(self, key: ChunkKey) -> ChunkMeta | None:
+        with self._lock:
+            return self._book.meta_of(key)
+
+    def retention_stats(self) -> RetentionStats:
+        """Pins, expiries and per-tenant usage (expired chunks are reclaimed first)."""
+        with self._lock:
+            self._reap()
+            stats = self._book.stats()
+        self._publish_usage()
+        return stats
+
+    def _restore_retention(self) -> None:
+        """Apply the journal to the chunks found at start-up (an expired one is removed),
+        then rewrite it compacted. Start-up only (no other thread yet)."""
+        entries = self._journal.load()
+        for key, meta in entries.items():
+            size = self._index.get(key)
+            if size is None:
+                continue
+            if meta.expires_at is not None and meta.expires_at <= self._book.clock():
+                self._used_bytes -= self._index.pop(key)
+                self._policy.remove(key)
+                self.files.remove(key)
+                self._book.expired_count += 1
+            elif self._book.record(key, meta, size):
+                self._policy.remove(key)
+        if self._book.records_all:
+            for key, size in self._index.items():
+                if key not in entries:
+                    self._book.record(key, None, size)
+        self._journal.rewrite((k, m) for k, m in self._book.metas() if k in entries)
+
+    def _journal_append(self, key: ChunkKey) -> None:
+        with self._lock:
+            meta = self._book.meta_of(key)
+            live = len(self._book)
+        if meta is not None and self._journal.append(key, meta, live):
+            with self._lock:
+                metas = self._book.metas()
+            self._journal.rewrite(metas)
+
+    def _expire(self, key: ChunkKey) -> None:
+        with self._lock:
+            self._book.expired_count += key in self._index
+        self._forget(key, corrupt=False)
+
+    def _make_tenant_room(self, tenant: str | None, size: int) -> bool:
+        """Evict `tenant`'s own LRU chunks while storing `size` bytes more would pass its
+        quota; False when only pinned ones are left. Reaps pins and expiries first. Caller
+        holds the lock."""
+        self._reap()
+        while self._book.over_quota(tenant, size):
+            victim = self._book.own_victim(tenant)
+            if victim is None:
+                return False
+            self._policy.remove(victim)
+            self._drop(victim, evicted=True)
+        return True
+
+    def _reap(self) -> None:
+        """Put chunks whose pin ended back in the policy; remove expired ones. Lock held."""
+        if not self._book.has_deadlines:
+            return
+        for key in self._book.lapsed_pins():
+            self._policy.insert(key)
+        for key in self._book.due_expiries():
+            if key in self._index:
+                self._policy.remove(key)
+                self._drop(key, evicted=False)
+
+    def _drop(self, key: ChunkKey, evicted: bool) -> None:
+        """Remove a held chunk (out of the policy already). Lock held."""
+        self._used_bytes -= self._index.pop(key, 0)
+        self._book.forget(key, evicted=evicted)
+        self.files.remove(key)
+        if evicted:
+            self._counters.add(evictions=1)
+        self.events.removed(key)
 
     def delete(self, key: ChunkKey) -> bool:
         held = key in self._index

@@ -1,0 +1,120 @@
+"""The retention journal of a persistent tier: each chunk's tenant id, pin and expiry, so that
+a restart keeps them (`kvtier.core.retention`).
+
+One JSON object a line in `<layout directory>/retention.jsonl` (a name the chunk scan skips):
+`{"key": HEX, "tenant": ID|null, "retain_until": S|null, "expires_at": S|null}`, appended
+(O_APPEND; a line is far below PIPE_BUF) whenever a chunk is stored or retained with metadata;
+the last line of a key wins. At start-up the tier reads it, applies the lines of chunks it
+still holds, and rewrites it compacted (a temp file renamed into place); it is compacted again
+once it holds many more lines than chunks with metadata. Tenants are `tenant_id`s (hashes),
+never salts. The file is untrusted input: a line that does not parse or has the wrong types
+is skipped (and counted); nothing is unpickled.
+
+Primitives: `RetentionJournal`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+
+from kvtier.core.keys import KEY_BYTES, ChunkKey
+from kvtier.core.retention import ChunkMeta
+
+log = logging.getLogger(__name__)
+JOURNAL_NAME = "retention.jsonl"
+COMPACT_SLACK_LINES = 4096  # appended lines beyond the live entries before a compaction
+
+
+class RetentionJournal:
+    """Append-only metadata of one tier's chunks, compacted at start-up. Thread-safe."""
+
+    def __init__(self, directory: Path, writable: bool = True) -> None:
+        self.path = Path(directory) / JOURNAL_NAME
+        self.writable = writable
+        self.skipped_lines = 0  # lines that did not parse (untrusted input)
+        self._lines = 0
+        self._lock = threading.Lock()
+
+    def load(self) -> dict[ChunkKey, ChunkMeta]:
+        """Every key's last metadata (an absent or unreadable journal: none)."""
+        entries: dict[ChunkKey, ChunkMeta] = {}
+        try:
+            text = self.path.read_text(encoding="utf-8", errors="replace")
+        except FileNotFoundError:
+            return entries
+        except OSError as exc:
+            log.warning("retention journal %s unreadable (%s): pins and expiries are lost",
+                        self.path, exc)
+            return entries
+        for line in text.splitlines():
+            parsed = _parse(line)
+            if parsed is None:
+                self.skipped_lines += bool(line.strip())
+                continue
+            entries[parsed[0]] = parsed[1]
+        return entries
+
+    def rewrite(self, entries: Iterable[tuple[ChunkKey, ChunkMeta]]) -> None:
+        """Replace the journal by `entries` (atomically: a temp file renamed into place)."""
+        if not self.writable:
+            return
+        lines = [_line(key, meta) for key, meta in entries]
+        temp = self.path.with_name(f".{JOURNAL_NAME}.{os.getpid()}.tmp")
+        with self._lock:
+            try:
+                with open(temp, "w", encoding="utf-8") as out:
+                    out.writelines(lines)
+                os.replace(temp, self.path)
+                self._lines = len(lines)
+            except OSError as exc:
+                log.warning("retention journal %s not rewritten (%s)", self.path, exc)
+
+    def append(self, key: ChunkKey, meta: ChunkMeta, live_entries: int) -> bool:
+        """Record a chunk's metadata; True when the journal now wants a compaction (more
+        than `live_entries` + COMPACT_SLACK_LINES lines)."""
+        if not self.writable:
+            return False
+        data = _line(key, meta).encode()
+        with self._lock:
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+                try:
+                    os.write(fd, data)
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                log.warning("retention journal %s: append failed (%s); a restart loses this "
+                            "chunk's pin/expiry", self.path, exc)
+                return False
+            self._lines += 1
+            return self._lines > live_entries + COMPACT_SLACK_LINES
+
+
+def _line(key: ChunkKey, meta: ChunkMeta) -> str:
+    return json.dumps({"key": key.hex(), "tenant": meta.tenant,
+                       "retain_until": meta.retain_until, "expires_at": meta.expires_at},
+                      separators=(",", ":")) + "\n"
+
+
+def _parse(line: str) -> tuple[ChunkKey, ChunkMeta] | None:
+    try:
+        item = json.loads(line)
+        key = ChunkKey(bytes.fromhex(item["key"]))
+    except (ValueError, TypeError, KeyError):
+        return None
+    if not isinstance(item, dict) or len(key) != KEY_BYTES:
+        return None
+    tenant = item.get("tenant")
+    times = [item.get("retain_until"), item.get("expires_at")]
+    if tenant is not None and not isinstance(tenant, str):
+        return None
+    if not all(t is None or (isinstance(t, (int, float)) and not isinstance(t, bool)
+                             and math.isfinite(t)) for t in times):
+        return None
+    return key, ChunkMeta(tenant, *(None if t is None else float(t) for t in times))

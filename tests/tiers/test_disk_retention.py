@@ -1,0 +1,128 @@
+"""Tenants, pins and expiry in the disk tier, and the journal that keeps them over a restart.
+
+Real disk tiers on `tmp_path`, built as a store builds them; a restart is a new tier on the
+same directory. Time is the tier's book clock, moved by the test (no sleeps).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tierkit import key, make_tier, tiny_layout
+
+from kvtier.core.retention import ChunkMeta, MetaKeeper, tenant_label
+from kvtier.core.store import TieredStore
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.retention_journal import JOURNAL_NAME
+
+LAYOUT = tiny_layout()
+CHUNK = bytes(range(256)) * (LAYOUT.bytes_per_chunk // 256)
+
+
+class Clock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def disk(tmp_path: Path, chunks: int, clock: Clock | None = None, **options: Any) -> DiskTier:
+    tier = make_tier("disk", tmp_path, LAYOUT, chunks, **options)
+    assert isinstance(tier, DiskTier) and isinstance(tier, MetaKeeper)
+    if clock is not None:
+        tier._book.clock = clock  # the tier reads wall-clock time; the test moves it
+    return tier
+
+
+def put(tier: DiskTier, i: int, meta: ChunkMeta | None = None) -> bool:
+    return bool(tier.put_meta(key(i), memoryview(CHUNK), meta))
+
+
+def held(tier: DiskTier, ids: range | list[int]) -> list[int]:
+    return [i for i in ids if tier.contains(key(i))]
+
+
+def test_a_pin_survives_a_flood_and_a_restart(tmp_path: Path) -> None:
+    import time
+
+    now = time.time()
+    tier = disk(tmp_path, 8)
+    assert put(tier, 0, ChunkMeta(tenant="t", retain_until=now + 3600))
+    for i in range(100, 140):
+        put(tier, i)
+    assert held(tier, [0]) == [0]
+    # A restart: the index is rebuilt from the files, the pin from the journal.
+    again = disk(tmp_path, 8)
+    assert again.meta_of(key(0)) == ChunkMeta("t", now + 3600, None)
+    for i in range(200, 240):
+        put(again, i)
+    assert held(again, [0]) == [0]
+    assert again.retention_stats().pinned_chunks == 1
+
+
+def test_an_expiry_survives_a_restart_and_removes_the_chunk(tmp_path: Path) -> None:
+    import time
+
+    clock = Clock(time.time() - 1000)  # stored "1000 s ago", expiring 60 s after that
+    tier = disk(tmp_path, 8, clock)
+    put(tier, 0, ChunkMeta(expires_at=clock.now + 60))
+    put(tier, 1)
+    put(tier, 2, ChunkMeta(expires_at=clock.now + 7200))
+    assert held(tier, [0, 1, 2]) == [0, 1, 2]
+    path = tier.files.path_of(key(0))
+    assert path.exists()
+    # Restarted (real clock) after chunk 0's expiry: removed at start-up, file and all.
+    again = disk(tmp_path, 8)
+    assert held(again, [0, 1, 2]) == [1, 2]
+    assert not path.exists()
+    assert again.retention_stats().expired == 1
+    # Chunk 2 still expires on time after the restart.
+    again._book.clock = Clock(clock.now + 7201)
+    assert held(again, [0, 1, 2]) == [1]
+
+
+def test_a_tenant_at_its_quota_evicts_its_own_chunks_on_disk(tmp_path: Path) -> None:
+    tier = disk(tmp_path, 8, tenant_quota={"share": 0.5})
+    for i in range(4):
+        put(tier, i, ChunkMeta(tenant="B"))
+    for i in range(100, 140):
+        put(tier, i, ChunkMeta(tenant="A"))
+    assert held(tier, range(4)) == [0, 1, 2, 3]
+    usage = {u.tenant: u for u in tier.retention_stats().tenants}
+    assert usage[tenant_label("A")].evictions == 36
+    assert usage[tenant_label("B")].chunks == 4
+
+
+def test_a_damaged_journal_costs_its_bad_lines_only(tmp_path: Path) -> None:
+    import time
+
+    now = time.time()
+    tier = disk(tmp_path, 8)
+    put(tier, 0, ChunkMeta(retain_until=now + 600))
+    put(tier, 1, ChunkMeta(retain_until=now + 600))
+    journal = tier.files.directory / JOURNAL_NAME
+    lines = journal.read_text().splitlines()
+    journal.write_text("\n".join([lines[0], "{not json", '{"key": "zz"}', "[1, 2]",
+                                  '{"key": "' + "00" * 16 + '", "retain_until": "soon"}',
+                                  lines[1][: len(lines[1]) // 2]]) + "\n")
+    again = disk(tmp_path, 8)
+    assert again.meta_of(key(0)) is not None and again.meta_of(key(0)).retain_until  # type: ignore[union-attr]
+    assert again.meta_of(key(1)) is None  # its line was cut: stored, unpinned
+    assert again._journal.skipped_lines == 5
+    assert held(again, [0, 1]) == [0, 1]
+
+
+def test_the_store_writes_pins_behind_to_disk(tmp_path: Path) -> None:
+    import time
+
+    now = time.time()
+    top = make_tier("memory", tmp_path, LAYOUT, 2)
+    lower = disk(tmp_path, 16)
+    meta = ChunkMeta(tenant="t", retain_until=now + 100, expires_at=now + 200)
+    with TieredStore([top, lower]) as store:
+        store.put(key(0), memoryview(CHUNK), meta=meta)
+        store.flush()
+        assert lower.meta_of(key(0)) == meta
+        assert set(store.stats().retention) == {"memory", "disk"}
