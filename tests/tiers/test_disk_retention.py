@@ -60,6 +60,8 @@ def test_a_pin_survives_a_flood_and_a_restart(tmp_path: Path) -> None:
         put(again, i)
     assert held(again, [0]) == [0]
     assert again.retention_stats().pinned_chunks == 1
+    # The journal (rewritten at the restart) is the tier's alone, like its chunk files.
+    assert (again.files.directory / JOURNAL_NAME).stat().st_mode & 0o077 == 0
 
 
 def test_an_expiry_survives_a_restart_and_removes_the_chunk(tmp_path: Path) -> None:

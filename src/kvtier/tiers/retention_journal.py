@@ -67,8 +67,11 @@ class RetentionJournal:
         lines = [_line(key, meta) for key, meta in entries]
         temp = self.path.with_name(f".{JOURNAL_NAME}.{os.getpid()}.tmp")
         with self._lock:
+            if not lines and not self.path.exists():
+                return  # nothing to keep: no file
             try:
-                with open(temp, "w", encoding="utf-8") as out:
+                fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "w", encoding="utf-8") as out:
                     out.writelines(lines)
                 os.replace(temp, self.path)
                 self._lines = len(lines)
