@@ -30,6 +30,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -216,9 +217,14 @@ def measure_codecs(chunks: Sequence[bytes], dtype: str, trials: int,
     return figures
 
 
+SETTINGS = (("none", False), ("none", True), ("zstd", False), ("zstd", True))
+
+
 def measure_sealing(chunks: Sequence[bytes], dtype: str, trials: int, work_dir: Path,
                     progress: Callable[[str], None]) -> list[SealFigures]:
-    """ChunkEncoder and a disk tier, in clear and sealed, codec none and zstd."""
+    """ChunkEncoder and a disk tier, in clear and sealed, codec none and zstd. The settings
+    take turns within each trial (encode, decode, put, get each), so that the machine's
+    drift (other processes) falls on all of them alike; figures are medians over trials."""
     from kvtier.config import StoreConfig
     from kvtier.core.sealing import TENANTS
     from kvtier.tiers import build_tier
@@ -233,57 +239,72 @@ def measure_sealing(chunks: Sequence[bytes], dtype: str, trials: int, work_dir: 
     payload = chunk_bytes * len(chunks)
     views = [memoryview(c) for c in chunks]
     out = memoryview(bytearray(chunk_bytes))
-    figures = []
+    seconds: dict[tuple[str, bool], dict[str, list[float]]] = {
+        s: {"encode": [], "decode": [], "put": [], "get": []} for s in SETTINGS}
+
+    def timed(setting: tuple[str, bool], what: str, run: Callable[[], None]) -> None:
+        start = time.perf_counter()
+        run()
+        seconds[setting][what].append(time.perf_counter() - start)
+
     with tempfile.TemporaryDirectory(dir=work_dir, prefix="kvtier-bench-codecs-") as tmp:
         secret_file = Path(tmp) / "secret"
         secret_file.write_bytes(BENCH_SECRET)
         secret_file.chmod(0o600)
-        for codec in ("none", "zstd"):
-            for sealed in (False, True):
-                setting = f"{codec}, {'sealed' if sealed else 'in clear'}"
-                progress(f"encryption: {setting}")
-                encoder = ChunkEncoder(layout.digest(), dtype, chunk_bytes, codec,
-                                       Sealer(BENCH_SECRET) if sealed else None, book)
+        encoders, tiers = {}, {}
+        for codec, sealed in SETTINGS:
+            encoders[codec, sealed] = ChunkEncoder(layout.digest(), dtype, chunk_bytes, codec,
+                                                   Sealer(BENCH_SECRET) if sealed else None,
+                                                   book)
+            settings: dict[str, Any] = {"kind": "disk", "path": f"{tmp}/{codec}-{sealed}",
+                                        "capacity": 4 * payload + (64 << 20), "codec": codec}
+            if sealed:
+                settings["encryption_secret_file"] = str(secret_file)
+            tiers[codec, sealed] = build_tier(StoreConfig.parse({"tiers": [settings]}).tiers[0],
+                                              layout)
+        for trial in range(trials):
+            progress(f"encryption: trial {trial + 1} of {trials}")
+            for setting in SETTINGS:
+                encoder, tier = encoders[setting], tiers[setting]
                 # (a sealed body lives in the encoding thread's buffer until its next encode)
                 encoded = [(item.header, bytes(item.body)) for item in
                            (encoder.encode(k, v) for k, v in zip(keys, views))]
+                timed(setting, "encode", partial(_encode_all, encoder, keys, views))
+                timed(setting, "decode", partial(_decode_all, encoder, keys, encoded,
+                                                 layout.digest(), out))
+                for k in keys:
+                    tier.delete(k)
+                timed(setting, "put", partial(_put_all, tier, keys, views))
+                timed(setting, "get", partial(_get_all, tier, keys, out))
+        for tier in tiers.values():
+            tier.close()
+    return [SealFigures(f"{codec}, {'sealed' if sealed else 'in clear'}",
+                        *(payload / statistics.median(seconds[codec, sealed][what]) / GB
+                          for what in ("encode", "decode", "put", "get")))
+            for codec, sealed in SETTINGS]
 
-                def encode(e: ChunkEncoder = encoder) -> None:
-                    for k, v in zip(keys, views):
-                        e.encode(k, v)
 
-                encoded_gbps = _median_gbps(payload, trials, encode)
+def _encode_all(encoder: ChunkEncoder, keys: Sequence[ChunkKey],
+                views: Sequence[memoryview]) -> None:
+    for k, v in zip(keys, views):
+        encoder.encode(k, v)
 
-                def decode(e: ChunkEncoder = encoder, done: list[Any] = encoded) -> None:
-                    for k, (header, body) in zip(keys, done):
-                        e.decode(k, read_header(header, k, layout.digest()), memoryview(body),
-                                 out)
 
-                decoded = _median_gbps(payload, trials, decode)
-                settings: dict[str, Any] = {"kind": "disk", "path": f"{tmp}/{codec}-{sealed}",
-                                            "capacity": 4 * payload + (64 << 20), "codec": codec}
-                if sealed:
-                    settings["encryption_secret_file"] = str(secret_file)
-                config = StoreConfig.parse({"tiers": [settings]}).tiers[0]
-                tier = build_tier(config, layout)
-                puts, gets = [], []
-                for _ in range(trials):
-                    for k in keys:
-                        tier.delete(k)
-                    start = time.perf_counter()
-                    for k, v in zip(keys, views):
-                        tier.put(k, v)
-                    puts.append(time.perf_counter() - start)
-                    start = time.perf_counter()
-                    for k in keys:
-                        if not tier.get_into(k, out):
-                            raise RuntimeError(f"bench tier {setting}: a chunk did not read back")
-                    gets.append(time.perf_counter() - start)
-                tier.close()
-                figures.append(SealFigures(setting, encoded_gbps, decoded,
-                                           payload / statistics.median(puts) / GB,
-                                           payload / statistics.median(gets) / GB))
-    return figures
+def _decode_all(encoder: ChunkEncoder, keys: Sequence[ChunkKey],
+                encoded: Sequence[tuple[bytes, bytes]], digest: str, out: memoryview) -> None:
+    for k, (header, body) in zip(keys, encoded):
+        encoder.decode(k, read_header(header, k, digest), memoryview(body), out)
+
+
+def _put_all(tier: Any, keys: Sequence[ChunkKey], views: Sequence[memoryview]) -> None:
+    for k, v in zip(keys, views):
+        tier.put(k, v)
+
+
+def _get_all(tier: Any, keys: Sequence[ChunkKey], out: memoryview) -> None:
+    for k in keys:
+        if not tier.get_into(k, out):
+            raise RuntimeError(f"bench tier {tier.name}: a chunk did not read back")
 
 
 def run_codecs_bench(config: CodecsConfig, progress: Callable[[str], None]) -> CodecsResult:

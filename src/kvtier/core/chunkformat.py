@@ -257,8 +257,10 @@ class ChunkEncoder:
             decoded = bytearray(len(payload))
             codec.decode(memoryview(body), memoryview(decoded))
             payload_sum = checksum(decoded)
-        else:
+        elif codec.id != 0 or tenant_key is None:
             payload_sum = checksum(payload)
+        else:  # sealed as is: the tag proves the payload, no checksum of it is stored
+            payload_sum = 0
         encoded: bytes | memoryview = body if codec.id != 0 else payload
         if tenant_key is None:
             h = ChunkHeader(VERSION_ENCODED, len(payload), payload_sum, codec.id, 0,
