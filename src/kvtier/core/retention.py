@@ -17,8 +17,8 @@ Salts never reach logs or metrics: `tenant_label` gives a bounded-cardinality la
 prefix of the tenant id, "other" beyond MAX_TENANT_LABELS distinct tenants).
 
 Primitives: `ChunkMeta`, `MetaKeeper` + `MetaReserver` (optional tier protocols),
-`TenantQuota`, `RetentionBook`, `RetentionStats`, `TenantUsage`, `tenant_id`, `tenant_label`,
-`DEFAULT_TENANT`.
+`TenantQuota`, `RetentionBook`, `RetentionStats`, `TenantUsage`, `tenant_id`, `tenant_label`
+(through `TENANT_LABELS`, a `TenantLabels`), `DEFAULT_TENANT`.
 """
 
 from __future__ import annotations
@@ -147,8 +147,9 @@ def _is_tenant_id(text: str) -> bool:
     return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
 
 
-class _Labels:
-    """Tenant -> bounded label, first come first served. Thread-safe."""
+class TenantLabels:
+    """Tenant -> bounded label, first come first served (the first `max_labels` tenants a
+    process sees get their own label, later ones "other"). Thread-safe."""
 
     def __init__(self, max_labels: int) -> None:
         self._lock = threading.Lock()
@@ -169,7 +170,7 @@ class _Labels:
             return found
 
 
-_LABELS = _Labels(MAX_TENANT_LABELS)
+TENANT_LABELS = TenantLabels(MAX_TENANT_LABELS)
 
 
 def tenant_label(tenant: str | None) -> str:
@@ -177,7 +178,7 @@ def tenant_label(tenant: str | None) -> str:
     (None), "t-" + the first 8 hex digits of its `tenant_id` (stable across processes and
     restarts; `tenant` may be the id or the salt: the same label), or "other" once
     MAX_TENANT_LABELS tenants have labels in this process."""
-    return _LABELS.label(tenant)
+    return TENANT_LABELS.label(tenant)
 
 
 class _Tenant:
