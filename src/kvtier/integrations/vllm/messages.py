@@ -67,6 +67,10 @@ class KVTierMetadata(KVConnectorMetadata):
     # Chunks kvtier holds already, of requests with retain_s / ttl_s: their pin and expiry
     # are extended (TieredStore.retain), e.g. a warm-up of a prompt stored before.
     retains: list[ChunkTransfer] = field(default_factory=list)
+    # Chunks below RAM of requests that found a hit but are still waiting for vLLM's blocks:
+    # read into the RAM tier ahead of their load (worker's prefetch thread), so that the
+    # load, once the blocks come, is a memcpy.
+    prefetch: list[ChunkKey] = field(default_factory=list)
 
     def transfers(self) -> list[ChunkTransfer]:
         """Every chunk this plan loads or stores."""

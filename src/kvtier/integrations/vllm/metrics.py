@@ -69,6 +69,7 @@ COUNTERS: dict[str, str] = {
     "load_seconds": "Seconds the workers spent loading KV (read + copy into blocks)",
     "load_failures": "Chunks whose load failed (vLLM recomputed them)",
     "async_loads": "Requests whose hit was loaded while the engine ran others (load_mode)",
+    "prefetched_chunks": "Chunks read into the RAM tier ahead of their load (waiting requests)",
     "async_load_seconds": "Seconds from the start to the end of asynchronous loads (summed)",
     "unsafe_stores_skipped": "Chunks not stored because they were computed over a failed "
                              "load (stored once recomputed)",

@@ -60,6 +60,10 @@ LOAD_CONFIRM_STEPS = 4
 # Keys remembered as held in the workers' RAM tier (~100 B each): 2^17 chunks is 256 GiB of
 # RAM tier at 2 MiB a chunk; past that the oldest are forgotten (their hits load async).
 IN_RAM_MAX_KEYS = 1 << 17
+# Chunks asked to be prefetched into RAM per step at most (a request waiting for blocks
+# gets its prefix read ahead a batch at a time), and remembered as asked (not asked twice).
+PREFETCH_PER_STEP = 32
+PREFETCHED_MAX_KEYS = 1 << 14
 
 
 @dataclass(slots=True)
@@ -124,6 +128,10 @@ class ConnectorScheduler:
         # a hit entirely in RAM is loaded inline (load_mode "auto").
         self._top_tier = config.store.tiers[0].tier_name
         self._in_ram = ChunkIndex(IN_RAM_MAX_KEYS)
+        # Requests whose hit reads below RAM and that wait for blocks (a lookup, and no
+        # allocation after it): their chunks are prefetched into RAM (KVTierMetadata.prefetch).
+        self._prefetch_wanted: dict[str, list[ChunkKey]] = {}
+        self._prefetched = ChunkIndex(PREFETCHED_MAX_KEYS)
         # Held chunks of requests with retain_s / ttl_s, for the next plan's `retains`.
         self._retains: list[ChunkTransfer] = []
 
@@ -152,8 +160,11 @@ class ConnectorScheduler:
         if hit_tokens <= num_computed_tokens:
             return 0, False
         first_chunk = num_computed_tokens // self._config.tokens_per_chunk
-        state.load_async = self._loads_async(request.request_id,
-                                             keys[first_chunk:located.num_chunks])
+        hit_keys = keys[first_chunk:located.num_chunks]
+        state.load_async = self._loads_async(request.request_id, hit_keys)
+        below_ram = [key for key in hit_keys if key not in self._in_ram]
+        if below_ram:  # until vLLM allocates its blocks (update_state_after_alloc)
+            self._prefetch_wanted[request.request_id] = below_ram
         return hit_tokens - num_computed_tokens, state.load_async
 
     def _loads_async(self, request_id: str, keys: list[ChunkKey]) -> bool:
@@ -171,6 +182,7 @@ class ConnectorScheduler:
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         """Plan the load of the tokens vLLM accepted, into the blocks it allocated."""
+        self._prefetch_wanted.pop(request.request_id, None)  # loaded now, not ahead
         state = self._state(request)
         if num_external_tokens == 0:
             return
@@ -203,6 +215,7 @@ class ConnectorScheduler:
                               acked_failed_blocks=self._acked_failed_blocks)
         self._pending_loads, self._pending_async, self._acked_failed_blocks = {}, {}, set()
         self._remember_loads(meta.loads | meta.async_loads)
+        meta.prefetch = self._take_prefetch()
         for req_id in scheduler_output.preempted_req_ids or ():
             if req_id in self._requests:
                 # Its blocks are freed; the resumed request gets a full new block list, and
@@ -274,9 +287,24 @@ class ConnectorScheduler:
         self._requests.pop(request.request_id, None)
         self._pending_loads.pop(request.request_id, None)
         self._pending_async.pop(request.request_id, None)
+        self._prefetch_wanted.pop(request.request_id, None)
         self._locator.forget(request.request_id)
 
     # -- helpers --------------------------------------------------------------------------
+
+    def _take_prefetch(self) -> list[ChunkKey]:
+        """Up to PREFETCH_PER_STEP chunks of waiting requests to read into RAM ahead of their
+        load, each asked once (until forgotten), none the RAM tier is known to hold."""
+        keys: list[ChunkKey] = []
+        for wanted in self._prefetch_wanted.values():
+            for key in wanted:
+                if len(keys) == PREFETCH_PER_STEP:
+                    return keys
+                if key not in self._prefetched and key not in self._in_ram:
+                    self._prefetched.add(key)
+                    keys.append(key)
+        self._prefetch_wanted.clear()  # a request still waiting is looked up again
+        return keys
 
     def _state(self, request: Request) -> _RequestState:
         state = self._requests.get(request.request_id)

@@ -24,6 +24,7 @@ import logging
 import threading
 import time
 import warnings
+from collections import deque
 from collections.abc import Callable, MutableSequence, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
@@ -130,6 +131,12 @@ class ConnectorWorker:
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
         self._async_spares = [torch.empty(layout.bytes_per_chunk, dtype=torch.uint8).numpy().data
                               for _ in range(load_batch)]
+        # Reads of chunks into the RAM tier ahead of their load (KVTierMetadata.prefetch), on
+        # a thread of their own so that they never queue an asynchronous load behind them.
+        self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="kvtier-prefetch")
+        self._prefetch_spares = [torch.empty(layout.bytes_per_chunk, dtype=torch.uint8)
+                                 .numpy().data for _ in range(load_batch)]
+        self._prefetch_counts: deque[int] = deque()  # chunks each prefetch batch read
         # Chunks a tier removed that no tier holds any more (reported `removed`, so that the
         # scheduler stops planning loads of them), found on a thread of their own.
         self._checker = ThreadPoolExecutor(1, thread_name_prefix="kvtier-report")
@@ -185,6 +192,20 @@ class ConnectorWorker:
             else:
                 done = self._loader.submit(self._load_request, transfers, self._async_spares)
             self._loading[req_id] = (transfers, done, time.perf_counter())
+
+    def prefetch(self, keys: list[ChunkKey]) -> None:
+        """Read `keys` into the RAM tier on the prefetch thread (a read from a lower tier is a
+        promotion), so that their load, a step or more later, is a memcpy. Model runner
+        thread; the reads are bounded by the store's read deadline like any other."""
+        if keys and self._cuda is None:
+            self._prefetcher.submit(self._prefetch, keys)
+
+    def _prefetch(self, keys: list[ChunkKey]) -> None:
+        for first in range(0, len(keys), self._load_batch):
+            with self._store.borrow_many(keys[first:first + self._load_batch],
+                                         self._prefetch_spares) as views:
+                # Counted on the model runner's thread (take_stats): StatsDelta is not locked.
+                self._prefetch_counts.append(sum(v is not None for v in views))
 
     def take_finished_loads(self) -> set[str]:
         """Requests whose asynchronous load ended since the last call, loaded or not
@@ -275,6 +296,8 @@ class ConnectorWorker:
 
     def take_stats(self) -> KVTierConnectorStats | None:
         """Counter deltas since the last call (vLLM's get_kv_connector_stats)."""
+        while self._prefetch_counts:
+            self._stats.add("prefetched_chunks", self._prefetch_counts.popleft())
         self._stats.observe_store(self._store.stats())
         return self._stats.take()
 
@@ -362,6 +385,7 @@ class ConnectorWorker:
         """Flush write-behind queues (at most `flush_timeout_s`) and close the store."""
         self._loader.shutdown(wait=True, cancel_futures=True)
         self._checker.shutdown(wait=True, cancel_futures=True)
+        self._prefetcher.shutdown(wait=True, cancel_futures=True)
         if self._cuda is not None:
             self._cuda.close()
         self._store.close(flush_timeout_s)

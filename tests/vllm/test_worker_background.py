@@ -1,10 +1,14 @@
-"""The worker's report of chunks no tier holds any more (`KVTierWorkerMetadata.removed`).
+"""What the worker does off the model runner's thread, besides asynchronous loads.
 
-When the RAM tier evicts a chunk the scheduler must learn whether any tier still holds it,
-else it plans loads that fail. The worker asks the lower tiers off the model runner's
-thread (a lower tier's lookup goes through the store's stall guard: ~90 us per evicted
-chunk, a third of a chunk's gather, paid once per store when RAM is full), so the answer
-arrives in a later report. Pure torch on CPU tensors and real tiers; no engine.
+- The report of chunks no tier holds any more (`KVTierWorkerMetadata.removed`): when the RAM
+  tier evicts a chunk the scheduler must learn whether any tier still holds it, else it plans
+  loads that fail. Lower tiers are asked on a thread of their own (a lower tier's lookup goes
+  through the store's stall guard: ~90 us per evicted chunk, a third of a chunk's gather,
+  paid once per store when RAM is full), so the answer arrives in a later report.
+- Prefetch (`KVTierMetadata.prefetch`): chunks below RAM of requests waiting for blocks are
+  read into the RAM tier, so that their load is a memcpy.
+
+Pure torch on CPU tensors and real tiers; no engine.
 """
 
 from __future__ import annotations
@@ -70,4 +74,24 @@ def test_a_chunk_a_lower_tier_still_holds_is_not() -> None:
     assert w._store.flush(5.0)  # a reached the lower tier
     store(w, b, (2, 3))  # evicts a from RAM only
     assert removed_within(w, 1.0) == set()
+    w.close()
+
+
+def test_prefetched_chunks_are_promoted_into_ram_and_counted() -> None:
+    w = worker([{"kind": "memory", "capacity": "1MiB"},
+                {"kind": "example", "capacity": "1MiB"}])
+    keys = [bytes([i]) * 16 for i in range(3)]
+    for i, key in enumerate(keys):
+        store(w, key, (2 * i, 2 * i + 1))
+    assert w._store.flush(5.0)
+    ram = w._store.tiers[0]
+    for key in keys:
+        ram.delete(key)  # evicted from RAM: held by the lower tier only
+    w.prefetch(keys + [b"z" * 16])  # and one no tier holds
+    deadline = time.monotonic() + 5
+    while not all(ram.contains(k) for k in keys) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert all(ram.contains(k) for k in keys)
+    stats = w.take_stats()
+    assert stats is not None and stats.data["counters"]["prefetched_chunks"][""] == 3
     w.close()
