@@ -38,7 +38,7 @@ from kvtier.errors import ConfigError, CorruptBlock
 
 FP8_GROUP = 64  # elements sharing one fp8 scale (a head of 64, or half a head of 128)
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
-ZSTD_LEVEL = 1  # level 3 compressed KV ~2% smaller at ~1/2 the speed (docs/performance.md)
+ZSTD_LEVEL = 1  # level 3 was not smaller on bf16 byte planes, and 1.7x slower (performance.md)
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32")
 
 
