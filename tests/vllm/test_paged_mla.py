@@ -90,7 +90,7 @@ def test_mixed_layer_shapes_are_refused() -> None:
     kv = mla_kv(False)
     kv["model.layers.9.self_attn.attn"] = torch.zeros(BLOCKS, BS, LATENT + 1,
                                                       dtype=torch.bfloat16)
-    with pytest.raises(ConfigError, match="kv cache of model.layers.9"):
+    with pytest.raises(ConfigError, match=r"kv cache of model\.layers\.9"):
         PagedKV(kv, BS)
 
 
