@@ -2,22 +2,22 @@
 (issue 12, item 6).
 
 The fault is injected at the file-open level in vLLM's own processes (the scheduler's
-EngineCore and the worker, both spawned): a `sitecustomize` on their PYTHONPATH makes every
-`open`/`stat` of a path under the shared tier's directory block for HANG_S while a HANG file
-exists beside it (a dead hard-mounted NFS server does the same). The engine's kvtier settings
-bound lookups and reads to TIMEOUT_S. Requests must complete with the outputs of the clean
+EngineCore and the worker, both spawned; tests/vllm/slow_files.py): every `open`/`stat` of a
+path under the shared tier's directory blocks for HANG_S while the flag is on (a dead
+hard-mounted NFS server does the same). The engine's kvtier settings bound lookups and reads
+to TIMEOUT_S. Requests must complete with the outputs of the clean
 run, each within the bound: the timeouts plus a few engine steps.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from slow_files import SlowFlag, slow_files
 from vllm_harness import kvtier_counter, random_prompts, start_engine, token_ids
 
 from kvtier.integrations.vllm.config import kvtier_transfer_config
@@ -31,73 +31,19 @@ MAX_TOKENS = 8
 # its prefill and decode on this 2-core machine (~1 s), with slack for a loaded CI host.
 BOUND_S = 2 * TIMEOUT_S + 4.0
 
-SITECUSTOMIZE = '''
-"""Test fault injection (tests/vllm/test_hanging_tier_in_engine.py): blocks file access
-under a dir."""
-import os
-import time
-
-_ROOT = os.environ.get("KVTIER_TEST_HANG_ROOT")
-if _ROOT:
-    _open, _stat, _lstat = os.open, os.stat, os.lstat
-    _flag = os.path.join(_ROOT, "HANG")
-
-    def _gate(path, dir_fd=None):
-        p = os.fsdecode(path) if isinstance(path, (str, bytes, os.PathLike)) else ""
-        if dir_fd is not None and not os.path.isabs(p):  # relative to an open directory
-            try:
-                p = os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), p)
-            except OSError:
-                return
-        if (p + os.sep).startswith(_ROOT + os.sep) and p != _flag:
-            try:
-                _stat(_flag)
-            except OSError:
-                return
-            time.sleep(float(os.environ["KVTIER_TEST_HANG_S"]))
-
-    def open(path, *args, **kwargs):
-        _gate(path, kwargs.get("dir_fd"))
-        return _open(path, *args, **kwargs)
-
-    def stat(path, *args, **kwargs):
-        _gate(path, kwargs.get("dir_fd"))
-        return _stat(path, *args, **kwargs)
-
-    def lstat(path, *args, **kwargs):
-        _gate(path, kwargs.get("dir_fd"))
-        return _lstat(path, *args, **kwargs)
-
-    os.open, os.stat, os.lstat = open, stat, lstat
-'''
-
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[tuple[Any, Path]]:
-    """An engine whose shared tier's file access blocks while `root/HANG` exists."""
-    inject = tmp_path_factory.mktemp("inject")
-    (inject / "sitecustomize.py").write_text(SITECUSTOMIZE)
+           ) -> Iterator[tuple[Any, Path, SlowFlag]]:
+    """An engine whose shared tier's file access blocks while the flag is on."""
     root = tmp_path_factory.mktemp("hanging-shared")
-    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "KVTIER_TEST_HANG_ROOT",
-                                            "KVTIER_TEST_HANG_S")}
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(inject), saved["PYTHONPATH"]]))
-    os.environ["KVTIER_TEST_HANG_ROOT"] = str(root)
-    os.environ["KVTIER_TEST_HANG_S"] = str(HANG_S)
     config = kvtier_transfer_config({
         "tokens_per_chunk": 64, "read_timeout_s": TIMEOUT_S, "lookup_timeout_s": TIMEOUT_S,
         "tiers": [{"kind": "memory", "capacity": "64KiB"},  # two chunks
                   {"kind": "shared", "path": str(root), "capacity": "64MiB"}]})
-    try:
-        with start_engine(tiny_model_dir, config) as llm:
-            yield llm, root
-    finally:
-        (root / "HANG").unlink(missing_ok=True)
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    with slow_files(root, tmp_path_factory.mktemp("inject")) as flag, \
+            start_engine(tiny_model_dir, config) as llm:
+        yield llm, root, flag
 
 
 def timed_run(llm: Any, prompt: dict[str, list[int]]) -> tuple[list[int], float]:
@@ -106,8 +52,9 @@ def timed_run(llm: Any, prompt: dict[str, list[int]]) -> tuple[list[int], float]
     return out, time.monotonic() - start
 
 
-def test_a_hanging_shared_tier_costs_hits_not_the_engine(engine: tuple[Any, Path]) -> None:
-    llm, root = engine
+def test_a_hanging_shared_tier_costs_hits_not_the_engine(
+        engine: tuple[Any, Path, SlowFlag]) -> None:
+    llm, root, flag = engine
     held, unknown = random_prompts([400, 300], seed=90)
     clean_held, _ = timed_run(llm, held)  # stores its chunks: the scheduler's index has them
     deadline = time.monotonic() + 30
@@ -116,7 +63,7 @@ def test_a_hanging_shared_tier_costs_hits_not_the_engine(engine: tuple[Any, Path
     # A prompt kvtier never stored (its lookups probe the directory): its clean output.
     [clean_unknown] = token_ids(llm, [unknown], MAX_TOKENS, {"skip_store": True})
 
-    (root / "HANG").touch()
+    flag.on(HANG_S)
     failures = kvtier_counter("load_failures")
     assert llm.reset_prefix_cache()
     # Held chunks: their reads hang, are abandoned after TIMEOUT_S, and are recomputed.

@@ -1,0 +1,103 @@
+"""Fault injection for end-to-end tests: file access under a tier's directory made slow, or
+hung, inside vLLM's own (spawned) processes.
+
+A `sitecustomize` on their PYTHONPATH wraps `os.open` / `os.stat` / `os.lstat`: while a flag
+file `<root>/SLOW` exists, every call on a path under `root` sleeps the number of seconds the
+flag holds first (a dead hard-mounted NFS server, or a disk gone slow). `reads_only` limits
+it to opens for reading chunk files, so the scheduler's lookups (stats) and the write-behind
+(opens for writing) run at full speed and only loads are slow.
+
+Primitives: `slow_files(root, reads_only)` (context manager, set up before the engine
+starts), `SlowFlag` (its `on(seconds)` / `off()`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+SITECUSTOMIZE = '''
+"""Test fault injection (tests/vllm/slow_files.py)."""
+import io
+import os
+import time
+
+_ROOT = os.environ.get("KVTIER_TEST_SLOW_ROOT")
+if _ROOT:
+    _open, _stat, _lstat = os.open, os.stat, os.lstat
+    _flag = os.path.join(_ROOT, "SLOW")
+    _reads_only = os.environ.get("KVTIER_TEST_SLOW_READS_ONLY") == "1"
+
+    def _gate(path, dir_fd=None):
+        p = os.fsdecode(path) if isinstance(path, (str, bytes, os.PathLike)) else ""
+        if dir_fd is not None and not os.path.isabs(p):  # relative to an open directory
+            try:
+                p = os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), p)
+            except OSError:
+                return
+        if (p + os.sep).startswith(_ROOT + os.sep) and p != _flag:
+            try:
+                with io.open(_flag) as f:  # not `open`: this module's os.open below
+                    seconds = float(f.read() or 0)
+            except (OSError, ValueError):
+                return
+            time.sleep(seconds)
+
+    def open(path, *args, **kwargs):
+        flags = args[0] if args else kwargs.get("flags", 0)
+        writing = flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)
+        if not (_reads_only and (writing or not os.fsdecode(path).endswith(".kvc"))):
+            _gate(path, kwargs.get("dir_fd"))
+        return _open(path, *args, **kwargs)
+
+    def stat(path, *args, **kwargs):
+        if not _reads_only:
+            _gate(path, kwargs.get("dir_fd"))
+        return _stat(path, *args, **kwargs)
+
+    def lstat(path, *args, **kwargs):
+        if not _reads_only:
+            _gate(path, kwargs.get("dir_fd"))
+        return _lstat(path, *args, **kwargs)
+
+    os.open, os.stat, os.lstat = open, stat, lstat
+'''
+
+
+@dataclass(frozen=True)
+class SlowFlag:
+    """Switches the injected delay of one root on and off."""
+
+    root: Path
+
+    def on(self, seconds: float) -> None:
+        (self.root / "SLOW").write_text(str(seconds))
+
+    def off(self) -> None:
+        (self.root / "SLOW").unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def slow_files(root: Path, inject_dir: Path, *, reads_only: bool = False) -> Iterator[SlowFlag]:
+    """Make processes started inside the block (vLLM's) honour `root/SLOW`; the flag starts
+    off. `inject_dir` is an empty directory for the sitecustomize module."""
+    (inject_dir / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    names = ("PYTHONPATH", "KVTIER_TEST_SLOW_ROOT", "KVTIER_TEST_SLOW_READS_ONLY")
+    saved = {name: os.environ.get(name) for name in names}
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(inject_dir), saved["PYTHONPATH"]]))
+    os.environ["KVTIER_TEST_SLOW_ROOT"] = str(root)
+    os.environ["KVTIER_TEST_SLOW_READS_ONLY"] = "1" if reads_only else "0"
+    flag = SlowFlag(root)
+    try:
+        yield flag
+    finally:
+        flag.off()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
