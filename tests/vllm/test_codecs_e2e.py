@@ -8,7 +8,8 @@ tier of two chunks over disk (zstd), shared (lz4) and redis (zstd), all three en
 salted requests' chunks with a secret read from a file. A case stores its prompts (the miss
 path, which must match the reference too), then reads them back from disk, then from the
 shared directory once the disk copies are deleted, then from redis once the shared copies
-are deleted too: each read counted in that tier's `tier_hits`.
+are deleted too: each read counted in that tier's `tier_hits`. Last, a compressed chunk
+damaged on disk is a counted corrupt read, and the shared tier's copy serves the hit.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from vllm_harness import (
     token_ids,
 )
 
-from kvtier.core.chunkformat import VERSION_ENCODED
+from kvtier.core.chunkformat import HEADER_BYTES, VERSION_ENCODED
 
 pytestmark = [pytest.mark.vllm, pytest.mark.redis]
 
@@ -39,6 +40,7 @@ PLAIN = random_prompts([450, 700, 330], seed=150)
 # The same prompt under two tenants, and one more prompt of tenant b.
 SALTED = [{**PLAIN[0], "cache_salt": "tenant-a"}, {**PLAIN[0], "cache_salt": "tenant-b"},
           {**random_prompts([520], seed=151)[0], "cache_salt": "tenant-b"}]
+DAMAGED = random_prompts([400], seed=152)  # its disk copies are damaged (the last case)
 SECRET = b"e2e-operator-secret-0123456789abcdefghijklmnop"
 
 
@@ -47,7 +49,8 @@ def reference(tiny_model_dir: Path) -> dict[str, list[list[int]]]:
     """The outputs of vLLM without kvtier."""
     with start_engine(tiny_model_dir, None) as llm:
         return {"plain": token_ids(llm, PLAIN, MAX_TOKENS),
-                "salted": token_ids(llm, SALTED, MAX_TOKENS)}
+                "salted": token_ids(llm, SALTED, MAX_TOKENS),
+                "damaged": token_ids(llm, DAMAGED, MAX_TOKENS)}
 
 
 @pytest.fixture(scope="module")
@@ -155,3 +158,23 @@ def test_two_tenants_encrypted_at_rest_give_the_outputs_of_vllm_without_kvtier(
     delete_files(dirs["disk"])
     delete_files(dirs["shared"])
     read_down_the_tiers(engine, SALTED, reference["salted"])
+
+
+def test_a_damaged_compressed_chunk_is_a_counted_miss_and_the_next_tier_serves(
+        engine: tuple[Any, dict[str, Path], str], reference: dict[str, list[list[int]]]) -> None:
+    llm, dirs, url = engine
+    before = set(chunk_files(dirs["disk"]))
+    assert misses(llm, DAMAGED) == reference["damaged"]
+    settled(dirs, url)
+    damaged = sorted(set(chunk_files(dirs["disk"])) - before)
+    assert damaged
+    for path in damaged:  # one bit of the zstd body
+        data = bytearray(path.read_bytes())
+        data[HEADER_BYTES + 64] ^= 0x01
+        path.write_bytes(bytes(data))
+    corrupt = kvtier_counter("tier_corrupt_reads", "disk")
+    failures = kvtier_counter("load_failures")
+    assert served_by("shared", llm, DAMAGED) == reference["damaged"]
+    # (the chunks the RAM tier still held were not read from disk)
+    assert 0 < kvtier_counter("tier_corrupt_reads", "disk") - corrupt <= len(damaged)
+    assert kvtier_counter("load_failures") == failures  # the next tier served every chunk
