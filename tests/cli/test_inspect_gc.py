@@ -177,3 +177,28 @@ def test_select_victims_rules() -> None:
     assert parse_duration("7d") == 7 * 86400 and parse_duration("90") == 90
     with pytest.raises(ConfigError):
         GcRequest().validate()
+
+
+def test_inspect_says_how_each_tier_stores_chunks_at_rest_and_names_no_secret(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 48)
+    secret.chmod(0o600)
+    tiers = [{"kind": "disk", "name": "zstd-sealed", "path": str(tmp_path / "a"),
+              "capacity": "64MiB", "codec": "zstd", "encryption_secret_file": str(secret)},
+             {"kind": "disk", "name": "lossy", "path": str(tmp_path / "b"),
+              "capacity": "64MiB", "codec": "fp8"},
+             {"kind": "disk", "name": "plain", "path": str(tmp_path / "c"), "capacity": "64MiB"}]
+    config = tmp_path / "kvtier.yaml"
+    config.write_text(yaml.safe_dump({"tiers": tiers}))
+    layout = tiny_layout(4)
+    for tier in StoreConfig.parse({"tiers": tiers}).tiers:
+        built = build_tier(tier, layout)
+        built.put(key(1), memoryview(bytes(layout.bytes_per_chunk)))
+        built.close()
+    report = cli_json(capsys, "inspect", "--config", str(config))
+    assert {r["tier"]: r["at_rest"] for r in report["namespaces"]} == {
+        "zstd-sealed": "zstd, encrypted: salted chunks", "lossy": "fp8 (LOSSY)", "plain": "none"}
+    assert main(["inspect", "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "fp8 (LOSSY)" in out and str(secret) not in out and "s" * 48 not in out

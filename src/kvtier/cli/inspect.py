@@ -1,5 +1,6 @@
 """`kvtier inspect --config FILE`: what each persistent tier holds, per namespace (layout
-digest): chunks, bytes, least and most recently used. Reads storage only; changes nothing.
+digest): how the tier stores chunks at rest (codec, encryption), chunks, bytes, least and most
+recently used. Reads storage only; changes nothing.
 
 Exit codes: 0 listed, 1 a tier's storage could not be read, 2 bad input.
 """
@@ -15,7 +16,8 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtier.admin.inventory import NamespaceUsage, open_inventories, summarize
-from kvtier.config import StoreConfig
+from kvtier.config import StoreConfig, TierSettings
+from kvtier.core.codecs import LOSSY_CODECS
 from kvtier.ops.doctor import read_store
 from kvtier.units import format_size
 
@@ -37,10 +39,25 @@ def load_store(path: str) -> StoreConfig:
     return StoreConfig.parse(read_store(path), where=path)
 
 
+def at_rest(tier: TierSettings) -> str:
+    """How a tier's config stores chunks at rest: its codec (lossy ones marked) and which
+    chunks it encrypts. Names no secret, file or variable."""
+    codec = getattr(tier, "codec", "none")
+    text = f"{codec} (LOSSY)" if codec in LOSSY_CODECS else codec
+    secret = (getattr(tier, "encryption_secret_file", None)
+              or getattr(tier, "encryption_secret_env", None))
+    if secret:
+        text += ", encrypted: " + ("all chunks" if getattr(tier, "encrypt_unsalted", False)
+                                   else "salted chunks")
+    return text
+
+
 def run(args: argparse.Namespace) -> int:
     rows: list[NamespaceUsage] = []
     errors: dict[str, str] = {}
-    for inventory in open_inventories(load_store(args.config), args.tier):
+    store = load_store(args.config)
+    encodings = {t.tier_name: at_rest(t) for t in store.tiers}
+    for inventory in open_inventories(store, args.tier):
         try:
             rows += summarize(inventory, list(inventory.chunks()))
         except Exception as exc:  # an unreachable tier is reported, the others still listed
@@ -48,14 +65,17 @@ def run(args: argparse.Namespace) -> int:
         finally:
             inventory.close()
     if args.json:
-        print(json.dumps({"namespaces": [asdict(r) for r in rows], "errors": errors}, indent=2))
+        print(json.dumps({"namespaces": [asdict(r) | {"at_rest": encodings[r.tier]} for r in rows],
+                          "errors": errors}, indent=2))
         return 1 if errors else 0
     table = Table(title="kvtier inspect")
-    for column in ("tier", "kind", "namespace", "chunks", "bytes", "oldest", "newest", "hits"):
+    for column in ("tier", "kind", "at rest", "namespace", "chunks", "bytes", "oldest", "newest",
+                   "hits"):
         table.add_column(column, justify="right" if column in ("chunks", "bytes") else "left")
     for r in rows:
-        table.add_row(r.tier, r.kind, r.namespace, str(r.chunks), format_size(r.size_bytes),
-                      _ago(r.oldest_s), _ago(r.newest_s), "n/a" if r.hits is None else str(r.hits))
+        table.add_row(r.tier, r.kind, encodings[r.tier], r.namespace, str(r.chunks),
+                      format_size(r.size_bytes), _ago(r.oldest_s), _ago(r.newest_s),
+                      "n/a" if r.hits is None else str(r.hits))
     console = Console(width=max(Console().width, 120))
     console.print(table)
     for tier, error in errors.items():
