@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from kvtier.bench.codecs import read_chunk_files
+from kvtier.bench.codecs_inputs import read_chunk_files
 from kvtier.cli.main import main
 from kvtier.config import StoreConfig
 from kvtier.core.keys import ChunkKey

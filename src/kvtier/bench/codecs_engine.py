@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.codecs import CodecsConfig, OutputEffect, read_chunk_files
+from kvtier.bench.codecs_inputs import CodecsConfig, OutputEffect, read_chunk_files
 from kvtier.bench.engines import bench_prompt, kvtier_counter, offline_engine, quiet_engine_logs
 from kvtier.bench.tinymodel import make_preset_model
 from kvtier.integrations.vllm.config import TOKENS_PER_CHUNK, kvtier_transfer_config

@@ -43,7 +43,8 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtier.bench.codecs import CodecsConfig, run_codecs_bench
+    from kvtier.bench.codecs import run_codecs_bench
+    from kvtier.bench.codecs_inputs import CodecsConfig
 
     config = CodecsConfig(kv_dir=args.kv_dir, synthetic=args.synthetic, dtype=args.dtype,
                           prompts=2 if args.quick else args.prompts,
