@@ -77,11 +77,17 @@ def scheduler_layouts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
     if not isinstance(spec, AttentionSpec):
         raise refuse(model, f"a {type(spec).__name__} KV cache, not per-token K and V",
                      HMA_ALTERNATIVE)
+    if type(spec).__name__ == "MLAAttentionSpec" or getattr(spec, "head_size_v", None) == 0:
+        # MLA: one latent per token (paged.py "mla"), a copy of it on every rank.
+        heads, kv_factor = 1, 1
+    else:
+        heads, kv_factor = spec.num_kv_heads, 2
     world = vllm_config.parallel_config.tensor_parallel_size
     return [
-        KVLayout(num_layers=len(groups[0].layer_names), num_kv_heads=spec.num_kv_heads,
+        KVLayout(num_layers=len(groups[0].layer_names), num_kv_heads=heads,
                  head_size=spec.head_size, dtype=str(spec.dtype).removeprefix("torch."),
-                 tokens_per_chunk=tokens_per_chunk, tp_rank=rank, tp_world_size=world)
+                 tokens_per_chunk=tokens_per_chunk, tp_rank=rank, tp_world_size=world,
+                 kv_factor=kv_factor)
         for rank in range(world)
     ]
 

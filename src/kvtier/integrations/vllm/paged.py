@@ -33,8 +33,10 @@ vLLM's per-layer tensor layouts understood here:
     qk_rope_head_dim: one latent vector per token, no heads, no K/V split. Its chunks are
     `[num_layers, blocks_per_chunk, block_size, head_size]` (the general order with
     num_kv_heads 1 and kv_factor 1: `layout()` says kv_factor=1). Under tensor parallelism
-    the latent is replicated, not sharded: every rank holds the same bytes (see
-    `PagedKV.replicated`).
+    the latent is replicated, not sharded: every rank holds the same bytes, and each rank
+    stores its copy under its own layout digest (like a K/V shard): a rank loads from its own
+    tiers (its RAM, its disk tier's index), and a copy stored once by rank 0 would give the
+    other ranks misses (docs/sharing.md).
 
 All are seen through one strided view per layer, `[num_blocks, heads, kv, block_size, dim]`
 (kv = 2, K then V; 1 for MLA); a chunk viewed as `[L, blocks_per_chunk, heads, kv,
@@ -167,18 +169,8 @@ class PagedKV:
         return first.as_strided((len(self._views), *first.shape),
                                 (layer_stride, *first.stride()), offsets[0])
 
-    @property
-    def replicated(self) -> bool:
-        """Whether every tensor-parallel rank holds the same KV (MLA's latent is replicated,
-        not sharded by heads): then one copy serves all ranks."""
-        return self.kv_factor == 1
-
     def layout(self, tokens_per_chunk: int, tp_rank: int = 0, tp_world_size: int = 1) -> KVLayout:
-        """The KVLayout of the chunks this KV cache produces. For replicated KV (MLA) it is
-        rank-independent (tp_rank 0, tp_world_size 1), so that every rank's chunk of a
-        prefix has one key and one digest."""
-        if self.replicated:
-            tp_rank, tp_world_size = 0, 1
+        """The KVLayout of the chunks this KV cache produces (kv_factor 1 for MLA)."""
         return KVLayout(num_layers=len(self.tensors), num_kv_heads=self.num_kv_heads,
                         head_size=self.head_size, dtype=_torch_dtype_name(self.dtype),
                         tokens_per_chunk=tokens_per_chunk, tp_rank=tp_rank,
