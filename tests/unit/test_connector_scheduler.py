@@ -284,3 +284,21 @@ def test_an_allocated_or_finished_request_is_not_prefetched() -> None:
     engine.sched.get_num_new_matched_tokens(gone, 0)
     engine.sched.request_finished(gone)
     assert engine.step().prefetch == []
+
+
+def test_a_prefetched_chunk_ram_evicts_again_is_prefetched_again() -> None:
+    from kvtier.core.store import StoreEvent
+    from kvtier.core.tier import EventKind
+
+    engine = Engine()
+    engine.admit(request("a", 200), list(range(7)))
+    held = engine.store_all(engine.step(new={"a": (list(range(7)), 0, 200)}))
+    engine.report(events=[StoreEvent(EventKind.REMOVED, key, "memory") for key in held])
+    waiting = request("b", 200)
+    engine.sched.get_num_new_matched_tokens(waiting, 0)
+    assert engine.step(cached={"a": ([], 200, 1)}).prefetch == held
+    # Prefetched, then evicted again before vLLM had blocks for the request: asked again.
+    engine.report(events=[StoreEvent(kind, key, "memory") for key in held
+                          for kind in (EventKind.STORED, EventKind.REMOVED)])
+    engine.sched.get_num_new_matched_tokens(waiting, 0)
+    assert engine.step(cached={"a": ([], 201, 1)}).prefetch == held

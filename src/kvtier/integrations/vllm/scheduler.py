@@ -262,6 +262,7 @@ class ConnectorScheduler:
                     self._in_ram.add(event.key)
                 else:
                     self._in_ram.discard(event.key)
+                    self._prefetched.discard(event.key)  # may be prefetched again
         self._locator.record_missing(report.missing)
         self._locator.record_missing(report.removed)  # evicted from every tier
         if self._emit_events:
@@ -294,7 +295,7 @@ class ConnectorScheduler:
 
     def _take_prefetch(self) -> list[ChunkKey]:
         """Up to PREFETCH_PER_STEP chunks of waiting requests to read into RAM ahead of their
-        load, each asked once (until forgotten), none the RAM tier is known to hold."""
+        load, none the RAM tier is known to hold, each asked once until RAM evicts it."""
         keys: list[ChunkKey] = []
         for wanted in self._prefetch_wanted.values():
             for key in wanted:
