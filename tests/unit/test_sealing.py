@@ -222,7 +222,10 @@ def test_no_key_material_in_logs_of_an_encrypting_tier(
     config = StoreConfig.parse({"tiers": [disk(tmp_path,
                                                encryption_secret_env="KVTIER_TEST_SECRET",
                                                codec="zstd")]})
-    with caplog.at_level(logging.DEBUG):
+    # Every logger of kvtier at DEBUG: a command run in this process before (e.g. `kvtier
+    # bench storage`) may have quieted "kvtier.tiers", which would silence this test.
+    with caplog.at_level(logging.DEBUG), caplog.at_level(logging.DEBUG, logger="kvtier"), \
+            caplog.at_level(logging.DEBUG, logger="kvtier.tiers"):
         tier = build_tier(config.tiers[0], LAYOUT)
         TENANTS.note([key(101)], "salt-of-tenant-a")
         TENANTS.note([key(102)], "salt-of-tenant-a")

@@ -107,8 +107,17 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
 def run(args: argparse.Namespace) -> int:
     config = config_from(args)
     config.validate()
+    tiers_log = logging.getLogger("kvtier.tiers")
+    level = tiers_log.level
     if not args.verbose:  # the tiers' start-up notices would break the progress bar
-        logging.getLogger("kvtier.tiers").setLevel(logging.WARNING)
+        tiers_log.setLevel(logging.WARNING)
+    try:
+        return _run(args, config)
+    finally:
+        tiers_log.setLevel(level)  # as it was (a caller in the same process, e.g. a test)
+
+
+def _run(args: argparse.Namespace, config: BenchConfig) -> int:
     console = Console()
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
