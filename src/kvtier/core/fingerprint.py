@@ -18,15 +18,21 @@ It covers:
 Never paths or mtimes: nodes mount models at different paths and copy them at different times.
 
 No vllm or torch here: the connector gathers the inputs (integrations/vllm/connector.py).
+Both of its sides need the fingerprint (the scheduler for keys and probes, each worker for
+the storage namespace of the tiers it opens, in another process): `cached_model_fingerprint`
+computes it once per process, again only when a checkpoint file's size or mtime changed (an
+update in place; the mtimes decide when to look again, never what the fingerprint is).
 
-Primitives: `KV_CONFIG_KEYS`, `ModelFingerprint`, `model_fingerprint`, `weights_digest`.
+Primitives: `KV_CONFIG_KEYS`, `ModelFingerprint`, `model_fingerprint`,
+`cached_model_fingerprint`, `weights_digest`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +58,9 @@ SAMPLE_BYTES = 4096  # bytes read at the start of each sampled safetensors tenso
 SAMPLED_TENSORS_PER_FILE = 256
 OPAQUE_SAMPLE_BYTES = 1 << 20  # bytes read at each end of a .bin/.pt file
 _MAX_HEADER_BYTES = 100 << 20  # a larger safetensors header is treated as an opaque file
+_MEMO_ENTRIES = 8  # fingerprints kept per process (models served by one process: one)
+_memo: dict[str, ModelFingerprint] = {}
+_memo_lock = threading.Lock()
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +99,41 @@ def model_fingerprint(model_dir: str | os.PathLike[str] | None, config: Mapping[
                             weight_files=weights[1] if weights else 0)
 
 
+def cached_model_fingerprint(
+        model_dir: str | os.PathLike[str] | None, config: Mapping[str, Any], *,
+        revision: str | None = None, code_revision: str | None = None,
+        quantization: str | None = None, dtype: str | None = None,
+        on_computed: Callable[[ModelFingerprint], None] | None = None) -> ModelFingerprint:
+    """`model_fingerprint`, computed once per process for the same arguments and checkpoint
+    files (names, sizes, mtimes); `on_computed` is called when it was computed now (to log it
+    once). Any thread.
+
+    Raises:
+        OSError: a checkpoint file could not be read.
+    """
+    files = _checkpoint_files(Path(model_dir)) if model_dir is not None else []
+    stats = []
+    for path in files:
+        info = path.stat()
+        stats.append((path.name, info.st_size, info.st_mtime_ns))
+    memo_key = json.dumps([str(model_dir), stats, revision, code_revision, quantization, dtype,
+                           dict(config)], sort_keys=True, default=str)
+    with _memo_lock:
+        found = _memo.get(memo_key)
+    if found is not None:
+        return found
+    fingerprint = model_fingerprint(model_dir, config, revision=revision,
+                                    code_revision=code_revision, quantization=quantization,
+                                    dtype=dtype)
+    with _memo_lock:
+        if len(_memo) >= _MEMO_ENTRIES:
+            _memo.clear()
+        _memo[memo_key] = fingerprint
+    if on_computed is not None:
+        on_computed(fingerprint)
+    return fingerprint
+
+
 def weights_digest(model_dir: str | os.PathLike[str]) -> tuple[str, int] | None:
     """(hex digest, number of files) of a checkpoint's sampled content, or None when the
     directory holds no checkpoint file kvtier knows.
@@ -97,16 +141,7 @@ def weights_digest(model_dir: str | os.PathLike[str]) -> tuple[str, int] | None:
     Raises:
         OSError: a checkpoint file could not be read.
     """
-    root = Path(model_dir)
-    if root.is_file():
-        files = [root]
-    elif root.is_dir():
-        files = sorted(root.glob("*.safetensors"), key=lambda p: p.name)
-        if not files:
-            files = sorted((p for ext in ("*.bin", "*.pt", "*.pth") for p in root.glob(ext)),
-                           key=lambda p: p.name)
-    else:
-        return None
+    files = _checkpoint_files(Path(model_dir))
     if not files:
         return None
     hasher = blake3.blake3(b"kvtier-weights-v1")
@@ -115,6 +150,19 @@ def weights_digest(model_dir: str | os.PathLike[str]) -> tuple[str, int] | None:
         hasher.update(len(name).to_bytes(4, "little") + name)
         hasher.update(_file_digest(path))
     return hasher.hexdigest(16), len(files)
+
+
+def _checkpoint_files(root: Path) -> list[Path]:
+    """The checkpoint files `weights_digest` samples, sorted by name (none: [])."""
+    if root.is_file():
+        return [root]
+    if not root.is_dir():
+        return []
+    files = sorted(root.glob("*.safetensors"), key=lambda p: p.name)
+    if not files:
+        files = sorted((p for ext in ("*.bin", "*.pt", "*.pth") for p in root.glob(ext)),
+                       key=lambda p: p.name)
+    return files
 
 
 def _kv_config(config: Mapping[str, Any]) -> dict[str, Any]:

@@ -2,13 +2,17 @@
 
 A chunk holds the K and V of `tokens_per_chunk` consecutive tokens, for every layer, for the
 KV heads of one tensor-parallel rank. The layout digest namespaces every stored chunk, so KV of
-another model shape, dtype or parallel layout can never be served by mistake.
+another model shape, dtype or parallel layout can never be served by mistake. With the model's
+fingerprint set (`model_fingerprint`, the connector sets it: core/fingerprint.py) the digest
+also names the model, so each checkpoint's chunks live in a storage namespace of their own
+(ROOT/<digest>/, <prefix><digest>:) that `kvtier inspect` shows and `kvtier gc` evicts whole.
 
 Primitives: `KVLayout`, `DTYPE_BYTES`.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 
 import blake3
@@ -25,6 +29,7 @@ DTYPE_BYTES: dict[str, int] = {
     "uint8": 1,
     "int8": 1,
 }
+_FINGERPRINT = re.compile(r"[0-9a-f]{32}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +44,9 @@ class KVLayout:
     tp_rank: int = 0  # this rank's index in its tensor-parallel group
     tp_world_size: int = 1  # tensor-parallel group size
     kv_factor: int = 2  # 2 for separate K and V; 1 for MLA's single latent
+    # The served model's fingerprint (ModelFingerprint.digest, 32 hex digits); "" for none
+    # (benches, tests): left out of the digest's text, so their digests stay as they were.
+    model_fingerprint: str = ""
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "num_kv_heads", "head_size", "tokens_per_chunk",
@@ -56,6 +64,10 @@ class KVLayout:
                               f"0 <= tp_rank < {self.tp_world_size}")
         if not isinstance(self.kv_factor, int) or self.kv_factor not in (1, 2):
             raise ConfigError("layout.kv_factor", self.kv_factor, "1 (MLA) or 2 (K and V)")
+        if not isinstance(self.model_fingerprint, str) or not (
+                self.model_fingerprint == "" or _FINGERPRINT.fullmatch(self.model_fingerprint)):
+            raise ConfigError("layout.model_fingerprint", self.model_fingerprint,
+                              "'' or 32 lowercase hex digits (a ModelFingerprint.digest)")
 
     @property
     def bytes_per_token(self) -> int:
@@ -71,6 +83,10 @@ class KVLayout:
         return self.bytes_per_token * self.tokens_per_chunk
 
     def digest(self) -> str:
-        """A 32-hex-digit digest of every field; equal layouts have equal digests everywhere."""
-        text = ";".join(f"{k}={v}" for k, v in sorted(asdict(self).items()))
+        """A 32-hex-digit digest of every field (`model_fingerprint` only when set); equal
+        layouts have equal digests everywhere."""
+        fields = asdict(self)
+        if not self.model_fingerprint:
+            del fields["model_fingerprint"]  # the digests of layouts made before it existed
+        text = ";".join(f"{k}={v}" for k, v in sorted(fields.items()))
         return blake3.blake3(text.encode()).hexdigest(length=16)

@@ -17,6 +17,7 @@ from kvtier.core.layout import KVLayout
 from kvtier.core.locator import Probe, ProbeSource
 from kvtier.core.store import StoreSettings, TieredStore
 from kvtier.core.tier import Tier
+from kvtier.tiers.manifest import ManifestKeeper, NamespaceInfo, new_manifest
 from kvtier.tiers.registry import TIER_CLASSES, tier_class
 
 if TYPE_CHECKING:
@@ -54,8 +55,11 @@ def store_settings(config: StoreConfig) -> StoreSettings:
     )
 
 
-def open_store(config: StoreConfig, layout: KVLayout) -> TieredStore:
-    """Build every tier `config` names, fastest first, and compose them into a store.
+def open_store(config: StoreConfig, layout: KVLayout,
+               info: NamespaceInfo | None = None) -> TieredStore:
+    """Build every tier `config` names, fastest first, and compose them into a store. With
+    `info` (the model behind `layout`'s namespace), each persistent tier records the
+    namespace's manifest (`ManifestKeeper`, tiers/manifest.py; a failure is only logged).
 
     Raises:
         ConfigError: a tier's settings are unusable; OSError: a tier's directory cannot be
@@ -69,4 +73,9 @@ def open_store(config: StoreConfig, layout: KVLayout) -> TieredStore:
         for tier in tiers:
             tier.close()
         raise
+    if info is not None:
+        manifest = new_manifest(layout, info)
+        for tier in tiers:
+            if isinstance(tier, ManifestKeeper):
+                tier.keep_manifest(manifest)
     return TieredStore(tiers, store_settings(config))

@@ -49,6 +49,7 @@ from kvtier.errors import CorruptBlock
 from kvtier.tiers.chunkfiles import ChunkFiles, FileInventory, FileProbe
 from kvtier.tiers.directories import check_directory
 from kvtier.tiers.encoding import EncodedTierSettings, build_encoder
+from kvtier.tiers.manifest import NamespaceManifest, write_file_manifest
 from kvtier.tiers.retention import RetentionTierSettings, build_book
 from kvtier.tiers.retention_journal import RetentionJournal
 
@@ -142,6 +143,12 @@ class DiskTier:
         with self._lock:
             chunks, used = len(self._index), sum(self._index.values())
         self._counters.set(chunks=chunks, used_bytes=used)
+
+    def keep_manifest(self, manifest: NamespaceManifest) -> None:
+        """Write the namespace's manifest.json beside its chunks (`ManifestKeeper`);
+        a read-only directory keeps the one it has. Never raises."""
+        if self.files.writable:
+            write_file_manifest(self.files.root, manifest, self.files.file_mode)
 
     def contains(self, key: ChunkKey) -> bool:
         """Index lookup, confirmed by one stat: a file deleted behind the tier's back (an

@@ -11,7 +11,9 @@ detour. ROOT itself is the operator's configured path and may be a link.
 
 Only kvtier's own names are walked or removed: layout directories (32 hex digits), shard
 directories (2 hex digits), chunk files (32 hex digits + ".kvc") and kvtier's temp files
-(`.<key hex>.kvc.<12 hex>.tmp` next to a chunk, `.probe-<32 hex>.tmp` in a layout directory).
+(`.<key hex>.kvc.<12 hex>.tmp` next to a chunk, `.probe-<32 hex>.tmp` and
+`.manifest-<32 hex>.tmp` in a layout directory; the manifest itself, `manifest.json`, is read
+by tiers/manifest.py, never walked as a chunk).
 Anything else found in the tree, and anything that is not what its name says (a symlink, a
 FIFO, a device, a directory named like a file), is skipped and left alone.
 
@@ -44,7 +46,8 @@ _LAYOUT = re.compile(r"[0-9a-f]{32}")
 _SHARD = re.compile(r"[0-9a-f]{2}")
 _CHUNK = re.compile(r"[0-9a-f]{32}\.kvc")
 _CHUNK_TEMP = re.compile(r"\.[0-9a-f]{32}\.kvc\.[0-9a-f]{12}\.tmp")
-_PROBE_TEMP = re.compile(r"\.probe-[0-9a-f]{32}\.tmp")
+# an O_DIRECT probe, or a namespace manifest being written (tiers/manifest.py)
+_PROBE_TEMP = re.compile(r"\.(?:probe|manifest)-[0-9a-f]{32}\.tmp")
 # errnos of a path that is not (or no longer) what kvtier's layout says it is
 NOT_OURS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP})
 

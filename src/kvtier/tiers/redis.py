@@ -89,6 +89,7 @@ from kvtier.core.tier import (
 )
 from kvtier.errors import CorruptBlock, TierUnavailable
 from kvtier.tiers.encoding import build_encoder
+from kvtier.tiers.manifest import NamespaceManifest, redis_manifest_name, write_redis_manifest
 from kvtier.tiers.redis_client import UNAVAILABLE as DOWN_ERRORS
 from kvtier.tiers.redis_client import Client, connect, read_password
 from kvtier.tiers.redis_config import RedisTierConfig
@@ -165,6 +166,7 @@ class RedisTier:
         self.guard = Guard(self.name, MIN_BACKOFF_S, config.retry_max_s)
         self._admission = AdmissionFilter(config.admit_after)
         self._counters = TierCounters(self.name, config.capacity)
+        self._manifest: NamespaceManifest | None = None  # written after the next put
         self._index = (RedisLRUIndex(self.name, self.names.index, self.capacity_chunks,
                                      self.ttl_ms, self.stored_bytes, self._counters,
                                      self._run_for, self._delete_values)
@@ -354,7 +356,28 @@ class RedisTier:
         self._counters.add(puts=1, bytes_written=len(data), write_s=time.perf_counter() - start)
         if self._index is not None:
             self._index.update(key.hex())
+        if self._manifest is not None:
+            self._write_manifest()
         return OK
+
+    def keep_manifest(self, manifest: NamespaceManifest) -> None:
+        """Record the namespace's manifest (`ManifestKeeper`): written after the first chunk
+        this tier stores, so that a server that is down costs start-up nothing."""
+        self._manifest = manifest
+
+    def _write_manifest(self) -> None:
+        """Write the pending manifest (once; again after the next put when it failed)."""
+        manifest, self._manifest = self._manifest, None
+        if manifest is None:
+            return
+        prefix = self.names.prefix
+        name = redis_manifest_name(prefix, manifest.namespace)
+        try:
+            self._run_for(name, lambda c: write_redis_manifest(c, prefix, manifest))
+        except (TierUnavailable, redis.RedisError) as exc:
+            log.warning("redis tier %r: namespace manifest not written (%s); retried after "
+                        "the next stored chunk", self.name, exc)
+            self._manifest = manifest
 
     def _store(self, client: Client, names: list[str], header: bytes, data: memoryview) -> None:
         """Parts (short TTL) and an atomic commit of the header (tiers/redis_write.py); when

@@ -1,6 +1,7 @@
 """What a redis tier's server holds, as `kvtier.core.tier.Inventory` (`kvtier inspect`,
-`kvtier gc`), read from the server without building the tier, and the parts that failed
-writes left without a header (`orphans`, swept by `kvtier gc`).
+`kvtier gc`), read from the server without building the tier, the parts that failed
+writes left without a header (`orphans`, swept by `kvtier gc`), and the namespaces'
+manifests (<prefix><digest>:manifest, tiers/manifest.py: never taken for a chunk's value).
 
 Primitives: `RedisInventory`.
 """
@@ -13,11 +14,13 @@ from typing import Any
 
 from kvtier.core.keys import KEY_BYTES
 from kvtier.core.tier import StoredChunk
+from kvtier.tiers.manifest import NamespaceManifest, parse_manifest, redis_manifest_name
 from kvtier.tiers.redis_client import connect, read_password
 from kvtier.tiers.redis_config import RedisTierConfig
 from kvtier.tiers.redis_write import abort_chunk
 
 SCAN_BATCH = 500  # Redis keys measured per pipelined round trip
+MANIFEST_SUFFIX = ":manifest"
 
 
 class RedisInventory:
@@ -39,6 +42,8 @@ class RedisInventory:
             if rest.startswith("{") and rest.endswith("}:lru"):
                 indexes[rest[1:-5]] = name
                 continue
+            if rest.endswith(MANIFEST_SUFFIX) and ":{" not in rest:
+                continue  # a namespace's manifest (see `manifests`)
             namespace, _, tagged = rest.partition(":{")
             key_hex, _, _part = tagged.partition("}:")
             if namespace and len(key_hex) == 2 * KEY_BYTES:
@@ -101,6 +106,23 @@ class RedisInventory:
             pipe.zrem(f"{self.prefix}{{{chunk.namespace}}}:lru", chunk.key_hex)
         replies = pipe.execute()
         return sum(1 for deleted in replies[::2] if deleted)
+
+    def manifests(self) -> dict[str, NamespaceManifest | None]:
+        """namespace -> its manifest (None: a value that is not a valid one), for every
+        namespace with a manifest value."""
+        names = sorted(raw.decode() for raw in self.client.scan_iter(
+            match=f"{self.prefix}*{MANIFEST_SUFFIX}", count=1000))
+        found: dict[str, NamespaceManifest | None] = {}
+        for name in names:
+            namespace = name[len(self.prefix):-len(MANIFEST_SUFFIX)]
+            if ":" in namespace or "{" in namespace:
+                continue  # a chunk's value whose part is named "manifest": not ours
+            found[namespace] = parse_manifest(self.client.get(name), namespace)
+        return found
+
+    def remove_manifest(self, namespace: str) -> bool:
+        """Delete `namespace`'s manifest; True when there was one."""
+        return bool(self.client.delete(redis_manifest_name(self.prefix, namespace)))
 
     def close(self) -> None:
         self.client.close()

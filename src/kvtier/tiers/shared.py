@@ -69,6 +69,7 @@ from kvtier.tiers.chunkfiles import (
 from kvtier.tiers.directories import check_directory
 from kvtier.tiers.encoding import EncodedTierSettings, build_encoder
 from kvtier.tiers.filetree import lstat_file, unlink_file
+from kvtier.tiers.manifest import NamespaceManifest, write_file_manifest
 from kvtier.tiers.quota import LedgerState, QuotaLedger
 
 log = logging.getLogger(__name__)
@@ -129,6 +130,12 @@ class SharedTier:
         self._victims: deque[ChunkFile] = deque()  # eviction order: last scan, then own puts
         self._scanned_at = 0.0
         self.enforce_quota()
+
+    def keep_manifest(self, manifest: NamespaceManifest) -> None:
+        """Write the namespace's manifest.json beside its chunks (`ManifestKeeper`);
+        a read-only directory keeps the one it has. Never raises."""
+        if self.files.writable:
+            write_file_manifest(self.files.root, manifest, self.files.file_mode)
 
     def contains(self, key: ChunkKey) -> bool:
         return self.files.exists(key)

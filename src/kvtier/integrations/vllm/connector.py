@@ -34,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvtier.core.fingerprint import ModelFingerprint, model_fingerprint
+from kvtier.core.fingerprint import ModelFingerprint, cached_model_fingerprint
 from kvtier.core.layout import KVLayout
 from kvtier.core.locator import ChunkLocator
 from kvtier.integrations.vllm.config import ConnectorConfig
@@ -83,18 +83,23 @@ def scheduler_layouts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
     else:
         heads, kv_factor = spec.num_kv_heads, 2
     world = vllm_config.parallel_config.tensor_parallel_size
+    # The model's fingerprint names the storage namespace too (`kvtier inspect`, `kvtier gc
+    # --fingerprint`); each worker computes the same one for the tiers it opens.
+    fingerprint = scheduler_model_identity(vllm_config)[1].digest
     return [
         KVLayout(num_layers=len(groups[0].layer_names), num_kv_heads=heads,
                  head_size=spec.head_size, dtype=str(spec.dtype).removeprefix("torch."),
                  tokens_per_chunk=tokens_per_chunk, tp_rank=rank, tp_world_size=world,
-                 kv_factor=kv_factor)
+                 kv_factor=kv_factor, model_fingerprint=fingerprint)
         for rank in range(world)
     ]
 
 
 def scheduler_model_identity(vllm_config: VllmConfig) -> tuple[str, ModelFingerprint]:
-    """(model id, fingerprint) of the served model for the keys' namespace; logs the
-    fingerprint. Only the scheduler computes keys: workers store and load them as given.
+    """(model id, fingerprint) of the served model for the keys' namespace. Only the
+    scheduler computes keys: workers store and load them as given; both sides put the
+    fingerprint in the storage namespace (the layouts). Computed once per process (and again
+    after an update in place: core/fingerprint.py), logged when computed.
 
     A checkpoint on disk (a directory, or a hub model in the local HF cache) is fingerprinted
     by content, and its path is left out of the namespace, so that copies at other paths (other
@@ -102,19 +107,22 @@ def scheduler_model_identity(vllm_config: VllmConfig) -> tuple[str, ModelFingerp
     """
     model = vllm_config.model_config
     model_dir = model.model if os.path.exists(model.model) else _hub_snapshot(vllm_config)
-    fingerprint = model_fingerprint(
+
+    def log_it(fingerprint: ModelFingerprint) -> None:
+        if fingerprint.weight_files:
+            logger.info("kvtier: model fingerprint %s (config, dtype, revision and %d weight "
+                        "files)", fingerprint.digest[:12], fingerprint.weight_files)
+        else:
+            logger.warning("kvtier: model fingerprint %s covers config, dtype and revision "
+                           "only: no checkpoint files found for %s, weights are not "
+                           "fingerprinted (an update under the same name and revision would "
+                           "reuse old KV)", fingerprint.digest[:12], model.model)
+
+    fingerprint = cached_model_fingerprint(
         model_dir, model.hf_config.to_dict(), revision=model.revision,
         code_revision=model.code_revision, quantization=model.quantization,
-        dtype=str(model.dtype).removeprefix("torch."))
-    if fingerprint.weight_files:
-        logger.info("kvtier: model fingerprint %s (config, dtype, revision and %d weight "
-                    "files)", fingerprint.digest[:12], fingerprint.weight_files)
-        return "", fingerprint
-    logger.warning("kvtier: model fingerprint %s covers config, dtype and revision only: no "
-                   "checkpoint files found for %s, weights are not fingerprinted (an update "
-                   "under the same name and revision would reuse old KV)",
-                   fingerprint.digest[:12], model.model)
-    return model.model, fingerprint
+        dtype=str(model.dtype).removeprefix("torch."), on_computed=log_it)
+    return ("" if fingerprint.weight_files else model.model), fingerprint
 
 
 def _hub_snapshot(vllm_config: VllmConfig) -> str | None:
@@ -231,12 +239,26 @@ class KVTierConnector(KVConnectorBase_V1):
     # -- worker side ----------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from dataclasses import replace
+
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        from kvtier.tiers.manifest import NamespaceInfo
 
         paged = PagedKV(kv_caches, self._block_size)
         world = self._vllm_config.parallel_config.tensor_parallel_size
         rank = get_tensor_model_parallel_rank()
-        layout = paged.layout(self._config.tokens_per_chunk, tp_rank=rank, tp_world_size=world)
+        # The scheduler's layouts carry the model's fingerprint (scheduler_layouts); this
+        # process computes the same one (memoized per process), so probes and stores agree.
+        _model_id, fingerprint = scheduler_model_identity(self._vllm_config)
+        layout = replace(paged.layout(self._config.tokens_per_chunk, tp_rank=rank,
+                                      tp_world_size=world),
+                         model_fingerprint=fingerprint.digest)
+        served = self._vllm_config.model_config.served_model_name
+        info = NamespaceInfo(  # the namespace's manifest: which model its chunks are
+            model=str((served[0] if isinstance(served, list) and served else served)
+                      or self._vllm_config.model_config.model),
+            fingerprint=fingerprint.digest, weight_files=fingerprint.weight_files)
         # Capacities are per engine, like vLLM's cpu_bytes_to_use: each rank holds its share.
         store_config = self._config.store.per_rank(world)
         if world > 1:
@@ -245,7 +267,7 @@ class KVTierConnector(KVConnectorBase_V1):
         # A prefill instance hands its KV over through the lower tiers: its steps wait for
         # their writes (a stalled tier is abandoned after read_timeout_s, like a read).
         handoff = self._kv_transfer_config.kv_role == "kv_producer"
-        self._worker = ConnectorWorker(paged, layout, open_store(store_config, layout),
+        self._worker = ConnectorWorker(paged, layout, open_store(store_config, layout, info),
                                        load_batch=self._config.store.io_threads,
                                        agree=tp_any if world > 1 else None,
                                        handoff_timeout_s=self._config.store.read_timeout_s
