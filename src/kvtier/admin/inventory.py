@@ -3,31 +3,39 @@ Redis), without building the tiers: building a tier evicts to its quota, and an 
 `kvtier inspect` must change nothing.
 
 A namespace is a layout digest (KVLayout.digest()): each directory tier keeps a layout's
-chunks under ROOT/<digest>/, the redis tier under <prefix><digest>:. Chunk keys are hashes,
-so the model behind a namespace is not recoverable from storage; `kvtier plan` or the engine's
-logs map models to digests.
+chunks under ROOT/<digest>/, the redis tier under <prefix><digest>:. The connector puts the
+served model's fingerprint in the layout, so each checkpoint has namespaces of its own, and
+each tier records a namespace's manifest when it opens it (tiers/manifest.py: the model's name
+as served, its fingerprint, the layout, the kvtier version): ROOT/<digest>/manifest.json, or
+<prefix><digest>:manifest. Chunk keys are hashes, so the manifest is the only way back from a
+namespace to its model: namespaces written before manifests existed (or by a store opened
+without a model, e.g. a bench), or whose manifest is unreadable, show the model as "unknown".
 
 How a tier's storage is read is the tier's own business: a tier class that offers
 `open_inventory` (`kvtier.core.tier.InventorySource`) is persistent; the others (memory)
-live in a process and have nothing to inspect.
+live in a process and have nothing to inspect. An inventory that also offers
+`ManifestSource` reads (and `kvtier gc` removes) manifests.
 
 Primitives: `StoredChunk`, `NamespaceUsage`, `Inventory` (protocol; both from
-kvtier.core.tier), `OrphanSource` (its optional ability), `open_inventories`, `summarize`.
+kvtier.core.tier), `OrphanSource` and `ManifestSource` (its optional abilities),
+`open_inventories`, `read_manifests`, `summarize`, `UNKNOWN`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from kvtier.config import StoreConfig
 from kvtier.core.tier import Inventory, InventorySource, StoredChunk
 from kvtier.errors import ConfigError
+from kvtier.tiers.manifest import NamespaceManifest
 from kvtier.tiers.registry import tier_class
 
-__all__ = ["Inventory", "NamespaceUsage", "OrphanSource", "StoredChunk", "open_inventories",
-           "summarize"]
+__all__ = ["UNKNOWN", "Inventory", "ManifestSource", "NamespaceUsage", "OrphanSource",
+           "StoredChunk", "open_inventories", "read_manifests", "summarize"]
+UNKNOWN = "unknown"  # model and fingerprint of a namespace without a (valid) manifest
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +50,9 @@ class NamespaceUsage:
     oldest_s: float | None  # unix time of the least recently used chunk
     newest_s: float | None  # unix time of the most recently used chunk
     hits: int | None  # hits recorded by the storage itself; None when it records none
+    model: str = UNKNOWN  # the model's name as served, from the namespace's manifest
+    fingerprint: str = UNKNOWN  # the model's fingerprint (32 hex; "none" when not computed)
+    weight_files: int | None = None  # checkpoint files in the fingerprint (0: weights not)
 
 
 @runtime_checkable
@@ -56,6 +67,25 @@ class OrphanSource(Protocol):
     def remove_orphans(self, orphans: Sequence[StoredChunk]) -> int:
         """Delete these orphans (those not completed since); the values deleted."""
         ...
+
+
+@runtime_checkable
+class ManifestSource(Protocol):
+    """An optional ability of an `Inventory`: the namespaces' manifests (tiers/manifest.py)."""
+
+    def manifests(self) -> dict[str, NamespaceManifest | None]:
+        """namespace -> its manifest (None: present but not a valid one), for every namespace
+        that has one. Raises what `Inventory.chunks` raises; never for a bad manifest."""
+        ...
+
+    def remove_manifest(self, namespace: str) -> bool:
+        """Delete `namespace`'s manifest; True when there was one."""
+        ...
+
+
+def read_manifests(inventory: Inventory) -> dict[str, NamespaceManifest | None]:
+    """`inventory`'s manifests, or {} when it keeps none. Raises what `chunks` raises."""
+    return inventory.manifests() if isinstance(inventory, ManifestSource) else {}
 
 
 def open_inventories(config: StoreConfig, tier: str | None = None) -> list[Inventory]:
@@ -74,14 +104,25 @@ def open_inventories(config: StoreConfig, tier: str | None = None) -> list[Inven
     return [tier_class(t.kind).open_inventory(t) for t in chosen]
 
 
-def summarize(inventory: Inventory, chunks: Sequence[StoredChunk]) -> list[NamespaceUsage]:
-    """Per-namespace totals of `chunks` (all from `inventory`), namespaces sorted."""
-    groups: dict[str, list[StoredChunk]] = {}
+def summarize(inventory: Inventory, chunks: Sequence[StoredChunk],
+              manifests: Mapping[str, NamespaceManifest | None] | None = None,
+              ) -> list[NamespaceUsage]:
+    """Per-namespace totals of `chunks` (all from `inventory`) with the model of each
+    namespace's manifest (`manifests`, from `read_manifests`); a namespace with a manifest and
+    no chunk is listed with 0 chunks. Namespaces sorted."""
+    manifests = manifests or {}
+    groups: dict[str, list[StoredChunk]] = {namespace: [] for namespace in manifests}
     for chunk in chunks:
         groups.setdefault(chunk.namespace, []).append(chunk)
-    return [
-        NamespaceUsage(inventory.name, inventory.kind, namespace, len(group),
-                       sum(c.size_bytes for c in group), min(c.last_used_s for c in group),
-                       max(c.last_used_s for c in group), None)
-        for namespace, group in sorted(groups.items())
-    ]
+    rows = []
+    for namespace, group in sorted(groups.items()):
+        manifest = manifests.get(namespace)
+        rows.append(NamespaceUsage(
+            inventory.name, inventory.kind, namespace, len(group),
+            sum(c.size_bytes for c in group),
+            min((c.last_used_s for c in group), default=None),
+            max((c.last_used_s for c in group), default=None), None,
+            model=manifest.model if manifest else UNKNOWN,
+            fingerprint=(manifest.fingerprint or "none") if manifest else UNKNOWN,
+            weight_files=manifest.weight_files if manifest else None))
+    return rows

@@ -1,6 +1,8 @@
 """`kvtier inspect --config FILE`: what each persistent tier holds, per namespace (layout
-digest): how the tier stores chunks at rest (codec, encryption), chunks, bytes, least and most
-recently used. Reads storage only; changes nothing.
+digest): the model it is the KV of and its fingerprint (from the namespace's manifest;
+"unknown" without one: data of an older kvtier, or a store opened without a model), how the
+tier stores chunks at rest (codec, encryption), chunks, bytes, least and most recently used.
+Reads storage only; changes nothing. `--json` gives the whole fingerprint.
 
 Exit codes: 0 listed, 1 a tier's storage could not be read, 2 bad input.
 """
@@ -15,7 +17,7 @@ from dataclasses import asdict
 from rich.console import Console
 from rich.table import Table
 
-from kvtier.admin.inventory import NamespaceUsage, open_inventories, summarize
+from kvtier.admin.inventory import NamespaceUsage, open_inventories, read_manifests, summarize
 from kvtier.config import StoreConfig, TierSettings
 from kvtier.core.codecs import LOSSY_CODECS
 from kvtier.ops.doctor import read_store
@@ -59,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
     encodings = {t.tier_name: at_rest(t) for t in store.tiers}
     for inventory in open_inventories(store, args.tier):
         try:
-            rows += summarize(inventory, list(inventory.chunks()))
+            manifests = read_manifests(inventory)
+            rows += summarize(inventory, list(inventory.chunks()), manifests)
         except Exception as exc:  # an unreachable tier is reported, the others still listed
             errors[inventory.name] = f"{type(exc).__name__}: {exc}"
         finally:
@@ -69,18 +72,26 @@ def run(args: argparse.Namespace) -> int:
                           "errors": errors}, indent=2))
         return 1 if errors else 0
     table = Table(title="kvtier inspect")
-    for column in ("tier", "kind", "at rest", "namespace", "chunks", "bytes", "oldest", "newest",
-                   "hits"):
-        table.add_column(column, justify="right" if column in ("chunks", "bytes") else "left")
+    for column in ("tier", "kind", "at rest", "namespace", "model", "fingerprint", "chunks",
+                   "bytes", "oldest", "newest", "hits"):
+        table.add_column(column, justify="right" if column in ("chunks", "bytes") else "left",
+                         no_wrap=column in ("namespace", "fingerprint"))
     for r in rows:
-        table.add_row(r.tier, r.kind, encodings[r.tier], r.namespace, str(r.chunks),
+        table.add_row(r.tier, r.kind, encodings[r.tier], r.namespace, r.model,
+                      short_fingerprint(r.fingerprint), str(r.chunks),
                       format_size(r.size_bytes), _ago(r.oldest_s), _ago(r.newest_s),
                       "n/a" if r.hits is None else str(r.hits))
-    console = Console(width=max(Console().width, 120))
+    console = Console(width=max(Console().width, 180))
     console.print(table)
     for tier, error in errors.items():
         console.print(f"[bold red]tier {tier}: not readable: {error}[/]")
     return 1 if errors else 0
+
+
+def short_fingerprint(fingerprint: str) -> str:
+    """A fingerprint's first 12 hex digits (enough for `kvtier gc --fingerprint`); "unknown"
+    and "none" as they are."""
+    return fingerprint[:12] if len(fingerprint) == 32 else fingerprint
 
 
 def _ago(when_s: float | None) -> str:

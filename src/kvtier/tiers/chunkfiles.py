@@ -18,7 +18,7 @@ mount) is served read-only: `writable` is False and writes fail with EROFS.
 
 Primitives: `ChunkFiles` (path_of, write, read_into, exists, touch, remove, scan), `chunk_path`,
 `scan_tree` + `TreeScan`, `FileProbe` (the disk and shared tiers' probe), `FileInventory`
-(their `kvtier inspect` / `kvtier gc` view).
+(their `kvtier inspect` / `kvtier gc` view, namespace manifests included: tiers/manifest.py).
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ from kvtier.tiers.filetree import (
     unlink_file,
     walk,
 )
+from kvtier.tiers.manifest import NamespaceManifest, file_manifests, remove_file_manifest
 
 log = logging.getLogger(__name__)
 SUFFIX = ".kvc"
@@ -523,6 +524,13 @@ class FileInventory:
             if key is not None:  # temp files are not chunks
                 yield StoredChunk(entry.layout_digest, key.hex(), entry.size_bytes, entry.mtime,
                                   (str(self.root.joinpath(*entry.parts())),))
+
+    def manifests(self) -> dict[str, NamespaceManifest | None]:
+        """Each layout directory's manifest.json (`ManifestSource`, tiers/manifest.py)."""
+        return file_manifests(self.root)
+
+    def remove_manifest(self, namespace: str) -> bool:
+        return remove_file_manifest(self.root, namespace)
 
     def remove(self, chunks: Sequence[StoredChunk]) -> int:
         removed = 0
