@@ -324,3 +324,26 @@ def test_the_fingerprint_is_computed_once_per_process_and_again_after_an_update(
     os.utime(weights, ns=(time.time_ns() + 10**9, time.time_ns() + 10**9))
     second = cached_model_fingerprint(tmp_path, **args)
     assert second != first and len(computed) == 2 and second.weight_files == 1
+
+
+def test_a_fingerprint_with_a_quota_trims_only_that_checkpoint_and_keeps_its_manifest(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--fingerprint restricts --quota (and --max-age) to the checkpoint's namespaces; not a
+    whole-namespace eviction, so its manifest stays."""
+    config = write_config(tmp_path, {"kind": "disk", "path": str(tmp_path / "d"),
+                                     "capacity": "1MiB"})
+    fill(config, OLD, OLD_INFO, range(4))
+    fill(config, NEW, NEW_INFO, range(10, 14))
+    out = cli_json(capsys, "gc", "--config", str(config), "--fingerprint", OLD_FP[:10],
+                   "--quota", "0")
+    assert [(o["namespace"], o["removed_chunks"], o["removed_manifest"])
+            for o in out["outcomes"]] == [(OLD.digest(), 4, False)]
+    assert held(config, NEW, range(10, 14)) == [10, 11, 12, 13]
+    report = by_namespace(cli_json(capsys, "inspect", "--config", str(config)))
+    assert (report[OLD.digest()]["chunks"], report[OLD.digest()]["model"]) == (0, "acme/tiny")
+    assert report[OLD.digest()]["oldest_s"] is None
+    # A namespace selection that names a namespace and a fingerprint: both must match.
+    out = cli_json(capsys, "gc", "--config", str(config), "--fingerprint", OLD_FP[:10],
+                   "--namespace", NEW.digest())
+    assert out["outcomes"] == [] and out["unmatched"]
+    assert held(config, NEW, range(10, 14)) == [10, 11, 12, 13]

@@ -5,6 +5,10 @@ Every tier is built the same way: `TierClass(config, layout)`. Tiers whose conte
 processes can see (files, remote stores) also offer a probe: a side-effect-free "is this chunk
 stored?" for processes that do not own the tier (vLLM's scheduler).
 
+`open_store` with a `NamespaceInfo` (the model behind the layout's namespace: the connector's
+workers pass one) also has each persistent tier record the namespace's manifest
+(tiers/manifest.py), read back by `kvtier inspect` and `kvtier gc --fingerprint`.
+
 Primitives: `open_store`, `build_tier`, `build_probe`, `store_settings`, `TIER_CLASSES`.
 """
 
