@@ -81,9 +81,16 @@ def lfm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def gemma3(gemma3_dir: Path) -> Iterator[Any]:
-    config = kvtier_transfer_config([{"kind": "memory", "capacity": "64MiB"}], CHUNK)
-    with start_engine(gemma3_dir, config) as engine:
+def gemma3(gemma3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The hybrid KV cache manager on: two KV cache groups (sliding, full) sharing one block
+    pool (blocks enough for max_model_len in both). RAM holds 4 chunks: the rest are read from
+    the disk tier (`disk_dir`), where a test can damage them."""
+    disk = tmp_path_factory.mktemp("gemma3-disk")
+    config = kvtier_transfer_config([{"kind": "memory", "capacity": "1MiB"},
+                                     {"kind": "disk", "path": str(disk), "capacity": "64MiB"}],
+                                    CHUNK)
+    with start_engine(gemma3_dir, config, num_gpu_blocks_override=160) as engine:
+        engine.disk_dir = disk
         yield engine
 
 
@@ -109,6 +116,8 @@ def test_a_conv_hybrid_model_is_refused_by_kvtier_in_one_line(
 def test_sliding_window_and_full_attention_hits_give_the_miss_paths_tokens(gemma3: Any) -> None:
     """Prompts longer than the window: every full chunk but the last token's loads from
     kvtier, and the tokens are those of the miss path (kvtier bypassed)."""
+    assert gemma3.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager \
+        is False
     prompts = random_prompts([300, 200], seed=31)
     miss = token_ids(gemma3, prompts, kv_transfer_params=BYPASS)
     gemma3.reset_prefix_cache()

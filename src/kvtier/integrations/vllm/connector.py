@@ -29,7 +29,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -38,9 +40,10 @@ from kvtier.core.fingerprint import ModelFingerprint, cached_model_fingerprint
 from kvtier.core.layout import KVLayout
 from kvtier.core.locator import ChunkLocator
 from kvtier.integrations.vllm.config import ConnectorConfig
+from kvtier.integrations.vllm.groups import NULL_BLOCK, chunk_groups
 from kvtier.integrations.vllm.messages import KVTierMetadata
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, KVTierPromMetrics
-from kvtier.integrations.vllm.models import HMA_ALTERNATIVE, check_supported, model_traits, refuse
+from kvtier.integrations.vllm.models import check_supported, model_traits
 from kvtier.integrations.vllm.scheduler import ConnectorScheduler
 from kvtier.integrations.vllm.worker import ConnectorWorker, PagedKV
 from kvtier.tiers import build_probe, open_store
@@ -67,16 +70,9 @@ def scheduler_layouts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
     Raises:
         ConfigError: naming the model, for KV cache groups kvtier cannot store (models.py).
     """
-    groups = kv_cache_config.kv_cache_groups
-    model = str(vllm_config.model_config.model)
-    if len(groups) != 1:
-        raise refuse(model, f"{len(groups)} KV cache groups (" + ", ".join(
-            type(g.kv_cache_spec).__name__ for g in groups) + "); kvtier stores one group of "
-            "attention layers", HMA_ALTERNATIVE)
-    spec = groups[0].kv_cache_spec
-    if not isinstance(spec, AttentionSpec):
-        raise refuse(model, f"a {type(spec).__name__} KV cache, not per-token K and V",
-                     HMA_ALTERNATIVE)
+    groups = chunk_groups(str(vllm_config.model_config.model), kv_cache_config)
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    assert isinstance(spec, AttentionSpec)  # chunk_groups refuses others
     if type(spec).__name__ == "MLAAttentionSpec" or getattr(spec, "head_size_v", None) == 0:
         # MLA: one latent per token (paged.py "mla"), a copy of it on every rank.
         heads, kv_factor = 1, 1
@@ -87,7 +83,7 @@ def scheduler_layouts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
     # --fingerprint`); each worker computes the same one for the tiers it opens.
     fingerprint = scheduler_model_identity(vllm_config)[1].digest
     return [
-        KVLayout(num_layers=len(groups[0].layer_names), num_kv_heads=heads,
+        KVLayout(num_layers=groups.num_layers, num_kv_heads=heads,
                  head_size=spec.head_size, dtype=str(spec.dtype).removeprefix("torch."),
                  tokens_per_chunk=tokens_per_chunk, tp_rank=rank, tp_world_size=world,
                  kv_factor=kv_factor, model_fingerprint=fingerprint)
@@ -149,7 +145,7 @@ def tp_any(flags: list[bool]) -> list[bool]:
     return [bool(v) for v in votes.tolist()]
 
 
-class KVTierConnector(KVConnectorBase_V1):
+class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector backed by kvtier's tiered store."""
 
     _cache_hit_source = CacheHitSource.HOST
@@ -185,6 +181,7 @@ class KVTierConnector(KVConnectorBase_V1):
             model_id, fingerprint = scheduler_model_identity(vllm_config)
             self._scheduler = ConnectorScheduler(
                 self._config, block_size=self._block_size,
+                groups=chunk_groups(str(vllm_config.model_config.model), kv_cache_config),
                 model_id=model_id, layout_digest=layouts[0].digest(),
                 weights_fingerprint=fingerprint.digest, locator=locator,
                 tier_kinds={t.tier_name: t.kind for t in self._config.store.tiers},
@@ -236,6 +233,11 @@ class KVTierConnector(KVConnectorBase_V1):
         self._scheduler.request_finished(request)
         return False, None
 
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """`request_finished` with the hybrid KV cache manager on (`SupportsHMA`)."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])
+
     # -- worker side ----------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -245,7 +247,12 @@ class KVTierConnector(KVConnectorBase_V1):
 
         from kvtier.tiers.manifest import NamespaceInfo
 
-        paged = PagedKV(kv_caches, self._block_size)
+        groups = chunk_groups(str(self._vllm_config.model_config.model),
+                              self._kv_cache_config)
+        # Chunk order: group by group (groups.py).
+        paged = PagedKV({name: kv_caches[name] for name in groups.layer_order},
+                        self._block_size, group_sizes=tuple(map(len, groups.layer_names)),
+                        null_block=NULL_BLOCK if groups.count > 1 else None)
         world = self._vllm_config.parallel_config.tensor_parallel_size
         rank = get_tensor_model_parallel_rank()
         # The scheduler's layouts carry the model's fingerprint (scheduler_layouts); this
@@ -305,6 +312,15 @@ class KVTierConnector(KVConnectorBase_V1):
         if self._worker is None:
             return None, None
         return None, self._worker.take_finished_loads() or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """`get_finished`, and the requests whose asynchronous load failed (reported by
+        request with several KV cache groups: see worker.take_failed_block_ids)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self._worker.take_failed_requests() if self._worker is not None else set()
+        return KVConnectorTransferResults(finished_sending=set(sending or ()),
+                                          finished_recving=set(recving or ()),
+                                          failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_failed_block_ids() if self._worker is not None else set()

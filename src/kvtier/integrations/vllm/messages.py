@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.store import StoreEvent
+from kvtier.integrations.vllm.groups import NULL_BLOCK
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +33,8 @@ class ChunkTransfer:
     """One chunk to move between kvtier and vLLM's paged KV."""
 
     key: ChunkKey
-    # vLLM block ids holding the chunk's tokens, in token order (tokens_per_chunk/block_size).
+    # vLLM block ids holding the chunk's tokens, in token order (tokens_per_chunk/block_size
+    # of them), of each KV cache group, concatenated (groups.py; one group: a plain model).
     block_ids: tuple[int, ...]
     # Loads only: blocks before this index already hold valid KV (a local prefix-cache hit,
     # possibly shared with other requests) and must not be written.
@@ -48,6 +50,20 @@ class ChunkTransfer:
     # pins / dates the chunk (kvtier.core.retention.ChunkMeta), a load extends its pin.
     retain_s: float | None = None
     ttl_s: float | None = None
+    groups: int = 1  # KV cache groups in block_ids
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks of the chunk's tokens (per group)."""
+        return len(self.block_ids) // self.groups
+
+    def written_blocks(self) -> list[int]:
+        """The blocks a load of it writes: from `first_block` on in every group, but vLLM's
+        null block (below a sliding window), which no request owns."""
+        per = self.num_blocks
+        return [b for g in range(self.groups)
+                for b in self.block_ids[g * per + self.first_block:(g + 1) * per]
+                if self.groups == 1 or b != NULL_BLOCK]
 
 
 @dataclass(slots=True)

@@ -73,6 +73,8 @@ COUNTERS: dict[str, str] = {
     "async_load_seconds": "Seconds from the start to the end of asynchronous loads (summed)",
     "unsafe_stores_skipped": "Chunks not stored because they were computed over a failed "
                              "load (stored once recomputed)",
+    "dropped_window_chunks": "Chunks not stored because a sliding-window layer group had "
+                             "freed blocks of them (tokens_per_chunk above the window)",
     "stored_tokens": "Tokens stored from vLLM's KV cache",
     "stored_bytes": "KV bytes stored from vLLM's KV cache",
     "store_seconds": "Seconds the workers spent storing KV (copy out of blocks + top tier)",

@@ -50,10 +50,17 @@ threads: the same strided copies took 3-6x longer through torch `copy_`, and CPU
 `index_copy_` moves one element at a time. On CUDA both are single `index_select` /
 `index_copy_` kernels.
 
+KV cache groups (vLLM's hybrid KV cache manager, groups.py): the layers come group by group,
+each group with its own block table; a chunk's block ids are the groups' block ids for its
+tokens, concatenated, and each group's layers move with their own view. A load never writes
+vLLM's null block (a block a sliding-window group does not keep).
+
 Primitives: `PagedKV`.
 """
 
 from __future__ import annotations
+
+from itertools import pairwise
 
 import numpy as np
 import torch
@@ -78,15 +85,21 @@ class PagedKV:
     """vLLM's per-layer paged KV tensors, gathered into and scattered from chunks."""
 
     def __init__(self, kv_caches: dict[str, torch.Tensor], block_size: int,
-                 backend: str | None = None, torch_ops: bool | None = None) -> None:
+                 backend: str | None = None, torch_ops: bool | None = None,
+                 group_sizes: tuple[int, ...] | None = None,
+                 null_block: int | None = None) -> None:
         """Args:
-            kv_caches: layer name -> KV tensor, as passed to register_kv_caches, in model
-                layer order.
+            kv_caches: layer name -> KV tensor, as passed to register_kv_caches, in chunk
+                order: model layer order, or group by group (groups.py).
             block_size: vLLM's block size in tokens.
             backend: "cpu", "halves", "flash" or "mla" (see the module docstring); None
                 chooses by shape and device.
             torch_ops: copy with torch index ops (True) or numpy (False); None: torch on
                 accelerators, numpy on CPU.
+            group_sizes: layers per KV cache group, in the order of `kv_caches`; None: one
+                group. A chunk's block ids are then the groups' block ids, concatenated.
+            null_block: a block id that stands for a block its group does not keep (vLLM's
+                null block, below a sliding window): never written by `scatter`.
 
         Raises:
             ConfigError: on a tensor layout this module does not know.
@@ -125,23 +138,27 @@ class PagedKV:
             if tuple(tensor.shape) != shape or tensor.dtype != first.dtype:
                 raise ConfigError(f"kv cache of {name}", tuple(tensor.shape),
                                   f"the same shape and dtype as the first layer {shape}")
-        self._views = [self._block_major(t) for t in self.tensors]
-        # [L, NB, H, kv, BS, D] over every layer at once, or None (layers not evenly spaced
-        # in one allocation): then gather/scatter loop over layers.
-        self._all = self._all_layers_view()
+        sizes = group_sizes or (len(self.tensors),)
+        if sum(sizes) != len(self.tensors) or min(sizes) < 1:
+            raise ConfigError("group_sizes", sizes, f"positive, adding up to "
+                              f"{len(self.tensors)} layers")
+        self.num_groups = len(sizes)
+        self.null_block = null_block
         # On CPU the copies run through numpy (see the module docstring): the same memory,
         # seen as integers of the KV dtype's width (numpy has no bfloat16; bytes are bytes).
         # `torch_ops` forces the accelerators' torch index ops, so that tests check that path
         # on CPU tensors where no GPU is at hand.
         self._torch_ops = self.device.type != "cpu" if torch_ops is None else torch_ops
-        numpy_ops = not self._torch_ops
-        self._views_np = [_as_numpy(v) for v in self._views] if numpy_ops else []
-        self._all_np = _as_numpy(self._all) if numpy_ops and self._all is not None else None
+        bounds = [sum(sizes[:g]) for g in range(len(sizes) + 1)]
+        self._groups = [_LayerGroup([self._block_major(t) for t in self.tensors[lo:hi]],
+                                    slice(lo, hi), numpy_ops=not self._torch_ops)
+                        for lo, hi in pairwise(bounds)]
 
     @property
     def single_allocation(self) -> bool:
-        """Whether one view spans every layer (chunks move in one op, not one per layer)."""
-        return self._all is not None
+        """Whether one view spans every layer of each group (a chunk moves in one op per
+        group, not one per layer)."""
+        return all(group.all is not None for group in self._groups)
 
     def _block_major(self, layer: torch.Tensor) -> torch.Tensor:
         """`layer` viewed as [num_blocks, heads, kv, block_size, dim] (strided, no copy)."""
@@ -153,21 +170,6 @@ class PagedKV:
         if self.backend == "halves":
             return layer.view(self.num_blocks, h, bs, 2, d).permute(0, 1, 3, 2, 4)
         return layer.permute(1, 3, 0, 2, 4)
-
-    def _all_layers_view(self) -> torch.Tensor | None:
-        first = self._views[0]
-        if len(self._views) == 1:
-            return first.unsqueeze(0)
-        base = first.untyped_storage().data_ptr()
-        offsets = [v.storage_offset() for v in self._views]
-        layer_stride = offsets[1] - offsets[0]
-        if layer_stride <= 0 or any(
-                v.untyped_storage().data_ptr() != base or v.stride() != first.stride()
-                or off != offsets[0] + i * layer_stride
-                for i, (v, off) in enumerate(zip(self._views, offsets))):
-            return None
-        return first.as_strided((len(self._views), *first.shape),
-                                (layer_stride, *first.stride()), offsets[0])
 
     def layout(self, tokens_per_chunk: int, tp_rank: int = 0, tp_world_size: int = 1) -> KVLayout:
         """The KVLayout of the chunks this KV cache produces (kv_factor 1 for MLA)."""
@@ -183,53 +185,106 @@ class PagedKV:
         return flat.view(len(self.tensors), -1, self.num_kv_heads, self.kv_factor,
                          self.block_size, self.head_size)
 
-    def _index(self, block_ids: tuple[int, ...]) -> torch.Tensor:
+    def _index(self, block_ids: tuple[int, ...] | list[int]) -> torch.Tensor:
         ids = torch.tensor(block_ids, dtype=torch.long)
         if self.device.type == "cpu":
             return ids
         # Pinned, so the upload is asynchronous on the current stream (no host sync).
         return ids.pin_memory().to(self.device, non_blocking=True)
 
+    def _per_group(self, block_ids: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """A chunk's block ids split by group (see `group_sizes`)."""
+        if len(block_ids) % self.num_groups:
+            raise ValueError(f"{len(block_ids)} block ids for {self.num_groups} groups")
+        per = len(block_ids) // self.num_groups
+        return [block_ids[g * per:(g + 1) * per] for g in range(self.num_groups)]
+
     def gather(self, block_ids: tuple[int, ...], chunk: torch.Tensor) -> None:
         """Copy the blocks of one chunk, all layers, into `chunk` (see `chunk_view`). On CUDA
         the copy is enqueued on the current stream."""
-        dst = self.chunk_view(chunk)
-        if self._torch_ops:
-            index = self._index(block_ids)
-            if self._all is not None:
-                torch.index_select(self._all, 1, index, out=dst)
+        view = self.chunk_view(chunk)
+        for group, ids in zip(self._groups, self._per_group(block_ids)):
+            dst = view[group.layers]
+            if self._torch_ops:
+                group.gather_torch(self._index(ids), dst)
             else:
-                for view, layer_dst in zip(self._views, dst):
-                    torch.index_select(view, 0, index, out=layer_dst)
-            return
-        dst_np = _as_numpy(dst)
-        for j, block in enumerate(block_ids):
-            if self._all_np is not None:
-                np.copyto(dst_np[:, j], self._all_np[:, block])
-            else:
-                for layer_np, layer_dst in zip(self._views_np, dst_np):
-                    np.copyto(layer_dst[j], layer_np[block])
+                group.gather_numpy(ids, _as_numpy(dst))
 
     def scatter(self, chunk: torch.Tensor, block_ids: tuple[int, ...], first_block: int) -> None:
         """Copy `chunk` (see `chunk_view`) into its blocks, all layers, from `first_block` on
-        (earlier blocks are a local prefix hit, possibly shared: never written). On CUDA the
-        copy is enqueued on the current stream."""
-        src = self.chunk_view(chunk)[:, first_block:]
-        targets = block_ids[first_block:]
-        if not targets:
-            return
-        if self._torch_ops:
-            index = self._index(targets)
-            if self._all is not None:
-                self._all.index_copy_(1, index, src)
+        (earlier blocks are a local prefix hit, possibly shared: never written), except the
+        null block. On CUDA the copy is enqueued on the current stream."""
+        view = self.chunk_view(chunk)
+        for group, ids in zip(self._groups, self._per_group(block_ids)):
+            kept = [j for j in range(first_block, len(ids)) if ids[j] != self.null_block]
+            if not kept:
+                continue
+            targets = [ids[j] for j in kept]
+            src = view[group.layers]
+            if self._torch_ops:
+                src = src[:, first_block:] if len(kept) == len(ids) - first_block \
+                    else src[:, self._index(kept)]
+                group.scatter_torch(src, self._index(targets))
             else:
-                for view, layer_src in zip(self._views, src):
-                    view.index_copy_(0, index, layer_src)
-            return
-        src_np = _as_numpy(src)
-        for j, block in enumerate(targets):
-            if self._all_np is not None:
-                np.copyto(self._all_np[:, block], src_np[:, j])
+                group.scatter_numpy(_as_numpy(src), kept, targets)
+
+
+class _LayerGroup:
+    """The layers of one KV cache group, seen block-major, with their copy loops."""
+
+    def __init__(self, views: list[torch.Tensor], layers: slice, numpy_ops: bool) -> None:
+        self.views = views
+        self.layers = layers  # the group's layers in a chunk
+        # [L, NB, H, kv, BS, D] over the group's layers at once, or None (layers not evenly
+        # spaced in one allocation): then gather/scatter loop over layers.
+        self.all = _all_layers_view(views)
+        self.views_np = [_as_numpy(v) for v in views] if numpy_ops else []
+        self.all_np = _as_numpy(self.all) if numpy_ops and self.all is not None else None
+
+    def gather_torch(self, index: torch.Tensor, dst: torch.Tensor) -> None:
+        if self.all is not None:
+            torch.index_select(self.all, 1, index, out=dst)
+        else:
+            for view, layer_dst in zip(self.views, dst):
+                torch.index_select(view, 0, index, out=layer_dst)
+
+    def scatter_torch(self, src: torch.Tensor, index: torch.Tensor) -> None:
+        if self.all is not None:
+            self.all.index_copy_(1, index, src)
+        else:
+            for view, layer_src in zip(self.views, src):
+                view.index_copy_(0, index, layer_src)
+
+    def gather_numpy(self, block_ids: tuple[int, ...], dst: np.ndarray) -> None:
+        for j, block in enumerate(block_ids):
+            if self.all_np is not None:
+                np.copyto(dst[:, j], self.all_np[:, block])
             else:
-                for layer_np, layer_src in zip(self._views_np, src_np):
+                for layer_np, layer_dst in zip(self.views_np, dst):
+                    np.copyto(layer_dst[j], layer_np[block])
+
+    def scatter_numpy(self, src: np.ndarray, positions: list[int], targets: list[int]) -> None:
+        for j, block in zip(positions, targets):
+            if self.all_np is not None:
+                np.copyto(self.all_np[:, block], src[:, j])
+            else:
+                for layer_np, layer_src in zip(self.views_np, src):
                     np.copyto(layer_np[block], layer_src[j])
+
+
+def _all_layers_view(views: list[torch.Tensor]) -> torch.Tensor | None:
+    """One [L, ...] view over `views` when they are equally spaced slices of one allocation
+    (the CPU backend's LBHNC), else None."""
+    first = views[0]
+    if len(views) == 1:
+        return first.unsqueeze(0)
+    base = first.untyped_storage().data_ptr()
+    offsets = [v.storage_offset() for v in views]
+    layer_stride = offsets[1] - offsets[0]
+    if layer_stride <= 0 or any(
+            v.untyped_storage().data_ptr() != base or v.stride() != first.stride()
+            or off != offsets[0] + i * layer_stride
+            for i, (v, off) in enumerate(zip(views, offsets))):
+        return None
+    return first.as_strided((len(views), *first.shape), (layer_stride, *first.stride()),
+                            offsets[0])

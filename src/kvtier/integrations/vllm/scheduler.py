@@ -32,6 +32,7 @@ from kvtier.core.locator import ChunkIndex, ChunkLocator, LookupStatus
 from kvtier.core.tier import EventKind
 from kvtier.integrations.vllm.config import ConnectorConfig, RequestControls
 from kvtier.integrations.vllm.events import ChunkInfo, ChunkTokens, kv_events
+from kvtier.integrations.vllm.groups import NULL_BLOCK, ChunkGroups
 from kvtier.integrations.vllm.messages import ChunkTransfer, KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, StatsDelta
 from kvtier.integrations.vllm.request_keys import (
@@ -72,7 +73,8 @@ class _RequestState:
     controls: RequestControls
     namespace: Namespace
     keys: list[ChunkKey] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)
+    # Its vLLM block ids, one list per KV cache group (none before its first step).
+    block_ids: list[list[int]] = field(default_factory=list)
     # Local (vLLM prefix cache) tokens at the last lookup; loads start there.
     lookup_computed_tokens: int = 0
     # Chunks already planned (loaded, stored or found in the index).
@@ -95,10 +97,20 @@ class ConnectorScheduler:
                  layout_digest: str, locator: ChunkLocator,
                  weights_fingerprint: str | None = None,
                  tier_kinds: dict[str, str] | None = None, emit_events: bool = False,
-                 kv_role: str | None = "kv_both") -> None:
+                 kv_role: str | None = "kv_both", groups: ChunkGroups | None = None) -> None:
         """`kv_role` is vLLM's: a "kv_producer" never loads (every lookup answers 0), a
-        "kv_consumer" never stores (RequestControls.within_role)."""
+        "kv_consumer" never stores (RequestControls.within_role). `groups`: the model's KV
+        cache groups (groups.py); None: one group."""
         config.check_block_size(block_size)
+        self._num_groups = groups.count if groups is not None else 1
+        self._group_label = groups.label() if groups is not None else None
+        window = groups.min_window if groups is not None else None
+        if window is not None and config.tokens_per_chunk > window:
+            logger.warning(
+                "kvtier: tokens_per_chunk %d is larger than the model's sliding window (%d "
+                "tokens): a chunk whose first blocks left the window before it was complete "
+                "is not stored (counted in dropped_window_chunks); set tokens_per_chunk <= %d",
+                config.tokens_per_chunk, window, window)
         self._config = config
         self._kv_role = kv_role
         self._block_size = block_size
@@ -172,6 +184,10 @@ class ConnectorScheduler:
         only when it reads below RAM while other requests run: an idle engine has no batch
         to protect, and an asynchronous load costs its request one more step (a 1k-token
         disk hit: 14 ms extra TTFT against 4.5 ms inline, docs/performance.md)."""
+        if self._num_groups > 1:
+            # Several KV cache groups: vLLM 0.32 takes no block-level load failure then (it
+            # stops with a RuntimeError); an asynchronous load fails by request, recomputed.
+            return True
         mode = self._config.load_mode
         if mode != "auto":
             return mode == "async"
@@ -187,7 +203,7 @@ class ConnectorScheduler:
         if num_external_tokens == 0:
             return
         tpc = self._config.tokens_per_chunk
-        block_ids = blocks.get_block_ids()[0]
+        block_ids = blocks.get_block_ids()
         start = state.lookup_computed_tokens
         end = start + num_external_tokens
         assert end % tpc == 0, "a kvtier hit ends on a chunk boundary"
@@ -196,8 +212,8 @@ class ConnectorScheduler:
             first = chunk * self._blocks_per_chunk
             transfers.append(ChunkTransfer(
                 key=state.keys[chunk],
-                block_ids=tuple(block_ids[first: first + self._blocks_per_chunk]),
-                first_block=max(0, start // self._block_size - first),
+                block_ids=ChunkGroups.flat(block_ids, first, self._blocks_per_chunk),
+                groups=self._num_groups, first_block=max(0, start // self._block_size - first),
                 tenant=request.cache_salt,
                 retain_s=state.controls.retain_s, ttl_s=state.controls.ttl_s,
             ))
@@ -226,7 +242,7 @@ class ConnectorScheduler:
             state = self._requests.get(new.req_id)
             if state is None:
                 continue
-            state.block_ids = list(new.block_ids[0])
+            state.block_ids = [list(ids) for ids in new.block_ids]
             computed = new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id]
             self._plan_stores(state, computed, meta.stores)
         cached = scheduler_output.scheduled_cached_reqs
@@ -236,9 +252,12 @@ class ConnectorScheduler:
                 continue
             new_blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                state.block_ids = list(new_blocks[0]) if new_blocks else []
+                state.block_ids = [list(ids) for ids in new_blocks] if new_blocks else []
             elif new_blocks:
-                state.block_ids.extend(new_blocks[0])
+                if not state.block_ids:
+                    state.block_ids = [[] for _ in new_blocks]
+                for ids, more in zip(state.block_ids, new_blocks):
+                    ids.extend(more)
             computed = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id]
             self._plan_stores(state, computed, meta.stores)
         meta.retains, self._retains = self._retains, []
@@ -311,6 +330,8 @@ class ConnectorScheduler:
         state = self._requests.get(request.request_id)
         if state is None:
             extra = [CHUNK_ORDER, f"block-size={self._block_size}"]
+            if self._group_label is not None:
+                extra.append(self._group_label)
             if request.lora_request is not None:
                 # Name and path, as vLLM's block hash: a name re-pointed at another adapter
                 # must not reuse the old adapter's KV.
@@ -359,8 +380,9 @@ class ConnectorScheduler:
         if state.controls.skip_store or state.uncacheable:
             return
         tpc = self._config.tokens_per_chunk
+        held_blocks = len(state.block_ids[0]) if state.block_ids else 0
         limit = min(computed_tokens, len(state.request.all_token_ids),
-                    len(state.block_ids) * self._block_size)
+                    held_blocks * self._block_size)
         if state.controls.max_offload_tokens is not None:
             limit = min(limit, state.controls.max_offload_tokens)
         full_chunks = limit // tpc
@@ -371,7 +393,8 @@ class ConnectorScheduler:
             return
         bpc = self._blocks_per_chunk
         # Recently loaded blocks of the prefix, with their positions (usually none).
-        loaded = [(i, b) for i, b in enumerate(state.block_ids[: full_chunks * bpc])
+        loaded = [(i, b) for ids in state.block_ids
+                  for i, b in enumerate(ids[: full_chunks * bpc])
                   if b in self._recent_loads] if self._recent_loads else []
         for chunk in range(state.num_planned_chunks, full_chunks):
             key = keys[chunk]
@@ -382,8 +405,13 @@ class ConnectorScheduler:
                         retain_s=state.controls.retain_s, ttl_s=state.controls.ttl_s))
                 continue
             first = chunk * bpc
+            blocks = ChunkGroups.flat(state.block_ids, first, bpc)
+            if self._num_groups > 1 and NULL_BLOCK in blocks:
+                # A sliding-window group let blocks of it go (groups.py): not storable.
+                self._stats.add("dropped_window_chunks", 1)
+                continue
             out.append(ChunkTransfer(
-                key=key, block_ids=tuple(state.block_ids[first: first + bpc]),
+                key=key, block_ids=blocks, groups=self._num_groups,
                 depends_on=tuple(b for i, b in loaded if i < first + bpc),
                 tenant=state.request.cache_salt,
                 retain_s=state.controls.retain_s, ttl_s=state.controls.ttl_s))
@@ -395,7 +423,7 @@ class ConnectorScheduler:
         self._step += 1
         for transfers in loads.values():
             for transfer in transfers:
-                for block in transfer.block_ids[transfer.first_block:]:
+                for block in transfer.written_blocks():
                     self._recent_loads[block] = self._step
         if self._recent_loads:
             oldest = self._step - LOAD_CONFIRM_STEPS

@@ -145,6 +145,7 @@ class ConnectorWorker:
         # request id -> (its chunks, the load, when it started)
         self._loading: dict[str, tuple[list[ChunkTransfer], Future[int], float]] = {}
         self._failed_block_ids: set[int] = set()
+        self._failed_requests: set[str] = set()  # async loads that failed
         # Blocks whose load failed, until the scheduler acknowledges it (a later step).
         self._unfilled: set[int] = set()
         self._agree = agree
@@ -219,16 +220,18 @@ class ConnectorWorker:
             except Exception:  # a bug, not an I/O error (those are misses): recompute
                 logger.exception("kvtier: asynchronous load of request %s failed", req_id)
                 loaded = 0
-            self._account(transfers, loaded)
+            if self._account(transfers, loaded):
+                self._failed_requests.add(req_id)
             elapsed_s = time.perf_counter() - started
             self._stats.add("async_load_seconds", elapsed_s)
             self._stats.observe("load_request_seconds", elapsed_s, "async")
         return finished
 
-    def _account(self, transfers: list[ChunkTransfer], loaded: int) -> None:
-        """Record a request's load of `transfers`, of which the first `loaded` arrived."""
+    def _account(self, transfers: list[ChunkTransfer], loaded: int) -> bool:
+        """Record a request's load of `transfers`, of which the first `loaded` arrived;
+        whether it failed."""
         for transfer in transfers[:loaded]:
-            self._unfilled.difference_update(transfer.block_ids[transfer.first_block:])
+            self._unfilled.difference_update(transfer.written_blocks())
             if transfer.retain_s is not None or transfer.ttl_s is not None:
                 self._retain(transfer)  # a hit of a request that pins its prefix
         if loaded < len(transfers):
@@ -240,16 +243,17 @@ class ConnectorWorker:
             self._report.missing.update(t.key for t in transfers[loaded + 1:]
                                         if not self._store.contains(t.key))
             for failed in transfers[loaded:]:
-                unfilled = failed.block_ids[failed.first_block:]
+                unfilled = failed.written_blocks()
                 self._failed_block_ids.update(unfilled)
                 self._unfilled.update(unfilled)
                 self._report.failed_blocks.update(unfilled)
             self._stats.add("load_failures", len(transfers) - loaded)
         for transfer in transfers[:loaded]:
-            blocks = len(transfer.block_ids) - transfer.first_block
+            blocks = transfer.num_blocks - transfer.first_block
             self._stats.add("loaded_tokens",
                             blocks * self._paged.block_size * self._token_scale)
             self._stats.add("loaded_bytes", blocks * self._block_bytes)
+        return loaded < len(transfers)
 
     def _retain(self, transfer: ChunkTransfer) -> None:
         """Extend a held chunk's pin and expiry to what its request asks."""
@@ -265,7 +269,7 @@ class ConnectorWorker:
             # as stored without a copy; lower tiers are asked off this thread (they may stall).
             if self._store_chunk(transfer):
                 self._report.stored.add(transfer.key)
-                self._stats.add("stored_tokens", len(transfer.block_ids)
+                self._stats.add("stored_tokens", transfer.num_blocks
                                 * self._paged.block_size * self._token_scale)
                 self._stats.add("stored_bytes", len(self._buffer_view))
         if self._handoff_timeout_s is not None and meta.stores \
@@ -346,9 +350,18 @@ class ConnectorWorker:
                                     meta=chunk_meta(transfer))
 
     def take_failed_block_ids(self) -> set[int]:
-        """Block ids whose load failed since the last call."""
+        """Block ids whose load failed since the last call (vLLM's
+        get_block_ids_with_load_errors). None with several KV cache groups: block ids are
+        per group there, and vLLM 0.32 stops with a RuntimeError on any; those models load
+        asynchronously and a failure is reported by request (`take_failed_requests`)."""
         failed, self._failed_block_ids = self._failed_block_ids, set()
-        return failed
+        return failed if self._paged.num_groups == 1 else set()
+
+    def take_failed_requests(self) -> set[str]:
+        """Requests whose asynchronous load failed since the last call (vLLM's
+        failed_recving: the request is recomputed from its first token)."""
+        failed, self._failed_requests = self._failed_requests, set()
+        return failed if self._paged.num_groups > 1 else set()
 
     def take_report(self) -> KVTierWorkerMetadata | None:
         """The stored / missing / removed keys and the tiers' events since the last call,
