@@ -25,24 +25,24 @@ KV within the engine's numeric noise) and every pass's outputs with the clean ou
 from __future__ import annotations
 
 import shutil
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from vllm_harness import (
     chunk_files,
+    chunk_payload,
+    flip_byte,
     kvtier_counter,
     kvtier_transfer_config,
     random_prompts,
+    settle,
     start_engine,
     token_ids,
+    wait_for_new_file,
 )
-
-from kvtier.core.chunkformat import HEADER_BYTES
 
 pytestmark = pytest.mark.vllm
 
@@ -64,34 +64,6 @@ class Reference:
     chunk_names: list[str]
 
 
-def settle(roots: list[Path], timeout_s: float = 30.0, quiet_s: float = 1.0) -> None:
-    """Wait until no chunk file appears under `roots` for `quiet_s` (write-behind is
-    asynchronous)."""
-    deadline = time.monotonic() + timeout_s
-    seen, since = -1, time.monotonic()
-    while time.monotonic() < deadline:
-        count = sum(len(chunk_files(r)) for r in roots)
-        if count != seen:
-            seen, since = count, time.monotonic()
-        elif time.monotonic() - since >= quiet_s:
-            return
-        time.sleep(0.1)
-
-
-def wait_for_new_file(root: Path, before: set[str], timeout_s: float = 30.0) -> str:
-    """The name of the one chunk file added under `root` since `before`."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        new = {f.name for f in chunk_files(root)} - before
-        if new:
-            time.sleep(0.2)  # a second file would be a test bug: check below
-            new = {f.name for f in chunk_files(root)} - before
-            assert len(new) == 1, new
-            return new.pop()
-        time.sleep(0.05)
-    raise AssertionError(f"no new chunk file under {root}")
-
-
 def run_reference(llm: Any, prompt: list[int], disk: Path,
                   known: list[str] | None = None) -> Reference:
     """Name the prompt's chunk files in order (a prefix of k chunks + 1 token, one output
@@ -107,12 +79,6 @@ def run_reference(llm: Any, prompt: list[int], disk: Path,
     return Reference(prompt, output, names)
 
 
-def payload(path: Path) -> torch.Tensor:
-    """A chunk file's KV values (the generated model is bfloat16), as float32."""
-    data = bytearray(path.read_bytes()[HEADER_BYTES:])
-    return torch.frombuffer(data, dtype=torch.bfloat16).float()
-
-
 def wrong_chunks(roots: list[Path], clean: dict[str, Path]) -> dict[str, float]:
     """Every chunk file under `roots` whose KV differs from the clean file of its key by more
     than NOISE (relative mean |difference|), with that difference; a key the reference never
@@ -123,7 +89,7 @@ def wrong_chunks(roots: list[Path], clean: dict[str, Path]) -> dict[str, float]:
             if f.name not in clean:
                 wrong[f"{root.name}/{f.name}"] = float("inf")
                 continue
-            ours, ref = payload(f), payload(clean[f.name])
+            ours, ref = chunk_payload(f), chunk_payload(clean[f.name])
             n = min(len(ours), len(ref))
             diff = float((ours[:n] - ref[:n]).abs().mean() / ref[:n].abs().mean())
             if len(ours) != len(ref) or diff > NOISE:
@@ -173,14 +139,6 @@ def faulty(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
              {"kind": "shared", "path": str(shared), "capacity": "256MiB"}]
     with start_engine(tiny_model_dir, kvtier_transfer_config(tiers, CHUNK)) as llm:
         yield llm, disk, shared
-
-
-def flip_byte(path: Path) -> None:
-    with open(path, "r+b") as f:
-        f.seek(HEADER_BYTES + 1000)
-        byte = f.read(1)
-        f.seek(HEADER_BYTES + 1000)
-        f.write(bytes([byte[0] ^ 0xFF]))
 
 
 def run_passes(llm: Any, ref: Reference, roots: list[Path], clean: dict[str, Path]) -> None:

@@ -1,10 +1,14 @@
 """Hybrid models in a real vLLM (CPU backend) with kvtier, issue 11 item 3.
 
 Two generated random-weight models, two engine starts:
-  - Gemma-3 style, sliding-window + full attention layers (`layer_types`, window 64): served.
-    kvtier does not implement vLLM's hybrid KV cache manager interface, so vLLM runs with that
-    manager off and keeps every token's KV in the sliding layers too (it promotes them to full
-    attention); kvtier stores and loads all of it, and hits give the miss path's tokens.
+  - Gemma-3 style, sliding-window + full attention layers (`layer_types`, window 64): served
+    with vLLM's hybrid KV cache manager on (kvtier is `SupportsHMA`): two KV cache groups, the
+    sliding group's blocks below the window freed (null). Checked: hits give the miss path's
+    tokens; the KV a step computes over a hit (chunk 5 over loaded chunks 0-4) equals the same
+    chunk computed from scratch, within the engine's noise, while a prompt with another first
+    chunk gives a chunk far from it (the check can fail); a damaged chunk (corrupt or deleted)
+    is recomputed by request (vLLM 0.32 stops on block-level failures with several groups),
+    the engine lives on, and the prefix loads again once recomputed.
   - LFM2 style, short-convolution + full attention layers: its conv state is not per-token
     KV, vLLM cannot promote it ("Failed to promote local KV cache specs to one unified type"
     before kvtier refused it). kvtier refuses it at start-up, in one line naming the model,
@@ -19,11 +23,16 @@ from typing import Any
 
 import pytest
 from vllm_harness import (
+    chunk_files,
+    chunk_payload,
+    flip_byte,
     kvtier_counter,
     kvtier_transfer_config,
     random_prompts,
+    settle,
     start_engine,
     token_ids,
+    wait_for_new_file,
 )
 
 from kvtier.bench.tinymodel import BOS_ID, EOS_ID, UNK_ID, write_tokenizer
@@ -31,6 +40,8 @@ from kvtier.bench.tinymodel import BOS_ID, EOS_ID, UNK_ID, write_tokenizer
 pytestmark = pytest.mark.vllm
 
 CHUNK = 64
+# Relative mean |difference| of two computations of one chunk's KV (test_failed_loads.py).
+NOISE = 0.02
 BYPASS = {"skip_load": True, "skip_store": True}
 SHAPE: dict[str, Any] = dict(
     vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
@@ -83,10 +94,10 @@ def lfm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def gemma3(gemma3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """The hybrid KV cache manager on: two KV cache groups (sliding, full) sharing one block
-    pool (blocks enough for max_model_len in both). RAM holds 4 chunks: the rest are read from
-    the disk tier (`disk_dir`), where a test can damage them."""
+    pool (blocks enough for max_model_len in both). RAM holds 2 chunks of 64 KiB: the rest
+    are read from the disk tier (`disk_dir`), where a test can damage them."""
     disk = tmp_path_factory.mktemp("gemma3-disk")
-    config = kvtier_transfer_config([{"kind": "memory", "capacity": "1MiB"},
+    config = kvtier_transfer_config([{"kind": "memory", "capacity": "128KiB"},
                                      {"kind": "disk", "path": str(disk), "capacity": "64MiB"}],
                                     CHUNK)
     with start_engine(gemma3_dir, config, num_gpu_blocks_override=160) as engine:
@@ -128,3 +139,64 @@ def test_sliding_window_and_full_attention_hits_give_the_miss_paths_tokens(gemma
     assert first == miss and second == miss
     loadable = sum((len(p["prompt_token_ids"]) - 1) // CHUNK * CHUNK for p in prompts)
     assert kvtier_counter("loaded_tokens") - loaded == loadable
+
+
+def _chunk_five(llm: Any, prompt: list[int], salt: str, *, load: bool) -> Path:
+    """Chunk 5's file of `prompt` (6 chunks + 1 token) under `salt`: chunks 0-4 are stored
+    first (a 5-chunk prefix), then the whole prompt runs (loading chunks 0-4 from kvtier, or
+    not) and stores chunk 5 only."""
+    disk = llm.disk_dir
+    token_ids(llm, [{"prompt_token_ids": prompt[:5 * CHUNK + 1], "cache_salt": salt}], 1)
+    settle([disk])
+    assert llm.reset_prefix_cache()
+    before = {f.name for f in chunk_files(disk)}
+    loaded = kvtier_counter("loaded_tokens")
+    params = None if load else {"skip_load": True}
+    token_ids(llm, [{"prompt_token_ids": prompt, "cache_salt": salt}], 1, params)
+    assert kvtier_counter("loaded_tokens") - loaded == (5 * CHUNK if load else 0)
+    return next(disk.rglob(wait_for_new_file(disk, before)))
+
+
+def _difference(ours: Path, ref: Path) -> float:
+    a, b = chunk_payload(ours), chunk_payload(ref)
+    return float((a - b).abs().mean() / b.abs().mean())
+
+
+def test_kv_computed_over_a_hybrid_hit_equals_kv_computed_from_scratch(gemma3: Any) -> None:
+    [prompt] = [p["prompt_token_ids"] for p in random_prompts([6 * CHUNK + 1], seed=33)]
+    over_hit = _chunk_five(gemma3, prompt, "hit", load=True)
+    scratch = _chunk_five(gemma3, prompt, "scratch", load=False)
+    other = _chunk_five(gemma3, [7] * CHUNK + prompt[CHUNK:], "control", load=False)
+    assert _difference(over_hit, scratch) < NOISE
+    assert _difference(other, scratch) > 5 * NOISE  # another prefix: far off
+
+
+def test_a_failed_hybrid_load_is_recomputed_and_the_prefix_stored_again(gemma3: Any) -> None:
+    prompts = random_prompts([300, 200], seed=34)
+    disk = gemma3.disk_dir
+    miss = token_ids(gemma3, prompts, kv_transfer_params=BYPASS)
+    assert gemma3.reset_prefix_cache()
+    before = {f.name for f in chunk_files(disk)}
+    assert token_ids(gemma3, prompts) == miss
+    settle([disk])
+    for i, f in enumerate(f for f in chunk_files(disk) if f.name not in before):
+        if i % 2:
+            f.unlink()
+        else:
+            flip_byte(f)
+    failures = kvtier_counter("load_failures")
+    assert gemma3.reset_prefix_cache()
+    assert token_ids(gemma3, prompts) == miss  # recomputed; the engine lives on
+    assert kvtier_counter("load_failures") > failures
+    # Each failed load reports the chunks the store knows to be gone; a file deleted behind
+    # the disk tier's back is found gone when a load reaches it: the prefix heals a chunk or
+    # more per pass, the outputs right all along.
+    loadable = sum((len(p["prompt_token_ids"]) - 1) // CHUNK * CHUNK for p in prompts)
+    for _ in range(4):
+        settle([disk])
+        assert gemma3.reset_prefix_cache()
+        loaded = kvtier_counter("loaded_tokens")
+        assert token_ids(gemma3, prompts) == miss
+        if kvtier_counter("loaded_tokens") - loaded == loadable:
+            return  # stored again, whole
+    raise AssertionError("the damaged prefix was not stored again in 4 passes")

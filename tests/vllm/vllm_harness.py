@@ -11,7 +11,10 @@ Primitives:
   - `kvtier_transfer_config(tiers)`: the KVTierConnector config (64-token chunks).
   - `kvtier_counter(name, tier)`: one of kvtier's own counters (the connector's stats, as
     vLLM exports them on /metrics).
-  - `chunk_files(root)`: the chunk files a disk or shared tier holds under `root`.
+  - `chunk_files(root)`: the chunk files a disk or shared tier holds under `root`;
+    `settle(roots)`, `wait_for_new_file(root, before)`, `chunk_payload(path)`,
+    `flip_byte(path)`: waiting for the write-behind, naming the one chunk file a run added,
+    reading a chunk file's KV, damaging one.
   - `server_command(model_dir, extra)`: a kvtier OpenAI server's command, tests' settings.
 """
 
@@ -21,12 +24,16 @@ import contextlib
 import json
 import random
 import re
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from kvtier.bench.engines import kvtier_counter, offline_engine
 from kvtier.bench.tinymodel import FIRST_WORD_ID, PRESETS
+from kvtier.core.chunkformat import HEADER_BYTES
 from kvtier.integrations.vllm.config import kvtier_transfer_config as transfer_config
 
 __all__ = ["kvtier_counter"]  # re-exported for the cases
@@ -111,6 +118,49 @@ def kvtier_transfer_config(tiers: list[dict[str, Any]] | None = None,
 def chunk_files(root: Path) -> list[Path]:
     """The chunk files under a disk or shared tier's directory, sorted."""
     return sorted(Path(root).rglob("*.kvc"))
+
+
+def settle(roots: list[Path], timeout_s: float = 30.0, quiet_s: float = 1.0) -> None:
+    """Wait until no chunk file appears under `roots` for `quiet_s` (write-behind is
+    asynchronous)."""
+    deadline = time.monotonic() + timeout_s
+    seen, since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        count = sum(len(chunk_files(r)) for r in roots)
+        if count != seen:
+            seen, since = count, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return
+        time.sleep(0.1)
+
+
+def wait_for_new_file(root: Path, before: set[str], timeout_s: float = 30.0) -> str:
+    """The name of the one chunk file added under `root` since `before`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        new = {f.name for f in chunk_files(root)} - before
+        if new:
+            time.sleep(0.2)  # a second file would be a test bug: check below
+            new = {f.name for f in chunk_files(root)} - before
+            assert len(new) == 1, new
+            return new.pop()
+        time.sleep(0.05)
+    raise AssertionError(f"no new chunk file under {root}")
+
+
+def chunk_payload(path: Path) -> torch.Tensor:
+    """A chunk file's KV values (the generated model is bfloat16), as float32."""
+    data = bytearray(path.read_bytes()[HEADER_BYTES:])
+    return torch.frombuffer(data, dtype=torch.bfloat16).float()
+
+
+def flip_byte(path: Path) -> None:
+    """Flip one payload byte of a chunk file (its checksum then fails)."""
+    with open(path, "r+b") as f:
+        f.seek(HEADER_BYTES + 1000)
+        byte = f.read(1)
+        f.seek(HEADER_BYTES + 1000)
+        f.write(bytes([byte[0] ^ 0xFF]))
 
 
 def metric(llm: Any, name: str) -> float:

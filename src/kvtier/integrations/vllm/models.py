@@ -1,21 +1,21 @@
 """Which models kvtier serves: a model it cannot serve is refused by kvtier at start-up, with one
 line naming the model, the reason and what to run instead (issue 11, item 3).
 
-kvtier stores the per-token K and V of attention layers, for one KV cache group of
-full-attention layers. It does not implement vLLM's hybrid KV cache manager interface
-(`SupportsHMA`), so vLLM runs it with that manager off, and then:
+kvtier stores the per-token K and V of attention layers, in every KV cache group of vLLM's
+hybrid KV cache manager (`SupportsHMA`, groups.py), and then:
 
   - full-attention models: served;
-  - sliding-window + full attention (Gemma 2/3, GPT-OSS style `layer_types`): served. vLLM
-    promotes the sliding layers to full attention (`_promote_local_kv_cache_specs`), keeps
-    every token's KV in every layer, and kvtier stores and loads all of it; outputs are
-    those of the miss path (tests/vllm/test_hybrid_models.py). The window's memory saving
-    is lost, in vLLM and in kvtier;
+  - sliding-window + full attention (Gemma 2/3, GPT-OSS style `layer_types`): served with
+    the hybrid manager on (a sliding group keeps only its window's blocks; kvtier's loads
+    skip the rest), outputs those of the miss path (tests/vllm/test_hybrid_models.py). With
+    `--disable-hybrid-kv-cache-manager` vLLM promotes the sliding layers to full attention
+    and kvtier serves that too;
   - layers whose state is not per-token KV — Mamba/SSM, short convolutions, linear attention
-    (Jamba, Bamba, LFM2, Qwen3-Next, ...), or no attention at all: vLLM cannot promote them
-    and used to die with "Failed to promote local KV cache specs to one unified type". A
-    prefix hit on such a model needs the state at the end of the prefix, which kvtier does not
-    store: refused;
+    (Jamba, Bamba, LFM2, Qwen3-Next, ...), or no attention at all: a prefix hit on such a
+    model needs the state at the hit's last token (vLLM's "align" prefix caching keeps one per
+    block boundary that ends a scheduler step), which kvtier does not store: refused. (With
+    the hybrid manager off, vLLM itself cannot run them: "Failed to promote local KV cache
+    specs to one unified type".)
   - encoder-decoder models (cross-attention KV computed from the encoder's input, which no
     key of kvtier's covers): refused;
   - MLA models (DeepSeek-V2/V3 style latent KV): served where vLLM's attention backend
