@@ -191,15 +191,21 @@ def test_all_sliding_window_model_keeps_its_window_without_the_hybrid_manager():
 
 
 def test_hybrid_sliding_model_capacity_follows_each_backend():
-    # Gemma 3 27B on v0.21: native offload keeps the hybrid manager (sliding layers capped
-    # at 1024 tokens); kvtier runs with it off, so its sliding layers cost the whole context.
+    # Gemma 3 27B on v0.21: native offload and kvtier (SupportsHMA) keep the hybrid manager
+    # (sliding layers capped at 1024 tokens); with the manager off, the sliding layers would
+    # cost the whole context (the old v0.20 native case below).
     plan = make_plan(req("gemma-3-27b", context_tokens=32768, vllm_version=(0, 21, 0)))
     native, kvtier = plan.alternative("native"), plan.alternative("kvtier")
-    assert native.hybrid_manager and not kvtier.hybrid_manager
-    assert kvtier.session_bytes_total > 3 * native.session_bytes_total
-    assert kvtier.live_sessions < native.live_sessions
-    assert "--disable-hybrid-kv-cache-manager" in kvtier.command
-    assert any(n.startswith("kvtier connector") and "whole context" in n for n in plan.notes)
+    assert native.hybrid_manager and kvtier.hybrid_manager
+    assert kvtier.session_bytes_total == native.session_bytes_total
+    assert "--disable-hybrid-kv-cache-manager" not in kvtier.command
+    assert not any(n.startswith("kvtier connector") and "whole context" in n
+                   for n in plan.notes)
+    old = make_plan(req("gemma-3-27b", context_tokens=32768, vllm_version=(0, 20, 0)))
+    old_native = old.alternative("native")
+    assert not old_native.hybrid_manager
+    assert old_native.session_bytes_total > 3 * native.session_bytes_total
+    assert any(n.startswith("vLLM native") and "whole context" in n for n in old.notes)
     # LMCache cannot serve it: no command at all, the reason instead.
     lmcache = plan.alternative("lmcache")
     assert lmcache.refused and "LMCache#3106" in lmcache.refused and lmcache.command == ""

@@ -28,7 +28,8 @@ def test_parse_version_rejects_garbage():
     ((0, 21, 0), "OffloadingConnector", True, False),  # native + HMA since v0.21.0
     ((0, 21, 0), "LMCacheConnectorV1", False, True),
     ((0, 21, 0), "LMCacheConnectorV1", True, True),
-    ((0, 21, 0), "KVTierConnector", False, True),
+    ((0, 21, 0), "KVTierConnector", False, False),  # SupportsHMA
+    ((0, 21, 0), "KVTierConnector", True, False),
     (None, "OffloadingConnector", False, None),
 ])
 def test_hma_verdict(version, connector, hybrid, required):

@@ -9,10 +9,11 @@ Primitives:
 Alternatives: "none" (vLLM's own prefix cache, no offload), "native" (vLLM's CPU offload),
 "kvtier" (its connector, CPU + NVMe tiers), "lmcache" (LMCache in-process, CPU + NVMe).
 Each runs with its own state of vLLM's hybrid KV cache manager, so on hybrid models each has
-its own session size: kvtier and LMCache run with the manager off (neither implements
-`SupportsHMA`: vLLM then allocates sliding layers for the whole context), native offload
-keeps it on from v0.21.0 (issue 14). An alternative that cannot serve the model at the given
-vLLM version keeps its figures, with `refused` saying why and no command.
+its own session size: LMCache runs with the manager off (it does not implement `SupportsHMA`:
+vLLM then allocates sliding layers for the whole context), native offload keeps it on from
+v0.21.0 (issue 14), kvtier keeps it on (its connector is `SupportsHMA`). An alternative that
+cannot serve the model at the given vLLM version keeps its figures, with `refused` saying why
+and no command.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from importlib import metadata
 
 from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.config import CONNECTOR_CLASS
 
 Version = tuple[int, int, int]
 _VERSION = re.compile(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?")
@@ -119,6 +120,9 @@ def hma_verdict(version: Version | None, connector: str, hybrid_model: bool) -> 
     if version < HMA_DEFAULT_SINCE:
         return HmaVerdict(False, f"the hybrid manager is not the default before "
                           f"{format_version(HMA_DEFAULT_SINCE)}")
+    if connector == CONNECTOR_CLASS:  # SupportsHMA (kvtier.integrations.vllm.groups)
+        return HmaVerdict(False, "kvtier's connector supports the hybrid manager "
+                          "(SupportsHMA: sliding-window groups keep their window)")
     if connector in NATIVE_CONNECTORS and version >= NATIVE_OFFLOAD_HMA_SINCE:
         return HmaVerdict(False, f"native offload works with the hybrid manager since "
                           f"{format_version(NATIVE_OFFLOAD_HMA_SINCE)}")
