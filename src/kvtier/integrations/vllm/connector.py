@@ -5,7 +5,8 @@ vLLM builds one instance per role: SCHEDULER (in the engine-core process) delega
 `worker.ConnectorWorker`, which owns the worker's `TieredStore`. Loads run in `start_load_kv`
 before the forward pass (the scheduler marks the step as having sync loads); stores run in
 `wait_for_save` after it and copy the blocks out before returning, so no block outlives its
-request; slower tiers are written behind, off the engine's thread.
+request; slower tiers are written behind, off the engine's thread. It supports vLLM's hybrid KV
+cache manager (`SupportsHMA`): a chunk holds every attention group's layers (groups.py).
 
 Enable with
     kv_transfer_config={"kv_connector": "KVTierConnector",

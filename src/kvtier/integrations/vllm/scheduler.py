@@ -104,6 +104,10 @@ class ConnectorScheduler:
         config.check_block_size(block_size)
         self._num_groups = groups.count if groups is not None else 1
         self._group_label = groups.label() if groups is not None else None
+        if self._num_groups > 1 and config.load_mode == "sync":
+            logger.warning("kvtier: load_mode 'sync' ignored: a model with %d KV cache groups "
+                           "loads asynchronously (vLLM recovers failed loads only by request "
+                           "there)", self._num_groups)
         window = groups.min_window if groups is not None else None
         if window is not None and config.tokens_per_chunk > window:
             logger.warning(
