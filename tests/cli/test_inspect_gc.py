@@ -14,10 +14,10 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
+from storekit import KINDS, by_namespace, cli_json, held, tier_config, write_config
 from tierkit import key, tiny_layout
 
 from kvtier.admin.gc import GcRequest, parse_duration, select_victims
@@ -28,21 +28,11 @@ from kvtier.core.layout import KVLayout
 from kvtier.errors import ConfigError
 from kvtier.tiers import build_tier
 
-KINDS = ["disk", "shared", pytest.param("redis", marks=pytest.mark.redis)]
 LAYOUT_A, LAYOUT_B = tiny_layout(16), tiny_layout(32)
 
 
-def tier_config(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> dict[str, Any]:
-    if kind == "redis":
-        return {"kind": "redis", "url": request.getfixturevalue("redis_url"), "capacity": 0}
-    return {"kind": kind, "path": str(tmp_path / kind), "capacity": "64MiB"}
 
 
-def write_config(tmp_path: Path, tier: dict[str, Any]) -> Path:
-    path = tmp_path / "store.yaml"
-    path.write_text(yaml.safe_dump({"tiers": [
-        {"kind": "memory", "capacity": "1MiB", "pin": "off"}, tier]}))
-    return path
 
 
 def fill(config_path: Path, layout: KVLayout, keys: range) -> None:
@@ -55,22 +45,10 @@ def fill(config_path: Path, layout: KVLayout, keys: range) -> None:
     tier.close()
 
 
-def held(config_path: Path, layout: KVLayout, keys: range) -> list[int]:
-    tier = build_tier(StoreConfig.load(config_path).tiers[1], layout)
-    try:
-        return [i for i in keys if tier.contains(key(i))]
-    finally:
-        tier.close()
 
 
-def cli_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
-    capsys.readouterr()
-    assert main([*argv, "--json"]) == 0
-    return json.loads(capsys.readouterr().out)  # type: ignore[no-any-return]
 
 
-def by_namespace(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {row["namespace"]: row for row in report["namespaces"]}
 
 
 @pytest.mark.parametrize("kind", KINDS)

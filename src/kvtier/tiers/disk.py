@@ -46,7 +46,8 @@ from kvtier.core.tier import (
     TierStats,
 )
 from kvtier.errors import CorruptBlock
-from kvtier.tiers.chunkfiles import ChunkFiles, FileInventory, FileProbe
+from kvtier.tiers.chunkfiles import ChunkFiles
+from kvtier.tiers.chunktree import FileInventory, FileProbe
 from kvtier.tiers.directories import check_directory
 from kvtier.tiers.encoding import EncodedTierSettings, build_encoder
 from kvtier.tiers.manifest import NamespaceManifest, write_file_manifest

@@ -58,14 +58,8 @@ from kvtier.core.tier import (
     TierStats,
 )
 from kvtier.errors import CorruptBlock
-from kvtier.tiers.chunkfiles import (
-    ChunkFile,
-    ChunkFiles,
-    FileInventory,
-    FileProbe,
-    PendingWrite,
-    scan_tree,
-)
+from kvtier.tiers.chunkfiles import ChunkFiles, PendingWrite
+from kvtier.tiers.chunktree import ChunkFile, FileInventory, FileProbe, scan_tree
 from kvtier.tiers.directories import check_directory
 from kvtier.tiers.encoding import EncodedTierSettings, build_encoder
 from kvtier.tiers.filetree import lstat_file, unlink_file

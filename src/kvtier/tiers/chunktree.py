@@ -1,0 +1,159 @@
+"""The chunk-file tree of the disk and shared tiers, read without building a tier: where a
+chunk's file is (`chunk_path`), what a tree holds (`scan_tree`), whether a chunk is stored
+(`FileProbe`, the scheduler's probe) and the tree as `kvtier inspect` / `kvtier gc` see it
+(`FileInventory`, namespace manifests included: tiers/manifest.py).
+
+Layout: ROOT/<layout digest>/<k[0:2]>/<k[2:4]>/<key hex>.kvc (tiers/chunkfiles.py writes and
+reads the files). Nothing below ROOT is trusted: every path is reached without following links
+(`kvtier.tiers.filetree`), and only regular files of kvtier's names count.
+
+Primitives: `ChunkFile`, `TreeScan`, `scan_tree`, `chunk_parts`, `chunk_path`, `key_of`,
+`FileProbe`, `FileInventory`, `SUFFIX`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvtier.core.keys import KEY_BYTES, ChunkKey
+from kvtier.core.tier import StoredChunk
+from kvtier.tiers.filetree import TEMP_STALE_S, is_layout_name, lstat_file, unlink_file, walk
+from kvtier.tiers.manifest import NamespaceManifest, file_manifests, remove_file_manifest
+
+SUFFIX = ".kvc"
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkFile:
+    """A chunk file found by a scan."""
+
+    key: ChunkKey
+    path: Path
+    size_bytes: int
+    mtime: float
+    layout_digest: str = ""
+
+    def parts(self) -> tuple[str, ...]:
+        """Its path below the root, component by component."""
+        name = self.key.hex()
+        return (self.layout_digest, name[:2], name[2:4], f"{name}{SUFFIX}")
+
+
+@dataclass(slots=True)
+class TreeScan:
+    """What `scan_tree` found: chunk files, and kvtier temp files still being written."""
+
+    chunks: list[ChunkFile] = field(default_factory=list)
+    temp_bytes: int = 0  # size of kvtier temp files younger than TEMP_STALE_S
+    temp_files: int = 0
+    swept: int = 0  # stale kvtier temp files deleted by the scan
+
+
+def chunk_parts(layout_digest: str, key: ChunkKey) -> tuple[str, str, str, str]:
+    """The chunk `key`'s path below the root, component by component (no I/O)."""
+    name = key.hex()
+    return (layout_digest, name[:2], name[2:4], f"{name}{SUFFIX}")
+
+
+def chunk_path(root: Path, layout_digest: str, key: ChunkKey) -> Path:
+    """Where the chunk `key` of a layout lives under `root` (no I/O)."""
+    return Path(root).joinpath(*chunk_parts(layout_digest, key))
+
+
+def scan_tree(root: Path, layout_digests: Sequence[str] | None = None,
+              sweep: bool = True) -> TreeScan:
+    """Every chunk file of `layout_digests` (default: every layout) below `root`, found
+    without following links (`filetree.walk`); with `sweep`, deletes kvtier's own temp files
+    older than TEMP_STALE_S on the way (a writer that died), and nothing else.
+
+    Files whose names are not keys are skipped; a chunk's content is verified when read.
+    Raises OSError when `root` cannot be listed.
+    """
+    found = TreeScan()
+    stale_before = time.time() - TEMP_STALE_S
+    for entry in walk(Path(root), layout_digests):
+        if entry.temp:
+            if sweep and entry.mtime < stale_before:
+                try:
+                    if unlink_file(Path(root), entry.parts()) is not None:
+                        found.swept += 1
+                        continue
+                except OSError:
+                    pass  # read-only for us: it still counts as used
+            found.temp_files += 1
+            found.temp_bytes += entry.size_bytes
+            continue
+        key = key_of(entry.name)
+        if key is not None:
+            found.chunks.append(ChunkFile(key, Path(root).joinpath(*entry.parts()),
+                                          entry.size_bytes, entry.mtime, entry.layout_digest))
+    return found
+
+
+def key_of(filename: str) -> ChunkKey | None:
+    if not filename.endswith(SUFFIX) or len(filename) != 2 * KEY_BYTES + len(SUFFIX):
+        return None
+    try:
+        return ChunkKey(bytes.fromhex(filename[: -len(SUFFIX)]))
+    except ValueError:
+        return None
+
+
+class FileProbe:
+    """Answers "is this chunk stored?" for a chunk-file directory, from any process, with
+    no side effects (no mkdir, no scan): an lstat per path component and layout, never
+    through a link, and only a regular file counts. With several layouts (the
+    tensor-parallel ranks of one model) a chunk counts only when every rank's file exists."""
+
+    def __init__(self, root: Path, layout_digests: list[str], blocking_ok: bool) -> None:
+        self.root = Path(root)
+        self.layout_digests = list(layout_digests)
+        self.blocking_ok = blocking_ok  # cheap enough for a scheduler thread (local disk)
+
+    def contains(self, key: ChunkKey) -> bool:
+        try:
+            return all(lstat_file(self.root, chunk_parts(d, key)) is not None
+                       for d in self.layout_digests)
+        except OSError:  # e.g. EACCES or a stale NFS handle: a miss, never an error
+            return False
+
+
+class FileInventory:
+    """A disk or shared tier's directory as `kvtier.core.tier.Inventory`:
+    ROOT/<digest>/<k0k1>/<k2k3>/<key hex>.kvc. Reads stat data only; changes nothing. Lists
+    and removes only regular chunk files of kvtier's layout, reached without following a
+    link: `kvtier gc --namespace` used to delete a file outside the tree through a
+    symlinked directory (tests/faults/test_symlinks.py)."""
+
+    def __init__(self, name: str, kind: str, root: Path) -> None:
+        self.name, self.kind, self.root = name, kind, Path(root)
+
+    def chunks(self) -> Iterator[StoredChunk]:
+        for entry in walk(self.root):
+            key = None if entry.temp else key_of(entry.name)
+            if key is not None:  # temp files are not chunks
+                yield StoredChunk(entry.layout_digest, key.hex(), entry.size_bytes, entry.mtime,
+                                  (str(self.root.joinpath(*entry.parts())),))
+
+    def manifests(self) -> dict[str, NamespaceManifest | None]:
+        """Each layout directory's manifest.json (`ManifestSource`, tiers/manifest.py)."""
+        return file_manifests(self.root)
+
+    def remove_manifest(self, namespace: str) -> bool:
+        return remove_file_manifest(self.root, namespace)
+
+    def remove(self, chunks: Sequence[StoredChunk]) -> int:
+        removed = 0
+        for chunk in chunks:
+            key = key_of(f"{chunk.key_hex}{SUFFIX}")
+            if key is None or key.hex() != chunk.key_hex or not is_layout_name(chunk.namespace):
+                continue  # not a name of kvtier's layout: never deleted
+            if unlink_file(self.root, chunk_parts(chunk.namespace, key)) is not None:
+                removed += 1
+        return removed
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,58 @@
+"""Test helpers for store configs on disk and the `kvtier inspect` / `kvtier gc` commands over
+them, shared by tests/cli and tests/tiers: a memory tier over one persistent tier of a kind
+(disk, shared, or redis from the `redis_url` fixture), what that tier holds, and the commands'
+JSON reports. (Not named conftest.py: see tierkit.py.)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from tierkit import key
+
+from kvtier.cli.main import main
+from kvtier.config import StoreConfig
+from kvtier.core.layout import KVLayout
+from kvtier.tiers import build_tier
+
+KINDS = ["disk", "shared", pytest.param("redis", marks=pytest.mark.redis)]
+
+
+def tier_config(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> dict[str, Any]:
+    """A persistent tier of `kind` (64 MiB of files, or an unbounded redis namespace)."""
+    if kind == "redis":
+        return {"kind": "redis", "url": request.getfixturevalue("redis_url"), "capacity": 0}
+    return {"kind": kind, "path": str(tmp_path / kind), "capacity": "64MiB"}
+
+
+def write_config(tmp_path: Path, tier: dict[str, Any]) -> Path:
+    """store.yaml: a small memory tier over `tier`."""
+    path = tmp_path / "store.yaml"
+    path.write_text(yaml.safe_dump({"tiers": [
+        {"kind": "memory", "capacity": "1MiB", "pin": "off"}, tier]}))
+    return path
+
+
+def held(config_path: Path, layout: KVLayout, keys: range) -> list[int]:
+    """The test keys (tierkit.key) of `keys` that the config's persistent tier holds."""
+    tier = build_tier(StoreConfig.load(config_path).tiers[1], layout)
+    try:
+        return [i for i in keys if tier.contains(key(i))]
+    finally:
+        tier.close()
+
+
+def cli_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
+    """Run `kvtier *argv --json` in-process; its JSON report."""
+    capsys.readouterr()
+    assert main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)  # type: ignore[no-any-return]
+
+
+def by_namespace(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """An inspect / gc report's rows by namespace."""
+    return {row["namespace"]: row for row in report["namespaces"]}
