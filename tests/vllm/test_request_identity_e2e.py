@@ -1,0 +1,230 @@
+"""Keys name exactly the KV, in a real vLLM (CPU backend) with kvtier: issue 11 item 1.
+
+Requests whose token ids are equal while their KV differs never get each other's KV:
+  - prompt embeddings (every token id is 0): two prompts of the same length with different
+    embeddings share nothing; embeddings that differ in one value share the chunks before it;
+    the same embeddings again hit (kvtier keys them by content, as vLLM's block hash does);
+  - images (the same `<image>` placeholder tokens): the same text with another image shares
+    only the chunk of text before the image; the same image again hits; two images swapped.
+Every hit gives the miss path's tokens (kvtier bypassed: `skip_load`/`skip_store`), and a
+control injects the bug (keys without the images) to show that these checks catch it.
+
+Two engines, one at a time (class-scoped): the "test" model with prompt embeds on, and a
+generated Idefics3-style vision-language model (tiny_vlm.py). Chunks of 64 tokens; vLLM's own
+prefix cache is reset before each request, so every hit is kvtier's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tiny_vlm import IMAGE_TOKENS, image, make_tiny_idefics3, words
+from vllm_harness import greedy, kvtier_counter, kvtier_transfer_config, metric, start_engine
+
+pytestmark = pytest.mark.vllm
+
+CHUNK = 64
+BYPASS = {"skip_load": True, "skip_store": True}
+HIDDEN_SIZE = 128  # the "test" preset's width: one prompt embedding per token
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What one request got: its output tokens and how much kvtier (and vLLM) loaded."""
+
+    # Prompt length in tokens (image placeholders included) and the greedy output.
+    prompt_tokens: int
+    tokens: list[int]
+    # This request's kvtier lookup_hit_tokens and loaded_tokens.
+    hit_tokens: float
+    loaded_tokens: float
+    # vLLM's vllm:external_prefix_cache_hits (tokens a connector provided).
+    external_hits: float
+    # kvtier's uncacheable_requests.
+    uncacheable: float
+
+
+def run(llm: Any, prompt: dict[str, Any], params: dict[str, Any] | None = None) -> Outcome:
+    """Run one prompt after emptying vLLM's own prefix cache; counters are this run's."""
+    llm.reset_prefix_cache()
+    before = (kvtier_counter("lookup_hit_tokens"), kvtier_counter("loaded_tokens"),
+              metric(llm, "vllm:external_prefix_cache_hits"),
+              kvtier_counter("uncacheable_requests"))
+    [output] = llm.generate([prompt], greedy(16, params), use_tqdm=False)
+    after = (kvtier_counter("lookup_hit_tokens"), kvtier_counter("loaded_tokens"),
+             metric(llm, "vllm:external_prefix_cache_hits"),
+             kvtier_counter("uncacheable_requests"))
+    return Outcome(len(output.prompt_token_ids), list(output.outputs[0].token_ids),
+                   *(a - b for a, b in zip(after, before, strict=True)))
+
+
+@contextlib.contextmanager
+def in_process_engine(model_dir: Path, **overrides: Any) -> Iterator[Any]:
+    """An engine with kvtier (memory tier) whose engine core runs in this process
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0), so that a control can inject a bug into kvtier's
+    scheduler; it also starts in a third of the time."""
+    config = kvtier_transfer_config([{"kind": "memory", "capacity": "8MiB"}], CHUNK)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        with start_engine(model_dir, config, **overrides) as engine:
+            yield engine
+
+
+def inject_keys_without_extras(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bug of issue 11: chunk keys from token ids only (no images, no embeddings)."""
+    import kvtier.integrations.vllm.scheduler as scheduler
+
+    monkeypatch.setattr(scheduler, "needs_chunk_extras", lambda request: False)
+
+
+def loadable(num_tokens: int) -> int:
+    """Tokens of a prompt kvtier can load: its full chunks before the last token."""
+    return (num_tokens - 1) // CHUNK * CHUNK
+
+
+# -- prompt embeddings --------------------------------------------------------------------------
+
+def embeds(seed: int, num_tokens: int = 200) -> Any:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(num_tokens, HIDDEN_SIZE, generator=gen).to(torch.bfloat16)
+
+
+class TestPromptEmbeds:
+    @pytest.fixture(scope="class")
+    def llm(self, tiny_model_dir: Path) -> Iterator[Any]:
+        with in_process_engine(tiny_model_dir, enable_prompt_embeds=True) as engine:
+            yield engine
+
+    def test_different_embeddings_of_one_length_never_share_kv(self, llm: Any) -> None:
+        """200 embeddings (3 loadable chunks), all token ids 0: b after a loads nothing;
+        each again loads all 192 tokens; every output is its miss path's."""
+        a, b = {"prompt_embeds": embeds(1)}, {"prompt_embeds": embeds(2)}
+        miss_a, miss_b = run(llm, a, BYPASS).tokens, run(llm, b, BYPASS).tokens
+        assert miss_a != miss_b  # control: another request's KV would change the output
+
+        first_a = run(llm, a)
+        assert first_a.tokens == miss_a and first_a.hit_tokens == 0
+        first_b = run(llm, b)
+        assert first_b.tokens == miss_b
+        assert (first_b.hit_tokens, first_b.loaded_tokens, first_b.external_hits) == (0, 0, 0)
+        for prompt, miss in ((a, miss_a), (b, miss_b)):
+            again = run(llm, prompt)
+            assert again.tokens == miss
+            assert again.hit_tokens == again.loaded_tokens == again.external_hits == 192
+        # Keyed by content, not refused: no request counted uncacheable.
+        assert first_a.uncacheable == first_b.uncacheable == again.uncacheable == 0
+
+    def test_embeddings_that_differ_in_one_value_share_only_the_chunks_before_it(
+            self, llm: Any) -> None:
+        """One value changed at token 100 (chunk 1): chunk 0 loads, nothing after it."""
+        base = embeds(3)
+        changed = base.clone()
+        changed[100, 7] += 1
+        run(llm, {"prompt_embeds": base})
+        miss = run(llm, {"prompt_embeds": changed}, BYPASS).tokens
+        hit = run(llm, {"prompt_embeds": changed})
+        assert (hit.hit_tokens, hit.loaded_tokens, hit.external_hits) == (CHUNK, CHUNK, CHUNK)
+        assert hit.tokens == miss
+
+    def test_mixed_prompts_with_the_same_tokens_share_only_the_chunks_before_the_embeddings(
+            self, llm: Any) -> None:
+        """100 token ids, then 100 embeddings (vLLM's mixed mode: `prompt_is_token_ids`):
+        another prompt's embeddings after the same tokens share chunk 0 only."""
+        first, second = mixed_prompt(4), mixed_prompt(5)
+        miss = run(llm, second, BYPASS).tokens
+        run(llm, first)
+        hit = run(llm, second)
+        assert (hit.hit_tokens, hit.loaded_tokens, hit.external_hits) == (CHUNK, CHUNK, CHUNK)
+        assert hit.tokens == miss
+        again = run(llm, first)
+        assert again.hit_tokens == again.loaded_tokens == 192
+
+    def test_control_keys_without_the_embeddings_serve_the_other_requests_kv(
+            self, llm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        """The bug of issue 11 injected: all-0 token ids, one key chain for any embeddings."""
+        inject_keys_without_extras(monkeypatch)
+        a, b = {"prompt_embeds": embeds(6)}, {"prompt_embeds": embeds(7)}
+        miss_b = run(llm, b, BYPASS).tokens
+        run(llm, a)
+        b_after_a = run(llm, b)
+        assert b_after_a.hit_tokens == 192
+        assert b_after_a.tokens != miss_b
+
+
+def mixed_prompt(seed: int) -> dict[str, Any]:
+    """Token ids 10..109, then 100 embeddings of `seed` (zeros where token ids are used)."""
+    import torch
+
+    rows = torch.zeros(200, HIDDEN_SIZE)
+    rows[100:] = torch.randn(100, HIDDEN_SIZE, generator=torch.Generator().manual_seed(seed))
+    return {"prompt_embeds": rows.to(torch.bfloat16),
+            "prompt_token_ids": list(range(10, 110)) + [0] * 100,
+            "prompt_is_token_ids": [True] * 100 + [False] * 100}
+
+
+# -- images ---------------------------------------------------------------------------------------
+
+TEXT_BEFORE, TEXT_AFTER = 70, 80  # words around the image: chunk 0 is text only
+IMAGE_SPAN = IMAGE_TOKENS + 3  # <fake_token_around_image><global-img> <image>*64 <fake...>
+
+
+def image_prompt(*image_seeds: int) -> dict[str, Any]:
+    """The same text for any images: 70 words, the images' placeholders, 80 words."""
+    text = words(7, TEXT_BEFORE) + " <image>" * len(image_seeds) + " " + words(8, TEXT_AFTER)
+    images = [image(seed) for seed in image_seeds]
+    return {"prompt": text, "multi_modal_data": {"image": images[0] if len(images) == 1
+                                                 else images}}
+
+
+class TestImages:
+    @pytest.fixture(scope="class")
+    def vlm(self, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+        model_dir = make_tiny_idefics3(tmp_path_factory.mktemp("vlm"))
+        with in_process_engine(model_dir, limit_mm_per_prompt={"image": 2}) as engine:
+            yield engine
+
+    def test_the_same_text_with_another_image_shares_only_the_text_before_it(
+            self, vlm: Any) -> None:
+        cat, dog = image_prompt(1), image_prompt(2)
+        miss_cat, miss_dog = run(vlm, cat, BYPASS), run(vlm, dog, BYPASS)
+        assert miss_cat.tokens != miss_dog.tokens  # control: the image decides the output
+        num_tokens = miss_cat.prompt_tokens
+        assert num_tokens == TEXT_BEFORE + IMAGE_SPAN + TEXT_AFTER
+
+        assert run(vlm, cat).tokens == miss_cat.tokens
+        dog_after_cat = run(vlm, dog)
+        assert dog_after_cat.tokens == miss_dog.tokens
+        assert (dog_after_cat.hit_tokens, dog_after_cat.loaded_tokens,
+                dog_after_cat.external_hits) == (CHUNK, CHUNK, CHUNK)
+        cat_again = run(vlm, cat)
+        assert cat_again.tokens == miss_cat.tokens
+        assert cat_again.hit_tokens == cat_again.loaded_tokens == loadable(num_tokens)
+        assert cat_again.uncacheable == 0
+
+    def test_two_images_swapped_share_only_the_text_before_them(self, vlm: Any) -> None:
+        """Equal token ids, the same two images, in the other order."""
+        first, swapped = image_prompt(3, 4), image_prompt(4, 3)
+        miss = run(vlm, swapped, BYPASS).tokens
+        run(vlm, first)
+        hit = run(vlm, swapped)
+        assert (hit.hit_tokens, hit.loaded_tokens) == (CHUNK, CHUNK)
+        assert hit.tokens == miss
+
+    def test_control_keys_without_the_images_serve_the_other_images_kv(
+            self, vlm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        """The bug of issue 11 injected (chunk keys from token ids only): the checks above
+        fail, a cross hit of every loadable chunk and another output than the miss path's."""
+        inject_keys_without_extras(monkeypatch)
+        cat, dog = image_prompt(5), image_prompt(6)
+        miss_dog = run(vlm, dog, BYPASS).tokens
+        run(vlm, cat)
+        dog_after_cat = run(vlm, dog)
+        assert dog_after_cat.hit_tokens == 192
+        assert dog_after_cat.tokens != miss_dog
