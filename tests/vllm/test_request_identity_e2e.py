@@ -3,15 +3,18 @@
 Requests whose token ids are equal while their KV differs never get each other's KV:
   - prompt embeddings (every token id is 0): two prompts of the same length with different
     embeddings share nothing; embeddings that differ in one value share the chunks before it;
-    the same embeddings again hit (kvtier keys them by content, as vLLM's block hash does);
+    mixed prompts (token ids, then embeddings) share the chunks before the embeddings; the
+    same embeddings again hit (kvtier keys them by content, as vLLM's block hash does);
   - images (the same `<image>` placeholder tokens): the same text with another image shares
     only the chunk of text before the image; the same image again hits; two images swapped.
-Every hit gives the miss path's tokens (kvtier bypassed: `skip_load`/`skip_store`), and a
-control injects the bug (keys without the images) to show that these checks catch it.
+Every hit gives the miss path's tokens (kvtier bypassed: `skip_load`/`skip_store`). Controls
+inject the bug (keys from token ids only) and show that these checks catch it: a cross hit
+and another output.
 
-Two engines, one at a time (class-scoped): the "test" model with prompt embeds on, and a
-generated Idefics3-style vision-language model (tiny_vlm.py). Chunks of 64 tokens; vLLM's own
-prefix cache is reset before each request, so every hit is kvtier's.
+Two engines, one at a time (class-scoped), their engine cores in this process so that the
+controls can patch kvtier's scheduler: the "test" model with prompt embeds on, and a generated
+Idefics3-style vision-language model (tiny_vlm.py). Chunks of 64 tokens; vLLM's own prefix
+cache is reset before each request, so every hit is kvtier's.
 """
 
 from __future__ import annotations
