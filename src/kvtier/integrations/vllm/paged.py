@@ -67,6 +67,7 @@ import torch
 
 from kvtier.core.layout import KVLayout
 from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.groups import STATE_FLAG_BYTES
 
 
 def _torch_dtype_name(dtype: torch.dtype) -> str:
@@ -87,7 +88,8 @@ class PagedKV:
     def __init__(self, kv_caches: dict[str, torch.Tensor], block_size: int,
                  backend: str | None = None, torch_ops: bool | None = None,
                  group_sizes: tuple[int, ...] | None = None,
-                 null_block: int | None = None) -> None:
+                 null_block: int | None = None,
+                 states: list[list[list[torch.Tensor]]] | None = None) -> None:
         """Args:
             kv_caches: layer name -> KV tensor, as passed to register_kv_caches, in chunk
                 order: model layer order, or group by group (groups.py).
@@ -100,6 +102,9 @@ class PagedKV:
                 group. A chunk's block ids are then the groups' block ids, concatenated.
             null_block: a block id that stands for a block its group does not keep (vLLM's
                 null block, below a sliding window): never written by `scatter`.
+            states: the state groups' layers (Mamba/conv, groups.py), each layer its state
+                tensors (`[num_blocks, ...]`, a block's state contiguous): a chunk's state
+                region (after its KV) holds a flag and one block's state of every layer.
 
         Raises:
             ConfigError: on a tensor layout this module does not know.
@@ -149,6 +154,11 @@ class PagedKV:
         # `torch_ops` forces the accelerators' torch index ops, so that tests check that path
         # on CPU tensors where no GPU is at hand.
         self._torch_ops = self.device.type != "cpu" if torch_ops is None else torch_ops
+        # Per state group, per layer, per state tensor: [num_blocks, bytes] (strided view).
+        self._states = [[[t.flatten(1).view(torch.uint8) for t in layer] for layer in group]
+                        for group in states or []]
+        per_block = sum(v.shape[1] for group in self._states for layer in group for v in layer)
+        self.state_bytes = STATE_FLAG_BYTES + per_block if self._states else 0
         bounds = [sum(sizes[:g]) for g in range(len(sizes) + 1)]
         self._groups = [_LayerGroup([self._block_major(t) for t in self.tensors[lo:hi]],
                                     slice(lo, hi), numpy_ops=not self._torch_ops)
@@ -176,14 +186,38 @@ class PagedKV:
         return KVLayout(num_layers=len(self.tensors), num_kv_heads=self.num_kv_heads,
                         head_size=self.head_size, dtype=_torch_dtype_name(self.dtype),
                         tokens_per_chunk=tokens_per_chunk, tp_rank=tp_rank,
-                        tp_world_size=tp_world_size, kv_factor=self.kv_factor)
+                        tp_world_size=tp_world_size, kv_factor=self.kv_factor,
+                        state_bytes=self.state_bytes)
 
     def chunk_view(self, chunk: torch.Tensor) -> torch.Tensor:
         """A chunk buffer (any shape and dtype, C-contiguous, on this device) viewed as
         [L, blocks_per_chunk, H, kv, block_size, D] of the KV dtype (kv: 2, or 1 for MLA)."""
-        flat = chunk.view(-1).view(self.dtype)  # raises on a non-contiguous chunk
-        return flat.view(len(self.tensors), -1, self.num_kv_heads, self.kv_factor,
-                         self.block_size, self.head_size)
+        flat = chunk.view(-1).view(torch.uint8)  # raises on a non-contiguous chunk
+        kv = flat[: flat.numel() - self.state_bytes].view(self.dtype)
+        return kv.view(len(self.tensors), -1, self.num_kv_heads, self.kv_factor,
+                       self.block_size, self.head_size)
+
+    def _state_region(self, chunk: torch.Tensor) -> torch.Tensor:
+        flat = chunk.view(-1).view(torch.uint8)
+        return flat[flat.numel() - self.state_bytes:]
+
+    def has_state(self, chunk: torch.Tensor) -> bool:
+        """Whether a chunk's state region holds a state (`gather` found one)."""
+        return bool(self.state_bytes) and int(self._state_region(chunk)[0]) == 1
+
+    def _state_copies(self, region: torch.Tensor, blocks: tuple[int, ...]
+                      ) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        """(the region's bytes, a state tensor, block) for every state tensor: `blocks` are
+        per state group, as many each."""
+        per = len(blocks) // max(1, len(self._states))
+        at, out = STATE_FLAG_BYTES, []
+        for g, group in enumerate(self._states):
+            for layer in group:
+                for view in layer:
+                    part = region[at: at + view.shape[1]]
+                    out += [(part, view, b) for b in blocks[g * per:(g + 1) * per]]
+                    at += view.shape[1]
+        return out
 
     def _index(self, block_ids: tuple[int, ...] | list[int]) -> torch.Tensor:
         ids = torch.tensor(block_ids, dtype=torch.long)
@@ -199,9 +233,25 @@ class PagedKV:
         per = len(block_ids) // self.num_groups
         return [block_ids[g * per:(g + 1) * per] for g in range(self.num_groups)]
 
-    def gather(self, block_ids: tuple[int, ...], chunk: torch.Tensor) -> None:
-        """Copy the blocks of one chunk, all layers, into `chunk` (see `chunk_view`). On CUDA
-        the copy is enqueued on the current stream."""
+    def copy_state(self, group: int, source: int, target: int) -> None:
+        """Copy one block's state to another, every layer of state group `group`."""
+        for layer in self._states[group]:
+            for view in layer:
+                view[target].copy_(view[source])
+
+    def gather(self, block_ids: tuple[int, ...], chunk: torch.Tensor,
+               state_blocks: tuple[int, ...] = ()) -> None:
+        """Copy the blocks of one chunk, all layers, into `chunk` (see `chunk_view`), and the
+        state of `state_blocks` (one per state group; the null block for none: the region is
+        then flagged empty). On CUDA the copy is enqueued on the current stream."""
+        if self.state_bytes:
+            region = self._state_region(chunk)
+            present = len(state_blocks) == len(self._states) and \
+                self.null_block not in state_blocks
+            region[0] = int(present)
+            if present:
+                for part, view, block in self._state_copies(region, state_blocks):
+                    part.copy_(view[block])
         view = self.chunk_view(chunk)
         for group, ids in zip(self._groups, self._per_group(block_ids)):
             dst = view[group.layers]
@@ -210,10 +260,16 @@ class PagedKV:
             else:
                 group.gather_numpy(ids, _as_numpy(dst))
 
-    def scatter(self, chunk: torch.Tensor, block_ids: tuple[int, ...], first_block: int) -> None:
+    def scatter(self, chunk: torch.Tensor, block_ids: tuple[int, ...], first_block: int,
+                state_blocks: tuple[int, ...] = ()) -> None:
         """Copy `chunk` (see `chunk_view`) into its blocks, all layers, from `first_block` on
         (earlier blocks are a local prefix hit, possibly shared: never written), except the
-        null block. On CUDA the copy is enqueued on the current stream."""
+        null block; and its state into `state_blocks` (as many per state group; check
+        `has_state` first). On CUDA the copy is enqueued on the current stream."""
+        if state_blocks and self.state_bytes:
+            for part, view, block in self._state_copies(self._state_region(chunk), state_blocks):
+                if block != self.null_block:
+                    view[block].copy_(part)
         view = self.chunk_view(chunk)
         for group, ids in zip(self._groups, self._per_group(block_ids)):
             kept = [j for j in range(first_block, len(ids)) if ids[j] != self.null_block]

@@ -21,6 +21,7 @@ Primitives: `ConnectorScheduler`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -102,13 +103,23 @@ class ConnectorScheduler:
         "kv_consumer" never stores (RequestControls.within_role). `groups`: the model's KV
         cache groups (groups.py); None: one group."""
         config.check_block_size(block_size)
-        self._num_groups = groups.count if groups is not None else 1
-        self._group_label = groups.label() if groups is not None else None
-        if self._num_groups > 1 and config.load_mode == "sync":
-            logger.warning("kvtier: load_mode 'sync' ignored: a model with %d KV cache groups "
-                           "loads asynchronously (vLLM recovers failed loads only by request "
-                           "there)", self._num_groups)
-        window = groups.min_window if groups is not None else None
+        self._groups = groups or ChunkGroups(layer_names=((),), kinds=("full",))
+        self._num_groups = self._groups.count  # attention groups: a chunk's block lists
+        # Models with state layers: chunks stored with the state at their end (a hit ends on
+        # one: groups.py), as the workers report them.
+        self._has_state = bool(self._groups.state_layer_names)
+        self._with_state = ChunkIndex(IN_RAM_MAX_KEYS)
+        # Requests whose asynchronous hit brought a state: (hit tokens, its blocks per state
+        # group), until they are scheduled.
+        self._state_copies: dict[str, tuple[int, tuple[int, ...]]] = {}
+        self._group_label = self._groups.label()
+        # Several KV cache groups in vLLM (attention and state): loads are asynchronous.
+        self._several_groups = self._num_groups + len(self._groups.state_group_ids) > 1
+        if self._several_groups and config.load_mode == "sync":
+            logger.warning("kvtier: load_mode 'sync' ignored: a model with several KV cache "
+                           "groups loads asynchronously (vLLM recovers failed loads only by "
+                           "request there)")
+        window = self._groups.min_window
         if window is not None and config.tokens_per_chunk > window:
             logger.warning(
                 "kvtier: tokens_per_chunk %d is larger than the model's sliding window (%d "
@@ -170,13 +181,17 @@ class ConnectorScheduler:
         located = self._locator.locate(request.request_id, keys)
         if located.status is LookupStatus.RETRY:
             return None, False
-        hit_tokens = located.num_chunks * self._config.tokens_per_chunk
+        num_chunks = located.num_chunks
+        if self._has_state:  # back off to the last chunk stored with its state
+            while num_chunks and keys[num_chunks - 1] not in self._with_state:
+                num_chunks -= 1
+        hit_tokens = num_chunks * self._config.tokens_per_chunk
         self._stats.add("lookup_tokens", max(0, request.num_tokens - num_computed_tokens))
         self._stats.add("lookup_hit_tokens", max(0, hit_tokens - num_computed_tokens))
         if hit_tokens <= num_computed_tokens:
             return 0, False
         first_chunk = num_computed_tokens // self._config.tokens_per_chunk
-        hit_keys = keys[first_chunk:located.num_chunks]
+        hit_keys = keys[first_chunk:num_chunks]
         state.load_async = self._loads_async(request.request_id, hit_keys)
         below_ram = [key for key in hit_keys if key not in self._in_ram]
         if below_ram:  # until vLLM allocates its blocks (update_state_after_alloc)
@@ -188,7 +203,7 @@ class ConnectorScheduler:
         only when it reads below RAM while other requests run: an idle engine has no batch
         to protect, and an asynchronous load costs its request one more step (a 1k-token
         disk hit: 14 ms extra TTFT against 4.5 ms inline, docs/performance.md)."""
-        if self._num_groups > 1:
+        if self._several_groups:
             # Several KV cache groups: vLLM 0.32 takes no block-level load failure then (it
             # stops with a RuntimeError); an asynchronous load fails by request, recomputed.
             return True
@@ -207,7 +222,8 @@ class ConnectorScheduler:
         if num_external_tokens == 0:
             return
         tpc = self._config.tokens_per_chunk
-        block_ids = blocks.get_block_ids()
+        per_group = blocks.get_block_ids()
+        block_ids = self._groups.attention_ids(per_group)
         start = state.lookup_computed_tokens
         end = start + num_external_tokens
         assert end % tpc == 0, "a kvtier hit ends on a chunk boundary"
@@ -221,6 +237,15 @@ class ConnectorScheduler:
                 tenant=request.cache_salt,
                 retain_s=state.controls.retain_s, ttl_s=state.controls.ttl_s,
             ))
+        if self._has_state:  # the hit's last chunk brings the state at its end
+            last = end // self._block_size  # the block after the hit's last one
+            targets = tuple(ids[i] if i < len(ids) else NULL_BLOCK
+                            for ids in self._groups.state_ids(per_group) for i in (last - 1, last))
+            transfers[-1] = dataclasses.replace(transfers[-1], state_blocks=targets)
+            if state.load_async:
+                # The block after the hit is allocated when the request is scheduled: the
+                # state is copied there then (build_connector_meta).
+                self._state_copies[request.request_id] = (end, targets[::2])
         pending = self._pending_async if state.load_async else self._pending_loads
         pending[request.request_id] = transfers
         if state.load_async:
@@ -247,6 +272,8 @@ class ConnectorScheduler:
             if state is None:
                 continue
             state.block_ids = [list(ids) for ids in new.block_ids]
+            meta.state_copies += self._take_state_copies(new.req_id, state.block_ids,
+                                                         new.num_computed_tokens)
             computed = new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id]
             self._plan_stores(state, computed, meta.stores)
         cached = scheduler_output.scheduled_cached_reqs
@@ -277,6 +304,8 @@ class ConnectorScheduler:
         if not isinstance(report, KVTierWorkerMetadata):
             return
         self._locator.record_stored(report.stored)
+        for key in report.stored_state & report.stored:
+            self._with_state.add(key)
         for key in report.stored:  # stores go to the top tier
             self._in_ram.add(key)
         for event in report.events:
@@ -288,6 +317,8 @@ class ConnectorScheduler:
                     self._prefetched.discard(event.key)  # may be prefetched again
         self._locator.record_missing(report.missing)
         self._locator.record_missing(report.removed)  # evicted from every tier
+        for key in report.missing | report.removed:
+            self._with_state.discard(key)
         if self._emit_events:
             self._kv_events.extend(kv_events(report.events, self._chunk_tokens,
                                              self._tier_kinds, self._config.tokens_per_chunk))
@@ -312,9 +343,23 @@ class ConnectorScheduler:
         self._pending_loads.pop(request.request_id, None)
         self._pending_async.pop(request.request_id, None)
         self._prefetch_wanted.pop(request.request_id, None)
+        self._state_copies.pop(request.request_id, None)
         self._locator.forget(request.request_id)
 
     # -- helpers --------------------------------------------------------------------------
+
+    def _take_state_copies(self, req_id: str, block_ids: list[list[int]],
+                           computed_tokens: int) -> list[tuple[int, int, int]]:
+        """(state group, source, target) blocks that put an asynchronous hit's state into the block
+        the request's first step reads it from (the block after the hit's last: groups.py);
+        none when the load failed (the request starts over)."""
+        pending = self._state_copies.pop(req_id, None)
+        if pending is None or pending[0] != computed_tokens:
+            return []
+        after = computed_tokens // self._block_size
+        return [(g, source, ids[after]) for g, (source, ids)
+                in enumerate(zip(pending[1], self._groups.state_ids(block_ids), strict=True))
+                if source != NULL_BLOCK and after < len(ids) and ids[after] != NULL_BLOCK]
 
     def _take_prefetch(self) -> list[ChunkKey]:
         """Up to PREFETCH_PER_STEP chunks of waiting requests to read into RAM ahead of their
@@ -385,6 +430,8 @@ class ConnectorScheduler:
             return
         tpc = self._config.tokens_per_chunk
         held_blocks = len(state.block_ids[0]) if state.block_ids else 0
+        attention = self._groups.attention_ids(state.block_ids)
+        states = self._groups.state_ids(state.block_ids) if state.block_ids else []
         limit = min(computed_tokens, len(state.request.all_token_ids),
                     held_blocks * self._block_size)
         if state.controls.max_offload_tokens is not None:
@@ -397,7 +444,7 @@ class ConnectorScheduler:
             return
         bpc = self._blocks_per_chunk
         # Recently loaded blocks of the prefix, with their positions (usually none).
-        loaded = [(i, b) for ids in state.block_ids
+        loaded = [(i, b) for ids in attention
                   for i, b in enumerate(ids[: full_chunks * bpc])
                   if b in self._recent_loads] if self._recent_loads else []
         for chunk in range(state.num_planned_chunks, full_chunks):
@@ -409,13 +456,15 @@ class ConnectorScheduler:
                         retain_s=state.controls.retain_s, ttl_s=state.controls.ttl_s))
                 continue
             first = chunk * bpc
-            blocks = ChunkGroups.flat(state.block_ids, first, bpc)
+            blocks = ChunkGroups.flat(attention, first, bpc)
             if self._num_groups > 1 and NULL_BLOCK in blocks:
                 # A sliding-window group let blocks of it go (groups.py): not storable.
                 self._stats.add("dropped_window_chunks", 1)
                 continue
             out.append(ChunkTransfer(
                 key=key, block_ids=blocks, groups=self._num_groups,
+                state_blocks=tuple(ids[first + bpc - 1] if first + bpc <= len(ids)
+                                   else NULL_BLOCK for ids in states),
                 depends_on=tuple(b for i, b in loaded if i < first + bpc),
                 tenant=state.request.cache_salt,
                 retain_s=state.controls.retain_s, ttl_s=state.controls.ttl_s))

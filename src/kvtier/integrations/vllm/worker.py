@@ -162,6 +162,13 @@ class ConnectorWorker:
         self._token_scale = 1 if layout.tp_rank == 0 else 0
         self._block_bytes = layout.bytes_per_chunk // len_blocks(layout, paged.block_size)
 
+    def place_states(self, meta: KVTierMetadata) -> None:
+        """Copy asynchronously loaded states into the blocks this step's forward reads them
+        from (groups.py). Before the forward: vLLM calls start_load_kv after it in a step
+        without synchronous loads, too late for these."""
+        for group, source, target in meta.state_copies:
+            self._paged.copy_state(group, source, target)
+
     def begin_step(self, meta: KVTierMetadata) -> None:
         """Take the step's plan in (before its loads): forget the failures the scheduler
         has acknowledged (vLLM recomputes those blocks from this step on); note each chunk's
@@ -327,10 +334,17 @@ class ConnectorWorker:
                 # One thread: memory bandwidth, not the CPU, bounds a scatter; two threads
                 # scattered 1.25x slower than one here, and vLLM binds a CPU worker's
                 # threads to its own cores anyway (docs/performance.md).
-                for transfer, view in zip(batch[:held], lent[:held], strict=True):
+                for i, (transfer, view) in enumerate(zip(batch[:held], lent[:held],
+                                                         strict=True)):
                     assert view is not None
-                    self._paged.scatter(torch.frombuffer(view.data, dtype=torch.uint8),
-                                        transfer.block_ids, transfer.first_block)
+                    chunk = torch.frombuffer(view.data, dtype=torch.uint8)
+                    if transfer.state_blocks and not self._paged.has_state(chunk):
+                        # A hit must end on a chunk stored with its state: recompute.
+                        logger.warning("kvtier: chunk %s holds no state; recomputed",
+                                       transfer.key.hex()[:16])
+                        return first + i
+                    self._paged.scatter(chunk, transfer.block_ids, transfer.first_block,
+                                        transfer.state_blocks)
                 if held < len(batch):
                     return first + held
         return len(transfers)
@@ -343,7 +357,10 @@ class ConnectorWorker:
             return False
 
         def gather(view: memoryview) -> None:
-            self._paged.gather(transfer.block_ids, torch.frombuffer(view, dtype=torch.uint8))
+            chunk = torch.frombuffer(view, dtype=torch.uint8)
+            self._paged.gather(transfer.block_ids, chunk, transfer.state_blocks)
+            if self._paged.has_state(chunk):
+                self._report.stored_state.add(transfer.key)
 
         # Straight into a memory-tier slot (one copy), or into the worker's buffer first.
         return self._store.put_from(transfer.key, gather, self._buffer_view,
