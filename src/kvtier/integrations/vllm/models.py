@@ -10,12 +10,13 @@ hybrid KV cache manager (`SupportsHMA`, groups.py), and then:
     skip the rest), outputs those of the miss path (tests/vllm/test_hybrid_models.py). With
     `--disable-hybrid-kv-cache-manager` vLLM promotes the sliding layers to full attention
     and kvtier serves that too;
-  - layers whose state is not per-token KV — Mamba/SSM, short convolutions, linear attention
-    (Jamba, Bamba, LFM2, Qwen3-Next, ...), or no attention at all: a prefix hit on such a
-    model needs the state at the hit's last token (vLLM's "align" prefix caching keeps one per
-    block boundary that ends a scheduler step), which kvtier does not store: refused. (With
-    the hybrid manager off, vLLM itself cannot run them: "Failed to promote local KV cache
-    specs to one unified type".)
+  - short-convolution state layers besides attention (LFM2): served with prefix caching,
+    whose "align" mode keeps states at block boundaries; kvtier stores a chunk's state with it
+    and ends hits on such chunks (groups.py, tests/vllm/test_state_models.py). Without prefix
+    caching (no states kept): refused;
+  - other state layers — Mamba/SSM, linear attention (Jamba, Bamba, Qwen3-Next, ...), or no
+    attention at all: refused (not tried; with the hybrid manager off vLLM itself cannot run
+    them: "Failed to promote local KV cache specs to one unified type");
   - encoder-decoder models (cross-attention KV computed from the encoder's input, which no
     key of kvtier's covers): refused;
   - MLA models (DeepSeek-V2/V3 style latent KV): served where vLLM's attention backend
