@@ -350,9 +350,9 @@ class ConnectorScheduler:
 
     def _take_state_copies(self, req_id: str, block_ids: list[list[int]],
                            computed_tokens: int) -> list[tuple[int, int, int]]:
-        """(state group, source, target) blocks that put an asynchronous hit's state into the block
-        the request's first step reads it from (the block after the hit's last: groups.py);
-        none when the load failed (the request starts over)."""
+        """(state group, source, target) blocks that put an asynchronous hit's state into the
+        block the request's first step reads it from (the block after the hit's last:
+        groups.py); none when the load failed (the request starts over)."""
         pending = self._state_copies.pop(req_id, None)
         if pending is None or pending[0] != computed_tokens:
             return []
@@ -429,9 +429,9 @@ class ConnectorScheduler:
         if state.controls.skip_store or state.uncacheable:
             return
         tpc = self._config.tokens_per_chunk
-        held_blocks = len(state.block_ids[0]) if state.block_ids else 0
-        attention = self._groups.attention_ids(state.block_ids)
+        attention = self._groups.attention_ids(state.block_ids) if state.block_ids else []
         states = self._groups.state_ids(state.block_ids) if state.block_ids else []
+        held_blocks = len(attention[0]) if attention else 0
         limit = min(computed_tokens, len(state.request.all_token_ids),
                     held_blocks * self._block_size)
         if state.controls.max_offload_tokens is not None:
