@@ -10,6 +10,8 @@ last full block of a prompt) ends a chunk. Checked:
     the same chunk computed over vLLM's own prefix-cache hit bit for bit, while a prompt with
     another first chunk gives one far from it (the check can fail); the state must be put
     where vLLM's forward reads it (groups.py), else this differs (0.055 with a stale one);
+  - after a restart (states of chunks unknown to the new engine) a hit ends on a chunk that
+    holds its state; a chunk without one is recomputed once, then backed off from;
   - without prefix caching (no states kept) the model is refused in one line.
 """
 
@@ -71,6 +73,33 @@ def test_without_prefix_caching_a_conv_hybrid_is_refused_in_one_line(
     assert str(lfm2_dir) in line and "Lfm2ForCausalLM" in line
     assert "conv state layers without prefix caching" in line
     assert "turn prefix caching on" in line
+
+
+def test_after_a_restart_hits_end_on_chunks_that_hold_their_state(
+        lfm2_dir: Path, tmp_path: Path) -> None:
+    """Which chunks hold a state is not in the tiers' probes: a new engine tries a hit's last
+    chunk, and one without a state is recomputed once (counted), then backed off from. (Before
+    the module's engine starts: one engine at a time.)"""
+    config = kvtier_transfer_config([{"kind": "memory", "capacity": "64KiB"},
+                                     {"kind": "disk", "path": str(tmp_path), "capacity": "64MiB"}],
+                                    CHUNK)
+    [full, partial] = random_prompts([300, 250], seed=44)
+    partial["prompt_token_ids"][:240] = full["prompt_token_ids"][:240]
+    with start_engine(lfm2_dir, config, num_gpu_blocks_override=160) as first:
+        one_at_a_time(first, [full])  # chunks 0-7 stored without a state, 8 with one (288)
+        settle([tmp_path])
+    with start_engine(lfm2_dir, config, num_gpu_blocks_override=160) as second:
+        miss = one_at_a_time(second, [full, partial], BYPASS)
+        failures = kvtier_counter("load_failures")
+        # 250 tokens: chunks 0-6 of `full` are its prefix; chunk 6 holds no state.
+        assert one_at_a_time(second, [partial]) == miss[1:]
+        assert kvtier_counter("load_failures") > failures
+        failures = kvtier_counter("load_failures")
+        assert one_at_a_time(second, [partial]) == miss[1:]
+        assert kvtier_counter("load_failures") == failures  # known now: no second failure
+        loaded = kvtier_counter("loaded_tokens")
+        assert one_at_a_time(second, [full]) == miss[:1]
+        assert kvtier_counter("loaded_tokens") - loaded == 288  # chunk 8 holds its state
 
 
 @pytest.fixture(scope="module")

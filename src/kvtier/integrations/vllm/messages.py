@@ -113,8 +113,10 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     skipped: set[ChunkKey] = field(default_factory=set)
     failed_blocks: set[int] = field(default_factory=set)  # blocks whose load failed
     events: list[StoreEvent] = field(default_factory=list)  # per-tier stores and removals
-    # Of `stored`, the chunks stored with the state at their end (models with state layers).
+    # Models with state layers: chunks stored or loaded with the state at their end, and
+    # without one (a hit ends on the former: groups.py).
     stored_state: set[ChunkKey] = field(default_factory=set)
+    without_state: set[ChunkKey] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTierWorkerMetadata:
         # Tensor parallel: a chunk is usable only when every rank stored its shard, and
@@ -122,6 +124,7 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
         assert isinstance(other, KVTierWorkerMetadata)
         return KVTierWorkerMetadata(stored=self.stored & other.stored,
                                     stored_state=self.stored_state & other.stored_state,
+                                    without_state=self.without_state | other.without_state,
                                     missing=self.missing | other.missing,
                                     removed=self.removed | other.removed,
                                     skipped=self.skipped | other.skipped,

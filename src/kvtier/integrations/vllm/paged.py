@@ -165,6 +165,11 @@ class PagedKV:
                         for lo, hi in pairwise(bounds)]
 
     @property
+    def kv_cache_groups(self) -> int:
+        """vLLM's KV cache groups behind it: attention groups and state groups."""
+        return self.num_groups + len(self._states)
+
+    @property
     def single_allocation(self) -> bool:
         """Whether one view spans every layer of each group (a chunk moves in one op per
         group, not one per layer)."""

@@ -105,10 +105,12 @@ class ConnectorScheduler:
         config.check_block_size(block_size)
         self._groups = groups or ChunkGroups(layer_names=((),), kinds=("full",))
         self._num_groups = self._groups.count  # attention groups: a chunk's block lists
-        # Models with state layers: chunks stored with the state at their end (a hit ends on
-        # one: groups.py), as the workers report them.
+        # Models with state layers: a hit ends on a chunk with the state at its end
+        # (groups.py). Chunks the workers reported without one are not hit ends; chunks of
+        # unknown state (found by a probe: stored before a restart, or by another engine) are
+        # tried, and reported when they have none.
         self._has_state = bool(self._groups.state_layer_names)
-        self._with_state = ChunkIndex(IN_RAM_MAX_KEYS)
+        self._stateless = ChunkIndex(IN_RAM_MAX_KEYS)
         # Requests whose asynchronous hit brought a state: (hit tokens, its blocks per state
         # group), until they are scheduled.
         self._state_copies: dict[str, tuple[int, tuple[int, ...]]] = {}
@@ -182,8 +184,8 @@ class ConnectorScheduler:
         if located.status is LookupStatus.RETRY:
             return None, False
         num_chunks = located.num_chunks
-        if self._has_state:  # back off to the last chunk stored with its state
-            while num_chunks and keys[num_chunks - 1] not in self._with_state:
+        if self._has_state:  # back off over chunks known to have no state at their end
+            while num_chunks and keys[num_chunks - 1] in self._stateless:
                 num_chunks -= 1
         hit_tokens = num_chunks * self._config.tokens_per_chunk
         self._stats.add("lookup_tokens", max(0, request.num_tokens - num_computed_tokens))
@@ -304,8 +306,10 @@ class ConnectorScheduler:
         if not isinstance(report, KVTierWorkerMetadata):
             return
         self._locator.record_stored(report.stored)
-        for key in report.stored_state & report.stored:
-            self._with_state.add(key)
+        for key in report.stored_state:
+            self._stateless.discard(key)
+        for key in report.without_state:
+            self._stateless.add(key)
         for key in report.stored:  # stores go to the top tier
             self._in_ram.add(key)
         for event in report.events:
@@ -317,8 +321,6 @@ class ConnectorScheduler:
                     self._prefetched.discard(event.key)  # may be prefetched again
         self._locator.record_missing(report.missing)
         self._locator.record_missing(report.removed)  # evicted from every tier
-        for key in report.missing | report.removed:
-            self._with_state.discard(key)
         if self._emit_events:
             self._kv_events.extend(kv_events(report.events, self._chunk_tokens,
                                              self._tier_kinds, self._config.tokens_per_chunk))

@@ -146,6 +146,7 @@ class ConnectorWorker:
         self._loading: dict[str, tuple[list[ChunkTransfer], Future[int], float]] = {}
         self._failed_block_ids: set[int] = set()
         self._failed_requests: set[str] = set()  # async loads that failed
+        self._state_notes: deque[tuple[ChunkKey, bool]] = deque()  # see _note_state
         # Blocks whose load failed, until the scheduler acknowledges it (a later step).
         self._unfilled: set[int] = set()
         self._agree = agree
@@ -246,7 +247,9 @@ class ConnectorWorker:
             # chunk of the rest the store no longer holds, not just the first: after an
             # outage the scheduler's index otherwise healed one chunk per request, each a
             # failed load (tests/faults/test_engine_faults.py, Redis killed mid-run).
-            self._report.missing.add(transfers[loaded].key)
+            self._drain_state_notes()
+            if transfers[loaded].key not in self._report.without_state:  # held, stateless
+                self._report.missing.add(transfers[loaded].key)
             self._report.missing.update(t.key for t in transfers[loaded + 1:]
                                         if not self._store.contains(t.key))
             for failed in transfers[loaded:]:
@@ -338,11 +341,15 @@ class ConnectorWorker:
                                                          strict=True)):
                     assert view is not None
                     chunk = torch.frombuffer(view.data, dtype=torch.uint8)
-                    if transfer.state_blocks and not self._paged.has_state(chunk):
-                        # A hit must end on a chunk stored with its state: recompute.
-                        logger.warning("kvtier: chunk %s holds no state; recomputed",
-                                       transfer.key.hex()[:16])
-                        return first + i
+                    if self._paged.state_bytes:
+                        has_state = self._paged.has_state(chunk)
+                        self._note_state(transfer.key, has_state)
+                        if transfer.state_blocks and not has_state:
+                            # A hit must end on a chunk with its state (one found by a probe
+                            # after a restart may have none): recompute, then back off.
+                            logger.info("kvtier: chunk %s holds no state; recomputed",
+                                        transfer.key.hex()[:16])
+                            return first + i
                     self._paged.scatter(chunk, transfer.block_ids, transfer.first_block,
                                         transfer.state_blocks)
                 if held < len(batch):
@@ -356,15 +363,30 @@ class ConnectorWorker:
             self._cuda.submit_store(self._store, transfer.key, transfer.block_ids)
             return False
 
+        gathered: list[bool] = []
+
         def gather(view: memoryview) -> None:
             chunk = torch.frombuffer(view, dtype=torch.uint8)
             self._paged.gather(transfer.block_ids, chunk, transfer.state_blocks)
-            if self._paged.has_state(chunk):
-                self._report.stored_state.add(transfer.key)
+            gathered.append(self._paged.has_state(chunk))
 
         # Straight into a memory-tier slot (one copy), or into the worker's buffer first.
-        return self._store.put_from(transfer.key, gather, self._buffer_view,
-                                    meta=chunk_meta(transfer))
+        stored = self._store.put_from(transfer.key, gather, self._buffer_view,
+                                      meta=chunk_meta(transfer))
+        if stored and gathered and self._paged.state_bytes:
+            self._note_state(transfer.key, gathered[0])
+        return stored
+
+    def _note_state(self, key: ChunkKey, has_state: bool) -> None:
+        """Whether a chunk stored or loaded holds the state at its end, for the next report
+        (any thread: asynchronous loads note from the load thread)."""
+        self._state_notes.append((key, has_state))
+
+    def _drain_state_notes(self) -> None:
+        """Move the state notes into the report (model runner thread)."""
+        while self._state_notes:
+            key, has_state = self._state_notes.popleft()
+            (self._report.stored_state if has_state else self._report.without_state).add(key)
 
     def take_failed_block_ids(self) -> set[int]:
         """Block ids whose load failed since the last call (vLLM's
@@ -372,17 +394,18 @@ class ConnectorWorker:
         per group there, and vLLM 0.32 stops with a RuntimeError on any; those models load
         asynchronously and a failure is reported by request (`take_failed_requests`)."""
         failed, self._failed_block_ids = self._failed_block_ids, set()
-        return failed if self._paged.num_groups == 1 else set()
+        return failed if self._paged.kv_cache_groups == 1 else set()
 
     def take_failed_requests(self) -> set[str]:
         """Requests whose asynchronous load failed since the last call (vLLM's
         failed_recving: the request is recomputed from its first token)."""
         failed, self._failed_requests = self._failed_requests, set()
-        return failed if self._paged.num_groups > 1 else set()
+        return failed if self._paged.kv_cache_groups > 1 else set()
 
     def take_report(self) -> KVTierWorkerMetadata | None:
         """The stored / missing / removed keys and the tiers' events since the last call,
         or None when there are none."""
+        self._drain_state_notes()
         if self._cuda is not None:
             self._report.stored.update(self._cuda.take_stored())
         removed = []
@@ -400,7 +423,8 @@ class ConnectorWorker:
         self._report.removed |= gone
         report = self._report
         if not (report.stored or report.missing or report.removed or report.events
-                or report.skipped or report.failed_blocks):
+                or report.skipped or report.failed_blocks or report.without_state
+                or report.stored_state):
             return None
         self._report = KVTierWorkerMetadata()
         return report
