@@ -41,7 +41,7 @@ from kvtier.core.fingerprint import ModelFingerprint, cached_model_fingerprint
 from kvtier.core.layout import KVLayout
 from kvtier.core.locator import ChunkLocator
 from kvtier.integrations.vllm.config import ConnectorConfig
-from kvtier.integrations.vllm.groups import NULL_BLOCK, chunk_groups
+from kvtier.integrations.vllm.groups import NULL_BLOCK, ChunkGroups, chunk_groups
 from kvtier.integrations.vllm.messages import KVTierMetadata
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, KVTierPromMetrics
 from kvtier.integrations.vllm.models import (
@@ -69,14 +69,11 @@ if TYPE_CHECKING:
 
 
 def scheduler_layouts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
-                      tokens_per_chunk: int) -> list[KVLayout]:
+                      groups: ChunkGroups, tokens_per_chunk: int) -> list[KVLayout]:
     """The chunk layout of every tensor-parallel rank, as the scheduler sees them. Keys use
     rank 0's digest (all ranks share keys); each rank stores its shard under its own layout.
-
-    Raises:
-        ConfigError: naming the model, for KV cache groups kvtier cannot store (models.py).
+    `groups`: `chunk_groups` of `kv_cache_config` (which refuses groups kvtier cannot store).
     """
-    groups = chunk_groups(str(vllm_config.model_config.model), kv_cache_config)
     spec = kv_cache_config.kv_cache_groups[groups.attention_group_ids[0]].kv_cache_spec
     assert isinstance(spec, AttentionSpec)  # chunk_groups refuses others
     if type(spec).__name__ == "MLAAttentionSpec" or getattr(spec, "head_size_v", None) == 0:
@@ -182,7 +179,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            layouts = scheduler_layouts(vllm_config, kv_cache_config,
+            groups = chunk_groups(str(vllm_config.model_config.model), kv_cache_config)
+            layouts = scheduler_layouts(vllm_config, kv_cache_config, groups,
                                         self._config.tokens_per_chunk)
             probes = [build_probe(tier, layouts) for tier in self._config.store.tiers]
             # A key stands for one shard per rank: the index bound counts whole chunks.
@@ -194,7 +192,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             model_id, fingerprint = scheduler_model_identity(vllm_config)
             self._scheduler = ConnectorScheduler(
                 self._config, block_size=self._block_size,
-                groups=chunk_groups(str(vllm_config.model_config.model), kv_cache_config),
+                groups=groups,
                 model_id=model_id, layout_digest=layouts[0].digest(),
                 weights_fingerprint=fingerprint.digest, locator=locator,
                 tier_kinds={t.tier_name: t.kind for t in self._config.store.tiers},
