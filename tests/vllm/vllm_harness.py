@@ -16,6 +16,7 @@ Primitives:
     `flip_byte(path)`: waiting for the write-behind, naming the one chunk file a run added,
     reading a chunk file's KV, damaging one.
   - `server_command(model_dir, extra)`: a kvtier OpenAI server's command, tests' settings.
+  - `refusal_line(model_dir, config, capfd)`: kvtier's one-line refusal of a model.
 """
 
 from __future__ import annotations
@@ -161,6 +162,22 @@ def flip_byte(path: Path) -> None:
         byte = f.read(1)
         f.seek(HEADER_BYTES + 1000)
         f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def refusal_line(model_dir: Path, kv_transfer_config: dict[str, Any],
+                 capfd: Any, **overrides: Any) -> str:
+    """kvtier's one-line refusal of `model_dir`: the engine must not start, and the output
+    holds exactly one such line (`capfd`: pytest's fixture)."""
+    import pytest
+
+    with (pytest.raises(RuntimeError, match="Engine core initialization failed"),
+          start_engine(model_dir, kv_transfer_config, **overrides)):
+        pass
+    captured = capfd.readouterr()
+    output = captured.out + captured.err
+    [line] = {line.split("ConfigError: ", 1)[1] for line in output.splitlines()
+              if "ConfigError: " in line and "kvtier cannot serve it" in line}
+    return str(line)
 
 
 def metric(llm: Any, name: str) -> float:
