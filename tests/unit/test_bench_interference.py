@@ -1,23 +1,30 @@
 """`kvtier bench interference`'s pure parts: the arrival schedule, which inter-token gaps count
-as "while the arrivals came", and the ratios the targets are judged on."""
+as "while the arrivals came", the ratios the targets are judged on, and the settings and
+server commands of the disk and redis (emulated network) variants."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import io
+import json
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from kvtier.bench.arrivals import arrival_schedule, gaps_in_window, token_times
 from kvtier.bench.interference import (
     CONFIGS,
     ConfigRun,
     InterferenceConfig,
+    InterferenceResult,
     checks,
+    server_command,
     timed_stream_tokens,
 )
 from kvtier.bench.stats import RequestResult
-from kvtier.cli.bench_interference import config_from
+from kvtier.cli.bench_interference import config_from, figures_table, target_table
 from kvtier.errors import ConfigError
 
 
@@ -114,7 +121,8 @@ def test_failed_requests_are_reported_and_left_out_of_the_figures() -> None:
 def _args(**overrides: object) -> argparse.Namespace:
     values: dict[str, object] = dict(
         quick=False, streams=None, stream_tokens=None, arrivals=None, arrival_gap_s=None,
-        prefix_tokens=None, config=None, dir=Path("."), model_root=Path("."))
+        prefix_tokens=None, config=None, dir=Path("."), model_root=Path("."), tier=None,
+        net_delay_ms=None, net_bandwidth_gbps=None)
     values.update(overrides)
     return argparse.Namespace(**values)
 
@@ -128,7 +136,12 @@ def test_quick_is_smaller_and_flags_override_it() -> None:
 
 @pytest.mark.parametrize("overrides", [{"prefix_tokens": "4000"}, {"prefix_tokens": "x"},
                                        {"prefix_tokens": "32768"}, {"streams": 0},
-                                       {"config": ["nope"]}])
+                                       {"config": ["nope"]}, {"tier": "nfs"},
+                                       {"tier": "redis", "net_delay_ms": -1.0},
+                                       {"tier": "redis", "net_delay_ms": float("nan")},
+                                       {"tier": "redis", "net_bandwidth_gbps": 0.0},
+                                       {"net_delay_ms": 1.0}, {"tier": "disk",
+                                                               "net_bandwidth_gbps": 1.0}])
 def test_bad_settings_name_the_field(overrides: dict[str, object]) -> None:
     with pytest.raises(ConfigError):
         config_from(_args(**overrides))
@@ -154,3 +167,66 @@ def test_the_floor_run_is_reported_for_reference_not_judged() -> None:
     floor = _run("vllm-prefix", (0.01,) * 100, (0.02,) * 300, ttfts=(0.05,))
     (check,) = checks({"vllm-prefix": floor})
     assert check.passed is None and check.value == "2.00x"
+
+
+def test_the_disk_tier_is_the_default_and_the_network_flags_go_with_redis() -> None:
+    disk = config_from(_args())
+    assert disk.tier == "disk" and disk.source == "the disk tier"
+    redis = config_from(_args(quick=True, tier="redis", net_delay_ms=2.0))
+    assert (redis.tier, redis.net_delay_ms, redis.net_bandwidth_gbps) == ("redis", 2.0, 10.0)
+    assert redis.source == ("the redis tier over an emulated network "
+                            "(2 ms each way, 10 Gbit/s)")
+
+
+def _lower_tier(config: InterferenceConfig, name: str, redis_url: str | None = None) -> object:
+    """The tier under kvtier's memory tier in configuration `name`'s server command."""
+    command = server_command(config, name, Path("/models/bench"), Path("/scratch"), redis_url)
+    assert command.kv_transfer_config is not None
+    memory, lower = command.kv_transfer_config["kv_connector_extra_config"]["tiers"]
+    assert memory["kind"] == "memory"
+    return lower
+
+
+def test_kvtier_servers_get_a_disk_tier_or_the_redis_behind_the_network() -> None:
+    disk = InterferenceConfig(Path("."), Path("."))
+    assert _lower_tier(disk, "kvtier-sync") == {
+        "kind": "disk", "path": "/scratch/kvtier-sync/disk", "capacity": "8GiB"}
+    redis = dataclasses.replace(disk, tier="redis")
+    lower = _lower_tier(redis, "kvtier-async", "redis://127.0.0.1:4242/0")
+    assert isinstance(lower, dict)
+    assert lower["kind"] == "redis" and lower["url"] == "redis://127.0.0.1:4242/0"
+    assert lower["socket_timeout_ms"] >= 1000  # the bench measures loads, not timeouts
+    assert server_command(redis, "vllm", Path("/m"), Path("/s")).kv_transfer_config is None
+    with pytest.raises(ConfigError):
+        server_command(redis, "kvtier-sync", Path("/m"), Path("/s"))  # no server URL
+
+
+def _rendered(table: object) -> str:
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(table)
+    return " ".join(console.export_text().split())  # titles wrap to the table's width
+
+
+def test_results_name_the_tier_and_the_network() -> None:
+    run = dataclasses.replace(_run("kvtier-async", (0.01,), (0.01,), ttfts=(0.2,)),
+                              ping_ms=0.9)
+    redis = InterferenceResult(InterferenceConfig(Path("."), Path("."), tier="redis",
+                                                  net_delay_ms=0.5, net_bandwidth_gbps=25.0),
+                               (run,), 1.0, {})
+    figures, targets = _rendered(figures_table(redis)), _rendered(target_table(redis))
+    for text in (figures, targets):
+        assert "redis tier over an emulated network (0.5 ms each way, 25 Gbit/s)" in text
+    assert "redis PING through the network" in figures and "0.90" in figures
+    disk = InterferenceResult(InterferenceConfig(Path("."), Path(".")), (run,), 1.0, {})
+    assert "from the disk tier" in _rendered(figures_table(disk))
+    assert "PING" not in _rendered(figures_table(disk))
+
+
+def test_the_json_names_the_tier_and_the_network(tmp_path: Path) -> None:
+    run = dataclasses.replace(_run("kvtier-sync", (0.01,), (0.01,), ttfts=(0.2,)), ping_ms=0.9)
+    config = InterferenceConfig(tmp_path, tmp_path, tier="redis")
+    InterferenceResult(config, (run,), 1.0, {}).write_json(tmp_path / "r.json")
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["config"]["tier"] == "redis" and data["config"]["net_delay_ms"] == 0.25
+    assert data["config"]["net_bandwidth_gbps"] == 10.0 and data["runs"][0]["ping_ms"] == 0.9
+    assert data["source"] == config.source

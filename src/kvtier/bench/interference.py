@@ -15,13 +15,16 @@ OpenAI server on 127.0.0.1 serves the generated "bench" model (`kvtier.bench.tin
 
 kvtier's memory tier holds `memory_tier_chunks` chunks only, in front of a disk tier in a
 scratch directory, so the arrivals' prefixes come back from the disk (read with O_DIRECT: the
-page cache does not serve them).
+page cache does not serve them). With `tier="redis"`, the tier below the memory tier is a
+redis tier instead: a private redis-server per kvtier configuration, behind an emulated
+network (`kvtier.bench.netem`: `net_delay_ms` each way, `net_bandwidth_gbps` per direction;
+the defaults, 0.5 ms round trip and 10 Gbit/s, are a redis in the same datacenter).
 
 Per configuration:
   1. warm-up, not timed: one short request (one-off start-up costs), then every arrival's
-     prefix once (its chunks go to the disk tier; the bench waits until they are there), then
-     POST /reset_prefix_cache (the server runs with VLLM_SERVER_DEV_MODE=1), so that vLLM's
-     own prefix cache cannot serve them;
+     prefix once (its chunks go to the disk or redis tier; the bench waits until they are
+     there), then POST /reset_prefix_cache (the server runs with VLLM_SERVER_DEV_MODE=1), so
+     that vLLM's own prefix cache cannot serve them;
   2. baseline: K streams decode `stream_tokens` tokens each with no arrivals;
   3. timed: K other streams decode (`stream_tokens`, or more where at the baseline's pace
      they would stop before the last arrival: `timed_stream_tokens`), and M arrivals are sent
@@ -33,7 +36,7 @@ window do not dilute it (`gaps_in_window`). Requests are sent by `kvtier.bench.c
 schedule, the window and the server start's retries are `kvtier.bench.arrivals`'.
 
 Primitives: `InterferenceConfig`, `timed_stream_tokens`, `ConfigRun`, `Check`, `checks`,
-`InterferenceResult`, `run_interference_bench`, `CONFIGS`.
+`InterferenceResult`, `run_interference_bench`, `CONFIGS`, `TIERS`.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Mapping
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,6 +84,10 @@ from kvtier.ops.serving import GIB, ServeCommand, ServeConfig, build_command
 
 CONFIGS = ("vllm", "kvtier-sync", "kvtier-async")
 CHOICES = (*CONFIGS, "kvtier-auto", "vllm-prefix")
+TIERS = ("disk", "redis")  # where the arrivals' prefixes come back from
+# The redis tier's timeouts: generous, as the bench measures loads over a working network,
+# not failure handling (a 200 ms default timeout on 2 loaded cores would turn hits into misses).
+REDIS_TIMEOUT_MS = 10_000
 TARGET_ITL_P99_RATIO = 1.2  # async: streams' ITL p99 with arrivals <= 1.2x without
 TARGET_TTFT_VS_SYNC = 1.0  # async: arrivals' TTFT p50 and p99 no worse than sync
 # The timed streams decode at least this long after the last arrival is sent.
@@ -96,13 +104,16 @@ class InterferenceConfig:
     streams: int = 4  # K: requests decoding while the arrivals come
     stream_prompt_tokens: int = 64  # each stream's prompt (unique, under one chunk)
     stream_tokens: int = 256  # tokens each stream generates (ignore_eos)
-    arrivals: int = 8  # M: requests whose prefixes are in the disk tier
+    arrivals: int = 8  # M: requests whose prefixes are in the disk (or redis) tier
     arrival_gap_s: float = 0.5  # between two arrivals
     lead_s: float = 1.0  # the first arrival is sent this long after the streams
     prefix_tokens: tuple[int, ...] = (4096, 8192)  # arrival i's prefix: item i % len
     new_tokens: int = 16  # tokens after an arrival's prefix (computed in every case)
     arrival_max_tokens: int = 4  # tokens each arrival generates
-    memory_tier_chunks: int = 2  # kvtier's memory tier; the disk tier holds the rest
+    memory_tier_chunks: int = 2  # kvtier's memory tier; the disk (redis) tier holds the rest
+    tier: str = "disk"  # the tier below the memory tier (TIERS)
+    net_delay_ms: float = 0.25  # tier "redis": the emulated network's one-way delay
+    net_bandwidth_gbps: float = 10.0  # tier "redis": its bandwidth per direction
     engine_kv_bytes: int = 1 * GIB  # vLLM's own KV cache (--kv-cache-memory-bytes)
     startup_timeout_s: float = 600.0  # per server start
     request_timeout_s: float = 300.0  # one request's limit
@@ -128,14 +139,28 @@ class InterferenceConfig:
         for name in self.configs:
             if name not in CHOICES:
                 raise ConfigError("configs", name, f"some of {CHOICES}")
+        if self.tier not in TIERS:
+            raise ConfigError("tier", self.tier, f"one of {TIERS}")
+        if not (math.isfinite(self.net_delay_ms) and self.net_delay_ms >= 0):
+            raise ConfigError("net_delay_ms", self.net_delay_ms, "milliseconds >= 0")
+        if not (math.isfinite(self.net_bandwidth_gbps) and self.net_bandwidth_gbps > 0):
+            raise ConfigError("net_bandwidth_gbps", self.net_bandwidth_gbps, "Gbit/s > 0")
 
     @property
     def max_model_len(self) -> int:
         return max(max(self.prefix_tokens, default=0) + self.new_tokens
                    + self.arrival_max_tokens, self.stream_prompt_tokens + self.stream_tokens)
 
+    @property
+    def source(self) -> str:
+        """Where the arrivals' prefixes come back from, in words (tables, results)."""
+        if self.tier == "disk":
+            return "the disk tier"
+        return (f"the redis tier over an emulated network ({self.net_delay_ms:g} ms each way, "
+                f"{self.net_bandwidth_gbps:g} Gbit/s)")
+
     def chunks_stored(self) -> int:
-        """Chunks the warm-up's prefixes put in kvtier (all of them reach the disk tier)."""
+        """Chunks the warm-up's prefixes put in kvtier (all of them reach the lower tier)."""
         return sum(a.prefix_tokens // TOKENS_PER_CHUNK for a in self.schedule())
 
     def schedule(self) -> tuple[Arrival, ...]:
@@ -167,6 +192,7 @@ class ConfigRun:
     streams: tuple[RequestResult, ...]  # the streams of the timed phase
     arrivals: tuple[RequestResult, ...]  # the arrivals, in schedule order
     metrics: dict[str, float] | None  # counter deltas over the timed phase (promdiff)
+    ping_ms: float | None = None  # tier "redis": PING round trip through the network, idle
 
     @property
     def window_s(self) -> tuple[float, float]:
@@ -250,9 +276,9 @@ class InterferenceResult:
         return {r.name: r for r in self.runs}
 
     def write_json(self, path: Path) -> None:
-        data: dict[str, Any] = {"config": asdict(self.config), "wall_s": self.wall_s,
-                                "machine": self.machine, "runs": [], "checks": [
-                                    asdict(c) for c in checks(self.by_name())]}
+        data: dict[str, Any] = {"config": asdict(self.config), "source": self.config.source,
+                                "wall_s": self.wall_s, "machine": self.machine, "runs": [],
+                                "checks": [asdict(c) for c in checks(self.by_name())]}
         for run in self.runs:
             data["runs"].append(dict(
                 asdict(run), window_s=run.window_s, baseline_itl=asdict(run.baseline_itl),
@@ -272,24 +298,40 @@ def _x(ratio: float | None) -> str:
 
 # -- running it ------------------------------------------------------------------------------
 
-def server_command(config: InterferenceConfig, name: str, model: Path,
-                   scratch: Path) -> ServeCommand:
-    """The OpenAI server of configuration `name`, dev mode on (/reset_prefix_cache)."""
+def server_command(config: InterferenceConfig, name: str, model: Path, scratch: Path,
+                   redis_url: str | None = None) -> ServeCommand:
+    """The OpenAI server of configuration `name`, dev mode on (/reset_prefix_cache);
+    `redis_url`: the redis tier's server (tier "redis").
+
+    Raises:
+        ConfigError: tier "redis" without `redis_url`.
+    """
     extra: dict[str, Any] | None = None
     if name.startswith("kvtier"):
         extra = {"tokens_per_chunk": TOKENS_PER_CHUNK, "load_mode": name.split("-", 1)[1],
-                 # the warm-up's chunks all reach the disk tier (none dropped on the way)
+                 # the warm-up's chunks all reach the lower tier (none dropped on the way)
                  "write_queue_depth": max(1024, config.chunks_stored()),
                  "tiers": [{"kind": "memory", "capacity":
                             config.memory_tier_chunks * TOKENS_PER_CHUNK * KV_BYTES_PER_TOKEN},
-                           {"kind": "disk", "path": str(scratch / name / "disk"),
-                            "capacity": "8GiB"}]}
+                           _lower_tier(config, name, scratch, redis_url)]}
     command = build_command(ServeConfig(
         str(model), kvtier=extra is not None, extra_config=extra, port=free_port(),
         vllm_args=("--enforce-eager", "--seed", "0", "--max-model-len",
                    str(config.max_model_len), "--kv-cache-memory-bytes",
                    str(config.engine_kv_bytes))))
     return dataclasses.replace(command, env={**command.env, "VLLM_SERVER_DEV_MODE": "1"})
+
+
+def _lower_tier(config: InterferenceConfig, name: str, scratch: Path,
+                redis_url: str | None) -> dict[str, Any]:
+    """The tier the arrivals' prefixes come back from. Raises ConfigError (see above)."""
+    if config.tier == "disk":
+        return {"kind": "disk", "path": str(scratch / name / "disk"), "capacity": "8GiB"}
+    if redis_url is None:
+        raise ConfigError("redis_url", None, "the redis tier's server URL (tier redis)")
+    # capacity 0: the private server holds everything (no LRU index round trip)
+    return {"kind": "redis", "url": redis_url, "capacity": 0,
+            "socket_timeout_ms": REDIS_TIMEOUT_MS, "connect_timeout_ms": REDIS_TIMEOUT_MS}
 
 
 def _arrival_turn(config: InterferenceConfig, arrival: Arrival, timed: bool) -> Turn:
@@ -309,18 +351,30 @@ async def _reset_prefix_cache(url: str) -> None:
                               f"{(await resp.text())[:200]}")
 
 
-def _wait_for_chunks(directory: Path, count: int, timeout_s: float = 180.0) -> None:
-    """Wait until the disk tier's write-behind has put `count` chunk files in `directory`.
+@dataclass(frozen=True, slots=True)
+class StoredChunks:
+    """How many chunks the lower tier holds: the warm-up waits for its write-behind."""
+
+    where: str  # the disk tier's directory, or the redis server's URL
+    count: Callable[[], int]
+
+
+def _wait_for_chunks(stored: StoredChunks, count: int, timeout_s: float = 180.0) -> None:
+    """Wait until the lower tier's write-behind has stored `count` chunks.
 
     Raises:
         TimeoutError: fewer after `timeout_s`.
     """
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if sum(1 for _ in directory.rglob("*.kvc")) >= count:
+        if stored.count() >= count:
             return
         time.sleep(0.1)
-    raise TimeoutError(f"{directory}: fewer than {count} chunk files after {timeout_s:g} s")
+    raise TimeoutError(f"{stored.where}: fewer than {count} chunks after {timeout_s:g} s")
+
+
+def _disk_chunks(directory: Path) -> StoredChunks:
+    return StoredChunks(str(directory), lambda: sum(1 for _ in directory.rglob("*.kvc")))
 
 
 _Timed = tuple[list[RequestResult], list[RequestResult], dict[str, float] | None]
@@ -344,13 +398,14 @@ async def _timed_phase(config: InterferenceConfig, cfg: ClientConfig,
     return streamed, arrived, metrics
 
 
-def _measure(config: InterferenceConfig, name: str, url: str, model: str, disk: Path | None,
-             progress: Callable[[str], None]) -> ConfigRun:
-    """Phases 1-3 against a ready server (command and startup_s left for the caller).
+def _measure(config: InterferenceConfig, name: str, url: str, model: str,
+             stored: StoredChunks | None, progress: Callable[[str], None]) -> ConfigRun:
+    """Phases 1-3 against a ready server (command and startup_s left for the caller);
+    `stored`: the lower tier to wait for after the warm-up (None: no kvtier).
 
     Raises:
         ServerError: a warm-up request failed, or the prefix cache could not be reset.
-        TimeoutError: the disk tier did not get the warm-up's chunks in time.
+        TimeoutError: the lower tier did not get the warm-up's chunks in time.
     """
     cfg = ClientConfig(url, model, request_timeout_s=config.request_timeout_s)
     started = time.perf_counter()
@@ -363,8 +418,8 @@ def _measure(config: InterferenceConfig, name: str, url: str, model: str, disk: 
               if not r.ok]
     if failed:
         raise ServerError(f"{name}: a warm-up request failed: {failed[0]}")
-    if disk is not None:
-        _wait_for_chunks(disk, config.chunks_stored())
+    if stored is not None:
+        _wait_for_chunks(stored, config.chunks_stored())
     keep = name == "vllm-prefix"  # the floor: the arrivals hit vLLM's own cache
     if not keep:
         asyncio.run(_reset_prefix_cache(url))
@@ -385,25 +440,41 @@ def _measure(config: InterferenceConfig, name: str, url: str, model: str, disk: 
 
 def _run_config(config: InterferenceConfig, name: str, model: Path, scratch: Path,
                 progress: Callable[[str], None]) -> ConfigRun:
-    """Start configuration `name`'s server, measure, stop it. A start that fails because
-    another engine on the machine holds the memory is retried after a minute.
+    """Start configuration `name`'s server (and, for kvtier with tier "redis", a private
+    redis-server behind the emulated network), measure, stop them. A start that fails
+    because another engine on the machine holds the memory is retried after a minute.
 
     Raises:
         ServerError: the server did not start (the message has its log's tail).
+        RuntimeError: redis-server or the emulated network did not start.
     """
-    command = server_command(config, name, model, scratch)
+    with ExitStack() as stack:
+        stored: StoredChunks | None = None
+        redis_url: str | None = None
+        ping_ms: float | None = None
+        if name.startswith("kvtier") and config.tier == "redis":
+            # redis-py and the proxy only when asked for (redis-py: ~0.3 s to import)
+            from kvtier.bench.remote_redis import remote_redis, stored_chunks
+            progress(f"{name}: starting redis-server behind the emulated network")
+            remote = stack.enter_context(remote_redis(
+                scratch, config.net_delay_ms, config.net_bandwidth_gbps))
+            redis_url, ping_ms = remote.proxy_url, remote.ping_ms
+            stored = StoredChunks(remote.url, lambda: stored_chunks(remote.url))
+        elif name.startswith("kvtier"):
+            stored = _disk_chunks(scratch / name / "disk")
+        command = server_command(config, name, model, scratch, redis_url)
 
-    def attempt() -> ConfigRun:
-        progress(f"{name}: starting the server")
-        started = time.perf_counter()
-        with running_server(command, log_path=scratch / f"{name}.log",
-                            startup_timeout_s=config.startup_timeout_s) as server:
-            startup_s = time.perf_counter() - started
-            disk = scratch / name / "disk" if name.startswith("kvtier") else None
-            run = _measure(config, name, server.url, str(model), disk, progress)
-            return dataclasses.replace(run, command=command.display(), startup_s=startup_s)
+        def attempt() -> ConfigRun:
+            progress(f"{name}: starting the server")
+            started = time.perf_counter()
+            with running_server(command, log_path=scratch / f"{name}.log",
+                                startup_timeout_s=config.startup_timeout_s) as server:
+                startup_s = time.perf_counter() - started
+                run = _measure(config, name, server.url, str(model), stored, progress)
+                return dataclasses.replace(run, command=command.display(),
+                                           startup_s=startup_s, ping_ms=ping_ms)
 
-    return retry_while_memory_short(attempt, progress, f"{name}: ")
+        return retry_while_memory_short(attempt, progress, f"{name}: ")
 
 
 def run_interference_bench(config: InterferenceConfig,
@@ -414,7 +485,8 @@ def run_interference_bench(config: InterferenceConfig,
     Raises:
         ConfigError: a bad setting.
         ServerError: a server did not start, or a warm-up request failed.
-        TimeoutError: a disk tier did not get the warm-up's chunks in time.
+        TimeoutError: a disk (redis) tier did not get the warm-up's chunks in time.
+        RuntimeError: tier "redis": redis-server or the emulated network did not start.
     """
     config.validate()
     begin = time.perf_counter()

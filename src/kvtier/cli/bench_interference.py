@@ -1,7 +1,7 @@
 """`kvtier bench interference`: the running streams' inter-token latency and the arriving
-requests' TTFT while the arrivals' prefixes load from the disk tier, for vLLM alone, kvtier
-with synchronous loads and kvtier with asynchronous loads (issue 13). A thin command over
-`kvtier.bench.interference`.
+requests' TTFT while the arrivals' prefixes load from the disk tier (or, `--tier redis`, from a
+redis tier across an emulated network), for vLLM alone, kvtier with synchronous loads and
+kvtier with asynchronous loads (issue 13). A thin command over `kvtier.bench.interference`.
 
 Throughput with 0% hits (kvtier on / off) is not measured here: `kvtier bench ttft` measures
 it, paired within one engine (its "0%-hit throughput" check)."""
@@ -18,6 +18,7 @@ from kvtier.bench.engines import quiet_engine_logs
 from kvtier.bench.interference import (
     CHOICES,
     CONFIGS,
+    TIERS,
     ConfigRun,
     InterferenceConfig,
     InterferenceResult,
@@ -36,10 +37,11 @@ THROUGHPUT_NOTE = ("0%-hit throughput, kvtier on / off: measured by `kvtier benc
 
 def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = workloads.add_parser(
-        "interference", help="streams' ITL and arrivals' TTFT while prefixes load from disk: "
-        "vLLM vs kvtier sync vs async loads",
+        "interference", help="streams' ITL and arrivals' TTFT while prefixes load from disk "
+        "(or redis): vLLM vs kvtier sync vs async loads",
         description="Streams' inter-token latency and arrivals' TTFT while the arrivals' "
-        "prefixes load from kvtier's disk tier: vLLM alone, kvtier sync loads, async loads.")
+        "prefixes load from kvtier's disk tier (or a redis tier across an emulated network): "
+        "vLLM alone, kvtier sync loads, async loads.")
     defaults = InterferenceConfig(Path("."), Path("."))
     parser.add_argument("--config", action="append", choices=CHOICES,
                         help=f"configuration to run (repeatable; default {', '.join(CONFIGS)})")
@@ -53,8 +55,20 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     parser.add_argument("--prefix-tokens",
                         help="arrivals' prefix lengths, comma-separated, cycled; multiples of "
                              "256 (" + ",".join(map(str, defaults.prefix_tokens)) + ")")
+    parser.add_argument("--tier", choices=TIERS,
+                        help="the tier the arrivals' prefixes come back from, below a "
+                             f"{defaults.memory_tier_chunks}-chunk memory tier ({defaults.tier}); "
+                             "redis: a private redis-server behind a delaying, bandwidth-capped "
+                             "proxy on 127.0.0.1")
+    parser.add_argument("--net-delay-ms", type=float, dest="net_delay_ms", metavar="MS",
+                        help="--tier redis: the emulated network's one-way delay, ms "
+                             f"({defaults.net_delay_ms:g}: a round trip of "
+                             f"{2 * defaults.net_delay_ms:g} ms, a server in the same datacenter)")
+    parser.add_argument("--net-gbps", type=float, dest="net_bandwidth_gbps", metavar="GBPS",
+                        help="--tier redis: the emulated network's bandwidth per direction, "
+                             f"Gbit/s ({defaults.net_bandwidth_gbps:g})")
     parser.add_argument("--dir", type=work_dir, default=Path("."),
-                        help="a scratch dir (server logs, disk tiers) is made here")
+                        help="a scratch dir (server logs, disk tiers, redis) is made here")
     parser.add_argument("--model-root", type=output_dir, default=Path(".kvtier-models"),
                         help="where the generated bench model is cached")
     parser.add_argument("--quick", action="store_true",
@@ -66,9 +80,13 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
 def config_from(args: argparse.Namespace) -> InterferenceConfig:
     """The settings: --quick's, then any flag given. Raises ConfigError."""
     settings: dict[str, object] = dict(QUICK) if args.quick else {}
-    for name in ("streams", "stream_tokens", "arrivals", "arrival_gap_s"):
+    for name in ("streams", "stream_tokens", "arrivals", "arrival_gap_s", "tier",
+                 "net_delay_ms", "net_bandwidth_gbps"):
         if getattr(args, name) is not None:
             settings[name] = getattr(args, name)
+    for name in ("net_delay_ms", "net_bandwidth_gbps"):
+        if getattr(args, name) is not None and settings.get("tier") != "redis":
+            raise ConfigError(name, getattr(args, name), "only with --tier redis")
     if args.prefix_tokens is not None:
         try:
             settings["prefix_tokens"] = tuple(int(t) for t in args.prefix_tokens.split(",") if t)
@@ -111,9 +129,12 @@ def figures_table(result: InterferenceResult) -> Table:
         ("tokens per stream, timed phase", lambda r: str(r.timed_stream_tokens)),
         ("server start / warm-up (s)", lambda r: f"{r.startup_s:.0f} / {r.warmup_s:.0f}"),
     )
+    if c.tier == "redis":
+        rows += (("redis PING through the network, idle (ms)",
+                  lambda r: "-" if r.ping_ms is None else f"{r.ping_ms:.2f}"),)
     return runs_table(f"{c.streams} streams x {c.stream_tokens} tokens; {c.arrivals} arrivals "
                       f"{c.arrival_gap_s:g} s apart, prefixes "
-                      f"{'/'.join(map(str, c.prefix_tokens))} tokens from the disk tier",
+                      f"{'/'.join(map(str, c.prefix_tokens))} tokens from {c.source}",
                       result.runs, rows)
 
 
@@ -122,7 +143,9 @@ def _x(ratio: float | None) -> str:
 
 
 def target_table(result: InterferenceResult) -> Table:
-    table = Table(title="Targets (issue 13)")
+    title = "Targets (issue 13)" if result.config.tier == "disk" else \
+        f"Targets (issue 13; prefixes from {result.config.source})"
+    table = Table(title=title)
     for name in ("check", "measured", "target", ""):
         table.add_column(name)
     for c in checks(result.by_name()):
