@@ -46,7 +46,8 @@ def worker() -> tuple[ConnectorWorker, dict[str, torch.Tensor], TieredStore]:
 
 def stored_keys(w: ConnectorWorker, expected: set[ChunkKey],
                 timeout_s: float = 10) -> set[ChunkKey]:
-    """Stores complete on a side thread: collect reports until `expected` or the timeout."""
+    """Collect reports until `expected` or the timeout (a synchronous store reports its
+    chunks in its own step)."""
     got: set[ChunkKey] = set()
     deadline = time.monotonic() + timeout_s
     while got != expected and time.monotonic() < deadline:
@@ -97,4 +98,24 @@ def test_more_stores_than_staging_buffers_all_complete(worker) -> None:  # type:
                  for i in range(12)]
     w.store(KVTierMetadata(stores=transfers))
     assert stored_keys(w, {t.key for t in transfers}) == {t.key for t in transfers}
+    w.close()
+
+
+def test_async_stores_are_joined_like_the_cpu_store_threads(worker) -> None:  # type: ignore[no-untyped-def]
+    """The same protocol as on the CPU (tests/vllm/test_async_stores.py): a step's stores are
+    one job (device gathers now, DMA into the memory tier's pinned slots on the completion
+    thread), joined and reported by the end of the next step, loaded back byte for byte."""
+    w, kv, _store = worker
+    src, dst = (5, 6, 7, 8), (20, 21, 22, 23)
+    w.store(KVTierMetadata(stores=[ChunkTransfer(key(200), src)], stores_async=True))
+    assert w.finish_step(set()) == set()  # this step's own job is not waited for
+    assert w.finish_step({"held"}) == {"held"}  # the next step joins it
+    report = w.take_report()
+    assert report is not None and report.stored == {key(200)}
+    w.load(KVTierMetadata(loads={"r": [ChunkTransfer(key(200), dst)]}))
+    torch.cuda.synchronize()
+    for t in kv.values():
+        bytes_ = t.view(torch.uint8)
+        for s, d in zip(src, dst):
+            assert torch.equal(bytes_[:, d], bytes_[:, s])
     w.close()

@@ -21,7 +21,7 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.locator import ChunkLocator
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.messages import KVTierMetadata, KVTierWorkerMetadata
-from kvtier.integrations.vllm.scheduler import ConnectorScheduler
+from kvtier.integrations.vllm.scheduler import ConnectorScheduler, stores_async
 
 CHUNK, BLOCK = 64, 32
 
@@ -163,6 +163,7 @@ def test_a_preempted_request_stores_its_unstored_chunks_from_its_new_blocks() ->
     meta = engine.step(new={"a": (list(range(7)), 0, 128)})  # chunked prefill: 2 chunks
     engine.report(stored={meta.stores[0].key})  # chunk 1's store was dropped
     engine.step(preempted={"a"})
+    engine.report()  # asynchronous stores: the step after theirs reports them (none)
     meta = engine.step(cached={"a": (list(range(30, 37)), 0, 200)}, resumed={"a"})
     assert [t.block_ids for t in meta.stores] == [(32, 33), (34, 35)]  # chunks 1 and 2
 
@@ -302,3 +303,53 @@ def test_a_prefetched_chunk_ram_evicts_again_is_prefetched_again() -> None:
                           for kind in (EventKind.STORED, EventKind.REMOVED)])
     engine.sched.get_num_new_matched_tokens(waiting, 0)
     assert engine.step(cached={"a": ([], 201, 1)}).prefetch == held
+
+
+def test_a_request_ending_while_its_stores_may_run_is_held_one_step() -> None:
+    """Asynchronous stores (store_mode "auto"): a request whose chunks the last two plans
+    stored may still be gathered when it ends; vLLM keeps its blocks until the workers report
+    it (the next plan names it). One whose stores are older is freed at once."""
+    engine = Engine()
+    quick, slow = request("a", 200), request("b", 100, first=5000)
+    engine.admit(quick, list(range(7)))
+    engine.admit(slow, list(range(10, 14)))
+    meta = engine.step(new={"a": (list(range(7)), 0, 200), "b": (list(range(10, 14)), 0, 100)})
+    assert meta.stores_async and len(meta.stores) == 4  # a: 3 chunks, b: 1
+    assert engine.sched.request_finished(quick) is True  # its stores are this step's
+    meta = engine.step(cached={"b": ([], 100, 1)})
+    assert meta.held == {"a"} and meta.stores == []
+    engine.step(cached={"b": ([], 101, 1)})
+    assert engine.sched.request_finished(slow) is False  # its store ran two steps ago
+    assert engine.step().held == set()
+
+
+def test_store_mode_sync_holds_nothing_and_async_is_refused_where_blocks_move() -> None:
+    engine = Engine()
+    engine.sched = ConnectorScheduler(
+        ConnectorConfig.parse({"tokens_per_chunk": CHUNK, "store_mode": "sync"}),
+        block_size=BLOCK, model_id="tiny", layout_digest="0" * 32, locator=engine.locator)
+    req = request("a", 200)
+    engine.admit(req, list(range(7)))
+    assert not engine.step(new={"a": (list(range(7)), 0, 200)}).stores_async
+    assert engine.sched.request_finished(req) is False
+    assert stores_async("auto", several_groups=False, kv_role="kv_both")
+    assert not stores_async("auto", several_groups=True, kv_role="kv_both")  # sliding windows
+    assert not stores_async("async", several_groups=True, kv_role="kv_both")
+    assert not stores_async("auto", several_groups=False, kv_role="kv_producer")
+    with pytest.raises(Exception, match="store_mode"):
+        ConnectorConfig.parse({"store_mode": "later"})
+
+
+def test_a_preempted_request_is_named_in_the_plan_and_its_inflight_store_not_planned_twice(
+) -> None:
+    engine = Engine()
+    first, twin = request("a", 200), request("b", 200)  # the same tokens
+    engine.admit(first, list(range(7)))
+    stores = engine.step(new={"a": (list(range(7)), 0, 200)}).stores
+    # The twin arrives before the stores are reported (asynchronous: a step later).
+    engine.admit(twin, list(range(10, 17)))
+    meta = engine.step(new={"b": (list(range(10, 17)), 0, 200)}, preempted={"a"})
+    assert meta.preempted == {"a"}
+    assert meta.stores == []  # the same chunks are in flight: not gathered twice
+    engine.report(stored={t.key for t in stores})
+    assert engine.admit(request("c", 200), list(range(20, 27))) == 192

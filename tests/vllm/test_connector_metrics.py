@@ -112,13 +112,13 @@ def test_latencies_travel_as_observations_and_merge_by_concatenation() -> None:
     """Histograms ship the interval's observations; two ranks' reports keep both."""
     rank0, rank1 = StatsDelta(rank=0), StatsDelta(rank=1)
     rank0.observe("load_request_seconds", 0.002, "sync")
-    rank0.observe("store_step_seconds", 0.01)
+    rank0.observe("store_step_seconds", 0.01, "async")
     rank1.observe("load_request_seconds", 0.004, "sync")
     first, second = rank0.take(), rank1.take()
     assert first is not None and second is not None  # observations alone are worth a report
     merged = first.aggregate(second)
     assert merged.data["observations"]["load_request_seconds"] == {"sync": [0.002, 0.004]}
-    assert merged.data["observations"]["store_step_seconds"] == {"": [0.01]}
+    assert merged.data["observations"]["store_step_seconds"] == {"async": [0.01]}
     assert rank0.take() is None  # taken: the next report starts empty
 
 
@@ -127,7 +127,7 @@ def test_prometheus_export_of_histograms_and_failure_reasons() -> None:
                              ["model_name", "engine"], {0: ["tiny", 0]})
     prom.observe({"counters": {"tier_failures": {"disk/timeout": 2}}, "gauges": {},
                   "observations": {"load_request_seconds": {"sync": [0.002, 0.3]},
-                                   "store_step_seconds": {"": [0.004]}}})
+                                   "store_step_seconds": {"async": [0.004]}}})
     labels = {"model_name": "tiny", "engine": "0"}
     get = REGISTRY.get_sample_value
     assert get("vllm:kvtier_tier_failures_total",
@@ -136,7 +136,7 @@ def test_prometheus_export_of_histograms_and_failure_reasons() -> None:
     assert get("vllm:kvtier_load_request_seconds_count", sync) == 2
     assert get("vllm:kvtier_load_request_seconds_bucket", {**sync, "le": "0.0025"}) == 1
     assert get("vllm:kvtier_load_request_seconds_bucket", {**sync, "le": "+Inf"}) == 2
-    assert get("vllm:kvtier_store_step_seconds_count", labels) == 1
+    assert get("vllm:kvtier_store_step_seconds_count", {**labels, "mode": "async"}) == 1
 
 
 def test_series_start_at_zero_so_alerts_and_panels_find_them() -> None:

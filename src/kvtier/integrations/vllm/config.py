@@ -34,12 +34,18 @@ TOKENS_PER_CHUNK = 256
 # Used when the extra config names no tiers: host RAM only.
 DEFAULT_TIERS: tuple[dict[str, Any], ...] = ({"kind": "memory", "capacity": "2GiB"},)
 # The connector's own keys; every other key of the extra config belongs to StoreConfig.
-CONNECTOR_KEYS = frozenset({"tokens_per_chunk", "index_max_keys", "load_mode"})
+CONNECTOR_KEYS = frozenset({"tokens_per_chunk", "index_max_keys", "load_mode", "store_mode"})
 # How a hit is loaded: "sync" inside the step that needs it (the whole batch waits for it),
 # "async" while other requests keep running (the request waits one step or more), "auto":
 # async when the hit reads below RAM while other requests run (a RAM hit is a memcpy, and an
 # idle engine has no batch to protect: both cheaper inline).
 LOAD_MODES = ("auto", "sync", "async")
+# How a step's stores run: "sync" gathered into the store before the step returns; "async" on
+# the worker's store thread while the engine goes on (a finished or preempted request's blocks
+# are kept until its gathers are done); "auto": async, except where blocks may be freed while
+# their request runs (models with several KV cache groups: sliding windows, state layers) and
+# on a disaggregated prefill instance (kv_producer), whose step waits for its writes anyway.
+STORE_MODES = ("auto", "sync", "async")
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +67,8 @@ class ConnectorConfig:
     index_max_keys: int | None = None
     # See LOAD_MODES.
     load_mode: str = "auto"
+    # See STORE_MODES.
+    store_mode: str = "auto"
 
     @staticmethod
     def known_keys() -> frozenset[str]:
@@ -87,9 +95,10 @@ class ConnectorConfig:
                               f"a known key: {sorted(allowed)}")
         values = {k: extra.pop(k) for k in CONNECTOR_KEYS if k in extra}
         for name, value in values.items():
-            if name == "load_mode":
-                if value not in LOAD_MODES:
-                    raise ConfigError(f"{where}.{name}", value, f"one of {LOAD_MODES}")
+            if name in ("load_mode", "store_mode"):
+                modes = LOAD_MODES if name == "load_mode" else STORE_MODES
+                if value not in modes:
+                    raise ConfigError(f"{where}.{name}", value, f"one of {modes}")
             elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{where}.{name}", value, "a positive integer")
         extra.setdefault("tiers", [dict(t) for t in DEFAULT_TIERS])

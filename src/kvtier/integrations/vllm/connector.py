@@ -2,11 +2,15 @@
 
 vLLM builds one instance per role: SCHEDULER (in the engine-core process) delegates to
 `scheduler.ConnectorScheduler`; WORKER (in each worker process) delegates to
-`worker.ConnectorWorker`, which owns the worker's `TieredStore`. Loads run in `start_load_kv`
-before the forward pass (the scheduler marks the step as having sync loads); stores run in
-`wait_for_save` after it and copy the blocks out before returning, so no block outlives its
-request; slower tiers are written behind, off the engine's thread. It supports vLLM's hybrid KV
-cache manager (`SupportsHMA`): a chunk holds every attention group's layers (groups.py).
+`worker.ConnectorWorker`, which owns the worker's `TieredStore`. Synchronous loads run in
+`start_load_kv` before the forward pass (the scheduler marks the step as having sync loads),
+asynchronous ones on the worker's load thread until `get_finished` reports them. Stores are
+handed to the worker's store thread in `wait_for_save` (or run there, store_mode "sync"); a
+request whose store may still read its blocks is held (`request_finished` returns True) until
+`get_finished` reports it, and `handle_preemptions` lets stores finish before a preempted
+request's blocks can be written. Slower tiers are written behind, off the engine's thread. It
+supports vLLM's hybrid KV cache manager (`SupportsHMA`): a chunk holds every attention group's
+layers (groups.py).
 
 Enable with
     kv_transfer_config={"kv_connector": "KVTierConnector",
@@ -241,8 +245,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
-        self._scheduler.request_finished(request)
-        return False, None
+        return self._scheduler.request_finished(request), None
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
@@ -300,21 +303,20 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                                        if handoff else None)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        """The step's plan, before its forward (start_load_kv may come after it): loaded
-        states go where the forward reads them (models with state layers)."""
+        """The step's plan, before its forward (vLLM calls start_load_kv after the forward in
+        a step without synchronous loads): the worker takes it in, loaded states go where the
+        forward reads them (models with state layers) and, on the CPU, asynchronous loads
+        start here, so that they run beside this forward rather than the next."""
         super().bind_connector_metadata(connector_metadata)
-        if self._worker is not None and isinstance(connector_metadata, KVTierMetadata) \
-                and connector_metadata.state_copies:
-            self._worker.place_states(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, KVTierMetadata):
+            self._worker.begin_step(connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if self._worker is not None and isinstance(meta, KVTierMetadata):
-            self._worker.begin_step(meta)
             if meta.loads:
                 self._worker.load(meta)
-            if meta.async_loads:
-                self._worker.start_async(meta)
+            self._worker.start_async(meta)  # those begin_step did not start
             self._worker.prefetch(meta.prefetch)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -323,6 +325,13 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
         return  # stores run in wait_for_save, once every layer is computed
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before the step's forward: stores still reading a preempted request's blocks
+        finish (vLLM may hand those blocks to a request this forward writes)."""
+        if self._worker is not None and isinstance(kv_connector_metadata, KVTierMetadata) \
+                and kv_connector_metadata.preempted:
+            self._worker.finish_stores()
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
@@ -333,12 +342,16 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return self._scheduler.take_events() if self._scheduler is not None else ()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """(None, the requests whose asynchronous load ended): kvtier's stores are
-        synchronous, so no request waits on one; an ended load may have failed (see
+        """(the held requests whose stores are done, the requests whose asynchronous load
+        ended). The plan names the held requests (`KVTierMetadata.held`, a subset of
+        `finished_req_ids`); an ended load may have failed (see
         get_block_ids_with_load_errors, asked right after this)."""
         if self._worker is None:
             return None, None
-        return None, self._worker.take_finished_loads() or None
+        meta = self._connector_metadata  # bound for the step (None outside one)
+        held = meta.held if isinstance(meta, KVTierMetadata) else set()
+        sending = self._worker.finish_step(held)
+        return sending or None, self._worker.take_finished_loads() or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """`get_finished`, and the requests whose asynchronous load failed (reported by

@@ -4,13 +4,15 @@ memory, asynchronous on side streams.
 UNTESTED ON HARDWARE: written against torch's documented stream and event API without a GPU
 in reach (tests/gpu/test_cuda_copy.py and `kvtier bench copy` check it where one is).
 
-Stores (after the forward pass, from `wait_for_save`): on the store stream, which first waits
-for the work the compute stream has queued so far, the chunk's blocks are gathered into a
-device staging buffer (one kernel), then copied to a pinned host buffer (DMA). The compute
-stream waits only for the gather, which takes microseconds on the device, before its next
-kernels may overwrite the blocks; the DMA overlaps the next forward pass. A completion
-thread waits for the DMA, puts the pinned bytes into the store (a host memcpy into the
-memory tier's pinned slab) and frees the buffers; `take_stored` reports those keys.
+Stores (after the forward pass, from `wait_for_save`), a step's chunks as one job: on the
+store stream, which first waits for the work the compute stream has queued so far, each
+chunk's blocks are gathered into a device staging buffer (one kernel each). The compute stream
+waits only for the gathers, which take microseconds on the device, before its next kernels may
+overwrite the blocks, so no block needs to outlive its request. A completion thread then puts
+each chunk into the store (`TieredStore.put_from`): the memory tier reserves a slot of its
+pinned slab, the DMA copies the staging buffer straight into it (no host staging copy), and the
+slot is committed once the DMA's event has completed; the job's future (`StoreJob`) resolves
+when the step's chunks are in, which the worker joins and reports like the CPU's store thread.
 
 Loads (before the forward pass, from `start_load_kv`): the chunk is borrowed from the store
 (the memory tier lends its pinned slot; a slower tier is read into a pinned buffer), copied
@@ -19,9 +21,9 @@ compute stream waits for that event, so the forward pass starts no earlier than 
 in place, and the host thread never waits for the copy. The borrow, which keeps the host
 slot from being reused, is returned once the copy's event has completed.
 
-Staging buffers are a fixed ring (`depth` chunks per direction, on the device and pinned on
-the host); when all are busy the caller waits for the oldest (back-pressure, never an
-unbounded queue).
+Staging buffers are a fixed ring (`depth` chunks per direction, on the device; loads also
+have pinned host twins); when all are busy the caller waits for the oldest (back-pressure,
+never an unbounded queue).
 
 Primitives: `CudaChunkMover`.
 """
@@ -31,6 +33,9 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -38,8 +43,11 @@ from typing import Protocol
 import torch
 
 from kvtier.core.keys import ChunkKey
+from kvtier.core.retention import ChunkMeta
 from kvtier.core.store import ChunkView
+from kvtier.integrations.vllm.messages import ChunkTransfer
 from kvtier.integrations.vllm.paged import PagedKV
+from kvtier.integrations.vllm.storejob import StoreJob
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +58,8 @@ class _Store(Protocol):
     def borrow(self, key: ChunkKey,
                spare: memoryview) -> AbstractContextManager[ChunkView | None]: ...
 
-    def put(self, key: ChunkKey, data: memoryview) -> bool: ...
+    def put_from(self, key: ChunkKey, fill: Callable[[memoryview], None],
+                 spare: memoryview, meta: ChunkMeta | None = None) -> bool: ...
 
 
 @dataclass(slots=True)
@@ -66,6 +75,18 @@ class _Slot:
 
 
 @dataclass(slots=True)
+class _StoreBatch:
+    """One step's stores, gathered on the device, waiting for their puts."""
+
+    store: _Store
+    transfers: list[ChunkTransfer]
+    metas: list[ChunkMeta | None]
+    slots: list[torch.Tensor]  # device staging buffers, one per transfer
+    done: Future[StoreJob]
+    started: float  # time.perf_counter() of the first gather
+
+
+@dataclass(slots=True)
 class _PendingLoad:
     done: torch.cuda.Event  # recorded on the load stream after the scatter
     slot: _Slot
@@ -76,7 +97,7 @@ class CudaChunkMover:
     """Asynchronous chunk loads and stores for a `PagedKV` on a CUDA device.
 
     Every method is called from the model runner's thread, except that the completion thread
-    runs the store's `put` (thread-safe).
+    runs the store's `put_from` (thread-safe).
     """
 
     def __init__(self, paged: PagedKV, chunk_bytes: int, depth: int = 4) -> None:
@@ -94,57 +115,72 @@ class CudaChunkMover:
             return _Slot(torch.empty(chunk_bytes, dtype=torch.uint8, device=self._device),
                          torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True))
 
-        self._free_store_slots: queue.Queue[_Slot] = queue.Queue()
+        self._free_store_slots: queue.Queue[torch.Tensor] = queue.Queue()
         for _ in range(depth):
-            self._free_store_slots.put(slot())
+            self._free_store_slots.put(torch.empty(chunk_bytes, dtype=torch.uint8,
+                                                   device=self._device))
+        # Where a chunk the memory tier declines is copied before the lower tiers get it.
+        self._spare = torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True)
         self._free_load_slots = [slot() for _ in range(depth)]
         self._pending_loads: list[_PendingLoad] = []
-        self._stored: list[ChunkKey] = []
-        self._stored_lock = threading.Lock()
-        self._completions: queue.Queue[tuple[_Store, ChunkKey, _Slot, torch.cuda.Event]
-                                       | None] = queue.Queue()
+        self._completions: queue.Queue[_StoreBatch | None] = queue.Queue()
         self._completer = threading.Thread(target=self._complete_stores,
                                            name="kvtier-cuda-store", daemon=True)
         self._completer.start()
 
     # -- stores ---------------------------------------------------------------------------
-    def submit_store(self, store: _Store, key: ChunkKey, block_ids: tuple[int, ...]) -> None:
-        """Queue one chunk's device -> host copy and its put into `store`. Returns at once
-        unless every store buffer is still in flight (then waits for the oldest)."""
-        slot = self._free_store_slots.get()
+    def submit_stores(self, store: _Store, transfers: list[ChunkTransfer],
+                      metas: list[ChunkMeta | None]) -> Future[StoreJob]:
+        """Gather a step's chunks on the store stream and queue their puts into `store`
+        (`metas`: each chunk's tenant, pin and expiry); the future resolves once they are
+        in. Returns without waiting for the device unless every staging buffer is in
+        flight (then it waits for the oldest: back-pressure)."""
+        batch = _StoreBatch(store, transfers, metas, [], Future(), time.perf_counter())
         compute = torch.cuda.current_stream(self._device)
         self._store_stream.wait_stream(compute)  # the forward pass wrote these blocks
+        for transfer in transfers:
+            slot = self._free_store_slots.get()
+            with torch.cuda.stream(self._store_stream):
+                self._paged.gather(transfer.block_ids, slot)
+            batch.slots.append(slot)
         gathered = torch.cuda.Event()
-        copied = torch.cuda.Event()
-        with torch.cuda.stream(self._store_stream):
-            self._paged.gather(block_ids, slot.device)
-            gathered.record(self._store_stream)
-            slot.host.copy_(slot.device, non_blocking=True)
-            copied.record(self._store_stream)
-        # Later kernels may overwrite the blocks only once the gather has read them.
+        gathered.record(self._store_stream)
+        # Later kernels may overwrite the blocks only once the gathers have read them.
         compute.wait_event(gathered)
-        self._completions.put((store, key, slot, copied))
+        self._completions.put(batch)
+        return batch.done
 
     def _complete_stores(self) -> None:
-        while (job := self._completions.get()) is not None:
-            store, key, slot, copied = job
-            try:
-                copied.synchronize()
-                if store.put(key, slot.host_view):
-                    with self._stored_lock:
-                        self._stored.append(key)
-            except Exception:  # a failed store is a future miss, never a dead thread
-                log.exception("kvtier: CUDA store of %s failed", key.hex())
-            finally:
-                self._free_store_slots.put(slot)
+        torch.cuda.set_device(self._device)  # vLLM's rank may not use device 0
+        while (batch := self._completions.get()) is not None:
+            stored = []
+            for transfer, meta, slot in zip(batch.transfers, batch.metas, batch.slots,
+                                            strict=True):
+                try:
+                    if batch.store.put_from(transfer.key, self._copy_out(slot),
+                                            self._spare.numpy().data, meta):
+                        stored.append(transfer)
+                except Exception:  # a failed store is a future miss, never a dead thread
+                    log.exception("kvtier: CUDA store of %s failed", transfer.key.hex())
+                finally:
+                    self._free_store_slots.put(slot)
+            batch.done.set_result(StoreJob(stored, time.perf_counter() - batch.started,
+                                           "async"))
 
-    def take_stored(self) -> list[ChunkKey]:
-        """Keys whose stores completed since the last call; also returns finished loads'
-        borrows."""
+    def _copy_out(self, slot: torch.Tensor) -> Callable[[memoryview], None]:
+        """A `put_from` fill: DMA the staging buffer into the (pinned) view, and wait for it
+        (completion thread: the step does not wait)."""
+        def fill(view: memoryview) -> None:
+            copied = torch.cuda.Event()
+            with torch.cuda.stream(self._store_stream):
+                torch.frombuffer(view, dtype=torch.uint8).copy_(slot, non_blocking=True)
+                copied.record(self._store_stream)
+            copied.synchronize()
+        return fill
+
+    def release_loads(self) -> None:
+        """Return finished loads' borrows (model runner thread, once a step)."""
         self._release_loads(wait=False)
-        with self._stored_lock:
-            stored, self._stored = self._stored, []
-        return stored
 
     # -- loads ----------------------------------------------------------------------------
     def load(self, store: _Store, key: ChunkKey, block_ids: tuple[int, ...],

@@ -81,6 +81,17 @@ class KVTierMetadata(KVConnectorMetadata):
     async_loads: dict[str, list[ChunkTransfer]] = field(default_factory=dict)
     # Stores of chunks that this step's forward completes; done after the forward pass.
     stores: list[ChunkTransfer] = field(default_factory=list)
+    # Whether `stores` run on the worker's store thread while the engine goes on
+    # (config.STORE_MODES) rather than before the step returns.
+    stores_async: bool = False
+    # Requests that ended since the last plan whose blocks vLLM keeps until the workers report
+    # them (vLLM's finished_sending): stores planned for them may still be reading the blocks.
+    # Each was planned in an earlier step than this one, so its gathers are done once the
+    # worker has joined the earlier steps' stores (it does, and reports them, this step).
+    held: set[str] = field(default_factory=set)
+    # Requests this step's schedule preempted: vLLM may give their blocks to other requests,
+    # written by this step's forward, so stores still reading them finish first.
+    preempted: set[str] = field(default_factory=set)
     # Blocks whose failed load the scheduler has learned of (vLLM recomputes them from this
     # step on): stores need no longer avoid them.
     acked_failed_blocks: set[int] = field(default_factory=set)

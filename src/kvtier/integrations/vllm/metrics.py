@@ -22,7 +22,8 @@ the step waits for, and p99 over all ranks' observations shows it).
 Latencies (histograms, `HISTOGRAMS`): `load_request_seconds` is one request's hit, from the
 first chunk read to the last block filled: what a request's TTFT pays for a hit (mode="sync":
 inside the step, which waits for it; "async": from the start of the load to the step that saw
-it end). `store_step_seconds` is one step's stores (the step waits for them). Per request and
+it end). `store_step_seconds` is one step's stores (mode="sync": the step waits for them;
+"async": on the store thread while the engine goes on). Per request and
 per step rather than per chunk: that is what a user and the engine wait for; per chunk a tier's
 average read is `tier_read_seconds / tier_hits`.
 
@@ -77,7 +78,12 @@ COUNTERS: dict[str, str] = {
                              "freed blocks of them (tokens_per_chunk above the window)",
     "stored_tokens": "Tokens stored from vLLM's KV cache",
     "stored_bytes": "KV bytes stored from vLLM's KV cache",
-    "store_seconds": "Seconds the workers spent storing KV (copy out of blocks + top tier)",
+    "store_seconds": "Seconds the workers spent storing KV (copy out of blocks + top tier), "
+                     "on the engine's thread or the store thread (store_mode)",
+    "store_wait_seconds": "Seconds engine steps waited for stores: synchronous stores, or "
+                          "an earlier step's asynchronous stores still running",
+    "held_requests": "Finished requests whose blocks vLLM kept one more step because an "
+                     "asynchronous store of them could still be reading them",
     # Retention (kvtier.core.retention; tiers that keep tenants, pins and expiry)
     "tier_tenant_evictions": "Chunks of a tenant evicted from the tier (by its own quota or "
                              "the tier's LRU); tenant: a hash prefix of its cache salt, "
@@ -99,8 +105,8 @@ HISTOGRAMS: dict[str, str] = {
     "load_request_seconds": "Seconds to load one request's hit into vLLM's KV cache (read + "
                             "copy into blocks); mode=sync: the step waits for it, async: from "
                             "its start to the step that saw it end",
-    "store_step_seconds": "Seconds one step spent storing KV (copy out of blocks + top tier; "
-                          "the step waits for it)",
+    "store_step_seconds": "Seconds one step's stores took (copy out of blocks + top tier); "
+                          "mode=sync: the step waits for them, async: on the store thread",
 }
 # Label names beyond vLLM's own (model_name, engine), in the order of a payload key's parts.
 LABELS: dict[str, list[str]] = {
@@ -109,6 +115,7 @@ LABELS: dict[str, list[str]] = {
     "tier_tenant_evictions": ["tier", "tenant"],
     "tier_tenant_used_bytes": ["tier", "tenant"],
     "load_request_seconds": ["mode"],
+    "store_step_seconds": ["mode"],
 }
 # From a fast RAM hit (~1 ms) to a stalled tier's read deadline (seconds).
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,

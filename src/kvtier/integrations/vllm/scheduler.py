@@ -16,7 +16,13 @@ planned before the scheduler learns of the failure name the recently loaded bloc
 depend on, so that a worker can refuse them (see messages.py); the refused chunks are planned
 again and stored once vLLM has recomputed them.
 
-Primitives: `ConnectorScheduler`.
+Stores run on the workers' store thread (`stores_async`) unless a model's blocks may be freed
+while its request runs: a request that ends while a store of it may still be reading its
+blocks is held (`request_finished` returns True; vLLM frees the blocks when the workers report
+it, a step later), and the workers finish the stores of preempted requests before the forward
+that may overwrite their blocks.
+
+Primitives: `ConnectorScheduler`, `stores_async`.
 """
 
 from __future__ import annotations
@@ -89,6 +95,21 @@ class _RequestState:
     # A load of it failed: it is recomputed, never looked up again (a tier that failed once,
     # e.g. stalled, would fail again and keep the request waiting).
     load_failed: bool = False
+    # The plan (step number) that last stored a chunk of it; -1: none.
+    last_store_step: int = -1
+
+
+def stores_async(store_mode: str, several_groups: bool, kv_role: str | None) -> bool:
+    """Whether stores run on the workers' store thread (config.STORE_MODES). Never with
+    several KV cache groups: a sliding-window or state group frees blocks while its request
+    runs, with no hook a worker could wait in before they are written again."""
+    if store_mode == "auto":
+        return not several_groups and kv_role != "kv_producer"
+    if store_mode == "async" and several_groups:
+        logger.warning("kvtier: store_mode 'async' ignored: a model with several KV cache "
+                       "groups frees blocks while its requests run; stores are synchronous")
+        return False
+    return store_mode == "async"
 
 
 class ConnectorScheduler:
@@ -121,6 +142,7 @@ class ConnectorScheduler:
             logger.warning("kvtier: load_mode 'sync' ignored: a model with several KV cache "
                            "groups loads asynchronously (vLLM recovers failed loads only by "
                            "request there)")
+        self._stores_async = stores_async(config.store_mode, self._several_groups, kv_role)
         window = self._groups.min_window
         if window is not None and config.tokens_per_chunk > window:
             logger.warning(
@@ -144,8 +166,11 @@ class ConnectorScheduler:
         self._kv_events: list[KVCacheEvent] = []
         self._requests: dict[str, _RequestState] = {}
         self._pending_loads: dict[str, list[ChunkTransfer]] = {}
-        # Keys sent to workers for storing and not yet reported back (not stored twice).
-        self._inflight_stores: set[ChunkKey] = set()
+        # Keys sent to workers for storing and not yet reported back (not stored twice), with
+        # the step that planned them.
+        self._inflight_stores: dict[ChunkKey, int] = {}
+        # Requests ended since the last plan whose blocks vLLM keeps for their stores.
+        self._held: set[str] = set()
         # Blocks planned to be loaded -> the step that loads them, for LOAD_CONFIRM_STEPS.
         self._step = 0
         self._recent_loads: dict[int, int] = {}
@@ -259,8 +284,11 @@ class ConnectorScheduler:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMetadata:
         """This step's plan: the pending loads, and stores of chunks the step completes."""
         meta = KVTierMetadata(loads=self._pending_loads, async_loads=self._pending_async,
-                              acked_failed_blocks=self._acked_failed_blocks)
+                              acked_failed_blocks=self._acked_failed_blocks,
+                              stores_async=self._stores_async, held=self._held,
+                              preempted=set(scheduler_output.preempted_req_ids or ()))
         self._pending_loads, self._pending_async, self._acked_failed_blocks = {}, {}, set()
+        self._held = set()
         self._remember_loads(meta.loads | meta.async_loads)
         meta.prefetch = self._take_prefetch()
         for req_id in scheduler_output.preempted_req_ids or ():
@@ -298,13 +326,18 @@ class ConnectorScheduler:
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """Learn which chunks the workers stored, and which loads found nothing."""
-        # The workers ran this step's stores (synchronously) whether or not they report any:
-        # a store the tiers dropped (e.g. Redis down) reports nothing, and its key used to stay
+        # The workers ran the stores of this step (synchronous stores) or of the step before
+        # (asynchronous: joined and reported a step later) whether or not they report any: a
+        # store the tiers dropped (e.g. Redis down) reports nothing, and its key used to stay
         # "in flight" forever, never stored again (tests/faults/test_engine_faults.py).
-        self._inflight_stores.clear()
+        done = self._step - 1 if self._stores_async else self._step
+        self._inflight_stores = {key: step for key, step in self._inflight_stores.items()
+                                 if step > done}
         report = output.kv_connector_worker_meta
         if not isinstance(report, KVTierWorkerMetadata):
             return
+        for key in report.stored | report.skipped:  # reported: no longer in flight
+            self._inflight_stores.pop(key, None)
         self._locator.record_stored(report.stored)
         for key in report.stored_state:
             self._stateless.discard(key)
@@ -339,14 +372,23 @@ class ConnectorScheduler:
                     state.num_planned_chunks = failed[0]
                     state.load_failed |= not report.missing.isdisjoint(planned)
 
-    def request_finished(self, request: Request) -> None:
-        """Forget the request; stores are synchronous, so its blocks can be freed now."""
-        self._requests.pop(request.request_id, None)
+    def request_finished(self, request: Request) -> bool:
+        """Forget the request; whether vLLM must keep its blocks until the workers report it
+        (vLLM's finished_sending): asynchronous stores planned by the last two plans may still
+        be reading them (the workers join a step's stores by the end of the next step; two:
+        with vLLM's async scheduling, one plan is built ahead of the last step's outcome)."""
+        state = self._requests.pop(request.request_id, None)
+        held = self._stores_async and state is not None \
+            and state.last_store_step >= self._step - 1
+        if held:
+            self._held.add(request.request_id)
+            self._stats.add("held_requests", 1)
         self._pending_loads.pop(request.request_id, None)
         self._pending_async.pop(request.request_id, None)
         self._prefetch_wanted.pop(request.request_id, None)
         self._state_copies.pop(request.request_id, None)
         self._locator.forget(request.request_id)
+        return held
 
     # -- helpers --------------------------------------------------------------------------
 
@@ -470,7 +512,8 @@ class ConnectorScheduler:
                 depends_on=tuple(b for i, b in loaded if i < first + bpc),
                 tenant=state.request.cache_salt,
                 retain_s=state.controls.retain_s, ttl_s=state.controls.ttl_s))
-            self._inflight_stores.add(key)
+            self._inflight_stores[key] = self._step
+            state.last_store_step = self._step
         state.num_planned_chunks = full_chunks
 
     def _remember_loads(self, loads: dict[str, list[ChunkTransfer]]) -> None:

@@ -3,13 +3,22 @@
 Runs in each vLLM worker process, on the model runner's thread. For every chunk of a plan
 (`KVTierMetadata`) it gathers the chunk's blocks from every layer into one contiguous
 chunk for the store (after the forward pass), or scatters a chunk of the store into the
-blocks (before the forward pass).
+blocks (before the forward pass, or on the load thread for asynchronous loads).
+
+Asynchronous stores (`KVTierMetadata.stores_async`): a step's stores are one job on the store
+thread, which gathers while the engine goes on with the next step. The job of step N is joined
+(waited for, if it is still running: it had a whole step) and reported by the end of step N+1
+(`finish_step`), on every rank at the same step, so that tensor-parallel reports agree; vLLM
+keeps the blocks of a request that ended meanwhile until then (`held`), and the stores reading
+a preempted request's blocks finish before the forward that may overwrite them
+(`finish_stores`).
 
 The chunk byte order and vLLM's KV layouts are in `paged.py` (`PagedKV`, re-exported
 here). Stores gather straight into a slot the memory tier reserves (`TieredStore.put_from`)
 and loads borrow chunks (`TieredStore.borrow_many`): the scatter reads the memory tier's
 slot in place, and a slower tier's read lands in a reserved slot too, so each direction is
-one copy on the CPU. On CUDA the copies run on side streams (`cuda.py`).
+one copy on the CPU. On CUDA the copies run on side streams (`cuda.py`): the same plan, the
+same store jobs (`StoreJob`) joined and reported the same way, another mover.
 
 A store whose request's prefix depends on a block whose load failed is refused (its KV was
 computed over unfilled blocks, see messages.py): every tensor-parallel rank refuses it when
@@ -28,6 +37,7 @@ from collections import deque
 from collections.abc import Callable, MutableSequence, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -40,6 +50,7 @@ from kvtier.core.store import ChunkView, StoreEvent, StoreStats
 from kvtier.integrations.vllm.messages import ChunkTransfer, KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, StatsDelta
 from kvtier.integrations.vllm.paged import PagedKV
+from kvtier.integrations.vllm.storejob import StoreJob
 
 if TYPE_CHECKING:
     from kvtier.integrations.vllm.cuda import CudaChunkMover
@@ -131,6 +142,10 @@ class ConnectorWorker:
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
         self._async_spares = [torch.empty(layout.bytes_per_chunk, dtype=torch.uint8).numpy().data
                               for _ in range(load_batch)]
+        # Asynchronous stores: a step's stores as one job on the store thread, in order.
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvtier-store")
+        self._saving: deque[Future[StoreJob]] = deque()  # jobs not yet joined, oldest first
+        self._saved_this_step = False  # the newest of them is this step's
         # Reads of chunks into the RAM tier ahead of their load (KVTierMetadata.prefetch), on
         # a thread of their own so that they never queue an asynchronous load behind them.
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="kvtier-prefetch")
@@ -171,14 +186,20 @@ class ConnectorWorker:
             self._paged.copy_state(group, source, target)
 
     def begin_step(self, meta: KVTierMetadata) -> None:
-        """Take the step's plan in (before its loads): forget the failures the scheduler
-        has acknowledged (vLLM recomputes those blocks from this step on); note each chunk's
-        tenant for the tiers that encrypt at rest (kvtier.core.sealing)."""
+        """Take the step's plan in (before its forward and loads): forget the failures the
+        scheduler has acknowledged (vLLM recomputes those blocks from this step on); note each
+        chunk's tenant for the tiers that encrypt at rest (kvtier.core.sealing); place loaded
+        states; on the CPU, start the asynchronous loads, so that they run beside this step's
+        forward (their blocks belong to requests the step does not run)."""
         self._unfilled -= meta.acked_failed_blocks
         for transfer in meta.transfers():
             TENANTS.note((transfer.key,), transfer.tenant)
         for transfer in meta.retains:  # held already: extend the pin / expiry
             self._retain(transfer)
+        if meta.state_copies:
+            self.place_states(meta)
+        if self._cuda is None:
+            self.start_async(meta)
 
     def load(self, meta: KVTierMetadata) -> None:
         """Load every planned chunk into vLLM's blocks; record failures (before forward)."""
@@ -192,9 +213,12 @@ class ConnectorWorker:
         self._stats.add("load_seconds", time.perf_counter() - start)
 
     def start_async(self, meta: KVTierMetadata) -> None:
-        """Start the step's asynchronous loads on the load thread (model runner thread).
-        On CUDA they load here, queued on the copy stream like synchronous ones."""
+        """Start the step's asynchronous loads not yet started, on the load thread (model
+        runner thread). On CUDA they load here, after the forward, queued on the copy stream
+        like synchronous ones."""
         for req_id, transfers in meta.async_loads.items():
+            if req_id in self._loading:
+                continue
             if self._cuda is not None:
                 done: Future[int] = Future()
                 done.set_result(self._load_request(transfers, self._spares))
@@ -272,22 +296,78 @@ class ConnectorWorker:
             self._store.retain(transfer.key, meta)
 
     def store(self, meta: KVTierMetadata) -> None:
-        """Store every planned chunk whose KV the forward pass just computed."""
+        """Store every planned chunk whose KV the forward pass just computed: as a job on the
+        store thread (meta.stores_async; joined by `finish_step` of the next step), or now
+        (model runner thread, after the forward)."""
+        stores = self._safe_stores(meta.stores)
+        if meta.stores_async and self._handoff_timeout_s is None:
+            self._saving.append(self._submit_stores(stores))
+            self._saved_this_step = True
+            return
         start = time.perf_counter()
-        for transfer in self._safe_stores(meta.stores):
-            # A chunk the top tier holds already (e.g. a prefix vLLM itself had cached) counts
-            # as stored without a copy; lower tiers are asked off this thread (they may stall).
-            if self._store_chunk(transfer):
-                self._report.stored.add(transfer.key)
-                self._stats.add("stored_tokens", transfer.num_blocks
-                                * self._paged.block_size * self._token_scale)
-                self._stats.add("stored_bytes", len(self._buffer_view))
+        if self._cuda is not None:  # the copy streams' job, waited for
+            self._record(replace(self._submit_stores(stores).result(), mode="sync"))
+        else:
+            self._record(self._store_chunks(stores, "sync"))
         if self._handoff_timeout_s is not None and meta.stores \
                 and not self._store.flush(self._handoff_timeout_s):
             logger.warning("kvtier: a prefill's chunks did not reach every tier within %.1f s "
                            "(the decode instance may miss them)", self._handoff_timeout_s)
-        self._stats.add("store_seconds", time.perf_counter() - start)
-        self._stats.observe("store_step_seconds", time.perf_counter() - start)
+        self._stats.add("store_wait_seconds", time.perf_counter() - start)
+
+    def _submit_stores(self, transfers: list[ChunkTransfer]) -> Future[StoreJob]:
+        """A step's stores, started: on the store thread (CPU) or the copy streams (CUDA:
+        cuda.py gathers on the device now, and puts on its completion thread)."""
+        if self._cuda is not None:
+            return self._cuda.submit_stores(self._store, transfers,
+                                            [chunk_meta(t) for t in transfers])
+        return self._saver.submit(self._store_chunks, transfers, "async")
+
+    def _store_chunks(self, transfers: list[ChunkTransfer], mode: str) -> StoreJob:
+        """Gather and put `transfers` in order (model runner thread: mode "sync", or the
+        store thread: "async"). A chunk that raises is logged and not stored: a cache misses
+        it later, the engine goes on."""
+        start = time.perf_counter()
+        stored = []
+        for transfer in transfers:
+            try:
+                # A chunk the top tier holds already (e.g. a prefix vLLM itself had cached)
+                # counts as stored without a copy; lower tiers are asked off this thread.
+                if self._store_chunk(transfer):
+                    stored.append(transfer)
+            except Exception:
+                logger.exception("kvtier: store of chunk %s failed", transfer.key.hex()[:16])
+        return StoreJob(stored, time.perf_counter() - start, mode)
+
+    def _record(self, job: StoreJob) -> None:
+        """Report a finished store job's chunks and count them (model runner thread)."""
+        for transfer in job.stored:
+            self._report.stored.add(transfer.key)
+            self._stats.add("stored_tokens",
+                            transfer.num_blocks * self._paged.block_size * self._token_scale)
+            self._stats.add("stored_bytes", len(self._buffer_view))
+        self._stats.add("store_seconds", job.seconds)
+        self._stats.observe("store_step_seconds", job.seconds, job.mode)
+
+    def finish_stores(self, keep_current: bool = False) -> None:
+        """Wait for the store jobs not yet joined (all, or all but this step's) and report
+        them (model runner thread: a preemption, the end of a step, close)."""
+        current = self._saving.pop() if keep_current and self._saved_this_step else None
+        if self._saving:
+            start = time.perf_counter()
+            while self._saving:
+                self._record(self._saving.popleft().result())
+            self._stats.add("store_wait_seconds", time.perf_counter() - start)
+        if current is not None:
+            self._saving.append(current)
+
+    def finish_step(self, held: set[str]) -> set[str]:
+        """The end of a step (vLLM's get_finished): join the earlier steps' store jobs and
+        return `held`, the requests whose blocks vLLM kept for them (each held request's
+        stores were in an earlier step's job, done now). Model runner thread."""
+        self.finish_stores(keep_current=True)
+        self._saved_this_step = False
+        return held
 
     def _safe_stores(self, stores: list[ChunkTransfer]) -> list[ChunkTransfer]:
         """The stores whose KV was not computed over a failed load (of this rank or, through
@@ -357,12 +437,7 @@ class ConnectorWorker:
         return len(transfers)
 
     def _store_chunk(self, transfer: ChunkTransfer) -> bool:
-        """Gather one chunk and put it in the store; True when stored now. On CUDA the copy
-        is queued and the key is reported stored when it completes (take_report)."""
-        if self._cuda is not None:
-            self._cuda.submit_store(self._store, transfer.key, transfer.block_ids)
-            return False
-
+        """Gather one chunk and put it in the store (CPU); True when stored."""
         gathered: list[bool] = []
 
         def gather(view: memoryview) -> None:
@@ -407,7 +482,7 @@ class ConnectorWorker:
         or None when there are none."""
         self._drain_state_notes()
         if self._cuda is not None:
-            self._report.stored.update(self._cuda.take_stored())
+            self._cuda.release_loads()
         removed = []
         for event in self._store.take_events():
             self._report.events.append(event)
@@ -436,10 +511,15 @@ class ConnectorWorker:
             self._gone |= gone
 
     def close(self, flush_timeout_s: float | None = None) -> None:
-        """Flush write-behind queues (at most `flush_timeout_s`) and close the store."""
+        """Finish the store jobs (memory copies: they end), flush write-behind queues (the
+        two in at most `flush_timeout_s`) and close the store."""
+        deadline = None if flush_timeout_s is None else time.monotonic() + flush_timeout_s
+        self.finish_stores()
+        self._saver.shutdown(wait=True)
         self._loader.shutdown(wait=True, cancel_futures=True)
         self._checker.shutdown(wait=True, cancel_futures=True)
         self._prefetcher.shutdown(wait=True, cancel_futures=True)
         if self._cuda is not None:
             self._cuda.close()
-        self._store.close(flush_timeout_s)
+        self._store.close(None if deadline is None
+                          else max(0.0, deadline - time.monotonic()))
