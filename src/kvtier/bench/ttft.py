@@ -62,7 +62,8 @@ from kvtier.bench.engines import (
 )
 from kvtier.bench.subjects import aligned_buffer
 from kvtier.bench.tinymodel import make_preset_model
-from kvtier.integrations.vllm.config import TOKENS_PER_CHUNK, kvtier_transfer_config
+from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.config import STORE_MODES, TOKENS_PER_CHUNK, kvtier_transfer_config
 
 ENGINES = ("recompute", "vllm-prefix", "kvtier-memory", "kvtier-disk", "example", "example-cold")
 TARGET_EXTRA_VS_COPY = 1.5  # a hit's extra time over vLLM's <= 1.5x the raw copy
@@ -84,12 +85,15 @@ class TtftConfig:
     throughput_output_tokens: int = 16  # generated tokens per unique prompt
     throughput_reps: int = 5  # throughput rounds per engine (paired on/off in kvtier-memory)
     engines: tuple[str, ...] = ENGINES  # which configurations to run
+    store_mode: str = "auto"  # the kvtier engines' store_mode (connector config.STORE_MODES)
 
     def validate(self) -> None:
         """Raises ConfigError naming the first bad field."""
         check_settings(self, self.cached_tokens,
                        ("reps", "recompute_reps", "throughput_prompts", "throughput_reps"),
                        ("engines", self.engines, ENGINES))
+        if self.store_mode not in STORE_MODES:
+            raise ConfigError("store_mode", self.store_mode, f"one of {STORE_MODES}")
 
     @property
     def max_model_len(self) -> int:
@@ -159,13 +163,14 @@ class TtftResult:
         path.write_text(json.dumps(data, indent=2, default=str) + "\n")
 
 
-def _kv_transfer_config(engine: str, scratch: Path) -> dict[str, Any] | None:
+def _kv_transfer_config(engine: str, scratch: Path, store_mode: str) -> dict[str, Any] | None:
     if engine == "kvtier-memory":
-        extra: dict[str, Any] = {"tokens_per_chunk": TOKENS_PER_CHUNK,
+        extra: dict[str, Any] = {"tokens_per_chunk": TOKENS_PER_CHUNK, "store_mode": store_mode,
                                  "tiers": [{"kind": "memory", "capacity": "2GiB"}]}
     elif engine == "kvtier-disk":
         # Two chunks of memory in front of the disk: every load of a prompt reads the disk.
-        extra = {"tokens_per_chunk": TOKENS_PER_CHUNK, "write_queue_depth": 1024, "tiers": [
+        extra = {"tokens_per_chunk": TOKENS_PER_CHUNK, "write_queue_depth": 1024,
+                 "store_mode": store_mode, "tiers": [
             {"kind": "memory", "capacity": 2 * TOKENS_PER_CHUNK * KV_BYTES_PER_TOKEN},
             {"kind": "disk", "path": str(scratch / "disk"), "capacity": "4GiB"}]}
     elif engine.startswith("example"):
@@ -182,7 +187,7 @@ def _engine(model_dir: Path, engine: str, config: TtftConfig, scratch: Path
             ) -> contextlib.AbstractContextManager[Any]:
     """An offline LLM for one configuration; its processes are shut down on exit."""
     extra: dict[str, Any] = {"enable_prefix_caching": engine != "recompute"}
-    transfer = _kv_transfer_config(engine, scratch)
+    transfer = _kv_transfer_config(engine, scratch, config.store_mode)
     if transfer is not None:
         extra["kv_transfer_config"] = transfer
     return offline_engine(model_dir, config.max_model_len, **extra)

@@ -24,6 +24,7 @@ from kvtier.bench.ttft import (
 from kvtier.cli.argtypes import output_dir, output_file, work_dir
 from kvtier.cli.bench import run_and_report
 from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.config import STORE_MODES
 
 QUICK = {"cached_tokens": (1024, 4096), "reps": 5, "recompute_reps": 2,
          "throughput_prompts": 8, "throughput_reps": 2}
@@ -44,6 +45,8 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                         help="where the generated bench model is cached")
     parser.add_argument("--quick", action="store_true",
                         help="1k and 4k only, fewer repetitions (~4 min)")
+    parser.add_argument("--store-mode", choices=STORE_MODES, default="auto",
+                        help="the kvtier engines' store_mode (auto: asynchronous stores)")
     parser.add_argument("--json", type=output_file, default=Path("results/bench-ttft.json"))
     parser.set_defaults(func=run)
 
@@ -59,7 +62,7 @@ def config_from(args: argparse.Namespace) -> TtftConfig:
         settings["reps"] = args.reps
     return TtftConfig(directory=args.dir, model_root=args.model_root,
                       engines=tuple(args.engine) if args.engine else ENGINES,
-                      **settings)  # type: ignore[arg-type]
+                      store_mode=args.store_mode, **settings)  # type: ignore[arg-type]
 
 
 def run(args: argparse.Namespace) -> int:
