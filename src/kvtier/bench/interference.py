@@ -4,10 +4,12 @@ Issue 13's benchmark. For each configuration, in sequence (one server at a time)
 OpenAI server on 127.0.0.1 serves the generated "bench" model (`kvtier.bench.tinymodel`):
 
   - `vllm`: no kvtier; the arrivals' prefixes are recomputed.
-  - `kvtier-sync`: kvtier with `load_mode: sync`; a hit is loaded inside the step that
-    needs it, so every running stream waits for it.
-  - `kvtier-async`: kvtier with `load_mode: async`; a hit is loaded on a worker thread
-    while the engine keeps stepping the other requests.
+  - `kvtier-sync`: kvtier with `load_mode: sync` and `store_mode: sync`; a hit is loaded
+    inside the step that needs it, so every running stream waits for it, and a step's stores
+    are gathered before it returns (kvtier before issue 13).
+  - `kvtier-async`: kvtier with `load_mode: async` and `store_mode: async`; a hit is loaded on
+    a worker thread while the engine keeps stepping the other requests, and stores are
+    gathered on the store thread.
   - `kvtier-auto` (not run by default): the connector's default rule.
   - `vllm-prefix` (not run by default): no kvtier, and vLLM's own prefix cache is not reset,
     so the arrivals hit it: the floor, what the arrivals' own new tokens cost the streams
@@ -308,7 +310,8 @@ def server_command(config: InterferenceConfig, name: str, model: Path, scratch: 
     """
     extra: dict[str, Any] | None = None
     if name.startswith("kvtier"):
-        extra = {"tokens_per_chunk": TOKENS_PER_CHUNK, "load_mode": name.split("-", 1)[1],
+        mode = name.split("-", 1)[1]
+        extra = {"tokens_per_chunk": TOKENS_PER_CHUNK, "load_mode": mode, "store_mode": mode,
                  # the warm-up's chunks all reach the lower tier (none dropped on the way)
                  "write_queue_depth": max(1024, config.chunks_stored()),
                  "tiers": [{"kind": "memory", "capacity":
