@@ -301,8 +301,9 @@ class ConnectorWorker:
         (model runner thread, after the forward)."""
         stores = self._safe_stores(meta.stores)
         if meta.stores_async and self._handoff_timeout_s is None:
-            self._saving.append(self._submit_stores(stores))
-            self._saved_this_step = True
+            if stores:
+                self._saving.append(self._submit_stores(stores))
+                self._saved_this_step = True
             return
         start = time.perf_counter()
         if self._cuda is not None:  # the copy streams' job, waited for
