@@ -8,7 +8,8 @@ it to opens for reading chunk files, so the scheduler's lookups (stats) and the 
 (opens for writing) run at full speed and only loads are slow.
 
 Primitives: `slow_files(root, reads_only)` (context manager, set up before the engine
-starts), `SlowFlag` (its `on(seconds)` / `off()`).
+starts), `SlowFlag` (its `on(seconds)` / `off()`), `injected` (any sitecustomize, with its
+environment: tests/vllm/slow_stores.py uses it too).
 """
 
 from __future__ import annotations
@@ -84,18 +85,28 @@ class SlowFlag:
 def slow_files(root: Path, inject_dir: Path, *, reads_only: bool = False) -> Iterator[SlowFlag]:
     """Make processes started inside the block (vLLM's) honour `root/SLOW`; the flag starts
     off. `inject_dir` is an empty directory for the sitecustomize module."""
-    (inject_dir / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    names = ("PYTHONPATH", "KVTIER_TEST_SLOW_ROOT", "KVTIER_TEST_SLOW_READS_ONLY")
-    saved = {name: os.environ.get(name) for name in names}
+    flag = SlowFlag(root)
+    with injected(inject_dir, SITECUSTOMIZE, {"KVTIER_TEST_SLOW_ROOT": str(root),
+                                              "KVTIER_TEST_SLOW_READS_ONLY":
+                                                  "1" if reads_only else "0"}):
+        try:
+            yield flag
+        finally:
+            flag.off()
+
+
+@contextlib.contextmanager
+def injected(inject_dir: Path, sitecustomize: str, env: dict[str, str]) -> Iterator[None]:
+    """Processes started inside the block run `sitecustomize` first (on their PYTHONPATH,
+    from `inject_dir`) with `env` set; this process's environment is restored on exit."""
+    (inject_dir / "sitecustomize.py").write_text(sitecustomize)
+    saved = {name: os.environ.get(name) for name in ("PYTHONPATH", *env)}
     os.environ["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(inject_dir), saved["PYTHONPATH"]]))
-    os.environ["KVTIER_TEST_SLOW_ROOT"] = str(root)
-    os.environ["KVTIER_TEST_SLOW_READS_ONLY"] = "1" if reads_only else "0"
-    flag = SlowFlag(root)
+    os.environ.update(env)
     try:
-        yield flag
+        yield
     finally:
-        flag.off()
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)

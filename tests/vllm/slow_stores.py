@@ -13,10 +13,11 @@ starts), `StoreFlag` (its `on(seconds)` / `off()`).
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from slow_files import injected
 
 SITECUSTOMIZE = '''
 """Test fault injection (tests/vllm/slow_stores.py)."""
@@ -90,19 +91,9 @@ class StoreFlag:
 def slow_stores(flag_dir: Path, inject_dir: Path) -> Iterator[StoreFlag]:
     """Make processes started inside the block (vLLM's) honour the flag; it starts off.
     `inject_dir` is an empty directory for the sitecustomize module."""
-    (inject_dir / "sitecustomize.py").write_text(SITECUSTOMIZE)
     flag = StoreFlag(flag_dir / "SLOW_STORES")
-    names = ("PYTHONPATH", "KVTIER_TEST_SLOW_STORES")
-    saved = {name: os.environ.get(name) for name in names}
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(inject_dir), saved["PYTHONPATH"]]))
-    os.environ["KVTIER_TEST_SLOW_STORES"] = str(flag.path)
-    try:
-        yield flag
-    finally:
-        flag.off()
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    with injected(inject_dir, SITECUSTOMIZE, {"KVTIER_TEST_SLOW_STORES": str(flag.path)}):
+        try:
+            yield flag
+        finally:
+            flag.off()
