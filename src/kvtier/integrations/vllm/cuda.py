@@ -76,14 +76,16 @@ class _Slot:
 
 @dataclass(slots=True)
 class _StoreBatch:
-    """One step's stores, gathered on the device, waiting for their puts."""
+    """Stores of one step gathered on the device, waiting for their puts: the whole step, or
+    as many chunks as there were free staging buffers (the step's last batch resolves it)."""
 
     store: _Store
-    transfers: list[ChunkTransfer]
-    metas: list[ChunkMeta | None]
-    slots: list[torch.Tensor]  # device staging buffers, one per transfer
-    done: Future[StoreJob]
-    started: float  # time.perf_counter() of the first gather
+    stored: list[ChunkTransfer]  # the step's chunks put so far (shared by its batches)
+    transfers: list[ChunkTransfer] = field(default_factory=list)
+    metas: list[ChunkMeta | None] = field(default_factory=list)
+    slots: list[torch.Tensor] = field(default_factory=list)  # staging buffers, one a transfer
+    done: Future[StoreJob] | None = None  # the step's last batch: its result
+    started: float = 0.0  # time.perf_counter() of the step's first gather
 
 
 @dataclass(slots=True)
@@ -135,37 +137,48 @@ class CudaChunkMover:
         (`metas`: each chunk's tenant, pin and expiry); the future resolves once they are
         in. Returns without waiting for the device unless every staging buffer is in
         flight (then it waits for the oldest: back-pressure)."""
-        batch = _StoreBatch(store, transfers, metas, [], Future(), time.perf_counter())
+        started, stored = time.perf_counter(), list[ChunkTransfer]()
         compute = torch.cuda.current_stream(self._device)
         self._store_stream.wait_stream(compute)  # the forward pass wrote these blocks
-        for transfer in transfers:
+        batch = _StoreBatch(store, stored)
+        for transfer, meta in zip(transfers, metas, strict=True):
+            if self._free_store_slots.empty() and batch.slots:
+                self._send(batch, compute)  # its buffers come back as its puts end
+                batch = _StoreBatch(store, stored)
             slot = self._free_store_slots.get()
             with torch.cuda.stream(self._store_stream):
                 self._paged.gather(transfer.block_ids, slot)
+            batch.transfers.append(transfer)
+            batch.metas.append(meta)
             batch.slots.append(slot)
+        batch.done, batch.started = Future(), started
+        self._send(batch, compute)
+        return batch.done
+
+    def _send(self, batch: _StoreBatch, compute: torch.cuda.Stream) -> None:
+        """Hand a batch of gathers to the completion thread."""
         gathered = torch.cuda.Event()
         gathered.record(self._store_stream)
         # Later kernels may overwrite the blocks only once the gathers have read them.
         compute.wait_event(gathered)
         self._completions.put(batch)
-        return batch.done
 
     def _complete_stores(self) -> None:
         torch.cuda.set_device(self._device)  # vLLM's rank may not use device 0
+        spare = self._spare.numpy().data
         while (batch := self._completions.get()) is not None:
-            stored = []
             for transfer, meta, slot in zip(batch.transfers, batch.metas, batch.slots,
                                             strict=True):
                 try:
-                    if batch.store.put_from(transfer.key, self._copy_out(slot),
-                                            self._spare.numpy().data, meta):
-                        stored.append(transfer)
+                    if batch.store.put_from(transfer.key, self._copy_out(slot), spare, meta):
+                        batch.stored.append(transfer)
                 except Exception:  # a failed store is a future miss, never a dead thread
                     log.exception("kvtier: CUDA store of %s failed", transfer.key.hex())
                 finally:
                     self._free_store_slots.put(slot)
-            batch.done.set_result(StoreJob(stored, time.perf_counter() - batch.started,
-                                           "async"))
+            if batch.done is not None:
+                batch.done.set_result(StoreJob(batch.stored,
+                                               time.perf_counter() - batch.started, "async"))
 
     def _copy_out(self, slot: torch.Tensor) -> Callable[[memoryview], None]:
         """A `put_from` fill: DMA the staging buffer into the (pinned) view, and wait for it
