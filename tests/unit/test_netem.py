@@ -40,9 +40,12 @@ def echo_port() -> Iterator[int]:
                 return
             threading.Thread(target=echo, args=(conn,), daemon=True).start()
 
-    threading.Thread(target=accept, daemon=True).start()
+    acceptor = threading.Thread(target=accept, daemon=True)
+    acceptor.start()
     yield int(listener.getsockname()[1])
+    listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept (close alone does not)
     listener.close()
+    acceptor.join(5)
 
 
 def _echo_through(proxy: Endpoint, payload: bytes) -> bytes:
