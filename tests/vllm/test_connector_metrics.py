@@ -148,6 +148,7 @@ def test_series_start_at_zero_so_alerts_and_panels_find_them() -> None:
     get = REGISTRY.get_sample_value
     assert get("vllm:kvtier_load_failures_total", labels) == 0
     assert get("vllm:kvtier_load_request_seconds_count", {**labels, "mode": "async"}) == 0
+    assert get("vllm:kvtier_store_step_seconds_count", {**labels, "mode": "async"}) == 0
     assert get("vllm:kvtier_tier_corrupt_reads_total", {**labels, "tier": "disk"}) is None
     prom.observe({"counters": {}, "gauges": {"tier_used_bytes": {"disk@0": 1}}})
     assert get("vllm:kvtier_tier_corrupt_reads_total", {**labels, "tier": "disk"}) == 0

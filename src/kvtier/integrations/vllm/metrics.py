@@ -289,6 +289,7 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
                     self._child(name, engine_idx, "")
             for mode in ("sync", "async"):
                 self._child("load_request_seconds", engine_idx, mode)
+                self._child("store_step_seconds", engine_idx, mode)
 
     def _start_tier(self, engine_idx: int, tier: str) -> None:
         """Create a tier's counters at 0 the first time the tier reports."""
