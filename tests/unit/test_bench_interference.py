@@ -1,6 +1,6 @@
 """`kvtier bench interference`'s pure parts: the arrival schedule, which inter-token gaps count
 as "while the arrivals came", the ratios the targets are judged on, and the settings and
-server commands of the disk and redis (emulated network) variants."""
+server commands of the disk, redis (emulated network) and memory variants."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 from rich.console import Console
 
 from kvtier.bench.arrivals import arrival_schedule, gaps_in_window, token_times
+from kvtier.bench.engines import KV_BYTES_PER_TOKEN
 from kvtier.bench.interference import (
     CONFIGS,
     ConfigRun,
@@ -26,6 +27,7 @@ from kvtier.bench.interference import (
 from kvtier.bench.stats import RequestResult
 from kvtier.cli.bench_interference import config_from, figures_table, target_table
 from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.config import TOKENS_PER_CHUNK
 
 
 def _request(start_s: float, ttft_s: float | None, gaps: tuple[float, ...] = (),
@@ -199,6 +201,19 @@ def test_kvtier_servers_get_a_disk_tier_or_the_redis_behind_the_network() -> Non
     assert server_command(redis, "vllm", Path("/m"), Path("/s")).kv_transfer_config is None
     with pytest.raises(ConfigError):
         server_command(redis, "kvtier-sync", Path("/m"), Path("/s"))  # no server URL
+
+
+def test_the_memory_variant_holds_every_prefix_in_ram_with_no_tier_below() -> None:
+    config = config_from(_args(quick=True, tier="memory"))
+    assert config.source == "the memory tier"
+    command = server_command(config, "kvtier-auto", Path("/m"), Path("/s"))
+    assert command.kv_transfer_config is not None
+    extra = command.kv_transfer_config["kv_connector_extra_config"]
+    [memory] = extra["tiers"]
+    assert memory["kind"] == "memory" and extra["load_mode"] == "auto"
+    assert memory["capacity"] >= config.chunks_stored() * TOKENS_PER_CHUNK * KV_BYTES_PER_TOKEN
+    with pytest.raises(ConfigError, match="net_delay_ms"):
+        config_from(_args(tier="memory", net_delay_ms=1.0))
 
 
 def _rendered(table: object) -> str:

@@ -20,13 +20,16 @@ scratch directory, so the arrivals' prefixes come back from the disk (read with 
 page cache does not serve them). With `tier="redis"`, the tier below the memory tier is a
 redis tier instead: a private redis-server per kvtier configuration, behind an emulated
 network (`kvtier.bench.netem`: `net_delay_ms` each way, `net_bandwidth_gbps` per direction;
-the defaults, 0.5 ms round trip and 10 Gbit/s, are a redis in the same datacenter).
+the defaults, 0.5 ms round trip and 10 Gbit/s, are a redis in the same datacenter). With
+`tier="memory"`, kvtier has a memory tier only, large enough for every prefix: the other side
+of the connector's rule ("auto" loads a hit held in RAM inline, one below it asynchronously),
+measured with the same workload.
 
 Per configuration:
   1. warm-up, not timed: one short request (one-off start-up costs), then every arrival's
-     prefix once (its chunks go to the disk or redis tier; the bench waits until they are
-     there), then POST /reset_prefix_cache (the server runs with VLLM_SERVER_DEV_MODE=1), so
-     that vLLM's own prefix cache cannot serve them;
+     prefix once (its chunks go to the disk or redis tier, or stay in the memory tier; the
+     bench waits until they are there), then POST /reset_prefix_cache (the server runs with
+     VLLM_SERVER_DEV_MODE=1), so that vLLM's own prefix cache cannot serve them;
   2. baseline: K streams decode `stream_tokens` tokens each with no arrivals;
   3. timed: K other streams decode (`stream_tokens`, or more where at the baseline's pace
      they would stop before the last arrival: `timed_stream_tokens`), and M arrivals are sent
@@ -86,7 +89,7 @@ from kvtier.ops.serving import GIB, ServeCommand, ServeConfig, build_command
 
 CONFIGS = ("vllm", "kvtier-sync", "kvtier-async")
 CHOICES = (*CONFIGS, "kvtier-auto", "vllm-prefix")
-TIERS = ("disk", "redis")  # where the arrivals' prefixes come back from
+TIERS = ("disk", "redis", "memory")  # where the arrivals' prefixes come back from
 # The redis tier's timeouts: generous, as the bench measures loads over a working network,
 # not failure handling (a 200 ms default timeout on 2 loaded cores would turn hits into misses).
 REDIS_TIMEOUT_MS = 10_000
@@ -113,7 +116,7 @@ class InterferenceConfig:
     new_tokens: int = 16  # tokens after an arrival's prefix (computed in every case)
     arrival_max_tokens: int = 4  # tokens each arrival generates
     memory_tier_chunks: int = 2  # kvtier's memory tier; the disk (redis) tier holds the rest
-    tier: str = "disk"  # the tier below the memory tier (TIERS)
+    tier: str = "disk"  # the tier below the memory tier (TIERS); "memory": no tier below it
     net_delay_ms: float = 0.25  # tier "redis": the emulated network's one-way delay
     net_bandwidth_gbps: float = 10.0  # tier "redis": its bandwidth per direction
     engine_kv_bytes: int = 1 * GIB  # vLLM's own KV cache (--kv-cache-memory-bytes)
@@ -156,8 +159,8 @@ class InterferenceConfig:
     @property
     def source(self) -> str:
         """Where the arrivals' prefixes come back from, in words (tables, results)."""
-        if self.tier == "disk":
-            return "the disk tier"
+        if self.tier in ("disk", "memory"):
+            return f"the {self.tier} tier"
         return (f"the redis tier over an emulated network ({self.net_delay_ms:g} ms each way, "
                 f"{self.net_bandwidth_gbps:g} Gbit/s)")
 
@@ -314,15 +317,25 @@ def server_command(config: InterferenceConfig, name: str, model: Path, scratch: 
         extra = {"tokens_per_chunk": TOKENS_PER_CHUNK, "load_mode": mode, "store_mode": mode,
                  # the warm-up's chunks all reach the lower tier (none dropped on the way)
                  "write_queue_depth": max(1024, config.chunks_stored()),
-                 "tiers": [{"kind": "memory", "capacity":
-                            config.memory_tier_chunks * TOKENS_PER_CHUNK * KV_BYTES_PER_TOKEN},
-                           _lower_tier(config, name, scratch, redis_url)]}
+                 "tiers": _tiers(config, name, scratch, redis_url)}
     command = build_command(ServeConfig(
         str(model), kvtier=extra is not None, extra_config=extra, port=free_port(),
         vllm_args=("--enforce-eager", "--seed", "0", "--max-model-len",
                    str(config.max_model_len), "--kv-cache-memory-bytes",
                    str(config.engine_kv_bytes))))
     return dataclasses.replace(command, env={**command.env, "VLLM_SERVER_DEV_MODE": "1"})
+
+
+def _tiers(config: InterferenceConfig, name: str, scratch: Path,
+           redis_url: str | None) -> list[dict[str, Any]]:
+    """kvtier's tiers: a memory tier of `memory_tier_chunks` over the tier the arrivals'
+    prefixes come back from, or (tier "memory") a memory tier that holds them all, twice over
+    (the streams store chunks too). Raises ConfigError (see above)."""
+    chunks = 2 * config.chunks_stored() if config.tier == "memory" else config.memory_tier_chunks
+    memory = {"kind": "memory", "capacity": chunks * TOKENS_PER_CHUNK * KV_BYTES_PER_TOKEN}
+    if config.tier == "memory":
+        return [memory]
+    return [memory, _lower_tier(config, name, scratch, redis_url)]
 
 
 def _lower_tier(config: InterferenceConfig, name: str, scratch: Path,
@@ -356,9 +369,10 @@ async def _reset_prefix_cache(url: str) -> None:
 
 @dataclass(frozen=True, slots=True)
 class StoredChunks:
-    """How many chunks the lower tier holds: the warm-up waits for its write-behind."""
+    """How many chunks the tier the arrivals' prefixes come back from holds: the warm-up
+    waits for its write-behind (or, tier "memory", the stores of its last step)."""
 
-    where: str  # the disk tier's directory, or the redis server's URL
+    where: str  # the disk tier's directory, the redis server's URL, the server's /metrics
     count: Callable[[], int]
 
 
@@ -378,6 +392,15 @@ def _wait_for_chunks(stored: StoredChunks, count: int, timeout_s: float = 180.0)
 
 def _disk_chunks(directory: Path) -> StoredChunks:
     return StoredChunks(str(directory), lambda: sum(1 for _ in directory.rglob("*.kvc")))
+
+
+def _memory_chunks(url: str) -> StoredChunks:
+    """The memory tier's chunks, as the server's /metrics counts them."""
+    def count() -> int:
+        scrape = asyncio.run(promdiff.scrape(url)) or {}
+        return int(sum(v for k, v in scrape.items()
+                       if k.startswith("vllm:kvtier_tier_chunks{") and "tier=memory" in k))
+    return StoredChunks(url + "/metrics", count)
 
 
 _Timed = tuple[list[RequestResult], list[RequestResult], dict[str, float] | None]
@@ -463,7 +486,7 @@ def _run_config(config: InterferenceConfig, name: str, model: Path, scratch: Pat
                 scratch, config.net_delay_ms, config.net_bandwidth_gbps))
             redis_url, ping_ms = remote.proxy_url, remote.ping_ms
             stored = StoredChunks(remote.url, lambda: stored_chunks(remote.url))
-        elif name.startswith("kvtier"):
+        elif name.startswith("kvtier") and config.tier == "disk":
             stored = _disk_chunks(scratch / name / "disk")
         command = server_command(config, name, model, scratch, redis_url)
 
@@ -473,7 +496,9 @@ def _run_config(config: InterferenceConfig, name: str, model: Path, scratch: Pat
             with running_server(command, log_path=scratch / f"{name}.log",
                                 startup_timeout_s=config.startup_timeout_s) as server:
                 startup_s = time.perf_counter() - started
-                run = _measure(config, name, server.url, str(model), stored, progress)
+                in_ram = name.startswith("kvtier") and config.tier == "memory"
+                run = _measure(config, name, server.url, str(model),
+                               _memory_chunks(server.url) if in_ram else stored, progress)
                 return dataclasses.replace(run, command=command.display(),
                                            startup_s=startup_s, ping_ms=ping_ms)
 

@@ -1,7 +1,8 @@
 """`kvtier bench interference`: the running streams' inter-token latency and the arriving
 requests' TTFT while the arrivals' prefixes load from the disk tier (or, `--tier redis`, from a
-redis tier across an emulated network), for vLLM alone, kvtier with synchronous loads and
-kvtier with asynchronous loads (issue 13). A thin command over `kvtier.bench.interference`.
+redis tier across an emulated network, or, `--tier memory`, from a memory tier that holds them
+all), for vLLM alone, kvtier with synchronous loads and kvtier with asynchronous loads (issue
+13). A thin command over `kvtier.bench.interference`.
 
 Throughput with 0% hits (kvtier on / off) is not measured here: `kvtier bench ttft` measures
 it, paired within one engine (its "0%-hit throughput" check)."""
@@ -59,7 +60,8 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                         help="the tier the arrivals' prefixes come back from, below a "
                              f"{defaults.memory_tier_chunks}-chunk memory tier ({defaults.tier}); "
                              "redis: a private redis-server behind a delaying, bandwidth-capped "
-                             "proxy on 127.0.0.1")
+                             "proxy on 127.0.0.1; memory: no tier below, a memory tier that "
+                             "holds every prefix")
     parser.add_argument("--net-delay-ms", type=float, dest="net_delay_ms", metavar="MS",
                         help="--tier redis: the emulated network's one-way delay, ms "
                              f"({defaults.net_delay_ms:g}: a round trip of "
@@ -125,6 +127,8 @@ def figures_table(result: InterferenceResult) -> Table:
         ("streams decode through it", lambda r: "yes" if r.streams_cover_window else "NO"),
         ("kvtier tokens loaded", lambda r: f"{r.counter('loaded_tokens_total'):,.0f}"),
         ("kvtier async loads", lambda r: f"{r.counter('async_loads_total'):,.0f}"),
+        ("kvtier load seconds, inline / async", lambda r: "{:.3f} / {:.3f}".format(
+            r.counter("load_seconds_total"), r.counter("async_load_seconds_total"))),
         ("failed requests", lambda r: str(len(r.failures))),
         ("tokens per stream, timed phase", lambda r: str(r.timed_stream_tokens)),
         ("server start / warm-up (s)", lambda r: f"{r.startup_s:.0f} / {r.warmup_s:.0f}"),
