@@ -209,6 +209,29 @@ def test_a_hit_held_in_ram_loads_inline_and_one_below_it_loads_async() -> None:
     assert meta.loads == {} and [t.key for t in meta.async_loads["c"]] == held
 
 
+def test_auto_weighs_a_hit_by_the_measured_cost_of_loads_and_steps() -> None:
+    """Once the workers' loads and the engine's steps are timed (loadcost.py), a hit below
+    RAM that loads quickly is loaded inline while others run, and a RAM hit whose loads take
+    long is loaded asynchronously."""
+    from kvtier.core.store import StoreEvent
+    from kvtier.core.tier import EventKind
+    from kvtier.integrations.vllm.loadcost import MIN_STEPS, LoadSample
+
+    for ram_s, lower_s, evicted, loads_async in ((1e-9, 1e-9, True, False),
+                                                 (30.0, 30.0, False, True)):
+        engine = Engine()
+        engine.admit(request("a", 200), list(range(7)))
+        held = engine.store_all(engine.step(new={"a": (list(range(7)), 0, 200)}))
+        for _ in range(MIN_STEPS):  # "a" decodes: steps the scheduler times
+            engine.step(cached={"a": ([], 200, 1)})
+        if evicted:  # chunk 1 lives on below RAM only
+            engine.report(events=[StoreEvent(EventKind.REMOVED, held[1], "memory")])
+        # Before any load is timed: by where the hit lives.
+        assert engine.sched.get_num_new_matched_tokens(request("b", 200), 0) == (192, evicted)
+        engine.report(load_samples=[LoadSample(3, 0, 3 * ram_s), LoadSample(0, 3, 3 * lower_s)])
+        assert engine.sched.get_num_new_matched_tokens(request("c", 200), 0) == (192, loads_async)
+
+
 def test_load_mode_forces_either_way_and_a_failed_load_is_not_asked_again() -> None:
     engine = Engine()
     engine.sched._config = ConnectorConfig.parse({"tokens_per_chunk": CHUNK,

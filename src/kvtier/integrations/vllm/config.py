@@ -37,8 +37,9 @@ DEFAULT_TIERS: tuple[dict[str, Any], ...] = ({"kind": "memory", "capacity": "2Gi
 CONNECTOR_KEYS = frozenset({"tokens_per_chunk", "index_max_keys", "load_mode", "store_mode"})
 # How a hit is loaded: "sync" inside the step that needs it (the whole batch waits for it),
 # "async" while other requests keep running (the request waits one step or more), "auto":
-# async when the hit reads below RAM while other requests run (a RAM hit is a memcpy, and an
-# idle engine has no batch to protect: both cheaper inline).
+# inline on an idle engine (no batch to protect) or when the load's measured cost is at most a
+# fifth of the engine's step, async otherwise (loadcost.py; until measured: a hit held in RAM
+# inline, one below RAM async).
 LOAD_MODES = ("auto", "sync", "async")
 # How a step's stores run: "sync" gathered into the store before the step returns; "async" on
 # the worker's store thread while the engine goes on (a finished or preempted request's blocks

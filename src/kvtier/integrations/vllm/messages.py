@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvtier.core.keys import ChunkKey
 from kvtier.core.store import StoreEvent
 from kvtier.integrations.vllm.groups import NULL_BLOCK
+from kvtier.integrations.vllm.loadcost import LoadSample
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +129,8 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     # without one (a hit ends on the former: groups.py).
     stored_state: set[ChunkKey] = field(default_factory=set)
     without_state: set[ChunkKey] = field(default_factory=set)
+    # Complete loads, timed (load_mode "auto" weighs the next hits by them: loadcost.py).
+    load_samples: list[LoadSample] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTierWorkerMetadata:
         # Tensor parallel: a chunk is usable only when every rank stored its shard, and
@@ -140,4 +143,5 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
                                     removed=self.removed | other.removed,
                                     skipped=self.skipped | other.skipped,
                                     failed_blocks=self.failed_blocks | other.failed_blocks,
-                                    events=list(dict.fromkeys(self.events + other.events)))
+                                    events=list(dict.fromkeys(self.events + other.events)),
+                                    load_samples=self.load_samples + other.load_samples)

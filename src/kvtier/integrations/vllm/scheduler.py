@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +41,7 @@ from kvtier.core.tier import EventKind
 from kvtier.integrations.vllm.config import ConnectorConfig, RequestControls
 from kvtier.integrations.vllm.events import ChunkInfo, ChunkTokens, kv_events
 from kvtier.integrations.vllm.groups import NULL_BLOCK, ChunkGroups
+from kvtier.integrations.vllm.loadcost import LoadCosts
 from kvtier.integrations.vllm.messages import ChunkTransfer, KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, StatsDelta
 from kvtier.integrations.vllm.request_keys import (
@@ -182,6 +184,8 @@ class ConnectorScheduler:
         # a hit entirely in RAM is loaded inline (load_mode "auto").
         self._top_tier = config.store.tiers[0].tier_name
         self._in_ram = ChunkIndex(IN_RAM_MAX_KEYS)
+        # What loads and steps take, measured: load_mode "auto" weighs each hit by them.
+        self._costs = LoadCosts()
         # Requests whose hit reads below RAM and that wait for blocks (a lookup, and no
         # allocation after it): their chunks are prefetched into RAM (KVTierMetadata.prefetch).
         self._prefetch_wanted: dict[str, list[ChunkKey]] = {}
@@ -227,9 +231,9 @@ class ConnectorScheduler:
 
     def _loads_async(self, request_id: str, keys: list[ChunkKey]) -> bool:
         """Whether a hit of `keys` is loaded asynchronously (see config.LOAD_MODES). "auto":
-        only when it reads below RAM while other requests run: an idle engine has no batch
-        to protect, and an asynchronous load costs its request one more step (a 1k-token
-        disk hit: 14 ms extra TTFT against 4.5 ms inline, docs/performance.md)."""
+        by its measured cost while other requests run (loadcost.py); an idle engine has no
+        batch to protect, and an asynchronous load costs its request one more step (a
+        1k-token disk hit: 14 ms extra TTFT against 4.5 ms inline, docs/performance.md)."""
         if self._several_groups:
             # Several KV cache groups: vLLM 0.32 takes no block-level load failure then (it
             # stops with a RuntimeError); an asynchronous load fails by request, recomputed.
@@ -239,7 +243,10 @@ class ConnectorScheduler:
             return mode == "async"
         others_running = any(state.block_ids for req_id, state in self._requests.items()
                              if req_id != request_id)
-        return others_running and not all(key in self._in_ram for key in keys)
+        if not others_running:
+            return False
+        in_ram = sum(key in self._in_ram for key in keys)
+        return not self._costs.inline(in_ram, len(keys) - in_ram)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -283,6 +290,8 @@ class ConnectorScheduler:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMetadata:
         """This step's plan: the pending loads, and stores of chunks the step completes."""
+        self._costs.observe_plan(time.monotonic(),
+                                 bool(scheduler_output.num_scheduled_tokens))
         meta = KVTierMetadata(loads=self._pending_loads, async_loads=self._pending_async,
                               acked_failed_blocks=self._acked_failed_blocks,
                               stores_async=self._stores_async, held=self._held,
@@ -339,6 +348,8 @@ class ConnectorScheduler:
         for key in report.stored | report.skipped:  # reported: no longer in flight
             self._inflight_stores.pop(key, None)
         self._locator.record_stored(report.stored)
+        for sample in report.load_samples:
+            self._costs.observe_load(sample)
         for key in report.stored_state:
             self._stateless.discard(key)
         for key in report.without_state:

@@ -47,6 +47,7 @@ from kvtier.core.layout import KVLayout
 from kvtier.core.retention import ChunkMeta
 from kvtier.core.sealing import TENANTS
 from kvtier.core.store import ChunkView, StoreEvent, StoreStats
+from kvtier.integrations.vllm.loadcost import LoadSample
 from kvtier.integrations.vllm.messages import ChunkTransfer, KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, StatsDelta
 from kvtier.integrations.vllm.paged import PagedKV
@@ -162,6 +163,10 @@ class ConnectorWorker:
         self._failed_block_ids: set[int] = set()
         self._failed_requests: set[str] = set()  # async loads that failed
         self._state_notes: deque[tuple[ChunkKey, bool]] = deque()  # see _note_state
+        # Complete CPU loads, timed for the scheduler's load_mode "auto" (loadcost.py); any
+        # thread appends, the model runner's report takes them.
+        self._load_samples: deque[LoadSample] = deque()
+        self._top_tier = store.stats().tiers[0].name  # the RAM tier: it lends its chunks
         # Blocks whose load failed, until the scheduler acknowledges it (a later step).
         self._unfilled: set[int] = set()
         self._agree = agree
@@ -411,6 +416,7 @@ class ConnectorWorker:
                 if self._cuda.load(self._store, t.key, t.block_ids, t.first_block) is None:
                     return i
             return len(transfers)
+        started, lent_by_ram = time.perf_counter(), 0
         for first in range(0, len(transfers), self._load_batch):
             batch = transfers[first:first + self._load_batch]
             with self._store.borrow_many([t.key for t in batch], spares) as lent:
@@ -421,6 +427,7 @@ class ConnectorWorker:
                 for i, (transfer, view) in enumerate(zip(batch[:held], lent[:held],
                                                          strict=True)):
                     assert view is not None
+                    lent_by_ram += view.tier == self._top_tier
                     chunk = torch.frombuffer(view.data, dtype=torch.uint8)
                     if self._paged.state_bytes:
                         has_state = self._paged.has_state(chunk)
@@ -435,6 +442,8 @@ class ConnectorWorker:
                                         transfer.state_blocks)
                 if held < len(batch):
                     return first + held
+        self._load_samples.append(LoadSample(lent_by_ram, len(transfers) - lent_by_ram,
+                                             time.perf_counter() - started))
         return len(transfers)
 
     def _store_chunk(self, transfer: ChunkTransfer) -> bool:
@@ -497,10 +506,12 @@ class ConnectorWorker:
         with self._gone_lock:
             gone, self._gone = self._gone, set()
         self._report.removed |= gone
+        while self._load_samples:
+            self._report.load_samples.append(self._load_samples.popleft())
         report = self._report
         if not (report.stored or report.missing or report.removed or report.events
                 or report.skipped or report.failed_blocks or report.without_state
-                or report.stored_state):
+                or report.stored_state or report.load_samples):
             return None
         self._report = KVTierWorkerMetadata()
         return report
