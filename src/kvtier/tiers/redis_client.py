@@ -2,17 +2,11 @@
 the password, a client with the tier's timeouts and redis-py's retries off, and which errors mean
 "the server is not answering".
 
-Replies are parsed by hiredis (a dependency): redis-py's own parser, in Python, costs twice the
-CPU per byte read, all of it under the GIL that the engine's model runner needs too
-(docs/performance.md, "Redis replies parsed by hiredis"); without hiredis the tier still works,
-and says so once.
-
 Primitives: `Client`, `UNAVAILABLE`, `read_password`, `connect`.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from typing import Any
@@ -22,7 +16,6 @@ from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import ClusterDownError, RedisClusterException, SlotNotCoveredError
 from redis.retry import Retry
-from redis.utils import HIREDIS_AVAILABLE
 
 from kvtier.errors import ConfigError
 from kvtier.tiers.redis_config import RedisTierConfig
@@ -74,7 +67,6 @@ def connect(config: RedisTierConfig, password: str | None) -> Client:
     Raises:
         redis.ConnectionError: no cluster node answered.
     """
-    _warn_without_hiredis()
     common: dict[str, Any] = {
         "username": config.username, "password": password,
         "socket_timeout": config.socket_timeout_ms / 1000,
@@ -97,11 +89,3 @@ def connect(config: RedisTierConfig, password: str | None) -> Client:
                             **common)
     except RedisClusterException as exc:  # "cannot be connected": no node answered
         raise redis.ConnectionError(str(exc)) from exc
-
-
-@functools.cache
-def _warn_without_hiredis() -> None:
-    """Say once per process that replies are parsed in Python."""
-    if not HIREDIS_AVAILABLE:
-        log.warning("redis tier: hiredis is not installed, so redis-py parses replies in "
-                    "Python (2x the CPU per chunk read, under the GIL); pip install hiredis")
