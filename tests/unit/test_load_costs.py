@@ -41,7 +41,7 @@ def test_a_load_within_a_fifth_of_the_step_is_inline_a_longer_one_async() -> Non
     steps_of(costs, 20 * MS)
     assert costs.step_s == pytest.approx(20 * MS)
     costs.observe_load(LoadSample(ram_chunks=8, lower_chunks=0, seconds=8 * MS))  # 1 ms each
-    assert INLINE_STEP_SHARE * 20 * MS == pytest.approx(4 * MS)  # the budget: 4 RAM chunks
+    assert pytest.approx(4 * MS) == INLINE_STEP_SHARE * 20 * MS  # the budget: 4 RAM chunks
     assert costs.inline(3, 0)
     assert not costs.inline(5, 0)  # a large RAM hit goes asynchronous
     # Below RAM: the RAM part of a mixed load is taken off, the rest is per lower chunk.
