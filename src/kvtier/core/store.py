@@ -166,6 +166,7 @@ class TieredStore:
         self._reserver = self.tiers[0] if self.tiers and isinstance(self.tiers[0], Reserver) \
             else None
         self._batched = [t for t in self.tiers if isinstance(t, BatchLookup)]
+        self._remote = {id(t) for t in self._batched}  # read without a lookup first
         # Tiers that keep each chunk's tenant, pin and expiry (kvtier.core.retention).
         self._keepers: dict[int, MetaKeeper] = {
             id(t): t for t in self.tiers if isinstance(t, MetaKeeper)}
@@ -330,11 +331,16 @@ class TieredStore:
                 if not self._calls.usable(tier.name):
                     continue
                 reading[0][reading[1]] = tier.name
-            held = self._contains(tier, key)
-            if reading is not None:
-                self._calls.answered(tier.name)
-            if not held:
-                continue
+            # A remote tier (BatchLookup) is read without asking first: its read says
+            # "missing" in the round trip a lookup would take (one round trip, not two: each
+            # is a wait for the GIL on a thread beside the model runner).
+            remote = id(tier) in self._remote
+            if not remote:
+                held = self._contains(tier, key)
+                if reading is not None:
+                    self._calls.answered(tier.name)
+                if not held:
+                    continue
             in_place = lender is None and level > 0 and self._reserver is not None
             try:
                 if lender is not None:
@@ -350,7 +356,9 @@ class TieredStore:
                 log.warning("tier %r: read of %s failed (%s); trying the next", tier.name,
                             key.hex(), exc)
                 self._failures.add(tier.name, Failure.RAISED)
-                continue
+                view = None
+            if remote and reading is not None:
+                self._calls.answered(tier.name)
             if view is not None:
                 self._promote(level, key, view, top=not in_place)
                 return ChunkView(view.toreadonly(), tier.name)

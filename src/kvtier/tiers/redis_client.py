@@ -27,6 +27,11 @@ Client = redis.Redis | RedisCluster
 UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, SlotNotCoveredError,
                OSError)
 PASSWORD_ENVS = ("KVTIER_REDIS_PASSWORD", "REDIS_PASSWORD")
+# Bytes asked of the socket per recv (redis-py's default: 64 KiB). A thread reading beside the
+# model runner must win the GIL back after every recv, which a busy runner hands over only each
+# `sys.getswitchinterval()` (5 ms): 32 MiB in 64 KiB reads took 2.3 s against 28 ms alone,
+# in 2 MiB reads 0.24 s (docs/performance.md, "GIL").
+READ_SIZE = 2 * 1024**2
 
 
 def read_password(config: RedisTierConfig) -> str | None:
@@ -72,6 +77,7 @@ def connect(config: RedisTierConfig, password: str | None) -> Client:
         "socket_timeout": config.socket_timeout_ms / 1000,
         "socket_connect_timeout": config.connect_timeout_ms / 1000,
         "retry": Retry(NoBackoff(), 0),
+        "socket_read_size": READ_SIZE,
     }
     if config.tls_ca_file is not None:
         common["ssl_ca_certs"] = str(config.tls_ca_file)
