@@ -41,6 +41,7 @@ from pydantic import (
     field_validator,
 )
 
+from kvtier.core.threads import parse_io_cores
 from kvtier.errors import ConfigError
 from kvtier.tiers.registry import TIER_CLASSES, config_model, public_kinds
 from kvtier.units import parse_size
@@ -110,6 +111,10 @@ class StoreConfig(_Frozen):
     # Threads for parallel reads and lookups; the vLLM worker reads this many chunks at once
     # (8 read the VM disk 25-30% faster than 4: docs/performance.md).
     io_threads: int = Field(8, ge=1, le=64)
+    # Cores of those threads (and the vLLM worker's load and store threads): "auto" (the
+    # engine's cores, not just the one(s) vLLM's CPU backend binds the model runner to),
+    # "inherit", or a list like "2,3" (kvtier/core/threads.py).
+    io_cores: str = "auto"
     # A read of a tier below RAM not finished within this is abandoned (the load is
     # recomputed) and the tier is skipped until it answers again: a dead NFS mount or a
     # server that never replies costs hits, never a hung engine.
@@ -117,6 +122,11 @@ class StoreConfig(_Frozen):
     # The scheduler waits this long for a slow tier's lookup (shared directory, Redis) before
     # treating the rest of the prefix as a miss; probes are skipped while one stays stuck.
     lookup_timeout_s: float = Field(2.0, gt=0, le=3600)
+
+    @field_validator("io_cores")
+    @classmethod
+    def _io_cores(cls, io_cores: str) -> str:
+        return parse_io_cores(io_cores)
 
     @field_validator("tiers", mode="before")
     @classmethod

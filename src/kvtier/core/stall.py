@@ -25,6 +25,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import ParamSpec, TypeVar
 
 from kvtier.core.guard import Guard
+from kvtier.core.threads import io_pool
 
 log = logging.getLogger(__name__)
 P = ParamSpec("P")
@@ -35,22 +36,24 @@ class StallGuard:
     """Bounded calls into tiers, named by the tier's name. Thread-safe."""
 
     def __init__(self, threads: int, timeout_s: float, *, min_backoff_s: float = 1.0,
-                 max_backoff_s: float = 60.0) -> None:
+                 max_backoff_s: float = 60.0, cores: frozenset[int] | None = None) -> None:
         """Args:
             threads: calls in flight at once.
             timeout_s: how long a caller waits for a call before abandoning it.
             min_backoff_s, max_backoff_s: how long a stalled tier is skipped before one call
                 probes it again (doubling from the first to the second).
+            cores: where the threads run (core/threads.py; None: where their starter runs).
         """
         self.timeout_s = timeout_s
         self._threads = threads
+        self._cores = cores
         self._guard = Guard("stall", min_backoff_s, max_backoff_s)
         self._lock = threading.Lock()
         self._pool = self._new_pool()
         self._abandoned = 0
 
     def _new_pool(self) -> ThreadPoolExecutor:
-        return ThreadPoolExecutor(self._threads, thread_name_prefix="kvtier-read")
+        return io_pool(self._threads, "kvtier-read", self._cores)
 
     def usable(self, tier: str) -> bool:
         """Whether a call to `tier` may go out now (False while it is stalled; the first

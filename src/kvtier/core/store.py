@@ -68,6 +68,7 @@ class StoreSettings:
 
     write_queue_depth: int = 64  # chunks waiting per lower tier before writes are dropped
     io_threads: int = 8  # threads for parallel reads (`borrow_many`)
+    io_cores: frozenset[int] | None = None  # where the store's threads run (None: inherit)
     # A read (or lookup) of a tier below the top not finished by then is abandoned: a miss,
     # and the tier is skipped until it answers again.
     read_timeout_s: float = 5.0
@@ -154,10 +155,12 @@ class TieredStore:
         self._failures = FailureCounts()
         self._below = [
             WriteBehind(tier, settings.write_queue_depth,
-                         settings.write_threads.get(tier.name, 1), self._failures)
+                         settings.write_threads.get(tier.name, 1), self._failures,
+                         settings.io_cores)
             for tier in self.tiers[1:]
         ]
-        self._calls = StallGuard(settings.io_threads, settings.read_timeout_s)
+        self._calls = StallGuard(settings.io_threads, settings.read_timeout_s,
+                                 cores=settings.io_cores)
         # Each tier's optional abilities, checked once: a runtime Protocol isinstance costs
         # ~3 us, and loads asked it per chunk per tier (a quarter of a memory-tier borrow).
         self._lenders: dict[int, Lender] = {id(t): t for t in self.tiers if isinstance(t, Lender)}

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.retention import ChunkMeta, MetaKeeper
+from kvtier.core.threads import io_pool
 from kvtier.core.tier import Failure, Tier
 
 log = logging.getLogger(__name__)
@@ -41,12 +41,13 @@ class FailureCounts:
 class WriteBehind:
     """A bounded queue of writes to one lower tier, drained by its own threads."""
 
-    def __init__(self, tier: Tier, depth: int, threads: int, failures: FailureCounts) -> None:
+    def __init__(self, tier: Tier, depth: int, threads: int, failures: FailureCounts,
+                 cores: frozenset[int] | None = None) -> None:
         self.tier = tier
         self.drops = 0
         self._failures = failures
         self._slots = threading.BoundedSemaphore(depth)
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"kvtier-write-{tier.name}")
+        self._pool = io_pool(threads, f"kvtier-write-{tier.name}", cores)
         self._idle = threading.Condition()
         self._pending = 0
         # Keys queued or being written: held for `TieredStore.contains` (a chunk the top tier

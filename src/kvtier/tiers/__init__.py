@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from kvtier.core.layout import KVLayout
 from kvtier.core.locator import Probe, ProbeSource
 from kvtier.core.store import StoreSettings, TieredStore
+from kvtier.core.threads import resolve_io_cores
 from kvtier.core.tier import Tier
 from kvtier.tiers.manifest import ManifestKeeper, NamespaceInfo, new_manifest
 from kvtier.tiers.registry import TIER_CLASSES, tier_class
@@ -54,6 +55,7 @@ def store_settings(config: StoreConfig) -> StoreSettings:
     return StoreSettings(
         write_queue_depth=config.write_queue_depth,
         io_threads=config.io_threads,
+        io_cores=resolve_io_cores(config.io_cores),
         read_timeout_s=config.read_timeout_s,
         write_threads={t.tier_name: getattr(t, "io_threads", 1) for t in config.tiers},
     )

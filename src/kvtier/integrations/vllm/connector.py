@@ -296,11 +296,16 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         # A prefill instance hands its KV over through the lower tiers: its steps wait for
         # their writes (a stalled tier is abandoned after read_timeout_s, like a read).
         handoff = self._kv_transfer_config.kv_role == "kv_producer"
-        self._worker = ConnectorWorker(paged, layout, open_store(store_config, layout, info),
+        store = open_store(store_config, layout, info)
+        io_cores = store.settings.io_cores
+        if io_cores is not None:
+            logger.info("kvtier: I/O threads on cores %s (the model runner's: %s)",
+                        sorted(io_cores), sorted(os.sched_getaffinity(0)))
+        self._worker = ConnectorWorker(paged, layout, store,
                                        load_batch=self._config.store.io_threads,
                                        agree=tp_any if world > 1 else None,
                                        handoff_timeout_s=self._config.store.read_timeout_s
-                                       if handoff else None)
+                                       if handoff else None, io_cores=io_cores)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """The step's plan, before its forward (vLLM calls start_load_kv after the forward in

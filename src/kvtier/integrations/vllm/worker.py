@@ -35,7 +35,7 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable, MutableSequence, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
@@ -47,6 +47,7 @@ from kvtier.core.layout import KVLayout
 from kvtier.core.retention import ChunkMeta
 from kvtier.core.sealing import TENANTS
 from kvtier.core.store import ChunkView, StoreEvent, StoreStats
+from kvtier.core.threads import io_pool
 from kvtier.integrations.vllm.loadcost import LoadSample
 from kvtier.integrations.vllm.messages import ChunkTransfer, KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, StatsDelta
@@ -118,7 +119,8 @@ class ConnectorWorker:
     def __init__(self, paged: PagedKV, layout: KVLayout, store: ChunkStore,
                  load_batch: int = LOAD_BATCH,
                  agree: Callable[[list[bool]], list[bool]] | None = None,
-                 handoff_timeout_s: float | None = None) -> None:
+                 handoff_timeout_s: float | None = None,
+                 io_cores: frozenset[int] | None = None) -> None:
         """Args:
             load_batch: chunks per `borrow_many`: a slow tier's reads of one batch run in
                 parallel (8 at a time read the VM disk here 25-30% faster than 4).
@@ -128,6 +130,8 @@ class ConnectorWorker:
                 reached every tier, at most this long, so that a prefill's KV is in the
                 shared tier when its response returns (the decode instance looks it up
                 next); None: lower tiers are written behind, the step does not wait.
+            io_cores: where the load, store, prefetch and report threads run (like the
+                store's: kvtier/core/threads.py); None: on the model runner's cores.
         """
         self._paged = paged
         self._store = store
@@ -140,22 +144,22 @@ class ConnectorWorker:
                         for _ in range(load_batch)]
         # Asynchronous loads (vLLM's WAITING_FOR_REMOTE_KVS) run on one load thread with
         # spares of their own, while the model runner goes on with the other requests.
-        self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
+        self._loader = io_pool(1, "kvtier-load", io_cores)
         self._async_spares = [torch.empty(layout.bytes_per_chunk, dtype=torch.uint8).numpy().data
                               for _ in range(load_batch)]
         # Asynchronous stores: a step's stores as one job on the store thread, in order.
-        self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvtier-store")
+        self._saver = io_pool(1, "kvtier-store", io_cores)
         self._saving: deque[Future[StoreJob]] = deque()  # jobs not yet joined, oldest first
         self._saved_this_step = False  # the newest of them is this step's
         # Reads of chunks into the RAM tier ahead of their load (KVTierMetadata.prefetch), on
         # a thread of their own so that they never queue an asynchronous load behind them.
-        self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="kvtier-prefetch")
+        self._prefetcher = io_pool(1, "kvtier-prefetch", io_cores)
         self._prefetch_spares = [torch.empty(layout.bytes_per_chunk, dtype=torch.uint8)
                                  .numpy().data for _ in range(load_batch)]
         self._prefetch_counts: deque[int] = deque()  # chunks each prefetch batch read
         # Chunks a tier removed that no tier holds any more (reported `removed`, so that the
         # scheduler stops planning loads of them), found on a thread of their own.
-        self._checker = ThreadPoolExecutor(1, thread_name_prefix="kvtier-report")
+        self._checker = io_pool(1, "kvtier-report", io_cores)
         self._gone: set[ChunkKey] = set()
         self._gone_lock = threading.Lock()
         # request id -> (its chunks, the load, when it started)
