@@ -1,8 +1,9 @@
 """Reads from a remote tier cost one round trip a chunk (a real redis-server on 127.0.0.1).
 
 A load's reads run on threads beside the model runner, where every round trip is also a wait
-for the GIL (docs/performance.md, "GIL"): the store reads a remote tier's chunk without asking
-the server first whether it holds it, and the read's own "missing" stands for the lookup.
+for the GIL (docs/performance.md, "I/O threads' cores, and the GIL"): the store reads a
+remote tier's chunk without asking the server first whether it holds it, and the read's own
+"missing" stands for the lookup.
 The server's command counters say what went over the wire.
 """
 

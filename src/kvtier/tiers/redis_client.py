@@ -30,7 +30,7 @@ PASSWORD_ENVS = ("KVTIER_REDIS_PASSWORD", "REDIS_PASSWORD")
 # Bytes asked of the socket per recv (redis-py's default: 64 KiB). A thread reading beside the
 # model runner must win the GIL back after every recv, which a busy runner hands over only each
 # `sys.getswitchinterval()` (5 ms): 32 MiB in 64 KiB reads took 2.3 s against 28 ms alone,
-# in 2 MiB reads 0.24 s (docs/performance.md, "GIL").
+# in 2 MiB reads 0.24 s (docs/performance.md, "I/O threads' cores, and the GIL").
 READ_SIZE = 2 * 1024**2
 
 
