@@ -38,9 +38,10 @@ def request(rid: str, num_tokens: int, salt: str | None = None,
 class Engine:
     """vLLM's side of the conversation: lookups, allocations, steps and worker reports."""
 
-    def __init__(self) -> None:
+    def __init__(self, **settings: Any) -> None:
         self.locator = ChunkLocator([], max_keys=1024)
-        self.sched = ConnectorScheduler(ConnectorConfig.parse({"tokens_per_chunk": CHUNK}),
+        config = ConnectorConfig.parse({"tokens_per_chunk": CHUNK, **settings})
+        self.sched = ConnectorScheduler(config,
                                         block_size=BLOCK, model_id="tiny",
                                         layout_digest="0" * 32, locator=self.locator)
 
@@ -233,9 +234,7 @@ def test_auto_weighs_a_hit_by_the_measured_cost_of_loads_and_steps() -> None:
 
 
 def test_load_mode_forces_either_way_and_a_failed_load_is_not_asked_again() -> None:
-    engine = Engine()
-    engine.sched._config = ConnectorConfig.parse({"tokens_per_chunk": CHUNK,
-                                                  "load_mode": "async"})
+    engine = Engine(load_mode="async")
     engine.admit(request("a", 200), list(range(7)))
     held = engine.store_all(engine.step(new={"a": (list(range(7)), 0, 200)}))
     req = request("b", 200)

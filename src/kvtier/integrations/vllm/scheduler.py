@@ -37,11 +37,10 @@ import numpy as np
 
 from kvtier.core.keys import ChunkKey, Namespace, chunk_keys
 from kvtier.core.locator import ChunkIndex, ChunkLocator, LookupStatus
-from kvtier.core.tier import EventKind
 from kvtier.integrations.vllm.config import ConnectorConfig, RequestControls
 from kvtier.integrations.vllm.events import ChunkInfo, ChunkTokens, kv_events
 from kvtier.integrations.vllm.groups import NULL_BLOCK, ChunkGroups
-from kvtier.integrations.vllm.loadcost import LoadCosts
+from kvtier.integrations.vllm.loadplan import LoadPlanner
 from kvtier.integrations.vllm.messages import ChunkTransfer, KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, StatsDelta
 from kvtier.integrations.vllm.request_keys import (
@@ -67,13 +66,8 @@ CHUNK_ORDER = "chunk-order=LBH2TD-v2"
 # scheduling keeps one step in flight), so 2 would do; the rest is slack. A block past the
 # window whose load failed was acknowledged long since (see _acked_failed_blocks).
 LOAD_CONFIRM_STEPS = 4
-# Keys remembered as held in the workers' RAM tier (~100 B each): 2^17 chunks is 256 GiB of
-# RAM tier at 2 MiB a chunk; past that the oldest are forgotten (their hits load async).
-IN_RAM_MAX_KEYS = 1 << 17
-# Chunks asked to be prefetched into RAM per step at most (a request waiting for blocks
-# gets its prefix read ahead a batch at a time), and remembered as asked (not asked twice).
-PREFETCH_PER_STEP = 32
-PREFETCHED_MAX_KEYS = 1 << 14
+# Chunks remembered as having no state at their end (models with state layers).
+STATELESS_MAX_KEYS = 1 << 17
 
 
 @dataclass(slots=True)
@@ -133,7 +127,7 @@ class ConnectorScheduler:
         # unknown state (found by a probe: stored before a restart, or by another engine) are
         # tried, and reported when they have none.
         self._has_state = bool(self._groups.state_layer_names)
-        self._stateless = ChunkIndex(IN_RAM_MAX_KEYS)
+        self._stateless = ChunkIndex(STATELESS_MAX_KEYS)
         # Requests whose asynchronous hit brought a state: (hit tokens, its blocks per state
         # group), until they are scheduled.
         self._state_copies: dict[str, tuple[int, tuple[int, ...]]] = {}
@@ -180,16 +174,9 @@ class ConnectorScheduler:
         self._acked_failed_blocks: set[int] = set()
         # Async loads planned for the next step (request id -> chunks).
         self._pending_async: dict[str, list[ChunkTransfer]] = {}
-        # Keys the workers' top tier (RAM) holds, as their reports and tier events tell:
-        # a hit entirely in RAM is loaded inline (load_mode "auto").
-        self._top_tier = config.store.tiers[0].tier_name
-        self._in_ram = ChunkIndex(IN_RAM_MAX_KEYS)
-        # What loads and steps take, measured: load_mode "auto" weighs each hit by them.
-        self._costs = LoadCosts()
-        # Requests whose hit reads below RAM and that wait for blocks (a lookup, and no
-        # allocation after it): their chunks are prefetched into RAM (KVTierMetadata.prefetch).
-        self._prefetch_wanted: dict[str, list[ChunkKey]] = {}
-        self._prefetched = ChunkIndex(PREFETCHED_MAX_KEYS)
+        # Inline or async per hit, and what to read ahead into the workers' RAM tier.
+        self._loads = LoadPlanner(config.load_mode, config.store.tiers[0].tier_name,
+                                  self._several_groups)
         # Held chunks of requests with retain_s / ttl_s, for the next plan's `retains`.
         self._retains: list[ChunkTransfer] = []
 
@@ -223,35 +210,16 @@ class ConnectorScheduler:
             return 0, False
         first_chunk = num_computed_tokens // self._config.tokens_per_chunk
         hit_keys = keys[first_chunk:num_chunks]
-        state.load_async = self._loads_async(request.request_id, hit_keys)
-        below_ram = [key for key in hit_keys if key not in self._in_ram]
-        if below_ram:  # until vLLM allocates its blocks (update_state_after_alloc)
-            self._prefetch_wanted[request.request_id] = below_ram
+        others_running = any(other.block_ids for req_id, other in self._requests.items()
+                             if req_id != request.request_id)
+        state.load_async = self._loads.loads_async(hit_keys, others_running)
+        self._loads.want(request.request_id, hit_keys)
         return hit_tokens - num_computed_tokens, state.load_async
-
-    def _loads_async(self, request_id: str, keys: list[ChunkKey]) -> bool:
-        """Whether a hit of `keys` is loaded asynchronously (see config.LOAD_MODES). "auto":
-        by its measured cost while other requests run (loadcost.py); an idle engine has no
-        batch to protect, and an asynchronous load costs its request one more step (a
-        1k-token disk hit: 14 ms extra TTFT against 4.5 ms inline, docs/performance.md)."""
-        if self._several_groups:
-            # Several KV cache groups: vLLM 0.32 takes no block-level load failure then (it
-            # stops with a RuntimeError); an asynchronous load fails by request, recomputed.
-            return True
-        mode = self._config.load_mode
-        if mode != "auto":
-            return mode == "async"
-        others_running = any(state.block_ids for req_id, state in self._requests.items()
-                             if req_id != request_id)
-        if not others_running:
-            return False
-        in_ram = sum(key in self._in_ram for key in keys)
-        return not self._costs.inline(in_ram, len(keys) - in_ram)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         """Plan the load of the tokens vLLM accepted, into the blocks it allocated."""
-        self._prefetch_wanted.pop(request.request_id, None)  # loaded now, not ahead
+        self._loads.forget(request.request_id)  # loaded now, not ahead
         state = self._state(request)
         if num_external_tokens == 0:
             return
@@ -290,7 +258,7 @@ class ConnectorScheduler:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMetadata:
         """This step's plan: the pending loads, and stores of chunks the step completes."""
-        self._costs.observe_plan(time.monotonic(),
+        self._loads.observe_plan(time.monotonic(),
                                  bool(scheduler_output.num_scheduled_tokens))
         meta = KVTierMetadata(loads=self._pending_loads, async_loads=self._pending_async,
                               acked_failed_blocks=self._acked_failed_blocks,
@@ -299,7 +267,7 @@ class ConnectorScheduler:
         self._pending_loads, self._pending_async, self._acked_failed_blocks = {}, {}, set()
         self._held = set()
         self._remember_loads(meta.loads | meta.async_loads)
-        meta.prefetch = self._take_prefetch()
+        meta.prefetch = self._loads.take_prefetch()
         for req_id in scheduler_output.preempted_req_ids or ():
             if req_id in self._requests:
                 # Its blocks are freed; the resumed request gets a full new block list, and
@@ -348,21 +316,11 @@ class ConnectorScheduler:
         for key in report.stored | report.skipped:  # reported: no longer in flight
             self._inflight_stores.pop(key, None)
         self._locator.record_stored(report.stored)
-        for sample in report.load_samples:
-            self._costs.observe_load(sample)
+        self._loads.learn(report)
         for key in report.stored_state:
             self._stateless.discard(key)
         for key in report.without_state:
             self._stateless.add(key)
-        for key in report.stored:  # stores go to the top tier
-            self._in_ram.add(key)
-        for event in report.events:
-            if event.tier == self._top_tier:
-                if event.kind is EventKind.STORED:
-                    self._in_ram.add(event.key)
-                else:
-                    self._in_ram.discard(event.key)
-                    self._prefetched.discard(event.key)  # may be prefetched again
         self._locator.record_missing(report.missing)
         self._locator.record_missing(report.removed)  # evicted from every tier
         if self._emit_events:
@@ -396,7 +354,7 @@ class ConnectorScheduler:
             self._stats.add("held_requests", 1)
         self._pending_loads.pop(request.request_id, None)
         self._pending_async.pop(request.request_id, None)
-        self._prefetch_wanted.pop(request.request_id, None)
+        self._loads.forget(request.request_id)
         self._state_copies.pop(request.request_id, None)
         self._locator.forget(request.request_id)
         return held
@@ -415,20 +373,6 @@ class ConnectorScheduler:
         return [(g, source, ids[after]) for g, (source, ids)
                 in enumerate(zip(pending[1], self._groups.state_ids(block_ids), strict=True))
                 if source != NULL_BLOCK and after < len(ids) and ids[after] != NULL_BLOCK]
-
-    def _take_prefetch(self) -> list[ChunkKey]:
-        """Up to PREFETCH_PER_STEP chunks of waiting requests to read into RAM ahead of their
-        load, none the RAM tier is known to hold, each asked once until RAM evicts it."""
-        keys: list[ChunkKey] = []
-        for wanted in self._prefetch_wanted.values():
-            for key in wanted:
-                if len(keys) == PREFETCH_PER_STEP:
-                    return keys
-                if key not in self._prefetched and key not in self._in_ram:
-                    self._prefetched.add(key)
-                    keys.append(key)
-        self._prefetch_wanted.clear()  # a request still waiting is looked up again
-        return keys
 
     def _state(self, request: Request) -> _RequestState:
         state = self._requests.get(request.request_id)

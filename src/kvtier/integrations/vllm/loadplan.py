@@ -1,0 +1,101 @@
+"""How the scheduler loads a hit: inline or asynchronously, and what to read ahead into RAM.
+
+Scheduler side, one thread. It follows what the workers' top tier (RAM) holds from their
+reports (chunks stored go to RAM; the tier's stored/removed events), weighs each hit by the
+measured cost of loads and steps (`LoadCosts`, loadcost.py) under `load_mode` "auto", and
+collects the chunks below RAM of requests waiting for blocks, to prefetch into RAM
+(`KVTierMetadata.prefetch`), so that their load, a step or more later, is a memcpy.
+
+Primitives: `LoadPlanner`.
+"""
+
+from __future__ import annotations
+
+from kvtier.core.keys import ChunkKey
+from kvtier.core.locator import ChunkIndex
+from kvtier.core.tier import EventKind
+from kvtier.integrations.vllm.loadcost import LoadCosts
+from kvtier.integrations.vllm.messages import KVTierWorkerMetadata
+
+# Keys remembered as held in the workers' RAM tier (~100 B each): 2^17 chunks is 256 GiB of
+# RAM tier at 2 MiB a chunk; past that the oldest are forgotten (their hits load async).
+IN_RAM_MAX_KEYS = 1 << 17
+# Chunks asked to be prefetched into RAM per step at most (a request waiting for blocks
+# gets its prefix read ahead a batch at a time), and remembered as asked (not asked twice).
+PREFETCH_PER_STEP = 32
+PREFETCHED_MAX_KEYS = 1 << 14
+
+
+class LoadPlanner:
+    """Sync or async per hit, and the prefetch list (scheduler thread)."""
+
+    def __init__(self, load_mode: str, top_tier: str, several_groups: bool) -> None:
+        """Args:
+            load_mode: config.LOAD_MODES ("auto", "sync", "async").
+            top_tier: the name of the workers' first tier (RAM).
+            several_groups: the model has several KV cache groups: every load is async
+                (vLLM 0.32 takes no block-level load failure then: it stops with a
+                RuntimeError; an asynchronous load fails by request, recomputed).
+        """
+        self._mode = "async" if several_groups else load_mode
+        self._top_tier = top_tier
+        self._in_ram = ChunkIndex(IN_RAM_MAX_KEYS)
+        self._costs = LoadCosts()
+        # Requests whose hit reads below RAM and that wait for blocks (a lookup, and no
+        # allocation after it): their chunks are prefetched into RAM.
+        self._wanted: dict[str, list[ChunkKey]] = {}
+        self._prefetched = ChunkIndex(PREFETCHED_MAX_KEYS)
+
+    def loads_async(self, keys: list[ChunkKey], others_running: bool) -> bool:
+        """Whether a hit of `keys` is loaded asynchronously (see config.LOAD_MODES). "auto":
+        by its measured cost while other requests run (loadcost.py); an idle engine has no
+        batch to protect, and an asynchronous load costs its request one more step (a
+        1k-token disk hit: 14 ms extra TTFT against 4.5 ms inline, docs/performance.md)."""
+        if self._mode != "auto":
+            return self._mode == "async"
+        if not others_running:
+            return False
+        in_ram = sum(key in self._in_ram for key in keys)
+        return not self._costs.inline(in_ram, len(keys) - in_ram)
+
+    def want(self, request_id: str, keys: list[ChunkKey]) -> None:
+        """A request waiting for blocks will load `keys`: read those below RAM ahead."""
+        below_ram = [key for key in keys if key not in self._in_ram]
+        if below_ram:  # until vLLM allocates its blocks (`forget`)
+            self._wanted[request_id] = below_ram
+
+    def forget(self, request_id: str) -> None:
+        """The request got its blocks (it loads now, not ahead), or ended."""
+        self._wanted.pop(request_id, None)
+
+    def take_prefetch(self) -> list[ChunkKey]:
+        """Up to PREFETCH_PER_STEP chunks of waiting requests to read into RAM ahead of their
+        load, none the RAM tier is known to hold, each asked once until RAM evicts it."""
+        keys: list[ChunkKey] = []
+        for wanted in self._wanted.values():
+            for key in wanted:
+                if len(keys) == PREFETCH_PER_STEP:
+                    return keys
+                if key not in self._prefetched and key not in self._in_ram:
+                    self._prefetched.add(key)
+                    keys.append(key)
+        self._wanted.clear()  # a request still waiting is looked up again
+        return keys
+
+    def observe_plan(self, now_s: float, ran_tokens: bool) -> None:
+        """A plan was built at `now_s` (time.monotonic) for a step that runs tokens or not."""
+        self._costs.observe_plan(now_s, ran_tokens)
+
+    def learn(self, report: KVTierWorkerMetadata) -> None:
+        """Take in the workers' timed loads and what their RAM tier stored and removed."""
+        for sample in report.load_samples:
+            self._costs.observe_load(sample)
+        for key in report.stored:  # stores go to the top tier
+            self._in_ram.add(key)
+        for event in report.events:
+            if event.tier == self._top_tier:
+                if event.kind is EventKind.STORED:
+                    self._in_ram.add(event.key)
+                else:
+                    self._in_ram.discard(event.key)
+                    self._prefetched.discard(event.key)  # may be prefetched again
