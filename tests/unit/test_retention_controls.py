@@ -12,7 +12,7 @@ from test_connector_scheduler import Engine, request
 
 from kvtier.core.retention import tenant_id, tenant_label
 from kvtier.integrations.vllm.config import RequestControls
-from kvtier.integrations.vllm.worker import chunk_meta
+from kvtier.integrations.vllm.messages import chunk_meta
 
 
 def test_controls_are_read_and_bad_values_ignored() -> None:

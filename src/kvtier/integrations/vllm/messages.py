@@ -11,11 +11,12 @@ depends on a block whose load failed and the scheduler has not yet acknowledged
 (`KVTierMetadata.acked_failed_blocks`), reports it `skipped`, and the scheduler plans it again
 once the recomputation has run.
 
-Primitives: `ChunkTransfer`, `KVTierMetadata`, `KVTierWorkerMetadata`.
+Primitives: `ChunkTransfer` (`chunk_meta`), `KVTierMetadata`, `KVTierWorkerMetadata`.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -24,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtier.core.keys import ChunkKey
+from kvtier.core.retention import ChunkMeta
 from kvtier.core.store import StoreEvent
 from kvtier.integrations.vllm.groups import NULL_BLOCK
 from kvtier.integrations.vllm.loadcost import LoadSample
@@ -69,6 +71,16 @@ class ChunkTransfer:
         return [b for g in range(self.groups)
                 for b in self.block_ids[g * per + self.first_block:(g + 1) * per]
                 if self.groups == 1 or b != NULL_BLOCK]
+
+
+def chunk_meta(transfer: ChunkTransfer) -> ChunkMeta | None:
+    """The tenant (`tenant_id` of its cache salt), pin and expiry of a planned chunk, dated
+    now; None for a chunk of the default tenant with neither (the tiers' defaults apply,
+    nothing is passed down)."""
+    if transfer.tenant is None and transfer.retain_s is None and transfer.ttl_s is None:
+        return None
+    return ChunkMeta.for_request(transfer.tenant, transfer.retain_s, transfer.ttl_s,
+                                 time.time())
 
 
 @dataclass(slots=True)

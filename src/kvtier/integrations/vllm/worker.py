@@ -14,11 +14,10 @@ a preempted request's blocks finish before the forward that may overwrite them
 (`finish_stores`).
 
 The chunk byte order and vLLM's KV layouts are in `paged.py` (`PagedKV`, re-exported
-here). Stores gather straight into a slot the memory tier reserves (`TieredStore.put_from`)
-and loads borrow chunks (`TieredStore.borrow_many`): the scatter reads the memory tier's
-slot in place, and a slower tier's read lands in a reserved slot too, so each direction is
-one copy on the CPU. On CUDA the copies run on side streams (`cuda.py`): the same plan, the
-same store jobs (`StoreJob`) joined and reported the same way, another mover.
+here). The bytes are moved by one of two movers: `cpu.py` (one copy each way: the scatter
+reads the memory tier's slot in place, the gather writes into one) and `cuda.py` (side
+streams and events): the same plan, the same store jobs (`StoreJob`) joined and reported
+the same way.
 
 A store whose request's prefix depends on a block whose load failed is refused (its KV was
 computed over unfilled blocks, see messages.py): every tensor-parallel rank refuses it when
@@ -32,7 +31,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import warnings
 from collections import deque
 from collections.abc import Callable, MutableSequence, Sequence
 from concurrent.futures import Future
@@ -40,16 +38,19 @@ from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
-import torch
-
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.retention import ChunkMeta
 from kvtier.core.sealing import TENANTS
 from kvtier.core.store import ChunkView, StoreEvent, StoreStats
 from kvtier.core.threads import io_pool
-from kvtier.integrations.vllm.loadcost import LoadSample
-from kvtier.integrations.vllm.messages import ChunkTransfer, KVTierMetadata, KVTierWorkerMetadata
+from kvtier.integrations.vllm.cpu import CpuChunkMover, spare_buffers
+from kvtier.integrations.vllm.messages import (
+    ChunkTransfer,
+    KVTierMetadata,
+    KVTierWorkerMetadata,
+    chunk_meta,
+)
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, StatsDelta
 from kvtier.integrations.vllm.paged import PagedKV
 from kvtier.integrations.vllm.storejob import StoreJob
@@ -60,10 +61,6 @@ if TYPE_CHECKING:
 __all__ = ["ChunkStore", "ConnectorWorker", "PagedKV"]
 
 logger = logging.getLogger(__name__)
-# A borrowed chunk is a read-only buffer; torch warns (once) that its tensor could write
-# to it. The scatter only reads it.
-warnings.filterwarnings("ignore", message="The given buffer is not writable",
-                        category=UserWarning)
 # Chunks lent or read per borrow_many call by default: slow tiers' reads of one batch run in
 # parallel (the connector passes the store's io_threads, so all of a batch is in flight).
 LOAD_BATCH = 8
@@ -98,16 +95,6 @@ class ChunkStore(Protocol):
     def flush(self, timeout_s: float | None = None) -> bool: ...
 
 
-def chunk_meta(transfer: ChunkTransfer) -> ChunkMeta | None:
-    """The tenant (`tenant_id` of its cache salt), pin and expiry of a planned chunk, dated
-    now; None for a chunk of the default tenant with neither (the tiers' defaults apply,
-    nothing is passed down)."""
-    if transfer.tenant is None and transfer.retain_s is None and transfer.ttl_s is None:
-        return None
-    return ChunkMeta.for_request(transfer.tenant, transfer.retain_s, transfer.ttl_s,
-                                 time.time())
-
-
 def len_blocks(layout: KVLayout, block_size: int) -> int:
     """vLLM blocks per kvtier chunk."""
     return layout.tokens_per_chunk // block_size
@@ -136,17 +123,14 @@ class ConnectorWorker:
         self._paged = paged
         self._store = store
         self._load_batch = load_batch
-        self._buffer = torch.empty(layout.bytes_per_chunk, dtype=torch.uint8)
-        self._buffer_view = self._buffer.numpy().data
+        self._chunk_bytes = layout.bytes_per_chunk
         # Where chunks of tiers that cannot lend (disk, shared, redis) are read, a batch at a
-        # time (allocated lazily by the OS: untouched until a slow tier is read).
-        self._spares = [torch.empty(layout.bytes_per_chunk, dtype=torch.uint8).numpy().data
-                        for _ in range(load_batch)]
+        # time (cpu.py).
+        self._spares = spare_buffers(load_batch, layout.bytes_per_chunk)
         # Asynchronous loads (vLLM's WAITING_FOR_REMOTE_KVS) run on one load thread with
         # spares of their own, while the model runner goes on with the other requests.
         self._loader = io_pool(1, "kvtier-load", io_cores)
-        self._async_spares = [torch.empty(layout.bytes_per_chunk, dtype=torch.uint8).numpy().data
-                              for _ in range(load_batch)]
+        self._async_spares = spare_buffers(load_batch, layout.bytes_per_chunk)
         # Asynchronous stores: a step's stores as one job on the store thread, in order.
         self._saver = io_pool(1, "kvtier-store", io_cores)
         self._saving: deque[Future[StoreJob]] = deque()  # jobs not yet joined, oldest first
@@ -154,8 +138,7 @@ class ConnectorWorker:
         # Reads of chunks into the RAM tier ahead of their load (KVTierMetadata.prefetch), on
         # a thread of their own so that they never queue an asynchronous load behind them.
         self._prefetcher = io_pool(1, "kvtier-prefetch", io_cores)
-        self._prefetch_spares = [torch.empty(layout.bytes_per_chunk, dtype=torch.uint8)
-                                 .numpy().data for _ in range(load_batch)]
+        self._prefetch_spares = spare_buffers(load_batch, layout.bytes_per_chunk)
         self._prefetch_counts: deque[int] = deque()  # chunks each prefetch batch read
         # Chunks a tier removed that no tier holds any more (reported `removed`, so that the
         # scheduler stops planning loads of them), found on a thread of their own.
@@ -167,20 +150,21 @@ class ConnectorWorker:
         self._failed_block_ids: set[int] = set()
         self._failed_requests: set[str] = set()  # async loads that failed
         self._state_notes: deque[tuple[ChunkKey, bool]] = deque()  # see _note_state
-        # Complete CPU loads, timed for the scheduler's load_mode "auto" (loadcost.py); any
-        # thread appends, the model runner's report takes them.
-        self._load_samples: deque[LoadSample] = deque()
-        self._top_tier = store.stats().tiers[0].name  # the RAM tier: it lends its chunks
         # Blocks whose load failed, until the scheduler acknowledges it (a later step).
         self._unfilled: set[int] = set()
         self._agree = agree
         self._handoff_timeout_s = handoff_timeout_s
         self._report = KVTierWorkerMetadata()
+        # The mover: one of two, by where vLLM's KV lives (the same plan, jobs and reports).
         self._cuda: CudaChunkMover | None = None
+        self._cpu: CpuChunkMover | None = None
         if paged.device.type == "cuda":
             from kvtier.integrations.vllm.cuda import CudaChunkMover
 
             self._cuda = CudaChunkMover(paged, layout.bytes_per_chunk)
+        else:
+            self._cpu = CpuChunkMover(paged, store, layout.bytes_per_chunk, load_batch,
+                                      self._note_state)
         self._stats = StatsDelta(rank=layout.tp_rank)
         # Token counts are the engine's, not the sum of its ranks' (each rank moves its own
         # shard of the same tokens): rank 0 counts them; bytes and seconds add up over ranks.
@@ -215,7 +199,7 @@ class ConnectorWorker:
         start = time.perf_counter()
         for transfers in meta.loads.values():
             started = time.perf_counter()
-            loaded = self._load_request(transfers, self._spares)
+            loaded = self._load(transfers, self._spares)
             # A request's latency, failed loads included (a stalled tier shows in the p99).
             self._stats.observe("load_request_seconds", time.perf_counter() - started, "sync")
             self._account(transfers, loaded)
@@ -228,11 +212,11 @@ class ConnectorWorker:
         for req_id, transfers in meta.async_loads.items():
             if req_id in self._loading:
                 continue
-            if self._cuda is not None:
+            if self._cpu is None:
                 done: Future[int] = Future()
-                done.set_result(self._load_request(transfers, self._spares))
+                done.set_result(self._load(transfers, self._spares))
             else:
-                done = self._loader.submit(self._load_request, transfers, self._async_spares)
+                done = self._loader.submit(self._cpu.load, transfers, self._async_spares)
             self._loading[req_id] = (transfers, done, time.perf_counter())
 
     def prefetch(self, keys: list[ChunkKey]) -> None:
@@ -315,10 +299,10 @@ class ConnectorWorker:
                 self._saved_this_step = True
             return
         start = time.perf_counter()
-        if self._cuda is not None:  # the copy streams' job, waited for
+        if self._cpu is None:  # the copy streams' job, waited for
             self._record(replace(self._submit_stores(stores).result(), mode="sync"))
         else:
-            self._record(self._store_chunks(stores, "sync"))
+            self._record(self._cpu.store(stores, "sync"))
         if self._handoff_timeout_s is not None and meta.stores \
                 and not self._store.flush(self._handoff_timeout_s):
             logger.warning("kvtier: a prefill's chunks did not reach every tier within %.1f s "
@@ -328,26 +312,23 @@ class ConnectorWorker:
     def _submit_stores(self, transfers: list[ChunkTransfer]) -> Future[StoreJob]:
         """A step's stores, started: on the store thread (CPU) or the copy streams (CUDA:
         cuda.py gathers on the device now, and puts on its completion thread)."""
-        if self._cuda is not None:
-            return self._cuda.submit_stores(self._store, transfers,
-                                            [chunk_meta(t) for t in transfers])
-        return self._saver.submit(self._store_chunks, transfers, "async")
+        if self._cpu is not None:
+            return self._saver.submit(self._cpu.store, transfers, "async")
+        assert self._cuda is not None
+        return self._cuda.submit_stores(self._store, transfers,
+                                        [chunk_meta(t) for t in transfers])
 
-    def _store_chunks(self, transfers: list[ChunkTransfer], mode: str) -> StoreJob:
-        """Gather and put `transfers` in order (model runner thread: mode "sync", or the
-        store thread: "async"). A chunk that raises is logged and not stored: a cache misses
-        it later, the engine goes on."""
-        start = time.perf_counter()
-        stored = []
-        for transfer in transfers:
-            try:
-                # A chunk the top tier holds already (e.g. a prefix vLLM itself had cached)
-                # counts as stored without a copy; lower tiers are asked off this thread.
-                if self._store_chunk(transfer):
-                    stored.append(transfer)
-            except Exception:
-                logger.exception("kvtier: store of chunk %s failed", transfer.key.hex()[:16])
-        return StoreJob(stored, time.perf_counter() - start, mode)
+    def _load(self, transfers: list[ChunkTransfer],
+              spares: MutableSequence[memoryview]) -> int:
+        """A request's chunks into their blocks, in order (the mover's); the number loaded
+        before the first miss. On CUDA each copy is queued ahead of the forward (cuda.py)."""
+        if self._cpu is not None:
+            return self._cpu.load(transfers, spares)
+        assert self._cuda is not None
+        for i, t in enumerate(transfers):
+            if self._cuda.load(self._store, t.key, t.block_ids, t.first_block) is None:
+                return i
+        return len(transfers)
 
     def _record(self, job: StoreJob) -> None:
         """Report a finished store job's chunks and count them (model runner thread)."""
@@ -355,7 +336,7 @@ class ConnectorWorker:
             self._report.stored.add(transfer.key)
             self._stats.add("stored_tokens",
                             transfer.num_blocks * self._paged.block_size * self._token_scale)
-            self._stats.add("stored_bytes", len(self._buffer_view))
+            self._stats.add("stored_bytes", self._chunk_bytes)
         self._stats.add("store_seconds", job.seconds)
         self._stats.observe("store_step_seconds", job.seconds, job.mode)
 
@@ -405,67 +386,6 @@ class ConnectorWorker:
         self._stats.observe_store(self._store.stats())
         return self._stats.take()
 
-    def _load_request(self, transfers: list[ChunkTransfer],
-                      spares: MutableSequence[memoryview]) -> int:
-        """Scatter a request's chunks, in order, from the store into their blocks; the
-        number loaded before the first miss.
-
-        Chunks come in batches of `load_batch` (`TieredStore.borrow_many`): the memory tier
-        lends its slots and the scatter reads them in place (one copy); chunks of slower
-        tiers are read in parallel into slots the memory tier reserves (or the worker's
-        spare buffers) first. On CUDA each copy is queued ahead of the forward pass
-        (cuda.py)."""
-        if self._cuda is not None:
-            for i, t in enumerate(transfers):
-                if self._cuda.load(self._store, t.key, t.block_ids, t.first_block) is None:
-                    return i
-            return len(transfers)
-        started, lent_by_ram = time.perf_counter(), 0
-        for first in range(0, len(transfers), self._load_batch):
-            batch = transfers[first:first + self._load_batch]
-            with self._store.borrow_many([t.key for t in batch], spares) as lent:
-                held = next((i for i, view in enumerate(lent) if view is None), len(batch))
-                # One thread: memory bandwidth, not the CPU, bounds a scatter; two threads
-                # scattered 1.25x slower than one here, and vLLM binds a CPU worker's
-                # threads to its own cores anyway (docs/performance.md).
-                for i, (transfer, view) in enumerate(zip(batch[:held], lent[:held],
-                                                         strict=True)):
-                    assert view is not None
-                    lent_by_ram += view.tier == self._top_tier
-                    chunk = torch.frombuffer(view.data, dtype=torch.uint8)
-                    if self._paged.state_bytes:
-                        has_state = self._paged.has_state(chunk)
-                        self._note_state(transfer.key, has_state)
-                        if transfer.state_blocks and not has_state:
-                            # A hit must end on a chunk with its state (one found by a probe
-                            # after a restart may have none): recompute, then back off.
-                            logger.info("kvtier: chunk %s holds no state; recomputed",
-                                        transfer.key.hex()[:16])
-                            return first + i
-                    self._paged.scatter(chunk, transfer.block_ids, transfer.first_block,
-                                        transfer.state_blocks)
-                if held < len(batch):
-                    return first + held
-        self._load_samples.append(LoadSample(lent_by_ram, len(transfers) - lent_by_ram,
-                                             time.perf_counter() - started))
-        return len(transfers)
-
-    def _store_chunk(self, transfer: ChunkTransfer) -> bool:
-        """Gather one chunk and put it in the store (CPU); True when stored."""
-        gathered: list[bool] = []
-
-        def gather(view: memoryview) -> None:
-            chunk = torch.frombuffer(view, dtype=torch.uint8)
-            self._paged.gather(transfer.block_ids, chunk, transfer.state_blocks)
-            gathered.append(self._paged.has_state(chunk))
-
-        # Straight into a memory-tier slot (one copy), or into the worker's buffer first.
-        stored = self._store.put_from(transfer.key, gather, self._buffer_view,
-                                      meta=chunk_meta(transfer))
-        if stored and gathered and self._paged.state_bytes:
-            self._note_state(transfer.key, gathered[0])
-        return stored
-
     def _note_state(self, key: ChunkKey, has_state: bool) -> None:
         """Whether a chunk stored or loaded holds the state at its end, for the next report
         (any thread: asynchronous loads note from the load thread)."""
@@ -510,8 +430,8 @@ class ConnectorWorker:
         with self._gone_lock:
             gone, self._gone = self._gone, set()
         self._report.removed |= gone
-        while self._load_samples:
-            self._report.load_samples.append(self._load_samples.popleft())
+        while self._cpu is not None and self._cpu.samples:
+            self._report.load_samples.append(self._cpu.samples.popleft())
         report = self._report
         if not (report.stored or report.missing or report.removed or report.events
                 or report.skipped or report.failed_blocks or report.without_state
