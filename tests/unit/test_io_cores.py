@@ -65,6 +65,8 @@ def test_auto_widens_a_bound_runner_to_the_engine_cores_of_its_numa_nodes() -> N
     assert auto_cores(engine, engine, [node0, node1]) is None
     assert resolve_io_cores("inherit") is None
     assert resolve_io_cores("0") == {0}
+    # Outside an engine a narrow mask is the operator's (taskset): "auto" keeps it.
+    assert resolve_io_cores("auto") is None
 
 
 @needs_two
@@ -76,9 +78,10 @@ def test_a_pool_started_from_a_bound_thread_runs_on_the_cores_it_is_given() -> N
             return frozenset(pool.submit(os.sched_getaffinity, 0).result())
     assert bound_to(one, lambda: placed(None)) == one  # Python's way: the starter's core
     assert bound_to(one, lambda: placed(CORES)) == CORES
-    # "auto" from a thread bound narrower than this process's parent: wider than that.
-    auto = bound_to(one, lambda: resolve_io_cores("auto"))
+    # "auto" from a thread the engine bound narrower than its process's parent: wider.
+    auto = bound_to(one, lambda: resolve_io_cores("auto", engine_bound=True))
     assert auto is not None and auto > one
+    assert bound_to(one, lambda: resolve_io_cores("auto")) is None
 
 
 @needs_two

@@ -10,10 +10,11 @@ as long as the steps they were meant to stay out of (a 4k-token prefix from redi
 on the runner's core, 0.15 s on the engine's: docs/performance.md, "I/O threads' cores").
 
 The settings:
-  - "auto" (default): the cores the engine was started on (the parent process's mask: the
-    process that started this one, before vLLM bound anything), kept to the NUMA nodes of
-    the cores this thread runs on, so that a rank's I/O stays beside its memory. Where this
-    thread is not bound narrower than its parent (GPU workers, the kvtier CLI): inherit.
+  - "auto" (default): in a vLLM worker, the cores the engine was started on (the parent
+    process's mask: the process that started this one, before vLLM bound anything), kept to
+    the NUMA nodes of the cores this thread runs on, so that a rank's I/O stays beside its
+    memory. Where the thread is not bound narrower than its parent (GPU workers), and
+    outside an engine (the kvtier CLI, whose mask is the operator's `taskset`): inherit.
   - "inherit": the starting thread's mask, as Python does.
   - a list such as "2,3" or "6-7,14-15": those cores.
 
@@ -64,9 +65,11 @@ def parse_io_cores(text: str) -> str:
     return text
 
 
-def resolve_io_cores(setting: str) -> frozenset[int] | None:
-    """The cores an `io_cores` setting means in this thread, now; None: inherit."""
-    if setting == "inherit":
+def resolve_io_cores(setting: str, engine_bound: bool = False) -> frozenset[int] | None:
+    """The cores an `io_cores` setting means in this thread, now; None: inherit.
+    `engine_bound`: this thread's mask is the engine's choice (a vLLM worker's model runner),
+    which "auto" may widen; otherwise it is the operator's, and "auto" inherits it."""
+    if setting == "inherit" or (setting == "auto" and not engine_bound):
         return None
     if setting != "auto":
         return parse_cpu_list(setting)

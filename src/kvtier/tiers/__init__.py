@@ -49,23 +49,26 @@ def build_probe(config: TierSettings, layouts: Sequence[KVLayout]) -> Probe | No
     return cls.probe(config, layouts) if isinstance(cls, ProbeSource) else None
 
 
-def store_settings(config: StoreConfig) -> StoreSettings:
-    """The store-wide settings of `config`: write-behind depth, read threads, and each tier's
-    `io_threads` (when its kind has one) as its write-behind threads."""
+def store_settings(config: StoreConfig, engine_bound: bool = False) -> StoreSettings:
+    """The store-wide settings of `config`: write-behind depth, read threads and their cores
+    (`engine_bound`: see `resolve_io_cores`), and each tier's `io_threads` (when its kind has
+    one) as its write-behind threads."""
     return StoreSettings(
         write_queue_depth=config.write_queue_depth,
         io_threads=config.io_threads,
-        io_cores=resolve_io_cores(config.io_cores),
+        io_cores=resolve_io_cores(config.io_cores, engine_bound),
         read_timeout_s=config.read_timeout_s,
         write_threads={t.tier_name: getattr(t, "io_threads", 1) for t in config.tiers},
     )
 
 
-def open_store(config: StoreConfig, layout: KVLayout,
-               info: NamespaceInfo | None = None) -> TieredStore:
+def open_store(config: StoreConfig, layout: KVLayout, info: NamespaceInfo | None = None,
+               engine_bound: bool = False) -> TieredStore:
     """Build every tier `config` names, fastest first, and compose them into a store. With
     `info` (the model behind `layout`'s namespace), each persistent tier records the
     namespace's manifest (`ManifestKeeper`, tiers/manifest.py; a failure is only logged).
+    `engine_bound`: opened on a thread whose cores the engine chose (a vLLM worker's model
+    runner), not the operator: `io_cores` "auto" may widen them (core/threads.py).
 
     Raises:
         ConfigError: a tier's settings are unusable; OSError: a tier's directory cannot be
@@ -84,4 +87,4 @@ def open_store(config: StoreConfig, layout: KVLayout,
         for tier in tiers:
             if isinstance(tier, ManifestKeeper):
                 tier.keep_manifest(manifest)
-    return TieredStore(tiers, store_settings(config))
+    return TieredStore(tiers, store_settings(config, engine_bound))

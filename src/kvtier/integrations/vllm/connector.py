@@ -296,7 +296,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         # A prefill instance hands its KV over through the lower tiers: its steps wait for
         # their writes (a stalled tier is abandoned after read_timeout_s, like a read).
         handoff = self._kv_transfer_config.kv_role == "kv_producer"
-        store = open_store(store_config, layout, info)
+        store = open_store(store_config, layout, info, engine_bound=True)
         io_cores = store.settings.io_cores
         if io_cores is not None:
             logger.info("kvtier: I/O threads on cores %s (the model runner's: %s)",
