@@ -9,6 +9,7 @@ before each case so that kvtier serves it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -112,3 +113,49 @@ def test_a_corrupt_chunk_loaded_async_is_recomputed(engine: tuple[Any, Path]) ->
     hits = metric(llm, HITS)
     assert token_ids(llm, [prompt], MAX_TOKENS) == [clean]
     assert metric(llm, HITS) > hits
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except (OSError, ValueError):
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # the name may hold spaces
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def test_kvtier_threads_run_beside_the_model_runner_not_on_its_cores(
+        engine: tuple[Any, Path]) -> None:
+    """vLLM's CPU backend binds the model runner's thread to its own core(s); kvtier's read,
+    write-behind and load threads, started from that thread, used to inherit that binding and
+    wait behind every forward (docs/performance.md, "I/O threads' cores"). With io_cores
+    "auto" they run on every core of the engine's: any thread of the worker process with a
+    wider mask than the runner's is kvtier's (vLLM's own inherit the runner's)."""
+    llm, _ = engine
+    prompts = random_prompts([400], seed=123)
+    clean = misses(llm, prompts)  # stores: write-behind threads to the disk tier
+    assert llm.reset_prefix_cache()
+    assert token_ids(llm, prompts, MAX_TOKENS) == clean  # a disk hit: read and load threads
+    workers = [pid for pid in descendants(os.getpid())
+               if b"Worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    if not workers:
+        pytest.skip("the model runner runs in no worker process of its own here")
+    [worker] = workers
+    runner = frozenset(os.sched_getaffinity(worker))  # its main thread's (tid == pid)
+    engine_cores = frozenset(os.sched_getaffinity(0))
+    if runner == engine_cores:
+        pytest.skip(f"vLLM did not bind the model runner narrower than {sorted(engine_cores)}")
+    masks = {frozenset(os.sched_getaffinity(int(t.name)))
+             for t in Path(f"/proc/{worker}/task").iterdir()}
+    assert engine_cores in masks, (sorted(runner), [sorted(m) for m in masks])
