@@ -19,18 +19,15 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable, MutableSequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from kvtier.core.keys import ChunkKey
+from kvtier.integrations.vllm.chunkstore import ChunkStore
 from kvtier.integrations.vllm.loadcost import LoadSample
 from kvtier.integrations.vllm.messages import ChunkTransfer, chunk_meta
 from kvtier.integrations.vllm.paged import PagedKV
 from kvtier.integrations.vllm.storejob import StoreJob
-
-if TYPE_CHECKING:
-    from kvtier.integrations.vllm.worker import ChunkStore
 
 logger = logging.getLogger(__name__)
 # A borrowed chunk is a read-only buffer; torch warns (once) that its tensor could write

@@ -23,7 +23,7 @@ A store whose request's prefix depends on a block whose load failed is refused (
 computed over unfilled blocks, see messages.py): every tensor-parallel rank refuses it when
 one rank's load failed (`agree`).
 
-Primitives: `ChunkStore` (what the worker needs of a store), `ConnectorWorker`.
+Primitives: `ConnectorWorker` (and `ChunkStore`, re-exported from chunkstore.py).
 """
 
 from __future__ import annotations
@@ -32,18 +32,16 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, MutableSequence, Sequence
+from collections.abc import Callable, MutableSequence
 from concurrent.futures import Future
-from contextlib import AbstractContextManager
 from dataclasses import replace
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
-from kvtier.core.retention import ChunkMeta
 from kvtier.core.sealing import TENANTS
-from kvtier.core.store import ChunkView, StoreEvent, StoreStats
 from kvtier.core.threads import io_pool
+from kvtier.integrations.vllm.chunkstore import ChunkStore
 from kvtier.integrations.vllm.cpu import CpuChunkMover, spare_buffers
 from kvtier.integrations.vllm.messages import (
     ChunkTransfer,
@@ -64,35 +62,6 @@ logger = logging.getLogger(__name__)
 # Chunks lent or read per borrow_many call by default: slow tiers' reads of one batch run in
 # parallel (the connector passes the store's io_threads, so all of a batch is in flight).
 LOAD_BATCH = 8
-
-
-class ChunkStore(Protocol):
-    """The part of kvtier's store the worker uses (TieredStore provides it)."""
-
-    def get_into(self, key: ChunkKey, out: memoryview) -> str | None: ...
-
-    def borrow(self, key: ChunkKey,
-               spare: memoryview) -> AbstractContextManager[ChunkView | None]: ...
-
-    def borrow_many(self, keys: Sequence[ChunkKey], spares: MutableSequence[memoryview],
-                    ) -> AbstractContextManager[list[ChunkView | None]]: ...
-
-    def put(self, key: ChunkKey, data: memoryview) -> bool: ...
-
-    def put_from(self, key: ChunkKey, fill: Callable[[memoryview], None],
-                 spare: memoryview, meta: ChunkMeta | None = None) -> bool: ...
-
-    def retain(self, key: ChunkKey, meta: ChunkMeta) -> int: ...
-
-    def contains(self, key: ChunkKey) -> bool: ...
-
-    def stats(self) -> StoreStats: ...
-
-    def take_events(self) -> list[StoreEvent]: ...
-
-    def close(self, flush_timeout_s: float | None = None) -> None: ...
-
-    def flush(self, timeout_s: float | None = None) -> bool: ...
 
 
 def len_blocks(layout: KVLayout, block_size: int) -> int:

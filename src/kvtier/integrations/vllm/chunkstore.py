@@ -1,0 +1,44 @@
+"""What the connector's worker and its movers need of kvtier's store (`ChunkStore`):
+`TieredStore` (core/store.py) provides it.
+
+Primitives: `ChunkStore`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, MutableSequence, Sequence
+from contextlib import AbstractContextManager
+from typing import Protocol
+
+from kvtier.core.keys import ChunkKey
+from kvtier.core.retention import ChunkMeta
+from kvtier.core.store import ChunkView, StoreEvent, StoreStats
+
+
+class ChunkStore(Protocol):
+    """The part of kvtier's store the worker and the movers use."""
+
+    def get_into(self, key: ChunkKey, out: memoryview) -> str | None: ...
+
+    def borrow(self, key: ChunkKey,
+               spare: memoryview) -> AbstractContextManager[ChunkView | None]: ...
+
+    def borrow_many(self, keys: Sequence[ChunkKey], spares: MutableSequence[memoryview],
+                    ) -> AbstractContextManager[list[ChunkView | None]]: ...
+
+    def put(self, key: ChunkKey, data: memoryview) -> bool: ...
+
+    def put_from(self, key: ChunkKey, fill: Callable[[memoryview], None],
+                 spare: memoryview, meta: ChunkMeta | None = None) -> bool: ...
+
+    def retain(self, key: ChunkKey, meta: ChunkMeta) -> int: ...
+
+    def contains(self, key: ChunkKey) -> bool: ...
+
+    def stats(self) -> StoreStats: ...
+
+    def take_events(self) -> list[StoreEvent]: ...
+
+    def close(self, flush_timeout_s: float | None = None) -> None: ...
+
+    def flush(self, timeout_s: float | None = None) -> bool: ...
