@@ -108,3 +108,13 @@ def test_a_store_opened_on_a_bound_thread_reads_and_writes_behind_on_its_io_core
     assert any(name.startswith("kvtier-read") for name in placed)
     assert any(name.startswith("kvtier-write-disk") for name in placed)
     assert set(placed.values()) == {CORES}
+
+
+def test_cores_outside_the_allowed_set_are_refused_once_and_the_threads_stay(
+        caplog: pytest.LogCaptureFixture) -> None:
+    outside = frozenset({max(CORES) + 4096})  # no such core here
+    with caplog.at_level("WARNING", logger="kvtier.core.threads"), \
+            io_pool(3, "kvtier-test", outside) as pool:
+        placed = [pool.submit(os.sched_getaffinity, 0) for _ in range(9)]
+        assert {frozenset(f.result()) for f in placed} == {CORES}
+    assert len([r for r in caplog.records if "cannot run I/O threads" in r.message]) == 1

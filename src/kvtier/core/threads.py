@@ -23,6 +23,7 @@ Primitives: `parse_io_cores`, `resolve_io_cores`, `io_pool`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Iterable
@@ -114,5 +115,11 @@ def _place(cores: frozenset[int]) -> None:
     try:
         os.sched_setaffinity(0, cores)
     except OSError as exc:  # cores outside this container's cpuset: stay where started
-        log.warning("kvtier: cannot run I/O threads on cores %s (%s); they stay on %s",
-                    sorted(cores), exc, sorted(os.sched_getaffinity(0)))
+        _cannot_place(cores, str(exc), frozenset(os.sched_getaffinity(0)))
+
+
+@functools.cache
+def _cannot_place(cores: frozenset[int], error: str, kept: frozenset[int]) -> None:
+    """Say once (not once per thread) that `cores` could not be used."""
+    log.warning("kvtier: cannot run I/O threads on cores %s (%s); they stay on %s",
+                sorted(cores), error, sorted(kept))
