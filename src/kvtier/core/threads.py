@@ -5,9 +5,10 @@ worker's model runner (its OpenMP threads, the main thread among them) to cores 
 (`VLLM_CPU_OMP_THREADS_BIND`, and "auto" keeps the last core of each node for the engine's
 other processes), and kvtier's pools start their threads from the model runner's thread: left
 alone, every read, write-behind and load thread waits for the runner's core(s), which a
-forward pass, and vLLM's busy-polling between steps, keep busy. Asynchronous loads then take
-as long as the steps they were meant to stay out of (a 4k-token prefix from redis: 0.5-1.9 s
-on the runner's core, 0.15 s on the engine's: docs/performance.md, "I/O threads' cores").
+forward pass, and vLLM's busy-polling between steps, keep busy. An asynchronous load then
+waits behind the very steps it was meant to stay out of (a 4k-token prefix from redis:
+0.5-1.9 s on the runner's core, 0.15-0.2 s on the engine's in most runs: docs/performance.md,
+"I/O threads' cores").
 
 The settings:
   - "auto" (default): in a vLLM worker, the cores the engine was started on (the parent
