@@ -118,3 +118,12 @@ def test_cores_outside_the_allowed_set_are_refused_once_and_the_threads_stay(
         placed = [pool.submit(os.sched_getaffinity, 0) for _ in range(9)]
         assert {frozenset(f.result()) for f in placed} == {CORES}
     assert len([r for r in caplog.records if "cannot run I/O threads" in r.message]) == 1
+
+
+def test_where_the_os_places_no_threads_a_setting_is_ignored_with_a_warning(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.delattr(os, "sched_setaffinity")  # as on macOS, where vLLM's CPU backend runs
+    with caplog.at_level("WARNING", logger="kvtier.core.threads"):
+        assert resolve_io_cores("0,1") is None
+        assert resolve_io_cores("auto", engine_bound=True) is None
+    assert "ignored" in caplog.text

@@ -73,12 +73,15 @@ def resolve_io_cores(setting: str, engine_bound: bool = False) -> frozenset[int]
     which "auto" may widen; otherwise it is the operator's, and "auto" inherits it."""
     if setting == "inherit" or (setting == "auto" and not engine_bound):
         return None
+    if not hasattr(os, "sched_setaffinity"):  # macOS: threads cannot be placed
+        log.warning("kvtier: io_cores %r ignored: this OS places no threads", setting)
+        return None
     if setting != "auto":
         return parse_cpu_list(setting)
     try:
         engine = frozenset(os.sched_getaffinity(os.getppid()))
         runner = frozenset(os.sched_getaffinity(0))
-    except OSError:  # no parent to ask (it exited), or no sched_getaffinity here
+    except OSError:  # no parent to ask (it exited)
         return None
     return auto_cores(runner, engine, numa_nodes())
 

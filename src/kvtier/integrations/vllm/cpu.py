@@ -59,7 +59,6 @@ class CpuChunkMover:
         self._store = store
         self._load_batch = load_batch
         self._note_state = note_state
-        self.chunk_bytes = chunk_bytes
         # Where a chunk the memory tier declines is gathered before the lower tiers get it.
         self._buffer = spare_buffers(1, chunk_bytes)[0]
         self._top_tier = store.stats().tiers[0].name  # the RAM tier: it lends its chunks

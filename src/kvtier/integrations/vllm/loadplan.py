@@ -46,6 +46,12 @@ class LoadPlanner:
         self._wanted: dict[str, list[ChunkKey]] = {}
         self._prefetched = ChunkIndex(PREFETCHED_MAX_KEYS)
 
+    @property
+    def by_cost(self) -> bool:
+        """Whether hits are weighed (load_mode "auto"): only then does `loads_async` need to
+        know whether other requests run."""
+        return self._mode == "auto"
+
     def loads_async(self, keys: list[ChunkKey], others_running: bool) -> bool:
         """Whether a hit of `keys` is loaded asynchronously (see config.LOAD_MODES). "auto":
         by its measured cost while other requests run (loadcost.py); an idle engine has no

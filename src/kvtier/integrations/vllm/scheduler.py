@@ -210,8 +210,10 @@ class ConnectorScheduler:
             return 0, False
         first_chunk = num_computed_tokens // self._config.tokens_per_chunk
         hit_keys = keys[first_chunk:num_chunks]
-        others_running = any(other.block_ids for req_id, other in self._requests.items()
-                             if req_id != request.request_id)
+        # A scan of the running requests, made only where the answer is weighed.
+        others_running = self._loads.by_cost and any(
+            other.block_ids for req_id, other in self._requests.items()
+            if req_id != request.request_id)
         state.load_async = self._loads.loads_async(hit_keys, others_running)
         self._loads.want(request.request_id, hit_keys)
         return hit_tokens - num_computed_tokens, state.load_async
