@@ -1,6 +1,6 @@
 """Chunk loads and stores for a `PagedKV` in host memory (vLLM's CPU backend): the CPU mover,
-beside cuda.py's CUDA mover. The worker (worker.py) decides what moves and when, and on
-which thread; a mover moves the bytes.
+beside streams.py's device mover (mover.ChunkMover). The worker (worker.py) decides what moves
+and when, and on which thread; a mover moves the bytes.
 
 Loads borrow chunks a batch at a time (`TieredStore.borrow_many`): the memory tier lends its
 slots and the scatter reads them in place, and a slower tier's chunks are read in parallel
@@ -24,10 +24,11 @@ import torch
 
 from kvtier.core.keys import ChunkKey
 from kvtier.integrations.vllm.chunkstore import ChunkStore
+from kvtier.integrations.vllm.device import Event
 from kvtier.integrations.vllm.loadcost import LoadSample
-from kvtier.integrations.vllm.messages import ChunkTransfer, chunk_meta
+from kvtier.integrations.vllm.mover import StoreJob
 from kvtier.integrations.vllm.paged import PagedKV
-from kvtier.integrations.vllm.storejob import StoreJob
+from kvtier.integrations.vllm.transfers import ChunkTransfer, chunk_meta
 
 logger = logging.getLogger(__name__)
 # A borrowed chunk is a read-only buffer; torch warns (once) that its tensor could write
@@ -36,10 +37,12 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable",
                         category=UserWarning)
 
 
-def spare_buffers(count: int, chunk_bytes: int) -> list[memoryview]:
-    """`count` chunk buffers (allocated lazily by the OS: untouched until a slow tier is
-    read into them)."""
-    return [torch.empty(chunk_bytes, dtype=torch.uint8).numpy().data for _ in range(count)]
+def spare_buffers(count: int, chunk_bytes: int,
+                  allocate: Callable[[int], torch.Tensor] | None = None) -> list[memoryview]:
+    """`count` chunk buffers: of `allocate(nbytes)` (a device's pinned memory), or plain host
+    memory (allocated lazily by the OS: untouched until a slow tier is read into it)."""
+    allocate = allocate or (lambda nbytes: torch.empty(nbytes, dtype=torch.uint8))
+    return [allocate(chunk_bytes).numpy().data for _ in range(count)]
 
 
 class CpuChunkMover:
@@ -65,10 +68,15 @@ class CpuChunkMover:
         # Complete loads, timed; any thread appends, the worker's report takes them.
         self.samples: deque[LoadSample] = deque()
 
-    def load(self, transfers: list[ChunkTransfer], spares: MutableSequence[memoryview]) -> int:
+    def mark(self) -> None:
+        """Host copies need no ordering (mover.ChunkMover)."""
+        return None
+
+    def load(self, transfers: list[ChunkTransfer], spares: MutableSequence[memoryview],
+             after: Event | None = None, wait: bool = True) -> int:
         """Scatter a request's chunks, in order, from the store into their blocks, slower
         tiers' reads landing in `spares` (`load_batch` buffers, the caller's); the number
-        loaded before the first miss."""
+        loaded before the first miss. Done when it returns (`after`, `wait`: unused)."""
         started, lent_by_ram = time.perf_counter(), 0
         for first in range(0, len(transfers), self._load_batch):
             batch = transfers[first:first + self._load_batch]
@@ -98,7 +106,8 @@ class CpuChunkMover:
                                        time.perf_counter() - started))
         return len(transfers)
 
-    def store(self, transfers: list[ChunkTransfer], mode: str) -> StoreJob:
+    def store(self, transfers: list[ChunkTransfer], mode: str,
+              after: Event | None = None) -> StoreJob:
         """Gather and put `transfers` in order (model runner thread: mode "sync", or the
         store thread: "async"). A chunk that raises is logged and not stored: a cache misses
         it later, the engine goes on."""
@@ -113,6 +122,12 @@ class CpuChunkMover:
             except Exception:
                 logger.exception("kvtier: store of chunk %s failed", transfer.key.hex()[:16])
         return StoreJob(stored, time.perf_counter() - start, mode)
+
+    def release(self) -> None:
+        """Nothing is held past a call (mover.ChunkMover)."""
+
+    def close(self) -> None:
+        """Nothing is queued (mover.ChunkMover)."""
 
     def _store_chunk(self, transfer: ChunkTransfer) -> bool:
         """Gather one chunk and put it in the store; True when stored."""

@@ -11,12 +11,12 @@ depends on a block whose load failed and the scheduler has not yet acknowledged
 (`KVTierMetadata.acked_failed_blocks`), reports it `skipped`, and the scheduler plans it again
 once the recomputation has run.
 
-Primitives: `ChunkTransfer` (`chunk_meta`), `KVTierMetadata`, `KVTierWorkerMetadata`.
+Primitives: `KVTierMetadata`, `KVTierWorkerMetadata` (and `ChunkTransfer`, `chunk_meta`,
+re-exported from transfers.py).
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -25,62 +25,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtier.core.keys import ChunkKey
-from kvtier.core.retention import ChunkMeta
 from kvtier.core.store import StoreEvent
-from kvtier.integrations.vllm.groups import NULL_BLOCK
 from kvtier.integrations.vllm.loadcost import LoadSample
+from kvtier.integrations.vllm.transfers import ChunkTransfer, chunk_meta
 
-
-@dataclass(frozen=True, slots=True)
-class ChunkTransfer:
-    """One chunk to move between kvtier and vLLM's paged KV."""
-
-    key: ChunkKey
-    # vLLM block ids holding the chunk's tokens, in token order (tokens_per_chunk/block_size
-    # of them), of each KV cache group, concatenated (groups.py; one group: a plain model).
-    block_ids: tuple[int, ...]
-    # Loads only: blocks before this index already hold valid KV (a local prefix-cache hit,
-    # possibly shared with other requests) and must not be written.
-    first_block: int = 0
-    # Stores only: blocks of the request's prefix (this chunk's included) that kvtier loaded
-    # in a step whose outcome the scheduler may not know yet. A failed one makes the store
-    # unsafe: its KV was computed over unfilled blocks.
-    depends_on: tuple[int, ...] = ()
-    # The request's cache salt (its tenant), or None: a tier that encrypts at rest seals the
-    # chunk under that tenant's key (kvtier.core.sealing; the worker notes it in TENANTS).
-    tenant: str | None = None
-    # The request's kv_transfer_params.retain_s / ttl_s (config.RequestControls): a store
-    # pins / dates the chunk (kvtier.core.retention.ChunkMeta), a load extends its pin.
-    retain_s: float | None = None
-    ttl_s: float | None = None
-    groups: int = 1  # KV cache groups in block_ids
-    # Models with state layers (groups.py): a store's state blocks (one per state group, the
-    # state at the chunk's end; the null block for none), or a load's targets of the state
-    # of a hit's last chunk (two per state group: the hit's last block and the next).
-    state_blocks: tuple[int, ...] = ()
-
-    @property
-    def num_blocks(self) -> int:
-        """Blocks of the chunk's tokens (per group)."""
-        return len(self.block_ids) // self.groups
-
-    def written_blocks(self) -> list[int]:
-        """The blocks a load of it writes: from `first_block` on in every group, but vLLM's
-        null block (below a sliding window), which no request owns."""
-        per = self.num_blocks
-        return [b for g in range(self.groups)
-                for b in self.block_ids[g * per + self.first_block:(g + 1) * per]
-                if self.groups == 1 or b != NULL_BLOCK]
-
-
-def chunk_meta(transfer: ChunkTransfer) -> ChunkMeta | None:
-    """The tenant (`tenant_id` of its cache salt), pin and expiry of a planned chunk, dated
-    now; None for a chunk of the default tenant with neither (the tiers' defaults apply,
-    nothing is passed down)."""
-    if transfer.tenant is None and transfer.retain_s is None and transfer.ttl_s is None:
-        return None
-    return ChunkMeta.for_request(transfer.tenant, transfer.retain_s, transfer.ttl_s,
-                                 time.time())
+__all__ = ["ChunkTransfer", "KVTierMetadata", "KVTierWorkerMetadata", "chunk_meta"]
 
 
 @dataclass(slots=True)

@@ -14,10 +14,11 @@ a preempted request's blocks finish before the forward that may overwrite them
 (`finish_stores`).
 
 The chunk byte order and vLLM's KV layouts are in `paged.py` (`PagedKV`, re-exported
-here). The bytes are moved by one of two movers: `cpu.py` (one copy each way: the scatter
-reads the memory tier's slot in place, the gather writes into one) and `cuda.py` (side
-streams and events): the same plan, the same store jobs (`StoreJob`) joined and reported
-the same way.
+here). The bytes are moved by one of two movers (mover.py's `ChunkMover`): `cpu.py` (one
+copy each way: the scatter reads the memory tier's slot in place, the gather writes into one)
+and `streams.py` (a device's side streams and events: CUDA): the same plan, the same threads,
+the same store jobs (`StoreJob`) joined and reported the same way. On either, the tiers below
+RAM are read on the load thread, never on the model runner's.
 
 A store whose request's prefix depends on a block whose load failed is refused (its KV was
 computed over unfilled blocks, see messages.py): every tensor-parallel rank refuses it when
@@ -32,10 +33,8 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, MutableSequence
+from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
@@ -43,6 +42,7 @@ from kvtier.core.sealing import TENANTS
 from kvtier.core.threads import io_pool
 from kvtier.integrations.vllm.chunkstore import ChunkStore
 from kvtier.integrations.vllm.cpu import CpuChunkMover, spare_buffers
+from kvtier.integrations.vllm.device import Device
 from kvtier.integrations.vllm.messages import (
     ChunkTransfer,
     KVTierMetadata,
@@ -50,11 +50,8 @@ from kvtier.integrations.vllm.messages import (
     chunk_meta,
 )
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, StatsDelta
+from kvtier.integrations.vllm.mover import ChunkMover, StoreJob
 from kvtier.integrations.vllm.paged import PagedKV
-from kvtier.integrations.vllm.storejob import StoreJob
-
-if TYPE_CHECKING:
-    from kvtier.integrations.vllm.cuda import CudaChunkMover
 
 __all__ = ["ChunkStore", "ConnectorWorker", "PagedKV"]
 
@@ -76,7 +73,8 @@ class ConnectorWorker:
                  load_batch: int = LOAD_BATCH,
                  agree: Callable[[list[bool]], list[bool]] | None = None,
                  handoff_timeout_s: float | None = None,
-                 io_cores: frozenset[int] | None = None) -> None:
+                 io_cores: frozenset[int] | None = None,
+                 device: Device | None = None) -> None:
         """Args:
             load_batch: chunks per `borrow_many`: a slow tier's reads of one batch run in
                 parallel (8 at a time read the VM disk here 25-30% faster than 4).
@@ -88,18 +86,34 @@ class ConnectorWorker:
                 next); None: lower tiers are written behind, the step does not wait.
             io_cores: where the load, store, prefetch and report threads run (like the
                 store's: kvtier/core/threads.py); None: on the model runner's cores.
+            device: the device of a `paged` not in host memory (streams.py's mover); None:
+                CUDA's for CUDA tensors, the CPU mover for host tensors.
         """
         self._paged = paged
         self._store = store
         self._load_batch = load_batch
         self._chunk_bytes = layout.bytes_per_chunk
+        # The mover: one of two, by where vLLM's KV lives (the same plan, jobs and reports).
+        self._mover: ChunkMover
+        if device is None and paged.device.type == "cpu":
+            self._mover = CpuChunkMover(paged, store, layout.bytes_per_chunk, load_batch,
+                                        self._note_state)
+            pinned = None
+        else:
+            from kvtier.integrations.vllm.device import CudaDevice
+            from kvtier.integrations.vllm.streams import StreamChunkMover
+
+            device = device or CudaDevice(paged.device)
+            self._mover = StreamChunkMover(paged, store, layout.bytes_per_chunk, load_batch,
+                                           device)
+            pinned = device.pinned  # a device copies from pinned host memory asynchronously
         # Where chunks of tiers that cannot lend (disk, shared, redis) are read, a batch at a
-        # time (cpu.py).
-        self._spares = spare_buffers(load_batch, layout.bytes_per_chunk)
+        # time.
+        self._spares = spare_buffers(load_batch, layout.bytes_per_chunk, pinned)
         # Asynchronous loads (vLLM's WAITING_FOR_REMOTE_KVS) run on one load thread with
         # spares of their own, while the model runner goes on with the other requests.
         self._loader = io_pool(1, "kvtier-load", io_cores)
-        self._async_spares = spare_buffers(load_batch, layout.bytes_per_chunk)
+        self._async_spares = spare_buffers(load_batch, layout.bytes_per_chunk, pinned)
         # Asynchronous stores: a step's stores as one job on the store thread, in order.
         self._saver = io_pool(1, "kvtier-store", io_cores)
         self._saving: deque[Future[StoreJob]] = deque()  # jobs not yet joined, oldest first
@@ -124,16 +138,6 @@ class ConnectorWorker:
         self._agree = agree
         self._handoff_timeout_s = handoff_timeout_s
         self._report = KVTierWorkerMetadata()
-        # The mover: one of two, by where vLLM's KV lives (the same plan, jobs and reports).
-        self._cuda: CudaChunkMover | None = None
-        self._cpu: CpuChunkMover | None = None
-        if paged.device.type == "cuda":
-            from kvtier.integrations.vllm.cuda import CudaChunkMover
-
-            self._cuda = CudaChunkMover(paged, layout.bytes_per_chunk)
-        else:
-            self._cpu = CpuChunkMover(paged, store, layout.bytes_per_chunk, load_batch,
-                                      self._note_state)
         self._stats = StatsDelta(rank=layout.tp_rank)
         # Token counts are the engine's, not the sum of its ranks' (each rank moves its own
         # shard of the same tokens): rank 0 counts them; bytes and seconds add up over ranks.
@@ -151,8 +155,9 @@ class ConnectorWorker:
         """Take the step's plan in (before its forward and loads): forget the failures the
         scheduler has acknowledged (vLLM recomputes those blocks from this step on); note each
         chunk's tenant for the tiers that encrypt at rest (kvtier.core.sealing); place loaded
-        states; on the CPU, start the asynchronous loads, so that they run beside this step's
-        forward (their blocks belong to requests the step does not run)."""
+        states; start the asynchronous loads, so that they run beside this step's forward
+        (their blocks belong to requests the step does not run; on a device, their copies
+        come after the work vLLM has queued so far)."""
         self._unfilled -= meta.acked_failed_blocks
         for transfer in meta.transfers():
             TENANTS.note((transfer.key,), transfer.tenant)
@@ -160,15 +165,14 @@ class ConnectorWorker:
             self._retain(transfer)
         if meta.state_copies:
             self.place_states(meta)
-        if self._cuda is None:
-            self.start_async(meta)
+        self.start_async(meta)
 
     def load(self, meta: KVTierMetadata) -> None:
         """Load every planned chunk into vLLM's blocks; record failures (before forward)."""
         start = time.perf_counter()
         for transfers in meta.loads.values():
             started = time.perf_counter()
-            loaded = self._load(transfers, self._spares)
+            loaded = self._mover.load(transfers, self._spares, wait=False)
             # A request's latency, failed loads included (a stalled tier shows in the p99).
             self._stats.observe("load_request_seconds", time.perf_counter() - started, "sync")
             self._account(transfers, loaded)
@@ -176,23 +180,19 @@ class ConnectorWorker:
 
     def start_async(self, meta: KVTierMetadata) -> None:
         """Start the step's asynchronous loads not yet started, on the load thread (model
-        runner thread). On CUDA they load here, after the forward, queued on the copy stream
-        like synchronous ones."""
+        runner thread): the tiers below RAM are read there, never on this thread."""
         for req_id, transfers in meta.async_loads.items():
             if req_id in self._loading:
                 continue
-            if self._cpu is None:
-                done: Future[int] = Future()
-                done.set_result(self._load(transfers, self._spares))
-            else:
-                done = self._loader.submit(self._cpu.load, transfers, self._async_spares)
+            done = self._loader.submit(self._mover.load, transfers, self._async_spares,
+                                       self._mover.mark())
             self._loading[req_id] = (transfers, done, time.perf_counter())
 
     def prefetch(self, keys: list[ChunkKey]) -> None:
         """Read `keys` into the RAM tier on the prefetch thread (a read from a lower tier is a
         promotion), so that their load, a step or more later, is a memcpy. Model runner
         thread; the reads are bounded by the store's read deadline like any other."""
-        if keys and self._cuda is None:
+        if keys:
             self._prefetcher.submit(self._prefetch, keys)
 
     def _prefetch(self, keys: list[ChunkKey]) -> None:
@@ -264,40 +264,17 @@ class ConnectorWorker:
         stores = self._safe_stores(meta.stores)
         if meta.stores_async and self._handoff_timeout_s is None:
             if stores:
-                self._saving.append(self._submit_stores(stores))
+                self._saving.append(self._saver.submit(self._mover.store, stores, "async",
+                                                       self._mover.mark()))
                 self._saved_this_step = True
             return
         start = time.perf_counter()
-        if self._cpu is None:  # the copy streams' job, waited for
-            self._record(replace(self._submit_stores(stores).result(), mode="sync"))
-        else:
-            self._record(self._cpu.store(stores, "sync"))
+        self._record(self._mover.store(stores, "sync"))
         if self._handoff_timeout_s is not None and meta.stores \
                 and not self._store.flush(self._handoff_timeout_s):
             logger.warning("kvtier: a prefill's chunks did not reach every tier within %.1f s "
                            "(the decode instance may miss them)", self._handoff_timeout_s)
         self._stats.add("store_wait_seconds", time.perf_counter() - start)
-
-    def _submit_stores(self, transfers: list[ChunkTransfer]) -> Future[StoreJob]:
-        """A step's stores, started: on the store thread (CPU) or the copy streams (CUDA:
-        cuda.py gathers on the device now, and puts on its completion thread)."""
-        if self._cpu is not None:
-            return self._saver.submit(self._cpu.store, transfers, "async")
-        assert self._cuda is not None
-        return self._cuda.submit_stores(self._store, transfers,
-                                        [chunk_meta(t) for t in transfers])
-
-    def _load(self, transfers: list[ChunkTransfer],
-              spares: MutableSequence[memoryview]) -> int:
-        """A request's chunks into their blocks, in order (the mover's); the number loaded
-        before the first miss. On CUDA each copy is queued ahead of the forward (cuda.py)."""
-        if self._cpu is not None:
-            return self._cpu.load(transfers, spares)
-        assert self._cuda is not None
-        for i, t in enumerate(transfers):
-            if self._cuda.load(self._store, t.key, t.block_ids, t.first_block) is None:
-                return i
-        return len(transfers)
 
     def _record(self, job: StoreJob) -> None:
         """Report a finished store job's chunks and count them (model runner thread)."""
@@ -384,8 +361,7 @@ class ConnectorWorker:
         """The stored / missing / removed keys and the tiers' events since the last call,
         or None when there are none."""
         self._drain_state_notes()
-        if self._cuda is not None:
-            self._cuda.release_loads()
+        self._mover.release()
         removed = []
         for event in self._store.take_events():
             self._report.events.append(event)
@@ -399,8 +375,8 @@ class ConnectorWorker:
         with self._gone_lock:
             gone, self._gone = self._gone, set()
         self._report.removed |= gone
-        while self._cpu is not None and self._cpu.samples:
-            self._report.load_samples.append(self._cpu.samples.popleft())
+        while self._mover.samples:
+            self._report.load_samples.append(self._mover.samples.popleft())
         report = self._report
         if not (report.stored or report.missing or report.removed or report.events
                 or report.skipped or report.failed_blocks or report.without_state
@@ -424,7 +400,6 @@ class ConnectorWorker:
         self._loader.shutdown(wait=True, cancel_futures=True)
         self._checker.shutdown(wait=True, cancel_futures=True)
         self._prefetcher.shutdown(wait=True, cancel_futures=True)
-        if self._cuda is not None:
-            self._cuda.close()
+        self._mover.close()
         self._store.close(None if deadline is None
                           else max(0.0, deadline - time.monotonic()))
