@@ -22,7 +22,7 @@ from kvtier.ops.audit.rules_env import installed_vllm_env_names
 from kvtier.ops.hardware import gpu_profile
 from kvtier.ops.vllm_versions import installed_vllm_version
 
-V20, V21, V32 = (0, 20, 2), (0, 21, 0), (0, 32, 0)
+V20, V21, V32, V33 = (0, 20, 2), (0, 21, 0), (0, 32, 0), (0, 33, 0)
 NATIVE = "--kv-offloading-backend native --kv-offloading-size"
 HMA = "--disable-hybrid-kv-cache-manager"
 LMC = "--kv-transfer-config '{\"kv_connector\":\"LMCacheConnectorV1\",\"kv_role\":\"kv_both\"}'"
@@ -53,8 +53,19 @@ MEM_BAD, MEM_OK = {"kind": "memory", "capacity": "-5"}, {"kind": "memory", "capa
 EAGLE3 = ("--speculative-config "
           "'{\"method\":\"eagle3\",\"model\":\"x\",\"num_speculative_tokens\":3}'")
 
-# rule id -> (triggering case, clean case); a case is (command, env, version, severity).
+# rule id -> (triggering case, clean case); a case is (command, env, version, severity),
+# and optionally the AuditOptions (default OPTS).
+NO_TRAFFIC = AuditOptions()  # --typical-context not given
 CASES = {
+    "max-model-len-traffic-unknown": (
+        ("vllm serve m --max-model-len 200000", {}, V33, Severity.INFO, NO_TRAFFIC),
+        ("vllm serve m --max-model-len 65536", {}, V33, None, NO_TRAFFIC)),
+    "block-size-kernel-split": (
+        ("vllm serve m --attention-backend FLASHINFER --block-size 128", {}, V33, Severity.INFO),
+        ("vllm serve m --attention-backend FLASHINFER --block-size 64", {}, V33, None)),
+    "block-size-no-kernel": (
+        ("vllm serve m --block-size 8", {}, V33, Severity.ERROR),
+        ("vllm serve m --block-size 32", {}, V33, None)),
     "cpu-offload-gb-not-kv": (
         ("vllm serve m --cpu-offload-gb 40", {}, V21, Severity.WARNING),
         (f"vllm serve m {NATIVE} 40", {}, V21, None)),
@@ -187,9 +198,10 @@ OPTS = AuditOptions(typical_context_tokens=10_000)
 
 
 def findings_of(rule_id, case):
-    command, env, version, _ = case
+    command, env, version = case[:3]
     cmd = parse_command_line(command, env=env, vllm_version=version)
-    return [f for f in run_audit(cmd, OPTS) if f.rule == rule_id]
+    return [f for f in run_audit(cmd, case[4] if len(case) > 4 else OPTS)
+            if f.rule == rule_id]
 
 
 def test_every_rule_has_cases():
@@ -379,9 +391,33 @@ def test_out_of_tree_spec_keeps_its_own_keys():
                 or f.rule == "offload-block-size-multiple"]
 
 
-def test_offload_block_size_against_the_default_gpu_block_size_is_a_warning():
-    assert severities("offload-block-size-multiple",
-                      f"vllm serve m {transfer(block_size=24, **CPU10)}") == [Severity.WARNING]
+def test_offload_block_size_against_the_cuda_default_is_an_error():
+    # Issue 23: block_size 24 with vLLM's default GPU block size (16 on CUDA) used to be a
+    # mere warning; vLLM refuses it at start-up.
+    found = findings_of("offload-block-size-multiple",
+                        (f"vllm serve m {transfer(block_size=24, **CPU10)}", {}, V33, None))
+    assert [f.severity for f in found] == [Severity.ERROR]
+    assert "default block size on CUDA (16)" in found[0].what and "e.g. 32" in found[0].fix
+    assert findings_of("offload-block-size-multiple",
+                       (f"vllm serve m {transfer(block_size=48, **CPU10)}", {}, V33, None)) == []
+
+
+def test_offload_block_size_against_an_mla_kernels_default_block():
+    # DeepSeek with FP8 KV on Hopper: FlashMLA, which takes 64-token blocks only, so vLLM's
+    # default block is 64 and an offloaded block of 48 is not a whole number of them.
+    case = (f"vllm serve deepseek-ai/DeepSeek-V3 --kv-cache-dtype fp8 "
+            f"{transfer(block_size=48, **CPU10)}", {}, V33, None)
+    found = findings_of("offload-block-size-multiple", case)
+    assert [f.severity for f in found] == [Severity.ERROR]
+    assert "(64 for FLASHMLA)" in found[0].what
+
+
+def test_offload_block_size_off_cuda_stays_a_warning():
+    # The CPU backend's default block size differs by release: the audit cannot be sure.
+    cpu = AuditOptions(gpu=gpu_profile("cpu"))
+    found = findings_of("offload-block-size-multiple",
+                        (f"vllm serve m {transfer(block_size=24, **CPU10)}", {}, V33, None, cpu))
+    assert [f.severity for f in found] == [Severity.WARNING]
 
 
 def test_secondary_tier_type_and_key_typos_suggest_the_documented_name():

@@ -19,12 +19,18 @@ from kvtier.cli.argtypes import (
     positive_int,
     size_gb,
 )
+from kvtier.ops.attention_kernels import BackendChoice, choose_backend, describe_choice
 from kvtier.ops.flags import sglang_per_rank_to_vllm_total
 from kvtier.ops.hardware import gpu_profile
 from kvtier.ops.modelspec import load_model_spec
 from kvtier.ops.plan_request import PlanRequest
 from kvtier.ops.sizing import Alternative, Plan, TierEstimate, make_plan
-from kvtier.ops.vllm_versions import format_version, installed_vllm_version, parse_version
+from kvtier.ops.vllm_versions import (
+    defaults_for,
+    format_version,
+    installed_vllm_version,
+    parse_version,
+)
 from kvtier.units import format_size, parse_size
 
 _GIB = 1024**3
@@ -115,6 +121,9 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "gpu_kv_bytes_per_gpu": plan.gpu_kv_bytes_per_gpu, "gpu_kv_tokens": plan.gpu_kv_tokens,
         "live_sessions": plan.live_sessions, "reprefill_s": plan.reprefill_s,
         "hybrid_kv_cache_manager": plan.hybrid_manager, "hybrid_manager_reason": plan.hma_reason,
+        "attention_kernel": _kernel_dict(attention_kernel(plan)),
+        "vllm_defaults": [{"setting": d.setting, "default": d.default, "control": d.control}
+                          for d in defaults_for(req.vllm_version)],
         "tiers": [_tier_dict(t) for t in plan.tiers],
         "recommended": {"kv_offloading_size_gib": plan.cpu_offload_gib,
                         "cpu_tier_bytes": plan.cpu_tier_bytes,
@@ -126,6 +135,26 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "assumptions": list(plan.assumptions),
         "notes": list(plan.notes),
     }
+
+
+def attention_kernel(plan: Plan) -> BackendChoice | None:
+    """The attention backend vLLM 0.33 picks for the plan's model, GPU, KV dtype and block size
+    (the plan's `--block-size`, else vLLM's default), and its kernel block; None off CUDA or
+    on a GPU whose choice is not modelled."""
+    req, flags = plan.request, plan.serve_flags
+    if req.gpu.pcie_gen == 0:
+        return None
+    block = int(flags[flags.index("--block-size") + 1]) if "--block-size" in flags else None
+    return choose_backend(req.gpu.sm_major, req.model.mla is not None,
+                          req.kv_dtype.lower().startswith("fp8"), block)
+
+
+def _kernel_dict(choice: BackendChoice | None) -> dict[str, Any] | None:
+    if choice is None:
+        return None
+    return {"backend": choice.backend.name if choice.backend else None,
+            "takes": choice.backend.describe() if choice.backend else None,
+            "block_size": choice.block_size, "kernel_block_size": choice.kernel_block}
 
 
 def _tier_dict(t: TierEstimate) -> dict[str, Any]:
@@ -165,6 +194,13 @@ def _print(plan: Plan) -> None:
         ("re-prefill one session", f"{plan.reprefill_s:.2f} s"),
         ("hybrid KV manager", f"{'on' if plan.hybrid_manager else 'off'}: {plan.hma_reason}"),
     ]
+    kernel = attention_kernel(plan)
+    if kernel is not None:
+        rows.append(("attention kernel (vLLM 0.33)", describe_choice(kernel)))
+    defaults = defaults_for(req.vllm_version)
+    if defaults:
+        rows.append((f"vLLM {format_version(req.vllm_version)} defaults",  # type: ignore[arg-type]
+                     "; ".join(f"{d.setting} {d.default} ({d.control})" for d in defaults)))
     for key, value in rows:
         head.add_row(key, value)
     console.print(head)

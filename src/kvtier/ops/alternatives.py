@@ -2,7 +2,7 @@
 
 Primitives:
     TierEstimate, Alternative        -- results (frozen)
-    serve_flags(tp, util, ctx, kv_dtype) -- the flags every command shares
+    serve_flags(tp, util, ctx, kv_dtype, long_block) -- the flags every command shares
     tier_estimates(...)              -- what each tier holds and how fast a session returns
     build_alternatives(req, ...)     -- every alternative, refused ones included
 
@@ -83,16 +83,18 @@ class Alternative:
     notes: tuple[str, ...] = ()  # what an operator must know about it
 
 
-def serve_flags(tp: int, gpu_memory_utilization: float, ctx: int, kv_dtype: str) -> list[str]:
+def serve_flags(tp: int, gpu_memory_utilization: float, ctx: int, kv_dtype: str,
+                long_block: int = 32) -> list[str]:
     """The flags every alternative's command shares: TP (issue 14: a `--tp 8` plan once
     printed a command that loaded all weights on one GPU), the memory share the plan assumed,
-    the context, prefix caching, and the operator's guide's long-context knobs."""
+    the context, prefix caching, and the operator's guide's long-context knobs (`long_block`:
+    the --block-size for long contexts, 32 unless the attention kernel needs more)."""
     out = ["--tensor-parallel-size", str(tp), "--gpu-memory-utilization",
            f"{gpu_memory_utilization:g}", "--max-model-len", str(ctx), _PREFIX]
     if kv_dtype.lower().startswith("fp8"):
         out += ["--kv-cache-dtype", kv_dtype.lower()]
     if ctx >= LONG_CONTEXT_BLOCK32:
-        out += ["--block-size", "32"]
+        out += ["--block-size", str(long_block)]
     if ctx >= LONG_PROMPT_BATCH_CAP:
         out += ["--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS)]
     return out

@@ -47,6 +47,9 @@ class GpuProfile:
     fp8_tflops: float  # dense FP8 tensor throughput (== bf16 where FP8 is not native)
     pcie_gen: int  # host link generation; 0 for the CPU backend (no link, memcpy)
     source: str  # where the figures come from
+    # CUDA compute capability major (8 Ampere/Ada, 9 Hopper): which attention kernels vLLM
+    # can pick (kvtier.ops.attention_kernels); 0 for the CPU backend.
+    sm_major: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,13 +66,13 @@ _MIB = 1024**2
 # Memory sizes are the totals nvidia-smi reports, not the marketing figure.
 GPU_PROFILES: dict[str, GpuProfile] = {
     "h100": GpuProfile("H100 SXM 80GB", 81559 * _MIB, 3350.0, 989.0, 1979.0, 5,
-                       "NVIDIA H100 datasheet (SXM5: HBM3 3.35 TB/s, 989 BF16 dense TFLOPS)"),
+                       "NVIDIA H100 datasheet (SXM5: HBM3 3.35 TB/s, 989 BF16 dense TFLOPS)", 9),
     "h200": GpuProfile("H200 SXM 141GB", 143771 * _MIB, 4800.0, 989.0, 1979.0, 5,
-                       "NVIDIA H200 datasheet (HBM3e 141 GB, 4.8 TB/s, H100 compute)"),
+                       "NVIDIA H200 datasheet (HBM3e 141 GB, 4.8 TB/s, H100 compute)", 9),
     "a100": GpuProfile("A100 SXM 80GB", 81920 * _MIB, 2039.0, 312.0, 312.0, 4,
-                       "NVIDIA A100 datasheet (HBM2e 2.04 TB/s, 312 BF16 TFLOPS, no FP8)"),
+                       "NVIDIA A100 datasheet (HBM2e 2.04 TB/s, 312 BF16 TFLOPS, no FP8)", 8),
     "l40s": GpuProfile("L40S 48GB", 46068 * _MIB, 864.0, 362.0, 733.0, 4,
-                       "NVIDIA L40S datasheet (GDDR6 864 GB/s, 362 BF16 dense TFLOPS)"),
+                       "NVIDIA L40S datasheet (GDDR6 864 GB/s, 362 BF16 dense TFLOPS)", 8),
 }
 
 

@@ -25,6 +25,7 @@ from kvtier.ops.alternatives import (
     serve_flags,
     tier_estimates,
 )
+from kvtier.ops.attention_kernels import long_context_block
 from kvtier.ops.costmodel import prefill_seconds
 from kvtier.ops.flags import DISABLE_HMA, gib_number
 from kvtier.ops.modelspec import ModelSpec, kv_dtype_bytes
@@ -115,7 +116,9 @@ def make_plan(req: PlanRequest) -> Plan:
     cpu_gib = float(gib_number(cpu_bytes / _GIB))
     nvme_total = DEFAULT_NVME_BYTES if req.nvme_bytes is None else req.nvme_bytes
     nvme_gib = float(gib_number(nvme_total * NVME_USABLE_FRACTION / _GIB))
-    flags = serve_flags(req.tp, req.gpu_memory_utilization, ctx, req.kv_dtype)
+    long_block = 32 if req.gpu.pcie_gen == 0 else long_context_block(
+        req.gpu.sm_major, spec.mla is not None, req.kv_dtype.lower().startswith("fp8"))
+    flags = serve_flags(req.tp, req.gpu_memory_utilization, ctx, req.kv_dtype, long_block)
     alts = build_alternatives(req, ctx, kv_gpu, cpu_gib, nvme_gib, reprefill, flags)
     native = next(a for a in alts if a.name == "native")
     plan = Plan(

@@ -6,9 +6,11 @@ Primitives:
     Gate, GATES                     -- the version-gate table (first release of each feature)
     hma_verdict(version, connector, hybrid_model) -> HmaVerdict
                                     -- is `--disable-hybrid-kv-cache-manager` needed?
+    ReleaseDefault, DEFAULTS, defaults_for(version)
+                                    -- what a release turns on by itself on CUDA
 
 The dates and release numbers come from the operator's guide in shared/seeds (verified there
-2026-04/05) and from the vLLM package installed here (0.32.0).
+2026-04/05), from the vLLM package installed here (0.32.0) and from vLLM 0.33.0's source.
 """
 
 from __future__ import annotations
@@ -60,6 +62,39 @@ GATES: tuple[Gate, ...] = (
     Gate("native offload with the hybrid KV cache manager", None, NATIVE_OFFLOAD_HMA_SINCE,
          "native offload no longer needs --disable-hybrid-kv-cache-manager"),
 )
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseDefault:
+    """A setting a vLLM release turns on by itself on CUDA (read from that release's source;
+    earlier releases were not checked, so `verified_in` is not a first release)."""
+
+    setting: str  # what it is, in the operator's words
+    default: str  # its value when the operator says nothing
+    control: str  # how an operator sets it explicitly
+    verified_in: Version  # the release whose source says so
+    source: str  # where in that source
+
+
+V033: Version = (0, 33, 0)
+DEFAULTS: tuple[ReleaseDefault, ...] = (
+    ReleaseDefault(
+        "async scheduling", "on", "--async-scheduling / --no-async-scheduling", V033,
+        "vllm/config/vllm.py: SchedulerConfig.async_scheduling None -> True unless a pooling "
+        "model, an executor without it, ROCm DeepEP DBO, or a V1-runner incompatibility"),
+    ReleaseDefault(
+        "V2 model runner", "on", "VLLM_USE_V2_MODEL_RUNNER=0/1", V033,
+        "vllm/config/vllm.py VllmConfig.use_v2_model_runner: True unless no Triton or a "
+        "feature it lacks (suffix/custom speculation, P-EAGLE parallel drafting, ...)"),
+)
+
+
+def defaults_for(version: Version | None) -> tuple[ReleaseDefault, ...]:
+    """The defaults known to hold on `version` (none when it is unknown or older than the
+    release they were read from)."""
+    if version is None:
+        return ()
+    return tuple(d for d in DEFAULTS if version >= d.verified_in)
 
 
 @dataclass(frozen=True, slots=True)

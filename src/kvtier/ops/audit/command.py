@@ -44,9 +44,11 @@ BOOLEAN_FLAGS = frozenset({
     "--enable-chunked-prefill", "--no-enable-chunked-prefill", "--enable-lora",
     "--enable-auto-tool-choice", "--disable-custom-all-reduce", "--async-scheduling",
     "--enable-log-requests", "--no-enable-expert-parallel", "--enable-eplb",
+    "--no-async-scheduling",
 })
 _SHORT_FLAGS = {"-tp": "--tensor-parallel-size", "-pp": "--pipeline-parallel-size",
-                "-dp": "--data-parallel-size", "-ep": "--enable-expert-parallel"}
+                "-dp": "--data-parallel-size", "-ep": "--enable-expert-parallel",
+                "-ac": "--attention-config"}
 _ENV_ASSIGN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 _IMAGE_TAG = re.compile(r"vllm[-/\w.]*:v?(\d+\.\d+(?:\.\d+)?)")
 # vLLM's human-readable integers ("32k" = 32,000, "32K" = 32,768), for token-count flags.

@@ -7,6 +7,7 @@ Primitives:
     all_rules()            -- every registered rule (rule modules are imported on first use)
     run_audit(cmd, options) -> list[Finding], most severe first
     model_traits(cmd)      -- what the audit can tell about the served model
+    on_cpu_backend(cmd, options) -- the server runs on vLLM's CPU backend, not CUDA
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ RULE_MODULES: tuple[str, ...] = (
     "kvtier.ops.audit.rules_native",
     "kvtier.ops.audit.rules_lmcache",
     "kvtier.ops.audit.rules_kvcache",
+    "kvtier.ops.audit.rules_kernels",
     "kvtier.ops.audit.rules_env",
     "kvtier.ops.audit.rules_versions",
 )
@@ -39,6 +41,11 @@ _HYBRID_NAME = re.compile(
 _LINEAR_NAME = re.compile(
     r"qwen3[._-]?[56]|qwen3-next|jamba|nemotron-h|granite-4|mamba|falcon-h1|minimax|zamba|"
     r"bamba|plamo", re.IGNORECASE)
+# Model names whose models use MLA (DeepSeek-V2/V3/R1, Kimi K2); not the R1 distills.
+_MLA_NAME = re.compile(r"deepseek[-_]?(v2|v3|r1)(?!.*distill)|kimi[-_]?k2", re.IGNORECASE)
+# Variables only vLLM's CPU backend reads: their presence says the server runs on CPUs.
+CPU_BACKEND_ENV = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND",
+                   "VLLM_CPU_NUM_OF_RESERVED_CPU")
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +109,7 @@ class ModelTraits:
     hybrid: bool  # mixes attention kinds: the hybrid-manager and LMCache pitfalls apply
     known: bool  # True when read from config.json, False when guessed from the name
     linear: bool = False  # has Mamba / linear-attention layers (state, not per-token KV)
+    mla: bool = False  # DeepSeek-style latent attention: vLLM picks MLA kernels
 
 
 def model_traits(cmd: ServeCommand) -> ModelTraits:
@@ -109,7 +117,15 @@ def model_traits(cmd: ServeCommand) -> ModelTraits:
     if cmd.model_config is not None:
         spec = parse_model_config(cmd.model_config)
         return ModelTraits(hybrid=len(set(spec.layer_kinds)) > 1, known=True,
-                           linear="linear" in spec.layer_kinds)
+                           linear="linear" in spec.layer_kinds, mla=spec.mla is not None)
     name = cmd.model or ""
     return ModelTraits(hybrid=bool(_HYBRID_NAME.search(name)), known=False,
-                       linear=bool(_LINEAR_NAME.search(name)))
+                       linear=bool(_LINEAR_NAME.search(name)),
+                       mla=bool(_MLA_NAME.search(name)))
+
+
+def on_cpu_backend(cmd: ServeCommand, options: AuditOptions) -> bool:
+    """The server runs on vLLM's CPU backend: `--gpu cpu`, or an environment only the CPU
+    backend reads."""
+    return options.gpu.pcie_gen == 0 or any(name in cmd.env for name in CPU_BACKEND_ENV) or (
+        cmd.env.get("VLLM_TARGET_DEVICE", "").lower() == "cpu")

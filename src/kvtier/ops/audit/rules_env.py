@@ -10,7 +10,7 @@ from pathlib import Path
 
 from kvtier.ops.audit.command import ServeCommand
 from kvtier.ops.audit.finding import Finding, Severity
-from kvtier.ops.audit.registry import AuditOptions, rule
+from kvtier.ops.audit.registry import AuditOptions, on_cpu_backend, rule
 from kvtier.ops.vllm_versions import Version, format_version, installed_vllm_version
 
 # Variables that do not exist in any vLLM release, and what was meant.
@@ -70,16 +70,10 @@ def _finding(name: str, fix: str, checked: str) -> Finding:
     )
 
 
-# Variables only vLLM's CPU backend reads: their presence says the server runs on CPUs.
-CPU_BACKEND_ENV = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND",
-                   "VLLM_CPU_NUM_OF_RESERVED_CPU")
-
-
 @rule("cpu-connector-reserves-core", "a KV connector on the CPU backend takes a core per worker")
 def cpu_connector_reserved_core(cmd: ServeCommand, options: AuditOptions) -> Iterator[Finding]:
-    on_cpu = options.gpu.pcie_gen == 0 or any(name in cmd.env for name in CPU_BACKEND_ENV) or (
-        cmd.env.get("VLLM_TARGET_DEVICE", "").lower() == "cpu")
-    if not on_cpu or not cmd.connectors or "VLLM_CPU_NUM_OF_RESERVED_CPU" in cmd.env:
+    if not on_cpu_backend(cmd, options) or not cmd.connectors \
+            or "VLLM_CPU_NUM_OF_RESERVED_CPU" in cmd.env:
         return
     workers = cmd.tp * int(cmd.number("--pipeline-parallel-size") or cmd.number("-pp") or 1)
     yield Finding(

@@ -8,12 +8,14 @@ from kvtier.ops.audit.command import ServeCommand
 from kvtier.ops.audit.finding import Finding, Severity
 from kvtier.ops.audit.registry import AuditOptions, model_traits, rule
 from kvtier.ops.hardware import GpuProfile
+from kvtier.ops.modelspec import parse_model_config
 from kvtier.ops.vllm_versions import format_version
 
 # --calculate-kv-scales: deprecated (no effect) from v0.19; absent from the installed 0.32.0.
 _SCALES_DEPRECATED = (0, 19, 0)
 _SCALES_ABSENT = (0, 32, 0)
 _LONG_CONTEXT = 128 * 1024  # --block-size 32 pays from here
+_TRAFFIC_UNKNOWN = 128 * 1024  # ask for the traffic's p95-p99 from here
 _SHORT_CONTEXT = 32 * 1024  # --block-size 32 is neutral or a slight loss below this
 _LONG_PROMPTS = 32 * 1024  # without a prefill cap, long prompts starve decode
 _GIB = 1024**3
@@ -85,6 +87,31 @@ def max_model_len(cmd: ServeCommand, opts: AuditOptions) -> Iterator[Finding]:
         "the scheduler reserves room for the longest allowed request, starving concurrency "
         "for the requests you actually get",
         f"set --max-model-len near the p95-p99 of real traffic, e.g. {need}",
+    )
+
+
+@rule("max-model-len-traffic-unknown", "a very long --max-model-len, the traffic's lengths "
+      "not given", reads=("--typical-context", "--model-config"))
+def max_model_len_traffic_unknown(cmd: ServeCommand, opts: AuditOptions) -> Iterator[Finding]:
+    # The operator's guide (seed 000): "--max-model-len is 200k but typical requests are 8k,
+    # the scheduler reserves capacity for 200k ... Tune --max-model-len to the 95th or 99th
+    # percentile of real traffic". max-model-len-too-high judges it once the p95-p99 is known.
+    if opts.typical_context_tokens is not None:
+        return
+    mml, said = cmd.number("--max-model-len"), ""
+    if mml is None and not cmd.has("--max-model-len") and cmd.model_config is not None:
+        mml = parse_model_config(cmd.model_config).max_position_embeddings
+        said = " (no --max-model-len: vLLM takes the model's maximum)"
+    if mml is None or mml < _TRAFFIC_UNKNOWN:
+        return
+    yield Finding(
+        "max-model-len-traffic-unknown", Severity.INFO,
+        f"--max-model-len {mml:g}{said}, and the context lengths of real traffic are not given",
+        "the scheduler reserves room for the longest allowed request: when typical requests "
+        "are far shorter (the operator's guide: 200k allowed, 8k typical) concurrency is "
+        "starved for the requests you actually get",
+        "size --max-model-len to the p95-p99 context length of real traffic, not the model's "
+        "maximum; pass --typical-context TOKENS (that p95-p99) and the audit compares the two",
     )
 
 

@@ -13,9 +13,11 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.ops.attention_kernels import DEFAULT_BLOCK_SIZE
 from kvtier.ops.audit.command import ServeCommand
 from kvtier.ops.audit.finding import Finding, Severity
-from kvtier.ops.audit.registry import AuditOptions, rule
+from kvtier.ops.audit.registry import AuditOptions, on_cpu_backend, rule
+from kvtier.ops.audit.rules_kernels import attention_choice
 from kvtier.ops.vllm_versions import format_version
 
 CPU_SPEC, TIERING_SPEC = "CPUOffloadingSpec", "TieringOffloadingSpec"
@@ -39,7 +41,7 @@ TIER_KEYS: dict[str, frozenset[str] | None] = {
     "obj": None, "p2p": None, "kvcr": None, "example": None,
 }
 TIER_REQUIRED = {"fs": ("root_dir",)}
-DEFAULT_GPU_BLOCK_SIZE = 16  # vLLM's default on CUDA
+DEFAULT_GPU_BLOCK_SIZE = DEFAULT_BLOCK_SIZE  # vLLM's default on CUDA
 # The release whose OffloadingConnector reads cpu_bytes_to_use instead of num_cpu_blocks.
 CPU_BYTES_SINCE = (0, 14, 0)
 
@@ -105,26 +107,50 @@ def cpu_bytes_required(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
         )
 
 
-@rule("offload-block-size-multiple", "offloaded block_size not a multiple of the GPU block size")
-def offload_block_size(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
-    gpu_raw = cmd.value("--block-size")
-    explicit = gpu_raw is not None and _positive_int(gpu_raw)
-    gpu = int(gpu_raw) if explicit else DEFAULT_GPU_BLOCK_SIZE  # type: ignore[arg-type]
+@rule("offload-block-size-multiple", "offloaded block_size not a multiple of the GPU block size",
+      reads=("--gpu", "--model-config"))
+def offload_block_size(cmd: ServeCommand, options: AuditOptions) -> Iterator[Finding]:
+    # vLLM raises at start-up (offloading/config.py); seed 003, the KV Offloading Usage
+    # Guide: "block_size ... must be a multiple of the GPU block size". Without --block-size
+    # the GPU block is vLLM's default: on CUDA 16, or what the attention kernel needs
+    # (FlashMLA: 64), always a multiple of 16 (issue 23: block_size 24 used to pass there).
+    gpu, source, known = _gpu_block_size(cmd, options)
     for off in native_offloads(cmd):
         value = off.extra.get("block_size")
         if value is None:
             continue
-        if _positive_int(value) and _as_int(value) % gpu == 0:  # type: ignore[operator]
+        number = _as_int(value)
+        if number is not None and number > 0 and number % gpu == 0:
             continue
-        source = f"--block-size {gpu}" if explicit else f"vLLM's default GPU block size {gpu}"
+        use = f"{-(-number // gpu) * gpu}" if number is not None and number > 0 else f"{gpu * 4}"
         yield Finding(
-            "offload-block-size-multiple", Severity.ERROR if explicit else Severity.WARNING,
+            "offload-block-size-multiple", Severity.ERROR if known else Severity.WARNING,
             f"{off.key}.block_size is {value!r}, not a multiple of {source}",
-            "an offloaded block is a whole number of GPU blocks; vLLM refuses the config at "
-            "start-up" + ("" if explicit else " (when the GPU block size is the default 16)"),
-            f"set block_size to a multiple of {gpu} (e.g. {gpu * 4})"
-            + ("" if explicit else ", and pass --block-size so both sizes are stated"),
+            "an offloaded block is a whole number of GPU blocks (KV Offloading Usage Guide); "
+            f"vLLM refuses the config at start-up: \"'block_size'={value} ... must be a "
+            f"multiple of the GPU KV cache block size ({gpu} tokens)\""
+            + ("" if known else f" (when the GPU block size is the default {gpu})"),
+            f"set block_size to a multiple of {gpu} (e.g. {use}), or give blocks_per_chunk "
+            "instead" + ("" if cmd.has("--block-size") else
+                         ", and pass --block-size so both sizes are stated"),
         )
+
+
+def _gpu_block_size(cmd: ServeCommand, options: AuditOptions) -> tuple[int, str, bool]:
+    """The GPU block size, where it comes from (for messages), and whether it is known
+    (False: a malformed --block-size, or vLLM's default off CUDA, which differs by platform
+    and release)."""
+    raw = cmd.value("--block-size")
+    if raw is not None and _positive_int(raw):
+        return int(raw), f"--block-size {int(raw)}", True
+    if cmd.has("--block-size") or on_cpu_backend(cmd, options):
+        return DEFAULT_GPU_BLOCK_SIZE, f"vLLM's default GPU block size {DEFAULT_GPU_BLOCK_SIZE}", \
+            False
+    choice = attention_choice(cmd, options)
+    size = choice.block_size if choice is not None else DEFAULT_GPU_BLOCK_SIZE
+    backend = choice.backend.name if choice is not None and choice.backend else ""
+    kernel = f" for {backend}" if size != DEFAULT_GPU_BLOCK_SIZE else ""
+    return size, f"vLLM's default block size on CUDA ({size}{kernel})", True
 
 
 @rule("offload-tiering-store-threshold", "store_threshold >= 2 with TieringOffloadingSpec")
