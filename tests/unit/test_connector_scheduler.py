@@ -73,6 +73,10 @@ class Engine:
         return self.sched.build_connector_meta(output)  # type: ignore[arg-type]
 
     def report(self, **fields: Any) -> None:
+        """A worker's report at the end of the last step: its synchronous stores are done, or
+        (asynchronous) those of the plans before it (`stores_through`)."""
+        lag = 1 if self.sched._stores_async else 0
+        fields.setdefault("stores_through", self.sched._step - lag)
         self.sched.update_connector_output(  # type: ignore[arg-type]
             SimpleNamespace(kv_connector_worker_meta=KVTierWorkerMetadata(**fields)))
 

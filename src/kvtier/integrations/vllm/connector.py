@@ -55,13 +55,14 @@ from kvtier.integrations.vllm.models import (
     refuse,
 )
 from kvtier.integrations.vllm.scheduler import ConnectorScheduler
+from kvtier.integrations.vllm.versions import log_engine_version
 from kvtier.integrations.vllm.worker import ConnectorWorker, PagedKV
 from kvtier.tiers import build_probe, open_store
 
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from vllm.config import KVTransferConfig, VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
@@ -180,6 +181,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        if role == KVConnectorRole.SCHEDULER:  # once per engine, not once per worker
+            log_engine_version(logger)
         check_supported(model_traits(vllm_config))
         self._config = ConnectorConfig.parse(self._kv_transfer_config.kv_connector_extra_config)
         # vLLM's default kv_load_failure_policy is "fail": a request whose load we report
@@ -229,6 +232,12 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         """
         check_supported(model_traits(vllm_config))
         return None
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """False (vLLM 0.33 asks, and refuses `--enable-sleep-mode` then): the workers' load
+        and store threads hold views of the KV cache, which sleep mode frees and remaps."""
+        return False
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -68,6 +68,9 @@ class KVTierMetadata(KVConnectorMetadata):
     # this step's forward (an asynchronous hit's state into the block its first step reads:
     # groups.py).
     state_copies: list[tuple[int, int, int]] = field(default_factory=list)
+    # The plan's number (the scheduler counts its plans from 1): the workers report the
+    # newest plan whose stores are all done (`KVTierWorkerMetadata.stores_through`).
+    step: int = 0
 
     def transfers(self) -> list[ChunkTransfer]:
         """Every chunk this plan loads or stores."""
@@ -92,6 +95,10 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     without_state: set[ChunkKey] = field(default_factory=set)
     # Complete loads, timed (load_mode "auto" weighs the next hits by them: loadcost.py).
     load_samples: list[LoadSample] = field(default_factory=list)
+    # The newest plan (`KVTierMetadata.step`) whose stores are all done, reported or
+    # dropped; -1: none yet. vLLM's V2 runner with speculative decoding runs a step's stores
+    # (wait_for_save) after the step's report is built, so "done" is the workers' to say.
+    stores_through: int = -1
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTierWorkerMetadata:
         # Tensor parallel: a chunk is usable only when every rank stored its shard, and
@@ -105,4 +112,6 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
                                     skipped=self.skipped | other.skipped,
                                     failed_blocks=self.failed_blocks | other.failed_blocks,
                                     events=list(dict.fromkeys(self.events + other.events)),
-                                    load_samples=self.load_samples + other.load_samples)
+                                    load_samples=self.load_samples + other.load_samples,
+                                    stores_through=min(self.stores_through,
+                                                       other.stores_through))

@@ -269,6 +269,7 @@ class ConnectorScheduler:
         self._pending_loads, self._pending_async, self._acked_failed_blocks = {}, {}, set()
         self._held = set()
         self._remember_loads(meta.loads | meta.async_loads)
+        meta.step = self._step
         meta.prefetch = self._loads.take_prefetch()
         for req_id in scheduler_output.preempted_req_ids or ():
             if req_id in self._requests:
@@ -305,16 +306,16 @@ class ConnectorScheduler:
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """Learn which chunks the workers stored, and which loads found nothing."""
-        # The workers ran the stores of this step (synchronous stores) or of the step before
-        # (asynchronous: joined and reported a step later) whether or not they report any: a
-        # store the tiers dropped (e.g. Redis down) reports nothing, and its key used to stay
-        # "in flight" forever, never stored again (tests/faults/test_engine_faults.py).
-        done = self._step - 1 if self._stores_async else self._step
-        self._inflight_stores = {key: step for key, step in self._inflight_stores.items()
-                                 if step > done}
         report = output.kv_connector_worker_meta
         if not isinstance(report, KVTierWorkerMetadata):
             return
+        # The workers say which plans' stores are done, whether or not they report a key: a
+        # store the tiers dropped (e.g. Redis down) reports nothing, and its key would stay
+        # "in flight" forever, never stored again (tests/faults/test_engine_faults.py). Done
+        # is theirs to say: vLLM's V2 runner with speculative decoding runs a step's stores
+        # after the step's report (tests/unit/test_hook_orders.py).
+        self._inflight_stores = {key: step for key, step in self._inflight_stores.items()
+                                 if step > report.stores_through}
         for key in report.stored | report.skipped:  # reported: no longer in flight
             self._inflight_stores.pop(key, None)
         self._locator.record_stored(report.stored)

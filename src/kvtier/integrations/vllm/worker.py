@@ -116,8 +116,14 @@ class ConnectorWorker:
         self._async_spares = spare_buffers(load_batch, layout.bytes_per_chunk, pinned)
         # Asynchronous stores: a step's stores as one job on the store thread, in order.
         self._saver = io_pool(1, "kvtier-store", io_cores)
-        self._saving: deque[Future[StoreJob]] = deque()  # jobs not yet joined, oldest first
-        self._saved_this_step = False  # the newest of them is this step's
+        # Jobs not yet joined, oldest first: (epoch, plan step, job). The epoch counts binds
+        # and step ends: a step's end joins the jobs of earlier epochs, the ones handed over
+        # before the plan it ends was bound or before the previous step's end (vLLM's V2
+        # runner with speculative decoding runs wait_for_save after get_finished).
+        self._saving: deque[tuple[int, int, Future[StoreJob]]] = deque()
+        self._epoch = 0
+        self._planned_through = -1  # the newest plan whose stores were handed over
+        self._reported_through = -1  # `stores_through` of the last report
         # Reads of chunks into the RAM tier ahead of their load (KVTierMetadata.prefetch), on
         # a thread of their own so that they never queue an asynchronous load behind them.
         self._prefetcher = io_pool(1, "kvtier-prefetch", io_cores)
@@ -159,6 +165,7 @@ class ConnectorWorker:
         (their blocks belong to requests the step does not run; on a device, their copies
         come after the work vLLM has queued so far)."""
         self._unfilled -= meta.acked_failed_blocks
+        self._epoch += 1
         for transfer in meta.transfers():
             TENANTS.note((transfer.key,), transfer.tenant)
         for transfer in meta.retains:  # held already: extend the pin / expiry
@@ -262,11 +269,11 @@ class ConnectorWorker:
         store thread (meta.stores_async; joined by `finish_step` of the next step), or now
         (model runner thread, after the forward)."""
         stores = self._safe_stores(meta.stores)
+        self._planned_through = max(self._planned_through, meta.step)
         if meta.stores_async and self._handoff_timeout_s is None:
             if stores:
-                self._saving.append(self._saver.submit(self._mover.store, stores, "async",
-                                                       self._mover.mark()))
-                self._saved_this_step = True
+                self._saving.append((self._epoch, meta.step, self._saver.submit(
+                    self._mover.store, stores, "async", self._mover.mark())))
             return
         start = time.perf_counter()
         self._record(self._mover.store(stores, "sync"))
@@ -286,25 +293,32 @@ class ConnectorWorker:
         self._stats.add("store_seconds", job.seconds)
         self._stats.observe("store_step_seconds", job.seconds, job.mode)
 
-    def finish_stores(self, keep_current: bool = False) -> None:
-        """Wait for the store jobs not yet joined (all, or all but this step's) and report
-        them (model runner thread: a preemption, the end of a step, close)."""
-        current = self._saving.pop() if keep_current and self._saved_this_step else None
-        if self._saving:
-            start = time.perf_counter()
-            while self._saving:
-                self._record(self._saving.popleft().result())
+    def finish_stores(self, before_epoch: int | None = None) -> None:
+        """Wait for the store jobs not yet joined (all, or those handed over before
+        `before_epoch`) and report them (model runner thread: a preemption, the end of a
+        step, close)."""
+        start = time.perf_counter()
+        joined = False
+        while self._saving and (before_epoch is None or self._saving[0][0] < before_epoch):
+            self._record(self._saving.popleft()[2].result())
+            joined = True
+        if joined:
             self._stats.add("store_wait_seconds", time.perf_counter() - start)
-        if current is not None:
-            self._saving.append(current)
 
     def finish_step(self, held: set[str]) -> set[str]:
-        """The end of a step (vLLM's get_finished): join the earlier steps' store jobs and
-        return `held`, the requests whose blocks vLLM kept for them (each held request's
-        stores were in an earlier step's job, done now). Model runner thread."""
-        self.finish_stores(keep_current=True)
-        self._saved_this_step = False
+        """The end of a step (vLLM's get_finished): join the store jobs handed over before
+        this step's plan was bound (or before the previous step's end) and return `held`,
+        the requests whose blocks vLLM kept for them (each held request's stores were in
+        such a job, done now). Model runner thread."""
+        self.finish_stores(before_epoch=self._epoch)
+        self._epoch += 1
         return held
+
+    @property
+    def stores_through(self) -> int:
+        """The newest plan whose stores are all done (joined or run): every plan handed over
+        before the oldest job still running."""
+        return self._saving[0][1] - 1 if self._saving else self._planned_through
 
     def _safe_stores(self, stores: list[ChunkTransfer]) -> list[ChunkTransfer]:
         """The stores whose KV was not computed over a failed load (of this rank or, through
@@ -362,6 +376,7 @@ class ConnectorWorker:
         or None when there are none."""
         self._drain_state_notes()
         self._mover.release()
+        self._report.stores_through = self.stores_through
         removed = []
         for event in self._store.take_events():
             self._report.events.append(event)
@@ -380,9 +395,11 @@ class ConnectorWorker:
         report = self._report
         if not (report.stored or report.missing or report.removed or report.events
                 or report.skipped or report.failed_blocks or report.without_state
-                or report.stored_state or report.load_samples):
+                or report.stored_state or report.load_samples
+                or report.stores_through != self._reported_through):
             return None
         self._report = KVTierWorkerMetadata()
+        self._reported_through = report.stores_through
         return report
 
     def _find_gone(self, keys: list[ChunkKey]) -> None:
