@@ -1,6 +1,6 @@
 """The device mover's ordering (integrations/vllm/streams.py), on a CPU stand-in for the GPU.
 
-The mover orders its copies only through the Device protocol; tests/standin_device.py runs
+The mover orders its copies only through the Device protocol; kvtier/bench/standin.py runs
 each stream's work on a thread, late and in random order across streams, in poisoned "device"
 memory. vLLM's KV is emulated as vLLM 0.33 hands it to a connector on CUDA (FlashAttention's
 LBNHC views, kvtier/bench/vllmviews.py), written and read by a "forward" queued on the compute
@@ -26,9 +26,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from standin_device import StandInDevice, StandInEvent
 from tierkit import key
 
+from kvtier.bench.standin import StandInDevice, StandInEvent
 from kvtier.bench.vllmviews import VllmCacheSpec, vllm_kv_caches
 from kvtier.config import StoreConfig
 from kvtier.core.store import TieredStore

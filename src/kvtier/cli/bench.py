@@ -44,6 +44,7 @@ WORKLOADS: tuple[str, ...] = (
     "kvtier.cli.bench_interference",
     "kvtier.cli.bench_disagg",
     "kvtier.cli.bench_codecs",
+    "kvtier.cli.bench_mover",
 )
 
 

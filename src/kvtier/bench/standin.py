@@ -1,0 +1,142 @@
+"""A CPU stand-in for a GPU under kvtier's stream mover (integrations/vllm/streams.py): CI's
+device (tests/unit/test_stream_mover.py) and `kvtier bench mover`'s.
+
+It keeps CUDA's ordering model and makes every breach of it visible: each stream is a thread
+that runs its queued work in order, each piece after a random delay (seeded: between half
+the stream's maximum and its maximum), so work runs
+late and streams overtake each other; an event is a flag its stream sets when it reaches it;
+`wait` queues a wait for the flag on the stream. "Device memory" is host memory, filled with a
+poison byte when allocated. So a copy that reads a host buffer after its borrow ended, a
+gather that runs before the forward that writes its blocks, or a forward that reads blocks
+before their load has run, reads the wrong bytes, and the tests that check the bytes fail.
+
+`delays` maps a stream's name ("compute", "load", "store") to its maximum delay in seconds
+(default `max_delay_s`), so a test can make one stream slow on purpose.
+
+Primitives: `StandInDevice`, `StandInEvent`, `StandInStream`, `POISON`.
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+POISON = 0xA5
+
+
+class StandInEvent:
+    """An event: reached when its stream has run everything queued before `record`."""
+
+    def __init__(self) -> None:
+        self._reached = threading.Event()
+        self._recorded = False
+
+    def query(self) -> bool:
+        return not self._recorded or self._reached.is_set()
+
+    def synchronize(self) -> None:
+        if self._recorded and not self._reached.wait(timeout=30):
+            raise TimeoutError("stand-in event never reached (a stream is stuck)")
+
+
+class StandInStream:
+    """A thread running queued work in order, each piece after a random delay."""
+
+    def __init__(self, name: str, max_delay_s: float, rng: random.Random) -> None:
+        self.name = name
+        self._max_delay_s = max_delay_s
+        self._rng = rng
+        self._work: queue.Queue[Callable[[], Any] | None] = queue.Queue()
+        self.errors: list[BaseException] = []
+        self._thread = threading.Thread(target=self._run, name=f"standin-{name}", daemon=True)
+        self._thread.start()
+
+    def put(self, work: Callable[[], Any]) -> None:
+        self._work.put(work)
+
+    def _run(self) -> None:
+        while (work := self._work.get()) is not None:
+            time.sleep(self._rng.uniform(self._max_delay_s / 2, self._max_delay_s))
+            try:
+                work()
+            except BaseException as error:  # surfaced by StandInDevice.close
+                self.errors.append(error)
+
+    def close(self) -> None:
+        self._work.put(None)
+        self._thread.join(timeout=30)
+
+
+class StandInDevice:
+    """`kvtier.integrations.vllm.device.Device` on the CPU (see the module docstring)."""
+
+    name = "stand-in device (CPU threads)"
+
+    def __init__(self, seed: int = 0, max_delay_s: float = 0.002,
+                 delays: dict[str, float] | None = None) -> None:
+        self._rng = random.Random(seed)
+        self._delays = delays or {}
+        self._max_delay_s = max_delay_s
+        self._lock = threading.Lock()
+        self.streams: list[StandInStream] = []
+        self.compute = self._stream("compute")
+        self.waits = 0  # stream waits queued (a test can see that the mover orders its work)
+
+    def _stream(self, name: str) -> StandInStream:
+        with self._lock:
+            stream = StandInStream(name, self._delays.get(name, self._max_delay_s),
+                                   random.Random(self._rng.random()))
+            self.streams.append(stream)
+        return stream
+
+    def new_stream(self) -> StandInStream:
+        # The mover makes its load stream first, then its store stream.
+        return self._stream(("load", "store", "other")[min(len(self.streams) - 1, 2)])
+
+    def compute_stream(self) -> StandInStream:
+        return self.compute
+
+    def new_event(self) -> StandInEvent:
+        return StandInEvent()
+
+    def record(self, event: Any, stream: Any) -> None:
+        event._recorded = True
+        stream.put(event._reached.set)
+
+    def wait(self, stream: Any, event: Any) -> None:
+        self.waits += 1
+        stream.put(event.synchronize)
+
+    def run(self, stream: Any, work: Callable[[], Any]) -> None:
+        stream.put(work)
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        return torch.full((nbytes,), POISON, dtype=torch.uint8)
+
+    def pinned(self, nbytes: int) -> torch.Tensor:
+        return torch.full((nbytes,), POISON, dtype=torch.uint8)
+
+    def forward(self, work: Callable[[], Any]) -> None:
+        """Queue a piece of vLLM's forward on the compute stream (a test's model)."""
+        self.compute.put(work)
+
+    def drain(self) -> None:
+        """Wait until every stream has run what is queued on it so far."""
+        for stream in list(self.streams):
+            event = StandInEvent()
+            self.record(event, stream)
+            event.synchronize()
+
+    def close(self) -> None:
+        """Stop the streams; raise what any of their work raised."""
+        for stream in self.streams:
+            stream.close()
+        errors = [e for s in self.streams for e in s.errors]
+        if errors:
+            raise errors[0]
