@@ -54,6 +54,7 @@ class Engine:
             {"kind": "memory", "capacity": "1MiB", "pin": "off"},
             {"kind": "disk", "path": str(root / "disk"), "capacity": "16MiB"}]}), layout)
         self.worker = ConnectorWorker(paged, layout, store, device=self.device)
+        self.forwards_run = 0
 
     def forward(self, blocks: range, generation: int) -> None:
         """A forward that writes value(b, generation) into `blocks` (queued, runs late)."""
@@ -61,6 +62,7 @@ class Engine:
             for t in self.kv.values():
                 for b in blocks:
                     t[b] = value(b, generation)
+            self.forwards_run += 1
         self.device.forward(write)
 
     def holds(self, blocks: range, expected: int, offset: int = 0) -> bool:
@@ -91,21 +93,27 @@ def engine(tmp_path: Path) -> Iterator[Engine]:
 
 
 def test_a_steps_stores_hold_what_its_forward_wrote_and_never_stall_the_runner(
-        engine: Engine) -> None:
+        tmp_path: Path) -> None:
+    engine = Engine(tmp_path, compute_delay_s=0.3)
+    try:
+        stores_hold_their_forward(engine)
+    finally:
+        engine.close()
+
+
+def stores_hold_their_forward(engine: Engine) -> None:
     w = engine.worker
     plan = KVTierMetadata(stores=chunks(0, 4), stores_async=True, step=1)
-    start = time.monotonic()
     w.begin_step(plan)
-    engine.forward(range(8), 1)  # runs ~30 ms later
+    engine.forward(range(8), 1)  # runs 150-300 ms later
     w.store(plan)  # wait_for_save
     assert w.finish_step(set()) == set()
-    runner_s = time.monotonic() - start
+    assert engine.forwards_run == 0  # the runner's hooks returned before the forward ran
     w.begin_step(KVTierMetadata(step=2))
     w.finish_step(set())  # step 2 ends: step 1's job joined
     report = w.take_report()
     assert report is not None and report.stored == {t.key for t in plan.stores}
     assert report.stores_through == 1
-    assert runner_s < 0.03, f"the runner waited {runner_s:.3f} s for the device"
     # Load the chunks back into other blocks: they hold what the forward wrote.
     w.load(KVTierMetadata(loads={"r": [ChunkTransfer(key=t.key, block_ids=tuple(
         b + 16 for b in t.block_ids)) for t in plan.stores]}))
