@@ -175,23 +175,26 @@ class StreamChunkMover:
         """Gather one chunk on the store stream and DMA it into the store; True when stored."""
         slot = self._store_slots.get()
         device, stream, paged = self._device, self._store_stream, self._paged
+        copied: list[bool] = []
         try:
             device.run(stream, lambda: paged.gather(transfer.block_ids, slot))
 
             def copy_out(view: memoryview) -> None:
                 host = torch.frombuffer(view, dtype=torch.uint8)
                 device.run(stream, lambda: host.copy_(slot, non_blocking=True))
-                copied = device.new_event()
-                device.record(copied, stream)
-                copied.synchronize()  # the slot is committed with the bytes in it
+                done = device.new_event()
+                device.record(done, stream)
+                done.synchronize()  # the slot is committed with the bytes in it
+                copied.append(True)
 
             return self._store.put_from(transfer.key, copy_out, self._spare,
                                         meta=chunk_meta(transfer))
         finally:
-            # The gather may still be queued where the store took no copy (held already).
-            drained = device.new_event()
-            device.record(drained, stream)
-            drained.synchronize()
+            if not copied:  # no copy taken (held already), or it failed: the gather may
+                # still be queued on the slot
+                drained = device.new_event()
+                device.record(drained, stream)
+                drained.synchronize()
             self._store_slots.put(slot)
 
     # -- buffers --------------------------------------------------------------------------
