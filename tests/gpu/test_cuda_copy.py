@@ -1,121 +1,325 @@
-"""The connector's CUDA data path (`integrations/vllm/cuda.py`) on a real GPU.
+"""The connector's device mover (integrations/vllm/streams.py, `StreamChunkMover` over
+`CudaDevice`) on a real GPU, mirroring the stand-in scenarios of tests/unit/test_stream_mover.py.
 
-Skipped where torch sees no CUDA device (CI, the CPU machines). A flash-layout paged KV on
-the GPU is stored through `ConnectorWorker` into a pinned memory tier and loaded back into
-other blocks; the loaded blocks must equal the stored ones byte for byte, blocks below a
-local hit must stay untouched, and a miss must be reported without touching any block.
-Throughput is measured by `kvtier bench copy`, not here.
+vLLM 0.33's KV caches (gpurig.CASES: every layout, MLA, kernel blocks, bf16 and fp8) are
+stored from the device into a pinned memory tier (with a disk tier below it) and loaded back:
+  - the stored chunks are, byte for byte, the chunk order built from vLLM's views;
+  - inline loads (the model runner's thread: a forward queued next on the current stream
+    reads the loaded KV), load-thread loads (done when the call returns) and loads from disk
+    through pinned spares put back the source blocks' exact bytes, and a local prefix hit's
+    blocks are not written;
+  - a miss stops a load and writes nothing of the missing chunk;
+and ordering, each check also run on a device that loses the mover's waits, where it fails:
+  - a store gathers what the forward queued before it wrote, not what the blocks held;
+  - a forward queued after an inline load reads the loaded KV, though the load's copies run
+    late (after vLLM work the load must follow);
+  - an inline load's RAM slot stays lent until its copy ran;
+  - many chunks pass through two staging buffers from two threads at once.
+
+Each test runs on "cuda" (skipped without a GPU) and on "standin" (tests/standin_device.py), so
+that CI executes these bodies. No vLLM. Throughput: `kvtier bench copy` (scripts/gpu-check.sh).
 """
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
-pytest.importorskip("vllm")
-
+from gpurig import BS, CASE_IDS, CASES, Backend, Case, reference_chunk
+from standin_device import StandInEvent
 from tierkit import key
 
 from kvtier.config import StoreConfig
-from kvtier.core.keys import ChunkKey
 from kvtier.core.store import TieredStore
-from kvtier.integrations.vllm.messages import ChunkTransfer, KVTierMetadata
-from kvtier.integrations.vllm.worker import ConnectorWorker, PagedKV
+from kvtier.integrations.vllm.cpu import spare_buffers
+from kvtier.integrations.vllm.streams import StreamChunkMover
+from kvtier.integrations.vllm.transfers import ChunkTransfer
 from kvtier.tiers import open_store
 
-LAYERS, BLOCKS, HEADS, BS, DIM, PER_CHUNK = 4, 64, 8, 16, 128, 4
+LAYERS, BLOCKS = 3, 64
+BPC = 2  # blocks per chunk
+PLAIN = CASES[0]  # LBNHC bf16: FlashAttention's layout, for the ordering scenarios
+
+
+class Rig:
+    """vLLM's KV on the backend's device, a store (pinned RAM over disk), the mover."""
+
+    def __init__(self, backend: Backend, case: Case, tmp: Path, ram_chunks: int = 32) -> None:
+        self.backend, self.case = backend, case
+        self.kv = backend.kv_caches(case, LAYERS, BLOCKS)
+        self.paged = backend.paged(case, self.kv)
+        layout = self.paged.layout(BS * BPC)
+        self.chunk_bytes = layout.bytes_per_chunk
+        slot_bytes = -(-self.chunk_bytes // 4096) * 4096
+        self.store: TieredStore = open_store(StoreConfig.parse({"tiers": [
+            {"kind": "memory", "capacity": ram_chunks * slot_bytes, "pin": backend.pin},
+            {"kind": "disk", "path": str(tmp / "disk"), "capacity": "64MiB"}]}), layout)
+        self.mover = StreamChunkMover(self.paged, self.store, self.chunk_bytes, load_batch=4,
+                                      device=backend.device, staging=2)
+        self.spares = spare_buffers(4, self.chunk_bytes, backend.device.pinned)
+
+    def blocks(self) -> list[torch.Tensor]:
+        """Every layer's blocks as uint8, block-major (views: they follow the KV)."""
+        return [v.view(torch.uint8) for v in self.paged.block_views]
+
+    def write(self, blocks: range, generation: int) -> None:
+        """What a forward writes: block b of every layer holds value(b, generation)."""
+        for view in self.paged.block_views:
+            for b in blocks:
+                view[b] = value(b, generation)
+
+    def store_on_thread(self, moved: list[ChunkTransfer]) -> int:
+        """The worker's store thread: marked on this (the runner's) thread, stored there."""
+        with ThreadPoolExecutor(1) as store_thread:
+            job = store_thread.submit(self.mover.store, moved, "async", self.mover.mark())
+            return len(job.result().stored)
+
+    def load_on_thread(self, moved: list[ChunkTransfer]) -> int:
+        """The worker's load thread, with spares of its own: done when it returns."""
+        spares = spare_buffers(4, self.chunk_bytes, self.backend.device.pinned)
+        with ThreadPoolExecutor(1) as load_thread:
+            return load_thread.submit(self.mover.load, moved, spares, self.mover.mark(),
+                                      True).result()
+
+    def close(self) -> None:
+        self.backend.drain()
+        self.mover.close()
+        self.store.close()
+
+
+def value(block: int, generation: int) -> float:
+    return float((generation * 53 + block) % 250 + 1)  # exact in bf16 and in a byte
+
+
+def transfers(first_block: int, count: int, key_base: int = 0) -> list[ChunkTransfer]:
+    return [ChunkTransfer(key=key(key_base + i),
+                          block_ids=tuple(range(first_block + i * BPC,
+                                                first_block + (i + 1) * BPC)))
+            for i in range(count)]
+
+
+def moved_to(moved: list[ChunkTransfer], first_block: int) -> list[ChunkTransfer]:
+    """The same chunks, loaded into the blocks from `first_block` on."""
+    return [ChunkTransfer(key=t.key, block_ids=tuple(first_block + i * BPC + j
+                                                     for j in range(BPC)))
+            for i, t in enumerate(moved)]
+
+
+def differing(after: list[torch.Tensor], before: list[torch.Tensor],
+              pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The (source, target) block pairs whose bytes differ in any layer."""
+    return [(s, d) for s, d in pairs
+            if any(not torch.equal(a[d], b[s]) for a, b in zip(after, before))]
 
 
 @pytest.fixture
-def worker() -> tuple[ConnectorWorker, dict[str, torch.Tensor], TieredStore]:
-    base = torch.randn(LAYERS, 2, BLOCKS, BS, HEADS, DIM, device="cuda").to(torch.bfloat16)
-    kv = {f"model.layers.{i}.self_attn.attn": base[i] for i in range(LAYERS)}
-    paged = PagedKV(kv, BS)
-    layout = paged.layout(PER_CHUNK * BS)
-    store = open_store(StoreConfig.parse(
-        {"tiers": [{"kind": "memory", "capacity": "64MiB", "pin": "on"}]}), layout)
-    assert store.tiers[0].pinned  # type: ignore[attr-defined]
-    return ConnectorWorker(paged, layout, store), kv, store
+def rig_factory(tmp_path: Path, backend: Backend) -> Any:
+    """Makes a rig on the test's backend (closed before the backend is)."""
+    rigs: list[Rig] = []
+
+    def make(case: Case = PLAIN, ram_chunks: int = 32) -> Rig:
+        rigs.append(Rig(backend, case, tmp_path, ram_chunks))
+        return rigs[-1]
+
+    yield make
+    for rig in rigs:
+        rig.close()
 
 
-def stored_keys(w: ConnectorWorker, expected: set[ChunkKey],
-                timeout_s: float = 10) -> set[ChunkKey]:
-    """Collect reports until `expected` or the timeout (a synchronous store reports its
-    chunks in its own step)."""
-    got: set[ChunkKey] = set()
-    deadline = time.monotonic() + timeout_s
-    while got != expected and time.monotonic() < deadline:
-        report = w.take_report()
-        if report is not None:
-            got |= report.stored
-        time.sleep(0.001)
-    return got
+# -- bytes: every vLLM 0.33 cache, stored and loaded back -----------------------------------
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_chunks_stored_from_the_device_load_back_bit_exact(backend: Backend, case: Case,
+                                                           rig_factory: Any) -> None:
+    rig: Rig = rig_factory(case)
+    source = [b.clone() for b in rig.blocks()]  # random bytes
+    moved = transfers(0, 6)
+    assert rig.store_on_thread(moved) == 6
+    out = torch.empty(rig.chunk_bytes, dtype=torch.uint8)
+    for t in moved:  # the tier holds the chunk order a CPU engine would have stored
+        assert rig.store.get_into(t.key, out.numpy().data) is not None
+        assert torch.equal(out, reference_chunk(rig.kv, t.block_ids, case).cpu()), t.block_ids
+    if backend.cuda:  # else the DMA from and to host memory is neither async nor direct
+        assert rig.store.tiers[0].pinned  # type: ignore[attr-defined]
+        with rig.store.borrow(moved[0].key, rig.spares[0]) as lent:
+            assert lent is not None and torch.frombuffer(lent.data, dtype=torch.uint8).is_pinned()
+        assert torch.frombuffer(rig.spares[0], dtype=torch.uint8).is_pinned()
+
+    # Inline (chunks 0-2 into blocks 24-29): a forward queued next reads them.
+    inline = moved_to(moved[:3], 24)
+    assert rig.mover.load(inline, rig.spares, wait=False) == 3
+    seen: list[torch.Tensor] = []
+    backend.forward(lambda: seen.extend(b.clone() for b in rig.blocks()))
+    backend.drain()
+    rig.mover.release()
+    assert differing(seen, source, [(s, s + 24) for s in range(6)]) == []
+
+    # The load thread (chunks 3-5 into blocks 36-41): in place when the call returns.
+    assert rig.load_on_thread(moved_to(moved[3:], 36)) == 3
+    assert differing(rig.blocks(), source, [(s, s + 30) for s in range(6, 12)]) == []
+
+    # From disk (RAM emptied), through pinned spares, into blocks 48-59; block 48 is a local
+    # prefix hit (first_block 1): not written.
+    assert rig.store.flush(10)
+    for t in moved:
+        rig.store.tiers[0].delete(t.key)
+    from_disk = moved_to(moved, 48)
+    from_disk[0] = ChunkTransfer(from_disk[0].key, from_disk[0].block_ids, first_block=1)
+    before = [b.clone() for b in rig.blocks()]
+    assert rig.load_on_thread(from_disk) == 6
+    assert differing(rig.blocks(), source, [(s, s + 48) for s in range(1, 12)]) == []
+    assert differing(rig.blocks(), before, [(48, 48)]) == []
 
 
-def test_blocks_stored_from_the_gpu_load_back_into_other_blocks(worker) -> None:  # type: ignore[no-untyped-def]
-    w, kv, _store = worker
-    src = [(3, 17, 9, 40), (0, 63, 5, 22)]
-    dst = [(1, 2, 4, 6), (10, 11, 12, 13)]
-    keys = [key(0), key(1)]
-    w.store(KVTierMetadata(stores=[ChunkTransfer(k, b) for k, b in zip(keys, src)]))
-    assert stored_keys(w, set(keys)) == set(keys)
-    before = {name: t.clone() for name, t in kv.items()}
-    # Chunk 1 loads from block index 1 on: block 10 is a local prefix hit.
-    w.load(KVTierMetadata(loads={"r": [ChunkTransfer(keys[0], dst[0]),
-                                       ChunkTransfer(keys[1], dst[1], first_block=1)]}))
-    torch.cuda.synchronize()
-    assert w.take_failed_block_ids() == set()
-    for name, t in kv.items():
-        bytes_ = t.view(torch.uint8)
-        for s, d in zip(src[0] + src[1][1:], dst[0] + dst[1][1:]):
-            assert torch.equal(bytes_[:, d], bytes_[:, s]), (name, s, d)
-        assert torch.equal(t[:, 10], before[name][:, 10])
-    w.close()
+def test_a_miss_stops_the_load_and_writes_nothing_of_it(backend: Backend,
+                                                        rig_factory: Any) -> None:
+    rig: Rig = rig_factory()
+    moved = transfers(0, 2)
+    assert rig.store_on_thread(moved) == 2
+    before = [b.clone() for b in rig.blocks()]
+    wanted = moved_to([moved[0], ChunkTransfer(key(99), (0, 1)), moved[1]], 24)
+    assert rig.mover.load(wanted, rig.spares, wait=False) == 1
+    backend.drain()
+    rig.mover.release()
+    assert differing(rig.blocks(), before, [(0, 24), (1, 25)]) == []  # loaded
+    assert differing(rig.blocks(), before, [(b, b) for b in range(26, 30)]) == []  # untouched
 
 
-def test_a_missing_chunk_fails_its_blocks_and_writes_nothing(worker) -> None:  # type: ignore[no-untyped-def]
-    w, kv, _store = worker
-    before = {name: t.clone() for name, t in kv.items()}
-    w.load(KVTierMetadata(loads={"r": [ChunkTransfer(key(99), (1, 2, 3, 4))]}))
-    torch.cuda.synchronize()
-    assert w.take_failed_block_ids() == {1, 2, 3, 4}
-    for name, t in kv.items():
-        assert torch.equal(t, before[name])
-    w.close()
+# -- ordering: each scenario returns what went wrong -----------------------------------------
+def store_after_forward(rig: Rig) -> list[int]:
+    """A long forward writes generation 1; the store planned after it must hold it."""
+    rig.write(range(BLOCKS), 0)
+    rig.backend.drain()
+    rig.backend.busy(0.05)
+    rig.backend.forward(lambda: rig.write(range(12), 1))
+    moved = transfers(0, 6)
+    assert rig.store_on_thread(moved) == 6
+    out = torch.empty(rig.chunk_bytes, dtype=torch.uint8)
+    bad = []
+    for i, t in enumerate(moved):
+        assert rig.store.get_into(t.key, out.numpy().data) is not None
+        chunk = rig.paged.chunk_view(out)  # [L, bpc, H, kv, r, n, D]
+        if any(not torch.all(chunk[:, j] == value(b, 1)) for j, b in enumerate(t.block_ids)):
+            bad.append(i)
+    return bad
 
 
-def test_more_stores_than_staging_buffers_all_complete(worker) -> None:  # type: ignore[no-untyped-def]
-    """12 chunks through 4 staging buffers: the call waits for free buffers (back-pressure)
-    and every key is stored."""
-    w, _kv, _store = worker
-    transfers = [ChunkTransfer(key(100 + i), tuple(range(4 * (i % 8), 4 * (i % 8) + 4)))
-                 for i in range(12)]
-    w.store(KVTierMetadata(stores=transfers))
-    assert stored_keys(w, {t.key for t in transfers}) == {t.key for t in transfers}
-    w.close()
+def forward_after_inline_load(rig: Rig) -> list[int]:
+    """Two chunks (the staging buffers: the host waits for none) load inline after vLLM work
+    that ends late; a forward queued next must read them, not what the blocks held."""
+    rig.write(range(BLOCKS), 2)
+    moved = transfers(0, 2)
+    assert rig.store_on_thread(moved) == 2
+    rig.write(range(24, 28), 9)
+    rig.backend.drain()
+    late = rig.backend.late_event(0.05)
+    assert rig.mover.load(moved_to(moved, 24), rig.spares, late, wait=False) == 2
+    seen: list[torch.Tensor] = []
+    rig.backend.forward(lambda: seen.extend(v[24:28].clone() for v in rig.paged.block_views))
+    rig.backend.drain()
+    rig.mover.release()
+    return [b + 24 for b in range(4) if any(not torch.all(v[b] == value(b, 2)) for v in seen)]
 
 
-def test_async_stores_are_joined_like_the_cpu_store_threads(worker) -> None:  # type: ignore[no-untyped-def]
-    """The same protocol as on the CPU (tests/vllm/test_async_stores.py): a step's stores are
-    one job (device gathers now, DMA into the memory tier's pinned slots on the completion
-    thread), joined and reported by the end of the next step, loaded back byte for byte."""
-    w, kv, _store = worker
-    src, dst = (5, 6, 7, 8), (20, 21, 22, 23)
-    w.store(KVTierMetadata(stores=[ChunkTransfer(key(200), src)], stores_async=True))
-    assert w.finish_step(set()) == set()  # this step's own job is not waited for
-    assert w.finish_step({"held"}) == {"held"}  # the next step joins it
-    report = w.take_report()
-    assert report is not None and report.stored == {key(200)}
-    w.load(KVTierMetadata(loads={"r": [ChunkTransfer(key(200), dst)]}))
-    torch.cuda.synchronize()
-    for t in kv.values():
-        bytes_ = t.view(torch.uint8)
-        for s, d in zip(src, dst):
-            assert torch.equal(bytes_[:, d], bytes_[:, s])
-    w.close()
+def borrowed_slot_outlives_eviction(rig: Rig) -> list[int]:
+    """RAM holds one chunk. Each step a chunk is stored, then loaded inline after vLLM work
+    that ends late; the step ends (`release`) and the prefetch reads another chunk from disk,
+    a promotion into RAM (a host write no stream orders). The loading chunk's slot must stay
+    lent until its copy ran."""
+    other = torch.empty(rig.chunk_bytes, dtype=torch.uint8, device=rig.backend.torch_device)
+    rig.write(range(40, 42), 30)
+    rig.paged.gather((40, 41), other)
+    for i in range(4):  # other requests' chunks, on disk only
+        assert rig.store.tiers[1].put(key(300 + i), other.cpu().numpy().data).ok
+    for i in range(4):
+        rig.write(range(2), 20 + i)
+        assert rig.store_on_thread([ChunkTransfer(key(200 + i), (0, 1))]) == 1
+        target = ChunkTransfer(key(200 + i), (24 + 2 * i, 25 + 2 * i))
+        late = rig.backend.late_event(0.03)
+        assert rig.mover.load([target], rig.spares, late, wait=False) == 1
+        rig.mover.release()  # the step ends
+        read = torch.empty(rig.chunk_bytes, dtype=torch.uint8)
+        assert rig.store.get_into(key(300 + i), read.numpy().data) is not None  # prefetch
+        # The copy runs; the next step's store finds the RAM slot free again.
+        rig.backend.drain()
+        rig.mover.release()
+    return [b for b in range(24, 32) if any(not torch.all(v[b] == value(b % 2, 20 + (b - 24) // 2))
+                                            for v in rig.paged.block_views)]
+
+
+class LosesWaits:
+    """A device whose stream waits on some streams are lost (the bugs the scenarios catch)."""
+
+    def __init__(self, inner: Any, on_compute: bool) -> None:
+        self._inner, self._on_compute = inner, on_compute
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def wait(self, stream: Any, event: Any) -> None:
+        if (stream == self._inner.compute_stream()) != self._on_compute:
+            self._inner.wait(stream, event)
+
+
+SCENARIOS: dict[str, tuple[Callable[[Rig], list[int]], bool]] = {
+    # scenario, and whether its wait is the compute stream's (else the mover's streams')
+    "store_after_forward": (store_after_forward, False),
+    "forward_after_inline_load": (forward_after_inline_load, True),
+}
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_the_mover_orders_its_copies_after_vllms_work_and_vllm_after_them(
+        backend: Backend, rig_factory: Any, name: str) -> None:
+    assert SCENARIOS[name][0](rig_factory()) == []
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_without_the_wait_the_scenario_reads_the_wrong_bytes(backend: Backend,
+                                                            rig_factory: Any, name: str) -> None:
+    scenario, on_compute = SCENARIOS[name]
+    backend.device = LosesWaits(backend.device, on_compute)
+    assert scenario(rig_factory()) != []
+
+
+def test_an_inline_loads_ram_slot_stays_lent_until_its_copy_ran(backend: Backend,
+                                                                rig_factory: Any) -> None:
+    assert borrowed_slot_outlives_eviction(rig_factory(ram_chunks=1)) == []
+
+
+def test_a_slot_given_back_before_its_copy_ran_is_overwritten(
+        backend: Backend, rig_factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every event answers "reached": the RAM slot is given back and reused by the promotion
+    before the late copy reads it. On CUDA this also shows that the copy reads the pinned
+    slot asynchronously (from pageable memory it would be staged at once, and pass)."""
+    rig = rig_factory(ram_chunks=1)
+    event_type = torch.cuda.Event if backend.cuda else StandInEvent
+    monkeypatch.setattr(event_type, "query", lambda self: True)
+    try:
+        assert borrowed_slot_outlives_eviction(rig) != []
+    finally:
+        monkeypatch.undo()
+
+
+def test_many_chunks_through_two_staging_buffers(backend: Backend, rig_factory: Any) -> None:
+    """12 chunks (6x the staging buffers) inline and on a load thread at once: every byte
+    lands, no buffer is used by two copies at once."""
+    rig: Rig = rig_factory()
+    rig.write(range(BLOCKS), 5)
+    moved = transfers(0, 12)
+    assert rig.store_on_thread(moved) == 12
+    rig.write(range(24, 48), 9)
+    targets = moved_to(moved, 24)
+    thread_spares = spare_buffers(4, rig.chunk_bytes, backend.device.pinned)
+    with ThreadPoolExecutor(1) as load_thread:
+        other = load_thread.submit(rig.mover.load, targets[6:], thread_spares,
+                                   rig.mover.mark(), True)
+        assert rig.mover.load(targets[:6], rig.spares, wait=False) == 6
+        assert other.result() == 6
+    backend.drain()
+    rig.mover.release()
+    assert [b for b in range(24, 48) if any(not torch.all(v[b] == value(b - 24, 5))
+                                            for v in rig.paged.block_views)] == []

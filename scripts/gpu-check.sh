@@ -1,0 +1,212 @@
+#!/usr/bin/env bash
+# The GPU run-book of issue 23 in one command (docs/performance.md, "GPU run-book (issue 23)").
+#
+# For a machine with an NVIDIA GPU and a CUDA build of PyTorch, without vLLM, reaching nothing
+# but the package registry. It
+#   1. checks the GPU: nvidia-smi, then torch.cuda.is_available();
+#   2. installs kvtier without its dependencies (pip install --no-deps -e .) and then the
+#      dependencies pyproject.toml names, plus pytest and pytest-timeout; never torch or vllm
+#      (the torch in place is checked to be the same afterwards);
+#   3. runs the device tests: pytest tests/gpu tests/unit/test_stream_mover.py (a CUDA test
+#      that skips on this machine counts as a failure);
+#   4. measures the copy path: kvtier bench copy --device cuda --sweep (2-32 MiB chunks, load
+#      = host -> device, store = device -> host, each against a raw pinned copy), in bf16
+#      LBNHC, fp8 LBNHC and bf16 BLHNC;
+#   5. writes everything under the results directory (default gpu-results/, which the script
+#      keeps out of git with its own .gitignore) and prints a summary: PASS/FAIL per chunk
+#      size against the 0.8x target, and the runner's blocked time per step of stores.
+#
+# Usage: bash scripts/gpu-check.sh [--results DIR] [--python PY] [--no-install] [--quick]
+#                                  [--dry-run] [--summary-only]
+#   --results DIR   where the results go (default gpu-results)
+#   --python PY     the Python with the CUDA build of torch (default $PYTHON, else python3)
+#   --no-install    use the environment as it is (kvtier and its dependencies installed)
+#   --quick         2 trials and 32 blocks per bench run instead of 5 and 512
+#   --dry-run       print the steps, run nothing
+#   --summary-only  only step 5, over the results a run left in DIR
+#
+# Exit status: 0 tests passed and the target met at every chunk size; 1 a test failed, a
+# bench run failed or loaded bytes that differ; 2 no usable GPU (or bad arguments); 3 all
+# correct, but below the target at some chunk size.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+RESULTS=gpu-results
+PY=${PYTHON:-python3}
+INSTALL=1
+QUICK=()
+DRY=0
+SUMMARY_ONLY=0
+while (($#)); do
+  case $1 in
+    --results) RESULTS=${2:?--results needs a directory}; shift 2 ;;
+    --python) PY=${2:?--python needs an interpreter}; shift 2 ;;
+    --no-install) INSTALL=0; shift ;;
+    --quick) QUICK=(--quick); shift ;;
+    --dry-run) DRY=1; shift ;;
+    --summary-only) SUMMARY_ONLY=1; shift ;;
+    -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    *) echo "gpu-check: unknown argument $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+
+# The bench runs: name, then `kvtier bench copy` arguments.
+BENCH_RUNS=(
+  "bf16-LBNHC|--dtype bfloat16 --layout LBNHC"
+  "fp8-LBNHC|--dtype fp8 --layout LBNHC"
+  "bf16-BLHNC|--dtype bfloat16 --layout BLHNC"
+)
+TESTS=(tests/gpu tests/unit/test_stream_mover.py)
+
+say() { printf '\n== %s\n' "$*"; }
+fail() { printf 'gpu-check: FAIL: %s\n' "$1" >&2; exit "${2:-1}"; }
+
+summary() {
+  say "5. summary"
+  local names=()
+  for run in "${BENCH_RUNS[@]}"; do names+=("${run%%|*}"); done
+  "$PY" - "$RESULTS" "${names[@]}" <<'EOF' | tee "$RESULTS/summary.md"
+import json, sys
+from pathlib import Path
+
+results = Path(sys.argv[1])
+names = sys.argv[2:]
+
+
+def read(name: str, default: str = "") -> str:
+    path = results / name
+    return path.read_text().strip() if path.exists() else default
+
+
+tests_rc = int(read("pytest.rc", "1"))
+cuda_skips = read("pytest.txt").count("needs a CUDA device")
+tests_ok = tests_rc == 0 and cuda_skips == 0
+print("# gpu-check summary\n")
+print(f"- GPU: {read('gpu.txt', 'unknown')}")
+print(f"- {read('torch.txt', 'torch: unknown').splitlines()[0]}")
+print(f"- tests (pytest tests/gpu tests/unit/test_stream_mover.py): "
+      f"{'PASS' if tests_ok else 'FAIL'} (exit status {tests_rc}; skip lines for want of "
+      f"CUDA: {cuda_skips}); see pytest.txt\n")
+print("| run | chunk MiB | store GB/s | store/raw | load GB/s | load/raw | runner blocked "
+      "| bytes | target |")
+print("|---|---|---|---|---|---|---|---|---|")
+correct, met, target = tests_ok, True, None
+for name in names:
+    rc, path = read(f"copy-{name}.rc", "not run"), results / f"copy-{name}.json"
+    if rc != "0" or not path.exists():
+        print(f"| {name} | - | - | - | - | - | - | - | FAIL (exit status {rc}) |")
+        correct = False
+        if not path.exists():
+            continue
+    data = json.loads(path.read_text())
+    target = data["target_ratio"]
+    correct = correct and data["verified"]
+    for r in data["results"]:
+        gbps = {f["name"]: f["gbps"] for f in r["figures"]}
+        runner = r["runner"]
+        met = met and r["passed"]
+        print(f"| {name} | {r['chunk_bytes'] / 2**20:g} | {gbps['store']:.1f} | "
+              f"{r['ratios']['store']:.2f}x | {gbps['load']:.1f} | {r['ratios']['load']:.2f}x | "
+              f"{runner['blocked_s'] * 1e3:.2f} ms of {runner['job_s'] * 1e3:.1f} ms | "
+              f"{'verified' if r['verified'] else 'DIFFER'} | "
+              f"{'PASS' if r['passed'] else 'FAIL'} |")
+verdict = "PASS" if correct and met else \
+    "FAIL: correct, but below the target" if correct else "FAIL"
+print(f"\n**gpu-check: {verdict}** (target: store and load >= {target}x a raw pinned copy "
+      "at every chunk size)")
+sys.exit(0 if correct and met else 3 if correct else 1)
+EOF
+  return "${PIPESTATUS[0]}"
+}
+
+if ((SUMMARY_ONLY)); then
+  summary
+  exit $?
+fi
+
+if ((DRY)); then
+  echo "gpu-check --dry-run: the steps, with $PY, results in $RESULTS/"
+  echo "1. nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader"
+  echo "   $PY -c 'import torch; assert torch.cuda.is_available()'"
+  if ((INSTALL)); then
+    echo "2. $PY -m pip install --no-deps -e ."
+    echo "   $PY -m pip install <pyproject.toml [project] dependencies> pytest pytest-timeout"
+    echo "   (never torch or vllm: the torch in place must be the same afterwards)"
+  else
+    echo "2. (--no-install: the environment as it is)"
+  fi
+  echo "3. $PY -m pytest ${TESTS[*]} -q -rs   > $RESULTS/pytest.txt, pytest.rc"
+  for run in "${BENCH_RUNS[@]}"; do
+    echo "4. $PY -m kvtier.cli.main bench copy --device cuda --sweep ${run#*|} ${QUICK[*]}" \
+         "--json $RESULTS/copy-${run%%|*}.json --markdown $RESULTS/copy-${run%%|*}.md" \
+         "  (exit status: copy-${run%%|*}.rc)"
+  done
+  echo "5. the summary: $RESULTS/summary.md (PASS/FAIL per chunk size, target 0.8x)"
+  exit 0
+fi
+
+mkdir -p "$RESULTS" || fail "cannot create $RESULTS" 2
+echo '*' > "$RESULTS/.gitignore"  # results are never committed
+rm -f "$RESULTS"/copy-*.{json,md,rc} "$RESULTS"/{gpu.txt,torch.txt,pytest.txt,pytest.rc,summary.md}
+
+say "1. the GPU"
+command -v nvidia-smi >/dev/null ||
+  fail "nvidia-smi not found: no NVIDIA driver on this machine (the run-book needs a GPU)" 2
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader \
+  | tee "$RESULTS/gpu.txt" || fail "nvidia-smi failed: the driver sees no GPU" 2
+command -v "$PY" >/dev/null || fail "no Python '$PY' (--python PY)" 2
+"$PY" - <<'EOF' | tee "$RESULTS/torch.txt"
+import sys
+try:
+    import torch
+except ImportError:
+    sys.exit("gpu-check: FAIL: torch is not installed in this Python (install a CUDA build "
+             "of PyTorch first; this script never installs torch)")
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, "
+      f"available: {torch.cuda.is_available()}")
+if not torch.cuda.is_available():
+    why = ("a CPU-only build" if torch.version.cuda is None
+           else "built for CUDA, but it finds no usable GPU (driver, CUDA_VISIBLE_DEVICES?)")
+    sys.exit(f"gpu-check: FAIL: torch {torch.__version__} is {why}")
+print(f"device: {torch.cuda.get_device_name(0)}")
+EOF
+((PIPESTATUS[0] == 0)) || exit 2
+TORCH_BEFORE=$("$PY" -c 'import torch; print(torch.__version__)')
+
+if ((INSTALL)); then
+  say "2. kvtier and its light dependencies (not torch, not vllm)"
+  mapfile -t DEPS < <("$PY" - <<'EOF'
+import re, tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+deps = project["dependencies"] + [d for d in project["optional-dependencies"]["test"]
+                                  if re.match(r"pytest", d)]
+for dep in deps:
+    if not re.match(r"(torch|vllm)\b", dep):
+        print(dep)
+EOF
+  )
+  ((${#DEPS[@]})) || fail "could not read the dependencies from pyproject.toml"
+  "$PY" -m pip install --no-deps -e . || fail "pip install --no-deps -e . failed"
+  "$PY" -m pip install "${DEPS[@]}" || fail "pip install of the dependencies failed"
+  TORCH_AFTER=$("$PY" -c 'import torch; print(torch.__version__)')
+  [[ $TORCH_AFTER == "$TORCH_BEFORE" ]] ||
+    fail "torch changed from $TORCH_BEFORE to $TORCH_AFTER during the install"
+fi
+
+say "3. the device tests"
+PYTEST_OPTS=()  # pyproject's addopts name --timeout: without pytest-timeout, drop them
+"$PY" -c 'import pytest_timeout' 2>/dev/null || PYTEST_OPTS=(-o addopts=)
+"$PY" -m pytest "${TESTS[@]}" -q -rs -p no:cacheprovider "${PYTEST_OPTS[@]}" 2>&1 \
+  | tee "$RESULTS/pytest.txt"
+echo "${PIPESTATUS[0]}" > "$RESULTS/pytest.rc"
+
+say "4. kvtier bench copy --device cuda --sweep"
+for run in "${BENCH_RUNS[@]}"; do
+  name=${run%%|*}
+  # shellcheck disable=SC2086  # the run's arguments are words
+  "$PY" -m kvtier.cli.main bench copy --device cuda --sweep ${run#*|} "${QUICK[@]}" \
+    --json "$RESULTS/copy-$name.json" --markdown "$RESULTS/copy-$name.md"
+  echo $? > "$RESULTS/copy-$name.rc"
+done
+
+summary
