@@ -3,8 +3,9 @@ redis-server, each built through the registry as a store builds it, with an oper
 from an environment variable, the tenants noted as the vLLM worker notes them.
 
 The story: two tenants' chunks are stored sealed (their bytes are not in the storage in
-clear), each opens only under its own tenant's key, a tampered chunk is a counted miss
-(Failure.AUTH) and removed, unsalted chunks stay in clear, and `kvtier inspect` over an
+clear), each opens only under its own tenant's key (another key: a counted miss,
+Failure.NO_KEY, and the chunk is kept for the readers that hold its key), a tampered chunk is
+a counted miss (Failure.AUTH) and removed, unsalted chunks stay in clear, and `kvtier inspect` over an
 encrypting tier shows no key material.
 """
 
@@ -80,10 +81,13 @@ def test_two_tenants_chunks_are_sealed_and_open_only_under_their_own_key(
         assert payload(i)[:256] not in body  # not in clear in the storage
     out = bytearray(LAYOUT.bytes_per_chunk)
     assert tier.get_into(key(2), memoryview(out)) == OK and bytes(out) == payload(2)
-    # Tenant b's key for tenant a's chunk: a miss, counted, never a's KV handed over.
+    # Tenant b's key for tenant a's chunk: a miss, counted, never a's KV handed over; and
+    # not tampering (a's own reader still holds the key): the chunk is kept.
     TENANTS.note([key(1)], "salt-b")
-    assert tier.get_into(key(1), memoryview(out)).failure is Failure.AUTH
-    assert tier.stats().corrupt_reads == 1 and not tier.contains(key(1))
+    assert tier.get_into(key(1), memoryview(out)).failure is Failure.NO_KEY
+    assert tier.stats().corrupt_reads == 0 and tier.contains(key(1))
+    TENANTS.note([key(1)], "salt-a")
+    assert tier.get_into(key(1), memoryview(out)) == OK and bytes(out) == payload(1)
     tier.close()
 
 
@@ -96,7 +100,8 @@ def test_an_engine_with_another_secret_cannot_read_them(kind: str, tmp_path: Pat
     monkeypatch.setenv("KVTIER_SEAL_SECRET", SECRET[::-1])
     reader = sealed_tier(kind, tmp_path)
     result = reader.get_into(key(3), memoryview(bytearray(LAYOUT.bytes_per_chunk)))
-    assert result.failure is Failure.AUTH
+    assert result.failure is Failure.NO_KEY
+    assert reader.contains(key(3))  # kept: engines with the first secret still read it
     reader.close()
 
 

@@ -283,7 +283,8 @@ def test_a_hit_below_ram_waiting_for_blocks_is_prefetched_into_ram_once() -> Non
     engine.report(events=[StoreEvent(EventKind.REMOVED, key, "memory") for key in held[1:]])
     waiting = request("b", 200)
     assert engine.sched.get_num_new_matched_tokens(waiting, 0) == (192, True)
-    assert engine.step(cached={"a": ([], 200, 1)}).prefetch == held[1:]  # not chunk 0: in RAM
+    prefetch = engine.step(cached={"a": ([], 200, 1)}).prefetch
+    assert [t.key for t in prefetch] == held[1:]  # not chunk 0: in RAM
     # Still waiting next step (asked again): not prefetched twice.
     engine.sched.get_num_new_matched_tokens(waiting, 0)
     assert engine.step(cached={"a": ([], 201, 1)}).prefetch == []
@@ -294,6 +295,23 @@ def test_a_hit_below_ram_waiting_for_blocks_is_prefetched_into_ram_once() -> Non
         waiting, SimpleNamespace(get_block_ids=lambda: (list(range(10, 17)),)), 192)
     meta = engine.step(new={"b": (list(range(10, 17)), 192, 8)})
     assert meta.prefetch == [] and [t.key for t in meta.loads["b"]] == held
+
+
+def test_a_prefetch_carries_its_requests_tenant() -> None:
+    """A tier that seals a tenant's chunks opens them with that tenant's key: the prefetch of
+    a salted request's chunks says whose they are (before, bare keys: a process that had not
+    seen the tenant read them as unsalted, and the chunks failed to open)."""
+    from kvtier.core.store import StoreEvent
+    from kvtier.core.tier import EventKind
+
+    engine = Engine()
+    engine.admit(request("a", 200, salt="tenant-a"), list(range(7)))
+    held = engine.store_all(engine.step(new={"a": (list(range(7)), 0, 200)}))
+    engine.report(events=[StoreEvent(EventKind.REMOVED, key, "memory") for key in held])
+    assert engine.sched.get_num_new_matched_tokens(request("b", 200, salt="tenant-a"), 0)[0]
+    prefetch = engine.step(cached={"a": ([], 200, 1)}).prefetch
+    assert [t.key for t in prefetch] == held
+    assert {t.tenant for t in prefetch} == {"tenant-a"}
 
 
 def test_an_allocated_or_finished_request_is_not_prefetched() -> None:
@@ -323,12 +341,12 @@ def test_a_prefetched_chunk_ram_evicts_again_is_prefetched_again() -> None:
     engine.report(events=[StoreEvent(EventKind.REMOVED, key, "memory") for key in held])
     waiting = request("b", 200)
     engine.sched.get_num_new_matched_tokens(waiting, 0)
-    assert engine.step(cached={"a": ([], 200, 1)}).prefetch == held
+    assert [t.key for t in engine.step(cached={"a": ([], 200, 1)}).prefetch] == held
     # Prefetched, then evicted again before vLLM had blocks for the request: asked again.
     engine.report(events=[StoreEvent(kind, key, "memory") for key in held
                           for kind in (EventKind.STORED, EventKind.REMOVED)])
     engine.sched.get_num_new_matched_tokens(waiting, 0)
-    assert engine.step(cached={"a": ([], 201, 1)}).prefetch == held
+    assert [t.key for t in engine.step(cached={"a": ([], 201, 1)}).prefetch] == held
 
 
 def test_a_request_ending_while_its_stores_may_run_is_held_one_step() -> None:

@@ -145,7 +145,7 @@ def test_declined_and_full_writes_are_counted_per_reason() -> None:
         assert store.stats().failures == {"ram": {"full": 1}, "disk": {"declined": 1}}
         assert [f.value for f in Failure] == [
             "missing", "corrupt", "io_error", "unavailable", "timeout", "full", "declined",
-            "read_only", "raised", "codec", "auth"]
+            "read_only", "raised", "codec", "auth", "no_key"]
 
 
 def test_stores_and_evictions_come_back_as_typed_events() -> None:

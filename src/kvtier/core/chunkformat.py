@@ -43,6 +43,7 @@ from kvtier.core.sealing import (
     SEAL_OVERHEAD,
     TENANTS,
     AuthFailure,
+    KeyNotHeld,
     Sealer,
     TenantBook,
     TenantKey,
@@ -72,7 +73,9 @@ class CodecFailure(CorruptBlock):
 
 
 def failure_of(exc: CorruptBlock) -> Failure:
-    """The Failure reason of a chunk that did not verify: AUTH, CODEC or CORRUPT."""
+    """The Failure reason of a chunk that did not verify: NO_KEY, AUTH, CODEC or CORRUPT."""
+    if isinstance(exc, KeyNotHeld):
+        return Failure.NO_KEY
     if isinstance(exc, AuthFailure):
         return Failure.AUTH
     if isinstance(exc, CodecFailure):
@@ -352,8 +355,8 @@ class ChunkEncoder:
             raise CodecFailure(f"unknown seal {header.seal}")
         tenant_key = self._key_of(key)
         if tenant_key is None or tenant_key.key_id != header.key_id:
-            raise AuthFailure("sealed under a key this reader does not hold (another tenant "
-                              "or secret)")
+            raise KeyNotHeld("sealed under a key this reader does not hold (its tenant not "
+                             "known here, another tenant's or another secret's)")
         return tenant_key
 
     def _scratch(self, size: int) -> bytearray:

@@ -8,7 +8,9 @@ The stored header carries the key's id (HKDF(secret, info="kvtier-kid-v1|" + sal
 it names the key without revealing it or the salt), a random 96-bit nonce per write, and is
 itself the AEAD's associated data, so a header swapped onto another chunk's bytes fails
 authentication (`kvtier.core.chunkformat`). A reader without the tenant's key (another
-tenant, another secret) or a chunk that fails authentication is a counted miss.
+tenant, another secret) is a counted miss (`KeyNotHeld`: the chunk is kept, another reader may
+hold the key); a chunk that fails authentication under the right key is a counted miss and
+is removed (`AuthFailure`).
 
 Chunks of requests without a salt stay in clear unless the tier sets `encrypt_unsalted`
 (then they are sealed under the key of the empty salt).
@@ -25,8 +27,8 @@ chunks (the write-behind queue), far below the bound.
 No key material is ever logged, printed, raised or counted: `TenantKey`'s repr shows its id
 only, and the secret lives in `Sealer` alone.
 
-Primitives: `TenantBook`, `TENANTS`, `Sealer`, `TenantKey`, `AuthFailure`, `SEAL_OVERHEAD`,
-`MIN_SECRET_BYTES`.
+Primitives: `TenantBook`, `TENANTS`, `Sealer`, `TenantKey`, `AuthFailure`, `KeyNotHeld`,
+`SEAL_OVERHEAD`, `MIN_SECRET_BYTES`.
 """
 
 from __future__ import annotations
@@ -54,6 +56,12 @@ class AuthFailure(CorruptBlock):
     """A sealed chunk that this reader cannot open: authentication failed (tampered bytes or
     header), or it was sealed under a key this reader does not hold (another tenant, another
     secret)."""
+
+
+class KeyNotHeld(AuthFailure):
+    """A sealed chunk under a key this reader does not hold (its tenant unknown to this
+    process, another tenant's, another secret's): not proof of tampering — another reader
+    may hold the key — so the chunk is a miss and is kept."""
 
 
 class TenantBook:

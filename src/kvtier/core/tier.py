@@ -42,9 +42,12 @@ class Failure(StrEnum):
     # A chunk whose codec this reader does not know, or whose bytes did not decode to the
     # payload its header describes (core/codecs.py; removed like a corrupt one).
     CODEC = "codec"
-    # A sealed chunk that failed authentication or was sealed under a key this reader does
-    # not hold (another tenant or secret: core/sealing.py; removed like a corrupt one).
+    # A sealed chunk that failed authentication under its key (core/sealing.py; removed like
+    # a corrupt one).
     AUTH = "auth"
+    # A sealed chunk under a key this reader does not hold (its tenant unknown here, another
+    # tenant's or secret's): a miss, and the chunk is kept (another reader may hold the key).
+    NO_KEY = "no_key"
 
 
 @dataclass(frozen=True, slots=True)

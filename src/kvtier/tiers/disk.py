@@ -33,6 +33,7 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.policies import AdmissionFilter, EvictionPolicy, make_policy
 from kvtier.core.retention import ChunkMeta, RetentionStats
+from kvtier.core.sealing import KeyNotHeld
 from kvtier.core.tier import (
     DECLINED,
     FULL,
@@ -40,6 +41,7 @@ from kvtier.core.tier import (
     MISSING,
     OK,
     READ_ONLY,
+    Failure,
     TierCounters,
     TierEvents,
     TierResult,
@@ -174,6 +176,10 @@ class DiskTier:
         start = time.perf_counter()
         try:
             self.files.read_into(key, out)
+        except KeyNotHeld as exc:  # not tampering: another reader may hold the key
+            log.info("disk tier %r: chunk %s: %s; a miss, kept", self.name, key.hex(), exc)
+            self._counters.add(misses=1)
+            return TierResult(Failure.NO_KEY)
         except (CorruptBlock, OSError) as exc:
             self._forget(key, corrupt=isinstance(exc, CorruptBlock))
             log.warning("disk tier %r: chunk %s unreadable (%s); treated as a miss",

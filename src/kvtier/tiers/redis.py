@@ -75,6 +75,7 @@ from kvtier.core.guard import Guard
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.policies import AdmissionFilter
+from kvtier.core.sealing import KeyNotHeld
 from kvtier.core.tier import (
     DECLINED,
     FULL,
@@ -82,6 +83,7 @@ from kvtier.core.tier import (
     MISSING,
     OK,
     UNAVAILABLE,
+    Failure,
     Tier,
     TierCounters,
     TierResult,
@@ -268,6 +270,10 @@ class RedisTier:
             return MISSING
         try:
             lost = not self._verify_into(key, values, out)
+        except KeyNotHeld as exc:  # not tampering: another engine may hold the key
+            log.info("redis tier %r: chunk %s: %s; a miss, kept", self.name, key.hex(), exc)
+            self._counters.add(misses=1)
+            return TierResult(Failure.NO_KEY)
         except CorruptBlock as exc:
             log.warning("redis tier %r: chunk %s is corrupt (%s); removed, a miss", self.name,
                         key.hex(), exc)

@@ -45,6 +45,7 @@ from kvtier.core.chunkformat import Encoded, failure_of
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.policies import AdmissionFilter
+from kvtier.core.sealing import KeyNotHeld
 from kvtier.core.tier import (
     DECLINED,
     FULL,
@@ -52,6 +53,7 @@ from kvtier.core.tier import (
     MISSING,
     OK,
     READ_ONLY,
+    Failure,
     TierCounters,
     TierEvents,
     TierResult,
@@ -141,6 +143,10 @@ class SharedTier:
         except FileNotFoundError:
             self._counters.add(misses=1)
             return MISSING
+        except KeyNotHeld as exc:  # not tampering: another engine may hold the key
+            log.info("shared tier %r: chunk %s: %s; a miss, kept", self.name, key.hex(), exc)
+            self._counters.add(misses=1)
+            return TierResult(Failure.NO_KEY)
         except (CorruptBlock, OSError) as exc:
             if isinstance(exc, CorruptBlock):
                 freed = self._unlink(key)

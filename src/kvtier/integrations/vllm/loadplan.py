@@ -16,6 +16,7 @@ from kvtier.core.locator import ChunkIndex
 from kvtier.core.tier import EventKind
 from kvtier.integrations.vllm.loadcost import LoadCosts
 from kvtier.integrations.vllm.messages import KVTierWorkerMetadata
+from kvtier.integrations.vllm.transfers import ChunkTransfer
 
 # Keys remembered as held in the workers' RAM tier (~100 B each): 2^17 chunks is 256 GiB of
 # RAM tier at 2 MiB a chunk; past that the oldest are forgotten (their hits load async).
@@ -43,7 +44,7 @@ class LoadPlanner:
         self._costs = LoadCosts()
         # Requests whose hit reads below RAM and that wait for blocks (a lookup, and no
         # allocation after it): their chunks are prefetched into RAM.
-        self._wanted: dict[str, list[ChunkKey]] = {}
+        self._wanted: dict[str, list[ChunkTransfer]] = {}
         self._prefetched = ChunkIndex(PREFETCHED_MAX_KEYS)
 
     @property
@@ -64,9 +65,11 @@ class LoadPlanner:
         in_ram = sum(key in self._in_ram for key in keys)
         return not self._costs.inline(in_ram, len(keys) - in_ram)
 
-    def want(self, request_id: str, keys: list[ChunkKey]) -> None:
-        """A request waiting for blocks will load `keys`: read those below RAM ahead."""
-        below_ram = [key for key in keys if key not in self._in_ram]
+    def want(self, request_id: str, keys: list[ChunkKey], tenant: str | None) -> None:
+        """A request (of `tenant`, its cache salt) waiting for blocks will load `keys`: read
+        those below RAM ahead (a tier that seals the tenant's chunks needs the tenant)."""
+        below_ram = [ChunkTransfer(key=key, block_ids=(), tenant=tenant)
+                     for key in keys if key not in self._in_ram]
         if below_ram:  # until vLLM allocates its blocks (`forget`)
             self._wanted[request_id] = below_ram
 
@@ -74,19 +77,19 @@ class LoadPlanner:
         """The request got its blocks (it loads now, not ahead), or ended."""
         self._wanted.pop(request_id, None)
 
-    def take_prefetch(self) -> list[ChunkKey]:
+    def take_prefetch(self) -> list[ChunkTransfer]:
         """Up to PREFETCH_PER_STEP chunks of waiting requests to read into RAM ahead of their
         load, none the RAM tier is known to hold, each asked once until RAM evicts it."""
-        keys: list[ChunkKey] = []
+        chunks: list[ChunkTransfer] = []
         for wanted in self._wanted.values():
-            for key in wanted:
-                if len(keys) == PREFETCH_PER_STEP:
-                    return keys
-                if key not in self._prefetched and key not in self._in_ram:
-                    self._prefetched.add(key)
-                    keys.append(key)
+            for chunk in wanted:
+                if len(chunks) == PREFETCH_PER_STEP:
+                    return chunks
+                if chunk.key not in self._prefetched and chunk.key not in self._in_ram:
+                    self._prefetched.add(chunk.key)
+                    chunks.append(chunk)
         self._wanted.clear()  # a request still waiting is looked up again
-        return keys
+        return chunks
 
     def observe_plan(self, now_s: float, ran_tokens: bool) -> None:
         """A plan was built at `now_s` (time.monotonic) for a step that runs tokens or not."""

@@ -63,7 +63,8 @@ class KVTierMetadata(KVConnectorMetadata):
     # Chunks below RAM of requests that found a hit but are still waiting for vLLM's blocks:
     # read into the RAM tier ahead of their load (worker's prefetch thread), so that the
     # load, once the blocks come, is a memcpy.
-    prefetch: list[ChunkKey] = field(default_factory=list)
+    # With each chunk's tenant (a tier that seals it opens it with the tenant's key).
+    prefetch: list[ChunkTransfer] = field(default_factory=list)
     # Models with state layers: (state group, source, target) blocks of a state to copy before
     # this step's forward (an asynchronous hit's state into the block its first step reads:
     # groups.py).
@@ -73,9 +74,9 @@ class KVTierMetadata(KVConnectorMetadata):
     step: int = 0
 
     def transfers(self) -> list[ChunkTransfer]:
-        """Every chunk this plan loads or stores."""
+        """Every chunk this plan loads, stores or prefetches."""
         loads = [t for ts in (*self.loads.values(), *self.async_loads.values()) for t in ts]
-        return loads + self.stores
+        return loads + self.stores + self.prefetch
 
 
 @dataclass(slots=True)

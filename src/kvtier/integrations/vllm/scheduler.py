@@ -215,7 +215,7 @@ class ConnectorScheduler:
             other.block_ids for req_id, other in self._requests.items()
             if req_id != request.request_id)
         state.load_async = self._loads.loads_async(hit_keys, others_running)
-        self._loads.want(request.request_id, hit_keys)
+        self._loads.want(request.request_id, hit_keys, request.cache_salt)
         return hit_tokens - num_computed_tokens, state.load_async
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
