@@ -4,9 +4,9 @@ from an environment variable, the tenants noted as the vLLM worker notes them.
 
 The story: two tenants' chunks are stored sealed (their bytes are not in the storage in
 clear), each opens only under its own tenant's key (another key: a counted miss,
-Failure.NO_KEY, and the chunk is kept for the readers that hold its key), a tampered chunk is
-a counted miss (Failure.AUTH) and removed, unsalted chunks stay in clear, and `kvtier inspect` over an
-encrypting tier shows no key material.
+Failure.NO_KEY, and the chunk is kept for the readers that hold its key), a tampered chunk
+is a counted miss (Failure.AUTH) and removed, unsalted chunks stay in clear, and `kvtier
+inspect` over an encrypting tier shows no key material.
 """
 
 from __future__ import annotations

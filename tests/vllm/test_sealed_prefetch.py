@@ -42,7 +42,8 @@ def test_a_restarted_engines_prefetch_opens_sealed_chunks_and_deletes_none(
              {"kind": "disk", "path": str(disk), "capacity": "256MiB",
               "encryption_secret_file": str(secret)}]
     config = kvtier_transfer_config(tiers, CHUNK)
-    # 65 blocks of 32 tokens (and the null block): three of the prompts at a time, the others wait for blocks.
+    # 65 blocks of 32 tokens (and the null block): three prompts at a time, the others wait
+    # for blocks.
     with start_engine(tiny_model_dir, config, num_gpu_blocks_override=66) as llm:
         expected = []
         for prompt in PROMPTS:  # the miss path, one at a time: each stores its chunks
