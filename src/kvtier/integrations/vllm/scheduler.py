@@ -167,6 +167,10 @@ class ConnectorScheduler:
         self._inflight_stores: dict[ChunkKey, int] = {}
         # Requests ended since the last plan whose blocks vLLM keeps for their stores.
         self._held: set[str] = set()
+        # Stores of chunks an ended request completed that no plan stored yet, for the next
+        # plan; their requests are held one plan longer (`_held_later`): the plan after it.
+        self._final_stores: list[ChunkTransfer] = []
+        self._held_later: set[str] = set()
         # Blocks planned to be loaded -> the step that loads them, for LOAD_CONFIRM_STEPS.
         self._step = 0
         self._recent_loads: dict[int, int] = {}
@@ -267,7 +271,8 @@ class ConnectorScheduler:
                               stores_async=self._stores_async, held=self._held,
                               preempted=set(scheduler_output.preempted_req_ids or ()))
         self._pending_loads, self._pending_async, self._acked_failed_blocks = {}, {}, set()
-        self._held = set()
+        self._held, self._held_later = self._held_later, set()
+        meta.stores, self._final_stores = self._final_stores, []
         self._remember_loads(meta.loads | meta.async_loads)
         meta.step = self._step
         meta.prefetch = self._loads.take_prefetch()
@@ -354,6 +359,13 @@ class ConnectorScheduler:
             and state.last_store_step >= self._step - 1
         if held:
             self._held.add(request.request_id)
+        if state is not None and state.block_ids and self._plan_final_stores(state):
+            # Held through the plan that stores them, to the end of the one after it (the
+            # workers join a plan's stores by then, deferred finalize or not).
+            self._held.discard(request.request_id)
+            self._held_later.add(request.request_id)
+            held = True
+        if held:
             self._stats.add("held_requests", 1)
         self._pending_loads.pop(request.request_id, None)
         self._pending_async.pop(request.request_id, None)
@@ -363,6 +375,18 @@ class ConnectorScheduler:
         return held
 
     # -- helpers --------------------------------------------------------------------------
+
+    def _plan_final_stores(self, state: _RequestState) -> bool:
+        """Plan, for the next plan, the stores of the full chunks an ended request computed
+        that no plan stored: with vLLM's async scheduling a plan is built before the token its
+        step samples is known, so the chunk a request's last step completes was not planned,
+        and a request ended by max_tokens has no later plan. Every token but the last sampled
+        one has its KV computed by now. Whether there are any."""
+        request = state.request
+        computed = min(request.num_computed_tokens, len(request.all_token_ids) - 1)
+        before = len(self._final_stores)
+        self._plan_stores(state, computed, self._final_stores)
+        return len(self._final_stores) > before
 
     def _take_state_copies(self, req_id: str, block_ids: list[list[int]],
                            computed_tokens: int) -> list[tuple[int, int, int]]:
