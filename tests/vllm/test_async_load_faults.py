@@ -134,10 +134,15 @@ def test_preemption_with_async_loads(engine: tuple[Any, SlowFlag]) -> None:
     # Four prompts of 960 tokens and 160 generated each: 4,480 tokens > the 4,096 of the
     # engine's KV cache, so vLLM preempts some while others (and their loads) run.
     prompts = random_prompts([960] * 4, seed=133)
-    clean = stored_clean(llm, prompts, max_tokens=160)
+    stored_clean(llm, prompts, max_tokens=160)
+    # The miss path under the same batch and preemptions (no kvtier load, no store): on this
+    # machine's kernels a batch with preemptions differs from one prompt at a time at late
+    # tokens (near-ties of the random weights), with or without kvtier.
+    batch_miss = token_ids(llm, prompts, 160, {"skip_load": True, "skip_store": True})
+    assert llm.reset_prefix_cache()
     preemptions = metric(llm, "vllm:num_preemptions")
     loaded = kvtier_counter("loaded_tokens")
-    assert token_ids(llm, prompts, 160) == clean
+    assert token_ids(llm, prompts, 160) == batch_miss
     assert metric(llm, "vllm:num_preemptions") > preemptions
     assert kvtier_counter("loaded_tokens") > loaded
 
