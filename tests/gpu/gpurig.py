@@ -2,7 +2,7 @@
 an independent statement of the chunk byte order.
 
 `Backend` is a test's device: "cuda" (a real GPU: `CudaDevice`, CUDA tensors; skipped where
-torch sees none) or "standin" (tests/standin_device.py: CPU tensors copied with the
+torch sees none) or "standin" (kvtier/bench/standin.py: CPU tensors copied with the
 accelerators' torch index ops, streams as threads that run their work late). Every test body
 takes one, so CI runs the very code that scripts/gpu-check.sh runs on a GPU.
 
@@ -27,8 +27,8 @@ from typing import Any
 
 import pytest
 import torch
-from standin_device import StandInDevice
 
+from kvtier.bench.standin import StandInDevice
 from kvtier.bench.vllmviews import VllmCacheSpec, vllm_kv_caches
 from kvtier.integrations.vllm.device import CudaDevice, Device, Event
 from kvtier.integrations.vllm.kvformat import AttentionFormat, attention_format

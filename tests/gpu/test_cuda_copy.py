@@ -16,7 +16,7 @@ and ordering, each check also run on a device that loses the mover's waits, wher
   - an inline load's RAM slot stays lent until its copy ran;
   - many chunks pass through two staging buffers from two threads at once.
 
-Each test runs on "cuda" (skipped without a GPU) and on "standin" (tests/standin_device.py), so
+Each test runs on "cuda" (skipped without a GPU) and on "standin" (kvtier/bench/standin.py), so
 that CI executes these bodies. No vLLM. Throughput: `kvtier bench copy` (scripts/gpu-check.sh).
 """
 
@@ -30,9 +30,9 @@ from typing import Any
 import pytest
 import torch
 from gpurig import BS, CASE_IDS, CASES, Backend, Case, reference_chunk
-from standin_device import StandInEvent
 from tierkit import key
 
+from kvtier.bench.standin import StandInEvent
 from kvtier.config import StoreConfig
 from kvtier.core.store import TieredStore
 from kvtier.integrations.vllm.cpu import spare_buffers
