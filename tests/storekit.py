@@ -14,10 +14,10 @@ import pytest
 import yaml
 from tierkit import key
 
-from kvtier.cli.main import main
 from kvtier.config import StoreConfig
 from kvtier.core.layout import KVLayout
 from kvtier.tiers import build_tier
+from kvtier.tools.cli.main import main
 
 KINDS = ["disk", "shared", pytest.param("redis", marks=pytest.mark.redis)]
 

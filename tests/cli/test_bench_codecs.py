@@ -12,13 +12,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from kvtier.bench.codecs_inputs import read_chunk_files
-from kvtier.cli.main import main
 from kvtier.config import StoreConfig
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.errors import ConfigError
 from kvtier.tiers import build_tier
+from kvtier.tools.bench.codecs_inputs import read_chunk_files
+from kvtier.tools.cli.main import main
 
 
 def test_synthetic_run_measures_every_codec_and_encryption(tmp_path: Path) -> None:

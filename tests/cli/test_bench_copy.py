@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtier.bench.copy import TARGET_RATIO, CopyBenchConfig, run_copy_bench, run_copy_sweep
-from kvtier.cli.bench_copy import SWEEP_CHUNK_MIB
-from kvtier.cli.main import main
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.paged import PagedKV
+from kvtier.tools.bench.copy import TARGET_RATIO, CopyBenchConfig, run_copy_bench, run_copy_sweep
+from kvtier.tools.cli.bench_copy import SWEEP_CHUNK_MIB
+from kvtier.tools.cli.main import main
 
 # 2 layers x 2 heads x 2 (K, V) x 64 x 2 bytes = 1 KiB a token: a block of 16 is 16 KiB.
 TINY = {"device": "cpu", "layers": 2, "kv_heads": 2, "head_size": 64, "block_size": 16,
@@ -97,7 +97,7 @@ def test_the_sweep_command_runs_without_vllm_and_writes_markdown(tmp_path: Path)
             "1", "--block-size", "256", "--blocks", "32", "--trials", "1", "--json", str(out),
             "--markdown", str(md)]
     code = ("import sys; sys.modules['vllm'] = None\n"  # `import vllm` raises ImportError
-            "from kvtier.cli.main import main\n"
+            "from kvtier.tools.cli.main import main\n"
             f"status = main({argv!r})\n"
             "assert not [m for m in sys.modules if m.startswith('vllm.')]\n"
             "sys.exit(status)\n")

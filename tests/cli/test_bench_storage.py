@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.cli.main import main
+from kvtier.tools.cli.main import main
 
 SIZES_MIB = (0.5, 2)
 

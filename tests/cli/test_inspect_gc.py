@@ -20,13 +20,13 @@ import yaml
 from storekit import KINDS, by_namespace, cli_json, held, tier_config, write_config
 from tierkit import key, tiny_layout
 
-from kvtier.admin.gc import GcRequest, parse_duration, select_victims
-from kvtier.admin.inventory import StoredChunk
-from kvtier.cli.main import main
 from kvtier.config import StoreConfig
 from kvtier.core.layout import KVLayout
 from kvtier.errors import ConfigError
 from kvtier.tiers import build_tier
+from kvtier.tools.admin.gc import GcRequest, parse_duration, select_victims
+from kvtier.tools.admin.inventory import StoredChunk
+from kvtier.tools.cli.main import main
 
 LAYOUT_A, LAYOUT_B = tiny_layout(16), tiny_layout(32)
 

@@ -1,6 +1,6 @@
 """Odd argument values never make the CLI print a traceback (issue 14).
 
-Hypothesis feeds every command (in process, through `kvtier.cli.main.main`) with odd values:
+Hypothesis feeds every command (in process, through `kvtier.tools.cli.main.main`) with odd values:
 empty strings, NaN and infinities, 300-digit numbers, negative sizes, control characters,
 Python dicts where JSON belongs, and random JSON connector configs. Each run must end with
 exit status 0, 1 or 2, print no traceback, and finish within a few seconds; a status of 2
@@ -30,7 +30,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtier.cli.main import EXIT_BROKEN_PIPE, build_parser, main
+from kvtier.tools.cli.main import EXIT_BROKEN_PIPE, build_parser, main
 
 CONFIG = str(Path(__file__).parents[1] / "data" / "configs" / "llama-3-8b.json")
 SECONDS_PER_RUN = 20  # a generous bound: a hang on odd input is a finding too
@@ -246,8 +246,8 @@ def _would_run(*args, **kwargs):
 # Where a benchmark starts measuring: `run_and_report` for the engine benchmarks (found in
 # each workload's module), and these for the others.
 SPECIAL_RUNNERS = {
-    "kvtier.cli.bench_storage": ("run_bench",),
-    "kvtier.cli.bench_serve": ("fetch_model", "bench_endpoint"),
+    "kvtier.tools.cli.bench_storage": ("run_bench",),
+    "kvtier.tools.cli.bench_serve": ("fetch_model", "bench_endpoint"),
 }
 
 
@@ -274,8 +274,8 @@ def _nothing_starts():
         for module, names in BENCH_RUNNERS.items():
             for name in names:
                 mp.setattr(importlib.import_module(module), name, _would_run)
-        from kvtier.ops import doctor
-        from kvtier.ops.machine import Check
+        from kvtier.tools.ops import doctor
+        from kvtier.tools.ops.machine import Check
 
         mp.setattr(doctor, "check_connector", lambda *a, **k: Check("connector", "ok", "stub"))
         mp.setattr(doctor, "check_pinned_memory", lambda *a, **k: Check("pinned", "ok", "stub"))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.cli.main import main
+from kvtier.tools.cli.main import main
 
 CONFIGS = Path(__file__).parents[1] / "data" / "configs"
 
@@ -188,7 +188,7 @@ def test_audit_help_says_which_rules_need_options(capsys):
 
 def test_audit_subprocess_reads_stdin():
     proc = subprocess.run(
-        [sys.executable, "-m", "kvtier.cli.main", "audit", "-", "--vllm-version", "0.11.0",
+        [sys.executable, "-m", "kvtier.tools.cli.main", "audit", "-", "--vllm-version", "0.11.0",
          "--json"], input="vllm serve m --kv-offloading-size 10\n", capture_output=True,
         text=True, timeout=60)
     assert proc.returncode == 1

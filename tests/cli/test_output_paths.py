@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.cli.main import main
+from kvtier.tools.cli.main import main
 
 CONFIG = str(Path(__file__).parents[1] / "data" / "configs" / "llama-3-8b.json")
 
@@ -89,7 +89,7 @@ def test_a_plot_in_an_existing_directory_is_written(tmp_path) -> None:  # type: 
 ])
 def test_json_into_head_ends_without_a_traceback(argv) -> None:  # type: ignore[no-untyped-def]
     # A real pipe whose reader leaves after one line, as `kvtier ... --json | head -1`.
-    kvtier = subprocess.Popen([sys.executable, "-m", "kvtier.cli.main", *argv],
+    kvtier = subprocess.Popen([sys.executable, "-m", "kvtier.tools.cli.main", *argv],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert kvtier.stdout is not None
     kvtier.stdout.readline()

@@ -2,7 +2,7 @@
 
 A 1,000,000-request simulation once spent 255 MiB of its 311 MiB on the CLI importing torch.
 The simulator is pure Python; the cost figures it needs (hardware profiles, model shapes)
-live in kvtier.ops, which imports neither. Each case runs in a fresh interpreter, as in
+live in kvtier.tools.ops, which imports neither. Each case runs in a fresh interpreter, as in
 test_startup.py, since this test process may have imported torch already.
 """
 
@@ -21,7 +21,7 @@ CONFIGS = Path(__file__).parents[1] / "data" / "configs"
 # Runs `kvtier ARGV` in-process, then prints which HEAVY modules got imported, as JSON.
 PROBE = f"""\
 import contextlib, io, json, sys
-from kvtier.cli.main import main
+from kvtier.tools.cli.main import main
 with contextlib.redirect_stdout(io.StringIO()):
     code = main(json.loads(sys.argv[1]))
 print(json.dumps({{"code": code, "loaded": [m for m in {HEAVY!r} if m in sys.modules]}}))
@@ -45,7 +45,7 @@ def test_simulator_and_plan_do_not_import_torch_or_vllm(argv: tuple[str, ...]) -
 def test_simulate_imports_no_benchmark_dependencies() -> None:
     # Only the command that runs is imported: the benchmarks' numpy, pydantic and aiohttp
     # (55 MiB, seconds of start-up) stay out of `kvtier simulate` (and of its 1M-request RSS).
-    probe = PROBE.replace(repr(HEAVY), repr(("numpy", "pydantic", "aiohttp", "kvtier.bench")))
+    probe = PROBE.replace(repr(HEAVY), repr(("numpy", "pydantic", "aiohttp", "kvtier.tools.bench")))
     proc = subprocess.run([sys.executable, "-c", probe,
                            json.dumps(["simulate", "--requests", "20", "--json"])],
                           capture_output=True, text=True, timeout=120, check=True)

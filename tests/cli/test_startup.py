@@ -1,7 +1,7 @@
 """The `kvtier` command starts without torch or vllm (issue 10).
 
 `kvtier --version` once took 2.3 s and 255 MiB because building the parser imported
-`kvtier.bench.copy`, and with it torch. Commands that need torch or vllm import them when they
+`kvtier.tools.bench.copy`, and with it torch. Commands that need torch or vllm import them when they
 run; the parser, `--version`, `audit` and `plan` never do. Each case runs in a fresh
 interpreter, since this test process may have imported torch already.
 """
@@ -19,7 +19,7 @@ HEAVY = ("torch", "vllm")
 # Runs `kvtier ARGV` in-process, then prints which HEAVY modules got imported, as JSON.
 PROBE = f"""\
 import json, sys
-from kvtier.cli.main import main
+from kvtier.tools.cli.main import main
 try:
     code = main(json.loads(sys.argv[1]))
 except SystemExit as exc:

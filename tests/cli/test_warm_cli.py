@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.cli.main import main
-from kvtier.ops.warmup import WarmPrompt, load_prompts
+from kvtier.tools.cli.main import main
+from kvtier.tools.ops.warmup import WarmPrompt, load_prompts
 
 
 def closed_port() -> int:

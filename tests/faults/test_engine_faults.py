@@ -11,7 +11,7 @@ engines at the same time.
 Engines (start ~20-45 s each, at most two at once):
   - one offline engine on memory (holds no chunk) -> redis, with a redis-server of the
     module's own to kill, restart and slow down (200 ms socket timeouts, 1 s longest backoff);
-  - two `kvtier.ops.server` OpenAI servers, concurrently, on one shared directory;
+  - two `kvtier.tools.ops.server` OpenAI servers, concurrently, on one shared directory;
   - one offline engine on memory -> disk -> shared, both directories 1 MiB tmpfs mounts
     (skipped where `mount` is not allowed) under 64 MiB quotas.
 """
@@ -48,8 +48,8 @@ from vllm_harness import (
     token_ids,
 )
 
-from kvtier.bench.tinymodel import make_preset_model
-from kvtier.ops.server import VllmServer
+from kvtier.tools.ops.server import VllmServer
+from kvtier.tools.tinymodel import make_preset_model
 
 pytestmark = pytest.mark.vllm
 

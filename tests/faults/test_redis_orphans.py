@@ -21,8 +21,6 @@ import yaml
 from redis_server import RedisServer
 from tierkit import key, tiny_layout
 
-from kvtier.admin.gc import GcRequest, run_gc
-from kvtier.cli.main import main
 from kvtier.config import StoreConfig
 from kvtier.core.layout import KVLayout
 from kvtier.core.tier import FULL
@@ -31,6 +29,8 @@ from kvtier.tiers.redis import RedisTier
 from kvtier.tiers.redis_config import RedisTierConfig
 from kvtier.tiers.redis_inventory import RedisInventory
 from kvtier.tiers.redis_write import PART_TTL_MS
+from kvtier.tools.admin.gc import GcRequest, run_gc
+from kvtier.tools.cli.main import main
 
 pytestmark = pytest.mark.redis
 LAYOUT = tiny_layout(tokens_per_chunk=256)  # 64 KiB chunks

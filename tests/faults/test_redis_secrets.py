@@ -19,12 +19,12 @@ import yaml
 from redis_server import RedisClusterNodes, RedisServer
 from tierkit import key
 
-from kvtier.cli.main import main
 from kvtier.config import StoreConfig
 from kvtier.core.layout import KVLayout
 from kvtier.errors import ConfigError
-from kvtier.ops.doctor import check_redis
 from kvtier.tiers import build_tier
+from kvtier.tools.cli.main import main
+from kvtier.tools.ops.doctor import check_redis
 
 pytestmark = pytest.mark.redis
 SECRET = "Zq7-s3cret-pw"  # nothing kvtier prints may contain this

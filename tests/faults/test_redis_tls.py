@@ -212,7 +212,7 @@ def test_doctor_pings_over_tls_with_the_tiers_ca(tls_server: TlsRedisServer,
                                                  certs: Certs) -> None:
     """`kvtier doctor` reaches Redis as the tier does (issue 12, item 8): over TLS, verified
     against the config's CA; a plain PING of the URL could not even speak to this server."""
-    from kvtier.ops.doctor import check_redis
+    from kvtier.tools.ops.doctor import check_redis
 
     tier = {"kind": "redis", "capacity": 0, "url": tls_server.url, "tls_ca_file": str(certs.ca)}
     [check] = check_redis({"tiers": [tier]})

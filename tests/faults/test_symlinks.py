@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 from tierkit import key, make_tier, tier_settings
 
-from kvtier.admin.gc import GcRequest, run_gc
-from kvtier.admin.inventory import open_inventories
 from kvtier.config import StoreConfig
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.tiers import build_probe
+from kvtier.tools.admin.gc import GcRequest, run_gc
+from kvtier.tools.admin.inventory import open_inventories
 
 PERSISTENT = ("disk", "shared")
 

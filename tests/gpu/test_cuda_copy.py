@@ -16,7 +16,8 @@ and ordering, each check also run on a device that loses the mover's waits, wher
   - an inline load's RAM slot stays lent until its copy ran;
   - many chunks pass through two staging buffers from two threads at once.
 
-Each test runs on "cuda" (skipped without a GPU) and on "standin" (kvtier/bench/standin.py), so
+Each test runs on "cuda" (skipped without a GPU) and on "standin"
+(kvtier/tools/bench/standin.py), so
 that CI executes these bodies. No vLLM. Throughput: `kvtier bench copy` (scripts/gpu-check.sh).
 """
 
@@ -32,13 +33,13 @@ import torch
 from gpurig import BS, CASE_IDS, CASES, Backend, Case, reference_chunk
 from tierkit import key
 
-from kvtier.bench.standin import StandInEvent
 from kvtier.config import StoreConfig
 from kvtier.core.store import TieredStore
 from kvtier.integrations.vllm.cpu import spare_buffers
 from kvtier.integrations.vllm.streams import StreamChunkMover
 from kvtier.integrations.vllm.transfers import ChunkTransfer
 from kvtier.tiers import open_store
+from kvtier.tools.bench.standin import StandInEvent
 
 LAYERS, BLOCKS = 3, 64
 BPC = 2  # blocks per chunk

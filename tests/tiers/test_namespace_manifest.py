@@ -27,8 +27,6 @@ import pytest
 from storekit import KINDS, by_namespace, cli_json, held, tier_config, write_config
 from tierkit import key, tiny_layout
 
-from kvtier.admin.inventory import open_inventories, read_manifests
-from kvtier.cli.main import main
 from kvtier.config import StoreConfig
 from kvtier.core.fingerprint import cached_model_fingerprint
 from kvtier.core.layout import KVLayout
@@ -42,6 +40,8 @@ from kvtier.tiers.manifest import (
     read_file_manifest,
     redis_manifest_name,
 )
+from kvtier.tools.admin.inventory import open_inventories, read_manifests
+from kvtier.tools.cli.main import main
 
 OLD_FP, NEW_FP = "0123456789abcdef" * 2, "fedcba9876543210" * 2
 OLD = dataclasses.replace(tiny_layout(16), model_fingerprint=OLD_FP)

@@ -23,11 +23,11 @@ import xxhash
 import yaml
 from tierkit import key, make_tier
 
-from kvtier.cli.main import main
 from kvtier.core.chunkformat import HEADER_BYTES
 from kvtier.core.layout import KVLayout
 from kvtier.core.sealing import TENANTS
 from kvtier.core.tier import OK, Failure, Tier
+from kvtier.tools.cli.main import main
 
 KINDS = ["disk", "shared", pytest.param("redis", marks=pytest.mark.redis)]
 SECRET = "operator-secret-for-the-sealed-tier-tests-0123456789"

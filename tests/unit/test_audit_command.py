@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.ops.audit import load_deployment, parse_argv, parse_command_line, parse_kubernetes
+from kvtier.tools.ops.audit import load_deployment, parse_argv, parse_command_line, parse_kubernetes
 
 
 def test_equals_and_space_forms_and_underscores_are_the_same_flag():

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.ops.attention_kernels import CUDA_BACKENDS, choose_backend, long_context_block
-from kvtier.ops.audit import AuditOptions, Severity, parse_command_line, run_audit
-from kvtier.ops.hardware import gpu_profile
-from kvtier.ops.vllm_versions import defaults_for
+from kvtier.tools.ops.attention_kernels import CUDA_BACKENDS, choose_backend, long_context_block
+from kvtier.tools.ops.audit import AuditOptions, Severity, parse_command_line, run_audit
+from kvtier.tools.ops.hardware import gpu_profile
+from kvtier.tools.ops.vllm_versions import defaults_for
 
 V32, V33 = (0, 32, 0), (0, 33, 0)
 CONFIGS = Path(__file__).parents[1] / "data" / "configs"

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from kvtier.ops.audit import (
+from kvtier.tools.ops.audit import (
     AuditOptions,
     Severity,
     all_rules,
@@ -18,9 +18,9 @@ from kvtier.ops.audit import (
     parse_kubernetes,
     run_audit,
 )
-from kvtier.ops.audit.rules_env import installed_vllm_env_names
-from kvtier.ops.hardware import gpu_profile
-from kvtier.ops.vllm_versions import installed_vllm_version
+from kvtier.tools.ops.audit.rules_env import installed_vllm_env_names
+from kvtier.tools.ops.hardware import gpu_profile
+from kvtier.tools.ops.vllm_versions import installed_vllm_version
 
 V20, V21, V32, V33 = (0, 20, 2), (0, 21, 0), (0, 32, 0), (0, 33, 0)
 NATIVE = "--kv-offloading-backend native --kv-offloading-size"

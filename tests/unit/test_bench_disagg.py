@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.bench.disagg import DisaggBenchConfig, SetupRun
-from kvtier.bench.stats import RequestResult
-from kvtier.cli.bench_disagg import config_from
-from kvtier.cli.main import build_parser, main
 from kvtier.errors import ConfigError
+from kvtier.tools.bench.disagg import DisaggBenchConfig, SetupRun
+from kvtier.tools.bench.stats import RequestResult
+from kvtier.tools.cli.bench_disagg import config_from
+from kvtier.tools.cli.main import build_parser, main
 
 
 def test_quick_settings_then_flags_and_refusals(tmp_path: Path) -> None:

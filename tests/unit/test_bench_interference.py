@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from kvtier.bench.arrivals import arrival_schedule, gaps_in_window, token_times
-from kvtier.bench.engines import KV_BYTES_PER_TOKEN
-from kvtier.bench.interference import (
+from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.config import TOKENS_PER_CHUNK
+from kvtier.tools.bench.arrivals import arrival_schedule, gaps_in_window, token_times
+from kvtier.tools.bench.engines import KV_BYTES_PER_TOKEN
+from kvtier.tools.bench.interference import (
     CONFIGS,
     ConfigRun,
     InterferenceConfig,
@@ -24,10 +26,8 @@ from kvtier.bench.interference import (
     server_command,
     timed_stream_tokens,
 )
-from kvtier.bench.stats import RequestResult
-from kvtier.cli.bench_interference import config_from, figures_table, target_table
-from kvtier.errors import ConfigError
-from kvtier.integrations.vllm.config import TOKENS_PER_CHUNK
+from kvtier.tools.bench.stats import RequestResult
+from kvtier.tools.cli.bench_interference import config_from, figures_table, target_table
 
 
 def _request(start_s: float, ttft_s: float | None, gaps: tuple[float, ...] = (),

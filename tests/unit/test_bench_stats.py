@@ -4,16 +4,23 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.bench import promdiff
-from kvtier.bench.stats import RequestResult, by_turn, percentile, percentiles, ratios, summarize
-from kvtier.bench.workloads import (
+from kvtier.errors import ConfigError
+from kvtier.tools.bench import promdiff
+from kvtier.tools.bench.stats import (
+    RequestResult,
+    by_turn,
+    percentile,
+    percentiles,
+    ratios,
+    summarize,
+)
+from kvtier.tools.bench.workloads import (
     TokenRange,
     long_doc,
     multi_round,
     next_prompt,
     prefix_repetition,
 )
-from kvtier.errors import ConfigError
 
 
 def result(ttft: float | None, turn: int = 0, *, prompt: int = 100, out: int = 10,
@@ -225,9 +232,9 @@ def test_metrics_diff_sums_engines_and_subtracts_before():
 def test_report_table_shows_hit_rates_per_kvtier_tier_and_ratios():
     from rich.console import Console
 
-    from kvtier.bench.client import WorkloadRun
-    from kvtier.bench.report import summary_table
-    from kvtier.bench.runner import BenchRun
+    from kvtier.tools.bench.client import WorkloadRun
+    from kvtier.tools.bench.report import summary_table
+    from kvtier.tools.bench.runner import BenchRun
 
     delta = promdiff.diff(promdiff.parse_metrics(METRICS_BEFORE),
                           promdiff.parse_metrics(METRICS_AFTER))
@@ -248,7 +255,7 @@ def test_report_table_shows_hit_rates_per_kvtier_tier_and_ratios():
 
 def test_every_bench_help_renders(capsys):
     # argparse %-formats help strings: a stray "%" in a generator's docstring broke --help.
-    from kvtier.cli.main import main
+    from kvtier.tools.cli.main import main
 
     for argv in (["bench", "--help"], ["bench", "multi-round", "--help"], ["serve", "--help"]):
         with pytest.raises(SystemExit) as done:

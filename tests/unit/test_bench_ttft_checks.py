@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.bench.ttft import Ttft, TtftConfig, TtftResult, _drop_page_cache
-from kvtier.cli.bench_ttft import checks
 from kvtier.errors import ConfigError
+from kvtier.tools.bench.ttft import Ttft, TtftConfig, TtftResult, _drop_page_cache
+from kvtier.tools.cli.bench_ttft import checks
 
 N = 4096
 
@@ -77,8 +77,8 @@ def test_dropping_the_page_cache_keeps_the_files_whole(tmp_path: Path):
 def test_the_ttft_table_names_every_engine_in_80_columns():
     from rich.console import Console
 
-    from kvtier.bench.ttft import ENGINES
-    from kvtier.cli.bench_ttft import ttft_table
+    from kvtier.tools.bench.ttft import ENGINES
+    from kvtier.tools.cli.bench_ttft import ttft_table
 
     res = result(*(hit(engine, 1.0) for engine in ENGINES))
     console = Console(width=80, record=True)

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from kvtier.ops.disagg_proxy import ProxyConfig, prefill_body, running_proxy
-from kvtier.ops.server import free_port
+from kvtier.tools.ops.disagg_proxy import ProxyConfig, prefill_body, running_proxy
+from kvtier.tools.ops.server import free_port
 
 
 class Instance:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.ops.doctor import (
+from kvtier.tools.ops.doctor import (
     check_connector,
     check_memory,
     check_redis,
@@ -25,7 +25,7 @@ from kvtier.ops.doctor import (
     store_from_flags,
     transfer_config_json,
 )
-from kvtier.ops.machine import (
+from kvtier.tools.ops.machine import (
     check_host_ram,
     check_pinned_memory,
     nvidia_driver_present,

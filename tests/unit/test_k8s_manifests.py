@@ -23,8 +23,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvtier.cli.main import main
 from kvtier.integrations.vllm.config import CONNECTOR_CLASS, ConnectorConfig
+from kvtier.tools.cli.main import main
 from kvtier.units import parse_size
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,9 +7,14 @@ from pathlib import Path
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.ops.costmodel import _causal_pairs, prefill_flops, prefill_seconds, transfer_seconds
-from kvtier.ops.hardware import gpu_profile, host_link, nvme_link
-from kvtier.ops.modelspec import kv_footprint, load_model_spec, session_kv_bytes
+from kvtier.tools.ops.costmodel import (
+    _causal_pairs,
+    prefill_flops,
+    prefill_seconds,
+    transfer_seconds,
+)
+from kvtier.tools.ops.hardware import gpu_profile, host_link, nvme_link
+from kvtier.tools.ops.modelspec import kv_footprint, load_model_spec, session_kv_bytes
 
 CONFIGS = Path(__file__).parents[1] / "data" / "configs"
 

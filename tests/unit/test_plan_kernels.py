@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvtier.cli import plan as plan_cli
-from kvtier.cli.main import main
-from kvtier.ops.hardware import gpu_profile
-from kvtier.ops.modelspec import load_model_spec
-from kvtier.ops.sizing import PlanRequest, make_plan
+from kvtier.tools.cli import plan as plan_cli
+from kvtier.tools.cli.main import main
+from kvtier.tools.ops.hardware import gpu_profile
+from kvtier.tools.ops.modelspec import load_model_spec
+from kvtier.tools.ops.sizing import PlanRequest, make_plan
 
 CONFIGS = Path(__file__).parents[1] / "data" / "configs"
 V33 = (0, 33, 0)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.ops.modelspec import (
+from kvtier.tools.ops.modelspec import (
     kv_dtype_bytes,
     kv_footprint,
     load_model_spec,

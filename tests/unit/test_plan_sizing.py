@@ -10,10 +10,10 @@ import pytest
 
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import kvtier_transfer_config
-from kvtier.ops.flags import lmcache_env, native_offload_flags, sglang_per_rank_to_vllm_total
-from kvtier.ops.hardware import gpu_profile
-from kvtier.ops.modelspec import kv_footprint, load_model_spec
-from kvtier.ops.sizing import Plan, PlanRequest, make_plan
+from kvtier.tools.ops.flags import lmcache_env, native_offload_flags, sglang_per_rank_to_vllm_total
+from kvtier.tools.ops.hardware import gpu_profile
+from kvtier.tools.ops.modelspec import kv_footprint, load_model_spec
+from kvtier.tools.ops.sizing import Plan, PlanRequest, make_plan
 
 CONFIGS = Path(__file__).parents[1] / "data" / "configs"
 GIB = 1024**3

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.ops.vllm_versions import hma_verdict, parse_version
+from kvtier.tools.ops.vllm_versions import hma_verdict, parse_version
 
 
 @pytest.mark.parametrize("text, version", [

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.cli.main import main
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import ConnectorConfig
-from kvtier.ops.server import ServerError, free_port, running_server
-from kvtier.ops.serving import (
+from kvtier.tools.cli.main import main
+from kvtier.tools.ops.server import ServerError, free_port, running_server
+from kvtier.tools.ops.serving import (
     GIB,
     ServeCommand,
     ServeConfig,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.sim.kvcache import GpuKVCache
-from kvtier.sim.tiers import SimTier, TierSpec, TierStack, parse_tier
+from kvtier.tools.sim.kvcache import GpuKVCache
+from kvtier.tools.sim.tiers import SimTier, TierSpec, TierStack, parse_tier
 
 GB = 10**9
 

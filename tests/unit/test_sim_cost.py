@@ -1,13 +1,13 @@
-"""The simulator's cost model agrees with kvtier.ops' math and behaves like a roofline."""
+"""The simulator's cost model agrees with kvtier.tools.ops' math and behaves like a roofline."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.ops.costmodel import prefill_seconds
-from kvtier.ops.hardware import gpu_profile
-from kvtier.sim.cost import build_cost_model, model_spec
+from kvtier.tools.ops.costmodel import prefill_seconds
+from kvtier.tools.ops.hardware import gpu_profile
+from kvtier.tools.sim.cost import build_cost_model, model_spec
 
 
 @pytest.fixture(scope="module")

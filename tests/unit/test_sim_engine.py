@@ -8,10 +8,10 @@ from itertools import pairwise
 
 import pytest
 
-from kvtier.sim.engine import Engine, EngineConfig
-from kvtier.sim.fleet import SimConfig, build_fleet, simulate
-from kvtier.sim.tiers import parse_tier
-from kvtier.sim.workload import generate, workload_preset
+from kvtier.tools.sim.engine import Engine, EngineConfig
+from kvtier.tools.sim.fleet import SimConfig, build_fleet, simulate
+from kvtier.tools.sim.tiers import parse_tier
+from kvtier.tools.sim.workload import generate, workload_preset
 
 # A pool of 400 x 64-token blocks (25.6k tokens) under chat traffic whose sessions come back
 # after a minute: the GPU cache cannot keep the histories, so tiers and preemption matter.

@@ -11,7 +11,7 @@ from itertools import pairwise
 
 import pytest
 
-from kvtier.sim.batch import BatchConfig, BatchResult, run_batch
+from kvtier.tools.sim.batch import BatchConfig, BatchResult, run_batch
 
 SMALL = BatchConfig(requests=400, output_tokens=256, max_num_seqs=64, kv_blocks=2000)
 GB = 10**9

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.cli.main import main
 from kvtier.errors import ConfigError
-from kvtier.sim.engine import EngineConfig
-from kvtier.sim.fleet import SimConfig, simulate
-from kvtier.sim.sweep import sweep, verdict
-from kvtier.sim.tiers import parse_tier
-from kvtier.sim.workload import workload_preset
+from kvtier.tools.cli.main import main
+from kvtier.tools.sim.engine import EngineConfig
+from kvtier.tools.sim.fleet import SimConfig, simulate
+from kvtier.tools.sim.sweep import sweep, verdict
+from kvtier.tools.sim.tiers import parse_tier
+from kvtier.tools.sim.workload import workload_preset
 
 SMALL = SimConfig(workload=workload_preset("chat", think_s=60.0, rate_rps=6.0),
                   engine=EngineConfig(kv_blocks=400), requests=600,
@@ -40,7 +40,7 @@ def test_cpu_sweep_finds_where_offload_pays_and_plots(tmp_path: Path) -> None:
     assert small.baseline is large.baseline
     assert large.verdict == "pays" and result.pays_from == 16
     assert small.verdict != "pays"  # 1 GB is smaller than the GPU pool: no extra hits
-    from kvtier.sim.plot import plot_sweep
+    from kvtier.tools.sim.plot import plot_sweep
 
     out = plot_sweep(result, tmp_path / "s.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

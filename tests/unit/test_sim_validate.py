@@ -14,8 +14,8 @@ from dataclasses import replace
 
 import pytest
 
-from kvtier.cli.main import main
-from kvtier.sim import validate as v
+from kvtier.tools.cli.main import main
+from kvtier.tools.sim import validate as v
 
 TTFT_AND_GUIDE = [f.name for f in v.FIGURES if "10k x 512" not in f.name]
 

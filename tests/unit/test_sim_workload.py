@@ -7,7 +7,7 @@ from itertools import pairwise
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.sim.workload import WorkloadConfig, generate, workload_preset
+from kvtier.tools.sim.workload import WorkloadConfig, generate, workload_preset
 
 BT = 16
 

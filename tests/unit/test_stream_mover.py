@@ -1,9 +1,9 @@
 """The device mover's ordering (integrations/vllm/streams.py), on a CPU stand-in for the GPU.
 
-The mover orders its copies only through the Device protocol; kvtier/bench/standin.py runs
+The mover orders its copies only through the Device protocol; kvtier/tools/bench/standin.py runs
 each stream's work on a thread, late and in random order across streams, in poisoned "device"
 memory. vLLM's KV is emulated as vLLM 0.33 hands it to a connector on CUDA (FlashAttention's
-LBNHC views, kvtier/bench/vllmviews.py), written and read by a "forward" queued on the compute
+LBNHC views, kvtier/tools/bench/vllmviews.py), written and read by a "forward" queued on the compute
 stream. Each scenario checks bytes:
 
   - a store gathers what the forward queued before it wrote (not what the blocks held);
@@ -28,8 +28,6 @@ import pytest
 import torch
 from tierkit import key
 
-from kvtier.bench.standin import StandInDevice, StandInEvent
-from kvtier.bench.vllmviews import VllmCacheSpec, vllm_kv_caches
 from kvtier.config import StoreConfig
 from kvtier.core.store import TieredStore
 from kvtier.integrations.vllm.cpu import spare_buffers
@@ -37,6 +35,8 @@ from kvtier.integrations.vllm.paged import PagedKV
 from kvtier.integrations.vllm.streams import StreamChunkMover
 from kvtier.integrations.vllm.transfers import ChunkTransfer
 from kvtier.tiers import open_store
+from kvtier.tools.bench.standin import StandInDevice, StandInEvent
+from kvtier.tools.bench.vllmviews import VllmCacheSpec, vllm_kv_caches
 
 LAYERS, BLOCKS, HEADS, BS, DIM = 3, 48, 2, 16, 8
 BPC = 2  # blocks per chunk

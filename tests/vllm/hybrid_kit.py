@@ -22,7 +22,7 @@ from vllm_harness import (
     wait_for_new_file,
 )
 
-from kvtier.bench.tinymodel import BOS_ID, EOS_ID, UNK_ID, write_tokenizer
+from kvtier.tools.tinymodel import BOS_ID, EOS_ID, UNK_ID, write_tokenizer
 
 SHAPE: dict[str, Any] = dict(
     vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,

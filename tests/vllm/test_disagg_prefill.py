@@ -1,5 +1,5 @@
 """Disaggregated prefill through kvtier: two vLLM OpenAI servers on one machine behind
-`kvtier proxy` (kvtier.ops.disagg_proxy), sharing one `shared` directory.
+`kvtier proxy` (kvtier.tools.ops.disagg_proxy), sharing one `shared` directory.
 
   - the prefill instance (kv_role "kv_producer": only stores) computes each prompt with
     max_tokens 1; its step waits until the prompt's chunks are in the shared directory;
@@ -25,8 +25,8 @@ import pytest
 from vllm_harness import chunk_files, complete, post, random_prompts, scrape, server_command
 
 from kvtier.integrations.vllm.metrics import PREFIX
-from kvtier.ops.disagg_proxy import ProxyConfig, running_proxy
-from kvtier.ops.server import VllmServer, free_port
+from kvtier.tools.ops.disagg_proxy import ProxyConfig, running_proxy
+from kvtier.tools.ops.server import VllmServer, free_port
 
 pytestmark = pytest.mark.vllm
 

@@ -1,6 +1,7 @@
 """vLLM's OpenAI server with kvtier: starts, serves a cached prompt, shows it on /metrics.
 
-One server subprocess for the module (`kvtier.ops.server.running_server`: its own process group,
+One server subprocess for the module (`kvtier.tools.ops.server.running_server`: its own
+process group,
 on 127.0.0.1 and a free port, healthy on /health, always stopped), started with kvtier's
 connector (memory + disk tiers, 64-token chunks) and `VLLM_SERVER_DEV_MODE=1` so that the
 test can empty vLLM's own prefix cache (`POST /reset_prefix_cache`, which leaves kvtier
@@ -18,7 +19,7 @@ import pytest
 from vllm_harness import complete, post, random_prompts, scrape, server_command
 
 from kvtier.integrations.vllm.metrics import PREFIX
-from kvtier.ops.server import running_server
+from kvtier.tools.ops.server import running_server
 
 pytestmark = pytest.mark.vllm
 

@@ -23,7 +23,6 @@ import torch
 
 pytest.importorskip("vllm")
 
-from kvtier.bench.vllmviews import VllmCacheSpec, vllm_kv_caches
 from kvtier.config import StoreConfig
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
@@ -32,6 +31,7 @@ from kvtier.integrations.vllm.messages import ChunkTransfer, KVTierMetadata
 from kvtier.integrations.vllm.paged import PagedKV
 from kvtier.integrations.vllm.worker import ConnectorWorker
 from kvtier.tiers import build_probe, open_store
+from kvtier.tools.bench.vllmviews import VllmCacheSpec, vllm_kv_caches
 
 MODEL = "deepseek-ai/tiny-mla"
 FINGERPRINT = "0123456789abcdef0123456789abcdef"  # the model's (core/fingerprint.py)

@@ -31,8 +31,8 @@ from vllm_harness import (
     token_ids,
 )
 
-from kvtier.bench.tinymodel import PRESETS, write_model
-from kvtier.cli.main import main
+from kvtier.tools.cli.main import main
+from kvtier.tools.tinymodel import PRESETS, write_model
 
 pytestmark = pytest.mark.vllm
 

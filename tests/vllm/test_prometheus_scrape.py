@@ -34,7 +34,7 @@ from typing import Any
 import pytest
 from vllm_harness import complete, post, random_prompts, server_command
 
-from kvtier.ops.server import free_port, running_server
+from kvtier.tools.ops.server import free_port, running_server
 
 pytestmark = pytest.mark.vllm
 

@@ -26,8 +26,8 @@ from vllm_harness import post, random_prompts, scrape, server_command
 
 from kvtier.core.retention import tenant_label
 from kvtier.integrations.vllm.metrics import PREFIX
-from kvtier.ops.server import running_server
-from kvtier.ops.warmup import WarmPrompt, WarmSettings, warm
+from kvtier.tools.ops.server import running_server
+from kvtier.tools.ops.warmup import WarmPrompt, WarmSettings, warm
 
 pytestmark = pytest.mark.vllm
 
@@ -152,7 +152,7 @@ def test_the_warm_command_stores_then_finds_its_prompts_held(server: Any,
     [doc] = docs(1, seed=7)
     jsonl = tmp_path / "prompts.jsonl"
     jsonl.write_text(json.dumps({"name": "system-prompt", "prompt_token_ids": doc}) + "\n")
-    command = [sys.executable, "-m", "kvtier.cli.main", "warm", server.url, "--jsonl",
+    command = [sys.executable, "-m", "kvtier.tools.cli.main", "warm", server.url, "--jsonl",
                str(jsonl), "--retain-s", "600", "--cache-salt-env", "KVTIER_TEST_SALT"]
     env = {**os.environ, "KVTIER_TEST_SALT": "tenant-cli", "COLUMNS": "160"}
     first = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)

@@ -32,10 +32,10 @@ from typing import Any
 
 import torch
 
-from kvtier.bench.engines import kvtier_counter, offline_engine
-from kvtier.bench.tinymodel import FIRST_WORD_ID, PRESETS
 from kvtier.core.chunkformat import HEADER_BYTES
 from kvtier.integrations.vllm.config import kvtier_transfer_config as transfer_config
+from kvtier.tools.bench.engines import kvtier_counter, offline_engine
+from kvtier.tools.tinymodel import FIRST_WORD_ID, PRESETS
 
 __all__ = ["kvtier_counter"]  # re-exported for the cases
 
@@ -64,14 +64,15 @@ def start_engine(model_dir: Path, kv_transfer_config: dict[str, Any] | None = No
 
 def server_command(model_dir: Path, extra: dict[str, Any], *, kv_role: str = "kv_both",
                    memory_utilization: float = 0.3) -> Any:
-    """The `kvtier serve` command (a `kvtier.ops.serving.ServeCommand`) of an OpenAI server with
+    """The `kvtier serve` command (a `kvtier.tools.ops.serving.ServeCommand`) of an OpenAI
+    server with
     kvtier's `extra` config and the tests' small settings; dev mode on (its /reset_prefix_cache
     endpoint empties vLLM's own cache). `memory_utilization`: the share of the NUMA node's
     memory vLLM checks is free at start-up (lower it to run two servers at once)."""
     import dataclasses
 
-    from kvtier.ops.server import free_port
-    from kvtier.ops.serving import ServeConfig, build_command
+    from kvtier.tools.ops.server import free_port
+    from kvtier.tools.ops.serving import ServeConfig, build_command
 
     command = build_command(ServeConfig(
         model=str(model_dir), extra_config=extra, port=free_port(), cpu=True, kv_role=kv_role,
@@ -189,7 +190,7 @@ def metric(llm: Any, name: str) -> float:
     return total
 
 
-# -- an OpenAI server's HTTP API (servers started through kvtier.ops.server) ---------------------
+# -- an OpenAI server's HTTP API (servers started through kvtier.tools.ops.server) ------------
 
 def post(url: str, body: dict[str, Any] | None = None, timeout_s: float = 300) -> Any:
     """POST `body` as JSON (or nothing); the decoded JSON reply, or its text."""

@@ -1,0 +1,155 @@
+"""`kvtier bench mover`: what the device mover's ordering protocol costs on the host, measured
+without a GPU.
+
+The same chunks are stored and loaded through the same paged KV (vLLM 0.33's LBNHC views,
+bench/vllmviews.py) and the same store (one memory tier) by two movers: the CPU mover
+(cpu.py: copies done inline, no ordering) and the device mover (streams.py) on the stand-in
+device with no delay (bench/standin.py: each stream a thread, each event a flag), whose copies
+are the same host copies but pass through the protocol: stream queues, events, waits, staging
+buffers. The ratio device / CPU per chunk is the protocol's overhead on the host, the part of
+a GPU load or store that is not the DMA. Stores, inline loads (the model runner's thread; the
+forward is ordered after the copies) and load-thread loads (waited for) are timed each.
+
+Primitives: `MoverBenchConfig`, `MoverBenchResult`, `run_mover_bench`.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from kvtier.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class MoverBenchConfig:
+    """What to move."""
+
+    chunks: int = 32  # chunks each way per trial
+    layers: int = 8
+    kv_heads: int = 8
+    head_size: int = 128
+    block_size: int = 16
+    tokens_per_chunk: int = 64  # 4 blocks: 2 MiB chunks with the defaults
+    trials: int = 5
+
+    def validate(self) -> None:
+        for name in ("chunks", "layers", "kv_heads", "head_size", "block_size",
+                     "tokens_per_chunk", "trials"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, getattr(self, name), "a positive integer")
+        if self.tokens_per_chunk % self.block_size:
+            raise ConfigError("tokens_per_chunk", self.tokens_per_chunk,
+                              f"a multiple of the block size {self.block_size}")
+
+
+@dataclass(frozen=True, slots=True)
+class MoverFigure:
+    """One operation through one mover: seconds per chunk, the median of the trials."""
+
+    operation: str  # "store", "inline load", "load-thread load"
+    mover: str  # "cpu" or "stand-in device"
+    seconds_per_chunk: float
+
+
+@dataclass(frozen=True, slots=True)
+class MoverBenchResult:
+    config: MoverBenchConfig
+    chunk_bytes: int
+    figures: tuple[MoverFigure, ...]
+    verified: bool  # every load put the stored bytes back
+
+    def ratio(self, operation: str) -> float:
+        """Device mover / CPU mover seconds per chunk for `operation`."""
+        by = {(f.operation, f.mover): f.seconds_per_chunk for f in self.figures}
+        return by[(operation, "stand-in device")] / by[(operation, "cpu")]
+
+    def write_json(self, path: Path) -> None:
+        data = asdict(self)
+        data["ratios"] = {op: self.ratio(op) for op in OPERATIONS}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+OPERATIONS = ("store", "inline load", "load-thread load")
+
+
+def run_mover_bench(config: MoverBenchConfig,
+                    progress: Callable[[str], None] = lambda _text: None) -> MoverBenchResult:
+    """Measure; see the module docstring.
+
+    Raises:
+        ConfigError: a bad setting.
+    """
+    from kvtier.config import StoreConfig
+    from kvtier.core.keys import ChunkKey
+    from kvtier.integrations.vllm.cpu import CpuChunkMover, spare_buffers
+    from kvtier.integrations.vllm.mover import ChunkMover
+    from kvtier.integrations.vllm.paged import PagedKV
+    from kvtier.integrations.vllm.streams import StreamChunkMover
+    from kvtier.integrations.vllm.transfers import ChunkTransfer
+    from kvtier.tiers import open_store
+    from kvtier.tools.bench.standin import StandInDevice
+    from kvtier.tools.bench.vllmviews import VllmCacheSpec, vllm_kv_caches
+
+    config.validate()
+    bpc = config.tokens_per_chunk // config.block_size
+    num_blocks = 2 * config.chunks * bpc + 1
+    spec = VllmCacheSpec(config.block_size, config.kv_heads, config.head_size,
+                         config.head_size, torch.bfloat16)
+    kv = vllm_kv_caches(spec, config.layers, num_blocks, "LBNHC")
+    paged = PagedKV(kv, config.block_size, content="halves", torch_ops=False)
+    layout = paged.layout(config.tokens_per_chunk)
+    slot = -(-layout.bytes_per_chunk // 4096) * 4096
+    half = config.chunks * bpc
+    stores = [ChunkTransfer(key=ChunkKey(i.to_bytes(16, "big")),
+                            block_ids=tuple(range(i * bpc, (i + 1) * bpc)))
+              for i in range(config.chunks)]
+    loads = [ChunkTransfer(key=t.key, block_ids=tuple(b + half for b in t.block_ids))
+             for t in stores]
+    figures: list[MoverFigure] = []
+    verified = True
+    for name in ("cpu", "stand-in device"):
+        store = open_store(StoreConfig.parse({"tiers": [
+            {"kind": "memory", "capacity": (config.chunks + 2) * slot, "pin": "off"}]}), layout)
+        device = StandInDevice(max_delay_s=0.0) if name != "cpu" else None
+        mover: ChunkMover = (
+            CpuChunkMover(paged, store, layout.bytes_per_chunk, 8, lambda _k, _s: None)
+            if device is None else
+            StreamChunkMover(paged, store, layout.bytes_per_chunk, 8, device))
+        spares = spare_buffers(8, layout.bytes_per_chunk)
+        timings: dict[str, list[float]] = {op: [] for op in OPERATIONS}
+        try:
+            for trial in range(config.trials):
+                progress(f"{name}: trial {trial + 1} of {config.trials}")
+                for key in (t.key for t in stores):  # each trial stores them anew
+                    store.tiers[0].delete(key)
+                start = time.perf_counter()
+                mover.store(stores, "sync")
+                timings["store"].append(time.perf_counter() - start)
+                start = time.perf_counter()
+                mover.load(loads, spares, wait=False)
+                if device is not None:
+                    device.drain()
+                mover.release()
+                timings["inline load"].append(time.perf_counter() - start)
+                start = time.perf_counter()
+                mover.load(loads, spares, wait=True)
+                timings["load-thread load"].append(time.perf_counter() - start)
+            verified &= all(torch.equal(v.view(torch.uint8)[:half],
+                                        v.view(torch.uint8)[half:2 * half])
+                            for v in paged.block_views)
+        finally:
+            mover.close()
+            store.close()
+            if device is not None:
+                device.close()
+        figures += [MoverFigure(op, name, statistics.median(timings[op]) / config.chunks)
+                    for op in OPERATIONS]
+    return MoverBenchResult(config, layout.bytes_per_chunk, tuple(figures), verified)

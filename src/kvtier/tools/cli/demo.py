@@ -1,0 +1,174 @@
+"""`kvtier demo`: serve a generated model without and with kvtier, and compare
+(kvtier.tools.bench.demo).
+
+    kvtier demo                   # ~3-4 min on a 2-core CPU: 8 users x 4 turns
+    kvtier demo --quick           # ~1-2 min: 4 users x 3 turns (CI)
+    kvtier demo --out /tmp/demo   # where the table's JSON, CSV and PNG go
+
+Nothing is downloaded: the model has random weights and is generated on first use. The two
+servers run one after the other on 127.0.0.1 and are stopped on every way out (Ctrl-C,
+SIGTERM, an error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.status import Status
+
+from kvtier.tools.bench.demo import PLANS, DemoEvents, DemoPlan, headline_lines, run_demo
+from kvtier.tools.bench.report import summary_table
+from kvtier.tools.bench.runner import BenchRun
+from kvtier.tools.bench.stats import RequestResult
+from kvtier.tools.cli.argtypes import output_dir
+from kvtier.tools.ops.server import ServerError
+from kvtier.tools.ops.serving import ServeCommand
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "demo", help="see kvtier make returning conversations fast (vLLM, no downloads)",
+        description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true",
+                   help="a smaller workload (about half the time; for CI)")
+    p.add_argument("--out", type=output_dir, default=Path("results/demo"),
+                   help="directory for JSON, CSV and PNG (default results/demo)")
+    p.add_argument("--model-dir", type=output_dir, default=None,
+                   help="where the generated model is cached (default ~/.cache/kvtier/models)")
+    p.add_argument("--keep-logs", action="store_true",
+                   help="keep the servers' logs (in the output directory's logs/)")
+    p.set_defaults(func=run)
+
+
+def default_model_dir() -> Path:
+    """$XDG_CACHE_HOME/kvtier/models, or ~/.cache/kvtier/models."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvtier" / "models"
+
+
+class ConsoleEvents(DemoEvents):
+    """Progress on a rich console: a line per phase, a spinner while a server starts, a
+    progress bar per run."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.t0 = time.perf_counter()
+        self._status: Status | None = None
+        self._progress: Progress | None = None
+        self._task: TaskID | None = None
+
+    def _line(self, text: str) -> None:
+        self.console.print(f"[dim]{time.perf_counter() - self.t0:5.0f}s[/dim]  {text}")
+
+    def step(self, text: str) -> None:
+        self._line(text)
+
+    def server_starting(self, label: str, command: ServeCommand, log_path: Path) -> None:
+        self._line(f"[bold]{label}[/bold]: starting vLLM on {command.url}")
+        self._status = self.console.status(f"waiting for vLLM ({label}) to start; log: "
+                                           f"{log_path}")
+        self._status.start()
+
+    def server_ready(self, label: str, startup_s: float) -> None:
+        self.close()
+        self._line(f"[bold]{label}[/bold]: vLLM ready after {startup_s:.0f} s")
+
+    def run_started(self, label: str, total_requests: int) -> None:
+        self._progress = Progress(TextColumn(f"  {label}: multi-round chat"), BarColumn(),
+                                  MofNCompleteColumn(), TimeElapsedColumn(),
+                                  console=self.console, transient=True)
+        self._task = self._progress.add_task("requests", total=total_requests)
+        self._progress.start()
+
+    def request_done(self, label: str, result: RequestResult) -> None:
+        if self._progress is not None and self._task is not None:
+            self._progress.advance(self._task)
+
+    def run_finished(self, label: str, run: BenchRun) -> None:
+        self.close()
+        s = run.summary
+        self._line(f"[bold]{label}[/bold]: {s.completed}/{s.requests} requests in "
+                   f"{s.duration_s:.1f} s; stopping its server")
+
+    def close(self) -> None:
+        """Stop any spinner or bar (also on the way out after an error)."""
+        if self._status is not None:
+            self._status.stop()
+            self._status = None
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of `kvtier demo`; 0, 1 when a server failed or a request failed, 130
+    when interrupted."""
+    plan: DemoPlan = PLANS["quick" if args.quick else "full"]
+    # Piped or captured output (CI logs) gets room for the table's four columns; a
+    # terminal keeps its own width.
+    console = Console(width=None if sys.stdout.isatty() else 120)
+    events = ConsoleEvents(console)
+    console.print(
+        f"[bold]kvtier demo[/bold] ({plan.name}): {plan.users} users x {plan.turns} turns of a "
+        f"chat, {plan.first_len}-token first prompts; their histories "
+        f"({plan.history_tokens():,} tokens) do not fit vLLM's KV cache "
+        f"({plan.engine_kv_bytes // plan.kv_bytes_per_token():,} tokens), and fit kvtier's "
+        f"memory tier ({plan.memory_tier_bytes // plan.kv_bytes_per_token():,} tokens).")
+    # vLLM runs in its own process group; SIGTERM/SIGHUP must unwind through the `finally`
+    # that stops it, as Ctrl-C does.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _exit_on_signal)
+    work = Path(tempfile.mkdtemp(prefix="kvtier-demo-"))
+    try:
+        result = run_demo(plan, args.out, work_dir=work,
+                          model_root=args.model_dir or default_model_dir(), events=events)
+    except ServerError as exc:
+        events.close()
+        console.print(f"[red]kvtier demo: {exc}[/red]")
+        _keep_logs(work, args.out)
+        return 1
+    except KeyboardInterrupt:
+        events.close()
+        console.print("[yellow]kvtier demo: interrupted; servers stopped[/yellow]")
+        return 130
+    finally:
+        events.close()
+        if args.keep_logs:
+            _keep_logs(work, args.out)
+        shutil.rmtree(work, ignore_errors=True)
+    console.print(summary_table(result.runs))
+    for line in headline_lines(result.headline):
+        console.print(f"[bold green]{line}[/bold green]")
+    console.print("wrote " + ", ".join(str(p) for p in result.files.values()))
+    failed = [r for run in result.runs for r in run.results if not r.ok]
+    if failed:
+        console.print(f"[red]{len(failed)} request(s) failed; first: {failed[0].error}[/red]")
+        return 1
+    return 0
+
+
+def _keep_logs(work: Path, out: Path) -> None:
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    for log in work.glob("*.log"):
+        shutil.copy2(log, logs / log.name)
+
+
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)

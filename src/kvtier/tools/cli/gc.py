@@ -1,0 +1,98 @@
+"""`kvtier gc --config FILE`: evict chunks of persistent tiers to a quota (`--quota 500GiB`),
+by age (`--max-age 7d`), or whole namespaces: one (`--namespace DIGEST`), or every namespace
+of a model checkpoint, by its manifest (`--fingerprint PREFIX`, at least 6 hex digits of the
+fingerprint `kvtier inspect` shows, and/or `--model NAME`, as served); `--dry-run` reports
+what would go. Every run also deletes what failed writes left (redis parts without a header);
+`--orphans` does only that. Rules combine (see kvtier/tools/admin/gc.py).
+
+Exit codes: 0 done (also when no namespace matched: said so), 1 a tier's storage could not
+be read, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+
+from rich.console import Console
+from rich.table import Table
+
+from kvtier.tools.admin.gc import GcOutcome, GcRequest, parse_duration, run_gc
+from kvtier.tools.admin.inventory import open_inventories
+from kvtier.tools.cli.inspect import load_store, short_fingerprint
+from kvtier.units import format_size, parse_size
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser("gc", help="evict chunks to a quota, by age, or a namespace")
+    p.add_argument("--config", required=True, help="kvtier store config file (YAML or JSON)")
+    p.add_argument("--tier", help="only this tier (its name in the config)")
+    p.add_argument("--quota", help="keep at most this much per tier, e.g. 500GiB")
+    p.add_argument("--max-age", help="evict chunks unused for longer, e.g. 12h, 7d")
+    p.add_argument("--namespace", help="only this layout digest (alone: evict all of it)")
+    p.add_argument("--fingerprint", help="only namespaces of the model whose fingerprint starts "
+                   "with this (>= 6 hex digits; `kvtier inspect` shows them; alone: evict them)")
+    p.add_argument("--model", help="only namespaces of this model, its name as served (alone: "
+                   "evict them)")
+    p.add_argument("--orphans", action="store_true",
+                   help="evict no chunk, only delete what failed writes left behind (redis "
+                        "parts without a header; every gc run deletes them too)")
+    p.add_argument("--dry-run", action="store_true", help="report, delete nothing")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    request = GcRequest(
+        quota_bytes=parse_size(args.quota, "--quota") if args.quota is not None else None,
+        max_age_s=parse_duration(args.max_age) if args.max_age is not None else None,
+        namespace=args.namespace, dry_run=args.dry_run, orphans_only=args.orphans,
+        fingerprint=args.fingerprint.strip().lower() if args.fingerprint is not None else None,
+        model=args.model)
+    request.validate()
+    outcomes: list[GcOutcome] = []
+    errors: dict[str, str] = {}
+    for inventory in open_inventories(load_store(args.config), args.tier):
+        try:
+            outcomes += run_gc([inventory], request)
+        except Exception as exc:  # an unreachable tier is reported, the others still run
+            errors[inventory.name] = f"{type(exc).__name__}: {exc}"
+        finally:
+            inventory.close()
+    unmatched = _unmatched(request) if not outcomes and not errors else None
+    if args.json:
+        print(json.dumps({"outcomes": [asdict(o) for o in outcomes], "errors": errors,
+                          "dry_run": args.dry_run, "unmatched": unmatched}, indent=2))
+        return 1 if errors else 0
+    if unmatched:
+        Console().print(unmatched)
+        return 0
+    verb = "would remove" if args.dry_run else "removed"
+    table = Table(title=f"kvtier gc{' (dry run)' if args.dry_run else ''}")
+    for column in ("tier", "namespace", "model", "fingerprint", f"{verb} chunks",
+                   f"{verb} bytes", "kept chunks", "kept bytes", f"{verb} orphans",
+                   f"manifest {verb}"):
+        table.add_column(column, no_wrap=column in ("namespace", "fingerprint"))
+    for o in outcomes:
+        table.add_row(o.tier, o.namespace, o.model, short_fingerprint(o.fingerprint),
+                      str(o.removed_chunks), format_size(o.removed_bytes), str(o.kept_chunks),
+                      format_size(o.kept_bytes), str(o.removed_orphans),
+                      "yes" if o.removed_manifest else "no")
+    console = Console(width=max(Console().width, 180))
+    console.print(table)
+    for tier, error in errors.items():
+        console.print(f"[bold red]tier {tier}: not readable: {error}[/]")
+    return 1 if errors else 0
+
+
+def _unmatched(request: GcRequest) -> str | None:
+    """What to say when a namespace selection matched nothing (None: no selection)."""
+    rules = [f"--{name} {value}" for name, value in (
+        ("namespace", request.namespace), ("fingerprint", request.fingerprint),
+        ("model", request.model)) if value is not None]
+    if not rules:
+        return None
+    return (f"no namespace matches {' '.join(rules)}: nothing removed (`kvtier inspect` lists "
+            "each namespace's model and fingerprint; namespaces written before manifests "
+            "existed show as unknown and are removed with --namespace)")

@@ -1,0 +1,138 @@
+"""The `kvtier` command: a thin dispatcher over one module per sub-command.
+
+Each module in COMMANDS exposes `register(subparsers)`, which adds its parser and sets
+`func(args) -> int` as the default. Modules are imported only when the dispatcher builds its
+parser, so a command's heavy dependencies (vllm, matplotlib) load only where they are used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import io
+import logging
+import os
+import sys
+
+from kvtier import __version__
+from kvtier.errors import ConfigError
+
+# One line per sub-command module, in the order `kvtier --help` lists them.
+COMMANDS: tuple[str, ...] = (
+    "kvtier.tools.cli.bench",
+    "kvtier.tools.cli.plan", "kvtier.tools.cli.audit", "kvtier.tools.cli.doctor",
+    "kvtier.tools.cli.simulate",
+    "kvtier.tools.cli.serve",
+    "kvtier.tools.cli.warm",
+    "kvtier.tools.cli.proxy",
+    "kvtier.tools.cli.inspect",
+    "kvtier.tools.cli.gc",
+    "kvtier.tools.cli.demo",
+)
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser; with `only`, one command's module is imported and the others get an
+    empty placeholder (`kvtier simulate` need not import the benchmarks' numpy, pydantic and
+    aiohttp: 55 MiB and seconds of start-up, issue 14)."""
+    parser = argparse.ArgumentParser(
+        prog="kvtier", description="A tiered KV cache for LLM serving, and its operator tools."
+    )
+    parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMANDS:
+        command = name.rsplit(".", 1)[1]  # each module registers the command of its name
+        if only is None or only == command:
+            importlib.import_module(name).register(subparsers)
+        else:
+            subparsers.add_parser(command)
+    return parser
+
+
+# The tools' own dependencies (pyproject's `tools` extra): the cache runs without them.
+TOOLS_DEPENDENCIES = frozenset({"rich", "matplotlib", "aiohttp"})
+
+# Exit status after stdout's reader went away (`kvtier audit --json | head`): 128 + SIGPIPE,
+# what a shell reports for a command killed by the broken pipe.
+EXIT_BROKEN_PIPE = 141
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one sub-command; returns its exit status.
+
+    Bad input is one line on stderr and status 2: a ConfigError anywhere, and a ValueError
+    (UnicodeDecodeError included), which in these commands comes from converting what the
+    user gave. Other exceptions are bugs and keep their traceback; `-v` shows the traceback
+    of a ValueError too.
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        parser = build_parser(_command_in(argv))
+    except ModuleNotFoundError as exc:
+        if exc.name not in TOOLS_DEPENDENCIES:
+            raise
+        print(f"kvtier: the operator tools need {exc.name}, which is not installed: "
+              "pip install 'kvtier[tools]'", file=sys.stderr)
+        return 2
+    _refuse_double_dash_values(parser, argv)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a broken pipe shows here when the output was buffered
+        return code
+    except ConfigError as exc:
+        print(f"kvtier: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
+    except ValueError as exc:
+        if args.verbose:
+            raise
+        print(f"kvtier {args.command}: invalid input: {_one_line(exc)} (-v for details)",
+              file=sys.stderr)
+        return 2
+
+
+def _command_in(argv: list[str]) -> str | None:
+    """The command `argv` names (its first word that is not an option), if it is one; None
+    otherwise, so that --help, no command and a typo get the whole parser."""
+    first = next((a for a in argv if not a.startswith("-")), None)
+    names = {name.rsplit(".", 1)[1] for name in COMMANDS}
+    help_asked = any(a in ("-h", "--help") for a in argv[:argv.index(first)]) if first else True
+    return first if first in names and not help_asked else None
+
+
+def _refuse_double_dash_values(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """Exit 2 on `--flag=--`: argparse (CPython < 3.12) drops the "--" and hands the
+    command an empty list instead of calling the flag's type, which then crashes."""
+    for token in argv:
+        if token == "--":
+            return  # the rest is positional (or passed on, e.g. to `vllm serve`)
+        name, eq, value = token.partition("=")
+        if eq and value == "--" and name.startswith("--"):
+            parser.error(f"argument {name}: expected a value, got '--'")
+
+
+def _one_line(exc: Exception) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 500 else text[:497] + "..."
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not raise again
+    (the recipe in Python's `signal` documentation, "Note on SIGPIPE")."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        pass  # stdout is not a real file (a test's capture): nothing will flush it
+
+
+if __name__ == "__main__":
+    sys.exit(main())

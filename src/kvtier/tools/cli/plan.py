@@ -1,0 +1,242 @@
+"""`kvtier plan`: size the KV tiers for a model on a machine and print the serve flags."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from kvtier.tools.cli.argtypes import (
+    fraction,
+    non_negative_int,
+    path_text,
+    positive_float,
+    positive_int,
+    size_gb,
+)
+from kvtier.tools.ops.attention_kernels import BackendChoice, choose_backend, describe_choice
+from kvtier.tools.ops.flags import sglang_per_rank_to_vllm_total
+from kvtier.tools.ops.hardware import gpu_profile
+from kvtier.tools.ops.modelspec import load_model_spec
+from kvtier.tools.ops.plan_request import PlanRequest
+from kvtier.tools.ops.sizing import Alternative, Plan, TierEstimate, make_plan
+from kvtier.tools.ops.vllm_versions import (
+    defaults_for,
+    format_version,
+    installed_vllm_version,
+    parse_version,
+)
+from kvtier.units import format_size, parse_size
+
+_GIB = 1024**3
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser("plan", help="size KV tiers and print vLLM/kvtier/LMCache flags")
+    p.add_argument("model", help="path to the model's config.json (or its folder)")
+    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size (default 1)")
+    p.add_argument("--gpu", default="h100", help="h100, h200, a100, l40s or cpu (default h100)")
+    p.add_argument("--hbm", help="override GPU memory, e.g. 94GiB")
+    p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9)
+    p.add_argument("--host-ram", help="host RAM of the node (default 256GiB per GPU)")
+    p.add_argument("--host-kv-fraction", type=fraction, default=0.6,
+                   help="share of host RAM for the CPU tier (default 0.6)")
+    p.add_argument("--nvme", help="NVMe space for the disk tier (default: a 4TB drive, said as "
+                   "an assumption); 0 = none")
+    p.add_argument("--nvme-path", type=path_text, default="/mnt/nvme/kvtier")
+    p.add_argument("--nvme-gen", type=int, default=4, choices=(4, 5))
+    p.add_argument("--pcie-gen", type=int, choices=(4, 5), help="default: the GPU's own")
+    p.add_argument("--context", type=non_negative_int, default=0,
+                   help="typical session length in tokens (default min(model max, 32768))")
+    p.add_argument("--concurrency", type=positive_int, default=16, help="target live sessions")
+    p.add_argument("--kv-dtype", default="bf16", help="bf16 or fp8")
+    p.add_argument("--params", type=positive_float,
+                   help="override the parameter count, e.g. 70.6e9")
+    p.add_argument("--vllm-version", help="target vLLM release (default: installed, if any)")
+    p.add_argument("--from-sglang", type=size_gb, metavar="GB_PER_RANK",
+                   help="SGLang per-rank host KV size to convert (x TP) into the CPU tier")
+    p.add_argument("--served-model", metavar="NAME",
+                   help="the model as `vllm serve` takes it in the printed commands (default: "
+                        "the folder holding config.json, else its _name_or_path)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Compute and print the plan. Raises ConfigError on bad input (exit 2)."""
+    version = parse_version(args.vllm_version) if args.vllm_version else installed_vllm_version()
+    cpu_tier = None
+    if args.from_sglang is not None:
+        cpu_tier = int(sglang_per_rank_to_vllm_total(args.from_sglang, args.tp) * _GIB)
+    spec = load_model_spec(args.model, int(args.params) if args.params else None)
+    req = PlanRequest(
+        model=spec, model_ref=args.served_model or _model_ref(args.model, spec.name),
+        gpu=gpu_profile(args.gpu, args.hbm), tp=args.tp,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        host_ram_bytes=parse_size(args.host_ram, "host_ram") if args.host_ram else 0,
+        host_kv_fraction=args.host_kv_fraction,
+        nvme_bytes=None if args.nvme is None else parse_size(args.nvme, "nvme"),
+        nvme_path=args.nvme_path, nvme_gen=args.nvme_gen, pcie_gen=args.pcie_gen,
+        context_tokens=args.context, concurrency=args.concurrency, kv_dtype=args.kv_dtype,
+        vllm_version=version, cpu_tier_bytes=cpu_tier)
+    plan = make_plan(req)
+    if args.json:
+        print(json.dumps(plan_to_dict(plan), indent=2))
+    else:
+        _print(plan)
+    return 0
+
+
+def _model_ref(path: str, name: str) -> str:
+    """What `vllm serve` should be given for the model whose config is at `path`."""
+    p = Path(path)
+    if p.is_dir():
+        return path
+    if p.name == "config.json":
+        return str(p.parent)
+    return name if name and name != p.parent.name else "<model>"
+
+
+def plan_to_dict(plan: Plan) -> dict[str, Any]:
+    """The JSON form of a plan (sizes in bytes, times in seconds)."""
+    req, spec = plan.request, plan.request.model
+    return {
+        "model": {"name": spec.name, "attention": spec.attention_kind,
+                  "layers": {k: spec.count(k) for k in ("full", "sliding", "linear")},
+                  "sliding_window": spec.sliding_window, "params": spec.param_count,
+                  "active_params": spec.active_param_count},
+        "hardware": {"gpu": req.gpu.name, "gpu_source": req.gpu.source, "tp": req.tp,
+                     "hbm_bytes": req.gpu.hbm_bytes},
+        "vllm_version": format_version(req.vllm_version) if req.vllm_version else None,
+        "context_tokens": plan.context_tokens,
+        "weights_bytes": plan.weights_bytes, "weights_per_gpu_bytes": plan.weights_per_gpu_bytes,
+        "kv_bytes_per_token_per_rank": plan.kv_bytes_per_token_rank,
+        "kv_bytes_per_token_total": plan.kv_bytes_per_token_total,
+        "session_bytes_total": plan.session_bytes_total,
+        "gpu_kv_bytes_per_gpu": plan.gpu_kv_bytes_per_gpu, "gpu_kv_tokens": plan.gpu_kv_tokens,
+        "live_sessions": plan.live_sessions, "reprefill_s": plan.reprefill_s,
+        "hybrid_kv_cache_manager": plan.hybrid_manager, "hybrid_manager_reason": plan.hma_reason,
+        "attention_kernel": _kernel_dict(attention_kernel(plan)),
+        "vllm_defaults": [{"setting": d.setting, "default": d.default, "control": d.control}
+                          for d in defaults_for(req.vllm_version)],
+        "tiers": [_tier_dict(t) for t in plan.tiers],
+        "recommended": {"kv_offloading_size_gib": plan.cpu_offload_gib,
+                        "cpu_tier_bytes": plan.cpu_tier_bytes,
+                        "cpu_tier_wanted_bytes": plan.cpu_tier_wanted_bytes,
+                        "host_ram_bytes": plan.host_ram_bytes,
+                        "host_ram_exceeded": plan.host_ram_exceeded, "nvme_gib": plan.nvme_gib},
+        "serve_flags": list(plan.serve_flags),
+        "alternatives": [_alternative_dict(a) for a in plan.alternatives],
+        "assumptions": list(plan.assumptions),
+        "notes": list(plan.notes),
+    }
+
+
+def attention_kernel(plan: Plan) -> BackendChoice | None:
+    """The attention backend vLLM 0.33 picks for the plan's model, GPU, KV dtype and block size
+    (the plan's `--block-size`, else vLLM's default), and its kernel block; None off CUDA or
+    on a GPU whose choice is not modelled."""
+    req, flags = plan.request, plan.serve_flags
+    if req.gpu.pcie_gen == 0:
+        return None
+    block = int(flags[flags.index("--block-size") + 1]) if "--block-size" in flags else None
+    return choose_backend(req.gpu.sm_major, req.model.mla is not None,
+                          req.kv_dtype.lower().startswith("fp8"), block)
+
+
+def _kernel_dict(choice: BackendChoice | None) -> dict[str, Any] | None:
+    if choice is None:
+        return None
+    return {"backend": choice.backend.name if choice.backend else None,
+            "takes": choice.backend.describe() if choice.backend else None,
+            "block_size": choice.block_size, "kernel_block_size": choice.kernel_block}
+
+
+def _tier_dict(t: TierEstimate) -> dict[str, Any]:
+    return {"name": t.name, "capacity_bytes": t.capacity_bytes,
+            "warm_sessions": t.warm_sessions, "load_s": t.load_s,
+            "speedup_vs_reprefill": None if math.isinf(t.speedup) else t.speedup,
+            "link": t.link.name if t.link else None,
+            "link_gbps": t.link.bandwidth_gbps if t.link else None,
+            "link_source": t.link.source if t.link else None}
+
+
+def _alternative_dict(a: Alternative) -> dict[str, Any]:
+    return {"name": a.name, "title": a.title, "refused": a.refused,
+            "hybrid_kv_cache_manager": a.hybrid_manager, "hybrid_manager_reason": a.hma_reason,
+            "session_bytes_total": a.session_bytes_total, "live_sessions": a.live_sessions,
+            "gpu_kv_tokens": a.gpu_kv_tokens, "tiers": [_tier_dict(t) for t in a.tiers],
+            "flags": list(a.flags), "env": a.env, "command": a.command or None,
+            "notes": list(a.notes)}
+
+
+def _print(plan: Plan) -> None:
+    console = Console(width=max(Console().width, 120))
+    req, spec = plan.request, plan.request.model
+    head = Table(title=f"{spec.name} on {req.tp} x {req.gpu.name}", show_header=False)
+    rows = [
+        ("attention", f"{spec.attention_kind}; layers full/sliding/linear = "
+         f"{spec.count('full')}/{spec.count('sliding')}/{spec.count('linear')}"),
+        ("weights", f"{format_size(plan.weights_bytes)} "
+         f"({format_size(plan.weights_per_gpu_bytes)} per GPU)"),
+        ("KV per token", f"{plan.kv_bytes_per_token_rank:,} B per rank, "
+         f"{plan.kv_bytes_per_token_total:,} B total"),
+        ("one session", f"{plan.context_tokens:,} tokens = "
+         f"{format_size(plan.session_bytes_total)}"),
+        ("GPU KV", f"{format_size(plan.gpu_kv_bytes_per_gpu)} per GPU = "
+         f"{plan.gpu_kv_tokens:,} tokens"),
+        ("live sessions", str(plan.live_sessions)),
+        ("re-prefill one session", f"{plan.reprefill_s:.2f} s"),
+        ("hybrid KV manager", f"{'on' if plan.hybrid_manager else 'off'}: {plan.hma_reason}"),
+    ]
+    kernel = attention_kernel(plan)
+    if kernel is not None:
+        rows.append(("attention kernel (vLLM 0.33)", describe_choice(kernel)))
+    defaults = defaults_for(req.vllm_version)
+    if defaults:
+        rows.append((f"vLLM {format_version(req.vllm_version)} defaults",  # type: ignore[arg-type]
+                     "; ".join(f"{d.setting} {d.default} ({d.control})" for d in defaults)))
+    for key, value in rows:
+        head.add_row(key, value)
+    console.print(head)
+    tiers = Table(title="tiers (one session back to the GPUs)")
+    for col in ("tier", "capacity", "warm sessions", "load", "vs re-prefill", "link used"):
+        tiers.add_column(col)
+    for t in plan.tiers:
+        link = f"{t.link.name} {t.link.bandwidth_gbps:g} GB/s ({t.link.source})" if t.link \
+            else "-"
+        tiers.add_row(t.name, format_size(t.capacity_bytes), f"{t.warm_sessions:,}",
+                      f"{t.load_s:.3f} s", "-" if math.isinf(t.speedup) else f"{t.speedup:.1f}x",
+                      link)
+    console.print(tiers)
+    _print_alternatives(console, plan)
+
+
+def _print_alternatives(console: Console, plan: Plan) -> None:
+    table = Table(title="alternatives: capacity with each")
+    for col in ("alternative", "hybrid KV manager", "one session", "live sessions",
+                "warm sessions (CPU / NVMe)"):
+        table.add_column(col)
+    for a in plan.alternatives:
+        warm = " / ".join(f"{t.warm_sessions:,}" for t in a.tiers[1:]) or "-"
+        table.add_row(a.title, "on" if a.hybrid_manager else "off",
+                      format_size(a.session_bytes_total), f"{a.live_sessions:,}",
+                      "refused" if a.refused else warm)
+    console.print(table)
+    console.print("[bold]alternatives[/bold], pick ONE (each line is a complete command):")
+    usable = [a for a in plan.alternatives if a.refused is None]
+    for number, a in enumerate(usable, 1):
+        console.print(f"  [bold]{number}. {a.title}[/bold]: {a.live_sessions:,} live sessions")
+        print(f"     {a.command}")  # plain print: no markup, no wrapping, copy-pasteable
+    for a in plan.alternatives:
+        if a.refused:
+            console.print(f"  [red]not an option[/red]: {a.title}: {a.refused}")
+    for line in plan.assumptions:
+        console.print(f"[cyan]assumed[/cyan]: {line}")
+    for note in plan.notes:
+        console.print(f"[yellow]note[/yellow]: {note}")

@@ -1,0 +1,34 @@
+"""`kvtier proxy --prefill URL --decode URL`: the disaggregated-prefill proxy in front of a
+kv_producer and a kv_consumer vLLM instance sharing a kvtier tier (kvtier/tools/ops/disagg_proxy.py,
+docs/sharing.md).
+
+Exit codes: 0 stopped, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from kvtier.tools.cli.argtypes import port_number, positive_float
+from kvtier.tools.ops.disagg_proxy import ProxyConfig, run_proxy
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "proxy", help="disaggregated prefill: one OpenAI front over a prefill (kv_producer) "
+                      "and a decode (kv_consumer) instance")
+    p.add_argument("--prefill", required=True, help="prefill instance base URL, e.g. "
+                                                    "http://127.0.0.1:8100")
+    p.add_argument("--decode", required=True, help="decode instance base URL")
+    p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=port_number, default=8000, help="listen port (default 8000)")
+    p.add_argument("--request-timeout", type=positive_float, default=600.0, metavar="S",
+                   help="one upstream request's limit in seconds (default 600)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    run_proxy(ProxyConfig(prefill_url=args.prefill.rstrip("/"),
+                          decode_url=args.decode.rstrip("/"), host=args.host, port=args.port,
+                          request_timeout_s=args.request_timeout))
+    return 0

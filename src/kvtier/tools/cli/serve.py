@@ -1,0 +1,149 @@
+"""`kvtier serve MODEL [-- extra vllm args]`: vLLM's OpenAI server with kvtier configured.
+
+Prints the exact command first (so nothing is magic), then runs it in the foreground until
+Ctrl-C, and stops vLLM's whole process group on the way out. Thin layer over
+kvtier.tools.ops.serving
+and kvtier.tools.ops.server.
+
+    kvtier serve ./my-model                      # tiers sized from free RAM and disk
+    kvtier serve ./my-model --memory 8GiB --disk-path /nvme/kv --disk 200GiB
+    kvtier serve ./my-model --config store.yaml -- --max-model-len 8192
+    kvtier serve ./my-model --tokens-per-chunk 64 -- --block-size 32
+    kvtier serve ./my-model --no-kvtier          # the same server without kvtier (baseline)
+    kvtier serve ./my-model --config shared.yaml --kv-role kv_producer   # prefill instance
+    kvtier serve ./my-model --dry-run            # print the command only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+
+from kvtier.errors import ConfigError
+from kvtier.redaction import redact_value
+from kvtier.tools.cli.argtypes import any_path, port_number
+from kvtier.tools.ops.server import ServerError, VllmServer
+from kvtier.tools.ops.serving import (
+    KV_ROLES,
+    ServeConfig,
+    build_command,
+    connector_config,
+    default_tiers,
+    is_cpu_backend,
+    load_connector_config,
+)
+from kvtier.units import parse_size
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "serve", help="start vLLM's OpenAI-compatible server with kvtier",
+        description=__doc__.splitlines()[0],
+        epilog="Arguments after `--` go to vLLM verbatim.")
+    p.add_argument("model", help="model name or local directory (vLLM's --model)")
+    p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=port_number, default=8000,
+                   help="listen port, 1-65535 (default 8000)")
+    p.add_argument("--memory", help="kvtier memory tier size, e.g. 8GiB (default: a share of "
+                                    "the available RAM; 0: no memory tier)")
+    p.add_argument("--disk-path", type=any_path, help="kvtier disk tier directory "
+                                                  "(default ~/.cache/kvtier/kv)")
+    p.add_argument("--disk", help="kvtier disk tier size (default: half the free space, at "
+                                  "most 100GiB; 0: no disk tier)")
+    p.add_argument("--config", type=any_path, help="a kvtier store config file (YAML/JSON); "
+                                               "replaces --memory/--disk/--disk-path")
+    p.add_argument("--tokens-per-chunk", type=int,
+                   help="tokens per stored chunk, a multiple of vLLM's --block-size (default "
+                        "256; smaller chunks recompute less of a returning prompt's tail, at "
+                        "more chunks per prompt: docs/performance.md)")
+    p.add_argument("--engine-kv", help="CPU backend: the engine's own KV cache size "
+                                       "(--kv-cache-memory-bytes; default a share of RAM)")
+    p.add_argument("--kv-role", choices=KV_ROLES, default="kv_both",
+                   help="vLLM's kv_role: kv_producer (a disaggregated prefill instance: "
+                        "only stores), kv_consumer (its decode instance: only loads); see "
+                        "`kvtier proxy` (default kv_both)")
+    p.add_argument("--no-kvtier", action="store_true",
+                   help="start the same server without kvtier (a baseline)")
+    p.add_argument("--dry-run", action="store_true", help="print the command and exit")
+    # REMAINDER swallows every argument after MODEL, kvtier's options included; `run` splits
+    # it at `--` and parses the part before it again (argparse cannot do this in one pass).
+    p.add_argument("vllm_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    p.set_defaults(func=run, parser=p)
+
+
+def split_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Parse the kvtier options given after MODEL; leave what follows `--` in vllm_args."""
+    rest = list(args.vllm_args)
+    mine, theirs = (rest[:rest.index("--")], rest[rest.index("--") + 1:]) if "--" in rest \
+        else (rest, [])
+    if mine:
+        args.parser.parse_args([*mine, args.model], namespace=args)
+    args.vllm_args = theirs
+    return args
+
+
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    """The ServeConfig the arguments describe. Raises ConfigError."""
+    vllm_args = list(args.vllm_args)
+    cpu = is_cpu_backend()
+    extra = None
+    if not args.no_kvtier:
+        if args.config is not None:
+            if args.memory or args.disk or args.disk_path:
+                raise ConfigError("config", str(args.config),
+                                  "either --config or --memory/--disk/--disk-path, not both")
+            extra = load_connector_config(args.config)
+        else:
+            extra = connector_config(default_tiers(
+                cpu=cpu,
+                memory_bytes=None if args.memory is None else parse_size(args.memory, "memory"),
+                disk_path=args.disk_path,
+                disk_bytes=None if args.disk is None else parse_size(args.disk, "disk")))
+    if extra is not None and args.tokens_per_chunk is not None:
+        if args.tokens_per_chunk < 1:
+            raise ConfigError("tokens_per_chunk", args.tokens_per_chunk, "a positive integer")
+        extra["tokens_per_chunk"] = args.tokens_per_chunk
+    engine_kv = None if args.engine_kv is None else parse_size(args.engine_kv, "engine_kv")
+    return ServeConfig(model=args.model, kvtier=not args.no_kvtier, extra_config=extra,
+                       host=args.host, port=args.port, cpu=cpu, engine_kv_bytes=engine_kv,
+                       vllm_args=tuple(vllm_args), kv_role=args.kv_role)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of `kvtier serve`; returns the exit code."""
+    command = build_command(config_from_args(split_args(args)))
+    print("# kvtier serve runs:")
+    for note in command.notes:
+        print(f"#   {note}")
+    if command.kv_transfer_config is not None:
+        print("#   kv_connector_extra_config: " + json.dumps(
+            redact_value(command.kv_transfer_config["kv_connector_extra_config"])))
+    print(command.display(), flush=True)
+    if args.dry_run:
+        return 0
+    server = VllmServer(command)
+    # vLLM runs in its own process group (so that stop() reaches its engine processes); a
+    # SIGTERM/SIGHUP to `kvtier serve` must therefore stop it explicitly, via `finally`.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _exit_on_signal)
+    try:
+        server.start()
+        server.wait_ready()
+        print(f"\nkvtier: serving at {server.url}/v1 — try:  kvtier bench multi-round "
+              f"--url {server.url}", flush=True)
+        assert server.proc is not None
+        server.proc.wait()
+    except ServerError as exc:
+        print(f"kvtier: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
+    finally:
+        code = server.stop()
+    return 0 if code in (0, -15, None) else int(code)
+
+
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)

@@ -1,0 +1,232 @@
+"""`kvtier simulate`: what-if runs of engines, tiers and traffic (thin layer over kvtier.tools.sim).
+
+    kvtier simulate --workload chat --rate 8 --tier cpu=64GiB --requests 100000
+    kvtier simulate --sweep cpu_gb=0,8,16,32,64,128 --plot sweep.png
+    kvtier simulate --validate
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from typing import Any
+
+from kvtier.errors import ConfigError
+from kvtier.tools.cli.argtypes import (
+    finite_float,
+    fraction,
+    int_in,
+    non_negative_int,
+    output_file,
+    positive_int,
+)
+from kvtier.tools.sim.cost import MODEL_PRESETS
+from kvtier.tools.sim.engine import EngineConfig
+from kvtier.tools.sim.fleet import ROUTERS, SimConfig, simulate
+from kvtier.tools.sim.report import SimReport
+from kvtier.tools.sim.sweep import SWEEP_PARAMS, SweepResult, sweep
+from kvtier.tools.sim.tiers import parse_tier
+from kvtier.tools.sim.workload import WORKLOAD_PRESETS, workload_preset
+
+# The simulator builds every engine up front: a larger fleet is a typo that would exhaust
+# memory before the first request.
+MAX_ENGINES = 4096
+_OVERRIDES = ("rate_rps", "think_s", "turns_mean", "system_tokens", "doc_prob",
+              "user_tokens", "output_tokens", "max_context")
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser("simulate", help="simulate serving with kvtier's tiers")
+    p.add_argument("--model", default="llama-3.1-8b",
+                   help=f"preset ({', '.join(MODEL_PRESETS)}) or path to a config.json")
+    p.add_argument("--gpu", default="h100", help="h100, h200, a100, l40s")
+    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size per engine")
+    p.add_argument("--engines", type=int_in(1, MAX_ENGINES), default=1,
+                   help=f"engines in the fleet (1-{MAX_ENGINES})")
+    p.add_argument("--router", default="session", choices=ROUTERS)
+    p.add_argument("--workload", default="chat", choices=list(WORKLOAD_PRESETS))
+    for name in _OVERRIDES:
+        p.add_argument("--" + name.replace("_", "-").removesuffix("-rps"), dest=name,
+                       type=finite_float, default=None, help=f"override the preset's {name}")
+    p.add_argument("--tier", action="append", default=None, metavar="NAME=SIZE[:POLICY]",
+                   help="offload tier, fastest first (repeat); default cpu=64GiB; 'none'")
+    p.add_argument("--hbm-util", type=fraction, default=0.9, help="gpu_memory_utilization")
+    p.add_argument("--block-tokens", type=positive_int, default=64)
+    p.add_argument("--max-num-seqs", type=positive_int, default=256)
+    p.add_argument("--max-batched-tokens", type=positive_int, default=8192)
+    p.add_argument("--requests", type=non_negative_int, default=20_000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sweep", metavar="PARAM=V1,V2,...",
+                   help=f"sweep one of {', '.join(SWEEP_PARAMS)}")
+    p.add_argument("--plot", type=output_file, metavar="OUT.png", help="with --sweep: write a PNG")
+    p.add_argument("--validate", action="store_true",
+                   help="compare the model with published figures and exit")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run)
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    """Build the SimConfig the arguments describe.
+
+    Raises:
+        ConfigError: any invalid value.
+    """
+    overrides = {name: getattr(args, name) for name in _OVERRIDES}
+    for name in ("max_context",):
+        if overrides[name] is not None:
+            overrides[name] = int(overrides[name])
+    for name in ("system_tokens", "user_tokens", "output_tokens"):
+        if overrides[name] is not None:
+            overrides[name] = int(overrides[name])
+    specs = args.tier if args.tier is not None else ["cpu=64GiB"]
+    tiers = () if specs == ["none"] else tuple(parse_tier(s) for s in specs)
+    engine = EngineConfig(block_tokens=args.block_tokens, gpu_memory_utilization=args.hbm_util,
+                          max_num_seqs=args.max_num_seqs,
+                          max_batched_tokens=args.max_batched_tokens)
+    return SimConfig(model=args.model, gpu=args.gpu, tp=args.tp, engine=engine, tiers=tiers,
+                     workload=workload_preset(args.workload, **overrides),
+                     requests=args.requests, seed=args.seed, engines=args.engines,
+                     router=args.router)
+
+
+def parse_sweep(text: str) -> tuple[str, list[float]]:
+    """Parse "PARAM=V1,V2,..."; raises ConfigError on anything else."""
+    param, _, values = text.partition("=")
+    try:
+        numbers = [float(v) for v in values.split(",") if v.strip()]
+    except ValueError as exc:
+        raise ConfigError("sweep", text, "PARAM=V1,V2,... with numeric values") from exc
+    if param not in SWEEP_PARAMS or not numbers:
+        raise ConfigError("sweep", text, f"PARAM=V1,V2,... with PARAM in {SWEEP_PARAMS}")
+    return param, numbers
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of `kvtier simulate`; returns the exit code."""
+    if args.validate:
+        return _run_validate(args.json)
+    cfg = config_from_args(args)
+    if args.sweep:
+        param, values = parse_sweep(args.sweep)
+        if param != "cpu_gb" and not cfg.tiers:
+            raise ConfigError("tier", "none", "at least one tier to compare against")
+        result = _with_progress(lambda cb: sweep(cfg, param, values, cb), args.json,
+                                "sweep", len(values) * 2)
+        if args.plot:
+            from kvtier.tools.sim.plot import plot_sweep
+
+            plot_sweep(result, args.plot, _title(cfg, param))
+        _print_sweep(result, args.json)
+        return 0
+    report = _with_progress(lambda cb: simulate(cfg, lambda i: cb(i, cfg.requests)),
+                            args.json, "requests", cfg.requests)
+    if args.json:
+        print(json.dumps({"config": _config_dict(cfg), "report": report.to_dict()}, indent=2))
+    else:
+        _print_report(cfg, report)
+    return 0
+
+
+def _title(cfg: SimConfig, param: str) -> str:
+    wl = cfg.workload
+    return (f"{cfg.model} on {cfg.tp}x {cfg.gpu}, {cfg.requests} requests, "
+            f"{wl.rate_rps:g} req/s, think {wl.think_s:g} s: sweep of {param}")
+
+
+def _config_dict(cfg: SimConfig) -> dict[str, Any]:
+    return asdict(cfg)
+
+
+def _with_progress(work: Any, quiet: bool, what: str, total: int) -> Any:
+    if quiet or not sys.stderr.isatty():
+        return work(lambda done, total_: None)
+    from rich.progress import Progress
+
+    with Progress(transient=True) as progress:
+        task = progress.add_task(f"simulating ({what})", total=total)
+        return work(lambda done, total_: progress.update(task, completed=done, total=total_))
+
+
+def _print_report(cfg: SimConfig, r: SimReport) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"kvtier simulate: {cfg.model} on {cfg.tp}x {cfg.gpu}, "
+                        f"{cfg.engines} engine(s), workload {cfg.workload.rate_rps:g} req/s")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    rows = [
+        ("requests (completed / in flight / rejected)",
+         f"{r.completed} / {r.in_flight} / {r.rejected}"),
+        ("simulated time", f"{r.sim_s:,.1f} s"),
+        ("throughput", f"{r.throughput_tok_s:,.0f} tok/s ({r.requests_per_s:,.2f} req/s)"),
+        ("TTFT p50 / p99 / mean",
+         f"{r.ttft_p50_s * 1e3:,.1f} / {r.ttft_p99_s * 1e3:,.1f} / {r.ttft_mean_s * 1e3:,.1f} ms"),
+        ("GPU prefix hit rate", f"{r.gpu_hit_rate:.1%}"),
+        *[(f"{t.name} tier hit rate", f"{t.hit_rate:.1%} ({t.loads:,} loads)") for t in r.tiers],
+        ("re-prefills avoided", f"{r.reprefills_avoided:,} ({r.tokens_loaded:,} tokens loaded)"),
+        ("tokens prefilled", f"{r.prefill_tokens:,}"),
+        ("preemptions (tokens recomputed)", f"{r.preemptions:,} ({r.recomputed_tokens:,})"),
+        ("wall time", f"{r.wall_s:,.1f} s"),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    Console().print(table)
+
+
+def _print_sweep(result: SweepResult, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(asdict(result), indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"sweep of {result.param}")
+    for col in ("value", "TTFT p50 off/on (ms)", "TTFT p99 off/on (ms)", "tok/s off/on",
+                "GPU hit", "tier hits", "verdict"):
+        table.add_column(col, justify="right")
+    for p in result.points:
+        b, o = p.baseline, p.offload
+        table.add_row(f"{p.value:g}", f"{b.ttft_p50_s * 1e3:,.0f} / {o.ttft_p50_s * 1e3:,.0f}",
+                      f"{b.ttft_p99_s * 1e3:,.0f} / {o.ttft_p99_s * 1e3:,.0f}",
+                      f"{b.throughput_tok_s:,.0f} / {o.throughput_tok_s:,.0f}",
+                      f"{o.gpu_hit_rate:.1%}",
+                      " ".join(f"{t.name} {t.hit_rate:.1%}" for t in o.tiers), p.verdict)
+    console = Console()
+    console.print(table)
+    console.print(f"offload starts to pay at {result.param} = {result.pays_from}; "
+                  f"only costs at {list(result.costs_at) or 'none'}")
+
+
+def _run_validate(as_json: bool) -> int:
+    from kvtier.tools.sim.validate import validate
+
+    if not as_json and sys.stderr.isatty():
+        print("kvtier simulate --validate: propagating each assumption through the simulator "
+              "(about a minute)...", file=sys.stderr)
+    rows = validate()
+    if as_json:
+        print(json.dumps([{**asdict(r), "ok": r.ok} for r in rows], indent=2))
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title="kvtier simulate --validate: published figures vs the simulator "
+                            "(tolerances stated from assumptions before comparing)")
+        for col in ("figure", "published", "simulated", "error", "stated tolerance", "reason",
+                    "pass/fail"):
+            table.add_column(col, overflow="fold")
+        for r in rows:
+            tol = "reported only" if r.tolerance is None else f"±{r.tolerance:.0%}"
+            table.add_row(r.name, f"{r.published:,.4g} {r.unit}", f"{r.model:,.4g} {r.unit}",
+                          f"{r.rel_error:+.0%}", tol, r.reason,
+                          "pass" if r.ok and r.tolerance is not None
+                          else ("-" if r.tolerance is None else "FAIL"))
+        console = Console()
+        console.print(table)
+        for r in rows:
+            if r.explanation:
+                console.print(f"[bold]{r.name}[/bold]: {r.explanation}")
+    return 0 if all(r.ok for r in rows) else 1

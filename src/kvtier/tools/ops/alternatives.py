@@ -1,0 +1,235 @@
+"""The ways `kvtier plan` offers to serve a model, each with its own capacity and command.
+
+Primitives:
+    TierEstimate, Alternative        -- results (frozen)
+    serve_flags(tp, util, ctx, kv_dtype, long_block) -- the flags every command shares
+    tier_estimates(...)              -- what each tier holds and how fast a session returns
+    build_alternatives(req, ...)     -- every alternative, refused ones included
+
+Alternatives: "none" (vLLM's own prefix cache, no offload), "native" (vLLM's CPU offload),
+"kvtier" (its connector, CPU + NVMe tiers), "lmcache" (LMCache in-process, CPU + NVMe).
+Each runs with its own state of vLLM's hybrid KV cache manager, so on hybrid models each has
+its own session size: LMCache runs with the manager off (it does not implement `SupportsHMA`:
+vLLM then allocates sliding layers for the whole context), native offload keeps it on from
+v0.21.0 (issue 14), kvtier keeps it on (its connector is `SupportsHMA`). An alternative that
+cannot serve the model at the given vLLM version keeps its figures, with `refused` saying why
+and no command.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kvtier.integrations.vllm.config import CONNECTOR_CLASS
+from kvtier.integrations.vllm.models import ModelTraits, unsupported_reason
+from kvtier.tools.ops import flags as backend_flags
+from kvtier.tools.ops.costmodel import transfer_seconds
+from kvtier.tools.ops.hardware import LinkProfile, dram_link, host_link, nvme_link
+from kvtier.tools.ops.modelspec import ModelSpec, kv_footprint, session_kv_bytes
+from kvtier.tools.ops.plan_request import PlanRequest
+from kvtier.tools.ops.vllm_versions import (
+    NATIVE_OFFLOAD_HMA_SINCE,
+    Version,
+    format_version,
+    gates_for_flag,
+    hma_verdict,
+)
+
+_GIB = 1024**3
+# Contexts from which the operator's guide recommends --block-size 32 / a prefill cap.
+LONG_CONTEXT_BLOCK32 = 128 * 1024
+LONG_PROMPT_BATCH_CAP = 32 * 1024
+MAX_NUM_BATCHED_TOKENS = 8192
+NAMES = ("none", "native", "kvtier", "lmcache")
+_TITLES = {"none": "vLLM prefix cache only (no offload)", "native": "vLLM native CPU offload",
+           "kvtier": "kvtier connector (CPU + NVMe)", "lmcache": "LMCache in-process (CPU + NVMe)"}
+_CONNECTORS = {"native": "OffloadingConnector", "kvtier": CONNECTOR_CLASS,
+               "lmcache": "LMCacheConnectorV1"}
+_PREFIX = "--enable-prefix-caching"  # in the shared flags; dropped from each backend's own
+
+
+@dataclass(frozen=True, slots=True)
+class TierEstimate:
+    """What one tier holds and how fast a session comes back from it."""
+
+    name: str  # "GPU HBM", "CPU DRAM", "NVMe"
+    capacity_bytes: int  # total across TP ranks
+    warm_sessions: int  # sessions of `context_tokens` it holds
+    link: LinkProfile | None  # bottleneck path back to the GPU; None for HBM itself
+    load_s: float  # time to bring one session's KV back to the GPUs
+    speedup: float  # re-prefill time / load time (inf for HBM)
+
+
+@dataclass(frozen=True, slots=True)
+class Alternative:
+    """One way to serve the model, with what it holds and the command that runs it."""
+
+    name: str  # "none", "native", "kvtier" or "lmcache"
+    title: str  # for display
+    refused: str | None  # why it cannot serve this model at this version; None = it can
+    hybrid_manager: bool  # vLLM's hybrid KV cache manager stays on with it
+    hma_reason: str  # why
+    bytes_per_token_rank: int  # KV per token per rank below any sliding window
+    session_bytes_total: int  # one session at the context length, all ranks
+    live_sessions: int  # sessions that fit in HBM at once
+    gpu_kv_tokens: int  # tokens of KV the GPUs hold
+    tiers: tuple[TierEstimate, ...]  # the tiers it uses, HBM first
+    flags: tuple[str, ...]  # its own flags, after the shared serve flags
+    env: dict[str, str]  # environment it needs (LMCache)
+    command: str  # the complete `vllm serve` line; "" when refused
+    notes: tuple[str, ...] = ()  # what an operator must know about it
+
+
+def serve_flags(tp: int, gpu_memory_utilization: float, ctx: int, kv_dtype: str,
+                long_block: int = 32) -> list[str]:
+    """The flags every alternative's command shares: TP (issue 14: a `--tp 8` plan once
+    printed a command that loaded all weights on one GPU), the memory share the plan assumed,
+    the context, prefix caching, and the operator's guide's long-context knobs (`long_block`:
+    the --block-size for long contexts, 32 unless the attention kernel needs more)."""
+    out = ["--tensor-parallel-size", str(tp), "--gpu-memory-utilization",
+           f"{gpu_memory_utilization:g}", "--max-model-len", str(ctx), _PREFIX]
+    if kv_dtype.lower().startswith("fp8"):
+        out += ["--kv-cache-dtype", kv_dtype.lower()]
+    if ctx >= LONG_CONTEXT_BLOCK32:
+        out += ["--block-size", str(long_block)]
+    if ctx >= LONG_PROMPT_BATCH_CAP:
+        out += ["--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS)]
+    return out
+
+
+def tier_estimates(
+    req: PlanRequest, session_rank: int, kv_gpu: int, cpu_bytes: int, nvme_bytes: int,
+    reprefill: float,
+) -> tuple[TierEstimate, ...]:
+    """HBM, then the CPU tier (if `cpu_bytes`) and the NVMe tier (if `nvme_bytes`)."""
+    tp, session_total = req.tp, session_rank * req.tp
+    pcie = host_link(req.gpu, req.pcie_gen)
+    # Each GPU pulls its own shard over its own link; all of them share host DRAM.
+    host_load = max(transfer_seconds(session_rank, pcie),
+                    transfer_seconds(session_total, dram_link()))
+    disk = nvme_link(req.nvme_gen)
+    disk_load = max(transfer_seconds(session_total, disk), host_load)
+    tiers = [TierEstimate("GPU HBM", kv_gpu * tp, kv_gpu // session_rank, None, 0.0, math.inf)]
+    if cpu_bytes:
+        tiers.append(TierEstimate("CPU DRAM", cpu_bytes, cpu_bytes // session_total, pcie,
+                                  host_load, reprefill / host_load))
+    if nvme_bytes:
+        tiers.append(TierEstimate("NVMe", nvme_bytes, nvme_bytes // session_total, disk,
+                                  disk_load, reprefill / disk_load))
+    return tuple(tiers)
+
+
+def build_alternatives(
+    req: PlanRequest, ctx: int, kv_gpu: int, cpu_gib: float, nvme_gib: float,
+    reprefill: float, shared: list[str],
+) -> tuple[Alternative, ...]:
+    """Every alternative for `req` (see the module docstring), in NAMES order.
+
+    Raises:
+        ConfigError: when kvtier's connector would refuse the store config plan builds.
+    """
+    spec = req.model
+    hybrid = len(set(spec.layer_kinds)) > 1
+    out = []
+    for name in NAMES:
+        hma_on, reason, disable = _hma(name, req.vllm_version, hybrid, spec)
+        refused = _refusal(name, spec, req.vllm_version, hybrid)
+        fp = kv_footprint(spec, req.kv_dtype, req.tp, hybrid_manager=hma_on)
+        session_rank = session_kv_bytes(fp, ctx)
+        cpu = 0 if name == "none" else int(cpu_gib * _GIB)
+        nvme = int(nvme_gib * _GIB) if name in ("kvtier", "lmcache") else 0
+        tiers = tier_estimates(req, session_rank, kv_gpu, cpu, nvme, reprefill)
+        own, env = _flags(name, req, cpu_gib, nvme_gib, disable)
+        out.append(Alternative(
+            name=name, title=_TITLES[name], refused=refused, hybrid_manager=hma_on,
+            hma_reason=reason, bytes_per_token_rank=fp.bytes_per_token,
+            session_bytes_total=session_rank * req.tp, live_sessions=kv_gpu // session_rank,
+            gpu_kv_tokens=int(kv_gpu / session_rank * ctx), tiers=tiers, flags=tuple(own),
+            env=env, command="" if refused else command_line(req.model_ref, shared, own, env)))
+    return tuple(_with_capacity_notes(out))
+
+
+def command_line(model_ref: str, shared: list[str], own: list[str], env: dict[str, str]) -> str:
+    """One copy-pasteable shell line: `ENV=... vllm serve MODEL FLAGS...`."""
+    words = [f"{k}={shlex.quote(v)}" for k, v in env.items()]
+    words += ["vllm", "serve", shlex.quote(model_ref)]
+    return " ".join(words + [shlex.quote(f) for f in (*shared, *own)])
+
+
+def _hma(name: str, version: Version | None, hybrid: bool,
+         spec: ModelSpec) -> tuple[bool, str, bool]:
+    """(manager on, why, pass --disable-hybrid-kv-cache-manager) for alternative `name`."""
+    if name == "none":
+        return True, "no KV connector: vLLM keeps its hybrid KV cache manager", False
+    verdict = hma_verdict(version, _CONNECTORS[name], hybrid)
+    if name == "native" and version is None and spec.count("linear"):
+        # Without the manager vLLM cannot serve Mamba/linear layers at all: the only
+        # working native command is v0.21.0+'s, without the flag.
+        return True, (f"Mamba/linear-attention layers need the manager: native offload "
+                      f"keeps it on from {format_version(NATIVE_OFFLOAD_HMA_SINCE)}"), False
+    return verdict.required is False, verdict.reason, verdict.required is not False
+
+
+def _refusal(name: str, spec: ModelSpec, version: Version | None, hybrid: bool) -> str | None:
+    linear = spec.count("linear") > 0
+    if name == "kvtier":
+        traits = ModelTraits(
+            model=spec.name, architecture=spec.architecture or spec.model_type,
+            attention_free=spec.count("full") + spec.count("sliding") == 0, hybrid=linear,
+            encoder_decoder=spec.encoder_decoder)
+        found = unsupported_reason(traits)
+        return None if found is None else f"kvtier refuses this model: {found[0]}; {found[1]}"
+    if name == "lmcache" and hybrid:
+        return ("LMCache cannot serve hybrid-attention models (LMCache#3106: its storage path "
+                "materialises one KV shape and fails on mixed attention groups)")
+    if name == "native" and version is not None:
+        since = gates_for_flag("--kv-offloading-size")[0].since
+        if version < since:
+            return f"the --kv-offloading-* flags appeared in {format_version(since)}"
+        if linear and version < NATIVE_OFFLOAD_HMA_SINCE:
+            return (f"before {format_version(NATIVE_OFFLOAD_HMA_SINCE)} native offload needs "
+                    "--disable-hybrid-kv-cache-manager, and without the manager vLLM cannot "
+                    "serve Mamba/linear-attention layers; upgrade vLLM")
+    return None
+
+
+def _flags(name: str, req: PlanRequest, cpu_gib: float, nvme_gib: float,
+           disable_hma: bool) -> tuple[list[str], dict[str, str]]:
+    env: dict[str, str] = {}
+    if name == "none":
+        own: list[str] = []
+    elif name == "native":
+        own = backend_flags.native_offload_flags(cpu_gib, disable_hma)
+    elif name == "kvtier":
+        tiers: list[dict[str, Any]] = [
+            {"kind": "memory", "capacity": f"{backend_flags.gib_number(cpu_gib)}GiB"}]
+        if nvme_gib:
+            tiers.append({"kind": "disk", "path": req.nvme_path,
+                          "capacity": f"{backend_flags.gib_number(nvme_gib)}GiB"})
+        own = backend_flags.kvtier_flags({"tiers": tiers}, disable_hma)
+    else:
+        own = backend_flags.lmcache_flags(disable_hma)
+        env = backend_flags.lmcache_env(cpu_gib, req.tp,
+                                        req.nvme_path if nvme_gib else None, nvme_gib)
+    return [f for f in own if f != _PREFIX], env
+
+
+def _with_capacity_notes(alts: list[Alternative]) -> list[Alternative]:
+    """Say where an alternative holds fewer live sessions than vLLM alone: the hybrid
+    manager is off with it, so sliding layers cost the whole context."""
+    base = alts[0]
+    out = []
+    for alt in alts:
+        if alt.refused is None and alt.session_bytes_total > base.session_bytes_total:
+            note = (f"{alt.title}: runs with the hybrid KV cache manager off, so vLLM allocates "
+                    f"the sliding-window layers for the whole context: one session costs "
+                    f"{alt.session_bytes_total / _GIB:.2f} GiB instead of "
+                    f"{base.session_bytes_total / _GIB:.2f} GiB ({alt.live_sessions} live "
+                    f"sessions instead of {base.live_sessions})")
+            alt = replace(alt, notes=(*alt.notes, note))
+        out.append(alt)
+    return out
+

@@ -1,0 +1,245 @@
+"""Audit rules for input vLLM (or kvtier's connector) refuses at start-up: malformed flag
+values, a `--kv-transfer-config` that is not a JSON object, connector names vLLM does not
+know, and a kvtier connector config that kvtier's own schema rejects.
+
+Each finding names the argument and what is wrong with it, at error level: a server started
+with such input fails, or silently runs without the feature.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import importlib.util
+import re
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from kvtier.errors import ConfigError
+from kvtier.tools.ops.audit.command import ServeCommand
+from kvtier.tools.ops.audit.finding import Finding, Severity
+from kvtier.tools.ops.audit.registry import AuditOptions, model_traits, rule
+
+# Connector names vLLM's KVConnectorFactory registers (v0.9-v0.32; older names kept so
+# auditing an older release does not flag them), plus kvtier's own.
+KNOWN_CONNECTORS = frozenset({
+    "OffloadingConnector", "SimpleCPUOffloadConnector", "LMCacheConnectorV1",
+    "LMCacheMPConnector", "NixlConnector", "NixlPullConnector", "NixlPushConnector",
+    "MultiConnector", "MooncakeConnector", "MooncakeStoreConnector", "P2pNcclConnector",
+    "SharedStorageConnector", "ExampleConnector", "ExampleHiddenStatesConnector",
+    "DecodeBenchConnector", "FlexKVConnectorV1", "HF3FSKVConnector", "MoRIIOConnector",
+    "HiSparseConnector", "LMCacheConnector", "PyNcclConnector", "KVTierConnector",
+})
+KVTIER_CONNECTOR = "KVTierConnector"
+KVTIER_MODULE = "kvtier.integrations.vllm"
+_REGISTERED = re.compile(r"register_connector\(\s*[\"'](\w+)[\"']")
+
+# Flag -> (what the value must be, check). Token-count flags take vLLM's "32k"/"32K" forms.
+_POSITIVE_INT = re.compile(r"^\s*\d+\s*$")
+_HUMAN_INT = re.compile(r"^\s*\d+(\.\d+)?[kKmMgGtT]?\s*$")
+
+
+def _positive_int(raw: str) -> bool:
+    return bool(_POSITIVE_INT.match(raw)) and int(raw) >= 1
+
+
+def _token_count(raw: str) -> bool:
+    return bool(_HUMAN_INT.match(raw)) and float(raw.strip().rstrip("kKmMgGtT")) > 0
+
+
+def _model_len(raw: str) -> bool:
+    return raw.strip().lower() in ("-1", "auto") or _token_count(raw)
+
+
+def _fraction(raw: str) -> bool:
+    try:
+        return 0 < float(raw) <= 1
+    except ValueError:
+        return False
+
+
+def _non_negative(raw: str) -> bool:
+    try:
+        value = float(raw)
+    except ValueError:
+        return False
+    return value >= 0 and value != float("inf")
+
+
+FLAG_VALUES: dict[str, tuple[str, Any]] = {
+    "--tensor-parallel-size": ("a positive integer", _positive_int),
+    "--pipeline-parallel-size": ("a positive integer", _positive_int),
+    "--data-parallel-size": ("a positive integer", _positive_int),
+    "--block-size": ("a positive integer (tokens per KV block, e.g. 16)", _positive_int),
+    "--max-num-seqs": ("a positive integer", _positive_int),
+    "--max-num-batched-tokens": ("a positive token count (e.g. 8192 or 8k)", _token_count),
+    "--max-model-len": ("a positive token count (e.g. 32768, 32k, 32K) or -1/auto",
+                        _model_len),
+    "--gpu-memory-utilization": ("a fraction in (0, 1], e.g. 0.9", _fraction),
+    "--kv-offloading-size": ("a non-negative number of GiB", _non_negative),
+    "--cpu-offload-gb": ("a non-negative number of GiB", _non_negative),
+    "--swap-space": ("a non-negative number of GiB", _non_negative),
+    "--kv-offloading-backend": ("native or lmcache",
+                                lambda raw: raw.strip().lower() in ("native", "lmcache")),
+}
+
+
+@rule("malformed-flag-value", "a vLLM flag whose value vLLM rejects (e.g. -tp 0, --block-size abc)")
+def malformed_flag_value(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
+    for flag, (allowed, valid) in FLAG_VALUES.items():
+        if not cmd.has(flag):
+            continue
+        raw = cmd.value(flag)
+        if raw is not None and valid(raw):
+            continue
+        shown = "no value" if raw is None else repr(raw)
+        yield Finding(
+            "malformed-flag-value", Severity.ERROR,
+            f"{flag} has {shown}: it must be {allowed}",
+            "vLLM's argument parser or config validation refuses it and the server does not "
+            "start; the other audit rules read the flag as absent",
+            f"give {flag} {allowed}",
+        )
+
+
+@rule("malformed-kv-transfer-config", "--kv-transfer-config that is not a JSON object")
+def malformed_transfer_config(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
+    problem = cmd.transfer_config_problem
+    if problem is not None:
+        raw = cmd.value("--kv-transfer-config") or ""
+        yield Finding(
+            "malformed-kv-transfer-config", Severity.ERROR,
+            f"--kv-transfer-config is {problem}: {_clip(raw)!r}",
+            "vLLM parses the flag as JSON and exits at start-up; the connector checks of "
+            "this audit could not run",
+            "pass one JSON object in single shell quotes, e.g. --kv-transfer-config "
+            "'{\"kv_connector\":\"OffloadingConnector\",\"kv_role\":\"kv_both\"}'",
+        )
+        return
+    for where, entry in _connector_entries(cmd.transfer_config):
+        if not isinstance(entry, Mapping):
+            yield _entry_finding(where, f"{_clip(str(entry))!r}, not a JSON object")
+            continue
+        if not entry.get("kv_connector"):
+            yield _entry_finding(f"{where}.kv_connector", "missing (no connector named)")
+        extra = entry.get("kv_connector_extra_config")
+        if extra is not None and not isinstance(extra, Mapping):
+            yield _entry_finding(f"{where}.kv_connector_extra_config",
+                                 f"{_clip(str(extra))!r}, not a JSON object")
+
+
+@rule("unknown-kv-connector", "a kv_connector name vLLM does not register (a typo?)")
+def unknown_connector(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
+    known = KNOWN_CONNECTORS | installed_connector_names()
+    for where, entry in _connector_entries(cmd.transfer_config):
+        if not isinstance(entry, Mapping) or not entry.get("kv_connector"):
+            continue
+        name, module = str(entry["kv_connector"]), entry.get("kv_connector_module_path")
+        if name == KVTIER_CONNECTOR and not module:
+            yield Finding(
+                "unknown-kv-connector", Severity.INFO,
+                f"{where}.kv_connector is {name} without kv_connector_module_path",
+                "vLLM finds it by name through kvtier's plugin (the vllm.general_plugins "
+                "entry point), so kvtier must be installed in the vLLM server's environment",
+                f'or name the module: "kv_connector_module_path": "{KVTIER_MODULE}"',
+            )
+        elif name not in known and not module:
+            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+            yield Finding(
+                "unknown-kv-connector", Severity.ERROR,
+                f"{where}.kv_connector {name!r} is not a connector vLLM knows"
+                + (f" (did you mean {close[0]!r}?)" if close else ""),
+                "vLLM looks the name up in its connector registry and fails at start-up "
+                "when it is not there",
+                f"use {close[0]!r}" if close else
+                "use a registered name (OffloadingConnector, LMCacheConnectorV1, "
+                "NixlConnector, MultiConnector, ...) or give kv_connector_module_path",
+            )
+
+
+@rule("kvtier-connector-config", "kvtier connector config its own schema rejects")
+def kvtier_connector_config(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
+    from kvtier.integrations.vllm.config import ConnectorConfig  # imports no vllm/torch
+
+    block_size = cmd.value("--block-size")
+    for where, entry in _connector_entries(cmd.transfer_config):
+        if not isinstance(entry, Mapping) or entry.get("kv_connector") != KVTIER_CONNECTOR:
+            continue
+        extra = entry.get("kv_connector_extra_config")
+        if extra is not None and not isinstance(extra, Mapping):
+            continue  # malformed-kv-transfer-config reports it
+        try:
+            config = ConnectorConfig.parse(extra, where=f"{where}.kv_connector_extra_config")
+            if block_size is not None and _positive_int(block_size):
+                config.check_block_size(int(block_size))
+        except ConfigError as exc:
+            yield Finding(
+                "kvtier-connector-config", Severity.ERROR,
+                f"{exc.field} = {_clip(repr(exc.value))}: it must be {exc.allowed}",
+                "kvtier's connector validates its config with this schema at start-up and "
+                "refuses to load, so vLLM does not start",
+                "fix the value; `kvtier serve --dry-run` prints a config the connector accepts",
+            )
+
+
+@rule("kvtier-unsupported-model", "kvtier connector on a model kvtier refuses at start-up",
+      reads=("--model-config",))
+def kvtier_unsupported_model(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
+    if KVTIER_CONNECTOR not in cmd.connectors:
+        return
+    traits = model_traits(cmd)
+    if not traits.linear:
+        return
+    how = "its config.json" if traits.known else "its name"
+    yield Finding(
+        "kvtier-unsupported-model", Severity.ERROR if traits.known else Severity.WARNING,
+        f"{KVTIER_CONNECTOR} on {cmd.model or 'the model'}, which has linear-attention or "
+        f"Mamba layers (judged from {how})",
+        "kvtier stores per-token K and V of one full-attention KV cache group; it refuses "
+        "models whose cache holds Mamba/linear-attention state, and vLLM does not start",
+        "use vLLM's native offload (--kv-offloading-backend native, v0.21.0+) for this model"
+        + ("" if traits.known else "; pass --model-config to let the audit decide"),
+    )
+
+
+@functools.cache
+def installed_connector_names() -> frozenset[str]:
+    """Connector names the installed vLLM's factory registers (read as text, not imported)."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.origin:
+        return frozenset()
+    factory = Path(spec.origin).parent / "distributed/kv_transfer/kv_connector/factory.py"
+    try:
+        return frozenset(_REGISTERED.findall(factory.read_text()))
+    except (OSError, UnicodeDecodeError):
+        return frozenset()
+
+
+def _connector_entries(cfg: Mapping[str, Any] | None,
+                       where: str = "--kv-transfer-config") -> Iterator[tuple[str, Any]]:
+    """(where, entry) for the config and every MultiConnector child, recursively."""
+    if cfg is None:
+        return
+    yield where, cfg
+    if not isinstance(cfg, Mapping):
+        return
+    extra = cfg.get("kv_connector_extra_config")
+    children = extra.get("connectors") if isinstance(extra, Mapping) else None
+    if isinstance(children, list):
+        for i, child in enumerate(children):
+            yield from _connector_entries(child, f"{where}.connectors[{i}]")
+
+
+def _entry_finding(where: str, problem: str) -> Finding:
+    return Finding(
+        "malformed-kv-transfer-config", Severity.ERROR,
+        f"{where} is {problem}",
+        "vLLM reads the connector and its settings from these keys and fails at start-up",
+        "give each connector entry a JSON object with kv_connector, kv_role and, where "
+        "needed, a kv_connector_extra_config object",
+    )
+
+
+def _clip(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -1,0 +1,297 @@
+"""`kvtier doctor`: is this machine ready to serve with kvtier, and what will vLLM receive?
+
+Primitives:
+    Check                       -- one result: name, status ("ok", "warn", "fail", "skip"),
+                                   detail (kvtier.tools.ops.machine, with the machine's own checks)
+    read_store(path)            -- a kvtier config file -> the store dict (tiers...)
+    store_from_flags(...)       -- the same from --memory/--disk/--shared/--redis
+    check_vllm(), check_connector(module), check_store_config(store),
+    check_tier_paths(store), check_memory(store), check_redis(store), ping_redis(config)
+    run_doctor(store, connector_module) -> list[Check]
+    machine_doctor(connector_module) -> (list[Check], next steps)
+                                -- no config given: the installation and the machine
+
+Nothing it prints holds a credential: URLs are redacted (kvtier.redaction), and Redis is
+reached with the tier's own password_file/password_env, never a password in a URL.
+
+No check raises for an unhealthy machine: failures come back as Check(status="fail").
+vLLM and the connector are probed without importing vLLM into this process (the connector
+is imported in a child Python with a timeout, so a CUDA init hang cannot stall the doctor).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvtier.config import parse_model
+from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.config import (
+    CONNECTOR_CLASS,
+    CONNECTOR_MODULE,
+    ConnectorConfig,
+    kvtier_transfer_config,
+)
+from kvtier.redaction import redact, redact_text
+from kvtier.tiers.redis_config import RedisTierConfig
+from kvtier.tools.ops.machine import Check as Check  # re-exported: doctor's result type
+from kvtier.tools.ops.machine import Status, check_host_ram, check_pinned_memory
+from kvtier.tools.ops.machine import check_vllm as check_vllm  # re-exported
+from kvtier.tools.ops.serving import default_disk_path, default_tiers, is_cpu_backend
+from kvtier.units import format_size, parse_size
+
+CONNECTOR_IMPORT_TIMEOUT_S = 120.0
+REDIS_TIMEOUT_S = 1.0
+# What a memory or disk capacity means (kvtier.config): one engine's, whatever its TP size.
+PER_ENGINE = "per engine: the total of its TP ranks, each holds 1/TP"
+
+
+def read_store(path: str | Path) -> dict[str, Any]:
+    """Read a kvtier config file (YAML or JSON): a store ({tiers: ...}) or a connector
+    extra config ({store: {tiers: ...}}). Returns the store dict, unvalidated.
+
+    Raises:
+        ConfigError: unreadable file, bad syntax, or no `tiers` list.
+    """
+    try:
+        text = Path(path).read_text()
+        data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        raise ConfigError("config", str(path), f"a readable YAML or JSON file ({exc})") from exc
+    if isinstance(data, dict) and isinstance(data.get("store"), dict):
+        data = data["store"]
+    if not isinstance(data, dict) or not isinstance(data.get("tiers"), list):
+        raise ConfigError("config", str(path), "a mapping with a `tiers` list")
+    return data
+
+
+def store_from_flags(
+    memory: str | None = None, disks: tuple[str, ...] = (), shared: tuple[str, ...] = (),
+    redis_url: str | None = None,
+) -> dict[str, Any]:
+    """Build a store dict from CLI flags; disks and shared dirs are "PATH:SIZE".
+
+    Raises:
+        ConfigError: for a "PATH:SIZE" without a size, or when no tier is given.
+    """
+    tiers: list[dict[str, Any]] = []
+    if memory:
+        tiers.append({"kind": "memory", "capacity": memory})
+    for kind, specs in (("disk", disks), ("shared", shared)):
+        for spec in specs:
+            path, sep, size = spec.rpartition(":")
+            if not sep or not path:
+                raise ConfigError(f"--{kind}", spec, "PATH:SIZE, e.g. /mnt/nvme/kvtier:1TiB")
+            tiers.append({"kind": kind, "path": path, "capacity": size})
+    if redis_url:
+        tiers.append({"kind": "redis", "url": redis_url, "capacity": "0"})
+    if not tiers:
+        raise ConfigError("tiers", None, "a config file or at least one of --memory, --disk, "
+                          "--shared, --redis")
+    return {"tiers": tiers}
+
+
+def check_connector(module: str = CONNECTOR_MODULE, attr: str = CONNECTOR_CLASS) -> Check:
+    """Can vLLM import `module.attr`? Probed in a child interpreter with a timeout."""
+    code = f"import importlib; getattr(importlib.import_module({module!r}), {attr!r})"
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=CONNECTOR_IMPORT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return Check("connector", "fail", f"importing {module} took over "
+                     f"{CONNECTOR_IMPORT_TIMEOUT_S:g} s")
+    if proc.returncode == 0:
+        return Check("connector", "ok", f"{module}.{attr} imports")
+    last = (proc.stderr.strip().splitlines() or ["unknown error"])[-1]
+    return Check("connector", "fail", f"{module}.{attr}: {last}")
+
+
+def check_store_config(store: Mapping[str, Any]) -> Check:
+    """Does the store dict validate as the connector's extra config (ConnectorConfig)?"""
+    try:
+        ConnectorConfig.parse(store, where="store")
+    except ConfigError as exc:
+        return Check("config", "fail", str(exc))
+    return Check("config", "ok", f"{len(store['tiers'])} tier(s) valid")
+
+
+def check_tier_paths(store: Mapping[str, Any]) -> list[Check]:
+    """Each disk/shared tier: directory writable (or creatable) with room for its capacity."""
+    out = []
+    for tier in store.get("tiers", []):
+        if tier.get("kind") not in ("disk", "shared") or "path" not in tier:
+            continue
+        name = f"tier {tier.get('name') or tier['kind']}: {tier['path']}"
+        scope = PER_ENGINE if tier["kind"] == "disk" else "the whole directory's quota"
+        out.append(_check_dir(name, Path(str(tier["path"])), tier.get("capacity", 0), scope))
+    return out
+
+
+def check_memory(store: Mapping[str, Any]) -> Check:
+    """Memory tiers together fit in the host's available RAM."""
+    want = sum(_size(t.get("capacity", 0)) for t in store.get("tiers", [])
+               if t.get("kind") == "memory")
+    if not want:
+        return Check("host memory", "skip", "no memory tier")
+    avail = _mem_available()
+    if avail is None:
+        return Check("host memory", "skip", "MemAvailable unknown on this OS")
+    status: Status = "ok" if want <= avail else "fail"
+    return Check("host memory", status, f"memory tiers want {format_size(want)} "
+                 f"({PER_ENGINE}), {format_size(avail)} available")
+
+
+def check_redis(store: Mapping[str, Any]) -> list[Check]:
+    """Each redis tier answers PING within REDIS_TIMEOUT_S, reached as the tier reaches it
+    (`ping_redis`). A tier whose settings are invalid (e.g. a password in its URL) fails
+    without a connection attempt."""
+    out = []
+    for index, tier in enumerate(store.get("tiers", [])):
+        if not isinstance(tier, Mapping) or tier.get("kind") != "redis":
+            continue
+        name = f"redis {_redis_target(tier)}"
+        try:
+            config = parse_model(RedisTierConfig, dict(tier), f"store.tiers.{index}.redis")
+        except ConfigError as exc:
+            out.append(Check(name, "fail", str(exc)))
+            continue
+        out.append(ping_redis(config))
+    return out or [Check("redis", "skip", "no redis tier configured")]
+
+
+def ping_redis(config: RedisTierConfig) -> Check:
+    """PING a redis tier's server (every node of a Cluster) the way the tier connects: its
+    URL or cluster nodes, TLS and CA file, ACL user, password from password_file or the
+    environment (never the URL); with REDIS_TIMEOUT_S timeouts. Credentials are never in the
+    result (kvtier.redaction)."""
+    import redis  # local: only doctor runs with a redis tier need it
+
+    from kvtier.tiers.redis_client import connect, read_password
+
+    name = f"redis {_redis_target(config.model_dump())}"
+    timeout_ms = int(REDIS_TIMEOUT_S * 1000)
+    quick = config.model_copy(update={"socket_timeout_ms": timeout_ms,
+                                      "connect_timeout_ms": timeout_ms})
+    try:
+        password = read_password(config)
+    except ConfigError as exc:
+        return Check(name, "fail", str(exc))
+    try:
+        client = connect(quick, password)
+        try:
+            client.ping()
+        finally:
+            client.close()
+    except (redis.RedisError, OSError, ValueError) as exc:
+        return Check(name, "fail", f"unreachable: {redact_text(str(exc))}")
+    how = [f"{len(config.cluster_nodes)} cluster node(s)"] if config.cluster_nodes else []
+    if config.tls or config.url.startswith("rediss://"):
+        how.append("TLS")
+    if config.username or password is not None:
+        how.append(f"as user {config.username or 'default'} with a password")
+    return Check(name, "ok", "PING answered" + (f" ({', '.join(how)})" if how else ""))
+
+
+def _redis_target(tier: Mapping[str, Any]) -> str:
+    """What a redis tier connects to, for display: its cluster nodes or its URL, redacted."""
+    nodes = tier.get("cluster_nodes")
+    if nodes:
+        return redact_text(",".join(str(node) for node in nodes))
+    return redact(str(tier.get("url") or "redis://127.0.0.1:6379/0"))
+
+
+def run_doctor(store: Mapping[str, Any], connector_module: str = CONNECTOR_MODULE) -> list[Check]:
+    """Every check, in the order an operator fixes them; any URL in them redacted."""
+    checks = [check_vllm(), check_connector(connector_module), check_store_config(store),
+              check_memory(store), *check_tier_paths(store), *check_redis(store)]
+    return [Check(redact_text(c.name), c.status, redact_text(c.detail)) for c in checks]
+
+
+def machine_doctor(connector_module: str = CONNECTOR_MODULE) -> tuple[list[Check], list[str]]:
+    """No config given: check the installation (vLLM's build against this host's GPUs, the
+    connector importable, pinned memory) and the machine (RAM, the default disk tier's
+    directory), then say what to pass next. Returns (checks, next steps)."""
+    disk = default_disk_path()
+    # The two probes each start a child Python (vLLM's import, torch's CUDA init): together,
+    # so the doctor takes the longer of the two, not their sum.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        connector = pool.submit(check_connector, connector_module)
+        pinned = pool.submit(check_pinned_memory)
+        checks = [check_vllm(), connector.result(), pinned.result(), check_host_ram(),
+                  _check_dir(f"default disk tier: {disk}", disk, 0, PER_ENGINE)]
+    return [Check(redact_text(c.name), c.status, redact_text(c.detail)) for c in checks], \
+        next_steps()
+
+
+def next_steps() -> list[str]:
+    """The commands to run next, with the tier sizes `kvtier serve` would pick here."""
+    try:
+        tiers = default_tiers(cpu=is_cpu_backend())
+    except (ConfigError, OSError):
+        tiers = []
+    flags = " ".join(f"--memory {t['capacity']}" if t["kind"] == "memory"
+                     else f"--disk {t['path']}:{t['capacity']}" for t in tiers)
+    return [f"check a tier layout: kvtier doctor {flags or '--memory SIZE --disk PATH:SIZE'} "
+            "(or kvtier doctor CONFIG.yaml); these are the sizes kvtier serve picks here",
+            "size the tiers for a model: kvtier plan MODEL_DIR --tp N --host-ram SIZE",
+            "check a serve command before deploying it: kvtier audit 'vllm serve ...'"]
+
+
+def transfer_config_json(store: Mapping[str, Any]) -> str:
+    """The exact `--kv-transfer-config` JSON vLLM would receive for `store`.
+
+    Raises:
+        ConfigError: when the store config is invalid (check_store_config says why).
+    """
+    return json.dumps(kvtier_transfer_config(store), separators=(",", ":"))
+
+
+def _check_dir(name: str, path: Path, capacity: Any, scope: str) -> Check:
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return Check(name, "fail", f"{existing} is not a directory")
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".kvtier-doctor-"):
+            pass
+    except OSError as exc:
+        return Check(name, "fail", f"cannot write in {existing}: {exc.strerror or exc}")
+    free = shutil.disk_usage(existing).free
+    want = _size(capacity)
+    where = "" if existing == path else f" (will be created under {existing})"
+    if want > free:
+        return Check(name, "fail", f"capacity {format_size(want)} but only "
+                     f"{format_size(free)} free{where}")
+    if not want:
+        return Check(name, "ok", f"writable, {format_size(free)} free{where}")
+    return Check(name, "ok", f"writable, {format_size(free)} free for "
+                 f"{format_size(want)} ({scope}){where}")
+
+
+def _size(value: Any) -> int:
+    try:
+        return parse_size(value, "capacity")
+    except ConfigError:
+        return 0  # check_store_config reports the bad value
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

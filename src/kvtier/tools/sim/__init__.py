@@ -1,0 +1,14 @@
+"""`kvtier simulate`: a discrete-event simulator of serving engines with kvtier's tiers.
+
+Modules, in the order data flows through them:
+    workload  -- seeded synthetic traffic (sessions, shared prompts, history, documents)
+    cost      -- step and transfer times from model FLOPs and bandwidths (via kvtier.tools.ops)
+    kvcache   -- the GPU's paged KV pool with a prefix cache over block hashes
+    tiers     -- offload tiers: capacity, bandwidth, LRU/ARC eviction (kvtier.core.policies)
+    engine    -- one engine: continuous batching, chunked prefill, preemption, tier loads
+    fleet     -- SimConfig and simulate(): engines behind a router, in time order
+    report    -- counters and the SimReport (throughput, TTFT p50/p99, hit rate per tier)
+    sweep     -- one parameter swept with and without offload; where offload pays
+    plot      -- PNG of a sweep
+    validate  -- the model against published figures
+"""

@@ -1,0 +1,177 @@
+"""kvtier's offload tiers as the simulator sees them: capacity, bandwidth, eviction.
+
+A tier holds block hashes (the KV itself is never materialised). Blocks are written through
+to the first tier as the GPU computes them (vLLM's OffloadingConnector stores completed
+blocks as they are produced); a tier that overflows demotes its victim to the next tier, and
+the last tier drops it. A lookup walks a prompt's hashes past the GPU hits and finds each
+block in the first tier that has it, stopping at the first block no tier holds; blocks found
+below the first tier are promoted into it. Loads queue on each tier's read channel, so
+concurrent loads (and engines sharing a tier) contend for its bandwidth.
+
+Eviction order comes from `kvtier.core.policies` (LRU, ARC), the same policies the real
+tiers use.
+
+Primitives:
+    TierSpec, TIER_PRESETS, parse_tier("cpu=64GiB[:arc]")
+    SimTier       -- one tier's residency, policy, read channel and counters
+    TierStack     -- the ordered tiers of one engine (shared tiers appear in several stacks)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from kvtier.core.policies import POLICIES, EvictionPolicy, make_policy
+from kvtier.errors import ConfigError
+from kvtier.tools.ops.hardware import DRAM_GBPS, NVME_GBPS
+from kvtier.units import parse_size
+
+
+@dataclass(frozen=True, slots=True)
+class TierSpec:
+    """One offload tier."""
+
+    name: str  # "cpu", "nvme", "shared", "redis" (display and report key)
+    capacity_bytes: int  # bytes of KV it holds
+    read_gbps: float  # effective read bandwidth of the medium, GB/s (the link caps it too)
+    latency_s: float  # fixed cost of one load from it (lookup, I/O submission, RTT)
+    policy: str = "lru"  # eviction policy, one of kvtier.core.policies.POLICIES
+    shared: bool = False  # one instance shared by every engine of the fleet
+
+    def __post_init__(self) -> None:
+        if self.capacity_bytes < 0:
+            raise ConfigError(f"tier.{self.name}.capacity", self.capacity_bytes, "bytes >= 0")
+        if self.read_gbps <= 0:
+            raise ConfigError(f"tier.{self.name}.read_gbps", self.read_gbps, "GB/s > 0")
+        if self.latency_s < 0:
+            raise ConfigError(f"tier.{self.name}.latency_s", self.latency_s, "seconds >= 0")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"tier.{self.name}.policy", self.policy, f"one of {POLICIES}")
+
+
+# Bandwidths from kvtier.tools.ops.hardware; latencies are typical per-request costs.
+TIER_PRESETS: dict[str, TierSpec] = {
+    "cpu": TierSpec("cpu", 0, DRAM_GBPS, 50e-6),
+    "nvme": TierSpec("nvme", 0, NVME_GBPS[4], 200e-6),
+    "shared": TierSpec("shared", 0, 2.0, 2e-3, shared=True),  # NFS/Lustre-class mount
+    "redis": TierSpec("redis", 0, 1.2, 1e-3, shared=True),  # one server over 10-25 GbE
+}
+
+
+def parse_tier(text: str) -> TierSpec:
+    """Parse "NAME=SIZE[:POLICY]", e.g. "cpu=64GiB" or "nvme=2TiB:arc".
+
+    Raises:
+        ConfigError: unknown tier name, bad size or unknown policy.
+    """
+    name, _, rest = text.partition("=")
+    name = name.strip().lower()
+    if name not in TIER_PRESETS or not rest:
+        raise ConfigError("tier", text, f"NAME=SIZE[:POLICY], NAME one of {list(TIER_PRESETS)}")
+    size, _, policy = rest.partition(":")
+    return replace(TIER_PRESETS[name], capacity_bytes=parse_size(size, f"tier.{name}"),
+                   policy=policy.strip().lower() or "lru")
+
+
+class SimTier:
+    """Residency and counters of one tier. Single-threaded (the simulator's loop)."""
+
+    __slots__ = (
+        "busy_until_s",
+        "capacity_blocks",
+        "evicted_blocks",
+        "hit_blocks",
+        "loads",
+        "policy",
+        "resident",
+        "spec",
+        "stored_blocks",
+    )
+
+    def __init__(self, spec: TierSpec, block_bytes: float) -> None:
+        self.spec = spec
+        self.capacity_blocks = int(spec.capacity_bytes // block_bytes)
+        self.resident: set[int] = set()
+        self.policy: EvictionPolicy[int] = make_policy(spec.policy, max(1, self.capacity_blocks))
+        self.busy_until_s = 0.0  # when its read channel is free again
+        self.hit_blocks = 0  # blocks served to lookups
+        self.stored_blocks = 0  # blocks written into it (stores, demotions, promotions)
+        self.evicted_blocks = 0  # blocks it pushed out
+        self.loads = 0  # load operations served
+
+    def put(self, h: int) -> int | None:
+        """Make `h` resident (touching it if it is); return the victim it displaced, if any."""
+        if h in self.resident:
+            self.policy.touch(h)
+            return None
+        self.resident.add(h)
+        self.policy.insert(h)
+        self.stored_blocks += 1
+        if len(self.resident) <= self.capacity_blocks:
+            return None
+        victim = self.policy.evict()
+        assert victim is not None, "policy lost track of resident blocks"
+        self.resident.discard(victim)
+        self.evicted_blocks += 1
+        return victim
+
+
+class TierStack:
+    """The tiers below one engine's GPU, fastest first."""
+
+    def __init__(self, tiers: list[SimTier], link_gbps: float, block_bytes: float) -> None:
+        self.tiers = [t for t in tiers if t.capacity_blocks > 0]
+        self.link_gbps = link_gbps
+        self.block_bytes = block_bytes
+        # Seconds per block from each tier: the slower of the medium and the GPU's links.
+        self.block_s = [block_bytes / (min(t.spec.read_gbps, link_gbps) * 1e9)
+                        for t in self.tiers]
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any tier can hold a block."""
+        return bool(self.tiers)
+
+    def store(self, h: int) -> None:
+        """Write `h` through to the first tier, cascading victims downward."""
+        for tier in self.tiers:
+            victim = tier.put(h)
+            if victim is None:
+                return
+            h = victim
+
+    def lookup(self, hashes: list[int], start: int, end: int) -> list[int]:
+        """Count contiguous hits of hashes[start:end] per tier, promoting lower-tier hits.
+
+        Returns:
+            one count per tier (all zero when the first block is nowhere).
+        """
+        counts = [0] * len(self.tiers)
+        tiers = self.tiers
+        for i in range(start, end):
+            h = hashes[i]
+            for k, tier in enumerate(tiers):
+                if h in tier.resident:
+                    tier.policy.touch(h)
+                    counts[k] += 1
+                    break
+            else:
+                break
+        for k, n in enumerate(counts):
+            tiers[k].hit_blocks += n
+        if len(tiers) > 1 and any(counts[1:]):
+            for i in range(start + counts[0], start + sum(counts)):
+                self.store(hashes[i])
+        return counts
+
+    def schedule_load(self, now_s: float, counts: list[int]) -> float:
+        """Queue the loads for `counts` blocks per tier; return when the last one lands."""
+        t = now_s
+        for k, n in enumerate(counts):
+            if n:
+                tier = self.tiers[k]
+                start = t if t > tier.busy_until_s else tier.busy_until_s
+                t = start + tier.spec.latency_s + n * self.block_s[k]
+                tier.busy_until_s = t
+                tier.loads += 1
+        return t

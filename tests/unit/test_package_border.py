@@ -1,0 +1,108 @@
+"""The border between the cache and the operator tools (issue 24).
+
+The cache (kvtier.core, kvtier.tiers, kvtier.integrations, kvtier.config, kvtier.errors, ...)
+is what vLLM imports, with only the dependencies pyproject's [project] list names; the tools
+(kvtier.tools) import the cache and bring their own (the `tools` extra). These tests read the
+code, and import the connector in a fresh interpreter, so that a stray import fails here.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "kvtier"
+PYPROJECT = SRC.parents[1] / "pyproject.toml"
+TOOLS = SRC / "tools"
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every module `path` imports by name (relative imports resolved), at any depth."""
+    module = "kvtier." + ".".join(path.relative_to(SRC).with_suffix("").parts)
+    package = module.rsplit(".", 1)[0] if path.name != "__init__.py" else module
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            found.add(base)
+    return found
+
+
+def test_the_cache_never_imports_the_tools() -> None:
+    offenders = {
+        str(path.relative_to(SRC)): sorted(m for m in _imported_modules(path)
+                                          if m.startswith("kvtier.tools"))
+        for path in SRC.rglob("*.py") if TOOLS not in path.parents
+    }
+    assert {f: m for f, m in offenders.items() if m} == {}
+
+
+def _tools_dependencies() -> list[str]:
+    project = tomllib.loads(PYPROJECT.read_text())["project"]
+    names = [dep.split(">")[0].split("=")[0].split("[")[0]
+             for dep in project["optional-dependencies"]["tools"]]
+    assert names, "pyproject names no tools extra"
+    return names
+
+
+def _run_probe(probe: str) -> list[str]:
+    """The JSON list `probe` prints, run in a fresh interpreter."""
+    result = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True,
+                            text=True)
+    return list(json.loads(result.stdout))
+
+
+def test_the_cache_imports_without_the_tools_dependencies() -> None:
+    """Without vLLM in the picture: the tools' dependencies made unimportable, every cache
+    module still imports."""
+    probe = (
+        "import importlib, json, pkgutil, sys\n"
+        f"for name in {_tools_dependencies()!r}: sys.modules[name] = None\n"
+        "import kvtier\n"
+        "names = [m.name for m in pkgutil.walk_packages(kvtier.__path__, 'kvtier.')\n"
+        "         if not m.name.startswith(('kvtier.tools', 'kvtier.integrations'))]\n"
+        "for name in names: importlib.import_module(name)\n"
+        "print(json.dumps(names))\n"
+    )
+    imported = _run_probe(probe)
+    assert "kvtier.core.store" in imported and "kvtier.tiers.redis" in imported
+
+
+def test_importing_the_connector_loads_none_of_the_tools_dependencies() -> None:
+    """vLLM itself imports aiohttp: what counts is what kvtier adds after the vLLM modules
+    the connector needs are loaded."""
+    probe = (
+        "import json, sys\n"
+        "import vllm.distributed.kv_transfer.kv_connector.v1.base\n"
+        "import vllm.v1.metrics.cache_hit_source\n"
+        "before = set(sys.modules)\n"
+        "import kvtier.integrations.vllm.connector, kvtier.integrations.vllm.plugin\n"
+        "print(json.dumps(sorted(set(sys.modules) - before)))\n"
+    )
+    added = _run_probe(probe)
+    assert "kvtier.integrations.vllm.connector" in added  # the probe really ran
+    roots = {name.split(".")[0] for name in added}
+    assert roots.isdisjoint(_tools_dependencies()), sorted(roots & set(_tools_dependencies()))
+    assert not [m for m in added if m.startswith("kvtier.tools")]
+
+
+def test_every_cache_dependency_is_declared_and_used() -> None:
+    """pyproject's [project] dependencies are the ones the cache imports: none missing, none
+    declared and imported nowhere."""
+    project = tomllib.loads(PYPROJECT.read_text())["project"]
+    import_names = {"pyyaml": "yaml", "ml-dtypes": "ml_dtypes", "prometheus_client":
+                    "prometheus_client"}
+    declared = {import_names.get(name, name) for name in
+                (dep.split(">")[0].split("=")[0] for dep in project["dependencies"])}
+    imported = {m.split(".")[0] for path in SRC.rglob("*.py") if TOOLS not in path.parents
+                for m in _imported_modules(path)}
+    assert declared - imported == set(), "declared and imported nowhere in the cache"
