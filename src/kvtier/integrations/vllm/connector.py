@@ -185,11 +185,12 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             log_engine_version(logger)
         check_supported(model_traits(vllm_config))
         self._config = ConnectorConfig.parse(self._kv_transfer_config.kv_connector_extra_config)
-        # vLLM's default kv_load_failure_policy is "fail": a request whose load we report
-        # (get_block_ids_with_load_errors: a corrupt or vanished chunk) finished with an
-        # error and no tokens (tests/vllm/test_kvtier_restart.py, damaged chunk files). A
-        # cache miss must cost recomputation only. vLLM's scheduler reads the policy right
-        # after building this (scheduler-role) connector, so setting it here takes effect.
+        # A failed load (a corrupt or vanished chunk) must cost recomputation only, but
+        # vLLM's default kv_load_failure_policy "fail" ends the request with an error
+        # (tests/vllm/test_kvtier_restart.py, damaged chunk files), and vLLM (0.32, 0.33)
+        # has no hook for a connector to state its policy. Its scheduler reads the policy
+        # right after building this scheduler-role connector, so the write takes effect
+        # (tests/vllm_api/test_load_failure_policy.py fails if a release stops doing so).
         if getattr(self._kv_transfer_config, "kv_load_failure_policy", None) == "fail":
             logger.info("kvtier: kv_load_failure_policy 'fail' -> 'recompute' (a failed "
                         "kvtier load is recomputed, never an error)")
