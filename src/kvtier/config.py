@@ -42,7 +42,7 @@ from pydantic import (
 )
 
 from kvtier.core.threads import parse_io_cores
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, TierConfigError
 from kvtier.tiers.registry import TIER_CLASSES, config_model, public_kinds
 from kvtier.units import parse_size
 
@@ -76,30 +76,25 @@ class TierSettings(_Frozen):
 TierConfig = TierSettings  # the type of `StoreConfig.tiers` items (kept for callers)
 
 
-class _TierError(ConfigError):
-    """A tier entry's ConfigError, whose `field` is already its path inside the StoreConfig
-    (e.g. "tiers.0.disk.path"): `parse_model` prefixes it with `where` and nothing else."""
-
-
 def _tier_config(item: Any, index: int) -> Any:
     """One `tiers` entry as its kind's config model (an instance passes through).
 
     Raises:
-        _TierError: no or an unknown kind, or an invalid value for that kind.
+        TierConfigError: no or an unknown kind, or an invalid value for that kind.
     """
     if isinstance(item, TierSettings) or not isinstance(item, dict):
         return item  # a model already, or not a mapping: pydantic's own error names it
     kinds = public_kinds()
     kind = item.get("kind")
     if kind is None:
-        raise _TierError(f"tiers.{index}.kind", None,
+        raise TierConfigError(f"tiers.{index}.kind", None,
                          "a tier kind, one of " + ", ".join(repr(k) for k in kinds))
     if not isinstance(kind, str) or kind not in TIER_CLASSES:
-        raise _TierError(f"tiers.{index}.kind", kind, f"one of {kinds}")
+        raise TierConfigError(f"tiers.{index}.kind", kind, f"one of {kinds}")
     try:
         return parse_model(config_model(kind), item, f"tiers.{index}.{kind}")
     except ConfigError as exc:
-        raise _TierError(exc.field, exc.value, exc.allowed) from None
+        raise TierConfigError(exc.field, exc.value, exc.allowed) from None
 
 
 class StoreConfig(_Frozen):
@@ -201,7 +196,7 @@ def parse_model(model: type[BaseModel], data: Any, where: str) -> Any:
         error = exc.errors()[0]
         loc, value, allowed = error["loc"], error.get("input"), error["msg"]
         cause = error.get("ctx", {}).get("error")
-        if isinstance(cause, _TierError):  # already names its path inside the model
+        if isinstance(cause, TierConfigError):  # already names its path inside the model
             raise ConfigError(f"{where}.{cause.field}", cause.value, cause.allowed) from None
         if isinstance(cause, ConfigError):
             allowed = cause.allowed

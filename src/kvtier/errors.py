@@ -1,8 +1,14 @@
-"""The small error vocabulary of kvtier.
+"""Every exception kvtier raises, each a `KVTierError`.
 
 Every public function says which of these it raises. Failures of I/O on a cache tier are
-normally returned as data (a miss, a dropped write) and counted; these exceptions are for
-the caller's mistakes (ConfigError) and for tier internals that the store turns into misses.
+returned as data (a miss, a dropped write) and counted; these exceptions are for the caller's
+mistakes (`ConfigError`), for chunks that fail verification (`CorruptChunk` and its kinds,
+which the tiers turn into misses), for requests kvtier does not cache, and for the operator
+tools' servers.
+
+Primitives: `KVTierError`, `ConfigError`, `TierConfigError`, `TierUnavailable`,
+`CorruptChunk`, `CodecFailure`, `AuthFailure`, `KeyNotHeld`, `UncacheableRequest`,
+`WarmupError`, `ServerError`.
 """
 
 from kvtier.redaction import redact_text, redact_value
@@ -12,6 +18,7 @@ class KVTierError(Exception):
     """Base class of all kvtier errors."""
 
 
+# -- configuration ---------------------------------------------------------------------------
 class ConfigError(KVTierError, ValueError):
     """A configuration value is invalid.
 
@@ -27,9 +34,50 @@ class ConfigError(KVTierError, ValueError):
         super().__init__(f"invalid config {field}={self.value!r}: {self.allowed}")
 
 
+class TierConfigError(ConfigError):
+    """A tier entry's ConfigError, whose `field` is already its path inside the store's
+    config (e.g. "tiers.0.disk.path"): the store config's parser prefixes it with where the
+    store config came from and nothing else."""
+
+
+# -- tiers and chunks ------------------------------------------------------------------------
 class TierUnavailable(KVTierError):
     """A tier cannot serve right now (directory unwritable, server down, ...)."""
 
 
-class CorruptBlock(KVTierError):
-    """Stored chunk data failed verification (magic, version, layout, key, size or checksum)."""
+class CorruptChunk(KVTierError):
+    """Stored chunk data failed verification (magic, version, layout, key, size or checksum).
+    The tier that read it removes it and reports a miss."""
+
+
+class CodecFailure(CorruptChunk):
+    """A chunk's codec is unknown to this reader, or its bytes did not decode to the payload
+    the header describes (kvtier.core.codecs)."""
+
+
+class AuthFailure(CorruptChunk):
+    """A sealed chunk that failed authentication under its key: tampered bytes or header
+    (kvtier.core.sealing)."""
+
+
+class KeyNotHeld(AuthFailure):
+    """A sealed chunk under a key this reader does not hold (its tenant unknown to this
+    process, another tenant's, another secret's): not proof of tampering — another reader
+    may hold the key — so the chunk is a miss and is kept."""
+
+
+# -- requests --------------------------------------------------------------------------------
+class UncacheableRequest(KVTierError):
+    """The request's KV depends on something kvtier cannot encode deterministically (an
+    input kind the chunk keys do not cover): the request is served without kvtier."""
+
+
+# -- the operator tools ----------------------------------------------------------------------
+class WarmupError(KVTierError):
+    """`kvtier warm`: the server cannot be used (unreachable, not an OpenAI-compatible vLLM,
+    no model)."""
+
+
+class ServerError(KVTierError):
+    """A vLLM server the tools started exited or did not become healthy in time (the message
+    has its log)."""

@@ -23,7 +23,7 @@ from kvtier.core.chunkformat import (
     verify_header,
     verify_payload,
 )
-from kvtier.errors import CorruptBlock
+from kvtier.errors import CorruptChunk
 
 KEY = bytes(range(16))
 OTHER_KEY = bytes(range(1, 17))
@@ -72,7 +72,7 @@ def test_each_wrong_header_field_is_corrupt(field: str, resum: bool) -> None:
     well-formed header of something else - must never be accepted."""
     offset, fmt, wrong = FIELDS[field]
     header = _with_field(encode_header(KEY, LAYOUT, PAYLOAD), offset, fmt, wrong, resum)
-    with pytest.raises(CorruptBlock):
+    with pytest.raises(CorruptChunk):
         verify_header(header, KEY, LAYOUT)
 
 
@@ -82,21 +82,21 @@ def test_damaged_size_or_payload_checksum_fields_fail_the_header_checksum(offset
     checksum (the size check and payload check then never see a lying header)."""
     header = bytearray(encode_header(KEY, LAYOUT, PAYLOAD))
     header[offset] ^= 0x01
-    with pytest.raises(CorruptBlock, match="header checksum"):
+    with pytest.raises(CorruptChunk, match="header checksum"):
         verify_header(bytes(header), KEY, LAYOUT)
 
 
 def test_a_short_header_is_corrupt_not_an_index_error() -> None:
-    with pytest.raises(CorruptBlock, match="short"):
+    with pytest.raises(CorruptChunk, match="short"):
         verify_header(encode_header(KEY, LAYOUT, PAYLOAD)[:50], KEY, LAYOUT)
-    with pytest.raises(CorruptBlock):
+    with pytest.raises(CorruptChunk):
         verify_header(b"", KEY, LAYOUT)
 
 
 def test_a_zero_filled_header_is_corrupt() -> None:
     """A file preallocated but never written (a crash between create and write) reads as
     zeros: that is not a chunk."""
-    with pytest.raises(CorruptBlock):
+    with pytest.raises(CorruptChunk):
         verify_header(bytes(HEADER_BYTES), KEY, LAYOUT)
 
 
@@ -104,7 +104,7 @@ def test_one_flipped_payload_bit_fails_the_payload_checksum() -> None:
     _size, payload_sum = verify_header(encode_header(KEY, LAYOUT, PAYLOAD), KEY, LAYOUT)
     damaged = bytearray(PAYLOAD)
     damaged[1234] ^= 0x80
-    with pytest.raises(CorruptBlock, match="payload checksum"):
+    with pytest.raises(CorruptChunk, match="payload checksum"):
         verify_payload(bytes(damaged), payload_sum)
-    with pytest.raises(CorruptBlock):
+    with pytest.raises(CorruptChunk):
         verify_payload(PAYLOAD[:-1], payload_sum)

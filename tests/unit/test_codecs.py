@@ -3,7 +3,7 @@ them (kvtier.core.chunkformat.ChunkEncoder).
 
 The story: lossless codecs give back every byte of bf16/fp16/fp32 KV; fp8 is lossy within its
 bound; damaged compressed bytes, an unknown codec id or a codec that decodes wrongly are all
-misses (CorruptBlock / CodecFailure), never wrong KV; a chunk without a codec is still the
+misses (CorruptChunk / CodecFailure), never wrong KV; a chunk without a codec is still the
 version 1 format the previous release wrote, and that release's files are read.
 """
 
@@ -20,14 +20,7 @@ import xxhash
 from tierkit import key, tiny_layout
 
 from kvtier.config import StoreConfig
-from kvtier.core.chunkformat import (
-    HEADER_BYTES,
-    VERSION,
-    ChunkEncoder,
-    CodecFailure,
-    failure_of,
-    read_header,
-)
+from kvtier.core.chunkformat import HEADER_BYTES, VERSION, ChunkEncoder, failure_of, read_header
 from kvtier.core.codecs import (
     CODEC_NAMES,
     FP8_GROUP,
@@ -41,7 +34,7 @@ from kvtier.core.codecs import (
 )
 from kvtier.core.layout import KVLayout
 from kvtier.core.tier import Failure
-from kvtier.errors import ConfigError, CorruptBlock
+from kvtier.errors import CodecFailure, ConfigError, CorruptChunk
 from kvtier.tiers import build_tier
 from kvtier.tiers.chunkfiles import ChunkFiles
 
@@ -118,9 +111,9 @@ def test_truncated_or_garbled_compressed_bytes_raise_corrupt_block(codec: str) -
     c = make_codec(codec, "bfloat16")
     stored = c.encode(memoryview(payload))
     out = memoryview(bytearray(len(payload)))
-    with pytest.raises(CorruptBlock):
+    with pytest.raises(CorruptChunk):
         c.decode(memoryview(stored[: len(stored) // 2]), out)
-    with pytest.raises(CorruptBlock):
+    with pytest.raises(CorruptChunk):
         c.decode(memoryview(b"\xff" * 64), out)
 
 
@@ -214,7 +207,7 @@ def test_damaged_compressed_bytes_fail_the_body_checksum() -> None:
     header = read_header(encoded.header, key(5), LAYOUT.digest())
     damaged = bytearray(encoded.body)
     damaged[len(damaged) // 2] ^= 0x10
-    with pytest.raises(CorruptBlock, match="checksum"):
+    with pytest.raises(CorruptChunk, match="checksum"):
         encoder("lz4").decode(key(5), header, memoryview(damaged),
                               memoryview(bytearray(len(payload))))
 

@@ -24,9 +24,9 @@ from tierkit import key
 from kvtier.config import StoreConfig
 from kvtier.core.chunkformat import ChunkEncoder, failure_of, read_header
 from kvtier.core.layout import KVLayout
-from kvtier.core.sealing import AuthFailure, Sealer, TenantBook
+from kvtier.core.sealing import Sealer, TenantBook
 from kvtier.core.tier import Failure
-from kvtier.errors import ConfigError
+from kvtier.errors import AuthFailure, ConfigError
 from kvtier.tiers import build_tier
 
 SECRET = b"s3cr3t-operator-key-0123456789abcdefXYZ"

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, ServerError
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.tools.cli.main import main
-from kvtier.tools.ops.server import ServerError, free_port, running_server
+from kvtier.tools.ops.server import free_port, running_server
 from kvtier.tools.ops.serving import (
     GIB,
     ServeCommand,

@@ -19,11 +19,11 @@ moved onto other bytes fails authentication), and the header's payload checksum 
 a checksum of the plaintext would let anyone confirm a guess of it.
 
 A chunk whose format version, codec or key this reader does not know is a miss, like a
-corrupt one (`CodecFailure`, `AuthFailure` are CorruptBlocks; `failure_of` says which).
+corrupt one (`CodecFailure`, `AuthFailure` are CorruptChunks; `failure_of` says which).
 
 Primitives: `ChunkEncoder` (a tier's `encode` on write threads / `decode` on reads), `Encoded`,
 `ChunkHeader`, `read_header`, `encode_header` + `verify_header` + `verify_payload` (version
-1), `stored_size`, `checksum`, `CodecFailure`, `failure_of`.
+1), `stored_size`, `checksum`, `failure_of` (the Failure of a `CorruptChunk` from kvtier.errors).
 """
 
 from __future__ import annotations
@@ -42,15 +42,13 @@ from kvtier.core.sealing import (
     NONCE_BYTES,
     SEAL_OVERHEAD,
     TENANTS,
-    AuthFailure,
-    KeyNotHeld,
     Sealer,
     TenantBook,
     TenantKey,
     new_nonce,
 )
 from kvtier.core.tier import Failure
-from kvtier.errors import CorruptBlock
+from kvtier.errors import AuthFailure, CodecFailure, CorruptChunk, KeyNotHeld
 
 MAGIC = b"KVTIERC\x00"
 VERSION = 1  # a chunk stored as is
@@ -67,12 +65,7 @@ _HEADER_SUM = struct.Struct("<Q")
 _U64 = struct.Struct("<Q")
 
 
-class CodecFailure(CorruptBlock):
-    """A chunk's codec is unknown to this reader, or its bytes did not decode to the payload
-    the header describes."""
-
-
-def failure_of(exc: CorruptBlock) -> Failure:
+def failure_of(exc: CorruptChunk) -> Failure:
     """The Failure reason of a chunk that did not verify: NO_KEY, AUTH, CODEC or CORRUPT."""
     if isinstance(exc, KeyNotHeld):
         return Failure.NO_KEY
@@ -146,29 +139,29 @@ def read_header(header: memoryview | bytes, key: ChunkKey, layout_digest: str) -
     """Check a header read back (version 1 or 2) and return its fields.
 
     Raises:
-        CorruptBlock: short header, bad magic, unknown version, header checksum mismatch,
+        CorruptChunk: short header, bad magic, unknown version, header checksum mismatch,
             or a layout or key other than expected.
     """
     if len(header) < _FIELDS.size + _HEADER_SUM.size:
-        raise CorruptBlock(f"short header: {len(header)} bytes")
+        raise CorruptChunk(f"short header: {len(header)} bytes")
     magic, version = struct.unpack_from("<8sH", header)
     if magic != MAGIC:
-        raise CorruptBlock("bad magic")
+        raise CorruptChunk("bad magic")
     layout_size = _V2_FIELDS if version == VERSION_ENCODED else _FIELDS
     end = layout_size.size + _HEADER_SUM.size
     if len(header) < end:
-        raise CorruptBlock(f"short header: {len(header)} bytes")
+        raise CorruptChunk(f"short header: {len(header)} bytes")
     fields = bytes(header[: layout_size.size])
     (header_sum,) = _HEADER_SUM.unpack(bytes(header[layout_size.size : end]))
     if header_sum != xxhash.xxh3_64_intdigest(fields):
-        raise CorruptBlock("header checksum mismatch")
+        raise CorruptChunk("header checksum mismatch")
     if version not in (VERSION, VERSION_ENCODED):
-        raise CorruptBlock(f"unknown format version {version}")
+        raise CorruptChunk(f"unknown format version {version}")
     values = layout_size.unpack(fields)
     if values[3] != bytes.fromhex(layout_digest):
-        raise CorruptBlock("layout digest mismatch")
+        raise CorruptChunk("layout digest mismatch")
     if values[4] != key:
-        raise CorruptBlock("key mismatch")
+        raise CorruptChunk("key mismatch")
     size, payload_sum = values[5], values[6]
     if version == VERSION:
         return ChunkHeader(VERSION, size, payload_sum, body_bytes=size, body_sum=payload_sum)
@@ -181,16 +174,16 @@ def verify_header(header: memoryview | bytes, key: ChunkKey, layout_digest: str)
     """Check a header read back; return (payload size, payload checksum) (see read_header).
 
     Raises:
-        CorruptBlock: as `read_header`.
+        CorruptChunk: as `read_header`.
     """
     h = read_header(header, key, layout_digest)
     return h.payload_bytes, h.payload_sum
 
 
 def verify_payload(payload: memoryview | bytes, expected_checksum: int) -> None:
-    """Raises CorruptBlock when the payload's checksum differs from the header's."""
+    """Raises CorruptChunk when the payload's checksum differs from the header's."""
     if checksum(payload) != expected_checksum:
-        raise CorruptBlock("payload checksum mismatch")
+        raise CorruptChunk("payload checksum mismatch")
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,16 +296,16 @@ class ChunkEncoder:
         `out` itself only for a plain chunk.
 
         Raises:
-            CorruptBlock: a size or checksum mismatch.
+            CorruptChunk: a size or checksum mismatch.
             AuthFailure: sealed under a key this reader does not hold, or tampered.
             CodecFailure: an unknown codec, or bytes that do not decode to the payload.
         """
         if header.payload_bytes != len(out):
-            raise CorruptBlock(f"payload is {header.payload_bytes} bytes, expected {len(out)}")
+            raise CorruptChunk(f"payload is {header.payload_bytes} bytes, expected {len(out)}")
         if len(body) != header.body_bytes:
-            raise CorruptBlock(f"body is {len(body)} bytes, header says {header.body_bytes}")
+            raise CorruptChunk(f"body is {len(body)} bytes, header says {header.body_bytes}")
         if checksum(body) != header.body_sum:
-            raise CorruptBlock("payload checksum mismatch")
+            raise CorruptChunk("payload checksum mismatch")
         if not header.seal and self._key_of(key) is not None:
             # Whoever can write the directory or the server could otherwise replace a sealed
             # chunk with one in clear, checksums and all.
@@ -331,11 +324,11 @@ class ChunkEncoder:
             aad = _aad(key, self.layout_digest, header)
             if header.codec_id == 0:  # stored as is: decrypted straight into `out`
                 if header.body_bytes != len(out) + SEAL_OVERHEAD:
-                    raise CorruptBlock(f"sealed body of {header.body_bytes} bytes")
+                    raise CorruptChunk(f"sealed body of {header.body_bytes} bytes")
                 tenant_key.open_into(header.nonce, body, aad, out)
                 return
             if header.body_bytes < CHECKSUM_BYTES + SEAL_OVERHEAD:
-                raise CorruptBlock(f"sealed body of {header.body_bytes} bytes")
+                raise CorruptChunk(f"sealed body of {header.body_bytes} bytes")
             scratch = self._scratch(header.body_bytes - SEAL_OVERHEAD)
             tenant_key.open_into(header.nonce, body, aad, scratch)
             (payload_sum,) = _U64.unpack_from(scratch)
@@ -344,7 +337,7 @@ class ChunkEncoder:
             codec.decode(encoded, out)
         except CodecFailure:
             raise
-        except CorruptBlock as exc:
+        except CorruptChunk as exc:
             raise CodecFailure(f"{codec.name}: {exc}") from None
         if checksum(out) != payload_sum:
             raise CodecFailure(f"{codec.name}: decoded payload checksum mismatch")

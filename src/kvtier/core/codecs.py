@@ -16,7 +16,7 @@ threads (encode) and on the read path into the RAM slot (decode), never on the e
   (scale = max |x| / 448), about 0.53x of a bf16/fp16 payload. Outputs may differ from
   bf16/fp16 KV; it is marked lossy in the config docs, the logs and `kvtier bench codecs`.
 
-Every `decode` raises CorruptBlock on any failure (truncated or garbled bytes, a size other
+Every `decode` raises CorruptChunk on any failure (truncated or garbled bytes, a size other
 than the chunk's): the caller also checks the decoded payload's checksum, so a codec bug
 cannot hand back wrong KV. Codec objects are thread-safe.
 
@@ -34,7 +34,7 @@ from typing import Protocol
 import numpy as np
 
 from kvtier.core.layout import DTYPE_BYTES
-from kvtier.errors import ConfigError, CorruptBlock
+from kvtier.errors import ConfigError, CorruptChunk
 
 FP8_GROUP = 64  # elements sharing one fp8 scale (a head of 64, or half a head of 128)
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
@@ -57,7 +57,7 @@ class Codec(Protocol):
         """Fill `out` (exactly one chunk) from `stored`.
 
         Raises:
-            CorruptBlock: `stored` cannot be decoded into exactly len(out) bytes.
+            CorruptChunk: `stored` cannot be decoded into exactly len(out) bytes.
         """
         ...
 
@@ -78,9 +78,9 @@ def split_planes(payload: memoryview | bytes, element_bytes: int) -> bytes:
 
 
 def join_planes(planes: bytes | memoryview, out: memoryview, element_bytes: int) -> None:
-    """Inverse of `split_planes`, into `out`. Raises CorruptBlock on a size mismatch."""
+    """Inverse of `split_planes`, into `out`. Raises CorruptChunk on a size mismatch."""
     if len(planes) != len(out):
-        raise CorruptBlock(f"decoded {len(planes)} bytes, expected {len(out)}")
+        raise CorruptChunk(f"decoded {len(planes)} bytes, expected {len(out)}")
     data = np.frombuffer(planes, dtype=np.uint8)
     target = np.frombuffer(out, dtype=np.uint8)
     whole = len(data) - len(data) % element_bytes
@@ -106,7 +106,7 @@ class PlainCodec:
 
     def decode(self, stored: memoryview, out: memoryview) -> None:
         if len(stored) != len(out):
-            raise CorruptBlock(f"stored {len(stored)} bytes, expected {len(out)}")
+            raise CorruptChunk(f"stored {len(stored)} bytes, expected {len(out)}")
         out[:] = stored
 
 
@@ -140,7 +140,7 @@ class ZstdCodec:
         try:
             planes = decompressor.decompress(stored, max_output_size=len(out))  # type: ignore[attr-defined]
         except self._zstd.ZstdError as exc:
-            raise CorruptBlock(f"zstd: {exc}") from None
+            raise CorruptChunk(f"zstd: {exc}") from None
         join_planes(planes, out, self._element_bytes)
 
 
@@ -165,7 +165,7 @@ class Lz4Codec:
         try:
             planes = self._block.decompress(stored, uncompressed_size=len(out))
         except (self._block.LZ4BlockError, ValueError) as exc:
-            raise CorruptBlock(f"lz4: {exc}") from None
+            raise CorruptChunk(f"lz4: {exc}") from None
         join_planes(planes, out, self._element_bytes)
 
 
@@ -201,7 +201,7 @@ class Fp8Codec:
     def decode(self, stored: memoryview, out: memoryview) -> None:
         count, groups = self._groups(len(out))
         if count * self._dtype.itemsize != len(out) or len(stored) != 4 * groups + count:
-            raise CorruptBlock(f"fp8: stored {len(stored)} bytes, expected {4 * groups + count}")
+            raise CorruptChunk(f"fp8: stored {len(stored)} bytes, expected {4 * groups + count}")
         scales = np.frombuffer(stored, dtype=np.float32, count=groups)
         flat = np.zeros(groups * FP8_GROUP, dtype=np.float32)
         flat[:count] = np.frombuffer(stored, dtype=self._fp8, offset=4 * groups)

@@ -27,8 +27,8 @@ chunks (the write-behind queue), far below the bound.
 No key material is ever logged, printed, raised or counted: `TenantKey`'s repr shows its id
 only, and the secret lives in `Sealer` alone.
 
-Primitives: `TenantBook`, `TENANTS`, `Sealer`, `TenantKey`, `AuthFailure`, `KeyNotHeld`,
-`SEAL_OVERHEAD`, `MIN_SECRET_BYTES`.
+Primitives: `TenantBook`, `TENANTS`, `Sealer`, `TenantKey`, `SEAL_OVERHEAD`,
+`MIN_SECRET_BYTES`; its failures, `AuthFailure` and `KeyNotHeld`, are in kvtier.errors.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.core.keys import ChunkKey
-from kvtier.errors import CorruptBlock
+from kvtier.errors import AuthFailure
 
 MAX_TENANT_KEYS = 1 << 17  # keys whose tenant TENANTS remembers (~100 B each)
 MIN_SECRET_BYTES = 32  # an operator secret shorter than this is refused
@@ -50,18 +50,6 @@ NONCE_BYTES = 12  # AES-GCM's standard 96-bit nonce, random per write
 TAG_BYTES = 16
 SEAL_OVERHEAD = TAG_BYTES  # sealed bytes = plaintext + the GCM tag
 _MAX_TENANTS = 4096  # derived keys kept per Sealer (HKDF costs ~20 us)
-
-
-class AuthFailure(CorruptBlock):
-    """A sealed chunk that this reader cannot open: authentication failed (tampered bytes or
-    header), or it was sealed under a key this reader does not hold (another tenant, another
-    secret)."""
-
-
-class KeyNotHeld(AuthFailure):
-    """A sealed chunk under a key this reader does not hold (its tenant unknown to this
-    process, another tenant's, another secret's): not proof of tampering — another reader
-    may hold the key — so the chunk is a miss and is kept."""
 
 
 class TenantBook:

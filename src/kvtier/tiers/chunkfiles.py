@@ -44,7 +44,7 @@ from kvtier.core.chunkformat import (
     stored_size,
 )
 from kvtier.core.keys import ChunkKey
-from kvtier.errors import CorruptBlock
+from kvtier.errors import CorruptChunk
 from kvtier.tiers.chunktree import TreeScan, chunk_parts, chunk_path, scan_tree
 from kvtier.tiers.filetree import (
     lstat_file,
@@ -210,9 +210,9 @@ class ChunkFiles:
 
         Raises:
             FileNotFoundError: the chunk is not stored.
-            CorruptBlock: the file is short, long, not a regular file (a FIFO, a device, a
+            CorruptChunk: the file is short, long, not a regular file (a FIFO, a device, a
                 symlink, or a link on the way), or fails header or checksum verification;
-                AuthFailure / CodecFailure (CorruptBlocks): it cannot be opened or decoded
+                AuthFailure / CodecFailure (CorruptChunks): it cannot be opened or decoded
                 here (`kvtier.core.chunkformat.failure_of` tells which).
             OSError: any other read failure.
         """
@@ -221,7 +221,7 @@ class ChunkFiles:
             dir_fd = open_dir(self.root, parts[:-1])
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                raise CorruptBlock(f"{self.path_of(key)}: a link or a file where kvtier's "
+                raise CorruptChunk(f"{self.path_of(key)}: a link or a file where kvtier's "
                                    "directory belongs; not followed") from exc
             raise
         try:
@@ -232,7 +232,7 @@ class ChunkFiles:
         try:
             size = os.fstat(fd).st_size
             if size % ALIGN_BYTES or not HEADER_BYTES < size <= self.max_file_bytes:
-                raise CorruptBlock(f"file is {size} bytes, not a chunk file of this layout "
+                raise CorruptChunk(f"file is {size} bytes, not a chunk file of this layout "
                                    f"(at most {self.max_file_bytes})")
             # A chunk stored as is lands in `out` straight from the medium (O_DIRECT, no
             # bounce); an encoded one (smaller, or larger by a seal) in the staging buffer,
@@ -249,10 +249,10 @@ class ChunkFiles:
         finally:
             os.close(fd)
         if got != size:
-            raise CorruptBlock(f"short read: {got} of {size} bytes")
+            raise CorruptChunk(f"short read: {got} of {size} bytes")
         chunk = read_header(memoryview(header), key, self.layout_digest)
         if stored_size(chunk.body_bytes) != size:
-            raise CorruptBlock(f"file is {size} bytes, its header says {chunk.body_bytes}")
+            raise CorruptChunk(f"file is {size} bytes, its header says {chunk.body_bytes}")
         if body is out and not chunk.plain:  # an encoded chunk of the plain size: rare
             staging[HEADER_BYTES:size] = out
             body = memoryview(staging)[HEADER_BYTES:size]
@@ -266,14 +266,14 @@ class ChunkFiles:
             fd = os.open(name, flags, dir_fd=dir_fd)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
-                raise CorruptBlock(f"{name}: a symlink at a chunk path; not followed") from exc
+                raise CorruptChunk(f"{name}: a symlink at a chunk path; not followed") from exc
             if exc.errno == errno.EINVAL and self.o_direct:  # O_DIRECT refused (not a file)
-                raise CorruptBlock(f"{name}: cannot be read as a chunk file ({exc})") from exc
+                raise CorruptChunk(f"{name}: cannot be read as a chunk file ({exc})") from exc
             raise
         try:
             mode = os.fstat(fd).st_mode
             if not stat.S_ISREG(mode):
-                raise CorruptBlock(f"{name}: not a regular file (mode {stat.filemode(mode)})")
+                raise CorruptChunk(f"{name}: not a regular file (mode {stat.filemode(mode)})")
             fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
         except BaseException:
             os.close(fd)

@@ -33,7 +33,6 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.policies import AdmissionFilter, EvictionPolicy, make_policy
 from kvtier.core.retention import ChunkMeta, RetentionStats
-from kvtier.core.sealing import KeyNotHeld
 from kvtier.core.tier import (
     DECLINED,
     FULL,
@@ -47,7 +46,7 @@ from kvtier.core.tier import (
     TierResult,
     TierStats,
 )
-from kvtier.errors import CorruptBlock
+from kvtier.errors import CorruptChunk, KeyNotHeld
 from kvtier.tiers.chunkfiles import ChunkFiles
 from kvtier.tiers.chunktree import FileInventory, FileProbe
 from kvtier.tiers.directories import check_directory
@@ -180,12 +179,12 @@ class DiskTier:
             log.info("disk tier %r: chunk %s: %s; a miss, kept", self.name, key.hex(), exc)
             self._counters.add(misses=1)
             return TierResult(Failure.NO_KEY)
-        except (CorruptBlock, OSError) as exc:
-            self._forget(key, corrupt=isinstance(exc, CorruptBlock))
+        except (CorruptChunk, OSError) as exc:
+            self._forget(key, corrupt=isinstance(exc, CorruptChunk))
             log.warning("disk tier %r: chunk %s unreadable (%s); treated as a miss",
                         self.name, key.hex(), exc)
             self._counters.add(misses=1)
-            if isinstance(exc, CorruptBlock):
+            if isinstance(exc, CorruptChunk):
                 return TierResult(failure_of(exc))
             return MISSING if isinstance(exc, FileNotFoundError) else IO_ERROR
         with self._lock:

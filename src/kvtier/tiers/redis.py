@@ -75,7 +75,6 @@ from kvtier.core.guard import Guard
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.policies import AdmissionFilter
-from kvtier.core.sealing import KeyNotHeld
 from kvtier.core.tier import (
     DECLINED,
     FULL,
@@ -89,7 +88,7 @@ from kvtier.core.tier import (
     TierResult,
     TierStats,
 )
-from kvtier.errors import CorruptBlock, TierUnavailable
+from kvtier.errors import CorruptChunk, KeyNotHeld, TierUnavailable
 from kvtier.tiers.encoding import build_encoder
 from kvtier.tiers.manifest import NamespaceManifest, redis_manifest_name, write_redis_manifest
 from kvtier.tiers.redis_client import UNAVAILABLE as DOWN_ERRORS
@@ -274,7 +273,7 @@ class RedisTier:
             log.info("redis tier %r: chunk %s: %s; a miss, kept", self.name, key.hex(), exc)
             self._counters.add(misses=1)
             return TierResult(Failure.NO_KEY)
-        except CorruptBlock as exc:
+        except CorruptChunk as exc:
             log.warning("redis tier %r: chunk %s is corrupt (%s); removed, a miss", self.name,
                         key.hex(), exc)
             self._remove(key)
@@ -305,19 +304,19 @@ class RedisTier:
         checksums). False when a part the header needs is gone (evicted by the server).
 
         Raises:
-            CorruptBlock (AuthFailure, CodecFailure): see ChunkEncoder.decode.
+            CorruptChunk (AuthFailure, CodecFailure): see ChunkEncoder.decode.
         """
         header = values[0]
         assert header is not None
         if len(header) != HEADER_BYTES:
-            raise CorruptBlock(f"header value is {len(header)} bytes, expected {HEADER_BYTES}")
+            raise CorruptChunk(f"header value is {len(header)} bytes, expected {HEADER_BYTES}")
         chunk = read_header(header, key, self.names.digest)
         if chunk.payload_bytes != self.chunk_bytes:
-            raise CorruptBlock(f"payload is {chunk.payload_bytes} bytes, expected "
+            raise CorruptChunk(f"payload is {chunk.payload_bytes} bytes, expected "
                                f"{self.chunk_bytes}")
         needed = self._parts(chunk.body_bytes)
         if needed > len(values) - 1:
-            raise CorruptBlock(f"body of {chunk.body_bytes} bytes: more than this layout's "
+            raise CorruptChunk(f"body of {chunk.body_bytes} bytes: more than this layout's "
                                f"{len(values) - 1} parts")
         parts = values[1 : 1 + needed]
         if None in parts:
@@ -330,7 +329,7 @@ class RedisTier:
             assert part is not None
             expected = min(self.part_bytes, chunk.body_bytes - offset)
             if len(part) != expected:
-                raise CorruptBlock(f"part {i} is {len(part)} bytes, expected {expected}")
+                raise CorruptChunk(f"part {i} is {len(part)} bytes, expected {expected}")
             body[offset : offset + expected] = part
             offset += expected
         self.encoder.decode(key, chunk, body, out)

@@ -45,7 +45,6 @@ from kvtier.core.chunkformat import Encoded, failure_of
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.policies import AdmissionFilter
-from kvtier.core.sealing import KeyNotHeld
 from kvtier.core.tier import (
     DECLINED,
     FULL,
@@ -59,7 +58,7 @@ from kvtier.core.tier import (
     TierResult,
     TierStats,
 )
-from kvtier.errors import CorruptBlock
+from kvtier.errors import CorruptChunk, KeyNotHeld
 from kvtier.tiers.chunkfiles import ChunkFiles, PendingWrite
 from kvtier.tiers.chunktree import ChunkFile, FileInventory, FileProbe, scan_tree
 from kvtier.tiers.directories import check_directory
@@ -147,8 +146,8 @@ class SharedTier:
             log.info("shared tier %r: chunk %s: %s; a miss, kept", self.name, key.hex(), exc)
             self._counters.add(misses=1)
             return TierResult(Failure.NO_KEY)
-        except (CorruptBlock, OSError) as exc:
-            if isinstance(exc, CorruptBlock):
+        except (CorruptChunk, OSError) as exc:
+            if isinstance(exc, CorruptChunk):
                 freed = self._unlink(key)
                 if freed is not None:
                     self._forgotten(key, freed)
@@ -156,7 +155,7 @@ class SharedTier:
             log.warning("shared tier %r: chunk %s unreadable (%s); treated as a miss",
                         self.name, key.hex(), exc)
             self._counters.add(misses=1)
-            return TierResult(failure_of(exc)) if isinstance(exc, CorruptBlock) else IO_ERROR
+            return TierResult(failure_of(exc)) if isinstance(exc, CorruptChunk) else IO_ERROR
         self.files.touch(key)
         self._counters.add(hits=1, bytes_read=len(out), read_s=time.perf_counter() - start)
         return OK

@@ -25,12 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
+from kvtier.errors import UncacheableRequest
+
 if TYPE_CHECKING:
     from vllm.v1.request import Request
-
-
-class UncacheableRequest(Exception):
-    """The request's KV depends on something kvtier cannot encode deterministically."""
 
 
 def needs_chunk_extras(request: Request) -> bool:

@@ -37,17 +37,14 @@ import numpy as np
 
 from kvtier.core.keys import ChunkKey, Namespace, chunk_keys
 from kvtier.core.locator import ChunkIndex, ChunkLocator, LookupStatus
+from kvtier.errors import UncacheableRequest
 from kvtier.integrations.vllm.config import ConnectorConfig, RequestControls
 from kvtier.integrations.vllm.events import ChunkInfo, ChunkTokens, kv_events
 from kvtier.integrations.vllm.groups import NULL_BLOCK, ChunkGroups
 from kvtier.integrations.vllm.loadplan import LoadPlanner
 from kvtier.integrations.vllm.messages import ChunkTransfer, KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, StatsDelta
-from kvtier.integrations.vllm.request_keys import (
-    UncacheableRequest,
-    chunk_extras,
-    needs_chunk_extras,
-)
+from kvtier.integrations.vllm.request_keys import chunk_extras, needs_chunk_extras
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent

@@ -18,12 +18,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, ServerError
 from kvtier.tools.bench.client import ClientConfig, run_workload
 from kvtier.tools.bench.engines import bench_prompt
 from kvtier.tools.bench.stats import Percentiles, RequestResult, percentiles
 from kvtier.tools.bench.workloads import Turn, Workload
-from kvtier.tools.ops.server import ServerError
 
 T = TypeVar("T")
 

@@ -15,7 +15,7 @@ import numpy as np
 from kvtier.core.chunkformat import HEADER_BYTES, read_header
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import DTYPE_BYTES
-from kvtier.errors import ConfigError, CorruptBlock
+from kvtier.errors import ConfigError, CorruptChunk
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +66,7 @@ def read_chunk_files(root: Path, max_chunks: int) -> tuple[list[bytes], str]:
         data = path.read_bytes()
         try:
             header = read_header(data[:HEADER_BYTES], ChunkKey(bytes.fromhex(path.stem)), digest)
-        except (CorruptBlock, ValueError):
+        except (CorruptChunk, ValueError):
             continue  # not a chunk of kvtier's layout, or corrupt
         if header.plain and len(by_layout.setdefault(digest, [])) < max_chunks:
             by_layout[digest].append(data[HEADER_BYTES:HEADER_BYTES + header.payload_bytes])

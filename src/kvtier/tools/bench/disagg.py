@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, ServerError
 from kvtier.tools.bench import promdiff
 from kvtier.tools.bench.arrivals import (
     arrival_schedule,
@@ -60,7 +60,7 @@ from kvtier.tools.bench.client import ClientConfig, run_workload
 from kvtier.tools.bench.stats import Percentiles, RequestResult, percentiles
 from kvtier.tools.bench.workloads import Turn, Workload
 from kvtier.tools.ops.disagg_proxy import ProxyConfig, running_proxy
-from kvtier.tools.ops.server import ServerError, VllmServer, free_port
+from kvtier.tools.ops.server import VllmServer, free_port
 from kvtier.tools.ops.serving import GIB, ServeConfig, build_command
 from kvtier.tools.tinymodel import PRESETS, make_preset_model
 

@@ -62,7 +62,7 @@ from typing import Any
 
 import aiohttp
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, ServerError
 from kvtier.integrations.vllm.config import TOKENS_PER_CHUNK
 from kvtier.tools.bench import promdiff
 from kvtier.tools.bench.arrivals import (
@@ -83,7 +83,7 @@ from kvtier.tools.bench.client import ClientConfig, run_workload
 from kvtier.tools.bench.engines import KV_BYTES_PER_TOKEN
 from kvtier.tools.bench.stats import Percentiles, RequestResult, percentiles
 from kvtier.tools.bench.workloads import Turn, Workload
-from kvtier.tools.ops.server import ServerError, free_port, running_server
+from kvtier.tools.ops.server import free_port, running_server
 from kvtier.tools.ops.serving import GIB, ServeCommand, ServeConfig, build_command
 from kvtier.tools.tinymodel import PRESETS, make_preset_model
 

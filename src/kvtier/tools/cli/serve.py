@@ -21,10 +21,10 @@ import json
 import signal
 import sys
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, ServerError
 from kvtier.redaction import redact_value
 from kvtier.tools.cli.argtypes import any_path, port_number
-from kvtier.tools.ops.server import ServerError, VllmServer
+from kvtier.tools.ops.server import VllmServer
 from kvtier.tools.ops.serving import (
     KV_ROLES,
     ServeConfig,

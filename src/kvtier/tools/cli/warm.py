@@ -19,12 +19,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, WarmupError
 from kvtier.tools.cli.argtypes import any_path, positive_float
 from kvtier.tools.ops.warmup import (
     WarmResult,
     WarmSettings,
-    WarmupError,
     api_base,
     load_prompts,
     served_model,

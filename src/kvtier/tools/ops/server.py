@@ -29,12 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from kvtier.errors import KVTierError
+from kvtier.errors import ServerError
 from kvtier.tools.ops.serving import ServeCommand
-
-
-class ServerError(KVTierError):
-    """The vLLM server exited or did not become healthy in time (the message has its log)."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:

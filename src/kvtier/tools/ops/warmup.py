@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtier.errors import ConfigError, KVTierError
+from kvtier.errors import ConfigError, WarmupError
 
 STORED = "vllm:kvtier_stored_tokens_total"
 LOADED = "vllm:kvtier_loaded_tokens_total"
@@ -39,10 +39,6 @@ LOADED = "vllm:kvtier_loaded_tokens_total"
 # read right after the response may lag one step. Re-read until it moves, this many times.
 METRIC_SETTLE_READS = 10
 METRIC_SETTLE_S = 0.1
-
-
-class WarmupError(KVTierError):
-    """The server cannot be used: unreachable, not an OpenAI-compatible vLLM, no model."""
 
 
 @dataclass(frozen=True, slots=True)
