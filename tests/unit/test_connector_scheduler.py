@@ -21,7 +21,8 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.locator import ChunkLocator
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.messages import KVTierMetadata, KVTierWorkerMetadata
-from kvtier.integrations.vllm.scheduler import ConnectorScheduler, stores_async
+from kvtier.integrations.vllm.scheduler import ConnectorScheduler
+from kvtier.integrations.vllm.storeplan import stores_async
 
 CHUNK, BLOCK = 64, 32
 
@@ -37,6 +38,8 @@ def request(rid: str, num_tokens: int, salt: str | None = None,
 
 class Engine:
     """vLLM's side of the conversation: lookups, allocations, steps and worker reports."""
+
+    last_plan: KVTierMetadata | None = None  # the plan of the last step
 
     def __init__(self, **settings: Any) -> None:
         self.locator = ChunkLocator([], max_keys=1024)
@@ -70,13 +73,15 @@ class Engine:
                 resumed_req_ids=resumed or set()),
             num_scheduled_tokens={r: n for r, (_, _, n) in (new | cached).items()},
             preempted_req_ids=preempted or set())
-        return self.sched.build_connector_meta(output)  # type: ignore[arg-type]
+        self.last_plan = self.sched.build_connector_meta(output)  # type: ignore[arg-type]
+        return self.last_plan
 
     def report(self, **fields: Any) -> None:
         """A worker's report at the end of the last step: its synchronous stores are done, or
         (asynchronous) those of the plans before it (`stores_through`)."""
-        lag = 1 if self.sched._stores_async else 0
-        fields.setdefault("stores_through", self.sched._step - lag)
+        plan = self.last_plan
+        lag = 1 if plan is not None and plan.stores_async else 0
+        fields.setdefault("stores_through", (plan.step if plan is not None else 0) - lag)
         self.sched.update_connector_output(  # type: ignore[arg-type]
             SimpleNamespace(kv_connector_worker_meta=KVTierWorkerMetadata(**fields)))
 

@@ -568,7 +568,7 @@ def assume_stores_done_before_8071d8a(real: Callable[..., None]) -> Callable[...
     def update(self: ConnectorScheduler, output: KVConnectorOutput) -> None:
         report = output.kv_connector_worker_meta or KVTierWorkerMetadata()
         assert isinstance(report, KVTierWorkerMetadata)
-        report.stores_through = self._step - (1 if self._stores_async else 0)
+        report.stores_through = self._step - (1 if self._stores.stores_async else 0)
         output.kv_connector_worker_meta = report
         real(self, output)
 

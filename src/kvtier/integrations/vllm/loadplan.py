@@ -1,6 +1,7 @@
 """How the scheduler loads a hit: inline or asynchronously, and what to read ahead into RAM.
 
-Scheduler side, one thread. It follows what the workers' top tier (RAM) holds from their
+Scheduler side, one thread. It keeps the loads planned for the next plan (`add_load`,
+`start_plan`). It follows what the workers' top tier (RAM) holds from their
 reports (chunks stored go to RAM; the tier's stored/removed events), weighs each hit by the
 measured cost of loads and steps (`LoadCosts`, loadcost.py) under `load_mode` "auto", and
 collects the chunks below RAM of requests waiting for blocks, to prefetch into RAM
@@ -11,12 +12,16 @@ Primitives: `LoadPlanner`.
 
 from __future__ import annotations
 
+import logging
+
 from kvtier.core.keys import ChunkKey
 from kvtier.core.locator import ChunkIndex
 from kvtier.core.tier import EventKind
 from kvtier.integrations.vllm.loadcost import LoadCosts
-from kvtier.integrations.vllm.messages import KVTierWorkerMetadata
+from kvtier.integrations.vllm.messages import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.transfers import ChunkTransfer
+
+logger = logging.getLogger(__name__)
 
 # Keys remembered as held in the workers' RAM tier (~100 B each): 2^17 chunks is 256 GiB of
 # RAM tier at 2 MiB a chunk; past that the oldest are forgotten (their hits load async).
@@ -28,7 +33,7 @@ PREFETCHED_MAX_KEYS = 1 << 14
 
 
 class LoadPlanner:
-    """Sync or async per hit, and the prefetch list (scheduler thread)."""
+    """Sync or async per hit, the pending loads and the prefetch list (scheduler thread)."""
 
     def __init__(self, load_mode: str, top_tier: str, several_groups: bool) -> None:
         """Args:
@@ -38,6 +43,10 @@ class LoadPlanner:
                 (vLLM 0.32 takes no block-level load failure then: it stops with a
                 RuntimeError; an asynchronous load fails by request, recomputed).
         """
+        if several_groups and load_mode == "sync":
+            logger.warning("kvtier: load_mode 'sync' ignored: a model with several KV cache "
+                           "groups loads asynchronously (vLLM recovers failed loads only by "
+                           "request there)")
         self._mode = "async" if several_groups else load_mode
         self._top_tier = top_tier
         self._in_ram = ChunkIndex(IN_RAM_MAX_KEYS)
@@ -46,6 +55,9 @@ class LoadPlanner:
         # allocation after it): their chunks are prefetched into RAM.
         self._wanted: dict[str, list[ChunkTransfer]] = {}
         self._prefetched = ChunkIndex(PREFETCHED_MAX_KEYS)
+        # Loads planned for the next plan, inline and asynchronous (request id -> chunks).
+        self._pending: dict[str, list[ChunkTransfer]] = {}
+        self._pending_async: dict[str, list[ChunkTransfer]] = {}
 
     @property
     def by_cost(self) -> bool:
@@ -74,10 +86,30 @@ class LoadPlanner:
             self._wanted[request_id] = below_ram
 
     def forget(self, request_id: str) -> None:
-        """The request got its blocks (it loads now, not ahead), or ended."""
+        """The request got its blocks: it loads now, not ahead."""
         self._wanted.pop(request_id, None)
 
-    def take_prefetch(self) -> list[ChunkTransfer]:
+    def add_load(self, request_id: str, transfers: list[ChunkTransfer],
+                 load_async: bool) -> None:
+        """Plan the load of a request's hit, into the blocks vLLM allocated, for the next
+        plan: inline or asynchronously (`loads_async`)."""
+        pending = self._pending_async if load_async else self._pending
+        pending[request_id] = transfers
+
+    def end(self, request_id: str) -> None:
+        """The request ended: nothing of it is loaded or read ahead."""
+        self._pending.pop(request_id, None)
+        self._pending_async.pop(request_id, None)
+        self.forget(request_id)
+
+    def start_plan(self, meta: KVTierMetadata) -> None:
+        """Give plan `meta` the loads planned since the last plan and the chunks to
+        prefetch."""
+        meta.loads, meta.async_loads = self._pending, self._pending_async
+        self._pending, self._pending_async = {}, {}
+        meta.prefetch = self._take_prefetch()
+
+    def _take_prefetch(self) -> list[ChunkTransfer]:
         """Up to PREFETCH_PER_STEP chunks of waiting requests to read into RAM ahead of their
         load, none the RAM tier is known to hold, each asked once until RAM evicts it."""
         chunks: list[ChunkTransfer] = []

@@ -1,7 +1,7 @@
 """vLLM's paged KV seen as kvtier chunks: vectorized gather (blocks -> chunk) and scatter
 (chunk -> blocks), on any device.
 
-Chunk byte order (scheduler.CHUNK_ORDER "LBH2TD-v2"): a C-contiguous array
+Chunk byte order (requeststate.CHUNK_ORDER "LBH2TD-v2"): a C-contiguous array
 `[num_layers, blocks_per_chunk, num_kv_heads, 2, block_size, head_size]` of the KV dtype:
 layers in vLLM's layer order, then the chunk's blocks in token order, then heads, then K
 before V, then the block's tokens, then the head dimension. It does not depend on vLLM's

@@ -1,0 +1,86 @@
+"""What keeps a failed load out of the cache (scheduler side; messages.py has the protocol).
+
+A load that fails leaves blocks unfilled under a forward pass that vLLM runs anyway. So the
+blocks each plan loads are remembered for LOAD_CONFIRM_STEPS plans, and a store planned
+meanwhile names those its request's prefix depends on (`RecentLoads.before`), so that a
+worker can refuse it. The workers report the blocks whose load failed; the next plan
+acknowledges them (vLLM recomputes them from then on: stores need no longer avoid them).
+Chunks whose load found nothing, and stores the workers refused, are planned again, to be
+stored once vLLM has recomputed them (`LoadFailures.learn`).
+
+Scheduler side, one thread. Primitives: `LoadFailures`, `RecentLoads`, `LOAD_CONFIRM_STEPS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kvtier.integrations.vllm.messages import KVTierMetadata, KVTierWorkerMetadata
+from kvtier.integrations.vllm.requeststate import RequestState
+
+# Engine steps during which a load's blocks count as unconfirmed (stores depending on them name
+# them). vLLM reports a step's outcome before it schedules the step after next (async
+# scheduling keeps one step in flight), so 2 would do; the rest is slack. A block past the
+# window whose load failed was acknowledged long since (see `LoadFailures.start_plan`).
+LOAD_CONFIRM_STEPS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class RecentLoads:
+    """The recently loaded blocks of a request's prefix."""
+
+    blocks: tuple[tuple[int, int], ...] = ()  # (position in its group, block id)
+
+    def before(self, end: int) -> tuple[int, ...]:
+        """Those at positions before `end`: the blocks a chunk ending there depends on."""
+        return tuple(b for i, b in self.blocks if i < end)
+
+
+class LoadFailures:
+    """Recent loads and acknowledged failures (scheduler thread)."""
+
+    def __init__(self) -> None:
+        self._recent_loads: dict[int, int] = {}  # block -> the plan that loads it
+        # Blocks whose failed load a worker reported, to acknowledge in the next plan.
+        self._acked_failed_blocks: set[int] = set()
+
+    def start_plan(self, meta: KVTierMetadata) -> None:
+        """Acknowledge, in plan `meta` (its loads set), the failures reported since the last
+        plan; note the blocks it loads and forget loads past the window."""
+        meta.acked_failed_blocks, self._acked_failed_blocks = self._acked_failed_blocks, set()
+        for transfers in (meta.loads | meta.async_loads).values():
+            for transfer in transfers:
+                for block in transfer.written_blocks():
+                    self._recent_loads[block] = meta.step
+        if self._recent_loads:
+            oldest = meta.step - LOAD_CONFIRM_STEPS
+            self._recent_loads = {b: s for b, s in self._recent_loads.items() if s > oldest}
+
+    def recent_loads(self, attention: list[list[int]], num_blocks: int) -> RecentLoads:
+        """The recently loaded blocks among the first `num_blocks` of each attention group
+        (`attention`: a request's blocks per group); usually none."""
+        if not self._recent_loads:
+            return RecentLoads()
+        return RecentLoads(tuple((i, b) for ids in attention
+                                 for i, b in enumerate(ids[:num_blocks])
+                                 if b in self._recent_loads))
+
+    def learn(self, report: KVTierWorkerMetadata, requests: Iterable[RequestState]) -> None:
+        """Take in the blocks whose load failed, and plan again the chunks of `requests` that
+        a load did not find or whose store a worker refused."""
+        self._acked_failed_blocks |= report.failed_blocks
+        replan = report.missing | report.skipped
+        if not replan:
+            return
+        # vLLM recomputes a failed load into the same blocks, and what its forward computed
+        # over them (stores the workers skipped): those chunks are planned again so that they
+        # are stored once recomputed; otherwise a corrupt or vanished chunk would stay
+        # missing and the next request with that prefix miss too
+        # (tests/vllm/test_kvtier_restart.py, damaged chunk files).
+        for state in requests:
+            planned = state.keys[: state.num_planned_chunks]
+            failed = [i for i, key in enumerate(planned) if key in replan]
+            if failed:
+                state.num_planned_chunks = failed[0]
+                state.load_failed |= not report.missing.isdisjoint(planned)

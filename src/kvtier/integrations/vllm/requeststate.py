@@ -1,0 +1,190 @@
+"""What the scheduler side knows of each request vLLM runs: its chunk keys and its blocks.
+
+Scheduler side, one thread. A request is entered at its first lookup and removed when it
+ends. Its keys live in a namespace (model, layout, weights, cache salt, LoRA adapter, chunk
+byte order and block size), so that two requests share a key only when their KV is equal,
+and are extended chunk by chunk as its tokens become known (`RequestTable.keys_for`). Each
+step's schedule gives it its vLLM block ids, one list per KV cache group
+(`RequestTable.apply_schedule`).
+
+Primitives: `CHUNK_ORDER`, `RequestState`, `ScheduledRequest`, `RequestTable`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvtier.core.keys import ChunkKey, Namespace, chunk_keys
+from kvtier.errors import UncacheableRequest
+from kvtier.integrations.vllm.config import RequestControls
+from kvtier.integrations.vllm.metrics import StatsDelta
+from kvtier.integrations.vllm.request_keys import chunk_extras, needs_chunk_extras
+from kvtier.integrations.vllm.routerevents import RouterEvents
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+# Label of the byte order inside a chunk (see paged.py); part of every key's namespace with
+# the block size it depends on, so a change of order can never serve old bytes.
+CHUNK_ORDER = "chunk-order=LBH2TD-v2"
+
+
+@dataclass(slots=True)
+class RequestState:
+    """One running request, as the scheduler side plans its loads and stores."""
+
+    request: Request
+    controls: RequestControls
+    namespace: Namespace
+    keys: list[ChunkKey] = field(default_factory=list)
+    # Its vLLM block ids, one list per KV cache group (none before its first step).
+    block_ids: list[list[int]] = field(default_factory=list)
+    # Local (vLLM prefix cache) tokens at the last lookup; loads start there.
+    lookup_computed_tokens: int = 0
+    # Chunks already planned (loaded, stored or found in the index).
+    num_planned_chunks: int = 0
+    # Whether its chunks carry extra key bytes (multimodal, prompt embeds: request_keys.py).
+    has_extras: bool = False
+    # Its KV depends on something kvtier cannot key: never looked up, never stored.
+    uncacheable: bool = False
+    # Its last lookup's hit is loaded asynchronously (the request waits for it).
+    load_async: bool = False
+    # A load of it failed: it is recomputed, never looked up again (a tier that failed once,
+    # e.g. stalled, would fail again and keep the request waiting).
+    load_failed: bool = False
+    # The plan (step number) that last stored a chunk of it; -1: none.
+    last_store_step: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """A request a step schedules, with its blocks taken in."""
+
+    state: RequestState
+    computed_tokens: int  # tokens whose KV is computed once the step has run
+    # A request's first step (vLLM's scheduled_new_reqs): its computed tokens before it.
+    first_step_from: int | None = None
+
+
+class RequestTable:
+    """The running requests by id, and the keys of their chunks (scheduler thread)."""
+
+    def __init__(self, *, tokens_per_chunk: int, block_size: int, model_id: str,
+                 layout_digest: str, weights_fingerprint: str | None, group_label: str | None,
+                 kv_role: str | None, stats: StatsDelta, events: RouterEvents) -> None:
+        """`group_label`: the model's KV cache groups in the namespace (groups.py), if any;
+        `kv_role` is vLLM's (RequestControls.within_role); `events` keeps the token ids of
+        new chunks when router events are enabled."""
+        self._tokens_per_chunk = tokens_per_chunk
+        self._block_size = block_size
+        self._model_id = model_id
+        self._layout_digest = layout_digest
+        self._weights_fingerprint = weights_fingerprint
+        self._group_label = group_label
+        self._kv_role = kv_role
+        self._stats = stats
+        self._events = events
+        self._requests: dict[str, RequestState] = {}
+
+    def state(self, request: Request) -> RequestState:
+        """The request's state, entered on first sight."""
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = RequestState(request=request, namespace=self._namespace(request),
+                                 controls=RequestControls.from_params(
+                                     request.kv_transfer_params).within_role(self._kv_role),
+                                 has_extras=needs_chunk_extras(request))
+            self._requests[request.request_id] = state
+        return state
+
+    def pop(self, request_id: str) -> RequestState | None:
+        """Forget an ended request; its state, if it was known."""
+        return self._requests.pop(request_id, None)
+
+    def __iter__(self) -> Iterator[RequestState]:
+        return iter(self._requests.values())
+
+    def others_have_blocks(self, request_id: str) -> bool:
+        """Whether a request other than `request_id` runs (holds blocks)."""
+        return any(other.block_ids for req_id, other in self._requests.items()
+                   if req_id != request_id)
+
+    def keys_for(self, state: RequestState, num_chunks: int) -> list[ChunkKey]:
+        """The first `num_chunks` chunk keys of the request's tokens (extends the chain);
+        none once the request is found uncacheable (marked and counted here, once)."""
+        if state.uncacheable:
+            return []
+        tpc = self._tokens_per_chunk
+        have = len(state.keys)
+        if num_chunks > have:
+            tokens = state.request.all_token_ids[have * tpc: num_chunks * tpc]
+            parent = state.keys[-1] if state.keys else None
+            extras = None
+            if state.has_extras:
+                try:
+                    extras = chunk_extras(state.request, have, num_chunks - have, tpc,
+                                          self._block_size)
+                except UncacheableRequest as e:
+                    logger.warning("kvtier: request %s is not cached: %s",
+                                   state.request.request_id, e)
+                    self._stats.add("uncacheable_requests", 1)
+                    state.uncacheable = True
+                    return []
+            new_keys = chunk_keys(tokens, state.namespace, tpc, parent=parent, extras=extras)
+            if self._events.enabled:
+                self._events.remember(state.request, new_keys, tokens, parent)
+            state.keys.extend(new_keys)
+        return state.keys[:num_chunks]
+
+    def apply_schedule(self, output: SchedulerOutput) -> list[ScheduledRequest]:
+        """Take in a step's schedule: preempted requests lose their blocks, scheduled ones
+        gain theirs (a resumed one gets a full new list). The scheduled requests known here,
+        new ones first, as vLLM lists them."""
+        for req_id in output.preempted_req_ids or ():
+            if req_id in self._requests:
+                # Its blocks are freed; the resumed request gets a full new block list, and
+                # chunks it had not stored yet are stored when recomputed.
+                self._requests[req_id].block_ids = []
+                self._requests[req_id].num_planned_chunks = 0
+        scheduled: list[ScheduledRequest] = []
+        for new in output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is not None:
+                state.block_ids = [list(ids) for ids in new.block_ids]
+                computed = new.num_computed_tokens + output.num_scheduled_tokens[new.req_id]
+                scheduled.append(ScheduledRequest(state, computed, new.num_computed_tokens))
+        cached = output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = [list(ids) for ids in new_blocks] if new_blocks else []
+            elif new_blocks:
+                if not state.block_ids:
+                    state.block_ids = [[] for _ in new_blocks]
+                for ids, more in zip(state.block_ids, new_blocks):
+                    ids.extend(more)
+            computed = cached.num_computed_tokens[i] + output.num_scheduled_tokens[req_id]
+            scheduled.append(ScheduledRequest(state, computed))
+        return scheduled
+
+    def _namespace(self, request: Request) -> Namespace:
+        extra = [CHUNK_ORDER, f"block-size={self._block_size}"]
+        if self._group_label is not None:
+            extra.append(self._group_label)
+        if request.lora_request is not None:
+            # Name and path, as vLLM's block hash: a name re-pointed at another adapter must
+            # not reuse the old adapter's KV.
+            lora = request.lora_request
+            extra += [f"lora={lora.lora_name}", f"lora-path={lora.lora_path}"]
+        return Namespace(model_id=self._model_id, layout_digest=self._layout_digest,
+                         weights_fingerprint=self._weights_fingerprint,
+                         cache_salt=request.cache_salt, extra=tuple(extra))
