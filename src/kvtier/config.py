@@ -15,10 +15,10 @@ Example (YAML):
 Capacities are per engine (one vLLM instance on one node), like vLLM's `cpu_bytes_to_use` /
 `--kv-offloading-size`: the total across its tensor-parallel ranks. Each rank stores its own
 shard of every chunk (its KV heads, under its own layout digest) in its own store, so a tier
-whose capacity a rank enforces on its own chunks (memory, disk, redis with capacity > 0) gives
-each rank `capacity // tp_world_size` (`StoreConfig.per_rank`). A shared directory's quota is
-one ledger for the whole directory, enforced together by every writer of every engine: it is
-never split.
+whose class has `capacity_split_by_rank` (a rank enforces the capacity on its own chunks)
+gives each rank `capacity // tp_world_size` (`StoreConfig.per_rank`). A shared directory's
+quota is one ledger for the whole directory, enforced together by every writer of every
+engine: it is never split.
 
 Primitives: `StoreConfig` (with `.parse`, `.load`, `.per_rank`), `TierSettings` (the base of
 every tier's config model), `parse_model`.
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, cast
+from typing import Annotated, Any, Literal, cast
 
 import yaml
 from pydantic import (
@@ -43,7 +43,7 @@ from pydantic import (
 
 from kvtier.core.threads import parse_io_cores
 from kvtier.errors import ConfigError, TierConfigError
-from kvtier.tiers.registry import TIER_CLASSES, config_model, public_kinds
+from kvtier.tiers.registry import TIER_CLASSES, config_model, public_kinds, tier_class
 from kvtier.units import parse_size
 
 ByteSize = Annotated[int, BeforeValidator(lambda v: parse_size(v, "capacity")), Field(ge=0)]
@@ -63,10 +63,6 @@ class TierSettings(_Frozen):
     capacity: ByteSize  # bytes this tier may hold, e.g. "8GiB"
     eviction: Literal["lru", "arc"] = "lru"  # which chunk leaves first when full
     admit_after: int = Field(1, ge=1)  # store a chunk only on its N-th offer (1 = always)
-    # Whether each tensor-parallel rank enforces `capacity` on its own chunks (its layout
-    # digest), so that an engine's ranks split it (StoreConfig.per_rank). False for a tier
-    # whose quota all its writers enforce together (the shared directory's ledger).
-    capacity_split_by_rank: ClassVar[bool] = True
 
     @property
     def tier_name(self) -> str:
@@ -144,8 +140,9 @@ class StoreConfig(_Frozen):
 
     def per_rank(self, tp_world_size: int) -> StoreConfig:
         """This config as one of `tp_world_size` tensor-parallel ranks builds its store: the
-        capacity of every tier with `capacity_split_by_rank` divided evenly (rounded down),
-        the rest unchanged. Capacities in a config are per engine, the total of its ranks.
+        capacity of every tier whose class has `capacity_split_by_rank` divided evenly
+        (rounded down), the rest unchanged. Capacities in a config are per engine, the total
+        of its ranks.
 
         Raises:
             ConfigError: `tp_world_size` < 1.
@@ -157,7 +154,7 @@ class StoreConfig(_Frozen):
         # A positive capacity stays positive: a redis tier's 0 means "no bound of kvtier's".
         tiers = [t.model_copy(update={"capacity": max(t.capacity // tp_world_size,
                                                       min(t.capacity, 1))})
-                 if t.capacity_split_by_rank else t for t in self.tiers]
+                 if tier_class(t.kind).capacity_split_by_rank else t for t in self.tiers]
         return self.model_copy(update={"tiers": tiers})
 
     @classmethod

@@ -23,6 +23,10 @@ class BrokenTier:
 
     def __init__(self, inner: Tier, error: Exception) -> None:
         self.inner, self.error, self.name = inner, error, inner.name
+        # The facts of the kind it wraps (kvtier.core.tier.Tier), as a wrapper must.
+        self.medium, self.locality = inner.medium, inner.locality
+        self.has_path, self.has_server = inner.has_path, inner.has_server
+        self.capacity_split_by_rank = inner.capacity_split_by_rank
         self.broken = True
         self.calls = 0
 

@@ -12,7 +12,8 @@ Primitives: `Tier` (protocol), `TierResult` + `Failure` (what a get or put did),
 `Lender` (optional protocol: lend a read-only view of a held chunk, no copy),
 `Reserver` + `Slot` (optional protocol: hand out the space of a chunk to fill in place),
 `EventSource` (optional protocol: report chunks stored and removed), `TierEvents`,
-`TierStats` (snapshot), `TierCounters` (thread-safe counters), `EventKind`.
+`TierStats` (snapshot), `TierCounters` (thread-safe counters), `EventKind`. Facts of a tier
+kind, class attributes of every tier: `Medium`, `Locality` (and the flags on `Tier`).
 """
 
 from __future__ import annotations
@@ -22,9 +23,25 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, fields
 from enum import StrEnum
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from kvtier.core.keys import ChunkKey
+
+
+class Medium(StrEnum):
+    """Where a tier's chunks live, in the names of vLLM's KV events (`medium`) and offload
+    tiers (`vllm.v1.kv_offload.base.Medium`)."""
+
+    CPU = "CPU"  # this host's RAM
+    STORAGE = "STORAGE"  # files or a server's memory, reached through I/O calls
+
+
+class Locality(StrEnum):
+    """Whether other engines reach a tier's chunks, in the names of vLLM's KV events
+    (`locality`) and offload tiers (`vllm.v1.kv_offload.base.Locality`)."""
+
+    LOCAL = "LOCAL"  # this engine's own (its process memory, a node-local directory)
+    REMOTE = "REMOTE"  # one store that every engine configured with it reads and writes
 
 
 class Failure(StrEnum):
@@ -137,6 +154,17 @@ class Tier(Protocol):
     """A store of whole chunks of one layout. Safe to call from any thread."""
 
     name: str  # unique within a store, e.g. "memory", "disk", "shared"
+    # Facts of the kind, class attributes of every tier class: events, doctor, the simulator
+    # and the TP capacity split read them (through `kvtier.tiers.registry.tier_class`);
+    # nothing derives them from a kind string.
+    medium: ClassVar[Medium]  # vLLM KV events' medium; CPU: it takes this host's RAM
+    locality: ClassVar[Locality]  # REMOTE: shared by every engine configured with it
+    has_path: ClassVar[bool]  # its config names a directory (`path`) it must be able to write
+    has_server: ClassVar[bool]  # it reaches a server (`url`) that must answer
+    # Whether each tensor-parallel rank enforces `capacity` on its own chunks, so that an
+    # engine's ranks split it (`StoreConfig.per_rank`); False for a quota that every writer
+    # enforces together (the shared directory's ledger).
+    capacity_split_by_rank: ClassVar[bool]
 
     def contains(self, key: ChunkKey) -> bool:
         """Whether the chunk is (probably) held. Cheap: an index lookup or one stat call."""

@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
 
@@ -41,6 +41,8 @@ from kvtier.core.tier import (
     OK,
     READ_ONLY,
     Failure,
+    Locality,
+    Medium,
     TierCounters,
     TierEvents,
     TierResult,
@@ -77,6 +79,13 @@ class DiskTierConfig(EncodedTierSettings, RetentionTierSettings):
 
 class DiskTier:
     """Chunks as files in a local directory, within `capacity` bytes. Thread-safe."""
+
+    # A node-local directory; each TP rank enforces its share of the capacity.
+    medium: ClassVar[Medium] = Medium.STORAGE
+    locality: ClassVar[Locality] = Locality.LOCAL
+    has_path: ClassVar[bool] = True
+    has_server: ClassVar[bool] = False
+    capacity_split_by_rank: ClassVar[bool] = True
 
     config_model = DiskTierConfig
 

@@ -10,7 +10,9 @@ How to write a tier, by the example of this one:
    Literal["<kind>"]` and one commented field per setting. pydantic validates it; every bad
    value becomes a ConfigError naming the field (`tiers.0.<kind>.<field>`), the value and
    what is allowed. `name`, `capacity`, `eviction` and `admit_after` come with the base.
-2. Write the tier class, with `config_model = <the model>` and a constructor
+2. Write the tier class, with `config_model = <the model>`, the kind's facts as class
+   attributes (`medium`, `locality`, `has_path`, `has_server`, `capacity_split_by_rank`:
+   KV events, doctor, the simulator and the TP split read them) and a constructor
    `__init__(config, layout)`: the store's registry builds every tier that way.
 3. Implement the `kvtier.core.tier.Tier` protocol (each method below says what it must do).
    Reads and writes never raise for I/O: they return a `TierResult` whose `failure` says why
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Literal
+from typing import ClassVar, Literal
 
 from kvtier.config import TierSettings
 from kvtier.core.keys import ChunkKey
@@ -42,6 +44,8 @@ from kvtier.core.tier import (
     FULL,
     MISSING,
     OK,
+    Locality,
+    Medium,
     TierCounters,
     TierEvents,
     TierResult,
@@ -59,6 +63,13 @@ class ExampleTier:
     """Chunks as `bytes` values of a dict, within `capacity` bytes. Thread-safe: one lock
     guards the dict, the eviction policy and the events (a chunk is a few MiB at most, so
     copying under the lock is acceptable for a tutorial; `memory` does better)."""
+
+    # The facts every tier class states (kvtier.core.tier.Tier): a dict in this process's RAM.
+    medium: ClassVar[Medium] = Medium.CPU
+    locality: ClassVar[Locality] = Locality.LOCAL
+    has_path: ClassVar[bool] = False
+    has_server: ClassVar[bool] = False
+    capacity_split_by_rank: ClassVar[bool] = True
 
     config_model = ExampleTierConfig
 

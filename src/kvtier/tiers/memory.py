@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 
@@ -41,6 +41,8 @@ from kvtier.core.tier import (
     FULL,
     MISSING,
     OK,
+    Locality,
+    Medium,
     TierCounters,
     TierEvents,
     TierResult,
@@ -76,6 +78,13 @@ class MemoryTier:
     """Chunks in a host-RAM slab. Thread-safe. `get_into` copies under the tier's lock so a
     slot is never reused while it is read (a 32 MiB copy holds the lock for a few ms); borrowed
     and reserved slots are pinned instead, and filled or read without the lock."""
+
+    # In this process's RAM; each TP rank holds its own chunks.
+    medium: ClassVar[Medium] = Medium.CPU
+    locality: ClassVar[Locality] = Locality.LOCAL
+    has_path: ClassVar[bool] = False
+    has_server: ClassVar[bool] = False
+    capacity_split_by_rank: ClassVar[bool] = True
 
     config_model = MemoryTierConfig
 

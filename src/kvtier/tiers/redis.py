@@ -63,7 +63,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 from urllib.parse import urlsplit
 
 import redis
@@ -83,6 +83,8 @@ from kvtier.core.tier import (
     OK,
     UNAVAILABLE,
     Failure,
+    Locality,
+    Medium,
     Tier,
     TierCounters,
     TierResult,
@@ -132,6 +134,13 @@ class RedisTier:
     Raises (constructor): ConfigError when the password file or variable is unusable. A server
     that is down is not an error: the tier starts unavailable and keeps retrying.
     """
+
+    # One server for every engine; each TP rank bounds its own chunks (capacity > 0).
+    medium: ClassVar[Medium] = Medium.STORAGE
+    locality: ClassVar[Locality] = Locality.REMOTE
+    has_path: ClassVar[bool] = False
+    has_server: ClassVar[bool] = True
+    capacity_split_by_rank: ClassVar[bool] = True
 
     config_model = RedisTierConfig
 

@@ -53,6 +53,8 @@ from kvtier.core.tier import (
     OK,
     READ_ONLY,
     Failure,
+    Locality,
+    Medium,
     TierCounters,
     TierEvents,
     TierResult,
@@ -79,9 +81,8 @@ class SharedTierConfig(EncodedTierSettings):
     group_shared: bool = False  # create directories 0770 / files 0660 for a shared group
     scan_interval_s: float = Field(30.0, gt=0)  # how often usage is re-measured for the quota
     io_threads: int = Field(4, ge=1, le=64)  # parallel reads/writes against this directory
-    # The capacity is the whole directory's quota (every layout, engine and node: one
-    # ledger), so a tensor-parallel rank enforces all of it, not a share (kvtier.config).
-    capacity_split_by_rank: ClassVar[bool] = False
+    # `capacity` is the whole directory's quota (every layout, engine and node: one ledger),
+    # never split by rank (SharedTier.capacity_split_by_rank).
 
     @field_validator("path")
     @classmethod
@@ -94,6 +95,14 @@ class SharedTierConfig(EncodedTierSettings):
 
 class SharedTier:
     """Chunks as files in a directory shared with other processes. Thread-safe."""
+
+    # One directory for every engine and node; its quota is one ledger that every writer
+    # enforces together, so a TP rank enforces all of it, not a share.
+    medium: ClassVar[Medium] = Medium.STORAGE
+    locality: ClassVar[Locality] = Locality.REMOTE
+    has_path: ClassVar[bool] = True
+    has_server: ClassVar[bool] = False
+    capacity_split_by_rank: ClassVar[bool] = False
 
     config_model = SharedTierConfig
 

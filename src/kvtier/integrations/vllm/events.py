@@ -6,9 +6,10 @@ scheduler turns them into vLLM's own `BlockStored` / `BlockRemoved` (msgpack, as
 runs with `--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", ...}'`.
 One kvtier chunk is one event block (`block_size` = tokens_per_chunk; `block_hashes` = the
 16-byte chunk key, `parent_block_hash` = the previous chunk's key), with its token ids so that
-a router (llm-d's KV-cache indexer, production-stack's router) can index it. `medium` is CPU for
-a memory tier and STORAGE for the others; `ownership` names the kvtier tier; `locality` is
-LOCAL for memory/disk and REMOTE for shared/redis.
+a router (llm-d's KV-cache indexer, production-stack's router) can index it. `medium` and
+`locality` are the facts of the tier's class (`kvtier.core.tier.Tier`: CPU for host RAM,
+STORAGE otherwise; REMOTE for a store every engine shares), found by its kind through the tier
+registry; `ownership` names the kvtier tier.
 
 Primitives: `ChunkTokens` (what the scheduler remembers of recent chunks), `kv_events`.
 """
@@ -21,18 +22,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from vllm.distributed.kv_events import (
-    MEDIUM_CPU,
-    MEDIUM_STORAGE,
-    BlockRemoved,
-    BlockStored,
-    KVCacheEvent,
-)
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.store import StoreEvent
-
-REMOTE_KINDS = frozenset({"shared", "redis"})
+from kvtier.tiers.registry import tier_class
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,14 +58,15 @@ class ChunkTokens:
 
 def kv_events(store_events: Iterable[StoreEvent], tokens: ChunkTokens,
               tier_kinds: Mapping[str, str], tokens_per_chunk: int) -> list[KVCacheEvent]:
-    """vLLM KV events for the tier events; a stored chunk whose tokens are unknown (planned
-    too long ago) is skipped: a router cannot index it anyway."""
+    """vLLM KV events for the tier events (`tier_kinds`: tier name -> kind); a stored chunk
+    whose tokens are unknown (planned too long ago) is skipped: a router cannot index it
+    anyway. A tier missing from `tier_kinds` has no medium or locality (vLLM: unspecified)."""
     out: list[KVCacheEvent] = []
+    places: dict[str, dict[str, Any]] = {}  # tier name -> the event fields that place it
     for event in store_events:
-        kind = tier_kinds.get(event.tier, "memory")
-        where: dict[str, Any] = dict(medium=MEDIUM_CPU if kind == "memory" else MEDIUM_STORAGE,
-                     locality="REMOTE" if kind in REMOTE_KINDS else "LOCAL",
-                     ownership=f"kvtier/{event.tier}")
+        where = places.get(event.tier)
+        if where is None:
+            where = places[event.tier] = _place(event.tier, tier_kinds.get(event.tier))
         if event.kind == "removed":
             out.append(BlockRemoved(block_hashes=[event.key], **where))
             continue
@@ -85,3 +80,12 @@ def kv_events(store_events: Iterable[StoreEvent], tokens: ChunkTokens,
             block_size=tokens_per_chunk, lora_id=None, lora_name=info.lora_name,
             extra_keys=[extra] if extra else None, **where))
     return out
+
+
+def _place(tier: str, kind: str | None) -> dict[str, Any]:
+    """The medium, locality and ownership of tier `tier`'s events, from its kind's class."""
+    if kind is None:
+        return {"medium": None, "locality": None, "ownership": f"kvtier/{tier}"}
+    cls = tier_class(kind)
+    return {"medium": cls.medium.value, "locality": cls.locality.value,
+            "ownership": f"kvtier/{tier}"}

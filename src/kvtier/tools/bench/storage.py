@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.errors import ConfigError
+from kvtier.tiers.registry import tier_class
 from kvtier.tools.bench.subjects import LMCacheProcess, SizeBench, Subject
 
 MIB = 1024**2
@@ -201,7 +202,7 @@ def run_bench(config: BenchConfig, on_round: Callable[[str], None] = lambda _: N
                 bench = SizeBench(work, size, chunks, config.threads, size_stack)
                 size_stack.callback(shutil.rmtree, bench.raw_dir, ignore_errors=True)
                 files = [bench.direct()] + [bench.tier(k, size_stack) for k in config.tiers
-                                            if k not in ("memory", "redis")]
+                                            if tier_class(k).has_path]
                 if lmcache is not None and (found := lmcache.subject(size, chunks, config.threads)):
                     files.append(found)
                 groups = [[bench.copy()], [bench.direct_1file()], files]

@@ -37,11 +37,13 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.config import DiskTierConfig, MemoryTierConfig, SharedTierConfig, TierConfig
+from kvtier.config import TierSettings
 from kvtier.core.chunkformat import stored_size
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
+from kvtier.core.tier import Medium
 from kvtier.tiers import build_tier
+from kvtier.tiers.registry import config_model, tier_class
 
 LLAMA8B_TOKEN_BYTES = 2 * 32 * 8 * 128 * 2  # K+V, 32 layers, 8 KV heads, 128, bfloat16
 LMCACHE_DRIVER = Path(__file__).with_name("lmcache_driver.py")
@@ -201,19 +203,21 @@ class SizeBench:
             for key in self.keys:
                 tier.delete(key)
 
-        parallel = kind != "memory"  # like copy, its ceiling: one thread
+        # A tier in RAM is timed like copy, its ceiling: one thread.
+        parallel = tier_class(kind).medium is not Medium.CPU
         return Subject(kind, _timed(lambda: self.each(put, parallel)),
                        _timed(lambda: self.each(get, parallel)), clean)
 
-    def _tier_config(self, kind: str) -> TierConfig:
+    def _tier_config(self, kind: str) -> TierSettings:
         # Room for one round, so the timed path never evicts. For the file tiers the
         # capacity is a bound, not an allocation; the memory tier's slab is exactly a round.
         round_bytes = self.chunks * stored_size(self.size)
-        if kind == "memory":
-            return MemoryTierConfig.model_validate({"kind": kind, "capacity": round_bytes})
-        model = DiskTierConfig if kind == "disk" else SharedTierConfig
-        return model.model_validate(
-            {"kind": kind, "capacity": 2 * round_bytes, "path": self.work / kind})
+        settings: dict[str, Any] = {"kind": kind, "capacity": round_bytes}
+        if tier_class(kind).has_path:
+            settings.update(capacity=2 * round_bytes, path=self.work / kind)
+        config = config_model(kind).model_validate(settings)
+        assert isinstance(config, TierSettings)
+        return config
 
 
 class LMCacheProcess:

@@ -35,6 +35,7 @@ from typing import Any
 import yaml
 
 from kvtier.config import parse_model
+from kvtier.core.tier import Medium
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import (
     CONNECTOR_CLASS,
@@ -44,6 +45,7 @@ from kvtier.integrations.vllm.config import (
 )
 from kvtier.redaction import redact, redact_text
 from kvtier.tiers.redis_config import RedisTierConfig
+from kvtier.tiers.registry import TIER_CLASSES, config_model, tier_class
 from kvtier.tools.ops.machine import Check as Check  # re-exported: doctor's result type
 from kvtier.tools.ops.machine import Status, check_host_ram, check_pinned_memory
 from kvtier.tools.ops.machine import check_vllm as check_vllm  # re-exported
@@ -52,8 +54,10 @@ from kvtier.units import format_size, parse_size
 
 CONNECTOR_IMPORT_TIMEOUT_S = 120.0
 REDIS_TIMEOUT_S = 1.0
-# What a memory or disk capacity means (kvtier.config): one engine's, whatever its TP size.
+# What a capacity split by rank means (StoreConfig.per_rank): one engine's, whatever its TP
+# size; a capacity not split is one quota for the whole directory.
 PER_ENGINE = "per engine: the total of its TP ranks, each holds 1/TP"
+WHOLE_DIRECTORY = "the whole directory's quota"
 
 
 def read_store(path: str | Path) -> dict[str, Any]:
@@ -126,21 +130,23 @@ def check_store_config(store: Mapping[str, Any]) -> Check:
 
 
 def check_tier_paths(store: Mapping[str, Any]) -> list[Check]:
-    """Each disk/shared tier: directory writable (or creatable) with room for its capacity."""
+    """Each tier whose class `has_path`: directory writable (or creatable) with room for its
+    capacity."""
     out = []
-    for tier in store.get("tiers", []):
-        if tier.get("kind") not in ("disk", "shared") or "path" not in tier:
+    for tier in _tiers(store):
+        cls = tier_class(tier["kind"])
+        if not cls.has_path or "path" not in tier:
             continue
         name = f"tier {tier.get('name') or tier['kind']}: {tier['path']}"
-        scope = PER_ENGINE if tier["kind"] == "disk" else "the whole directory's quota"
+        scope = PER_ENGINE if cls.capacity_split_by_rank else WHOLE_DIRECTORY
         out.append(_check_dir(name, Path(str(tier["path"])), tier.get("capacity", 0), scope))
     return out
 
 
 def check_memory(store: Mapping[str, Any]) -> Check:
-    """Memory tiers together fit in the host's available RAM."""
-    want = sum(_size(t.get("capacity", 0)) for t in store.get("tiers", [])
-               if t.get("kind") == "memory")
+    """The tiers in host RAM (medium CPU) together fit in the host's available RAM."""
+    want = sum(_size(t.get("capacity", 0)) for t in _tiers(store)
+               if tier_class(t["kind"]).medium is Medium.CPU)
     if not want:
         return Check("host memory", "skip", "no memory tier")
     avail = _mem_available()
@@ -152,20 +158,23 @@ def check_memory(store: Mapping[str, Any]) -> Check:
 
 
 def check_redis(store: Mapping[str, Any]) -> list[Check]:
-    """Each redis tier answers PING within REDIS_TIMEOUT_S, reached as the tier reaches it
-    (`ping_redis`). A tier whose settings are invalid (e.g. a password in its URL) fails
-    without a connection attempt."""
+    """Each tier whose class `has_server` answers within REDIS_TIMEOUT_S, reached as the tier
+    reaches it (`ping_redis`: a Redis/Valkey server; a server of another protocol is skipped).
+    A tier whose settings are invalid (e.g. a password in its URL) fails without a connection
+    attempt."""
     out = []
     for index, tier in enumerate(store.get("tiers", [])):
-        if not isinstance(tier, Mapping) or tier.get("kind") != "redis":
+        kind = tier.get("kind") if isinstance(tier, Mapping) else None
+        if kind not in TIER_CLASSES or not tier_class(kind).has_server:
             continue
-        name = f"redis {_redis_target(tier)}"
+        name = f"{kind} {_redis_target(tier)}"
         try:
-            config = parse_model(RedisTierConfig, dict(tier), f"store.tiers.{index}.redis")
+            config = parse_model(config_model(kind), dict(tier), f"store.tiers.{index}.{kind}")
         except ConfigError as exc:
             out.append(Check(name, "fail", str(exc)))
             continue
-        out.append(ping_redis(config))
+        out.append(ping_redis(config) if isinstance(config, RedisTierConfig) else
+                   Check(name, "skip", "the doctor speaks only the Redis protocol"))
     return out or [Check("redis", "skip", "no redis tier configured")]
 
 
@@ -239,8 +248,10 @@ def next_steps() -> list[str]:
         tiers = default_tiers(cpu=is_cpu_backend())
     except (ConfigError, OSError):
         tiers = []
-    flags = " ".join(f"--memory {t['capacity']}" if t["kind"] == "memory"
-                     else f"--disk {t['path']}:{t['capacity']}" for t in tiers)
+    # The flags are named after the kinds (store_from_flags); a tier with a path is PATH:SIZE.
+    flags = " ".join(f"--{t['kind']} {t['path']}:{t['capacity']}"
+                     if tier_class(t["kind"]).has_path else f"--{t['kind']} {t['capacity']}"
+                     for t in tiers)
     return [f"check a tier layout: kvtier doctor {flags or '--memory SIZE --disk PATH:SIZE'} "
             "(or kvtier doctor CONFIG.yaml); these are the sizes kvtier serve picks here",
             "size the tiers for a model: kvtier plan MODEL_DIR --tp N --host-ram SIZE",
@@ -277,6 +288,12 @@ def _check_dir(name: str, path: Path, capacity: Any, scope: str) -> Check:
         return Check(name, "ok", f"writable, {format_size(free)} free{where}")
     return Check(name, "ok", f"writable, {format_size(free)} free for "
                  f"{format_size(want)} ({scope}){where}")
+
+
+def _tiers(store: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The entries of `store`'s tiers of a known kind (check_store_config reports the rest)."""
+    return [t for t in store.get("tiers", [])
+            if isinstance(t, Mapping) and t.get("kind") in TIER_CLASSES]
 
 
 def _size(value: Any) -> int:

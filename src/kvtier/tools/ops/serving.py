@@ -41,6 +41,7 @@ from kvtier.integrations.vllm.config import (
     kvtier_transfer_config,
 )
 from kvtier.redaction import redact_text
+from kvtier.tiers.registry import tier_class
 from kvtier.tools.ops.flags import kvtier_flags
 from kvtier.units import format_size
 
@@ -240,7 +241,8 @@ def per_rank_note(store: StoreConfig, tp: int) -> str:
     engine (the total across its ranks, as vLLM's --kv-offloading-size)."""
     shares = ", ".join(f"{t.tier_name} {format_size(t.capacity)}"
                        for t in store.per_rank(tp).tiers)
-    whole = [t.tier_name for t in store.tiers if not t.capacity_split_by_rank]
+    whole = [t.tier_name for t in store.tiers
+             if not tier_class(t.kind).capacity_split_by_rank]
     return (f"capacities are per engine, the total across its {tp} TP ranks: each rank "
             f"holds {shares}" + (f" ({', '.join(whole)}: one quota for the whole directory, "
                                  "enforced by every writer)" if whole else ""))

@@ -22,7 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from kvtier.core.policies import POLICIES, EvictionPolicy, make_policy
+from kvtier.core.tier import Locality
 from kvtier.errors import ConfigError
+from kvtier.tiers.registry import tier_class
 from kvtier.tools.ops.hardware import DRAM_GBPS, NVME_GBPS
 from kvtier.units import parse_size
 
@@ -36,7 +38,7 @@ class TierSpec:
     read_gbps: float  # effective read bandwidth of the medium, GB/s (the link caps it too)
     latency_s: float  # fixed cost of one load from it (lookup, I/O submission, RTT)
     policy: str = "lru"  # eviction policy, one of kvtier.core.policies.POLICIES
-    shared: bool = False  # one instance shared by every engine of the fleet
+    shared: bool = False  # one instance shared by every engine of the fleet (a REMOTE kind)
 
     def __post_init__(self) -> None:
         if self.capacity_bytes < 0:
@@ -49,12 +51,20 @@ class TierSpec:
             raise ConfigError(f"tier.{self.name}.policy", self.policy, f"one of {POLICIES}")
 
 
-# Bandwidths from kvtier.tools.ops.hardware; latencies are typical per-request costs.
+def _preset(name: str, kind: str, read_gbps: float, latency_s: float) -> TierSpec:
+    """The simulated tier `name` of kvtier tier `kind`: shared by the fleet when the kind's
+    class is REMOTE (`kvtier.core.tier.Tier.locality`)."""
+    return TierSpec(name, 0, read_gbps, latency_s,
+                    shared=tier_class(kind).locality is Locality.REMOTE)
+
+
+# Each preset is a kvtier tier kind on typical hardware: bandwidths from
+# kvtier.tools.ops.hardware; latencies are typical per-request costs.
 TIER_PRESETS: dict[str, TierSpec] = {
-    "cpu": TierSpec("cpu", 0, DRAM_GBPS, 50e-6),
-    "nvme": TierSpec("nvme", 0, NVME_GBPS[4], 200e-6),
-    "shared": TierSpec("shared", 0, 2.0, 2e-3, shared=True),  # NFS/Lustre-class mount
-    "redis": TierSpec("redis", 0, 1.2, 1e-3, shared=True),  # one server over 10-25 GbE
+    "cpu": _preset("cpu", "memory", DRAM_GBPS, 50e-6),
+    "nvme": _preset("nvme", "disk", NVME_GBPS[4], 200e-6),
+    "shared": _preset("shared", "shared", 2.0, 2e-3),  # NFS/Lustre-class mount
+    "redis": _preset("redis", "redis", 1.2, 1e-3),  # one server over 10-25 GbE
 }
 
 

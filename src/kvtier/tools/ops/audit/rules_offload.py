@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
+from kvtier.core.tier import Locality
+from kvtier.tiers.registry import TIER_CLASSES, tier_class
 from kvtier.tools.ops.audit.command import ServeCommand
 from kvtier.tools.ops.audit.finding import Finding, Severity
 from kvtier.tools.ops.audit.registry import AuditOptions, model_traits, rule
@@ -139,8 +141,10 @@ def kvtier_shared_block_size(cmd: ServeCommand, _: AuditOptions) -> Iterator[Fin
     extra = (cmd.transfer_config or {}).get("kv_connector_extra_config") or {}
     tiers = extra.get("tiers") if isinstance(extra, dict) else None
     tiers = tiers if isinstance(tiers, list) else []
-    shared = sorted({str(t.get("kind")) for t in tiers if isinstance(t, dict)
-                     and t.get("kind") in ("shared", "redis")})
+    # Kinds other engines read too (a REMOTE class, kvtier.core.tier.Tier.locality).
+    shared = sorted({kind for t in tiers if isinstance(t, dict)
+                     and (kind := t.get("kind")) in TIER_CLASSES
+                     and tier_class(kind).locality is Locality.REMOTE})
     if shared:
         yield Finding(
             "kvtier-shared-block-size", Severity.INFO,

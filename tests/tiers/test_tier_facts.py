@@ -1,0 +1,100 @@
+"""Facts about a tier kind are attributes of its class (`kvtier.core.tier.Tier`): every
+registered class states every one, and what reads them (KV events, doctor, the TP capacity
+split) follows a new kind's class without being edited.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import ClassVar, Literal
+
+import pytest
+
+from kvtier.config import StoreConfig, TierSettings
+from kvtier.core.tier import Locality, Medium, Tier
+from kvtier.tiers.example import ExampleTier
+from kvtier.tiers.registry import TIER_CLASSES, tier_class
+
+# The class attributes the contract declares (ClassVar annotations of the Tier protocol).
+FACTS = sorted(name for name, annotation in Tier.__annotations__.items()
+               if str(annotation).startswith("ClassVar"))
+TYPES = {"medium": Medium, "locality": Locality}
+
+
+def test_the_contract_declares_the_facts_events_doctor_and_the_simulator_read() -> None:
+    assert {"medium", "locality", "has_path", "has_server", "capacity_split_by_rank"} <= set(FACTS)
+
+
+@pytest.mark.parametrize("tier_kind", sorted(TIER_CLASSES))
+def test_every_registered_tier_class_declares_every_fact(tier_kind: str) -> None:
+    cls = tier_class(tier_kind)
+    for fact in FACTS:
+        assert fact in vars(cls), f"{cls.__name__} does not state {fact}"
+        assert isinstance(getattr(cls, fact), TYPES.get(fact, bool)), (cls, fact)
+    assert not (cls.has_path and cls.has_server), "a tier has a directory or a server"
+    path_field = "path" in cls.config_model.model_fields
+    assert cls.has_path == path_field, f"{cls.__name__}.has_path but its config's `path`"
+
+
+class VaultTierConfig(TierSettings):
+    """A remote kind the registry does not list: added by the test only."""
+
+    kind: Literal["vault"]
+    url: str = "vault://kv.example:7000"
+
+
+class VaultTier(ExampleTier):
+    """The example tier, as if it reached a server every engine shares."""
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+    locality: ClassVar[Locality] = Locality.REMOTE
+    has_path: ClassVar[bool] = False
+    has_server: ClassVar[bool] = True
+    capacity_split_by_rank: ClassVar[bool] = False
+    config_model = VaultTierConfig  # type: ignore[assignment]
+
+
+@pytest.fixture
+def vault(monkeypatch: pytest.MonkeyPatch) -> StoreConfig:
+    """Kind "vault" registered (one registry line, as a new tier kind is added), and a store
+    with a memory tier above a vault tier."""
+    monkeypatch.setitem(TIER_CLASSES, "vault", f"{__name__}:VaultTier")
+    assert sys.modules[__name__].VaultTier is VaultTier
+    return StoreConfig.parse({"tiers": [{"kind": "memory", "capacity": "4MiB"},
+                                        {"kind": "vault", "name": "far", "capacity": "8MiB"}]})
+
+
+def test_a_new_remote_kind_is_reported_remote_by_the_kv_events(vault: StoreConfig) -> None:
+    """vLLM KV events take medium and locality from the tier's class: a remote kind added to
+    the registry is REMOTE STORAGE, the memory tier LOCAL CPU, with no edit of events.py."""
+    pytest.importorskip("vllm")
+    from kvtier.core.keys import ChunkKey
+    from kvtier.core.store import StoreEvent
+    from kvtier.core.tier import EventKind
+    from kvtier.integrations.vllm.events import ChunkTokens, kv_events
+
+    key = ChunkKey(bytes(16))
+    kinds = {t.tier_name: t.kind for t in vault.tiers}  # what the connector hands the scheduler
+    events = kv_events([StoreEvent(EventKind.REMOVED, key, "far"),
+                        StoreEvent(EventKind.REMOVED, key, "memory")],
+                       ChunkTokens(), kinds, tokens_per_chunk=16)
+    assert [(e.medium, e.locality, e.ownership) for e in events] == [
+        ("STORAGE", "REMOTE", "kvtier/far"), ("CPU", "LOCAL", "kvtier/memory")]
+
+
+def test_a_new_kind_decides_its_own_tp_capacity_split(vault: StoreConfig) -> None:
+    """`capacity_split_by_rank` is read from the class: the vault's capacity is not split."""
+    ranks = vault.per_rank(2)
+    assert [t.capacity for t in ranks.tiers] == [2 << 20, 8 << 20]
+
+
+def test_the_doctor_checks_a_new_kind_by_its_facts(vault: StoreConfig) -> None:
+    """A server kind is the doctor's to reach (skipped: not a Redis server); it has no
+    directory to check and takes no host RAM."""
+    from kvtier.tools.ops.doctor import check_memory, check_redis, check_tier_paths
+
+    store = vault.model_dump()
+    assert check_tier_paths(store) == []
+    assert "want 4.0 MiB" in check_memory(store).detail  # the memory tier's, not the vault's
+    [server] = check_redis(store)
+    assert server.status == "skip" and server.name.startswith("vault ")
