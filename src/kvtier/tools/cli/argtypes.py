@@ -3,7 +3,7 @@
 Primitives: `finite_float`, `positive_float`, `fraction`, `positive_int`,
 `non_negative_int`, `int_in(low, high)`, `size_gb`, `port_number`, `path_text`,
 `output_file`, `output_dir` (their parent must exist), `work_dir` (a writable directory),
-`any_path`.
+`any_path`, `url_of(*schemes)` (`http_url`, `redis_url`).
 
 argparse turns their `ArgumentTypeError` into "kvtier CMD: error: argument --x: ..." and
 exit status 2, before a command runs; `float("inf")`, `float("nan")` and "1e400" are refused
@@ -16,8 +16,11 @@ import argparse
 import math
 import os
 import tempfile
+import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
+
+from kvtier.redaction import redact_text
 
 # A billion GB (an exabyte): larger sizes are typos.
 MAX_GB = 1e9
@@ -172,3 +175,25 @@ def work_dir(text: str) -> Path:
 def any_path(text: str) -> Path:
     """`path_text` as a Path (it need not exist)."""
     return Path(path_text(text))
+
+
+def url_of(*schemes: str) -> Callable[[str], str]:
+    """A type function for a URL with one of `schemes` and a host, checked before a command
+    connects anywhere (issue 24: `kvtier proxy --prefill x` started serving, and failed on
+    every request)."""
+
+    def url(text: str) -> str:
+        try:
+            parts = urllib.parse.urlsplit(text)
+        except ValueError:
+            parts = urllib.parse.urlsplit("")
+        if parts.scheme not in schemes or not parts.netloc:
+            raise argparse.ArgumentTypeError(
+                f"{redact_text(text)[:80]!r} is not a {' or '.join(schemes)} URL with a host")
+        return text
+
+    return url
+
+
+http_url = url_of("http", "https")
+redis_url = url_of("redis", "rediss")

@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtier.errors import ConfigError
+from kvtier.tools.cli.argtypes import MAX_COUNT
 from kvtier.tools.ops.audit import AuditOptions, Severity, all_rules, load_deployment, run_audit
 from kvtier.tools.ops.audit.command import read_text_file
 from kvtier.tools.ops.hardware import gpu_profile
@@ -69,6 +70,8 @@ def _positive_tokens(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: a context length is at least 1 token")
+    if value > MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"{text!r}: at most {MAX_COUNT} tokens")
     return value
 
 

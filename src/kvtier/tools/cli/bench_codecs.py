@@ -11,7 +11,13 @@ from typing import Any
 
 from rich.table import Table
 
-from kvtier.tools.cli.argtypes import any_path, output_file, work_dir
+from kvtier.tools.cli.argtypes import (
+    any_path,
+    non_negative_int,
+    output_file,
+    positive_int,
+    work_dir,
+)
 from kvtier.tools.cli.bench import run_and_report
 
 
@@ -26,16 +32,19 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     source.add_argument("--synthetic", action="store_true",
                         help="normal-distributed bf16 instead of KV (no engine; a smoke test)")
     parser.add_argument("--dtype", default="bfloat16", help="KV dtype of --kv-dir's chunks")
-    parser.add_argument("--prompts", type=int, default=8, help="prompts the engine runs (8)")
-    parser.add_argument("--prompt-tokens", type=int, default=640, help="tokens a prompt (640)")
-    parser.add_argument("--max-chunks", type=int, default=64, help="chunks measured (64)")
-    parser.add_argument("--trials", type=int, default=3, help="timed passes (median; 3)")
+    parser.add_argument("--prompts", type=positive_int, default=8,
+                        help="prompts the engine runs (8)")
+    parser.add_argument("--prompt-tokens", type=positive_int, default=640,
+                        help="tokens a prompt (640)")
+    parser.add_argument("--max-chunks", type=positive_int, default=64, help="chunks measured (64)")
+    parser.add_argument("--trials", type=positive_int, default=3, help="timed passes (median; 3)")
     parser.add_argument("--dir", type=work_dir, default=Path("."),
                         help="where the temporary tiers go (the filesystem measured)")
-    parser.add_argument("--ttft", type=int, default=0, metavar="TOKENS",
+    parser.add_argument("--ttft", type=non_negative_int, default=0, metavar="TOKENS",
                         help="also time a disk-tier hit of TOKENS cached tokens with codecs "
                              "none, zstd, lz4 (one engine each; e.g. 4096)")
-    parser.add_argument("--ttft-reps", type=int, default=5, help="timed hits per codec (5)")
+    parser.add_argument("--ttft-reps", type=positive_int, default=5,
+                        help="timed hits per codec (5)")
     parser.add_argument("--quick", action="store_true", help="2 prompts, 8 chunks, 1 trial")
     parser.add_argument("--json", type=output_file, default=Path("results/bench-codecs.json"),
                         help="where to write the results (default results/bench-codecs.json)")

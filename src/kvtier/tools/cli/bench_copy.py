@@ -22,12 +22,16 @@ if TYPE_CHECKING:
 
 CPU_BLOCKS = 64  # default scattered blocks on CPU: 128 MiB of Llama-3-8B KV each way
 CUDA_BLOCKS = 512  # on CUDA: 1 GiB each way
+MAX_CHUNK_MIB = 1 << 20  # 1 TiB: a larger chunk is a typo
 SWEEP_CHUNK_MIB = (2.0, 4.0, 8.0, 16.0, 32.0)  # --sweep: Llama-3-8B bf16 chunks of 1-16 blocks
 
 
 def mib_list(text: str) -> tuple[float, ...]:
-    """`--chunk-mib`: comma-separated sizes in MiB, each > 0."""
-    return tuple(positive_float(part) for part in text.split(","))
+    """`--chunk-mib`: comma-separated sizes in MiB, each > 0 and at most MAX_CHUNK_MIB."""
+    sizes = tuple(positive_float(part) for part in text.split(","))
+    if max(sizes) > MAX_CHUNK_MIB:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r}: each at most {MAX_CHUNK_MIB} MiB")
+    return sizes
 
 
 def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -45,8 +49,8 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     parser.add_argument("--blocks", type=positive_int,
                         help=f"scattered blocks each way (default {CUDA_BLOCKS} on CUDA, "
                              f"{CPU_BLOCKS} on CPU)")
-    parser.add_argument("--block-size", type=int, default=16, help="vLLM block size (16)")
-    parser.add_argument("--tokens-per-chunk", type=int, default=TOKENS_PER_CHUNK,
+    parser.add_argument("--block-size", type=positive_int, default=16, help="vLLM block size (16)")
+    parser.add_argument("--tokens-per-chunk", type=positive_int, default=TOKENS_PER_CHUNK,
                         help=f"kvtier chunk ({TOKENS_PER_CHUNK}); see --chunk-mib")
     sizes = parser.add_mutually_exclusive_group()
     sizes.add_argument("--chunk-mib", type=mib_list,
@@ -54,11 +58,12 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                             "blocks): one measurement each, instead of --tokens-per-chunk")
     sizes.add_argument("--sweep", action="store_true",
                        help="--chunk-mib " + ",".join(f"{m:g}" for m in SWEEP_CHUNK_MIB))
-    parser.add_argument("--layers", type=int, default=32, help="model layers (Llama-3-8B: 32)")
-    parser.add_argument("--kv-heads", type=int, default=8, help="KV heads (8)")
-    parser.add_argument("--head-size", type=int, default=128, help="head size (128)")
-    parser.add_argument("--trials", type=int, default=5, help="timed trials (5)")
-    parser.add_argument("--threads", type=int,
+    parser.add_argument("--layers", type=positive_int, default=32,
+                        help="model layers (Llama-3-8B: 32)")
+    parser.add_argument("--kv-heads", type=positive_int, default=8, help="KV heads (8)")
+    parser.add_argument("--head-size", type=positive_int, default=128, help="head size (128)")
+    parser.add_argument("--trials", type=positive_int, default=5, help="timed trials (5)")
+    parser.add_argument("--threads", type=positive_int,
                         help="torch CPU threads (default: torch's; 1 is steadier on a busy "
                              "machine)")
     parser.add_argument("--quick", action="store_true", help="2 trials, 32 blocks")

@@ -19,7 +19,13 @@ from kvtier.tools.bench.disagg import (
     run_disagg_bench,
 )
 from kvtier.tools.bench.engines import quiet_engine_logs
-from kvtier.tools.cli.argtypes import output_dir, output_file, work_dir
+from kvtier.tools.cli.argtypes import (
+    finite_float,
+    non_negative_int,
+    output_dir,
+    output_file,
+    work_dir,
+)
 from kvtier.tools.cli.bench import ms_p50_p99, run_and_report, run_summary, runs_table
 
 # ~4 minutes on 2 cores, most of it the three server start-ups.
@@ -34,13 +40,15 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     defaults = DisaggBenchConfig(Path("."), Path("."))
     parser.add_argument("--setup", action="append", choices=SETUPS,
                         help=f"setup to run (repeatable; default {', '.join(SETUPS)})")
-    parser.add_argument("--streams", type=int, help=f"K decoding streams ({defaults.streams})")
-    parser.add_argument("--stream-tokens", type=int,
+    parser.add_argument("--streams", type=non_negative_int,
+                        help=f"K decoding streams ({defaults.streams})")
+    parser.add_argument("--stream-tokens", type=non_negative_int,
                         help=f"tokens each stream generates ({defaults.stream_tokens})")
-    parser.add_argument("--arrivals", type=int, help=f"M long prompts ({defaults.arrivals})")
-    parser.add_argument("--arrival-tokens", type=int,
+    parser.add_argument("--arrivals", type=non_negative_int,
+                        help=f"M long prompts ({defaults.arrivals})")
+    parser.add_argument("--arrival-tokens", type=non_negative_int,
                         help=f"each arrival's prompt ({defaults.arrival_tokens})")
-    parser.add_argument("--gap-s", type=float, dest="arrival_gap_s",
+    parser.add_argument("--gap-s", type=finite_float, dest="arrival_gap_s",
                         help=f"seconds between arrivals ({defaults.arrival_gap_s})")
     parser.add_argument("--dir", type=work_dir, default=Path("."),
                         help="a scratch dir (server logs, the shared tier) is made here")

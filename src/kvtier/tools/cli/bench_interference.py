@@ -27,7 +27,13 @@ from kvtier.tools.bench.interference import (
     checks,
     run_interference_bench,
 )
-from kvtier.tools.cli.argtypes import output_dir, output_file, work_dir
+from kvtier.tools.cli.argtypes import (
+    finite_float,
+    non_negative_int,
+    output_dir,
+    output_file,
+    work_dir,
+)
 from kvtier.tools.cli.bench import ms_p50_p99, run_and_report, run_summary, runs_table
 
 # ~3 minutes on 2 cores, most of it the three server start-ups.
@@ -46,12 +52,13 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     defaults = InterferenceConfig(Path("."), Path("."))
     parser.add_argument("--config", action="append", choices=CHOICES,
                         help=f"configuration to run (repeatable; default {', '.join(CONFIGS)})")
-    parser.add_argument("--streams", type=int, help=f"K decoding streams ({defaults.streams})")
-    parser.add_argument("--stream-tokens", type=int,
+    parser.add_argument("--streams", type=non_negative_int,
+                        help=f"K decoding streams ({defaults.streams})")
+    parser.add_argument("--stream-tokens", type=non_negative_int,
                         help=f"tokens each stream generates ({defaults.stream_tokens})")
-    parser.add_argument("--arrivals", type=int,
+    parser.add_argument("--arrivals", type=non_negative_int,
                         help=f"M arriving requests ({defaults.arrivals})")
-    parser.add_argument("--gap-s", type=float, dest="arrival_gap_s",
+    parser.add_argument("--gap-s", type=finite_float, dest="arrival_gap_s",
                         help=f"seconds between arrivals ({defaults.arrival_gap_s})")
     parser.add_argument("--prefix-tokens",
                         help="arrivals' prefix lengths, comma-separated, cycled; multiples of "
@@ -62,11 +69,11 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                              "redis: a private redis-server behind a delaying, bandwidth-capped "
                              "proxy on 127.0.0.1; memory: no tier below, a memory tier that "
                              "holds every prefix")
-    parser.add_argument("--net-delay-ms", type=float, dest="net_delay_ms", metavar="MS",
+    parser.add_argument("--net-delay-ms", type=finite_float, dest="net_delay_ms", metavar="MS",
                         help="--tier redis: the emulated network's one-way delay, ms "
                              f"({defaults.net_delay_ms:g}: a round trip of "
                              f"{2 * defaults.net_delay_ms:g} ms, a server in the same datacenter)")
-    parser.add_argument("--net-gbps", type=float, dest="net_bandwidth_gbps", metavar="GBPS",
+    parser.add_argument("--net-gbps", type=finite_float, dest="net_bandwidth_gbps", metavar="GBPS",
                         help="--tier redis: the emulated network's bandwidth per direction, "
                              f"Gbit/s ({defaults.net_bandwidth_gbps:g})")
     parser.add_argument("--dir", type=work_dir, default=Path("."),

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
-from kvtier.tools.cli.argtypes import output_file
+from kvtier.tools.cli.argtypes import output_file, positive_int
 from kvtier.tools.cli.bench import run_and_report
 
 if TYPE_CHECKING:
@@ -22,11 +22,11 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     parser = workloads.add_parser(
         "mover", help="the device mover's protocol overhead on a stand-in device vs the CPU "
                       "mover (no GPU needed)", description=__doc__.splitlines()[0])
-    parser.add_argument("--chunks", type=int, default=32, help="chunks each way (32)")
-    parser.add_argument("--layers", type=int, default=8, help="model layers (8)")
-    parser.add_argument("--tokens-per-chunk", type=int, default=64,
+    parser.add_argument("--chunks", type=positive_int, default=32, help="chunks each way (32)")
+    parser.add_argument("--layers", type=positive_int, default=8, help="model layers (8)")
+    parser.add_argument("--tokens-per-chunk", type=positive_int, default=64,
                         help="tokens a chunk (64: 2 MiB with 8 layers, 8 heads of 128)")
-    parser.add_argument("--trials", type=int, default=5, help="timed trials (5)")
+    parser.add_argument("--trials", type=positive_int, default=5, help="timed trials (5)")
     parser.add_argument("--quick", action="store_true", help="8 chunks, 2 trials")
     parser.add_argument("--json", type=output_file, default=Path("results/bench-mover.json"),
                         help="where to write the results (default results/bench-mover.json)")

@@ -32,7 +32,13 @@ from kvtier.tools.bench.report import summary_table, write_outputs
 from kvtier.tools.bench.runner import BenchRun, bench_endpoint
 from kvtier.tools.bench.stats import RequestResult
 from kvtier.tools.bench.workloads import WORKLOADS, TokenRange, Workload
-from kvtier.tools.cli.argtypes import output_dir
+from kvtier.tools.cli.argtypes import (
+    http_url,
+    non_negative_int,
+    output_dir,
+    positive_float,
+    positive_int,
+)
 
 _NOT_SIZES = ("seed", "token_ids")
 
@@ -45,25 +51,26 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         for param in inspect.signature(generator).parameters.values():
             if param.name not in _NOT_SIZES:
                 sizes.add_argument("--" + param.name.replace("_", "-"), dest=param.name,
-                                   type=int, default=param.default,
+                                   type=non_negative_int, default=param.default,
                                    help=f"(default {param.default})")
         _add_common(p)
         p.set_defaults(func=run, generator=generator)
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default="http://127.0.0.1:8000",
+    p.add_argument("--url", type=http_url, default="http://127.0.0.1:8000",
                    help="server base URL (default http://127.0.0.1:8000)")
-    p.add_argument("--compare", nargs=2, metavar=("URL_A", "URL_B"),
+    p.add_argument("--compare", nargs=2, type=http_url, metavar=("URL_A", "URL_B"),
                    help="run the same workload against two endpoints, one after the other, "
                         "and print B/A ratios")
     p.add_argument("--model", help="model name to send (default: the first the server lists)")
-    p.add_argument("--concurrency", type=int, default=4, help="requests in flight (default 4)")
-    p.add_argument("--max-requests", type=int, help="send at most this many requests")
-    p.add_argument("--duration-s", type=float, help="stop sending after this many seconds")
-    p.add_argument("--request-timeout-s", type=float, default=300.0,
+    p.add_argument("--concurrency", type=positive_int, default=4,
+                   help="requests in flight (default 4)")
+    p.add_argument("--max-requests", type=positive_int, help="send at most this many requests")
+    p.add_argument("--duration-s", type=positive_float, help="stop sending after this many seconds")
+    p.add_argument("--request-timeout-s", type=positive_float, default=300.0,
                    help="one request's time limit (default 300)")
-    p.add_argument("--warmup", type=int, default=1,
+    p.add_argument("--warmup", type=non_negative_int, default=1,
                    help="short uncounted requests sent first (default 1)")
     p.add_argument("--seed", type=int, default=0, help="prompt RNG seed (default 0)")
     p.add_argument("--token-ids", default="3:500", metavar="LOW:HIGH",

@@ -20,7 +20,13 @@ from kvtier.tools.bench.sharing import (
     SharingResult,
     run_sharing_bench,
 )
-from kvtier.tools.cli.argtypes import output_dir, output_file, work_dir
+from kvtier.tools.cli.argtypes import (
+    non_negative_int,
+    output_dir,
+    output_file,
+    redis_url,
+    work_dir,
+)
 from kvtier.tools.cli.bench import run_and_report
 
 
@@ -30,12 +36,13 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                                   description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="1024,4096",
                         help="cached prompt lengths, comma-separated (multiples of 256)")
-    parser.add_argument("--reps", type=int, default=5, help="timed hits per prompt (5)")
-    parser.add_argument("--recompute-reps", type=int, default=3,
+    parser.add_argument("--reps", type=non_negative_int, default=5,
+                        help="timed hits per prompt (5)")
+    parser.add_argument("--recompute-reps", type=non_negative_int, default=3,
                         help="timed recomputes per prompt (3)")
     parser.add_argument("--source", action="append", choices=SOURCES,
                         help="how B gets A's chunks (repeatable; default both)")
-    parser.add_argument("--redis-url", default=None,
+    parser.add_argument("--redis-url", type=redis_url, default=None,
                         help="an existing Redis (default: a private redis-server on 127.0.0.1)")
     parser.add_argument("--dir", type=work_dir, default=Path("."),
                         help="the shared directory (a temp dir) goes here")

@@ -29,7 +29,7 @@ from kvtier.tools.bench.storage import (
     rounds_total,
     run_bench,
 )
-from kvtier.tools.cli.argtypes import output_file, work_dir
+from kvtier.tools.cli.argtypes import non_negative_int, output_file, positive_int, work_dir
 from kvtier.units import parse_size
 
 MAX_CHUNK_BYTES = 1 << 40  # 1 TiB: a larger chunk is a typo
@@ -57,10 +57,11 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     parser.add_argument("--dir", type=work_dir, default=Path("."),
                         help="a temp dir is made here for the disk and shared tiers and the "
                              "O_DIRECT ceilings (default: the current directory's filesystem)")
-    parser.add_argument("--trials", type=int, help="timed rounds per size (default 7; quick 3)")
+    parser.add_argument("--trials", type=non_negative_int,
+                        help="timed rounds per size (default 7; quick 3)")
     parser.add_argument("--trial-bytes", help="bytes each subject moves per round "
                                               "(default 512MiB; quick 64MiB)")
-    parser.add_argument("--threads", type=int, default=1,
+    parser.add_argument("--threads", type=positive_int, default=1,
                         help="threads issuing the chunks of O_DIRECT, the disk and shared "
                              "tiers and LMCache (default 1; copy and memory stay on one)")
     parser.add_argument("--quick", action="store_true", help="a ~10 s run (CI smoke, demo)")

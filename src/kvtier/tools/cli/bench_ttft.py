@@ -23,7 +23,7 @@ from kvtier.tools.bench.ttft import (
     TtftResult,
     run_ttft_bench,
 )
-from kvtier.tools.cli.argtypes import output_dir, output_file, work_dir
+from kvtier.tools.cli.argtypes import non_negative_int, output_dir, output_file, work_dir
 from kvtier.tools.cli.bench import run_and_report
 
 QUICK = {"cached_tokens": (1024, 4096), "reps": 5, "recompute_reps": 2,
@@ -36,7 +36,7 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                                   description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="1024,4096,8192,16384",
                         help="cached prompt lengths, comma-separated (multiples of 256)")
-    parser.add_argument("--reps", type=int, default=9, help="timed hits per point (9)")
+    parser.add_argument("--reps", type=non_negative_int, default=9, help="timed hits per point (9)")
     parser.add_argument("--engine", action="append", choices=ENGINES,
                         help="configuration to run (repeatable; default all)")
     parser.add_argument("--dir", type=work_dir, default=Path("."),

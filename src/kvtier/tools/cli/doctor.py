@@ -15,7 +15,7 @@ import json
 from rich.console import Console
 from rich.table import Table
 
-from kvtier.integrations.vllm.config import CONNECTOR_MODULE
+from kvtier.integrations.vllm.config import CONNECTOR_MODULE, ConnectorConfig
 from kvtier.redaction import redact_text
 from kvtier.tools.ops.doctor import (
     check_store_config,
@@ -53,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
         return _run_machine(args.connector_module, args.json)
     else:
         store = store_from_flags(args.memory, tuple(args.disk), tuple(args.shared), args.redis)
+        # A bad flag is bad input (exit 2, one line), not a failed check (issue 24).
+        ConnectorConfig.parse(store, where="flags")
     checks = run_doctor(store, args.connector_module)
     valid = check_store_config(store).status == "ok"
     # Valid configs hold no credential (a password in a URL is refused); redacted anyway,

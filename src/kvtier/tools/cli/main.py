@@ -67,6 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     of a ValueError too.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
+    # A value that is not UTF-8 (surrogate-escaped in argv) is echoed escaped, not as an
+    # UnicodeEncodeError half-way through the output (issue 24).
+    reconfigure = getattr(sys.stdout, "reconfigure", None)
+    if reconfigure is not None:
+        reconfigure(errors="backslashreplace")
     try:
         parser = build_parser(_command_in(argv))
     except ModuleNotFoundError as exc:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvtier.tools.cli.argtypes import port_number, positive_float
+from kvtier.tools.cli.argtypes import http_url, port_number, positive_float
 from kvtier.tools.ops.disagg_proxy import ProxyConfig, run_proxy
 
 
@@ -17,9 +17,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p = subparsers.add_parser(
         "proxy", help="disaggregated prefill: one OpenAI front over a prefill (kv_producer) "
                       "and a decode (kv_consumer) instance")
-    p.add_argument("--prefill", required=True, help="prefill instance base URL, e.g. "
-                                                    "http://127.0.0.1:8100")
-    p.add_argument("--decode", required=True, help="decode instance base URL")
+    p.add_argument("--prefill", required=True, type=http_url,
+                   help="prefill instance base URL, e.g. http://127.0.0.1:8100")
+    p.add_argument("--decode", required=True, type=http_url,
+                   help="decode instance base URL")
     p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=port_number, default=8000, help="listen port (default 8000)")
     p.add_argument("--request-timeout", type=positive_float, default=600.0, metavar="S",

@@ -23,7 +23,7 @@ import sys
 
 from kvtier.errors import ConfigError, ServerError
 from kvtier.redaction import redact_value
-from kvtier.tools.cli.argtypes import any_path, port_number
+from kvtier.tools.cli.argtypes import any_path, port_number, positive_int
 from kvtier.tools.ops.server import VllmServer
 from kvtier.tools.ops.serving import (
     KV_ROLES,
@@ -54,7 +54,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                                   "most 100GiB; 0: no disk tier)")
     p.add_argument("--config", type=any_path, help="a kvtier store config file (YAML/JSON); "
                                                "replaces --memory/--disk/--disk-path")
-    p.add_argument("--tokens-per-chunk", type=int,
+    p.add_argument("--tokens-per-chunk", type=positive_int,
                    help="tokens per stored chunk, a multiple of vLLM's --block-size (default "
                         "256; smaller chunks recompute less of a returning prompt's tail, at "
                         "more chunks per prompt: docs/performance.md)")

@@ -20,7 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvtier.errors import ConfigError, WarmupError
-from kvtier.tools.cli.argtypes import any_path, positive_float
+from kvtier.tools.cli.argtypes import any_path, http_url, positive_float
 from kvtier.tools.ops.warmup import (
     WarmResult,
     WarmSettings,
@@ -36,7 +36,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "warm", help="pre-load documents / system prompts into kvtier through a vLLM server",
         description="Send each prompt as a max_tokens=1 completion so that kvtier stores its "
                     "KV (pinned for --retain-s, expiring after --ttl-s) before traffic comes.")
-    p.add_argument("url", help="the vLLM server (OpenAI API) with kvtier, e.g. "
+    p.add_argument("url", type=http_url, help="the vLLM server (OpenAI API) with kvtier, e.g. "
                                "http://127.0.0.1:8000")
     p.add_argument("files", nargs="*", type=any_path, help="text files, one prompt each")
     p.add_argument("--jsonl", action="append", type=any_path, default=[], metavar="FILE",
