@@ -14,9 +14,9 @@ import pytest
 import yaml
 from tierkit import key
 
-from kvtier.config import StoreConfig
 from kvtier.core.layout import KVLayout
 from kvtier.tiers import build_tier
+from kvtier.tiers.storeconfig import StoreConfig
 from kvtier.tools.cli.main import main
 
 KINDS = ["disk", "shared", pytest.param("redis", marks=pytest.mark.redis)]

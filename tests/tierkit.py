@@ -14,12 +14,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvtier.config import StoreConfig
 from kvtier.core.chunkformat import ALIGN_BYTES, HEADER_BYTES, stored_size
 from kvtier.core.keys import KEY_BYTES, ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.tier import Tier
 from kvtier.tiers import build_tier
+from kvtier.tiers.storeconfig import StoreConfig
 
 TIER_KINDS = ("memory", "disk", "shared", "redis", "example")
 REDIS_URL: str | None = None  # the redis-server of the running test (tests/conftest.py)

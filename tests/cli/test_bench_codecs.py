@@ -12,11 +12,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from kvtier.config import StoreConfig
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.errors import ConfigError
 from kvtier.tiers import build_tier
+from kvtier.tiers.storeconfig import StoreConfig
 from kvtier.tools.bench.codecs_inputs import read_chunk_files
 from kvtier.tools.cli.main import main
 

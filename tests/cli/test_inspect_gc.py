@@ -20,10 +20,10 @@ import yaml
 from storekit import KINDS, by_namespace, cli_json, held, tier_config, write_config
 from tierkit import key, tiny_layout
 
-from kvtier.config import StoreConfig
 from kvtier.core.layout import KVLayout
 from kvtier.errors import ConfigError
 from kvtier.tiers import build_tier
+from kvtier.tiers.storeconfig import StoreConfig
 from kvtier.tools.admin.gc import GcRequest, parse_duration, select_victims
 from kvtier.tools.admin.inventory import StoredChunk
 from kvtier.tools.cli.main import main

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 from tierkit import key, tier_settings
 
-from kvtier.config import StoreConfig
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.store import TieredStore
 from kvtier.core.tier import Tier, TierResult, TierStats
 from kvtier.tiers import build_tier, store_settings
+from kvtier.tiers.storeconfig import StoreConfig
 
 
 class BrokenTier:

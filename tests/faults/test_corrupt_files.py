@@ -20,13 +20,13 @@ import pytest
 import xxhash
 from tierkit import key, make_tier, tier_settings
 
-from kvtier.config import StoreConfig
 from kvtier.core.chunkformat import HEADER_BYTES
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.store import TieredStore
 from kvtier.core.tier import CORRUPT, MISSING
 from kvtier.tiers import open_store
+from kvtier.tiers.storeconfig import StoreConfig
 
 PERSISTENT = ("disk", "shared")
 
@@ -212,8 +212,8 @@ def test_a_file_deleted_between_the_tiers_own_check_and_its_read_is_a_counted_mi
 def test_a_chunk_file_deleted_behind_the_disk_tiers_back_is_stored_again(tmp_path: Path) -> None:
     """Someone deletes a chunk file under a running disk tier: the tier stops claiming it
     (a removal event, a miss) and the next put writes it again instead of skipping it."""
-    from kvtier.config import StoreConfig
     from kvtier.core.layout import KVLayout
+    from kvtier.tiers.storeconfig import StoreConfig
 
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_size=64, dtype="float16",
                       tokens_per_chunk=16)

@@ -82,8 +82,8 @@ def test_a_fifo_is_never_counted_by_the_probe_nor_the_scan(kind: str, tmp_path: 
     chunk held, and the start-up scan does not block on it."""
     from tierkit import tier_settings
 
-    from kvtier.config import StoreConfig
     from kvtier.tiers import build_probe
+    from kvtier.tiers.storeconfig import StoreConfig
 
     tier = make_tier(kind, tmp_path, layout, capacity_chunks=8)
     assert tier.put(key(1), memoryview(payload(1, layout)))

@@ -34,11 +34,11 @@ pytestmark = pytest.mark.skipif(
 
 CHILD = r"""
 import json, os, sys
-from kvtier.config import StoreConfig
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.tiers import build_tier
 import kvtier.tiers.shared  # imported before dropping root: /root is not readable after
+from kvtier.tiers.storeconfig import StoreConfig
 root, user, group, keys = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
 import pwd
 entry = pwd.getpwnam(user)

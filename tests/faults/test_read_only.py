@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 from tierkit import key, make_tier, tier_settings
 
-from kvtier.config import StoreConfig
 from kvtier.core.layout import KVLayout
 from kvtier.core.tier import Failure
 from kvtier.tiers import build_probe
+from kvtier.tiers.storeconfig import StoreConfig
 
 
 def payload(i: int, layout: KVLayout) -> bytes:

@@ -25,11 +25,11 @@ from redis.retry import Retry
 from redis_server import REDIS_CLI, RedisClusterNodes, RedisServer
 from tierkit import key, tier_settings, tiny_layout
 
-from kvtier.config import StoreConfig
 from kvtier.core.layout import KVLayout
 from kvtier.errors import ConfigError
 from kvtier.tiers import build_tier, open_store
 from kvtier.tiers.redis import RedisTier
+from kvtier.tiers.storeconfig import StoreConfig
 
 pytestmark = pytest.mark.redis
 T = TypeVar("T")

@@ -21,7 +21,6 @@ import yaml
 from redis_server import RedisServer
 from tierkit import key, tiny_layout
 
-from kvtier.config import StoreConfig
 from kvtier.core.layout import KVLayout
 from kvtier.core.tier import FULL
 from kvtier.tiers import build_tier
@@ -29,6 +28,7 @@ from kvtier.tiers.redis import RedisTier
 from kvtier.tiers.redis_config import RedisTierConfig
 from kvtier.tiers.redis_inventory import RedisInventory
 from kvtier.tiers.redis_write import PART_TTL_MS
+from kvtier.tiers.storeconfig import StoreConfig
 from kvtier.tools.admin.gc import GcRequest, run_gc
 from kvtier.tools.cli.main import main
 

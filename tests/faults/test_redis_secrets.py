@@ -19,10 +19,10 @@ import yaml
 from redis_server import RedisClusterNodes, RedisServer
 from tierkit import key
 
-from kvtier.config import StoreConfig
 from kvtier.core.layout import KVLayout
 from kvtier.errors import ConfigError
 from kvtier.tiers import build_tier
+from kvtier.tiers.storeconfig import StoreConfig
 from kvtier.tools.cli.main import main
 from kvtier.tools.ops.doctor import check_redis
 

@@ -22,11 +22,11 @@ import pytest
 from redis_server import REDIS_SERVER, SKIP_REASON, TlsRedisServer
 from tierkit import key
 
-from kvtier.config import StoreConfig
 from kvtier.core.layout import KVLayout
 from kvtier.core.store import TieredStore
 from kvtier.core.tier import UNAVAILABLE
 from kvtier.tiers import open_store
+from kvtier.tiers.storeconfig import StoreConfig
 
 pytestmark = pytest.mark.redis
 TIMEOUT_MS = 500  # socket and connect timeouts: a TLS handshake on a loaded CI machine

@@ -164,8 +164,8 @@ def test_a_lookup_that_hangs_leaves_the_rest_of_the_prefix_a_miss() -> None:
 
 
 def test_the_deadlines_are_validated_settings() -> None:
-    from kvtier.config import StoreConfig
     from kvtier.errors import ConfigError
+    from kvtier.tiers.storeconfig import StoreConfig
 
     config = StoreConfig.parse({"tiers": [{"kind": "memory", "capacity": "1MiB"}],
                                 "read_timeout_s": 0.5, "lookup_timeout_s": 1})

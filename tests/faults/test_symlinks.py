@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 from tierkit import key, make_tier, tier_settings
 
-from kvtier.config import StoreConfig
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.tiers import build_probe
+from kvtier.tiers.storeconfig import StoreConfig
 from kvtier.tools.admin.gc import GcRequest, run_gc
 from kvtier.tools.admin.inventory import open_inventories
 

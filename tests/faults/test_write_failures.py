@@ -189,9 +189,9 @@ def test_a_slow_disk_at_close_costs_the_unwritten_chunks_only(
 
     from tierkit import tier_settings
 
-    from kvtier.config import StoreConfig
     from kvtier.tiers import open_store
     from kvtier.tiers.disk import DiskTier
+    from kvtier.tiers.storeconfig import StoreConfig
 
     layout = tiny_layout()
     config = StoreConfig.parse({"write_queue_depth": 64, "tiers": [

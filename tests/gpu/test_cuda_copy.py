@@ -33,12 +33,12 @@ import torch
 from gpurig import BS, CASE_IDS, CASES, Backend, Case, reference_chunk
 from tierkit import key
 
-from kvtier.config import StoreConfig
 from kvtier.core.store import TieredStore
 from kvtier.integrations.vllm.cpu import spare_buffers
 from kvtier.integrations.vllm.streams import StreamChunkMover
 from kvtier.integrations.vllm.transfers import ChunkTransfer
 from kvtier.tiers import open_store
+from kvtier.tiers.storeconfig import StoreConfig
 from kvtier.tools.bench.standin import StandInEvent
 
 LAYERS, BLOCKS = 3, 64

@@ -27,7 +27,6 @@ import pytest
 from storekit import KINDS, by_namespace, cli_json, held, tier_config, write_config
 from tierkit import key, tiny_layout
 
-from kvtier.config import StoreConfig
 from kvtier.core.fingerprint import cached_model_fingerprint
 from kvtier.core.layout import KVLayout
 from kvtier.errors import ConfigError
@@ -40,6 +39,7 @@ from kvtier.tiers.manifest import (
     read_file_manifest,
     redis_manifest_name,
 )
+from kvtier.tiers.storeconfig import StoreConfig
 from kvtier.tools.admin.inventory import open_inventories, read_manifests
 from kvtier.tools.cli.main import main
 

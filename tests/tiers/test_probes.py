@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from tierkit import key
 
-from kvtier.config import StoreConfig
 from kvtier.core.layout import KVLayout
 from kvtier.core.locator import ChunkLocator, Located, LookupStatus
 from kvtier.tiers import build_probe, open_store
+from kvtier.tiers.storeconfig import StoreConfig
 
 RANKS = [KVLayout(num_layers=1, num_kv_heads=1, head_size=64, dtype="float16",
                   tokens_per_chunk=16, tp_rank=r, tp_world_size=2) for r in range(2)]

@@ -13,8 +13,8 @@ import pytest
 import redis
 from tierkit import footprint_bytes, key, tiny_layout
 
-from kvtier.config import StoreConfig
 from kvtier.tiers import open_store
+from kvtier.tiers.storeconfig import StoreConfig
 
 pytestmark = pytest.mark.redis
 LAYOUT = tiny_layout(4)

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from tierkit import key, make_tier, tier_settings, tiny_layout
 
-from kvtier.config import StoreConfig
 from kvtier.core.layout import KVLayout
 from kvtier.core.store import TieredStore
 from kvtier.tiers import open_store
+from kvtier.tiers.storeconfig import StoreConfig
 
 
 def payload(i: int, layout: KVLayout) -> bytes:

@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tierkit import key, tier_settings, tiny_layout
 
-from kvtier.config import StoreConfig
 from kvtier.core.store import TieredStore
 from kvtier.tiers import open_store
+from kvtier.tiers.storeconfig import StoreConfig
 
 LAYOUT = tiny_layout(4)  # 1 KiB chunks
 KEYS = 12

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from tierkit import key
 
-from kvtier.config import StoreConfig
 from kvtier.core.layout import KVLayout
 from kvtier.core.store import StoreEvent
 from kvtier.core.tier import EventKind
 from kvtier.tiers import open_store
+from kvtier.tiers.storeconfig import StoreConfig
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_size=64, dtype="float16", tokens_per_chunk=16)
 CHUNK = LAYOUT.bytes_per_chunk  # 4 KiB

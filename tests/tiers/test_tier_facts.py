@@ -10,10 +10,10 @@ from typing import ClassVar, Literal
 
 import pytest
 
-from kvtier.config import StoreConfig, TierSettings
 from kvtier.core.tier import Locality, Medium, Tier
 from kvtier.tiers.example import ExampleTier
 from kvtier.tiers.registry import TIER_CLASSES, tier_class
+from kvtier.tiers.storeconfig import StoreConfig, TierSettings
 
 # The class attributes the contract declares (ClassVar annotations of the Tier protocol).
 FACTS = sorted(name for name, annotation in Tier.__annotations__.items()

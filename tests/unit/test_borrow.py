@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 from tierkit import footprint_bytes, key, tier_settings, tiny_layout
 
-from kvtier.config import StoreConfig
 from kvtier.core.store import TieredStore
 from kvtier.core.tier import Lender, Reserver
 from kvtier.tiers import open_store
 from kvtier.tiers.memory import MemoryTier, MemoryTierConfig
+from kvtier.tiers.storeconfig import StoreConfig
 
 LAYOUT = tiny_layout(4)  # 1 KiB chunks
 

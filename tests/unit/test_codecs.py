@@ -19,7 +19,6 @@ import pytest
 import xxhash
 from tierkit import key, tiny_layout
 
-from kvtier.config import StoreConfig
 from kvtier.core.chunkformat import HEADER_BYTES, VERSION, ChunkEncoder, failure_of, read_header
 from kvtier.core.codecs import (
     CODEC_NAMES,
@@ -37,6 +36,7 @@ from kvtier.core.tier import Failure
 from kvtier.errors import CodecFailure, ConfigError, CorruptChunk
 from kvtier.tiers import build_tier
 from kvtier.tiers.chunkfiles import ChunkFiles
+from kvtier.tiers.storeconfig import StoreConfig
 
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
 LOSSLESS = [n for n in CODEC_NAMES if n not in LOSSY_CODECS]

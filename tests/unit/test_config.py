@@ -10,8 +10,11 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from kvtier.config import DiskTierConfig, MemoryTierConfig, SharedTierConfig, StoreConfig
 from kvtier.errors import ConfigError
+from kvtier.tiers.disk import DiskTierConfig
+from kvtier.tiers.memory import MemoryTierConfig
+from kvtier.tiers.shared import SharedTierConfig
+from kvtier.tiers.storeconfig import StoreConfig
 from kvtier.units import format_size, parse_size
 
 # The README's example; its paths are rooted in the test's temp dir, because a path is

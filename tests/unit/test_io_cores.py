@@ -17,10 +17,10 @@ from typing import TypeVar
 import pytest
 from tierkit import key, tiny_layout
 
-from kvtier.config import StoreConfig
 from kvtier.core.threads import auto_cores, io_pool, parse_cpu_list, resolve_io_cores
 from kvtier.errors import ConfigError
 from kvtier.tiers import open_store
+from kvtier.tiers.storeconfig import StoreConfig
 
 T = TypeVar("T")
 CORES = frozenset(os.sched_getaffinity(0))

@@ -4,6 +4,10 @@ The cache (kvtier.core, kvtier.tiers, kvtier.integrations, kvtier.config, kvtier
 is what vLLM imports, with only the dependencies pyproject's [project] list names; the tools
 (kvtier.tools) import the cache and bring their own (the `tools` extra). These tests read the
 code, and import the connector in a fresh interpreter, so that a stray import fails here.
+
+Inside the cache, packages import one way only: kvtier.config (and errors, units, redaction)
+<- kvtier.core <- kvtier.tiers <- kvtier.integrations. `kvtier.config` knows no tier: the
+store's config model lives with the tier factory (kvtier.tiers.storeconfig).
 """
 
 from __future__ import annotations
@@ -44,6 +48,37 @@ def test_the_cache_never_imports_the_tools() -> None:
         for path in SRC.rglob("*.py") if TOOLS not in path.parents
     }
     assert {f: m for f, m in offenders.items() if m} == {}
+
+
+# Each cache package and the kvtier packages it must never import (not even for type checks).
+LAYERS = {
+    "config.py": ("kvtier.core", "kvtier.tiers", "kvtier.integrations"),
+    "core": ("kvtier.tiers", "kvtier.integrations"),
+    "tiers": ("kvtier.integrations",),
+}
+
+
+def test_the_cache_packages_import_one_way_only() -> None:
+    """No circle at package level: config <- core <- tiers <- integrations."""
+    offenders = {}
+    for part, forbidden in LAYERS.items():
+        paths = [SRC / part] if part.endswith(".py") else sorted((SRC / part).rglob("*.py"))
+        for path in paths:
+            found = sorted(m for m in _imported_modules(path) if m.startswith(forbidden))
+            if found:
+                offenders[str(path.relative_to(SRC))] = found
+    assert offenders == {}
+
+
+def test_importing_the_config_imports_no_tier() -> None:
+    """`kvtier.config` imports no module of kvtier.tiers (nor the rest of the cache)."""
+    probe = ("import json, sys\n"
+             "import kvtier.config\n"
+             "print(json.dumps(sorted(m for m in sys.modules if m.startswith('kvtier'))))\n")
+    loaded = _run_probe(probe)
+    assert "kvtier.config" in loaded
+    assert not [m for m in loaded if m.startswith(("kvtier.tiers", "kvtier.core",
+                                                   "kvtier.integrations"))], loaded
 
 
 def _tools_dependencies() -> list[str]:

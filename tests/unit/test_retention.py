@@ -13,11 +13,11 @@ from typing import Any
 
 from tierkit import key, tier_settings, tiny_layout
 
-from kvtier.config import StoreConfig
 from kvtier.core.retention import ChunkMeta
 from kvtier.core.store import TieredStore
 from kvtier.core.tier import EventKind
 from kvtier.tiers.memory import MemoryTier
+from kvtier.tiers.storeconfig import StoreConfig
 
 LAYOUT = tiny_layout()
 CHUNK = bytes(range(256)) * (LAYOUT.bytes_per_chunk // 256)

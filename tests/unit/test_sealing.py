@@ -21,13 +21,13 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from tierkit import key
 
-from kvtier.config import StoreConfig
 from kvtier.core.chunkformat import ChunkEncoder, failure_of, read_header
 from kvtier.core.layout import KVLayout
 from kvtier.core.sealing import Sealer, TenantBook
 from kvtier.core.tier import Failure
 from kvtier.errors import AuthFailure, ConfigError
 from kvtier.tiers import build_tier
+from kvtier.tiers.storeconfig import StoreConfig
 
 SECRET = b"s3cr3t-operator-key-0123456789abcdefXYZ"
 OTHER_SECRET = b"another-operator-key-0123456789abcdefXYZ"

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 from tierkit import key, tiny_layout
 
-from kvtier.config import StoreConfig
 from kvtier.core.keys import ChunkKey
 from kvtier.core.store import StoreEvent, StoreSettings, TieredStore
 from kvtier.core.tier import CORRUPT, EventKind, Failure, TierResult
 from kvtier.tiers import open_store
 from kvtier.tiers.example import ExampleTier, ExampleTierConfig
+from kvtier.tiers.storeconfig import StoreConfig
 
 LAYOUT = tiny_layout()
 CHUNK = LAYOUT.bytes_per_chunk

@@ -28,13 +28,13 @@ import pytest
 import torch
 from tierkit import key
 
-from kvtier.config import StoreConfig
 from kvtier.core.store import TieredStore
 from kvtier.integrations.vllm.cpu import spare_buffers
 from kvtier.integrations.vllm.paged import PagedKV
 from kvtier.integrations.vllm.streams import StreamChunkMover
 from kvtier.integrations.vllm.transfers import ChunkTransfer
 from kvtier.tiers import open_store
+from kvtier.tiers.storeconfig import StoreConfig
 from kvtier.tools.bench.standin import StandInDevice, StandInEvent
 from kvtier.tools.bench.vllmviews import VllmCacheSpec, vllm_kv_caches
 

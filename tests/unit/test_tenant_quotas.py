@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from tierkit import key, make_tier, tiny_layout
 
-from kvtier.config import StoreConfig
 from kvtier.core.retention import ChunkMeta, MetaKeeper, TenantLabels, tenant_label
 from kvtier.core.store import TieredStore
 from kvtier.errors import ConfigError
 from kvtier.tiers.memory import MemoryTier
+from kvtier.tiers.storeconfig import StoreConfig
 
 LAYOUT = tiny_layout()
 CHUNK = bytes(range(256)) * (LAYOUT.bytes_per_chunk // 256)

@@ -18,8 +18,10 @@ from typing import Any
 
 import pytest
 
-from kvtier.config import DiskTierConfig, SharedTierConfig, StoreConfig
 from kvtier.errors import ConfigError
+from kvtier.tiers.disk import DiskTierConfig
+from kvtier.tiers.shared import SharedTierConfig
+from kvtier.tiers.storeconfig import StoreConfig
 
 FIX = "writable by this user, or that can be created under a writable parent"
 

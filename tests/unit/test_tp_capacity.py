@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.config import StoreConfig
 from kvtier.core.layout import KVLayout
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.tiers import open_store
 from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.storeconfig import StoreConfig
 
 MIB = 1024**2
 

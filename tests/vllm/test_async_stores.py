@@ -21,10 +21,10 @@ pytest.importorskip("vllm")
 
 from tierkit import key
 
-from kvtier.config import StoreConfig
 from kvtier.integrations.vllm.messages import ChunkTransfer, KVTierMetadata
 from kvtier.integrations.vllm.worker import ConnectorWorker, PagedKV
 from kvtier.tiers import open_store
+from kvtier.tiers.storeconfig import StoreConfig
 
 LAYERS, BLOCKS, HEADS, BS, DIM = 2, 8, 2, 32, 16
 TOKENS_PER_CHUNK = 64  # two blocks

@@ -23,7 +23,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from kvtier.config import StoreConfig
+
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.integrations.vllm.kvformat import attention_format, chunk_layouts
@@ -31,6 +31,7 @@ from kvtier.integrations.vllm.messages import ChunkTransfer, KVTierMetadata
 from kvtier.integrations.vllm.paged import PagedKV
 from kvtier.integrations.vllm.worker import ConnectorWorker
 from kvtier.tiers import build_probe, open_store
+from kvtier.tiers.storeconfig import StoreConfig
 from kvtier.tools.bench.vllmviews import VllmCacheSpec, vllm_kv_caches
 
 MODEL = "deepseek-ai/tiny-mla"

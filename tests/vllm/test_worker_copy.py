@@ -208,11 +208,11 @@ def test_loads_from_disk_come_in_batches_and_stop_at_the_first_miss(tmp_path) ->
     parallel, into the memory tier's reserved slots or the worker's spares); a chunk missing
     from disk ends the load there: the chunks before it are in their blocks, its blocks and
     the rest are reported failed."""
-    from kvtier.config import StoreConfig
     from kvtier.core.keys import ChunkKey
     from kvtier.integrations.vllm.messages import ChunkTransfer, KVTierMetadata
     from kvtier.integrations.vllm.worker import ConnectorWorker
     from kvtier.tiers import open_store
+    from kvtier.tiers.storeconfig import StoreConfig
 
     kv = one_allocation_cpu_kv(blocks=32)
     paged = PagedKV(kv, BS)

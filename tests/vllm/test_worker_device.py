@@ -28,10 +28,10 @@ pytest.importorskip("vllm")
 
 from tierkit import key
 
-from kvtier.config import StoreConfig
 from kvtier.integrations.vllm.messages import ChunkTransfer, KVTierMetadata
 from kvtier.integrations.vllm.worker import ConnectorWorker, PagedKV
 from kvtier.tiers import open_store
+from kvtier.tiers.storeconfig import StoreConfig
 from kvtier.tools.bench.standin import StandInDevice
 from kvtier.tools.bench.vllmviews import VllmCacheSpec, vllm_kv_caches
 

@@ -64,7 +64,8 @@ MAX_PENDING_EVENTS = 1 << 16
 
 @dataclass(frozen=True, slots=True)
 class StoreSettings:
-    """How the store runs its tiers (the store-wide part of `kvtier.config.StoreConfig`)."""
+    """How the store runs its tiers (the store-wide part of
+    `kvtier.tiers.storeconfig.StoreConfig`)."""
 
     write_queue_depth: int = 64  # chunks waiting per lower tier before writes are dropped
     io_threads: int = 8  # threads for parallel reads (`borrow_many`)

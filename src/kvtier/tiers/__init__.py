@@ -26,7 +26,7 @@ from kvtier.tiers.manifest import ManifestKeeper, NamespaceInfo, new_manifest
 from kvtier.tiers.registry import TIER_CLASSES, tier_class
 
 if TYPE_CHECKING:
-    from kvtier.config import StoreConfig, TierSettings
+    from kvtier.tiers.storeconfig import StoreConfig, TierSettings
 
 __all__ = ["TIER_CLASSES", "build_probe", "build_tier", "open_store", "store_settings"]
 

@@ -26,12 +26,12 @@ from typing import Any
 
 from pydantic import field_validator, model_validator
 
-from kvtier.config import TierSettings
 from kvtier.core.chunkformat import ChunkEncoder
 from kvtier.core.codecs import CODEC_NAMES, LOSSY_CODECS, allowed_codecs, make_codec
 from kvtier.core.layout import KVLayout
 from kvtier.core.sealing import MIN_SECRET_BYTES, Sealer
 from kvtier.errors import ConfigError
+from kvtier.tiers.storeconfig import TierSettings
 
 log = logging.getLogger(__name__)
 MASK = "***"

@@ -6,7 +6,7 @@ real tiers are, but the registry keeps it out of the kinds offered to operators.
 
 How to write a tier, by the example of this one:
 
-1. Write its config model: a `kvtier.config.TierSettings` subclass with `kind:
+1. Write its config model: a `kvtier.tiers.storeconfig.TierSettings` subclass with `kind:
    Literal["<kind>"]` and one commented field per setting. pydantic validates it; every bad
    value becomes a ConfigError naming the field (`tiers.0.<kind>.<field>`), the value and
    what is allowed. `name`, `capacity`, `eviction` and `admit_after` come with the base.
@@ -35,7 +35,6 @@ import threading
 import time
 from typing import ClassVar, Literal
 
-from kvtier.config import TierSettings
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.policies import AdmissionFilter, EvictionPolicy, make_policy
@@ -51,6 +50,7 @@ from kvtier.core.tier import (
     TierResult,
     TierStats,
 )
+from kvtier.tiers.storeconfig import TierSettings
 
 
 class ExampleTierConfig(TierSettings):

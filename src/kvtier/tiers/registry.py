@@ -1,24 +1,29 @@
 """The tier registry: which tier kinds exist and where each lives, imported only when used.
 
-One line per kind maps it to "module:Class". The class is the whole tier: it is built as
-`TierClass(config, layout)`, its `config_model` attribute is its config's pydantic model (a
-`kvtier.config.TierSettings` subclass with `kind: Literal["<kind>"]`), and it may offer the
-optional class-level abilities `probe` (`kvtier.core.locator.ProbeSource`) and
-`open_inventory` (`kvtier.core.tier.InventorySource`). Adding a tier kind is its module plus
-one line here (see `kvtier/tiers/example.py`).
+One line per kind maps it to "module:Class". The class is the whole tier (`TierClass`): it is
+built as `TierClass(config, layout)`, its `config_model` attribute is its config's pydantic
+model (a `kvtier.tiers.storeconfig.TierSettings` subclass with `kind: Literal["<kind>"]`), it
+states the kind's facts (`kvtier.core.tier.Tier`: medium, locality, ...), and it may offer the
+optional class-level abilities `probe` (`ProbeSource`) and `open_inventory`
+(`InventorySource`). Adding a tier kind is its module plus one line here (see
+`kvtier/tiers/example.py`).
 
-This module imports nothing of kvtier, so that `kvtier.config` can find config models
-through it without an import cycle.
+Tier modules are imported lazily, when a config names their kind: a store without a redis
+tier never imports the redis client.
 
-Primitives: `TIER_CLASSES`, `tier_class`, `config_model`, `public_kinds`.
+Primitives: `TIER_CLASSES`, `TierClass`, `tier_class`, `config_model`, `public_kinds`.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from pydantic import BaseModel
+from kvtier.core.tier import Locality, Medium, Tier
+
+if TYPE_CHECKING:
+    from kvtier.core.layout import KVLayout
+    from kvtier.tiers.storeconfig import TierSettings
 
 # kind -> "module:Class"
 TIER_CLASSES: dict[str, str] = {
@@ -31,21 +36,34 @@ TIER_CLASSES: dict[str, str] = {
 _UNLISTED = frozenset({"example"})  # accepted, but not offered in error messages or docs
 
 
-def tier_class(kind: str) -> Any:
+class TierClass(Protocol):
+    """A tier kind's class, as the registry finds it: its constructor, its config model and
+    the kind's facts (the class attributes `kvtier.core.tier.Tier` declares)."""
+
+    config_model: type[TierSettings]
+    medium: Medium
+    locality: Locality
+    has_path: bool
+    has_server: bool
+    capacity_split_by_rank: bool
+
+    def __call__(self, config: Any, layout: KVLayout) -> Tier: ...
+
+
+def tier_class(kind: str) -> TierClass:
     """The class of tier `kind` (its module imported now).
 
     Raises:
         KeyError: no such kind (config validation rejects those first).
     """
     module_name, class_name = TIER_CLASSES[kind].split(":")
-    return getattr(importlib.import_module(module_name), class_name)
+    cls: TierClass = getattr(importlib.import_module(module_name), class_name)
+    return cls
 
 
-def config_model(kind: str) -> type[BaseModel]:
-    """The pydantic model of tier `kind`'s config (its module imported now): a subclass of
-    `kvtier.config.TierSettings` (not imported here, which would be an import cycle)."""
-    model: type[BaseModel] = tier_class(kind).config_model
-    return model
+def config_model(kind: str) -> type[TierSettings]:
+    """The pydantic model of tier `kind`'s config (its module imported now)."""
+    return tier_class(kind).config_model
 
 
 def public_kinds() -> list[str]:

@@ -14,8 +14,9 @@ from collections.abc import Callable
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kvtier.config import ByteSize, TierSettings
+from kvtier.config import ByteSize
 from kvtier.core.retention import RetentionBook, TenantQuota
+from kvtier.tiers.storeconfig import TierSettings
 
 
 class TenantQuotaSettings(BaseModel):

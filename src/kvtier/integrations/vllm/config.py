@@ -20,8 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvtier.config import StoreConfig
 from kvtier.errors import ConfigError
+from kvtier.tiers.storeconfig import StoreConfig
 
 logger = logging.getLogger(__name__)
 

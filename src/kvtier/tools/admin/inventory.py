@@ -27,11 +27,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from kvtier.config import StoreConfig
 from kvtier.core.tier import Inventory, InventorySource, StoredChunk
 from kvtier.errors import ConfigError
 from kvtier.tiers.manifest import NamespaceManifest
 from kvtier.tiers.registry import tier_class
+from kvtier.tiers.storeconfig import StoreConfig
 
 __all__ = ["UNKNOWN", "Inventory", "ManifestSource", "NamespaceUsage", "OrphanSource",
            "StoredChunk", "open_inventories", "read_manifests", "summarize"]
@@ -96,12 +96,19 @@ def open_inventories(config: StoreConfig, tier: str | None = None) -> list[Inven
         ConfigError: `tier` names no persistent tier of the config; a redis password file
             or variable is unusable.
     """
-    persistent = [t for t in config.tiers if isinstance(tier_class(t.kind), InventorySource)]
-    chosen = [t for t in persistent if tier in (None, t.tier_name)]
+    persistent = [(t, source) for t in config.tiers
+                  if (source := _inventory_source(t.kind)) is not None]
+    chosen = [(t, source) for t, source in persistent if tier in (None, t.tier_name)]
     if tier is not None and not chosen:
-        names = [t.tier_name for t in persistent]
+        names = [t.tier_name for t, _ in persistent]
         raise ConfigError("--tier", tier, f"a persistent tier of the config: {names}")
-    return [tier_class(t.kind).open_inventory(t) for t in chosen]
+    return [source.open_inventory(t) for t, source in chosen]
+
+
+def _inventory_source(kind: str) -> InventorySource | None:
+    """The class of tier `kind` when it offers inventories (a persistent tier), else None."""
+    cls = tier_class(kind)
+    return cls if isinstance(cls, InventorySource) else None
 
 
 def summarize(inventory: Inventory, chunks: Sequence[StoredChunk],

@@ -154,9 +154,9 @@ def measure_sealing(chunks: Sequence[bytes], dtype: str, trials: int, work_dir: 
     """ChunkEncoder and a disk tier, in clear and sealed, codec none and zstd. The settings
     take turns within each trial (encode, decode, put, get each), so that the machine's
     drift (other processes) falls on all of them alike; figures are medians over trials."""
-    from kvtier.config import StoreConfig
     from kvtier.core.sealing import TENANTS
     from kvtier.tiers import build_tier
+    from kvtier.tiers.storeconfig import StoreConfig
 
     chunk_bytes = len(chunks[0])
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_size=chunk_bytes // DTYPE_BYTES[dtype],

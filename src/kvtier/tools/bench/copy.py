@@ -41,7 +41,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtier.config import StoreConfig
 from kvtier.core.keys import ChunkKey
 from kvtier.core.store import TieredStore
 from kvtier.errors import ConfigError
@@ -51,6 +50,7 @@ from kvtier.integrations.vllm.kvformat import attention_format
 from kvtier.integrations.vllm.mover import ChunkMover
 from kvtier.integrations.vllm.paged import PagedKV
 from kvtier.integrations.vllm.transfers import ChunkTransfer
+from kvtier.tiers.storeconfig import StoreConfig
 from kvtier.tools.bench.vllmviews import LAYOUTS, VllmCacheSpec, vllm_kv_caches
 
 TARGET_RATIO = 0.8  # issue 3, "GPU": kvtier's copy path >= 0.8x a raw pinned copy

@@ -87,7 +87,6 @@ def run_mover_bench(config: MoverBenchConfig,
     Raises:
         ConfigError: a bad setting.
     """
-    from kvtier.config import StoreConfig
     from kvtier.core.keys import ChunkKey
     from kvtier.integrations.vllm.cpu import CpuChunkMover, spare_buffers
     from kvtier.integrations.vllm.mover import ChunkMover
@@ -95,6 +94,7 @@ def run_mover_bench(config: MoverBenchConfig,
     from kvtier.integrations.vllm.streams import StreamChunkMover
     from kvtier.integrations.vllm.transfers import ChunkTransfer
     from kvtier.tiers import open_store
+    from kvtier.tiers.storeconfig import StoreConfig
     from kvtier.tools.bench.standin import StandInDevice
     from kvtier.tools.bench.vllmviews import VllmCacheSpec, vllm_kv_caches
 

@@ -23,9 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvtier.config import StoreConfig
 from kvtier.core.layout import KVLayout
 from kvtier.tiers import build_tier
+from kvtier.tiers.storeconfig import StoreConfig
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_size=64, dtype="float16",
                   tokens_per_chunk=256)  # 64 KiB chunks

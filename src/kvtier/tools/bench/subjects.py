@@ -37,13 +37,13 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.config import TierSettings
 from kvtier.core.chunkformat import stored_size
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.tier import Medium
 from kvtier.tiers import build_tier
 from kvtier.tiers.registry import config_model, tier_class
+from kvtier.tiers.storeconfig import TierSettings
 
 LLAMA8B_TOKEN_BYTES = 2 * 32 * 8 * 128 * 2  # K+V, 32 layers, 8 KV heads, 128, bfloat16
 LMCACHE_DRIVER = Path(__file__).with_name("lmcache_driver.py")

@@ -32,11 +32,11 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.config import StoreConfig
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.retention import ChunkMeta
 from kvtier.tiers.memory import MemoryTier
+from kvtier.tiers.storeconfig import StoreConfig
 
 TENANTS = 8
 

@@ -17,8 +17,8 @@ from dataclasses import asdict
 from rich.console import Console
 from rich.table import Table
 
-from kvtier.config import StoreConfig, TierSettings
 from kvtier.core.codecs import LOSSY_CODECS
+from kvtier.tiers.storeconfig import StoreConfig, TierSettings
 from kvtier.tools.admin.inventory import NamespaceUsage, open_inventories, read_manifests, summarize
 from kvtier.tools.ops.doctor import read_store
 from kvtier.units import format_size

@@ -33,7 +33,6 @@ from typing import Any
 
 import yaml
 
-from kvtier.config import StoreConfig
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import (
     TOKENS_PER_CHUNK,
@@ -42,6 +41,7 @@ from kvtier.integrations.vllm.config import (
 )
 from kvtier.redaction import redact_text
 from kvtier.tiers.registry import tier_class
+from kvtier.tiers.storeconfig import StoreConfig
 from kvtier.tools.ops.flags import kvtier_flags
 from kvtier.units import format_size
 
