@@ -12,6 +12,7 @@ from tierkit import key, tier_settings
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
+from kvtier.core.retention import DEFAULT_META, ChunkMeta
 from kvtier.core.store import TieredStore
 from kvtier.core.tier import Tier, TierResult, TierStats
 from kvtier.tiers import build_tier, store_settings
@@ -39,13 +40,15 @@ class BrokenTier:
         self._check()
         return self.inner.contains(key)
 
-    def get_into(self, key: ChunkKey, out: memoryview) -> TierResult:
+    def get_into(self, key: ChunkKey, out: memoryview,
+                 meta: ChunkMeta = DEFAULT_META) -> TierResult:
         self._check()
-        return self.inner.get_into(key, out)
+        return self.inner.get_into(key, out, meta)
 
-    def put(self, key: ChunkKey, data: memoryview) -> TierResult:
+    def put(self, key: ChunkKey, data: memoryview,
+            meta: ChunkMeta = DEFAULT_META) -> TierResult:
         self._check()
-        return self.inner.put(key, data)
+        return self.inner.put(key, data, meta)
 
     def delete(self, key: ChunkKey) -> bool:
         self._check()

@@ -19,6 +19,7 @@ from tierkit import key, make_tier, tiny_layout
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.locator import ChunkLocator, LookupStatus
+from kvtier.core.retention import DEFAULT_META, ChunkMeta
 from kvtier.core.store import StoreSettings, TieredStore
 from kvtier.core.tier import TierResult
 from kvtier.tiers.example import ExampleTier, ExampleTierConfig
@@ -30,7 +31,12 @@ TIMEOUT_S = 0.3
 
 class HangingTier(ExampleTier):
     """Holds chunks like the example tier, but while `hang` is set its reads and lookups
-    block until `release` is set (then answer normally)."""
+    block until `release` is set (then answer normally). A stand-in for a tier on a network
+    mount, whose reads are copies: not `InPlace` (an in-place tier's chunks are lent on the
+    caller's thread, as RAM's are; the runtime protocol check takes None as absent)."""
+
+    borrow = None
+    reserve = None
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
@@ -47,9 +53,10 @@ class HangingTier(ExampleTier):
         self._gate()
         return super().contains(key)
 
-    def get_into(self, key: ChunkKey, out: memoryview) -> TierResult:
+    def get_into(self, key: ChunkKey, out: memoryview,
+                 meta: ChunkMeta = DEFAULT_META) -> TierResult:
         self._gate()
-        return super().get_into(key, out)
+        return super().get_into(key, out, meta)
 
 
 def example(name: str, cls: type[ExampleTier] = ExampleTier) -> ExampleTier:

@@ -23,7 +23,8 @@ from tierkit import key, make_tier, tiny_layout
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
-from kvtier.core.tier import FULL, IO_ERROR, OK
+from kvtier.core.retention import DEFAULT_META, ChunkMeta
+from kvtier.core.tier import FULL, IO_ERROR, OK, TierResult
 
 PERSISTENT = ("disk", "shared")
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT
@@ -199,9 +200,10 @@ def test_a_slow_disk_at_close_costs_the_unwritten_chunks_only(
         tier_settings("disk", tmp_path, layout, 64, io_threads=1)]})
     real_put = DiskTier.put
 
-    def slow_put(self: DiskTier, k: ChunkKey, data: memoryview) -> bool:
+    def slow_put(self: DiskTier, k: ChunkKey, data: memoryview,
+                 meta: ChunkMeta = DEFAULT_META) -> TierResult:
         time.sleep(0.1)  # injected: a disk writing 10 chunks a second
-        return real_put(self, k, data)
+        return real_put(self, k, data, meta)
 
     monkeypatch.setattr(DiskTier, "put", slow_put)
     store = open_store(config, layout)

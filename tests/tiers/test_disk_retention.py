@@ -11,8 +11,9 @@ from typing import Any
 
 from tierkit import key, make_tier, tiny_layout
 
-from kvtier.core.retention import ChunkMeta, MetaKeeper, tenant_label
+from kvtier.core.retention import DEFAULT_META, ChunkMeta, tenant_label
 from kvtier.core.store import TieredStore
+from kvtier.core.tier import MetaKeeper
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.retention_journal import JOURNAL_NAME
 
@@ -36,8 +37,8 @@ def disk(tmp_path: Path, chunks: int, clock: Clock | None = None, **options: Any
     return tier
 
 
-def put(tier: DiskTier, i: int, meta: ChunkMeta | None = None) -> bool:
-    return bool(tier.put_meta(key(i), memoryview(CHUNK), meta))
+def put(tier: DiskTier, i: int, meta: ChunkMeta = DEFAULT_META) -> bool:
+    return bool(tier.put(key(i), memoryview(CHUNK), meta))
 
 
 def held(tier: DiskTier, ids: range | list[int]) -> list[int]:

@@ -25,7 +25,8 @@ from tierkit import key, make_tier
 
 from kvtier.core.chunkformat import HEADER_BYTES
 from kvtier.core.layout import KVLayout
-from kvtier.core.sealing import TENANTS
+from kvtier.core.retention import DEFAULT_META, ChunkMeta, tenant_id
+from kvtier.core.store import TieredStore
 from kvtier.core.tier import OK, Failure, Tier
 from kvtier.tools.cli.main import main
 
@@ -39,12 +40,14 @@ def payload(i: int) -> bytes:
     return bytes((i * 13 + j * 7) % 251 for j in range(LAYOUT.bytes_per_chunk))
 
 
+A = ChunkMeta(tenant=tenant_id("salt-a"))  # what every call about tenant a's chunks carries
+B = ChunkMeta(tenant=tenant_id("salt-b"))
+
+
 @pytest.fixture(autouse=True)
-def _secret_and_clean_book(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def _secret(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setenv("KVTIER_SEAL_SECRET", SECRET)
-    TENANTS.forget()
     yield
-    TENANTS.forget()
 
 
 @pytest.fixture(params=KINDS)
@@ -72,34 +75,31 @@ def raw_values(kind: str, tier: Tier, k: bytes) -> tuple[bytes, bytes]:
 def test_two_tenants_chunks_are_sealed_and_open_only_under_their_own_key(
         kind: str, tmp_path: Path) -> None:
     tier = sealed_tier(kind, tmp_path)
-    TENANTS.note([key(1)], "salt-a")
-    TENANTS.note([key(2)], "salt-b")
-    assert tier.put(key(1), memoryview(payload(1))) == OK
-    assert tier.put(key(2), memoryview(payload(2))) == OK
+    assert tier.put(key(1), memoryview(payload(1)), A) == OK
+    assert tier.put(key(2), memoryview(payload(2)), B) == OK
     for i in (1, 2):
         _, body = raw_values(kind, tier, key(i))
         assert payload(i)[:256] not in body  # not in clear in the storage
     out = bytearray(LAYOUT.bytes_per_chunk)
-    assert tier.get_into(key(2), memoryview(out)) == OK and bytes(out) == payload(2)
-    # Tenant b's key for tenant a's chunk: a miss, counted, never a's KV handed over; and
-    # not tampering (a's own reader still holds the key): the chunk is kept.
-    TENANTS.note([key(1)], "salt-b")
-    assert tier.get_into(key(1), memoryview(out)).failure is Failure.NO_KEY
-    assert tier.stats().corrupt_reads == 0 and tier.contains(key(1))
-    TENANTS.note([key(1)], "salt-a")
-    assert tier.get_into(key(1), memoryview(out)) == OK and bytes(out) == payload(1)
+    assert tier.get_into(key(2), memoryview(out), B) == OK and bytes(out) == payload(2)
+    # Tenant b's key for tenant a's chunk, or no tenant at all (a read that did not say
+    # whose chunk it is): a miss, counted, never a's KV handed over; and not tampering (a's
+    # own reader still holds the key): the chunk is kept.
+    for reader in (B, DEFAULT_META):
+        assert tier.get_into(key(1), memoryview(out), reader).failure is Failure.NO_KEY
+        assert tier.stats().corrupt_reads == 0 and tier.contains(key(1))
+    assert tier.get_into(key(1), memoryview(out), A) == OK and bytes(out) == payload(1)
     tier.close()
 
 
 def test_an_engine_with_another_secret_cannot_read_them(kind: str, tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     writer = sealed_tier(kind, tmp_path)
-    TENANTS.note([key(3)], "salt-a")
-    assert writer.put(key(3), memoryview(payload(3))) == OK
+    assert writer.put(key(3), memoryview(payload(3)), A) == OK
     writer.close()
     monkeypatch.setenv("KVTIER_SEAL_SECRET", SECRET[::-1])
     reader = sealed_tier(kind, tmp_path)
-    result = reader.get_into(key(3), memoryview(bytearray(LAYOUT.bytes_per_chunk)))
+    result = reader.get_into(key(3), memoryview(bytearray(LAYOUT.bytes_per_chunk)), A)
     assert result.failure is Failure.NO_KEY
     assert reader.contains(key(3))  # kept: engines with the first secret still read it
     reader.close()
@@ -109,9 +109,8 @@ def test_tampered_ciphertext_is_a_counted_miss(kind: str, tmp_path: Path) -> Non
     """Bytes changed and the stored checksums fixed up (whoever writes the storage can):
     the GCM tag catches it."""
     tier = sealed_tier(kind, tmp_path)
-    TENANTS.note([key(4), key(5)], "salt-a")
     for i in (4, 5):
-        assert tier.put(key(i), memoryview(payload(i))) == OK
+        assert tier.put(key(i), memoryview(payload(i)), A) == OK
     header, body = raw_values(kind, tier, key(4))
     forged_body = bytearray(body)
     forged_body[5] ^= 0x80
@@ -134,8 +133,8 @@ def test_tampered_ciphertext_is_a_counted_miss(kind: str, tmp_path: Path) -> Non
         tier.files.path_of(key(4)).write_bytes(  # type: ignore[attr-defined]
             forged_header + bytes(forged_body))
     out = bytearray(LAYOUT.bytes_per_chunk)
-    assert tier.get_into(key(4), memoryview(out)).failure is Failure.AUTH
-    assert tier.get_into(key(5), memoryview(out)) == OK and bytes(out) == payload(5)
+    assert tier.get_into(key(4), memoryview(out), A).failure is Failure.AUTH
+    assert tier.get_into(key(5), memoryview(out), A) == OK and bytes(out) == payload(5)
     tier.close()
 
 
@@ -155,8 +154,8 @@ def test_unsalted_chunks_stay_in_clear_unless_asked(kind: str, tmp_path: Path) -
 def test_inspect_of_an_encrypting_tier_shows_no_key_material(
         kind_: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     tier = sealed_tier(kind_, tmp_path, codec="zstd")
-    TENANTS.note([key(7)], "salt-of-a-tenant")
-    assert tier.put(key(7), memoryview(payload(7))) == OK
+    assert tier.put(key(7), memoryview(payload(7)),
+                    ChunkMeta(tenant=tenant_id("salt-of-a-tenant"))) == OK
     tier.close()
     config = tmp_path / "store.yaml"
     config.write_text(yaml.safe_dump({"tiers": [
@@ -170,3 +169,24 @@ def test_inspect_of_an_encrypting_tier_shows_no_key_material(
     table = capsys.readouterr()
     for text in (listed.out, listed.err, table.out, table.err):
         assert SECRET not in text and "salt-of-a-tenant" not in text
+
+
+def test_a_store_read_carries_the_tenant_and_a_keyless_read_deletes_nothing(
+        kind: str, tmp_path: Path) -> None:
+    """Written by one process, read by the next through a store (memory above the sealed
+    tier), as a prefetch after a restart does: a read that says whose chunk it is opens it
+    (and promotes it); one that does not is a miss that leaves the chunk where it is."""
+    writer = sealed_tier(kind, tmp_path)
+    assert writer.put(key(8), memoryview(payload(8)), A) == OK
+    writer.close()
+    top = make_tier("memory", tmp_path, LAYOUT, 4)
+    store = TieredStore([top, sealed_tier(kind, tmp_path)])
+    spare = memoryview(bytearray(LAYOUT.bytes_per_chunk))
+    with store.borrow_many([key(8)], [spare]) as views:
+        assert views == [None]
+    assert store.stats().failures[store.tiers[1].name] == {"no_key": 1}
+    assert store.contains(key(8))  # kept
+    with store.borrow_many([key(8)], [spare], [A]) as views:
+        assert views[0] is not None and bytes(views[0].data) == payload(8)
+    assert top.contains(key(8))  # promoted
+    store.close()

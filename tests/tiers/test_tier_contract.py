@@ -10,13 +10,15 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
 from tierkit import TIER_KINDS, footprint_bytes, key, make_tier, tiny_layout
 
 from kvtier.core.layout import KVLayout
-from kvtier.core.tier import DECLINED, MISSING, OK, Tier
+from kvtier.core.retention import ChunkMeta, tenant_id
+from kvtier.core.tier import DECLINED, MISSING, OK, InPlace, MetaKeeper, Tier, TierResult
 
 pytestmark = pytest.mark.parametrize("kind", TIER_KINDS)
 
@@ -203,3 +205,47 @@ def test_concurrent_puts_from_many_threads_stay_within_capacity(kind: str, tmp_p
         assert tier.get_into(key(i), memoryview(out)) and bytes(out) == payload(i, layout)
     assert not [p for p in tmp_path.rglob("*.tmp")], "temp files left behind"
     assert os.path.exists(tmp_path)
+
+
+def test_put_with_meta_is_idempotent_and_a_later_pin_applies_to_a_held_chunk(
+        kind: str, tmp_path: Path, layout: KVLayout) -> None:
+    """`put(key, data, meta)` is the one place that decides "held already?": a second put
+    of a held chunk is OK and rewrites nothing, and a tier that keeps metadata takes the
+    later pin of the second `meta`. A read carrying the chunk's meta gets it back."""
+    tier = make_tier(kind, tmp_path, layout, capacity_chunks=4)
+    now = time.time()
+    first = ChunkMeta(tenant_id("salt-a"), retain_until=None, expires_at=now + 3600)
+    later = ChunkMeta(tenant_id("salt-a"), retain_until=now + 600, expires_at=now + 7200)
+    assert tier.put(key(1), memoryview(payload(1, layout)), first) == OK
+    written = tier.stats().bytes_written
+    assert tier.put(key(1), memoryview(payload(2, layout)), later) == OK
+    assert tier.stats().bytes_written == written and tier.stats().puts == 1
+    out = bytearray(layout.bytes_per_chunk)
+    assert tier.get_into(key(1), memoryview(out), later) == OK
+    assert bytes(out) == payload(1, layout)
+    if isinstance(tier, MetaKeeper):
+        assert tier.meta_of(key(1)) == later
+    tier.close()
+
+
+def test_reserve_with_meta_is_put_filled_in_place(kind: str, tmp_path: Path,
+                                                  layout: KVLayout) -> None:
+    """An InPlace tier's `reserve(key, meta)`: a slot stored with `meta` on commit; for a
+    held chunk no slot but OK, with the later pin applied (the same decision as `put`)."""
+    tier = make_tier(kind, tmp_path, layout, capacity_chunks=4)
+    if not isinstance(tier, InPlace):
+        pytest.skip(f"{kind} is not InPlace")
+    now = time.time()
+    meta = ChunkMeta(tenant_id("salt-b"), retain_until=None, expires_at=now + 3600)
+    with tier.reserve(key(3), meta) as slot:
+        assert not isinstance(slot, TierResult)
+        slot.data[:] = payload(3, layout)
+        slot.commit()
+    pinned = ChunkMeta(tenant_id("salt-b"), retain_until=now + 600, expires_at=now + 3600)
+    with tier.reserve(key(3), pinned) as slot:
+        assert slot == OK
+    with tier.borrow(key(3), meta) as view:
+        assert view is not None and bytes(view) == payload(3, layout)
+    if isinstance(tier, MetaKeeper):
+        assert tier.meta_of(key(3)) == pinned
+    tier.close()

@@ -18,7 +18,7 @@ import pytest
 from tierkit import footprint_bytes, key, tier_settings, tiny_layout
 
 from kvtier.core.store import TieredStore
-from kvtier.core.tier import Lender, Reserver
+from kvtier.core.tier import FULL, OK, InPlace, TierResult
 from kvtier.tiers import open_store
 from kvtier.tiers.memory import MemoryTier, MemoryTierConfig
 from kvtier.tiers.storeconfig import StoreConfig
@@ -37,7 +37,7 @@ def memory_tier(slots: int) -> MemoryTier:
 
 def test_a_borrowed_slot_survives_eviction_and_is_freed_by_its_borrower() -> None:
     tier = memory_tier(2)
-    assert isinstance(tier, Lender)
+    assert isinstance(tier, InPlace)
     tier.put(key(0), memoryview(payload(0)))
     tier.put(key(1), memoryview(payload(1)))
     with tier.borrow(key(0)) as view:
@@ -144,9 +144,9 @@ class Boom(Exception):
 
 def test_a_reserved_slot_is_stored_on_commit_and_stays_intact_until_left() -> None:
     tier = memory_tier(2)
-    assert isinstance(tier, Reserver)
+    assert isinstance(tier, InPlace)
     with tier.reserve(key(0)) as slot:
-        assert slot is not None and not slot.data.readonly
+        assert not isinstance(slot, TierResult) and not slot.data.readonly
         slot.data[:] = payload(0)
         assert not tier.contains(key(0))  # not before the commit
         slot.commit()
@@ -164,7 +164,7 @@ def test_a_reserved_slot_is_stored_on_commit_and_stays_intact_until_left() -> No
 def test_a_reservation_left_without_a_commit_or_by_an_error_stores_nothing() -> None:
     tier = memory_tier(1)
     with tier.reserve(key(0)) as slot:
-        assert slot is not None
+        assert not isinstance(slot, TierResult)
         slot.data[:] = payload(0)
     with pytest.raises(Boom), tier.reserve(key(1)) as slot:
         raise Boom
@@ -177,17 +177,17 @@ def test_no_slot_for_a_held_chunk_nor_when_every_slot_is_pinned() -> None:
     tier = memory_tier(1)
     tier.put(key(0), memoryview(payload(0)))
     with tier.reserve(key(0)) as slot:
-        assert slot is None  # held already: not a dropped write
+        assert slot == OK  # held already: not a dropped write
     assert tier.stats().dropped_writes == 0
     with tier.borrow(key(0)), tier.reserve(key(1)) as slot:
-        assert slot is None
+        assert slot == FULL
     assert tier.stats().dropped_writes == 1
 
 
 def test_two_writers_of_one_chunk_store_it_once() -> None:
     tier = memory_tier(2)
     with tier.reserve(key(0)) as first, tier.reserve(key(0)) as second:
-        assert first is not None and second is not None
+        assert not isinstance(first, TierResult) and not isinstance(second, TierResult)
         first.data[:] = payload(0)
         second.data[:] = payload(0)
         first.commit()

@@ -20,6 +20,7 @@ from test_connector_scheduler import BLOCK, CHUNK, Engine, request
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.locator import ChunkLocator
+from kvtier.core.retention import DEFAULT_META, ChunkMeta
 from kvtier.core.store import TieredStore
 from kvtier.core.tier import TierResult
 from kvtier.integrations.vllm.config import ConnectorConfig, RequestControls
@@ -89,9 +90,10 @@ def test_kv_both_loads_and_stores_and_keeps_the_per_request_switches() -> None:
 class SlowTier(ExampleTier):
     """A lower tier whose writes take a while (a shared directory on a busy NFS server)."""
 
-    def put(self, key: ChunkKey, data: memoryview) -> TierResult:
+    def put(self, key: ChunkKey, data: memoryview,
+            meta: ChunkMeta = DEFAULT_META) -> TierResult:
         time.sleep(0.3)
-        return super().put(key, data)
+        return super().put(key, data, meta)
 
 
 @pytest.mark.parametrize("handoff", [True, False], ids=["kv_producer", "kv_both"])

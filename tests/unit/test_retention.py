@@ -13,7 +13,7 @@ from typing import Any
 
 from tierkit import key, tier_settings, tiny_layout
 
-from kvtier.core.retention import ChunkMeta
+from kvtier.core.retention import DEFAULT_META, ChunkMeta
 from kvtier.core.store import TieredStore
 from kvtier.core.tier import EventKind
 from kvtier.tiers.memory import MemoryTier
@@ -41,8 +41,8 @@ def memory(tmp_path: Path, chunks: int, clock: Clock, name: str = "memory",
     return MemoryTier(config.tiers[0], LAYOUT, clock=clock)  # type: ignore[arg-type]
 
 
-def put(tier: MemoryTier, i: int, meta: ChunkMeta | None = None) -> bool:
-    return bool(tier.put_meta(key(i), memoryview(CHUNK), meta))
+def put(tier: MemoryTier, i: int, meta: ChunkMeta = DEFAULT_META) -> bool:
+    return bool(tier.put(key(i), memoryview(CHUNK), meta))
 
 
 def held(tier: MemoryTier, ids: range | list[int]) -> list[int]:

@@ -10,7 +10,7 @@ pytest.importorskip("vllm")
 
 from test_connector_scheduler import Engine, request
 
-from kvtier.core.retention import tenant_id, tenant_label
+from kvtier.core.retention import DEFAULT_META, tenant_id, tenant_label
 from kvtier.integrations.vllm.config import RequestControls
 from kvtier.integrations.vllm.messages import chunk_meta
 
@@ -42,11 +42,11 @@ def test_stores_carry_the_salt_pin_and_ttl_and_held_chunks_are_retained() -> Non
     meta = engine.step(new={"b": (list(range(7)), 192, 8)})
     assert meta.stores == []
     assert [(t.key, t.retain_s) for t in meta.retains] == [(k, 600) for k in stored]
-    # A request without retain_s / ttl_s retains nothing; nor is its meta passed down.
+    # A request without retain_s / ttl_s retains nothing; its meta asks nothing.
     plain = request("c", 200, first=7000)
     engine.admit(plain, list(range(20, 27)))
     meta = engine.step(new={"c": (list(range(20, 27)), 0, 200)})
-    assert meta.retains == [] and chunk_meta(meta.stores[0]) is None
+    assert meta.retains == [] and chunk_meta(meta.stores[0]) == DEFAULT_META
 
 
 def test_a_tenants_label_is_the_same_from_its_salt_or_its_id() -> None:

@@ -23,7 +23,8 @@ from tierkit import key
 
 from kvtier.core.chunkformat import ChunkEncoder, failure_of, read_header
 from kvtier.core.layout import KVLayout
-from kvtier.core.sealing import Sealer, TenantBook
+from kvtier.core.retention import ChunkMeta, tenant_id
+from kvtier.core.sealing import Sealer
 from kvtier.core.tier import Failure
 from kvtier.errors import AuthFailure, ConfigError
 from kvtier.tiers import build_tier
@@ -45,44 +46,40 @@ def refresh_body_checksum(header: bytes, body: bytes) -> bytes:
             ).ljust(len(header), b"\0")
 
 
-def encoder(book: TenantBook, secret: bytes = SECRET, codec: str = "none",
+def encoder(secret: bytes = SECRET, codec: str = "none",
             encrypt_unsalted: bool = False) -> ChunkEncoder:
     return ChunkEncoder(LAYOUT.digest(), LAYOUT.dtype, LAYOUT.bytes_per_chunk, codec,
-                        Sealer(secret, encrypt_unsalted), book)
+                        Sealer(secret, encrypt_unsalted))
 
 
-def open_chunk(enc: ChunkEncoder, k: bytes, header: bytes, body: bytes | memoryview) -> bytes:
+def open_chunk(enc: ChunkEncoder, k: bytes, header: bytes, body: bytes | memoryview,
+               tenant: str | None) -> bytes:
     out = bytearray(LAYOUT.bytes_per_chunk)
-    enc.decode(k, read_header(header, k, LAYOUT.digest()), memoryview(body), memoryview(out))
+    enc.decode(k, read_header(header, k, LAYOUT.digest()), memoryview(body), memoryview(out),
+               tenant)
     return bytes(out)
 
 
 @pytest.mark.parametrize("codec", ["none", "zstd"])
 def test_a_salted_chunk_is_sealed_and_opens_only_under_its_tenants_key(codec: str) -> None:
-    book = TenantBook()
-    book.note([key(1)], "tenant-a")
-    enc = encoder(book, codec=codec)
-    sealed = enc.encode(key(1), memoryview(PAYLOAD))
+    enc = encoder(codec=codec)
+    sealed = enc.encode(key(1), memoryview(PAYLOAD), "tenant-a")
     assert not sealed.plain and PAYLOAD[:64] not in bytes(sealed.body)
-    assert open_chunk(enc, key(1), sealed.header, sealed.body) == PAYLOAD
-    # The same key under tenant b's name (as if b asked for a's chunk): no key for it.
-    book.note([key(1)], "tenant-b")
+    assert open_chunk(enc, key(1), sealed.header, sealed.body, "tenant-a") == PAYLOAD
+    # The same key read for tenant b (as if b asked for a's chunk): no key for it.
     with pytest.raises(AuthFailure, match="key this reader does not hold") as err:
-        open_chunk(enc, key(1), sealed.header, sealed.body)
+        open_chunk(enc, key(1), sealed.header, sealed.body, "tenant-b")
     assert failure_of(err.value) is Failure.NO_KEY  # not tampering: the chunk is kept
     # Tenant a again, but an engine with another secret.
-    book.note([key(1)], "tenant-a")
     with pytest.raises(AuthFailure):
-        open_chunk(encoder(book, OTHER_SECRET), key(1), sealed.header, sealed.body)
+        open_chunk(encoder(OTHER_SECRET), key(1), sealed.header, sealed.body, "tenant-a")
 
 
 def test_each_write_has_its_own_nonce() -> None:
-    book = TenantBook()
-    book.note([key(1)], "tenant-a")
-    enc = encoder(book)
+    enc = encoder()
     # (a sealed body lives in the encoding thread's buffer: copied before the next encode)
     first, second = ((e.header, bytes(e.body)) for e in
-                     (enc.encode(key(1), memoryview(PAYLOAD)) for _ in range(2)))
+                     (enc.encode(key(1), memoryview(PAYLOAD), "tenant-a") for _ in range(2)))
     assert first[1] != second[1]
     assert read_header(first[0], key(1), LAYOUT.digest()).nonce != \
         read_header(second[0], key(1), LAYOUT.digest()).nonce
@@ -90,58 +87,53 @@ def test_each_write_has_its_own_nonce() -> None:
 
 def test_tampered_ciphertext_with_a_fixed_up_checksum_fails_authentication() -> None:
     """Whoever can write the storage can recompute xxh3 checksums; not the GCM tag."""
-    book = TenantBook()
-    book.note([key(2)], "tenant-a")
-    enc = encoder(book)
-    sealed = enc.encode(key(2), memoryview(PAYLOAD))
+    enc = encoder()
+    sealed = enc.encode(key(2), memoryview(PAYLOAD), "tenant-a")
     body = bytearray(sealed.body)
     body[10] ^= 0x01
     header = refresh_body_checksum(sealed.header, bytes(body))
-    with pytest.raises(AuthFailure, match="authentication failed"):
-        open_chunk(enc, key(2), header, body)
+    with pytest.raises(AuthFailure, match="authentication failed") as err:
+        open_chunk(enc, key(2), header, body, "tenant-a")
+    assert failure_of(err.value) is Failure.AUTH  # the right key: tampering, removed
 
 
 def test_a_header_moved_onto_another_chunks_bytes_fails_authentication() -> None:
-    book = TenantBook()
-    book.note([key(3), key(4)], "tenant-a")
-    enc = encoder(book)
-    three = enc.encode(key(3), memoryview(PAYLOAD))
-    four = enc.encode(key(4), memoryview(PAYLOAD[::-1]))
+    enc = encoder()
+    three = enc.encode(key(3), memoryview(PAYLOAD), "tenant-a")
+    three_header = three.header
+    four = enc.encode(key(4), memoryview(PAYLOAD[::-1]), "tenant-a")
     # key 4's body under key 3's header (checksum fixed up): another nonce, another AAD
-    swapped = refresh_body_checksum(three.header, bytes(four.body))
+    swapped = refresh_body_checksum(three_header, bytes(four.body))
     with pytest.raises(AuthFailure):
-        open_chunk(enc, key(3), swapped, four.body)
+        open_chunk(enc, key(3), swapped, four.body, "tenant-a")
 
 
 def test_a_sealed_chunk_replaced_by_one_in_clear_is_refused() -> None:
     """A chunk in clear, checksums valid, where the tier seals the tenant's chunks: refused,
     or anyone who can write the directory could plant KV for a tenant."""
-    book = TenantBook()
     plain = ChunkEncoder(LAYOUT.digest(), LAYOUT.dtype, LAYOUT.bytes_per_chunk)
-    forged = plain.encode(key(5), memoryview(PAYLOAD))
-    book.note([key(5)], "tenant-a")
+    forged = plain.encode(key(5), memoryview(PAYLOAD), "tenant-a")
     with pytest.raises(AuthFailure, match="in clear"):
-        open_chunk(encoder(book), key(5), forged.header, forged.body)
+        open_chunk(encoder(), key(5), forged.header, forged.body, "tenant-a")
 
 
 def test_unsalted_chunks_stay_in_clear_unless_encrypt_unsalted() -> None:
-    book = TenantBook()
-    clear = encoder(book).encode(key(6), memoryview(PAYLOAD))
+    clear = encoder().encode(key(6), memoryview(PAYLOAD), None)
     assert clear.plain and bytes(clear.body) == PAYLOAD
-    enc = encoder(book, encrypt_unsalted=True)
-    sealed = enc.encode(key(6), memoryview(PAYLOAD))
-    assert not sealed.plain and open_chunk(enc, key(6), sealed.header, sealed.body) == PAYLOAD
+    enc = encoder(encrypt_unsalted=True)
+    sealed = enc.encode(key(6), memoryview(PAYLOAD), None)
+    assert not sealed.plain
+    assert open_chunk(enc, key(6), sealed.header, sealed.body, None) == PAYLOAD
 
 
-def test_a_forgotten_key_reads_as_unsalted_and_misses_rather_than_decrypting_wrongly() -> None:
-    book = TenantBook(max_keys=2)
-    book.note([key(7)], "tenant-a")
-    enc = encoder(book)
-    sealed = enc.encode(key(7), memoryview(PAYLOAD))
-    book.note([key(8), key(9)], "tenant-b")  # key 7 falls out of the book
-    assert book.tenant_of(key(7)) is None
-    with pytest.raises(AuthFailure):
-        open_chunk(enc, key(7), sealed.header, sealed.body)
+def test_a_read_that_names_no_tenant_misses_and_keeps_the_chunk() -> None:
+    """A sealed chunk read without its tenant (a caller that did not pass it): no key, a
+    miss that leaves the chunk in place, never a decryption under another key."""
+    enc = encoder()
+    sealed = enc.encode(key(7), memoryview(PAYLOAD), "tenant-a")
+    with pytest.raises(AuthFailure) as err:
+        open_chunk(enc, key(7), sealed.header, sealed.body, None)
+    assert failure_of(err.value) is Failure.NO_KEY
 
 
 def test_no_key_material_in_reprs() -> None:
@@ -153,10 +145,10 @@ def test_no_key_material_in_reprs() -> None:
         assert derived_key("tenant-a").hex() not in text
 
 
-def derived_key(salt: str, secret: bytes = SECRET) -> bytes:
-    """The AES key kvtier derives for `salt` (to check it never leaks anywhere)."""
+def derived_key(tenant: str, secret: bytes = SECRET) -> bytes:
+    """The AES key kvtier derives for `tenant` (to check it never leaks anywhere)."""
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=None,
-                info=b"kvtier-seal-v1|" + salt.encode()).derive(secret)
+                info=b"kvtier-seal-v1|" + tenant.encode()).derive(secret)
 
 
 # -- settings ------------------------------------------------------------------------------
@@ -216,8 +208,6 @@ def test_no_key_material_in_logs_of_an_encrypting_tier(
         caplog: pytest.LogCaptureFixture) -> None:
     """Writes, hits, a tampered chunk and another tenant's read, all logged at DEBUG: no
     secret, no derived key, no salt in any line."""
-    from kvtier.core.sealing import TENANTS
-
     monkeypatch.setenv("KVTIER_TEST_SECRET", SECRET.decode())
     config = StoreConfig.parse({"tiers": [disk(tmp_path,
                                                encryption_secret_env="KVTIER_TEST_SECRET",
@@ -227,22 +217,22 @@ def test_no_key_material_in_logs_of_an_encrypting_tier(
     with caplog.at_level(logging.DEBUG), caplog.at_level(logging.DEBUG, logger="kvtier"), \
             caplog.at_level(logging.DEBUG, logger="kvtier.tiers"):
         tier = build_tier(config.tiers[0], LAYOUT)
-        TENANTS.note([key(101)], "salt-of-tenant-a")
-        TENANTS.note([key(102)], "salt-of-tenant-a")
+        a, b = (ChunkMeta(tenant=tenant_id(f"salt-of-tenant-{t}")) for t in "ab")
         out = memoryview(bytearray(LAYOUT.bytes_per_chunk))
-        assert tier.put(key(101), memoryview(PAYLOAD)) and tier.put(key(102),
-                                                                     memoryview(PAYLOAD))
-        assert tier.get_into(key(101), out)
-        TENANTS.note([key(101)], "salt-of-tenant-b")
-        assert tier.get_into(key(101), out).failure is Failure.NO_KEY
+        assert tier.put(key(101), memoryview(PAYLOAD), a)
+        assert tier.put(key(102), memoryview(PAYLOAD), a)
+        assert tier.get_into(key(101), out, a)
+        assert tier.get_into(key(101), out, b).failure is Failure.NO_KEY
         path = tier.files.path_of(key(102))  # type: ignore[attr-defined]
         data = bytearray(path.read_bytes())
         data[4096 + 10] ^= 1  # in the sealed body
         path.write_bytes(bytes(data))
-        assert not tier.get_into(key(102), out)
+        assert not tier.get_into(key(102), out, a)
         tier.close()
     text = caplog.text
     assert "encrypted at rest" in text  # the tier did log, and was heard
-    for secret in (SECRET.decode(), SECRET.hex(), derived_key("salt-of-tenant-a").hex(),
+    tenant_a = tenant_id("salt-of-tenant-a")
+    assert tenant_a is not None
+    for secret in (SECRET.decode(), SECRET.hex(), derived_key(tenant_a).hex(),
                    "salt-of-tenant-a", "salt-of-tenant-b"):
         assert secret not in text

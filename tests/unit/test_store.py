@@ -15,6 +15,7 @@ import pytest
 from tierkit import key, tiny_layout
 
 from kvtier.core.keys import ChunkKey
+from kvtier.core.retention import DEFAULT_META, ChunkMeta
 from kvtier.core.store import StoreEvent, StoreSettings, TieredStore
 from kvtier.core.tier import CORRUPT, EventKind, Failure, TierResult
 from kvtier.tiers import open_store
@@ -37,8 +38,9 @@ def dict_tier(name: str, chunks: int = 8, **settings: object) -> ExampleTier:
 class CorruptTier(ExampleTier):
     """Holds chunks, but every read of them fails verification (a damaged disk)."""
 
-    def get_into(self, key: ChunkKey, out: memoryview) -> TierResult:
-        return CORRUPT if self.contains(key) else super().get_into(key, out)
+    def get_into(self, key: ChunkKey, out: memoryview,
+                 meta: ChunkMeta = DEFAULT_META) -> TierResult:
+        return CORRUPT if self.contains(key) else super().get_into(key, out, meta)
 
 
 class StuckTier(ExampleTier):
@@ -48,9 +50,10 @@ class StuckTier(ExampleTier):
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.release = threading.Event()
 
-    def put(self, key: ChunkKey, data: memoryview) -> TierResult:
+    def put(self, key: ChunkKey, data: memoryview,
+            meta: ChunkMeta = DEFAULT_META) -> TierResult:
         self.release.wait(10)
-        return super().put(key, data)
+        return super().put(key, data, meta)
 
 
 def three_tiers() -> tuple[ExampleTier, ExampleTier, ExampleTier]:

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 from tierkit import key, make_tier, tiny_layout
 
-from kvtier.core.retention import ChunkMeta, MetaKeeper, TenantLabels, tenant_label
+from kvtier.core.retention import ChunkMeta, TenantLabels, tenant_label
 from kvtier.core.store import TieredStore
+from kvtier.core.tier import MetaKeeper
 from kvtier.errors import ConfigError
 from kvtier.tiers.memory import MemoryTier
 from kvtier.tiers.storeconfig import StoreConfig
@@ -34,9 +35,9 @@ def test_a_flooding_tenant_cannot_push_out_another_tenants_warm_set(tmp_path: Pa
     tier = memory(tmp_path, 8, tenant_quota={"share": 0.5})
     warm = [key(i) for i in range(4)]
     for k in warm:
-        assert tier.put_meta(k, memoryview(CHUNK), B)
+        assert tier.put(k, memoryview(CHUNK), B)
     for i in range(100, 200):
-        assert tier.put_meta(key(i), memoryview(CHUNK), A)
+        assert tier.put(key(i), memoryview(CHUNK), A)
     out = memoryview(bytearray(LAYOUT.bytes_per_chunk))
     assert all(tier.get_into(k, out) for k in warm)
     assert bytes(out) == CHUNK
@@ -54,19 +55,19 @@ def test_without_a_quota_the_same_flood_evicts_the_warm_set(tmp_path: Path) -> N
     # The control: plain LRU lets A's flood push all of B out (so the test above can fail).
     tier = memory(tmp_path, 8)
     for i in range(4):
-        tier.put_meta(key(i), memoryview(CHUNK), B)
+        tier.put(key(i), memoryview(CHUNK), B)
     for i in range(100, 200):
-        tier.put_meta(key(i), memoryview(CHUNK), A)
+        tier.put(key(i), memoryview(CHUNK), A)
     assert not any(tier.contains(key(i)) for i in range(4))
 
 
 def test_a_tenant_over_its_share_evicts_its_own_lru_chunk_first(tmp_path: Path) -> None:
     tier = memory(tmp_path, 8, tenant_quota={"share": 0.5})
     for i in range(4):
-        tier.put_meta(key(i), memoryview(CHUNK), A)
+        tier.put(key(i), memoryview(CHUNK), A)
     out = memoryview(bytearray(LAYOUT.bytes_per_chunk))
     assert tier.get_into(key(0), out)  # 0 is A's most recently used now
-    assert tier.put_meta(key(4), memoryview(CHUNK), A)  # A is at 4 of 8: evicts its LRU, 1
+    assert tier.put(key(4), memoryview(CHUNK), A)  # A is at 4 of 8: evicts its LRU, 1
     held = [i for i in range(5) if tier.contains(key(i))]
     assert held == [0, 2, 3, 4]
     # Free slots remain (4 of 8 used): the quota, not the capacity, made the eviction.
@@ -77,8 +78,8 @@ def test_a_cap_in_bytes_bounds_each_tenant(tmp_path: Path) -> None:
     slot = 4096  # one tiny chunk's slot
     tier = memory(tmp_path, 10, tenant_quota={"cap": 3 * slot})
     for i in range(6):
-        tier.put_meta(key(i), memoryview(CHUNK), A)
-        tier.put_meta(key(100 + i), memoryview(CHUNK), B)
+        tier.put(key(i), memoryview(CHUNK), A)
+        tier.put(key(100 + i), memoryview(CHUNK), B)
     tier.put(key(200), memoryview(CHUNK))  # default tenant
     usage = {u.tenant: u.used_bytes for u in tier.retention_stats().tenants}
     assert usage == {tenant_label("salt-A"): 3 * slot, tenant_label("salt-B"): 3 * slot,
@@ -99,7 +100,9 @@ def test_the_store_passes_the_tenant_down_and_counts_it(tmp_path: Path) -> None:
     memory_usage = {u.tenant: u.chunks for u in stats.retention["memory"].tenants}
     # Each tenant was held to half of the 4 slots (put and put_from alike).
     assert memory_usage == {tenant_label("salt-B"): 2, tenant_label("salt-A"): 2}
-    assert "example" not in stats.retention  # a tier that keeps no metadata reports none
+    # Written behind with their tenants: the example tier below keeps them all.
+    example_usage = {u.tenant: u.chunks for u in stats.retention["example"].tenants}
+    assert example_usage == {tenant_label("salt-B"): 3, tenant_label("salt-A"): 10}
 
 
 def test_tenant_labels_are_bounded_and_never_the_salt() -> None:

@@ -88,7 +88,8 @@ def test_prefetched_chunks_are_promoted_into_ram_and_counted() -> None:
     ram = w._store.tiers[0]
     for key in keys:
         ram.delete(key)  # evicted from RAM: held by the lower tier only
-    w.prefetch([*keys, b"z" * 16])  # and one no tier holds
+    # and one no tier holds
+    w.prefetch([ChunkTransfer(key=k, block_ids=()) for k in [*keys, b"z" * 16]])
     deadline = time.monotonic() + 5
     while not all(ram.contains(k) for k in keys) and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -41,9 +41,7 @@ from kvtier.core.sealing import (
     KEY_ID_BYTES,
     NONCE_BYTES,
     SEAL_OVERHEAD,
-    TENANTS,
     Sealer,
-    TenantBook,
     TenantKey,
     new_nonce,
 )
@@ -202,13 +200,14 @@ class ChunkEncoder:
     """How one tier stores chunks of one layout: its codec and its sealer. Thread-safe.
 
     `encode` runs where writes run (the store's write-behind threads); `decode` on the read
-    path, from the bytes read into the caller's buffer. Without a codec and a sealer every
-    chunk is version 1, byte for byte what the previous release wrote.
+    path, from the bytes read into the caller's buffer. Both take the chunk's tenant
+    (`ChunkMeta.tenant`, from the tier call): the sealing key is that tenant's. Without a
+    codec and a sealer every chunk is version 1, byte for byte what the previous release
+    wrote.
     """
 
     def __init__(self, layout_digest: str, dtype: str, payload_bytes: int,
-                 codec: str = "none", sealer: Sealer | None = None,
-                 tenants: TenantBook = TENANTS) -> None:
+                 codec: str = "none", sealer: Sealer | None = None) -> None:
         """Raises:
             ConfigError: an unknown codec, or one that cannot encode `dtype`.
         """
@@ -217,7 +216,6 @@ class ChunkEncoder:
         self.payload_bytes = payload_bytes
         self.codec: Codec = make_codec(codec, dtype)
         self.sealer = sealer
-        self.tenants = tenants
         # A codec's output is kept only when smaller than the payload; a seal adds its tag
         # and the sealed payload checksum.
         self.max_body_bytes = payload_bytes + (
@@ -229,19 +227,20 @@ class ChunkEncoder:
         """Whether every chunk is stored as is (version 1)."""
         return self.codec.id == 0 and self.sealer is None
 
-    def _key_of(self, key: ChunkKey) -> TenantKey | None:
-        """The key the chunk `key` is sealed under here, or None (stored in clear)."""
+    def _key_of(self, tenant: str | None) -> TenantKey | None:
+        """The key a chunk of `tenant` is sealed under here, or None (stored in clear)."""
         if self.sealer is None:
             return None
-        return self.sealer.key_for(self.tenants.tenant_of(key))
+        return self.sealer.key_for(tenant)
 
-    def encode(self, key: ChunkKey, payload: memoryview) -> Encoded:
-        """The header and body of `payload` (one chunk) stored under `key`: compressed by
-        the codec (kept only when smaller), then sealed when the key's tenant has a key.
+    def encode(self, key: ChunkKey, payload: memoryview, tenant: str | None = None) -> Encoded:
+        """The header and body of `payload` (one chunk of `tenant`) stored under `key`:
+        compressed by the codec (kept only when smaller), then sealed when the tenant has a
+        key here.
 
         A sealed body lives in this thread's buffer: store it before this thread encodes
         another chunk (as the tiers do: encode, then write, on one thread)."""
-        tenant_key = self._key_of(key)
+        tenant_key = self._key_of(tenant)
         codec, body = self.codec, b""
         if codec.id != 0:
             body = codec.encode(payload)
@@ -290,14 +289,17 @@ class ChunkEncoder:
         return view[:end]
 
     def decode(self, key: ChunkKey, header: ChunkHeader, body: memoryview,
-               out: memoryview) -> None:
-        """Verify `body` (exactly header.body_bytes) against `header` and decode it into
-        `out` (one chunk); `out` holds undefined bytes when this raises. `body` may be
-        `out` itself only for a plain chunk.
+               out: memoryview, tenant: str | None = None) -> None:
+        """Verify `body` (exactly header.body_bytes) of a chunk of `tenant` against `header`
+        and decode it into `out` (one chunk); `out` holds undefined bytes when this raises.
+        `body` may be `out` itself only for a plain chunk.
 
         Raises:
             CorruptChunk: a size or checksum mismatch.
-            AuthFailure: sealed under a key this reader does not hold, or tampered.
+            KeyNotHeld: sealed under a key this reader does not hold for `tenant` (another
+                tenant's, another secret's): not tampering, the chunk is kept.
+            AuthFailure: tampered (it fails under the right key), or in clear where this
+                tier seals the tenant's chunks.
             CodecFailure: an unknown codec, or bytes that do not decode to the payload.
         """
         if header.payload_bytes != len(out):
@@ -306,7 +308,7 @@ class ChunkEncoder:
             raise CorruptChunk(f"body is {len(body)} bytes, header says {header.body_bytes}")
         if checksum(body) != header.body_sum:
             raise CorruptChunk("payload checksum mismatch")
-        if not header.seal and self._key_of(key) is not None:
+        if not header.seal and self._key_of(tenant) is not None:
             # Whoever can write the directory or the server could otherwise replace a sealed
             # chunk with one in clear, checksums and all.
             raise AuthFailure("stored in clear where this tier seals the chunk's tenant")
@@ -320,7 +322,7 @@ class ChunkEncoder:
         payload_sum = header.payload_sum
         encoded = body
         if header.seal:
-            tenant_key = self._tenant_key(key, header)
+            tenant_key = self._tenant_key(tenant, header)
             aad = _aad(key, self.layout_digest, header)
             if header.codec_id == 0:  # stored as is: decrypted straight into `out`
                 if header.body_bytes != len(out) + SEAL_OVERHEAD:
@@ -342,14 +344,14 @@ class ChunkEncoder:
         if checksum(out) != payload_sum:
             raise CodecFailure(f"{codec.name}: decoded payload checksum mismatch")
 
-    def _tenant_key(self, key: ChunkKey, header: ChunkHeader) -> TenantKey:
-        """The key that opens a sealed chunk. Raises AuthFailure, CodecFailure."""
+    def _tenant_key(self, tenant: str | None, header: ChunkHeader) -> TenantKey:
+        """The key that opens a sealed chunk of `tenant`. Raises KeyNotHeld, CodecFailure."""
         if header.seal != SEAL_AES_GCM:
             raise CodecFailure(f"unknown seal {header.seal}")
-        tenant_key = self._key_of(key)
+        tenant_key = self._key_of(tenant)
         if tenant_key is None or tenant_key.key_id != header.key_id:
-            raise KeyNotHeld("sealed under a key this reader does not hold (its tenant not "
-                             "known here, another tenant's or another secret's)")
+            raise KeyNotHeld("sealed under a key this reader does not hold (another "
+                             "tenant's, or another secret's)")
         return tenant_key
 
     def _scratch(self, size: int) -> bytearray:

@@ -13,8 +13,10 @@ Two sources, in order:
      started until it returns (the scheduler goes on with the index and the local probes).
 A stale answer costs a failed load (reported to the engine and recomputed), never wrong KV.
 
-Primitives: `Probe` (protocol), `ProbeSource` (optional protocol of a tier class),
-`ChunkIndex`, `ChunkLocator`, `Located` + `LookupStatus` (modelled on vLLM's kv_offload
+The probes are the tiers' (`kvtier.core.tier.Probe`, built by a tier class that is a
+`ProbeSource`).
+
+Primitives: `ChunkIndex`, `ChunkLocator`, `Located` + `LookupStatus` (modelled on vLLM's kv_offload
 `LookupResult`: MISS / HIT / RETRY; kvtier has no HIT_PENDING, a chunk is held or not).
 """
 
@@ -27,14 +29,11 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from kvtier.core.keys import ChunkKey
+from kvtier.core.tier import Probe
 
 log = logging.getLogger(__name__)
-
-if TYPE_CHECKING:
-    from kvtier.core.layout import KVLayout
 
 
 class LookupStatus(Enum):
@@ -60,26 +59,6 @@ class Located:
 
 MISS = Located(LookupStatus.MISS)
 RETRY = Located(LookupStatus.RETRY)
-
-
-class Probe(Protocol):
-    """A side-effect-free "is this chunk stored?" for one tier."""
-
-    blocking_ok: bool  # cheap enough to call on a latency-critical thread
-
-    def contains(self, key: ChunkKey) -> bool: ...
-
-
-@runtime_checkable
-class ProbeSource(Protocol):
-    """An optional ability of a tier CLASS whose contents other processes can see (files,
-    remote stores): build a `Probe` for the tier a config names, with no side effects."""
-
-    @classmethod
-    def probe(cls, config: Any, layouts: Sequence[KVLayout]) -> Probe:
-        """A probe for chunks of all `layouts` (e.g. every TP rank's): a chunk counts only
-        when every layout's copy is held."""
-        ...
 
 
 class ChunkIndex:

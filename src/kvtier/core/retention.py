@@ -7,18 +7,20 @@ then) and when it expires (`expires_at`: from then on it is a miss and its space
 reclaimed). Times are wall-clock seconds (`time.time()`), so that a deadline means the same
 in every process and survives a restart where a tier persists it.
 
-Tiers that keep this metadata offer the optional `MetaKeeper` protocol; the store passes
-metadata only to those (`kvtier.core.store.TieredStore.put(..., meta=)`), and other tiers
-never see it. A tier's own bookkeeping is a `RetentionBook` (tier-independent, not
-thread-safe: the tier locks): per-tenant usage and LRU order, pins bounded by
-`max_pinned_share` of the tier, expiry, and the counters behind `RetentionStats`.
+Every tier call about a chunk carries its `ChunkMeta` (`Tier.put`, `Tier.get_into`, ...;
+`DEFAULT_META` for a chunk of the default tenant with neither pin nor expiry): a tier that
+seals chunks per tenant reads the tenant there, a tier that keeps retention (the optional
+`kvtier.core.tier.MetaKeeper`) records all of it. A tier's own bookkeeping is a
+`RetentionBook` (tier-independent, not thread-safe: the tier locks): per-tenant usage and
+LRU order, pins bounded by `max_pinned_share` of the tier, expiry, and the counters behind
+`RetentionStats`.
 
 Salts never reach logs or metrics: `tenant_label` gives a bounded-cardinality label (a
 prefix of the tenant id, "other" beyond MAX_TENANT_LABELS distinct tenants).
 
-Primitives: `ChunkMeta`, `MetaKeeper` + `MetaReserver` (optional tier protocols),
-`TenantQuota`, `RetentionBook`, `RetentionStats`, `TenantUsage`, `tenant_id`, `tenant_label`
-(through `TENANT_LABELS`, a `TenantLabels`), `DEFAULT_TENANT`.
+Primitives: `ChunkMeta`, `DEFAULT_META`, `TenantQuota`, `RetentionBook`, `RetentionStats`,
+`TenantUsage`, `tenant_id`, `tenant_label` (through `TENANT_LABELS`, a `TenantLabels`),
+`DEFAULT_TENANT`.
 """
 
 from __future__ import annotations
@@ -29,12 +31,9 @@ import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
 from kvtier.core.keys import ChunkKey
-from kvtier.core.tier import Slot, TierResult
 
 DEFAULT_TENANT = "default"  # the label of chunks of requests without a cache salt
 OTHER_TENANTS = "other"  # the label of every tenant past MAX_TENANT_LABELS
@@ -58,44 +57,17 @@ class ChunkMeta:
                    retain_until=None if retain_s is None else now_s + retain_s,
                    expires_at=None if ttl_s is None else now_s + ttl_s)
 
+    @property
+    def is_default(self) -> bool:
+        """Whether it asks nothing: the default tenant, no pin, no expiry."""
+        return self.tenant is None and self.retain_until is None and self.expires_at is None
+
     def __repr__(self) -> str:  # short, and never more of the tenant than its label
         return (f"ChunkMeta(tenant={tenant_label(self.tenant)}, "
                 f"retain_until={self.retain_until}, expires_at={self.expires_at})")
 
 
-@runtime_checkable
-class MetaKeeper(Protocol):
-    """An optional ability of a tier: it keeps each chunk's `ChunkMeta` (tenant for quotas,
-    pins, expiry). `TieredStore` calls `put_meta` instead of `put` when it has metadata to
-    pass, and never calls these on other tiers."""
-
-    def put_meta(self, key: ChunkKey, data: memoryview, meta: ChunkMeta) -> TierResult:
-        """`Tier.put` of a chunk with its metadata (an already held chunk gets `meta`
-        merged in, as by `retain`)."""
-        ...
-
-    def retain(self, key: ChunkKey, meta: ChunkMeta) -> bool:
-        """Extend a held chunk's pin and expiry to `meta`'s (a later pin or expiry wins; a
-        pin beyond the tier's bound is refused and counted). False when not held."""
-        ...
-
-    def meta_of(self, key: ChunkKey) -> ChunkMeta | None:
-        """The metadata of a held chunk (carried along when it is promoted), or None."""
-        ...
-
-    def retention_stats(self) -> RetentionStats:
-        """Pins, expiries and per-tenant usage now."""
-        ...
-
-
-@runtime_checkable
-class MetaReserver(Protocol):
-    """An optional ability of a `Reserver` tier that keeps metadata (the memory tier)."""
-
-    def reserve_meta(self, key: ChunkKey,
-                     meta: ChunkMeta) -> AbstractContextManager[Slot | None]:
-        """`Reserver.reserve` of a chunk with its metadata."""
-        ...
+DEFAULT_META = ChunkMeta()  # the default tenant's chunk, neither pinned nor dated
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,9 +169,10 @@ class _Tenant:
 class RetentionBook:
     """Tenant, pin and expiry of every chunk of one tier, and per-tenant usage.
 
-    Chunks are recorded when they carry metadata, or always once the tier has a quota or a
-    default TTL (`records_all`): without those, chunks stored without metadata cost nothing
-    here (the tier leaves them out), so the plain path is unchanged.
+    Chunks are recorded when their metadata asks something (not `is_default`), or always
+    once the tier has a quota or a default TTL (`records_all`): without those, default
+    chunks cost nothing here (the tier leaves them out, `records`), so the plain path is
+    unchanged.
 
     Not thread-safe: the owning tier calls it under its own lock. The tier keeps its own
     eviction policy over *unpinned* chunks only: `record` says whether a new chunk is pinned
@@ -238,9 +211,13 @@ class RetentionBook:
         self._gone: dict[str | None, int] = {}  # evictions of tenants holding nothing now
 
     # -- chunks in and out -------------------------------------------------------------------
-    def record(self, key: ChunkKey, meta: ChunkMeta | None, size_bytes: int) -> bool:
+    def records(self, meta: ChunkMeta) -> bool:
+        """Whether a chunk stored with `meta` is recorded here (see the class doc)."""
+        return self.records_all or not meta.is_default
+
+    def record(self, key: ChunkKey, meta: ChunkMeta, size_bytes: int) -> bool:
         """A chunk became resident; True when it is pinned (leave it out of the policy)."""
-        tenant = meta.tenant if meta is not None else None
+        tenant = meta.tenant
         self._tenant_of[key] = tenant
         self._size[key] = size_bytes
         account = self._tenants.get(tenant)
@@ -249,12 +226,12 @@ class RetentionBook:
             account.evictions = self._gone.pop(tenant, 0)
         account.used_bytes += size_bytes
         account.chunks += 1
-        expires_at = meta.expires_at if meta is not None else None
+        expires_at = meta.expires_at
         if expires_at is None and self._ttl_s is not None:
             expires_at = self.clock() + self._ttl_s
         if expires_at is not None:
             self._set_expiry(key, expires_at)
-        until = meta.retain_until if meta is not None else None
+        until = meta.retain_until
         if until is not None and self._pin(key, until):
             return True
         account.order[key] = None

@@ -1,34 +1,29 @@
-"""Per-tenant encryption at rest: which tenant a chunk belongs to, and its AES-256-GCM key.
+"""Per-tenant encryption at rest: each tenant's AES-256-GCM key.
 
 A request's `cache_salt` names its tenant; the salt is already part of every chunk key
-(`kvtier.core.keys.Namespace`), so different tenants never share a chunk. With a secret
-configured on a tier below RAM, a salted request's chunks are sealed there with AES-256-GCM
-under a key derived for that salt alone: HKDF-SHA256(secret, info="kvtier-seal-v1|" + salt).
-The stored header carries the key's id (HKDF(secret, info="kvtier-kid-v1|" + salt), 8 bytes:
-it names the key without revealing it or the salt), a random 96-bit nonce per write, and is
-itself the AEAD's associated data, so a header swapped onto another chunk's bytes fails
-authentication (`kvtier.core.chunkformat`). A reader without the tenant's key (another
-tenant, another secret) is a counted miss (`KeyNotHeld`: the chunk is kept, another reader may
-hold the key); a chunk that fails authentication under the right key is a counted miss and
-is removed (`AuthFailure`).
+(`kvtier.core.keys.Namespace`), so different tenants never share a chunk. A tier learns a
+chunk's tenant from the call itself: its `ChunkMeta.tenant` (kvtier.core.retention), the
+`tenant_id` of the salt (a hash: the salt never reaches a tier), passed to every write and
+to every read of the chunk (the vLLM worker takes it from the scheduler's plan, loads and
+prefetches alike). With a secret configured on a tier below RAM, a salted request's chunks
+are sealed there with AES-256-GCM under a key derived for that tenant alone:
+HKDF-SHA256(secret, info="kvtier-seal-v1|" + tenant). The stored header carries the key's id
+(HKDF(secret, info="kvtier-kid-v1|" + tenant), 8 bytes: it names the key without revealing
+it or the tenant), a random 96-bit nonce per write, and is itself the AEAD's associated data,
+so a header swapped onto another chunk's bytes fails authentication
+(`kvtier.core.chunkformat`). A reader without the tenant's key (another tenant, another
+secret) is a counted miss (`KeyNotHeld`: the chunk is kept, another reader may hold the
+key); a chunk that fails authentication under the right key is a counted miss and is
+removed (`AuthFailure`).
 
 Chunks of requests without a salt stay in clear unless the tier sets `encrypt_unsalted`
-(then they are sealed under the key of the empty salt).
-
-The Tier contract carries keys only, so the tenant of a key reaches the tiers through
-`TENANTS`, a bounded process-wide `TenantBook`: the vLLM worker notes each chunk's salt (from
-the scheduler's plan) before it stores or loads it, and the tiers' write-behind threads and
-reads look it up. Keys are unique per salt, so the book is a cache of a fact, never ambiguous.
-A key it has forgotten (more than MAX_TENANT_KEYS keys noted since) reads as unsalted: a
-sealed chunk then misses (it is never decrypted under another key), and a write is sealed at
-least as the tier's unsalted chunks are; the window between noting and writing is a few
-chunks (the write-behind queue), far below the bound.
+(then they are sealed under the key of the empty tenant, "").
 
 No key material is ever logged, printed, raised or counted: `TenantKey`'s repr shows its id
 only, and the secret lives in `Sealer` alone.
 
-Primitives: `TenantBook`, `TENANTS`, `Sealer`, `TenantKey`, `SEAL_OVERHEAD`,
-`MIN_SECRET_BYTES`; its failures, `AuthFailure` and `KeyNotHeld`, are in kvtier.errors.
+Primitives: `Sealer`, `TenantKey`, `SEAL_OVERHEAD`, `MIN_SECRET_BYTES`; its failures,
+`AuthFailure` and `KeyNotHeld`, are in kvtier.errors.
 """
 
 from __future__ import annotations
@@ -36,56 +31,17 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.core.keys import ChunkKey
 from kvtier.errors import AuthFailure
 
-MAX_TENANT_KEYS = 1 << 17  # keys whose tenant TENANTS remembers (~100 B each)
 MIN_SECRET_BYTES = 32  # an operator secret shorter than this is refused
 KEY_ID_BYTES = 8
 NONCE_BYTES = 12  # AES-GCM's standard 96-bit nonce, random per write
 TAG_BYTES = 16
 SEAL_OVERHEAD = TAG_BYTES  # sealed bytes = plaintext + the GCM tag
 _MAX_TENANTS = 4096  # derived keys kept per Sealer (HKDF costs ~20 us)
-
-
-class TenantBook:
-    """Which tenant (cache salt) each recently seen chunk key belongs to. Thread-safe.
-
-    Bounded: the oldest keys are forgotten past `max_keys` (then they read as unsalted)."""
-
-    def __init__(self, max_keys: int = MAX_TENANT_KEYS) -> None:
-        self._lock = threading.Lock()
-        self._tenants: OrderedDict[ChunkKey, str] = OrderedDict()
-        self._max_keys = max_keys
-
-    def note(self, keys: Iterable[ChunkKey], tenant: str | None) -> None:
-        """Record that `keys` are chunks of `tenant` (None: unsalted, nothing to record).
-        Any thread (the vLLM worker calls it before storing or loading them)."""
-        if not tenant:
-            return
-        with self._lock:
-            for key in keys:
-                self._tenants[key] = tenant
-                self._tenants.move_to_end(key)
-            while len(self._tenants) > self._max_keys:
-                self._tenants.popitem(last=False)
-
-    def tenant_of(self, key: ChunkKey) -> str | None:
-        """The tenant noted for `key`, or None (unsalted, or forgotten)."""
-        with self._lock:
-            return self._tenants.get(key)
-
-    def forget(self) -> None:
-        """Forget every key (tests; a process reset)."""
-        with self._lock:
-            self._tenants.clear()
-
-
-TENANTS = TenantBook()
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,8 +90,8 @@ class Sealer:
         return f"Sealer(encrypt_unsalted={self.encrypt_unsalted})"
 
     def key_for(self, tenant: str | None) -> TenantKey | None:
-        """The key a chunk of `tenant` is sealed under, or None when it is stored in clear
-        (no salt, and `encrypt_unsalted` off)."""
+        """The key a chunk of `tenant` (`ChunkMeta.tenant`) is sealed under, or None when it
+        is stored in clear (the default tenant, and `encrypt_unsalted` off)."""
         if not tenant and not self.encrypt_unsalted:
             return None
         salt = tenant or ""

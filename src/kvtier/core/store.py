@@ -2,18 +2,23 @@
 write-behind.
 
 - `lookup(keys)`: the longest prefix of `keys` held by any tier, and which tier holds each.
-- `get_into(key, out)`: read from the highest tier that holds the chunk (a failed or corrupt
-  read falls through to the next tier), then promote the chunk to the tiers above it.
-- `borrow(key, spare)`: the same as a read-only view for the duration of a `with` block: a
-  tier that lends views (`Lender`: the memory tier) is read in place, without a copy; any
-  other tier is read straight into a slot the top tier reserves (`Reserver`: the read is the
+- `get_into(key, out, meta)`: read from the highest tier that holds the chunk (a failed or
+  corrupt read falls through to the next tier), then promote the chunk to the tiers above it.
+- `borrow(key, spare, meta)`: the same as a read-only view for the duration of a `with`
+  block: a tier that lends views (`InPlace`: the memory tier) is read in place, without a
+  copy; any other tier is read straight into a slot the top tier reserves (the read is the
   promotion), else into `spare` (and promoted). `borrow_many` does a batch, reading the
   chunks that are not lent in place in parallel, and waits for them at most
   `read_timeout_s`.
-- `put(key, data)`: store in the top tier at once; lower tiers are written behind, on their
-  own threads, through bounded queues (`writebehind.WriteBehind`): when a queue is full the
-  write is dropped and counted, never blocking the caller. `put_from(key, fill, spare)` has
-  the chunk written straight into a reserved slot of the top tier (the vLLM worker's gather).
+- `put(key, data, meta)`: store in the top tier at once; lower tiers are written behind, on
+  their own threads, through bounded queues (`writebehind.WriteBehind`): when a queue is
+  full the write is dropped and counted, never blocking the caller. `put_from(key, fill,
+  spare, meta)` has the chunk written straight into a reserved slot of the top tier (the
+  vLLM worker's gather).
+Every call carries the chunk's `ChunkMeta` (tenant, pin, expiry; `DEFAULT_META` by default)
+down to each tier it reaches: a sealed chunk opens, and is sealed, with its tenant's key.
+Whether a tier holds a chunk already is its own `put`'s (or `reserve`'s) decision: the store
+and the write-behind never ask first.
 A tier call that fails is counted per tier and per `Failure` reason (`StoreStats.failures`);
 a tier that raises is skipped for that call (logged, counted as `Failure.RAISED`): a broken
 tier costs hits, never the engine. A tier below the top one that does not answer in time
@@ -42,15 +47,15 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from kvtier.core.keys import ChunkKey
-from kvtier.core.retention import ChunkMeta, MetaKeeper, MetaReserver, RetentionStats
+from kvtier.core.retention import DEFAULT_META, ChunkMeta, RetentionStats
 from kvtier.core.stall import StallGuard
 from kvtier.core.tier import (
     BatchLookup,
     EventKind,
     EventSource,
     Failure,
-    Lender,
-    Reserver,
+    InPlace,
+    MetaKeeper,
     Tier,
     TierResult,
     TierStats,
@@ -164,18 +169,16 @@ class TieredStore:
                                  cores=settings.io_cores)
         # Each tier's optional abilities, checked once: a runtime Protocol isinstance costs
         # ~3 us, and loads asked it per chunk per tier (a quarter of a memory-tier borrow).
-        self._lenders: dict[int, Lender] = {id(t): t for t in self.tiers if isinstance(t, Lender)}
+        self._lenders: dict[int, InPlace] = {
+            id(t): t for t in self.tiers if isinstance(t, InPlace)}
         # A top tier that reserves space is filled in place: by the caller's gather
         # (`put_from`) and by reads of slower tiers (promotion without a copy).
-        self._reserver = self.tiers[0] if self.tiers and isinstance(self.tiers[0], Reserver) \
-            else None
+        self._reserver = self._lenders.get(id(self.tiers[0]))
         self._batched = [t for t in self.tiers if isinstance(t, BatchLookup)]
         self._remote = {id(t) for t in self._batched}  # read without a lookup first
         # Tiers that keep each chunk's tenant, pin and expiry (kvtier.core.retention).
         self._keepers: dict[int, MetaKeeper] = {
             id(t): t for t in self.tiers if isinstance(t, MetaKeeper)}
-        self._meta_reserver = self._reserver if isinstance(self._reserver, MetaReserver) \
-            else None
         # What tiers stored and removed, until `take_events`; bounded so that a store nobody
         # drains keeps only the newest events.
         self._events: deque[StoreEvent] = deque(maxlen=MAX_PENDING_EVENTS)
@@ -234,24 +237,27 @@ class TieredStore:
             return False
 
     # -- reads -----------------------------------------------------------------------------
-    def get_into(self, key: ChunkKey, out: memoryview) -> str | None:
-        """Copy the chunk into `out`; return the name of the tier that served it, or None.
+    def get_into(self, key: ChunkKey, out: memoryview,
+                 meta: ChunkMeta = DEFAULT_META) -> str | None:
+        """Copy the chunk (whose tenant `meta` names) into `out`; return the name of the tier
+        that served it, or None.
 
-        A tier whose copy is missing, corrupt or unreadable is skipped for the next one.
-        `out` holds undefined bytes when this returns None.
+        A tier whose copy is missing, corrupt, unreadable or sealed under a key this
+        process lacks is skipped for the next one. `out` holds undefined bytes when this
+        returns None.
         """
         for level, tier in enumerate(self.tiers):
             if not self._contains(tier, key):
                 continue
-            if self._get(tier, key, out):
-                self._promote(level, key, out)
+            if self._get(tier, key, out, meta):
+                self._promote(level, key, out, meta)
                 return tier.name
         return None
 
-    def _get(self, tier: Tier, key: ChunkKey, out: memoryview) -> bool:
+    def _get(self, tier: Tier, key: ChunkKey, out: memoryview, meta: ChunkMeta) -> bool:
         """`tier.get_into`, its failure (or exception) counted; True on a hit."""
         try:
-            result = tier.get_into(key, out)
+            result = tier.get_into(key, out, meta)
         except Exception as exc:
             log.warning("tier %r: read of %s failed (%s); trying the next", tier.name,
                         key.hex(), exc)
@@ -264,38 +270,48 @@ class TieredStore:
         return result.failure is None
 
     @contextmanager
-    def borrow(self, key: ChunkKey, spare: memoryview) -> Iterator[ChunkView | None]:
-        """Lend the chunk read-only, from the fastest tier that holds it; None on a miss.
+    def borrow(self, key: ChunkKey, spare: memoryview,
+               meta: ChunkMeta = DEFAULT_META) -> Iterator[ChunkView | None]:
+        """Lend the chunk (whose tenant `meta` names) read-only, from the fastest tier that
+        holds it; None on a miss.
 
-        A `Lender` tier (the memory tier) lends its own memory, pinned until the block
+        An `InPlace` tier (the memory tier) lends its own memory, pinned until the block
         exits: no copy. Any other tier is read into `spare` (one chunk long, the caller's
         buffer), promoted as by `get_into`, and `spare` is lent. Tiers that fail or hold a
         corrupt copy are skipped, as by `get_into`. Any thread.
         """
         with ExitStack() as stack:
-            yield self._open(stack, key, spare)
+            yield self._open(stack, key, meta, spare)
 
     @contextmanager
     def borrow_many(self, keys: Sequence[ChunkKey], spares: MutableSequence[memoryview],
-                    ) -> Iterator[list[ChunkView | None]]:
-        """`borrow` for many chunks in one block (a view or None per key, in order).
+                    metas: Sequence[ChunkMeta] = ()) -> Iterator[list[ChunkView | None]]:
+        """`borrow` for many chunks in one block (a view or None per key, in order);
+        `metas[i]` is chunk i's (empty: every chunk `DEFAULT_META`).
 
-        Chunks a `Lender` tier holds are lent in place; the others are read in parallel on
-        the store's read threads, chunk i into `spares[i]`, so a batch of disk reads costs
-        about one read. Reads not finished within `read_timeout_s` are abandoned (None, the
-        tier marked stalled); the spare such a read still writes into is replaced in
-        `spares` by a new buffer, so that the caller never reuses it. Any thread.
+        Chunks an `InPlace` tier holds are lent in place; the others are read in parallel
+        on the store's read threads, chunk i into `spares[i]`, so a batch of disk reads
+        costs about one read. Reads not finished within `read_timeout_s` are abandoned
+        (None, the tier marked stalled); the spare such a read still writes into is
+        replaced in `spares` by a new buffer, so that the caller never reuses it. Any
+        thread.
+
+        Raises:
+            ValueError: `metas` is neither empty nor one per key.
         """
+        metas = list(metas) or [DEFAULT_META] * len(keys)
+        if len(metas) != len(keys):
+            raise ValueError(f"{len(metas)} metas for {len(keys)} keys")
         with ExitStack() as stack:
             pins = _Pins(stack)
             try:
-                views = [self._open(pins, key, spare, read=False)
-                         for key, spare in zip(keys, spares)]
+                views = [self._open(pins, key, meta, spare, read=False)
+                         for key, meta, spare in zip(keys, metas, spares)]
                 todo = [i for i, view in enumerate(views) if view is None]
                 reading: dict[int, str] = {}  # key index -> the tier its read is waiting on
                 futures: dict[Future[ChunkView | None], int] = {
-                    self._calls.submit(self._open, pins, keys[i], spares[i], lend=False,
-                                       reading=(reading, i)): i
+                    self._calls.submit(self._open, pins, keys[i], metas[i], spares[i],
+                                       lend=False, reading=(reading, i)): i
                     for i in todo}
                 done, late = wait(futures, timeout=self._calls.timeout_s)
                 for future in done:
@@ -320,13 +336,14 @@ class TieredStore:
         spares[i] = memoryview(bytearray(len(spares[i])))
         return tier
 
-    def _open(self, pins: _Pins | ExitStack, key: ChunkKey, spare: memoryview, *,
-              lend: bool = True, read: bool = True,
+    def _open(self, pins: _Pins | ExitStack, key: ChunkKey, meta: ChunkMeta,
+              spare: memoryview, *, lend: bool = True, read: bool = True,
               reading: tuple[dict[int, str], int] | None = None) -> ChunkView | None:
-        """The chunk from the fastest tier holding it: lent by a Lender (kept on `pins`;
-        skipped unless `lend`) or read (other tiers; skipped unless `read`, and unless
-        stalled) into a slot the top tier reserves (kept on `pins`) or into `spare`.
-        `reading`: (where, i) to note in `where[i]` the tier a read is waiting on."""
+        """The chunk (of `meta`'s tenant) from the fastest tier holding it: lent by an
+        InPlace tier (kept on `pins`; skipped unless `lend`) or read (other tiers; skipped
+        unless `read`, and unless stalled) into a slot the top tier reserves (kept on
+        `pins`) or into `spare`. `reading`: (where, i) to note in `where[i]` the tier a read
+        is waiting on."""
         for level, tier in enumerate(self.tiers):
             lender = self._lenders.get(id(tier))
             if not (lend if lender is not None else read):
@@ -348,14 +365,15 @@ class TieredStore:
             in_place = lender is None and level > 0 and self._reserver is not None
             try:
                 if lender is not None:
-                    view = pins.enter_context(lender.borrow(key))
+                    view = pins.enter_context(lender.borrow(key, meta))
                     if view is None:
                         self._failures.add(tier.name, Failure.MISSING)
                 elif in_place:
                     assert self._reserver is not None
-                    view = self._read_in_place(pins, self._reserver, tier, key, spare)
+                    view = self._read_in_place(pins, self._reserver, tier, key, meta, spare)
                 else:
-                    view = spare if self._counted(tier, tier.get_into(key, spare)) else None
+                    view = spare if self._counted(tier, tier.get_into(key, spare, meta)) \
+                        else None
             except Exception as exc:
                 log.warning("tier %r: read of %s failed (%s); trying the next", tier.name,
                             key.hex(), exc)
@@ -364,38 +382,36 @@ class TieredStore:
             if remote and reading is not None:
                 self._calls.answered(tier.name)
             if view is not None:
-                self._promote(level, key, view, top=not in_place)
+                self._promote(level, key, view, meta, top=not in_place)
                 return ChunkView(view.toreadonly(), tier.name)
         return None
 
-    def _read_in_place(self, pins: _Pins | ExitStack, top: Reserver, tier: Tier, key: ChunkKey,
-                       spare: memoryview) -> memoryview | None:
+    def _read_in_place(self, pins: _Pins | ExitStack, top: InPlace, tier: Tier, key: ChunkKey,
+                       meta: ChunkMeta, spare: memoryview) -> memoryview | None:
         """Read `tier`'s chunk straight into a slot the top tier reserves (the read is the
         promotion: no copy; the slot stays pinned on `pins`), or into `spare` when the top
         tier gives none (declined, full, or holding it already). None when the read fails,
         or when the borrow it was for was abandoned meanwhile (the slot is released)."""
         with ExitStack() as reservation:
-            meta = self._meta_of(tier, key)
-            keeper = self._meta_reserver if top is self._reserver else None
             slot = reservation.enter_context(
-                top.reserve(key) if keeper is None or meta is None
-                else keeper.reserve_meta(key, meta))
-            target = spare if slot is None else slot.data
-            if not self._counted(tier, tier.get_into(key, target)):
+                top.reserve(key, self._meta_of(tier, key) or meta))
+            target = spare if isinstance(slot, TierResult) else slot.data
+            if not self._counted(tier, tier.get_into(key, target, meta)):
                 return None  # the slot is released here
-            if slot is not None:
+            if not isinstance(slot, TierResult):
                 slot.commit()
             if pins.enter_context(reservation.pop_all()) is None:
                 return None  # abandoned: `reservation` released the slot (it was committed)
             return target
 
-    def _promote(self, level: int, key: ChunkKey, data: memoryview, top: bool = True) -> None:
+    def _promote(self, level: int, key: ChunkKey, data: memoryview, meta: ChunkMeta,
+                 top: bool = True) -> None:
         """Copy a chunk found at `level` into the faster tiers above it (the top one too
         unless `top` is False: it was filled in place), with its tenant, pin and expiry
-        where the tier it came from keeps them."""
+        where the tier it came from keeps them, else with the reader's `meta`."""
         if level == 0:
             return
-        meta = self._meta_of(self.tiers[level], key)
+        meta = self._meta_of(self.tiers[level], key) or meta
         if top:
             self._put_top(key, data, meta)
         if level > 1:
@@ -408,10 +424,11 @@ class TieredStore:
         return None if keeper is None else self._guarded(tier, None, keeper.meta_of, key)
 
     # -- writes ----------------------------------------------------------------------------
-    def put(self, key: ChunkKey, data: memoryview, meta: ChunkMeta | None = None) -> bool:
-        """Store a chunk (exactly layout.bytes_per_chunk bytes): in the top tier now, in the
-        lower tiers behind. True when the top tier stored it (or already held it).
-        `meta`: its tenant, pin and expiry, for the tiers that keep them (`MetaKeeper`)."""
+    def put(self, key: ChunkKey, data: memoryview, meta: ChunkMeta = DEFAULT_META) -> bool:
+        """Store a chunk (exactly layout.bytes_per_chunk bytes) with its tenant, pin and
+        expiry (`meta`): in the top tier now, in the lower tiers behind (each tier's `put`
+        decides whether it holds the chunk already). True when the top tier stored it (or
+        already held it)."""
         stored = self._put_top(key, data, meta)
         pending = self._writers()
         if pending:
@@ -451,39 +468,38 @@ class TieredStore:
         return [w for w in self._below if self._calls.usable(w.tier.name)]
 
     def put_from(self, key: ChunkKey, fill: Callable[[memoryview], None],
-                 spare: memoryview, meta: ChunkMeta | None = None) -> bool:
+                 spare: memoryview, meta: ChunkMeta = DEFAULT_META) -> bool:
         """`put` of a chunk that `fill(view)` writes into a chunk-long view: straight into
-        a slot of the top tier when it is a `Reserver` (one copy in all), else into `spare`
+        a slot of the top tier when it is `InPlace` (one copy in all), else into `spare`
         (the caller's buffer), then stored as by `put`. True when the top tier stored it
-        (or held it already). `fill` runs on the calling thread; what it raises propagates
+        (or held it already: then nothing is filled, its lower tiers had it written behind
+        when it was stored). `fill` runs on the calling thread; what it raises propagates
         and nothing is stored. `meta` as for `put`."""
         if self._reserver is None:
             fill(spare)
             return self.put(key, spare, meta)
-        keeper = self._meta_reserver
-        with (self._reserver.reserve(key) if keeper is None or meta is None
-              else keeper.reserve_meta(key, meta)) as slot:
-            if slot is None and self._contains(self.tiers[0], key):
-                return True  # held: written behind when it was stored
+        with self._reserver.reserve(key, meta) as slot:
+            if isinstance(slot, TierResult):
+                self._counted(self.tiers[0], slot)
+                if slot.ok:
+                    return True  # held: `reserve` applied `meta` to it
             pending = self._writers()
-            if slot is None and not pending:  # declined, and no lower tier to write
+            if isinstance(slot, TierResult) and not pending:  # no lower tier to write
                 return False
-            data = spare if slot is None else slot.data
+            data = spare if isinstance(slot, TierResult) else slot.data
             fill(data)
             # The lower tiers' copy is taken before the commit makes the slot evictable.
             copy = memoryview(bytes(data)) if pending else data
-            if slot is not None:
+            if not isinstance(slot, TierResult):
                 slot.commit()
         for writer in pending:
             writer.submit(key, copy, meta)
-        return slot is not None or self._contains(self.tiers[0], key)
+        return not isinstance(slot, TierResult)
 
-    def _put_top(self, key: ChunkKey, data: memoryview, meta: ChunkMeta | None = None) -> bool:
+    def _put_top(self, key: ChunkKey, data: memoryview, meta: ChunkMeta) -> bool:
         top = self.tiers[0]
-        keeper = self._keepers.get(id(top)) if meta is not None else None
         try:
-            result = top.put(key, data) if keeper is None or meta is None \
-                else keeper.put_meta(key, data, meta)
+            result = top.put(key, data, meta)
         except Exception as exc:
             log.warning("tier %r: write of %s failed (%s); dropped", top.name, key.hex(), exc)
             result = TierResult(Failure.RAISED)

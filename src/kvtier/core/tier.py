@@ -3,29 +3,50 @@
 A tier holds whole chunks of one layout, addressed by ChunkKey. It never raises for I/O on
 its data path: a failed or corrupt read is a miss, a failed write is a dropped write; both
 come back as a `TierResult` whose `failure` says why (and are counted, logged).
-`tiers/example.py` is the tutorial (a dict of bytes); `tiers/memory.py` the production
-reference.
 
-Primitives: `Tier` (protocol), `TierResult` + `Failure` (what a get or put did),
-`StoredChunk` + `Inventory` (what a persistent tier's storage holds, for operators),
-`BatchLookup` (optional protocol: many lookups in one round trip),
-`Lender` (optional protocol: lend a read-only view of a held chunk, no copy),
-`Reserver` + `Slot` (optional protocol: hand out the space of a chunk to fill in place),
-`EventSource` (optional protocol: report chunks stored and removed), `TierEvents`,
-`TierStats` (snapshot), `TierCounters` (thread-safe counters), `EventKind`. Facts of a tier
-kind, class attributes of every tier: `Medium`, `Locality` (and the flags on `Tier`).
+Everything a tier needs to know about a chunk arrives with the call: its `ChunkMeta`
+(kvtier.core.retention: tenant, pin, expiry; `DEFAULT_META` when it asks nothing) is passed
+to every write and to every read that may have to open a sealed chunk. `put` (and
+`reserve`) is the one place that decides whether a chunk is held already: it is
+idempotent, and a held chunk is not rewritten but gets `meta`'s later pin or expiry.
+
+This module is the whole contract. `tiers/example.py` is the tutorial (a dict of bytes that
+offers every optional ability); `tiers/memory.py` the production reference.
+
+The protocol every tier implements: `Tier`. The optional abilities, each a whole protocol
+(a tier offers it or not; none has a method a tier may refuse):
+  - `BatchLookup`: many lookups in one round trip (remote stores);
+  - `InPlace` + `Slot`: lend a read-only view of a held chunk, and hand out the space of a
+    chunk to fill, both without a copy (memory);
+  - `EventSource` + `TierEvents`: report the chunks stored and removed;
+  - `MetaKeeper`: keep each chunk's tenant, pin and expiry (retain, report them);
+  - `ManifestKeeper` + `NamespaceManifest`: record which model a namespace holds;
+  - on the tier's CLASS, `ProbeSource` + `Probe`: "is this chunk stored?" for processes that
+    do not own the tier, and `InventorySource` + `Inventory` + `StoredChunk`: what a
+    persistent tier's storage holds, for operators.
+Results and counters: `TierResult` + `Failure`, `TierStats` (snapshot), `TierCounters`
+(thread-safe counters), `EventKind`. Facts of a tier kind, class attributes of every tier:
+`Medium`, `Locality` (and the flags on `Tier`).
 """
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from enum import StrEnum
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
+from kvtier import __version__
 from kvtier.core.keys import ChunkKey
+from kvtier.core.retention import DEFAULT_META, ChunkMeta, RetentionStats
+
+if TYPE_CHECKING:
+    from kvtier.core.layout import KVLayout
+
+MANIFEST_FORMAT = 1  # "kvtier_manifest": the manifest document's version
 
 
 class Medium(StrEnum):
@@ -170,20 +191,28 @@ class Tier(Protocol):
         """Whether the chunk is (probably) held. Cheap: an index lookup or one stat call."""
         ...
 
-    def get_into(self, key: ChunkKey, out: memoryview) -> TierResult:
+    def get_into(self, key: ChunkKey, out: memoryview,
+                 meta: ChunkMeta = DEFAULT_META) -> TierResult:
         """Copy the chunk's payload into `out` (exactly one chunk long); OK on a hit.
+        `meta`: whose chunk it is (a sealed chunk opens with its tenant's key only).
 
         A verified hit only: absent, corrupt or unreadable data is a miss whose `failure`
-        says which (and corrupt data is removed). Never raises for I/O.
+        says which (and corrupt data is removed; a sealed chunk this reader holds no key
+        for is NO_KEY, and kept). Never raises for I/O.
         """
         ...
 
-    def put(self, key: ChunkKey, data: memoryview) -> TierResult:
-        """Store one chunk's payload; OK when it is stored (or already was).
+    def put(self, key: ChunkKey, data: memoryview,
+            meta: ChunkMeta = DEFAULT_META) -> TierResult:
+        """Store one chunk's payload with its tenant, pin and expiry (`meta`); OK when it
+        is stored, or already was.
 
-        A failure when the tier declined (admission) or could not store it (counted as a
-        dropped write). Evicts older chunks to stay within capacity. Never raises for I/O;
-        raises ValueError when `data` is not exactly one chunk (the caller's bug).
+        The one place that decides whether the chunk is held: a held chunk is not
+        rewritten (a tier that keeps metadata extends its pin and expiry to `meta`'s, as
+        `MetaKeeper.retain`). A failure when the tier declined (admission) or could not
+        store it (counted as a dropped write). Evicts older chunks to stay within capacity.
+        Never raises for I/O; raises ValueError when `data` is not exactly one chunk (the
+        caller's bug).
         """
         ...
 
@@ -211,26 +240,8 @@ class BatchLookup(Protocol):
         ...
 
 
-@runtime_checkable
-class Lender(Protocol):
-    """An optional ability of a tier whose chunks already sit in addressable memory (the
-    memory tier): lend a read-only view of a chunk instead of copying it out, so that the
-    vLLM worker scatters straight from the tier into the paged KV (one copy, not two)."""
-
-    def borrow(self, key: ChunkKey) -> AbstractContextManager[memoryview | None]:
-        """A context manager yielding a read-only view of the chunk's payload, or None when
-        the chunk is not held (a miss, counted as by `get_into`).
-
-        The chunk's storage is pinned while the block runs: it is neither overwritten nor
-        reused, even if the chunk is evicted or deleted meanwhile (its space is freed when
-        the last borrower leaves). The view must not be used after the block. Never raises
-        for I/O. Any thread; borrowers do not block each other.
-        """
-        ...
-
-
 class Slot(Protocol):
-    """The space `Reserver.reserve` hands out for one chunk."""
+    """The space `InPlace.reserve` hands out for one chunk."""
 
     data: memoryview  # writable, exactly one chunk long
 
@@ -241,20 +252,36 @@ class Slot(Protocol):
 
 
 @runtime_checkable
-class Reserver(Protocol):
+class InPlace(Protocol):
     """An optional ability of a tier whose chunks sit in addressable memory (the memory
-    tier): hand out the space for a chunk so that it is filled in place, by a gather from
-    vLLM's paged KV or a read from a slower tier, rather than filled elsewhere and copied
-    in by `put` (one copy, not two)."""
+    tier): chunks are read and written where they lie. `borrow` lends a view of a chunk,
+    so the vLLM worker scatters straight from the tier into the paged KV; `reserve` hands
+    out the space for a chunk, filled in place by a gather from the paged KV or a read from
+    a slower tier rather than filled elsewhere and copied in by `put` (one copy, not two)."""
 
-    def reserve(self, key: ChunkKey) -> AbstractContextManager[Slot | None]:
-        """A context manager yielding free space for `key`, or None when the tier holds
-        the chunk already, declines it (admission) or has no free space (a dropped write).
+    def borrow(self, key: ChunkKey,
+               meta: ChunkMeta = DEFAULT_META) -> AbstractContextManager[memoryview | None]:
+        """A context manager yielding a read-only view of the chunk's payload, or None when
+        the chunk is not held (a miss, counted as by `get_into`, which `meta` is for).
+
+        The chunk's storage is pinned while the block runs: it is neither overwritten nor
+        reused, even if the chunk is evicted or deleted meanwhile (its space is freed when
+        the last borrower leaves). The view must not be used after the block. Never raises
+        for I/O. Any thread; borrowers do not block each other.
+        """
+        ...
+
+    def reserve(self, key: ChunkKey, meta: ChunkMeta = DEFAULT_META,
+                ) -> AbstractContextManager[Slot | TierResult]:
+        """A context manager yielding free space for `key`, stored with `meta` once
+        committed; or, when there is none, the `TierResult` `put` would have returned: OK
+        when the tier holds the chunk already (`meta` applied to it, as by `put`: the same
+        one decision), DECLINED (admission) or FULL (no free space: a dropped write).
 
         Fill `slot.data`, then `slot.commit()` to store it. The space stays pinned until
-        the block exits (neither overwritten nor reused, as by `Lender.borrow`), so the
-        caller may read it back; a block left without a commit stores nothing. Never
-        raises for I/O. Any thread.
+        the block exits (neither overwritten nor reused, as by `borrow`), so the caller may
+        read it back; a block left without a commit stores nothing. Never raises for I/O.
+        Any thread.
         """
         ...
 
@@ -297,6 +324,79 @@ class EventSource(Protocol):
     (a server's own eviction) cannot offer it."""
 
     events: TierEvents
+
+
+@runtime_checkable
+class MetaKeeper(Protocol):
+    """An optional ability of a tier: it keeps each chunk's `ChunkMeta` (the tenant for
+    quotas, the pin, the expiry) that `put` and `reserve` bring, and reports them."""
+
+    def retain(self, key: ChunkKey, meta: ChunkMeta) -> bool:
+        """Extend a held chunk's pin and expiry to `meta`'s (a later pin or expiry wins; a
+        pin beyond the tier's bound is refused and counted): a hit of a request that asks
+        to retain its prefix. False when not held."""
+        ...
+
+    def meta_of(self, key: ChunkKey) -> ChunkMeta | None:
+        """The metadata of a held chunk (carried along when it is promoted), or None."""
+        ...
+
+    def retention_stats(self) -> RetentionStats:
+        """Pins, expiries and per-tenant usage now."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceManifest:
+    """Which model a storage namespace's chunks are the KV of (kvtier.tiers.manifest has
+    the document's format and where each tier keeps it)."""
+
+    namespace: str  # the layout digest it describes
+    model: str  # the model's name as served
+    fingerprint: str  # the model's fingerprint, "" when none
+    weight_files: int  # checkpoint files in the fingerprint; 0: weights not fingerprinted
+    layout: dict[str, Any] = field(hash=False)  # the KVLayout's fields
+    kvtier_version: str = __version__  # the kvtier that wrote it
+    created_s: float = 0.0  # unix time it was first written
+
+    def same_as(self, other: NamespaceManifest | None) -> bool:
+        """Equal but for `created_s` (no rewrite needed)."""
+        return other is not None and replace(other, created_s=self.created_s) == self
+
+    def to_json(self) -> bytes:
+        return json.dumps({"kvtier_manifest": MANIFEST_FORMAT, **asdict(self)},
+                          sort_keys=True).encode()
+
+
+@runtime_checkable
+class ManifestKeeper(Protocol):
+    """An optional ability of a persistent tier: record the manifest of the namespace it
+    holds (`kvtier.tiers.open_store` calls it once, after building the tier)."""
+
+    def keep_manifest(self, manifest: NamespaceManifest) -> None:
+        """Write `manifest` now or later, if missing or different. Never raises."""
+        ...
+
+
+class Probe(Protocol):
+    """A side-effect-free "is this chunk stored?" for one tier, for a process that does not
+    own it (vLLM's scheduler: kvtier.core.locator)."""
+
+    blocking_ok: bool  # cheap enough to call on a latency-critical thread
+
+    def contains(self, key: ChunkKey) -> bool: ...
+
+
+@runtime_checkable
+class ProbeSource(Protocol):
+    """An optional ability of a tier CLASS whose contents other processes can see (files,
+    remote stores): build a `Probe` for the tier a config names, with no side effects."""
+
+    @classmethod
+    def probe(cls, config: Any, layouts: Sequence[KVLayout]) -> Probe:
+        """A probe for chunks of all `layouts` (e.g. every TP rank's): a chunk counts only
+        when every layout's copy is held."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,9 @@ the top one through a bounded queue drained by its own threads, off the caller's
 
 A full queue drops the write (counted) rather than block the engine; a key is `inflight`
 from the moment it is queued until its write ended, so the store still answers "held" for a
-chunk the top tier evicted while its copy is on its way down.
+chunk the top tier evicted while its copy is on its way down. Whether the tier holds the
+chunk already is its `put`'s decision (which also applies a later pin or expiry to a held
+one): asking first would cost a second round trip per write on a shared or remote tier.
 
 Primitives: `WriteBehind`, `FailureCounts`.
 """
@@ -14,7 +16,7 @@ import logging
 import threading
 
 from kvtier.core.keys import ChunkKey
-from kvtier.core.retention import ChunkMeta, MetaKeeper
+from kvtier.core.retention import DEFAULT_META, ChunkMeta
 from kvtier.core.threads import io_pool
 from kvtier.core.tier import Failure, Tier
 
@@ -54,9 +56,9 @@ class WriteBehind:
         # evicts while its copy is on its way down is not lost).
         self.inflight: set[ChunkKey] = set()
 
-    def submit(self, key: ChunkKey, data: memoryview, meta: ChunkMeta | None = None) -> bool:
-        """Queue a write (`meta`: the chunk's tenant, pin and expiry, passed on to a tier
-        that keeps them); False when the queue is full (dropped, counted)."""
+    def submit(self, key: ChunkKey, data: memoryview, meta: ChunkMeta = DEFAULT_META) -> bool:
+        """Queue a write of the chunk with its tenant, pin and expiry (`meta`, passed on to
+        the tier's `put`); False when the queue is full (dropped, counted)."""
         if not self._slots.acquire(blocking=False):  # full: drop rather than block
             self.drops += 1
             return False
@@ -66,15 +68,9 @@ class WriteBehind:
         self._pool.submit(self._write, key, data, meta)
         return True
 
-    def _write(self, key: ChunkKey, data: memoryview, meta: ChunkMeta | None) -> None:
-        keeper = self.tier if meta is not None and isinstance(self.tier, MetaKeeper) else None
+    def _write(self, key: ChunkKey, data: memoryview, meta: ChunkMeta) -> None:
         try:
-            if self.tier.contains(key):  # asked here, off the caller's thread: may block
-                if keeper is not None and meta is not None:
-                    keeper.retain(key, meta)  # a later pin or expiry still applies
-                return
-            result = self.tier.put(key, data) if keeper is None or meta is None \
-                else keeper.put_meta(key, data, meta)
+            result = self.tier.put(key, data, meta)  # off the caller's thread: may block
             if result.failure is not None:
                 self._failures.add(self.tier.name, result.failure)
         except Exception:  # a broken tier must not kill the writer thread

@@ -18,11 +18,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvtier.core.layout import KVLayout
-from kvtier.core.locator import Probe, ProbeSource
 from kvtier.core.store import StoreSettings, TieredStore
 from kvtier.core.threads import resolve_io_cores
-from kvtier.core.tier import Tier
-from kvtier.tiers.manifest import ManifestKeeper, NamespaceInfo, new_manifest
+from kvtier.core.tier import ManifestKeeper, Probe, ProbeSource, Tier
+from kvtier.tiers.manifest import NamespaceInfo, new_manifest
 from kvtier.tiers.registry import TIER_CLASSES, tier_class
 
 if TYPE_CHECKING:

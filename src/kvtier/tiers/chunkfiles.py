@@ -144,21 +144,20 @@ class ChunkFiles:
     def _flags(self, flags: int) -> int:
         return flags | os.O_DIRECT if self.o_direct else flags
 
-    def encode(self, key: ChunkKey, data: memoryview) -> Encoded:
-        """The chunk as it will be stored (codec, seal): on the caller's (write) thread."""
-        return self.encoder.encode(key, data)
+    def encode(self, key: ChunkKey, data: memoryview, tenant: str | None = None) -> Encoded:
+        """The chunk (of `tenant`, `ChunkMeta.tenant`) as it will be stored (codec, seal):
+        on the caller's (write) thread."""
+        return self.encoder.encode(key, data, tenant)
 
     @staticmethod
     def size_of(encoded: Encoded) -> int:
         """The bytes the file of `encoded` takes."""
         return stored_size(len(encoded.body))
 
-    def write(self, key: ChunkKey, data: memoryview | Encoded) -> int:
-        """Store `data` (a payload, or `encode`'s output) as the chunk `key`, atomically:
-        `prepare_write`, `fill`, `complete`.
+    def write(self, key: ChunkKey, data: memoryview | Encoded) -> None:
+        """Store `data` (a payload of the default tenant, or `encode`'s output) as the chunk
+        `key`, atomically: `prepare_write`, `fill`, `complete`.
 
-        Returns:
-            The bytes of a chunk file it replaced (another writer's), else 0.
         Raises:
             OSError: the write failed (ENOSPC, EACCES, EIO, EROFS, ELOOP for a link on the
                 way, ...); nothing is left behind.
@@ -167,7 +166,7 @@ class ChunkFiles:
         pending = self.prepare_write(key, self.size_of(encoded))
         try:
             pending.fill(encoded)
-            return pending.complete()
+            pending.complete()
         except BaseException:
             pending.abort()
             raise
@@ -202,9 +201,10 @@ class ChunkFiles:
             raise
         return pending
 
-    def read_into(self, key: ChunkKey, out: memoryview) -> None:
-        """Read, verify and decode the chunk `key` into `out` (chunk_bytes long). Never
-        blocks on anything but the medium: only a regular file of a chunk's size is read.
+    def read_into(self, key: ChunkKey, out: memoryview, tenant: str | None = None) -> None:
+        """Read, verify and decode the chunk `key` of `tenant` (`ChunkMeta.tenant`: a sealed
+        chunk opens with its key only) into `out` (chunk_bytes long). Never blocks on
+        anything but the medium: only a regular file of a chunk's size is read.
 
         `out` holds undefined bytes when this raises.
 
@@ -212,8 +212,8 @@ class ChunkFiles:
             FileNotFoundError: the chunk is not stored.
             CorruptChunk: the file is short, long, not a regular file (a FIFO, a device, a
                 symlink, or a link on the way), or fails header or checksum verification;
-                AuthFailure / CodecFailure (CorruptChunks): it cannot be opened or decoded
-                here (`kvtier.core.chunkformat.failure_of` tells which).
+                KeyNotHeld / AuthFailure / CodecFailure (CorruptChunks): it cannot be opened
+                or decoded here (`kvtier.core.chunkformat.failure_of` tells which).
             OSError: any other read failure.
         """
         parts = chunk_parts(self.layout_digest, key)
@@ -256,7 +256,7 @@ class ChunkFiles:
         if body is out and not chunk.plain:  # an encoded chunk of the plain size: rare
             staging[HEADER_BYTES:size] = out
             body = memoryview(staging)[HEADER_BYTES:size]
-        self.encoder.decode(key, chunk, body[: chunk.body_bytes], out)
+        self.encoder.decode(key, chunk, body[: chunk.body_bytes], out, tenant)
 
     def _open_regular(self, dir_fd: int, name: str) -> int:
         """An fd of the regular file `name`, opened for reading without blocking on a FIFO
@@ -362,27 +362,25 @@ class PendingWrite:
             raise OSError(errno.ENOSPC, f"short write: {written} of {self.size_bytes} "
                           "bytes (filesystem full)")
 
-    def complete(self) -> int:
+    def complete(self) -> None:
         """Rename the filled temp file into place: readers see the whole chunk from now on.
 
-        Returns:
-            The bytes of a chunk file it replaced (another writer's), else 0.
+        The caller's tier asked whether the chunk was held before writing (`Tier.put`, the
+        one existence check of a write: on NFS each stat is a round trip), so nothing is
+        asked here: a copy another writer renamed into place meanwhile is replaced, and a
+        quota ledger that counted it stays high by its size until the next re-measure
+        (still an upper bound of the usage: kvtier.tiers.quota).
+
         Raises:
             OSError: the rename failed (FileNotFoundError: the temp file was swept as stale
                 by another process); call `abort`.
         """
         os.close(self._fd)
         self._fd = -1
-        try:
-            old = os.stat(self._name, dir_fd=self._dir_fd, follow_symlinks=False)
-            replaced = old.st_size if stat.S_ISREG(old.st_mode) and old.st_nlink == 1 else 0
-        except FileNotFoundError:
-            replaced = 0
         os.replace(self._temp, self._name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
         self._temp = ""
         os.close(self._dir_fd)
         self._dir_fd = -1
-        return replaced
 
     def abort(self) -> int:
         """Give up: remove the temp file. The bytes that freed (0 when it had been swept).

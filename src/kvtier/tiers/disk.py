@@ -32,7 +32,7 @@ from kvtier.core.chunkformat import ALIGN_BYTES, HEADER_BYTES, failure_of
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.policies import AdmissionFilter, EvictionPolicy, make_policy
-from kvtier.core.retention import ChunkMeta, RetentionStats
+from kvtier.core.retention import DEFAULT_META, ChunkMeta, RetentionStats
 from kvtier.core.tier import (
     DECLINED,
     FULL,
@@ -175,7 +175,8 @@ class DiskTier:
         self._forget(key, corrupt=False)
         return False
 
-    def get_into(self, key: ChunkKey, out: memoryview) -> TierResult:
+    def get_into(self, key: ChunkKey, out: memoryview,
+                 meta: ChunkMeta = DEFAULT_META) -> TierResult:
         if key in self._index and self._book.has_deadlines and self._book.is_expired(key):
             self._expire(key)
         if key not in self._index:
@@ -183,7 +184,7 @@ class DiskTier:
             return MISSING
         start = time.perf_counter()
         try:
-            self.files.read_into(key, out)
+            self.files.read_into(key, out, meta.tenant)
         except KeyNotHeld as exc:  # not tampering: another reader may hold the key
             log.info("disk tier %r: chunk %s: %s; a miss, kept", self.name, key.hex(), exc)
             self._counters.add(misses=1)
@@ -217,11 +218,9 @@ class DiskTier:
             self._counters.add(corrupt_reads=1)
         self._publish_usage()
 
-    def put(self, key: ChunkKey, data: memoryview) -> TierResult:
-        return self.put_meta(key, data, None)
-
-    def put_meta(self, key: ChunkKey, data: memoryview, meta: ChunkMeta | None) -> TierResult:
-        """`put` with the chunk's tenant, pin and expiry (`MetaKeeper`)."""
+    def put(self, key: ChunkKey, data: memoryview, meta: ChunkMeta = DEFAULT_META) -> TierResult:
+        """`Tier.put`: a held chunk (the index, confirmed by one stat) is not rewritten but
+        gets `meta`'s pin and expiry; a new one is stored with its tenant, pin and expiry."""
         # Checked first, as the memory tier does: a wrong size used to be stored zero-padded
         # (shorter) or to raise IndexError after reserving capacity, leaking the reservation
         # (tests/tiers/test_tier_contract.py).
@@ -229,7 +228,7 @@ class DiskTier:
             raise ValueError(f"chunk is {len(data)} bytes, this tier stores "
                              f"{self.files.chunk_bytes}")
         if self.contains(key):
-            if meta is not None:
+            if not meta.is_default:
                 self.retain(key, meta)
             return OK
         if not self.files.writable:  # a read-only directory: serve what it holds
@@ -240,10 +239,11 @@ class DiskTier:
         if not self._admission.offer(key):
             return DECLINED
         start = time.perf_counter()
-        encoded = self.files.encode(key, data)  # compressed / sealed here, off the engine
+        # compressed / sealed here, off the engine
+        encoded = self.files.encode(key, data, meta.tenant)
         size = self.files.size_of(encoded)
         with self._lock:
-            if not self._make_tenant_room(meta.tenant if meta else None, size):
+            if not self._make_tenant_room(meta.tenant, size):
                 self._counters.add(dropped_writes=1)
                 return FULL  # the tenant is at its quota with pinned chunks only
             self._evict_to(self.capacity_bytes - size)
@@ -273,11 +273,10 @@ class DiskTier:
                 self._used_bytes -= size
             else:
                 self._index[key] = size
-                if (meta is None and not self._book.records_all) \
-                        or not self._book.record(key, meta, size):
+                if not self._book.records(meta) or not self._book.record(key, meta, size):
                     self._policy.insert(key)  # pinned chunks stay out of the policy
                 self.events.stored(key)
-        if meta is not None:
+        if not meta.is_default:
             self._journal_append(key)
         self._counters.add(puts=1, bytes_written=len(data), write_s=time.perf_counter() - start)
         self._publish_usage()
@@ -325,7 +324,7 @@ class DiskTier:
         if self._book.records_all:
             for key, size in self._index.items():
                 if key not in entries:
-                    self._book.record(key, None, size)
+                    self._book.record(key, DEFAULT_META, size)
         self._journal.rewrite((k, m) for k, m in self._book.metas() if k in entries)
 
     def _journal_append(self, key: ChunkKey) -> None:

@@ -11,10 +11,10 @@ small JSON document each persistent tier writes for the namespace it opens:
      "layout": {the KVLayout's fields}, "kvtier_version": "0.1.0", "created_s": UNIX TIME}
 
 The connector's workers pass a `NamespaceInfo` to `open_store` (tiers know no vLLM); each tier
-that offers `ManifestKeeper` writes it (disk and shared: when opened; redis: after its first
-stored chunk, so a server that is down costs no start-up time). It is rewritten only when
-missing or different in more than `created_s`; a manifest that cannot be written is logged,
-never fatal. Where it lives:
+that offers `ManifestKeeper` (kvtier.core.tier) writes it (disk and shared: when opened;
+redis: after its first stored chunk, so a server that is down costs no start-up time). It is
+rewritten only when missing or different in more than `created_s`; a manifest that cannot be
+written is logged, never fatal. Where it lives:
   - disk, shared: ROOT/<digest>/manifest.json, written to `.manifest-<32 hex>.tmp` in the same
     directory (a kvtier temp name: counted and swept like a chunk's, tiers/filetree.py) and
     renamed into place, no link followed below ROOT; never a chunk name (`<32 hex>.kvc` in a
@@ -26,7 +26,7 @@ Read back, a manifest is untrusted input: at most MANIFEST_MAX_BYTES, JSON, ever
 checked, and its namespace must be the one it was read for; anything else is None ("unknown"
 in `kvtier inspect`), never an error.
 
-Primitives: `NamespaceInfo`, `NamespaceManifest`, `ManifestKeeper`, `new_manifest`,
+Primitives: `NamespaceInfo`, `NamespaceManifest` (kvtier.core.tier's), `new_manifest`,
 `parse_manifest`, `FILE_NAME`, `read_file_manifest`, `write_file_manifest`,
 `remove_file_manifest`, `file_manifests`, `redis_manifest_name`, `write_redis_manifest`.
 """
@@ -41,16 +41,17 @@ import os
 import stat
 import time
 import uuid
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from kvtier import __version__
 from kvtier.core.layout import KVLayout
+from kvtier.core.tier import MANIFEST_FORMAT
+from kvtier.core.tier import NamespaceManifest as NamespaceManifest  # re-exported
 from kvtier.tiers.filetree import NOT_OURS, is_layout_name, open_dir
 
 log = logging.getLogger(__name__)
-FORMAT = 1  # "kvtier_manifest": the document's version
 FILE_NAME = "manifest.json"
 MANIFEST_MAX_BYTES = 64 << 10  # a larger value is not a manifest of kvtier's
 _FILE_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
@@ -63,36 +64,6 @@ class NamespaceInfo:
     model: str  # the model's name as served (vLLM's served_model_name, else its model)
     fingerprint: str  # ModelFingerprint.digest (32 hex), "" when none was computed
     weight_files: int  # checkpoint files sampled into it; 0: weights not fingerprinted
-
-
-@dataclass(frozen=True, slots=True)
-class NamespaceManifest:
-    """A namespace's manifest (see the module docstring)."""
-
-    namespace: str  # the layout digest it describes
-    model: str  # the model's name as served
-    fingerprint: str  # the model's fingerprint, "" when none
-    weight_files: int  # checkpoint files in the fingerprint; 0: weights not fingerprinted
-    layout: dict[str, Any] = field(hash=False)  # the KVLayout's fields
-    kvtier_version: str = __version__  # the kvtier that wrote it
-    created_s: float = 0.0  # unix time it was first written
-
-    def same_as(self, other: NamespaceManifest | None) -> bool:
-        """Equal but for `created_s` (no rewrite needed)."""
-        return other is not None and replace(other, created_s=self.created_s) == self
-
-    def to_json(self) -> bytes:
-        return json.dumps({"kvtier_manifest": FORMAT, **asdict(self)}, sort_keys=True).encode()
-
-
-@runtime_checkable
-class ManifestKeeper(Protocol):
-    """An optional ability of a persistent tier: record the manifest of the namespace it
-    holds (`open_store` calls it once, after building the tier)."""
-
-    def keep_manifest(self, manifest: NamespaceManifest) -> None:
-        """Write `manifest` now or later, if missing or different. Never raises."""
-        ...
 
 
 def new_manifest(layout: KVLayout, info: NamespaceInfo) -> NamespaceManifest:
@@ -110,7 +81,7 @@ def parse_manifest(data: bytes | None, namespace: str) -> NamespaceManifest | No
         doc = json.loads(data)
     except (ValueError, UnicodeDecodeError):
         return None
-    if not isinstance(doc, dict) or doc.get("kvtier_manifest") != FORMAT:
+    if not isinstance(doc, dict) or doc.get("kvtier_manifest") != MANIFEST_FORMAT:
         return None
     kinds: dict[str, type | tuple[type, ...]] = {
         "namespace": str, "model": str, "fingerprint": str, "weight_files": int, "layout": dict,

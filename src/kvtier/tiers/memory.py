@@ -5,18 +5,18 @@ The production reference tier (the tutorial, and the double of the store's unit 
 present, so GPU copies can be asynchronous) and never grows; a full tier evicts by policy.
 Slots are page-aligned, so the disk tiers can write them with O_DIRECT without a bounce copy.
 
-Besides the `Tier` contract it is a `Lender`: `borrow(key)` lends a read-only view of a slot,
+Besides the `Tier` contract it is `InPlace`: `borrow(key)` lends a read-only view of a slot,
 pinned (never overwritten or reused) until the borrower leaves, so the vLLM worker scatters
-straight from the slab; and a `Reserver`: `reserve(key)` hands out a free slot to fill in
-place (the worker's gather, a slower tier's read), so a store or a promotion is one copy.
-`put` is a reservation filled by a copy.
+straight from the slab; and `reserve(key, meta)` hands out a free slot to fill in place (the
+worker's gather, a slower tier's read), so a store or a promotion is one copy. `put` is a
+reservation filled by a copy.
 
-It is also a `MetaKeeper` (`kvtier.core.retention`): chunks carry their tenant (cache salt),
-pin and expiry. With `tenant_quota`, a tenant at its limit evicts its own least recently used
-chunk to make room, so one tenant's flood cannot push another's warm set out; pinned chunks
-are left out of the eviction policy until their pin ends (pinned bytes bounded by
-`max_pinned_share`); an expired chunk is a miss and its slot is reclaimed (`ttl_s`, or the
-request's own).
+It is also a `MetaKeeper` (`kvtier.core.tier`): chunks carry their tenant (`tenant_id` of the
+cache salt), pin and expiry. With `tenant_quota`, a tenant at its limit evicts its own least
+recently used chunk to make room, so one tenant's flood cannot push another's warm set out;
+pinned chunks are left out of the eviction policy until their pin ends (pinned bytes bounded
+by `max_pinned_share`); an expired chunk is a miss and its slot is reclaimed (`ttl_s`, or
+the request's own).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from kvtier.core.chunkformat import ALIGN_BYTES
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.policies import AdmissionFilter, EvictionPolicy, make_policy
-from kvtier.core.retention import ChunkMeta, RetentionStats
+from kvtier.core.retention import DEFAULT_META, ChunkMeta, RetentionStats
 from kvtier.core.tier import (
     DECLINED,
     FULL,
@@ -65,7 +65,7 @@ class MemoryTierConfig(RetentionTierSettings):
 
 
 class _Slot:
-    """A reserved slot (see `kvtier.core.tier.Reserver`)."""
+    """A reserved slot (see `kvtier.core.tier.InPlace.reserve`)."""
 
     __slots__ = ("commit", "data")
 
@@ -149,7 +149,8 @@ class MemoryTier:
         return key in self._index and not (self._book.has_deadlines
                                            and self._book.is_expired(key))
 
-    def get_into(self, key: ChunkKey, out: memoryview) -> TierResult:
+    def get_into(self, key: ChunkKey, out: memoryview,
+                 meta: ChunkMeta = DEFAULT_META) -> TierResult:
         start = time.perf_counter()
         with self._lock:
             index = self._held(key)
@@ -164,9 +165,11 @@ class MemoryTier:
         return OK
 
     @contextmanager
-    def borrow(self, key: ChunkKey) -> Iterator[memoryview | None]:
-        """Lend a read-only view of the chunk's slot (see `kvtier.core.tier.Lender`); None on
-        a miss. The slot is pinned, not locked: puts, gets and other borrowers go on."""
+    def borrow(self, key: ChunkKey,
+               meta: ChunkMeta = DEFAULT_META) -> Iterator[memoryview | None]:
+        """Lend a read-only view of the chunk's slot (see `kvtier.core.tier.InPlace`); None
+        on a miss. The slot is pinned, not locked: puts, gets and other borrowers go on.
+        (Chunks in RAM are in clear: `meta` opens nothing here.)"""
         start = time.perf_counter()
         with self._lock:
             index = self._held(key)
@@ -204,14 +207,12 @@ class MemoryTier:
             return None
         return index
 
-    def put(self, key: ChunkKey, data: memoryview) -> TierResult:
-        return self.put_meta(key, data, None)
-
-    def put_meta(self, key: ChunkKey, data: memoryview, meta: ChunkMeta | None) -> TierResult:
-        """`put` with the chunk's tenant, pin and expiry (`MetaKeeper`)."""
+    def put(self, key: ChunkKey, data: memoryview, meta: ChunkMeta = DEFAULT_META) -> TierResult:
+        """`Tier.put`: a reservation (which decides whether the chunk is held, and gives a
+        held one `meta`'s pin and expiry) filled by a copy."""
         if len(data) != self.chunk_bytes:
             raise ValueError(f"chunk is {len(data)} bytes, this tier stores {self.chunk_bytes}")
-        with self._reserve(key, meta) as slot:
+        with self.reserve(key, meta) as slot:
             if isinstance(slot, TierResult):
                 return slot
             np.copyto(np.frombuffer(slot.data, dtype=np.uint8), np.frombuffer(data, dtype=np.uint8))
@@ -219,23 +220,13 @@ class MemoryTier:
         return OK
 
     @contextmanager
-    def reserve(self, key: ChunkKey) -> Iterator[_Slot | None]:
-        """A free slot for `key`, pinned until the block exits (see `Reserver`)."""
-        with self._reserve(key, None) as slot:
-            yield None if isinstance(slot, TierResult) else slot
-
-    @contextmanager
-    def reserve_meta(self, key: ChunkKey, meta: ChunkMeta | None) -> Iterator[_Slot | None]:
-        """`reserve` of a chunk with its tenant, pin and expiry (`MetaKeeper`); a chunk held
-        already gets `meta`'s pin and expiry (as by `retain`)."""
-        with self._reserve(key, meta) as slot:
-            yield None if isinstance(slot, TierResult) else slot
-
-    @contextmanager
-    def _reserve(self, key: ChunkKey, meta: ChunkMeta | None) -> Iterator[_Slot | TierResult]:
-        """`reserve`, saying why there is no slot: OK (held already), DECLINED or FULL."""
+    def reserve(self, key: ChunkKey,
+                meta: ChunkMeta = DEFAULT_META) -> Iterator[_Slot | TierResult]:
+        """A free slot for `key`, stored with `meta` once committed and pinned until the
+        block exits (see `InPlace.reserve`); else why there is none: OK (held: `meta`'s pin
+        and expiry applied, as by `retain`), DECLINED or FULL."""
         if self.contains(key):
-            if meta is not None:
+            if not meta.is_default:
                 self.retain(key, meta)
             yield OK
             return
@@ -243,10 +234,9 @@ class MemoryTier:
             yield DECLINED
             return
         start = time.perf_counter()
-        tenant = meta.tenant if meta is not None else None
         with self._lock:
             held = self._held(key) is not None
-            index = None if held else self._take_slot(tenant)
+            index = None if held else self._take_slot(meta.tenant)
             if index is not None:
                 self._pins[index] = 1  # in neither the index nor the free list: ours alone
         if index is None:
@@ -271,13 +261,13 @@ class MemoryTier:
                     self._orphans.add(index)  # freed by the unpin below
             self._unpin(index)
 
-    def _commit(self, key: ChunkKey, index: int, start: float, meta: ChunkMeta | None) -> None:
+    def _commit(self, key: ChunkKey, index: int, start: float, meta: ChunkMeta) -> None:
         with self._lock:
             if key in self._index:  # another writer stored it meanwhile: this slot is spare
                 self._orphans.add(index)
                 return
             self._index[key] = index
-            if (meta is None and not self._book.records_all) \
+            if not self._book.records(meta) \
                     or not self._book.record(key, meta, self.slot_bytes):
                 self._policy.insert(key)  # pinned chunks stay out of the policy
             self.events.stored(key)

@@ -75,6 +75,7 @@ from kvtier.core.guard import Guard
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.policies import AdmissionFilter
+from kvtier.core.retention import DEFAULT_META, ChunkMeta
 from kvtier.core.tier import (
     DECLINED,
     FULL,
@@ -262,7 +263,8 @@ class RedisTier:
         return found
 
     # -- reads -------------------------------------------------------------------------------
-    def get_into(self, key: ChunkKey, out: memoryview) -> TierResult:
+    def get_into(self, key: ChunkKey, out: memoryview,
+                 meta: ChunkMeta = DEFAULT_META) -> TierResult:
         if len(out) != self.chunk_bytes:
             raise ValueError(f"buffer is {len(out)} bytes, this tier's chunks {self.chunk_bytes}")
         start = time.perf_counter()
@@ -277,7 +279,7 @@ class RedisTier:
             self._counters.add(misses=1)
             return MISSING
         try:
-            lost = not self._verify_into(key, values, out)
+            lost = not self._verify_into(key, values, out, meta.tenant)
         except KeyNotHeld as exc:  # not tampering: another engine may hold the key
             log.info("redis tier %r: chunk %s: %s; a miss, kept", self.name, key.hex(), exc)
             self._counters.add(misses=1)
@@ -308,9 +310,11 @@ class RedisTier:
                 pipe.pexpire(name, self.ttl_ms)
         return pipe.execute()[0]  # type: ignore[no-any-return]
 
-    def _verify_into(self, key: ChunkKey, values: list[bytes | None], out: memoryview) -> bool:
-        """Check the header and every part's size, decode the parts into `out` (verifying
-        checksums). False when a part the header needs is gone (evicted by the server).
+    def _verify_into(self, key: ChunkKey, values: list[bytes | None], out: memoryview,
+                     tenant: str | None) -> bool:
+        """Check the header and every part's size, decode the parts of a chunk of `tenant`
+        into `out` (verifying checksums). False when a part the header needs is gone
+        (evicted by the server).
 
         Raises:
             CorruptChunk (AuthFailure, CodecFailure): see ChunkEncoder.decode.
@@ -341,11 +345,13 @@ class RedisTier:
                 raise CorruptChunk(f"part {i} is {len(part)} bytes, expected {expected}")
             body[offset : offset + expected] = part
             offset += expected
-        self.encoder.decode(key, chunk, body, out)
+        self.encoder.decode(key, chunk, body, out, tenant)
         return True
 
     # -- writes ------------------------------------------------------------------------------
-    def put(self, key: ChunkKey, data: memoryview) -> TierResult:
+    def put(self, key: ChunkKey, data: memoryview, meta: ChunkMeta = DEFAULT_META) -> TierResult:
+        """`Tier.put`: one EXISTS decides whether the chunk is held (a held one is only
+        touched: the server's own TTL and eviction date it, not `meta`)."""
         if len(data) != self.chunk_bytes:
             raise ValueError(f"chunk is {len(data)} bytes, this tier stores {self.chunk_bytes}")
         names = self.names.values(key)
@@ -360,7 +366,8 @@ class RedisTier:
             if not self._admission.offer(key):
                 return DECLINED
             start = time.perf_counter()
-            encoded = self.encoder.encode(key, data)  # compressed / sealed, off the engine
+            # compressed / sealed, off the engine
+            encoded = self.encoder.encode(key, data, meta.tenant)
             used = names[: 1 + self._parts(len(encoded.body))]
             self._run(endpoint, lambda c: self._store(c, used, encoded.header, encoded.body))
         except (TierUnavailable, redis.RedisError) as exc:

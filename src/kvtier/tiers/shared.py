@@ -45,6 +45,7 @@ from kvtier.core.chunkformat import Encoded, failure_of
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.policies import AdmissionFilter
+from kvtier.core.retention import DEFAULT_META, ChunkMeta
 from kvtier.core.tier import (
     DECLINED,
     FULL,
@@ -144,10 +145,11 @@ class SharedTier:
     def contains(self, key: ChunkKey) -> bool:
         return self.files.exists(key)
 
-    def get_into(self, key: ChunkKey, out: memoryview) -> TierResult:
+    def get_into(self, key: ChunkKey, out: memoryview,
+                 meta: ChunkMeta = DEFAULT_META) -> TierResult:
         start = time.perf_counter()
         try:
-            self.files.read_into(key, out)
+            self.files.read_into(key, out, meta.tenant)
         except FileNotFoundError:
             self._counters.add(misses=1)
             return MISSING
@@ -169,7 +171,10 @@ class SharedTier:
         self._counters.add(hits=1, bytes_read=len(out), read_s=time.perf_counter() - start)
         return OK
 
-    def put(self, key: ChunkKey, data: memoryview) -> TierResult:
+    def put(self, key: ChunkKey, data: memoryview, meta: ChunkMeta = DEFAULT_META) -> TierResult:
+        """`Tier.put`: the write's one existence check is the `exists` here (one stat of
+        the chunk's path; on NFS a round trip), and the file's mtime is the only metadata a
+        held chunk gets (its LRU order; pins and expiry are not kept here)."""
         if len(data) != self.files.chunk_bytes:  # see DiskTier.put
             raise ValueError(f"chunk is {len(data)} bytes, this tier stores "
                              f"{self.files.chunk_bytes}")
@@ -186,7 +191,8 @@ class SharedTier:
         if time.monotonic() - self._scanned_at > self.scan_interval_s:
             self.enforce_quota()
         start = time.perf_counter()
-        encoded = self.files.encode(key, data)  # compressed / sealed here, off the engine
+        # compressed / sealed here, off the engine
+        encoded = self.files.encode(key, data, meta.tenant)
         size = self.files.size_of(encoded)
         try:
             pending = self._reserve(key, size)
@@ -241,7 +247,7 @@ class SharedTier:
         try:
             pending.fill(data)
             with self.ledger.locked() as ledger:
-                ledger.used_bytes -= pending.complete()
+                pending.complete()
                 ledger.completed_total += pending.size_bytes
         except BaseException:
             with self.ledger.locked() as ledger:

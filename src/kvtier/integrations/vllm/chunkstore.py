@@ -11,25 +11,27 @@ from contextlib import AbstractContextManager
 from typing import Protocol
 
 from kvtier.core.keys import ChunkKey
-from kvtier.core.retention import ChunkMeta
+from kvtier.core.retention import DEFAULT_META, ChunkMeta
 from kvtier.core.store import ChunkView, StoreEvent, StoreStats
 
 
 class ChunkStore(Protocol):
     """The part of kvtier's store the worker and the movers use."""
 
-    def get_into(self, key: ChunkKey, out: memoryview) -> str | None: ...
+    def get_into(self, key: ChunkKey, out: memoryview,
+                 meta: ChunkMeta = DEFAULT_META) -> str | None: ...
 
-    def borrow(self, key: ChunkKey,
-               spare: memoryview) -> AbstractContextManager[ChunkView | None]: ...
+    def borrow(self, key: ChunkKey, spare: memoryview,
+               meta: ChunkMeta = DEFAULT_META) -> AbstractContextManager[ChunkView | None]: ...
 
     def borrow_many(self, keys: Sequence[ChunkKey], spares: MutableSequence[memoryview],
+                    metas: Sequence[ChunkMeta] = (),
                     ) -> AbstractContextManager[list[ChunkView | None]]: ...
 
-    def put(self, key: ChunkKey, data: memoryview) -> bool: ...
+    def put(self, key: ChunkKey, data: memoryview, meta: ChunkMeta = DEFAULT_META) -> bool: ...
 
     def put_from(self, key: ChunkKey, fill: Callable[[memoryview], None],
-                 spare: memoryview, meta: ChunkMeta | None = None) -> bool: ...
+                 spare: memoryview, meta: ChunkMeta = DEFAULT_META) -> bool: ...
 
     def retain(self, key: ChunkKey, meta: ChunkMeta) -> int: ...
 

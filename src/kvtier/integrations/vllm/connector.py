@@ -351,7 +351,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             if meta.loads:
                 self._worker.load(meta)
             self._worker.start_async(meta)  # those begin_step did not start
-            self._worker.prefetch([chunk.key for chunk in meta.prefetch])
+            self._worker.prefetch(meta.prefetch)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv

@@ -80,7 +80,8 @@ class CpuChunkMover:
         started, lent_by_ram = time.perf_counter(), 0
         for first in range(0, len(transfers), self._load_batch):
             batch = transfers[first:first + self._load_batch]
-            with self._store.borrow_many([t.key for t in batch], spares) as lent:
+            with self._store.borrow_many([t.key for t in batch], spares,
+                                         [chunk_meta(t) for t in batch]) as lent:
                 held = next((i for i, view in enumerate(lent) if view is None), len(batch))
                 # One thread: memory bandwidth, not the CPU, bounds a scatter; two threads
                 # scattered 1.25x slower than one here (docs/performance.md).

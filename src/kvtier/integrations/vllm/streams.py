@@ -113,8 +113,8 @@ class StreamChunkMover:
         for first in range(0, len(transfers), self._load_batch):
             batch = transfers[first:first + self._load_batch]
             with ExitStack() as borrow:
-                lent = borrow.enter_context(self._store.borrow_many([t.key for t in batch],
-                                                                    spares))
+                lent = borrow.enter_context(self._store.borrow_many(
+                    [t.key for t in batch], spares, [chunk_meta(t) for t in batch]))
                 held = next((i for i, view in enumerate(lent) if view is None), len(batch))
                 copies: deque[tuple[Event, torch.Tensor]] = deque()  # this batch's, queued
                 for transfer, view in zip(batch[:held], lent[:held]):

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 
 from kvtier.core.keys import ChunkKey
-from kvtier.core.retention import ChunkMeta
+from kvtier.core.retention import DEFAULT_META, ChunkMeta
 from kvtier.integrations.vllm.groups import NULL_BLOCK
 
 
@@ -31,8 +31,9 @@ class ChunkTransfer:
     # in a step whose outcome the scheduler may not know yet. A failed one makes the store
     # unsafe: its KV was computed over unfilled blocks.
     depends_on: tuple[int, ...] = ()
-    # The request's cache salt (its tenant), or None: a tier that encrypts at rest seals the
-    # chunk under that tenant's key (kvtier.core.sealing; the worker notes it in TENANTS).
+    # The request's cache salt (its tenant), or None: passed down with every store, load and
+    # prefetch of the chunk as `chunk_meta(...).tenant` (its tenant_id), so that a tier that
+    # encrypts at rest seals and opens it with that tenant's key (kvtier.core.sealing).
     tenant: str | None = None
     # The request's kv_transfer_params.retain_s / ttl_s (config.RequestControls): a store
     # pins / dates the chunk (kvtier.core.retention.ChunkMeta), a load extends its pin.
@@ -58,11 +59,11 @@ class ChunkTransfer:
                 if self.groups == 1 or b != NULL_BLOCK]
 
 
-def chunk_meta(transfer: ChunkTransfer) -> ChunkMeta | None:
+def chunk_meta(transfer: ChunkTransfer) -> ChunkMeta:
     """The tenant (`tenant_id` of its cache salt), pin and expiry of a planned chunk, dated
-    now; None for a chunk of the default tenant with neither (the tiers' defaults apply,
-    nothing is passed down)."""
+    now: what every tier call about it carries (`DEFAULT_META` for a chunk of the default
+    tenant with neither: the tiers' defaults apply)."""
     if transfer.tenant is None and transfer.retain_s is None and transfer.ttl_s is None:
-        return None
+        return DEFAULT_META
     return ChunkMeta.for_request(transfer.tenant, transfer.retain_s, transfer.ttl_s,
                                  time.time())

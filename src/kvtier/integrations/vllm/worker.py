@@ -38,7 +38,6 @@ from concurrent.futures import Future
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
-from kvtier.core.sealing import TENANTS
 from kvtier.core.threads import io_pool
 from kvtier.integrations.vllm.chunkstore import ChunkStore
 from kvtier.integrations.vllm.cpu import CpuChunkMover, spare_buffers
@@ -159,15 +158,13 @@ class ConnectorWorker:
 
     def begin_step(self, meta: KVTierMetadata) -> None:
         """Take the step's plan in (before its forward and loads): forget the failures the
-        scheduler has acknowledged (vLLM recomputes those blocks from this step on); note each
-        chunk's tenant for the tiers that encrypt at rest (kvtier.core.sealing); place loaded
-        states; start the asynchronous loads, so that they run beside this step's forward
-        (their blocks belong to requests the step does not run; on a device, their copies
-        come after the work vLLM has queued so far)."""
+        scheduler has acknowledged (vLLM recomputes those blocks from this step on); extend
+        the pins and expiries the plan asks of held chunks; place loaded states; start the
+        asynchronous loads, so that they run beside this step's forward (their blocks belong
+        to requests the step does not run; on a device, their copies come after the work
+        vLLM has queued so far)."""
         self._unfilled -= meta.acked_failed_blocks
         self._epoch += 1
-        for transfer in meta.transfers():
-            TENANTS.note((transfer.key,), transfer.tenant)
         for transfer in meta.retains:  # held already: extend the pin / expiry
             self._retain(transfer)
         if meta.state_copies:
@@ -195,17 +192,20 @@ class ConnectorWorker:
                                        self._mover.mark())
             self._loading[req_id] = (transfers, done, time.perf_counter())
 
-    def prefetch(self, keys: list[ChunkKey]) -> None:
-        """Read `keys` into the RAM tier on the prefetch thread (a read from a lower tier is a
-        promotion), so that their load, a step or more later, is a memcpy. Model runner
-        thread; the reads are bounded by the store's read deadline like any other."""
-        if keys:
-            self._prefetcher.submit(self._prefetch, keys)
+    def prefetch(self, transfers: list[ChunkTransfer]) -> None:
+        """Read the chunks of `transfers` into the RAM tier on the prefetch thread (a read
+        from a lower tier is a promotion), so that their load, a step or more later, is a
+        memcpy; each read carries its chunk's tenant (a sealed chunk opens with its key).
+        Model runner thread; the reads are bounded by the store's read deadline like any
+        other."""
+        if transfers:
+            self._prefetcher.submit(self._prefetch, transfers)
 
-    def _prefetch(self, keys: list[ChunkKey]) -> None:
-        for first in range(0, len(keys), self._load_batch):
-            with self._store.borrow_many(keys[first:first + self._load_batch],
-                                         self._prefetch_spares) as views:
+    def _prefetch(self, transfers: list[ChunkTransfer]) -> None:
+        for first in range(0, len(transfers), self._load_batch):
+            batch = transfers[first:first + self._load_batch]
+            with self._store.borrow_many([t.key for t in batch], self._prefetch_spares,
+                                         [chunk_meta(t) for t in batch]) as views:
                 # Counted on the model runner's thread (take_stats): StatsDelta is not locked.
                 self._prefetch_counts.append(sum(v is not None for v in views))
 
@@ -260,9 +260,7 @@ class ConnectorWorker:
 
     def _retain(self, transfer: ChunkTransfer) -> None:
         """Extend a held chunk's pin and expiry to what its request asks."""
-        meta = chunk_meta(transfer)
-        if meta is not None:
-            self._store.retain(transfer.key, meta)
+        self._store.retain(transfer.key, chunk_meta(transfer))
 
     def store(self, meta: KVTierMetadata) -> None:
         """Store every planned chunk whose KV the forward pass just computed: as a job on the

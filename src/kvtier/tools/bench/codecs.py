@@ -38,7 +38,8 @@ from kvtier.core.chunkformat import ChunkEncoder, read_header, stored_size
 from kvtier.core.codecs import CODEC_NAMES, Codec, Lz4Codec, ZstdCodec, make_codec
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import DTYPE_BYTES, KVLayout
-from kvtier.core.sealing import Sealer, TenantBook
+from kvtier.core.retention import ChunkMeta, tenant_id
+from kvtier.core.sealing import Sealer
 from kvtier.tools.bench.codecs_inputs import (
     CodecsConfig,
     OutputEffect,
@@ -49,6 +50,7 @@ from kvtier.tools.bench.codecs_inputs import (
 GB = 1e9
 ENCRYPTION_TARGET = 0.8  # issue 15: an encrypted tier >= 0.8x the same tier in clear
 BENCH_SECRET = b"kvtier-bench-codecs-not-a-secret-0123456789"  # a bench's own, never an operator's
+BENCH_META = ChunkMeta(tenant=tenant_id("kvtier-bench-tenant"))  # whose chunks are sealed
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +156,6 @@ def measure_sealing(chunks: Sequence[bytes], dtype: str, trials: int, work_dir: 
     """ChunkEncoder and a disk tier, in clear and sealed, codec none and zstd. The settings
     take turns within each trial (encode, decode, put, get each), so that the machine's
     drift (other processes) falls on all of them alike; figures are medians over trials."""
-    from kvtier.core.sealing import TENANTS
     from kvtier.tiers import build_tier
     from kvtier.tiers.storeconfig import StoreConfig
 
@@ -162,9 +163,6 @@ def measure_sealing(chunks: Sequence[bytes], dtype: str, trials: int, work_dir: 
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_size=chunk_bytes // DTYPE_BYTES[dtype],
                       dtype=dtype, tokens_per_chunk=1, kv_factor=1)  # one chunk's bytes
     keys = [ChunkKey(i.to_bytes(16, "big")) for i in range(1, len(chunks) + 1)]
-    TENANTS.note(keys, "kvtier-bench-tenant")
-    book = TenantBook()
-    book.note(keys, "kvtier-bench-tenant")
     payload = chunk_bytes * len(chunks)
     views = [memoryview(c) for c in chunks]
     out = memoryview(bytearray(chunk_bytes))
@@ -183,8 +181,7 @@ def measure_sealing(chunks: Sequence[bytes], dtype: str, trials: int, work_dir: 
         encoders, tiers = {}, {}
         for codec, sealed in SETTINGS:
             encoders[codec, sealed] = ChunkEncoder(layout.digest(), dtype, chunk_bytes, codec,
-                                                   Sealer(BENCH_SECRET) if sealed else None,
-                                                   book)
+                                                   Sealer(BENCH_SECRET) if sealed else None)
             settings: dict[str, Any] = {"kind": "disk", "path": f"{tmp}/{codec}-{sealed}",
                                         "capacity": 4 * payload + (64 << 20), "codec": codec}
             if sealed:
@@ -197,7 +194,8 @@ def measure_sealing(chunks: Sequence[bytes], dtype: str, trials: int, work_dir: 
                 encoder, tier = encoders[setting], tiers[setting]
                 # (a sealed body lives in the encoding thread's buffer until its next encode)
                 encoded = [(item.header, bytes(item.body)) for item in
-                           (encoder.encode(k, v) for k, v in zip(keys, views))]
+                           (encoder.encode(k, v, BENCH_META.tenant)
+                            for k, v in zip(keys, views))]
                 timed(setting, "encode", partial(_encode_all, encoder, keys, views))
                 timed(setting, "decode", partial(_decode_all, encoder, keys, encoded,
                                                  layout.digest(), out))
@@ -216,23 +214,24 @@ def measure_sealing(chunks: Sequence[bytes], dtype: str, trials: int, work_dir: 
 def _encode_all(encoder: ChunkEncoder, keys: Sequence[ChunkKey],
                 views: Sequence[memoryview]) -> None:
     for k, v in zip(keys, views):
-        encoder.encode(k, v)
+        encoder.encode(k, v, BENCH_META.tenant)
 
 
 def _decode_all(encoder: ChunkEncoder, keys: Sequence[ChunkKey],
                 encoded: Sequence[tuple[bytes, bytes]], digest: str, out: memoryview) -> None:
     for k, (header, body) in zip(keys, encoded):
-        encoder.decode(k, read_header(header, k, digest), memoryview(body), out)
+        encoder.decode(k, read_header(header, k, digest), memoryview(body), out,
+                       BENCH_META.tenant)
 
 
 def _put_all(tier: Any, keys: Sequence[ChunkKey], views: Sequence[memoryview]) -> None:
     for k, v in zip(keys, views):
-        tier.put(k, v)
+        tier.put(k, v, BENCH_META)
 
 
 def _get_all(tier: Any, keys: Sequence[ChunkKey], out: memoryview) -> None:
     for k in keys:
-        if not tier.get_into(k, out):
+        if not tier.get_into(k, out, BENCH_META):
             raise RuntimeError(f"bench tier {tier.name}: a chunk did not read back")
 
 

@@ -34,7 +34,7 @@ import numpy as np
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
-from kvtier.core.retention import ChunkMeta
+from kvtier.core.retention import DEFAULT_META, ChunkMeta
 from kvtier.tiers.memory import MemoryTier
 from kvtier.tiers.storeconfig import StoreConfig
 
@@ -71,13 +71,13 @@ def old_memory_tier(revision: str) -> Any:
 
 
 class _Plain:
-    """An old tier seen through put_meta (it has no metadata: `put`)."""
+    """An old tier seen through `put(key, data, meta)` (it takes no metadata)."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.chunk_bytes = inner.chunk_bytes
 
-    def put_meta(self, key: ChunkKey, data: memoryview, meta: ChunkMeta | None) -> Any:
+    def put(self, key: ChunkKey, data: memoryview, meta: ChunkMeta) -> Any:
         return self.inner.put(key, data)
 
     def __getattr__(self, name: str) -> Any:
@@ -85,13 +85,13 @@ class _Plain:
 
 
 def run_tier(t: Any, source: np.ndarray, chunks: int, round_no: int,
-             meta: Callable[[int], ChunkMeta | None]) -> tuple[float, float, int]:
+             meta: Callable[[int], ChunkMeta]) -> tuple[float, float, int]:
     """(put seconds, get seconds, chunks read back)."""
     size = t.chunk_bytes
     out = memoryview(bytearray(size))
     start = time.perf_counter()
     for i in range(chunks):
-        t.put_meta(key(round_no, i), source[i % 4 * size:(i % 4 + 1) * size].data,
+        t.put(key(round_no, i), source[i % 4 * size:(i % 4 + 1) * size].data,
                    meta(i))
     put_s = time.perf_counter() - start
     held = [key(round_no, i) for i in range(chunks) if t.contains(key(round_no, i))]
@@ -143,8 +143,9 @@ def main() -> None:
         results["copy"].append(run_copy(slab, source, args.chunks, size, slots))
         if before is not None:
             results["before"].append(run_tier(before, source, args.chunks, round_no,
-                                              lambda i: None))
-        results["plain"].append(run_tier(plain, source, args.chunks, round_no, lambda i: None))
+                                              lambda i: DEFAULT_META))
+        results["plain"].append(run_tier(plain, source, args.chunks, round_no,
+                                         lambda i: DEFAULT_META))
         results["tenants"].append(run_tier(tenants, source, args.chunks, round_no,
                                            lambda i: metas[i % TENANTS]))
     summary: dict[str, dict[str, float]] = {}
