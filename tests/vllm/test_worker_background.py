@@ -94,6 +94,7 @@ def test_prefetched_chunks_are_promoted_into_ram_and_counted() -> None:
     while not all(ram.contains(k) for k in keys) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert all(ram.contains(k) for k in keys)
+    w._prefetcher.submit(lambda: None).result(5.0)  # one thread: the prefetch has ended
     stats = w.take_stats()
     assert stats is not None and stats.data["counters"]["prefetched_chunks"][""] == 3
     w.close()
