@@ -8,7 +8,7 @@ import re
 from kvtier.errors import ConfigError
 
 # The largest size accepted: the largest file offset / allocation a 64-bit OS can address.
-# A bigger number is a typo; `int(float("1" * 400))` used to escape as OverflowError.
+# A bigger number is a typo: a ConfigError, not the OverflowError of `int(float("1" * 400))`.
 MAX_SIZE_BYTES = 2**63 - 1
 
 _UNITS = {
@@ -30,13 +30,13 @@ def parse_size(value: str | int | float, field: str = "size") -> int:
     if isinstance(value, bool):
         raise ConfigError(field, value, "a size in bytes or a string such as '8GiB'")
     if isinstance(value, (int, float)):
-        # inf (YAML ".inf") and NaN used to escape as OverflowError/ValueError from int().
+        # inf (YAML ".inf") and NaN: a ConfigError, not OverflowError/ValueError from int().
         if value != value or value in (float("inf"), float("-inf")):
             raise ConfigError(field, value, "a finite size in bytes or a string such as '8GiB'")
         if value < 0:
             raise ConfigError(field, value, "a size must not be negative")
         return _bounded(int(value), field, value)
-    if str(value).lstrip().startswith("-"):  # "-5GiB" used to be told "not a size"
+    if str(value).lstrip().startswith("-"):  # "-5GiB" is negative, not "not a size"
         raise ConfigError(field, value, "a size must not be negative (e.g. '5GiB')")
     match = _SIZE.match(str(value))
     unit = match.group(2).lower() if match else None

@@ -45,7 +45,7 @@ class KVLayout:
     tp_world_size: int = 1  # tensor-parallel group size
     kv_factor: int = 2  # 2 for separate K and V; 1 for MLA's single latent
     # The served model's fingerprint (ModelFingerprint.digest, 32 hex digits); "" for none
-    # (benches, tests): left out of the digest's text, so their digests stay as they were.
+    # (benches, tests): left out of the digest's text, so it changes no existing digest.
     model_fingerprint: str = ""
     # Bytes after a chunk's KV: the recurrent state at its end, of models with Mamba/conv
     # layers (integrations/vllm/groups.py); 0: none (left out of the digest's text too).
@@ -59,9 +59,9 @@ class KVLayout:
                 raise ConfigError(f"layout.{field}", value, "a positive integer")
         if self.dtype not in DTYPE_BYTES:
             raise ConfigError("layout.dtype", self.dtype, f"one of {sorted(DTYPE_BYTES)}")
-        # tp_rank and kv_factor must be ints too: "0" used to raise TypeError here, and 2.0
-        # passed, giving a layout equal to kv_factor=2 with another digest (its text is
-        # "kv_factor=2.0"), so its chunks were never found (tests/unit/test_layout.py).
+        # tp_rank and kv_factor must be ints too: "0" would raise TypeError here, and 2.0
+        # would pass, giving a layout equal to kv_factor=2 with another digest (its text is
+        # "kv_factor=2.0"), so its chunks would never be found (tests/unit/test_layout.py).
         if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_world_size:
             raise ConfigError("layout.tp_rank", self.tp_rank,
                               f"0 <= tp_rank < {self.tp_world_size}")

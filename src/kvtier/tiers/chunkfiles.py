@@ -12,7 +12,7 @@ back to buffered I/O otherwise. Shared by the disk and shared-directory tiers.
 
 Nothing below ROOT is trusted (other processes and users write there): every path is reached
 without following links (`kvtier.tiers.filetree`), a chunk is read only from a regular file
-opened O_NOFOLLOW | O_NONBLOCK (a FIFO used to hang the reader for ever), and every read is
+opened O_NOFOLLOW | O_NONBLOCK (a FIFO must not hang the reader for ever), and every read is
 bounded by the file size the format dictates. A directory that cannot be written (a read-only
 mount) is served read-only: `writable` is False and writes fail with EROFS.
 
@@ -95,7 +95,7 @@ class ChunkFiles:
     def _prepare_directory(self) -> bool:
         """Create the layout directory; False when the root is read-only for this process
         (a read-only mount, or a directory others made without write permission for us).
-        The constructor used to raise there, after logging "O_DIRECT not supported"."""
+        Not an error: the tier serves that root read-only, and probes no O_DIRECT."""
         try:
             make_root(self.root, self.dir_mode)
             os.close(open_dir(self.root, [self.layout_digest], self.dir_mode))

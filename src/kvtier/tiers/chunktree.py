@@ -125,7 +125,7 @@ class FileInventory:
     """A disk or shared tier's directory as `kvtier.core.tier.Inventory`:
     ROOT/<digest>/<k0k1>/<k2k3>/<key hex>.kvc. Reads stat data only; changes nothing. Lists
     and removes only regular chunk files of kvtier's layout, reached without following a
-    link: `kvtier gc --namespace` used to delete a file outside the tree through a
+    link: `kvtier gc --namespace` must never delete a file outside the tree through a
     symlinked directory (tests/faults/test_symlinks.py)."""
 
     def __init__(self, name: str, kind: str, root: Path) -> None:

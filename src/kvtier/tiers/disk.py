@@ -72,7 +72,7 @@ class DiskTierConfig(EncodedTierSettings, RetentionTierSettings):
     @field_validator("path")
     @classmethod
     def _usable_directory(cls, path: Path) -> Path:
-        # Checked here, not when the tier is built: a bad path used to surface as a raw
+        # Checked here, not when the tier is built: a bad path would surface as a raw
         # NotADirectoryError/PermissionError in a vLLM worker ~45 s into start-up (issue 12).
         return check_directory(path, read_only_ok=False)
 
@@ -163,8 +163,8 @@ class DiskTier:
 
     def contains(self, key: ChunkKey) -> bool:
         """Index lookup, confirmed by one stat: a file deleted behind the tier's back (an
-        operator, `kvtier gc` from another process) used to stay "held", so the worker skipped
-        storing it again and the next load failed (tests/vllm/test_kvtier_restart.py)."""
+        operator, `kvtier gc` from another process) must not stay "held": the worker would skip
+        storing it again and the next load would fail (tests/vllm/test_kvtier_restart.py)."""
         if key not in self._index:
             return False
         if self._book.has_deadlines and self._book.is_expired(key):
@@ -221,8 +221,8 @@ class DiskTier:
     def put(self, key: ChunkKey, data: memoryview, meta: ChunkMeta = DEFAULT_META) -> TierResult:
         """`Tier.put`: a held chunk (the index, confirmed by one stat) is not rewritten but
         gets `meta`'s pin and expiry; a new one is stored with its tenant, pin and expiry."""
-        # Checked first, as the memory tier does: a wrong size used to be stored zero-padded
-        # (shorter) or to raise IndexError after reserving capacity, leaking the reservation
+        # Checked first, as the memory tier does: a wrong size would be stored zero-padded
+        # (shorter) or raise IndexError after reserving capacity, leaking the reservation
         # (tests/tiers/test_tier_contract.py).
         if len(data) != self.files.chunk_bytes:
             raise ValueError(f"chunk is {len(data)} bytes, this tier stores "
@@ -247,7 +247,7 @@ class DiskTier:
                 self._counters.add(dropped_writes=1)
                 return FULL  # the tenant is at its quota with pinned chunks only
             self._evict_to(self.capacity_bytes - size)
-            # Eviction cannot free room reserved by writes in flight: reserving anyway used to
+            # Eviction cannot free room reserved by writes in flight: reserving anyway would
             # overshoot the capacity under concurrent puts (tests/tiers/test_tier_contract.py).
             full = self._used_bytes + size > self.capacity_bytes
             if not full:

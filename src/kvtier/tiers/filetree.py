@@ -2,9 +2,9 @@
 
 The disk and shared tiers keep ROOT/<layout digest>/<k0k1>/<k2k3>/<key hex>.kvc. Other users
 and processes can change that tree (a shared directory, a group-writable cache), so nothing
-below ROOT is trusted: a directory replaced by a symlink used to make kvtier write into and
-delete from the link's target, and a FIFO at a chunk path hung the reader (issue 12, items 1
-and 2; tests/faults/test_symlinks.py, test_fifo_and_devices.py). Every path below ROOT is
+below ROOT is trusted: a directory replaced by a symlink must not make kvtier write into or
+delete from the link's target, and a FIFO at a chunk path must not hang the reader (issue 12,
+items 1 and 2; tests/faults/test_symlinks.py, test_fifo_and_devices.py). Every path below ROOT is
 therefore reached one component at a time from a directory fd, each opened with
 O_NOFOLLOW | O_DIRECTORY: a symlink anywhere on the way is an error (ELOOP/ENOTDIR), never a
 detour. ROOT itself is the operator's configured path and may be a link.
@@ -19,8 +19,8 @@ FIFO, a device, a directory named like a file), is skipped and left alone.
 
 Directories kvtier creates get the tier's mode with the setgid bit kept: under a setgid root
 (the administrator's way to keep a group cache in one group) the kernel sets S_ISGID on each
-new directory, and an explicit chmod to 0770 used to clear it, so later files fell into the
-writer's primary group (issue 12, item 4; tests/faults/test_group_sharing.py).
+new directory, and an explicit chmod to 0770 would clear it, so later files would fall into
+the writer's primary group (issue 12, item 4; tests/faults/test_group_sharing.py).
 
 Primitives: `open_dir`, `make_root`, `lstat_file`, `unlink_file`, `walk`, `Entry`,
 `TEMP_STALE_S`, `is_layout_name`, `is_temp_name`, `DIR_FLAGS`, `NOT_OURS`.
@@ -109,7 +109,7 @@ def _set_mode(fd: int, mode: int) -> None:
 def make_root(directory: Path, mode: int) -> None:
     """Create `directory` (the tier's root) and its missing parents with exactly `mode`
     (setgid kept), whatever the umask; existing directories are left alone.
-    `mkdir(parents=True)` used to create the root 0755 under umask 022 (key names listable
+    `mkdir(parents=True)` would create the root 0755 under umask 022 (key names listable
     by all users; tests/tiers/test_permissions.py)."""
     missing = []
     while not directory.is_dir():

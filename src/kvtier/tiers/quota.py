@@ -1,9 +1,9 @@
 """The quota ledger of a shared directory: how many bytes kvtier's files there may hold, agreed
 between every process on every node that writes to it.
 
-A per-process estimate, re-measured every scan, let 3 writers with a 4 MiB quota reach 2.56x
-the quota at cold start and 1.17x in steady state: each wrote against a usage it had measured
-before the others' writes (issue 12, item 5). The ledger is ROOT/.kvtier-quota, three
+A per-process estimate, re-measured every scan, is not enough: 3 writers with a 4 MiB quota
+reach 2.56x the quota at cold start and 1.17x in steady state, each writing against a usage
+it measured before the others' writes (issue 12, item 5). The ledger is ROOT/.kvtier-quota, three
 little-endian int64 under an exclusive `flock` of that file:
 
     used_bytes      an upper bound of the bytes of kvtier's files (chunk and temp files)

@@ -47,7 +47,7 @@ class RedisTierConfig(EncodedTierSettings):
     @field_validator("url")
     @classmethod
     def _url_without_password(cls, url: str) -> str:
-        # Any part of the URL: `?password=` passed the userinfo-only check, and redis-py
+        # Any part of the URL: a userinfo-only check misses `?password=`, and redis-py
         # honours it over password_file (issue 12, item 8). ConfigError masks it when shown.
         parts = urlsplit(url)
         if parts.scheme not in ("redis", "rediss"):
@@ -74,8 +74,8 @@ class RedisTierConfig(EncodedTierSettings):
 
     @model_validator(mode="after")
     def _ca_only_with_tls(self) -> RedisTierConfig:
-        # A CA file with a plain redis:// URL used to be dropped silently: the operator
-        # believed the connection was verified TLS while it was clear text.
+        # A CA file with a plain redis:// URL is an error, never dropped silently: the
+        # operator would believe the connection verified TLS while it is clear text.
         if self.tls_ca_file is not None and not self.tls and not self.url.startswith("rediss://"):
             raise ValueError("tls_ca_file is set but TLS is off: use a rediss:// url or tls: true")
         return self

@@ -1,21 +1,21 @@
 """How the redis tier writes a chunk so that a write failing part-way leaves nothing behind
 (issue 12, item 7; see tiers/redis.py for the value names).
 
-A put used to SET the parts, then the header, in one pipeline: under `maxmemory` with
-`noeviction` the server refused the later SETs ("OOM command not allowed") after accepting
-the first ones, and the parts it kept had no header, no TTL and no LRU entry: never read,
-never evicted, never deleted. Now:
+SETting the parts, then the header, in one pipeline is not enough: under `maxmemory` with
+`noeviction` the server refuses the later SETs ("OOM command not allowed") after accepting
+the first ones, and the parts it keeps have no header, no TTL and no LRU entry: never read,
+never evicted, never deleted. So:
   1. the parts are SET with a short TTL, PART_TTL_MS: until committed they are garbage that
      the server itself deletes within that bound, whatever happens to this process;
-  2. one Lua script, in the same pipeline (one round trip, as before), commits the chunk
+  2. one Lua script, in the same pipeline (one round trip), commits the chunk
      atomically: only when every part is still there, it SETs the header and lifts the parts'
      TTL (PERSIST, or the tier's own `ttl_s`). Its first write is the header, so a full
      server refuses the script before it changed anything;
   3. on a failure the server reported, the parts are deleted at once (best effort,
      `ABORT_SCRIPT`: only while no header exists, so a concurrent writer's committed copy
      of the same chunk is never touched).
-`kvtier gc` finds parts left without a header by anything else (a kvtier before this
-change, a killed process's parts inside their TTL) through `RedisInventory.orphans`.
+`kvtier gc` finds parts left without a header by anything else (an older kvtier, a
+killed process's parts inside their TTL) through `RedisInventory.orphans`.
 
 Primitives: `PART_TTL_MS`, `COMMIT_SCRIPT`, `ABORT_SCRIPT`, `write_chunk`, `abort_chunk`.
 """

@@ -88,7 +88,7 @@ class SharedTierConfig(EncodedTierSettings):
     @field_validator("path")
     @classmethod
     def _usable_directory(cls, path: Path) -> Path:
-        # Checked here, not when the tier is built: a bad path used to surface as a raw
+        # Checked here, not when the tier is built: a bad path would surface as a raw
         # NotADirectoryError/PermissionError in a vLLM worker ~45 s into start-up (issue 12).
         # A read-only directory is accepted: the tier can still serve hits from it.
         return check_directory(path, read_only_ok=True)
@@ -128,8 +128,8 @@ class SharedTier:
         self._counters = TierCounters(self.name, config.capacity)
         self.events = TierEvents(self.name)
         # A read-only directory (a pre-warmed read-only mount) is served read-only: hits
-        # are served, every put is a dropped write (Failure.READ_ONLY). It used to fail the
-        # constructor with an OSError about a `.probe` file (tests/faults/test_read_only.py).
+        # are served, every put is a dropped write (Failure.READ_ONLY), and no OSError about
+        # a `.probe` file fails the constructor (tests/faults/test_read_only.py).
         self.ledger = QuotaLedger(self.files.root, modes[1]) if self.files.writable else None
         self._scan_lock = threading.Lock()  # one re-measure at a time in this process
         self._victims: deque[ChunkFile] = deque()  # eviction order: last scan, then own puts
@@ -206,14 +206,14 @@ class SharedTier:
             self._counters.add(dropped_writes=1)
             log.warning("shared tier %r: write of %s failed (%s); dropped",
                         self.name, key.hex(), exc)
-            # Only a full filesystem is helped by evicting; EACCES or EIO used to evict 10%
+            # Only a full filesystem is helped by evicting; EACCES or EIO must not evict 10%
             # of everyone's chunks on every failed write (tests/faults/test_write_failures.py).
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 self.enforce_quota(size, force=True)
                 return FULL
             return IO_ERROR
-        # chunks/used_bytes used to change only when the directory was re-measured, so stats
-        # said 0 bytes used after puts; keep them current between scans.
+        # chunks/used_bytes are kept current between scans, not only when the directory is
+        # re-measured: otherwise stats say 0 bytes used after puts.
         self._counters.add(puts=1, bytes_written=len(data), write_s=time.perf_counter() - start,
                            chunks=1, used_bytes=size)
         self.events.stored(key)
@@ -282,8 +282,8 @@ class SharedTier:
                 self._victims = deque(files)
                 evicted = 0
                 if force or ledger.used_bytes + incoming_bytes > self.capacity_bytes:
-                    # A quota larger than the filesystem used to make `force` free nothing (the
-                    # target was 90% of the quota, above what the full filesystem held).
+                    # `force` aims below what is held: with a quota larger than the filesystem,
+                    # 90% of the quota is above what the full filesystem holds (frees nothing).
                     limit = min(ledger.used_bytes, self.capacity_bytes) if force else \
                         self.capacity_bytes
                     evicted = self._evict_locked(ledger, LOW_WATERMARK * limit - incoming_bytes)

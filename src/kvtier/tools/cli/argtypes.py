@@ -105,7 +105,7 @@ def int_in(low: int, high: int) -> Callable[[str], int]:
 
 
 def port_number(text: str) -> int:
-    """A TCP port, 1-65535 (issue 14: -1 and 99999 were accepted)."""
+    """A TCP port, 1-65535 (issue 14: -1 and 99999 are refused)."""
     try:
         port = int(text)
     except ValueError:
@@ -139,7 +139,7 @@ def _parent_exists(text: str) -> Path:
 
 def output_file(text: str) -> Path:
     """A file to write: its parent directory must exist already, since kvtier creates no
-    parent directories (issue 14: `--plot a/b/c.png` made a/b anywhere); not a directory."""
+    parent directories (issue 14: `--plot a/b/c.png` must not make a/b); not a directory."""
     path = _parent_exists(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file")
@@ -157,7 +157,7 @@ def output_dir(text: str) -> Path:
 def work_dir(text: str) -> Path:
     """An existing directory where files can be created: probed by creating (and removing) a
     temporary directory in it, so /proc, a read-only mount or a full disk fail here, in one
-    line, instead of half-way through a benchmark (issue 14: `--dir /proc` gave a traceback).
+    line, not as a traceback half-way through a benchmark (issue 14: `--dir /proc`).
     """
     path = Path(path_text(text))
     if not path.is_dir():
@@ -179,7 +179,7 @@ def any_path(text: str) -> Path:
 
 def url_of(*schemes: str) -> Callable[[str], str]:
     """A type function for a URL with one of `schemes` and a host, checked before a command
-    connects anywhere (issue 24: `kvtier proxy --prefill x` started serving, and failed on
+    connects anywhere (issue 24: `kvtier proxy --prefill x` must not start serving, then fail
     every request)."""
 
     def url(text: str) -> str:

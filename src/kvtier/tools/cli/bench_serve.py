@@ -83,7 +83,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 # Prompt tokens a workload draws and sends in all, from its sizes (multi-round's history
 # grows every turn); more than MAX_PROMPT_TOKENS is a typo (issue 14: `--docs 99999` or
-# `--output-len 1e300` spent minutes building prompts before any request).
+# `--output-len 1e300` would spend minutes building prompts before any request).
 _PROMPT_TOKENS: dict[str, Callable[[dict[str, int]], int]] = {
     "prefix-repetition": lambda s: (s["num_prefixes"] * s["prefix_len"]
                                     + s["num_requests"] * (s["prefix_len"] + s["suffix_len"])),

@@ -85,8 +85,8 @@ class Alternative:
 
 def serve_flags(tp: int, gpu_memory_utilization: float, ctx: int, kv_dtype: str,
                 long_block: int = 32) -> list[str]:
-    """The flags every alternative's command shares: TP (issue 14: a `--tp 8` plan once
-    printed a command that loaded all weights on one GPU), the memory share the plan assumed,
+    """The flags every alternative's command shares: TP (issue 14: without it a `--tp 8`
+    plan's command loads all weights on one GPU), the memory share the plan assumed,
     the context, prefix caching, and the operator's guide's long-context knobs (`long_block`:
     the --block-size for long contexts, 32 unless the attention kernel needs more)."""
     out = ["--tensor-parallel-size", str(tp), "--gpu-memory-utilization",

@@ -60,7 +60,7 @@ def kvtier_flags(extra: Mapping[str, Any], disable_hma: bool) -> list[str]:
 def gib_number(value_gib: float) -> str:
     """A size in GiB as `--kv-offloading-size`, LMCache and kvtier capacities take it (all
     accept fractions), rounded DOWN so a tier never exceeds its budget: to 0.01 GiB from
-    1 GiB up, 0.001 below, which loses under 1% (issue 14: 6 GB once became 5 GiB, -10.5%).
+    1 GiB up, 0.001 below, which loses under 1% (issue 14: whole GiB turns 6 GB into 5 GiB, -10.5%).
     1600 -> "1600", 6e9 B = 5.588 GiB -> "5.58"."""
     digits = 2 if value_gib >= 1 else 3
     # + 1e-6: a size computed through int() bytes sits a hair below its decimal value

@@ -1,6 +1,5 @@
 """What `kvtier doctor` checks on the machine itself: the vLLM build against the GPU present,
-pinned host memory, and host RAM (issue 14: `kvtier doctor` with no arguments once ran no
-check at all).
+pinned host memory, and host RAM: what `kvtier doctor` checks even with no arguments (issue 14).
 
 Primitives:
     Check, Status                 -- one doctor finding (frozen): ok, warn, fail or skip

@@ -44,7 +44,7 @@ DEFAULT_CONTEXT_CAP = 32768
 NVME_USABLE_FRACTION = 0.9
 # The most of host RAM a CPU tier may take: the rest is the OS, the vLLM processes (tokenizer,
 # CUDA contexts, pinned staging buffers) and the page cache NVMe reads go through. A tier
-# above it is capped and flagged (issue 14: 2400 GiB was once advised on a 2048 GiB host).
+# above it is capped and flagged (issue 14: never 2400 GiB on a 2048 GiB host).
 MAX_HOST_KV_FRACTION = 0.8
 
 

@@ -263,8 +263,8 @@ class _Generator:
 
         Raises:
             ConfigError: when _MAX_EMPTY_TURNS turns in a row end their session before a
-                request (the token means leave no room in max_context; it used to loop
-                forever).
+                request (the token means leave no room in max_context; raised, not looped
+                on forever).
         """
         for _ in range(_MAX_EMPTY_TURNS):
             if not self.pending or self.next_session_s <= self.pending[0][0]:

@@ -141,8 +141,8 @@ def block_size(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
 def no_batched_tokens_cap(cmd: ServeCommand, opts: AuditOptions) -> Iterator[Finding]:
     # With chunked prefill on (vLLM's default since the V1 engine, and for contexts over 32k
     # before it) the step is already capped by vLLM's default max_num_batched_tokens: 8192
-    # on H100/H200-class GPUs, 2048 on smaller ones, 16384 on >= 160 GiB (issue 14: the rule
-    # used to fire on every long --max-model-len). Only with chunked prefill off does vLLM
+    # on H100/H200-class GPUs, 2048 on smaller ones, 16384 on >= 160 GiB (issue 14: so a long
+    # --max-model-len alone is no finding). Only with chunked prefill off does vLLM
     # raise the cap to max_model_len, so one long prompt is prefilled in one huge step.
     mml = cmd.number("--max-model-len")
     if mml is None or mml < _LONG_PROMPTS or cmd.has("--max-num-batched-tokens"):

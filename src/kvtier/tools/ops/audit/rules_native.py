@@ -113,7 +113,7 @@ def offload_block_size(cmd: ServeCommand, options: AuditOptions) -> Iterator[Fin
     # vLLM raises at start-up (offloading/config.py); seed 003, the KV Offloading Usage
     # Guide: "block_size ... must be a multiple of the GPU block size". Without --block-size
     # the GPU block is vLLM's default: on CUDA 16, or what the attention kernel needs
-    # (FlashMLA: 64), always a multiple of 16 (issue 23: block_size 24 used to pass there).
+    # (FlashMLA: 64), always a multiple of 16 (issue 23: so block_size 24 is flagged there).
     gpu, source, known = _gpu_block_size(cmd, options)
     for off in native_offloads(cmd):
         value = off.extra.get("block_size")
