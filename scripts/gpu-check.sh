@@ -7,7 +7,7 @@
 #   2. installs kvtier without its dependencies (pip install --no-deps -e .) and then the
 #      dependencies pyproject.toml names, plus pytest and pytest-timeout; never torch or vllm
 #      (the torch in place is checked to be the same afterwards);
-#   3. runs the device tests: pytest tests/gpu tests/unit/test_stream_mover.py (a CUDA test
+#   3. runs the device tests: pytest tests/gpu tests/connector/test_stream_mover.py (a CUDA test
 #      that skips on this machine counts as a failure);
 #   4. measures the copy path: kvtier bench copy --device cuda --sweep (2-32 MiB chunks, load
 #      = host -> device, store = device -> host, each against a raw pinned copy), in bf16
@@ -56,7 +56,7 @@ BENCH_RUNS=(
   "fp8-LBNHC|--dtype fp8 --layout LBNHC"
   "bf16-BLHNC|--dtype bfloat16 --layout BLHNC"
 )
-TESTS=(tests/gpu tests/unit/test_stream_mover.py)
+TESTS=(tests/gpu tests/connector/test_stream_mover.py)
 
 say() { printf '\n== %s\n' "$*"; }
 fail() { printf 'gpu-check: FAIL: %s\n' "$1" >&2; exit "${2:-1}"; }
@@ -84,7 +84,7 @@ tests_ok = tests_rc == 0 and cuda_skips == 0
 print("# gpu-check summary\n")
 print(f"- GPU: {read('gpu.txt', 'unknown')}")
 print(f"- {read('torch.txt', 'torch: unknown').splitlines()[0]}")
-print(f"- tests (pytest tests/gpu tests/unit/test_stream_mover.py): "
+print(f"- tests (pytest tests/gpu tests/connector/test_stream_mover.py): "
       f"{'PASS' if tests_ok else 'FAIL'} (exit status {tests_rc}; skip lines for want of "
       f"CUDA: {cuda_skips}); see pytest.txt\n")
 print("| run | chunk MiB | store GB/s | store/raw | load GB/s | load/raw | runner blocked "

@@ -1,5 +1,5 @@
 """Test helpers for store configs on disk and the `kvtier inspect` / `kvtier gc` commands over
-them, shared by tests/cli and tests/tiers: a memory tier over one persistent tier of a kind
+them, shared by tests/tools and tests/tiers: a memory tier over one persistent tier of a kind
 (disk, shared, or redis from the `redis_url` fixture), what that tier holds, and the commands'
 JSON reports. (Not named conftest.py: see tierkit.py.)
 """

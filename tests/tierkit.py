@@ -1,6 +1,7 @@
-"""Test helpers shared by tests/unit, tests/tiers, tests/faults and tests/cli: chunk keys
-(`key`), a tiny layout, and one way to configure any tier by kind. (Not named conftest.py,
-so that `from tierkit import` never picks up another folder's conftest module.)
+"""Test helpers shared by tests/cache, tests/tiers, tests/faults, tests/connector and
+tests/tools: chunk keys (`key`), a tiny layout, and one way to configure any tier by kind.
+(Not named conftest.py, so that `from tierkit import` never picks up another folder's
+conftest module.)
 
 `tier_settings(kind, ...)` is the single place that knows how each tier kind is configured;
 the contract suite, the store's property tests and the fault drills all build tiers through
@@ -11,6 +12,10 @@ parametrized with kind="redis" (and marks them `redis`).
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -69,3 +74,23 @@ def make_tier(kind: str, root: Path, layout: KVLayout, capacity_chunks: int,
     config = StoreConfig.parse({"tiers": [tier_settings(kind, root, layout, capacity_chunks,
                                                         **options)]})
     return build_tier(config.tiers[0], layout)
+
+
+# -- the border between the cache and the tools (tests/cache, tests/connector) ---------------
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+
+
+def tools_dependencies() -> list[str]:
+    """The distributions of pyproject's `tools` extra, by their import names."""
+    project = tomllib.loads(PYPROJECT.read_text())["project"]
+    names = [dep.split(">")[0].split("=")[0].split("[")[0]
+             for dep in project["optional-dependencies"]["tools"]]
+    assert names, "pyproject names no tools extra"
+    return names
+
+
+def run_probe(probe: str) -> list[str]:
+    """The JSON list that the Python code `probe` prints, run in a fresh interpreter."""
+    result = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True,
+                            text=True)
+    return list(json.loads(result.stdout))

@@ -7,7 +7,7 @@ The Grafana dashboard (deploy/grafana/kvtier-dashboard.json) and the Prometheus 
 rules (deploy/prometheus/kvtier-alerts.yml) are kept once, where they are tested; each
 ConfigMap here holds a verbatim copy, generated, never edited by hand. Kustomize's
 configMapGenerator cannot read files outside its folder, hence a generated file.
-tests/unit/test_k8s_manifests.py fails when a copy differs from its source.
+tests/tools/test_k8s_manifests.py fails when a copy differs from its source.
 
 Primitives: `ConfigMapSource`, `SOURCES`, `render(source)`, `stale()`.
 """

@@ -1,5 +1,6 @@
 """The connector's device mover (integrations/vllm/streams.py, `StreamChunkMover` over
-`CudaDevice`) on a real GPU, mirroring the stand-in scenarios of tests/unit/test_stream_mover.py.
+`CudaDevice`) on a real GPU, mirroring the stand-in scenarios of
+tests/connector/test_stream_mover.py.
 
 vLLM 0.33's KV caches (gpurig.CASES: every layout, MLA, kernel blocks, bf16 and fp8) are
 stored from the device into a pinned memory tier (with a disk tier below it) and loaded back:

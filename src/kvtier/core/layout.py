@@ -61,7 +61,7 @@ class KVLayout:
             raise ConfigError("layout.dtype", self.dtype, f"one of {sorted(DTYPE_BYTES)}")
         # tp_rank and kv_factor must be ints too: "0" would raise TypeError here, and 2.0
         # would pass, giving a layout equal to kv_factor=2 with another digest (its text is
-        # "kv_factor=2.0"), so its chunks would never be found (tests/unit/test_layout.py).
+        # "kv_factor=2.0"), so its chunks would never be found (tests/cache/test_layout.py).
         if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_world_size:
             raise ConfigError("layout.tp_rank", self.tp_rank,
                               f"0 <= tp_rank < {self.tp_world_size}")

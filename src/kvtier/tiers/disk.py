@@ -164,7 +164,7 @@ class DiskTier:
     def contains(self, key: ChunkKey) -> bool:
         """Index lookup, confirmed by one stat: a file deleted behind the tier's back (an
         operator, `kvtier gc` from another process) must not stay "held": the worker would skip
-        storing it again and the next load would fail (tests/vllm/test_kvtier_restart.py)."""
+        storing it again and the next load would fail (tests/engine/test_kvtier_restart.py)."""
         if key not in self._index:
             return False
         if self._book.has_deadlines and self._book.is_expired(key):

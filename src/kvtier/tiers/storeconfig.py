@@ -112,7 +112,7 @@ class StoreConfig(FrozenModel):
         return [_tier_config(item, index) for index, item in enumerate(tiers)]
 
     # A field validator (not a model validator) so the ConfigError names "tiers" rather than
-    # the whole config (tests/unit/test_config.py).
+    # the whole config (tests/cache/test_config.py).
     @field_validator("tiers")
     @classmethod
     def _unique_names(cls, tiers: list[TierSettings]) -> list[TierSettings]:

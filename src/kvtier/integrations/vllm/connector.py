@@ -187,7 +187,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._config = ConnectorConfig.parse(self._kv_transfer_config.kv_connector_extra_config)
         # A failed load (a corrupt or vanished chunk) must cost recomputation only, but
         # vLLM's default kv_load_failure_policy "fail" ends the request with an error
-        # (tests/vllm/test_kvtier_restart.py, damaged chunk files), and vLLM (0.32, 0.33)
+        # (tests/engine/test_kvtier_restart.py, damaged chunk files), and vLLM (0.32, 0.33)
         # has no hook for a connector to state its policy. Its scheduler reads the policy
         # right after building this scheduler-role connector, so the write takes effect
         # (tests/vllm_api/test_load_failure_policy.py fails if a release stops doing so).

@@ -77,7 +77,7 @@ class LoadFailures:
         # over them (stores the workers skipped): those chunks are planned again so that they
         # are stored once recomputed; otherwise a corrupt or vanished chunk would stay
         # missing and the next request with that prefix miss too
-        # (tests/vllm/test_kvtier_restart.py, damaged chunk files).
+        # (tests/engine/test_kvtier_restart.py, damaged chunk files).
         for state in requests:
             planned = state.keys[: state.num_planned_chunks]
             failed = [i for i, key in enumerate(planned) if key in replan]

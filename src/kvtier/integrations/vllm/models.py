@@ -7,12 +7,12 @@ hybrid KV cache manager (`SupportsHMA`, groups.py), and then:
   - full-attention models: served;
   - sliding-window + full attention (Gemma 2/3, GPT-OSS style `layer_types`): served with
     the hybrid manager on (a sliding group keeps only its window's blocks; kvtier's loads
-    skip the rest), outputs those of the miss path (tests/vllm/test_hybrid_models.py). With
+    skip the rest), outputs those of the miss path (tests/engine/test_hybrid_models.py). With
     `--disable-hybrid-kv-cache-manager` vLLM promotes the sliding layers to full attention
     and kvtier serves that too;
   - short-convolution state layers besides attention (LFM2): served with prefix caching,
     whose "align" mode keeps states at block boundaries; kvtier stores a chunk's state with it
-    and ends hits on such chunks (groups.py, tests/vllm/test_state_models.py). Without prefix
+    and ends hits on such chunks (groups.py, tests/engine/test_state_models.py). Without prefix
     caching (no states kept): refused;
   - other state layers — Mamba/SSM, linear attention (Jamba, Bamba, Qwen3-Next, ...), or no
     attention at all: refused (not tried; with the hybrid manager off vLLM itself cannot run
@@ -27,7 +27,7 @@ hybrid KV cache manager (`SupportsHMA`, groups.py), and then:
     disabled", vllm/platforms/cpu.py), and a request whose prefix comes from a connector runs
     its context-prefill path, whose outputs differ from the miss path's: checked with kvtier
     (its chunks byte-identical to the KV vLLM's own ExampleConnector saves) and with vLLM's
-    ExampleConnector alike (tests/vllm/test_mla_model.py).
+    ExampleConnector alike (tests/engine/test_mla_model.py).
 
 The check runs in vLLM's engine-core process when vLLM asks the connector class for its KV
 cache layout (`get_required_kvcache_layout`), after the model is loaded and before memory
@@ -55,7 +55,7 @@ WITHOUT_KVTIER = "serve it without kvtier's connector (vLLM's own prefix cache s
 HMA_ALTERNATIVE = (WITHOUT_KVTIER + ", or with vLLM's native offloading (OffloadingConnector, "
                    "which supports the hybrid KV cache manager from vLLM 0.21, on CUDA)")
 # `layer_types` values of state layers whose states kvtier stores (groups.py; LFM2's short
-# convolutions, tested in tests/vllm/test_hybrid_models.py).
+# convolutions, tested in tests/engine/test_hybrid_models.py).
 STORED_STATE_LAYER_TYPES = frozenset({"conv"})
 # `layer_types` values of attention layers (HF configs: Gemma 2/3, GPT-OSS, Qwen2/3, LFM2, ...).
 ATTENTION_LAYER_TYPES = frozenset({

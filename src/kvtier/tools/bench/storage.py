@@ -178,7 +178,7 @@ def run_bench(config: BenchConfig, on_round: Callable[[str], None] = lambda _: N
     measurements: list[Measurement] = []
     lmcache_info: dict[str, Any] | None = None
     # Here, not at the top: redis-py takes ~0.3 s to import, and `kvtier` imports this
-    # module to build its parser (tests/cli/test_startup.py).
+    # module to build its parser (tests/tools/test_startup.py).
     from kvtier.tools.bench.redis_baseline import local_redis, redis_subjects
 
     with ExitStack() as stack:

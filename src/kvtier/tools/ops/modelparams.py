@@ -7,7 +7,7 @@ Primitives:
 The count covers embeddings, attention (standard or MLA), linear-attention/Mamba mixers and
 gated MLPs (dense or mixture-of-experts, with shared experts). Norms and biases are left out:
 they are well under 0.1% of any model this tool sizes. Checked against published totals in
-tests/unit/test_plan_modelspec.py (Llama-3-8B 8.03B, Llama-3-70B 70.6B, DeepSeek-V3 671B).
+tests/tools/test_plan_modelspec.py (Llama-3-8B 8.03B, Llama-3-70B 70.6B, DeepSeek-V3 671B).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from kvtier.tiers.storeconfig import StoreConfig
 from kvtier.units import format_size, parse_size
 
 # The README's example; its paths are rooted in the test's temp dir, because a path is
-# checked when the config is validated (tests/unit/test_tier_paths.py).
+# checked when the config is validated (tests/cache/test_tier_paths.py).
 GOOD_YAML = """\
 tiers:
   - {{kind: memory, capacity: 8GiB}}

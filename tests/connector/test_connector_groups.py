@@ -1,7 +1,7 @@
 """KV cache groups (vLLM's hybrid KV cache manager, `SupportsHMA`): a sliding-window group and
 a full-attention group, each with its own block table, as kvtier's scheduler and copies see
 them (issue 11, item 3). No engine: real vLLM `Request`s and KV cache specs, vLLM-shaped CPU
-tensors; tests/vllm/test_hybrid_models.py runs the same in a real engine.
+tensors; tests/engine/test_hybrid_models.py runs the same in a real engine.
 """
 
 from __future__ import annotations

@@ -19,6 +19,8 @@ import pytest
 
 from kvtier.tools.cli.main import main
 
+pytestmark = pytest.mark.slow  # each case runs a whole command: not in the fast lane
+
 CONFIG = str(Path(__file__).parents[1] / "data" / "configs" / "llama-3-8b.json")
 
 # (command, option) for every option of `kvtier` that names a path to write.

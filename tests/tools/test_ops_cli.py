@@ -12,6 +12,8 @@ import pytest
 
 from kvtier.tools.cli.main import main
 
+pytestmark = pytest.mark.slow  # whole commands, doctor probing this machine: not in the fast lane
+
 CONFIGS = Path(__file__).parents[1] / "data" / "configs"
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from slow_files import injected
 
 SITECUSTOMIZE = '''
-"""Test fault injection (tests/vllm/slow_stores.py)."""
+"""Test fault injection (tests/engine/slow_stores.py)."""
 import os
 import sys
 

@@ -9,7 +9,7 @@ it to opens for reading chunk files, so the scheduler's lookups (stats) and the 
 
 Primitives: `slow_files(root, reads_only)` (context manager, set up before the engine
 starts), `SlowFlag` (its `on(seconds)` / `off()`), `injected` (any sitecustomize, with its
-environment: tests/vllm/slow_stores.py uses it too).
+environment: tests/engine/slow_stores.py uses it too).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SITECUSTOMIZE = '''
-"""Test fault injection (tests/vllm/slow_files.py)."""
+"""Test fault injection (tests/engine/slow_files.py)."""
 import io
 import os
 import time

@@ -2,7 +2,7 @@
 the engine goes on, and no block is handed back to vLLM while a gather may still read it.
 
 Pure torch on CPU tensors shaped like vLLM's CPU backend and a real memory (and disk) tier; no
-engine (tests/vllm/test_async_stores_e2e.py drives real vLLM). A gather is held at a gate
+engine (tests/engine/test_async_stores_e2e.py drives real vLLM). A gather is held at a gate
 (fault injection: the store thread made slow) so that each case decides what runs while it is
 in flight.
 """

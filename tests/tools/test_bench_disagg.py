@@ -1,5 +1,5 @@
 """`kvtier bench disagg`'s settings: what the command line makes of them, what is refused,
-and how a run's figures are read from its requests (no server: tests/vllm/ runs the
+and how a run's figures are read from its requests (no server: tests/engine/ runs the
 setup itself, test_disagg_prefill.py)."""
 
 from __future__ import annotations

@@ -13,11 +13,10 @@ store's config model lives with the tier factory (kvtier.tiers.storeconfig).
 from __future__ import annotations
 
 import ast
-import json
-import subprocess
-import sys
 import tomllib
 from pathlib import Path
+
+from tierkit import run_probe, tools_dependencies
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "kvtier"
 PYPROJECT = SRC.parents[1] / "pyproject.toml"
@@ -75,59 +74,26 @@ def test_importing_the_config_imports_no_tier() -> None:
     probe = ("import json, sys\n"
              "import kvtier.config\n"
              "print(json.dumps(sorted(m for m in sys.modules if m.startswith('kvtier'))))\n")
-    loaded = _run_probe(probe)
+    loaded = run_probe(probe)
     assert "kvtier.config" in loaded
     assert not [m for m in loaded if m.startswith(("kvtier.tiers", "kvtier.core",
                                                    "kvtier.integrations"))], loaded
 
 
-def _tools_dependencies() -> list[str]:
-    project = tomllib.loads(PYPROJECT.read_text())["project"]
-    names = [dep.split(">")[0].split("=")[0].split("[")[0]
-             for dep in project["optional-dependencies"]["tools"]]
-    assert names, "pyproject names no tools extra"
-    return names
-
-
-def _run_probe(probe: str) -> list[str]:
-    """The JSON list `probe` prints, run in a fresh interpreter."""
-    result = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True,
-                            text=True)
-    return list(json.loads(result.stdout))
-
-
-def test_the_cache_imports_without_the_tools_dependencies() -> None:
+def test_the_cache_imports_without_thetools_dependencies() -> None:
     """Without vLLM in the picture: the tools' dependencies made unimportable, every cache
     module still imports."""
     probe = (
         "import importlib, json, pkgutil, sys\n"
-        f"for name in {_tools_dependencies()!r}: sys.modules[name] = None\n"
+        f"for name in {tools_dependencies()!r}: sys.modules[name] = None\n"
         "import kvtier\n"
         "names = [m.name for m in pkgutil.walk_packages(kvtier.__path__, 'kvtier.')\n"
         "         if not m.name.startswith(('kvtier.tools', 'kvtier.integrations'))]\n"
         "for name in names: importlib.import_module(name)\n"
         "print(json.dumps(names))\n"
     )
-    imported = _run_probe(probe)
+    imported = run_probe(probe)
     assert "kvtier.core.store" in imported and "kvtier.tiers.redis" in imported
-
-
-def test_importing_the_connector_loads_none_of_the_tools_dependencies() -> None:
-    """vLLM itself imports aiohttp: what counts is what kvtier adds after the vLLM modules
-    the connector needs are loaded."""
-    probe = (
-        "import json, sys\n"
-        "import vllm.distributed.kv_transfer.kv_connector.v1.base\n"
-        "import vllm.v1.metrics.cache_hit_source\n"
-        "before = set(sys.modules)\n"
-        "import kvtier.integrations.vllm.connector, kvtier.integrations.vllm.plugin\n"
-        "print(json.dumps(sorted(set(sys.modules) - before)))\n"
-    )
-    added = _run_probe(probe)
-    assert "kvtier.integrations.vllm.connector" in added  # the probe really ran
-    roots = {name.split(".")[0] for name in added}
-    assert roots.isdisjoint(_tools_dependencies()), sorted(roots & set(_tools_dependencies()))
-    assert not [m for m in added if m.startswith("kvtier.tools")]
 
 
 def test_every_cache_dependency_is_declared_and_used() -> None:

@@ -1,5 +1,5 @@
 """Asynchronous loads from every tier below RAM in real vLLM (issue 13: "hits from each tier"):
-a shared directory and Redis, with the miss path's outputs (tests/vllm/test_async_loads.py
+a shared directory and Redis, with the miss path's outputs (tests/engine/test_async_loads.py
 covers the disk tier).
 
 One engine with load_mode "async": a RAM tier of two chunks in front of a shared directory and

@@ -1,6 +1,6 @@
 """The tiny model generator writes a loadable config and tokenizer, and caches by digest.
 
-These tests stay away from vLLM (tests/vllm loads the model for real); a 1-layer, 32-wide
+These tests stay away from vLLM (tests/engine loads the model for real); a 1-layer, 32-wide
 model writes in well under a second.
 """
 

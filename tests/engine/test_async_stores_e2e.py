@@ -2,7 +2,7 @@
 worker's store thread while the engine goes on (store_mode "auto", the default), and vLLM keeps
 the blocks a gather may still read.
 
-One engine whose store thread can be made slow (tests/vllm/slow_stores.py: each gather waits
+One engine whose store thread can be made slow (tests/engine/slow_stores.py: each gather waits
 before it reads, as if the thread had lost its core), so that gathers are in flight while
 requests end, are preempted or are aborted. What must hold: outputs equal the miss path's, the
 KV stored meanwhile is right (a later hit of it gives the miss path's outputs too), the

@@ -2,7 +2,7 @@
 engine runs other requests (vLLM's WAITING_FOR_REMOTE_KVS), with the outputs of the miss path.
 
 One engine with load_mode "async" (under "auto" a batch submitted at once to an idle engine
-loads inline: no request runs yet; tests/unit/test_connector_scheduler.py covers the rule):
+loads inline: no request runs yet; tests/connector/test_connector_scheduler.py covers the rule):
 its RAM tier holds two chunks, so hits come from the disk tier; vLLM's own cache is emptied
 before each case so that kvtier serves it.
 """

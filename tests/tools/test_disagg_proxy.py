@@ -1,7 +1,7 @@
 """The disaggregated-prefill proxy in front of two stand-in instances (small aiohttp apps
 that answer like vLLM's OpenAI server and record what they were sent): what the prefill
 instance is asked, what the decode instance is asked, what comes back, and what happens
-when the prefill instance fails. Real vLLM instances: tests/vllm/test_disagg_prefill.py.
+when the prefill instance fails. Real vLLM instances: tests/engine/test_disagg_prefill.py.
 """
 
 from __future__ import annotations

@@ -42,6 +42,8 @@ from hypothesis import strategies as st
 from kvtier.tools.cli import argtypes
 from kvtier.tools.cli.main import EXIT_BROKEN_PIPE, build_parser, main
 
+pytestmark = pytest.mark.slow  # some 1,800 runs of the CLI: not in the fast lane
+
 CONFIG = str(Path(__file__).parents[1] / "data" / "configs" / "llama-3-8b.json")
 SECONDS_PER_RUN = 20  # generous: a hang on odd input is a finding too
 

@@ -1,6 +1,6 @@
 """Which models kvtier serves (issue 11, item 3): the decision on a model's traits, without vLLM.
 A refused model gets one line naming it, the reason and what to run instead; the real start-up
-refusal of an LFM2-style model is tests/vllm/test_hybrid_models.py."""
+refusal of an LFM2-style model is tests/engine/test_hybrid_models.py."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 (issue 12, item 6).
 
 The fault is injected at the file-open level in vLLM's own processes (the scheduler's
-EngineCore and the worker, both spawned; tests/vllm/slow_files.py): every `open`/`stat` of a
+EngineCore and the worker, both spawned; tests/engine/slow_files.py): every `open`/`stat` of a
 path under the shared tier's directory blocks for HANG_S while the flag is on (a dead
 hard-mounted NFS server does the same). The engine's kvtier settings bound lookups and reads
 to TIMEOUT_S. Requests must complete with the outputs of the clean

@@ -2,7 +2,7 @@
 its deadline, a request aborted while its load is in flight, preemption under a small KV
 cache, and an engine shut down with a load in flight.
 
-The disk tier's chunk reads are made slow inside vLLM's processes (tests/vllm/slow_files.py:
+The disk tier's chunk reads are made slow inside vLLM's processes (tests/engine/slow_files.py:
 reads only, so lookups and the write-behind run at full speed). The RAM tier holds two
 chunks, so hits come from the disk, and `load_mode` "async" loads every hit on the worker's
 load thread while the request waits in WAITING_FOR_REMOTE_KVS.

@@ -17,6 +17,8 @@ import pytest
 from kvtier.tools.cli.main import main
 from kvtier.tools.sim import validate as v
 
+pytestmark = pytest.mark.slow  # simulates every published figure: not in the fast lane
+
 TTFT_AND_GUIDE = [f.name for f in v.FIGURES if "10k x 512" not in f.name]
 
 

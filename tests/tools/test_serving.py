@@ -110,9 +110,11 @@ def test_serve_takes_a_chunk_size_and_rounds_it_to_the_block_size(capsys):
                  "--tokens-per-chunk", "100", "--", "--block-size", "32"]) == 0
     out = capsys.readouterr().out
     assert '"tokens_per_chunk":128' in out and "multiple of --block-size 32 >= 100" in out
-    assert main(["serve", "./model", "--dry-run", "--tokens-per-chunk", "0"]) != 0
+    with pytest.raises(SystemExit) as refused:
+        main(["serve", "./model", "--dry-run", "--tokens-per-chunk", "0"])
+    assert refused.value.code == 2
     captured = capsys.readouterr()
-    assert "tokens_per_chunk" in captured.out + captured.err
+    assert "argument --tokens-per-chunk" in captured.err
 
 
 def test_default_tiers_take_sizes_from_flags_or_the_machine(tmp_path):

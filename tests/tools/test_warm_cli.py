@@ -1,5 +1,5 @@
 """`kvtier warm`: bad input and an unusable server are one line and an exit status, never a
-traceback (the real warm-up through a vLLM server is tests/vllm/test_warmup_e2e.py)."""
+traceback (the real warm-up through a vLLM server is tests/engine/test_warmup_e2e.py)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,15 @@ def closed_port() -> int:
 
 
 def run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    code = main(["warm", *args])
+    """`kvtier warm ARGS`: its exit status and stderr, less the usage block argparse prints
+    above its own one-line error."""
+    try:
+        code = main(["warm", *args])
+    except SystemExit as refused:  # argparse refused an argument
+        code = int(refused.code or 0)
     err = capsys.readouterr().err.strip()
+    if err.startswith("usage:"):
+        err = err[err.index("kvtier warm: error:"):]
     return code, err
 
 
@@ -35,7 +42,7 @@ def test_bad_input_is_one_line_naming_what_is_wrong(tmp_path: Path,
     empty.write_text("  \n")
     cases = [
         ([url, str(tmp_path / "missing.txt")], 2, "an existing file"),
-        (["not-a-url", str(prompt)], 2, "http:// or https://"),
+        (["not-a-url", str(prompt)], 2, "argument url: 'not-a-url' is not a http or https URL"),
         ([url, "--jsonl", str(bad_json)], 2, "bad.jsonl:2"),
         ([url, str(empty)], 2, "it is empty"),
         ([url], 2, "at least one prompt"),

@@ -3,8 +3,8 @@
 `promtool check rules` parses the alerts; `promtool test rules` feeds each failure mode's series
 to them (deploy/prometheus/kvtier-alerts.test.yml) and expects its alert, a healthy engine none.
 That every kvtier series they name is one kvtier exports is checked in
-tests/vllm/test_connector_metrics.py, and every query against a scraped vLLM in
-tests/vllm/test_prometheus_scrape.py.
+tests/connector/test_connector_metrics.py, and every query against a scraped vLLM in
+tests/engine/test_prometheus_scrape.py.
 """
 
 from __future__ import annotations
