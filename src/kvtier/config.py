@@ -6,13 +6,17 @@ This module knows no tier: the store's config model (`StoreConfig`, `TierSetting
 the tier factory, in `kvtier.tiers.storeconfig`, and each tier's own fields in its tier
 module.
 
-Primitives: `FrozenModel` (the base of every config model), `ByteSize`, `parse_model`.
+Primitives: `FrozenModel` (the base of every config model), `ByteSize`, `parse_model`,
+`read_config_file`.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
+import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from kvtier.errors import ConfigError, TierConfigError
@@ -50,3 +54,17 @@ def parse_model(model: type[Model], data: Any, where: str) -> Model:
         if error["type"] == "extra_forbidden":
             allowed = "unknown field; allowed fields: " + ", ".join(sorted(model.model_fields))
         raise ConfigError(field, value, allowed) from None
+
+
+def read_config_file(path: str | Path) -> Any:
+    """The data in a YAML or JSON file (JSON when its name ends in .json), not yet validated.
+
+    Raises:
+        ConfigError: unreadable file or bad syntax (the message names the file).
+    """
+    try:
+        text = Path(path).read_text()
+        return json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        raise ConfigError("config file", str(path),
+                          f"a readable YAML or JSON file ({exc})") from exc

@@ -14,27 +14,16 @@ from textwrap import dedent
 
 import pytest
 from hookcheck import BASE_PATH, class_hooks, hook_mismatches
-from vllm_sources import SourceUnavailable, offline, release_file
+from vllm_sources import release_source
 
-from kvtier.integrations.vllm.versions import SUPPORTED_RELEASES, VllmRelease
+from kvtier.integrations.vllm.versions import SUPPORTED_RELEASES
 
 CONNECTOR_PY = Path(__file__).resolve().parents[2] / "src/kvtier/integrations/vllm/connector.py"
 
 
-def base_source(release: VllmRelease) -> str:
-    try:
-        return release_file(release, BASE_PATH)
-    except SourceUnavailable as exc:
-        reason = str(exc)
-    # Outside the except block: the report is the reason alone, not pip's traceback.
-    if offline():
-        pytest.skip(reason)
-    pytest.fail(reason, pytrace=False)
-
-
 @pytest.mark.parametrize("release", SUPPORTED_RELEASES, ids=lambda r: r.label())
 def test_the_connector_implements_every_hook_of_the_release(release):
-    source = base_source(release)
+    source = release_source(release, BASE_PATH)
     problems = hook_mismatches(source, CONNECTOR_PY.read_text())
 
     assert not problems, (f"KVTierConnector does not match {release.distribution} "

@@ -21,9 +21,9 @@ from textwrap import dedent
 import pytest
 from hookcheck import BASE_PATH
 from test_connector_api import CONNECTOR_PY
-from vllm_sources import SourceUnavailable, offline, release_file
+from vllm_sources import release_source
 
-from kvtier.integrations.vllm.versions import SUPPORTED_RELEASES, VllmRelease
+from kvtier.integrations.vllm.versions import SUPPORTED_RELEASES
 
 SCHEDULER_PATH = "vllm/v1/core/sched/scheduler.py"
 POLICY = "kv_load_failure_policy"
@@ -90,16 +90,6 @@ def _assigned(function: ast.FunctionDef, value: ast.expr) -> str:
                     isinstance(t, ast.Name) and t.id == value.id for t in node.targets):
                 return _unparse(node.value)
     return _unparse(value)
-
-
-def release_source(release: VllmRelease, path: str) -> str:
-    try:
-        return release_file(release, path)
-    except SourceUnavailable as exc:
-        reason = str(exc)
-    if offline():
-        pytest.skip(reason)
-    pytest.fail(reason, pytrace=False)
 
 
 @pytest.mark.parametrize("release", SUPPORTED_RELEASES, ids=lambda r: r.label())

@@ -25,6 +25,8 @@ import zipfile
 from importlib import metadata
 from pathlib import Path
 
+import pytest
+
 from kvtier.integrations.vllm.versions import VllmRelease
 
 WHEEL_CACHE = Path(os.environ.get("KVTIER_VLLM_WHEELS", "~/.cache/kvtier/vllm-wheels"))
@@ -55,6 +57,18 @@ def release_file(release: VllmRelease, path: str) -> str:
     wheel = cached_wheel(release) or _download_wheel(release)
     with zipfile.ZipFile(wheel) as archive:
         return archive.read(path).decode()
+
+
+def release_source(release: VllmRelease, path: str) -> str:
+    """`release_file` for a test: the file's text, or the test skipped (offline, no cached
+    wheel) or failed (the wheel could not be had) with the reason alone, not pip's traceback."""
+    try:
+        return release_file(release, path)
+    except SourceUnavailable as exc:
+        reason = str(exc)
+    if offline():
+        pytest.skip(reason)
+    pytest.fail(reason, pytrace=False)
 
 
 def cached_wheel(release: VllmRelease) -> Path | None:

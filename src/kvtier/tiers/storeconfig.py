@@ -27,14 +27,12 @@ every tier's config model).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Literal
 
-import yaml
 from pydantic import Field, SerializeAsAny, field_validator
 
-from kvtier.config import ByteSize, FrozenModel, parse_model
+from kvtier.config import ByteSize, FrozenModel, parse_model, read_config_file
 from kvtier.core.threads import parse_io_cores
 from kvtier.errors import ConfigError, TierConfigError
 from kvtier.tiers.registry import TIER_CLASSES, config_model, public_kinds, tier_class
@@ -157,10 +155,4 @@ class StoreConfig(FrozenModel):
         Raises:
             ConfigError: unreadable file, bad syntax or an invalid value.
         """
-        try:
-            text = Path(path).read_text()
-            data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
-        except (OSError, ValueError, yaml.YAMLError) as exc:
-            raise ConfigError("config file", str(path),
-                              f"a readable YAML or JSON file ({exc})") from exc
-        return cls.parse(data, where=str(path))
+        return cls.parse(read_config_file(path), where=str(path))

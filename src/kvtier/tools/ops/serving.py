@@ -31,8 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from kvtier.config import read_config_file
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import (
     TOKENS_PER_CHUNK,
@@ -172,12 +171,7 @@ def load_connector_config(path: str | Path) -> dict[str, Any]:
         ConfigError: unreadable file, bad syntax, an unknown key (named, with the file's
             path) or an invalid value.
     """
-    try:
-        text = Path(path).read_text()
-        data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
-    except (OSError, ValueError, yaml.YAMLError) as exc:
-        raise ConfigError("config file", str(path),
-                          f"a readable YAML or JSON file ({exc})") from exc
+    data = read_config_file(path)
     if not isinstance(data, Mapping):
         raise ConfigError(str(path), type(data).__name__, "a mapping with a 'tiers' list")
     ConnectorConfig.parse(data, where=str(path))
