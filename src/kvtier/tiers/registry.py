@@ -19,11 +19,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kvtier.config import FrozenModel
 from kvtier.core.tier import Locality, Medium, Tier
 
 if TYPE_CHECKING:
     from kvtier.core.layout import KVLayout
-    from kvtier.tiers.storeconfig import TierSettings
 
 # kind -> "module:Class"
 TIER_CLASSES: dict[str, str] = {
@@ -40,7 +40,7 @@ class TierClass(Protocol):
     """A tier kind's class, as the registry finds it: its constructor, its config model and
     the kind's facts (the class attributes `kvtier.core.tier.Tier` declares)."""
 
-    config_model: type[TierSettings]
+    config_model: type[FrozenModel]  # a kvtier.tiers.storeconfig.TierSettings subclass
     medium: Medium
     locality: Locality
     has_path: bool
@@ -61,7 +61,7 @@ def tier_class(kind: str) -> TierClass:
     return cls
 
 
-def config_model(kind: str) -> type[TierSettings]:
+def config_model(kind: str) -> type[FrozenModel]:
     """The pydantic model of tier `kind`'s config (its module imported now)."""
     return tier_class(kind).config_model
 

@@ -66,7 +66,7 @@ def _tier_config(item: object, index: int) -> object:
     kind = item.get("kind")
     if kind is None:
         raise TierConfigError(f"tiers.{index}.kind", None,
-                         "a tier kind, one of " + ", ".join(repr(k) for k in kinds))
+                              "a tier kind, one of " + ", ".join(repr(k) for k in kinds))
     if not isinstance(kind, str) or kind not in TIER_CLASSES:
         raise TierConfigError(f"tiers.{index}.kind", kind, f"one of {kinds}")
     try:
