@@ -12,7 +12,7 @@ inject the bug (keys from token ids only) and show that these checks catch it: a
 and another output.
 
 Two engines, one at a time (class-scoped), their engine cores in this process so that the
-controls can patch kvtier's scheduler: the "test" model with prompt embeds on, and a generated
+controls can patch kvtier's request table: the "test" model with prompt embeds on, and a generated
 Idefics3-style vision-language model (tiny_vlm.py). Chunks of 64 tokens; vLLM's own prefix
 cache is reset before each request, so every hit is kvtier's.
 """
@@ -80,9 +80,9 @@ def in_process_engine(model_dir: Path, **overrides: Any) -> Iterator[Any]:
 
 def inject_keys_without_extras(monkeypatch: pytest.MonkeyPatch) -> None:
     """The bug of issue 11: chunk keys from token ids only (no images, no embeddings)."""
-    import kvtier.integrations.vllm.scheduler as scheduler
+    import kvtier.integrations.vllm.requeststate as requeststate
 
-    monkeypatch.setattr(scheduler, "needs_chunk_extras", lambda request: False)
+    monkeypatch.setattr(requeststate, "needs_chunk_extras", lambda request: False)
 
 
 def loadable(num_tokens: int) -> int:
