@@ -12,7 +12,7 @@ import pytest
 
 from kvtier.tools.cli.main import main
 
-pytestmark = pytest.mark.slow  # whole commands, doctor probing this machine: not in the fast lane
+pytestmark = pytest.mark.slow  # whole commands, doctor probing this machine
 
 CONFIGS = Path(__file__).parents[1] / "data" / "configs"
 

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # a fresh interpreter per case: not in the fast lane
+
 HEAVY = ("torch", "vllm")
 CONFIGS = Path(__file__).parents[1] / "data" / "configs"
 
@@ -22,8 +24,6 @@ CONFIGS = Path(__file__).parents[1] / "data" / "configs"
 PROBE = f"""\
 import contextlib, io, json, sys
 from kvtier.tools.cli.main import main
-
-pytestmark = pytest.mark.slow  # a fresh interpreter per case: not in the fast lane
 with contextlib.redirect_stdout(io.StringIO()):
     code = main(json.loads(sys.argv[1]))
 print(json.dumps({{"code": code, "loaded": [m for m in {HEAVY!r} if m in sys.modules]}}))
