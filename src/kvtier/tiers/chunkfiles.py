@@ -52,6 +52,7 @@ from kvtier.tiers.filetree import (
     open_dir,
     unlink_file,
 )
+from kvtier.tiers.fsops import FsOps
 
 log = logging.getLogger(__name__)
 TEMP_SUFFIX = ".tmp"
@@ -87,6 +88,7 @@ class ChunkFiles:
         self.max_file_bytes = max(self.file_bytes, stored_size(self.encoder.max_body_bytes))
         self.dir_mode, self.file_mode = dir_mode, file_mode
         self.directory = self.root / layout_digest
+        self.ops = FsOps()  # the metadata operations asked of the filesystem (fsops.py)
         self._local = threading.local()
         self.writable = self._prepare_directory()
         self.o_direct = o_direct != "off" and self.writable and self._probe_o_direct(
@@ -183,8 +185,9 @@ class ChunkFiles:
         if not self.writable:
             raise OSError(errno.EROFS, f"{self.root} is read-only for this process")
         parts = chunk_parts(self.layout_digest, key)
-        dir_fd = open_dir(self.root, parts[:-1], self.dir_mode)
+        dir_fd = open_dir(self.root, parts[:-1], self.dir_mode, self.ops)
         temp = f".{parts[-1]}.{uuid.uuid4().hex[:12]}{TEMP_SUFFIX}"
+        self.ops.add(opens=1)
         try:
             fd = os.open(temp, self._flags(os.O_WRONLY | os.O_CREAT | os.O_EXCL | _FILE_FLAGS),
                          self.file_mode, dir_fd=dir_fd)
@@ -195,6 +198,7 @@ class ChunkFiles:
                                size_bytes or self.file_bytes)
         try:
             os.fchmod(fd, self.file_mode)  # the umask must not narrow group_shared's 0660
+            self.ops.add(other=1)
             os.ftruncate(fd, pending.size_bytes)
         except BaseException:
             pending.abort()
@@ -218,7 +222,7 @@ class ChunkFiles:
         """
         parts = chunk_parts(self.layout_digest, key)
         try:
-            dir_fd = open_dir(self.root, parts[:-1])
+            dir_fd = open_dir(self.root, parts[:-1], ops=self.ops)
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                 raise CorruptChunk(f"{self.path_of(key)}: a link or a file where kvtier's "
@@ -262,6 +266,7 @@ class ChunkFiles:
         """An fd of the regular file `name`, opened for reading without blocking on a FIFO
         or a device and without following a link."""
         flags = self._flags(os.O_RDONLY | os.O_NONBLOCK | _FILE_FLAGS)
+        self.ops.add(opens=1)
         try:
             fd = os.open(name, flags, dir_fd=dir_fd)
         except OSError as exc:
@@ -284,7 +289,8 @@ class ChunkFiles:
         """Whether the chunk's file is a regular file reached without a link (one lstat per
         component). Never raises: EACCES or a stale NFS handle is a miss."""
         try:
-            return lstat_file(self.root, chunk_parts(self.layout_digest, key)) is not None
+            return lstat_file(self.root, chunk_parts(self.layout_digest, key),
+                              self.ops) is not None
         except OSError:
             return False
 
@@ -293,9 +299,10 @@ class ChunkFiles:
         that every process sharing the directory sees."""
         parts = chunk_parts(self.layout_digest, key)
         try:
-            dir_fd = open_dir(self.root, parts[:-1])
+            dir_fd = open_dir(self.root, parts[:-1], ops=self.ops)
         except OSError:
             return  # evicted meanwhile, or not ours: the order is only advisory
+        self.ops.add(other=1)
         try:
             os.utime(parts[-1], dir_fd=dir_fd, follow_symlinks=False)
         except OSError:
@@ -308,14 +315,14 @@ class ChunkFiles:
         through a link). None when nothing was removed; else the bytes that freed (0 for a
         link or special file). Never raises: a read-only directory keeps its files (logged)."""
         try:
-            return unlink_file(self.root, chunk_parts(self.layout_digest, key))
+            return unlink_file(self.root, chunk_parts(self.layout_digest, key), self.ops)
         except OSError as exc:
             log.warning("%s: cannot remove chunk %s (%s)", self.directory, key.hex(), exc)
             return None
 
     def scan(self) -> TreeScan:
         """Every chunk file of this layout (see `scan_tree`)."""
-        return scan_tree(self.root, [self.layout_digest], sweep=self.writable)
+        return scan_tree(self.root, [self.layout_digest], sweep=self.writable, ops=self.ops)
 
 
 class PendingWrite:
@@ -377,6 +384,7 @@ class PendingWrite:
         """
         os.close(self._fd)
         self._fd = -1
+        self.files.ops.add(other=1)
         os.replace(self._temp, self._name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
         self._temp = ""
         os.close(self._dir_fd)
@@ -391,6 +399,7 @@ class PendingWrite:
             self._fd = -1
         if self._dir_fd >= 0:
             if self._temp:
+                self.files.ops.add(stats=1, unlinks=1)
                 try:
                     freed = os.stat(self._temp, dir_fd=self._dir_fd,
                                     follow_symlinks=False).st_size

@@ -21,6 +21,7 @@ from pathlib import Path
 from kvtier.core.keys import KEY_BYTES, ChunkKey
 from kvtier.core.tier import StoredChunk
 from kvtier.tiers.filetree import TEMP_STALE_S, is_layout_name, lstat_file, unlink_file, walk
+from kvtier.tiers.fsops import NO_OPS, FsOps
 from kvtier.tiers.manifest import NamespaceManifest, file_manifests, remove_file_manifest
 
 SUFFIX = ".kvc"
@@ -64,7 +65,7 @@ def chunk_path(root: Path, layout_digest: str, key: ChunkKey) -> Path:
 
 
 def scan_tree(root: Path, layout_digests: Sequence[str] | None = None,
-              sweep: bool = True) -> TreeScan:
+              sweep: bool = True, ops: FsOps = NO_OPS) -> TreeScan:
     """Every chunk file of `layout_digests` (default: every layout) below `root`, found
     without following links (`filetree.walk`); with `sweep`, deletes kvtier's own temp files
     older than TEMP_STALE_S on the way (a writer that died), and nothing else.
@@ -74,11 +75,11 @@ def scan_tree(root: Path, layout_digests: Sequence[str] | None = None,
     """
     found = TreeScan()
     stale_before = time.time() - TEMP_STALE_S
-    for entry in walk(Path(root), layout_digests):
+    for entry in walk(Path(root), layout_digests, ops):
         if entry.temp:
             if sweep and entry.mtime < stale_before:
                 try:
-                    if unlink_file(Path(root), entry.parts()) is not None:
+                    if unlink_file(Path(root), entry.parts(), ops) is not None:
                         found.swept += 1
                         continue
                 except OSError:

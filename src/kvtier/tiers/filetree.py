@@ -23,6 +23,7 @@ new directory, and an explicit chmod to 0770 would clear it, so later files woul
 the writer's primary group (issue 12, item 4; tests/faults/test_group_sharing.py).
 
 Primitives: `open_dir`, `make_root`, `lstat_file`, `unlink_file`, `walk`, `Entry`,
+`sample_shards` (the shared tier's sampled eviction),
 `TEMP_STALE_S`, `is_layout_name`, `is_temp_name`, `DIR_FLAGS`, `NOT_OURS`.
 """
 
@@ -30,11 +31,14 @@ from __future__ import annotations
 
 import errno
 import os
+import random
 import re
 import stat
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvtier.tiers.fsops import NO_OPS, FsOps
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # A kvtier temp file older than this belongs to a writer that died: it is deleted by the next
@@ -62,22 +66,25 @@ def is_temp_name(name: str) -> bool:
     return bool(_CHUNK_TEMP.fullmatch(name) or _PROBE_TEMP.fullmatch(name))
 
 
-def open_dir(root: Path, parts: Sequence[str], create_mode: int | None = None) -> int:
+def open_dir(root: Path, parts: Sequence[str], create_mode: int | None = None,
+             ops: FsOps = NO_OPS) -> int:
     """An fd of root/parts[0]/.../parts[-1], no link followed below `root`.
 
     Args:
         create_mode: create missing directories with this mode (setgid kept, see module
             docstring); None: a missing directory raises FileNotFoundError.
+        ops: where the opens and mkdirs are counted (`kvtier.tiers.fsops`).
     Returns:
         A directory fd (O_CLOEXEC), the caller's to close.
     Raises:
         OSError: ELOOP/ENOTDIR when a component is a link or not a directory, ENOENT when
             missing (and not created), EACCES, EROFS, ...
     """
+    ops.add(opens=1)
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         for part in parts:
-            child = _open_child(fd, part, create_mode)
+            child = _open_child(fd, part, create_mode, ops)
             os.close(fd)
             fd = child
     except BaseException:
@@ -86,12 +93,14 @@ def open_dir(root: Path, parts: Sequence[str], create_mode: int | None = None) -
     return fd
 
 
-def _open_child(parent_fd: int, name: str, create_mode: int | None) -> int:
+def _open_child(parent_fd: int, name: str, create_mode: int | None, ops: FsOps) -> int:
+    ops.add(opens=1)
     try:
         return os.open(name, DIR_FLAGS, dir_fd=parent_fd)
     except FileNotFoundError:
         if create_mode is None:
             raise
+    ops.add(other=1, opens=1)
     try:
         os.mkdir(name, create_mode, dir_fd=parent_fd)
     except FileExistsError:  # another process made it: its mode is its creator's
@@ -127,16 +136,18 @@ def make_root(directory: Path, mode: int) -> None:
             os.close(fd)
 
 
-def lstat_file(root: Path, parts: Sequence[str]) -> os.stat_result | None:
+def lstat_file(root: Path, parts: Sequence[str],
+               ops: FsOps = NO_OPS) -> os.stat_result | None:
     """The lstat of root/parts... when it is a regular file reached without a link; None
     when it is absent, not a regular file, or behind a link. Raises other OSErrors
     (EACCES, ESTALE, ...)."""
     try:
-        fd = open_dir(root, parts[:-1])
+        fd = open_dir(root, parts[:-1], ops=ops)
     except OSError as exc:
         if exc.errno in NOT_OURS:
             return None
         raise
+    ops.add(stats=1)
     try:
         info = os.stat(parts[-1], dir_fd=fd, follow_symlinks=False)
     except OSError as exc:
@@ -148,9 +159,12 @@ def lstat_file(root: Path, parts: Sequence[str]) -> os.stat_result | None:
     return info if stat.S_ISREG(info.st_mode) else None
 
 
-def unlink_file(root: Path, parts: Sequence[str]) -> int | None:
+def unlink_file(root: Path, parts: Sequence[str], ops: FsOps = NO_OPS,
+                not_after: float | None = None) -> int | None:
     """Delete the regular file root/parts... (never through a link, never anything but a
-    regular file, or a symlink/FIFO/device sitting at a chunk path of kvtier's layout).
+    regular file, or a symlink/FIFO/device sitting at a chunk path of kvtier's layout);
+    with `not_after`, only if its mtime is not later (an eviction's victim read since it
+    was chosen is kept).
 
     Returns:
         None when nothing was removed (absent, a directory, or behind a link); else the
@@ -160,15 +174,17 @@ def unlink_file(root: Path, parts: Sequence[str]) -> int | None:
         OSError: other than absent/not-ours (EACCES, EROFS, ...).
     """
     try:
-        fd = open_dir(root, parts[:-1])
+        fd = open_dir(root, parts[:-1], ops=ops)
     except OSError as exc:
         if exc.errno in NOT_OURS:
             return None
         raise
     try:
+        ops.add(stats=1)
         info = os.stat(parts[-1], dir_fd=fd, follow_symlinks=False)
-        if stat.S_ISDIR(info.st_mode):
+        if stat.S_ISDIR(info.st_mode) or (not_after is not None and info.st_mtime > not_after):
             return None
+        ops.add(unlinks=1)
         os.unlink(parts[-1], dir_fd=fd)  # unlink never follows a link: it removes the link
     except OSError as exc:
         if exc.errno in NOT_OURS:
@@ -197,7 +213,8 @@ class Entry:
         return (self.layout_digest, *(self.shard or ()), self.name)
 
 
-def walk(root: Path, layout_digests: Sequence[str] | None = None) -> Iterator[Entry]:
+def walk(root: Path, layout_digests: Sequence[str] | None = None,
+         ops: FsOps = NO_OPS) -> Iterator[Entry]:
     """Every regular chunk and kvtier temp file below `root` (of `layout_digests`, or of
     every layout), found with directory fds and lstat only: links, special files, foreign
     names and directories kvtier does not make are neither entered nor reported.
@@ -206,40 +223,104 @@ def walk(root: Path, layout_digests: Sequence[str] | None = None) -> Iterator[En
         OSError: `root` itself cannot be opened (absent: nothing is yielded).
     """
     try:
+        ops.add(opens=1)
         root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except FileNotFoundError:
         return
     try:
         names = layout_digests if layout_digests is not None else [
-            n for n, _ in _children(root_fd, directories=True) if _LAYOUT.fullmatch(n)]
+            n for n, _ in _children(root_fd, True, ops) if _LAYOUT.fullmatch(n)]
         for digest in names:
-            yield from _walk_layout(root_fd, digest)
+            yield from _walk_layout(root_fd, digest, ops)
     finally:
         os.close(root_fd)
 
 
-def _walk_layout(root_fd: int, digest: str) -> Iterator[Entry]:
-    for layout_fd in _subdir(root_fd, digest):
-        for name, info in _children(layout_fd, directories=False):
+def _walk_layout(root_fd: int, digest: str, ops: FsOps) -> Iterator[Entry]:
+    for layout_fd in _subdir(root_fd, digest, ops):
+        for name, info in _children(layout_fd, False, ops):
             if _PROBE_TEMP.fullmatch(name):
                 yield Entry(digest, None, name, info.st_size, info.st_mtime, True)
-        for first, _ in _children(layout_fd, directories=True):
+        for first, _ in _children(layout_fd, True, ops):
             if not _SHARD.fullmatch(first):
                 continue
-            for first_fd in _subdir(layout_fd, first):
-                for second, _ in _children(first_fd, directories=True):
-                    if not _SHARD.fullmatch(second):
-                        continue
-                    for shard_fd in _subdir(first_fd, second):
-                        for name, info in _children(shard_fd, directories=False):
-                            temp = bool(_CHUNK_TEMP.fullmatch(name))
-                            if temp or _CHUNK.fullmatch(name):
-                                yield Entry(digest, (first, second), name, info.st_size,
-                                            info.st_mtime, temp)
+            for first_fd in _subdir(layout_fd, first, ops):
+                for second, _ in _children(first_fd, True, ops):
+                    if _SHARD.fullmatch(second):
+                        yield from _shard_files(first_fd, digest, (first, second), ops)
 
 
-def _subdir(parent_fd: int, name: str) -> Iterator[int]:
+def _shard_files(parent_fd: int, digest: str, shard: tuple[str, str],
+                 ops: FsOps) -> Iterator[Entry]:
+    """The chunk and temp files of the shard directory `shard[1]` under `parent_fd`."""
+    for shard_fd in _subdir(parent_fd, shard[1], ops):
+        for name, info in _children(shard_fd, False, ops):
+            temp = bool(_CHUNK_TEMP.fullmatch(name))
+            if temp or _CHUNK.fullmatch(name):
+                yield Entry(digest, shard, name, info.st_size, info.st_mtime, temp)
+
+
+def sample_shards(root: Path, rng: random.Random, ops: FsOps = NO_OPS,
+                  ) -> Generator[list[Entry], None, None]:
+    """The files of the shard directories ROOT/<layout>/<s1>/<s2>, one directory at a time,
+    in a random order without repeats: first one random <s2> of each (layout, <s1>) in a
+    random order, then a second of each, and so on, until every one was visited (or the
+    caller stops). What the shared tier's eviction samples (an approximate LRU, as Redis
+    samples its keyspace): a caller that stops after a few directories reads a few dozen
+    files, whatever the tree holds; one that needs more of a small tree gets all of it.
+
+    Costs per directory visited: an open and a read of it, an lstat per file; per <s1>
+    visited, an open and a read. Names are typed from the directory entries (no stat);
+    links, foreign names and special files are skipped as by `walk`.
+
+    Raises:
+        OSError: `root` cannot be read (absent: nothing is yielded).
+    """
+    try:
+        ops.add(opens=1)
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    layout_fds: dict[str, int] = {}
+    try:
+        firsts: list[tuple[str, str]] = []  # (layout, s1)
+        for digest in _typed_dirs(root_fd, _LAYOUT, ops):
+            for layout_fd in _subdir(root_fd, digest, ops):
+                layout_fds[digest] = os.dup(layout_fd)
+                firsts += [(digest, first) for first in _typed_dirs(layout_fd, _SHARD, ops)]
+        rng.shuffle(firsts)
+        pending: list[list[str] | None] = [None] * len(firsts)  # each s1's unvisited s2s
+        while firsts:
+            left = []
+            for i, (digest, first) in enumerate(firsts):
+                for first_fd in _subdir(layout_fds[digest], first, ops):
+                    names = pending[i]
+                    if names is None:
+                        names = pending[i] = _typed_dirs(first_fd, _SHARD, ops)
+                        rng.shuffle(names)
+                    if names:
+                        yield list(_shard_files(first_fd, digest, (first, names.pop()), ops))
+                    if names:
+                        left.append(i)
+            firsts, pending = [firsts[i] for i in left], [pending[i] for i in left]
+    finally:
+        os.close(root_fd)
+        for fd in layout_fds.values():
+            os.close(fd)
+
+
+def _typed_dirs(fd: int, pattern: re.Pattern[str], ops: FsOps) -> list[str]:
+    """Names matching `pattern` of the directories in the directory `fd`, typed from the
+    directory entries (a filesystem that does not type them costs an lstat each)."""
+    ops.add(dir_reads=1)
+    with os.scandir(fd) as entries:
+        return [e.name for e in entries
+                if pattern.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
+
+
+def _subdir(parent_fd: int, name: str, ops: FsOps) -> Iterator[int]:
     """Zero or one fd of the real directory `name` (closed after use)."""
+    ops.add(opens=1)
     try:
         fd = os.open(name, DIR_FLAGS, dir_fd=parent_fd)
     except OSError as exc:
@@ -252,11 +333,13 @@ def _subdir(parent_fd: int, name: str) -> Iterator[int]:
         os.close(fd)
 
 
-def _children(fd: int, directories: bool) -> list[tuple[str, os.stat_result]]:
+def _children(fd: int, directories: bool, ops: FsOps) -> list[tuple[str, os.stat_result]]:
     """(name, lstat) of the directories, or of the regular files, in the directory `fd`."""
     found = []
+    ops.add(dir_reads=1)
     with os.scandir(fd) as entries:
         for entry in entries:
+            ops.add(stats=1)
             try:
                 info = entry.stat(follow_symlinks=False)
             except FileNotFoundError:  # removed meanwhile

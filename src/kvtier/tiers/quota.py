@@ -3,12 +3,21 @@ between every process on every node that writes to it.
 
 A per-process estimate, re-measured every scan, is not enough: 3 writers with a 4 MiB quota
 reach 2.56x the quota at cold start and 1.17x in steady state, each writing against a usage
-it measured before the others' writes (issue 12, item 5). The ledger is ROOT/.kvtier-quota, three
+it measured before the others' writes (issue 12, item 5). The ledger is ROOT/.kvtier-quota,
 little-endian int64 under an exclusive `flock` of that file:
 
     used_bytes      an upper bound of the bytes of kvtier's files (chunk and temp files)
     reserved_total  bytes ever reserved by writers (monotonic)
     completed_total bytes ever renamed into place by writers (monotonic)
+    chunks          chunk files held, as counted by the writers (a gauge, not a bound)
+    claimed_ns      unix time (ns) the last re-measure of the directory was claimed
+    walk_ns         how long that walk took (0: unknown)
+    repair          1: a writer found the usage over the quota with nothing left to evict,
+                    and asks for a re-measure as soon as the interval allows
+
+The first three are the ledger of builds before issue 28 (24 bytes); those builds read and
+write only them and leave the rest alone, so old and new writers share one bound. A ledger of
+24 bytes reads as "never re-measured" (claimed_ns 0).
 
 The writers keep `used_bytes` an upper bound of the real usage at every moment:
 
@@ -21,7 +30,7 @@ The writers keep `used_bytes` an upper bound of the real usage at every moment:
   done under the lock and subtracts the bytes it freed;
 - deletions by others (kvtier gc, an operator, the stale-temp sweep) only make it high.
 
-A periodic re-measure corrects the drift without stopping the writers: read the two totals
+A re-measure corrects the drift without stopping the writers: read the two totals
 (T0), scan the directory unlocked, then under the lock set `used = scanned + (reserved since
 T0) + (completed since T0)`. Every file present then was seen by the scan (it existed
 throughout), or was created (reserved) or renamed into place after T0, so the sum is still an
@@ -52,7 +61,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 LEDGER_NAME = ".kvtier-quota"
-_FORMAT = struct.Struct("<qqq")
+_FORMAT = struct.Struct("<qqqqqqq")
+_OLD_BYTES = 24  # the first three fields: the ledger of builds before issue 28
 # One fd and one thread lock per ledger file per process: flock is per open file on a local
 # filesystem but a POSIX lock on NFS (per process, released by closing ANY fd of the file),
 # so two tiers of one process must not each open the file.
@@ -69,6 +79,14 @@ class LedgerState:
     completed_total: int
     valid: bool  # False: the file was new, short or garbage (used_bytes is unknown until a
     # re-measure sets it and marks the state valid; an invalid state is not written back)
+    chunks: int = 0  # chunk files held (a gauge for stats; drifts, re-measured)
+    claimed_ns: int = 0  # unix ns the last re-measure was claimed (0: never)
+    walk_ns: int = 0  # how long the last re-measure's walk took
+    repair: int = 0  # 1: a re-measure is asked for as soon as the interval allows
+
+    def _fields(self) -> tuple[int, ...]:
+        return (max(0, self.used_bytes), self.reserved_total, self.completed_total,
+                max(0, self.chunks), self.claimed_ns, self.walk_ns, self.repair)
 
 
 def _open_ledger(path: Path, file_mode: int) -> int:
@@ -119,17 +137,18 @@ class QuotaLedger:
             self._flock(fcntl.LOCK_EX)
             try:
                 raw = os.pread(self._fd, _FORMAT.size, 0)
-                used, reserved, completed = (_FORMAT.unpack(raw) if len(raw) == _FORMAT.size
-                                             else (-1, 0, 0))
-                valid = min(used, reserved, completed) >= 0
-                state = (LedgerState(used, reserved, completed, True) if valid
-                         else LedgerState(0, 0, 0, False))
-                before = (state.used_bytes, state.reserved_total, state.completed_total)
+                if len(raw) >= _OLD_BYTES:  # an old build's ledger: the rest is zero
+                    raw = raw.ljust(_FORMAT.size, b"\0")
+                values = _FORMAT.unpack(raw) if len(raw) == _FORMAT.size else (-1,) * 7
+                valid = min(values) >= 0
+                state = LedgerState(values[0], values[1], values[2], True, values[3],
+                                    values[4], values[5], values[6]) if valid \
+                    else LedgerState(0, 0, 0, False)
+                before = state._fields()
                 try:
                     yield state
                 finally:
-                    after = (max(0, state.used_bytes), state.reserved_total,
-                             state.completed_total)
+                    after = state._fields()
                     if state.valid and (after != before or not valid):
                         os.pwrite(self._fd, _FORMAT.pack(*after), 0)
             finally:

@@ -33,7 +33,6 @@ import errno
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -63,15 +62,21 @@ from kvtier.core.tier import (
 )
 from kvtier.errors import CorruptChunk, KeyNotHeld
 from kvtier.tiers.chunkfiles import ChunkFiles, PendingWrite
-from kvtier.tiers.chunktree import ChunkFile, FileInventory, FileProbe, scan_tree
+from kvtier.tiers.chunktree import FileInventory, FileProbe, key_of, scan_tree
 from kvtier.tiers.directories import check_directory
 from kvtier.tiers.encoding import EncodedTierSettings, build_encoder
-from kvtier.tiers.filetree import lstat_file, unlink_file
+from kvtier.tiers.filetree import unlink_file
 from kvtier.tiers.manifest import NamespaceManifest, write_file_manifest
 from kvtier.tiers.quota import LedgerState, QuotaLedger
+from kvtier.tiers.victims import VictimSampler
 
 log = logging.getLogger(__name__)
 LOW_WATERMARK = 0.9  # eviction frees space down to this fraction of the capacity
+EVICT_BATCH_FILES = 64  # at most this many files freed per eviction (the lock is held)
+EVICT_MISSES = 64  # candidates in a row that freed nothing (read since) end an eviction
+# A re-measure of the directory waits at least this many times the last walk's duration:
+# the fleet spends at most 1/REMEASURE_DUTY of one writer's time walking, whatever it holds.
+REMEASURE_DUTY = 100
 
 
 class SharedTierConfig(EncodedTierSettings):
@@ -132,9 +137,21 @@ class SharedTier:
         # a `.probe` file fails the constructor (tests/faults/test_read_only.py).
         self.ledger = QuotaLedger(self.files.root, modes[1]) if self.files.writable else None
         self._scan_lock = threading.Lock()  # one re-measure at a time in this process
-        self._victims: deque[ChunkFile] = deque()  # eviction order: last scan, then own puts
-        self._scanned_at = 0.0
-        self.enforce_quota()
+        self._sampler = VictimSampler(self.files.root, self.files.ops)
+        self.remeasures = 0  # re-measures of the directory this process ran
+        self._open_quota()
+
+    def _open_quota(self) -> None:
+        """Start-up: the usage from the ledger; a re-measure only when the ledger asks for
+        one (new, invalid, or due): a fleet's engines starting at once walk it once."""
+        if self.ledger is None:
+            self.enforce_quota()
+            return
+        with self.ledger.locked() as ledger:
+            claimed = self._claim_locked(ledger)
+            self._publish(ledger)
+        if claimed:
+            self.enforce_quota()
 
     def keep_manifest(self, manifest: NamespaceManifest) -> None:
         """Write the namespace's manifest.json beside its chunks (`ManifestKeeper`);
@@ -188,14 +205,14 @@ class SharedTier:
             return FULL
         if not self._admission.offer(key):
             return DECLINED
-        if time.monotonic() - self._scanned_at > self.scan_interval_s:
-            self.enforce_quota()
         start = time.perf_counter()
         # compressed / sealed here, off the engine
         encoded = self.files.encode(key, data, meta.tenant)
         size = self.files.size_of(encoded)
         try:
-            pending = self._reserve(key, size)
+            pending, claimed = self._reserve(key, size)
+            if claimed:  # this writer re-measures the directory for the fleet (unlocked)
+                self.enforce_quota()
             if pending is None:
                 self._counters.add(dropped_writes=1)
                 log.warning("shared tier %r: quota full and nothing left to evict; %s dropped",
@@ -212,33 +229,57 @@ class SharedTier:
                 self.enforce_quota(size, force=True)
                 return FULL
             return IO_ERROR
-        # chunks/used_bytes are kept current between scans, not only when the directory is
-        # re-measured: otherwise stats say 0 bytes used after puts.
-        self._counters.add(puts=1, bytes_written=len(data), write_s=time.perf_counter() - start,
-                           chunks=1, used_bytes=size)
+        self._counters.add(puts=1, bytes_written=len(data), write_s=time.perf_counter() - start)
         self.events.stored(key)
         return OK
 
-    def _reserve(self, key: ChunkKey, size: int | None = None) -> PendingWrite | None:
+    def _reserve(self, key: ChunkKey, size: int | None = None,
+                 ) -> tuple[PendingWrite | None, bool]:
         """Reserve room for one file in the shared quota (evicting first when needed) and
         create its full-size temp file, as one step under the ledger's lock (see
-        kvtier.tiers.quota: that is what bounds the usage with many writers). None when
-        nothing is left to evict. Raises OSError when the temp file cannot be created."""
+        kvtier.tiers.quota: that is what bounds the usage with many writers). Returns the
+        pending write (None when nothing is left to evict) and whether this writer claimed
+        the directory's re-measure (`_claim_locked`; the caller runs it, unlocked).
+        Raises OSError when the temp file cannot be created."""
         assert self.ledger is not None
         size = size or self.file_bytes  # a file of `size` bytes (default: a chunk as is)
         with self.ledger.locked() as ledger:
-            if not ledger.valid:  # reset by someone: re-measure before writing again
-                self._scanned_at = 0.0
-                return None
+            if not ledger.valid:  # new, or reset by someone: re-measure before writing
+                return None, self._claim_locked(ledger)
             if ledger.used_bytes + size > self.capacity_bytes:
-                self._evict_locked(ledger, LOW_WATERMARK * self.capacity_bytes - size)
+                self._evict_locked(ledger, self._evict_target(ledger, size))
             if ledger.used_bytes + size > self.capacity_bytes:
-                self._scanned_at = 0.0  # eviction candidates ran out: re-measure next put
-                return None
+                ledger.repair = 1  # nothing left to evict: the usage may have drifted high
+                self._publish(ledger)
+                return None, self._claim_locked(ledger)
             pending = self.files.prepare_write(key, size)
             ledger.used_bytes += size
             ledger.reserved_total += size
-            return pending
+            self._publish(ledger)
+            return pending, self._claim_locked(ledger)
+
+    def _evict_target(self, ledger: LedgerState, incoming_bytes: int) -> float:
+        """The usage an eviction for `incoming_bytes` frees down to: LOW_WATERMARK of the
+        capacity, at most EVICT_BATCH_FILES files per lock hold (the fleet waits on it)."""
+        batch = ledger.used_bytes - EVICT_BATCH_FILES * self.files.max_file_bytes
+        return min(self.capacity_bytes - incoming_bytes,
+                   max(LOW_WATERMARK * self.capacity_bytes - incoming_bytes, batch))
+
+    def _claim_locked(self, ledger: LedgerState) -> bool:
+        """Whether this writer re-measures the directory now: one is due by the ledger, and
+        claiming it there (`claimed_ns`) makes every other writer wait for the next one.
+        Due `scan_interval_s` after the last claim, or REMEASURE_DUTY times the last walk's
+        duration if longer (a walk of 10^7 files is not repeated every 30 s), or at once
+        when the ledger is not valid. Caller holds the lock."""
+        now = time.time_ns()
+        if ledger.valid:
+            wait_ns = self.scan_interval_s * 1e9
+            if not ledger.repair:
+                wait_ns = max(wait_ns, REMEASURE_DUTY * ledger.walk_ns)
+            if now < ledger.claimed_ns + wait_ns:
+                return False
+        ledger.claimed_ns = now
+        return True
 
     def _write(self, pending: PendingWrite, data: Encoded) -> None:
         """Fill the reserved temp file (unlocked), then rename it into place under the lock.
@@ -249,71 +290,81 @@ class SharedTier:
             with self.ledger.locked() as ledger:
                 pending.complete()
                 ledger.completed_total += pending.size_bytes
+                ledger.chunks += 1
+                self._publish(ledger)
         except BaseException:
             with self.ledger.locked() as ledger:
                 ledger.used_bytes -= pending.abort()
+                self._publish(ledger)
             raise
-        self._victims.append(ChunkFile(pending.key, self.files.path_of(pending.key),
-                                       pending.size_bytes, time.time(),
-                                       self.files.layout_digest))
 
     def enforce_quota(self, incoming_bytes: int = 0, force: bool = False) -> None:
-        """Re-measure the whole directory (every layout) and delete least recently used files
-        until it fits the capacity with room for `incoming_bytes`. With `force` (the
-        filesystem itself is full), free down to the low watermark of what is held even when
-        the quota is met. Sweeps kvtier's stale temp files (filetree.TEMP_STALE_S)."""
+        """Re-measure the whole directory (every layout), then evict (sampled LRU) until it
+        fits the capacity with room for `incoming_bytes`. With `force` (the filesystem
+        itself is full), free down to the low watermark of what is held even when the quota
+        is met. Sweeps kvtier's stale temp files (filetree.TEMP_STALE_S). Called by the
+        writer that claimed the re-measure (`_claim_locked`), not on every writer's clock:
+        one walk per interval for the whole fleet."""
         with self._scan_lock:
             if self.ledger is None:  # read-only: count only
-                scan = scan_tree(self.files.root, sweep=False)
+                scan = scan_tree(self.files.root, sweep=False, ops=self.files.ops)
                 self._counters.set(chunks=len(scan.chunks),
                                    used_bytes=sum(f.size_bytes for f in scan.chunks))
-                self._scanned_at = time.monotonic()
                 return
+            self.remeasures += 1
             reserved_before, completed_before = self.ledger.totals()
-            scan = scan_tree(self.files.root)
-            files = sorted(scan.chunks, key=lambda f: f.mtime)
+            began = time.monotonic_ns()
+            scan = scan_tree(self.files.root, ops=self.files.ops)
+            walk_ns = time.monotonic_ns() - began
             with self.ledger.locked() as ledger:
                 # Every file present now was seen by the scan, or reserved or renamed into
                 # place since it started: an upper bound of the usage (kvtier.tiers.quota).
-                ledger.used_bytes = (sum(f.size_bytes for f in files) + scan.temp_bytes
+                ledger.used_bytes = (sum(f.size_bytes for f in scan.chunks) + scan.temp_bytes
                                      + ledger.reserved_total - reserved_before
                                      + ledger.completed_total - completed_before)
-                ledger.valid = True
-                self._victims = deque(files)
-                evicted = 0
+                ledger.chunks = len(scan.chunks)
+                ledger.claimed_ns = max(ledger.claimed_ns, time.time_ns() - walk_ns)
+                ledger.walk_ns, ledger.repair, ledger.valid = walk_ns, 0, True
+                self._sampler.forget()
                 if force or ledger.used_bytes + incoming_bytes > self.capacity_bytes:
                     # `force` aims below what is held: with a quota larger than the filesystem,
                     # 90% of the quota is above what the full filesystem holds (frees nothing).
                     limit = min(ledger.used_bytes, self.capacity_bytes) if force else \
                         self.capacity_bytes
-                    evicted = self._evict_locked(ledger, LOW_WATERMARK * limit - incoming_bytes)
-                held = sum(f.size_bytes for f in self._victims)
-            self._counters.set(chunks=len(files) - evicted, used_bytes=held)
-            self._scanned_at = time.monotonic()
+                    self._evict_locked(ledger, LOW_WATERMARK * limit - incoming_bytes)
+                self._publish(ledger)
 
     def _evict_locked(self, ledger: LedgerState, target_bytes: float) -> int:
-        """Delete least recently used files until the ledger's usage is <= target (or no
-        candidate is left); the number deleted. Caller holds the ledger's lock."""
-        evicted = freed_own = 0
-        while ledger.used_bytes > target_bytes and self._victims:
-            victim = self._victims.popleft()
+        """Delete sampled least recently used files (`VictimSampler`, every layout) until
+        the ledger's usage is <= target (or no candidate is left); the number of chunks
+        deleted. Caller holds the ledger's lock."""
+        evicted = freed_own = misses = 0
+        while ledger.used_bytes > target_bytes and misses < EVICT_MISSES:
             try:
-                now = lstat_file(self.files.root, victim.parts())
-                if now is not None and now.st_mtime > victim.mtime:  # a hit since: keep it
-                    self._victims.append(replace(victim, mtime=now.st_mtime))
-                    continue
-                freed = unlink_file(self.files.root, victim.parts())
+                victim = self._sampler.take()
+                if victim is None:
+                    break
+                freed = unlink_file(self.files.root, victim.parts(), self.files.ops,
+                                    not_after=victim.mtime)
             except OSError as exc:
-                log.warning("shared tier %r: cannot evict %s (%s)", self.name, victim.path, exc)
+                log.warning("shared tier %r: cannot evict from %s (%s)", self.name,
+                            self.files.root, exc)
+                misses += 1
                 continue
-            if freed is None:
-                continue  # another process evicted it first (and counted it)
+            if freed is None:  # read since it was sampled, or evicted by another process
+                misses += 1
+                continue
+            misses = 0
             ledger.used_bytes -= freed
+            if victim.temp:  # a killed writer's temp file
+                continue
+            ledger.chunks -= 1
             evicted += 1
-            freed_own += freed
-            if victim.layout_digest == self.files.layout_digest:
-                self.events.removed(victim.key)
-        self._counters.add(evictions=evicted, chunks=-evicted, used_bytes=-freed_own)
+            key = key_of(victim.name)
+            if victim.layout_digest == self.files.layout_digest and key is not None:
+                freed_own += freed
+                self.events.removed(key)
+        self._counters.add(evictions=evicted)
         return evicted
 
     def _unlink(self, key: ChunkKey) -> int | None:
@@ -323,8 +374,15 @@ class SharedTier:
             return self.files.remove(key)
         with self.ledger.locked() as ledger:
             freed = self.files.remove(key)
-            ledger.used_bytes -= freed or 0
+            if freed is not None:
+                ledger.used_bytes -= freed
+                ledger.chunks -= 1
+            self._publish(ledger)
         return freed
+
+    def _publish(self, ledger: LedgerState) -> None:
+        """The directory's usage as the ledger has it, into this tier's stats."""
+        self._counters.set(chunks=max(0, ledger.chunks), used_bytes=max(0, ledger.used_bytes))
 
     def delete(self, key: ChunkKey) -> bool:
         freed = self._unlink(key)
@@ -333,12 +391,16 @@ class SharedTier:
         return freed is not None
 
     def _forgotten(self, key: ChunkKey, freed_bytes: int) -> None:
-        """One chunk file less (deleted, or removed as corrupt)."""
-        self._counters.add(chunks=-1, used_bytes=-freed_bytes)
+        """One chunk file less (deleted, or removed as corrupt; the ledger counted it)."""
+        if self.ledger is None:
+            self._counters.add(chunks=-1, used_bytes=-freed_bytes)
         self.events.removed(key)
 
     def stats(self) -> TierStats:
-        return self._counters.snapshot()
+        ops = self.files.ops.snapshot()
+        return replace(self._counters.snapshot(), meta_stats=ops.stats, meta_opens=ops.opens,
+                       meta_unlinks=ops.unlinks, meta_dir_reads=ops.dir_reads,
+                       meta_other=ops.other)
 
     def close(self) -> None:
         # Nothing buffered: every put is in the directory when it returns.
