@@ -92,6 +92,13 @@ COUNTERS: dict[str, str] = {
     "tier_pins_refused": "Pins (kv_transfer_params.retain_s) refused because the tier's "
                          "pinned bytes reached max_pinned_share (stored unpinned)",
     "tier_expired": "Chunks removed from the tier because their TTL passed",
+    # Metadata operations a file tier asked of its filesystem (kvtier.tiers.fsops): on NFS
+    # or Lustre each is a round trip to the server the fleet shares.
+    "tier_meta_stats": "stat/lstat calls the tier made on its directory",
+    "tier_meta_opens": "Opens of files and directories the tier made on its directory",
+    "tier_meta_unlinks": "Files the tier unlinked in its directory",
+    "tier_meta_dir_reads": "Directory listings the tier read",
+    "tier_meta_other": "Renames, mkdirs, utimes and ftruncates the tier made",
 }
 GAUGES: dict[str, str] = {
     "tier_used_bytes": "Bytes the tier holds now",
@@ -128,6 +135,9 @@ _TIER_FIELDS = {  # counter -> TierStats field (queries = hits + misses, handled
     "tier_read_seconds": "read_s", "tier_write_seconds": "write_s",
     "tier_evictions": "evictions", "tier_corrupt_reads": "corrupt_reads",
     "tier_dropped_writes": "dropped_writes",
+    "tier_meta_stats": "meta_stats", "tier_meta_opens": "meta_opens",
+    "tier_meta_unlinks": "meta_unlinks", "tier_meta_dir_reads": "meta_dir_reads",
+    "tier_meta_other": "meta_other",
 }
 
 
