@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import tierkit
 from redis_server import REDIS_SERVER, SKIP_REASON, RedisClusterNodes, RedisServer
+from s3_server import MOTO_SKIP, TEST_KEYS, MotoServer, S3Endpoint, moto_available, real_endpoint
 from tierkit import tiny_layout
 
 from kvtier.core.layout import KVLayout
@@ -31,6 +32,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         callspec = getattr(item, "callspec", None)
         if callspec is not None and callspec.params.get("kind") == "redis":
             item.add_marker(pytest.mark.redis)
+        if callspec is not None and callspec.params.get("kind") == "s3":
+            item.add_marker(pytest.mark.s3)
 
 
 @pytest.fixture(scope="session")
@@ -82,3 +85,54 @@ def _redis_for_kind_redis(request: pytest.FixtureRequest) -> Iterator[None]:
     tierkit.REDIS_URL = request.getfixturevalue("redis_url")
     yield
     tierkit.REDIS_URL = None
+
+
+@pytest.fixture(scope="session")
+def s3_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Endpoint]:
+    """The S3 endpoint of the session: KVTIER_TEST_S3_* when set (tests/s3_server.py), else
+    moto's server on 127.0.0.1 (an emulator) with test credentials in the environment."""
+    real = real_endpoint()
+    if real is not None:
+        yield real
+        return
+    if not moto_available():
+        pytest.skip(MOTO_SKIP)
+    saved = {name: os.environ.get(name) for name in TEST_KEYS}
+    os.environ.update(TEST_KEYS)
+    server = MotoServer(tmp_path_factory.mktemp("moto-session")).start()
+    try:
+        yield server.endpoint()
+    finally:
+        server.stop()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@pytest.fixture
+def s3_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[MotoServer]:
+    """A moto server of this test's own (to kill or restart), killed after it; skipped when
+    the tests run against a real endpoint (it cannot be broken on purpose)."""
+    if real_endpoint() is not None:
+        pytest.skip("a fault drill: needs the emulator, not KVTIER_TEST_S3_ENDPOINT")
+    if not moto_available():
+        pytest.skip(MOTO_SKIP)
+    for name, value in TEST_KEYS.items():
+        monkeypatch.setenv(name, value)
+    server = MotoServer(tmp_path / "moto").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(autouse=True)
+def _s3_for_kind_s3(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Give tierkit the endpoint when a test is parametrized with kind="s3"."""
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is None or callspec.params.get("kind") != "s3":
+        yield
+        return
+    tierkit.S3_ENDPOINT = request.getfixturevalue("s3_session")
+    yield
+    tierkit.S3_ENDPOINT = None

@@ -7,7 +7,8 @@ conftest module.)
 the contract suite, the store's property tests and the fault drills all build tiers through
 it. To run all of them against a new tier, add its kind to TIER_KINDS and a branch here. The
 redis tier takes its server from REDIS_URL, which tests/conftest.py sets for tests
-parametrized with kind="redis" (and marks them `redis`).
+parametrized with kind="redis" (and marks them `redis`); the s3 tier its endpoint from
+S3_ENDPOINT (moto's server, or KVTIER_TEST_S3_*: tests/s3_server.py).
 """
 
 from __future__ import annotations
@@ -26,8 +27,12 @@ from kvtier.core.tier import Tier
 from kvtier.tiers import build_tier
 from kvtier.tiers.storeconfig import StoreConfig
 
-TIER_KINDS = ("memory", "disk", "shared", "redis", "example")
+TIER_KINDS = ("memory", "disk", "shared", "redis", "s3", "example")
 REDIS_URL: str | None = None  # the redis-server of the running test (tests/conftest.py)
+S3_ENDPOINT: Any = None  # the s3_server.S3Endpoint of the running test (tests/conftest.py)
+# Kinds whose capacity is enforced by a periodic listing, not on every put (the s3 tier:
+# tests/tiers/test_s3_tier.py checks its bound): the suite's exact-capacity tests skip them.
+PERIODIC_CAPACITY = frozenset({"s3"})
 
 
 def key(i: int) -> ChunkKey:
@@ -47,6 +52,8 @@ def footprint_bytes(kind: str, layout: KVLayout) -> int:
         return -(-layout.bytes_per_chunk // ALIGN_BYTES) * ALIGN_BYTES
     if kind == "redis":  # a header value and the unpadded payload
         return HEADER_BYTES + layout.bytes_per_chunk
+    if kind == "s3":  # one object: the header and the payload
+        return HEADER_BYTES + layout.bytes_per_chunk
     if kind == "example":  # the payload, as a bytes value
         return layout.bytes_per_chunk
     return stored_size(layout.bytes_per_chunk)
@@ -64,6 +71,9 @@ def tier_settings(kind: str, root: Path, layout: KVLayout, capacity_chunks: int,
     if kind == "redis":  # parts of 1.5 KiB: a 4 KiB chunk is stored as 3 parts
         assert REDIS_URL, "use the redis_url fixture (tests/conftest.py sets REDIS_URL)"
         settings.update(url=REDIS_URL, part_bytes=1536, retry_max_s=1.0)
+    if kind == "s3":  # a fresh key prefix in the session's bucket
+        assert S3_ENDPOINT is not None, "use the s3_session fixture (tests/conftest.py)"
+        settings.update(S3_ENDPOINT.settings())
     settings.update(options)
     return settings
 

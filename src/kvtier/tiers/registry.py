@@ -31,6 +31,7 @@ TIER_CLASSES: dict[str, str] = {
     "disk": "kvtier.tiers.disk:DiskTier",
     "shared": "kvtier.tiers.shared:SharedTier",
     "redis": "kvtier.tiers.redis:RedisTier",
+    "s3": "kvtier.tiers.s3:S3Tier",
     "example": "kvtier.tiers.example:ExampleTier",  # the tutorial tier: tests and docs only
 }
 _UNLISTED = frozenset({"example"})  # accepted, but not offered in error messages or docs

@@ -1,0 +1,416 @@
+"""The s3 tier: one object per chunk in an S3-compatible bucket, shared by every engine (and
+cluster, and region) that points at it.
+
+Objects. A chunk is one object, kvtier's stored chunk format (core/chunkformat.py: the
+4 KiB header, then the body: the payload as is, or encoded and sealed for its tenant):
+    <key_prefix>/<layout digest>/<key hex[:2]>/<key hex>
+The layout digest is the namespace (it holds the model's fingerprint); the two hex digits of
+a blake3 key after it spread a namespace's objects over 256 prefixes, so none is hot (S3
+partitions by key prefix). Next to them, <key_prefix>/<layout digest>/manifest.json
+(tiers/manifest.py). An upload is one PUT with an S3 integrity checksum (`upload_checksum`),
+so the server stores the whole object or nothing: a failed upload leaves no object. A read is
+one GET, verified (header, layout, key, sizes, checksums) before a byte is used, never
+unpickled; a short, corrupt or foreign object at a chunk's name is a counted miss, deleted.
+
+Lookups (`contains_many`, `BatchLookup`, and the scheduler's probe): one HEAD per chunk,
+`lookup_concurrency` in flight, all within `lookup_timeout_s`; a key not answered by then is
+absent. A chunk found absent is remembered for `negative_cache_s` (a prompt's lookup is
+asked again every scheduler step while it waits), and forgotten when this tier stores it.
+
+Failures (core/guard.py): the endpoint failing a call (refused, reset, no reply within
+`request_timeout_s`) is marked down and retried with backoff up to `retry_max_s`; meanwhile
+lookups and reads miss and writes are dropped (counted) without I/O. A throttled write
+(503 SlowDown) backs off and retries until `write_timeout_s`, then is dropped
+(`throttled_writes`). Credentials that are missing, or refused by the server when the tier
+starts, are a ConfigError naming the field (s3_client.py); an endpoint down at start-up is
+not: the tier starts unavailable.
+
+Capacity and expiry: `ttl_days` expires objects by age (a lifecycle rule on the prefix,
+written at start-up when `manage_lifecycle`); `capacity` > 0 bounds a namespace's bytes by a
+listing at most every `listing_interval_s` (s3_inventory.py states its cost).
+
+Primitives: `S3Tier`. The config model is `S3TierConfig` (tiers/s3_config.py), the
+operator's view `S3Inventory` (tiers/s3_inventory.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Any, ClassVar, TypeVar
+
+from kvtier.core.chunkformat import HEADER_BYTES, failure_of, read_header
+from kvtier.core.guard import Guard
+from kvtier.core.keys import ChunkKey
+from kvtier.core.layout import KVLayout
+from kvtier.core.policies import AdmissionFilter
+from kvtier.core.retention import DEFAULT_META, ChunkMeta
+from kvtier.core.tier import (
+    DECLINED,
+    IO_ERROR,
+    MISSING,
+    OK,
+    UNAVAILABLE,
+    Failure,
+    Locality,
+    Medium,
+    NamespaceManifest,
+    TierCounters,
+    TierResult,
+    TierStats,
+)
+from kvtier.errors import ConfigError, CorruptChunk, KeyNotHeld, TierUnavailable
+from kvtier.tiers.encoding import build_encoder
+from kvtier.tiers.redis import TierProbe
+from kvtier.tiers.s3_client import (
+    S3Errors,
+    connect,
+    credentials_source,
+    error_code,
+    is_absent,
+    is_refused,
+    is_throttle,
+    open_session,
+)
+from kvtier.tiers.s3_config import S3TierConfig
+from kvtier.tiers.s3_inventory import (
+    S3Inventory,
+    S3Names,
+    enforce_capacity,
+    put_lifecycle,
+    write_manifest,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+MIN_BACKOFF_S = 0.25  # first retry of an endpoint that failed
+THROTTLE_BACKOFF_S = 0.05  # first wait after a 503 SlowDown (doubled each time)
+
+
+class S3Tier:
+    """Chunks as objects of an S3-compatible bucket. Thread-safe.
+
+    Raises (constructor): ConfigError when boto3 is missing, no credentials are found, or the
+    server refuses them or knows no such bucket. An endpoint that does not answer is not an
+    error: the tier starts unavailable and keeps retrying.
+    """
+
+    # One bucket for every engine; each TP rank bounds its own namespace (capacity > 0).
+    medium: ClassVar[Medium] = Medium.STORAGE
+    locality: ClassVar[Locality] = Locality.REMOTE
+    has_path: ClassVar[bool] = False
+    has_server: ClassVar[bool] = True
+    capacity_split_by_rank: ClassVar[bool] = True
+
+    config_model = S3TierConfig
+
+    @classmethod
+    def probe(cls, config: S3TierConfig, layouts: Sequence[KVLayout]) -> TierProbe:
+        """Tier objects per layout, asked off the scheduler's thread (HEADs)."""
+        return TierProbe([cls(config, layout) for layout in layouts], blocking_ok=False)
+
+    @classmethod
+    def open_inventory(cls, config: S3TierConfig) -> S3Inventory:
+        return S3Inventory(config.tier_name, config)
+
+    def __init__(self, config: S3TierConfig, layout: KVLayout) -> None:
+        self.name = config.tier_name
+        self.chunk_bytes = layout.bytes_per_chunk
+        self.encoder = build_encoder(config, layout)
+        self.names = S3Names(config.key_prefix, layout.digest())
+        self.endpoint = config.endpoint_name
+        self.throttled_writes = 0  # puts dropped after backing off from 503 SlowDown
+        self._config = config
+        self._errors = S3Errors()
+        # a call that did not succeed: the endpoint down, or it answered with an error
+        self._failed: tuple[type[BaseException], ...] = (TierUnavailable,
+                                                         *self._errors.answered)
+        self._session = open_session(config)
+        threads = config.lookup_concurrency + config.io_threads
+        self._client = connect(config, self._session, threads)
+        # HEADs of lookups wait no longer than the lookup's own deadline
+        self._head_client = connect(config, self._session, config.lookup_concurrency,
+                                    min(config.request_timeout_s, config.lookup_timeout_s))
+        self._heads = ThreadPoolExecutor(config.lookup_concurrency,
+                                         thread_name_prefix=f"kvtier-s3-{self.name}")
+        self.guard = Guard(self.name, MIN_BACKOFF_S, config.retry_max_s)
+        self._admission = AdmissionFilter(config.admit_after)
+        self._counters = TierCounters(self.name, config.capacity)
+        self._absent: dict[ChunkKey, float] = {}  # negative cache: key -> monotonic expiry
+        self._lock = threading.Lock()
+        self._manifest: NamespaceManifest | None = None
+        self._listed_at = 0.0  # monotonic time of the last capacity listing
+        self._listing: threading.Thread | None = None
+        self._check_bucket()
+
+    # -- plumbing ----------------------------------------------------------------------------
+    def _check_bucket(self) -> None:
+        """One HEAD of the bucket: refused credentials or no such bucket are ConfigErrors
+        now (one clear error at start-up); no answer leaves the tier starting down."""
+        try:
+            self._run(lambda c: c.head_bucket(Bucket=self._config.bucket))
+        except TierUnavailable as exc:
+            log.warning("s3 tier %r: %s does not answer (%s); starting unavailable, retried "
+                        "with backoff", self.name, self.endpoint, exc)
+            return
+        except self._errors.answered as exc:
+            how = credentials_source(self._session)
+            if is_refused(exc):
+                field = "credentials_file" if self._config.credentials_file else "credentials"
+                raise ConfigError(field, f"from {how}", f"credentials {self.endpoint} accepts "
+                                  f"for bucket {self._config.bucket!r} (it answered "
+                                  f"{error_code(exc)})") from None
+            if is_absent(exc):
+                raise ConfigError("bucket", self._config.bucket,
+                                  f"an existing bucket on {self.endpoint}") from None
+            log.warning("s3 tier %r: bucket check answered %s", self.name, error_code(exc))
+            return
+        if self._config.manage_lifecycle and self._config.ttl_days is not None:
+            put_lifecycle(self._client, self._config, log)
+
+    def _run(self, call: Callable[[Any], T], client: Any = None) -> T:
+        """`call(client)` through the endpoint's circuit breaker.
+
+        Raises:
+            TierUnavailable: the endpoint is down (no I/O was done) or just failed.
+            botocore ClientError: the server answered with an error (404, 403, 503, ...).
+        """
+        if not self.guard.allow(self.endpoint):
+            raise TierUnavailable(f"{self.endpoint} is down")
+        try:
+            result = call(client or self._client)
+        except self._errors.down as exc:
+            self.guard.failed(self.endpoint, exc)
+            raise TierUnavailable(f"{self.endpoint}: {type(exc).__name__}") from exc
+        except self._errors.answered:
+            self.guard.succeeded(self.endpoint)
+            raise
+        self.guard.succeeded(self.endpoint)
+        return result
+
+    # -- lookups -----------------------------------------------------------------------------
+    def _head(self, key: ChunkKey) -> bool:
+        """Whether the object of `key` exists (False when unknown: down, slow, an error)."""
+        now = time.monotonic()
+        with self._lock:
+            if self._absent.get(key, 0.0) > now:
+                return False
+        name = self.names.chunk(key)
+        try:
+            self._run(lambda c: c.head_object(Bucket=self._config.bucket, Key=name),
+                      self._head_client)
+        except TierUnavailable:
+            return False
+        except self._errors.answered as exc:
+            if is_absent(exc) and self._config.negative_cache_s > 0:
+                with self._lock:
+                    if len(self._absent) > 100_000:  # bound: forget every expired entry
+                        self._absent = {k: t for k, t in self._absent.items() if t > now}
+                    self._absent[key] = now + self._config.negative_cache_s
+            return False
+        return True
+
+    def contains(self, key: ChunkKey) -> bool:
+        return self.contains_many([key])[0]
+
+    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """`contains` of each key: parallel HEADs (`lookup_concurrency` at once), all within
+        `lookup_timeout_s`; a key without an answer by then is absent. Never raises."""
+        if not keys:
+            return []
+        if not self.guard.is_up(self.endpoint) and not self.guard.allow(self.endpoint):
+            return [False] * len(keys)
+        futures = [self._heads.submit(self._head, key) for key in keys]
+        done, late = wait(futures, timeout=self._config.lookup_timeout_s)
+        for future in late:
+            future.cancel()
+        return [f in done and not f.cancelled() and f.exception() is None and f.result()
+                for f in futures]
+
+    # -- reads -------------------------------------------------------------------------------
+    def get_into(self, key: ChunkKey, out: memoryview,
+                 meta: ChunkMeta = DEFAULT_META) -> TierResult:
+        if len(out) != self.chunk_bytes:
+            raise ValueError(f"buffer is {len(out)} bytes, this tier's chunks {self.chunk_bytes}")
+        start = time.perf_counter()
+        name = self.names.chunk(key)
+        try:
+            data = self._run(lambda c: c.get_object(Bucket=self._config.bucket,
+                                                    Key=name)["Body"].read())
+        except TierUnavailable as exc:
+            log.debug("s3 tier %r: read of %s failed (%s); a miss", self.name, key.hex(), exc)
+            self._counters.add(misses=1)
+            return UNAVAILABLE
+        except self._errors.answered as exc:
+            self._counters.add(misses=1)
+            return MISSING if is_absent(exc) else IO_ERROR
+        try:
+            self._verify_into(key, memoryview(data), out, meta.tenant)
+        except KeyNotHeld as exc:  # not tampering: another engine may hold the key
+            log.info("s3 tier %r: chunk %s: %s; a miss, kept", self.name, key.hex(), exc)
+            self._counters.add(misses=1)
+            return TierResult(Failure.NO_KEY)
+        except CorruptChunk as exc:
+            log.warning("s3 tier %r: object %s is corrupt (%s); removed, a miss", self.name,
+                        name, exc)
+            self.delete(key)
+            self._counters.add(misses=1, corrupt_reads=1)
+            return TierResult(failure_of(exc))
+        self._counters.add(hits=1, bytes_read=len(out), read_s=time.perf_counter() - start)
+        return OK
+
+    def _verify_into(self, key: ChunkKey, data: memoryview, out: memoryview,
+                     tenant: str | None) -> None:
+        """Check the header and the object's size, decode the body into `out` (verifying
+        checksums).
+
+        Raises:
+            CorruptChunk (AuthFailure, CodecFailure, KeyNotHeld): see ChunkEncoder.decode.
+        """
+        if len(data) < HEADER_BYTES:
+            raise CorruptChunk(f"object is {len(data)} bytes, shorter than a header")
+        chunk = read_header(data[:HEADER_BYTES], key, self.names.digest)
+        if chunk.payload_bytes != self.chunk_bytes:
+            raise CorruptChunk(f"payload is {chunk.payload_bytes} bytes, expected "
+                               f"{self.chunk_bytes}")
+        if len(data) != HEADER_BYTES + chunk.body_bytes:
+            raise CorruptChunk(f"object is {len(data)} bytes, its header says "
+                               f"{HEADER_BYTES + chunk.body_bytes}")
+        self.encoder.decode(key, chunk, data[HEADER_BYTES:], out, tenant)
+
+    # -- writes ------------------------------------------------------------------------------
+    def put(self, key: ChunkKey, data: memoryview, meta: ChunkMeta = DEFAULT_META) -> TierResult:
+        """`Tier.put`: one HEAD decides whether the chunk is held (a held one is not
+        rewritten: its age, for the lifecycle rule, stays that of its first write)."""
+        if len(data) != self.chunk_bytes:
+            raise ValueError(f"chunk is {len(data)} bytes, this tier stores {self.chunk_bytes}")
+        name = self.names.chunk(key)
+        bucket = self._config.bucket
+        try:
+            self._run(lambda c: c.head_object(Bucket=bucket, Key=name))
+            return OK
+        except TierUnavailable:
+            self._counters.add(dropped_writes=1)
+            return UNAVAILABLE
+        except self._errors.answered as exc:
+            if not is_absent(exc):
+                self._counters.add(dropped_writes=1)
+                return IO_ERROR
+        if not self._admission.offer(key):
+            return DECLINED
+        start = time.perf_counter()
+        encoded = self.encoder.encode(key, data, meta.tenant)  # off the engine
+        body = b"".join((encoded.header, encoded.body))
+        result = self._upload(name, body)
+        if not result:
+            self._counters.add(dropped_writes=1)
+            return result
+        with self._lock:
+            self._absent.pop(key, None)
+        self._counters.add(puts=1, bytes_written=len(data), chunks=1, used_bytes=len(body),
+                           write_s=time.perf_counter() - start)
+        if self._manifest is not None:
+            self._write_manifest()
+        self._maybe_enforce_capacity()
+        return OK
+
+    def _upload(self, name: str, body: bytes) -> TierResult:
+        """One PUT, retried after throttling with doubling waits while `write_timeout_s`
+        allows; a failure leaves no object (S3 stores a PUT whole or not at all)."""
+        args: dict[str, Any] = {"Bucket": self._config.bucket, "Key": name, "Body": body}
+        if self._config.upload_checksum != "none":
+            args["ChecksumAlgorithm"] = self._config.upload_checksum
+        deadline = time.monotonic() + self._config.write_timeout_s
+        backoff = THROTTLE_BACKOFF_S
+        while True:
+            try:
+                self._run(lambda c: c.put_object(**args))
+                return OK
+            except TierUnavailable as exc:
+                log.debug("s3 tier %r: write of %s dropped (%s)", self.name, name, exc)
+                return UNAVAILABLE
+            except self._errors.answered as exc:
+                if not is_throttle(exc):
+                    log.info("s3 tier %r: write of %s refused (%s); dropped", self.name,
+                             name, error_code(exc))
+                    return IO_ERROR
+                left = deadline - time.monotonic()
+                if left <= backoff:
+                    log.info("s3 tier %r: write of %s throttled past write_timeout_s; "
+                             "dropped", self.name, name)
+                    with self._lock:
+                        self.throttled_writes += 1
+                    return TierResult(Failure.TIMEOUT)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+
+    def keep_manifest(self, manifest: NamespaceManifest) -> None:
+        """Record the namespace's manifest (`ManifestKeeper`): written after the first chunk
+        this tier stores, so that an endpoint that is down costs start-up nothing."""
+        self._manifest = manifest
+
+    def _write_manifest(self) -> None:
+        manifest, self._manifest = self._manifest, None
+        if manifest is None:
+            return
+        try:
+            self._run(lambda c: write_manifest(c, self._config.bucket, self.names, manifest))
+        except self._failed as exc:
+            log.warning("s3 tier %r: namespace manifest not written (%s); retried after the "
+                        "next stored chunk", self.name, type(exc).__name__)
+            self._manifest = manifest
+
+    def _maybe_enforce_capacity(self) -> None:
+        """capacity > 0: a listing of the namespace (on a thread of its own) at most every
+        `listing_interval_s`, evicting the oldest objects beyond capacity."""
+        if self._config.capacity <= 0:
+            return
+        now = time.monotonic()
+        with self._lock:
+            if now - self._listed_at < self._config.listing_interval_s or (
+                    self._listing is not None and self._listing.is_alive()):
+                return
+            self._listed_at = now
+            self._listing = threading.Thread(target=self.enforce_capacity, daemon=True,
+                                             name=f"kvtier-s3-list-{self.name}")
+            self._listing.start()
+
+    def enforce_capacity(self) -> None:
+        """List the namespace, evict the least recently written objects beyond `capacity`,
+        and update `chunks`/`used_bytes`/`evictions`. Never raises."""
+        try:
+            kept, used, evicted = self._run(lambda c: enforce_capacity(
+                c, self._config, self.names, self._config.capacity))
+        except self._failed as exc:
+            log.info("s3 tier %r: capacity listing failed (%s)", self.name, type(exc).__name__)
+            return
+        self._counters.set(chunks=kept, used_bytes=used)
+        self._counters.add(evictions=evicted)
+
+    def delete(self, key: ChunkKey) -> bool:
+        name = self.names.chunk(key)
+        bucket = self._config.bucket
+        try:
+            head = self._run(lambda c: c.head_object(Bucket=bucket, Key=name))
+            self._run(lambda c: c.delete_object(Bucket=bucket, Key=name))
+        except self._failed:
+            return False
+        # What this process knows; the next capacity listing counts every writer's.
+        self._counters.add(chunks=-1, used_bytes=-int(head.get("ContentLength", 0)))
+        return True
+
+    # -- upkeep ------------------------------------------------------------------------------
+    def available(self) -> bool:
+        """Whether the endpoint is not marked down."""
+        return not self.guard.down_endpoints()
+
+    def stats(self) -> TierStats:
+        return self._counters.snapshot()
+
+    def close(self) -> None:
+        self._heads.shutdown(wait=False, cancel_futures=True)
+        for client in (self._client, self._head_client):
+            client.close()

@@ -1,0 +1,141 @@
+"""An S3 endpoint for tests: moto's standalone server (an S3 *emulator*, speaking the S3
+protocol over HTTP; no real S3 server installs from the package registries here) in a child
+process on 127.0.0.1 on a free port, or a real endpoint named by the environment:
+
+    KVTIER_TEST_S3_ENDPOINT   e.g. https://minio.local:9000 (unset: moto)
+    KVTIER_TEST_S3_BUCKET     an existing bucket the tests may write under a fresh prefix
+    KVTIER_TEST_S3_REGION     default us-east-1
+    credentials: the standard AWS environment / shared credentials file
+
+Tests that must stop or break the server (tests/faults) need the emulator and skip against a
+real endpoint. (Not named conftest.py: imported by name.)
+
+Primitives: `S3Endpoint`, `MotoServer`, `real_endpoint`, `MOTO_SKIP`, `moto_available`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+START_TIMEOUT_S = 20.0
+MOTO_SKIP = "moto[server] is not installed (pip install -e '.[test]')"
+TEST_KEYS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+
+
+def moto_available() -> bool:
+    try:
+        import moto.server  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class S3Endpoint:
+    """Where tests put objects: an endpoint, a bucket, a region."""
+
+    url: str
+    bucket: str
+    region: str = "us-east-1"
+    emulated: bool = True  # moto (may be stopped, throttled, ...) or a real endpoint
+
+    def settings(self, prefix: str | None = None) -> dict[str, Any]:
+        """The s3 tier fields reaching it, under a fresh key prefix (tests never share one)."""
+        return {"endpoint_url": self.url, "bucket": self.bucket, "region": self.region,
+                "key_prefix": prefix or f"t-{uuid.uuid4().hex[:12]}",
+                "addressing_style": "path", "retry_max_s": 1.0}
+
+    def client(self) -> Any:
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client("s3", endpoint_url=self.url, region_name=self.region,
+                            config=Config(s3={"addressing_style": "path"},
+                                          retries={"total_max_attempts": 2}))
+
+
+def real_endpoint() -> S3Endpoint | None:
+    """The endpoint the environment names, or None (then tests use moto)."""
+    url = os.environ.get("KVTIER_TEST_S3_ENDPOINT")
+    bucket = os.environ.get("KVTIER_TEST_S3_BUCKET")
+    if not url or not bucket:
+        return None
+    return S3Endpoint(url, bucket, os.environ.get("KVTIER_TEST_S3_REGION", "us-east-1"),
+                      emulated=False)
+
+
+class MotoServer:
+    """moto's S3 server in a child process on 127.0.0.1:`port`; `stop` kills it (as a crash
+    would), `start` brings it back on the same port (empty: moto keeps nothing)."""
+
+    def __init__(self, directory: Path, port: int | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.directory = directory
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = env or {}
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, bucket: str = "kvtier-test") -> MotoServer:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with open(self.directory / f"moto-{self.port}.log", "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env})
+        self._wait_ready()
+        if bucket:
+            self.endpoint(bucket).client().create_bucket(Bucket=bucket)
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"moto server exited: see {self.directory}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                    s.sendall(b"GET /moto-api/ HTTP/1.0\r\n\r\n")
+                    if s.recv(16).startswith(b"HTTP/"):
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"moto server on port {self.port} did not start")
+            time.sleep(0.05)
+
+    def endpoint(self, bucket: str = "kvtier-test") -> S3Endpoint:
+        return S3Endpoint(self.url, bucket)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+
+class SilentServer:
+    """A TCP server on 127.0.0.1 that accepts connections and never answers a byte."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(128)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def close(self) -> None:
+        self.sock.close()
