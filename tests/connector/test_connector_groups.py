@@ -102,7 +102,7 @@ def request(rid: str, num_tokens: int) -> Request:
 def scheduler() -> ConnectorScheduler:
     return ConnectorScheduler(ConnectorConfig.parse({"tokens_per_chunk": CHUNK}),
                               block_size=BLOCK, model_id="m", layout_digest="0" * 32,
-                              locator=ChunkLocator([], max_keys=64), groups=GROUPS)
+                              locator=ChunkLocator({}, max_keys=64), groups=GROUPS)
 
 
 def step(sched: ConnectorScheduler, rid: str, blocks: tuple[list[int], ...], computed: int,
@@ -147,7 +147,8 @@ def test_a_hybrid_hit_loads_asynchronously_and_skips_the_null_blocks() -> None:
     sched.update_state_after_alloc(again, SimpleNamespace(  # type: ignore[arg-type]
         get_block_ids=lambda: per_group), 192)
     output = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={},
-                             scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
+                             scheduled_cached_reqs=SimpleNamespace(req_ids=[],
+                                                                   num_computed_tokens=[]),
                              preempted_req_ids=set())
     loads = sched.build_connector_meta(output).async_loads["b"]  # type: ignore[arg-type]
     assert [t.block_ids for t in loads] == [(0, 0, 30, 31), (0, 0, 32, 33), (20, 21, 34, 35)]

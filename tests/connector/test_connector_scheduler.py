@@ -42,7 +42,7 @@ class Engine:
     last_plan: KVTierMetadata | None = None  # the plan of the last step
 
     def __init__(self, **settings: Any) -> None:
-        self.locator = ChunkLocator([], max_keys=1024)
+        self.locator = ChunkLocator({}, max_keys=1024)
         config = ConnectorConfig.parse({"tokens_per_chunk": CHUNK, **settings})
         self.sched = ConnectorScheduler(config,
                                         block_size=BLOCK, model_id="tiny",
@@ -199,11 +199,17 @@ def test_different_cache_salts_never_share_chunks() -> None:
     assert engine.admit(request("c", 200, salt="tenant-a"), list(range(20, 27))) == 192
 
 
-def test_a_hit_held_in_ram_loads_inline_and_one_below_it_loads_async() -> None:
+def two_tiers(path: Any) -> dict[str, Any]:
+    """Settings of a RAM tier over a disk tier at `path`."""
+    return {"tiers": [{"kind": "memory", "capacity": "64MiB"},
+                      {"kind": "disk", "path": str(path), "capacity": "64MiB"}]}
+
+
+def test_a_hit_held_in_ram_loads_inline_and_one_below_it_loads_async(tmp_path: Any) -> None:
     from kvtier.core.store import StoreEvent
     from kvtier.core.tier import EventKind
 
-    engine = Engine()
+    engine = Engine(**two_tiers(tmp_path))
     engine.admit(request("a", 200), list(range(7)))
     held = engine.store_all(engine.step(new={"a": (list(range(7)), 0, 200)}))
     # In RAM (the workers reported the stores): a memcpy, loaded within the step.
@@ -219,17 +225,18 @@ def test_a_hit_held_in_ram_loads_inline_and_one_below_it_loads_async() -> None:
     assert meta.loads == {} and [t.key for t in meta.async_loads["c"]] == held
 
 
-def test_auto_weighs_a_hit_by_the_measured_cost_of_loads_and_steps() -> None:
+def test_auto_weighs_a_hit_by_the_measured_cost_of_loads_and_steps(tmp_path: Any) -> None:
     """Once the workers' loads and the engine's steps are timed (loadcost.py), a hit below
     RAM that loads quickly is loaded inline while others run, and a RAM hit whose loads take
     long is loaded asynchronously."""
     from kvtier.core.store import StoreEvent
     from kvtier.core.tier import EventKind
-    from kvtier.integrations.vllm.loadcost import MIN_STEPS, LoadSample
+    from kvtier.integrations.vllm.loadcost import LoadSample
+    from kvtier.integrations.vllm.stepcost import MIN_STEPS
 
     for ram_s, lower_s, evicted, loads_async in ((1e-9, 1e-9, True, False),
                                                  (30.0, 30.0, False, True)):
-        engine = Engine()
+        engine = Engine(**two_tiers(tmp_path), load_when="always")
         engine.admit(request("a", 200), list(range(7)))
         held = engine.store_all(engine.step(new={"a": (list(range(7)), 0, 200)}))
         for _ in range(MIN_STEPS):  # "a" decodes: steps the scheduler times
@@ -238,7 +245,8 @@ def test_auto_weighs_a_hit_by_the_measured_cost_of_loads_and_steps() -> None:
             engine.report(events=[StoreEvent(EventKind.REMOVED, held[1], "memory")])
         # Before any load is timed: by where the hit lives.
         assert engine.sched.get_num_new_matched_tokens(request("b", 200), 0) == (192, evicted)
-        engine.report(load_samples=[LoadSample(3, 0, 3 * ram_s), LoadSample(0, 3, 3 * lower_s)])
+        engine.report(load_samples=[LoadSample((("memory", 3),), 3 * ram_s),
+                                    LoadSample((("disk", 3),), 3 * lower_s)])
         assert engine.sched.get_num_new_matched_tokens(request("c", 200), 0) == (192, loads_async)
 
 
@@ -274,14 +282,14 @@ def test_an_idle_engine_loads_even_a_disk_hit_inline() -> None:
     assert engine.sched.get_num_new_matched_tokens(request("b", 200), 0) == (192, False)
 
 
-def test_a_hit_below_ram_waiting_for_blocks_is_prefetched_into_ram_once() -> None:
+def test_a_hit_below_ram_waiting_for_blocks_is_prefetched_into_ram_once(tmp_path: Any) -> None:
     """vLLM looked the request up but had no blocks for it (no update_state_after_alloc):
     its chunks below RAM are read into RAM ahead of the load, each asked once; once the
     workers report them in RAM, the load is inline."""
     from kvtier.core.store import StoreEvent
     from kvtier.core.tier import EventKind
 
-    engine = Engine()
+    engine = Engine(**two_tiers(tmp_path))
     first = request("a", 200)
     engine.admit(first, list(range(7)))
     held = engine.store_all(engine.step(new={"a": (list(range(7)), 0, 200)}))
@@ -302,14 +310,14 @@ def test_a_hit_below_ram_waiting_for_blocks_is_prefetched_into_ram_once() -> Non
     assert meta.prefetch == [] and [t.key for t in meta.loads["b"]] == held
 
 
-def test_a_prefetch_carries_its_requests_tenant() -> None:
+def test_a_prefetch_carries_its_requests_tenant(tmp_path: Any) -> None:
     """A tier that seals a tenant's chunks opens them with that tenant's key: the prefetch of
     a salted request's chunks says whose they are (before, bare keys: a process that had not
     seen the tenant read them as unsalted, and the chunks failed to open)."""
     from kvtier.core.store import StoreEvent
     from kvtier.core.tier import EventKind
 
-    engine = Engine()
+    engine = Engine(**two_tiers(tmp_path))
     engine.admit(request("a", 200, salt="tenant-a"), list(range(7)))
     held = engine.store_all(engine.step(new={"a": (list(range(7)), 0, 200)}))
     engine.report(events=[StoreEvent(EventKind.REMOVED, key, "memory") for key in held])
@@ -319,11 +327,11 @@ def test_a_prefetch_carries_its_requests_tenant() -> None:
     assert {t.tenant for t in prefetch} == {"tenant-a"}
 
 
-def test_an_allocated_or_finished_request_is_not_prefetched() -> None:
+def test_an_allocated_or_finished_request_is_not_prefetched(tmp_path: Any) -> None:
     from kvtier.core.store import StoreEvent
     from kvtier.core.tier import EventKind
 
-    engine = Engine()
+    engine = Engine(**two_tiers(tmp_path))
     engine.admit(request("a", 200), list(range(7)))
     held = engine.store_all(engine.step(new={"a": (list(range(7)), 0, 200)}))
     engine.report(events=[StoreEvent(EventKind.REMOVED, key, "memory") for key in held])

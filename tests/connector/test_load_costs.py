@@ -1,84 +1,66 @@
-"""load_mode "auto"'s measures (kvtier.integrations.vllm.loadcost): a hit loads inline while
-other requests run only when its expected time, from the workers' timed loads, is at most a
-fifth of the engine's median step; until measured, by where the hit lives."""
+"""What loads cost per tier (kvtier.integrations.vllm.loadcost) and load_mode "auto"'s rule:
+a hit loads inline while other requests run only when its expected time, from the workers'
+timed loads, is at most a fifth of the engine's median step; until measured, by where the
+hit lives."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvtier.integrations.vllm.loadcost import (
-    INLINE_STEP_SHARE,
-    MIN_STEPS,
-    LoadCosts,
-    LoadSample,
-)
+from kvtier.integrations.vllm.loadcost import INLINE_STEP_SHARE, LoadCosts, LoadSample
 
 MS = 1e-3
+TIERS = ("memory", "disk", "redis")
 
 
-def steps_of(costs: LoadCosts, step_s: float, n: int = MIN_STEPS, start_s: float = 0.0
-             ) -> float:
-    """`n` steps of `step_s` each, planned from `start_s`; the time after them."""
-    now = start_s
-    for _ in range(n + 1):
-        costs.observe_plan(now, runs_tokens=True)
-        now += step_s
-    return now
+def sample(seconds: float, **chunks: int) -> LoadSample:
+    return LoadSample(tuple(chunks.items()), seconds)
 
 
 def test_until_measured_a_hit_in_ram_loads_inline_and_one_below_it_async() -> None:
-    costs = LoadCosts()
-    assert costs.inline(ram_chunks=64, lower_chunks=0)
-    assert not costs.inline(ram_chunks=0, lower_chunks=1)
-    costs.observe_load(LoadSample(ram_chunks=0, lower_chunks=4, seconds=4 * MS))
-    assert not costs.inline(0, 1)  # loads measured, steps not yet
-    steps_of(costs, 20 * MS, n=MIN_STEPS - 1)
-    assert costs.step_s is None and not costs.inline(0, 1)
+    costs = LoadCosts(TIERS)
+    assert costs.inline({"memory": 64}, step_s=None)
+    assert not costs.inline({"disk": 1}, step_s=None)
+    costs.observe_load(sample(4 * MS, disk=4))
+    assert not costs.inline({"disk": 1}, step_s=None)  # loads measured, steps not yet
+    assert costs.inline({"disk": 1}, step_s=20 * MS)
 
 
 def test_a_load_within_a_fifth_of_the_step_is_inline_a_longer_one_async() -> None:
-    costs = LoadCosts()
-    steps_of(costs, 20 * MS)
-    assert costs.step_s == pytest.approx(20 * MS)
-    costs.observe_load(LoadSample(ram_chunks=8, lower_chunks=0, seconds=8 * MS))  # 1 ms each
+    costs = LoadCosts(TIERS)
+    costs.observe_load(sample(8 * MS, memory=8))  # 1 ms a chunk
     assert pytest.approx(4 * MS) == INLINE_STEP_SHARE * 20 * MS  # the budget: 4 RAM chunks
-    assert costs.inline(3, 0)
-    assert not costs.inline(5, 0)  # a large RAM hit goes asynchronous
-    # Below RAM: the RAM part of a mixed load is taken off, the rest is per lower chunk.
-    costs.observe_load(LoadSample(ram_chunks=2, lower_chunks=1, seconds=3.5 * MS))
-    assert costs.expected_s(0, 1) == pytest.approx(1.5 * MS)
-    assert costs.inline(1, 1)  # 2.5 ms
-    assert not costs.inline(1, 3) and not costs.inline(0, 3)  # 5.5 and 4.5 ms
+    assert costs.inline({"memory": 3}, 20 * MS)
+    assert not costs.inline({"memory": 5}, 20 * MS)  # a large RAM hit goes asynchronous
+    # A mixed load: the faster tiers' expected part is taken off, the rest is the slowest's.
+    costs.observe_load(sample(3.5 * MS, memory=2, disk=1))
+    assert costs.chunk_s("disk") == pytest.approx(1.5 * MS)
+    assert costs.expected_s({"memory": 1, "disk": 1}) == pytest.approx(2.5 * MS)
+    assert costs.inline({"memory": 1, "disk": 1}, 20 * MS)
+    assert not costs.inline({"memory": 1, "disk": 3}, 20 * MS)  # 5.5 ms
+    assert costs.expected_s({"redis": 1}) is None  # never timed
 
 
-def test_the_per_chunk_costs_follow_recent_loads() -> None:
-    costs = LoadCosts()
-    costs.observe_load(LoadSample(0, 2, 20 * MS))
-    for _ in range(50):  # the tier got faster (a warm cache, a quieter network)
-        costs.observe_load(LoadSample(0, 2, 2 * MS))
-    expected = costs.expected_s(0, 1)
-    assert expected is not None and expected == pytest.approx(1 * MS, rel=0.01)
-    costs.observe_load(LoadSample(0, 0, 5.0))  # an empty load says nothing
-    assert costs.expected_s(0, 1) == expected
+def test_each_tier_has_its_own_cost() -> None:
+    costs = LoadCosts(TIERS)
+    costs.observe_load(sample(2 * MS, disk=2))
+    costs.observe_load(sample(40 * MS, redis=2))
+    costs.observe_load(sample(22 * MS, disk=1, redis=1))  # redis: 22 - 1 = 21 ms
+    assert costs.chunk_s("disk") == pytest.approx(1 * MS)
+    assert costs.chunk_s("redis") == pytest.approx(20.5 * MS)  # median of 20 and 21
+    assert costs.chunk_s("memory") is None
 
 
-def test_the_step_time_is_a_median_of_recent_steps() -> None:
-    costs = LoadCosts()
-    now = steps_of(costs, 20 * MS, n=40)
-    for _ in range(10):  # steps stretched by inline loads, a few of many
-        costs.observe_plan(now, runs_tokens=True)
-        now += 300 * MS
-    assert costs.step_s == pytest.approx(20 * MS)
-    steps_of(costs, 50 * MS, n=64, start_s=now)  # the batch grew
-    assert costs.step_s == pytest.approx(50 * MS)
-
-
-def test_an_idle_spell_is_not_a_step() -> None:
-    costs = LoadCosts()
-    now = steps_of(costs, 20 * MS, n=MIN_STEPS - 2)
-    costs.observe_plan(now, runs_tokens=False)  # a plan that ran nothing (step MIN - 1) ...
-    now += 60.0  # ... then the engine idles a minute
-    costs.observe_plan(now, runs_tokens=True)
-    assert costs.step_s is None  # the minute was not counted
-    costs.observe_plan(now + 20 * MS, runs_tokens=True)
-    assert costs.step_s == pytest.approx(20 * MS)
+def test_one_outlier_does_not_move_a_tier_two_do_and_two_bring_it_back() -> None:
+    costs = LoadCosts(TIERS)
+    for _ in range(3):
+        costs.observe_load(sample(2 * MS, disk=2))
+    costs.observe_load(sample(2.0, disk=2))  # one load hit a congested moment
+    assert costs.chunk_s("disk") == pytest.approx(1 * MS)
+    costs.observe_load(sample(2.0, disk=2))  # two in a row: the tier is slow now
+    assert costs.chunk_s("disk") == pytest.approx(1.0)
+    costs.observe_load(sample(2 * MS, disk=2))
+    costs.observe_load(sample(2 * MS, disk=2))
+    assert costs.chunk_s("disk") == pytest.approx(1 * MS)
+    costs.observe_load(sample(5.0))  # an empty load says nothing
+    assert costs.chunk_s("disk") == pytest.approx(1 * MS)

@@ -39,7 +39,7 @@ def test_a_chunk_counts_only_once_every_tp_rank_stored_its_shard(
     probe = build_probe(config.tiers[0], RANKS)
     assert probe is not None
     assert [probe.contains(key(i)) for i in range(4)] == [True, True, False, False]
-    locator = ChunkLocator([probe], max_keys=100)
+    locator = ChunkLocator({"tier": probe}, max_keys=100)
     keys = [key(i) for i in range(4)]
     located = locator.locate("req", keys)
     if not probe.blocking_ok:  # shared and redis probes run on a thread: ask until ready

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import Enum, auto
@@ -62,10 +62,11 @@ RETRY = Located(LookupStatus.RETRY)
 
 
 class ChunkIndex:
-    """Keys believed held, as an LRU set of at most `max_keys` (memory stays bounded)."""
+    """Keys believed held, as an LRU set of at most `max_keys` (memory stays bounded), each
+    with the name of the tier a probe found it in (None: reported stored by its owner)."""
 
     def __init__(self, max_keys: int) -> None:
-        self._keys: OrderedDict[ChunkKey, None] = OrderedDict()
+        self._keys: OrderedDict[ChunkKey, str | None] = OrderedDict()
         self._max_keys = max(1, max_keys)
 
     def __contains__(self, key: object) -> bool:
@@ -74,11 +75,15 @@ class ChunkIndex:
     def __len__(self) -> int:
         return len(self._keys)
 
-    def add(self, key: ChunkKey) -> None:
-        self._keys[key] = None
+    def add(self, key: ChunkKey, found_in: str | None = None) -> None:
+        self._keys[key] = found_in
         self._keys.move_to_end(key)
         while len(self._keys) > self._max_keys:
             self._keys.popitem(last=False)
+
+    def found_in(self, key: ChunkKey) -> str | None:
+        """The tier a probe found `key` in; None when unknown or reported stored."""
+        return self._keys.get(key)
 
     def discard(self, key: ChunkKey) -> None:
         self._keys.pop(key, None)
@@ -92,33 +97,40 @@ class ChunkIndex:
         return len(keys)
 
 
-def _probed_prefix(probes: Sequence[Probe], keys: Sequence[ChunkKey]) -> int:
-    """Number of leading `keys` that some probe finds."""
-    for i, key in enumerate(keys):
-        if not any(probe.contains(key) for probe in probes):
-            return i
-    return len(keys)
+def _probed_prefix(probes: Sequence[tuple[str, Probe]],
+                   keys: Sequence[ChunkKey]) -> list[str]:
+    """The leading `keys` that some probe finds: for each, the first (fastest) tier whose
+    probe finds it."""
+    found: list[str] = []
+    for key in keys:
+        tier = next((name for name, probe in probes if probe.contains(key)), None)
+        if tier is None:
+            break
+        found.append(tier)
+    return found
 
 
 class ChunkLocator:
     """Index + probes. Called from one thread (the scheduler's); probes run on its own."""
 
-    def __init__(self, probes: Sequence[Probe], max_keys: int, timeout_s: float = 2.0) -> None:
+    def __init__(self, probes: Mapping[str, Probe], max_keys: int,
+                 timeout_s: float = 2.0) -> None:
         """Args:
-            probes: the probes of the tiers this process can see (see `Probe`).
+            probes: the probes of the tiers this process can see (see `Probe`), by tier
+                name, fastest tier first.
             max_keys: the index's bound.
             timeout_s: how long a lookup may wait for the slow probes (then: a miss).
         """
         self.index = ChunkIndex(max_keys)
-        self._inline = [p for p in probes if p.blocking_ok]
-        self._all = list(probes)
+        self._inline = [(name, p) for name, p in probes.items() if p.blocking_ok]
+        self._all = list(probes.items())
         self._slow = len(self._inline) < len(self._all)
         self._pool = (ThreadPoolExecutor(2, thread_name_prefix="kvtier-probe") if self._slow
                       else None)
         self._timeout_s = timeout_s
         # request id -> (prefix held before the probe, the probe, when it started)
-        self._pending: dict[str, tuple[int, Future[int], float]] = {}
-        self._stuck: Future[int] | None = None  # a probe that outlived timeout_s
+        self._pending: dict[str, tuple[int, Future[list[str]], float]] = {}
+        self._stuck: Future[list[str]] | None = None  # a probe that outlived timeout_s
         self.timeouts = 0  # lookups that gave up waiting for a probe
 
     def record_stored(self, keys: Iterable[ChunkKey]) -> None:
@@ -157,7 +169,7 @@ class ChunkLocator:
                         self._timeout_s)
             return Located.prefix(held)
         del self._pending[request_id]
-        found = future.result() if future.exception() is None else 0
+        found = future.result() if future.exception() is None else []
         return Located.prefix(max(held, self._extend(start, keys, found)))
 
     def _probes_stuck(self) -> bool:
@@ -167,11 +179,16 @@ class ChunkLocator:
             self._stuck = None
         return self._stuck is not None
 
-    def _extend(self, start: int, keys: Sequence[ChunkKey], found: int) -> int:
-        """Remember `found` keys after `start` as held (so the next lookup is an index hit)."""
-        for key in keys[start : start + found]:
-            self.index.add(key)
-        return start + found
+    def found_in(self, key: ChunkKey) -> str | None:
+        """The tier a probe found `key` in; None when unknown or reported stored."""
+        return self.index.found_in(key)
+
+    def _extend(self, start: int, keys: Sequence[ChunkKey], found: list[str]) -> int:
+        """Remember the keys after `start` that probes `found` (their tiers) as held, so the
+        next lookup is an index hit."""
+        for key, tier in zip(keys[start:], found):
+            self.index.add(key, tier)
+        return start + len(found)
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request's pending probe."""

@@ -34,7 +34,8 @@ TOKENS_PER_CHUNK = 256
 # Used when the extra config names no tiers: host RAM only.
 DEFAULT_TIERS: tuple[dict[str, Any], ...] = ({"kind": "memory", "capacity": "2GiB"},)
 # The connector's own keys; every other key of the extra config belongs to StoreConfig.
-CONNECTOR_KEYS = frozenset({"tokens_per_chunk", "index_max_keys", "load_mode", "store_mode"})
+CONNECTOR_KEYS = frozenset({"tokens_per_chunk", "index_max_keys", "load_mode", "store_mode",
+                            "load_when"})
 # How a hit is loaded: "sync" inside the step that needs it (the whole batch waits for it),
 # "async" while other requests keep running (the request waits one step or more), "auto":
 # inline on an idle engine (no batch to protect) or when the load's measured cost is at most a
@@ -47,6 +48,9 @@ LOAD_MODES = ("auto", "sync", "async")
 # their request runs (models with several KV cache groups: sliding windows, state layers) and
 # on a disaggregated prefill instance (kv_producer), whose step waits for its writes anyway.
 STORE_MODES = ("auto", "sync", "async")
+# How much of a hit is loaded: "faster": the part expected to load faster than the engine
+# recomputes it, from measured costs (offer.py; until measured, all of it); "always": all.
+LOAD_WHEN = ("faster", "always")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +74,8 @@ class ConnectorConfig:
     load_mode: str = "auto"
     # See STORE_MODES.
     store_mode: str = "auto"
+    # See LOAD_WHEN.
+    load_when: str = "faster"
 
     @staticmethod
     def known_keys() -> frozenset[str]:
@@ -96,8 +102,10 @@ class ConnectorConfig:
                               f"a known key: {sorted(allowed)}")
         values = {k: extra.pop(k) for k in CONNECTOR_KEYS if k in extra}
         for name, value in values.items():
-            if name in ("load_mode", "store_mode"):
-                modes = LOAD_MODES if name == "load_mode" else STORE_MODES
+            choices = {"load_mode": LOAD_MODES, "store_mode": STORE_MODES,
+                       "load_when": LOAD_WHEN}
+            if name in choices:
+                modes = choices[name]
                 if value not in modes:
                     raise ConfigError(f"{where}.{name}", value, f"one of {modes}")
             elif isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -203,9 +203,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             groups = chunk_groups(str(vllm_config.model_config.model), kv_cache_config)
             _fmt, layouts = engine_layouts(vllm_config, kv_cache_config, groups,
                                            self._config.tokens_per_chunk)
-            probes = [build_probe(tier, layouts) for tier in self._config.store.tiers]
+            probes = {tier.tier_name: build_probe(tier, layouts)
+                      for tier in self._config.store.tiers}
             # A key stands for one shard per rank: the index bound counts whole chunks.
-            locator = ChunkLocator([p for p in probes if p is not None],
+            locator = ChunkLocator({name: p for name, p in probes.items() if p is not None},
                                    self._config.index_keys(
                                        sum(layout.bytes_per_chunk for layout in layouts)),
                                    timeout_s=self._config.store.lookup_timeout_s)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, MutableSequence
 
 import torch
@@ -64,7 +64,6 @@ class CpuChunkMover:
         self._note_state = note_state
         # Where a chunk the memory tier declines is gathered before the lower tiers get it.
         self._buffer = spare_buffers(1, chunk_bytes)[0]
-        self._top_tier = store.stats().tiers[0].name  # the RAM tier: it lends its chunks
         # Complete loads, timed; any thread appends, the worker's report takes them.
         self.samples: deque[LoadSample] = deque()
 
@@ -77,7 +76,7 @@ class CpuChunkMover:
         """Scatter a request's chunks, in order, from the store into their blocks, slower
         tiers' reads landing in `spares` (`load_batch` buffers, the caller's); the number
         loaded before the first miss. Done when it returns (`after`, `wait`: unused)."""
-        started, lent_by_ram = time.perf_counter(), 0
+        started, lent_by = time.perf_counter(), Counter[str]()
         for first in range(0, len(transfers), self._load_batch):
             batch = transfers[first:first + self._load_batch]
             with self._store.borrow_many([t.key for t in batch], spares,
@@ -88,7 +87,7 @@ class CpuChunkMover:
                 for i, (transfer, view) in enumerate(zip(batch[:held], lent[:held],
                                                          strict=True)):
                     assert view is not None
-                    lent_by_ram += view.tier == self._top_tier
+                    lent_by[view.tier] += 1
                     chunk = torch.frombuffer(view.data, dtype=torch.uint8)
                     if self._paged.state_bytes:
                         has_state = self._paged.has_state(chunk)
@@ -103,8 +102,7 @@ class CpuChunkMover:
                                         transfer.state_blocks)
                 if held < len(batch):
                     return first + held
-        self.samples.append(LoadSample(lent_by_ram, len(transfers) - lent_by_ram,
-                                       time.perf_counter() - started))
+        self.samples.append(LoadSample(tuple(lent_by.items()), time.perf_counter() - started))
         return len(transfers)
 
     def store(self, transfers: list[ChunkTransfer], mode: str,

@@ -1,11 +1,14 @@
-"""How the scheduler loads a hit: inline or asynchronously, and what to read ahead into RAM.
+"""How the scheduler loads a hit: how much of it (load or recompute), inline or
+asynchronously, and what to read ahead into RAM.
 
 Scheduler side, one thread. It keeps the loads planned for the next plan (`add_load`,
-`start_plan`). It follows what the workers' top tier (RAM) holds from their
-reports (chunks stored go to RAM; the tier's stored/removed events), weighs each hit by the
-measured cost of loads and steps (`LoadCosts`, loadcost.py) under `load_mode` "auto", and
-collects the chunks below RAM of requests waiting for blocks, to prefetch into RAM
-(`KVTierMetadata.prefetch`), so that their load, a step or more later, is a memcpy.
+`start_plan`). It follows which tiers hold each chunk from the workers' reports (chunks
+stored go to RAM; the tiers' stored/removed events: `Holders`), measures what loads cost per
+tier (`LoadCosts`, loadcost.py) and what the engine's steps and prefills cost (`EngineSteps`,
+stepcost.py), cuts each hit to what loads faster than it recomputes (`HitOffer`, offer.py),
+weighs it inline or async under `load_mode` "auto", and collects the chunks below RAM of
+requests waiting for blocks, to prefetch into RAM (`KVTierMetadata.prefetch`), so that their
+load, a step or more later, is a memcpy.
 
 Primitives: `LoadPlanner`.
 """
@@ -13,19 +16,24 @@ Primitives: `LoadPlanner`.
 from __future__ import annotations
 
 import logging
+from collections import Counter
+from collections.abc import Callable, Sequence
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.locator import ChunkIndex
 from kvtier.core.tier import EventKind
+from kvtier.integrations.vllm.holders import Holders
 from kvtier.integrations.vllm.loadcost import LoadCosts
 from kvtier.integrations.vllm.messages import KVTierMetadata, KVTierWorkerMetadata
+from kvtier.integrations.vllm.offer import Cut, HitOffer
+from kvtier.integrations.vllm.stepcost import EngineSteps
 from kvtier.integrations.vllm.transfers import ChunkTransfer
 
 logger = logging.getLogger(__name__)
 
-# Keys remembered as held in the workers' RAM tier (~100 B each): 2^17 chunks is 256 GiB of
-# RAM tier at 2 MiB a chunk; past that the oldest are forgotten (their hits load async).
-IN_RAM_MAX_KEYS = 1 << 17
+# Keys whose tiers are remembered (~100 B each): 2^17 chunks is 256 GiB of RAM tier at 2 MiB
+# a chunk; past that the oldest are forgotten (expected from the slowest tier).
+HOLDERS_MAX_KEYS = 1 << 17
 # Chunks asked to be prefetched into RAM per step at most (a request waiting for blocks
 # gets its prefix read ahead a batch at a time), and remembered as asked (not asked twice).
 PREFETCH_PER_STEP = 32
@@ -35,10 +43,14 @@ PREFETCHED_MAX_KEYS = 1 << 14
 class LoadPlanner:
     """Sync or async per hit, the pending loads and the prefetch list (scheduler thread)."""
 
-    def __init__(self, load_mode: str, top_tier: str, several_groups: bool) -> None:
+    def __init__(self, load_mode: str, tiers: Sequence[str], several_groups: bool,
+                 tokens_per_chunk: int, load_when: str = "faster") -> None:
         """Args:
             load_mode: config.LOAD_MODES ("auto", "sync", "async").
-            top_tier: the name of the workers' first tier (RAM).
+            tiers: the names of the workers' tiers, fastest (RAM) first.
+            tokens_per_chunk: the chunk size, in tokens.
+            load_when: offer.LOAD_WHEN: a hit offered as far as it loads faster than it
+                recomputes ("faster") or whole ("always").
             several_groups: the model has several KV cache groups: every load is async
                 (vLLM 0.32 takes no block-level load failure then: it stops with a
                 RuntimeError; an asynchronous load fails by request, recomputed).
@@ -48,9 +60,11 @@ class LoadPlanner:
                            "groups loads asynchronously (vLLM recovers failed loads only by "
                            "request there)")
         self._mode = "async" if several_groups else load_mode
-        self._top_tier = top_tier
-        self._in_ram = ChunkIndex(IN_RAM_MAX_KEYS)
-        self._costs = LoadCosts()
+        self._top_tier = tiers[0]
+        self._holders = Holders(tiers, HOLDERS_MAX_KEYS)
+        self._costs = LoadCosts(tiers)
+        self._steps = EngineSteps()
+        self._offer = HitOffer(self._costs, self._steps, tokens_per_chunk, load_when)
         # Requests whose hit reads below RAM and that wait for blocks (a lookup, and no
         # allocation after it): their chunks are prefetched into RAM.
         self._wanted: dict[str, list[ChunkTransfer]] = {}
@@ -65,23 +79,41 @@ class LoadPlanner:
         know whether other requests run."""
         return self._mode == "auto"
 
-    def loads_async(self, keys: list[ChunkKey], others_running: bool) -> bool:
-        """Whether a hit of `keys` is loaded asynchronously (see config.LOAD_MODES). "auto":
-        by its measured cost while other requests run (loadcost.py); an idle engine has no
-        batch to protect, and an asynchronous load costs its request one more step (a
-        1k-token disk hit: 14 ms extra TTFT against 4.5 ms inline, docs/performance.md)."""
+    @property
+    def costs(self) -> LoadCosts:
+        return self._costs
+
+    @property
+    def steps(self) -> EngineSteps:
+        return self._steps
+
+    def sources(self, keys: Sequence[ChunkKey],
+                found_in: Callable[[ChunkKey], str | None]) -> list[str]:
+        """The tier each of `keys` is expected to be loaded from (`found_in`: the tier a
+        probe found a key in, if any: ChunkLocator.found_in)."""
+        return [self._holders.source(key, found_in(key)) for key in keys]
+
+    def cut(self, sources: Sequence[str], start_token: int) -> Cut:
+        """How many chunks of a hit read from `sources` to offer (offer.py)."""
+        return self._offer.cut(sources, start_token)
+
+    def loads_async(self, sources: Sequence[str], others_running: bool) -> bool:
+        """Whether a hit read from `sources` (a tier per chunk) is loaded asynchronously
+        (see config.LOAD_MODES). "auto": by its measured cost while other requests run
+        (loadcost.py); an idle engine has no batch to protect, and an asynchronous load
+        costs its request one more step (a 1k-token disk hit: 14 ms extra TTFT against
+        4.5 ms inline, docs/performance.md)."""
         if self._mode != "auto":
             return self._mode == "async"
         if not others_running:
             return False
-        in_ram = sum(key in self._in_ram for key in keys)
-        return not self._costs.inline(in_ram, len(keys) - in_ram)
+        return not self._costs.inline(Counter(sources), self._steps.step_s)
 
     def want(self, request_id: str, keys: list[ChunkKey], tenant: str | None) -> None:
         """A request (of `tenant`, its cache salt) waiting for blocks will load `keys`: read
         those below RAM ahead (a tier that seals the tenant's chunks needs the tenant)."""
         below_ram = [ChunkTransfer(key=key, block_ids=(), tenant=tenant)
-                     for key in keys if key not in self._in_ram]
+                     for key in keys if not self._holders.holds(key, self._top_tier)]
         if below_ram:  # until vLLM allocates its blocks (`forget`)
             self._wanted[request_id] = below_ram
 
@@ -117,26 +149,29 @@ class LoadPlanner:
             for chunk in wanted:
                 if len(chunks) == PREFETCH_PER_STEP:
                     return chunks
-                if chunk.key not in self._prefetched and chunk.key not in self._in_ram:
+                if (chunk.key not in self._prefetched
+                        and not self._holders.holds(chunk.key, self._top_tier)):
                     self._prefetched.add(chunk.key)
                     chunks.append(chunk)
         self._wanted.clear()  # a request still waiting is looked up again
         return chunks
 
-    def observe_plan(self, now_s: float, ran_tokens: bool) -> None:
-        """A plan was built at `now_s` (time.monotonic) for a step that runs tokens or not."""
-        self._costs.observe_plan(now_s, ran_tokens)
+    def observe_plan(self, now_s: float, tokens: int, position: float) -> None:
+        """A plan is built at `now_s` (time.monotonic) for a step that runs `tokens` tokens
+        at mean `position` in their prompts (call before `start_plan`: it tells whether
+        the step loads inline)."""
+        self._steps.observe_plan(now_s, tokens, position, inline_loads=bool(self._pending))
 
     def learn(self, report: KVTierWorkerMetadata) -> None:
         """Take in the workers' timed loads and what their RAM tier stored and removed."""
         for sample in report.load_samples:
             self._costs.observe_load(sample)
         for key in report.stored:  # stores go to the top tier
-            self._in_ram.add(key)
+            self._holders.stored(key, self._top_tier)
         for event in report.events:
-            if event.tier == self._top_tier:
-                if event.kind is EventKind.STORED:
-                    self._in_ram.add(event.key)
-                else:
-                    self._in_ram.discard(event.key)
+            if event.kind is EventKind.STORED:
+                self._holders.stored(event.key, event.tier)
+            else:
+                self._holders.removed(event.key, event.tier)
+                if event.tier == self._top_tier:
                     self._prefetched.discard(event.key)  # may be prefetched again

@@ -99,6 +99,9 @@ COUNTERS: dict[str, str] = {
     "tier_meta_unlinks": "Files the tier unlinked in its directory",
     "tier_meta_dir_reads": "Directory listings the tier read",
     "tier_meta_other": "Renames, mkdirs, utimes and ftruncates the tier made",
+    "tier_hit_decisions": "Chunks of hits held by the tier, by the scheduler's decision "
+                          "(offer.py): loaded, trial (loaded against the rule, to measure the "
+                          "tier again) or recompute_faster (left to vLLM to recompute)",
 }
 GAUGES: dict[str, str] = {
     "tier_used_bytes": "Bytes the tier holds now",
@@ -107,6 +110,11 @@ GAUGES: dict[str, str] = {
     "tier_pinned_bytes": "Bytes of pinned chunks (retain_s) the tier holds now",
     "tier_tenant_used_bytes": "Bytes a tenant's chunks take in the tier now (tenant as in "
                               "tier_tenant_evictions)",
+    "tier_restore_seconds_per_1k_tokens": "Measured seconds to restore 1,000 tokens of KV "
+                                          "from the tier into the engine (median of its "
+                                          "last loads, loadcost.py)",
+    "recompute_seconds_per_1k_tokens": "Measured seconds for the engine to prefill a "
+                                       "prompt's first 1,000 tokens (stepcost.py)",
 }
 HISTOGRAMS: dict[str, str] = {
     "load_request_seconds": "Seconds to load one request's hit into vLLM's KV cache (read + "
@@ -121,9 +129,12 @@ LABELS: dict[str, list[str]] = {
     "tier_failures": ["tier", "reason"],
     "tier_tenant_evictions": ["tier", "tenant"],
     "tier_tenant_used_bytes": ["tier", "tenant"],
+    "tier_hit_decisions": ["tier", "reason"],
     "load_request_seconds": ["mode"],
     "store_step_seconds": ["mode"],
 }
+# The reasons of tier_hit_decisions (offer.py).
+DECISIONS = ("loaded", "trial", "recompute_faster")
 # From a fast RAM hit (~1 ms) to a stalled tier's read deadline (seconds).
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                      10.0, 30.0)
@@ -157,6 +168,10 @@ class StatsDelta:
     def add(self, name: str, value: float, tier: str = "") -> None:
         if value:
             self.counters[name][tier] = self.counters[name].get(tier, 0) + value
+
+    def set_gauge(self, name: str, labels: str, value: float) -> None:
+        """Set gauge `name` (labels: its `LABELS` values joined by "/") for this rank."""
+        self._gauges.setdefault(name, {})[f"{labels}@{self.rank}"] = value
 
     def observe(self, name: str, seconds: float, labels: str = "") -> None:
         """One latency for histogram `name` (labels: its `LABELS` values joined by "/")."""
@@ -311,6 +326,8 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
                 self._child(name, engine_idx, tier)
         for reason in Failure:
             self._child("tier_failures", engine_idx, f"{tier}/{reason.value}")
+        for decision in DECISIONS:
+            self._child("tier_hit_decisions", engine_idx, f"{tier}/{decision}")
 
     def _labels_for(self, name: str) -> list[str]:
         return self._labelnames + LABELS.get(name, [])

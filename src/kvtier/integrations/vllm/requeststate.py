@@ -13,6 +13,7 @@ Primitives: `CHUNK_ORDER`, `RequestState`, `ScheduledRequest`, `RequestTable`.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -60,6 +61,9 @@ class RequestState:
     load_failed: bool = False
     # The plan (step number) that last stored a chunk of it; -1: none.
     last_store_step: int = -1
+    # Its last lookup's load-or-recompute decisions, chunks by (tier, reason) (offer.py),
+    # counted when vLLM allocates its blocks.
+    decisions: Counter[tuple[str, str]] = field(default_factory=Counter)
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,8 @@ and never does blocking I/O. `ConnectorScheduler` answers vLLM's scheduler hooks
 them into a per-step plan (`KVTierMetadata`) that the worker side executes, with a few
 collaborators, each owning its state:
   - `RequestTable` (requeststate.py): per running request, its chunk keys and vLLM blocks;
-  - `LoadPlanner` (loadplan.py): inline or asynchronous loads, pending loads, prefetch;
+  - `LoadPlanner` (loadplan.py): how much of a hit to load (load or recompute, by measured
+    cost: offer.py), inline or asynchronous, pending loads, prefetch;
   - `StorePlanner` (storeplan.py): stores per plan, in-flight keys, held requests;
   - `LoadFailures` (loadfailures.py): what keeps a failed load out of the cache;
   - `StateLayers` (statelayers.py): hit ends and states of models with state layers;
@@ -74,8 +75,9 @@ class ConnectorScheduler:
             weights_fingerprint=weights_fingerprint, group_label=groups.label(),
             kv_role=kv_role, stats=self._stats, events=self._events)
         self._states = StateLayers(groups, block_size)
-        self._loads = LoadPlanner(config.load_mode, config.store.tiers[0].tier_name,
-                                  several_groups)
+        self._loads = LoadPlanner(config.load_mode,
+                                  [tier.tier_name for tier in config.store.tiers],
+                                  several_groups, config.tokens_per_chunk, config.load_when)
         self._failures = LoadFailures()
         self._stores = StorePlanner(
             tokens_per_chunk=config.tokens_per_chunk, block_size=block_size, groups=groups,
@@ -109,19 +111,30 @@ class ConnectorScheduler:
         if hit_tokens <= num_computed_tokens:
             return 0, False
         first_chunk = num_computed_tokens // self._tokens_per_chunk
+        sources = self._loads.sources(keys[first_chunk:num_chunks], self._locator.found_in)
+        # Load or recompute: the part of the hit expected to load faster (offer.py).
+        cut = self._loads.cut(sources, num_computed_tokens)
+        num_chunks = self._states.hit_end(keys, first_chunk + cut.num_chunks)
+        state.decisions = cut.decisions  # counted once vLLM allocates (a lookup may repeat)
+        if num_chunks <= first_chunk:
+            return 0, False
         hit_keys = keys[first_chunk:num_chunks]
         # A scan of the running requests, made only where the answer is weighed.
         others_running = (self._loads.by_cost
                           and self._requests.others_have_blocks(request.request_id))
-        state.load_async = self._loads.loads_async(hit_keys, others_running)
+        state.load_async = self._loads.loads_async(sources[:num_chunks - first_chunk],
+                                                   others_running)
         self._loads.want(request.request_id, hit_keys, request.cache_salt)
-        return hit_tokens - num_computed_tokens, state.load_async
+        return num_chunks * self._tokens_per_chunk - num_computed_tokens, state.load_async
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         """Plan the load of the tokens vLLM accepted, into the blocks it allocated."""
         self._loads.forget(request.request_id)  # loaded now, not ahead
         state = self._requests.state(request)
+        for (tier, reason), chunks in state.decisions.items():
+            self._stats.add("tier_hit_decisions", chunks, f"{tier}/{reason}")
+        state.decisions.clear()
         if num_external_tokens == 0:
             return
         per_group = blocks.get_block_ids()
@@ -141,8 +154,7 @@ class ConnectorScheduler:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMetadata:
         """This step's plan: the pending loads, and stores of chunks the step completes."""
-        self._loads.observe_plan(time.monotonic(),
-                                 bool(scheduler_output.num_scheduled_tokens))
+        self._loads.observe_plan(time.monotonic(), *_step_shape(scheduler_output))
         self._step += 1
         meta = KVTierMetadata(step=self._step,
                               preempted=set(scheduler_output.preempted_req_ids or ()))
@@ -188,7 +200,17 @@ class ConnectorScheduler:
         return self._events.take()
 
     def take_stats(self) -> KVTierConnectorStats | None:
-        """Lookup counter deltas since the last call (vLLM's get_kv_connector_stats)."""
+        """Lookup counter deltas since the last call, and the measured costs of a restore
+        per tier and of a recompute (vLLM's get_kv_connector_stats)."""
+        per_1k = 1000 / self._tokens_per_chunk
+        for tier in self._loads.costs.tiers:
+            chunk_s = self._loads.costs.chunk_s(tier)
+            if chunk_s is not None:
+                self._stats.set_gauge("tier_restore_seconds_per_1k_tokens", tier,
+                                      chunk_s * per_1k)
+        recompute_s = self._loads.steps.recompute_s(0, 1000)
+        if recompute_s is not None:
+            self._stats.set_gauge("recompute_seconds_per_1k_tokens", "", recompute_s)
         return self._stats.take()
 
     def close(self) -> None:
@@ -209,3 +231,15 @@ class ConnectorScheduler:
                               tenant=state.request.cache_salt,
                               retain_s=controls.retain_s, ttl_s=controls.ttl_s)
                 for chunk in range(start // tpc, end // tpc)]
+
+
+def _step_shape(output: SchedulerOutput) -> tuple[int, float]:
+    """A step's scheduled tokens and their mean position in their prompts."""
+    tokens, weighted = 0, 0.0
+    starts = {new.req_id: new.num_computed_tokens for new in output.scheduled_new_reqs}
+    cached = output.scheduled_cached_reqs
+    starts.update(zip(cached.req_ids, cached.num_computed_tokens))
+    for req_id, count in output.num_scheduled_tokens.items():
+        tokens += count
+        weighted += count * (starts.get(req_id, 0) + (count - 1) / 2)
+    return tokens, weighted / tokens if tokens else 0.0

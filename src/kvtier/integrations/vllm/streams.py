@@ -39,7 +39,7 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import MutableSequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -107,7 +107,7 @@ class StreamChunkMover:
     def load(self, transfers: list[ChunkTransfer], spares: MutableSequence[memoryview],
              after: Event | None = None, wait: bool = True) -> int:
         """See mover.ChunkMover.load. `spares` must be pinned host memory."""
-        started, lent_by_ram = time.perf_counter(), 0
+        started, lent_by = time.perf_counter(), Counter[str]()
         after = after or self.mark()
         inline = not wait
         for first in range(0, len(transfers), self._load_batch):
@@ -119,7 +119,7 @@ class StreamChunkMover:
                 copies: deque[tuple[Event, torch.Tensor]] = deque()  # this batch's, queued
                 for transfer, view in zip(batch[:held], lent[:held]):
                     assert view is not None
-                    lent_by_ram += view.tier == self._top_tier
+                    lent_by[view.tier] += 1
                     slot = self._free_slot(copies, inline)
                     self._queue_load(transfer, torch.frombuffer(view.data, dtype=torch.uint8),
                                      slot, after)
@@ -140,8 +140,7 @@ class StreamChunkMover:
                     self._give_back([s for _, s in copies], self._load_slots)
             if held < len(batch):
                 return first + held
-        self.samples.append(LoadSample(lent_by_ram, len(transfers) - lent_by_ram,
-                                       time.perf_counter() - started))
+        self.samples.append(LoadSample(tuple(lent_by.items()), time.perf_counter() - started))
         return len(transfers)
 
     def _queue_load(self, transfer: ChunkTransfer, host: torch.Tensor, slot: torch.Tensor,

@@ -1,0 +1,110 @@
+"""Load or recompute: how much of a hit kvtier offers to vLLM.
+
+A hit is worth loading only where loading it is faster than recomputing it. The rule
+(`HitOffer.cut`, load_when "faster", the default):
+
+    Of a hit's chunks c_1..c_n (after the tokens vLLM's own cache holds), offer the longest
+    prefix c_1..c_k whose expected load time is at most its expected recompute time:
+        sum(restore_s(tier(c_i)) for i <= k) <= recompute_s(start, end(c_k))
+    and leave c_(k+1)..c_n to be recomputed (and stored, as any computed chunk).
+
+Inputs, all measured on this engine:
+  - restore_s(tier): the tier's seconds per chunk, the median of its last loads
+    (`LoadCosts`, loadcost.py);
+  - tier(c): the fastest tier known to hold the chunk: the workers' reports of what each tier
+    stored and removed, or the tier whose probe found it (`Holders`, holders.py);
+  - recompute_s(s, e): the engine's prefill cost of the prompt's tokens s..e, fitted to its
+    own step times by position (attention makes a later token dearer: `EngineSteps`,
+    stepcost.py).
+Defaults before anything is measured: a tier with no timed load yet counts as free, and an
+engine with no timed prefill yet as infinitely slow: every hit is loaded, as with load_when
+"always", until both sides are measured (the first loads measure the tiers).
+
+A tier judged slower than recompute is no longer loaded from, so its cost would never be
+measured again: every TRIAL_MIN_S (doubling up to TRIAL_MAX_S while it stays slow) one hit
+that the rule would cut is offered whole, as a trial; its load is timed like any other, and
+two fast trials bring the tier back (loadcost.TIER_WINDOW). A tier that turns slow drops out
+within two loads.
+
+Decisions are counted per tier, in chunks: "loaded", "trial" (offered against the rule, to
+measure), "recompute_faster" (cut).
+
+Primitives: `HitOffer`, `Cut` (load_when: config.LOAD_WHEN).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvtier.integrations.vllm.loadcost import LoadCosts
+from kvtier.integrations.vllm.stepcost import EngineSteps
+
+TRIAL_MIN_S = 2.0
+TRIAL_MAX_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class Cut:
+    """How many of a hit's chunks are offered, and the decisions by (tier, reason)."""
+
+    num_chunks: int
+    decisions: Counter[tuple[str, str]] = field(default_factory=Counter)
+
+
+class HitOffer:
+    """The rule above, with the trial clock of each tier it cut (scheduler thread)."""
+
+    def __init__(self, costs: LoadCosts, steps: EngineSteps, tokens_per_chunk: int,
+                 load_when: str = "faster",
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._costs = costs
+        self._steps = steps
+        self._tpc = tokens_per_chunk
+        self._always = load_when == "always"
+        self._clock = clock
+        self._next_trial_s: dict[str, float] = {}  # tier -> when it may be tried again
+        self._trial_gap_s: dict[str, float] = {}  # tier -> the gap after its next trial
+
+    def cut(self, tiers: Sequence[str], start_token: int) -> Cut:
+        """The chunks of a hit to offer. `tiers`: the tier each chunk of the hit is expected
+        to be read from, in order; `start_token`: the first token the load provides (vLLM's
+        own cache holds the ones before), inside the hit's first chunk."""
+        by_rule = len(tiers) if self._always else self._faster_prefix(tiers, start_token)
+        decisions: Counter[tuple[str, str]] = Counter(
+            (tier, "loaded") for tier in tiers[:by_rule])
+        for tier in set(tiers[:by_rule]):
+            self._trial_gap_s.pop(tier, None)  # loaded by the rule: fast again
+        if by_rule == len(tiers):
+            return Cut(by_rule, decisions)
+        slowest = max(tiers[by_rule:], key=lambda t: self._costs.chunk_s(t) or 0.0)
+        reason = "trial" if self._trial_due(slowest) else "recompute_faster"
+        decisions.update((tier, reason) for tier in tiers[by_rule:])
+        return Cut(len(tiers) if reason == "trial" else by_rule, decisions)
+
+    def _faster_prefix(self, tiers: Sequence[str], start_token: int) -> int:
+        """The rule: the longest prefix whose load is expected to beat its recompute."""
+        first_chunk, load_s, offered = start_token // self._tpc, 0.0, 0
+        for i, tier in enumerate(tiers):
+            load_s += self._costs.chunk_s(tier) or 0.0
+            end = (first_chunk + i + 1) * self._tpc
+            recompute_s = self._steps.recompute_s(start_token, end)
+            if recompute_s is None or load_s <= recompute_s:
+                offered = i + 1
+        return offered
+
+    def _trial_due(self, tier: str) -> bool:
+        """Whether a cut tier is due a trial load (and, if so, when the next one is)."""
+        now = self._clock()
+        gap = self._trial_gap_s.get(tier)
+        if gap is None:  # just cut: the first trial after TRIAL_MIN_S
+            self._trial_gap_s[tier] = TRIAL_MIN_S
+            self._next_trial_s[tier] = now + TRIAL_MIN_S
+            return False
+        if now < self._next_trial_s[tier]:
+            return False
+        gap = self._trial_gap_s[tier] = min(2 * gap, TRIAL_MAX_S)
+        self._next_trial_s[tier] = now + gap
+        return True
