@@ -23,7 +23,7 @@ new directory, and an explicit chmod to 0770 would clear it, so later files woul
 the writer's primary group (issue 12, item 4; tests/faults/test_group_sharing.py).
 
 Primitives: `open_dir`, `make_root`, `lstat_file`, `unlink_file`, `walk`, `Entry`,
-`sample_shards` (the shared tier's sampled eviction),
+`sample_shards` (the shared tier's sampled eviction), `sweep_layout_temps`,
 `TEMP_STALE_S`, `is_layout_name`, `is_temp_name`, `DIR_FLAGS`, `NOT_OURS`.
 """
 
@@ -34,6 +34,7 @@ import os
 import random
 import re
 import stat
+import time
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -307,6 +308,33 @@ def sample_shards(root: Path, rng: random.Random, ops: FsOps = NO_OPS,
         os.close(root_fd)
         for fd in layout_fds.values():
             os.close(fd)
+
+
+def sweep_layout_temps(root: Path, digest: str, ops: FsOps = NO_OPS) -> int:
+    """Delete kvtier's stale temp files (older than TEMP_STALE_S) in the layout directory
+    ROOT/digest itself (an O_DIRECT probe's or a manifest's, of a writer killed meanwhile):
+    one directory read, an lstat per temp file. The number deleted; never raises."""
+    try:
+        fd = open_dir(root, [digest], ops=ops)
+    except OSError:
+        return 0
+    swept = 0
+    try:
+        ops.add(dir_reads=1)
+        with os.scandir(fd) as entries:
+            names = [e.name for e in entries if _PROBE_TEMP.fullmatch(e.name)]
+        for name in names:
+            ops.add(stats=1)
+            info = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            if stat.S_ISREG(info.st_mode) and info.st_mtime < time.time() - TEMP_STALE_S:
+                ops.add(unlinks=1)
+                os.unlink(name, dir_fd=fd)
+                swept += 1
+    except OSError:
+        pass  # read-only, or removed meanwhile: the next start-up tries again
+    finally:
+        os.close(fd)
+    return swept
 
 
 def _typed_dirs(fd: int, pattern: re.Pattern[str], ops: FsOps) -> list[str]:

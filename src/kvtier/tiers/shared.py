@@ -65,7 +65,7 @@ from kvtier.tiers.chunkfiles import ChunkFiles, PendingWrite
 from kvtier.tiers.chunktree import FileInventory, FileProbe, key_of, scan_tree
 from kvtier.tiers.directories import check_directory
 from kvtier.tiers.encoding import EncodedTierSettings, build_encoder
-from kvtier.tiers.filetree import unlink_file
+from kvtier.tiers.filetree import sweep_layout_temps, unlink_file
 from kvtier.tiers.manifest import NamespaceManifest, write_file_manifest
 from kvtier.tiers.quota import LedgerState, QuotaLedger
 from kvtier.tiers.victims import VictimSampler
@@ -147,6 +147,9 @@ class SharedTier:
         if self.ledger is None:
             self.enforce_quota()
             return
+        # The layout directory's own stale temp files (a killed writer's manifest or probe):
+        # a re-measure sweeps them, but a restart need not walk the tree any more.
+        sweep_layout_temps(self.files.root, self.files.layout_digest, self.files.ops)
         with self.ledger.locked() as ledger:
             claimed = self._claim_locked(ledger)
             self._publish(ledger)
