@@ -1,7 +1,7 @@
 """Test helpers for store configs on disk and the `kvtier inspect` / `kvtier gc` commands over
 them, shared by tests/tools and tests/tiers: a memory tier over one persistent tier of a kind
-(disk, shared, or redis from the `redis_url` fixture), what that tier holds, and the commands'
-JSON reports. (Not named conftest.py: see tierkit.py.)
+(disk, shared, redis from the `redis_url` fixture, or s3 from `s3_session`), what that tier
+holds, and the commands' JSON reports. (Not named conftest.py: see tierkit.py.)
 """
 
 from __future__ import annotations
@@ -19,13 +19,16 @@ from kvtier.tiers import build_tier
 from kvtier.tiers.storeconfig import StoreConfig
 from kvtier.tools.cli.main import main
 
-KINDS = ["disk", "shared", pytest.param("redis", marks=pytest.mark.redis)]
+KINDS = ["disk", "shared", pytest.param("redis", marks=pytest.mark.redis),
+         pytest.param("s3", marks=pytest.mark.s3)]
 
 
 def tier_config(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> dict[str, Any]:
     """A persistent tier of `kind` (64 MiB of files, or an unbounded redis namespace)."""
     if kind == "redis":
         return {"kind": "redis", "url": request.getfixturevalue("redis_url"), "capacity": 0}
+    if kind == "s3":  # a fresh prefix in the session's bucket (tests/s3_server.py)
+        return {"kind": "s3", **request.getfixturevalue("s3_session").settings()}
     return {"kind": kind, "path": str(tmp_path / kind), "capacity": "64MiB"}
 
 

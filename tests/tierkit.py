@@ -13,6 +13,7 @@ S3_ENDPOINT (moto's server, or KVTIER_TEST_S3_*: tests/s3_server.py).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -71,11 +72,25 @@ def tier_settings(kind: str, root: Path, layout: KVLayout, capacity_chunks: int,
     if kind == "redis":  # parts of 1.5 KiB: a 4 KiB chunk is stored as 3 parts
         assert REDIS_URL, "use the redis_url fixture (tests/conftest.py sets REDIS_URL)"
         settings.update(url=REDIS_URL, part_bytes=1536, retry_max_s=1.0)
-    if kind == "s3":  # a fresh key prefix in the session's bucket
+    if kind == "s3":  # a key prefix of `root`'s in the session's bucket (root: the test's)
         assert S3_ENDPOINT is not None, "use the s3_session fixture (tests/conftest.py)"
-        settings.update(S3_ENDPOINT.settings())
+        root_hash = hashlib.blake2b(str(root).encode(), digest_size=8).hexdigest()
+        settings.update(S3_ENDPOINT.settings(f"t-{root_hash}"))
     settings.update(options)
     return settings
+
+
+def s3_object(tier: Tier, k: ChunkKey) -> bytes:
+    """The s3 tier's object of chunk `k`, as stored (read with a client of its own)."""
+    name = tier.names.chunk(k)  # type: ignore[attr-defined]
+    client = S3_ENDPOINT.client()
+    return bytes(client.get_object(Bucket=S3_ENDPOINT.bucket, Key=name)["Body"].read())
+
+
+def s3_write(tier: Tier, k: ChunkKey, data: bytes) -> None:
+    """Overwrite the s3 tier's object of chunk `k` (damage, forgery)."""
+    name = tier.names.chunk(k)  # type: ignore[attr-defined]
+    S3_ENDPOINT.client().put_object(Bucket=S3_ENDPOINT.bucket, Key=name, Body=data)
 
 
 def make_tier(kind: str, root: Path, layout: KVLayout, capacity_chunks: int,

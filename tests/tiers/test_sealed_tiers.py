@@ -30,7 +30,8 @@ from kvtier.core.store import TieredStore
 from kvtier.core.tier import OK, Failure, Tier
 from kvtier.tools.cli.main import main
 
-KINDS = ["disk", "shared", pytest.param("redis", marks=pytest.mark.redis)]
+KINDS = ["disk", "shared", pytest.param("redis", marks=pytest.mark.redis),
+         pytest.param("s3", marks=pytest.mark.s3)]
 SECRET = "operator-secret-for-the-sealed-tier-tests-0123456789"
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_size=64, dtype="bfloat16",
                   tokens_per_chunk=16)
@@ -54,6 +55,8 @@ def _secret(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def kind(request: pytest.FixtureRequest) -> str:
     if request.param == "redis":
         tierkit.REDIS_URL = request.getfixturevalue("redis_url")
+    if request.param == "s3":
+        tierkit.S3_ENDPOINT = request.getfixturevalue("s3_session")
     return str(request.param)
 
 
@@ -68,6 +71,9 @@ def raw_values(kind: str, tier: Tier, k: bytes) -> tuple[bytes, bytes]:
         client = redis.Redis.from_url(str(tierkit.REDIS_URL))
         names = tier.names.values(k)  # type: ignore[attr-defined]
         return client.get(names[0]), b"".join(client.get(n) or b"" for n in names[1:])
+    if kind == "s3":
+        data = tierkit.s3_object(tier, k)
+        return data[:HEADER_BYTES], data[HEADER_BYTES:]
     data = tier.files.path_of(k).read_bytes()  # type: ignore[attr-defined]
     return data[:HEADER_BYTES], data[HEADER_BYTES:]
 
@@ -129,6 +135,8 @@ def test_tampered_ciphertext_is_a_counted_miss(kind: str, tmp_path: Path) -> Non
             chunk = bytes(forged_body[n * part:(n + 1) * part])
             if client.exists(name):
                 client.set(name, chunk)
+    elif kind == "s3":
+        tierkit.s3_write(tier, key(4), forged_header + bytes(forged_body))
     else:
         tier.files.path_of(key(4)).write_bytes(  # type: ignore[attr-defined]
             forged_header + bytes(forged_body))
