@@ -46,6 +46,7 @@ from kvtier.integrations.vllm.config import (
 from kvtier.redaction import redact, redact_text
 from kvtier.tiers.redis_config import RedisTierConfig
 from kvtier.tiers.registry import TIER_CLASSES, config_model, tier_class
+from kvtier.tiers.s3_config import S3TierConfig
 from kvtier.tools.ops.machine import Check as Check  # re-exported: doctor's result type
 from kvtier.tools.ops.machine import Status, check_host_ram, check_pinned_memory
 from kvtier.tools.ops.machine import check_vllm as check_vllm  # re-exported
@@ -167,14 +168,17 @@ def check_redis(store: Mapping[str, Any]) -> list[Check]:
         kind = tier.get("kind") if isinstance(tier, Mapping) else None
         if kind not in TIER_CLASSES or not tier_class(kind).has_server:
             continue
-        name = f"{kind} {_redis_target(tier)}"
+        name = f"{kind} {_s3_target(tier) if kind == 's3' else _redis_target(tier)}"
         try:
             config = parse_model(config_model(kind), dict(tier), f"store.tiers.{index}.{kind}")
         except ConfigError as exc:
             out.append(Check(name, "fail", str(exc)))
             continue
+        if isinstance(config, S3TierConfig):
+            out.append(ping_s3(config))
+            continue
         out.append(ping_redis(config) if isinstance(config, RedisTierConfig) else
-                   Check(name, "skip", "the doctor speaks only the Redis protocol"))
+                   Check(name, "skip", "the doctor speaks the Redis and S3 protocols only"))
     return out or [Check("redis", "skip", "no redis tier configured")]
 
 
@@ -209,6 +213,47 @@ def ping_redis(config: RedisTierConfig) -> Check:
     if config.username or password is not None:
         how.append(f"as user {config.username or 'default'} with a password")
     return Check(name, "ok", "PING answered" + (f" ({', '.join(how)})" if how else ""))
+
+
+def ping_s3(config: S3TierConfig) -> Check:
+    """HEAD an s3 tier's bucket the way the tier connects: its endpoint, region, TLS
+    verification and CA file, credentials from `credentials_file`/`profile` or the standard
+    places; with REDIS_TIMEOUT_S timeouts. Says where the credentials came from, never them."""
+    from kvtier.tiers.s3_client import (
+        S3Errors,
+        connect,
+        credentials_source,
+        error_code,
+        open_session,
+    )
+
+    name = f"s3 {_s3_target(config.model_dump())}"
+    quick = config.model_copy(update={"connect_timeout_s": REDIS_TIMEOUT_S,
+                                      "request_timeout_s": REDIS_TIMEOUT_S})
+    try:
+        session = open_session(config)
+        errors = S3Errors()
+    except ConfigError as exc:
+        return Check(name, "fail", str(exc))
+    client = connect(quick, session, 1)
+    try:
+        client.head_bucket(Bucket=config.bucket)
+    except errors.answered as exc:
+        return Check(name, "fail", f"the bucket check answered {error_code(exc)} (403: the "
+                     "credentials are refused; 404: no such bucket)")
+    except errors.down as exc:
+        return Check(name, "fail", f"unreachable: {redact_text(type(exc).__name__)}")
+    finally:
+        client.close()
+    tls = "TLS verified" if (config.endpoint_url or "https:").startswith("https:") and \
+        config.tls_verify else "no TLS verification"
+    return Check(name, "ok", f"bucket answered ({tls}; credentials from "
+                 f"{credentials_source(session)})")
+
+
+def _s3_target(tier: Mapping[str, Any]) -> str:
+    """An s3 tier's endpoint and bucket, for display (redacted)."""
+    return redact(f"{tier.get('endpoint_url') or 'aws'}/{tier.get('bucket', '?')}")
 
 
 def _redis_target(tier: Mapping[str, Any]) -> str:

@@ -65,6 +65,9 @@ TIER_PRESETS: dict[str, TierSpec] = {
     "nvme": _preset("nvme", "disk", NVME_GBPS[4], 200e-6),
     "shared": _preset("shared", "shared", 2.0, 2e-3),  # NFS/Lustre-class mount
     "redis": _preset("redis", "redis", 1.2, 1e-3),  # one server over 10-25 GbE
+    # an S3-compatible bucket: ~8 GETs in flight of ~100 MB/s each, ~20 ms to first byte
+    # (S3 Standard; on-premise MinIO/Ceph RGW are nearer 2-5 ms)
+    "s3": _preset("s3", "s3", 0.8, 20e-3),
 }
 
 
