@@ -102,6 +102,27 @@ def test_the_cap_bounds_the_rate(echo_port: int) -> None:
         assert time.perf_counter() - started >= MIB * 8 / 0.1e9  # 84 ms
 
 
+def test_the_link_changes_while_the_proxy_runs(echo_port: int) -> None:
+    payload = os.urandom(MIB)
+    with delayed_proxy("127.0.0.1", echo_port, delay_ms=0.0, bandwidth_gbps=None) as proxy:
+        started = time.perf_counter()
+        assert _echo_through(proxy, payload) == payload
+        fast_s = time.perf_counter() - started
+        proxy.set_link(0.0, 0.1)  # the link degrades: 84 ms for the MiB
+        time.sleep(0.2)  # the child reads the change
+        started = time.perf_counter()
+        assert _echo_through(proxy, payload) == payload
+        slow_s = time.perf_counter() - started
+        assert slow_s >= MIB * 8 / 0.1e9 > fast_s
+        proxy.set_link(0.0, None)  # and recovers
+        time.sleep(0.2)
+        started = time.perf_counter()
+        assert _echo_through(proxy, payload) == payload
+        assert time.perf_counter() - started < MIB * 8 / 0.1e9
+        with pytest.raises(ConfigError):
+            proxy.set_link(-1.0, None)
+
+
 def test_connections_share_the_cap(echo_port: int) -> None:
     # Two connections moving 1 MiB each at once: 2 MiB through one 0.1 Gbit/s link.
     payloads = [os.urandom(MIB), os.urandom(MIB)]

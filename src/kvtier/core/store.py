@@ -285,9 +285,12 @@ class TieredStore:
 
     @contextmanager
     def borrow_many(self, keys: Sequence[ChunkKey], spares: MutableSequence[memoryview],
-                    metas: Sequence[ChunkMeta] = ()) -> Iterator[list[ChunkView | None]]:
+                    metas: Sequence[ChunkMeta] = (), tried: dict[int, str] | None = None,
+                    ) -> Iterator[list[ChunkView | None]]:
         """`borrow` for many chunks in one block (a view or None per key, in order);
-        `metas[i]` is chunk i's (empty: every chunk `DEFAULT_META`).
+        `metas[i]` is chunk i's (empty: every chunk `DEFAULT_META`). `tried`, if given, is
+        filled with the tier the read of key i last tried (a miss's slowest tier: what a
+        failed load's time is charged to).
 
         Chunks an `InPlace` tier holds are lent in place; the others are read in parallel
         on the store's read threads, chunk i into `spares[i]`, so a batch of disk reads
@@ -308,7 +311,8 @@ class TieredStore:
                 views = [self._open(pins, key, meta, spare, read=False)
                          for key, meta, spare in zip(keys, metas, spares)]
                 todo = [i for i, view in enumerate(views) if view is None]
-                reading: dict[int, str] = {}  # key index -> the tier its read is waiting on
+                # key index -> the tier its read is waiting on
+                reading: dict[int, str] = {} if tried is None else tried
                 futures: dict[Future[ChunkView | None], int] = {
                     self._calls.submit(self._open, pins, keys[i], metas[i], spares[i],
                                        lend=False, reading=(reading, i)): i

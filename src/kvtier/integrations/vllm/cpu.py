@@ -79,8 +79,9 @@ class CpuChunkMover:
         started, lent_by = time.perf_counter(), Counter[str]()
         for first in range(0, len(transfers), self._load_batch):
             batch = transfers[first:first + self._load_batch]
+            tried: dict[int, str] = {}  # the tier each read tried last
             with self._store.borrow_many([t.key for t in batch], spares,
-                                         [chunk_meta(t) for t in batch]) as lent:
+                                         [chunk_meta(t) for t in batch], tried) as lent:
                 held = next((i for i, view in enumerate(lent) if view is None), len(batch))
                 # One thread: memory bandwidth, not the CPU, bounds a scatter; two threads
                 # scattered 1.25x slower than one here (docs/performance.md).
@@ -101,8 +102,11 @@ class CpuChunkMover:
                     self._paged.scatter(chunk, transfer.block_ids, transfer.first_block,
                                         transfer.state_blocks)
                 if held < len(batch):
+                    if held in tried:  # a failed read costs its tier its time, too
+                        lent_by[tried[held]] += 1
+                        self.samples.append(LoadSample.since(started, lent_by))
                     return first + held
-        self.samples.append(LoadSample(tuple(lent_by.items()), time.perf_counter() - started))
+        self.samples.append(LoadSample.since(started, lent_by))
         return len(transfers)
 
     def store(self, transfers: list[ChunkTransfer], mode: str,

@@ -3,9 +3,12 @@ load_mode "auto" (inline or asynchronous) built on it.
 
 Restore cost: each tier's seconds per chunk, the median of its last TIER_WINDOW samples (a
 single slow load does not move it; two in a row do, and two fast ones bring it back). A
-sample is one request's complete load (`LoadSample`): the chunks each tier lent and the time
-from the first read to the last scatter. A load that read from several tiers is charged to
-the slowest (last) one, less what the faster tiers' chunks are expected to have cost.
+sample is one request's load (`LoadSample`): the chunks each tier lent and the time from the
+first read to the last scatter; or, for a load that failed, to the failed read, with the
+chunk counted for the tier it was tried on (a read that times out is the slowest a tier
+gets: without it, a tier whose reads all time out would never look slow). A load that read
+from several tiers is charged to the slowest (last) one, less what the faster tiers' chunks
+are expected to have cost.
 
 Inline or asynchronous (`LoadCosts.inline`): a hit loaded inline stretches the step that
 needs it, and so one inter-token gap of every request in the batch, by the load's time.
@@ -25,6 +28,7 @@ Primitives: `LoadSample`, `LoadCosts`, `INLINE_STEP_SHARE`, `TIER_WINDOW`.
 from __future__ import annotations
 
 import statistics
+import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -39,8 +43,14 @@ TIER_WINDOW = 3
 class LoadSample:
     """One request's complete load, as a worker timed it."""
 
-    chunks: tuple[tuple[str, int], ...]  # (tier name, chunks it lent), fastest tier first
-    seconds: float  # from the first read to the last scatter
+    chunks: tuple[tuple[str, int], ...]  # (tier name, chunks it lent or failed to)
+    seconds: float  # from the first read to the last scatter, or to the failed read
+
+    @staticmethod
+    def since(started_s: float, chunks: Mapping[str, int]) -> LoadSample:
+        """A load of `chunks` (tier -> count) that started at `started_s` (perf_counter)
+        and ends now."""
+        return LoadSample(tuple(chunks.items()), time.perf_counter() - started_s)
 
 
 class LoadCosts:

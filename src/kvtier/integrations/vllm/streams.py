@@ -112,9 +112,10 @@ class StreamChunkMover:
         inline = not wait
         for first in range(0, len(transfers), self._load_batch):
             batch = transfers[first:first + self._load_batch]
+            tried: dict[int, str] = {}  # the tier each read tried last
             with ExitStack() as borrow:
                 lent = borrow.enter_context(self._store.borrow_many(
-                    [t.key for t in batch], spares, [chunk_meta(t) for t in batch]))
+                    [t.key for t in batch], spares, [chunk_meta(t) for t in batch], tried))
                 held = next((i for i, view in enumerate(lent) if view is None), len(batch))
                 copies: deque[tuple[Event, torch.Tensor]] = deque()  # this batch's, queued
                 for transfer, view in zip(batch[:held], lent[:held]):
@@ -139,8 +140,11 @@ class StreamChunkMover:
                     copies[-1][0].synchronize()
                     self._give_back([s for _, s in copies], self._load_slots)
             if held < len(batch):
+                if held in tried:  # a failed read costs its tier its time, too
+                    lent_by[tried[held]] += 1
+                    self.samples.append(LoadSample.since(started, lent_by))
                 return first + held
-        self.samples.append(LoadSample(tuple(lent_by.items()), time.perf_counter() - started))
+        self.samples.append(LoadSample.since(started, lent_by))
         return len(transfers)
 
     def _queue_load(self, transfer: ChunkTransfer, host: torch.Tensor, slot: torch.Tensor,

@@ -88,23 +88,35 @@ def counter(llm: Any, name: str) -> float:
                      if m.name == name and isinstance(getattr(m, "value", None), (int, float))))
 
 
-def kvtier_counter(name: str, tier: str | None = None) -> float:
-    """kvtier's counter `name` (summed over engines, and over tiers unless `tier`).
+def kvtier_counter(name: str, tier: str | None = None, **labels: str) -> float:
+    """kvtier's counter `name` (summed over engines, and over tiers unless `tier`, and over
+    other labels unless given: `reason="loaded"`).
 
     Read from this process's Prometheus registry, where vLLM's stat logger feeds the
     connector's stats (the same numbers a server shows on /metrics).
     """
+    return _kvtier_samples(name, "_total", tier, labels)
+
+
+def kvtier_gauge(name: str, tier: str | None = None) -> float:
+    """kvtier's gauge `name` (summed over engines, and over tiers unless `tier`)."""
+    return _kvtier_samples(name, "", tier, {})
+
+
+def _kvtier_samples(name: str, suffix: str, tier: str | None, labels: dict[str, str]) -> float:
     from prometheus_client import REGISTRY
 
     from kvtier.integrations.vllm.metrics import PREFIX
 
+    if tier is not None:
+        labels = {**labels, "tier": tier}
     total = 0.0
     for family in REGISTRY.collect():
         if family.name != PREFIX + name:
             continue
         for sample in family.samples:
-            if sample.name.endswith("_total") and (
-                    tier is None or sample.labels.get("tier") == tier):
+            if sample.name == PREFIX + name + suffix and all(
+                    sample.labels.get(k) == v for k, v in labels.items()):
                 total += sample.value
     return total
 

@@ -13,7 +13,9 @@ The proxy's own hop (Python relaying on the same cores) adds to these figures.
 
 It runs in a child process (`python -m kvtier.tools.bench.netem`), so that relaying takes no
 GIL from the caller (the bench times tokens in its own process); the child exits when its
-stdin closes: at the context's exit, or when the caller dies.
+stdin closes: at the context's exit, or when the caller dies. `Endpoint.set_link` changes
+the delay and the cap while it runs (a link that degrades and recovers), through the same
+stdin, one line "DELAY_MS GBPS" per change.
 
 Primitives: `Endpoint`, `delayed_proxy`."""
 
@@ -27,7 +29,8 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import IO
 
 from kvtier.errors import ConfigError
 
@@ -38,10 +41,29 @@ STOP_TIMEOUT_S = 5.0
 
 @dataclass(frozen=True, slots=True)
 class Endpoint:
-    """Where the proxy listens."""
+    """Where the proxy listens, and its link's controls."""
 
     host: str
     port: int
+    control: IO[bytes] | None = field(default=None, compare=False, repr=False)
+
+    def set_link(self, delay_ms: float, bandwidth_gbps: float | None) -> None:
+        """From now on, delay and cap the link so (pieces already queued keep their times).
+
+        Raises:
+            ConfigError: a delay < 0 or a cap <= 0.
+        """
+        _check_link(delay_ms, bandwidth_gbps)
+        assert self.control is not None, "not a running proxy"
+        self.control.write(f"{delay_ms!r} {bandwidth_gbps or 0.0!r}\n".encode())
+        self.control.flush()
+
+
+def _check_link(delay_ms: float, bandwidth_gbps: float | None) -> None:
+    if not (math.isfinite(delay_ms) and delay_ms >= 0):
+        raise ConfigError("delay_ms", delay_ms, "milliseconds >= 0")
+    if bandwidth_gbps is not None and not (math.isfinite(bandwidth_gbps) and bandwidth_gbps > 0):
+        raise ConfigError("bandwidth_gbps", bandwidth_gbps, "Gbit/s > 0, or None (no cap)")
 
 
 @contextmanager
@@ -56,10 +78,7 @@ def delayed_proxy(target_host: str, target_port: int, delay_ms: float,
     """
     if not 0 < target_port < 65536:
         raise ConfigError("target_port", target_port, "a port, 1-65535")
-    if not (math.isfinite(delay_ms) and delay_ms >= 0):
-        raise ConfigError("delay_ms", delay_ms, "milliseconds >= 0")
-    if bandwidth_gbps is not None and not (math.isfinite(bandwidth_gbps) and bandwidth_gbps > 0):
-        raise ConfigError("bandwidth_gbps", bandwidth_gbps, "Gbit/s > 0, or None (no cap)")
+    _check_link(delay_ms, bandwidth_gbps)
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvtier.tools.bench.netem", target_host, str(target_port),
          repr(delay_ms), repr(bandwidth_gbps or 0.0)], stdin=subprocess.PIPE,
@@ -69,7 +88,7 @@ def delayed_proxy(target_host: str, target_port: int, delay_ms: float,
         line = proc.stdout.readline()  # the port, once it listens; b"" if it died
         if not line.strip().isdigit():
             raise RuntimeError(f"the delaying proxy did not start (exit {proc.poll()})")
-        yield Endpoint("127.0.0.1", int(line))
+        yield Endpoint("127.0.0.1", int(line), proc.stdin)
     finally:
         proc.stdin.close()
         try:
@@ -143,8 +162,9 @@ async def _connection(client: socket.socket, target: tuple[str, int], up: _Link,
 
 
 async def _serve(target: tuple[str, int], delay_s: float, bytes_per_s: float) -> None:
-    """Accept on 127.0.0.1 (the port goes to stdout) until stdin closes, then cut the
-    connections (their tasks close their sockets) before the listener closes."""
+    """Accept on 127.0.0.1 (the port goes to stdout) until stdin closes, taking each line of
+    it as a new "DELAY_MS GBPS", then cut the connections (their tasks close their sockets)
+    before the listener closes."""
     loop = asyncio.get_running_loop()
     up, down = _Link(delay_s, bytes_per_s), _Link(delay_s, bytes_per_s)
     connections: set[asyncio.Task[None]] = set()  # references, or tasks may be collected
@@ -160,7 +180,10 @@ async def _serve(target: tuple[str, int], delay_s: float, bytes_per_s: float) ->
         listener.setblocking(False)
         acceptor = asyncio.create_task(accept(listener))
         print(listener.getsockname()[1], flush=True)
-        await loop.run_in_executor(None, sys.stdin.buffer.read)  # returns at EOF
+        while line := await loop.run_in_executor(None, sys.stdin.buffer.readline):
+            delay_ms, gbps = (float(x) for x in line.split())
+            for link in (up, down):
+                link.delay_s, link.bytes_per_s = delay_ms / 1e3, gbps * 1e9 / 8
         for task in (acceptor, *connections):
             task.cancel()
         await asyncio.gather(acceptor, *connections, return_exceptions=True)

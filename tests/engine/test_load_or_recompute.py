@@ -1,0 +1,102 @@
+"""Load or recompute in real vLLM (issue 26): a hit is loaded only where loading it is
+expected to be faster than recomputing it, from measured costs (offer.py).
+
+One engine, a RAM tier of two chunks in front of a real redis-server reached through a
+bandwidth-capped TCP proxy on 127.0.0.1 (the interference bench's emulated network), so that
+hits come from Redis at whatever speed the link allows. The link is set fast, then very slow,
+then fast again while the engine runs; every answer must equal the miss path's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from redis_server import RedisServer
+from vllm_harness import (
+    kvtier_counter,
+    kvtier_transfer_config,
+    random_prompts,
+    start_engine,
+    token_ids,
+)
+
+from kvtier.tools.bench.engines import kvtier_gauge
+from kvtier.tools.bench.netem import Endpoint, delayed_proxy
+
+pytestmark = [pytest.mark.vllm, pytest.mark.redis]
+
+CHUNK = 64
+MAX_TOKENS = 4
+PROMPTS = random_prompts([1500, 1400, 1450, 1350], seed=260)
+SLOW_GBPS = 0.002  # 250 kB/s: a 32 KiB chunk takes 0.13 s, far above its recompute
+RECOVERY_S = 40.0  # a recovered tier is back within two trials (2 s + 4 s after the cut)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path, redis_session: RedisServer
+           ) -> Iterator[tuple[Any, Endpoint, list[list[int]]]]:
+    redis_session.client().flushall()
+    with delayed_proxy("127.0.0.1", redis_session.port, 0.0, None) as proxy:
+        tiers = [{"kind": "memory", "capacity": "64KiB"},  # two 32 KiB chunks
+                 {"kind": "redis", "url": f"redis://{proxy.host}:{proxy.port}/0"}]
+        with start_engine(tiny_model_dir, kvtier_transfer_config(tiers, CHUNK)) as llm:
+            clean = []
+            for prompt in PROMPTS:  # the miss path, one at a time: each stores its chunks
+                assert llm.reset_prefix_cache()
+                clean += token_ids(llm, [prompt], MAX_TOKENS)
+            chunks = sum((len(p["prompt_token_ids"]) - 1) // CHUNK for p in PROMPTS)
+            deadline = time.monotonic() + 30
+            while (sum(1 for _ in redis_session.client().scan_iter(match="*:h")) < chunks
+                   and time.monotonic() < deadline):
+                time.sleep(0.2)
+            yield llm, proxy, clean
+
+
+def ask(llm: Any, i: int) -> list[int]:
+    """Prompt `i` with vLLM's own cache emptied: any hit is kvtier's."""
+    assert llm.reset_prefix_cache()
+    return token_ids(llm, [PROMPTS[i % len(PROMPTS)]], MAX_TOKENS)[0]
+
+
+def decisions(reason: str) -> float:
+    return kvtier_counter("tier_hit_decisions", tier="redis", reason=reason)
+
+
+def test_a_fast_link_is_loaded_a_slow_one_recomputed_and_a_recovered_one_loaded_again(
+        engine: tuple[Any, Endpoint, list[list[int]]]) -> None:
+    llm, proxy, clean = engine
+    # Fast link: loading beats recomputing.
+    loaded = decisions("loaded")
+    for i in range(4):
+        assert ask(llm, i) == clean[i]
+    print("restore s/1k", kvtier_gauge("tier_restore_seconds_per_1k_tokens", tier="redis"),
+          "recompute s/1k", kvtier_gauge("recompute_seconds_per_1k_tokens"))
+    assert decisions("loaded") - loaded >= 4 * 20
+    assert kvtier_gauge("tier_restore_seconds_per_1k_tokens", tier="redis") \
+        < kvtier_gauge("recompute_seconds_per_1k_tokens")
+
+    # The link degrades: within a few requests Redis drops out of the offers.
+    proxy.set_link(0.0, SLOW_GBPS)
+    for i in range(4):
+        assert ask(llm, i) == clean[i]
+    cut = decisions("recompute_faster")
+    hits = kvtier_counter("tier_hits", tier="redis")
+    for i in range(4):
+        assert ask(llm, i) == clean[i]
+    print("restore s/1k", kvtier_gauge("tier_restore_seconds_per_1k_tokens", tier="redis"))
+    assert decisions("recompute_faster") - cut >= 3 * 20
+    assert kvtier_counter("tier_hits", tier="redis") - hits <= 2 * 23  # one trial at most
+
+    # It recovers: trials measure it fast again and it is loaded.
+    proxy.set_link(0.0, None)
+    loaded = decisions("loaded")
+    deadline, i = time.monotonic() + RECOVERY_S, 0
+    while decisions("loaded") - loaded < 20 and time.monotonic() < deadline:
+        assert ask(llm, i) == clean[i % len(clean)]
+        i += 1
+    assert decisions("loaded") - loaded >= 20, f"not taken back within {RECOVERY_S} s"
+    assert decisions("trial") > 0
