@@ -33,8 +33,8 @@ from kvtier.tiers.registry import tier_class
 from kvtier.tools.bench.subjects import LMCacheProcess, SizeBench, Subject
 
 MIB = 1024**2
-TIERS = ("memory", "disk", "shared", "redis")
-DEFAULT_TIERS = TIERS[:3]  # redis only when asked: it starts a private redis-server
+TIERS = ("memory", "disk", "shared", "redis", "s3")
+DEFAULT_TIERS = TIERS[:3]  # redis and s3 only when asked: each starts a private server
 # (tier, op) -> (ceiling it is held to, the issue's minimum ratio); for chunks >= TARGET_MIN.
 # lmcache and shared have no target in the issue (0.0): their ratios are for information.
 TARGETS: dict[tuple[str, str], tuple[str, float]] = {
@@ -43,6 +43,7 @@ TARGETS: dict[tuple[str, str], tuple[str, float]] = {
     ("shared", "put"): ("direct", 0.0), ("shared", "get"): ("direct", 0.0),
     ("lmcache", "put"): ("direct", 0.0), ("lmcache", "get"): ("direct", 0.0),
     ("redis", "put"): ("redis_raw", 0.7), ("redis", "get"): ("redis_raw", 0.7),
+    ("s3", "put"): ("s3_raw", 0.8), ("s3", "get"): ("s3_raw", 0.8),
 }
 TARGET_MIN_BYTES = 2 * MIB  # the issue's targets apply to chunks of at least this size
 
@@ -126,6 +127,8 @@ class BenchResult:
     machine: dict[str, Any]  # cpus, load averages and PSI before/after, filesystem
     lmcache: dict[str, Any] | None  # the driver's versions, or {"error": why it did not run}
     wall_s: float
+    # --tier s3: seconds to look up a 512-chunk prefix (s3_baseline.lookup_figures)
+    s3_lookup: dict[str, float] | None = None
 
     def as_json(self, command: str = "") -> dict[str, Any]:
         config = asdict(self.config)
@@ -144,6 +147,7 @@ class BenchResult:
                 for m in self.measurements
             ],
             "verdicts": [asdict(v) for v in self.verdicts],
+            "s3_lookup": self.s3_lookup,
         }
 
     def write_json(self, path: Path, command: str = "") -> None:
@@ -177,6 +181,7 @@ def run_bench(config: BenchConfig, on_round: Callable[[str], None] = lambda _: N
     samples: dict[tuple[str, str, int], list[float]] = {}  # (subject, op, size) -> seconds
     measurements: list[Measurement] = []
     lmcache_info: dict[str, Any] | None = None
+    s3_lookup: dict[str, float] | None = None
     # Here, not at the top: redis-py takes ~0.3 s to import, and `kvtier` imports this
     # module to build its parser (tests/tools/test_startup.py).
     from kvtier.tools.bench.redis_baseline import local_redis, redis_subjects
@@ -187,6 +192,11 @@ def run_bench(config: BenchConfig, on_round: Callable[[str], None] = lambda _: N
         work = Path(tempfile.mkdtemp(prefix=".kvtier-bench-", dir=config.directory))
         stack.callback(shutil.rmtree, work, ignore_errors=True)
         redis_url = stack.enter_context(local_redis(work)) if "redis" in config.tiers else None
+        s3_at = None
+        if "s3" in config.tiers:  # here: boto3 and moto load only for --tier s3
+            from kvtier.tools.bench.s3_baseline import local_s3, lookup_figures, s3_subjects
+            s3_at = stack.enter_context(local_s3())
+            s3_lookup = lookup_figures(*s3_at)
         lmcache = None
         if config.lmcache_python:
             try:
@@ -208,6 +218,8 @@ def run_bench(config: BenchConfig, on_round: Callable[[str], None] = lambda _: N
                 groups = [[bench.copy()], [bench.direct_1file()], files]
                 if redis_url is not None:  # the tier next to raw SET/GET on the same server
                     groups.append(redis_subjects(bench, redis_url, size_stack))
+                if s3_at is not None:  # the tier next to raw PUT/GET on the same server
+                    groups.append(s3_subjects(bench, *s3_at, size_stack))
                 if "memory" in config.tiers:
                     groups[0].append(bench.tier("memory", size_stack))
                 for trial in range(config.trials + 1):  # round 0 is the untimed warm-up
@@ -218,7 +230,7 @@ def run_bench(config: BenchConfig, on_round: Callable[[str], None] = lambda _: N
     machine["loadavg_after"] = list(os.getloadavg())
     machine["pressure_after"] = pressure()
     return BenchResult(config, tuple(measurements), verdicts(measurements), machine,
-                       lmcache_info, time.perf_counter() - started)
+                       lmcache_info, time.perf_counter() - started, s3_lookup)
 
 
 def _run_round(groups: list[list[Subject]], trial: int, size: int,

@@ -41,7 +41,8 @@ CEILINGS = (("copy", "put", "copy"), ("direct", "put", "O_DIRECT write"),
 
 
 CEILING_NAMES = {(subject, op): title for subject, op, title in CEILINGS} | {
-    ("copy", "get"): "copy", ("redis_raw", "put"): "raw SET", ("redis_raw", "get"): "raw GET"}
+    ("copy", "get"): "copy", ("redis_raw", "put"): "raw SET", ("redis_raw", "get"): "raw GET",
+    ("s3_raw", "put"): "raw PUT", ("s3_raw", "get"): "raw GET"}
 
 
 def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -50,7 +51,8 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         description=__doc__.splitlines()[0],
     )
     parser.add_argument("--tier", action="append", choices=TIERS,
-                        help="tier to measure (repeatable; default: all three)")
+                        help="tier to measure (repeatable; default: memory, disk, shared; "
+                             "redis and s3 start a private server)")
     parser.add_argument("--sizes", default="0.5,2,8,32",
                         help="chunk sizes, comma-separated, in MiB or with a unit "
                              "(e.g. 512KiB); default 0.5,2,8,32")
@@ -129,6 +131,13 @@ def _run(args: argparse.Namespace, config: BenchConfig) -> int:
     console.print(ceiling_table(result))
     console.print(verdict_table(result))
     console.print(summary(result))
+    if result.s3_lookup:
+        look = result.s3_lookup
+        console.print(f"s3 lookup of a {look['chunks']:.0f}-chunk prefix "
+                      f"({look['lookup_concurrency']:.0f} HEADs in flight): held "
+                      f"{look['held_s'] * 1e3:.0f} ms, absent {look['absent_cold_s'] * 1e3:.0f}"
+                      f" ms (again: {look['absent_cached_s'] * 1e3:.1f} ms, negative cache); "
+                      f"one HEAD after another {look['held_one_by_one_s'] * 1e3:.0f} ms")
     if result.lmcache and "error" in result.lmcache:
         console.print(f"[yellow]LMCache not measured:[/] {result.lmcache['error']}")
     result.write_json(args.json, shlex.join(["kvtier", *sys.argv[1:]]))
@@ -154,7 +163,7 @@ def verdict_table(result: BenchResult) -> Table:
                           ("GB/s", "right"), ("ceiling", "left"), ("ratio", "right"),
                           ("target", "right"), ("", "left")):
         table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
-    order = ("memory", "disk", "shared", "lmcache", "redis")
+    order = ("memory", "disk", "shared", "lmcache", "redis", "s3")
     for v in sorted(result.verdicts, key=lambda v: (v.size_bytes, order.index(v.tier),
                                                     v.op == "get")):
         mark = ("[green]pass[/]" if v.passed else "[red]FAIL[/]") if v.passed is not None \
