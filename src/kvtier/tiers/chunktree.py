@@ -7,16 +7,18 @@ Layout: ROOT/<layout digest>/<k[0:2]>/<k[2:4]>/<key hex>.kvc (tiers/chunkfiles.p
 reads the files). Nothing below ROOT is trusted: every path is reached without following links
 (`kvtier.tiers.filetree`), and only regular files of kvtier's names count.
 
-Primitives: `ChunkFile`, `TreeScan`, `scan_tree`, `chunk_parts`, `chunk_path`, `key_of`,
-`FileProbe`, `FileInventory`, `SUFFIX`.
+Primitives: `ChunkFile`, `TreeScan`, `scan_tree`, `walk_chunks`, `FoundChunk`, `chunk_parts`,
+`chunk_path`, `key_of`, `FileProbe`, `FileInventory`, `SUFFIX`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from kvtier.core.keys import KEY_BYTES, ChunkKey
 from kvtier.core.tier import StoredChunk
@@ -25,6 +27,15 @@ from kvtier.tiers.fsops import NO_OPS, FsOps
 from kvtier.tiers.manifest import NamespaceManifest, file_manifests, remove_file_manifest
 
 SUFFIX = ".kvc"
+
+
+class ChunkFilesLike(Protocol):
+    """What `walk_chunks` reads of a `ChunkFiles` (tiers/chunkfiles.py imports this module)."""
+
+    root: Path
+    layout_digest: str
+    writable: bool
+    ops: FsOps
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +103,33 @@ def scan_tree(root: Path, layout_digests: Sequence[str] | None = None,
             found.chunks.append(ChunkFile(key, Path(root).joinpath(*entry.parts()),
                                           entry.size_bytes, entry.mtime, entry.layout_digest))
     return found
+
+
+@dataclass(frozen=True, slots=True)
+class FoundChunk:
+    """A chunk file of one layout found by `walk_chunks` (no path: millions are found)."""
+
+    key: ChunkKey
+    size_bytes: int
+    mtime: float
+
+
+def walk_chunks(files: ChunkFilesLike) -> Iterator[FoundChunk]:
+    """The chunk files of one layout, one at a time, with no path object per file (the
+    disk tier's start-up index of millions of files: `scan_tree` keeps a `Path` each).
+    Sweeps stale temp files on the way when the tree is writable; counts into `files.ops`.
+    """
+    root, digest = Path(files.root), files.layout_digest
+    stale_before = time.time() - TEMP_STALE_S
+    for entry in walk(root, [digest], files.ops):
+        if entry.temp:
+            if files.writable and entry.mtime < stale_before:
+                with contextlib.suppress(OSError):
+                    unlink_file(root, entry.parts(), files.ops)
+            continue
+        key = key_of(entry.name)
+        if key is not None:
+            yield FoundChunk(key, entry.size_bytes, entry.mtime)
 
 
 def key_of(filename: str) -> ChunkKey | None:
