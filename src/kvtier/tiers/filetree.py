@@ -262,7 +262,7 @@ def _shard_files(parent_fd: int, digest: str, shard: tuple[str, str],
 
 
 def sample_shards(root: Path, rng: random.Random, ops: FsOps = NO_OPS,
-                  ) -> Generator[list[Entry], None, None]:
+                  per_directory: int = 64) -> Generator[list[Entry], None, None]:
     """The files of the shard directories ROOT/<layout>/<s1>/<s2>, one directory at a time,
     in a random order without repeats: first one random <s2> of each (layout, <s1>) in a
     random order, then a second of each, and so on, until every one was visited (or the
@@ -270,9 +270,11 @@ def sample_shards(root: Path, rng: random.Random, ops: FsOps = NO_OPS,
     samples its keyspace): a caller that stops after a few directories reads a few dozen
     files, whatever the tree holds; one that needs more of a small tree gets all of it.
 
-    Costs per directory visited: an open and a read of it, an lstat per file; per <s1>
-    visited, an open and a read. Names are typed from the directory entries (no stat);
-    links, foreign names and special files are skipped as by `walk`.
+    Costs per directory visited: an open and a read of it, an lstat per file, at most
+    `per_directory` files (a random subset of a fuller one: at 10^8 chunks a shard
+    directory holds ~1,500); per <s1> visited, an open and a read. Names are typed from
+    the directory entries (no stat); links, foreign names and special files are skipped as
+    by `walk`.
 
     Raises:
         OSError: `root` cannot be read (absent: nothing is yielded).
@@ -300,7 +302,8 @@ def sample_shards(root: Path, rng: random.Random, ops: FsOps = NO_OPS,
                         names = pending[i] = _typed_dirs(first_fd, _SHARD, ops)
                         rng.shuffle(names)
                     if names:
-                        yield list(_shard_files(first_fd, digest, (first, names.pop()), ops))
+                        yield _sampled_files(first_fd, digest, (first, names.pop()), rng,
+                                             per_directory, ops)
                     if names:
                         left.append(i)
             firsts, pending = [firsts[i] for i in left], [pending[i] for i in left]
@@ -335,6 +338,28 @@ def sweep_layout_temps(root: Path, digest: str, ops: FsOps = NO_OPS) -> int:
     finally:
         os.close(fd)
     return swept
+
+
+def _sampled_files(parent_fd: int, digest: str, shard: tuple[str, str], rng: random.Random,
+                   limit: int, ops: FsOps) -> list[Entry]:
+    """Up to `limit` chunk and temp files, chosen at random, of the shard directory
+    `shard[1]` under `parent_fd`: names typed from the directory entries, an lstat each."""
+    found = []
+    for fd in _subdir(parent_fd, shard[1], ops):
+        ops.add(dir_reads=1)
+        with os.scandir(fd) as entries:
+            names = [e.name for e in entries if (_CHUNK.fullmatch(e.name)
+                     or _CHUNK_TEMP.fullmatch(e.name)) and e.is_file(follow_symlinks=False)]
+        for name in rng.sample(names, min(limit, len(names))):
+            ops.add(stats=1)
+            try:
+                info = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:  # removed meanwhile
+                continue
+            if stat.S_ISREG(info.st_mode):
+                temp = not name.endswith(".kvc")
+                found.append(Entry(digest, shard, name, info.st_size, info.st_mtime, temp))
+    return found
 
 
 def _typed_dirs(fd: int, pattern: re.Pattern[str], ops: FsOps) -> list[str]:

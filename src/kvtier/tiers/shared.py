@@ -73,7 +73,7 @@ from kvtier.tiers.victims import VictimSampler
 log = logging.getLogger(__name__)
 LOW_WATERMARK = 0.9  # eviction frees space down to this fraction of the capacity
 EVICT_BATCH_FILES = 64  # at most this many files freed per eviction (the lock is held)
-EVICT_MISSES = 64  # candidates in a row that freed nothing (read since) end an eviction
+EVICT_MISSES = 8  # samples in a row whose first candidate freed nothing end an eviction
 # A re-measure of the directory waits at least this many times the last walk's duration:
 # the fleet spends at most 1/REMEASURE_DUTY of one writer's time walking, whatever it holds.
 REMEASURE_DUTY = 100
@@ -354,8 +354,9 @@ class SharedTier:
                             self.files.root, exc)
                 misses += 1
                 continue
-            if freed is None:  # read since it was sampled, or evicted by another process
-                misses += 1
+            if freed is None:  # read since it was sampled, or evicted by another process:
+                misses += 1  # the candidates are stale (another writer evicts the same
+                self._sampler.forget()  # oldest files): sample afresh, under the lock
                 continue
             misses = 0
             ledger.used_bytes -= freed

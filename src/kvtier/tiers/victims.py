@@ -63,7 +63,8 @@ class VictimSampler:
         stale_before = time.time() - TEMP_STALE_S
         chunks: list[Entry] = []
         stale: list[Entry] = []
-        with contextlib.closing(sample_shards(self.root, self._rng, self.ops)) as shards:
+        with contextlib.closing(sample_shards(self.root, self._rng, self.ops,
+                                                     SAMPLE_FILES)) as shards:
             for files in shards:
                 for entry in files:
                     if not entry.temp:
