@@ -3,21 +3,34 @@
 The directory itself is the index: a lookup is one stat of the chunk's path, so chunks
 written by any process are found by every other. Writes are atomic (see chunkfiles), so
 concurrent writers of one chunk are safe. Each hit touches the file's mtime, which makes the
-quota's eviction least-recently-used across all processes: when a write would pass the
-capacity, the oldest files are deleted down to LOW_WATERMARK of it. Unlike vLLM's FS tier, the
-directory never grows without bound, and no separate evictor deployment is needed.
+quota's eviction least-recently-used across all processes, approximately: when a write would
+pass the capacity, files are deleted down to LOW_WATERMARK of it (at most EVICT_BATCH_FILES
+per hold of the ledger's lock), the oldest of a random sample of the tree each time
+(`kvtier.tiers.victims`, as Redis samples its keyspace). Unlike vLLM's FS tier, the directory
+never grows without bound, and no separate evictor deployment is needed.
 
 The quota's bound, for N writer processes on N nodes: the bytes of kvtier's chunk files AND
 temp files (writes in flight, or left by killed writers) in the directory never exceed the
 capacity (usage <= quota, no per-writer slack): every write reserves its room in the
 directory's ledger and creates its full-size temp file under one lock, evicting first
 (`kvtier.tiers.quota` states the proof and the conditions: every writer a kvtier with the
-ledger, a coherent `flock` between nodes, nothing else adding files). The ledger is
-re-measured every `scan_interval_s`, which also deletes kvtier's temp files older than
-`filetree.TEMP_STALE_S` (120 s): a killed writer's leftovers count against the quota until
-then, and are gone within 120 s + scan_interval_s. Files that are not kvtier's own names in
-kvtier's own layout are never counted, swept or deleted. Measured: docs/performance.md,
-"Shared quota with concurrent writers".
+ledger, a coherent `flock` between nodes, nothing else adding files). Measured:
+docs/performance.md, "Shared quota with concurrent writers".
+
+At fleet scale (issue 28: a hundred engines, 10^7 chunks on NFS, where every stat is a round
+trip) the work per write is a constant, not a walk: the usage is the ledger's, which every
+writer keeps (reservations, renames, unlinks), so a re-measure of the directory (a walk and an
+lstat of every file) is a repair of its drift (files deleted behind kvtier's back, a chunk
+written twice by racing writers), not a heartbeat. One writer re-measures for the whole
+fleet: the ledger records when a re-measure was last claimed and how long its walk took,
+and a writer claims the next one under the lock only when `scan_interval_s` has passed AND
+REMEASURE_DUTY times that walk's duration has (a walk of 10^7 files is not repeated every
+30 s); the others read its result. The re-measure also deletes kvtier's temp files older
+than `filetree.TEMP_STALE_S` (120 s), and so does eviction where it samples: a killed
+writer's leftovers count against the quota until one of them finds them. Files that are not
+kvtier's own names in kvtier's own layout are never counted, swept or deleted. A write asks
+whether its chunk is held once (one stat), and the tier counts every metadata operation it
+makes (`kvtier.tiers.fsops`, `TierStats.meta_*`, on /metrics).
 
 A read-only directory (a pre-warmed read-only mount) is served read-only: hits are served,
 every put is a dropped write with Failure.READ_ONLY, nothing is evicted.
