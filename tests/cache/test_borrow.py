@@ -138,6 +138,20 @@ def test_a_batch_lends_memory_in_place_reads_disk_in_parallel_and_marks_misses(
     store.close()
 
 
+def test_a_batch_says_which_tier_each_read_tried_last(two_tier_store: TieredStore) -> None:
+    """What a failed load's time is charged to (loadcost.py): the tier its read tried."""
+    store = two_tier_store
+    spares = [memoryview(bytearray(LAYOUT.bytes_per_chunk)) for _ in range(2)]
+    store.put(key(0), memoryview(payload(0)))
+    store.put(key(1), memoryview(payload(1)))  # key 0 on disk only
+    assert store.flush(timeout_s=5)
+    tried: dict[int, str] = {}
+    with store.borrow_many([key(0), key(5)], spares, tried=tried) as lent:
+        assert [v.tier if v else None for v in lent] == ["disk", None]
+    assert tried == {0: "disk", 1: "disk"}  # the miss was last asked of the disk tier
+    store.close()
+
+
 class Boom(Exception):
     pass
 

@@ -234,3 +234,40 @@ def test_loads_from_disk_come_in_batches_and_stop_at_the_first_miss(tmp_path) ->
             assert torch.equal(t[16 + i], t[i])
     assert worker.take_failed_block_ids() == {21, 22}
     worker.close()
+
+
+def test_a_load_is_timed_by_tier_and_a_failed_one_charges_the_tier_it_tried(tmp_path) -> None:
+    """The workers' load samples (loadcost.py): chunks counted by the tier that lent them; a
+    load that stops at a failed read counts that chunk for the tier it was read from, so a
+    tier whose reads fail or time out is seen as slow."""
+    from kvtier.core.keys import ChunkKey
+    from kvtier.integrations.vllm.messages import ChunkTransfer, KVTierMetadata
+    from kvtier.integrations.vllm.worker import ConnectorWorker
+    from kvtier.tiers import open_store
+    from kvtier.tiers.storeconfig import StoreConfig
+
+    kv = one_allocation_cpu_kv(blocks=32)
+    paged = PagedKV(kv, BS)
+    layout = paged.layout(BS)
+    store = open_store(StoreConfig.parse({"tiers": [
+        {"kind": "memory", "capacity": 4 * layout.bytes_per_chunk, "pin": "off"},
+        {"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "64MiB"}]}), layout)
+    worker = ConnectorWorker(paged, layout, store, load_batch=2)
+    keys = [ChunkKey(b"timed" + i.to_bytes(11, "big")) for i in range(4)]
+    worker.store(KVTierMetadata(stores=[ChunkTransfer(k, (i,)) for i, k in enumerate(keys)]))
+    assert store.flush(timeout_s=10)
+    worker.take_report()
+    for k in keys[:2]:
+        store.tiers[0].delete(k)  # keys 2, 3 in memory (and disk), keys 0, 1 on disk only
+    worker.load(KVTierMetadata(loads={"r": [ChunkTransfer(k, (16 + i,))
+                                            for i, k in enumerate(keys)]}))
+    report = worker.take_report()
+    assert report is not None and len(report.load_samples) == 1
+    assert dict(report.load_samples[0].chunks) == {"disk": 2, "memory": 2}
+    store.tiers[0].delete(keys[0])
+    store.tiers[1].delete(keys[0])  # lost everywhere: the first read fails
+    worker.load(KVTierMetadata(loads={"s": [ChunkTransfer(keys[0], (20,))]}))
+    report = worker.take_report()
+    assert report is not None
+    assert [dict(s.chunks) for s in report.load_samples] == [{"disk": 1}]
+    worker.close()
