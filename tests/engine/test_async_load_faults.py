@@ -15,6 +15,7 @@ was); shutdown does not wait on a stuck read.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,12 +50,12 @@ def config(disk: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[tuple[Any, SlowFlag]]:
+def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+           engine_exit: contextlib.ExitStack) -> Iterator[tuple[Any, SlowFlag]]:
     disk = tmp_path_factory.mktemp("slow-disk")
-    with slow_files(disk, tmp_path_factory.mktemp("inject"), reads_only=True) as flag, \
-            start_engine(tiny_model_dir, config(disk)) as llm:
-        yield llm, flag
+    with slow_files(disk, tmp_path_factory.mktemp("inject"), reads_only=True) as flag:
+        yield engine_exit.enter_context(start_engine(tiny_model_dir, config(disk))), flag
+        engine_exit.close()  # the engine stops before the slow reads are undone
 
 
 def stored_clean(llm: Any, prompts: list[dict[str, list[int]]], max_tokens: int = MAX_TOKENS,
@@ -147,18 +148,17 @@ def test_preemption_with_async_loads(engine: tuple[Any, SlowFlag]) -> None:
     assert kvtier_counter("loaded_tokens") > loaded
 
 
-def test_shutdown_with_a_load_in_flight(tiny_model_dir: Path, tmp_path: Path) -> None:
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    (tmp_path / "inject").mkdir()
+def test_shutdown_with_a_load_in_flight(engine: tuple[Any, SlowFlag],
+                                        engine_exit: contextlib.ExitStack) -> None:
+    """The module's engine, shut down here: this test is the module's last."""
+    llm, flag = engine
     [prompt] = random_prompts([400], seed=134)
-    with slow_files(disk, tmp_path / "inject", reads_only=True) as flag:
-        with start_engine(tiny_model_dir, config(disk)) as llm:
-            stored_clean(llm, [prompt])
-            flag.on(60.0)  # a read that never returns within the test
-            llm.llm_engine.add_request("in-flight", prompt, greedy(MAX_TOKENS))
-            time.sleep(0.5)
-            start = time.monotonic()
-        shutdown_s = time.monotonic() - start
+    stored_clean(llm, [prompt])
+    flag.on(60.0)  # a read that never returns within the test
+    llm.llm_engine.add_request("in-flight", prompt, greedy(MAX_TOKENS))
+    time.sleep(0.5)
+    start = time.monotonic()
+    engine_exit.close()
+    shutdown_s = time.monotonic() - start
     print(f"\nengine shutdown with a load stuck in a read: {shutdown_s:.2f} s")
     assert shutdown_s < 20.0
