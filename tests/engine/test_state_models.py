@@ -70,43 +70,53 @@ def test_without_prefix_caching_a_conv_hybrid_is_refused_in_one_line(
     assert "turn prefix caching on" in line
 
 
-def test_after_a_restart_hits_end_on_chunks_that_hold_their_state(
-        lfm2_dir: Path, tmp_path: Path) -> None:
-    """Which chunks hold a state is not in the tiers' probes: a new engine tries a hit's last
-    chunk, and one without a state is recomputed once (counted), then backed off from. (Before
-    the module's engine starts: one engine at a time.)"""
-    config = kvtier_transfer_config([{"kind": "memory", "capacity": "64KiB"},
-                                     {"kind": "disk", "path": str(tmp_path), "capacity": "64MiB"}],
-                                    CHUNK)
-    [full, partial] = random_prompts([300, 250], seed=44)
+RESTART_SEED = 44  # the restart test's prompts (no other test's)
+
+
+def restart_prompts() -> list[dict[str, Any]]:
+    """The restart test's prompts: `full` (300 tokens) and `partial`, whose first 240 tokens
+    are `full`'s."""
+    [full, partial] = random_prompts([300, 250], seed=RESTART_SEED)
     partial["prompt_token_ids"][:240] = full["prompt_token_ids"][:240]
-    with start_engine(lfm2_dir, config, num_gpu_blocks_override=160) as first:
-        one_at_a_time(first, [full])  # chunks 0-7 stored without a state, 8 with one (288)
-        settle([tmp_path])
-    with start_engine(lfm2_dir, config, num_gpu_blocks_override=160) as second:
-        miss = one_at_a_time(second, [full, partial], BYPASS)
-        failures = kvtier_counter("load_failures")
-        # 250 tokens: chunks 0-6 of `full` are its prefix; chunk 6 holds no state.
-        assert one_at_a_time(second, [partial]) == miss[1:]
-        assert kvtier_counter("load_failures") > failures
-        failures = kvtier_counter("load_failures")
-        assert one_at_a_time(second, [partial]) == miss[1:]
-        assert kvtier_counter("load_failures") == failures  # known now: no second failure
-        loaded = kvtier_counter("loaded_tokens")
-        assert one_at_a_time(second, [full]) == miss[:1]
-        assert kvtier_counter("loaded_tokens") - loaded == 288  # chunk 8 holds its state
+    return [full, partial]
 
 
 @pytest.fixture(scope="module")
 def lfm2(lfm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """RAM holds 4 chunks: the rest are read from the disk tier (`disk_dir`)."""
+    """RAM holds 4 chunks: the rest are read from the disk tier (`disk_dir`). The engine is
+    the second of a restart: a first engine of the same settings ran `restart_prompts()`'s
+    `full` on the same disk and stopped (one engine start fewer than a restart of its own;
+    the restart test runs first on it, the others use prompts of their own)."""
     disk = tmp_path_factory.mktemp("lfm2-disk")
     config = kvtier_transfer_config([{"kind": "memory", "capacity": "64KiB"},
                                      {"kind": "disk", "path": str(disk), "capacity": "64MiB"}],
                                     CHUNK)
+    with start_engine(lfm2_dir, config, num_gpu_blocks_override=160) as first:
+        # `full`: chunks 0-7 stored without a state, chunk 8 (tokens 256-288) with one
+        one_at_a_time(first, restart_prompts()[:1])
+        settle([disk])
     with start_engine(lfm2_dir, config, num_gpu_blocks_override=160) as engine:
         engine.disk_dir = disk
         yield engine
+
+
+def test_after_a_restart_hits_end_on_chunks_that_hold_their_state(lfm2: Any) -> None:
+    """Which chunks hold a state is not in the tiers' probes: a new engine tries a hit's last
+    chunk, and one without a state is recomputed once (counted), then backed off from. The
+    module's engine is the restarted one (see `lfm2`); this test is its first user."""
+    second = lfm2
+    [full, partial] = restart_prompts()
+    miss = one_at_a_time(second, [full, partial], BYPASS)
+    failures = kvtier_counter("load_failures")
+    # 250 tokens: chunks 0-6 of `full` are its prefix; chunk 6 holds no state.
+    assert one_at_a_time(second, [partial]) == miss[1:]
+    assert kvtier_counter("load_failures") > failures
+    failures = kvtier_counter("load_failures")
+    assert one_at_a_time(second, [partial]) == miss[1:]
+    assert kvtier_counter("load_failures") == failures  # known now: no second failure
+    loaded = kvtier_counter("loaded_tokens")
+    assert one_at_a_time(second, [full]) == miss[:1]
+    assert kvtier_counter("loaded_tokens") - loaded == 288  # chunk 8 holds its state
 
 
 def one_at_a_time(llm: Any, prompts: list[dict[str, Any]],
