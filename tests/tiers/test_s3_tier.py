@@ -168,3 +168,16 @@ def test_the_probe_sees_every_layouts_copy(s3_session: S3Endpoint, tmp_path: Pat
     second.put(key(1), memoryview(payload(1, rank1)))
     time.sleep(1.1)  # the probe's negative cache (1 s)
     assert probe.contains(key(1)) is True
+
+
+@pytest.mark.parametrize("conditional", [True, False], ids=["if-none-match", "head-first"])
+def test_a_held_chunk_is_not_rewritten(s3_session: S3Endpoint, conditional: bool) -> None:
+    """One round trip (a PUT only if absent) or a HEAD first: either way a second put of a
+    held chunk is OK, stores nothing, and the object keeps its first bytes."""
+    tier = tier_of(s3_session, conditional_put=conditional)
+    assert tier.put(key(1), memoryview(payload(1))) == OK
+    assert tier.put(key(1), memoryview(payload(2))) == OK
+    assert (tier.stats().puts, tier.stats().bytes_written) == (1, LAYOUT.bytes_per_chunk)
+    out = bytearray(LAYOUT.bytes_per_chunk)
+    assert tier.get_into(key(1), memoryview(out)) == OK and bytes(out) == payload(1)
+    tier.close()

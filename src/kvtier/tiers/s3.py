@@ -8,7 +8,8 @@ The layout digest is the namespace (it holds the model's fingerprint); the two h
 a blake3 key after it spread a namespace's objects over 256 prefixes, so none is hot (S3
 partitions by key prefix). Next to them, <key_prefix>/<layout digest>/manifest.json
 (tiers/manifest.py). An upload is one PUT with an S3 integrity checksum (`upload_checksum`),
-so the server stores the whole object or nothing: a failed upload leaves no object. A read is
+so the server stores the whole object or nothing: a failed upload leaves no object; it is
+conditional (If-None-Match: *), so one round trip both decides "held already?" and stores. A read is
 one GET, verified (header, layout, key, sizes, checksums) before a byte is used, never
 unpickled; a short, corrupt or foreign object at a chunk's name is a counted miss, deleted.
 
@@ -71,6 +72,7 @@ from kvtier.tiers.s3_client import (
     credentials_source,
     error_code,
     is_absent,
+    is_held,
     is_refused,
     is_throttle,
     open_session,
@@ -88,6 +90,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 MIN_BACKOFF_S = 0.25  # first retry of an endpoint that failed
 THROTTLE_BACKOFF_S = 0.05  # first wait after a 503 SlowDown (doubled each time)
+HELD = TierResult()  # _upload's "the object exists already" (OK, not counted as a put)
 
 
 class S3Tier:
@@ -283,33 +286,31 @@ class S3Tier:
 
     # -- writes ------------------------------------------------------------------------------
     def put(self, key: ChunkKey, data: memoryview, meta: ChunkMeta = DEFAULT_META) -> TierResult:
-        """`Tier.put`: one HEAD decides whether the chunk is held (a held one is not
-        rewritten: its age, for the lifecycle rule, stays that of its first write)."""
+        """`Tier.put`: one conditional PUT (If-None-Match: *) decides whether the chunk is
+        held and stores it if not; or a HEAD first (`conditional_put` false, or admission
+        on). A held chunk is not rewritten: its age, for the lifecycle rule, stays that of
+        its first write."""
         if len(data) != self.chunk_bytes:
             raise ValueError(f"chunk is {len(data)} bytes, this tier stores {self.chunk_bytes}")
         name = self.names.chunk(key)
-        bucket = self._config.bucket
-        try:
-            self._run(lambda c: c.head_object(Bucket=bucket, Key=name))
-            return OK
-        except TierUnavailable:
-            self._counters.add(dropped_writes=1)
-            return UNAVAILABLE
-        except self._errors.answered as exc:
-            if not is_absent(exc):
-                self._counters.add(dropped_writes=1)
-                return IO_ERROR
-        if not self._admission.offer(key):
-            return DECLINED
+        conditional = self._config.conditional_put and self._config.admit_after == 1
+        if not conditional:
+            held = self._held(name)
+            if held is not None:
+                return held
+            if not self._admission.offer(key):
+                return DECLINED
         start = time.perf_counter()
         encoded = self.encoder.encode(key, data, meta.tenant)  # off the engine
         body = b"".join((encoded.header, encoded.body))
-        result = self._upload(name, body)
+        result = self._upload(name, body, conditional)
+        with self._lock:
+            self._absent.pop(key, None)
+        if result is HELD:
+            return OK
         if not result:
             self._counters.add(dropped_writes=1)
             return result
-        with self._lock:
-            self._absent.pop(key, None)
         self._counters.add(puts=1, bytes_written=len(data), chunks=1, used_bytes=len(body),
                            write_s=time.perf_counter() - start)
         if self._manifest is not None:
@@ -317,10 +318,28 @@ class S3Tier:
         self._maybe_enforce_capacity()
         return OK
 
-    def _upload(self, name: str, body: bytes) -> TierResult:
-        """One PUT, retried after throttling with doubling waits while `write_timeout_s`
-        allows; a failure leaves no object (S3 stores a PUT whole or not at all)."""
+    def _held(self, name: str) -> TierResult | None:
+        """A HEAD of object `name`: OK when it exists, None when absent, else the failure
+        (counted as a dropped write)."""
+        try:
+            self._run(lambda c: c.head_object(Bucket=self._config.bucket, Key=name))
+            return OK
+        except TierUnavailable:
+            self._counters.add(dropped_writes=1)
+            return UNAVAILABLE
+        except self._errors.answered as exc:
+            if is_absent(exc):
+                return None
+            self._counters.add(dropped_writes=1)
+            return IO_ERROR
+
+    def _upload(self, name: str, body: bytes, conditional: bool) -> TierResult:
+        """One PUT (`conditional`: only if absent; HELD when it exists), retried after
+        throttling with doubling waits while `write_timeout_s` allows; a failure leaves no
+        object (S3 stores a PUT whole or not at all)."""
         args: dict[str, Any] = {"Bucket": self._config.bucket, "Key": name, "Body": body}
+        if conditional:
+            args["IfNoneMatch"] = "*"
         if self._config.upload_checksum != "none":
             args["ChecksumAlgorithm"] = self._config.upload_checksum
         deadline = time.monotonic() + self._config.write_timeout_s
@@ -333,6 +352,8 @@ class S3Tier:
                 log.debug("s3 tier %r: write of %s dropped (%s)", self.name, name, exc)
                 return UNAVAILABLE
             except self._errors.answered as exc:
+                if conditional and is_held(exc):
+                    return HELD
                 if not is_throttle(exc):
                     log.info("s3 tier %r: write of %s refused (%s); dropped", self.name,
                              name, error_code(exc))

@@ -67,6 +67,11 @@ def is_throttle(exc: BaseException) -> bool:
     return error_code(exc) in THROTTLE_CODES or _status(exc) in (429, 503)
 
 
+def is_held(exc: BaseException) -> bool:
+    """A conditional PUT (If-None-Match: *) refused because the object exists (412)."""
+    return error_code(exc) in ("PreconditionFailed", "412") or _status(exc) == 412
+
+
 def is_absent(exc: BaseException) -> bool:
     return error_code(exc) in ABSENT_CODES or _status(exc) == 404
 

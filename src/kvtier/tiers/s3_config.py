@@ -50,6 +50,10 @@ class S3TierConfig(EncodedTierSettings):
     addressing_style: Literal["auto", "path", "virtual"] = "auto"  # path for most on-prem
     # Integrity checksum the server verifies on upload ("none" for servers without it)
     upload_checksum: Literal["CRC32", "CRC32C", "SHA256", "none"] = "CRC32"
+    # A put is one PUT with If-None-Match: * (the server refuses it when the object exists:
+    # AWS S3 since 2024, MinIO, R2, Ceph RGW 18+, moto). False: a HEAD first, for servers
+    # that ignore the header (they would overwrite a held chunk). admit_after > 1 HEADs too.
+    conditional_put: bool = True
     connect_timeout_s: float = Field(1.0, gt=0, le=60)  # longest wait for a connection
     request_timeout_s: float = Field(2.0, gt=0, le=600)  # longest wait for any reply bytes
     # A batch of existence checks (one HEAD per chunk) gives up after this: the keys not

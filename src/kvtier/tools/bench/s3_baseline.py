@@ -88,12 +88,12 @@ def _client(url: str, threads: int = 1) -> Any:
         retries={"total_max_attempts": 1}, read_timeout=60))
 
 
-def _config(url: str, bucket: str, prefix: str) -> S3TierConfig:
+def _config(url: str, bucket: str, prefix: str, **options: Any) -> S3TierConfig:
     # generous timeouts: the bench measures throughput, not failure handling
     return S3TierConfig.model_validate({
         "kind": "s3", "endpoint_url": url, "bucket": bucket, "key_prefix": prefix,
         "addressing_style": "path", "request_timeout_s": 60, "write_timeout_s": 60,
-        "lookup_timeout_s": 60})
+        "lookup_timeout_s": 60, **options})
 
 
 def s3_subjects(bench: SizeBench, url: str, bucket: str, stack: ExitStack) -> list[Subject]:
@@ -145,10 +145,12 @@ def _tier(bench: SizeBench, url: str, bucket: str, stack: ExitStack) -> Subject:
 def lookup_figures(url: str, bucket: str, chunks: int = LOOKUP_CHUNKS) -> dict[str, float]:
     """Seconds to look up a `chunks`-chunk prefix on the s3 tier: all held (parallel HEADs,
     the default `lookup_concurrency`), none held (cold), none held again (the negative
-    cache), and all held asked one HEAD after another (what a probe asked key by key costs).
+    cache, here kept for 60 s so that a slow emulator's first pass has not outlived it), and
+    all held asked one HEAD after another (what a probe asked key by key costs).
     """
     layout = layout_for(64 * 1024)
-    tier = build_tier(_config(url, bucket, f"bench-lookup-{uuid.uuid4().hex[:8]}"), layout)
+    tier = build_tier(_config(url, bucket, f"bench-lookup-{uuid.uuid4().hex[:8]}",
+                              negative_cache_s=60), layout)
     assert isinstance(tier, S3Tier)
     try:
         held = [ChunkKey(uuid.uuid4().bytes) for _ in range(chunks)]
