@@ -44,6 +44,7 @@ from kvtier.core.chunkformat import ALIGN_BYTES, HEADER_BYTES, failure_of
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.policies import AdmissionFilter, EvictionPolicy, make_policy
+from kvtier.core.policies.clock import ClockPolicy
 from kvtier.core.retention import DEFAULT_META, ChunkMeta, RetentionStats
 from kvtier.core.tier import (
     DECLINED,
@@ -121,8 +122,10 @@ class DiskTier:
         self._index: dict[ChunkKey, int] = {}  # key -> its file's bytes
         self._used_bytes = 0  # held + reserved by writes in flight
         self._in_flight_bytes = 0  # reserved by writes in flight
-        self._policy: EvictionPolicy[ChunkKey] = make_policy(
-            config.eviction, config.capacity // self.file_bytes)
+        # "lru" is CLOCK here (second chance): an OrderedDict a chunk took ~116 B more, and
+        # the index must fit 2 million chunks (issue 28; kvtier.core.policies.clock).
+        self._policy: EvictionPolicy[ChunkKey] = ClockPolicy() if config.eviction == "lru" \
+            else make_policy(config.eviction, config.capacity // self.file_bytes)
         self._admission = AdmissionFilter(config.admit_after)
         self._lock = threading.Lock()
         self._counters = TierCounters(self.name, config.capacity)

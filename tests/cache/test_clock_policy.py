@@ -1,0 +1,54 @@
+"""CLOCK, the disk tier's LRU (kvtier.core.policies.clock): second chances, removals, and a
+ring that does not grow without bound."""
+
+from __future__ import annotations
+
+import random
+
+from kvtier.core.policies.clock import ClockPolicy
+
+
+def test_an_unread_key_leaves_before_a_read_one() -> None:
+    policy: ClockPolicy[str] = ClockPolicy()
+    for k in "abc":
+        policy.insert(k)
+    policy.touch("a")
+    assert [policy.evict(), policy.evict(), policy.evict(), policy.evict()] == \
+        ["b", "c", "a", None]
+
+
+def test_a_new_key_is_the_last_the_hand_reaches() -> None:
+    """Full at 3: each put evicts one; the newest key is never the next victim."""
+    policy: ClockPolicy[int] = ClockPolicy()
+    for k in range(3):
+        policy.insert(k)
+    for k in range(3, 20):
+        victim = policy.evict()
+        assert victim == k - 3
+        policy.insert(k)
+    assert len(policy) == 3
+
+
+def test_removed_keys_are_never_evicted_and_the_ring_stays_bounded() -> None:
+    rng = random.Random(5)
+    policy: ClockPolicy[int] = ClockPolicy()
+    resident: set[int] = set()
+    for step in range(20_000):
+        k = rng.randrange(500)
+        action = rng.random()
+        if action < 0.5:
+            policy.insert(k)
+            resident.add(k)
+        elif action < 0.7:
+            policy.touch(k)
+        elif action < 0.85:
+            policy.remove(k)
+            resident.discard(k)
+        else:
+            victim = policy.evict()
+            assert (victim is None) == (not resident)
+            if victim is not None:
+                assert victim in resident
+                resident.discard(victim)
+        assert len(policy) == len(resident)
+        assert len(policy._ring) <= 2 * len(resident) + 65, step
