@@ -41,7 +41,8 @@ PREFETCHED_MAX_KEYS = 1 << 14
 
 
 class LoadPlanner:
-    """Sync or async per hit, the pending loads and the prefetch list (scheduler thread)."""
+    """How much of a hit to load, sync or async, the pending loads and the prefetch list
+    (scheduler thread)."""
 
     def __init__(self, load_mode: str, tiers: Sequence[str], several_groups: bool,
                  tokens_per_chunk: int, load_when: str = "faster") -> None:
@@ -49,7 +50,7 @@ class LoadPlanner:
             load_mode: config.LOAD_MODES ("auto", "sync", "async").
             tiers: the names of the workers' tiers, fastest (RAM) first.
             tokens_per_chunk: the chunk size, in tokens.
-            load_when: offer.LOAD_WHEN: a hit offered as far as it loads faster than it
+            load_when: config.LOAD_WHEN: a hit offered as far as it loads faster than it
                 recomputes ("faster") or whole ("always").
             several_groups: the model has several KV cache groups: every load is async
                 (vLLM 0.32 takes no block-level load failure then: it stops with a

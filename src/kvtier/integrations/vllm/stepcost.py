@@ -10,9 +10,10 @@ step; an idle spell between two plans is not a step). Of the steps that ran no i
 where `tokens` is the step's scheduled tokens and `position` their mean position in their
 prompts (a token at position p attends p earlier ones: attention makes a token dearer the
 later it comes). `overhead` is the median step that ran under MIN_PREFILL_TOKENS tokens (a
-decode step); `a` and `b` are fitted by least squares to the steps that ran at least
-MIN_PREFILL_TOKENS, over the last PREFILL_WINDOW of them (b >= 0 and a > 0; with every step at
-about the same position, b = 0). Recomputing tokens s..e then costs
+decode step); `a` and `b` are fitted by least squares, weighted by tokens, to the per-token
+time `(step_s - overhead) / tokens` of the last PREFILL_WINDOW steps that ran at least
+MIN_PREFILL_TOKENS, against their position (b >= 0 and a > 0; with every step at about the
+same position, b = 0). Recomputing tokens s..e then costs
 `(e - s) * (a + b * (s + e - 1) / 2)`; the overhead is paid by the step either way.
 Until MIN_PREFILL_STEPS such steps are measured the cost is unknown (None).
 
