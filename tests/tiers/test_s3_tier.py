@@ -168,6 +168,8 @@ def test_the_probe_sees_every_layouts_copy(s3_session: S3Endpoint, tmp_path: Pat
     second.put(key(1), memoryview(payload(1, rank1)))
     time.sleep(1.1)  # the probe's negative cache (1 s)
     assert probe.contains(key(1)) is True
+    assert isinstance(probe, BatchLookup)
+    assert probe.contains_many([key(1), key(2)]) == [True, False]
 
 
 @pytest.mark.parametrize("conditional", [True, False], ids=["if-none-match", "head-first"])

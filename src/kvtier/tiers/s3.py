@@ -30,7 +30,7 @@ Capacity and expiry: `ttl_days` expires objects by age (a lifecycle rule on the 
 written at start-up when `manage_lifecycle`); `capacity` > 0 bounds a namespace's bytes by a
 listing at most every `listing_interval_s` (s3_inventory.py states its cost).
 
-Primitives: `S3Tier`. The config model is `S3TierConfig` (tiers/s3_config.py), the
+Primitives: `S3Tier`, `S3Probe`. The config model is `S3TierConfig` (tiers/s3_config.py), the
 operator's view `S3Inventory` (tiers/s3_inventory.py).
 """
 
@@ -65,7 +65,6 @@ from kvtier.core.tier import (
 )
 from kvtier.errors import ConfigError, CorruptChunk, KeyNotHeld, TierUnavailable
 from kvtier.tiers.encoding import build_encoder
-from kvtier.tiers.redis import TierProbe
 from kvtier.tiers.s3_client import (
     S3Errors,
     connect,
@@ -85,6 +84,7 @@ from kvtier.tiers.s3_inventory import (
     put_lifecycle,
     write_manifest,
 )
+from kvtier.tiers.s3_lookup import NegativeCache, S3Probe
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -111,9 +111,9 @@ class S3Tier:
     config_model = S3TierConfig
 
     @classmethod
-    def probe(cls, config: S3TierConfig, layouts: Sequence[KVLayout]) -> TierProbe:
+    def probe(cls, config: S3TierConfig, layouts: Sequence[KVLayout]) -> S3Probe:
         """Tier objects per layout, asked off the scheduler's thread (HEADs)."""
-        return TierProbe([cls(config, layout) for layout in layouts], blocking_ok=False)
+        return S3Probe([cls(config, layout) for layout in layouts])
 
     @classmethod
     def open_inventory(cls, config: S3TierConfig) -> S3Inventory:
@@ -142,7 +142,7 @@ class S3Tier:
         self.guard = Guard(self.name, MIN_BACKOFF_S, config.retry_max_s)
         self._admission = AdmissionFilter(config.admit_after)
         self._counters = TierCounters(self.name, config.capacity)
-        self._absent: dict[ChunkKey, float] = {}  # negative cache: key -> monotonic expiry
+        self._absent = NegativeCache(config.negative_cache_s)  # chunks found absent lately
         self._lock = threading.Lock()
         self._manifest: NamespaceManifest | None = None
         self._listed_at = 0.0  # monotonic time of the last capacity listing
@@ -197,10 +197,8 @@ class S3Tier:
     # -- lookups -----------------------------------------------------------------------------
     def _head(self, key: ChunkKey) -> bool:
         """Whether the object of `key` exists (False when unknown: down, slow, an error)."""
-        now = time.monotonic()
-        with self._lock:
-            if self._absent.get(key, 0.0) > now:
-                return False
+        if self._absent.absent(key):
+            return False
         name = self.names.chunk(key)
         try:
             self._run(lambda c: c.head_object(Bucket=self._config.bucket, Key=name),
@@ -208,11 +206,8 @@ class S3Tier:
         except TierUnavailable:
             return False
         except self._errors.answered as exc:
-            if is_absent(exc) and self._config.negative_cache_s > 0:
-                with self._lock:
-                    if len(self._absent) > 100_000:  # bound: forget every expired entry
-                        self._absent = {k: t for k, t in self._absent.items() if t > now}
-                    self._absent[key] = now + self._config.negative_cache_s
+            if is_absent(exc):
+                self._absent.remember(key)
             return False
         return True
 
@@ -304,8 +299,7 @@ class S3Tier:
         encoded = self.encoder.encode(key, data, meta.tenant)  # off the engine
         body = b"".join((encoded.header, encoded.body))
         result = self._upload(name, body, conditional)
-        with self._lock:
-            self._absent.pop(key, None)
+        self._absent.forget(key)
         if result is HELD:
             return OK
         if not result:
@@ -435,3 +429,4 @@ class S3Tier:
         self._heads.shutdown(wait=False, cancel_futures=True)
         for client in (self._client, self._head_client):
             client.close()
+
