@@ -227,14 +227,18 @@ class SharedTier:
         size = self.files.size_of(encoded)
         try:
             pending, claimed = self._reserve(key, size)
-            if claimed:  # this writer re-measures the directory for the fleet (unlocked)
-                self.enforce_quota()
-            if pending is None:
-                self._counters.add(dropped_writes=1)
-                log.warning("shared tier %r: quota full and nothing left to evict; %s dropped",
-                            self.name, key.hex())
-                return FULL
-            self._write(pending, encoded)
+            try:
+                if pending is None:
+                    self._counters.add(dropped_writes=1)
+                    log.warning("shared tier %r: quota full and nothing left to evict; %s "
+                                "dropped", self.name, key.hex())
+                    return FULL
+                self._write(pending, encoded)
+            finally:
+                # After the write: a walk of millions of files can outlast TEMP_STALE_S, and
+                # would sweep this write's own temp file.
+                if claimed:  # this writer re-measures the directory for the fleet (unlocked)
+                    self.enforce_quota()
         except OSError as exc:
             self._counters.add(dropped_writes=1)
             log.warning("shared tier %r: write of %s failed (%s); dropped",
@@ -242,7 +246,7 @@ class SharedTier:
             # Only a full filesystem is helped by evicting; EACCES or EIO must not evict 10%
             # of everyone's chunks on every failed write (tests/faults/test_write_failures.py).
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                self.enforce_quota(size, force=True)
+                self._free_filesystem(size)
                 return FULL
             return IO_ERROR
         self._counters.add(puts=1, bytes_written=len(data), write_s=time.perf_counter() - start)
@@ -273,6 +277,20 @@ class SharedTier:
             ledger.reserved_total += size
             self._publish(ledger)
             return pending, self._claim_locked(ledger)
+
+    def _free_filesystem(self, incoming_bytes: int) -> None:
+        """The filesystem itself is full: evict (sampled) down to the low watermark of what
+        is held, even when the quota is met; no walk (every writer hits ENOSPC at once).
+        With a quota larger than the filesystem, 90% of the quota is above what the full
+        filesystem holds (would free nothing)."""
+        assert self.ledger is not None
+        with self.ledger.locked() as ledger:
+            if ledger.valid:
+                limit = min(ledger.used_bytes, self.capacity_bytes)
+                self._evict_locked(ledger, max(LOW_WATERMARK * limit - incoming_bytes,
+                                               ledger.used_bytes - EVICT_BATCH_FILES
+                                               * self.files.max_file_bytes))
+                self._publish(ledger)
 
     def _evict_target(self, ledger: LedgerState, incoming_bytes: int) -> float:
         """The usage an eviction for `incoming_bytes` frees down to: LOW_WATERMARK of the
