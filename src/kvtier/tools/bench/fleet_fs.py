@@ -127,7 +127,7 @@ def eviction_throughput(root: Path, held: int, interval_s: float) -> dict[str, A
         began = time.monotonic()
         evicted = tier._evict_locked(ledger, ledger.used_bytes - files * FILE_BYTES)
         wall = time.monotonic() - began
-    ops = sum(getattr(tier.stats(), f) - getattr(before, f) for f in OPS)
+    ops = sum(getattr(tier.stats(), f, 0) - getattr(before, f, 0) for f in OPS)
     tier.close()
     return {"evicted": evicted, "evictions_per_s": round(evicted / wall),
             "ops_per_eviction": round(ops / max(1, evicted), 1)}
