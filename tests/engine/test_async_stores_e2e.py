@@ -12,6 +12,7 @@ stores in flight finishes them (bounded) down to the disk tier.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,12 +48,17 @@ def config(disk: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[tuple[Any, StoreFlag]]:
-    disk = tmp_path_factory.mktemp("async-store-disk")
-    with slow_stores(tmp_path_factory.mktemp("flag"), tmp_path_factory.mktemp("inject")) as flag, \
-            start_engine(tiny_model_dir, config(disk)) as llm:
-        yield llm, flag
+def disk(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The module engine's disk tier."""
+    return tmp_path_factory.mktemp("async-store-disk")
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, disk: Path,
+           engine_exit: contextlib.ExitStack) -> Iterator[tuple[Any, StoreFlag]]:
+    with slow_stores(tmp_path_factory.mktemp("flag"), tmp_path_factory.mktemp("inject")) as flag:
+        yield engine_exit.enter_context(start_engine(tiny_model_dir, config(disk))), flag
+        engine_exit.close()  # the engine stops before the slow stores are undone
 
 
 def reset(llm: Any, timeout_s: float = 10.0) -> None:
@@ -152,18 +158,23 @@ def test_a_request_aborted_while_its_stores_are_in_flight(
     assert settled_usage(llm, probe) == before  # no block leaked
 
 
-def test_shutdown_with_stores_in_flight(tiny_model_dir: Path, tmp_path: Path) -> None:
-    disk = tmp_path / "disk"
+def test_shutdown_with_stores_in_flight(engine: tuple[Any, StoreFlag], disk: Path,
+                                        engine_exit: contextlib.ExitStack) -> None:
+    """The module's engine, shut down here: this test is the module's last. Its prompt's ten
+    chunks are new on the disk: the files the earlier tests left are counted out."""
+    llm, flag = engine
     [prompt] = random_prompts([640], seed=144)  # ten chunks
-    with slow_stores(tmp_path, tmp_path) as flag:
-        with start_engine(tiny_model_dir, config(disk)) as llm:
-            flag.on(0.2)  # two seconds of gathers
-            llm.llm_engine.add_request("in-flight", prompt, greedy(200))
-            time.sleep(0.5)  # prefilled: its stores in flight
-            start = time.monotonic()
-        shutdown_s = time.monotonic() - start
     settle([disk])
+    before = set(chunk_files(disk))
+    flag.on(0.2)  # two seconds of gathers
+    llm.llm_engine.add_request("in-flight", prompt, greedy(200))
+    time.sleep(0.5)  # prefilled: its stores in flight
+    start = time.monotonic()
+    engine_exit.close()
+    shutdown_s = time.monotonic() - start
+    settle([disk])
+    written = set(chunk_files(disk)) - before
     print(f"\nengine shutdown with 2 s of gathers in flight: {shutdown_s:.2f} s, "
-          f"{len(chunk_files(disk))} chunks on disk")
+          f"{len(written)} chunks on disk")
     assert shutdown_s < 20.0
-    assert len(chunk_files(disk)) == 10  # finished and written down before the exit
+    assert len(written) == 10  # finished and written down before the exit

@@ -3,10 +3,11 @@
 Engines are expensive: vLLM's CPU backend spawns two processes per engine (EngineCore, then
 its worker; `kvtier serve` adds a third, the API server), and each imports vLLM afresh, about
 20 s of one core each on these machines (`python -X importtime -c "import
-vllm.v1.engine.core"`), one after the other; kvtier's connector adds about 1 s in all. A start
-is ~45 s on an idle 2-core machine, more when the cores are shared. So each test module builds
-its engine once (module-scoped fixture through `start_engine`) and its cases share it; a
-module's engine is shut down before the next module starts one, so at most one engine runs.
+vllm.v1.engine.core"`), one after the other; kvtier's connector adds about 1 s in all. A
+start took ~50 s here (2 cores, lightly shared), 45-80 s as others' work came and went. So
+each test module builds its engine once (module-scoped fixture through `start_engine`) and
+its cases share it; a module's engine is shut down before the next module starts one, so at
+most one engine runs.
 
 Primitives:
   - `start_engine(model_dir, kv_transfer_config, **overrides)`: a context manager that
