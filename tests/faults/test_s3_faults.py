@@ -86,6 +86,29 @@ def test_a_killed_server_costs_misses_and_drops_then_the_tier_recovers(
     tier.close()
 
 
+def test_lookups_alone_find_a_restarted_server_again(s3_server: MotoServer) -> None:
+    """The endpoint goes down and comes back while only lookups run (a scheduler's probe
+    does nothing else): once the backoff has passed, one HEAD probes it and lookups answer
+    again (regression: a lookup claimed the breaker's probe and never reported back)."""
+    layout = tiny_layout()
+    tier = s3_tier(s3_server.url, layout)
+    assert tier.put(key(1), memoryview(payload(1, layout))) == OK
+    s3_server.stop()
+    for _ in range(3):
+        assert tier.contains_many([key(1)]) == [False]
+        time.sleep(0.3)
+    s3_server.start()
+    tier2 = s3_tier(s3_server.url, layout)
+    assert tier2.put(key(1), memoryview(payload(1, layout))) == OK
+    deadline = time.monotonic() + 5
+    while tier.contains_many([key(1)]) != [True]:
+        assert time.monotonic() < deadline, "lookups never used the server again"
+        time.sleep(0.1)
+    assert tier.available()
+    tier.close()
+    tier2.close()
+
+
 def test_a_server_that_never_answers_never_hangs_the_tier(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A socket that accepts and never replies: start-up, lookups, reads and writes each

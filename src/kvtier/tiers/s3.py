@@ -191,6 +191,9 @@ class S3Tier:
         except self._errors.answered:
             self.guard.succeeded(self.endpoint)
             raise
+        except Exception as exc:  # e.g. expired credentials: still report, or stay stuck
+            self.guard.failed(self.endpoint, exc)
+            raise TierUnavailable(f"{self.endpoint}: {type(exc).__name__}") from exc
         self.guard.succeeded(self.endpoint)
         return result
 
@@ -219,8 +222,9 @@ class S3Tier:
         `lookup_timeout_s`; a key without an answer by then is absent. Never raises."""
         if not keys:
             return []
-        if not self.guard.is_up(self.endpoint) and not self.guard.allow(self.endpoint):
-            return [False] * len(keys)
+        # No breaker check here: each HEAD asks it (`_run`), so that while the endpoint is
+        # down they fail without I/O, and after the backoff exactly one goes out as the probe
+        # (an `allow` here would claim the probe and leave it unreported: stuck down).
         futures = [self._heads.submit(self._head, key) for key in keys]
         done, late = wait(futures, timeout=self._config.lookup_timeout_s)
         for future in late:
