@@ -64,3 +64,24 @@ def test_doctor_reports_refused_credentials(tmp_path: Path,
 def test_the_simulator_has_an_s3_preset_shared_by_the_fleet() -> None:
     spec = parse_tier("s3=1TB")
     assert spec.shared and spec.latency_s > 0.001 and spec.capacity_bytes == 10**12
+
+
+@pytest.mark.s3
+def test_the_storage_bench_subjects_and_the_lookup_figures(s3_session: S3Endpoint,
+                                                           tmp_path: Path) -> None:
+    """`kvtier bench storage --tier s3`'s pieces on the session's endpoint: the tier and the
+    raw client move the same chunks (a put then a get each), and the prefix lookup figures
+    come back for a short prefix."""
+    from contextlib import ExitStack
+
+    from kvtier.tools.bench.s3_baseline import lookup_figures, s3_subjects
+    from kvtier.tools.bench.subjects import SizeBench
+
+    with ExitStack() as stack:
+        bench = SizeBench(tmp_path, 64 * 1024, 3, 1, stack)
+        for subject in s3_subjects(bench, s3_session.url, s3_session.bucket, stack):
+            assert subject.put() > 0 and subject.get() > 0
+            subject.clean()
+    figures = lookup_figures(s3_session.url, s3_session.bucket, chunks=8)
+    assert figures["chunks"] == 8 and figures["held_s"] > 0
+    assert figures["absent_cached_s"] < figures["absent_cold_s"] + 1.0
