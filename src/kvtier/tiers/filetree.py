@@ -29,6 +29,7 @@ Primitives: `open_dir`, `make_root`, `lstat_file`, `unlink_file`, `walk`, `Entry
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import random
@@ -262,7 +263,8 @@ def _shard_files(parent_fd: int, digest: str, shard: tuple[str, str],
 
 
 def sample_shards(root: Path, rng: random.Random, ops: FsOps = NO_OPS,
-                  per_directory: int = 64) -> Generator[list[Entry], None, None]:
+                  per_directory: int = 64, prune: bool = False,
+                  ) -> Generator[list[Entry], None, None]:
     """The files of the shard directories ROOT/<layout>/<s1>/<s2>, one directory at a time,
     in a random order without repeats: first one random <s2> of each (layout, <s1>) in a
     random order, then a second of each, and so on, until every one was visited (or the
@@ -274,7 +276,9 @@ def sample_shards(root: Path, rng: random.Random, ops: FsOps = NO_OPS,
     `per_directory` files (a random subset of a fuller one: at 10^8 chunks a shard
     directory holds ~1,500); per <s1> visited, an open and a read. Names are typed from
     the directory entries (no stat); links, foreign names and special files are skipped as
-    by `walk`.
+    by `walk`. With `prune`, an empty <s2> found is removed (eviction leaves them behind,
+    and a sample that reads empty directories pays for nothing; the caller holds the lock
+    under which every kvtier writer creates files).
 
     Raises:
         OSError: `root` cannot be read (absent: nothing is yielded).
@@ -303,7 +307,7 @@ def sample_shards(root: Path, rng: random.Random, ops: FsOps = NO_OPS,
                         rng.shuffle(names)
                     if names:
                         yield _sampled_files(first_fd, digest, (first, names.pop()), rng,
-                                             per_directory, ops)
+                                             per_directory, ops, prune)
                     if names:
                         left.append(i)
             firsts, pending = [firsts[i] for i in left], [pending[i] for i in left]
@@ -341,15 +345,21 @@ def sweep_layout_temps(root: Path, digest: str, ops: FsOps = NO_OPS) -> int:
 
 
 def _sampled_files(parent_fd: int, digest: str, shard: tuple[str, str], rng: random.Random,
-                   limit: int, ops: FsOps) -> list[Entry]:
+                   limit: int, ops: FsOps, prune: bool) -> list[Entry]:
     """Up to `limit` chunk and temp files, chosen at random, of the shard directory
-    `shard[1]` under `parent_fd`: names typed from the directory entries, an lstat each."""
+    `shard[1]` under `parent_fd`: names typed from the directory entries, an lstat each.
+    With `prune`, the directory is removed when it holds nothing at all."""
     found = []
     for fd in _subdir(parent_fd, shard[1], ops):
         ops.add(dir_reads=1)
         with os.scandir(fd) as entries:
-            names = [e.name for e in entries if (_CHUNK.fullmatch(e.name)
-                     or _CHUNK_TEMP.fullmatch(e.name)) and e.is_file(follow_symlinks=False)]
+            listed = list(entries)
+        names = [e.name for e in listed if (_CHUNK.fullmatch(e.name)
+                 or _CHUNK_TEMP.fullmatch(e.name)) and e.is_file(follow_symlinks=False)]
+        if prune and not listed:
+            ops.add(other=1)
+            with contextlib.suppress(OSError):  # not empty any more, or not ours to remove
+                os.rmdir(shard[1], dir_fd=parent_fd)
         for name in rng.sample(names, min(limit, len(names))):
             ops.add(stats=1)
             try:

@@ -86,7 +86,8 @@ from kvtier.tiers.victims import VictimSampler
 log = logging.getLogger(__name__)
 LOW_WATERMARK = 0.9  # eviction frees space down to this fraction of the capacity
 EVICT_BATCH_FILES = 64  # at most this many files freed per eviction (the lock is held)
-EVICT_MISSES = 8  # samples in a row whose first candidate freed nothing end an eviction
+EVICT_MISSES = 32  # candidates in a row that freed nothing end an eviction
+STALE_MISSES = 4  # candidates in a row that freed nothing: the sample is stale, resample
 # A re-measure of the directory waits at least this many times the last walk's duration:
 # the fleet spends at most 1/REMEASURE_DUTY of one writer's time walking, whatever it holds.
 REMEASURE_DUTY = 100
@@ -385,9 +386,10 @@ class SharedTier:
                             self.files.root, exc)
                 misses += 1
                 continue
-            if freed is None:  # read since it was sampled, or evicted by another process:
-                misses += 1  # the candidates are stale (another writer evicts the same
-                self._sampler.forget()  # oldest files): sample afresh, under the lock
+            if freed is None:  # read since it was sampled, or evicted by another process
+                misses += 1
+                if misses % STALE_MISSES == 0:  # the candidates are stale (other writers
+                    self._sampler.forget()  # evict the same oldest files): sample afresh
                 continue
             misses = 0
             ledger.used_bytes -= freed

@@ -12,7 +12,9 @@ way (a killed writer's) come first: deleting them frees room too.
 
 The cost of a victim is a constant: SAMPLE_FILES / (SAMPLE_FILES // POOL_SHARE) = 4 lstats of
 sampled files, plus about as many directory opens and reads (fewer once shard directories
-hold several files each), whatever the directory holds.
+hold several files each), whatever the directory holds. Empty shard directories met on the
+way (eviction leaves them) are removed, so that a sample does not pay for them: the caller
+holds the ledger's lock, under which every kvtier writer creates its files.
 
 Primitives: `VictimSampler`, `SAMPLE_FILES`, `POOL_SHARE`.
 """
@@ -64,7 +66,7 @@ class VictimSampler:
         chunks: list[Entry] = []
         stale: list[Entry] = []
         with contextlib.closing(sample_shards(self.root, self._rng, self.ops,
-                                                     SAMPLE_FILES)) as shards:
+                                                     SAMPLE_FILES, prune=True)) as shards:
             for files in shards:
                 for entry in files:
                     if not entry.temp:
