@@ -1,7 +1,10 @@
-"""A real Prometheus scrapes a kvtier-served vLLM: every dashboard query and alert evaluates.
+"""vLLM's OpenAI server with kvtier, and a real Prometheus scraping it: the server serves a
+cached prompt and shows it on /metrics; every dashboard query and alert evaluates.
 
-One vLLM OpenAI server (the tests' harness: memory + disk tiers, 64-token chunks, dev mode so
-that /reset_prefix_cache empties vLLM's own cache) and one Prometheus server (Debian's
+One vLLM OpenAI server for the module (`kvtier.tools.ops.server.running_server`: its own
+process group, on 127.0.0.1 and a free port, healthy on /health, always stopped; the tests'
+harness: memory + disk tiers, 64-token chunks, dev mode so that /reset_prefix_cache empties
+vLLM's own cache and leaves kvtier alone), and one Prometheus server (Debian's
 `prometheus`, on 127.0.0.1 and a free port, its config, rules and TSDB under tmp_path) scraping
 it every SCRAPE_S seconds with deploy/prometheus/kvtier-alerts.yml loaded. A prompt is served
 once (a miss: kvtier stores it), then twice more from kvtier alone, with scrapes in between so
@@ -14,6 +17,12 @@ that each counter is seen rising. Then, through Prometheus' HTTP API:
     latency p99 from the histograms, the memory tier's usage;
   - every vllm:* series the dashboard or the alerts name is one Prometheus has scraped.
 Skipped, saying so, when prometheus is not installed (scripts/setup.sh installs it).
+The Prometheus cases come first and see only their own traffic (their fixture checks that the
+server has answered no request before it); then the server's own case: the repeat of a prompt,
+vLLM's cache emptied, is served from kvtier, as `vllm:external_prefix_cache_hits_total` and
+kvtier's `vllm:kvtier_loaded_tokens_total` on /metrics show (counted from before it, so the
+earlier traffic does not count). One server for both saves a server start (three processes
+importing vLLM).
 """
 
 from __future__ import annotations
@@ -32,8 +41,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_harness import complete, post, random_prompts, server_command
+from vllm_harness import complete, post, random_prompts, scrape, server_command
 
+from kvtier.integrations.vllm.metrics import PREFIX
 from kvtier.tools.ops.server import free_port, running_server
 
 pytestmark = pytest.mark.vllm
@@ -44,6 +54,9 @@ ALERTS = DEPLOY / "prometheus" / "kvtier-alerts.yml"
 PROMETHEUS = shutil.which("prometheus")
 SCRAPE_S = 2  # vLLM's /metrics can take a second on 2 busy cores: timeout = interval
 JOB = "kvtier-vllm"
+CHUNK = 64
+EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
+LOADED_TOKENS = f"{PREFIX}loaded_tokens_total"
 # Panel query -> must be a finite value > 0 once a prompt was served from kvtier.
 CORE = {
     ("Prefix hit rate: vLLM's own cache vs kvtier", "kvtier (external, as vLLM counts)"),
@@ -145,18 +158,26 @@ def dashboard_queries() -> list[tuple[str, str, str]]:
 
 
 @pytest.fixture(scope="module")
-def scraped(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    root = tmp_path_factory.mktemp("kvtier-server")
+    extra = {"tokens_per_chunk": CHUNK,
+             "tiers": [{"kind": "memory", "capacity": "64MiB"},
+                       {"kind": "disk", "path": str(root / "disk"), "capacity": "256MiB"}]}
+    command = server_command(tiny_model_dir, extra)
+    with running_server(command, log_path=root / "vllm.log", startup_timeout_s=300) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def scraped(server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
     """Prometheus that has scraped a kvtier server serving a prompt from kvtier, twice."""
     if PROMETHEUS is None:
         pytest.skip("prometheus is not installed (Debian: apt-get install prometheus; "
                     "scripts/setup.sh does)")
+    # What Prometheus sees must be this fixture's traffic alone.
+    assert scrape(server, "vllm:request_success_total") == 0, "the server served before"
     root = tmp_path_factory.mktemp("kvtier-prometheus")
-    extra = {"tokens_per_chunk": 64,
-             "tiers": [{"kind": "memory", "capacity": "64MiB"},
-                       {"kind": "disk", "path": str(root / "disk"), "capacity": "256MiB"}]}
-    command = server_command(tiny_model_dir, extra)
-    with running_server(command, log_path=root / "vllm.log", startup_timeout_s=300) as server, \
-            running_prometheus(server.url + "/metrics", root) as prometheus:
+    with running_prometheus(server.url + "/metrics", root) as prometheus:
         prometheus.wait_for_scrapes(2)
         [prompt] = random_prompts([500], seed=61)
         tokens = prompt["prompt_token_ids"]
@@ -206,3 +227,26 @@ def test_every_series_named_is_one_prometheus_scraped(scraped: Prometheus) -> No
     texts = [expr for _, _, expr in dashboard_queries()] + [rule["query"] for rule in rules]
     named = {m for text in texts for m in re.findall(r"vllm:\w+", text)}
     assert not named - known, sorted(named - known)
+
+
+# -- the server's own case, after Prometheus' (whose fixture wants a fresh server) --------
+
+def test_the_server_serves_a_repeated_prompt_from_kvtier(server: Any,
+                                                         tiny_model_dir: Path) -> None:
+    model = str(tiny_model_dir)
+    [prompt] = random_prompts([500], seed=50)
+    tokens = prompt["prompt_token_ids"]
+    first = complete(server, tokens, model=model)
+    hits, loaded = scrape(server, EXTERNAL_HITS), scrape(server, LOADED_TOKENS)
+    # Empty vLLM's own cache: the repeat can only be served from kvtier.
+    post(server.url + "/reset_prefix_cache")
+    assert complete(server, tokens, model=model) == first
+    expected = (len(tokens) - 1) // CHUNK * CHUNK
+    assert scrape(server, EXTERNAL_HITS) - hits == expected
+    assert scrape(server, LOADED_TOKENS) - loaded == expected
+
+    # kv_transfer_params in the request body reach the connector: skip_load recomputes.
+    post(server.url + "/reset_prefix_cache")
+    hits = scrape(server, EXTERNAL_HITS)
+    assert complete(server, tokens, model=model, kv_transfer_params={"skip_load": True}) == first
+    assert scrape(server, EXTERNAL_HITS) == hits
