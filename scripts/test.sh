@@ -28,6 +28,7 @@ wait "$others" || others_status=$?
 echo
 echo "==== tests without a vLLM engine (-m 'not vllm'), run alongside: exit $others_status ===="
 cat "$others_log"
+rm -f "$others_log"
 if [ "$engine_status" -ne 0 ]; then
   exit "$engine_status"
 fi
