@@ -305,6 +305,8 @@ def sample_shards(root: Path, rng: random.Random, ops: FsOps = NO_OPS,
                     if names is None:
                         names = pending[i] = _typed_dirs(first_fd, _SHARD, ops)
                         rng.shuffle(names)
+                        if prune and not names:  # an <s1> left empty by evictions
+                            _remove_if_empty(layout_fds[digest], first, first_fd, ops)
                     if names:
                         yield _sampled_files(first_fd, digest, (first, names.pop()), rng,
                                              per_directory, ops, prune)
@@ -357,9 +359,7 @@ def _sampled_files(parent_fd: int, digest: str, shard: tuple[str, str], rng: ran
         names = [e.name for e in listed if (_CHUNK.fullmatch(e.name)
                  or _CHUNK_TEMP.fullmatch(e.name)) and e.is_file(follow_symlinks=False)]
         if prune and not listed:
-            ops.add(other=1)
-            with contextlib.suppress(OSError):  # not empty any more, or not ours to remove
-                os.rmdir(shard[1], dir_fd=parent_fd)
+            _remove_if_empty(parent_fd, shard[1], fd, ops)
         for name in rng.sample(names, min(limit, len(names))):
             ops.add(stats=1)
             try:
@@ -370,6 +370,16 @@ def _sampled_files(parent_fd: int, digest: str, shard: tuple[str, str], rng: ran
                 temp = not name.endswith(".kvc")
                 found.append(Entry(digest, shard, name, info.st_size, info.st_mtime, temp))
     return found
+
+
+def _remove_if_empty(parent_fd: int, name: str, fd: int, ops: FsOps) -> None:
+    """Remove the directory `name` (open as `fd`) when it holds nothing at all."""
+    with os.scandir(fd) as entries:
+        if next(entries, None) is not None:
+            return
+    ops.add(other=1)
+    with contextlib.suppress(OSError):  # not empty any more, or not ours to remove
+        os.rmdir(name, dir_fd=parent_fd)
 
 
 def _typed_dirs(fd: int, pattern: re.Pattern[str], ops: FsOps) -> list[str]:
