@@ -267,10 +267,13 @@ class SharedTier:
         with self.ledger.locked() as ledger:
             if not ledger.valid:  # new, or reset by someone: re-measure before writing
                 return None, self._claim_locked(ledger)
+            before = ledger.used_bytes
             if ledger.used_bytes + size > self.capacity_bytes:
                 self._evict_locked(ledger, self._evict_target(ledger, size))
             if ledger.used_bytes + size > self.capacity_bytes:
-                ledger.repair = 1  # nothing left to evict: the usage may have drifted high
+                # Still over: a dropped write. Far over (a quota lowered), the next writes
+                # evict the next batches; nothing freed: the usage may have drifted high.
+                ledger.repair = int(ledger.repair or ledger.used_bytes == before)
                 self._publish(ledger)
                 return None, self._claim_locked(ledger)
             pending = self.files.prepare_write(key, size)
@@ -295,10 +298,10 @@ class SharedTier:
 
     def _evict_target(self, ledger: LedgerState, incoming_bytes: int) -> float:
         """The usage an eviction for `incoming_bytes` frees down to: LOW_WATERMARK of the
-        capacity, at most EVICT_BATCH_FILES files per lock hold (the fleet waits on it)."""
+        capacity, but at most EVICT_BATCH_FILES files per lock hold (the fleet waits on it;
+        a quota lowered far below the usage is reached over many writes)."""
         batch = ledger.used_bytes - EVICT_BATCH_FILES * self.files.max_file_bytes
-        return min(self.capacity_bytes - incoming_bytes,
-                   max(LOW_WATERMARK * self.capacity_bytes - incoming_bytes, batch))
+        return max(LOW_WATERMARK * self.capacity_bytes - incoming_bytes, batch)
 
     def _claim_locked(self, ledger: LedgerState) -> bool:
         """Whether this writer re-measures the directory now: one is due by the ledger, and
