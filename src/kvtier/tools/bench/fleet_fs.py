@@ -26,6 +26,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import random
 import tempfile
 import time
 from pathlib import Path
@@ -79,7 +80,8 @@ def writer(root: str, seed: int, capacity: int, args: dict[str, float], start: A
     before = tier.stats()
     cpu, began, puts, stored = time.process_time(), time.monotonic(), 0, 0
     while (elapsed := time.monotonic() - began) < args["seconds"]:
-        stored += bool(tier.put(ChunkKey(((seed << 64) + puts).to_bytes(16, "big")), data))
+        name = (int(args["run"]) << 96) + (seed << 64) + puts  # new keys every run
+        stored += bool(tier.put(ChunkKey(name.to_bytes(16, "big")), data))
         puts += 1
         ahead = puts / args["rate"] - (time.monotonic() - began)
         if ahead > 0:
@@ -96,7 +98,8 @@ def writer(root: str, seed: int, capacity: int, args: dict[str, float], start: A
 def run_writers(root: Path, n: int, capacity: int, args: argparse.Namespace) -> dict[str, Any]:
     context = multiprocessing.get_context("spawn")
     results, start = context.Queue(), context.Barrier(n + 1)
-    knobs = {"interval": args.interval, "seconds": args.seconds, "rate": args.rate}
+    knobs = {"interval": args.interval, "seconds": args.seconds, "rate": args.rate,
+             "run": random.getrandbits(30)}
     # seeds of their own per run: a later run must not put the keys an earlier one stored
     procs = [context.Process(target=writer, args=(str(root), (n << 8) + s, capacity, knobs,
                                                   start, results)) for s in range(1, n + 1)]
@@ -195,10 +198,13 @@ def main() -> None:
         cpu = time.process_time()
         first = shared_tier(root, held * FILE_BYTES, args.interval)
         walk_cpu = time.process_time() - cpu
+        # the quota: what the directory holds now (a reused one may hold less than `held`),
+        # so that every put evicts
+        capacity = min(held * FILE_BYTES, first.stats().used_bytes)
         first.close()
         size: dict[str, Any] = {"chunks": held, "fill_s": round(fill_s, 1),
                                 "first_open_cpu_s": round(walk_cpu, 2),
-                                "writers": [run_writers(root, n, held * FILE_BYTES, args)
+                                "writers": [run_writers(root, n, capacity, args)
                                             for n in args.writers]}
         size["eviction"] = eviction_throughput(root, held, args.interval)
         if not args.skip_disk:
