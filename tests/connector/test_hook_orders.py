@@ -254,7 +254,7 @@ class Replay:
         self.store = open_store(config.store, self.layout)
         self.scheduler = connector(scheduler=ConnectorScheduler(
             config, block_size=BLOCK, model_id="tiny", layout_digest="0" * 32,
-            locator=ChunkLocator([], max_keys=1024)))
+            locator=ChunkLocator({}, max_keys=1024)))
         self.connector_worker = ConnectorWorker(self.paged, self.layout, self.store)
         self.worker = connector(worker=self.connector_worker)
         self.found = Findings()

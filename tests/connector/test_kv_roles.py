@@ -34,7 +34,7 @@ class RoleEngine(Engine):
     """The scheduler of an engine started with `kv_role`."""
 
     def __init__(self, kv_role: str) -> None:
-        self.locator = ChunkLocator([], max_keys=1024)
+        self.locator = ChunkLocator({}, max_keys=1024)
         self.sched = ConnectorScheduler(ConnectorConfig.parse({"tokens_per_chunk": CHUNK}),
                                         block_size=BLOCK, model_id="tiny",
                                         layout_digest="0" * 32, locator=self.locator,

@@ -67,7 +67,7 @@ class Engine:
         self.sched = ConnectorScheduler(ConnectorConfig.parse({"tokens_per_chunk": CHUNK}),
                                         block_size=BLOCK, model_id="tiny",
                                         layout_digest="0" * 32, weights_fingerprint="w" * 32,
-                                        locator=ChunkLocator([], max_keys=1024))
+                                        locator=ChunkLocator({}, max_keys=1024))
 
     def prefill(self, req: Request) -> list[bytes]:
         """Run the request's prefill; the keys of the chunks it stored."""
