@@ -73,3 +73,15 @@ def test_steps_stretched_by_inline_loads_are_not_prefill_samples() -> None:
     before = steps.recompute_s(0, 512)
     run(steps, [(5.0, 512, 256.0)] * 5, start_s=100.0, inline_loads=True)
     assert steps.recompute_s(0, 512) == before
+
+
+def test_a_step_that_finished_a_request_ends_there_not_after_the_idle_spell() -> None:
+    """Offline engines idle between requests: the step that ran a request's prefill is
+    timed when the request finishes, not when the next request's plan comes."""
+    steps = EngineSteps()
+    now = 0.0
+    for _ in range(MIN_PREFILL_STEPS):
+        steps.observe_plan(now, 512, 256.0, False)
+        steps.step_ended(now + 0.1)  # the prefill took 100 ms and finished its request
+        now += 30.0  # ... then the engine idled until the next request
+    assert steps.recompute_s(0, 512) == pytest.approx(0.1, rel=0.01)

@@ -45,7 +45,10 @@ def config(disk: Path) -> dict[str, Any]:
     transfer = kvtier_transfer_config([{"kind": "memory", "capacity": "64KiB"},  # two chunks
                                        {"kind": "disk", "path": str(disk), "capacity": "256MiB"}],
                                       CHUNK)
-    transfer["kv_connector_extra_config"].update(load_mode="async", read_timeout_s=TIMEOUT_S)
+    # load_when "always": the fault path under test loads every hit, however the last loads
+    # went (the rule that stops loading from a slow tier: test_load_or_recompute.py).
+    transfer["kv_connector_extra_config"].update(load_mode="async", read_timeout_s=TIMEOUT_S,
+                                                 load_when="always")
     return transfer
 
 

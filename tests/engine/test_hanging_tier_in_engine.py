@@ -39,6 +39,9 @@ def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     root = tmp_path_factory.mktemp("hanging-shared")
     config = kvtier_transfer_config({
         "tokens_per_chunk": 64, "read_timeout_s": TIMEOUT_S, "lookup_timeout_s": TIMEOUT_S,
+        # The fault path under test: every hit is loaded, however its last loads went (the
+        # rule that stops loading from a slow tier is tests/engine/test_load_or_recompute.py).
+        "load_when": "always",
         "tiers": [{"kind": "memory", "capacity": "64KiB"},  # two chunks
                   {"kind": "shared", "path": str(root), "capacity": "64MiB"}]})
     with slow_files(root, tmp_path_factory.mktemp("inject")) as flag, \

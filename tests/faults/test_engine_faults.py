@@ -91,7 +91,11 @@ def redis_engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
              {"kind": "redis", "url": server.url, "socket_timeout_ms": TIMEOUT_MS,
               "connect_timeout_ms": TIMEOUT_MS, "retry_max_s": 1.0}]
     try:
-        with start_engine(model_dir, kvtier_transfer_config(tiers, CHUNK)) as llm:
+        config = kvtier_transfer_config(tiers, CHUNK)
+        # The fault path under test: every hit is loaded, however the last loads went (the
+        # rule that stops loading from a slow tier: tests/engine/test_load_or_recompute.py).
+        config["kv_connector_extra_config"]["load_when"] = "always"
+        with start_engine(model_dir, config) as llm:
             yield llm, server
     finally:
         server.stop()

@@ -151,7 +151,8 @@ def test_serve_config_file_takes_every_key_the_connector_takes(capsys, tmp_path)
     # accepts (issue 10); both now read ConnectorConfig.
     every = {"tokens_per_chunk": 128, "index_max_keys": 5000, "write_queue_depth": 32,
              "read_timeout_s": 2.5, "lookup_timeout_s": 0.5, "load_mode": "async",
-             "store_mode": "sync", "io_threads": 4, "io_cores": "inherit",
+             "store_mode": "sync", "load_when": "always", "io_threads": 4,
+             "io_cores": "inherit",
              "tiers": [{"kind": "memory", "capacity": "1GiB"}]}
     assert set(every) == ConnectorConfig.known_keys()  # a new key needs a value here
     path = tmp_path / "connector.json"

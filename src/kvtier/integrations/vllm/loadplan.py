@@ -163,6 +163,10 @@ class LoadPlanner:
         the step loads inline)."""
         self._steps.observe_plan(now_s, tokens, position, inline_loads=bool(self._pending))
 
+    def step_ended(self, now_s: float) -> None:
+        """The last planned step finished a request at `now_s` (time.monotonic)."""
+        self._steps.step_ended(now_s)
+
     def learn(self, report: KVTierWorkerMetadata) -> None:
         """Take in the workers' timed loads and what their RAM tier stored and removed."""
         for sample in report.load_samples:

@@ -190,6 +190,8 @@ class ConnectorScheduler:
         (vLLM's finished_sending: StorePlanner.end_request)."""
         state = self._requests.pop(request.request_id)
         held = self._stores.end_request(request.request_id, state, self._step)
+        # A request ends as a step's output is taken in: that step's time, before any idle.
+        self._loads.step_ended(time.monotonic())
         self._loads.end(request.request_id)
         self._states.forget(request.request_id)
         self._locator.forget(request.request_id)

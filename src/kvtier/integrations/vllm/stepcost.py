@@ -2,7 +2,8 @@
 recomputing (prefilling) a span of a prompt costs.
 
 A step's time is the time from its plan to the next plan (`build_connector_meta` runs once per
-step; an idle spell between two plans is not a step). Of the steps that ran no inline load
+step), or to the end of the step that finished a request (`step_ended`: the engine may idle
+after it, and an idle spell is not a step; nor is the time after a plan that ran nothing). Of the steps that ran no inline load
 (a load stretches its step), the model is
 
     step_s = overhead + tokens * (a + b * position)
@@ -62,17 +63,23 @@ class EngineSteps:
                      inline_loads: bool) -> None:
         """A step is planned at `now_s` (a monotonic clock): it runs `tokens` tokens at mean
         `position`, and loads inline or not. The previous plan's step took until now."""
-        last = self._last
-        if last is not None and last.tokens:
-            seconds = now_s - last.at_s
-            self._steps.append(seconds)
-            if not last.inline_loads:
-                if last.tokens < MIN_PREFILL_TOKENS:
-                    self._small_steps.append(seconds)
-                else:
-                    self._prefills.append((last.tokens, last.position, seconds))
-                    self._stale = True
+        self.step_ended(now_s)
         self._last = _Plan(now_s, tokens, position, inline_loads)
+
+    def step_ended(self, now_s: float) -> None:
+        """The last planned step ended at `now_s` (a request it ran finished): time it now,
+        before the engine perhaps idles; the next plan does not time it again."""
+        last, self._last = self._last, None
+        if last is None or not last.tokens:
+            return
+        seconds = now_s - last.at_s
+        self._steps.append(seconds)
+        if not last.inline_loads:
+            if last.tokens < MIN_PREFILL_TOKENS:
+                self._small_steps.append(seconds)
+            else:
+                self._prefills.append((last.tokens, last.position, seconds))
+                self._stale = True
 
     @property
     def step_s(self) -> float | None:
