@@ -3,8 +3,8 @@ recomputing (prefilling) a span of a prompt costs.
 
 A step's time is the time from its plan to the next plan (`build_connector_meta` runs once per
 step), or to the end of the step that finished a request (`step_ended`: the engine may idle
-after it, and an idle spell is not a step; nor is the time after a plan that ran nothing). Of the steps that ran no inline load
-(a load stretches its step), the model is
+after it, and an idle spell is not a step; nor is the time after a plan that ran nothing).
+Of the steps that ran no inline load (a load stretches its step), the model is
 
     step_s = overhead + tokens * (a + b * position)
 
