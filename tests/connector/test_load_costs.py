@@ -64,3 +64,14 @@ def test_one_outlier_does_not_move_a_tier_two_do_and_two_bring_it_back() -> None
     assert costs.chunk_s("disk") == pytest.approx(1 * MS)
     costs.observe_load(sample(5.0))  # an empty load says nothing
     assert costs.chunk_s("disk") == pytest.approx(1 * MS)
+
+
+def test_a_failed_load_saved_nothing_two_in_a_row_make_the_tier_slow() -> None:
+    costs = LoadCosts(TIERS)
+    for _ in range(3):
+        costs.observe_load(sample(2 * MS, redis=2))
+    costs.observe_load(LoadSample((("redis", 1),), 1 * MS, failed=True))
+    assert costs.chunk_s("redis") == pytest.approx(1 * MS)  # one failure among fast loads
+    costs.observe_load(LoadSample((("redis", 1),), 1 * MS, failed=True))
+    assert costs.chunk_s("redis") == float("inf")  # however quickly they failed
+    assert not costs.inline({"redis": 1}, 1.0)

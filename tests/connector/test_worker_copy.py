@@ -269,5 +269,5 @@ def test_a_load_is_timed_by_tier_and_a_failed_one_charges_the_tier_it_tried(tmp_
     worker.load(KVTierMetadata(loads={"s": [ChunkTransfer(keys[0], (20,))]}))
     report = worker.take_report()
     assert report is not None
-    assert [dict(s.chunks) for s in report.load_samples] == [{"disk": 1}]
+    assert [(dict(s.chunks), s.failed) for s in report.load_samples] == [({"disk": 1}, True)]
     worker.close()

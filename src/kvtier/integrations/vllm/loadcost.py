@@ -4,11 +4,12 @@ load_mode "auto" (inline or asynchronous) built on it.
 Restore cost: each tier's seconds per chunk, the median of its last TIER_WINDOW samples (a
 single slow load does not move it; two in a row do, and two fast ones bring it back). A
 sample is one request's load (`LoadSample`): the chunks each tier lent and the time from the
-first read to the last scatter; or, for a load that failed, to the failed read, with the
-chunk counted for the tier it was tried on (a read that times out is the slowest a tier
-gets: without it, a tier whose reads all time out would never look slow). A load that read
-from several tiers is charged to the slowest (last) one, less what the faster tiers' chunks
-are expected to have cost.
+first read to the last scatter. A load that failed (a read that timed out, or found its chunk
+missing or damaged) saved nothing, as its request recomputes after the wait: it counts as an
+infinitely slow load of the tier it was reading (without that, a tier whose reads all time out
+would never look slow). One failure among fast loads does not move the median; two do. A load
+that read from several tiers is charged to the slowest (last) one, less what the faster
+tiers' chunks are expected to have cost.
 
 Inline or asynchronous (`LoadCosts.inline`): a hit loaded inline stretches the step that
 needs it, and so one inter-token gap of every request in the batch, by the load's time.
@@ -27,6 +28,7 @@ Primitives: `LoadSample`, `LoadCosts`, `INLINE_STEP_SHARE`, `TIER_WINDOW`.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections import deque
@@ -45,12 +47,14 @@ class LoadSample:
 
     chunks: tuple[tuple[str, int], ...]  # (tier name, chunks it lent or failed to)
     seconds: float  # from the first read to the last scatter, or to the failed read
+    failed: bool = False  # it stopped at a read that failed (its last chunk's)
 
     @staticmethod
-    def since(started_s: float, chunks: Mapping[str, int]) -> LoadSample:
+    def since(started_s: float, chunks: Mapping[str, int], failed: bool = False
+              ) -> LoadSample:
         """A load of `chunks` (tier -> count) that started at `started_s` (perf_counter)
         and ends now."""
-        return LoadSample(tuple(chunks.items()), time.perf_counter() - started_s)
+        return LoadSample(tuple(chunks.items()), time.perf_counter() - started_s, failed)
 
 
 class LoadCosts:
@@ -76,7 +80,8 @@ class LoadCosts:
             return
         *faster, (slowest, count) = sorted(lent, key=lambda tn: self._rank(tn[0]))
         others_s = sum((self.chunk_s(tier) or 0.0) * n for tier, n in faster)
-        per_chunk = max(0.0, sample.seconds - others_s) / count
+        # A failed load saved nothing: its request recomputes after the wait.
+        per_chunk = math.inf if sample.failed else max(0.0, sample.seconds - others_s) / count
         self._samples.setdefault(slowest, deque(maxlen=TIER_WINDOW)).append(per_chunk)
 
     def chunk_s(self, tier: str) -> float | None:

@@ -23,6 +23,7 @@ Primitives: `ConnectorScheduler`.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -207,7 +208,7 @@ class ConnectorScheduler:
         per_1k = 1000 / self._tokens_per_chunk
         for tier in self._loads.costs.tiers:
             chunk_s = self._loads.costs.chunk_s(tier)
-            if chunk_s is not None:
+            if chunk_s is not None and math.isfinite(chunk_s):
                 self._stats.set_gauge("tier_restore_seconds_per_1k_tokens", tier,
                                       chunk_s * per_1k)
         recompute_s = self._loads.steps.recompute_s(0, 1000)

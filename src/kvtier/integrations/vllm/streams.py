@@ -142,7 +142,7 @@ class StreamChunkMover:
             if held < len(batch):
                 if held in tried:  # a failed read costs its tier its time, too
                     lent_by[tried[held]] += 1
-                    self.samples.append(LoadSample.since(started, lent_by))
+                    self.samples.append(LoadSample.since(started, lent_by, failed=True))
                 return first + held
         self.samples.append(LoadSample.since(started, lent_by))
         return len(transfers)
