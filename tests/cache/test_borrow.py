@@ -18,7 +18,7 @@ import pytest
 from tierkit import footprint_bytes, key, tier_settings, tiny_layout
 
 from kvtier.core.store import TieredStore
-from kvtier.core.tier import FULL, OK, InPlace, TierResult
+from kvtier.core.tier import FULL, OK, Failure, InPlace, TierResult
 from kvtier.tiers import open_store
 from kvtier.tiers.memory import MemoryTier, MemoryTierConfig
 from kvtier.tiers.storeconfig import StoreConfig
@@ -138,17 +138,23 @@ def test_a_batch_lends_memory_in_place_reads_disk_in_parallel_and_marks_misses(
     store.close()
 
 
-def test_a_batch_says_which_tier_each_read_tried_last(two_tier_store: TieredStore) -> None:
-    """What a failed load's time is charged to (loadcost.py): the tier its read tried."""
+def test_a_batch_names_the_tier_that_failed_a_read_not_one_that_lacked_the_chunk(
+        two_tier_store: TieredStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a failed load's time is charged to (loadcost.py): a tier that failed the read
+    (erred, down, or late). A chunk absent or damaged says nothing of its tier's speed."""
     store = two_tier_store
-    spares = [memoryview(bytearray(LAYOUT.bytes_per_chunk)) for _ in range(2)]
-    store.put(key(0), memoryview(payload(0)))
-    store.put(key(1), memoryview(payload(1)))  # key 0 on disk only
+    spares = [memoryview(bytearray(LAYOUT.bytes_per_chunk)) for _ in range(4)]
+    for i in range(4):
+        store.put(key(i), memoryview(payload(i)))  # keys 0-2 on disk only
     assert store.flush(timeout_s=5)
+    disk = store.tiers[1]
+    read = disk.get_into
+    faults = {key(1): TierResult(Failure.IO_ERROR), key(2): TierResult(Failure.CORRUPT)}
+    monkeypatch.setattr(disk, "get_into", lambda k, *a: faults[k] if k in faults else read(k, *a))
     tried: dict[int, str] = {}
-    with store.borrow_many([key(0), key(5)], spares, tried=tried) as lent:
-        assert [v.tier if v else None for v in lent] == ["disk", None]
-    assert tried == {0: "disk", 1: "disk"}  # the miss was last asked of the disk tier
+    with store.borrow_many([key(0), key(1), key(2), key(5)], spares, tried=tried) as lent:
+        assert [v.tier if v else None for v in lent] == ["disk", None, None, None]
+    assert tried == {1: "disk"}
     store.close()
 
 

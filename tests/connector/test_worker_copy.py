@@ -236,11 +236,14 @@ def test_loads_from_disk_come_in_batches_and_stop_at_the_first_miss(tmp_path) ->
     worker.close()
 
 
-def test_a_load_is_timed_by_tier_and_a_failed_one_charges_the_tier_it_tried(tmp_path) -> None:
+def test_a_load_is_timed_by_tier_and_a_failed_one_charges_the_tier_that_failed(
+        tmp_path, monkeypatch) -> None:
     """The workers' load samples (loadcost.py): chunks counted by the tier that lent them; a
-    load that stops at a failed read counts that chunk for the tier it was read from, so a
-    tier whose reads fail or time out is seen as slow."""
+    load that stops at a read a tier failed (erred, down, late) counts that chunk for that
+    tier, so a tier whose reads fail or time out is seen as slow; a chunk found lost or
+    damaged says nothing of its tier's speed."""
     from kvtier.core.keys import ChunkKey
+    from kvtier.core.tier import Failure, TierResult
     from kvtier.integrations.vllm.messages import ChunkTransfer, KVTierMetadata
     from kvtier.integrations.vllm.worker import ConnectorWorker
     from kvtier.tiers import open_store
@@ -265,8 +268,13 @@ def test_a_load_is_timed_by_tier_and_a_failed_one_charges_the_tier_it_tried(tmp_
     assert report is not None and len(report.load_samples) == 1
     assert dict(report.load_samples[0].chunks) == {"disk": 2, "memory": 2}
     store.tiers[0].delete(keys[0])
-    store.tiers[1].delete(keys[0])  # lost everywhere: the first read fails
+    store.tiers[1].delete(keys[0])  # lost everywhere: the first read misses
     worker.load(KVTierMetadata(loads={"s": [ChunkTransfer(keys[0], (20,))]}))
+    report = worker.take_report()
+    assert report is not None and report.load_samples == []
+    store.tiers[0].delete(keys[1])  # on disk only, and the disk fails its read
+    monkeypatch.setattr(store.tiers[1], "get_into", lambda *a: TierResult(Failure.IO_ERROR))
+    worker.load(KVTierMetadata(loads={"t": [ChunkTransfer(keys[1], (20,))]}))
     report = worker.take_report()
     assert report is not None
     assert [(dict(s.chunks), s.failed) for s in report.load_samples] == [({"disk": 1}, True)]

@@ -264,9 +264,14 @@ class TieredStore:
             result = TierResult(Failure.RAISED)
         return self._counted(tier, result)
 
-    def _counted(self, tier: Tier, result: TierResult) -> bool:
+    def _counted(self, tier: Tier, result: TierResult, faults: list[str] | None = None,
+                 ) -> bool:
+        """Count `result`'s failure, if any (and note the tier in `faults` when the failure
+        is the tier's); whether it succeeded."""
         if result.failure is not None:
             self._failures.add(tier.name, result.failure)
+            if faults is not None and result.failure.of_the_tier:
+                faults.append(tier.name)
         return result.failure is None
 
     @contextmanager
@@ -289,8 +294,9 @@ class TieredStore:
                     ) -> Iterator[list[ChunkView | None]]:
         """`borrow` for many chunks in one block (a view or None per key, in order);
         `metas[i]` is chunk i's (empty: every chunk `DEFAULT_META`). `tried`, if given, is
-        filled with the tier the read of key i last tried (a miss's slowest tier: what a
-        failed load's time is charged to).
+        filled, for a key whose read failed because a tier did (it erred, was down or did not
+        answer in time; `Failure.of_the_tier`), with that tier: what a failed load's time is
+        charged to. A chunk absent or damaged says nothing of its tier's speed.
 
         Chunks an `InPlace` tier holds are lent in place; the others are read in parallel
         on the store's read threads, chunk i into `spares[i]`, so a batch of disk reads
@@ -311,21 +317,31 @@ class TieredStore:
                 views = [self._open(pins, key, meta, spare, read=False)
                          for key, meta, spare in zip(keys, metas, spares)]
                 todo = [i for i, view in enumerate(views) if view is None]
-                # key index -> the tier its read is waiting on
-                reading: dict[int, str] = {} if tried is None else tried
+                # key index -> the tier its read is waiting on (a miss: the tier that failed it)
+                reading: dict[int, str] = {}
                 futures: dict[Future[ChunkView | None], int] = {
                     self._calls.submit(self._open, pins, keys[i], metas[i], spares[i],
                                        lend=False, reading=(reading, i)): i
                     for i in todo}
                 done, late = wait(futures, timeout=self._calls.timeout_s)
+                failed_by: dict[int, str] = {}  # the reads that failed because a tier did
                 for future in done:
-                    views[futures[future]] = future.result()
-                stalled = {tier for future in late
-                           if (tier := self._abandon(futures[future], reading, spares))}
+                    i = futures[future]
+                    views[i] = future.result()
+                    if views[i] is None and i in reading:
+                        failed_by[i] = reading[i]
+                stalled: set[str] = set()
+                for future in late:
+                    i = futures[future]
+                    if tier := self._abandon(i, reading, spares):
+                        failed_by[i] = tier
+                        stalled.add(tier)
                 for tier in stalled:
                     log.warning("tier %r: reads took over %.3g s; abandoned (misses), the tier "
                                 "is skipped until it answers again", tier, self._calls.timeout_s)
                     self._calls.stalled(tier)
+                if tried is not None:
+                    tried.update(failed_by)
                 yield views
             finally:
                 pins.close()  # reads finishing after this release their own slots
@@ -347,7 +363,8 @@ class TieredStore:
         InPlace tier (kept on `pins`; skipped unless `lend`) or read (other tiers; skipped
         unless `read`, and unless stalled) into a slot the top tier reserves (kept on
         `pins`) or into `spare`. `reading`: (where, i) to note in `where[i]` the tier a read
-        is waiting on."""
+        is waiting on, and when the read is a miss, the last tier that failed it (or none)."""
+        faults: list[str] = []  # tiers that failed the read (Failure.of_the_tier)
         for level, tier in enumerate(self.tiers):
             lender = self._lenders.get(id(tier))
             if not (lend if lender is not None else read):
@@ -374,24 +391,33 @@ class TieredStore:
                         self._failures.add(tier.name, Failure.MISSING)
                 elif in_place:
                     assert self._reserver is not None
-                    view = self._read_in_place(pins, self._reserver, tier, key, meta, spare)
+                    view = self._read_in_place(pins, self._reserver, tier, key, meta, spare,
+                                               faults)
                 else:
-                    view = spare if self._counted(tier, tier.get_into(key, spare, meta)) \
-                        else None
+                    view = spare if self._counted(tier, tier.get_into(key, spare, meta),
+                                                  faults) else None
             except Exception as exc:
                 log.warning("tier %r: read of %s failed (%s); trying the next", tier.name,
                             key.hex(), exc)
                 self._failures.add(tier.name, Failure.RAISED)
+                faults.append(tier.name)
                 view = None
             if remote and reading is not None:
                 self._calls.answered(tier.name)
             if view is not None:
                 self._promote(level, key, view, meta, top=not in_place)
                 return ChunkView(view.toreadonly(), tier.name)
+        if reading is not None:
+            where, i = reading
+            if faults:
+                where[i] = faults[-1]
+            else:
+                where.pop(i, None)
         return None
 
     def _read_in_place(self, pins: _Pins | ExitStack, top: InPlace, tier: Tier, key: ChunkKey,
-                       meta: ChunkMeta, spare: memoryview) -> memoryview | None:
+                       meta: ChunkMeta, spare: memoryview, faults: list[str] | None = None,
+                       ) -> memoryview | None:
         """Read `tier`'s chunk straight into a slot the top tier reserves (the read is the
         promotion: no copy; the slot stays pinned on `pins`), or into `spare` when the top
         tier gives none (declined, full, or holding it already). None when the read fails,
@@ -400,7 +426,7 @@ class TieredStore:
             slot = reservation.enter_context(
                 top.reserve(key, self._meta_of(tier, key) or meta))
             target = spare if isinstance(slot, TierResult) else slot.data
-            if not self._counted(tier, tier.get_into(key, target, meta)):
+            if not self._counted(tier, tier.get_into(key, target, meta), faults):
                 return None  # the slot is released here
             if not isinstance(slot, TierResult):
                 slot.commit()

@@ -24,9 +24,9 @@ Primitives: `parse_io_cores`, `resolve_io_cores`, `io_pool`.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
+import threading
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -122,8 +122,16 @@ def _place(cores: frozenset[int]) -> None:
         _cannot_place(cores, str(exc), frozenset(os.sched_getaffinity(0)))
 
 
-@functools.cache
+_said_lock = threading.Lock()
+_said: set[tuple[frozenset[int], str]] = set()
+
+
 def _cannot_place(cores: frozenset[int], error: str, kept: frozenset[int]) -> None:
-    """Say once (not once per thread) that `cores` could not be used."""
+    """Say once (not once per thread: a pool's threads start at once) that `cores` could
+    not be used."""
+    with _said_lock:
+        if (cores, error) in _said:
+            return
+        _said.add((cores, error))
     log.warning("kvtier: cannot run I/O threads on cores %s (%s); they stay on %s",
                 sorted(cores), error, sorted(kept))

@@ -87,6 +87,13 @@ class Failure(StrEnum):
     # tenant's or secret's): a miss, and the chunk is kept (another reader may hold the key).
     NO_KEY = "no_key"
 
+    @property
+    def of_the_tier(self) -> bool:
+        """The tier failed (it erred, was down or did not answer in time), not the chunk
+        (absent, damaged, or not this reader's): a sign of how the tier serves."""
+        return self in (Failure.IO_ERROR, Failure.UNAVAILABLE, Failure.TIMEOUT,
+                        Failure.RAISED)
+
 
 @dataclass(frozen=True, slots=True)
 class TierResult:

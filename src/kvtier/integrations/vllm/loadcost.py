@@ -4,10 +4,12 @@ load_mode "auto" (inline or asynchronous) built on it.
 Restore cost: each tier's seconds per chunk, the median of its last TIER_WINDOW samples (a
 single slow load does not move it; two in a row do, and two fast ones bring it back). A
 sample is one request's load (`LoadSample`): the chunks each tier lent and the time from the
-first read to the last scatter. A load that failed (a read that timed out, or found its chunk
-missing or damaged) saved nothing, as its request recomputes after the wait: it counts as an
-infinitely slow load of the tier it was reading (without that, a tier whose reads all time out
-would never look slow). One failure among fast loads does not move the median; two do. A load
+first read to the last scatter. A load that a tier failed (it erred, was down, or did not
+answer in time) saved nothing, as its request recomputes after the wait: it counts as an
+infinitely slow load of that tier (without that, a tier whose reads all time out would never
+look slow). One failure among fast loads does not move the median; two do. A load that found
+its chunk missing or damaged says nothing of the tier's speed: it is not sampled (a damaged
+chunk is removed and stored again; the tier serves on). A load
 that read from several tiers is charged to the slowest (last) one, less what the faster
 tiers' chunks are expected to have cost.
 
