@@ -15,20 +15,22 @@ For each --chunks size, the directory is filled with sparse chunk files of 4 KiB
    its index is complete, a lookup while it loads, and RSS per chunk of the loaded index.
 
 Then a projection for NFS: each metadata operation a round trip of --op-latency-ms, at 10^7
-chunks and 100 writers. Prints one JSON document.
+chunks and 100 writers. `kvtier bench fleet` (tools/cli/bench_fleet.py) runs it:
 
-    python3 -m kvtier.tools.bench.fleet_fs --chunks 100000 1000000 --writers 1 4
+    kvtier bench fleet --chunks 100000 1000000 --writers 1 4
+
+Primitives: `FleetConfig`, `run_fleet_bench(config, progress)`.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import multiprocessing
 import os
 import random
 import tempfile
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,7 @@ import blake3
 from kvtier.core.chunkformat import stored_size
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
+from kvtier.errors import ConfigError
 from kvtier.tiers import build_tier
 from kvtier.tiers.chunktree import chunk_parts
 from kvtier.tiers.storeconfig import StoreConfig
@@ -45,6 +48,32 @@ LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_size=64, dtype="float16",
                   tokens_per_chunk=16)  # 4 KiB chunks
 FILE_BYTES = stored_size(LAYOUT.bytes_per_chunk)
 OPS = ("meta_stats", "meta_opens", "meta_unlinks", "meta_dir_reads", "meta_other")
+
+
+@dataclass(frozen=True, slots=True)
+class FleetConfig:
+    """What `run_fleet_bench` measures (the CLI's flags)."""
+
+    chunks: Sequence[int] = (100_000,)  # directory sizes, in chunks
+    writers: Sequence[int] = (1, 4)  # writer processes per run
+    rate: float = 100.0  # puts/s per writer
+    seconds: float = 10.0  # each run of the writers
+    interval: float = 2.0  # the shared tier's scan_interval_s
+    op_latency_ms: float = 0.5  # the projection's metadata round trip
+    directory: Path | None = None  # where the directories are built (None: a temp dir)
+    skip_disk: bool = False  # no disk-tier start-up figures
+
+    def validate(self) -> None:
+        """Raises ConfigError naming the first bad setting."""
+        if not self.chunks or min(self.chunks) < 100:
+            raise ConfigError("chunks", list(self.chunks), "sizes of at least 100 chunks")
+        if not self.writers or min(self.writers) < 1:
+            raise ConfigError("writers", list(self.writers), "counts of at least 1")
+        for name in ("rate", "seconds", "interval"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(name, getattr(self, name), "a number above 0")
+        if not self.op_latency_ms >= 0:
+            raise ConfigError("op_latency_ms", self.op_latency_ms, "0 or more")
 
 
 def fill(root: Path, chunks: int) -> float:
@@ -95,7 +124,7 @@ def writer(root: str, seed: int, capacity: int, args: dict[str, float], start: A
     tier.close()
 
 
-def run_writers(root: Path, n: int, capacity: int, args: argparse.Namespace) -> dict[str, Any]:
+def run_writers(root: Path, n: int, capacity: int, args: FleetConfig) -> dict[str, Any]:
     context = multiprocessing.get_context("spawn")
     results, start = context.Queue(), context.Barrier(n + 1)
     knobs = {"interval": args.interval, "seconds": args.seconds, "rate": args.rate,
@@ -179,47 +208,42 @@ def projection(runs: list[dict[str, Any]], op_ms: float, walk_cpu_per_file_us: f
             "before_walk_ops_per_s": round(writers * walk_ops / 30)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--chunks", type=int, nargs="+", default=[100_000])
-    parser.add_argument("--writers", type=int, nargs="+", default=[1, 4])
-    parser.add_argument("--rate", type=float, default=100.0, help="puts/s per writer")
-    parser.add_argument("--seconds", type=float, default=10.0)
-    parser.add_argument("--interval", type=float, default=2.0, help="scan_interval_s")
-    parser.add_argument("--op-latency-ms", type=float, default=0.5)
-    parser.add_argument("--dir", help="where to build the directories (default: a temp dir)")
-    parser.add_argument("--skip-disk", action="store_true")
-    args = parser.parse_args()
-    base = Path(args.dir or tempfile.mkdtemp(prefix="kvtier-fleet-"))
-    report: dict[str, Any] = {"args": vars(args), "sizes": []}
-    for held in args.chunks:
+def run_fleet_bench(config: FleetConfig,
+                    progress: Callable[[str], None] = lambda _text: None) -> dict[str, Any]:
+    """Every size of `config.chunks`, in order; the report (JSON-ready): the settings and,
+    per size, the figures listed in the module docstring."""
+    config.validate()
+    base = config.directory or Path(tempfile.mkdtemp(prefix="kvtier-fleet-"))
+    report: dict[str, Any] = {"config": {**asdict(config), "directory": str(base)},
+                              "sizes": []}
+    for held in config.chunks:
         root = base / f"shared-{held}"
+        progress(f"{held:,} chunks: filling the directory")
         fill_s = fill(root, held) if not root.exists() else 0.0
+        progress(f"{held:,} chunks: the fleet's first walk")
         cpu = time.process_time()
-        first = shared_tier(root, held * FILE_BYTES, args.interval)
+        first = shared_tier(root, held * FILE_BYTES, config.interval)
         walk_cpu = time.process_time() - cpu
         # the quota: what the directory holds now (a reused one may hold less than `held`),
         # so that every put evicts
         capacity = min(held * FILE_BYTES, first.stats().used_bytes)
         first.close()
         size: dict[str, Any] = {"chunks": held, "fill_s": round(fill_s, 1),
-                                "first_open_cpu_s": round(walk_cpu, 2),
-                                "writers": [run_writers(root, n, capacity, args)
-                                            for n in args.writers]}
-        size["eviction"] = eviction_throughput(root, held, args.interval)
-        if not args.skip_disk:
+                                "first_open_cpu_s": round(walk_cpu, 2), "writers": []}
+        for n in config.writers:
+            progress(f"{held:,} chunks: {n} writer(s) for {config.seconds:g} s")
+            size["writers"].append(run_writers(root, n, capacity, config))
+        progress(f"{held:,} chunks: eviction")
+        size["eviction"] = eviction_throughput(root, held, config.interval)
+        if not config.skip_disk:
+            progress(f"{held:,} chunks: a disk tier's start-up")
             context = multiprocessing.get_context("spawn")
             results = context.Queue()
             proc = context.Process(target=disk_startup, args=(str(root), results))
             proc.start()
             size["disk"] = results.get(timeout=3600)
             proc.join()
-        size["projection"] = projection(size["writers"], args.op_latency_ms,
+        size["projection"] = projection(size["writers"], config.op_latency_ms,
                                         1e6 * walk_cpu / held)
         report["sizes"].append(size)
-        print(json.dumps(size), flush=True)
-    print(json.dumps(report, indent=1))
-
-
-if __name__ == "__main__":
-    main()
+    return report

@@ -46,6 +46,7 @@ WORKLOADS: tuple[str, ...] = (
     "kvtier.tools.cli.bench_codecs",
     "kvtier.tools.cli.bench_mover",
     "kvtier.tools.cli.bench_link",
+    "kvtier.tools.cli.bench_fleet",
 )
 
 
