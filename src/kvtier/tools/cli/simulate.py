@@ -2,6 +2,7 @@
 
     kvtier simulate --workload chat --rate 8 --tier cpu=64GiB --requests 100000
     kvtier simulate --sweep cpu_gb=0,8,16,32,64,128 --plot sweep.png
+    kvtier simulate --tier shared=2TiB --load-when always   # a naive cache: load every hit
     kvtier simulate --validate
 """
 
@@ -14,6 +15,7 @@ from dataclasses import asdict
 from typing import Any
 
 from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.config import LOAD_WHEN
 from kvtier.tools.cli.argtypes import (
     finite_float,
     fraction,
@@ -53,6 +55,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--tier", action="append", default=None, metavar="NAME=SIZE[:POLICY]",
                    help="offload tier, fastest first (repeat); default cpu=64GiB; 'none'")
     p.add_argument("--hbm-util", type=fraction, default=0.9, help="gpu_memory_utilization")
+    p.add_argument("--load-when", default="faster", choices=LOAD_WHEN,
+                   help="faster (default, the connector's load_when): load a tier hit only as "
+                        "far as it loads faster than it recomputes; always: every hit (naive)")
     p.add_argument("--block-tokens", type=positive_int, default=64)
     p.add_argument("--max-num-seqs", type=positive_int, default=256)
     p.add_argument("--max-batched-tokens", type=positive_int, default=8192)
@@ -84,7 +89,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     tiers = () if specs == ["none"] else tuple(parse_tier(s) for s in specs)
     engine = EngineConfig(block_tokens=args.block_tokens, gpu_memory_utilization=args.hbm_util,
                           max_num_seqs=args.max_num_seqs,
-                          max_batched_tokens=args.max_batched_tokens)
+                          max_batched_tokens=args.max_batched_tokens,
+                          load_when=args.load_when)
     return SimConfig(model=args.model, gpu=args.gpu, tp=args.tp, engine=engine, tiers=tiers,
                      workload=workload_preset(args.workload, **overrides),
                      requests=args.requests, seed=args.seed, engines=args.engines,
@@ -165,7 +171,8 @@ def _print_report(cfg: SimConfig, r: SimReport) -> None:
         ("TTFT p50 / p99 / mean",
          f"{r.ttft_p50_s * 1e3:,.1f} / {r.ttft_p99_s * 1e3:,.1f} / {r.ttft_mean_s * 1e3:,.1f} ms"),
         ("GPU prefix hit rate", f"{r.gpu_hit_rate:.1%}"),
-        *[(f"{t.name} tier hit rate", f"{t.hit_rate:.1%} ({t.loads:,} loads)") for t in r.tiers],
+        *[(f"{t.name} tier hit rate", f"{t.hit_rate:.1%} ({t.loads:,} loads, "
+           f"{t.cut_blocks:,} blocks recomputed: faster than loading)") for t in r.tiers],
         ("re-prefills avoided", f"{r.reprefills_avoided:,} ({r.tokens_loaded:,} tokens loaded)"),
         ("tokens prefilled", f"{r.prefill_tokens:,}"),
         ("preemptions (tokens recomputed)", f"{r.preemptions:,} ({r.recomputed_tokens:,})"),

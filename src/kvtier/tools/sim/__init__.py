@@ -6,9 +6,11 @@ Modules, in the order data flows through them:
     kvcache   -- the GPU's paged KV pool with a prefix cache over block hashes
     tiers     -- offload tiers: capacity, bandwidth, LRU/ARC eviction (kvtier.core.policies)
     engine    -- one engine: continuous batching, chunked prefill, preemption, tier loads
+                 (load_when: a hit loaded only as far as it beats recompute, or always)
     fleet     -- SimConfig and simulate(): engines behind a router, in time order
     report    -- counters and the SimReport (throughput, TTFT p50/p99, hit rate per tier)
     sweep     -- one parameter swept with and without offload; where offload pays
     plot      -- PNG of a sweep
+    burst     -- a burst of long prompts from one slow tier: recompute, naive, the rule
     validate  -- the model against published figures
 """

@@ -101,6 +101,14 @@ class CostModel:
                   + self.kv_bytes_per_token_rank * kv_tokens_read) / self.hbm_bytes_per_s
         return self.step_overhead_s + (compute if compute > memory else memory)
 
+    def prefill_s(self, start: int, end: int) -> float:
+        """Compute seconds to prefill prompt tokens start..end (causal attention over the
+        tokens before each): what recomputing them costs, without step overheads."""
+        n = end - start
+        pairs = n * (start + end + 1) / 2
+        flops = self.dense_flops_per_token * n + self.attn_flops_per_pair * pairs
+        return flops / self.flops_per_s
+
     def decode_step_s(self, batch: int, context_tokens: float) -> float:
         """Seconds for one pure decode step of `batch` sequences holding `context_tokens`."""
         return self.step_s(batch, context_tokens, context_tokens)

@@ -9,6 +9,17 @@ decoding request plus prefill chunks up to `max_batched_tokens`. When a decoding
 a block and none is free, the most recently admitted decoding request is preempted and later
 re-prefilled (recompute mode), which the prefix cache and the tiers can make cheap.
 
+Load or recompute (load_when, the connector's key of that name, offer.py): with "faster"
+(the default) a tier hit is taken only as far as its load is expected to land before its
+recompute would finish: of the hit's blocks b_1..b_n, the longest prefix b_1..b_k with
+    sum(latency of each tier used) + sum(block seconds of tier(b_i), i <= k)
+      <= prefill seconds of b_1..b_k
+(`TierStack.load_costs`: the tier's own speed, the slower of medium and link;
+`CostModel.prefill_s`: the request's own recompute, attention by position; neither counts
+a queue, as the connector's measures do not); the rest is recomputed and counted per tier
+as cut. The connector measures both sides; the simulator knows them, so it has no trial
+loads. "always" loads every hit (a naive cache).
+
 No work is done per token. Decode-only stretches are jumped over in one go: between two
 events (a request finishing or crossing a block boundary, an arrival, a load landing) every
 step has the same batch, and the context grows by one token per request per step, so the
@@ -27,6 +38,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.config import LOAD_WHEN
 from kvtier.tools.sim.cost import CostModel
 from kvtier.tools.sim.kvcache import GpuKVCache
 from kvtier.tools.sim.report import EngineStats
@@ -46,6 +58,7 @@ class EngineConfig:
     max_batched_tokens: int = 8192  # token budget of one step (chunked prefill)
     kv_blocks: int | None = None  # GPU pool size in blocks; None: from the cost model
     connector_overhead_s: float = 2e-4  # per-step scheduler cost of an offload connector
+    load_when: str = "faster"  # a hit loaded as far as it beats recompute, or "always"
 
     def __post_init__(self) -> None:
         if self.block_tokens < 1:
@@ -61,6 +74,8 @@ class EngineConfig:
             raise ConfigError("kv_blocks", self.kv_blocks, "an integer >= 1 or None")
         if self.connector_overhead_s < 0:
             raise ConfigError("connector_overhead_s", self.connector_overhead_s, "seconds >= 0")
+        if self.load_when not in LOAD_WHEN:
+            raise ConfigError("load_when", self.load_when, f"one of {LOAD_WHEN}")
 
 
 class Engine:
@@ -148,7 +163,7 @@ class Engine:
             stats.gpu_hit_blocks += hits
             loaded, counts = 0, []
             if self.tiers.enabled and hits < eligible:
-                counts = self.tiers.lookup(req.hashes, hits, eligible)
+                counts = self._take_hit(req.hashes, hits, eligible)
                 loaded = sum(counts)
             req.computed = (hits + loaded) * bt
             if loaded:
@@ -159,6 +174,32 @@ class Engine:
                 heapq.heappush(self.loading, (lands, req.rid, req))
             else:
                 self.prefilling.append(req)
+
+    def _take_hit(self, hashes: list[int], start: int, end: int) -> list[int]:
+        """Look up blocks start..end in the tiers and take what load_when allows; blocks
+        per tier."""
+        found = self.tiers.find(hashes, start, end)
+        if found and self.cfg.load_when == "faster":
+            keep = self._faster_prefix(found, start)
+            for k in found[keep:]:
+                self.tiers.tiers[k].cut_blocks += 1
+            found = found[:keep]
+        return self.tiers.take(hashes, start, found)
+
+    def _faster_prefix(self, found: list[int], start: int) -> int:
+        """The rule (module docstring): blocks of the hit `found` (tier per block, from
+        block `start`) whose load is expected to land before their recompute."""
+        fixed, per_block = self.tiers.load_costs()
+        used = [False] * len(fixed)
+        bt, load_s, offered = self.bt, 0.0, 0
+        for i, k in enumerate(found):
+            if not used[k]:
+                used[k] = True
+                load_s += fixed[k]
+            load_s += per_block[k]
+            if load_s <= self.cost.prefill_s(start * bt, (start + i + 1) * bt):
+                offered = i + 1
+        return offered
 
     def _land_loads(self) -> None:
         loading, kv = self.loading, self.kv

@@ -69,6 +69,7 @@ class TierReport:
     stored_blocks: int  # blocks written (stores, demotions, promotions)
     evicted_blocks: int  # blocks pushed out for capacity
     loads: int  # load operations
+    cut_blocks: int = 0  # blocks found but recomputed: their load was slower (load_when)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +130,8 @@ def summarize(stats: Sequence[EngineStats], tiers: Sequence[SimTier], requests: 
         ttft_mean_s=sum(ttft) / len(ttft) if ttft else math.nan,
         gpu_hit_rate=sum(s.gpu_hit_blocks for s in stats) / denom,
         tiers=tuple(TierReport(t.spec.name, t.hit_blocks / denom, t.hit_blocks,
-                               t.stored_blocks, t.evicted_blocks, t.loads) for t in tiers),
+                               t.stored_blocks, t.evicted_blocks, t.loads, t.cut_blocks)
+                     for t in tiers),
         reprefills_avoided=sum(s.loads for s in stats),
         tokens_loaded=sum(s.loaded_blocks for s in stats) * block_tokens,
         prefill_tokens=sum(s.prefill_tokens for s in stats),

@@ -4,8 +4,10 @@ A tier holds block hashes (the KV itself is never materialised). Blocks are writ
 to the first tier as the GPU computes them (vLLM's OffloadingConnector stores completed
 blocks as they are produced); a tier that overflows demotes its victim to the next tier, and
 the last tier drops it. A lookup walks a prompt's hashes past the GPU hits and finds each
-block in the first tier that has it, stopping at the first block no tier holds; blocks found
-below the first tier are promoted into it. Loads queue on each tier's read channel, so
+block in the first tier that has it, stopping at the first block no tier holds; the engine
+takes all of the hit or, under the load-or-recompute rule, its prefix that loads faster
+than it recomputes (engine.py); blocks taken from below the first tier are promoted into
+it. Loads queue on each tier's read channel, so
 concurrent loads (and engines sharing a tier) contend for its bandwidth.
 
 Eviction order comes from `kvtier.core.policies` (LRU, ARC), the same policies the real
@@ -14,7 +16,8 @@ tiers use.
 Primitives:
     TierSpec, TIER_PRESETS, parse_tier("cpu=64GiB[:arc]")
     SimTier       -- one tier's residency, policy, read channel and counters
-    TierStack     -- the ordered tiers of one engine (shared tiers appear in several stacks)
+    TierStack     -- the ordered tiers of one engine (shared tiers appear in several stacks):
+                     store, find / take (lookup: both), load_costs, schedule_load
 """
 
 from __future__ import annotations
@@ -92,6 +95,7 @@ class SimTier:
     __slots__ = (
         "busy_until_s",
         "capacity_blocks",
+        "cut_blocks",
         "evicted_blocks",
         "hit_blocks",
         "loads",
@@ -107,7 +111,8 @@ class SimTier:
         self.resident: set[int] = set()
         self.policy: EvictionPolicy[int] = make_policy(spec.policy, max(1, self.capacity_blocks))
         self.busy_until_s = 0.0  # when its read channel is free again
-        self.hit_blocks = 0  # blocks served to lookups
+        self.hit_blocks = 0  # blocks served to the GPU (loaded)
+        self.cut_blocks = 0  # blocks found but recomputed: loading them was slower
         self.stored_blocks = 0  # blocks written into it (stores, demotions, promotions)
         self.evicted_blocks = 0  # blocks it pushed out
         self.loads = 0  # load operations served
@@ -154,28 +159,52 @@ class TierStack:
             h = victim
 
     def lookup(self, hashes: list[int], start: int, end: int) -> list[int]:
-        """Count contiguous hits of hashes[start:end] per tier, promoting lower-tier hits.
+        """Count contiguous hits of hashes[start:end] per tier, promoting lower-tier hits
+        (`find` then `take`, every hit taken).
 
         Returns:
             one count per tier (all zero when the first block is nowhere).
         """
-        counts = [0] * len(self.tiers)
+        return self.take(hashes, start, self.find(hashes, start, end))
+
+    def find(self, hashes: list[int], start: int, end: int) -> list[int]:
+        """The tier (index, fastest first) of each contiguous hit of hashes[start:end], in
+        prompt order, stopping at the first block no tier holds. Touches each hit."""
+        found: list[int] = []
         tiers = self.tiers
         for i in range(start, end):
             h = hashes[i]
             for k, tier in enumerate(tiers):
                 if h in tier.resident:
                     tier.policy.touch(h)
-                    counts[k] += 1
+                    found.append(k)
                     break
             else:
                 break
+        return found
+
+    def take(self, hashes: list[int], start: int, found: list[int]) -> list[int]:
+        """Serve the hit blocks hashes[start:start + len(found)] from the tiers `found`
+        names (a prefix of `find`'s answer): count them and promote lower-tier ones.
+
+        Returns:
+            one count per tier.
+        """
+        tiers = self.tiers
+        counts = [0] * len(tiers)
+        for k in found:
+            counts[k] += 1
         for k, n in enumerate(counts):
             tiers[k].hit_blocks += n
         if len(tiers) > 1 and any(counts[1:]):
             for i in range(start + counts[0], start + sum(counts)):
                 self.store(hashes[i])
         return counts
+
+    def load_costs(self) -> tuple[list[float], list[float]]:
+        """What a load costs on each tier: (its latency, seconds per block). A wait for the
+        tier's channel is left out, as the connector times a load from its first read."""
+        return [t.spec.latency_s for t in self.tiers], self.block_s
 
     def schedule_load(self, now_s: float, counts: list[int]) -> float:
         """Queue the loads for `counts` blocks per tier; return when the last one lands."""
