@@ -25,7 +25,9 @@ written twice by racing writers), not a heartbeat. One writer re-measures for th
 fleet: the ledger records when a re-measure was last claimed and how long its walk took,
 and a writer claims the next one under the lock only when `scan_interval_s` has passed AND
 REMEASURE_DUTY times that walk's duration has (a walk of 10^7 files is not repeated every
-30 s); the others read its result. The re-measure also deletes kvtier's temp files older
+30 s); the others read its result. The claiming writer walks on a thread of its own, so its
+puts go on meanwhile (a walk of 10^6 files takes a minute of CPU; on NFS far longer). The
+re-measure also deletes kvtier's temp files older
 than `filetree.TEMP_STALE_S` (120 s), and so does eviction where it samples: a killed
 writer's leftovers count against the quota until one of them finds them. Files that are not
 kvtier's own names in kvtier's own layout are never counted, swept or deleted. A write asks
@@ -91,6 +93,7 @@ STALE_MISSES = 4  # candidates in a row that freed nothing: the sample is stale,
 # A re-measure of the directory waits at least this many times the last walk's duration:
 # the fleet spends at most 1/REMEASURE_DUTY of one writer's time walking, whatever it holds.
 REMEASURE_DUTY = 100
+CLOSE_WAIT_S = 10.0  # close() waits this long for a re-measure in flight
 
 
 class SharedTierConfig(EncodedTierSettings):
@@ -153,6 +156,7 @@ class SharedTier:
         self._scan_lock = threading.Lock()  # one re-measure at a time in this process
         self._sampler = VictimSampler(self.files.root, self.files.ops)
         self.remeasures = 0  # re-measures of the directory this process ran
+        self._remeasuring: threading.Thread | None = None  # a claimed re-measure, running
         self._open_quota()
 
     def _open_quota(self) -> None:
@@ -238,8 +242,8 @@ class SharedTier:
             finally:
                 # After the write: a walk of millions of files can outlast TEMP_STALE_S, and
                 # would sweep this write's own temp file.
-                if claimed:  # this writer re-measures the directory for the fleet (unlocked)
-                    self.enforce_quota()
+                if claimed:  # this writer re-measures the directory for the fleet
+                    self._remeasure_behind()
         except OSError as exc:
             self._counters.add(dropped_writes=1)
             log.warning("shared tier %r: write of %s failed (%s); dropped",
@@ -335,6 +339,23 @@ class SharedTier:
                 ledger.used_bytes -= pending.abort()
                 self._publish(ledger)
             raise
+
+    def _remeasure_behind(self) -> None:
+        """Run the re-measure this writer claimed on a thread of its own: a walk of millions
+        of files (minutes on NFS) must not hold up this writer's puts, which go on under the
+        ledger's usage meanwhile. At most one at a time per process."""
+        if self._remeasuring is not None and self._remeasuring.is_alive():
+            return
+        self._remeasuring = threading.Thread(target=self._remeasure_quietly, daemon=True,
+                                             name=f"kvtier-remeasure-{self.name}")
+        self._remeasuring.start()
+
+    def _remeasure_quietly(self) -> None:
+        try:
+            self.enforce_quota()
+        except Exception as exc:  # a directory gone or the tier closed meanwhile
+            log.warning("shared tier %r: re-measure of %s failed (%s); the next one is due "
+                        "after scan_interval_s", self.name, self.files.root, exc)
 
     def enforce_quota(self, incoming_bytes: int = 0, force: bool = False) -> None:
         """Re-measure the whole directory (every layout), then evict (sampled LRU) until it
@@ -443,6 +464,9 @@ class SharedTier:
                        meta_other=ops.other)
 
     def close(self) -> None:
-        # Nothing buffered: every put is in the directory when it returns.
+        # Nothing buffered: every put is in the directory when it returns. A re-measure in
+        # flight is waited for a while (it holds the ledger's lock at its end).
+        if self._remeasuring is not None:
+            self._remeasuring.join(timeout=CLOSE_WAIT_S)
         if self.ledger is not None:
             self.ledger.close()
