@@ -4,6 +4,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from kvtier.integrations.vllm.metrics import COUNTERS, GAUGES, PREFIX
+from kvtier.tools.ops import restorecost
 from kvtier.tools.ops.restorecost import parse_restore_costs, router_weight
 
 
@@ -30,3 +31,11 @@ def test_parse_and_weights() -> None:
     assert abs(router_weight(0.02, 0.1) - 0.8) < 1e-9
     assert router_weight(0.5, 0.1) == 0.0
     assert router_weight(0.0, 0.1) == 1.0
+
+
+def test_the_series_names_are_the_connectors() -> None:
+    # restorecost restates metrics.PREFIX so that plan and inspect never import vllm.
+    assert restorecost.PREFIX == PREFIX
+    for name in (restorecost.RESTORE_GAUGE, restorecost.RECOMPUTE_GAUGE):
+        assert name.removeprefix(PREFIX) in GAUGES
+    assert restorecost.DECISIONS_COUNTER.removeprefix(PREFIX) in COUNTERS

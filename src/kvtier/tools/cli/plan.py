@@ -1,10 +1,13 @@
-"""`kvtier plan`: size the KV tiers for a model on a machine and print the serve flags."""
+"""`kvtier plan`: size the KV tiers for a model on a machine and print the serve flags, and
+the router weights a hit on each tier is worth (llm-d, NVIDIA Dynamo: restorecost.py), from
+the plan's cost model and, with `--metrics URL`, from a running server's measured costs."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import math
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +22,18 @@ from kvtier.tools.cli.argtypes import (
     positive_int,
     size_gb,
 )
+from kvtier.tools.cli.weights import print_router_weights
 from kvtier.tools.ops.attention_kernels import BackendChoice, choose_backend, describe_choice
 from kvtier.tools.ops.flags import sglang_per_rank_to_vllm_total
 from kvtier.tools.ops.hardware import gpu_profile
 from kvtier.tools.ops.modelspec import load_model_spec
 from kvtier.tools.ops.plan_request import PlanRequest
+from kvtier.tools.ops.restorecost import (
+    WEIGHT_FORMULA,
+    TierWeight,
+    read_measured,
+    tier_weight,
+)
 from kvtier.tools.ops.sizing import Alternative, Plan, TierEstimate, make_plan
 from kvtier.tools.ops.vllm_versions import (
     defaults_for,
@@ -63,6 +73,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--served-model", metavar="NAME",
                    help="the model as `vllm serve` takes it in the printed commands (default: "
                         "the folder holding config.json, else its _name_or_path)")
+    p.add_argument("--metrics", metavar="URL",
+                   help="a kvtier-served vLLM's /metrics: router weights from its measured "
+                        "restore and recompute costs, beside the modelled ones")
+    p.add_argument("--store-config", metavar="FILE",
+                   help="with --metrics: the server's kvtier config, to file each measured tier "
+                        "under its medium (the static guess it replaces)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
 
@@ -85,11 +101,38 @@ def run(args: argparse.Namespace) -> int:
         context_tokens=args.context, concurrency=args.concurrency, kv_dtype=args.kv_dtype,
         vllm_version=version, cpu_tier_bytes=cpu_tier)
     plan = make_plan(req)
+    weights = router_weights(plan, args.metrics, args.store_config)
     if args.json:
-        print(json.dumps(plan_to_dict(plan), indent=2))
+        print(json.dumps(plan_to_dict(plan) | {"router_weight_formula": WEIGHT_FORMULA,
+                                                "router_weights": [asdict(w) for w in weights]},
+                         indent=2))
     else:
         _print(plan)
+        print_router_weights(Console(width=max(Console().width, 120)), weights)
     return 0
+
+
+
+def router_weights(plan: Plan, metrics_url: str | None = None,
+                   store_config: str | None = None) -> tuple[TierWeight, ...]:
+    """The plan's tiers' weights from its cost model (one session's load vs its re-prefill),
+    then, with `metrics_url`, each measured tier's.
+
+    Raises:
+        ConfigError: an unreadable /metrics or store config.
+    """
+    per_1k = 1000 / plan.context_tokens if plan.context_tokens else 0.0
+    rows = [tier_weight(t.name, "model", t.medium, t.load_s * per_1k, plan.reprefill_s * per_1k)
+            for t in plan.tiers]
+    if metrics_url:
+        store = None
+        if store_config:
+            from kvtier.tools.cli.inspect import load_store
+
+            store = load_store(store_config)
+        rows += read_measured(metrics_url, store)[1]
+    return tuple(rows)
+
 
 
 def _model_ref(path: str, name: str) -> str:

@@ -23,6 +23,7 @@ import shlex
 from dataclasses import dataclass, replace
 from typing import Any
 
+from kvtier.core.tier import Medium
 from kvtier.integrations.vllm.config import CONNECTOR_CLASS
 from kvtier.integrations.vllm.models import ModelTraits, unsupported_reason
 from kvtier.tools.ops import flags as backend_flags
@@ -30,6 +31,7 @@ from kvtier.tools.ops.costmodel import transfer_seconds
 from kvtier.tools.ops.hardware import LinkProfile, dram_link, host_link, nvme_link
 from kvtier.tools.ops.modelspec import ModelSpec, kv_footprint, session_kv_bytes
 from kvtier.tools.ops.plan_request import PlanRequest
+from kvtier.tools.ops.restorecost import GPU_MEDIUM
 from kvtier.tools.ops.vllm_versions import (
     NATIVE_OFFLOAD_HMA_SINCE,
     Version,
@@ -61,6 +63,7 @@ class TierEstimate:
     link: LinkProfile | None  # bottleneck path back to the GPU; None for HBM itself
     load_s: float  # time to bring one session's KV back to the GPUs
     speedup: float  # re-prefill time / load time (inf for HBM)
+    medium: str  # "GPU", or where a kvtier tier of it keeps chunks (kvtier.core.tier.Medium)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,13 +115,14 @@ def tier_estimates(
                     transfer_seconds(session_total, dram_link()))
     disk = nvme_link(req.nvme_gen)
     disk_load = max(transfer_seconds(session_total, disk), host_load)
-    tiers = [TierEstimate("GPU HBM", kv_gpu * tp, kv_gpu // session_rank, None, 0.0, math.inf)]
+    tiers = [TierEstimate("GPU HBM", kv_gpu * tp, kv_gpu // session_rank, None, 0.0, math.inf,
+                          GPU_MEDIUM)]
     if cpu_bytes:
         tiers.append(TierEstimate("CPU DRAM", cpu_bytes, cpu_bytes // session_total, pcie,
-                                  host_load, reprefill / host_load))
+                                  host_load, reprefill / host_load, Medium.CPU.value))
     if nvme_bytes:
         tiers.append(TierEstimate("NVMe", nvme_bytes, nvme_bytes // session_total, disk,
-                                  disk_load, reprefill / disk_load))
+                                  disk_load, reprefill / disk_load, Medium.STORAGE.value))
     return tuple(tiers)
 
 
