@@ -4,7 +4,13 @@ digest): the model it is the KV of and its fingerprint (from the namespace's man
 tier stores chunks at rest (codec, encryption), chunks, bytes, least and most recently used.
 Reads storage only; changes nothing. `--json` gives the whole fingerprint.
 
-Exit codes: 0 listed, 1 a tier's storage could not be read, 2 bad input.
+`kvtier inspect --metrics URL` (with or without `--config`) adds what a hit on each tier
+costs on a running kvtier-served vLLM: its measured restore seconds per 1k tokens, the
+engine's recompute seconds per 1k tokens, and the router weight they imply for llm-d and
+Dynamo (kvtier.tools.ops.restorecost), in the table and as a table of its own.
+
+Exit codes: 0 listed, 1 a tier's storage could not be read, 2 bad input (an unreadable
+/metrics included).
 """
 
 from __future__ import annotations
@@ -18,15 +24,21 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtier.core.codecs import LOSSY_CODECS
+from kvtier.errors import ConfigError
 from kvtier.tiers.storeconfig import StoreConfig, TierSettings
 from kvtier.tools.admin.inventory import NamespaceUsage, open_inventories, read_manifests, summarize
+from kvtier.tools.cli.weights import print_router_weights
 from kvtier.tools.ops.doctor import read_store
+from kvtier.tools.ops.restorecost import WEIGHT_FORMULA, TierWeight, read_measured
 from kvtier.units import format_size
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("inspect", help="chunks and bytes per tier and namespace")
-    p.add_argument("--config", required=True, help="kvtier store config file (YAML or JSON)")
+    p.add_argument("--config", help="kvtier store config file (YAML or JSON)")
+    p.add_argument("--metrics", metavar="URL",
+                   help="a kvtier-served vLLM's /metrics: per-tier restore cost, recompute's, "
+                        "and the router weights they imply")
     p.add_argument("--tier", help="only this tier (its name in the config)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
@@ -55,11 +67,40 @@ def at_rest(tier: TierSettings) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.config and not args.metrics:
+        raise ConfigError("config", None, "--config FILE, --metrics URL, or both")
+    store = load_store(args.config) if args.config else None
+    weights: tuple[TierWeight, ...] = ()
+    costs = None
+    if args.metrics:
+        costs, weights = read_measured(args.metrics, store)
     rows: list[NamespaceUsage] = []
     errors: dict[str, str] = {}
-    store = load_store(args.config)
-    encodings = {t.tier_name: at_rest(t) for t in store.tiers}
-    for inventory in open_inventories(store, args.tier):
+    if store is not None:
+        rows, errors = _inventory(store, args.tier)
+    encodings = {t.tier_name: at_rest(t) for t in store.tiers} if store else {}
+    if args.json:
+        print(json.dumps({"namespaces": [asdict(r) | {"at_rest": encodings[r.tier]} for r in rows],
+                          "errors": errors,
+                          **({"restore_costs": asdict(costs), "router_weight_formula":
+                              WEIGHT_FORMULA, "router_weights": [asdict(w) for w in weights]}
+                             if costs is not None else {})}, indent=2))
+        return 1 if errors else 0
+    console = Console(width=max(Console().width, 180))
+    if store is not None:
+        console.print(_table(rows, encodings, {w.tier: w for w in weights} if costs else None))
+    if costs is not None:
+        print_router_weights(console, weights)
+    for tier, error in errors.items():
+        console.print(f"[bold red]tier {tier}: not readable: {error}[/]")
+    return 1 if errors else 0
+
+
+def _inventory(store: StoreConfig, only: str | None) -> tuple[list[NamespaceUsage],
+                                                               dict[str, str]]:
+    rows: list[NamespaceUsage] = []
+    errors: dict[str, str] = {}
+    for inventory in open_inventories(store, only):
         try:
             manifests = read_manifests(inventory)
             rows += summarize(inventory, list(inventory.chunks()), manifests)
@@ -67,25 +108,31 @@ def run(args: argparse.Namespace) -> int:
             errors[inventory.name] = f"{type(exc).__name__}: {exc}"
         finally:
             inventory.close()
-    if args.json:
-        print(json.dumps({"namespaces": [asdict(r) | {"at_rest": encodings[r.tier]} for r in rows],
-                          "errors": errors}, indent=2))
-        return 1 if errors else 0
+    return rows, errors
+
+
+def _table(rows: list[NamespaceUsage], encodings: dict[str, str],
+           weights: dict[str, TierWeight] | None) -> Table:
+    """The inventory; with `weights` (--metrics), each tier's restore cost and weight."""
     table = Table(title="kvtier inspect")
-    for column in ("tier", "kind", "at rest", "namespace", "model", "fingerprint", "chunks",
-                   "bytes", "oldest", "newest", "hits"):
+    columns = ["tier", "kind", "at rest", "namespace", "model", "fingerprint", "chunks",
+               "bytes", "oldest", "newest", "hits"]
+    if weights is not None:
+        columns += ["restore s/1k tok", "weight"]
+    for column in columns:
         table.add_column(column, justify="right" if column in ("chunks", "bytes") else "left",
                          no_wrap=column in ("namespace", "fingerprint"))
     for r in rows:
-        table.add_row(r.tier, r.kind, encodings[r.tier], r.namespace, r.model,
-                      short_fingerprint(r.fingerprint), str(r.chunks),
-                      format_size(r.size_bytes), _ago(r.oldest_s), _ago(r.newest_s),
-                      "n/a" if r.hits is None else str(r.hits))
-    console = Console(width=max(Console().width, 180))
-    console.print(table)
-    for tier, error in errors.items():
-        console.print(f"[bold red]tier {tier}: not readable: {error}[/]")
-    return 1 if errors else 0
+        cells = [r.tier, r.kind, encodings[r.tier], r.namespace, r.model,
+                 short_fingerprint(r.fingerprint), str(r.chunks), format_size(r.size_bytes),
+                 _ago(r.oldest_s), _ago(r.newest_s), "n/a" if r.hits is None else str(r.hits)]
+        if weights is not None:
+            w = weights.get(r.tier)
+            cost = None if w is None else w.restore_s_per_1k
+            cells += ["not measured" if cost is None else f"{cost:.4f}",
+                      "-" if w is None or w.weight is None else f"{w.weight:.2f}"]
+        table.add_row(*cells)
+    return table
 
 
 def short_fingerprint(fingerprint: str) -> str:
