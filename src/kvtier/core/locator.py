@@ -31,9 +31,10 @@ from dataclasses import dataclass
 from enum import Enum, auto
 
 from kvtier.core.keys import ChunkKey
-from kvtier.core.tier import Probe
+from kvtier.core.tier import BatchLookup, Probe
 
 log = logging.getLogger(__name__)
+FIRST_BATCH = 8  # keys in a batch probe's first ask (then 16, 32, ...)
 
 
 class LookupStatus(Enum):
@@ -100,14 +101,31 @@ class ChunkIndex:
 def _probed_prefix(probes: Sequence[tuple[str, Probe]],
                    keys: Sequence[ChunkKey]) -> list[str]:
     """The leading `keys` that some probe finds: for each, the first (fastest) tier whose
-    probe finds it."""
+    probe finds it. A probe that offers `BatchLookup` (a remote store: a pipelined round
+    trip, parallel HEADs) is asked in batches that double from FIRST_BATCH keys, so that a
+    long prefix costs a few round trips, not one per chunk, and a short one little more."""
     found: list[str] = []
-    for key in keys:
-        tier = next((name for name, probe in probes if probe.contains(key)), None)
+    answers: dict[int, tuple[int, list[bool]]] = {}  # probe -> (first key asked, answers)
+    for i in range(len(keys)):
+        tier = next((name for j, (name, probe) in enumerate(probes)
+                     if _holds(probe, j, answers, keys, i)), None)
         if tier is None:
             break
         found.append(tier)
     return found
+
+
+def _holds(probe: Probe, j: int, answers: dict[int, tuple[int, list[bool]]],
+           keys: Sequence[ChunkKey], i: int) -> bool:
+    """Whether probe `j` finds `keys[i]`, from its batch answers (asking the next batch when
+    they end before i) or by asking it alone."""
+    if not isinstance(probe, BatchLookup):
+        return probe.contains(keys[i])
+    first, held = answers.get(j, (i, []))
+    if i >= first + len(held):
+        first, held = i, probe.contains_many(keys[i:i + max(FIRST_BATCH, 2 * len(held))])
+        answers[j] = first, held
+    return held[i - first]
 
 
 class ChunkLocator:

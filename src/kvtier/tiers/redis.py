@@ -83,6 +83,7 @@ from kvtier.core.tier import (
     MISSING,
     OK,
     UNAVAILABLE,
+    BatchLookup,
     Failure,
     Locality,
     Medium,
@@ -487,3 +488,13 @@ class TierProbe:
 
     def contains(self, key: ChunkKey) -> bool:
         return all(tier.contains(key) for tier in self.tiers)
+
+    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """`contains` of each key (`BatchLookup`): one batched lookup per tier that offers
+        one (a pipelined round trip, parallel HEADs), else a key at a time."""
+        found = [True] * len(keys)
+        for tier in self.tiers:
+            held = (tier.contains_many(keys) if isinstance(tier, BatchLookup)
+                    else [tier.contains(key) for key in keys])
+            found = [f and h for f, h in zip(found, held)]
+        return found

@@ -30,7 +30,7 @@ Capacity and expiry: `ttl_days` expires objects by age (a lifecycle rule on the 
 written at start-up when `manage_lifecycle`); `capacity` > 0 bounds a namespace's bytes by a
 listing at most every `listing_interval_s` (s3_inventory.py states its cost).
 
-Primitives: `S3Tier`, `S3Probe`. The config model is `S3TierConfig` (tiers/s3_config.py), the
+Primitives: `S3Tier`. The config model is `S3TierConfig` (tiers/s3_config.py), the
 operator's view `S3Inventory` (tiers/s3_inventory.py).
 """
 
@@ -65,6 +65,7 @@ from kvtier.core.tier import (
 )
 from kvtier.errors import ConfigError, CorruptChunk, KeyNotHeld, TierUnavailable
 from kvtier.tiers.encoding import build_encoder
+from kvtier.tiers.redis import TierProbe
 from kvtier.tiers.s3_client import (
     S3Errors,
     connect,
@@ -84,7 +85,7 @@ from kvtier.tiers.s3_inventory import (
     put_lifecycle,
     write_manifest,
 )
-from kvtier.tiers.s3_lookup import NegativeCache, S3Probe
+from kvtier.tiers.s3_lookup import NegativeCache
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -111,9 +112,9 @@ class S3Tier:
     config_model = S3TierConfig
 
     @classmethod
-    def probe(cls, config: S3TierConfig, layouts: Sequence[KVLayout]) -> S3Probe:
+    def probe(cls, config: S3TierConfig, layouts: Sequence[KVLayout]) -> TierProbe:
         """Tier objects per layout, asked off the scheduler's thread (HEADs)."""
-        return S3Probe([cls(config, layout) for layout in layouts])
+        return TierProbe([cls(config, layout) for layout in layouts], blocking_ok=False)
 
     @classmethod
     def open_inventory(cls, config: S3TierConfig) -> S3Inventory:

@@ -1,5 +1,6 @@
 """The s3 tier's lookups besides the HEADs themselves (tiers/s3.py): the short-lived memory of
-chunks found absent, and the scheduler's probe over every TP rank's tier.
+chunks found absent. (The scheduler's probe over every TP rank's tier is redis.py's
+`TierProbe`, whose `contains_many` asks each tier's parallel HEADs.)
 
 Why a negative cache: the scheduler asks again, every step, about the prefix of a request
 that waits for blocks; without it each ask is one HEAD per chunk. An entry lives
@@ -7,21 +8,15 @@ that waits for blocks; without it each ask is one HEAD per chunk. An entry lives
 most; this tier's own put forgets it at once. Bounded: past MAX_ENTRIES the expired entries
 are dropped. (Measured: docs/performance.md, "The s3 tier".)
 
-Primitives: `NegativeCache`, `S3Probe`.
+Primitives: `NegativeCache`.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from kvtier.core.keys import ChunkKey
-from kvtier.tiers.redis import TierProbe
-
-if TYPE_CHECKING:
-    from kvtier.tiers.s3 import S3Tier
 
 MAX_ENTRIES = 100_000  # ~10 MB of keys and times at most
 
@@ -51,19 +46,3 @@ class NegativeCache:
     def forget(self, key: ChunkKey) -> None:
         with self._lock:
             self._until.pop(key, None)
-
-
-class S3Probe(TierProbe):
-    """The scheduler's probe: a chunk counts only when every layout's (TP rank's) object
-    exists. Offers `BatchLookup` too, so a caller holding a whole prefix asks its HEADs in
-    parallel (`S3Tier.contains_many`) rather than one after another."""
-
-    def __init__(self, tiers: Sequence[S3Tier]) -> None:
-        super().__init__(tiers, blocking_ok=False)
-        self.s3_tiers = list(tiers)
-
-    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        found = [True] * len(keys)
-        for tier in self.s3_tiers:
-            found = [f and held for f, held in zip(found, tier.contains_many(keys))]
-        return found
