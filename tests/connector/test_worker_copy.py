@@ -267,6 +267,8 @@ def test_a_load_is_timed_by_tier_and_a_failed_one_charges_the_tier_that_failed(
     report = worker.take_report()
     assert report is not None and len(report.load_samples) == 1
     assert dict(report.load_samples[0].chunks) == {"disk": 2, "memory": 2}
+    # of the load's time, the wait for the reads (the disk's two): the rest is the scatter
+    assert 0 < report.load_samples[0].read_s < report.load_samples[0].seconds
     store.tiers[0].delete(keys[0])
     store.tiers[1].delete(keys[0])  # lost everywhere: the first read misses
     worker.load(KVTierMetadata(loads={"s": [ChunkTransfer(keys[0], (20,))]}))

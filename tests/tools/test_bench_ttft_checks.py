@@ -9,7 +9,7 @@ import pytest
 
 from kvtier.errors import ConfigError
 from kvtier.tools.bench.ttft import Ttft, TtftConfig, TtftResult, _drop_page_cache
-from kvtier.tools.cli.bench_ttft import checks
+from kvtier.tools.cli.bench_ttft import breakdown_table, checks
 
 N = 4096
 
@@ -50,6 +50,17 @@ def test_a_ceiling_timed_beside_the_hits_wins_over_the_run_level_one():
     assert by_name(result(paired))[f"kvtier-disk {N}: extra over vLLM hit"] is True
     assert by_name(result(hit("kvtier-disk", 70.0)))[f"kvtier-disk {N}: extra over vLLM hit"] \
         is False  # against the 40 ms of the run-level ceiling
+
+
+def test_a_hits_extra_time_splits_into_read_copy_and_what_is_outside_the_load():
+    base = hit("kvtier-disk", 10.0)
+    traced = Ttft("kvtier-disk", N, base.trials_s, N, local_s=base.local_s,
+                  load_s=(0.007,) * 9, read_s=(0.005,) * 9)
+    parts = traced.breakdown_s()
+    assert parts is not None
+    assert parts == pytest.approx({"read": 0.005, "copy": 0.002, "outside the load": 0.003})
+    assert base.breakdown_s() is None  # no workers' figures: nothing to split
+    assert breakdown_table(result(traced, base)).row_count == 1
 
 
 def test_without_a_peer_run_there_is_no_peer_check():

@@ -76,12 +76,14 @@ class CpuChunkMover:
         """Scatter a request's chunks, in order, from the store into their blocks, slower
         tiers' reads landing in `spares` (`load_batch` buffers, the caller's); the number
         loaded before the first miss. Done when it returns (`after`, `wait`: unused)."""
-        started, lent_by = time.perf_counter(), Counter[str]()
+        started, lent_by, read_s = time.perf_counter(), Counter[str](), 0.0
         for first in range(0, len(transfers), self._load_batch):
             batch = transfers[first:first + self._load_batch]
-            tried: dict[int, str] = {}  # the tier each read tried last
+            tried: dict[int, str] = {}  # the tier that failed a read, if one did
+            reading = time.perf_counter()
             with self._store.borrow_many([t.key for t in batch], spares,
                                          [chunk_meta(t) for t in batch], tried) as lent:
+                read_s += time.perf_counter() - reading
                 held = next((i for i, view in enumerate(lent) if view is None), len(batch))
                 # One thread: memory bandwidth, not the CPU, bounds a scatter; two threads
                 # scattered 1.25x slower than one here (docs/performance.md).
@@ -104,9 +106,10 @@ class CpuChunkMover:
                 if held < len(batch):
                     if held in tried:  # a failed read costs its tier its time, too
                         lent_by[tried[held]] += 1
-                        self.samples.append(LoadSample.since(started, lent_by, failed=True))
+                        self.samples.append(LoadSample.since(started, lent_by, read_s,
+                                                             failed=True))
                     return first + held
-        self.samples.append(LoadSample.since(started, lent_by))
+        self.samples.append(LoadSample.since(started, lent_by, read_s))
         return len(transfers)
 
     def store(self, transfers: list[ChunkTransfer], mode: str,

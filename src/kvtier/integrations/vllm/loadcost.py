@@ -49,14 +49,18 @@ class LoadSample:
 
     chunks: tuple[tuple[str, int], ...]  # (tier name, chunks it lent or failed to)
     seconds: float  # from the first read to the last scatter, or to the failed read
-    failed: bool = False  # it stopped at a read that failed (its last chunk's)
+    failed: bool = False  # it stopped at a read that a tier failed (its last chunk's)
+    # Of `seconds`, the time spent waiting for the tiers' reads (the rest: the copy into
+    # vLLM's blocks): where a hit's time goes, on /metrics as load_read_seconds.
+    read_s: float = 0.0
 
     @staticmethod
-    def since(started_s: float, chunks: Mapping[str, int], failed: bool = False
-              ) -> LoadSample:
+    def since(started_s: float, chunks: Mapping[str, int], read_s: float,
+              failed: bool = False) -> LoadSample:
         """A load of `chunks` (tier -> count) that started at `started_s` (perf_counter)
-        and ends now."""
-        return LoadSample(tuple(chunks.items()), time.perf_counter() - started_s, failed)
+        and ends now, `read_s` of it waiting for reads."""
+        return LoadSample(tuple(chunks.items()), time.perf_counter() - started_s, failed,
+                          read_s)
 
 
 class LoadCosts:

@@ -107,15 +107,17 @@ class StreamChunkMover:
     def load(self, transfers: list[ChunkTransfer], spares: MutableSequence[memoryview],
              after: Event | None = None, wait: bool = True) -> int:
         """See mover.ChunkMover.load. `spares` must be pinned host memory."""
-        started, lent_by = time.perf_counter(), Counter[str]()
+        started, lent_by, read_s = time.perf_counter(), Counter[str](), 0.0
         after = after or self.mark()
         inline = not wait
         for first in range(0, len(transfers), self._load_batch):
             batch = transfers[first:first + self._load_batch]
-            tried: dict[int, str] = {}  # the tier each read tried last
+            tried: dict[int, str] = {}  # the tier that failed a read, if one did
             with ExitStack() as borrow:
+                reading = time.perf_counter()
                 lent = borrow.enter_context(self._store.borrow_many(
                     [t.key for t in batch], spares, [chunk_meta(t) for t in batch], tried))
+                read_s += time.perf_counter() - reading
                 held = next((i for i, view in enumerate(lent) if view is None), len(batch))
                 copies: deque[tuple[Event, torch.Tensor]] = deque()  # this batch's, queued
                 for transfer, view in zip(batch[:held], lent[:held]):
@@ -142,9 +144,10 @@ class StreamChunkMover:
             if held < len(batch):
                 if held in tried:  # a failed read costs its tier its time, too
                     lent_by[tried[held]] += 1
-                    self.samples.append(LoadSample.since(started, lent_by, failed=True))
+                    self.samples.append(LoadSample.since(started, lent_by, read_s,
+                                                         failed=True))
                 return first + held
-        self.samples.append(LoadSample.since(started, lent_by))
+        self.samples.append(LoadSample.since(started, lent_by, read_s))
         return len(transfers)
 
     def _queue_load(self, transfer: ChunkTransfer, host: torch.Tensor, slot: torch.Tensor,

@@ -389,7 +389,9 @@ class ConnectorWorker:
             gone, self._gone = self._gone, set()
         self._report.removed |= gone
         while self._mover.samples:
-            self._report.load_samples.append(self._mover.samples.popleft())
+            sample = self._mover.samples.popleft()
+            self._stats.add("load_read_seconds", sample.read_s)
+            self._report.load_samples.append(sample)
         report = self._report
         if not (report.stored or report.missing or report.removed or report.events
                 or report.skipped or report.failed_blocks or report.without_state

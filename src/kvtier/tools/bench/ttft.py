@@ -112,6 +112,9 @@ class Ttft:
     # kvtier only: the workers' own load time per trial (vllm:kvtier_load_seconds), which
     # the engine's step-to-step noise does not blur; () when not reported.
     load_s: tuple[float, ...] = ()
+    # kvtier only: of each trial's load, the wait for the tiers' reads
+    # (vllm:kvtier_load_read_seconds); the rest of the load is the copy into vLLM's blocks.
+    read_s: tuple[float, ...] = ()
     # Connector engines: a vLLM prefix hit of the same prompt in the same engine, timed right
     # before each trial (paired), so the machine's load, which drifts between engines on a
     # shared machine, cancels out of `extra_s`.
@@ -126,6 +129,18 @@ class Ttft:
         if not self.local_s:
             return None
         return statistics.median(t - f for t, f in zip(self.trials_s, self.local_s))
+
+    def breakdown_s(self) -> dict[str, float] | None:
+        """Where the extra time of a kvtier hit goes, medians over the trials: the wait for
+        the reads, the copy into vLLM's blocks, and what is outside the load (scheduling,
+        the connector's hooks, the step's own noise); None without the workers' figures."""
+        if not (self.local_s and self.load_s and self.read_s):
+            return None
+        extras = [t - f for t, f in zip(self.trials_s, self.local_s)]
+        return {"read": statistics.median(self.read_s),
+                "copy": statistics.median(ld - rd for ld, rd in zip(self.load_s, self.read_s)),
+                "outside the load": statistics.median(
+                    e - ld for e, ld in zip(extras, self.load_s))}
 
     @property
     def median_s(self) -> float:
@@ -222,7 +237,7 @@ def _measure_ttft(llm: Any, engine: str, config: TtftConfig, scratch: Path,
             _wait_for_files(scratch / "disk", "*.kvc", _chunks_stored_so_far(config, n))
         hits_counter = "vllm:prefix_cache_hits" if engine == "vllm-prefix" \
             else "vllm:external_prefix_cache_hits"
-        trials, locals_, loads, raw = [], [], [], []
+        trials, locals_, loads, reads, raw = [], [], [], [], []
         for _ in range(config.reps):
             if ceiling is not None:
                 raw.append(ceiling(n * KV_BYTES_PER_TOKEN))
@@ -233,12 +248,14 @@ def _measure_ttft(llm: Any, engine: str, config: TtftConfig, scratch: Path,
                 _drop_page_cache(scratch / engine)
             before = counter(llm, hits_counter)
             load_before = kvtier_counter("load_seconds")
+            read_before = kvtier_counter("load_read_seconds")
             trials.append(_generate_s(llm, [prompt], 1))
             hit = int(counter(llm, hits_counter) - before)
             if engine.startswith("kvtier"):
                 loads.append(kvtier_counter("load_seconds") - load_before)
+                reads.append(kvtier_counter("load_read_seconds") - read_before)
         out.append(Ttft(engine, n, tuple(trials), hit, load_s=tuple(loads),
-                        local_s=tuple(locals_), ceiling_s=tuple(raw)))
+                        read_s=tuple(reads), local_s=tuple(locals_), ceiling_s=tuple(raw)))
     return out
 
 

@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.verbose:  # the engines' start-up logs would bury the tables
         quiet_engine_logs()
     run_and_report("ttft", lambda progress: run_ttft_bench(config, progress),
-                   lambda r: (ttft_table(r), target_table(r), summary(r)),
+                   lambda r: (ttft_table(r), breakdown_table(r), target_table(r), summary(r)),
                    lambda r: r.write_json(args.json), args.json)
     return 0
 
@@ -93,6 +93,23 @@ def ttft_table(result: TtftResult) -> Table:
             ratio = f"\n({t.median_s / floor.median_s:.2f}x)" if floor else ""
             cells.append(f"{t.median_s * 1e3:.1f}{ratio}")
         table.add_row(str(n), f"{n * KV_BYTES_PER_TOKEN / 2**20:.0f}", *cells)
+    return table
+
+
+def breakdown_table(result: TtftResult) -> Table:
+    """Where a kvtier hit's extra time over vLLM's own hit goes (issue 26's per-hit trace)."""
+    table = Table(title="A kvtier hit's extra time over vLLM's own hit, ms (medians)")
+    for name in ("hit", "extra", "read", "copy", "outside\nthe load", "raw read\nor copy"):
+        table.add_column(name, justify="right")
+    for t in result.ttft:
+        parts = t.breakdown_s()
+        if parts is None or t.extra_s is None:
+            continue
+        raw = f"{statistics.median(t.ceiling_s) * 1e3:.1f}" if t.ceiling_s else "-"
+        table.add_row(f"{t.engine.removeprefix('kvtier-')} {t.cached_tokens}",
+                      f"{t.extra_s * 1e3:.1f}",
+                      *(f"{parts[k] * 1e3:.1f}" for k in ("read", "copy", "outside the load")),
+                      raw)
     return table
 
 
