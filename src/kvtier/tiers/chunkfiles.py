@@ -205,10 +205,13 @@ class ChunkFiles:
             raise
         return pending
 
-    def read_into(self, key: ChunkKey, out: memoryview, tenant: str | None = None) -> None:
+    def read_into(self, key: ChunkKey, out: memoryview, tenant: str | None = None,
+                  touch: bool = False) -> None:
         """Read, verify and decode the chunk `key` of `tenant` (`ChunkMeta.tenant`: a sealed
         chunk opens with its key only) into `out` (chunk_bytes long). Never blocks on
-        anything but the medium: only a regular file of a chunk's size is read.
+        anything but the medium: only a regular file of a chunk's size is read. With
+        `touch`, the access is recorded in the file's mtime as `touch` does, through the
+        open file (no second walk of its path).
 
         `out` holds undefined bytes when this raises.
 
@@ -250,6 +253,8 @@ class ChunkFiles:
                 got = os.preadv(fd, [memoryview(staging)[:size]], 0)
                 header[:] = staging[:HEADER_BYTES]
                 body = memoryview(staging)[HEADER_BYTES:size]
+            if touch:
+                self._touch_open(fd)
         finally:
             os.close(fd)
         if got != size:
@@ -293,6 +298,12 @@ class ChunkFiles:
                               self.ops) is not None
         except OSError:
             return False
+
+    def _touch_open(self, fd: int) -> None:
+        self.ops.add(other=1)
+        # a read-only directory, or another user's file: the order is only advisory
+        with contextlib.suppress(OSError):
+            os.utime(fd)
 
     def touch(self, key: ChunkKey) -> None:
         """Record an access in the file's mtime: the LRU order that survives restarts and

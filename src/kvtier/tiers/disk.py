@@ -249,7 +249,7 @@ class DiskTier:
             return MISSING
         start = time.perf_counter()
         try:
-            self.files.read_into(key, out, meta.tenant)
+            self.files.read_into(key, out, meta.tenant, touch=True)
         except KeyNotHeld as exc:  # not tampering: another reader may hold the key
             log.info("disk tier %r: chunk %s: %s; a miss, kept", self.name, key.hex(), exc)
             self._counters.add(misses=1)
@@ -266,7 +266,6 @@ class DiskTier:
             if key in self._index:
                 self._policy.touch(key)
                 self._book.touch(key)
-        self.files.touch(key)
         self._counters.add(hits=1, bytes_read=len(out), read_s=time.perf_counter() - start)
         return OK
 

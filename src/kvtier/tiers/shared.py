@@ -187,7 +187,7 @@ class SharedTier:
                  meta: ChunkMeta = DEFAULT_META) -> TierResult:
         start = time.perf_counter()
         try:
-            self.files.read_into(key, out, meta.tenant)
+            self.files.read_into(key, out, meta.tenant, touch=True)
         except FileNotFoundError:
             self._counters.add(misses=1)
             return MISSING
@@ -205,7 +205,6 @@ class SharedTier:
                         self.name, key.hex(), exc)
             self._counters.add(misses=1)
             return TierResult(failure_of(exc)) if isinstance(exc, CorruptChunk) else IO_ERROR
-        self.files.touch(key)
         self._counters.add(hits=1, bytes_read=len(out), read_s=time.perf_counter() - start)
         return OK
 
