@@ -67,6 +67,9 @@ class ConnectorConfig:
     store: StoreConfig
     # Tokens per stored chunk; a multiple of vLLM's block size (checked against it later).
     tokens_per_chunk: int = TOKENS_PER_CHUNK
+    # Whether the operator set tokens_per_chunk; if not, `for_block_size` may raise it to a
+    # multiple of a block size that TOKENS_PER_CHUNK is not one of.
+    tokens_per_chunk_set: bool = False
     # Keys the scheduler remembers as stored (~100 B each). None: as many chunks as the
     # tiers can hold together, so the index forgets about as fast as the tiers evict.
     index_max_keys: int | None = None
@@ -111,7 +114,8 @@ class ConnectorConfig:
             elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{where}.{name}", value, "a positive integer")
         extra.setdefault("tiers", [dict(t) for t in DEFAULT_TIERS])
-        return cls(store=StoreConfig.parse(extra, where=where), **values)
+        return cls(store=StoreConfig.parse(extra, where=where),
+                   tokens_per_chunk_set="tokens_per_chunk" in values, **values)
 
     def index_keys(self, bytes_per_chunk: int) -> int:
         """The scheduler index's bound in keys (see index_max_keys), for chunks of
@@ -120,9 +124,26 @@ class ConnectorConfig:
             return self.index_max_keys
         return max(1024, sum(t.capacity for t in self.store.tiers) // bytes_per_chunk)
 
+    def for_block_size(self, block_size: int) -> ConnectorConfig:
+        """These settings for vLLM's block size: tokens_per_chunk, when the operator did not
+        set it and TOKENS_PER_CHUNK is not a multiple of `block_size`, becomes the smallest
+        multiple of it at least TOKENS_PER_CHUNK. Models with state layers get large blocks
+        (vLLM's "align" mode sizes an attention page to hold a state page: 384 or 4,224
+        tokens), and then a chunk of one block ends at every state vLLM keeps.
+
+        Raises:
+            ConfigError: a tokens_per_chunk set by the operator that is not a multiple of
+                `block_size` (check_block_size).
+        """
+        self.check_block_size(block_size)
+        if self.tokens_per_chunk % block_size == 0:
+            return self
+        return replace(self, tokens_per_chunk=-(-TOKENS_PER_CHUNK // block_size) * block_size)
+
     def check_block_size(self, block_size: int) -> None:
-        """Raise ConfigError unless tokens_per_chunk is a multiple of vLLM's block size."""
-        if self.tokens_per_chunk % block_size:
+        """Raise ConfigError unless tokens_per_chunk is a multiple of vLLM's block size, or
+        unset (`for_block_size` picks one)."""
+        if self.tokens_per_chunk_set and self.tokens_per_chunk % block_size:
             raise ConfigError(f"{WHERE}.tokens_per_chunk", self.tokens_per_chunk,
                               f"a multiple of vLLM's block_size ({block_size})")
 

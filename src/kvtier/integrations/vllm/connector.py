@@ -196,7 +196,11 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                         "kvtier load is recomputed, never an error)")
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
         self._block_size = vllm_config.cache_config.block_size
-        self._config.check_block_size(self._block_size)
+        parsed, self._config = self._config, self._config.for_block_size(self._block_size)
+        if self._config is not parsed and role == KVConnectorRole.SCHEDULER:
+            logger.info("kvtier: tokens_per_chunk %d (not set: the smallest multiple of vLLM's "
+                        "%d-token blocks from %d)", self._config.tokens_per_chunk,
+                        self._block_size, parsed.tokens_per_chunk)
         self._scheduler: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:

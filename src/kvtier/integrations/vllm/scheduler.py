@@ -59,7 +59,7 @@ class ConnectorScheduler:
         "kv_consumer" never stores (RequestControls.within_role). `groups`: the model's KV
         cache groups (groups.py); None: one group. `emit_events`: vLLM publishes KV events
         (--kv-events-config); `tier_kinds`: tier name -> kind, for them."""
-        config.check_block_size(block_size)
+        config = config.for_block_size(block_size)
         groups = groups or ChunkGroups(layer_names=((),), kinds=("full",))
         # Several KV cache groups in vLLM (attention and state): loads are asynchronous.
         several_groups = groups.count + len(groups.state_group_ids) > 1
