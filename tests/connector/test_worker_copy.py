@@ -262,13 +262,18 @@ def test_a_load_is_timed_by_tier_and_a_failed_one_charges_the_tier_that_failed(
     worker.take_report()
     for k in keys[:2]:
         store.tiers[0].delete(k)  # keys 2, 3 in memory (and disk), keys 0, 1 on disk only
+    worker.take_stats()
     worker.load(KVTierMetadata(loads={"r": [ChunkTransfer(k, (16 + i,))
                                             for i, k in enumerate(keys)]}))
+    # the wait for the reads is in this step's stats (vLLM takes them after the forward)
+    stats = worker.take_stats()
+    assert stats is not None
+    read_s = stats.data["counters"]["load_read_seconds"][""]
     report = worker.take_report()
     assert report is not None and len(report.load_samples) == 1
     assert dict(report.load_samples[0].chunks) == {"disk": 2, "memory": 2}
     # of the load's time, the wait for the reads (the disk's two): the rest is the scatter
-    assert 0 < report.load_samples[0].read_s < report.load_samples[0].seconds
+    assert 0 < report.load_samples[0].read_s == read_s < report.load_samples[0].seconds
     store.tiers[0].delete(keys[0])
     store.tiers[1].delete(keys[0])  # lost everywhere: the first read misses
     worker.load(KVTierMetadata(loads={"s": [ChunkTransfer(keys[0], (20,))]}))

@@ -181,6 +181,15 @@ class ConnectorWorker:
             self._stats.observe("load_request_seconds", time.perf_counter() - started, "sync")
             self._account(transfers, loaded)
         self._stats.add("load_seconds", time.perf_counter() - start)
+        self._take_samples()  # their read time joins this step's stats
+
+    def _take_samples(self) -> None:
+        """Move the movers' load samples (inline and asynchronous loads') into the next
+        report, counting their time spent waiting for reads. Model runner thread."""
+        while self._mover.samples:
+            sample = self._mover.samples.popleft()
+            self._stats.add("load_read_seconds", sample.read_s)
+            self._report.load_samples.append(sample)
 
     def start_async(self, meta: KVTierMetadata) -> None:
         """Start the step's asynchronous loads not yet started, on the load thread (model
@@ -388,10 +397,7 @@ class ConnectorWorker:
         with self._gone_lock:
             gone, self._gone = self._gone, set()
         self._report.removed |= gone
-        while self._mover.samples:
-            sample = self._mover.samples.popleft()
-            self._stats.add("load_read_seconds", sample.read_s)
-            self._report.load_samples.append(sample)
+        self._take_samples()
         report = self._report
         if not (report.stored or report.missing or report.removed or report.events
                 or report.skipped or report.failed_blocks or report.without_state
