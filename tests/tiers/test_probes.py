@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from tierkit import key
 
+from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.locator import ChunkLocator, Located, LookupStatus
 from kvtier.tiers import build_probe, open_store
@@ -18,6 +19,16 @@ from kvtier.tiers.storeconfig import StoreConfig
 
 RANKS = [KVLayout(num_layers=1, num_kv_heads=1, head_size=64, dtype="float16",
                   tokens_per_chunk=16, tp_rank=r, tp_world_size=2) for r in range(2)]
+
+
+def located_once_ready(locator: ChunkLocator, keys: list[ChunkKey]) -> Located:
+    """The locator's answer once its probes on a thread have finished (RETRY until then)."""
+    for _ in range(500):
+        located = locator.locate("req", keys)
+        if located.status is not LookupStatus.RETRY:
+            return located
+        time.sleep(0.01)
+    raise AssertionError("the probes did not answer in 5 s")
 
 
 def _tier(kind: str, tmp_path: Path, redis_url: str) -> dict[str, object]:
@@ -41,15 +52,9 @@ def test_a_chunk_counts_only_once_every_tp_rank_stored_its_shard(
     assert [probe.contains(key(i)) for i in range(4)] == [True, True, False, False]
     locator = ChunkLocator({"tier": probe}, max_keys=100)
     keys = [key(i) for i in range(4)]
-    located = locator.locate("req", keys)
     if not probe.blocking_ok:  # shared and redis probes run on a thread: ask until ready
-        assert located.status is LookupStatus.RETRY
-        for _ in range(200):
-            if located.status is not LookupStatus.RETRY:
-                break
-            time.sleep(0.01)
-            located = locator.locate("req", keys)
-    assert located == Located(LookupStatus.HIT, 2)
+        assert locator.locate("req", keys).status is LookupStatus.RETRY
+    assert located_once_ready(locator, keys) == Located(LookupStatus.HIT, 2)
     # Found chunks are remembered: the next lookup is answered from the index alone.
     assert locator.index.prefix_length(keys) == 2
     locator.close()
@@ -84,13 +89,7 @@ def test_a_remote_probe_finds_a_long_prefix_in_a_few_round_trips(
     monkeypatch.setattr(remote, "contains", lambda k: pytest.fail("asked key by key"))
     locator = ChunkLocator(probes, max_keys=1000)  # type: ignore[arg-type]
     keys = [key(i) for i in range(50)]
-    located = locator.locate("req", keys)
-    for _ in range(500):
-        if located.status is not LookupStatus.RETRY:
-            break
-        time.sleep(0.01)
-        located = locator.locate("req", keys)
-    assert located == Located(LookupStatus.HIT, 40)
+    assert located_once_ready(locator, keys) == Located(LookupStatus.HIT, 40)
     # the disk probe runs inline first (keys 0-2); the rest on the probe thread: keys 3-10,
     # 11-26, then 27-49 (32 asked for, 23 left)
     assert asked == [8, 16, 23]
