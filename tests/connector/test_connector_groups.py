@@ -76,15 +76,47 @@ def test_short_conv_state_groups_are_kept_apart_from_the_attention_groups() -> N
     assert groups.state_group_ids == (0,) and groups.attention_group_ids == (1,)
     assert groups.layer_order == ["g1.l0", "g1.l1"] and groups.count == 1
     assert groups.state_bytes == STATE_FLAG_BYTES + 2 * 512  # two layers of (2, 128) bf16
-    assert groups.label() == "kv-groups=fullx2,state512x2"
+    assert groups.label() == "kv-groups=fullx2,state512x2:short_conv:bfloat16:align"
     per_group = ([0, 0, 7], [1, 2, 3])
     assert groups.attention_ids(per_group) == [[1, 2, 3]]
     assert groups.state_ids(per_group) == [[0, 0, 7]]
 
 
+def gdn(ssm_dtype: torch.dtype = torch.bfloat16, mode: str = "align") -> MambaSpec:
+    """Qwen3-Next's gated DeltaNet layer as vLLM 0.32 specifies it (shapes of the tiny model of
+    tests/engine/test_state_models.py): a conv state and a recurrent state per layer."""
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+    return MambaSpec(block_size=BLOCK, shapes=((3, 768), (2, 128, 128)),
+                     dtypes=(torch.bfloat16, ssm_dtype), mamba_cache_mode=mode,
+                     mamba_type=MambaAttentionBackendEnum.GDN_ATTN)
+
+
+def test_a_gated_deltanet_group_carries_its_conv_and_recurrent_states() -> None:
+    groups = chunk_groups("m", spec_config(full(), gdn()))
+    assert groups.state_group_ids == (1,) and groups.attention_group_ids == (0,)
+    # Per layer: the conv state (3 x 768) and the recurrent state (2 x 128 x 128), bf16.
+    assert groups.state_bytes_per_layer == 2 * (3 * 768 + 2 * 128 * 128)
+    assert groups.state_bytes == STATE_FLAG_BYTES + 2 * groups.state_bytes_per_layer
+    assert groups.label() == \
+        f"kv-groups=fullx2,state{groups.state_bytes_per_layer}x2:gdn_attn:bfloat16+bfloat16:align"
+
+
+def test_the_state_dtype_is_part_of_the_chunk_identity() -> None:
+    """A recurrent state kept in float32 (vLLM's --mamba-ssm-cache-dtype) is another layout:
+    its chunks are never read as bfloat16 ones, even were the sizes to agree."""
+    bf16 = chunk_groups("m", spec_config(full(), gdn())).label()
+    fp32 = chunk_groups("m", spec_config(full(), gdn(torch.float32))).label()
+    assert bf16 != fp32 and fp32 is not None and "bfloat16+float32:align" in fp32
+
+
 @pytest.mark.parametrize(("specs", "words"), [
     ((full(), conv(mode="none")), "mamba cache mode 'none'"),
+    ((full(), gdn(mode="all")), "mamba cache mode 'all'"),
+    # Nemotron-H, Granite-4 hybrids, Falcon-H1, Bamba, Zamba2: Mamba2 layers (not served).
     ((full(), conv(kind="MAMBA2")), "MAMBA2 state layers"),
+    ((full(), conv(kind="MAMBA1")), "MAMBA1 state layers"),
+    ((full(), conv(kind="LINEAR")), "LINEAR state layers"),
     ((sliding(), full(block_size=64)), "different block sizes"),
 ])
 def test_groups_kvtier_cannot_store_are_refused_naming_the_model(specs: tuple[object, ...],

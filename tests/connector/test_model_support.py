@@ -24,6 +24,13 @@ def test_attention_only_models_are_served(layer_types: tuple[str, ...]) -> None:
     check_supported(_traits(layer_types=layer_types))
 
 
+def test_a_gated_deltanet_hybrid_is_served_with_prefix_caching() -> None:
+    """Qwen3-Next: linear attention (gated DeltaNet) and full attention layers."""
+    check_supported(ModelTraits(
+        model="/models/q3n", architecture="Qwen3NextForCausalLM", hybrid=True,
+        layer_types=("linear_attention", "full_attention") * 2, state_prefix_caching=True))
+
+
 def test_a_conv_hybrid_is_served_with_prefix_caching_and_refused_without_in_one_line() -> None:
     lfm2 = dict(model="/models/lfm2", architecture="Lfm2ForCausalLM", hybrid=True,
                 layer_types=("conv", "full_attention") * 2)
@@ -41,10 +48,12 @@ def test_a_conv_hybrid_is_served_with_prefix_caching_and_refused_without_in_one_
     # vLLM's registry knows a Mamba hybrid even when its config has no layer_types (Jamba).
     (dict(hybrid=True, state_prefix_caching=True),
      "Mamba/SSM, conv or linear-attention state layers"),
-    # layer_types alone tell a state layer (Qwen3-Next's linear attention): kvtier stores
-    # short-convolution states only.
-    (dict(layer_types=("linear_attention", "full_attention"), state_prefix_caching=True),
-     "linear_attention state"),
+    # layer_types alone tell a state layer: Granite-4 hybrids' Mamba2 layers ("mamba"),
+    # whose states kvtier does not store (groups.STORED_STATE_KINDS).
+    (dict(layer_types=("mamba", "attention"), state_prefix_caching=True), "mamba state"),
+    # Qwen3-Next's gated DeltaNet layers are stored, with prefix caching only.
+    (dict(layer_types=("linear_attention", "full_attention")),
+     "linear_attention state layers without prefix caching"),
     (dict(attention_free=True), "attention-free"),
     (dict(encoder_decoder=True), "encoder-decoder"),
 ])

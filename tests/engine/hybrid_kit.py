@@ -3,8 +3,8 @@ window + full attention; test_state_models.py: short convolutions + full attenti
 
   - `SHAPE`, `save_model(model, out)`: the models' common shape; save one with a tokenizer.
   - `chunk_after_hit(llm, prompt, salt, chunk, load=...)`: the file of the chunk that a run
-    computes right after a 5-chunk prefix that kvtier loads (or vLLM's own prefix cache holds,
-    or neither: from scratch).
+    computes right after a 5-chunk prefix (`prefix_chunks`) that kvtier loads (or vLLM's own
+    prefix cache holds, or neither: from scratch).
   - `difference(a, b)`: relative mean |difference| of two chunk files' KV.
 """
 
@@ -43,13 +43,15 @@ def save_model(model: Any, out: Path) -> Path:
 
 
 def chunk_after_hit(llm: Any, prompt: list[int], salt: str, chunk: int, *, load: bool,
-                    local: bool = False) -> Path:
+                    local: bool = False, prefix_chunks: int = 5) -> Path:
     """Chunk 5's file of `prompt` (6 chunks + 1 token) under `salt`: chunks 0-4 are stored
     first (a 5-chunk prefix), then the whole prompt runs (loading chunks 0-4 from kvtier, or
-    not; `local`: from vLLM's own prefix cache) and stores chunk 5 only. `llm.disk_dir`: its
-    disk tier."""
+    not; `local`: from vLLM's own prefix cache) and stores chunk 5 only. `prefix_chunks`:
+    another prefix length than 5 chunks (n: chunk n's file, of a prompt of n + 1 chunks + 1
+    token). `llm.disk_dir`: its disk tier."""
+    n = prefix_chunks
     disk = llm.disk_dir
-    token_ids(llm, [{"prompt_token_ids": prompt[:5 * chunk + 1], "cache_salt": salt}], 1)
+    token_ids(llm, [{"prompt_token_ids": prompt[:n * chunk + 1], "cache_salt": salt}], 1)
     settle([disk])
     if not local:
         assert llm.reset_prefix_cache()
@@ -57,7 +59,7 @@ def chunk_after_hit(llm: Any, prompt: list[int], salt: str, chunk: int, *, load:
     loaded = kvtier_counter("loaded_tokens")
     params = None if load else {"skip_load": True}
     token_ids(llm, [{"prompt_token_ids": prompt, "cache_salt": salt}], 1, params)
-    assert kvtier_counter("loaded_tokens") - loaded == (5 * chunk if load else 0)
+    assert kvtier_counter("loaded_tokens") - loaded == (n * chunk if load else 0)
     return next(disk.rglob(wait_for_new_file(disk, before)))
 
 

