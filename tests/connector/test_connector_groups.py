@@ -245,3 +245,32 @@ def test_a_chunks_state_region_carries_the_state_at_its_end_or_says_it_has_none(
     assert torch.equal(kv["g1.l0"][5], kv["g1.l0"][3])  # the KV too
     paged.copy_state(0, 11, 12)  # an asynchronous hit's state, where the forward reads it
     assert all(torch.equal(s[12], b[9]) for s, b in zip(states, before, strict=True))
+
+
+def test_a_gated_deltanet_layers_conv_and_recurrent_states_ride_in_their_own_dtypes() -> None:
+    """A GDN layer's two states, as vLLM lays them out: views of one page a block (conv state
+    first, then the recurrent state; a block's page strided), here a bfloat16 conv state and a
+    float32 recurrent state (--mamba-ssm-cache-dtype float32). A chunk carries both, bytes as
+    they are, and a load puts each back into its own tensor."""
+    kv = group_kv()
+    gen = torch.Generator().manual_seed(3)
+    conv_bytes, ssm_bytes, page_bytes = 3 * 24 * 2, 2 * 8 * 8 * 4, 1024  # page padded
+    pages = [torch.randint(0, 255, (BLOCKS, page_bytes), generator=gen, dtype=torch.uint8)
+             for _ in range(2)]
+    layers = [[page[:, :conv_bytes].view(torch.bfloat16).view(BLOCKS, 3, 24),
+               page[:, conv_bytes:conv_bytes + ssm_bytes].view(torch.float32)
+               .view(BLOCKS, 2, 8, 8)] for page in pages]
+    paged = PagedKV({n: kv[n] for n in ("g1.l0", "g1.l1")}, BLOCK, null_block=NULL_BLOCK,
+                    states=[layers])
+    assert paged.state_bytes == STATE_FLAG_BYTES + 2 * (conv_bytes + ssm_bytes)
+    chunk = torch.zeros(paged.layout(CHUNK).bytes_per_chunk, dtype=torch.uint8)
+    paged.gather((3, 4), chunk, state_blocks=(9,))
+    before = [page.clone() for page in pages]
+    paged.scatter(chunk, (5, 6), 0, state_blocks=(11, 12))  # the hit's last block and next
+    for page, old in zip(pages, before, strict=True):
+        for block in (11, 12):
+            assert torch.equal(page[block, :conv_bytes + ssm_bytes],
+                               old[9, :conv_bytes + ssm_bytes])
+            # The page's padding is no state: never written.
+            assert torch.equal(page[block, conv_bytes + ssm_bytes:],
+                               old[block, conv_bytes + ssm_bytes:])
