@@ -24,12 +24,13 @@ Primitives: `FleetConfig`, `run_fleet_bench(config, progress)`.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import random
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ from kvtier.errors import ConfigError
 from kvtier.tiers import build_tier
 from kvtier.tiers.chunktree import chunk_parts
 from kvtier.tiers.storeconfig import StoreConfig
+from kvtier.tools.bench.fslatency import ShimUnavailable, build_shim, shim_env
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_size=64, dtype="float16",
                   tokens_per_chunk=16)  # 4 KiB chunks
@@ -60,6 +62,9 @@ class FleetConfig:
     seconds: float = 10.0  # each run of the writers
     interval: float = 2.0  # the shared tier's scan_interval_s
     op_latency_ms: float = 0.5  # the projection's metadata round trip
+    # the writers' metadata calls really wait op_latency_ms each (fslatency's LD_PRELOAD
+    # shim: an emulated NFS), instead of only the projection multiplying by it
+    emulate_latency: bool = False
     directory: Path | None = None  # where the directories are built (None: a temp dir)
     skip_disk: bool = False  # no disk-tier start-up figures
 
@@ -74,6 +79,11 @@ class FleetConfig:
                 raise ConfigError(name, getattr(self, name), "a number above 0")
         if not self.op_latency_ms >= 0:
             raise ConfigError("op_latency_ms", self.op_latency_ms, "0 or more")
+        if self.emulate_latency:
+            try:
+                build_shim()  # before any work: one line where none builds
+            except ShimUnavailable as exc:
+                raise ConfigError("emulate_latency", True, str(exc)) from None
 
 
 def fill(root: Path, chunks: int) -> float:
@@ -108,16 +118,19 @@ def writer(root: str, seed: int, capacity: int, args: dict[str, float], start: A
     start.wait(timeout=600)
     before = tier.stats()
     cpu, began, puts, stored = time.process_time(), time.monotonic(), 0, 0
+    put_s = 0.0
     while (elapsed := time.monotonic() - began) < args["seconds"]:
         name = (int(args["run"]) << 96) + (seed << 64) + puts  # new keys every run
+        putting = time.perf_counter()
         stored += bool(tier.put(ChunkKey(name.to_bytes(16, "big")), data))
+        put_s += time.perf_counter() - putting
         puts += 1
         ahead = puts / args["rate"] - (time.monotonic() - began)
         if ahead > 0:
             time.sleep(ahead)
     after = tier.stats()
     results.put({"puts": puts, "stored": stored, "cpu_s": time.process_time() - cpu,
-                 "run_s": elapsed,
+                 "run_s": elapsed, "put_s": put_s,
                  "ops": {f: getattr(after, f, 0) - getattr(before, f, 0) for f in OPS},
                  "remeasures": getattr(tier, "remeasures", -1),
                  "evictions": after.evictions - before.evictions})
@@ -132,8 +145,9 @@ def run_writers(root: Path, n: int, capacity: int, args: FleetConfig) -> dict[st
     # seeds of their own per run: a later run must not put the keys an earlier one stored
     procs = [context.Process(target=writer, args=(str(root), (n << 8) + s, capacity, knobs,
                                                   start, results)) for s in range(1, n + 1)]
-    for proc in procs:
-        proc.start()
+    with _latency(root, args):
+        for proc in procs:
+            proc.start()
     start.wait(timeout=600)
     reports = [results.get(timeout=1200) for _ in procs]
     for proc in procs:
@@ -145,10 +159,27 @@ def run_writers(root: Path, n: int, capacity: int, args: FleetConfig) -> dict[st
             "ops_per_put": round(sum(ops.values()) / puts, 1),
             "ops_per_put_by_kind": {f[5:]: round(v / puts, 2) for f, v in ops.items()},
             "cpu_ms_per_put": round(1000 * cpu / puts, 3),
+            "put_ms": round(1000 * sum(r["put_s"] for r in reports) / puts, 2),
             "cpu_s_per_min_per_writer": round(60 * cpu / n / max(r["run_s"] for r in reports),
                                               2),
             "remeasures_all_writers": sum(r["remeasures"] for r in reports),
             "evictions": sum(r["evictions"] for r in reports)}
+
+
+@contextlib.contextmanager
+def _latency(root: Path, config: FleetConfig) -> Iterator[None]:
+    """With `config.emulate_latency`, processes started inside run their metadata calls on
+    `root` with `op_latency_ms` each (fslatency's shim); otherwise nothing."""
+    if not config.emulate_latency:
+        yield
+        return
+    saved = dict(os.environ)
+    os.environ.update(shim_env(root, config.op_latency_ms))
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def eviction_throughput(root: Path, held: int, interval_s: float) -> dict[str, Any]:
