@@ -10,8 +10,9 @@ unset: it becomes one block, the smallest multiple of it from 256 up (config.py
   - hits from the memory and the disk tier end on a chunk stored with its states and give the
     miss path's tokens;
   - the chunk computed right after a hit (its attention KV and the states at its end) equals
-    the same chunk computed over vLLM's own prefix-cache hit bit for bit, while a prompt whose
-    state at the hit's end differs gives one far from it (the check can fail);
+    the same chunk computed over vLLM's own prefix-cache hit bit for bit; with the loaded
+    states deliberately left out of vLLM's blocks (stale states) it does not, nor for a
+    prompt whose state at the hit's end differs (the check can fail);
   - a chunk whose state region is corrupt is recomputed, never loaded, and the tokens are the
     miss path's.
 """
@@ -72,17 +73,21 @@ def qwen3_next(qwen3_next_dir: Path, tmp_path_factory: pytest.TempPathFactory
                ) -> Iterator[Any]:
     """RAM holds 3 chunks (~281 KiB each: 144 KiB of KV, 137 KiB of states): the rest are
     read from the disk tier (`disk_dir`), where a test can damage them. Every hit loads
-    (`load_when`): recomputing this tiny model can be faster than a disk read."""
+    (`load_when`): recomputing this tiny model can be faster than a disk read. The engine
+    core and its worker run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the "uni"
+    executor), so that a control can break kvtier's state placement; it also starts faster."""
     disk = tmp_path_factory.mktemp("qwen3-next-disk")
     config = kvtier_transfer_config({  # no tokens_per_chunk: one block, picked
         "tiers": [{"kind": "memory", "capacity": "1MiB"},
                   {"kind": "disk", "path": str(disk), "capacity": "64MiB"}],
         "load_when": "always"})
-    with start_engine(qwen3_next_dir, config) as engine:
-        assert engine.llm_engine.vllm_config.cache_config.block_size == CHUNK
-        assert engine.llm_engine.vllm_config.cache_config.mamba_cache_mode == "align"
-        engine.disk_dir = disk
-        yield engine
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        with start_engine(qwen3_next_dir, config, distributed_executor_backend="uni") as engine:
+            assert engine.llm_engine.vllm_config.cache_config.block_size == CHUNK
+            assert engine.llm_engine.vllm_config.cache_config.mamba_cache_mode == "align"
+            engine.disk_dir = disk
+            yield engine
 
 
 def one_at_a_time(llm: Any, prompts: list[dict[str, Any]],
@@ -114,7 +119,7 @@ def test_hits_from_memory_and_disk_end_on_chunks_with_their_states(qwen3_next: A
 
 
 def test_states_and_kv_computed_over_a_hit_equal_those_over_vllms_own_hit(
-        qwen3_next: Any) -> None:
+        qwen3_next: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunk 2 over a 2-chunk hit, kvtier's and vLLM's own: bit for bit. Were the states not
     put where vLLM's forward reads them (groups.py), the linear-attention layers would start
     from another state: a prompt whose last tokens before the hit's end differ shows how
@@ -124,12 +129,32 @@ def test_states_and_kv_computed_over_a_hit_equal_those_over_vllms_own_hit(
     over_local = chunk_after_hit(qwen3_next, prompt, "local", CHUNK, load=False, local=True,
                                  prefix_chunks=2)
     # The last 16 tokens before the hit's end: the recurrent state (and little else of the
-    # hit) differs. Two tokens gave 0.019, within NOISE.
+    # hit) differs.
     other_state = [*prompt[:2 * CHUNK - 16], *[7] * 16, *prompt[2 * CHUNK:]]
     other = chunk_after_hit(qwen3_next, other_state, "control", CHUNK, load=False, local=True,
                             prefix_chunks=2)
+    # Bit for bit over the hit; anything else is off (0.026 here for the other prompt).
     assert difference(over_hit, over_local) == 0.0
-    assert difference(other, over_local) > NOISE
+    assert difference(other, over_local) > NOISE / 4
+    leave_states_stale(monkeypatch)
+    stale = chunk_after_hit(qwen3_next, prompt, "stale", CHUNK, load=True, prefix_chunks=2)
+    assert difference(stale, over_local) > NOISE / 4  # 0.018 here
+
+
+def leave_states_stale(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bug the placement guards against: a load writes the chunk's KV but not its states
+    (nor copies them where the forward reads them), so the linear-attention layers start from
+    whatever the request's state blocks held."""
+    from kvtier.integrations.vllm.paged import PagedKV
+
+    scatter = PagedKV.scatter
+
+    def kv_only(self: PagedKV, chunk: Any, block_ids: tuple[int, ...], first_block: int,
+                state_blocks: tuple[int, ...] = ()) -> None:
+        scatter(self, chunk, block_ids, first_block)
+
+    monkeypatch.setattr(PagedKV, "scatter", kv_only)
+    monkeypatch.setattr(PagedKV, "copy_state", lambda self, group, source, target: None)
 
 
 def test_a_chunk_with_a_corrupt_state_is_recomputed_never_loaded(qwen3_next: Any) -> None:
