@@ -81,3 +81,8 @@ class WarmupError(KVTierError):
 class ServerError(KVTierError):
     """A vLLM server the tools started exited or did not become healthy in time (the message
     has its log)."""
+
+
+class ShimUnavailable(KVTierError):
+    """A benchmark's emulated filesystem latency cannot run here (no C compiler, not Linux, or
+    its shim did not build): `kvtier.tools.bench.fslatency`."""

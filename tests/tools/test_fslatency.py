@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.tools.bench.fslatency import ShimUnavailable, build_shim, shim_env
+from kvtier.errors import ShimUnavailable
+from kvtier.tools.bench.fslatency import build_shim, shim_env
 
 CHILD = r"""
 import json, os, sys, time

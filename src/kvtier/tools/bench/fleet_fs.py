@@ -40,11 +40,11 @@ import blake3
 from kvtier.core.chunkformat import stored_size
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, ShimUnavailable
 from kvtier.tiers import build_tier
 from kvtier.tiers.chunktree import chunk_parts
 from kvtier.tiers.storeconfig import StoreConfig
-from kvtier.tools.bench.fslatency import ShimUnavailable, build_shim, shim_env
+from kvtier.tools.bench.fslatency import build_shim, shim_env
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_size=64, dtype="float16",
                   tokens_per_chunk=16)  # 4 KiB chunks

@@ -9,7 +9,7 @@ child processes. Calls through a directory file descriptor (`openat(dir_fd, ...)
 kvtier's file tiers walk their trees) are delayed when that descriptor's path is under the
 directory (read from /proc/self/fd, itself not delayed). Linux and glibc only.
 
-Primitives: `build_shim`, `shim_env`, `ShimUnavailable`.
+Primitives: `build_shim`, `shim_env` (both raise `kvtier.errors.ShimUnavailable`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+
+from kvtier.errors import ShimUnavailable
 
 SOURCE = r"""
 #define _GNU_SOURCE
@@ -186,10 +188,6 @@ DIR *opendir(const char *path) {
     return real_opendir(path);
 }
 """
-
-
-class ShimUnavailable(RuntimeError):
-    """No C compiler, or not Linux/glibc: the latency cannot be emulated here."""
 
 
 def build_shim(cache: Path | None = None) -> Path:
