@@ -134,8 +134,10 @@ def test_inspect_metrics_shows_restore_recompute_and_weights(
     assert main(["inspect", "--metrics", server]) == 0
     out = capsys.readouterr().out
     for text in ("restore s", "recompute s", "weight", "disk", "0.0200", "0.5000", "0.1000",
-                 "0.80", "not measured"):
+                 "0.80", "not measured", "trial/recomputed"):
         assert text in out
+    # what the engine did with each tier's hit chunks: loaded / trial / recomputed
+    assert "40/0/0" in out and "0/0/12" in out and "3/0/0" in out
     out_json = run_json(capsys, ["inspect", "--config", store, "--tier", "disk", "--metrics",
                                  server, "--json"])
     costs = out_json["restore_costs"]

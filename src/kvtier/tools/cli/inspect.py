@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     if store is not None:
         console.print(_table(rows, encodings, {w.tier: w for w in weights} if costs else None))
     if costs is not None:
-        print_router_weights(console, weights)
+        print_router_weights(console, weights, costs.decisions)
     for tier, error in errors.items():
         console.print(f"[bold red]tier {tier}: not readable: {error}[/]")
     return 1 if errors else 0
