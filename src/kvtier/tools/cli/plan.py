@@ -112,7 +112,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-
 def router_weights(plan: Plan, metrics_url: str | None = None,
                    store_config: str | None = None) -> tuple[TierWeight, ...]:
     """The plan's tiers' weights from its cost model (one session's load vs its re-prefill),
@@ -132,7 +131,6 @@ def router_weights(plan: Plan, metrics_url: str | None = None,
             store = load_store(store_config)
         rows += read_measured(metrics_url, store)[1]
     return tuple(rows)
-
 
 
 def _model_ref(path: str, name: str) -> str:
