@@ -83,14 +83,19 @@ def restart_prompts() -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def lfm2(lfm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """RAM holds 4 chunks: the rest are read from the disk tier (`disk_dir`). The engine is
-    the second of a restart: a first engine of the same settings ran `restart_prompts()`'s
-    `full` on the same disk and stopped (one engine start fewer than a restart of its own;
-    the restart test runs first on it, the others use prompts of their own)."""
+    """RAM holds 4 chunks: the rest are read from the disk tier (`disk_dir`), every hit
+    loaded. The engine is the second of a restart: a first engine of the same settings ran
+    `restart_prompts()`'s `full` on the same disk and stopped (one engine start fewer than a
+    restart of its own; the restart test runs first on it, the others use prompts of their
+    own)."""
     disk = tmp_path_factory.mktemp("lfm2-disk")
     config = kvtier_transfer_config([{"kind": "memory", "capacity": "64KiB"},
                                      {"kind": "disk", "path": str(disk), "capacity": "64MiB"}],
                                     CHUNK)
+    # Every hit loads (load_when "always"): the tests count the tokens loaded, and recomputing
+    # this tiny model can be faster than a disk read on a loaded machine (the rule would then
+    # recompute, rightly, and the count would depend on the machine's timing).
+    config["kv_connector_extra_config"]["load_when"] = "always"
     with start_engine(lfm2_dir, config, num_gpu_blocks_override=160) as first:
         # `full`: chunks 0-7 stored without a state, chunk 8 (tokens 256-288) with one
         one_at_a_time(first, restart_prompts()[:1])
