@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tierkit import footprint_bytes, key, tier_settings, tiny_layout
 
+from kvtier.core.keys import ChunkKey
 from kvtier.core.store import TieredStore
 from kvtier.core.tier import FULL, OK, Failure, InPlace, TierResult
 from kvtier.tiers import open_store
@@ -155,6 +157,41 @@ def test_a_batch_names_the_tier_that_failed_a_read_not_one_that_lacked_the_chunk
     with store.borrow_many([key(0), key(1), key(2), key(5)], spares, tried=tried) as lent:
         assert [v.tier if v else None for v in lent] == ["disk", None, None, None]
     assert tried == {1: "disk"}
+    store.close()
+
+
+def test_a_batch_lends_each_chunk_as_its_read_lands_and_waits_for_the_rest_on_exit(
+        two_tier_store: TieredStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU mover scatters chunk i while later chunks are still being read (issue 26: a
+    disk hit's copy overlaps its reads); reads the borrower never took are finished before
+    the borrow ends (they may write into the caller's spares)."""
+    store = two_tier_store
+    spares = [memoryview(bytearray(LAYOUT.bytes_per_chunk)) for _ in range(3)]
+    for i in range(4):
+        store.put(key(i), memoryview(payload(i)))  # keys 0-2 on disk only
+    assert store.flush(timeout_s=5)
+    disk = store.tiers[1]
+    read = disk.get_into
+    gates = {key(1): threading.Event(), key(2): threading.Event()}
+    landed: list[int] = []
+
+    def gated_read(k: ChunkKey, *args: Any) -> TierResult:
+        if k in gates:
+            gates[k].wait(3)
+        result = read(k, *args)
+        landed.append(int.from_bytes(bytes(k), "big"))
+        return result
+
+    monkeypatch.setattr(disk, "get_into", gated_read)
+    with store.borrow_many([key(0), key(1), key(2)], spares) as lent:
+        first = lent[0]
+        assert first is not None and bytes(first.data) == payload(0)
+        assert landed == [0]  # chunks 1 and 2 are still being read
+        gates[key(1)].set()
+        second = lent[1]
+        assert second is not None and bytes(second.data) == payload(1)
+        threading.Timer(0.2, gates[key(2)].set).start()
+    assert sorted(landed) == [0, 1, 2]  # chunk 2, never asked for, landed before the exit
     store.close()
 
 

@@ -41,12 +41,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, MutableSequence, Sequence
-from concurrent.futures import Future, wait
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from kvtier.core.keys import ChunkKey
+from kvtier.core.loans import Loans
 from kvtier.core.retention import DEFAULT_META, ChunkMeta, RetentionStats
 from kvtier.core.stall import StallGuard
 from kvtier.core.tier import (
@@ -291,8 +291,8 @@ class TieredStore:
     @contextmanager
     def borrow_many(self, keys: Sequence[ChunkKey], spares: MutableSequence[memoryview],
                     metas: Sequence[ChunkMeta] = (), tried: dict[int, str] | None = None,
-                    ) -> Iterator[list[ChunkView | None]]:
-        """`borrow` for many chunks in one block (a view or None per key, in order);
+                    ) -> Iterator[Loans[ChunkView]]:
+        """`borrow` for many chunks in one block (a view or None per key, in order: `Loans`);
         `metas[i]` is chunk i's (empty: every chunk `DEFAULT_META`). `tried`, if given, is
         filled, for a key whose read failed because a tier did (it erred, was down or did not
         answer in time; `Failure.of_the_tier`), with that tier: what a failed load's time is
@@ -300,7 +300,8 @@ class TieredStore:
 
         Chunks an `InPlace` tier holds are lent in place; the others are read in parallel
         on the store's read threads, chunk i into `spares[i]`, so a batch of disk reads
-        costs about one read. Reads not finished within `read_timeout_s` are abandoned
+        costs about one read, and each is lent as soon as it lands (the caller copies chunk
+        i while later ones are read). Reads not finished within `read_timeout_s` are abandoned
         (None, the tier marked stalled); the spare such a read still writes into is
         replaced in `spares` by a new buffer, so that the caller never reuses it. Any
         thread.
@@ -313,38 +314,28 @@ class TieredStore:
             raise ValueError(f"{len(metas)} metas for {len(keys)} keys")
         with ExitStack() as stack:
             pins = _Pins(stack)
+            loans: Loans[ChunkView] | None = None
             try:
                 views = [self._open(pins, key, meta, spare, read=False)
                          for key, meta, spare in zip(keys, metas, spares)]
-                todo = [i for i, view in enumerate(views) if view is None]
                 # key index -> the tier its read is waiting on (a miss: the tier that failed it)
                 reading: dict[int, str] = {}
-                futures: dict[Future[ChunkView | None], int] = {
-                    self._calls.submit(self._open, pins, keys[i], metas[i], spares[i],
-                                       lend=False, reading=(reading, i)): i
-                    for i in todo}
-                done, late = wait(futures, timeout=self._calls.timeout_s)
-                failed_by: dict[int, str] = {}  # the reads that failed because a tier did
-                for future in done:
-                    i = futures[future]
-                    views[i] = future.result()
-                    if views[i] is None and i in reading:
-                        failed_by[i] = reading[i]
-                stalled: set[str] = set()
-                for future in late:
-                    i = futures[future]
-                    if tier := self._abandon(i, reading, spares):
-                        failed_by[i] = tier
-                        stalled.add(tier)
-                for tier in stalled:
-                    log.warning("tier %r: reads took over %.3g s; abandoned (misses), the tier "
-                                "is skipped until it answers again", tier, self._calls.timeout_s)
-                    self._calls.stalled(tier)
-                if tried is not None:
-                    tried.update(failed_by)
-                yield views
+                reads = {i: self._calls.submit(self._open, pins, keys[i], metas[i], spares[i],
+                                               lend=False, reading=(reading, i))
+                         for i, view in enumerate(views) if view is None}
+                loans = Loans(views, reads, self._calls.timeout_s, reading=reading,
+                              abandon=lambda i: self._abandon(i, reading, spares),
+                              stalled=self._stalled, tried=tried)
+                yield loans
             finally:
+                if loans is not None:
+                    loans.settle()
                 pins.close()  # reads finishing after this release their own slots
+
+    def _stalled(self, tier: str) -> None:
+        log.warning("tier %r: reads took over %.3g s; abandoned (misses), the tier is skipped "
+                    "until it answers again", tier, self._calls.timeout_s)
+        self._calls.stalled(tier)
 
     def _abandon(self, i: int, reading: dict[int, str], spares: MutableSequence[memoryview],
                  ) -> str | None:

@@ -117,11 +117,15 @@ class StreamChunkMover:
                 reading = time.perf_counter()
                 lent = borrow.enter_context(self._store.borrow_many(
                     [t.key for t in batch], spares, [chunk_meta(t) for t in batch], tried))
-                read_s += time.perf_counter() - reading
-                held = next((i for i, view in enumerate(lent) if view is None), len(batch))
                 copies: deque[tuple[Event, torch.Tensor]] = deque()  # this batch's, queued
-                for transfer, view in zip(batch[:held], lent[:held]):
-                    assert view is not None
+                held, in_ram = 0, True
+                for transfer in batch:  # each chunk queued as soon as its read lands
+                    view = lent[held]
+                    read_s += time.perf_counter() - reading
+                    if view is None:
+                        break
+                    held += 1
+                    in_ram = in_ram and view.tier == self._top_tier
                     lent_by[view.tier] += 1
                     slot = self._free_slot(copies, inline)
                     self._queue_load(transfer, torch.frombuffer(view.data, dtype=torch.uint8),
@@ -129,10 +133,11 @@ class StreamChunkMover:
                     done = self._device.new_event()
                     self._device.record(done, self._load_stream)
                     copies.append((done, slot))
+                    reading = time.perf_counter()
                 # Spares are the caller's and the next batch reads into them again: an inline
-                # load from them waits for its copies, as a load thread does.
-                in_ram = all(v is not None and v.tier == self._top_tier for v in lent[:held])
-                if copies and inline and in_ram:
+                # load from them waits for its copies, as a load thread does; so does one
+                # that stopped at a miss (the borrow's exit waits for reads nobody took).
+                if copies and inline and in_ram and held == len(batch):
                     last = copies[-1][0]  # one load stream: the batch's copies are before it
                     self._device.wait(self._device.compute_stream(), last)
                     with self._pending_lock:
