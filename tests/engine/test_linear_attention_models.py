@@ -14,7 +14,10 @@ unset: it becomes one block, the smallest multiple of it from 256 up (config.py
     states deliberately left out of vLLM's blocks (stale states) it does not, nor for a
     prompt whose state at the hit's end differs (the check can fail);
   - a chunk whose state region is corrupt is recomputed, never loaded, and the tokens are the
-    miss path's.
+    miss path's;
+  - after a restart (the module's engine is the second of two on one disk tier) hits load from
+    the disk tier, and a prompt whose states chunk file was deleted between the engines is
+    recomputed by request, never loaded from its stateless first chunk.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ CHUNK = 288  # one block: vLLM's attention block size for this model
 # header, the KV (2 layers x 2 heads x K, V x 32 x 2 bytes a token), the state flag and that
 # layer's conv state (3 x 768 bfloat16).
 RECURRENT_STATE_AT = HEADER_BYTES + CHUNK * 512 + STATE_FLAG_BYTES + 3 * 768 * 2 + 1000
+STATE_FLAG_AT = HEADER_BYTES + CHUNK * 512  # 1 when the chunk holds its states
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +72,9 @@ def qwen3_next_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_model(model_class(config), tmp_path_factory.mktemp("qwen3-next-style"))
 
 
+RESTART_SEED = 50  # the restart test's prompts (no other test's)
+
+
 @pytest.fixture(scope="module")
 def qwen3_next(qwen3_next_dir: Path, tmp_path_factory: pytest.TempPathFactory
                ) -> Iterator[Any]:
@@ -75,18 +82,38 @@ def qwen3_next(qwen3_next_dir: Path, tmp_path_factory: pytest.TempPathFactory
     read from the disk tier (`disk_dir`), where a test can damage them. Every hit loads
     (`load_when`): recomputing this tiny model can be faster than a disk read. The engine
     core and its worker run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the "uni"
-    executor), so that a control can break kvtier's state placement; it also starts faster."""
+    executor), so that a control can break kvtier's state placement; it also starts faster.
+
+    The engine is the second of a restart: a first engine of the same settings ran
+    `RESTART_SEED`'s prompts on the same disk and stopped, and the chunk file holding the
+    states of the second prompt was deleted before this one started (`engine.written`:
+    those prompts and their tokens; `engine.deleted`: that file). One engine start fewer
+    than a restart of its own; the restart test runs first on it."""
     disk = tmp_path_factory.mktemp("qwen3-next-disk")
     config = kvtier_transfer_config({  # no tokens_per_chunk: one block, picked
         "tiers": [{"kind": "memory", "capacity": "1MiB"},
                   {"kind": "disk", "path": str(disk), "capacity": "64MiB"}],
         "load_when": "always"})
+    prompts = random_prompts([620, 650], seed=RESTART_SEED)
     with pytest.MonkeyPatch.context() as env:
         env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        with start_engine(qwen3_next_dir, config, distributed_executor_backend="uni") as first:
+            written = one_at_a_time(first, prompts[:1])
+            settle([disk])
+            before = set(chunk_files(disk))
+            written += one_at_a_time(first, prompts[1:])
+            settle([disk])
+            files = [f for f in chunk_files(disk) if f not in before]
+        # 2 chunks a prompt, the second with the states at the prompt's last full block.
+        assert len(before) == len(files) == 2
+        [deleted] = [f for f in files if f.read_bytes()[STATE_FLAG_AT] == 1]
+        deleted.unlink()
         with start_engine(qwen3_next_dir, config, distributed_executor_backend="uni") as engine:
             assert engine.llm_engine.vllm_config.cache_config.block_size == CHUNK
             assert engine.llm_engine.vllm_config.cache_config.mamba_cache_mode == "align"
             engine.disk_dir = disk
+            engine.written = list(zip(prompts, written, strict=True))
+            engine.deleted = deleted
             yield engine
 
 
@@ -99,6 +126,32 @@ def one_at_a_time(llm: Any, prompts: list[dict[str, Any]],
         assert llm.reset_prefix_cache()
         outputs += token_ids(llm, [prompt], kv_transfer_params=params)
     return outputs
+
+
+def test_after_a_restart_hits_are_served_from_the_disk_tier(qwen3_next: Any) -> None:
+    """The module's engine is the restarted one (see `qwen3_next`): its memory tier is
+    empty, its disk tier's index is rebuilt from the directory. The first prompt's hit (its
+    2 chunks, the second with its states) loads from disk. The second prompt's states chunk
+    was deleted: the hit left is its first chunk, which holds no states; it is tried once,
+    fails and is recomputed (never loaded as if it held them), and the engine keeps
+    serving."""
+    [(kept, kept_tokens), (damaged, damaged_tokens)] = qwen3_next.written
+    assert not qwen3_next.deleted.exists()
+    miss = one_at_a_time(qwen3_next, [kept, damaged], BYPASS)
+    assert miss == [kept_tokens, damaged_tokens]  # the first engine's, this one's miss path
+    loaded, disk_hits = kvtier_counter("loaded_tokens"), kvtier_counter("tier_hits", tier="disk")
+    assert one_at_a_time(qwen3_next, [kept]) == miss[:1]
+    assert kvtier_counter("loaded_tokens") - loaded == 2 * CHUNK
+    assert kvtier_counter("tier_hits", tier="disk") - disk_hits == 2
+    loaded, failures = kvtier_counter("loaded_tokens"), kvtier_counter("load_failures")
+    assert one_at_a_time(qwen3_next, [damaged]) == miss[1:]
+    assert kvtier_counter("loaded_tokens") == loaded
+    assert kvtier_counter("load_failures") > failures  # the stateless chunk, tried once
+    # The recomputed prompt stored its states chunk again: the next run loads both chunks.
+    settle([qwen3_next.disk_dir])
+    loaded = kvtier_counter("loaded_tokens")
+    assert one_at_a_time(qwen3_next, [damaged]) == miss[1:]
+    assert kvtier_counter("loaded_tokens") - loaded == 2 * CHUNK
 
 
 def test_hits_from_memory_and_disk_end_on_chunks_with_their_states(qwen3_next: Any) -> None:
