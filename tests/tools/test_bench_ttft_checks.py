@@ -98,3 +98,37 @@ def test_the_ttft_table_names_every_engine_in_80_columns():
     assert "…" not in text  # nothing cut
     for word in ("recompute", "memory", "disk", "example", "cold"):
         assert word in text
+
+
+def ttft_args(*argv: str) -> TtftConfig:
+    from kvtier.tools.cli.bench_ttft import config_from
+    from kvtier.tools.cli.main import build_parser
+
+    config = config_from(build_parser().parse_args(["bench", "ttft", *argv]))
+    config.validate()
+    return config
+
+
+def test_the_model_preset_picks_its_prompt_lengths_chunks_and_engines():
+    bench = ttft_args("--quick")
+    assert (bench.model, bench.cached_tokens, len(bench.engines)) == ("bench", (1024, 4096), 6)
+    hybrid = ttft_args("--model", "qwen3-next", "--quick")
+    assert hybrid.cached_tokens == (1152, 3456)  # multiples of vLLM's 288-token block
+    assert hybrid.engines == ("recompute", "vllm-prefix", "kvtier-memory", "kvtier-disk")
+    assert ttft_args("--model", "qwen3-next", "--tokens", "576").cached_tokens == (576,)
+    # A chunk of the hybrid: the KV of its 2 attention layers, and where it carries them the
+    # states of its 2 linear-attention layers (tests/engine/test_linear_attention_models.py
+    # reads them at these offsets).
+    model = hybrid.bench_model
+    assert (model.tokens_per_chunk * model.kv_bytes_per_token, model.state_bytes_per_chunk) \
+        == (147_456, 140_304)
+    assert ttft_args().bench_model.state_bytes_per_chunk == 0
+
+
+def test_a_preset_refuses_lengths_off_its_chunks_and_engines_it_does_not_run():
+    with pytest.raises(ConfigError, match="multiples of 288"):
+        ttft_args("--model", "qwen3-next", "--tokens", "1024")
+    with pytest.raises(ConfigError, match="engines"):
+        ttft_args("--model", "qwen3-next", "--engine", "example")
+    with pytest.raises(ConfigError, match="model"):
+        TtftConfig(directory=Path("."), model_root=Path("."), model="llama-70b").validate()

