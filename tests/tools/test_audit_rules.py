@@ -7,6 +7,7 @@ nearest correct variant of the triggering one, so each pair pins the rule's boun
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -139,9 +140,13 @@ CASES = {
          Severity.ERROR),
         (f"vllm serve m {transfer('KVTierConnector', tiers=[MEM_OK])}", {}, V21, None)),
     "kvtier-unsupported-model": (
-        (f"vllm serve Qwen/Qwen3-Next-80B-A3B {transfer('KVTierConnector')}", {}, V21,
+        (f"vllm serve nvidia/Nemotron-H-8B-Base-8K {transfer('KVTierConnector')}", {}, V21,
          Severity.WARNING),
-        (f"vllm serve Qwen/Qwen3-32B {transfer('KVTierConnector')}", {}, V21, None)),
+        (f"vllm serve Qwen/Qwen3-Next-80B-A3B {transfer('KVTierConnector')}", {}, V21, None)),
+    "kvtier-state-cache-mode": (
+        (f"vllm serve LiquidAI/LFM2-1.2B --no-enable-prefix-caching "
+         f"{transfer('KVTierConnector')}", {}, V32, Severity.WARNING),
+        (f"vllm serve LiquidAI/LFM2-1.2B {transfer('KVTierConnector')}", {}, V32, None)),
     "offload-cpu-bytes-required": (
         (f"vllm serve m {transfer(num_cpu_blocks=8192)}", {}, V21, Severity.ERROR),
         (f"vllm serve m {transfer(**CPU10)}", {}, V21, None)),
@@ -357,6 +362,53 @@ def test_kvtier_on_a_mamba_model_from_config_json_is_an_error():
     assert severities("kvtier-unsupported-model",
                       f"vllm serve /models/x {transfer('KVTierConnector')}",
                       model_config=nemotron_h) == [Severity.ERROR]
+
+
+QWEN3_NEXT_CONFIG = json.loads((Path(__file__).parents[1] / "data" / "configs"
+                                 / "qwen3-next-80b-a3b.json").read_text())
+
+
+@pytest.mark.parametrize("model", ["nvidia/Nemotron-H-8B-Base-8K",
+                                   "ibm-granite/granite-4.0-h-small",
+                                   "tiiuae/Falcon-H1-34B-Instruct", "Zyphra/Zamba2-7B",
+                                   "ai21labs/AI21-Jamba-Mini-1.7"])
+def test_kvtier_refuses_every_mamba_family_lmcache_too(model):
+    found = [f for f in run_audit(parse_command_line(
+        f"vllm serve {model} {transfer('KVTierConnector')}", vllm_version=V32))
+        if f.rule == "kvtier-unsupported-model"]
+    assert [f.severity for f in found] == [Severity.WARNING]
+    assert "mamba" in found[0].what and "prefill checkpoint" in found[0].why
+    lmcache = [f for f in run_audit(parse_command_line(f"vllm serve {model} {LMC}",
+                                                       vllm_version=V32))
+               if f.rule == "lmcache-hybrid-model"]
+    assert lmcache and "kvtier" not in lmcache[0].fix  # kvtier would refuse it too
+
+
+@pytest.mark.parametrize("model", ["Qwen/Qwen3-Next-80B-A3B-Instruct", "Qwen/Qwen3.5-35B-A3B",
+                                   "LiquidAI/LFM2-1.2B"])
+def test_kvtier_serves_gdn_and_short_conv_in_align_mode(model):
+    kv = transfer("KVTierConnector")
+    assert severities("kvtier-unsupported-model", f"vllm serve {model} {kv}", version=V32) == []
+    assert severities("kvtier-state-cache-mode", f"vllm serve {model} {kv}", version=V32) == []
+    # vLLM 0.32 turns an explicit "none" into "align" when prefix caching is on
+    assert severities("kvtier-state-cache-mode",
+                      f"vllm serve {model} --mamba-cache-mode none {kv}", version=V32) == []
+    for flags in ("--no-enable-prefix-caching", "--mamba-cache-mode all"):
+        assert severities("kvtier-state-cache-mode", f"vllm serve {model} {flags} {kv}",
+                          version=V32) == [Severity.WARNING]
+    lmcache = [f for f in run_audit(parse_command_line(f"vllm serve {model} {LMC}",
+                                                       vllm_version=V32))
+               if f.rule == "lmcache-hybrid-model"]
+    assert lmcache and "kvtier's connector" in lmcache[0].fix
+
+
+def test_state_rules_from_config_json_are_errors():
+    kv = transfer("KVTierConnector")
+    assert severities("kvtier-state-cache-mode",
+                      f"vllm serve /models/x --no-enable-prefix-caching {kv}",
+                      model_config=QWEN3_NEXT_CONFIG) == [Severity.ERROR]
+    assert severities("kvtier-unsupported-model", f"vllm serve /models/x {kv}",
+                      model_config=QWEN3_NEXT_CONFIG) == []
 
 
 @pytest.mark.parametrize("flags", ["--block-size abc", "-tp 0", "--max-model-len 0",

@@ -32,7 +32,7 @@ def test_plan_json_for_every_fixture(capsys, name):
     alternatives = {a["name"]: a for a in out["alternatives"]}
     kvtier = alternatives["kvtier"]
     if kvtier["refused"]:  # a model kvtier refuses at start-up gets no kvtier command
-        assert name == "qwen3-next-80b-a3b" and kvtier["command"] is None
+        assert name == "nemotron-h-8b" and kvtier["command"] is None
         return
     flags = kvtier["flags"]
     kv_cfg = flags[flags.index("--kv-transfer-config") + 1]
@@ -80,8 +80,8 @@ def test_plan_prints_each_alternative_as_a_complete_command(capsys, tmp_path):
 
 
 def test_plan_never_prints_a_command_for_a_refused_backend(capsys):
-    assert main(["plan", str(CONFIGS / "qwen3-next-80b-a3b.json"), "--tp", "4",
-                 "--vllm-version", "0.21.0", "--served-model", "Qwen/Qwen3-Next"]) == 0
+    assert main(["plan", str(CONFIGS / "nemotron-h-8b.json"), "--vllm-version", "0.21.0",
+                 "--served-model", "nvidia/Nemotron-H"]) == 0
     out = capsys.readouterr().out
     commands = [line for line in out.splitlines() if "vllm serve" in line]
     assert len(commands) == 2  # vLLM alone, native offload

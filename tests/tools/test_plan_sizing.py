@@ -211,20 +211,23 @@ def test_hybrid_sliding_model_capacity_follows_each_backend():
     assert lmcache.refused and "LMCache#3106" in lmcache.refused and lmcache.command == ""
 
 
-def test_linear_attention_hybrid_is_never_recommended_to_kvtier_or_lmcache():
-    # Qwen3-Next: gated DeltaNet layers beside attention. kvtier refuses it at start-up
-    # (integrations.vllm.models.unsupported_reason): plan must not offer it.
+def test_linear_attention_hybrid_goes_to_kvtier_or_native_never_lmcache():
+    # Qwen3-Next: gated DeltaNet layers beside attention. kvtier serves them in vLLM's align
+    # mode, which the plan's --enable-prefix-caching gives (integrations.vllm.models); LMCache
+    # cannot (LMCache#3106). Nemotron-H's Mamba2 layers: kvtier refuses them at start-up.
     plan = make_plan(req("qwen3-next-80b-a3b", tp=4, vllm_version=(0, 21, 0)))
     kvtier = plan.alternative("kvtier")
-    assert kvtier.refused and "kvtier refuses this model" in kvtier.refused
-    assert kvtier.command == "" and plan.alternative("lmcache").command == ""
+    assert kvtier.refused is None and "--enable-prefix-caching" in kvtier.command
+    assert plan.alternative("lmcache").command == ""
+    mamba = make_plan(req("nemotron-h-8b", vllm_version=(0, 21, 0))).alternative("kvtier")
+    assert mamba.refused and "kvtier refuses this model" in mamba.refused
     native = plan.alternative("native")
     assert native.refused is None and native.hybrid_manager
     assert "--disable-hybrid-kv-cache-manager" not in native.command
     # Before v0.21 native offload needs the manager off, which such a model cannot run with.
     old = make_plan(req("qwen3-next-80b-a3b", tp=4, vllm_version=(0, 20, 0)))
     assert old.alternative("native").refused
-    assert [a.name for a in old.alternatives if a.refused is None] == ["none"]
+    assert [a.name for a in old.alternatives if a.refused is None] == ["none", "kvtier"]
 
 
 def test_cpu_tier_is_capped_by_host_ram_and_flagged():

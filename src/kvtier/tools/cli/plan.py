@@ -14,6 +14,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from kvtier.errors import ConfigError
 from kvtier.tools.cli.argtypes import (
     fraction,
     non_negative_int,
@@ -77,8 +78,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="a kvtier-served vLLM's /metrics: router weights from its measured "
                         "restore and recompute costs, beside the modelled ones")
     p.add_argument("--store-config", metavar="FILE",
-                   help="with --metrics: the server's kvtier config, to file each measured tier "
+                   help="the server's kvtier config: its tokens_per_chunk sizes the chunks of a "
+                        "model with state layers; with --metrics, each measured tier is filed "
                         "under its medium (the static guess it replaces)")
+    p.add_argument("--tokens-per-chunk", type=positive_int, metavar="N",
+                   help="kvtier's tokens_per_chunk for a model with state layers (a multiple of "
+                        "vLLM's block size; default: --store-config's, else kvtier's pick)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
 
@@ -99,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
         nvme_bytes=None if args.nvme is None else parse_size(args.nvme, "nvme"),
         nvme_path=args.nvme_path, nvme_gen=args.nvme_gen, pcie_gen=args.pcie_gen,
         context_tokens=args.context, concurrency=args.concurrency, kv_dtype=args.kv_dtype,
-        vllm_version=version, cpu_tier_bytes=cpu_tier)
+        vllm_version=version, cpu_tier_bytes=cpu_tier,
+        tokens_per_chunk=args.tokens_per_chunk or _store_tokens_per_chunk(args.store_config))
     plan = make_plan(req)
     weights = router_weights(plan, args.metrics, args.store_config)
     if args.json:
@@ -131,6 +137,23 @@ def router_weights(plan: Plan, metrics_url: str | None = None,
             store = load_store(store_config)
         rows += read_measured(metrics_url, store)[1]
     return tuple(rows)
+
+
+def _store_tokens_per_chunk(path: str | None) -> int | None:
+    """The tokens_per_chunk a kvtier config file sets (validated later), or None.
+
+    Raises:
+        ConfigError: naming --store-config, for a file that cannot be read as a kvtier config.
+    """
+    if not path:
+        return None
+    from kvtier.tools.ops.doctor import read_store
+
+    try:
+        value = read_store(path).get("tokens_per_chunk")
+    except ConfigError as exc:
+        raise ConfigError("--store-config", path, exc.allowed) from exc
+    return None if value is None else value
 
 
 def _model_ref(path: str, name: str) -> str:
@@ -175,7 +198,25 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "alternatives": [_alternative_dict(a) for a in plan.alternatives],
         "assumptions": list(plan.assumptions),
         "notes": list(plan.notes),
-    }
+    } | ({} if plan.chunks is None else {"state_chunks": _chunks_dict(plan)})
+
+
+def _chunks_dict(plan: Plan) -> dict[str, Any]:
+    """kvtier's chunks of a model with state layers (bytes per rank unless `_total`)."""
+    c, ctx = plan.chunks, plan.context_tokens
+    assert c is not None  # the caller checked
+    kvtier = plan.alternative("kvtier")
+    return {"vllm_block_size": c.block_size, "tokens_per_chunk": c.tokens_per_chunk,
+            "tokens_per_chunk_set": c.operator_set, "chosen": c.how,
+            "kv_bytes_per_token_per_rank": c.kv_bytes_per_token,
+            "state_bytes_per_seq_per_rank": c.state_bytes_per_seq,
+            "chunk_kv_bytes_per_rank": c.chunk_kv_bytes,
+            "chunk_state_bytes_per_rank": c.state_bytes_per_seq,
+            "chunks_per_session": c.chunks(ctx),
+            "tier_session_bytes_total": c.session_bytes(ctx) * c.tp,
+            "gpu_session_bytes_total": kvtier.session_bytes_total,
+            "tier_sessions": {t.name: t.warm_sessions for t in kvtier.tiers[1:]},
+            "kvtier_refused": kvtier.refused}
 
 
 def attention_kernel(plan: Plan) -> BackendChoice | None:
@@ -213,7 +254,9 @@ def _alternative_dict(a: Alternative) -> dict[str, Any]:
             "session_bytes_total": a.session_bytes_total, "live_sessions": a.live_sessions,
             "gpu_kv_tokens": a.gpu_kv_tokens, "tiers": [_tier_dict(t) for t in a.tiers],
             "flags": list(a.flags), "env": a.env, "command": a.command or None,
-            "notes": list(a.notes)}
+            "notes": list(a.notes)} | (
+                {} if a.stored_session_bytes_total is None
+                else {"stored_session_bytes_total": a.stored_session_bytes_total})
 
 
 def _print(plan: Plan) -> None:
@@ -235,6 +278,7 @@ def _print(plan: Plan) -> None:
         ("re-prefill one session", f"{plan.reprefill_s:.2f} s"),
         ("hybrid KV manager", f"{'on' if plan.hybrid_manager else 'off'}: {plan.hma_reason}"),
     ]
+    rows += _chunk_rows(plan)
     kernel = attention_kernel(plan)
     if kernel is not None:
         rows.append(("attention kernel (vLLM 0.33)", describe_choice(kernel)))
@@ -258,6 +302,23 @@ def _print(plan: Plan) -> None:
     _print_alternatives(console, plan)
 
 
+def _chunk_rows(plan: Plan) -> list[tuple[str, str]]:
+    """The head table's rows for a model with state layers (none for other models)."""
+    c, ctx = plan.chunks, plan.context_tokens
+    if c is None:
+        return []
+    per = " per rank" if c.tp > 1 else ""
+    return [
+        ("state per sequence", f"{format_size(c.state_bytes_per_seq)}{per} (all state layers, "
+         "one copy: what vLLM's GPU pool holds, whatever the context)"),
+        ("kvtier chunk", f"{c.tokens_per_chunk:,} tokens = {c.how}"),
+        ("bytes per chunk", f"{format_size(c.chunk_bytes)}{per} = "
+         f"{format_size(c.chunk_kv_bytes)} KV + {format_size(c.state_bytes_per_seq)} state"),
+        ("one session on a kvtier tier", f"{c.chunks(ctx):,} chunks = "
+         f"{format_size(c.session_bytes(ctx) * c.tp)} (each chunk carries the states)"),
+    ]
+
+
 def _print_alternatives(console: Console, plan: Plan) -> None:
     table = Table(title="alternatives: capacity with each")
     for col in ("alternative", "hybrid KV manager", "one session", "live sessions",
@@ -265,8 +326,10 @@ def _print_alternatives(console: Console, plan: Plan) -> None:
         table.add_column(col)
     for a in plan.alternatives:
         warm = " / ".join(f"{t.warm_sessions:,}" for t in a.tiers[1:]) or "-"
-        table.add_row(a.title, "on" if a.hybrid_manager else "off",
-                      format_size(a.session_bytes_total), f"{a.live_sessions:,}",
+        one = format_size(a.session_bytes_total)
+        if a.stored_session_bytes_total is not None:
+            one += f" ({format_size(a.stored_session_bytes_total)} in its tiers)"
+        table.add_row(a.title, "on" if a.hybrid_manager else "off", one, f"{a.live_sessions:,}",
                       "refused" if a.refused else warm)
     console.print(table)
     console.print("[bold]alternatives[/bold], pick ONE (each line is a complete command):")

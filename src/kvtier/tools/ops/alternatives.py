@@ -4,16 +4,17 @@ Primitives:
     TierEstimate, Alternative        -- results (frozen)
     serve_flags(tp, util, ctx, kv_dtype, long_block) -- the flags every command shares
     tier_estimates(...)              -- what each tier holds and how fast a session returns
-    build_alternatives(req, ...)     -- every alternative, refused ones included
+    build_alternatives(req, ..., chunks) -- every alternative, refused ones included
 
 Alternatives: "none" (vLLM's own prefix cache, no offload), "native" (vLLM's CPU offload),
 "kvtier" (its connector, CPU + NVMe tiers), "lmcache" (LMCache in-process, CPU + NVMe).
 Each runs with its own state of vLLM's hybrid KV cache manager, so on hybrid models each has
-its own session size: LMCache runs with the manager off (it does not implement `SupportsHMA`:
-vLLM then allocates sliding layers for the whole context), native offload keeps it on from
-v0.21.0 (issue 14), kvtier keeps it on (its connector is `SupportsHMA`). An alternative that
-cannot serve the model at the given vLLM version keeps its figures, with `refused` saying why
-and no command.
+its own session size (kvtier's tiers of a model with state layers store a copy of the states
+with every chunk: chunkplan.py): LMCache runs with the manager off (it does not implement
+`SupportsHMA`: vLLM then allocates sliding layers for the whole context), native offload keeps
+it on from v0.21.0 (issue 14), kvtier keeps it on (its connector is `SupportsHMA`). An
+alternative that cannot serve the model at the given vLLM version keeps its figures, with
+`refused` saying why and no command.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ from kvtier.core.tier import Medium
 from kvtier.integrations.vllm.config import CONNECTOR_CLASS
 from kvtier.integrations.vllm.models import ModelTraits, unsupported_reason
 from kvtier.tools.ops import flags as backend_flags
+from kvtier.tools.ops.chunkplan import ChunkPlan
 from kvtier.tools.ops.costmodel import transfer_seconds
 from kvtier.tools.ops.hardware import LinkProfile, dram_link, host_link, nvme_link
-from kvtier.tools.ops.modelspec import ModelSpec, kv_footprint, session_kv_bytes
+from kvtier.tools.ops.modelspec import ModelSpec, hf_layer_types, kv_footprint, session_kv_bytes
 from kvtier.tools.ops.plan_request import PlanRequest
 from kvtier.tools.ops.restorecost import GPU_MEDIUM
 from kvtier.tools.ops.vllm_versions import (
@@ -84,6 +86,9 @@ class Alternative:
     env: dict[str, str]  # environment it needs (LMCache)
     command: str  # the complete `vllm serve` line; "" when refused
     notes: tuple[str, ...] = ()  # what an operator must know about it
+    # one session as its CPU/NVMe tiers store it, all ranks, where that differs from
+    # session_bytes_total (kvtier on a model with state layers); None where it does not
+    stored_session_bytes_total: int | None = None
 
 
 def serve_flags(tp: int, gpu_memory_utilization: float, ctx: int, kv_dtype: str,
@@ -105,10 +110,16 @@ def serve_flags(tp: int, gpu_memory_utilization: float, ctx: int, kv_dtype: str,
 
 def tier_estimates(
     req: PlanRequest, session_rank: int, kv_gpu: int, cpu_bytes: int, nvme_bytes: int,
-    reprefill: float,
+    reprefill: float, stored_rank: int | None = None,
 ) -> tuple[TierEstimate, ...]:
-    """HBM, then the CPU tier (if `cpu_bytes`) and the NVMe tier (if `nvme_bytes`)."""
+    """HBM, then the CPU tier (if `cpu_bytes`) and the NVMe tier (if `nvme_bytes`).
+
+    `session_rank` is what one session loads back (and holds in HBM) on one rank;
+    `stored_rank`, what it takes in a CPU or NVMe tier when that is more (kvtier's chunks of
+    a model with state layers each carry the states; a load reads one copy of them).
+    """
     tp, session_total = req.tp, session_rank * req.tp
+    stored_total = (stored_rank or session_rank) * tp
     pcie = host_link(req.gpu, req.pcie_gen)
     # Each GPU pulls its own shard over its own link; all of them share host DRAM.
     host_load = max(transfer_seconds(session_rank, pcie),
@@ -118,25 +129,26 @@ def tier_estimates(
     tiers = [TierEstimate("GPU HBM", kv_gpu * tp, kv_gpu // session_rank, None, 0.0, math.inf,
                           GPU_MEDIUM)]
     if cpu_bytes:
-        tiers.append(TierEstimate("CPU DRAM", cpu_bytes, cpu_bytes // session_total, pcie,
+        tiers.append(TierEstimate("CPU DRAM", cpu_bytes, cpu_bytes // stored_total, pcie,
                                   host_load, reprefill / host_load, Medium.CPU.value))
     if nvme_bytes:
-        tiers.append(TierEstimate("NVMe", nvme_bytes, nvme_bytes // session_total, disk,
+        tiers.append(TierEstimate("NVMe", nvme_bytes, nvme_bytes // stored_total, disk,
                                   disk_load, reprefill / disk_load, Medium.STORAGE.value))
     return tuple(tiers)
 
 
 def build_alternatives(
     req: PlanRequest, ctx: int, kv_gpu: int, cpu_gib: float, nvme_gib: float,
-    reprefill: float, shared: list[str],
+    reprefill: float, shared: list[str], chunks: ChunkPlan | None = None,
 ) -> tuple[Alternative, ...]:
-    """Every alternative for `req` (see the module docstring), in NAMES order.
+    """Every alternative for `req` (see the module docstring), in NAMES order; `chunks`:
+    kvtier's chunks of a model with state layers (chunkplan.plan_chunks).
 
     Raises:
         ConfigError: when kvtier's connector would refuse the store config plan builds.
     """
     spec = req.model
-    hybrid = len(set(spec.layer_kinds)) > 1
+    hybrid = spec.hybrid
     out = []
     for name in NAMES:
         hma_on, reason, disable = _hma(name, req.vllm_version, hybrid, spec)
@@ -145,14 +157,16 @@ def build_alternatives(
         session_rank = session_kv_bytes(fp, ctx)
         cpu = 0 if name == "none" else int(cpu_gib * _GIB)
         nvme = int(nvme_gib * _GIB) if name in ("kvtier", "lmcache") else 0
-        tiers = tier_estimates(req, session_rank, kv_gpu, cpu, nvme, reprefill)
+        stored = chunks.session_bytes(ctx) if chunks and name == "kvtier" else None
+        tiers = tier_estimates(req, session_rank, kv_gpu, cpu, nvme, reprefill, stored)
         own, env = _flags(name, req, cpu_gib, nvme_gib, disable)
         out.append(Alternative(
             name=name, title=_TITLES[name], refused=refused, hybrid_manager=hma_on,
             hma_reason=reason, bytes_per_token_rank=fp.bytes_per_token,
             session_bytes_total=session_rank * req.tp, live_sessions=kv_gpu // session_rank,
             gpu_kv_tokens=int(kv_gpu / session_rank * ctx), tiers=tiers, flags=tuple(own),
-            env=env, command="" if refused else command_line(req.model_ref, shared, own, env)))
+            env=env, command="" if refused else command_line(req.model_ref, shared, own, env),
+            stored_session_bytes_total=None if stored is None else stored * req.tp))
     return tuple(_with_capacity_notes(out))
 
 
@@ -169,7 +183,7 @@ def _hma(name: str, version: Version | None, hybrid: bool,
     if name == "none":
         return True, "no KV connector: vLLM keeps its hybrid KV cache manager", False
     verdict = hma_verdict(version, _CONNECTORS[name], hybrid)
-    if name == "native" and version is None and spec.count("linear"):
+    if name == "native" and version is None and spec.state_layers:
         # Without the manager vLLM cannot serve Mamba/linear layers at all: the only
         # working native command is v0.21.0+'s, without the flag.
         return True, (f"Mamba/linear-attention layers need the manager: native offload "
@@ -178,12 +192,14 @@ def _hma(name: str, version: Version | None, hybrid: bool,
 
 
 def _refusal(name: str, spec: ModelSpec, version: Version | None, hybrid: bool) -> str | None:
-    linear = spec.count("linear") > 0
+    linear = spec.state_layers > 0
     if name == "kvtier":
+        # The plan's commands turn prefix caching on: vLLM's "align" mamba cache mode.
         traits = ModelTraits(
             model=spec.name, architecture=spec.architecture or spec.model_type,
             attention_free=spec.count("full") + spec.count("sliding") == 0, hybrid=linear,
-            encoder_decoder=spec.encoder_decoder)
+            encoder_decoder=spec.encoder_decoder, layer_types=hf_layer_types(spec),
+            state_prefix_caching=True)
         found = unsupported_reason(traits)
         return None if found is None else f"kvtier refuses this model: {found[0]}; {found[1]}"
     if name == "lmcache" and hybrid:
@@ -213,7 +229,10 @@ def _flags(name: str, req: PlanRequest, cpu_gib: float, nvme_gib: float,
         if nvme_gib:
             tiers.append({"kind": "disk", "path": req.nvme_path,
                           "capacity": f"{backend_flags.gib_number(nvme_gib)}GiB"})
-        own = backend_flags.kvtier_flags({"tiers": tiers}, disable_hma)
+        extra: dict[str, Any] = {"tiers": tiers}
+        if req.tokens_per_chunk is not None:
+            extra = {"tokens_per_chunk": req.tokens_per_chunk} | extra
+        own = backend_flags.kvtier_flags(extra, disable_hma)
     else:
         own = backend_flags.lmcache_flags(disable_hma)
         env = backend_flags.lmcache_env(cpu_gib, req.tp,

@@ -16,6 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.tools.ops.statesize import state_shape
+
 
 @dataclass(frozen=True, slots=True)
 class MlaSpec:
@@ -26,10 +28,6 @@ class MlaSpec:
     qk_nope_head_dim: int  # per-head non-RoPE query/key width (weights only)
     v_head_dim: int  # per-head value width (weights only)
     q_lora_rank: int | None  # query compression rank; None when queries are not compressed
-
-
-# Recurrent state is kept in the model dtype by default (vLLM `mamba_ssm_cache_dtype=auto`).
-_STATE_ELEM_BYTES = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,20 +58,10 @@ def count_params(
 
 
 def linear_state_bytes(cfg: Mapping[str, Any], hidden: int) -> int:
-    """Per-sequence state of one linear-attention or Mamba layer (conv + SSM), in bytes."""
-    if cfg.get("linear_num_value_heads"):  # gated DeltaNet (Qwen3-Next / Qwen3.5)
-        kd = int(cfg["linear_num_key_heads"]) * int(cfg["linear_key_head_dim"])
-        vh, vdim = int(cfg["linear_num_value_heads"]), int(cfg["linear_value_head_dim"])
-        conv = (2 * kd + vh * vdim) * (int(cfg.get("linear_conv_kernel_dim") or 4) - 1)
-        return (conv + vh * int(cfg["linear_key_head_dim"]) * vdim) * _STATE_ELEM_BYTES
-    d_state = cfg.get("mamba_d_state") or cfg.get("ssm_state_size") or cfg.get("state_size")
-    if not d_state:
-        return 0
-    d_inner = _mamba_inner(cfg, hidden)
-    d_conv = int(cfg.get("mamba_d_conv") or cfg.get("conv_kernel") or 4)
-    groups = int(cfg.get("n_groups") or cfg.get("mamba_n_groups") or 0)
-    conv = (d_inner + 2 * groups * int(d_state)) * (d_conv - 1)
-    return (conv + d_inner * int(d_state)) * _STATE_ELEM_BYTES
+    """Per-sequence state of one linear-attention or Mamba layer (conv + SSM), in bytes, at
+    TP size 1 (statesize.py: vLLM's shapes and dtypes); 0 for a model without such layers."""
+    shape = state_shape(cfg, hidden)
+    return 0 if shape is None else shape.bytes_per_rank(1)
 
 
 def _mamba_inner(cfg: Mapping[str, Any], hidden: int) -> int:

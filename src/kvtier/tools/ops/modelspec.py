@@ -8,14 +8,15 @@ Primitives:
     KVFootprint, kv_footprint(spec, kv_dtype, tp, hybrid_manager)
                            -- per-rank KV bytes per token, split by layer kind
     session_kv_bytes(fp, tokens) -- one sequence's KV on one rank at `tokens` context
+    hf_layer_types(spec)   -- the layers as HF `layer_types` names (kvtier's model check)
 
 Layer kinds: "full" attention keeps KV for every token; "sliding" attention keeps at most
 `sliding_window` tokens. With `--disable-hybrid-kv-cache-manager` vLLM allocates sliding
 layers like full ones, but only in a model that has both kinds
 (`_promote_local_kv_cache_specs` promotes only when full and sliding layers are present): a
 model whose layers are all sliding (Mistral-7B v0.1) keeps the window either way;
-"linear" (Mamba, gated DeltaNet, other linear attention) keeps a fixed state per sequence
-and no per-token KV.
+"linear" (Mamba, gated DeltaNet, short convolution) keeps a fixed state per sequence and no
+per-token KV (statesize.py: vLLM's state shapes and dtypes; the per-rank split).
 
 MLA (DeepSeek-V2/V3): vLLM caches the compressed latent `kv_lora_rank + qk_rope_head_dim`
 per layer per token, once (no separate K and V), and every TP rank holds the whole latent.
@@ -31,6 +32,7 @@ from typing import Any, Literal
 
 from kvtier.errors import ConfigError
 from kvtier.tools.ops.modelparams import MlaSpec, count_params, linear_state_bytes
+from kvtier.tools.ops.statesize import StateShape, state_shape
 
 LayerKind = Literal["full", "sliding", "linear"]
 
@@ -69,6 +71,9 @@ class ModelSpec:
     architecture: str = ""  # HF `architectures[0]`, e.g. "LlamaForCausalLM"; "" if absent
     encoder_decoder: bool = False  # HF `is_encoder_decoder`: cross-attention over an encoder
     params_estimated: bool = True  # param_count estimated from shapes, not given by the user
+    state: StateShape | None = None  # one "linear" layer's state shape; None without them
+    # every layer runs a state mixer beside its attention (Falcon-H1): layer_kinds say "full"
+    parallel_state: bool = False
 
     @property
     def num_layers(self) -> int:
@@ -86,6 +91,16 @@ class ModelSpec:
     def count(self, kind: LayerKind) -> int:
         """Number of decoder layers of `kind`."""
         return sum(1 for k in self.layer_kinds if k == kind)
+
+    @property
+    def state_layers(self) -> int:
+        """Layers that keep a Mamba/linear-attention state (Falcon-H1: all of them)."""
+        return self.num_layers if self.parallel_state else self.count("linear")
+
+    @property
+    def hybrid(self) -> bool:
+        """Mixes layer kinds (sliding + full, state + attention): vLLM's hybrid manager."""
+        return len(set(self.layer_kinds)) > 1 or self.parallel_state
 
     @property
     def weights_bytes(self) -> int:
@@ -148,7 +163,8 @@ def kv_footprint(
               and (hybrid_manager or full == 0))
     if not capped:
         full, sliding = full + sliding, 0
-    state = -(-spec.linear_state_bytes * spec.count("linear") // tp)  # ceil: heads split
+    state = spec.state_layers * (spec.state.bytes_per_rank(tp) if spec.state else
+                                    -(-spec.linear_state_bytes // tp))
     return KVFootprint(
         full_bytes_per_token=full * per_layer,
         sliding_bytes_per_token=sliding * per_layer,
@@ -156,6 +172,21 @@ def kv_footprint(
         state_bytes_per_seq=state,
         tp=tp,
     )
+
+
+# A state family's name in HF `layer_types` (what kvtier's model check reads, models.py):
+# Mamba layers are "mamba" there, refused; LFM2's are "conv", Qwen3-Next's "linear_attention".
+STATE_LAYER_TYPE = {"gdn": "linear_attention", "short_conv": "conv", "mamba2": "mamba",
+                     "mamba1": "mamba"}
+_ATTENTION_LAYER_TYPE = {"full": "full_attention", "sliding": "sliding_attention"}
+
+
+def hf_layer_types(spec: ModelSpec) -> tuple[str, ...]:
+    """The model's layers as HF `layer_types` names; state layers of no known family are
+    "mamba" (which kvtier refuses); a parallel state mixer (Falcon-H1) adds its name once."""
+    state = STATE_LAYER_TYPE[spec.state.family] if spec.state else "mamba"
+    names = tuple(_ATTENTION_LAYER_TYPE.get(k, state) for k in spec.layer_kinds)
+    return (*names, state) if spec.parallel_state else names
 
 
 def session_kv_bytes(fp: KVFootprint, tokens: int) -> int:
@@ -270,7 +301,14 @@ def _parse_model_config(raw: Mapping[str, Any], cfg: Mapping[str, Any], name: st
         architecture=_architecture(raw),
         encoder_decoder=bool(raw.get("is_encoder_decoder") or cfg.get("is_encoder_decoder")),
         params_estimated=not param_count,
+        state=state_shape(cfg, hidden),
+        # Falcon-H1 declares no layer pattern: attention and Mamba2 run side by side in each
+        parallel_state=bool(cfg.get("mamba_d_ssm") or _model_type_of(raw, cfg) == "falcon_h1"),
     )
+
+
+def _model_type_of(raw: Mapping[str, Any], cfg: Mapping[str, Any]) -> str:
+    return str(raw.get("model_type") or cfg.get("model_type") or "").lower()
 
 
 def _architecture(raw: Mapping[str, Any]) -> str:

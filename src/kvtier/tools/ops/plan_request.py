@@ -34,3 +34,4 @@ class PlanRequest:
     vllm_version: Version | None = None  # decides the hybrid-manager flag
     cpu_tier_bytes: int | None = None  # force the CPU tier size (total across ranks)
     model_ref: str = "<model>"  # what `vllm serve` is given: a hub id or the model's folder
+    tokens_per_chunk: int | None = None  # kvtier's tokens_per_chunk; None: the connector picks

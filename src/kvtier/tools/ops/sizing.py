@@ -9,7 +9,8 @@ Steps: weights per GPU -> KV memory per GPU -> the CPU and NVMe tiers the host c
 for each way to serve (vLLM alone, vLLM native offload, kvtier, LMCache): whether it can serve
 the model on this vLLM version, whether vLLM's hybrid KV cache manager stays on with it (which
 decides what one session costs on hybrid models), live and warm sessions, load time vs
-re-prefill, and the complete `vllm serve` command (kvtier.tools.ops.alternatives).
+re-prefill, and the complete `vllm serve` command (kvtier.tools.ops.alternatives). For a
+model with state layers, kvtier's chunk size and bytes per chunk (chunkplan.py).
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ from kvtier.tools.ops.alternatives import (
     tier_estimates,
 )
 from kvtier.tools.ops.attention_kernels import long_context_block
+from kvtier.tools.ops.chunkplan import ChunkPlan, plan_chunks
 from kvtier.tools.ops.costmodel import prefill_seconds
 from kvtier.tools.ops.flags import DISABLE_HMA, gib_number
 from kvtier.tools.ops.modelspec import ModelSpec, kv_dtype_bytes
 from kvtier.tools.ops.plan_request import PlanRequest
+from kvtier.units import format_size
 
 __all__ = ["Alternative", "Plan", "PlanRequest", "TierEstimate", "make_plan"]
 
@@ -76,6 +79,7 @@ class Plan:
     alternatives: tuple[Alternative, ...]  # each way to serve, refused ones included
     assumptions: tuple[str, ...] = ()  # defaults the figures rest on, to check
     notes: tuple[str, ...] = field(default=())  # warnings and advice, most important first
+    chunks: ChunkPlan | None = None  # kvtier's chunks of a model with state layers
 
     def alternative(self, name: str) -> Alternative:
         """The alternative called `name` ("none", "native", "kvtier", "lmcache").
@@ -119,7 +123,10 @@ def make_plan(req: PlanRequest) -> Plan:
     long_block = 32 if req.gpu.pcie_gen == 0 else long_context_block(
         req.gpu.sm_major, spec.mla is not None, req.kv_dtype.lower().startswith("fp8"))
     flags = serve_flags(req.tp, req.gpu_memory_utilization, ctx, req.kv_dtype, long_block)
-    alts = build_alternatives(req, ctx, kv_gpu, cpu_gib, nvme_gib, reprefill, flags)
+    chunks = plan_chunks(spec, req.kv_dtype, tp, on_cpu=req.gpu.pcie_gen == 0,
+                         block_size=long_block if "--block-size" in flags else None,
+                         tokens_per_chunk=req.tokens_per_chunk)
+    alts = build_alternatives(req, ctx, kv_gpu, cpu_gib, nvme_gib, reprefill, flags, chunks)
     native = next(a for a in alts if a.name == "native")
     plan = Plan(
         request=req, context_tokens=ctx, weights_bytes=spec.weights_bytes,
@@ -133,7 +140,7 @@ def make_plan(req: PlanRequest) -> Plan:
                              int(nvme_gib * _GIB), reprefill),
         cpu_offload_gib=cpu_gib, cpu_tier_wanted_bytes=wanted, host_ram_bytes=host_ram,
         nvme_gib=nvme_gib, serve_flags=tuple(flags), alternatives=alts,
-        assumptions=tuple(_assumptions(req, ctx, host_ram, nvme_gib)))
+        assumptions=tuple(_assumptions(req, ctx, host_ram, nvme_gib)), chunks=chunks)
     return _with_notes(plan, kv_gpu)
 
 
@@ -225,6 +232,8 @@ def _notes(plan: Plan, kv_gpu: int) -> list[str]:
         notes.append("FP8 KV: without calibrated k/v scales in the checkpoint vLLM uses "
                      "scale 1.0 and may clip outliers at long context; prefer BF16 KV + offload")
     notes += [n for alt in plan.alternatives for n in alt.notes]
+    if plan.chunks is not None and plan.alternative("kvtier").refused is None:
+        notes.append(state_note(plan.chunks, ctx))
     if req.tp > 1:
         notes.append(f"sizes are per engine, the total across its {req.tp} TP ranks: kvtier's "
                      f"capacities and --kv-offloading-size split evenly (each rank's CPU tier "
@@ -234,6 +243,21 @@ def _notes(plan: Plan, kv_gpu: int) -> list[str]:
                      "--disable-hybrid-kv-cache-manager (needed on v0.18-v0.20); pass "
                      "--vllm-version to decide")
     return notes
+
+
+def state_note(chunks: ChunkPlan, ctx: int) -> str:
+    """What the model's state layers mean for kvtier's tiers at `ctx` tokens (per engine)."""
+    tp = chunks.tp
+    share = chunks.state_bytes_per_seq / chunks.chunk_bytes
+    return (f"state layers: vLLM's GPU pool keeps one copy of a sequence's states "
+            f"({format_size(chunks.state_bytes_per_seq * tp)}), which does not grow with the "
+            f"context; kvtier's tiers store a copy with every chunk of "
+            f"{chunks.tokens_per_chunk:,} tokens ({chunks.how}), so a {ctx:,}-token session "
+            f"there is {chunks.chunks(ctx):,} chunks x "
+            f"({format_size(chunks.chunk_kv_bytes * tp)} KV + "
+            f"{format_size(chunks.state_bytes_per_seq * tp)} state) = "
+            f"{format_size(chunks.session_bytes(ctx) * tp)}, {share:.0%} of it state; "
+            "a larger tokens_per_chunk (a multiple of the block) lowers that share")
 
 
 def _gib_text(n: float) -> str:

@@ -25,6 +25,7 @@ from kvtier.tools.ops.modelspec import parse_model_config
 # One line per rule module; each registers its rules with @rule when imported.
 RULE_MODULES: tuple[str, ...] = (
     "kvtier.tools.ops.audit.rules_input",
+    "kvtier.tools.ops.audit.rules_state",
     "kvtier.tools.ops.audit.rules_offload",
     "kvtier.tools.ops.audit.rules_native",
     "kvtier.tools.ops.audit.rules_lmcache",
@@ -36,11 +37,19 @@ RULE_MODULES: tuple[str, ...] = (
 # Model names whose layers mix attention kinds (sliding+full, linear/Mamba+full).
 _HYBRID_NAME = re.compile(
     r"qwen3[._-]?[56]|qwen3-next|gemma-?[234]|jamba|nemotron-h|granite-4|mamba|falcon-h1|"
-    r"minimax|zamba|bamba|plamo", re.IGNORECASE)
+    r"minimax|zamba|bamba|plamo|lfm2", re.IGNORECASE)
 # Of those, the names whose models hold Mamba / linear-attention state.
 _LINEAR_NAME = re.compile(
     r"qwen3[._-]?[56]|qwen3-next|jamba|nemotron-h|granite-4|mamba|falcon-h1|minimax|zamba|"
-    r"bamba|plamo", re.IGNORECASE)
+    r"bamba|plamo|lfm2", re.IGNORECASE)
+# Of those, the state family (statesize.StateFamily) a name tells; first match wins.
+_FAMILY_NAMES = (
+    ("gdn", re.compile(r"qwen3[._-]?[56]|qwen3-next", re.IGNORECASE)),
+    ("short_conv", re.compile(r"lfm2", re.IGNORECASE)),
+    ("mamba2", re.compile(r"nemotron-h|granite-4|falcon-h1|zamba|bamba|mamba-?2|mamba-codestral",
+                          re.IGNORECASE)),
+    ("mamba1", re.compile(r"jamba|mamba", re.IGNORECASE)),
+)
 # Model names whose models use MLA (DeepSeek-V2/V3/R1, Kimi K2); not the R1 distills.
 _MLA_NAME = re.compile(r"deepseek[-_]?(v2|v3|r1)(?!.*distill)|kimi[-_]?k2", re.IGNORECASE)
 # Variables only vLLM's CPU backend reads: their presence says the server runs on CPUs.
@@ -110,18 +119,24 @@ class ModelTraits:
     known: bool  # True when read from config.json, False when guessed from the name
     linear: bool = False  # has Mamba / linear-attention layers (state, not per-token KV)
     mla: bool = False  # DeepSeek-style latent attention: vLLM picks MLA kernels
+    # "gdn", "short_conv", "mamba2" or "mamba1" (statesize.py); None: no state layers, or
+    # state layers of no known family (MiniMax, PLaMo)
+    state_family: str | None = None
 
 
 def model_traits(cmd: ServeCommand) -> ModelTraits:
     """Hybrid or not: from `cmd.model_config` when given, else from the model's name."""
     if cmd.model_config is not None:
         spec = parse_model_config(cmd.model_config)
-        return ModelTraits(hybrid=len(set(spec.layer_kinds)) > 1, known=True,
-                           linear="linear" in spec.layer_kinds, mla=spec.mla is not None)
+        linear = spec.state_layers > 0
+        return ModelTraits(hybrid=spec.hybrid, known=True, linear=linear,
+                           mla=spec.mla is not None,
+                           state_family=spec.state.family if linear and spec.state else None)
     name = cmd.model or ""
-    return ModelTraits(hybrid=bool(_HYBRID_NAME.search(name)), known=False,
-                       linear=bool(_LINEAR_NAME.search(name)),
-                       mla=bool(_MLA_NAME.search(name)))
+    linear = bool(_LINEAR_NAME.search(name))
+    family = next((f for f, pattern in _FAMILY_NAMES if pattern.search(name)), None)
+    return ModelTraits(hybrid=bool(_HYBRID_NAME.search(name)), known=False, linear=linear,
+                       mla=bool(_MLA_NAME.search(name)), state_family=family if linear else None)
 
 
 def on_cpu_backend(cmd: ServeCommand, options: AuditOptions) -> bool:

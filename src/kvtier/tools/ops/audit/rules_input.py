@@ -19,7 +19,7 @@ from typing import Any
 from kvtier.errors import ConfigError
 from kvtier.tools.ops.audit.command import ServeCommand
 from kvtier.tools.ops.audit.finding import Finding, Severity
-from kvtier.tools.ops.audit.registry import AuditOptions, model_traits, rule
+from kvtier.tools.ops.audit.registry import AuditOptions, rule
 
 # Connector names vLLM's KVConnectorFactory registers (v0.9-v0.32; older names kept so
 # auditing an older release does not flag them), plus kvtier's own.
@@ -181,26 +181,6 @@ def kvtier_connector_config(cmd: ServeCommand, _: AuditOptions) -> Iterator[Find
                 "refuses to load, so vLLM does not start",
                 "fix the value; `kvtier serve --dry-run` prints a config the connector accepts",
             )
-
-
-@rule("kvtier-unsupported-model", "kvtier connector on a model kvtier refuses at start-up",
-      reads=("--model-config",))
-def kvtier_unsupported_model(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
-    if KVTIER_CONNECTOR not in cmd.connectors:
-        return
-    traits = model_traits(cmd)
-    if not traits.linear:
-        return
-    how = "its config.json" if traits.known else "its name"
-    yield Finding(
-        "kvtier-unsupported-model", Severity.ERROR if traits.known else Severity.WARNING,
-        f"{KVTIER_CONNECTOR} on {cmd.model or 'the model'}, which has linear-attention or "
-        f"Mamba layers (judged from {how})",
-        "kvtier stores per-token K and V of one full-attention KV cache group; it refuses "
-        "models whose cache holds Mamba/linear-attention state, and vLLM does not start",
-        "use vLLM's native offload (--kv-offloading-backend native, v0.21.0+) for this model"
-        + ("" if traits.known else "; pass --model-config to let the audit decide"),
-    )
 
 
 @functools.cache

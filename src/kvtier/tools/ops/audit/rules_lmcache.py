@@ -67,14 +67,18 @@ def lmcache_hybrid(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
     if not cmd.uses_lmcache or not traits.hybrid:
         return
     how = "its config.json" if traits.known else "its name"
+    # kvtier serves sliding-window hybrids and the GDN / short-conv state families, not
+    # Mamba ones (rules_state.py): suggest it only where it starts.
+    kvtier = not traits.linear or traits.state_family in ("gdn", "short_conv")
     yield Finding(
         "lmcache-hybrid-model", Severity.ERROR,
         f"LMCache connector on {cmd.model or 'the model'}, a hybrid-attention model "
         f"(judged from {how})",
         "LMCache stores one tensor shape per chunk and fails on mixed attention groups "
         "(Gemma sliding+full, Qwen3.5 DeltaNet+attention): LMCache#3106, open 2026-05",
-        "use vLLM native offload on v0.21.0+ (--kv-offloading-backend native) or kvtier's "
-        "connector; or NixlConnector 1P1D for disaggregation",
+        "use vLLM native offload on v0.21.0+ (--kv-offloading-backend native)"
+        + (" or kvtier's connector" if kvtier else "") + "; or NixlConnector 1P1D for "
+        "disaggregation",
     )
 
 
