@@ -47,6 +47,7 @@ WORKLOADS: tuple[str, ...] = (
     "kvtier.tools.cli.bench_mover",
     "kvtier.tools.cli.bench_link",
     "kvtier.tools.cli.bench_fleet",
+    "kvtier.tools.cli.bench_disk_load",
 )
 
 
