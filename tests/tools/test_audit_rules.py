@@ -143,6 +143,9 @@ CASES = {
         (f"vllm serve nvidia/Nemotron-H-8B-Base-8K {transfer('KVTierConnector')}", {}, V21,
          Severity.WARNING),
         (f"vllm serve Qwen/Qwen3-Next-80B-A3B {transfer('KVTierConnector')}", {}, V21, None)),
+    "state-model-without-hma": (
+        (f"vllm serve Qwen/Qwen3.5-35B-A3B {NATIVE} 100 {HMA}", {}, V20, Severity.WARNING),
+        (f"vllm serve Qwen/Qwen3.5-35B-A3B {NATIVE} 100", {}, V21, None)),
     "kvtier-state-cache-mode": (
         (f"vllm serve LiquidAI/LFM2-1.2B --no-enable-prefix-caching "
          f"{transfer('KVTierConnector')}", {}, V32, Severity.WARNING),
@@ -400,6 +403,15 @@ def test_kvtier_serves_gdn_and_short_conv_in_align_mode(model):
                                                        vllm_version=V32))
                if f.rule == "lmcache-hybrid-model"]
     assert lmcache and "kvtier's connector" in lmcache[0].fix
+
+
+def test_native_offload_before_v021_on_a_state_model_is_told_to_upgrade():
+    # v0.20's native offload needs the manager off, which a state-layer model cannot run with
+    found = findings_of("offload-needs-hma-flag",
+                        (f"vllm serve Qwen/Qwen3.5-35B-A3B {NATIVE} 100", {}, V20, None))
+    assert "do not add the flag" in found[0].fix and "v0.21.0+" in found[0].fix
+    assert "add --disable" in findings_of("offload-needs-hma-flag",
+                                          (f"vllm serve m {NATIVE} 100", {}, V20, None))[0].fix
 
 
 def test_state_rules_from_config_json_are_errors():

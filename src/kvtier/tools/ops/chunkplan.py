@@ -25,7 +25,8 @@ from kvtier.tools.ops.modelspec import ModelSpec, kv_dtype_bytes, kv_footprint
 from kvtier.tools.ops.statesize import align_block_size
 
 # vLLM's block size before alignment and its attention backend's smallest kernel block:
-# FlashAttention on CUDA (16, MultipleOf(16)); the CPU backend (128, MultipleOf(32)).
+# FlashAttention on CUDA (16, MultipleOf(16)); the CPU backend (128, MultipleOf(32)). Not
+# modelled: FA4's fixed page for head size 256 on Blackwell, the 128 floor of MLA hybrids.
 CUDA_BLOCK, CUDA_KERNEL_BASE = 16, 16
 CPU_BLOCK, CPU_KERNEL_BASE = 128, 32
 

@@ -59,19 +59,25 @@ def offload_size_per_gpu(cmd: ServeCommand, opts: AuditOptions) -> Iterator[Find
 def offload_needs_hma(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
     if not cmd.offloads or cmd.has(DISABLE_HMA):
         return
-    hybrid = model_traits(cmd).hybrid
+    traits = model_traits(cmd)
     for connector in cmd.connectors:
-        verdict = hma_verdict(cmd.vllm_version, connector, hybrid)
+        verdict = hma_verdict(cmd.vllm_version, connector, traits.hybrid)
         if verdict.required is False:
             continue
+        fix = f"add {DISABLE_HMA}" + ("" if verdict.required else
+                                      ", or pass --vllm-version so the audit can decide")
+        if traits.linear:  # the flag would stop vLLM itself (rules_state.py, issue 25)
+            fix = ("do not add the flag: vLLM cannot run Mamba/linear-attention layers without "
+                   "the hybrid manager; " + ("use vLLM v0.21.0+, whose native offload keeps it"
+                                             if connector in NATIVE_CONNECTORS else
+                                             "serve this model without this connector"))
         yield Finding(
             "offload-needs-hma-flag",
             Severity.ERROR if verdict.required else Severity.WARNING,
             f"{connector} is configured without {DISABLE_HMA}",
             f"{verdict.reason}; startup fails with 'Connector {connector} does not support "
             "HMA but HMA is enabled'",
-            f"add {DISABLE_HMA}" + ("" if verdict.required else
-                                    ", or pass --vllm-version so the audit can decide"),
+            fix,
         )
         return
 

@@ -7,7 +7,8 @@ kvtier serves short-convolution (LFM2) and gated DeltaNet (Qwen3-Next, Qwen3.5) 
 in vLLM's "align" mamba cache mode (prefix caching on); it refuses Mamba1/Mamba2 families
 (Nemotron-H, Granite-4 hybrids, Falcon-H1, Bamba, Zamba2, Jamba) and unknown state layers.
 LMCache on any hybrid is rules_lmcache.py's `lmcache-hybrid-model` (LMCache#3106); vLLM's
-native offload serves them from v0.21 (rules_offload.py).
+native offload serves them from v0.21, with its hybrid manager (rules_offload.py); no backend
+serves them with `--disable-hybrid-kv-cache-manager` (`state-model-without-hma`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from kvtier.integrations.vllm.models import unsupported_reason
 from kvtier.tools.ops.audit.command import ServeCommand
 from kvtier.tools.ops.audit.finding import Finding, Severity
 from kvtier.tools.ops.audit.registry import AuditOptions, ModelTraits, model_traits, rule
+from kvtier.tools.ops.flags import DISABLE_HMA
 from kvtier.tools.ops.modelspec import STATE_LAYER_TYPE
 
 KVTIER_CONNECTOR = "KVTierConnector"
@@ -87,4 +89,23 @@ def kvtier_state_cache_mode(cmd: ServeCommand, _: AuditOptions) -> Iterator[Find
         f"kvtier refuses it at start-up: {found[0]}",
         "drop the flag: prefix caching on puts vLLM in its 'align' mamba cache mode, the "
         "states kvtier stores with each chunk",
+    )
+
+
+@rule("state-model-without-hma", "--disable-hybrid-kv-cache-manager on a state-layer model",
+      reads=("--model-config",))
+def state_model_without_hma(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
+    traits = model_traits(cmd)
+    if not cmd.has(DISABLE_HMA) or not traits.linear:
+        return
+    how = "its config.json" if traits.known else "its name"
+    yield Finding(
+        "state-model-without-hma", Severity.ERROR if traits.known else Severity.WARNING,
+        f"{DISABLE_HMA} on {cmd.model or 'the model'}, which has Mamba/linear-attention "
+        f"layers (judged from {how})",
+        "without the hybrid manager vLLM cannot allocate state layers beside attention and "
+        "does not start ('Failed to promote local KV cache specs to one unified type')",
+        "drop the flag; to offload, use vLLM's native offload on v0.21.0+ (it keeps the "
+        "manager)" + (" or kvtier's connector" if traits.state_family in SERVED_FAMILIES
+                      else ""),
     )
