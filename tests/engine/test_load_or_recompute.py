@@ -45,7 +45,8 @@ def engine(tiny_model_dir: Path, redis_session: RedisServer
     with delayed_proxy("127.0.0.1", redis_session.port, 0.0, None) as proxy:
         tiers = [{"kind": "memory", "capacity": "64KiB"},  # two 32 KiB chunks
                  {"kind": "redis", "url": f"redis://{proxy.host}:{proxy.port}/0"}]
-        with start_engine(tiny_model_dir, kvtier_transfer_config(tiers, CHUNK)) as llm:
+        config = kvtier_transfer_config(tiers, CHUNK, load_when="faster")  # the rule under test
+        with start_engine(tiny_model_dir, config) as llm:
             clean = []
             for prompt in PROMPTS:  # the miss path, one at a time: each stores its chunks
                 assert llm.reset_prefix_cache()

@@ -13,7 +13,8 @@ Primitives:
   - `start_engine(model_dir, kv_transfer_config, **overrides)`: a context manager that
     yields an `LLM` with small CPU settings and shuts its processes down afterwards.
   - `random_prompts`, `greedy`, `token_ids`, `metric`: small helpers for the cases.
-  - `kvtier_transfer_config(tiers)`: the KVTierConnector config (64-token chunks).
+  - `kvtier_transfer_config(tiers)`: the KVTierConnector config (64-token chunks, every
+    hit loaded).
   - `kvtier_counter(name, tier)`: one of kvtier's own counters (the connector's stats, as
     vLLM exports them on /metrics).
   - `chunk_files(root)`: the chunk files a disk or shared tier holds under `root`;
@@ -114,9 +115,16 @@ def token_ids(llm: Any, prompts: list[dict[str, Any]], max_tokens: int = 16,
 
 
 def kvtier_transfer_config(tiers: list[dict[str, Any]] | None = None,
-                           tokens_per_chunk: int = 64) -> dict[str, Any]:
-    """`kv_transfer_config` loading kvtier's connector with `tiers` (default: memory only)."""
-    extra: dict[str, Any] = {"tokens_per_chunk": tokens_per_chunk}
+                           tokens_per_chunk: int = 64, load_when: str = "always",
+                           ) -> dict[str, Any]:
+    """`kv_transfer_config` loading kvtier's connector with `tiers` (default: memory only).
+
+    `load_when` is "always" unless a test asks for the rule ("faster", the connector's
+    default): the cases count the tokens they load, and on a machine loaded by other tests
+    the rule may rightly recompute this tiny model's hit rather than read it from disk (a
+    test that then sees fewer loaded tokens fails for no fault of kvtier's). The rule has
+    its own engine tests (test_load_or_recompute.py)."""
+    extra: dict[str, Any] = {"tokens_per_chunk": tokens_per_chunk, "load_when": load_when}
     if tiers is not None:
         extra["tiers"] = tiers
     return transfer_config(extra)
