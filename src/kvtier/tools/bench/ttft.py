@@ -166,8 +166,9 @@ class Ttft:
     cached_tokens: int
     trials_s: tuple[float, ...]
     cache_hit_tokens: int  # tokens served from cache in the last trial (vLLM's counters)
-    # kvtier only: the workers' own load time per trial (vllm:kvtier_load_seconds), which
-    # the engine's step-to-step noise does not blur; () when not reported.
+    # kvtier only: the workers' own load time per trial (vllm:kvtier_load_seconds inline,
+    # plus async_load_seconds: a model with several KV cache groups loads asynchronously),
+    # which the engine's step-to-step noise does not blur; () when not reported.
     load_s: tuple[float, ...] = ()
     # kvtier only: of each trial's load, the wait for the tiers' reads
     # (vllm:kvtier_load_read_seconds); the rest of the load is the copy into vLLM's blocks.
@@ -308,16 +309,21 @@ def _measure_ttft(llm: Any, engine: str, config: TtftConfig, scratch: Path,
             if engine == "example-cold":
                 _drop_page_cache(scratch / engine)
             before = counter(llm, hits_counter)
-            load_before = kvtier_counter("load_seconds")
+            load_before = _load_seconds()
             read_before = kvtier_counter("load_read_seconds")
             trials.append(_generate_s(llm, [prompt], 1))
             hit = int(counter(llm, hits_counter) - before)
             if engine.startswith("kvtier"):
-                loads.append(kvtier_counter("load_seconds") - load_before)
+                loads.append(_load_seconds() - load_before)
                 reads.append(kvtier_counter("load_read_seconds") - read_before)
         out.append(Ttft(engine, n, tuple(trials), hit, load_s=tuple(loads),
                         read_s=tuple(reads), local_s=tuple(locals_), ceiling_s=tuple(raw)))
     return out
+
+
+def _load_seconds() -> float:
+    """The workers' load time so far, inline and asynchronous loads together."""
+    return kvtier_counter("load_seconds") + kvtier_counter("async_load_seconds")
 
 
 def _chunks_stored_so_far(config: TtftConfig, upto: int) -> int:
