@@ -58,7 +58,8 @@ class Rig:
             {"kind": "disk", "path": str(tmp / "disk"), "capacity": "64MiB"}]}), layout)
         self.device = device
         self.mover = StreamChunkMover(self.paged, self.store, layout.bytes_per_chunk,
-                                      load_batch=4, device=device, staging=2)
+                                      load_batch=4, note_state=lambda _k, _s: None,
+                                      device=device, staging=2)
         self.spares = spare_buffers(4, layout.bytes_per_chunk, device.pinned)
 
     def write(self, blocks: range, generation: int) -> None:

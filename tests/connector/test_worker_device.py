@@ -186,3 +186,31 @@ def test_handed_back_before_its_gather_the_chunk_is_stored_wrong(
     finally:
         monkeypatch.undo()
         engine.close()
+
+
+def test_an_async_hits_state_is_placed_in_compute_stream_order(tmp_path: Path) -> None:
+    """begin_step copies an asynchronously loaded state (block 5) into the block the step's
+    forward reads it from (block 6) on the compute stream: after the work queued before it
+    (here a slow forward still writing block 6, which vLLM freed and handed on) and before
+    the forward queued after it. Copied at once on the host, the late forward overwrote it."""
+    spec = VllmCacheSpec(BS, HEADS, DIM, DIM, torch.bfloat16)
+    kv = vllm_kv_caches(spec, LAYERS, BLOCKS, "LBNHC", fill=False)
+    state = torch.zeros(BLOCKS, 64, dtype=torch.uint8)  # one state layer, 64 bytes a block
+    device = StandInDevice(seed=3, delays={"compute": 0.03})
+    paged = PagedKV(kv, BS, content="halves", torch_ops=True, null_block=0,
+                    states=[[[state]]])
+    layout = paged.layout(BS * BPC)
+    store = open_store(StoreConfig.parse({"tiers": [
+        {"kind": "memory", "capacity": "1MiB", "pin": "off"}]}), layout)
+    worker = ConnectorWorker(paged, layout, store, device=device)
+    try:
+        state[5] = 7  # the load thread's load, done when reported
+        device.forward(lambda: state[6].fill_(9))  # earlier work on block 6, runs late
+        worker.begin_step(KVTierMetadata(state_copies=[(0, 5, 6)], step=1))
+        seen: list[torch.Tensor] = []
+        device.forward(lambda: seen.append(state[6].clone()))
+        device.drain()
+        assert torch.all(seen[0] == 7)
+    finally:
+        worker.close(flush_timeout_s=5)
+        device.close()

@@ -10,6 +10,9 @@ stored from the device into a pinned memory tier (with a disk tier below it) and
     through pinned spares put back the source blocks' exact bytes, and a local prefix hit's
     blocks are not written;
   - a miss stops a load and writes nothing of the missing chunk;
+  - a hybrid model's states (a gated-DeltaNet-like layer's conv and recurrent state) ride in
+    their chunks and land bit for bit in the hit's last block and the next; a chunk stored
+    without its state stops a load that needs one;
 and ordering, each check also run on a device that loses the mover's waits, where it fails:
   - a store gathers what the forward queued before it wrote, not what the blocks held;
   - a forward queued after an inline load reads the loaded KV, though the load's copies run
@@ -36,6 +39,8 @@ from tierkit import key
 
 from kvtier.core.store import TieredStore
 from kvtier.integrations.vllm.cpu import spare_buffers
+from kvtier.integrations.vllm.groups import NULL_BLOCK
+from kvtier.integrations.vllm.paged import PagedKV
 from kvtier.integrations.vllm.streams import StreamChunkMover
 from kvtier.integrations.vllm.transfers import ChunkTransfer
 from kvtier.tiers import open_store
@@ -61,6 +66,7 @@ class Rig:
             {"kind": "memory", "capacity": ram_chunks * slot_bytes, "pin": backend.pin},
             {"kind": "disk", "path": str(tmp / "disk"), "capacity": "64MiB"}]}), layout)
         self.mover = StreamChunkMover(self.paged, self.store, self.chunk_bytes, load_batch=4,
+                                      note_state=lambda _k, _s: None,
                                       device=backend.device, staging=2)
         self.spares = spare_buffers(4, self.chunk_bytes, backend.device.pinned)
 
@@ -188,6 +194,76 @@ def test_a_miss_stops_the_load_and_writes_nothing_of_it(backend: Backend,
     rig.mover.release()
     assert differing(rig.blocks(), before, [(0, 24), (1, 25)]) == []  # loaded
     assert differing(rig.blocks(), before, [(b, b) for b in range(26, 30)]) == []  # untouched
+
+
+def test_states_ride_with_their_chunks_bit_exact(backend: Backend, tmp_path: Path) -> None:
+    """Two state layers, each a padded page a block holding a bf16 conv state and a float32
+    recurrent state (vLLM's MambaSpec views), beside the KV on the device: stored from the
+    device, loaded inline (a forward queued next reads the state in the hit's last block and
+    the next) and on a load thread, where a hit ending on a chunk stored without a state stops
+    there."""
+    conv, ssm, page_bytes = 3 * 24 * 2, 2 * 8 * 8 * 4, 1024
+    used = conv + ssm
+    gen = torch.Generator().manual_seed(6)
+    pages = [torch.randint(0, 256, (BLOCKS, page_bytes), generator=gen, dtype=torch.uint8)
+             .to(backend.torch_device) for _ in range(2)]
+    layers = [[p[:, :conv].view(torch.bfloat16).view(BLOCKS, 3, 24),
+               p[:, conv:used].view(torch.float32).view(BLOCKS, 2, 8, 8)] for p in pages]
+    kv = backend.kv_caches(PLAIN, LAYERS, BLOCKS)
+    paged = PagedKV(kv, BS, PLAIN.format(), content="halves", torch_ops=True,
+                    null_block=NULL_BLOCK, states=[layers])
+    chunk_bytes = paged.layout(BS * BPC).bytes_per_chunk
+    slot_bytes = -(-chunk_bytes // 4096) * 4096
+    store = open_store(StoreConfig.parse({"tiers": [
+        {"kind": "memory", "capacity": 16 * slot_bytes, "pin": backend.pin}]}),
+        paged.layout(BS * BPC))
+    notes: list[tuple[Any, bool]] = []
+    mover = StreamChunkMover(paged, store, chunk_bytes, load_batch=4,
+                             note_state=lambda k, s: notes.append((k, s)),
+                             device=backend.device, staging=2)
+    try:
+        source_kv = [v.view(torch.uint8).clone() for v in paged.block_views]
+        source = [p.clone() for p in pages]
+        moved = [ChunkTransfer(key(i), (1 + 2 * i, 2 + 2 * i), state_blocks=(2 + 2 * i,))
+                 for i in range(3)]
+        moved[1] = ChunkTransfer(moved[1].key, moved[1].block_ids, state_blocks=(NULL_BLOCK,))
+        with ThreadPoolExecutor(1) as store_thread:
+            job = store_thread.submit(mover.store, moved, "async", mover.mark()).result()
+        assert len(job.stored) == 3
+        assert notes == [(moved[0].key, True), (moved[1].key, False), (moved[2].key, True)]
+
+        # Inline, chunks 0-2 into blocks 25-30, the state of block 6 into blocks 30 and 31.
+        targets = [ChunkTransfer(t.key, (25 + 2 * i, 26 + 2 * i)) for i, t in enumerate(moved)]
+        targets[-1] = ChunkTransfer(targets[-1].key, targets[-1].block_ids, state_blocks=(30, 31))
+        spares = spare_buffers(4, chunk_bytes, backend.device.pinned)
+        assert mover.load(targets, spares, wait=False) == 3
+        seen: list[torch.Tensor] = []
+        backend.forward(lambda: seen.extend(p.clone() for p in pages))
+        backend.drain()
+        mover.release()
+        for page, old in zip(seen, source, strict=True):
+            assert torch.equal(page[30:32, :used], old[6, :used].expand(2, used))
+            assert torch.equal(page[:, used:], old[:, used:])  # padding: never written
+            assert torch.equal(page[:30], old[:30]) and torch.equal(page[32:], old[32:])
+        blocks = [v.view(torch.uint8) for v in paged.block_views]
+        assert differing(blocks, source_kv, [(s, s + 24) for s in range(1, 7)]) == []
+
+        # The load thread: a hit ending on chunk 1 (stored without its state) loads chunk 0.
+        before = [p.clone() for p in pages]
+        before_kv = [b.clone() for b in blocks]
+        ends_stateless = [ChunkTransfer(moved[0].key, (33, 34)),
+                          ChunkTransfer(moved[1].key, (35, 36), state_blocks=(36, 37))]
+        with ThreadPoolExecutor(1) as load_thread:
+            assert load_thread.submit(mover.load, ends_stateless, spares, mover.mark(),
+                                      True).result() == 1
+        assert differing(blocks, source_kv, [(1, 33), (2, 34)]) == []
+        assert differing(blocks, before_kv, [(35, 35), (36, 36)]) == []
+        assert all(torch.equal(p, old) for p, old in zip(pages, before, strict=True))
+        assert notes[-2:] == [(moved[0].key, True), (moved[1].key, False)]
+    finally:
+        backend.drain()
+        mover.close()
+        store.close()
 
 
 # -- ordering: each scenario returns what went wrong -----------------------------------------

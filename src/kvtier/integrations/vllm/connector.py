@@ -283,6 +283,17 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     # -- worker side ----------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Build the worker over vLLM's tensors (model runner thread).
+
+        State layers' states (groups.py) move with the KV wherever it lives: through the CPU
+        mover (cpu.py) for host tensors, the device mover (streams.py) for CUDA ones, in the
+        same staging buffers and stream order as the KV. Refused: state tensors whose bytes a
+        block differ from what the spec says (`ChunkGroups.state_bytes`), or that live on
+        another device than the KV (no stream orders a copy between them).
+
+        Raises:
+            ConfigError: a model kvtier does not serve (models.refuse), in one line.
+        """
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         from kvtier.tiers.manifest import NamespaceInfo
@@ -304,11 +315,13 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                         group_sizes=tuple(map(len, groups.layer_names)),
                         null_block=NULL_BLOCK if groups.count > 1 or states else None,
                         states=states)
-        if paged.state_bytes != groups.state_bytes or (states and paged.device.type != "cpu"):
+        state_devices = {t.device for layers in states for layer in layers for t in layer}
+        if paged.state_bytes != groups.state_bytes or state_devices - {paged.device}:
             raise refuse(str(self._vllm_config.model_config.model),
-                         f"state layers of {paged.state_bytes} bytes a block in "
-                         f"{paged.device.type} tensors (kvtier stores CPU states of "
-                         f"{groups.state_bytes} bytes)", HMA_ALTERNATIVE)
+                         f"state layers of {paged.state_bytes} bytes a block on "
+                         f"{sorted(map(str, state_devices))} (kvtier stores states of "
+                         f"{groups.state_bytes} bytes on the KV's device {paged.device})",
+                         HMA_ALTERNATIVE)
         world = self._vllm_config.parallel_config.tensor_parallel_size
         rank = get_tensor_model_parallel_rank()
         # The scheduler's layouts, this rank's: probes and stores agree by construction.

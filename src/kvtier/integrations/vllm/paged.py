@@ -249,7 +249,8 @@ class PagedKV:
         return flat[flat.numel() - self.state_bytes:]
 
     def has_state(self, chunk: torch.Tensor) -> bool:
-        """Whether a chunk's state region holds a state (`gather` found one)."""
+        """Whether a chunk's state region holds a state (`gather` found one). Reads a byte:
+        on a device tensor that waits for the device, so the movers ask of host bytes."""
         return bool(self.state_bytes) and int(self._state_region(chunk)[0]) == 1
 
     def _state_copies(self, region: torch.Tensor, blocks: tuple[int, ...]

@@ -16,6 +16,12 @@ is reported (vLLM schedules the request only then). Inline, the compute stream w
 waits for the copy; the borrow (which keeps the RAM slot from being reused) and the staging
 buffer are returned once `done` is reached (`release`, once a step).
 
+States (models with state layers, groups.py): a chunk's state region rides in the same
+staging buffer as its KV, and `PagedKV.scatter` / `gather` copy it in the same queued work as
+the KV, so it is ordered by the same waits and events. Whether a chunk holds a state is read
+from the host bytes before its copy is queued (a load that needs one stops at a chunk without,
+as the CPU mover's does), and from the host bytes once a store's DMA is done.
+
 Stores. The worker calls `store` on its store thread with `after` marked on the model runner's
 thread by `wait_for_save` (the forward that wrote the blocks). On the store stream each chunk
 is gathered into a staging buffer after `after`, then DMA'd straight into the slot the memory
@@ -40,12 +46,13 @@ import queue
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import MutableSequence
+from collections.abc import Callable, MutableSequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 
 import torch
 
+from kvtier.core.keys import ChunkKey
 from kvtier.integrations.vllm.chunkstore import ChunkStore
 from kvtier.integrations.vllm.device import Device, Event
 from kvtier.integrations.vllm.loadcost import LoadSample
@@ -75,8 +82,17 @@ class StreamChunkMover:
     """
 
     def __init__(self, paged: PagedKV, store: ChunkStore, chunk_bytes: int, load_batch: int,
-                 device: Device, staging: int = STAGING) -> None:
+                 note_state: Callable[[ChunkKey, bool], None], device: Device,
+                 staging: int = STAGING) -> None:
+        """Args:
+            load_batch: chunks per `borrow_many` (cpu.CpuChunkMover's).
+            note_state: told, for models with state layers, whether each chunk loaded or
+                stored holds the state at its end (any thread), as cpu.CpuChunkMover's.
+            device: where `paged` lives; its streams and events order every copy.
+            staging: device staging buffers per direction.
+        """
         self._paged = paged
+        self._note_state = note_state
         self._store = store
         self._device = device
         self._load_batch = load_batch
@@ -124,12 +140,14 @@ class StreamChunkMover:
                     read_s += time.perf_counter() - reading
                     if view is None:
                         break
+                    host = torch.frombuffer(view.data, dtype=torch.uint8)
+                    if not self._state_fits(transfer, host):
+                        break
                     held += 1
                     in_ram = in_ram and view.tier == self._top_tier
                     lent_by[view.tier] += 1
                     slot = self._free_slot(copies, inline)
-                    self._queue_load(transfer, torch.frombuffer(view.data, dtype=torch.uint8),
-                                     slot, after)
+                    self._queue_load(transfer, host, slot, after)
                     done = self._device.new_event()
                     self._device.record(done, self._load_stream)
                     copies.append((done, slot))
@@ -155,14 +173,29 @@ class StreamChunkMover:
         self.samples.append(LoadSample.since(started, lent_by, read_s))
         return len(transfers)
 
+    def _state_fits(self, transfer: ChunkTransfer, host: torch.Tensor) -> bool:
+        """Note whether a borrowed chunk holds its state (models with state layers); False
+        when the load needs one and it has none (a hit must end on a chunk with its state:
+        the rest is recomputed), as cpu.CpuChunkMover's load. Reads host bytes: no sync."""
+        if not self._paged.state_bytes:
+            return True
+        has_state = self._paged.has_state(host)
+        self._note_state(transfer.key, has_state)
+        if transfer.state_blocks and not has_state:
+            logger.info("kvtier: chunk %s holds no state; recomputed", transfer.key.hex()[:16])
+            return False
+        return True
+
     def _queue_load(self, transfer: ChunkTransfer, host: torch.Tensor, slot: torch.Tensor,
                     after: Event) -> None:
-        """Host bytes -> `slot` -> the chunk's blocks, on the load stream after `after`."""
+        """Host bytes -> `slot` -> the chunk's blocks and its state blocks, on the load
+        stream after `after`."""
         paged = self._paged
 
         def copy_in() -> None:
             slot.copy_(host, non_blocking=True)
-            paged.scatter(slot, transfer.block_ids, transfer.first_block)
+            paged.scatter(slot, transfer.block_ids, transfer.first_block,
+                          transfer.state_blocks)
 
         self._device.wait(self._load_stream, after)
         self._device.run(self._load_stream, copy_in)
@@ -183,12 +216,14 @@ class StreamChunkMover:
         return StoreJob(stored, time.perf_counter() - start, mode)
 
     def _store_chunk(self, transfer: ChunkTransfer) -> bool:
-        """Gather one chunk on the store stream and DMA it into the store; True when stored."""
+        """Gather one chunk (and its state) on the store stream and DMA it into the store;
+        True when stored."""
         slot = self._store_slots.get()
         device, stream, paged = self._device, self._store_stream, self._paged
-        copied: list[bool] = []
+        copied: list[bool] = []  # whether the copy holds a state, once it is done
         try:
-            device.run(stream, lambda: paged.gather(transfer.block_ids, slot))
+            device.run(stream, lambda: paged.gather(transfer.block_ids, slot,
+                                                    transfer.state_blocks))
 
             def copy_out(view: memoryview) -> None:
                 host = torch.frombuffer(view, dtype=torch.uint8)
@@ -196,10 +231,13 @@ class StreamChunkMover:
                 done = device.new_event()
                 device.record(done, stream)
                 done.synchronize()  # the slot is committed with the bytes in it
-                copied.append(True)
+                copied.append(paged.has_state(host))
 
-            return self._store.put_from(transfer.key, copy_out, self._spare,
-                                        meta=chunk_meta(transfer))
+            stored = self._store.put_from(transfer.key, copy_out, self._spare,
+                                          meta=chunk_meta(transfer))
+            if stored and copied and paged.state_bytes:
+                self._note_state(transfer.key, copied[0])
+            return stored
         finally:
             if not copied:  # no copy taken (held already), or it failed: the gather may
                 # still be queued on the slot

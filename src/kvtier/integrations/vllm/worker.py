@@ -104,8 +104,9 @@ class ConnectorWorker:
 
             device = device or CudaDevice(paged.device)
             self._mover = StreamChunkMover(paged, store, layout.bytes_per_chunk, load_batch,
-                                           device)
+                                           self._note_state, device)
             pinned = device.pinned  # a device copies from pinned host memory asynchronously
+        self._device = device  # None: the CPU mover's host tensors (no streams)
         # Where chunks of tiers that cannot lend (disk, shared, redis) are read, a batch at a
         # time.
         self._spares = spare_buffers(load_batch, layout.bytes_per_chunk, pinned)
@@ -152,9 +153,17 @@ class ConnectorWorker:
     def place_states(self, meta: KVTierMetadata) -> None:
         """Copy asynchronously loaded states into the blocks this step's forward reads them
         from (groups.py). Before the forward: vLLM calls start_load_kv after it in a step
-        without synchronous loads, too late for these."""
-        for group, source, target in meta.state_copies:
-            self._paged.copy_state(group, source, target)
+        without synchronous loads, too late for these. On a device the copies are queued on
+        the compute stream, before the forward (their sources were loaded by a load thread
+        that waited for its copies)."""
+        def place() -> None:
+            for group, source, target in meta.state_copies:
+                self._paged.copy_state(group, source, target)
+
+        if self._device is None:
+            place()
+        else:
+            self._device.run(self._device.compute_stream(), place)
 
     def begin_step(self, meta: KVTierMetadata) -> None:
         """Take the step's plan in (before its forward and loads): forget the failures the

@@ -272,7 +272,8 @@ def _mover(paged: PagedKV, store: TieredStore, chunk_bytes: int,
     from kvtier.integrations.vllm.streams import StreamChunkMover
 
     cuda = CudaDevice(device)
-    return (StreamChunkMover(paged, store, chunk_bytes, LOAD_BATCH, cuda),
+    return (StreamChunkMover(paged, store, chunk_bytes, LOAD_BATCH, lambda _key, _state: None,
+                             cuda),
             spare_buffers(LOAD_BATCH, chunk_bytes, cuda.pinned), cuda.name)
 
 
