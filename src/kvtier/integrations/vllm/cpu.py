@@ -2,12 +2,13 @@
 beside streams.py's device mover (mover.ChunkMover). The worker (worker.py) decides what moves
 and when, and on which thread; a mover moves the bytes.
 
-Loads borrow chunks a batch at a time (`TieredStore.borrow_many`): the memory tier lends its
-slots and the scatter reads them in place, and a slower tier's chunks are read in parallel
-into slots the memory tier reserves (or into the mover's spare buffers), so a load is one
-copy. Stores gather straight into a slot the memory tier reserves (`TieredStore.put_from`),
-one copy too. Every complete load is timed (`LoadSample`, for load_mode "auto":
-loadcost.py).
+Loads borrow chunks a batch at a time (`TieredStore.borrow_many`), two batches at once: the
+memory tier lends its slots and the scatter reads them in place, and a slower tier's chunks
+are read in parallel into slots the memory tier reserves (or into the caller's spare
+buffers), so a load is one copy; each chunk is scattered as its read lands, while the next
+reads run. Stores gather straight into a slot the memory tier reserves
+(`TieredStore.put_from`), one copy too. Every complete load is timed (`LoadSample`, for
+load_mode "auto": loadcost.py).
 
 Primitives: `CpuChunkMover`.
 """
@@ -18,11 +19,13 @@ import logging
 import time
 import warnings
 from collections import Counter, deque
-from collections.abc import Callable, MutableSequence
+from collections.abc import Callable, Generator, MutableSequence, Sequence
+from contextlib import ExitStack, closing
 
 import torch
 
 from kvtier.core.keys import ChunkKey
+from kvtier.core.store import ChunkView
 from kvtier.integrations.vllm.chunkstore import ChunkStore
 from kvtier.integrations.vllm.device import Event
 from kvtier.integrations.vllm.loadcost import LoadSample
@@ -77,40 +80,82 @@ class CpuChunkMover:
         tiers' reads landing in `spares` (`load_batch` buffers, the caller's); the number
         loaded before the first miss. Done when it returns (`after`, `wait`: unused)."""
         started, lent_by, read_s = time.perf_counter(), Counter[str](), 0.0
-        for first in range(0, len(transfers), self._load_batch):
-            batch = transfers[first:first + self._load_batch]
-            tried: dict[int, str] = {}  # the tier that failed a read, if one did
-            reading = time.perf_counter()
-            with self._store.borrow_many([t.key for t in batch], spares,
-                                         [chunk_meta(t) for t in batch], tried) as lent:
-                # Each chunk is scattered as soon as its read lands, while later ones are
-                # still read. One thread: memory bandwidth, not the CPU, bounds a scatter;
-                # two threads scattered 1.25x slower than one here (docs/performance.md).
-                for i, transfer in enumerate(batch):
-                    view = lent[i]
-                    read_s += time.perf_counter() - reading
-                    if view is None:
-                        if i in tried:  # a failed read costs its tier its time, too
-                            lent_by[tried[i]] += 1
-                            self.samples.append(LoadSample.since(started, lent_by, read_s,
-                                                                 failed=True))
-                        return first + i
-                    lent_by[view.tier] += 1
-                    chunk = torch.frombuffer(view.data, dtype=torch.uint8)
-                    if self._paged.state_bytes:
-                        has_state = self._paged.has_state(chunk)
-                        self._note_state(transfer.key, has_state)
-                        if transfer.state_blocks and not has_state:
-                            # A hit must end on a chunk with its state (one found by a probe
-                            # after a restart may have none): recompute, then back off.
-                            logger.info("kvtier: chunk %s holds no state; recomputed",
-                                        transfer.key.hex()[:16])
-                            return first + i
-                    self._paged.scatter(chunk, transfer.block_ids, transfer.first_block,
-                                        transfer.state_blocks)
-                    reading = time.perf_counter()
+        reading = started
+        with closing(self._lent_in_order(transfers, spares)) as chunks:
+            # Each chunk is scattered as soon as its read lands, while later ones are still
+            # read. One thread: memory bandwidth, not the CPU, bounds a scatter; two threads
+            # scattered 1.25x slower than one here (docs/performance.md).
+            for done, (transfer, view, failed_tier) in enumerate(chunks):
+                read_s += time.perf_counter() - reading
+                if view is None:
+                    if failed_tier is not None:  # a failed read costs its tier its time, too
+                        lent_by[failed_tier] += 1
+                        self.samples.append(LoadSample.since(started, lent_by, read_s,
+                                                             failed=True))
+                    return done
+                lent_by[view.tier] += 1
+                chunk = torch.frombuffer(view.data, dtype=torch.uint8)
+                if self._paged.state_bytes:
+                    has_state = self._paged.has_state(chunk)
+                    self._note_state(transfer.key, has_state)
+                    if transfer.state_blocks and not has_state:
+                        # A hit must end on a chunk with its state (one found by a probe
+                        # after a restart may have none): recompute, then back off.
+                        logger.info("kvtier: chunk %s holds no state; recomputed",
+                                    transfer.key.hex()[:16])
+                        return done
+                self._paged.scatter(chunk, transfer.block_ids, transfer.first_block,
+                                    transfer.state_blocks)
+                reading = time.perf_counter()
         self.samples.append(LoadSample.since(started, lent_by, read_s))
         return len(transfers)
+
+    def _lent_in_order(self, transfers: list[ChunkTransfer],
+                       spares: MutableSequence[memoryview],
+                       ) -> Generator[tuple[ChunkTransfer, ChunkView | None, str | None]]:
+        """(transfer, its chunk lent or None, the tier that failed its read or None), in
+        order, each as soon as its read lands; stops after the first None. A chunk lent
+        stays valid until the next one is asked for.
+
+        Two batches are borrowed at a time, each reading into its half of `spares`: the
+        next batch's reads run while this one's chunks are scattered, so reads never wait
+        for copies. A spare a borrow replaced (an abandoned read may still write into the
+        old one) is handed back to `spares` when the generator ends."""
+        depth = 2 if len(spares) >= 2 else 1
+        size = max(1, len(spares) // depth)
+        halves = [list(spares[h * size:(h + 1) * size]) for h in range(depth)]
+        try:
+            with ExitStack() as borrows:
+                open_: deque[tuple[list[ChunkTransfer], Sequence[ChunkView | None],
+                                   dict[int, str], ExitStack]] = deque()
+
+                def borrow(first: int) -> None:
+                    batch = transfers[first:first + size]
+                    tried: dict[int, str] = {}  # the tier that failed a read, if one did
+                    stack = ExitStack()
+                    borrows.callback(stack.close)
+                    lent = stack.enter_context(self._store.borrow_many(
+                        [t.key for t in batch], halves[first // size % depth],
+                        [chunk_meta(t) for t in batch], tried))
+                    open_.append((batch, lent, tried, stack))
+
+                starts = range(0, len(transfers), size)
+                for first in starts[:depth]:
+                    borrow(first)
+                later = iter(starts[depth:])
+                while open_:
+                    batch, lent, tried, stack = open_[0]
+                    for i, transfer in enumerate(batch):
+                        view = lent[i]
+                        yield transfer, view, None if view is not None else tried.get(i)
+                        if view is None:
+                            return
+                    open_.popleft()
+                    stack.close()  # its half of the spares reads the batch after next
+                    if (following := next(later, None)) is not None:
+                        borrow(following)
+        finally:
+            spares[:depth * size] = [spare for half in halves for spare in half]
 
     def store(self, transfers: list[ChunkTransfer], mode: str,
               after: Event | None = None) -> StoreJob:

@@ -1,0 +1,115 @@
+"""The CPU mover's loads from a slow tier (cpu.py): each chunk is scattered as its read lands,
+and the next batch's reads run while a batch is scattered (issue 26: a disk hit's copy no
+longer waits for its reads, nor its reads for its copy). Real disk tier, real paged KV in
+vLLM 0.33's layout; the disk's reads are gated (fault injection) to fix their order."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvtier.core.keys import ChunkKey
+from kvtier.integrations.vllm.cpu import CpuChunkMover, spare_buffers
+from kvtier.integrations.vllm.paged import PagedKV
+from kvtier.integrations.vllm.transfers import ChunkTransfer
+from kvtier.tiers import open_store
+from kvtier.tiers.storeconfig import StoreConfig
+from kvtier.tools.bench.vllmviews import VllmCacheSpec, vllm_kv_caches
+
+BLOCK, CHUNK, CHUNKS, SPARES = 16, 32, 8, 4
+
+
+@pytest.fixture
+def rig(tmp_path: Path) -> Any:
+    per_chunk = CHUNK // BLOCK
+    kv = vllm_kv_caches(VllmCacheSpec(BLOCK, 2, 64, 64, torch.bfloat16), 2,
+                        2 * CHUNKS * per_chunk + 1, "LBNHC")
+    for view in kv.values():
+        view.view(torch.uint8).random_(0, 256, generator=torch.Generator().manual_seed(1))
+    paged = PagedKV(kv, BLOCK, content="halves", torch_ops=False)
+    layout = paged.layout(CHUNK)
+    store = open_store(StoreConfig.parse({"tiers": [
+        {"kind": "memory", "capacity": 2 * 4096 * -(-layout.bytes_per_chunk // 4096),
+         "pin": "off"},  # two chunks: the loads' chunks come from the disk
+        {"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "64MiB"}]}), layout)
+    mover = CpuChunkMover(paged, store, layout.bytes_per_chunk, SPARES, lambda _k, _s: None)
+    stored = [ChunkTransfer(key=ChunkKey(os.urandom(16)),
+                            block_ids=tuple(range(i * per_chunk, (i + 1) * per_chunk)))
+              for i in range(CHUNKS)]
+    mover.store(stored, "sync")
+    assert store.flush(timeout_s=10)
+    half = CHUNKS * per_chunk
+    loads = [ChunkTransfer(key=t.key, block_ids=tuple(b + half for b in t.block_ids))
+             for t in stored]
+    for t in loads:
+        store.tiers[0].delete(t.key)
+    yield paged, store, mover, loads, half
+    store.close()
+
+
+def test_the_next_batch_is_read_while_a_batch_is_scattered(
+        rig: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunk 3's read is held until chunk 4's read has started: with 4 spares the mover
+    borrows two batches of 2 at a time, so batch [4, 5] starts once [0, 1] is scattered,
+    while [2, 3] is still being read. A mover that waits for a batch's last read before
+    reading the next never starts chunk 4 first (the gate gives up after 5 s: the test
+    fails, it does not hang)."""
+    paged, store, mover, loads, half = rig
+    index = {t.key: i for i, t in enumerate(loads)}
+    events: list[tuple[str, int]] = []  # ("start" | "end", chunk), in order
+    chunk_4_started = threading.Event()
+    disk = store.tiers[1]
+    read = disk.get_into
+
+    def gated_read(key: ChunkKey, *args: Any) -> Any:
+        i = index[key]
+        events.append(("start", i))
+        if i == 4:
+            chunk_4_started.set()
+        if i == 3:
+            chunk_4_started.wait(5)
+        result = read(key, *args)
+        events.append(("end", i))
+        return result
+
+    monkeypatch.setattr(disk, "get_into", gated_read)
+    spares = spare_buffers(SPARES, paged.layout(CHUNK).bytes_per_chunk)
+    assert mover.load(loads, spares) == CHUNKS
+    assert events.index(("start", 4)) < events.index(("end", 3))
+    per_chunk = CHUNK // BLOCK
+    assert all(torch.equal(v.view(torch.uint8)[:CHUNKS * per_chunk],
+                           v.view(torch.uint8)[half:half + CHUNKS * per_chunk])
+               for v in paged.block_views)
+
+
+def test_a_miss_stops_the_load_and_no_read_outlives_it(
+        rig: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunk 1 is gone: the load stops there (1 loaded), and the reads already started for
+    the batches after it have all ended when `load` returns (they write into the caller's
+    spares, which the next load reuses)."""
+    paged, store, mover, loads, _half = rig
+    store.tiers[1].delete(loads[1].key)
+    running = set()
+    lock = threading.Lock()
+    disk = store.tiers[1]
+    read = disk.get_into
+
+    def tracked_read(key: ChunkKey, *args: Any) -> Any:
+        with lock:
+            running.add(key)
+        try:
+            return read(key, *args)
+        finally:
+            with lock:
+                running.discard(key)
+
+    monkeypatch.setattr(disk, "get_into", tracked_read)
+    spares = spare_buffers(SPARES, paged.layout(CHUNK).bytes_per_chunk)
+    assert mover.load(loads, spares) == 1
+    assert running == set()
+    assert len(spares) == SPARES
