@@ -140,14 +140,15 @@ class StreamChunkMover:
                     read_s += time.perf_counter() - reading
                     if view is None:
                         break
-                    host = torch.frombuffer(view.data, dtype=torch.uint8)
-                    if not self._state_fits(transfer, host):
+                    if not self._state_fits(transfer, view.data):
                         break
                     held += 1
                     in_ram = in_ram and view.tier == self._top_tier
                     lent_by[view.tier] += 1
                     slot = self._free_slot(copies, inline)
-                    self._queue_load(transfer, host, slot, after)
+                    # No tensor of the lent bytes outlives its copy in this frame.
+                    self._queue_load(transfer, torch.frombuffer(view.data, dtype=torch.uint8),
+                                     slot, after)
                     done = self._device.new_event()
                     self._device.record(done, self._load_stream)
                     copies.append((done, slot))
@@ -173,13 +174,13 @@ class StreamChunkMover:
         self.samples.append(LoadSample.since(started, lent_by, read_s))
         return len(transfers)
 
-    def _state_fits(self, transfer: ChunkTransfer, host: torch.Tensor) -> bool:
+    def _state_fits(self, transfer: ChunkTransfer, host: memoryview) -> bool:
         """Note whether a borrowed chunk holds its state (models with state layers); False
         when the load needs one and it has none (a hit must end on a chunk with its state:
         the rest is recomputed), as cpu.CpuChunkMover's load. Reads host bytes: no sync."""
         if not self._paged.state_bytes:
             return True
-        has_state = self._paged.has_state(host)
+        has_state = self._paged.has_state(torch.frombuffer(host, dtype=torch.uint8))
         self._note_state(transfer.key, has_state)
         if transfer.state_blocks and not has_state:
             logger.info("kvtier: chunk %s holds no state; recomputed", transfer.key.hex()[:16])
