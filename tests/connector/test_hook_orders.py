@@ -249,6 +249,9 @@ class Replay:
         self.layout = self.paged.layout(CHUNK)
         config = ConnectorConfig.parse({
             "tokens_per_chunk": CHUNK, "load_mode": "sync", "store_mode": store_mode,
+            # Every hit loaded: the workload counts its loads, and on a loaded machine the
+            # load-or-recompute rule may rightly recompute a disk hit of this tiny model.
+            "load_when": "always",
             "tiers": [{"kind": "memory", "capacity": "1MiB"},
                       {"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "16MiB"}]})
         self.store = open_store(config.store, self.layout)
