@@ -7,6 +7,7 @@
 # An engine start is vLLM's processes importing vLLM one after the other, on one core (see
 # tests/engine/vllm_harness.py): the engine half leaves the second core of a 2-core machine
 # mostly idle, and the other half uses it. It fails if either half fails.
+# Each half ends with its slowest tests (--durations): where CI's time goes.
 # With arguments, one pytest process runs them as given.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,11 +19,11 @@ fi
 others_log=$(mktemp -t kvtier-tests-not-vllm.XXXXXX.log)
 echo "tests without a vLLM engine: running alongside, output in $others_log (printed at the end)"
 # No cache plugin there: two sessions would overwrite each other's record of failed tests.
-python3 -m pytest -m "not vllm" -p no:cacheprovider >"$others_log" 2>&1 &
+python3 -m pytest -m "not vllm" -p no:cacheprovider --durations=15 >"$others_log" 2>&1 &
 others=$!
 trap 'kill "$others" 2>/dev/null || true' INT TERM
 engine_status=0
-python3 -m pytest -m vllm || engine_status=$?
+python3 -m pytest -m vllm --durations=40 || engine_status=$?
 others_status=0
 wait "$others" || others_status=$?
 echo
