@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvtier.errors import ConfigError
-from kvtier.tools.bench.subjects import aligned_buffer
+from kvtier.tools.bench.subjects import aligned_buffer, direct_read_s
 
 if TYPE_CHECKING:
     from kvtier.integrations.vllm.paged import PagedKV
@@ -202,12 +202,4 @@ class _RawRead:
             path.write_bytes(noise)
 
     def time_s(self, chunks: int) -> float:
-        flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
-        start = time.perf_counter()
-        for path in self._paths[:chunks]:
-            fd = os.open(path, flags)
-            try:
-                os.preadv(fd, [self._buffer.data], 0)
-            finally:
-                os.close(fd)
-        return time.perf_counter() - start
+        return direct_read_s(self._paths[:chunks], self._buffer)

@@ -66,7 +66,7 @@ from kvtier.tools.bench.engines import (
     kvtier_counter,
     offline_engine,
 )
-from kvtier.tools.bench.subjects import aligned_buffer
+from kvtier.tools.bench.subjects import aligned_buffer, direct_read_s
 from kvtier.tools.tinymodel import PRESETS, make_preset_model
 
 ENGINES = ("recompute", "vllm-prefix", "kvtier-memory", "kvtier-disk", "example", "example-cold")
@@ -413,15 +413,7 @@ class _DirectReadCeiling:
             path.write_bytes(bytes(self._buffer))
 
     def time_s(self, nbytes: int) -> float:
-        flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
-        start = time.perf_counter()
-        for path in self._paths[:-(-nbytes // self._chunk)]:
-            fd = os.open(path, flags)
-            try:
-                os.preadv(fd, [self._buffer.data], 0)
-            finally:
-                os.close(fd)
-        return time.perf_counter() - start
+        return direct_read_s(self._paths[:-(-nbytes // self._chunk)], self._buffer)
 
 
 @dataclass(slots=True)
