@@ -70,6 +70,15 @@ class Loans(Sequence["V | None"], Generic[V]):
     def __iter__(self) -> Iterator[V | None]:
         return (self[i] for i in range(len(self)))
 
+    def __eq__(self, other: object) -> bool:
+        """Equal to a list (or `Loans`) of the same views in order, as the list `borrow_many`
+        once lent was (waits for every read)."""
+        if isinstance(other, list | Loans):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # a sequence of views: unhashable
+
     def settle(self) -> None:
         """Wait for the reads nobody asked for (to the deadline): none may outlive the borrow
         with a spare of the caller's."""
