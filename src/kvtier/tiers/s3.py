@@ -91,6 +91,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 MIN_BACKOFF_S = 0.25  # first retry of an endpoint that failed
 THROTTLE_BACKOFF_S = 0.05  # first wait after a 503 SlowDown (doubled each time)
+LISTING_TRIES = 3  # capacity listings run again when this process wrote during one
 HELD = TierResult()  # _upload's "the object exists already" (OK, not counted as a put)
 
 
@@ -148,6 +149,7 @@ class S3Tier:
         self._manifest: NamespaceManifest | None = None
         self._listed_at = 0.0  # monotonic time of the last capacity listing
         self._listing: threading.Thread | None = None
+        self._changes = 0  # chunks this process put or deleted: a listing that saw fewer is stale
         self._check_bucket()
 
     # -- plumbing ----------------------------------------------------------------------------
@@ -310,8 +312,8 @@ class S3Tier:
         if not result:
             self._counters.add(dropped_writes=1)
             return result
-        self._counters.add(puts=1, bytes_written=len(data), chunks=1, used_bytes=len(body),
-                           write_s=time.perf_counter() - start)
+        self._counted(puts=1, bytes_written=len(data), chunks=1, used_bytes=len(body),
+                      write_s=time.perf_counter() - start)
         if self._manifest is not None:
             self._write_manifest()
         self._maybe_enforce_capacity()
@@ -400,15 +402,31 @@ class S3Tier:
 
     def enforce_capacity(self) -> None:
         """List the namespace, evict the least recently written objects beyond `capacity`,
-        and update `chunks`/`used_bytes`/`evictions`. Never raises."""
-        try:
-            kept, used, evicted = self._run(lambda c: enforce_capacity(
-                c, self._config, self.names, self._config.capacity))
-        except self._failed as exc:
-            log.info("s3 tier %r: capacity listing failed (%s)", self.name, type(exc).__name__)
-            return
-        self._counters.set(chunks=kept, used_bytes=used)
-        self._counters.add(evictions=evicted)
+        and update `chunks`/`used_bytes`/`evictions`. Never raises. A listing during which
+        this process put or deleted a chunk may or may not have seen it, so its count is
+        not set: the listing is run again (up to LISTING_TRIES times), else the count stays
+        what this process counted until the next listing."""
+        for _ in range(LISTING_TRIES):
+            with self._lock:
+                changes = self._changes
+            try:
+                kept, used, evicted = self._run(lambda c: enforce_capacity(
+                    c, self._config, self.names, self._config.capacity))
+            except self._failed as exc:
+                log.info("s3 tier %r: capacity listing failed (%s)", self.name,
+                         type(exc).__name__)
+                return
+            self._counters.add(evictions=evicted)
+            with self._lock:
+                if self._changes == changes:
+                    self._counters.set(chunks=kept, used_bytes=used)
+                    return
+
+    def _counted(self, **counts: Any) -> None:
+        """Count a put or delete of this process (see `enforce_capacity`)."""
+        with self._lock:
+            self._changes += 1
+            self._counters.add(**counts)
 
     def delete(self, key: ChunkKey) -> bool:
         name = self.names.chunk(key)
@@ -419,7 +437,7 @@ class S3Tier:
         except self._failed:
             return False
         # What this process knows; the next capacity listing counts every writer's.
-        self._counters.add(chunks=-1, used_bytes=-int(head.get("ContentLength", 0)))
+        self._counted(chunks=-1, used_bytes=-int(head.get("ContentLength", 0)))
         return True
 
     # -- upkeep ------------------------------------------------------------------------------
