@@ -32,7 +32,7 @@ from vllm_harness import (
 
 from kvtier.tools.tinymodel import make_preset_model
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.beside]  # no timing premise
 
 # CPU_MLA forces 16-token blocks: twice the harness's block count covers max_model_len.
 BLOCKS = {"num_gpu_blocks_override": 256}

@@ -34,7 +34,7 @@ from vllm_harness import (
 from kvtier.tools.cli.main import main
 from kvtier.tools.tinymodel import PRESETS, write_model
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.beside]  # no timing premise
 
 CHUNK = 64
 HITS = "vllm:external_prefix_cache_hits"

@@ -7,7 +7,8 @@ vllm.v1.engine.core"`), one after the other; kvtier's connector adds about 1 s i
 start took ~50 s here (2 cores, lightly shared), 45-80 s as others' work came and went. So
 each test module builds its engine once (module-scoped fixture through `start_engine`) and
 its cases share it; a module's engine is shut down before the next module starts one, so at
-most one engine runs.
+most one engine runs in a pytest process (scripts/test.sh runs the modules marked `beside`,
+which assert no timing, in a second process beside the others).
 
 Primitives:
   - `start_engine(model_dir, kv_transfer_config, **overrides)`: a context manager that

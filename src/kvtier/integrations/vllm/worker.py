@@ -160,6 +160,8 @@ class ConnectorWorker:
             for group, source, target in meta.state_copies:
                 self._paged.copy_state(group, source, target)
 
+        if not meta.state_copies:
+            return
         if self._device is None:
             place()
         else:
