@@ -26,15 +26,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from moverrig import MoverRig
 from tierkit import key
 
-from kvtier.core.store import TieredStore
 from kvtier.integrations.vllm.cpu import spare_buffers
 from kvtier.integrations.vllm.paged import PagedKV
-from kvtier.integrations.vllm.streams import StreamChunkMover
 from kvtier.integrations.vllm.transfers import ChunkTransfer
-from kvtier.tiers import open_store
-from kvtier.tiers.storeconfig import StoreConfig
 from kvtier.tools.bench.standin import StandInDevice, StandInEvent
 from kvtier.tools.bench.vllmviews import VllmCacheSpec, vllm_kv_caches
 
@@ -43,35 +40,20 @@ BPC = 2  # blocks per chunk
 CHUNKS = 6
 
 
-class Rig:
+class Rig(MoverRig):
     """vLLM's KV on the stand-in device, a store, and the mover between them."""
 
     def __init__(self, tmp: Path, device: StandInDevice, ram_chunks: int = 16) -> None:
         spec = VllmCacheSpec(BS, HEADS, DIM, DIM, torch.bfloat16)
         self.kv = vllm_kv_caches(spec, LAYERS, BLOCKS, "LBNHC", fill=False)
-        self.paged = PagedKV(self.kv, BS, content="halves", torch_ops=True)
-        layout = self.paged.layout(BS * BPC)
-        slot_bytes = -(-layout.bytes_per_chunk // 4096) * 4096  # the memory tier's slots
-        self.chunk_bytes = layout.bytes_per_chunk
-        self.store: TieredStore = open_store(StoreConfig.parse({"tiers": [
-            {"kind": "memory", "capacity": ram_chunks * slot_bytes, "pin": "off"},
-            {"kind": "disk", "path": str(tmp / "disk"), "capacity": "64MiB"}]}), layout)
-        self.device = device
-        self.mover = StreamChunkMover(self.paged, self.store, layout.bytes_per_chunk,
-                                      load_batch=4, note_state=lambda _k, _s: None,
-                                      device=device, staging=2)
-        self.spares = spare_buffers(4, layout.bytes_per_chunk, device.pinned)
+        super().__init__(tmp, device, PagedKV(self.kv, BS, content="halves", torch_ops=True),
+                         BS * BPC, ram_chunks)
 
     def write(self, blocks: range, generation: int) -> None:
         """What a forward writes: block b of every layer holds value(b, generation)."""
         for t in self.kv.values():
             for b in blocks:
                 t[b] = value(b, generation)
-
-    def close(self) -> None:
-        self.mover.close()
-        self.store.close()
-        self.device.close()
 
 
 def value(block: int, generation: int) -> float:
@@ -148,16 +130,13 @@ def load_thread_from_disk(rig: Rig, tmp: Path) -> list[int]:
     rig.mover.store(moved, "sync")
     assert rig.store.flush(10)
     rig.close()
-    again = Rig(tmp, StandInDevice(seed=7, delays={"load": 0.01}))
-    try:
+    with Rig(tmp, StandInDevice(seed=7, delays={"load": 0.01})) as again:
         with ThreadPoolExecutor(1) as load_thread:
             loaded = load_thread.submit(again.mover.load, transfers(24), again.spares,
                                         again.mover.mark(), True).result()
         assert loaded == CHUNKS
         # No drain: the load thread's call has waited for its copies.
         return blocks_hold(again, range(24, 24 + CHUNKS * BPC), lambda b: value(b - 24, 3))
-    finally:
-        again.close()
 
 
 def borrowed_slot_outlives_eviction(rig: Rig) -> list[int]:
@@ -187,37 +166,25 @@ def borrowed_slot_outlives_eviction(rig: Rig) -> list[int]:
 # -- tests ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("seed", range(3))
 def test_a_store_gathers_what_the_forward_before_it_wrote(tmp_path: Path, seed: int) -> None:
-    rig = Rig(tmp_path, StandInDevice(seed=seed, delays={"compute": 0.05}))
-    try:
+    with Rig(tmp_path, StandInDevice(seed=seed, delays={"compute": 0.05})) as rig:
         assert store_after_forward(rig) == []
-    finally:
-        rig.close()
 
 
 def test_without_the_stream_wait_the_store_reads_the_blocks_too_early(tmp_path: Path) -> None:
-    rig = Rig(tmp_path, NoWaits(delays={"compute": 0.05}))
-    try:
+    with Rig(tmp_path, NoWaits(delays={"compute": 0.05})) as rig:
         assert store_after_forward(rig) != []
-    finally:
-        rig.close()
 
 
 @pytest.mark.parametrize("seed", range(3))
 def test_a_forward_after_an_inline_load_reads_the_loaded_kv(tmp_path: Path, seed: int) -> None:
-    rig = Rig(tmp_path, StandInDevice(seed=seed, delays={"load": 0.02, "compute": 0.0}))
-    try:
+    with Rig(tmp_path, StandInDevice(seed=seed, delays={"load": 0.02, "compute": 0.0})) as rig:
         assert forward_after_inline_load(rig) == []
         assert rig.device.waits > 0
-    finally:
-        rig.close()
 
 
 def test_without_the_compute_wait_the_forward_reads_stale_blocks(tmp_path: Path) -> None:
-    rig = Rig(tmp_path, NoWaits(delays={"load": 0.02, "compute": 0.0}))
-    try:
+    with Rig(tmp_path, NoWaits(delays={"load": 0.02, "compute": 0.0})) as rig:
         assert forward_after_inline_load(rig) != []
-    finally:
-        rig.close()
 
 
 def test_a_load_threads_load_from_disk_is_complete_when_it_returns(tmp_path: Path) -> None:
@@ -227,31 +194,24 @@ def test_a_load_threads_load_from_disk_is_complete_when_it_returns(tmp_path: Pat
 @pytest.mark.parametrize("seed", range(2))
 def test_an_inline_loads_ram_slot_stays_lent_until_its_copy_ran(tmp_path: Path,
                                                                 seed: int) -> None:
-    rig = Rig(tmp_path, StandInDevice(seed=seed, delays={"load": 0.02}), ram_chunks=1)
-    try:
+    with Rig(tmp_path, StandInDevice(seed=seed, delays={"load": 0.02}), ram_chunks=1) as rig:
         assert borrowed_slot_outlives_eviction(rig) == []
-    finally:
-        rig.close()
 
 
 def test_a_slot_given_back_before_its_copy_ran_is_overwritten(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every event answers "reached" (a mover that trusts `query` blindly): the RAM slot is
     given back and evicted before the slow copy reads it."""
-    rig = Rig(tmp_path, StandInDevice(delays={"load": 0.05}), ram_chunks=1)
-    monkeypatch.setattr(StandInEvent, "query", lambda self: True)
-    try:
+    with Rig(tmp_path, StandInDevice(delays={"load": 0.05}), ram_chunks=1) as rig:
+        monkeypatch.setattr(StandInEvent, "query", lambda self: True)
         assert borrowed_slot_outlives_eviction(rig) != []
-    finally:
         monkeypatch.undo()
-        rig.close()
 
 
 def test_many_chunks_through_two_staging_buffers(tmp_path: Path) -> None:
     """24 chunks (12x the staging buffers) inline and on a load thread at once: every byte
     lands, no buffer is used by two copies at once."""
-    rig = Rig(tmp_path, StandInDevice(seed=11, delays={"load": 0.003}), ram_chunks=32)
-    try:
+    with Rig(tmp_path, StandInDevice(seed=11, delays={"load": 0.003}), ram_chunks=32) as rig:
         rig.write(range(BLOCKS), 5)
         moved = transfers(0, count=12)
         rig.mover.store(moved, "sync")
@@ -267,5 +227,3 @@ def test_many_chunks_through_two_staging_buffers(tmp_path: Path) -> None:
         rig.device.drain()
         rig.mover.release()
         assert blocks_hold(rig, range(24, 48), lambda b: value(b - 24, 5)) == []
-    finally:
-        rig.close()

@@ -27,17 +27,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from moverrig import MoverRig
 from tierkit import key
 
 from kvtier.core.keys import ChunkKey
-from kvtier.core.store import TieredStore
-from kvtier.integrations.vllm.cpu import spare_buffers
 from kvtier.integrations.vllm.groups import NULL_BLOCK, STATE_FLAG_BYTES
 from kvtier.integrations.vllm.paged import PagedKV
-from kvtier.integrations.vllm.streams import StreamChunkMover
 from kvtier.integrations.vllm.transfers import ChunkTransfer
-from kvtier.tiers import open_store
-from kvtier.tiers.storeconfig import StoreConfig
 from kvtier.tools.bench.standin import StandInDevice
 from kvtier.tools.bench.vllmviews import VllmCacheSpec, vllm_kv_caches
 
@@ -50,7 +46,7 @@ USED = CONV_BYTES + SSM_BYTES  # a page's state bytes (the rest is padding)
 LOADED = 25  # loads write blocks from here on
 
 
-class Rig:
+class Rig(MoverRig):
     """vLLM's KV and state pages on the stand-in device, a store, the mover between them."""
 
     def __init__(self, tmp: Path, device: StandInDevice) -> None:
@@ -61,21 +57,12 @@ class Rig:
         layers = [[page[:, :CONV_BYTES].view(torch.bfloat16).view(BLOCKS, 3, 24),
                    page[:, CONV_BYTES:USED].view(torch.float32).view(BLOCKS, 2, 8, 8)]
                   for page in self.pages]
-        self.paged = PagedKV(self.kv, BS, content="halves", torch_ops=True,
-                             null_block=NULL_BLOCK, states=[layers])
-        assert self.paged.state_bytes == STATE_FLAG_BYTES + STATE_LAYERS * USED
-        layout = self.paged.layout(BS * BPC)
-        self.chunk_bytes = layout.bytes_per_chunk
-        slot_bytes = -(-self.chunk_bytes // 4096) * 4096
-        self.store: TieredStore = open_store(StoreConfig.parse({"tiers": [
-            {"kind": "memory", "capacity": 16 * slot_bytes, "pin": "off"},
-            {"kind": "disk", "path": str(tmp / "disk"), "capacity": "64MiB"}]}), layout)
-        self.device = device
+        paged = PagedKV(self.kv, BS, content="halves", torch_ops=True, null_block=NULL_BLOCK,
+                        states=[layers])
+        assert paged.state_bytes == STATE_FLAG_BYTES + STATE_LAYERS * USED
         self.notes: list[tuple[ChunkKey, bool]] = []
-        self.mover = StreamChunkMover(self.paged, self.store, self.chunk_bytes, load_batch=4,
-                                      note_state=lambda k, s: self.notes.append((k, s)),
-                                      device=device, staging=2)
-        self.spares = spare_buffers(4, self.chunk_bytes, device.pinned)
+        super().__init__(tmp, device, paged, BS * BPC,
+                         note_state=lambda k, s: self.notes.append((k, s)))
 
     def write(self, blocks: range, generation: int) -> None:
         """What a forward writes: block b's KV (every layer) and state (every state layer)."""
@@ -85,11 +72,6 @@ class Rig:
         for page in self.pages:
             for b in blocks:
                 page[b, :USED] = state_byte(b, generation)
-
-    def close(self) -> None:
-        self.mover.close()
-        self.store.close()
-        self.device.close()
 
 
 def value(block: int, generation: int) -> float:
@@ -194,44 +176,31 @@ def forward_after_inline_load(rig: Rig) -> list[str]:
 @pytest.mark.parametrize("seed", range(3))
 def test_a_store_gathers_the_kv_and_the_state_the_forward_wrote(tmp_path: Path,
                                                                  seed: int) -> None:
-    rig = Rig(tmp_path, StandInDevice(seed=seed, delays={"compute": 0.05}))
-    try:
+    with Rig(tmp_path, StandInDevice(seed=seed, delays={"compute": 0.05})) as rig:
         assert store_after_forward(rig) == []
-    finally:
-        rig.close()
 
 
 def test_without_the_stream_wait_the_store_gathers_stale_states(tmp_path: Path) -> None:
-    rig = Rig(tmp_path, NoWaits(delays={"compute": 0.05}))
-    try:
+    with Rig(tmp_path, NoWaits(delays={"compute": 0.05})) as rig:
         assert any(b.startswith("state") for b in store_after_forward(rig))
-    finally:
-        rig.close()
 
 
 @pytest.mark.parametrize("seed", range(3))
 def test_a_forward_after_an_inline_load_reads_the_loaded_kv_and_state(tmp_path: Path,
                                                                       seed: int) -> None:
-    rig = Rig(tmp_path, StandInDevice(seed=seed, delays={"load": 0.02, "compute": 0.0}))
-    try:
+    with Rig(tmp_path, StandInDevice(seed=seed, delays={"load": 0.02, "compute": 0.0})) as rig:
         assert forward_after_inline_load(rig) == []
-    finally:
-        rig.close()
 
 
 def test_without_the_compute_wait_the_forward_reads_stale_states(tmp_path: Path) -> None:
-    rig = Rig(tmp_path, NoWaits(delays={"load": 0.02, "compute": 0.0}))
-    try:
+    with Rig(tmp_path, NoWaits(delays={"load": 0.02, "compute": 0.0})) as rig:
         assert any(b.startswith("state") for b in forward_after_inline_load(rig))
-    finally:
-        rig.close()
 
 
 def test_a_load_threads_load_from_disk_restores_the_states_bit_for_bit(tmp_path: Path) -> None:
     """Random state bytes (every bit pattern, padding apart), stored, evicted from RAM, and
     loaded back on a load thread: in place when the call returns, padding untouched."""
-    rig = Rig(tmp_path, StandInDevice(seed=5, delays={"load": 0.01}))
-    try:
+    with Rig(tmp_path, StandInDevice(seed=5, delays={"load": 0.01})) as rig:
         gen = torch.Generator().manual_seed(4)
         for page in rig.pages:
             page.copy_(torch.randint(0, 256, page.shape, generator=gen, dtype=torch.uint8))
@@ -259,16 +228,13 @@ def test_a_load_threads_load_from_disk_restores_the_states_bit_for_bit(tmp_path:
             others = [b for b in range(BLOCKS) if b not in (end - 1, end)]
             assert torch.equal(page[others], old[others])
         assert wrong_blocks(rig.kv, 1, LOADED, CHUNKS * BPC, 3) == []
-    finally:
-        rig.close()
 
 
 def test_a_chunk_without_its_state_stops_a_load_that_needs_one(tmp_path: Path) -> None:
     """Chunk 1 was stored where vLLM kept no state (its state block null). A hit ending on
     it stops there: chunk 0 is loaded (the count is 1), nothing of chunk 1 is written, and
     it is noted stateless; a hit that ends later loads through it."""
-    rig = Rig(tmp_path, StandInDevice(seed=3, delays={"load": 0.01}))
-    try:
+    with Rig(tmp_path, StandInDevice(seed=3, delays={"load": 0.01})) as rig:
         rig.write(range(BLOCKS), 4)
         moved = stored(count=3)
         moved[1] = ChunkTransfer(key=moved[1].key, block_ids=moved[1].block_ids,
@@ -298,5 +264,3 @@ def test_a_chunk_without_its_state_stops_a_load_that_needs_one(tmp_path: Path) -
         end = LOADED + 3 * BPC
         assert wrong_blocks(rig.kv, 1, LOADED, 3 * BPC, 4) == []
         assert wrong_states(rig.pages, [end - 1, end], moved[2].state_blocks[0], 4) == []
-    finally:
-        rig.close()

@@ -1,0 +1,51 @@
+"""The rig of the device mover's tests (test_stream_mover*.py): vLLM's KV (a `PagedKV`) on the
+CPU stand-in device, a store of a memory tier over a disk tier, the `StreamChunkMover` between
+them and a load's pinned spares. A context manager: `with Rig(...) as rig:` closes the mover,
+the store and the device."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+
+from kvtier.core.keys import ChunkKey
+from kvtier.core.store import TieredStore
+from kvtier.integrations.vllm.cpu import spare_buffers
+from kvtier.integrations.vllm.paged import PagedKV
+from kvtier.integrations.vllm.streams import StreamChunkMover
+from kvtier.tiers import open_store
+from kvtier.tiers.storeconfig import StoreConfig
+from kvtier.tools.bench.standin import StandInDevice
+
+
+class MoverRig:
+    """`paged` (on `device`), `ram_chunks` chunks of RAM over a disk tier under `tmp`, the
+    mover (4-chunk load batches, 2 staging buffers), 4 spares; states noted to `note_state`."""
+
+    def __init__(self, tmp: Path, device: StandInDevice, paged: PagedKV, tokens_per_chunk: int,
+                 ram_chunks: int = 16,
+                 note_state: Callable[[ChunkKey, bool], None] = lambda _k, _s: None) -> None:
+        self.paged = paged
+        layout = paged.layout(tokens_per_chunk)
+        self.chunk_bytes = layout.bytes_per_chunk
+        slot_bytes = -(-self.chunk_bytes // 4096) * 4096  # the memory tier's slots
+        self.store: TieredStore = open_store(StoreConfig.parse({"tiers": [
+            {"kind": "memory", "capacity": ram_chunks * slot_bytes, "pin": "off"},
+            {"kind": "disk", "path": str(tmp / "disk"), "capacity": "64MiB"}]}), layout)
+        self.device = device
+        self.mover = StreamChunkMover(paged, self.store, self.chunk_bytes, load_batch=4,
+                                      note_state=note_state, device=device, staging=2)
+        self.spares = spare_buffers(4, self.chunk_bytes, device.pinned)
+
+    def close(self) -> None:
+        self.mover.close()
+        self.store.close()
+        self.device.close()
+
+    def __enter__(self) -> MoverRig:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
