@@ -52,6 +52,20 @@ def test_a_ceiling_timed_beside_the_hits_wins_over_the_run_level_one():
         is False  # against the 40 ms of the run-level ceiling
 
 
+def test_a_ceiling_that_varied_over_the_trials_is_called_noisy():
+    """The raw read's slowest trial 1.5x its fastest: the verdict stands, flagged noisy."""
+    base = hit("kvtier-disk", 70.0)
+    steady = Ttft("kvtier-disk", N, base.trials_s, N, local_s=base.local_s,
+                  ceiling_s=(0.050,) * 8 + (0.060,))
+    noisy = Ttft("kvtier-disk", N, base.trials_s, N, local_s=base.local_s,
+                 ceiling_s=(0.050,) * 8 + (0.075,))
+    [calm] = checks(result(steady))
+    [flagged] = checks(result(noisy))
+    assert "noisy" not in calm.limit
+    assert "varied 1.50x over the trials: noisy" in flagged.limit
+    assert calm.passed is flagged.passed is True  # 70 ms <= 1.5 x 50 ms: a pass either way
+
+
 def test_a_hits_extra_time_splits_into_read_copy_and_what_is_outside_the_load():
     base = hit("kvtier-disk", 10.0)
     traced = Ttft("kvtier-disk", N, base.trials_s, N, local_s=base.local_s,

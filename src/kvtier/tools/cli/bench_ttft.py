@@ -28,6 +28,11 @@ from kvtier.tools.bench.ttft import (
 from kvtier.tools.cli.argtypes import non_negative_int, output_dir, output_file, work_dir
 from kvtier.tools.cli.bench import run_and_report
 
+# A raw read or copy whose slowest trial took this many times its fastest: the medium's own
+# noise is as large as the margins the targets judge (this VM's disk read 32 MiB in 33-57 ms
+# a minute apart: docs/performance.md), and a verdict needs more repetitions or runs.
+NOISY_CEILING = 1.25
+
 QUICK = {"reps": 5, "recompute_reps": 2, "throughput_prompts": 8, "throughput_reps": 2}
 
 
@@ -148,9 +153,12 @@ def checks(result: TtftResult) -> list[Check]:
                 continue
             raw = statistics.median(t.ceiling_s) if t.ceiling_s else ceiling[n]
             limit = TARGET_EXTRA_VS_COPY * raw
+            spread = max(t.ceiling_s) / min(t.ceiling_s) if t.ceiling_s else 1.0
+            noise = (f"; the {name} varied {spread:.2f}x over the trials: noisy, rerun"
+                     if spread > NOISY_CEILING else "")
             out.append(Check(f"{engine} {n}: extra over vLLM hit", f"{t.extra_s * 1e3:.1f} ms",
                              f"<= {limit * 1e3:.1f} ms ({TARGET_EXTRA_VS_COPY}x {name} of "
-                             f"{raw * 1e3:.1f} ms)",
+                             f"{raw * 1e3:.1f} ms{noise})",
                              t.extra_s <= limit))
             if example is not None and example.extra_s is not None:
                 out.append(Check(f"{engine} {n}: extra vs {peer}'s",
