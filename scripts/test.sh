@@ -3,12 +3,12 @@
 #
 # With no arguments the suite runs as two lanes side by side, which together run every test
 # once. The first, in this terminal, runs the tests that start real vLLM engines (`-m vllm`,
-# one engine at a time), but those marked `beside`. An engine start is vLLM's processes importing vLLM one after the
-# other, on one core (see tests/engine/vllm_harness.py), so the first lane leaves the second
-# core of a 2-core machine mostly idle: the second lane runs all the other tests (`-m "not
-# vllm"`), then the engine tests that have no timing premise (`-m beside`: outputs and
-# counters only), beside the first lane's engines; its output is printed when both are done.
-# It fails if either lane fails.
+# one engine at a time), but those marked `beside`. An engine start is vLLM's processes
+# importing vLLM one after the other, on one core (see tests/engine/vllm_harness.py), so the
+# first lane leaves the second core of a 2-core machine mostly idle: the second lane runs all
+# the other tests (`-m "not vllm"`), then the engine tests that have no timing premise (`-m
+# beside`: outputs and counters only), beside the first lane's engines; its output is printed
+# when both are done. It fails if either lane fails.
 # Each run ends with its slowest tests (--durations): where CI's time goes.
 # With arguments, one pytest process runs them as given.
 set -euo pipefail

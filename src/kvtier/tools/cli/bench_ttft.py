@@ -153,7 +153,7 @@ def checks(result: TtftResult) -> list[Check]:
                 continue
             raw = statistics.median(t.ceiling_s) if t.ceiling_s else ceiling[n]
             limit = TARGET_EXTRA_VS_COPY * raw
-            spread = max(t.ceiling_s) / min(t.ceiling_s) if t.ceiling_s else 1.0
+            spread = _spread(t.ceiling_s)
             noise = (f"; the {name} varied {spread:.2f}x over the trials: noisy, rerun"
                      if spread > NOISY_CEILING else "")
             out.append(Check(f"{engine} {n}: extra over vLLM hit", f"{t.extra_s * 1e3:.1f} ms",
@@ -177,6 +177,11 @@ def checks(result: TtftResult) -> list[Check]:
                          f"{statistics.median(tp['vllm-prefix']):.2f} req/s)",
                          "(the paired ratio above is the target)", None))
     return out
+
+
+def _spread(samples: tuple[float, ...]) -> float:
+    """The slowest sample over the fastest (1.0 without samples)."""
+    return max(samples) / min(samples) if samples and min(samples) > 0 else 1.0
 
 
 def target_table(result: TtftResult) -> Table:
