@@ -14,6 +14,7 @@ import pytest
 from s3_server import S3Endpoint
 from tierkit import key, tiny_layout
 
+import kvtier.tiers.s3 as s3_module
 from kvtier.core.chunkformat import HEADER_BYTES
 from kvtier.core.layout import KVLayout
 from kvtier.core.tier import OK, BatchLookup, Locality, Medium
@@ -86,7 +87,6 @@ def test_a_delete_during_a_listing_is_not_undone_by_its_count(
     """A listing counts the objects, then this process deletes one before the listing sets
     the counters: the stale count (the deleted object included) must not be set. The
     listing runs again and counts what is there (the race a contract test once lost)."""
-    import kvtier.tiers.s3 as s3_module
     tier = tier_of(s3_session, capacity=10 * OBJECT_BYTES, listing_interval_s=3600)
     for i in range(2):
         assert tier.put(key(i), memoryview(payload(i))) == OK

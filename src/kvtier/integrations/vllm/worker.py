@@ -156,12 +156,13 @@ class ConnectorWorker:
         without synchronous loads, too late for these. On a device the copies are queued on
         the compute stream, before the forward (their sources were loaded by a load thread
         that waited for its copies)."""
+        if not meta.state_copies:
+            return
+
         def place() -> None:
             for group, source, target in meta.state_copies:
                 self._paged.copy_state(group, source, target)
 
-        if not meta.state_copies:
-            return
         if self._device is None:
             place()
         else:
