@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -113,3 +114,27 @@ def test_a_miss_stops_the_load_and_no_read_outlives_it(
     assert mover.load(loads, spares) == 1
     assert running == set()
     assert len(spares) == SPARES
+
+
+def test_disk_reads_land_straight_in_the_spares(
+        rig: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The spares are page-aligned, so each disk read lands in its spare (O_DIRECT where the
+    filesystem allows it) and is verified there: no staging buffer and no second copy. With
+    torch-allocated spares (64-byte aligned) every read went through the staging buffer."""
+    paged, store, mover, loads, _half = rig
+    files = store.tiers[1].files
+    decode = files.encoder.decode
+    in_place: list[bool] = []
+
+    def spied(key: ChunkKey, header: Any, body: memoryview, out: memoryview,
+              *args: Any) -> None:
+        address = np.frombuffer(body, dtype=np.uint8).ctypes.data
+        in_place.append(address == np.frombuffer(out, dtype=np.uint8).ctypes.data)
+        decode(key, header, body, out, *args)
+
+    monkeypatch.setattr(files.encoder, "decode", spied)
+    spares = spare_buffers(SPARES, paged.layout(CHUNK).bytes_per_chunk)
+    assert all(np.frombuffer(s, dtype=np.uint8).ctypes.data % 4096 == 0 for s in spares)
+    assert mover.load(loads, spares) == CHUNKS
+    assert len(in_place) >= CHUNKS - 2  # the memory tier's two slots may take two reads
+    assert all(in_place)

@@ -16,6 +16,7 @@ Primitives: `CpuChunkMover`.
 from __future__ import annotations
 
 import logging
+import mmap
 import time
 import warnings
 from collections import Counter, deque
@@ -43,9 +44,12 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable",
 def spare_buffers(count: int, chunk_bytes: int,
                   allocate: Callable[[int], torch.Tensor] | None = None) -> list[memoryview]:
     """`count` chunk buffers: of `allocate(nbytes)` (a device's pinned memory), or plain host
-    memory (allocated lazily by the OS: untouched until a slow tier is read into it)."""
-    allocate = allocate or (lambda nbytes: torch.empty(nbytes, dtype=torch.uint8))
-    return [allocate(chunk_bytes).numpy().data for _ in range(count)]
+    memory, page-aligned so that a disk tier reads into them with O_DIRECT (torch's own
+    allocations are 64-byte aligned: each read then landed in a staging buffer and was copied
+    once more) and allocated lazily by the OS (untouched until a slow tier is read into it)."""
+    if allocate is not None:
+        return [allocate(chunk_bytes).numpy().data for _ in range(count)]
+    return [memoryview(mmap.mmap(-1, chunk_bytes)) for _ in range(count)]
 
 
 class CpuChunkMover:
