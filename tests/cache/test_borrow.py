@@ -299,6 +299,35 @@ def test_put_from_writes_lower_tiers_when_the_top_declines(tmp_path: Path) -> No
     store.close()
 
 
+def test_puts_kept_open_together_store_each_chunk_once_filled(tmp_path: Path) -> None:
+    """`putting` blocks open at once (a device's DMAs in flight): each reserves its own slot
+    (the memory tier's two), nothing is visible before its block ends; a third, with every
+    slot reserved, is filled in the spare for the disk alone; a cancelled one stores nothing
+    anywhere."""
+    tiers = [tier_settings("memory", tmp_path, LAYOUT, 2),
+             tier_settings("disk", tmp_path, LAYOUT, 4, o_direct="off")]
+    store = open_store(StoreConfig.parse({"tiers": tiers}), LAYOUT)
+    spare = memoryview(bytearray(LAYOUT.bytes_per_chunk))
+    with store.putting(key(10), spare) as a, store.putting(key(11), spare) as b, \
+            store.putting(key(12), spare) as c:
+        assert a.in_place and b.in_place and not c.in_place and c.data is spare
+        assert a.data is not None and b.data is not None
+        a.data[:], b.data[:] = payload(10), payload(11)
+        c.cancel()  # its fill failed
+        assert not store.contains(key(10)) and not store.contains(key(11))
+    assert a.stored and b.stored and not c.stored
+    assert store.flush(timeout_s=5)
+    out = memoryview(bytearray(LAYOUT.bytes_per_chunk))
+    for i in (10, 11):
+        assert store.tiers[0].get_into(key(i), out) and bytes(out) == payload(i)
+        assert store.tiers[1].get_into(key(i), out) and bytes(out) == payload(i)
+    assert not store.tiers[0].contains(key(12)) and not store.tiers[1].contains(key(12))
+    with store.putting(key(10), spare) as held:  # held already: nothing to fill
+        assert held.data is None
+    assert held.stored
+    store.close()
+
+
 def test_batches_on_many_threads_read_disk_into_reserved_slots_without_mixing_chunks(
         tmp_path: Path) -> None:
     """Four threads borrow batches of disk-held chunks while a writer keeps evicting: every

@@ -16,7 +16,31 @@ from kvtier.integrations.vllm.paged import PagedKV
 from kvtier.integrations.vllm.streams import StreamChunkMover
 from kvtier.tiers import open_store
 from kvtier.tiers.storeconfig import StoreConfig
-from kvtier.tools.bench.standin import StandInDevice
+from kvtier.tools.bench.standin import StandInDevice, StandInEvent, StandInStream
+
+# The mover's waits between its own streams: a copy engine's DMA and the scatter or gather on
+# the other side of it.
+COPY_WAITS = ({"load copy", "load"}, {"store", "store copy"})
+
+
+class NoWaits(StandInDevice):
+    """A device on which the mover's waits for vLLM's work, and vLLM's for the mover's, are
+    lost (the bug the scenarios catch); its waits between its own streams are kept."""
+
+    def wait(self, stream: StandInStream, event: StandInEvent) -> None:  # type: ignore[override]
+        self.waits += 1
+        if event.stream is not None and {stream.name, event.stream.name} in COPY_WAITS:
+            super().wait(stream, event)
+
+
+class NoCopyWaits(StandInDevice):
+    """A device on which the mover's waits between its own streams are lost: a DMA runs
+    before the gather it copies, a scatter before the DMA it scatters."""
+
+    def wait(self, stream: StandInStream, event: StandInEvent) -> None:  # type: ignore[override]
+        self.waits += 1
+        if event.stream is None or {stream.name, event.stream.name} not in COPY_WAITS:
+            super().wait(stream, event)
 
 
 class MoverRig:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from moverrig import MoverRig
+from moverrig import MoverRig, NoWaits
 from tierkit import key
 
 from kvtier.core.keys import ChunkKey
@@ -116,13 +116,6 @@ def wrong_states(pages: list[torch.Tensor], blocks: list[int], source: int,
     return [b for b in blocks
             if any(not torch.all(p[b, :USED] == state_byte(source, generation))
                    for p in pages)]
-
-
-class NoWaits(StandInDevice):
-    """A device on which the mover's stream waits are lost (the bug the scenarios catch)."""
-
-    def wait(self, stream: object, event: object) -> None:
-        self.waits += 1
 
 
 # -- scenarios: each returns what went wrong ------------------------------------------------

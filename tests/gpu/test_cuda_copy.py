@@ -27,6 +27,7 @@ that CI executes these bodies. No vLLM. Throughput: `kvtier bench copy` (scripts
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -34,7 +35,7 @@ from typing import Any
 
 import pytest
 import torch
-from gpurig import BS, CASE_IDS, CASES, Backend, Case, reference_chunk
+from gpurig import BS, CASE_IDS, CASES, SLEEP_CYCLES_PER_S, Backend, Case, reference_chunk
 from tierkit import key
 
 from kvtier.core.store import TieredStore
@@ -342,6 +343,31 @@ class LosesWaits:
             self._inner.wait(stream, event)
 
 
+class LateCopies:
+    """A device whose copies into the device (the mover's "load copy" stream) start about
+    `seconds` late, as behind a busy copy engine."""
+
+    def __init__(self, inner: Any, cuda: bool, seconds: float) -> None:
+        self._inner, self._late = inner, set[int]()
+        self._pause: Callable[[], None] = (
+            (lambda: torch.cuda._sleep(int(seconds * SLEEP_CYCLES_PER_S))) if cuda
+            else (lambda: time.sleep(seconds)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def new_stream(self, name: str = "") -> Any:
+        stream = self._inner.new_stream(name)
+        if name == "load copy":
+            self._late.add(id(stream))
+        return stream
+
+    def run(self, stream: Any, work: Callable[[], Any]) -> None:
+        if id(stream) in self._late:
+            self._inner.run(stream, self._pause)
+        self._inner.run(stream, work)
+
+
 SCENARIOS: dict[str, tuple[Callable[[Rig], list[int]], bool]] = {
     # scenario, and whether its wait is the compute stream's (else the mover's streams')
     "store_after_forward": (store_after_forward, False),
@@ -365,6 +391,7 @@ def test_without_the_wait_the_scenario_reads_the_wrong_bytes(backend: Backend,
 
 def test_an_inline_loads_ram_slot_stays_lent_until_its_copy_ran(backend: Backend,
                                                                 rig_factory: Any) -> None:
+    backend.device = LateCopies(backend.device, backend.cuda, 0.03)
     assert borrowed_slot_outlives_eviction(rig_factory(ram_chunks=1)) == []
 
 
@@ -372,7 +399,9 @@ def test_a_slot_given_back_before_its_copy_ran_is_overwritten(
         backend: Backend, rig_factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every event answers "reached": the RAM slot is given back and reused by the promotion
     before the late copy reads it. On CUDA this also shows that the copy reads the pinned
-    slot asynchronously (from pageable memory it would be staged at once, and pass)."""
+    slot asynchronously (from pageable memory it would be staged at once, and pass). The
+    copy into the device starts late (its DMA waits for nothing of vLLM's: it is made late)."""
+    backend.device = LateCopies(backend.device, backend.cuda, 0.03)
     rig = rig_factory(ram_chunks=1)
     event_type = torch.cuda.Event if backend.cuda else StandInEvent
     monkeypatch.setattr(event_type, "query", lambda self: True)

@@ -14,7 +14,8 @@ write-behind.
   their own threads, through bounded queues (`writebehind.WriteBehind`): when a queue is
   full the write is dropped and counted, never blocking the caller. `put_from(key, fill,
   spare, meta)` has the chunk written straight into a reserved slot of the top tier (the
-  vLLM worker's gather).
+  vLLM worker's gather); `putting` is the same in two halves, for a caller that keeps
+  several chunks in flight (a device's DMAs).
 Every call carries the chunk's `ChunkMeta` (tenant, pin, expiry; `DEFAULT_META` by default)
 down to each tier it reaches: a sealed chunk opens, and is sealed, with its tenant's key.
 Whether a tier holds a chunk already is its own `put`'s (or `reserve`'s) decision: the store
@@ -30,8 +31,8 @@ costs hits, never a hung engine. Only the top tier (RAM) is called on the caller
 The store receives its tiers already built (`kvtier.tiers.open_store` builds them from a
 config): the core does not know which tiers exist.
 
-Primitives: `TieredStore`, `StoreSettings`, `LookupResult`, `ChunkView`, `StoreEvent`,
-`StoreStats`.
+Primitives: `TieredStore`, `StoreSettings`, `LookupResult`, `ChunkView`, `PendingPut`,
+`StoreEvent`, `StoreStats`.
 """
 
 from __future__ import annotations
@@ -96,6 +97,20 @@ class ChunkView:
 
     data: memoryview  # the payload, read-only (a tier's own memory, or the caller's spare)
     tier: str  # the name of the tier that served it
+
+
+@dataclass(slots=True)
+class PendingPut:
+    """A chunk being stored by `TieredStore.putting`: valid only inside its `with` block."""
+
+    data: memoryview | None  # where the caller writes the chunk; None: nothing to write
+    in_place: bool  # `data` is the top tier's own slot (else the caller's spare, or None)
+    stored: bool = False  # set when the block ends: as `put_from` returns
+    cancelled: bool = False
+
+    def cancel(self) -> None:
+        """Store nothing when the block ends (the fill failed or never finished)."""
+        self.cancelled = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -496,26 +511,49 @@ class TieredStore:
         (or held it already: then nothing is filled, its lower tiers had it written behind
         when it was stored). `fill` runs on the calling thread; what it raises propagates
         and nothing is stored. `meta` as for `put`."""
+        with self.putting(key, spare, meta) as put:
+            if put.data is not None:
+                fill(put.data)
+        return put.stored
+
+    @contextmanager
+    def putting(self, key: ChunkKey, spare: memoryview,
+                meta: ChunkMeta = DEFAULT_META) -> Iterator[PendingPut]:
+        """`put_from` in two halves, for a caller that fills chunks asynchronously (a DMA)
+        and keeps several open: the block yields a `PendingPut` whose `data` the caller
+        fills before the block ends (None: nothing to fill; the top tier holds the chunk
+        already or no tier takes it); the block's end stores it, and sets `stored` as
+        `put_from` returns it. A block left by an exception, or after `cancel`, stores
+        nothing. `data` is
+        `spare` when the top tier has no slot for it (`in_place` False): the caller must
+        not open another put on the same spare before this one ends."""
         if self._reserver is None:
-            fill(spare)
-            return self.put(key, spare, meta)
+            put = PendingPut(spare, in_place=False)
+            yield put
+            put.stored = not put.cancelled and self.put(key, spare, meta)
+            return
         with self._reserver.reserve(key, meta) as slot:
             if isinstance(slot, TierResult):
                 self._counted(self.tiers[0], slot)
-                if slot.ok:
-                    return True  # held: `reserve` applied `meta` to it
             pending = self._writers()
-            if isinstance(slot, TierResult) and not pending:  # no lower tier to write
-                return False
-            data = spare if isinstance(slot, TierResult) else slot.data
-            fill(data)
+            if isinstance(slot, TierResult) and (slot.ok or not pending):
+                # held (`reserve` applied `meta` to it), or no lower tier to write
+                yield (put := PendingPut(None, in_place=False, stored=slot.ok))
+                return
+            put = PendingPut(spare, in_place=False) if isinstance(slot, TierResult) \
+                else PendingPut(slot.data, in_place=True)
+            yield put
+            data = put.data
+            assert data is not None
+            if put.cancelled:
+                return
             # The lower tiers' copy is taken before the commit makes the slot evictable.
             copy = memoryview(bytes(data)) if pending else data
             if not isinstance(slot, TierResult):
                 slot.commit()
         for writer in pending:
             writer.submit(key, copy, meta)
-        return not isinstance(slot, TierResult)
+        put.stored = put.in_place
 
     def _put_top(self, key: ChunkKey, data: memoryview, meta: ChunkMeta) -> bool:
         top = self.tiers[0]

@@ -12,7 +12,7 @@ from typing import Protocol
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.retention import DEFAULT_META, ChunkMeta
-from kvtier.core.store import ChunkView, StoreEvent, StoreStats
+from kvtier.core.store import ChunkView, PendingPut, StoreEvent, StoreStats
 
 
 class ChunkStore(Protocol):
@@ -32,6 +32,9 @@ class ChunkStore(Protocol):
 
     def put_from(self, key: ChunkKey, fill: Callable[[memoryview], None],
                  spare: memoryview, meta: ChunkMeta = DEFAULT_META) -> bool: ...
+
+    def putting(self, key: ChunkKey, spare: memoryview,
+                meta: ChunkMeta = DEFAULT_META) -> AbstractContextManager[PendingPut]: ...
 
     def retain(self, key: ChunkKey, meta: ChunkMeta) -> int: ...
 

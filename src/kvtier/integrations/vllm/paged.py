@@ -268,11 +268,11 @@ class PagedKV:
         return out
 
     def _index(self, block_ids: tuple[int, ...] | list[int]) -> torch.Tensor:
-        ids = torch.tensor(block_ids, dtype=torch.long)
         if self.device.type == "cpu":
-            return ids
+            return torch.tensor(block_ids, dtype=torch.long)
         # Pinned, so the upload is asynchronous on the current stream (no host sync).
-        return ids.pin_memory().to(self.device, non_blocking=True)
+        return torch.tensor(block_ids, dtype=torch.long, pin_memory=True).to(
+            self.device, non_blocking=True)
 
     def _per_group(self, block_ids: tuple[int, ...]) -> list[tuple[int, ...]]:
         """A chunk's block ids split by group (see `group_sizes`)."""

@@ -36,6 +36,7 @@ class StandInEvent:
     def __init__(self) -> None:
         self._reached = threading.Event()
         self._recorded = False
+        self.stream: StandInStream | None = None  # where it was last recorded
 
     def query(self) -> bool:
         return not self._recorded or self._reached.is_set()
@@ -90,14 +91,15 @@ class StandInDevice:
 
     def _stream(self, name: str) -> StandInStream:
         with self._lock:
-            stream = StandInStream(name, self._delays.get(name, self._max_delay_s),
-                                   random.Random(self._rng.random()))
+            # "load copy" is delayed as "load" unless it is named on its own.
+            delay = self._delays.get(name, self._delays.get(name.split(" ")[0],
+                                                            self._max_delay_s))
+            stream = StandInStream(name, delay, random.Random(self._rng.random()))
             self.streams.append(stream)
         return stream
 
-    def new_stream(self) -> StandInStream:
-        # The mover makes its load stream first, then its store stream.
-        return self._stream(("load", "store", "other")[min(len(self.streams) - 1, 2)])
+    def new_stream(self, name: str = "") -> StandInStream:
+        return self._stream(name or "other")
 
     def compute_stream(self) -> StandInStream:
         return self.compute
@@ -107,6 +109,7 @@ class StandInDevice:
 
     def record(self, event: Any, stream: Any) -> None:
         event._recorded = True
+        event.stream = stream
         stream.put(event._reached.set)
 
     def wait(self, stream: Any, event: Any) -> None:
