@@ -6,7 +6,9 @@
 #   1. checks the GPU: nvidia-smi, then torch.cuda.is_available();
 #   2. installs kvtier without its dependencies (pip install --no-deps -e .) and then the
 #      dependencies pyproject.toml names, plus pytest and pytest-timeout; never torch or vllm
-#      (the torch in place is checked to be the same afterwards);
+#      (the torch in place is checked to be the same afterwards); with --wheels, offline:
+#      from that folder of wheels (scripts/gpu-wheels.sh fetches them) and what is installed,
+#      kvtier itself from src/;
 #   3. runs the device tests: pytest tests/gpu tests/connector/test_stream_mover.py (a CUDA test
 #      that skips on this machine counts as a failure);
 #   4. measures the copy path: kvtier bench copy --device cuda --sweep (2-32 MiB chunks, load
@@ -16,11 +18,14 @@
 #      keeps out of git with its own .gitignore) and prints a summary: PASS/FAIL per chunk
 #      size against the 0.8x target, and the runner's blocked time per step of stores.
 #
-# Usage: bash scripts/gpu-check.sh [--results DIR] [--python PY] [--no-install] [--quick]
-#                                  [--dry-run] [--summary-only]
+# Usage: bash scripts/gpu-check.sh [--results DIR] [--python PY] [--no-install] [--wheels DIR]
+#                                  [--quick] [--dry-run] [--summary-only]
 #   --results DIR   where the results go (default gpu-results)
 #   --python PY     the Python with the CUDA build of torch (default $PYTHON, else python3)
 #   --no-install    use the environment as it is (kvtier and its dependencies installed)
+#   --wheels DIR    install offline (a GPU machine that reaches no registry): the missing
+#                   dependencies from the wheels in DIR; kvtier is not built (nothing to
+#                   build it with there) but run from src/ (PYTHONPATH)
 #   --quick         2 trials and 32 blocks per bench run instead of 5 and 512
 #   --dry-run       print the steps, run nothing
 #   --summary-only  only step 5, over the results a run left in DIR
@@ -34,6 +39,7 @@ cd "$(dirname "$0")/.."
 RESULTS=gpu-results
 PY=${PYTHON:-python3}
 INSTALL=1
+WHEELS=
 QUICK=()
 DRY=0
 SUMMARY_ONLY=0
@@ -42,6 +48,7 @@ while (($#)); do
     --results) RESULTS=${2:?--results needs a directory}; shift 2 ;;
     --python) PY=${2:?--python needs an interpreter}; shift 2 ;;
     --no-install) INSTALL=0; shift ;;
+    --wheels) WHEELS=${2:?--wheels needs a directory}; shift 2 ;;
     --quick) QUICK=(--quick); shift ;;
     --dry-run) DRY=1; shift ;;
     --summary-only) SUMMARY_ONLY=1; shift ;;
@@ -129,8 +136,13 @@ if ((DRY)); then
   echo "1. nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader"
   echo "   $PY -c 'import torch; assert torch.cuda.is_available()'"
   if ((INSTALL)); then
-    echo "2. $PY -m pip install --no-deps -e ."
-    echo "   $PY -m pip install <pyproject.toml [project] dependencies> pytest pytest-timeout"
+    if [[ -n $WHEELS ]]; then
+      echo "2. export PYTHONPATH=$PWD/src (kvtier from the checkout, not built)"
+    else
+      echo "2. $PY -m pip install --no-deps -e ."
+    fi
+    echo "   $PY -m pip install <pyproject.toml [project] dependencies> pytest pytest-timeout" \
+         "${WHEELS:+--no-index --find-links $WHEELS}"
     echo "   (never torch or vllm: the torch in place must be the same afterwards)"
   else
     echo "2. (--no-install: the environment as it is)"
@@ -187,8 +199,18 @@ for dep in deps:
 EOF
   )
   ((${#DEPS[@]})) || fail "could not read the dependencies from pyproject.toml"
-  "$PY" -m pip install --no-deps -e . || fail "pip install --no-deps -e . failed"
-  "$PY" -m pip install "${DEPS[@]}" || fail "pip install of the dependencies failed"
+  OFFLINE=()
+  if [[ -n $WHEELS ]]; then
+    [[ -d $WHEELS ]] || fail "--wheels $WHEELS: no such directory (scripts/gpu-wheels.sh)" 2
+    OFFLINE=(--no-index --find-links "$WHEELS")
+  fi
+  if [[ -n $WHEELS ]]; then
+    export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+  else
+    "$PY" -m pip install --no-deps -e . || fail "pip install --no-deps -e . failed"
+  fi
+  "$PY" -m pip install "${OFFLINE[@]}" "${DEPS[@]}" ||
+    fail "pip install of the dependencies failed${WHEELS:+ (a wheel missing from $WHEELS?)}"
   TORCH_AFTER=$("$PY" -c 'import torch; print(torch.__version__)')
   [[ $TORCH_AFTER == "$TORCH_BEFORE" ]] ||
     fail "torch changed from $TORCH_BEFORE to $TORCH_AFTER during the install"
