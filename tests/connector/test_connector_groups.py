@@ -192,12 +192,12 @@ def test_a_hybrid_hit_loads_asynchronously_and_skips_the_null_blocks() -> None:
     assert [t.num_blocks for t in loads] == [2, 2, 2]
 
 
-def group_kv() -> dict[str, torch.Tensor]:
+def group_kv(blocks: int = BLOCKS) -> dict[str, torch.Tensor]:
     """Two groups of two layers, each group one allocation (the CPU backend's LBHNC)."""
     gen = torch.Generator().manual_seed(1)
     kv = {}
     for g in range(2):
-        pool = torch.randn(2, BLOCKS, HEADS, BLOCK, 2 * DIM, generator=gen).to(torch.bfloat16)
+        pool = torch.randn(2, blocks, HEADS, BLOCK, 2 * DIM, generator=gen).to(torch.bfloat16)
         kv |= {f"g{g}.l{j}": pool[j] for j in range(2)}
     return kv
 
@@ -220,6 +220,41 @@ def test_a_chunk_moves_group_by_group_and_a_load_never_writes_the_null_block(
     assert torch.equal(kv["g0.l0"][9], before["g0.l0"][4])
     assert torch.equal(kv["g1.l1"][10], before["g1.l1"][5])
     assert torch.equal(kv["g1.l1"][11], before["g1.l1"][6])
+
+
+@pytest.mark.parametrize("ids, first_block", [
+    ((3, 4, 5, 6, 7, 8, 9, 10), 0),  # whole chunks: group 0's blocks 3-6, group 1's 7-10
+    ((3, 4, 5, 6, 7, 8, 9, 10), 1),  # a local prefix hit: each group's first block kept
+    ((NULL_BLOCK, 12, NULL_BLOCK, 13, 14, NULL_BLOCK, 15, 16), 0),  # holes: not a slice
+    ((17, NULL_BLOCK, 18, 19, NULL_BLOCK, NULL_BLOCK, 20, 21), 1),
+])
+def test_numpy_and_torch_ops_move_the_same_bytes(ids: tuple[int, ...], first_block: int) -> None:
+    """The CPU backend's numpy path (one call per chunk and group) against torch's index ops,
+    block ids with null blocks anywhere and a first block: the same KV, byte for byte."""
+    results = []
+    for torch_ops in (False, True):
+        kv = group_kv(blocks=40)
+        paged = PagedKV(kv, BLOCK, torch_ops=torch_ops, group_sizes=(2, 2),
+                        null_block=NULL_BLOCK)
+        chunks = [torch.empty(paged.layout(4 * BLOCK).bytes_per_chunk, dtype=torch.uint8)
+                  for _ in range(2)]
+        paged.gather((30, 31, 32, 33, 34, 35, 36, 37), chunks[0])
+        paged.gather((37, 36, 35, 34, 33, 32, 31, 30), chunks[1])  # out of order
+        paged.scatter(chunks[0], ids, first_block)
+        results.append((chunks, {n: t.clone() for n, t in kv.items()}))
+    (numpy_chunks, numpy_kv), (torch_chunks, torch_kv) = results
+    assert all(torch.equal(a, b) for a, b in zip(numpy_chunks, torch_chunks))
+    assert all(torch.equal(numpy_kv[n], torch_kv[n]) for n in numpy_kv)
+    untouched = group_kv(blocks=40)
+    assert any(not torch.equal(numpy_kv[n], untouched[n]) for n in numpy_kv)
+    for group, names in ((ids[:4], ("g0.l0", "g0.l1")), (ids[4:], ("g1.l0", "g1.l1"))):
+        for name in names:
+            for j, block in enumerate(group):
+                if j < first_block or block == NULL_BLOCK:
+                    assert torch.equal(numpy_kv[name][block], untouched[name][block])
+                else:
+                    assert torch.equal(numpy_kv[name][block], untouched[name][30 + j + (
+                        4 if name.startswith("g1") else 0)])
 
 
 def test_a_chunks_state_region_carries_the_state_at_its_end_or_says_it_has_none() -> None:
