@@ -524,9 +524,8 @@ class TieredStore:
         fills before the block ends (None: nothing to fill; the top tier holds the chunk
         already or no tier takes it); the block's end stores it, and sets `stored` as
         `put_from` returns it. A block left by an exception, or after `cancel`, stores
-        nothing. `data` is
-        `spare` when the top tier has no slot for it (`in_place` False): the caller must
-        not open another put on the same spare before this one ends."""
+        nothing. `data` is `spare` when the top tier has no slot for it (`in_place` False):
+        the caller must not open another put on the same spare before this one ends."""
         if self._reserver is None:
             put = PendingPut(spare, in_place=False)
             yield put

@@ -10,8 +10,11 @@ poison byte when allocated. So a copy that reads a host buffer after its borrow 
 gather that runs before the forward that writes its blocks, or a forward that reads blocks
 before their load has run, reads the wrong bytes, and the tests that check the bytes fail.
 
-`delays` maps a stream's name ("compute", "load", "store") to its maximum delay in seconds
-(default `max_delay_s`), so a test can make one stream slow on purpose.
+`delays` maps a stream's name ("compute", or the name the mover gives it: "load", "load copy",
+"store", "store copy") to its maximum delay in seconds (default: the delay of its first word's
+stream, "load" for "load copy", else `max_delay_s`), so a test can make one stream slow on
+purpose. Each event remembers the stream it was recorded on (a test's device can tell which
+wait is which).
 
 Primitives: `StandInDevice`, `StandInEvent`, `StandInStream`, `POISON`.
 """
