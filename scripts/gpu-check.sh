@@ -203,8 +203,6 @@ EOF
   if [[ -n $WHEELS ]]; then
     [[ -d $WHEELS ]] || fail "--wheels $WHEELS: no such directory (scripts/gpu-wheels.sh)" 2
     OFFLINE=(--no-index --find-links "$WHEELS")
-  fi
-  if [[ -n $WHEELS ]]; then
     export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
   else
     "$PY" -m pip install --no-deps -e . || fail "pip install --no-deps -e . failed"
