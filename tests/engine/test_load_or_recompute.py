@@ -32,9 +32,12 @@ pytestmark = [pytest.mark.vllm, pytest.mark.redis]
 CHUNK = 64
 MAX_TOKENS = 4
 PROMPTS = random_prompts([1500, 1400, 1450, 1350], seed=260)
-# 2.5 MB/s: a prompt's 21 chunks of 32 KiB take ~0.27 s, far above their recompute, and each
-# read well within the redis tier's socket timeout (a slow tier, not a dead one)
-SLOW_GBPS = 0.02
+# 0.625 MB/s: a prompt's 21 chunks of 32 KiB take ~1.1 s, some 5x their recompute here (0.17 s
+# a 1k tokens measured alone; at 2.5 MB/s the margin was 1.4x, and CI's other lane, slowing the
+# prefill, closed it). Eight reads in flight queue ~0.4 s on the link: the socket timeout is
+# raised so that the tier is slow, not dead.
+SLOW_GBPS = 0.005
+SLOW_TIMEOUT_MS = 5000
 RECOVERY_S = 40.0  # a recovered tier is back within two trials (2 s + 4 s after the cut)
 
 
@@ -44,7 +47,8 @@ def engine(tiny_model_dir: Path, redis_session: RedisServer
     redis_session.client().flushall()
     with delayed_proxy("127.0.0.1", redis_session.port, 0.0, None) as proxy:
         tiers = [{"kind": "memory", "capacity": "64KiB"},  # two 32 KiB chunks
-                 {"kind": "redis", "url": f"redis://{proxy.host}:{proxy.port}/0"}]
+                 {"kind": "redis", "url": f"redis://{proxy.host}:{proxy.port}/0",
+                  "socket_timeout_ms": SLOW_TIMEOUT_MS}]
         config = kvtier_transfer_config(tiers, CHUNK, load_when="faster")  # the rule under test
         with start_engine(tiny_model_dir, config) as llm:
             clean = []
