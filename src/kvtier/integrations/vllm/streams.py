@@ -78,6 +78,11 @@ def staging_buffers(chunk_bytes: int) -> int:
     return max(2, min(16, STAGING_BYTES // chunk_bytes))
 
 
+def _log_failed_store(transfer: ChunkTransfer) -> None:
+    """Log the exception being handled: the chunk is not stored (a future miss)."""
+    logger.exception("kvtier: store of chunk %s failed", transfer.key.hex()[:16])
+
+
 @dataclass(slots=True)
 class _Storing:
     """A store's chunk in flight: its gather and DMA queued, its place reserved."""
@@ -246,8 +251,7 @@ class StreamChunkMover:
                 try:
                     storing = self._begin_store(transfer, stored)
                 except Exception:  # a failed store is a future miss, never a dead thread
-                    logger.exception("kvtier: store of chunk %s failed",
-                                     transfer.key.hex()[:16])
+                    _log_failed_store(transfer)
                     continue
                 if storing is not None:
                     flight.append(storing)
@@ -295,15 +299,13 @@ class StreamChunkMover:
             storing.done.synchronize()
             has_state = bool(self._paged.state_bytes) and self._paged.has_state(storing.host)
         except Exception:
-            logger.exception("kvtier: store of chunk %s failed",
-                             storing.transfer.key.hex()[:16])
+            _log_failed_store(storing.transfer)
             self._abandon(storing.put, storing.exits, storing.slot)
             return
         try:
             storing.exits.close()
         except Exception:
-            logger.exception("kvtier: store of chunk %s failed",
-                             storing.transfer.key.hex()[:16])
+            _log_failed_store(storing.transfer)
             return
         finally:
             self._store_slots.append(storing.slot)
