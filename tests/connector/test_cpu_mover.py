@@ -137,3 +137,53 @@ def test_disk_reads_land_straight_in_the_spares(
     assert all(np.frombuffer(s, dtype=np.uint8).ctypes.data % 4096 == 0 for s in spares)
     assert mover.load(loads, spares) == CHUNKS
     assert in_place == [True] * CHUNKS  # every chunk was read from the disk, in place
+
+
+def test_disk_chunks_are_scattered_on_the_threads_that_read_them(
+        rig: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each disk chunk is scattered by its read thread as soon as it is verified, while the
+    bytes are in that core's cache and beside the other reads (issue 26), not by the caller
+    after them; every block ends up with its chunk's bytes."""
+    paged, _store, mover, loads, half = rig
+    scatter = paged.scatter
+    threads: list[str] = []
+
+    def spied(*args: Any, **kwargs: Any) -> None:
+        threads.append(threading.current_thread().name)
+        scatter(*args, **kwargs)
+
+    monkeypatch.setattr(paged, "scatter", spied)
+    spares = spare_buffers(SPARES, paged.layout(CHUNK).bytes_per_chunk)
+    assert mover.load(loads, spares) == CHUNKS
+    assert len(threads) == CHUNKS
+    assert all(name.startswith("kvtier-read") for name in threads), threads
+    per_chunk = CHUNK // BLOCK
+    assert all(torch.equal(v.view(torch.uint8)[:CHUNKS * per_chunk],
+                           v.view(torch.uint8)[half:half + CHUNKS * per_chunk])
+               for v in paged.block_views)
+
+
+def test_no_scatter_on_a_read_thread_outlives_a_load_that_stopped_at_a_miss(
+        rig: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunk 2 is gone: the load reports 2 chunks, and the chunks after it that read threads
+    scattered anyway (their blocks are recomputed) were all written before `load` returned:
+    none may write into blocks that vLLM hands to the recompute, or to another request."""
+    paged, store, mover, loads, _half = rig
+    store.tiers[1].delete(loads[2].key)
+    scatter = paged.scatter
+    running, lock = [0], threading.Lock()
+
+    def slow_scatter(*args: Any, **kwargs: Any) -> None:
+        with lock:
+            running[0] += 1
+        try:
+            threading.Event().wait(0.05)  # a long copy
+            scatter(*args, **kwargs)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(paged, "scatter", slow_scatter)
+    spares = spare_buffers(SPARES, paged.layout(CHUNK).bytes_per_chunk)
+    assert mover.load(loads, spares) == 2
+    assert running == [0]
