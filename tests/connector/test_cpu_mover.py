@@ -53,13 +53,6 @@ def rig(tmp_path: Path) -> Any:
     store.close()
 
 
-def loaded_as_stored(paged: PagedKV, half: int) -> bool:
-    """Whether every loaded block (from `half` on) holds the bytes of the block stored."""
-    blocks = CHUNKS * (CHUNK // BLOCK)
-    return all(torch.equal(v.view(torch.uint8)[:blocks], v.view(torch.uint8)[half:half + blocks])
-               for v in paged.block_views)
-
-
 def test_the_next_batch_is_read_while_a_batch_is_scattered(
         rig: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunk 3's read is held until chunk 4's read has started: with 4 spares the mover
@@ -89,7 +82,10 @@ def test_the_next_batch_is_read_while_a_batch_is_scattered(
     spares = spare_buffers(SPARES, paged.layout(CHUNK).bytes_per_chunk)
     assert mover.load(loads, spares) == CHUNKS
     assert events.index(("start", 4)) < events.index(("end", 3))
-    assert loaded_as_stored(paged, half)
+    per_chunk = CHUNK // BLOCK
+    assert all(torch.equal(v.view(torch.uint8)[:CHUNKS * per_chunk],
+                           v.view(torch.uint8)[half:half + CHUNKS * per_chunk])
+               for v in paged.block_views)
 
 
 def test_a_miss_stops_the_load_and_no_read_outlives_it(
@@ -161,7 +157,10 @@ def test_disk_chunks_are_scattered_on_the_threads_that_read_them(
     assert mover.load(loads, spares) == CHUNKS
     assert len(threads) == CHUNKS
     assert all(name.startswith("kvtier-read") for name in threads), threads
-    assert loaded_as_stored(paged, half)
+    per_chunk = CHUNK // BLOCK
+    assert all(torch.equal(v.view(torch.uint8)[:CHUNKS * per_chunk],
+                           v.view(torch.uint8)[half:half + CHUNKS * per_chunk])
+               for v in paged.block_views)
 
 
 def test_no_scatter_on_a_read_thread_outlives_a_load_that_stopped_at_a_miss(
