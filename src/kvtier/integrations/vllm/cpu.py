@@ -10,9 +10,8 @@ that read it, as soon as it is verified (`borrow_many`'s `land`): while the chec
 in that core's cache (a 2 MiB scatter there took 0.25 ms against 0.42 ms from memory the disk
 had just written) and beside the other reads, instead of on the model runner's thread after a
 burst of them (issue 26, docs/performance.md). Chunks of models with state layers are
-scattered on the caller's thread (whether a chunk holds its state decides whether it loads).
-Stores gather straight into a slot the memory tier reserves (`TieredStore.put_from`), one
-copy too. Every complete load is timed (`LoadSample`, for
+scattered on the caller's thread (whether a chunk holds its state decides whether it loads). Stores gather straight into a slot the memory tier reserves
+(`TieredStore.put_from`), one copy too. Every complete load is timed (`LoadSample`, for
 load_mode "auto": loadcost.py).
 
 Primitives: `CpuChunkMover`.
