@@ -12,7 +12,6 @@ slot stays intact until it is left.
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -363,82 +362,3 @@ def test_batches_on_many_threads_read_disk_into_reserved_slots_without_mixing_ch
         thread.join()
     store.close()
     assert errors == []
-
-
-def test_chunks_read_below_ram_land_on_their_read_threads_and_lent_ones_do_not(
-        two_tier_store: TieredStore) -> None:
-    """The CPU mover scatters a disk chunk on the thread that read it (`land`), as it lands
-    (issue 26); a chunk the memory tier lends in place is the borrower's to copy."""
-    store = two_tier_store
-    spares = [memoryview(bytearray(LAYOUT.bytes_per_chunk)) for _ in range(4)]
-    for i in range(4):
-        store.put(key(i), memoryview(payload(i)))  # memory holds key 3; keys 0-2 on disk
-    assert store.flush(timeout_s=5)
-    landed: dict[int, tuple[str, bytes]] = {}
-
-    def land(i: int, data: memoryview) -> None:
-        landed[i] = (threading.current_thread().name, bytes(data))
-
-    with store.borrow_many([key(3), key(0), key(1), key(5)], spares, land=land) as lent:
-        assert [(v.tier, v.landed) if v else None for v in lent] == [
-            ("memory", False), ("disk", True), ("disk", True), None]
-        assert lent[1] is not None and bytes(lent[1].data) == payload(0)
-    assert sorted(landed) == [1, 2]
-    assert landed[1][1] == payload(0) and landed[2][1] == payload(1)
-    assert all(name != threading.current_thread().name for name, _ in landed.values())
-    store.close()
-
-
-def test_a_read_given_up_past_its_deadline_never_lands(tmp_path: Path,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """A read that answers after the borrower gave up on it (the chunk a miss, the borrow
-    over) must not write into the engine's blocks: they may belong to another request by
-    then."""
-    tiers = [tier_settings("memory", tmp_path, LAYOUT, 1),
-             tier_settings("disk", tmp_path, LAYOUT, 4, o_direct="off")]
-    store = open_store(StoreConfig.parse({"tiers": tiers, "read_timeout_s": 0.3}), LAYOUT)
-    spares = [memoryview(bytearray(LAYOUT.bytes_per_chunk)) for _ in range(2)]
-    for i in range(3):
-        store.put(key(i), memoryview(payload(i)))  # keys 0, 1 on disk only
-    assert store.flush(timeout_s=5)
-    disk = store.tiers[1]
-    read = disk.get_into
-    gate, answered = threading.Event(), threading.Event()
-
-    def late_read(k: ChunkKey, *args: Any) -> TierResult:
-        if k == key(1):
-            gate.wait(5)
-        try:
-            return read(k, *args)
-        finally:
-            if k == key(1):
-                answered.set()
-
-    monkeypatch.setattr(disk, "get_into", late_read)
-    landed: list[int] = []
-    with store.borrow_many([key(0), key(1)], spares,
-                           land=lambda i, data: landed.append(i)) as lent:
-        assert [v.landed if v else None for v in lent] == [True, None]  # 1: abandoned
-        # The late read answers while the borrow is still open (its other reads settle).
-        gate.set()
-        assert answered.wait(5)
-        time.sleep(0.1)  # the read thread goes on from the read to its landing: skipped
-    assert landed == [0]
-    store.close()
-
-
-def test_a_landing_that_raises_lends_its_chunk_as_read(two_tier_store: TieredStore) -> None:
-    store = two_tier_store
-    spares = [memoryview(bytearray(LAYOUT.bytes_per_chunk)) for _ in range(2)]
-    for i in range(3):
-        store.put(key(i), memoryview(payload(i)))
-    assert store.flush(timeout_s=5)
-
-    def land(i: int, data: memoryview) -> None:
-        if i == 1:
-            raise Boom("scatter failed")
-
-    with store.borrow_many([key(0), key(1)], spares, land=land) as lent:
-        assert [v.landed if v else None for v in lent] == [True, False]
-        assert lent[1] is not None and bytes(lent[1].data) == payload(1)  # the borrower's now
-    store.close()

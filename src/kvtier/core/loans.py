@@ -7,61 +7,18 @@ key order, each as it lands, so a caller copies chunk i while the later ones are
 being read: a batch of reads and its copies overlap instead of running one after the other.
 Reads the caller never asked for are waited for (to the same deadline) when the borrow ends.
 
-A borrower may have each chunk read below RAM taken in on its read thread (`Landing`: the
-copy into the engine's blocks runs there, as the chunk lands, in parallel with the other
-reads), never for a read it gave up on: an abandoned read's chunk could land after the
-borrower went on and the blocks changed hands.
-
-Primitives: `Loans`, `Landing`.
+Primitives: `Loans`.
 """
 
 from __future__ import annotations
 
-import logging
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Generic, TypeVar, overload
 
 V = TypeVar("V")
-log = logging.getLogger(__name__)
-
-
-class Landing:
-    """The borrower's `land(i, data)` for each read of a batch, run on the read thread unless
-    the read was abandoned first (thread-safe; reads land in parallel)."""
-
-    def __init__(self, land: Callable[[int, memoryview], None] | None,
-                 reads: Iterable[int]) -> None:
-        self._land = land
-        # One lock per read: an abandon waits for that read's landing alone.
-        self._locks = {i: threading.Lock() for i in reads} if land is not None else {}
-        self._abandoned: set[int] = set()
-
-    def land(self, i: int, data: memoryview) -> bool:
-        """Take read i's chunk in (read thread); True when `land` did so."""
-        lock = self._locks.get(i)
-        if lock is None:
-            return False
-        with lock:
-            if i in self._abandoned:
-                return False
-            try:
-                assert self._land is not None
-                self._land(i, data)
-            except Exception:
-                log.exception("landing chunk %d of a batch failed; lent as read", i)
-                return False
-            return True
-
-    def abandon(self, i: int) -> None:
-        """Read i is given up: no landing starts from now on; one running is waited for."""
-        lock = self._locks.get(i)
-        if lock is not None:
-            with lock:
-                self._abandoned.add(i)
 
 
 class Loans(Sequence["V | None"], Generic[V]):

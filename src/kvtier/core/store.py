@@ -43,11 +43,11 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, MutableSequence, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from kvtier.core.keys import ChunkKey
-from kvtier.core.loans import Landing, Loans
+from kvtier.core.loans import Loans
 from kvtier.core.retention import DEFAULT_META, ChunkMeta, RetentionStats
 from kvtier.core.stall import StallGuard
 from kvtier.core.tier import (
@@ -97,7 +97,6 @@ class ChunkView:
 
     data: memoryview  # the payload, read-only (a tier's own memory, or the caller's spare)
     tier: str  # the name of the tier that served it
-    landed: bool = False  # `borrow_many`'s `land` took it in on the read thread already
 
 
 @dataclass(slots=True)
@@ -307,7 +306,6 @@ class TieredStore:
     @contextmanager
     def borrow_many(self, keys: Sequence[ChunkKey], spares: MutableSequence[memoryview],
                     metas: Sequence[ChunkMeta] = (), tried: dict[int, str] | None = None,
-                    land: Callable[[int, memoryview], None] | None = None,
                     ) -> Iterator[Loans[ChunkView]]:
         """`borrow` for many chunks in one block (a view or None per key, in order: `Loans`);
         `metas[i]` is chunk i's (empty: every chunk `DEFAULT_META`). `tried`, if given, is
@@ -323,13 +321,6 @@ class TieredStore:
         replaced in `spares` by a new buffer, so that the caller never reuses it. Any
         thread.
 
-        `land(i, data)`, if given, takes chunk i in on the read thread that read it, once its
-        bytes are verified and before it is lent (lent with `landed` True): the caller's
-        copy of it runs there, while the bytes are still in that core's cache and beside
-        the other reads, rather than on the borrower's thread after them. Not for chunks
-        lent in place, nor once the borrower gave up on the read (`Landing`); a `land` that
-        raises is logged and its chunk lent as read.
-
         Raises:
             ValueError: `metas` is neither empty nor one per key.
         """
@@ -344,13 +335,11 @@ class TieredStore:
                          for key, meta, spare in zip(keys, metas, spares)]
                 # key index -> the tier its read is waiting on (a miss: the tier that failed it)
                 reading: dict[int, str] = {}
-                to_read = [i for i, view in enumerate(views) if view is None]
-                landing = Landing(land, to_read)
-                reads = {i: self._calls.submit(self._read_and_land, landing, pins, keys[i],
-                                               metas[i], spares[i], (reading, i))
-                         for i in to_read}
+                reads = {i: self._calls.submit(self._open, pins, keys[i], metas[i], spares[i],
+                                               lend=False, reading=(reading, i))
+                         for i, view in enumerate(views) if view is None}
                 loans = Loans(views, reads, self._calls.timeout_s, reading=reading,
-                              abandon=lambda i: self._abandon(i, reading, spares, landing),
+                              abandon=lambda i: self._abandon(i, reading, spares),
                               stalled=self._stalled, tried=tried)
                 yield loans
             finally:
@@ -363,21 +352,10 @@ class TieredStore:
                     "until it answers again", tier, self._calls.timeout_s)
         self._calls.stalled(tier)
 
-    def _read_and_land(self, landing: Landing, pins: _Pins, key: ChunkKey, meta: ChunkMeta,
-                       spare: memoryview, reading: tuple[dict[int, str], int],
-                       ) -> ChunkView | None:
-        """A `borrow_many` read (a read thread): `_open`, then its `land`."""
-        view = self._open(pins, key, meta, spare, lend=False, reading=reading)
-        if view is not None and landing.land(reading[1], view.data):
-            return replace(view, landed=True)
-        return view
-
     def _abandon(self, i: int, reading: dict[int, str], spares: MutableSequence[memoryview],
-                 landing: Landing) -> str | None:
+                 ) -> str | None:
         """Give up the late read of key `i`: count it, replace the spare it may still write
-        into (once its `land`, if running, is done: none may start after); the name of the
-        tier it waits on (None: it had not started)."""
-        landing.abandon(i)
+        into; the name of the tier it waits on (None: it had not started)."""
         tier = reading.get(i)
         if tier is not None:
             self._failures.add(tier, Failure.TIMEOUT)

@@ -26,7 +26,6 @@ class ChunkStore(Protocol):
 
     def borrow_many(self, keys: Sequence[ChunkKey], spares: MutableSequence[memoryview],
                     metas: Sequence[ChunkMeta] = (), tried: dict[int, str] | None = None,
-                    land: Callable[[int, memoryview], None] | None = None,
                     ) -> AbstractContextManager[Sequence[ChunkView | None]]: ...
 
     def put(self, key: ChunkKey, data: memoryview, meta: ChunkMeta = DEFAULT_META) -> bool: ...

@@ -5,12 +5,8 @@ and when, and on which thread; a mover moves the bytes.
 Loads borrow chunks a batch at a time (`TieredStore.borrow_many`), two batches at once: the
 memory tier lends its slots and the scatter reads them in place, and a slower tier's chunks
 are read in parallel into slots the memory tier reserves (or into the caller's spare
-buffers), so a load is one copy. A chunk read from below RAM is scattered on the read thread
-that read it, as soon as it is verified (`borrow_many`'s `land`): while the checksum left it
-in that core's cache (a 2 MiB scatter there took 0.25 ms against 0.42 ms from memory the disk
-had just written) and beside the other reads, instead of on the model runner's thread after a
-burst of them (issue 26, docs/performance.md). Chunks of models with state layers are
-scattered on the caller's thread (whether a chunk holds its state decides whether it loads). Stores gather straight into a slot the memory tier reserves
+buffers), so a load is one copy; each chunk is scattered as its read lands, while the next
+reads run. Stores gather straight into a slot the memory tier reserves
 (`TieredStore.put_from`), one copy too. Every complete load is timed (`LoadSample`, for
 load_mode "auto": loadcost.py).
 
@@ -102,9 +98,6 @@ class CpuChunkMover:
                                                              failed=True))
                     return done
                 lent_by[view.tier] += 1
-                if view.landed:  # scattered on its read thread
-                    reading = time.perf_counter()
-                    continue
                 chunk = torch.frombuffer(view.data, dtype=torch.uint8)
                 if self._paged.state_bytes:
                     has_state = self._paged.has_state(chunk)
@@ -147,8 +140,7 @@ class CpuChunkMover:
                     borrows.callback(stack.close)
                     lent = stack.enter_context(self._store.borrow_many(
                         [t.key for t in batch], halves[first // size % depth],
-                        [chunk_meta(t) for t in batch], tried,
-                        land=None if self._paged.state_bytes else self._lander(batch)))
+                        [chunk_meta(t) for t in batch], tried))
                     open_.append((batch, lent, tried, stack))
 
                 starts = range(0, len(transfers), size)
@@ -168,16 +160,6 @@ class CpuChunkMover:
                         borrow(following)
         finally:
             spares[:depth * size] = [spare for half in halves for spare in half]
-
-    def _lander(self, batch: list[ChunkTransfer]) -> Callable[[int, memoryview], None]:
-        """Scatters chunk i of `batch` into its blocks (a read thread, as it lands). Blocks
-        past a chunk that then misses are written too: the load stops there and vLLM
-        recomputes them (the borrow's end waits for every landing, before `load` returns)."""
-        def land(i: int, data: memoryview) -> None:
-            transfer = batch[i]
-            self._paged.scatter(torch.frombuffer(data, dtype=torch.uint8), transfer.block_ids,
-                                transfer.first_block, transfer.state_blocks)
-        return land
 
     def store(self, transfers: list[ChunkTransfer], mode: str,
               after: Event | None = None) -> StoreJob:

@@ -51,8 +51,7 @@ class LoadSample:
     seconds: float  # from the first read to the last scatter, or to the failed read
     failed: bool = False  # it stopped at a read that a tier failed (its last chunk's)
     # Of `seconds`, the time spent waiting for the tiers' reads (the rest: the copy into
-    # vLLM's blocks): where a hit's time goes, on /metrics as load_read_seconds. The CPU
-    # mover scatters a chunk read below RAM on its read thread: that copy is in the wait.
+    # vLLM's blocks): where a hit's time goes, on /metrics as load_read_seconds.
     read_s: float = 0.0
 
     @staticmethod

@@ -69,9 +69,7 @@ COUNTERS: dict[str, str] = {
     "loaded_bytes": "KV bytes loaded into vLLM's KV cache",
     "load_seconds": "Seconds the workers spent loading KV (read + copy into blocks)",
     "load_read_seconds": "Seconds loads (inline and asynchronous) waited for the tiers' "
-                         "reads (on the CPU backend with the copies of chunks read below "
-                         "RAM, done on the read threads); the rest of a load is the copy "
-                         "into vLLM's blocks",
+                         "reads; the rest of a load is the copy into vLLM's blocks",
     "load_failures": "Chunks whose load failed (vLLM recomputed them)",
     "async_loads": "Requests whose hit was loaded while the engine ran others (load_mode)",
     "prefetched_chunks": "Chunks read into the RAM tier ahead of their load (waiting requests)",

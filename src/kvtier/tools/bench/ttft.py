@@ -171,8 +171,7 @@ class Ttft:
     # which the engine's step-to-step noise does not blur; () when not reported.
     load_s: tuple[float, ...] = ()
     # kvtier only: of each trial's load, the wait for the tiers' reads
-    # (vllm:kvtier_load_read_seconds); the rest of the load is the copy into vLLM's blocks
-    # (on the CPU, a chunk read below RAM is copied on its read thread: inside the wait).
+    # (vllm:kvtier_load_read_seconds); the rest of the load is the copy into vLLM's blocks.
     read_s: tuple[float, ...] = ()
     # Connector engines: a vLLM prefix hit of the same prompt in the same engine, timed right
     # before each trial (paired), so the machine's load, which drifts between engines on a
