@@ -111,7 +111,7 @@ def test_a_cut_tier_gets_trials_at_growing_gaps_and_comes_back_when_fast() -> No
         start = clock.now
         while hits.cut(["redis"] * 2, 0).num_chunks == 0:
             clock.now += 0.5
-        gaps.append(clock.now - start)
+        gaps.append(clock.now - start - 2 * 1.0)  # after the trial's expected load
     assert gaps[0] == pytest.approx(2 * TRIAL_MIN_S, abs=0.5)
     assert gaps == sorted(gaps) and max(gaps) == pytest.approx(TRIAL_MAX_S, abs=0.5)
     timed(costs, "redis", 1 * MS, loads=2)  # two fast trials: the tier recovered
@@ -120,3 +120,15 @@ def test_a_cut_tier_gets_trials_at_growing_gaps_and_comes_back_when_fast() -> No
     assert hits.cut(["redis"] * 2, 0).num_chunks == 0
     clock.now += TRIAL_MIN_S
     assert hits.cut(["redis"] * 2, 0).num_chunks == 2
+
+
+def test_a_trial_slower_than_the_gap_is_not_followed_by_another_until_it_ends() -> None:
+    hits, costs, clock, _ = offer(per_token_s=40e-6)
+    timed(costs, "redis", 5.0)  # a 4-chunk trial is expected to take 20 s, 10 gaps
+    assert hits.cut(["redis"] * 4, 0).num_chunks == 0
+    clock.now += TRIAL_MIN_S
+    assert hits.cut(["redis"] * 4, 0).num_chunks == 4  # the trial
+    clock.now += 20.0 + 2 * TRIAL_MIN_S - 0.5  # the trial ends; its gap has not passed
+    assert hits.cut(["redis"] * 4, 0).decisions == {("redis", "recompute_faster"): 4}
+    clock.now += 0.5
+    assert hits.cut(["redis"] * 4, 0).decisions == {("redis", "trial"): 4}

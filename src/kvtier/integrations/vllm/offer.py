@@ -23,8 +23,9 @@ engine with no timed prefill yet as infinitely slow: every hit is loaded, as wit
 A tier judged slower than recompute is no longer loaded from, so its cost would never be
 measured again: every TRIAL_MIN_S (doubling up to TRIAL_MAX_S while it stays slow) one hit
 that the rule would cut is offered whole, as a trial; its load is timed like any other, and
-two fast trials bring the tier back (loadcost.TIER_WINDOW). A tier that turns slow drops out
-within two loads.
+two fast trials bring the tier back (loadcost.TIER_WINDOW). A gap counts from when the trial is
+expected to end (its chunks at the tier's measured cost), so that trials slower than the gap
+never run back to back. A tier that turns slow drops out within two loads.
 
 Decisions are counted per tier, in chunks: "loaded", "trial" (offered against the rule, to
 measure), "recompute_faster" (cut).
@@ -80,7 +81,8 @@ class HitOffer:
         if by_rule == len(tiers):
             return Cut(by_rule, decisions)
         slowest = max(tiers[by_rule:], key=lambda t: self._costs.chunk_s(t) or 0.0)
-        reason = "trial" if self._trial_due(slowest) else "recompute_faster"
+        trial_s = sum(self._costs.chunk_s(tier) or 0.0 for tier in tiers[by_rule:])
+        reason = "trial" if self._trial_due(slowest, trial_s) else "recompute_faster"
         decisions.update((tier, reason) for tier in tiers[by_rule:])
         return Cut(len(tiers) if reason == "trial" else by_rule, decisions)
 
@@ -95,8 +97,9 @@ class HitOffer:
                 offered = i + 1
         return offered
 
-    def _trial_due(self, tier: str) -> bool:
-        """Whether a cut tier is due a trial load (and, if so, when the next one is)."""
+    def _trial_due(self, tier: str, trial_s: float) -> bool:
+        """Whether a cut tier is due a trial load (and, if so, when the next one is: the gap
+        after the trial's expected `trial_s`)."""
         now = self._clock()
         gap = self._trial_gap_s.get(tier)
         if gap is None:  # just cut: the first trial after TRIAL_MIN_S
@@ -106,5 +109,5 @@ class HitOffer:
         if now < self._next_trial_s[tier]:
             return False
         gap = self._trial_gap_s[tier] = min(2 * gap, TRIAL_MAX_S)
-        self._next_trial_s[tier] = now + gap
+        self._next_trial_s[tier] = now + trial_s + gap
         return True
