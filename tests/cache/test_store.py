@@ -18,7 +18,7 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.retention import DEFAULT_META, ChunkMeta
 from kvtier.core.store import StoreEvent, StoreSettings, TieredStore
 from kvtier.core.tier import CORRUPT, EventKind, Failure, TierResult
-from kvtier.tiers import open_store
+from kvtier.tiers import chunkfiles, open_store
 from kvtier.tiers.example import ExampleTier, ExampleTierConfig
 from kvtier.tiers.storeconfig import StoreConfig
 
@@ -189,3 +189,32 @@ def test_open_store_builds_the_tiers_a_config_names(tmp_path: Path) -> None:
         store.put(key(1), payload(1))
         assert store.flush(timeout_s=10)
         assert store.lookup([key(1)]).tiers == ("hot",)
+
+
+@pytest.mark.parametrize("how", ["put", "put_from"])
+def test_a_chunk_written_behind_reaches_the_disk_without_a_bounce(
+        how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store's copy for the tiers below RAM is aligned for O_DIRECT: the disk tier writes
+    it as it is, not through its staging buffer (one copy of the chunk fewer)."""
+    aligned, seen = chunkfiles._aligned, []
+
+    def watched(buffer: memoryview) -> bool:
+        seen.append(aligned(buffer))
+        return seen[-1]
+
+    monkeypatch.setattr(chunkfiles, "_aligned", watched)
+    config = StoreConfig.parse({"tiers": [
+        {"kind": "memory", "capacity": 8 * CHUNK},
+        {"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "1MiB"}]})
+    with open_store(config, LAYOUT) as store:
+        for i in range(4):
+            if how == "put":
+                store.put(key(i), payload(i))
+            else:
+                store.put_from(key(i), lambda view, i=i: view.__setitem__(  # type: ignore[misc]
+                    slice(None), payload(i)), memoryview(bytearray(CHUNK)))
+        assert store.flush(timeout_s=10)
+        assert seen and all(seen)
+        assert store.tiers[0].delete(key(2))  # read back from the disk
+        out = memoryview(bytearray(CHUNK))
+        assert store.get_into(key(2), out) and out == payload(2)

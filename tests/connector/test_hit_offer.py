@@ -132,3 +132,13 @@ def test_a_trial_slower_than_the_gap_is_not_followed_by_another_until_it_ends() 
     assert hits.cut(["redis"] * 4, 0).decisions == {("redis", "recompute_faster"): 4}
     clock.now += 0.5
     assert hits.cut(["redis"] * 4, 0).decisions == {("redis", "trial"): 4}
+
+
+def test_a_tier_whose_loads_failed_still_gets_its_trials() -> None:
+    hits, costs, clock, _ = offer(per_token_s=40e-6)
+    for _ in range(3):  # failed loads: an infinite cost a chunk
+        costs.observe_load(LoadSample((("redis", 2),), 5.0, failed=True))
+    assert hits.cut(["redis"] * 2, 0).num_chunks == 0
+    for gap in (TRIAL_MIN_S, 2 * TRIAL_MIN_S, 4 * TRIAL_MIN_S):
+        clock.now += gap
+        assert hits.cut(["redis"] * 2, 0).decisions == {("redis", "trial"): 2}

@@ -1,5 +1,6 @@
 """`kvtier bench disk-load`: a disk hit's load through the CPU mover against a raw O_DIRECT
-read of the same bytes, verified byte for byte (figures: docs/performance.md)."""
+read of the same bytes, verified byte for byte, and a store against a raw O_DIRECT write
+(figures: docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ def test_loads_come_back_byte_for_byte_and_are_split_into_reads_and_copy(
     for point in result.points:
         assert point.nbytes == point.chunks * result.chunk_bytes
         assert 0 < point.read_wait_s <= point.load_s and point.raw_s > 0 and point.ratio > 0
+        assert point.store_s > 0 and point.store_cpu_s > 0 and point.raw_write_s > 0
+        assert point.store_ratio > 0
     assert list(tmp_path.iterdir()) == []  # the scratch directory is removed
 
 
@@ -31,7 +34,8 @@ def test_the_command_prints_a_table_and_writes_json(tmp_path: Path,
     out = tmp_path / "disk-load.json"
     assert main(["bench", "disk-load", "--quick", "--chunks", "2", "--dir", str(tmp_path),
                  "--json", str(out)]) == 0
-    assert "loads verified byte for byte" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "loads verified byte for byte" in printed and "disk-tier stores" in printed
     point = json.loads(out.read_text())["points"][0]
     assert point["chunks"] == 2 and point["copy_s"] == pytest.approx(
         point["load_s"] - point["read_wait_s"])

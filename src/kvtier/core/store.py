@@ -38,6 +38,7 @@ Primitives: `TieredStore`, `StoreSettings`, `LookupResult`, `ChunkView`, `Pendin
 from __future__ import annotations
 
 import logging
+import mmap
 import threading
 import time
 from collections import deque
@@ -46,6 +47,7 @@ from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from kvtier.core.chunkformat import aligned_copy
 from kvtier.core.keys import ChunkKey
 from kvtier.core.loans import Loans
 from kvtier.core.retention import DEFAULT_META, ChunkMeta, RetentionStats
@@ -359,7 +361,7 @@ class TieredStore:
         tier = reading.get(i)
         if tier is not None:
             self._failures.add(tier, Failure.TIMEOUT)
-        spares[i] = memoryview(bytearray(len(spares[i])))
+        spares[i] = memoryview(mmap.mmap(-1, len(spares[i])))  # page-aligned, as O_DIRECT needs
         return tier
 
     def _open(self, pins: _Pins | ExitStack, key: ChunkKey, meta: ChunkMeta,
@@ -451,7 +453,7 @@ class TieredStore:
         if top:
             self._put_top(key, data, meta)
         if level > 1:
-            copy = memoryview(bytes(data))
+            copy = aligned_copy(data)
             for writer in self._below[: level - 1]:
                 writer.submit(key, copy, meta)
 
@@ -468,7 +470,7 @@ class TieredStore:
         stored = self._put_top(key, data, meta)
         pending = self._writers()
         if pending:
-            copy = memoryview(bytes(data))  # the caller may reuse `data` once we return
+            copy = aligned_copy(data)  # the caller may reuse `data` once we return
             for writer in pending:
                 writer.submit(key, copy, meta)
         return stored
@@ -547,7 +549,7 @@ class TieredStore:
             if put.cancelled:
                 return
             # The lower tiers' copy is taken before the commit makes the slot evictable.
-            copy = memoryview(bytes(data)) if pending else data
+            copy = aligned_copy(data) if pending else data
             if not isinstance(slot, TierResult):
                 slot.commit()
         for writer in pending:

@@ -24,8 +24,9 @@ A tier judged slower than recompute is no longer loaded from, so its cost would 
 measured again: every TRIAL_MIN_S (doubling up to TRIAL_MAX_S while it stays slow) one hit
 that the rule would cut is offered whole, as a trial; its load is timed like any other, and
 two fast trials bring the tier back (loadcost.TIER_WINDOW). A gap counts from when the trial is
-expected to end (its chunks at the tier's measured cost), so that trials slower than the gap
-never run back to back. A tier that turns slow drops out within two loads.
+expected to end (its chunks at the tier's measured cost, at most TRIAL_MAX_S; from its start
+where the tier's loads failed), so that trials slower than the gap never run back to back. A
+tier that turns slow drops out within two loads.
 
 Decisions are counted per tier, in chunks: "loaded", "trial" (offered against the rule, to
 measure), "recompute_faster" (cut).
@@ -35,6 +36,7 @@ Primitives: `HitOffer`, `Cut` (load_when: config.LOAD_WHEN).
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -81,8 +83,8 @@ class HitOffer:
         if by_rule == len(tiers):
             return Cut(by_rule, decisions)
         slowest = max(tiers[by_rule:], key=lambda t: self._costs.chunk_s(t) or 0.0)
-        trial_s = sum(self._costs.chunk_s(tier) or 0.0 for tier in tiers[by_rule:])
-        reason = "trial" if self._trial_due(slowest, trial_s) else "recompute_faster"
+        reason = "trial" if self._trial_due(slowest, self._trial_s(tiers[by_rule:])) \
+            else "recompute_faster"
         decisions.update((tier, reason) for tier in tiers[by_rule:])
         return Cut(len(tiers) if reason == "trial" else by_rule, decisions)
 
@@ -96,6 +98,12 @@ class HitOffer:
             if recompute_s is None or load_s <= recompute_s:
                 offered = i + 1
         return offered
+
+    def _trial_s(self, tiers: Sequence[str]) -> float:
+        """A trial's expected load time, at most TRIAL_MAX_S (0 where a tier failed its last
+        loads: such a trial ends at the tier's first failure)."""
+        expected_s = sum(self._costs.chunk_s(tier) or 0.0 for tier in tiers)
+        return min(expected_s, TRIAL_MAX_S) if math.isfinite(expected_s) else 0.0
 
     def _trial_due(self, tier: str, trial_s: float) -> bool:
         """Whether a cut tier is due a trial load (and, if so, when the next one is: the gap

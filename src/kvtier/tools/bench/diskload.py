@@ -1,5 +1,6 @@
 """`kvtier bench disk-load`: a disk-tier hit's load, the worker's own path, against a raw
-O_DIRECT read of the same bytes, without an engine.
+O_DIRECT read of the same bytes, without an engine; and a miss's store of the same chunks
+against a raw O_DIRECT write.
 
 The same chunks a `kvtier bench ttft` disk hit loads (2 MiB: 256 tokens of its bench model)
 are stored in a disk tier behind a 2-chunk memory tier, as that bench configures it, then
@@ -10,6 +11,13 @@ vLLM 0.33's layout (bench/vllmviews.py). Each trial first times a raw read of th
 target names), then empties the memory tier and times the load, so both see the machine in
 the same state. The load is split as the worker reports it on /metrics: the wait for reads
 and the copy into blocks (`LoadSample.read_s`). Every load is checked byte for byte.
+
+Stores: each trial also times a raw write of the same bytes (one new file per chunk,
+O_DIRECT, one thread), then the mover's store of as many new chunks from the same blocks (the
+worker's path on a miss: gathered into the memory tier, copied for the write-behind, written
+to the disk tier with its header and checksum), until the disk holds them (`flush`), and the
+process's CPU time over it (every thread: the store's cost to a machine that also runs the
+engine). The stored chunks are deleted after each trial.
 
 This is the load's own cost; `kvtier bench ttft` measures the hit in a real engine, where
 the step around it adds its noise.
@@ -32,10 +40,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvtier.errors import ConfigError
-from kvtier.tools.bench.subjects import aligned_buffer, direct_read_s
+from kvtier.tools.bench.subjects import aligned_buffer, direct_read_s, direct_write_s
 
 if TYPE_CHECKING:
+    from kvtier.core.store import TieredStore
+    from kvtier.integrations.vllm.cpu import CpuChunkMover
     from kvtier.integrations.vllm.paged import PagedKV
+    from kvtier.integrations.vllm.transfers import ChunkTransfer
 
 TARGET_VS_RAW = 1.5  # a disk hit's load <= 1.5x the raw O_DIRECT read (issue 26)
 
@@ -75,6 +86,10 @@ class DiskLoadPoint:
     read_wait_s: float  # of it, the wait for the reads
     raw_s: float  # the raw O_DIRECT read of the same bytes, timed right before each load
     ratio: float  # median over trials of load / raw (paired)
+    store_s: float  # the mover's store of as many new chunks, until on disk
+    store_cpu_s: float  # the process's CPU time over it (all threads)
+    raw_write_s: float  # the raw O_DIRECT write of the same bytes, timed right before
+    store_ratio: float  # median over trials of store / raw write (paired)
 
     @property
     def copy_s(self) -> float:
@@ -139,7 +154,7 @@ def _run(config: DiskLoadConfig, root: Path, progress: Callable[[str], None]
         {"kind": "memory", "capacity": 2 * slot, "pin": "off"},
         {"kind": "disk", "path": str(root / "disk"), "capacity": 2 * most * slot + 2**26}]}),
         layout)
-    raw = _RawRead(root / "raw", layout.bytes_per_chunk, most)
+    raw = _RawFiles(root / "raw", layout.bytes_per_chunk, most)
     points, verified = [], True
     try:
         mover = CpuChunkMover(paged, store, layout.bytes_per_chunk, 8, lambda _k, _s: None)
@@ -155,9 +170,10 @@ def _run(config: DiskLoadConfig, root: Path, progress: Callable[[str], None]
                 raise RuntimeError("the disk tier's write-behind did not finish in 60 s")
             loads = [ChunkTransfer(key=t.key, block_ids=tuple(b + half for b in t.block_ids))
                      for t in stored]
-            loads_s, waits_s, raws_s = [], [], []
+            loads_s, waits_s, raws_s, stores = [], [], [], []
             for trial in range(config.trials + 1):  # the first is a warm-up
                 progress(f"{n} chunks: trial {trial} of {config.trials}")
+                store_timing = _timed_store(mover, store, raw, stored)
                 raw_s = raw.time_s(n)
                 for t in loads:
                     store.tiers[0].delete(t.key)  # every chunk comes from the disk
@@ -170,10 +186,14 @@ def _run(config: DiskLoadConfig, root: Path, progress: Callable[[str], None]
                     loads_s.append(load_s)
                     waits_s.append(sample.read_s)
                     raws_s.append(raw_s)
+                    stores.append(store_timing)
+            store_s, cpu_s, raw_write_s = (statistics.median(column) for column in zip(*stores))
             points.append(DiskLoadPoint(
                 n, n * layout.bytes_per_chunk, statistics.median(loads_s),
                 statistics.median(waits_s), statistics.median(raws_s),
-                statistics.median(ld / rw for ld, rw in zip(loads_s, raws_s))))
+                statistics.median(ld / rw for ld, rw in zip(loads_s, raws_s)),
+                store_s, cpu_s, raw_write_s,
+                statistics.median(st / rw for st, _, rw in stores)))
         disk = store.tiers[1]
         assert isinstance(disk, DiskTier)
         o_direct = disk.files.o_direct
@@ -182,19 +202,39 @@ def _run(config: DiskLoadConfig, root: Path, progress: Callable[[str], None]
     return DiskLoadResult(config, layout.bytes_per_chunk, o_direct, tuple(points), verified)
 
 
+def _timed_store(mover: CpuChunkMover, store: TieredStore, raw: _RawFiles,
+                 like: list[ChunkTransfer]) -> tuple[float, float, float]:
+    """(store, its CPU time, raw write), seconds: new chunks from the blocks of `like`."""
+    from kvtier.core.keys import ChunkKey
+    from kvtier.integrations.vllm.transfers import ChunkTransfer
+
+    raw_write_s = raw.write_s(len(like))
+    fresh = [ChunkTransfer(key=ChunkKey(os.urandom(16)), block_ids=t.block_ids) for t in like]
+    cpu, start = time.process_time(), time.perf_counter()
+    mover.store(fresh, "sync")
+    if not store.flush(timeout_s=60):
+        raise RuntimeError("the disk tier's write-behind did not finish in 60 s")
+    store_s, cpu_s = time.perf_counter() - start, time.process_time() - cpu
+    for t in fresh:
+        for tier in store.tiers:
+            tier.delete(t.key)
+    return store_s, cpu_s, raw_write_s
+
+
 def _same_halves(paged: PagedKV, blocks: int, half: int) -> bool:
     """The first `blocks` blocks equal the `blocks` blocks from `half` on, in every view."""
     return all(torch.equal(v.view(torch.uint8)[:blocks], v.view(torch.uint8)[half:half + blocks])
                for v in paged.block_views)
 
 
-class _RawRead:
+class _RawFiles:
     """O_DIRECT reads of chunk-sized files (one per chunk, as the disk tier stores them) into
-    one page-aligned buffer, one thread: the ceiling."""
+    one page-aligned buffer, one thread: the ceiling; and writes of new ones."""
 
     def __init__(self, directory: Path, chunk_bytes: int, count: int) -> None:
         self._chunk = -(-chunk_bytes // 4096) * 4096
         self._buffer = aligned_buffer(self._chunk)
+        self._directory = directory
         directory.mkdir(parents=True, exist_ok=True)
         self._paths = [directory / f"{i}.raw" for i in range(count)]
         noise = os.urandom(self._chunk)
@@ -203,3 +243,12 @@ class _RawRead:
 
     def time_s(self, chunks: int) -> float:
         return direct_read_s(self._paths[:chunks], self._buffer)
+
+    def write_s(self, chunks: int) -> float:
+        """A raw write of `chunks` new files (deleted afterwards, untimed)."""
+        paths = [self._directory / f"{i}.new" for i in range(chunks)]
+        try:
+            return direct_write_s(paths, self._buffer)
+        finally:
+            for path in paths:
+                path.unlink(missing_ok=True)

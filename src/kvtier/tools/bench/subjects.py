@@ -18,7 +18,8 @@ Every subject of one chunk size moves the same chunks between the same page-alig
 With `threads` > 1, `direct`, the file tiers and LMCache move their chunks from that many
 threads at once (LMCache: its own pools of that size); copy and memory stay on one thread.
 
-Primitives: `Subject`, `SizeBench`, `LMCacheProcess`, `layout_for`, `aligned_buffer`.
+Primitives: `Subject`, `SizeBench`, `LMCacheProcess`, `layout_for`, `aligned_buffer`,
+`direct_read_s`, `direct_write_s`.
 """
 
 from __future__ import annotations
@@ -86,6 +87,21 @@ def direct_read_s(paths: Sequence[Path], buffer: np.ndarray) -> float:
         fd = os.open(path, flags)
         try:
             os.preadv(fd, [buffer.data], 0)
+        finally:
+            os.close(fd)
+    return time.perf_counter() - start
+
+
+def direct_write_s(paths: Sequence[Path], buffer: np.ndarray) -> float:
+    """Seconds to create each file of `paths` (absent) and write `buffer` (page-aligned) into
+    it with O_DIRECT, one after the other, on one thread: the raw write a disk store is held
+    to."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_DIRECT", 0)
+    start = time.perf_counter()
+    for path in paths:
+        fd = os.open(path, flags, 0o600)
+        try:
+            _check(os.pwritev(fd, [buffer.data], 0), len(buffer))
         finally:
             os.close(fd)
     return time.perf_counter() - start

@@ -1,6 +1,7 @@
 """`kvtier bench disk-load`: a disk-tier hit's load through the worker's own path (the CPU
-mover, reads and copies overlapped) against a raw O_DIRECT read of the same bytes, no engine
-needed. A thin command over `kvtier.tools.bench.diskload`, imported when the command runs."""
+mover, reads and copies overlapped) against a raw O_DIRECT read of the same bytes, and a
+miss's store against a raw O_DIRECT write, no engine needed. A thin command over
+`kvtier.tools.bench.diskload`, imported when the command runs."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = workloads.add_parser(
         "disk-load", help="a disk hit's load (reads + copy into blocks) vs a raw O_DIRECT "
-                          "read of the same bytes (no engine)",
+                          "read of the same bytes, and a store vs a raw write (no engine)",
         description=__doc__.splitlines()[0])
     parser.add_argument("--chunks", default="4,16",
                         help="chunks a load, comma-separated (4,16: 1k and 4k tokens of "
@@ -67,5 +68,15 @@ def render(result: DiskLoadResult) -> Iterable[Any]:
                       f"{p.raw_s * 1e3:.1f}", f"{p.ratio:.2f}x",
                       "pass" if p.meets_target else "FAIL")
     yield table
+    stores = Table(title="disk-tier stores of as many new chunks (gathered from the blocks, "
+                         "until on disk), ms (medians)")
+    for column in ("chunks", "store", "CPU (all threads)", "CPU a chunk", "raw O_DIRECT write",
+                   "store / raw"):
+        stores.add_column(column, justify="right")
+    for p in result.points:
+        stores.add_row(str(p.chunks), f"{p.store_s * 1e3:.1f}", f"{p.store_cpu_s * 1e3:.1f}",
+                       f"{p.store_cpu_s / p.chunks * 1e3:.2f}", f"{p.raw_write_s * 1e3:.1f}",
+                       f"{p.store_ratio:.2f}x")
+    yield stores
     yield ("loads verified byte for byte" if result.verified
            else "[red]loaded bytes differ from the stored ones[/red]")
