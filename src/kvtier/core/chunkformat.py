@@ -84,7 +84,7 @@ def stored_size(payload_bytes: int) -> int:
 def aligned_copy(data: memoryview) -> memoryview:
     """A copy of `data` in memory aligned to ALIGN_BYTES: a tier writes it with O_DIRECT as it
     is, where a copy in `bytes` is bounced through the tier's staging buffer (one more copy
-    of the chunk). Heap memory, freed and reused as `bytes` would be (no page faults)."""
+    of the chunk). Heap memory, freed with its last view, as a `bytes` copy is."""
     raw = np.empty(len(data) + ALIGN_BYTES, dtype=np.uint8)
     start = -raw.ctypes.data % ALIGN_BYTES
     copy = raw[start:start + len(data)]
