@@ -23,8 +23,7 @@ corrupt one (`CodecFailure`, `AuthFailure` are CorruptChunks; `failure_of` says 
 
 Primitives: `ChunkEncoder` (a tier's `encode` on write threads / `decode` on reads), `Encoded`,
 `ChunkHeader`, `read_header`, `encode_header` + `verify_header` + `verify_payload` (version
-1), `stored_size`, `checksum`, `aligned_copy` (a chunk's copy a tier writes with O_DIRECT),
-`failure_of` (the Failure of a `CorruptChunk` from kvtier.errors).
+1), `stored_size`, `checksum`, `failure_of` (the Failure of a `CorruptChunk` from kvtier.errors).
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ import struct
 import threading
 from dataclasses import dataclass
 
-import numpy as np
 import xxhash
 
 from kvtier.core.codecs import Codec, codec_by_id, make_codec
@@ -79,17 +77,6 @@ def failure_of(exc: CorruptChunk) -> Failure:
 def stored_size(payload_bytes: int) -> int:
     """Bytes a chunk whose body is `payload_bytes` takes in a file (header + aligned body)."""
     return HEADER_BYTES + -(-payload_bytes // ALIGN_BYTES) * ALIGN_BYTES
-
-
-def aligned_copy(data: memoryview) -> memoryview:
-    """A copy of `data` in memory aligned to ALIGN_BYTES: a tier writes it with O_DIRECT as it
-    is, where a copy in `bytes` is bounced through the tier's staging buffer (one more copy
-    of the chunk). Heap memory, freed with its last view, as a `bytes` copy is."""
-    raw = np.empty(len(data) + ALIGN_BYTES, dtype=np.uint8)
-    start = -raw.ctypes.data % ALIGN_BYTES
-    copy = raw[start:start + len(data)]
-    copy[:] = np.frombuffer(data, dtype=np.uint8)
-    return copy.data
 
 
 def checksum(payload: memoryview | bytes | bytearray) -> int:

@@ -47,7 +47,7 @@ from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from kvtier.core.chunkformat import aligned_copy
+from kvtier.core.copies import CopyPool
 from kvtier.core.keys import ChunkKey
 from kvtier.core.loans import Loans
 from kvtier.core.retention import DEFAULT_META, ChunkMeta, RetentionStats
@@ -176,6 +176,7 @@ class TieredStore:
         self.settings = settings = settings or StoreSettings()
         self.tiers: list[Tier] = list(tiers)
         self._failures = FailureCounts()
+        self._copies = CopyPool()  # the write-behind's copies of chunks
         self._below = [
             WriteBehind(tier, settings.write_queue_depth,
                          settings.write_threads.get(tier.name, 1), self._failures,
@@ -453,7 +454,7 @@ class TieredStore:
         if top:
             self._put_top(key, data, meta)
         if level > 1:
-            copy = aligned_copy(data)
+            copy = self._copies.copy(data)
             for writer in self._below[: level - 1]:
                 writer.submit(key, copy, meta)
 
@@ -470,7 +471,7 @@ class TieredStore:
         stored = self._put_top(key, data, meta)
         pending = self._writers()
         if pending:
-            copy = aligned_copy(data)  # the caller may reuse `data` once we return
+            copy = self._copies.copy(data)  # the caller may reuse `data` once we return
             for writer in pending:
                 writer.submit(key, copy, meta)
         return stored
@@ -549,7 +550,7 @@ class TieredStore:
             if put.cancelled:
                 return
             # The lower tiers' copy is taken before the commit makes the slot evictable.
-            copy = aligned_copy(data) if pending else data
+            copy = self._copies.copy(data) if pending else data
             if not isinstance(slot, TierResult):
                 slot.commit()
         for writer in pending:
