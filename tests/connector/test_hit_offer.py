@@ -142,3 +142,27 @@ def test_a_tier_whose_loads_failed_still_gets_its_trials() -> None:
     for gap in (TRIAL_MIN_S, 2 * TRIAL_MIN_S, 4 * TRIAL_MIN_S):
         clock.now += gap
         assert hits.cut(["redis"] * 2, 0).decisions == {("redis", "trial"): 2}
+
+
+def test_a_fast_trial_is_confirmed_at_once_by_one_more() -> None:
+    hits, costs, clock, _ = offer(per_token_s=40e-6)
+    timed(costs, "redis", 1.0)
+    assert hits.cut(["redis"] * 2, 0).num_chunks == 0
+    clock.now += TRIAL_MIN_S
+    assert hits.cut(["redis"] * 2, 0).decisions == {("redis", "trial"): 2}
+    timed(costs, "redis", 1 * MS, loads=1)  # the trial was fast
+    assert hits.cut(["redis"] * 2, 0).decisions == {("redis", "trial"): 2}  # no gap
+    # Hits arriving while the confirming trial runs are not tried too.
+    assert hits.cut(["redis"] * 2, 0).decisions == {("redis", "recompute_faster"): 2}
+    timed(costs, "redis", 1 * MS, loads=1)  # confirmed: two fast loads of three
+    assert hits.cut(["redis"] * 2, 0).decisions == {("redis", "loaded"): 2}
+
+
+def test_a_slow_trial_is_not_confirmed() -> None:
+    hits, costs, clock, _ = offer(per_token_s=40e-6)
+    timed(costs, "redis", 1.0)
+    assert hits.cut(["redis"] * 2, 0).num_chunks == 0
+    clock.now += TRIAL_MIN_S
+    assert hits.cut(["redis"] * 2, 0).decisions == {("redis", "trial"): 2}
+    timed(costs, "redis", 1.0, loads=1)
+    assert hits.cut(["redis"] * 2, 0).decisions == {("redis", "recompute_faster"): 2}

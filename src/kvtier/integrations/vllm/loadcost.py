@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -70,6 +70,7 @@ class LoadCosts:
         """`tiers`: the store's tier names, fastest first (the first is RAM)."""
         self._tiers = list(tiers)
         self._samples: dict[str, deque[float]] = {}
+        self._loads: Counter[str] = Counter()  # timed loads per tier, ever
 
     @property
     def top_tier(self) -> str:
@@ -89,11 +90,21 @@ class LoadCosts:
         # A failed load saved nothing: its request recomputes after the wait.
         per_chunk = math.inf if sample.failed else max(0.0, sample.seconds - others_s) / count
         self._samples.setdefault(slowest, deque(maxlen=TIER_WINDOW)).append(per_chunk)
+        self._loads[slowest] += 1
 
     def chunk_s(self, tier: str) -> float | None:
         """The tier's seconds per chunk restored; None until one of its loads is timed."""
         samples = self._samples.get(tier)
         return statistics.median(samples) if samples else None
+
+    def last_s(self, tier: str) -> float | None:
+        """The tier's seconds per chunk in its latest timed load; None before one."""
+        samples = self._samples.get(tier)
+        return samples[-1] if samples else None
+
+    def loads(self, tier: str) -> int:
+        """How many of the tier's loads were timed so far."""
+        return self._loads[tier]
 
     def expected_s(self, chunks: Mapping[str, int]) -> float | None:
         """The expected time of a load of `chunks` (tier -> count); None until every tier it

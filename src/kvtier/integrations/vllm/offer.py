@@ -23,10 +23,11 @@ engine with no timed prefill yet as infinitely slow: every hit is loaded, as wit
 A tier judged slower than recompute is no longer loaded from, so its cost would never be
 measured again: every TRIAL_MIN_S (doubling up to TRIAL_MAX_S while it stays slow) one hit
 that the rule would cut is offered whole, as a trial; its load is timed like any other, and
-two fast trials bring the tier back (loadcost.TIER_WINDOW). A gap counts from when the trial is
-expected to end (its chunks at the tier's measured cost, at most TRIAL_MAX_S; from its start
-where the tier's loads failed), so that trials slower than the gap never run back to back. A
-tier that turns slow drops out within two loads.
+two fast trials bring the tier back (loadcost.TIER_WINDOW): a trial whose load the rule would
+have taken (judged by that load's own cost) is followed by another at once, to confirm it.
+A gap counts from when the trial is expected to end (its chunks at the tier's measured cost,
+at most TRIAL_MAX_S; from its start where the tier's loads failed), so that trials slower
+than the gap never run back to back. A tier that turns slow drops out within two loads.
 
 Decisions are counted per tier, in chunks: "loaded", "trial" (offered against the rule, to
 measure), "recompute_faster" (cut).
@@ -70,6 +71,7 @@ class HitOffer:
         self._clock = clock
         self._next_trial_s: dict[str, float] = {}  # tier -> when it may be tried again
         self._trial_gap_s: dict[str, float] = {}  # tier -> the gap after its next trial
+        self._confirmed: dict[str, int] = {}  # tier -> its timed loads when last confirmed
 
     def cut(self, tiers: Sequence[str], start_token: int) -> Cut:
         """The chunks of a hit to offer. `tiers`: the tier each chunk of the hit is expected
@@ -83,21 +85,36 @@ class HitOffer:
         if by_rule == len(tiers):
             return Cut(by_rule, decisions)
         slowest = max(tiers[by_rule:], key=lambda t: self._costs.chunk_s(t) or 0.0)
-        reason = "trial" if self._trial_due(slowest, self._trial_s(tiers[by_rule:])) \
+        reason = "trial" if self._trial_due(slowest, self._trial_s(tiers[by_rule:]),
+                                            self._to_confirm(slowest, tiers, start_token)) \
             else "recompute_faster"
         decisions.update((tier, reason) for tier in tiers[by_rule:])
         return Cut(len(tiers) if reason == "trial" else by_rule, decisions)
 
-    def _faster_prefix(self, tiers: Sequence[str], start_token: int) -> int:
-        """The rule: the longest prefix whose load is expected to beat its recompute."""
+    def _faster_prefix(self, tiers: Sequence[str], start_token: int,
+                       cost: Callable[[str], float | None] | None = None) -> int:
+        """The rule: the longest prefix whose load is expected to beat its recompute, at the
+        tiers' `cost` a chunk (their medians by default)."""
+        cost = cost or self._costs.chunk_s
         first_chunk, load_s, offered = start_token // self._tpc, 0.0, 0
         for i, tier in enumerate(tiers):
-            load_s += self._costs.chunk_s(tier) or 0.0
+            load_s += cost(tier) or 0.0
             end = (first_chunk + i + 1) * self._tpc
             recompute_s = self._steps.recompute_s(start_token, end)
             if recompute_s is None or load_s <= recompute_s:
                 offered = i + 1
         return offered
+
+    def _to_confirm(self, tier: str, tiers: Sequence[str], start_token: int) -> bool:
+        """Whether `tier`'s latest load (a trial) was fast, the rule judging the hit at each
+        tier's latest cost, and no trial has confirmed it yet (one confirmation a trial, so
+        that hits arriving while it runs are not all tried)."""
+        loads = self._costs.loads(tier)
+        if self._confirmed.get(tier) == loads \
+                or self._faster_prefix(tiers, start_token, self._costs.last_s) < len(tiers):
+            return False
+        self._confirmed[tier] = loads
+        return True
 
     def _trial_s(self, tiers: Sequence[str]) -> float:
         """A trial's expected load time, at most TRIAL_MAX_S (0 where a tier failed its last
@@ -105,16 +122,16 @@ class HitOffer:
         expected_s = sum(self._costs.chunk_s(tier) or 0.0 for tier in tiers)
         return min(expected_s, TRIAL_MAX_S) if math.isfinite(expected_s) else 0.0
 
-    def _trial_due(self, tier: str, trial_s: float) -> bool:
+    def _trial_due(self, tier: str, trial_s: float, confirm: bool) -> bool:
         """Whether a cut tier is due a trial load (and, if so, when the next one is: the gap
-        after the trial's expected `trial_s`)."""
+        after the trial's expected `trial_s`); `confirm`: its last trial was fast, it is."""
         now = self._clock()
         gap = self._trial_gap_s.get(tier)
         if gap is None:  # just cut: the first trial after TRIAL_MIN_S
             self._trial_gap_s[tier] = TRIAL_MIN_S
             self._next_trial_s[tier] = now + TRIAL_MIN_S
             return False
-        if now < self._next_trial_s[tier]:
+        if now < self._next_trial_s[tier] and not confirm:
             return False
         gap = self._trial_gap_s[tier] = min(2 * gap, TRIAL_MAX_S)
         self._next_trial_s[tier] = now + trial_s + gap
