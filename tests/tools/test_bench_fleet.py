@@ -28,7 +28,10 @@ def test_the_command_measures_writers_eviction_and_a_disk_start_up(tmp_path: Pat
         # one re-measure per interval for the whole fleet, not one per writer
         assert run["remeasures_all_writers"] <= 1 / 0.5 + 1
     assert size["eviction"]["evicted"] > 0
-    assert size["disk"]["chunks"] >= 400  # what the writers left of 500 (evictions)
+    # The disk tier indexed every chunk file the writers and the eviction left (how many
+    # depends on the machine's speed: concurrent puts each evict a little more than one).
+    left = sum(1 for _ in (tmp_path / "shared-500").rglob("*.kvc"))
+    assert 0 < left < 500 and size["disk"]["chunks"] == left
     assert size["projection"]["chunks"] == 10**7
 
 
