@@ -144,13 +144,20 @@ def test_a_tier_whose_loads_failed_still_gets_its_trials() -> None:
         assert hits.cut(["redis"] * 2, 0).decisions == {("redis", "trial"): 2}
 
 
-def test_a_fast_trial_is_confirmed_at_once_by_one_more() -> None:
+def after_a_trial(trial_chunk_s: float) -> tuple[HitOffer, LoadCosts]:
+    """A Redis tier cut as slow (1 s a chunk), then tried once: its trial took `trial_chunk_s`
+    a chunk."""
     hits, costs, clock, _ = offer(per_token_s=40e-6)
     timed(costs, "redis", 1.0)
     assert hits.cut(["redis"] * 2, 0).num_chunks == 0
     clock.now += TRIAL_MIN_S
     assert hits.cut(["redis"] * 2, 0).decisions == {("redis", "trial"): 2}
-    timed(costs, "redis", 1 * MS, loads=1)  # the trial was fast
+    timed(costs, "redis", trial_chunk_s, loads=1)
+    return hits, costs
+
+
+def test_a_fast_trial_is_confirmed_at_once_by_one_more() -> None:
+    hits, costs = after_a_trial(1 * MS)
     assert hits.cut(["redis"] * 2, 0).decisions == {("redis", "trial"): 2}  # no gap
     # Hits arriving while the confirming trial runs are not tried too.
     assert hits.cut(["redis"] * 2, 0).decisions == {("redis", "recompute_faster"): 2}
@@ -159,10 +166,5 @@ def test_a_fast_trial_is_confirmed_at_once_by_one_more() -> None:
 
 
 def test_a_slow_trial_is_not_confirmed() -> None:
-    hits, costs, clock, _ = offer(per_token_s=40e-6)
-    timed(costs, "redis", 1.0)
-    assert hits.cut(["redis"] * 2, 0).num_chunks == 0
-    clock.now += TRIAL_MIN_S
-    assert hits.cut(["redis"] * 2, 0).decisions == {("redis", "trial"): 2}
-    timed(costs, "redis", 1.0, loads=1)
+    hits, _ = after_a_trial(1.0)
     assert hits.cut(["redis"] * 2, 0).decisions == {("redis", "recompute_faster"): 2}
