@@ -124,7 +124,8 @@ class HitOffer:
 
     def _trial_due(self, tier: str, trial_s: float, confirm: bool) -> bool:
         """Whether a cut tier is due a trial load (and, if so, when the next one is: the gap
-        after the trial's expected `trial_s`); `confirm`: its last trial was fast, it is."""
+        after the trial's expected `trial_s`); `confirm`: its last trial was fast, so it is
+        due at once."""
         now = self._clock()
         gap = self._trial_gap_s.get(tier)
         if gap is None:  # just cut: the first trial after TRIAL_MIN_S
