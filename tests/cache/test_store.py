@@ -211,8 +211,9 @@ def test_a_chunk_written_behind_reaches_the_disk_without_a_bounce(
             if how == "put":
                 store.put(key(i), payload(i))
             else:
-                store.put_from(key(i), lambda view, i=i: view.__setitem__(  # type: ignore[misc]
-                    slice(None), payload(i)), memoryview(bytearray(CHUNK)))
+                def fill(view: memoryview, i: int = i) -> None:
+                    view[:] = payload(i)
+                store.put_from(key(i), fill, memoryview(bytearray(CHUNK)))
         assert store.flush(timeout_s=10)
         assert seen and all(seen)
         assert store.tiers[0].delete(key(2))  # read back from the disk
