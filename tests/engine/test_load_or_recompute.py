@@ -44,8 +44,7 @@ SLOW_TIMEOUT_MS = 5000
 # A recovered tier is back after one trial gap (2 s, or 4 s after a slow trial's ~3 s): a fast
 # trial is confirmed by a second at once.
 RECOVERY_S = 40.0
-# Requests asked once the tier is cut: judged one by one, not by a total (CI's machine, slower,
-# fitted a trial into four requests where this one did not: the total then missed by a request).
+# Requests asked once the tier is cut, each judged (a total over four requests failed in CI).
 COUNTED = 8
 
 
