@@ -42,7 +42,8 @@ def timed(costs: LoadCosts, tier: str, chunk_s: float, loads: int = 3) -> None:
 
 def offer(per_token_s: float | None, load_when: str = "faster"
           ) -> tuple[HitOffer, LoadCosts, Clock, Callable[[float | None], None]]:
-    costs, clock, steps = LoadCosts(TIERS), Clock(), FlatSteps(per_token_s)
+    clock, steps = Clock(), FlatSteps(per_token_s)
+    costs = LoadCosts(TIERS, clock=clock)
 
     def set_engine(value: float | None) -> None:
         steps.per_token_s = value
@@ -108,6 +109,7 @@ def test_a_cut_tier_gets_trials_at_growing_gaps_and_comes_back_when_fast() -> No
     assert hits.cut(["redis"] * 2, 0).num_chunks == 0  # the next one is further away
     gaps = []
     for _ in range(8):  # it stays slow: trials every 2, 4, 8 ... s, at most TRIAL_MAX_S
+        timed(costs, "redis", 1.0, loads=1)  # the last trial, measured (at once, here)
         start = clock.now
         while hits.cut(["redis"] * 2, 0).num_chunks == 0:
             clock.now += 0.5
@@ -128,10 +130,40 @@ def test_a_trial_slower_than_the_gap_is_not_followed_by_another_until_it_ends() 
     assert hits.cut(["redis"] * 4, 0).num_chunks == 0
     clock.now += TRIAL_MIN_S
     assert hits.cut(["redis"] * 4, 0).num_chunks == 4  # the trial
-    clock.now += 20.0 + 2 * TRIAL_MIN_S - 0.5  # the trial ends; its gap has not passed
+    clock.now += 20.0
+    timed(costs, "redis", 5.0, loads=1)  # it ended as expected
+    clock.now += 2 * TRIAL_MIN_S - 0.5  # its gap has not passed
     assert hits.cut(["redis"] * 4, 0).decisions == {("redis", "recompute_faster"): 4}
     clock.now += 0.5
     assert hits.cut(["redis"] * 4, 0).decisions == {("redis", "trial"): 4}
+
+
+def test_a_trial_longer_than_expected_runs_alone_and_its_gap_counts_from_its_end() -> None:
+    hits, costs, clock, _ = offer(per_token_s=40e-6)
+    timed(costs, "redis", 1.0)  # a 2-chunk trial is expected to take 2 s
+    assert hits.cut(["redis"] * 2, 0).num_chunks == 0
+    clock.now += TRIAL_MIN_S
+    assert hits.cut(["redis"] * 2, 0).decisions == {("redis", "trial"): 2}
+    clock.now += 30.0  # still not measured (a tier slower than ever): no second trial
+    assert hits.cut(["redis"] * 2, 0).decisions == {("redis", "recompute_faster"): 2}
+    timed(costs, "redis", 15.0, loads=1)  # measured now: the gap (4 s) counts from here
+    clock.now += 2 * TRIAL_MIN_S - 0.5
+    assert hits.cut(["redis"] * 2, 0).decisions == {("redis", "recompute_faster"): 2}
+    clock.now += 0.5
+    assert hits.cut(["redis"] * 2, 0).decisions == {("redis", "trial"): 2}
+
+
+def test_a_trial_never_measured_is_given_up_after_the_longest_gap() -> None:
+    hits, costs, clock, _ = offer(per_token_s=40e-6)
+    timed(costs, "redis", 1.0)
+    assert hits.cut(["redis"] * 2, 0).num_chunks == 0
+    clock.now += TRIAL_MIN_S
+    assert hits.cut(["redis"] * 2, 0).decisions == {("redis", "trial"): 2}
+    # Its chunks were gone (a load that finds none is not timed): the next waits TRIAL_MAX_S.
+    clock.now += TRIAL_MAX_S - 0.5
+    assert hits.cut(["redis"] * 2, 0).decisions == {("redis", "recompute_faster"): 2}
+    clock.now += 0.5
+    assert hits.cut(["redis"] * 2, 0).decisions == {("redis", "trial"): 2}
 
 
 def test_a_tier_whose_loads_failed_still_gets_its_trials() -> None:
@@ -140,8 +172,11 @@ def test_a_tier_whose_loads_failed_still_gets_its_trials() -> None:
         costs.observe_load(LoadSample((("redis", 2),), 5.0, failed=True))
     assert hits.cut(["redis"] * 2, 0).num_chunks == 0
     for gap in (TRIAL_MIN_S, 2 * TRIAL_MIN_S, 4 * TRIAL_MIN_S):
-        clock.now += gap
+        clock.now += gap - 0.5
+        assert hits.cut(["redis"] * 2, 0).decisions == {("redis", "recompute_faster"): 2}
+        clock.now += 0.5
         assert hits.cut(["redis"] * 2, 0).decisions == {("redis", "trial"): 2}
+        costs.observe_load(LoadSample((("redis", 2),), 5.0, failed=True))  # failed again
 
 
 def after_a_trial(trial_chunk_s: float) -> tuple[HitOffer, LoadCosts]:

@@ -34,7 +34,7 @@ import math
 import statistics
 import time
 from collections import Counter, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 # An inline load may stretch one step by this share of the median step: 1.2x at most.
@@ -66,11 +66,14 @@ class LoadSample:
 class LoadCosts:
     """Each tier's measured seconds per chunk restored (scheduler thread)."""
 
-    def __init__(self, tiers: Sequence[str]) -> None:
+    def __init__(self, tiers: Sequence[str],
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """`tiers`: the store's tier names, fastest first (the first is RAM)."""
         self._tiers = list(tiers)
+        self._clock = clock
         self._samples: dict[str, deque[float]] = {}
         self._loads: Counter[str] = Counter()  # timed loads per tier, ever
+        self._taken_s: dict[str, float] = {}  # tier -> when its latest load was taken in
 
     @property
     def top_tier(self) -> str:
@@ -91,6 +94,7 @@ class LoadCosts:
         per_chunk = math.inf if sample.failed else max(0.0, sample.seconds - others_s) / count
         self._samples.setdefault(slowest, deque(maxlen=TIER_WINDOW)).append(per_chunk)
         self._loads[slowest] += 1
+        self._taken_s[slowest] = self._clock()
 
     def chunk_s(self, tier: str) -> float | None:
         """The tier's seconds per chunk restored; None until one of its loads is timed."""
@@ -105,6 +109,10 @@ class LoadCosts:
     def loads(self, tier: str) -> int:
         """How many of the tier's loads were timed so far."""
         return self._loads[tier]
+
+    def taken_s(self, tier: str) -> float | None:
+        """When the tier's latest timed load was taken in (the clock's time); None before."""
+        return self._taken_s.get(tier)
 
     def expected_s(self, chunks: Mapping[str, int]) -> float | None:
         """The expected time of a load of `chunks` (tier -> count); None until every tier it

@@ -25,9 +25,11 @@ measured again: every TRIAL_MIN_S (doubling up to TRIAL_MAX_S while it stays slo
 that the rule would cut is offered whole, as a trial; its load is timed like any other, and
 two fast trials bring the tier back (loadcost.TIER_WINDOW): a trial whose load the rule would
 have taken (judged by that load's own cost) is followed by another at once, to confirm it.
-A gap counts from when the trial is expected to end (its chunks at the tier's measured cost,
-at most TRIAL_MAX_S; from its start where the tier's loads failed), so that trials slower
-than the gap never run back to back. A tier that turns slow drops out within two loads.
+A trial runs alone: the next is not due until its load was measured (at most TRIAL_MAX_S,
+for one whose chunks were gone and so was never timed), and its gap counts from the later of
+the trial's measured end and its expected end (its chunks at the tier's measured cost, at most
+TRIAL_MAX_S; its start where the tier's loads failed), so that trials never run back to back,
+however slow. A tier that turns slow drops out within two loads.
 
 Decisions are counted per tier, in chunks: "loaded", "trial" (offered against the rule, to
 measure), "recompute_faster" (cut).
@@ -72,6 +74,8 @@ class HitOffer:
         self._next_trial_s: dict[str, float] = {}  # tier -> when it may be tried again
         self._trial_gap_s: dict[str, float] = {}  # tier -> the gap after its next trial
         self._confirmed: dict[str, int] = {}  # tier -> its timed loads when last confirmed
+        # tier -> its timed loads and the time when its last trial was offered
+        self._trials: dict[str, tuple[int, float]] = {}
 
     def cut(self, tiers: Sequence[str], start_token: int) -> Cut:
         """The chunks of a hit to offer. `tiers`: the tier each chunk of the hit is expected
@@ -131,9 +135,24 @@ class HitOffer:
         if gap is None:  # just cut: the first trial after TRIAL_MIN_S
             self._trial_gap_s[tier] = TRIAL_MIN_S
             self._next_trial_s[tier] = now + TRIAL_MIN_S
+            self._trials.pop(tier, None)
             return False
-        if now < self._next_trial_s[tier] and not confirm:
+        if not confirm and not self._gap_passed(tier, now):
             return False
         gap = self._trial_gap_s[tier] = min(2 * gap, TRIAL_MAX_S)
         self._next_trial_s[tier] = now + trial_s + gap
+        self._trials[tier] = (self._costs.loads(tier), now)
         return True
+
+    def _gap_passed(self, tier: str, now: float) -> bool:
+        """Whether the tier's gap has passed since its last trial's expected end and since
+        that trial was measured (one not measured yet still runs, up to TRIAL_MAX_S)."""
+        if now < self._next_trial_s[tier]:
+            return False
+        if tier not in self._trials:
+            return True
+        loads, offered_s = self._trials[tier]
+        taken_s = self._costs.taken_s(tier)
+        if self._costs.loads(tier) == loads or taken_s is None:
+            return now >= offered_s + TRIAL_MAX_S
+        return now >= taken_s + self._trial_gap_s[tier]
