@@ -33,7 +33,11 @@ from kvtier.tools.cli.bench import run_and_report
 # a minute apart: docs/performance.md), and a verdict needs more repetitions or runs.
 NOISY_CEILING = 1.25
 
-QUICK = {"reps": 5, "recompute_reps": 2, "throughput_prompts": 8, "throughput_reps": 2}
+# 15 hits a point: a hit's TTFT over the engine's own hit jitters by +-5 ms here outside the
+# load (a 1k disk hit: 5.7-18.1 ms for loads of 7.3-9.9 ms), and a median of 5 such
+# differences moved its verdict between runs of the same code (docs/performance.md, "The same
+# disk hit, run to run"); a hit costs ~1 s, so 15 add about a minute to 5.
+QUICK = {"reps": 15, "recompute_reps": 2, "throughput_prompts": 8, "throughput_reps": 2}
 
 
 def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
