@@ -59,7 +59,8 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     parser.add_argument("--model-root", type=output_dir, default=Path(".kvtier-models"),
                         help="where the generated bench model is cached")
     parser.add_argument("--quick", action="store_true",
-                        help="1k and 4k only (qwen3-next: its two), fewer repetitions (~4 min)")
+                        help="1k and 4k only (qwen3-next: its two), 15 hits a point "
+                        "(~10 min for three engines)")
     parser.add_argument("--store-mode", choices=STORE_MODES, default="auto",
                         help="the kvtier engines' store_mode (auto: asynchronous stores)")
     parser.add_argument("--json", type=output_file, default=Path("results/bench-ttft.json"))
