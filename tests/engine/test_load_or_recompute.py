@@ -137,8 +137,8 @@ def test_a_fast_link_is_loaded_a_slow_one_recomputed_and_a_recovered_one_loaded_
     slow = ask.asked[-3:]
     assert [a.kind for a in slow] == ["loaded", "loaded", "recompute_faster"]
     # From then on nothing is loaded from it but trials, spaced by their gap (2 s after the
-    # cut, then 4 s after a trial's expected end, doubling): however slow this machine runs
-    # the requests, most are cut, and the others are trials, never back to back.
+    # cut, then 4 s after a trial's end, doubling): however slow this machine runs the
+    # requests, most are cut, and the others are trials, never back to back.
     hits = kvtier_counter("tier_hits", tier="redis")
     print("(counted from here)")
     for i in range(3, 3 + COUNTED):
