@@ -146,3 +146,62 @@ def test_a_preset_refuses_lengths_off_its_chunks_and_engines_it_does_not_run():
         ttft_args("--model", "qwen3-next", "--engine", "example")
     with pytest.raises(ConfigError, match="model"):
         TtftConfig(directory=Path("."), model_root=Path("."), model="llama-70b").validate()
+
+
+def traced_hit(extras_ms: list[float], raw_ms: float) -> Ttft:
+    """A disk hit with its paired figures: one trial per extra, the raw read beside each."""
+    local = tuple(0.030 for _ in extras_ms)
+    return Ttft("kvtier-disk", N, tuple(0.030 + e / 1e3 for e in extras_ms), N,
+                load_s=tuple(e / 1e3 for e in extras_ms), read_s=(0.001,) * len(extras_ms),
+                local_s=local, ceiling_s=(raw_ms / 1e3,) * len(extras_ms))
+
+
+def test_runs_pooled_judge_the_target_over_all_their_hits(tmp_path: Path):
+    from kvtier.tools.bench.ttft import pool_results
+
+    # One run's median meets 1.5 x 10 ms, the other's misses: over both, the median misses.
+    lucky = result(traced_hit([13.0, 14.0, 14.5, 17.0, 18.0], 10.0))
+    unlucky = result(traced_hit([16.0, 16.5, 17.0, 20.0, 21.0], 10.0))
+    assert by_name(lucky)[f"kvtier-disk {N}: extra over vLLM hit"] is True
+    assert by_name(unlucky)[f"kvtier-disk {N}: extra over vLLM hit"] is False
+    paths = []
+    for i, res in enumerate((lucky, unlucky)):
+        paths.append(tmp_path / f"run{i}.json")
+        res.write_json(paths[-1])
+    pooled = pool_results([TtftResult.read_json(p) for p in paths])
+    [t] = pooled.ttft
+    assert len(t.trials_s) == len(t.local_s) == len(t.load_s) == len(t.ceiling_s) == 10
+    assert t.extra_s == pytest.approx(0.01675)  # the median of all ten pairs
+    assert by_name(pooled)[f"kvtier-disk {N}: extra over vLLM hit"] is False
+    assert pooled.machine["pooled_runs"] == 2
+
+
+def test_pooling_refuses_other_files_and_other_models(tmp_path: Path):
+    from dataclasses import replace
+
+    from kvtier.tools.bench.ttft import pool_results
+
+    (tmp_path / "bad.json").write_text('{"ttft": []}')
+    with pytest.raises(ConfigError, match=r"pool.*bad\.json"):
+        TtftResult.read_json(tmp_path / "bad.json")
+    with pytest.raises(ConfigError, match="pool"):
+        TtftResult.read_json(tmp_path / "missing.json")
+    bench = result(hit("kvtier-disk", 10.0))
+    hybrid = replace(bench, config=replace(bench.config, model="qwen3-next"))
+    with pytest.raises(ConfigError, match="one model"):
+        pool_results([bench, hybrid])
+    with pytest.raises(ConfigError, match="pool"):
+        pool_results([])
+
+
+def test_bench_ttft_pool_reports_without_an_engine(tmp_path: Path, capsys):
+    from kvtier.tools.cli.main import main
+
+    res = result(traced_hit([14.0, 15.0, 16.0], 10.0))
+    res.write_json(tmp_path / "a.json")
+    res.write_json(tmp_path / "b.json")
+    assert main(["bench", "ttft", "--pool", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                 "--json", str(tmp_path / "pooled.json")]) == 0
+    out = capsys.readouterr().out
+    assert "pooled from 2 runs" in out
+    assert len(TtftResult.read_json(tmp_path / "pooled.json").ttft[0].trials_s) == 6

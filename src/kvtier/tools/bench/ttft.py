@@ -48,8 +48,8 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -234,6 +234,85 @@ class TtftResult:
                         for t in self.ttft]
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+
+    @classmethod
+    def read_json(cls, path: Path) -> TtftResult:
+        """The result `write_json` wrote to `path`. Raises ConfigError naming the file when
+        it is not one (unreadable, not JSON, or fields missing)."""
+        try:
+            data = json.loads(path.read_text())
+            settings = _tuples(data["config"])
+            config = TtftConfig(**settings | {"directory": Path(settings["directory"]),
+                                              "model_root": Path(settings["model_root"])})
+            ttft = tuple(Ttft(**{k: v for k, v in _tuples(t).items()
+                                 if k in Ttft.__dataclass_fields__}) for t in data["ttft"])
+            return cls(config=config, ttft=ttft,
+                       throughput_rps={k: tuple(v) for k, v in data["throughput_rps"].items()},
+                       copy_s={int(k): v for k, v in data["copy_s"].items()},
+                       direct_read_s={int(k): v for k, v in data["direct_read_s"].items()},
+                       engine_start_s=data["engine_start_s"], wall_s=data["wall_s"],
+                       machine=data.get("machine", {}))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ConfigError("pool", str(path),
+                              f"a result `kvtier bench ttft --json` wrote ({exc})") from None
+
+
+def _tuples(fields: dict[str, Any]) -> dict[str, Any]:
+    """JSON's lists back as the tuples the dataclasses hold."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
+
+
+_PAIRED = ("load_s", "read_s", "local_s", "ceiling_s")  # Ttft's figures, one per trial
+
+
+def _joined(runs: list[Ttft], name: str) -> tuple[float, ...]:
+    return tuple(x for t in runs for x in getattr(t, name))
+
+
+def pool_results(results: Sequence[TtftResult]) -> TtftResult:
+    """Several runs of the same model as one: each point's trials (with the figures paired
+    with them) and each engine's throughput rounds put end to end, so that the medians and
+    targets are taken over all of them. On a machine whose TTFT jitters by as much as a
+    target's margin, one run's median moves across the target between runs of the same
+    code; the pooled median does not (docs/performance.md, twentieth session).
+
+    Raises:
+        ConfigError: no results, or results of different models.
+    """
+    if not results:
+        raise ConfigError("pool", "[]", "one or more results of `kvtier bench ttft --json`")
+    models = sorted({r.config.model for r in results})
+    if len(models) > 1:
+        raise ConfigError("pool", ", ".join(models), "results of one model (--model)")
+    points: dict[tuple[str, int], list[Ttft]] = {}
+    for result in results:
+        for t in result.ttft:
+            points.setdefault((t.engine, t.cached_tokens), []).append(t)
+    # A paired figure pools only where every run has it for every trial (or pairs break).
+    ttft = tuple(
+        Ttft(engine, n, _joined(runs, "trials_s"), min(t.cache_hit_tokens for t in runs),
+             **{name: _joined(runs, name) for name in _PAIRED
+                if all(len(getattr(t, name)) == len(t.trials_s) for t in runs)})
+        for (engine, n), runs in points.items())
+    throughput: dict[str, tuple[float, ...]] = {}
+    for result in results:
+        for engine, rounds in result.throughput_rps.items():
+            throughput[engine] = throughput.get(engine, ()) + rounds
+    first = results[0]
+    config = replace(first.config,
+                     cached_tokens=tuple(sorted({n for _, n in points})),
+                     engines=tuple(dict.fromkeys(e for r in results for e in r.config.engines)))
+    return TtftResult(
+        config=config, ttft=ttft, throughput_rps=throughput,
+        copy_s={n: statistics.median(r.copy_s[n] for r in results if n in r.copy_s)
+                for n in config.cached_tokens if any(n in r.copy_s for r in results)},
+        direct_read_s={n: statistics.median(r.direct_read_s[n] for r in results
+                                            if n in r.direct_read_s)
+                       for n in config.cached_tokens
+                       if any(n in r.direct_read_s for r in results)},
+        engine_start_s={}, wall_s=sum(r.wall_s for r in results),
+        machine=first.machine | {k: v for k, v in results[-1].machine.items()
+                                 if k == "loadavg_after"} | {"pooled_runs": len(results)})
 
 
 def _kv_transfer_config(engine: str, scratch: Path, config: TtftConfig

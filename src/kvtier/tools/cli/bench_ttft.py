@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from kvtier.tools.bench.ttft import (
     TARGET_THROUGHPUT,
     TtftConfig,
     TtftResult,
+    pool_results,
     run_ttft_bench,
 )
 from kvtier.tools.cli.argtypes import non_negative_int, output_dir, output_file, work_dir
@@ -64,6 +66,10 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     parser.add_argument("--store-mode", choices=STORE_MODES, default="auto",
                         help="the kvtier engines' store_mode (auto: asynchronous stores)")
     parser.add_argument("--json", type=output_file, default=Path("results/bench-ttft.json"))
+    parser.add_argument("--pool", nargs="+", type=Path, metavar="JSON",
+                        help="run no engine: report the trials of earlier runs' --json files "
+                        "pooled (the targets over all their hits; one run's median moves "
+                        "across a target on a noisy machine)")
     parser.set_defaults(func=run)
 
 
@@ -86,14 +92,22 @@ def config_from(args: argparse.Namespace) -> TtftConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    run_and_report("ttft", _measure(args),
+                   lambda r: (ttft_table(r), breakdown_table(r), target_table(r), summary(r)),
+                   lambda r: r.write_json(args.json), args.json)
+    return 0
+
+
+def _measure(args: argparse.Namespace) -> Callable[[Callable[[str], None]], TtftResult]:
+    """What the command reports: earlier runs' results pooled (--pool), or a run."""
+    if args.pool:
+        pooled = pool_results([TtftResult.read_json(path) for path in args.pool])
+        return lambda _progress: pooled
     config = config_from(args)
     config.validate()
     if not args.verbose:  # the engines' start-up logs would bury the tables
         quiet_engine_logs()
-    run_and_report("ttft", lambda progress: run_ttft_bench(config, progress),
-                   lambda r: (ttft_table(r), breakdown_table(r), target_table(r), summary(r)),
-                   lambda r: r.write_json(args.json), args.json)
-    return 0
+    return lambda progress: run_ttft_bench(config, progress)
 
 
 def ttft_table(result: TtftResult) -> Table:
@@ -202,13 +216,17 @@ def target_table(result: TtftResult) -> Table:
 def summary(result: TtftResult) -> str:
     hits = ", ".join(f"{t.engine} {t.cached_tokens}: {t.cache_hit_tokens}"
                      for t in result.ttft if t.engine != "recompute")
-    before, after = result.machine["loadavg_before"][0], result.machine["loadavg_after"][0]
-    model = result.config.bench_model
+    machine, model = result.machine, result.config.bench_model
+    load = (f"; load average {machine['loadavg_before'][0]:.2f} -> "
+            f"{machine['loadavg_after'][0]:.2f} on {machine['cpus']} CPUs"
+            if {"loadavg_before", "loadavg_after", "cpus"} <= machine.keys() else "")
     return (f"model {result.config.model}: a chunk of {model.tokens_per_chunk} tokens is "
             f"{model.tokens_per_chunk * model.kv_bytes_per_token:,} bytes of KV"
             + (f" + {model.state_bytes_per_chunk:,} of states (where it carries them)"
                if model.state_bytes_per_chunk else "") + "\n"
             f"cached tokens served in the last trial: {hits}\n"
-            f"{result.wall_s:.0f} s; load average {before:.2f} -> {after:.2f} on "
-            f"{result.machine['cpus']} CPUs; engine start-up (s): "
+            + (f"pooled from {machine['pooled_runs']} runs\n"
+               if machine.get("pooled_runs") else "")
+            + f"{result.wall_s:.0f} s{load}"
+            + ("; engine start-up (s): " if result.engine_start_s else "")
             + ", ".join(f"{k} {v:.0f}" for k, v in result.engine_start_s.items()))
