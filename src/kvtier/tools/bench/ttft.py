@@ -269,6 +269,12 @@ def _joined(runs: list[Ttft], name: str) -> tuple[float, ...]:
     return tuple(x for t in runs for x in getattr(t, name))
 
 
+def _medians(figures: list[dict[int, float]]) -> dict[int, float]:
+    """Per prompt length, the median of the runs that measured it."""
+    return {n: statistics.median(f[n] for f in figures if n in f)
+            for n in sorted({n for f in figures for n in f})}
+
+
 def pool_results(results: Sequence[TtftResult]) -> TtftResult:
     """Several runs of the same model as one: each point's trials (with the figures paired
     with them) and each engine's throughput rounds put end to end, so that the medians and
@@ -304,12 +310,8 @@ def pool_results(results: Sequence[TtftResult]) -> TtftResult:
                      engines=tuple(dict.fromkeys(e for r in results for e in r.config.engines)))
     return TtftResult(
         config=config, ttft=ttft, throughput_rps=throughput,
-        copy_s={n: statistics.median(r.copy_s[n] for r in results if n in r.copy_s)
-                for n in config.cached_tokens if any(n in r.copy_s for r in results)},
-        direct_read_s={n: statistics.median(r.direct_read_s[n] for r in results
-                                            if n in r.direct_read_s)
-                       for n in config.cached_tokens
-                       if any(n in r.direct_read_s for r in results)},
+        copy_s=_medians([r.copy_s for r in results]),
+        direct_read_s=_medians([r.direct_read_s for r in results]),
         engine_start_s={}, wall_s=sum(r.wall_s for r in results),
         machine=first.machine | {k: v for k, v in results[-1].machine.items()
                                  if k == "loadavg_after"} | {"pooled_runs": len(results)})
