@@ -205,3 +205,25 @@ def test_bench_ttft_pool_reports_without_an_engine(tmp_path: Path, capsys):
     out = capsys.readouterr().out
     assert "pooled from 2 runs" in out
     assert len(TtftResult.read_json(tmp_path / "pooled.json").ttft[0].trials_s) == 6
+
+
+@pytest.mark.parametrize(("num_blocks", "block_size", "prompt_tokens"),
+                         [(384, 128, 1026), (384, 128, 4098), (384, 288, 3458), (40, 16, 300)])
+def test_the_untimed_hits_write_every_block_first(num_blocks: int, block_size: int,
+                                                  prompt_tokens: int) -> None:
+    """vLLM's free block queue, least recently used first: a hit takes its blocks from the
+    head and, freed by reset_prefix_cache, puts them back at the tail (the prefix's blocks
+    first, vLLM's own hit before it wrote none)."""
+    from collections import deque
+
+    from kvtier.tools.bench.ttft import hits_to_write_every_block
+
+    hits = hits_to_write_every_block(num_blocks, block_size, prompt_tokens)
+    per_hit = -(-prompt_tokens // block_size)
+    free, written = deque(range(num_blocks)), set[int]()
+    for _ in range(hits):
+        taken = [free.popleft() for _ in range(per_hit)]
+        written.update(taken)
+        free.extend(reversed(taken))
+    assert written == set(range(num_blocks))
+    assert hits <= num_blocks // per_hit + 2  # no more than that: each is a hit's time

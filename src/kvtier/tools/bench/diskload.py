@@ -125,6 +125,8 @@ def run_disk_load_bench(config: DiskLoadConfig,
         ConfigError: a bad setting.
     """
     config.validate()
+    if config.directory is not None:
+        Path(config.directory).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kvtier-disk-load-", dir=config.directory) as tmp:
         return _run(config, Path(tmp), progress)
 

@@ -27,7 +27,10 @@ the differences), and the kvtier engine's throughput rounds alternate with round
 kvtier is switched off per request (`skip_load` + `skip_store`). A prompt of
 "N tokens" is N cached tokens plus 2 new ones: with 128-token blocks and 256-token chunks
 vLLM, kvtier and ExampleConnector (which hashes all tokens but the last, block-aligned) then
-all serve exactly N tokens from cache and compute 2, so their hits are comparable.
+all serve exactly N tokens from cache and compute 2, so their hits are comparable. Each
+point's timed hits come after as many untimed ones as write every block of vLLM's KV cache
+once (`hits_to_write_every_block`): a hit is timed as a serving engine's, into blocks
+written before.
 Throughput: `throughput_prompts` unique prompts (0% hits) in one `generate`, median of reps.
 
 The targets' ceilings are measured in this process, right before each kvtier hit (so that
@@ -60,6 +63,7 @@ from kvtier.tools.bench.engines import (
     BLOCK_SIZE,
     KV_BYTES_PER_TOKEN,
     NEW_TOKENS,
+    NUM_BLOCKS,
     bench_prompt,
     check_settings,
     counter,
@@ -380,6 +384,14 @@ def _measure_ttft(llm: Any, engine: str, config: TtftConfig, scratch: Path,
             _wait_for_files(scratch / "disk", "*.kvc", _chunks_stored_so_far(config, n))
         hits_counter = "vllm:prefix_cache_hits" if engine == "vllm-prefix" \
             else "vllm:external_prefix_cache_hits"
+        if engine != "vllm-prefix":
+            progress(f"{engine}: {n} tokens, untimed hits until every block is written")
+            cache = llm.llm_engine.vllm_config.cache_config
+            for _ in range(hits_to_write_every_block(cache.num_gpu_blocks or NUM_BLOCKS,
+                                                     cache.block_size, n + NEW_TOKENS)):
+                _generate_s(llm, [prompt], 1)
+                llm.reset_prefix_cache()
+                _generate_s(llm, [prompt], 1)  # the connector's hit: writes free blocks
         trials, locals_, loads, reads, raw = [], [], [], [], []
         for _ in range(config.reps):
             if ceiling is not None:
@@ -400,6 +412,21 @@ def _measure_ttft(llm: Any, engine: str, config: TtftConfig, scratch: Path,
         out.append(Ttft(engine, n, tuple(trials), hit, load_s=tuple(loads),
                         read_s=tuple(reads), local_s=tuple(locals_), ceiling_s=tuple(raw)))
     return out
+
+
+def hits_to_write_every_block(num_blocks: int, block_size: int, prompt_tokens: int) -> int:
+    """Connector hits of `prompt_tokens` that write every one of `num_blocks` blocks of
+    `block_size` tokens at least once (vLLM hands a request the free blocks it used least
+    recently), one more for the block a hit may end in.
+
+    The timed hits are preceded by as many untimed ones, so that they write blocks as a
+    serving engine's are: written before, and not right after a long prefill. On this VM a
+    connector hit's copy into blocks vLLM had not written yet was slow: a 4k hit's 32 MiB
+    took 25-67 ms in the first trials of a point and 5-6 ms in its last ones
+    (docs/performance.md, "Hits into blocks written before"), while vLLM's own hit, which it is
+    paired with, writes nothing."""
+    per_hit = -(-prompt_tokens // block_size)
+    return -(-num_blocks // per_hit) + 1
 
 
 def _load_seconds() -> float:
