@@ -19,6 +19,7 @@ import pytest
 from tierkit import footprint_bytes, key, tier_settings, tiny_layout
 
 from kvtier.core.keys import ChunkKey
+from kvtier.core.loans import Loans
 from kvtier.core.store import TieredStore
 from kvtier.core.tier import FULL, OK, Failure, InPlace, TierResult
 from kvtier.tiers import open_store
@@ -194,6 +195,37 @@ def test_a_batch_lends_each_chunk_as_its_read_lands_and_waits_for_the_rest_on_ex
     assert sorted(landed) == [0, 1, 2]  # chunk 2, never asked for, landed before the exit
     store.close()
 
+
+
+def test_wait_any_returns_when_the_first_of_several_batches_has_landed(
+        two_tier_store: TieredStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A borrower with several batches open takes whichever landed first (the CPU mover's
+    loads): `landed` says so without waiting, `Loans.wait_any` waits for the first."""
+    store = two_tier_store
+    spares = [memoryview(bytearray(LAYOUT.bytes_per_chunk)) for _ in range(2)]
+    for i in range(3):
+        store.put(key(i), memoryview(payload(i)))  # keys 0 and 1 on disk only
+    assert store.flush(timeout_s=5)
+    disk = store.tiers[1]
+    read = disk.get_into
+    gate = threading.Event()
+
+    def gated_read(k: ChunkKey, *args: Any) -> TierResult:
+        if k == key(0):
+            gate.wait(3)
+        return read(k, *args)
+
+    monkeypatch.setattr(disk, "get_into", gated_read)
+    with store.borrow_many([key(0)], spares[:1]) as slow, \
+            store.borrow_many([key(1)], spares[1:]) as fast:
+        Loans.wait_any([slow, fast])
+        assert fast.landed() and not slow.landed()
+        assert fast[0] is not None and bytes(fast[0].data) == payload(1)
+        gate.set()
+        Loans.wait_any([slow])
+        assert slow.landed()
+        assert slow[0] is not None and bytes(slow[0].data) == payload(0)
+    store.close()
 
 class Boom(Exception):
     pass

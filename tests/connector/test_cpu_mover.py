@@ -1,7 +1,8 @@
 """The CPU mover's loads from a slow tier (cpu.py): each chunk is scattered as its read lands,
-and the next batch's reads run while a batch is scattered (issue 26: a disk hit's copy no
-longer waits for its reads, nor its reads for its copy). Real disk tier, real paged KV in
-vLLM 0.33's layout; the disk's reads are gated (fault injection) to fix their order."""
+the first landed first, and the next reads run while chunks are scattered (issue 26: a disk
+hit's copy no longer waits for its reads, nor its reads for its copy, nor a chunk for a read
+that lands late). Real disk tier, real paged KV in vLLM 0.33's layout; the disk's reads are
+gated (fault injection) to fix their order."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def rig(tmp_path: Path) -> Any:
         {"kind": "memory", "capacity": 2 * 4096 * -(-layout.bytes_per_chunk // 4096),
          "pin": "off"},  # two chunks: the loads' chunks come from the disk
         {"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "64MiB"}]}), layout)
-    mover = CpuChunkMover(paged, store, layout.bytes_per_chunk, SPARES, lambda _k, _s: None)
+    mover = CpuChunkMover(paged, store, layout.bytes_per_chunk, lambda _k, _s: None)
     stored = [ChunkTransfer(key=ChunkKey(os.urandom(16)),
                             block_ids=tuple(range(i * per_chunk, (i + 1) * per_chunk)))
               for i in range(CHUNKS)]
@@ -53,13 +54,13 @@ def rig(tmp_path: Path) -> Any:
     store.close()
 
 
-def test_the_next_batch_is_read_while_a_batch_is_scattered(
+def test_the_next_chunk_is_read_while_earlier_ones_are_scattered(
         rig: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunk 3's read is held until chunk 4's read has started: with 4 spares the mover
-    borrows two batches of 2 at a time, so batch [4, 5] starts once [0, 1] is scattered,
-    while [2, 3] is still being read. A mover that waits for a batch's last read before
-    reading the next never starts chunk 4 first (the gate gives up after 5 s: the test
-    fails, it does not hang)."""
+    reads chunks 0-3 at once and chunk 4 as soon as one of them is scattered, while chunk 3
+    is still being read. A mover that waits for its reads' last before reading the next
+    never starts chunk 4 first (the gate gives up after 5 s: the test fails, it does not
+    hang)."""
     paged, store, mover, loads, half = rig
     index = {t.key: i for i, t in enumerate(loads)}
     events: list[tuple[str, int]] = []  # ("start" | "end", chunk), in order
@@ -86,6 +87,72 @@ def test_the_next_batch_is_read_while_a_batch_is_scattered(
     assert all(torch.equal(v.view(torch.uint8)[:CHUNKS * per_chunk],
                            v.view(torch.uint8)[half:half + CHUNKS * per_chunk])
                for v in paged.block_views)
+
+
+def _gate_reads(store: Any, loads: list[ChunkTransfer], monkeypatch: pytest.MonkeyPatch,
+                held: int, until_end_of: int) -> list[tuple[str, int]]:
+    """Hold chunk `held`'s disk read until chunk `until_end_of`'s has ended (at most 5 s);
+    the reads' ("start" | "end", chunk) events, in order."""
+    index = {t.key: i for i, t in enumerate(loads)}
+    events: list[tuple[str, int]] = []
+    ended = threading.Event()
+    disk = store.tiers[1]
+    read = disk.get_into
+
+    def gated_read(key: ChunkKey, *args: Any) -> Any:
+        i = index[key]
+        events.append(("start", i))
+        if i == held:
+            ended.wait(5)
+        try:
+            return read(key, *args)
+        finally:
+            events.append(("end", i))
+            if i == until_end_of:
+                ended.set()
+
+    monkeypatch.setattr(disk, "get_into", gated_read)
+    return events
+
+
+def _loaded(paged: PagedKV, chunks: int, half: int) -> bool:
+    """Whether the first `chunks` loaded chunks' blocks hold the stored chunks' bytes."""
+    blocks = chunks * (CHUNK // BLOCK)
+    return all(torch.equal(v.view(torch.uint8)[:blocks], v.view(torch.uint8)[half:half + blocks])
+               for v in paged.block_views)
+
+
+def test_a_read_that_lands_late_holds_up_no_other(
+        rig: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunk 1's read is held until chunk 5's has ended: chunks 0, 2 and 3 are scattered as
+    they land, their spares read chunks 4-6 meanwhile, and chunk 1 comes last but one. A
+    mover that takes chunks in order (or a batch at a time) reads chunk 5 only after chunk
+    1 has landed."""
+    paged, store, mover, loads, half = rig
+    events = _gate_reads(store, loads, monkeypatch, held=1, until_end_of=5)
+    spares = spare_buffers(SPARES, paged.layout(CHUNK).bytes_per_chunk)
+    assert mover.load(loads, spares) == CHUNKS
+    assert events.index(("end", 5)) < events.index(("end", 1))
+    assert _loaded(paged, CHUNKS, half)
+
+
+def test_chunks_before_a_miss_are_loaded_even_when_they_land_after_it(
+        rig: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunk 2 is corrupt on disk (a byte flipped: its checksum fails) and chunk 1's read
+    lands after chunk 2's miss is known: the load still scatters chunk 1, and returns 2
+    (chunks 0 and 1 loaded; vLLM recomputes from chunk 2)."""
+    paged, store, mover, loads, half = rig
+    with open(store.tiers[1].files.path_of(loads[2].key), "r+b") as file:
+        file.seek(-1, os.SEEK_END)
+        last = file.read(1)
+        file.seek(-1, os.SEEK_END)
+        file.write(bytes([last[0] ^ 0xFF]))
+    events = _gate_reads(store, loads, monkeypatch, held=1, until_end_of=2)
+    spares = spare_buffers(SPARES, paged.layout(CHUNK).bytes_per_chunk)
+    assert mover.load(loads, spares) == 2
+    assert events.index(("end", 2)) < events.index(("end", 1))
+    assert _loaded(paged, 2, half)
+    assert len(spares) == SPARES
 
 
 def test_a_miss_stops_the_load_and_no_read_outlives_it(

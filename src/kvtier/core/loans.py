@@ -6,6 +6,8 @@ spare replaced) and its tier reported stalled, once per tier. Iterating lends th
 key order, each as it lands, so a caller copies chunk i while the later ones are still
 being read: a batch of reads and its copies overlap instead of running one after the other.
 Reads the caller never asked for are waited for (to the same deadline) when the borrow ends.
+`landed` says whether taking a view would wait; `Loans.wait_any` waits for the first of
+several batches to land (a borrower with several batches open takes whichever is ready).
 
 Primitives: `Loans`.
 """
@@ -13,10 +15,10 @@ Primitives: `Loans`.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, MutableMapping, Sequence
-from concurrent.futures import Future
+from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Generic, TypeVar, overload
+from typing import Any, Generic, TypeVar, overload
 
 V = TypeVar("V")
 
@@ -78,6 +80,21 @@ class Loans(Sequence["V | None"], Generic[V]):
         return NotImplemented
 
     __hash__ = None  # type: ignore[assignment]  # a sequence of views: unhashable
+
+    def landed(self) -> bool:
+        """Whether every view can be taken without waiting: each read has returned, or the
+        deadline has passed (a late read is then abandoned at once)."""
+        return all(read.done() for read in self._reads.values()) \
+            or time.monotonic() >= self._deadline
+
+    @staticmethod
+    def wait_any(batches: Iterable[Loans[Any]]) -> None:
+        """Wait until one of `batches` has `landed` (at most until the earliest deadline)."""
+        batches = list(batches)
+        while batches and not any(batch.landed() for batch in batches):
+            reads = [read for batch in batches for read in batch._reads.values()]
+            deadline = min(batch._deadline for batch in batches)
+            wait(reads, max(0.0, deadline - time.monotonic()), FIRST_COMPLETED)
 
     def settle(self) -> None:
         """Wait for the reads nobody asked for (to the deadline): none may outlive the borrow

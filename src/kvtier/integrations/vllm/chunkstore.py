@@ -11,6 +11,7 @@ from contextlib import AbstractContextManager
 from typing import Protocol
 
 from kvtier.core.keys import ChunkKey
+from kvtier.core.loans import Loans
 from kvtier.core.retention import DEFAULT_META, ChunkMeta
 from kvtier.core.store import ChunkView, PendingPut, StoreEvent, StoreStats
 
@@ -26,7 +27,7 @@ class ChunkStore(Protocol):
 
     def borrow_many(self, keys: Sequence[ChunkKey], spares: MutableSequence[memoryview],
                     metas: Sequence[ChunkMeta] = (), tried: dict[int, str] | None = None,
-                    ) -> AbstractContextManager[Sequence[ChunkView | None]]: ...
+                    ) -> AbstractContextManager[Loans[ChunkView]]: ...
 
     def put(self, key: ChunkKey, data: memoryview, meta: ChunkMeta = DEFAULT_META) -> bool: ...
 

@@ -55,8 +55,9 @@ from kvtier.integrations.vllm.paged import PagedKV
 __all__ = ["ChunkStore", "ConnectorWorker", "PagedKV"]
 
 logger = logging.getLogger(__name__)
-# Chunks lent or read per borrow_many call by default: slow tiers' reads of one batch run in
-# parallel (the connector passes the store's io_threads, so all of a batch is in flight).
+# Chunks read at once by a load by default (its spare buffers; the device mover's
+# borrow_many batch): slow tiers' reads run in parallel (the connector passes the store's
+# io_threads, so all of them are in flight).
 LOAD_BATCH = 8
 
 
@@ -75,8 +76,9 @@ class ConnectorWorker:
                  io_cores: frozenset[int] | None = None,
                  device: Device | None = None) -> None:
         """Args:
-            load_batch: chunks per `borrow_many`: a slow tier's reads of one batch run in
-                parallel (8 at a time read the VM disk here 25-30% faster than 4).
+            load_batch: chunks a load reads at once (spare buffers each; the device mover's
+                chunks per `borrow_many`): a slow tier's reads run in parallel (8 at a time
+                read the VM disk here 25-30% faster than 4).
             agree: under tensor parallelism, ORs a list of flags across the ranks (a
                 collective every rank enters with the same list length); None: one rank.
             handoff_timeout_s: a kv_producer's: a step that stored chunks waits until they
@@ -95,7 +97,7 @@ class ConnectorWorker:
         # The mover: one of two, by where vLLM's KV lives (the same plan, jobs and reports).
         self._mover: ChunkMover
         if device is None and paged.device.type == "cpu":
-            self._mover = CpuChunkMover(paged, store, layout.bytes_per_chunk, load_batch,
+            self._mover = CpuChunkMover(paged, store, layout.bytes_per_chunk,
                                         self._note_state)
             pinned = None
         else:

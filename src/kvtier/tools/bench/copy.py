@@ -55,7 +55,7 @@ from kvtier.tools.bench.vllmviews import LAYOUTS, VllmCacheSpec, vllm_kv_caches
 
 TARGET_RATIO = 0.8  # issue 3, "GPU": kvtier's copy path >= 0.8x a raw pinned copy
 RUNNER_CHUNKS = 16  # a step's stores in the runner check: 16 chunks (a 4k-token prefill)
-# The worker's LOAD_BATCH (worker.py, which imports vllm): chunks borrowed at a time.
+# The worker's LOAD_BATCH (worker.py, which imports vllm): chunks a load reads at once.
 LOAD_BATCH = 8
 # --dtype -> the cache tensors' dtype and vLLM's --kv-cache-dtype (fp8: uint8 tensors).
 DTYPES: dict[str, tuple[torch.dtype, str]] = {
@@ -266,7 +266,7 @@ def _mover(paged: PagedKV, store: TieredStore, chunk_bytes: int,
            device: torch.device) -> tuple[ChunkMover, list[memoryview], str]:
     """The connector's mover for KV on `device`, spares for its loads, the device's name."""
     if device.type == "cpu":
-        mover = CpuChunkMover(paged, store, chunk_bytes, LOAD_BATCH, lambda _key, _state: None)
+        mover = CpuChunkMover(paged, store, chunk_bytes, lambda _key, _state: None)
         return mover, spare_buffers(LOAD_BATCH, chunk_bytes), str(device)
     from kvtier.integrations.vllm.device import CudaDevice
     from kvtier.integrations.vllm.streams import StreamChunkMover

@@ -159,7 +159,7 @@ def _run(config: DiskLoadConfig, root: Path, progress: Callable[[str], None]
     raw = _RawFiles(root / "raw", layout.bytes_per_chunk, most)
     points, verified = [], True
     try:
-        mover = CpuChunkMover(paged, store, layout.bytes_per_chunk, 8, lambda _k, _s: None)
+        mover = CpuChunkMover(paged, store, layout.bytes_per_chunk, lambda _k, _s: None)
         spares = spare_buffers(8, layout.bytes_per_chunk)
         half = most * per_chunk
         for n in config.chunks:

@@ -120,7 +120,7 @@ def run_mover_bench(config: MoverBenchConfig,
             {"kind": "memory", "capacity": (config.chunks + 2) * slot, "pin": "off"}]}), layout)
         device = StandInDevice(max_delay_s=0.0) if name != "cpu" else None
         mover: ChunkMover = (
-            CpuChunkMover(paged, store, layout.bytes_per_chunk, 8, lambda _k, _s: None)
+            CpuChunkMover(paged, store, layout.bytes_per_chunk, lambda _k, _s: None)
             if device is None else
             StreamChunkMover(paged, store, layout.bytes_per_chunk, 8, lambda _k, _s: None,
                              device))
