@@ -184,7 +184,7 @@ def test_open_store_builds_the_tiers_a_config_names(tmp_path: Path) -> None:
         "write_queue_depth": 5})
     with open_store(config, LAYOUT) as store:
         assert [t.name for t in store.tiers] == ["hot", "disk"]
-        assert store.settings == StoreSettings(write_queue_depth=5, io_threads=8,
+        assert store.settings == StoreSettings(write_queue_depth=5, io_threads=16,
                                                write_threads={"hot": 1, "disk": 3})
         store.put(key(1), payload(1))
         assert store.flush(timeout_s=10)

@@ -19,6 +19,7 @@ from kvtier.core.keys import ChunkKey
 from kvtier.integrations.vllm.cpu import CpuChunkMover, spare_buffers
 from kvtier.integrations.vllm.paged import PagedKV
 from kvtier.integrations.vllm.transfers import ChunkTransfer
+from kvtier.integrations.vllm.worker import load_batch_for
 from kvtier.tiers import open_store
 from kvtier.tiers.storeconfig import StoreConfig
 from kvtier.tools.bench.vllmviews import VllmCacheSpec, vllm_kv_caches
@@ -204,3 +205,12 @@ def test_disk_reads_land_straight_in_the_spares(
     assert all(np.frombuffer(s, dtype=np.uint8).ctypes.data % 4096 == 0 for s in spares)
     assert mover.load(loads, spares) == CHUNKS
     assert in_place == [True] * CHUNKS  # every chunk was read from the disk, in place
+
+
+@pytest.mark.parametrize(("io_threads", "chunk_mib", "reads"), [
+    (16, 2, 16), (16, 4, 8), (16, 32, 8), (4, 2, 4), (64, 0.5, 64), (64, 1, 32)])
+def test_a_load_reads_more_small_chunks_at_once_within_the_read_threads(
+        io_threads: int, chunk_mib: float, reads: int) -> None:
+    """8 reads at once, more of chunks under 4 MiB (32 MiB in flight), never more than the
+    store's read threads."""
+    assert load_batch_for(io_threads, int(chunk_mib * 2**20)) == reads

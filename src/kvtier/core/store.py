@@ -76,7 +76,7 @@ class StoreSettings:
     `kvtier.tiers.storeconfig.StoreConfig`)."""
 
     write_queue_depth: int = 64  # chunks waiting per lower tier before writes are dropped
-    io_threads: int = 8  # threads for parallel reads (`borrow_many`)
+    io_threads: int = 16  # threads for parallel reads (`borrow_many`)
     io_cores: frozenset[int] | None = None  # where the store's threads run (None: inherit)
     # A read (or lookup) of a tier below the top not finished by then is abandoned: a miss,
     # and the tier is skipped until it answers again.

@@ -56,7 +56,7 @@ from kvtier.integrations.vllm.models import (
 )
 from kvtier.integrations.vllm.scheduler import ConnectorScheduler
 from kvtier.integrations.vllm.versions import log_engine_version
-from kvtier.integrations.vllm.worker import ConnectorWorker, PagedKV
+from kvtier.integrations.vllm.worker import ConnectorWorker, PagedKV, load_batch_for
 from kvtier.tiers import build_probe, open_store
 
 logger = logging.getLogger(__name__)
@@ -349,7 +349,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             logger.info("kvtier: I/O threads on cores %s (the model runner's: %s)",
                         sorted(io_cores), sorted(os.sched_getaffinity(0)))
         self._worker = ConnectorWorker(paged, layout, store,
-                                       load_batch=self._config.store.io_threads,
+                                       load_batch=load_batch_for(self._config.store.io_threads,
+                                                                 layout.bytes_per_chunk),
                                        agree=tp_any if world > 1 else None,
                                        handoff_timeout_s=self._config.store.read_timeout_s
                                        if handoff else None, io_cores=io_cores)
