@@ -55,62 +55,30 @@ def rig(tmp_path: Path) -> Any:
     store.close()
 
 
-def test_the_next_chunk_is_read_while_earlier_ones_are_scattered(
-        rig: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Chunk 3's read is held until chunk 4's read has started: with 4 spares the mover
-    reads chunks 0-3 at once and chunk 4 as soon as one of them is scattered, while chunk 3
-    is still being read. A mover that waits for its reads' last before reading the next
-    never starts chunk 4 first (the gate gives up after 5 s: the test fails, it does not
-    hang)."""
-    paged, store, mover, loads, half = rig
-    index = {t.key: i for i, t in enumerate(loads)}
-    events: list[tuple[str, int]] = []  # ("start" | "end", chunk), in order
-    chunk_4_started = threading.Event()
-    disk = store.tiers[1]
-    read = disk.get_into
-
-    def gated_read(key: ChunkKey, *args: Any) -> Any:
-        i = index[key]
-        events.append(("start", i))
-        if i == 4:
-            chunk_4_started.set()
-        if i == 3:
-            chunk_4_started.wait(5)
-        result = read(key, *args)
-        events.append(("end", i))
-        return result
-
-    monkeypatch.setattr(disk, "get_into", gated_read)
-    spares = spare_buffers(SPARES, paged.layout(CHUNK).bytes_per_chunk)
-    assert mover.load(loads, spares) == CHUNKS
-    assert events.index(("start", 4)) < events.index(("end", 3))
-    per_chunk = CHUNK // BLOCK
-    assert all(torch.equal(v.view(torch.uint8)[:CHUNKS * per_chunk],
-                           v.view(torch.uint8)[half:half + CHUNKS * per_chunk])
-               for v in paged.block_views)
-
-
 def _gate_reads(store: Any, loads: list[ChunkTransfer], monkeypatch: pytest.MonkeyPatch,
-                held: int, until_end_of: int) -> list[tuple[str, int]]:
-    """Hold chunk `held`'s disk read until chunk `until_end_of`'s has ended (at most 5 s);
-    the reads' ("start" | "end", chunk) events, in order."""
+                held: int, until: tuple[str, int]) -> list[tuple[str, int]]:
+    """Hold chunk `held`'s disk read until the event `until` (("start" | "end", chunk)) has
+    happened (at most 5 s: a test fails, it does not hang); the reads' events, in order."""
     index = {t.key: i for i, t in enumerate(loads)}
     events: list[tuple[str, int]] = []
-    ended = threading.Event()
+    happened = threading.Event()
     disk = store.tiers[1]
     read = disk.get_into
 
+    def note(event: tuple[str, int]) -> None:
+        events.append(event)
+        if event == until:
+            happened.set()
+
     def gated_read(key: ChunkKey, *args: Any) -> Any:
         i = index[key]
-        events.append(("start", i))
+        note(("start", i))
         if i == held:
-            ended.wait(5)
+            happened.wait(5)
         try:
             return read(key, *args)
         finally:
-            events.append(("end", i))
-            if i == until_end_of:
-                ended.set()
+            note(("end", i))
 
     monkeypatch.setattr(disk, "get_into", gated_read)
     return events
@@ -123,6 +91,20 @@ def _loaded(paged: PagedKV, chunks: int, half: int) -> bool:
                for v in paged.block_views)
 
 
+def test_the_next_chunk_is_read_while_earlier_ones_are_scattered(
+        rig: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunk 3's read is held until chunk 4's read has started: with 4 spares the mover
+    reads chunks 0-3 at once and chunk 4 as soon as one of them is scattered, while chunk 3
+    is still being read. A mover that waits for its reads' last before reading the next
+    never starts chunk 4 first."""
+    paged, store, mover, loads, half = rig
+    events = _gate_reads(store, loads, monkeypatch, held=3, until=("start", 4))
+    spares = spare_buffers(SPARES, paged.layout(CHUNK).bytes_per_chunk)
+    assert mover.load(loads, spares) == CHUNKS
+    assert events.index(("start", 4)) < events.index(("end", 3))
+    assert _loaded(paged, CHUNKS, half)
+
+
 def test_a_read_that_lands_late_holds_up_no_other(
         rig: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunk 1's read is held until chunk 5's has ended: chunks 0, 2 and 3 are scattered as
@@ -130,7 +112,7 @@ def test_a_read_that_lands_late_holds_up_no_other(
     mover that takes chunks in order (or a batch at a time) reads chunk 5 only after chunk
     1 has landed."""
     paged, store, mover, loads, half = rig
-    events = _gate_reads(store, loads, monkeypatch, held=1, until_end_of=5)
+    events = _gate_reads(store, loads, monkeypatch, held=1, until=("end", 5))
     spares = spare_buffers(SPARES, paged.layout(CHUNK).bytes_per_chunk)
     assert mover.load(loads, spares) == CHUNKS
     assert events.index(("end", 5)) < events.index(("end", 1))
@@ -148,7 +130,7 @@ def test_chunks_before_a_miss_are_loaded_even_when_they_land_after_it(
         last = file.read(1)
         file.seek(-1, os.SEEK_END)
         file.write(bytes([last[0] ^ 0xFF]))
-    events = _gate_reads(store, loads, monkeypatch, held=1, until_end_of=2)
+    events = _gate_reads(store, loads, monkeypatch, held=1, until=("end", 2))
     spares = spare_buffers(SPARES, paged.layout(CHUNK).bytes_per_chunk)
     assert mover.load(loads, spares) == 2
     assert events.index(("end", 2)) < events.index(("end", 1))
