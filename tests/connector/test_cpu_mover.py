@@ -189,6 +189,13 @@ def test_disk_reads_land_straight_in_the_spares(
     assert in_place == [True] * CHUNKS  # every chunk was read from the disk, in place
 
 
+def test_a_load_without_spares_is_refused(rig: Any) -> None:
+    """No spare to read into: an error, not a load that reports chunks it never read."""
+    _paged, _store, mover, loads, _half = rig
+    with pytest.raises(ValueError, match="spare"):
+        mover.load(loads, [])
+
+
 @pytest.mark.parametrize(("io_threads", "chunk_mib", "reads"), [
     (16, 2, 16), (16, 4, 8), (16, 32, 8), (4, 2, 4), (64, 0.5, 64), (64, 1, 32)])
 def test_a_load_reads_more_small_chunks_at_once_within_the_read_threads(

@@ -6,8 +6,8 @@ Loads borrow each chunk on its own (`TieredStore.borrow_many`), as many at once 
 has spare buffers: the memory tier lends its slots and the scatter reads them in place, and a
 slower tier's chunks are read in parallel into slots the memory tier reserves (or into the
 spares), so a load is one copy; each chunk is scattered as soon as its read lands, the first
-landed first, while the next reads run. Stores gather straight into a slot the memory tier reserves
-(`TieredStore.put_from`), one copy too. Every complete load is timed (`LoadSample`, for
+landed first, while the next reads run. Stores gather straight into a slot the memory tier
+reserves (`TieredStore.put_from`), one copy too. Every complete load is timed (`LoadSample`, for
 load_mode "auto": loadcost.py).
 
 Primitives: `CpuChunkMover`.
@@ -97,7 +97,13 @@ class CpuChunkMover:
         """Scatter a request's chunks from the store into their blocks, slower tiers' reads
         landing in `spares` (the caller's: as many reads run at once); the number loaded
         before the first miss (the blocks of any chunk scattered after it are recomputed by
-        vLLM, as the miss's are). Done when it returns (`after`, `wait`: unused)."""
+        vLLM, as the miss's are). Done when it returns (`after`, `wait`: unused).
+
+        Raises:
+            ValueError: no spare buffer.
+        """
+        if not spares:
+            raise ValueError("a load needs at least one spare buffer")
         started, lent_by, read_s = time.perf_counter(), Counter[str](), 0.0
         reading = started
         with closing(self._lent_as_landed(transfers, spares)) as chunks:
