@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
 
 import pytest
 from tierkit import key, make_tier, tiny_layout
@@ -117,6 +118,31 @@ def test_a_stalled_tier_is_used_again_once_it_answers(hanging: HangingTier) -> N
         time.sleep(0.05)
     raise AssertionError("the tier was never used again")
 
+
+def test_the_late_reads_of_one_stall_back_the_tier_off_once(
+        hanging: HangingTier, caplog: pytest.LogCaptureFixture) -> None:
+    """Four chunks borrowed one by one (as the CPU mover's loads do) all run late: one stall,
+    warned once, backed off once (1 s). Each late read counted as a stall of its own doubled
+    the backoff four times over (8 s) and skipped the tier long after it answered again."""
+    store = TieredStore([example("ram"), hanging], StoreSettings(read_timeout_s=TIMEOUT_S))
+    for i in range(4):
+        hanging.put(key(i), memoryview(bytes([i]) * CHUNK))
+    hanging.hang.set()
+    with ExitStack() as borrows:
+        loans = [borrows.enter_context(store.borrow_many([key(i)], spares(1)))
+                 for i in range(4)]
+        assert [lent[0] for lent in loans] == [None] * 4
+    stalled_at = time.monotonic()
+    assert store.stats().failures["nfs"]["timeout"] == 4
+    assert sum("reads took over" in r.getMessage() for r in caplog.records) == 1
+    hanging.hang.clear()
+    hanging.release.set()
+    while time.monotonic() - stalled_at < 2.0:  # the first backoff, 1 s, and some
+        with store.borrow_many([key(1)], spares(1)) as views:
+            if views[0] is not None:
+                return
+        time.sleep(0.05)
+    raise AssertionError("the tier was still skipped 2 s after one stall")
 
 def test_a_late_read_into_a_reserved_ram_slot_releases_it(tmp_path: object,
                                                            hanging: HangingTier) -> None:

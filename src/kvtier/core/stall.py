@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -51,6 +52,7 @@ class StallGuard:
         self._lock = threading.Lock()
         self._pool = self._new_pool()
         self._abandoned = 0
+        self._marked: dict[str, float] = {}  # tier -> when it was last marked stalled
 
     def _new_pool(self) -> ThreadPoolExecutor:
         return io_pool(self._threads, "kvtier-read", self._cores)
@@ -64,13 +66,24 @@ class StallGuard:
         """A call to `tier` returned (whatever it returned): the tier answers."""
         self._guard.succeeded(tier)
 
-    def stalled(self, tier: str) -> None:
-        """A call to `tier` was abandoned: skip the tier, and give later calls new threads."""
-        self._guard.failed(tier, TimeoutError(f"no answer within {self.timeout_s:g} s"))
+    def stalled(self, tier: str) -> bool:
+        """A call to `tier` was abandoned: skip the tier, and give later calls new threads;
+        whether this began a stall (or a probe failed). A call abandoned within `timeout_s`
+        of the tier being marked stalled was in flight then: the same stall, which neither
+        doubles the backoff again nor needs new threads (each chunk of a load is a call of
+        its own: all of a load's late reads would have backed the tier off 2^n times)."""
+        now = time.monotonic()
         with self._lock:
             self._abandoned += 1
+            marked = self._marked.get(tier)
+            if marked is not None and now - marked < self.timeout_s \
+                    and not self._guard.is_up(tier):
+                return False
+            self._marked[tier] = now
+            self._guard.failed(tier, TimeoutError(f"no answer within {self.timeout_s:g} s"))
             old, self._pool = self._pool, self._new_pool()
         old.shutdown(wait=False)
+        return True
 
     def submit(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> Future[R]:
         """Run `fn` on a call thread (the caller waits, with `timeout_s`, and reports)."""

@@ -351,9 +351,9 @@ class TieredStore:
                 pins.close()  # reads finishing after this release their own slots
 
     def _stalled(self, tier: str) -> None:
-        log.warning("tier %r: reads took over %.3g s; abandoned (misses), the tier is skipped "
-                    "until it answers again", tier, self._calls.timeout_s)
-        self._calls.stalled(tier)
+        if self._calls.stalled(tier):  # once a stall, not once a late read
+            log.warning("tier %r: reads took over %.3g s; abandoned (misses), the tier is "
+                        "skipped until it answers again", tier, self._calls.timeout_s)
 
     def _abandon(self, i: int, reading: dict[int, str], spares: MutableSequence[memoryview],
                  ) -> str | None:
