@@ -91,31 +91,25 @@ def _loaded(paged: PagedKV, chunks: int, half: int) -> bool:
                for v in paged.block_views)
 
 
-def test_the_next_chunk_is_read_while_earlier_ones_are_scattered(
-        rig: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Chunk 3's read is held until chunk 4's read has started: with 4 spares the mover
-    reads chunks 0-3 at once and chunk 4 as soon as one of them is scattered, while chunk 3
-    is still being read. A mover that waits for its reads' last before reading the next
-    never starts chunk 4 first."""
+@pytest.mark.parametrize(("held", "until", "before"), [
+    (3, ("start", 4), ("end", 3)),  # the next chunk is read while earlier ones are scattered
+    (1, ("end", 5), ("end", 1)),  # a read that lands late holds up no other
+])
+def test_reads_run_on_while_chunks_are_scattered_and_none_waits_for_a_late_one(
+        rig: Any, monkeypatch: pytest.MonkeyPatch, held: int, until: tuple[str, int],
+        before: tuple[str, int]) -> None:
+    """Chunk `held`'s read is held until `until` has happened, which must come `before`.
+    Chunk 3 held until chunk 4's read starts: with 4 spares the mover reads chunks 0-3 at
+    once and chunk 4 as soon as one of them is scattered (a mover that waits for its reads'
+    last before reading the next never starts chunk 4 first). Chunk 1 held until chunk 5's
+    read ends: chunks 0, 2 and 3 are scattered as they land and their spares read chunks 4-6
+    meanwhile (a mover that takes chunks in order, or a batch at a time, reads chunk 5 only
+    after chunk 1 has landed)."""
     paged, store, mover, loads, half = rig
-    events = _gate_reads(store, loads, monkeypatch, held=3, until=("start", 4))
+    events = _gate_reads(store, loads, monkeypatch, held=held, until=until)
     spares = spare_buffers(SPARES, paged.layout(CHUNK).bytes_per_chunk)
     assert mover.load(loads, spares) == CHUNKS
-    assert events.index(("start", 4)) < events.index(("end", 3))
-    assert _loaded(paged, CHUNKS, half)
-
-
-def test_a_read_that_lands_late_holds_up_no_other(
-        rig: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Chunk 1's read is held until chunk 5's has ended: chunks 0, 2 and 3 are scattered as
-    they land, their spares read chunks 4-6 meanwhile, and chunk 1 comes last but one. A
-    mover that takes chunks in order (or a batch at a time) reads chunk 5 only after chunk
-    1 has landed."""
-    paged, store, mover, loads, half = rig
-    events = _gate_reads(store, loads, monkeypatch, held=1, until=("end", 5))
-    spares = spare_buffers(SPARES, paged.layout(CHUNK).bytes_per_chunk)
-    assert mover.load(loads, spares) == CHUNKS
-    assert events.index(("end", 5)) < events.index(("end", 1))
+    assert events.index(until) < events.index(before)
     assert _loaded(paged, CHUNKS, half)
 
 
