@@ -6,6 +6,7 @@ Against the session's endpoint: moto's server (an emulator) or KVTIER_TEST_S3_*.
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -63,7 +64,8 @@ def test_capacity_is_enforced_from_a_listing_oldest_written_first(
     tier = tier_of(s3_session, capacity=3 * OBJECT_BYTES, listing_interval_s=3600)
     for i in range(6):
         assert tier.put(key(i), memoryview(payload(i))) == OK
-        time.sleep(0.01)
+        time.sleep(0.01)  # distinct write times: the order of eviction
+    wait_for_listings(tier)  # the first put's, so that no two listings evict at once
     tier.enforce_capacity()
     assert tier.contains_many([key(i) for i in range(6)]) == [False] * 3 + [True] * 3
     stats = tier.stats()
@@ -71,14 +73,31 @@ def test_capacity_is_enforced_from_a_listing_oldest_written_first(
     tier.close()
 
 
-def test_a_put_starts_the_periodic_listing(s3_session: S3Endpoint) -> None:
+def wait_for_listings(tier: S3Tier, timeout_s: float = 30) -> None:
+    """Wait until no capacity listing of `tier` runs (its threads are named after it)."""
+    deadline = time.monotonic() + timeout_s
+    while any(t.name == f"kvtier-s3-list-{tier.name}" for t in threading.enumerate()):
+        assert time.monotonic() < deadline, f"a listing still runs after {timeout_s} s"
+        time.sleep(0.01)
+
+
+def test_a_put_starts_the_periodic_listing(
+        s3_session: S3Endpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A put starts a capacity listing on a thread of its own; a put within
+    listing_interval_s starts none. Counted when each listing ends, once no listing thread
+    is alive (it may end before or after the second put: neither is asserted)."""
     tier = tier_of(s3_session, capacity=OBJECT_BYTES, listing_interval_s=3600)
-    tier.put(key(1), memoryview(payload(1)))
-    time.sleep(0.02)
-    tier.put(key(2), memoryview(payload(2)))  # within the interval: no second listing
-    assert tier._listing is not None
-    tier._listing.join(timeout=10)
-    assert tier.stats().chunks <= 2
+    listing, ran_on = tier.enforce_capacity, []
+
+    def counted() -> None:
+        listing()
+        ran_on.append(threading.current_thread())
+
+    monkeypatch.setattr(tier, "enforce_capacity", counted)
+    assert tier.put(key(1), memoryview(payload(1))) == OK
+    assert tier.put(key(2), memoryview(payload(2))) == OK  # within the interval
+    wait_for_listings(tier)
+    assert len(ran_on) == 1 and ran_on[0] is not threading.current_thread()
     tier.close()
 
 
@@ -90,8 +109,7 @@ def test_a_delete_during_a_listing_is_not_undone_by_its_count(
     tier = tier_of(s3_session, capacity=10 * OBJECT_BYTES, listing_interval_s=3600)
     for i in range(2):
         assert tier.put(key(i), memoryview(payload(i))) == OK
-    if tier._listing is not None:
-        tier._listing.join(timeout=10)
+    wait_for_listings(tier)
     real, listings = s3_module.enforce_capacity, []
 
     def listed_then_deleted(*args: Any) -> Any:

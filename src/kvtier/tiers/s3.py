@@ -147,7 +147,10 @@ class S3Tier:
         self._absent = NegativeCache(config.negative_cache_s)  # chunks found absent lately
         self._lock = threading.Lock()
         self._manifest: NamespaceManifest | None = None
-        self._listed_at = 0.0  # monotonic time of the last capacity listing
+        # Monotonic time of the last capacity listing; none yet, so the first put lists. Not
+        # 0.0: monotonic time counts from boot, and on a machine up for less than
+        # listing_interval_s no put would list (tests/tiers/test_s3_tier.py).
+        self._listed_at = float("-inf")
         self._listing: threading.Thread | None = None
         self._changes = 0  # chunks this process put or deleted: a listing that saw fewer is stale
         self._check_bucket()
