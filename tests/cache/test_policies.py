@@ -10,7 +10,15 @@ from collections.abc import Hashable, Iterable
 
 import pytest
 
-from kvtier.core.policies import AdmissionFilter, ARCPolicy, EvictionPolicy, LRUPolicy, make_policy
+from kvtier.core.policies import (
+    AdmissionFilter,
+    ARCPolicy,
+    EvictionPolicy,
+    Generations,
+    LRUPolicy,
+    make_policy,
+)
+from kvtier.core.policies.clock import ClockPolicy
 from kvtier.errors import ConfigError
 
 
@@ -122,8 +130,17 @@ def test_arc_ghost_lists_stay_bounded() -> None:
 
 
 def test_make_policy_builds_by_name_and_rejects_unknown_names() -> None:
-    assert isinstance(make_policy("lru", 4), LRUPolicy)
-    assert isinstance(make_policy("arc", 4), ARCPolicy)
+    """Each in generations (a tier can retire what it holds), ordered by the named policy
+    within one: ARC keeps a key read twice over a newer one read once, LRU does not."""
+    victims = {}
+    for name in ("lru", "arc"):
+        policy = make_policy(name, 2)
+        assert isinstance(policy, Generations)
+        policy.insert("a")
+        policy.touch("a")
+        policy.insert("b")
+        victims[name] = policy.evict()
+    assert victims == {"lru": "a", "arc": "b"}
     with pytest.raises(ConfigError) as caught:
         make_policy("lfu", 4)
     assert caught.value.field == "eviction" and "arc" in caught.value.allowed
@@ -152,3 +169,48 @@ def test_admission_memory_is_bounded_and_forgets_the_oldest_offers() -> None:
     assert admission.offer("a") is False
     assert admission.offer("a") is True
     assert len(admission._counts) <= 2
+
+
+@pytest.mark.parametrize("make", [LRUPolicy, lambda: ARCPolicy(8), ClockPolicy],
+                         ids=["lru", "arc", "clock"])
+def test_retired_keys_leave_before_any_key_inserted_after(make: object) -> None:
+    """A weight update retires what a tier holds: those keys are evicted first, whatever
+    the policy thinks of them (read often, read just before), and a retired key stored
+    again counts as new."""
+    policy: Generations[str] = Generations(make)  # type: ignore[arg-type]
+    for key in "abcd":
+        policy.insert(key)
+    for _ in range(3):
+        policy.touch("a")  # hot under every policy
+    policy.retire()
+    for key in "xyz":
+        policy.insert(key)
+    policy.touch("b")
+    assert policy.retired == 4 and len(policy) == 7
+    first = {policy.evict() for _ in range(2)}
+    assert first <= set("abcd")
+    policy.insert("c")  # stored again after the reset: current, not retired
+    old = set("abcd") - first - {"c"}
+    victims = [policy.evict() for _ in range(len(policy))]
+    assert set(victims[:len(old)]) == old
+    assert set(victims[len(old):]) == set("xyzc") and policy.evict() is None
+
+
+def test_generations_pile_up_only_while_keys_are_retired() -> None:
+    """Resets with nothing held, or many in a row, add no empty generation; once the
+    retired keys are gone the policy is one generation again, with no per-key record."""
+    policy: Generations[int] = Generations(LRUPolicy)
+    policy.retire()  # nothing held: nothing to retire
+    assert policy.retired == 0 and len(policy._generations) == 1
+    for reset in range(50):
+        policy.insert(reset)
+        policy.retire()
+    assert policy.retired == 50 and len(policy._generations) == 51
+    policy.insert(1000)
+    policy.touch(3)
+    policy.remove(7)
+    assert [policy.evict() for _ in range(3)] == [0, 1, 2]
+    while policy.retired:
+        policy.evict()
+    assert len(policy._generations) == 1 and policy._generation_of == {}
+    assert policy.evict() == 1000 and len(policy) == 0

@@ -59,6 +59,7 @@ from kvtier.core.tier import (
     Failure,
     InPlace,
     MetaKeeper,
+    Retiring,
     Tier,
     TierResult,
     TierStats,
@@ -491,6 +492,16 @@ class TieredStore:
                 done += self._calls.call(tier.name, False, self._guarded, tier, False,
                                          keeper.retain, key, meta)
         return done
+
+    def retire(self) -> int:
+        """This engine's weights changed in place: in every tier it alone writes (`Retiring`:
+        RAM, a local disk), the chunks held now leave before any stored from now on. Nothing
+        is removed and no tier is read or written (O(1) a tier). The number of tiers retired.
+        Any thread."""
+        retiring = [tier for tier in self.tiers if isinstance(tier, Retiring)]
+        for tier in retiring:
+            self._guarded(tier, None, tier.retire)
+        return len(retiring)
 
     def _guarded(self, tier: Tier, default: T, fn: Callable[..., T], *args: object) -> T:
         """`fn(*args)`, or `default` (logged) when it raises: a broken tier costs its

@@ -20,6 +20,8 @@ The protocol every tier implements: `Tier`. The optional abilities, each a whole
     chunk to fill, both without a copy (memory);
   - `EventSource` + `TierEvents`: report the chunks stored and removed;
   - `MetaKeeper`: keep each chunk's tenant, pin and expiry (retain, report them);
+  - `Retiring`: put every chunk held now behind anything stored later for eviction (this
+    engine's weights were updated in place: what it holds is useless to it);
   - `ManifestKeeper` + `NamespaceManifest`: record which model a namespace holds;
   - on the tier's CLASS, `ProbeSource` + `Probe`: "is this chunk stored?" for processes that
     do not own the tier, and `InventorySource` + `Inventory` + `StoredChunk`: what a
@@ -338,6 +340,17 @@ class EventSource(Protocol):
     (a server's own eviction) cannot offer it."""
 
     events: TierEvents
+
+
+@runtime_checkable
+class Retiring(Protocol):
+    """An optional ability of a tier this engine alone writes (RAM, a local disk): after a
+    weight update in place, the chunks it holds leave first when space is needed."""
+
+    def retire(self) -> None:
+        """Every chunk held now is evicted before any chunk stored from now on; none is
+        removed yet (a restart on the old weights may use them). O(1), no I/O."""
+        ...
 
 
 @runtime_checkable

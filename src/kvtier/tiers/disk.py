@@ -43,7 +43,7 @@ from pydantic import Field, field_validator
 from kvtier.core.chunkformat import ALIGN_BYTES, HEADER_BYTES, failure_of
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
-from kvtier.core.policies import AdmissionFilter, EvictionPolicy, make_policy
+from kvtier.core.policies import AdmissionFilter, Generations, make_policy
 from kvtier.core.policies.clock import ClockPolicy
 from kvtier.core.retention import DEFAULT_META, ChunkMeta, RetentionStats
 from kvtier.core.tier import (
@@ -124,7 +124,8 @@ class DiskTier:
         self._in_flight_bytes = 0  # reserved by writes in flight
         # "lru" is CLOCK here (second chance): an OrderedDict a chunk took ~116 B more, and
         # the index must fit 2 million chunks (issue 28; kvtier.core.policies.clock).
-        self._policy: EvictionPolicy[ChunkKey] = ClockPolicy() if config.eviction == "lru" \
+        self._policy: Generations[ChunkKey] = Generations(ClockPolicy) \
+            if config.eviction == "lru" \
             else make_policy(config.eviction, config.capacity // self.file_bytes)
         self._admission = AdmissionFilter(config.admit_after)
         self._lock = threading.Lock()
@@ -354,6 +355,11 @@ class DiskTier:
         self._counters.add(puts=1, bytes_written=len(data), write_s=time.perf_counter() - start)
         self._publish_usage()
         return OK
+
+    def retire(self) -> None:
+        """`Retiring`: what is held now is evicted before what is stored from now on."""
+        with self._lock:
+            self._policy.retire()
 
     # -- tenants, pins, expiry (MetaKeeper) ---------------------------------------------------
     def retain(self, key: ChunkKey, meta: ChunkMeta) -> bool:

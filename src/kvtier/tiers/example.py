@@ -53,7 +53,7 @@ from typing import ClassVar, Literal
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
-from kvtier.core.policies import AdmissionFilter, EvictionPolicy, make_policy
+from kvtier.core.policies import AdmissionFilter, Generations, make_policy
 from kvtier.core.retention import DEFAULT_META, ChunkMeta, RetentionBook, RetentionStats
 from kvtier.core.tier import (
     DECLINED,
@@ -119,7 +119,7 @@ class ExampleTier:
         self._chunks: dict[ChunkKey, bytes] = {}
         # A policy orders the unpinned keys for eviction; the tier owns the data and the
         # locking.
-        self._policy: EvictionPolicy[ChunkKey] = make_policy(config.eviction,
+        self._policy: Generations[ChunkKey] = make_policy(config.eviction,
                                                               self.capacity_chunks)
         self._admission = AdmissionFilter(config.admit_after)
         self._lock = threading.Lock()
@@ -270,6 +270,11 @@ class ExampleTier:
             return
         yield ExampleSlot(memoryview(bytearray(self.chunk_bytes)),
                           lambda data: self._insert(key, data, meta))
+
+    def retire(self) -> None:
+        """`Retiring`: what is held now is evicted before what is stored from now on."""
+        with self._lock:
+            self._policy.retire()
 
     # -- MetaKeeper -------------------------------------------------------------------------
     def retain(self, key: ChunkKey, meta: ChunkMeta) -> bool:

@@ -34,7 +34,7 @@ import numpy as np
 from kvtier.core.chunkformat import ALIGN_BYTES
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
-from kvtier.core.policies import AdmissionFilter, EvictionPolicy, make_policy
+from kvtier.core.policies import AdmissionFilter, Generations, make_policy
 from kvtier.core.retention import DEFAULT_META, ChunkMeta, RetentionStats
 from kvtier.core.tier import (
     DECLINED,
@@ -107,7 +107,7 @@ class MemoryTier:
                 self._slab, f"memory tier {self.name!r}", self._stop_prefault)
         self._index: dict[ChunkKey, int] = {}
         self._free = list(range(self.num_slots - 1, -1, -1))
-        self._policy: EvictionPolicy[ChunkKey] = make_policy(config.eviction, self.num_slots)
+        self._policy: Generations[ChunkKey] = make_policy(config.eviction, self.num_slots)
         self._admission = AdmissionFilter(config.admit_after)
         self._lock = threading.Lock()
         self._counters = TierCounters(self.name, self.num_slots * self.slot_bytes)
@@ -336,6 +336,11 @@ class MemoryTier:
     def _publish(self) -> None:
         held = len(self._index)
         self._counters.set(chunks=held, used_bytes=held * self.slot_bytes)
+
+    def retire(self) -> None:
+        """`Retiring`: what is held now is evicted before what is stored from now on."""
+        with self._lock:
+            self._policy.retire()
 
     # -- MetaKeeper: tenants, pins, expiry ---------------------------------------------------
     def retain(self, key: ChunkKey, meta: ChunkMeta) -> bool:

@@ -1,8 +1,11 @@
 """Eviction policies and admission, shared by every tier that needs them.
 
 A policy tracks which resident keys to evict first; tiers own the data and the locking.
+`make_policy` builds one in `Generations` (generations.py), so that a tier can retire what it
+holds at once (a weight update in place).
 
-Primitives: `EvictionPolicy` (protocol), `make_policy`, `POLICIES`, `AdmissionFilter`.
+Primitives: `EvictionPolicy` (protocol), `make_policy`, `POLICIES`, `Generations`,
+`AdmissionFilter`.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from typing import Protocol, TypeVar
 
 from kvtier.core.policies.admission import AdmissionFilter
 from kvtier.core.policies.arc import ARCPolicy
+from kvtier.core.policies.generations import Generations
 from kvtier.core.policies.lru import LRUPolicy
 from kvtier.errors import ConfigError
 
@@ -40,18 +44,19 @@ class EvictionPolicy(Protocol[K]):
 POLICIES = ("lru", "arc")
 
 
-def make_policy(name: str, capacity_chunks: int) -> EvictionPolicy[K]:
-    """Return a new policy by name ("lru" or "arc") for a tier of `capacity_chunks`; its key
-    type is the one the caller's annotation asks for.
+def make_policy(name: str, capacity_chunks: int) -> Generations[K]:
+    """Return a new policy by name ("lru" or "arc") for a tier of `capacity_chunks`, in
+    generations; its key type is the one the caller's annotation asks for.
 
     Raises:
         ConfigError: unknown policy name.
     """
     if name == "lru":
-        return LRUPolicy()
+        return Generations(LRUPolicy)
     if name == "arc":
-        return ARCPolicy(capacity_chunks)
+        return Generations(lambda: ARCPolicy(capacity_chunks))
     raise ConfigError("eviction", name, f"one of {POLICIES}")
 
 
-__all__ = ["POLICIES", "ARCPolicy", "AdmissionFilter", "EvictionPolicy", "LRUPolicy", "make_policy"]
+__all__ = ["POLICIES", "ARCPolicy", "AdmissionFilter", "EvictionPolicy", "Generations", "LRUPolicy",
+           "make_policy"]

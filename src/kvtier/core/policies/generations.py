@@ -1,0 +1,95 @@
+"""Eviction in generations: retire every resident key at once, in O(1).
+
+After a weight update in place (vLLM's `reset_prefix_cache(reset_connector=True)`) the chunks a
+tier holds can no longer be offered to this engine: their keys belong to the old weights. They
+are kept (a restart on the old weights may use them) but must leave before anything stored
+since. `Generations` wraps any policy: `retire()` closes the current generation, and the next
+victim is always taken from the oldest generation that still holds keys, in that generation's
+own policy order. A key's generation is found in O(1), so reads and removals cost the same
+however many resets have happened; a generation is dropped as soon as it is empty.
+
+Primitives: `Generations`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from kvtier.core.policies import EvictionPolicy
+
+K = TypeVar("K", bound=Hashable)
+
+
+class Generations(Generic[K]):
+    """An `EvictionPolicy` whose resident keys can all be retired at once. Not thread-safe:
+    the owning tier locks.
+
+    A key's generation is recorded only while retired generations hold keys: a key without a
+    record is in the oldest generation. So a tier that is never reset pays nothing (a disk
+    tier's index must fit millions of chunks), and one reset costs a small int a key stored
+    until the retired chunks are gone."""
+
+    def __init__(self, make: Callable[[], EvictionPolicy[K]]) -> None:
+        """`make`: builds the policy of one generation (e.g. `LRUPolicy`)."""
+        self._make = make
+        self._current = 0
+        # Generations oldest first (a dict keeps insertion order); the last is the current one.
+        self._generations: dict[int, EvictionPolicy[K]] = {0: make()}
+        self._generation_of: dict[K, int] = {}
+
+    def insert(self, key: K) -> None:
+        """A key became resident (again: a retired key stored anew joins the current one)."""
+        if len(self._generations) > 1:
+            previous = self._generation_of.get(key, self._oldest)
+            if previous != self._current:
+                self._generations[previous].remove(key)  # a no-op where it is not resident
+                self._generation_of[key] = self._current
+                self._drop_if_empty(previous)
+        self._generations[self._current].insert(key)
+
+    def touch(self, key: K) -> None:
+        """A resident key was read: it moves within its own generation."""
+        self._generations[self._generation_of.get(key, self._oldest)].touch(key)
+
+    def remove(self, key: K) -> None:
+        generation = self._generation_of.pop(key, self._oldest)
+        self._generations[generation].remove(key)
+        self._drop_if_empty(generation)
+
+    def evict(self) -> K | None:
+        """The next victim: from the oldest generation holding keys."""
+        for generation, policy in list(self._generations.items()):
+            key = policy.evict()
+            if key is not None:
+                self._generation_of.pop(key, None)
+                self._drop_if_empty(generation)
+                return key
+            self._drop_if_empty(generation)
+        return None
+
+    def retire(self) -> None:
+        """Every key resident now is evicted before any key inserted from now on."""
+        if len(self._generations[self._current]) == 0:
+            return  # nothing to retire: no empty generation piles up
+        self._current += 1
+        self._generations[self._current] = self._make()
+
+    @property
+    def retired(self) -> int:
+        """Keys resident in retired generations."""
+        return len(self) - len(self._generations[self._current])
+
+    @property
+    def _oldest(self) -> int:
+        return next(iter(self._generations))
+
+    def _drop_if_empty(self, generation: int) -> None:
+        if generation != self._current and len(self._generations[generation]) == 0:
+            del self._generations[generation]
+            if len(self._generations) == 1:
+                self._generation_of.clear()  # every key is in the one left, the oldest
+
+    def __len__(self) -> int:
+        return sum(len(policy) for policy in self._generations.values())
