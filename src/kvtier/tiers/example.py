@@ -31,6 +31,8 @@ How to write a tier, by the example of this one:
    - `MetaKeeper`: `retain`, `meta_of`, `retention_stats` (it keeps each chunk's tenant,
      pin and expiry, in a `kvtier.core.retention.RetentionBook`);
    - `ManifestKeeper`: `keep_manifest` (which model the namespace's chunks belong to);
+   - `Retiring`: `retire` (what is held now leaves first: this engine's weights changed;
+     only for a tier this engine alone writes, never a shared one);
    - on the class, `ProbeSource`: `probe(config, layouts)`, a side-effect-free "is this
      chunk stored?" for processes that do not own the tier, and `InventorySource`:
      `open_inventory(config)`, what the storage holds, for `kvtier inspect` and `kvtier gc`.
