@@ -410,3 +410,45 @@ def test_a_preempted_request_is_named_in_the_plan_and_its_inflight_store_not_pla
     assert meta.stores == []  # the same chunks are in flight: not gathered twice
     engine.report(stored={t.key for t in stores})
     assert engine.admit(request("c", 200), list(range(20, 27))) == 192
+
+
+def test_a_cache_reset_offers_no_chunk_stored_before_and_retires_once() -> None:
+    """vLLM's reset_prefix_cache(reset_connector=True) after a weight update in place (issue
+    41): a prompt stored before is a miss, from the index and from every tier (new keys); the
+    next plan, and only it, has the workers retire their tiers' chunks; the new chunks are
+    stored and hit again."""
+    engine = Engine()
+    first = request("a", 200)
+    engine.admit(first, list(range(7)))
+    old = engine.store_all(engine.step(new={"a": (list(range(7)), 0, 200)}))
+    engine.sched.request_finished(first)
+    assert len(old) == 3 and engine.admit(request("z", 200), list(range(7))) == 192
+    engine.sched.request_finished(request("z", 200))
+    assert engine.sched.reset_cache() is True
+    again = request("b", 200)
+    assert engine.admit(again, list(range(7))) == 0
+    meta = engine.step(new={"b": (list(range(7)), 0, 200)})
+    assert meta.retire and not engine.step().retire
+    new = [t.key for t in meta.stores]
+    assert len(new) == 3 and not set(new) & set(old)
+    engine.report(stored=set(new))
+    assert engine.admit(request("c", 200), list(range(7))) == 192  # the new weights' chunks
+
+
+def test_a_request_holding_kv_from_before_a_reset_is_never_stored_and_a_waiting_one_is_rekeyed(
+        ) -> None:
+    """A request whose blocks hold KV computed before the reset (old weights) would store it
+    under the new weights' keys: it is never stored or looked up again (counted). One still
+    waiting (no KV yet) is keyed anew and stored as usual."""
+    engine = Engine()
+    running, waiting = request("a", 200), request("w", 200, first=5000)
+    engine.admit(running, list(range(7)))
+    engine.step(new={"a": (list(range(7)), 0, 128)})  # prefilled 128 of its 200 tokens
+    running.num_computed_tokens = 128
+    assert engine.admit(waiting, []) == 0  # looked up, no blocks yet
+    engine.sched.reset_cache()
+    meta = engine.step(new={"w": (list(range(10, 17)), 0, 200)},
+                       cached={"a": ([], 128, 72)})
+    assert [t.block_ids for t in meta.stores] == [(10, 11), (12, 13), (14, 15)]
+    assert engine.sched.get_num_new_matched_tokens(running, 0) == (0, False)
+    assert engine.sched.take_stats().data["counters"]["uncacheable_requests"] == {"": 1}

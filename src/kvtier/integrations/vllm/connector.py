@@ -280,6 +280,14 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         """`request_finished` with the hybrid KV cache manager on (`SupportsHMA`)."""
         return self.request_finished(request, block_ids[0] if block_ids else [])
 
+    def reset_cache(self) -> bool:
+        """vLLM's reset_prefix_cache(reset_connector=True), e.g. after a weight update in
+        place: no chunk stored before is offered to this engine again (scheduler.reset_cache;
+        the workers retire their tiers' chunks with the next plan). Always True: vLLM's own
+        reset may still fail while requests hold blocks (it then returns False; retry)."""
+        assert self._scheduler is not None
+        return self._scheduler.reset_cache()
+
     # -- worker side ----------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -122,6 +122,10 @@ class LoadPlanner:
         """The request got its blocks: it loads now, not ahead."""
         self._wanted.pop(request_id, None)
 
+    def forget_all(self) -> None:
+        """A cache reset: nothing looked up before is read ahead (its keys are retired)."""
+        self._wanted.clear()
+
     def add_load(self, request_id: str, transfers: list[ChunkTransfer],
                  load_async: bool) -> None:
         """Plan the load of a request's hit, into the blocks vLLM allocated, for the next

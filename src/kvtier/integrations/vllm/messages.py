@@ -72,6 +72,9 @@ class KVTierMetadata(KVConnectorMetadata):
     # The plan's number (the scheduler counts its plans from 1): the workers report the
     # newest plan whose stores are all done (`KVTierWorkerMetadata.stores_through`).
     step: int = 0
+    # The engine's cache was reset (a weight update in place) since the last plan: each
+    # worker retires what its own tiers hold (TieredStore.retire) before this plan's stores.
+    retire: bool = False
 
     def transfers(self) -> list[ChunkTransfer]:
         """Every chunk this plan loads, stores or prefetches."""

@@ -64,7 +64,11 @@ COUNTERS: dict[str, str] = {
     "lookup_tokens": "Prompt tokens the scheduler asked kvtier about",
     "lookup_hit_tokens": "Prompt tokens kvtier could load (beyond vLLM's own cache)",
     "uncacheable_requests": "Requests neither looked up nor stored: their KV depends on "
-                            "something kvtier cannot key (see request_keys.py)",
+                            "something kvtier cannot key (see request_keys.py), or was "
+                            "computed before a cache reset",
+    "cache_resets": "Resets of the connector's cache (reset_prefix_cache(reset_connector=True), "
+                    "e.g. after a weight update in place): chunks stored before are never "
+                    "offered to this engine again",
     "loaded_tokens": "Tokens loaded into vLLM's KV cache",
     "loaded_bytes": "KV bytes loaded into vLLM's KV cache",
     "load_seconds": "Seconds the workers spent loading KV (read + copy into blocks)",

@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from vllm.v1.request import RequestStatus
+
 from kvtier.core.keys import ChunkKey, Namespace, chunk_keys
 from kvtier.errors import UncacheableRequest
 from kvtier.integrations.vllm.config import RequestControls
@@ -95,6 +97,9 @@ class RequestTable:
         self._stats = stats
         self._events = events
         self._requests: dict[str, RequestState] = {}
+        # Set by a cache reset (a weight update in place): in every key's namespace from then
+        # on, so that no chunk stored before is ever found again (`start_epoch`).
+        self._epoch: str | None = None
 
     def state(self, request: Request) -> RequestState:
         """The request's state, entered on first sight."""
@@ -146,6 +151,25 @@ class RequestTable:
             state.keys.extend(new_keys)
         return state.keys[:num_chunks]
 
+    def start_epoch(self, epoch: str) -> None:
+        """The engine's weights changed in place (vLLM's reset_cache): keys from now on live
+        in a namespace that names `epoch`, so no chunk stored before is found again. A request
+        known now that holds KV computed before (computed tokens, or an asynchronous load of
+        old chunks on its way) is never stored or looked up again: its KV is the old weights'
+        (counted as uncacheable). Others (waiting, or preempted by the reset: their KV is
+        gone) are keyed anew."""
+        self._epoch = epoch
+        for state in self._requests.values():
+            if state.request.num_computed_tokens > 0 \
+                    or state.request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                if not state.uncacheable:
+                    self._stats.add("uncacheable_requests", 1)
+                state.uncacheable = True
+            else:
+                state.namespace = self._namespace(state.request)
+                state.keys.clear()
+                state.num_planned_chunks = 0
+
     def apply_schedule(self, output: SchedulerOutput) -> list[ScheduledRequest]:
         """Take in a step's schedule: preempted requests lose their blocks, scheduled ones
         gain theirs (a resumed one gets a full new list). The scheduled requests known here,
@@ -182,6 +206,8 @@ class RequestTable:
 
     def _namespace(self, request: Request) -> Namespace:
         extra = [CHUNK_ORDER, f"block-size={self._block_size}"]
+        if self._epoch is not None:
+            extra.append(f"epoch={self._epoch}")
         if self._group_label is not None:
             extra.append(self._group_label)
         if request.lora_request is not None:

@@ -23,8 +23,10 @@ Primitives: `ConnectorScheduler`.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
+import uuid
 from typing import TYPE_CHECKING
 
 from kvtier.core.locator import ChunkLocator, LookupStatus
@@ -46,6 +48,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+logger = logging.getLogger(__name__)
 
 class ConnectorScheduler:
     """Scheduler-side logic behind KVTierConnector's scheduler hooks (one thread)."""
@@ -80,6 +83,7 @@ class ConnectorScheduler:
                                   [tier.tier_name for tier in config.store.tiers],
                                   several_groups, config.tokens_per_chunk, config.load_when)
         self._failures = LoadFailures()
+        self._retire = False  # a cache reset since the last plan (reset_cache)
         self._stores = StorePlanner(
             tokens_per_chunk=config.tokens_per_chunk, block_size=block_size, groups=groups,
             stores_async=stores_async(config.store_mode, several_groups, kv_role),
@@ -158,7 +162,9 @@ class ConnectorScheduler:
         self._loads.observe_plan(time.monotonic(), *_step_shape(scheduler_output))
         self._step += 1
         meta = KVTierMetadata(step=self._step,
-                              preempted=set(scheduler_output.preempted_req_ids or ()))
+                              preempted=set(scheduler_output.preempted_req_ids or ()),
+                              retire=self._retire)
+        self._retire = False
         self._loads.start_plan(meta)
         self._failures.start_plan(meta)
         self._stores.start_plan(meta)
@@ -197,6 +203,24 @@ class ConnectorScheduler:
         self._states.forget(request.request_id)
         self._locator.forget(request.request_id)
         return held
+
+    def reset_cache(self) -> bool:
+        """vLLM's reset_prefix_cache(reset_connector=True), e.g. after a weight update in
+        place: from now on no chunk stored before is offered to this engine, from any tier.
+        O(1) here, no I/O: keys take a new epoch (a random one, so that no other engine or
+        later reset can share it), the index stops answering for old keys by construction,
+        and the next plan has each worker retire what its own tiers hold (they leave first
+        when space is needed; shared tiers keep them for engines on the old weights). A
+        restart reading the same checkpoint files again is back in the first epoch and hits
+        them. True: the reset cannot fail (vLLM reads False as a failed reset)."""
+        epoch = uuid.uuid4().hex
+        self._requests.start_epoch(epoch)
+        self._loads.forget_all()
+        self._retire = True
+        self._stats.add("cache_resets", 1)
+        logger.info("kvtier: cache reset: chunks stored before are no longer offered to this "
+                    "engine (epoch %s)", epoch[:12])
+        return True
 
     def take_events(self) -> list[KVCacheEvent]:
         """KV events since the last call (vLLM's connector take_events)."""

