@@ -16,6 +16,7 @@ was); shutdown does not wait on a stuck read.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,11 +25,13 @@ from typing import Any
 import pytest
 from slow_files import SlowFlag, slow_files
 from vllm_harness import (
+    chunk_files,
     greedy,
     kvtier_counter,
     kvtier_transfer_config,
     metric,
     random_prompts,
+    settle,
     start_engine,
     token_ids,
 )
@@ -39,6 +42,7 @@ CHUNK = 64
 MAX_TOKENS = 8
 TIMEOUT_S = 1.5  # the engine's read deadline
 USAGE = "vllm:kv_cache_usage_perc"
+IDLE_DEADLINE_S = 120.0  # a failed load's request, alone: it ends long before (~1 s)
 
 
 def config(disk: Path) -> dict[str, Any]:
@@ -53,9 +57,13 @@ def config(disk: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
+def disk(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("slow-disk")
+
+
+@pytest.fixture(scope="module")
 def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
-           engine_exit: contextlib.ExitStack) -> Iterator[tuple[Any, SlowFlag]]:
-    disk = tmp_path_factory.mktemp("slow-disk")
+           engine_exit: contextlib.ExitStack, disk: Path) -> Iterator[tuple[Any, SlowFlag]]:
     with slow_files(disk, tmp_path_factory.mktemp("inject"), reads_only=True) as flag:
         yield engine_exit.enter_context(start_engine(tiny_model_dir, config(disk))), flag
         engine_exit.close()  # the engine stops before the slow reads are undone
@@ -149,6 +157,34 @@ def test_preemption_with_async_loads(engine: tuple[Any, SlowFlag]) -> None:
     assert token_ids(llm, prompts, 160) == batch_miss
     assert metric(llm, "vllm:num_preemptions") > preemptions
     assert kvtier_counter("loaded_tokens") > loaded
+
+
+def test_a_failed_load_on_an_idle_engine_is_recomputed_at_once(
+        engine: tuple[Any, SlowFlag], disk: Path) -> None:
+    """local-inference-lab/vllm#191: a request rescheduled after a failed KV load sat in
+    WAITING on an otherwise idle engine until the next request arrived (minutes). Here one
+    request, alone, loads a hit whose chunk files were deleted between its lookup's index and
+    its load (a peer's eviction, `kvtier gc`): the load fails on the load thread, kvtier reports
+    the request's load ended with its blocks failed, and vLLM recomputes it at once. No other
+    request is sent; the deadline is generous (a hang is what it catches, not a slow step)."""
+    llm, _ = engine
+    [prompt] = random_prompts([400], seed=135)
+    before = {f.name for f in chunk_files(disk)}
+    [clean] = stored_clean(llm, [prompt])
+    settle([disk])
+    deleted = [f for f in chunk_files(disk) if f.name not in before]
+    assert len(deleted) == 6  # the prompt's 6 chunks (the RAM tier keeps only the last 2)
+    for path in deleted:
+        path.unlink()
+    failures = kvtier_counter("load_failures")
+    outputs: list[list[list[int]]] = []
+    alone = threading.Thread(target=lambda: outputs.append(token_ids(llm, [prompt], MAX_TOKENS)),
+                             daemon=True)
+    alone.start()
+    alone.join(timeout=IDLE_DEADLINE_S)
+    assert not alone.is_alive(), f"the request did not end within {IDLE_DEADLINE_S} s"
+    assert outputs == [[clean]]
+    assert kvtier_counter("load_failures") > failures
 
 
 def test_shutdown_with_a_load_in_flight(engine: tuple[Any, SlowFlag],

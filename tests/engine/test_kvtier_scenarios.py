@@ -19,6 +19,7 @@ configurations may break near-ties differently on random weights (../shared/VLLM
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -243,3 +244,43 @@ def test_different_cache_salts_never_share_chunks(llm: Any) -> None:
     assert llm.reset_prefix_cache()
     assert token_ids(llm, [tenant_a]) == expected
     assert metric(llm, "vllm:external_prefix_cache_hits") - hits_before == 3 * 64
+
+
+def test_a_prompt_of_whole_chunks_held_by_kvtier_gives_the_miss_paths_tokens(llm: Any) -> None:
+    """lmcache#5151: a stored prompt reported as a full hit restored the wrong context (its
+    length a multiple of the chunk size). A prompt of exactly 4 chunks, all 4 held: kvtier
+    serves the first 3 (vLLM computes the last token, hence its chunk, for its logits) and
+    the tokens are the miss path's, alone and with max_tokens 1 (the prefill's token only)."""
+    [prompt] = random_prompts([4 * CHUNK], seed=23)
+    expected = reference(llm, [prompt])
+    [first] = reference(llm, [prompt], max_tokens=1)
+    assert token_ids(llm, [prompt]) == expected  # stores its 4 chunks
+    for max_tokens, want in ((16, expected), (1, [first])):
+        assert llm.reset_prefix_cache()
+        counters = Counters(llm)
+        assert token_ids(llm, [prompt], max_tokens=max_tokens) == want
+        delta = counters.delta()
+        assert delta["external_hits"] == delta["loaded_tokens"] == 3 * CHUNK
+        assert delta["lookup_hit_tokens"] == 3 * CHUNK
+        assert delta["load_failures"] == 0
+
+
+def test_an_answer_ending_on_a_chunk_boundary_leaves_its_last_chunk_unstored(llm: Any) -> None:
+    """vllm#54288: the last sampled token's KV is never computed. Turn 1's prompt and answer
+    end exactly on a chunk boundary (100 + 28 = 128 tokens), so chunk 1's last slot is the last
+    answer token's, which no forward wrote: kvtier stores chunk 0 only, and turn 2 (turn 1,
+    its answer, new tokens) loads 64 tokens, with the miss path's outputs. (Stored, chunk 1
+    would load 128 tokens, one slot of them never written.)"""
+    [turn1, new] = random_prompts([100, 40], seed=24)
+    [answer] = token_ids(llm, [turn1], max_tokens=2 * CHUNK - 100)
+    # A request whose last step stored a chunk keeps its blocks one step longer (vLLM's
+    # reset_prefix_cache then returns False): none here, but the case must not depend on it.
+    deadline = time.monotonic() + 10
+    while not llm.reset_prefix_cache() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    turn2 = {"prompt_token_ids": turn1["prompt_token_ids"] + answer + new["prompt_token_ids"]}
+    expected = reference(llm, [turn2])
+    assert llm.reset_prefix_cache()
+    counters = Counters(llm)
+    assert token_ids(llm, [turn2]) == expected
+    assert counters.delta()["external_hits"] == CHUNK

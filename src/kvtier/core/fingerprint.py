@@ -23,8 +23,12 @@ the storage namespace of the tiers it opens, in another process): `cached_model_
 computes it once per process, again only when a checkpoint file's size or mtime changed (an
 update in place; the mtimes decide when to look again, never what the fingerprint is).
 
+A LoRA adapter is keyed the same way, by what it holds rather than by its name or path
+(`adapter_fingerprint`): every file of its directory, whole (adapters are MBs, not GBs), so that
+two adapters served under one name never share KV and one adapter at two paths does.
+
 Primitives: `KV_CONFIG_KEYS`, `ModelFingerprint`, `model_fingerprint`,
-`cached_model_fingerprint`, `weights_digest`.
+`cached_model_fingerprint`, `weights_digest`, `adapter_fingerprint`.
 """
 
 from __future__ import annotations
@@ -61,6 +65,8 @@ _MAX_HEADER_BYTES = 100 << 20  # a larger safetensors header is treated as an op
 _MEMO_ENTRIES = 8  # fingerprints kept per process (models served by one process: one)
 _memo: dict[str, ModelFingerprint] = {}
 _memo_lock = threading.Lock()
+_ADAPTER_MEMO_ENTRIES = 256  # adapter fingerprints kept per process
+_adapter_memo: dict[tuple[str, tuple[tuple[str, int, int], ...]], str] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +156,47 @@ def weights_digest(model_dir: str | os.PathLike[str]) -> tuple[str, int] | None:
         hasher.update(len(name).to_bytes(4, "little") + name)
         hasher.update(_file_digest(path))
     return hasher.hexdigest(16), len(files)
+
+
+def adapter_fingerprint(directory: str | os.PathLike[str]) -> str | None:
+    """The fingerprint (32 hex chars) of a LoRA adapter's directory: the relative path, size
+    and whole content of every regular file below it, in path order; None when `directory`
+    is not a local directory. Computed once per process for the same files (paths, sizes,
+    mtimes: an adapter rewritten in place is read again; the mtimes decide when to look
+    again, never what the fingerprint is). Any thread.
+
+    Raises:
+        OSError: a file could not be listed or read.
+    """
+    root = Path(directory)
+    if not root.is_dir():
+        return None
+    files = sorted((path.relative_to(root).as_posix(), path) for path in root.rglob("*")
+                   if path.is_file())
+    stats = []
+    for name, path in files:
+        info = path.stat()
+        stats.append((name, info.st_size, info.st_mtime_ns))
+    memo_key = (str(root.resolve()), tuple(stats))
+    with _memo_lock:
+        found = _adapter_memo.get(memo_key)
+    if found is not None:
+        return found
+    hasher = blake3.blake3(b"kvtier-adapter-v1")
+    for name, path in files:
+        encoded = name.encode()
+        hasher.update(len(encoded).to_bytes(4, "little") + encoded)
+        content = blake3.blake3()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                content.update(block)
+        hasher.update(content.digest())
+    digest = hasher.hexdigest(16)
+    with _memo_lock:
+        if len(_adapter_memo) >= _ADAPTER_MEMO_ENTRIES:
+            _adapter_memo.clear()
+        _adapter_memo[memo_key] = digest
+    return digest
 
 
 def _checkpoint_files(root: Path) -> list[Path]:

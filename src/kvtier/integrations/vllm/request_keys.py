@@ -12,23 +12,32 @@ Python's `hash()` or `repr()`), so every process and node computes the same byte
 encoding does not know (a future vLLM key of a new type) makes the request uncacheable: it is
 neither looked up nor stored, rather than keyed on a guess.
 
-LoRA and the cache salt are in the namespace (scheduler.py), so a text-only request, the
-common case, skips the extraction entirely (`needs_chunk_extras`).
+LoRA and the cache salt are in the namespace (requeststate.py), so a text-only request, the
+common case, skips the extraction entirely (`needs_chunk_extras`). A LoRA adapter is named there
+by its content (`lora_identity`), not by the name and path vLLM's block hash uses: two adapters
+served under one name never share KV, and one adapter at two paths (two nodes) does.
 
-Primitives: `UncacheableRequest`, `needs_chunk_extras`, `chunk_extras`, `encode_extra_keys`.
+Primitives: `UncacheableRequest`, `needs_chunk_extras`, `chunk_extras`, `encode_extra_keys`,
+`lora_identity`.
 """
 
 from __future__ import annotations
 
+import logging
 import struct
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
+from kvtier.core.fingerprint import adapter_fingerprint
 from kvtier.errors import UncacheableRequest
 
 if TYPE_CHECKING:
+    from vllm.lora.request import LoRARequest
     from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+_warned_adapters: set[tuple[str, str]] = set()  # (name, path) fallbacks already logged
 
 
 def needs_chunk_extras(request: Request) -> bool:
@@ -68,6 +77,27 @@ def chunk_extras(request: Request, first_chunk: int, num_chunks: int, tokens_per
         else:
             out.append(None)
     return out
+
+
+def lora_identity(lora: LoRARequest) -> tuple[str, ...]:
+    """The namespace entries that name a LoRA adapter: its content's fingerprint
+    (`adapter_fingerprint` of its directory, read once per adapter version), or, where its path
+    is not a local directory (or cannot be read), its name and path, as vLLM's block hash
+    does (logged once per adapter: such adapters share KV by name and path only). Scheduler
+    thread (reads the adapter's files the first time it sees them)."""
+    name, path = str(lora.lora_name), str(lora.lora_path)
+    try:
+        digest = adapter_fingerprint(path) if path else None
+        why = "its path is not a local directory"
+    except OSError as e:
+        digest, why = None, f"its files could not be read ({e})"
+    if digest is not None:
+        return (f"lora-content={digest}",)
+    if (name, path) not in _warned_adapters:
+        _warned_adapters.add((name, path))
+        logger.warning("kvtier: LoRA adapter %r (path %r) is keyed by its name and path: %s",
+                       name, path, why)
+    return (f"lora={name}", f"lora-path={path}")
 
 
 def encode_extra_keys(value: Any) -> bytes:

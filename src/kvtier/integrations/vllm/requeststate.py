@@ -24,7 +24,7 @@ from kvtier.core.keys import ChunkKey, Namespace, chunk_keys
 from kvtier.errors import UncacheableRequest
 from kvtier.integrations.vllm.config import RequestControls
 from kvtier.integrations.vllm.metrics import StatsDelta
-from kvtier.integrations.vllm.request_keys import chunk_extras, needs_chunk_extras
+from kvtier.integrations.vllm.request_keys import chunk_extras, lora_identity, needs_chunk_extras
 from kvtier.integrations.vllm.routerevents import RouterEvents
 
 if TYPE_CHECKING:
@@ -211,10 +211,9 @@ class RequestTable:
         if self._group_label is not None:
             extra.append(self._group_label)
         if request.lora_request is not None:
-            # Name and path, as vLLM's block hash: a name re-pointed at another adapter must
-            # not reuse the old adapter's KV.
-            lora = request.lora_request
-            extra += [f"lora={lora.lora_name}", f"lora-path={lora.lora_path}"]
+            # The adapter's content (request_keys.lora_identity): a name re-pointed at another
+            # adapter never reuses the old adapter's KV; one adapter at two paths shares it.
+            extra += lora_identity(request.lora_request)
         return Namespace(model_id=self._model_id, layout_digest=self._layout_digest,
                          weights_fingerprint=self._weights_fingerprint,
                          cache_salt=request.cache_salt, extra=tuple(extra))
