@@ -2,25 +2,77 @@
 
 Every test is parametrized over TIER_KINDS (tests/tierkit.py): memory, a local disk
 directory and a shared directory, both on a real filesystem under tmp_path. A new tier kind
-(e.g. redis) joins by adding its kind there.
+(e.g. redis) joins by adding its kind there. After every test, each tier that keeps books of
+what it holds (`Checkable`) must find them in agreement with its storage.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import tierkit
 from tierkit import PERIODIC_CAPACITY, TIER_KINDS, footprint_bytes, key, make_tier, tiny_layout
 
 from kvtier.core.layout import KVLayout
 from kvtier.core.retention import ChunkMeta, tenant_id
-from kvtier.core.tier import DECLINED, MISSING, OK, InPlace, MetaKeeper, Tier, TierResult
+from kvtier.core.tier import (
+    DECLINED,
+    MISSING,
+    OK,
+    Checkable,
+    InPlace,
+    MetaKeeper,
+    Tier,
+    TierResult,
+)
 
 pytestmark = pytest.mark.parametrize("kind", TIER_KINDS)
+
+
+@pytest.fixture(autouse=True)
+def books_agree_with_storage(kind: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Each tier the test builds is checked (`Checkable.check`) as it is closed, or at
+    teardown if the test left it open. The kinds that keep books must offer the check."""
+    problems: list[str] = []
+    built: list[Tier] = []  # not closed yet
+    kinds_checked: set[bool] = set()
+
+    def checked(tier: Tier) -> None:
+        kinds_checked.add(isinstance(tier, Checkable))
+        if isinstance(tier, Checkable):
+            problems.extend(f"{tier.name}: {line}" for line in tier.check())
+
+    def closing_checked(tier: Tier, close: Callable[[], None]) -> Callable[[], None]:
+        def close_after_check() -> None:
+            built.remove(tier)
+            checked(tier)
+            close()
+        return close_after_check
+
+    def make(*args: Any, **kwargs: Any) -> Tier:
+        tier = tierkit.make_tier(*args, **kwargs)
+        tier.close = closing_checked(tier, tier.close)  # type: ignore[method-assign]
+        built.append(tier)
+        return tier
+
+    monkeypatch.setattr(sys.modules[__name__], "make_tier", make)
+    yield
+    for tier in list(built):
+        tier.close()
+    assert kind not in BOOK_KEEPERS or kinds_checked <= {True}
+    assert not problems, problems
+
+
+BOOK_KEEPERS = ("memory", "disk", "example")  # the kinds with an index of their own
+
 
 
 def payload(i: int, layout: KVLayout) -> bytes:

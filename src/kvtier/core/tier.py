@@ -22,6 +22,8 @@ The protocol every tier implements: `Tier`. The optional abilities, each a whole
   - `MetaKeeper`: keep each chunk's tenant, pin and expiry (retain, report them);
   - `Retiring`: put every chunk held now behind anything stored later for eviction (this
     engine's weights were updated in place: what it holds is useless to it);
+  - `Checkable`: compare the tier's own bookkeeping with its storage (index, files, used
+    bytes, eviction order), for tests and operators;
   - `ManifestKeeper` + `NamespaceManifest`: record which model a namespace holds;
   - on the tier's CLASS, `ProbeSource` + `Probe`: "is this chunk stored?" for processes that
     do not own the tier, and `InventorySource` + `Inventory` + `StoredChunk`: what a
@@ -350,6 +352,20 @@ class Retiring(Protocol):
     def retire(self) -> None:
         """Every chunk held now is evicted before any chunk stored from now on; none is
         removed yet (a restart on the old weights may use them). O(1), no I/O."""
+        ...
+
+
+@runtime_checkable
+class Checkable(Protocol):
+    """An optional ability of a tier that keeps books of what it holds (an index, used
+    bytes, an eviction order): it can check them against its storage."""
+
+    def check(self) -> list[str]:
+        """What disagrees between the books and the storage (a chunk indexed without its
+        bytes or the reverse, used bytes that are not the sum of the chunks, a chunk neither
+        evictable nor pinned), one line each; empty when they agree. Meant at rest (no call
+        in flight: a write on its way is reported); reads the whole index (and, for files,
+        walks the directory): not for a hot path. Any thread."""
         ...
 
 

@@ -67,7 +67,7 @@ from kvtier.tiers.chunktree import FileInventory, FileProbe, walk_chunks
 from kvtier.tiers.directories import check_directory
 from kvtier.tiers.encoding import EncodedTierSettings, build_encoder
 from kvtier.tiers.manifest import NamespaceManifest, write_file_manifest
-from kvtier.tiers.retention import RetentionTierSettings, build_book
+from kvtier.tiers.retention import RetentionTierSettings, book_problems, build_book
 from kvtier.tiers.retention_journal import RetentionJournal
 
 log = logging.getLogger(__name__)
@@ -355,6 +355,33 @@ class DiskTier:
         self._counters.add(puts=1, bytes_written=len(data), write_s=time.perf_counter() - start)
         self._publish_usage()
         return OK
+
+    def check(self) -> list[str]:
+        """`Checkable`: the index against the directory (one file a chunk, of the indexed
+        size), the used bytes against the index, the eviction order against the index."""
+        self._loaded.wait()
+        on_disk = {found.key: found.size_bytes for found in walk_chunks(self.files)}
+        with self._lock:
+            problems = book_problems(self._index.keys(), self._policy, self._book)
+            missing = self._index.keys() - on_disk.keys()
+            if missing:
+                problems.append(f"{len(missing)} indexed chunks have no file")
+            unindexed = on_disk.keys() - self._index.keys()
+            if unindexed:
+                problems.append(f"{len(unindexed)} chunk files are not indexed")
+            resized = sum(on_disk[key] != size for key, size in self._index.items()
+                          if key in on_disk)
+            if resized:
+                problems.append(f"{resized} chunk files differ from their indexed size")
+            held = sum(self._index.values())
+            if self._used_bytes - self._in_flight_bytes != held:
+                problems.append(f"used bytes {self._used_bytes - self._in_flight_bytes} are not "
+                                f"the indexed chunks' {held}")
+            if self._in_flight_bytes:
+                problems.append(f"{self._in_flight_bytes} bytes reserved by writes in flight")
+            if held > self.capacity_bytes:
+                problems.append(f"{held} bytes held over the capacity {self.capacity_bytes}")
+            return problems
 
     def retire(self) -> None:
         """`Retiring`: what is held now is evicted before what is stored from now on."""

@@ -33,6 +33,7 @@ How to write a tier, by the example of this one:
    - `ManifestKeeper`: `keep_manifest` (which model the namespace's chunks belong to);
    - `Retiring`: `retire` (what is held now leaves first: this engine's weights changed;
      only for a tier this engine alone writes, never a shared one);
+   - `Checkable`: `check` (its books against its storage; the contract suite runs it);
    - on the class, `ProbeSource`: `probe(config, layouts)`, a side-effect-free "is this
      chunk stored?" for processes that do not own the tier, and `InventorySource`:
      `open_inventory(config)`, what the storage holds, for `kvtier inspect` and `kvtier gc`.
@@ -71,6 +72,7 @@ from kvtier.core.tier import (
     TierResult,
     TierStats,
 )
+from kvtier.tiers.retention import book_problems
 from kvtier.tiers.storeconfig import TierSettings
 
 
@@ -272,6 +274,15 @@ class ExampleTier:
             return
         yield ExampleSlot(memoryview(bytearray(self.chunk_bytes)),
                           lambda data: self._insert(key, data, meta))
+
+    def check(self) -> list[str]:
+        """`Checkable`: every chunk evictable or pinned, within the capacity."""
+        with self._lock:
+            problems = book_problems(self._chunks.keys(), self._policy, self._book)
+            if len(self._chunks) > self.capacity_chunks:
+                problems.append(f"{len(self._chunks)} chunks over the capacity "
+                                f"{self.capacity_chunks}")
+            return problems
 
     def retire(self) -> None:
         """`Retiring`: what is held now is evicted before what is stored from now on."""

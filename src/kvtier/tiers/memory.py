@@ -49,7 +49,7 @@ from kvtier.core.tier import (
     TierStats,
 )
 from kvtier.tiers.prefault import prefault_in_background
-from kvtier.tiers.retention import RetentionTierSettings, build_book
+from kvtier.tiers.retention import RetentionTierSettings, book_problems, build_book
 
 log = logging.getLogger(__name__)
 
@@ -336,6 +336,25 @@ class MemoryTier:
     def _publish(self) -> None:
         held = len(self._index)
         self._counters.set(chunks=held, used_bytes=held * self.slot_bytes)
+
+    def check(self) -> list[str]:
+        """`Checkable`: every slot is held by one chunk, free, or being read; every chunk
+        is evictable or pinned; the tenants' books name held chunks only."""
+        with self._lock:
+            held = list(self._index.values())
+            free = set(self._free)
+            problems = []
+            if len(set(held)) != len(held):
+                problems.append("two chunks share a slot")
+            if len(free) != len(self._free) or free & set(held):
+                problems.append("a free slot is listed twice or also held")
+            lost = self.num_slots - len(set(held) | free | self._orphans)
+            if lost:
+                problems.append(f"{lost} slots neither held, free nor being read")
+            if self._orphans - self._pins.keys():
+                problems.append("slots of evicted chunks not freed though nobody reads them")
+            problems += book_problems(self._index.keys(), self._policy, self._book)
+            return problems
 
     def retire(self) -> None:
         """`Retiring`: what is held now is evicted before what is stored from now on."""

@@ -5,16 +5,17 @@ A tier's config model subclasses `RetentionTierSettings` to accept them (the mem
 does); every setting is off by default except the pin bound, which only matters once a
 request asks for a pin (`kv_transfer_params.retain_s`).
 
-Primitives: `TenantQuotaSettings`, `RetentionTierSettings`, `build_book`.
+Primitives: `TenantQuotaSettings`, `RetentionTierSettings`, `build_book`, `book_problems`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sized
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvtier.config import ByteSize
+from kvtier.core.keys import ChunkKey
 from kvtier.core.retention import RetentionBook, TenantQuota
 from kvtier.tiers.storeconfig import TierSettings
 
@@ -58,3 +59,18 @@ def build_book(config: RetentionTierSettings, capacity_bytes: int,
     quota = config.tenant_quota.quota() if config.tenant_quota is not None else None
     return RetentionBook(capacity_bytes, quota=quota, max_pinned_share=config.max_pinned_share,
                          ttl_s=config.ttl_s, clock=clock)
+
+
+def book_problems(held: Collection[ChunkKey], policy: Sized, book: RetentionBook) -> list[str]:
+    """`Checkable` lines of a tier that holds `held`: every held chunk is either in the
+    eviction `policy` or pinned in the `book`, and the book names held chunks only. The
+    caller holds the tier's lock."""
+    problems = []
+    pinned = sum(book.is_pinned(key) for key in held)
+    if len(policy) + pinned != len(held):
+        problems.append(f"{len(held)} chunks held, {len(policy)} evictable and {pinned} "
+                        "pinned")
+    strays = sum(key not in held for key, _meta in book.metas())
+    if strays:
+        problems.append(f"{strays} chunks in the tenants' books that the tier does not hold")
+    return problems
