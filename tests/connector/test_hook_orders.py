@@ -39,10 +39,27 @@ checks fail: the end of a step that joins every store job but the newest (held r
 released before their gather: 3 and 2, under deferred finalize), and a scheduler that takes a
 step's stores as done once its outcome arrives (chunks planned twice: 1, under asynchronous
 scheduling with or without deferred finalize).
+
+A synchronous load that fails or is rejected (issue 41, contract c; vllm#49250): a chunk of a
+later request's hit is deleted, or its disk copy damaged, once the plan that loads it is built.
+The blocks a load is to write hold garbage until it writes them; a forward that reads such
+KV writes wrong values (`TAINTED`) and samples a wrong token. vLLM 0.33's side
+(scheduler.py `_handle_invalid_blocks`, policy "recompute"): the step's `invalid_block_ids`
+truncate each running request's num_computed_tokens at its first invalid block; under async
+scheduling the next plan was built before, and its step runs over the unfilled blocks too.
+Tokens of the steps planned before the rewind are discarded (0.33 skips the failed step's;
+it still delivers the one in flight behind it, vLLM's part of vllm#49250, not kvtier's).
+Checks: the blocks reported are those of the load from its first unfilled block; no forward
+after the rewind reads anything but the miss path's KV; no token sampled over bad KV is kept;
+every chunk stored holds the miss path's bytes (stores over the unfilled blocks refused:
+`depends_on`, `acked_failed_blocks`) and is planned again only once refused or missing; a
+later request loads the chunks stored again. Controls take kvtier's guards out one at a time.
+A hit vLLM refuses (0 external tokens) is computed as a miss.
 """
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -144,6 +161,46 @@ def kv_values(tokens: list[int]) -> torch.Tensor:
                         dtype=torch.float32)
 
 
+# What blocks hold that no forward or load of theirs wrote (newly allocated blocks: another
+# request's old KV, anything), and what a forward writes where it read such KV: neither is a
+# value kv_values gives (1..199, plus the layer), and both are exact in bfloat16.
+GARBAGE, TAINTED = 250.0, 240.0
+
+
+def layer_names() -> list[str]:
+    return [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+
+
+def miss_chunk(tokens: list[int], chunk: int) -> torch.Tensor:
+    """The bytes of chunk `chunk` of `tokens` as the miss path computes it (every position's
+    KV from its forward, kv_values), gathered as the worker gathers a chunk."""
+    bpc = CHUNK // BLOCK
+    values = kv_values(tokens)[chunk * CHUNK:(chunk + 1) * CHUNK]
+    kv = {name: (values + i).to(torch.bfloat16).view(bpc, 1, BLOCK, 1)
+          .expand(bpc, HEADS, BLOCK, 2 * DIM).contiguous()
+          for i, name in enumerate(layer_names())}
+    paged = PagedKV(kv, BLOCK)
+    out = torch.empty(paged.layout(CHUNK).bytes_per_chunk, dtype=torch.uint8)
+    paged.gather(tuple(range(bpc)), out)
+    return out
+
+
+@dataclass(frozen=True)
+class Damage:
+    """A synchronous load that does not give vLLM the KV kvtier offered (vllm#49250):
+    "delete": chunk `chunk` of request `rid`'s hit is deleted from every tier after the plan
+    that loads it was built (an eviction or a gc racing the load): the chunks before it
+    load, it and those after it fail. "corrupt": its disk file is damaged (a byte flipped:
+    the checksum rejects it) and the RAM copy gone. "refuse": vLLM takes none of the hit
+    (0.33's scheduler drops an offered hit after the lookup: skip_reading_prefix_cache, a
+    local partial block longer than the hit, the aux-output connector's cap, the SWA replay
+    window) and calls update_state_after_alloc with 0 external tokens."""
+
+    rid: str
+    chunk: int
+    how: str
+
+
 # -- vLLM's side ------------------------------------------------------------------------------
 
 class LateStoreThread:
@@ -195,6 +252,11 @@ class Running:
     computed: int  # vLLM's num_computed_tokens (advanced when a step is scheduled)
     hit: int  # tokens it loaded from kvtier
     finished: bool = False
+    # A load of it failed and vLLM has not rewound it yet: its forwards read unfilled blocks.
+    poisoned: bool = False
+    # vLLM rewound it when it had built this many plans: the steps of those plans ran (or
+    # run, in flight) over the unfilled blocks; their outputs are discarded.
+    stale_through: int = 0
 
 
 @dataclass
@@ -206,6 +268,9 @@ class Step:
     scheduled: list[tuple[str, int, int]]
     finished_req_ids: set[str]
     has_sync_kv_loads: bool
+    # Blocks of its loads from the first one no load wrote (vLLM must recompute them).
+    unfilled: set[int] = field(default_factory=set)
+    tainted: set[str] = field(default_factory=set)  # requests whose forward read such KV
 
 
 @dataclass
@@ -222,6 +287,16 @@ class Findings:
     reused: int = 0  # requests given blocks another request had
     # a chunk (its tokens from the first) -> the requests that computed it (not loaded)
     computed_by: Counter[tuple[int, ...]] = field(default_factory=Counter)
+    # Failed loads: (step, its loads' blocks from the first one no load wrote, vLLM's
+    # invalid_block_ids), for every step with either
+    load_errors: list[tuple[int, set[int], set[int]]] = field(default_factory=list)
+    rewinds: list[tuple[str, int, int, int]] = field(default_factory=list)  # rid, step, from, to
+    tainted_reads: list[tuple[str, int]] = field(default_factory=list)  # (rid, step)
+    wrong_outputs: list[str] = field(default_factory=list)  # a token sampled over bad KV kept
+    never_rewound: list[str] = field(default_factory=list)  # poisoned at the end
+    skipped: set[ChunkKey] = field(default_factory=set)  # stores the workers refused
+    missing: set[ChunkKey] = field(default_factory=set)  # loads that found nothing
+    last_read: dict[str, tuple[int, bool]] = field(default_factory=dict)  # (prefix, intact)
 
     def planned_twice(self) -> list[ChunkKey]:
         return [key for key, n in Counter(self.planned).items() if n > 1]
@@ -237,14 +312,17 @@ class Replay:
     each computed position's KV)."""
 
     def __init__(self, order: Order, store_mode: str, tmp_path: Path,
-                 monkeypatch: pytest.MonkeyPatch) -> None:
+                 monkeypatch: pytest.MonkeyPatch, workload: list[Spec] | None = None,
+                 damage: Damage | None = None) -> None:
         self.order = order
+        self.workload = WORKLOAD if workload is None else workload
+        self.damage = damage
+        self.damaged: ChunkKey | None = None
         self.late = LateStoreThread()
         monkeypatch.setattr(worker_module, "io_pool", lambda threads, name, cores: self.late
                             if name == "kvtier-store" else io_pool(threads, name, cores))
-        self.kv = {f"model.layers.{i}.self_attn.attn":
-                   torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * DIM, dtype=torch.bfloat16)
-                   for i in range(LAYERS)}
+        self.kv = {name: torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * DIM, dtype=torch.bfloat16)
+                   for name in layer_names()}
         self.paged = PagedKV(self.kv, BLOCK)
         self.layout = self.paged.layout(CHUNK)
         config = ConnectorConfig.parse({
@@ -261,7 +339,7 @@ class Replay:
         self.connector_worker = ConnectorWorker(self.paged, self.layout, self.store)
         self.worker = connector(worker=self.connector_worker)
         self.found = Findings()
-        self.reference: dict[ChunkKey, torch.Tensor] = {}  # a chunk's bytes at its step
+        self.reference: dict[ChunkKey, torch.Tensor] = {}  # a chunk's bytes, the miss path's
         self.requests: dict[str, Running] = {}
         self.free_blocks = list(range(NUM_BLOCKS))  # the last freed are handed out first
         self.used: set[int] = set()
@@ -279,7 +357,7 @@ class Replay:
             n = self.tokens_to_schedule(r)
             if n:
                 cached.append((r, n))
-        for spec in WORKLOAD:
+        for spec in self.workload:
             if spec.arrive == self.plans:
                 r = self.admit(spec)
                 hit_any |= r.hit > 0
@@ -321,6 +399,10 @@ class Replay:
                           SamplingParams(max_tokens=spec.num_outputs), None)
         hit, load_async = self.scheduler.get_num_new_matched_tokens(request, 0)
         assert hit is not None and not load_async
+        if self.damage is not None and self.damage.how == "refuse" \
+                and spec.rid == self.damage.rid:
+            assert hit > 0
+            hit = 0  # vLLM drops the hit: no external tokens
         need = -(-len(spec.tokens) // BLOCK)
         blocks, self.free_blocks = self.free_blocks[-need:], self.free_blocks[:-need]
         assert len(blocks) == need, "the block pool ran out"
@@ -335,11 +417,25 @@ class Replay:
 
     def update(self, step: Step, output: KVConnectorOutput) -> None:
         """A step's outcome: sampled tokens, request ends (each asks request_finished), then
-        the connector's output and the blocks of the held requests reported finished."""
+        the connector's output and the blocks of the held requests reported finished. Blocks
+        that failed to load rewind the requests holding them first, as vLLM 0.33 does."""
+        invalid = set(output.invalid_block_ids or ())
+        if step.unfilled or invalid:
+            self.found.load_errors.append((step.number, set(step.unfilled), invalid))
+        if invalid:
+            self.rewind(step, invalid)
         for rid, computed, n in step.scheduled:
             r = self.requests[rid]
             if r.finished or computed + n < len(r.spec.prompt):
                 continue  # a step past the end (output dropped), or a prefill chunk
+            if step.number <= r.stale_through:
+                # Planned before vLLM rewound the request: the step whose load failed (0.33
+                # skips the requests its invalid blocks rewound) and, under async scheduling,
+                # the step in flight behind it. 0.33 still delivers the latter's token (vLLM's
+                # part of vllm#49250, fixed by vllm#49252): the miss path discards it.
+                continue
+            if rid in step.tainted:
+                self.found.wrong_outputs.append(f"{rid} at step {step.number}")
             r.request.append_output_token_ids(r.spec.tokens[len(r.request.all_token_ids)])
             if len(r.request.output_token_ids) == r.spec.num_outputs:
                 self.end(r)
@@ -347,10 +443,44 @@ class Replay:
         assert isinstance(output.kv_connector_worker_meta, KVTierWorkerMetadata | None)
         if output.kv_connector_worker_meta is not None:
             self.found.reported |= output.kv_connector_worker_meta.stored
+            self.found.skipped |= output.kv_connector_worker_meta.skipped
+            self.found.missing |= output.kv_connector_worker_meta.missing
         for rid in output.finished_sending or ():
             assert rid in self.found.held
             self.released.add(rid)
             self.free_blocks += self.requests[rid].blocks  # zeroed when reported (execute)
+
+    def rewind(self, step: Step, invalid: set[int]) -> None:
+        """vLLM 0.33's Scheduler._handle_invalid_blocks with kv_load_failure_policy
+        "recompute" (kvtier's): `_update_requests_with_invalid_blocks` over the running
+        requests truncates each one's num_computed_tokens at its first invalid block among
+        those computed before the step (num_computed_tokens less the step's tokens: under
+        async scheduling it counts the step in flight too, as 0.33's does), a block shared by
+        two requests recomputed by the first."""
+        scheduled = {rid: n for rid, _, n in step.scheduled}
+        marked: set[int] = set()
+        for r in self.requests.values():
+            if r.finished:
+                continue
+            before = r.computed - scheduled.get(r.spec.rid, 0)
+            affected, truncated = False, False
+            for idx, block in zip(range(-(-before // BLOCK)), r.blocks):
+                if block not in invalid:
+                    continue
+                affected = True
+                if block in marked:
+                    continue
+                marked.add(block)
+                if not truncated:
+                    truncated = True
+                    self.found.rewinds.append((r.spec.rid, step.number, r.computed,
+                                               idx * BLOCK))
+                    r.computed = idx * BLOCK
+            if affected:
+                if not truncated:
+                    r.computed = before
+                r.request.num_computed_tokens = r.computed
+                r.poisoned, r.stale_through = False, self.plans
 
     def end(self, r: Running) -> None:
         r.finished = True
@@ -373,10 +503,27 @@ class Replay:
         forward = bool(step.scheduled)
         # Without a forward: V1's kv_connector_no_forward, V2's no_forward (never deferred).
         defer = self.order.defer_finalize and forward
+        self.apply_damage(step)
+        # Newly allocated blocks hold anything: what no load writes stays garbage.
+        loading = {b for ts in meta.loads.values() for t in ts for b in t.written_blocks()}
+        self.fill(loading, GARBAGE)
         w.handle_preemptions(meta)
         w.bind_connector_metadata(meta)
         if step.has_sync_kv_loads:
             w.start_load_kv(None)  # type: ignore[arg-type]
+        else:
+            assert not meta.loads
+        # Blocks no load wrote, and from the first of them on, every block of the request's
+        # load (those vLLM must recompute, written or not: the loads' reads run in parallel,
+        # a chunk after a failed one may land).
+        first = next(iter(self.kv.values()))
+        for transfers in meta.loads.values():
+            blocks = [b for t in transfers for b in t.written_blocks()]
+            unfilled = [i for i, b in enumerate(blocks) if bool((first[b] == GARBAGE).any())]
+            if unfilled:
+                step.unfilled.update(blocks[unfilled[0]:])
+        for r in self.requests.values():
+            r.poisoned |= not step.unfilled.isdisjoint(r.blocks)
         if forward:
             self.forward(step)
         if not step.has_sync_kv_loads:
@@ -392,7 +539,7 @@ class Replay:
         output = KVConnectorOutput(finished_sending=results.finished_sending or None,
                                    finished_recving=results.finished_recving or None,
                                    invalid_block_ids=w.get_block_ids_with_load_errors())
-        assert not output.invalid_block_ids and not output.finished_recving
+        assert not output.finished_recving
         output.kv_connector_stats = w.get_kv_connector_stats()
         output.kv_cache_events = w.get_kv_connector_kv_cache_events()
         output.kv_connector_worker_meta = w.build_connector_worker_meta()
@@ -409,33 +556,77 @@ class Replay:
         for rid, computed, n in step.scheduled:
             r = self.requests[rid]
             blocks = torch.tensor(r.blocks)
-            for i, layer in enumerate(self.kv.values()):
-                have = layer[:, 0, :, 0][blocks].reshape(-1)[:computed].float()
-                if not torch.equal(have, r.values[:computed] + i):
+            intact = all(torch.equal(layer[:, 0, :, 0][blocks].reshape(-1)[:computed].float(),
+                                     r.values[:computed] + i)
+                         for i, layer in enumerate(self.kv.values()))
+            self.found.last_read[rid] = (computed, intact)
+            if not intact:
+                if r.poisoned or step.number <= r.stale_through:
+                    # Over blocks a failed load left unfilled, before vLLM's rewind took
+                    # effect: what it computes is wrong, and must go nowhere.
+                    step.tainted.add(rid)
+                    self.found.tainted_reads.append((rid, step.number))
+                else:
                     self.found.stale_reads.append(f"{rid} at step {step.number}")
-                    break
             positions = torch.arange(computed, computed + n)
             for i, layer in enumerate(self.kv.values()):
-                value = (r.values[positions] + i).to(layer.dtype).view(-1, 1, 1)
+                value = (torch.full((n,), TAINTED) if rid in step.tainted
+                         else r.values[positions] + i).to(layer.dtype).view(-1, 1, 1)
                 layer[blocks[positions // BLOCK], :, positions % BLOCK, :] = value
             for end in range(CHUNK, computed + n + 1, CHUNK):
                 if end > computed and end > r.hit:
                     self.found.computed_by[tuple(r.spec.tokens[:end])] += 1
         for transfer in step.meta.stores:
-            chunk = torch.empty(self.layout.bytes_per_chunk, dtype=torch.uint8)
-            self.paged.gather(transfer.block_ids, chunk)
-            self.reference.setdefault(transfer.key, chunk)
+            expected = self.miss_chunk_of(step, transfer.block_ids)
+            assert torch.equal(self.reference.setdefault(transfer.key, expected), expected)
+
+    def miss_chunk_of(self, step: Step, block_ids: tuple[int, ...]) -> torch.Tensor:
+        """The miss path's bytes of the chunk a store of `step` reads from `block_ids`: that
+        chunk of the request the plan stored it for (one it schedules, or one ended since
+        the last plan), the newest holding those blocks."""
+        bpc = CHUNK // BLOCK
+        scheduled = {rid for rid, _, _ in step.scheduled}
+        for r in reversed(self.requests.values()):
+            if not r.finished and r.spec.rid not in scheduled:
+                continue
+            for chunk in range(len(r.blocks) // bpc):
+                if tuple(r.blocks[chunk * bpc:(chunk + 1) * bpc]) == tuple(block_ids):
+                    return miss_chunk(r.spec.tokens, chunk)
+        raise AssertionError(f"no request holds the blocks {block_ids} of a planned store")
 
     def zero(self, blocks: set[int] | list[int]) -> None:
+        self.fill(blocks, 0.0)
+
+    def fill(self, blocks: set[int] | list[int], value: float) -> None:
         for layer in self.kv.values():
-            layer[list(blocks)] = 0
+            layer[list(blocks)] = value
+
+    def apply_damage(self, step: Step) -> None:
+        """Damage the chunk of `self.damage` once the plan that loads it is built."""
+        damage = self.damage
+        if damage is None or damage.how == "refuse" or self.damaged is not None \
+                or damage.rid not in step.meta.loads:
+            return
+        self.damaged = key = step.meta.loads[damage.rid][damage.chunk].key
+        memory, disk = self.store.tiers
+        assert self.store.flush(5.0) and memory.contains(key) and disk.contains(key)
+        memory.delete(key)
+        if damage.how == "delete":
+            disk.delete(key)
+        else:
+            assert damage.how == "corrupt", damage.how
+            with open(disk.files.path_of(key), "r+b") as file:  # type: ignore[attr-defined]
+                file.seek(-1, os.SEEK_END)
+                last = file.read(1)
+                file.seek(-1, os.SEEK_END)
+                file.write(bytes([last[0] ^ 0xFF]))
 
     # -- the engine loop --------------------------------------------------------------------
 
     def idle(self) -> bool:
-        return (self.plans >= max(s.arrive for s in WORKLOAD)
+        return (self.plans >= max(s.arrive for s in self.workload)
                 and all(r.finished for r in self.requests.values())
-                and len(self.requests) == len(WORKLOAD)
+                and len(self.requests) == len(self.workload)
                 and set(self.found.planned) <= self.found.reported
                 and not self.late.reading(set(range(NUM_BLOCKS)))
                 and self.found.held <= self.released)
@@ -464,6 +655,8 @@ class Replay:
                 else:
                     raise AssertionError("the replay did not settle")
             self.check_stored_bytes()
+            self.found.never_rewound = [r.spec.rid for r in self.requests.values()
+                                        if r.poisoned]
         finally:
             self.connector_worker.close(flush_timeout_s=5)
         return self.found
@@ -590,3 +783,145 @@ def test_the_checks_catch_stores_assumed_done_before_8071d8a(
     # run (deferred finalize), a step's chunks leave the in-flight list before they are
     # stored: the next request that computes the prefix plans them again.
     assert replay(order, store_mode, tmp_path, monkeypatch).planned_twice()
+
+
+# -- a synchronous load that fails (issue 41, contract c: vllm#49250) -------------------------
+
+# r1 stores the shared prefix; r9 loads it while r5 runs beside it. Its load is damaged
+# (Damage): the step that loads it runs its forward over the unfilled blocks (and completes
+# chunk 2 over them, a store kvtier must refuse), and under async scheduling so does the
+# step planned behind it (chunk 3, likewise). r10 comes back for r9's first four chunks once
+# r9 has recomputed them: it loads what kvtier stored again.
+R9_PROMPT = SHARED + own(140, 9000)
+FAILURE_WORKLOAD = [
+    Spec("r1", 1, SHARED + own(40, 2000), 25, "eos"),
+    Spec("r5", 4, own(100, 5000), 29, "eos"),
+    Spec("r9", 8, R9_PROMPT, 6, "length"),
+    Spec("r10", 20, R9_PROMPT[:4 * CHUNK] + own(10, 10_000), 3, "length"),
+]
+DAMAGES = {
+    # A held chunk deleted before r9 loads it: chunk 0 loads, 1 does not.
+    "failed": Damage("r9", 1, "delete"),
+    # vllm#49250's case: the whole load rejected before any KV is copied (its first chunk's
+    # checksum fails): vLLM rewinds r9 to 0.
+    "rejected": Damage("r9", 0, "corrupt"),
+}
+
+
+def failure_replay(order: str, store_mode: str, damage: Damage, tmp_path: Path,
+                   monkeypatch: pytest.MonkeyPatch) -> Findings:
+    return Replay(ORDERS[order], store_mode, tmp_path / f"{order}-{store_mode}-{damage.how}",
+                  monkeypatch, workload=FAILURE_WORKLOAD, damage=damage).run()
+
+
+def assert_miss_path(found: Findings) -> None:
+    """What vLLM 0.33 gets from kvtier after a failed synchronous load is what a miss gives:
+    the blocks reported invalid are exactly those of the failed loads from their first block
+    that no load wrote (vLLM recomputes from there), every step's; the requests
+    holding them are rewound, no token sampled over them is kept, and no later forward reads
+    anything but the miss path's KV; every chunk stored holds the miss path's bytes (none
+    computed over the unfilled blocks), and a chunk is planned again only after a worker
+    refused its store or found it missing."""
+    assert [(step, unfilled) for step, unfilled, invalid in found.load_errors
+            if unfilled != invalid] == []
+    assert found.never_rewound == []
+    assert found.wrong_outputs == []
+    assert found.stale_reads == []
+    assert found.wrong_bytes == []
+    assert set(found.planned) <= found.reported
+    assert found.early_releases == []
+    assert [key for key in found.planned_twice()
+            if key not in found.skipped | found.missing] == []
+
+
+@pytest.mark.parametrize("store_mode", ["sync", "async"])
+@pytest.mark.parametrize("case", list(DAMAGES))
+@pytest.mark.parametrize("order", list(ORDERS))
+def test_a_failed_synchronous_load_gives_the_miss_paths_outputs_and_kv(
+        order: str, case: str, store_mode: str, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    damage = DAMAGES[case]
+    found = failure_replay(order, store_mode, damage, tmp_path, monkeypatch)
+    assert_miss_path(found)
+    # The failure happened where it matters: r9's load stopped at the damaged chunk, vLLM
+    # rewound r9 to it (0.33: the first invalid block), r9's forward read the unfilled blocks
+    # (and, with async scheduling, the forward of the step planned before the rewind), the
+    # workers refused the chunks computed over them and stored them once recomputed.
+    [(step, _, invalid)] = found.load_errors
+    r9_blocks = 2 * (CHUNK // BLOCK)  # its hit: the two chunks of the shared prefix
+    assert len(invalid) == r9_blocks - damage.chunk * (CHUNK // BLOCK)
+    [(rid, rewound_at, _, to)] = found.rewinds
+    assert (rid, rewound_at, to) == ("r9", step, damage.chunk * CHUNK)
+    tainted = {s for r, s in found.tainted_reads if r == "r9"}
+    async_scheduling = ORDERS[order].async_scheduling
+    assert tainted == ({step, step + 1} if async_scheduling else {step})
+    r9_tokens = FAILURE_WORKLOAD[2].tokens
+    assert len(found.skipped) == (2 if async_scheduling else 1)  # chunk 2 (and 3)
+    assert found.skipped <= found.reported
+    assert found.missing and found.missing <= found.reported
+    # r9's last forward read its whole prefix intact: the miss path's KV; r10 loaded r9's
+    # four chunks, the damaged one among them, as stored again, and read them intact.
+    assert found.last_read["r9"] == (len(r9_tokens) - 2, True)  # its last step
+    assert found.last_read["r10"][1] and found.loads == 2
+
+
+@pytest.mark.parametrize("order", [A, B])
+def test_a_hit_vllm_refuses_is_computed_as_a_miss(
+        order: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.33's scheduler may drop a hit kvtier offered (update_state_after_alloc with 0
+    external tokens): nothing is loaded, r9 computes its prompt and stores the chunks kvtier
+    does not hold."""
+    found = failure_replay(order, "async", Damage("r9", 0, "refuse"), tmp_path, monkeypatch)
+    assert_clean(found)
+    assert found.load_errors == [] and found.rewinds == [] and found.tainted_reads == []
+    assert found.loads == 1  # r10 only
+    assert found.last_read["r9"] == (len(FAILURE_WORKLOAD[2].tokens) - 2, True)
+
+
+def stores_unguarded(self: ConnectorWorker, stores: list[Any]) -> list[Any]:
+    """_safe_stores without its guard: stores computed over a failed load are kept."""
+    return stores
+
+
+def failed_blocks_unreported(self: ConnectorWorker) -> set[int]:
+    """take_failed_block_ids that reports nothing: vLLM never rewinds the request."""
+    self._failed_block_ids = set()
+    return set()
+
+
+def failed_chunk_blocks_only(real: Callable[..., set[int]]) -> Callable[..., set[int]]:
+    """take_failed_block_ids that reports the first failed chunk's blocks alone."""
+
+    def take(self: ConnectorWorker) -> set[int]:
+        return set(sorted(real(self))[:CHUNK // BLOCK])
+
+    return take
+
+
+@pytest.mark.parametrize("order", [A, B])
+@pytest.mark.parametrize("case", list(DAMAGES))
+def test_the_checks_catch_a_worker_without_its_guards(
+        order: str, case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checks fail where kvtier's guards are taken out, one at a time."""
+    damage = DAMAGES[case]
+    # Stores over the unfilled blocks not refused: chunks of garbage KV, with valid
+    # checksums, in both tiers.
+    with monkeypatch.context() as patch:
+        patch.setattr(ConnectorWorker, "_safe_stores", stores_unguarded)
+        found = failure_replay(order, "async", damage, tmp_path / "unguarded", monkeypatch)
+        assert {tier for tier, _ in found.wrong_bytes} == {"memory", "disk"}
+        assert found.skipped == set()
+    # The failed blocks not reported: vLLM keeps r9's tokens sampled over garbage, and never
+    # rewinds it.
+    with monkeypatch.context() as patch:
+        patch.setattr(ConnectorWorker, "take_failed_block_ids", failed_blocks_unreported)
+        found = failure_replay(order, "async", damage, tmp_path / "unreported", monkeypatch)
+        assert found.wrong_outputs and found.never_rewound == ["r9"]
+    # Only the failed chunk's blocks reported, not the later chunks' (rejected: chunk 1 is
+    # unfilled too).
+    if case == "rejected":
+        with monkeypatch.context() as patch:
+            patch.setattr(ConnectorWorker, "take_failed_block_ids",
+                          failed_chunk_blocks_only(ConnectorWorker.take_failed_block_ids))
+            found = failure_replay(order, "async", damage, tmp_path / "partial", monkeypatch)
+            assert [s for s, unfilled, invalid in found.load_errors if unfilled != invalid]

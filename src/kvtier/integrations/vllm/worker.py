@@ -321,6 +321,11 @@ class ConnectorWorker:
 
     def _record(self, job: StoreJob) -> None:
         """Report a finished store job's chunks and count them (model runner thread)."""
+        if job.stored:
+            # Held again (e.g. a failed load's chunk, stored once recomputed): a check of
+            # `_find_gone` made before this store must not report it removed after it.
+            with self._gone_lock:
+                self._gone.difference_update(t.key for t in job.stored)
         for transfer in job.stored:
             self._report.stored.add(transfer.key)
             self._stats.add("stored_tokens",
@@ -438,10 +443,15 @@ class ConnectorWorker:
         return report
 
     def _find_gone(self, keys: list[ChunkKey]) -> None:
-        """Note the `keys` (removed from a tier) that no tier holds any more (checker thread)."""
+        """Note the `keys` (removed from a tier) that no tier holds any more (checker thread).
+        Those found gone are asked again under the lock, so that a chunk stored meanwhile
+        (`_record`) is never reported removed after its store: the scheduler would forget a
+        chunk its tiers hold (a damaged chunk removed, then stored again once recomputed)."""
         gone = {key for key in keys if not self._store.contains(key)}
+        if not gone:
+            return
         with self._gone_lock:
-            self._gone |= gone
+            self._gone |= {key for key in gone if not self._store.contains(key)}
 
     def close(self, flush_timeout_s: float | None = None) -> None:
         """Finish the store jobs (memory copies: they end), flush write-behind queues (the
