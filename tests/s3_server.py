@@ -15,6 +15,7 @@ Primitives: `S3Endpoint`, `MotoServer`, `real_endpoint`, `MOTO_SKIP`, `moto_avai
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import subprocess
@@ -31,11 +32,15 @@ TEST_KEYS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
 
 
 def moto_available() -> bool:
+    """Whether moto's server is installed (it runs in a process of its own). Not imported
+    here: it imports flask, whose module-level proxies break vLLM's start-up scan of every
+    loaded module (`hasattr` raises "Working outside of application context") for an engine
+    started in this process afterwards (tests/engine/vllm_harness.start_engine)."""
     try:
-        import moto.server  # noqa: F401
-    except ImportError:
+        return importlib.util.find_spec("moto.server") is not None and \
+            importlib.util.find_spec("flask") is not None
+    except ImportError:  # `moto` itself absent
         return False
-    return True
 
 
 def free_port() -> int:

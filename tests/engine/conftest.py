@@ -1,7 +1,7 @@
 """Fixtures for end-to-end tests on a real vLLM (CPU backend); helpers in vllm_harness.py.
 
-Engines are expensive (see vllm_harness: each start is two fresh interpreters importing
-vLLM): each test module starts its engine once (a module-scoped fixture using
+Engines are expensive (see vllm_harness: ~5-10 s in this process, ~50 s in vLLM's own
+processes): each test module starts its engine once (a module-scoped fixture using
 `vllm_harness.start_engine`) and its cases share it.
 
 Primitives: `tiny_model_dir` (session): the "test" preset model, generated once;

