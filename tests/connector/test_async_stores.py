@@ -92,6 +92,7 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
+@pytest.mark.timing
 def test_a_steps_stores_run_off_the_step_and_are_reported_by_the_next_steps_end(setup) -> None:  # type: ignore[no-untyped-def]
     w, kv, gate = setup
     original = blocks_of(kv, (0, 1))

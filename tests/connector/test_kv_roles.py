@@ -96,6 +96,7 @@ class SlowTier(ExampleTier):
         return super().put(key, data, meta)
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("handoff", [True, False], ids=["kv_producer", "kv_both"])
 def test_a_producer_step_returns_once_its_chunks_reached_the_lower_tier(handoff: bool) -> None:
     kv = {f"l{i}": torch.randn(4, 2, BLOCK, 2 * 16).to(torch.bfloat16) for i in range(2)}

@@ -7,12 +7,14 @@ number of seconds the flag holds before it reads the blocks, as if the thread ha
 core. Synchronous gathers (the model runner's) are not slowed.
 
 Primitives: `slow_stores(flag_dir, inject_dir)` (context manager, set up before the engine
-starts), `StoreFlag` (its `on(seconds)` / `off()`).
+starts), `StoreFlag` (its `on(seconds)` / `off()`, and `wait_for_a_slow_gather()`: until a
+gather slowed since `on` is in flight).
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +40,9 @@ def _patch(module):
         if threading.current_thread().name.startswith("kvtier-store"):
             try:
                 with open(_FLAG) as f:
-                    time.sleep(float(f.read() or 0))
+                    seconds = float(f.read() or 0)
+                open(_FLAG + ".began", "a").close()  # a slow gather is in flight
+                time.sleep(seconds)
             except (OSError, ValueError):
                 pass
         return gather(self, *args, **kwargs)
@@ -81,10 +85,22 @@ class StoreFlag:
     path: Path
 
     def on(self, seconds: float) -> None:
+        self._began.unlink(missing_ok=True)
         self.path.write_text(str(seconds))
 
     def off(self) -> None:
         self.path.unlink(missing_ok=True)
+
+    def wait_for_a_slow_gather(self, timeout_s: float = 60.0) -> None:
+        """Until a gather slowed since `on` has begun (the store thread is then in flight)."""
+        deadline = time.monotonic() + timeout_s
+        while not self._began.exists():
+            assert time.monotonic() < deadline, f"no slow gather began in {timeout_s} s"
+            time.sleep(0.02)
+
+    @property
+    def _began(self) -> Path:
+        return self.path.with_name(self.path.name + ".began")
 
 
 @contextlib.contextmanager

@@ -36,7 +36,7 @@ from vllm_harness import (
     token_ids,
 )
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.timing]  # a read deadline and a shutdown, timed
 
 CHUNK = 64
 MAX_TOKENS = 8

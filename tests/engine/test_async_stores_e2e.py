@@ -32,7 +32,7 @@ from vllm_harness import (
     token_ids,
 )
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.timing]  # a shutdown, timed
 
 CHUNK = 64
 MAX_TOKENS = 8
@@ -149,7 +149,7 @@ def test_a_request_aborted_while_its_stores_are_in_flight(
     try:
         engine_api = llm.llm_engine
         engine_api.add_request("abort-me", aborted, greedy(64))
-        time.sleep(1.0)  # its prefill ran; its gathers are in flight
+        flag.wait_for_a_slow_gather()  # its prefill ran; its gathers are in flight
         engine_api.abort_request(["abort-me"])
         # Another request right away: its outputs are intact.
         assert token_ids(llm, [other], MAX_TOKENS, NO_KVTIER) == [clean_other]
@@ -168,7 +168,7 @@ def test_shutdown_with_stores_in_flight(engine: tuple[Any, StoreFlag], disk: Pat
     before = set(chunk_files(disk))
     flag.on(0.2)  # two seconds of gathers
     llm.llm_engine.add_request("in-flight", prompt, greedy(200))
-    time.sleep(0.5)  # prefilled: its stores in flight
+    flag.wait_for_a_slow_gather()  # prefilled: its stores in flight
     start = time.monotonic()
     engine_exit.close()
     shutdown_s = time.monotonic() - start

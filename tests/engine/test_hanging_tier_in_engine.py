@@ -22,7 +22,7 @@ from vllm_harness import kvtier_counter, random_prompts, start_engine, token_ids
 
 from kvtier.integrations.vllm.config import kvtier_transfer_config
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.timing]  # each call bounded in seconds
 
 TIMEOUT_S = 1.0
 HANG_S = 20.0

@@ -29,7 +29,7 @@ from kvtier.integrations.vllm.offer import TRIAL_MIN_S
 from kvtier.tools.bench.engines import kvtier_gauge
 from kvtier.tools.bench.netem import Endpoint, delayed_proxy
 
-pytestmark = [pytest.mark.vllm, pytest.mark.redis]
+pytestmark = [pytest.mark.vllm, pytest.mark.redis, pytest.mark.timing]  # links timed
 
 CHUNK = 64
 MAX_TOKENS = 4

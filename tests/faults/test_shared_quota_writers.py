@@ -18,6 +18,7 @@ import os
 import time
 from pathlib import Path
 
+import pytest
 from tierkit import key, make_tier, tiny_layout
 
 WRITERS = 3
@@ -56,6 +57,7 @@ def _writer(root: str, seed: int, start: multiprocessing.synchronize.Barrier,
     results.put(puts)
 
 
+@pytest.mark.timing
 def test_three_writers_never_pass_the_quota(tmp_path: Path) -> None:
     root = tmp_path / "shared"
     context = multiprocessing.get_context("spawn")

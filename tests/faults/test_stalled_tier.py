@@ -76,6 +76,7 @@ def spares(n: int) -> list[memoryview]:
     return [memoryview(bytearray(CHUNK)) for _ in range(n)]
 
 
+@pytest.mark.timing
 def test_a_read_that_hangs_is_a_timely_miss_and_the_tier_is_then_skipped(
         hanging: HangingTier) -> None:
     store = TieredStore([example("ram"), hanging], StoreSettings(read_timeout_s=TIMEOUT_S))
@@ -164,6 +165,7 @@ def test_a_late_read_into_a_reserved_ram_slot_releases_it(tmp_path: object,
     assert store.put(key(3), memoryview(b"\x03" * CHUNK))
 
 
+@pytest.mark.timing
 def test_a_lookup_that_hangs_leaves_the_rest_of_the_prefix_a_miss() -> None:
     gate = threading.Event()
 

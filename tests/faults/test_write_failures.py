@@ -181,6 +181,7 @@ def test_a_real_full_filesystem_smaller_than_the_quota_keeps_accepting_puts(
     assert _no_temp_files(tiny_tmpfs)
 
 
+@pytest.mark.timing
 def test_a_slow_disk_at_close_costs_the_unwritten_chunks_only(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
     """vLLM kills a stopping worker a few seconds in, so closing the store waits for the

@@ -24,6 +24,7 @@ def payload(i: int, layout: KVLayout) -> bytes:
     return bytes((i * 7 + j) % 251 for j in range(layout.bytes_per_chunk))
 
 
+@pytest.mark.timing
 def test_hits_are_served_while_the_index_loads(tmp_path: Path, layout: KVLayout,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """A restarted tier whose walk has not started yet: the constructor returns within

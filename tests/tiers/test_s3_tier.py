@@ -165,6 +165,7 @@ def test_an_absent_chunk_is_not_asked_again_until_the_negative_cache_expires(
     other.close()
 
 
+@pytest.mark.timing
 def test_a_long_prefix_is_looked_up_in_parallel_within_the_deadline(
         s3_session: S3Endpoint) -> None:
     """64 chunks, 40 held: each answer is right, within the deadline."""
@@ -179,6 +180,7 @@ def test_a_long_prefix_is_looked_up_in_parallel_within_the_deadline(
     tier.close()
 
 
+@pytest.mark.timing
 def test_a_lookup_past_its_deadline_reports_the_rest_absent(s3_session: S3Endpoint) -> None:
     tier = tier_of(s3_session, lookup_timeout_s=0.001, lookup_concurrency=1,
                    negative_cache_s=0)

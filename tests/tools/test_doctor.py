@@ -147,6 +147,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.timing
 def test_redis_unreachable_is_a_failed_check_quickly():
     port = _free_port()
     start = time.monotonic()

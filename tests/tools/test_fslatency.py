@@ -39,6 +39,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.timing
 def test_metadata_calls_under_the_directory_wait_and_others_do_not(tmp_path: Path) -> None:
     try:
         build_shim(tmp_path / "cache")

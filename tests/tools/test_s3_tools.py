@@ -66,6 +66,7 @@ def test_the_simulator_has_an_s3_preset_shared_by_the_fleet() -> None:
     assert spec.shared and spec.latency_s > 0.001 and spec.capacity_bytes == 10**12
 
 
+@pytest.mark.timing
 @pytest.mark.s3
 def test_the_storage_bench_subjects_and_the_lookup_figures(s3_session: S3Endpoint,
                                                            tmp_path: Path) -> None:
