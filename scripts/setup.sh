@@ -1,23 +1,26 @@
 #!/usr/bin/env bash
-# Installs everything kvtier needs on a fresh Debian machine with Python >= 3.11:
-# redis-server (for the redis tier and its tests), prometheus (for the tests of the alerts and
-# dashboard in deploy/), kvtier itself with vLLM's CPU build and the test tools. Safe to run
-# again: each step is skipped or quick when already done.
+# Installs everything kvtier and its tests need on a fresh Debian machine with Python >= 3.11:
+# the machine's tools below, kvtier itself with vLLM's CPU build and the test tools. Safe to
+# run again: each step is skipped or quick when already done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! command -v redis-server >/dev/null 2>&1; then
+# The machine's tools the tests need (scripts/test.sh fails a test skipped for want of one):
+# redis-server (built with TLS, as Debian's is) for the redis tier; prometheus and promtool
+# for deploy/'s alerts and dashboard; gcc for the filesystem-latency shim (kvtier bench
+# fslatency); openssl for a TLS test certificate; useradd for the shared-group drill; mount
+# and mknod (util-linux, coreutils) for the tmpfs and special-file drills, as root.
+missing=()
+for tool in redis-server:redis-server prometheus:prometheus promtool:prometheus gcc:gcc \
+            openssl:openssl useradd:passwd mount:mount mknod:coreutils; do
+  command -v "${tool%%:*}" >/dev/null 2>&1 || missing+=("${tool#*:}")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
-fi
-# Prometheus (promtool and a server on 127.0.0.1) for the tests of deploy/'s alerts and dashboard.
-if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then
-  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
-  $SUDO apt-get update -qq
-  # Optional: without it those tests skip (with the reason), so a failed install is no stop.
+  # shellcheck disable=SC2086  # $SUDO is empty or one word
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
-    prometheus >/dev/null || echo "setup: prometheus not installed; its tests will skip" >&2
+    $(printf '%s\n' "${missing[@]}" | sort -u) >/dev/null
 fi
 
 python3 -m pip install -q -e ".[vllm,tools,test]"
