@@ -147,6 +147,7 @@ class ConnectorWorker:
         self._checker = io_pool(1, "kvtier-report", io_cores)
         self._gone: set[ChunkKey] = set()
         self._gone_lock = threading.Lock()
+        self._stored_while_checking: set[ChunkKey] = set()  # stored during a `_find_gone`
         # request id -> (its chunks, the load, when it started)
         self._loading: dict[str, tuple[list[ChunkTransfer], Future[int], float]] = {}
         self._failed_block_ids: set[int] = set()
@@ -325,7 +326,9 @@ class ConnectorWorker:
             # Held again (e.g. a failed load's chunk, stored once recomputed): a check of
             # `_find_gone` made before this store must not report it removed after it.
             with self._gone_lock:
-                self._gone.difference_update(t.key for t in job.stored)
+                stored = {t.key for t in job.stored}
+                self._gone -= stored
+                self._stored_while_checking |= stored
         for transfer in job.stored:
             self._report.stored.add(transfer.key)
             self._stats.add("stored_tokens",
@@ -444,14 +447,15 @@ class ConnectorWorker:
 
     def _find_gone(self, keys: list[ChunkKey]) -> None:
         """Note the `keys` (removed from a tier) that no tier holds any more (checker thread).
-        Those found gone are asked again under the lock, so that a chunk stored meanwhile
-        (`_record`) is never reported removed after its store: the scheduler would forget a
-        chunk its tiers hold (a damaged chunk removed, then stored again once recomputed)."""
-        gone = {key for key in keys if not self._store.contains(key)}
-        if not gone:
-            return
+        A chunk stored while they are asked (`_record`) is not reported: the scheduler would
+        forget a chunk its tiers hold (a damaged chunk removed, then stored again once
+        recomputed). The tiers are asked outside the lock: the model runner's `_record` never
+        waits for a slow tier."""
         with self._gone_lock:
-            self._gone |= {key for key in gone if not self._store.contains(key)}
+            self._stored_while_checking = set()
+        gone = {key for key in keys if not self._store.contains(key)}  # no lock: may wait
+        with self._gone_lock:
+            self._gone |= gone - self._stored_while_checking
 
     def close(self, flush_timeout_s: float | None = None) -> None:
         """Finish the store jobs (memory copies: they end), flush write-behind queues (the
