@@ -98,7 +98,35 @@ def start_engine(model_dir: Path, kv_transfer_config: dict[str, Any] | None = No
         finally:
             _restore_env(IN_PROCESS, saved)
             _uncache_vllm_env()
+        _step_while_the_scheduler_holds_requests(llm)
         yield llm
+
+
+def _step_while_the_scheduler_holds_requests(llm: Any, drain_s: float = 60.0) -> None:
+    """`llm.generate` in this process steps the engine as vLLM's engine core process does.
+
+    That process steps its engine while its scheduler holds any request, finished ones
+    included: a request whose last step stored KV is held (its blocks in use) until the
+    connector reports the stores done, a step or more later. `generate` in this process steps
+    only while a request is unfinished for the caller, and would return with such requests
+    still holding their blocks (vLLM's `reset_prefix_cache()` then fails). So it also steps
+    while the scheduler holds requests, at most `drain_s` after the caller's last one ended."""
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    unfinished = engine.has_unfinished_requests
+    drain_until: list[float | None] = [None]
+
+    def has_unfinished_requests() -> bool:
+        if unfinished():
+            drain_until[0] = None
+            return True
+        if not scheduler.has_requests():
+            return False
+        if drain_until[0] is None:
+            drain_until[0] = time.monotonic() + drain_s
+        return time.monotonic() < drain_until[0]
+
+    engine.has_unfinished_requests = has_unfinished_requests
 
 
 @contextlib.contextmanager
