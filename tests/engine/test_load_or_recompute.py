@@ -46,7 +46,7 @@ from kvtier.tools.bench.engines import kvtier_gauge
 from kvtier.tools.bench.netem import Endpoint, delayed_proxy
 from kvtier.tools.tinymodel import TinyModelSpec, make_tiny_model
 
-pytestmark = [pytest.mark.vllm, pytest.mark.redis]
+pytestmark = [pytest.mark.vllm, pytest.mark.redis, pytest.mark.timing]  # links timed
 
 # 2 layers of width 1024 and an MLP of 4096 (~59 MFLOPs a token), one KV head of 64: 1 KiB of
 # KV a token, ~58 k FLOPs a KV byte, some 50x the "test" preset's. Served in float32: in
