@@ -107,3 +107,25 @@ def test_every_cache_dependency_is_declared_and_used() -> None:
     imported = {m.split(".")[0] for path in SRC.rglob("*.py") if TOOLS not in path.parents
                 for m in _imported_modules(path)}
     assert declared - imported == set(), "declared and imported nowhere in the cache"
+
+
+def test_the_connectors_scheduler_and_worker_sides_never_import_each_other() -> None:
+    """integrations/vllm/: scheduler/ and worker/ share only what lies beside them (the
+    messages, the config, the engine's description), never a module of the other side."""
+    vllm = SRC / "integrations" / "vllm"
+    offenders = {}
+    for side, other in (("scheduler", "worker"), ("worker", "scheduler")):
+        for path in sorted((vllm / side).rglob("*.py")):
+            found = sorted(m for m in _imported_modules(path)
+                           if m.startswith(f"kvtier.integrations.vllm.{other}"))
+            if found:
+                offenders[str(path.relative_to(SRC))] = found
+    shared = [path for path in vllm.glob("*.py") if path.name not in ("connector.py",
+                                                                      "__init__.py")]
+    for path in shared:  # the shared modules belong to neither side
+        found = sorted(m for m in _imported_modules(path)
+                       if m.startswith(("kvtier.integrations.vllm.scheduler",
+                                        "kvtier.integrations.vllm.worker")))
+        if found:
+            offenders[str(path.relative_to(SRC))] = found
+    assert offenders == {}

@@ -11,9 +11,9 @@ from types import TracebackType
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.store import TieredStore
-from kvtier.integrations.vllm.cpu import spare_buffers
-from kvtier.integrations.vllm.paged import PagedKV
-from kvtier.integrations.vllm.streams import StreamChunkMover
+from kvtier.integrations.vllm.worker.cpu import spare_buffers
+from kvtier.integrations.vllm.worker.paged import PagedKV
+from kvtier.integrations.vllm.worker.streams import StreamChunkMover
 from kvtier.tiers import open_store
 from kvtier.tiers.storeconfig import StoreConfig
 from kvtier.tools.bench.standin import StandInDevice, StandInEvent, StandInStream

@@ -34,8 +34,8 @@ from kvtier.integrations.vllm.groups import (
     chunk_groups,
 )
 from kvtier.integrations.vllm.messages import KVTierWorkerMetadata
-from kvtier.integrations.vllm.paged import PagedKV
-from kvtier.integrations.vllm.scheduler import ConnectorScheduler
+from kvtier.integrations.vllm.scheduler.connector_scheduler import ConnectorScheduler
+from kvtier.integrations.vllm.worker.paged import PagedKV
 
 CHUNK, BLOCK, HEADS, DIM, BLOCKS = 64, 32, 2, 16, 16
 GROUPS = ChunkGroups(layer_names=(("l0", "l2"), ("l1", "l3")), kinds=("sliding:64", "full"))

@@ -21,8 +21,8 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.locator import ChunkLocator
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.messages import KVTierMetadata, KVTierWorkerMetadata
-from kvtier.integrations.vllm.scheduler import ConnectorScheduler
-from kvtier.integrations.vllm.storeplan import stores_async
+from kvtier.integrations.vllm.scheduler.connector_scheduler import ConnectorScheduler
+from kvtier.integrations.vllm.scheduler.storeplan import stores_async
 
 CHUNK, BLOCK = 64, 32
 
@@ -231,8 +231,8 @@ def test_auto_weighs_a_hit_by_the_measured_cost_of_loads_and_steps(tmp_path: Any
     long is loaded asynchronously."""
     from kvtier.core.store import StoreEvent
     from kvtier.core.tier import EventKind
-    from kvtier.integrations.vllm.loadcost import LoadSample
-    from kvtier.integrations.vllm.stepcost import MIN_STEPS
+    from kvtier.integrations.vllm.scheduler.stepcost import MIN_STEPS
+    from kvtier.integrations.vllm.transfers import LoadSample
 
     for ram_s, lower_s, evicted, loads_async in ((1e-9, 1e-9, True, False),
                                                  (30.0, 30.0, False, True)):

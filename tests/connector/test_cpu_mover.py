@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from kvtier.core.keys import ChunkKey
-from kvtier.integrations.vllm.cpu import CpuChunkMover, spare_buffers
-from kvtier.integrations.vllm.paged import PagedKV
 from kvtier.integrations.vllm.transfers import ChunkTransfer
-from kvtier.integrations.vllm.worker import load_batch_for
+from kvtier.integrations.vllm.worker.connector_worker import load_batch_for
+from kvtier.integrations.vllm.worker.cpu import CpuChunkMover, spare_buffers
+from kvtier.integrations.vllm.worker.paged import PagedKV
 from kvtier.tiers import open_store
 from kvtier.tiers.storeconfig import StoreConfig
 from kvtier.tools.bench.vllmviews import VllmCacheSpec, vllm_kv_caches

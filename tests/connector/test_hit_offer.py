@@ -1,4 +1,5 @@
-"""Load or recompute (kvtier.integrations.vllm.offer): the hit offered is the longest prefix
+"""Load or recompute (kvtier.integrations.vllm.scheduler.offer): the hit offered is the longest
+prefix
 whose expected load time is at most its expected recompute time, from measured costs."""
 
 from __future__ import annotations
@@ -7,9 +8,10 @@ from collections.abc import Callable
 
 import pytest
 
-from kvtier.integrations.vllm.loadcost import LoadCosts, LoadSample
-from kvtier.integrations.vllm.offer import TRIAL_MAX_S, TRIAL_MIN_S, HitOffer
-from kvtier.integrations.vllm.stepcost import EngineSteps
+from kvtier.integrations.vllm.scheduler.loadcost import LoadCosts
+from kvtier.integrations.vllm.scheduler.offer import TRIAL_MAX_S, TRIAL_MIN_S, HitOffer
+from kvtier.integrations.vllm.scheduler.stepcost import EngineSteps
+from kvtier.integrations.vllm.transfers import LoadSample
 
 MS = 1e-3
 TPC = 256

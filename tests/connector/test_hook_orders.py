@@ -79,12 +79,12 @@ from vllm.v1.request import Request
 from kvtier.core.keys import ChunkKey
 from kvtier.core.locator import ChunkLocator
 from kvtier.core.threads import io_pool
-from kvtier.integrations.vllm import worker as worker_module
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.connector import KVTierConnector
 from kvtier.integrations.vllm.messages import KVTierMetadata, KVTierWorkerMetadata
-from kvtier.integrations.vllm.scheduler import ConnectorScheduler
-from kvtier.integrations.vllm.worker import ConnectorWorker, PagedKV
+from kvtier.integrations.vllm.scheduler.connector_scheduler import ConnectorScheduler
+from kvtier.integrations.vllm.worker import connector_worker as worker_module
+from kvtier.integrations.vllm.worker.connector_worker import ConnectorWorker, PagedKV
 from kvtier.tiers import open_store
 
 CHUNK, BLOCK = 64, 32  # two vLLM blocks a chunk

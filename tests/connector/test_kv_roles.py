@@ -25,8 +25,8 @@ from kvtier.core.store import TieredStore
 from kvtier.core.tier import TierResult
 from kvtier.integrations.vllm.config import ConnectorConfig, RequestControls
 from kvtier.integrations.vllm.messages import ChunkTransfer, KVTierMetadata
-from kvtier.integrations.vllm.scheduler import ConnectorScheduler
-from kvtier.integrations.vllm.worker import ConnectorWorker, PagedKV
+from kvtier.integrations.vllm.scheduler.connector_scheduler import ConnectorScheduler
+from kvtier.integrations.vllm.worker.connector_worker import ConnectorWorker, PagedKV
 from kvtier.tiers.example import ExampleTier, ExampleTierConfig
 
 

@@ -38,8 +38,8 @@ from vllm.v1.request import Request
 from kvtier.core.locator import ChunkLocator
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.messages import KVTierMetadata, KVTierWorkerMetadata
-from kvtier.integrations.vllm.scheduler import ConnectorScheduler
-from kvtier.integrations.vllm.storeplan import StorePlanner
+from kvtier.integrations.vllm.scheduler.connector_scheduler import ConnectorScheduler
+from kvtier.integrations.vllm.scheduler.storeplan import StorePlanner
 
 CHUNK, BLOCK = 64, 32
 BPC = CHUNK // BLOCK

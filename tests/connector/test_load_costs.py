@@ -1,4 +1,5 @@
-"""What loads cost per tier (kvtier.integrations.vllm.loadcost) and load_mode "auto"'s rule:
+"""What loads cost per tier (kvtier.integrations.vllm.scheduler.loadcost) and load_mode
+"auto"'s rule:
 a hit loads inline while other requests run only when its expected time, from the workers'
 timed loads, is at most a fifth of the engine's median step; until measured, by where the
 hit lives."""
@@ -7,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.integrations.vllm.loadcost import INLINE_STEP_SHARE, LoadCosts, LoadSample
+from kvtier.integrations.vllm.scheduler.loadcost import INLINE_STEP_SHARE, LoadCosts
+from kvtier.integrations.vllm.transfers import LoadSample
 
 MS = 1e-3
 TIERS = ("memory", "disk", "redis")

@@ -36,7 +36,7 @@ from kvtier.core.fingerprint import adapter_fingerprint
 from kvtier.core.locator import ChunkLocator
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.messages import KVTierWorkerMetadata
-from kvtier.integrations.vllm.scheduler import ConnectorScheduler
+from kvtier.integrations.vllm.scheduler.connector_scheduler import ConnectorScheduler
 
 CHUNK, BLOCK = 64, 32
 PROMPT = list(range(1000, 1200))  # 3 full chunks before the last token
@@ -139,7 +139,7 @@ def test_an_adapter_that_is_not_a_local_directory_is_keyed_by_name_and_path(
     as vLLM's block hash, logged once."""
     sched = Scheduler()
     remote = LoRARequest("support", 1, "org/support-adapter")
-    with caplog.at_level(logging.WARNING, logger="kvtier.integrations.vllm.request_keys"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.integrations.vllm.scheduler.request_keys"):
         sched.store(remote)
         assert sched.hit(LoRARequest("support", 1, "org/support-adapter")) == HIT
     assert sum("keyed by its name and path" in r.getMessage() for r in caplog.records) == 1

@@ -28,8 +28,8 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.integrations.vllm.kvformat import attention_format, chunk_layouts
 from kvtier.integrations.vllm.messages import ChunkTransfer, KVTierMetadata
-from kvtier.integrations.vllm.paged import PagedKV
-from kvtier.integrations.vllm.worker import ConnectorWorker
+from kvtier.integrations.vllm.worker.connector_worker import ConnectorWorker
+from kvtier.integrations.vllm.worker.paged import PagedKV
 from kvtier.tiers import build_probe, open_store
 from kvtier.tiers.storeconfig import StoreConfig
 from kvtier.tools.bench.vllmviews import VllmCacheSpec, vllm_kv_caches

@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("vllm")
 
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm.worker import PagedKV
+from kvtier.integrations.vllm.worker.connector_worker import PagedKV
 
 LAYERS, BLOCKS, BS, LATENT = 3, 10, 16, 96  # LATENT: kv_lora_rank 64 + qk_rope_head_dim 32
 

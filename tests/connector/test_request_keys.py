@@ -28,8 +28,8 @@ from kvtier.core.keys import Namespace, chunk_keys
 from kvtier.core.locator import ChunkLocator
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.messages import KVTierWorkerMetadata
-from kvtier.integrations.vllm.requeststate import CHUNK_ORDER
-from kvtier.integrations.vllm.scheduler import ConnectorScheduler
+from kvtier.integrations.vllm.scheduler.connector_scheduler import ConnectorScheduler
+from kvtier.integrations.vllm.scheduler.requeststate import CHUNK_ORDER
 
 CHUNK, BLOCK = 64, 32
 IMAGE_TOKEN = 99  # the placeholder token of every image

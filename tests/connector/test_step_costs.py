@@ -1,11 +1,11 @@
 """The engine's step time and recompute cost, learned from its own steps
-(kvtier.integrations.vllm.stepcost)."""
+(kvtier.integrations.vllm.scheduler.stepcost)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvtier.integrations.vllm.stepcost import MIN_PREFILL_STEPS, MIN_STEPS, EngineSteps
+from kvtier.integrations.vllm.scheduler.stepcost import MIN_PREFILL_STEPS, MIN_STEPS, EngineSteps
 
 MS = 1e-3
 

@@ -1,4 +1,4 @@
-"""The device mover's ordering (integrations/vllm/streams.py), on a CPU stand-in for the GPU.
+"""The device mover's ordering (integrations/vllm/worker/streams.py), on a CPU stand-in for the GPU.
 
 The mover orders its copies only through the Device protocol; kvtier/tools/bench/standin.py runs
 each stream's work on a thread, late and in random order across streams, in poisoned "device"
@@ -33,9 +33,9 @@ import torch
 from moverrig import MoverRig, NoCopyWaits, NoWaits
 from tierkit import key
 
-from kvtier.integrations.vllm.cpu import spare_buffers
-from kvtier.integrations.vllm.paged import PagedKV
 from kvtier.integrations.vllm.transfers import ChunkTransfer
+from kvtier.integrations.vllm.worker.cpu import spare_buffers
+from kvtier.integrations.vllm.worker.paged import PagedKV
 from kvtier.tools.bench.standin import StandInDevice, StandInEvent
 from kvtier.tools.bench.vllmviews import VllmCacheSpec, vllm_kv_caches
 

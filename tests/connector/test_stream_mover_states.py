@@ -1,4 +1,4 @@
-"""State layers through the device mover (integrations/vllm/streams.py), on the CPU stand-in.
+"""State layers through the device mover (integrations/vllm/worker/streams.py), on the CPU stand-in.
 
 A hybrid model's chunk carries, after its KV, a state region: a flag and one block's state of
 every state layer (paged.py, groups.py). The device mover moves it in the same staging buffer
@@ -32,8 +32,8 @@ from tierkit import key
 
 from kvtier.core.keys import ChunkKey
 from kvtier.integrations.vllm.groups import NULL_BLOCK, STATE_FLAG_BYTES
-from kvtier.integrations.vllm.paged import PagedKV
 from kvtier.integrations.vllm.transfers import ChunkTransfer
+from kvtier.integrations.vllm.worker.paged import PagedKV
 from kvtier.tools.bench.standin import StandInDevice
 from kvtier.tools.bench.vllmviews import VllmCacheSpec, vllm_kv_caches
 

@@ -33,7 +33,7 @@ import torch
 
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.kvformat import attention_format, chunk_layouts
-from kvtier.integrations.vllm.paged import PagedKV
+from kvtier.integrations.vllm.worker.paged import PagedKV
 from kvtier.tools.bench.vllmviews import VllmCacheSpec, vllm_kv_caches
 
 MODEL = "acme/tiny-33"

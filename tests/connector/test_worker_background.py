@@ -22,7 +22,7 @@ pytest.importorskip("vllm")
 
 
 from kvtier.integrations.vllm.messages import ChunkTransfer, KVTierMetadata
-from kvtier.integrations.vllm.worker import ConnectorWorker, PagedKV
+from kvtier.integrations.vllm.worker.connector_worker import ConnectorWorker, PagedKV
 from kvtier.tiers import open_store
 from kvtier.tiers.storeconfig import StoreConfig
 

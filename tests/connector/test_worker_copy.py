@@ -19,7 +19,7 @@ pytest.importorskip("vllm")
 
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import ConnectorConfig, RequestControls
-from kvtier.integrations.vllm.worker import PagedKV
+from kvtier.integrations.vllm.worker.connector_worker import PagedKV
 
 LAYERS, BLOCKS, HEADS, BS, DIM = 2, 8, 2, 32, 16
 
@@ -210,7 +210,7 @@ def test_loads_from_disk_come_in_batches_and_stop_at_the_first_miss(tmp_path) ->
     the rest are reported failed."""
     from kvtier.core.keys import ChunkKey
     from kvtier.integrations.vllm.messages import ChunkTransfer, KVTierMetadata
-    from kvtier.integrations.vllm.worker import ConnectorWorker
+    from kvtier.integrations.vllm.worker.connector_worker import ConnectorWorker
     from kvtier.tiers import open_store
     from kvtier.tiers.storeconfig import StoreConfig
 
@@ -245,7 +245,7 @@ def test_a_load_is_timed_by_tier_and_a_failed_one_charges_the_tier_that_failed(
     from kvtier.core.keys import ChunkKey
     from kvtier.core.tier import Failure, TierResult
     from kvtier.integrations.vllm.messages import ChunkTransfer, KVTierMetadata
-    from kvtier.integrations.vllm.worker import ConnectorWorker
+    from kvtier.integrations.vllm.worker.connector_worker import ConnectorWorker
     from kvtier.tiers import open_store
     from kvtier.tiers.storeconfig import StoreConfig
 

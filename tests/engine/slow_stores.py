@@ -27,7 +27,7 @@ import os
 import sys
 
 _FLAG = os.environ.get("KVTIER_TEST_SLOW_STORES")
-_MODULE = "kvtier.integrations.vllm.paged"
+_MODULE = "kvtier.integrations.vllm.worker.paged"
 
 
 def _patch(module):

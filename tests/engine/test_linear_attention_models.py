@@ -233,7 +233,7 @@ def leave_states_stale(monkeypatch: pytest.MonkeyPatch) -> None:
     """The bug the placement guards against: a load writes the chunk's KV but not its states
     (nor copies them where the forward reads them), so the linear-attention layers start from
     whatever the request's state blocks held."""
-    from kvtier.integrations.vllm.paged import PagedKV
+    from kvtier.integrations.vllm.worker.paged import PagedKV
 
     scatter = PagedKV.scatter
 

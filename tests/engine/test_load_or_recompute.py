@@ -41,7 +41,7 @@ from vllm_harness import (
 )
 
 from kvtier.integrations.vllm.config import kvtier_transfer_config as transfer_config
-from kvtier.integrations.vllm.offer import TRIAL_MAX_S, TRIAL_MIN_S
+from kvtier.integrations.vllm.scheduler.offer import TRIAL_MAX_S, TRIAL_MIN_S
 from kvtier.tools.bench.engines import kvtier_gauge
 from kvtier.tools.bench.netem import Endpoint, delayed_proxy
 from kvtier.tools.tinymodel import TinyModelSpec, make_tiny_model

@@ -80,7 +80,7 @@ def in_process_engine(model_dir: Path, **overrides: Any) -> Iterator[Any]:
 
 def inject_keys_without_extras(monkeypatch: pytest.MonkeyPatch) -> None:
     """The bug of issue 11: chunk keys from token ids only (no images, no embeddings)."""
-    import kvtier.integrations.vllm.requeststate as requeststate
+    import kvtier.integrations.vllm.scheduler.requeststate as requeststate
 
     monkeypatch.setattr(requeststate, "needs_chunk_extras", lambda request: False)
 

@@ -28,9 +28,9 @@ from typing import Any
 import pytest
 import torch
 
-from kvtier.integrations.vllm.device import CudaDevice, Device, Event
 from kvtier.integrations.vllm.kvformat import AttentionFormat, attention_format
-from kvtier.integrations.vllm.paged import PagedKV
+from kvtier.integrations.vllm.worker.device import CudaDevice, Device, Event
+from kvtier.integrations.vllm.worker.paged import PagedKV
 from kvtier.tools.bench.standin import StandInDevice
 from kvtier.tools.bench.vllmviews import VllmCacheSpec, vllm_kv_caches
 

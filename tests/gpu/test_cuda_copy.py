@@ -1,4 +1,4 @@
-"""The connector's device mover (integrations/vllm/streams.py, `StreamChunkMover` over
+"""The connector's device mover (integrations/vllm/worker/streams.py, `StreamChunkMover` over
 `CudaDevice`) on a real GPU, mirroring the stand-in scenarios of
 tests/connector/test_stream_mover.py.
 
@@ -39,11 +39,11 @@ from gpurig import BS, CASE_IDS, CASES, SLEEP_CYCLES_PER_S, Backend, Case, refer
 from tierkit import key
 
 from kvtier.core.store import TieredStore
-from kvtier.integrations.vllm.cpu import spare_buffers
 from kvtier.integrations.vllm.groups import NULL_BLOCK
-from kvtier.integrations.vllm.paged import PagedKV
-from kvtier.integrations.vllm.streams import StreamChunkMover
 from kvtier.integrations.vllm.transfers import ChunkTransfer
+from kvtier.integrations.vllm.worker.cpu import spare_buffers
+from kvtier.integrations.vllm.worker.paged import PagedKV
+from kvtier.integrations.vllm.worker.streams import StreamChunkMover
 from kvtier.tiers import open_store
 from kvtier.tiers.storeconfig import StoreConfig
 from kvtier.tools.bench.standin import StandInEvent

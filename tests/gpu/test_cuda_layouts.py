@@ -1,4 +1,4 @@
-"""Gather and scatter (integrations/vllm/paged.py) on vLLM 0.33's KV caches on the device:
+"""Gather and scatter (integrations/vllm/worker/paged.py) on vLLM 0.33's KV caches on the device:
 every physical layout, MLA's 4-D views, a block split into r=4 kernel blocks, bf16 and fp8.
 
 A gathered chunk must be, byte for byte, the chunk order built independently from vLLM's
@@ -16,7 +16,7 @@ import pytest
 import torch
 from gpurig import BS, CASE_IDS, CASES, Backend, Case, reference_chunk
 
-from kvtier.integrations.vllm.paged import PagedKV
+from kvtier.integrations.vllm.worker.paged import PagedKV
 
 LAYERS, BLOCKS = 3, 24
 SRC, DST = (5, 17, 2, 11), (20, 1, 8, 14)  # a chunk of 4 blocks

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm.paged import PagedKV
+from kvtier.integrations.vllm.worker.paged import PagedKV
 from kvtier.tools.bench.copy import TARGET_RATIO, CopyBenchConfig, run_copy_bench, run_copy_sweep
 from kvtier.tools.cli.bench_copy import SWEEP_CHUNK_MIB
 from kvtier.tools.cli.main import main

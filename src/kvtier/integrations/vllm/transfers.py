@@ -1,14 +1,17 @@
 """One chunk to move between kvtier and vLLM's paged KV (`ChunkTransfer`), as the scheduler
 plans it and the workers' movers carry it out, and the tenant, pin and expiry it is stored
-with (`chunk_meta`). Free of vLLM, so that the movers (cpu.py, streams.py) run and are tested
-where vLLM is not installed (scripts/gpu-check.sh).
+with (`chunk_meta`); one complete load as a worker timed it (`LoadSample`), which the
+scheduler weighs its next hits by (scheduler/loadcost.py). Free of vLLM, so that the movers
+(worker/cpu.py, worker/streams.py) run and are tested where vLLM is not installed
+(scripts/gpu-check.sh).
 
-Primitives: `ChunkTransfer`, `chunk_meta`.
+Primitives: `ChunkTransfer`, `chunk_meta`, `LoadSample`.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvtier.core.keys import ChunkKey
@@ -67,3 +70,23 @@ def chunk_meta(transfer: ChunkTransfer) -> ChunkMeta:
         return DEFAULT_META
     return ChunkMeta.for_request(transfer.tenant, transfer.retain_s, transfer.ttl_s,
                                  time.time())
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSample:
+    """One request's complete load, as a worker timed it."""
+
+    chunks: tuple[tuple[str, int], ...]  # (tier name, chunks it lent or failed to)
+    seconds: float  # from the first read to the last scatter, or to the failed read
+    failed: bool = False  # it stopped at a read that a tier failed (its last chunk's)
+    # Of `seconds`, the time spent waiting for the tiers' reads (the rest: the copy into
+    # vLLM's blocks): where a hit's time goes, on /metrics as load_read_seconds.
+    read_s: float = 0.0
+
+    @staticmethod
+    def since(started_s: float, chunks: Mapping[str, int], read_s: float,
+              failed: bool = False) -> LoadSample:
+        """A load of `chunks` (tier -> count) that started at `started_s` (perf_counter)
+        and ends now, `read_s` of it waiting for reads."""
+        return LoadSample(tuple(chunks.items()), time.perf_counter() - started_s, failed,
+                          read_s)

@@ -45,11 +45,11 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.store import TieredStore
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import TOKENS_PER_CHUNK
-from kvtier.integrations.vllm.cpu import CpuChunkMover, spare_buffers
 from kvtier.integrations.vllm.kvformat import attention_format
-from kvtier.integrations.vllm.mover import ChunkMover
-from kvtier.integrations.vllm.paged import PagedKV
 from kvtier.integrations.vllm.transfers import ChunkTransfer
+from kvtier.integrations.vllm.worker.cpu import CpuChunkMover, spare_buffers
+from kvtier.integrations.vllm.worker.mover import ChunkMover
+from kvtier.integrations.vllm.worker.paged import PagedKV
 from kvtier.tiers.storeconfig import StoreConfig
 from kvtier.tools.bench.vllmviews import LAYOUTS, VllmCacheSpec, vllm_kv_caches
 
@@ -268,8 +268,8 @@ def _mover(paged: PagedKV, store: TieredStore, chunk_bytes: int,
     if device.type == "cpu":
         mover = CpuChunkMover(paged, store, chunk_bytes, lambda _key, _state: None)
         return mover, spare_buffers(LOAD_BATCH, chunk_bytes), str(device)
-    from kvtier.integrations.vllm.device import CudaDevice
-    from kvtier.integrations.vllm.streams import StreamChunkMover
+    from kvtier.integrations.vllm.worker.device import CudaDevice
+    from kvtier.integrations.vllm.worker.streams import StreamChunkMover
 
     cuda = CudaDevice(device)
     return (StreamChunkMover(paged, store, chunk_bytes, LOAD_BATCH, lambda _key, _state: None,

@@ -44,9 +44,9 @@ from kvtier.tools.bench.subjects import aligned_buffer, direct_read_s, direct_wr
 
 if TYPE_CHECKING:
     from kvtier.core.store import TieredStore
-    from kvtier.integrations.vllm.cpu import CpuChunkMover
-    from kvtier.integrations.vllm.paged import PagedKV
     from kvtier.integrations.vllm.transfers import ChunkTransfer
+    from kvtier.integrations.vllm.worker.cpu import CpuChunkMover
+    from kvtier.integrations.vllm.worker.paged import PagedKV
 
 TARGET_VS_RAW = 1.5  # a disk hit's load <= 1.5x the raw O_DIRECT read (issue 26)
 
@@ -134,9 +134,9 @@ def run_disk_load_bench(config: DiskLoadConfig,
 def _run(config: DiskLoadConfig, root: Path, progress: Callable[[str], None]
          ) -> DiskLoadResult:
     from kvtier.core.keys import ChunkKey
-    from kvtier.integrations.vllm.cpu import CpuChunkMover, spare_buffers
-    from kvtier.integrations.vllm.paged import PagedKV
     from kvtier.integrations.vllm.transfers import ChunkTransfer
+    from kvtier.integrations.vllm.worker.cpu import CpuChunkMover, spare_buffers
+    from kvtier.integrations.vllm.worker.paged import PagedKV
     from kvtier.tiers import open_store
     from kvtier.tiers.disk import DiskTier
     from kvtier.tiers.storeconfig import StoreConfig

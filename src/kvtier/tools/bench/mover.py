@@ -88,11 +88,11 @@ def run_mover_bench(config: MoverBenchConfig,
         ConfigError: a bad setting.
     """
     from kvtier.core.keys import ChunkKey
-    from kvtier.integrations.vllm.cpu import CpuChunkMover, spare_buffers
-    from kvtier.integrations.vllm.mover import ChunkMover
-    from kvtier.integrations.vllm.paged import PagedKV
-    from kvtier.integrations.vllm.streams import StreamChunkMover
     from kvtier.integrations.vllm.transfers import ChunkTransfer
+    from kvtier.integrations.vllm.worker.cpu import CpuChunkMover, spare_buffers
+    from kvtier.integrations.vllm.worker.mover import ChunkMover
+    from kvtier.integrations.vllm.worker.paged import PagedKV
+    from kvtier.integrations.vllm.worker.streams import StreamChunkMover
     from kvtier.tiers import open_store
     from kvtier.tiers.storeconfig import StoreConfig
     from kvtier.tools.bench.standin import StandInDevice

@@ -1,4 +1,4 @@
-"""A CPU stand-in for a GPU under kvtier's stream mover (integrations/vllm/streams.py): CI's
+"""A CPU stand-in for a GPU under kvtier's stream mover (integrations/vllm/worker/streams.py): CI's
 device (tests/connector/test_stream_mover.py) and `kvtier bench mover`'s.
 
 It keeps CUDA's ordering model and makes every breach of it visible: each stream is a thread

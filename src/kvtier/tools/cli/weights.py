@@ -11,7 +11,7 @@ from rich.table import Table
 
 from kvtier.tools.ops.restorecost import ROUTERS, WEIGHT_FORMULA, TierWeight
 
-# The connector's reasons (integrations/vllm/offer.py), in the column's order.
+# The connector's reasons (integrations/vllm/scheduler/offer.py), in the column's order.
 DECISION_REASONS = ("loaded", "trial", "recompute_faster")
 
 

@@ -10,7 +10,8 @@ where restore_s is the time to bring the hit's KV back from the tier to the GPU 
 recompute_s the time to prefill the same tokens (both per 1k tokens, or both for one
 session). vLLM's own GPU prefix cache is 1.0 (its hits cost no restore); a tier that restores
 slower than recompute is 0 (kvtier's rule, load_when "faster", recomputes such a hit anyway:
-integrations/vllm/offer.py). The same number serves both routers; what differs is the key it
+integrations/vllm/scheduler/offer.py). The same number serves both routers; what differs is the
+key it
 replaces: llm-d's "gpu" and "cpu" media, Dynamo's "host" and "disk" tiers.
 
 Primitives:

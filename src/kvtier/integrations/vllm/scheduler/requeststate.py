@@ -24,8 +24,12 @@ from kvtier.core.keys import ChunkKey, Namespace, chunk_keys
 from kvtier.errors import UncacheableRequest
 from kvtier.integrations.vllm.config import RequestControls
 from kvtier.integrations.vllm.metrics import StatsDelta
-from kvtier.integrations.vllm.request_keys import chunk_extras, lora_identity, needs_chunk_extras
-from kvtier.integrations.vllm.routerevents import RouterEvents
+from kvtier.integrations.vllm.scheduler.request_keys import (
+    chunk_extras,
+    lora_identity,
+    needs_chunk_extras,
+)
+from kvtier.integrations.vllm.scheduler.routerevents import RouterEvents
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput

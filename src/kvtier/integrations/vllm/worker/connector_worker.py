@@ -39,9 +39,6 @@ from concurrent.futures import Future
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.threads import io_pool
-from kvtier.integrations.vllm.chunkstore import ChunkStore
-from kvtier.integrations.vllm.cpu import CpuChunkMover, spare_buffers
-from kvtier.integrations.vllm.device import Device
 from kvtier.integrations.vllm.messages import (
     ChunkTransfer,
     KVTierMetadata,
@@ -49,8 +46,11 @@ from kvtier.integrations.vllm.messages import (
     chunk_meta,
 )
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, StatsDelta
-from kvtier.integrations.vllm.mover import ChunkMover, StoreJob
-from kvtier.integrations.vllm.paged import PagedKV
+from kvtier.integrations.vllm.worker.chunkstore import ChunkStore
+from kvtier.integrations.vllm.worker.cpu import CpuChunkMover, spare_buffers
+from kvtier.integrations.vllm.worker.device import Device
+from kvtier.integrations.vllm.worker.mover import ChunkMover, StoreJob
+from kvtier.integrations.vllm.worker.paged import PagedKV
 
 __all__ = ["ChunkStore", "ConnectorWorker", "PagedKV"]
 
@@ -112,8 +112,8 @@ class ConnectorWorker:
                                         self._note_state)
             pinned = None
         else:
-            from kvtier.integrations.vllm.device import CudaDevice
-            from kvtier.integrations.vllm.streams import StreamChunkMover
+            from kvtier.integrations.vllm.worker.device import CudaDevice
+            from kvtier.integrations.vllm.worker.streams import StreamChunkMover
 
             device = device or CudaDevice(paged.device)
             self._mover = StreamChunkMover(paged, store, layout.bytes_per_chunk, load_batch,

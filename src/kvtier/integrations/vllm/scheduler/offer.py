@@ -45,8 +45,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvtier.integrations.vllm.loadcost import LoadCosts
-from kvtier.integrations.vllm.stepcost import EngineSteps
+from kvtier.integrations.vllm.scheduler.loadcost import LoadCosts
+from kvtier.integrations.vllm.scheduler.stepcost import EngineSteps
 
 TRIAL_MIN_S = 2.0
 TRIAL_MAX_S = 60.0

@@ -23,10 +23,10 @@ import logging
 from kvtier.core.keys import ChunkKey
 from kvtier.core.locator import ChunkLocator
 from kvtier.integrations.vllm.groups import NULL_BLOCK, ChunkGroups
-from kvtier.integrations.vllm.loadfailures import LoadFailures
 from kvtier.integrations.vllm.messages import ChunkTransfer, KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.metrics import StatsDelta
-from kvtier.integrations.vllm.requeststate import RequestState, RequestTable
+from kvtier.integrations.vllm.scheduler.loadfailures import LoadFailures
+from kvtier.integrations.vllm.scheduler.requeststate import RequestState, RequestTable
 
 logger = logging.getLogger(__name__)
 

@@ -16,9 +16,8 @@ from collections.abc import MutableSequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvtier.integrations.vllm.device import Event
-from kvtier.integrations.vllm.loadcost import LoadSample
-from kvtier.integrations.vllm.transfers import ChunkTransfer
+from kvtier.integrations.vllm.transfers import ChunkTransfer, LoadSample
+from kvtier.integrations.vllm.worker.device import Event
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvtier.integrations.vllm.messages import KVTierMetadata, KVTierWorkerMetadata
-from kvtier.integrations.vllm.requeststate import RequestState
+from kvtier.integrations.vllm.scheduler.requeststate import RequestState
 
 # Engine steps during which a load's blocks count as unconfirmed (stores depending on them name
 # them). vLLM reports a step's outcome before it schedules the step after next (async

@@ -25,7 +25,8 @@ Until a step time and the costs the hit needs have been measured: a hit held in 
 one below RAM asynchronous (the measured defaults: a RAM hit adds 0.3-8.3 ms at 1k-16k
 tokens, a disk hit 6-91 ms, docs/performance.md).
 
-Primitives: `LoadSample`, `LoadCosts`, `INLINE_STEP_SHARE`, `TIER_WINDOW`.
+Primitives: `LoadCosts`, `INLINE_STEP_SHARE`, `TIER_WINDOW` (over the workers'
+`transfers.LoadSample`s).
 """
 
 from __future__ import annotations
@@ -35,32 +36,13 @@ import statistics
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+
+from kvtier.integrations.vllm.transfers import LoadSample
 
 # An inline load may stretch one step by this share of the median step: 1.2x at most.
 INLINE_STEP_SHARE = 0.2
 # Loads per tier whose median is the tier's cost: one outlier does not move it, two do.
 TIER_WINDOW = 3
-
-
-@dataclass(frozen=True, slots=True)
-class LoadSample:
-    """One request's complete load, as a worker timed it."""
-
-    chunks: tuple[tuple[str, int], ...]  # (tier name, chunks it lent or failed to)
-    seconds: float  # from the first read to the last scatter, or to the failed read
-    failed: bool = False  # it stopped at a read that a tier failed (its last chunk's)
-    # Of `seconds`, the time spent waiting for the tiers' reads (the rest: the copy into
-    # vLLM's blocks): where a hit's time goes, on /metrics as load_read_seconds.
-    read_s: float = 0.0
-
-    @staticmethod
-    def since(started_s: float, chunks: Mapping[str, int], read_s: float,
-              failed: bool = False) -> LoadSample:
-        """A load of `chunks` (tier -> count) that started at `started_s` (perf_counter)
-        and ends now, `read_s` of it waiting for reads."""
-        return LoadSample(tuple(chunks.items()), time.perf_counter() - started_s, failed,
-                          read_s)
 
 
 class LoadCosts:

@@ -59,12 +59,11 @@ import torch
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.store import PendingPut
-from kvtier.integrations.vllm.chunkstore import ChunkStore
-from kvtier.integrations.vllm.device import Device, Event
-from kvtier.integrations.vllm.loadcost import LoadSample
-from kvtier.integrations.vllm.mover import StoreJob
-from kvtier.integrations.vllm.paged import PagedKV
-from kvtier.integrations.vllm.transfers import ChunkTransfer, chunk_meta
+from kvtier.integrations.vllm.transfers import ChunkTransfer, LoadSample, chunk_meta
+from kvtier.integrations.vllm.worker.chunkstore import ChunkStore
+from kvtier.integrations.vllm.worker.device import Device, Event
+from kvtier.integrations.vllm.worker.mover import StoreJob
+from kvtier.integrations.vllm.worker.paged import PagedKV
 
 logger = logging.getLogger(__name__)
 MiB = 1 << 20

@@ -22,11 +22,11 @@ from collections.abc import Callable, Sequence
 from kvtier.core.keys import ChunkKey
 from kvtier.core.locator import ChunkIndex
 from kvtier.core.tier import EventKind
-from kvtier.integrations.vllm.holders import Holders
-from kvtier.integrations.vllm.loadcost import LoadCosts
 from kvtier.integrations.vllm.messages import KVTierMetadata, KVTierWorkerMetadata
-from kvtier.integrations.vllm.offer import Cut, HitOffer
-from kvtier.integrations.vllm.stepcost import EngineSteps
+from kvtier.integrations.vllm.scheduler.holders import Holders
+from kvtier.integrations.vllm.scheduler.loadcost import LoadCosts
+from kvtier.integrations.vllm.scheduler.offer import Cut, HitOffer
+from kvtier.integrations.vllm.scheduler.stepcost import EngineSteps
 from kvtier.integrations.vllm.transfers import ChunkTransfer
 
 logger = logging.getLogger(__name__)

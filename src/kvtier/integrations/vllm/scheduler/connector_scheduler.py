@@ -32,14 +32,14 @@ from typing import TYPE_CHECKING
 from kvtier.core.locator import ChunkLocator, LookupStatus
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.groups import ChunkGroups
-from kvtier.integrations.vllm.loadfailures import LoadFailures
-from kvtier.integrations.vllm.loadplan import LoadPlanner
 from kvtier.integrations.vllm.messages import ChunkTransfer, KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, StatsDelta
-from kvtier.integrations.vllm.requeststate import RequestState, RequestTable
-from kvtier.integrations.vllm.routerevents import RouterEvents
-from kvtier.integrations.vllm.statelayers import StateLayers
-from kvtier.integrations.vllm.storeplan import StorePlanner, stores_async
+from kvtier.integrations.vllm.scheduler.loadfailures import LoadFailures
+from kvtier.integrations.vllm.scheduler.loadplan import LoadPlanner
+from kvtier.integrations.vllm.scheduler.requeststate import RequestState, RequestTable
+from kvtier.integrations.vllm.scheduler.routerevents import RouterEvents
+from kvtier.integrations.vllm.scheduler.statelayers import StateLayers
+from kvtier.integrations.vllm.scheduler.storeplan import StorePlanner, stores_async
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent

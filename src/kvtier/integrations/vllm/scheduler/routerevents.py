@@ -16,7 +16,7 @@ import numpy as np
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.store import StoreEvent
-from kvtier.integrations.vllm.events import ChunkInfo, ChunkTokens, kv_events
+from kvtier.integrations.vllm.scheduler.events import ChunkInfo, ChunkTokens, kv_events
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent
