@@ -22,9 +22,10 @@ from typing import Protocol
 
 from kvtier.core.keys import KEY_BYTES, ChunkKey
 from kvtier.core.tier import StoredChunk
-from kvtier.tiers.filetree import TEMP_STALE_S, is_layout_name, lstat_file, unlink_file, walk
+from kvtier.tiers.file_manifests import file_manifests, remove_file_manifest
+from kvtier.tiers.filetree import TEMP_STALE_S, lstat_file, unlink_file, walk
 from kvtier.tiers.fsops import NO_OPS, FsOps
-from kvtier.tiers.manifest import NamespaceManifest, file_manifests, remove_file_manifest
+from kvtier.tiers.manifest import NamespaceManifest, is_layout_name
 
 SUFFIX = ".kvc"
 

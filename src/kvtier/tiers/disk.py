@@ -66,7 +66,8 @@ from kvtier.tiers.chunkfiles import ChunkFiles
 from kvtier.tiers.chunktree import FileInventory, FileProbe, walk_chunks
 from kvtier.tiers.directories import check_directory
 from kvtier.tiers.encoding import EncodedTierSettings, build_encoder
-from kvtier.tiers.manifest import NamespaceManifest, write_file_manifest
+from kvtier.tiers.file_manifests import write_file_manifest
+from kvtier.tiers.manifest import NamespaceManifest
 from kvtier.tiers.retention import RetentionTierSettings, book_problems, build_book
 from kvtier.tiers.retention_journal import RetentionJournal
 

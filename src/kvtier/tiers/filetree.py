@@ -24,7 +24,7 @@ the writer's primary group (issue 12, item 4; tests/faults/test_group_sharing.py
 
 Primitives: `open_dir`, `make_root`, `lstat_file`, `unlink_file`, `walk`, `Entry`,
 `sample_shards` (the shared tier's sampled eviction), `sweep_layout_temps`,
-`TEMP_STALE_S`, `is_layout_name`, `is_temp_name`, `DIR_FLAGS`, `NOT_OURS`.
+`TEMP_STALE_S`, `is_temp_name`, `DIR_FLAGS`, `NOT_OURS`.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.tiers.fsops import NO_OPS, FsOps
+from kvtier.tiers.manifest import LAYOUT_NAME, is_layout_name
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # A kvtier temp file older than this belongs to a writer that died: it is deleted by the next
@@ -48,7 +49,6 @@ DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # A chunk write takes well under a second; a live writer whose temp file is swept anyway
 # (clock skew between nodes) only loses that one write (its rename fails: a dropped write).
 TEMP_STALE_S = 120.0
-_LAYOUT = re.compile(r"[0-9a-f]{32}")
 _SHARD = re.compile(r"[0-9a-f]{2}")
 _CHUNK = re.compile(r"[0-9a-f]{32}\.kvc")
 _CHUNK_TEMP = re.compile(r"\.[0-9a-f]{32}\.kvc\.[0-9a-f]{12}\.tmp")
@@ -56,11 +56,6 @@ _CHUNK_TEMP = re.compile(r"\.[0-9a-f]{32}\.kvc\.[0-9a-f]{12}\.tmp")
 _PROBE_TEMP = re.compile(r"\.(?:probe|manifest)-[0-9a-f]{32}\.tmp")
 # errnos of a path that is not (or no longer) what kvtier's layout says it is
 NOT_OURS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP})
-
-
-def is_layout_name(name: str) -> bool:
-    """Whether `name` can be a layout directory of kvtier's (a layout digest)."""
-    return bool(_LAYOUT.fullmatch(name))
 
 
 def is_temp_name(name: str) -> bool:
@@ -231,7 +226,7 @@ def walk(root: Path, layout_digests: Sequence[str] | None = None,
         return
     try:
         names = layout_digests if layout_digests is not None else [
-            n for n, _ in _children(root_fd, True, ops) if _LAYOUT.fullmatch(n)]
+            n for n, _ in _children(root_fd, True, ops) if is_layout_name(n)]
         for digest in names:
             yield from _walk_layout(root_fd, digest, ops)
     finally:
@@ -291,7 +286,7 @@ def sample_shards(root: Path, rng: random.Random, ops: FsOps = NO_OPS,
     layout_fds: dict[str, int] = {}
     try:
         firsts: list[tuple[str, str]] = []  # (layout, s1)
-        for digest in _typed_dirs(root_fd, _LAYOUT, ops):
+        for digest in _typed_dirs(root_fd, LAYOUT_NAME, ops):
             for layout_fd in _subdir(root_fd, digest, ops):
                 layout_fds[digest] = os.dup(layout_fd)
                 firsts += [(digest, first) for first in _typed_dirs(layout_fd, _SHARD, ops)]

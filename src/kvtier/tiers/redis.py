@@ -52,7 +52,7 @@ Credentials: `password_file` or an environment variable (config.py); never the U
 TLS: `rediss://` or `tls: true`, verified against `tls_ca_file` or the system CAs.
 (Both in tiers/redis_client.py, with the client's timeouts.)
 
-Primitives: `RedisTier`, `ChunkNames`, `TierProbe`. The config model is `RedisTierConfig`
+Primitives: `RedisTier`, `ChunkNames`. The config model is `RedisTierConfig`
 (tiers/redis_config.py), the operator's view `RedisInventory` (tiers/redis_inventory.py).
 """
 
@@ -83,23 +83,23 @@ from kvtier.core.tier import (
     MISSING,
     OK,
     UNAVAILABLE,
-    BatchLookup,
     Failure,
     Locality,
     Medium,
-    Tier,
     TierCounters,
     TierResult,
     TierStats,
 )
 from kvtier.errors import CorruptChunk, KeyNotHeld, TierUnavailable
 from kvtier.tiers.encoding import build_encoder
-from kvtier.tiers.manifest import NamespaceManifest, redis_manifest_name, write_redis_manifest
+from kvtier.tiers.manifest import NamespaceManifest
+from kvtier.tiers.probe import TierProbe
 from kvtier.tiers.redis_client import UNAVAILABLE as DOWN_ERRORS
 from kvtier.tiers.redis_client import Client, connect, read_password
 from kvtier.tiers.redis_config import RedisTierConfig
 from kvtier.tiers.redis_index import RedisLRUIndex
 from kvtier.tiers.redis_inventory import RedisInventory
+from kvtier.tiers.redis_manifest import redis_manifest_name, write_redis_manifest
 from kvtier.tiers.redis_write import abort_chunk, write_chunk
 
 log = logging.getLogger(__name__)
@@ -476,25 +476,3 @@ def _write_failure(exc: Exception) -> TierResult:
             isinstance(exc, redis.ResponseError) and "OOM" in str(exc)):
         return FULL
     return IO_ERROR
-
-
-class TierProbe:
-    """A probe through tier objects whose construction has no side effects (redis): a chunk
-    counts only when the tier of every layout (every TP rank) holds it."""
-
-    def __init__(self, tiers: Sequence[Tier], blocking_ok: bool) -> None:
-        self.tiers = list(tiers)
-        self.blocking_ok = blocking_ok
-
-    def contains(self, key: ChunkKey) -> bool:
-        return all(tier.contains(key) for tier in self.tiers)
-
-    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        """`contains` of each key (`BatchLookup`): one batched lookup per tier that offers
-        one (a pipelined round trip, parallel HEADs), else a key at a time."""
-        found = [True] * len(keys)
-        for tier in self.tiers:
-            held = (tier.contains_many(keys) if isinstance(tier, BatchLookup)
-                    else [tier.contains(key) for key in keys])
-            found = [f and h for f, h in zip(found, held)]
-        return found

@@ -14,9 +14,10 @@ from typing import Any
 
 from kvtier.core.keys import KEY_BYTES
 from kvtier.core.tier import StoredChunk
-from kvtier.tiers.manifest import NamespaceManifest, parse_manifest, redis_manifest_name
+from kvtier.tiers.manifest import NamespaceManifest, parse_manifest
 from kvtier.tiers.redis_client import connect, read_password
 from kvtier.tiers.redis_config import RedisTierConfig
+from kvtier.tiers.redis_manifest import redis_manifest_name
 from kvtier.tiers.redis_write import abort_chunk
 
 SCAN_BATCH = 500  # Redis keys measured per pipelined round trip

@@ -65,7 +65,7 @@ from kvtier.core.tier import (
 )
 from kvtier.errors import ConfigError, CorruptChunk, KeyNotHeld, TierUnavailable
 from kvtier.tiers.encoding import build_encoder
-from kvtier.tiers.redis import TierProbe
+from kvtier.tiers.probe import TierProbe
 from kvtier.tiers.s3_client import (
     S3Errors,
     connect,

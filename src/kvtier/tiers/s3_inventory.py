@@ -26,8 +26,7 @@ from typing import Any
 
 from kvtier.core.keys import KEY_BYTES, ChunkKey
 from kvtier.core.tier import StoredChunk
-from kvtier.tiers.filetree import is_layout_name
-from kvtier.tiers.manifest import FILE_NAME, NamespaceManifest, parse_manifest
+from kvtier.tiers.manifest import FILE_NAME, NamespaceManifest, is_layout_name, parse_manifest
 from kvtier.tiers.s3_client import S3Errors, connect, is_absent, open_session
 from kvtier.tiers.s3_config import S3TierConfig
 

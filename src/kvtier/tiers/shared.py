@@ -80,8 +80,9 @@ from kvtier.tiers.chunkfiles import ChunkFiles, PendingWrite
 from kvtier.tiers.chunktree import FileInventory, FileProbe, key_of, scan_tree
 from kvtier.tiers.directories import check_directory
 from kvtier.tiers.encoding import EncodedTierSettings, build_encoder
+from kvtier.tiers.file_manifests import write_file_manifest
 from kvtier.tiers.filetree import sweep_layout_temps, unlink_file
-from kvtier.tiers.manifest import NamespaceManifest, write_file_manifest
+from kvtier.tiers.manifest import NamespaceManifest
 from kvtier.tiers.quota import LedgerState, QuotaLedger
 from kvtier.tiers.victims import VictimSampler
 
