@@ -35,7 +35,7 @@ from kvtier.core.layout import KVLayout
 from kvtier.core.tier import Failure
 from kvtier.errors import CodecFailure, ConfigError, CorruptChunk
 from kvtier.tiers import build_tier
-from kvtier.tiers.chunkfiles import ChunkFiles
+from kvtier.tiers.files.chunkfiles import ChunkFiles
 from kvtier.tiers.storeconfig import StoreConfig
 
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}

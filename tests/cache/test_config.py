@@ -11,9 +11,9 @@ import pytest
 from pydantic import ValidationError
 
 from kvtier.errors import ConfigError
-from kvtier.tiers.disk import DiskTierConfig
+from kvtier.tiers.files.disk import DiskTierConfig
+from kvtier.tiers.files.shared import SharedTierConfig
 from kvtier.tiers.memory import MemoryTierConfig
-from kvtier.tiers.shared import SharedTierConfig
 from kvtier.tiers.storeconfig import StoreConfig
 from kvtier.units import format_size, parse_size
 

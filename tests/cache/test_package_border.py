@@ -93,7 +93,7 @@ def test_the_cache_imports_without_thetools_dependencies() -> None:
         "print(json.dumps(names))\n"
     )
     imported = run_probe(probe)
-    assert "kvtier.core.store" in imported and "kvtier.tiers.redis" in imported
+    assert "kvtier.core.store" in imported and "kvtier.tiers.redis.tier" in imported
 
 
 def test_every_cache_dependency_is_declared_and_used() -> None:

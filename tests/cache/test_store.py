@@ -18,8 +18,9 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.retention import DEFAULT_META, ChunkMeta
 from kvtier.core.store import StoreEvent, StoreSettings, TieredStore
 from kvtier.core.tier import CORRUPT, EventKind, Failure, TierResult
-from kvtier.tiers import chunkfiles, open_store
+from kvtier.tiers import open_store
 from kvtier.tiers.example import ExampleTier, ExampleTierConfig
+from kvtier.tiers.files import chunkfiles
 from kvtier.tiers.storeconfig import StoreConfig
 
 LAYOUT = tiny_layout()

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.tiers.disk import DiskTierConfig
-from kvtier.tiers.shared import SharedTierConfig
+from kvtier.tiers.files.disk import DiskTierConfig
+from kvtier.tiers.files.shared import SharedTierConfig
 from kvtier.tiers.storeconfig import StoreConfig
 
 FIX = "writable by this user, or that can be created under a writable parent"

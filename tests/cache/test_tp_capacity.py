@@ -18,7 +18,7 @@ from kvtier.core.layout import KVLayout
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.tiers import open_store
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.files.disk import DiskTier
 from kvtier.tiers.storeconfig import StoreConfig
 
 MIB = 1024**2

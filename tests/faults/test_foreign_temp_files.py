@@ -59,7 +59,7 @@ def _killed_writer(root: str) -> None:
 
 def test_a_killed_writers_temp_file_counts_and_is_swept_by_the_periodic_scan(
         tmp_path: Path) -> None:
-    from kvtier.tiers.filetree import TEMP_STALE_S
+    from kvtier.tiers.files.filetree import TEMP_STALE_S
 
     layout = tiny_layout(256)  # 64 KiB chunks
     tier = make_tier("shared", tmp_path, layout, capacity_chunks=4, scan_interval_s=0.01)

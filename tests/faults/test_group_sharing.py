@@ -37,7 +37,7 @@ import json, os, sys
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.tiers import build_tier
-import kvtier.tiers.shared  # imported before dropping root: /root is not readable after
+import kvtier.tiers.files.shared  # imported before dropping root: /root is not readable after
 from kvtier.tiers.storeconfig import StoreConfig
 root, user, group, keys = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
 import pwd

@@ -28,7 +28,7 @@ from tierkit import key, tier_settings, tiny_layout
 from kvtier.core.layout import KVLayout
 from kvtier.errors import ConfigError
 from kvtier.tiers import build_tier, open_store
-from kvtier.tiers.redis import RedisTier
+from kvtier.tiers.redis.tier import RedisTier
 from kvtier.tiers.storeconfig import StoreConfig
 
 pytestmark = pytest.mark.redis
@@ -218,7 +218,7 @@ def test_corrupt_or_truncated_values_are_counted_misses_and_removed(
     assert len(names) == 4  # header + 3 parts of <= 1.5 KiB
     client = redis.Redis.from_url(redis_url)
     _corrupt(client, names, how)
-    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.redis"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.redis.tier"):
         assert read(tier, 2, layout) is False
     assert "corrupt" in caplog.text
     stats = tier.stats()

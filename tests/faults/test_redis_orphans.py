@@ -24,10 +24,10 @@ from tierkit import key, tiny_layout
 from kvtier.core.layout import KVLayout
 from kvtier.core.tier import FULL
 from kvtier.tiers import build_tier
-from kvtier.tiers.redis import RedisTier
-from kvtier.tiers.redis_config import RedisTierConfig
-from kvtier.tiers.redis_inventory import RedisInventory
-from kvtier.tiers.redis_write import PART_TTL_MS
+from kvtier.tiers.redis.config import RedisTierConfig
+from kvtier.tiers.redis.inventory import RedisInventory
+from kvtier.tiers.redis.tier import RedisTier
+from kvtier.tiers.redis.write import PART_TTL_MS
 from kvtier.tiers.storeconfig import StoreConfig
 from kvtier.tools.admin.gc import GcRequest, run_gc
 from kvtier.tools.cli.main import main
@@ -123,7 +123,7 @@ def test_parts_left_by_a_failed_cleanup_expire_and_gc_deletes_them(
     def cleanup_fails(client: Any, names: list[str]) -> int:
         raise redis.ConnectionError("injected: the connection dropped before the cleanup")
 
-    monkeypatch.setattr("kvtier.tiers.redis.abort_chunk", cleanup_fails)
+    monkeypatch.setattr("kvtier.tiers.redis.tier.abort_chunk", cleanup_fails)
     tier = redis_tier(redis_server.url)
     assert any(list(squeezed_puts(tier, tight, 0)))  # every put made, some partial
     tight.config_set("maxmemory", 0)

@@ -25,8 +25,8 @@ from kvtier.core.layout import KVLayout
 from kvtier.core.tier import MISSING, OK, Failure
 from kvtier.errors import ConfigError
 from kvtier.tiers import build_tier
-from kvtier.tiers.s3 import S3Tier
-from kvtier.tiers.s3_inventory import S3Inventory
+from kvtier.tiers.s3.inventory import S3Inventory
+from kvtier.tiers.s3.tier import S3Tier
 from kvtier.tiers.storeconfig import StoreConfig
 
 pytestmark = pytest.mark.s3

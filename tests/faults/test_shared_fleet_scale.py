@@ -11,7 +11,7 @@ The directory is filled by writing files straight into kvtier's layout (sparse c
 the right size: a chunk's content is only read by a hit, and none is read here), then one
 tier re-measures it, as the first engine on a directory does (a walk of 10^5 files: ~10 s of
 this test's ~40). The counts are the tiers' own
-(`TierStats.meta_*`, `kvtier.tiers.fsops`): opens, stats, unlinks, directory reads and the
+(`TierStats.meta_*`, `kvtier.tiers.files.fsops`): opens, stats, unlinks, directory reads and the
 rest, per put, summed over the writers.
 """
 
@@ -30,8 +30,8 @@ from tierkit import key, make_tier, tiny_layout
 
 from kvtier.core.chunkformat import stored_size
 from kvtier.core.keys import ChunkKey
-from kvtier.tiers.chunktree import chunk_parts
-from kvtier.tiers.quota import QuotaLedger
+from kvtier.tiers.files.chunktree import chunk_parts
+from kvtier.tiers.files.quota import QuotaLedger
 
 WRITERS = 4
 PUTS = 150  # per writer

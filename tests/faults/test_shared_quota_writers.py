@@ -2,7 +2,7 @@
 
 3 processes with a 4 MiB quota used to peak at 2.56x the quota at cold start and 1.17x in
 steady state: each wrote against a usage it had measured before the others' writes. The
-bound stated in kvtier/tiers/shared.py is usage <= quota (chunk files and temp files, any
+bound stated in kvtier/tiers/files/shared.py is usage <= quota (chunk files and temp files, any
 number of writers). Three spawned processes write distinct chunks as fast as they can for
 RUN_S seconds; the test samples the directory's real usage (the sum of the sizes of every
 regular file below it, temp files included) under the ledger's lock, so that each sample is

@@ -192,7 +192,7 @@ def test_a_slow_disk_at_close_costs_the_unwritten_chunks_only(
     from tierkit import tier_settings
 
     from kvtier.tiers import open_store
-    from kvtier.tiers.disk import DiskTier
+    from kvtier.tiers.files.disk import DiskTier
     from kvtier.tiers.storeconfig import StoreConfig
 
     layout = tiny_layout()

@@ -17,7 +17,7 @@ from tierkit import key, make_tier
 
 from kvtier.core.layout import KVLayout
 from kvtier.core.tier import OK, Failure
-from kvtier.tiers import chunktree, disk
+from kvtier.tiers.files import chunktree, disk
 
 
 def payload(i: int, layout: KVLayout) -> bytes:

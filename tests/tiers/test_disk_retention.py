@@ -14,8 +14,8 @@ from tierkit import key, make_tier, tiny_layout
 from kvtier.core.retention import DEFAULT_META, ChunkMeta, tenant_label
 from kvtier.core.store import TieredStore
 from kvtier.core.tier import MetaKeeper
-from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.retention_journal import JOURNAL_NAME
+from kvtier.tiers.files.disk import DiskTier
+from kvtier.tiers.files.retention_journal import JOURNAL_NAME
 
 LAYOUT = tiny_layout()
 CHUNK = bytes(range(256)) * (LAYOUT.bytes_per_chunk // 256)

@@ -31,9 +31,9 @@ from kvtier.core.fingerprint import cached_model_fingerprint
 from kvtier.core.layout import KVLayout
 from kvtier.errors import ConfigError
 from kvtier.tiers import build_tier, open_store
-from kvtier.tiers.file_manifests import read_file_manifest
+from kvtier.tiers.files.manifests import read_file_manifest
 from kvtier.tiers.manifest import FILE_NAME, NamespaceInfo, new_manifest, parse_manifest
-from kvtier.tiers.redis_manifest import redis_manifest_name
+from kvtier.tiers.redis.manifest import redis_manifest_name
 from kvtier.tiers.storeconfig import StoreConfig
 from kvtier.tools.admin.inventory import open_inventories, read_manifests
 from kvtier.tools.cli.main import main
@@ -198,7 +198,7 @@ def test_a_manifest_that_cannot_be_written_is_logged_never_fatal(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """A full filesystem at the rename (injected): the store opens and stores, the namespace
     shows as unknown, no temp file is left."""
-    import kvtier.tiers.file_manifests as manifest_module
+    import kvtier.tiers.files.manifests as manifest_module
 
     real_replace = os.replace
 
@@ -210,7 +210,7 @@ def test_a_manifest_that_cannot_be_written_is_logged_never_fatal(
     monkeypatch.setattr(manifest_module.os, "replace", full)
     config = write_config(tmp_path, {"kind": "disk", "path": str(tmp_path / "d"),
                                      "capacity": "1MiB"})
-    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.file_manifests"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.files.manifests"):
         fill(config, OLD, OLD_INFO, range(3))
     assert "namespace manifest not written" in caplog.text
     monkeypatch.undo()

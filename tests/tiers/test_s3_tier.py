@@ -15,12 +15,12 @@ import pytest
 from s3_server import S3Endpoint
 from tierkit import key, tiny_layout
 
-import kvtier.tiers.s3 as s3_module
+import kvtier.tiers.s3.tier as s3_module
 from kvtier.core.chunkformat import HEADER_BYTES
 from kvtier.core.layout import KVLayout
 from kvtier.core.tier import OK, BatchLookup, Locality, Medium
 from kvtier.tiers import build_probe, build_tier
-from kvtier.tiers.s3 import S3Tier
+from kvtier.tiers.s3.tier import S3Tier
 from kvtier.tiers.storeconfig import StoreConfig
 
 pytestmark = pytest.mark.s3

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from tierkit import key, make_tier, tiny_layout
 
-import kvtier.tiers.shared as shared_module
+import kvtier.tiers.files.shared as shared_module
 
 LAYOUT = tiny_layout()
 

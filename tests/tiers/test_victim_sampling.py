@@ -1,4 +1,4 @@
-"""The shared tier's sampled eviction (kvtier.tiers.victims, issue 28): exact LRU on a small
+"""The shared tier's sampled eviction (kvtier.tiers.files.victims, issue 28): exact LRU on a small
 tree, close to LRU on a large one, and a bounded number of stats however full a shard
 directory is."""
 
@@ -11,9 +11,9 @@ from pathlib import Path
 import blake3
 
 from kvtier.core.keys import ChunkKey
-from kvtier.tiers.chunktree import chunk_parts
-from kvtier.tiers.fsops import FsOps
-from kvtier.tiers.victims import SAMPLE_FILES, VictimSampler
+from kvtier.tiers.files.chunktree import chunk_parts
+from kvtier.tiers.files.fsops import FsOps
+from kvtier.tiers.files.victims import SAMPLE_FILES, VictimSampler
 
 DIGEST = "ab" * 16
 

@@ -146,7 +146,7 @@ class TierStats:
     chunks: int = 0  # chunks held now
     used_bytes: int = 0  # bytes held now (as stored, headers included)
     capacity_bytes: int = 0  # the tier's bound
-    # Metadata operations asked of the filesystem by a file tier (kvtier.tiers.fsops; 0 for
+    # Metadata operations asked of the filesystem by a file tier (kvtier.tiers.files.fsops; 0 for
     # the others): on NFS each is a round trip to the server the fleet shares.
     meta_stats: int = 0  # stat/lstat calls
     meta_opens: int = 0  # opens of files and directories

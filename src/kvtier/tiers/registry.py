@@ -28,10 +28,10 @@ if TYPE_CHECKING:
 # kind -> "module:Class"
 TIER_CLASSES: dict[str, str] = {
     "memory": "kvtier.tiers.memory:MemoryTier",
-    "disk": "kvtier.tiers.disk:DiskTier",
-    "shared": "kvtier.tiers.shared:SharedTier",
-    "redis": "kvtier.tiers.redis:RedisTier",
-    "s3": "kvtier.tiers.s3:S3Tier",
+    "disk": "kvtier.tiers.files.disk:DiskTier",
+    "shared": "kvtier.tiers.files.shared:SharedTier",
+    "redis": "kvtier.tiers.redis.tier:RedisTier",
+    "s3": "kvtier.tiers.s3.tier:S3Tier",
     "example": "kvtier.tiers.example:ExampleTier",  # the tutorial tier: tests and docs only
 }
 _UNLISTED = frozenset({"example"})  # accepted, but not offered in error messages or docs

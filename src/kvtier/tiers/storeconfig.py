@@ -3,7 +3,7 @@ write-behind settings, validated once at the edge (CLI, YAML/JSON, vLLM extra co
 
 Sizes accept ints or strings like "8GiB". Any invalid value raises `ConfigError` naming the
 field, the value and what is allowed. Each tier's own fields are a `TierSettings` subclass
-in its tier module (e.g. `kvtier.tiers.disk.DiskTierConfig`), found by kind through the tier
+in its tier module (e.g. `kvtier.tiers.files.disk.DiskTierConfig`), found by kind through the tier
 registry, so adding a tier kind does not touch this file. It lives with the tier factory
 (`kvtier.tiers`): `kvtier.config` (the primitives every config model uses) knows no tier.
 

@@ -98,7 +98,7 @@ COUNTERS: dict[str, str] = {
     "tier_pins_refused": "Pins (kv_transfer_params.retain_s) refused because the tier's "
                          "pinned bytes reached max_pinned_share (stored unpinned)",
     "tier_expired": "Chunks removed from the tier because their TTL passed",
-    # Metadata operations a file tier asked of its filesystem (kvtier.tiers.fsops): on NFS
+    # Metadata operations a file tier asked of its filesystem (kvtier.tiers.files.fsops): on NFS
     # or Lustre each is a round trip to the server the fleet shares.
     "tier_meta_stats": "stat/lstat calls the tier made on its directory",
     "tier_meta_opens": "Opens of files and directories the tier made on its directory",

@@ -138,7 +138,7 @@ def _run(config: DiskLoadConfig, root: Path, progress: Callable[[str], None]
     from kvtier.integrations.vllm.worker.cpu import CpuChunkMover, spare_buffers
     from kvtier.integrations.vllm.worker.paged import PagedKV
     from kvtier.tiers import open_store
-    from kvtier.tiers.disk import DiskTier
+    from kvtier.tiers.files.disk import DiskTier
     from kvtier.tiers.storeconfig import StoreConfig
     from kvtier.tools.bench.vllmviews import VllmCacheSpec, vllm_kv_caches
 

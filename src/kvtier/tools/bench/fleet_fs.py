@@ -8,7 +8,7 @@ For each --chunks size, the directory is filled with sparse chunk files of 4 KiB
 2. for each --writers count, that many processes put --rate chunks/s each for --seconds into
    a quota with room for exactly what the directory holds (every put evicts), with
    scan_interval_s --interval: metadata operations per put (the tier's own counters,
-   `kvtier.tiers.fsops`), CPU per put and CPU seconds per minute per writer, re-measures;
+   `kvtier.tiers.files.fsops`), CPU per put and CPU seconds per minute per writer, re-measures;
 3. eviction throughput: one tier frees 2,000 files (at most a tenth) under the ledger's lock
    (sampled LRU);
 4. a disk tier opens the same directory: time until it serves (constructor return), until
@@ -42,7 +42,7 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.errors import ConfigError, ShimUnavailable
 from kvtier.tiers import build_tier
-from kvtier.tiers.chunktree import chunk_parts
+from kvtier.tiers.files.chunktree import chunk_parts
 from kvtier.tiers.storeconfig import StoreConfig
 from kvtier.tools.bench.fslatency import build_shim, shim_env
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import redis
 
 from kvtier.tiers import build_tier
-from kvtier.tiers.redis_config import RedisTierConfig
+from kvtier.tiers.redis.config import RedisTierConfig
 from kvtier.tools.bench.subjects import SizeBench, Subject, _timed
 
 PIPELINE_DEPTH = 4  # commands in flight per thread for the raw subject (redis-benchmark -P)

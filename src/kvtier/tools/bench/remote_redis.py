@@ -62,7 +62,7 @@ def remote_redis(directory: Path, delay_ms: float,
 
 def stored_chunks(url: str, key_prefix: str = "kvtier:") -> int:
     """Committed chunks of every namespace on the server at `url`: the redis tier's chunk
-    headers, `<key_prefix><digest>:{<key hex>}:h` (kvtier.tiers.redis); payload parts, LRU
+    headers, `<key_prefix><digest>:{<key hex>}:h` (kvtier.tiers.redis.tier); payload parts, LRU
     sets and manifests are not counted."""
     client = redis.Redis.from_url(url)
     try:

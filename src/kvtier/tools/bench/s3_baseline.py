@@ -32,8 +32,8 @@ from typing import Any
 from kvtier.core.chunkformat import HEADER_BYTES
 from kvtier.core.keys import ChunkKey
 from kvtier.tiers import build_tier
-from kvtier.tiers.s3 import S3Tier
-from kvtier.tiers.s3_config import S3TierConfig
+from kvtier.tiers.s3.config import S3TierConfig
+from kvtier.tiers.s3.tier import S3Tier
 from kvtier.tools.bench.subjects import SizeBench, Subject, _timed, layout_for
 
 START_TIMEOUT_S = 20.0

@@ -44,9 +44,9 @@ from kvtier.integrations.vllm.config import (
     kvtier_transfer_config,
 )
 from kvtier.redaction import redact, redact_text
-from kvtier.tiers.redis_config import RedisTierConfig
+from kvtier.tiers.redis.config import RedisTierConfig
 from kvtier.tiers.registry import TIER_CLASSES, config_model, tier_class
-from kvtier.tiers.s3_config import S3TierConfig
+from kvtier.tiers.s3.config import S3TierConfig
 from kvtier.tools.ops.machine import Check as Check  # re-exported: doctor's result type
 from kvtier.tools.ops.machine import Status, check_host_ram, check_pinned_memory
 from kvtier.tools.ops.machine import check_vllm as check_vllm  # re-exported
@@ -189,7 +189,7 @@ def ping_redis(config: RedisTierConfig) -> Check:
     result (kvtier.redaction)."""
     import redis  # local: only doctor runs with a redis tier need it
 
-    from kvtier.tiers.redis_client import connect, read_password
+    from kvtier.tiers.redis.client import connect, read_password
 
     name = f"redis {_redis_target(config.model_dump())}"
     timeout_ms = int(REDIS_TIMEOUT_S * 1000)
@@ -219,7 +219,7 @@ def ping_s3(config: S3TierConfig) -> Check:
     """HEAD an s3 tier's bucket the way the tier connects: its endpoint, region, TLS
     verification and CA file, credentials from `credentials_file`/`profile` or the standard
     places; with REDIS_TIMEOUT_S timeouts. Says where the credentials came from, never them."""
-    from kvtier.tiers.s3_client import (
+    from kvtier.tiers.s3.client import (
         S3Errors,
         connect,
         credentials_source,

@@ -27,8 +27,8 @@ from typing import Any
 from kvtier.core.keys import KEY_BYTES, ChunkKey
 from kvtier.core.tier import StoredChunk
 from kvtier.tiers.manifest import FILE_NAME, NamespaceManifest, is_layout_name, parse_manifest
-from kvtier.tiers.s3_client import S3Errors, connect, is_absent, open_session
-from kvtier.tiers.s3_config import S3TierConfig
+from kvtier.tiers.s3.client import S3Errors, connect, is_absent, open_session
+from kvtier.tiers.s3.config import S3TierConfig
 
 DELETE_BATCH = 1000  # keys per DeleteObjects request (the S3 maximum)
 _HEX = frozenset("0123456789abcdef")
@@ -36,7 +36,7 @@ _HEX = frozenset("0123456789abcdef")
 
 @dataclass(frozen=True, slots=True)
 class S3Names:
-    """Object names of one namespace (see kvtier/tiers/s3.py)."""
+    """Object names of one namespace (see kvtier/tiers/s3/tier.py)."""
 
     prefix: str  # config.key_prefix, no slashes around it
     digest: str  # the layout digest

@@ -11,13 +11,14 @@ Reads and writes use O_DIRECT when the filesystem supports it (no page-cache cop
 back to buffered I/O otherwise. Shared by the disk and shared-directory tiers.
 
 Nothing below ROOT is trusted (other processes and users write there): every path is reached
-without following links (`kvtier.tiers.filetree`), a chunk is read only from a regular file
+without following links (`kvtier.tiers.files.filetree`), a chunk is read only from a regular file
 opened O_NOFOLLOW | O_NONBLOCK (a FIFO must not hang the reader for ever), and every read is
 bounded by the file size the format dictates. A directory that cannot be written (a read-only
 mount) is served read-only: `writable` is False and writes fail with EROFS.
 
 Primitives: `ChunkFiles` (path_of, write, read_into, exists, touch, remove, scan),
-`PendingWrite`. Reading the tree without a tier (scans, probes, inventories): tiers/chunktree.py.
+`PendingWrite`. Reading the tree without a tier (scans, probes, inventories):
+tiers/files/chunktree.py.
 """
 
 from __future__ import annotations
@@ -45,14 +46,14 @@ from kvtier.core.chunkformat import (
 )
 from kvtier.core.keys import ChunkKey
 from kvtier.errors import CorruptChunk
-from kvtier.tiers.chunktree import TreeScan, chunk_parts, chunk_path, scan_tree
-from kvtier.tiers.filetree import (
+from kvtier.tiers.files.chunktree import TreeScan, chunk_parts, chunk_path, scan_tree
+from kvtier.tiers.files.filetree import (
     lstat_file,
     make_root,
     open_dir,
     unlink_file,
 )
-from kvtier.tiers.fsops import FsOps
+from kvtier.tiers.files.fsops import FsOps
 
 log = logging.getLogger(__name__)
 TEMP_SUFFIX = ".tmp"
@@ -387,7 +388,7 @@ class PendingWrite:
         one existence check of a write: on NFS each stat is a round trip), so nothing is
         asked here: a copy another writer renamed into place meanwhile is replaced, and a
         quota ledger that counted it stays high by its size until the next re-measure
-        (still an upper bound of the usage: kvtier.tiers.quota).
+        (still an upper bound of the usage: kvtier.tiers.files.quota).
 
         Raises:
             OSError: the rename failed (FileNotFoundError: the temp file was swept as stale

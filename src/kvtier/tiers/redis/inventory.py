@@ -15,10 +15,10 @@ from typing import Any
 from kvtier.core.keys import KEY_BYTES
 from kvtier.core.tier import StoredChunk
 from kvtier.tiers.manifest import NamespaceManifest, parse_manifest
-from kvtier.tiers.redis_client import connect, read_password
-from kvtier.tiers.redis_config import RedisTierConfig
-from kvtier.tiers.redis_manifest import redis_manifest_name
-from kvtier.tiers.redis_write import abort_chunk
+from kvtier.tiers.redis.client import connect, read_password
+from kvtier.tiers.redis.config import RedisTierConfig
+from kvtier.tiers.redis.manifest import redis_manifest_name
+from kvtier.tiers.redis.write import abort_chunk
 
 SCAN_BATCH = 500  # Redis keys measured per pipelined round trip
 MANIFEST_SUFFIX = ":manifest"
@@ -58,7 +58,7 @@ class RedisInventory:
 
     def orphans(self) -> list[StoredChunk]:
         """Payload parts without a header: no reader can reach them. Left by a write that
-        failed part-way before parts had a TTL (tiers/redis_write.py), or in flight right
+        failed part-way before parts had a TTL (tiers/redis/write.py), or in flight right
         now (its commit then finds a part missing and drops the write: never corrupt)."""
         values, _indexes = self._values()
         return list(self._measure({c: n for c, n in values.items() if not _has_header(n)}, {}))

@@ -30,8 +30,8 @@ Capacity and expiry: `ttl_days` expires objects by age (a lifecycle rule on the 
 written at start-up when `manage_lifecycle`); `capacity` > 0 bounds a namespace's bytes by a
 listing at most every `listing_interval_s` (s3_inventory.py states its cost).
 
-Primitives: `S3Tier`. The config model is `S3TierConfig` (tiers/s3_config.py), the
-operator's view `S3Inventory` (tiers/s3_inventory.py).
+Primitives: `S3Tier`. The config model is `S3TierConfig` (tiers/s3/config.py), the
+operator's view `S3Inventory` (tiers/s3/inventory.py).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ from kvtier.core.tier import (
 from kvtier.errors import ConfigError, CorruptChunk, KeyNotHeld, TierUnavailable
 from kvtier.tiers.encoding import build_encoder
 from kvtier.tiers.probe import TierProbe
-from kvtier.tiers.s3_client import (
+from kvtier.tiers.s3.client import (
     S3Errors,
     connect,
     credentials_source,
@@ -77,15 +77,15 @@ from kvtier.tiers.s3_client import (
     is_throttle,
     open_session,
 )
-from kvtier.tiers.s3_config import S3TierConfig
-from kvtier.tiers.s3_inventory import (
+from kvtier.tiers.s3.config import S3TierConfig
+from kvtier.tiers.s3.inventory import (
     S3Inventory,
     S3Names,
     enforce_capacity,
     put_lifecycle,
     write_manifest,
 )
-from kvtier.tiers.s3_lookup import NegativeCache
+from kvtier.tiers.s3.lookup import NegativeCache
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

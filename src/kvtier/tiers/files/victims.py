@@ -27,8 +27,8 @@ import time
 from collections import deque
 from pathlib import Path
 
-from kvtier.tiers.filetree import TEMP_STALE_S, Entry, sample_shards
-from kvtier.tiers.fsops import FsOps
+from kvtier.tiers.files.filetree import TEMP_STALE_S, Entry, sample_shards
+from kvtier.tiers.files.fsops import FsOps
 
 SAMPLE_FILES = 64  # files read per sample
 POOL_SHARE = 4  # the oldest 1/POOL_SHARE of a sample become victims

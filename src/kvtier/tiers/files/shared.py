@@ -6,14 +6,14 @@ concurrent writers of one chunk are safe. Each hit touches the file's mtime, whi
 quota's eviction least-recently-used across all processes, approximately: when a write would
 pass the capacity, files are deleted down to LOW_WATERMARK of it (at most EVICT_BATCH_FILES
 per hold of the ledger's lock), the oldest of a random sample of the tree each time
-(`kvtier.tiers.victims`, as Redis samples its keyspace). Unlike vLLM's FS tier, the directory
+(`kvtier.tiers.files.victims`, as Redis samples its keyspace). Unlike vLLM's FS tier, the directory
 never grows without bound, and no separate evictor deployment is needed.
 
 The quota's bound, for N writer processes on N nodes: the bytes of kvtier's chunk files AND
 temp files (writes in flight, or left by killed writers) in the directory never exceed the
 capacity (usage <= quota, no per-writer slack): every write reserves its room in the
 directory's ledger and creates its full-size temp file under one lock, evicting first
-(`kvtier.tiers.quota` states the proof and the conditions: every writer a kvtier with the
+(`kvtier.tiers.files.quota` states the proof and the conditions: every writer a kvtier with the
 ledger, a coherent `flock` between nodes, nothing else adding files). Measured:
 docs/performance.md, "Shared quota with concurrent writers".
 
@@ -32,7 +32,7 @@ than `filetree.TEMP_STALE_S` (120 s), and so does eviction where it samples: a k
 writer's leftovers count against the quota until one of them finds them. Files that are not
 kvtier's own names in kvtier's own layout are never counted, swept or deleted. A write asks
 whether its chunk is held once (one stat), and the tier counts every metadata operation it
-makes (`kvtier.tiers.fsops`, `TierStats.meta_*`, on /metrics).
+makes (`kvtier.tiers.files.fsops`, `TierStats.meta_*`, on /metrics).
 
 A read-only directory (a pre-warmed read-only mount) is served read-only: hits are served,
 every put is a dropped write with Failure.READ_ONLY, nothing is evicted.
@@ -76,15 +76,15 @@ from kvtier.core.tier import (
     TierStats,
 )
 from kvtier.errors import CorruptChunk, KeyNotHeld
-from kvtier.tiers.chunkfiles import ChunkFiles, PendingWrite
-from kvtier.tiers.chunktree import FileInventory, FileProbe, key_of, scan_tree
-from kvtier.tiers.directories import check_directory
 from kvtier.tiers.encoding import EncodedTierSettings, build_encoder
-from kvtier.tiers.file_manifests import write_file_manifest
-from kvtier.tiers.filetree import sweep_layout_temps, unlink_file
+from kvtier.tiers.files.chunkfiles import ChunkFiles, PendingWrite
+from kvtier.tiers.files.chunktree import FileInventory, FileProbe, key_of, scan_tree
+from kvtier.tiers.files.directories import check_directory
+from kvtier.tiers.files.filetree import sweep_layout_temps, unlink_file
+from kvtier.tiers.files.manifests import write_file_manifest
+from kvtier.tiers.files.quota import LedgerState, QuotaLedger
+from kvtier.tiers.files.victims import VictimSampler
 from kvtier.tiers.manifest import NamespaceManifest
-from kvtier.tiers.quota import LedgerState, QuotaLedger
-from kvtier.tiers.victims import VictimSampler
 
 log = logging.getLogger(__name__)
 LOW_WATERMARK = 0.9  # eviction frees space down to this fraction of the capacity
@@ -262,7 +262,7 @@ class SharedTier:
                  ) -> tuple[PendingWrite | None, bool]:
         """Reserve room for one file in the shared quota (evicting first when needed) and
         create its full-size temp file, as one step under the ledger's lock (see
-        kvtier.tiers.quota: that is what bounds the usage with many writers). Returns the
+        kvtier.tiers.files.quota: that is what bounds the usage with many writers). Returns the
         pending write (None when nothing is left to evict) and whether this writer claimed
         the directory's re-measure (`_claim_locked`; the caller runs it, unlocked).
         Raises OSError when the temp file cannot be created."""
@@ -377,7 +377,7 @@ class SharedTier:
             walk_ns = time.monotonic_ns() - began
             with self.ledger.locked() as ledger:
                 # Every file present now was seen by the scan, or reserved or renamed into
-                # place since it started: an upper bound of the usage (kvtier.tiers.quota).
+                # place since it started: an upper bound of the usage (kvtier.tiers.files.quota).
                 ledger.used_bytes = (sum(f.size_bytes for f in scan.chunks) + scan.temp_bytes
                                      + ledger.reserved_total - reserved_before
                                      + ledger.completed_total - completed_before)

@@ -40,7 +40,7 @@ from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier.tiers.fsops import NO_OPS, FsOps
+from kvtier.tiers.files.fsops import NO_OPS, FsOps
 from kvtier.tiers.manifest import LAYOUT_NAME, is_layout_name
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -70,7 +70,7 @@ def open_dir(root: Path, parts: Sequence[str], create_mode: int | None = None,
     Args:
         create_mode: create missing directories with this mode (setgid kept, see module
             docstring); None: a missing directory raises FileNotFoundError.
-        ops: where the opens and mkdirs are counted (`kvtier.tiers.fsops`).
+        ops: where the opens and mkdirs are counted (`kvtier.tiers.files.fsops`).
     Returns:
         A directory fd (O_CLOEXEC), the caller's to close.
     Raises:

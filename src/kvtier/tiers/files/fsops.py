@@ -2,8 +2,8 @@
 
 On NFS or Lustre every stat, open, unlink and directory read is a round trip to a server that
 the whole fleet shares: what kvtier costs a filesystem is these counts, not its bytes. Each
-file tier (`disk`, `shared`) owns one `FsOps`; the functions of `kvtier.tiers.filetree` and
-`kvtier.tiers.chunkfiles` that touch a path count what they ask through it, and the tier
+file tier (`disk`, `shared`) owns one `FsOps`; the functions of `kvtier.tiers.files.filetree` and
+`kvtier.tiers.files.chunkfiles` that touch a path count what they ask through it, and the tier
 reports the totals in its `TierStats` (`meta_*`), which `/metrics` exports per tier.
 
 What counts (one per call, whatever it returns, errors included):

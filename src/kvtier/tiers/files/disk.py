@@ -21,7 +21,7 @@ files really take, so a compressed tier holds more chunks in the same capacity.
 
 Tenants, pins and expiry (`kvtier.core.retention`, settings `tenant_quota`, `ttl_s`,
 `max_pinned_share`) work as in the memory tier; each chunk's metadata is appended to a
-retention journal in the layout directory (`tiers/retention_journal.py`) so that a restart
+retention journal in the layout directory (`tiers/files/retention_journal.py`) so that a restart
 keeps pins and expiries.
 """
 
@@ -62,14 +62,14 @@ from kvtier.core.tier import (
     TierStats,
 )
 from kvtier.errors import CorruptChunk, KeyNotHeld
-from kvtier.tiers.chunkfiles import ChunkFiles
-from kvtier.tiers.chunktree import FileInventory, FileProbe, walk_chunks
-from kvtier.tiers.directories import check_directory
 from kvtier.tiers.encoding import EncodedTierSettings, build_encoder
-from kvtier.tiers.file_manifests import write_file_manifest
+from kvtier.tiers.files.chunkfiles import ChunkFiles
+from kvtier.tiers.files.chunktree import FileInventory, FileProbe, walk_chunks
+from kvtier.tiers.files.directories import check_directory
+from kvtier.tiers.files.manifests import write_file_manifest
+from kvtier.tiers.files.retention_journal import RetentionJournal
 from kvtier.tiers.manifest import NamespaceManifest
 from kvtier.tiers.retention import RetentionTierSettings, book_problems, build_book
-from kvtier.tiers.retention_journal import RetentionJournal
 
 log = logging.getLogger(__name__)
 ENOSPC_EVICT_CHUNKS = 4  # chunks evicted when the filesystem itself is full

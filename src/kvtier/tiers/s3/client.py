@@ -1,4 +1,4 @@
-"""The s3 tier's connection (see tiers/s3.py): credentials found where the AWS tools find
+"""The s3 tier's connection (see tiers/s3/tier.py): credentials found where the AWS tools find
 them, a boto3 client with the tier's timeouts and boto's own retries off, and what each
 error means (the endpoint is down, throttling, absent, refused credentials).
 
@@ -21,9 +21,9 @@ import logging
 from typing import Any
 
 from kvtier.errors import ConfigError
-from kvtier.tiers.s3_config import S3TierConfig
+from kvtier.tiers.s3.config import S3TierConfig
 
-log = logging.getLogger("kvtier.tiers.s3")
+log = logging.getLogger("kvtier.tiers.s3.tier")
 Client = Any  # a botocore S3 client (typed by boto3-stubs only)
 INSTALL = "the s3 tier needs boto3: pip install 'kvtier[s3]'"
 THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "503",

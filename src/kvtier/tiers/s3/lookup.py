@@ -1,4 +1,4 @@
-"""The s3 tier's lookups besides the HEADs themselves (tiers/s3.py): the short-lived memory of
+"""The s3 tier's lookups besides the HEADs themselves (tiers/s3/tier.py): the short-lived memory of
 chunks found absent. (The scheduler's probe over every TP rank's tier is redis.py's
 `TierProbe`, whose `contains_many` asks each tier's parallel HEADs.)
 

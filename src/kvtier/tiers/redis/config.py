@@ -1,4 +1,4 @@
-"""The redis tier's config model (kind "redis"); see kvtier/tiers/redis.py for the tier.
+"""The redis tier's config model (kind "redis"); see kvtier/tiers/redis/tier.py for the tier.
 
 In a module of its own (not redis.py) because the connection code (redis_client.py) and the
 operator's inventory (redis_inventory.py) read it too.
@@ -20,7 +20,7 @@ from kvtier.tiers.encoding import EncodedTierSettings
 
 
 class RedisTierConfig(EncodedTierSettings):
-    """A Redis or Valkey server, or a Redis Cluster (see kvtier/tiers/redis.py).
+    """A Redis or Valkey server, or a Redis Cluster (see kvtier/tiers/redis/tier.py).
 
     Credentials never come from the command line or the URL: a password file, or an
     environment variable (`password_env`, else KVTIER_REDIS_PASSWORD, else REDIS_PASSWORD).

@@ -11,7 +11,7 @@ The `{key hex}` hash tag puts a chunk's values in one Cluster slot (one node, on
 distinct chunks spread over every node. A put sends the parts first and the header last, in one
 pipeline on one connection, so a reader that sees the header sees every part. The parts carry a
 60 s TTL until one Lua script commits the header and lifts it, atomically, only if every part
-is there: a put that fails part-way (a full server) leaves no orphan (tiers/redis_write.py,
+is there: a put that fails part-way (a full server) leaves no orphan (tiers/redis/write.py,
 `kvtier gc` sweeps any left by older versions). A read is one MGET of header and parts,
 verified (header, layout, key, sizes, checksum) before a byte is used, never unpickled. A
 missing part (the server evicted it alone), a value of the wrong size or a checksum mismatch
@@ -22,7 +22,7 @@ Capacity: the tier enforces `capacity` when it is > 0, and leaves it to the serv
     <prefix>{<digest>}:lru scores chunks by last use (server clock); one Lua script adds a new
     chunk, applies the hits batched since the last call, and pops the least recently used beyond
     capacity, atomically, so concurrent writers on many hosts never overshoot (see
-    tiers/redis_index.py). For a server shared with other data (which maxmemory eviction would
+    tiers/redis/index.py). For a server shared with other data (which maxmemory eviction would
     also throw out), or to split one server between namespaces. Costs one more round trip per
     put, on the node holding the set.
   - capacity = 0 (recommended for a dedicated cache server or cluster): the server's `maxmemory`
@@ -50,10 +50,10 @@ with capacity 0 the server's maxmemory counts real bytes, so compression holds m
 TTL: `ttl_s` expires chunks idle that long; each hit refreshes it.
 Credentials: `password_file` or an environment variable (config.py); never the URL or argv.
 TLS: `rediss://` or `tls: true`, verified against `tls_ca_file` or the system CAs.
-(Both in tiers/redis_client.py, with the client's timeouts.)
+(Both in tiers/redis/client.py, with the client's timeouts.)
 
 Primitives: `RedisTier`, `ChunkNames`. The config model is `RedisTierConfig`
-(tiers/redis_config.py), the operator's view `RedisInventory` (tiers/redis_inventory.py).
+(tiers/redis/config.py), the operator's view `RedisInventory` (tiers/redis/inventory.py).
 """
 
 from __future__ import annotations
@@ -94,13 +94,13 @@ from kvtier.errors import CorruptChunk, KeyNotHeld, TierUnavailable
 from kvtier.tiers.encoding import build_encoder
 from kvtier.tiers.manifest import NamespaceManifest
 from kvtier.tiers.probe import TierProbe
-from kvtier.tiers.redis_client import UNAVAILABLE as DOWN_ERRORS
-from kvtier.tiers.redis_client import Client, connect, read_password
-from kvtier.tiers.redis_config import RedisTierConfig
-from kvtier.tiers.redis_index import RedisLRUIndex
-from kvtier.tiers.redis_inventory import RedisInventory
-from kvtier.tiers.redis_manifest import redis_manifest_name, write_redis_manifest
-from kvtier.tiers.redis_write import abort_chunk, write_chunk
+from kvtier.tiers.redis.client import UNAVAILABLE as DOWN_ERRORS
+from kvtier.tiers.redis.client import Client, connect, read_password
+from kvtier.tiers.redis.config import RedisTierConfig
+from kvtier.tiers.redis.index import RedisLRUIndex
+from kvtier.tiers.redis.inventory import RedisInventory
+from kvtier.tiers.redis.manifest import redis_manifest_name, write_redis_manifest
+from kvtier.tiers.redis.write import abort_chunk, write_chunk
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -402,7 +402,7 @@ class RedisTier:
             self._manifest = manifest
 
     def _store(self, client: Client, names: list[str], header: bytes, data: memoryview) -> None:
-        """Parts (short TTL) and an atomic commit of the header (tiers/redis_write.py); when
+        """Parts (short TTL) and an atomic commit of the header (tiers/redis/write.py); when
         the server refuses part of it, the parts are deleted before the error goes up."""
         view = data.cast("B") if data.format != "B" else data
         try:

@@ -17,7 +17,7 @@ import uuid
 from dataclasses import replace
 from pathlib import Path
 
-from kvtier.tiers.filetree import NOT_OURS, open_dir
+from kvtier.tiers.files.filetree import NOT_OURS, open_dir
 from kvtier.tiers.manifest import (
     FILE_NAME,
     MANIFEST_MAX_BYTES,

@@ -1,4 +1,4 @@
-"""The redis tier's connection to a Redis/Valkey server or a Redis Cluster (see tiers/redis.py):
+"""The redis tier's connection to a Redis/Valkey server or a Redis Cluster (see tier.py):
 the password, a client with the tier's timeouts and redis-py's retries off, and which errors mean
 "the server is not answering".
 
@@ -18,10 +18,10 @@ from redis.exceptions import ClusterDownError, RedisClusterException, SlotNotCov
 from redis.retry import Retry
 
 from kvtier.errors import ConfigError
-from kvtier.tiers.redis_config import RedisTierConfig
+from kvtier.tiers.redis.config import RedisTierConfig
 
-# The tier's logger, not this module's: operators filter on "kvtier.tiers.redis" for the tier.
-log = logging.getLogger("kvtier.tiers.redis")
+# The tier's logger, not this module's: operators filter on "kvtier.tiers.redis.tier" for the tier.
+log = logging.getLogger("kvtier.tiers.redis.tier")
 Client = redis.Redis | RedisCluster
 # Errors that mean "the server is not answering" (AuthenticationError is a ConnectionError).
 UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, SlotNotCoveredError,

@@ -3,9 +3,9 @@ chunk's file is (`chunk_path`), what a tree holds (`scan_tree`), whether a chunk
 (`FileProbe`, the scheduler's probe) and the tree as `kvtier inspect` / `kvtier gc` see it
 (`FileInventory`, namespace manifests included: tiers/manifest.py).
 
-Layout: ROOT/<layout digest>/<k[0:2]>/<k[2:4]>/<key hex>.kvc (tiers/chunkfiles.py writes and
+Layout: ROOT/<layout digest>/<k[0:2]>/<k[2:4]>/<key hex>.kvc (tiers/files/chunkfiles.py writes and
 reads the files). Nothing below ROOT is trusted: every path is reached without following links
-(`kvtier.tiers.filetree`), and only regular files of kvtier's names count.
+(`kvtier.tiers.files.filetree`), and only regular files of kvtier's names count.
 
 Primitives: `ChunkFile`, `TreeScan`, `scan_tree`, `walk_chunks`, `FoundChunk`, `chunk_parts`,
 `chunk_path`, `key_of`, `FileProbe`, `FileInventory`, `SUFFIX`.
@@ -22,16 +22,16 @@ from typing import Protocol
 
 from kvtier.core.keys import KEY_BYTES, ChunkKey
 from kvtier.core.tier import StoredChunk
-from kvtier.tiers.file_manifests import file_manifests, remove_file_manifest
-from kvtier.tiers.filetree import TEMP_STALE_S, lstat_file, unlink_file, walk
-from kvtier.tiers.fsops import NO_OPS, FsOps
+from kvtier.tiers.files.filetree import TEMP_STALE_S, lstat_file, unlink_file, walk
+from kvtier.tiers.files.fsops import NO_OPS, FsOps
+from kvtier.tiers.files.manifests import file_manifests, remove_file_manifest
 from kvtier.tiers.manifest import NamespaceManifest, is_layout_name
 
 SUFFIX = ".kvc"
 
 
 class ChunkFilesLike(Protocol):
-    """What `walk_chunks` reads of a `ChunkFiles` (tiers/chunkfiles.py imports this module)."""
+    """What `walk_chunks` reads of a `ChunkFiles` (chunkfiles.py imports this module)."""
 
     root: Path
     layout_digest: str

@@ -1,5 +1,5 @@
 """How the redis tier writes a chunk so that a write failing part-way leaves nothing behind
-(issue 12, item 7; see tiers/redis.py for the value names).
+(issue 12, item 7; see tiers/redis/tier.py for the value names).
 
 SETting the parts, then the header, in one pipeline is not enough: under `maxmemory` with
 `noeviction` the server refuses the later SETs ("OOM command not allowed") after accepting

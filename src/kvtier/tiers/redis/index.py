@@ -1,4 +1,4 @@
-"""The redis tier's LRU capacity index, used when `capacity` > 0 (see tiers/redis.py).
+"""The redis tier's LRU capacity index, used when `capacity` > 0 (see tiers/redis/tier.py).
 
 One sorted set per namespace (prefix + layout), <prefix>{<digest>}:lru, scores chunks by last use
 on the server's clock, so every client on every host shares one recency order. One Lua script
@@ -26,10 +26,10 @@ import redis
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tier import TierCounters
 from kvtier.errors import TierUnavailable
-from kvtier.tiers.redis_client import Client
+from kvtier.tiers.redis.client import Client
 
-# The tier's logger, not this module's: operators filter on "kvtier.tiers.redis" for the tier.
-log = logging.getLogger("kvtier.tiers.redis")
+# The tier's logger, not this module's: operators filter on "kvtier.tiers.redis.tier" for the tier.
+log = logging.getLogger("kvtier.tiers.redis.tier")
 T = TypeVar("T")
 TOUCH_FLUSH_S = 1.0  # hits are reported to the LRU index at least this often...
 TOUCH_FLUSH_KEYS = 256  # ...or when this many are pending

@@ -1,4 +1,4 @@
-"""The s3 tier's config model (kind "s3"); see kvtier/tiers/s3.py for the tier.
+"""The s3 tier's config model (kind "s3"); see kvtier/tiers/s3/tier.py for the tier.
 
 In a module of its own (not s3.py) because the client code (s3_client.py), the operator's
 inventory (s3_inventory.py) and `kvtier doctor` read it without importing the tier.
