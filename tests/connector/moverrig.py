@@ -14,9 +14,9 @@ from kvtier.core.store import TieredStore
 from kvtier.integrations.vllm.worker.cpu import spare_buffers
 from kvtier.integrations.vllm.worker.paged import PagedKV
 from kvtier.integrations.vllm.worker.streams import StreamChunkMover
+from kvtier.testing.standin import StandInDevice, StandInEvent, StandInStream
 from kvtier.tiers import open_store
 from kvtier.tiers.storeconfig import StoreConfig
-from kvtier.tools.bench.standin import StandInDevice, StandInEvent, StandInStream
 
 # The mover's waits between its own streams: a copy engine's DMA and the scatter or gather on
 # the other side of it.

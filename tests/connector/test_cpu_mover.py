@@ -20,9 +20,9 @@ from kvtier.integrations.vllm.transfers import ChunkTransfer
 from kvtier.integrations.vllm.worker.connector_worker import load_batch_for
 from kvtier.integrations.vllm.worker.cpu import CpuChunkMover, spare_buffers
 from kvtier.integrations.vllm.worker.paged import PagedKV
+from kvtier.testing.vllmviews import VllmCacheSpec, vllm_kv_caches
 from kvtier.tiers import open_store
 from kvtier.tiers.storeconfig import StoreConfig
-from kvtier.tools.bench.vllmviews import VllmCacheSpec, vllm_kv_caches
 
 BLOCK, CHUNK, CHUNKS, SPARES = 16, 32, 8, 4
 

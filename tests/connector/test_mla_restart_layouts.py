@@ -30,9 +30,9 @@ from kvtier.integrations.vllm.kvformat import attention_format, chunk_layouts
 from kvtier.integrations.vllm.messages import ChunkTransfer, KVTierMetadata
 from kvtier.integrations.vllm.worker.connector_worker import ConnectorWorker
 from kvtier.integrations.vllm.worker.paged import PagedKV
+from kvtier.testing.vllmviews import VllmCacheSpec, vllm_kv_caches
 from kvtier.tiers import build_probe, open_store
 from kvtier.tiers.storeconfig import StoreConfig
-from kvtier.tools.bench.vllmviews import VllmCacheSpec, vllm_kv_caches
 
 MODEL = "deepseek-ai/tiny-mla"
 FINGERPRINT = "0123456789abcdef0123456789abcdef"  # the model's (core/fingerprint.py)

@@ -1,9 +1,9 @@
 """The device mover's ordering (integrations/vllm/worker/streams.py), on a CPU stand-in for the GPU.
 
-The mover orders its copies only through the Device protocol; kvtier/tools/bench/standin.py runs
+The mover orders its copies only through the Device protocol; kvtier/testing/standin.py runs
 each stream's work on a thread, late and in random order across streams, in poisoned "device"
 memory. vLLM's KV is emulated as vLLM 0.33 hands it to a connector on CUDA (FlashAttention's
-LBNHC views, kvtier/tools/bench/vllmviews.py), written and read by a "forward" queued on the compute
+LBNHC views, kvtier/testing/vllmviews.py), written and read by a "forward" queued on the compute
 stream. Each scenario checks bytes:
 
   - a store gathers what the forward queued before it wrote (not what the blocks held);
@@ -36,8 +36,8 @@ from tierkit import key
 from kvtier.integrations.vllm.transfers import ChunkTransfer
 from kvtier.integrations.vllm.worker.cpu import spare_buffers
 from kvtier.integrations.vllm.worker.paged import PagedKV
-from kvtier.tools.bench.standin import StandInDevice, StandInEvent
-from kvtier.tools.bench.vllmviews import VllmCacheSpec, vllm_kv_caches
+from kvtier.testing.standin import StandInDevice, StandInEvent
+from kvtier.testing.vllmviews import VllmCacheSpec, vllm_kv_caches
 
 LAYERS, BLOCKS, HEADS, BS, DIM = 3, 48, 2, 16, 8
 BPC = 2  # blocks per chunk

@@ -34,8 +34,8 @@ from kvtier.core.keys import ChunkKey
 from kvtier.integrations.vllm.groups import NULL_BLOCK, STATE_FLAG_BYTES
 from kvtier.integrations.vllm.transfers import ChunkTransfer
 from kvtier.integrations.vllm.worker.paged import PagedKV
-from kvtier.tools.bench.standin import StandInDevice
-from kvtier.tools.bench.vllmviews import VllmCacheSpec, vllm_kv_caches
+from kvtier.testing.standin import StandInDevice
+from kvtier.testing.vllmviews import VllmCacheSpec, vllm_kv_caches
 
 LAYERS, BLOCKS, HEADS, BS, DIM = 2, 48, 2, 16, 8
 BPC = 2  # blocks per chunk

@@ -4,7 +4,7 @@ vLLM 0.33 hands a connector one logical view per attention layer, `[blocks * r, 
 whose strides follow the physical layout (LBNHC, LBHNC, LHBNC, BLHNC, BLNHC, BHLNC). K/V
 attention holds K in C[:D] and V in C[D:] of each token ("halves"); MLA is
 `[blocks, 1, N, latent]`; r > 1 where the backend's kernels take smaller blocks than
-vLLM's `--block-size` (kernel blocks). The views come from kvtier/tools/bench/vllmviews.py, a port
+vLLM's `--block-size` (kernel blocks). The views come from kvtier/testing/vllmviews.py, a port
 of vLLM 0.33's allocation rules; the first tests check that port against an independent
 reading of those rules, the others drive kvtier's real `PagedKV` over the views:
 
@@ -34,7 +34,7 @@ import torch
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.kvformat import attention_format, chunk_layouts
 from kvtier.integrations.vllm.worker.paged import PagedKV
-from kvtier.tools.bench.vllmviews import VllmCacheSpec, vllm_kv_caches
+from kvtier.testing.vllmviews import VllmCacheSpec, vllm_kv_caches
 
 MODEL = "acme/tiny-33"
 BS, BLOCKS = 16, 6  # vLLM's (manager) block size; blocks in the cache

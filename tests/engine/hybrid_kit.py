@@ -31,7 +31,7 @@ from vllm_harness import (
 from kvtier.core.chunkformat import HEADER_BYTES, stored_size
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.groups import STATE_FLAG_BYTES
-from kvtier.tools.tinymodel import BOS_ID, EOS_ID, UNK_ID, write_tokenizer
+from kvtier.testing.tinymodel import BOS_ID, EOS_ID, UNK_ID, write_tokenizer
 
 SHAPE: dict[str, Any] = dict(
     vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,

@@ -17,7 +17,7 @@ import pytest
 import zmq
 from vllm_harness import random_prompts, start_engine, token_ids
 
-from kvtier.tools.tinymodel import PRESETS
+from kvtier.testing.tinymodel import PRESETS
 
 pytestmark = pytest.mark.vllm
 TPC = 64

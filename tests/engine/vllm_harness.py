@@ -44,8 +44,8 @@ from slow_files import injecting
 
 from kvtier.core.chunkformat import HEADER_BYTES
 from kvtier.integrations.vllm.config import kvtier_transfer_config as transfer_config
-from kvtier.tools.bench.engines import kvtier_counter, offline_engine
-from kvtier.tools.tinymodel import FIRST_WORD_ID, PRESETS
+from kvtier.testing.engines import kvtier_counter, offline_engine
+from kvtier.testing.tinymodel import FIRST_WORD_ID, PRESETS
 
 __all__ = ["kvtier_counter"]  # re-exported for the cases
 

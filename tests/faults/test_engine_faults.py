@@ -48,8 +48,8 @@ from vllm_harness import (
     token_ids,
 )
 
+from kvtier.testing.tinymodel import make_preset_model
 from kvtier.tools.ops.server import VllmServer
-from kvtier.tools.tinymodel import make_preset_model
 
 pytestmark = pytest.mark.vllm
 

@@ -2,11 +2,11 @@
 an independent statement of the chunk byte order.
 
 `Backend` is a test's device: "cuda" (a real GPU: `CudaDevice`, CUDA tensors; skipped where
-torch sees none) or "standin" (kvtier/tools/bench/standin.py: CPU tensors copied with the
+torch sees none) or "standin" (kvtier/testing/standin.py: CPU tensors copied with the
 accelerators' torch index ops, streams as threads that run their work late). Every test body
 takes one, so CI runs the very code that scripts/gpu-check.sh runs on a GPU.
 
-`CASES` are vLLM 0.33's KV caches by its own allocation rules (kvtier/tools/bench/vllmviews.py):
+`CASES` are vLLM 0.33's KV caches by its own allocation rules (kvtier/testing/vllmviews.py):
 the layer-outermost and block-outermost layouts, MLA's 4-D `[B, 1, N, latent]` views, a
 manager block split into r=4 kernel blocks, bf16 and fp8 (uint8 tensors). Their format comes
 from `kvformat.attention_format`, as the connector reads it from vLLM's spec.
@@ -31,8 +31,8 @@ import torch
 from kvtier.integrations.vllm.kvformat import AttentionFormat, attention_format
 from kvtier.integrations.vllm.worker.device import CudaDevice, Device, Event
 from kvtier.integrations.vllm.worker.paged import PagedKV
-from kvtier.tools.bench.standin import StandInDevice
-from kvtier.tools.bench.vllmviews import VllmCacheSpec, vllm_kv_caches
+from kvtier.testing.standin import StandInDevice
+from kvtier.testing.vllmviews import VllmCacheSpec, vllm_kv_caches
 
 HAS_CUDA = torch.cuda.is_available()
 NEEDS_CUDA = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")

@@ -21,7 +21,7 @@ and ordering, each check also run on a device that loses the mover's waits, wher
   - many chunks pass through two staging buffers from two threads at once.
 
 Each test runs on "cuda" (skipped without a GPU) and on "standin"
-(kvtier/tools/bench/standin.py), so
+(kvtier/testing/standin.py), so
 that CI executes these bodies. No vLLM. Throughput: `kvtier bench copy` (scripts/gpu-check.sh).
 """
 
@@ -44,9 +44,9 @@ from kvtier.integrations.vllm.transfers import ChunkTransfer
 from kvtier.integrations.vllm.worker.cpu import spare_buffers
 from kvtier.integrations.vllm.worker.paged import PagedKV
 from kvtier.integrations.vllm.worker.streams import StreamChunkMover
+from kvtier.testing.standin import StandInEvent
 from kvtier.tiers import open_store
 from kvtier.tiers.storeconfig import StoreConfig
-from kvtier.tools.bench.standin import StandInEvent
 
 LAYERS, BLOCKS = 3, 64
 BPC = 2  # blocks per chunk

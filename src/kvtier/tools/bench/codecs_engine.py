@@ -19,14 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.integrations.vllm.config import TOKENS_PER_CHUNK, kvtier_transfer_config
+from kvtier.testing.engines import kvtier_counter, offline_engine, quiet_engine_logs
+from kvtier.testing.tinymodel import make_preset_model
 from kvtier.tools.bench.codecs_inputs import CodecsConfig, OutputEffect, read_chunk_files
-from kvtier.tools.bench.engines import (
-    bench_prompt,
-    kvtier_counter,
-    offline_engine,
-    quiet_engine_logs,
-)
-from kvtier.tools.tinymodel import make_preset_model
+from kvtier.tools.bench.prompts import bench_prompt
 
 MODEL_ROOT = Path(".kvtier-models")
 

@@ -23,15 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.integrations.vllm.config import TOKENS_PER_CHUNK, kvtier_transfer_config
-from kvtier.tools.bench.engines import (
-    KV_BYTES_PER_TOKEN,
-    NEW_TOKENS,
-    bench_prompt,
-    counter,
-    offline_engine,
-    quiet_engine_logs,
-)
-from kvtier.tools.tinymodel import make_preset_model
+from kvtier.testing.engines import counter, offline_engine, quiet_engine_logs
+from kvtier.testing.tinymodel import make_preset_model
+from kvtier.tools.bench.prompts import KV_BYTES_PER_TOKEN, NEW_TOKENS, bench_prompt
 
 MODEL_ROOT = Path(".kvtier-models")
 HITS = "vllm:external_prefix_cache_hits"

@@ -50,8 +50,8 @@ from kvtier.integrations.vllm.transfers import ChunkTransfer
 from kvtier.integrations.vllm.worker.cpu import CpuChunkMover, spare_buffers
 from kvtier.integrations.vllm.worker.mover import ChunkMover
 from kvtier.integrations.vllm.worker.paged import PagedKV
+from kvtier.testing.vllmviews import LAYOUTS, VllmCacheSpec, vllm_kv_caches
 from kvtier.tiers.storeconfig import StoreConfig
-from kvtier.tools.bench.vllmviews import LAYOUTS, VllmCacheSpec, vllm_kv_caches
 
 TARGET_RATIO = 0.8  # issue 3, "GPU": kvtier's copy path >= 0.8x a raw pinned copy
 RUNNER_CHUNKS = 16  # a step's stores in the runner check: 16 chunks (a 4k-token prefill)

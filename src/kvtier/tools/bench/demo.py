@@ -9,7 +9,7 @@ cache has evicted that user's history:
   - without kvtier, every returning turn recomputes its whole history (prefill);
   - with kvtier, the history's chunks come back from kvtier's memory tier, and only the new
     tokens are computed.
-The model is the "bench" preset (kvtier.tools.tinymodel): big enough that prefill dominates a
+The model is the "bench" preset (kvtier.testing.tinymodel): big enough that prefill dominates a
 request's time on a 2-core CPU, as it does with a real model on a GPU.
 
 Primitives:
@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvtier.testing.tinymodel import PRESETS, make_preset_model
 from kvtier.tools.bench import promdiff
 from kvtier.tools.bench.client import ClientConfig
 from kvtier.tools.bench.report import write_outputs
@@ -43,7 +44,6 @@ from kvtier.tools.ops.serving import (
     default_tiers,
     is_cpu_backend,
 )
-from kvtier.tools.tinymodel import PRESETS, make_preset_model
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +53,7 @@ class DemoPlan:
     users' histories; kvtier's memory tier must hold them all."""
 
     name: str  # "full" or "quick"
-    preset: str  # model preset (kvtier.tools.tinymodel.PRESETS)
+    preset: str  # model preset (kvtier.testing.tinymodel.PRESETS)
     users: int  # conversations, served round-robin
     turns: int  # turns per conversation; turns >= 1 are the "returning" ones
     first_len: int  # tokens of a conversation's first prompt (system prompt + question)

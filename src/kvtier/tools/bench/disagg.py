@@ -2,7 +2,7 @@
 workload (issue 16's benchmark).
 
 Two setups, one after the other, on 127.0.0.1 with the generated "bench" model
-(`kvtier.tools.tinymodel`), kvtier on a memory tier + a `shared` directory (a scratch
+(`kvtier.testing.tinymodel`), kvtier on a memory tier + a `shared` directory (a scratch
 directory), `chunk_tokens`-token chunks:
 
   - `single`: one vLLM server with kvtier (kv_both) serves everything;
@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.errors import ConfigError, ServerError
+from kvtier.testing.tinymodel import PRESETS, make_preset_model
 from kvtier.tools.bench import promdiff
 from kvtier.tools.bench.arrivals import (
     arrival_schedule,
@@ -62,7 +63,6 @@ from kvtier.tools.bench.workloads import Turn, Workload
 from kvtier.tools.ops.disagg_proxy import ProxyConfig, running_proxy
 from kvtier.tools.ops.server import VllmServer, free_port
 from kvtier.tools.ops.serving import GIB, ServeConfig, build_command
-from kvtier.tools.tinymodel import PRESETS, make_preset_model
 
 SETUPS = ("single", "disagg")
 

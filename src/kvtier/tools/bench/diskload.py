@@ -137,10 +137,10 @@ def _run(config: DiskLoadConfig, root: Path, progress: Callable[[str], None]
     from kvtier.integrations.vllm.transfers import ChunkTransfer
     from kvtier.integrations.vllm.worker.cpu import CpuChunkMover, spare_buffers
     from kvtier.integrations.vllm.worker.paged import PagedKV
+    from kvtier.testing.vllmviews import VllmCacheSpec, vllm_kv_caches
     from kvtier.tiers import open_store
     from kvtier.tiers.files.disk import DiskTier
     from kvtier.tiers.storeconfig import StoreConfig
-    from kvtier.tools.bench.vllmviews import VllmCacheSpec, vllm_kv_caches
 
     most = max(config.chunks)
     per_chunk = config.tokens_per_chunk // config.block_size

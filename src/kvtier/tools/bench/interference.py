@@ -1,7 +1,7 @@
 """`kvtier bench interference`: what running streams feel while other requests' prefixes load.
 
 Issue 13's benchmark. For each configuration, in sequence (one server at a time), a vLLM
-OpenAI server on 127.0.0.1 serves the generated "bench" model (`kvtier.tools.tinymodel`):
+OpenAI server on 127.0.0.1 serves the generated "bench" model (`kvtier.testing.tinymodel`):
 
   - `vllm`: no kvtier; the arrivals' prefixes are recomputed.
   - `kvtier-sync`: kvtier with `load_mode: sync` and `store_mode: sync`; a hit is loaded
@@ -64,6 +64,7 @@ import aiohttp
 
 from kvtier.errors import ConfigError, ServerError
 from kvtier.integrations.vllm.config import TOKENS_PER_CHUNK
+from kvtier.testing.tinymodel import PRESETS, make_preset_model
 from kvtier.tools.bench import promdiff
 from kvtier.tools.bench.arrivals import (
     Arrival,
@@ -80,12 +81,11 @@ from kvtier.tools.bench.arrivals import (
     token_times,
 )
 from kvtier.tools.bench.client import ClientConfig, run_workload
-from kvtier.tools.bench.engines import KV_BYTES_PER_TOKEN
+from kvtier.tools.bench.prompts import KV_BYTES_PER_TOKEN
 from kvtier.tools.bench.stats import Percentiles, RequestResult, percentiles
 from kvtier.tools.bench.workloads import Turn, Workload
 from kvtier.tools.ops.server import free_port, running_server
 from kvtier.tools.ops.serving import GIB, ServeCommand, ServeConfig, build_command
-from kvtier.tools.tinymodel import PRESETS, make_preset_model
 
 CONFIGS = ("vllm", "kvtier-sync", "kvtier-async")
 CHOICES = (*CONFIGS, "kvtier-auto", "vllm-prefix")

@@ -39,17 +39,12 @@ from urllib.parse import urlsplit
 
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import TOKENS_PER_CHUNK, kvtier_transfer_config
-from kvtier.tools.bench.engines import (
-    KV_BYTES_PER_TOKEN,
-    NEW_TOKENS,
-    bench_prompt,
-    kvtier_counter,
-    offline_engine,
-)
+from kvtier.testing.engines import kvtier_counter, offline_engine
+from kvtier.testing.tinymodel import make_preset_model
 from kvtier.tools.bench.netem import Endpoint, delayed_proxy
+from kvtier.tools.bench.prompts import KV_BYTES_PER_TOKEN, NEW_TOKENS, bench_prompt
 from kvtier.tools.bench.redis_baseline import local_redis
 from kvtier.tools.bench.remote_redis import stored_chunks
-from kvtier.tools.tinymodel import make_preset_model
 
 CONFIGS = ("rule", "always")
 TARGET_VS_RECOMPUTE = 1.05  # the rule's TTFT <= 1.05x recompute at every link speed

@@ -93,10 +93,10 @@ def run_mover_bench(config: MoverBenchConfig,
     from kvtier.integrations.vllm.worker.mover import ChunkMover
     from kvtier.integrations.vllm.worker.paged import PagedKV
     from kvtier.integrations.vllm.worker.streams import StreamChunkMover
+    from kvtier.testing.standin import StandInDevice
+    from kvtier.testing.vllmviews import VllmCacheSpec, vllm_kv_caches
     from kvtier.tiers import open_store
     from kvtier.tiers.storeconfig import StoreConfig
-    from kvtier.tools.bench.standin import StandInDevice
-    from kvtier.tools.bench.vllmviews import VllmCacheSpec, vllm_kv_caches
 
     config.validate()
     bpc = config.tokens_per_chunk // config.block_size

@@ -2,7 +2,7 @@
 shared directory and through Redis, against B's own recompute, in one run.
 
 Engines run one after the other (never two at once), each an offline `vllm.LLM` with its own
-engine-core process, on the generated "bench" model (`kvtier.tools.tinymodel`):
+engine-core process, on the generated "bench" model (`kvtier.testing.tinymodel`):
   - `A`: memory + shared + redis tiers. Computes every prompt once (the miss path) and writes
     its chunks behind to the shared directory and to Redis; then it is shut down.
   - `B-shared`: a new engine on A's directory; its memory tier is smaller than one chunk, so
@@ -35,15 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.integrations.vllm.config import TOKENS_PER_CHUNK, kvtier_transfer_config
-from kvtier.tools.bench.engines import (
-    KV_BYTES_PER_TOKEN,
-    NEW_TOKENS,
-    bench_prompt,
-    check_settings,
-    counter,
-    offline_engine,
-)
-from kvtier.tools.tinymodel import make_preset_model
+from kvtier.testing.engines import counter, offline_engine
+from kvtier.testing.tinymodel import make_preset_model
+from kvtier.tools.bench.prompts import KV_BYTES_PER_TOKEN, NEW_TOKENS, bench_prompt, check_settings
 
 SOURCES = ("shared", "redis")  # how B gets A's chunks
 KEY_PREFIX = "kvtier-bench-sharing:"

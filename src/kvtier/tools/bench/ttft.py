@@ -59,19 +59,10 @@ from typing import Any
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import STORE_MODES, TOKENS_PER_CHUNK, kvtier_transfer_config
 from kvtier.integrations.vllm.groups import STATE_FLAG_BYTES
-from kvtier.tools.bench.engines import (
-    BLOCK_SIZE,
-    KV_BYTES_PER_TOKEN,
-    NEW_TOKENS,
-    NUM_BLOCKS,
-    bench_prompt,
-    check_settings,
-    counter,
-    kvtier_counter,
-    offline_engine,
-)
+from kvtier.testing.engines import BLOCK_SIZE, NUM_BLOCKS, counter, kvtier_counter, offline_engine
+from kvtier.testing.tinymodel import PRESETS, make_preset_model
+from kvtier.tools.bench.prompts import KV_BYTES_PER_TOKEN, NEW_TOKENS, bench_prompt, check_settings
 from kvtier.tools.bench.subjects import aligned_buffer, direct_read_s
-from kvtier.tools.tinymodel import PRESETS, make_preset_model
 
 ENGINES = ("recompute", "vllm-prefix", "kvtier-memory", "kvtier-disk", "example", "example-cold")
 TARGET_EXTRA_VS_COPY = 1.5  # a hit's extra time over vLLM's <= 1.5x the raw copy
@@ -83,7 +74,7 @@ SKIPPED = "kvtier-memory, kvtier off"  # throughput rounds with skip_load + skip
 class BenchModel:
     """A model the bench can run (`--model`), and what its prompts and chunks look like."""
 
-    preset: str  # the generated model (`kvtier.tools.tinymodel.PRESETS`)
+    preset: str  # the generated model (`kvtier.testing.tinymodel.PRESETS`)
     block_size: int  # asked of vLLM (a state model's "align" mode raises it)
     tokens_per_chunk: int  # the kvtier engines' chunk: a multiple of vLLM's block
     cached_tokens: tuple[int, ...]  # default prompt lengths (multiples of the chunk)

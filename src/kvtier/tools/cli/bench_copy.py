@@ -41,7 +41,7 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     )
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--layout",
-                        help="vLLM 0.33's KV layout (kvtier.tools.bench.vllmviews.LAYOUTS: LBNHC, "
+                        help="vLLM 0.33's KV layout (kvtier.testing.vllmviews.LAYOUTS: LBNHC, "
                              "BLHNC, ...; default LBNHC on CUDA) or 'cpu' (vLLM's CPU "
                              "backend's own, the default on CPU)")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "fp8"), default="bfloat16",

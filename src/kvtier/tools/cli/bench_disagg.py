@@ -11,6 +11,7 @@ from pathlib import Path
 
 from rich.table import Table
 
+from kvtier.testing.engines import quiet_engine_logs
 from kvtier.tools.bench.disagg import (
     SETUPS,
     DisaggBenchConfig,
@@ -18,7 +19,6 @@ from kvtier.tools.bench.disagg import (
     SetupRun,
     run_disagg_bench,
 )
-from kvtier.tools.bench.engines import quiet_engine_logs
 from kvtier.tools.cli.argtypes import (
     finite_float,
     non_negative_int,

@@ -16,7 +16,7 @@ from pathlib import Path
 from rich.table import Table
 
 from kvtier.errors import ConfigError
-from kvtier.tools.bench.engines import quiet_engine_logs
+from kvtier.testing.engines import quiet_engine_logs
 from kvtier.tools.bench.interference import (
     CHOICES,
     CONFIGS,

@@ -10,7 +10,7 @@ from pathlib import Path
 from rich.table import Table
 
 from kvtier.errors import ConfigError
-from kvtier.tools.bench.engines import quiet_engine_logs
+from kvtier.testing.engines import quiet_engine_logs
 from kvtier.tools.bench.linksweep import CONFIGS, LinkConfig, LinkResult, run_link_bench
 from kvtier.tools.cli.argtypes import (
     finite_float,

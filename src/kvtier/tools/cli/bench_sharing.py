@@ -13,7 +13,8 @@ from pathlib import Path
 from rich.table import Table
 
 from kvtier.errors import ConfigError
-from kvtier.tools.bench.engines import KV_BYTES_PER_TOKEN, quiet_engine_logs
+from kvtier.testing.engines import quiet_engine_logs
+from kvtier.tools.bench.prompts import KV_BYTES_PER_TOKEN
 from kvtier.tools.bench.sharing import (
     SOURCES,
     SharingConfig,

@@ -15,7 +15,7 @@ from rich.table import Table
 
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import STORE_MODES
-from kvtier.tools.bench.engines import quiet_engine_logs
+from kvtier.testing.engines import quiet_engine_logs
 from kvtier.tools.bench.ttft import (
     ENGINES,
     MODELS,

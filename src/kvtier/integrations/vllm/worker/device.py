@@ -6,7 +6,7 @@ runs in order on that stream, asynchronously to the host; an event recorded on a
 reached when the stream's earlier work has run; a stream can be made to wait for an event, and
 the host can wait for one or ask whether it was reached. The compute stream is the one vLLM's
 forward runs on (`compute_stream`). Because the mover only orders its copies through this
-protocol, the same mover code runs in CI against a CPU stand-in (kvtier/tools/bench/standin.py:
+protocol, the same mover code runs in CI against a CPU stand-in (kvtier/testing/standin.py:
 copies on threads, events as flags, random delays), where every ordering bug a GPU would show
 — a slot reused before its copy ended, a block freed before its gather, a forward started
 before its load — corrupts data a test checks.
