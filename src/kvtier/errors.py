@@ -85,4 +85,4 @@ class ServerError(KVTierError):
 
 class ShimUnavailable(KVTierError):
     """A benchmark's emulated filesystem latency cannot run here (no C compiler, not Linux, or
-    its shim did not build): `kvtier.tools.bench.fslatency`."""
+    its shim did not build): `kvtier.tools.bench.emulators.fslatency`."""

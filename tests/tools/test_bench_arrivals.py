@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvtier.errors import ServerError
-from kvtier.tools.bench import arrivals
+from kvtier.tools.bench.serving import arrivals
 
 
 def test_a_start_short_of_memory_is_retried_and_other_failures_are_not(

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 import pytest
 from aiohttp import web
 
-from kvtier.tools.bench.client import ClientConfig, api_base
-from kvtier.tools.bench.report import write_outputs
-from kvtier.tools.bench.runner import bench_endpoint
-from kvtier.tools.bench.workloads import long_doc, multi_round, prefix_repetition
+from kvtier.tools.bench.serving.client import ClientConfig, api_base
+from kvtier.tools.bench.serving.report import write_outputs
+from kvtier.tools.bench.serving.runner import bench_endpoint
+from kvtier.tools.bench.serving.workloads import long_doc, multi_round, prefix_repetition
 
 
 @dataclass

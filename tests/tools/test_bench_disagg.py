@@ -10,7 +10,7 @@ import pytest
 
 from kvtier.errors import ConfigError
 from kvtier.tools.bench.disagg import DisaggBenchConfig, SetupRun
-from kvtier.tools.bench.stats import RequestResult
+from kvtier.tools.bench.serving.stats import RequestResult
 from kvtier.tools.cli.bench_disagg import config_from
 from kvtier.tools.cli.main import build_parser, main
 

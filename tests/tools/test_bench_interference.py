@@ -15,7 +15,6 @@ from rich.console import Console
 
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import TOKENS_PER_CHUNK
-from kvtier.tools.bench.arrivals import arrival_schedule, gaps_in_window, token_times
 from kvtier.tools.bench.interference import (
     CONFIGS,
     ConfigRun,
@@ -26,7 +25,8 @@ from kvtier.tools.bench.interference import (
     timed_stream_tokens,
 )
 from kvtier.tools.bench.prompts import KV_BYTES_PER_TOKEN
-from kvtier.tools.bench.stats import RequestResult
+from kvtier.tools.bench.serving.arrivals import arrival_schedule, gaps_in_window, token_times
+from kvtier.tools.bench.serving.stats import RequestResult
 from kvtier.tools.cli.bench_interference import config_from, figures_table, target_table
 
 

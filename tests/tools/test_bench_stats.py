@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.tools.bench import promdiff
-from kvtier.tools.bench.stats import (
+from kvtier.tools.bench.serving import promdiff
+from kvtier.tools.bench.serving.stats import (
     RequestResult,
     by_turn,
     percentile,
@@ -14,7 +14,7 @@ from kvtier.tools.bench.stats import (
     ratios,
     summarize,
 )
-from kvtier.tools.bench.workloads import (
+from kvtier.tools.bench.serving.workloads import (
     TokenRange,
     long_doc,
     multi_round,
@@ -232,9 +232,9 @@ def test_metrics_diff_sums_engines_and_subtracts_before():
 def test_report_table_shows_hit_rates_per_kvtier_tier_and_ratios():
     from rich.console import Console
 
-    from kvtier.tools.bench.client import WorkloadRun
-    from kvtier.tools.bench.report import summary_table
-    from kvtier.tools.bench.runner import BenchRun
+    from kvtier.tools.bench.serving.client import WorkloadRun
+    from kvtier.tools.bench.serving.report import summary_table
+    from kvtier.tools.bench.serving.runner import BenchRun
 
     delta = promdiff.diff(promdiff.parse_metrics(METRICS_BEFORE),
                           promdiff.parse_metrics(METRICS_AFTER))

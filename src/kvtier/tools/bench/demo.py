@@ -28,12 +28,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kvtier.testing.tinymodel import PRESETS, make_preset_model
-from kvtier.tools.bench import promdiff
-from kvtier.tools.bench.client import ClientConfig
-from kvtier.tools.bench.report import write_outputs
-from kvtier.tools.bench.runner import BenchRun, bench_endpoint
-from kvtier.tools.bench.stats import RequestResult, Summary, summarize
-from kvtier.tools.bench.workloads import Workload, multi_round
+from kvtier.tools.bench.serving import promdiff
+from kvtier.tools.bench.serving.client import ClientConfig
+from kvtier.tools.bench.serving.report import write_outputs
+from kvtier.tools.bench.serving.runner import BenchRun, bench_endpoint
+from kvtier.tools.bench.serving.stats import RequestResult, Summary, summarize
+from kvtier.tools.bench.serving.workloads import Workload, multi_round
 from kvtier.tools.ops.server import free_port, running_server
 from kvtier.tools.ops.serving import (
     MIB,

@@ -44,8 +44,8 @@ from typing import Any
 
 from kvtier.errors import ConfigError, ServerError
 from kvtier.testing.tinymodel import PRESETS, make_preset_model
-from kvtier.tools.bench import promdiff
-from kvtier.tools.bench.arrivals import (
+from kvtier.tools.bench.serving import promdiff
+from kvtier.tools.bench.serving.arrivals import (
     arrival_schedule,
     arrival_ttft,
     arrival_window,
@@ -57,9 +57,9 @@ from kvtier.tools.bench.arrivals import (
     streams_itl_in_window,
     streams_workload,
 )
-from kvtier.tools.bench.client import ClientConfig, run_workload
-from kvtier.tools.bench.stats import Percentiles, RequestResult, percentiles
-from kvtier.tools.bench.workloads import Turn, Workload
+from kvtier.tools.bench.serving.client import ClientConfig, run_workload
+from kvtier.tools.bench.serving.stats import Percentiles, RequestResult, percentiles
+from kvtier.tools.bench.serving.workloads import Turn, Workload
 from kvtier.tools.ops.disagg_proxy import ProxyConfig, running_proxy
 from kvtier.tools.ops.server import VllmServer, free_port
 from kvtier.tools.ops.serving import GIB, ServeConfig, build_command

@@ -44,7 +44,7 @@ from kvtier.errors import ConfigError, ShimUnavailable
 from kvtier.tiers import build_tier
 from kvtier.tiers.files.chunktree import chunk_parts
 from kvtier.tiers.storeconfig import StoreConfig
-from kvtier.tools.bench.fslatency import build_shim, shim_env
+from kvtier.tools.bench.emulators.fslatency import build_shim, shim_env
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_size=64, dtype="float16",
                   tokens_per_chunk=16)  # 4 KiB chunks

@@ -19,7 +19,8 @@ kvtier's memory tier holds `memory_tier_chunks` chunks only, in front of a disk 
 scratch directory, so the arrivals' prefixes come back from the disk (read with O_DIRECT: the
 page cache does not serve them). With `tier="redis"`, the tier below the memory tier is a
 redis tier instead: a private redis-server per kvtier configuration, behind an emulated
-network (`kvtier.tools.bench.netem`: `net_delay_ms` each way, `net_bandwidth_gbps` per direction;
+network (`kvtier.tools.bench.emulators.netem`: `net_delay_ms` each way, `net_bandwidth_gbps`
+per direction;
 the defaults, 0.5 ms round trip and 10 Gbit/s, are a redis in the same datacenter). With
 `tier="memory"`, kvtier has a memory tier only, large enough for every prefix: the other side
 of the connector's rule ("auto" loads a hit held in RAM inline, one below it asynchronously),
@@ -37,8 +38,9 @@ Per configuration:
      generated).
 The streams' ITL with arrivals counts the gaps whose later token came inside the arrival
 window (from the first arrival sent to the last one answered), so streams that run past the
-window do not dilute it (`gaps_in_window`). Requests are sent by `kvtier.tools.bench.client`; the
-schedule, the window and the server start's retries are `kvtier.tools.bench.arrivals`'.
+window do not dilute it (`gaps_in_window`). Requests are sent by
+`kvtier.tools.bench.serving.client`; the schedule, the window and the server start's retries
+are `kvtier.tools.bench.serving.arrivals`'.
 
 Primitives: `InterferenceConfig`, `timed_stream_tokens`, `ConfigRun`, `Check`, `checks`,
 `InterferenceResult`, `run_interference_bench`, `CONFIGS`, `TIERS`.
@@ -65,8 +67,9 @@ import aiohttp
 from kvtier.errors import ConfigError, ServerError
 from kvtier.integrations.vllm.config import TOKENS_PER_CHUNK
 from kvtier.testing.tinymodel import PRESETS, make_preset_model
-from kvtier.tools.bench import promdiff
-from kvtier.tools.bench.arrivals import (
+from kvtier.tools.bench.prompts import KV_BYTES_PER_TOKEN
+from kvtier.tools.bench.serving import promdiff
+from kvtier.tools.bench.serving.arrivals import (
     Arrival,
     arrival_schedule,
     arrival_ttft,
@@ -80,10 +83,9 @@ from kvtier.tools.bench.arrivals import (
     streams_workload,
     token_times,
 )
-from kvtier.tools.bench.client import ClientConfig, run_workload
-from kvtier.tools.bench.prompts import KV_BYTES_PER_TOKEN
-from kvtier.tools.bench.stats import Percentiles, RequestResult, percentiles
-from kvtier.tools.bench.workloads import Turn, Workload
+from kvtier.tools.bench.serving.client import ClientConfig, run_workload
+from kvtier.tools.bench.serving.stats import Percentiles, RequestResult, percentiles
+from kvtier.tools.bench.serving.workloads import Turn, Workload
 from kvtier.tools.ops.server import free_port, running_server
 from kvtier.tools.ops.serving import GIB, ServeCommand, ServeConfig, build_command
 
@@ -480,7 +482,7 @@ def _run_config(config: InterferenceConfig, name: str, model: Path, scratch: Pat
         ping_ms: float | None = None
         if name.startswith("kvtier") and config.tier == "redis":
             # redis-py and the proxy only when asked for (redis-py: ~0.3 s to import)
-            from kvtier.tools.bench.remote_redis import remote_redis, stored_chunks
+            from kvtier.tools.bench.emulators.remote_redis import remote_redis, stored_chunks
             progress(f"{name}: starting redis-server behind the emulated network")
             remote = stack.enter_context(remote_redis(
                 scratch, config.net_delay_ms, config.net_bandwidth_gbps))

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from kvtier.tools.bench.stats import Percentiles
+    from kvtier.tools.bench.serving.stats import Percentiles
 
 R = TypeVar("R")
 

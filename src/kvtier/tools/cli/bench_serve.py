@@ -27,11 +27,11 @@ from rich.progress import (
 )
 
 from kvtier.errors import ConfigError
-from kvtier.tools.bench.client import ClientConfig, fetch_model
-from kvtier.tools.bench.report import summary_table, write_outputs
-from kvtier.tools.bench.runner import BenchRun, bench_endpoint
-from kvtier.tools.bench.stats import RequestResult
-from kvtier.tools.bench.workloads import WORKLOADS, TokenRange, Workload
+from kvtier.tools.bench.serving.client import ClientConfig, fetch_model
+from kvtier.tools.bench.serving.report import summary_table, write_outputs
+from kvtier.tools.bench.serving.runner import BenchRun, bench_endpoint
+from kvtier.tools.bench.serving.stats import RequestResult
+from kvtier.tools.bench.serving.workloads import WORKLOADS, TokenRange, Workload
 from kvtier.tools.cli.argtypes import (
     http_url,
     non_negative_int,

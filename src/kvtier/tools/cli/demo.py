@@ -34,9 +34,9 @@ from rich.status import Status
 
 from kvtier.errors import ServerError
 from kvtier.tools.bench.demo import PLANS, DemoEvents, DemoPlan, headline_lines, run_demo
-from kvtier.tools.bench.report import summary_table
-from kvtier.tools.bench.runner import BenchRun
-from kvtier.tools.bench.stats import RequestResult
+from kvtier.tools.bench.serving.report import summary_table
+from kvtier.tools.bench.serving.runner import BenchRun
+from kvtier.tools.bench.serving.stats import RequestResult
 from kvtier.tools.cli.argtypes import output_dir
 from kvtier.tools.ops.serving import ServeCommand
 

@@ -16,10 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.tools.bench import promdiff
-from kvtier.tools.bench.client import ClientConfig, WorkloadRun, run_workload, warm_up
-from kvtier.tools.bench.stats import RequestResult, Summary, summarize
-from kvtier.tools.bench.workloads import Workload
+from kvtier.tools.bench.serving import promdiff
+from kvtier.tools.bench.serving.client import ClientConfig, WorkloadRun, run_workload, warm_up
+from kvtier.tools.bench.serving.stats import RequestResult, Summary, summarize
+from kvtier.tools.bench.serving.workloads import Workload
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,7 +51,7 @@ def parse_metrics(text: str) -> Scrape:
 async def scrape(url: str, timeout_s: float = 10.0) -> Scrape | None:
     """The server's `/metrics`, flattened; None when it has none or does not answer (a
     benchmark of an endpoint without metrics still runs, it just reports no hit rates)."""
-    from kvtier.tools.bench.client import api_base
+    from kvtier.tools.bench.serving.client import api_base
 
     try:
         timeout = aiohttp.ClientTimeout(total=timeout_s)

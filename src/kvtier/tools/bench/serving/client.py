@@ -28,8 +28,8 @@ from typing import Any
 import aiohttp
 
 from kvtier.errors import ConfigError
-from kvtier.tools.bench.stats import RequestResult
-from kvtier.tools.bench.workloads import Turn, Workload, next_prompt
+from kvtier.tools.bench.serving.stats import RequestResult
+from kvtier.tools.bench.serving.workloads import Turn, Workload, next_prompt
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,9 +23,9 @@ from typing import Any
 
 from rich.table import Table
 
-from kvtier.tools.bench import promdiff
-from kvtier.tools.bench.runner import BenchRun
-from kvtier.tools.bench.stats import Summary, by_turn, ratios, summarize
+from kvtier.tools.bench.serving import promdiff
+from kvtier.tools.bench.serving.runner import BenchRun
+from kvtier.tools.bench.serving.stats import Summary, by_turn, ratios, summarize
 
 # What a turn index means in each workload (x axis of the plot).
 _TURN_LABEL = {"multi-round": "turn", "long-doc": "question",

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvtier.errors import ConfigError, ServerError
-from kvtier.tools.bench.client import ClientConfig, run_workload
 from kvtier.tools.bench.prompts import bench_prompt
-from kvtier.tools.bench.stats import Percentiles, RequestResult, percentiles
-from kvtier.tools.bench.workloads import Turn, Workload
+from kvtier.tools.bench.serving.client import ClientConfig, run_workload
+from kvtier.tools.bench.serving.stats import Percentiles, RequestResult, percentiles
+from kvtier.tools.bench.serving.workloads import Turn, Workload
 
 T = TypeVar("T")
 
