@@ -2,13 +2,14 @@
 
 Engines start in this process by default (`start_engine`: VLLM_ENABLE_V1_MULTIPROCESSING=0,
 vLLM's engine core and model runner in the test's process), in ~5-10 s. vLLM's own processes
-(EngineCore, then its worker; `kvtier serve` adds the API server) each import vLLM afresh,
+(EngineCore, then its worker; an OpenAI server adds its API server) each import vLLM afresh,
 about 20 s of one core each on these machines, one after the other: a start took ~50 s here.
 They are kept for what only they have: tensor parallel ranks, a worker process's threads and
 cores, faults injected into spawned processes (slow_files.py), a refusal reported by the
-engine core process, and OpenAI servers. Each test module still builds its engine once
-(module-scoped fixture through `start_engine`) and its cases share it; a module's engine is
-shut down before the next module starts one, so at most one engine runs in a pytest process.
+engine core process, and OpenAI servers (the tools' tests: tests/tools/serverkit.py). Each
+test module still builds its engine once (module-scoped fixture through `start_engine`) and
+its cases share it; a module's engine is shut down before the next module starts one, so at
+most one engine runs in a pytest process.
 
 Primitives:
   - `start_engine(model_dir, kv_transfer_config, processes=None, **overrides)`: a context
@@ -22,19 +23,15 @@ Primitives:
     `settle(roots)`, `wait_for_new_file(root, before)`, `chunk_payload(path)`,
     `flip_byte(path)`: waiting for the write-behind, naming the one chunk file a run added,
     reading a chunk file's KV, damaging one.
-  - `server_command(model_dir, extra)`: a kvtier OpenAI server's command, tests' settings.
   - `refusal_line(model_dir, config, capfd)`: kvtier's one-line refusal of a model.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
-import re
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -167,26 +164,6 @@ def _restore_env(name: str, value: str | None) -> None:
         os.environ[name] = value
 
 
-def server_command(model_dir: Path, extra: dict[str, Any], *, kv_role: str = "kv_both",
-                   memory_utilization: float = 0.3) -> Any:
-    """The `kvtier serve` command (a `kvtier.tools.ops.serving.ServeCommand`) of an OpenAI
-    server with
-    kvtier's `extra` config and the tests' small settings; dev mode on (its /reset_prefix_cache
-    endpoint empties vLLM's own cache). `memory_utilization`: the share of the NUMA node's
-    memory vLLM checks is free at start-up (lower it to run two servers at once)."""
-    import dataclasses
-
-    from kvtier.tools.ops.server import free_port
-    from kvtier.tools.ops.serving import ServeConfig, build_command
-
-    command = build_command(ServeConfig(
-        model=str(model_dir), extra_config=extra, port=free_port(), cpu=True, kv_role=kv_role,
-        vllm_args=("--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override",
-                   str(NUM_BLOCKS), "--gpu-memory-utilization", str(memory_utilization),
-                   "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--seed", "0")))
-    return dataclasses.replace(command, env={**command.env, "VLLM_SERVER_DEV_MODE": "1"})
-
-
 def random_prompts(lengths: list[int], seed: int = 0) -> list[dict[str, list[int]]]:
     """Prompts of random word ids (as token ids, to bypass tokenizer surprises)."""
     rng = random.Random(seed)
@@ -302,34 +279,3 @@ def metric(llm: Any, name: str) -> float:
         if m.name == name and isinstance(getattr(m, "value", None), (int, float)):
             total += m.value
     return total
-
-
-# -- an OpenAI server's HTTP API (servers started through kvtier.tools.ops.server) ------------
-
-def post(url: str, body: dict[str, Any] | None = None, timeout_s: float = 300) -> Any:
-    """POST `body` as JSON (or nothing); the decoded JSON reply, or its text."""
-    data = json.dumps(body).encode() if body is not None else b""
-    request = urllib.request.Request(url, data=data, method="POST",
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout_s) as response:
-        text = response.read().decode()
-    return json.loads(text) if text.strip().startswith("{") else text
-
-
-def complete(server: Any, prompt: list[int], *, model: str | None = None, max_tokens: int = 16,
-             **extra: Any) -> str:
-    """Greedy completion of a prompt given as token ids; the generated text. `model`
-    defaults to the one on the server's command line."""
-    if model is None:
-        model = server.command.argv[server.command.argv.index("--model") + 1]
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, **extra}
-    return str(post(server.url + "/v1/completions", body)["choices"][0]["text"])
-
-
-def scrape(server: Any, name: str) -> float:
-    """A counter from the server's /metrics, summed over its label sets (0 if absent)."""
-    with urllib.request.urlopen(server.url + "/metrics", timeout=60) as response:
-        text = response.read().decode()
-    pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", re.MULTILINE)
-    return sum(float(v) for v in pattern.findall(text))

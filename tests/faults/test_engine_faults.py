@@ -1,6 +1,7 @@
 """Fault drills under a real vLLM engine (CPU backend): Redis killed mid-run and restarted,
-Redis slowed down by `DEBUG SLEEP`, two servers writing the same prompts into one shared
-directory at once, and full filesystems under the disk and shared tiers.
+Redis slowed down by `DEBUG SLEEP`, and full filesystems under the disk and shared tiers. (Two
+servers writing the same prompts into one shared directory at once need `kvtier serve`: that
+drill is tests/tools/test_two_servers_one_directory.py.)
 
 What every drill asserts: the engine does not crash, every request is answered, and its
 tokens equal the engine's own miss path (kvtier can cost hits, never a wrong token); plus
@@ -11,14 +12,12 @@ engines at the same time.
 Engines (start ~20-45 s each, at most two at once):
   - one offline engine on memory (holds no chunk) -> redis, with a redis-server of the
     module's own to kill, restart and slow down (200 ms socket timeouts, 1 s longest backoff);
-  - two `kvtier.tools.ops.server` OpenAI servers, concurrently, on one shared directory;
   - one offline engine on memory -> disk -> shared, both directories 1 MiB tmpfs mounts
     (skipped where `mount` is not allowed) under 64 MiB quotas.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import subprocess
 import sys
 import threading
@@ -36,20 +35,15 @@ import redis
 from redis_server import REDIS_SERVER, SKIP_REASON, RedisServer
 from vllm_harness import (
     chunk_files,
-    complete,
     kvtier_counter,
     kvtier_transfer_config,
     metric,
-    post,
     random_prompts,
-    scrape,
-    server_command,
     start_engine,
     token_ids,
 )
 
 from kvtier.testing.tinymodel import make_preset_model
-from kvtier.tools.ops.server import VllmServer
 
 pytestmark = pytest.mark.vllm
 
@@ -217,54 +211,6 @@ def answers_ping(server: RedisServer) -> bool:
             return bool(c.ping())
     except redis.RedisError:
         return False
-
-
-# -- two servers writing the same prompts into one shared directory ----------------------
-
-
-@pytest.fixture(scope="module")
-def two_servers(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-                ) -> Iterator[tuple[Path, list[VllmServer]]]:
-    root = tmp_path_factory.mktemp("kvtier-two-servers")
-    extra = {"tokens_per_chunk": CHUNK,
-             "tiers": [{"kind": "memory", "capacity": NO_CHUNK_MEMORY},
-                       {"kind": "shared", "path": str(root / "shared"), "capacity": "256MiB"}]}
-    servers = []
-    for name in ("a", "b"):
-        servers.append(VllmServer(server_command(model_dir, extra), root / f"vllm-{name}.log"))
-    try:
-        for server in servers:  # both start at once
-            server.start()
-        for server in servers:
-            server.wait_ready(600)
-        yield root / "shared", servers
-    finally:
-        for server in servers:
-            server.stop()
-
-
-def test_two_servers_writing_the_same_prompts_into_one_directory_serve_no_torn_chunk(
-        two_servers: tuple[Path, list[VllmServer]]) -> None:
-    shared, servers = two_servers
-    prompts = [p["prompt_token_ids"] for p in random_prompts([600, 450, 520, 300], seed=74)]
-    # Each server's own miss path: nothing loaded, nothing stored.
-    miss = [[complete(s, p, kv_transfer_params={"skip_load": True, "skip_store": True})
-             for p in prompts] for s in servers]
-    hits_before = [scrape(s, HITS + "_total") for s in servers]
-    with concurrent.futures.ThreadPoolExecutor(2 * len(prompts)) as pool:
-        for _ in range(3):  # round 1 writes every chunk twice at once; 2-3 read them back
-            for server in servers:
-                post(server.url + "/reset_prefix_cache")
-            futures = [[pool.submit(complete, s, p) for p in prompts] for s in servers]
-            outputs = [[f.result() for f in per_server] for per_server in futures]
-            assert outputs == miss
-    hits = [scrape(s, HITS + "_total") - before for s, before in zip(servers, hits_before)]
-    assert all(h > 0 for h in hits), hits
-    corrupt = sum(scrape(s, "vllm:kvtier_tier_corrupt_reads_total") for s in servers)
-    # Atomic writes (O_EXCL temp file + rename): no reader ever sees half a chunk.
-    assert corrupt == 0
-    assert not [p for p in shared.rglob("*") if p.name.endswith(".tmp")]
-    assert len(chunk_files(shared)) == sum((len(p) + MAX_TOKENS - 1) // CHUNK for p in prompts)
 
 
 # -- full filesystems under the disk and shared tiers ------------------------------------

