@@ -43,8 +43,8 @@ from vllm_harness import (
 from kvtier.integrations.vllm.config import kvtier_transfer_config as transfer_config
 from kvtier.integrations.vllm.scheduler.offer import TRIAL_MAX_S, TRIAL_MIN_S
 from kvtier.testing.engines import kvtier_gauge
+from kvtier.testing.netem import Endpoint, delayed_proxy
 from kvtier.testing.tinymodel import TinyModelSpec, make_tiny_model
-from kvtier.tools.bench.emulators.netem import Endpoint, delayed_proxy
 
 pytestmark = [pytest.mark.vllm, pytest.mark.redis, pytest.mark.timing]  # links timed
 

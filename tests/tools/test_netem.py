@@ -1,7 +1,7 @@
 """The emulated network of `kvtier bench interference --tier redis`
-(kvtier.tools.bench.emulators.netem): a
-TCP proxy on 127.0.0.1 that delivers every byte intact and in order, no earlier than its
-one-way delay, and no faster than its bandwidth cap, shared by the connections through it.
+(kvtier.testing.netem): a TCP proxy on 127.0.0.1 that delivers every byte intact and in
+order, no earlier than its one-way delay, and no faster than its bandwidth cap, shared by the
+connections through it.
 
 Real sockets on 127.0.0.1; timings are asserted as lower bounds only (the machine is shared)."""
 
@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from kvtier.errors import ConfigError
-from kvtier.tools.bench.emulators.netem import Endpoint, delayed_proxy
+from kvtier.testing.netem import Endpoint, delayed_proxy
 
 MIB = 1024**2
 

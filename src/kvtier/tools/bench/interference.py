@@ -19,7 +19,7 @@ kvtier's memory tier holds `memory_tier_chunks` chunks only, in front of a disk 
 scratch directory, so the arrivals' prefixes come back from the disk (read with O_DIRECT: the
 page cache does not serve them). With `tier="redis"`, the tier below the memory tier is a
 redis tier instead: a private redis-server per kvtier configuration, behind an emulated
-network (`kvtier.tools.bench.emulators.netem`: `net_delay_ms` each way, `net_bandwidth_gbps`
+network (`kvtier.testing.netem`: `net_delay_ms` each way, `net_bandwidth_gbps`
 per direction;
 the defaults, 0.5 ms round trip and 10 Gbit/s, are a redis in the same datacenter). With
 `tier="memory"`, kvtier has a memory tier only, large enough for every prefix: the other side

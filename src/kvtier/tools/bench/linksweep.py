@@ -3,7 +3,7 @@ recompute, kvtier's load-or-recompute rule and kvtier forced to load every hit (
 
 Two offline engines on the generated "bench" model, in sequence, each with a memory tier of
 two chunks in front of a private redis-server reached through the emulated network of
-`kvtier.tools.bench.emulators.netem` (a bandwidth-capped TCP proxy on 127.0.0.1):
+`kvtier.testing.netem` (a bandwidth-capped TCP proxy on 127.0.0.1):
   - `rule`: load_when "faster" (the default: offer.py loads a hit only as far as it loads
     faster than it recomputes, from measured costs);
   - `always`: load_when "always" (a naive cache: every hit is loaded, whatever it costs).
@@ -40,8 +40,8 @@ from urllib.parse import urlsplit
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import TOKENS_PER_CHUNK, kvtier_transfer_config
 from kvtier.testing.engines import kvtier_counter, offline_engine
+from kvtier.testing.netem import Endpoint, delayed_proxy
 from kvtier.testing.tinymodel import make_preset_model
-from kvtier.tools.bench.emulators.netem import Endpoint, delayed_proxy
 from kvtier.tools.bench.emulators.remote_redis import stored_chunks
 from kvtier.tools.bench.prompts import KV_BYTES_PER_TOKEN, NEW_TOKENS, bench_prompt
 from kvtier.tools.bench.redis_baseline import local_redis

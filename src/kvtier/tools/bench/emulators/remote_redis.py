@@ -1,7 +1,7 @@
 """A redis-server across an emulated network, for benches whose loads should not ride on bare
 loopback (`kvtier bench interference --tier redis`, issue 13): a private server
 (`kvtier.tools.bench.redis_baseline.local_redis`) behind the delaying, bandwidth-capped proxy of
-`kvtier.tools.bench.emulators.netem`.
+`kvtier.testing.netem`.
 
 Primitives: `RemoteRedis`, `remote_redis`, `stored_chunks`, `PING_SAMPLES`.
 """
@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 import redis
 
-from kvtier.tools.bench.emulators.netem import delayed_proxy
+from kvtier.testing.netem import delayed_proxy
 from kvtier.tools.bench.redis_baseline import local_redis
 
 PING_SAMPLES = 21  # PINGs through the proxy whose median is reported
@@ -40,7 +40,7 @@ def remote_redis(directory: Path, delay_ms: float,
     and capping each direction at `bandwidth_gbps`; both stopped on exit.
 
     Raises:
-        ConfigError: a bad delay or cap (kvtier.tools.bench.emulators.netem.delayed_proxy).
+        ConfigError: a bad delay or cap (kvtier.testing.netem.delayed_proxy).
         RuntimeError: redis-server or the proxy did not start.
     """
     with local_redis(directory) as url:

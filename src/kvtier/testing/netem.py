@@ -1,7 +1,9 @@
 """A network emulated on loopback: a delaying, bandwidth-capped TCP proxy on 127.0.0.1.
 
 `kvtier bench interference --tier redis` puts it between the engine's redis tier and a
-private redis-server, so that the loads cross "a network" (issue 13). In each direction:
+private redis-server, so that the loads cross "a network" (issue 13); the engine tests of the
+load-or-recompute rule put it under a redis tier (tests/engine/test_load_or_recompute.py).
+In each direction:
   - a link of `bandwidth_gbps` SHARED by every connection (one full-duplex NIC): the bytes
     are serialized in the order the proxy received them, across connections; a piece of
     n bytes received at t is on the wire until free = max(t, free) + 8 n / (gbps * 1e9);
@@ -11,8 +13,8 @@ Bytes go through intact and in order; an end of stream is passed on (half-close)
 bytes before it; a connection is closed when both directions ended or either side failed.
 The proxy's own hop (Python relaying on the same cores) adds to these figures.
 
-It runs in a child process (`python -m kvtier.tools.bench.emulators.netem`), so that relaying
-takes no GIL from the caller (the bench times tokens in its own process); the child exits when its
+It runs in a child process (`python -m kvtier.testing.netem`), so that relaying takes no
+GIL from the caller (the bench times tokens in its own process); the child exits when its
 stdin closes: at the context's exit, or when the caller dies. `Endpoint.set_link` changes
 the delay and the cap while it runs (a link that degrades and recovers), through the same
 stdin, one line "DELAY_MS GBPS" per change.
@@ -80,7 +82,7 @@ def delayed_proxy(target_host: str, target_port: int, delay_ms: float,
         raise ConfigError("target_port", target_port, "a port, 1-65535")
     _check_link(delay_ms, bandwidth_gbps)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvtier.tools.bench.emulators.netem", target_host, str(target_port),
+        [sys.executable, "-m", "kvtier.testing.netem", target_host, str(target_port),
          repr(delay_ms), repr(bandwidth_gbps or 0.0)], stdin=subprocess.PIPE,
         stdout=subprocess.PIPE)
     assert proc.stdin is not None and proc.stdout is not None
@@ -190,7 +192,7 @@ async def _serve(target: tuple[str, int], delay_s: float, bytes_per_s: float) ->
 
 
 if __name__ == "__main__":
-    # python -m kvtier.tools.bench.emulators.netem TARGET_HOST TARGET_PORT DELAY_MS GBPS (0: no cap)
+    # python -m kvtier.testing.netem TARGET_HOST TARGET_PORT DELAY_MS GBPS (0: no cap)
     host, port, delay_ms, gbps = sys.argv[1:5]
     # select(), not epoll: epoll's timeouts are whole milliseconds, select()'s microseconds
     # (a 0.25 ms delay slept as 1 ms); the proxy watches a handful of sockets.
