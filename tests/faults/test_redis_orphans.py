@@ -5,19 +5,18 @@ A 64 KiB chunk goes as 4 parts of 16 KiB then a header. With the server squeezed
 KiB of headroom, it accepts the first parts and refuses the rest ("OOM command not allowed").
 Before the fix those parts stayed for ever: no header (never read), no TTL, no LRU entry.
 Now: parts carry a 60 s TTL until the header's commit lifts it, the tier deletes them when
-the server refuses the write, and `kvtier gc` deletes any still there. The partial writes are
+the server refuses the write, and `kvtier gc` deletes any still there (through the tier's
+inventory; gc itself: tests/tools/test_gc_redis_orphans.py). The partial writes are
 seen in the server's own command counters (SETs executed and SETs refused in one put).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
-import yaml
 from redis_server import RedisServer
 from tierkit import key, tiny_layout
 
@@ -29,8 +28,6 @@ from kvtier.tiers.redis.inventory import RedisInventory
 from kvtier.tiers.redis.tier import RedisTier
 from kvtier.tiers.redis.write import PART_TTL_MS
 from kvtier.tiers.storeconfig import StoreConfig
-from kvtier.tools.admin.gc import GcRequest, run_gc
-from kvtier.tools.cli.main import main
 
 pytestmark = pytest.mark.redis
 LAYOUT = tiny_layout(tokens_per_chunk=256)  # 64 KiB chunks
@@ -115,11 +112,11 @@ def test_a_refused_put_deletes_its_parts_at_once(redis_server: RedisServer,
 
 
 def test_parts_left_by_a_failed_cleanup_expire_and_gc_deletes_them(
-        redis_server: RedisServer, tight: redis.Redis, tmp_path: Path,
+        redis_server: RedisServer, tight: redis.Redis,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The cleanup itself fails (injected): the parts left carry the short TTL, so the
-    server deletes them within PART_TTL_MS, and `kvtier gc --orphans` deletes them now,
-    leaving every committed chunk readable."""
+    server deletes them within PART_TTL_MS, and the tier's inventory (what `kvtier gc
+    --orphans` runs on) deletes them now, leaving every committed chunk readable."""
     def cleanup_fails(client: Any, names: list[str]) -> int:
         raise redis.ConnectionError("injected: the connection dropped before the cleanup")
 
@@ -137,40 +134,21 @@ def test_parts_left_by_a_failed_cleanup_expire_and_gc_deletes_them(
     for i in committed:  # a committed chunk's TTL was lifted by the commit
         assert all(tight.pttl(n) == -1 for n in tier.names.values(key(i)))
 
-    config = tmp_path / "kvtier.yaml"
-    config.write_text(yaml.safe_dump({"tiers": [{"kind": "redis", "url": redis_server.url,
-                                                 "capacity": 0}]}))
-    assert main(["gc", "--config", str(config), "--orphans", "--dry-run"]) == 0
-    assert headerless(tight) == left
-    assert main(["gc", "--config", str(config), "--orphans"]) == 0
+    # What `kvtier gc --orphans` runs on (tests/tools/test_gc_redis_orphans.py): the tier's
+    # inventory lists the parts left as orphans (listing deletes nothing), then removes them.
+    inventory = RedisInventory("redis", redis_config(redis_server.url))
+    try:
+        orphans = inventory.orphans()
+        assert sorted(n for o in orphans for n in o.locations) == \
+            sorted(n for names in left.values() for n in names)
+        assert headerless(tight) == left
+        inventory.remove_orphans(orphans)
+    finally:
+        inventory.close()
     assert headerless(tight) == {}
     out = bytearray(LAYOUT.bytes_per_chunk)
     for i in committed:
         assert tier.get_into(key(i), memoryview(out)).ok
-    tier.close()
-
-
-def test_gc_deletes_orphans_without_a_ttl_and_spares_committed_chunks(
-        redis_url: str) -> None:
-    """Parts an older kvtier left (no header, no TTL) are found by any gc run and deleted;
-    chunks, their header included, are not touched unless a rule selects them."""
-    tier = redis_tier(redis_url)
-    for i in range(3):
-        assert tier.put(key(i), payload(i))
-    client = redis.Redis.from_url(redis_url)
-    orphan_names = tier.names.values(key(9))[1:3]  # two parts, never a header
-    for name in orphan_names:
-        client.set(name, b"x" * 100)
-    inventory = RedisInventory("redis", redis_config(redis_url))
-    try:
-        assert [o.locations for o in inventory.orphans()] == [tuple(sorted(orphan_names))]
-        assert sorted(c.key_hex for c in inventory.chunks()) == [key(i).hex() for i in range(3)]
-        [outcome] = run_gc([inventory], GcRequest(max_age_s=7 * 86400))
-    finally:
-        inventory.close()
-    assert (outcome.removed_orphans, outcome.removed_chunks, outcome.kept_chunks) == (1, 0, 3)
-    assert client.exists(*orphan_names) == 0 and headerless(client) == {}
-    assert all(tier.contains(key(i)) for i in range(3))
     tier.close()
 
 
