@@ -1,12 +1,11 @@
-"""Test helpers for store configs on disk and the `kvtier inspect` / `kvtier gc` commands over
-them, shared by tests/tools and tests/tiers: a memory tier over one persistent tier of a kind
-(disk, shared, redis from the `redis_url` fixture, or s3 from `s3_session`), what that tier
-holds, and the commands' JSON reports. (Not named conftest.py: see tierkit.py.)
+"""Test helpers for store configs on disk, shared by tests/tools and tests/tiers: a memory
+tier over one persistent tier of a kind (disk, shared, redis from the `redis_url` fixture, or
+s3 from `s3_session`), and what that tier holds. The `kvtier inspect` / `kvtier gc` reports
+over them: tests/tools/clikit.py. (Not named conftest.py: see tierkit.py.)
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,6 @@ from tierkit import key
 from kvtier.core.layout import KVLayout
 from kvtier.tiers import build_tier
 from kvtier.tiers.storeconfig import StoreConfig
-from kvtier.tools.cli.main import main
 
 KINDS = ["disk", "shared", pytest.param("redis", marks=pytest.mark.redis),
          pytest.param("s3", marks=pytest.mark.s3)]
@@ -47,15 +45,3 @@ def held(config_path: Path, layout: KVLayout, keys: range) -> list[int]:
         return [i for i in keys if tier.contains(key(i))]
     finally:
         tier.close()
-
-
-def cli_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
-    """Run `kvtier *argv --json` in-process; its JSON report."""
-    capsys.readouterr()
-    assert main([*argv, "--json"]) == 0
-    return json.loads(capsys.readouterr().out)  # type: ignore[no-any-return]
-
-
-def by_namespace(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """An inspect / gc report's rows by namespace."""
-    return {row["namespace"]: row for row in report["namespaces"]}

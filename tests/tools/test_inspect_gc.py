@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from storekit import KINDS, by_namespace, cli_json, held, tier_config, write_config
+from clikit import by_namespace, cli_json
+from storekit import KINDS, held, tier_config, write_config
 from tierkit import key, tiny_layout
 
 from kvtier.core.layout import KVLayout
