@@ -5,13 +5,12 @@ from an environment variable, the tenants noted as the vLLM worker notes them.
 The story: two tenants' chunks are stored sealed (their bytes are not in the storage in
 clear), each opens only under its own tenant's key (another key: a counted miss,
 Failure.NO_KEY, and the chunk is kept for the readers that hold its key), a tampered chunk
-is a counted miss (Failure.AUTH) and removed, unsalted chunks stay in clear, and `kvtier
-inspect` over an encrypting tier shows no key material.
+is a counted miss (Failure.AUTH) and removed, and unsalted chunks stay in clear. (`kvtier
+inspect` over an encrypting tier shows no key material: tests/tools/test_inspect_sealed.py.)
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,6 @@ import pytest
 import redis
 import tierkit
 import xxhash
-import yaml
 from tierkit import key, make_tier
 
 from kvtier.core.chunkformat import HEADER_BYTES
@@ -28,7 +26,6 @@ from kvtier.core.layout import KVLayout
 from kvtier.core.retention import DEFAULT_META, ChunkMeta, tenant_id
 from kvtier.core.store import TieredStore
 from kvtier.core.tier import OK, Failure, Tier
-from kvtier.tools.cli.main import main
 
 KINDS = ["disk", "shared", pytest.param("redis", marks=pytest.mark.redis),
          pytest.param("s3", marks=pytest.mark.s3)]
@@ -156,27 +153,6 @@ def test_unsalted_chunks_stay_in_clear_unless_asked(kind: str, tmp_path: Path) -
     assert payload(6)[:256] not in raw_values(kind, sealed, key(6))[1]
     out = bytearray(LAYOUT.bytes_per_chunk)
     assert sealed.get_into(key(6), memoryview(out)) == OK and bytes(out) == payload(6)
-
-
-@pytest.mark.parametrize("kind_", ["disk", "shared"])
-def test_inspect_of_an_encrypting_tier_shows_no_key_material(
-        kind_: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    tier = sealed_tier(kind_, tmp_path, codec="zstd")
-    assert tier.put(key(7), memoryview(payload(7)),
-                    ChunkMeta(tenant=tenant_id("salt-of-a-tenant"))) == OK
-    tier.close()
-    config = tmp_path / "store.yaml"
-    config.write_text(yaml.safe_dump({"tiers": [
-        {"kind": "memory", "capacity": "1MiB", "pin": "off"},
-        {"kind": kind_, "path": str(tmp_path / kind_), "capacity": "1MiB", "codec": "zstd",
-         "encryption_secret_env": "KVTIER_SEAL_SECRET"}]}))
-    assert main(["inspect", "--config", str(config), "--json"]) == 0
-    listed = capsys.readouterr()
-    assert [n["chunks"] for n in json.loads(listed.out)["namespaces"]] == [1]
-    assert main(["inspect", "--config", str(config)]) == 0
-    table = capsys.readouterr()
-    for text in (listed.out, listed.err, table.out, table.err):
-        assert SECRET not in text and "salt-of-a-tenant" not in text
 
 
 def test_a_store_read_carries_the_tenant_and_a_keyless_read_deletes_nothing(
