@@ -1,6 +1,7 @@
 """Facts about a tier kind are attributes of its class (`kvtier.core.tier.Tier`): every
 registered class states every one, and what reads them (KV events, doctor, the TP capacity
-split) follows a new kind's class without being edited.
+split) follows a new kind's class without being edited (the doctor's reading:
+tests/tools/test_doctor_tier_facts.py).
 """
 
 from __future__ import annotations
@@ -86,15 +87,3 @@ def test_a_new_kind_decides_its_own_tp_capacity_split(vault: StoreConfig) -> Non
     """`capacity_split_by_rank` is read from the class: the vault's capacity is not split."""
     ranks = vault.per_rank(2)
     assert [t.capacity for t in ranks.tiers] == [2 << 20, 8 << 20]
-
-
-def test_the_doctor_checks_a_new_kind_by_its_facts(vault: StoreConfig) -> None:
-    """A server kind is the doctor's to reach (skipped: not a Redis server); it has no
-    directory to check and takes no host RAM."""
-    from kvtier.tools.ops.doctor import check_memory, check_redis, check_tier_paths
-
-    store = vault.model_dump()
-    assert check_tier_paths(store) == []
-    assert "want 4.0 MiB" in check_memory(store).detail  # the memory tier's, not the vault's
-    [server] = check_redis(store)
-    assert server.status == "skip" and server.name.startswith("vault ")
