@@ -17,7 +17,7 @@ from kvtier.core.layout import KVLayout
 
 # Engines started by the tests (in-process LLM and servers) get the core binding they would
 # have without a KV connector: vLLM's CPU backend otherwise reserves one more core for any
-# connector, which on a 2-core machine slows every step several-fold (see kvtier.tools.ops.serving).
+# connector, which on a 2-core machine slows every step several-fold (`kvtier serve` sets it too).
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
 
 

@@ -129,3 +129,107 @@ def test_the_connectors_scheduler_and_worker_sides_never_import_each_other() -> 
         if found:
             offenders[str(path.relative_to(SRC))] = found
     assert offenders == {}
+
+
+# -- the tests and kvtier.testing: the cache's tests need no tool (issue 42) ---------------
+
+TESTS = SRC.parents[1] / "tests"
+TESTING = SRC / "testing"
+# Test files that name kvtier.tools in a string on purpose: to check that nothing imports it.
+BORDER_TESTS = {"cache/test_package_border.py", "connector/test_connector_border.py"}
+
+
+def _test_imports(path: Path) -> set[str]:
+    """Every module a test file imports by name, at any depth (tests are no package)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            found.add(node.module or "")
+    return found
+
+
+def _strings_naming_the_tools(path: Path) -> list[str]:
+    """The string constants of a file (not its docstrings) that name kvtier.tools: a module
+    run by `python -m`, imported by name (importlib), or patched by its dotted path."""
+    tree = ast.parse(path.read_text(), str(path))
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef,
+                                       ast.ClassDef))
+                  and node.body and isinstance(node.body[0], ast.Expr)
+                  and isinstance(node.body[0].value, ast.Constant)}
+    return [node.value for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)
+            and id(node) not in docstrings and "kvtier.tools" in node.value]
+
+
+def _tests_outside_the_tools() -> list[Path]:
+    return sorted(p for p in TESTS.rglob("*.py") if "tools" not in p.relative_to(TESTS).parts[:1])
+
+
+def test_no_test_outside_tests_tools_imports_the_tools() -> None:
+    """tests/cache, tiers, faults, connector, engine, vllm_api, gpu and the shared kits
+    (tests/*.py) import nothing of kvtier.tools, at any depth, nor run it (`-m
+    kvtier.tools...`): the cache's tests run without the `tools` extra."""
+    paths = _tests_outside_the_tools()
+    assert any(p.name == "vllm_harness.py" for p in paths)
+    imports = {str(p.relative_to(TESTS)): sorted(m for m in _test_imports(p)
+                                                  if m.startswith("kvtier.tools"))
+               for p in paths}
+    assert {f: m for f, m in imports.items() if m} == {}
+    strings = {str(p.relative_to(TESTS)): _strings_naming_the_tools(p) for p in paths
+               if str(p.relative_to(TESTS)) not in BORDER_TESTS}
+    assert {f: s for f, s in strings.items() if s} == {}
+
+
+def test_the_tests_kits_reach_the_tools_only_from_tests_tools() -> None:
+    """A plain grep, as a reviewer would run it: outside tests/tools, "kvtier.tools" appears
+    in the border tests only (and in prose: a docstring or comment naming a tool's module)."""
+    offenders = []
+    for path in _tests_outside_the_tools():
+        relative = str(path.relative_to(TESTS))
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if relative not in BORDER_TESTS and ("-m kvtier.tools" in code
+                                                 or "import kvtier.tools" in code
+                                                 or "from kvtier.tools" in code):
+                offenders.append(f"{relative}:{number}: {line.strip()}")
+    assert offenders == []
+
+
+def test_kvtier_testing_imports_no_tool() -> None:
+    """kvtier.testing (the cache's test doubles) imports nothing of kvtier.tools."""
+    offenders = {str(p.relative_to(SRC)): sorted(m for m in _imported_modules(p)
+                                                 if m.startswith("kvtier.tools"))
+                 for p in TESTING.rglob("*.py")}
+    assert {f: m for f, m in offenders.items() if m} == {}
+
+
+def test_kvtier_testing_imports_without_the_tools_dependencies() -> None:
+    """The tools' dependencies made unimportable, every kvtier.testing module still imports
+    (those that need vLLM or torch import them only when called)."""
+    probe = (
+        "import importlib, json, pkgutil, sys\n"
+        f"for name in {tools_dependencies()!r}: sys.modules[name] = None\n"
+        "import kvtier.testing\n"
+        "names = [m.name for m in pkgutil.walk_packages(kvtier.testing.__path__,\n"
+        "                                                'kvtier.testing.')]\n"
+        "for name in names: importlib.import_module(name)\n"
+        "print(json.dumps(sorted(names + [m for m in sys.modules\n"
+        "                                 if m.startswith('kvtier.tools')])))\n"
+    )
+    imported = run_probe(probe)
+    assert "kvtier.testing.tinymodel" in imported and "kvtier.testing.netem" in imported
+    assert not [m for m in imported if m.startswith("kvtier.tools")], imported
+
+
+def test_the_cache_never_imports_kvtier_testing() -> None:
+    """The cache (core, tiers, integrations, config, errors, ...) imports nothing of
+    kvtier.testing: test doubles are the tests' and the tools', never vLLM's."""
+    offenders = {
+        str(path.relative_to(SRC)): sorted(m for m in _imported_modules(path)
+                                          if m.startswith("kvtier.testing"))
+        for path in SRC.rglob("*.py") if TOOLS not in path.parents and TESTING not in path.parents
+    }
+    assert {f: m for f, m in offenders.items() if m} == {}
