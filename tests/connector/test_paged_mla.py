@@ -97,15 +97,15 @@ def test_a_3d_tensor_of_another_block_size_is_refused() -> None:
         PagedKV({"l": torch.zeros(BLOCKS, BS * 2, LATENT)}, BS)
 
 
-def test_mla_on_reference_cpu_mla_is_refused_in_one_line_naming_it() -> None:
+def test_mla_on_vllm_cpu_is_refused_in_one_line_naming_it() -> None:
     from kvtier.integrations.vllm.models import ModelTraits, check_supported, unsupported_reason
 
     served = ModelTraits(model="/models/dsv2", architecture="DeepseekV2ForCausalLM")
-    assert unsupported_reason(served) is None  # MLA elsewhere (CUDA, AMX_MLA): served
+    assert unsupported_reason(served) is None  # MLA on CUDA: served
     refused = ModelTraits(model="/models/dsv2", architecture="DeepseekV2ForCausalLM",
-                          mla_without_prefix_reuse=True)
+                          mla_on_cpu=True)
     with pytest.raises(ConfigError) as info:
         check_supported(refused)
     message = str(info.value)
     assert "\n" not in message and "/models/dsv2" in message and "DeepseekV2ForCausalLM" in message
-    assert "CPU_MLA" in message and "AMX" in message
+    assert "CPU_MLA" in message and "AMX_MLA" in message and "CUDA" in message

