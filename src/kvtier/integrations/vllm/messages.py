@@ -92,9 +92,8 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     skipped: set[ChunkKey] = field(default_factory=set)
     failed_blocks: set[int] = field(default_factory=set)  # blocks whose load failed
     events: list[StoreEvent] = field(default_factory=list)  # per-tier stores and removals
-    # Models with state layers: chunks stored or loaded with the state at their end, and
-    # without one (a hit ends on the former: groups.py).
-    stored_state: set[ChunkKey] = field(default_factory=set)
+    # Models with state layers: chunks stored or loaded without the state at their end (a
+    # hit never ends on one: scheduler/statelayers.py).
     without_state: set[ChunkKey] = field(default_factory=set)
     # Complete loads, timed (load_mode "auto" weighs the next hits by them: loadcost.py).
     load_samples: list[LoadSample] = field(default_factory=list)
@@ -108,7 +107,6 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
         # unusable as soon as one rank lost it. Ranks report the same events: keep one.
         assert isinstance(other, KVTierWorkerMetadata)
         return KVTierWorkerMetadata(stored=self.stored & other.stored,
-                                    stored_state=self.stored_state & other.stored_state,
                                     without_state=self.without_state | other.without_state,
                                     missing=self.missing | other.missing,
                                     removed=self.removed | other.removed,

@@ -82,9 +82,11 @@ class StateLayers:
                 if source != NULL_BLOCK and after < len(ids) and ids[after] != NULL_BLOCK]
 
     def learn(self, report: KVTierWorkerMetadata) -> None:
-        """Take in which chunks the workers stored or loaded with a state, and without."""
-        for key in report.stored_state:
-            self._stateless.discard(key)
+        """Take in which chunks the workers found without a state. A chunk once found without
+        one stays so here, whatever a later store says: a store of a chunk a tier holds
+        already rewrites nothing (a stateless copy on disk outlives a stateful one in RAM),
+        and a stateful store reported after the stateless load of the same chunk would
+        otherwise make the next hit end there, and fail, again (a miss costs less)."""
         for key in report.without_state:
             self._stateless.add(key)
 

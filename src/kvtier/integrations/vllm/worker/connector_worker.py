@@ -391,15 +391,16 @@ class ConnectorWorker:
         return self._stats.take()
 
     def _note_state(self, key: ChunkKey, has_state: bool) -> None:
-        """Whether a chunk stored or loaded holds the state at its end, for the next report
-        (any thread: asynchronous loads note from the load thread)."""
+        """Whether a chunk stored or loaded holds the state at its end; those without one go
+        in the next report (any thread: asynchronous loads note from the load thread)."""
         self._state_notes.append((key, has_state))
 
     def _drain_state_notes(self) -> None:
         """Move the state notes into the report (model runner thread)."""
         while self._state_notes:
             key, has_state = self._state_notes.popleft()
-            (self._report.stored_state if has_state else self._report.without_state).add(key)
+            if not has_state:
+                self._report.without_state.add(key)
 
     def take_failed_block_ids(self) -> set[int]:
         """Block ids whose load failed since the last call (vLLM's
@@ -438,7 +439,7 @@ class ConnectorWorker:
         report = self._report
         if not (report.stored or report.missing or report.removed or report.events
                 or report.skipped or report.failed_blocks or report.without_state
-                or report.stored_state or report.load_samples
+                or report.load_samples
                 or report.stores_through != self._reported_through):
             return None
         self._report = KVTierWorkerMetadata()
