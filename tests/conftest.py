@@ -6,6 +6,7 @@ import os
 import re
 from collections.abc import Generator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import tierkit
@@ -189,3 +190,13 @@ def _s3_for_kind_s3(request: pytest.FixtureRequest) -> Iterator[None]:
     tierkit.S3_ENDPOINT = request.getfixturevalue("s3_session")
     yield
     tierkit.S3_ENDPOINT = None
+
+
+@pytest.fixture
+def tight(redis_server: RedisServer) -> Iterator[Any]:
+    """An admin client (redis.Redis) of a server that refuses writes when full (noeviction):
+    the redis tier's orphan tests (tests/orphankit.py)."""
+    client = redis_server.client()
+    client.config_set("maxmemory-policy", "noeviction")
+    yield client
+    client.config_set("maxmemory", 0)

@@ -12,92 +12,25 @@ seen in the server's own command counters (SETs executed and SETs refused in one
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import redis
+from orphankit import (
+    LAYOUT,
+    headerless,
+    payload,
+    redis_config,
+    redis_tier,
+    squeezed_puts,
+)
 from redis_server import RedisServer
-from tierkit import key, tiny_layout
+from tierkit import key
 
-from kvtier.core.layout import KVLayout
-from kvtier.core.tier import FULL
-from kvtier.tiers import build_tier
-from kvtier.tiers.redis.config import RedisTierConfig
 from kvtier.tiers.redis.inventory import RedisInventory
-from kvtier.tiers.redis.tier import RedisTier
 from kvtier.tiers.redis.write import PART_TTL_MS
-from kvtier.tiers.storeconfig import StoreConfig
 
 pytestmark = pytest.mark.redis
-LAYOUT = tiny_layout(tokens_per_chunk=256)  # 64 KiB chunks
-PART_BYTES = 16 * 1024  # 4 parts a chunk
-HEADROOM_STEP = 4 * 1024  # the server is squeezed to 0, 4, 8... KiB above what it holds
-
-
-def payload(i: int, layout: KVLayout = LAYOUT) -> memoryview:
-    return memoryview(bytes((i * 11 + j) % 251 for j in range(256)) * (
-        layout.bytes_per_chunk // 256))
-
-
-@pytest.fixture
-def tight(redis_server: RedisServer) -> Iterator[redis.Redis]:
-    """An admin client of a server that refuses writes when full (noeviction)."""
-    client = redis_server.client()
-    client.config_set("maxmemory-policy", "noeviction")
-    yield client
-    client.config_set("maxmemory", 0)
-
-
-def squeeze(client: redis.Redis, headroom_bytes: int) -> None:
-    """maxmemory = what the server uses now + `headroom_bytes`."""
-    client.config_set("maxmemory", 0)
-    client.config_set("maxmemory", int(client.info("memory")["used_memory"]) + headroom_bytes)
-
-
-def set_counts(client: redis.Redis) -> tuple[int, int]:
-    """SETs the server executed and SETs it refused (INFO commandstats), so far."""
-    stats = client.info("commandstats").get("cmdstat_set", {})
-    return int(stats.get("calls", 0)), int(stats.get("rejected_calls", 0))
-
-
-def headerless(client: redis.Redis, prefix: str = "kvtier:") -> dict[str, list[str]]:
-    """Chunk -> its values, for every chunk whose values exist without a header."""
-    groups: dict[str, list[str]] = {}
-    for raw in client.scan_iter(match=f"{prefix}*"):
-        name = raw.decode()
-        if not name.endswith(":lru"):
-            groups.setdefault(name.rpartition(":")[0], []).append(name)
-    return {base: names for base, names in groups.items() if base + ":h" not in names}
-
-
-def redis_config(url: str, **settings: Any) -> RedisTierConfig:
-    config = StoreConfig.parse({"tiers": [{"kind": "redis", "url": url, "capacity": 0,
-                                           "part_bytes": PART_BYTES, **settings}]})
-    tier_config = config.tiers[0]
-    assert isinstance(tier_config, RedisTierConfig)
-    return tier_config
-
-
-def redis_tier(url: str, **settings: Any) -> RedisTier:
-    tier = build_tier(redis_config(url, **settings), LAYOUT)
-    assert isinstance(tier, RedisTier)
-    return tier
-
-
-def squeezed_puts(tier: RedisTier, client: redis.Redis, first_key: int) -> Iterator[bool]:
-    """Puts under growing headroom; yields, for each refused put, whether the server
-    executed part of it (some SETs done, some refused) - a partial write."""
-    for n, headroom in enumerate(range(0, 128 * 1024, HEADROOM_STEP)):
-        squeeze(client, headroom)
-        before = set_counts(client)
-        result = tier.put(key(first_key + n), payload(n))
-        after = set_counts(client)
-        if not result.ok:
-            assert result == FULL, result
-            yield after[0] > before[0] and after[1] > before[1]
-
-
 def test_a_refused_put_deletes_its_parts_at_once(redis_server: RedisServer,
                                                  tight: redis.Redis) -> None:
     tier = redis_tier(redis_server.url)

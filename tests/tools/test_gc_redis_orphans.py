@@ -5,81 +5,26 @@ tier leaves none (and gives them a short TTL): tests/faults/test_redis_orphans.p
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
 import yaml
+from orphankit import (
+    LAYOUT,
+    headerless,
+    payload,
+    redis_config,
+    redis_tier,
+)
 from redis_server import RedisServer
-from tierkit import key, tiny_layout
+from tierkit import key
 
-from kvtier.core.layout import KVLayout
-from kvtier.tiers import build_tier
-from kvtier.tiers.redis.config import RedisTierConfig
 from kvtier.tiers.redis.inventory import RedisInventory
-from kvtier.tiers.redis.tier import RedisTier
-from kvtier.tiers.storeconfig import StoreConfig
 from kvtier.tools.admin.gc import GcRequest, run_gc
 from kvtier.tools.cli.main import main
 
 pytestmark = pytest.mark.redis
-LAYOUT = tiny_layout(tokens_per_chunk=256)  # 64 KiB chunks
-PART_BYTES = 16 * 1024  # 4 parts a chunk
-HEADROOM_STEP = 4 * 1024  # the server is squeezed to 0, 4, 8... KiB above what it holds
-
-
-def payload(i: int, layout: KVLayout = LAYOUT) -> memoryview:
-    return memoryview(bytes((i * 11 + j) % 251 for j in range(256)) * (
-        layout.bytes_per_chunk // 256))
-
-
-@pytest.fixture
-def tight(redis_server: RedisServer) -> Iterator[redis.Redis]:
-    """An admin client of a server that refuses writes when full (noeviction)."""
-    client = redis_server.client()
-    client.config_set("maxmemory-policy", "noeviction")
-    yield client
-    client.config_set("maxmemory", 0)
-
-
-def squeeze(client: redis.Redis, headroom_bytes: int) -> None:
-    """maxmemory = what the server uses now + `headroom_bytes`."""
-    client.config_set("maxmemory", 0)
-    client.config_set("maxmemory", int(client.info("memory")["used_memory"]) + headroom_bytes)
-
-
-def set_counts(client: redis.Redis) -> tuple[int, int]:
-    """SETs the server executed and SETs it refused (INFO commandstats), so far."""
-    stats = client.info("commandstats").get("cmdstat_set", {})
-    return int(stats.get("calls", 0)), int(stats.get("rejected_calls", 0))
-
-
-def headerless(client: redis.Redis, prefix: str = "kvtier:") -> dict[str, list[str]]:
-    """Chunk -> its values, for every chunk whose values exist without a header."""
-    groups: dict[str, list[str]] = {}
-    for raw in client.scan_iter(match=f"{prefix}*"):
-        name = raw.decode()
-        if not name.endswith(":lru"):
-            groups.setdefault(name.rpartition(":")[0], []).append(name)
-    return {base: names for base, names in groups.items() if base + ":h" not in names}
-
-
-def redis_config(url: str, **settings: Any) -> RedisTierConfig:
-    config = StoreConfig.parse({"tiers": [{"kind": "redis", "url": url, "capacity": 0,
-                                           "part_bytes": PART_BYTES, **settings}]})
-    tier_config = config.tiers[0]
-    assert isinstance(tier_config, RedisTierConfig)
-    return tier_config
-
-
-def redis_tier(url: str, **settings: Any) -> RedisTier:
-    tier = build_tier(redis_config(url, **settings), LAYOUT)
-    assert isinstance(tier, RedisTier)
-    return tier
-
-
 def test_gc_deletes_orphans_without_a_ttl_and_spares_committed_chunks(
         redis_url: str) -> None:
     """Parts an older kvtier left (no header, no TTL) are found by any gc run and deleted;

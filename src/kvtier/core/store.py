@@ -305,7 +305,7 @@ class TieredStore:
         corrupt copy are skipped, as by `get_into`. Any thread.
         """
         with ExitStack() as stack:
-            yield self._open(stack, key, meta, spare)
+            yield self._lend(stack, key, meta) or self._read(stack, key, meta, spare)
 
     @contextmanager
     def borrow_many(self, keys: Sequence[ChunkKey], spares: MutableSequence[memoryview],
@@ -335,12 +335,11 @@ class TieredStore:
             pins = _Pins(stack)
             loans: Loans[ChunkView] | None = None
             try:
-                views = [self._open(pins, key, meta, spare, read=False)
-                         for key, meta, spare in zip(keys, metas, spares)]
+                views = [self._lend(pins, key, meta) for key, meta in zip(keys, metas)]
                 # key index -> the tier its read is waiting on (a miss: the tier that failed it)
                 reading: dict[int, str] = {}
-                reads = {i: self._calls.submit(self._open, pins, keys[i], metas[i], spares[i],
-                                               lend=False, reading=(reading, i))
+                reads = {i: self._calls.submit(self._read, pins, keys[i], metas[i], spares[i],
+                                               (reading, i))
                          for i, view in enumerate(views) if view is None}
                 loans = Loans(views, reads, self._calls.timeout_s, reading=reading,
                               abandon=lambda i: self._abandon(i, reading, spares),
@@ -366,40 +365,60 @@ class TieredStore:
         spares[i] = memoryview(mmap.mmap(-1, len(spares[i])))  # page-aligned, as O_DIRECT needs
         return tier
 
-    def _open(self, pins: _Pins | ExitStack, key: ChunkKey, meta: ChunkMeta,
-              spare: memoryview, *, lend: bool = True, read: bool = True,
-              reading: tuple[dict[int, str], int] | None = None) -> ChunkView | None:
-        """The chunk (of `meta`'s tenant) from the fastest tier holding it: lent by an
-        InPlace tier (kept on `pins`; skipped unless `lend`) or read (other tiers; skipped
-        unless `read`, and unless stalled) into a slot the top tier reserves (kept on
-        `pins`) or into `spare`. `reading`: (where, i) to note in `where[i]` the tier a read
-        is waiting on, and when the read is a miss, the last tier that failed it (or none)."""
-        faults: list[str] = []  # tiers that failed the read (Failure.of_the_tier)
+    def _lend(self, pins: _Pins | ExitStack, key: ChunkKey,
+              meta: ChunkMeta) -> ChunkView | None:
+        """The chunk (of `meta`'s tenant) lent where it lies by the fastest `InPlace` tier
+        holding it, pinned on `pins` until they close; None when no such tier holds it.
+        Index lookups only: no I/O, never waits for a slow tier."""
         for level, tier in enumerate(self.tiers):
             lender = self._lenders.get(id(tier))
-            if not (lend if lender is not None else read):
+            if lender is None or not self._contains(tier, key):
                 continue
-            if reading is not None:
+            try:
+                view = pins.enter_context(lender.borrow(key, meta))
+            except Exception as exc:
+                log.warning("tier %r: read of %s failed (%s); trying the next", tier.name,
+                            key.hex(), exc)
+                self._failures.add(tier.name, Failure.RAISED)
+                continue
+            if view is None:
+                self._failures.add(tier.name, Failure.MISSING)
+                continue
+            self._promote(level, key, view, meta)
+            return ChunkView(view.toreadonly(), tier.name)
+        return None
+
+    def _read(self, pins: _Pins | ExitStack, key: ChunkKey, meta: ChunkMeta,
+              spare: memoryview, waiting: tuple[dict[int, str], int] | None = None,
+              ) -> ChunkView | None:
+        """The chunk (of `meta`'s tenant) read from the fastest tier that holds it and lends
+        nothing (disk, shared, remote), skipping stalled ones: into a slot the top tier
+        reserves (kept on `pins`: the read is the promotion) or into `spare`. None on a miss.
+
+        `waiting`: (where, i), for a read on the store's read threads: `where[i]` names the
+        tier the read waits on while it runs (a late read is charged to it), and after a miss
+        the last tier that failed it, if one did (`Loans`)."""
+        faults: list[str] = []  # tiers that failed the read (Failure.of_the_tier)
+        for level, tier in enumerate(self.tiers):
+            if id(tier) in self._lenders:
+                continue
+            if waiting is not None:
                 if not self._calls.usable(tier.name):
                     continue
-                reading[0][reading[1]] = tier.name
+                waiting[0][waiting[1]] = tier.name
             # A remote tier (BatchLookup) is read without asking first: its read says
             # "missing" in the round trip a lookup would take (one round trip, not two: each
             # is a wait for the GIL on a thread beside the model runner).
             remote = id(tier) in self._remote
             if not remote:
                 held = self._contains(tier, key)
-                if reading is not None:
+                if waiting is not None:
                     self._calls.answered(tier.name)
                 if not held:
                     continue
-            in_place = lender is None and level > 0 and self._reserver is not None
+            in_place = level > 0 and self._reserver is not None
             try:
-                if lender is not None:
-                    view = pins.enter_context(lender.borrow(key, meta))
-                    if view is None:
-                        self._failures.add(tier.name, Failure.MISSING)
-                elif in_place:
+                if in_place:
                     assert self._reserver is not None
                     view = self._read_in_place(pins, self._reserver, tier, key, meta, spare,
                                                faults)
@@ -412,13 +431,13 @@ class TieredStore:
                 self._failures.add(tier.name, Failure.RAISED)
                 faults.append(tier.name)
                 view = None
-            if remote and reading is not None:
+            if remote and waiting is not None:
                 self._calls.answered(tier.name)
             if view is not None:
                 self._promote(level, key, view, meta, top=not in_place)
                 return ChunkView(view.toreadonly(), tier.name)
-        if reading is not None:
-            where, i = reading
+        if waiting is not None:
+            where, i = waiting
             if faults:
                 where[i] = faults[-1]
             else:

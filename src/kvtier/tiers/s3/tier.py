@@ -39,8 +39,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from typing import Any, ClassVar, TypeVar
 
 from kvtier.core.chunkformat import HEADER_BYTES, failure_of, read_header
@@ -152,7 +153,10 @@ class S3Tier:
         # listing_interval_s no put would list (tests/tiers/test_s3_tier.py).
         self._listed_at = float("-inf")
         self._listing: threading.Thread | None = None
-        self._changes = 0  # chunks this process put or deleted: a listing that saw fewer is stale
+        # Puts and deletes of this process: ended (`_changes`) and under way (`_changing`). A
+        # listing that overlapped one may have seen its object and not its count, or the reverse.
+        self._changes = 0
+        self._changing_now = 0
         self._check_bucket()
 
     # -- plumbing ----------------------------------------------------------------------------
@@ -308,15 +312,16 @@ class S3Tier:
         start = time.perf_counter()
         encoded = self.encoder.encode(key, data, meta.tenant)  # off the engine
         body = b"".join((encoded.header, encoded.body))
-        result = self._upload(name, body, conditional)
-        self._absent.forget(key)
-        if result is HELD:
-            return OK
-        if not result:
-            self._counters.add(dropped_writes=1)
-            return result
-        self._counted(puts=1, bytes_written=len(data), chunks=1, used_bytes=len(body),
-                      write_s=time.perf_counter() - start)
+        with self._changing():
+            result = self._upload(name, body, conditional)
+            self._absent.forget(key)
+            if result is HELD:
+                return OK
+            if not result:
+                self._counters.add(dropped_writes=1)
+                return result
+            self._counters.add(puts=1, bytes_written=len(data), chunks=1,
+                               used_bytes=len(body), write_s=time.perf_counter() - start)
         if self._manifest is not None:
             self._write_manifest()
         self._maybe_enforce_capacity()
@@ -405,13 +410,16 @@ class S3Tier:
 
     def enforce_capacity(self) -> None:
         """List the namespace, evict the least recently written objects beyond `capacity`,
-        and update `chunks`/`used_bytes`/`evictions`. Never raises. A listing during which
-        this process put or deleted a chunk may or may not have seen it, so its count is
-        not set: the listing is run again (up to LISTING_TRIES times), else the count stays
-        what this process counted until the next listing."""
+        and update `chunks`/`used_bytes`/`evictions`. Never raises. A listing that a put or
+        delete of this process overlapped (under way when it began or ended, or done
+        meanwhile) may or may not have seen it, so its count is not set: the listing is run
+        again (up to LISTING_TRIES times), else the count stays what this process counted
+        until the next listing."""
         for _ in range(LISTING_TRIES):
             with self._lock:
-                changes = self._changes
+                # A change under way now may land before or after the listing sees it: the
+                # count would not be set (-1 matches nothing), run again.
+                changes = -1 if self._changing_now else self._changes
             try:
                 kept, used, evicted = self._run(lambda c: enforce_capacity(
                     c, self._config, self.names, self._config.capacity))
@@ -421,26 +429,34 @@ class S3Tier:
                 return
             self._counters.add(evictions=evicted)
             with self._lock:
-                if self._changes == changes:
+                if self._changes == changes and not self._changing_now:
                     self._counters.set(chunks=kept, used_bytes=used)
                     return
 
-    def _counted(self, **counts: Any) -> None:
-        """Count a put or delete of this process (see `enforce_capacity`)."""
+    @contextmanager
+    def _changing(self) -> Iterator[None]:
+        """A put or delete of this process under way, its counts added inside the block: a
+        capacity listing that overlaps it in any way sets no count (`enforce_capacity`)."""
         with self._lock:
-            self._changes += 1
-            self._counters.add(**counts)
+            self._changing_now += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._changing_now -= 1
+                self._changes += 1
 
     def delete(self, key: ChunkKey) -> bool:
         name = self.names.chunk(key)
         bucket = self._config.bucket
-        try:
-            head = self._run(lambda c: c.head_object(Bucket=bucket, Key=name))
-            self._run(lambda c: c.delete_object(Bucket=bucket, Key=name))
-        except self._failed:
-            return False
-        # What this process knows; the next capacity listing counts every writer's.
-        self._counted(chunks=-1, used_bytes=-int(head.get("ContentLength", 0)))
+        with self._changing():
+            try:
+                head = self._run(lambda c: c.head_object(Bucket=bucket, Key=name))
+                self._run(lambda c: c.delete_object(Bucket=bucket, Key=name))
+            except self._failed:
+                return False
+            # What this process knows; the next capacity listing counts every writer's.
+            self._counters.add(chunks=-1, used_bytes=-int(head.get("ContentLength", 0)))
         return True
 
     # -- upkeep ------------------------------------------------------------------------------
