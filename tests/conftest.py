@@ -200,3 +200,36 @@ def tight(redis_server: RedisServer) -> Iterator[Any]:
     client.config_set("maxmemory-policy", "noeviction")
     yield client
     client.config_set("maxmemory", 0)
+
+
+@pytest.fixture
+def vault(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Kind "vault" registered (one registry line, as a new tier kind is added: tests/
+    vaultkit.py), and a store config (StoreConfig) with a memory tier above a vault tier."""
+    from kvtier.tiers.registry import TIER_CLASSES
+    from kvtier.tiers.storeconfig import StoreConfig
+
+    monkeypatch.setitem(TIER_CLASSES, "vault", "vaultkit:VaultTier")
+    return StoreConfig.parse({"tiers": [{"kind": "memory", "capacity": "4MiB"},
+                                        {"kind": "vault", "name": "far", "capacity": "8MiB"}]})
+
+
+@pytest.fixture
+def captured(capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> Any:
+    """What a run prints and logs, as one text (secretkit.Captured)."""
+    from secretkit import Captured
+
+    return Captured(capsys, caplog)
+
+
+@pytest.fixture
+def secured(tmp_path: Path) -> Iterator[Any]:
+    """A redis-server that requires secretkit.SECRET, and a 0600 file holding it."""
+    from secretkit import SECRET
+
+    server = RedisServer(tmp_path / "redis", None, "--requirepass", SECRET).start()
+    password_file = tmp_path / "redis-password"
+    password_file.write_text(SECRET + "\n")
+    password_file.chmod(0o600)
+    yield server, password_file
+    server.stop()

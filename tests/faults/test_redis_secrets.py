@@ -8,12 +8,11 @@ Every test greps everything it captured for the secret.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
 import pytest
-from redis_server import RedisServer
+from secretkit import SECRET, Captured
 from tierkit import key
 
 from kvtier.core.layout import KVLayout
@@ -22,37 +21,6 @@ from kvtier.tiers import build_tier
 from kvtier.tiers.storeconfig import StoreConfig
 
 pytestmark = pytest.mark.redis
-SECRET = "Zq7-s3cret-pw"  # nothing kvtier prints may contain this
-
-
-class Captured:
-    """stdout, stderr and every log record of one run, as one text to grep."""
-
-    def __init__(self, capsys: pytest.CaptureFixture[str],
-                 caplog: pytest.LogCaptureFixture) -> None:
-        self.capsys, self.caplog = capsys, caplog
-        caplog.set_level(logging.DEBUG)
-
-    def text(self) -> str:
-        out, err = self.capsys.readouterr()
-        logs = "\n".join(f"{r.getMessage()} {r.exc_text or ''}" for r in self.caplog.records)
-        return f"{out}\n{err}\n{logs}\n{self.caplog.text}"
-
-
-@pytest.fixture
-def captured(capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> Captured:
-    return Captured(capsys, caplog)
-
-
-@pytest.fixture
-def secured(tmp_path: Path) -> Any:
-    """A redis-server that requires SECRET, and a 0600 file holding it."""
-    server = RedisServer(tmp_path / "redis", None, "--requirepass", SECRET).start()
-    password_file = tmp_path / "redis-password"
-    password_file.write_text(SECRET + "\n")
-    password_file.chmod(0o600)
-    yield server, password_file
-    server.stop()
 
 
 URLS_WITH_SECRETS = [

@@ -6,15 +6,11 @@ tests/tools/test_doctor_tier_facts.py).
 
 from __future__ import annotations
 
-import sys
-from typing import ClassVar, Literal
-
 import pytest
 
 from kvtier.core.tier import Locality, Medium, Tier
-from kvtier.tiers.example import ExampleTier
 from kvtier.tiers.registry import TIER_CLASSES, tier_class
-from kvtier.tiers.storeconfig import StoreConfig, TierSettings
+from kvtier.tiers.storeconfig import StoreConfig
 
 # The class attributes the contract declares (ClassVar annotations of the Tier protocol).
 FACTS = sorted(name for name, annotation in Tier.__annotations__.items()
@@ -35,34 +31,6 @@ def test_every_registered_tier_class_declares_every_fact(tier_kind: str) -> None
     assert not (cls.has_path and cls.has_server), "a tier has a directory or a server"
     path_field = "path" in cls.config_model.model_fields
     assert cls.has_path == path_field, f"{cls.__name__}.has_path but its config's `path`"
-
-
-class VaultTierConfig(TierSettings):
-    """A remote kind the registry does not list: added by the test only."""
-
-    kind: Literal["vault"]
-    url: str = "vault://kv.example:7000"
-
-
-class VaultTier(ExampleTier):
-    """The example tier, as if it reached a server every engine shares."""
-
-    medium: ClassVar[Medium] = Medium.STORAGE
-    locality: ClassVar[Locality] = Locality.REMOTE
-    has_path: ClassVar[bool] = False
-    has_server: ClassVar[bool] = True
-    capacity_split_by_rank: ClassVar[bool] = False
-    config_model = VaultTierConfig  # type: ignore[assignment]
-
-
-@pytest.fixture
-def vault(monkeypatch: pytest.MonkeyPatch) -> StoreConfig:
-    """Kind "vault" registered (one registry line, as a new tier kind is added), and a store
-    with a memory tier above a vault tier."""
-    monkeypatch.setitem(TIER_CLASSES, "vault", f"{__name__}:VaultTier")
-    assert sys.modules[__name__].VaultTier is VaultTier
-    return StoreConfig.parse({"tiers": [{"kind": "memory", "capacity": "4MiB"},
-                                        {"kind": "vault", "name": "far", "capacity": "8MiB"}]})
 
 
 def test_a_new_remote_kind_is_reported_remote_by_the_kv_events(vault: StoreConfig) -> None:

@@ -10,50 +10,19 @@ Every test greps everything it captured for the secret.
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from redis_server import RedisClusterNodes, RedisServer
+from redis_server import RedisClusterNodes
+from secretkit import SECRET, Captured
 
 from kvtier.tools.cli.main import main
 from kvtier.tools.ops.doctor import check_redis
 
 pytestmark = pytest.mark.redis
-SECRET = "Zq7-s3cret-pw"  # nothing kvtier prints may contain this
 CHEAP_MODULE = "kvtier.units"  # doctor's connector import probe, without importing vLLM
-
-
-class Captured:
-    """stdout, stderr and every log record of one run, as one text to grep."""
-
-    def __init__(self, capsys: pytest.CaptureFixture[str],
-                 caplog: pytest.LogCaptureFixture) -> None:
-        self.capsys, self.caplog = capsys, caplog
-        caplog.set_level(logging.DEBUG)
-
-    def text(self) -> str:
-        out, err = self.capsys.readouterr()
-        logs = "\n".join(f"{r.getMessage()} {r.exc_text or ''}" for r in self.caplog.records)
-        return f"{out}\n{err}\n{logs}\n{self.caplog.text}"
-
-
-@pytest.fixture
-def captured(capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> Captured:
-    return Captured(capsys, caplog)
-
-
-@pytest.fixture
-def secured(tmp_path: Path) -> Any:
-    """A redis-server that requires SECRET, and a 0600 file holding it."""
-    server = RedisServer(tmp_path / "redis", None, "--requirepass", SECRET).start()
-    password_file = tmp_path / "redis-password"
-    password_file.write_text(SECRET + "\n")
-    password_file.chmod(0o600)
-    yield server, password_file
-    server.stop()
 
 
 def _write(path: Path, tiers: list[dict[str, Any]]) -> Path:
