@@ -1,5 +1,7 @@
-"""The tiers: one module per tier kind, found through `kvtier.tiers.registry`, and the
-functions that build them from a config.
+"""The tiers, by family (`memory.py` and `example.py`; `files/`: disk and shared; `redis/`;
+`s3/`), each kind found through `kvtier.tiers.registry`, what the families share beside them
+(storeconfig, retention, encoding, manifest, probe), and the functions that build them from a
+config. A family never imports another.
 
 Every tier is built the same way: `TierClass(config, layout)`. Tiers whose contents other
 processes can see (files, remote stores) also offer a probe: a side-effect-free "is this chunk
