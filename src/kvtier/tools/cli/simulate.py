@@ -4,6 +4,7 @@
     kvtier simulate --sweep cpu_gb=0,8,16,32,64,128 --plot sweep.png
     kvtier simulate --tier shared=2TiB --load-when always   # a naive cache: load every hit
     kvtier simulate --validate
+    kvtier simulate --trace requests.jsonl --plot hit-ratio.png   # simulate_trace.py
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from kvtier.tools.cli.argtypes import (
     output_file,
     positive_int,
 )
+from kvtier.tools.cli.simulate_trace import add_trace_arguments, run_trace
 from kvtier.tools.sim.cost import MODEL_PRESETS
 from kvtier.tools.sim.engine import EngineConfig
 from kvtier.tools.sim.fleet import ROUTERS, SimConfig, simulate
@@ -35,6 +37,7 @@ from kvtier.tools.sim.workload import WORKLOAD_PRESETS, workload_preset
 # The simulator builds every engine up front: a larger fleet is a typo that would exhaust
 # memory before the first request.
 MAX_ENGINES = 4096
+DEFAULT_REQUESTS = 20_000
 _OVERRIDES = ("rate_rps", "think_s", "turns_mean", "system_tokens", "doc_prob",
               "user_tokens", "output_tokens", "max_context")
 
@@ -61,14 +64,17 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--block-tokens", type=positive_int, default=64)
     p.add_argument("--max-num-seqs", type=positive_int, default=256)
     p.add_argument("--max-batched-tokens", type=positive_int, default=8192)
-    p.add_argument("--requests", type=non_negative_int, default=20_000)
+    p.add_argument("--requests", type=non_negative_int, default=None,
+                   help="requests to simulate (default 20000); with --trace: the first N")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sweep", metavar="PARAM=V1,V2,...",
                    help=f"sweep one of {', '.join(SWEEP_PARAMS)}")
-    p.add_argument("--plot", type=output_file, metavar="OUT.png", help="with --sweep: write a PNG")
+    p.add_argument("--plot", type=output_file, metavar="OUT.png",
+                   help="with --sweep or --trace: write a PNG")
     p.add_argument("--validate", action="store_true",
                    help="compare the model with published figures and exit")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_trace_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -93,7 +99,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
                           load_when=args.load_when)
     return SimConfig(model=args.model, gpu=args.gpu, tp=args.tp, engine=engine, tiers=tiers,
                      workload=workload_preset(args.workload, **overrides),
-                     requests=args.requests, seed=args.seed, engines=args.engines,
+                     requests=DEFAULT_REQUESTS if args.requests is None else args.requests,
+                     seed=args.seed, engines=args.engines,
                      router=args.router)
 
 
@@ -113,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of `kvtier simulate`; returns the exit code."""
     if args.validate:
         return _run_validate(args.json)
+    if args.trace is not None:
+        return run_trace(args)
     cfg = config_from_args(args)
     if args.sweep:
         param, values = parse_sweep(args.sweep)

@@ -13,4 +13,9 @@ Modules, in the order data flows through them:
     plot      -- PNG of a sweep
     burst     -- a burst of long prompts from one slow tier: recompute, naive, the rule
     validate  -- the model against published figures
+  and, for `kvtier simulate --trace` (a request trace through the policies alone, no engine):
+    trace     -- Mooncake and generic JSONL traces as chains of block keys
+    replay    -- one policy (kvtier.core.policies, as a tier drives it) at one capacity
+    optimum   -- the ceilings: Belady's MIN with the prefix constraint, and unbounded
+    tracesweep -- policies x capacities beside the optimum (plot.plot_trace draws it)
 """

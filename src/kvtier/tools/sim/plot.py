@@ -2,6 +2,7 @@
 
 Primitives:
     plot_sweep(result, path, title) -- TTFT, throughput and hit rates against the parameter
+    plot_trace(sweep, path)         -- a trace's token hit ratio against capacity, per policy
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 
 from kvtier.errors import ConfigError
 from kvtier.tools.sim.sweep import SweepResult
+from kvtier.tools.sim.tracesweep import TraceSweep
 
 _LABELS = {
     "cpu_gb": "CPU tier capacity (GB)",
@@ -92,3 +94,40 @@ def _shade(ax: object, result: SweepResult) -> None:
         right = xs[i + 1] - xs[i] if i + 1 < len(xs) else left
         ax.axvspan(xs[i] - left / 2, xs[i] + right / 2,  # type: ignore[attr-defined]
                    color=color, zorder=0)
+
+
+def plot_trace(sweep: TraceSweep, path: str | Path) -> Path:
+    """Write a PNG of the token hit ratio against capacity: a line per policy, the optimum
+    (dashed) and unbounded (dotted); return the path.
+
+    Raises:
+        ConfigError: `path` is not in an existing directory.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(path)
+    if not out.parent.is_dir():  # no parent directories are created (issue 14)
+        raise ConfigError("plot", str(out), "a path in an existing directory")
+    xs = [p.capacity_tokens for p in sweep.points]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    names = [r.policy for r in sweep.points[0].policies] if sweep.points else []
+    for index, name in enumerate(names):
+        ax.plot(xs, [p.policies[index].hit_ratio for p in sweep.points], marker="o", label=name)
+    ax.plot(xs, [p.optimum.hit_ratio for p in sweep.points], "k--", marker="x",
+            label="optimum (Belady, prefix-closed)")
+    ax.axhline(sweep.unbounded.hit_ratio, color="#888888", linestyle=":", label="unbounded")
+    ax.set_xscale("log")
+    ax.set_xlabel("capacity (tokens)")
+    ax.set_ylabel("token hit ratio")
+    ax.set_ylim(0, max(0.05, sweep.unbounded.hit_ratio * 1.15))
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(f"{Path(sweep.trace).name}: {sweep.requests:,} requests, "
+                 f"blocks of {sweep.block_tokens} tokens", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

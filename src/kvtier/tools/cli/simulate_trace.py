@@ -1,0 +1,115 @@
+"""`kvtier simulate --trace FILE`: a request trace replayed through kvtier's eviction policies.
+
+    kvtier simulate --trace ../shared/traces/mooncake_conversation_trace.jsonl
+    kvtier simulate --trace T.jsonl --capacity 1M,3M --policies lru,arc,prefix --json
+    kvtier simulate --trace T.jsonl --plot hit-ratio.png
+
+Trace formats: `kvtier.tools.sim.trace`; the replay: `kvtier.tools.sim.replay`; the optimum
+and its exact meaning: `kvtier.tools.sim.optimum`. Prefill seconds come from the `--model`,
+`--gpu` and `--tp` cost model of `kvtier simulate` (`CostModel.prefill_s`).
+
+Primitives: `add_trace_arguments(parser)`, `run_trace(args)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+
+from kvtier.tools.cli.argtypes import any_path, positive_int
+from kvtier.tools.sim.replay import PolicySpec, Progress, parse_policy
+from kvtier.tools.sim.tracesweep import TraceSweep, parse_tokens
+
+DEFAULT_CAPACITIES = "300k,1M,3M,10M,30M"
+DEFAULT_POLICIES = "lru,arc,lru+admit2"
+
+
+def add_trace_arguments(p: argparse.ArgumentParser) -> None:
+    """The trace mode's options, on `kvtier simulate`'s parser."""
+    p.add_argument("--trace", type=any_path, metavar="FILE.jsonl",
+                   help="replay a request trace (Mooncake's format, or tokens / block_hashes "
+                        "per line) through kvtier's policies: hit ratio vs capacity")
+    p.add_argument("--capacity", default=DEFAULT_CAPACITIES, metavar="TOKENS,...",
+                   help=f"with --trace: cache capacities in tokens (default {DEFAULT_CAPACITIES})")
+    p.add_argument("--policies", default=DEFAULT_POLICIES, metavar="POLICY,...",
+                   help="with --trace: eviction policies, each optionally +admitN "
+                        f"(default {DEFAULT_POLICIES})")
+    p.add_argument("--trace-block-tokens", type=positive_int, default=512,
+                   help="with --trace: tokens a trace block (a chunk) holds (default 512)")
+
+
+def run_trace(args: argparse.Namespace) -> int:
+    """Replay the trace the arguments name and report; returns the exit code.
+
+    Raises:
+        ConfigError: an unreadable trace, a bad capacity, policy, model or GPU.
+    """
+    from kvtier.tools.ops.hardware import gpu_profile
+    from kvtier.tools.sim.cost import build_cost_model, model_spec
+    from kvtier.tools.sim.trace import read_trace
+    from kvtier.tools.sim.tracesweep import sweep_trace
+
+    specs = [parse_policy(name) for name in args.policies.split(",") if name.strip()]
+    capacities = [parse_tokens(text) for text in args.capacity.split(",") if text.strip()]
+    cost = build_cost_model(model_spec(args.model), gpu_profile(args.gpu), args.tp)
+    trace = read_trace(args.trace, args.trace_block_tokens, args.requests)
+    total = len(trace.requests) * len(capacities) * (len(specs) + 1)
+    sweep = _with_progress(lambda done: sweep_trace(trace, specs, capacities, cost, done),
+                           args.json, total)
+    if args.plot:
+        from kvtier.tools.sim.plot import plot_trace
+
+        plot_trace(sweep, args.plot)
+    if args.json:
+        print(json.dumps(sweep.to_dict(), indent=2))
+    else:
+        _print(sweep, specs)
+    return 0
+
+
+def _with_progress(work: Callable[[Progress], TraceSweep], quiet: bool,
+                   total: int) -> TraceSweep:
+    if quiet or not sys.stderr.isatty():
+        return work(lambda done: None)
+    from rich.progress import Progress as Bar
+
+    with Bar(transient=True) as bar:
+        task = bar.add_task("replaying", total=total)
+        return work(lambda done: bar.advance(task, done))
+
+
+def _print(sweep: TraceSweep, specs: list[PolicySpec]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"kvtier simulate --trace {sweep.trace}: {sweep.requests:,} requests, "
+                        f"{sweep.input_tokens:,} prompt tokens, blocks of {sweep.block_tokens}\n"
+                        "token hit ratio (its fraction of the optimum)")
+    table.add_column("capacity (tokens)", justify="right")
+    for spec in specs:
+        table.add_column(spec.name, justify="right")
+    table.add_column("optimum", justify="right")
+    table.add_column("unbounded", justify="right")
+    for point in sweep.points:
+        table.add_row(f"{point.capacity_tokens:,}",
+                      *[f"{r.hit_ratio:.1%} ({point.of_optimum(r):.0%})" for r in point.policies],
+                      f"{point.optimum.hit_ratio:.1%}", f"{sweep.unbounded.hit_ratio:.1%}")
+    saved = Table(title=f"prefill saved: tokens, and compute seconds on {sweep.cost_model} "
+                        "(cost grows with position)")
+    saved.add_column("capacity (tokens)", justify="right")
+    for name in [s.name for s in specs] + ["optimum"]:
+        saved.add_column(name, justify="right")
+    for point in sweep.points:
+        saved.add_row(f"{point.capacity_tokens:,}",
+                      *[f"{r.hit_tokens / 1e6:,.1f}M / {r.prefill_s_saved:,.0f} s"
+                        for r in (*point.policies, point.optimum)])
+    un = sweep.unbounded
+    console = Console()
+    console.print(table)
+    console.print(saved)
+    console.print(f"unbounded: {un.hit_tokens / 1e6:,.1f}M tokens, {un.prefill_s_saved:,.0f} s "
+                  f"of {un.prefill_s_total:,.0f} s of prefill. The optimum is Belady's MIN over "
+                  "blocks with the prefix constraint: the exact optimum of hit blocks at that "
+                  "capacity (kvtier.tools.sim.optimum).")

@@ -1,0 +1,152 @@
+"""Request traces for `kvtier simulate --trace`: each request's prompt as a chain of block keys.
+
+A trace is JSON Lines, one request a line, in arrival order. Two formats are read:
+
+- **Mooncake** (the FAST'25 traces, `../shared/traces/README.md`):
+  `{"timestamp": ms, "input_length": tokens, "hash_ids": [h0, h1, ...]}`, one hash a block
+  of `block_tokens` (512 there) tokens, the last one possibly partial.
+- **Generic**: `{"tokens": [id, ...]}` (token ids, cut into blocks of `block_tokens`), or
+  `{"block_hashes": [h0, ...], "input_length": tokens}` (prefix-block hashes, as Mooncake's;
+  `input_length` defaults to a whole number of blocks). `timestamp` (ms) is optional.
+
+Only a prompt's full blocks are ever stored (kvtier stores whole chunks). Each block gets a
+*chained* key, like kvtier's `ChunkKey`: an int interned from (parent key, block content),
+so two requests share a key only where they share the whole prefix up to it, whatever the
+trace's hashes promise. A request carries its keys and, for each, its parent's key (-1 for
+the first block): what a prefix-aware policy is told on insert.
+
+Primitives: `TraceRequest`, `Trace`, `read_trace(path, block_tokens, limit)`, `ROOT`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtier.errors import ConfigError
+
+ROOT = -1  # the parent of a prompt's first block
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    """One request of a trace: its full blocks' chained keys, their parents, its size."""
+
+    keys: tuple[int, ...]  # chained keys of the prompt's full blocks, first block first
+    parents: tuple[int, ...]  # parents[i] is keys[i - 1]; ROOT for the first block
+    input_tokens: int  # the prompt's tokens, the partial last block included
+    arrival_s: float  # seconds from the trace's start (0 where the trace has no timestamps)
+
+
+@dataclass(frozen=True, slots=True)
+class Trace:
+    """A whole trace, read once and replayed under every policy and capacity."""
+
+    path: str  # where it was read from (for reports)
+    block_tokens: int  # tokens a block (a chunk) holds
+    requests: tuple[TraceRequest, ...]
+    distinct_blocks: int  # distinct chained keys: what an unbounded cache ends up holding
+
+    @property
+    def input_tokens(self) -> int:
+        """Prompt tokens of all requests: the denominator of the token hit ratio."""
+        return sum(r.input_tokens for r in self.requests)
+
+    @property
+    def block_accesses(self) -> int:
+        """Full blocks of all requests."""
+        return sum(len(r.keys) for r in self.requests)
+
+
+def read_trace(path: str | Path, block_tokens: int = 512, limit: int | None = None) -> Trace:
+    """Read a trace file (either format, told apart line by line).
+
+    Args:
+        block_tokens: tokens a block holds: the hash granularity of a Mooncake trace (512),
+            the chunk size to cut `tokens` into for a generic one.
+        limit: read at most this many requests (None: all).
+    Raises:
+        ConfigError: an unreadable file, a line that is not a JSON object of either format,
+            a non-positive `block_tokens`, an empty trace.
+    """
+    if block_tokens < 1:
+        raise ConfigError("block_tokens", block_tokens, "an integer >= 1")
+    interned: dict[tuple[int, Hashable], int] = {}
+    requests: list[TraceRequest] = []
+    try:
+        with open(path, encoding="utf-8") as lines:
+            for number, line in enumerate(lines, 1):
+                if limit is not None and len(requests) >= limit:
+                    break
+                if line.strip():
+                    requests.append(_request(line, number, block_tokens, interned))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError("trace", str(path), f"a readable JSON Lines file ({exc})") from None
+    if not requests:
+        raise ConfigError("trace", str(path), "a file with at least one request")
+    return Trace(str(path), block_tokens, tuple(requests), len(interned))
+
+
+def _request(line: str, number: int, block_tokens: int,
+             interned: dict[tuple[int, Hashable], int]) -> TraceRequest:
+    """One line as a TraceRequest; its blocks' keys interned in `interned`.
+
+    Raises:
+        ConfigError: not a JSON object of either format.
+    """
+    where = f"trace line {number}"
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(where, line[:80], f"a JSON object ({exc.msg})") from None
+    if not isinstance(row, dict):
+        raise ConfigError(where, line[:80], "a JSON object")
+    blocks: list[Hashable]
+    if "tokens" in row:
+        tokens = _int_list(row["tokens"], where + ".tokens")
+        input_tokens = len(tokens)
+        blocks = [tuple(tokens[i:i + block_tokens])
+                  for i in range(0, input_tokens - block_tokens + 1, block_tokens)]
+    else:
+        field = "hash_ids" if "hash_ids" in row else "block_hashes"
+        if field not in row:
+            raise ConfigError(where, line[:80], "an object with hash_ids, block_hashes or tokens")
+        hashes = _int_list(row[field], f"{where}.{field}")
+        input_tokens = row.get("input_length", len(hashes) * block_tokens)
+        if not isinstance(input_tokens, int) or input_tokens < 0 \
+                or input_tokens > len(hashes) * block_tokens:
+            raise ConfigError(f"{where}.input_length", input_tokens,
+                              f"tokens in [0, {len(hashes)} blocks x {block_tokens}]")
+        blocks = list(hashes[:input_tokens // block_tokens])
+    timestamp = row.get("timestamp", 0)
+    if not isinstance(timestamp, int | float):
+        raise ConfigError(f"{where}.timestamp", timestamp, "milliseconds, a number")
+    keys, parents = _chain(blocks, interned)
+    return TraceRequest(keys, parents, input_tokens, timestamp / 1e3)
+
+
+def _chain(blocks: Iterable[Hashable],
+           interned: dict[tuple[int, Hashable], int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Chained keys of a prompt's blocks: a key names the whole prefix up to its block."""
+    keys: list[int] = []
+    parents: list[int] = []
+    parent = ROOT
+    for block in blocks:
+        key = interned.setdefault((parent, block), len(interned))
+        keys.append(key)
+        parents.append(parent)
+        parent = key
+    return tuple(keys), tuple(parents)
+
+
+def _int_list(value: object, field: str) -> list[int]:
+    """`value` as a list of ints.
+
+    Raises:
+        ConfigError: anything else.
+    """
+    if not isinstance(value, list) or not all(type(v) is int for v in value):
+        raise ConfigError(field, str(value)[:80], "a list of integers")
+    return value
