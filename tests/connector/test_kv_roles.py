@@ -77,6 +77,21 @@ def test_a_consumer_loads_what_is_held_and_never_stores() -> None:
         assert consumer.step(cached={"decode": ([], computed, 1)}).stores == []
 
 
+@pytest.mark.parametrize(("extra", "role", "expected"), [
+    ({}, "kv_consumer", "always"),  # a decode instance loads what its prefill stored
+    ({}, "kv_both", "faster"),
+    ({}, None, "faster"),
+    ({"load_when": "faster"}, "kv_consumer", "faster"),  # as the operator set it
+    ({"load_when": "always"}, "kv_both", "always"),
+])
+def test_a_consumer_loads_every_hit_unless_told_otherwise(
+        extra: dict[str, str], role: str | None, expected: str) -> None:
+    # On a small model the rule found the decode instance's own prefill of a short prompt
+    # faster than its load from the shared tier, and recomputed what the prefill instance had
+    # stored (test_disagg_prefill's salted case, 2 of 6 CI runs).
+    assert ConnectorConfig.parse(extra).load_when_for(role) == expected
+
+
 def test_kv_both_loads_and_stores_and_keeps_the_per_request_switches() -> None:
     both = RoleEngine("kv_both")
     assert len(stored_by_a_prefill(both)) == 3

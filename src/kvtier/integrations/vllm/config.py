@@ -50,6 +50,9 @@ LOAD_MODES = ("auto", "sync", "async")
 STORE_MODES = ("auto", "sync", "async")
 # How much of a hit is loaded: "faster": the part expected to load faster than the engine
 # recomputes it, from measured costs (offer.py; until measured, all of it); "always": all.
+# Unset: "faster", but "always" on a disaggregated decode instance (kv_consumer): it exists so
+# that prompts are prefilled elsewhere, and a short prompt its own cheap prefill would beat the
+# load of (the rule's call on a small model) must still not be recomputed there.
 LOAD_WHEN = ("faster", "always")
 
 
@@ -77,8 +80,8 @@ class ConnectorConfig:
     load_mode: str = "auto"
     # See STORE_MODES.
     store_mode: str = "auto"
-    # See LOAD_WHEN.
-    load_when: str = "faster"
+    # See LOAD_WHEN; None: not set (`load_when_for`).
+    load_when: str | None = None
 
     @staticmethod
     def known_keys() -> frozenset[str]:
@@ -116,6 +119,13 @@ class ConnectorConfig:
         extra.setdefault("tiers", [dict(t) for t in DEFAULT_TIERS])
         return cls(store=StoreConfig.parse(extra, where=where),
                    tokens_per_chunk_set="tokens_per_chunk" in values, **values)
+
+    def load_when_for(self, kv_role: str | None) -> str:
+        """load_when on an engine of vLLM's `kv_role`: as set, or else "always" on a
+        "kv_consumer" and "faster" elsewhere (LOAD_WHEN)."""
+        if self.load_when is not None:
+            return self.load_when
+        return "always" if kv_role == "kv_consumer" else "faster"
 
     def index_keys(self, bytes_per_chunk: int) -> int:
         """The scheduler index's bound in keys (see index_max_keys), for chunks of

@@ -81,7 +81,8 @@ class ConnectorScheduler:
         self._states = StateLayers(groups, block_size)
         self._loads = LoadPlanner(config.load_mode,
                                   [tier.tier_name for tier in config.store.tiers],
-                                  several_groups, config.tokens_per_chunk, config.load_when)
+                                  several_groups, config.tokens_per_chunk,
+                                  config.load_when_for(kv_role))
         self._failures = LoadFailures()
         self._retire = False  # a cache reset since the last plan (reset_cache)
         self._stores = StorePlanner(
