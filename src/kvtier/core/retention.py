@@ -47,6 +47,10 @@ class ChunkMeta:
     tenant: str | None = None  # tenant_id(the request's cache_salt); None: the default tenant
     retain_until: float | None = None  # wall-clock s: never evicted before then (a pin)
     expires_at: float | None = None  # wall-clock s: a miss from then on, space reclaimed
+    # The key of the chunk before it in its prompt (its prefix ends there); None: the first
+    # chunk, or not known. Not a request's ask: only the "prefix" eviction policy reads it
+    # (kvtier.core.policies.prefix), and `is_default` ignores it.
+    parent: ChunkKey | None = None
 
     @classmethod
     def for_request(cls, cache_salt: str | None, retain_s: float | None, ttl_s: float | None,
@@ -64,7 +68,8 @@ class ChunkMeta:
 
     def __repr__(self) -> str:  # short, and never more of the tenant than its label
         return (f"ChunkMeta(tenant={tenant_label(self.tenant)}, "
-                f"retain_until={self.retain_until}, expires_at={self.expires_at})")
+                f"retain_until={self.retain_until}, expires_at={self.expires_at}, "
+                f"parent={None if self.parent is None else self.parent.hex()[:12]})")
 
 
 DEFAULT_META = ChunkMeta()  # the default tenant's chunk, neither pinned nor dated

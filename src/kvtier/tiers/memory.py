@@ -269,7 +269,7 @@ class MemoryTier:
             self._index[key] = index
             if not self._book.records(meta) \
                     or not self._book.record(key, meta, self.slot_bytes):
-                self._policy.insert(key)  # pinned chunks stay out of the policy
+                self._policy.insert(key, meta.parent)  # pinned chunks stay out of the policy
             self.events.stored(key)
             held = len(self._index)
         self._counters.add(puts=1, bytes_written=self.chunk_bytes,

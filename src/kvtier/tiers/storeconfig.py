@@ -46,7 +46,8 @@ class TierSettings(FrozenModel):
     kind: str  # the tier kind, a key of kvtier.tiers.TIER_CLASSES
     name: str | None = None  # unique name in the store; defaults to `kind`
     capacity: ByteSize  # bytes this tier may hold, e.g. "8GiB"
-    eviction: Literal["lru", "arc"] = "lru"  # which chunk leaves first when full
+    # which chunk leaves first when full (kvtier.core.policies; "prefix": docs/configuration.md)
+    eviction: Literal["lru", "arc", "prefix"] = "lru"
     admit_after: int = Field(1, ge=1)  # store a chunk only on its N-th offer (1 = always)
 
     @property

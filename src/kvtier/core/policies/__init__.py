@@ -4,6 +4,10 @@ A policy tracks which resident keys to evict first; tiers own the data and the l
 `make_policy` builds one in `Generations` (generations.py), so that a tier can retire what it
 holds at once (a weight update in place).
 
+Policies: "lru" (lru.py), "arc" (arc.py), "prefix" (prefix.py: leaves of the tree of held
+prefixes first, by recency and uses; it needs each chunk's parent, `insert(key, parent)`);
+clock.py is the disk tier's LRU.
+
 Primitives: `EvictionPolicy` (protocol), `make_policy`, `POLICIES`, `Generations`,
 `AdmissionFilter`.
 """
@@ -17,6 +21,7 @@ from kvtier.core.policies.admission import AdmissionFilter
 from kvtier.core.policies.arc import ARCPolicy
 from kvtier.core.policies.generations import Generations
 from kvtier.core.policies.lru import LRUPolicy
+from kvtier.core.policies.prefix import PrefixPolicy
 from kvtier.errors import ConfigError
 
 K = TypeVar("K", bound=Hashable)
@@ -26,8 +31,9 @@ class EvictionPolicy(Protocol[K]):
     """Orders resident keys (of type K, e.g. ChunkKey) for eviction. Not thread-safe: the
     owning tier locks."""
 
-    def insert(self, key: K) -> None:
-        """A key became resident."""
+    def insert(self, key: K, parent: K | None = None) -> None:
+        """A key became resident; `parent`: the chunk its prefix ends with (None: a first
+        chunk, or unknown). Only prefix-aware policies use it."""
 
     def touch(self, key: K) -> None:
         """A resident key was read."""
@@ -41,11 +47,11 @@ class EvictionPolicy(Protocol[K]):
     def __len__(self) -> int: ...
 
 
-POLICIES = ("lru", "arc")
+POLICIES = ("lru", "arc", "prefix")
 
 
 def make_policy(name: str, capacity_chunks: int) -> Generations[K]:
-    """Return a new policy by name ("lru" or "arc") for a tier of `capacity_chunks`, in
+    """Return a new policy by name (one of POLICIES) for a tier of `capacity_chunks`, in
     generations; its key type is the one the caller's annotation asks for.
 
     Raises:
@@ -55,8 +61,10 @@ def make_policy(name: str, capacity_chunks: int) -> Generations[K]:
         return Generations(LRUPolicy)
     if name == "arc":
         return Generations(lambda: ARCPolicy(capacity_chunks))
+    if name == "prefix":
+        return Generations(lambda: PrefixPolicy(capacity_chunks))
     raise ConfigError("eviction", name, f"one of {POLICIES}")
 
 
 __all__ = ["POLICIES", "ARCPolicy", "AdmissionFilter", "EvictionPolicy", "Generations", "LRUPolicy",
-           "make_policy"]
+           "PrefixPolicy", "make_policy"]

@@ -29,7 +29,7 @@ class ARCPolicy(Generic[K]):
         self._b1: OrderedDict[K, None] = OrderedDict()
         self._b2: OrderedDict[K, None] = OrderedDict()
 
-    def insert(self, key: K) -> None:
+    def insert(self, key: K, parent: K | None = None) -> None:
         if key in self._t1 or key in self._t2:
             self.touch(key)
             return

@@ -36,7 +36,7 @@ class ClockPolicy(Generic[K]):
         self._resident: set[K] = set()
         self._referenced: set[K] = set()
 
-    def insert(self, key: K) -> None:
+    def insert(self, key: K, parent: K | None = None) -> None:
         if key in self._resident:
             self._referenced.add(key)
             return

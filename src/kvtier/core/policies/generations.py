@@ -39,15 +39,16 @@ class Generations(Generic[K]):
         self._generations: dict[int, EvictionPolicy[K]] = {0: make()}
         self._generation_of: dict[K, int] = {}
 
-    def insert(self, key: K) -> None:
-        """A key became resident (again: a retired key stored anew joins the current one)."""
+    def insert(self, key: K, parent: K | None = None) -> None:
+        """A key became resident (again: a retired key stored anew joins the current one),
+        extending `parent` (for a prefix-aware policy; None: unknown)."""
         if len(self._generations) > 1:
             previous = self._generation_of.get(key, self._oldest)
             if previous != self._current:
                 self._generations[previous].remove(key)  # a no-op where it is not resident
                 self._generation_of[key] = self._current
                 self._drop_if_empty(previous)
-        self._generations[self._current].insert(key)
+        self._generations[self._current].insert(key, parent)
 
     def touch(self, key: K) -> None:
         """A resident key was read: it moves within its own generation."""

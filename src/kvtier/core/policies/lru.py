@@ -15,7 +15,7 @@ class LRUPolicy(Generic[K]):
     def __init__(self) -> None:
         self._order: OrderedDict[K, None] = OrderedDict()
 
-    def insert(self, key: K) -> None:
+    def insert(self, key: K, parent: K | None = None) -> None:
         self._order[key] = None
         self._order.move_to_end(key)
 

@@ -349,7 +349,7 @@ class DiskTier:
             else:
                 self._index[key] = size
                 if not self._book.records(meta) or not self._book.record(key, meta, size):
-                    self._policy.insert(key)  # pinned chunks stay out of the policy
+                    self._policy.insert(key, meta.parent)  # pinned chunks stay out of it
                 self.events.stored(key)
         if not meta.is_default:
             self._journal_append(key)

@@ -120,4 +120,5 @@ def _parse(line: str) -> tuple[ChunkKey, ChunkMeta] | None:
     if not all(t is None or (isinstance(t, (int, float)) and not isinstance(t, bool)
                              and math.isfinite(t)) for t in times):
         return None
-    return key, ChunkMeta(tenant, *(None if t is None else float(t) for t in times))
+    retain_until, expires_at = (None if t is None else float(t) for t in times)
+    return key, ChunkMeta(tenant, retain_until, expires_at)

@@ -23,7 +23,7 @@ from kvtier.tools.sim.replay import PolicySpec, Progress, parse_policy
 from kvtier.tools.sim.tracesweep import TraceSweep, parse_tokens
 
 DEFAULT_CAPACITIES = "300k,1M,3M,10M,30M"
-DEFAULT_POLICIES = "lru,arc,lru+admit2"
+DEFAULT_POLICIES = "lru,arc,lru+admit2,prefix"
 
 
 def add_trace_arguments(p: argparse.ArgumentParser) -> None:

@@ -5,8 +5,9 @@ The cache is one tier of `capacity_blocks` chunks, driven the way kvtier's memor
 each chunk of that hit is read and so `touch`ed (the store's borrow, first chunk first);
 then each full block past the hit is put: a held one is left as is (the tier's `reserve`
 answers OK without touching it), a new one is offered to the tier's `AdmissionFilter`, and
-an admitted one takes a free slot or the policy's victim's, and is `insert`ed. The policy
-objects are those `make_policy` gives a tier, in `Generations`.
+an admitted one takes a free slot or the policy's victim's, and is `insert`ed with its
+parent's key (as a tier does with `ChunkMeta.parent`). The policy objects are those
+`make_policy` gives a tier, in `Generations`.
 
 A hit saves its tokens' prefill, but the last prompt token is always recomputed (vLLM needs
 its logits); the seconds saved are the engine's compute for positions 0..hit, which grow with
@@ -26,7 +27,7 @@ from kvtier.core.policies import POLICIES, AdmissionFilter, Generations, make_po
 from kvtier.core.policies.clock import ClockPolicy
 from kvtier.errors import ConfigError
 from kvtier.tools.sim.cost import CostModel
-from kvtier.tools.sim.trace import Trace, TraceRequest
+from kvtier.tools.sim.trace import ROOT, Trace, TraceRequest
 
 Progress = Callable[[int], None]  # called with how many requests were replayed since the last call
 PROGRESS_EVERY = 2000  # requests between progress calls
@@ -122,7 +123,7 @@ def replay(trace: Trace, spec: PolicySpec, capacity_blocks: int, cost: CostModel
         tokens = hit_tokens(request, hit, trace.block_tokens)
         saved_tokens += tokens
         saved_s += cost.prefill_s(0, tokens)
-        for key in keys[hit:]:
+        for key, parent in zip(keys[hit:], request.parents[hit:], strict=True):
             if key in held or not admission.offer(key):
                 continue
             if len(held) >= capacity_blocks:
@@ -132,7 +133,7 @@ def replay(trace: Trace, spec: PolicySpec, capacity_blocks: int, cost: CostModel
                 held.remove(victim)
                 evictions += 1
             held.add(key)
-            policy.insert(key)
+            policy.insert(key, None if parent == ROOT else parent)
         if progress is not None and number % PROGRESS_EVERY == 0:
             progress(PROGRESS_EVERY)
     if progress is not None:

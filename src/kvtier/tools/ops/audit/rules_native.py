@@ -31,7 +31,7 @@ EXTRA_KEYS = frozenset({
     "self_describing_kv_events", "spec_module_path", "backpressure",
     "blocks_per_chunk", "cache_policy_module_path",
 })
-EVICTION_POLICIES = ("lru", "arc")
+EVICTION_POLICIES = ("lru", "arc", "prefix")
 # Secondary tier type -> its keys (besides `type`); the fs tier's come from the guide,
 # `locality`, `backpressure` and `module_path` from vLLM v0.32's tier factory. The other
 # types vLLM v0.32 registers are known by name only (their keys are not documented).

@@ -1,0 +1,155 @@
+"""Prefix-aware eviction: a chunk of KV is worth something only while its whole prefix is held.
+
+A page cache evicts pages; a KV cache evicts prefixes. Chunk i of a prompt is a hit only if
+chunks 0..i-1 are held too, so evicting a parent before its children wastes the children,
+and LRU does exactly that: a lookup reads a prompt's chunks first to last, leaving the first
+chunk of every cached prompt the least recently used. And on chat traffic most chunks are
+never read again (three in four on Mooncake's conversation trace: one-shot prompts, and the
+last turn of every conversation), while a chunk read once is read again far more often
+(42% after two uses, 58% after four, on the same trace). The rule:
+
+1. **Leaves only.** Only a chunk no held chunk extends (a leaf of the tree of held prefixes)
+   can be evicted: a conversation is cut back from its end, never from its start.
+2. **Among leaves, recency plus a bonus per doubling of uses**: a leaf's rank is the policy
+   operation of its last use plus `bonus_ops x log2(uses)`; the lowest rank leaves first,
+   the deeper chunk on a tie. A chunk evicted and offered again keeps its use count (a
+   bounded memory of the evicted, `remembered` keys), so a conversation's second turn gets
+   the bonus its first one could not earn. `bonus_ops` is the reuse horizon not already
+   covered by the tier's own turnover: `max(0, horizon_ops - capacity)`: a small tier needs it
+   to keep returning conversations through bursts of one-shot prompts; a tier as large as
+   the horizon keeps them by recency alone, and the rule falls back to LRU over leaves.
+
+Both need the chunk's parent: `insert(key, parent)` (a tier passes `ChunkMeta.parent`).
+A chunk whose parent is unknown or not in this policy is ranked as a root: its prefix may
+be held by another tier (the lookup walks a prefix across tiers) or pinned here (a pinned
+chunk is out of the policy). Deeper chunks cost more to recompute, but a deep
+chunk is only worth that while every chunk above it is held: the leaf rule is what keeps
+that value, and the depth breaks ties in favour of the parent.
+
+Cost: per put or hit O(log n) (a heap with stale entries skipped, rebuilt when mostly stale);
+memory per held chunk: its parent, rank, uses, depth and child count, plus the heap entry,
+and at most `remembered` counts of evicted chunks (`max(65536, 4 x capacity)`).
+A pinned or deleted parent (`remove`) leaves its children in place; they leave in their own
+rank order (the tier's lookup cannot reach them meanwhile).
+
+Primitives: `PrefixPolicy`, `HORIZON_OPS`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+K = TypeVar("K", bound=Hashable)
+
+# The reuse horizon, in policy operations (puts and hits of the tier): measured on Mooncake's
+# conversation trace (`kvtier simulate --trace`, docs/performance.md), where a conversation's
+# next turn comes back a median 147 s later (~12,000 operations) and 25,000-35,000 ranks best.
+HORIZON_OPS = 30_000
+MIN_REMEMBERED = 1 << 16  # counts of evicted chunks kept at least (AdmissionFilter's default)
+
+
+@dataclass(slots=True)
+class _Chunk(Generic[K]):
+    parent: K | None  # the held chunk it extends when inserted (None: a root)
+    depth: int  # chunks above it when inserted
+    uses: int  # inserts and hits, remembered across evictions
+    last_op: int  # the policy operation of its last use
+    children: int = 0  # held chunks that extend it: it is a leaf at 0
+    rank: float = 0.0  # its rank in the heap while a leaf
+
+
+class PrefixPolicy(Generic[K]):
+    """Evicts the leaf of lowest rank (module docstring). Not thread-safe: the tier locks."""
+
+    def __init__(self, capacity: int, horizon_ops: int = HORIZON_OPS) -> None:
+        """`capacity`: chunks the tier holds; `horizon_ops`: the reuse horizon (HORIZON_OPS)."""
+        self.bonus_ops = float(max(0, horizon_ops - capacity))
+        self._remembered = max(MIN_REMEMBERED, 4 * capacity)
+        self._chunks: dict[K, _Chunk[K]] = {}
+        self._leaves: list[tuple[float, int, int, K]] = []  # (rank, -depth, tiebreak, key)
+        self._evicted_uses: OrderedDict[K, int] = OrderedDict()
+        self._op = 0  # policy operations (inserts and hits): the clock of `last_op`
+        self._pushes = 0  # heap pushes: orders equal ranks and depths
+
+    def insert(self, key: K, parent: K | None = None) -> None:
+        """`key` became resident, extending `parent` (None: a root, or unknown)."""
+        chunk = self._chunks.get(key)
+        if chunk is not None:
+            self.touch(key)
+            return
+        self._op += 1
+        above = self._chunks.get(parent) if parent is not None else None
+        chunk = _Chunk(parent if above is not None else None,
+                       0 if above is None else above.depth + 1,
+                       self._evicted_uses.pop(key, 0) + 1, self._op)
+        self._chunks[key] = chunk
+        if above is not None:
+            above.children += 1  # no longer a leaf: its heap entry goes stale
+        self._push(key, chunk)
+
+    def touch(self, key: K) -> None:
+        """A resident key was read: one more use, now."""
+        chunk = self._chunks.get(key)
+        if chunk is None:
+            return
+        self._op += 1
+        chunk.uses += 1
+        chunk.last_op = self._op
+        if chunk.children == 0:
+            self._push(key, chunk)
+
+    def remove(self, key: K) -> None:
+        """`key` left for another reason than eviction (deleted, pinned, corrupt)."""
+        chunk = self._chunks.pop(key, None)
+        if chunk is not None:
+            self._forget(key, chunk)
+
+    def evict(self) -> K | None:
+        """The leaf of lowest rank, forgotten as resident; None when nothing is resident."""
+        while self._leaves:
+            rank, _, _, key = heapq.heappop(self._leaves)
+            chunk = self._chunks.get(key)
+            if chunk is None or chunk.children or chunk.rank != rank:
+                continue  # stale: evicted, extended or used since it was pushed
+            del self._chunks[key]
+            self._forget(key, chunk)
+            return key
+        return None
+
+    def _forget(self, key: K, chunk: _Chunk[K]) -> None:
+        """Remember its uses (bounded) and make its parent a leaf again if it was the last
+        child."""
+        self._evicted_uses[key] = chunk.uses
+        while len(self._evicted_uses) > self._remembered:
+            self._evicted_uses.popitem(last=False)
+        parent = chunk.parent
+        above = self._chunks.get(parent) if parent is not None else None
+        if parent is not None and above is not None:
+            above.children -= 1
+            if above.children == 0:
+                self._push(parent, above)
+
+    def _push(self, key: K, chunk: _Chunk[K]) -> None:
+        """(Re)rank a leaf; entries it had in the heap go stale."""
+        chunk.rank = chunk.last_op + self.bonus_ops * math.log2(chunk.uses)
+        self._pushes += 1
+        heapq.heappush(self._leaves, (chunk.rank, -chunk.depth, self._pushes, key))
+        if len(self._leaves) > 2 * len(self._chunks) + 64:
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        """Drop the stale entries: the heap stays within twice the residents."""
+        self._leaves = []
+        for key, chunk in self._chunks.items():
+            if chunk.children == 0:
+                self._pushes += 1
+                self._leaves.append((chunk.rank, -chunk.depth, self._pushes, key))
+        heapq.heapify(self._leaves)
+
+    def __len__(self) -> int:
+        return len(self._chunks)

@@ -1,0 +1,151 @@
+"""The prefix-aware eviction policy (kvtier.core.policies.prefix, issue 45): leaves of the tree
+of held prefixes leave first, ranked by recency plus a bonus per doubling of uses; a chunk's
+uses outlive its eviction, boundedly; any tier can take it by name."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+
+from kvtier.core.keys import ChunkKey
+from kvtier.core.layout import KVLayout
+from kvtier.core.policies import POLICIES, Generations, PrefixPolicy, make_policy
+from kvtier.core.policies.prefix import MIN_REMEMBERED
+from kvtier.core.retention import ChunkMeta
+from kvtier.tiers.memory import MemoryTier, MemoryTierConfig
+from kvtier.tiers.storeconfig import StoreConfig
+
+
+def _chain(policy: PrefixPolicy[str], name: str, length: int) -> list[str]:
+    """Insert a prompt of `length` chunks, first to last, each extending the one before."""
+    keys = [f"{name}{i}" for i in range(length)]
+    parent = None
+    for key in keys:
+        policy.insert(key, parent)
+        parent = key
+    return keys
+
+
+def test_a_chain_is_cut_back_from_its_end_even_when_its_start_was_read_last() -> None:
+    """A lookup reads a prompt's chunks first to last, so LRU would take the first chunk:
+    the prefix policy takes the last, and never a chunk another held chunk extends."""
+    policy: PrefixPolicy[str] = PrefixPolicy(capacity=10**6)
+    keys = _chain(policy, "a", 4)
+    for key in keys:
+        policy.touch(key)
+    policy.touch("a0")  # read last: LRU's most recent; still the last to go here
+    assert [policy.evict() for _ in range(4)] == ["a3", "a2", "a1", "a0"]
+    assert policy.evict() is None and len(policy) == 0
+
+
+def test_a_parent_is_never_evicted_while_a_child_is_held_under_random_traffic() -> None:
+    """Branching prompts (a shared system prompt, conversations, one-shot prompts) inserted
+    and read at random in a small tier: every victim is a leaf of what is held."""
+    rng = random.Random(45)
+    policy: PrefixPolicy[int] = PrefixPolicy(capacity=64, horizon_ops=500)
+    parent_of: dict[int, int | None] = {}
+    held: set[int] = set()
+    next_key = 0
+    for _ in range(3000):
+        chain: list[int] = []
+        parent: int | None = None
+        if held and rng.random() < 0.6:  # extend or re-read something held
+            tip = rng.choice(sorted(held))
+            node: int | None = tip
+            while node is not None:
+                chain.append(node)
+                node = parent_of[node]
+            chain.reverse()
+            for key in chain:
+                policy.touch(key)
+            parent = tip
+        for _ in range(rng.randint(1, 4)):
+            key, next_key = next_key, next_key + 1
+            if len(held) >= 64:
+                victim = policy.evict()
+                assert victim is not None  # it may be `parent`: a leaf until extended
+                assert all(parent_of[k] != victim for k in held), "evicted a parent"
+                held.discard(victim)
+            if parent is not None and parent not in held:
+                parent = None  # its prefix left meanwhile: it starts a new chain
+            parent_of[key] = parent
+            policy.insert(key, parent)
+            held.add(key)
+            parent = key
+        assert len(policy) == len(held)
+
+
+def test_a_chunk_read_more_often_outlives_a_more_recent_one_within_the_bonus() -> None:
+    """Two one-chunk prompts: the older one read three times ranks above the newer one read
+    once, for as long as the bonus lasts; with no bonus (a tier as large as the horizon),
+    plain recency decides."""
+    small: PrefixPolicy[str] = PrefixPolicy(capacity=10, horizon_ops=1000)
+    small.insert("hot")
+    for _ in range(3):
+        small.touch("hot")
+    small.insert("new")
+    assert small.evict() == "new"
+    large: PrefixPolicy[str] = PrefixPolicy(capacity=1000, horizon_ops=1000)
+    assert large.bonus_ops == 0
+    large.insert("hot")
+    for _ in range(3):
+        large.touch("hot")
+    large.insert("new")
+    assert large.evict() == "hot"
+
+
+def test_an_evicted_chunk_offered_again_keeps_its_uses_and_the_memory_is_bounded() -> None:
+    policy: PrefixPolicy[str] = PrefixPolicy(capacity=4, horizon_ops=1000)
+    policy.insert("turn")
+    assert policy.evict() == "turn"
+    policy.insert("turn")  # the conversation's next turn stores it again: its 2nd use
+    policy.insert("other")
+    assert policy.evict() == "other"
+    for i in range(MIN_REMEMBERED + 10):  # a flood of one-shot chunks
+        policy.insert(i)  # type: ignore[arg-type]
+        policy.evict()
+    assert len(policy._evicted_uses) == MIN_REMEMBERED
+
+
+def test_remove_of_a_parent_frees_its_last_child_to_rank_alone() -> None:
+    """A deleted (or pinned) chunk leaves the policy; its parent becomes a leaf again."""
+    policy: PrefixPolicy[str] = PrefixPolicy(capacity=10**6)
+    _chain(policy, "c", 3)
+    policy.remove("c2")
+    policy.remove("c1")
+    assert len(policy) == 1 and policy.evict() == "c0"
+
+
+def test_the_heap_stays_bounded_under_many_reads() -> None:
+    policy: PrefixPolicy[str] = PrefixPolicy(capacity=10**6)
+    _chain(policy, "d", 8)
+    for _ in range(10_000):
+        policy.touch("d7")
+    assert len(policy._leaves) <= 2 * len(policy) + 64
+
+
+def test_any_tier_can_take_it_by_name_and_a_memory_tier_passes_parents() -> None:
+    """`eviction: prefix` in a tier's config; the memory tier hands it ChunkMeta.parent, so a
+    full tier evicts the end of a prompt, not its start."""
+    assert "prefix" in POLICIES
+    assert isinstance(make_policy("prefix", 8), Generations)
+    config = StoreConfig.parse({"tiers": [{"kind": "memory", "capacity": "1MiB",
+                                           "eviction": "prefix"}]})
+    assert config.tiers[0].eviction == "prefix"
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_size=8, dtype="float16",
+                      tokens_per_chunk=16)  # 512 B a chunk, in a 4 KiB slot
+    tier = MemoryTier(MemoryTierConfig(kind="memory", capacity=3 * 4096, eviction="prefix",
+                                       prefault=False), layout)
+    assert tier.num_slots == 3
+    data = memoryview(np.zeros(layout.bytes_per_chunk, dtype=np.uint8))
+    keys = [ChunkKey(bytes([i]) * 16) for i in range(4)]
+    parent = None
+    for key in keys[:3]:
+        assert tier.put(key, data, ChunkMeta(parent=parent)).ok
+        parent = key
+    for key in keys[:3]:  # a lookup reads them first to last
+        with tier.borrow(key) as view:
+            assert view is not None
+    assert tier.put(keys[3], data, ChunkMeta()).ok  # a new prompt: one chunk must go
+    assert [tier.contains(k) for k in keys] == [True, True, False, True]
