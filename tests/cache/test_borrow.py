@@ -1,5 +1,5 @@
 """Moving a chunk without copying it: `MemoryTier.borrow` / `reserve` and the store's
-`borrow` / `put_from`.
+`borrow` / `lend_as_landed` / `put_from`.
 
 The vLLM worker scatters a loaded chunk straight from the memory tier's slab into the paged
 KV (issue 3, "data path speed"), so a borrowed slot must stay intact while it is read, even
@@ -19,8 +19,8 @@ import pytest
 from tierkit import footprint_bytes, key, tier_settings, tiny_layout
 
 from kvtier.core.keys import ChunkKey
-from kvtier.core.loans import Loans
-from kvtier.core.store import TieredStore
+from kvtier.core.loans import Lending
+from kvtier.core.store import ChunkView, TieredStore
 from kvtier.core.tier import FULL, OK, Failure, InPlace, TierResult
 from kvtier.tiers import open_store
 from kvtier.tiers.memory import MemoryTier, MemoryTierConfig
@@ -124,24 +124,38 @@ def test_the_store_lends_memory_in_place_and_disk_through_the_spare(
     store.close()
 
 
-def test_a_batch_lends_memory_in_place_reads_disk_in_parallel_and_marks_misses(
+def lent_tiers(lending: Lending[ChunkView]) -> list[tuple[int, str]]:
+    """(index, tier) of each chunk in the order lent, each released once lent."""
+    lent = []
+    for loan in lending:
+        with loan:
+            lent.append((loan.index, loan.view.tier))
+    return lent
+
+
+def test_a_lending_lends_memory_in_place_reads_disk_in_parallel_and_stops_at_a_miss(
         two_tier_store: TieredStore) -> None:
     store = two_tier_store
-    spares = [memoryview(bytearray(LAYOUT.bytes_per_chunk)) for _ in range(3)]
+    spares = [memoryview(bytearray(LAYOUT.bytes_per_chunk)) for _ in range(4)]
     store.put(key(0), memoryview(payload(0)))
     store.put(key(1), memoryview(payload(1)))  # memory holds one chunk: key 0 is on disk only
+    store.put(key(2), memoryview(payload(2)))  # and now key 1
+    store.put(key(1), memoryview(payload(1)))  # key 1 in memory, keys 0 and 2 on disk
     assert store.flush(timeout_s=5)
-    with store.borrow_many([key(1), key(0), key(5)], spares) as lent:
+    with store.lend_as_landed([key(1), key(0), key(5), key(2)], spares, in_order=True) as lending:
+        loans = list(lending)  # all held: memory's one slot stays lent
         # Memory's one slot is lent (pinned), so it has none to reserve for key 0: the
-        # disk read goes to the spare.
-        assert [v.tier if v else None for v in lent] == ["memory", "disk", None]
-        assert lent[0] is not None and bytes(lent[0].data) == payload(1)
-        assert lent[1] is not None and bytes(lent[1].data) == payload(0) == bytes(spares[1])
-        assert bytes(spares[0]) != payload(1)  # lent in place, not copied
+        # disk read goes to the spare. Key 2, past the miss, is never lent.
+        assert [(loan.index, loan.view.tier, loan.in_place) for loan in loans] == [
+            (0, "memory", True), (1, "disk", False)]
+        assert bytes(loans[0].view.data) == payload(1) and bytes(spares[0]) != payload(1)
+        assert bytes(loans[1].view.data) == payload(0)
+        assert payload(0) in [bytes(spare) for spare in spares]
+        assert (lending.stopped_at, lending.failed_tier) == (2, None)  # absent: no tier's fault
     store.close()
 
 
-def test_a_batch_names_the_tier_that_failed_a_read_not_one_that_lacked_the_chunk(
+def test_a_lending_names_the_tier_that_failed_a_read_not_one_that_lacked_the_chunk(
         two_tier_store: TieredStore, monkeypatch: pytest.MonkeyPatch) -> None:
     """What a failed load's time is charged to (loadcost.py): a tier that failed the read
     (erred, down, or late). A chunk absent or damaged says nothing of its tier's speed."""
@@ -154,18 +168,21 @@ def test_a_batch_names_the_tier_that_failed_a_read_not_one_that_lacked_the_chunk
     read = disk.get_into
     faults = {key(1): TierResult(Failure.IO_ERROR), key(2): TierResult(Failure.CORRUPT)}
     monkeypatch.setattr(disk, "get_into", lambda k, *a: faults[k] if k in faults else read(k, *a))
-    tried: dict[int, str] = {}
-    with store.borrow_many([key(0), key(1), key(2), key(5)], spares, tried=tried) as lent:
-        assert [v.tier if v else None for v in lent] == ["disk", None, None, None]
-    assert tried == {1: "disk"}
+    for keys, lent, failed in [([0, 1, 2], [(0, "disk")], ("disk", 1)),
+                               ([2, 1], [], (None, 0)),  # corrupt
+                               ([5], [], (None, 0))]:  # absent
+        with store.lend_as_landed([key(i) for i in keys], spares) as lending:
+            assert lent_tiers(lending) == lent
+            assert (lending.failed_tier, lending.stopped_at) == failed
     store.close()
 
 
-def test_a_batch_lends_each_chunk_as_its_read_lands_and_waits_for_the_rest_on_exit(
+def test_a_lending_lends_the_first_landed_first_and_waits_for_the_rest_on_exit(
         two_tier_store: TieredStore, monkeypatch: pytest.MonkeyPatch) -> None:
     """The CPU mover scatters chunk i while later chunks are still being read (issue 26: a
-    disk hit's copy overlaps its reads); reads the borrower never took are finished before
-    the borrow ends (they may write into the caller's spares)."""
+    disk hit's copy overlaps its reads), whichever lands first (a late read holds up no
+    other); reads the borrower never took are finished before the lending ends (they may
+    write into the caller's spares)."""
     store = two_tier_store
     spares = [memoryview(bytearray(LAYOUT.bytes_per_chunk)) for _ in range(3)]
     for i in range(4):
@@ -184,23 +201,22 @@ def test_a_batch_lends_each_chunk_as_its_read_lands_and_waits_for_the_rest_on_ex
         return result
 
     monkeypatch.setattr(disk, "get_into", gated_read)
-    with store.borrow_many([key(0), key(1), key(2)], spares) as lent:
-        first = lent[0]
-        assert first is not None and bytes(first.data) == payload(0)
+    with store.lend_as_landed([key(0), key(1), key(2)], spares) as lending:
+        first = next(lending)
+        assert first.index == 0 and bytes(first.view.data) == payload(0)
         assert landed == [0]  # chunks 1 and 2 are still being read
-        gates[key(1)].set()
-        second = lent[1]
-        assert second is not None and bytes(second.data) == payload(1)
-        threading.Timer(0.2, gates[key(2)].set).start()
-    assert sorted(landed) == [0, 1, 2]  # chunk 2, never asked for, landed before the exit
+        gates[key(2)].set()
+        second = next(lending)  # chunk 2 landed first: lent before chunk 1
+        assert second.index == 2 and bytes(second.view.data) == payload(2)
+        threading.Timer(0.2, gates[key(1)].set).start()
+    assert sorted(landed) == [0, 1, 2]  # chunk 1, never asked for, landed before the exit
     store.close()
 
 
-
-def test_wait_any_returns_when_the_first_of_several_batches_has_landed(
+def test_a_lending_in_order_waits_for_each_chunk_in_turn(
         two_tier_store: TieredStore, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A borrower with several batches open takes whichever landed first (the CPU mover's
-    loads): `landed` says so without waiting, `Loans.wait_any` waits for the first."""
+    """Models with state layers take their chunks in key order: chunk 1, landed first, waits
+    for chunk 0."""
     store = two_tier_store
     spares = [memoryview(bytearray(LAYOUT.bytes_per_chunk)) for _ in range(2)]
     for i in range(3):
@@ -216,16 +232,56 @@ def test_wait_any_returns_when_the_first_of_several_batches_has_landed(
         return read(k, *args)
 
     monkeypatch.setattr(disk, "get_into", gated_read)
-    with store.borrow_many([key(0)], spares[:1]) as slow, \
-            store.borrow_many([key(1)], spares[1:]) as fast:
-        Loans.wait_any([slow, fast])
-        assert fast.landed() and not slow.landed()
-        assert fast[0] is not None and bytes(fast[0].data) == payload(1)
-        gate.set()
-        Loans.wait_any([slow])
-        assert slow.landed()
-        assert slow[0] is not None and bytes(slow[0].data) == payload(0)
+    threading.Timer(0.2, gate.set).start()
+    with store.lend_as_landed([key(0), key(1)], spares, in_order=True) as lending:
+        assert lent_tiers(lending) == [(0, "disk"), (1, "disk")]
     store.close()
+
+
+class Reached:
+    """A `Completion` (a device's event) reached when the test says so."""
+
+    def __init__(self) -> None:
+        self.reached = threading.Event()
+        self.waited = False
+
+    def query(self) -> bool:
+        return self.reached.is_set()
+
+    def synchronize(self) -> None:
+        self.waited = True
+        assert self.reached.wait(3)
+
+
+def test_a_loan_keeps_its_spare_until_released_and_one_in_place_keeps_none(
+        tmp_path: Path) -> None:
+    """The borrower decides how long a chunk stays lent (the device mover: until its copy is
+    done). A chunk read into a spare keeps it: with one spare, the next read waits for the
+    loan released after an event, and a borrower that keeps every spare is told so. Chunks
+    lent in place (RAM) keep no spare: any number may stay lent."""
+    tiers = [tier_settings("memory", tmp_path, LAYOUT, 4),
+             tier_settings("disk", tmp_path, LAYOUT, 8, o_direct="off")]
+    store = open_store(StoreConfig.parse({"tiers": tiers}), LAYOUT)
+    for i in range(6):
+        store.put(key(i), memoryview(payload(i)))  # keys 0 and 1 on disk only
+    assert store.flush(timeout_s=5)
+    spare = [memoryview(bytearray(LAYOUT.bytes_per_chunk))]
+    with store.lend_as_landed([key(i) for i in range(2, 6)], spare, in_order=True) as lending:
+        loans = list(lending)  # none released
+        assert [(loan.index, loan.in_place) for loan in loans] == [(i, True) for i in range(4)]
+        assert [bytes(loan.view.data) for loan in loans] == [payload(i) for i in range(2, 6)]
+    with store.lend_as_landed([key(0), key(1)], spare, in_order=True) as lending:
+        first = next(lending)
+        assert not first.in_place
+        with pytest.raises(RuntimeError, match="lent"):
+            next(lending)  # the only spare is lent, and not after an event
+        copied = Reached()
+        first.release_after(copied)
+        threading.Timer(0.1, copied.reached.set).start()
+        second = next(lending)
+        assert copied.waited and second.index == 1 and bytes(second.view.data) == payload(1)
+    store.close()
+
 
 class Boom(Exception):
     pass
@@ -360,9 +416,9 @@ def test_puts_kept_open_together_store_each_chunk_once_filled(tmp_path: Path) ->
     store.close()
 
 
-def test_batches_on_many_threads_read_disk_into_reserved_slots_without_mixing_chunks(
+def test_lendings_on_many_threads_read_disk_into_reserved_slots_without_mixing_chunks(
         tmp_path: Path) -> None:
-    """Four threads borrow batches of disk-held chunks while a writer keeps evicting: every
+    """Four threads borrow runs of disk-held chunks while a writer keeps evicting: every
     view holds its own chunk's bytes for as long as it is lent, whether it landed in a
     reserved memory slot or, when none was free, in the spare."""
     tiers = [tier_settings("memory", tmp_path, LAYOUT, 4),
@@ -377,10 +433,13 @@ def test_batches_on_many_threads_read_disk_into_reserved_slots_without_mixing_ch
         spares = [memoryview(bytearray(LAYOUT.bytes_per_chunk)) for _ in range(3)]
         for n in range(60):
             ids = [(seed * 7 + n * 3 + j) % 24 for j in range(3)]
-            with store.borrow_many([key(i) for i in ids], spares) as lent:
-                for i, view in zip(ids, lent):
-                    if view is None or bytes(view.data) != payload(i):
-                        errors.append(f"chunk {i}: {view.tier if view else 'missing'}")
+            with store.lend_as_landed([key(i) for i in ids], spares) as lending:
+                loans = list(lending)  # each kept until the lending ends
+                if len(loans) != len(ids):
+                    errors.append(f"chunk {ids[lending.stopped_at]}: missing")
+                for loan in loans:
+                    if bytes(loan.view.data) != payload(ids[loan.index]):
+                        errors.append(f"chunk {ids[loan.index]}: {loan.view.tier}")
 
     def writer() -> None:
         for n in range(200):

@@ -99,9 +99,9 @@ def test_a_store_opened_on_a_bound_thread_reads_and_writes_behind_on_its_io_core
             assert store.flush(10)
             store.tiers[0].delete(key(1))  # only on disk now: a read thread reads it
             spares = [memoryview(bytearray(layout.bytes_per_chunk))]
-            with store.borrow_many([key(1)], spares) as views:
-                assert views[0] is not None and views[0].tier == "disk"
-                assert bytes(views[0].data) == bytes(data)
+            with store.lend_as_landed([key(1)], spares) as lending:
+                assert [(loan.view.tier, bytes(loan.view.data)) for loan in lending] == [
+                    ("disk", bytes(data))]
             return {t.name: frozenset(os.sched_getaffinity(t.native_id or 0))
                     for t in threading.enumerate() if t.name.startswith("kvtier-")}
     placed = bound_to(frozenset({min(CORES)}), use_store)

@@ -58,7 +58,7 @@ class MoverRig:
             {"kind": "memory", "capacity": ram_chunks * slot_bytes, "pin": "off"},
             {"kind": "disk", "path": str(tmp / "disk"), "capacity": "64MiB"}]}), layout)
         self.device = device
-        self.mover = StreamChunkMover(paged, self.store, self.chunk_bytes, load_batch=4,
+        self.mover = StreamChunkMover(paged, self.store, self.chunk_bytes,
                                       note_state=note_state, device=device, staging=2)
         self.spares = spare_buffers(4, self.chunk_bytes, device.pinned)
 

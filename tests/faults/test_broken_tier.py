@@ -123,8 +123,9 @@ def test_a_broken_top_tier_does_not_stop_puts_or_gets(
         assert store.get_into(key(1), memoryview(out)) == "disk"
         assert bytes(out) == payload(1, layout)
         spares = [memoryview(out), memoryview(bytearray(layout.bytes_per_chunk))]
-        with store.borrow_many([key(1), key(2)], spares) as views:
-            assert [view and view.tier for view in views] == ["disk", None]
+        with store.lend_as_landed([key(1), key(2)], spares) as lending:
+            assert [loan.view.tier for loan in lending] == ["disk"]
+            assert lending.stopped_at == 1
         assert str(error) in caplog.text
         stats = store.stats()
         assert stats.tiers[0].name == "memory"

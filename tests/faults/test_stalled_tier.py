@@ -13,7 +13,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack
 
 import pytest
 from tierkit import key, make_tier, tiny_layout
@@ -85,8 +84,8 @@ def test_a_read_that_hangs_is_a_timely_miss_and_the_tier_is_then_skipped(
     given = buffers[0]
     hanging.hang.set()
     start = time.monotonic()
-    with store.borrow_many([key(1)], buffers) as views:
-        assert views == [None]
+    with store.lend_as_landed([key(1)], buffers) as lending:
+        assert list(lending) == [] and lending.failed_tier == "nfs"
     assert time.monotonic() - start < TIMEOUT_S + 0.2
     # The stuck read may still write into the spare it was given: the caller gets a new one.
     assert buffers[0] is not given and len(buffers[0]) == CHUNK
@@ -94,8 +93,8 @@ def test_a_read_that_hangs_is_a_timely_miss_and_the_tier_is_then_skipped(
     # Skipped at once while stalled: reads, lookups and write-behind.
     calls = hanging.calls
     start = time.monotonic()
-    with store.borrow_many([key(1)], buffers) as views:
-        assert views == [None]
+    with store.lend_as_landed([key(1)], buffers) as lending:
+        assert list(lending) == []
     assert not store.contains(key(1))
     assert store.put(key(2), memoryview(b"\x02" * CHUNK))  # RAM stores it
     assert time.monotonic() - start < 0.1
@@ -106,15 +105,15 @@ def test_a_stalled_tier_is_used_again_once_it_answers(hanging: HangingTier) -> N
     store = TieredStore([example("ram"), hanging], StoreSettings(read_timeout_s=TIMEOUT_S))
     hanging.put(key(1), memoryview(b"\x01" * CHUNK))
     hanging.hang.set()
-    with store.borrow_many([key(1)], spares(1)) as views:
-        assert views == [None]
+    with store.lend_as_landed([key(1)], spares(1)) as lending:
+        assert list(lending) == []
     hanging.hang.clear()
     hanging.release.set()  # the stuck read returns: the tier answers again
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
-        with store.borrow_many([key(1)], spares(1)) as views:
-            if views[0] is not None:
-                assert bytes(views[0].data) == b"\x01" * CHUNK
+        with store.lend_as_landed([key(1)], spares(1)) as lending:
+            for loan in lending:
+                assert bytes(loan.view.data) == b"\x01" * CHUNK
                 return
         time.sleep(0.05)
     raise AssertionError("the tier was never used again")
@@ -122,25 +121,23 @@ def test_a_stalled_tier_is_used_again_once_it_answers(hanging: HangingTier) -> N
 
 def test_the_late_reads_of_one_stall_back_the_tier_off_once(
         hanging: HangingTier, caplog: pytest.LogCaptureFixture) -> None:
-    """Four chunks borrowed one by one (as the CPU mover's loads do) all run late: one stall,
+    """Four chunks of one load, each read a call of its own, all run late: one stall,
     warned once, backed off once (1 s). Each late read counted as a stall of its own doubled
     the backoff four times over (8 s) and skipped the tier long after it answered again."""
     store = TieredStore([example("ram"), hanging], StoreSettings(read_timeout_s=TIMEOUT_S))
     for i in range(4):
         hanging.put(key(i), memoryview(bytes([i]) * CHUNK))
     hanging.hang.set()
-    with ExitStack() as borrows:
-        loans = [borrows.enter_context(store.borrow_many([key(i)], spares(1)))
-                 for i in range(4)]
-        assert [lent[0] for lent in loans] == [None] * 4
+    with store.lend_as_landed([key(i) for i in range(4)], spares(4)) as lending:
+        assert list(lending) == [] and lending.stopped_at == 0
     stalled_at = time.monotonic()
     assert store.stats().failures["nfs"]["timeout"] == 4
     assert sum("reads took over" in r.getMessage() for r in caplog.records) == 1
     hanging.hang.clear()
     hanging.release.set()
     while time.monotonic() - stalled_at < 2.0:  # the first backoff, 1 s, and some
-        with store.borrow_many([key(1)], spares(1)) as views:
-            if views[0] is not None:
+        with store.lend_as_landed([key(1)], spares(1)) as lending:
+            if list(lending):
                 return
         time.sleep(0.05)
     raise AssertionError("the tier was still skipped 2 s after one stall")
@@ -151,16 +148,16 @@ def test_a_late_read_into_a_reserved_ram_slot_releases_it(tmp_path: object,
     store = TieredStore([ram, hanging], StoreSettings(read_timeout_s=TIMEOUT_S))
     hanging.put(key(1), memoryview(b"\x07" * CHUNK))
     hanging.hang.set()
-    with store.borrow_many([key(1)], spares(1)) as views:
-        assert views == [None]  # abandoned while reading into a reserved RAM slot
+    with store.lend_as_landed([key(1)], spares(1)) as lending:
+        assert list(lending) == []  # abandoned while reading into a reserved RAM slot
     hanging.release.set()
     # The late read fills its slot (the promotion) and releases it: RAM serves the chunk,
     # and both slots can still be filled (none is pinned for ever).
     deadline = time.monotonic() + 5
     while not ram.contains(key(1)) and time.monotonic() < deadline:
         time.sleep(0.02)
-    with store.borrow_many([key(1)], spares(1)) as views:
-        assert views[0] is not None and views[0].tier == ram.name
+    with store.lend_as_landed([key(1)], spares(1)) as lending:
+        assert [loan.view.tier for loan in lending] == [ram.name]
     assert store.put(key(2), memoryview(b"\x02" * CHUNK))
     assert store.put(key(3), memoryview(b"\x03" * CHUNK))
 

@@ -66,7 +66,7 @@ class Rig:
         self.store: TieredStore = open_store(StoreConfig.parse({"tiers": [
             {"kind": "memory", "capacity": ram_chunks * slot_bytes, "pin": backend.pin},
             {"kind": "disk", "path": str(tmp / "disk"), "capacity": "64MiB"}]}), layout)
-        self.mover = StreamChunkMover(self.paged, self.store, self.chunk_bytes, load_batch=4,
+        self.mover = StreamChunkMover(self.paged, self.store, self.chunk_bytes,
                                       note_state=lambda _k, _s: None,
                                       device=backend.device, staging=2)
         self.spares = spare_buffers(4, self.chunk_bytes, backend.device.pinned)
@@ -219,7 +219,7 @@ def test_states_ride_with_their_chunks_bit_exact(backend: Backend, tmp_path: Pat
         {"kind": "memory", "capacity": 16 * slot_bytes, "pin": backend.pin}]}),
         paged.layout(BS * BPC))
     notes: list[tuple[Any, bool]] = []
-    mover = StreamChunkMover(paged, store, chunk_bytes, load_batch=4,
+    mover = StreamChunkMover(paged, store, chunk_bytes,
                              note_state=lambda k, s: notes.append((k, s)),
                              device=backend.device, staging=2)
     try:

@@ -44,10 +44,11 @@ def test_a_remote_chunk_is_read_in_one_round_trip_and_a_vanished_one_is_a_counte
         client.config_resetstat()
 
         spares = [memoryview(bytearray(LAYOUT.bytes_per_chunk)) for _ in range(4)]
-        with store.borrow_many([key(i) for i in range(4)], spares) as views:
-            assert [v.tier if v else None for v in views] == ["redis", None, "redis", "memory"]
-            assert views[0] and bytes(views[0].data) == payload(0)
-            assert views[2] and bytes(views[2].data) == payload(2)
+        with store.lend_as_landed([key(0), key(2), key(3)], spares, in_order=True) as lending:
+            assert [(loan.view.tier, bytes(loan.view.data)) for loan in lending] == [
+                ("redis", payload(0)), ("redis", payload(2)), ("memory", payload(3))]
+        with store.lend_as_landed([key(1)], spares) as lending:
+            assert list(lending) == [] and lending.failed_tier is None  # absent: no fault
         # One MGET per chunk read from redis (0, 1 and 2), no lookup before it.
         assert calls(client, "mget") == 3
         assert calls(client, "exists") == 0

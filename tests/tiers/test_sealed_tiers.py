@@ -166,11 +166,11 @@ def test_a_store_read_carries_the_tenant_and_a_keyless_read_deletes_nothing(
     top = make_tier("memory", tmp_path, LAYOUT, 4)
     store = TieredStore([top, sealed_tier(kind, tmp_path)])
     spare = memoryview(bytearray(LAYOUT.bytes_per_chunk))
-    with store.borrow_many([key(8)], [spare]) as views:
-        assert views == [None]
+    with store.lend_as_landed([key(8)], [spare]) as lending:
+        assert list(lending) == []
     assert store.stats().failures[store.tiers[1].name] == {"no_key": 1}
     assert store.contains(key(8))  # kept
-    with store.borrow_many([key(8)], [spare], [A]) as views:
-        assert views[0] is not None and bytes(views[0].data) == payload(8)
+    with store.lend_as_landed([key(8)], [spare], [A]) as lending:
+        assert [bytes(loan.view.data) for loan in lending] == [payload(8)]
     assert top.contains(key(8))  # promoted
     store.close()

@@ -1,124 +1,308 @@
-"""What `TieredStore.borrow_many` lends: a batch's chunks, each as soon as its read lands.
+"""What `TieredStore.lend_as_landed` lends: a run of chunks, each as soon as its read lands.
 
-`loans[i]` is chunk i's view (None: a miss), waiting for its read if it is still running,
-at most until the batch's deadline; a read past it is abandoned (`abandon`: counted, its
-spare replaced) and its tier reported stalled, once per tier. Iterating lends the chunks in
-key order, each as it lands, so a caller copies chunk i while the later ones are still
-being read: a batch of reads and its copies overlap instead of running one after the other.
-Reads the caller never asked for are waited for (to the same deadline) when the borrow ends.
-`landed` says whether taking a view would wait; `Loans.wait_any` waits for the first of
-several batches to land (a borrower with several batches open takes whichever is ready).
+A `Lending` starts the chunks in key order, as many ahead of its borrower as it has spare
+buffers: a chunk an `InPlace` tier holds is lent where it lies at once (its spare is free
+again as soon as it is lent), any other is read on the store's read threads into a spare,
+which it keeps until its loan is released. Iterating yields each chunk's `Loan` as soon as
+its read has landed, the first landed first (a late read holds up no other), or in key
+order (`in_order`: a model with state layers writes each chunk's state into the request's
+state blocks, and none may be written past a miss). It stops at the first miss: no chunk
+after it is started any more, nor lent once the miss is known; every chunk before it is lent
+first. `stopped_at` and `failed_tier` then say where it stopped and which tier failed that
+read (what a failed load's time is charged to).
 
-Primitives: `Loans`.
+Each read may take the store's read deadline from its start; a read past it is abandoned (a
+miss, charged to the tier it waits on, which is reported late) and its spare replaced in the
+caller's list by a new buffer, since the read may still write into the old one; it pins
+nothing once it ends (`Hold`). Reads nobody took are waited for (to their deadlines) when the
+lending ends: none may outlive it with a spare of the caller's.
+
+The borrower decides how long each chunk stays lent: `release` now (a host copy done), or
+`release_after` an event (a device copy queued: the lending releases it once the event is
+reached, and waits for the oldest when it needs the spare back). Leaving the lending releases
+every loan still out.
+
+Primitives: `Lending`, `Loan`, `Hold`, `Completion`.
 """
 
 from __future__ import annotations
 
+import mmap
+import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
+from collections import deque
+from collections.abc import Callable, MutableSequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Generic, TypeVar, overload
+from contextlib import AbstractContextManager, ExitStack
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
+T = TypeVar("T")
 V = TypeVar("V")
 
 
-class Loans(Sequence["V | None"], Generic[V]):
-    """A batch's views in key order, each lent once its read has landed (one thread: the
-    borrower's)."""
+class Completion(Protocol):
+    """Something a loan may be released after (a device's event)."""
 
-    def __init__(self, views: list[V | None], reads: dict[int, Future[V | None]],
-                 timeout_s: float, *, reading: MutableMapping[int, str],
-                 abandon: Callable[[int], str | None], stalled: Callable[[str], None],
-                 tried: MutableMapping[int, str] | None = None) -> None:
+    def query(self) -> bool:
+        """Whether it is reached (no wait)."""
+        ...
+
+    def synchronize(self) -> None:
+        """Wait until it is reached."""
+        ...
+
+
+class Hold:
+    """What one lent chunk keeps until it is released (an `InPlace` tier's pin, a slot the
+    top tier reserved for its read), entered from the borrower's thread or a read thread;
+    and the tier its read waits on. A read that finishes after the hold was released (its
+    lending gave up waiting) pins nothing: what it enters is exited at once."""
+
+    def __init__(self) -> None:
+        self._stack = ExitStack()
+        self._lock = threading.Lock()
+        self._closed = False
+        # The tier the read waits on while it runs (a late read is charged to it); after a
+        # miss, the tier that failed it, if one did (written by the read).
+        self.tier: str | None = None
+
+    def enter_context(self, cm: AbstractContextManager[T]) -> T | None:
+        """`cm` entered and kept until `close`; None (and `cm` exited) once closed."""
+        with self._lock:
+            if not self._closed:
+                return self._stack.enter_context(cm)
+        with cm:
+            return None
+
+    def close(self) -> None:
+        """Exit everything kept (once)."""
+        with self._lock:
+            self._closed = True
+        self._stack.close()
+
+
+class Loan(Generic[V]):
+    """Chunk `index` of a `Lending`, lent until released (or until the lending ends); a
+    context manager that releases it on exit."""
+
+    __slots__ = ("_hold", "_lending", "_slot", "in_place", "index", "view")
+
+    def __init__(self, index: int, view: V, hold: Hold, slot: int | None,
+                 lending: Lending[V]) -> None:
+        self.index = index  # the chunk's position in the keys lent
+        self.view = view
+        # Lent where it lies by an `InPlace` tier (else read into a spare or a reserved slot)
+        self.in_place = slot is None
+        self._hold = hold
+        self._slot = slot  # the spare it keeps (None: it keeps none)
+        self._lending: Lending[V] | None = lending
+
+    def release(self) -> None:
+        """End the loan now: its view must not be used any more. Idempotent."""
+        lending, self._lending = self._lending, None
+        if lending is not None:
+            lending._release(self._hold, self._slot)
+
+    def release_after(self, done: Completion) -> None:
+        """End the loan once `done` is reached (a copy of the view queued on a device)."""
+        if self._lending is not None:
+            self._lending._deferred.append((done, self))
+
+    def __enter__(self) -> Loan[V]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+@dataclass(slots=True)
+class _Started(Generic[V]):
+    """A chunk started and not yet lent: lent in place (`view`), or being read."""
+
+    hold: Hold
+    slot: int  # its spare
+    view: V | None = None
+    read: Future[V | None] | None = None
+    deadline: float = 0.0  # when its read is abandoned
+    failed: str | None = None  # after a miss: the tier that failed it, if one did
+
+
+class Lending(Generic[V]):
+    """An iterator of `Loan`s in the order their reads land (see the module docstring), and a
+    context manager that ends every loan. One thread: the borrower's."""
+
+    def __init__(self, count: int, spares: MutableSequence[memoryview], *, in_order: bool,
+                 lend: Callable[[int, Hold], V | None],
+                 read: Callable[[int, Hold, memoryview], Future[V | None]],
+                 timeout_s: float, late: Callable[[str], None]) -> None:
         """Args:
-            views: one per key: those lent at once, None where `reads` has a read running.
-            reads: key index -> its read (returns the view or None).
-            timeout_s: how long from now the reads may take, all together.
-            reading: key index -> the tier its read waits on, or that failed it (kept by
-                the reads themselves).
-            abandon: gives up key i's late read (counts it, replaces its spare); the tier
-                it was waiting on, if it had started.
-            stalled: told, once per tier, that a tier let a read run past the deadline.
-            tried: filled, for each key whose read failed because a tier did, with that tier.
+            count: chunks to lend (0 .. count-1).
+            spares: the caller's chunk buffers, one per read in flight; one an abandoned read
+                may still write into is replaced by a new buffer.
+            in_order: lend in key order (else the first landed first).
+            lend: chunk i lent where it lies, kept on the hold; None when no tier lends it.
+            read: starts chunk i's read into a spare (the view, or None on a miss; the read
+                names its tier on the hold).
+            timeout_s: how long each read may take from its start.
+            late: told the tier an abandoned read was waiting on.
+
+        Raises:
+            ValueError: no spare buffer.
         """
-        self._views = views
-        self._reads = reads
-        self._deadline = time.monotonic() + timeout_s
-        self._reading = reading
-        self._abandon = abandon
-        self._stalled = stalled
-        self._late: set[str] = set()
-        self._tried = tried
+        if not spares:
+            raise ValueError("a lending needs at least one spare buffer")
+        self._spares = spares
+        self._in_order = in_order
+        self._lend = lend
+        self._read = read
+        self._timeout_s = timeout_s
+        self._late = late
+        self._free = list(range(len(spares)))[::-1]  # spares no chunk holds
+        self._next = 0  # the next chunk to start
+        self._started: dict[int, _Started[V]] = {}
+        self._out: dict[Hold, int | None] = {}  # loans not yet released: hold -> spare
+        self._deferred: deque[tuple[Completion, Loan[V]]] = deque()  # release_after, oldest first
+        self._closed = False
+        self.stopped_at = count  # the first chunk not lent (a miss); count: none
+        self.failed_tier: str | None = None  # the tier that failed the read at `stopped_at`
 
-    def __len__(self) -> int:
-        return len(self._views)
+    def __iter__(self) -> Lending[V]:
+        return self
 
-    @overload
-    def __getitem__(self, i: int) -> V | None: ...
+    def __next__(self) -> Loan[V]:
+        """The next chunk landed. Waits for a read at most until its deadline, and, when the
+        borrower holds every spare, for the oldest `release_after` loan.
 
-    @overload
-    def __getitem__(self, i: slice) -> list[V | None]: ...
+        Raises:
+            StopIteration: every chunk up to `stopped_at` was lent.
+            RuntimeError: the borrower holds every spare and none is released after an event.
+        """
+        while not self._closed:
+            self._start()
+            if not self._started:
+                if self._next >= self.stopped_at:
+                    break
+                self._make_room()
+                continue
+            i = self._pick()
+            started = self._started.pop(i)
+            view = started.view if started.read is None else self._land(started)
+            if view is not None:
+                slot = None if started.read is None else started.slot
+                if slot is None:
+                    self._free.append(started.slot)
+                self._out[started.hold] = slot
+                return Loan(i, view, started.hold, slot, self)
+            self._stop(i, started)
+        raise StopIteration
 
-    def __getitem__(self, i: int | slice) -> V | list[V | None] | None:
-        if isinstance(i, slice):
-            return [self[j] for j in range(len(self))[i]]
-        i = range(len(self))[i]  # negative indices; IndexError past the end
-        read = self._reads.pop(i, None)
-        if read is not None:
-            self._land(i, read)
-        return self._views[i]
+    def _start(self) -> None:
+        """Start chunks in key order while a spare is free: those lent in place first, so
+        that no read started with them takes (evicts) the slot of one of them."""
+        if not self._free:
+            while self._deferred and self._deferred[0][0].query():
+                self._deferred.popleft()[1].release()
+        reads: list[tuple[int, Hold, int]] = []
+        while self._free and self._next < self.stopped_at:
+            i, slot, hold = self._next, self._free.pop(), Hold()
+            self._next += 1
+            view = self._lend(i, hold)
+            if view is not None:
+                self._started[i] = _Started(hold, slot, view=view)
+            else:
+                reads.append((i, hold, slot))
+        for i, hold, slot in reads:
+            read = self._read(i, hold, self._spares[slot])
+            self._started[i] = _Started(hold, slot, read=read,
+                                        deadline=time.monotonic() + self._timeout_s)
 
-    def __iter__(self) -> Iterator[V | None]:
-        return (self[i] for i in range(len(self)))
+    def _make_room(self) -> None:
+        """Every spare is lent: wait for the oldest loans released after an event."""
+        while not self._free:
+            if not self._deferred:
+                raise RuntimeError("every spare buffer is lent: release a loan first")
+            done, loan = self._deferred.popleft()
+            done.synchronize()
+            loan.release()
 
-    def __eq__(self, other: object) -> bool:
-        """Equal to a list (or `Loans`) of the same views in order, as the list `borrow_many`
-        once lent was (waits for every read)."""
-        if isinstance(other, list | Loans):
-            return list(self) == list(other)
-        return NotImplemented
+    def _pick(self) -> int:
+        """The chunk to lend next: the first started (in order), else the first of those
+        landed (or past their deadline), waiting for one if none has."""
+        if self._in_order:
+            return min(self._started)
+        while True:
+            now = time.monotonic()
+            landed = [i for i, s in self._started.items()
+                      if s.read is None or s.read.done() or now >= s.deadline]
+            if landed:
+                return min(landed)
+            reads = [s.read for s in self._started.values() if s.read is not None]
+            deadline = min(s.deadline for s in self._started.values())
+            wait(reads, max(0.0, deadline - now), FIRST_COMPLETED)
 
-    __hash__ = None  # type: ignore[assignment]  # a sequence of views: unhashable
-
-    def landed(self) -> bool:
-        """Whether every view can be taken without waiting: each read has returned, or the
-        deadline has passed (a late read is then abandoned at once)."""
-        return all(read.done() for read in self._reads.values()) \
-            or time.monotonic() >= self._deadline
-
-    @staticmethod
-    def wait_any(batches: Iterable[Loans[Any]]) -> None:
-        """Wait until one of `batches` has `landed` (at most until the earliest deadline)."""
-        batches = list(batches)
-        while batches and not any(batch.landed() for batch in batches):
-            reads = [read for batch in batches for read in batch._reads.values()]
-            deadline = min(batch._deadline for batch in batches)
-            wait(reads, max(0.0, deadline - time.monotonic()), FIRST_COMPLETED)
-
-    def settle(self) -> None:
-        """Wait for the reads nobody asked for (to the deadline): none may outlive the borrow
-        with a spare of the caller's."""
-        for i in sorted(self._reads):
-            self._land(i, self._reads.pop(i))
-
-    def _land(self, i: int, read: Future[V | None]) -> None:
+    def _land(self, started: _Started[V]) -> V | None:
+        """The read's view, waiting for it until its deadline; None on a miss (`failed`: the
+        tier that failed it) or once abandoned."""
+        assert started.read is not None
         try:
-            view = read.result(timeout=max(0.0, self._deadline - time.monotonic()))
+            view = started.read.result(timeout=max(0.0, started.deadline - time.monotonic()))
         except FutureTimeout:
-            if read.done():  # the read itself raised it
+            if started.read.done():  # the read itself raised it
                 raise
-            tier = self._abandon(i)
+            started.failed = tier = started.hold.tier
+            started.hold.close()  # a late reserved slot is released by the read itself
+            spare = self._spares[started.slot]
+            self._spares[started.slot] = memoryview(mmap.mmap(-1, len(spare)))  # page-aligned
             if tier is not None:
-                self._note_failed(i, tier)
-                if tier not in self._late:
-                    self._late.add(tier)
-                    self._stalled(tier)
-            return
-        self._views[i] = view
-        if view is None and i in self._reading:
-            self._note_failed(i, self._reading[i])
+                self._late(tier)
+            return None
+        if view is None:
+            started.failed = started.hold.tier
+        return view
 
-    def _note_failed(self, i: int, tier: str) -> None:
-        if self._tried is not None:
-            self._tried[i] = tier
+    def _stop(self, i: int, missed: _Started[V]) -> None:
+        """Chunk i missed: lend nothing after it (reads past it are finished, unused)."""
+        self.stopped_at, self.failed_tier = i, missed.failed
+        self._drop(missed)
+        for j in sorted(j for j in self._started if j > i):
+            started = self._started.pop(j)
+            if started.read is not None:
+                self._land(started)
+            self._drop(started)
+
+    def _drop(self, started: _Started[V]) -> None:
+        started.hold.close()
+        self._free.append(started.slot)
+
+    def _release(self, hold: Hold, slot: int | None) -> None:
+        hold.close()
+        if self._out.pop(hold, None) is not None and slot is not None:
+            self._free.append(slot)
+
+    def close(self) -> None:
+        """End the lending: wait for the reads nobody took (to their deadlines), wait for
+        the events loans are released after, release every loan. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            for i in sorted(self._started):
+                started = self._started.pop(i)
+                if started.read is not None:
+                    self._land(started)
+                self._drop(started)
+        finally:
+            for done, _loan in self._deferred:
+                if not done.query():
+                    done.synchronize()
+            self._deferred.clear()
+            for hold in list(self._out):
+                self._release(hold, self._out[hold])
+
+    def __enter__(self) -> Lending[V]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

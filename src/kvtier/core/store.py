@@ -7,9 +7,11 @@ write-behind.
 - `borrow(key, spare, meta)`: the same as a read-only view for the duration of a `with`
   block: a tier that lends views (`InPlace`: the memory tier) is read in place, without a
   copy; any other tier is read straight into a slot the top tier reserves (the read is the
-  promotion), else into `spare` (and promoted). `borrow_many` does a batch, reading the
-  chunks that are not lent in place in parallel, and waits for them at most
-  `read_timeout_s`.
+  promotion), else into `spare` (and promoted).
+- `lend_as_landed(keys, spares, metas)`: the read path of loads. The same for a run of
+  chunks, each lent as soon as its read lands (`loans.Lending`): the slower tiers' chunks are
+  read in parallel into the caller's spares, each waited for at most `read_timeout_s`; it
+  stops at the first miss; the borrower decides how long each chunk stays lent.
 - `put(key, data, meta)`: store in the top tier at once; lower tiers are written behind, on
   their own threads, through bounded queues (`writebehind.WriteBehind`): when a queue is
   full the write is dropped and counted, never blocking the caller. `put_from(key, fill,
@@ -38,18 +40,16 @@ Primitives: `TieredStore`, `StoreSettings`, `LookupResult`, `ChunkView`, `Pendin
 from __future__ import annotations
 
 import logging
-import mmap
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, MutableSequence, Sequence
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from kvtier.core.copies import CopyPool
 from kvtier.core.keys import ChunkKey
-from kvtier.core.loans import Loans
+from kvtier.core.loans import Hold, Lending
 from kvtier.core.retention import DEFAULT_META, ChunkMeta, RetentionStats
 from kvtier.core.stall import StallGuard
 from kvtier.core.tier import (
@@ -77,7 +77,7 @@ class StoreSettings:
     `kvtier.tiers.storeconfig.StoreConfig`)."""
 
     write_queue_depth: int = 64  # chunks waiting per lower tier before writes are dropped
-    io_threads: int = 16  # threads for parallel reads (`borrow_many`)
+    io_threads: int = 16  # threads for parallel reads (`lend_as_landed`)
     io_cores: frozenset[int] | None = None  # where the store's threads run (None: inherit)
     # A read (or lookup) of a tier below the top not finished by then is abandoned: a miss,
     # and the tier is skipped until it answers again.
@@ -136,29 +136,6 @@ class StoreStats:
     failures: dict[str, dict[str, int]] = field(default_factory=dict)
     # tier name -> its pins, expiries and per-tenant usage (tiers that are MetaKeepers)
     retention: dict[str, RetentionStats] = field(default_factory=dict)
-
-
-class _Pins:
-    """What a `borrow_many` keeps until its block exits (loans, reserved slots), entered
-    from the store's read threads. A read that finishes after the block has exited (its
-    borrow gave up waiting) must not pin anything: it is released at once."""
-
-    def __init__(self, stack: ExitStack) -> None:
-        self._stack = stack
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def enter_context(self, cm: AbstractContextManager[T]) -> T | None:
-        """`cm` entered and kept until the borrow ends; None (and `cm` exited) once it has."""
-        with self._lock:
-            if not self._closed:
-                return self._stack.enter_context(cm)
-        with cm:
-            return None
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
 
 
 class TieredStore:
@@ -302,80 +279,63 @@ class TieredStore:
         An `InPlace` tier (the memory tier) lends its own memory, pinned until the block
         exits: no copy. Any other tier is read into `spare` (one chunk long, the caller's
         buffer), promoted as by `get_into`, and `spare` is lent. Tiers that fail or hold a
-        corrupt copy are skipped, as by `get_into`. Any thread.
+        corrupt copy are skipped, as by `get_into`, and so are stalled ones. Any thread; the
+        read is not bounded in time (`lend_as_landed`'s are).
         """
-        with ExitStack() as stack:
-            yield self._lend(stack, key, meta) or self._read(stack, key, meta, spare)
+        hold = Hold()
+        try:
+            yield self._lend(hold, key, meta) or self._read(hold, key, meta, spare)
+        finally:
+            hold.close()
 
-    @contextmanager
-    def borrow_many(self, keys: Sequence[ChunkKey], spares: MutableSequence[memoryview],
-                    metas: Sequence[ChunkMeta] = (), tried: dict[int, str] | None = None,
-                    ) -> Iterator[Loans[ChunkView]]:
-        """`borrow` for many chunks in one block (a view or None per key, in order: `Loans`);
-        `metas[i]` is chunk i's (empty: every chunk `DEFAULT_META`). `tried`, if given, is
-        filled, for a key whose read failed because a tier did (it erred, was down or did not
-        answer in time; `Failure.of_the_tier`), with that tier: what a failed load's time is
-        charged to. A chunk absent or damaged says nothing of its tier's speed.
+    def lend_as_landed(self, keys: Sequence[ChunkKey], spares: MutableSequence[memoryview],
+                       metas: Sequence[ChunkMeta] = (), *, in_order: bool = False,
+                       ) -> Lending[ChunkView]:
+        """Lend `keys`' chunks (`metas[i]` is chunk i's; empty: every chunk `DEFAULT_META`)
+        each as soon as its read lands, until the first miss (`loans.Lending`: iterate it
+        inside a `with` block; each `Loan` stays lent until released).
 
-        Chunks an `InPlace` tier holds are lent in place; the others are read in parallel
-        on the store's read threads, chunk i into `spares[i]`, so a batch of disk reads
-        costs about one read, and each is lent as soon as it lands (the caller copies chunk
-        i while later ones are read). Reads not finished within `read_timeout_s` are abandoned
-        (None, the tier marked stalled); the spare such a read still writes into is
-        replaced in `spares` by a new buffer, so that the caller never reuses it. Any
-        thread.
+        Chunks an `InPlace` tier holds are lent in place; the others are read in parallel on
+        the store's read threads, as many at once as there are `spares` (the caller's chunk
+        buffers), each into a slot the top tier reserves (the read is the promotion) or into
+        a spare; the first landed is lent first, unless `in_order`. A read not finished
+        within `read_timeout_s` is abandoned (a miss, counted as `Failure.TIMEOUT`, the tier
+        marked stalled), and the spare it may still write into is replaced in `spares` by a
+        new buffer. After a miss, the lending's `failed_tier` names the tier that failed the
+        read (it erred, was down or did not answer in time; `Failure.of_the_tier`): what a
+        failed load's time is charged to. A chunk absent or damaged says nothing of its
+        tier's speed. Any thread; the lending, one.
 
         Raises:
-            ValueError: `metas` is neither empty nor one per key.
+            ValueError: `metas` is neither empty nor one per key; no spare buffer.
         """
         metas = list(metas) or [DEFAULT_META] * len(keys)
         if len(metas) != len(keys):
             raise ValueError(f"{len(metas)} metas for {len(keys)} keys")
-        with ExitStack() as stack:
-            pins = _Pins(stack)
-            loans: Loans[ChunkView] | None = None
-            try:
-                views = [self._lend(pins, key, meta) for key, meta in zip(keys, metas)]
-                # key index -> the tier its read is waiting on (a miss: the tier that failed it)
-                reading: dict[int, str] = {}
-                reads = {i: self._calls.submit(self._read, pins, keys[i], metas[i], spares[i],
-                                               (reading, i))
-                         for i, view in enumerate(views) if view is None}
-                loans = Loans(views, reads, self._calls.timeout_s, reading=reading,
-                              abandon=lambda i: self._abandon(i, reading, spares),
-                              stalled=self._stalled, tried=tried)
-                yield loans
-            finally:
-                if loans is not None:
-                    loans.settle()
-                pins.close()  # reads finishing after this release their own slots
+        return Lending(
+            len(keys), spares, in_order=in_order,
+            lend=lambda i, hold: self._lend(hold, keys[i], metas[i]),
+            read=lambda i, hold, spare: self._calls.submit(self._read, hold, keys[i],
+                                                           metas[i], spare),
+            timeout_s=self._calls.timeout_s, late=self._late)
 
-    def _stalled(self, tier: str) -> None:
+    def _late(self, tier: str) -> None:
+        """A read of `tier` was abandoned: counted, and the tier marked stalled."""
+        self._failures.add(tier, Failure.TIMEOUT)
         if self._calls.stalled(tier):  # once a stall, not once a late read
             log.warning("tier %r: reads took over %.3g s; abandoned (misses), the tier is "
                         "skipped until it answers again", tier, self._calls.timeout_s)
 
-    def _abandon(self, i: int, reading: dict[int, str], spares: MutableSequence[memoryview],
-                 ) -> str | None:
-        """Give up the late read of key `i`: count it, replace the spare it may still write
-        into; the name of the tier it waits on (None: it had not started)."""
-        tier = reading.get(i)
-        if tier is not None:
-            self._failures.add(tier, Failure.TIMEOUT)
-        spares[i] = memoryview(mmap.mmap(-1, len(spares[i])))  # page-aligned, as O_DIRECT needs
-        return tier
-
-    def _lend(self, pins: _Pins | ExitStack, key: ChunkKey,
-              meta: ChunkMeta) -> ChunkView | None:
+    def _lend(self, hold: Hold, key: ChunkKey, meta: ChunkMeta) -> ChunkView | None:
         """The chunk (of `meta`'s tenant) lent where it lies by the fastest `InPlace` tier
-        holding it, pinned on `pins` until they close; None when no such tier holds it.
+        holding it, pinned on `hold` until it closes; None when no such tier holds it.
         Index lookups only: no I/O, never waits for a slow tier."""
         for level, tier in enumerate(self.tiers):
             lender = self._lenders.get(id(tier))
             if lender is None or not self._contains(tier, key):
                 continue
             try:
-                view = pins.enter_context(lender.borrow(key, meta))
+                view = hold.enter_context(lender.borrow(key, meta))
             except Exception as exc:
                 log.warning("tier %r: read of %s failed (%s); trying the next", tier.name,
                             key.hex(), exc)
@@ -388,39 +348,32 @@ class TieredStore:
             return ChunkView(view.toreadonly(), tier.name)
         return None
 
-    def _read(self, pins: _Pins | ExitStack, key: ChunkKey, meta: ChunkMeta,
-              spare: memoryview, waiting: tuple[dict[int, str], int] | None = None,
-              ) -> ChunkView | None:
+    def _read(self, hold: Hold, key: ChunkKey, meta: ChunkMeta,
+              spare: memoryview) -> ChunkView | None:
         """The chunk (of `meta`'s tenant) read from the fastest tier that holds it and lends
         nothing (disk, shared, remote), skipping stalled ones: into a slot the top tier
-        reserves (kept on `pins`: the read is the promotion) or into `spare`. None on a miss.
-
-        `waiting`: (where, i), for a read on the store's read threads: `where[i]` names the
-        tier the read waits on while it runs (a late read is charged to it), and after a miss
-        the last tier that failed it, if one did (`Loans`)."""
+        reserves (kept on `hold`: the read is the promotion) or into `spare`. None on a miss.
+        `hold.tier` names the tier the read waits on while it runs (a late read is charged
+        to it), and after a miss the last tier that failed it, if one did."""
         faults: list[str] = []  # tiers that failed the read (Failure.of_the_tier)
         for level, tier in enumerate(self.tiers):
-            if id(tier) in self._lenders:
+            if id(tier) in self._lenders or not self._calls.usable(tier.name):
                 continue
-            if waiting is not None:
-                if not self._calls.usable(tier.name):
-                    continue
-                waiting[0][waiting[1]] = tier.name
+            hold.tier = tier.name
             # A remote tier (BatchLookup) is read without asking first: its read says
             # "missing" in the round trip a lookup would take (one round trip, not two: each
             # is a wait for the GIL on a thread beside the model runner).
             remote = id(tier) in self._remote
             if not remote:
                 held = self._contains(tier, key)
-                if waiting is not None:
-                    self._calls.answered(tier.name)
+                self._calls.answered(tier.name)
                 if not held:
                     continue
             in_place = level > 0 and self._reserver is not None
             try:
                 if in_place:
                     assert self._reserver is not None
-                    view = self._read_in_place(pins, self._reserver, tier, key, meta, spare,
+                    view = self._read_in_place(hold, self._reserver, tier, key, meta, spare,
                                                faults)
                 else:
                     view = spare if self._counted(tier, tier.get_into(key, spare, meta),
@@ -431,26 +384,21 @@ class TieredStore:
                 self._failures.add(tier.name, Failure.RAISED)
                 faults.append(tier.name)
                 view = None
-            if remote and waiting is not None:
+            if remote:
                 self._calls.answered(tier.name)
             if view is not None:
                 self._promote(level, key, view, meta, top=not in_place)
                 return ChunkView(view.toreadonly(), tier.name)
-        if waiting is not None:
-            where, i = waiting
-            if faults:
-                where[i] = faults[-1]
-            else:
-                where.pop(i, None)
+        hold.tier = faults[-1] if faults else None
         return None
 
-    def _read_in_place(self, pins: _Pins | ExitStack, top: InPlace, tier: Tier, key: ChunkKey,
+    def _read_in_place(self, hold: Hold, top: InPlace, tier: Tier, key: ChunkKey,
                        meta: ChunkMeta, spare: memoryview, faults: list[str] | None = None,
                        ) -> memoryview | None:
         """Read `tier`'s chunk straight into a slot the top tier reserves (the read is the
-        promotion: no copy; the slot stays pinned on `pins`), or into `spare` when the top
+        promotion: no copy; the slot stays pinned on `hold`), or into `spare` when the top
         tier gives none (declined, full, or holding it already). None when the read fails,
-        or when the borrow it was for was abandoned meanwhile (the slot is released)."""
+        or when the loan it was for was abandoned meanwhile (the slot is released)."""
         with ExitStack() as reservation:
             slot = reservation.enter_context(
                 top.reserve(key, self._meta_of(tier, key) or meta))
@@ -459,7 +407,7 @@ class TieredStore:
                 return None  # the slot is released here
             if not isinstance(slot, TierResult):
                 slot.commit()
-            if pins.enter_context(reservation.pop_all()) is None:
+            if hold.enter_context(reservation.pop_all()) is None:
                 return None  # abandoned: `reservation` released the slot (it was committed)
             return target
 

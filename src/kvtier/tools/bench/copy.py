@@ -272,8 +272,7 @@ def _mover(paged: PagedKV, store: TieredStore, chunk_bytes: int,
     from kvtier.integrations.vllm.worker.streams import StreamChunkMover
 
     cuda = CudaDevice(device)
-    return (StreamChunkMover(paged, store, chunk_bytes, LOAD_BATCH, lambda _key, _state: None,
-                             cuda),
+    return (StreamChunkMover(paged, store, chunk_bytes, lambda _key, _state: None, cuda),
             spare_buffers(LOAD_BATCH, chunk_bytes, cuda.pinned), cuda.name)
 
 

@@ -2,15 +2,15 @@
 O_DIRECT read of the same bytes, without an engine; and a miss's store of the same chunks
 against a raw O_DIRECT write.
 
-The same chunks a `kvtier bench ttft` disk hit loads (2 MiB: 256 tokens of its bench model)
-are stored in a disk tier behind a 2-chunk memory tier, as that bench configures it, then
-loaded by the CPU mover (cpu.py: `borrow_many` reads a batch in parallel, each chunk is
-scattered into the paged KV as its read lands) into other blocks of the same paged KV,
+The same chunks a `kvtier bench ttft` disk hit loads (2 MiB: 256 tokens of its bench model) are
+stored in a disk tier behind a 2-chunk memory tier, as that bench configures it, then loaded by
+the CPU mover (cpu.py: `lend_as_landed` reads as many chunks in parallel as it has spares, each
+chunk is scattered into the paged KV as its read lands) into other blocks of the same paged KV,
 vLLM 0.33's layout (bench/vllmviews.py). Each trial first times a raw read of the same bytes
 (one file per chunk, O_DIRECT, one thread, one page-aligned buffer: the ceiling the issue's
-target names), then empties the memory tier and times the load, so both see the machine in
-the same state. The load is split as the worker reports it on /metrics: the wait for reads
-and the copy into blocks (`LoadSample.read_s`). Every load is checked byte for byte.
+target names), then empties the memory tier and times the load, so both see the machine in the
+same state. The load is split as the worker reports it on /metrics: the wait for reads and the
+copy into blocks (`LoadSample.read_s`). Every load is checked byte for byte.
 
 Stores: each trial also times a raw write of the same bytes (one new file per chunk,
 O_DIRECT, one thread), then the mover's store of as many new chunks from the same blocks (the

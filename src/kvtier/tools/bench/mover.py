@@ -122,7 +122,7 @@ def run_mover_bench(config: MoverBenchConfig,
         mover: ChunkMover = (
             CpuChunkMover(paged, store, layout.bytes_per_chunk, lambda _k, _s: None)
             if device is None else
-            StreamChunkMover(paged, store, layout.bytes_per_chunk, 8, lambda _k, _s: None,
+            StreamChunkMover(paged, store, layout.bytes_per_chunk, lambda _k, _s: None,
                              device))
         spares = spare_buffers(8, layout.bytes_per_chunk)
         timings: dict[str, list[float]] = {op: [] for op in OPERATIONS}

@@ -11,7 +11,7 @@ from contextlib import AbstractContextManager
 from typing import Protocol
 
 from kvtier.core.keys import ChunkKey
-from kvtier.core.loans import Loans
+from kvtier.core.loans import Lending
 from kvtier.core.retention import DEFAULT_META, ChunkMeta
 from kvtier.core.store import ChunkView, PendingPut, StoreEvent, StoreStats
 
@@ -25,9 +25,9 @@ class ChunkStore(Protocol):
     def borrow(self, key: ChunkKey, spare: memoryview,
                meta: ChunkMeta = DEFAULT_META) -> AbstractContextManager[ChunkView | None]: ...
 
-    def borrow_many(self, keys: Sequence[ChunkKey], spares: MutableSequence[memoryview],
-                    metas: Sequence[ChunkMeta] = (), tried: dict[int, str] | None = None,
-                    ) -> AbstractContextManager[Loans[ChunkView]]: ...
+    def lend_as_landed(self, keys: Sequence[ChunkKey], spares: MutableSequence[memoryview],
+                       metas: Sequence[ChunkMeta] = (), *, in_order: bool = False,
+                       ) -> Lending[ChunkView]: ...
 
     def put(self, key: ChunkKey, data: memoryview, meta: ChunkMeta = DEFAULT_META) -> bool: ...
 

@@ -55,8 +55,8 @@ from kvtier.integrations.vllm.worker.paged import PagedKV
 __all__ = ["ChunkStore", "ConnectorWorker", "PagedKV"]
 
 logger = logging.getLogger(__name__)
-# Chunks read at once by a load by default (its spare buffers; the device mover's
-# borrow_many batch): slow tiers' reads run in parallel.
+# Chunks read at once by a load by default (its spare buffers): slow tiers' reads run in
+# parallel.
 LOAD_BATCH = 8
 # The connector lets a load read more small chunks at once, up to the store's io_threads,
 # while they hold at most this: a small chunk's read has fixed costs (open, header, checksum,
@@ -87,8 +87,8 @@ class ConnectorWorker:
                  io_cores: frozenset[int] | None = None,
                  device: Device | None = None) -> None:
         """Args:
-            load_batch: chunks a load reads at once (spare buffers each; the device mover's
-                chunks per `borrow_many`): a slow tier's reads run in parallel (8 at a time
+            load_batch: chunks a load reads at once (spare buffers each; also a
+                prefetch's): a slow tier's reads run in parallel (8 at a time
                 read the VM disk here 25-30% faster than 4).
             agree: under tensor parallelism, ORs a list of flags across the ranks (a
                 collective every rank enters with the same list length); None: one rank.
@@ -103,7 +103,6 @@ class ConnectorWorker:
         """
         self._paged = paged
         self._store = store
-        self._load_batch = load_batch
         self._chunk_bytes = layout.bytes_per_chunk
         # The mover: one of two, by where vLLM's KV lives (the same plan, jobs and reports).
         self._mover: ChunkMover
@@ -116,11 +115,11 @@ class ConnectorWorker:
             from kvtier.integrations.vllm.worker.streams import StreamChunkMover
 
             device = device or CudaDevice(paged.device)
-            self._mover = StreamChunkMover(paged, store, layout.bytes_per_chunk, load_batch,
+            self._mover = StreamChunkMover(paged, store, layout.bytes_per_chunk,
                                            self._note_state, device)
             pinned = device.pinned  # a device copies from pinned host memory asynchronously
         self._device = device  # None: the CPU mover's host tensors (no streams)
-        # Where chunks of tiers that cannot lend (disk, shared, redis) are read, a batch at a
+        # Where chunks of tiers that cannot lend (disk, shared, redis) are read, as many at a
         # time.
         self._spares = spare_buffers(load_batch, layout.bytes_per_chunk, pinned)
         # Asynchronous loads (vLLM's WAITING_FOR_REMOTE_KVS) run on one load thread with
@@ -233,20 +232,22 @@ class ConnectorWorker:
 
     def prefetch(self, transfers: list[ChunkTransfer]) -> None:
         """Read the chunks of `transfers` into the RAM tier on the prefetch thread (a read
-        from a lower tier is a promotion), so that their load, a step or more later, is a
-        memcpy; each read carries its chunk's tenant (a sealed chunk opens with its key).
-        Model runner thread; the reads are bounded by the store's read deadline like any
-        other."""
+        from a lower tier is a promotion), up to the first miss (their load stops there too),
+        so that their load, a step or more later, is a memcpy; each read carries its chunk's
+        tenant (a sealed chunk opens with its key). Model runner thread; the reads are
+        bounded by the store's read deadline like any other."""
         if transfers:
             self._prefetcher.submit(self._prefetch, transfers)
 
     def _prefetch(self, transfers: list[ChunkTransfer]) -> None:
-        for first in range(0, len(transfers), self._load_batch):
-            batch = transfers[first:first + self._load_batch]
-            with self._store.borrow_many([t.key for t in batch], self._prefetch_spares,
-                                         [chunk_meta(t) for t in batch]) as views:
-                # Counted on the model runner's thread (take_stats): StatsDelta is not locked.
-                self._prefetch_counts.append(sum(v is not None for v in views))
+        read = 0
+        with self._store.lend_as_landed([t.key for t in transfers], self._prefetch_spares,
+                                        [chunk_meta(t) for t in transfers]) as lending:
+            for loan in lending:
+                loan.release()
+                read += 1
+        # Counted on the model runner's thread (take_stats): StatsDelta is not locked.
+        self._prefetch_counts.append(read)
 
     def take_finished_loads(self) -> set[str]:
         """Requests whose asynchronous load ended since the last call, loaded or not

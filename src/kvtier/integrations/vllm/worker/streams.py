@@ -6,17 +6,20 @@ test_stream_mover.py); scripts/gpu-check.sh runs it on a GPU.
 
 Loads. The worker calls `load` on its load thread (asynchronous loads: a hit below RAM is read
 there, never on the model runner's thread) or inline on the model runner's thread (hits in
-RAM). A batch of chunks is borrowed from the store (the memory tier lends its pinned slots; a
-slower tier is read, in parallel, into pinned spares); then for each chunk: on the load copy
-stream copy host -> a device staging buffer; on the load stream wait for that copy and for
+RAM). The chunks are borrowed from the store as they land (`TieredStore.lend_as_landed`, as
+the CPU mover's: the memory tier lends its pinned slots; a slower tier is read, in parallel,
+into pinned spares); for each chunk, as soon as it lands: on the load copy stream copy host ->
+a device staging buffer; on the load stream wait for that copy and for
 `after` (vLLM's work queued when the load was planned: the blocks may have belonged to a
 request whose kernels are still queued), scatter into the blocks, record `done`. The copy
 engine moves chunk i+1 while the SMs scatter chunk i (one stream for both ran them one after
 the other: 0.85x a raw copy at 32 MiB chunks on an H200). On the load thread the call waits
 for `done` before the load is reported (vLLM schedules the request only then). Inline, the
 compute stream waits for `done` instead, so the forward starts no earlier than its KV is in
-place and the host never waits for the copy; the borrow (which keeps the RAM slot from being
-reused) and the staging buffer are returned once `done` is reached (`release`, once a step).
+place and the host never waits for the copy; the loans (which keep the RAM slots from being
+reused) and the staging buffers are returned once `done` is reached (`release`, once a step).
+Each chunk stays lent until its copy's `done` (`Loan.release_after`): its spare then takes
+another read.
 
 States (models with state layers, groups.py): a chunk's state region rides in the same
 staging buffer as its KV, and `PagedKV.scatter` / `gather` copy it in the same queued work as
@@ -100,7 +103,7 @@ class _Pending:
 
     done: Event
     slots: list[torch.Tensor]  # staging buffers
-    borrow: ExitStack  # the store's borrow of the host bytes
+    loans: ExitStack  # the store's lending of the host bytes
 
 
 class StreamChunkMover:
@@ -111,11 +114,10 @@ class StreamChunkMover:
     the model runner's thread.
     """
 
-    def __init__(self, paged: PagedKV, store: ChunkStore, chunk_bytes: int, load_batch: int,
+    def __init__(self, paged: PagedKV, store: ChunkStore, chunk_bytes: int,
                  note_state: Callable[[ChunkKey, bool], None], device: Device,
                  staging: int | None = None) -> None:
         """Args:
-            load_batch: chunks per `borrow_many` (cpu.CpuChunkMover's).
             note_state: told, for models with state layers, whether each chunk loaded or
                 stored holds the state at its end (any thread), as cpu.CpuChunkMover's.
             device: where `paged` lives; its streams and events order every copy.
@@ -125,7 +127,6 @@ class StreamChunkMover:
         self._note_state = note_state
         self._store = store
         self._device = device
-        self._load_batch = load_batch
         # A copy engine moves the bytes while the SMs scatter or gather the chunk before or
         # after: each on its own stream, so that the two overlap from chunk to chunk.
         self._load_copy_stream = device.new_stream("load copy")
@@ -142,7 +143,6 @@ class StreamChunkMover:
         self._spare = device.pinned(chunk_bytes).numpy().data
         self._pending: deque[_Pending] = deque()  # inline loads, oldest first
         self._pending_lock = threading.Lock()
-        self._top_tier = store.stats().tiers[0].name
         self.samples: deque[LoadSample] = deque()
         logger.info("kvtier: %s: %d MiB of staging buffers on the device (%d per direction)",
                     device.name, 2 * staging * chunk_bytes >> 20, staging)
@@ -161,51 +161,58 @@ class StreamChunkMover:
         started, lent_by, read_s = time.perf_counter(), Counter[str](), 0.0
         self._device.wait(self._load_stream, after or self.mark())
         inline = not wait
-        for first in range(0, len(transfers), self._load_batch):
-            batch = transfers[first:first + self._load_batch]
-            tried: dict[int, str] = {}  # the tier that failed a read, if one did
-            with ExitStack() as borrow:
+        copies: deque[tuple[Event, torch.Tensor]] = deque()  # this load's, queued
+        stateless: int | None = None  # a chunk that holds no state the load needs
+        in_place = True  # every chunk lent where it lies (none in a spare)
+        with ExitStack() as held:
+            # Each chunk's copy is queued as soon as its read lands, the first landed first
+            # (in order for models with state layers, as the CPU mover's); its host bytes
+            # stay lent until its copy is done, and its spare then takes the next read.
+            lending = held.enter_context(self._store.lend_as_landed(
+                [t.key for t in transfers], spares, [chunk_meta(t) for t in transfers],
+                in_order=bool(self._paged.state_bytes)))
+            reading = time.perf_counter()
+            for loan in lending:
+                read_s += time.perf_counter() - reading
+                transfer = transfers[loan.index]
+                if not self._state_fits(transfer, loan.view.data):
+                    stateless = loan.index
+                    loan.release()
+                    break
+                in_place = in_place and loan.in_place
+                lent_by[loan.view.tier] += 1
+                slot = self._free_slot(copies, inline)
+                # No tensor of the lent bytes outlives its copy in this frame.
+                self._queue_load(transfer, torch.frombuffer(loan.view.data, dtype=torch.uint8),
+                                 slot)
+                done = self._device.new_event()
+                self._device.record(done, self._load_stream)
+                copies.append((done, slot))
+                loan.release_after(done)
                 reading = time.perf_counter()
-                lent = borrow.enter_context(self._store.borrow_many(
-                    [t.key for t in batch], spares, [chunk_meta(t) for t in batch], tried))
-                copies: deque[tuple[Event, torch.Tensor]] = deque()  # this batch's, queued
-                held, in_ram = 0, True
-                for transfer in batch:  # each chunk queued as soon as its read lands
-                    view = lent[held]
-                    read_s += time.perf_counter() - reading
-                    if view is None:
-                        break
-                    if not self._state_fits(transfer, view.data):
-                        break
-                    held += 1
-                    in_ram = in_ram and view.tier == self._top_tier
-                    lent_by[view.tier] += 1
-                    slot = self._free_slot(copies, inline)
-                    # No tensor of the lent bytes outlives its copy in this frame.
-                    self._queue_load(transfer, torch.frombuffer(view.data, dtype=torch.uint8),
-                                     slot)
-                    done = self._device.new_event()
-                    self._device.record(done, self._load_stream)
-                    copies.append((done, slot))
-                    reading = time.perf_counter()
-                # Spares are the caller's and the next batch reads into them again: an inline
-                # load from them waits for its copies, as a load thread does; so does one
-                # that stopped at a miss (the borrow's exit waits for reads nobody took).
-                if copies and inline and in_ram and held == len(batch):
-                    last = copies[-1][0]  # one load stream: the batch's copies are before it
-                    self._device.wait(self._device.compute_stream(), last)
-                    with self._pending_lock:
-                        self._pending.append(_Pending(last, [s for _, s in copies],
-                                                      borrow.pop_all()))
-                elif copies:
-                    copies[-1][0].synchronize()
-                    self._give_back([s for _, s in copies], self._load_slots)
-            if held < len(batch):
-                if held in tried:  # a failed read costs its tier its time, too
-                    lent_by[tried[held]] += 1
-                    self.samples.append(LoadSample.since(started, lent_by, read_s,
-                                                         failed=True))
-                return first + held
+            else:
+                read_s += time.perf_counter() - reading
+            loaded = lending.stopped_at if stateless is None else stateless
+            # Spares are the caller's and its next load reads into them again: an inline
+            # load from them waits for its copies, as a load thread does; so does one that
+            # stopped at a miss. An inline load of chunks lent in place (RAM) does not: the
+            # compute stream waits for its copies, and the loans (which keep the RAM slots
+            # from being reused) and staging buffers are returned once they are done
+            # (`release`, once a step).
+            if copies and inline and in_place and loaded == len(transfers):
+                last = copies[-1][0]  # one load stream: the load's copies are before it
+                self._device.wait(self._device.compute_stream(), last)
+                with self._pending_lock:
+                    self._pending.append(_Pending(last, [s for _, s in copies],
+                                                  held.pop_all()))
+            elif copies:
+                copies[-1][0].synchronize()
+                self._give_back([s for _, s in copies], self._load_slots)
+        if loaded < len(transfers):
+            if stateless is None and lending.failed_tier is not None:
+                lent_by[lending.failed_tier] += 1  # a failed read costs its tier its time
+                self.samples.append(LoadSample.since(started, lent_by, read_s, failed=True))
+            return loaded
         self.samples.append(LoadSample.since(started, lent_by, read_s))
         return len(transfers)
 
@@ -328,7 +335,7 @@ class StreamChunkMover:
     # -- buffers --------------------------------------------------------------------------
     def _free_slot(self, copies: deque[tuple[Event, torch.Tensor]],
                    inline: bool) -> torch.Tensor:
-        """A free staging buffer: when none is, the oldest of this batch's copies (or, on the
+        """A free staging buffer: when none is, the oldest of this load's copies (or, on the
         model runner's thread, of earlier inline loads) is waited for; else another thread's
         copy, which ends in bounded time (its read is done before it takes a buffer)."""
         if inline:
@@ -351,7 +358,7 @@ class StreamChunkMover:
             slots.put(slot)
 
     def release(self) -> None:
-        """Return the borrows and buffers of inline loads whose copies are done."""
+        """Return the loans and buffers of inline loads whose copies are done."""
         while True:
             with self._pending_lock:
                 if not self._pending or not self._pending[0].done.query():
@@ -370,7 +377,7 @@ class StreamChunkMover:
         return True
 
     def _finish(self, pending: _Pending) -> None:
-        pending.borrow.close()
+        pending.loans.close()
         self._give_back(pending.slots, self._load_slots)
 
     def close(self) -> None:
