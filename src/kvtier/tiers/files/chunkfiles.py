@@ -4,9 +4,11 @@ Layout: ROOT/<layout digest>/<k[0:2]>/<k[2:4]>/<key hex>.kvc, one file per chunk
 header of `kvtier.core.chunkformat` and the body padded to 4 KiB: the payload itself, or its
 codec's and seal's output (`ChunkEncoder`: a file is then as long as its body needs, so a
 compressed chunk takes less disk). Writes are atomic: an
-O_EXCL temp file in the same directory, a short-write check, then `os.replace`, so a reader
-(in this or another process, on this or another node) sees a whole file or none. Two writers
-of the same chunk both write whole files; the last rename wins and both are identical.
+O_EXCL temp file in the same directory, a short-write check, then a rename that never
+replaces (`filetree.rename_new`), so a reader (in this or another process, on this or another
+node) sees a whole file or none. Of two writers of the same chunk the first rename places it
+and the second finds it there and removes its own copy (identical bytes), so the shared
+tier's quota ledger counts the chunk once.
 Reads and writes use O_DIRECT when the filesystem supports it (no page-cache copy) and fall
 back to buffered I/O otherwise. Shared by the disk and shared-directory tiers.
 
@@ -51,6 +53,7 @@ from kvtier.tiers.files.filetree import (
     lstat_file,
     make_root,
     open_dir,
+    rename_new,
     unlink_file,
 )
 from kvtier.tiers.files.fsops import FsOps
@@ -169,7 +172,8 @@ class ChunkFiles:
         pending = self.prepare_write(key, self.size_of(encoded))
         try:
             pending.fill(encoded)
-            pending.complete()
+            if not pending.complete():  # another writer's identical copy is in place
+                pending.abort()
         except BaseException:
             pending.abort()
             raise
@@ -381,14 +385,15 @@ class PendingWrite:
             raise OSError(errno.ENOSPC, f"short write: {written} of {self.size_bytes} "
                           "bytes (filesystem full)")
 
-    def complete(self) -> None:
+    def complete(self) -> bool:
         """Rename the filled temp file into place: readers see the whole chunk from now on.
-
-        The caller's tier asked whether the chunk was held before writing (`Tier.put`, the
-        one existence check of a write: on NFS each stat is a round trip), so nothing is
-        asked here: a copy another writer renamed into place meanwhile is replaced, and a
-        quota ledger that counted it stays high by its size until the next re-measure
-        (still an upper bound of the usage: kvtier.tiers.files.quota).
+        False when another writer renamed its copy of the chunk into place meanwhile (the
+        caller asked whether it was held before writing, once: `Tier.put`): this one is
+        left as a temp file for `abort`. Where renames cannot refuse to replace (NFS:
+        `filetree.rename_new`) the other copy is replaced, and a quota ledger that counted
+        both stays high by one copy until the next re-measure (still an upper bound:
+        kvtier.tiers.files.quota); two writers hammering 24 keys under a 10-chunk quota had
+        counted 10 chunks for 4 files, and dropped writes for a full quota.
 
         Raises:
             OSError: the rename failed (FileNotFoundError: the temp file was swept as stale
@@ -397,10 +402,12 @@ class PendingWrite:
         os.close(self._fd)
         self._fd = -1
         self.files.ops.add(other=1)
-        os.replace(self._temp, self._name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+        if not rename_new(self._dir_fd, self._temp, self._name):
+            return False
         self._temp = ""
         os.close(self._dir_fd)
         self._dir_fd = -1
+        return True
 
     def abort(self) -> int:
         """Give up: remove the temp file. The bytes that freed (0 when it had been swept).

@@ -22,7 +22,7 @@ Directories kvtier creates get the tier's mode with the setgid bit kept: under a
 new directory, and an explicit chmod to 0770 would clear it, so later files would fall into
 the writer's primary group (issue 12, item 4; tests/faults/test_group_sharing.py).
 
-Primitives: `open_dir`, `make_root`, `lstat_file`, `unlink_file`, `walk`, `Entry`,
+Primitives: `open_dir`, `make_root`, `lstat_file`, `unlink_file`, `rename_new`, `walk`, `Entry`,
 `sample_shards` (the shared tier's sampled eviction), `sweep_layout_temps`,
 `TEMP_STALE_S`, `is_temp_name`, `DIR_FLAGS`, `NOT_OURS`.
 """
@@ -30,6 +30,7 @@ Primitives: `open_dir`, `make_root`, `lstat_file`, `unlink_file`, `walk`, `Entry
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
 import random
@@ -208,6 +209,36 @@ class Entry:
     def parts(self) -> tuple[str, ...]:
         """Its path below the root, component by component."""
         return (self.layout_digest, *(self.shard or ()), self.name)
+
+
+_RENAME_NOREPLACE = 1  # renameat2(2): fail with EEXIST rather than replace the target
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_renameat2 = getattr(_LIBC, "renameat2", None)  # glibc >= 2.28
+_renames_new = [_renameat2 is not None]  # False once a filesystem refused the flag
+
+
+def rename_new(dir_fd: int, source: str, target: str) -> bool:
+    """Rename `source` to `target` in the directory `dir_fd` unless `target` exists: True
+    when renamed, False when `target` was there (`source` is left as it was). One syscall,
+    atomic (renameat2 RENAME_NOREPLACE). Where the filesystem or libc has no such flag (NFS,
+    some FUSE mounts: EINVAL, ENOSYS) it falls back to a replacing rename, and says True.
+
+    Raises:
+        OSError: the rename failed otherwise (ENOENT: `source` is gone).
+    """
+    if _renames_new[0]:
+        assert _renameat2 is not None
+        if _renameat2(dir_fd, source.encode(), dir_fd, target.encode(),
+                      _RENAME_NOREPLACE) == 0:
+            return True
+        code = ctypes.get_errno()
+        if code == errno.EEXIST:
+            return False
+        if code not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise OSError(code, os.strerror(code), source)
+        _renames_new[0] = False
+    os.replace(source, target, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    return True
 
 
 def walk(root: Path, layout_digests: Sequence[str] | None = None,

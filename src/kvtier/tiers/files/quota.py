@@ -23,9 +23,11 @@ The writers keep `used_bytes` an upper bound of the real usage at every moment:
 
 - a writer reserves a chunk (`used += F`) and creates its temp file at full size (sparse, by
   ftruncate) under the lock, evicting first when the reservation would pass the quota;
-- it renames the temp file into place under the lock; a rename that replaces another
-  writer's copy of the same chunk (two writers racing on one chunk: each asked whether it
-  was held first, once) leaves `used` high by that copy until the next re-measure;
+- it renames the temp file into place under the lock, never over another writer's copy of
+  the same chunk (two writers racing on one chunk: each asked whether it was held first,
+  once): the second finds it placed and unlinks its own temp file, subtracting it
+  (filetree.rename_new). Where the filesystem cannot refuse to replace (NFS) the rename
+  replaces it and leaves `used` high by that copy until the next re-measure;
 - every unlink by kvtier (eviction, delete, a corrupt file, a failed write's temp file) is
   done under the lock and subtracts the bytes it freed;
 - deletions by others (kvtier gc, an operator, the stale-temp sweep) only make it high.

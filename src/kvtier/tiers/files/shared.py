@@ -330,9 +330,11 @@ class SharedTier:
         try:
             pending.fill(data)
             with self.ledger.locked() as ledger:
-                pending.complete()
-                ledger.completed_total += pending.size_bytes
-                ledger.chunks += 1
+                if pending.complete():
+                    ledger.completed_total += pending.size_bytes
+                    ledger.chunks += 1
+                else:  # another writer placed the same chunk: its copy is the one counted
+                    ledger.used_bytes -= pending.abort()
                 self._publish(ledger)
         except BaseException:
             with self.ledger.locked() as ledger:

@@ -1,0 +1,73 @@
+"""Two writers of one chunk, both past `Tier.put`'s one existence check: the first rename
+places the chunk and the second, finding it there, removes its own copy (`PendingWrite.
+complete` never replaces: `filetree.rename_new`). The shared tier's quota ledger then counts
+the chunk once: with replacing renames it counted both copies until the next re-measure, and
+two processes hammering 24 keys under a 10-chunk quota ended with 10 chunks counted for 4
+files, evicting real chunks for phantom ones (test_shared_two_processes). The race is made
+certain by a writer whose existence check says "not held" (the fault injected)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tierkit import key, make_tier, tiny_layout
+
+from kvtier.tiers.files import filetree
+from kvtier.tiers.files.chunkfiles import ChunkFiles
+
+LAYOUT = tiny_layout()
+
+
+def chunk_files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")]
+
+
+def test_the_second_shared_writer_of_a_chunk_is_counted_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    first: Any = make_tier("shared", tmp_path, LAYOUT, 8)
+    late: Any = make_tier("shared", tmp_path, LAYOUT, 8)  # another engine on the directory
+    data = memoryview(bytes(range(256)) * (LAYOUT.bytes_per_chunk // 256))
+    assert first.put(key(5), data)
+    one_file = first.stats().used_bytes
+    assert one_file > 0 and len(chunk_files(tmp_path)) == 1
+    monkeypatch.setattr(late.files, "exists", lambda _key: False)  # it checked too early
+    assert late.put(key(5), data)  # held: the put succeeded, by the other writer's copy
+    assert late.stats().used_bytes == one_file and late.stats().chunks == 1
+    assert len(chunk_files(tmp_path)) == 1
+    assert not list(tmp_path.rglob("*.tmp"))  # the second copy removed, not left behind
+    out = bytearray(LAYOUT.bytes_per_chunk)
+    assert first.get_into(key(5), memoryview(out)) and out == data
+    first.close()
+    late.close()
+
+
+@pytest.mark.parametrize("kind", ["disk", "shared"])
+def test_a_chunk_file_written_twice_leaves_one_file(kind: str, tmp_path: Path) -> None:
+    tier: Any = make_tier(kind, tmp_path, LAYOUT, 8)
+    files: ChunkFiles = tier.files
+    data = memoryview(bytes(LAYOUT.bytes_per_chunk))
+    racing = [files.prepare_write(key(7)) for _ in range(2)]  # both before either renames
+    for pending in racing:
+        pending.fill(data)
+    assert racing[0].complete()
+    assert not racing[1].complete()  # the first copy stays in place...
+    assert racing[1].abort() > 0  # ...and the second is removed by its writer
+    assert len(chunk_files(tmp_path)) == 1 and not list(tmp_path.rglob("*.tmp"))
+    tier.close()
+
+
+def test_where_renames_cannot_refuse_the_second_copy_replaces_the_first(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NFS and some FUSE mounts refuse RENAME_NOREPLACE (EINVAL): the write still lands,
+    replacing the identical copy (the ledger stays high by one copy until a re-measure)."""
+    monkeypatch.setattr(filetree, "_renames_new", [False])
+    tier: Any = make_tier("disk", tmp_path, LAYOUT, 8)
+    data = memoryview(bytes(LAYOUT.bytes_per_chunk))
+    racing = [tier.files.prepare_write(key(7)) for _ in range(2)]
+    for pending in racing:
+        pending.fill(data)
+        assert pending.complete()
+    assert len(chunk_files(tmp_path)) == 1 and not list(tmp_path.rglob("*.tmp"))
+    tier.close()
