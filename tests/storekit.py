@@ -6,16 +6,27 @@ over them: tests/tools/clikit.py. (Not named conftest.py: see tierkit.py.)
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from tierkit import key
+from tierkit import key, tiny_layout
 
 from kvtier.core.layout import KVLayout
-from kvtier.tiers import build_tier
+from kvtier.tiers import build_tier, open_store
+from kvtier.tiers.manifest import NamespaceInfo
 from kvtier.tiers.storeconfig import StoreConfig
+
+# Two namespaces of one model (its weights before and after an update), and one stored by a
+# kvtier before manifests: no fingerprint, no manifest.
+OLD_FP, NEW_FP = "0123456789abcdef" * 2, "fedcba9876543210" * 2
+OLD = dataclasses.replace(tiny_layout(16), model_fingerprint=OLD_FP)
+NEW = dataclasses.replace(tiny_layout(16), model_fingerprint=NEW_FP)
+LEGACY = tiny_layout(16)
+OLD_INFO = NamespaceInfo(model="acme/tiny", fingerprint=OLD_FP, weight_files=2)
+NEW_INFO = NamespaceInfo(model="acme/tiny", fingerprint=NEW_FP, weight_files=2)
 
 KINDS = ["disk", "shared", pytest.param("redis", marks=pytest.mark.redis),
          pytest.param("s3", marks=pytest.mark.s3)]
@@ -45,3 +56,12 @@ def held(config_path: Path, layout: KVLayout, keys: range) -> list[int]:
         return [i for i in keys if tier.contains(key(i))]
     finally:
         tier.close()
+
+
+def fill(config_path: Path, layout: KVLayout, info: NamespaceInfo | None, keys: range) -> None:
+    """Store chunks `keys` of `layout` through a real store opened as an engine's worker opens
+    it (with `info`: the namespace's manifest), and let its write-behind finish."""
+    with open_store(StoreConfig.load(config_path), layout, info) as store:
+        for i in keys:
+            store.put(key(i), memoryview(bytes([i % 256]) * layout.bytes_per_chunk))
+        store.flush()

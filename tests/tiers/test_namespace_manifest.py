@@ -19,41 +19,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from storekit import held, write_config
-from tierkit import key, tiny_layout
+from storekit import LEGACY, NEW, OLD, OLD_FP, OLD_INFO, fill, held, write_config
+from tierkit import tiny_layout
 
 from kvtier.core.fingerprint import cached_model_fingerprint
-from kvtier.core.layout import KVLayout
 from kvtier.errors import ConfigError
-from kvtier.tiers import build_tier, open_store
-from kvtier.tiers.manifest import FILE_NAME, NamespaceInfo
+from kvtier.tiers import build_tier
+from kvtier.tiers.manifest import FILE_NAME
 from kvtier.tiers.storeconfig import StoreConfig
-
-OLD_FP, NEW_FP = "0123456789abcdef" * 2, "fedcba9876543210" * 2
-OLD = dataclasses.replace(tiny_layout(16), model_fingerprint=OLD_FP)
-NEW = dataclasses.replace(tiny_layout(16), model_fingerprint=NEW_FP)
-LEGACY = tiny_layout(16)  # stored by a kvtier before manifests: no fingerprint, no manifest
-OLD_INFO = NamespaceInfo(model="acme/tiny", fingerprint=OLD_FP, weight_files=2)
-NEW_INFO = NamespaceInfo(model="acme/tiny", fingerprint=NEW_FP, weight_files=2)
-
-
-
-
-
-
-def fill(config_path: Path, layout: KVLayout, info: NamespaceInfo | None, keys: range) -> None:
-    """Store chunks `keys` of `layout` through a real store opened as an engine's worker opens
-    it (with `info`: the namespace's manifest), and let its write-behind finish."""
-    with open_store(StoreConfig.load(config_path), layout, info) as store:
-        for i in keys:
-            store.put(key(i), memoryview(bytes([i % 256]) * layout.bytes_per_chunk))
-        store.flush()
-
-
-
-
-
-
 
 
 def test_manifest_content_and_it_is_rewritten_only_when_different(tmp_path: Path) -> None:

@@ -21,43 +21,29 @@ from pathlib import Path
 
 import pytest
 from clikit import by_namespace, cli_json
-from storekit import KINDS, held, tier_config, write_config
-from tierkit import key, tiny_layout
+from storekit import (
+    KINDS,
+    LEGACY,
+    NEW,
+    NEW_FP,
+    NEW_INFO,
+    OLD,
+    OLD_FP,
+    OLD_INFO,
+    fill,
+    held,
+    tier_config,
+    write_config,
+)
+from tierkit import tiny_layout
 
-from kvtier.core.layout import KVLayout
 from kvtier.tiers import open_store
 from kvtier.tiers.files.manifests import read_file_manifest
-from kvtier.tiers.manifest import FILE_NAME, NamespaceInfo, new_manifest, parse_manifest
+from kvtier.tiers.manifest import FILE_NAME, new_manifest, parse_manifest
 from kvtier.tiers.redis.manifest import redis_manifest_name
 from kvtier.tiers.storeconfig import StoreConfig
 from kvtier.tools.admin.inventory import open_inventories, read_manifests
 from kvtier.tools.cli.main import main
-
-OLD_FP, NEW_FP = "0123456789abcdef" * 2, "fedcba9876543210" * 2
-OLD = dataclasses.replace(tiny_layout(16), model_fingerprint=OLD_FP)
-NEW = dataclasses.replace(tiny_layout(16), model_fingerprint=NEW_FP)
-LEGACY = tiny_layout(16)  # stored by a kvtier before manifests: no fingerprint, no manifest
-OLD_INFO = NamespaceInfo(model="acme/tiny", fingerprint=OLD_FP, weight_files=2)
-NEW_INFO = NamespaceInfo(model="acme/tiny", fingerprint=NEW_FP, weight_files=2)
-
-
-
-
-
-
-def fill(config_path: Path, layout: KVLayout, info: NamespaceInfo | None, keys: range) -> None:
-    """Store chunks `keys` of `layout` through a real store opened as an engine's worker opens
-    it (with `info`: the namespace's manifest), and let its write-behind finish."""
-    with open_store(StoreConfig.load(config_path), layout, info) as store:
-        for i in keys:
-            store.put(key(i), memoryview(bytes([i % 256]) * layout.bytes_per_chunk))
-        store.flush()
-
-
-
-
-
-
 
 
 @pytest.mark.parametrize("kind", KINDS)
