@@ -23,6 +23,7 @@ from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.messages import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.scheduler.connector_scheduler import ConnectorScheduler
 from kvtier.integrations.vllm.scheduler.storeplan import stores_async
+from kvtier.integrations.vllm.transfers import chunk_meta
 
 CHUNK, BLOCK = 64, 32
 
@@ -101,6 +102,10 @@ def test_a_new_prompt_misses_and_its_prefill_stores_every_full_chunk() -> None:
     # 200 tokens: chunks 0-2 are full (192 tokens), the last 8 tokens are not stored.
     assert [t.block_ids for t in meta.stores] == [(0, 1), (2, 3), (4, 5)]
     assert all(t.depends_on == () for t in meta.stores)
+    # Each chunk names the one its prefix ends with, for the "prefix" eviction policy.
+    keys = [t.key for t in meta.stores]
+    assert [t.parent for t in meta.stores] == [None, *keys[:-1]]
+    assert [chunk_meta(t).parent for t in meta.stores] == [None, *keys[:-1]]
 
 
 def test_a_returning_prompt_loads_whole_chunks_and_the_step_stores_what_follows() -> None:

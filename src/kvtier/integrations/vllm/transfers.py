@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.retention import DEFAULT_META, ChunkMeta
@@ -47,6 +47,9 @@ class ChunkTransfer:
     # state at the chunk's end; the null block for none), or a load's targets of the state
     # of a hit's last chunk (two per state group: the hit's last block and the next).
     state_blocks: tuple[int, ...] = ()
+    # Stores only: the key of the chunk before it in its prompt (None: the first chunk), for
+    # the "prefix" eviction policy (ChunkMeta.parent).
+    parent: ChunkKey | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -63,13 +66,14 @@ class ChunkTransfer:
 
 
 def chunk_meta(transfer: ChunkTransfer) -> ChunkMeta:
-    """The tenant (`tenant_id` of its cache salt), pin and expiry of a planned chunk, dated
-    now: what every tier call about it carries (`DEFAULT_META` for a chunk of the default
-    tenant with neither: the tiers' defaults apply)."""
+    """The tenant (`tenant_id` of its cache salt), pin, expiry and parent of a planned chunk,
+    dated now: what every tier call about it carries (`DEFAULT_META` for a first chunk of the
+    default tenant with neither: the tiers' defaults apply)."""
     if transfer.tenant is None and transfer.retain_s is None and transfer.ttl_s is None:
-        return DEFAULT_META
-    return ChunkMeta.for_request(transfer.tenant, transfer.retain_s, transfer.ttl_s,
+        return DEFAULT_META if transfer.parent is None else ChunkMeta(parent=transfer.parent)
+    meta = ChunkMeta.for_request(transfer.tenant, transfer.retain_s, transfer.ttl_s,
                                  time.time())
+    return meta if transfer.parent is None else replace(meta, parent=transfer.parent)
 
 
 @dataclass(frozen=True, slots=True)

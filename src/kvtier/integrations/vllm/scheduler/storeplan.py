@@ -129,7 +129,8 @@ class StorePlanner:
                 state_blocks=tuple(ids[first + bpc - 1] if first + bpc <= len(ids)
                                    else NULL_BLOCK for ids in states),
                 depends_on=loaded.before(first + bpc), tenant=state.request.cache_salt,
-                retain_s=controls.retain_s, ttl_s=controls.ttl_s))
+                retain_s=controls.retain_s, ttl_s=controls.ttl_s,
+                parent=keys[chunk - 1] if chunk else None))
             self._inflight[key] = step
             state.last_store_step = step
         state.num_planned_chunks = full_chunks
