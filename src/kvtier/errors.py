@@ -45,6 +45,11 @@ class TierUnavailable(KVTierError):
     """A tier cannot serve right now (directory unwritable, server down, ...)."""
 
 
+class NodeUnavailable(TierUnavailable):
+    """The node's cache (`kvtier node`) did not answer in time, is down, stopped or
+    restarting, or answered nonsense: the engine misses (kvtier.node.client)."""
+
+
 class CorruptChunk(KVTierError):
     """Stored chunk data failed verification (magic, version, layout, key, size or checksum).
     The tier that read it removes it and reports a miss."""

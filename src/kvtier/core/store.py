@@ -431,6 +431,10 @@ class TieredStore:
         return None if keeper is None else self._guarded(tier, None, keeper.meta_of, key)
 
     # -- writes ----------------------------------------------------------------------------
+    def plan_puts(self, keys: Sequence[ChunkKey], metas: Sequence[ChunkMeta]) -> None:
+        """Nothing to do ahead: each put takes its slot as it comes (the node's store,
+        kvtier.node.client.NodeStore, reserves a step's slots in one round trip here)."""
+
     def put(self, key: ChunkKey, data: memoryview, meta: ChunkMeta = DEFAULT_META) -> bool:
         """Store a chunk (exactly layout.bytes_per_chunk bytes) with its tenant, pin and
         expiry (`meta`): in the top tier now, in the lower tiers behind (each tier's `put`

@@ -21,15 +21,19 @@ the request's own).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import ClassVar, Literal
 
 import numpy as np
+from pydantic import Field
 
 from kvtier.core.chunkformat import ALIGN_BYTES
 from kvtier.core.keys import ChunkKey
@@ -52,6 +56,7 @@ from kvtier.tiers.prefault import prefault_in_background
 from kvtier.tiers.retention import RetentionTierSettings, book_problems, build_book
 
 log = logging.getLogger(__name__)
+SHM_DIR = Path("/dev/shm")  # where named shared memory lives on Linux
 
 
 class MemoryTierConfig(RetentionTierSettings):
@@ -62,6 +67,10 @@ class MemoryTierConfig(RetentionTierSettings):
     # Commit the slab's RAM in the background from the start (tiers/prefault.py), so that
     # no store pays a first-touch page fault; False: pages are committed as they are used.
     prefault: bool = True
+    # The slab in a named shared-memory file, /dev/shm/<name> (mode 0660: the node's group),
+    # that other processes map: `kvtier node` sets it for its engines (kvtier.node). None:
+    # the slab is this process's own memory.
+    shared_memory: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]{1,200}$")
 
 
 class _Slot:
@@ -99,7 +108,11 @@ class MemoryTier:
             log.warning("memory tier %r: capacity %d B holds no %d B chunk; it will store nothing",
                         self.name, config.capacity, self.slot_bytes)
         self.pinned = False
-        self._slab = self._allocate(self.num_slots * self.slot_bytes, config.pin)
+        # /dev/shm/<config.shared_memory>, created here and removed by `close`; None: none
+        self.shared_memory_path: Path | None = None
+        self._slab = (self._share(config.shared_memory, self.num_slots * self.slot_bytes)
+                      if config.shared_memory else
+                      self._allocate(self.num_slots * self.slot_bytes, config.pin))
         self._stop_prefault = threading.Event()
         self.prefaulting: threading.Thread | None = None  # running or finished; None: off
         if config.prefault and not self.pinned and self._slab.nbytes:
@@ -139,6 +152,31 @@ class MemoryTier:
         # mmap gives page-aligned, lazily committed memory.
         self._mmap = mmap.mmap(-1, max(size_bytes, 1))
         return np.frombuffer(self._mmap, dtype=np.uint8)[:size_bytes]
+
+    def _share(self, name: str, size_bytes: int) -> np.ndarray:
+        """The slab in /dev/shm/`name`, created (replacing one a dead node left), sized and
+        mapped shared. Raises OSError (no /dev/shm, a link at the path: ELOOP)."""
+        path = SHM_DIR / name
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o660)
+        try:
+            os.fchmod(fd, 0o660)  # the umask must not narrow what the node's group may map
+            os.ftruncate(fd, max(size_bytes, 1))
+            self._mmap = mmap.mmap(fd, max(size_bytes, 1), mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        self.shared_memory_path = path
+        return np.frombuffer(self._mmap, dtype=np.uint8)[:size_bytes]
+
+    def offset_of(self, view: memoryview) -> int | None:
+        """Where `view` starts in the slab (a chunk this tier lent or reserved), in bytes;
+        None when it lies elsewhere (a caller's spare)."""
+        base = self._slab.ctypes.data
+        start = np.frombuffer(view, dtype=np.uint8).ctypes.data
+        offset = start - base
+        return offset if offset >= 0 and offset + len(view) <= self._slab.nbytes else None
 
     def slot(self, index: int) -> np.ndarray:
         """The bytes of slot `index` (chunk_bytes long)."""
@@ -395,6 +433,9 @@ class MemoryTier:
 
     def close(self) -> None:
         self._stop_prefault.set()
+        if self.shared_memory_path is not None:  # mappings of it stay valid until unmapped
+            with contextlib.suppress(FileNotFoundError):
+                self.shared_memory_path.unlink()
         with self._lock:
             self._index.clear()
             self._book = build_book(self._config, self.num_slots * self.slot_bytes,

@@ -35,7 +35,11 @@ TOKENS_PER_CHUNK = 256
 DEFAULT_TIERS: tuple[dict[str, Any], ...] = ({"kind": "memory", "capacity": "2GiB"},)
 # The connector's own keys; every other key of the extra config belongs to StoreConfig.
 CONNECTOR_KEYS = frozenset({"tokens_per_chunk", "index_max_keys", "load_mode", "store_mode",
-                            "load_when"})
+                            "load_when", "node"})
+# In node mode (`node`: the socket of `kvtier node`) the engine's one tier is the node's.
+NODE_TIER = "node"
+# Keys the scheduler remembers as stored, in node mode (the node's capacity is its own).
+NODE_INDEX_KEYS = 1 << 20
 # How a hit is loaded: "sync" inside the step that needs it (the whole batch waits for it),
 # "async" while other requests keep running (the request waits one step or more), "auto":
 # inline on an idle engine (no batch to protect) or when the load's measured cost is at most a
@@ -82,6 +86,9 @@ class ConnectorConfig:
     store_mode: str = "auto"
     # See LOAD_WHEN; None: not set (`load_when_for`).
     load_when: str | None = None
+    # The Unix socket of the node's cache (`kvtier node serve`): every tier is the node's and
+    # nothing below its RAM runs in vLLM's processes. None: the tiers run in this engine.
+    node: str | None = None
 
     @staticmethod
     def known_keys() -> frozenset[str]:
@@ -110,7 +117,15 @@ class ConnectorConfig:
         for name, value in values.items():
             choices = {"load_mode": LOAD_MODES, "store_mode": STORE_MODES,
                        "load_when": LOAD_WHEN}
-            if name in choices:
+            if name == "node":
+                if not isinstance(value, str) or not value.startswith("/"):
+                    raise ConfigError(f"{where}.node", value,
+                                      "the absolute path of the node's socket")
+                if "tiers" in extra:
+                    raise ConfigError(f"{where}.tiers", extra["tiers"],
+                                      "none with node set: the tiers are the node's "
+                                      "(its own config, kvtier node serve --config)")
+            elif name in choices:
                 modes = choices[name]
                 if value not in modes:
                     raise ConfigError(f"{where}.{name}", value, f"one of {modes}")
@@ -127,11 +142,17 @@ class ConnectorConfig:
             return self.load_when
         return "always" if kv_role == "kv_consumer" else "faster"
 
+    def tier_names(self) -> list[str]:
+        """The tiers this engine loads from, fastest first (in node mode: the node)."""
+        return [NODE_TIER] if self.node else [t.tier_name for t in self.store.tiers]
+
     def index_keys(self, bytes_per_chunk: int) -> int:
         """The scheduler index's bound in keys (see index_max_keys), for chunks of
         `bytes_per_chunk` summed over the tensor-parallel ranks (capacities are per engine)."""
         if self.index_max_keys is not None:
             return self.index_max_keys
+        if self.node:
+            return NODE_INDEX_KEYS
         return max(1024, sum(t.capacity for t in self.store.tiers) // bytes_per_chunk)
 
     def for_block_size(self, block_size: int) -> ConnectorConfig:

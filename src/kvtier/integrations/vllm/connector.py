@@ -43,7 +43,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.core.fingerprint import ModelFingerprint, cached_model_fingerprint
 from kvtier.core.layout import KVLayout
 from kvtier.core.locator import ChunkLocator
-from kvtier.integrations.vllm.config import ConnectorConfig
+from kvtier.core.tier import Probe
+from kvtier.integrations.vllm.config import NODE_TIER, ConnectorConfig
 from kvtier.integrations.vllm.groups import NULL_BLOCK, ChunkGroups, chunk_groups
 from kvtier.integrations.vllm.kvformat import AttentionFormat, attention_format, chunk_layouts
 from kvtier.integrations.vllm.messages import KVTierMetadata
@@ -61,7 +62,9 @@ from kvtier.integrations.vllm.worker.connector_worker import (
     PagedKV,
     load_batch_for,
 )
+from kvtier.node.client import NodeClient, NodeProbe, NodeStore
 from kvtier.tiers import build_probe, open_store
+from kvtier.tiers.manifest import NamespaceInfo
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +118,15 @@ def backend_content(vllm_config: VllmConfig, layer_name: str, device: torch.devi
     if name:
         return "rows" if name == "CPU_ATTN" else "halves"
     return "rows" if device.type == "cpu" else "halves"
+
+
+def namespace_info(vllm_config: VllmConfig, fingerprint: ModelFingerprint) -> NamespaceInfo:
+    """The namespace's manifest: which model its chunks are."""
+    served = vllm_config.model_config.served_model_name
+    return NamespaceInfo(
+        model=str((served[0] if isinstance(served, list) and served else served)
+                  or vllm_config.model_config.model),
+        fingerprint=fingerprint.digest, weight_files=fingerprint.weight_files)
 
 
 def scheduler_model_identity(vllm_config: VllmConfig) -> tuple[str, ModelFingerprint]:
@@ -211,23 +223,36 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             groups = chunk_groups(str(vllm_config.model_config.model), kv_cache_config)
             _fmt, layouts = engine_layouts(vllm_config, kv_cache_config, groups,
                                            self._config.tokens_per_chunk)
-            probes = {tier.tier_name: build_probe(tier, layouts)
-                      for tier in self._config.store.tiers}
+            model_id, fingerprint = scheduler_model_identity(vllm_config)
+            if self._config.node:  # a chunk counts when the node holds every rank's shard
+                info = namespace_info(vllm_config, fingerprint)
+                probes: dict[str, Probe | None] = {NODE_TIER: NodeProbe(
+                    [self._node_client(layout, info) for layout in layouts])}
+            else:
+                probes = {tier.tier_name: build_probe(tier, layouts)
+                          for tier in self._config.store.tiers}
             # A key stands for one shard per rank: the index bound counts whole chunks.
             locator = ChunkLocator({name: p for name, p in probes.items() if p is not None},
                                    self._config.index_keys(
                                        sum(layout.bytes_per_chunk for layout in layouts)),
                                    timeout_s=self._config.store.lookup_timeout_s)
             events = vllm_config.kv_events_config
-            model_id, fingerprint = scheduler_model_identity(vllm_config)
             self._scheduler = ConnectorScheduler(
                 self._config, block_size=self._block_size,
                 groups=groups,
                 model_id=model_id, layout_digest=layouts[0].digest(),
                 weights_fingerprint=fingerprint.digest, locator=locator,
-                tier_kinds={t.tier_name: t.kind for t in self._config.store.tiers},
+                tier_kinds={NODE_TIER: "memory"} if self._config.node else
+                {t.tier_name: t.kind for t in self._config.store.tiers},
                 emit_events=bool(events and events.enable_kv_cache_events),
                 kv_role=self._kv_transfer_config.kv_role)
+
+    def _node_client(self, layout: KVLayout, info: NamespaceInfo) -> NodeClient:
+        """A client of the node for `layout`'s chunks: its deadline is the store's lookup
+        timeout (a node stopped costs a step at most that, then misses for a while)."""
+        assert self._config.node is not None
+        return NodeClient(self._config.node, layout, info,
+                          timeout_s=self._config.store.lookup_timeout_s)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
@@ -308,7 +333,6 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         """
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-        from kvtier.tiers.manifest import NamespaceInfo
 
         groups = chunk_groups(str(self._vllm_config.model_config.model),
                               self._kv_cache_config)
@@ -342,11 +366,16 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if paged.kernel_split > 1:
             logger.info("kvtier: vLLM splits each %d-token block into %d kernel blocks",
                         self._block_size, paged.kernel_split)
-        served = self._vllm_config.model_config.served_model_name
-        info = NamespaceInfo(  # the namespace's manifest: which model its chunks are
-            model=str((served[0] if isinstance(served, list) and served else served)
-                      or self._vllm_config.model_config.model),
-            fingerprint=fingerprint.digest, weight_files=fingerprint.weight_files)
+        info = namespace_info(self._vllm_config, fingerprint)
+        if self._config.node:  # every tier is the node's: nothing below RAM runs here
+            logger.info("kvtier: node mode: the cache of the node at %s", self._config.node)
+            self._worker = ConnectorWorker(
+                paged, layout, NodeStore(self._node_client(layout, info), layout.bytes_per_chunk),
+                load_batch=load_batch_for(self._config.store.io_threads, layout.bytes_per_chunk),
+                agree=tp_any if world > 1 else None,
+                handoff_timeout_s=self._config.store.read_timeout_s
+                if self._kv_transfer_config.kv_role == "kv_producer" else None)
+            return
         # Capacities are per engine, like vLLM's cpu_bytes_to_use: each rank holds its share.
         store_config = self._config.store.per_rank(world)
         if world > 1:

@@ -23,6 +23,7 @@ COMMANDS: tuple[str, ...] = (
     "kvtier.tools.cli.plan", "kvtier.tools.cli.audit", "kvtier.tools.cli.doctor",
     "kvtier.tools.cli.simulate",
     "kvtier.tools.cli.serve",
+    "kvtier.tools.cli.node",
     "kvtier.tools.cli.warm",
     "kvtier.tools.cli.proxy",
     "kvtier.tools.cli.inspect",

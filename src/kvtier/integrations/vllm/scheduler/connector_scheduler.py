@@ -80,7 +80,7 @@ class ConnectorScheduler:
             kv_role=kv_role, stats=self._stats, events=self._events)
         self._states = StateLayers(groups, block_size)
         self._loads = LoadPlanner(config.load_mode,
-                                  [tier.tier_name for tier in config.store.tiers],
+                                  config.tier_names(),
                                   several_groups, config.tokens_per_chunk,
                                   config.load_when_for(kv_role))
         self._failures = LoadFailures()

@@ -1,5 +1,6 @@
 """What the connector's worker and its movers need of kvtier's store (`ChunkStore`):
-`TieredStore` (core/store.py) provides it.
+`TieredStore` (core/store.py) provides it in-process, `NodeStore` (node/client.py) in node
+mode.
 
 Primitives: `ChunkStore`.
 """
@@ -28,6 +29,9 @@ class ChunkStore(Protocol):
     def lend_as_landed(self, keys: Sequence[ChunkKey], spares: MutableSequence[memoryview],
                        metas: Sequence[ChunkMeta] = (), *, in_order: bool = False,
                        ) -> Lending[ChunkView]: ...
+
+    def plan_puts(self, keys: Sequence[ChunkKey], metas: Sequence[ChunkMeta]) -> None:
+        """A step's stores are about to `put_from` / `putting` these keys, in this order."""
 
     def put(self, key: ChunkKey, data: memoryview, meta: ChunkMeta = DEFAULT_META) -> bool: ...
 

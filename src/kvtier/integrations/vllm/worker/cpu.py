@@ -135,6 +135,7 @@ class CpuChunkMover:
         it later, the engine goes on."""
         start = time.perf_counter()
         stored = []
+        self._store.plan_puts([t.key for t in transfers], [chunk_meta(t) for t in transfers])
         for transfer in transfers:
             try:
                 # A chunk the top tier holds already (e.g. a prefix vLLM itself had cached)

@@ -248,6 +248,7 @@ class StreamChunkMover:
         gather of one, the DMA of another and the commit of a third overlap."""
         start = time.perf_counter()
         self._device.wait(self._store_stream, after or self.mark())
+        self._store.plan_puts([t.key for t in transfers], [chunk_meta(t) for t in transfers])
         stored: list[ChunkTransfer] = []
         flight: deque[_Storing] = deque()  # oldest first
         try:

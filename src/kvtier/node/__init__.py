@@ -1,0 +1,11 @@
+"""kvtier node: one cache per node, shared by its engines, surviving their restarts, off their
+interpreter.
+
+  server.py    `NodeServer`: the tier stack per KV layout, its RAM slab in shared memory,
+               one thread per engine connection, leases that end with the connection
+  client.py    `NodeStore` (the connector's store in node mode), `NodeProbe` (its lookups)
+  protocol.py  the control messages (msgspec), one round trip per load or step of stores
+
+The node imports the cache (core, tiers), never vLLM: engines reach it through the connector
+(`"node": SOCKET` in kv_connector_extra_config).
+"""

@@ -1,0 +1,418 @@
+"""An engine's side of `kvtier node`: `NodeStore`, the store the connector's worker and movers
+use in node mode (`ChunkStore`), and `NodeProbe`, the scheduler's lookup through the node.
+
+Chunks are lent and filled in place in the node's shared-memory slab, mapped here; only
+offsets cross the socket, one round trip per load (`Borrow`) and one per step's stores
+(`Reserve`, from `plan_puts`); commits and releases are sent without waiting.
+
+Nothing the node does wrong hurts the engine: every call has a deadline (`timeout_s`); a node
+that is down, stopped or answering nonsense is a miss (loads, lookups) or a dropped store,
+counted and logged, and it is not asked again for `retry_s` (the engine goes on at full speed
+meanwhile); the next call after that reconnects, and a restarted node's new slab is mapped
+again. Each thread has its own connection: its leases end with it.
+
+Primitives: `NodeClient`, `NodeStore`, `NodeProbe`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import mmap
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, MutableSequence, Sequence
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TypeVar
+
+from kvtier.core.keys import ChunkKey
+from kvtier.core.layout import KVLayout
+from kvtier.core.loans import Hold, Lending
+from kvtier.core.retention import DEFAULT_META, ChunkMeta
+from kvtier.core.store import ChunkView, PendingPut, StoreEvent, StoreStats
+from kvtier.core.tier import TierCounters
+from kvtier.errors import NodeUnavailable
+from kvtier.node.protocol import (
+    HELD,
+    SKIPPED,
+    Answer,
+    Borrow,
+    Commit,
+    Flush,
+    Found,
+    Hello,
+    Lent,
+    Lookup,
+    Meta,
+    Refused,
+    Release,
+    Reply,
+    Request,
+    Reserve,
+    Reserved,
+    Retain,
+    Status,
+    Welcome,
+    receive_reply,
+    send,
+)
+from kvtier.tiers.manifest import NamespaceInfo
+
+log = logging.getLogger(__name__)
+TIER = "node"  # the one tier an engine sees in node mode (its counters, its load costs)
+R = TypeVar("R", bound=Reply)
+
+
+class NodeClient:
+    """Connections to one node for one layout: one per thread, each greeted with `Hello`;
+    the slab of the node's current generation mapped once. Thread-safe."""
+
+    def __init__(self, socket_path: str, layout: KVLayout, info: NamespaceInfo, *,
+                 timeout_s: float = 1.0, retry_s: float = 2.0) -> None:
+        self.socket_path = socket_path
+        self.timeout_s = timeout_s
+        self.retry_s = retry_s
+        self._hello = Hello(dataclasses.asdict(layout), info.model, info.fingerprint,
+                            info.weight_files, f"{socket.gethostname()}:{os.getpid()}")
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+        self._slab: tuple[str, mmap.mmap] | None = None  # (generation, mapping)
+        self.welcome: Welcome | None = None
+        self.failures = 0  # calls the node did not answer (each a miss or a dropped store)
+
+    def call(self, request: Request, reply: type[R]) -> R:
+        """`request`'s reply, within `timeout_s`.
+
+        Raises:
+            NodeUnavailable: the node is down, stopped or restarting, refused, or was
+                marked down within the last `retry_s`.
+        """
+        sock = self._connection()
+        try:
+            send(sock, request)
+            answer = receive_reply(sock)
+        except (OSError, NodeUnavailable) as exc:
+            self._broken(exc)
+            raise NodeUnavailable(str(exc)) from exc
+        if isinstance(answer, Refused) or not isinstance(answer, reply):
+            self._broken(RuntimeError(f"the node answered {answer!r}"))
+            raise NodeUnavailable(f"the node answered {answer!r}")
+        return answer
+
+    def tell(self, request: Request) -> None:
+        """Send a request that gets no reply (Commit, Release); a failure only marks the
+        connection broken (its leases end with it on the node)."""
+        sock = getattr(self._local, "sock", None)
+        if sock is None:
+            return  # the connection that holds the lease is gone: so is the lease
+        try:
+            send(sock, request)
+        except OSError as exc:
+            self._broken(exc)
+
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        """`nbytes` of the slab at `offset` (of the generation this thread was welcomed by)."""
+        assert self._slab is not None
+        return memoryview(self._slab[1])[offset:offset + nbytes]
+
+    def _connection(self) -> socket.socket:
+        sock: socket.socket | None = getattr(self._local, "sock", None)
+        if sock is not None:
+            return sock
+        if time.monotonic() < self._down_until:
+            raise NodeUnavailable("the node was unreachable moments ago")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout_s)
+        try:
+            sock.connect(self.socket_path)
+            send(sock, self._hello)
+            welcome = receive_reply(sock)
+        except (OSError, NodeUnavailable) as exc:
+            sock.close()
+            self._mark_down(exc)
+            raise NodeUnavailable(str(exc)) from exc
+        if not isinstance(welcome, Welcome):
+            sock.close()
+            self._mark_down(RuntimeError(f"the node refused: {welcome!r}"))
+            raise NodeUnavailable(f"the node refused: {welcome!r}")
+        self._map(welcome)
+        self._local.sock = sock
+        return sock
+
+    def _map(self, welcome: Welcome) -> None:
+        """Map the slab of `welcome`'s generation (a restarted node's is a new file)."""
+        with self._lock:
+            if self._slab is not None and self._slab[0] == welcome.generation:
+                return
+            fd = os.open(welcome.shm_path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                mapping = mmap.mmap(fd, welcome.shm_bytes, mmap.MAP_SHARED)
+            finally:
+                os.close(fd)
+            if self._slab is not None:
+                log.info("kvtier: node %r restarted (generation %s): its slab mapped again",
+                         welcome.node, welcome.generation)
+            self._slab = (welcome.generation, mapping)  # the old mapping: loans still out
+            self.welcome = welcome
+
+    def _broken(self, exc: BaseException) -> None:
+        sock = getattr(self._local, "sock", None)
+        self._local.sock = None
+        if sock is not None:
+            sock.close()  # the node ends this connection's leases
+        self._mark_down(exc)
+
+    def _mark_down(self, exc: BaseException) -> None:
+        self.failures += 1
+        with self._lock:
+            first = time.monotonic() >= self._down_until
+            self._down_until = time.monotonic() + self.retry_s
+        if first:
+            log.warning("kvtier: node at %s unavailable (%s): misses for %.1f s, then retried",
+                        self.socket_path, exc, self.retry_s)
+
+    def close(self) -> None:
+        sock = getattr(self._local, "sock", None)
+        if sock is not None:
+            sock.close()
+            self._local.sock = None
+
+
+class _NodeLending(Lending[ChunkView]):
+    """A `Lending` of chunks the node lent in its slab; its end releases the node's lease."""
+
+    def __init__(self, client: NodeClient, lease: int, *args: object, **kwargs: object
+                 ) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._client, self._lease = client, lease
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            if self._lease:
+                self._client.tell(Release(self._lease))
+                self._lease = 0
+
+
+@dataclass(slots=True)
+class _Planned:
+    lease: int
+    index: int
+    offset: int  # or HELD / SKIPPED
+
+
+class NodeStore:
+    """kvtier's store in node mode (`integrations.vllm.worker.chunkstore.ChunkStore`): every
+    tier is the node's. Thread-safe; `lend_as_landed` and stores per thread as the movers
+    use them."""
+
+    def __init__(self, client: NodeClient, chunk_bytes: int) -> None:
+        self._client = client
+        self._chunk_bytes = chunk_bytes
+        self._counters = TierCounters(TIER, 0)
+        self._planned: dict[ChunkKey, _Planned] = {}
+        self._planned_lock = threading.Lock()
+
+    # -- loads ------------------------------------------------------------------------------
+    def lend_as_landed(self, keys: Sequence[ChunkKey], spares: MutableSequence[memoryview],
+                       metas: Sequence[ChunkMeta] = (), *, in_order: bool = False,
+                       ) -> Lending[ChunkView]:
+        """The chunks the node lends in one round trip, in order until its first miss (a
+        node unavailable: a miss at the first chunk, charged to the tier "node")."""
+        metas = list(metas) or [DEFAULT_META] * len(keys)
+        if len(metas) != len(keys):
+            raise ValueError(f"{len(metas)} metas for {len(keys)} keys")
+        start = time.perf_counter()
+        failed: str | None = None
+        try:
+            lent = self._client.call(Borrow(list(keys), [Meta.of(m) for m in metas]), Lent)
+        except NodeUnavailable:
+            lent, failed = Lent(0, [], [], None), TIER
+        views = [ChunkView(self._client.view(offset, self._chunk_bytes).toreadonly(), TIER)
+                 for offset in lent.offsets]
+        held = len(views)
+        self._counters.add(hits=held, misses=int(held < len(keys)),
+                           bytes_read=held * self._chunk_bytes,
+                           read_s=time.perf_counter() - start)
+        failed = failed or (TIER if lent.failed_tier is not None else None)
+
+        def missed(i: int, hold: Hold, _spare: memoryview) -> Future[ChunkView | None]:
+            hold.tier = failed
+            done: Future[ChunkView | None] = Future()
+            done.set_result(None)
+            return done
+
+        return _NodeLending(self._client, lent.lease, len(keys), spares, in_order=in_order,
+                            lend=lambda i, _hold: views[i] if i < held else None,
+                            read=missed, timeout_s=self._client.timeout_s,
+                            late=lambda _tier: None)
+
+    @contextmanager
+    def borrow(self, key: ChunkKey, spare: memoryview,
+               meta: ChunkMeta = DEFAULT_META) -> Iterator[ChunkView | None]:
+        with self.lend_as_landed([key], [spare], [meta]) as lending:
+            loan = next(iter(lending), None)
+            yield None if loan is None else loan.view
+
+    def get_into(self, key: ChunkKey, out: memoryview,
+                 meta: ChunkMeta = DEFAULT_META) -> str | None:
+        with self.borrow(key, out, meta) as view:
+            if view is None:
+                return None
+            out[:] = view.data
+            return view.tier
+
+    def contains(self, key: ChunkKey) -> bool:
+        try:
+            return self._client.call(Lookup([key]), Found).held[0]
+        except NodeUnavailable:
+            return False
+
+    # -- stores -----------------------------------------------------------------------------
+    def plan_puts(self, keys: Sequence[ChunkKey], metas: Sequence[ChunkMeta]) -> None:
+        """Reserve slots for a step's stores in one round trip (`put_from` / `putting` of
+        each key then fills its slot). Slots reserved before and never filled are given
+        back."""
+        with self._planned_lock:
+            stale, self._planned = list(self._planned.values()), {}
+        for planned in stale:
+            if planned.offset >= 0:
+                self._client.tell(Commit(planned.lease, planned.index, False))
+        if not keys:
+            return
+        try:
+            reserved = self._client.call(Reserve(list(keys), [Meta.of(m) for m in metas]),
+                                         Reserved)
+        except NodeUnavailable:
+            return
+        with self._planned_lock:
+            for i, (key, offset) in enumerate(zip(keys, reserved.offsets)):
+                self._planned[key] = _Planned(reserved.lease, i, offset)
+
+    def _slot(self, key: ChunkKey, meta: ChunkMeta) -> _Planned | None:
+        with self._planned_lock:
+            planned = self._planned.pop(key, None)
+        if planned is None:  # not planned: a round trip of its own
+            self.plan_puts([key], [meta])
+            with self._planned_lock:
+                planned = self._planned.pop(key, None)
+        return planned
+
+    def put_from(self, key: ChunkKey, fill: Callable[[memoryview], None],
+                 spare: memoryview, meta: ChunkMeta = DEFAULT_META) -> bool:
+        with self.putting(key, spare, meta) as put:
+            if put.data is not None:
+                fill(put.data)
+        return put.stored
+
+    @contextmanager
+    def putting(self, key: ChunkKey, spare: memoryview,
+                meta: ChunkMeta = DEFAULT_META) -> Iterator[PendingPut]:
+        """The chunk's slot in the node's slab to fill (`data`; None: held already, or no
+        slot); committed when the block ends, given back if it raises or is cancelled."""
+        start = time.perf_counter()
+        planned = self._slot(key, meta)
+        if planned is None or planned.offset < 0:
+            held = planned is not None and planned.offset == HELD
+            if (planned is not None and planned.offset == SKIPPED) or planned is None:
+                self._counters.add(dropped_writes=1)
+            yield PendingPut(None, in_place=False, stored=held)
+            return
+        put = PendingPut(self._client.view(planned.offset, self._chunk_bytes), in_place=True)
+        filled = False
+        try:
+            yield put
+            filled = not put.cancelled
+        finally:
+            self._client.tell(Commit(planned.lease, planned.index, filled))
+        put.stored = filled
+        if filled:
+            self._counters.add(puts=1, bytes_written=self._chunk_bytes,
+                               write_s=time.perf_counter() - start)
+
+    def put(self, key: ChunkKey, data: memoryview, meta: ChunkMeta = DEFAULT_META) -> bool:
+        def copy(slot: memoryview) -> None:
+            slot[:] = data
+        return self.put_from(key, copy, data, meta)
+
+    # -- the rest of ChunkStore ---------------------------------------------------------------
+    def retain(self, key: ChunkKey, meta: ChunkMeta) -> int:
+        try:
+            value = self._client.call(Retain(key, Meta.of(meta)), Answer).value
+        except NodeUnavailable:
+            return 0
+        return value if isinstance(value, int) else 0
+
+    def retire(self) -> int:
+        """Nothing: the node's chunks belong to every engine on it; a reset engine's new keys
+        never find the old ones (its epoch), which age out of the node's tiers."""
+        return 0
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        try:
+            return self._client.call(Flush(timeout_s), Answer).value is True
+        except NodeUnavailable:
+            return False
+
+    def stats(self) -> StoreStats:
+        """This engine's traffic with the node, as one tier "node" (the node's own tiers: its
+        status, `kvtier node status`)."""
+        return StoreStats(tiers=(self._counters.snapshot(),), queued_writes=0,
+                          queue_drops={})
+
+    def take_events(self) -> list[StoreEvent]:
+        return []  # the node announces its own tiers' chunks, once for every engine
+
+    def close(self, flush_timeout_s: float | None = None) -> None:
+        self._client.close()
+
+
+class NodeProbe:
+    """The scheduler's lookup through the node (`kvtier.core.tier.Probe`): a chunk counts when
+    the node holds it for every layout (tensor-parallel rank). Asked inline: each call is
+    bounded by the client's deadline, and a node down answers "not held" at once."""
+
+    blocking_ok = True
+
+    def __init__(self, clients: Sequence[NodeClient]) -> None:
+        self._clients = list(clients)
+
+    def contains(self, key: ChunkKey) -> bool:
+        return self.contains_many([key])[0]
+
+    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        found = [True] * len(keys)
+        for client in self._clients:
+            try:
+                held = client.call(Lookup(list(keys)), Found).held
+            except NodeUnavailable:
+                return [False] * len(keys)
+            found = [f and h for f, h in zip(found, held)]
+        return found
+
+
+def node_status(socket_path: str, timeout_s: float = 5.0) -> dict[str, object]:
+    """The node's status document (`kvtier node status`).
+
+    Raises:
+        NodeUnavailable: no node answers at `socket_path`.
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout_s)
+    try:
+        sock.connect(socket_path)
+        send(sock, Status())
+        answer = receive_reply(sock)
+    except OSError as exc:
+        raise NodeUnavailable(str(exc)) from exc
+    finally:
+        sock.close()
+    if not isinstance(answer, Answer) or not isinstance(answer.value, dict):
+        raise NodeUnavailable(f"the node answered {answer!r}")
+    return answer.value

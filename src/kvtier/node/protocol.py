@@ -1,0 +1,204 @@
+"""The messages between an engine and its node (`kvtier node`), and their framing.
+
+One request, at most one reply, on a Unix stream socket: each message is msgspec's MessagePack
+of a tagged struct behind a 4-byte big-endian length. Every request of a load or a store
+carries all of that step's chunks (a `Borrow` of a request's hit, a `Reserve` of a step's
+stores): control round trips are per step, never per chunk. `Release` and `Commit` get no
+reply (the engine never waits for them). Chunk bytes never cross the socket: offsets name
+them in the node's shared-memory slab (`Welcome.shm_path`).
+
+Primitives: the messages, `Meta`, `send`, `receive_request`, `receive_reply`, `HELD`,
+`SKIPPED`.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import msgspec
+
+from kvtier.core.keys import ChunkKey
+from kvtier.core.retention import ChunkMeta
+from kvtier.errors import NodeUnavailable
+
+# `Reserved.offsets` values that are not offsets: the node holds the chunk already (stored),
+# or took no slot for it (declined, full: not stored).
+HELD, SKIPPED = -1, -2
+MAX_FRAME = 64 << 20  # bytes: far above any control message (a frame past it is garbage)
+_LENGTH = struct.Struct(">I")
+
+
+class Meta(msgspec.Struct, array_like=True):
+    """A `ChunkMeta` on the wire."""
+
+    tenant: str | None = None
+    retain_until: float | None = None
+    expires_at: float | None = None
+    parent: bytes | None = None
+
+    @classmethod
+    def of(cls, meta: ChunkMeta) -> Meta:
+        return cls(meta.tenant, meta.retain_until, meta.expires_at, meta.parent)
+
+    def chunk_meta(self) -> ChunkMeta:
+        return ChunkMeta(self.tenant, self.retain_until, self.expires_at,
+                         None if self.parent is None else ChunkKey(self.parent))
+
+
+class Hello(msgspec.Struct, tag=True):
+    """An engine's first message on a connection: the layout (KVLayout's fields) and model of
+    the chunks it moves; the node answers `Welcome`, or `Refused`."""
+
+    layout: dict[str, object]
+    model: str
+    fingerprint: str
+    weight_files: int
+    engine: str  # who is asking (host:pid), for the node's logs and status
+
+
+class Welcome(msgspec.Struct, tag=True):
+    shm_path: str  # the layout's RAM slab, mapped by the engine
+    shm_bytes: int
+    chunk_bytes: int
+    generation: str  # changes when the node restarts (the slab is a new file)
+    node: str  # the node's name (its host, unless configured)
+
+
+class Refused(msgspec.Struct, tag=True):
+    """The node cannot serve the request (a layout it has no room for, a bad message)."""
+
+    reason: str
+
+
+class Lookup(msgspec.Struct, tag=True):
+    keys: list[bytes]
+
+
+class Found(msgspec.Struct, tag=True):
+    held: list[bool]
+
+
+class Borrow(msgspec.Struct, tag=True):
+    """Lend `keys` in order until the first miss, promoting chunks below RAM into RAM."""
+
+    keys: list[bytes]
+    metas: list[Meta]
+
+
+class Lent(msgspec.Struct, tag=True):
+    lease: int  # ends with `Release`, or with the engine's connection
+    offsets: list[int]  # of keys[:len(offsets)] in the slab
+    tiers: list[str]  # the node's tier that held each
+    failed_tier: str | None  # the tier that failed the read of keys[len(offsets)], if one did
+
+
+class Release(msgspec.Struct, tag=True):
+    lease: int
+
+
+class Reserve(msgspec.Struct, tag=True):
+    """Slots for a step's stores, one per key (or HELD / SKIPPED)."""
+
+    keys: list[bytes]
+    metas: list[Meta]
+
+
+class Reserved(msgspec.Struct, tag=True):
+    lease: int
+    offsets: list[int]
+
+
+class Commit(msgspec.Struct, tag=True):
+    """Reserved slot `index` of `lease` filled (stored from now on), or not (`filled` False:
+    given back)."""
+
+    lease: int
+    index: int
+    filled: bool
+
+
+class Retain(msgspec.Struct, tag=True):
+    key: bytes
+    meta: Meta
+
+
+class Flush(msgspec.Struct, tag=True):
+    """Wait until the writes behind RAM are done (at most `timeout_s`)."""
+
+    timeout_s: float | None
+
+
+class Status(msgspec.Struct, tag=True):
+    pass
+
+
+class Answer(msgspec.Struct, tag=True):
+    """A plain answer: a count, a flag, or a status document."""
+
+    value: object
+
+
+Request = Hello | Lookup | Borrow | Release | Reserve | Commit | Retain | Flush | Status
+Reply = Welcome | Refused | Found | Lent | Reserved | Answer
+_encoder = msgspec.msgpack.Encoder()
+_requests = msgspec.msgpack.Decoder(Request)
+_replies = msgspec.msgpack.Decoder(Reply)
+
+
+def send(sock: socket.socket, message: Request | Reply) -> None:
+    """Write one framed message. Raises OSError (the peer is gone, a timeout)."""
+    body = _encoder.encode(message)
+    sock.sendall(_LENGTH.pack(len(body)) + body)
+
+
+def receive_request(sock: socket.socket) -> Request | None:
+    """The next request; None when the engine closed the connection.
+
+    Raises:
+        OSError: the connection broke; msgspec.ValidationError / DecodeError: garbage.
+    """
+    body = _read_frame(sock)
+    if body is None:
+        return None
+    request: Request = _requests.decode(body)
+    return request
+
+
+def receive_reply(sock: socket.socket) -> Reply:
+    """The node's reply. Raises NodeUnavailable (closed, broken, timed out, garbage)."""
+    try:
+        body = _read_frame(sock)
+        if body is None:
+            raise NodeUnavailable("the node closed the connection")
+        reply: Reply = _replies.decode(body)
+        return reply
+    except (OSError, msgspec.MsgspecError, ValueError) as exc:
+        raise NodeUnavailable(str(exc) or type(exc).__name__) from exc
+
+
+def _read_frame(sock: socket.socket) -> bytes | None:
+    head = _read_exactly(sock, _LENGTH.size)
+    if head is None:
+        return None
+    (length,) = _LENGTH.unpack(head)
+    if length > MAX_FRAME:
+        raise ValueError(f"a frame of {length} bytes (at most {MAX_FRAME})")
+    body = _read_exactly(sock, length)
+    if body is None:
+        raise ConnectionResetError("the connection closed mid-message")
+    return body
+
+
+def _read_exactly(sock: socket.socket, size: int) -> bytes | None:
+    """`size` bytes, or None at a clean end of stream before the first byte."""
+    buffer = bytearray(size)
+    view, got = memoryview(buffer), 0
+    while got < size:
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            if got == 0:
+                return None
+            raise ConnectionResetError("the connection closed mid-message")
+        got += n
+    return bytes(buffer)

@@ -1,0 +1,411 @@
+"""`kvtier node`: one cache per node, shared by its engines, outliving their restarts.
+
+The node owns the tier stack (RAM, disk, shared, redis, s3: a `TieredStore` per KV layout its
+engines bring, built from the node's config), its index, eviction and write-behind. The RAM
+tier's slab lives in named shared memory (`MemoryTierConfig.shared_memory`): engines map it
+and copy blocks straight into and out of its slots, so a RAM hit through the node costs the
+copies of an in-process hit plus one control round trip per request.
+
+Each engine thread holds one connection (a Unix stream socket, mode 0660: the node's group);
+a connection's leases (chunks lent for a load, slots reserved for stores) end with it, so an
+engine killed mid-load or mid-store leaks nothing. Each connection is served on a thread of
+its own: a slow tier read for one engine holds up no other engine.
+
+Primitives: `NodeServer`, `NodeConfig`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import mmap
+import os
+import secrets
+import socket
+import socketserver
+import threading
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from kvtier.core.keys import ChunkKey
+from kvtier.core.layout import KVLayout
+from kvtier.core.loans import Lending
+from kvtier.core.store import ChunkView, PendingPut, TieredStore
+from kvtier.errors import ConfigError
+from kvtier.node.protocol import (
+    HELD,
+    SKIPPED,
+    Answer,
+    Borrow,
+    Commit,
+    Flush,
+    Found,
+    Hello,
+    Lent,
+    Lookup,
+    Refused,
+    Release,
+    Reply,
+    Request,
+    Reserve,
+    Reserved,
+    Retain,
+    Status,
+    Welcome,
+    receive_request,
+    send,
+)
+from kvtier.tiers import open_store
+from kvtier.tiers.manifest import NamespaceInfo
+from kvtier.tiers.memory import MemoryTier
+from kvtier.tiers.storeconfig import StoreConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeConfig:
+    """A node's settings: its tiers (the connector's `tiers` schema; the first a memory tier,
+    whose slab the node puts in shared memory) and where it listens."""
+
+    store: StoreConfig  # capacities per KV layout (an engine's TP rank brings one)
+    socket_path: Path
+    name: str = field(default_factory=socket.gethostname)
+    max_layouts: int = 4  # layouts (models x TP ranks) held at once; one more is refused
+
+    def __post_init__(self) -> None:
+        first = self.store.tiers[0]
+        if first.kind != "memory":
+            raise ConfigError("tiers[0].kind", first.kind,
+                              "memory (the node shares its RAM tier with its engines)")
+
+
+@dataclass
+class _Layout:
+    """One layout's store, and its RAM tier (whose slab the engines map)."""
+
+    store: TieredStore
+    memory: MemoryTier
+    welcome: Welcome
+
+
+@dataclass
+class _Puts:
+    """Slots reserved by one `Reserve`: each a `putting` block left open until its commit."""
+
+    blocks: list[tuple[AbstractContextManager[PendingPut], PendingPut] | None]
+    open: int
+
+
+class NodeServer:
+    """The node: serves `NodeConfig.socket_path` until `shutdown`. Thread-safe."""
+
+    def __init__(self, config: NodeConfig) -> None:
+        """Raises:
+            OSError: the socket cannot be bound (a live node there: EADDRINUSE).
+        """
+        self.config = config
+        self.generation = secrets.token_hex(8)
+        self._layouts: dict[str, _Layout] = {}
+        self._lock = threading.Lock()
+        self._leases: dict[int, tuple[int, Lending[ChunkView] | _Puts]] = {}  # -> owner
+        self._lease_ids = itertools.count(1)
+        self._connections: dict[int, str] = {}  # connection id -> engine
+        self.counters = {"borrows": 0, "lent_chunks": 0, "reserved_chunks": 0,
+                         "committed_chunks": 0, "lookups": 0, "refused": 0,
+                         "disconnects_with_leases": 0}
+        _clear_stale_socket(config.socket_path)
+        self._server = _Server(str(config.socket_path), _Handler)
+        self._server.node = self
+        os.chmod(config.socket_path, 0o660)  # the node's group: its engines
+
+    def serve_forever(self) -> None:
+        log.info("kvtier node %r: listening on %s (generation %s)", self.config.name,
+                 self.config.socket_path, self.generation)
+        self._server.serve_forever(poll_interval=0.2)
+
+    def shutdown(self) -> None:
+        """Stop serving, close every store (writes behind RAM are flushed) and remove the
+        socket and the shared memory."""
+        self._server.shutdown()
+        self._server.server_close()
+        with self._lock:
+            layouts, self._layouts = list(self._layouts.values()), {}
+        for layout in layouts:
+            layout.store.close()
+        with contextlib.suppress(FileNotFoundError):
+            self.config.socket_path.unlink()
+
+    def status(self) -> dict[str, Any]:
+        """What `kvtier node status` prints: engines, leases, counters and each layout's
+        tiers."""
+        with self._lock:
+            layouts = dict(self._layouts)
+            leases = len(self._leases)
+            engines = sorted(set(self._connections.values()))
+        return {
+            "node": self.config.name, "generation": self.generation,
+            "socket": str(self.config.socket_path), "engines": engines,
+            "connections": len(self._connections), "leases": leases,
+            "counters": dict(self.counters),
+            "layouts": {digest: {
+                "shm_path": layout.welcome.shm_path, "chunk_bytes": layout.welcome.chunk_bytes,
+                "tiers": [s.as_dict() for s in layout.store.stats().tiers]}
+                for digest, layout in layouts.items()},
+        }
+
+    # -- requests ---------------------------------------------------------------------------
+    def layout_for(self, hello: Hello) -> _Layout | Refused:
+        """The store of the engine's layout, built at its first engine's hello."""
+        try:
+            layout = msgspec.convert(hello.layout, KVLayout)
+        except (msgspec.ValidationError, ConfigError) as exc:
+            return Refused(f"bad layout: {exc}")
+        digest = layout.digest()
+        with self._lock:
+            known = self._layouts.get(digest)
+            if known is not None:
+                return known
+            if len(self._layouts) >= self.config.max_layouts:
+                return Refused(f"the node holds {len(self._layouts)} layouts (max_layouts)")
+            name = f"kvtier-{self.config.name}-{digest[:16]}"
+            tiers = [self.config.store.tiers[0].model_copy(update={"shared_memory": name}),
+                     *self.config.store.tiers[1:]]
+            store = open_store(self.config.store.model_copy(update={"tiers": tiers}), layout,
+                               NamespaceInfo(hello.model, hello.fingerprint,
+                                             hello.weight_files))
+            memory = store.tiers[0]
+            assert isinstance(memory, MemoryTier) and memory.shared_memory_path is not None
+            welcome = Welcome(str(memory.shared_memory_path),
+                              memory.num_slots * memory.slot_bytes, memory.chunk_bytes,
+                              self.generation, self.config.name)
+            self._layouts[digest] = known = _Layout(store, memory, welcome)
+            log.info("kvtier node: layout %s (%s, %d B chunks): %d RAM slots in %s",
+                     digest[:16], hello.model, memory.chunk_bytes, memory.num_slots,
+                     welcome.shm_path)
+            return known
+
+    def borrow(self, owner: int, layout: _Layout, request: Borrow,
+               spares: list[memoryview]) -> Lent:
+        """Lend the request's chunks in order until the first miss, each in the RAM slab
+        (a chunk below RAM is promoted by its read); a chunk RAM cannot take (lent from a
+        spare) ends the run there: the engine cannot see the node's spares."""
+        keys = [ChunkKey(k) for k in request.keys]
+        while len(spares) < len(keys):
+            spares.append(memoryview(mmap.mmap(-1, layout.memory.chunk_bytes)))
+        lending = layout.store.lend_as_landed(keys, spares[:len(keys)],
+                                              [m.chunk_meta() for m in request.metas],
+                                              in_order=True)
+        offsets, tiers = [], []
+        with contextlib.ExitStack() as undo:
+            undo.callback(lending.close)
+            for loan in lending:
+                offset = layout.memory.offset_of(loan.view.data)
+                if offset is None:
+                    break
+                offsets.append(offset)
+                tiers.append(loan.view.tier)
+            failed = lending.failed_tier if lending.stopped_at == len(offsets) else None
+            self.counters["borrows"] += 1
+            self.counters["lent_chunks"] += len(offsets)
+            if not offsets:
+                return Lent(0, [], [], failed)
+            undo.pop_all()  # kept until Release, or the connection's end
+        return Lent(self._lease(owner, lending), offsets, tiers, failed)
+
+    def reserve(self, owner: int, layout: _Layout, request: Reserve, spare: memoryview
+                ) -> Reserved:
+        """A RAM slot per key for the engine to fill, or HELD (stored already: the pin and
+        expiry of its meta applied) or SKIPPED (no slot: declined, full)."""
+        offsets: list[int] = []
+        puts = _Puts([], 0)
+        for key, meta in zip(request.keys, request.metas):
+            block = layout.store.putting(ChunkKey(key), spare, meta.chunk_meta())
+            put = block.__enter__()
+            offset = None if put.data is None or not put.in_place \
+                else layout.memory.offset_of(put.data)
+            if offset is None:
+                put.cancel()  # into the spare (RAM declined it): not stored
+                block.__exit__(None, None, None)
+                offsets.append(HELD if put.stored else SKIPPED)
+                puts.blocks.append(None)
+                continue
+            offsets.append(offset)
+            puts.blocks.append((block, put))
+            puts.open += 1
+        self.counters["reserved_chunks"] += puts.open
+        return Reserved(self._lease(owner, puts) if puts.open else 0, offsets)
+
+    def commit(self, request: Commit) -> None:
+        with self._lock:
+            entry = self._leases.get(request.lease)
+        if entry is None or not isinstance(entry[1], _Puts):
+            return
+        puts = entry[1]
+        if not 0 <= request.index < len(puts.blocks):
+            return
+        taken, puts.blocks[request.index] = puts.blocks[request.index], None
+        if taken is None:
+            return
+        block, put = taken
+        if not request.filled:
+            put.cancel()
+        block.__exit__(None, None, None)  # stores it (and queues the writes behind RAM)
+        self.counters["committed_chunks"] += request.filled
+        puts.open -= 1
+        if puts.open == 0:
+            with self._lock:
+                self._leases.pop(request.lease, None)
+
+    def release(self, lease: int) -> None:
+        with self._lock:
+            entry = self._leases.pop(lease, None)
+        if entry is not None:
+            _end(entry[1])
+
+    def disconnected(self, owner: int) -> None:
+        """A connection ended (the engine closed it, exited or was killed): its leases end."""
+        with self._lock:
+            mine = [lease for lease, (who, _) in self._leases.items() if who == owner]
+            ended = [self._leases.pop(lease)[1] for lease in mine]
+            self._connections.pop(owner, None)
+        if ended:
+            self.counters["disconnects_with_leases"] += 1
+            log.info("kvtier node: a connection ended holding %d leases; released", len(ended))
+        for held in ended:
+            _end(held)
+
+    def _lease(self, owner: int, held: Lending[ChunkView] | _Puts) -> int:
+        with self._lock:
+            lease = next(self._lease_ids)
+            self._leases[lease] = (owner, held)
+            return lease
+
+    def connected(self, owner: int, engine: str) -> None:
+        with self._lock:
+            self._connections[owner] = engine
+
+
+def _end(held: Lending[ChunkView] | _Puts) -> None:
+    """End a lease: a lending's loans released; reserved slots never committed given back."""
+    if isinstance(held, _Puts):
+        for taken in held.blocks:
+            if taken is not None:
+                taken[1].cancel()
+                taken[0].__exit__(None, None, None)
+        held.blocks.clear()
+    else:
+        held.close()
+
+
+def _clear_stale_socket(path: Path) -> None:
+    """Remove a socket file a dead node left; refuse to start beside a live one.
+
+    Raises:
+        OSError: EADDRINUSE, a node answers there.
+    """
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        path.unlink()
+        return
+    finally:
+        probe.close()
+    raise OSError(98, f"a kvtier node is already listening on {path}")
+
+
+class _Server(socketserver.ThreadingUnixStreamServer):
+    daemon_threads = True
+    node: NodeServer
+
+
+class _Handler(socketserver.BaseRequestHandler):
+    """One connection: its requests in order, on its own thread."""
+
+    server: _Server
+
+    def handle(self) -> None:
+        node = self.server.node
+        owner = id(self)
+        sock: socket.socket = self.request
+        layout: _Layout | None = None
+        spares: list[memoryview] = []
+        scratch: memoryview | None = None
+        try:
+            while True:
+                try:
+                    request = receive_request(sock)
+                except (msgspec.MsgspecError, ValueError) as exc:
+                    send(sock, Refused(f"bad message: {exc}"))
+                    return
+                if request is None:
+                    return
+                if isinstance(request, Hello):
+                    answer = node.layout_for(request)
+                    if isinstance(answer, Refused):
+                        node.counters["refused"] += 1
+                        send(sock, answer)
+                        continue
+                    layout = answer
+                    node.connected(owner, request.engine)
+                    send(sock, layout.welcome)
+                    continue
+                if isinstance(request, Release):
+                    node.release(request.lease)
+                    continue
+                if isinstance(request, Commit):
+                    node.commit(request)
+                    continue
+                if isinstance(request, Status):
+                    send(sock, Answer(node.status()))
+                    continue
+                if layout is None:
+                    send(sock, Refused("say Hello first"))
+                    continue
+                if scratch is None:
+                    scratch = memoryview(mmap.mmap(-1, layout.memory.chunk_bytes))
+                send(sock, _answer(node, owner, layout, request, spares, scratch))
+        except OSError:
+            return  # the engine went away mid-message
+        finally:
+            node.disconnected(owner)
+
+
+def _answer(node: NodeServer, owner: int, layout: _Layout, request: Request,
+            spares: list[memoryview], scratch: memoryview) -> Reply:
+    """The reply to a request about the connection's layout."""
+    if isinstance(request, Lookup):
+        node.counters["lookups"] += 1
+        return Found([layout.store.contains(ChunkKey(k)) for k in request.keys])
+    if isinstance(request, Borrow):
+        return node.borrow(owner, layout, request, spares)
+    if isinstance(request, Reserve):
+        return node.reserve(owner, layout, request, scratch)
+    if isinstance(request, Retain):
+        return Answer(layout.store.retain(ChunkKey(request.key), request.meta.chunk_meta()))
+    if isinstance(request, Flush):
+        return Answer(layout.store.flush(request.timeout_s))
+    return Refused(f"unexpected {type(request).__name__}")
+
+
+@contextlib.contextmanager
+def running_node(config: NodeConfig) -> Iterator[NodeServer]:
+    """A node serving on a thread of this process until the block ends (tests, benches)."""
+    node = NodeServer(config)
+    thread = threading.Thread(target=node.serve_forever, name="kvtier-node", daemon=True)
+    thread.start()
+    try:
+        yield node
+    finally:
+        node.shutdown()
+        thread.join(timeout=10)
