@@ -116,9 +116,20 @@ class NodeClient:
             self._broken(exc)
 
     def view(self, offset: int, nbytes: int) -> memoryview:
-        """`nbytes` of the slab at `offset` (of the generation this thread was welcomed by)."""
-        assert self._slab is not None
-        return memoryview(self._slab[1])[offset:offset + nbytes]
+        """`nbytes` of the slab at `offset` (of the generation this thread was welcomed by:
+        offsets its connection was given; another thread may have mapped a newer one)."""
+        slab: tuple[str, mmap.mmap] | None = getattr(self._local, "slab", None)
+        assert slab is not None
+        return memoryview(slab[1])[offset:offset + nbytes]
+
+    def generation(self) -> str | None:
+        """The node generation of this thread's connection; None: it has none. A lease or
+        slot of another generation is gone: never filled, released or committed (the node
+        after a restart reuses lease numbers and slab offsets for others' chunks)."""
+        if getattr(self._local, "sock", None) is None:
+            return None
+        slab: tuple[str, mmap.mmap] | None = getattr(self._local, "slab", None)
+        return None if slab is None else slab[0]
 
     def _connection(self) -> socket.socket:
         sock: socket.socket | None = getattr(self._local, "sock", None)
@@ -148,6 +159,7 @@ class NodeClient:
         """Map the slab of `welcome`'s generation (a restarted node's is a new file)."""
         with self._lock:
             if self._slab is not None and self._slab[0] == welcome.generation:
+                self._local.slab = self._slab
                 return
             fd = os.open(welcome.shm_path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
@@ -158,6 +170,7 @@ class NodeClient:
                 log.info("kvtier: node %r restarted (generation %s): its slab mapped again",
                          welcome.node, welcome.generation)
             self._slab = (welcome.generation, mapping)  # the old mapping: loans still out
+            self._local.slab = self._slab
             self.welcome = welcome
 
     def _broken(self, exc: BaseException) -> None:
@@ -190,14 +203,15 @@ class _NodeLending(Lending[ChunkView]):
                  ) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self._client, self._lease = client, lease
+        self._generation = client.generation()
 
     def close(self) -> None:
         try:
             super().close()
         finally:
-            if self._lease:
+            if self._lease and self._client.generation() == self._generation:
                 self._client.tell(Release(self._lease))
-                self._lease = 0
+            self._lease = 0
 
 
 @dataclass(slots=True)
@@ -205,6 +219,7 @@ class _Planned:
     lease: int
     index: int
     offset: int  # or HELD / SKIPPED
+    generation: str | None  # of the node that reserved it (a restarted node's is gone)
 
 
 class NodeStore:
@@ -282,7 +297,7 @@ class NodeStore:
         with self._planned_lock:
             stale, self._planned = list(self._planned.values()), {}
         for planned in stale:
-            if planned.offset >= 0:
+            if planned.offset >= 0 and planned.generation == self._client.generation():
                 self._client.tell(Commit(planned.lease, planned.index, False))
         if not keys:
             return
@@ -291,9 +306,10 @@ class NodeStore:
                                          Reserved)
         except NodeUnavailable:
             return
+        generation = self._client.generation()
         with self._planned_lock:
             for i, (key, offset) in enumerate(zip(keys, reserved.offsets)):
-                self._planned[key] = _Planned(reserved.lease, i, offset)
+                self._planned[key] = _Planned(reserved.lease, i, offset, generation)
 
     def _slot(self, key: ChunkKey, meta: ChunkMeta) -> _Planned | None:
         with self._planned_lock:
@@ -318,6 +334,9 @@ class NodeStore:
         slot); committed when the block ends, given back if it raises or is cancelled."""
         start = time.perf_counter()
         planned = self._slot(key, meta)
+        if planned is not None and planned.offset >= 0 \
+                and planned.generation != self._client.generation():
+            planned = None  # reserved from a node since restarted: its slot is someone else's
         if planned is None or planned.offset < 0:
             held = planned is not None and planned.offset == HELD
             if (planned is not None and planned.offset == SKIPPED) or planned is None:

@@ -117,6 +117,8 @@ class NodeServer:
         self._leases: dict[int, tuple[int, Lending[ChunkView] | _Puts]] = {}  # -> owner
         self._lease_ids = itertools.count(1)
         self._connections: dict[int, str] = {}  # connection id -> engine
+        self._sockets: dict[int, socket.socket] = {}  # connection id -> its socket
+        self._closed = threading.Event()  # set when `shutdown` has closed everything
         self.counters = {"borrows": 0, "lent_chunks": 0, "reserved_chunks": 0,
                          "committed_chunks": 0, "lookups": 0, "refused": 0,
                          "disconnects_with_leases": 0}
@@ -126,21 +128,34 @@ class NodeServer:
         os.chmod(config.socket_path, 0o660)  # the node's group: its engines
 
     def serve_forever(self) -> None:
+        """Serve until `shutdown` (from another thread: a signal's handler) has finished."""
         log.info("kvtier node %r: listening on %s (generation %s)", self.config.name,
                  self.config.socket_path, self.generation)
         self._server.serve_forever(poll_interval=0.2)
+        # Returning earlier let `kvtier node serve` exit on SIGTERM before the stores were
+        # closed: the socket and the /dev/shm slab were left behind, queued writes lost
+        # (tests/node/test_node_down.py).
+        self._closed.wait()
 
     def shutdown(self) -> None:
-        """Stop serving, close every store (writes behind RAM are flushed) and remove the
-        socket and the shared memory."""
-        self._server.shutdown()
-        self._server.server_close()
-        with self._lock:
-            layouts, self._layouts = list(self._layouts.values()), {}
-        for layout in layouts:
-            layout.store.close()
-        with contextlib.suppress(FileNotFoundError):
-            self.config.socket_path.unlink()
+        """Stop serving, end every engine's connection (their leases with them; the engines
+        miss, then find the next node), close every store (writes behind RAM are flushed)
+        and remove the socket and the shared memory."""
+        try:
+            self._server.shutdown()
+            self._server.server_close()
+            with self._lock:
+                layouts, self._layouts = list(self._layouts.values()), {}
+                sockets = list(self._sockets.values())
+            for sock in sockets:  # else their threads go on serving from closed stores
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+            for layout in layouts:
+                layout.store.close()
+            with contextlib.suppress(FileNotFoundError):
+                self.config.socket_path.unlink()
+        finally:
+            self._closed.set()
 
     def status(self) -> dict[str, Any]:
         """What `kvtier node status` prints: engines, leases, counters and each layout's
@@ -275,6 +290,7 @@ class NodeServer:
             mine = [lease for lease, (who, _) in self._leases.items() if who == owner]
             ended = [self._leases.pop(lease)[1] for lease in mine]
             self._connections.pop(owner, None)
+            self._sockets.pop(owner, None)
         if ended:
             self.counters["disconnects_with_leases"] += 1
             log.info("kvtier node: a connection ended holding %d leases; released", len(ended))
@@ -290,6 +306,11 @@ class NodeServer:
     def connected(self, owner: int, engine: str) -> None:
         with self._lock:
             self._connections[owner] = engine
+
+    def opened(self, owner: int, sock: socket.socket) -> None:
+        """A connection accepted (ended by `shutdown` if still open then)."""
+        with self._lock:
+            self._sockets[owner] = sock
 
 
 def _end(held: Lending[ChunkView] | _Puts) -> None:
@@ -341,6 +362,7 @@ class _Handler(socketserver.BaseRequestHandler):
         layout: _Layout | None = None
         spares: list[memoryview] = []
         scratch: memoryview | None = None
+        node.opened(owner, sock)
         try:
             while True:
                 try:

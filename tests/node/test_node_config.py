@@ -1,0 +1,63 @@
+"""The node's settings are checked where they are given, naming the field: a node's first tier
+must be a memory tier (its RAM, shared with its engines), and an engine's `node` must be an
+absolute socket path with no `tiers` of its own beside it (in node mode every tier is the
+node's: tiers set in the engine would be silently ignored). Also `kvtier node serve` with
+such a config: exit status 2 and the field named, no node started.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.config import ConnectorConfig
+from kvtier.node.server import NodeConfig
+from kvtier.tiers.storeconfig import StoreConfig
+
+pytestmark = pytest.mark.timeout(120)  # a hang fails here, not at the suite's 900 s
+
+DISK_FIRST = {"tiers": [{"kind": "disk", "path": "/tmp/kvtier-never-made", "capacity": "1GiB"},
+                        {"kind": "memory", "capacity": "1GiB"}]}
+
+
+def test_a_node_whose_first_tier_is_not_memory_is_refused(tmp_path: Path):
+    with pytest.raises(ConfigError) as raised:
+        NodeConfig(StoreConfig.parse(DISK_FIRST), tmp_path / "node.sock")
+    assert raised.value.field == "tiers[0].kind" and raised.value.value == "disk"
+    assert "tiers[0].kind" in str(raised.value)
+
+
+def test_kvtier_node_serve_names_the_bad_field(tmp_path: Path):
+    config = tmp_path / "node.json"
+    config.write_text(json.dumps(DISK_FIRST))
+    served = subprocess.run(
+        [sys.executable, "-m", "kvtier.tools.cli.main", "node", "serve", "--config",
+         str(config), "--socket", str(tmp_path / "node.sock"), "--name", tmp_path.name],
+        capture_output=True, text=True, timeout=60)
+    assert served.returncode == 2, served.stderr
+    assert "tiers[0].kind" in served.stderr
+    assert not (tmp_path / "node.sock").exists()
+
+
+@pytest.mark.parametrize(("extra", "field"), [
+    ({"node": "relative/node.sock"}, "kv_connector_extra_config.node"),
+    ({"node": 7}, "kv_connector_extra_config.node"),
+    ({"node": "/run/kvtier/node.sock", "tiers": [{"kind": "memory", "capacity": "1GiB"}]},
+     "kv_connector_extra_config.tiers"),
+])
+def test_an_engines_node_setting_is_checked(extra: dict[str, object], field: str):
+    with pytest.raises(ConfigError) as raised:
+        ConnectorConfig.parse(extra)
+    assert raised.value.field == field
+    assert field in str(raised.value)
+
+
+def test_an_engines_node_setting_is_kept():
+    config = ConnectorConfig.parse({"node": "/run/kvtier/node.sock"})
+    assert config.node == "/run/kvtier/node.sock"
+    assert config.tier_names() == ["node"]
