@@ -1,0 +1,144 @@
+"""The connector in node mode: engines that keep their cache in `kvtier node`, a separate
+process on the node (issue 43).
+
+A real node (`kvtier node serve`, a subprocess: RAM in shared memory + a disk tier) and real
+vLLM engines in this process, one after the other, all with `"node": SOCKET`:
+  - the first engine computes the prompts (the miss path) and its chunks go to the node;
+  - it is shut down (a restart, a rolling deploy) and a second engine starts: the prompts are
+    hits in the node's RAM, loaded whole, with the first engine's tokens;
+  - the node is killed under the running engine: requests keep being served, as misses,
+    with the same tokens (never an error); a new node on the same socket is found again
+    by itself, and what the engine stores into it is a hit again.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from vllm_harness import (
+    kvtier_counter,
+    metric,
+    random_prompts,
+    start_engine,
+    token_ids,
+    transfer_config,
+)
+
+from kvtier.errors import NodeUnavailable
+from kvtier.node.client import RETRY_S, node_status
+
+pytestmark = pytest.mark.vllm
+
+CHUNK = 64
+HITS = "vllm:external_prefix_cache_hits"
+
+
+def loadable(prompt_len: int) -> int:
+    return (prompt_len - 1) // CHUNK * CHUNK
+
+
+class Node:
+    """A `kvtier node serve` subprocess on `socket`, (re)started and killed at will."""
+
+    def __init__(self, root: Path) -> None:
+        self.socket = root / "node.sock"
+        self.config = root / "node.yaml"
+        self.config.write_text(yaml.safe_dump({"tiers": [
+            {"kind": "memory", "capacity": "64MiB"},
+            {"kind": "disk", "path": str(root / "disk"), "capacity": "256MiB"}]}))
+        self.name = f"test-{os.getpid()}-{root.name}"
+        self.log = root / "node.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvtier.tools.cli.main", "node", "serve", "--config",
+                 str(self.config), "--socket", str(self.socket), "--name", self.name],
+                stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                node_status(str(self.socket), timeout_s=1)
+                return
+            except NodeUnavailable:
+                assert self.proc.poll() is None, self.log.read_text()
+                assert time.monotonic() < deadline, self.log.read_text()
+                time.sleep(0.1)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+    def chunks(self) -> int:
+        status = node_status(str(self.socket))
+        return sum(layout["tiers"][0]["chunks"] for layout in status["layouts"].values())
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[Node]:
+    node = Node(tmp_path)
+    node.start()
+    try:
+        yield node
+    finally:
+        node.kill()
+
+
+def node_config(node: Node) -> dict[str, Any]:
+    return transfer_config({"node": str(node.socket), "tokens_per_chunk": CHUNK,
+                            "load_when": "always", "lookup_timeout_s": 1.0})
+
+
+def wait_for(predicate: Any, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def test_an_engine_restarted_on_the_node_hits_the_ram_of_the_one_before(
+        tiny_model_dir: Path, node: Node) -> None:
+    prompts = random_prompts([700, 300, 200], seed=43)
+    with start_engine(tiny_model_dir, node_config(node)) as first:
+        computed = token_ids(first, prompts)
+        assert metric(first, HITS) == 0
+    # Every full chunk of every prompt (and of its answer) is in the node's RAM.
+    wait_for(lambda: node.chunks() >= sum(len(p["prompt_token_ids"]) // CHUNK
+                                          for p in prompts))
+
+    with start_engine(tiny_model_dir, node_config(node)) as second:
+        assert token_ids(second, prompts) == computed
+        assert metric(second, HITS) == sum(loadable(len(p["prompt_token_ids"]))
+                                           for p in prompts)
+
+        # The node dies under the running engine: misses, the same tokens, no error.
+        node.kill()
+        second.reset_prefix_cache()  # vLLM's own cache: these must come from kvtier again
+        failures = kvtier_counter("load_failures")
+        assert token_ids(second, prompts) == computed
+        # The scheduler still remembered them stored: every chunk offered failed to load.
+        assert kvtier_counter("load_failures") - failures == sum(
+            loadable(len(p["prompt_token_ids"])) // CHUNK for p in prompts)
+
+        # A new node on the same socket: found again once the client's back-off ends,
+        # filled, hit again.
+        node.start()
+        time.sleep(RETRY_S)
+        fresh = random_prompts([400], seed=44)
+        answer = token_ids(second, fresh)
+        wait_for(lambda: node.chunks() >= 400 // CHUNK)
+        second.reset_prefix_cache()  # vLLM's own cache: the next run must come from the node
+        before = metric(second, HITS)
+        assert token_ids(second, fresh) == answer
+        assert metric(second, HITS) - before == loadable(400)
