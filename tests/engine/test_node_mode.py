@@ -13,9 +13,6 @@ vLLM engines in this process, one after the other, all with `"node": SOCKET`:
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -33,8 +30,10 @@ from vllm_harness import (
     transfer_config,
 )
 
-from kvtier.errors import NodeUnavailable
-from kvtier.node.client import RETRY_S, node_status
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "node"))  # nodekit
+from nodekit import NodeProcess, short_dir, unique_name, wait_for
+
+from kvtier.node.client import RETRY_S
 
 pytestmark = pytest.mark.vllm
 
@@ -46,76 +45,39 @@ def loadable(prompt_len: int) -> int:
     return (prompt_len - 1) // CHUNK * CHUNK
 
 
-class Node:
-    """A `kvtier node serve` subprocess on `socket`, (re)started and killed at will."""
-
-    def __init__(self, root: Path) -> None:
-        self.socket = root / "node.sock"
-        self.config = root / "node.yaml"
-        self.config.write_text(yaml.safe_dump({"tiers": [
-            {"kind": "memory", "capacity": "64MiB"},
-            {"kind": "disk", "path": str(root / "disk"), "capacity": "256MiB"}]}))
-        self.name = f"test-{os.getpid()}-{root.name}"
-        self.log = root / "node.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        with self.log.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvtier.tools.cli.main", "node", "serve", "--config",
-                 str(self.config), "--socket", str(self.socket), "--name", self.name],
-                stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                node_status(str(self.socket), timeout_s=1)
-                return
-            except NodeUnavailable:
-                assert self.proc.poll() is None, self.log.read_text()
-                assert time.monotonic() < deadline, self.log.read_text()
-                time.sleep(0.1)
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(timeout=30)
-
-    def chunks(self) -> int:
-        status = node_status(str(self.socket))
-        return sum(layout["tiers"][0]["chunks"] for layout in status["layouts"].values())
-
-
 @pytest.fixture
-def node(tmp_path: Path) -> Iterator[Node]:
-    node = Node(tmp_path)
-    node.start()
+def node(tmp_path: Path) -> Iterator[NodeProcess]:
+    """A node (RAM in shared memory + a disk tier) as a `kvtier node serve` subprocess."""
+    config = tmp_path / "node.yaml"
+    config.write_text(yaml.safe_dump({"tiers": [
+        {"kind": "memory", "capacity": "64MiB"},
+        {"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "256MiB"}]}))
+    node = NodeProcess(config, short_dir(tmp_path) / "node.sock", unique_name(tmp_path),
+                       tmp_path / "node.log")
     try:
-        yield node
+        yield node.start()
     finally:
         node.kill()
 
 
-def node_config(node: Node) -> dict[str, Any]:
-    return transfer_config({"node": str(node.socket), "tokens_per_chunk": CHUNK,
+def ram_chunks(node: NodeProcess) -> int:
+    return sum(layout["tiers"][0]["chunks"] for layout in node.status()["layouts"].values())
+
+
+def node_config(node: NodeProcess) -> dict[str, Any]:
+    return transfer_config({"node": str(node.socket_path), "tokens_per_chunk": CHUNK,
                             "load_when": "always", "lookup_timeout_s": 1.0})
 
 
-def wait_for(predicate: Any, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
-
-
 def test_an_engine_restarted_on_the_node_hits_the_ram_of_the_one_before(
-        tiny_model_dir: Path, node: Node) -> None:
+        tiny_model_dir: Path, node: NodeProcess) -> None:
     prompts = random_prompts([700, 300, 200], seed=43)
     with start_engine(tiny_model_dir, node_config(node)) as first:
         computed = token_ids(first, prompts)
         assert metric(first, HITS) == 0
     # Every full chunk of every prompt (and of its answer) is in the node's RAM.
-    wait_for(lambda: node.chunks() >= sum(len(p["prompt_token_ids"]) // CHUNK
-                                          for p in prompts))
+    wait_for(lambda: ram_chunks(node) >= sum(len(p["prompt_token_ids"]) // CHUNK
+                                             for p in prompts), 30, "the first engine's chunks")
 
     with start_engine(tiny_model_dir, node_config(node)) as second:
         assert token_ids(second, prompts) == computed
@@ -137,7 +99,7 @@ def test_an_engine_restarted_on_the_node_hits_the_ram_of_the_one_before(
         time.sleep(RETRY_S)
         fresh = random_prompts([400], seed=44)
         answer = token_ids(second, fresh)
-        wait_for(lambda: node.chunks() >= 400 // CHUNK)
+        wait_for(lambda: ram_chunks(node) >= 400 // CHUNK, 30, "the new node's chunks")
         second.reset_prefix_cache()  # vLLM's own cache: the next run must come from the node
         before = metric(second, HITS)
         assert token_ids(second, fresh) == answer

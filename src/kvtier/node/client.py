@@ -64,6 +64,8 @@ from kvtier.tiers.manifest import NamespaceInfo
 
 log = logging.getLogger(__name__)
 TIER = "node"  # the one tier an engine sees in node mode (its counters, its load costs)
+# After the node failed to answer, how long it is not asked (a miss at once meanwhile).
+RETRY_S = 2.0
 R = TypeVar("R", bound=Reply)
 
 
@@ -72,7 +74,7 @@ class NodeClient:
     the slab of the node's current generation mapped once. Thread-safe."""
 
     def __init__(self, socket_path: str, layout: KVLayout, info: NamespaceInfo, *,
-                 timeout_s: float = 1.0, retry_s: float = 2.0) -> None:
+                 timeout_s: float = 1.0, retry_s: float = RETRY_S) -> None:
         self.socket_path = socket_path
         self.timeout_s = timeout_s
         self.retry_s = retry_s
@@ -81,6 +83,9 @@ class NodeClient:
         self._local = threading.local()
         self._lock = threading.Lock()
         self._down_until = 0.0
+        # Bumped when a connection breaks: every thread's older connection (to the same dead
+        # node) is dropped at its next call, without another back-off of its own.
+        self._epoch = 0
         self._slab: tuple[str, mmap.mmap] | None = None  # (generation, mapping)
         self.welcome: Welcome | None = None
         self.failures = 0  # calls the node did not answer (each a miss or a dropped store)
@@ -92,13 +97,20 @@ class NodeClient:
             NodeUnavailable: the node is down, stopped or restarting, refused, or was
                 marked down within the last `retry_s`.
         """
-        sock = self._connection()
-        try:
-            send(sock, request)
-            answer = receive_reply(sock)
-        except (OSError, NodeUnavailable) as exc:
-            self._broken(exc)
-            raise NodeUnavailable(str(exc)) from exc
+        for retry in (False, True):
+            sock = self._connection()
+            try:
+                send(sock, request)
+                answer = receive_reply(sock)
+                break
+            except (OSError, NodeUnavailable) as exc:
+                # A connection the node closed (it restarted, or dropped us) is tried again
+                # at once on a new one; a node that does not answer within the deadline
+                # (stopped, overloaded) is not asked twice.
+                timed_out = isinstance(exc.__cause__ or exc, TimeoutError)
+                self._broken(exc, down=retry or timed_out)
+                if retry or timed_out:
+                    raise NodeUnavailable(str(exc)) from exc
         if isinstance(answer, Refused) or not isinstance(answer, reply):
             self._broken(RuntimeError(f"the node answered {answer!r}"))
             raise NodeUnavailable(f"the node answered {answer!r}")
@@ -108,12 +120,12 @@ class NodeClient:
         """Send a request that gets no reply (Commit, Release); a failure only marks the
         connection broken (its leases end with it on the node)."""
         sock = getattr(self._local, "sock", None)
-        if sock is None:
+        if sock is None or self._local.epoch != self._epoch:
             return  # the connection that holds the lease is gone: so is the lease
         try:
             send(sock, request)
         except OSError as exc:
-            self._broken(exc)
+            self._broken(exc, down=False)  # the next call finds out
 
     def view(self, offset: int, nbytes: int) -> memoryview:
         """`nbytes` of the slab at `offset` (of the generation this thread was welcomed by:
@@ -133,8 +145,11 @@ class NodeClient:
 
     def _connection(self) -> socket.socket:
         sock: socket.socket | None = getattr(self._local, "sock", None)
-        if sock is not None:
+        if sock is not None and self._local.epoch == self._epoch:
             return sock
+        if sock is not None:  # another thread found the node gone: so is this connection
+            sock.close()
+            self._local.sock = None
         if time.monotonic() < self._down_until:
             raise NodeUnavailable("the node was unreachable moments ago")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -152,7 +167,7 @@ class NodeClient:
             self._mark_down(RuntimeError(f"the node refused: {welcome!r}"))
             raise NodeUnavailable(f"the node refused: {welcome!r}")
         self._map(welcome)
-        self._local.sock = sock
+        self._local.sock, self._local.epoch = sock, self._epoch
         return sock
 
     def _map(self, welcome: Welcome) -> None:
@@ -173,12 +188,20 @@ class NodeClient:
             self._local.slab = self._slab
             self.welcome = welcome
 
-    def _broken(self, exc: BaseException) -> None:
+    def _broken(self, exc: BaseException, down: bool = True) -> None:
+        """This thread's connection failed: closed (the node ends its leases), every other
+        thread's connection of its epoch dropped at its next call, and (`down`) the node
+        not asked again for `retry_s`."""
         sock = getattr(self._local, "sock", None)
         self._local.sock = None
         if sock is not None:
-            sock.close()  # the node ends this connection's leases
-        self._mark_down(exc)
+            sock.close()
+        with self._lock:
+            first = self._local.epoch == self._epoch
+            if first:
+                self._epoch += 1
+        if first and down:  # a connection older than the break says nothing new
+            self._mark_down(exc)
 
     def _mark_down(self, exc: BaseException) -> None:
         self.failures += 1

@@ -11,6 +11,7 @@ and kvtier.tools.ops.server.
     kvtier serve ./my-model --tokens-per-chunk 64 -- --block-size 32
     kvtier serve ./my-model --no-kvtier          # the same server without kvtier (baseline)
     kvtier serve ./my-model --config shared.yaml --kv-role kv_producer   # prefill instance
+    kvtier serve ./my-model --node /run/kvtier/node.sock   # the node's cache (kvtier node)
     kvtier serve ./my-model --dry-run            # print the command only
 """
 
@@ -20,6 +21,7 @@ import argparse
 import json
 import signal
 import sys
+from pathlib import Path
 
 from kvtier.errors import ConfigError, ServerError
 from kvtier.redaction import redact_value
@@ -54,6 +56,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                                   "most 100GiB; 0: no disk tier)")
     p.add_argument("--config", type=any_path, help="a kvtier store config file (YAML/JSON); "
                                                "replaces --memory/--disk/--disk-path")
+    p.add_argument("--node", help="the socket of `kvtier node serve`: every tier is the "
+                   "node's, shared with the node's other engines and kept across restarts")
     p.add_argument("--tokens-per-chunk", type=positive_int,
                    help="tokens per stored chunk, a multiple of vLLM's --block-size (default "
                         "256; smaller chunks recompute less of a returning prompt's tail, at "
@@ -90,7 +94,12 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     cpu = is_cpu_backend()
     extra = None
     if not args.no_kvtier:
-        if args.config is not None:
+        if args.node is not None:
+            if args.config is not None or args.memory or args.disk or args.disk_path:
+                raise ConfigError("node", args.node, "either --node (the tiers are the "
+                                  "node's) or --config/--memory/--disk/--disk-path, not both")
+            extra = {"node": str(Path(args.node).absolute())}
+        elif args.config is not None:
             if args.memory or args.disk or args.disk_path:
                 raise ConfigError("config", str(args.config),
                                   "either --config or --memory/--disk/--disk-path, not both")
