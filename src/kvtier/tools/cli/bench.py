@@ -45,6 +45,7 @@ WORKLOADS: tuple[str, ...] = (
     "kvtier.tools.cli.bench_disagg",
     "kvtier.tools.cli.bench_codecs",
     "kvtier.tools.cli.bench_mover",
+    "kvtier.tools.cli.bench_node",
     "kvtier.tools.cli.bench_link",
     "kvtier.tools.cli.bench_fleet",
     "kvtier.tools.cli.bench_disk_load",

@@ -1,0 +1,203 @@
+"""`kvtier bench node`: what a RAM hit and a store cost through `kvtier node` against the same
+RAM tier in the engine's process, and a raw copy of the same bytes.
+
+The same chunks (the engine's side of a load: each lent chunk copied out, as the scatter
+would; of a store: each chunk copied in, as the gather would) go through three paths, each
+timed over several trials (median):
+  - raw: `numpy.copyto` of the bytes, chunk by chunk (the floor: the copy itself);
+  - in-process: a `TieredStore` of one memory tier (the connector's default mode);
+  - node: a `kvtier node serve` process (its own interpreter, as deployed) and `NodeStore`:
+    one `Reserve` round trip per batch of stores, one `Borrow` per batch of loads, chunks in
+    its shared-memory slab.
+Also timed: one control round trip (a one-key `Lookup`), the price of each call.
+
+Primitives: `NodeBenchConfig`, `NodeBenchResult`, `run_node_bench`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import mmap
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from kvtier.core.keys import ChunkKey
+from kvtier.core.layout import KVLayout
+from kvtier.core.retention import DEFAULT_META
+from kvtier.errors import ConfigError, NodeUnavailable
+from kvtier.integrations.vllm.worker.chunkstore import ChunkStore
+from kvtier.node.client import NodeClient, NodeStore, node_status
+from kvtier.node.protocol import Found, Lookup
+from kvtier.tiers import open_store
+from kvtier.tiers.manifest import NamespaceInfo
+from kvtier.tiers.storeconfig import StoreConfig
+
+PATHS = ("raw", "in-process", "node")
+OPERATIONS = ("store", "load")
+
+
+@dataclass(frozen=True, slots=True)
+class NodeBenchConfig:
+    chunks: int = 64  # chunks a batch (a step's stores, a request's hit)
+    chunk_kib: int = 2048  # bytes of one chunk (a 256-token chunk of a ~1B model: ~2 MiB)
+    trials: int = 5
+    round_trips: int = 500  # Lookups timed for the round trip
+
+    def validate(self) -> None:
+        for name in ("chunks", "chunk_kib", "trials", "round_trips"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, getattr(self, name), "a positive integer")
+
+    def layout(self) -> KVLayout:
+        """A layout whose chunk is `chunk_kib` KiB (bfloat16, 2 x 8 heads of 128 a layer)."""
+        per_layer = 2 * 8 * 128 * 2 * 16  # bytes of 16 tokens of one layer
+        layers = max(1, self.chunk_kib * 1024 // per_layer)
+        return KVLayout(num_layers=layers, num_kv_heads=8, head_size=128, dtype="bfloat16",
+                        tokens_per_chunk=16)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeBenchResult:
+    config: NodeBenchConfig
+    chunk_bytes: int
+    seconds_per_chunk: dict[str, dict[str, float]]  # operation -> path -> median
+    round_trip_s: float  # median of one-key Lookups
+    verified: bool  # every load gave back the bytes stored
+
+    def ratio(self, operation: str, path: str, baseline: str) -> float:
+        by = self.seconds_per_chunk[operation]
+        return by[path] / by[baseline]
+
+    def write_json(self, path: Path) -> None:
+        data = asdict(self)
+        data["ratios"] = {op: {"node/in-process": self.ratio(op, "node", "in-process"),
+                               "node/raw": self.ratio(op, "node", "raw")} for op in OPERATIONS}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def run_node_bench(config: NodeBenchConfig, progress: Callable[[str], None]) -> NodeBenchResult:
+    """Measure the three paths (see the module docstring).
+
+    Raises:
+        ConfigError: a bad setting; ServerError-like RuntimeError: the node did not start.
+    """
+    config.validate()
+    layout = config.layout()
+    size = layout.bytes_per_chunk
+    sources = [np.full(size, i % 251, dtype=np.uint8) for i in range(config.chunks)]
+    out = np.empty(size, dtype=np.uint8)
+    spares = [memoryview(mmap.mmap(-1, size)) for _ in range(4)]
+    times: dict[str, dict[str, list[float]]] = {op: {p: [] for p in PATHS} for op in OPERATIONS}
+    verified = True
+    # Room for one batch and a little: from the second trial on, slots are reused (evicting
+    # the last trial's chunks), as in steady state, not first-touched.
+    capacity = f"{config.chunks * size // (1 << 20) + 16}MiB"
+    with tempfile.TemporaryDirectory(prefix="kvn-") as tmp, \
+            _node_process(Path(tmp), capacity) as socket_path:
+        info = NamespaceInfo("bench-node", "", 0)
+        client = NodeClient(socket_path, layout, info, timeout_s=30)
+        stores: dict[str, ChunkStore] = {
+            "in-process": open_store(StoreConfig.parse(
+                {"tiers": [{"kind": "memory", "capacity": capacity, "pin": "off"}]}), layout),
+            "node": NodeStore(client, size)}
+        for trial in range(config.trials + 1):  # the first: a warm-up, not counted
+            progress(f"trial {trial} of {config.trials}")
+            keys = [ChunkKey(os.urandom(16)) for _ in range(config.chunks)]
+            start = time.perf_counter()
+            for source in sources:
+                np.copyto(out, source)
+            raw = (time.perf_counter() - start) / config.chunks
+            for path, store in stores.items():
+                stored = _store(store, keys, sources)
+                loaded, same = _load(store, keys, sources, out, spares)
+                verified = verified and same
+                if trial:
+                    times["store"][path].append(stored)
+                    times["load"][path].append(loaded)
+            if trial:
+                times["store"]["raw"].append(raw)
+                times["load"]["raw"].append(raw)
+        progress("round trips")
+        trips = []
+        for _ in range(config.round_trips):
+            start = time.perf_counter()
+            client.call(Lookup([bytes(16)]), Found)
+            trips.append(time.perf_counter() - start)
+        for store in stores.values():
+            store.close()
+    return NodeBenchResult(
+        config, size,
+        {op: {p: statistics.median(v) for p, v in by.items()} for op, by in times.items()},
+        statistics.median(trips), verified)
+
+
+def _store(store: ChunkStore, keys: list[ChunkKey], sources: list[np.ndarray]) -> float:
+    """Seconds per chunk to store `sources` under `keys` (a step's stores)."""
+    spare = memoryview(bytearray(len(sources[0])))
+    start = time.perf_counter()
+    store.plan_puts(keys, [DEFAULT_META] * len(keys))
+    for key, source in zip(keys, sources):
+        def fill(slot: memoryview, source: np.ndarray = source) -> None:
+            np.copyto(np.frombuffer(slot, dtype=np.uint8), source)
+        if not store.put_from(key, fill, spare):
+            raise RuntimeError(f"a chunk was not stored ({type(store).__name__})")
+    store.flush(30)
+    return (time.perf_counter() - start) / len(keys)
+
+
+def _load(store: ChunkStore, keys: list[ChunkKey], sources: list[np.ndarray], out: np.ndarray,
+          spares: list[memoryview]) -> tuple[float, bool]:
+    """Seconds per chunk to lend `keys` and copy each out (a request's hit), and whether every
+    chunk came back as stored (checked after the timing)."""
+    seen: list[int] = []
+    start = time.perf_counter()
+    with store.lend_as_landed(keys, spares) as lending:
+        for loan in lending:
+            with loan:
+                np.copyto(out, np.frombuffer(loan.view.data, dtype=np.uint8))
+                seen.append(int(out[0]))
+    seconds = (time.perf_counter() - start) / len(keys)
+    return seconds, seen == [int(s[0]) for s in sources]
+
+
+@contextlib.contextmanager
+def _node_process(root: Path, capacity: str) -> Iterator[str]:
+    """A `kvtier node serve` subprocess with one memory tier of `capacity`; its socket."""
+    config = root / "node.yaml"
+    config.write_text(yaml.safe_dump({"tiers": [{"kind": "memory", "capacity": capacity}]}))
+    socket_path = str(root / "node.sock")
+    name = f"bench-{os.getpid()}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvtier.tools.cli.main", "node", "serve", "--config",
+         str(config), "--socket", socket_path, "--name", name],
+        stdout=subprocess.DEVNULL, stderr=(root / "node.log").open("wb"))
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                node_status(socket_path, timeout_s=1)
+                break
+            except NodeUnavailable:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the node did not start: "
+                                       + (root / "node.log").read_text()[-2000:]) from None
+                time.sleep(0.1)
+        yield socket_path
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
