@@ -51,14 +51,15 @@ def test_the_cache_never_imports_the_tools() -> None:
 
 # Each cache package and the kvtier packages it must never import (not even for type checks).
 LAYERS = {
-    "config.py": ("kvtier.core", "kvtier.tiers", "kvtier.integrations"),
-    "core": ("kvtier.tiers", "kvtier.integrations"),
-    "tiers": ("kvtier.integrations",),
+    "config.py": ("kvtier.core", "kvtier.tiers", "kvtier.node", "kvtier.integrations"),
+    "core": ("kvtier.tiers", "kvtier.node", "kvtier.integrations"),
+    "tiers": ("kvtier.node", "kvtier.integrations"),
+    "node": ("kvtier.integrations",),
 }
 
 
 def test_the_cache_packages_import_one_way_only() -> None:
-    """No circle at package level: config <- core <- tiers <- integrations."""
+    """No circle at package level: config <- core <- tiers <- node <- integrations."""
     offenders = {}
     for part, forbidden in LAYERS.items():
         paths = [SRC / part] if part.endswith(".py") else sorted((SRC / part).rglob("*.py"))
