@@ -11,7 +11,7 @@ timed over several trials (median):
     its shared-memory slab.
 Also timed: one control round trip (a one-key `Lookup`), the price of each call.
 
-Primitives: `NodeBenchConfig`, `NodeBenchResult`, `run_node_bench`.
+Primitives: `NodeBenchConfig`, `NodeBenchResult`, `run_node_bench`, `node_process`.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def run_node_bench(config: NodeBenchConfig, progress: Callable[[str], None]) -> 
     # the last trial's chunks), as in steady state, not first-touched.
     capacity = f"{config.chunks * size // (1 << 20) + 16}MiB"
     with tempfile.TemporaryDirectory(prefix="kvn-") as tmp, \
-            _node_process(Path(tmp), capacity) as socket_path:
+            node_process(Path(tmp), capacity) as socket_path:
         info = NamespaceInfo("bench-node", "", 0)
         client = NodeClient(socket_path, layout, info, timeout_s=30)
         stores: dict[str, ChunkStore] = {
@@ -173,8 +173,9 @@ def _load(store: ChunkStore, keys: list[ChunkKey], sources: list[np.ndarray], ou
 
 
 @contextlib.contextmanager
-def _node_process(root: Path, capacity: str) -> Iterator[str]:
-    """A `kvtier node serve` subprocess with one memory tier of `capacity`; its socket."""
+def node_process(root: Path, capacity: str) -> Iterator[str]:
+    """A `kvtier node serve` subprocess with one memory tier of `capacity`; its socket (also
+    `kvtier bench ttft`'s kvtier-node engine)."""
     config = root / "node.yaml"
     config.write_text(yaml.safe_dump({"tiers": [{"kind": "memory", "capacity": capacity}]}))
     socket_path = str(root / "node.sock")

@@ -10,6 +10,8 @@ linear-attention states at their end beside the KV of its full-attention layers)
   - `kvtier-memory`: a kvtier hit from the memory tier (`reset_prefix_cache()` before each
     timed request empties vLLM's own cache, so the prefix can only come from kvtier), and
     throughput with kvtier.
+  - `kvtier-node`: a kvtier hit from the RAM tier of a `kvtier node` process (node mode), as
+    `kvtier-memory` otherwise: the price of the node against the same hit in-process.
   - `kvtier-disk`: a kvtier hit from the disk tier (a memory tier of two chunks in front of
     it, so the loads come from disk).
   - `example`: a hit from vLLM's ExampleConnector (safetensors files; runs on CPU too). It
@@ -61,10 +63,12 @@ from kvtier.integrations.vllm.config import STORE_MODES, TOKENS_PER_CHUNK, kvtie
 from kvtier.integrations.vllm.groups import STATE_FLAG_BYTES
 from kvtier.testing.engines import BLOCK_SIZE, NUM_BLOCKS, counter, kvtier_counter, offline_engine
 from kvtier.testing.tinymodel import PRESETS, make_preset_model
+from kvtier.tools.bench.node import node_process
 from kvtier.tools.bench.prompts import KV_BYTES_PER_TOKEN, NEW_TOKENS, bench_prompt, check_settings
 from kvtier.tools.bench.subjects import aligned_buffer, direct_read_s
 
-ENGINES = ("recompute", "vllm-prefix", "kvtier-memory", "kvtier-disk", "example", "example-cold")
+ENGINES = ("recompute", "vllm-prefix", "kvtier-memory", "kvtier-disk", "example", "example-cold",
+           "kvtier-node")
 TARGET_EXTRA_VS_COPY = 1.5  # a hit's extra time over vLLM's <= 1.5x the raw copy
 TARGET_THROUGHPUT = 0.97  # 0%-hit throughput with kvtier >= 0.97x without
 SKIPPED = "kvtier-memory, kvtier off"  # throughput rounds with skip_load + skip_store
@@ -319,6 +323,8 @@ def _kv_transfer_config(engine: str, scratch: Path, config: TtftConfig
               "load_when": model.load_when}
     if engine == "kvtier-memory":
         extra: dict[str, Any] = common | {"tiers": [{"kind": "memory", "capacity": "2GiB"}]}
+    elif engine == "kvtier-node":
+        extra = common | {"node": str(scratch / "node.sock")}
     elif engine == "kvtier-disk":
         # Two chunks of memory in front of the disk: every load of a prompt reads the disk.
         extra = common | {"write_queue_depth": 1024, "tiers": [
@@ -524,7 +530,7 @@ class _Ceilings:
 
     def for_engine(self, engine: str) -> Callable[[int], float] | None:
         """The ceiling timed beside each hit of `engine`, or None."""
-        return {"kvtier-memory": self.copy.time_s,
+        return {"kvtier-memory": self.copy.time_s, "kvtier-node": self.copy.time_s,
                 "kvtier-disk": self.direct.time_s}.get(engine)
 
     def medians_s(self, model: BenchModel, cached_tokens: tuple[int, ...], reps: int = 5
@@ -569,7 +575,11 @@ def run_ttft_bench(config: TtftConfig,
         for engine in config.engines:
             progress(f"{engine}: starting the engine")
             start = time.perf_counter()
-            with _engine(model_dir, engine, config, scratch) as llm:
+            with contextlib.ExitStack() as stack:
+                if engine == "kvtier-node":  # its socket: scratch/node.sock
+                    socket_path = stack.enter_context(node_process(scratch, "2GiB"))
+                    assert socket_path == str(scratch / "node.sock")
+                llm = stack.enter_context(_engine(model_dir, engine, config, scratch))
                 warm_up = bench_prompt(64, seed=7, preset=model.preset)
                 _generate_s(llm, [warm_up], 1)  # not timed
                 starts[engine] = time.perf_counter() - start

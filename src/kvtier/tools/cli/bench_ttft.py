@@ -148,6 +148,9 @@ def breakdown_table(result: TtftResult) -> Table:
     return table
 
 
+NODE_VS_IN_PROCESS = 1.1  # a RAM hit through kvtier node: at most this x the in-process one
+
+
 @dataclass(frozen=True, slots=True)
 class Check:
     what: str
@@ -161,6 +164,15 @@ def checks(result: TtftResult) -> list[Check]:
     kvtier.tools.bench.ttft)."""
     out = []
     for n in result.config.cached_tokens:
+        # A RAM hit through kvtier node against the same hit in-process (issue 43).
+        node, memory = result.get("kvtier-node", n), result.get("kvtier-memory", n)
+        if node is not None and memory is not None and node.extra_s is not None \
+                and memory.extra_s is not None:
+            limit = NODE_VS_IN_PROCESS * max(memory.extra_s, 0.0)
+            out.append(Check(f"kvtier-node {n}: extra over vLLM hit",
+                             f"{node.extra_s * 1e3:.1f} ms",
+                             f"<= {limit * 1e3:.1f} ms ({NODE_VS_IN_PROCESS}x kvtier-memory's "
+                             f"{memory.extra_s * 1e3:.1f} ms)", node.extra_s <= limit))
         # Each kvtier tier against ExampleConnector reading from the same medium: its page
         # cache (RAM) for the memory tier, the device (page cache dropped) for the disk tier.
         for engine, ceiling, name, peer in (
