@@ -86,13 +86,14 @@ def shm_files(name: str) -> list[Path]:
 @dataclass
 class NodeProcess:
     """`python3 -m kvtier.tools.cli.main node serve` on `socket_path`, named `name` (its
-    slabs: /dev/shm/kvtier-<name>-*), logging to `log_path`."""
+    slabs: /dev/shm/kvtier-<name>-*), logging to `log_path`; `args`: more of its flags."""
 
     config_path: Path
     socket_path: Path
     name: str
     log_path: Path
     umask: int = 0o022
+    args: tuple[str, ...] = ()
     process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> NodeProcess:
@@ -105,7 +106,7 @@ class NodeProcess:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "kvtier.tools.cli.main", "node", "serve",
              "--config", str(self.config_path), "--socket", str(self.socket_path),
-             "--name", self.name],
+             "--name", self.name, *self.args],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, umask=self.umask)
         log.close()
         wait_for(self._answers, START_TIMEOUT_S, f"node {self.name} answering")

@@ -7,6 +7,14 @@ lists every manifest, the generated ConfigMaps are the monitoring files of deplo
 the kvtier connector JSON in the Deployment passes kvtier's own schema and equals the
 kvtier-config ConfigMap, every tier path is a mounted volume of the right kind and size, the
 pod's memory holds the memory tier, and `kvtier audit` finds no error in the Deployment.
+
+deploy/kubernetes-node/ (kvtier as one cache per Kubernetes node: an overlay of the base with
+a `kvtier node` DaemonSet and engines in node mode) goes through the same schema validation,
+plus: its kustomization is the base less the base's engines, the node's config passes
+kvtier's schema and each of its paths is mounted, the node's memory holds its RAM tier, its
+metrics port agrees with its Service, the engines' connector JSON names the node's socket, the
+engines and the node mount the same host socket directory and /dev/shm and run in the same
+group, and `kvtier audit` finds no error in the engines' Deployment.
 """
 
 from __future__ import annotations
@@ -15,6 +23,8 @@ import copy
 import importlib.util
 import json
 import re
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,11 +34,15 @@ import pytest
 import yaml
 
 from kvtier.integrations.vllm.config import CONNECTOR_CLASS, ConnectorConfig
+from kvtier.node.server import NodeConfig
+from kvtier.tiers.memory import SHM_DIR
+from kvtier.tiers.storeconfig import StoreConfig
 from kvtier.tools.cli.main import main
 from kvtier.units import parse_size
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "kubernetes"
+NODE = ROOT / "deploy" / "kubernetes-node"  # the overlay: one cache per node
 MODEL_CONFIG = ROOT / "tests" / "data" / "configs" / "llama-3-8b.json"
 # The oldest Kubernetes release still common in production, and the newest the bundled
 # schemas know.
@@ -37,16 +51,18 @@ _QUANTITY = re.compile(r"^(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|Pi)?$")
 _BINARY = {None: 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
 
 
-def manifest_files() -> list[Path]:
-    return sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
+def manifest_files(folder: Path = K8S) -> list[Path]:
+    return sorted(p for p in folder.glob("*.yaml") if p.name != "kustomization.yaml")
 
 
 def documents() -> list[tuple[str, dict[str, Any]]]:
-    """(file:index kind/name, document) of every document of every manifest."""
+    """(file:index kind/name, document) of every document of every manifest, the base's
+    and the node overlay's (its files named with their folder)."""
     out = []
-    for path in manifest_files():
+    for path in manifest_files() + manifest_files(NODE):
+        name = path.name if path.parent == K8S else f"{path.parent.name}/{path.name}"
         for i, doc in enumerate(d for d in yaml.safe_load_all(path.read_text()) if d):
-            out.append((f"{path.name}:{i} {doc['kind']}/{doc['metadata']['name']}", doc))
+            out.append((f"{name}:{i} {doc['kind']}/{doc['metadata']['name']}", doc))
     return out
 
 
@@ -232,3 +248,181 @@ def test_kvtier_audit_finds_no_error_in_the_deployment(
     assert code == 0 and report["ok"] and not errors, errors
     assert report["vllm_version"] in ([0, 32, 0], "v0.32.0", "0.32.0")  # from the image tag
     assert report["model"] == "meta-llama/Meta-Llama-3-8B-Instruct"
+
+
+# -- deploy/kubernetes-node: one cache per node --------------------------------------------
+
+def node_pod() -> dict[str, Any]:
+    return find("DaemonSet", "kvtier-node")["spec"]["template"]["spec"]
+
+
+def node_container() -> dict[str, Any]:
+    return next(c for c in node_pod()["containers"] if c["command"] == ["kvtier", "node", "serve"])
+
+
+def node_flag(name: str) -> str:
+    args = node_container()["args"]
+    assert args.count(name) == 1, f"{name} appears {args.count(name)} times"
+    return str(args[args.index(name) + 1])
+
+
+def engine_pod() -> dict[str, Any]:
+    return find("Deployment", "vllm-kvtier-node")["spec"]["template"]["spec"]
+
+
+def engine_container() -> dict[str, Any]:
+    return next(c for c in engine_pod()["containers"] if c["command"][:2] == ["vllm", "serve"])
+
+
+def engine_flag(name: str) -> str:
+    args = engine_container()["args"]
+    assert args.count(name) == 1, f"{name} appears {args.count(name)} times"
+    return str(args[args.index(name) + 1])
+
+
+def engine_extra() -> dict[str, Any]:
+    extra = json.loads(engine_flag("--kv-transfer-config"))["kv_connector_extra_config"]
+    assert isinstance(extra, dict)
+    return extra
+
+
+def node_tiers() -> list[dict[str, Any]]:
+    config = yaml.safe_load(find("ConfigMap", "kvtier-node-config")["data"]["node.yaml"])
+    tiers: list[dict[str, Any]] = config["tiers"]
+    return tiers
+
+
+def host_path_at(pod: dict[str, Any], container: dict[str, Any], mount_path: str) -> str:
+    """The host directory `container` sees at `mount_path` (a hostPath volume)."""
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    assert mount_path in mounts, f"{container['name']}: nothing mounted at {mount_path}"
+    volume = next(v for v in pod["volumes"] if v["name"] == mounts[mount_path])
+    assert "hostPath" in volume, f"{container['name']}: {mount_path} is not a hostPath"
+    return str(volume["hostPath"]["path"])
+
+
+def run_as_group(pod: dict[str, Any], container: dict[str, Any]) -> int | None:
+    """The group the container's processes run as (the container's setting wins)."""
+    group = container.get("securityContext", {}).get("runAsGroup")
+    return group if group is not None else pod.get("securityContext", {}).get("runAsGroup")
+
+
+def test_the_node_kustomization_is_the_base_with_a_node_cache_for_its_engines() -> None:
+    kustomization = yaml.safe_load((NODE / "kustomization.yaml").read_text())
+    base = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    assert kustomization["namespace"] == base["namespace"]
+    resources = kustomization["resources"]
+    assert resources[0] == "../kubernetes"
+    assert sorted(resources[1:]) == [p.name for p in manifest_files(NODE)]
+    patches = [yaml.safe_load(p["patch"]) for p in kustomization["patches"]]
+    # The base's engines (tiers in each pod) are deleted: the node-mode engines replace them.
+    assert {"$patch": "delete", "apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"name": "vllm-kvtier"}} in patches
+    # Redis is the node's tier now: the node's pods are let in.
+    (policy_patch,) = [p for p in kustomization["patches"]
+                       if p.get("target", {}).get("kind") == "NetworkPolicy"]
+    policy = find("NetworkPolicy", policy_patch["target"]["name"])
+    [operation] = yaml.safe_load(policy_patch["patch"])
+    assert operation["op"] == "add" and operation["path"] == "/spec/ingress/0/from/-"
+    assert policy["spec"]["ingress"][0]["from"]
+    node_labels = find("DaemonSet", "kvtier-node")["spec"]["template"]["metadata"]["labels"]
+    assert operation["value"]["podSelector"]["matchLabels"].items() <= node_labels.items()
+    # The engines keep the base's pod labels: the Service and the NetworkPolicy select them.
+    engine_labels = find("Deployment", "vllm-kvtier-node")["spec"]["template"]["metadata"][
+        "labels"]
+    assert find("Service", "vllm-kvtier")["spec"]["selector"].items() <= engine_labels.items()
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+def test_kustomize_renders_the_node_overlay_into_valid_kubernetes() -> None:
+    rendered = subprocess.run(["kubectl", "kustomize", str(NODE)], capture_output=True,
+                              text=True, timeout=120)
+    assert rendered.returncode == 0, rendered.stderr
+    docs = [d for d in yaml.safe_load_all(rendered.stdout) if d]
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSIONS[-1], strict=True)
+    names = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    assert ("DaemonSet", "kvtier-node") in names
+    assert sorted(n for k, n in names if k == "Deployment") == ["kvtier-redis",
+                                                               "vllm-kvtier-node"]
+    assert {d["metadata"]["namespace"] for d in docs if d["kind"] != "Namespace"} == {"kvtier"}
+
+
+def test_the_node_config_passes_kvtiers_schema_and_each_path_is_mounted(tmp_path: Path) -> None:
+    tiers = copy.deepcopy(node_tiers())
+    assert [t["kind"] for t in tiers] == ["memory", "disk", "redis", "shared"]
+    mounts = {m["mountPath"]: m["name"] for m in node_container()["volumeMounts"]}
+    volumes = {v["name"]: v for v in node_pod()["volumes"]}
+    for tier in tiers:
+        if "path" in tier:
+            assert tier["path"] in mounts, f"{tier['kind']} tier path {tier['path']}"
+            tier["path"] = under(tmp_path, tier["path"])
+    NodeConfig(StoreConfig.parse({"tiers": tiers}), tmp_path / "node.sock")
+    # The disk tier on the host (it outlives the node's pod), the shared tier the base's claim.
+    disk = next(t for t in node_tiers() if t["kind"] == "disk")
+    assert host_path_at(node_pod(), node_container(), disk["path"]) == disk["path"]
+    shared = next(t for t in node_tiers() if t["kind"] == "shared")
+    claim = volumes[mounts[shared["path"]]]["persistentVolumeClaim"]["claimName"]
+    assert find("PersistentVolumeClaim", claim)["spec"]["accessModes"] == ["ReadWriteMany"]
+    # --config is the ConfigMap's file.
+    config_path = Path(node_flag("--config"))
+    volume = volumes[mounts[str(config_path.parent)]]
+    assert volume["configMap"]["name"] == "kvtier-node-config"
+    assert config_path.name in find("ConfigMap", "kvtier-node-config")["data"]
+
+
+def test_the_node_pod_memory_holds_its_ram_tier() -> None:
+    resources = node_container()["resources"]
+    memory = next(t for t in node_tiers() if t["kind"] == "memory")
+    assert resources["requests"]["memory"] == resources["limits"]["memory"]
+    assert quantity_bytes(resources["limits"]["memory"]) >= parse_size(
+        memory["capacity"], "capacity") + 8 * 2**30
+
+
+def test_the_node_metrics_port_agrees_with_its_service() -> None:
+    (port,) = node_container()["ports"]
+    assert int(node_flag("--metrics-port")) == port["containerPort"]
+    assert node_flag("--metrics-host") == "0.0.0.0"  # the pod's network: a scraper elsewhere
+    service = find("Service", "kvtier-node")
+    assert service["spec"]["selector"].items() <= find("DaemonSet", "kvtier-node")[
+        "spec"]["template"]["metadata"]["labels"].items()
+    assert service["metadata"]["annotations"]["prometheus.io/port"] == str(port["containerPort"])
+    assert service["spec"]["ports"][0]["targetPort"] == port["name"]
+
+
+def test_the_engines_connector_config_names_the_nodes_socket() -> None:
+    extra = engine_extra()
+    parsed = ConnectorConfig.parse(extra)
+    parsed.check_block_size(int(engine_flag("--block-size")))
+    assert parsed.node == node_flag("--socket")
+    assert "tiers" not in extra  # the node's
+    # Chunks are shared with engines of the base's settings only at the same chunking.
+    base = transfer_config()["kv_connector_extra_config"]
+    assert extra["tokens_per_chunk"] == base["tokens_per_chunk"]
+    assert engine_flag("--block-size") == flag("--block-size")
+
+
+def test_the_node_and_its_engines_share_the_socket_directory_shm_and_group() -> None:
+    socket_dir = str(Path(node_flag("--socket")).parent)
+    assert str(Path(engine_extra()["node"]).parent) == socket_dir
+    for mount_path in (socket_dir, str(SHM_DIR)):  # the socket; the RAM tier's slabs
+        assert host_path_at(node_pod(), node_container(), mount_path) == host_path_at(
+            engine_pod(), engine_container(), mount_path), mount_path
+    assert host_path_at(node_pod(), node_container(), str(SHM_DIR)) == str(SHM_DIR)
+    # The socket and the slabs are mode 0660: the engines must run in the node's group.
+    group = run_as_group(node_pod(), node_container())
+    assert group is not None and group != 0
+    assert run_as_group(engine_pod(), engine_container()) == group
+    # The hostPath directories start root-owned: the node's init container hands them over.
+    (init,) = node_pod()["initContainers"]
+    assert f"chown {node_pod()['securityContext']['runAsUser']}:{group} {socket_dir}" in \
+        " ".join(init["args"])
+
+
+def test_kvtier_audit_finds_no_error_in_the_node_engines(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["audit", str(NODE / "vllm-node-deployment.yaml"),
+                 "--model-config", str(MODEL_CONFIG), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    errors = [f for f in report["findings"] if f["severity"] == "error"]
+    assert code == 0 and report["ok"] and not errors, errors

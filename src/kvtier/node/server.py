@@ -11,7 +11,7 @@ a connection's leases (chunks lent for a load, slots reserved for stores) end wi
 engine killed mid-load or mid-store leaks nothing. Each connection is served on a thread of
 its own: a slow tier read for one engine holds up no other engine.
 
-Primitives: `NodeServer`, `NodeConfig`.
+Primitives: `NodeServer`, `NodeConfig`, `NodeCounters`.
 """
 
 from __future__ import annotations
@@ -86,6 +86,28 @@ class NodeConfig:
                               "memory (the node shares its RAM tier with its engines)")
 
 
+# The node's own counters (`NodeServer.counters`), each only ever added to.
+COUNTERS = ("borrows", "lent_chunks", "reserved_chunks", "committed_chunks", "lookups",
+            "refused", "disconnects_with_leases")
+
+
+class NodeCounters:
+    """`COUNTERS`, added to from every connection's thread. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values = dict.fromkeys(COUNTERS, 0)
+
+    def add(self, name: str, count: int = 1) -> None:
+        """Raises KeyError: `name` is not one of COUNTERS."""
+        with self._lock:
+            self._values[name] += count
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._values)
+
+
 @dataclass
 class _Layout:
     """One layout's store, and its RAM tier (whose slab the engines map)."""
@@ -93,6 +115,7 @@ class _Layout:
     store: TieredStore
     memory: MemoryTier
     welcome: Welcome
+    model: str  # its first engine's model (a label of the node's metrics)
 
 
 @dataclass
@@ -119,9 +142,7 @@ class NodeServer:
         self._connections: dict[int, str] = {}  # connection id -> engine
         self._sockets: dict[int, socket.socket] = {}  # connection id -> its socket
         self._closed = threading.Event()  # set when `shutdown` has closed everything
-        self.counters = {"borrows": 0, "lent_chunks": 0, "reserved_chunks": 0,
-                         "committed_chunks": 0, "lookups": 0, "refused": 0,
-                         "disconnects_with_leases": 0}
+        self.counters = NodeCounters()
         _clear_stale_socket(config.socket_path)
         self._server = _Server(str(config.socket_path), _Handler)
         self._server.node = self
@@ -168,9 +189,10 @@ class NodeServer:
             "node": self.config.name, "generation": self.generation,
             "socket": str(self.config.socket_path), "engines": engines,
             "connections": len(self._connections), "leases": leases,
-            "counters": dict(self.counters),
+            "counters": self.counters.snapshot(),
             "layouts": {digest: {
-                "shm_path": layout.welcome.shm_path, "chunk_bytes": layout.welcome.chunk_bytes,
+                "model": layout.model, "shm_path": layout.welcome.shm_path,
+                "chunk_bytes": layout.welcome.chunk_bytes,
                 "tiers": [s.as_dict() for s in layout.store.stats().tiers]}
                 for digest, layout in layouts.items()},
         }
@@ -200,7 +222,7 @@ class NodeServer:
             welcome = Welcome(str(memory.shared_memory_path),
                               memory.num_slots * memory.slot_bytes, memory.chunk_bytes,
                               self.generation, self.config.name)
-            self._layouts[digest] = known = _Layout(store, memory, welcome)
+            self._layouts[digest] = known = _Layout(store, memory, welcome, hello.model)
             log.info("kvtier node: layout %s (%s, %d B chunks): %d RAM slots in %s",
                      digest[:16], hello.model, memory.chunk_bytes, memory.num_slots,
                      welcome.shm_path)
@@ -227,8 +249,8 @@ class NodeServer:
                 offsets.append(offset)
                 tiers.append(loan.view.tier)
             failed = lending.failed_tier if lending.stopped_at == len(offsets) else None
-            self.counters["borrows"] += 1
-            self.counters["lent_chunks"] += len(offsets)
+            self.counters.add("borrows")
+            self.counters.add("lent_chunks", len(offsets))
             if not offsets:
                 return Lent(0, [], [], failed)
             undo.pop_all()  # kept until Release, or the connection's end
@@ -254,7 +276,7 @@ class NodeServer:
             offsets.append(offset)
             puts.blocks.append((block, put))
             puts.open += 1
-        self.counters["reserved_chunks"] += puts.open
+        self.counters.add("reserved_chunks", puts.open)
         return Reserved(self._lease(owner, puts) if puts.open else 0, offsets)
 
     def commit(self, request: Commit) -> None:
@@ -272,7 +294,7 @@ class NodeServer:
         if not request.filled:
             put.cancel()
         block.__exit__(None, None, None)  # stores it (and queues the writes behind RAM)
-        self.counters["committed_chunks"] += request.filled
+        self.counters.add("committed_chunks", int(request.filled))
         puts.open -= 1
         if puts.open == 0:
             with self._lock:
@@ -292,7 +314,7 @@ class NodeServer:
             self._connections.pop(owner, None)
             self._sockets.pop(owner, None)
         if ended:
-            self.counters["disconnects_with_leases"] += 1
+            self.counters.add("disconnects_with_leases")
             log.info("kvtier node: a connection ended holding %d leases; released", len(ended))
         for held in ended:
             _end(held)
@@ -375,7 +397,7 @@ class _Handler(socketserver.BaseRequestHandler):
                 if isinstance(request, Hello):
                     answer = node.layout_for(request)
                     if isinstance(answer, Refused):
-                        node.counters["refused"] += 1
+                        node.counters.add("refused")
                         send(sock, answer)
                         continue
                     layout = answer
@@ -407,7 +429,7 @@ def _answer(node: NodeServer, owner: int, layout: _Layout, request: Request,
             spares: list[memoryview], scratch: memoryview) -> Reply:
     """The reply to a request about the connection's layout."""
     if isinstance(request, Lookup):
-        node.counters["lookups"] += 1
+        node.counters.add("lookups")
         return Found([layout.store.contains(ChunkKey(k)) for k in request.keys])
     if isinstance(request, Borrow):
         return node.borrow(owner, layout, request, spares)

@@ -1,0 +1,152 @@
+"""The node's own Prometheus metrics, on /metrics of `kvtier node serve --metrics-port N`.
+
+`NodeCollector` reads the live numbers from `NodeServer.status()` at each scrape: no thread
+updates them in between, and a scrape sees what `kvtier node status` would print then. Every
+name starts with `kvtier_node_` (an engine's own are `vllm:kvtier_*`, on vLLM's /metrics):
+
+  - per layout and tier (labels `layout`: the first 16 hex digits of the layout's digest, as
+    the node names its slabs; `tier`; `model`: the model of the layout's first engine): the
+    tier's counters (`TIER_COUNTERS`, `kvtier_node_tier_<name>_total`) and gauges
+    (`TIER_GAUGES`, `kvtier_node_tier_<name>`);
+  - the node's (label `node`, its name): `NODE_GAUGES` and its `NodeServer.counters`
+    (`kvtier_node_<name>_total`), and `kvtier_node_info` (1, with the node's generation).
+
+`MetricsServer` binds its port when built (a port in use raises before the node opens its
+socket) and serves on daemon threads once started; nothing listens on a network address
+unless the operator asks (the CLI's `--metrics-host`).
+
+Primitives: `NodeCollector`, `MetricsServer`.
+"""
+
+from __future__ import annotations
+
+import socket
+import socketserver
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvtier.node.server import COUNTERS
+
+PREFIX = "kvtier_node_"
+TIER_LABELS = ("layout", "tier", "model")
+# TierStats field -> help; exported as kvtier_node_tier_<field>_total.
+TIER_COUNTERS: dict[str, str] = {
+    "hits": "Chunk reads the tier served",
+    "misses": "Chunk reads the tier did not serve (absent, corrupt, unreadable)",
+    "puts": "Chunks stored in the tier",
+    "evictions": "Chunks evicted from the tier to make room",
+    "corrupt_reads": "Chunks that failed verification (treated as misses, removed)",
+    "dropped_writes": "Writes the tier did not store (I/O error, full disk, full queue)",
+    "bytes_read": "Payload bytes read from the tier",
+    "bytes_written": "Payload bytes written to the tier",
+}
+# TierStats field -> help; exported as kvtier_node_tier_<field>.
+TIER_GAUGES: dict[str, str] = {
+    "chunks": "Chunks the tier holds",
+    "used_bytes": "Bytes the tier holds (as stored, headers included)",
+    "capacity_bytes": "The tier's bound in bytes",
+}
+# status() key -> help; kvtier_node_<key> (engines and layouts: the length of their list/map).
+NODE_GAUGES: dict[str, str] = {
+    "connections": "Engine connections open (one per engine thread)",
+    "leases": "Leases held: chunks lent for a load, slots reserved for stores",
+    "engines": "Engines connected",
+    "layouts": "KV layouts (models x TP ranks) the node holds a store for",
+}
+# NodeServer.counters -> help; kvtier_node_<name>_total.
+NODE_COUNTERS: dict[str, str] = {
+    "borrows": "Borrow requests (one per load of an engine)",
+    "lent_chunks": "Chunks lent to engines from the RAM slab",
+    "reserved_chunks": "RAM slots reserved for engines' stores",
+    "committed_chunks": "Reserved slots filled and stored",
+    "lookups": "Lookup requests",
+    "refused": "Hellos refused (bad layout, max_layouts reached)",
+    "disconnects_with_leases": "Connections that ended holding leases (released by the node)",
+}
+assert set(NODE_COUNTERS) == set(COUNTERS)  # a new counter needs its help here
+
+
+class NodeCollector(Collector):
+    """The node's metrics from `status` (`NodeServer.status`), read at each scrape."""
+
+    def __init__(self, status: Callable[[], dict[str, Any]]) -> None:
+        self._status = status
+
+    def collect(self) -> Iterator[Metric]:
+        """Called by prometheus_client on its server's thread, once per scrape."""
+        status = self._status()
+        node = [status["node"]]
+        info = GaugeMetricFamily(PREFIX + "info", "The node (1), its name and generation",
+                                 labels=["node", "generation"])
+        info.add_metric([status["node"], status["generation"]], 1)
+        yield info
+        sizes = {"engines": len(status["engines"]), "layouts": len(status["layouts"])}
+        for name, text in NODE_GAUGES.items():
+            gauge = GaugeMetricFamily(PREFIX + name, text, labels=["node"])
+            gauge.add_metric(node, sizes.get(name, status.get(name, 0)))
+            yield gauge
+        for name, text in NODE_COUNTERS.items():
+            counter = CounterMetricFamily(PREFIX + name, text, labels=["node"])
+            counter.add_metric(node, status["counters"][name])
+            yield counter
+        rows = [([digest[:16], tier["name"], layout["model"]], tier)
+                for digest, layout in status["layouts"].items() for tier in layout["tiers"]]
+        for name, text in TIER_COUNTERS.items():
+            counter = CounterMetricFamily(f"{PREFIX}tier_{name}", text, labels=TIER_LABELS)
+            for labels, tier in rows:
+                counter.add_metric(labels, tier[name])
+            yield counter
+        for name, text in TIER_GAUGES.items():
+            gauge = GaugeMetricFamily(f"{PREFIX}tier_{name}", text, labels=TIER_LABELS)
+            for labels, tier in rows:
+                gauge.add_metric(labels, tier[name])
+            yield gauge
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Not a line on stderr per scrape."""
+
+
+class _Server(socketserver.ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a scrape in progress does not hold up the node's exit
+
+
+class MetricsServer:
+    """/metrics of a registry over HTTP, on daemon threads, until `close`."""
+
+    def __init__(self, host: str, port: int) -> None:
+        """Bind `host`:`port`; serve nothing until `start`.
+
+        Raises:
+            OSError: the port is in use (EADDRINUSE), the host is not one of this machine's.
+        """
+        self.registry = CollectorRegistry()
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        server_class = type("_MetricsServer", (_Server,), {"address_family": family})
+        self._httpd: WSGIServer = make_server(host, port, make_wsgi_app(self.registry),
+                                              server_class, handler_class=_Quiet)
+        self._thread = threading.Thread(target=self._httpd.serve_forever,
+                                        name="kvtier-node-metrics", daemon=True)
+
+    @property
+    def port(self) -> int:
+        return int(self._httpd.server_address[1])
+
+    def start(self, collector: Collector) -> None:
+        """Serve `collector`'s metrics from now on."""
+        self.registry.register(collector)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop serving and free the port. Any thread but the server's."""
+        if self._thread.is_alive():
+            self._httpd.shutdown()
+        self._httpd.server_close()
+
