@@ -324,7 +324,7 @@ def _kv_transfer_config(engine: str, scratch: Path, config: TtftConfig
     if engine == "kvtier-memory":
         extra: dict[str, Any] = common | {"tiers": [{"kind": "memory", "capacity": "2GiB"}]}
     elif engine == "kvtier-node":
-        extra = common | {"node": str(scratch / "node.sock")}
+        extra = common | {"node": str((scratch / "node.sock").absolute())}
     elif engine == "kvtier-disk":
         # Two chunks of memory in front of the disk: every load of a prompt reads the disk.
         extra = common | {"write_queue_depth": 1024, "tiers": [
@@ -578,7 +578,7 @@ def run_ttft_bench(config: TtftConfig,
             with contextlib.ExitStack() as stack:
                 if engine == "kvtier-node":  # its socket: scratch/node.sock
                     socket_path = stack.enter_context(node_process(scratch, "2GiB"))
-                    assert socket_path == str(scratch / "node.sock")
+                    assert Path(socket_path).absolute() == (scratch / "node.sock").absolute()
                 llm = stack.enter_context(_engine(model_dir, engine, config, scratch))
                 warm_up = bench_prompt(64, seed=7, preset=model.preset)
                 _generate_s(llm, [warm_up], 1)  # not timed
