@@ -85,7 +85,7 @@ def shm_files(name: str) -> list[Path]:
 
 @dataclass
 class NodeProcess:
-    """`python3 -m kvtier.tools.cli.main node serve` on `socket_path`, named `name` (its
+    """`python3 -m kvtier.node serve` on `socket_path`, named `name` (its
     slabs: /dev/shm/kvtier-<name>-*), logging to `log_path`; `args`: more of its flags."""
 
     config_path: Path
@@ -104,7 +104,7 @@ class NodeProcess:
         """
         log = self.log_path.open("ab")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "kvtier.tools.cli.main", "node", "serve",
+            [sys.executable, "-m", "kvtier.node", "serve",
              "--config", str(self.config_path), "--socket", str(self.socket_path),
              "--name", self.name, *self.args],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, umask=self.umask)

@@ -43,8 +43,10 @@ from kvtier.node.server import NodeServer
 pytestmark = pytest.mark.timeout(120)  # a hang fails here, not at the suite's 900 s
 
 
-def kvtier(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvtier.tools.cli.main", *args],
+def kvtier_node(*args: str) -> subprocess.CompletedProcess[str]:
+    """`python -m kvtier.node ARGS` (the node's own entry point; `kvtier node`, the tools',
+    is tested in tests/tools)."""
+    return subprocess.run([sys.executable, "-m", "kvtier.node", *args],
                           capture_output=True, text=True, timeout=60)
 
 
@@ -59,7 +61,7 @@ def test_socket_and_slab_are_for_the_nodes_group_and_status_shows_its_engines(
     assert stat.S_ISSOCK(socket_mode) and stat.S_IMODE(socket_mode) == 0o660
     assert stat.S_ISREG(slab_mode) and stat.S_IMODE(slab_mode) == 0o660
 
-    shown = kvtier("node", "status", "--socket", str(node.socket_path), "--json")
+    shown = kvtier_node("status", "--socket", str(node.socket_path))
     assert shown.returncode == 0, shown.stderr
     status = json.loads(shown.stdout)
     assert status["engines"] == [f"{socket.gethostname()}:{os.getpid()}"]
@@ -69,8 +71,7 @@ def test_socket_and_slab_are_for_the_nodes_group_and_status_shows_its_engines(
     assert layout["chunk_bytes"] == LAYOUT.bytes_per_chunk
     assert (layout["tiers"][0]["chunks"], layout["tiers"][0]["puts"]) == (1, 1)
     # The table form prints too; no node at a socket: exit status 1.
-    assert kvtier("node", "status", "--socket", str(node.socket_path)).returncode == 0
-    assert kvtier("node", "status", "--socket", str(tmp_path / "none.sock")).returncode == 1
+    assert kvtier_node("status", "--socket", str(tmp_path / "none.sock")).returncode == 1
 
 
 def garbage_answer(socket_path: Path, frame: bytes) -> tuple[object, bytes]:

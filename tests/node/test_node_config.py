@@ -36,7 +36,7 @@ def test_kvtier_node_serve_names_the_bad_field(tmp_path: Path):
     config = tmp_path / "node.json"
     config.write_text(json.dumps(DISK_FIRST))
     served = subprocess.run(
-        [sys.executable, "-m", "kvtier.tools.cli.main", "node", "serve", "--config",
+        [sys.executable, "-m", "kvtier.node", "serve", "--config",
          str(config), "--socket", str(tmp_path / "node.sock"), "--name", tmp_path.name],
         capture_output=True, text=True, timeout=60)
     assert served.returncode == 2, served.stderr

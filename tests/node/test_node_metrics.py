@@ -33,11 +33,17 @@ from nodekit import (
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.node.client import NodeProbe
-from kvtier.tools.ops.server import free_port
 
 pytestmark = pytest.mark.timeout(120)  # a hang fails here, not at the suite's 900 s
 
 Sample = tuple[str, tuple[tuple[str, str], ...]]  # (name, sorted labels)
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (the kernel's pick)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def scrape(port: int) -> dict[Sample, float]:
@@ -129,7 +135,7 @@ def test_a_metrics_port_in_use_is_a_clear_error(tmp_path: Path, socket_path: Pat
         taken.listen()
         port = taken.getsockname()[1]
         result = subprocess.run(
-            [sys.executable, "-m", "kvtier.tools.cli.main", "node", "serve",
+            [sys.executable, "-m", "kvtier.node", "serve",
              "--config", str(config), "--socket", str(socket_path), "--name", node_name,
              "--metrics-port", str(port)],
             capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)

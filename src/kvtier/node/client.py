@@ -243,6 +243,7 @@ class _Planned:
     index: int
     offset: int  # or HELD / SKIPPED
     generation: str | None  # of the node that reserved it (a restarted node's is gone)
+    last: bool = False  # the reservation's last slot: its commit is waited for
 
 
 class NodeStore:
@@ -330,9 +331,10 @@ class NodeStore:
         except NodeUnavailable:
             return
         generation = self._client.generation()
+        last = max((i for i, offset in enumerate(reserved.offsets) if offset >= 0), default=-1)
         with self._planned_lock:
             for i, (key, offset) in enumerate(zip(keys, reserved.offsets)):
-                self._planned[key] = _Planned(reserved.lease, i, offset, generation)
+                self._planned[key] = _Planned(reserved.lease, i, offset, generation, i == last)
 
     def _slot(self, key: ChunkKey, meta: ChunkMeta) -> _Planned | None:
         with self._planned_lock:
@@ -372,7 +374,14 @@ class NodeStore:
             yield put
             filled = not put.cancelled
         finally:
-            self._client.tell(Commit(planned.lease, planned.index, filled))
+            commit = Commit(planned.lease, planned.index, filled, reply=planned.last)
+            if not planned.last:
+                self._client.tell(commit)
+            else:  # the step's last: every commit before it is done when it is answered
+                try:
+                    self._client.call(commit, Answer)
+                except NodeUnavailable:
+                    filled = False  # maybe stored, maybe not: not reported stored
         put.stored = filled
         if filled:
             self._counters.add(puts=1, bytes_written=self._chunk_bytes,

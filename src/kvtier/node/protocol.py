@@ -111,11 +111,14 @@ class Reserved(msgspec.Struct, tag=True):
 
 class Commit(msgspec.Struct, tag=True):
     """Reserved slot `index` of `lease` filled (stored from now on), or not (`filled` False:
-    given back)."""
+    given back). `reply`: answered (`Answer(True)`) once done, and so every commit sent
+    before it on the connection: the last of a step's, so that the engine reports its
+    chunks stored only once any engine's next lookup finds them."""
 
     lease: int
     index: int
     filled: bool
+    reply: bool = False
 
 
 class Retain(msgspec.Struct, tag=True):

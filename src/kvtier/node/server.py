@@ -409,6 +409,8 @@ class _Handler(socketserver.BaseRequestHandler):
                     continue
                 if isinstance(request, Commit):
                     node.commit(request)
+                    if request.reply:
+                        send(sock, Answer(True))
                     continue
                 if isinstance(request, Status):
                     send(sock, Answer(node.status()))

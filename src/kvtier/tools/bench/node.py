@@ -181,7 +181,7 @@ def node_process(root: Path, capacity: str) -> Iterator[str]:
     socket_path = str(root / "node.sock")
     name = f"bench-{os.getpid()}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvtier.tools.cli.main", "node", "serve", "--config",
+        [sys.executable, "-m", "kvtier.node", "serve", "--config",
          str(config), "--socket", socket_path, "--name", name],
         stdout=subprocess.DEVNULL, stderr=(root / "node.log").open("wb"))
     try:

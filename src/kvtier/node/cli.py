@@ -1,0 +1,112 @@
+"""`python -m kvtier.node serve|status`: the node's own entry point, part of the cache (no tool
+dependency: a node runs where only `pip install kvtier` is). `kvtier node` (the tools) runs
+the same `serve` and renders `status` as a table.
+
+    python -m kvtier.node serve --config node.yaml --socket /run/kvtier/node.sock
+        [--name N] [--metrics-port N [--metrics-host ADDR]]
+    python -m kvtier.node status --socket /run/kvtier/node.sock      # JSON
+
+Exit codes: 0 stopped cleanly / status printed, 1 no node answers, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+from types import FrameType
+
+from kvtier.errors import ConfigError, NodeUnavailable
+from kvtier.node.client import node_status
+from kvtier.node.metrics import MetricsServer, NodeCollector
+from kvtier.node.server import NodeConfig, NodeServer
+from kvtier.tiers.storeconfig import StoreConfig
+
+DEFAULT_SOCKET = "/run/kvtier/node.sock"
+log = logging.getLogger(__name__)
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="store config file (YAML or JSON)")
+    parser.add_argument("--socket", default=DEFAULT_SOCKET, help=f"(default {DEFAULT_SOCKET})")
+    parser.add_argument("--name", help="the node's name (default: the host name)")
+    parser.add_argument("--metrics-port", type=_port, metavar="N",
+                        help="serve Prometheus metrics on this port's /metrics (default: none)")
+    parser.add_argument("--metrics-host", default="127.0.0.1",
+                        help="the address the metrics port listens on (default 127.0.0.1: "
+                             "this machine only; 0.0.0.0 for a scraper elsewhere)")
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run the node until SIGTERM or SIGINT.
+
+    Raises:
+        ConfigError: a bad config file (the caller prints it and exits 2).
+    """
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    config = NodeConfig(StoreConfig.load(args.config), Path(args.socket),
+                        **({"name": args.name} if args.name else {}))
+    metrics: MetricsServer | None = None
+    if args.metrics_port is not None:
+        try:  # before the node opens its socket: a port in use leaves nothing behind
+            metrics = MetricsServer(args.metrics_host, args.metrics_port)
+        except OSError as exc:
+            print(f"kvtier node: cannot serve metrics on {args.metrics_host}:"
+                  f"{args.metrics_port}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+    with contextlib.ExitStack() as stack:
+        if metrics is not None:
+            stack.callback(metrics.close)
+        node = NodeServer(config)
+        if metrics is not None:
+            metrics.start(NodeCollector(node.status))
+            log.info("kvtier node: metrics on http://%s:%d/metrics", args.metrics_host,
+                     metrics.port)
+        return _serve(node)
+
+
+def _serve(node: NodeServer) -> int:
+    """Serve until SIGTERM or SIGINT, and the node closed."""
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        stop.set()
+        threading.Thread(target=node.shutdown, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    node.serve_forever()
+    stop.wait(timeout=60)
+    return 0
+
+
+def _port(text: str) -> int:
+    port = int(text)
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text}: not a TCP port (1-65535)")
+    return port
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvtier.node", description=__doc__)
+    actions = parser.add_subparsers(dest="action", required=True)
+    add_serve_arguments(actions.add_parser("serve", help="run the node"))
+    status = actions.add_parser("status", help="the node's status, as JSON")
+    status.add_argument("--socket", default=DEFAULT_SOCKET, help=f"(default {DEFAULT_SOCKET})")
+    args = parser.parse_args(argv)
+    try:
+        if args.action == "serve":
+            return serve(args)
+        print(json.dumps(node_status(args.socket), indent=2))
+        return 0
+    except ConfigError as exc:
+        print(f"kvtier node: {exc}", file=sys.stderr)
+        return 2
+    except NodeUnavailable as exc:
+        print(f"kvtier node: no node answers at {args.socket}: {exc}", file=sys.stderr)
+        return 1
