@@ -1,0 +1,47 @@
+"""`kvtier node status` (the tools' table over the node's status) and `kvtier node serve`'s
+refusals, on a real node serving in this process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tierkit import key, tiny_layout
+
+from kvtier.core.retention import DEFAULT_META
+from kvtier.node.client import NodeClient, NodeStore
+from kvtier.node.server import NodeConfig, running_node
+from kvtier.tiers.manifest import NamespaceInfo
+from kvtier.tiers.storeconfig import StoreConfig
+from kvtier.tools.cli.main import main
+
+LAYOUT = tiny_layout()
+
+
+def test_status_shows_the_layouts_tiers_and_engines(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    socket_path = tmp_path / "n.sock"
+    config = NodeConfig(StoreConfig.parse({"tiers": [{"kind": "memory", "capacity": "1MiB"}]}),
+                        socket_path, name=f"cli-{tmp_path.name}"[:40])
+    with running_node(config):
+        store = NodeStore(NodeClient(str(socket_path), LAYOUT, NamespaceInfo("m", "", 0)),
+                          LAYOUT.bytes_per_chunk)
+        store.plan_puts([key(1)], [DEFAULT_META])
+        assert store.put(key(1), memoryview(bytes(LAYOUT.bytes_per_chunk)))
+        assert main(["node", "status", "--socket", str(socket_path)]) == 0
+        table = capsys.readouterr().out
+        assert LAYOUT.digest()[:8] in table and "memory" in table and "engines:" in table
+        assert main(["node", "status", "--socket", str(socket_path), "--json"]) == 0
+        status = json.loads(capsys.readouterr().out)
+        assert status["layouts"][LAYOUT.digest()]["tiers"][0]["chunks"] == 1
+        store.close()
+    assert main(["node", "status", "--socket", str(socket_path)]) == 1
+
+
+def test_serve_refuses_a_config_whose_first_tier_is_not_memory(tmp_path: Path) -> None:
+    config = tmp_path / "node.yaml"
+    config.write_text("tiers:\n- {kind: disk, path: " + str(tmp_path / "d") + ", capacity: 1MiB}\n")
+    assert main(["node", "serve", "--config", str(config), "--socket",
+                 str(tmp_path / "n.sock")]) == 2
+    assert not (tmp_path / "n.sock").exists()
