@@ -39,13 +39,14 @@ def node_name(tmp_path: Path) -> Iterator[str]:
 @pytest.fixture
 def start_node(tmp_path: Path, socket_path: Path, node_name: str
                ) -> Iterator[Callable[..., NodeProcess]]:
-    """start_node(config, umask=0o022): a started `kvtier node serve` of the store config
+    """start_node(config, umask=0o022, args=()): a started `kvtier node serve` of the store config
     `config` (a dict) on `socket_path`; killed (SIGKILL) at teardown if still running."""
     started: list[NodeProcess] = []
 
-    def start(config: dict[str, Any], umask: int = 0o022) -> NodeProcess:
+    def start(config: dict[str, Any], umask: int = 0o022,
+              args: tuple[str, ...] = ()) -> NodeProcess:
         path = write_config(tmp_path / "node.json", config)
-        node = NodeProcess(path, socket_path, node_name, tmp_path / "node.log", umask)
+        node = NodeProcess(path, socket_path, node_name, tmp_path / "node.log", umask, args)
         started.append(node)
         return node.start()
 

@@ -36,7 +36,7 @@ from kvtier.core.retention import DEFAULT_META
 from kvtier.errors import NodeUnavailable
 from kvtier.node.client import NodeClient, NodeStore, node_status
 from kvtier.tiers.manifest import NamespaceInfo
-from kvtier.tiers.memory import SHM_DIR
+from kvtier.tiers.shmslab import SHM_DIR
 
 LAYOUT = tiny_layout()  # 4 KiB chunks: one 4 KiB RAM slot each
 OTHER_LAYOUT = tiny_layout(tokens_per_chunk=32)  # another engine's layout (8 KiB chunks)

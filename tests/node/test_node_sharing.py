@@ -33,7 +33,7 @@ from nodekit import (
 
 from kvtier.node.client import NodeProbe
 from kvtier.node.server import NodeServer
-from kvtier.tiers.memory import SHM_DIR
+from kvtier.tiers.shmslab import SHM_DIR
 
 pytestmark = pytest.mark.timeout(120)  # a hang fails here, not at the suite's 900 s
 

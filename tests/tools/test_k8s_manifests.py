@@ -35,7 +35,7 @@ import yaml
 
 from kvtier.integrations.vllm.config import CONNECTOR_CLASS, ConnectorConfig
 from kvtier.node.server import NodeConfig
-from kvtier.tiers.memory import SHM_DIR
+from kvtier.tiers.shmslab import SHM_DIR
 from kvtier.tiers.storeconfig import StoreConfig
 from kvtier.tools.cli.main import main
 from kvtier.units import parse_size

@@ -35,6 +35,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="store config file (YAML or JSON)")
     parser.add_argument("--socket", default=DEFAULT_SOCKET, help=f"(default {DEFAULT_SOCKET})")
     parser.add_argument("--name", help="the node's name (default: the host name)")
+    parser.add_argument("--drop-ram", action="store_true",
+                        help="remove the RAM slabs from /dev/shm when the node stops (default: "
+                             "kept for the next node on this --name to recover their chunks)")
     parser.add_argument("--metrics-port", type=_port, metavar="N",
                         help="serve Prometheus metrics on this port's /metrics (default: none)")
     parser.add_argument("--metrics-host", default="127.0.0.1",
@@ -50,7 +53,7 @@ def serve(args: argparse.Namespace) -> int:
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     config = NodeConfig(StoreConfig.load(args.config), Path(args.socket),
-                        **({"name": args.name} if args.name else {}))
+                        keep_ram=not args.drop_ram, **({"name": args.name} if args.name else {}))
     metrics: MetricsServer | None = None
     if args.metrics_port is not None:
         try:  # before the node opens its socket: a port in use leaves nothing behind

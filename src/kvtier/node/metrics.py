@@ -68,6 +68,9 @@ NODE_COUNTERS: dict[str, str] = {
     "lookups": "Lookup requests",
     "refused": "Hellos refused (bad layout, max_layouts reached)",
     "disconnects_with_leases": "Connections that ended holding leases (released by the node)",
+    "recovered_chunks": "Chunks recovered into RAM from the last node's slab at start-up",
+    "recovery_dropped_chunks": "Chunks of the last node's slab dropped at start-up: torn or "
+                               "damaged (their checksum did not match)",
 }
 assert set(NODE_COUNTERS) == set(COUNTERS)  # a new counter needs its help here
 

@@ -78,6 +78,9 @@ class NodeConfig:
     socket_path: Path
     name: str = field(default_factory=socket.gethostname)
     max_layouts: int = 4  # layouts (models x TP ranks) held at once; one more is refused
+    # Leave the RAM slabs in /dev/shm when the node stops, for the next node on this name to
+    # recover their chunks (a crash leaves them anyway); False: removed at a clean stop.
+    keep_ram: bool = True
 
     def __post_init__(self) -> None:
         first = self.store.tiers[0]
@@ -88,7 +91,7 @@ class NodeConfig:
 
 # The node's own counters (`NodeServer.counters`), each only ever added to.
 COUNTERS = ("borrows", "lent_chunks", "reserved_chunks", "committed_chunks", "lookups",
-            "refused", "disconnects_with_leases")
+            "refused", "disconnects_with_leases", "recovered_chunks", "recovery_dropped_chunks")
 
 
 class NodeCounters:
@@ -222,11 +225,28 @@ class NodeServer:
             welcome = Welcome(str(memory.shared_memory_path),
                               memory.num_slots * memory.slot_bytes, memory.chunk_bytes,
                               self.generation, self.config.name)
+            memory.keep_shared_memory = self.config.keep_ram
             self._layouts[digest] = known = _Layout(store, memory, welcome, hello.model)
             log.info("kvtier node: layout %s (%s, %d B chunks): %d RAM slots in %s",
                      digest[:16], hello.model, memory.chunk_bytes, memory.num_slots,
                      welcome.shm_path)
-            return known
+        # A predecessor's slab (a restart) is recovered behind the engines' requests.
+        threading.Thread(target=self._recover, args=(digest, memory), daemon=True,
+                         name=f"kvtier-recover-{digest[:8]}").start()
+        return known
+
+    def _recover(self, digest: str, memory: MemoryTier) -> None:
+        try:
+            recovered, dropped = memory.recover()
+        except Exception:  # a damaged old slab costs its chunks, never the node
+            log.exception("kvtier node: layout %s: recovering the RAM tier failed", digest[:16])
+            return
+        self.counters.add("recovered_chunks", recovered)
+        self.counters.add("recovery_dropped_chunks", dropped)
+        if recovered or dropped:
+            log.info("kvtier node: layout %s: %d chunks recovered into RAM from the last "
+                     "node's slab, %d dropped (torn or damaged)", digest[:16], recovered,
+                     dropped)
 
     def borrow(self, owner: int, layout: _Layout, request: Borrow,
                spares: list[memoryview]) -> Lent:

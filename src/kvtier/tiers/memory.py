@@ -21,10 +21,8 @@ the request's own).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import mmap
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -54,9 +52,9 @@ from kvtier.core.tier import (
 )
 from kvtier.tiers.prefault import prefault_in_background
 from kvtier.tiers.retention import RetentionTierSettings, book_problems, build_book
+from kvtier.tiers.shmslab import SharedSlab
 
 log = logging.getLogger(__name__)
-SHM_DIR = Path("/dev/shm")  # where named shared memory lives on Linux
 
 
 class MemoryTierConfig(RetentionTierSettings):
@@ -108,14 +106,21 @@ class MemoryTier:
             log.warning("memory tier %r: capacity %d B holds no %d B chunk; it will store nothing",
                         self.name, config.capacity, self.slot_bytes)
         self.pinned = False
-        # /dev/shm/<config.shared_memory>, created here and removed by `close`; None: none
+        # The slab in /dev/shm/<config.shared_memory> (tiers/shmslab.py), with a record per
+        # slot for a successor to recover from; None: this process's own memory.
+        self._shared: SharedSlab | None = None
         self.shared_memory_path: Path | None = None
-        self._slab = (self._share(config.shared_memory, self.num_slots * self.slot_bytes)
-                      if config.shared_memory else
-                      self._allocate(self.num_slots * self.slot_bytes, config.pin))
+        self.keep_shared_memory = False  # `close` leaves the file for the next node
+        if config.shared_memory:
+            self._shared = SharedSlab(config.shared_memory, self.slot_bytes, self.num_slots,
+                                      self.chunk_bytes)
+            self.shared_memory_path = self._shared.path
+            self._slab = self._shared.slots
+        else:
+            self._slab = self._allocate(self.num_slots * self.slot_bytes, config.pin)
         self._stop_prefault = threading.Event()
         self.prefaulting: threading.Thread | None = None  # running or finished; None: off
-        if config.prefault and not self.pinned and self._slab.nbytes:
+        if config.prefault and not self.pinned and self._slab.nbytes and self._shared is None:
             self.prefaulting = prefault_in_background(
                 self._slab, f"memory tier {self.name!r}", self._stop_prefault)
         self._index: dict[ChunkKey, int] = {}
@@ -151,23 +156,6 @@ class MemoryTier:
                             self.name)
         # mmap gives page-aligned, lazily committed memory.
         self._mmap = mmap.mmap(-1, max(size_bytes, 1))
-        return np.frombuffer(self._mmap, dtype=np.uint8)[:size_bytes]
-
-    def _share(self, name: str, size_bytes: int) -> np.ndarray:
-        """The slab in /dev/shm/`name`, created (replacing one a dead node left), sized and
-        mapped shared. Raises OSError (no /dev/shm, a link at the path: ELOOP)."""
-        path = SHM_DIR / name
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o660)
-        try:
-            os.fchmod(fd, 0o660)  # the umask must not narrow what the node's group may map
-            os.ftruncate(fd, max(size_bytes, 1))
-            self._mmap = mmap.mmap(fd, max(size_bytes, 1), mmap.MAP_SHARED)
-        finally:
-            os.close(fd)
-        self.shared_memory_path = path
         return np.frombuffer(self._mmap, dtype=np.uint8)[:size_bytes]
 
     def offset_of(self, view: memoryview) -> int | None:
@@ -277,6 +265,8 @@ class MemoryTier:
             index = None if held else self._take_slot(meta.tenant)
             if index is not None:
                 self._pins[index] = 1  # in neither the index nor the free list: ours alone
+                if self._shared is not None:
+                    self._shared.clear(index)  # about to be written
         if index is None:
             if held or key in self._index:
                 yield OK
@@ -300,11 +290,16 @@ class MemoryTier:
             self._unpin(index)
 
     def _commit(self, key: ChunkKey, index: int, start: float, meta: ChunkMeta) -> None:
+        # The slot is ours (pinned) and whole now: its checksum, off the lock.
+        checksum = None if self._shared is None \
+            else self._shared.checksum(self.slot(index).data)
         with self._lock:
             if key in self._index:  # another writer stored it meanwhile: this slot is spare
                 self._orphans.add(index)
                 return
             self._index[key] = index
+            if self._shared is not None and checksum is not None:
+                self._shared.record(index, key, checksum)
             if not self._book.records(meta) \
                     or not self._book.record(key, meta, self.slot_bytes):
                 self._policy.insert(key, meta.parent)  # pinned chunks stay out of the policy
@@ -342,6 +337,8 @@ class MemoryTier:
         self.events.removed(victim)
         self._book.forget(victim, evicted=True)
         index = self._index.pop(victim)
+        if self._shared is not None:
+            self._shared.clear(index)
         if index not in self._pins:
             return index
         self._orphans.add(index)
@@ -351,6 +348,8 @@ class MemoryTier:
         """Remove a held chunk (deleted or expired) and free its slot. Caller holds the
         lock; the caller publishes the counters."""
         index = self._index.pop(key)
+        if self._shared is not None:
+            self._shared.clear(index)
         self._policy.remove(key)
         self._book.forget(key)
         if index in self._pins:
@@ -431,11 +430,23 @@ class MemoryTier:
     def stats(self) -> TierStats:
         return self._counters.snapshot()
 
+    def recover(self) -> tuple[int, int]:
+        """Put into this slab the chunks a predecessor's shared slab held whole (kvtier
+        node, restarted on the same name: tiers/shmslab.py); (recovered, dropped: torn or
+        damaged). Any thread; the tier serves meanwhile. Their tenants, pins and expiry are
+        not kept (each is the default's)."""
+        if self._shared is None:
+            return 0, 0
+        recovered = 0
+        chunks = self._shared.recoverable()
+        for key, data in chunks:
+            recovered += self.put(key, data) is OK
+        return recovered, self._shared.dropped
+
     def close(self) -> None:
         self._stop_prefault.set()
-        if self.shared_memory_path is not None:  # mappings of it stay valid until unmapped
-            with contextlib.suppress(FileNotFoundError):
-                self.shared_memory_path.unlink()
+        if self._shared is not None:
+            self._shared.close(keep=self.keep_shared_memory)
         with self._lock:
             self._index.clear()
             self._book = build_book(self._config, self.num_slots * self.slot_bytes,

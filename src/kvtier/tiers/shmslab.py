@@ -1,0 +1,155 @@
+"""A memory tier's slab in named shared memory (`MemoryTierConfig.shared_memory`: kvtier node
+puts its RAM tier there, and its engines map it), with a record per slot from which a node
+restarted on the same name recovers the chunks it held.
+
+The file /dev/shm/<name> (mode 0660: the node's group) is laid out as
+    [slots: num_slots x slot_bytes][records: num_slots x 32 B][footer: 64 B]
+so that a slot's offset in the file is its offset in the slab (what engines are told). A
+record is (key, xxh3-64 of the chunk's bytes, chunk bytes, valid); it is made valid when a
+chunk is committed to its slot and invalid before the slot is written again or its chunk
+leaves, so a valid record always describes bytes that were whole at their commit.
+
+A node that starts finds the file its predecessor left (a crash, a restart) and renames it
+aside (`<name>.old`, still mapped by engines of the old node: their late writes land there,
+never in the new slab); `recoverable` then yields each chunk of a valid record whose bytes
+still hash to its checksum (a torn or scribbled slot is dropped, counted), to be put into the
+new slab, and the old file is removed. The file's pages are allocated when it is created
+(posix_fallocate): charged to the node, never to the engine that first writes a slot.
+
+Primitives: `SharedSlab`, `SHM_DIR`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from kvtier.core.keys import ChunkKey
+
+log = logging.getLogger(__name__)
+SHM_DIR = Path("/dev/shm")  # where named shared memory lives on Linux
+_RECORD = np.dtype([("key", "V16"), ("checksum", "<u8"), ("nbytes", "<u4"), ("valid", "u1"),
+                    ("pad", "V3")])
+_FOOTER = struct.Struct("<8sQQQ32x")  # magic, slot_bytes, num_slots, chunk_bytes
+_MAGIC = b"KVTSLAB1"
+
+
+def _file_bytes(slot_bytes: int, num_slots: int) -> int:
+    return num_slots * (slot_bytes + _RECORD.itemsize) + _FOOTER.size
+
+
+class SharedSlab:
+    """The slab and its records in /dev/shm/`name`; see the module docstring. Not
+    thread-safe: the memory tier calls it under its lock (`record` hashes outside it)."""
+
+    def __init__(self, name: str, slot_bytes: int, num_slots: int, chunk_bytes: int) -> None:
+        """Create the file (a predecessor's renamed aside first, for `recoverable`).
+
+        Raises:
+            OSError: no /dev/shm, a link at the path (ELOOP), or no room for it (ENOSPC).
+        """
+        self.path = SHM_DIR / name
+        self.old: Path | None = None  # a predecessor's file, until recovered
+        with contextlib.suppress(FileNotFoundError):
+            old = SHM_DIR / f"{name}.old"
+            os.replace(self.path, old)
+            self.old = old
+        self.slot_bytes, self.num_slots, self.chunk_bytes = slot_bytes, num_slots, chunk_bytes
+        size = _file_bytes(slot_bytes, num_slots)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o660)
+        try:
+            os.fchmod(fd, 0o660)  # the umask must not narrow what the node's group may map
+            os.posix_fallocate(fd, 0, size)
+            self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED)
+        except BaseException:
+            self.path.unlink()
+            raise
+        finally:
+            os.close(fd)
+        slab_bytes = num_slots * slot_bytes
+        self.slots = np.frombuffer(self._mmap, dtype=np.uint8, count=slab_bytes)
+        self._records = np.frombuffer(self._mmap, dtype=_RECORD, count=num_slots,
+                                      offset=slab_bytes)
+        self._mmap[size - _FOOTER.size:] = _FOOTER.pack(_MAGIC, slot_bytes, num_slots,
+                                                        chunk_bytes)
+
+    @staticmethod
+    def checksum(data: memoryview) -> int:
+        return xxhash.xxh3_64_intdigest(data)
+
+    def record(self, index: int, key: ChunkKey, checksum: int) -> None:
+        """Slot `index` holds `key`'s chunk, whose bytes hash to `checksum`."""
+        self._records[index] = (key, checksum, self.chunk_bytes, 1, b"\0" * 3)
+
+    def clear(self, index: int) -> None:
+        """Slot `index` is about to be written, or its chunk left."""
+        self._records["valid"][index] = 0
+
+    def clear_all(self) -> None:
+        self._records["valid"][:] = 0
+
+    def recoverable(self) -> Iterator[tuple[ChunkKey, memoryview]]:
+        """Each chunk a predecessor's file holds whole (its record valid, its bytes hashing
+        to its checksum), read-only, valid until the next one is asked for; `dropped` counts
+        the slots whose bytes did not. The file is removed at the end."""
+        self.dropped = 0
+        if self.old is None:
+            return
+        try:
+            yield from self._recover(self.old)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                self.old.unlink()
+            self.old = None
+
+    def _recover(self, path: Path) -> Iterator[tuple[ChunkKey, memoryview]]:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            size = os.fstat(fd).st_size
+            if size < _FOOTER.size:
+                return
+            old = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        try:
+            yield from self._valid_chunks(path, old, size)
+        finally:
+            with contextlib.suppress(BufferError):  # a view still held: left to the GC
+                old.close()
+
+    def _valid_chunks(self, path: Path, old: mmap.mmap, size: int
+                      ) -> Iterator[tuple[ChunkKey, memoryview]]:
+        magic, slot_bytes, num_slots, chunk_bytes = _FOOTER.unpack(old[size - _FOOTER.size:])
+        if magic != _MAGIC or (slot_bytes, chunk_bytes) != (self.slot_bytes, self.chunk_bytes) \
+                or _file_bytes(slot_bytes, num_slots) != size:
+            log.warning("%s: not a slab of this layout (%r, %d B slots); not recovered",
+                        path, magic, slot_bytes)
+            return
+        records = np.frombuffer(old, dtype=_RECORD, count=num_slots,
+                                offset=num_slots * slot_bytes).copy()
+        for index in np.flatnonzero(records["valid"] == 1):
+            record = records[index]
+            start = int(index) * slot_bytes
+            with memoryview(old)[start:start + chunk_bytes] as data:
+                if record["nbytes"] != chunk_bytes \
+                        or self.checksum(data) != int(record["checksum"]):
+                    self.dropped += 1
+                    continue
+                with data.toreadonly() as chunk:
+                    yield ChunkKey(bytes(record["key"])), chunk
+
+    def close(self, keep: bool) -> None:
+        """Stop recording; the file is removed unless `keep` (for the next node to recover).
+        Mappings of it stay valid until unmapped."""
+        if not keep:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()

@@ -1,0 +1,80 @@
+"""The memory tier's slab in named shared memory (tiers/shmslab.py), without a node: records
+kept per slot, and a successor on the same name recovering exactly the chunks held whole."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+from tierkit import key, tiny_layout
+
+from kvtier.tiers.memory import MemoryTier, MemoryTierConfig
+from kvtier.tiers.shmslab import SHM_DIR
+
+LAYOUT = tiny_layout()
+
+
+@pytest.fixture
+def name() -> Iterator[str]:
+    name = f"kvtier-test-slab-{os.getpid()}"
+    yield name
+    for path in SHM_DIR.glob(f"{name}*"):
+        path.unlink(missing_ok=True)
+
+
+def tier(name: str, chunks: int = 8) -> MemoryTier:
+    return MemoryTier(MemoryTierConfig(kind="memory", capacity=chunks * 4096 * 2,
+                                       shared_memory=name), LAYOUT)
+
+
+def chunk(i: int) -> memoryview:
+    return memoryview(bytes([i]) * LAYOUT.bytes_per_chunk)
+
+
+def test_a_successor_recovers_what_was_held_and_nothing_else(name: str) -> None:
+    first = tier(name)
+    assert os.stat(first.shared_memory_path).st_mode & 0o777 == 0o660  # type: ignore[arg-type]
+    for i in range(4):
+        assert first.put(key(i), chunk(i)).ok
+    assert first.delete(key(1))  # gone before the restart: not brought back
+    first.keep_shared_memory = True
+    first.close()
+
+    second = tier(name)
+    assert second.recover() == (3, 0)
+    out = bytearray(LAYOUT.bytes_per_chunk)
+    for i in (0, 2, 3):
+        assert second.get_into(key(i), memoryview(out)).ok and out == chunk(i)
+    assert not second.contains(key(1))
+    assert sorted(p.name for p in SHM_DIR.glob(f"{name}*")) == [name]  # the old one removed
+    second.close()
+    assert not list(SHM_DIR.glob(f"{name}*"))  # not kept: removed
+
+
+def test_a_damaged_slot_is_dropped(name: str) -> None:
+    first = tier(name)
+    for i in range(3):
+        assert first.put(key(i), chunk(i)).ok
+    first.keep_shared_memory = True
+    first.close()
+    path = SHM_DIR / name
+    data = bytearray(path.read_bytes())
+    data[data.find(bytes(chunk(1))) + 7] ^= 1
+    path.write_bytes(data)
+
+    second = tier(name)
+    assert second.recover() == (2, 1)
+    assert second.contains(key(0)) and not second.contains(key(1)) and second.contains(key(2))
+    second.close()
+
+
+def test_a_slab_of_another_layout_is_not_recovered(name: str) -> None:
+    first = tier(name)
+    assert first.put(key(0), chunk(0)).ok
+    first.keep_shared_memory = True
+    first.close()
+    other = MemoryTier(MemoryTierConfig(kind="memory", capacity=8 * 8192 * 2,
+                                        shared_memory=name), tiny_layout(tokens_per_chunk=32))
+    assert other.recover() == (0, 0)
+    other.close()

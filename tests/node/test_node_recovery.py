@@ -1,0 +1,129 @@
+"""A node restarted on the same name recovers the RAM tier's chunks its predecessor held whole
+(tiers/shmslab.py): after a crash (SIGKILL) or a clean stop, every chunk whose slot still
+hashes to the checksum recorded at its commit is back in RAM for the engines, a torn or
+scribbled slot is dropped (counted), a chunk evicted before the crash stays gone, and
+`--drop-ram` leaves nothing to recover. Real `kvtier node serve` processes on one name."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from nodekit import (
+    NodeProcess,
+    connect,
+    expected,
+    key,
+    lend,
+    node_tiers,
+    payload,
+    put_chunks,
+    shm_files,
+    wait_for,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def crash(node: NodeProcess) -> None:
+    """SIGKILL, leaving its slabs in /dev/shm (NodeProcess.kill would remove them)."""
+    assert node.process is not None
+    node.process.kill()
+    node.process.wait(timeout=20)
+
+
+def recovered(node: NodeProcess, total: int) -> dict[str, int]:
+    """The node's counters once its recovery has dealt with `total` chunks."""
+    return wait_for(lambda: (c := node.status()["counters"])["recovered_chunks"]
+                    + c["recovery_dropped_chunks"] >= total and c, 30, "the recovery")
+
+
+def first_engine_after_restart(node: NodeProcess) -> None:
+    """Recovery starts when the layout's first engine says hello (on its first call)."""
+    _client, engine = connect(node.socket_path)
+    engine.contains(key(0))
+
+
+def test_a_crashed_nodes_chunks_are_back_in_ram_after_a_restart(
+        tmp_path: Path, start_node: Callable[..., NodeProcess]) -> None:
+    config = node_tiers(tmp_path, ram_chunks=8)
+    node = start_node(config)
+    _client, engine = connect(node.socket_path)
+    assert put_chunks(engine, range(5)) == [True] * 5
+    crash(node)
+
+    node = start_node(config)
+    first_engine_after_restart(node)
+    counters = recovered(node, 5)
+    assert (counters["recovered_chunks"], counters["recovery_dropped_chunks"]) == (5, 0)
+    _client, engine = connect(node.socket_path)
+    assert lend(engine, [key(i) for i in range(5)]).chunks == expected(range(5))
+    assert [p.name.endswith(".old") for p in shm_files(node.name)] == [False]  # removed
+
+
+def test_a_torn_slot_is_dropped_and_the_others_recovered(
+        tmp_path: Path, start_node: Callable[..., NodeProcess]) -> None:
+    config = node_tiers(tmp_path, ram_chunks=8)
+    node = start_node(config)
+    _client, engine = connect(node.socket_path)
+    assert put_chunks(engine, range(5)) == [True] * 5
+    crash(node)
+    [slab] = shm_files(node.name)
+    data = bytearray(slab.read_bytes())
+    at = data.find(payload(2))
+    assert at >= 0
+    data[at + 100] ^= 0xFF  # a write torn by the crash, or a scribble
+    slab.write_bytes(data)
+
+    node = start_node(config)
+    first_engine_after_restart(node)
+    counters = recovered(node, 5)
+    assert (counters["recovered_chunks"], counters["recovery_dropped_chunks"]) == (4, 1)
+    _client, engine = connect(node.socket_path)
+    assert lend(engine, [key(i) for i in range(5)]).chunks == expected([0, 1])  # stops at 2
+    assert lend(engine, [key(3), key(4)]).chunks == expected([3, 4])
+
+
+def test_an_evicted_chunk_is_not_brought_back(
+        tmp_path: Path, start_node: Callable[..., NodeProcess]) -> None:
+    config = node_tiers(tmp_path, ram_chunks=4)
+    node = start_node(config)
+    _client, engine = connect(node.socket_path)
+    assert put_chunks(engine, range(4)) == [True] * 4
+    assert put_chunks(engine, [4, 5]) == [True] * 2  # 0 and 1 evicted for them
+    crash(node)
+
+    node = start_node(config)
+    first_engine_after_restart(node)
+    assert recovered(node, 4)["recovered_chunks"] == 4
+    _client, engine = connect(node.socket_path)
+    assert lend(engine, [key(0)]).chunks == []
+    assert lend(engine, [key(i) for i in range(2, 6)]).chunks == expected(range(2, 6))
+
+
+def test_a_clean_stop_keeps_ram_for_the_next_node_unless_told_to_drop_it(
+        tmp_path: Path, start_node: Callable[..., NodeProcess]) -> None:
+    config = node_tiers(tmp_path, ram_chunks=8)
+    node = start_node(config)
+    _client, engine = connect(node.socket_path)
+    assert put_chunks(engine, range(3)) == [True] * 3
+    assert node.stop() == 0
+    assert len(shm_files(node.name)) == 1  # kept
+
+    node = start_node(config)
+    first_engine_after_restart(node)
+    assert recovered(node, 3)["recovered_chunks"] == 3
+    _client, engine = connect(node.socket_path)
+    assert lend(engine, [key(i) for i in range(3)]).chunks == expected(range(3))
+
+
+def test_drop_ram_removes_the_slab_at_a_clean_stop(
+        tmp_path: Path, start_node: Callable[..., NodeProcess]) -> None:
+    config = node_tiers(tmp_path, ram_chunks=8)
+    node = start_node(config, args=("--drop-ram",))
+    _client, engine = connect(node.socket_path)
+    assert put_chunks(engine, range(3)) == [True] * 3
+    assert shm_files(node.name)
+    assert node.stop() == 0
+    assert shm_files(node.name) == []
