@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from nodekit import (
@@ -39,23 +40,32 @@ def recovered(node: NodeProcess, total: int) -> dict[str, int]:
                     + c["recovery_dropped_chunks"] >= total and c, 30, "the recovery")
 
 
-def first_engine_after_restart(node: NodeProcess) -> None:
-    """Recovery starts when the layout's first engine says hello (on its first call)."""
+def filled_then_crashed(start_node: Callable[..., NodeProcess], config: dict[str, Any],
+                        *steps: range | list[int]) -> NodeProcess:
+    """A node whose engine stored each step of chunks (every put succeeding), then SIGKILLed."""
+    node = start_node(config)
+    _client, engine = connect(node.socket_path)
+    for ids in steps:
+        assert put_chunks(engine, ids) == [True] * len(ids)
+    crash(node)
+    return node
+
+
+def restarted(start_node: Callable[..., NodeProcess], config: dict[str, Any], total: int
+              ) -> tuple[NodeProcess, dict[str, int]]:
+    """A node started on the crashed one's name, and its counters once its recovery has dealt
+    with `total` chunks (it starts at the layout's first engine's hello)."""
+    node = start_node(config)
     _client, engine = connect(node.socket_path)
     engine.contains(key(0))
+    return node, recovered(node, total)
 
 
 def test_a_crashed_nodes_chunks_are_back_in_ram_after_a_restart(
         tmp_path: Path, start_node: Callable[..., NodeProcess]) -> None:
     config = node_tiers(tmp_path, ram_chunks=8)
-    node = start_node(config)
-    _client, engine = connect(node.socket_path)
-    assert put_chunks(engine, range(5)) == [True] * 5
-    crash(node)
-
-    node = start_node(config)
-    first_engine_after_restart(node)
-    counters = recovered(node, 5)
+    filled_then_crashed(start_node, config, range(5))
+    node, counters = restarted(start_node, config, 5)
     assert (counters["recovered_chunks"], counters["recovery_dropped_chunks"]) == (5, 0)
     _client, engine = connect(node.socket_path)
     assert lend(engine, [key(i) for i in range(5)]).chunks == expected(range(5))
@@ -65,10 +75,7 @@ def test_a_crashed_nodes_chunks_are_back_in_ram_after_a_restart(
 def test_a_torn_slot_is_dropped_and_the_others_recovered(
         tmp_path: Path, start_node: Callable[..., NodeProcess]) -> None:
     config = node_tiers(tmp_path, ram_chunks=8)
-    node = start_node(config)
-    _client, engine = connect(node.socket_path)
-    assert put_chunks(engine, range(5)) == [True] * 5
-    crash(node)
+    node = filled_then_crashed(start_node, config, range(5))
     [slab] = shm_files(node.name)
     data = bytearray(slab.read_bytes())
     at = data.find(payload(2))
@@ -76,9 +83,7 @@ def test_a_torn_slot_is_dropped_and_the_others_recovered(
     data[at + 100] ^= 0xFF  # a write torn by the crash, or a scribble
     slab.write_bytes(data)
 
-    node = start_node(config)
-    first_engine_after_restart(node)
-    counters = recovered(node, 5)
+    node, counters = restarted(start_node, config, 5)
     assert (counters["recovered_chunks"], counters["recovery_dropped_chunks"]) == (4, 1)
     _client, engine = connect(node.socket_path)
     assert lend(engine, [key(i) for i in range(5)]).chunks == expected([0, 1])  # stops at 2
@@ -88,15 +93,9 @@ def test_a_torn_slot_is_dropped_and_the_others_recovered(
 def test_an_evicted_chunk_is_not_brought_back(
         tmp_path: Path, start_node: Callable[..., NodeProcess]) -> None:
     config = node_tiers(tmp_path, ram_chunks=4)
-    node = start_node(config)
-    _client, engine = connect(node.socket_path)
-    assert put_chunks(engine, range(4)) == [True] * 4
-    assert put_chunks(engine, [4, 5]) == [True] * 2  # 0 and 1 evicted for them
-    crash(node)
-
-    node = start_node(config)
-    first_engine_after_restart(node)
-    assert recovered(node, 4)["recovered_chunks"] == 4
+    filled_then_crashed(start_node, config, range(4), [4, 5])  # 0 and 1 evicted for 4, 5
+    node, counters = restarted(start_node, config, 4)
+    assert counters["recovered_chunks"] == 4
     _client, engine = connect(node.socket_path)
     assert lend(engine, [key(0)]).chunks == []
     assert lend(engine, [key(i) for i in range(2, 6)]).chunks == expected(range(2, 6))
@@ -111,9 +110,8 @@ def test_a_clean_stop_keeps_ram_for_the_next_node_unless_told_to_drop_it(
     assert node.stop() == 0
     assert len(shm_files(node.name)) == 1  # kept
 
-    node = start_node(config)
-    first_engine_after_restart(node)
-    assert recovered(node, 3)["recovered_chunks"] == 3
+    node, counters = restarted(start_node, config, 3)
+    assert counters["recovered_chunks"] == 3
     _client, engine = connect(node.socket_path)
     assert lend(engine, [key(i) for i in range(3)]).chunks == expected(range(3))
 
