@@ -53,6 +53,8 @@ WORKDIR = Path(tempfile.mkdtemp(prefix="kvtier-odd-"))
 STORE = WORKDIR / "store.json"
 STORE.write_text(json.dumps({"tiers": [{"kind": "disk", "path": str(WORKDIR / "disk"),
                                          "capacity": "64MiB"}]}))
+NODE_STORE = WORKDIR / "node.json"  # a node's tiers begin with RAM
+NODE_STORE.write_text(json.dumps({"tiers": [{"kind": "memory", "capacity": "1MiB"}]}))
 PROMPT = WORKDIR / "prompt.txt"
 PROMPT.write_text("a prompt to warm")
 A_DIRECTORY = str(WORKDIR / "a-directory")
@@ -70,6 +72,7 @@ BASE_OPTIONS: dict[tuple[str, ...], list[str]] = {
     ("inspect",): [f"--config={STORE}"],
     ("gc",): [f"--config={STORE}", "--dry-run"],
     ("serve",): ["--dry-run"],
+    ("node", "serve"): [f"--config={NODE_STORE}"],
     ("proxy",): [f"--prefill={NOBODY_LISTENS}", f"--decode={NOBODY_LISTENS}"],
 }
 BASE_POSITIONALS: dict[tuple[str, ...], dict[str, str]] = {
@@ -95,6 +98,8 @@ WORK: dict[str, tuple[str, ...]] = {
     "kvtier.tools.cli.inspect": (),
     "kvtier.tools.cli.gc": (),
     "kvtier.tools.cli.doctor": (),  # its two child-process probes are stubbed (_quick_doctor)
+    "kvtier.node.cli": ("NodeServer",),  # `kvtier node serve` (the node's own serve)
+    "kvtier.tools.cli.node": (),  # `kvtier node status`: no node answers at an odd socket
 }
 
 

@@ -154,7 +154,8 @@ def test_serve_config_file_takes_every_key_the_connector_takes(capsys, tmp_path)
              "store_mode": "sync", "load_when": "always", "io_threads": 4,
              "io_cores": "inherit",
              "tiers": [{"kind": "memory", "capacity": "1GiB"}]}
-    assert set(every) == ConnectorConfig.known_keys()  # a new key needs a value here
+    # a new key needs a value here ("node" replaces "tiers": its own case below)
+    assert set(every) | {"node"} == ConnectorConfig.known_keys()
     path = tmp_path / "connector.json"
     path.write_text(json.dumps(every))
     assert main(["serve", "./model", "--config", str(path), "--dry-run"]) == 0
@@ -167,6 +168,16 @@ def test_serve_config_file_takes_every_key_the_connector_takes(capsys, tmp_path)
     assert refused.value.field == f"{path}.index_max_key"
     assert main(["serve", "./model", "--config", str(path), "--dry-run"]) == 2
     assert "index_max_key" in capsys.readouterr().err
+
+    # Node mode: the tiers are the node's, and both is an error naming `tiers`.
+    node = {key: value for key, value in every.items() if key != "tiers"}
+    path.write_text(json.dumps({**node, "node": "/run/kvtier/node.sock"}))
+    assert main(["serve", "./model", "--config", str(path), "--dry-run"]) == 0
+    printed = capsys.readouterr().out.split("kv_connector_extra_config: ", 1)[1]
+    assert json.loads(printed.splitlines()[0]) == {**node, "node": "/run/kvtier/node.sock"}
+    path.write_text(json.dumps({**every, "node": "/run/kvtier/node.sock"}))
+    assert main(["serve", "./model", "--config", str(path), "--dry-run"]) == 2
+    assert "tiers" in capsys.readouterr().err
 
 
 def test_serve_dry_run_prints_the_command_and_passes_args_after_the_dashes(capsys, tmp_path):

@@ -21,6 +21,7 @@ import itertools
 import logging
 import mmap
 import os
+import re
 import secrets
 import socket
 import socketserver
@@ -67,6 +68,7 @@ from kvtier.tiers.memory import MemoryTier
 from kvtier.tiers.storeconfig import StoreConfig
 
 log = logging.getLogger(__name__)
+_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +85,9 @@ class NodeConfig:
     keep_ram: bool = True
 
     def __post_init__(self) -> None:
+        if not _NAME.fullmatch(self.name):
+            raise ConfigError("name", self.name, "1-64 letters, digits, '.', '_' or '-' "
+                              "(it names the node's slabs in /dev/shm)")
         first = self.store.tiers[0]
         if first.kind != "memory":
             raise ConfigError("tiers[0].kind", first.kind,

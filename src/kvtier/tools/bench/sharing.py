@@ -8,6 +8,11 @@ engine-core process, on the generated "bench" model (`kvtier.testing.tinymodel`)
   - `B-shared`: a new engine on A's directory; its memory tier is smaller than one chunk, so
     every prefix it loads comes from the files A wrote.
   - `B-redis`: a new engine on A's Redis server, likewise.
+  - `node`: engines in node mode on one `kvtier node` process (its RAM tier in shared
+    memory): `A-node` computes the prompts, its own RAM hits through the node are timed as
+    `node-before` (before the restart), then it is shut down; `B-node`, a new engine (the
+    restarted one, or a neighbour), is timed as `node`: its hits come from the node's RAM. An
+    engine restarted in process starts cold: its recompute is the `recompute` column.
 In each B, per prompt length: the first request (the first time this engine sees the prompt,
 found through the scheduler's probe of the tier), `reps` more, each after
 `reset_prefix_cache()` (only kvtier can serve the prefix), then `recompute_reps` requests
@@ -39,7 +44,7 @@ from kvtier.testing.engines import counter, offline_engine
 from kvtier.testing.tinymodel import make_preset_model
 from kvtier.tools.bench.prompts import KV_BYTES_PER_TOKEN, NEW_TOKENS, bench_prompt, check_settings
 
-SOURCES = ("shared", "redis")  # how B gets A's chunks
+SOURCES = ("shared", "redis", "node")  # how B gets A's chunks
 KEY_PREFIX = "kvtier-bench-sharing:"
 
 
@@ -69,7 +74,7 @@ class SharingConfig:
 class Ttft:
     """Engine B's TTFT on one prompt A computed, through one source."""
 
-    source: str  # "shared" | "redis"
+    source: str  # "shared" | "redis" | "node" | "node-before" (A-node's own RAM hits)
     cached_tokens: int
     first_s: float  # B's first request for the prompt
     hits_s: tuple[float, ...]  # the repeats (vLLM's cache emptied before each)
@@ -128,11 +133,13 @@ def _tiers(role: str, shared: Path, redis_url: str) -> list[dict[str, Any]]:
     return [memory, shared_tier if role == "B-shared" else redis_tier]
 
 
-def _engine(model_dir: Path, config: SharingConfig, tiers: list[dict[str, Any]]
+def _engine(model_dir: Path, config: SharingConfig, tiers: list[dict[str, Any]] | str
             ) -> contextlib.AbstractContextManager[Any]:
-    """An offline LLM with kvtier on `tiers`; its processes are shut down on exit."""
-    transfer = kvtier_transfer_config({"tokens_per_chunk": TOKENS_PER_CHUNK,
-                                       "write_queue_depth": 1024, "tiers": tiers})
+    """An offline LLM with kvtier on `tiers`, or in node mode (`tiers`: the node's socket);
+    its processes are shut down on exit."""
+    where = {"node": tiers} if isinstance(tiers, str) else {"write_queue_depth": 1024,
+                                                            "tiers": tiers}
+    transfer = kvtier_transfer_config({"tokens_per_chunk": TOKENS_PER_CHUNK, **where})
     return offline_engine(model_dir, config.max_model_len, kv_transfer_config=transfer)
 
 
@@ -186,6 +193,31 @@ def _measure_b(llm: Any, source: str, config: SharingConfig,
     return out
 
 
+def _node_engines(model_dir: Path, config: SharingConfig, stack: contextlib.ExitStack,
+                  scratch: Path, starts: dict[str, float],
+                  progress: Callable[[str], None]) -> list[Ttft]:
+    """A-node computes the prompts into a node's RAM and times its own hits through it
+    (`node-before`); then B-node, started after A-node is gone, times its hits (`node`)."""
+    from kvtier.tools.bench.node import node_process
+
+    socket_path = stack.enter_context(node_process(scratch, "2GiB"))
+    progress("A-node: starting the engine, computing the prompts")
+    start = time.perf_counter()
+    with _engine(model_dir, config, socket_path) as llm:
+        starts["A-node"] = time.perf_counter() - start
+        for n in config.cached_tokens:
+            _generate_s(llm, bench_prompt(n + NEW_TOKENS, seed=n))
+        llm.reset_prefix_cache()  # its own hits must come from the node
+        out = _measure_b(llm, "node-before", config, progress)
+    progress("B-node: starting the engine")
+    start = time.perf_counter()
+    with _engine(model_dir, config, socket_path) as llm:
+        _generate_s(llm, bench_prompt(64, seed=7))  # warm-up, not timed, not shared
+        starts["B-node"] = time.perf_counter() - start
+        out += _measure_b(llm, "node", config, progress)
+    return out
+
+
 def run_sharing_bench(config: SharingConfig,
                       progress: Callable[[str], None] = lambda _text: None) -> SharingResult:
     """Run A, then each B; see the module docstring.
@@ -208,6 +240,11 @@ def run_sharing_bench(config: SharingConfig,
     load_before = os.getloadavg()
     try:
         with contextlib.ExitStack() as stack:
+            if "node" in config.sources:
+                ttft += _node_engines(model_dir, config, stack, scratch, starts, progress)
+            others = [s for s in config.sources if s != "node"]
+            if not others:
+                return _result(config, ttft, starts, begin, load_before)
             url = config.redis_url or stack.enter_context(local_redis(scratch))
             progress("A: starting the engine, computing the prompts")
             start = time.perf_counter()
@@ -220,7 +257,7 @@ def run_sharing_bench(config: SharingConfig,
                             f"fewer than {want} chunk files in {shared}")
                 _wait_until(lambda: _redis_chunks(url) >= want,
                             f"fewer than {want} chunks in redis")
-            for source in config.sources:
+            for source in others:
                 progress(f"B-{source}: starting the engine")
                 start = time.perf_counter()
                 with _engine(model_dir, config, _tiers(f"B-{source}", shared, url)) as llm:
@@ -229,6 +266,11 @@ def run_sharing_bench(config: SharingConfig,
                     ttft += _measure_b(llm, source, config, progress)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    return _result(config, ttft, starts, begin, load_before)
+
+
+def _result(config: SharingConfig, ttft: list[Ttft], starts: dict[str, float], begin: float,
+            load_before: tuple[float, float, float]) -> SharingResult:
     return SharingResult(config=config, ttft=tuple(ttft), engine_start_s=starts,
                          wall_s=time.perf_counter() - begin,
                          machine={"cpus": os.cpu_count(), "loadavg_before": load_before,

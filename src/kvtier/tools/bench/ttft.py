@@ -41,7 +41,8 @@ bytes between two page-aligned buffers (memory tier) and a raw O_DIRECT read of 
 from chunk-sized files in the disk tier's filesystem (disk tier). Run-level medians of both
 are measured at the start too, for the record.
 
-Primitives: `TtftConfig`, `TtftResult`, `run_ttft_bench`, `ENGINES`, `BenchModel`, `MODELS`.
+Primitives: `TtftConfig`, `TtftResult`, `run_ttft_bench`, `ENGINES`, `DEFAULT_ENGINES`,
+`BenchModel`, `MODELS`.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ from kvtier.tools.bench.subjects import aligned_buffer, direct_read_s
 
 ENGINES = ("recompute", "vllm-prefix", "kvtier-memory", "kvtier-disk", "example", "example-cold",
            "kvtier-node")
+DEFAULT_ENGINES = ENGINES[:6]  # kvtier-node when asked for (`--engine kvtier-node`)
 TARGET_EXTRA_VS_COPY = 1.5  # a hit's extra time over vLLM's <= 1.5x the raw copy
 TARGET_THROUGHPUT = 0.97  # 0%-hit throughput with kvtier >= 0.97x without
 SKIPPED = "kvtier-memory, kvtier off"  # throughput rounds with skip_load + skip_store
@@ -111,7 +113,7 @@ class BenchModel:
 
 MODELS = {
     "bench": BenchModel("bench", BLOCK_SIZE, TOKENS_PER_CHUNK, (1024, 4096, 8192, 16384),
-                        (1024, 4096), ENGINES),
+                        (1024, 4096), DEFAULT_ENGINES),
     # vLLM's block for it is 288 tokens (32 asked); ExampleConnector not tried on it.
     "qwen3-next": BenchModel("qwen3-next", 32, 288, (1152, 3456), (1152, 3456), ENGINES[:4],
                              load_when="always"),
@@ -131,7 +133,7 @@ class TtftConfig:
     throughput_prompt_tokens: int = 1024  # tokens per unique prompt
     throughput_output_tokens: int = 16  # generated tokens per unique prompt
     throughput_reps: int = 5  # throughput rounds per engine (paired on/off in kvtier-memory)
-    engines: tuple[str, ...] = ENGINES  # which configurations to run
+    engines: tuple[str, ...] = DEFAULT_ENGINES  # which configurations to run
     store_mode: str = "auto"  # the kvtier engines' store_mode (connector config.STORE_MODES)
     model: str = "bench"  # which of `MODELS`
 

@@ -55,7 +55,7 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                         "(qwen3-next 1152,3456)")
     parser.add_argument("--reps", type=non_negative_int, default=9, help="timed hits per point (9)")
     parser.add_argument("--engine", action="append", choices=ENGINES,
-                        help="configuration to run (repeatable; default all)")
+                        help="configuration to run (repeatable; default all but kvtier-node)")
     parser.add_argument("--dir", type=work_dir, default=Path("."),
                         help="scratch dirs (disk tier, ExampleConnector, O_DIRECT) go here")
     parser.add_argument("--model-root", type=output_dir, default=Path(".kvtier-models"),

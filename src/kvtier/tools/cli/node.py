@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from rich.console import Console
@@ -44,7 +45,8 @@ def run_status(args: argparse.Namespace) -> int:
     try:
         status: dict[str, Any] = node_status(args.socket)
     except NodeUnavailable as exc:
-        console.print(f"[red]no node answers at {args.socket}[/red]: {exc}")
+        print(f"kvtier node status: no node answers at --socket {args.socket!r}: {exc}",
+              file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(status, indent=2))
