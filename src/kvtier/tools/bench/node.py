@@ -176,6 +176,7 @@ def _load(store: ChunkStore, keys: list[ChunkKey], sources: list[np.ndarray], ou
 def node_process(root: Path, capacity: str) -> Iterator[str]:
     """A `kvtier node serve` subprocess with one memory tier of `capacity`; its socket (also
     `kvtier bench ttft`'s kvtier-node engine)."""
+    root = root.absolute()  # engines take the socket's absolute path only
     config = root / "node.yaml"
     config.write_text(yaml.safe_dump({"tiers": [{"kind": "memory", "capacity": capacity}]}))
     socket_path = str(root / "node.sock")
