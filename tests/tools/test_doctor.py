@@ -175,3 +175,25 @@ def test_redis_reachable(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=5)
+
+
+def test_node_mode_is_checked_by_asking_the_node(tmp_path):
+    from kvtier.node.server import NodeConfig, running_node
+    from kvtier.tiers.storeconfig import StoreConfig
+    from kvtier.tools.ops.doctor import check_node
+
+    socket_path = tmp_path / "node.sock"
+    config = tmp_path / "engine.json"
+    config.write_text(json.dumps({"node": str(socket_path), "tokens_per_chunk": 256}))
+    store = read_store(config)  # node mode: no tiers of its own
+    assert check_store_config(store).status == "ok"
+    assert check_tier_paths(store) == [] and check_memory(store).status == "skip"
+    [down] = check_node(store)
+    assert down.status == "fail" and "kvtier node serve" in down.detail
+    node = NodeConfig(StoreConfig.parse({"tiers": [{"kind": "memory", "capacity": "1MiB"}]}),
+                      socket_path, name=f"doctor-{tmp_path.name}"[:60])
+    with running_node(node):
+        answered, shm = check_node(store)
+    assert answered.status == "ok" and node.name in answered.detail
+    assert shm.name.startswith("shared memory") and shm.status == "ok"
+    assert check_node({"tiers": []}) == []  # not node mode: nothing to ask

@@ -6,7 +6,8 @@ Primitives:
     read_store(path)            -- a kvtier config file -> the store dict (tiers...)
     store_from_flags(...)       -- the same from --memory/--disk/--shared/--redis
     check_vllm(), check_connector(module), check_store_config(store),
-    check_tier_paths(store), check_memory(store), check_redis(store), ping_redis(config)
+    check_tier_paths(store), check_memory(store), check_redis(store), ping_redis(config),
+    check_node(store) (node mode: the node answers; /dev/shm's room)
     run_doctor(store, connector_module) -> list[Check]
     machine_doctor(connector_module) -> (list[Check], next steps)
                                 -- no config given: the installation and the machine
@@ -36,7 +37,7 @@ import yaml
 
 from kvtier.config import parse_model
 from kvtier.core.tier import Medium
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, NodeUnavailable
 from kvtier.integrations.vllm.config import (
     CONNECTOR_CLASS,
     CONNECTOR_MODULE,
@@ -47,6 +48,7 @@ from kvtier.redaction import redact, redact_text
 from kvtier.tiers.redis.config import RedisTierConfig
 from kvtier.tiers.registry import TIER_CLASSES, config_model, tier_class
 from kvtier.tiers.s3.config import S3TierConfig
+from kvtier.tiers.shmslab import SHM_DIR
 from kvtier.tools.ops.machine import Check as Check  # re-exported: doctor's result type
 from kvtier.tools.ops.machine import Status, check_host_ram, check_pinned_memory
 from kvtier.tools.ops.machine import check_vllm as check_vllm  # re-exported
@@ -75,8 +77,11 @@ def read_store(path: str | Path) -> dict[str, Any]:
         raise ConfigError("config", str(path), f"a readable YAML or JSON file ({exc})") from exc
     if isinstance(data, dict) and isinstance(data.get("store"), dict):
         data = data["store"]
+    if isinstance(data, dict) and isinstance(data.get("node"), str):  # node mode
+        return data
     if not isinstance(data, dict) or not isinstance(data.get("tiers"), list):
-        raise ConfigError("config", str(path), "a mapping with a `tiers` list")
+        raise ConfigError("config", str(path), "a mapping with a `tiers` list (or `node`: the "
+                                               "socket of a kvtier node)")
     return data
 
 
@@ -127,7 +132,35 @@ def check_store_config(store: Mapping[str, Any]) -> Check:
         ConnectorConfig.parse(store, where="store")
     except ConfigError as exc:
         return Check("config", "fail", str(exc))
+    if store.get("node"):
+        return Check("config", "ok", f"node mode: the tiers of the node at {store['node']}")
     return Check("config", "ok", f"{len(store['tiers'])} tier(s) valid")
+
+
+def check_node(store: Mapping[str, Any]) -> list[Check]:
+    """In node mode (`node`: a socket), does a node answer there, and with what? The shared
+    memory its RAM tier lives in (/dev/shm) has room for what it holds."""
+    socket_path = store.get("node")
+    if not socket_path:
+        return []
+    from kvtier.node.client import node_status  # the node's client: only in node mode
+
+    name = f"node {socket_path}"
+    try:
+        status: dict[str, Any] = node_status(str(socket_path), timeout_s=REDIS_TIMEOUT_S * 5)
+    except NodeUnavailable as exc:
+        return [Check(name, "fail", f"no node answers ({exc}): start one with `kvtier node "
+                                    f"serve --config node.yaml --socket {socket_path}`")]
+    layouts = status.get("layouts", {})
+    held = sum(t["capacity_bytes"] for layout in layouts.values() for t in layout["tiers"][:1])
+    checks = [Check(name, "ok", f"node {status['node']} answers: {len(status['engines'])} "
+                                f"engine(s), {len(layouts)} layout(s), RAM {format_size(held)}")]
+    shm = shutil.disk_usage(SHM_DIR) if SHM_DIR.is_dir() else None
+    if shm is not None:
+        checks.append(Check(f"shared memory {SHM_DIR}", "ok" if shm.free > 0 else "warn",
+                            f"{format_size(shm.free)} free of {format_size(shm.total)}; the "
+                            f"node's RAM slabs take {format_size(held)}"))
+    return checks
 
 
 def check_tier_paths(store: Mapping[str, Any]) -> list[Check]:
@@ -267,7 +300,8 @@ def _redis_target(tier: Mapping[str, Any]) -> str:
 def run_doctor(store: Mapping[str, Any], connector_module: str = CONNECTOR_MODULE) -> list[Check]:
     """Every check, in the order an operator fixes them; any URL in them redacted."""
     checks = [check_vllm(), check_connector(connector_module), check_store_config(store),
-              check_memory(store), *check_tier_paths(store), *check_redis(store)]
+              *check_node(store), check_memory(store), *check_tier_paths(store),
+              *check_redis(store)]
     return [Check(redact_text(c.name), c.status, redact_text(c.detail)) for c in checks]
 
 
