@@ -132,3 +132,11 @@ def test_a_prompt_prefilled_under_one_salt_is_never_served_under_another(
     other = complete(deployment.decode, tokens, max_tokens=MAX_TOKENS, cache_salt="tenant-b")
     assert scrape(deployment.decode, HITS) == hits  # nothing of tenant-a's
     assert other == answer  # the same model computed it again
+
+
+def test_kvtier_says_in_each_servers_log_that_it_is_active(deployment: Deployment) -> None:
+    # Its INFO lines once went nowhere under vLLM's logging (integrations/vllm/logs.py).
+    for role in ("kv_producer", "kv_consumer"):
+        log = (deployment.shared.parent / f"{role}.log").read_text()
+        assert "kvtier: vLLM " in log, role  # the version check, in vLLM's own format
+        assert "INFO" in next(line for line in log.splitlines() if "kvtier: vLLM " in line)

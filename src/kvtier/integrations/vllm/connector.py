@@ -47,6 +47,7 @@ from kvtier.core.tier import Probe
 from kvtier.integrations.vllm.config import NODE_TIER, ConnectorConfig
 from kvtier.integrations.vllm.groups import NULL_BLOCK, ChunkGroups, chunk_groups
 from kvtier.integrations.vllm.kvformat import AttentionFormat, attention_format, chunk_layouts
+from kvtier.integrations.vllm.logs import adopt_vllm_logging
 from kvtier.integrations.vllm.messages import KVTierMetadata
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, KVTierPromMetrics
 from kvtier.integrations.vllm.models import (
@@ -197,6 +198,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        adopt_vllm_logging()  # in every process vLLM builds a connector in
         if role == KVConnectorRole.SCHEDULER:  # once per engine, not once per worker
             log_engine_version(logger)
         check_supported(model_traits(vllm_config))
