@@ -27,13 +27,16 @@ from kvtier.tools.ops.serving import ServeCommand, ServeConfig, build_command
 
 
 def server_command(model_dir: Path, extra: dict[str, Any], *, kv_role: str = "kv_both",
-                   memory_utilization: float = 0.3) -> ServeCommand:
+                   memory_utilization: float = 0.3,
+                   served_model_name: tuple[str, ...] = ()) -> ServeCommand:
     """The `kvtier serve` command of an OpenAI server with kvtier's `extra` config and the
     tests' small settings; dev mode on (its /reset_prefix_cache endpoint empties vLLM's own
     cache). `memory_utilization`: the share of the NUMA node's memory vLLM checks is free at
-    start-up (lower it to run two servers at once)."""
+    start-up (lower it to run two servers at once). `served_model_name`: vLLM's
+    --served-model-name (default: the directory)."""
     command = build_command(ServeConfig(
         model=str(model_dir), extra_config=extra, port=free_port(), cpu=True, kv_role=kv_role,
+        served_model_name=served_model_name,
         vllm_args=("--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override",
                    str(NUM_BLOCKS), "--gpu-memory-utilization", str(memory_utilization),
                    "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--seed", "0")))

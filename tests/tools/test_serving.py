@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 import textwrap
 from pathlib import Path
@@ -268,3 +269,34 @@ def test_a_tp_server_says_what_each_rank_holds():
     assert extra["tiers"][0]["capacity"] == "2GiB"
     single = build_command(ServeConfig("m", extra_config=connector_config(TIERS), cpu=False))
     assert not any("per engine" in n for n in single.notes)
+
+
+def test_a_generated_model_is_served_under_a_short_name(capsys, tmp_path):
+    from dataclasses import asdict
+
+    from kvtier.testing.tinymodel import PRESETS
+
+    model = tmp_path / "tiny-llama-0123"
+    model.mkdir()  # only the generator's marker is read
+    (model / "kvtier-tiny-model.json").write_text(json.dumps({"spec": asdict(PRESETS["bench"])}))
+    base = ["serve", str(model), "--dry-run", "--memory", "1GiB", "--disk", "0"]
+    assert main(base) == 0
+    argv = shlex.split(capsys.readouterr().out.splitlines()[-1])
+    i = argv.index("--served-model-name")
+    assert argv[i + 1:i + 3] == ["kvtier-bench", str(model)]  # the directory still accepted
+    assert main([*base, "--served-model-name", "mine"]) == 0
+    argv = shlex.split(capsys.readouterr().out.splitlines()[-1])
+    assert flag(tuple(argv), "--served-model-name") == "mine"
+    assert str(model) not in argv[argv.index("--served-model-name"):]
+    assert main([*base, "--", "--served-model-name", "theirs"]) == 0  # vLLM's own flag wins
+    argv = shlex.split(capsys.readouterr().out.splitlines()[-1])
+    assert argv.count("--served-model-name") == 1 and flag(tuple(argv), "--served-model-name") \
+        == "theirs"
+
+
+def test_another_model_keeps_vllms_name_unless_given_one(capsys):
+    assert main(["serve", "./model", "--dry-run", "--memory", "1GiB", "--disk", "0"]) == 0
+    assert "--served-model-name" not in capsys.readouterr().out
+    command = build_command(ServeConfig("./model", cpu=True, served_model_name=("a", "b")))
+    assert command.argv[command.argv.index("--served-model-name"):][:3] == (
+        "--served-model-name", "a", "b")

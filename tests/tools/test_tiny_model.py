@@ -6,15 +6,29 @@ model writes in well under a second.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvtier.testing.tinymodel import FIRST_WORD_ID, PRESETS, TinyModelSpec, make_tiny_model
+from kvtier.testing.tinymodel import (
+    BOS_ID,
+    EOS_ID,
+    MIN_VOCAB_SIZE,
+    PRESETS,
+    TinyModelSpec,
+    make_tiny_model,
+    served_name,
+    write_tokenizer,
+)
 
 SMALL = dict(num_layers=1, hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=64,
-             vocab_size=40, max_position_embeddings=128)
+             vocab_size=320, max_position_embeddings=128)
 
 
 def test_writes_a_llama_config_with_the_requested_shape(tmp_path: Path) -> None:
@@ -24,17 +38,75 @@ def test_writes_a_llama_config_with_the_requested_shape(tmp_path: Path) -> None:
     assert config["num_hidden_layers"] == 1
     assert config["num_key_value_heads"] == 1
     assert config["head_dim"] == 32
-    assert config["vocab_size"] == 40
+    assert config["vocab_size"] == 320
     assert (model_dir / "model.safetensors").stat().st_size > 0
 
 
-def test_tokenizer_maps_words_to_their_ids_and_back(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def test_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The "test" preset's tokenizer (512 ids), as AutoTokenizer loads it."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(make_tiny_model(tmp_path, **SMALL))
-    assert tok("w3 w17 w39")["input_ids"] == [3, 17, 39]
-    assert tok.decode([FIRST_WORD_ID, 17]) == "w3 w17"
-    assert tok.eos_token_id == 2
+    out = tmp_path_factory.mktemp("tok")
+    write_tokenizer(PRESETS["test"].vocab_size, out)
+    return AutoTokenizer.from_pretrained(out)
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text())
+def test_any_text_round_trips_through_the_tokenizer(test_tokenizer: Any, text: str) -> None:
+    ids = test_tokenizer(text)["input_ids"]
+    assert all(0 <= i < PRESETS["test"].vocab_size for i in ids)
+    assert test_tokenizer.decode(ids) == text
+
+
+def test_english_words_get_distinct_known_tokens(test_tokenizer: Any) -> None:
+    words = ["the", "cache", "keeps", "every", "block", "a", "model", "computed", "once",
+             "Hello", "World", "2026"]
+    encoded = [tuple(test_tokenizer(" " + w)["input_ids"]) for w in words]
+    assert len(set(encoded)) == len(words)
+    assert all(test_tokenizer.unk_token_id not in ids for ids in encoded)
+    assert len(test_tokenizer(" the cache")["input_ids"]) < len(" the cache")  # merges
+
+
+def test_every_preset_vocabulary_is_filled_exactly(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    for size in sorted({MIN_VOCAB_SIZE, *(p.vocab_size for p in PRESETS.values()), 4096}):
+        write_tokenizer(size, tmp_path / str(size))
+        tok = AutoTokenizer.from_pretrained(tmp_path / str(size))
+        assert len(tok) == size
+        assert (tok.bos_token_id, tok.eos_token_id) == (BOS_ID, EOS_ID)
+    with pytest.raises(ValueError, match="259"):
+        make_tiny_model(tmp_path, **{**SMALL, "vocab_size": MIN_VOCAB_SIZE - 1})
+
+
+def test_the_model_has_a_chat_template_and_greedy_defaults(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer, GenerationConfig
+
+    model_dir = make_tiny_model(tmp_path, **SMALL)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == (
+        "<s>system\nBe brief.</s>\n<s>user\nHi!</s>\n<s>assistant\n")
+    ids = tok.apply_chat_template(chat, add_generation_prompt=True)
+    ids = ids["input_ids"] if isinstance(ids, Mapping) else ids
+    assert ids[0] == BOS_ID and ids.count(EOS_ID) == 2
+    generation = GenerationConfig.from_pretrained(model_dir)
+    assert (generation.do_sample, generation.temperature) == (False, 0.0)
+    assert generation.max_new_tokens == 128
+    assert (generation.bos_token_id, generation.eos_token_id) == (BOS_ID, EOS_ID)
+
+
+def test_a_generated_model_has_a_short_served_name(tmp_path: Path) -> None:
+    assert served_name(make_tiny_model(tmp_path, **SMALL)).startswith("kvtier-tiny-")
+    assert served_name(tmp_path) is None  # not a generated model
+    for preset, name in (("test", "kvtier-tiny"), ("bench", "kvtier-bench")):
+        fake = tmp_path / preset  # served_name reads only the marker
+        fake.mkdir()
+        (fake / "kvtier-tiny-model.json").write_text(json.dumps(
+            {"spec": dataclasses.asdict(PRESETS[preset])}))
+        assert served_name(fake) == name
 
 
 def test_same_parameters_reuse_the_directory_and_other_ones_do_not(tmp_path: Path) -> None:

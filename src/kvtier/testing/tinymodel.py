@@ -2,8 +2,10 @@
 
 kvtier's end-to-end tests and benchmarks need a real model inside a real vLLM, and the
 machines that run them cannot download one. This module writes one: a transformers
-`LlamaForCausalLM` with random weights drawn from a fixed seed, saved as safetensors, and a
-`tokenizers` WordLevel tokenizer saved next to it.
+`LlamaForCausalLM` with random weights drawn from a fixed seed, saved as safetensors, and next to it
+what a client needs to talk to it in text: a byte-level BPE tokenizer (any text, any
+language, round-trips; built offline by `write_tokenizer`, no download), a chat template
+(ChatML-style, on <s>/</s>) and generation defaults (greedy, at most 128 new tokens).
 
 Random weights at the usual initializer range give near-uniform logits, so greedy decoding
 breaks near-ties differently when two code paths round differently (see
@@ -20,6 +22,8 @@ Primitives:
     "qwen3-next" (a Qwen3-Next-style gated DeltaNet hybrid, `kvtier bench ttft --model`).
   - `make_tiny_model(root, ...)`: write (or reuse) the model directory and return its path.
   - `make_preset_model(name, root)`: the same for a preset.
+  - `served_name(model_dir)`: the short name `kvtier serve` gives a generated model
+    ("kvtier-tiny", "kvtier-bench", ...), or None for any other directory.
 """
 
 from __future__ import annotations
@@ -39,12 +43,24 @@ if TYPE_CHECKING:
 
 # Bump when the files written change, so that cached directories from an older layout are
 # not reused.
-_FORMAT_VERSION = 1
+# 2: the byte-level tokenizer, chat template and greedy generation_config.json.
+_FORMAT_VERSION = 2
 # Written last; a directory without it is an interrupted write and is rebuilt.
 _COMPLETE_MARKER = "kvtier-tiny-model.json"
 # Token ids 0..2 are special; prompts should use ids >= FIRST_WORD_ID.
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 FIRST_WORD_ID = 3
+# The tokenizer's 256 byte tokens take ids 3..258; merges of common pairs fill the rest.
+MIN_VOCAB_SIZE = FIRST_WORD_ID + 256
+# A chat template on the model's own specials: each message "<s>role\ncontent</s>\n", then
+# "<s>assistant\n" for the reply (ChatML's layout, with <s>/</s> for its markers).
+CHAT_TEMPLATE = ("{% for message in messages %}<s>{{ message['role'] }}\n"
+                 "{{ message['content'] }}</s>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+# generation_config.json's sampling defaults, which vLLM applies to a request that leaves
+# them out (--generation-config auto): greedy, so that a client sending no temperature gets
+# the same reply twice, and a short reply (random weights seldom say </s>).
+GENERATION_DEFAULTS = {"do_sample": False, "temperature": 0.0, "max_new_tokens": 128}
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +182,8 @@ def make_tiny_model(root: str | os.PathLike[str], **params: object) -> Path:
     Raises:
         TypeError: on an unknown parameter name.
         ValueError: when hidden_size is not divisible by num_heads, or num_heads by
-            num_kv_heads, or vocab_size leaves no room for words.
+            num_kv_heads, or vocab_size is below MIN_VOCAB_SIZE (259: 3 specials and
+            the 256 bytes).
 
     Safe to call from several processes: the model is written to a temporary directory and
     renamed into place, and a complete directory is never rewritten.
@@ -195,6 +212,7 @@ def write_model(spec: TinyModelSpec, root: Path) -> Path:
     try:
         _write_weights(spec, tmp)
         write_tokenizer(spec.vocab_size, tmp)
+        _write_generation_defaults(tmp)
         marker = {"spec": dataclasses.asdict(spec), "format_version": _FORMAT_VERSION}
         (tmp / _COMPLETE_MARKER).write_text(json.dumps(marker, indent=2))
         if final.exists():
@@ -223,8 +241,9 @@ def _validate(spec: TinyModelSpec) -> None:
         raise ValueError(f"hidden_size={spec.hidden_size} not divisible by num_heads")
     if spec.num_heads % spec.num_kv_heads:
         raise ValueError(f"num_heads={spec.num_heads} not divisible by num_kv_heads")
-    if spec.vocab_size <= FIRST_WORD_ID:
-        raise ValueError(f"vocab_size={spec.vocab_size} leaves no room for words")
+    if spec.vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(f"vocab_size={spec.vocab_size}: at least {MIN_VOCAB_SIZE} (3 "
+                         "special tokens and 256 bytes)")
 
 
 def _llama_config(spec: TinyModelSpec) -> LlamaConfig:
@@ -313,20 +332,55 @@ def _write_weights(spec: TinyModelSpec, out: Path) -> None:
     model.save_pretrained(out, safe_serialization=True)
 
 
-def write_tokenizer(vocab_size: int, out: Path) -> None:
-    """Save a WordLevel tokenizer of `vocab_size` ids to `out` (tokenizer.json + config).
+def served_name(model_dir: str | os.PathLike[str]) -> str | None:
+    """The short name to serve a generated model under: "kvtier-tiny" for the "test"
+    preset, "kvtier-<preset>" for another preset, "kvtier-tiny-<digest>" for any other
+    spec; None when `model_dir` is not a model this module wrote (no complete marker)."""
+    try:
+        marker = json.loads((Path(model_dir) / _COMPLETE_MARKER).read_text())
+        spec = TinyModelSpec(**marker["spec"])
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    for name, preset in PRESETS.items():
+        if preset == spec:
+            return "kvtier-tiny" if name == "test" else f"kvtier-{name}"
+    return f"kvtier-tiny-{spec.digest()[:8]}"
 
-    Ids 0, 1, 2 are <unk>, <s>, </s>; id i >= 3 is the word "w{i}", so the text
-    "w5 w17" encodes to [5, 17] and any id sequence decodes to readable text.
+
+def write_tokenizer(vocab_size: int, out: Path) -> None:
+    """Save a byte-level BPE tokenizer of exactly `vocab_size` ids to `out`
+    (tokenizer.json, tokenizer_config.json, and CHAT_TEMPLATE as chat_template.jinja).
+
+    Ids 0, 1, 2 are <unk>, <s>, </s>; ids 3..258 the 256 bytes (GPT-2's byte-to-unicode
+    alphabet), so any text encodes and decodes back unchanged; the rest are merges of
+    common pairs in a fixed order (space + letter, letter pairs, then digits), so English
+    words take a few tokens each. Built from constants: no corpus, no download, the same
+    file on every machine.
+
+    Raises:
+        ValueError: vocab_size below MIN_VOCAB_SIZE.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {"<unk>": UNK_ID, "<s>": BOS_ID, "</s>": EOS_ID}
-    vocab.update({f"w{i}": i for i in range(FIRST_WORD_ID, vocab_size)})
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(f"vocab_size={vocab_size}: at least {MIN_VOCAB_SIZE}")
+    specials = ["<unk>", "<s>", "</s>"]
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {tok: i for i, tok in enumerate([*specials, *alphabet])}
+    merges: list[tuple[str, str]] = []
+    for left, right in _merge_candidates():
+        if len(vocab) >= vocab_size:
+            break
+        if left + right not in vocab:
+            merges.append((left, right))
+            vocab[left + right] = len(vocab)
+    extra = vocab_size - len(vocab)  # only past ~1,800 ids: unused special tokens
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t in [*specials, *(f"<extra_{i}>" for i in range(extra))]])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         unk_token="<unk>",
@@ -335,4 +389,25 @@ def write_tokenizer(vocab_size: int, out: Path) -> None:
         pad_token="<unk>",
         model_max_length=1 << 30,
     )
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
+
+
+def _merge_candidates() -> list[tuple[str, str]]:
+    """The BPE merges in rank order, as pairs of byte-level symbols ("Ġ" is the space)."""
+    lower, upper = "abcdefghijklmnopqrstuvwxyz", "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    digits = "0123456789"
+    pairs = [("Ġ", c) for c in lower]
+    pairs += [(a, b) for a in lower for b in lower]
+    pairs += [("Ġ", c) for c in upper]
+    pairs += [(a, b) for a in upper for b in lower]
+    pairs += [("Ġ", c) for c in digits]
+    pairs += [(a, b) for a in digits for b in digits]
+    return pairs
+
+
+def _write_generation_defaults(out: Path) -> None:
+    """Add GENERATION_DEFAULTS to the generation_config.json save_pretrained wrote."""
+    path = out / "generation_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    path.write_text(json.dumps({**config, **GENERATION_DEFAULTS}, indent=2) + "\n")

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvtier.testing.tinymodel import PRESETS, make_preset_model
+from kvtier.testing.tinymodel import PRESETS, make_preset_model, served_name
 from kvtier.tools.bench.serving import promdiff
 from kvtier.tools.bench.serving.client import ClientConfig
 from kvtier.tools.bench.serving.report import write_outputs
@@ -157,10 +157,12 @@ def server_config(plan: DemoPlan, model: Path, kvtier: bool, work_dir: Path) -> 
     extra = connector_config(default_tiers(
         cpu=is_cpu_backend(), memory_bytes=plan.memory_tier_bytes,
         disk_path=work_dir / "kv", disk_bytes=plan.disk_tier_bytes)) if kvtier else None
+    short = served_name(model)  # as `kvtier serve` names it: "kvtier-bench", the dir too
     return ServeConfig(
         str(model), kvtier=kvtier, extra_config=extra, port=free_port(),
         vllm_args=(*_VLLM_ARGS, "--max-model-len", str(plan.max_model_len),
-                   "--kv-cache-memory-bytes", str(plan.engine_kv_bytes)))
+                   "--kv-cache-memory-bytes", str(plan.engine_kv_bytes)),
+        served_model_name=(short, str(model)) if short else ())
 
 
 def run_demo(plan: DemoPlan, out_dir: Path, *, work_dir: Path, model_root: Path,
@@ -203,7 +205,8 @@ def run_demo(plan: DemoPlan, out_dir: Path, *, work_dir: Path, model_root: Path,
         with running_server(command, log_path=log,
                             startup_timeout_s=plan.startup_timeout_s) as server:
             ev.server_ready(label, time.perf_counter() - started)
-            cfg = ClientConfig(server.url, str(model), concurrency=plan.concurrency)
+            cfg = ClientConfig(server.url, served_name(model) or str(model),
+                               concurrency=plan.concurrency)
             ev.step(f"{label}: warming up (one uncounted {plan.first_len}-token request)")
             bench_endpoint(_warm_up(plan), cfg, "warm-up")
             ev.run_started(label, len(workload.turns))

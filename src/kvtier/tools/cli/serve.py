@@ -12,7 +12,12 @@ and kvtier.tools.ops.server.
     kvtier serve ./my-model --no-kvtier          # the same server without kvtier (baseline)
     kvtier serve ./my-model --config shared.yaml --kv-role kv_producer   # prefill instance
     kvtier serve ./my-model --node /run/kvtier/node.sock   # the node's cache (kvtier node)
+    kvtier serve ./my-model --served-model-name my-model   # the name clients send
     kvtier serve ./my-model --dry-run            # print the command only
+
+A model `kvtier.testing.tinymodel` generated (`kvtier demo`'s, the tests') is served under
+a short name by default, "kvtier-tiny" or "kvtier-bench", its directory kept as a second
+name.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from pathlib import Path
 
 from kvtier.errors import ConfigError, ServerError
 from kvtier.redaction import redact_value
+from kvtier.testing.tinymodel import served_name
 from kvtier.tools.cli.argtypes import any_path, port_number, positive_int
 from kvtier.tools.ops.server import VllmServer
 from kvtier.tools.ops.serving import (
@@ -70,6 +76,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                         "`kvtier proxy` (default kv_both)")
     p.add_argument("--no-kvtier", action="store_true",
                    help="start the same server without kvtier (a baseline)")
+    p.add_argument("--served-model-name", metavar="NAME",
+                   help="the model's name in the API (vLLM's --served-model-name; default: "
+                        "MODEL, or for a generated kvtier model a short name such as "
+                        "kvtier-bench, MODEL still accepted)")
     p.add_argument("--dry-run", action="store_true", help="print the command and exit")
     # REMAINDER swallows every argument after MODEL, kvtier's options included; `run` splits
     # it at `--` and parses the part before it again (argparse cannot do this in one pass).
@@ -117,12 +127,26 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     engine_kv = None if args.engine_kv is None else parse_size(args.engine_kv, "engine_kv")
     return ServeConfig(model=args.model, kvtier=not args.no_kvtier, extra_config=extra,
                        host=args.host, port=args.port, cpu=cpu, engine_kv_bytes=engine_kv,
-                       vllm_args=tuple(vllm_args), kv_role=args.kv_role)
+                       vllm_args=tuple(vllm_args), kv_role=args.kv_role,
+                       served_model_name=served_names(args.model, args.served_model_name))
+
+
+def served_names(model: str, name: str | None) -> tuple[str, ...]:
+    """The --served-model-name values: `name` when given; for a model kvtier generated, its
+    short name and then MODEL (so clients that send the directory still work); else none
+    (vLLM serves MODEL under its own name)."""
+    if name is not None:
+        if not name.strip():
+            raise ConfigError("served_model_name", name, "a non-empty name")
+        return (name,)
+    short = served_name(model)
+    return (short, model) if short is not None else ()
 
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of `kvtier serve`; returns the exit code."""
-    command = build_command(config_from_args(split_args(args)))
+    cfg = config_from_args(split_args(args))
+    command = build_command(cfg)
     print("# kvtier serve runs:")
     for note in command.notes:
         print(f"#   {note}")
@@ -140,8 +164,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         server.start()
         server.wait_ready()
-        print(f"\nkvtier: serving at {server.url}/v1 — try:  kvtier bench multi-round "
-              f"--url {server.url}", flush=True)
+        argv = command.argv
+        model = argv[argv.index("--served-model-name") + 1] \
+            if "--served-model-name" in argv[:len(argv) - len(cfg.vllm_args)] else cfg.model
+        print(f"\nkvtier: serving {model!r} at {server.url}/v1 — try:  kvtier bench "
+              f"multi-round --url {server.url}", flush=True)
         assert server.proc is not None
         server.proc.wait()
     except ServerError as exc:

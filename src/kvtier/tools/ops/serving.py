@@ -79,6 +79,10 @@ class ServeConfig:
     # vLLM's kv_role: "kv_producer" for a disaggregated prefill instance (only stores),
     # "kv_consumer" for its decode instance (only loads); see ops/disagg_proxy.py.
     kv_role: str = "kv_both"
+    # vLLM's --served-model-name: the names clients use (the first in replies and
+    # /v1/models first); (): vLLM's default, the --model argument. Left out when vllm_args
+    # has its own --served-model-name.
+    served_model_name: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,6 +229,8 @@ def build_command(cfg: ServeConfig) -> ServeCommand:
         tp = _tp_size(cfg.vllm_args)
         if tp > 1:
             notes.append(per_rank_note(ConnectorConfig.parse(extra).store, tp))
+    if cfg.served_model_name and not _has_flag(cfg.vllm_args, "--served-model-name"):
+        argv += ["--served-model-name", *cfg.served_model_name]
     argv += list(cfg.vllm_args)
     return ServeCommand(tuple(argv), env, f"http://{cfg.host}:{cfg.port}", transfer,
                         tuple(notes))
