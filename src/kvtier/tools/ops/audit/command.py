@@ -185,12 +185,21 @@ def parse_command_line(
     joined = re.sub(r"\\\r?\n", " ", text)
     script_env: dict[str, str] = {}
     command: list[str] = []
-    for line in joined.splitlines():
-        try:
-            words = shlex.split(line, comments=True)
-        except ValueError as exc:
-            raise ConfigError("command", line.strip()[:80],
-                              f"valid shell quoting ({exc})") from exc
+    lines = joined.splitlines()
+    while lines:
+        line = lines.pop(0)
+        while True:
+            try:
+                words = shlex.split(line, comments=True)
+                break
+            except ValueError as exc:
+                # A quoted string may span lines, as the README's --kv-transfer-config JSON
+                # does: the shell reads on, and so does this.
+                if lines and "closing quotation" in str(exc):
+                    line += "\n" + lines.pop(0)
+                    continue
+                raise ConfigError("command", line.strip()[:80],
+                                  f"valid shell quoting ({exc})") from exc
         if words[:1] == ["export"]:
             script_env.update(w.split("=", 1) for w in words[1:] if "=" in w)  # type: ignore
         elif words and (not command or _is_entrypoint(words)):
