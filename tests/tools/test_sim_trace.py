@@ -166,3 +166,32 @@ def test_the_command_refuses_a_missing_trace_in_one_line(tmp_path: Path, capsys)
     assert code == 2
     err = capsys.readouterr().err
     assert "trace" in err and "Traceback" not in err
+
+
+def test_pooled_and_private_caches_on_the_trace(trace_file, cost) -> None:  # type: ignore[no-untyped-def]
+    """kvtier node's case: one cache for the engines against one each, same total bytes."""
+    from kvtier.tools.sim.pooling import compare, split
+
+    trace = read_trace(trace_file)
+    lru = parse_policy("lru")
+    for route in ("session", "round_robin"):
+        shares = split(trace, 4, route)
+        assert sorted(id(r) for share in shares for r in share.requests) \
+            == sorted(map(id, trace.requests))  # every request to exactly one engine
+    one = compare(trace, lru, 2000, cost, 1, "round_robin")  # one engine: nothing to pool
+    assert one.pooled_hit_ratio == one.private_hit_ratio
+    # A conversation whose turns land on other engines finds its history only when pooled.
+    four = compare(trace, lru, 2000, cost, 4, "round_robin")
+    assert four.pooled_hit_ratio == one.pooled_hit_ratio
+    assert four.private_hit_ratio < four.pooled_hit_ratio and four.gain > 1
+    with pytest.raises(ConfigError, match="route"):
+        split(trace, 2, "random")
+
+
+def test_the_command_prints_pooled_against_private(trace_file, capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(["simulate", "--trace", str(trace_file), "--capacity", "1M",
+                 "--policies", "lru", "--engines", "2", "--router", "round_robin",
+                 "--json"]) == 0
+    [point] = json.loads(capsys.readouterr().out)["pooling"]
+    assert point["engines"] == 2 and point["route"] == "round_robin"
+    assert point["gain"] == pytest.approx(point["pooled_hit_ratio"] / point["private_hit_ratio"])

@@ -3,6 +3,7 @@
     kvtier simulate --trace ../shared/traces/mooncake_conversation_trace.jsonl
     kvtier simulate --trace T.jsonl --capacity 1M,3M --policies lru,arc,prefix --json
     kvtier simulate --trace T.jsonl --plot hit-ratio.png
+    kvtier simulate --trace T.jsonl --engines 2 --router round_robin   # + pooled vs private
 
 Trace formats: `kvtier.tools.sim.trace`; the replay: `kvtier.tools.sim.replay`; the optimum
 and its exact meaning: `kvtier.tools.sim.optimum`. Prefill seconds come from the `--model`,
@@ -17,10 +18,15 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 from kvtier.tools.cli.argtypes import any_path, positive_int
 from kvtier.tools.sim.replay import PolicySpec, Progress, parse_policy
 from kvtier.tools.sim.tracesweep import TraceSweep, parse_tokens
+
+if TYPE_CHECKING:
+    from kvtier.tools.sim.pooling import Pooling
 
 DEFAULT_CAPACITIES = "300k,1M,3M,10M,30M"
 DEFAULT_POLICIES = "lru,arc,lru+admit2,prefix"
@@ -62,11 +68,36 @@ def run_trace(args: argparse.Namespace) -> int:
         from kvtier.tools.sim.plot import plot_trace
 
         plot_trace(sweep, args.plot)
+    pooling = []
+    if args.engines > 1:  # one cache for the node's engines against one each (issue 43)
+        from kvtier.tools.sim.pooling import compare
+
+        pooling = [compare(trace, specs[0], capacity // trace.block_tokens, cost, args.engines,
+                           args.router) for capacity in capacities]
     if args.json:
-        print(json.dumps(sweep.to_dict(), indent=2))
+        print(json.dumps({**sweep.to_dict(), "pooling": [
+            {**asdict(p), "gain": p.gain} for p in pooling]}, indent=2))
     else:
         _print(sweep, specs)
+        if pooling:
+            _print_pooling(pooling, specs[0])
     return 0
+
+
+def _print_pooling(pooling: list[Pooling], spec: PolicySpec) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    first = pooling[0]
+    table = Table(title=f"{first.engines} engines, {first.route} routing, {spec.name}: one "
+                        "cache for all (kvtier node) vs one each, same total bytes\n"
+                        "token hit ratio")
+    for column in ("capacity (tokens, in all)", "pooled", "private", "pooled / private"):
+        table.add_column(column, justify="right")
+    for p in pooling:
+        table.add_row(f"{p.capacity_tokens:,}", f"{p.pooled_hit_ratio:.1%}",
+                      f"{p.private_hit_ratio:.1%}", f"{p.gain:.2f}x")
+    Console().print(table)
 
 
 def _with_progress(work: Callable[[Progress], TraceSweep], quiet: bool,
