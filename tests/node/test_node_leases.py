@@ -154,3 +154,36 @@ def test_a_store_into_a_ram_all_lent_is_dropped_and_nothing_waits(
         # Lent no more: the store is taken now (evicting a chunk no one holds).
         assert put_chunks(engine, [50]) == [True]
         assert lend(engine, [key(50)]).chunks == expected([50])
+
+
+def test_a_tier_that_raises_mid_reserve_leaks_no_slot(
+        tmp_path: Path, in_process_node: Callable[..., AbstractContextManager[NodeServer]],
+        monkeypatch: pytest.MonkeyPatch):
+    with in_process_node(node_tiers(tmp_path, ram_chunks=4)) as node:
+        # A long back-off: after the failed Reserve this engine asks the node nothing more.
+        _client, engine = connect(node.config.socket_path, retry_s=30)
+        assert put_chunks(engine, [0]) == [True]  # the layout's store exists now
+        [layout] = node._layouts.values()
+        real = layout.store.putting
+
+        def raises_on_the_third_key(keys_done: list[int]):  # type: ignore[no-untyped-def]
+            def putting(*args, **kwargs):  # type: ignore[no-untyped-def]
+                keys_done.append(1)
+                if len(keys_done) % 3 == 0:
+                    raise RuntimeError("a tier failed")  # the fault injected
+                return real(*args, **kwargs)
+            return putting
+
+        done: list[int] = []
+        monkeypatch.setattr(layout.store, "putting", raises_on_the_third_key(done))
+        # Each Reserve of the step fails on the node at its third key (after two slots were
+        # reserved): the engine drops its stores, nothing hangs.
+        assert put_chunks(engine, [1, 2, 3]) == [False] * 3
+        assert len(done) >= 3
+        monkeypatch.setattr(layout.store, "putting", real)
+        wait_for(lambda: node.status()["leases"] == 0, 10, "no lease left")
+        # The slots reserved before the fault were given back (explicitly: not left to the
+        # garbage collector closing the blocks with the handler's frame): RAM takes chunks.
+        _fresh_client, fresh = connect(node.config.socket_path)
+        assert put_chunks(fresh, [4, 5, 6]) == [True] * 3
+        assert lend(fresh, [key(i) for i in (4, 5, 6)]).chunks == expected([4, 5, 6])

@@ -287,20 +287,24 @@ class NodeServer:
         expiry of its meta applied) or SKIPPED (no slot: declined, full)."""
         offsets: list[int] = []
         puts = _Puts([], 0)
-        for key, meta in zip(request.keys, request.metas):
-            block = layout.store.putting(ChunkKey(key), spare, meta.chunk_meta())
-            put = block.__enter__()
-            offset = None if put.data is None or not put.in_place \
-                else layout.memory.offset_of(put.data)
-            if offset is None:
-                put.cancel()  # into the spare (RAM declined it): not stored
-                block.__exit__(None, None, None)
-                offsets.append(HELD if put.stored else SKIPPED)
-                puts.blocks.append(None)
-                continue
-            offsets.append(offset)
-            puts.blocks.append((block, put))
-            puts.open += 1
+        try:
+            for key, meta in zip(request.keys, request.metas):
+                block = layout.store.putting(ChunkKey(key), spare, meta.chunk_meta())
+                put = block.__enter__()
+                offset = None if put.data is None or not put.in_place \
+                    else layout.memory.offset_of(put.data)
+                if offset is None:
+                    put.cancel()  # into the spare (RAM declined it): not stored
+                    block.__exit__(None, None, None)
+                    offsets.append(HELD if put.stored else SKIPPED)
+                    puts.blocks.append(None)
+                    continue
+                offsets.append(offset)
+                puts.blocks.append((block, put))
+                puts.open += 1
+        except BaseException:
+            _end(puts)  # slots reserved before a tier raised are given back, not leaked
+            raise
         self.counters.add("reserved_chunks", puts.open)
         return Reserved(self._lease(owner, puts) if puts.open else 0, offsets)
 
