@@ -4,8 +4,10 @@ load verified byte for byte, and the JSON the command writes."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
+from kvtier.tiers.shmslab import SHM_DIR
 from kvtier.tools.bench.node import OPERATIONS, PATHS, NodeBenchConfig, run_node_bench
 from kvtier.tools.cli.main import main
 
@@ -19,6 +21,8 @@ def test_the_bench_measures_every_path_and_verifies_the_loads() -> None:
         assert set(result.seconds_per_chunk[op]) == set(PATHS)
         assert all(s > 0 for s in result.seconds_per_chunk[op].values())
     assert result.round_trip_s > 0
+    # The node it ran is gone, and its RAM with it (a benchmark leaves nothing in /dev/shm).
+    assert not list(SHM_DIR.glob(f"kvtier-bench-{os.getpid()}-*"))
 
 
 def test_the_command_writes_its_figures(tmp_path: Path) -> None:

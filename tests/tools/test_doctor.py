@@ -191,7 +191,7 @@ def test_node_mode_is_checked_by_asking_the_node(tmp_path):
     [down] = check_node(store)
     assert down.status == "fail" and "kvtier node serve" in down.detail
     node = NodeConfig(StoreConfig.parse({"tiers": [{"kind": "memory", "capacity": "1MiB"}]}),
-                      socket_path, name=f"doctor-{tmp_path.name}"[:60])
+                      socket_path, name=f"doctor-{tmp_path.name}"[:60], keep_ram=False)
     with running_node(node):
         answered, shm = check_node(store)
     assert answered.status == "ok" and node.name in answered.detail

@@ -23,7 +23,7 @@ def test_status_shows_the_layouts_tiers_and_engines(tmp_path: Path,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     socket_path = tmp_path / "n.sock"
     config = NodeConfig(StoreConfig.parse({"tiers": [{"kind": "memory", "capacity": "1MiB"}]}),
-                        socket_path, name=f"cli-{tmp_path.name}"[:40])
+                        socket_path, name=f"cli-{tmp_path.name}"[:40], keep_ram=False)
     with running_node(config):
         store = NodeStore(NodeClient(str(socket_path), LAYOUT, NamespaceInfo("m", "", 0)),
                           LAYOUT.bytes_per_chunk)

@@ -175,7 +175,8 @@ def _load(store: ChunkStore, keys: list[ChunkKey], sources: list[np.ndarray], ou
 @contextlib.contextmanager
 def node_process(root: Path, capacity: str) -> Iterator[str]:
     """A `kvtier node serve` subprocess with one memory tier of `capacity`; its socket (also
-    `kvtier bench ttft`'s kvtier-node engine)."""
+    `kvtier bench ttft`'s kvtier-node engine). Its RAM slabs are removed when it stops
+    (`--drop-ram`): a benchmark leaves nothing in /dev/shm."""
     root = root.absolute()  # engines take the socket's absolute path only
     config = root / "node.yaml"
     config.write_text(yaml.safe_dump({"tiers": [{"kind": "memory", "capacity": capacity}]}))
@@ -183,7 +184,7 @@ def node_process(root: Path, capacity: str) -> Iterator[str]:
     name = f"bench-{os.getpid()}"
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvtier.node", "serve", "--config",
-         str(config), "--socket", socket_path, "--name", name],
+         str(config), "--socket", socket_path, "--name", name, "--drop-ram"],
         stdout=subprocess.DEVNULL, stderr=(root / "node.log").open("wb"))
     try:
         deadline = time.monotonic() + 60
