@@ -14,7 +14,6 @@ vLLM engines in this process, one after the other, all with `"node": SOCKET`:
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -93,13 +92,18 @@ def test_an_engine_restarted_on_the_node_hits_the_ram_of_the_one_before(
         assert kvtier_counter("load_failures") - failures == sum(
             loadable(len(p["prompt_token_ids"])) // CHUNK for p in prompts)
 
-        # A new node on the same socket: found again once the client's back-off ends,
-        # filled, hit again.
+        # A new node on the same socket: found again once the client's back-off ends (until
+        # then each run's stores are dropped, and planned again by the next run), filled,
+        # hit again.
         node.start()
-        time.sleep(RETRY_S)
         fresh = random_prompts([400], seed=44)
         answer = token_ids(second, fresh)
-        wait_for(lambda: ram_chunks(node) >= 400 // CHUNK, 30, "the new node's chunks")
+
+        def stored_in_the_new_node() -> bool:
+            assert token_ids(second, fresh) == answer
+            return ram_chunks(node) >= 400 // CHUNK
+
+        wait_for(stored_in_the_new_node, 10 * RETRY_S, "the new node's chunks")
         second.reset_prefix_cache()  # vLLM's own cache: the next run must come from the node
         before = metric(second, HITS)
         assert token_ids(second, fresh) == answer

@@ -58,6 +58,7 @@ from kvtier.integrations.vllm.models import (
 )
 from kvtier.integrations.vllm.scheduler.connector_scheduler import ConnectorScheduler
 from kvtier.integrations.vllm.versions import log_engine_version
+from kvtier.integrations.vllm.worker.chunkstore import ChunkStore
 from kvtier.integrations.vllm.worker.connector_worker import (
     ConnectorWorker,
     PagedKV,
@@ -369,34 +370,35 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             logger.info("kvtier: vLLM splits each %d-token block into %d kernel blocks",
                         self._block_size, paged.kernel_split)
         info = namespace_info(self._vllm_config, fingerprint)
-        if self._config.node:  # every tier is the node's: nothing below RAM runs here
-            logger.info("kvtier: node mode: the cache of the node at %s", self._config.node)
-            self._worker = ConnectorWorker(
-                paged, layout, NodeStore(self._node_client(layout, info), layout.bytes_per_chunk),
-                load_batch=load_batch_for(self._config.store.io_threads, layout.bytes_per_chunk),
-                agree=tp_any if world > 1 else None,
-                handoff_timeout_s=self._config.store.read_timeout_s
-                if self._kv_transfer_config.kv_role == "kv_producer" else None)
-            return
-        # Capacities are per engine, like vLLM's cpu_bytes_to_use: each rank holds its share.
-        store_config = self._config.store.per_rank(world)
-        if world > 1:
-            logger.info("kvtier: TP rank %d of %d: %s", rank, world, ", ".join(
-                f"{t.tier_name} {t.capacity} B" for t in store_config.tiers))
+        store, io_cores = self._worker_store(layout, info, world, rank)
         # A prefill instance hands its KV over through the lower tiers: its steps wait for
         # their writes (a stalled tier is abandoned after read_timeout_s, like a read).
         handoff = self._kv_transfer_config.kv_role == "kv_producer"
-        store = open_store(store_config, layout, info, engine_bound=True)
-        io_cores = store.settings.io_cores
-        if io_cores is not None:
-            logger.info("kvtier: I/O threads on cores %s (the model runner's: %s)",
-                        sorted(io_cores), sorted(os.sched_getaffinity(0)))
         self._worker = ConnectorWorker(paged, layout, store,
                                        load_batch=load_batch_for(self._config.store.io_threads,
                                                                  layout.bytes_per_chunk),
                                        agree=tp_any if world > 1 else None,
                                        handoff_timeout_s=self._config.store.read_timeout_s
                                        if handoff else None, io_cores=io_cores)
+
+    def _worker_store(self, layout: KVLayout, info: NamespaceInfo, world: int, rank: int
+                      ) -> tuple[ChunkStore, frozenset[int] | None]:
+        """This rank's store, and the cores its I/O threads run on (None: unbound): the
+        node's (node mode: nothing below RAM runs here) or the tiers' in this process."""
+        if self._config.node:
+            logger.info("kvtier: node mode: the cache of the node at %s", self._config.node)
+            return NodeStore(self._node_client(layout, info), layout.bytes_per_chunk), None
+        # Capacities are per engine, like vLLM's cpu_bytes_to_use: each rank holds its share.
+        store_config = self._config.store.per_rank(world)
+        if world > 1:
+            logger.info("kvtier: TP rank %d of %d: %s", rank, world, ", ".join(
+                f"{t.tier_name} {t.capacity} B" for t in store_config.tiers))
+        store = open_store(store_config, layout, info, engine_bound=True)
+        io_cores = store.settings.io_cores
+        if io_cores is not None:
+            logger.info("kvtier: I/O threads on cores %s (the model runner's: %s)",
+                        sorted(io_cores), sorted(os.sched_getaffinity(0)))
+        return store, io_cores
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """The step's plan, before its forward (vLLM calls start_load_kv after the forward in
