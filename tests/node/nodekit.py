@@ -166,9 +166,11 @@ def write_config(path: Path, config: dict[str, Any]) -> Path:
 
 
 def connect(socket_path: Path | str, layout: KVLayout = LAYOUT, *, timeout_s: float = 5.0,
-            retry_s: float = 0.2) -> tuple[NodeClient, NodeStore]:
-    """A client of the node for `layout`'s chunks (an "engine"), and its store."""
-    client = NodeClient(str(socket_path), layout, INFO, timeout_s=timeout_s, retry_s=retry_s)
+            retry_s: float = 0.2, engine: str | None = None) -> tuple[NodeClient, NodeStore]:
+    """A client of the node for `layout`'s chunks (an "engine": `engine` names it, default
+    this process), and its store."""
+    client = NodeClient(str(socket_path), layout, INFO, timeout_s=timeout_s, retry_s=retry_s,
+                        engine=engine)
     return client, NodeStore(client, layout.bytes_per_chunk)
 
 

@@ -51,6 +51,9 @@ class ChunkMeta:
     # chunk, or not known. Not a request's ask: only the "prefix" eviction policy reads it
     # (kvtier.core.policies.prefix), and `is_default` ignores it.
     parent: ChunkKey | None = None
+    # The engine that stored it through a kvtier node (set by the node, from the engine's
+    # connection); None in process. Only a memory tier's `engine_quota` reads it.
+    engine: str | None = None
 
     @classmethod
     def for_request(cls, cache_salt: str | None, retain_s: float | None, ttl_s: float | None,
@@ -323,15 +326,26 @@ class RetentionBook:
         used = account.used_bytes if account is not None else 0
         return used + size_bytes > self._quota_bytes
 
-    def own_victim(self, tenant: str | None) -> ChunkKey | None:
-        """The tenant's least recently used unpinned chunk, counted as a quota eviction (the
-        tier evicts it and calls `forget`), or None when it has none."""
+    def own_victim(self, tenant: str | None,
+                   evictable: Callable[[ChunkKey], bool] | None = None) -> ChunkKey | None:
+        """The tenant's least recently used unpinned chunk (that `evictable` allows: pins
+        another book keeps), counted as a quota eviction (the tier evicts it and calls
+        `forget`), or None when it has none."""
         account = self._tenants.get(tenant)
-        if account is None or not account.order:
+        if account is None:
             return None
-        key = next(iter(account.order))
-        self.quota_evictions += 1
+        key = next((k for k in account.order if evictable is None or evictable(k)), None)
+        if key is not None:
+            self.quota_evictions += 1
         return key
+
+    def usage(self) -> dict[str | None, tuple[int, int, int]]:
+        """Each tenant's (used bytes, chunks, evictions), by its own name: for books whose
+        tenants are not secret (a node's engines), unlike `stats`' labels."""
+        usage = {tenant: (0, 0, evictions) for tenant, evictions in self._gone.items()}
+        usage.update({tenant: (a.used_bytes, a.chunks, a.evictions)
+                      for tenant, a in self._tenants.items()})
+        return usage
 
     def is_expired(self, key: ChunkKey) -> bool:
         """Whether a resident chunk's expiry has passed (a miss; the tier reclaims it)."""

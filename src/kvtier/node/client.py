@@ -74,12 +74,16 @@ class NodeClient:
     the slab of the node's current generation mapped once. Thread-safe."""
 
     def __init__(self, socket_path: str, layout: KVLayout, info: NamespaceInfo, *,
-                 timeout_s: float = 1.0, retry_s: float = RETRY_S) -> None:
+                 timeout_s: float = 1.0, retry_s: float = RETRY_S,
+                 engine: str | None = None) -> None:
+        """`engine`: who is asking, as the node's status and its `engine_quota` know this
+        engine (default host:pid: one engine process, whatever its threads)."""
         self.socket_path = socket_path
         self.timeout_s = timeout_s
         self.retry_s = retry_s
         self._hello = Hello(dataclasses.asdict(layout), info.model, info.fingerprint,
-                            info.weight_files, f"{socket.gethostname()}:{os.getpid()}")
+                            info.weight_files,
+                            engine or f"{socket.gethostname()}:{os.getpid()}")
         self._local = threading.local()
         self._lock = threading.Lock()
         self._down_until = 0.0

@@ -8,6 +8,9 @@ name starts with `kvtier_node_` (an engine's own are `vllm:kvtier_*`, on vLLM's 
     the node names its slabs; `tier`; `model`: the model of the layout's first engine): the
     tier's counters (`TIER_COUNTERS`, `kvtier_node_tier_<name>_total`) and gauges
     (`TIER_GAUGES`, `kvtier_node_tier_<name>`);
+  - per layout and engine, with the RAM tier's `engine_quota` (labels `layout`, `model`,
+    `engine`: host:pid): `ENGINE_GAUGES` (`kvtier_node_engine_<name>`) and its chunks evicted
+    (`kvtier_node_engine_evictions_total`);
   - the node's (label `node`, its name): `NODE_GAUGES` and its `NodeServer.counters`
     (`kvtier_node_<name>_total`), and `kvtier_node_info` (1, with the node's generation).
 
@@ -51,6 +54,13 @@ TIER_GAUGES: dict[str, str] = {
     "chunks": "Chunks the tier holds",
     "used_bytes": "Bytes the tier holds (as stored, headers included)",
     "capacity_bytes": "The tier's bound in bytes",
+}
+# The layout's `engines` (status) field -> help; kvtier_node_engine_<field>.
+ENGINE_LABELS = ("layout", "model", "engine")
+ENGINE_GAUGES: dict[str, str] = {
+    "used_bytes": "Bytes of the node's RAM tier holding chunks this engine stored",
+    "chunks": "Chunks this engine stored that the node's RAM tier holds",
+    "quota_bytes": "The engine's limit in the node's RAM tier (engine_quota)",
 }
 # status() key -> help; kvtier_node_<key> (engines and layouts: the length of their list/map).
 NODE_GAUGES: dict[str, str] = {
@@ -110,6 +120,25 @@ class NodeCollector(Collector):
             for labels, tier in rows:
                 gauge.add_metric(labels, tier[name])
             yield gauge
+        yield from _engine_metrics(status)
+
+
+def _engine_metrics(status: dict[str, Any]) -> Iterator[Metric]:
+    """Each engine's part of each layout's RAM tier (empty without `engine_quota`)."""
+    rows = [([digest[:16], layout["model"], engine], usage)
+            for digest, layout in status["layouts"].items()
+            for engine, usage in layout.get("engines", {}).items()]
+    for name, text in ENGINE_GAUGES.items():
+        gauge = GaugeMetricFamily(f"{PREFIX}engine_{name}", text, labels=ENGINE_LABELS)
+        for labels, usage in rows:
+            gauge.add_metric(labels, usage[name])
+        yield gauge
+    counter = CounterMetricFamily(f"{PREFIX}engine_evictions",
+                                  "This engine's chunks evicted from the node's RAM tier (by "
+                                  "its quota or the tier's policy)", labels=ENGINE_LABELS)
+    for labels, usage in rows:
+        counter.add_metric(labels, usage["evictions"])
+    yield counter
 
 
 class _Quiet(WSGIRequestHandler):

@@ -17,6 +17,7 @@ Primitives: `NodeServer`, `NodeConfig`, `NodeCounters`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import mmap
@@ -201,6 +202,7 @@ class NodeServer:
             "layouts": {digest: {
                 "model": layout.model, "shm_path": layout.welcome.shm_path,
                 "chunk_bytes": layout.welcome.chunk_bytes,
+                "engines": layout.memory.engine_usage(),
                 "tiers": [s.as_dict() for s in layout.store.stats().tiers]}
                 for digest, layout in layouts.items()},
         }
@@ -284,12 +286,16 @@ class NodeServer:
     def reserve(self, owner: int, layout: _Layout, request: Reserve, spare: memoryview
                 ) -> Reserved:
         """A RAM slot per key for the engine to fill, or HELD (stored already: the pin and
-        expiry of its meta applied) or SKIPPED (no slot: declined, full)."""
+        expiry of its meta applied) or SKIPPED (no slot: declined, full, the engine at its
+        `engine_quota` with every chunk of its own pinned). Each chunk is the engine's
+        (`ChunkMeta.engine`: its quota's)."""
         offsets: list[int] = []
         puts = _Puts([], 0)
+        engine = self._engine_of(owner)
         try:
             for key, meta in zip(request.keys, request.metas):
-                block = layout.store.putting(ChunkKey(key), spare, meta.chunk_meta())
+                chunk_meta = dataclasses.replace(meta.chunk_meta(), engine=engine)
+                block = layout.store.putting(ChunkKey(key), spare, chunk_meta)
                 put = block.__enter__()
                 offset = None if put.data is None or not put.in_place \
                     else layout.memory.offset_of(put.data)
@@ -353,6 +359,10 @@ class NodeServer:
             lease = next(self._lease_ids)
             self._leases[lease] = (owner, held)
             return lease
+
+    def _engine_of(self, owner: int) -> str | None:
+        with self._lock:
+            return self._connections.get(owner)
 
     def connected(self, owner: int, engine: str) -> None:
         with self._lock:

@@ -17,6 +17,10 @@ recently used chunk to make room, so one tenant's flood cannot push another's wa
 pinned chunks are left out of the eviction policy until their pin ends (pinned bytes bounded
 by `max_pinned_share`); an expired chunk is a miss and its slot is reclaimed (`ttl_s`, or
 the request's own).
+
+In a kvtier node, several engines store into one memory tier: with `engine_quota`, an engine
+at its limit evicts its own least recently used chunk (`ChunkMeta.engine`: the node sets it),
+so one engine's flood of new prompts cannot push its neighbours' warm sets out.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import logging
 import mmap
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,7 +42,7 @@ from kvtier.core.chunkformat import ALIGN_BYTES
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.policies import AdmissionFilter, Generations, make_policy
-from kvtier.core.retention import DEFAULT_META, ChunkMeta, RetentionStats
+from kvtier.core.retention import DEFAULT_META, ChunkMeta, RetentionBook, RetentionStats
 from kvtier.core.tier import (
     DECLINED,
     FULL,
@@ -51,7 +56,12 @@ from kvtier.core.tier import (
     TierStats,
 )
 from kvtier.tiers.prefault import prefault_in_background
-from kvtier.tiers.retention import RetentionTierSettings, book_problems, build_book
+from kvtier.tiers.retention import (
+    RetentionTierSettings,
+    TenantQuotaSettings,
+    book_problems,
+    build_book,
+)
 from kvtier.tiers.shmslab import SharedSlab
 
 log = logging.getLogger(__name__)
@@ -69,6 +79,11 @@ class MemoryTierConfig(RetentionTierSettings):
     # that other processes map: `kvtier node` sets it for its engines (kvtier.node). None:
     # the slab is this process's own memory.
     shared_memory: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]{1,200}$")
+    # In a kvtier node: what one engine's stores may hold of the tier, e.g. {"share": 0.5}
+    # or {"cap": "8GiB"}; an engine at its limit evicts its own least recently used chunks
+    # first (a chunk any engine reads is recent for the engine that stored it). None: no
+    # limit. In process the engine is the tier's only writer (the connector refuses it).
+    engine_quota: TenantQuotaSettings | None = None
 
 
 class _Slot:
@@ -138,6 +153,16 @@ class MemoryTier:
         # Tenants, pins and expiry of the chunks held (kvtier.core.retention). The policy
         # holds unpinned chunks only: a pinned one re-enters it when its pin ends.
         self._book = build_book(config, self.num_slots * self.slot_bytes, clock)
+        # Each node engine's chunks (`engine_quota`): tenants are engines here, pins are the
+        # tenants' book's. None: no engine quota.
+        self._engines = self._engine_book(clock)
+        self._reserving: Counter[str] = Counter()  # engine -> its slots reserved, not stored
+
+    def _engine_book(self, clock: Callable[[], float]) -> RetentionBook | None:
+        quota = self._config.engine_quota
+        return None if quota is None else RetentionBook(
+            self.num_slots * self.slot_bytes, quota=quota.quota(), max_pinned_share=0.0,
+            clock=clock)
 
     def _allocate(self, size_bytes: int, pin: str) -> np.ndarray:
         if pin != "off":
@@ -182,8 +207,7 @@ class MemoryTier:
             index = self._held(key)
             if index is not None:
                 np.copyto(np.frombuffer(out, dtype=np.uint8), self.slot(index))
-                self._policy.touch(key)
-                self._book.touch(key)
+                self._touch(key)
         if index is None:
             self._counters.add(misses=1)
             return MISSING
@@ -201,8 +225,7 @@ class MemoryTier:
             index = self._held(key)
             if index is not None:
                 self._pins[index] = self._pins.get(index, 0) + 1
-                self._policy.touch(key)
-                self._book.touch(key)
+                self._touch(key)
         if index is None:
             self._counters.add(misses=1)
             yield None
@@ -213,6 +236,14 @@ class MemoryTier:
             self._unpin(index)
             self._counters.add(hits=1, bytes_read=self.chunk_bytes,
                                read_s=time.perf_counter() - start)
+
+    def _touch(self, key: ChunkKey) -> None:
+        """A held chunk was read: recent for the policy and its tenant's and engine's
+        quotas. Lock held."""
+        self._policy.touch(key)
+        self._book.touch(key)
+        if self._engines is not None:
+            self._engines.touch(key)
 
     def _unpin(self, index: int) -> None:
         with self._lock:
@@ -262,9 +293,11 @@ class MemoryTier:
         start = time.perf_counter()
         with self._lock:
             held = self._held(key) is not None
-            index = None if held else self._take_slot(meta.tenant)
+            index = None if held else self._take_slot(meta)
             if index is not None:
                 self._pins[index] = 1  # in neither the index nor the free list: ours alone
+                if self._engines is not None and meta.engine is not None:
+                    self._reserving[meta.engine] += 1
                 if self._shared is not None:
                     self._shared.clear(index)  # about to be written
         if index is None:
@@ -287,6 +320,7 @@ class MemoryTier:
             if not committed:
                 with self._lock:
                     self._orphans.add(index)  # freed by the unpin below
+                    self._reserved_done(meta)
             self._unpin(index)
 
     def _commit(self, key: ChunkKey, index: int, start: float, meta: ChunkMeta) -> None:
@@ -294,6 +328,7 @@ class MemoryTier:
         checksum = None if self._shared is None \
             else self._shared.checksum(self.slot(index).data)
         with self._lock:
+            self._reserved_done(meta)
             if key in self._index:  # another writer stored it meanwhile: this slot is spare
                 self._orphans.add(index)
                 return
@@ -303,25 +338,49 @@ class MemoryTier:
             if not self._book.records(meta) \
                     or not self._book.record(key, meta, self.slot_bytes):
                 self._policy.insert(key, meta.parent)  # pinned chunks stay out of the policy
+            if self._engines is not None and meta.engine is not None:
+                self._engines.record(key, ChunkMeta(meta.engine), self.slot_bytes)
             self.events.stored(key)
             held = len(self._index)
         self._counters.add(puts=1, bytes_written=self.chunk_bytes,
                            write_s=time.perf_counter() - start)
         self._counters.set(chunks=held, used_bytes=held * self.slot_bytes)
 
-    def _take_slot(self, tenant: str | None) -> int | None:
-        """A free slot for a chunk of `tenant`: one of its own chunks when it is at its quota
-        (None when all of them are pinned), else a free one, else one evicted by policy
-        (never a pinned chunk). Caller holds the lock."""
+    def _take_slot(self, meta: ChunkMeta) -> int | None:
+        """A free slot for a chunk stored with `meta`: one of its engine's own chunks when
+        that engine is at its quota, or one of its tenant's own when the tenant is at its
+        quota (None when all of them are pinned), else a free one, else one evicted by
+        policy (never a pinned chunk). Caller holds the lock."""
         self._reap()
-        if self._book.over_quota(tenant, self.slot_bytes):
-            victim = self._book.own_victim(tenant)
+        if self._engines is not None and meta.engine is not None and self._engines.over_quota(
+                meta.engine, self.slot_bytes * (1 + self._reserving[meta.engine])):
+            victim = self._engines.own_victim(meta.engine,
+                                              lambda key: not self._book.is_pinned(key))
             if victim is None:
                 return None
-            self._policy.remove(victim)
-            index = self._evict(victim)
-            if index is not None:
-                return index
+            return self._evict_own(victim)
+        if self._book.over_quota(meta.tenant, self.slot_bytes):
+            victim = self._book.own_victim(meta.tenant)
+            if victim is None:
+                return None
+            return self._evict_own(victim)
+        return self._free_or_evicted()
+
+    def _reserved_done(self, meta: ChunkMeta) -> None:
+        """A slot reserved for `meta.engine` was filled or given back. Lock held."""
+        if self._engines is not None and meta.engine is not None:
+            self._reserving[meta.engine] -= 1
+            if self._reserving[meta.engine] <= 0:
+                del self._reserving[meta.engine]
+
+    def _evict_own(self, victim: ChunkKey) -> int | None:
+        """The slot of a quota's own victim, or (the victim is being read) any slot."""
+        self._policy.remove(victim)
+        index = self._evict(victim)
+        return index if index is not None else self._free_or_evicted()
+
+    def _free_or_evicted(self) -> int | None:
+        """A free slot, else one evicted by policy; None when every chunk is pinned."""
         if self._free:
             return self._free.pop()
         while (victim := self._policy.evict()) is not None:
@@ -336,6 +395,8 @@ class MemoryTier:
         self._counters.add(evictions=1)
         self.events.removed(victim)
         self._book.forget(victim, evicted=True)
+        if self._engines is not None:
+            self._engines.forget(victim, evicted=True)
         index = self._index.pop(victim)
         if self._shared is not None:
             self._shared.clear(index)
@@ -352,6 +413,8 @@ class MemoryTier:
             self._shared.clear(index)
         self._policy.remove(key)
         self._book.forget(key)
+        if self._engines is not None:
+            self._engines.forget(key)
         if index in self._pins:
             self._orphans.add(index)
         else:
@@ -419,6 +482,18 @@ class MemoryTier:
             self._reap()
             return self._book.stats()
 
+    def engine_usage(self) -> dict[str, dict[str, int]]:
+        """Per engine that stored chunks through a node (`engine_quota`; else empty): the
+        bytes and chunks it holds now, its chunks evicted so far, and its quota's limit."""
+        if self._engines is None or self._config.engine_quota is None:
+            return {}
+        limit = self._config.engine_quota.quota().limit_bytes(self.num_slots * self.slot_bytes)
+        with self._lock:
+            usage = self._engines.usage()
+        return {str(engine): {"used_bytes": used, "chunks": chunks, "evictions": evictions,
+                              "quota_bytes": limit}
+                for engine, (used, chunks, evictions) in usage.items()}
+
     def delete(self, key: ChunkKey) -> bool:
         with self._lock:
             if key not in self._index:
@@ -451,5 +526,6 @@ class MemoryTier:
             self._index.clear()
             self._book = build_book(self._config, self.num_slots * self.slot_bytes,
                                     self._book.clock)
+            self._engines = self._engine_book(self._book.clock)
             self._orphans = set(self._pins)
             self._free = [i for i in range(self.num_slots - 1, -1, -1) if i not in self._pins]

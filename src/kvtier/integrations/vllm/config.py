@@ -132,8 +132,14 @@ class ConnectorConfig:
             elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{where}.{name}", value, "a positive integer")
         extra.setdefault("tiers", [dict(t) for t in DEFAULT_TIERS])
-        return cls(store=StoreConfig.parse(extra, where=where),
-                   tokens_per_chunk_set="tokens_per_chunk" in values, **values)
+        store = StoreConfig.parse(extra, where=where)
+        for i, tier in enumerate(store.tiers):
+            quota = getattr(tier, "engine_quota", None)
+            if quota is not None:
+                raise ConfigError(f"{where}.tiers[{i}].engine_quota", quota.model_dump(exclude_none=True),
+                                  "none in an engine: it limits each engine of a kvtier node "
+                                  "(the node's own config, kvtier node serve --config)")
+        return cls(store=store, tokens_per_chunk_set="tokens_per_chunk" in values, **values)
 
     def load_when_for(self, kv_role: str | None) -> str:
         """load_when on an engine of vLLM's `kv_role`: as set, or else "always" on a
