@@ -67,7 +67,7 @@ NOBODY_LISTENS = "http://127.0.0.1:9"  # the discard port
 # A working command line per command (its required arguments, and what keeps it short:
 # `serve --dry-run`, `gc --dry-run`, five simulated requests). A command not listed gets none.
 BASE_OPTIONS: dict[tuple[str, ...], list[str]] = {
-    ("plan",): ["--vllm-version=0.21.0"],
+    ("plan",): ["--vllm-version=0.21.0", "--node-engines=2"],  # the --node-* options too
     ("simulate",): ["--requests=5", "--json"],
     ("inspect",): [f"--config={STORE}"],
     ("gc",): [f"--config={STORE}", "--dry-run"],

@@ -16,7 +16,7 @@ still hash to its checksum (a torn or scribbled slot is dropped, counted), to be
 new slab, and the old file is removed. The file's pages are allocated when it is created
 (posix_fallocate): charged to the node, never to the engine that first writes a slot.
 
-Primitives: `SharedSlab`, `SHM_DIR`.
+Primitives: `SharedSlab`, `SHM_DIR`, `slab_file_bytes`.
 """
 
 from __future__ import annotations
@@ -42,7 +42,9 @@ _FOOTER = struct.Struct("<8sQQQ32x")  # magic, slot_bytes, num_slots, chunk_byte
 _MAGIC = b"KVTSLAB1"
 
 
-def _file_bytes(slot_bytes: int, num_slots: int) -> int:
+def slab_file_bytes(slot_bytes: int, num_slots: int) -> int:
+    """The size of a slab's file: its slots, a record per slot and the footer (what it
+    takes in /dev/shm; `kvtier plan --node-engines` sizes a node's /dev/shm with it)."""
     return num_slots * (slot_bytes + _RECORD.itemsize) + _FOOTER.size
 
 
@@ -63,7 +65,7 @@ class SharedSlab:
             os.replace(self.path, old)
             self.old = old
         self.slot_bytes, self.num_slots, self.chunk_bytes = slot_bytes, num_slots, chunk_bytes
-        size = _file_bytes(slot_bytes, num_slots)
+        size = slab_file_bytes(slot_bytes, num_slots)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                      0o660)
         try:
@@ -130,7 +132,7 @@ class SharedSlab:
                       ) -> Iterator[tuple[ChunkKey, memoryview]]:
         magic, slot_bytes, num_slots, chunk_bytes = _FOOTER.unpack(old[size - _FOOTER.size:])
         if magic != _MAGIC or (slot_bytes, chunk_bytes) != (self.slot_bytes, self.chunk_bytes) \
-                or _file_bytes(slot_bytes, num_slots) != size:
+                or slab_file_bytes(slot_bytes, num_slots) != size:
             log.warning("%s: not a slab of this layout (%r, %d B slots); not recovered",
                         path, magic, slot_bytes)
             return

@@ -1,12 +1,14 @@
 """`kvtier plan`: size the KV tiers for a model on a machine and print the serve flags, and
 the router weights a hit on each tier is worth (llm-d, NVIDIA Dynamo: restorecost.py), from
-the plan's cost model and, with `--metrics URL`, from a running server's measured costs."""
+the plan's cost model and, with `--metrics URL`, from a running server's measured costs;
+with `--node-engines N`, one `kvtier node` for N engines of the model (nodeplan.py)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import shutil
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,8 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtier.errors import ConfigError
+from kvtier.node.cli import DEFAULT_SOCKET
+from kvtier.tiers.shmslab import SHM_DIR
 from kvtier.tools.cli.argtypes import (
     fraction,
     non_negative_int,
@@ -28,6 +32,7 @@ from kvtier.tools.ops.attention_kernels import BackendChoice, choose_backend, de
 from kvtier.tools.ops.flags import sglang_per_rank_to_vllm_total
 from kvtier.tools.ops.hardware import gpu_profile
 from kvtier.tools.ops.modelspec import load_model_spec
+from kvtier.tools.ops.nodeplan import MAX_LAYOUTS, NodePlan
 from kvtier.tools.ops.plan_request import PlanRequest
 from kvtier.tools.ops.restorecost import (
     WEIGHT_FORMULA,
@@ -84,6 +89,17 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--tokens-per-chunk", type=positive_int, metavar="N",
                    help="kvtier's tokens_per_chunk for a model with state layers (a multiple of "
                         "vLLM's block size; default: --store-config's, else kvtier's pick)")
+    p.add_argument("--node-engines", type=positive_int, metavar="N",
+                   help="N engines of this model (each --tp ranks) on one node: size one "
+                        "`kvtier node` for them (its RAM tier in /dev/shm, the prefixes it "
+                        "holds against N private tiers, its commands); --host-ram is then "
+                        "the node's")
+    p.add_argument("--node-socket", type=path_text, metavar="PATH",
+                   help=f"the node's socket in the commands (default {DEFAULT_SOCKET}; "
+                        "with --node-engines)")
+    p.add_argument("--node-shm", metavar="SIZE",
+                   help="the node's /dev/shm, e.g. 768GiB (default: half its RAM, a tmpfs's "
+                        "default; with --node-engines)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
 
@@ -105,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
         nvme_path=args.nvme_path, nvme_gen=args.nvme_gen, pcie_gen=args.pcie_gen,
         context_tokens=args.context, concurrency=args.concurrency, kv_dtype=args.kv_dtype,
         vllm_version=version, cpu_tier_bytes=cpu_tier,
-        tokens_per_chunk=args.tokens_per_chunk or _store_tokens_per_chunk(args.store_config))
+        tokens_per_chunk=args.tokens_per_chunk or _store_tokens_per_chunk(args.store_config),
+        **_node_request(args))
     plan = make_plan(req)
     weights = router_weights(plan, args.metrics, args.store_config)
     if args.json:
@@ -137,6 +154,29 @@ def router_weights(plan: Plan, metrics_url: str | None = None,
             store = load_store(store_config)
         rows += read_measured(metrics_url, store)[1]
     return tuple(rows)
+
+
+def _node_request(args: argparse.Namespace) -> dict[str, Any]:
+    """PlanRequest's node fields from --node-*; this machine's /dev/shm measured.
+
+    Raises:
+        ConfigError: naming --node-socket or --node-shm given without --node-engines, or a
+            --node-shm that is not a size > 0.
+    """
+    if not args.node_engines:
+        for option, value in (("--node-socket", args.node_socket),
+                              ("--node-shm", args.node_shm)):
+            if value is not None:
+                raise ConfigError(option, value, "only with --node-engines N")
+        return {}
+    shm = 0
+    if args.node_shm is not None:
+        shm = parse_size(args.node_shm, "--node-shm")
+        if shm <= 0:
+            raise ConfigError("--node-shm", args.node_shm, "a size > 0 (the node's /dev/shm)")
+    local = shutil.disk_usage(SHM_DIR).total if SHM_DIR.is_dir() else None
+    return {"node_engines": args.node_engines, "node_socket": args.node_socket or DEFAULT_SOCKET,
+            "node_shm_bytes": shm, "local_shm_bytes": local}
 
 
 def _store_tokens_per_chunk(path: str | None) -> int | None:
@@ -198,7 +238,31 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "alternatives": [_alternative_dict(a) for a in plan.alternatives],
         "assumptions": list(plan.assumptions),
         "notes": list(plan.notes),
-    } | ({} if plan.chunks is None else {"state_chunks": _chunks_dict(plan)})
+    } | ({} if plan.chunks is None else {"state_chunks": _chunks_dict(plan)}) | (
+        {} if plan.node is None else {"node": _node_dict(plan.node)})
+
+
+def _node_dict(node: NodePlan) -> dict[str, Any]:
+    """The node's sizing (bytes; `gain`: pooled / private unique tokens, an upper bound)."""
+    return {"engines": node.engines, "layouts": node.layouts, "max_layouts": MAX_LAYOUTS,
+            "gpus": node.gpus, "host_ram_bytes": node.host_ram_bytes,
+            "private_tier_bytes": node.private_tier_bytes,
+            "slab_capacity_bytes": node.slab_capacity_bytes,
+            "ram_tier_bytes": node.ram_tier_bytes, "tokens_per_chunk": node.tokens_per_chunk,
+            "chunk_bytes_per_rank": node.chunk_bytes, "slot_bytes": node.slot_bytes,
+            "slab_file_bytes": node.slab_file_bytes, "shm_bytes": node.shm_bytes,
+            "shm_restart_bytes": node.shm_restart_bytes,
+            "node_shm_bytes": node.shm_bytes_wanted, "node_shm_given": node.shm_bytes_given,
+            "local_shm_bytes": node.local_shm_bytes, "pod_memory_bytes": node.pod_memory_bytes,
+            "pooled_tokens": node.pooled_tokens, "private_tokens": node.private_tokens,
+            "pooled_sessions": node.pooled_sessions,
+            "private_sessions": node.private_sessions,
+            "gain_upper_bound": None if math.isinf(node.gain) else node.gain,
+            "socket": node.socket_path, "node_config": node.node_config,
+            "node_command": node.node_command,
+            "engine_kv_transfer_config": node.engine_transfer_config,
+            "engine_command": node.engine_command or None, "refused": node.refused,
+            "notes": list(node.notes)}
 
 
 def _chunks_dict(plan: Plan) -> dict[str, Any]:
@@ -300,6 +364,8 @@ def _print(plan: Plan) -> None:
                       link)
     console.print(tiers)
     _print_alternatives(console, plan)
+    if plan.node is not None:
+        _print_node(console, plan.node, plan.context_tokens)
 
 
 def _chunk_rows(plan: Plan) -> list[tuple[str, str]]:
@@ -343,4 +409,49 @@ def _print_alternatives(console: Console, plan: Plan) -> None:
     for line in plan.assumptions:
         console.print(f"[cyan]assumed[/cyan]: {line}")
     for note in plan.notes:
+        console.print(f"[yellow]note[/yellow]: {note}")
+
+
+def _print_node(console: Console, node: NodePlan, ctx: int) -> None:
+    table = Table(title=f"kvtier node: {node.engines} engine(s) x TP {node.layouts} on one "
+                  "node", show_header=False)
+    share = node.ram_tier_bytes / node.host_ram_bytes
+    shm = (f"{format_size(node.shm_bytes)} ({node.layouts} slab(s) of "
+           f"{format_size(node.slab_file_bytes)}: {node.slab_capacity_bytes // node.slot_bytes:,}"
+           f" slots of {format_size(node.slot_bytes)} and their records); the node's /dev/shm "
+           f"{format_size(node.shm_bytes_wanted)} "
+           f"({'given' if node.shm_bytes_given else 'half its RAM, assumed'}); a warm restart "
+           f"needs {format_size(node.shm_restart_bytes)}")
+    if node.local_shm_bytes is not None:
+        shm += f"; this machine's {SHM_DIR}: {format_size(node.local_shm_bytes)}"
+    gain = "-" if math.isinf(node.gain) else f"{node.gain:.1f}x"
+    rows = [
+        ("engines", f"{node.engines} x TP {node.layouts} = {node.gpus} GPUs; {node.layouts} KV "
+         f"layout(s), one per TP rank (a node holds at most {MAX_LAYOUTS})"),
+        ("RAM tier", f"{format_size(node.ram_tier_bytes)} = {node.engines} x "
+         f"{format_size(node.private_tier_bytes)} (each engine's private CPU tier), pooled: "
+         f"{format_size(node.slab_capacity_bytes)} per layout (node.yaml's memory capacity)"),
+        ("/dev/shm", shm),
+        ("host RAM", f"the slabs take {format_size(node.shm_bytes)} of the node's "
+         f"{format_size(node.host_ram_bytes)} ({share:.0%})"),
+        ("unique prefixes", f"pooled: {node.pooled_tokens:,} tokens ({node.pooled_sessions:,} "
+         f"sessions of {ctx:,}), any engine hits any; private: {node.private_tokens:,} tokens "
+         f"({node.private_sessions:,} sessions) per engine. Up to {gain} the unique tokens, "
+         "when every engine sees the same prefixes (each private tier holds its own copy); "
+         "about 1x when none is shared. Simulated on Mooncake's trace: 1.5x (2 engines) to "
+         "2.6x (8): kvtier simulate --trace T --engines N"),
+        ("Kubernetes", "deploy/kubernetes-node: node.yaml in kvtier-node-config.yaml; "
+         f"kvtier-node.yaml's memory request and limit {math.ceil(node.pod_memory_bytes / _GIB)}Gi"
+         " (the slabs are charged to the node's pod, + 16Gi for its own work); the slabs live "
+         "in the host's /dev/shm (a hostPath, no sizeLimit), which must hold them"),
+    ]
+    for key, value in rows:
+        table.add_row(key, value)
+    console.print(table)
+    console.print("[bold]the node[/bold] (node.yaml, then its command; each engine's command):")
+    print(f"     {json.dumps(node.node_config)}")  # plain print: copy-pasteable
+    print(f"     {node.node_command}")
+    if node.engine_command:
+        print(f"     {node.engine_command}")
+    for note in node.notes:
         console.print(f"[yellow]note[/yellow]: {note}")

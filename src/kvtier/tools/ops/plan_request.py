@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvtier.node.cli import DEFAULT_SOCKET
 from kvtier.tools.ops.hardware import GpuProfile
 from kvtier.tools.ops.modelspec import ModelSpec
 from kvtier.tools.ops.vllm_versions import Version
@@ -35,3 +36,10 @@ class PlanRequest:
     cpu_tier_bytes: int | None = None  # force the CPU tier size (total across ranks)
     model_ref: str = "<model>"  # what `vllm serve` is given: a hub id or the model's folder
     tokens_per_chunk: int | None = None  # kvtier's tokens_per_chunk; None: the connector picks
+    # Engines of this model on one node sharing one `kvtier node` (each with `tp` ranks): the
+    # node's RAM and its KV share are theirs together; 0: one engine, no node sizing.
+    node_engines: int = 0
+    node_socket: str = DEFAULT_SOCKET  # the node's socket in the printed commands
+    node_shm_bytes: int = 0  # the node's /dev/shm; 0 = assume half its RAM (a tmpfs's default)
+    # This machine's /dev/shm, measured by the CLI (the node may run here); None: unknown.
+    local_shm_bytes: int | None = None

@@ -10,7 +10,9 @@ for each way to serve (vLLM alone, vLLM native offload, kvtier, LMCache): whethe
 the model on this vLLM version, whether vLLM's hybrid KV cache manager stays on with it (which
 decides what one session costs on hybrid models), live and warm sessions, load time vs
 re-prefill, and the complete `vllm serve` command (kvtier.tools.ops.alternatives). For a
-model with state layers, kvtier's chunk size and bytes per chunk (chunkplan.py).
+model with state layers, kvtier's chunk size and bytes per chunk (chunkplan.py). With
+`node_engines`, the host's RAM is that many engines' (each in-process tier gets its share) and
+one `kvtier node` pools their tiers (nodeplan.py).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from kvtier.tools.ops.chunkplan import ChunkPlan, plan_chunks
 from kvtier.tools.ops.costmodel import prefill_seconds
 from kvtier.tools.ops.flags import DISABLE_HMA, gib_number
 from kvtier.tools.ops.modelspec import ModelSpec, kv_dtype_bytes
+from kvtier.tools.ops.nodeplan import NodePlan, plan_node
 from kvtier.tools.ops.plan_request import PlanRequest
 from kvtier.units import format_size
 
@@ -80,6 +83,7 @@ class Plan:
     assumptions: tuple[str, ...] = ()  # defaults the figures rest on, to check
     notes: tuple[str, ...] = field(default=())  # warnings and advice, most important first
     chunks: ChunkPlan | None = None  # kvtier's chunks of a model with state layers
+    node: NodePlan | None = None  # one kvtier node for request.node_engines engines
 
     def alternative(self, name: str) -> Alternative:
         """The alternative called `name` ("none", "native", "kvtier", "lmcache").
@@ -113,10 +117,12 @@ def make_plan(req: PlanRequest) -> Plan:
     kv_gpu = max(0, int(req.gpu.hbm_bytes * req.gpu_memory_utilization)
                  - weights_gpu - RUNTIME_RESERVE_BYTES)
     reprefill = prefill_seconds(spec, ctx, req.gpu, tp)
-    host_ram = req.host_ram_bytes or DEFAULT_HOST_RAM_PER_GPU * tp
+    engines = max(1, req.node_engines)
+    host_ram = req.host_ram_bytes or DEFAULT_HOST_RAM_PER_GPU * tp * engines
+    engine_ram = host_ram // engines  # what one engine's tiers may take of the host's RAM
     wanted = req.cpu_tier_bytes if req.cpu_tier_bytes is not None else int(
-        host_ram * req.host_kv_fraction)
-    cpu_bytes = min(wanted, int(host_ram * MAX_HOST_KV_FRACTION))
+        engine_ram * req.host_kv_fraction)
+    cpu_bytes = min(wanted, int(engine_ram * MAX_HOST_KV_FRACTION))
     cpu_gib = float(gib_number(cpu_bytes / _GIB))
     nvme_total = DEFAULT_NVME_BYTES if req.nvme_bytes is None else req.nvme_bytes
     nvme_gib = float(gib_number(nvme_total * NVME_USABLE_FRACTION / _GIB))
@@ -140,7 +146,10 @@ def make_plan(req: PlanRequest) -> Plan:
                              int(nvme_gib * _GIB), reprefill),
         cpu_offload_gib=cpu_gib, cpu_tier_wanted_bytes=wanted, host_ram_bytes=host_ram,
         nvme_gib=nvme_gib, serve_flags=tuple(flags), alternatives=alts,
-        assumptions=tuple(_assumptions(req, ctx, host_ram, nvme_gib)), chunks=chunks)
+        assumptions=tuple(_assumptions(req, ctx, host_ram, nvme_gib)), chunks=chunks,
+        node=None if not req.node_engines else plan_node(
+            req, ctx, host_ram, cpu_gib, nvme_gib, next(a for a in alts if a.name == "kvtier"),
+            tuple(flags), chunks))
     return _with_notes(plan, kv_gpu)
 
 
@@ -157,6 +166,18 @@ def _validate(req: PlanRequest) -> None:
         raise ConfigError("concurrency", req.concurrency, "an integer >= 1")
     kv_dtype_bytes(req.kv_dtype)
     _validate_tp(req.model, req.tp)
+    _validate_node(req)
+
+
+def _validate_node(req: PlanRequest) -> None:
+    if req.node_engines < 0:
+        raise ConfigError("--node-engines", req.node_engines,
+                          "an integer >= 1: engines of this model on one node (0 = no node)")
+    if req.node_shm_bytes < 0:
+        raise ConfigError("--node-shm", req.node_shm_bytes, "a size > 0 (the node's /dev/shm)")
+    if req.node_engines and not req.node_socket.startswith("/"):
+        raise ConfigError("--node-socket", req.node_socket,
+                          "an absolute path (the engines' `node` key takes no other)")
 
 
 def _tp_splits(spec: ModelSpec, tp: int) -> bool:
@@ -186,8 +207,13 @@ def _assumptions(req: PlanRequest, ctx: int, host_ram: int, nvme_gib: float) -> 
                    "(shapes, torch_dtype, quantization_config); pass --params with the real "
                    "count")
     if not req.host_ram_bytes:
+        gpus = "" if not req.node_engines else (
+            f" x {req.node_engines} engines x TP {req.tp}")
         out.append(f"host RAM {_gib_text(host_ram)} ({_gib_text(DEFAULT_HOST_RAM_PER_GPU)} "
-                   "per GPU, DGX-like); pass --host-ram")
+                   f"per GPU{gpus}, DGX-like); pass --host-ram")
+    if req.node_engines and not req.node_shm_bytes:
+        out.append(f"the node's /dev/shm is {_gib_text(host_ram // 2)}, half its RAM (a "
+                   "tmpfs's default); pass --node-shm")
     if req.nvme_bytes is None:
         out.append(f"a {DEFAULT_NVME_BYTES / 1e12:g} TB NVMe drive at {req.nvme_path}, "
                    f"{NVME_USABLE_FRACTION:.0%} of it ({nvme_gib:g} GiB) for the disk tier; "
@@ -207,10 +233,13 @@ def _with_notes(plan: Plan, kv_gpu: int) -> Plan:
 def _notes(plan: Plan, kv_gpu: int) -> list[str]:
     req, ctx, spec, notes = plan.request, plan.context_tokens, plan.request.model, []
     if plan.host_ram_exceeded:
+        engines = max(1, req.node_engines)
+        share = "" if engines == 1 else f" (one engine's share: 1/{engines})"
         notes.append(f"the CPU tier asked for ({_gib_text(plan.cpu_tier_wanted_bytes)}) is "
                      f"more than the host can give: {MAX_HOST_KV_FRACTION:.0%} of its "
-                     f"{_gib_text(plan.host_ram_bytes)} RAM is {_gib_text(plan.cpu_tier_bytes)};"
-                     " the commands use that (pass --host-ram if the host has more)")
+                     f"{_gib_text(plan.host_ram_bytes // engines)} RAM{share} is "
+                     f"{_gib_text(plan.cpu_tier_bytes)}; the commands use that (pass "
+                     "--host-ram if the host has more)")
     if kv_gpu == 0:
         notes.append("the weights do not fit: raise --tensor-parallel-size or use a larger GPU")
     elif plan.live_sessions < req.concurrency:
@@ -238,6 +267,11 @@ def _notes(plan: Plan, kv_gpu: int) -> list[str]:
         notes.append(f"sizes are per engine, the total across its {req.tp} TP ranks: kvtier's "
                      f"capacities and --kv-offloading-size split evenly (each rank's CPU tier "
                      f"{_gib_text(plan.cpu_tier_bytes / req.tp)}); LMCache's sizes are per rank")
+    if req.node_engines > 1:
+        notes.append(f"{req.node_engines} engines on the node: each in-process command is one "
+                     f"engine's, its CPU tier 1/{req.node_engines} of the host's KV RAM; their "
+                     "disk tiers would each need a path of their own and a share of the NVMe "
+                     "(the node's one disk tier has the drive)")
     if req.vllm_version is None and DISABLE_HMA in plan.alternative("native").flags:
         notes.append("vLLM version unknown: the native-offload command includes "
                      "--disable-hybrid-kv-cache-manager (needed on v0.18-v0.20); pass "
