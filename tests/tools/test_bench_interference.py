@@ -203,6 +203,18 @@ def test_kvtier_servers_get_a_disk_tier_or_the_redis_behind_the_network() -> Non
         server_command(redis, "kvtier-sync", Path("/m"), Path("/s"))  # no server URL
 
 
+def test_the_node_variant_has_no_tiers_in_the_engine_and_async_modes() -> None:
+    config = InterferenceConfig(Path("."), Path("."), tier="redis")
+    command = server_command(config, "kvtier-node", Path("/m"), Path("/s"),
+                             node="/s/kvtier-node/node.sock")
+    assert command.kv_transfer_config is not None
+    extra = command.kv_transfer_config["kv_connector_extra_config"]
+    assert extra["node"] == "/s/kvtier-node/node.sock" and "tiers" not in extra
+    assert (extra["load_mode"], extra["store_mode"]) == ("async", "async")
+    with pytest.raises(ConfigError, match="node"):
+        server_command(config, "kvtier-node", Path("/m"), Path("/s"))  # no node's socket
+
+
 def test_the_memory_variant_holds_every_prefix_in_ram_with_no_tier_below() -> None:
     config = config_from(_args(quick=True, tier="memory"))
     assert config.source == "the memory tier"

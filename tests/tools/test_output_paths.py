@@ -33,9 +33,11 @@ WRITERS = [
     (["bench", "multi-round"], "--out"), (["bench", "prefix-repetition"], "--out"),
     (["bench", "long-doc"], "--out"), (["demo"], "--out"),
     (["simulate", "--sweep", "cpu_gb=0,16", "--requests", "5"], "--plot"),
+    (["bench", "pooling"], "--json"), (["bench", "pooling"], "--model-root"),
 ]
 WORK_DIRS = [["bench", cmd]
-             for cmd in ("storage", "ttft", "sharing", "interference", "disagg", "codecs")]
+             for cmd in ("storage", "ttft", "sharing", "interference", "disagg", "codecs",
+                         "pooling")]
 
 
 def run_cli(argv: list[str]) -> tuple[int, str]:

@@ -11,6 +11,10 @@ OpenAI server on 127.0.0.1 serves the generated "bench" model (`kvtier.testing.t
     a worker thread while the engine keeps stepping the other requests, and stores are
     gathered on the store thread.
   - `kvtier-auto` (not run by default): the connector's default rule.
+  - `kvtier-node` (not run by default): `kvtier-async`'s modes with the tiers in a `kvtier
+    node` process (the same memory tier, in its shared memory, over the same lower tier):
+    the engine only copies from the node's RAM; the disk or redis reads run off its
+    interpreter.
   - `vllm-prefix` (not run by default): no kvtier, and vLLM's own prefix cache is not reset,
     so the arrivals hit it: the floor, what the arrivals' own new tokens cost the streams
     with a free load.
@@ -90,7 +94,7 @@ from kvtier.tools.ops.server import free_port, running_server
 from kvtier.tools.ops.serving import GIB, ServeCommand, ServeConfig, build_command
 
 CONFIGS = ("vllm", "kvtier-sync", "kvtier-async")
-CHOICES = (*CONFIGS, "kvtier-auto", "vllm-prefix")
+CHOICES = (*CONFIGS, "kvtier-auto", "kvtier-node", "vllm-prefix")
 TIERS = ("disk", "redis", "memory")  # where the arrivals' prefixes come back from
 # The redis tier's timeouts: generous, as the bench measures loads over a working network,
 # not failure handling (a 200 ms default timeout on 2 loaded cores would turn hits into misses).
@@ -306,15 +310,20 @@ def _x(ratio: float | None) -> str:
 # -- running it ------------------------------------------------------------------------------
 
 def server_command(config: InterferenceConfig, name: str, model: Path, scratch: Path,
-                   redis_url: str | None = None) -> ServeCommand:
+                   redis_url: str | None = None, node: str | None = None) -> ServeCommand:
     """The OpenAI server of configuration `name`, dev mode on (/reset_prefix_cache);
-    `redis_url`: the redis tier's server (tier "redis").
+    `redis_url`: the redis tier's server (tier "redis"); `node`: kvtier-node's socket.
 
     Raises:
-        ConfigError: tier "redis" without `redis_url`.
+        ConfigError: tier "redis" without `redis_url`; kvtier-node without `node`.
     """
     extra: dict[str, Any] | None = None
-    if name.startswith("kvtier"):
+    if name == "kvtier-node":
+        if node is None:
+            raise ConfigError("node", None, "the node's socket (configuration kvtier-node)")
+        extra = {"tokens_per_chunk": TOKENS_PER_CHUNK, "load_mode": "async",
+                 "store_mode": "async", "node": node}
+    elif name.startswith("kvtier"):
         mode = name.split("-", 1)[1]
         extra = {"tokens_per_chunk": TOKENS_PER_CHUNK, "load_mode": mode, "store_mode": mode,
                  # the warm-up's chunks all reach the lower tier (none dropped on the way)
@@ -405,6 +414,17 @@ def _memory_chunks(url: str) -> StoredChunks:
     return StoredChunks(url + "/metrics", count)
 
 
+def _node_chunks(socket_path: str) -> StoredChunks:
+    """The node's memory tier's chunks (every layout's), from its status."""
+    from kvtier.node.client import node_status
+
+    def count() -> int:
+        layouts = node_status(socket_path)["layouts"]
+        assert isinstance(layouts, dict)
+        return sum(layout["tiers"][0]["chunks"] for layout in layouts.values())
+    return StoredChunks(socket_path, count)
+
+
 _Timed = tuple[list[RequestResult], list[RequestResult], dict[str, float] | None]
 
 
@@ -490,7 +510,16 @@ def _run_config(config: InterferenceConfig, name: str, model: Path, scratch: Pat
             stored = StoredChunks(remote.url, lambda: stored_chunks(remote.url))
         elif name.startswith("kvtier") and config.tier == "disk":
             stored = _disk_chunks(scratch / name / "disk")
-        command = server_command(config, name, model, scratch, redis_url)
+        node: str | None = None
+        if name == "kvtier-node":
+            from kvtier.tools.bench.node import node_process
+
+            progress(f"{name}: starting kvtier node")
+            memory, *below = _tiers(config, name, scratch, redis_url)
+            node = stack.enter_context(node_process(
+                scratch / name, memory["capacity"], below,
+                {"write_queue_depth": max(1024, config.chunks_stored())}))
+        command = server_command(config, name, model, scratch, redis_url, node)
 
         def attempt() -> ConfigRun:
             progress(f"{name}: starting the server")
@@ -499,8 +528,10 @@ def _run_config(config: InterferenceConfig, name: str, model: Path, scratch: Pat
                                 startup_timeout_s=config.startup_timeout_s) as server:
                 startup_s = time.perf_counter() - started
                 in_ram = name.startswith("kvtier") and config.tier == "memory"
-                run = _measure(config, name, server.url, str(model),
-                               _memory_chunks(server.url) if in_ram else stored, progress)
+                source = stored
+                if in_ram:
+                    source = _memory_chunks(server.url) if node is None else _node_chunks(node)
+                run = _measure(config, name, server.url, str(model), source, progress)
                 return dataclasses.replace(run, command=command.display(),
                                            startup_s=startup_s, ping_ms=ping_ms)
 

@@ -25,9 +25,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import yaml
@@ -173,13 +174,17 @@ def _load(store: ChunkStore, keys: list[ChunkKey], sources: list[np.ndarray], ou
 
 
 @contextlib.contextmanager
-def node_process(root: Path, capacity: str) -> Iterator[str]:
-    """A `kvtier node serve` subprocess with one memory tier of `capacity`; its socket (also
-    `kvtier bench ttft`'s kvtier-node engine). Its RAM slabs are removed when it stops
-    (`--drop-ram`): a benchmark leaves nothing in /dev/shm."""
+def node_process(root: Path, capacity: str | int, below: Sequence[dict[str, Any]] = (),
+                 settings: dict[str, Any] | None = None) -> Iterator[str]:
+    """A `kvtier node serve` subprocess with a memory tier of `capacity` over the tiers
+    `below` (their configs), and the store's other `settings` (e.g. write_queue_depth); its
+    socket (also `kvtier bench ttft`'s kvtier-node engine). Its RAM slabs are removed when
+    it stops (`--drop-ram`): a benchmark leaves nothing in /dev/shm."""
     root = root.absolute()  # engines take the socket's absolute path only
+    root.mkdir(parents=True, exist_ok=True)
     config = root / "node.yaml"
-    config.write_text(yaml.safe_dump({"tiers": [{"kind": "memory", "capacity": capacity}]}))
+    config.write_text(yaml.safe_dump(
+        {**(settings or {}), "tiers": [{"kind": "memory", "capacity": capacity}, *below]}))
     socket_path = str(root / "node.sock")
     name = f"bench-{os.getpid()}"
     proc = subprocess.Popen(

@@ -41,6 +41,7 @@ WORKLOADS: tuple[str, ...] = (
     "kvtier.tools.cli.bench_copy",
     "kvtier.tools.cli.bench_ttft",
     "kvtier.tools.cli.bench_sharing",
+    "kvtier.tools.cli.bench_pooling",
     "kvtier.tools.cli.bench_interference",
     "kvtier.tools.cli.bench_disagg",
     "kvtier.tools.cli.bench_codecs",
