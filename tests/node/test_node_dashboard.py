@@ -75,8 +75,11 @@ def node_queries() -> list[tuple[str, str, str]]:
 def busy_node(tmp_path: Path, in_process_node: Callable[..., AbstractContextManager[NodeServer]]
               ) -> Iterator[NodeServer]:
     """A node whose engine stored five chunks, borrowed three back and asked about two, so that
-    every family has its samples (a layout's tier series exist once an engine brought it)."""
-    with in_process_node(node_tiers(tmp_path, ram_chunks=8, disk_chunks=8)) as node:
+    every family has its samples (a layout's tier series exist once an engine brought it; an
+    engine's, with an engine_quota on the RAM tier)."""
+    config = node_tiers(tmp_path, ram_chunks=16, disk_chunks=8)
+    config["tiers"][0]["engine_quota"] = {"share": 0.5}
+    with in_process_node(config) as node:
         client, engine = connect(node.config.socket_path)
         try:
             assert put_chunks(engine, range(5)) == [True] * 5
@@ -97,7 +100,8 @@ def exported(node: NodeServer) -> set[str]:
 
 def test_every_node_panel_names_only_series_the_node_exports(busy_node: NodeServer) -> None:
     names = exported(busy_node)
-    assert "kvtier_node_tier_hits_total" in names and "kvtier_node_borrows_total" in names
+    assert {"kvtier_node_tier_hits_total", "kvtier_node_borrows_total",
+            "kvtier_node_engine_used_bytes"} <= names
     rows = panels_by_row()
     assert len(rows[NODE_ROW]) >= 6
     for panel in rows[NODE_ROW]:
