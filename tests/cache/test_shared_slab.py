@@ -1,8 +1,11 @@
 """The memory tier's slab in named shared memory (tiers/shmslab.py), without a node: records
-kept per slot, and a successor on the same name recovering exactly the chunks held whole."""
+kept per slot, and a successor on the same name recovering exactly the chunks held whole; a
+successor with no room for its slab beside its predecessor's starts cold rather than not at
+all, and never leaves the old file behind."""
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Iterator
 
@@ -78,3 +81,51 @@ def test_a_slab_of_another_layout_is_not_recovered(name: str) -> None:
                                         shared_memory=name), tiny_layout(tokens_per_chunk=32))
     assert other.recover() == (0, 0)
     other.close()
+
+
+def _fallocate_fails(monkeypatch: pytest.MonkeyPatch, times: int) -> list[int]:
+    """`posix_fallocate` says ENOSPC (no room in /dev/shm) its next `times` calls: the fault
+    injected. The list counts every call."""
+    calls: list[int] = []
+    real = os.posix_fallocate
+
+    def fallocate(fd: int, offset: int, length: int) -> None:
+        calls.append(length)
+        if len(calls) <= times:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", fallocate)
+    return calls
+
+
+def test_a_restart_without_room_for_two_slabs_starts_cold_and_leaves_no_old_file(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    first = tier(name)
+    assert first.put(key(0), chunk(0)).ok
+    first.keep_shared_memory = True
+    first.close()
+
+    calls = _fallocate_fails(monkeypatch, times=1)  # room for one slab, not two
+    second = tier(name)
+    assert len(calls) == 2  # the first try failed; the old file gave its room up
+    assert second.recover() == (0, 0) and not second.contains(key(0))
+    assert sorted(p.name for p in SHM_DIR.glob(f"{name}*")) == [name]
+    assert second.put(key(1), chunk(1)).ok
+    second.close()
+
+
+def test_a_restart_with_no_room_at_all_fails_and_leaves_no_file(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    first = tier(name)
+    assert first.put(key(0), chunk(0)).ok
+    first.keep_shared_memory = True
+    first.close()
+
+    _fallocate_fails(monkeypatch, times=2)  # no room at all: both tries fail
+    with pytest.raises(OSError) as raised:
+        tier(name)
+    assert raised.value.errno == errno.ENOSPC
+    monkeypatch.undo()
+    assert [p.name for p in SHM_DIR.glob(f"{name}*")] == []  # the old one gave its room up
+    assert tier(name).recover() == (0, 0)  # room again: a cold start

@@ -14,7 +14,7 @@ from rich.console import Console
 
 from kvtier.errors import ConfigError
 from kvtier.tools.bench.demo import PLANS
-from kvtier.tools.bench.pooling import CONFIGS, PooledRun, PoolingConfig, PoolingResult
+from kvtier.tools.bench.pooling import CONFIGS, PooledRun, PoolingResult
 from kvtier.tools.cli.bench_pooling import config_from, history_bytes, pooling_table
 
 MIB = 1 << 20

@@ -22,6 +22,7 @@ Primitives: `SharedSlab`, `SHM_DIR`, `slab_file_bytes`.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import mmap
 import os
@@ -59,30 +60,46 @@ class SharedSlab:
             OSError: no /dev/shm, a link at the path (ELOOP), or no room for it (ENOSPC).
         """
         self.path = SHM_DIR / name
-        self.old: Path | None = None  # a predecessor's file, until recovered
+        old = SHM_DIR / f"{name}.old"
         with contextlib.suppress(FileNotFoundError):
-            old = SHM_DIR / f"{name}.old"
             os.replace(self.path, old)
-            self.old = old
+        # A predecessor's file, until recovered: just moved aside, or moved by an earlier
+        # try that found no room for the new one.
+        self.old: Path | None = old if old.exists() else None
         self.slot_bytes, self.num_slots, self.chunk_bytes = slot_bytes, num_slots, chunk_bytes
         size = slab_file_bytes(slot_bytes, num_slots)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o660)
         try:
-            os.fchmod(fd, 0o660)  # the umask must not narrow what the node's group may map
-            os.posix_fallocate(fd, 0, size)
-            self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED)
-        except BaseException:
-            self.path.unlink()
-            raise
-        finally:
-            os.close(fd)
+            self._mmap = self._create(size)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC or self.old is None:
+                raise
+            # A warm restart needs room for both files; without it, a cold RAM tier beats
+            # none: the predecessor's chunks are dropped, not recovered.
+            log.warning("%s: no room in %s for a new slab beside the last node's (%s); its "
+                        "chunks are dropped, not recovered", name, SHM_DIR, exc)
+            self.old.unlink(missing_ok=True)
+            self.old = None
+            self._mmap = self._create(size)
         slab_bytes = num_slots * slot_bytes
         self.slots = np.frombuffer(self._mmap, dtype=np.uint8, count=slab_bytes)
         self._records = np.frombuffer(self._mmap, dtype=_RECORD, count=num_slots,
                                       offset=slab_bytes)
         self._mmap[size - _FOOTER.size:] = _FOOTER.pack(_MAGIC, slot_bytes, num_slots,
                                                         chunk_bytes)
+
+    def _create(self, size: int) -> mmap.mmap:
+        """The new file, its pages allocated, mapped. Raises OSError (ENOSPC: no room)."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o660)
+        try:
+            os.fchmod(fd, 0o660)  # the umask must not narrow what the node's group may map
+            os.posix_fallocate(fd, 0, size)
+            return mmap.mmap(fd, size, mmap.MAP_SHARED)
+        except BaseException:
+            self.path.unlink()
+            raise
+        finally:
+            os.close(fd)
 
     @staticmethod
     def checksum(data: memoryview) -> int:
