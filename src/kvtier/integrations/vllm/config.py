@@ -137,7 +137,8 @@ class ConnectorConfig:
             quota = getattr(tier, "engine_quota", None)
             if quota is not None:
                 raise ConfigError(f"{where}.tiers[{i}].engine_quota",
-                                  quota.model_dump(exclude_none=True), "none in an engine: it limits each engine of a kvtier node "
+                                  quota.model_dump(exclude_none=True),
+                                  "none in an engine: it limits each engine of a kvtier node "
                                   "(the node's own config, kvtier node serve --config)")
         return cls(store=store, tokens_per_chunk_set="tokens_per_chunk" in values, **values)
 
