@@ -102,7 +102,7 @@ def test_every_cache_dependency_is_declared_and_used() -> None:
     declared and imported nowhere."""
     project = tomllib.loads(PYPROJECT.read_text())["project"]
     import_names = {"pyyaml": "yaml", "ml-dtypes": "ml_dtypes", "prometheus_client":
-                    "prometheus_client"}
+                    "prometheus_client", "pyzmq": "zmq"}
     declared = {import_names.get(name, name) for name in
                 (dep.split(">")[0].split("=")[0] for dep in project["dependencies"])}
     imported = {m.split(".")[0] for path in SRC.rglob("*.py") if TOOLS not in path.parents

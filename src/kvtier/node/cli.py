@@ -3,7 +3,7 @@ dependency: a node runs where only `pip install kvtier` is). `kvtier node` (the 
 the same `serve` and renders `status` as a table.
 
     python -m kvtier.node serve --config node.yaml --socket /run/kvtier/node.sock
-        [--name N] [--metrics-port N [--metrics-host ADDR]]
+        [--name N] [--metrics-port N [--metrics-host ADDR]] [--events-endpoint ENDPOINT]
     python -m kvtier.node status --socket /run/kvtier/node.sock      # JSON
 
 Exit codes: 0 stopped cleanly / status printed, 1 no node answers, 2 bad input.
@@ -43,6 +43,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-host", default="127.0.0.1",
                         help="the address the metrics port listens on (default 127.0.0.1: "
                              "this machine only; 0.0.0.0 for a scraper elsewhere)")
+    parser.add_argument("--events-endpoint", metavar="ENDPOINT",
+                        help="publish the tiers' KV events for routers (vLLM's format, topic "
+                             "kv@node:NAME@MODEL) on this ZMQ endpoint: tcp://HOST:PORT "
+                             "(connects, as vLLM does), tcp://*:PORT or ipc://PATH (binds); "
+                             "default: none")
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -53,7 +58,8 @@ def serve(args: argparse.Namespace) -> int:
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     config = NodeConfig(StoreConfig.load(args.config), Path(args.socket),
-                        keep_ram=not args.drop_ram, **({"name": args.name} if args.name else {}))
+                        keep_ram=not args.drop_ram, events_endpoint=args.events_endpoint,
+                        **({"name": args.name} if args.name else {}))
     metrics: MetricsServer | None = None
     if args.metrics_port is not None:
         try:  # before the node opens its socket: a port in use leaves nothing behind
@@ -65,7 +71,11 @@ def serve(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         if metrics is not None:
             stack.callback(metrics.close)
-        node = NodeServer(config)
+        try:
+            node = NodeServer(config)
+        except OSError as exc:  # its socket or its events endpoint taken, unreachable
+            print(f"kvtier node: {exc}", file=sys.stderr)
+            return 2
         if metrics is not None:
             metrics.start(NodeCollector(node.status))
             log.info("kvtier node: metrics on http://%s:%d/metrics", args.metrics_host,

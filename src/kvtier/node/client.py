@@ -23,7 +23,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, MutableSequence, Sequence
+from collections.abc import Callable, Iterator, Mapping, MutableSequence, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -42,6 +42,8 @@ from kvtier.node.protocol import (
     Answer,
     Borrow,
     Commit,
+    Describe,
+    Described,
     Flush,
     Found,
     Hello,
@@ -60,6 +62,7 @@ from kvtier.node.protocol import (
     receive_reply,
     send,
 )
+from kvtier.tiers.eventfacts import ChunkInfo
 from kvtier.tiers.manifest import NamespaceInfo
 
 log = logging.getLogger(__name__)
@@ -130,6 +133,29 @@ class NodeClient:
             send(sock, request)
         except OSError as exc:
             self._broken(exc, down=False)  # the next call finds out
+
+    def post(self, request: Request) -> bool:
+        """Send a request that gets no reply (Describe) on this thread's connection,
+        connecting first if need be; False: not sent (the node is unavailable)."""
+        try:
+            sock = self._connection()
+        except NodeUnavailable:
+            return False
+        try:
+            send(sock, request)
+        except OSError as exc:
+            self._broken(exc, down=False)  # the next call finds out
+            return False
+        return True
+
+    def welcomed(self) -> Welcome | None:
+        """The node's welcome, connecting this thread first if need be; None: the node is
+        unavailable (asked again after `retry_s`)."""
+        try:
+            self._connection()
+        except NodeUnavailable:
+            return None
+        return self.welcome
 
     def view(self, offset: int, nbytes: int) -> memoryview:
         """`nbytes` of the slab at `offset` (of the generation this thread was welcomed by:
@@ -450,6 +476,20 @@ class NodeProbe:
                 return [False] * len(keys)
             found = [f and h for f, h in zip(found, held)]
         return found
+
+    def publishes_events(self) -> bool:
+        """Whether the node publishes KV events of its tiers (its welcome says so), and so
+        wants each step's `describe`; a node unavailable: False (asked again later)."""
+        welcome = self._clients[0].welcomed() if self._clients else None
+        return welcome is not None and welcome.events
+
+    def describe(self, chunks: Mapping[ChunkKey, ChunkInfo]) -> None:
+        """Send the node the token ids of the chunks a step plans to store, no reply (one
+        layout's connection: the node keeps them per model). Scheduler thread."""
+        if chunks and self._clients:
+            self._clients[0].post(Describe([
+                Described(key, info.parent, info.token_ids, info.lora_name, info.cache_salt)
+                for key, info in chunks.items()]))
 
 
 def node_status(socket_path: str, timeout_s: float = 5.0) -> dict[str, object]:

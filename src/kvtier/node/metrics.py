@@ -81,6 +81,10 @@ NODE_COUNTERS: dict[str, str] = {
     "recovered_chunks": "Chunks recovered into RAM from the last node's slab at start-up",
     "recovery_dropped_chunks": "Chunks of the last node's slab dropped at start-up: torn or "
                                "damaged (their checksum did not match)",
+    "described_chunks": "Chunk descriptions (token ids) engines sent for the node's KV events",
+    "events_stored": "BlockStored KV events published (--events-endpoint)",
+    "events_removed": "BlockRemoved KV events published (--events-endpoint)",
+    "stored_unannounced": "Chunks stored with no known token ids: no BlockStored published",
 }
 assert set(NODE_COUNTERS) == set(COUNTERS)  # a new counter needs its help here
 

@@ -3,9 +3,9 @@
 One request, at most one reply, on a Unix stream socket: each message is msgspec's MessagePack
 of a tagged struct behind a 4-byte big-endian length. Every request of a load or a store
 carries all of that step's chunks (a `Borrow` of a request's hit, a `Reserve` of a step's
-stores): control round trips are per step, never per chunk. `Release` and `Commit` get no
-reply (the engine never waits for them). Chunk bytes never cross the socket: offsets name
-them in the node's shared-memory slab (`Welcome.shm_path`).
+stores): control round trips are per step, never per chunk. `Release`, `Commit` and
+`Describe` get no reply (the engine never waits for them). Chunk bytes never cross the
+socket: offsets name them in the node's shared-memory slab (`Welcome.shm_path`).
 
 Primitives: the messages, `Meta`, `send`, `receive_request`, `receive_reply`, `HELD`,
 `SKIPPED`.
@@ -63,6 +63,9 @@ class Welcome(msgspec.Struct, tag=True):
     chunk_bytes: int
     generation: str  # changes when the node restarts (the slab is a new file)
     node: str  # the node's name (its host, unless configured)
+    # The node publishes KV events of its tiers (`--events-endpoint`): the scheduler sends
+    # it a `Describe` of each step's stores (an older node's Welcome lacks it: False).
+    events: bool = False
 
 
 class Refused(msgspec.Struct, tag=True):
@@ -121,6 +124,23 @@ class Commit(msgspec.Struct, tag=True):
     reply: bool = False
 
 
+class Described(msgspec.Struct, array_like=True):
+    """A chunk as a KV event describes it (`kvtier.tiers.eventfacts.ChunkInfo` and its key)."""
+
+    key: bytes
+    parent: bytes | None
+    token_ids: bytes  # little-endian int32
+    lora_name: str | None = None
+    cache_salt: str | None = None
+
+
+class Describe(msgspec.Struct, tag=True):
+    """The chunks a step plans to store, for the node's KV events (it knows no token ids);
+    sent by the scheduler when `Welcome.events`, no reply."""
+
+    chunks: list[Described]
+
+
 class Retain(msgspec.Struct, tag=True):
     key: bytes
     meta: Meta
@@ -142,7 +162,8 @@ class Answer(msgspec.Struct, tag=True):
     value: object
 
 
-Request = Hello | Lookup | Borrow | Release | Reserve | Commit | Retain | Flush | Status
+Request = (Hello | Lookup | Borrow | Release | Reserve | Commit | Retain | Flush | Status
+           | Describe)
 Reply = Welcome | Refused | Found | Lent | Reserved | Answer
 _encoder = msgspec.msgpack.Encoder()
 _requests = msgspec.msgpack.Decoder(Request)

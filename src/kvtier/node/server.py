@@ -11,6 +11,9 @@ a connection's leases (chunks lent for a load, slots reserved for stores) end wi
 engine killed mid-load or mid-store leaks nothing. Each connection is served on a thread of
 its own: a slow tier read for one engine holds up no other engine.
 
+With an events endpoint (`NodeConfig.events_endpoint`), the node publishes its tiers' KV
+events for cache-aware routers, once for all its engines (events.py).
+
 Primitives: `NodeServer`, `NodeConfig`, `NodeCounters`.
 """
 
@@ -40,12 +43,14 @@ from kvtier.core.layout import KVLayout
 from kvtier.core.loans import Lending
 from kvtier.core.store import ChunkView, PendingPut, TieredStore
 from kvtier.errors import ConfigError
+from kvtier.node.events import NodeEvents, check_endpoint
 from kvtier.node.protocol import (
     HELD,
     SKIPPED,
     Answer,
     Borrow,
     Commit,
+    Describe,
     Flush,
     Found,
     Hello,
@@ -66,6 +71,7 @@ from kvtier.node.protocol import (
 from kvtier.tiers import open_store
 from kvtier.tiers.manifest import NamespaceInfo
 from kvtier.tiers.memory import MemoryTier
+from kvtier.tiers.shmslab import SHM_DIR
 from kvtier.tiers.storeconfig import StoreConfig
 
 log = logging.getLogger(__name__)
@@ -84,6 +90,9 @@ class NodeConfig:
     # Leave the RAM slabs in /dev/shm when the node stops, for the next node on this name to
     # recover their chunks (a crash leaves them anyway); False: removed at a clean stop.
     keep_ram: bool = True
+    # Where the node publishes its tiers' KV events (events.py): tcp://HOST:PORT (connects, as
+    # vLLM's publisher does), tcp://*:PORT or ipc://PATH (binds); None: none, nothing listens.
+    events_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         if not _NAME.fullmatch(self.name):
@@ -93,11 +102,14 @@ class NodeConfig:
         if first.kind != "memory":
             raise ConfigError("tiers[0].kind", first.kind,
                               "memory (the node shares its RAM tier with its engines)")
+        if self.events_endpoint is not None:
+            check_endpoint(self.events_endpoint)
 
 
 # The node's own counters (`NodeServer.counters`), each only ever added to.
 COUNTERS = ("borrows", "lent_chunks", "reserved_chunks", "committed_chunks", "lookups",
-            "refused", "disconnects_with_leases", "recovered_chunks", "recovery_dropped_chunks")
+            "refused", "disconnects_with_leases", "recovered_chunks", "recovery_dropped_chunks",
+            "described_chunks", "events_stored", "events_removed", "stored_unannounced")
 
 
 class NodeCounters:
@@ -140,7 +152,8 @@ class NodeServer:
 
     def __init__(self, config: NodeConfig) -> None:
         """Raises:
-            OSError: the socket cannot be bound (a live node there: EADDRINUSE).
+            OSError: the socket cannot be bound (a live node there: EADDRINUSE), nor the
+                events endpoint (events.py).
         """
         self.config = config
         self.generation = secrets.token_hex(8)
@@ -152,8 +165,16 @@ class NodeServer:
         self._sockets: dict[int, socket.socket] = {}  # connection id -> its socket
         self._closed = threading.Event()  # set when `shutdown` has closed everything
         self.counters = NodeCounters()
-        _clear_stale_socket(config.socket_path)
-        self._server = _Server(str(config.socket_path), _Handler)
+        self.events = None if config.events_endpoint is None else NodeEvents(
+            config.events_endpoint, config.name,
+            {t.tier_name: t.kind for t in config.store.tiers}, self.counters.add)
+        try:
+            _clear_stale_socket(config.socket_path)
+            self._server = _Server(str(config.socket_path), _Handler)
+        except BaseException:
+            if self.events is not None:
+                self.events.close()
+            raise
         self._server.node = self
         os.chmod(config.socket_path, 0o660)  # the node's group: its engines
 
@@ -182,6 +203,8 @@ class NodeServer:
                     sock.shutdown(socket.SHUT_RDWR)
             for layout in layouts:
                 layout.store.close()
+            if self.events is not None:
+                self.events.close()  # after the stores: what their closing stored goes out
             with contextlib.suppress(FileNotFoundError):
                 self.config.socket_path.unlink()
         finally:
@@ -197,6 +220,7 @@ class NodeServer:
         return {
             "node": self.config.name, "generation": self.generation,
             "socket": str(self.config.socket_path), "engines": engines,
+            "events_endpoint": self.config.events_endpoint,
             "connections": len(self._connections), "leases": leases,
             "counters": self.counters.snapshot(),
             "layouts": {digest: {
@@ -222,6 +246,7 @@ class NodeServer:
             if len(self._layouts) >= self.config.max_layouts:
                 return Refused(f"the node holds {len(self._layouts)} layouts (max_layouts)")
             name = f"kvtier-{self.config.name}-{digest[:16]}"
+            recovering = (SHM_DIR / name).exists()  # a predecessor's slab, kept
             tiers = [self.config.store.tiers[0].model_copy(update={"shared_memory": name}),
                      *self.config.store.tiers[1:]]
             store = open_store(self.config.store.model_copy(update={"tiers": tiers}), layout,
@@ -231,8 +256,12 @@ class NodeServer:
             assert isinstance(memory, MemoryTier) and memory.shared_memory_path is not None
             welcome = Welcome(str(memory.shared_memory_path),
                               memory.num_slots * memory.slot_bytes, memory.chunk_bytes,
-                              self.generation, self.config.name)
+                              self.generation, self.config.name,
+                              events=self.events is not None)
             memory.keep_shared_memory = self.config.keep_ram
+            if self.events is not None:
+                self.events.add_layout(store, hello.model, layout.tokens_per_chunk,
+                                       announce=layout.tp_rank == 0, clear=not recovering)
             self._layouts[digest] = known = _Layout(store, memory, welcome, hello.model)
             log.info("kvtier node: layout %s (%s, %d B chunks): %d RAM slots in %s",
                      digest[:16], hello.model, memory.chunk_bytes, memory.num_slots,
@@ -330,10 +359,17 @@ class NodeServer:
             put.cancel()
         block.__exit__(None, None, None)  # stores it (and queues the writes behind RAM)
         self.counters.add("committed_chunks", int(request.filled))
+        if request.reply and self.events is not None:
+            self.events.wake()  # the step's last commit: its chunks are announced now
         puts.open -= 1
         if puts.open == 0:
             with self._lock:
                 self._leases.pop(request.lease, None)
+
+    def describe(self, layout: _Layout, request: Describe) -> None:
+        """Token ids of chunks an engine of `layout`'s model plans to store, for the events."""
+        if self.events is not None:
+            self.events.describe(layout.model, request.chunks)
 
     def release(self, lease: int) -> None:
         with self._lock:
@@ -453,6 +489,10 @@ class _Handler(socketserver.BaseRequestHandler):
                     continue
                 if isinstance(request, Status):
                     send(sock, Answer(node.status()))
+                    continue
+                if isinstance(request, Describe):
+                    if layout is not None:
+                        node.describe(layout, request)
                     continue
                 if layout is None:
                     send(sock, Refused("say Hello first"))

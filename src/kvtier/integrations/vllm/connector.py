@@ -227,10 +227,11 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             _fmt, layouts = engine_layouts(vllm_config, kv_cache_config, groups,
                                            self._config.tokens_per_chunk)
             model_id, fingerprint = scheduler_model_identity(vllm_config)
+            node: NodeProbe | None = None
             if self._config.node:  # a chunk counts when the node holds every rank's shard
                 info = namespace_info(vllm_config, fingerprint)
-                probes: dict[str, Probe | None] = {NODE_TIER: NodeProbe(
-                    [self._node_client(layout, info) for layout in layouts])}
+                node = NodeProbe([self._node_client(layout, info) for layout in layouts])
+                probes: dict[str, Probe | None] = {NODE_TIER: node}
             else:
                 probes = {tier.tier_name: build_probe(tier, layouts)
                           for tier in self._config.store.tiers}
@@ -248,7 +249,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                 tier_kinds={NODE_TIER: "memory"} if self._config.node else
                 {t.tier_name: t.kind for t in self._config.store.tiers},
                 emit_events=bool(events and events.enable_kv_cache_events),
-                kv_role=self._kv_transfer_config.kv_role)
+                kv_role=self._kv_transfer_config.kv_role, node=node)
 
     def _node_client(self, layout: KVLayout, info: NamespaceInfo) -> NodeClient:
         """A client of the node for `layout`'s chunks: its deadline is the store's lookup

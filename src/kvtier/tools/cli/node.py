@@ -6,7 +6,8 @@ which the node puts in shared memory). Engines use it with the connector key
 `"node": "/run/kvtier/node.sock"` (or `kvtier serve --node`). `serve` is the node's own
 (`python -m kvtier.node serve`: kvtier.node.cli, no tool dependency). `--metrics-port N` serves the
 node's Prometheus metrics (kvtier.node.metrics) on http://127.0.0.1:N/metrics (another
-address: `--metrics-host`).
+address: `--metrics-host`); `--events-endpoint` publishes its tiers' KV events for routers
+(kvtier.node.events).
 
 Exit codes: 0 stopped cleanly / status printed, 1 no node answers, 2 bad input.
 """
@@ -54,6 +55,9 @@ def run_status(args: argparse.Namespace) -> int:
     console.print(f"node [bold]{status['node']}[/bold] (generation {status['generation']}) "
                   f"on {status['socket']}: {status['connections']} connections, "
                   f"{status['leases']} leases; engines: {', '.join(status['engines']) or '-'}")
+    if status.get("events_endpoint"):
+        console.print(f"KV events on {status['events_endpoint']} "
+                      f"(topics kv@node:{status['node']}@<model>)", markup=False)
     table = Table("layout", "tier", "chunks", "used", "capacity", "hits", "misses", "puts")
     for digest, layout in status["layouts"].items():
         for tier in layout["tiers"]:

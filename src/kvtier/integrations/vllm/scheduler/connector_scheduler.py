@@ -48,6 +48,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+    from kvtier.node.client import NodeProbe
+
 logger = logging.getLogger(__name__)
 
 class ConnectorScheduler:
@@ -57,11 +59,13 @@ class ConnectorScheduler:
                  layout_digest: str, locator: ChunkLocator,
                  weights_fingerprint: str | None = None,
                  tier_kinds: dict[str, str] | None = None, emit_events: bool = False,
-                 kv_role: str | None = "kv_both", groups: ChunkGroups | None = None) -> None:
+                 kv_role: str | None = "kv_both", groups: ChunkGroups | None = None,
+                 node: NodeProbe | None = None) -> None:
         """`kv_role` is vLLM's: a "kv_producer" never loads (every lookup answers 0), a
         "kv_consumer" never stores (RequestControls.within_role). `groups`: the model's KV
         cache groups (groups.py); None: one group. `emit_events`: vLLM publishes KV events
-        (--kv-events-config); `tier_kinds`: tier name -> kind, for them."""
+        (--kv-events-config); `tier_kinds`: tier name -> kind, for them. `node`: node mode's
+        node, which publishes its tiers' events itself (RouterEvents.describe)."""
         config = config.for_block_size(block_size)
         groups = groups or ChunkGroups(layer_names=((),), kinds=("full",))
         # Several KV cache groups in vLLM (attention and state): loads are asynchronous.
@@ -72,7 +76,8 @@ class ConnectorScheduler:
         self._locator = locator
         self._stats = StatsDelta()
         self._step = 0  # plans built so far: the number of the last one
-        self._events = RouterEvents(emit_events, tier_kinds or {}, config.tokens_per_chunk)
+        self._events = RouterEvents(emit_events, tier_kinds or {}, config.tokens_per_chunk,
+                                    node)
         self._requests = RequestTable(
             tokens_per_chunk=config.tokens_per_chunk, block_size=block_size,
             model_id=model_id, layout_digest=layout_digest,
@@ -177,6 +182,7 @@ class ConnectorScheduler:
             self._stores.plan(scheduled.state, scheduled.computed_tokens, meta.stores,
                               self._step)
         meta.retains = self._stores.take_retains()
+        self._events.describe(transfer.key for transfer in meta.stores)
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:

@@ -2,7 +2,10 @@
 
 Scheduler side, one thread. Enabled when vLLM runs with KV cache events on: the token ids of
 each chunk are remembered when its key is made (a stored event must carry them), and the
-workers' per-tier store events become vLLM events, queued until vLLM takes them.
+workers' per-tier store events become vLLM events, queued until vLLM takes them. In node mode
+the node publishes its tiers' events itself (kvtier.node.events), and knows no token ids:
+when it says it publishes, the chunks are remembered here too and each step's planned stores
+described to it (`describe`).
 
 Primitives: `RouterEvents`.
 """
@@ -16,25 +19,35 @@ import numpy as np
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.store import StoreEvent
-from kvtier.integrations.vllm.scheduler.events import ChunkInfo, ChunkTokens, kv_events
+from kvtier.integrations.vllm.scheduler.events import kv_events
+from kvtier.tiers.eventfacts import ChunkInfo, ChunkTokens
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.request import Request
+
+    from kvtier.node.client import NodeProbe
 
 
 class RouterEvents:
     """Chunk token ids and queued KV events (scheduler thread)."""
 
     def __init__(self, enabled: bool, tier_kinds: Mapping[str, str],
-                 tokens_per_chunk: int) -> None:
+                 tokens_per_chunk: int, node: NodeProbe | None = None) -> None:
         """`enabled`: vLLM publishes KV events (--kv-events-config); `tier_kinds`: tier
-        name -> kind, for each event's medium and locality."""
-        self.enabled = enabled
+        name -> kind, for each event's medium and locality; `node`: the node of node mode,
+        told the chunks of each step's stores when it publishes events."""
+        self._vllm_events = enabled
+        self._node = node
         self._tier_kinds = tier_kinds
         self._tokens_per_chunk = tokens_per_chunk
         self._chunk_tokens = ChunkTokens()
         self._queued: list[KVCacheEvent] = []
+
+    @property
+    def enabled(self) -> bool:
+        """Whether chunks' token ids are remembered: vLLM publishes events, or the node."""
+        return self._vllm_events or (self._node is not None and self._node.publishes_events())
 
     def remember(self, request: Request, keys: list[ChunkKey], tokens: Sequence[int],
                  parent: ChunkKey | None) -> None:
@@ -51,9 +64,17 @@ class RouterEvents:
 
     def learn(self, store_events: Iterable[StoreEvent]) -> None:
         """Queue the events of what the workers' tiers stored and removed."""
-        if self.enabled:
+        if self._vllm_events:
             self._queued.extend(kv_events(store_events, self._chunk_tokens, self._tier_kinds,
                                           self._tokens_per_chunk))
+
+    def describe(self, stores: Iterable[ChunkKey]) -> None:
+        """Tell the node (node mode, when it publishes) the chunks of a step's planned stores
+        whose tokens are remembered: one message, no reply."""
+        if self._node is None or not self._node.publishes_events():
+            return
+        chunks = {key: info for key in stores if (info := self._chunk_tokens.get(key))}
+        self._node.describe(chunks)
 
     def take(self) -> list[KVCacheEvent]:
         """The events queued since the last call (vLLM's connector take_events)."""

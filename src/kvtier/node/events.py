@@ -1,0 +1,246 @@
+"""The KV events of the node's tiers, published once for every engine on the node.
+
+In process, each engine's scheduler turns its tiers' events into vLLM KV events
+(`kvtier.integrations.vllm.scheduler.events`); in node mode the tiers are the node's, so the
+node publishes them itself, on a ZMQ PUB socket of its own (`NodeConfig.events_endpoint`),
+in vLLM's wire format (`eventwire.py`), for cache-aware routers:
+
+  - topic `kv@node:<node name>@<model>`: llm-d's pseudo-pod identity for a cache every pod on
+    a node shares (llm-d-router #2586: the router credits a `node:<name>` entry to every
+    endpoint on that Kubernetes node), one topic per model (`Hello.model`);
+  - `BlockStored` when a chunk lands in a tier of the node, `BlockRemoved` when it leaves one,
+    `medium`/`locality`/`ownership` as in process (`kvtier.tiers.eventfacts.event_place`),
+    `block_size` the layout's tokens_per_chunk;
+  - the events of the layouts at tensor-parallel rank 0 only: every rank of an engine stores
+    and evicts its shard of the same chunks, in the same steps, under the same policy and
+    per-rank capacity, and a key is one chunk for every rank, so rank 0 speaks for them;
+  - a topic's first batch starts with `AllBlocksCleared` (routers drop what a dead node on
+    this name announced), unless its layout's RAM is recovered from a predecessor's slab:
+    then what the predecessor announced is what the node holds (what leaves it is removed).
+
+A stored event needs the chunk's token ids, which the node never sees: the engines' schedulers
+send them (`Describe`, one message per step, of the chunks it plans to store), kept here for a
+while (`ChunkTokens`, per model); a chunk stored with no known tokens is not announced
+(counted), as in process. A thread drains every layout's store events every `interval_s`, and
+at once after a step's last commit (`wake`).
+
+Primitives: `check_endpoint`, `events_topic`, `NodeEvents`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import zmq
+
+from kvtier.core.keys import ChunkKey
+from kvtier.core.store import StoreEvent, TieredStore
+from kvtier.errors import ConfigError
+from kvtier.node.eventwire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    frames,
+)
+from kvtier.node.protocol import Described
+from kvtier.tiers.eventfacts import ChunkInfo, ChunkTokens, EventPlace, event_place
+
+log = logging.getLogger(__name__)
+_TCP = re.compile(r"tcp://(\*|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})")
+ALLOWED = ("tcp://HOST:PORT (the node connects to a subscriber bound there, as vLLM's "
+           "publisher does: llm-d's EPP), tcp://*:PORT or tcp://[::]:PORT (bound on every "
+           "interface) or ipc://PATH (bound)")
+Event = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+def check_endpoint(endpoint: str) -> str:
+    """`endpoint`, if the node can publish there.
+
+    Raises:
+        ConfigError: naming `events_endpoint`, the value and what is allowed.
+    """
+    tcp = _TCP.fullmatch(endpoint)
+    if tcp is not None and 1 <= int(tcp.group(2)) <= 65535:
+        return endpoint
+    if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
+        return endpoint
+    raise ConfigError("events_endpoint", endpoint, ALLOWED)
+
+
+def events_topic(node: str, model: str) -> str:
+    """The ZMQ topic of the node's events of `model`: llm-d's node pseudo-pod."""
+    return f"kv@node:{node}@{model}"
+
+
+@dataclass
+class _Source:
+    """A layout's store whose events the node drains."""
+
+    store: TieredStore
+    model: str
+    topic: str
+    tokens_per_chunk: int
+    announce: bool  # its events are published (tensor-parallel rank 0)
+
+
+class NodeEvents:
+    """The node's PUB socket and the thread that publishes on it. Thread-safe."""
+
+    def __init__(self, endpoint: str, node: str, tier_kinds: Mapping[str, str],
+                 count: Callable[[str, int], None], *, interval_s: float = 0.05,
+                 max_chunks: int = 16384) -> None:
+        """`tier_kinds`: the node's tier name -> kind; `count(name, n)`: the node's counters
+        (`described_chunks`, `events_stored`, `events_removed`, `stored_unannounced`);
+        `max_chunks`: descriptions kept per model.
+
+        Raises:
+            ConfigError: a bad `endpoint`.
+            OSError: it cannot be bound (a port in use, a directory missing).
+        """
+        self.endpoint = check_endpoint(endpoint)
+        self._node = node
+        self._places = {name: event_place(name, kind) for name, kind in tier_kinds.items()}
+        self._count = count
+        self._interval_s = interval_s
+        self._max_chunks = max_chunks
+        self._lock = threading.Lock()
+        self._sources: list[_Source] = []
+        self._tokens: dict[str, ChunkTokens] = {}  # model -> its recent chunks' tokens
+        self._topics: dict[str, int] = {}  # topic -> the seq of its next batch
+        self._clear: set[str] = set()  # topics whose next batch starts with AllBlocksCleared
+        self._context = zmq.Context()
+        self._pub = self._context.socket(zmq.PUB)
+        self._pub.set_hwm(100_000)  # vLLM's default: a batch past it is dropped, never waited
+        try:
+            if endpoint.startswith("ipc://") or "*" in endpoint or "::" in endpoint:
+                self._pub.bind(endpoint)
+            else:
+                self._pub.connect(endpoint)
+        except zmq.ZMQError as exc:
+            self._pub.close(linger=0)
+            self._context.term()
+            raise OSError(exc.errno, f"cannot publish KV events on {endpoint}: {exc}") from exc
+        log.info("kvtier node: KV events on %s (topics %s)", endpoint,
+                 events_topic(node, "<model>"))
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvtier-node-events",
+                                        daemon=True)
+        self._thread.start()
+
+    def add_layout(self, store: TieredStore, model: str, tokens_per_chunk: int, *,
+                   announce: bool, clear: bool) -> None:
+        """Drain `store`'s events from now on; publish them if `announce`. `clear`: a topic
+        new to this node starts with AllBlocksCleared (False: its RAM is recovered)."""
+        topic = events_topic(self._node, model)
+        with self._lock:
+            self._sources.append(_Source(store, model, topic, tokens_per_chunk, announce))
+            self._tokens.setdefault(model, ChunkTokens(self._max_chunks))
+            if announce and topic not in self._topics:
+                self._topics[topic] = 0
+                if clear:
+                    self._clear.add(topic)
+
+    def describe(self, model: str, chunks: Iterable[Described]) -> None:
+        """Remember the token ids of chunks an engine of `model` plans to store (any
+        connection's thread)."""
+        described = 0
+        with self._lock:
+            tokens = self._tokens.get(model)
+            if tokens is None:
+                return
+            for chunk in chunks:
+                tokens.remember(ChunkKey(chunk.key), ChunkInfo(
+                    None if chunk.parent is None else ChunkKey(chunk.parent), chunk.token_ids,
+                    chunk.lora_name, chunk.cache_salt))
+                described += 1
+        self._count("described_chunks", described)
+
+    def wake(self) -> None:
+        """Publish soon (a step's last commit: its chunks are stored)."""
+        self._wake.set()
+
+    def close(self) -> None:
+        """Publish what is left (the stores are closed first) and close the socket."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=10)
+        try:
+            self.publish_round()
+        finally:
+            self._pub.close(linger=500)  # ms: the last batches go out, or are dropped then
+            self._context.term()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self._interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                self.publish_round()
+            except Exception:  # a batch lost costs routers a hint, never the node its stores
+                log.exception("kvtier node: publishing KV events failed")
+
+    def publish_round(self) -> int:
+        """Drain every layout's store events and publish one batch per topic that has some;
+        the events published. The events thread only (and `close`, after it ended)."""
+        with self._lock:
+            sources = list(self._sources)
+        batches: dict[str, list[Event]] = {}
+        for source in sources:
+            events = source.store.take_events()
+            if source.announce and events:
+                batches.setdefault(source.topic, []).extend(self._convert(source, events))
+        with self._lock:
+            cleared, self._clear = self._clear, set()
+        published = 0
+        for topic in sorted(cleared | set(batches)):
+            batch: list[Event] = [AllBlocksCleared()] if topic in cleared else []
+            batch += batches.get(topic, [])
+            if not batch:
+                continue
+            with self._lock:
+                seq = self._topics[topic]
+                self._topics[topic] = seq + 1
+            # data_parallel_rank 0: what vLLM's publisher of a one-rank engine sends.
+            self._pub.send_multipart(frames(topic.encode(), seq, KVEventBatch(
+                ts=time.time(), events=batch, data_parallel_rank=0)))
+            published += len(batch)
+        return published
+
+    def _convert(self, source: _Source, events: list[StoreEvent]) -> list[Event]:
+        """The wire events of one layout's store events (as the scheduler's `kv_events`)."""
+        out: list[Event] = []
+        stored = removed = unknown = 0
+        for event in events:
+            where = self._places.get(event.tier) or EventPlace(None, None,
+                                                               f"kvtier/{event.tier}")
+            if event.kind == "removed":
+                out.append(BlockRemoved([event.key], where.medium, locality=where.locality,
+                                        ownership=where.ownership))
+                removed += 1
+                continue
+            with self._lock:
+                info = self._tokens[source.model].get(event.key)
+            if info is None:
+                unknown += 1
+                continue
+            extra = tuple(x for x in (info.lora_name, info.cache_salt) if x)
+            out.append(BlockStored(
+                [event.key], info.parent, np.frombuffer(info.token_ids, dtype="<i4").tolist(),
+                source.tokens_per_chunk, None, where.medium, info.lora_name,
+                extra_keys=[extra] if extra else None, locality=where.locality,
+                ownership=where.ownership))
+            stored += 1
+        self._count("events_stored", stored)
+        self._count("events_removed", removed)
+        self._count("stored_unannounced", unknown)
+        return out

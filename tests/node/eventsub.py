@@ -1,0 +1,80 @@
+"""A router's side of the node's KV events, for the tests: a ZMQ SUB socket that receives on
+a thread of its own (as a router's does) and decodes every message with vLLM's own decoder.
+(Not named conftest.py: imported by name, by tests/node and tests/engine.)
+
+Primitives: `Subscriber`.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import msgspec
+import zmq
+
+
+class Subscriber:
+    """A router's SUB socket, bound on 127.0.0.1 (the node connects, as vLLM's publisher does
+    to llm-d's EPP) or connected to `endpoint` (a node that binds), receiving on its own
+    thread; each message decoded by vLLM's decoder."""
+
+    def __init__(self, endpoint: str | None = None) -> None:
+        from vllm.distributed import kv_events  # the decoder under test (its import: ~5 s)
+
+        self._kv_events = kv_events
+        self._decoder = msgspec.msgpack.Decoder(kv_events.KVEventBatch)
+        self.batches: list[tuple[str, int, Any]] = []  # (topic, seq, vLLM's KVEventBatch)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._context = zmq.Context()
+        self._sub = self._context.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        if endpoint is None:
+            port = self._sub.bind_to_random_port("tcp://127.0.0.1")
+            endpoint = f"tcp://127.0.0.1:{port}"
+        else:
+            self._sub.connect(endpoint)
+        self.endpoint = endpoint
+        self.handshakes = 0  # connections made with a node (a restarted node's: one more)
+        self._monitor = self._sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self._thread = threading.Thread(target=self._receive, daemon=True)
+        self._thread.start()
+
+    def _receive(self) -> None:
+        # Polled all the time, as a router's is: libzmq sends a subscriber's subscription
+        # only when its socket is called, and a PUB drops what it sends before it arrives.
+        poller = zmq.Poller()
+        poller.register(self._sub, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        while not self._stop.is_set():
+            ready = dict(poller.poll(20))
+            if self._monitor in ready:
+                self._monitor.recv_multipart()
+                self.handshakes += 1
+            if self._sub in ready:
+                topic, seq, payload = self._sub.recv_multipart()
+                batch = self._decoder.decode(payload)
+                with self._lock:
+                    self.batches.append((topic.decode(), int.from_bytes(seq, "big"), batch))
+
+    def events(self) -> list[tuple[str, Any]]:
+        """Every event received so far, with its topic."""
+        with self._lock:
+            return [(topic, event) for topic, _, batch in self.batches for event in batch.events]
+
+    def stored(self) -> dict[bytes, Any]:
+        return {e.block_hashes[0]: e for _, e in self.events()
+                if isinstance(e, self._kv_events.BlockStored)}
+
+    def removed(self) -> list[bytes]:
+        return [e.block_hashes[0] for _, e in self.events()
+                if isinstance(e, self._kv_events.BlockRemoved)]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._sub.disable_monitor()
+        self._monitor.close(linger=0)
+        self._sub.close(linger=0)
+        self._context.term()
