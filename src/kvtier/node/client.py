@@ -38,6 +38,7 @@ from kvtier.core.tier import TierCounters
 from kvtier.errors import NodeUnavailable
 from kvtier.node.protocol import (
     HELD,
+    SEND,
     SKIPPED,
     Answer,
     Borrow,
@@ -271,9 +272,14 @@ class _NodeLending(Lending[ChunkView]):
 class _Planned:
     lease: int
     index: int
-    offset: int  # or HELD / SKIPPED
+    offset: int  # or HELD / SKIPPED / SEND
     generation: str | None  # of the node that reserved it (a restarted node's is gone)
     last: bool = False  # the reservation's last slot: its commit is waited for
+
+    @property
+    def is_open(self) -> bool:
+        """Whether it waits for a commit: a slot to fill, or bytes to send."""
+        return self.offset >= 0 or self.offset == SEND
 
 
 class NodeStore:
@@ -351,7 +357,7 @@ class NodeStore:
         with self._planned_lock:
             stale, self._planned = list(self._planned.values()), {}
         for planned in stale:
-            if planned.offset >= 0 and planned.generation == self._client.generation():
+            if planned.is_open and planned.generation == self._client.generation():
                 self._client.tell(Commit(planned.lease, planned.index, False))
         if not keys:
             return
@@ -361,7 +367,8 @@ class NodeStore:
         except NodeUnavailable:
             return
         generation = self._client.generation()
-        last = max((i for i, offset in enumerate(reserved.offsets) if offset >= 0), default=-1)
+        last = max((i for i, offset in enumerate(reserved.offsets)
+                    if offset >= 0 or offset == SEND), default=-1)
         with self._planned_lock:
             for i, (key, offset) in enumerate(zip(keys, reserved.offsets)):
                 self._planned[key] = _Planned(reserved.lease, i, offset, generation, i == last)
@@ -386,25 +393,31 @@ class NodeStore:
     def putting(self, key: ChunkKey, spare: memoryview,
                 meta: ChunkMeta = DEFAULT_META) -> Iterator[PendingPut]:
         """The chunk's slot in the node's slab to fill (`data`; None: held already, or no
-        slot); committed when the block ends, given back if it raises or is cancelled."""
+        slot); committed when the block ends, given back if it raises or is cancelled.
+        Where the node's RAM has no slot but a tier below it takes the chunk (SEND), `data`
+        is `spare`, sent with the commit (not `stored`: not in RAM, as in process)."""
         start = time.perf_counter()
         planned = self._slot(key, meta)
-        if planned is not None and planned.offset >= 0 \
+        if planned is not None and planned.is_open \
                 and planned.generation != self._client.generation():
             planned = None  # reserved from a node since restarted: its slot is someone else's
-        if planned is None or planned.offset < 0:
+        if planned is None or not planned.is_open:
             held = planned is not None and planned.offset == HELD
             if (planned is not None and planned.offset == SKIPPED) or planned is None:
                 self._counters.add(dropped_writes=1)
             yield PendingPut(None, in_place=False, stored=held)
             return
-        put = PendingPut(self._client.view(planned.offset, self._chunk_bytes), in_place=True)
+        sent = planned.offset == SEND
+        put = PendingPut(spare, in_place=False) if sent \
+            else PendingPut(self._client.view(planned.offset, self._chunk_bytes), in_place=True)
         filled = False
         try:
             yield put
             filled = not put.cancelled
         finally:
-            commit = Commit(planned.lease, planned.index, filled, reply=planned.last)
+            data = bytes(spare[:self._chunk_bytes]) if sent and filled else None
+            commit = Commit(planned.lease, planned.index, filled, reply=planned.last,
+                            data=data)
             if not planned.last:
                 self._client.tell(commit)
             else:  # the step's last: every commit before it is done when it is answered
@@ -412,7 +425,7 @@ class NodeStore:
                     self._client.call(commit, Answer)
                 except NodeUnavailable:
                     filled = False  # maybe stored, maybe not: not reported stored
-        put.stored = filled
+        put.stored = filled and not sent
         if filled:
             self._counters.add(puts=1, bytes_written=self._chunk_bytes,
                                write_s=time.perf_counter() - start)

@@ -75,6 +75,8 @@ NODE_COUNTERS: dict[str, str] = {
     "lent_chunks": "Chunks lent to engines from the RAM slab",
     "reserved_chunks": "RAM slots reserved for engines' stores",
     "committed_chunks": "Reserved slots filled and stored",
+    "received_chunks": "Chunks RAM had no slot for, received over the socket for the tiers "
+                       "below it",
     "lookups": "Lookup requests",
     "refused": "Hellos refused (bad layout, max_layouts reached)",
     "disconnects_with_leases": "Connections that ended holding leases (released by the node)",

@@ -8,7 +8,7 @@ stores): control round trips are per step, never per chunk. `Release`, `Commit` 
 socket: offsets name them in the node's shared-memory slab (`Welcome.shm_path`).
 
 Primitives: the messages, `Meta`, `send`, `receive_request`, `receive_reply`, `HELD`,
-`SKIPPED`.
+`SKIPPED`, `SEND`.
 """
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ from kvtier.core.retention import ChunkMeta
 from kvtier.errors import NodeUnavailable
 
 # `Reserved.offsets` values that are not offsets: the node holds the chunk already (stored),
-# or took no slot for it (declined, full: not stored).
-HELD, SKIPPED = -1, -2
+# took no slot for it and nothing else would store it (not stored), or has no RAM slot for it
+# (declined by admission, full) but its tiers below RAM take it: the engine sends the bytes
+# with its `Commit` (a copy over the socket, where a slot costs none).
+HELD, SKIPPED, SEND = -1, -2, -3
 MAX_FRAME = 64 << 20  # bytes: far above any control message (a frame past it is garbage)
 _LENGTH = struct.Struct(">I")
 
@@ -101,7 +103,7 @@ class Release(msgspec.Struct, tag=True):
 
 
 class Reserve(msgspec.Struct, tag=True):
-    """Slots for a step's stores, one per key (or HELD / SKIPPED)."""
+    """Slots for a step's stores, one per key (or HELD / SKIPPED / SEND)."""
 
     keys: list[bytes]
     metas: list[Meta]
@@ -116,12 +118,14 @@ class Commit(msgspec.Struct, tag=True):
     """Reserved slot `index` of `lease` filled (stored from now on), or not (`filled` False:
     given back). `reply`: answered (`Answer(True)`) once done, and so every commit sent
     before it on the connection: the last of a step's, so that the engine reports its
-    chunks stored only once any engine's next lookup finds them."""
+    chunks stored only once any engine's next lookup finds them. `data`: the chunk's bytes
+    for a SEND slot (none in the slab)."""
 
     lease: int
     index: int
     filled: bool
     reply: bool = False
+    data: bytes | None = None
 
 
 class Described(msgspec.Struct, array_like=True):

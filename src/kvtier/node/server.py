@@ -46,6 +46,8 @@ from kvtier.errors import ConfigError
 from kvtier.node.events import NodeEvents, check_endpoint
 from kvtier.node.protocol import (
     HELD,
+    MAX_FRAME,
+    SEND,
     SKIPPED,
     Answer,
     Borrow,
@@ -107,7 +109,8 @@ class NodeConfig:
 
 
 # The node's own counters (`NodeServer.counters`), each only ever added to.
-COUNTERS = ("borrows", "lent_chunks", "reserved_chunks", "committed_chunks", "lookups",
+COUNTERS = ("borrows", "lent_chunks", "reserved_chunks", "committed_chunks",
+            "received_chunks", "lookups",
             "refused", "disconnects_with_leases", "recovered_chunks", "recovery_dropped_chunks",
             "described_chunks", "events_stored", "events_removed", "stored_unannounced")
 
@@ -145,6 +148,7 @@ class _Puts:
 
     blocks: list[tuple[AbstractContextManager[PendingPut], PendingPut] | None]
     open: int
+    chunk_bytes: int
 
 
 class NodeServer:
@@ -249,9 +253,16 @@ class NodeServer:
             recovering = (SHM_DIR / name).exists()  # a predecessor's slab, kept
             tiers = [self.config.store.tiers[0].model_copy(update={"shared_memory": name}),
                      *self.config.store.tiers[1:]]
-            store = open_store(self.config.store.model_copy(update={"tiers": tiers}), layout,
-                               NamespaceInfo(hello.model, hello.fingerprint,
-                                             hello.weight_files))
+            try:
+                store = open_store(self.config.store.model_copy(update={"tiers": tiers}),
+                                   layout, NamespaceInfo(hello.model, hello.fingerprint,
+                                                         hello.weight_files))
+            except OSError as exc:  # /dev/shm full (ENOSPC), a tier's directory unwritable
+                log.error("kvtier node: layout %s (%s): its tiers cannot open (%s); engines "
+                          "of this layout are refused until they can", digest[:16],
+                          hello.model, exc)
+                return Refused(f"the node cannot open this layout's tiers: {exc} (its RAM "
+                               f"slab is {SHM_DIR / name})")
             memory = store.tiers[0]
             assert isinstance(memory, MemoryTier) and memory.shared_memory_path is not None
             welcome = Welcome(str(memory.shared_memory_path),
@@ -315,11 +326,12 @@ class NodeServer:
     def reserve(self, owner: int, layout: _Layout, request: Reserve, spare: memoryview
                 ) -> Reserved:
         """A RAM slot per key for the engine to fill, or HELD (stored already: the pin and
-        expiry of its meta applied) or SKIPPED (no slot: declined, full, the engine at its
-        `engine_quota` with every chunk of its own pinned). Each chunk is the engine's
-        (`ChunkMeta.engine`: its quota's)."""
+        expiry of its meta applied), SEND (no RAM slot: declined, full, or the engine at
+        its `engine_quota` with every chunk of its own pinned, but a tier below RAM takes
+        the bytes the engine sends with its commit) or SKIPPED (no tier takes it). Each
+        chunk is the engine's (`ChunkMeta.engine`: its quota's)."""
         offsets: list[int] = []
-        puts = _Puts([], 0)
+        puts = _Puts([], 0, layout.memory.chunk_bytes)
         engine = self._engine_of(owner)
         try:
             for key, meta in zip(request.keys, request.metas):
@@ -328,13 +340,14 @@ class NodeServer:
                 put = block.__enter__()
                 offset = None if put.data is None or not put.in_place \
                     else layout.memory.offset_of(put.data)
-                if offset is None:
-                    put.cancel()  # into the spare (RAM declined it): not stored
+                if offset is None and (put.data is None or not _sendable(put)):
+                    put.cancel()  # held, or no tier takes it (or its bytes cannot come)
                     block.__exit__(None, None, None)
                     offsets.append(HELD if put.stored else SKIPPED)
                     puts.blocks.append(None)
                     continue
-                offsets.append(offset)
+                # A RAM slot, or (RAM has none) the lower tiers' bytes to come with the commit.
+                offsets.append(SEND if offset is None else offset)
                 puts.blocks.append((block, put))
                 puts.open += 1
         except BaseException:
@@ -355,6 +368,12 @@ class NodeServer:
         if taken is None:
             return
         block, put = taken
+        if not put.in_place:  # a SEND: the bytes come with the commit (the spare is shared)
+            if request.data is not None and len(request.data) == puts.chunk_bytes:
+                put.data = memoryview(request.data)
+                self.counters.add("received_chunks", int(request.filled))
+            else:
+                put.cancel()
         if not request.filled:
             put.cancel()
         block.__exit__(None, None, None)  # stores it (and queues the writes behind RAM)
@@ -408,6 +427,11 @@ class NodeServer:
         """A connection accepted (ended by `shutdown` if still open then)."""
         with self._lock:
             self._sockets[owner] = sock
+
+
+def _sendable(put: PendingPut) -> bool:
+    """Whether a chunk RAM has no slot for can come with its commit (a frame's bound)."""
+    return put.data is not None and len(put.data) < MAX_FRAME // 2
 
 
 def _end(held: Lending[ChunkView] | _Puts) -> None:
