@@ -6,6 +6,7 @@ Primitives:
   - `server_command(model_dir, extra)`: a kvtier OpenAI server's command, tests' settings.
   - `post(url, body)`, `complete(server, prompt)`, `scrape(server, name)`: a server's
     /v1/completions, /reset_prefix_cache and /metrics.
+  - `vllm_processes_on(port)`: the vLLM processes still serving a port (none, once stopped).
 """
 
 from __future__ import annotations
@@ -70,3 +71,17 @@ def scrape(server: Any, name: str) -> float:
         text = response.read().decode()
     pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", re.MULTILINE)
     return sum(float(v) for v in pattern.findall(text))
+
+
+def vllm_processes_on(port: int) -> list[int]:
+    """Pids whose command line serves `port`."""
+    needle = f"--port\0{port}\0".encode()
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            data = cmdline.read_bytes()
+        except OSError:
+            continue
+        if needle in data and b"vllm" in data:
+            pids.append(int(cmdline.parent.name))
+    return pids

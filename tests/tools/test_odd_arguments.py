@@ -91,7 +91,7 @@ WORK: dict[str, tuple[str, ...]] = {
     "kvtier.tools.cli.serve": ("VllmServer",),
     "kvtier.tools.cli.warm": ("served_model", "warm"),
     "kvtier.tools.cli.proxy": ("run_proxy",),
-    "kvtier.tools.cli.demo": ("run_demo",),
+    "kvtier.tools.cli.demo": ("run_demo", "run_node_demo"),
     "kvtier.tools.cli.plan": (),
     "kvtier.tools.cli.audit": (),
     "kvtier.tools.cli.simulate": (),

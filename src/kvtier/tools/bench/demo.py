@@ -17,6 +17,8 @@ Primitives:
   - `server_config(plan, model, kvtier, work_dir)`: the ServeConfig of one of the two servers.
   - `run_demo(plan, out_dir, ...)`: the whole demo; returns a `DemoResult`.
   - `headline(runs)`: the ratios the demo is about, as data.
+  - `warm_up(plan, seed)`: a server's uncounted first request.
+The node scene (`kvtier demo --node`: two engines on one `kvtier node`) is demo_node.py.
 """
 
 from __future__ import annotations
@@ -147,6 +149,9 @@ class DemoEvents:
     def run_finished(self, label: str, run: BenchRun) -> None:
         """The run `label` finished; its server is being stopped."""
 
+    def phase_finished(self, label: str, run: BenchRun) -> None:
+        """A phase of `kvtier demo --node` finished (its engines go on serving)."""
+
 
 def server_config(plan: DemoPlan, model: Path, kvtier: bool, work_dir: Path) -> ServeConfig:
     """The server of one half of the demo: the same vLLM settings either way, plus kvtier
@@ -208,7 +213,7 @@ def run_demo(plan: DemoPlan, out_dir: Path, *, work_dir: Path, model_root: Path,
             cfg = ClientConfig(server.url, served_name(model) or str(model),
                                concurrency=plan.concurrency)
             ev.step(f"{label}: warming up (one uncounted {plan.first_len}-token request)")
-            bench_endpoint(_warm_up(plan), cfg, "warm-up")
+            bench_endpoint(warm_up(plan), cfg, "warm-up")
             ev.run_started(label, len(workload.turns))
 
             def done(result: RequestResult, label: str = label) -> None:
@@ -230,13 +235,13 @@ def run_demo(plan: DemoPlan, out_dir: Path, *, work_dir: Path, model_root: Path,
     return DemoResult(tuple(runs), head, files, tuple(commands))
 
 
-def _warm_up(plan: DemoPlan) -> Workload:
+def warm_up(plan: DemoPlan, seed: int = 1_000_003) -> Workload:
     """One first-turn-sized request sharing no token sequence with the workload (another
     seed). The first long prefill of a fresh server pays one-off costs (allocations, kernel
     selection for new shapes: turn 0 of whichever run came first was slower by up to 2x
     in trials), and kvtier's first stores touch fresh memory; both servers pay them here."""
     return multi_round(users=1, turns=1, first_len=plan.first_len, user_len=1,
-                       output_len=plan.output_len, seed=1_000_003)
+                       output_len=plan.output_len, seed=seed)
 
 
 def headline(runs: Sequence[BenchRun]) -> Headline:

@@ -46,6 +46,9 @@ class ClientConfig:
     # Short requests sent (and not counted) before the run: the first requests after a
     # server starts pay one-off costs (lazy initialisation) that would skew a comparison.
     warmup_requests: int = 1
+    # Sent as every request's `kv_transfer_params` (vLLM's extension, handed to the KV
+    # connector), with vllm_extras: {"skip_load": True} makes kvtier recompute the prompt.
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -166,6 +169,8 @@ async def _send(http: aiohttp.ClientSession, cfg: ClientConfig, turn: Turn,
         body["ignore_eos"] = True
         if chained:  # only chained turns need the answer's ids (they also echo the prompt)
             body["return_token_ids"] = True
+        if cfg.kv_transfer_params is not None:
+            body["kv_transfer_params"] = cfg.kv_transfer_params
     stream = _Stream(time.perf_counter())
     error: str | None = None
     try:
