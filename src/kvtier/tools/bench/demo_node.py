@@ -43,7 +43,7 @@ from kvtier.tools.bench.serving.report import run_dict
 from kvtier.tools.bench.serving.runner import BenchRun, bench_endpoint
 from kvtier.tools.bench.serving.workloads import Turn, Workload
 from kvtier.tools.ops.server import VllmServer
-from kvtier.tools.ops.serving import build_command
+from kvtier.tools.ops.serving import ServeCommand, build_command
 
 PHASES = ("A: first turns", "A: returning turns", "B (neighbour): returning turns",
           "A restarted: returning turns", "cold recompute (in-process restart)")
@@ -161,7 +161,8 @@ def _phase_workloads(plan: DemoPlan) -> list[Phase]:
             (PHASES[4], "B", turns(xs, 2), {"skip_load": True})]
 
 
-def _node_command(plan: DemoPlan, model: Path, socket_path: str, work_dir: Path) -> Any:
+def _node_command(plan: DemoPlan, model: Path, socket_path: str, work_dir: Path
+                  ) -> ServeCommand:
     """A server of the demo's settings whose kvtier is the node's (a new port each call)."""
     config = dataclasses.replace(server_config(plan, model, False, work_dir), kvtier=True,
                                  extra_config={"node": socket_path})
@@ -169,7 +170,7 @@ def _node_command(plan: DemoPlan, model: Path, socket_path: str, work_dir: Path)
 
 
 @contextlib.contextmanager
-def _server(command: Any, log: Path) -> Iterator[VllmServer]:
+def _server(command: ServeCommand, log: Path) -> Iterator[VllmServer]:
     """A started (not yet ready) server, stopped on exit."""
     server = VllmServer(command, log)
     try:
