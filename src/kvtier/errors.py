@@ -77,6 +77,18 @@ class UncacheableRequest(KVTierError):
     input kind the chunk keys do not cover): the request is served without kvtier."""
 
 
+class RequestFieldError(KVTierError, ValueError):
+    """A field of a client's request that kvtier reads is malformed (a `cache_control`
+    marker): the server answers 400 with this message, which names the field by its path in
+    the request body, the value and what is allowed."""
+
+    def __init__(self, field: str, value: object, allowed: str) -> None:
+        self.field = field
+        self.value = value
+        self.allowed = allowed
+        super().__init__(f"invalid {field}={value!r}: {allowed}")
+
+
 # -- the operator tools ----------------------------------------------------------------------
 class WarmupError(KVTierError):
     """`kvtier warm`: the server cannot be used (unreachable, not an OpenAI-compatible vLLM,

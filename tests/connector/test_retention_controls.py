@@ -52,3 +52,20 @@ def test_stores_carry_the_salt_pin_and_ttl_and_held_chunks_are_retained() -> Non
 def test_a_tenants_label_is_the_same_from_its_salt_or_its_id() -> None:
     assert tenant_label("tenant-1") == tenant_label(tenant_id("tenant-1")) == \
         "t-" + (tenant_id("tenant-1") or "")[:8]
+
+
+def test_prefix_pins_reach_only_the_chunks_within_their_prefix() -> None:
+    # What a cache_control marker asks (cachecontrol.py): the first 130 tokens for 600 s.
+    engine = Engine()
+    req = request("a", 200, params={"retain_prefixes": [{"tokens": 130, "retain_s": 600}]})
+    engine.admit(req, list(range(7)))
+    meta = engine.step(new={"a": (list(range(7)), 0, 200)})
+    assert [t.retain_s for t in meta.stores] == [600, 600, None]  # chunks end at 64, 128, 192
+    stored = engine.store_all(meta)
+    engine.sched.request_finished(req)
+    # The same prompt again from vLLM's own cache, its marker now after 70 tokens: only the
+    # first chunk's pin is extended.
+    again = request("b", 200, params={"retain_prefixes": [{"tokens": 70, "retain_s": 900}]})
+    assert engine.admit(again, list(range(7)), local_tokens=192) == 0
+    meta = engine.step(new={"b": (list(range(7)), 192, 8)})
+    assert [(t.key, t.retain_s) for t in meta.retains] == [(stored[0], 900)]

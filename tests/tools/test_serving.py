@@ -50,11 +50,15 @@ def test_kvtier_command_carries_the_exact_connector_schema():
     assert cmd.argv[-2:] == ("--max-model-len", "4096")  # user's args last, verbatim
     assert "--kv-cache-memory-bytes" not in cmd.argv  # GPU: vLLM's own default is fine
     assert cmd.url == "http://127.0.0.1:9000" and "--kv-transfer-config" in cmd.display()
+    # Clients' cache_control markers become pins (tests/tools/test_cache_control_e2e.py).
+    assert flag(cmd.argv, "--middleware") == \
+        "kvtier.integrations.vllm.cachecontrol.CacheControlMiddleware"
 
 
 def test_baseline_is_the_same_server_without_the_connector():
     cmd = build_command(ServeConfig("m", kvtier=False, cpu=True, engine_kv_bytes=64 << 20))
     assert "--kv-transfer-config" not in cmd.argv and cmd.kv_transfer_config is None
+    assert "--middleware" not in cmd.argv
     # CPU backend: the default gpu_memory_utilization fails, so the KV cache is sized.
     assert flag(cmd.argv, "--kv-cache-memory-bytes") == str(64 << 20)
     assert any("CPU backend" in note for note in cmd.notes)

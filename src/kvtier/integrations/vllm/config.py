@@ -7,7 +7,8 @@ Primitives:
     `extra`, validated by the same parser the connector runs.
   - `CONNECTOR_CLASS`, `CONNECTOR_MODULE`, `CONNECTOR_KEYS`, `TOKENS_PER_CHUNK`.
   - `RequestControls.from_params(kv_transfer_params)` (per-request switches),
-    `RequestControls.within_role(kv_role)` (what vLLM's kv_role leaves of them).
+    `RequestControls.within_role(kv_role)` (what vLLM's kv_role leaves of them),
+    `RequestControls.retain_s_for(end_tokens)` (a chunk's pin), `PrefixPin`.
 
 This module imports neither vllm nor torch (the package imports the connector lazily), so
 `kvtier serve`, `kvtier plan`, `kvtier doctor` and the benches use it instead of copying it.
@@ -202,6 +203,15 @@ def kvtier_transfer_config(extra: Mapping[str, Any] | None = None) -> dict[str, 
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixPin:
+    """A pin of a prompt's first `tokens` tokens for `retain_s` seconds
+    (`kv_transfer_params.retain_prefixes`: what a `cache_control` marker asks, cachecontrol.py)."""
+
+    tokens: int  # the prefix's length in tokens; a chunk is pinned if it ends within it
+    retain_s: float  # the pin's length, as retain_s
+
+
+@dataclass(frozen=True, slots=True)
 class RequestControls:
     """Per-request switches from the request's `kv_transfer_params`."""
 
@@ -214,6 +224,17 @@ class RequestControls:
     # This request's chunks expire this many seconds after they are stored (a miss from then
     # on, space reclaimed); None: the tier's own ttl_s, if any.
     ttl_s: float | None = None
+    # Pins of the prompt's first tokens only: a chunk ending within a prefix is pinned for
+    # its retain_s (the longest of those holding it, or retain_s if longer). Empty: none.
+    retain_prefixes: tuple[PrefixPin, ...] = ()
+
+    def retain_s_for(self, end_tokens: int) -> float | None:
+        """The pin of the chunk that ends after the prompt's first `end_tokens` tokens:
+        the longest of retain_s and the prefix pins holding it; None: not pinned."""
+        pins = [p.retain_s for p in self.retain_prefixes if end_tokens <= p.tokens]
+        if self.retain_s is not None:
+            pins.append(self.retain_s)
+        return max(pins, default=None)
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any] | None) -> RequestControls:
@@ -235,7 +256,8 @@ class RequestControls:
             logger.warning("kvtier: ignoring kv_transfer_params.max_offload_tokens=%r", limit)
             limit = None
         return cls(skip_load=skip_load, skip_store=skip_store, max_offload_tokens=limit,
-                   retain_s=_duration(params, "retain_s"), ttl_s=_duration(params, "ttl_s"))
+                   retain_s=_duration(params, "retain_s"), ttl_s=_duration(params, "ttl_s"),
+                   retain_prefixes=_prefix_pins(params.get("retain_prefixes")))
 
     def within_role(self, kv_role: str | None) -> RequestControls:
         """These switches as the engine's vLLM `kv_role` allows them: a "kv_producer" (a
@@ -256,3 +278,25 @@ def _duration(params: Mapping[str, Any], name: str) -> float | None:
                        name, value)
         return None
     return float(value)
+
+
+def _prefix_pins(value: Any) -> tuple[PrefixPin, ...]:
+    """`kv_transfer_params.retain_prefixes`: a list of {"tokens": N > 0, "retain_s": S > 0};
+    absent: none; anything else is logged and ignored, like every per-request switch."""
+    if value is None:
+        return ()
+    pins = []
+    if isinstance(value, list) and len(value) <= 64:
+        for item in value:
+            if not isinstance(item, Mapping):
+                break
+            tokens, seconds = item.get("tokens"), _duration(item, "retain_s")
+            if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1 \
+                    or seconds is None:
+                break
+            pins.append(PrefixPin(tokens, seconds))
+        else:
+            return tuple(pins)
+    logger.warning("kvtier: ignoring kv_transfer_params.retain_prefixes=%r (a list of "
+                   "{\"tokens\": N, \"retain_s\": seconds})", value)
+    return ()

@@ -27,7 +27,7 @@ it end). `store_step_seconds` is one step's stores (mode="sync": the step waits 
 per step rather than per chunk: that is what a user and the engine wait for; per chunk a tier's
 average read is `tier_read_seconds / tier_hits`.
 
-Primitives: `COUNTERS`, `GAUGES`, `HISTOGRAMS`, `LABELS`, `StatsDelta`,
+Primitives: `COUNTERS`, `GAUGES`, `HISTOGRAMS`, `LABELS`, `LOST_HIT_REASONS`, `StatsDelta`,
 `KVTierConnectorStats`, `KVTierPromMetrics`.
 """
 
@@ -108,6 +108,9 @@ COUNTERS: dict[str, str] = {
     "tier_hit_decisions": "Chunks of hits held by the tier, by the scheduler's decision "
                           "(offer.py): loaded, trial (loaded against the rule, to measure the "
                           "tier again) or recompute_faster (left to vLLM to recompute)",
+    "lost_hit_tokens": "Tokens kvtier found (lookup_hit_tokens) but did not load into vLLM's "
+                       "KV cache, by reason (LOST_HIT_REASONS: recompute_faster, "
+                       "vllm_declined, load_failed, no_state)",
 }
 GAUGES: dict[str, str] = {
     "tier_used_bytes": "Bytes the tier holds now",
@@ -136,11 +139,23 @@ LABELS: dict[str, list[str]] = {
     "tier_tenant_evictions": ["tier", "tenant"],
     "tier_tenant_used_bytes": ["tier", "tenant"],
     "tier_hit_decisions": ["tier", "reason"],
+    "lost_hit_tokens": ["reason"],
     "load_request_seconds": ["mode"],
     "store_step_seconds": ["mode"],
 }
 # The reasons of tier_hit_decisions (offer.py).
 DECISIONS = ("loaded", "trial", "recompute_faster")
+# The reasons of lost_hit_tokens: why tokens kvtier found were not loaded (configuration.md).
+# Counted by the scheduler (scheduler/losthits.py) when vLLM allocates a request's blocks:
+#   recompute_faster: cut by the load-or-recompute rule (offer.py), vLLM recomputes them;
+#   vllm_declined: offered, but vLLM allocated fewer external tokens (its own cache's
+#     partial block, a sliding-window replay, a request that skips prefix-cache reads).
+# Counted by the worker that ran the load (rank 0; worker/connector_worker.py):
+#   load_failed: the load stopped at a chunk a tier did not deliver (gone or corrupt since
+#     the lookup, a tier that erred, was down, stalled or timed out) and the rest of that
+#     request's hit, all recomputed by vLLM;
+#   no_state: models with state layers: the chunk ending the hit holds no state.
+LOST_HIT_REASONS = ("recompute_faster", "vllm_declined", "load_failed", "no_state")
 # From a fast RAM hit (~1 ms) to a stalled tier's read deadline (seconds).
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                      10.0, 30.0)
@@ -318,6 +333,8 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             for name in (*COUNTERS, *HISTOGRAMS):
                 if name not in LABELS:
                     self._child(name, engine_idx, "")
+            for reason in LOST_HIT_REASONS:
+                self._child("lost_hit_tokens", engine_idx, reason)
             for mode in ("sync", "async"):
                 self._child("load_request_seconds", engine_idx, mode)
                 self._child("store_step_seconds", engine_idx, mode)

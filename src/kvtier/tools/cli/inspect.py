@@ -7,7 +7,9 @@ Reads storage only; changes nothing. `--json` gives the whole fingerprint.
 `kvtier inspect --metrics URL` (with or without `--config`) adds what a hit on each tier
 costs on a running kvtier-served vLLM: its measured restore seconds per 1k tokens, the
 engine's recompute seconds per 1k tokens, and the router weight they imply for llm-d and
-Dynamo (kvtier.tools.ops.restorecost), in the table and as a table of its own.
+Dynamo (kvtier.tools.ops.restorecost), in the table and as a table of its own; and what the
+engine's cache did and holds (kvtier.tools.ops.enginecache): the tokens it found, loaded, and
+found but did not load by reason, and the chunks and bytes each tier holds now.
 
 Exit codes: 0 listed, 1 a tier's storage could not be read, 2 bad input (an unreadable
 /metrics included).
@@ -29,7 +31,15 @@ from kvtier.tiers.storeconfig import StoreConfig, TierSettings
 from kvtier.tools.admin.inventory import NamespaceUsage, open_inventories, read_manifests, summarize
 from kvtier.tools.cli.weights import print_router_weights
 from kvtier.tools.ops.doctor import read_store
-from kvtier.tools.ops.restorecost import WEIGHT_FORMULA, TierWeight, read_measured
+from kvtier.tools.ops.enginecache import EngineCache, parse_engine_cache
+from kvtier.tools.ops.restorecost import (
+    WEIGHT_FORMULA,
+    TierWeight,
+    fetch_metrics,
+    measured_weights,
+    parse_restore_costs,
+    tier_media,
+)
 from kvtier.units import format_size
 
 
@@ -72,8 +82,11 @@ def run(args: argparse.Namespace) -> int:
     store = load_store(args.config) if args.config else None
     weights: tuple[TierWeight, ...] = ()
     costs = None
+    engine: EngineCache | None = None
     if args.metrics:
-        costs, weights = read_measured(args.metrics, store)
+        text = fetch_metrics(args.metrics)
+        costs, engine = parse_restore_costs(text), parse_engine_cache(text)
+        weights = measured_weights(costs, tier_media(store) if store else None)
     rows: list[NamespaceUsage] = []
     errors: dict[str, str] = {}
     if store is not None:
@@ -84,13 +97,18 @@ def run(args: argparse.Namespace) -> int:
                           "errors": errors,
                           **({"restore_costs": asdict(costs), "router_weight_formula":
                               WEIGHT_FORMULA, "router_weights": [asdict(w) for w in weights]}
-                             if costs is not None else {})}, indent=2))
+                             if costs is not None else {}),
+                          **({"engine_cache": asdict(engine)} if engine is not None else {})},
+                         indent=2))
         return 1 if errors else 0
     console = Console(width=max(Console().width, 180))
     if store is not None:
         console.print(_table(rows, encodings, {w.tier: w for w in weights} if costs else None))
     if costs is not None:
         print_router_weights(console, weights, costs.decisions)
+    if engine is not None:
+        console.print(_lost_table(engine))
+        console.print(_residency_table(engine))
     for tier, error in errors.items():
         console.print(f"[bold red]tier {tier}: not readable: {error}[/]")
     return 1 if errors else 0
@@ -132,6 +150,30 @@ def _table(rows: list[NamespaceUsage], encodings: dict[str, str],
             cells += ["not measured" if cost is None else f"{cost:.4f}",
                       "-" if w is None or w.weight is None else f"{w.weight:.2f}"]
         table.add_row(*cells)
+    return table
+
+
+def _lost_table(engine: EngineCache) -> Table:
+    """Tokens the engine found beyond vLLM's own cache, loaded, and not loaded by reason."""
+    table = Table(title="hits found and not loaded (tokens, since the engine started)")
+    for column in ("", "tokens", "of found"):
+        table.add_column(column, justify="left" if not column else "right")
+    found = engine.found_tokens
+    rows = [("found", found), ("loaded", engine.loaded_tokens),
+            *((f"lost: {reason}", tokens) for reason, tokens in engine.lost_tokens.items())]
+    for name, tokens in rows:
+        table.add_row(name, f"{tokens:.0f}", f"{tokens / found:.1%}" if found else "-")
+    return table
+
+
+def _residency_table(engine: EngineCache) -> Table:
+    """What each tier holds now, as the engine sees it (its own layout's namespace)."""
+    table = Table(title="residency now (the engine's tiers)")
+    for column in ("tier", "chunks", "bytes", "capacity"):
+        table.add_column(column, justify="left" if column == "tier" else "right")
+    for tier, held in sorted(engine.residency.items()):
+        table.add_row(tier, f"{held.chunks:.0f}", format_size(int(held.used_bytes)),
+                      format_size(int(held.capacity_bytes)))
     return table
 
 

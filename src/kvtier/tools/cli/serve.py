@@ -18,6 +18,11 @@ and kvtier.tools.ops.server.
 A model `kvtier.testing.tinymodel` generated (`kvtier demo`'s, the tests') is served under
 a short name by default, "kvtier-tiny" or "kvtier-bench", its directory kept as a second
 name.
+
+With kvtier, the server takes clients' `cache_control` markers (Anthropic's prompt caching,
+as agent SDKs and Dynamo's `nvext` send them): the prompt up to a marker is pinned in kvtier
+for its TTL ("5m" by default, "1h"), through vLLM's `--middleware`
+(kvtier.integrations.vllm.cachecontrol; docs/retention.md).
 """
 
 from __future__ import annotations
@@ -49,7 +54,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p = subparsers.add_parser(
         "serve", help="start vLLM's OpenAI-compatible server with kvtier",
         description=__doc__.splitlines()[0],
-        epilog="Arguments after `--` go to vLLM verbatim.")
+        epilog="Arguments after `--` go to vLLM verbatim. With kvtier, requests' "
+               "cache_control markers ({\"type\": \"ephemeral\", \"ttl\": \"5m\"} on a "
+               "message, content part or the request) pin the prompt up to them in kvtier "
+               "for the TTL, within the tiers' max_pinned_share (docs/retention.md).")
     p.add_argument("model", help="model name or local directory (vLLM's --model)")
     p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=port_number, default=8000,

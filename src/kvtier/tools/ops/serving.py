@@ -33,6 +33,7 @@ from typing import Any
 
 from kvtier.config import read_config_file
 from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.cachecontrol import MIDDLEWARE as CACHE_CONTROL_MIDDLEWARE
 from kvtier.integrations.vllm.config import (
     TOKENS_PER_CHUNK,
     ConnectorConfig,
@@ -220,6 +221,8 @@ def build_command(cfg: ServeConfig) -> ServeCommand:
                          f">= {wanted}")
         transfer = kvtier_transfer_config(extra)
         argv += kvtier_flags(extra, disable_hma=False)
+        # Clients' cache_control markers become kvtier pins (docs/retention.md).
+        argv += ["--middleware", CACHE_CONTROL_MIDDLEWARE]
         if cfg.kv_role != transfer["kv_role"]:
             if cfg.kv_role not in KV_ROLES:
                 raise ConfigError("kv_role", cfg.kv_role, f"one of {KV_ROLES}")

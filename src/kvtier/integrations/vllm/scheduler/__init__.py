@@ -5,8 +5,9 @@ store, decided per step without touching KV bytes or blocking on I/O.
 each own a part of the decision: `requeststate` (each request's keys and blocks, with
 `request_keys`), `loadplan` (how much of a hit to load, inline or not: `offer`, `loadcost`,
 `stepcost`, `holders`), `storeplan` (what each step stores), `loadfailures` (what keeps a
-failed load out of the cache), `statelayers` (hit ends of models with state layers) and
-`routerevents` (KV events for routers, from `events`).
+failed load out of the cache), `losthits` (why found tokens were not loaded), `statelayers`
+(hit ends of models with state layers) and `routerevents` (KV events for routers, from
+`events`).
 
 It imports nothing of `worker/`: the two sides share only the messages between them
 (`..messages`, `..transfers`) and the engine's description (`..config`, `..groups`,

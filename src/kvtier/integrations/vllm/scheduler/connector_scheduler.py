@@ -263,7 +263,8 @@ class ConnectorScheduler:
                               groups=self._groups.count,
                               first_block=max(0, start // self._block_size - chunk * bpc),
                               tenant=state.request.cache_salt,
-                              retain_s=controls.retain_s, ttl_s=controls.ttl_s)
+                              retain_s=controls.retain_s_for((chunk + 1) * tpc),
+                              ttl_s=controls.ttl_s)
                 for chunk in range(start // tpc, end // tpc)]
 
 

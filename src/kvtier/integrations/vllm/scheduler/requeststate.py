@@ -24,6 +24,7 @@ from kvtier.core.keys import ChunkKey, Namespace, chunk_keys
 from kvtier.errors import UncacheableRequest
 from kvtier.integrations.vllm.config import RequestControls
 from kvtier.integrations.vllm.metrics import StatsDelta
+from kvtier.integrations.vllm.scheduler.losthits import LookupHit
 from kvtier.integrations.vllm.scheduler.request_keys import (
     chunk_extras,
     lora_identity,
@@ -70,6 +71,9 @@ class RequestState:
     # Its last lookup's load-or-recompute decisions, chunks by (tier, reason) (offer.py),
     # counted when vLLM allocates its blocks.
     decisions: Counter[tuple[str, str]] = field(default_factory=Counter)
+    # Its last lookup's hit, found and offered (losthits.py), counted when vLLM allocates
+    # its blocks; None: no lookup found anything since.
+    lookup_hit: LookupHit | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,8 +2,8 @@
 
 Scheduler side, one thread. A step stores the full chunks its forward completes, but those
 kvtier holds already or has sent for storing and not heard back about (`plan`); chunks held
-already of requests with retain_s / ttl_s have their pin and expiry extended instead
-(`KVTierMetadata.retains`).
+already of requests with retain_s / ttl_s / retain_prefixes have their pin and expiry extended
+instead (`KVTierMetadata.retains`).
 
 Stores run on the workers' store thread (`stores_async`) unless a model's blocks may be freed
 while its request runs. A request that ends while a store of it may still be reading its
@@ -112,11 +112,12 @@ class StorePlanner:
         controls = state.controls
         for chunk in range(state.num_planned_chunks, full_chunks):
             key = keys[chunk]
+            retain_s = controls.retain_s_for((chunk + 1) * self._tokens_per_chunk)
             if key in self._locator.index or key in self._inflight:
-                if controls.retain_s is not None or controls.ttl_s is not None:
+                if retain_s is not None or controls.ttl_s is not None:
                     self._retains.append(ChunkTransfer(
                         key=key, block_ids=(), tenant=state.request.cache_salt,
-                        retain_s=controls.retain_s, ttl_s=controls.ttl_s))
+                        retain_s=retain_s, ttl_s=controls.ttl_s))
                 continue
             first = chunk * bpc
             blocks = ChunkGroups.flat(attention, first, bpc)
@@ -129,7 +130,7 @@ class StorePlanner:
                 state_blocks=tuple(ids[first + bpc - 1] if first + bpc <= len(ids)
                                    else NULL_BLOCK for ids in states),
                 depends_on=loaded.before(first + bpc), tenant=state.request.cache_salt,
-                retain_s=controls.retain_s, ttl_s=controls.ttl_s,
+                retain_s=retain_s, ttl_s=controls.ttl_s,
                 parent=keys[chunk - 1] if chunk else None))
             self._inflight[key] = step
             state.last_store_step = step

@@ -281,7 +281,8 @@ class ConnectorWorker:
             # outage the scheduler's index otherwise healed one chunk per request, each a
             # failed load (tests/faults/test_engine_faults.py, Redis killed mid-run).
             self._drain_state_notes()
-            if transfers[loaded].key not in self._report.without_state:  # held, stateless
+            stateless = transfers[loaded].key in self._report.without_state
+            if not stateless:  # a stateless chunk is held: not missing
                 self._report.missing.add(transfers[loaded].key)
             self._report.missing.update(t.key for t in transfers[loaded + 1:]
                                         if not self._store.contains(t.key))
@@ -291,12 +292,21 @@ class ConnectorWorker:
                 self._unfilled.update(unfilled)
                 self._report.failed_blocks.update(unfilled)
             self._stats.add("load_failures", len(transfers) - loaded)
+            # The mover does not say why the read failed (gone, corrupt, a tier erring or
+            # stalled): one reason for all of them (metrics.LOST_HIT_REASONS).
+            self._stats.add("lost_hit_tokens", self._tokens(transfers[loaded:]),
+                            "no_state" if stateless else "load_failed")
         for transfer in transfers[:loaded]:
             blocks = transfer.num_blocks - transfer.first_block
             self._stats.add("loaded_tokens",
                             blocks * self._paged.block_size * self._token_scale)
             self._stats.add("loaded_bytes", blocks * self._block_bytes)
         return loaded < len(transfers)
+
+    def _tokens(self, transfers: list[ChunkTransfer]) -> int:
+        """The tokens a load of `transfers` writes (the engine's: 0 on ranks but the first)."""
+        blocks = sum(t.num_blocks - t.first_block for t in transfers)
+        return blocks * self._paged.block_size * self._token_scale
 
     def _retain(self, transfer: ChunkTransfer) -> None:
         """Extend a held chunk's pin and expiry to what its request asks."""
