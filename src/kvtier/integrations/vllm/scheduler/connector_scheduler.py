@@ -9,6 +9,7 @@ collaborators, each owning its state:
     cost: offer.py), inline or asynchronous, pending loads, prefetch;
   - `StorePlanner` (storeplan.py): stores per plan, in-flight keys, held requests;
   - `LoadFailures` (loadfailures.py): what keeps a failed load out of the cache;
+  - `LookupHit` (losthits.py): a hit found and offered, for the tokens lost by reason;
   - `StateLayers` (statelayers.py): hit ends and states of models with state layers;
   - `RouterEvents` (routerevents.py): KV events for cache-aware routers.
 
@@ -36,6 +37,7 @@ from kvtier.integrations.vllm.messages import ChunkTransfer, KVTierMetadata, KVT
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, StatsDelta
 from kvtier.integrations.vllm.scheduler.loadfailures import LoadFailures
 from kvtier.integrations.vllm.scheduler.loadplan import LoadPlanner
+from kvtier.integrations.vllm.scheduler.losthits import LookupHit
 from kvtier.integrations.vllm.scheduler.requeststate import RequestState, RequestTable
 from kvtier.integrations.vllm.scheduler.routerevents import RouterEvents
 from kvtier.integrations.vllm.scheduler.statelayers import StateLayers
@@ -105,6 +107,7 @@ class ConnectorScheduler:
         later)."""
         state = self._requests.state(request)
         state.lookup_computed_tokens = num_computed_tokens
+        state.lookup_hit = None
         if state.controls.skip_load or state.load_failed:
             return 0, False
         # The last token is always recomputed: vLLM needs its logits.
@@ -126,7 +129,11 @@ class ConnectorScheduler:
         # Load or recompute: the part of the hit expected to load faster (offer.py).
         cut = self._loads.cut(sources, num_computed_tokens)
         num_chunks = self._states.hit_end(keys, first_chunk + cut.num_chunks)
-        state.decisions = cut.decisions  # counted once vLLM allocates (a lookup may repeat)
+        # Counted once vLLM allocates (a lookup may repeat): losthits.py.
+        state.decisions = cut.decisions
+        state.lookup_hit = LookupHit(
+            found_tokens=hit_tokens - num_computed_tokens,
+            offered_tokens=max(0, num_chunks * self._tokens_per_chunk - num_computed_tokens))
         if num_chunks <= first_chunk:
             return 0, False
         hit_keys = keys[first_chunk:num_chunks]
@@ -146,6 +153,10 @@ class ConnectorScheduler:
         for (tier, reason), chunks in state.decisions.items():
             self._stats.add("tier_hit_decisions", chunks, f"{tier}/{reason}")
         state.decisions.clear()
+        if state.lookup_hit is not None:
+            for reason, tokens in state.lookup_hit.lost(num_external_tokens).items():
+                self._stats.add("lost_hit_tokens", tokens, reason)
+            state.lookup_hit = None
         if num_external_tokens == 0:
             return
         per_group = blocks.get_block_ids()
