@@ -176,3 +176,11 @@ def test_the_connector_pins_chunks_within_each_prefix() -> None:
     for bad in ({"tokens": 0, "retain_s": 5}, {"tokens": 64}, [64, 5], "all"):
         value = bad if isinstance(bad, str) else [bad]
         assert RequestControls.from_params({"retain_prefixes": value}) == RequestControls()
+
+
+def test_a_marker_in_a_malformed_conversation_pins_the_whole_prompt() -> None:
+    # No prefix to count (vLLM refuses such a request itself): no /tokenize, no crash.
+    for messages in (None, [], ["not a message"], {"role": "user"}):
+        body = {"tools": [{"type": "function", "cache_control": EPHEMERAL}],
+                "messages": messages}
+        assert [m.upto for m in take_markers(body, CHAT)] == [None]

@@ -138,18 +138,22 @@ def take_markers(body: dict[str, Any], path: str) -> list[Marker]:
             _marker(message, f"messages[{i}]", (i, None) if chat else None, found)
             _parts(message.get("content"), f"messages[{i}].content", i if chat else None,
                    found)
-        last = len(messages) - 1
-        found = [m if m.upto is None or not _ends(m.upto, last, messages) else
-                 Marker(m.field, m.ttl_s, None) for m in found]
+    # A prefix to count needs a well-formed conversation (else vLLM refuses the request).
+    chat_messages = messages if isinstance(messages, list) and messages \
+        and all(isinstance(m, dict) for m in messages) else None
+    found = [m if m.upto is None or (chat_messages is not None
+                                     and not _ends(m.upto, chat_messages)) else
+             Marker(m.field, m.ttl_s, None) for m in found]
     if len(found) > MAX_MARKERS:
         raise RequestFieldError("cache_control", f"{len(found)} markers",
                                 f"at most {MAX_MARKERS} per request (Anthropic's limit)")
     return found
 
 
-def _ends(upto: tuple[int, int | None], last: int, messages: list[Any]) -> bool:
+def _ends(upto: tuple[int, int | None], messages: list[dict[str, Any]]) -> bool:
     """Whether the prefix `upto` is the whole conversation."""
     message, part = upto
+    last = len(messages) - 1
     if message != last:
         return False
     content = messages[last].get("content")

@@ -95,7 +95,8 @@ COUNTERS: dict[str, str] = {
                              "the tier's LRU); tenant: a hash prefix of its cache salt, "
                              "'default' (no salt) or 'other'",
     "tier_quota_evictions": "Chunks evicted because their tenant was at its tenant_quota",
-    "tier_pins_refused": "Pins (kv_transfer_params.retain_s) refused because the tier's "
+    "tier_pins_refused": "Pins (kv_transfer_params.retain_s, retain_prefixes: cache_control "
+                         "markers) refused because the tier's "
                          "pinned bytes reached max_pinned_share (stored unpinned)",
     "tier_expired": "Chunks removed from the tier because their TTL passed",
     # Metadata operations a file tier asked of its filesystem (kvtier.tiers.files.fsops): on NFS

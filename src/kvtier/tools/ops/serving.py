@@ -221,8 +221,9 @@ def build_command(cfg: ServeConfig) -> ServeCommand:
                          f">= {wanted}")
         transfer = kvtier_transfer_config(extra)
         argv += kvtier_flags(extra, disable_hma=False)
-        # Clients' cache_control markers become kvtier pins (docs/retention.md).
         argv += ["--middleware", CACHE_CONTROL_MIDDLEWARE]
+        notes.append("--middleware: clients' cache_control markers pin the prompt up to them "
+                     "in kvtier for their TTL (docs/retention.md)")
         if cfg.kv_role != transfer["kv_role"]:
             if cfg.kv_role not in KV_ROLES:
                 raise ConfigError("kv_role", cfg.kv_role, f"one of {KV_ROLES}")
