@@ -1,6 +1,7 @@
 """A chunk the node's RAM has no slot for still reaches the tiers below it, as in process: the
 node answers SEND and the engine sends the bytes with its commit (a copy over the socket,
-where a RAM slot costs none). Two ways RAM has no slot: its admission filter declines a
+where a RAM slot costs none); and one read from below RAM that RAM has no slot for comes back
+with the node's reply. Two ways RAM has no slot: its admission filter declines a
 chunk's first offer (`admit_after`), and every slot is lent. The chunk comes back later from
 the disk tier, through RAM, with its bytes; it is not reported stored (it is not in RAM, as in
 process) and the node counts it received. A node without a tier below RAM answers SKIPPED:
@@ -60,7 +61,7 @@ def test_a_store_into_a_ram_all_lent_goes_below_it(
             for loan in loans:
                 loan.release()
         assert node.status()["counters"]["received_chunks"] == 1
-        wait_for(lambda: _disk_tier(node)["puts"] >= 1, 10, "the disk tier's write")
+        wait_for(lambda: _disk_tier(node)["chunks"] == 5, 10, "the disk tier's writes")
         assert lend(engine, [key(50)]).chunks == expected([50])
 
 
@@ -74,3 +75,25 @@ def test_a_node_with_ram_only_asks_for_no_bytes(
         assert engine.stats().tiers[0].dropped_writes == 1
         assert node.status()["counters"]["received_chunks"] == 0
         assert lend(engine, [key(1)]).chunks == []
+
+
+def test_a_load_ram_has_no_slot_for_comes_with_the_reply(
+        tmp_path: Path, in_process_node: Callable[..., AbstractContextManager[NodeServer]]):
+    with in_process_node(node_tiers(tmp_path, ram_chunks=4, disk_chunks=16)) as node:
+        _, engine = connect(node.config.socket_path)
+        # One step of 8: RAM takes 4, the other 4 are sent below it; the disk gets all 8.
+        assert put_chunks(engine, range(8)) == [True] * 4 + [False] * 4
+        wait_for(lambda: _disk_tier(node)["chunks"] == 8, 10, "the disk tier's writes")
+        in_ram = [key(i) for i in range(4)]
+        with engine.lend_as_landed(in_ram, [memoryview(bytearray(4096))]) as lending:
+            loans = list(lending)  # every RAM slot lent: none for a promotion
+            assert len(loans) == 4
+            # Chunks 4-7 are read from the disk into the node's spares: their bytes come back
+            # in the reply, whole and in order.
+            assert lend(engine, [key(i) for i in range(4, 8)]).chunks == \
+                [(i, chunk) for i, (_, chunk) in enumerate(expected(range(4, 8)))]
+            for loan in loans:
+                loan.release()
+        counters = node.status()["counters"]
+        assert (counters["sent_chunks"], counters["lent_chunks"]) == (4, 4)
+        wait_for(lambda: node.status()["leases"] == 0, 10, "every lease ended")

@@ -309,7 +309,9 @@ class NodeStore:
             lent = self._client.call(Borrow(list(keys), [Meta.of(m) for m in metas]), Lent)
         except NodeUnavailable:
             lent, failed = Lent(0, [], [], None), TIER
-        views = [ChunkView(self._client.view(offset, self._chunk_bytes).toreadonly(), TIER)
+        sent = iter(lent.data)  # the chunks at SEND offsets: RAM had no slot for them
+        views = [ChunkView((memoryview(next(sent)) if offset == SEND else
+                            self._client.view(offset, self._chunk_bytes)).toreadonly(), TIER)
                  for offset in lent.offsets]
         held = len(views)
         self._counters.add(hits=held, misses=int(held < len(keys)),

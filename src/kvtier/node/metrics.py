@@ -77,6 +77,8 @@ NODE_COUNTERS: dict[str, str] = {
     "committed_chunks": "Reserved slots filled and stored",
     "received_chunks": "Chunks RAM had no slot for, received over the socket for the tiers "
                        "below it",
+    "sent_chunks": "Chunks lent from a tier below RAM that RAM had no slot for, sent over the "
+                   "socket",
     "lookups": "Lookup requests",
     "refused": "Hellos refused (bad layout, max_layouts reached)",
     "disconnects_with_leases": "Connections that ended holding leases (released by the node)",

@@ -93,9 +93,12 @@ class Borrow(msgspec.Struct, tag=True):
 
 class Lent(msgspec.Struct, tag=True):
     lease: int  # ends with `Release`, or with the engine's connection
-    offsets: list[int]  # of keys[:len(offsets)] in the slab
+    offsets: list[int]  # of keys[:len(offsets)] in the slab, or SEND: its bytes in `data`
     tiers: list[str]  # the node's tier that held each
     failed_tier: str | None  # the tier that failed the read of keys[len(offsets)], if one did
+    # The bytes of the chunks at SEND offsets, in order: read from a tier below RAM where RAM
+    # had no slot for them (full, every slot lent), a copy over the socket.
+    data: list[bytes] = msgspec.field(default_factory=list)
 
 
 class Release(msgspec.Struct, tag=True):

@@ -110,7 +110,7 @@ class NodeConfig:
 
 # The node's own counters (`NodeServer.counters`), each only ever added to.
 COUNTERS = ("borrows", "lent_chunks", "reserved_chunks", "committed_chunks",
-            "received_chunks", "lookups",
+            "received_chunks", "sent_chunks", "lookups",
             "refused", "disconnects_with_leases", "recovered_chunks", "recovery_dropped_chunks",
             "described_chunks", "events_stored", "events_removed", "stored_unannounced")
 
@@ -298,30 +298,37 @@ class NodeServer:
     def borrow(self, owner: int, layout: _Layout, request: Borrow,
                spares: list[memoryview]) -> Lent:
         """Lend the request's chunks in order until the first miss, each in the RAM slab
-        (a chunk below RAM is promoted by its read); a chunk RAM cannot take (lent from a
-        spare) ends the run there: the engine cannot see the node's spares."""
+        (a chunk below RAM is promoted by its read); a chunk RAM cannot take (read into a
+        spare, which the engine cannot see) goes in the reply's `data` (SEND), up to half
+        a frame's bound, where the run ends."""
         keys = [ChunkKey(k) for k in request.keys]
         while len(spares) < len(keys):
             spares.append(memoryview(mmap.mmap(-1, layout.memory.chunk_bytes)))
         lending = layout.store.lend_as_landed(keys, spares[:len(keys)],
                                               [m.chunk_meta() for m in request.metas],
                                               in_order=True)
-        offsets, tiers = [], []
+        offsets: list[int] = []
+        tiers: list[str] = []
+        sent: list[bytes] = []
         with contextlib.ExitStack() as undo:
             undo.callback(lending.close)
             for loan in lending:
                 offset = layout.memory.offset_of(loan.view.data)
                 if offset is None:
-                    break
+                    if (len(sent) + 1) * len(loan.view.data) > MAX_FRAME // 2:
+                        break
+                    sent.append(bytes(loan.view.data))  # the spare is the next Borrow's
+                    offset = SEND
                 offsets.append(offset)
                 tiers.append(loan.view.tier)
             failed = lending.failed_tier if lending.stopped_at == len(offsets) else None
             self.counters.add("borrows")
-            self.counters.add("lent_chunks", len(offsets))
+            self.counters.add("lent_chunks", len(offsets) - len(sent))
+            self.counters.add("sent_chunks", len(sent))
             if not offsets:
                 return Lent(0, [], [], failed)
             undo.pop_all()  # kept until Release, or the connection's end
-        return Lent(self._lease(owner, lending), offsets, tiers, failed)
+        return Lent(self._lease(owner, lending), offsets, tiers, failed, sent)
 
     def reserve(self, owner: int, layout: _Layout, request: Reserve, spare: memoryview
                 ) -> Reserved:
