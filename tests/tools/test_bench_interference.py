@@ -124,7 +124,7 @@ def _args(**overrides: object) -> argparse.Namespace:
     values: dict[str, object] = dict(
         quick=False, streams=None, stream_tokens=None, arrivals=None, arrival_gap_s=None,
         prefix_tokens=None, config=None, dir=Path("."), model_root=Path("."), tier=None,
-        net_delay_ms=None, net_bandwidth_gbps=None)
+        net_delay_ms=None, net_bandwidth_gbps=None, memory_tier_chunks=None)
     values.update(overrides)
     return argparse.Namespace(**values)
 
@@ -134,10 +134,13 @@ def test_quick_is_smaller_and_flags_override_it() -> None:
     quick = config_from(_args(quick=True, arrivals=3))
     assert full.configs == CONFIGS and full.arrivals == 8
     assert quick.arrivals == 3 and quick.prefix_tokens == (4096,) and quick.streams < 4
+    assert full.memory_tier_chunks == 2
+    assert config_from(_args(quick=True, memory_tier_chunks=40)).memory_tier_chunks == 40
 
 
 @pytest.mark.parametrize("overrides", [{"prefix_tokens": "4000"}, {"prefix_tokens": "x"},
                                        {"prefix_tokens": "32768"}, {"streams": 0},
+                                       {"memory_tier_chunks": 0},
                                        {"config": ["nope"]}, {"tier": "nfs"},
                                        {"tier": "redis", "net_delay_ms": -1.0},
                                        {"tier": "redis", "net_delay_ms": float("nan")},

@@ -63,6 +63,9 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     parser.add_argument("--prefix-tokens",
                         help="arrivals' prefix lengths, comma-separated, cycled; multiples of "
                              "256 (" + ",".join(map(str, defaults.prefix_tokens)) + ")")
+    parser.add_argument("--memory-chunks", type=non_negative_int, dest="memory_tier_chunks",
+                        help="kvtier's memory tier (the node's, for kvtier-node), in chunks "
+                             f"({defaults.memory_tier_chunks})")
     parser.add_argument("--tier", choices=TIERS,
                         help="the tier the arrivals' prefixes come back from, below a "
                              f"{defaults.memory_tier_chunks}-chunk memory tier ({defaults.tier}); "
@@ -90,7 +93,7 @@ def config_from(args: argparse.Namespace) -> InterferenceConfig:
     """The settings: --quick's, then any flag given. Raises ConfigError."""
     settings: dict[str, object] = dict(QUICK) if args.quick else {}
     for name in ("streams", "stream_tokens", "arrivals", "arrival_gap_s", "tier",
-                 "net_delay_ms", "net_bandwidth_gbps"):
+                 "net_delay_ms", "net_bandwidth_gbps", "memory_tier_chunks"):
         if getattr(args, name) is not None:
             settings[name] = getattr(args, name)
     for name in ("net_delay_ms", "net_bandwidth_gbps"):
