@@ -45,11 +45,13 @@ class NoCopyWaits(StandInDevice):
 
 class MoverRig:
     """`paged` (on `device`), `ram_chunks` chunks of RAM over a disk tier under `tmp`, the
-    mover (4-chunk load batches, 2 staging buffers), 4 spares; states noted to `note_state`."""
+    mover (`staging` chunks of staging per direction, in batches of `batch` chunks: by default
+    2 buffers of one chunk, a chunk at a time), 4 spares; states noted to `note_state`."""
 
     def __init__(self, tmp: Path, device: StandInDevice, paged: PagedKV, tokens_per_chunk: int,
                  ram_chunks: int = 16,
-                 note_state: Callable[[ChunkKey, bool], None] = lambda _k, _s: None) -> None:
+                 note_state: Callable[[ChunkKey, bool], None] = lambda _k, _s: None,
+                 staging: int = 2, batch: int | None = None) -> None:
         self.paged = paged
         layout = paged.layout(tokens_per_chunk)
         self.chunk_bytes = layout.bytes_per_chunk
@@ -59,7 +61,8 @@ class MoverRig:
             {"kind": "disk", "path": str(tmp / "disk"), "capacity": "64MiB"}]}), layout)
         self.device = device
         self.mover = StreamChunkMover(paged, self.store, self.chunk_bytes,
-                                      note_state=note_state, device=device, staging=2)
+                                      note_state=note_state, device=device, staging=staging,
+                                      batch=batch)
         self.spares = spare_buffers(4, self.chunk_bytes, device.pinned)
 
     def close(self) -> None:

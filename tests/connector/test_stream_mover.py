@@ -47,11 +47,12 @@ CHUNKS = 6
 class Rig(MoverRig):
     """vLLM's KV on the stand-in device, a store, and the mover between them."""
 
-    def __init__(self, tmp: Path, device: StandInDevice, ram_chunks: int = 16) -> None:
+    def __init__(self, tmp: Path, device: StandInDevice, ram_chunks: int = 16,
+                 staging: int = 2, batch: int | None = None) -> None:
         spec = VllmCacheSpec(BS, HEADS, DIM, DIM, torch.bfloat16)
         self.kv = vllm_kv_caches(spec, LAYERS, BLOCKS, "LBNHC", fill=False)
         super().__init__(tmp, device, PagedKV(self.kv, BS, content="halves", torch_ops=True),
-                         BS * BPC, ram_chunks)
+                         BS * BPC, ram_chunks, staging=staging, batch=batch)
 
     def write(self, blocks: range, generation: int) -> None:
         """What a forward writes: block b of every layer holds value(b, generation)."""

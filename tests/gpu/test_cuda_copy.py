@@ -54,9 +54,11 @@ PLAIN = CASES[0]  # LBNHC bf16: FlashAttention's layout, for the ordering scenar
 
 
 class Rig:
-    """vLLM's KV on the backend's device, a store (pinned RAM over disk), the mover."""
+    """vLLM's KV on the backend's device, a store (pinned RAM over disk), the mover (2
+    staging buffers of a chunk; test_cuda_batches.py: `staging` chunks in batches of `batch`)."""
 
-    def __init__(self, backend: Backend, case: Case, tmp: Path, ram_chunks: int = 32) -> None:
+    def __init__(self, backend: Backend, case: Case, tmp: Path, ram_chunks: int = 32,
+                 staging: int = 2, batch: int | None = None) -> None:
         self.backend, self.case = backend, case
         self.kv = backend.kv_caches(case, LAYERS, BLOCKS)
         self.paged = backend.paged(case, self.kv)
@@ -68,7 +70,7 @@ class Rig:
             {"kind": "disk", "path": str(tmp / "disk"), "capacity": "64MiB"}]}), layout)
         self.mover = StreamChunkMover(self.paged, self.store, self.chunk_bytes,
                                       note_state=lambda _k, _s: None,
-                                      device=backend.device, staging=2)
+                                      device=backend.device, staging=staging, batch=batch)
         self.spares = spare_buffers(4, self.chunk_bytes, backend.device.pinned)
 
     def blocks(self) -> list[torch.Tensor]:

@@ -14,7 +14,9 @@ before their load has run, reads the wrong bytes, and the tests that check the b
 "store", "store copy") to its maximum delay in seconds (default: the delay of its first word's
 stream, "load" for "load copy", else `max_delay_s`), so a test can make one stream slow on
 purpose. Each event remembers the stream it was recorded on (a test's device can tell which
-wait is which).
+wait is which). `calls` counts the calls made of it by kind ("event", "record", "wait",
+"run"): on a GPU each is a CUDA call of the host's (`kvtier bench mover` reports them a
+chunk).
 
 Primitives: `StandInDevice`, `StandInEvent`, `StandInStream`, `POISON`.
 """
@@ -25,6 +27,7 @@ import queue
 import random
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -91,6 +94,7 @@ class StandInDevice:
         self.streams: list[StandInStream] = []
         self.compute = self._stream("compute")
         self.waits = 0  # stream waits queued (a test can see that the mover orders its work)
+        self.calls: Counter[str] = Counter()  # calls made of it, by kind
 
     def _stream(self, name: str) -> StandInStream:
         with self._lock:
@@ -108,18 +112,22 @@ class StandInDevice:
         return self.compute
 
     def new_event(self) -> StandInEvent:
+        self.calls["event"] += 1
         return StandInEvent()
 
     def record(self, event: Any, stream: Any) -> None:
+        self.calls["record"] += 1
         event._recorded = True
         event.stream = stream
         stream.put(event._reached.set)
 
     def wait(self, stream: Any, event: Any) -> None:
         self.waits += 1
+        self.calls["wait"] += 1
         stream.put(event.synchronize)
 
     def run(self, stream: Any, work: Callable[[], Any]) -> None:
+        self.calls["run"] += 1
         stream.put(work)
 
     def empty(self, nbytes: int) -> torch.Tensor:
@@ -136,7 +144,8 @@ class StandInDevice:
         """Wait until every stream has run what is queued on it so far."""
         for stream in list(self.streams):
             event = StandInEvent()
-            self.record(event, stream)
+            event._recorded = True  # not through `record`: not one of `calls`
+            stream.put(event._reached.set)
             event.synchronize()
 
     def close(self) -> None:

@@ -10,7 +10,16 @@ buffers. The ratio device / CPU per chunk is the protocol's overhead on the host
 a GPU load or store that is not the DMA. Stores, inline loads (the model runner's thread; the
 forward is ordered after the copies) and load-thread loads (waited for) are timed each.
 
-Primitives: `MoverBenchConfig`, `MoverBenchResult`, `run_mover_bench`.
+Host work a chunk (issue 47): the device mover is run twice on the stand-in, in batches (its
+default) and a chunk at a time (`batch=1`, as it moved every chunk before batches), and for
+each operation the calling thread's CPU time (`time.thread_time`: the mover's Python, the
+store's reservations and loans, the device calls; not the stand-in's copies, which run on its
+stream threads as a GPU's run on the GPU) and its calls of the device (`StandInDevice.calls`:
+events, records, waits, runs, each a CUDA call on a GPU) and index uploads and index kernels
+(`StreamChunkMover.index_counts`) are reported a chunk, batched against a chunk at a time.
+Each chunk also takes one DMA call either way (not counted).
+
+Primitives: `MoverBenchConfig`, `MoverBenchResult`, `HostFigure`, `run_mover_bench`.
 """
 
 from __future__ import annotations
@@ -18,8 +27,10 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -59,11 +70,32 @@ class MoverFigure:
 
 
 @dataclass(frozen=True, slots=True)
+class HostFigure:
+    """One operation through a device mover on the stand-in: the host's work a chunk, the
+    median of the trials (see the module docstring)."""
+
+    operation: str
+    mover: str  # BATCHED or PER_CHUNK
+    host_s_per_chunk: float  # the calling thread's CPU time
+    calls_per_chunk: dict[str, float]  # device calls by kind, "index uploads", "index kernels"
+
+    @property
+    def total_calls(self) -> float:
+        return sum(self.calls_per_chunk.values())
+
+
+@dataclass(frozen=True, slots=True)
 class MoverBenchResult:
     config: MoverBenchConfig
     chunk_bytes: int
     figures: tuple[MoverFigure, ...]
     verified: bool  # every load put the stored bytes back
+    host: tuple[HostFigure, ...] = ()
+
+    def host_ratio(self, operation: str) -> float:
+        """Batched / a chunk at a time: host CPU time a chunk for `operation`."""
+        by = {(f.operation, f.mover): f.host_s_per_chunk for f in self.host}
+        return by[(operation, BATCHED)] / by[(operation, PER_CHUNK)]
 
     def ratio(self, operation: str) -> float:
         """Device mover / CPU mover seconds per chunk for `operation`."""
@@ -73,11 +105,13 @@ class MoverBenchResult:
     def write_json(self, path: Path) -> None:
         data = asdict(self)
         data["ratios"] = {op: self.ratio(op) for op in OPERATIONS}
+        data["host_ratios"] = {op: self.host_ratio(op) for op in OPERATIONS}
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(data, indent=2) + "\n")
 
 
 OPERATIONS = ("store", "inline load", "load-thread load")
+BATCHED, PER_CHUNK = "stand-in device", "stand-in device, a chunk at a time"
 
 
 def run_mover_bench(config: MoverBenchConfig,
@@ -114,8 +148,9 @@ def run_mover_bench(config: MoverBenchConfig,
     loads = [ChunkTransfer(key=t.key, block_ids=tuple(b + half for b in t.block_ids))
              for t in stores]
     figures: list[MoverFigure] = []
+    host: list[HostFigure] = []
     verified = True
-    for name in ("cpu", "stand-in device"):
+    for name in ("cpu", PER_CHUNK, BATCHED):
         store = open_store(StoreConfig.parse({"tiers": [
             {"kind": "memory", "capacity": (config.chunks + 2) * slot, "pin": "off"}]}), layout)
         device = StandInDevice(max_delay_s=0.0) if name != "cpu" else None
@@ -123,25 +158,33 @@ def run_mover_bench(config: MoverBenchConfig,
             CpuChunkMover(paged, store, layout.bytes_per_chunk, lambda _k, _s: None)
             if device is None else
             StreamChunkMover(paged, store, layout.bytes_per_chunk, lambda _k, _s: None,
-                             device))
+                             device, batch=1 if name == PER_CHUNK else None))
         spares = spare_buffers(8, layout.bytes_per_chunk)
         timings: dict[str, list[float]] = {op: [] for op in OPERATIONS}
+        cpu_s: dict[str, list[float]] = {op: [] for op in OPERATIONS}
+        calls: dict[str, Counter[str]] = {op: Counter() for op in OPERATIONS}
+
         try:
             for trial in range(config.trials):
                 progress(f"{name}: trial {trial + 1} of {config.trials}")
                 for key in (t.key for t in stores):  # each trial stores them anew
                     store.tiers[0].delete(key)
                 start = time.perf_counter()
-                mover.store(stores, "sync")
+                cpu_s["store"].append(_measured(device, mover, calls["store"], partial(
+                    mover.store, stores, "sync")))
                 timings["store"].append(time.perf_counter() - start)
                 start = time.perf_counter()
-                mover.load(loads, spares, wait=False)
+                cpu = _measured(device, mover, calls["inline load"], partial(
+                    mover.load, loads, spares, wait=False))
                 if device is not None:
                     device.drain()
-                mover.release()
+                cpu_s["inline load"].append(cpu + _measured(device, mover, calls["inline load"],
+                                                            mover.release))
                 timings["inline load"].append(time.perf_counter() - start)
                 start = time.perf_counter()
-                mover.load(loads, spares, wait=True)
+                cpu_s["load-thread load"].append(_measured(
+                    device, mover, calls["load-thread load"], partial(
+                        mover.load, loads, spares, wait=True)))
                 timings["load-thread load"].append(time.perf_counter() - start)
             verified &= all(torch.equal(v.view(torch.uint8)[:half],
                                         v.view(torch.uint8)[half:2 * half])
@@ -153,4 +196,28 @@ def run_mover_bench(config: MoverBenchConfig,
                 device.close()
         figures += [MoverFigure(op, name, statistics.median(timings[op]) / config.chunks)
                     for op in OPERATIONS]
-    return MoverBenchResult(config, layout.bytes_per_chunk, tuple(figures), verified)
+        if device is not None:
+            moved = config.chunks * config.trials
+            host += [HostFigure(op, name, statistics.median(cpu_s[op]) / config.chunks,
+                                {kind: n / moved for kind, n in sorted(calls[op].items())})
+                     for op in OPERATIONS]
+    return MoverBenchResult(config, layout.bytes_per_chunk, tuple(figures), verified,
+                            tuple(host))
+
+
+def _measured(device: object, mover: object, calls: Counter[str],
+              work: Callable[[], object]) -> float:
+    """Run `work`, add its calls to `calls`; the CPU seconds it took on this thread."""
+    before, cpu = _calls(device, mover), time.thread_time()
+    work()
+    seconds = time.thread_time() - cpu
+    calls.update(_calls(device, mover) - before)
+    return seconds
+
+
+def _calls(device: object, mover: object) -> Counter[str]:
+    """The device's calls and the mover's index uploads and kernels so far."""
+    counts = Counter(getattr(device, "calls", Counter()))
+    counts.update(getattr(mover, "index_counts", Counter()))
+    return counts
+

@@ -55,5 +55,26 @@ def render(result: MoverBenchResult) -> Iterable[Any]:
         table.add_row(op, f"{by[(op, 'cpu')] * 1e6:.0f}",
                       f"{by[(op, 'stand-in device')] * 1e6:.0f}", f"{result.ratio(op):.2f}x")
     yield table
+    if result.host:
+        yield host_table(result)
     yield ("loads verified byte for byte" if result.verified
            else "[red]loaded bytes differ from the stored ones[/red]")
+
+
+def host_table(result: MoverBenchResult) -> Table:
+    """The device mover's host work a chunk, batched against a chunk at a time."""
+    from kvtier.tools.bench.mover import BATCHED, PER_CHUNK
+
+    table = Table(title="the device mover's host work a chunk on the stand-in: CPU time of "
+                        "the calling thread, calls (events, records, waits, runs, index "
+                        "uploads and kernels; each chunk's DMA call not counted)")
+    for column in ("operation", "a chunk at a time: us", "calls", "batched: us", "calls",
+                   "ratio (us)"):
+        table.add_column(column, justify="left" if column == "operation" else "right")
+    by = {(f.operation, f.mover): f for f in result.host}
+    for op in ("store", "inline load", "load-thread load"):
+        single, batched = by[(op, PER_CHUNK)], by[(op, BATCHED)]
+        table.add_row(op, f"{single.host_s_per_chunk * 1e6:.0f}", f"{single.total_calls:.2f}",
+                      f"{batched.host_s_per_chunk * 1e6:.0f}", f"{batched.total_calls:.2f}",
+                      f"{result.host_ratio(op):.2f}x")
+    return table

@@ -194,6 +194,13 @@ class PagedKV:
         return [view for group in self._groups for view in group.views]
 
     @property
+    def group_views(self) -> list[tuple[slice, torch.Tensor | None, list[torch.Tensor]]]:
+        """Per attention group: its layers in a chunk, one [L, num_blocks, heads, kv, r,
+        block_size / r, dim] view over them (None: not evenly spaced in one allocation), and
+        its layers' views (pagedbatch.py moves whole batches through them)."""
+        return [(group.layers, group.all, group.views) for group in self._groups]
+
+    @property
     def kv_cache_groups(self) -> int:
         """vLLM's KV cache groups behind it: attention groups and state groups."""
         return self.num_groups + len(self._states)

@@ -8,17 +8,21 @@ Loads. The worker calls `load` on its load thread (asynchronous loads: a hit bel
 there, never on the model runner's thread) or inline on the model runner's thread (hits in
 RAM). The chunks are borrowed from the store as they land (`TieredStore.lend_as_landed`, as
 the CPU mover's: the memory tier lends its pinned slots; a slower tier is read, in parallel,
-into pinned spares); for each chunk, as soon as it lands: on the load copy stream copy host ->
-a device staging buffer; on the load stream wait for that copy and for
-`after` (vLLM's work queued when the load was planned: the blocks may have belonged to a
-request whose kernels are still queued), scatter into the blocks, record `done`. The copy
-engine moves chunk i+1 while the SMs scatter chunk i (one stream for both ran them one after
-the other: 0.85x a raw copy at 32 MiB chunks on an H200). On the load thread the call waits
+into pinned spares); the chunks go in batches (`batch_chunks`), a batch queued once full or
+once it holds every spare: on the load copy stream copy each chunk's host bytes -> its place
+in a device staging buffer; on the load stream wait for those copies and for `after` (vLLM's
+work queued when the load was planned: the blocks may have belonged to a request whose
+kernels are still queued), scatter the whole batch into its blocks (one index upload and one
+kernel: pagedbatch.py), record `done`. The copy engine moves batch i+1 while the SMs scatter
+batch i (one stream for both ran them one after the other: 0.85x a raw copy at 32 MiB chunks
+on an H200). Batches, not chunks, because at 2 MiB a chunk's host work (a reservation, an
+index upload, a kernel, a DMA, two events, a stream wait: ~100-130 us on an H200) outlasted
+its DMA (~40 us) (issue 47). On the load thread the call waits
 for `done` before the load is reported (vLLM schedules the request only then). Inline, the
 compute stream waits for `done` instead, so the forward starts no earlier than its KV is in
 place and the host never waits for the copy; the loans (which keep the RAM slots from being
 reused) and the staging buffers are returned once `done` is reached (`release`, once a step).
-Each chunk stays lent until its copy's `done` (`Loan.release_after`): its spare then takes
+Each chunk stays lent until its batch's `done` (`Loan.release_after`): its spare then takes
 another read.
 
 States (models with state layers, groups.py): a chunk's state region rides in the same
@@ -28,23 +32,27 @@ from the host bytes before its copy is queued (a load that needs one stops at a 
 as the CPU mover's does), and from the host bytes once a store's DMA is done.
 
 Stores. The worker calls `store` on its store thread with `after` marked on the model runner's
-thread by `wait_for_save` (the forward that wrote the blocks). Each chunk's place is reserved in
-the memory tier first (`TieredStore.putting`: a pinned slot, no host staging copy; nothing is
-copied when the tier holds the chunk already); on the store stream it is gathered into a
-staging buffer after `after`, and on the store copy stream DMA'd straight into that slot. Up to
-one chunk per staging buffer is in flight: the store thread waits for the oldest DMA and
-commits its chunk while later chunks are gathered and copied (one chunk at a time, waited for
-before the next, ran at 0.1-0.6x a raw copy on an H200); the model runner never waits, whatever
-the step's number of chunks. The blocks cannot change meanwhile: a request that ends keeps its
-blocks until the worker has joined the job (vLLM's finished_sending), and a preemption joins
-it before the next forward (worker.py).
+thread by `wait_for_save` (the forward that wrote the blocks). The step's places are planned
+in one round (`plan_puts`: the node's store reserves them in one round trip), then each
+chunk's place is reserved in the memory tier (`TieredStore.putting`: a pinned slot, no host
+staging copy; nothing is copied when the tier holds the chunk already); a batch of reserved
+chunks is gathered on the store stream into a staging buffer after `after` (one index upload,
+one kernel), and on the store copy stream each chunk is DMA'd straight into its slot. Up to one
+batch per staging buffer is in flight: the store thread waits for the oldest batch's DMAs and
+commits its chunks (none before its `done`) while later batches are gathered and copied (one
+chunk at a time, waited for before the next, ran at 0.1-0.6x a raw copy on an H200); the model
+runner never waits, whatever the step's number of chunks. A chunk whose place cannot be
+reserved is not stored; a batch whose gather cannot be queued is not stored at all (logged:
+future misses), and what it held is given back. The blocks cannot change meanwhile: a
+request that ends keeps its blocks until the worker has joined the job (vLLM's
+finished_sending), and a preemption joins it before the next forward (worker.py).
 
 Staging buffers are a small pool per direction (`staging_buffers`: 64 MiB of device memory
-per direction, 2 to 16 buffers, allocated at start-up, after vLLM sized its KV cache, logged);
-a load or store that finds none free waits for the oldest copy (microseconds to milliseconds
-of DMA), on its own thread.
+per direction, 2 to 32 chunks, cut into buffers of a batch, at least 2; allocated at start-up,
+after vLLM sized its KV cache, logged); a load or store that finds none free waits for the
+oldest copy (microseconds to milliseconds of DMA), on its own thread.
 
-Primitives: `StreamChunkMover`, `staging_buffers`.
+Primitives: `StreamChunkMover`, `staging_buffers`, `batch_chunks`.
 """
 
 from __future__ import annotations
@@ -61,12 +69,14 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.core.keys import ChunkKey
-from kvtier.core.store import PendingPut
+from kvtier.core.loans import Loan
+from kvtier.core.store import ChunkView, PendingPut
 from kvtier.integrations.vllm.transfers import ChunkTransfer, LoadSample, chunk_meta
 from kvtier.integrations.vllm.worker.chunkstore import ChunkStore
 from kvtier.integrations.vllm.worker.device import Device, Event
 from kvtier.integrations.vllm.worker.mover import StoreJob
 from kvtier.integrations.vllm.worker.paged import PagedKV
+from kvtier.integrations.vllm.worker.pagedbatch import PagedBatches
 
 logger = logging.getLogger(__name__)
 MiB = 1 << 20
@@ -74,10 +84,17 @@ STAGING_BYTES = 64 * MiB  # device staging memory per direction, at least 2 buff
 
 
 def staging_buffers(chunk_bytes: int) -> int:
-    """Staging buffers per direction for chunks of `chunk_bytes`: 64 MiB of them, at least 2
-    (a copy overlaps a scatter) and at most 16: small chunks need more in flight to keep the
+    """Chunks of staging per direction for chunks of `chunk_bytes`: 64 MiB of them, at least
+    2 (a copy overlaps a scatter) and at most 32: small chunks need more in flight to keep the
     copy engine busy."""
-    return max(2, min(16, STAGING_BYTES // chunk_bytes))
+    return max(2, min(32, STAGING_BYTES // chunk_bytes))
+
+
+def batch_chunks(staging: int) -> int:
+    """Chunks a batch for `staging` chunks of staging per direction: a quarter of them, so
+    that four batches are in flight (two threads load at once, and an inline load's buffers
+    stay out until its copies are done), at least 1."""
+    return max(1, staging // 4)
 
 
 def _log_failed_store(transfer: ChunkTransfer) -> None:
@@ -86,15 +103,22 @@ def _log_failed_store(transfer: ChunkTransfer) -> None:
 
 
 @dataclass(slots=True)
-class _Storing:
-    """A store's chunk in flight: its gather and DMA queued, its place reserved."""
+class _Reserved:
+    """A store's chunk whose place is reserved (its `putting` block open)."""
 
     transfer: ChunkTransfer
-    slot: torch.Tensor  # staging buffer
-    done: Event  # the DMA into `put.data` is done
-    host: torch.Tensor  # `put.data`
     put: PendingPut
     exits: ExitStack  # the `putting` block: closing it stores the chunk
+
+
+@dataclass(slots=True)
+class _Storing:
+    """A batch of a store's chunks in flight: one gather and their DMAs queued."""
+
+    chunks: list[_Reserved]
+    slot: torch.Tensor  # staging buffer, the chunks one after the other
+    done: Event  # every DMA into the chunks' `put.data` is done
+    hosts: list[torch.Tensor]  # their `put.data`
 
 
 @dataclass(slots=True)
@@ -116,12 +140,14 @@ class StreamChunkMover:
 
     def __init__(self, paged: PagedKV, store: ChunkStore, chunk_bytes: int,
                  note_state: Callable[[ChunkKey, bool], None], device: Device,
-                 staging: int | None = None) -> None:
+                 staging: int | None = None, batch: int | None = None) -> None:
         """Args:
             note_state: told, for models with state layers, whether each chunk loaded or
                 stored holds the state at its end (any thread), as cpu.CpuChunkMover's.
             device: where `paged` lives; its streams and events order every copy.
-            staging: device staging buffers per direction (None: `staging_buffers`).
+            staging: chunks of device staging per direction (None: `staging_buffers`).
+            batch: chunks a batch (None: `batch_chunks`); the staging is cut into buffers of
+                a batch, at least 2.
         """
         self._paged = paged
         self._note_state = note_state
@@ -134,18 +160,28 @@ class StreamChunkMover:
         self._store_stream = device.new_stream("store")
         self._store_copy_stream = device.new_stream("store copy")
         staging = staging or staging_buffers(chunk_bytes)
+        self._batch = batch or batch_chunks(staging)
+        self._batches = PagedBatches(paged, chunk_bytes)
+        self._chunk_bytes = chunk_bytes
+        buffers = max(2, staging // self._batch)
         self._load_slots: queue.Queue[torch.Tensor] = queue.Queue()
         self._store_slots: list[torch.Tensor] = []  # one store at a time
-        for _ in range(staging):
-            self._load_slots.put(device.empty(chunk_bytes))
-            self._store_slots.append(device.empty(chunk_bytes))
+        for _ in range(buffers):
+            self._load_slots.put(device.empty(self._batch * chunk_bytes))
+            self._store_slots.append(device.empty(self._batch * chunk_bytes))
         # Where a chunk the memory tier declines is copied before the lower tiers get it.
         self._spare = device.pinned(chunk_bytes).numpy().data
         self._pending: deque[_Pending] = deque()  # inline loads, oldest first
         self._pending_lock = threading.Lock()
         self.samples: deque[LoadSample] = deque()
-        logger.info("kvtier: %s: %d MiB of staging buffers on the device (%d per direction)",
-                    device.name, 2 * staging * chunk_bytes >> 20, staging)
+        logger.info("kvtier: %s: %d MiB of staging buffers on the device (%d per direction, "
+                    "%d chunks each)", device.name, 2 * buffers * self._batch * chunk_bytes >> 20,
+                    buffers, self._batch)
+
+    @property
+    def index_counts(self) -> Counter[str]:
+        """Index uploads and index kernels queued so far (`kvtier bench mover`)."""
+        return self._batches.counts
 
     def mark(self) -> Event:
         """An event at the end of the work queued so far on the calling thread's compute
@@ -161,13 +197,16 @@ class StreamChunkMover:
         started, lent_by, read_s = time.perf_counter(), Counter[str](), 0.0
         self._device.wait(self._load_stream, after or self.mark())
         inline = not wait
-        copies: deque[tuple[Event, torch.Tensor]] = deque()  # this load's, queued
+        copies: deque[tuple[Event, torch.Tensor]] = deque()  # this load's batches, queued
+        batch: list[Loan[ChunkView]] = []  # landed, not queued yet
+        in_spares = 0  # of them, read into the caller's spares
         stateless: int | None = None  # a chunk that holds no state the load needs
         in_place = True  # every chunk lent where it lies (none in a spare)
         with ExitStack() as held:
-            # Each chunk's copy is queued as soon as its read lands, the first landed first
-            # (in order for models with state layers, as the CPU mover's); its host bytes
-            # stay lent until its copy is done, and its spare then takes the next read.
+            # Chunks are queued a batch at a time as their reads land, the first landed first
+            # (in order for models with state layers, as the CPU mover's); their host bytes
+            # stay lent until their batch's copy is done, and a spare then takes the next
+            # read. A batch holding every spare is queued at once: the lending needs one back.
             lending = held.enter_context(self._store.lend_as_landed(
                 [t.key for t in transfers], spares, [chunk_meta(t) for t in transfers],
                 in_order=bool(self._paged.state_bytes)))
@@ -181,17 +220,16 @@ class StreamChunkMover:
                     break
                 in_place = in_place and loan.in_place
                 lent_by[loan.view.tier] += 1
-                slot = self._free_slot(copies, inline)
-                # No tensor of the lent bytes outlives its copy in this frame.
-                self._queue_load(transfer, torch.frombuffer(loan.view.data, dtype=torch.uint8),
-                                 slot)
-                done = self._device.new_event()
-                self._device.record(done, self._load_stream)
-                copies.append((done, slot))
-                loan.release_after(done)
+                batch.append(loan)
+                in_spares += not loan.in_place
+                if len(batch) == self._batch or in_spares >= len(spares):
+                    self._queue_loads(batch, transfers, copies, inline)
+                    batch, in_spares = [], 0
                 reading = time.perf_counter()
             else:
                 read_s += time.perf_counter() - reading
+            if batch:
+                self._queue_loads(batch, transfers, copies, inline)
             loaded = lending.stopped_at if stateless is None else stateless
             # Spares are the caller's and its next load reads into them again: an inline
             # load from them waits for its copies, as a load thread does; so does one that
@@ -229,53 +267,76 @@ class StreamChunkMover:
             return False
         return True
 
-    def _queue_load(self, transfer: ChunkTransfer, host: torch.Tensor,
-                    slot: torch.Tensor) -> None:
-        """Host bytes -> `slot` on the load copy stream, then `slot` -> the chunk's blocks
-        and its state blocks on the load stream (after the load's `after`)."""
-        device, paged = self._device, self._paged
-        device.run(self._load_copy_stream, lambda: slot.copy_(host, non_blocking=True))
+    def _queue_loads(self, loans: list[Loan[ChunkView]], transfers: list[ChunkTransfer],
+                     copies: deque[tuple[Event, torch.Tensor]], inline: bool) -> None:
+        """A batch: each chunk's host bytes -> a staging buffer on the load copy stream, then
+        the buffer -> the chunks' blocks and state blocks in one scatter on the load stream
+        (after the load's `after`); the loans end once it is done."""
+        device, batches, size = self._device, self._batches, self._chunk_bytes
+        plan = batches.plan_scatter([transfers[loan.index] for loan in loans])
+        slot = self._free_slot(copies, inline)
+        # No tensor of the lent bytes outlives its copy in this frame.
+        hosts = [torch.frombuffer(loan.view.data, dtype=torch.uint8) for loan in loans]
+
+        def dma() -> None:
+            for i, host in enumerate(hosts):
+                slot[i * size:(i + 1) * size].copy_(host, non_blocking=True)
+
+        device.run(self._load_copy_stream, dma)
         copied = device.new_event()
         device.record(copied, self._load_copy_stream)
         device.wait(self._load_stream, copied)
-        device.run(self._load_stream, lambda: paged.scatter(
-            slot, transfer.block_ids, transfer.first_block, transfer.state_blocks))
+        device.run(self._load_stream, lambda: batches.scatter(plan, slot))
+        done = device.new_event()
+        device.record(done, self._load_stream)
+        copies.append((done, slot))
+        for loan in loans:
+            loan.release_after(done)
 
     # -- stores ---------------------------------------------------------------------------
     def store(self, transfers: list[ChunkTransfer], mode: str,
               after: Event | None = None) -> StoreJob:
-        """See mover.ChunkMover.store. Up to one chunk per staging buffer is in flight: the
-        gather of one, the DMA of another and the commit of a third overlap."""
+        """See mover.ChunkMover.store. The chunks go a batch at a time, up to one batch per
+        staging buffer in flight: the gather of one, the DMAs of another and the commits of
+        a third overlap."""
         start = time.perf_counter()
         self._device.wait(self._store_stream, after or self.mark())
         self._store.plan_puts([t.key for t in transfers], [chunk_meta(t) for t in transfers])
         stored: list[ChunkTransfer] = []
         flight: deque[_Storing] = deque()  # oldest first
+        batch: list[_Reserved] = []  # reserved, not queued yet
         try:
             for transfer in transfers:
-                if not self._store_slots:
-                    self._end_store(flight.popleft(), stored)
+                if not batch and not self._store_slots:
+                    self._end_stores(flight.popleft(), stored)
                 try:
-                    storing = self._begin_store(transfer, stored)
+                    reserved = self._reserve(transfer, stored)
                 except Exception:  # a failed store is a future miss, never a dead thread
                     _log_failed_store(transfer)
                     continue
-                if storing is not None:
-                    flight.append(storing)
-                    if not storing.put.in_place:  # in the one spare: ends before the next
-                        while flight:
-                            self._end_store(flight.popleft(), stored)
+                if reserved is None:
+                    continue
+                batch.append(reserved)
+                in_spare = not reserved.put.in_place  # the one spare: ends before the next
+                if len(batch) == self._batch or in_spare:
+                    self._queue_stores(batch, flight)
+                    batch = []
+                    while in_spare and flight:
+                        self._end_stores(flight.popleft(), stored)
+            if batch:
+                self._queue_stores(batch, flight)
+                batch = []
         finally:
+            for reserved in batch:  # an exception left them unqueued: nothing writes them
+                reserved.put.cancel()
+                reserved.exits.close()
             while flight:
-                self._end_store(flight.popleft(), stored)
+                self._end_stores(flight.popleft(), stored)
         return StoreJob(stored, time.perf_counter() - start, mode)
 
-    def _begin_store(self, transfer: ChunkTransfer,
-                     stored: list[ChunkTransfer]) -> _Storing | None:
-        """Reserve the chunk's place in the store, queue its gather (store stream) and its
-        DMA into that place (store copy stream); None when there is nothing to copy (the
+    def _reserve(self, transfer: ChunkTransfer, stored: list[ChunkTransfer]) -> _Reserved | None:
+        """Reserve the chunk's place in the store; None when there is nothing to copy (the
         store holds it already: then it counts as stored, or takes it nowhere)."""
-        device, paged = self._device, self._paged
         exits = ExitStack()
         put = exits.enter_context(self._store.putting(transfer.key, self._spare,
                                                       chunk_meta(transfer)))
@@ -284,61 +345,98 @@ class StreamChunkMover:
             if put.stored:
                 stored.append(transfer)
             return None
+        return _Reserved(transfer, put, exits)
+
+    def _queue_stores(self, batch: list[_Reserved], flight: deque[_Storing]) -> None:
+        """Queue a batch's gather into a staging buffer (store stream) and each chunk's DMA
+        into its place (store copy stream). A batch that cannot be queued is not stored
+        (logged; future misses), its places and buffer given back."""
+        device, batches, size = self._device, self._batches, self._chunk_bytes
         slot = self._store_slots.pop()
         try:
-            device.run(self._store_stream, lambda: paged.gather(
-                transfer.block_ids, slot, transfer.state_blocks))
+            plan = batches.plan_gather([reserved.transfer for reserved in batch])
+            device.run(self._store_stream, lambda: batches.gather(plan, slot))
             gathered = device.new_event()
             device.record(gathered, self._store_stream)
-            host = torch.frombuffer(put.data, dtype=torch.uint8)
+            hosts = [torch.frombuffer(r.put.data, dtype=torch.uint8) for r in batch
+                     if r.put.data is not None]
+
+            def dma() -> None:
+                for i, host in enumerate(hosts):
+                    host.copy_(slot[i * size:(i + 1) * size], non_blocking=True)
+
             device.wait(self._store_copy_stream, gathered)
-            device.run(self._store_copy_stream, lambda: host.copy_(slot, non_blocking=True))
+            device.run(self._store_copy_stream, dma)
             done = device.new_event()
             device.record(done, self._store_copy_stream)
-        except BaseException:
-            self._abandon(put, exits, slot)
-            raise
-        return _Storing(transfer, slot, done, host, put, exits)
+        except BaseException as error:
+            self._abandon(batch, slot)
+            if not isinstance(error, Exception):
+                raise
+            for reserved in batch:
+                _log_failed_store(reserved.transfer)
+            return
+        flight.append(_Storing(batch, slot, done, hosts))
 
-    def _end_store(self, storing: _Storing, stored: list[ChunkTransfer]) -> None:
-        """Wait for a chunk's DMA and store it (the block of its `putting` ends)."""
+    def _end_stores(self, storing: _Storing, stored: list[ChunkTransfer]) -> None:
+        """Wait for a batch's DMAs and store its chunks (the blocks of their `putting`
+        end): no chunk is committed before its bytes are in place."""
         try:
             storing.done.synchronize()
-            has_state = bool(self._paged.state_bytes) and self._paged.has_state(storing.host)
         except Exception:
-            _log_failed_store(storing.transfer)
-            self._abandon(storing.put, storing.exits, storing.slot)
+            for reserved in storing.chunks:
+                _log_failed_store(reserved.transfer)
+            self._abandon(storing.chunks, storing.slot)
             return
         try:
-            storing.exits.close()
-        except Exception:
-            _log_failed_store(storing.transfer)
-            return
+            for reserved, host in zip(storing.chunks, storing.hosts):
+                self._commit(reserved, host, stored)
         finally:
             self._store_slots.append(storing.slot)
-        if storing.put.stored:
-            stored.append(storing.transfer)
-            if self._paged.state_bytes:
-                self._note_state(storing.transfer.key, has_state)
 
-    def _abandon(self, put: PendingPut, exits: ExitStack, slot: torch.Tensor) -> None:
-        """End a put without storing it, once nothing queued writes into it or its slot."""
+    def _commit(self, reserved: _Reserved, host: torch.Tensor,
+                stored: list[ChunkTransfer]) -> None:
+        """Store one chunk whose DMA is done; one that fails is logged and not stored."""
+        has_state = False
+        try:
+            has_state = bool(self._paged.state_bytes) and self._paged.has_state(host)
+        except Exception:
+            _log_failed_store(reserved.transfer)
+            reserved.put.cancel()
+        try:
+            reserved.exits.close()
+        except Exception:
+            _log_failed_store(reserved.transfer)
+            return
+        if reserved.put.stored:
+            stored.append(reserved.transfer)
+            if self._paged.state_bytes:
+                self._note_state(reserved.transfer.key, has_state)
+
+    def _abandon(self, chunks: list[_Reserved], slot: torch.Tensor) -> None:
+        """End puts without storing them, once nothing queued writes into them or `slot`."""
         try:
             for stream in (self._store_stream, self._store_copy_stream):
                 drained = self._device.new_event()
                 self._device.record(drained, stream)
                 drained.synchronize()
         finally:
-            put.cancel()
-            exits.close()  # stores nothing
-            self._store_slots.append(slot)
+            try:
+                for reserved in chunks:
+                    reserved.put.cancel()
+                    reserved.exits.close()  # stores nothing
+            finally:
+                self._store_slots.append(slot)
 
     # -- buffers --------------------------------------------------------------------------
     def _free_slot(self, copies: deque[tuple[Event, torch.Tensor]],
                    inline: bool) -> torch.Tensor:
         """A free staging buffer: when none is, the oldest of this load's copies (or, on the
         model runner's thread, of earlier inline loads) is waited for; else another thread's
-        copy, which ends in bounded time (its read is done before it takes a buffer)."""
+        copy, which ends in bounded time (its read is done before it takes a buffer). An
+        inline load's buffers are taken back as soon as its copies are done, on any thread:
+        its loans wait for `release`, its buffers need not (a load thread could otherwise
+        wait for the model runner's next step)."""
         if inline:
             self.release()
         while True:
@@ -351,7 +449,20 @@ class StreamChunkMover:
                 done.synchronize()
                 self._load_slots.put(slot)
             elif not (inline and self._release_oldest()):
-                return self._load_slots.get()
+                try:
+                    return self._load_slots.get(timeout=0.001)
+                except queue.Empty:
+                    self._reclaim_buffers()
+
+    def _reclaim_buffers(self) -> None:
+        """Take back the staging buffers of inline loads whose copies are done (any thread;
+        their loans stay out until `release`)."""
+        with self._pending_lock:
+            done = [p for p in self._pending if p.slots and p.done.query()]
+            taken = [slot for p in done for slot in p.slots]
+            for p in done:
+                p.slots = []
+        self._give_back(taken, self._load_slots)
 
     @staticmethod
     def _give_back(taken: list[torch.Tensor], slots: queue.Queue[torch.Tensor]) -> None:
