@@ -36,6 +36,7 @@ from kvtier.core.retention import DEFAULT_META, ChunkMeta
 from kvtier.core.store import ChunkView, PendingPut, StoreEvent, StoreStats
 from kvtier.core.tier import TierCounters
 from kvtier.errors import NodeUnavailable
+from kvtier.node.dma import register_for_dma
 from kvtier.node.protocol import (
     HELD,
     SEND,
@@ -96,6 +97,7 @@ class NodeClient:
         self._epoch = 0
         self._slab: tuple[str, mmap.mmap] | None = None  # (generation, mapping)
         self.welcome: Welcome | None = None
+        self.dma_registered = False  # the slab's mapping registered with CUDA (node/dma.py)
         self.failures = 0  # calls the node did not answer (each a miss or a dropped store)
 
     def call(self, request: Request, reply: type[R]) -> R:
@@ -215,6 +217,7 @@ class NodeClient:
             if self._slab is not None:
                 log.info("kvtier: node %r restarted (generation %s): its slab mapped again",
                          welcome.node, welcome.generation)
+            self.dma_registered = register_for_dma(mapping)  # a GPU engine's copies: DMA
             self._slab = (welcome.generation, mapping)  # the old mapping: loans still out
             self._local.slab = self._slab
             self.welcome = welcome
