@@ -36,11 +36,12 @@ def engine_and_subscriber(tiny_model_dir: Path, tmp_path_factory: pytest.TempPat
               "kv_role": "kv_both",
               "kv_connector_extra_config": {"tokens_per_chunk": TPC, "tiers": [
                   {"kind": "memory", "capacity": 4 * CHUNK_BYTES}]}}
+    # kv@<pod>@<model>: llm-d's scorer subscribes to "kv@" and reads pod and model from it.
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
-              "topic": "kv"}
+              "topic": "kv@127.0.0.1:8000@test"}
     context = zmq.Context()
     sub = context.socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
     try:
         with start_engine(tiny_model_dir, kvtier, kv_events_config=events) as llm:
             sub.connect(endpoint)  # the engine's publisher is bound by now

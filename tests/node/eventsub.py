@@ -25,6 +25,7 @@ class Subscriber:
         self._kv_events = kv_events
         self._decoder = msgspec.msgpack.Decoder(kv_events.KVEventBatch)
         self.batches: list[tuple[str, int, Any]] = []  # (topic, seq, vLLM's KVEventBatch)
+        self.frames: list[tuple[str, bytes]] = []  # (topic, payload) as received, for llmdrules
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._context = zmq.Context()
@@ -57,6 +58,7 @@ class Subscriber:
                 batch = self._decoder.decode(payload)
                 with self._lock:
                     self.batches.append((topic.decode(), int.from_bytes(seq, "big"), batch))
+                    self.frames.append((topic.decode(), payload))
 
     def events(self) -> list[tuple[str, Any]]:
         """Every event received so far, with its topic."""
