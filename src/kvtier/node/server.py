@@ -302,6 +302,10 @@ class NodeServer:
         spare, which the engine cannot see) goes in the reply's `data` (SEND), up to half
         a frame's bound, where the run ends."""
         keys = [ChunkKey(k) for k in request.keys]
+        if self._lending_open(owner):
+            # The connection's spares may still take an earlier lending's late reads (a run
+            # cut at the frame's bound): this one reads into spares of its own.
+            spares = []
         while len(spares) < len(keys):
             spares.append(memoryview(mmap.mmap(-1, layout.memory.chunk_bytes)))
         lending = layout.store.lend_as_landed(keys, spares[:len(keys)],
@@ -421,6 +425,12 @@ class NodeServer:
             lease = next(self._lease_ids)
             self._leases[lease] = (owner, held)
             return lease
+
+    def _lending_open(self, owner: int) -> bool:
+        """Whether a lending of connection `owner` is not released yet."""
+        with self._lock:
+            return any(who == owner and not isinstance(held, _Puts)
+                       for who, held in self._leases.values())
 
     def _engine_of(self, owner: int) -> str | None:
         with self._lock:
