@@ -7,6 +7,7 @@ socket. Chunks are 64 tokens; the memory tier holds 4 of them, so a second promp
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -68,24 +69,79 @@ def _kvtier_events(sub: zmq.Socket, wait_s: float = 3.0) -> list[Any]:
     return found
 
 
+def _blocks(stored: list[Any]) -> list[tuple[bytes, bytes | None, list[int]]]:
+    """(hash, parent, token ids) of every block the BlockStored events announce, in order (an
+    event announces a run of a prompt's chunks: kvtier.tiers.eventblocks)."""
+    blocks = []
+    for e in stored:
+        parent = e.parent_block_hash
+        for j, block in enumerate(e.block_hashes):
+            blocks.append((block, parent, e.token_ids[j * e.block_size:(j + 1) * e.block_size]))
+            parent = block
+    return blocks
+
+
 def test_routers_see_stored_chunks_with_their_tokens_then_their_eviction(
         engine_and_subscriber: tuple[Any, zmq.Socket]) -> None:
     llm, sub = engine_and_subscriber
     [first] = random_prompts([300], seed=11)
     token_ids(llm, [first])
     stored = [e for e in _kvtier_events(sub) if type(e).__name__ == "BlockStored"]
-    # 300 prompt tokens + 16 generated: 4 full chunks, each announced once, with its tokens.
-    assert len(stored) == 4
+    # 300 prompt tokens + 16 generated: 4 full chunks, each announced once, with its tokens,
+    # parents first.
+    blocks = _blocks(stored)
+    assert len(blocks) == 4
     tokens = first["prompt_token_ids"]
-    assert [e.token_ids for e in stored] == [tokens[i * TPC:(i + 1) * TPC] for i in range(4)]
+    assert [b[2] for b in blocks] == [tokens[i * TPC:(i + 1) * TPC] for i in range(4)]
     assert all(e.block_size == TPC and e.medium == "CPU" and e.locality == "LOCAL"
                for e in stored)
-    assert stored[0].parent_block_hash is None
-    assert [e.parent_block_hash for e in stored[1:]] == [e.block_hashes[0] for e in stored[:-1]]
+    assert blocks[0][1] is None
+    assert [b[1] for b in blocks[1:]] == [b[0] for b in blocks[:-1]]
 
     # A second prompt's chunks push the first prompt's out of the 4-chunk memory tier.
     token_ids(llm, random_prompts([300], seed=12))
     events = _kvtier_events(sub)
     removed = {bytes(h) for e in events if type(e).__name__ == "BlockRemoved"
                for h in e.block_hashes}
-    assert {bytes(e.block_hashes[0]) for e in stored} <= removed
+    assert {bytes(b[0]) for b in blocks} <= removed
+
+
+def test_a_salted_prompt_announced_at_dynamos_block_size_scores_for_its_salt(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    """event_block_size 16: NVIDIA Dynamo's router (its rules: tests/node/dynamorules.py)
+    indexes the chunks of a salted request and matches a query of the same salt only."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "node"))
+    pytest.importorskip("xxhash")
+    from dynamorules import DynamoIndexer
+    from vllm.distributed.kv_events import KVEventBatch
+
+    endpoint = f"ipc://{tmp_path}/kv-events.sock"
+    kvtier = {"kv_connector": "KVTierConnector",
+              "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both",
+              "kv_connector_extra_config": {"tokens_per_chunk": TPC, "event_block_size": 16,
+                                            "tiers": [{"kind": "memory",
+                                                       "capacity": 8 * CHUNK_BYTES}]}}
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
+              "topic": "kv@127.0.0.1:8000@test"}
+    salt = "dynamo-cache-salt:tenant-a"  # as Dynamo's vLLM handler hands the salt to vLLM
+    [prompt] = random_prompts([300], seed=21)
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+    try:
+        with start_engine(tiny_model_dir, kvtier, kv_events_config=events) as llm:
+            sub.connect(endpoint)
+            time.sleep(0.5)
+            token_ids(llm, [{**prompt, "cache_salt": salt}])
+            ours = _kvtier_events(sub)
+    finally:
+        sub.close(linger=0)
+        context.term()
+    stored = [e for e in ours if type(e).__name__ == "BlockStored"]
+    assert len(_blocks(stored)) == 16 and {e.block_size for e in stored} == {16}
+    assert stored[0].extra_keys[0] == (salt,)
+    dynamo = DynamoIndexer(kv_block_size=16)
+    dynamo.receive("A", msgspec.msgpack.encode(KVEventBatch(ts=0.0, events=ours)))
+    tokens = prompt["prompt_token_ids"]
+    assert dynamo.score(tokens, namespace="tenant-a") == {"A": 16}
+    assert dynamo.score(tokens) == {} and dynamo.score(tokens, namespace="tenant-b") == {}

@@ -66,12 +66,26 @@ class Subscriber:
             return [(topic, event) for topic, _, batch in self.batches for event in batch.events]
 
     def stored(self) -> dict[bytes, Any]:
-        return {e.block_hashes[0]: e for _, e in self.events()
-                if isinstance(e, self._kv_events.BlockStored)}
+        """Every block announced stored, as a one-block vLLM BlockStored of its own (an event
+        announces a run of chunks: kvtier.tiers.eventblocks), by its hash."""
+        blocks = {}
+        for _, e in self.events():
+            if not isinstance(e, self._kv_events.BlockStored):
+                continue
+            parent, size = e.parent_block_hash, e.block_size
+            for j, block in enumerate(e.block_hashes):
+                blocks[block] = self._kv_events.BlockStored(
+                    block_hashes=[block], parent_block_hash=parent,
+                    token_ids=e.token_ids[j * size:(j + 1) * size], block_size=size,
+                    lora_id=None, medium=e.medium, lora_name=e.lora_name,
+                    extra_keys=None if e.extra_keys is None else [e.extra_keys[j]],
+                    locality=e.locality, ownership=e.ownership)
+                parent = block
+        return blocks
 
     def removed(self) -> list[bytes]:
-        return [e.block_hashes[0] for _, e in self.events()
-                if isinstance(e, self._kv_events.BlockRemoved)]
+        return [block for _, e in self.events() if isinstance(e, self._kv_events.BlockRemoved)
+                for block in e.block_hashes]
 
     def close(self) -> None:
         self._stop.set()

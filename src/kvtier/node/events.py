@@ -36,7 +36,6 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-import numpy as np
 import zmq
 
 from kvtier.core.keys import ChunkKey
@@ -50,6 +49,7 @@ from kvtier.node.eventwire import (
     frames,
 )
 from kvtier.node.protocol import Described
+from kvtier.tiers.eventblocks import router_blocks
 from kvtier.tiers.eventfacts import ChunkInfo, ChunkTokens, EventPlace, event_place
 
 log = logging.getLogger(__name__)
@@ -217,29 +217,30 @@ class NodeEvents:
         return published
 
     def _convert(self, source: _Source, events: list[StoreEvent]) -> list[Event]:
-        """The wire events of one layout's store events (as the scheduler's `kv_events`)."""
-        out: list[Event] = []
-        stored = removed = unknown = 0
-        for event in events:
-            where = self._places.get(event.tier) or EventPlace(None, None,
-                                                               f"kvtier/{event.tier}")
-            if event.kind == "removed":
-                out.append(BlockRemoved([event.key], where.medium, locality=where.locality,
-                                        ownership=where.ownership))
-                removed += 1
-                continue
+        """The wire events of one layout's store events (as the scheduler's `kv_events`: the
+        blocks of `kvtier.tiers.eventblocks`, one a chunk)."""
+        tokens = self._tokens[source.model]
+
+        def info_of(key: ChunkKey) -> ChunkInfo | None:
             with self._lock:
-                info = self._tokens[source.model].get(event.key)
-            if info is None:
-                unknown += 1
+                return tokens.get(key)
+
+        size = source.tokens_per_chunk
+        blocks, unknown = router_blocks(events, info_of, size, size)
+        out: list[Event] = []
+        stored = removed = 0
+        for b in blocks:
+            where = self._places.get(b.tier) or EventPlace(None, None, f"kvtier/{b.tier}")
+            if not b.stored:
+                out.append(BlockRemoved(list(b.block_hashes), where.medium,
+                                        locality=where.locality, ownership=where.ownership))
+                removed += len(b.block_hashes)
                 continue
-            extra = tuple(x for x in (info.lora_name, info.cache_salt) if x)
             out.append(BlockStored(
-                [event.key], info.parent, np.frombuffer(info.token_ids, dtype="<i4").tolist(),
-                source.tokens_per_chunk, None, where.medium, info.lora_name,
-                extra_keys=[extra] if extra else None, locality=where.locality,
+                list(b.block_hashes), b.parent, b.token_ids or [], size, None, where.medium,
+                b.lora_name, extra_keys=b.extra_keys, locality=where.locality,
                 ownership=where.ownership))
-            stored += 1
+            stored += len(b.block_hashes)
         self._count("events_stored", stored)
         self._count("events_removed", removed)
         self._count("stored_unannounced", unknown)

@@ -36,7 +36,7 @@ TOKENS_PER_CHUNK = 256
 DEFAULT_TIERS: tuple[dict[str, Any], ...] = ({"kind": "memory", "capacity": "2GiB"},)
 # The connector's own keys; every other key of the extra config belongs to StoreConfig.
 CONNECTOR_KEYS = frozenset({"tokens_per_chunk", "index_max_keys", "load_mode", "store_mode",
-                            "load_when", "node"})
+                            "load_when", "node", "event_block_size"})
 # In node mode (`node`: the socket of `kvtier node`) the engine's one tier is the node's.
 NODE_TIER = "node"
 # Keys the scheduler remembers as stored, in node mode (the node's capacity is its own).
@@ -90,6 +90,11 @@ class ConnectorConfig:
     # The Unix socket of the node's cache (`kvtier node serve`): every tier is the node's and
     # nothing below its RAM runs in vLLM's processes. None: the tiers run in this engine.
     node: str | None = None
+    # Tokens per block of the KV events for routers (--kv-events-config): a divisor of
+    # tokens_per_chunk, each chunk announced as that many chained blocks; NVIDIA Dynamo's
+    # router takes only blocks of its own size (its --kv-block-size, the engine's block size).
+    # None: one block a chunk.
+    event_block_size: int | None = None
 
     @staticmethod
     def known_keys() -> frozenset[str]:
@@ -132,6 +137,11 @@ class ConnectorConfig:
                     raise ConfigError(f"{where}.{name}", value, f"one of {modes}")
             elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{where}.{name}", value, "a positive integer")
+        event_block = values.get("event_block_size")
+        chunk = values.get("tokens_per_chunk", TOKENS_PER_CHUNK)
+        if event_block is not None and chunk % event_block:
+            raise ConfigError(f"{where}.event_block_size", event_block,
+                              f"a divisor of tokens_per_chunk ({chunk})")
         extra.setdefault("tiers", [dict(t) for t in DEFAULT_TIERS])
         store = StoreConfig.parse(extra, where=where)
         for i, tier in enumerate(store.tiers):
@@ -177,7 +187,12 @@ class ConnectorConfig:
         self.check_block_size(block_size)
         if self.tokens_per_chunk % block_size == 0:
             return self
-        return replace(self, tokens_per_chunk=-(-TOKENS_PER_CHUNK // block_size) * block_size)
+        chunk = -(-TOKENS_PER_CHUNK // block_size) * block_size
+        if self.event_block_size is not None and chunk % self.event_block_size:
+            raise ConfigError(f"{WHERE}.event_block_size", self.event_block_size,
+                              f"a divisor of tokens_per_chunk ({chunk} for vLLM's "
+                              f"block_size {block_size}): set tokens_per_chunk")
+        return replace(self, tokens_per_chunk=chunk)
 
     def check_block_size(self, block_size: int) -> None:
         """Raise ConfigError unless tokens_per_chunk is a multiple of vLLM's block size, or

@@ -33,14 +33,17 @@ class RouterEvents:
     """Chunk token ids and queued KV events (scheduler thread)."""
 
     def __init__(self, enabled: bool, tier_kinds: Mapping[str, str],
-                 tokens_per_chunk: int, node: NodeProbe | None = None) -> None:
+                 tokens_per_chunk: int, node: NodeProbe | None = None,
+                 block_size: int | None = None) -> None:
         """`enabled`: vLLM publishes KV events (--kv-events-config); `tier_kinds`: tier
         name -> kind, for each event's medium and locality; `node`: the node of node mode,
-        told the chunks of each step's stores when it publishes events."""
+        told the chunks of each step's stores when it publishes events; `block_size`: the
+        events' block size (ConnectorConfig.event_block_size; None: one block a chunk)."""
         self._vllm_events = enabled
         self._node = node
         self._tier_kinds = tier_kinds
         self._tokens_per_chunk = tokens_per_chunk
+        self._block_size = block_size
         self._chunk_tokens = ChunkTokens()
         self._queued: list[KVCacheEvent] = []
 
@@ -66,7 +69,7 @@ class RouterEvents:
         """Queue the events of what the workers' tiers stored and removed."""
         if self._vllm_events:
             self._queued.extend(kv_events(store_events, self._chunk_tokens, self._tier_kinds,
-                                          self._tokens_per_chunk))
+                                          self._tokens_per_chunk, self._block_size))
 
     def describe(self, stores: Iterable[ChunkKey]) -> None:
         """Tell the node (node mode, when it publishes) the chunks of a step's planned stores
