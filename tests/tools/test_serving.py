@@ -158,6 +158,7 @@ def test_serve_config_file_takes_every_key_the_connector_takes(capsys, tmp_path)
              "read_timeout_s": 2.5, "lookup_timeout_s": 0.5, "load_mode": "async",
              "store_mode": "sync", "load_when": "always", "io_threads": 4,
              "io_cores": "inherit", "event_block_size": 16,
+             "pool_events": {"endpoint": "tcp://epp:5558", "pool": "fleet", "model": "m"},
              "tiers": [{"kind": "memory", "capacity": "1GiB"}]}
     # a new key needs a value here ("node" replaces "tiers": its own case below)
     assert set(every) | {"node"} == ConnectorConfig.known_keys()
@@ -174,8 +175,9 @@ def test_serve_config_file_takes_every_key_the_connector_takes(capsys, tmp_path)
     assert main(["serve", "./model", "--config", str(path), "--dry-run"]) == 2
     assert "index_max_key" in capsys.readouterr().err
 
-    # Node mode: the tiers are the node's, and both is an error naming `tiers`.
-    node = {key: value for key, value in every.items() if key != "tiers"}
+    # Node mode: the tiers are the node's, and both is an error naming `tiers` (the node
+    # publishes its tiers' events: no pool_events either).
+    node = {key: value for key, value in every.items() if key not in ("tiers", "pool_events")}
     path.write_text(json.dumps({**node, "node": "/run/kvtier/node.sock"}))
     assert main(["serve", "./model", "--config", str(path), "--dry-run"]) == 0
     printed = capsys.readouterr().out.split("kv_connector_extra_config: ", 1)[1]

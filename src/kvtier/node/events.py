@@ -24,54 +24,26 @@ while (`ChunkTokens`, per model); a chunk stored with no known tokens is not ann
 (counted), as in process. A thread drains every layout's store events every `interval_s`, and
 at once after a step's last commit (`wake`).
 
-Primitives: `check_endpoint`, `events_topic`, `NodeEvents`.
+Primitives: `events_topic`, `NodeEvents` (its socket: `kvtier.node.eventpub`).
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import threading
-import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-import zmq
-
 from kvtier.core.keys import ChunkKey
 from kvtier.core.store import StoreEvent, TieredStore
-from kvtier.errors import ConfigError
-from kvtier.node.eventwire import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    KVEventBatch,
-    frames,
-)
+from kvtier.node.eventpub import EventPublisher
+from kvtier.node.eventwire import AllBlocksCleared, BlockRemoved, BlockStored
 from kvtier.node.protocol import Described
 from kvtier.tiers.eventblocks import router_blocks
 from kvtier.tiers.eventfacts import ChunkInfo, ChunkTokens, EventPlace, event_place
 
 log = logging.getLogger(__name__)
-_TCP = re.compile(r"tcp://(\*|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})")
-ALLOWED = ("tcp://HOST:PORT (the node connects to a subscriber bound there, as vLLM's "
-           "publisher does: llm-d's EPP), tcp://*:PORT or tcp://[::]:PORT (bound on every "
-           "interface) or ipc://PATH (bound)")
 Event = BlockStored | BlockRemoved | AllBlocksCleared
-
-
-def check_endpoint(endpoint: str) -> str:
-    """`endpoint`, if the node can publish there.
-
-    Raises:
-        ConfigError: naming `events_endpoint`, the value and what is allowed.
-    """
-    tcp = _TCP.fullmatch(endpoint)
-    if tcp is not None and 1 <= int(tcp.group(2)) <= 65535:
-        return endpoint
-    if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
-        return endpoint
-    raise ConfigError("events_endpoint", endpoint, ALLOWED)
 
 
 def events_topic(node: str, model: str) -> str:
@@ -104,7 +76,8 @@ class NodeEvents:
             ConfigError: a bad `endpoint`.
             OSError: it cannot be bound (a port in use, a directory missing).
         """
-        self.endpoint = check_endpoint(endpoint)
+        self._publisher = EventPublisher(endpoint)
+        self.endpoint = self._publisher.endpoint
         self._node = node
         self._places = {name: event_place(name, kind) for name, kind in tier_kinds.items()}
         self._count = count
@@ -113,20 +86,8 @@ class NodeEvents:
         self._lock = threading.Lock()
         self._sources: list[_Source] = []
         self._tokens: dict[str, ChunkTokens] = {}  # model -> its recent chunks' tokens
-        self._topics: dict[str, int] = {}  # topic -> the seq of its next batch
+        self._topics: set[str] = set()  # the topics announced
         self._clear: set[str] = set()  # topics whose next batch starts with AllBlocksCleared
-        self._context = zmq.Context()
-        self._pub = self._context.socket(zmq.PUB)
-        self._pub.set_hwm(100_000)  # vLLM's default: a batch past it is dropped, never waited
-        try:
-            if endpoint.startswith("ipc://") or "*" in endpoint or "::" in endpoint:
-                self._pub.bind(endpoint)
-            else:
-                self._pub.connect(endpoint)
-        except zmq.ZMQError as exc:
-            self._pub.close(linger=0)
-            self._context.term()
-            raise OSError(exc.errno, f"cannot publish KV events on {endpoint}: {exc}") from exc
         log.info("kvtier node: KV events on %s (topics %s)", endpoint,
                  events_topic(node, "<model>"))
         self._wake = threading.Event()
@@ -144,7 +105,7 @@ class NodeEvents:
             self._sources.append(_Source(store, model, topic, tokens_per_chunk, announce))
             self._tokens.setdefault(model, ChunkTokens(self._max_chunks))
             if announce and topic not in self._topics:
-                self._topics[topic] = 0
+                self._topics.add(topic)
                 if clear:
                     self._clear.add(topic)
 
@@ -175,8 +136,7 @@ class NodeEvents:
         try:
             self.publish_round()
         finally:
-            self._pub.close(linger=500)  # ms: the last batches go out, or are dropped then
-            self._context.term()
+            self._publisher.close(linger_ms=500)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -207,12 +167,7 @@ class NodeEvents:
             batch += batches.get(topic, [])
             if not batch:
                 continue
-            with self._lock:
-                seq = self._topics[topic]
-                self._topics[topic] = seq + 1
-            # data_parallel_rank 0: what vLLM's publisher of a one-rank engine sends.
-            self._pub.send_multipart(frames(topic.encode(), seq, KVEventBatch(
-                ts=time.time(), events=batch, data_parallel_rank=0)))
+            self._publisher.publish(topic, batch)  # this thread only (or close's, after it)
             published += len(batch)
         return published
 

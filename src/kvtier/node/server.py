@@ -43,7 +43,8 @@ from kvtier.core.layout import KVLayout
 from kvtier.core.loans import Lending
 from kvtier.core.store import ChunkView, PendingPut, TieredStore
 from kvtier.errors import ConfigError
-from kvtier.node.events import NodeEvents, check_endpoint
+from kvtier.node.eventpub import check_endpoint
+from kvtier.node.events import NodeEvents
 from kvtier.node.protocol import (
     HELD,
     MAX_FRAME,

@@ -6,6 +6,7 @@ Primitives:
   - `kvtier_transfer_config(extra)`: vLLM's `kv_transfer_config` loading the connector with
     `extra`, validated by the same parser the connector runs.
   - `CONNECTOR_CLASS`, `CONNECTOR_MODULE`, `CONNECTOR_KEYS`, `TOKENS_PER_CHUNK`.
+  - `PoolEvents`: where the shared tiers' KV events go, once for the fleet.
   - `RequestControls.from_params(kv_transfer_params)` (per-request switches),
     `RequestControls.within_role(kv_role)` (what vLLM's kv_role leaves of them),
     `RequestControls.retain_s_for(end_tokens)` (a chunk's pin), `PrefixPin`.
@@ -22,6 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvtier.errors import ConfigError
+from kvtier.node.eventpub import check_endpoint
 from kvtier.tiers.storeconfig import StoreConfig
 
 logger = logging.getLogger(__name__)
@@ -36,7 +38,7 @@ TOKENS_PER_CHUNK = 256
 DEFAULT_TIERS: tuple[dict[str, Any], ...] = ({"kind": "memory", "capacity": "2GiB"},)
 # The connector's own keys; every other key of the extra config belongs to StoreConfig.
 CONNECTOR_KEYS = frozenset({"tokens_per_chunk", "index_max_keys", "load_mode", "store_mode",
-                            "load_when", "node", "event_block_size"})
+                            "load_when", "node", "event_block_size", "pool_events"})
 # In node mode (`node`: the socket of `kvtier node`) the engine's one tier is the node's.
 NODE_TIER = "node"
 # Keys the scheduler remembers as stored, in node mode (the node's capacity is its own).
@@ -59,6 +61,48 @@ STORE_MODES = ("auto", "sync", "async")
 # that prompts are prefilled elsewhere, and a short prompt its own cheap prefill would beat the
 # load of (the rule's call on a small model) must still not be recomputed there.
 LOAD_WHEN = ("faster", "always")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolEvents:
+    """Where an engine publishes the KV events of its shared tiers (those its class says are
+    REMOTE: every engine hits them), once for the fleet, on kvtier's own ZMQ publisher:
+    topic `kv@pool:<pool>@<model>`, llm-d's pool pseudo-pod (llm-d-router PR #2586, open: a
+    `pool:` entry counts for every endpoint). `pool_events` in the extra config:
+        {"endpoint": "tcp://llm-d-epp:5558", "pool": "fleet", "model": "Qwen/Qwen3-8B"}
+    """
+
+    endpoint: str  # a ZMQ endpoint (kvtier.node.eventpub.ALLOWED)
+    pool: str  # the pool pseudo-pod's name
+    model: str  # the served model name, as the engines' own topics (kv@<pod>@<model>) say it
+    # The events' medium, the router's tier-weight key: PR #2586's "shared_storage" (default
+    # weight 0.4) or "object_store" (0.2); configurable while the PR is open.
+    medium: str = "shared_storage"
+
+    @property
+    def topic(self) -> str:
+        return f"kv@pool:{self.pool}@{self.model}"
+
+    @classmethod
+    def parse(cls, value: Any, where: str) -> PoolEvents:
+        """The settings in `value` (the `pool_events` mapping).
+
+        Raises:
+            ConfigError: naming `where.pool_events[.field]`, the value and what is allowed.
+        """
+        field = f"{where}.pool_events"
+        allowed = ("endpoint", "pool", "model", "medium")
+        if not isinstance(value, Mapping) or set(value) - set(allowed):
+            raise ConfigError(field, value, f"a mapping of {allowed} (medium optional)")
+        for name in allowed:
+            item = value.get(name)
+            if item is None and name == "medium":
+                continue
+            if not isinstance(item, str) or not item or "@" in item:
+                raise ConfigError(f"{field}.{name}", item, "a non-empty string without '@' "
+                                  "(llm-d splits the topic kv@pool:<pool>@<model> at '@')")
+        check_endpoint(value["endpoint"], f"{field}.endpoint")
+        return cls(**value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +139,9 @@ class ConnectorConfig:
     # router takes only blocks of its own size (its --kv-block-size, the engine's block size).
     # None: one block a chunk.
     event_block_size: int | None = None
+    # Publish the shared tiers' events once for the fleet (PoolEvents); None: they go out
+    # with the others, on the engine's own topic (vLLM's publisher).
+    pool_events: PoolEvents | None = None
 
     @staticmethod
     def known_keys() -> frozenset[str]:
@@ -131,6 +178,12 @@ class ConnectorConfig:
                     raise ConfigError(f"{where}.tiers", extra["tiers"],
                                       "none with node set: the tiers are the node's "
                                       "(its own config, kvtier node serve --config)")
+            elif name == "pool_events":
+                if "node" in extra or "node" in values:
+                    raise ConfigError(f"{where}.pool_events", value,
+                                      "none with node set: the node publishes its tiers' events "
+                                      "(kvtier node serve --events-endpoint)")
+                values[name] = PoolEvents.parse(value, where)
             elif name in choices:
                 modes = choices[name]
                 if value not in modes:

@@ -79,7 +79,7 @@ class ConnectorScheduler:
         self._stats = StatsDelta()
         self._step = 0  # plans built so far: the number of the last one
         self._events = RouterEvents(emit_events, tier_kinds or {}, config.tokens_per_chunk,
-                                    node, config.event_block_size)
+                                    node, config.event_block_size, config.pool_events)
         self._requests = RequestTable(
             tokens_per_chunk=config.tokens_per_chunk, block_size=block_size,
             model_id=model_id, layout_digest=layout_digest,
@@ -260,6 +260,7 @@ class ConnectorScheduler:
 
     def close(self) -> None:
         self._locator.close()
+        self._events.close()
 
     # -- helpers --------------------------------------------------------------------------
 

@@ -5,7 +5,11 @@ each chunk are remembered when its key is made (a stored event must carry them),
 workers' per-tier store events become vLLM events, queued until vLLM takes them. In node mode
 the node publishes its tiers' events itself (kvtier.node.events), and knows no token ids:
 when it says it publishes, the chunks are remembered here too and each step's planned stores
-described to it (`describe`).
+described to it (`describe`). With `pool_events`, the events of the shared tiers (REMOTE:
+every engine hits their chunks) go out on kvtier's own publisher instead, once for the fleet,
+on the pool pseudo-pod's topic `kv@pool:<name>@<model>` (config.PoolEvents), so that a router
+credits every engine with them, and their removals (a chunk any engine's eviction took out of
+the shared directory is announced by that engine) take them off for all.
 
 Primitives: `RouterEvents`.
 """
@@ -19,8 +23,12 @@ import numpy as np
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.store import StoreEvent
+from kvtier.integrations.vllm.config import PoolEvents
 from kvtier.integrations.vllm.scheduler.events import kv_events
-from kvtier.tiers.eventfacts import ChunkInfo, ChunkTokens
+from kvtier.node.eventpub import EventPublisher
+from kvtier.node.eventwire import BlockRemoved, BlockStored
+from kvtier.tiers.eventblocks import router_blocks
+from kvtier.tiers.eventfacts import ChunkInfo, ChunkTokens, event_place
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent
@@ -34,23 +42,35 @@ class RouterEvents:
 
     def __init__(self, enabled: bool, tier_kinds: Mapping[str, str],
                  tokens_per_chunk: int, node: NodeProbe | None = None,
-                 block_size: int | None = None) -> None:
+                 block_size: int | None = None, pool: PoolEvents | None = None) -> None:
         """`enabled`: vLLM publishes KV events (--kv-events-config); `tier_kinds`: tier
         name -> kind, for each event's medium and locality; `node`: the node of node mode,
         told the chunks of each step's stores when it publishes events; `block_size`: the
-        events' block size (ConnectorConfig.event_block_size; None: one block a chunk)."""
+        events' block size (ConnectorConfig.event_block_size; None: one block a chunk);
+        `pool`: publish the shared tiers' events on the pool's topic instead.
+
+        Raises:
+            OSError: the pool's endpoint cannot be bound.
+        """
         self._vllm_events = enabled
         self._node = node
         self._tier_kinds = tier_kinds
         self._tokens_per_chunk = tokens_per_chunk
         self._block_size = block_size
+        self._pool = pool
+        self._pool_publisher = None if pool is None else EventPublisher(
+            pool.endpoint, "kv_connector_extra_config.pool_events.endpoint")
+        # The tiers every engine hits (their class: REMOTE), announced on the pool's topic.
+        self._shared = {name for name, kind in tier_kinds.items()
+                        if event_place(name, kind).locality == "REMOTE"} if pool else set()
         self._chunk_tokens = ChunkTokens()
         self._queued: list[KVCacheEvent] = []
 
     @property
     def enabled(self) -> bool:
         """Whether chunks' token ids are remembered: vLLM publishes events, or the node."""
-        return self._vllm_events or (self._node is not None and self._node.publishes_events())
+        return (self._vllm_events or self._pool is not None
+                or (self._node is not None and self._node.publishes_events()))
 
     def remember(self, request: Request, keys: list[ChunkKey], tokens: Sequence[int],
                  parent: ChunkKey | None) -> None:
@@ -66,10 +86,37 @@ class RouterEvents:
             parent = key
 
     def learn(self, store_events: Iterable[StoreEvent]) -> None:
-        """Queue the events of what the workers' tiers stored and removed."""
+        """Queue the events of what the workers' tiers stored and removed; those of shared
+        tiers, with a pool, published on its topic at once."""
+        events = list(store_events)
+        if self._shared:
+            self._publish_pool([e for e in events if e.tier in self._shared])
+            events = [e for e in events if e.tier not in self._shared]
         if self._vllm_events:
-            self._queued.extend(kv_events(store_events, self._chunk_tokens, self._tier_kinds,
+            self._queued.extend(kv_events(events, self._chunk_tokens, self._tier_kinds,
                                           self._tokens_per_chunk, self._block_size))
+
+    def _publish_pool(self, events: list[StoreEvent]) -> None:
+        """One batch on the pool's topic: medium the pool's, locality REMOTE."""
+        if not events or self._pool is None or self._pool_publisher is None:
+            return
+        size = self._block_size or self._tokens_per_chunk
+        blocks, _ = router_blocks(events, self._chunk_tokens.get, self._tokens_per_chunk, size)
+        medium = self._pool.medium
+        wire: list[BlockStored | BlockRemoved] = [
+            BlockStored(list(b.block_hashes), b.parent, b.token_ids or [], size, None, medium,
+                        b.lora_name, extra_keys=b.extra_keys, locality="REMOTE",
+                        ownership=f"kvtier/{b.tier}") if b.stored else
+            BlockRemoved(list(b.block_hashes), medium, locality="REMOTE",
+                         ownership=f"kvtier/{b.tier}")
+            for b in blocks]
+        self._pool_publisher.publish(self._pool.topic, wire)
+
+    def close(self) -> None:
+        """Close the pool's socket, if any (its last batches go out within half a second)."""
+        if self._pool_publisher is not None:
+            self._pool_publisher.close()
+            self._pool_publisher = None
 
     def describe(self, stores: Iterable[ChunkKey]) -> None:
         """Tell the node (node mode, when it publishes) the chunks of a step's planned stores

@@ -1,0 +1,85 @@
+"""A ZMQ publisher of KV events in vLLM's wire format, without vLLM: kvtier's own, beside the
+engine's.
+
+`kvtier node` publishes its tiers' events on one (`kvtier.node.events`, topic
+`kv@node:<node>@<model>`); an engine's scheduler publishes its shared tiers' events on one
+(`pool_events`, topic `kv@pool:<name>@<model>`: `kvtier.integrations.vllm.scheduler
+.routerevents`). Both send as vLLM's `ZmqEventPublisher` does: a batch is one multipart
+message `[topic, seq, payload]` (`kvtier.node.eventwire.frames`), `seq` counted from 0 per
+topic; a `tcp://HOST:PORT` endpoint is connected to (llm-d's EPP binds a SUB there for every
+engine), `tcp://*:PORT`, `tcp://[::]:PORT` and `ipc://PATH` are bound; the high-water mark is
+vLLM's (100,000 messages: past it a batch is dropped, never waited for).
+
+Primitives: `ALLOWED`, `check_endpoint`, `EventPublisher`.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Sequence
+
+import zmq
+
+from kvtier.errors import ConfigError
+from kvtier.node.eventwire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, frames
+
+_TCP = re.compile(r"tcp://(\*|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})")
+ALLOWED = ("tcp://HOST:PORT (kvtier connects to a subscriber bound there, as vLLM's "
+           "publisher does: llm-d's EPP), tcp://*:PORT or tcp://[::]:PORT (bound on every "
+           "interface) or ipc://PATH (bound)")
+Event = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+def check_endpoint(endpoint: str, field: str = "events_endpoint") -> str:
+    """`endpoint`, if kvtier can publish there.
+
+    Raises:
+        ConfigError: naming `field`, the value and what is allowed.
+    """
+    tcp = _TCP.fullmatch(endpoint)
+    if tcp is not None and 1 <= int(tcp.group(2)) <= 65535:
+        return endpoint
+    if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
+        return endpoint
+    raise ConfigError(field, endpoint, ALLOWED)
+
+
+class EventPublisher:
+    """A PUB socket and each topic's next seq. One thread at a time (its owner's)."""
+
+    def __init__(self, endpoint: str, field: str = "events_endpoint") -> None:
+        """
+        Raises:
+            ConfigError: a bad `endpoint` (naming `field`).
+            OSError: it cannot be bound (a port in use, a directory missing).
+        """
+        self.endpoint = check_endpoint(endpoint, field)
+        self._seq: dict[str, int] = {}
+        self._context = zmq.Context()
+        self._pub = self._context.socket(zmq.PUB)
+        self._pub.set_hwm(100_000)
+        try:
+            if endpoint.startswith("ipc://") or "*" in endpoint or "::" in endpoint:
+                self._pub.bind(endpoint)
+            else:
+                self._pub.connect(endpoint)
+        except zmq.ZMQError as exc:
+            self._pub.close(linger=0)
+            self._context.term()
+            raise OSError(exc.errno, f"cannot publish KV events on {endpoint}: {exc}") from exc
+
+    def publish(self, topic: str, events: Sequence[Event]) -> None:
+        """Send `events` as one batch on `topic` (nothing when there are none)."""
+        if not events:
+            return
+        seq = self._seq.get(topic, 0)
+        self._seq[topic] = seq + 1
+        # data_parallel_rank 0: what vLLM's publisher of a one-rank engine sends.
+        self._pub.send_multipart(frames(topic.encode(), seq, KVEventBatch(
+            ts=time.time(), events=list(events), data_parallel_rank=0)))
+
+    def close(self, linger_ms: int = 500) -> None:
+        """Close the socket: the last batches go out within `linger_ms`, or are dropped."""
+        self._pub.close(linger=linger_ms)
+        self._context.term()
