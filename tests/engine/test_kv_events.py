@@ -3,6 +3,10 @@
 kvtier's tier events travel through vLLM's own publisher (`--kv-events-config`), in vLLM's
 msgpack wire format; this test decodes them with vLLM's `KVEventBatch` in a real ZMQ SUB
 socket. Chunks are 64 tokens; the memory tier holds 4 of them, so a second prompt evicts.
+With event_block_size 16 a salted request's chunks score for NVIDIA Dynamo's router (its rules:
+tests/node/dynamorules.py) for that salt only; with pool_events the shared tier's chunks go out
+on kvtier's own publisher, on the pool's topic, and score for every engine by llm-d's rules
+(tests/node/llmdrules.py).
 """
 
 from __future__ import annotations
@@ -145,3 +149,43 @@ def test_a_salted_prompt_announced_at_dynamos_block_size_scores_for_its_salt(
     tokens = prompt["prompt_token_ids"]
     assert dynamo.score(tokens, namespace="tenant-a") == {"A": 16}
     assert dynamo.score(tokens) == {} and dynamo.score(tokens, namespace="tenant-b") == {}
+
+
+def test_a_prompt_in_the_shared_tier_is_announced_for_the_pool_and_scores_for_every_engine(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    """pool_events: the shared tier's chunks go out on kvtier's own publisher, topic
+    kv@pool:<pool>@<model>; by llm-d's rules (tests/node/llmdrules.py) engine B, which never
+    saw the prompt, scores it. The memory tier's stay on vLLM's stream."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "node"))
+    from eventsub import Subscriber
+    from llmdrules import Indexer
+    from nodekit import wait_for
+
+    subscriber = Subscriber()
+    kvtier = {"kv_connector": "KVTierConnector",
+              "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both",
+              "kv_connector_extra_config": {
+                  "tokens_per_chunk": TPC,
+                  "pool_events": {"endpoint": subscriber.endpoint, "pool": "fleet",
+                                  "model": "test"},
+                  "tiers": [{"kind": "memory", "capacity": 8 * CHUNK_BYTES},
+                            {"kind": "shared", "path": str(tmp_path / "shared"),
+                             "capacity": "64MiB"}]}}
+    [prompt] = random_prompts([300], seed=31)
+    try:
+        with start_engine(tiny_model_dir, kvtier) as llm:
+            wait_for(lambda: subscriber.handshakes >= 1, 30, "the engine's pool publisher")
+            time.sleep(0.5)  # the subscription reaches the publisher
+            token_ids(llm, [prompt])
+            wait_for(lambda: len(subscriber.stored()) >= 4, 30, "the shared tier's 4 chunks")
+    finally:
+        subscriber.close()
+    assert {topic for topic, _ in subscriber.events()} == {"kv@pool:fleet@test"}
+    assert {e.ownership for e in subscriber.stored().values()} == {"kvtier/shared"}
+    router = Indexer(block_size=16, weights={"gpu": 1.0, "cpu": 0.8, "shared_storage": 0.4})
+    for frame in subscriber.frames:
+        router.receive(*frame)
+    endpoints = {"10.0.0.1:8000": "n1", "10.0.0.2:8000": "n2"}  # A, and B on another node
+    # 4 chunks of 64 = 16 of the router's blocks, at the pool's 0.4: for B as for A.
+    assert router.score(prompt["prompt_token_ids"], "test", endpoints) == pytest.approx(
+        dict.fromkeys(endpoints, 6.4))
