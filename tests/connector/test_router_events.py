@@ -26,7 +26,7 @@ from kvtier.core.store import StoreEvent
 from kvtier.core.tier import EventKind
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import ConnectorConfig
-from kvtier.tiers.eventblocks import block_hashes
+from kvtier.tiers.eventblocks import ParentsFirst, block_hashes
 from kvtier.tiers.eventfacts import ChunkInfo, ChunkTokens
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "node"))  # the routers' rules
@@ -140,3 +140,30 @@ def test_an_event_block_size_is_kept_when_it_divides_the_chunk() -> None:
     assert ConnectorConfig.parse({}).event_block_size is None
     with pytest.raises(ConfigError):  # vLLM's block 96 makes the chunk 288: 64 no divisor
         ConnectorConfig.parse({"event_block_size": 64}).for_block_size(96)
+
+
+def test_stores_completing_out_of_order_across_steps_go_out_parents_first() -> None:
+    """A write-behind tier's writers race: chunk 2 lands a step before chunk 1, chunk 1 before
+    chunk 0. Each is held until its parent is announced; one whose parent never comes goes out
+    after hold_s (its parent may be announced already, by another engine)."""
+    keys, tokens = prompt_chunks(3)
+    order = ParentsFirst(hold_s=2.0)
+    assert order.order(stored(keys[2:]), tokens.get, now_s=0.0) == []
+    assert order.order(stored(keys[1:2]), tokens.get, now_s=0.1) == []
+    assert order.holding
+    out = order.order(stored(keys[:1]), tokens.get, now_s=0.2)
+    assert [e.key for e in out] == keys  # parents first
+    events = events_mod.kv_events(out, tokens, KINDS, TPC, BLOCK)
+    dynamo = DynamoIndexer(kv_block_size=BLOCK)
+    dynamo.receive("A", payload(events))
+    assert dynamo.orphans == 0 and dynamo.score(PROMPT, namespace="tenant-a") == {"A": 12}
+
+    lone = ChunkKey(b"\x09" * 16)
+    tokens.remember(lone, ChunkInfo(ChunkKey(b"\x08" * 16), bytes(4 * TPC), None, None))
+    assert order.order(stored([lone]), tokens.get, now_s=1.0) == []
+    assert [e.key for e in order.order([], tokens.get, now_s=3.0)] == [lone]
+    # A removal goes out at once and drops a held store of its chunk.
+    assert order.order(stored([lone]), tokens.get, now_s=4.0) == []
+    removal = StoreEvent(EventKind.REMOVED, lone, "memory")
+    assert order.order([removal], tokens.get, now_s=4.1) == [removal]
+    assert not order.holding

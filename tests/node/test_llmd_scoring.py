@@ -80,11 +80,13 @@ def test_a_prompt_engine_a_stored_in_the_node_scores_for_engine_b_on_that_node(
         assert router.score(prompt([1, 2, 9]), MODEL, endpoints)["10.0.0.2:8000"] == (
             pytest.approx(3.2))
 
-        # A chunk whose parent (6) was never announced: llm-d skips it. Storing it pushes the
-        # least recent chunk (1) out of the node's 4-chunk RAM: a BlockRemoved.
+        # A chunk whose parent (6) was never announced: the node holds it back a while (its
+        # parent may yet land), then sends it, and llm-d skips it. Storing it pushes the least
+        # recent chunk (1) out of the node's 4-chunk RAM: a BlockRemoved, sent at once.
         describe(probe, [7], parent=6)
         assert put_chunks(engine_a, [7]) == [True]
         wait_for(lambda: subscriber.removed(), 10, "a BlockRemoved")
+        wait_for(lambda: key(7) in subscriber.stored(), 10, "chunk 7, after its hold")
         removed_at = len(subscriber.frames)
         router = Indexer(block_size=ROUTER_BLOCK)
         for topic, payload in subscriber.frames[:removed_at]:

@@ -31,15 +31,16 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.store import StoreEvent, TieredStore
 from kvtier.node.eventpub import EventPublisher
 from kvtier.node.eventwire import AllBlocksCleared, BlockRemoved, BlockStored
 from kvtier.node.protocol import Described
-from kvtier.tiers.eventblocks import router_blocks
+from kvtier.tiers.eventblocks import ParentsFirst, router_blocks
 from kvtier.tiers.eventfacts import ChunkInfo, ChunkTokens, EventPlace, event_place
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class _Source:
     topic: str
     tokens_per_chunk: int
     announce: bool  # its events are published (tensor-parallel rank 0)
+    order: ParentsFirst = field(default_factory=ParentsFirst)  # parents before children
 
 
 class NodeEvents:
@@ -157,7 +159,7 @@ class NodeEvents:
         batches: dict[str, list[Event]] = {}
         for source in sources:
             events = source.store.take_events()
-            if source.announce and events:
+            if source.announce and (events or source.order.holding):
                 batches.setdefault(source.topic, []).extend(self._convert(source, events))
         with self._lock:
             cleared, self._clear = self._clear, set()
@@ -181,7 +183,8 @@ class NodeEvents:
                 return tokens.get(key)
 
         size = source.tokens_per_chunk
-        blocks, unknown = router_blocks(events, info_of, size, size)
+        ordered = source.order.order(events, info_of, time.monotonic())
+        blocks, unknown = router_blocks(ordered, info_of, size, size)
         out: list[Event] = []
         stored = removed = 0
         for b in blocks:

@@ -25,12 +25,17 @@ events into the same blocks here, and differ only in the structs they fill:
     tree cannot place it); a removal ends a run, so that nothing is announced out of order
     with it.
 
-Primitives: `RouterBlocks`, `router_blocks`, `block_hashes`.
+Stores that complete out of order (a write-behind tier's writers race) would reach a router
+child first, across batches, where llm-d skips the child for good: `ParentsFirst` holds a
+stored chunk back until its parent has been announced in its tier, for at most `hold_s`.
+
+Primitives: `RouterBlocks`, `router_blocks`, `block_hashes`, `ParentsFirst`.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -150,3 +155,55 @@ def _run_event(run: list[tuple[str, ChunkKey, ChunkInfo]], blocks: int) -> Route
         extra[0] = (*lora, first.cache_salt)
     return RouterBlocks(True, tier, hashes, first.parent, tokens.tolist(), first.lora_name,
                         extra if any(extra) else None)
+
+
+class ParentsFirst:
+    """The store events a publisher may announce now, parents before children across its
+    batches. Not thread-safe: its publisher's thread."""
+
+    def __init__(self, hold_s: float = 2.0, max_keys: int = 65536) -> None:
+        """`hold_s`: how long a chunk whose parent is not announced is held (then it goes
+        out anyway: its parent may have been announced long ago, or by another engine);
+        `max_keys`: announced chunks remembered."""
+        self._hold_s = hold_s
+        self._max_keys = max_keys
+        self._announced: OrderedDict[tuple[str, ChunkKey], None] = OrderedDict()
+        self._held: list[tuple[float, StoreEvent]] = []
+
+    @property
+    def holding(self) -> bool:
+        """Whether some store is held back (a later `order` call may release it)."""
+        return bool(self._held)
+
+    def order(self, events: Iterable[StoreEvent],
+              info_of: Callable[[ChunkKey], ChunkInfo | None], now_s: float) -> list[StoreEvent]:
+        """`events` and those held before, in an order to announce them, less those still
+        held; a removal goes out at once (and drops a held store of its chunk)."""
+        queue = self._held + [(now_s, e) for e in events]
+        out: list[StoreEvent] = []
+        moved = True
+        while moved:
+            moved = False
+            waiting: list[tuple[float, StoreEvent]] = []
+            for since, event in queue:
+                where = (event.tier, event.key)
+                if event.kind == "removed":
+                    self._announced.pop(where, None)
+                    waiting = [(t, e) for t, e in waiting if (e.tier, e.key) != where]
+                    out.append(event)
+                    moved = True
+                    continue
+                info = info_of(event.key)
+                if (info is None or info.parent is None or now_s - since >= self._hold_s
+                        or (event.tier, info.parent) in self._announced):
+                    out.append(event)
+                    self._announced[where] = None
+                    self._announced.move_to_end(where)
+                    moved = True
+                else:
+                    waiting.append((since, event))
+            queue = waiting
+        while len(self._announced) > self._max_keys:
+            self._announced.popitem(last=False)
+        self._held = queue
+        return out

@@ -16,6 +16,7 @@ Primitives: `RouterEvents`.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -27,7 +28,7 @@ from kvtier.integrations.vllm.config import PoolEvents
 from kvtier.integrations.vllm.scheduler.events import kv_events
 from kvtier.node.eventpub import EventPublisher
 from kvtier.node.eventwire import BlockRemoved, BlockStored
-from kvtier.tiers.eventblocks import router_blocks
+from kvtier.tiers.eventblocks import ParentsFirst, router_blocks
 from kvtier.tiers.eventfacts import ChunkInfo, ChunkTokens, event_place
 
 if TYPE_CHECKING:
@@ -58,6 +59,7 @@ class RouterEvents:
         self._tokens_per_chunk = tokens_per_chunk
         self._block_size = block_size
         self._pool = pool
+        self._order = ParentsFirst()  # stores that complete out of order, parents first
         self._pool_publisher = None if pool is None else EventPublisher(
             pool.endpoint, "kv_connector_extra_config.pool_events.endpoint")
         # The tiers every engine hits (their class: REMOTE), announced on the pool's topic.
@@ -88,7 +90,7 @@ class RouterEvents:
     def learn(self, store_events: Iterable[StoreEvent]) -> None:
         """Queue the events of what the workers' tiers stored and removed; those of shared
         tiers, with a pool, published on its topic at once."""
-        events = list(store_events)
+        events = self._order.order(store_events, self._chunk_tokens.get, time.monotonic())
         if self._shared:
             self._publish_pool([e for e in events if e.tier in self._shared])
             events = [e for e in events if e.tier not in self._shared]
