@@ -50,6 +50,7 @@ WORKLOADS: tuple[str, ...] = (
     "kvtier.tools.cli.bench_link",
     "kvtier.tools.cli.bench_fleet",
     "kvtier.tools.cli.bench_disk_load",
+    "kvtier.tools.cli.bench_clients",
 )
 
 

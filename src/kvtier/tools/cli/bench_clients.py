@@ -1,0 +1,119 @@
+"""`kvtier bench clients`: the field's own benchmark clients vs vLLM without and with kvtier.
+
+vLLM's multi-turn benchmark and LMCache's long_doc_qa run against the embedded model served
+without and with kvtier; their figures side by side, and kvtier's gain.
+
+A thin command over `kvtier.tools.bench.clients`."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+
+from rich.table import Table
+
+from kvtier.tools.bench.clients import (
+    PLANS,
+    SETUPS,
+    ClientsConfig,
+    ClientsResult,
+    run_clients_bench,
+)
+from kvtier.tools.bench.clients_results import CLIENTS, METRICS, ClientFigures
+from kvtier.tools.cli.argtypes import output_dir, output_file, work_dir
+from kvtier.tools.cli.bench import run_and_report, run_summary
+
+_TITLES = {"multi-turn": "vLLM benchmarks/multi_turn/benchmark_serving_multi_turn.py",
+           "long-doc-qa": "LMCache benchmarks/long_doc_qa/long_doc_qa.py (query round)"}
+
+
+def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = workloads.add_parser(
+        "clients", help="the field's benchmark clients (vLLM multi-turn, LMCache "
+                        "long_doc_qa), unmodified, against vLLM with and without kvtier",
+        description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="small sizes: 6 conversations, 3 documents (default: 24 "
+                             "conversations of 4-6 turns, 8 at a time; 8 documents of ~2k "
+                             "tokens)")
+    parser.add_argument("--client", action="append", choices=CLIENTS,
+                        help="clients to run (repeatable; default both)")
+    parser.add_argument("--dir", type=work_dir, default=Path("."),
+                        help="a scratch directory (logs, the clients' files, kvtier's disk "
+                             "tier) goes here")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the scratch directory (the clients' own outputs and logs)")
+    parser.add_argument("--model-root", type=output_dir, default=Path(".kvtier-models"),
+                        help="where the generated bench model is cached")
+    parser.add_argument("--json", type=output_file, default=Path("results/bench-clients.json"))
+    parser.set_defaults(func=run)
+
+
+def config_from(args: argparse.Namespace, scratch: Path) -> ClientsConfig:
+    plan = PLANS["quick" if args.quick else "full"]
+    plan.validate()
+    chosen = tuple(c for c in CLIENTS if c in args.client) if args.client else CLIENTS
+    return ClientsConfig(plan=plan, work_dir=scratch, model_root=args.model_root,
+                         clients=chosen)
+
+
+def run(args: argparse.Namespace) -> int:
+    scratch = tempfile.mkdtemp(prefix="kvtier-clients-", dir=args.dir) if args.keep else None
+    with contextlib.nullcontext(scratch) if scratch else \
+            tempfile.TemporaryDirectory(prefix="kvtier-clients-", dir=args.dir) as temp:
+        config = config_from(args, Path(temp))
+        command = shlex.join(["kvtier", *sys.argv[1:]])
+        run_and_report("clients", lambda progress: run_clients_bench(config, progress),
+                       lambda r: (*(client_table(r, c) for c in r.config.clients),
+                                  run_summary(r.wall_s, r.machine, (), notes(r, scratch))),
+                       lambda r: r.write_json(args.json, command), args.json)
+    return 0
+
+
+def client_table(result: ClientsResult, client: str) -> Table:
+    """One client's figures: plain vLLM, vLLM + kvtier, and kvtier's gain (> 1: better)."""
+    table = Table(title=_TITLES[client])
+    for name in ("", *SETUPS, "kvtier gain"):
+        table.add_column(name, justify="right" if name else "left")
+    plain, kv = (result.run(client, s) for s in SETUPS)
+    ratios = result.ratios(client)
+    for key, metric in METRICS.items():
+        values = [None if r is None else r.figures.get(key) for r in (plain, kv)]
+        if all(v is None for v in values):
+            continue
+        label = f"{metric.label} ({metric.unit})" if metric.unit else metric.label
+        gain = ratios.get(key)
+        table.add_row(label, *(_fmt(v) for v in values),
+                      "" if gain is None else f"{gain:.2f}x")
+    tokens = [_tokens(r) for r in (plain, kv)]
+    table.add_row("prompt tokens: kvtier / vLLM cache hits", *tokens, "")
+    equal = result.answers_equal(client)
+    if equal is not None:
+        table.add_row("answers equal to vLLM's", "", f"{equal[0]} / {equal[1]}", "")
+    return table
+
+
+def notes(result: ClientsResult, kept: str | None) -> list[str]:
+    lines = ["TTFT as each client measures it; gain: plain / kvtier for times, kvtier / plain "
+             "for rates"]
+    if kept:
+        lines.append(f"the clients' outputs and the servers' logs are in {kept}")
+    return lines
+
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:,.0f}" if value >= 100 else f"{value:.2f}"
+
+
+def _tokens(run: ClientFigures | None) -> str:
+    """Prompt tokens kvtier served / vLLM's own cache served, of those the run sent."""
+    if run is None or run.prompt_tokens is None:
+        return "-"
+    kv, engine = run.kvtier_hit_tokens or 0.0, run.engine_hit_tokens or 0.0
+    return f"{kv:,.0f} / {engine:,.0f} of {run.prompt_tokens:,.0f}"
