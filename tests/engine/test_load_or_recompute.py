@@ -256,3 +256,26 @@ def test_a_fast_link_is_loaded_a_slow_one_recomputed_and_a_recovered_one_loaded_
     assert kinds[-3:] == ["trial", "trial", "loaded"], kinds  # two fast trials bring it back
     assert set(kinds[:-3]) <= {"recompute_faster"}
     assert math.isfinite(restore_1k_s()) and restore_1k_s() < recompute_1k_s()
+
+
+def test_a_load_slower_than_its_recompute_is_abandoned_and_recomputed(engine: Setup) -> None:
+    """Issue 45: a load still running when its recompute would have finished is abandoned.
+    Redis is measured fast (a fast load, or its link's estimate on a fresh engine); the link
+    then turns slow (a chunk's bytes take SLOW_FACTOR x its recompute), so the next hit is
+    still offered whole, and its load runs past its budget (the hit's expected recompute):
+    what has not landed by then is recomputed, counted as load_too_slow, and the answer is
+    the miss path's, never KV of a load given up."""
+    llm, proxy, clean = engine.llm, engine.proxy, engine.clean
+    ask = Asks(llm)
+    proxy.set_link(0.0, None)
+    assert ask(0) == clean[0] and ask.asked[-1].kind == "loaded"
+    too_slow = kvtier_counter("lost_hit_tokens", reason="load_too_slow")
+    proxy.set_link(0.0, engine.slow_gbps)
+    try:
+        assert ask(1) == clean[1]
+        assert ask.asked[-1].kind == "loaded"  # offered whole: not known slow yet
+        lost = kvtier_counter("lost_hit_tokens", reason="load_too_slow") - too_slow
+        print(f"lost as load_too_slow: {lost:.0f} of {CHUNKS[1] * CHUNK} tokens")
+        assert 0 < lost <= CHUNKS[1] * CHUNK
+    finally:
+        proxy.set_link(0.0, None)

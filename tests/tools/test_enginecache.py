@@ -80,7 +80,7 @@ def test_engines_are_summed_and_every_reason_is_listed() -> None:
     cache = parse_engine_cache(metrics_text())
     assert cache.found_tokens == 1000 and cache.loaded_tokens == 600
     assert cache.lost_tokens == {"recompute_faster": 256, "vllm_declined": 16,
-                                 "load_failed": 128, "no_state": 0}
+                                 "load_failed": 128, "load_too_slow": 0, "no_state": 0}
     assert cache.residency == {"memory": TierResidency(10, 1 << 20, 4 << 20),
                                "disk": TierResidency(200, 50 << 20, 1 << 30)}
 

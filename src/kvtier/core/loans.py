@@ -9,13 +9,16 @@ order (`in_order`: a model with state layers writes each chunk's state into the 
 state blocks, and none may be written past a miss). It stops at the first miss: no chunk
 after it is started any more, nor lent once the miss is known; every chunk before it is lent
 first. `stopped_at` and `failed_tier` then say where it stopped and which tier failed that
-read (what a failed load's time is charged to).
+read (what a failed load's time is charged to), and `expired` whether its deadline did.
 
 Each read may take the store's read deadline from its start; a read past it is abandoned (a
 miss, charged to the tier it waits on, which is reported late) and its spare replaced in the
 caller's list by a new buffer, since the read may still write into the old one; it pins
-nothing once it ends (`Hold`). Reads nobody took are waited for (to their deadlines) when the
-lending ends: none may outlive it with a spare of the caller's.
+nothing once it ends (`Hold`). A lending may have a deadline of its own (`until`: the
+borrower's load is worth no more than its recompute, issue 45): a read not landed by then is
+abandoned the same way, a miss charged to its tier but not reported late (the tier is slow
+for this load, not stalled), and no read starts after it. Reads nobody took are waited for
+(to their deadlines) when the lending ends: none may outlive it with a spare of the caller's.
 
 The borrower decides how long each chunk stays lent: `release` now (a host copy done), or
 `release_after` an event (a device copy queued: the lending releases it once the event is
@@ -27,6 +30,7 @@ Primitives: `Lending`, `Loan`, `Hold`, `Completion`.
 
 from __future__ import annotations
 
+import math
 import mmap
 import threading
 import time
@@ -136,7 +140,8 @@ class Lending(Generic[V]):
     def __init__(self, count: int, spares: MutableSequence[memoryview], *, in_order: bool,
                  lend: Callable[[int, Hold], V | None],
                  read: Callable[[int, Hold, memoryview], Future[V | None]],
-                 timeout_s: float, late: Callable[[str], None]) -> None:
+                 timeout_s: float, late: Callable[[str], None],
+                 until: float | None = None) -> None:
         """Args:
             count: chunks to lend (0 .. count-1).
             spares: the caller's chunk buffers, one per read in flight; one an abandoned read
@@ -147,6 +152,7 @@ class Lending(Generic[V]):
                 names its tier on the hold).
             timeout_s: how long each read may take from its start.
             late: told the tier an abandoned read was waiting on.
+            until: when the whole lending gives up (time.monotonic); None: never.
 
         Raises:
             ValueError: no spare buffer.
@@ -159,6 +165,7 @@ class Lending(Generic[V]):
         self._read = read
         self._timeout_s = timeout_s
         self._late = late
+        self._until = math.inf if until is None else until
         self._free = list(range(len(spares)))[::-1]  # spares no chunk holds
         self._next = 0  # the next chunk to start
         self._started: dict[int, _Started[V]] = {}
@@ -167,6 +174,7 @@ class Lending(Generic[V]):
         self._closed = False
         self.stopped_at = count  # the first chunk not lent (a miss); count: none
         self.failed_tier: str | None = None  # the tier that failed the read at `stopped_at`
+        self.expired = False  # it stopped at `until` (a read not landed by then, or unstarted)
 
     def __iter__(self) -> Lending[V]:
         return self
@@ -213,10 +221,17 @@ class Lending(Generic[V]):
                 self._started[i] = _Started(hold, slot, view=view)
             else:
                 reads.append((i, hold, slot))
-        for i, hold, slot in reads:
+        for n, (i, hold, slot) in enumerate(reads):
+            now = time.monotonic()
+            if now >= self._until:  # given up: chunk i and every one after it missed
+                self.expired = True
+                for _, later, spare in reads[n + 1:]:
+                    self._drop(_Started(later, spare))
+                self._stop(i, _Started(hold, slot))
+                return
             read = self._read(i, hold, self._spares[slot])
             self._started[i] = _Started(hold, slot, read=read,
-                                        deadline=time.monotonic() + self._timeout_s)
+                                        deadline=min(now + self._timeout_s, self._until))
 
     def _make_room(self) -> None:
         """Every spare is lent: wait for the oldest loans released after an event."""
@@ -255,7 +270,9 @@ class Lending(Generic[V]):
             started.hold.close()  # a late reserved slot is released by the read itself
             spare = self._spares[started.slot]
             self._spares[started.slot] = memoryview(mmap.mmap(-1, len(spare)))  # page-aligned
-            if tier is not None:
+            if started.deadline >= self._until:  # the lending's deadline, not the read's
+                self.expired = True
+            elif tier is not None:
                 self._late(tier)
             return None
         if view is None:

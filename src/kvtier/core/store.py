@@ -58,6 +58,8 @@ from kvtier.core.tier import (
     EventSource,
     Failure,
     InPlace,
+    LinkProbe,
+    LinkSpeed,
     MetaKeeper,
     Retiring,
     Tier,
@@ -290,7 +292,7 @@ class TieredStore:
 
     def lend_as_landed(self, keys: Sequence[ChunkKey], spares: MutableSequence[memoryview],
                        metas: Sequence[ChunkMeta] = (), *, in_order: bool = False,
-                       ) -> Lending[ChunkView]:
+                       until: float | None = None) -> Lending[ChunkView]:
         """Lend `keys`' chunks (`metas[i]` is chunk i's; empty: every chunk `DEFAULT_META`)
         each as soon as its read lands, until the first miss (`loans.Lending`: iterate it
         inside a `with` block; each `Loan` stays lent until released).
@@ -301,9 +303,11 @@ class TieredStore:
         a spare; the first landed is lent first, unless `in_order`. A read not finished
         within `read_timeout_s` is abandoned (a miss, counted as `Failure.TIMEOUT`, the tier
         marked stalled), and the spare it may still write into is replaced in `spares` by a
-        new buffer. After a miss, the lending's `failed_tier` names the tier that failed the
-        read (it erred, was down or did not answer in time; `Failure.of_the_tier`): what a
-        failed load's time is charged to. A chunk absent or damaged says nothing of its
+        new buffer; so is one not landed by `until` (time.monotonic; None: no limit), after
+        which no read starts (a miss, its tier not marked stalled). After a miss, the
+        lending's `failed_tier` names the tier that failed the read (it erred, was down or
+        did not answer in time; `Failure.of_the_tier`): what a failed load's time is
+        charged to. A chunk absent or damaged says nothing of its
         tier's speed. Any thread; the lending, one.
 
         Raises:
@@ -317,7 +321,7 @@ class TieredStore:
             lend=lambda i, hold: self._lend(hold, keys[i], metas[i]),
             read=lambda i, hold, spare: self._calls.submit(self._read, hold, keys[i],
                                                            metas[i], spare),
-            timeout_s=self._calls.timeout_s, late=self._late)
+            timeout_s=self._calls.timeout_s, late=self._late, until=until)
 
     def _late(self, tier: str) -> None:
         """A read of `tier` was abandoned: counted, and the tier marked stalled."""
@@ -557,6 +561,18 @@ class TieredStore:
         return all(writer.flush(max(0.0, deadline - time.monotonic())) for writer in self._below)
 
     # -- upkeep ----------------------------------------------------------------------------
+    def measure_links(self) -> dict[str, LinkSpeed]:
+        """The speed of each tier that can measure its link (`LinkProbe`: the remote
+        ones) and answers now. Blocking (a few round trips each): any thread but a
+        latency-sensitive one."""
+        speeds = {}
+        for tier in self.tiers:
+            if isinstance(tier, LinkProbe):
+                speed = self._guarded(tier, None, tier.measure_link)
+                if speed is not None:
+                    speeds[tier.name] = speed
+        return speeds
+
     def stats(self) -> StoreStats:
         """A snapshot of every tier's counters and of the store's own. Any thread."""
         return StoreStats(

@@ -483,3 +483,28 @@ class InventorySource(Protocol):
 
     @classmethod
     def open_inventory(cls, config: Any) -> Inventory: ...
+
+
+@dataclass(frozen=True, slots=True)
+class LinkSpeed:
+    """What reaching a remote tier costs, measured by its `LinkProbe`."""
+
+    round_trip_s: float  # one request's round trip with no payload
+    bytes_per_s: float  # payload bytes a second, one direction
+
+    def read_s(self, nbytes: int, parallel: int = 1) -> float:
+        """Expected seconds a read of `nbytes` adds to a load whose reads run `parallel` at
+        once: the round trips overlap, the bytes share the link."""
+        return self.round_trip_s / max(1, parallel) + nbytes / self.bytes_per_s
+
+
+@runtime_checkable
+class LinkProbe(Protocol):
+    """An optional ability of a tier across a network: measure its link in a few round trips
+    (no chunk read or written), so that a load's cost is estimated before its first load is
+    timed (issue 45: a slow link's first hits are recomputed, not loaded)."""
+
+    def measure_link(self) -> LinkSpeed | None:
+        """The link's speed now; None when the tier does not answer. Never raises for I/O.
+        Any thread; takes a few round trips (blocking)."""
+        ...

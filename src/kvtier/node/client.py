@@ -300,9 +300,10 @@ class NodeStore:
     # -- loads ------------------------------------------------------------------------------
     def lend_as_landed(self, keys: Sequence[ChunkKey], spares: MutableSequence[memoryview],
                        metas: Sequence[ChunkMeta] = (), *, in_order: bool = False,
-                       ) -> Lending[ChunkView]:
+                       until: float | None = None) -> Lending[ChunkView]:
         """The chunks the node lends in one round trip, in order until its first miss (a
-        node unavailable: a miss at the first chunk, charged to the tier "node")."""
+        node unavailable: a miss at the first chunk, charged to the tier "node"). `until`
+        is not used: the node's own reads are bounded by its store's read deadline."""
         metas = list(metas) or [DEFAULT_META] * len(keys)
         if len(metas) != len(keys):
             raise ValueError(f"{len(metas)} metas for {len(keys)} keys")

@@ -40,6 +40,10 @@ class KVTierMetadata(KVConnectorMetadata):
     # Loads of requests waiting for them (vLLM's WAITING_FOR_REMOTE_KVS): started this step,
     # done on the worker's load thread while the engine runs, reported by `get_finished`.
     async_loads: dict[str, list[ChunkTransfer]] = field(default_factory=dict)
+    # Per request of `loads` / `async_loads`, the seconds its load may take from its start
+    # (its expected recompute: the load-or-recompute rule, scheduler/offer.py): what has not
+    # landed by then is recomputed (lost as load_too_slow). Absent: no limit.
+    load_budgets_s: dict[str, float] = field(default_factory=dict)
     # Stores of chunks that this step's forward completes; done after the forward pass.
     stores: list[ChunkTransfer] = field(default_factory=list)
     # Whether `stores` run on the worker's store thread while the engine goes on
@@ -97,6 +101,9 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     without_state: set[ChunkKey] = field(default_factory=set)
     # Complete loads, timed (load_mode "auto" weighs the next hits by them: loadcost.py).
     load_samples: list[LoadSample] = field(default_factory=list)
+    # Tier -> its expected seconds per chunk restored, estimated at start-up from its link
+    # (core.tier.LinkProbe) before any load is timed: the rule's prior (loadcost.py).
+    tier_priors_s: dict[str, float] = field(default_factory=dict)
     # The newest plan (`KVTierMetadata.step`) whose stores are all done, reported or
     # dropped; -1: none yet. vLLM's V2 runner with speculative decoding runs a step's stores
     # (wait_for_save) after the step's report is built, so "done" is the workers' to say.
@@ -114,5 +121,12 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
                                     failed_blocks=self.failed_blocks | other.failed_blocks,
                                     events=list(dict.fromkeys(self.events + other.events)),
                                     load_samples=self.load_samples + other.load_samples,
+                                    tier_priors_s=_slowest(self.tier_priors_s,
+                                                           other.tier_priors_s),
                                     stores_through=min(self.stores_through,
                                                        other.stores_through))
+
+
+def _slowest(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    """Each tier's slower estimate of two ranks' (a load waits for its slowest rank)."""
+    return {tier: max(a.get(tier, 0.0), b.get(tier, 0.0)) for tier in a.keys() | b.keys()}

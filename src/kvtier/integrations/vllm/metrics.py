@@ -111,7 +111,7 @@ COUNTERS: dict[str, str] = {
                           "tier again) or recompute_faster (left to vLLM to recompute)",
     "lost_hit_tokens": "Tokens kvtier found (lookup_hit_tokens) but did not load into vLLM's "
                        "KV cache, by reason (LOST_HIT_REASONS: recompute_faster, "
-                       "vllm_declined, load_failed, no_state)",
+                       "vllm_declined, load_failed, load_too_slow, no_state)",
 }
 GAUGES: dict[str, str] = {
     "tier_used_bytes": "Bytes the tier holds now",
@@ -155,8 +155,11 @@ DECISIONS = ("loaded", "trial", "recompute_faster")
 #   load_failed: the load stopped at a chunk a tier did not deliver (gone or corrupt since
 #     the lookup, a tier that erred, was down, stalled or timed out) and the rest of that
 #     request's hit, all recomputed by vLLM;
+#   load_too_slow: the load ran past its budget, the hit's expected recompute (issue 45:
+#     KVTierMetadata.load_budgets_s): the chunks not landed by then, recomputed;
 #   no_state: models with state layers: the chunk ending the hit holds no state.
-LOST_HIT_REASONS = ("recompute_faster", "vllm_declined", "load_failed", "no_state")
+LOST_HIT_REASONS = ("recompute_faster", "vllm_declined", "load_failed", "load_too_slow",
+                    "no_state")
 # From a fast RAM hit (~1 ms) to a stalled tier's read deadline (seconds).
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                      10.0, 30.0)

@@ -82,7 +82,10 @@ class LoadSample:
 
     chunks: tuple[tuple[str, int], ...]  # (tier name, chunks it lent or failed to)
     seconds: float  # from the first read to the last scatter, or to the failed read
-    failed: bool = False  # it stopped at a read that a tier failed (its last chunk's)
+    # It stopped at a read that a tier failed (its last chunk's). A load stopped at its
+    # deadline is not failed: its time so far over the chunks it lent and the one it waited
+    # for is a lower bound of the tier's cost (issue 45).
+    failed: bool = False
     # Of `seconds`, the time spent waiting for the tiers' reads (the rest: the copy into
     # vLLM's blocks): where a hit's time goes, on /metrics as load_read_seconds.
     read_s: float = 0.0

@@ -17,7 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.tools.ops.restorecost import PREFIX
 
-LOST_HIT_REASONS = ("recompute_faster", "vllm_declined", "load_failed", "no_state")
+LOST_HIT_REASONS = ("recompute_faster", "vllm_declined", "load_failed", "load_too_slow",
+                    "no_state")
 LOST_COUNTER = PREFIX + "lost_hit_tokens_total"
 FOUND_COUNTER = PREFIX + "lookup_hit_tokens_total"
 LOADED_COUNTER = PREFIX + "loaded_tokens_total"

@@ -167,7 +167,7 @@ class ConnectorScheduler:
                                          start, end)
         # The hit's last chunk brings the state at its end (models with state layers).
         self._states.plan_load(request.request_id, transfers, per_group, end, state.load_async)
-        self._loads.add_load(request.request_id, transfers, state.load_async)
+        self._loads.add_load(request.request_id, transfers, state.load_async, start, end)
         if state.load_async:
             self._stats.add("async_loads", 1)
         state.num_planned_chunks = max(state.num_planned_chunks, end // self._tokens_per_chunk)

@@ -7,7 +7,10 @@ sample is one request's load (`LoadSample`): the chunks each tier lent and the t
 first read to the last scatter. A load that a tier failed (it erred, was down, or did not
 answer in time) saved nothing, as its request recomputes after the wait: it counts as an
 infinitely slow load of that tier (without that, a tier whose reads all time out would never
-look slow). One failure among fast loads does not move the median; two do. A load that found
+look slow). One failure among fast loads does not move the median; two do. A load stopped at
+its budget (its expected recompute, issue 45) did not fail: its time so far over the chunks it
+lent and the one it waited for is its sample, a lower bound (finite, so the tier's cost stays
+a number the router weights and the trials can compare). A load that found
 its chunk missing or damaged says nothing of the tier's speed: it is not sampled (a damaged
 chunk is removed and stored again; the tier serves on). A load
 that read from several tiers is charged to the slowest (last) one, less what the faster
@@ -21,8 +24,11 @@ Loaded asynchronously, it costs the batch nothing and its own request one more s
   - else inline when the load's expected time is at most INLINE_STEP_SHARE of the engine's
     median step, so that the batch feels one gap of at most 1.2x (issue 13's ITL target);
   - else asynchronous.
-Until a step time and the costs the hit needs have been measured: a hit held in RAM inline,
-one below RAM asynchronous (the measured defaults: a RAM hit adds 0.3-8.3 ms at 1k-16k
+Before a tier's first timed load, its cost is its prior, where the workers estimated one at
+start-up from the tier's link (a remote tier's round trip and bandwidth: core.tier.LinkProbe,
+issue 45), so that a slow link's first hits are judged like any other; a tier with neither
+is unknown (None). Until a step time and the costs the hit needs are known: a hit held in RAM
+inline, one below RAM asynchronous (the measured defaults: a RAM hit adds 0.3-8.3 ms at 1k-16k
 tokens, a disk hit 6-91 ms, docs/performance.md).
 
 Primitives: `LoadCosts`, `INLINE_STEP_SHARE`, `TIER_WINDOW` (over the workers'
@@ -56,6 +62,7 @@ class LoadCosts:
         self._samples: dict[str, deque[float]] = {}
         self._loads: Counter[str] = Counter()  # timed loads per tier, ever
         self._taken_s: dict[str, float] = {}  # tier -> when its latest load was taken in
+        self._priors_s: dict[str, float] = {}  # tier -> its estimate before a timed load
 
     @property
     def top_tier(self) -> str:
@@ -78,15 +85,22 @@ class LoadCosts:
         self._loads[slowest] += 1
         self._taken_s[slowest] = self._clock()
 
+    def set_prior(self, tier: str, chunk_s: float) -> None:
+        """The tier's estimated seconds per chunk, before any of its loads is timed (the
+        workers' start-up measure of its link)."""
+        self._priors_s[tier] = chunk_s
+
     def chunk_s(self, tier: str) -> float | None:
-        """The tier's seconds per chunk restored; None until one of its loads is timed."""
+        """The tier's seconds per chunk restored: the median of its timed loads, or its
+        prior before one; None without either."""
         samples = self._samples.get(tier)
-        return statistics.median(samples) if samples else None
+        return statistics.median(samples) if samples else self._priors_s.get(tier)
 
     def last_s(self, tier: str) -> float | None:
-        """The tier's seconds per chunk in its latest timed load; None before one."""
+        """The tier's seconds per chunk in its latest timed load; its prior before one
+        (None without)."""
         samples = self._samples.get(tier)
-        return samples[-1] if samples else None
+        return samples[-1] if samples else self._priors_s.get(tier)
 
     def loads(self, tier: str) -> int:
         """How many of the tier's loads were timed so far."""

@@ -38,6 +38,9 @@ HOLDERS_MAX_KEYS = 1 << 17
 # gets its prefix read ahead a batch at a time), and remembered as asked (not asked twice).
 PREFETCH_PER_STEP = 32
 PREFETCHED_MAX_KEYS = 1 << 14
+# A load's budget is its expected recompute, never under this: a short hit's recompute
+# estimate is a few ms, below the jitter of a thread's wake-up.
+MIN_LOAD_BUDGET_S = 0.05
 
 
 class LoadPlanner:
@@ -73,6 +76,8 @@ class LoadPlanner:
         # Loads planned for the next plan, inline and asynchronous (request id -> chunks).
         self._pending: dict[str, list[ChunkTransfer]] = {}
         self._pending_async: dict[str, list[ChunkTransfer]] = {}
+        self._budgets_s: dict[str, float] = {}  # of the pending loads that have one
+        self._always = load_when == "always"
 
     @property
     def by_cost(self) -> bool:
@@ -127,23 +132,31 @@ class LoadPlanner:
         self._wanted.clear()
 
     def add_load(self, request_id: str, transfers: list[ChunkTransfer],
-                 load_async: bool) -> None:
-        """Plan the load of a request's hit, into the blocks vLLM allocated, for the next
-        plan: inline or asynchronously (`loads_async`)."""
+                 load_async: bool, start_token: int = 0, end_token: int = 0) -> None:
+        """Plan the load of a request's hit (its tokens `start_token`..`end_token`), into
+        the blocks vLLM allocated, for the next plan: inline or asynchronously
+        (`loads_async`). Under load_when "faster" it may take as long as its expected
+        recompute (once the engine's prefills are measured): what has not landed by then is
+        recomputed, so that no hit costs much more than a miss (issue 45)."""
         pending = self._pending_async if load_async else self._pending
         pending[request_id] = transfers
+        budget_s = None if self._always else self._steps.recompute_s(start_token, end_token)
+        if budget_s is not None:
+            self._budgets_s[request_id] = max(budget_s, MIN_LOAD_BUDGET_S)
 
     def end(self, request_id: str) -> None:
         """The request ended: nothing of it is loaded or read ahead."""
         self._pending.pop(request_id, None)
         self._pending_async.pop(request_id, None)
+        self._budgets_s.pop(request_id, None)
         self.forget(request_id)
 
     def start_plan(self, meta: KVTierMetadata) -> None:
         """Give plan `meta` the loads planned since the last plan and the chunks to
         prefetch."""
         meta.loads, meta.async_loads = self._pending, self._pending_async
-        self._pending, self._pending_async = {}, {}
+        meta.load_budgets_s = self._budgets_s
+        self._pending, self._pending_async, self._budgets_s = {}, {}, {}
         meta.prefetch = self._take_prefetch()
 
     def _take_prefetch(self) -> list[ChunkTransfer]:
@@ -173,6 +186,11 @@ class LoadPlanner:
 
     def learn(self, report: KVTierWorkerMetadata) -> None:
         """Take in the workers' timed loads and what their RAM tier stored and removed."""
+        for tier, chunk_s in report.tier_priors_s.items():
+            if self._costs.chunk_s(tier) is None:
+                logger.info("kvtier: tier %r: restore estimated at %.4g s a chunk from its "
+                            "link, before any load", tier, chunk_s)
+            self._costs.set_prior(tier, chunk_s)
         for sample in report.load_samples:
             self._costs.observe_load(sample)
         for key in report.stored:  # stores go to the top tier

@@ -16,8 +16,8 @@ Inputs, all measured on this engine:
   - recompute_s(s, e): the engine's prefill cost of the prompt's tokens s..e, fitted to its
     own step times by position (attention makes a later token dearer: `EngineSteps`,
     stepcost.py).
-Defaults before anything is measured: a tier with no timed load yet counts as free, and an
-engine with no timed prefill yet as infinitely slow: every hit is loaded, as with load_when
+Defaults before anything is measured: a tier with no timed load and no prior counts as free,
+and an engine with no timed prefill yet as infinitely slow: every hit is loaded, as with load_when
 "always", until both sides are measured (the first loads measure the tiers).
 
 A tier judged slower than recompute is no longer loaded from, so its cost would never be
@@ -30,6 +30,13 @@ for one whose chunks were gone and so was never timed), and its gap counts from 
 the trial's measured end and its expected end (its chunks at the tier's measured cost, at most
 TRIAL_MAX_S; its start where the tier's loads failed), so that trials never run back to back,
 however slow. A tier that turns slow drops out within two loads.
+
+A tier never timed is judged by its prior, the workers' estimate from its link (loadcost.py):
+one slower than recompute is recomputed from the first request, and not tried with users'
+requests (its link is measured again every minute, worker/connector_worker.py); once loads
+are timed, the trials above take over. Every load may take at most its expected recompute
+(its budget, loadplan.py): what has not landed by then is recomputed, so that a load that
+turns out slow costs its request at most about twice its recompute.
 
 Decisions are counted per tier, in chunks: "loaded", "trial" (offered against the rule, to
 measure), "recompute_faster" (cut).
@@ -89,9 +96,13 @@ class HitOffer:
         if by_rule == len(tiers):
             return Cut(by_rule, decisions)
         slowest = max(tiers[by_rule:], key=lambda t: self._costs.chunk_s(t) or 0.0)
-        reason = "trial" if self._trial_due(slowest, self._trial_s(tiers[by_rule:]),
-                                            self._to_confirm(slowest, tiers, start_token)) \
-            else "recompute_faster"
+        # A tier cut by its prior alone (no load timed) is not tried with a user's request:
+        # its link is measured again instead (issue 45: a trial of a slow link costs its
+        # request up to its recompute time twice over).
+        tried = self._costs.loads(slowest) > 0 and self._trial_due(
+            slowest, self._trial_s(tiers[by_rule:]),
+            self._to_confirm(slowest, tiers, start_token))
+        reason = "trial" if tried else "recompute_faster"
         decisions.update((tier, reason) for tier in tiers[by_rule:])
         return Cut(len(tiers) if reason == "trial" else by_rule, decisions)
 

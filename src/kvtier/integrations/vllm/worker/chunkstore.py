@@ -1,20 +1,22 @@
 """What the connector's worker and its movers need of kvtier's store (`ChunkStore`):
 `TieredStore` (core/store.py) provides it in-process, `NodeStore` (node/client.py) in node
-mode.
+mode. `LinkMeasuring`: an optional ability (`TieredStore`'s), the speed of its remote tiers'
+links, the load-or-recompute rule's prior (issue 45).
 
-Primitives: `ChunkStore`.
+Primitives: `ChunkStore`, `LinkMeasuring`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, MutableSequence, Sequence
 from contextlib import AbstractContextManager
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.loans import Lending
 from kvtier.core.retention import DEFAULT_META, ChunkMeta
 from kvtier.core.store import ChunkView, PendingPut, StoreEvent, StoreStats
+from kvtier.core.tier import LinkSpeed
 
 
 class ChunkStore(Protocol):
@@ -28,7 +30,7 @@ class ChunkStore(Protocol):
 
     def lend_as_landed(self, keys: Sequence[ChunkKey], spares: MutableSequence[memoryview],
                        metas: Sequence[ChunkMeta] = (), *, in_order: bool = False,
-                       ) -> Lending[ChunkView]: ...
+                       until: float | None = None) -> Lending[ChunkView]: ...
 
     def plan_puts(self, keys: Sequence[ChunkKey], metas: Sequence[ChunkMeta]) -> None:
         """A step's stores are about to `put_from` / `putting` these keys, in this order."""
@@ -54,3 +56,10 @@ class ChunkStore(Protocol):
     def close(self, flush_timeout_s: float | None = None) -> None: ...
 
     def flush(self, timeout_s: float | None = None) -> bool: ...
+
+
+@runtime_checkable
+class LinkMeasuring(Protocol):
+    """A store that measures its remote tiers' links (`TieredStore.measure_links`)."""
+
+    def measure_links(self) -> dict[str, LinkSpeed]: ...

@@ -30,6 +30,7 @@ Primitives: `ConnectorWorker` (and `ChunkStore`, re-exported from chunkstore.py)
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -46,9 +47,9 @@ from kvtier.integrations.vllm.messages import (
     chunk_meta,
 )
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, StatsDelta
-from kvtier.integrations.vllm.worker.chunkstore import ChunkStore
+from kvtier.integrations.vllm.worker.chunkstore import ChunkStore, LinkMeasuring
 from kvtier.integrations.vllm.worker.cpu import CpuChunkMover, spare_buffers
-from kvtier.integrations.vllm.worker.device import Device
+from kvtier.integrations.vllm.worker.device import Device, Event
 from kvtier.integrations.vllm.worker.mover import ChunkMover, StoreJob
 from kvtier.integrations.vllm.worker.paged import PagedKV
 
@@ -62,6 +63,9 @@ LOAD_BATCH = 8
 # while they hold at most this: a small chunk's read has fixed costs (open, header, checksum,
 # the disk's latency) that more reads in flight hide; a few large ones keep a disk busy.
 READ_AHEAD_BYTES = 32 << 20
+# How often the remote tiers' links are measured (the rule's prior for a tier not yet timed;
+# a few round trips and 3 x 2 x 256 KiB on the link: 0.13 s of a 100 Mbit/s link a minute).
+LINK_MEASURE_S = 60.0
 
 
 def load_batch_for(io_threads: int, chunk_bytes: int) -> int:
@@ -147,8 +151,10 @@ class ConnectorWorker:
         self._gone: set[ChunkKey] = set()
         self._gone_lock = threading.Lock()
         self._stored_while_checking: set[ChunkKey] = set()  # stored during a `_find_gone`
-        # request id -> (its chunks, the load, when it started)
-        self._loading: dict[str, tuple[list[ChunkTransfer], Future[int], float]] = {}
+        # request id -> (its chunks, the load (chunks loaded, past its budget), when it
+        # started)
+        self._loading: dict[str, tuple[list[ChunkTransfer], Future[tuple[int, bool]],
+                                       float]] = {}
         self._failed_block_ids: set[int] = set()
         self._failed_requests: set[str] = set()  # async loads that failed
         self._state_notes: deque[tuple[ChunkKey, bool]] = deque()  # see _note_state
@@ -162,6 +168,14 @@ class ConnectorWorker:
         # shard of the same tokens): rank 0 counts them; bytes and seconds add up over ranks.
         self._token_scale = 1 if layout.tp_rank == 0 else 0
         self._block_bytes = layout.bytes_per_chunk // len_blocks(layout, paged.block_size)
+        # The remote tiers' links, measured once off this thread: the scheduler's estimate
+        # of their restore cost before any load is timed (issue 45; loadcost.py).
+        # Measured again every LINK_MEASURE_S: a tier judged slow by its estimate is not
+        # tried with users' requests (offer.py), so its estimate must follow its link.
+        self._priors_s: dict[str, float] = {}
+        self._links = store if isinstance(store, LinkMeasuring) else None
+        self._load_batch = load_batch
+        self._links_measured_s = -math.inf
 
     def place_states(self, meta: KVTierMetadata) -> None:
         """Copy asynchronously loaded states into the blocks this step's forward reads them
@@ -203,12 +217,13 @@ class ConnectorWorker:
     def load(self, meta: KVTierMetadata) -> None:
         """Load every planned chunk into vLLM's blocks; record failures (before forward)."""
         start = time.perf_counter()
-        for transfers in meta.loads.values():
+        for req_id, transfers in meta.loads.items():
             started = time.perf_counter()
-            loaded = self._mover.load(transfers, self._spares, wait=False)
+            until = _until(meta.load_budgets_s.get(req_id))
+            loaded = self._mover.load(transfers, self._spares, wait=False, until=until)
             # A request's latency, failed loads included (a stalled tier shows in the p99).
             self._stats.observe("load_request_seconds", time.perf_counter() - started, "sync")
-            self._account(transfers, loaded)
+            self._account(transfers, loaded, _past(until))
         self._stats.add("load_seconds", time.perf_counter() - start)
         self._take_samples()  # their read time joins this step's stats
 
@@ -226,9 +241,16 @@ class ConnectorWorker:
         for req_id, transfers in meta.async_loads.items():
             if req_id in self._loading:
                 continue
-            done = self._loader.submit(self._mover.load, transfers, self._async_spares,
-                                       self._mover.mark())
+            # Its budget runs from now: a load queued behind another's spends it waiting.
+            until = _until(meta.load_budgets_s.get(req_id))
+            done = self._loader.submit(self._load_async, transfers, self._mover.mark(), until)
             self._loading[req_id] = (transfers, done, time.perf_counter())
+
+    def _load_async(self, transfers: list[ChunkTransfer], after: Event | None,
+                    until: float | None) -> tuple[int, bool]:
+        """The load thread's load: chunks loaded, and whether it ended past `until`."""
+        loaded = self._mover.load(transfers, self._async_spares, after, until=until)
+        return loaded, _past(until)
 
     def prefetch(self, transfers: list[ChunkTransfer]) -> None:
         """Read the chunks of `transfers` into the RAM tier on the prefetch thread (a read
@@ -257,20 +279,21 @@ class ConnectorWorker:
         for req_id in finished:
             transfers, load, started = self._loading.pop(req_id)
             try:
-                loaded = load.result()
+                loaded, too_slow = load.result()
             except Exception:  # a bug, not an I/O error (those are misses): recompute
                 logger.exception("kvtier: asynchronous load of request %s failed", req_id)
-                loaded = 0
-            if self._account(transfers, loaded):
+                loaded, too_slow = 0, False
+            if self._account(transfers, loaded, too_slow):
                 self._failed_requests.add(req_id)
             elapsed_s = time.perf_counter() - started
             self._stats.add("async_load_seconds", elapsed_s)
             self._stats.observe("load_request_seconds", elapsed_s, "async")
         return finished
 
-    def _account(self, transfers: list[ChunkTransfer], loaded: int) -> bool:
-        """Record a request's load of `transfers`, of which the first `loaded` arrived;
-        whether it failed."""
+    def _account(self, transfers: list[ChunkTransfer], loaded: int,
+                 too_slow: bool = False) -> bool:
+        """Record a request's load of `transfers`, of which the first `loaded` arrived
+        (`too_slow`: it ended past its budget); whether it failed."""
         for transfer in transfers[:loaded]:
             self._unfilled.difference_update(transfer.written_blocks())
             if transfer.retain_s is not None or transfer.ttl_s is not None:
@@ -293,9 +316,11 @@ class ConnectorWorker:
                 self._report.failed_blocks.update(unfilled)
             self._stats.add("load_failures", len(transfers) - loaded)
             # The mover does not say why the read failed (gone, corrupt, a tier erring or
-            # stalled): one reason for all of them (metrics.LOST_HIT_REASONS).
+            # stalled): one reason for all of them (metrics.LOST_HIT_REASONS), but a load
+            # that ran out of its budget (a miss at the deadline counts as one).
             self._stats.add("lost_hit_tokens", self._tokens(transfers[loaded:]),
-                            "no_state" if stateless else "load_failed")
+                            "no_state" if stateless else
+                            "load_too_slow" if too_slow else "load_failed")
         for transfer in transfers[:loaded]:
             blocks = transfer.num_blocks - transfer.first_block
             self._stats.add("loaded_tokens",
@@ -438,6 +463,10 @@ class ConnectorWorker:
             self._report.events.append(event)
             if event.kind == "removed":
                 removed.append(event.key)
+        now = time.monotonic()
+        if self._links is not None and now >= self._links_measured_s + LINK_MEASURE_S:
+            self._links_measured_s = now
+            self._checker.submit(self._measure_links, self._links, self._load_batch)
         if removed:
             # Whether another tier still holds it is asked off this thread: a lower tier's
             # lookup hops through the store's stall guard (~90 us, a third of a chunk's
@@ -445,17 +474,30 @@ class ConnectorWorker:
             self._checker.submit(self._find_gone, removed)
         with self._gone_lock:
             gone, self._gone = self._gone, set()
+            priors, self._priors_s = self._priors_s, {}
         self._report.removed |= gone
+        self._report.tier_priors_s.update(priors)
         self._take_samples()
         report = self._report
         if not (report.stored or report.missing or report.removed or report.events
                 or report.skipped or report.failed_blocks or report.without_state
-                or report.load_samples
+                or report.load_samples or report.tier_priors_s
                 or report.stores_through != self._reported_through):
             return None
         self._report = KVTierWorkerMetadata()
         self._reported_through = report.stores_through
         return report
+
+    def _measure_links(self, store: LinkMeasuring, load_batch: int) -> None:
+        """Estimate each remote tier's seconds per chunk from its link, `load_batch` reads
+        at once (report thread); the next report carries them (the scheduler logs them)."""
+        priors = {tier: speed.read_s(self._chunk_bytes, load_batch)
+                  for tier, speed in store.measure_links().items()}
+        if priors:
+            logger.debug("kvtier: remote tiers' estimated restore seconds per chunk, before "
+                        "any load: %s", {tier: round(s, 4) for tier, s in priors.items()})
+        with self._gone_lock:
+            self._priors_s.update(priors)
 
     def _find_gone(self, keys: list[ChunkKey]) -> None:
         """Note the `keys` (removed from a tier) that no tier holds any more (checker thread).
@@ -481,3 +523,13 @@ class ConnectorWorker:
         self._mover.close()
         self._store.close(None if deadline is None
                           else max(0.0, deadline - time.monotonic()))
+
+
+def _until(budget_s: float | None) -> float | None:
+    """The deadline (time.monotonic) of a load given `budget_s` from now; None: none."""
+    return None if budget_s is None else time.monotonic() + budget_s
+
+
+def _past(until: float | None) -> bool:
+    """Whether deadline `until` (time.monotonic; None: none) has passed."""
+    return until is not None and time.monotonic() >= until

@@ -74,11 +74,12 @@ class CpuChunkMover:
         return None
 
     def load(self, transfers: list[ChunkTransfer], spares: MutableSequence[memoryview],
-             after: Event | None = None, wait: bool = True) -> int:
+             after: Event | None = None, wait: bool = True, until: float | None = None) -> int:
         """Scatter a request's chunks from the store into their blocks, slower tiers' reads
         landing in `spares` (the caller's: as many reads run at once); the number loaded
         before the first miss (the blocks of any chunk scattered after it are recomputed by
-        vLLM, as the miss's are). Done when it returns (`after`, `wait`: unused).
+        vLLM, as the miss's are); a chunk not landed by `until` is a miss (mover.ChunkMover).
+        Done when it returns (`after`, `wait`: unused).
 
         Raises:
             ValueError: no spare buffer.
@@ -90,7 +91,8 @@ class CpuChunkMover:
         # request's state blocks: none may be written past a miss).
         with self._store.lend_as_landed([t.key for t in transfers], spares,
                                         [chunk_meta(t) for t in transfers],
-                                        in_order=bool(self._paged.state_bytes)) as lending:
+                                        in_order=bool(self._paged.state_bytes),
+                                        until=until) as lending:
             reading = started
             # One thread: memory bandwidth, not the CPU, bounds a scatter; two threads
             # scattered 1.25x slower than one here (docs/performance.md).
@@ -105,8 +107,9 @@ class CpuChunkMover:
             if lending.stopped_at < len(transfers):
                 if lending.failed_tier is not None:  # a failed read costs its tier its time
                     lent_by[lending.failed_tier] += 1
+                    # Past its deadline: slow, not failed; its time so far is a lower bound.
                     self.samples.append(LoadSample.since(started, lent_by, read_s,
-                                                         failed=True))
+                                                         failed=not lending.expired))
                 return lending.stopped_at
         self.samples.append(LoadSample.since(started, lent_by, read_s))
         return len(transfers)

@@ -43,12 +43,15 @@ class ChunkMover(Protocol):
         ...
 
     def load(self, transfers: list[ChunkTransfer], spares: MutableSequence[memoryview],
-             after: Event | None = None, wait: bool = True) -> int:
+             after: Event | None = None, wait: bool = True, until: float | None = None) -> int:
         """Copy a request's chunks, in order, from the store into their blocks, slower tiers'
         reads landing in `spares` (the caller's buffers); the number loaded before the first
         miss. `after`: see `mark` (None: marked now, on the calling thread). `wait`: return
         once the blocks hold the chunks (a load thread); False: once vLLM's next forward is
-        ordered after the copies (the model runner's thread)."""
+        ordered after the copies (the model runner's thread). `until` (time.monotonic; None:
+        no limit): a chunk not landed by then is a miss, and so is every one after it (a
+        load worth no more than its recompute: issue 45); no chunk is written after the
+        call returns."""
         ...
 
     def store(self, transfers: list[ChunkTransfer], mode: str,

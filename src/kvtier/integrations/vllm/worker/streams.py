@@ -192,7 +192,7 @@ class StreamChunkMover:
 
     # -- loads ----------------------------------------------------------------------------
     def load(self, transfers: list[ChunkTransfer], spares: MutableSequence[memoryview],
-             after: Event | None = None, wait: bool = True) -> int:
+             after: Event | None = None, wait: bool = True, until: float | None = None) -> int:
         """See mover.ChunkMover.load. `spares` must be pinned host memory."""
         started, lent_by, read_s = time.perf_counter(), Counter[str](), 0.0
         self._device.wait(self._load_stream, after or self.mark())
@@ -209,7 +209,7 @@ class StreamChunkMover:
             # read. A batch holding every spare is queued at once: the lending needs one back.
             lending = held.enter_context(self._store.lend_as_landed(
                 [t.key for t in transfers], spares, [chunk_meta(t) for t in transfers],
-                in_order=bool(self._paged.state_bytes)))
+                in_order=bool(self._paged.state_bytes), until=until))
             reading = time.perf_counter()
             for loan in lending:
                 read_s += time.perf_counter() - reading
@@ -249,7 +249,8 @@ class StreamChunkMover:
         if loaded < len(transfers):
             if stateless is None and lending.failed_tier is not None:
                 lent_by[lending.failed_tier] += 1  # a failed read costs its tier its time
-                self.samples.append(LoadSample.since(started, lent_by, read_s, failed=True))
+                self.samples.append(LoadSample.since(started, lent_by, read_s,
+                                                     failed=not lending.expired))
             return loaded
         self.samples.append(LoadSample.since(started, lent_by, read_s))
         return len(transfers)
