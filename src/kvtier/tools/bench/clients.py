@@ -304,18 +304,20 @@ def run_clients_bench(config: ClientsConfig,
             for client in config.clients:
                 progress(f"{setup}: {client} running")
                 runs.append(_run_one(client, setup, plan, server.url, model, name,
-                                     work / tag / client))
+                                     work / tag / client, input_file))
     return ClientsResult(config, tuple(runs), tuple(commands),
                          time.perf_counter() - started, machine(load_before))
 
 
 def _run_one(client: str, setup: str, plan: ClientsPlan, url: str, model: Path,
-             name: str, cwd: Path) -> ClientFigures:
+             name: str, cwd: Path, input_file: Path) -> ClientFigures:
+    """Run `client` in `cwd` against the server at `url`; its figures, answers and the
+    server's prefix-cache counters over the run."""
     before = _scrape(url)
     if client == MULTI_TURN:
         stats, convs = cwd / "stats.json", cwd / "conversations.json"
         out = run_client(multi_turn_argv(plan, model_dir=model, model_name=name, url=url,
-                                         input_file=cwd.parent.parent / "multi_turn_input.json",
+                                         input_file=input_file,
                                          stats_file=stats, output_file=convs),
                          cwd, cwd.with_suffix(".log"), plan.client_timeout_s)
         figures = parse_multi_turn(out, json.loads(stats.read_text()))
