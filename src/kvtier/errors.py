@@ -100,6 +100,11 @@ class ServerError(KVTierError):
     has its log)."""
 
 
+class ClientFailed(KVTierError):
+    """`kvtier bench clients`: a vendored benchmark client exited with an error or ran past
+    its time (the message has its command and the end of its output)."""
+
+
 class ShimUnavailable(KVTierError):
     """A benchmark's emulated filesystem latency cannot run here (no C compiler, not Linux, or
     its shim did not build): `kvtier.tools.bench.emulators.fslatency`."""

@@ -10,11 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tierkit import key
+from tierkit import key, make_tier
 
+from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.store import StoreEvent
-from kvtier.core.tier import EventKind
+from kvtier.core.tier import EventKind, EventSource
 from kvtier.tiers import open_store
 from kvtier.tiers.storeconfig import StoreConfig
 
@@ -70,3 +71,30 @@ def test_write_behind_reports_per_tier(tmp_path: Path) -> None:
         store.flush()
         assert sorted((e.tier, e.kind) for e in store.take_events()) == [
             ("disk", "stored"), ("memory", "stored")]
+
+
+@pytest.mark.parametrize("kind", ["redis", "s3"])
+def test_a_remote_tier_reports_its_stores_evictions_and_deletes(kind: str,
+                                                                tmp_path: Path) -> None:
+    """What this client stores, evicts to the tier's capacity (redis: its LRU index; s3: its
+    capacity listing) and deletes, whoever stored the chunk: routers credit them for every
+    engine (pool_events). What the server drops alone (maxmemory, a TTL, a lifecycle rule)
+    is not seen."""
+    tier = make_tier(kind, tmp_path, LAYOUT, capacity_chunks=2)
+    assert isinstance(tier, EventSource)
+    seen: list[tuple[EventKind, ChunkKey]] = []
+    tier.events.listen(lambda _tier, event, k: seen.append((event, k)))
+    try:
+        for i in range(3):
+            assert tier.put(key(i), _data(i)).ok
+        assert tier.put(key(2), _data(2)).ok  # held already: not stored again
+        if kind == "s3":
+            tier.enforce_capacity()  # type: ignore[attr-defined]  # its listing, now
+        assert [k for event, k in seen if event is EventKind.STORED] == [key(0), key(1), key(2)]
+        assert [k for event, k in seen if event is EventKind.REMOVED] == [key(0)]
+        assert tier.delete(key(2))
+        assert not tier.delete(key(0))  # gone already: nothing more to announce
+        assert seen[-1] == (EventKind.REMOVED, key(2))
+        assert [k for event, k in seen if event is EventKind.REMOVED] == [key(0), key(2)]
+    finally:
+        tier.close()

@@ -88,6 +88,7 @@ from kvtier.core.tier import (
     Locality,
     Medium,
     TierCounters,
+    TierEvents,
     TierResult,
     TierStats,
 )
@@ -185,6 +186,10 @@ class RedisTier:
         self.guard = Guard(self.name, MIN_BACKOFF_S, config.retry_max_s)
         self._admission = AdmissionFilter(config.admit_after)
         self._counters = TierCounters(self.name, config.capacity)
+        # What this client stores and removes (its index's evictions, bad chunks, deletes);
+        # what the server drops alone (maxmemory, a TTL) is not seen: a router learns it as
+        # a miss.
+        self.events = TierEvents(self.name)
         self._manifest: NamespaceManifest | None = None  # written after the next put
         self._index = (RedisLRUIndex(self.name, self.names.index, self.capacity_chunks,
                                      self.ttl_ms, self.stored_bytes, self._counters,
@@ -402,6 +407,7 @@ class RedisTier:
             self._counters.add(dropped_writes=1)
             return _write_failure(exc)
         self._counters.add(puts=1, bytes_written=len(data), write_s=time.perf_counter() - start)
+        self.events.stored(key)
         if self._index is not None:
             self._index.update(key.hex())
         if self._manifest is not None:
@@ -449,6 +455,8 @@ class RedisTier:
             return False
         if self._index is not None:
             self._index.remove([key.hex()])
+        if held:
+            self.events.removed(key)
         return held
 
     def _remove(self, key: ChunkKey) -> None:
@@ -458,8 +466,13 @@ class RedisTier:
             self._index.remove([key.hex()])
 
     def _delete_values(self, hex_keys: Sequence[str]) -> None:
-        """Delete chunks' values (header first), one pipeline per server that is up."""
-        all_names = [self.names.values(ChunkKey(bytes.fromhex(h))) for h in hex_keys]
+        """Delete chunks' values (header first), one pipeline per server that is up; each
+        is removed from now on (evicted by the index, or found bad), whether or not its
+        delete reaches the server."""
+        keys = [ChunkKey(bytes.fromhex(h)) for h in hex_keys]
+        for key in keys:
+            self.events.removed(key)
+        all_names = [self.names.values(key) for key in keys]
         groups = self._by_endpoint([names[0] for names in all_names])
         for endpoint, indexes in groups.items():
             def delete(client: Client, indexes: list[int] = indexes) -> None:

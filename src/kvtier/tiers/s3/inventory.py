@@ -88,9 +88,10 @@ def _delete(client: Any, bucket: str, names: Sequence[str]) -> int:
 
 
 def enforce_capacity(client: Any, config: S3TierConfig, names: S3Names,
-                     capacity_bytes: int) -> tuple[int, int, int]:
+                     capacity_bytes: int) -> tuple[int, int, int, list[str]]:
     """List a namespace's chunks and delete the least recently written beyond
-    `capacity_bytes`. Returns (chunks kept, bytes kept, chunks deleted).
+    `capacity_bytes`. Returns (chunks kept, bytes kept, chunks deleted, the key hex of each
+    chunk it set out to delete).
 
     Raises: botocore errors (the caller's circuit breaker classifies them).
     """
@@ -106,7 +107,9 @@ def enforce_capacity(client: Any, config: S3TierConfig, names: S3Names,
         victims.append(name)
         used -= size
     deleted = _delete(client, config.bucket, victims) if victims else 0
-    return len(found), used, deleted
+    gone = [parsed[1] for name in victims
+            if (parsed := parse_chunk_name(config.key_prefix, name)) is not None]
+    return len(found), used, deleted, gone
 
 
 def put_lifecycle(client: Any, config: S3TierConfig, log: logging.Logger) -> None:

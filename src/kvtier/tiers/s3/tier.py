@@ -61,6 +61,7 @@ from kvtier.core.tier import (
     Medium,
     NamespaceManifest,
     TierCounters,
+    TierEvents,
     TierResult,
     TierStats,
 )
@@ -145,6 +146,9 @@ class S3Tier:
         self.guard = Guard(self.name, MIN_BACKOFF_S, config.retry_max_s)
         self._admission = AdmissionFilter(config.admit_after)
         self._counters = TierCounters(self.name, config.capacity)
+        # What this process stores and removes (an object its lifecycle rule expires, or
+        # another engine deletes, is not seen: a router learns it as a miss).
+        self.events = TierEvents(self.name)
         self._absent = NegativeCache(config.negative_cache_s)  # chunks found absent lately
         self._lock = threading.Lock()
         self._manifest: NamespaceManifest | None = None
@@ -322,6 +326,7 @@ class S3Tier:
                 return result
             self._counters.add(puts=1, bytes_written=len(data), chunks=1,
                                used_bytes=len(body), write_s=time.perf_counter() - start)
+        self.events.stored(key)
         if self._manifest is not None:
             self._write_manifest()
         self._maybe_enforce_capacity()
@@ -421,13 +426,15 @@ class S3Tier:
                 # count would not be set (-1 matches nothing), run again.
                 changes = -1 if self._changing_now else self._changes
             try:
-                kept, used, evicted = self._run(lambda c: enforce_capacity(
+                kept, used, evicted, gone = self._run(lambda c: enforce_capacity(
                     c, self._config, self.names, self._config.capacity))
             except self._failed as exc:
                 log.info("s3 tier %r: capacity listing failed (%s)", self.name,
                          type(exc).__name__)
                 return
             self._counters.add(evictions=evicted)
+            for hex_key in gone:  # whoever stored them: this process evicted them
+                self.events.removed(ChunkKey(bytes.fromhex(hex_key)))
             with self._lock:
                 if self._changes == changes and not self._changing_now:
                     self._counters.set(chunks=kept, used_bytes=used)
@@ -457,6 +464,7 @@ class S3Tier:
                 return False
             # What this process knows; the next capacity listing counts every writer's.
             self._counters.add(chunks=-1, used_bytes=-int(head.get("ContentLength", 0)))
+        self.events.removed(key)
         return True
 
     # -- upkeep ------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ClientFailed, ConfigError
 from kvtier.testing.tinymodel import make_preset_model, served_name
 from kvtier.tools.bench.clients_results import (
     CLIENTS,
@@ -193,10 +193,6 @@ def long_doc_qa_argv(plan: ClientsPlan, *, model_name: str, url: str,
             "--max-inflight-requests", str(plan.inflight), "--repeat-count", "2",
             "--eos-token-id", str(eos_token_id), "--output", str(responses_file),
             "--json-output"]
-
-
-class ClientFailed(RuntimeError):
-    """A client exited with an error; the message has its command and the end of its output."""
 
 
 def run_client(argv: Sequence[str], cwd: Path, log_path: Path, timeout_s: float) -> str:
