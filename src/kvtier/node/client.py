@@ -303,14 +303,16 @@ class NodeStore:
                        until: float | None = None) -> Lending[ChunkView]:
         """The chunks the node lends in one round trip, in order until its first miss (a
         node unavailable: a miss at the first chunk, charged to the tier "node"). `until`
-        is not used: the node's own reads are bounded by its store's read deadline."""
+        (time.monotonic): the node abandons its reads below RAM not landed by then."""
         metas = list(metas) or [DEFAULT_META] * len(keys)
         if len(metas) != len(keys):
             raise ValueError(f"{len(metas)} metas for {len(keys)} keys")
         start = time.perf_counter()
         failed: str | None = None
         try:
-            lent = self._client.call(Borrow(list(keys), [Meta.of(m) for m in metas]), Lent)
+            budget = None if until is None else max(0.0, until - time.monotonic())
+            lent = self._client.call(Borrow(list(keys), [Meta.of(m) for m in metas], budget),
+                                     Lent)
         except NodeUnavailable:
             lent, failed = Lent(0, [], [], None), TIER
         sent = iter(lent.data)  # the chunks at SEND offsets: RAM had no slot for them

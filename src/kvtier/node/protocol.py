@@ -85,10 +85,13 @@ class Found(msgspec.Struct, tag=True):
 
 
 class Borrow(msgspec.Struct, tag=True):
-    """Lend `keys` in order until the first miss, promoting chunks below RAM into RAM."""
+    """Lend `keys` in order until the first miss, promoting chunks below RAM into RAM;
+    `budget_s`: the engine's budget for this load (its recompute's time): reads not landed by
+    then are abandoned and the run ends there (None: the store's read deadline only)."""
 
     keys: list[bytes]
     metas: list[Meta]
+    budget_s: float | None = None
 
 
 class Lent(msgspec.Struct, tag=True):

@@ -30,6 +30,7 @@ import secrets
 import socket
 import socketserver
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -309,9 +310,12 @@ class NodeServer:
             spares = []
         while len(spares) < len(keys):
             spares.append(memoryview(mmap.mmap(-1, layout.memory.chunk_bytes)))
-        lending = layout.store.lend_as_landed(keys, spares[:len(keys)],
+        until = None if request.budget_s is None else time.monotonic() + request.budget_s
+        # The connection's own list: a spare a late read may still write into is replaced
+        # in it by the lending (an abandoned read), never handed to the next Borrow.
+        lending = layout.store.lend_as_landed(keys, spares,
                                               [m.chunk_meta() for m in request.metas],
-                                              in_order=True)
+                                              in_order=True, until=until)
         offsets: list[int] = []
         tiers: list[str] = []
         sent: list[bytes] = []
