@@ -219,6 +219,17 @@ class TieredStore:
                 or any(self._calls.call(tier.name, False, self._contains, tier, key)
                        for tier in self.tiers[1:]))
 
+    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """`contains` of each key, with one batch per remote tier (`BatchLookup`) rather
+        than a round trip per key."""
+        batched = {id(t): self._contains_many(t, keys) for t in self._batched}
+        return [self._contains(self.tiers[0], key)
+                or any(key in writer.inflight for writer in self._below)
+                or any(batched[id(tier)][i] if id(tier) in batched
+                       else self._calls.call(tier.name, False, self._contains, tier, key)
+                       for tier in self.tiers[1:])
+                for i, key in enumerate(keys)]
+
     def _contains_many(self, tier: BatchLookup, keys: Sequence[ChunkKey]) -> list[bool]:
         try:
             return tier.contains_many(keys)
