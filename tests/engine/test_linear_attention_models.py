@@ -159,6 +159,12 @@ def one_at_a_time(llm: Any, prompts: list[dict[str, Any]],
     return outputs
 
 
+def _lost_hit_tokens() -> float:
+    """Tokens found and not loaded, for the reasons a failed load is counted under."""
+    return sum(kvtier_counter("lost_hit_tokens", reason=reason)
+               for reason in ("no_state", "load_failed", "load_too_slow"))
+
+
 def test_after_a_restart_hits_are_served_from_the_disk_tier(qwen3_next: Any) -> None:
     """The module's engine is the restarted one (see `qwen3_next`): its memory tier is
     empty, its disk tier's index is rebuilt from the directory. The first prompt's hit (its
@@ -175,13 +181,14 @@ def test_after_a_restart_hits_are_served_from_the_disk_tier(qwen3_next: Any) -> 
     assert kvtier_counter("loaded_tokens") - loaded == 2 * qwen3_next.regions.tokens_per_chunk
     assert kvtier_counter("tier_hits", tier="disk") - disk_hits == 2
     loaded, failures = kvtier_counter("loaded_tokens"), kvtier_counter("load_failures")
-    no_state = kvtier_counter("lost_hit_tokens", reason="no_state")
+    lost = _lost_hit_tokens()
     assert one_at_a_time(qwen3_next, [damaged]) == miss[1:]
     assert kvtier_counter("loaded_tokens") == loaded
     assert kvtier_counter("load_failures") > failures  # the stateless chunk, tried once
-    # Found and not loaded, for that reason (issue 46): the hit's one chunk.
-    assert (kvtier_counter("lost_hit_tokens", reason="no_state") - no_state
-            == qwen3_next.regions.tokens_per_chunk)
+    # Found and not loaded (issue 46): the hit's one chunk. Its reason is no_state once the
+    # worker has the chunk's state note, else load_failed, or load_too_slow past its budget
+    # on a loaded machine: the tokens, not the reason, are what this run can pin down.
+    assert _lost_hit_tokens() - lost == qwen3_next.regions.tokens_per_chunk
     # The recomputed prompt stored its states chunk again: the next run loads both chunks.
     settle([qwen3_next.disk_dir])
     loaded = kvtier_counter("loaded_tokens")
