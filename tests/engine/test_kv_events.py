@@ -50,11 +50,23 @@ def engine_and_subscriber(tiny_model_dir: Path, tmp_path_factory: pytest.TempPat
     try:
         with start_engine(tiny_model_dir, kvtier, kv_events_config=events) as llm:
             sub.connect(endpoint)  # the engine's publisher is bound by now
-            time.sleep(0.5)  # let the subscription reach the publisher before events flow
+            _until_subscribed(llm, sub)
             yield llm, sub
     finally:
         sub.close(linger=0)
         context.term()
+
+
+def _until_subscribed(llm: Any, sub: zmq.Socket) -> None:
+    """Send short prompts (under a chunk: nothing kvtier stores) until vLLM's own events for
+    them arrive: the subscription has reached the publisher (a PUB drops what it sends before
+    it does), then drain them."""
+    for seed in range(1000, 1060):
+        token_ids(llm, random_prompts([TPC // 2], seed=seed))
+        if sub.poll(timeout=500):
+            _kvtier_events(sub, wait_s=0.5)
+            return
+    raise AssertionError("no KV event reached the subscriber in 60 prompts")
 
 
 def _kvtier_events(sub: zmq.Socket, wait_s: float = 3.0) -> list[Any]:
@@ -135,7 +147,7 @@ def test_a_salted_prompt_announced_at_dynamos_block_size_scores_for_its_salt(
     try:
         with start_engine(tiny_model_dir, kvtier, kv_events_config=events) as llm:
             sub.connect(endpoint)
-            time.sleep(0.5)
+            _until_subscribed(llm, sub)
             token_ids(llm, [{**prompt, "cache_salt": salt}])
             ours = _kvtier_events(sub)
     finally:
@@ -175,9 +187,18 @@ def test_a_prompt_in_the_shared_tier_is_announced_for_the_pool_and_scores_for_ev
     try:
         with start_engine(tiny_model_dir, kvtier) as llm:
             wait_for(lambda: subscriber.handshakes >= 1, 30, "the engine's pool publisher")
-            time.sleep(0.5)  # the subscription reaches the publisher
+            # Until the subscription has reached the publisher (a PUB drops what it sends
+            # before), a new one-chunk prompt at a time, each stored in the shared tier.
+            seed = 1000
+            while not subscriber.stored():
+                seed += 1
+                assert seed < 1060, "no pool event reached the subscriber in 60 prompts"
+                token_ids(llm, random_prompts([TPC], seed=seed))
+                time.sleep(0.2)
+            warm = len(subscriber.stored())
             token_ids(llm, [prompt])
-            wait_for(lambda: len(subscriber.stored()) >= 4, 30, "the shared tier's 4 chunks")
+            wait_for(lambda: len(subscriber.stored()) >= warm + 4, 30,
+                     "the shared tier's 4 chunks")
     finally:
         subscriber.close()
     assert {topic for topic, _ in subscriber.events()} == {"kv@pool:fleet@test"}
