@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 from collections.abc import Iterator
 
 import pytest
 from tierkit import key, tiny_layout
 
+from kvtier.core.retention import ChunkMeta, tenant_id
 from kvtier.tiers.memory import MemoryTier, MemoryTierConfig
-from kvtier.tiers.shmslab import SHM_DIR
+from kvtier.tiers.shmslab import SHM_DIR, SharedSlab
 
 LAYOUT = tiny_layout()
 
@@ -53,6 +55,46 @@ def test_a_successor_recovers_what_was_held_and_nothing_else(name: str) -> None:
     assert sorted(p.name for p in SHM_DIR.glob(f"{name}*")) == [name]  # the old one removed
     second.close()
     assert not list(SHM_DIR.glob(f"{name}*"))  # not kept: removed
+
+
+def test_a_successor_keeps_each_chunks_tenant_pin_expiry_and_parent(name: str) -> None:
+    """A pinned system prompt stays pinned across a node's restart, a tenant's chunks stay
+    its own, the prefix policy keeps its tree; a chunk expired meanwhile is not recovered."""
+    now = time.time()
+    tenant = tenant_id("tenant-a")
+    first = tier(name)
+    assert first.put(key(0), chunk(0), ChunkMeta(tenant=tenant)).ok
+    assert first.put(key(1), chunk(1), ChunkMeta(tenant=tenant, parent=key(0))).ok
+    assert first.put(key(2), chunk(2), ChunkMeta(expires_at=now + 3600)).ok
+    assert first.put(key(3), chunk(3), ChunkMeta(expires_at=now + 0.3)).ok
+    assert first.put(key(4), chunk(4)).ok
+    assert first.retain(key(4), ChunkMeta(retain_until=now + 3600))  # pinned after its put
+    first.keep_shared_memory = True
+    first.close()
+    time.sleep(0.4)  # key 3 expires
+
+    slab = SharedSlab(name, first.slot_bytes, first.num_slots, first.chunk_bytes)
+    metas = {k: meta for k, _, meta in slab.recoverable(time.time())}
+    slab.close(keep=False)
+    assert metas == {key(0): ChunkMeta(tenant=tenant),
+                     key(1): ChunkMeta(tenant=tenant, parent=key(0)),
+                     key(2): ChunkMeta(expires_at=now + 3600),
+                     key(4): ChunkMeta(retain_until=now + 3600)}
+
+
+def test_a_recovered_pin_holds_against_a_flood(name: str) -> None:
+    first = tier(name)
+    assert first.put(key(0), chunk(0), ChunkMeta(retain_until=time.time() + 3600)).ok
+    first.keep_shared_memory = True
+    first.close()
+
+    second = tier(name)
+    assert second.recover() == (1, 0)
+    assert second.meta_of(key(0)).retain_until is not None  # type: ignore[union-attr]
+    for i in range(1, 3 * second.num_slots):  # three tiers' worth of other chunks
+        assert second.put(key(i), chunk(i % 250)).ok
+    assert second.contains(key(0))
+    second.close()
 
 
 def test_a_damaged_slot_is_dropped(name: str) -> None:

@@ -334,7 +334,7 @@ class MemoryTier:
                 return
             self._index[key] = index
             if self._shared is not None and checksum is not None:
-                self._shared.record(index, key, checksum)
+                self._shared.record(index, key, checksum, meta)
             if not self._book.records(meta) \
                     or not self._book.record(key, meta, self.slot_bytes):
                 self._policy.insert(key, meta.parent)  # pinned chunks stay out of the policy
@@ -469,6 +469,9 @@ class MemoryTier:
                 return False
             if self._book.retain(key, meta, self.slot_bytes):
                 self._policy.remove(key)  # pinned now: out of the policy
+            kept = self._book.meta_of(key)
+            if self._shared is not None and kept is not None:
+                self._shared.record_meta(self._index[key], kept)
             return True
 
     def meta_of(self, key: ChunkKey) -> ChunkMeta | None:
@@ -508,14 +511,14 @@ class MemoryTier:
     def recover(self) -> tuple[int, int]:
         """Put into this slab the chunks a predecessor's shared slab held whole (kvtier
         node, restarted on the same name: tiers/shmslab.py); (recovered, dropped: torn or
-        damaged). Any thread; the tier serves meanwhile. Their tenants, pins and expiry are
-        not kept (each is the default's)."""
+        damaged). Any thread; the tier serves meanwhile. Each keeps its tenant, pin, expiry
+        and parent (one expired by now is not recovered); not its engine."""
         if self._shared is None:
             return 0, 0
         recovered = 0
-        chunks = self._shared.recoverable()
-        for key, data in chunks:
-            recovered += self.put(key, data) is OK
+        chunks = self._shared.recoverable(time.time())
+        for key, data, meta in chunks:
+            recovered += self.put(key, data, meta) is OK
         return recovered, self._shared.dropped
 
     def close(self) -> None:

@@ -5,16 +5,22 @@ restarted on the same name recovers the chunks it held.
 The file /dev/shm/<name> (mode 0660: the node's group) is laid out as
     [slots: num_slots x slot_bytes][records: num_slots x 32 B][footer: 64 B]
 so that a slot's offset in the file is its offset in the slab (what engines are told). A
-record is (key, xxh3-64 of the chunk's bytes, chunk bytes, valid); it is made valid when a
-chunk is committed to its slot and invalid before the slot is written again or its chunk
-leaves, so a valid record always describes bytes that were whole at their commit.
+record is (key, xxh3-64 of the chunk's bytes, chunk bytes, valid) and the chunk's `ChunkMeta`
+as the tier keeps it (tenant, pin, expiry, parent: a pinned system prompt stays pinned across
+a restart, a tenant's chunks count against its quota, the prefix policy keeps its tree); it is
+made valid when a chunk is committed to its slot and invalid before the slot is written again
+or its chunk leaves, so a valid record always describes bytes that were whole at their commit.
+A pin or expiry extended later is written into the record (`record_meta`). Not kept: the
+engine that stored a chunk through a node (`engine_quota`): a recovered chunk counts against
+no engine's quota.
 
 A node that starts finds the file its predecessor left (a crash, a restart) and renames it
 aside (`<name>.old`, still mapped by engines of the old node: their late writes land there,
 never in the new slab); `recoverable` then yields each chunk of a valid record whose bytes
-still hash to its checksum (a torn or scribbled slot is dropped, counted), to be put into the
-new slab, and the old file is removed. The file's pages are allocated when it is created
-(posix_fallocate): charged to the node, never to the engine that first writes a slot.
+still hash to its checksum (a torn or scribbled slot is dropped, counted), with its meta, to
+be put into the new slab (one whose expiry has passed is not), and the old file is removed.
+The file's pages are allocated when it is created (posix_fallocate): charged to the node,
+never to the engine that first writes a slot.
 
 Primitives: `SharedSlab`, `SHM_DIR`, `slab_file_bytes`.
 """
@@ -34,13 +40,17 @@ import numpy as np
 import xxhash
 
 from kvtier.core.keys import ChunkKey
+from kvtier.core.retention import DEFAULT_META, ChunkMeta
 
 log = logging.getLogger(__name__)
 SHM_DIR = Path("/dev/shm")  # where named shared memory lives on Linux
 _RECORD = np.dtype([("key", "V16"), ("checksum", "<u8"), ("nbytes", "<u4"), ("valid", "u1"),
-                    ("pad", "V3")])
+                    ("known", "u1"), ("pad", "V2"), ("parent", "V16"), ("tenant", "V32"),
+                    ("retain_until", "<f8"), ("expires_at", "<f8")])
+# Which of a record's meta fields are set (its "known" bits).
+_PARENT, _TENANT, _RETAIN, _EXPIRES = 1, 2, 4, 8
 _FOOTER = struct.Struct("<8sQQQ32x")  # magic, slot_bytes, num_slots, chunk_bytes
-_MAGIC = b"KVTSLAB1"
+_MAGIC = b"KVTSLAB2"  # records with meta (KVTSLAB1's, without, are not recovered)
 
 
 def slab_file_bytes(slot_bytes: int, num_slots: int) -> int:
@@ -105,9 +115,33 @@ class SharedSlab:
     def checksum(data: memoryview) -> int:
         return xxhash.xxh3_64_intdigest(data)
 
-    def record(self, index: int, key: ChunkKey, checksum: int) -> None:
-        """Slot `index` holds `key`'s chunk, whose bytes hash to `checksum`."""
-        self._records[index] = (key, checksum, self.chunk_bytes, 1, b"\0" * 3)
+    def record(self, index: int, key: ChunkKey, checksum: int,
+               meta: ChunkMeta = DEFAULT_META) -> None:
+        """Slot `index` holds `key`'s chunk, whose bytes hash to `checksum`, kept with `meta`
+        (its engine aside)."""
+        parent = meta.parent
+        self._records[index] = (key, checksum, self.chunk_bytes, 0,
+                                0 if parent is None else _PARENT, b"\0" * 2, parent or b"",
+                                b"", 0.0, 0.0)
+        self.record_meta(index, meta)
+        self._records["valid"][index] = 1
+
+    def record_meta(self, index: int, meta: ChunkMeta) -> None:
+        """The chunk in slot `index` is kept with `meta`'s tenant, pin and expiry now (a pin or
+        expiry extended); its parent stays as recorded."""
+        record = self._records[index : index + 1]
+        known = int(record["known"][0]) & _PARENT
+        tenant = _tenant_bytes(meta.tenant)
+        if tenant is not None:
+            known |= _TENANT
+            record["tenant"] = tenant
+        if meta.retain_until is not None:
+            known |= _RETAIN
+            record["retain_until"] = meta.retain_until
+        if meta.expires_at is not None:
+            known |= _EXPIRES
+            record["expires_at"] = meta.expires_at
+        record["known"] = known
 
     def clear(self, index: int) -> None:
         """Slot `index` is about to be written, or its chunk left."""
@@ -116,21 +150,23 @@ class SharedSlab:
     def clear_all(self) -> None:
         self._records["valid"][:] = 0
 
-    def recoverable(self) -> Iterator[tuple[ChunkKey, memoryview]]:
+    def recoverable(self, now_s: float) -> Iterator[tuple[ChunkKey, memoryview, ChunkMeta]]:
         """Each chunk a predecessor's file holds whole (its record valid, its bytes hashing
-        to its checksum), read-only, valid until the next one is asked for; `dropped` counts
-        the slots whose bytes did not. The file is removed at the end."""
+        to its checksum) and not expired at `now_s` (wall clock), read-only, valid until the
+        next one is asked for, with its meta; `dropped` counts the slots whose bytes did not
+        hash to their checksum. The file is removed at the end."""
         self.dropped = 0
         if self.old is None:
             return
         try:
-            yield from self._recover(self.old)
+            yield from self._recover(self.old, now_s)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 self.old.unlink()
             self.old = None
 
-    def _recover(self, path: Path) -> Iterator[tuple[ChunkKey, memoryview]]:
+    def _recover(self, path: Path, now_s: float
+                 ) -> Iterator[tuple[ChunkKey, memoryview, ChunkMeta]]:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             size = os.fstat(fd).st_size
@@ -140,13 +176,13 @@ class SharedSlab:
         finally:
             os.close(fd)
         try:
-            yield from self._valid_chunks(path, old, size)
+            yield from self._valid_chunks(path, old, size, now_s)
         finally:
             with contextlib.suppress(BufferError):  # a view still held: left to the GC
                 old.close()
 
-    def _valid_chunks(self, path: Path, old: mmap.mmap, size: int
-                      ) -> Iterator[tuple[ChunkKey, memoryview]]:
+    def _valid_chunks(self, path: Path, old: mmap.mmap, size: int, now_s: float
+                      ) -> Iterator[tuple[ChunkKey, memoryview, ChunkMeta]]:
         magic, slot_bytes, num_slots, chunk_bytes = _FOOTER.unpack(old[size - _FOOTER.size:])
         if magic != _MAGIC or (slot_bytes, chunk_bytes) != (self.slot_bytes, self.chunk_bytes) \
                 or slab_file_bytes(slot_bytes, num_slots) != size:
@@ -157,6 +193,9 @@ class SharedSlab:
                                 offset=num_slots * slot_bytes).copy()
         for index in np.flatnonzero(records["valid"] == 1):
             record = records[index]
+            meta = _meta(record)
+            if meta.expires_at is not None and meta.expires_at <= now_s:
+                continue  # a miss by now anyway
             start = int(index) * slot_bytes
             with memoryview(old)[start:start + chunk_bytes] as data:
                 if record["nbytes"] != chunk_bytes \
@@ -164,7 +203,7 @@ class SharedSlab:
                     self.dropped += 1
                     continue
                 with data.toreadonly() as chunk:
-                    yield ChunkKey(bytes(record["key"])), chunk
+                    yield ChunkKey(bytes(record["key"])), chunk, meta
 
     def close(self, keep: bool) -> None:
         """Stop recording; the file is removed unless `keep` (for the next node to recover).
@@ -172,3 +211,24 @@ class SharedSlab:
         if not keep:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
+
+
+def _meta(record: np.void) -> ChunkMeta:
+    """The meta a record keeps (its engine is not kept)."""
+    known = int(record["known"])
+    return ChunkMeta(
+        tenant=bytes(record["tenant"]).hex() if known & _TENANT else None,
+        retain_until=float(record["retain_until"]) if known & _RETAIN else None,
+        expires_at=float(record["expires_at"]) if known & _EXPIRES else None,
+        parent=ChunkKey(bytes(record["parent"])) if known & _PARENT else None)
+
+
+def _tenant_bytes(tenant: str | None) -> bytes | None:
+    """A tenant id's 32 bytes (`retention.tenant_id`: 64 hex digits); None for the default
+    tenant or anything else (not kept)."""
+    if tenant is None or len(tenant) != 64:
+        return None
+    try:
+        return bytes.fromhex(tenant)
+    except ValueError:
+        return None
