@@ -2,7 +2,8 @@
 that lands in a node tier is a `BlockStored` (with the token ids the engine's scheduler sent in
 its step's `Describe`), one that leaves is a `BlockRemoved`, on the topic of llm-d's node
 pseudo-pod `kv@node:<name>@<model>`, in vLLM's own wire format: a router's SUB socket here
-decodes every message with vLLM's `msgspec.msgpack.Decoder(KVEventBatch)`. A chunk stored with
+decodes every message with vLLM's `msgspec.msgpack.Decoder(KVEventBatch)`; with
+`--event-block-size` a chunk goes out as blocks NVIDIA Dynamo's router indexes. A chunk stored with
 no known tokens is not announced; a tensor-parallel rank other than 0 announces nothing (rank
 0 speaks for the chunk); a node with no endpoint publishes nothing; a bad endpoint is a
 `ConfigError` naming the field.
@@ -22,6 +23,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
+from dynamorules import DynamoIndexer
 from eventsub import Subscriber
 from nodekit import (
     LAYOUT,
@@ -187,6 +189,63 @@ def test_a_node_without_an_endpoint_publishes_nothing(
         assert subscriber.batches == []
         assert node.status()["events_endpoint"] is None
         assert node.events is None
+        client.close()
+
+
+def test_event_block_size_announces_a_chunk_as_blocks_dynamo_scores_for_their_salt(
+        tmp_path: Path, start_node: Callable[..., NodeProcess], subscriber: Subscriber):
+    """`--event-block-size 4`: each 16-token chunk goes out as 4 chained blocks of 4 tokens
+    (the chunk's key the last one's hash), vLLM's extra_keys per block (the salt in the
+    prompt's first block); NVIDIA Dynamo's router (tests/node/dynamorules.py) indexes them
+    and scores a query of that salt only."""
+    salt = "dynamo-cache-salt:tenant-a"
+    node = start_node(node_tiers(tmp_path, ram_chunks=4),
+                      args=("--events-endpoint", subscriber.endpoint, "--event-block-size", "4"))
+    client, engine = connect(node.socket_path)
+    probe = NodeProbe([client])
+    probe.describe({key(i): ChunkInfo(key(i - 1) if i else None,
+                                      np.asarray(tokens(i), dtype="<i4").tobytes(), None, salt)
+                    for i in (0, 1)})
+    assert put_chunks(engine, [0, 1]) == [True] * 2
+    wait_for(lambda: len(subscriber.stored()) == 8, 10, "eight 4-token blocks")
+    assert node.status()["event_block_size"] == 4
+    blocks = subscriber.stored()
+    assert {e.block_size for e in blocks.values()} == {4}
+    assert key(0) in blocks and key(1) in blocks  # a chunk's last block: its key
+    assert blocks[key(1)].token_ids == tokens(1)[12:]
+    batch = KVEventBatch(ts=0.0, events=[e for _, e in subscriber.events()])
+    dynamo = DynamoIndexer(kv_block_size=4)
+    dynamo.receive("node", msgspec.msgpack.encode(batch))
+    prompt = tokens(0) + tokens(1)
+    assert dynamo.score(prompt, namespace="tenant-a") == {"node": 8}
+    assert dynamo.score(prompt) == {} and dynamo.score(prompt, namespace="tenant-b") == {}
+    client.close()
+
+
+@pytest.mark.parametrize(("block", "endpoint", "allowed"), [
+    (0, "tcp://127.0.0.1:5557", "a positive integer"),
+    (True, "tcp://127.0.0.1:5557", "a positive integer"),
+    (16, None, "without an events endpoint")])
+def test_a_bad_event_block_size_is_a_config_error_naming_the_field(
+        tmp_path: Path, socket_path: Path, block: int, endpoint: str | None, allowed: str):
+    with pytest.raises(ConfigError) as error:
+        NodeConfig(StoreConfig.parse(node_tiers(tmp_path, ram_chunks=4)), socket_path,
+                   events_endpoint=endpoint, event_block_size=block)
+    assert (error.value.field, error.value.value) == ("event_block_size", block)
+    assert allowed in str(error.value)
+
+
+def test_an_event_block_size_a_layout_cannot_take_announces_its_chunks_whole(
+        tmp_path: Path, socket_path: Path, node_name: str, subscriber: Subscriber):
+    config = NodeConfig(StoreConfig.parse(node_tiers(tmp_path, ram_chunks=4)), socket_path,
+                        name=node_name, keep_ram=False, events_endpoint=subscriber.endpoint,
+                        event_block_size=5)  # does not divide the 16-token chunks
+    with running_node(config):
+        client, engine = connect(socket_path)
+        describe(NodeProbe([client]), [0])
+        assert put_chunks(engine, [0]) == [True]
+        wait_for(lambda: len(subscriber.stored()) == 1, 10, "the chunk as one block")
+        assert subscriber.stored()[key(0)].block_size == TPC
         client.close()
 
 

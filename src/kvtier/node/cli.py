@@ -48,6 +48,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "kv@node:NAME@MODEL) on this ZMQ endpoint: tcp://HOST:PORT "
                              "(connects, as vLLM does), tcp://*:PORT or ipc://PATH (binds); "
                              "default: none")
+    parser.add_argument("--event-block-size", type=int, metavar="TOKENS",
+                        help="announce each chunk as chained blocks of this many tokens, as "
+                             "the router expects (NVIDIA Dynamo: its kv_block_size); must "
+                             "divide the engines' tokens_per_chunk (default: a block a chunk)")
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -59,6 +63,7 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     config = NodeConfig(StoreConfig.load(args.config), Path(args.socket),
                         keep_ram=not args.drop_ram, events_endpoint=args.events_endpoint,
+                        event_block_size=args.event_block_size,
                         **({"name": args.name} if args.name else {}))
     metrics: MetricsServer | None = None
     if args.metrics_port is not None:

@@ -10,7 +10,9 @@ in vLLM's wire format (`eventwire.py`), for cache-aware routers:
     endpoint on that Kubernetes node), one topic per model (`Hello.model`);
   - `BlockStored` when a chunk lands in a tier of the node, `BlockRemoved` when it leaves one,
     `medium`/`locality`/`ownership` as in process (`kvtier.tiers.eventfacts.event_place`),
-    `block_size` the layout's tokens_per_chunk;
+    `block_size` the layout's tokens_per_chunk, or `event_block_size` (`NodeConfig`: a chunk
+    as that many chained blocks, each with vLLM's extra_keys, as in process:
+    `kvtier.tiers.eventblocks`) where it divides the layout's chunk;
   - the events of the layouts at tensor-parallel rank 0 only: every rank of an engine stores
     and evicts its shard of the same chunks, in the same steps, under the same policy and
     per-rank capacity, and a key is one chunk for every rank, so rank 0 speaks for them;
@@ -60,6 +62,7 @@ class _Source:
     model: str
     topic: str
     tokens_per_chunk: int
+    block_size: int  # tokens a router's block: tokens_per_chunk, or a divisor of it
     announce: bool  # its events are published (tensor-parallel rank 0)
     order: ParentsFirst = field(default_factory=ParentsFirst)  # parents before children
 
@@ -68,11 +71,12 @@ class NodeEvents:
     """The node's PUB socket and the thread that publishes on it. Thread-safe."""
 
     def __init__(self, endpoint: str, node: str, tier_kinds: Mapping[str, str],
-                 count: Callable[[str, int], None], *, interval_s: float = 0.05,
-                 max_chunks: int = 16384) -> None:
+                 count: Callable[[str, int], None], *, block_size: int | None = None,
+                 interval_s: float = 0.05, max_chunks: int = 16384) -> None:
         """`tier_kinds`: the node's tier name -> kind; `count(name, n)`: the node's counters
         (`described_chunks`, `events_stored`, `events_removed`, `stored_unannounced`);
-        `max_chunks`: descriptions kept per model.
+        `block_size`: tokens a router's block (None: a chunk); `max_chunks`: descriptions
+        kept per model.
 
         Raises:
             ConfigError: a bad `endpoint`.
@@ -81,6 +85,7 @@ class NodeEvents:
         self._publisher = EventPublisher(endpoint)
         self.endpoint = self._publisher.endpoint
         self._node = node
+        self._block_size = block_size
         self._places = {name: event_place(name, kind) for name, kind in tier_kinds.items()}
         self._count = count
         self._interval_s = interval_s
@@ -103,8 +108,15 @@ class NodeEvents:
         """Drain `store`'s events from now on; publish them if `announce`. `clear`: a topic
         new to this node starts with AllBlocksCleared (False: its RAM is recovered)."""
         topic = events_topic(self._node, model)
+        block = self._block_size or tokens_per_chunk
+        if tokens_per_chunk % block:
+            log.warning("kvtier node: event_block_size %d does not divide the %d-token chunks "
+                        "of a layout of %s: its chunks are announced a block each", block,
+                        tokens_per_chunk, model)
+            block = tokens_per_chunk
         with self._lock:
-            self._sources.append(_Source(store, model, topic, tokens_per_chunk, announce))
+            self._sources.append(_Source(store, model, topic, tokens_per_chunk, block,
+                                         announce))
             self._tokens.setdefault(model, ChunkTokens(self._max_chunks))
             if announce and topic not in self._topics:
                 self._topics.add(topic)
@@ -182,9 +194,9 @@ class NodeEvents:
             with self._lock:
                 return tokens.get(key)
 
-        size = source.tokens_per_chunk
+        size = source.block_size
         ordered = source.order.order(events, info_of, time.monotonic())
-        blocks, unknown = router_blocks(ordered, info_of, size, size)
+        blocks, unknown = router_blocks(ordered, info_of, source.tokens_per_chunk, size)
         out: list[Event] = []
         stored = removed = 0
         for b in blocks:

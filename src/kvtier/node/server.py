@@ -97,6 +97,10 @@ class NodeConfig:
     # Where the node publishes its tiers' KV events (events.py): tcp://HOST:PORT (connects, as
     # vLLM's publisher does), tcp://*:PORT or ipc://PATH (binds); None: none, nothing listens.
     events_endpoint: str | None = None
+    # Tokens a block of the events announce (a chunk as tokens_per_chunk / event_block_size
+    # chained blocks: NVIDIA Dynamo's router drops blocks of another size than its own); None:
+    # one block a chunk. A layout whose chunk it does not divide is announced a block a chunk.
+    event_block_size: int | None = None
 
     def __post_init__(self) -> None:
         if not _NAME.fullmatch(self.name):
@@ -108,6 +112,13 @@ class NodeConfig:
                               "memory (the node shares its RAM tier with its engines)")
         if self.events_endpoint is not None:
             check_endpoint(self.events_endpoint)
+        block = self.event_block_size
+        if block is not None and (isinstance(block, bool) or not isinstance(block, int)
+                                  or block < 1):
+            raise ConfigError("event_block_size", block, "a positive integer (tokens)")
+        if block is not None and self.events_endpoint is None:
+            raise ConfigError("event_block_size", block,
+                              "unset without an events endpoint (--events-endpoint)")
 
 
 # The node's own counters (`NodeServer.counters`), each only ever added to.
@@ -173,7 +184,8 @@ class NodeServer:
         self.counters = NodeCounters()
         self.events = None if config.events_endpoint is None else NodeEvents(
             config.events_endpoint, config.name,
-            {t.tier_name: t.kind for t in config.store.tiers}, self.counters.add)
+            {t.tier_name: t.kind for t in config.store.tiers}, self.counters.add,
+            block_size=config.event_block_size)
         try:
             _clear_stale_socket(config.socket_path)
             self._server = _Server(str(config.socket_path), _Handler)
@@ -227,6 +239,7 @@ class NodeServer:
             "node": self.config.name, "generation": self.generation,
             "socket": str(self.config.socket_path), "engines": engines,
             "events_endpoint": self.config.events_endpoint,
+            "event_block_size": self.config.event_block_size,
             "connections": len(self._connections), "leases": leases,
             "counters": self.counters.snapshot(),
             "layouts": {digest: {
