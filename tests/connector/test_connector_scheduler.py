@@ -163,7 +163,9 @@ def test_a_decode_token_that_completes_a_chunk_stores_it() -> None:
     engine = Engine()
     req = request("a", 100)
     engine.admit(req, [0, 1, 2, 3])
-    assert len(engine.step(new={"a": ([0, 1, 2, 3], 0, 100)}).stores) == 1  # chunk 0
+    # Chunk 0, and the prompt's tail: its block past chunk 0 (tokens 64-96).
+    assert [t.block_ids for t in engine.step(new={"a": ([0, 1, 2, 3], 0, 100)}).stores] \
+        == [(2,), (0, 1)]
     for computed in range(100, 128):
         req.append_output_token_ids(7)
         meta = engine.step(cached={"a": ([], computed, 1)})
@@ -376,7 +378,7 @@ def test_a_request_ending_while_its_stores_may_run_is_held_one_step() -> None:
     engine.admit(quick, list(range(7)))
     engine.admit(slow, list(range(10, 14)))
     meta = engine.step(new={"a": (list(range(7)), 0, 200), "b": (list(range(10, 14)), 0, 100)})
-    assert meta.stores_async and len(meta.stores) == 4  # a: 3 chunks, b: 1
+    assert meta.stores_async and len(meta.stores) == 5  # a: 3 chunks, b: 1 and its tail
     assert engine.sched.request_finished(quick) is True  # its stores are this step's
     meta = engine.step(cached={"b": ([], 100, 1)})
     assert meta.held == {"a"} and meta.stores == []

@@ -171,17 +171,17 @@ def layer_names() -> list[str]:
     return [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 
 
-def miss_chunk(tokens: list[int], chunk: int) -> torch.Tensor:
-    """The bytes of chunk `chunk` of `tokens` as the miss path computes it (every position's
-    KV from its forward, kv_values), gathered as the worker gathers a chunk."""
-    bpc = CHUNK // BLOCK
-    values = kv_values(tokens)[chunk * CHUNK:(chunk + 1) * CHUNK]
-    kv = {name: (values + i).to(torch.bfloat16).view(bpc, 1, BLOCK, 1)
-          .expand(bpc, HEADS, BLOCK, 2 * DIM).contiguous()
+def miss_chunk(tokens: list[int], chunk: int, blocks: int = CHUNK // BLOCK) -> torch.Tensor:
+    """The bytes of chunk `chunk` of `tokens` (or of its tail of `blocks` blocks) as the miss
+    path computes it (every position's KV from its forward, kv_values), gathered as the
+    worker gathers a chunk."""
+    values = kv_values(tokens)[chunk * CHUNK:chunk * CHUNK + blocks * BLOCK]
+    kv = {name: (values + i).to(torch.bfloat16).view(blocks, 1, BLOCK, 1)
+          .expand(blocks, HEADS, BLOCK, 2 * DIM).contiguous()
           for i, name in enumerate(layer_names())}
     paged = PagedKV(kv, BLOCK)
     out = torch.empty(paged.layout(CHUNK).bytes_per_chunk, dtype=torch.uint8)
-    paged.gather(tuple(range(bpc)), out)
+    paged.gather(tuple(range(blocks)), out)
     return out
 
 
@@ -589,9 +589,11 @@ class Replay:
         for r in reversed(self.requests.values()):
             if not r.finished and r.spec.rid not in scheduled:
                 continue
-            for chunk in range(len(r.blocks) // bpc):
-                if tuple(r.blocks[chunk * bpc:(chunk + 1) * bpc]) == tuple(block_ids):
-                    return miss_chunk(r.spec.tokens, chunk)
+            for chunk in range(-(-len(r.blocks) // bpc)):
+                # A chunk, or a tail (fewer blocks: keys.tail_key).
+                first = chunk * bpc
+                if tuple(r.blocks[first:first + len(block_ids)]) == tuple(block_ids):
+                    return miss_chunk(r.spec.tokens, chunk, len(block_ids))
         raise AssertionError(f"no request holds the blocks {block_ids} of a planned store")
 
     def zero(self, blocks: set[int] | list[int]) -> None:

@@ -155,8 +155,9 @@ class Emulation:
             r.written.update(range(computed, computed + n))
         for transfer in meta.stores:
             r, chunk = self.owner(transfer.block_ids)
-            self.found.stored[r.request.request_id].add(chunk)
-            slots = range(chunk * CHUNK, (chunk + 1) * CHUNK)
+            if len(transfer.block_ids) == BPC:  # a chunk, not a tail (keys.tail_key)
+                self.found.stored[r.request.request_id].add(chunk)
+            slots = range(chunk * CHUNK, chunk * CHUNK + len(transfer.block_ids) * BLOCK)
             missing = [p for p in slots if p not in r.written]
             if missing:
                 self.found.unwritten.append(
@@ -166,7 +167,7 @@ class Emulation:
         for r in self.running.values():
             if block_ids[0] in r.blocks:
                 first = r.blocks.index(block_ids[0])
-                assert tuple(r.blocks[first:first + BPC]) == block_ids
+                assert tuple(r.blocks[first:first + len(block_ids)]) == block_ids
                 return r, first // BPC
         raise AssertionError(f"blocks {block_ids} belong to no request")
 

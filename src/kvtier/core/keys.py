@@ -8,7 +8,12 @@ canonical byte encoding (little-endian int64 token ids), so keys are identical a
 processes, machines and restarts: nothing depends on Python's `hash()` or PYTHONHASHSEED (a
 known cause of 0% hit rates with shared caches).
 
-Primitives: `ChunkKey`, `Namespace`, `chunk_keys`.
+A *tail* of a chunk is its first m full vLLM blocks (0 < m < blocks a chunk), stored when a
+request's computed tokens end inside the chunk, so that a hit may end at any block boundary
+(`tail_key`): its key chains from the same parent as the full chunk's but starts with its own
+tag and block count, so a tail's key never equals a full chunk's nor another length's tail.
+
+Primitives: `ChunkKey`, `Namespace`, `chunk_keys`, `tail_key`.
 """
 
 from __future__ import annotations
@@ -71,3 +76,26 @@ def chunk_keys(
         previous = ChunkKey(hasher.digest(length=KEY_BYTES))
         keys.append(previous)
     return keys
+
+
+def tail_key(token_ids: Sequence[int] | np.ndarray, namespace: Namespace,
+             num_blocks: int, parent: ChunkKey | None = None,
+             extra: bytes | None = None) -> ChunkKey:
+    """The key of a chunk's tail: its first `num_blocks` blocks, `token_ids` (those blocks'
+    tokens), after the chunk `parent` (None: the first chunk of the chain).
+
+    Args:
+        token_ids: the tail's tokens (num_blocks * block_size of them).
+        namespace: the namespace the key lives in (the block size is in it).
+        num_blocks: blocks the tail holds, 1 .. blocks a chunk - 1.
+        parent: key of the chunk before the tail's chunk.
+        extra: extra bytes its KV depends on (request_keys.py), or None.
+    """
+    tokens = np.asarray(token_ids, dtype="<i8")
+    previous = parent if parent is not None else ChunkKey(namespace.digest())
+    # The tag first: a full chunk's hash starts with its parent key, a tail's never does.
+    hasher = blake3.blake3(b"kvtier-tail-v1" + num_blocks.to_bytes(4, "little") + previous)
+    hasher.update(tokens.tobytes())
+    if extra:
+        hasher.update(b"kvtier-extra-v1" + len(extra).to_bytes(8, "little") + extra)
+    return ChunkKey(hasher.digest(length=KEY_BYTES))

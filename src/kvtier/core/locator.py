@@ -190,6 +190,23 @@ class ChunkLocator:
         found = future.result() if future.exception() is None else []
         return Located.prefix(max(held, self._extend(start, keys, found)))
 
+    def first_held(self, keys: Sequence[ChunkKey]) -> int | None:
+        """The index of the first of `keys` held (alternatives, e.g. a chunk's tails, longest
+        first), or None: the index, then each inline probe asked once for all of them
+        (`BatchLookup`: one round trip). Slow probes are not asked (a miss costs no RETRY):
+        a chunk only they hold is found once an engine reports it stored. Scheduler thread."""
+        for i, key in enumerate(keys):
+            if key in self.index:
+                return i
+        for name, probe in self._inline:
+            held = (probe.contains_many(list(keys)) if isinstance(probe, BatchLookup)
+                    else [probe.contains(key) for key in keys])
+            first = next((i for i, h in enumerate(held) if h), None)
+            if first is not None:
+                self.index.add(keys[first], name)
+                return first
+        return None
+
     def _probes_stuck(self) -> bool:
         """Whether a probe that outlived timeout_s is still running."""
         if self._stuck is not None and self._stuck.done():

@@ -38,7 +38,7 @@ from kvtier.integrations.vllm.metrics import KVTierConnectorStats, StatsDelta
 from kvtier.integrations.vllm.scheduler.loadfailures import LoadFailures
 from kvtier.integrations.vllm.scheduler.loadplan import LoadPlanner
 from kvtier.integrations.vllm.scheduler.losthits import LookupHit
-from kvtier.integrations.vllm.scheduler.requeststate import RequestState, RequestTable
+from kvtier.integrations.vllm.scheduler.requeststate import RequestState, RequestTable, Tail
 from kvtier.integrations.vllm.scheduler.routerevents import RouterEvents
 from kvtier.integrations.vllm.scheduler.statelayers import StateLayers
 from kvtier.integrations.vllm.scheduler.storeplan import StorePlanner, stores_async
@@ -72,6 +72,8 @@ class ConnectorScheduler:
         groups = groups or ChunkGroups(layer_names=((),), kinds=("full",))
         # Several KV cache groups in vLLM (attention and state): loads are asynchronous.
         several_groups = groups.count + len(groups.state_group_ids) > 1
+        # Hits end at a block boundary (a chunk's tail) but with several KV cache groups.
+        self._tails = not several_groups
         self._tokens_per_chunk = config.tokens_per_chunk
         self._block_size = block_size
         self._groups = groups
@@ -111,39 +113,46 @@ class ConnectorScheduler:
         if state.controls.skip_load or state.load_failed:
             return 0, False
         # The last token is always recomputed: vLLM needs its logits.
-        loadable_chunks = (request.num_tokens - 1) // self._tokens_per_chunk
-        keys = self._requests.keys_for(state, loadable_chunks)
+        loadable_tokens = request.num_tokens - 1
+        keys = self._requests.keys_for(state, loadable_tokens // self._tokens_per_chunk)
         if state.uncacheable:
             return 0, False
         located = self._locator.locate(request.request_id, keys)
         if located.status is LookupStatus.RETRY:
             return None, False
         num_chunks = self._states.hit_end(keys, located.num_chunks)
-        hit_tokens = num_chunks * self._tokens_per_chunk
+        # Past the full chunks held, the longest tail of the next chunk held (a hit ends at
+        # a block boundary: keys.tail_key).
+        tail = self._tail_hit(state, num_chunks, loadable_tokens)
+        hit_tokens = num_chunks * self._tokens_per_chunk + self._tail_tokens(tail)
         self._stats.add("lookup_tokens", max(0, request.num_tokens - num_computed_tokens))
         self._stats.add("lookup_hit_tokens", max(0, hit_tokens - num_computed_tokens))
         if hit_tokens <= num_computed_tokens:
             return 0, False
         first_chunk = num_computed_tokens // self._tokens_per_chunk
-        sources = self._loads.sources(keys[first_chunk:num_chunks], self._locator.found_in)
+        hit_keys = keys[first_chunk:num_chunks] + ([tail.key] if tail else [])
+        sources = self._loads.sources(hit_keys, self._locator.found_in)
         # Load or recompute: the part of the hit expected to load faster (offer.py).
-        cut = self._loads.cut(sources, num_computed_tokens)
-        num_chunks = self._states.hit_end(keys, first_chunk + cut.num_chunks)
+        cut = self._loads.cut(sources, num_computed_tokens, hit_tokens)
+        if tail is None or cut.num_chunks < len(hit_keys):
+            tail = None
+            num_chunks = self._states.hit_end(keys, first_chunk + cut.num_chunks)
+            hit_keys = keys[first_chunk:num_chunks]
+        offered_tokens = num_chunks * self._tokens_per_chunk + self._tail_tokens(tail)
+        state.tail = tail
         # Counted once vLLM allocates (a lookup may repeat): losthits.py.
         state.decisions = cut.decisions
         state.lookup_hit = LookupHit(
             found_tokens=hit_tokens - num_computed_tokens,
-            offered_tokens=max(0, num_chunks * self._tokens_per_chunk - num_computed_tokens))
-        if num_chunks <= first_chunk:
+            offered_tokens=max(0, offered_tokens - num_computed_tokens))
+        if offered_tokens <= num_computed_tokens:
             return 0, False
-        hit_keys = keys[first_chunk:num_chunks]
         # A scan of the running requests, made only where the answer is weighed.
         others_running = (self._loads.by_cost
                           and self._requests.others_have_blocks(request.request_id))
-        state.load_async = self._loads.loads_async(sources[:num_chunks - first_chunk],
-                                                   others_running)
+        state.load_async = self._loads.loads_async(sources[:len(hit_keys)], others_running)
         self._loads.want(request.request_id, hit_keys, request.cache_salt)
-        return num_chunks * self._tokens_per_chunk - num_computed_tokens, state.load_async
+        return offered_tokens - num_computed_tokens, state.load_async
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -162,7 +171,10 @@ class ConnectorScheduler:
         per_group = blocks.get_block_ids()
         start = state.lookup_computed_tokens
         end = start + num_external_tokens
-        assert end % self._tokens_per_chunk == 0, "a kvtier hit ends on a chunk boundary"
+        tail = state.tail
+        assert end % self._tokens_per_chunk == 0 or (
+            tail is not None and end == tail.chunk * self._tokens_per_chunk
+            + self._tail_tokens(tail)), "a kvtier hit ends on a chunk or its tail"
         transfers = self._load_transfers(state, self._groups.attention_ids(per_group),
                                          start, end)
         # The hit's last chunk brings the state at its end (models with state layers).
@@ -264,20 +276,41 @@ class ConnectorScheduler:
 
     # -- helpers --------------------------------------------------------------------------
 
+    def _tail_hit(self, state: RequestState, num_chunks: int, loadable_tokens: int
+                  ) -> Tail | None:
+        """The longest tail of chunk `num_chunks` (the first not held) that kvtier holds and
+        that ends by `loadable_tokens`; None: none, or tails are off for this model (several
+        KV cache groups: hits end at chunk boundaries there)."""
+        if not self._tails or self._states.enabled:
+            return None
+        start = num_chunks * self._tokens_per_chunk
+        tails = self._requests.tail_keys(state, num_chunks,
+                                         (loadable_tokens - start) // self._block_size)
+        held = self._locator.first_held([t.key for t in tails]) if tails else None
+        return tails[held] if held is not None else None
+
+    def _tail_tokens(self, tail: Tail | None) -> int:
+        return tail.num_blocks * self._block_size if tail is not None else 0
+
     def _load_transfers(self, state: RequestState, block_ids: list[list[int]], start: int,
                         end: int) -> list[ChunkTransfer]:
-        """The loads of the request's tokens `start`..`end` (a hit), into `block_ids` (per
-        attention group); blocks before `start` hold vLLM's own prefix and are not written."""
+        """The loads of the request's tokens `start`..`end` (a hit: full chunks, then maybe
+        the tail of the next, `state.tail`), into `block_ids` (per attention group); blocks
+        before `start` hold vLLM's own prefix and are not written."""
         tpc, bpc = self._tokens_per_chunk, self._tokens_per_chunk // self._block_size
         controls = state.controls
-        return [ChunkTransfer(key=state.keys[chunk],
-                              block_ids=ChunkGroups.flat(block_ids, chunk * bpc, bpc),
+        chunks = [(chunk, state.keys[chunk], bpc) for chunk in range(start // tpc, end // tpc)]
+        if end % tpc and state.tail is not None:
+            chunks.append((state.tail.chunk, state.tail.key, state.tail.num_blocks))
+        return [ChunkTransfer(key=key,
+                              block_ids=ChunkGroups.flat(block_ids, chunk * bpc, blocks),
                               groups=self._groups.count,
                               first_block=max(0, start // self._block_size - chunk * bpc),
                               tenant=state.request.cache_salt,
-                              retain_s=controls.retain_s_for((chunk + 1) * tpc),
+                              retain_s=controls.retain_s_for(chunk * tpc
+                                                             + blocks * self._block_size),
                               ttl_s=controls.ttl_s)
-                for chunk in range(start // tpc, end // tpc)]
+                for chunk, key, blocks in chunks]
 
 
 def _step_shape(output: SchedulerOutput) -> tuple[int, float]:

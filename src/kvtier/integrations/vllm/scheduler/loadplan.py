@@ -99,9 +99,11 @@ class LoadPlanner:
         probe found a key in, if any: ChunkLocator.found_in)."""
         return [self._holders.source(key, found_in(key)) for key in keys]
 
-    def cut(self, sources: Sequence[str], start_token: int) -> Cut:
-        """How many chunks of a hit read from `sources` to offer (offer.py)."""
-        return self._offer.cut(sources, start_token)
+    def cut(self, sources: Sequence[str], start_token: int,
+            end_token: int | None = None) -> Cut:
+        """How many chunks of a hit read from `sources` to offer, the hit ending at
+        `end_token` (None: at its last chunk's end; offer.py)."""
+        return self._offer.cut(sources, start_token, end_token)
 
     def loads_async(self, sources: Sequence[str], others_running: bool) -> bool:
         """Whether a hit read from `sources` (a tier per chunk) is loaded asynchronously

@@ -84,11 +84,14 @@ class HitOffer:
         # tier -> its timed loads and the time when its last trial was offered
         self._trials: dict[str, tuple[int, float]] = {}
 
-    def cut(self, tiers: Sequence[str], start_token: int) -> Cut:
+    def cut(self, tiers: Sequence[str], start_token: int, end_token: int | None = None) -> Cut:
         """The chunks of a hit to offer. `tiers`: the tier each chunk of the hit is expected
         to be read from, in order; `start_token`: the first token the load provides (vLLM's
-        own cache holds the ones before), inside the hit's first chunk."""
-        by_rule = len(tiers) if self._always else self._faster_prefix(tiers, start_token)
+        own cache holds the ones before), inside the hit's first chunk; `end_token`: where
+        the hit ends, when its last chunk is a tail (keys.tail_key: it costs a chunk's read
+        and saves the recompute of its blocks only); None: at its last chunk's end."""
+        by_rule = len(tiers) if self._always else self._faster_prefix(tiers, start_token,
+                                                                        end_token=end_token)
         decisions: Counter[tuple[str, str]] = Counter(
             (tier, "loaded") for tier in tiers[:by_rule])
         for tier in set(tiers[:by_rule]):
@@ -101,32 +104,37 @@ class HitOffer:
         # request up to its recompute time twice over).
         tried = self._costs.loads(slowest) > 0 and self._trial_due(
             slowest, self._trial_s(tiers[by_rule:]),
-            self._to_confirm(slowest, tiers, start_token))
+            self._to_confirm(slowest, tiers, start_token, end_token))
         reason = "trial" if tried else "recompute_faster"
         decisions.update((tier, reason) for tier in tiers[by_rule:])
         return Cut(len(tiers) if reason == "trial" else by_rule, decisions)
 
     def _faster_prefix(self, tiers: Sequence[str], start_token: int,
-                       cost: Callable[[str], float | None] | None = None) -> int:
+                       cost: Callable[[str], float | None] | None = None,
+                       end_token: int | None = None) -> int:
         """The rule: the longest prefix whose load is expected to beat its recompute, at the
-        tiers' `cost` a chunk (their medians by default)."""
+        tiers' `cost` a chunk (their medians by default), the hit ending at `end_token`."""
         cost = cost or self._costs.chunk_s
         first_chunk, load_s, offered = start_token // self._tpc, 0.0, 0
         for i, tier in enumerate(tiers):
             load_s += cost(tier) or 0.0
             end = (first_chunk + i + 1) * self._tpc
+            if end_token is not None:
+                end = min(end, end_token)
             recompute_s = self._steps.recompute_s(start_token, end)
             if recompute_s is None or load_s <= recompute_s:
                 offered = i + 1
         return offered
 
-    def _to_confirm(self, tier: str, tiers: Sequence[str], start_token: int) -> bool:
+    def _to_confirm(self, tier: str, tiers: Sequence[str], start_token: int,
+                    end_token: int | None) -> bool:
         """Whether `tier`'s latest load (a trial) was fast, the rule judging the hit at each
         tier's latest cost, and no trial has confirmed it yet (one confirmation a trial, so
         that hits arriving while it runs are not all tried)."""
         loads = self._costs.loads(tier)
         if self._confirmed.get(tier) == loads \
-                or self._faster_prefix(tiers, start_token, self._costs.last_s) < len(tiers):
+                or self._faster_prefix(tiers, start_token, self._costs.last_s,
+                                       end_token) < len(tiers):
             return False
         self._confirmed[tier] = loads
         return True

@@ -17,8 +17,8 @@ common case, skips the extraction entirely (`needs_chunk_extras`). A LoRA adapte
 by its content (`lora_identity`), not by the name and path vLLM's block hash uses: two adapters
 served under one name never share KV, and one adapter at two paths (two nodes) does.
 
-Primitives: `UncacheableRequest`, `needs_chunk_extras`, `chunk_extras`, `encode_extra_keys`,
-`lora_identity`.
+Primitives: `UncacheableRequest`, `needs_chunk_extras`, `chunk_extras`, `span_extras`,
+`encode_extra_keys`, `lora_identity`.
 """
 
 from __future__ import annotations
@@ -59,24 +59,40 @@ def chunk_extras(request: Request, first_chunk: int, num_chunks: int, tokens_per
     mm_index = 0  # carried from block to block, as vLLM's block hasher does
     for chunk in range(first_chunk, first_chunk + num_chunks):
         start = chunk * tokens_per_chunk
-        parts: list[bytes] = []
-        for block_start in range(start, start + tokens_per_chunk, block_size):
-            block_end = block_start + block_size
-            try:
-                keys, mm_index = generate_block_hash_extra_keys(request, block_start, block_end,
-                                                                mm_index)
-            except AssertionError as e:  # an item without an identifier
-                raise UncacheableRequest(f"vLLM extra keys: {e!r}") from e
-            if request.prompt_is_token_ids is not None:
-                # Mixed prompts: which positions are embeddings (token id 0 there).
-                mask = bytes(request.prompt_is_token_ids[block_start:block_end])
-                keys = (*(keys or ()), ("prompt_is_token_ids", mask))
-            parts.append(encode_extra_keys(keys) if keys else b"")
-        if any(parts):
-            out.append(b"".join(len(p).to_bytes(4, "little") + p for p in parts))
-        else:
-            out.append(None)
+        extra, mm_index = _span_extras(request, start, start + tokens_per_chunk, block_size,
+                                       mm_index)
+        out.append(extra)
     return out
+
+
+def span_extras(request: Request, start: int, end: int, block_size: int) -> bytes | None:
+    """Extra key bytes of the blocks of tokens `start`..`end` (a chunk's tail: keys.tail_key),
+    encoded as `chunk_extras` encodes a chunk's; None where none of them has extra keys.
+
+    Raises:
+        UncacheableRequest: as `chunk_extras`.
+    """
+    return _span_extras(request, start, end, block_size, 0)[0]
+
+
+def _span_extras(request: Request, start: int, end: int, block_size: int,
+                 mm_index: int) -> tuple[bytes | None, int]:
+    parts: list[bytes] = []
+    for block_start in range(start, end, block_size):
+        block_end = block_start + block_size
+        try:
+            keys, mm_index = generate_block_hash_extra_keys(request, block_start, block_end,
+                                                            mm_index)
+        except AssertionError as e:  # an item without an identifier
+            raise UncacheableRequest(f"vLLM extra keys: {e!r}") from e
+        if request.prompt_is_token_ids is not None:
+            # Mixed prompts: which positions are embeddings (token id 0 there).
+            mask = bytes(request.prompt_is_token_ids[block_start:block_end])
+            keys = (*(keys or ()), ("prompt_is_token_ids", mask))
+        parts.append(encode_extra_keys(keys) if keys else b"")
+    if any(parts):
+        return b"".join(len(p).to_bytes(4, "little") + p for p in parts), mm_index
+    return None, mm_index
 
 
 def lora_identity(lora: LoRARequest) -> tuple[str, ...]:

@@ -7,7 +7,7 @@ and are extended chunk by chunk as its tokens become known (`RequestTable.keys_f
 step's schedule gives it its vLLM block ids, one list per KV cache group
 (`RequestTable.apply_schedule`).
 
-Primitives: `CHUNK_ORDER`, `RequestState`, `ScheduledRequest`, `RequestTable`.
+Primitives: `CHUNK_ORDER`, `RequestState`, `Tail`, `ScheduledRequest`, `RequestTable`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from vllm.v1.request import RequestStatus
 
-from kvtier.core.keys import ChunkKey, Namespace, chunk_keys
+from kvtier.core.keys import ChunkKey, Namespace, chunk_keys, tail_key
 from kvtier.errors import UncacheableRequest
 from kvtier.integrations.vllm.config import RequestControls
 from kvtier.integrations.vllm.metrics import StatsDelta
@@ -29,6 +29,7 @@ from kvtier.integrations.vllm.scheduler.request_keys import (
     chunk_extras,
     lora_identity,
     needs_chunk_extras,
+    span_extras,
 )
 from kvtier.integrations.vllm.scheduler.routerevents import RouterEvents
 
@@ -74,6 +75,21 @@ class RequestState:
     # Its last lookup's hit, found and offered (losthits.py), counted when vLLM allocates
     # its blocks; None: no lookup found anything since.
     lookup_hit: LookupHit | None = None
+    # Its last lookup's hit ends in a chunk's tail (keys.tail_key): that tail; else None.
+    tail: Tail | None = None
+    # Tails planned for storing, by key (not stored twice by one request).
+    stored_tails: set[ChunkKey] = field(default_factory=set)
+    # Its prompt's tail was planned (once its prompt was computed: storeplan.py).
+    prompt_tail_planned: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Tail:
+    """The first `num_blocks` blocks of chunk `chunk` of a request, under their tail key."""
+
+    chunk: int
+    num_blocks: int
+    key: ChunkKey
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +175,29 @@ class RequestTable:
             state.keys.extend(new_keys)
         return state.keys[:num_chunks]
 
+    def tail_keys(self, state: RequestState, chunk: int, max_blocks: int) -> list[Tail]:
+        """The tails of chunk `chunk` of the request's tokens, of `max_blocks` blocks down to
+        1 (fewer where its tokens end sooner; none past blocks a chunk - 1, or once the request
+        is found uncacheable)."""
+        tpc, bs = self._tokens_per_chunk, self._block_size
+        start = chunk * tpc
+        tokens = state.request.all_token_ids
+        most = min(max_blocks, tpc // bs - 1, (len(tokens) - start) // bs)
+        if most < 1 or len(self.keys_for(state, chunk)) < chunk:
+            return []  # uncacheable (keys_for says so), or too few tokens
+        parent = state.keys[chunk - 1] if chunk else None
+        tails = []
+        for m in range(most, 0, -1):
+            extra = None
+            if state.has_extras:
+                try:
+                    extra = span_extras(state.request, start, start + m * bs, bs)
+                except UncacheableRequest:
+                    return []  # its full chunks' keys say so (keys_for)
+            tails.append(Tail(chunk, m, tail_key(tokens[start:start + m * bs], state.namespace,
+                                                 m, parent, extra)))
+        return tails
+
     def start_epoch(self, epoch: str) -> None:
         """The engine's weights changed in place (vLLM's reset_cache): keys from now on live
         in a namespace that names `epoch`, so no chunk stored before is found again. A request
@@ -176,6 +215,7 @@ class RequestTable:
             else:
                 state.namespace = self._namespace(state.request)
                 state.keys.clear()
+                state.stored_tails.clear()
                 state.num_planned_chunks = 0
 
     def apply_schedule(self, output: SchedulerOutput) -> list[ScheduledRequest]:

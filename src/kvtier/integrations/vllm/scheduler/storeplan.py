@@ -1,7 +1,9 @@
 """Which chunks each plan stores, and which ended requests vLLM must keep blocks for.
 
 Scheduler side, one thread. A step stores the full chunks its forward completes, but those
-kvtier holds already or has sent for storing and not heard back about (`plan`); chunks held
+kvtier holds already or has sent for storing and not heard back about (`plan`), and the tails
+(keys.tail_key) of the prompt once computed and of the request once ended, so that a later
+hit can end at their last full block; chunks held
 already of requests with retain_s / ttl_s / retain_prefixes have their pin and expiry extended
 instead (`KVTierMetadata.retains`).
 
@@ -65,6 +67,8 @@ class StorePlanner:
         self._blocks_per_chunk = tokens_per_chunk // block_size
         self._groups = groups
         self._num_groups = groups.count  # attention groups: a chunk's block lists
+        # Tails (keys.tail_key) are stored but for models with several KV cache groups.
+        self._tails = groups.count + len(groups.state_group_ids) == 1
         self._locator = locator
         self._requests = requests
         self._failures = failures
@@ -100,6 +104,14 @@ class StorePlanner:
         if state.controls.skip_store or state.uncacheable:
             return
         attention = self._groups.attention_ids(state.block_ids) if state.block_ids else []
+        prompt_tokens = state.request.num_prompt_tokens
+        if computed_tokens >= prompt_tokens and not state.prompt_tail_planned:
+            # The prompt's last blocks: the next turn of a chat starts with this prompt, then
+            # the answer as its template re-renders it (which may differ from the ids
+            # generated), so this tail may be what its hit ends with.
+            state.prompt_tail_planned = True
+            self._plan_tail(state, self._limit(state, prompt_tokens, attention), attention,
+                            out, step)
         full_chunks = self._full_chunks(state, computed_tokens, attention)
         if full_chunks <= state.num_planned_chunks:
             return
@@ -171,12 +183,45 @@ class StorePlanner:
                      attention: list[list[int]]) -> int:
         """The request's chunks that are full, computed once `computed_tokens` are, and held
         in its blocks (`attention`: per attention group), within its controls."""
+        return self._limit(state, computed_tokens, attention) // self._tokens_per_chunk
+
+    def _limit(self, state: RequestState, computed_tokens: int,
+               attention: list[list[int]]) -> int:
+        """The request's tokens computed once `computed_tokens` are and held in its blocks,
+        within its controls: what its stores may cover."""
         held_blocks = len(attention[0]) if attention else 0
         limit = min(computed_tokens, len(state.request.all_token_ids),
                     held_blocks * self._block_size)
         if state.controls.max_offload_tokens is not None:
             limit = min(limit, state.controls.max_offload_tokens)
-        return limit // self._tokens_per_chunk
+        return limit
+
+    def _plan_tail(self, state: RequestState, limit: int, attention: list[list[int]],
+                   out: list[ChunkTransfer], step: int) -> None:
+        """Append to `out` the store of the tail of the request's first `limit` tokens: the
+        full blocks past its last full chunk (keys.tail_key), unless kvtier holds it or it
+        is on its way."""
+        tpc, bs = self._tokens_per_chunk, self._block_size
+        chunk, blocks = limit // tpc, limit % tpc // bs
+        if not self._tails or blocks < 1:
+            return
+        tails = self._requests.tail_keys(state, chunk, blocks)
+        if not tails or tails[0].num_blocks != blocks:
+            return
+        key = tails[0].key
+        if key in state.stored_tails or key in self._locator.index or key in self._inflight:
+            return
+        first = chunk * self._blocks_per_chunk
+        loaded = self._failures.recent_loads(attention, first + blocks)
+        controls = state.controls
+        out.append(ChunkTransfer(
+            key=key, block_ids=ChunkGroups.flat(attention, first, blocks),
+            depends_on=loaded.before(first + blocks), tenant=state.request.cache_salt,
+            retain_s=controls.retain_s_for(limit), ttl_s=controls.ttl_s,
+            parent=state.keys[chunk - 1] if chunk else None))
+        self._inflight[key] = step
+        state.stored_tails.add(key)
+        state.last_store_step = step
 
     def _plan_final_stores(self, state: RequestState, step: int) -> bool:
         """Plan, for the next plan, the stores of the full chunks an ended request computed
@@ -186,4 +231,10 @@ class StorePlanner:
         computed = min(request.num_computed_tokens, len(request.all_token_ids) - 1)
         before = len(self._final_stores)
         self.plan(state, computed, self._final_stores, step)
+        if not (state.controls.skip_store or state.uncacheable):
+            # Its last blocks, for the next turn of a chat (or this prompt again, answered
+            # anew) to hit up to its last full block, not its last full chunk.
+            attention = self._groups.attention_ids(state.block_ids)
+            self._plan_tail(state, self._limit(state, computed, attention), attention,
+                            self._final_stores, step)
         return len(self._final_stores) > before

@@ -49,7 +49,7 @@ each group with its own block table; a chunk's block ids are the groups' block i
 tokens, concatenated, and each group's layers move with their own view. A load never writes
 vLLM's null block (a block a sliding-window group does not keep).
 
-Primitives: `PagedKV`.
+Primitives: `PagedKV`, `pad_blocks`.
 """
 
 from __future__ import annotations
@@ -298,7 +298,8 @@ class PagedKV:
                state_blocks: tuple[int, ...] = ()) -> None:
         """Copy the blocks of one chunk, all layers, into `chunk` (see `chunk_view`), and the
         state of `state_blocks` (one per state group; the null block for none: the region is
-        then flagged empty). On CUDA the copy is enqueued on the current stream."""
+        then flagged empty). Fewer blocks than a chunk holds (a tail) are padded with the
+        last (`pad_blocks`). On CUDA the copy is enqueued on the current stream."""
         if self.state_bytes:
             region = self._state_region(chunk)
             present = len(state_blocks) == len(self._states) and \
@@ -310,6 +311,9 @@ class PagedKV:
         view = self.chunk_view(chunk)
         for group, ids in zip(self._groups, self._per_group(block_ids)):
             dst = view[group.layers]
+            # A chunk's tail (fewer blocks, keys.tail_key) fills the rest with its last block
+            # again: the padding holds this request's KV only, never a slot's old bytes.
+            ids = pad_blocks(ids, dst.shape[1])
             if self._torch_ops:
                 group.gather_torch(self._index(ids), dst)
             else:
@@ -319,8 +323,9 @@ class PagedKV:
                 state_blocks: tuple[int, ...] = ()) -> None:
         """Copy `chunk` (see `chunk_view`) into its blocks, all layers, from `first_block` on
         (earlier blocks are a local prefix hit, possibly shared: never written), except the
-        null block; and its state into `state_blocks` (as many per state group; check
-        `has_state` first). On CUDA the copy is enqueued on the current stream."""
+        null block (fewer blocks than the chunk holds, a tail, take its first ones); and its
+        state into `state_blocks` (as many per state group; check `has_state` first).
+        On CUDA the copy is enqueued on the current stream."""
         if state_blocks and self.state_bytes:
             for part, view, block in self._state_copies(self._state_region(chunk), state_blocks):
                 if block != self.null_block:
@@ -333,11 +338,18 @@ class PagedKV:
             targets = [ids[j] for j in kept]
             src = view[group.layers]
             if self._torch_ops:
-                src = src[:, first_block:] if len(kept) == len(ids) - first_block \
+                src = src[:, first_block:len(ids)] if len(kept) == len(ids) - first_block \
                     else src[:, self._index(kept)]
                 group.scatter_torch(src, self._index(targets))
             else:
                 group.scatter_numpy(_as_numpy(src), kept, targets)
+
+
+def pad_blocks(block_ids: tuple[int, ...], count: int) -> tuple[int, ...]:
+    """`block_ids` (at least one) padded to `count` with its last: a chunk's tail (fewer
+    blocks than a chunk, keys.tail_key) is stored in a whole chunk's bytes, the rest of which
+    repeat its last block (so a load that writes them back writes the same bytes again)."""
+    return block_ids + block_ids[-1:] * (count - len(block_ids))
 
 
 class _LayerGroup:

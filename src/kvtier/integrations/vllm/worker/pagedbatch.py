@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from kvtier.integrations.vllm.transfers import ChunkTransfer
-from kvtier.integrations.vllm.worker.paged import PagedKV
+from kvtier.integrations.vllm.worker.paged import PagedKV, pad_blocks
 
 _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -86,6 +86,8 @@ class PagedBatches:
         self._paged = paged
         self.chunk_bytes = chunk_bytes
         self._layers = len(paged.tensors)
+        self._per_chunk = paged.chunk_view(torch.empty(chunk_bytes, dtype=torch.uint8,
+                                                       device="meta")).shape[1]
         width = _SAME_WIDTH_INT[paged.dtype.itemsize]
         self._width = width
         self._sources: list[_Rows] = []
@@ -125,12 +127,15 @@ class PagedBatches:
             return self._chunk_by_chunk(transfers)
         ids = self._ids(transfers)
         first = np.array([t.first_block for t in transfers], dtype=np.int64)
+        ends = np.array([t.num_blocks for t in transfers], dtype=np.int64)
         null = self._paged.null_block
         nulls = null is not None and bool((ids == null).any())
-        if self._whole and not nulls and not first.any():  # every block of every chunk
+        tails = bool((ends < ids.shape[2]).any())
+        if self._whole and not nulls and not first.any() and not tails:  # every block
             return self._plan(transfers, [self._rows(self._sources[0], ids).ravel()], False)
         staging, per = self._staging_rows(ids.shape), ids.shape[2]
-        kept = np.arange(per)[None, None, :] >= first[:, None, None]  # [k, 1, per]
+        positions = np.arange(per)[None, None, :]
+        kept = (positions >= first[:, None, None]) & (positions < ends[:, None, None])
         if nulls:
             kept = kept & (ids != null)  # [k, groups, per]
         kept = np.broadcast_to(kept, ids.shape)
@@ -162,8 +167,10 @@ class PagedBatches:
         return BatchPlan(tuple(transfers), self._host(index), tuple(ops))
 
     def _ids(self, transfers: Sequence[ChunkTransfer]) -> np.ndarray:
-        """The chunks' block ids as [chunks, groups, blocks per chunk]."""
-        ids = np.array([t.block_ids for t in transfers], dtype=np.int64)
+        """The chunks' block ids as [chunks, groups, blocks per chunk]; a chunk's tail (fewer
+        blocks: tails are single-group) padded with its last block (paged.pad_blocks)."""
+        ids = np.array([pad_blocks(t.block_ids, self._per_chunk) if t.groups == 1
+                        else t.block_ids for t in transfers], dtype=np.int64)
         if ids.ndim != 2 or ids.shape[1] % self._groups:
             raise ValueError(f"block ids of {ids.shape} for {self._groups} groups")
         return ids.reshape(len(transfers), self._groups, -1)
