@@ -51,6 +51,7 @@ WORKLOADS: tuple[str, ...] = (
     "kvtier.tools.cli.bench_fleet",
     "kvtier.tools.cli.bench_disk_load",
     "kvtier.tools.cli.bench_clients",
+    "kvtier.tools.cli.bench_trace",
 )
 
 
