@@ -142,3 +142,21 @@ def test_extra_bytes_change_their_chunk_and_every_later_one_and_none_changes_not
     assert cat[0] == dog[0] == plain[0]  # before the image: shared
     assert all(c != d for c, d in zip(cat[1:], dog[1:]))
     assert all(c != p for c, p in zip(cat[1:], plain[1:]))
+
+
+def test_a_tail_key_names_its_blocks_after_its_parent_and_never_a_chunk() -> None:
+    from kvtier.core.keys import tail_key
+
+    chunks = chunk_keys(PROMPT, NS, 16)  # blocks of 4 tokens: a tail holds 1-3 of them
+    tails = [tail_key(PROMPT[16:16 + 4 * m], NS, m, parent=chunks[0]) for m in (1, 2, 3)]
+    assert len(set(tails)) == 3 and not set(tails) & set(chunks)
+    # Its own tokens and its parent both count; the same inputs give the same key.
+    assert tails[1] == tail_key(np.array(PROMPT[16:24], dtype=np.int32), NS, 2, chunks[0])
+    assert tails[1] != tail_key([*PROMPT[16:23], 7], NS, 2, chunks[0])
+    assert tails[1] != tail_key(PROMPT[16:24], NS, 2, chunks[1])
+    # A tail of the first chunk chains from the namespace, as the chunk does.
+    assert tail_key(PROMPT[:8], NS, 2) != tail_key(PROMPT[:8], NS.__class__(
+        model_id=NS.model_id, layout_digest=NS.layout_digest, cache_salt="other"), 2)
+    assert tail_key(PROMPT[:8], NS, 2, extra=b"image:cat") != tail_key(PROMPT[:8], NS, 2)
+    # A full chunk's tokens under a tail's tag are still no chunk key.
+    assert tail_key(PROMPT[16:32], NS, 4, chunks[0]) != chunks[1]

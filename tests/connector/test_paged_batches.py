@@ -79,3 +79,42 @@ def test_a_batch_is_one_index_upload_and_one_kernel_where_one_allocation_holds_i
     batches.plan_gather(transfers)
     batches.plan_scatter([ChunkTransfer(t.key, t.block_ids) for t in transfers])
     assert dict(batches.counts) == {"index uploads": 2, "index kernels": 2}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_chunks_tail_is_its_blocks_then_its_last_again_and_loads_into_its_blocks_only(
+        layout: str) -> None:
+    """A tail (fewer blocks than a chunk: keys.tail_key) is stored in a whole chunk's bytes,
+    the rest its last block again; a load writes its own blocks, no further, chunk by chunk
+    (torch and numpy) and batched."""
+    paged, _, _ = rig(layout, 1, False)
+    bpc4 = PagedKV(dict(zip(paged.layer_names, paged.tensors)), BS, content="halves",
+                   torch_ops=True)
+    size = bpc4.layout(BS * 4).bytes_per_chunk
+    batches = PagedBatches(bpc4, size)
+    tail = ChunkTransfer(key(1), (5, 9, 7))  # 3 of a chunk's 4 blocks
+    full = ChunkTransfer(key(2), (5, 9, 7, 7))
+    alone, padded = torch.zeros(size, dtype=torch.uint8), torch.zeros(size, dtype=torch.uint8)
+    bpc4.gather(tail.block_ids, alone)
+    bpc4.gather(full.block_ids, padded)
+    assert torch.equal(alone, padded)
+    staged = torch.zeros(2 * size, dtype=torch.uint8)
+    batches.gather(batches.plan_gather([tail, full]), staged)
+    assert torch.equal(staged[:size], alone) and torch.equal(staged[size:], alone)
+    before = as_bits(bpc4)
+    blocks_before = [v.clone().view(torch.int16) for v in bpc4.block_views]
+    for scatter in ("torch", "numpy", "batch"):
+        restore(bpc4, before)
+        target = ChunkTransfer(key(1), (20, 21, 22), first_block=1)
+        if scatter == "batch":
+            batches.scatter(batches.plan_scatter([target]), alone)
+        else:
+            PagedKV(dict(zip(paged.layer_names, paged.tensors)), BS, content="halves",
+                    torch_ops=scatter == "torch").scatter(alone, target.block_ids, 1)
+        for old, view in zip(blocks_before, bpc4.block_views):
+            new = view.clone().view(torch.int16)
+            changed = {i for i in range(view.shape[0]) if not torch.equal(new[i], old[i])}
+            assert changed == {21, 22}, (scatter, changed)
+        back = torch.zeros(size, dtype=torch.uint8)
+        bpc4.gather((5, 21, 22), back)
+        assert torch.equal(back, alone), scatter

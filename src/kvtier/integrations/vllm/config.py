@@ -38,7 +38,8 @@ TOKENS_PER_CHUNK = 256
 DEFAULT_TIERS: tuple[dict[str, Any], ...] = ({"kind": "memory", "capacity": "2GiB"},)
 # The connector's own keys; every other key of the extra config belongs to StoreConfig.
 CONNECTOR_KEYS = frozenset({"tokens_per_chunk", "index_max_keys", "load_mode", "store_mode",
-                            "load_when", "node", "event_block_size", "pool_events"})
+                            "load_when", "node", "event_block_size", "pool_events",
+                            "tail_chunks"})
 # In node mode (`node`: the socket of `kvtier node`) the engine's one tier is the node's.
 NODE_TIER = "node"
 # Keys the scheduler remembers as stored, in node mode (the node's capacity is its own).
@@ -142,6 +143,11 @@ class ConnectorConfig:
     # Publish the shared tiers' events once for the fleet (PoolEvents); None: they go out
     # with the others, on the engine's own topic (vLLM's publisher).
     pool_events: PoolEvents | None = None
+    # Store each request's tails (the full blocks past its last full chunk, at the end of its
+    # prompt and at its end) so that a hit ends at any block boundary, not only at a chunk's
+    # end (keys.tail_key). False: hits end at chunk boundaries, and a request stores full
+    # chunks only (no tail's write, a chunk's size, for each request).
+    tail_chunks: bool = True
 
     @staticmethod
     def known_keys() -> frozenset[str]:
@@ -188,6 +194,9 @@ class ConnectorConfig:
                 modes = choices[name]
                 if value not in modes:
                     raise ConfigError(f"{where}.{name}", value, f"one of {modes}")
+            elif name == "tail_chunks":
+                if not isinstance(value, bool):
+                    raise ConfigError(f"{where}.{name}", value, "true or false")
             elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{where}.{name}", value, "a positive integer")
         event_block = values.get("event_block_size")

@@ -31,14 +31,16 @@ import sys
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from kvtier.errors import ClientFailed, ConfigError
+from kvtier.integrations.vllm.metrics import PREFIX
 from kvtier.testing.tinymodel import make_preset_model, served_name
 from kvtier.tools.bench.clients_results import (
     CLIENTS,
+    KVTIER_COUNTERS,
     LONG_DOC_QA,
     MULTI_TURN,
     ClientFigures,
@@ -227,6 +229,9 @@ class ClientsConfig:
     work_dir: Path  # logs, the clients' files, kvtier's disk tier
     model_root: Path  # where the generated model is cached
     clients: tuple[str, ...] = CLIENTS  # which clients, in this order
+    # kvtier's settings besides its tiers (e.g. tokens_per_chunk, tail_chunks: a sweep runs
+    # the bench once per value); empty: the demo's
+    connector: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,6 +265,7 @@ class ClientsResult:
             "command": command, "plan": asdict(self.config.plan),
             "clients": {"multi-turn": str(MULTI_TURN_SCRIPT.relative_to(VENDOR)),
                         "long-doc-qa": str(LONG_DOC_QA_SCRIPT.relative_to(VENDOR))},
+            "connector": dict(self.config.connector),
             "server_commands": list(self.server_commands), "wall_s": self.wall_s,
             "machine": self.machine,
             "runs": [asdict(r) for r in self.runs],
@@ -291,7 +297,11 @@ def run_clients_bench(config: ClientsConfig,
     runs: list[ClientFigures] = []
     commands: list[str] = []
     for setup, on in zip(SETUPS, (False, True)):
-        command = build_command(server_config(DEMO_PLANS[plan.demo_plan], model, on, work))
+        serve = server_config(DEMO_PLANS[plan.demo_plan], model, on, work)
+        if on and config.connector:
+            serve = replace(serve, extra_config={**(serve.extra_config or {}),
+                                                 **dict(config.connector)})
+        command = build_command(serve)
         commands.append(command.display())
         tag = "kvtier" if on else "vllm"
         progress(f"{setup}: starting the server (~1 min)")
@@ -333,10 +343,19 @@ def _run_one(client: str, setup: str, plan: ClientsPlan, url: str, model: Path,
             return None
         return after[metric] - before.get(metric, 0.0)
 
+    def kvtier(name: str) -> float:
+        """A kvtier counter's delta, summed over its labels (0 without kvtier)."""
+        if before is None or after is None:
+            return 0.0
+        family = f"{PREFIX}{name}_total"
+        return sum(value - before.get(key, 0.0) for key, value in after.items()
+                   if key == family or key.startswith(family + "{"))
+
     return ClientFigures(client, setup, figures, answers,
                          prompt_tokens=delta("vllm:prompt_tokens_total"),
                          kvtier_hit_tokens=delta("vllm:external_prefix_cache_hits_total"),
-                         engine_hit_tokens=delta("vllm:prefix_cache_hits_total"))
+                         engine_hit_tokens=delta("vllm:prefix_cache_hits_total"),
+                         kvtier={name: kvtier(name) for name in KVTIER_COUNTERS})
 
 
 def _scrape(url: str) -> dict[str, float] | None:

@@ -55,6 +55,12 @@ METRICS: dict[str, Metric] = {
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
+# kvtier's counters a run reports (metrics.py): what its hits and stores cost in chunks
+# (tier_hits: chunk reads the tiers served) and in bytes.
+KVTIER_COUNTERS = ("lookup_hit_tokens", "loaded_tokens", "loaded_bytes", "tier_hits",
+                   "stored_tokens", "stored_bytes", "tier_bytes_read", "tier_bytes_written")
+
+
 @dataclass(frozen=True, slots=True)
 class ClientFigures:
     """One client's run against one server."""
@@ -66,6 +72,8 @@ class ClientFigures:
     prompt_tokens: float | None = None  # the server's vllm:prompt_tokens_total during the run
     kvtier_hit_tokens: float | None = None  # its vllm:external_prefix_cache_hits_total
     engine_hit_tokens: float | None = None  # its vllm:prefix_cache_hits_total
+    # kvtier's counters over the run (KVTIER_COUNTERS, summed over their labels)
+    kvtier: dict[str, float] = field(default_factory=dict)
 
 
 def plain_text(stdout: str) -> str:

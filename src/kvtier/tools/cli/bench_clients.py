@@ -24,7 +24,7 @@ from kvtier.tools.bench.clients import (
     run_clients_bench,
 )
 from kvtier.tools.bench.clients_results import CLIENTS, METRICS, ClientFigures
-from kvtier.tools.cli.argtypes import output_dir, output_file, work_dir
+from kvtier.tools.cli.argtypes import output_dir, output_file, positive_int, work_dir
 from kvtier.tools.cli.bench import run_and_report, run_summary
 
 _TITLES = {"multi-turn": "vLLM benchmarks/multi_turn/benchmark_serving_multi_turn.py",
@@ -50,6 +50,10 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     parser.add_argument("--model-root", type=output_dir, default=Path(".kvtier-models"),
                         help="where the generated bench model is cached")
     parser.add_argument("--json", type=output_file, default=Path("results/bench-clients.json"))
+    parser.add_argument("--tokens-per-chunk", type=positive_int,
+                        help="kvtier's tokens_per_chunk (default: the demo's, 256)")
+    parser.add_argument("--no-tail-chunks", action="store_true",
+                        help="kvtier's tail_chunks off: hits end at chunk boundaries")
     parser.set_defaults(func=run)
 
 
@@ -57,8 +61,13 @@ def config_from(args: argparse.Namespace, scratch: Path) -> ClientsConfig:
     plan = PLANS["quick" if args.quick else "full"]
     plan.validate()
     chosen = tuple(c for c in CLIENTS if c in args.client) if args.client else CLIENTS
+    connector: list[tuple[str, object]] = []
+    if args.tokens_per_chunk:
+        connector.append(("tokens_per_chunk", args.tokens_per_chunk))
+    if args.no_tail_chunks:
+        connector.append(("tail_chunks", False))
     return ClientsConfig(plan=plan, work_dir=scratch, model_root=args.model_root,
-                         clients=chosen)
+                         clients=chosen, connector=tuple(connector))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -91,6 +100,9 @@ def client_table(result: ClientsResult, client: str) -> Table:
                       "" if gain is None else f"{gain:.2f}x")
     tokens = [_tokens(r) for r in (plain, kv)]
     table.add_row("prompt tokens: kvtier / vLLM cache hits", *tokens, "")
+    if kv is not None and kv.kvtier:
+        table.add_row("kvtier: chunk reads / MiB read / chunks stored", "", _io(
+            kv, dict(result.config.connector).get("tokens_per_chunk")), "")
     equal = result.answers_equal(client)
     if equal is not None:
         table.add_row("answers equal to vLLM's", "", f"{equal[0]} / {equal[1]}", "")
@@ -109,6 +121,17 @@ def _fmt(value: float | None) -> str:
     if value is None:
         return "-"
     return f"{value:,.0f}" if value >= 100 else f"{value:.2f}"
+
+
+def _io(run: ClientFigures, tokens_per_chunk: object) -> str:
+    """kvtier's chunk reads, MiB read from its tiers, and chunks stored (tails count as
+    chunks: a tail is stored in a chunk's bytes) over a run."""
+    c = run.kvtier
+    per_token = c["loaded_bytes"] / c["loaded_tokens"] if c.get("loaded_tokens") else None
+    chunk = per_token * int(tokens_per_chunk) if per_token and isinstance(
+        tokens_per_chunk, int) else None
+    stored = f"{c.get('stored_bytes', 0) / chunk:,.0f}" if chunk else "-"
+    return f"{c.get('tier_hits', 0):,.0f} / {c.get('tier_bytes_read', 0) / 2**20:,.1f} / {stored}"
 
 
 def _tokens(run: ClientFigures | None) -> str:

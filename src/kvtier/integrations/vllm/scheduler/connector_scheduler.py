@@ -73,7 +73,8 @@ class ConnectorScheduler:
         # Several KV cache groups in vLLM (attention and state): loads are asynchronous.
         several_groups = groups.count + len(groups.state_group_ids) > 1
         # Hits end at a block boundary (a chunk's tail) but with several KV cache groups.
-        self._tails = not several_groups
+        tails = config.tail_chunks and not several_groups
+        self._tails = tails
         self._tokens_per_chunk = config.tokens_per_chunk
         self._block_size = block_size
         self._groups = groups
@@ -97,6 +98,7 @@ class ConnectorScheduler:
         self._stores = StorePlanner(
             tokens_per_chunk=config.tokens_per_chunk, block_size=block_size, groups=groups,
             stores_async=stores_async(config.store_mode, several_groups, kv_role),
+            tails=tails,
             locator=locator, requests=self._requests, failures=self._failures,
             stats=self._stats)
 

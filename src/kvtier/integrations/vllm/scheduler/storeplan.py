@@ -51,9 +51,11 @@ class StorePlanner:
 
     def __init__(self, *, tokens_per_chunk: int, block_size: int, groups: ChunkGroups,
                  stores_async: bool, locator: ChunkLocator, requests: RequestTable,
-                 failures: LoadFailures, stats: StatsDelta) -> None:
+                 failures: LoadFailures, stats: StatsDelta, tails: bool = True) -> None:
         """`stores_async`: the workers run stores on their store thread (see the function);
-        `locator` says which chunks kvtier holds; `failures`, which blocks stores depend on."""
+        `locator` says which chunks kvtier holds; `failures`, which blocks stores depend on;
+        `tails`: store requests' tails (config.tail_chunks; never with several KV cache
+        groups)."""
         window = groups.min_window
         if window is not None and tokens_per_chunk > window:
             logger.warning(
@@ -68,7 +70,7 @@ class StorePlanner:
         self._groups = groups
         self._num_groups = groups.count  # attention groups: a chunk's block lists
         # Tails (keys.tail_key) are stored but for models with several KV cache groups.
-        self._tails = groups.count + len(groups.state_group_ids) == 1
+        self._tails = tails and groups.count + len(groups.state_group_ids) == 1
         self._locator = locator
         self._requests = requests
         self._failures = failures
