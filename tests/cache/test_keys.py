@@ -160,3 +160,11 @@ def test_a_tail_key_names_its_blocks_after_its_parent_and_never_a_chunk() -> Non
     assert tail_key(PROMPT[:8], NS, 2, extra=b"image:cat") != tail_key(PROMPT[:8], NS, 2)
     # A full chunk's tokens under a tail's tag are still no chunk key.
     assert tail_key(PROMPT[16:32], NS, 4, chunks[0]) != chunks[1]
+
+
+def test_a_requests_tails_hashed_in_one_pass_equal_each_tail_hashed_alone() -> None:
+    from kvtier.core.keys import tail_key, tail_keys
+
+    parent = chunk_keys(PROMPT, NS, 16)[0]
+    assert tail_keys(PROMPT[16:30], NS, 4, parent) == [
+        tail_key(PROMPT[16:16 + 4 * m], NS, m, parent) for m in (1, 2, 3)]

@@ -13,7 +13,7 @@ request's computed tokens end inside the chunk, so that a hit may end at any blo
 (`tail_key`): its key chains from the same parent as the full chunk's but starts with its own
 tag and block count, so a tail's key never equals a full chunk's nor another length's tail.
 
-Primitives: `ChunkKey`, `Namespace`, `chunk_keys`, `tail_key`.
+Primitives: `ChunkKey`, `Namespace`, `chunk_keys`, `tail_key`, `tail_keys`.
 """
 
 from __future__ import annotations
@@ -91,11 +91,34 @@ def tail_key(token_ids: Sequence[int] | np.ndarray, namespace: Namespace,
         parent: key of the chunk before the tail's chunk.
         extra: extra bytes its KV depends on (request_keys.py), or None.
     """
-    tokens = np.asarray(token_ids, dtype="<i8")
-    previous = parent if parent is not None else ChunkKey(namespace.digest())
-    # The tag first: a full chunk's hash starts with its parent key, a tail's never does.
-    hasher = blake3.blake3(b"kvtier-tail-v1" + num_blocks.to_bytes(4, "little") + previous)
-    hasher.update(tokens.tobytes())
+    hasher = _tail_hasher(namespace, parent)
+    hasher.update(np.asarray(token_ids, dtype="<i8").tobytes())
     if extra:
         hasher.update(b"kvtier-extra-v1" + len(extra).to_bytes(8, "little") + extra)
+    return _tail_digest(hasher, num_blocks)
+
+
+def tail_keys(token_ids: Sequence[int] | np.ndarray, namespace: Namespace, block_size: int,
+              parent: ChunkKey | None = None) -> list[ChunkKey]:
+    """`tail_key` of the first 1, 2, ... blocks of `token_ids` (one per full block), hashed in
+    one pass over the tokens; for tails without extra bytes."""
+    tokens = np.asarray(token_ids, dtype="<i8")
+    hasher = _tail_hasher(namespace, parent)
+    keys: list[ChunkKey] = []
+    for m in range(1, len(tokens) // block_size + 1):
+        hasher.update(tokens[(m - 1) * block_size:m * block_size].tobytes())
+        keys.append(_tail_digest(hasher.copy(), m))
+    return keys
+
+
+def _tail_hasher(namespace: Namespace, parent: ChunkKey | None) -> blake3.blake3:
+    # The tag first: a full chunk's hash starts with its parent key, a tail's never does.
+    previous = parent if parent is not None else ChunkKey(namespace.digest())
+    return blake3.blake3(b"kvtier-tail-v1" + previous)
+
+
+def _tail_digest(hasher: blake3.blake3, num_blocks: int) -> ChunkKey:
+    # The block count last (the tokens' length says it too; kept as a second guard), so
+    # that a request's tails of 1, 2, ... blocks hash in one pass (`tail_keys`).
+    hasher.update(b"kvtier-tail-blocks" + num_blocks.to_bytes(4, "little"))
     return ChunkKey(hasher.digest(length=KEY_BYTES))

@@ -79,6 +79,10 @@ class LoadFailures:
         # missing and the next request with that prefix miss too
         # (tests/engine/test_kvtier_restart.py, damaged chunk files).
         for state in requests:
+            # A tail (keys.tail_key) that failed to load or store is planned again too.
+            state.stored_tails -= replan
+            if state.tail is not None and state.tail.key in report.missing:
+                state.load_failed = True
             planned = state.keys[: state.num_planned_chunks]
             failed = [i for i, key in enumerate(planned) if key in replan]
             if failed:

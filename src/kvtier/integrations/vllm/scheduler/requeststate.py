@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from vllm.v1.request import RequestStatus
 
-from kvtier.core.keys import ChunkKey, Namespace, chunk_keys, tail_key
+from kvtier.core.keys import ChunkKey, Namespace, chunk_keys, tail_key, tail_keys
 from kvtier.errors import UncacheableRequest
 from kvtier.integrations.vllm.config import RequestControls
 from kvtier.integrations.vllm.metrics import StatsDelta
@@ -186,14 +186,15 @@ class RequestTable:
         if most < 1 or len(self.keys_for(state, chunk)) < chunk:
             return []  # uncacheable (keys_for says so), or too few tokens
         parent = state.keys[chunk - 1] if chunk else None
+        if not state.has_extras:
+            keys = tail_keys(tokens[start:start + most * bs], state.namespace, bs, parent)
+            return [Tail(chunk, m, keys[m - 1]) for m in range(most, 0, -1)]
         tails = []
         for m in range(most, 0, -1):
-            extra = None
-            if state.has_extras:
-                try:
-                    extra = span_extras(state.request, start, start + m * bs, bs)
-                except UncacheableRequest:
-                    return []  # its full chunks' keys say so (keys_for)
+            try:
+                extra = span_extras(state.request, start, start + m * bs, bs)
+            except UncacheableRequest:
+                return []  # its full chunks' keys say so (keys_for)
             tails.append(Tail(chunk, m, tail_key(tokens[start:start + m * bs], state.namespace,
                                                  m, parent, extra)))
         return tails
