@@ -167,3 +167,24 @@ def test_stores_completing_out_of_order_across_steps_go_out_parents_first() -> N
     removal = StoreEvent(EventKind.REMOVED, lone, "memory")
     assert order.order([removal], tokens.get, now_s=4.1) == [removal]
     assert not order.holding
+
+
+def test_a_chunks_tail_goes_out_as_its_blocks_and_dynamo_scores_through_it() -> None:
+    """A prompt's tail (keys.tail_key: 2 blocks of 16 past its 3 chunks) follows its parent
+    chunk in the run, as its 2 blocks; at kvtier's chunk size it is not announced."""
+    keys, tokens = prompt_chunks(3)
+    tail = ChunkKey(b"\xee" * 16)
+    ids = np.arange(3 * TPC, 3 * TPC + 2 * BLOCK, dtype="<i4").tobytes()
+    tokens.remember(tail, ChunkInfo(keys[2], ids, None, SALT))
+    [event] = events_mod.kv_events(stored([*keys, tail]), tokens, KINDS, TPC, BLOCK)
+    assert len(event.block_hashes) == 14 and event.block_hashes[-1] == tail
+    assert event.token_ids == list(range(3 * TPC + 2 * BLOCK))
+    dynamo = DynamoIndexer(kv_block_size=BLOCK)
+    dynamo.receive("A", payload([event]))
+    longer = list(range(3 * TPC + 2 * BLOCK)) + [7] * 5
+    assert dynamo.score(longer, namespace="tenant-a") == {"A": 14}
+    removal = events_mod.kv_events([StoreEvent(EventKind.REMOVED, tail, "memory")],
+                                   tokens, KINDS, TPC, BLOCK)
+    assert [len(e.block_hashes) for e in removal] == [2]
+    [chunks_only] = events_mod.kv_events(stored([*keys, tail]), tokens, KINDS, TPC)
+    assert chunks_only.block_hashes == keys

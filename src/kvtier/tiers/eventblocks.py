@@ -9,7 +9,9 @@ events into the same blocks here, and differ only in the structs they fill:
     block of another size (`lib/kv-router/src/zmq_wire/convert.rs`, `create_stored_blocks`).
     A chunk of `tokens_per_chunk` tokens is announced as `tokens_per_chunk / block_size`
     blocks of `block_size` (default: the chunk, one block), as LMCache re-slices its chunks
-    (LMCache PR #3938). Their hashes chain: a chunk's last block is its key (so the next
+    (LMCache PR #3938); a chunk's tail (keys.tail_key: m vLLM blocks) as its tokens /
+    `block_size` blocks where that divides (events of vLLM's block size), else not at
+    all. Their hashes chain: a chunk's last block is its key (so the next
     chunk's parent is that key, as with one block a chunk), the others are blake2b of the key
     and their index; a removal names every block of the chunk.
   - **extra_keys** in vLLM's format (vllm PR #33304, `generate_block_hash_extra_keys` and
@@ -84,20 +86,29 @@ def router_blocks(events: Iterable[StoreEvent], info_of: Callable[[ChunkKey], Ch
     pending: list[tuple[str, ChunkKey, ChunkInfo]] = []
     unknown = 0
     for event in events:
-        if event.kind == "removed":
-            out += _stored_runs(pending, blocks)
-            pending = []
-            out.append(RouterBlocks(False, event.tier, block_hashes(event.key, blocks)))
-            continue
         info = info_of(event.key)
-        if info is None:
+        if event.kind == "removed":
+            out += _stored_runs(pending, block_size)
+            pending = []
+            count = _blocks_of(info, block_size) if info is not None else None
+            out.append(RouterBlocks(False, event.tier, block_hashes(event.key, count or blocks)))
+            continue
+        if info is None or _blocks_of(info, block_size) is None:
             unknown += 1
         else:
             pending.append((event.tier, event.key, info))
-    return out + _stored_runs(pending, blocks), unknown
+    return out + _stored_runs(pending, block_size), unknown
 
 
-def _stored_runs(stored: Sequence[tuple[str, ChunkKey, ChunkInfo]], blocks: int
+def _blocks_of(info: ChunkInfo, block_size: int) -> int | None:
+    """The event blocks a chunk is announced as: its tokens / `block_size` (a chunk's tail,
+    keys.tail_key, holds fewer tokens than a chunk); None where they do not divide (a tail
+    with events of one block a chunk: not announced)."""
+    tokens = len(info.token_ids) // 4
+    return tokens // block_size if tokens and tokens % block_size == 0 else None
+
+
+def _stored_runs(stored: Sequence[tuple[str, ChunkKey, ChunkInfo]], block_size: int
                  ) -> list[RouterBlocks]:
     runs: list[list[tuple[str, ChunkKey, ChunkInfo]]] = []
     tails: dict[tuple[str, ChunkKey], int] = {}  # (tier, a run's last key) -> the run
@@ -115,7 +126,7 @@ def _stored_runs(stored: Sequence[tuple[str, ChunkKey, ChunkInfo]], blocks: int
             merged[-1] += run  # a run stored in reverse, now in order
         else:
             merged.append(run)
-    return [_run_event(run, blocks) for run in merged]
+    return [_run_event(run, block_size) for run in merged]
 
 
 def _follows(before: tuple[str, ChunkKey, ChunkInfo], after: tuple[str, ChunkKey, ChunkInfo]
@@ -145,9 +156,10 @@ def _parents_first(runs: list[list[tuple[str, ChunkKey, ChunkInfo]]]) -> list[in
     return order
 
 
-def _run_event(run: list[tuple[str, ChunkKey, ChunkInfo]], blocks: int) -> RouterBlocks:
+def _run_event(run: list[tuple[str, ChunkKey, ChunkInfo]], block_size: int) -> RouterBlocks:
     tier, _, first = run[0]
-    hashes = [h for _, key, _ in run for h in block_hashes(key, blocks)]
+    hashes = [h for _, key, info in run
+              for h in block_hashes(key, _blocks_of(info, block_size) or 1)]
     tokens = np.frombuffer(b"".join(info.token_ids for _, _, info in run), dtype="<i4")
     lora = (first.lora_name,) if first.lora_name else ()
     extra: list[tuple[str, ...] | None] = [lora or None] * len(hashes)

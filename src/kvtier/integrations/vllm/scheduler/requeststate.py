@@ -199,6 +199,14 @@ class RequestTable:
                                                  m, parent, extra)))
         return tails
 
+    def remember_tail(self, state: RequestState, tail: Tail) -> None:
+        """Keep a tail's token ids for the router events of its store (when enabled)."""
+        if self._events.enabled:
+            start = tail.chunk * self._tokens_per_chunk
+            tokens = state.request.all_token_ids[start:start + tail.num_blocks * self._block_size]
+            parent = state.keys[tail.chunk - 1] if tail.chunk else None
+            self._events.remember(state.request, [tail.key], tokens, parent)
+
     def start_epoch(self, epoch: str) -> None:
         """The engine's weights changed in place (vLLM's reset_cache): keys from now on live
         in a namespace that names `epoch`, so no chunk stored before is found again. A request

@@ -213,6 +213,7 @@ class StorePlanner:
         key = tails[0].key
         if key in state.stored_tails or key in self._locator.index or key in self._inflight:
             return
+        self._requests.remember_tail(state, tails[0])
         first = chunk * self._blocks_per_chunk
         loaded = self._failures.recent_loads(attention, first + blocks)
         controls = state.controls
