@@ -154,7 +154,9 @@ def test_the_vendored_clients_parse_their_flags() -> None:
 
 
 def _args(**overrides: object) -> argparse.Namespace:
-    values: dict[str, object] = {"quick": False, "client": None, "model_root": Path("models")}
+    values: dict[str, object] = {"quick": False, "client": None, "model_root": Path("models"),
+                                 "serial": False, "tokens_per_chunk": None,
+                                 "no_tail_chunks": False}
     return argparse.Namespace(**{**values, **overrides})
 
 
@@ -163,6 +165,12 @@ def test_arguments_choose_the_plan_and_the_clients() -> None:
     assert config.plan is PLANS["full"] and config.clients == CLIENTS
     config = config_from(_args(quick=True, client=[LONG_DOC_QA]), Path("/s"))
     assert config.plan is PLANS["quick"] and config.clients == (LONG_DOC_QA,)
+    assert config.connector == ()
+    # One request at a time, kvtier's chunk size and tails (issue 44's sweep).
+    config = config_from(_args(serial=True, tokens_per_chunk=32, no_tail_chunks=True),
+                         Path("/s"))
+    assert (config.plan.clients, config.plan.inflight, config.plan.name) == (1, 1, "full-serial")
+    assert config.connector == (("tokens_per_chunk", 32), ("tail_chunks", False))
 
 
 @pytest.mark.parametrize(("overrides", "field"), [

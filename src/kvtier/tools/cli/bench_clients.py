@@ -12,6 +12,7 @@ import contextlib
 import shlex
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from rich.table import Table
@@ -52,6 +53,10 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     parser.add_argument("--json", type=output_file, default=Path("results/bench-clients.json"))
     parser.add_argument("--tokens-per-chunk", type=positive_int,
                         help="kvtier's tokens_per_chunk (default: the demo's, 256)")
+    parser.add_argument("--serial", action="store_true",
+                        help="one request at a time (1 multi-turn client, 1 long_doc_qa "
+                             "request in flight): where kvtier's greedy answers must equal "
+                             "vLLM's")
     parser.add_argument("--no-tail-chunks", action="store_true",
                         help="kvtier's tail_chunks off: hits end at chunk boundaries")
     parser.set_defaults(func=run)
@@ -59,6 +64,8 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
 
 def config_from(args: argparse.Namespace, scratch: Path) -> ClientsConfig:
     plan = PLANS["quick" if args.quick else "full"]
+    if args.serial:
+        plan = replace(plan, name=f"{plan.name}-serial", clients=1, inflight=1)
     plan.validate()
     chosen = tuple(c for c in CLIENTS if c in args.client) if args.client else CLIENTS
     connector: list[tuple[str, object]] = []
