@@ -1,6 +1,7 @@
 """The prefix-aware eviction policy (kvtier.core.policies.prefix, issue 45): leaves of the tree
-of held prefixes leave first, ranked by recency plus a bonus per doubling of uses; a chunk's
-uses outlive its eviction, boundedly; any tier can take it by name."""
+of held prefixes leave first, ranked by recency plus a bonus per doubling of uses, a new
+chunk's bonus falling with its place in its run of new chunks; a chunk's uses outlive its
+eviction, boundedly; any tier can take it by name."""
 
 from __future__ import annotations
 
@@ -100,12 +101,48 @@ def test_an_evicted_chunk_offered_again_keeps_its_uses_and_the_memory_is_bounded
     policy.insert("turn")
     assert policy.evict() == "turn"
     policy.insert("turn")  # the conversation's next turn stores it again: its 2nd use
-    policy.insert("other")
+    policy.insert("o0")
+    policy.insert("other", "o0")  # a prompt's 2nd new chunk: half a first chunk's bonus
     assert policy.evict() == "other"
     for i in range(MIN_REMEMBERED + 10):  # a flood of one-shot chunks
         policy.insert(i)  # type: ignore[arg-type]
         policy.evict()
     assert len(policy._evicted_uses) == MIN_REMEMBERED
+
+
+def test_a_small_tier_trims_a_newer_prompts_tail_before_an_older_prompts_head() -> None:
+    """Rule 3: a prompt's first new chunks come back more often than its tail, so the n-th
+    new chunk in a row gets 1/n of the first one's bonus. An older one-chunk prompt outlives
+    the last three chunks of a newer four-chunk prompt (LRU over leaves would take it
+    first), then leaves before the newer prompt's head."""
+    policy: PrefixPolicy[str] = PrefixPolicy(capacity=10, horizon_ops=1000)
+    policy.insert("old")
+    _chain(policy, "new", 4)
+    assert [policy.evict() for _ in range(5)] == ["new3", "new2", "new1", "old", "new0"]
+
+
+def test_a_conversations_new_turn_heads_a_run_of_its_own() -> None:
+    """A run of new chunks starts again under a chunk read again (a returning conversation's
+    held prefix): the new turn's 2nd chunk ranks as a fresh prompt's 2nd chunk, above that
+    prompt's 3rd, though it was stored earlier."""
+    policy: PrefixPolicy[str] = PrefixPolicy(capacity=10, horizon_ops=1000)
+    policy.insert("p0")
+    policy.touch("p0")  # the conversation came back: its prefix was read again
+    policy.insert("t0", "p0")
+    policy.insert("t1", "t0")
+    _chain(policy, "f", 3)  # a fresh prompt of three chunks, stored after
+    assert [policy.evict() for _ in range(2)] == ["f2", "t1"]
+
+
+def test_a_chunk_whose_parent_is_not_held_heads_no_run() -> None:
+    """A chunk stored under a parent this policy does not hold (evicted meanwhile, pinned,
+    in another tier) cannot be reached here by a lookup: it gets no bonus, and leaves before
+    an older first chunk; so does a chunk stored under it."""
+    policy: PrefixPolicy[str] = PrefixPolicy(capacity=10, horizon_ops=1000)
+    policy.insert("head")
+    policy.insert("orphan", "gone")
+    policy.insert("below", "orphan")
+    assert [policy.evict() for _ in range(3)] == ["below", "orphan", "head"]
 
 
 def test_remove_of_a_parent_frees_its_last_child_to_rank_alone() -> None:
