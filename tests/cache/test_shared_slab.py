@@ -6,7 +6,10 @@ all, and never leaves the old file behind."""
 from __future__ import annotations
 
 import errno
+import mmap
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -15,7 +18,7 @@ from tierkit import key, tiny_layout
 
 from kvtier.core.retention import ChunkMeta, tenant_id
 from kvtier.tiers.memory import MemoryTier, MemoryTierConfig
-from kvtier.tiers.shmslab import SHM_DIR, SharedSlab
+from kvtier.tiers.shmslab import SHM_DIR, SharedSlab, SlabReader
 
 LAYOUT = tiny_layout()
 
@@ -171,3 +174,115 @@ def test_a_restart_with_no_room_at_all_fails_and_leaves_no_file(
     monkeypatch.undo()
     assert [p.name for p in SHM_DIR.glob(f"{name}*")] == []  # the old one gave its room up
     assert tier(name).recover() == (0, 0)  # room again: a cold start
+
+
+def _reader(tier: MemoryTier) -> tuple[SlabReader, mmap.mmap]:
+    """An engine's reader of the tier's slab (its own open file, as another process's)."""
+    fd = os.open(str(tier.shared_memory_path), os.O_RDWR)
+    mapping = mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED)
+    return SlabReader(fd, mapping), mapping
+
+
+def _slot_of(tier: MemoryTier, k: bytes) -> int:
+    with tier.borrow(k) as view:  # type: ignore[arg-type]
+        assert view is not None
+        offset = tier.offset_of(view)
+    assert offset is not None
+    return offset // tier.slot_bytes
+
+
+def test_a_slot_read_in_place_keeps_its_chunk_until_released(name: str) -> None:
+    """While an engine holds a slot (SlabReader.lock), its chunk may leave the tier but the
+    slot is neither written nor handed out; once released, the next put that needs it
+    reclaims it. The kernel's OFD locks: a reader's own open file."""
+    store = tier(name, chunks=4)
+    for i in range(4):
+        assert store.put(key(i), chunk(i)).ok
+    reader, mapping = _reader(store)
+    index = _slot_of(store, key(0))
+    assert not reader.lock(index, key(1))  # the record names another chunk
+    assert reader.lock(index, key(0))
+    view = memoryview(mapping)[index * store.slot_bytes:][:store.chunk_bytes]
+    for i in range(4, 16):  # a flood: key 0 leaves, its slot is not reused while held
+        assert store.put(key(i), chunk(i)).ok
+        assert view == chunk(0)
+        assert store.check() == []
+    assert not store.contains(key(0))
+    reader.unlock(index)
+    assert store.put(key(16), chunk(16)).ok  # reclaimed: the slot goes round again
+    for i in range(17, 21):
+        assert store.put(key(i), chunk(i)).ok
+    assert store.check() == []
+    assert bytes(view) != bytes(chunk(0))  # reused
+    assert not reader.lock(index, key(0))
+    view.release()
+    reader.close()
+    store.close()
+
+
+def test_a_deleted_chunk_read_in_place_is_freed_once_released(name: str) -> None:
+    store = tier(name, chunks=2)
+    assert store.put(key(0), chunk(0)).ok
+    reader, _ = _reader(store)
+    index = _slot_of(store, key(0))
+    assert reader.lock(index, key(0))
+    assert store.delete(key(0))
+    assert store.check() == []
+    reader.close()  # its locks dropped, as when its process dies
+    for i in range(1, 5):
+        assert store.put(key(i), chunk(i)).ok
+    assert store.check() == []
+    store.close()
+
+
+def test_a_killed_reader_leaks_no_slot(name: str) -> None:
+    """A process holding a slot killed -9: the kernel drops its lock, the slot is reclaimed."""
+    store = tier(name, chunks=2)
+    assert store.put(key(0), chunk(0)).ok
+    index = _slot_of(store, key(0))
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import mmap, os, sys, time\n"
+        "from kvtier.tiers.shmslab import SlabReader\n"
+        f"path = {str(store.shared_memory_path)!r}\n"
+        "fd = os.open(path, os.O_RDWR)\n"
+        "m = mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED)\n"
+        f"assert SlabReader(fd, m).lock({index}, bytes.fromhex({key(0).hex()!r}))\n"
+        "print('held', flush=True)\n"
+        "time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None and child.stdout.readline() == "held\n"
+    slots = store.num_slots
+    for i in range(1, 2 * slots):  # key 0 leaves; its slot is not among those taken
+        assert store.put(key(i), chunk(i)).ok
+    assert not store.contains(key(0)) and store.check() == []
+    assert sum(store.contains(key(k)) for k in range(2 * slots)) == slots - 1
+    child.kill()
+    child.wait()
+    for i in range(2 * slots, 4 * slots):
+        assert store.put(key(i), chunk(i)).ok
+    assert sum(store.contains(key(k)) for k in range(4 * slots)) == slots  # every slot again
+    assert store.check() == []
+    store.close()
+
+
+def test_a_chunk_that_left_is_not_read_in_place_again_nor_recovered(name: str) -> None:
+    """Deleted while one engine reads it: that read goes on, no other starts, and a successor
+    does not bring it back. An expired chunk is not read in place either."""
+    store = tier(name, chunks=2)
+    assert store.put(key(0), chunk(0)).ok
+    assert store.put(key(1), chunk(1), ChunkMeta(expires_at=time.time() + 0.2)).ok
+    first, _ = _reader(store)
+    second, _ = _reader(store)
+    index = _slot_of(store, key(0))
+    assert first.lock(index, key(0))
+    assert store.delete(key(0))
+    assert not second.lock(index, key(0))
+    expiring = _slot_of(store, key(1))
+    time.sleep(0.3)
+    assert not second.lock(expiring, key(1))
+    store.keep_shared_memory = True
+    store.close()
+    successor = tier(name, chunks=2)
+    assert successor.recover() == (0, 0)
+    first.close()
+    second.close()
+    successor.close()

@@ -174,6 +174,12 @@ def connect(socket_path: Path | str, layout: KVLayout = LAYOUT, *, timeout_s: fl
     return client, NodeStore(client, layout.bytes_per_chunk)
 
 
+def borrower(client: NodeClient, layout: KVLayout = LAYOUT) -> NodeStore:
+    """Another store on `client`'s connections that knows no slot: each of its loads borrows
+    (a round trip and a lease), where the store that stored a chunk reads it in place."""
+    return NodeStore(client, layout.bytes_per_chunk)
+
+
 def payload(i: int, nbytes: int = LAYOUT.bytes_per_chunk) -> bytes:
     """Chunk i's bytes: distinct for every i and every 64-byte stretch of the chunk."""
     seed = hashlib.blake2b(i.to_bytes(8, "big")).digest()

@@ -86,7 +86,9 @@ def test_a_load_ram_has_no_slot_for_comes_with_the_reply(
         wait_for(lambda: _disk_tier(node)["chunks"] == 8, 10, "the disk tier's writes")
         in_ram = [key(i) for i in range(4)]
         with engine.lend_as_landed(in_ram, [memoryview(bytearray(4096))]) as lending:
-            loans = list(lending)  # every RAM slot lent: none for a promotion
+            # Every RAM slot held (read in place: this engine stored them), none for a
+            # promotion.
+            loans = list(lending)
             assert len(loans) == 4
             # Chunks 4-7 are read from the disk into the node's spares: their bytes come back
             # in the reply, whole and in order.
@@ -94,6 +96,8 @@ def test_a_load_ram_has_no_slot_for_comes_with_the_reply(
                 [(i, chunk) for i, (_, chunk) in enumerate(expected(range(4, 8)))]
             for loan in loans:
                 loan.release()
+        wait_for(lambda: node.status()["counters"]["read_in_place"] == 4, 10,
+                 "the reads in place told")
         counters = node.status()["counters"]
-        assert (counters["sent_chunks"], counters["lent_chunks"]) == (4, 4)
+        assert (counters["sent_chunks"], counters["lent_chunks"]) == (4, 0)
         wait_for(lambda: node.status()["leases"] == 0, 10, "every lease ended")

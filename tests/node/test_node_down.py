@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from nodekit import (
     NodeProcess,
+    borrower,
     connect,
     expected,
     key,
@@ -72,20 +73,26 @@ def test_a_stopped_node_costs_one_deadline_then_nothing_until_it_answers_again(
     assert lend(engine, [key(0)]).chunks == expected([0])
 
     node.pause()
+    # What this engine stored it reads in place: the stopped node is not asked.
     start = time.monotonic()
-    lent = lend(engine, [key(0)])
+    assert lend(engine, [key(0)]).chunks == expected([0])
+    assert time.monotonic() - start < timeout_s / 2
+    # A load that needs the node (a chunk's slot not known here) waits out the deadline.
+    start = time.monotonic()
+    lent = lend(borrower(client), [key(0)])
     assert time.monotonic() - start < timeout_s + 2.0  # the deadline, and slack for a busy host
     assert (lent.chunks, lent.stopped_at, lent.failed_tier) == ([], 0, "node")
     # Within retry_s of that failure no call waits for the node.
     start = time.monotonic()
     assert put_chunks(engine, [1]) == [False]
     assert NodeProbe([client]).contains_many([key(0)]) == [False]
-    assert lend(engine, [key(0)]).stopped_at == 0
+    assert lend(borrower(client), [key(0)]).stopped_at == 0
+    assert lend(engine, [key(0)]).chunks == expected([0])  # in place, still
     assert time.monotonic() - start < timeout_s / 2
 
     node.resume()
     # The same client, once its back-off has passed: lent again, stores again.
-    wait_for(lambda: lend(engine, [key(0)]).chunks == expected([0]), retry_s + 10,
+    wait_for(lambda: lend(borrower(client), [key(0)]).chunks == expected([0]), retry_s + 10,
              "chunk 0 lent again after SIGCONT")
     assert put_chunks(engine, [1]) == [True]
     assert lend(engine, [key(0), key(1)]).chunks == expected([0, 1])
@@ -138,8 +145,11 @@ def test_a_node_shut_down_in_process_ends_its_engines_connections(
     assert client.failures == 0
     assert NodeProbe([client]).contains_many([key(0)]) == [False]
     assert client.failures == 1
-    lent = lend(engine, [key(0)])
+    lent = lend(borrower(client), [key(0)])
     assert (lent.chunks, lent.stopped_at, lent.failed_tier) == ([], 0, "node")
+    # What the engine stored it still reads in place: the slab it mapped, its chunks whole
+    # (kept in /dev/shm for the next node; any node's claims are gone with it).
+    assert lend(engine, [key(0)]).chunks == expected([0])
     with in_process_node(config) as restarted:
         wait_for(lambda: engine.flush(timeout_s=1), 15, "the client answered by the new node")
         assert client.welcome is not None
@@ -196,12 +206,13 @@ def test_a_loan_from_before_a_restart_releases_nothing_of_the_new_node(
     _client, engine = connect(socket_path, retry_s=0.2)
     with in_process_node(config):
         assert put_chunks(engine, [0]) == [True]  # lease 1
-        old_lending = engine.lend_as_landed([key(0)], [memoryview(bytearray(4096))])
+        old_lending = borrower(_client).lend_as_landed([key(0)], [memoryview(bytearray(4096))])
         assert len(list(old_lending)) == 1  # lease 2, held
     with in_process_node(config) as restarted:
-        _other_client, other = connect(socket_path)
+        other_client, other = connect(socket_path)
         assert put_chunks(other, [2]) == [True]  # lease 1
-        with other.lend_as_landed([key(2)], [memoryview(bytearray(4096))]) as lending:
+        with borrower(other_client).lend_as_landed([key(2)],
+                                                   [memoryview(bytearray(4096))]) as lending:
             assert len(list(lending)) == 1  # lease 2, held
             wait_for(lambda: engine.flush(timeout_s=1), 15, "the new node answering")
             old_lending.close()

@@ -41,20 +41,21 @@ from kvtier.node.server import NodeServer
 
 pytestmark = pytest.mark.timeout(120)  # a hang fails here, not at the suite's 900 s
 
-# An engine that stores chunks 0 and 1, borrows them (the loans held), reserves slots for
-# chunks 2 and 3 (never filled), says so on stdout, and waits to be killed.
+# An engine that stores chunks 0 and 1, reads chunk 0 in place (its slot's lock held) and
+# borrows chunk 1 (a loan held), reserves slots for chunks 2 and 3 (never filled), says so on
+# stdout, and waits to be killed.
 ENGINE = """
 import json, sys
 sys.path[:0] = [sys.argv[3], sys.argv[4]]  # tests/node, tests
-from nodekit import connect, key, put_chunks
+from nodekit import borrower, connect, key, put_chunks
 from kvtier.core.layout import KVLayout
 from kvtier.core.retention import DEFAULT_META
 layout = KVLayout(**json.loads(sys.argv[2]))
 client, store = connect(sys.argv[1], layout)
 assert put_chunks(store, [0, 1]) == [True, True]
-lending = store.lend_as_landed([key(0), key(1)], [memoryview(bytearray(4096))])
-lending.__enter__()
-loans = list(lending)
+in_place = store.lend_as_landed([key(0)], [memoryview(bytearray(4096))])
+borrowed = borrower(client, layout).lend_as_landed([key(1)], [memoryview(bytearray(4096))])
+loans = list(in_place.__enter__()) + list(borrowed.__enter__())
 store.plan_puts([key(2), key(3)], [DEFAULT_META] * 2)
 print(json.dumps({"lent": len(loans)}), flush=True)
 sys.stdin.read()  # until killed
@@ -80,7 +81,8 @@ def test_an_engine_killed_holding_loans_and_slots_leaks_none(
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert json.loads(read_line(engine, 30)) == {"lent": 2}
-        # 4 of the node's 6 slots are the engine's: 2 lent, 2 reserved (one lease each).
+        # 4 of the node's 6 slots are the engine's: 1 read in place, 1 lent, 2 reserved (a
+        # lease for the loan, one for the reservation).
         assert node.status()["leases"] == 2
         # The neighbour works meanwhile, in the 2 slots left.
         assert put_chunks(neighbour, [10]) == [True]

@@ -3,7 +3,12 @@ use in node mode (`ChunkStore`), and `NodeProbe`, the scheduler's lookup through
 
 Chunks are lent and filled in place in the node's shared-memory slab, mapped here; only
 offsets cross the socket, one round trip per load (`Borrow`) and one per step's stores
-(`Reserve`, from `plan_puts`); commits and releases are sent without waiting.
+(`Reserve`, from `plan_puts`); commits and releases are sent without waiting. A load of
+chunks whose slots this engine knows (it stored them, or was lent them before) takes no round
+trip: it holds the slots by their locks in the slab's file (`kvtier.tiers.shmslab.SlabReader`,
+one syscall each on this thread, no wait for the node's thread to be scheduled), reads them
+in place and tells the node (`Touch`) afterwards; a slot that holds another chunk by now is
+forgotten, and the load borrows as before.
 
 Nothing the node does wrong hurts the engine: every call has a deadline (`timeout_s`); a node
 that is down, stopped or answering nonsense is a miss (loads, lookups) or a dropped store,
@@ -23,6 +28,7 @@ import os
 import socket
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, MutableSequence, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -60,17 +66,22 @@ from kvtier.node.protocol import (
     Reserved,
     Retain,
     Status,
+    Touch,
     Welcome,
     receive_reply,
     send,
 )
 from kvtier.tiers.eventfacts import ChunkInfo
 from kvtier.tiers.manifest import NamespaceInfo
+from kvtier.tiers.shmslab import SlabReader
 
 log = logging.getLogger(__name__)
 TIER = "node"  # the one tier an engine sees in node mode (its counters, its load costs)
 # After the node failed to answer, how long it is not asked (a miss at once meanwhile).
 RETRY_S = 2.0
+# Slots remembered for reads in place (a key and an offset each: ~100 B); the oldest are
+# forgotten first (their chunks then borrowed).
+KNOWN_SLOTS = 1 << 16
 R = TypeVar("R", bound=Reply)
 
 
@@ -96,6 +107,7 @@ class NodeClient:
         # node) is dropped at its next call, without another back-off of its own.
         self._epoch = 0
         self._slab: tuple[str, mmap.mmap] | None = None  # (generation, mapping)
+        self._slab_fd = -1  # the mapped file, open: each thread's reader opens it again
         self.welcome: Welcome | None = None
         self.dma_registered = False  # the slab's mapping registered with CUDA (node/dma.py)
         self.failures = 0  # calls the node did not answer (each a miss or a dropped store)
@@ -167,6 +179,43 @@ class NodeClient:
         assert slab is not None
         return memoryview(slab[1])[offset:offset + nbytes]
 
+    def reader(self) -> tuple[str, SlabReader] | None:
+        """This thread's reader of the slab it mapped last, with its generation (reads in
+        place); None before this thread connected, or where the slab has no records to
+        trust. A node that died since leaves its slab mapped and its chunks whole: they are
+        still read in place (a restarted node's slab is another generation)."""
+        slab: tuple[str, mmap.mmap] | None = getattr(self._local, "slab", None)
+        if slab is None:
+            return None
+        mine: tuple[str, SlabReader | None] | None = getattr(self._local, "reader", None)
+        if mine is None or mine[0] != slab[0]:
+            if mine is not None and mine[1] is not None:
+                mine[1].close()
+            mine = (slab[0], self._open_reader(slab))
+            self._local.reader = mine
+        return None if mine[1] is None else (mine[0], mine[1])
+
+    def _open_reader(self, slab: tuple[str, mmap.mmap]) -> SlabReader | None:
+        """A reader of `slab` for this thread: the mapped file opened again (a new open file
+        description: its locks this thread's own), never the name, which a restarted node
+        reuses. None where it cannot be (the client mapped a newer generation meanwhile)."""
+        with self._lock:
+            fd = self._slab_fd if self._slab is not None and self._slab[0] == slab[0] else -1
+            try:
+                own = -1 if fd < 0 else os.open(f"/proc/self/fd/{fd}",
+                                                os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as exc:
+                log.info("kvtier: the node's slab cannot be read in place (%s): loads borrow",
+                         exc)
+                own = -1
+        if own < 0:
+            return None
+        try:
+            return SlabReader(own, slab[1])
+        except ValueError as exc:
+            log.info("kvtier: the node's slab cannot be read in place (%s): loads borrow", exc)
+            return None
+
     def generation(self) -> str | None:
         """The node generation of this thread's connection; None: it has none. A lease or
         slot of another generation is gone: never filled, released or committed (the node
@@ -210,10 +259,15 @@ class NodeClient:
                 self._local.slab = self._slab
                 return
             fd = os.open(welcome.shm_path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-            try:
-                mapping = mmap.mmap(fd, welcome.shm_bytes, mmap.MAP_SHARED)
-            finally:
+            try:  # the whole file: the slots, then their records (reads in place)
+                mapping = mmap.mmap(fd, max(os.fstat(fd).st_size, welcome.shm_bytes),
+                                    mmap.MAP_SHARED)
+            except BaseException:
                 os.close(fd)
+                raise
+            if self._slab_fd >= 0:  # the old generation's: threads' readers have their own
+                os.close(self._slab_fd)
+            self._slab_fd = fd
             if self._slab is not None:
                 log.info("kvtier: node %r restarted (generation %s): its slab mapped again",
                          welcome.node, welcome.generation)
@@ -251,24 +305,27 @@ class NodeClient:
         if sock is not None:
             sock.close()
             self._local.sock = None
+        mine: tuple[str, SlabReader | None] | None = getattr(self._local, "reader", None)
+        if mine is not None and mine[1] is not None:
+            mine[1].close()
+        self._local.reader = None
 
 
 class _NodeLending(Lending[ChunkView]):
-    """A `Lending` of chunks the node lent in its slab; its end releases the node's lease."""
+    """A `Lending` of chunks in the node's slab; `end` (once, when it closes) releases the
+    node's lease or the slots' locks."""
 
-    def __init__(self, client: NodeClient, lease: int, *args: object, **kwargs: object
-                 ) -> None:
+    def __init__(self, end: Callable[[], None], *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self._client, self._lease = client, lease
-        self._generation = client.generation()
+        self._end: Callable[[], None] | None = end
 
     def close(self) -> None:
         try:
             super().close()
         finally:
-            if self._lease and self._client.generation() == self._generation:
-                self._client.tell(Release(self._lease))
-            self._lease = 0
+            end, self._end = self._end, None
+            if end is not None:
+                end()
 
 
 @dataclass(slots=True)
@@ -296,6 +353,10 @@ class NodeStore:
         self._counters = TierCounters(TIER, 0)
         self._planned: dict[ChunkKey, _Planned] = {}
         self._planned_lock = threading.Lock()
+        # Chunk -> (node generation, slab offset) where this engine stored it or was lent it
+        # (reads in place); a slot that holds another chunk by now is forgotten when tried.
+        self._slots: OrderedDict[ChunkKey, tuple[str, int]] = OrderedDict()
+        self._slots_lock = threading.Lock()
 
     # -- loads ------------------------------------------------------------------------------
     def lend_as_landed(self, keys: Sequence[ChunkKey], spares: MutableSequence[memoryview],
@@ -307,6 +368,9 @@ class NodeStore:
         metas = list(metas) or [DEFAULT_META] * len(keys)
         if len(metas) != len(keys):
             raise ValueError(f"{len(metas)} metas for {len(keys)} keys")
+        in_place = self._read_in_place(keys, spares, in_order)
+        if in_place is not None:
+            return in_place
         start = time.perf_counter()
         failed: str | None = None
         try:
@@ -320,6 +384,10 @@ class NodeStore:
                             self._client.view(offset, self._chunk_bytes)).toreadonly(), TIER)
                  for offset in lent.offsets]
         held = len(views)
+        generation = self._client.generation()
+        if generation is not None:
+            self._know([(key, generation, offset) for key, offset in zip(keys, lent.offsets)
+                        if offset >= 0])
         self._counters.add(hits=held, misses=int(held < len(keys)),
                            bytes_read=held * self._chunk_bytes,
                            read_s=time.perf_counter() - start)
@@ -331,10 +399,67 @@ class NodeStore:
             done.set_result(None)
             return done
 
-        return _NodeLending(self._client, lent.lease, len(keys), spares, in_order=in_order,
+        lease_generation = self._client.generation()
+
+        def release() -> None:
+            if lent.lease and self._client.generation() == lease_generation:
+                self._client.tell(Release(lent.lease))
+
+        return _NodeLending(release, len(keys), spares, in_order=in_order,
                             lend=lambda i, _hold: views[i] if i < held else None,
                             read=missed, timeout_s=self._client.timeout_s,
                             late=lambda _tier: None)
+
+    def _read_in_place(self, keys: Sequence[ChunkKey], spares: MutableSequence[memoryview],
+                       in_order: bool) -> Lending[ChunkView] | None:
+        """All of `keys` lent from slots this engine knows, each held by its lock (no
+        round trip), or None (nothing held): one is not known, or its slot holds another
+        chunk by now (forgotten), or this thread has no connection yet."""
+        mapped = self._client.reader()
+        if mapped is None or not keys:
+            return None
+        generation, reader = mapped
+        start = time.perf_counter()
+        with self._slots_lock:
+            known = [self._slots.get(key) for key in keys]
+        held: list[int] = []
+        for key, slot in zip(keys, known):
+            index = None if slot is None or slot[0] != generation \
+                else slot[1] // reader.slot_bytes
+            if index is None or not reader.lock(index, key):
+                for taken in held:
+                    reader.unlock(taken)
+                if slot is not None:
+                    with self._slots_lock:
+                        self._slots.pop(key, None)
+                return None
+            held.append(index)
+        views = [ChunkView(self._client.view(index * reader.slot_bytes,
+                                             self._chunk_bytes).toreadonly(), TIER)
+                 for index in held]
+        self._counters.add(hits=len(keys), bytes_read=len(keys) * self._chunk_bytes,
+                           read_s=time.perf_counter() - start)
+
+        def release() -> None:
+            for index in held:
+                reader.unlock(index)
+            self._client.tell(Touch(list(keys)))  # recent for the node's policy
+
+        def never(_i: int, _hold: Hold, _spare: memoryview) -> Future[ChunkView | None]:
+            raise AssertionError("every chunk is lent in place")
+
+        return _NodeLending(release, len(keys), spares, in_order=in_order,
+                            lend=lambda i, _hold: views[i], read=never,
+                            timeout_s=self._client.timeout_s, late=lambda _tier: None)
+
+    def _know(self, slots: Sequence[tuple[ChunkKey, str, int]]) -> None:
+        """Remember where chunks lie in the slab: (key, generation, offset)."""
+        with self._slots_lock:
+            for key, generation, offset in slots:
+                self._slots[key] = (generation, offset)
+                self._slots.move_to_end(key)
+            while len(self._slots) > KNOWN_SLOTS:
+                self._slots.popitem(last=False)
 
     @contextmanager
     def borrow(self, key: ChunkKey, spare: memoryview,
@@ -434,6 +559,8 @@ class NodeStore:
                 except NodeUnavailable:
                     filled = False  # maybe stored, maybe not: not reported stored
         put.stored = filled and not sent
+        if put.stored and planned.generation is not None:
+            self._know([(key, planned.generation, planned.offset)])
         if filled:
             self._counters.add(puts=1, bytes_written=self._chunk_bytes,
                                write_s=time.perf_counter() - start)

@@ -73,6 +73,8 @@ NODE_GAUGES: dict[str, str] = {
 NODE_COUNTERS: dict[str, str] = {
     "borrows": "Borrow requests (one per load of an engine)",
     "lent_chunks": "Chunks lent to engines from the RAM slab",
+    "read_in_place": "Chunks engines read from the RAM slab with no round trip (they knew "
+                     "the slot and held it by a lock in the slab's file)",
     "reserved_chunks": "RAM slots reserved for engines' stores",
     "committed_chunks": "Reserved slots filled and stored",
     "received_chunks": "Chunks RAM had no slot for, received over the socket for the tiers "

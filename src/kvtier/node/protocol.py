@@ -3,9 +3,11 @@
 One request, at most one reply, on a Unix stream socket: each message is msgspec's MessagePack
 of a tagged struct behind a 4-byte big-endian length. Every request of a load or a store
 carries all of that step's chunks (a `Borrow` of a request's hit, a `Reserve` of a step's
-stores): control round trips are per step, never per chunk. `Release`, `Commit` and
-`Describe` get no reply (the engine never waits for them). Chunk bytes never cross the
-socket: offsets name them in the node's shared-memory slab (`Welcome.shm_path`).
+stores): control round trips are per step, never per chunk. `Release`, `Touch`, `Commit`
+and `Describe` get no reply (the engine never waits for them). Chunk bytes never cross the
+socket: offsets name them in the node's shared-memory slab (`Welcome.shm_path`). A load of
+chunks whose slots the engine knows takes no round trip at all: it holds their slots by a
+lock in the slab's file (`kvtier.tiers.shmslab.SlabReader`) and tells the node (`Touch`).
 
 Primitives: the messages, `Meta`, `send`, `receive_request`, `receive_reply`, `HELD`,
 `SKIPPED`, `SEND`.
@@ -108,6 +110,14 @@ class Release(msgspec.Struct, tag=True):
     lease: int
 
 
+class Touch(msgspec.Struct, tag=True):
+    """The engine read these chunks in place in the slab without a `Borrow` (it held their
+    slots' locks: `kvtier.tiers.shmslab.SlabReader`): recent for the node's policy, as a
+    borrow is. No reply."""
+
+    keys: list[bytes]
+
+
 class Reserve(msgspec.Struct, tag=True):
     """Slots for a step's stores, one per key (or HELD / SKIPPED / SEND)."""
 
@@ -172,8 +182,8 @@ class Answer(msgspec.Struct, tag=True):
     value: object
 
 
-Request = (Hello | Lookup | Borrow | Release | Reserve | Commit | Retain | Flush | Status
-           | Describe)
+Request = (Hello | Lookup | Borrow | Release | Touch | Reserve | Commit | Retain | Flush
+           | Status | Describe)
 Reply = Welcome | Refused | Found | Lent | Reserved | Answer
 _encoder = msgspec.msgpack.Encoder()
 _requests = msgspec.msgpack.Decoder(Request)

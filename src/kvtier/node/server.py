@@ -68,6 +68,7 @@ from kvtier.node.protocol import (
     Reserved,
     Retain,
     Status,
+    Touch,
     Welcome,
     receive_request,
     send,
@@ -122,7 +123,8 @@ class NodeConfig:
 
 
 # The node's own counters (`NodeServer.counters`), each only ever added to.
-COUNTERS = ("borrows", "lent_chunks", "reserved_chunks", "committed_chunks",
+COUNTERS = ("borrows", "lent_chunks", "read_in_place", "reserved_chunks",
+            "committed_chunks",
             "received_chunks", "sent_chunks", "lookups",
             "refused", "disconnects_with_leases", "recovered_chunks", "recovery_dropped_chunks",
             "described_chunks", "events_stored", "events_removed", "stored_unannounced")
@@ -540,6 +542,11 @@ class _Handler(socketserver.BaseRequestHandler):
                     continue
                 if isinstance(request, Release):
                     node.release(request.lease)
+                    continue
+                if isinstance(request, Touch):
+                    if layout is not None:
+                        layout.memory.touch([ChunkKey(k) for k in request.keys])
+                        node.counters.add("read_in_place", len(request.keys))
                     continue
                 if isinstance(request, Commit):
                     node.commit(request)

@@ -30,7 +30,7 @@ import mmap
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import ClassVar, Literal
@@ -149,6 +149,9 @@ class MemoryTier:
         # out for writing; one evicted or deleted while pinned is freed by its last borrower.
         self._pins: dict[int, int] = {}
         self._orphans: set[int] = set()
+        # Slots of chunks that left while an engine read them in place from the shared slab
+        # (`SharedSlab.claim` failed): freed by `_reclaim` once no engine holds them.
+        self._read_in_place: set[int] = set()
         self._config = config
         # Tenants, pins and expiry of the chunks held (kvtier.core.retention). The policy
         # holds unpinned chunks only: a pinned one re-enters it when its pin ends.
@@ -236,6 +239,16 @@ class MemoryTier:
             self._unpin(index)
             self._counters.add(hits=1, bytes_read=self.chunk_bytes,
                                read_s=time.perf_counter() - start)
+
+    def touch(self, keys: Sequence[ChunkKey]) -> int:
+        """Engines read these chunks in place from the shared slab, without a borrow
+        (`SlabReader`): each one held is recent, as a read is. How many were held."""
+        with self._lock:
+            held = [key for key in keys if key in self._index]
+            for key in held:
+                self._touch(key)
+        self._counters.add(hits=len(held), bytes_read=len(held) * self.chunk_bytes)
+        return len(held)
 
     def _touch(self, key: ChunkKey) -> None:
         """A held chunk was read: recent for the policy and its tenant's and engine's
@@ -381,6 +394,8 @@ class MemoryTier:
 
     def _free_or_evicted(self) -> int | None:
         """A free slot, else one evicted by policy; None when every chunk is pinned."""
+        if self._read_in_place:
+            self._reclaim()
         if self._free:
             return self._free.pop()
         while (victim := self._policy.evict()) is not None:
@@ -398,8 +413,8 @@ class MemoryTier:
         if self._engines is not None:
             self._engines.forget(victim, evicted=True)
         index = self._index.pop(victim)
-        if self._shared is not None:
-            self._shared.clear(index)
+        if not self._claim(index):
+            return None
         if index not in self._pins:
             return index
         self._orphans.add(index)
@@ -409,17 +424,36 @@ class MemoryTier:
         """Remove a held chunk (deleted or expired) and free its slot. Caller holds the
         lock; the caller publishes the counters."""
         index = self._index.pop(key)
-        if self._shared is not None:
-            self._shared.clear(index)
         self._policy.remove(key)
         self._book.forget(key)
         if self._engines is not None:
             self._engines.forget(key)
-        if index in self._pins:
-            self._orphans.add(index)
-        else:
-            self._free.append(index)
+        if self._claim(index):  # else an engine reads it in place: freed by `_reclaim`
+            if index in self._pins:
+                self._orphans.add(index)
+            else:
+                self._free.append(index)
         self.events.removed(key)
+
+    def _claim(self, index: int) -> bool:
+        """A chunk left slot `index`: its shared-memory record cleared, unless an engine
+        reads the slot in place (`SharedSlab.claim`): then the slot waits in `_read_in_place`,
+        neither free nor orphaned, bytes and record untouched, and False. Lock held."""
+        if self._shared is None or self._shared.claim(index):
+            return True
+        self._read_in_place.add(index)
+        return False
+
+    def _reclaim(self) -> None:
+        """Free the slots engines were reading in place when their chunks left, where no
+        engine reads them now. Lock held."""
+        assert self._shared is not None
+        for index in [i for i in self._read_in_place if self._shared.claim(i)]:
+            self._read_in_place.discard(index)
+            if index in self._pins:
+                self._orphans.add(index)
+            else:
+                self._free.append(index)
 
     def _reap(self) -> None:
         """Put chunks whose pin ended back in the policy; remove expired ones. Lock held."""
@@ -448,7 +482,8 @@ class MemoryTier:
                 problems.append("two chunks share a slot")
             if len(free) != len(self._free) or free & set(held):
                 problems.append("a free slot is listed twice or also held")
-            lost = self.num_slots - len(set(held) | free | self._orphans)
+            lost = self.num_slots - len(set(held) | free | self._orphans
+                                        | self._read_in_place)
             if lost:
                 problems.append(f"{lost} slots neither held, free nor being read")
             if self._orphans - self._pins.keys():
@@ -531,4 +566,5 @@ class MemoryTier:
                                     self._book.clock)
             self._engines = self._engine_book(self._book.clock)
             self._orphans = set(self._pins)
+            self._read_in_place.clear()
             self._free = [i for i in range(self.num_slots - 1, -1, -1) if i not in self._pins]

@@ -22,17 +22,30 @@ be put into the new slab (one whose expiry has passed is not), and the old file 
 The file's pages are allocated when it is created (posix_fallocate): charged to the node,
 never to the engine that first writes a slot.
 
-Primitives: `SharedSlab`, `SHM_DIR`, `slab_file_bytes`.
+**Reads in place without the node.** An engine that knows which slot holds a chunk (it stored
+it there, or was lent it before) reads it with no round trip to the node: it takes a shared
+lock on the slot's record byte (`SlabReader.lock`: an open file description lock, F_OFD_SETLK,
+a syscall, never waiting) and checks that the record is valid and names the chunk. The node
+clears a record only under an exclusive lock of the same byte (`SharedSlab.claim`), taken
+without waiting: where an engine holds the slot, the claim fails and the node leaves the slot
+(its bytes and record untouched) until a later claim succeeds; a chunk leaving the tier gives
+its slot up only once claimed. So while an engine's lock is held, the slot's bytes are the
+record's chunk, whole. The kernel drops an engine's locks when it dies (no slot leaks), and a
+lock is one syscall on the engine's own thread: no wait for the node's thread to be scheduled.
+
+Primitives: `SharedSlab`, `SlabReader`, `SHM_DIR`, `slab_file_bytes`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import mmap
 import os
 import struct
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -49,7 +62,9 @@ _RECORD = np.dtype([("key", "V16"), ("checksum", "<u8"), ("nbytes", "<u4"), ("va
                     ("retain_until", "<f8"), ("expires_at", "<f8")])
 # Which of a record's meta fields are set (its "known" bits).
 _PARENT, _TENANT, _RETAIN, _EXPIRES = 1, 2, 4, 8
+_LEAVING = 2  # "valid": the chunk left while engines read it in place (not to be read again)
 _FOOTER = struct.Struct("<8sQQQ32x")  # magic, slot_bytes, num_slots, chunk_bytes
+_FLOCK = struct.Struct("@hhqqi4x")  # Linux's struct flock: type, whence, start, len, pid
 _MAGIC = b"KVTSLAB2"  # records with meta (KVTSLAB1's, without, are not recovered)
 
 
@@ -79,7 +94,7 @@ class SharedSlab:
         self.slot_bytes, self.num_slots, self.chunk_bytes = slot_bytes, num_slots, chunk_bytes
         size = slab_file_bytes(slot_bytes, num_slots)
         try:
-            self._mmap = self._create(size)
+            self._fd, self._mmap = self._create(size)
         except OSError as exc:
             if exc.errno != errno.ENOSPC or self.old is None:
                 raise
@@ -89,27 +104,28 @@ class SharedSlab:
                         "chunks are dropped, not recovered", name, SHM_DIR, exc)
             self.old.unlink(missing_ok=True)
             self.old = None
-            self._mmap = self._create(size)
+            self._fd, self._mmap = self._create(size)
         slab_bytes = num_slots * slot_bytes
+        self._records_at = slab_bytes  # the records' offset in the file (the lock bytes')
         self.slots = np.frombuffer(self._mmap, dtype=np.uint8, count=slab_bytes)
         self._records = np.frombuffer(self._mmap, dtype=_RECORD, count=num_slots,
                                       offset=slab_bytes)
         self._mmap[size - _FOOTER.size:] = _FOOTER.pack(_MAGIC, slot_bytes, num_slots,
                                                         chunk_bytes)
 
-    def _create(self, size: int) -> mmap.mmap:
-        """The new file, its pages allocated, mapped. Raises OSError (ENOSPC: no room)."""
+    def _create(self, size: int) -> tuple[int, mmap.mmap]:
+        """The new file (kept open: the node's claims lock its bytes), its pages allocated,
+        mapped. Raises OSError (ENOSPC: no room)."""
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                      0o660)
         try:
             os.fchmod(fd, 0o660)  # the umask must not narrow what the node's group may map
             os.posix_fallocate(fd, 0, size)
-            return mmap.mmap(fd, size, mmap.MAP_SHARED)
+            return fd, mmap.mmap(fd, size, mmap.MAP_SHARED)
         except BaseException:
+            os.close(fd)
             self.path.unlink()
             raise
-        finally:
-            os.close(fd)
 
     @staticmethod
     def checksum(data: memoryview) -> int:
@@ -144,8 +160,24 @@ class SharedSlab:
         record["known"] = known
 
     def clear(self, index: int) -> None:
-        """Slot `index` is about to be written, or its chunk left."""
+        """Slot `index` is about to be written (a free slot: no engine reads it in place)."""
         self._records["valid"][index] = 0
+
+    def claim(self, index: int) -> bool:
+        """Clear slot `index`'s record (its chunk left) unless an engine reads the slot in
+        place (`SlabReader.lock`): then nothing changes, and False: the slot is not to be
+        written until a later claim succeeds."""
+        at = self._records_at + index * _RECORD.itemsize
+        if not _lock(self._fd, fcntl.F_WRLCK, at):
+            # No new read starts (nor a recovery): the chunk left. The reads under way
+            # checked the record already; the bytes stay until a claim succeeds.
+            self._records["valid"][index] = _LEAVING
+            return False
+        try:
+            self._records["valid"][index] = 0
+        finally:
+            _lock(self._fd, fcntl.F_UNLCK, at)
+        return True
 
     def clear_all(self) -> None:
         self._records["valid"][:] = 0
@@ -211,6 +243,70 @@ class SharedSlab:
         if not keep:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class SlabReader:
+    """An engine's thread reading a node's slab in place, without asking the node (see the
+    module docstring): `lock` a slot whose record names the chunk, read it, `unlock`. One per
+    thread and mapping: an OFD lock belongs to its open file, so two threads sharing one
+    would release each other's."""
+
+    def __init__(self, fd: int, mapping: mmap.mmap) -> None:
+        """`mapping`: the whole slab file, mapped by the engine; `fd`: that same file opened
+        by this thread (an open file description of its own, closed by `close`; a file
+        opened again by its name might be a restarted node's).
+
+        Raises:
+            ValueError: it is not a slab of this format (no records to trust).
+        """
+        size = len(mapping)
+        magic, slot_bytes, num_slots, _ = _FOOTER.unpack(mapping[size - _FOOTER.size:])
+        if magic != _MAGIC or slab_file_bytes(slot_bytes, num_slots) != size:
+            os.close(fd)
+            raise ValueError(f"not a kvtier slab with records ({magic!r})")
+        self.slot_bytes, self._records_at = slot_bytes, num_slots * slot_bytes
+        self._records = np.frombuffer(mapping, dtype=_RECORD, count=num_slots,
+                                      offset=self._records_at)
+        self._fd = fd
+
+    def lock(self, index: int, key: ChunkKey) -> bool:
+        """Hold slot `index` if its record names `key`, valid and unexpired: until
+        `unlock`, its bytes are that chunk's, whole. False (nothing held): another chunk's,
+        being written, gone, expired, or being claimed by the node this very moment."""
+        at = self._records_at + index * _RECORD.itemsize
+        if not 0 <= index < len(self._records) or not _lock(self._fd, fcntl.F_RDLCK, at):
+            return False
+        record = self._records[index]
+        if record["valid"] == 1 and bytes(record["key"]) == key and not (
+                int(record["known"]) & _EXPIRES and record["expires_at"] <= time.time()):
+            return True
+        _lock(self._fd, fcntl.F_UNLCK, at)
+        return False
+
+    def unlock(self, index: int) -> None:
+        _lock(self._fd, fcntl.F_UNLCK, self._records_at + index * _RECORD.itemsize)
+
+    def close(self) -> None:
+        """Drop every lock this reader holds."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _lock(fd: int, kind: int, at: int) -> bool:
+    """Lock (F_RDLCK shared, F_WRLCK exclusive) or unlock (F_UNLCK) the byte at `at` of
+    `fd`'s file, for its open file description, never waiting: False when another description
+    holds a lock that conflicts."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(kind, os.SEEK_SET, at, 1, 0))
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
 
 
 def _meta(record: np.void) -> ChunkMeta:
