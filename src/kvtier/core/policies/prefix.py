@@ -31,7 +31,10 @@ last turn of every conversation), while a chunk read once is read again far more
 All three need the chunk's parent: `insert(key, parent)` (a tier passes `ChunkMeta.parent`).
 A chunk whose parent is unknown or not in this policy is ranked as a root: its prefix may
 be held by another tier (the lookup walks a prefix across tiers) or pinned here (a pinned
-chunk is out of the policy). Deeper chunks cost more to recompute, but a deep
+chunk is out of the policy). Under rule 3 a chunk inserted with no parent heads a run as a
+first chunk does (the protocol does not tell them apart: so do chunks a disk tier finds at
+start-up, and chunks of a tier that passes no parents at all), one whose named parent is
+not here heads none. Deeper chunks cost more to recompute, but a deep
 chunk is only worth that while every chunk above it is held: the leaf rule is what keeps
 that value, and the depth breaks ties in favour of the parent.
 
