@@ -92,7 +92,7 @@ def test_an_engine_restarted_on_the_node_hits_the_ram_of_the_one_before(
         node.kill()
         second.reset_prefix_cache()  # vLLM's own cache: these must come from kvtier again
         failures, hits = kvtier_counter("load_failures"), metric(second, HITS)
-        assert token_ids(second, prompts + [unasked]) == computed + [unasked_answer]
+        assert token_ids(second, [*prompts, unasked]) == [*computed, unasked_answer]
         assert kvtier_counter("load_failures") - failures == 0
         assert metric(second, HITS) - hits == sum(loadable(len(p["prompt_token_ids"]))
                                                   for p in prompts)

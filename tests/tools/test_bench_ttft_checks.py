@@ -126,6 +126,9 @@ def ttft_args(*argv: str) -> TtftConfig:
 def test_the_model_preset_picks_its_prompt_lengths_chunks_and_engines():
     bench = ttft_args("--quick")
     assert (bench.model, bench.cached_tokens, len(bench.engines)) == ("bench", (1024, 4096), 6)
+    # The node's run is asked for by name (it starts a node), and is then taken.
+    assert ttft_args("--quick", "--engine", "kvtier-memory", "--engine",
+                     "kvtier-node").engines == ("kvtier-memory", "kvtier-node")
     hybrid = ttft_args("--model", "qwen3-next", "--quick")
     assert hybrid.cached_tokens == (1152, 3456)  # multiples of vLLM's 288-token block
     assert hybrid.engines == ("recompute", "vllm-prefix", "kvtier-memory", "kvtier-disk")

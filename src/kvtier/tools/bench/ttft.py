@@ -85,10 +85,15 @@ class BenchModel:
     tokens_per_chunk: int  # the kvtier engines' chunk: a multiple of vLLM's block
     cached_tokens: tuple[int, ...]  # default prompt lengths (multiples of the chunk)
     quick_tokens: tuple[int, ...]  # --quick's
-    engines: tuple[str, ...]  # the configurations it runs (and may run)
+    engines: tuple[str, ...]  # the configurations it may run (`--engine`)
     # The kvtier engines' load-or-recompute rule (connector config.LOAD_WHEN; "always" where
     # recomputing the tiny model can win on a loaded machine: the figure would not be a hit's).
     load_when: str = "faster"
+
+    @property
+    def default_engines(self) -> tuple[str, ...]:
+        """What it runs when no `--engine` is asked for."""
+        return tuple(e for e in DEFAULT_ENGINES if e in self.engines)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -113,7 +118,7 @@ class BenchModel:
 
 MODELS = {
     "bench": BenchModel("bench", BLOCK_SIZE, TOKENS_PER_CHUNK, (1024, 4096, 8192, 16384),
-                        (1024, 4096), DEFAULT_ENGINES),
+                        (1024, 4096), ENGINES),
     # vLLM's block for it is 288 tokens (32 asked); ExampleConnector not tried on it.
     "qwen3-next": BenchModel("qwen3-next", 32, 288, (1152, 3456), (1152, 3456), ENGINES[:4],
                              load_when="always"),

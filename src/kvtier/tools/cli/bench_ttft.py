@@ -87,7 +87,7 @@ def config_from(args: argparse.Namespace) -> TtftConfig:
     if not args.quick or args.reps != 9:
         settings["reps"] = args.reps
     return TtftConfig(directory=args.dir, model_root=args.model_root, model=args.model,
-                      engines=tuple(args.engine) if args.engine else model.engines,
+                      engines=tuple(args.engine) if args.engine else model.default_engines,
                       store_mode=args.store_mode, **settings)  # type: ignore[arg-type]
 
 
