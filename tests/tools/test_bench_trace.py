@@ -158,8 +158,10 @@ def _run(name: str, ttft: list[float], engine: int, kvtier: int, predicted: floa
                      kvtier_hit_tokens=kvtier, tier_hit_ratios={"memory": 0.5},
                      ttft=percentiles(ttft), wall_s=1.0,
                      predicted={"hit_ratio": predicted, "engine_hit_tokens": engine,
-                                "kvtier_hit_tokens": kvtier, "tier_alone_hit_ratio": 0.1},
-                     ttft_s=ttft)
+                                "kvtier_hit_tokens": kvtier, "tier_alone_hit_ratio": 0.1,
+                                "kvtier_hit_ratio": kvtier / 900},
+                     ttft_s=ttft, kvtier_offered_tokens=kvtier + 32,
+                     kvtier_lookup_tokens=900 if kvtier else 0)
 
 
 def test_the_tables_show_ratios_to_plain_vllm_and_to_lru(tmp_path: Path) -> None:
@@ -179,6 +181,7 @@ def test_the_tables_show_ratios_to_plain_vllm_and_to_lru(tmp_path: Path) -> None
     Console(file=out, width=200).print(trace_table(result), comparison_table(result))
     text = out.getvalue()
     assert "kvtier prefix" in text and "40.0% (40.0%)" in text and "2.00x (2.00x)" in text
+    assert "33.3% (33.3%); memory 50%" in text and "332" in text  # loaded / asked; offered
     data = result.to_dict("kvtier bench trace t.jsonl")
     assert data["runs"][2]["saved_ratio"] == pytest.approx(0.4)
     assert json.loads(json.dumps(data))["capacity_blocks"] == 59

@@ -14,8 +14,9 @@ simulator (`kvtier.tools.sim.replay`) replays the same prompts through the same 
 classes at the same capacity in blocks, in this run: its token hit ratio is the prediction
 of the engine's prefill tokens saved (vLLM's own hits and kvtier's together, over the prompt
 tokens). Per configuration: TTFT p50/p90/p99, prompt tokens, tokens served by vLLM's cache
-and by kvtier, kvtier's hit ratio per tier (its chunk reads a tier served / asked), and the
-ratios to plain vLLM and of each policy to LRU.
+and loaded from kvtier (and those kvtier offered: more where a load failed), kvtier's hit
+ratio per tier (its chunk reads a tier served / asked) and counters, and the ratios to plain
+vLLM and of each policy to LRU.
 
 Primitives: `TraceBenchConfig`, `ConfigRun`, `TraceBenchResult`, `run_trace_bench`,
 `max_model_len`, `engine_kv_tokens`, `memory_tier_bytes`.
@@ -38,6 +39,7 @@ from kvtier.errors import ConfigError
 from kvtier.testing.tinymodel import PRESETS, make_preset_model, served_name
 from kvtier.tools.bench.serving.arrivals import machine
 from kvtier.tools.bench.serving.client import ClientConfig
+from kvtier.tools.bench.serving.promdiff import kvtier_counters
 from kvtier.tools.bench.serving.runner import BenchRun, bench_endpoint
 from kvtier.tools.bench.serving.stats import Percentiles, percentiles
 from kvtier.tools.bench.serving.workloads import Turn, Workload
@@ -97,13 +99,19 @@ class ConfigRun:
     failures: list[str]  # why failed requests failed
     prompt_tokens: int  # of the completed requests
     engine_hit_tokens: int  # served by vLLM's own prefix cache
-    kvtier_hit_tokens: int  # served by kvtier (vLLM's external prefix-cache hits)
+    kvtier_hit_tokens: int  # loaded from kvtier (kvtier's loaded_tokens)
     tier_hit_ratios: dict[str, float | None]  # kvtier tier -> chunk reads served / asked
     ttft: Percentiles  # of the completed requests
     wall_s: float  # the requests' wall time
     # the simulator's prediction for this configuration (`_predict`)
     predicted: dict[str, Any] = field(default_factory=dict)
     ttft_s: list[float] = field(default_factory=list)  # each completed request's
+    # vLLM's external prefix-cache hits: what kvtier offered and vLLM took. More than
+    # kvtier_hit_tokens where a load failed: the scheduler's index learns a chunk's eviction
+    # from the workers a step late, and a hit offered on a chunk just evicted is recomputed.
+    kvtier_offered_tokens: int = 0
+    kvtier_lookup_tokens: int = 0  # prompt tokens kvtier was asked about (past vLLM's hit)
+    kvtier_counters: dict[str, float] = field(default_factory=dict)  # kvtier's, this run
 
     @property
     def saved_tokens(self) -> int:
@@ -113,6 +121,12 @@ class ConfigRun:
     @property
     def saved_ratio(self) -> float:
         return self.saved_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def kvtier_hit_ratio(self) -> float | None:
+        """Tokens loaded from kvtier over the tokens it was asked about (past vLLM's hit)."""
+        return self.kvtier_hit_tokens / self.kvtier_lookup_tokens \
+            if self.kvtier_lookup_tokens else None
 
     @property
     def predicted_ratio(self) -> float | None:
@@ -169,7 +183,8 @@ class TraceBenchResult:
             "engine_kv_tokens": self.engine_kv_tokens, "wall_s": self.wall_s,
             "machine": self.machine, "server_commands": self.commands,
             "runs": [dict(dataclasses.asdict(run), saved_tokens=run.saved_tokens,
-                          saved_ratio=run.saved_ratio, predicted_ratio=run.predicted_ratio)
+                          saved_ratio=run.saved_ratio, predicted_ratio=run.predicted_ratio,
+                          kvtier_hit_ratio=run.kvtier_hit_ratio)
                      for run in self.runs],
             "ratios": self.ratios()}
 
@@ -252,6 +267,8 @@ def _predict(trace: Trace, name: str, capacity_blocks: int,
             "engine_hit_tokens": engine.engine_hit_tokens,
             "kvtier_hit_tokens": engine.tier_hit_tokens,
             "input_tokens": engine.result.input_tokens,
+            "kvtier_hit_ratio": engine.tier_hit_tokens / max(
+                1, engine.result.input_tokens - engine.engine_hit_tokens),
             "tier_alone_hit_ratio": replay(trace, spec, blocks, cost).hit_ratio}
 
 
@@ -306,7 +323,12 @@ def _config_run(name: str, run: BenchRun, predicted: dict[str, Any]) -> ConfigRu
         failures=[r.error or "no token" for r in run.results if not r.ok],
         prompt_tokens=sum(r.prompt_tokens for r in done),
         engine_hit_tokens=int(metrics.get("vllm:prefix_cache_hits_total", 0.0)),
-        kvtier_hit_tokens=int(metrics.get("vllm:external_prefix_cache_hits_total", 0.0)),
+        kvtier_hit_tokens=int(sum(kvtier_counters(metrics, "loaded_tokens_total").values())),
+        kvtier_offered_tokens=int(metrics.get("vllm:external_prefix_cache_hits_total", 0.0)),
+        kvtier_lookup_tokens=int(sum(kvtier_counters(metrics, "lookup_tokens_total").values())),
+        kvtier_counters={key.removeprefix("vllm:"): value for key, value in metrics.items()
+                         if "kvtier_" in key and key.split("{")[0].endswith("_total")
+                         and value},
         tier_hit_ratios={key.removeprefix("kvtier_tier:"): value
                          for key, value in run.hit_rates.items()
                          if key.startswith("kvtier_tier:")},

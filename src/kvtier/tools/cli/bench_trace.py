@@ -121,19 +121,24 @@ def trace_table(result: TraceBenchResult) -> Table:
         f"{result.config.capacity_tokens:,} trace tokens scaled); vLLM's own cache "
         f"{result.engine_kv_tokens:,} tokens"))
     for name in ("", "TTFT p50/p90/p99 ms", "p50 vs vLLM", "vLLM cache hits (sim)",
-                 "kvtier hits (sim)", "prefill saved (sim)", "kvtier tier hits"):
+                 "kvtier loaded (sim)", "kvtier offered", "prefill saved (sim)",
+                 "kvtier hit ratio (sim); tier reads"):
         table.add_column(name, justify="right")
     ratios = result.ratios()
     for run in result.runs:
-        tiers = ", ".join(f"{tier or 'all'} {'-' if rate is None else f'{rate:.0%}'}"
-                          for tier, rate in run.tier_hit_ratios.items()) or "-"
         sim = run.predicted
+        tiers = "; ".join(f"{tier or 'all'} {'-' if rate is None else f'{rate:.0%}'}"
+                          for tier, rate in run.tier_hit_ratios.items())
+        if run.kvtier_hit_ratio is not None:
+            tiers = (f"{run.kvtier_hit_ratio:.1%} ({sim['kvtier_hit_ratio']:.1%})"
+                     + (f"; {tiers}" if tiers else ""))
         table.add_row(
             run.name if run.name == PLAIN else f"kvtier {run.name}", _ms(run.ttft),
             _x(ratios[run.name].get("ttft_p50_vs_vllm")),
             f"{run.engine_hit_tokens:,} ({sim['engine_hit_tokens']:,})",
             f"{run.kvtier_hit_tokens:,} ({sim['kvtier_hit_tokens']:,})",
-            f"{run.saved_ratio:.1%} ({sim['hit_ratio']:.1%})", tiers)
+            f"{run.kvtier_offered_tokens:,}",
+            f"{run.saved_ratio:.1%} ({sim['hit_ratio']:.1%})", tiers or "-")
     return table
 
 
