@@ -7,8 +7,11 @@ timed over several trials (median):
   - raw: `numpy.copyto` of the bytes, chunk by chunk (the floor: the copy itself);
   - in-process: a `TieredStore` of one memory tier (the connector's default mode);
   - node: a `kvtier node serve` process (its own interpreter, as deployed) and `NodeStore`:
-    one `Reserve` round trip per batch of stores, one `Borrow` per batch of loads, chunks in
-    its shared-memory slab.
+    one `Reserve` round trip per batch of stores; a load of the chunks the engine stored reads
+    them in place under their slots' locks, no round trip ("load"), and the same load by an
+    engine that knows no slot (another engine's, or one restarted) takes one `Borrow`
+    ("load, borrowed"; in-process and raw: the same as "load"); chunks in its shared-memory
+    slab.
 Also timed: one control round trip (a one-key `Lookup`), the price of each call.
 
 Primitives: `NodeBenchConfig`, `NodeBenchResult`, `run_node_bench`, `node_process`.
@@ -45,7 +48,7 @@ from kvtier.tiers.manifest import NamespaceInfo
 from kvtier.tiers.storeconfig import StoreConfig
 
 PATHS = ("raw", "in-process", "node")
-OPERATIONS = ("store", "load")
+OPERATIONS = ("store", "load", "load, borrowed")
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,9 +130,14 @@ def run_node_bench(config: NodeBenchConfig, progress: Callable[[str], None]) -> 
                 if trial:
                     times["store"][path].append(stored)
                     times["load"][path].append(loaded)
+            borrowed, same = _load(NodeStore(client, size), keys, sources, out, spares)
+            verified = verified and same
             if trial:
                 times["store"]["raw"].append(raw)
                 times["load"]["raw"].append(raw)
+                times["load, borrowed"]["raw"].append(raw)
+                times["load, borrowed"]["in-process"].append(times["load"]["in-process"][-1])
+                times["load, borrowed"]["node"].append(borrowed)
         progress("round trips")
         trips = []
         for _ in range(config.round_trips):

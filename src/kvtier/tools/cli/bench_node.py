@@ -55,7 +55,8 @@ def render(result: NodeBenchResult) -> Iterable[Any]:
                       f"{result.ratio(op, 'node', 'raw'):.2f}x")
     yield table
     yield (f"one control round trip (a one-key Lookup): {result.round_trip_s * 1e6:.0f} us; "
-           "per batch: 1 round trip to load (Borrow), 1 to store (Reserve), commits and "
-           "releases unanswered")
+           "per batch: 1 round trip to store (Reserve), commits unanswered; a load of chunks "
+           "the engine knows: none (read in place under the slots' locks), otherwise 1 "
+           "(Borrow, its release unanswered)")
     yield ("loads verified: every chunk came back as stored" if result.verified
            else "[red]loaded bytes differ from the stored ones[/red]")
