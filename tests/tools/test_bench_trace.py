@@ -22,6 +22,7 @@ from kvtier.tools.bench.tracebench import (
     engine_kv_tokens,
     max_model_len,
     memory_tier_bytes,
+    plot_trace_bench,
 )
 from kvtier.tools.bench.traceslice import SliceSpec, block_token_ids, slice_trace
 from kvtier.tools.cli.bench_trace import comparison_table, config_from, trace_table
@@ -182,6 +183,8 @@ def test_the_tables_show_ratios_to_plain_vllm_and_to_lru(tmp_path: Path) -> None
     text = out.getvalue()
     assert "kvtier prefix" in text and "40.0% (40.0%)" in text and "2.00x (2.00x)" in text
     assert "33.3% (33.3%); memory 50%" in text and "332" in text  # loaded / asked; offered
+    png = plot_trace_bench(result, tmp_path / "trace.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = result.to_dict("kvtier bench trace t.jsonl")
     assert data["runs"][2]["saved_ratio"] == pytest.approx(0.4)
     assert json.loads(json.dumps(data))["capacity_blocks"] == 59

@@ -335,3 +335,37 @@ def _config_run(name: str, run: BenchRun, predicted: dict[str, Any]) -> ConfigRu
         ttft=percentiles(ttfts), wall_s=run.summary.duration_s,
         predicted=predicted,
         ttft_s=ttfts)
+
+
+def plot_trace_bench(result: TraceBenchResult, path: Path) -> Path:
+    """A PNG: each configuration's TTFT distribution, and its prefill tokens saved measured
+    beside the simulator's prediction. Returns `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (cdf, bars) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for run in result.runs:
+        ttfts = sorted(run.ttft_s)
+        label = run.name if run.name == PLAIN else f"kvtier {run.name}"
+        cdf.plot([t * 1e3 for t in ttfts], [(i + 1) / len(ttfts) for i in range(len(ttfts))],
+                 label=label)
+    cdf.set(xlabel="TTFT (ms)", ylabel="fraction of requests", title="TTFT, one at a time")
+    cdf.legend()
+    names = [run.name for run in result.runs]
+    at = range(len(names))
+    bars.bar([x - 0.2 for x in at], [run.saved_ratio * 100 for run in result.runs], 0.4,
+             label="measured")
+    bars.bar([x + 0.2 for x in at], [(run.predicted_ratio or 0) * 100 for run in result.runs],
+             0.4, label="simulator")
+    bars.set_xticks(list(at), names)
+    bars.set(ylabel="prefill tokens saved (%)", title="vLLM's cache + kvtier")
+    bars.legend()
+    fig.suptitle(f"kvtier bench trace: {len(result.slice.requests)} requests, kvtier RAM "
+                 f"{result.capacity_blocks} chunks")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

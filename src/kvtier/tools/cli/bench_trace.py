@@ -25,6 +25,7 @@ from kvtier.tools.bench.tracebench import (
     POLICIES,
     TraceBenchConfig,
     TraceBenchResult,
+    plot_trace_bench,
     run_trace_bench,
 )
 from kvtier.tools.bench.traceslice import SliceSpec
@@ -77,6 +78,8 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     parser.add_argument("--model-root", type=output_dir, default=Path(".kvtier-models"),
                         help="where the generated bench model is cached")
     parser.add_argument("--json", type=output_file, default=Path("results/bench-trace.json"))
+    parser.add_argument("--plot", type=output_file, metavar="FILE.png",
+                        help="also a PNG: TTFT distributions, prefill saved vs the simulator")
     parser.set_defaults(func=run)
 
 
@@ -106,8 +109,14 @@ def run(args: argparse.Namespace) -> int:
         run_and_report("trace", lambda progress: run_trace_bench(config, progress),
                        lambda r: (trace_table(r), comparison_table(r),
                                   run_summary(r.wall_s, r.machine, r.runs, notes(r))),
-                       lambda r: r.write_json(args.json, command), args.json)
+                       lambda r: _write(r, args, command), args.json)
     return 0
+
+
+def _write(result: TraceBenchResult, args: argparse.Namespace, command: str) -> None:
+    result.write_json(args.json, command)
+    if args.plot is not None:
+        plot_trace_bench(result, args.plot)
 
 
 def trace_table(result: TraceBenchResult) -> Table:
