@@ -2,9 +2,10 @@
 kvtier and with kvtier under each eviction policy, beside the simulator's prediction.
 
 The slice (traceslice.py) is sent to one vLLM OpenAI server (CPU backend, the generated
-"bench" model) per configuration, one request at a time in the trace's order (what matters
-is the cache's decisions; a request's TTFT is then its prefill alone, not the 2 cores'
-contention), one output token each:
+"bench" model) per configuration, all started side by side, one request at a time in the
+trace's order, each request to every server in turn (what matters is the cache's decisions;
+a request's TTFT is then its prefill alone, not the 2 cores' contention, and a change in the
+shared machine's load weighs on every configuration alike), one output token each:
   - `vllm`: plain vLLM, its own prefix cache only;
   - `lru`, `prefix`, ...: kvtier with one memory tier of `capacity_blocks` chunks (a chunk is
     a trace block: `block_tokens` tokens) under that `eviction:`.
@@ -39,7 +40,7 @@ from kvtier.errors import ConfigError
 from kvtier.testing.tinymodel import PRESETS, make_preset_model, served_name
 from kvtier.tools.bench.serving.arrivals import machine
 from kvtier.tools.bench.serving.client import ClientConfig
-from kvtier.tools.bench.serving.promdiff import kvtier_counters
+from kvtier.tools.bench.serving.promdiff import hit_rates, kvtier_counters
 from kvtier.tools.bench.serving.runner import BenchRun, bench_endpoint
 from kvtier.tools.bench.serving.stats import Percentiles, percentiles
 from kvtier.tools.bench.serving.workloads import Turn, Workload
@@ -241,16 +242,33 @@ def run_trace_bench(config: TraceBenchConfig,
     workload = Workload("trace", tuple(
         Turn(session=r.index, turn=0, tokens=r.prompt, max_tokens=OUTPUT_TOKENS)
         for r in cut.requests), chained=True)
-    runs, commands = [], {}
-    for name in config.configs:
-        progress(f"{name}: starting vLLM")
-        with _server(config, name, model, tier_bytes, kv_tokens) as server:
-            commands[name] = server.command.display()
-            progress(f"{name}: {len(workload.turns)} requests, one at a time")
-            run = bench_endpoint(workload, _client(server, model), name)
-            runs.append(_config_run(name, run, predictions[name]))
-    return TraceBenchResult(config, cut, blocks, tier_bytes, kv_tokens, tuple(runs), commands,
+    with contextlib.ExitStack() as stack:
+        servers = {}
+        for name in config.configs:
+            progress(f"{name}: starting vLLM")
+            servers[name] = stack.enter_context(
+                _server(config, name, model, tier_bytes, kv_tokens))
+        sent = _send_interleaved(workload, servers, model, progress)
+    runs = tuple(_config_run(name, sent[name], predictions[name]) for name in config.configs)
+    return TraceBenchResult(config, cut, blocks, tier_bytes, kv_tokens, runs,
+                            {name: s.command.display() for name, s in servers.items()},
                             time.perf_counter() - started, machine(load_before))
+
+
+def _send_interleaved(workload: Workload, servers: dict[str, VllmServer], model: Path,
+                      progress: Callable[[str], None]) -> dict[str, list[BenchRun]]:
+    """Each request to every server in turn, one at a time, the servers' order rotating
+    request by request: the machine's load (shared, it moves by 2x from minute to minute)
+    weighs on every configuration alike, so their TTFTs compare request by request."""
+    names = list(servers)
+    sent: dict[str, list[BenchRun]] = {name: [] for name in names}
+    for i, turn in enumerate(workload.turns):
+        if i % 25 == 0:
+            progress(f"request {i + 1}/{len(workload.turns)} to each of {', '.join(names)}")
+        one = Workload(workload.name, (turn,), chained=workload.chained)
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            sent[name].append(bench_endpoint(one, _client(servers[name], model), name))
+    return sent
 
 
 def _predict(trace: Trace, name: str, capacity_blocks: int,
@@ -314,25 +332,30 @@ def _client(server: VllmServer, model: Path) -> ClientConfig:
                         warmup_requests=0)
 
 
-def _config_run(name: str, run: BenchRun, predicted: dict[str, Any]) -> ConfigRun:
-    done = [r for r in run.results if r.ok]
-    metrics = run.metrics or {}
+def _config_run(name: str, sent: list[BenchRun], predicted: dict[str, Any]) -> ConfigRun:
+    """One configuration's requests (a BenchRun each), their counters summed."""
+    results = [r for run in sent for r in run.results]
+    done = [r for r in results if r.ok]
+    metrics: dict[str, float] = {}
+    for run in sent:
+        for key, value in (run.metrics or {}).items():
+            if key.split("{")[0].endswith("_total"):
+                metrics[key] = metrics.get(key, 0.0) + value
     ttfts = [r.ttft_s for r in done if r.ttft_s is not None]
     return ConfigRun(
-        name=name, requests=run.summary.requests,
-        failures=[r.error or "no token" for r in run.results if not r.ok],
+        name=name, requests=len(results),
+        failures=[r.error or "no token" for r in results if not r.ok],
         prompt_tokens=sum(r.prompt_tokens for r in done),
         engine_hit_tokens=int(metrics.get("vllm:prefix_cache_hits_total", 0.0)),
         kvtier_hit_tokens=int(sum(kvtier_counters(metrics, "loaded_tokens_total").values())),
         kvtier_offered_tokens=int(metrics.get("vllm:external_prefix_cache_hits_total", 0.0)),
         kvtier_lookup_tokens=int(sum(kvtier_counters(metrics, "lookup_tokens_total").values())),
         kvtier_counters={key.removeprefix("vllm:"): value for key, value in metrics.items()
-                         if "kvtier_" in key and key.split("{")[0].endswith("_total")
-                         and value},
+                         if "kvtier_" in key and value},
         tier_hit_ratios={key.removeprefix("kvtier_tier:"): value
-                         for key, value in run.hit_rates.items()
+                         for key, value in hit_rates(metrics).items()
                          if key.startswith("kvtier_tier:")},
-        ttft=percentiles(ttfts), wall_s=run.summary.duration_s,
+        ttft=percentiles(ttfts), wall_s=sum(run.summary.duration_s for run in sent),
         predicted=predicted,
         ttft_s=ttfts)
 
