@@ -165,7 +165,7 @@ def test_a_decode_token_that_completes_a_chunk_stores_it() -> None:
     engine.admit(req, [0, 1, 2, 3])
     # Chunk 0, and the prompt's tail: its block past chunk 0 (tokens 64-96).
     assert [t.block_ids for t in engine.step(new={"a": ([0, 1, 2, 3], 0, 100)}).stores] \
-        == [(2,), (0, 1)]
+        == [(0, 1), (2,)]
     for computed in range(100, 128):
         req.append_output_token_ids(7)
         meta = engine.step(cached={"a": ([], computed, 1)})

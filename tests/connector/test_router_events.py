@@ -188,3 +188,12 @@ def test_a_chunks_tail_goes_out_as_its_blocks_and_dynamo_scores_through_it() -> 
     assert [len(e.block_hashes) for e in removal] == [2]
     [chunks_only] = events_mod.kv_events(stored([*keys, tail]), tokens, KINDS, TPC)
     assert chunks_only.block_hashes == keys
+
+
+def test_a_tail_never_announced_is_never_removed() -> None:
+    keys, tokens = prompt_chunks(1)
+    tail = ChunkKey(b"\xee" * 16)
+    tokens.remember(tail, ChunkInfo(keys[0], np.arange(TPC, TPC + BLOCK, dtype="<i4").tobytes(),
+                                    None, SALT))
+    gone = [StoreEvent(EventKind.REMOVED, key, "memory") for key in (tail, keys[0])]
+    assert [e.block_hashes for e in events_mod.kv_events(gone, tokens, KINDS, TPC)] == [keys]

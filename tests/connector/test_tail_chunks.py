@@ -34,11 +34,11 @@ def test_a_prompt_stores_its_tail_and_hits_it_again_up_to_its_last_full_block() 
     a = request("a", 360)
     engine.admit(a, list(range(12)))
     meta = engine.step(new={"a": (list(range(12)), 0, 360)})
-    # Its prompt's tail comes first (planned as its prompt completes), then chunks 0 and 1;
-    # the tail holds the 3 full blocks past them (tokens 256-352).
-    assert [t.block_ids for t in meta.stores] == [(8, 9, 10), (0, 1, 2, 3), (4, 5, 6, 7)]
-    tail = meta.stores[0]
-    assert tail.parent == meta.stores[2].key  # after chunk 1
+    # Chunks 0 and 1, then its prompt's tail (planned as its prompt completes): the 3 full
+    # blocks past them (tokens 256-352).
+    assert [t.block_ids for t in meta.stores] == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10)]
+    tail = meta.stores[2]
+    assert tail.parent == meta.stores[1].key  # after chunk 1
     engine.store_all(meta)
     engine.sched.request_finished(a)
     # The same prompt again: chunks 0-1 and the tail, 352 of its 359 loadable tokens.
@@ -76,7 +76,7 @@ def test_the_next_turn_hits_the_tail_its_previous_turn_stored_when_it_ended() ->
     a = request("a", 200)
     engine.admit(a, list(range(8)))
     meta = engine.step(new={"a": (list(range(8)), 0, 200)})
-    assert [t.block_ids for t in meta.stores] == [(4, 5), (0, 1, 2, 3)]  # prompt tail, chunk
+    assert [t.block_ids for t in meta.stores] == [(0, 1, 2, 3), (4, 5)]  # chunk, prompt tail
     engine.store_all(meta)
     # It answers 50 tokens (ids 1200-1249 continue its prompt) and ends: 249 of its 250
     # tokens computed, its sequence's tail is the 3 full blocks past chunk 0 (to 224).

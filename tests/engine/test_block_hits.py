@@ -50,7 +50,8 @@ def disk_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def llm(tiny_model_dir: Path, disk_dir: Path) -> Iterator[Any]:
     tiers = [{"kind": "memory", "capacity": "256KiB"},  # two 256-token chunks of this model
              {"kind": "disk", "path": str(disk_dir), "capacity": "256MiB"}]
-    with start_engine(tiny_model_dir, kvtier_transfer_config(tiers, CHUNK)) as engine:
+    config = kvtier_transfer_config(tiers, CHUNK, tail_chunks=True)  # the connector's default
+    with start_engine(tiny_model_dir, config) as engine:
         yield engine
 
 

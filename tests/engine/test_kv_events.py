@@ -134,7 +134,10 @@ def test_a_salted_prompt_announced_at_dynamos_block_size_scores_for_its_salt(
     endpoint = f"ipc://{tmp_path}/kv-events.sock"
     kvtier = {"kv_connector": "KVTierConnector",
               "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both",
+              # Tails off: the chunks' blocks are counted (a tail's events:
+              # tests/connector/test_router_events.py).
               "kv_connector_extra_config": {"tokens_per_chunk": TPC, "event_block_size": 16,
+                                            "tail_chunks": False,
                                             "tiers": [{"kind": "memory",
                                                        "capacity": 8 * CHUNK_BYTES}]}}
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,

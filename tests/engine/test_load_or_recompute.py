@@ -97,8 +97,9 @@ def engine(tmp_path_factory: pytest.TempPathFactory, redis_session: RedisServer
         tiers = [{"kind": "memory", "capacity": 2 * CHUNK_BYTES},  # two chunks
                  {"kind": "redis", "url": f"redis://{proxy.host}:{proxy.port}/0",
                   "socket_timeout_ms": round(READ_TIMEOUT_S * 1000)}]
+        # Tails off (as vllm_harness.kvtier_transfer_config): the cases count whole chunks.
         config = transfer_config({"tokens_per_chunk": CHUNK, "tiers": tiers,
-                                  "read_timeout_s": READ_TIMEOUT_S,
+                                  "read_timeout_s": READ_TIMEOUT_S, "tail_chunks": False,
                                   "load_when": "faster"})  # the rule under test
         with start_engine(model_dir, config, dtype=MODEL.dtype) as llm:
             for prompt in WARMUP:  # the first prefills pay one-off costs (kernels, pages)

@@ -97,9 +97,10 @@ def engines(tiny_model_dir: Path, node: NodeProcess,
     """Engine 1 (a process) and engine 2 (this process), started side by side. Loads are
     asynchronous (on the worker's load thread), so that a held load and a held store (the
     store thread) can both be caught at once."""
+    # Tails off, as vllm_harness.kvtier_transfer_config: the cases count chunk-sized hits.
     config = transfer_config({"node": str(node.socket_path), "tokens_per_chunk": CHUNK,
                               "load_when": "always", "load_mode": "async",
-                              "lookup_timeout_s": 1.0})
+                              "lookup_timeout_s": 1.0, "tail_chunks": False})
     hold_dir = tmp_path_factory.mktemp("holds")
     process = subprocess.Popen(
         [sys.executable, str(Path(__file__).with_name("node_engine.py")), str(tiny_model_dir),

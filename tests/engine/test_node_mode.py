@@ -65,8 +65,10 @@ def ram_chunks(node: NodeProcess) -> int:
 
 
 def node_config(node: NodeProcess) -> dict[str, Any]:
+    # Tails off, as vllm_harness.kvtier_transfer_config: these cases count chunk-sized hits.
     return transfer_config({"node": str(node.socket_path), "tokens_per_chunk": CHUNK,
-                            "load_when": "always", "lookup_timeout_s": 1.0})
+                            "load_when": "always", "lookup_timeout_s": 1.0,
+                            "tail_chunks": False})
 
 
 def test_an_engine_restarted_on_the_node_hits_the_ram_of_the_one_before(

@@ -192,15 +192,19 @@ def token_ids(llm: Any, prompts: list[dict[str, Any]], max_tokens: int = 16,
 
 def kvtier_transfer_config(tiers: list[dict[str, Any]] | None = None,
                            tokens_per_chunk: int = 64, load_when: str = "always",
-                           ) -> dict[str, Any]:
+                           tail_chunks: bool = False) -> dict[str, Any]:
     """`kv_transfer_config` loading kvtier's connector with `tiers` (default: memory only).
 
     `load_when` is "always" unless a test asks for the rule ("faster", the connector's
     default): the cases count the tokens they load, and on a machine loaded by other tests
     the rule may rightly recompute this tiny model's hit rather than read it from disk (a
     test that then sees fewer loaded tokens fails for no fault of kvtier's). The rule has
-    its own engine tests (test_load_or_recompute.py)."""
-    extra: dict[str, Any] = {"tokens_per_chunk": tokens_per_chunk, "load_when": load_when}
+    its own engine tests (test_load_or_recompute.py). `tail_chunks` is off unless a test
+    asks for it (on is the connector's default): these cases count hits, chunks and chunk
+    files at chunk granularity; hits at block boundaries have their own engine tests
+    (test_block_hits.py)."""
+    extra: dict[str, Any] = {"tokens_per_chunk": tokens_per_chunk, "load_when": load_when,
+                             "tail_chunks": tail_chunks}
     if tiers is not None:
         extra["tiers"] = tiers
     return transfer_config(extra)

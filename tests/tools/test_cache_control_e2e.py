@@ -43,7 +43,8 @@ REFUSED = f"{PREFIX}tier_pins_refused_total"
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     root = tmp_path_factory.mktemp("kvtier-cache-control")
-    extra = {"tokens_per_chunk": CHUNK,
+    # Tails off (hits at chunk boundaries): the cases count whole chunks.
+    extra = {"tokens_per_chunk": CHUNK, "tail_chunks": False,
              "tiers": [{"kind": "memory", "capacity": 16 * CHUNK_BYTES,
                         "max_pinned_share": 0.5}]}
     with running_server(server_command(tiny_model_dir, extra), log_path=root / "vllm.log",

@@ -74,7 +74,8 @@ def loadable(prompt_len: int) -> int:
 def deployment(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
                ) -> Iterator[Deployment]:
     root = tmp_path_factory.mktemp("kvtier-disagg")
-    extra = {"tokens_per_chunk": CHUNK,
+    # Tails off (hits at chunk boundaries): the cases count whole chunks.
+    extra = {"tokens_per_chunk": CHUNK, "tail_chunks": False,
              "tiers": [{"kind": "memory", "capacity": "64MiB"},
                        {"kind": "shared", "path": str(root / "shared"), "capacity": "256MiB"}]}
     servers = [VllmServer(server_command(tiny_model_dir, extra, kv_role=role,

@@ -35,7 +35,8 @@ NO_CHUNK_MEMORY = "16KiB"  # a memory tier smaller than one 32 KiB chunk: holds 
 def two_servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
                 ) -> Iterator[tuple[Path, list[VllmServer]]]:
     root = tmp_path_factory.mktemp("kvtier-two-servers")
-    extra = {"tokens_per_chunk": CHUNK,
+    # Tails off (hits at chunk boundaries): the cases count whole chunks.
+    extra = {"tokens_per_chunk": CHUNK, "tail_chunks": False,
              "tiers": [{"kind": "memory", "capacity": NO_CHUNK_MEMORY},
                        {"kind": "shared", "path": str(root / "shared"), "capacity": "256MiB"}]}
     servers = []

@@ -46,7 +46,8 @@ QUESTION = random_prompts([40], seed=999)[0]["prompt_token_ids"]
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     root = tmp_path_factory.mktemp("kvtier-warmup")
-    extra = {"tokens_per_chunk": CHUNK,
+    # Tails off (hits at chunk boundaries): the cases count whole chunks.
+    extra = {"tokens_per_chunk": CHUNK, "tail_chunks": False,
              "tiers": [{"kind": "memory", "capacity": 16 * CHUNK_BYTES,
                         "tenant_quota": {"share": 0.5}, "max_pinned_share": 0.5}]}
     with running_server(server_command(tiny_model_dir, extra), log_path=root / "vllm.log",

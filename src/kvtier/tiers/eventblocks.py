@@ -88,10 +88,12 @@ def router_blocks(events: Iterable[StoreEvent], info_of: Callable[[ChunkKey], Ch
     for event in events:
         info = info_of(event.key)
         if event.kind == "removed":
+            count = _blocks_of(info, block_size) if info is not None else blocks
+            if count is None:
+                continue  # a tail never announced (its tokens do not divide into blocks)
             out += _stored_runs(pending, block_size)
             pending = []
-            count = _blocks_of(info, block_size) if info is not None else None
-            out.append(RouterBlocks(False, event.tier, block_hashes(event.key, count or blocks)))
+            out.append(RouterBlocks(False, event.tier, block_hashes(event.key, count)))
             continue
         if info is None or _blocks_of(info, block_size) is None:
             unknown += 1

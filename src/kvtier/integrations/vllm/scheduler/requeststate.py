@@ -183,8 +183,8 @@ class RequestTable:
         start = chunk * tpc
         tokens = state.request.all_token_ids
         most = min(max_blocks, tpc // bs - 1, (len(tokens) - start) // bs)
-        if most < 1 or len(self.keys_for(state, chunk)) < chunk:
-            return []  # uncacheable (keys_for says so), or too few tokens
+        if most < 1 or len(self.keys_for(state, chunk)) < chunk or state.uncacheable:
+            return []  # too few tokens, or uncacheable (keys_for finds it out)
         parent = state.keys[chunk - 1] if chunk else None
         if not state.has_extras:
             keys = tail_keys(tokens[start:start + most * bs], state.namespace, bs, parent)

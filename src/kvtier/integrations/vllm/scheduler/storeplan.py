@@ -102,18 +102,26 @@ class StorePlanner:
     def plan(self, state: RequestState, computed_tokens: int, out: list[ChunkTransfer],
              step: int) -> None:
         """Append to `out` stores of the request's full chunks whose KV is computed once
-        `computed_tokens` are (plan number `step`)."""
+        `computed_tokens` are (plan number `step`), then of its prompt's tail once its prompt
+        is computed."""
         if state.controls.skip_store or state.uncacheable:
             return
         attention = self._groups.attention_ids(state.block_ids) if state.block_ids else []
+        self._plan_chunks(state, computed_tokens, attention, out, step)
         prompt_tokens = state.request.num_prompt_tokens
         if computed_tokens >= prompt_tokens and not state.prompt_tail_planned:
             # The prompt's last blocks: the next turn of a chat starts with this prompt, then
             # the answer as its template re-renders it (which may differ from the ids
-            # generated), so this tail may be what its hit ends with.
+            # generated), so this tail may be what its hit ends with. After its parent chunk
+            # (router events announce a chunk after its parent: eventblocks.ParentsFirst).
             state.prompt_tail_planned = True
             self._plan_tail(state, self._limit(state, prompt_tokens, attention), attention,
                             out, step)
+
+    def _plan_chunks(self, state: RequestState, computed_tokens: int,
+                     attention: list[list[int]], out: list[ChunkTransfer], step: int) -> None:
+        """Append to `out` stores of the request's full chunks computed once
+        `computed_tokens` are, that no plan stored yet."""
         full_chunks = self._full_chunks(state, computed_tokens, attention)
         if full_chunks <= state.num_planned_chunks:
             return
