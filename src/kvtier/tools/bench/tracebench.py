@@ -11,16 +11,17 @@ shared machine's load weighs on every configuration alike), one output token eac
     a trace block: `block_tokens` tokens) under that `eviction:`.
 Every server gets the same engine KV cache, the smallest that holds the longest prompt, so
 vLLM's own cache keeps about one request and kvtier's tier decides what comes back. The
-simulator (`kvtier.tools.sim.replay`) replays the same prompts through the same policy
-classes at the same capacity in blocks, in this run: its token hit ratio is the prediction
-of the engine's prefill tokens saved (vLLM's own hits and kvtier's together, over the prompt
-tokens). Per configuration: TTFT p50/p90/p99, prompt tokens, tokens served by vLLM's cache
-and loaded from kvtier (and those kvtier offered: more where a load failed), kvtier's hit
-ratio per tier (its chunk reads a tier served / asked) and counters, and the ratios to plain
-vLLM and of each policy to LRU.
+simulator replays the same prompts through the same policy classes at the same capacity in
+chunks, in this run, behind an engine cache of vLLM's size (`kvtier.tools.sim.enginereplay`):
+its hit ratio is the prediction of the engine's prefill tokens saved (vLLM's own hits and
+kvtier's loads together, over the prompt tokens); kvtier's tier alone (`replay`, what
+`kvtier simulate --trace` prints) is recorded beside it. Per configuration: TTFT
+p50/p90/p99, prompt tokens, tokens served by vLLM's cache and loaded from kvtier (and those
+kvtier offered: more where a load failed), kvtier's hit ratio per tier (its chunk reads a
+tier served / asked) and counters, and the ratios to plain vLLM and of each policy to LRU.
 
 Primitives: `TraceBenchConfig`, `ConfigRun`, `TraceBenchResult`, `run_trace_bench`,
-`max_model_len`, `engine_kv_tokens`, `memory_tier_bytes`.
+`plot_trace_bench`, `max_model_len`, `engine_kv_tokens`, `memory_tier_bytes`.
 """
 
 from __future__ import annotations
