@@ -178,6 +178,7 @@ def test_the_tables_show_ratios_to_plain_vllm_and_to_lru(tmp_path: Path) -> None
     assert ratios["prefix"]["predicted_saved_vs_lru"] == pytest.approx(2.0)
     assert ratios["prefix"]["ttft_p50_vs_vllm"] == pytest.approx(0.5)
     assert ratios["lru"]["ttft_p50_vs_vllm"] == pytest.approx(0.75)
+    assert ratios["prefix"]["ttft_paired_median_vs_lru"] == pytest.approx(0.2 / 0.3)
     out = io.StringIO()
     Console(file=out, width=200).print(trace_table(result), comparison_table(result))
     text = out.getvalue()

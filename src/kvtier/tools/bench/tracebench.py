@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -152,8 +153,9 @@ class TraceBenchResult:
         return {run.name: run for run in self.runs}
 
     def ratios(self) -> dict[str, dict[str, float | None]]:
-        """Per configuration: TTFT p50/p90/p99 over plain vLLM's and over LRU's, and prefill
-        tokens saved over LRU's, measured and predicted."""
+        """Per configuration: TTFT p50/p90/p99 over plain vLLM's and over LRU's, and the median
+        of its requests' TTFT over theirs, request by request; prefill tokens saved over
+        LRU's, measured and predicted."""
         runs = self.by_name()
         out: dict[str, dict[str, float | None]] = {}
         for run in self.runs:
@@ -165,6 +167,7 @@ class TraceBenchResult:
                 for q in ("p50", "p90", "p99"):
                     row[f"ttft_{q}_{label}"] = _ratio(getattr(run.ttft, q),
                                                       getattr(base.ttft, q))
+                row[f"ttft_paired_median_{label}"] = _paired_median(run, base)
                 if base_name == "lru":
                     row["saved_vs_lru"] = _ratio(run.saved_tokens, base.saved_tokens)
                     row["predicted_saved_vs_lru"] = _ratio(
@@ -193,6 +196,14 @@ class TraceBenchResult:
     def write_json(self, path: Path, command: str) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.to_dict(command), indent=2) + "\n")
+
+
+def _paired_median(run: ConfigRun, base: ConfigRun) -> float | None:
+    """The median over requests of `run`'s TTFT over `base`'s for the same request; None
+    unless every request completed in both."""
+    if run.failures or base.failures or len(run.ttft_s) != len(base.ttft_s) or not run.ttft_s:
+        return None
+    return statistics.median(a / b for a, b in zip(run.ttft_s, base.ttft_s) if b > 0)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
