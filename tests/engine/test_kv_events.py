@@ -39,8 +39,10 @@ def engine_and_subscriber(tiny_model_dir: Path, tmp_path_factory: pytest.TempPat
     kvtier = {"kv_connector": "KVTierConnector",
               "kv_connector_module_path": "kvtier.integrations.vllm",
               "kv_role": "kv_both",
-              "kv_connector_extra_config": {"tokens_per_chunk": TPC, "tiers": [
-                  {"kind": "memory", "capacity": 4 * CHUNK_BYTES}]}}
+              # Tails off: the cases count whole chunks and their evictions.
+              "kv_connector_extra_config": {"tokens_per_chunk": TPC, "tail_chunks": False,
+                                            "tiers": [{"kind": "memory",
+                                                       "capacity": 4 * CHUNK_BYTES}]}}
     # kv@<pod>@<model>: llm-d's scorer subscribes to "kv@" and reads pod and model from it.
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
               "topic": "kv@127.0.0.1:8000@test"}
@@ -180,7 +182,7 @@ def test_a_prompt_in_the_shared_tier_is_announced_for_the_pool_and_scores_for_ev
     kvtier = {"kv_connector": "KVTierConnector",
               "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both",
               "kv_connector_extra_config": {
-                  "tokens_per_chunk": TPC,
+                  "tokens_per_chunk": TPC, "tail_chunks": False,  # counts whole chunks
                   "pool_events": {"endpoint": subscriber.endpoint, "pool": "fleet",
                                   "model": "test"},
                   "tiers": [{"kind": "memory", "capacity": 8 * CHUNK_BYTES},
