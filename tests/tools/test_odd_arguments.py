@@ -63,6 +63,9 @@ A_FILE = str(WORKDIR / "not-a-directory.bin")
 Path(A_FILE).write_bytes(b"\xff\x00binary")
 MISSING = "/nonexistent-kvtier/x/y"
 NOBODY_LISTENS = "http://127.0.0.1:9"  # the discard port
+TRACE = WORKDIR / "trace.jsonl"  # two requests of a Mooncake-format trace, one shared block
+TRACE.write_text('{"timestamp": 0, "input_length": 1024, "hash_ids": [1, 2]}\n'
+                 '{"timestamp": 5, "input_length": 1024, "hash_ids": [1, 3]}\n')
 
 # A working command line per command (its required arguments, and what keeps it short:
 # `serve --dry-run`, `gc --dry-run`, five simulated requests). A command not listed gets none.
@@ -80,6 +83,7 @@ BASE_POSITIONALS: dict[tuple[str, ...], dict[str, str]] = {
     ("audit",): {"source": "vllm serve m"},
     ("serve",): {"model": "m"},
     ("warm",): {"url": NOBODY_LISTENS, "files": str(PROMPT)},
+    ("bench", "trace"): {"trace": str(TRACE)},
 }
 
 # Where each command module starts its work: replaced by `_stop`. A module with
