@@ -157,7 +157,7 @@ def test_serve_config_file_takes_every_key_the_connector_takes(capsys, tmp_path)
     every = {"tokens_per_chunk": 128, "index_max_keys": 5000, "write_queue_depth": 32,
              "read_timeout_s": 2.5, "lookup_timeout_s": 0.5, "load_mode": "async",
              "store_mode": "sync", "load_when": "always", "io_threads": 4,
-             "io_cores": "inherit", "event_block_size": 16,
+             "io_cores": "inherit", "event_block_size": 16, "tail_chunks": False,
              "pool_events": {"endpoint": "tcp://epp:5558", "pool": "fleet", "model": "m"},
              "tiers": [{"kind": "memory", "capacity": "1GiB"}]}
     # a new key needs a value here ("node" replaces "tiers": its own case below)

@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.errors import ClientFailed, ConfigError
-from kvtier.integrations.vllm.metrics import PREFIX
 from kvtier.testing.tinymodel import make_preset_model, served_name
 from kvtier.tools.bench.clients_results import (
     CLIENTS,
@@ -55,6 +54,7 @@ from kvtier.tools.bench.demo import PLANS as DEMO_PLANS
 from kvtier.tools.bench.demo import server_config
 from kvtier.tools.bench.serving.arrivals import machine
 from kvtier.tools.bench.serving.promdiff import parse_metrics
+from kvtier.tools.ops.restorecost import PREFIX  # vllm's metric prefix, without vllm
 from kvtier.tools.ops.server import running_server
 from kvtier.tools.ops.serving import build_command
 
