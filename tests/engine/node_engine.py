@@ -13,8 +13,9 @@ Commands on stdin, one JSON object a line, each answered with one JSON line on s
 Holds, a fault injected (a copy that stalls, as a wedged worker's would): while
 HOLD_DIR/stores exists, a store that was given its slot in the node's slab waits before
 filling it (the Reserve's lease held) and says {"holding": "store"}; while HOLD_DIR/loads
-exists, a load whose chunks the node lent waits before copying them (the Borrow's lease
-held) and says {"holding": "load"}. Removing the file lets it go on.
+exists, a load whose chunks the node lent (or this engine holds in place, their slots
+locked) waits before copying them (the Borrow's lease or the locks held) and says
+{"holding": "load"}. Removing the file lets it go on.
 vLLM's own logs go to stderr: stdout is the protocol's.
 """
 

@@ -7,8 +7,8 @@ offsets cross the socket, one round trip per load (`Borrow`) and one per step's 
 chunks whose slots this engine knows (it stored them, or was lent them before) takes no round
 trip: it holds the slots by their locks in the slab's file (`kvtier.tiers.shmslab.SlabReader`,
 one syscall each on this thread, no wait for the node's thread to be scheduled), reads them
-in place and tells the node (`Touch`) afterwards; a slot that holds another chunk by now is
-forgotten, and the load borrows as before.
+in place, having told the node (`Touch`, no reply awaited: recent for its policy); a slot
+that holds another chunk by now is forgotten, and the load borrows as before.
 
 Nothing the node does wrong hurts the engine: every call has a deadline (`timeout_s`); a node
 that is down, stopped or answering nonsense is a miss (loads, lookups) or a dropped store,
@@ -434,6 +434,9 @@ class NodeStore:
                         self._slots.pop(key, None)
                 return None
             held.append(index)
+        # Recent for the node's policy now, as a borrow is when lent (no reply awaited): a
+        # chunk being read is the last the node should pick to evict.
+        self._client.tell(Touch(list(keys)))
         views = [ChunkView(self._client.view(index * reader.slot_bytes,
                                              self._chunk_bytes).toreadonly(), TIER)
                  for index in held]
@@ -443,7 +446,6 @@ class NodeStore:
         def release() -> None:
             for index in held:
                 reader.unlock(index)
-            self._client.tell(Touch(list(keys)))  # recent for the node's policy
 
         def never(_i: int, _hold: Hold, _spare: memoryview) -> Future[ChunkView | None]:
             raise AssertionError("every chunk is lent in place")
