@@ -31,9 +31,10 @@ from kvtier.tools.sim.replay import (
     ADMISSION_MEMORY_MIN,
     PolicySpec,
     ReplayResult,
+    store_blocks,
     total_prefill_s,
 )
-from kvtier.tools.sim.trace import ROOT, Trace
+from kvtier.tools.sim.trace import Trace
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,17 +81,8 @@ def replay_behind_engine(trace: Trace, spec: PolicySpec, capacity_blocks: int,
         saved_s += cost.prefill_s(0, hit * size)
         _take_engine_blocks(engine, keys[:local], request.input_tokens + output_tokens,
                             size, engine_blocks)
-        for key, parent in zip(keys, request.parents, strict=True):
-            if key in held or not admission.offer(key):
-                continue
-            if len(held) >= capacity_blocks:
-                victim = policy.evict()
-                if victim is None:
-                    continue  # a tier of no slots stores nothing
-                held.remove(victim)
-                evictions += 1
-            held.add(key)
-            policy.insert(key, None if parent == ROOT else parent)
+        evictions += store_blocks(keys, request.parents, held, capacity_blocks, policy,
+                                  admission)
         for key in reversed(keys):  # freed last block first: the tail is evicted first
             engine[key] = None
             engine.move_to_end(key)

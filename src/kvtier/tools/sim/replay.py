@@ -20,7 +20,7 @@ Primitives: `PolicySpec` (`parse_policy("lru+admit2")`), `ReplayResult`, `replay
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtier.core.policies import POLICIES, AdmissionFilter, Generations, make_policy
@@ -123,17 +123,8 @@ def replay(trace: Trace, spec: PolicySpec, capacity_blocks: int, cost: CostModel
         tokens = hit_tokens(request, hit, trace.block_tokens)
         saved_tokens += tokens
         saved_s += cost.prefill_s(0, tokens)
-        for key, parent in zip(keys[hit:], request.parents[hit:], strict=True):
-            if key in held or not admission.offer(key):
-                continue
-            if len(held) >= capacity_blocks:
-                victim = policy.evict()
-                if victim is None:
-                    continue  # a tier of no slots stores nothing
-                held.remove(victim)
-                evictions += 1
-            held.add(key)
-            policy.insert(key, None if parent == ROOT else parent)
+        evictions += store_blocks(keys[hit:], request.parents[hit:], held, capacity_blocks,
+                                  policy, admission)
         if progress is not None and number % PROGRESS_EVERY == 0:
             progress(PROGRESS_EVERY)
     if progress is not None:
@@ -141,6 +132,27 @@ def replay(trace: Trace, spec: PolicySpec, capacity_blocks: int, cost: CostModel
     return ReplayResult(spec.name, capacity_blocks * trace.block_tokens, saved_tokens,
                         trace.input_tokens, saved_s, total_prefill_s(trace, cost), evictions,
                         time.perf_counter() - start)
+
+
+def store_blocks(keys: Sequence[int], parents: Sequence[int], held: set[int],
+                 capacity_blocks: int, policy: Generations[int],
+                 admission: AdmissionFilter) -> int:
+    """Store a request's blocks (`keys`, each with its parent) in a tier holding `held` of
+    `capacity_blocks`, as the memory tier does: those its admission takes, each evicting the
+    policy's victim when the tier is full. The blocks evicted."""
+    evictions = 0
+    for key, parent in zip(keys, parents, strict=True):
+        if key in held or not admission.offer(key):
+            continue
+        if len(held) >= capacity_blocks:
+            victim = policy.evict()
+            if victim is None:
+                continue  # a tier of no slots stores nothing
+            held.remove(victim)
+            evictions += 1
+        held.add(key)
+        policy.insert(key, None if parent == ROOT else parent)
+    return evictions
 
 
 def total_prefill_s(trace: Trace, cost: CostModel) -> float:
