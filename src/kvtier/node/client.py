@@ -414,7 +414,7 @@ class NodeStore:
                        in_order: bool) -> Lending[ChunkView] | None:
         """All of `keys` lent from slots this engine knows, each held by its lock (no
         round trip), or None (nothing held): one is not known, or its slot holds another
-        chunk by now (forgotten), or this thread has no connection yet."""
+        chunk by now (forgotten), or this thread has mapped no slab yet."""
         mapped = self._client.reader()
         if mapped is None or not keys:
             return None
