@@ -60,4 +60,4 @@ def test_an_engines_node_setting_is_checked(extra: dict[str, object], field: str
 def test_an_engines_node_setting_is_kept():
     config = ConnectorConfig.parse({"node": "/run/kvtier/node.sock"})
     assert config.node == "/run/kvtier/node.sock"
-    assert config.tier_names() == ["node"]
+    assert config.tier_names() == ["node", "node-below"]  # its RAM, and the tiers below

@@ -40,11 +40,13 @@ from kvtier.core.layout import KVLayout
 from kvtier.core.loans import Hold, Lending
 from kvtier.core.retention import DEFAULT_META, ChunkMeta
 from kvtier.core.store import ChunkView, PendingPut, StoreEvent, StoreStats
-from kvtier.core.tier import TierCounters
+from kvtier.core.tier import LinkSpeed, TierCounters
 from kvtier.errors import NodeUnavailable
 from kvtier.node.dma import register_for_dma
 from kvtier.node.protocol import (
+    BELOW_TIER,
     HELD,
+    RAM_TIER,
     SEND,
     SKIPPED,
     Answer,
@@ -57,6 +59,7 @@ from kvtier.node.protocol import (
     Hello,
     Lent,
     Lookup,
+    MeasureLinks,
     Meta,
     Refused,
     Release,
@@ -76,7 +79,7 @@ from kvtier.tiers.manifest import NamespaceInfo
 from kvtier.tiers.shmslab import SlabReader
 
 log = logging.getLogger(__name__)
-TIER = "node"  # the one tier an engine sees in node mode (its counters, its load costs)
+TIER = RAM_TIER  # this engine's traffic with the node, as one tier (its counters)
 # After the node failed to answer, how long it is not asked (a miss at once meanwhile).
 RETRY_S = 2.0
 # Slots remembered for reads in place (a key and an offset each: ~100 B); the oldest are
@@ -378,11 +381,12 @@ class NodeStore:
             lent = self._client.call(Borrow(list(keys), [Meta.of(m) for m in metas], budget),
                                      Lent)
         except NodeUnavailable:
-            lent, failed = Lent(0, [], [], None), TIER
+            lent, failed = Lent(0, [], [], None), RAM_TIER
         sent = iter(lent.data)  # the chunks at SEND offsets: RAM had no slot for them
         views = [ChunkView((memoryview(next(sent)) if offset == SEND else
-                            self._client.view(offset, self._chunk_bytes)).toreadonly(), TIER)
-                 for offset in lent.offsets]
+                            self._client.view(offset, self._chunk_bytes)).toreadonly(),
+                           self._engine_tier(tier))
+                 for offset, tier in zip(lent.offsets, lent.tiers)]
         held = len(views)
         generation = self._client.generation()
         if generation is not None:
@@ -391,7 +395,8 @@ class NodeStore:
         self._counters.add(hits=held, misses=int(held < len(keys)),
                            bytes_read=held * self._chunk_bytes,
                            read_s=time.perf_counter() - start)
-        failed = failed or (TIER if lent.failed_tier is not None else None)
+        failed = failed or (None if lent.failed_tier is None
+                            else self._engine_tier(lent.failed_tier))
 
         def missed(i: int, hold: Hold, _spare: memoryview) -> Future[ChunkView | None]:
             hold.tier = failed
@@ -438,7 +443,7 @@ class NodeStore:
         # chunk being read is the last the node should pick to evict.
         self._client.tell(Touch(list(keys)))
         views = [ChunkView(self._client.view(index * reader.slot_bytes,
-                                             self._chunk_bytes).toreadonly(), TIER)
+                                             self._chunk_bytes).toreadonly(), RAM_TIER)
                  for index in held]
         self._counters.add(hits=len(keys), bytes_read=len(keys) * self._chunk_bytes,
                            read_s=time.perf_counter() - start)
@@ -453,6 +458,27 @@ class NodeStore:
         return _NodeLending(release, len(keys), spares, in_order=in_order,
                             lend=lambda i, _hold: views[i], read=never,
                             timeout_s=self._client.timeout_s, late=lambda _tier: None)
+
+    def _engine_tier(self, node_tier: str) -> str:
+        """The engine's name of the node's tier `node_tier` (RAM_TIER or BELOW_TIER: what a
+        load costs, for the load-or-recompute rule)."""
+        welcome = self._client.welcome
+        ram = welcome.tiers[0] if welcome is not None and welcome.tiers else None
+        return RAM_TIER if ram is None or node_tier == ram else BELOW_TIER
+
+    def measure_links(self) -> dict[str, LinkSpeed]:
+        """The slowest link of the node's remote tiers (`LinkMeasuring`), as BELOW_TIER's:
+        the load-or-recompute rule's prior for a load from below the node's RAM (empty: the
+        node has none, or is unavailable). Blocking (the node measures them)."""
+        try:
+            links = self._client.call(MeasureLinks(), Answer).value
+        except NodeUnavailable:
+            return {}
+        speeds = [LinkSpeed(float(rtt), float(bps)) for rtt, bps in links.values()] \
+            if isinstance(links, dict) else []
+        if not speeds:
+            return {}
+        return {BELOW_TIER: max(speeds, key=lambda s: s.read_s(self._chunk_bytes))}
 
     def _know(self, slots: Sequence[tuple[ChunkKey, str, int]]) -> None:
         """Remember where chunks lie in the slab: (key, generation, offset)."""
@@ -606,13 +632,22 @@ class NodeStore:
 
 class NodeProbe:
     """The scheduler's lookup through the node (`kvtier.core.tier.Probe`): a chunk counts when
-    the node holds it for every layout (tensor-parallel rank). Asked inline: each call is
-    bounded by the client's deadline, and a node down answers "not held" at once."""
+    the node holds it for every layout (tensor-parallel rank). Two of them, as for in-process
+    tiers: one of the node's RAM (`ram_only`: an index lookup, asked inline on the
+    scheduler's thread) and, where the node has tiers below RAM, one of every tier (a remote
+    store's round trips: asked off that thread, `blocking_ok` False). Each call is bounded by
+    the client's deadline, and a node down answers "not held" at once."""
 
-    blocking_ok = True
-
-    def __init__(self, clients: Sequence[NodeClient]) -> None:
+    def __init__(self, clients: Sequence[NodeClient], *, ram_only: bool = True) -> None:
         self._clients = list(clients)
+        self._ram_only = ram_only
+        self.blocking_ok = ram_only
+
+    def below_ram(self) -> bool:
+        """Whether the node has tiers below RAM (its welcome says so); True when it is
+        unavailable now (it may have: it is asked again when back)."""
+        welcome = self._clients[0].welcomed() if self._clients else None
+        return welcome is None or len(welcome.tiers) != 1
 
     def contains(self, key: ChunkKey) -> bool:
         return self.contains_many([key])[0]
@@ -621,7 +656,7 @@ class NodeProbe:
         found = [True] * len(keys)
         for client in self._clients:
             try:
-                held = client.call(Lookup(list(keys)), Found).held
+                held = client.call(Lookup(list(keys), self._ram_only), Found).held
             except NodeUnavailable:
                 return [False] * len(keys)
             found = [f and h for f, h in zip(found, held)]

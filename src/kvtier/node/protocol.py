@@ -10,7 +10,7 @@ chunks whose slots the engine knows takes no round trip at all: it holds their s
 lock in the slab's file (`kvtier.tiers.shmslab.SlabReader`) and tells the node (`Touch`).
 
 Primitives: the messages, `Meta`, `send`, `receive_request`, `receive_reply`, `HELD`,
-`SKIPPED`, `SEND`.
+`SKIPPED`, `SEND`, `RAM_TIER`, `BELOW_TIER`.
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ from kvtier.errors import NodeUnavailable
 # (declined by admission, full) but its tiers below RAM take it: the engine sends the bytes
 # with its `Commit` (a copy over the socket, where a slot costs none).
 HELD, SKIPPED, SEND = -1, -2, -3
+# The two tiers an engine sees in node mode (its load costs, counters, lookups): the node's
+# RAM, read in place, and every tier below it, read by the node.
+RAM_TIER, BELOW_TIER = "node", "node-below"
 MAX_FRAME = 64 << 20  # bytes: far above any control message (a frame past it is garbage)
 _LENGTH = struct.Struct(">I")
 
@@ -70,6 +73,9 @@ class Welcome(msgspec.Struct, tag=True):
     # The node publishes KV events of its tiers (`--events-endpoint`): the scheduler sends
     # it a `Describe` of each step's stores (an older node's Welcome lacks it: False).
     events: bool = False
+    # The node's tiers, fastest first (the first its RAM, whose slab this is): where tiers
+    # below RAM exist, the scheduler asks for them off its thread (`Lookup.ram_only`).
+    tiers: list[str] = msgspec.field(default_factory=list)
 
 
 class Refused(msgspec.Struct, tag=True):
@@ -79,7 +85,12 @@ class Refused(msgspec.Struct, tag=True):
 
 
 class Lookup(msgspec.Struct, tag=True):
+    """Which `keys` the node holds. `ram_only`: in its RAM tier only (an index lookup, no
+    I/O: the answer the scheduler's thread may wait for); else in any tier, those below RAM
+    asked with one batch each (a remote store's round trips)."""
+
     keys: list[bytes]
+    ram_only: bool = False
 
 
 class Found(msgspec.Struct, tag=True):
@@ -176,6 +187,12 @@ class Status(msgspec.Struct, tag=True):
     pass
 
 
+class MeasureLinks(msgspec.Struct, tag=True):
+    """The links of the node's remote tiers (`TieredStore.measure_links`), answered as an
+    `Answer` of {tier: [round trip s, bytes a second]}: the engine's prior for a load from
+    below the node's RAM before one is timed."""
+
+
 class Answer(msgspec.Struct, tag=True):
     """A plain answer: a count, a flag, or a status document."""
 
@@ -183,7 +200,7 @@ class Answer(msgspec.Struct, tag=True):
 
 
 Request = (Hello | Lookup | Borrow | Release | Touch | Reserve | Commit | Retain | Flush
-           | Status | Describe)
+           | Status | Describe | MeasureLinks)
 Reply = Welcome | Refused | Found | Lent | Reserved | Answer
 _encoder = msgspec.msgpack.Encoder()
 _requests = msgspec.msgpack.Decoder(Request)

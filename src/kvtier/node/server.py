@@ -60,6 +60,7 @@ from kvtier.node.protocol import (
     Hello,
     Lent,
     Lookup,
+    MeasureLinks,
     Refused,
     Release,
     Reply,
@@ -285,7 +286,8 @@ class NodeServer:
             welcome = Welcome(str(memory.shared_memory_path),
                               memory.num_slots * memory.slot_bytes, memory.chunk_bytes,
                               self.generation, self.config.name,
-                              events=self.events is not None)
+                              events=self.events is not None,
+                              tiers=[tier.name for tier in store.tiers])
             memory.keep_shared_memory = self.config.keep_ram
             if self.events is not None:
                 self.events.add_layout(store, hello.model, layout.tokens_per_chunk,
@@ -576,10 +578,15 @@ def _answer(node: NodeServer, owner: int, layout: _Layout, request: Request,
             spares: list[memoryview], scratch: memoryview) -> Reply:
     """The reply to a request about the connection's layout."""
     if isinstance(request, Lookup):
-        # One batch per remote tier below RAM, not a round trip per key: the engine's
-        # scheduler waits for this answer.
         node.counters.add("lookups")
-        return Found(layout.store.contains_many([ChunkKey(k) for k in request.keys]))
+        keys = [ChunkKey(k) for k in request.keys]
+        if request.ram_only:
+            return Found([layout.memory.contains(key) for key in keys])
+        # One batch per remote tier below RAM, not a round trip per key.
+        return Found(layout.store.contains_many(keys))
+    if isinstance(request, MeasureLinks):
+        return Answer({name: [speed.round_trip_s, speed.bytes_per_s]
+                       for name, speed in layout.store.measure_links().items()})
     if isinstance(request, Borrow):
         return node.borrow(owner, layout, request, spares)
     if isinstance(request, Reserve):

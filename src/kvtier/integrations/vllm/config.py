@@ -24,6 +24,8 @@ from typing import Any
 
 from kvtier.errors import ConfigError
 from kvtier.node.eventpub import check_endpoint
+from kvtier.node.protocol import BELOW_TIER as NODE_BELOW_TIER
+from kvtier.node.protocol import RAM_TIER as NODE_TIER
 from kvtier.tiers.storeconfig import StoreConfig
 
 logger = logging.getLogger(__name__)
@@ -40,8 +42,6 @@ DEFAULT_TIERS: tuple[dict[str, Any], ...] = ({"kind": "memory", "capacity": "2Gi
 CONNECTOR_KEYS = frozenset({"tokens_per_chunk", "index_max_keys", "load_mode", "store_mode",
                             "load_when", "node", "event_block_size", "pool_events",
                             "tail_chunks"})
-# In node mode (`node`: the socket of `kvtier node`) the engine's one tier is the node's.
-NODE_TIER = "node"
 # Keys the scheduler remembers as stored, in node mode (the node's capacity is its own).
 NODE_INDEX_KEYS = 1 << 20
 # How a hit is loaded: "sync" inside the step that needs it (the whole batch waits for it),
@@ -223,8 +223,10 @@ class ConnectorConfig:
         return "always" if kv_role == "kv_consumer" else "faster"
 
     def tier_names(self) -> list[str]:
-        """The tiers this engine loads from, fastest first (in node mode: the node)."""
-        return [NODE_TIER] if self.node else [t.tier_name for t in self.store.tiers]
+        """The tiers this engine loads from, fastest first (in node mode: the node's RAM and
+        what lies below it)."""
+        return [NODE_TIER, NODE_BELOW_TIER] if self.node else [t.tier_name
+                                                               for t in self.store.tiers]
 
     def index_keys(self, bytes_per_chunk: int) -> int:
         """The scheduler index's bound in keys (see index_max_keys), for chunks of

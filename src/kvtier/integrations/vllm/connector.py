@@ -44,7 +44,7 @@ from kvtier.core.fingerprint import ModelFingerprint, cached_model_fingerprint
 from kvtier.core.layout import KVLayout
 from kvtier.core.locator import ChunkLocator
 from kvtier.core.tier import Probe
-from kvtier.integrations.vllm.config import NODE_TIER, ConnectorConfig
+from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.groups import NULL_BLOCK, ChunkGroups, chunk_groups
 from kvtier.integrations.vllm.kvformat import AttentionFormat, attention_format, chunk_layouts
 from kvtier.integrations.vllm.logs import adopt_vllm_logging
@@ -65,6 +65,8 @@ from kvtier.integrations.vllm.worker.connector_worker import (
     load_batch_for,
 )
 from kvtier.node.client import NodeClient, NodeProbe, NodeStore
+from kvtier.node.protocol import BELOW_TIER as NODE_BELOW_TIER
+from kvtier.node.protocol import RAM_TIER as NODE_TIER
 from kvtier.tiers import build_probe, open_store
 from kvtier.tiers.manifest import NamespaceInfo
 
@@ -230,8 +232,11 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             node: NodeProbe | None = None
             if self._config.node:  # a chunk counts when the node holds every rank's shard
                 info = namespace_info(vllm_config, fingerprint)
-                node = NodeProbe([self._node_client(layout, info) for layout in layouts])
+                clients = [self._node_client(layout, info) for layout in layouts]
+                node = NodeProbe(clients)  # its RAM, asked inline
                 probes: dict[str, Probe | None] = {NODE_TIER: node}
+                if node.below_ram():  # the rest off the scheduler's thread, as in process
+                    probes[NODE_BELOW_TIER] = NodeProbe(clients, ram_only=False)
             else:
                 probes = {tier.tier_name: build_probe(tier, layouts)
                           for tier in self._config.store.tiers}

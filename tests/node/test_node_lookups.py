@@ -1,0 +1,113 @@
+"""The scheduler's two lookups through the node, as in process: its RAM asked inline (an
+index lookup: never waits for a tier below RAM, which may be a remote store over a slow
+link), every tier asked off the scheduler's thread (`NodeProbe(ram_only=False)`,
+`blocking_ok` False), built only where the node has tiers below RAM. A load names the node's
+tier it came from as the engine's RAM_TIER or BELOW_TIER (the load-or-recompute rule's
+costs), and the node's remote tiers' links are the prior of BELOW_TIER.
+
+An in-process node (`running_node`); a tier below RAM that stalls is a fault injected by
+patching its lookup.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from nodekit import connect, key, node_tiers, put_chunks, wait_for
+
+from kvtier.core.keys import ChunkKey
+from kvtier.node.client import NodeProbe, NodeStore
+from kvtier.node.protocol import BELOW_TIER, RAM_TIER
+from kvtier.node.server import NodeServer
+
+pytestmark = pytest.mark.timeout(120)
+Node = Callable[..., AbstractContextManager[NodeServer]]
+
+
+def _store_twice_ram(engine: NodeStore) -> None:
+    """Store chunks 0-7 in two steps into a RAM of 4 slots: 0-3 evicted (on the disk)."""
+    assert put_chunks(engine, range(4)) == [True] * 4
+    assert put_chunks(engine, range(4, 8)) == [True] * 4
+
+
+def _evicted_to_disk(node: NodeServer, ids: range) -> None:
+    """Wait until the disk tier below RAM holds chunks `ids`."""
+    (layout,) = node._layouts.values()
+    disk = layout.store.tiers[1]
+    wait_for(lambda: all(disk.contains(key(i)) for i in ids), 10, "the disk tier's writes")
+
+
+def test_ram_lookup_never_asks_the_tiers_below(tmp_path: Path, in_process_node: Node,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    with in_process_node(node_tiers(tmp_path, ram_chunks=4, disk_chunks=16)) as node:
+        client, engine = connect(node.config.socket_path, timeout_s=30)
+        _store_twice_ram(engine)
+        _evicted_to_disk(node, range(8))
+        ram, every = NodeProbe([client]), NodeProbe([client], ram_only=False)
+        assert (ram.blocking_ok, every.blocking_ok, ram.below_ram()) == (True, False, True)
+        assert ram.contains_many([key(i) for i in range(8)]) == [False] * 4 + [True] * 4
+        assert every.contains_many([key(i) for i in range(8)]) == [True] * 8
+
+        # The disk tier stalls (a remote store over a dead link): the RAM lookup answers.
+        (layout,) = node._layouts.values()
+        release, asked = threading.Event(), threading.Event()
+
+        def stalled(_key: ChunkKey) -> bool:
+            asked.set()
+            release.wait(30)
+            return True
+
+        monkeypatch.setattr(layout.store.tiers[1], "contains", stalled)
+        assert ram.contains_many([key(0), key(7)]) == [False, True]
+        assert not asked.is_set()
+        asking = threading.Thread(target=every.contains_many, args=([key(0)],))
+        asking.start()
+        assert asked.wait(10)  # the other lookup does ask it, on a connection of its own
+        assert ram.contains_many([key(6)]) == [True]
+        release.set()
+        asking.join(30)
+
+
+def test_a_node_with_ram_only_needs_no_slow_lookup(tmp_path: Path, in_process_node: Node) -> None:
+    with in_process_node(node_tiers(tmp_path, ram_chunks=4)) as node:
+        client, _ = connect(node.config.socket_path)
+        assert not NodeProbe([client]).below_ram()
+
+
+def test_a_node_down_may_have_tiers_below_ram(tmp_path: Path) -> None:
+    client, _ = connect(tmp_path / "no-node.sock", timeout_s=0.5)
+    assert NodeProbe([client]).below_ram()  # asked again when it is back
+
+
+def test_a_load_names_the_tier_it_came_from(tmp_path: Path, in_process_node: Node) -> None:
+    with in_process_node(node_tiers(tmp_path, ram_chunks=4, disk_chunks=16)) as node:
+        _, engine = connect(node.config.socket_path, timeout_s=30)
+        _store_twice_ram(engine)
+        _evicted_to_disk(node, range(8))
+        _, other = connect(node.config.socket_path, timeout_s=30)  # knows no slot: borrows
+        tiers = []
+        with other.lend_as_landed([key(7), key(0)], [memoryview(bytearray(4096))],
+                                  in_order=True) as lending:
+            for loan in lending:
+                with loan:
+                    tiers.append(loan.view.tier)
+        assert tiers == [RAM_TIER, BELOW_TIER]
+
+
+def test_the_node_measures_its_remote_tiers_links(tmp_path: Path, in_process_node: Node,
+                                                  redis_url: str) -> None:
+    config: dict[str, Any] = node_tiers(tmp_path, ram_chunks=4, disk_chunks=16)
+    with in_process_node(config) as node:
+        _, engine = connect(node.config.socket_path, timeout_s=30)
+        assert engine.measure_links() == {}  # a local disk has no link
+    config["tiers"].append({"kind": "redis", "url": redis_url, "capacity": "1MiB"})
+    with in_process_node(config) as node:
+        _, engine = connect(node.config.socket_path, timeout_s=30)
+        (speed,) = engine.measure_links().values()
+        assert list(engine.measure_links()) == [BELOW_TIER]
+        assert 0 < speed.round_trip_s < 5 and speed.bytes_per_s > 0
