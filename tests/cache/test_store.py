@@ -169,6 +169,27 @@ def test_stores_and_evictions_come_back_as_typed_events() -> None:
         assert store.take_events() == []
 
 
+def test_without_io_ram_tells_what_it_holds_and_only_a_lone_ram_what_is_gone() -> None:
+    """`contains_without_io` (the worker asks it of each evicted chunk on the model runner's
+    thread, issue 45): a chunk in RAM or on its way below is held; one RAM evicted is gone
+    when RAM is the only tier, and unknown (None) when a lower tier may hold it."""
+    with TieredStore([dict_tier("ram", chunks=1)]) as alone:
+        alone.put(key(0), payload(0))
+        alone.put(key(1), payload(1))  # evicts key 0
+        assert [alone.contains_without_io(key(i)) for i in (0, 1)] == [False, True]
+    lower = StuckTier(ExampleTierConfig(kind="example", name="disk", capacity=8 * CHUNK),
+                      LAYOUT)
+    with TieredStore([dict_tier("ram", chunks=1), lower]) as store:
+        store.put(key(0), payload(0))
+        store.put(key(1), payload(1))  # evicts key 0 from RAM; its write behind waits
+        assert store.contains_without_io(key(0)) is True  # on its way below
+        lower.release.set()
+        assert store.flush(5.0)
+        assert store.contains_without_io(key(0)) is None  # only the lower tier can tell
+        assert store.contains(key(0))
+        assert store.contains_without_io(key(9)) is None
+
+
 def test_a_store_needs_tiers_with_distinct_names() -> None:
     with pytest.raises(ValueError, match="distinct"):
         TieredStore([dict_tier("ram"), dict_tier("ram")])

@@ -2,9 +2,11 @@
 
 - The report of chunks no tier holds any more (`KVTierWorkerMetadata.removed`): when the RAM
   tier evicts a chunk the scheduler must learn whether any tier still holds it, else it plans
-  loads that fail. Lower tiers are asked on a thread of their own (a lower tier's lookup goes
-  through the store's stall guard: ~90 us per evicted chunk, a third of a chunk's gather,
-  paid once per store when RAM is full), so the answer arrives in a later report.
+  loads that fail. What RAM alone can tell (RAM is the only tier) goes in the report of the
+  step whose store evicted the chunk (issue 45: a report later, an idle engine's next request
+  had been offered it); lower tiers are asked on a thread of their own (a lower tier's lookup
+  goes through the store's stall guard: ~90 us per evicted chunk, a third of a chunk's gather,
+  paid once per store when RAM is full), so that answer arrives in a later report.
 - Prefetch (`KVTierMetadata.prefetch`): chunks below RAM of requests waiting for blocks are
   read into the RAM tier, so that their load is a memcpy.
 
@@ -21,7 +23,9 @@ import torch
 pytest.importorskip("vllm")
 
 
+from kvtier.core.locator import MISS, ChunkLocator, Located
 from kvtier.integrations.vllm.messages import ChunkTransfer, KVTierMetadata
+from kvtier.integrations.vllm.worker import connector_worker
 from kvtier.integrations.vllm.worker.connector_worker import ConnectorWorker, PagedKV
 from kvtier.tiers import open_store
 from kvtier.tiers.storeconfig import StoreConfig
@@ -54,13 +58,28 @@ def removed_within(w: ConnectorWorker, seconds: float) -> set[bytes]:
     return found
 
 
-def one_chunk_of_ram(tiers: list[dict[str, object]]) -> list[dict[str, object]]:
+def ram_of(chunks: int, tiers: list[dict[str, object]]) -> list[dict[str, object]]:
     chunk = LAYERS * HEADS * 2 * TOKENS_PER_CHUNK * DIM * 2
-    return [{"kind": "memory", "capacity": -(-chunk // 4096) * 4096}, *tiers]
+    return [{"kind": "memory", "capacity": chunks * -(-chunk // 4096) * 4096}, *tiers]
+
+
+def store_prompt(w: ConnectorWorker, keys: list[bytes]) -> None:
+    """A step's stores of a prompt's chunks, two blocks each."""
+    w.store(KVTierMetadata(stores=[ChunkTransfer(key=k, block_ids=(2 * i, 2 * i + 1))
+                                   for i, k in enumerate(keys)]))
+
+
+def learn(locator: ChunkLocator, w: ConnectorWorker) -> set[bytes]:
+    """Feed the worker's next report to `locator` as the scheduler does; its removed keys."""
+    report = w.take_report()
+    assert report is not None
+    locator.record_stored(report.stored)
+    locator.record_missing(report.removed)
+    return report.removed
 
 
 def test_a_chunk_evicted_from_the_only_tier_is_reported_removed() -> None:
-    w = worker(one_chunk_of_ram([]))
+    w = worker(ram_of(1, []))
     a, b = b"a" * 16, b"b" * 16
     store(w, a, (0, 1))
     store(w, b, (2, 3))  # evicts a: nothing else holds it
@@ -69,12 +88,61 @@ def test_a_chunk_evicted_from_the_only_tier_is_reported_removed() -> None:
 
 
 def test_a_chunk_a_lower_tier_still_holds_is_not() -> None:
-    w = worker(one_chunk_of_ram([{"kind": "example", "capacity": "1MiB"}]))
+    w = worker(ram_of(1, [{"kind": "example", "capacity": "1MiB"}]))
     a, b = b"a" * 16, b"b" * 16
     store(w, a, (0, 1))
     assert w._store.flush(5.0)  # a reached the lower tier
     store(w, b, (2, 3))  # evicts a from RAM only
     assert removed_within(w, 1.0) == set()
+    w.close()
+
+
+def test_the_report_of_the_store_that_evicts_a_chunk_says_it_is_gone() -> None:
+    """Issue 45: RAM of two chunks, the only tier; a prompt's two chunks, then another's
+    evict them. The report of that store (an idle engine sends no other before its next
+    request) says they are gone, so a locator fed with the reports, as the scheduler is,
+    offers the first prompt nothing: no load of an evicted chunk to fail."""
+    w = worker(ram_of(2, []))
+    locator = ChunkLocator({}, max_keys=64)
+    first, second = [b"a" * 16, b"b" * 16], [b"c" * 16, b"d" * 16]
+    store_prompt(w, first)
+    assert learn(locator, w) == set()
+    assert locator.locate("first", first) == Located.prefix(2)
+    store_prompt(w, second)
+    assert learn(locator, w) == set(first)
+    assert locator.locate("first again", first) == MISS
+    assert locator.locate("second", second) == Located.prefix(2)
+    w.close()
+
+
+def test_removals_past_a_reports_bound_are_reported_later(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A report decides at most MAX_REMOVED_INLINE removed chunks on the model runner's
+    thread (here 1 of 2); the others are checked on the report thread, for a later report."""
+    monkeypatch.setattr(connector_worker, "MAX_REMOVED_INLINE", 1)
+    w = worker(ram_of(2, []))
+    first, second = [b"a" * 16, b"b" * 16], [b"c" * 16, b"d" * 16]
+    store_prompt(w, first)
+    w.take_report()
+    store_prompt(w, second)
+    report = w.take_report()
+    assert report is not None and len(report.removed) == 1
+    assert report.removed | removed_within(w, 1.0) == set(first)
+    w.close()
+
+
+def test_a_chunk_ram_evicts_that_a_lower_tier_holds_stays_offered() -> None:
+    """The same over a lower tier: the evicted chunks are still held there (on their way or
+    written), so no report says they are gone and the locator still offers them."""
+    w = worker(ram_of(2, [{"kind": "example", "capacity": "1MiB"}]))
+    locator = ChunkLocator({}, max_keys=64)
+    first, second = [b"a" * 16, b"b" * 16], [b"c" * 16, b"d" * 16]
+    store_prompt(w, first)
+    learn(locator, w)
+    store_prompt(w, second)  # evicts the first prompt's chunks from RAM only
+    assert learn(locator, w) | removed_within(w, 1.0) == set()
+    assert not any(w._store.tiers[0].contains(k) for k in first)
+    assert locator.locate("first again", first) == Located.prefix(2)
     w.close()
 
 

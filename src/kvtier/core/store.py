@@ -219,6 +219,15 @@ class TieredStore:
                 or any(self._calls.call(tier.name, False, self._contains, tier, key)
                        for tier in self.tiers[1:]))
 
+    def contains_without_io(self, key: ChunkKey) -> bool | None:
+        """`contains` as far as the top tier (RAM) and the write-behind queues can tell,
+        without asking a lower tier: True when the top tier holds the chunk or a write
+        behind carries it, False when there is no lower tier, else None (only `contains`
+        can tell). Never waits: fit for a latency-critical thread."""
+        if self._contains(self.tiers[0], key) or any(key in w.inflight for w in self._below):
+            return True
+        return False if not self._below else None
+
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
         """`contains` of each key, with one batch per remote tier (`BatchLookup`) rather
         than a round trip per key."""

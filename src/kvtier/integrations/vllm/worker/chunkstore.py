@@ -1,9 +1,11 @@
 """What the connector's worker and its movers need of kvtier's store (`ChunkStore`):
 `TieredStore` (core/store.py) provides it in-process, `NodeStore` (node/client.py) in node
-mode. `LinkMeasuring`: an optional ability (`TieredStore`'s), the speed of its remote tiers'
-links, the load-or-recompute rule's prior (issue 45).
+mode. Optional abilities (`TieredStore`'s): `LinkMeasuring`, the speed of its remote tiers'
+links, the load-or-recompute rule's prior (issue 45); `LocalLookup`, whether any tier holds a
+chunk as far as RAM can tell without I/O (the worker reports an evicted chunk no tier holds
+in the report of the step that evicted it).
 
-Primitives: `ChunkStore`, `LinkMeasuring`.
+Primitives: `ChunkStore`, `LinkMeasuring`, `LocalLookup`.
 """
 
 from __future__ import annotations
@@ -63,3 +65,11 @@ class LinkMeasuring(Protocol):
     """A store that measures its remote tiers' links (`TieredStore.measure_links`)."""
 
     def measure_links(self) -> dict[str, LinkSpeed]: ...
+
+
+@runtime_checkable
+class LocalLookup(Protocol):
+    """A store that tells, without I/O, whether a chunk is held when its RAM tier and
+    write-behind queues can tell (`TieredStore.contains_without_io`; None: ask `contains`)."""
+
+    def contains_without_io(self, key: ChunkKey) -> bool | None: ...

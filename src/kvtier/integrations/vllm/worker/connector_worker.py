@@ -47,7 +47,7 @@ from kvtier.integrations.vllm.messages import (
     chunk_meta,
 )
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, StatsDelta
-from kvtier.integrations.vllm.worker.chunkstore import ChunkStore, LinkMeasuring
+from kvtier.integrations.vllm.worker.chunkstore import ChunkStore, LinkMeasuring, LocalLookup
 from kvtier.integrations.vllm.worker.cpu import CpuChunkMover, spare_buffers
 from kvtier.integrations.vllm.worker.device import Device, Event
 from kvtier.integrations.vllm.worker.mover import ChunkMover, StoreJob
@@ -66,6 +66,9 @@ READ_AHEAD_BYTES = 32 << 20
 # How often the remote tiers' links are measured (the rule's prior for a tier not yet timed;
 # a few round trips and 3 x 2 x 256 KiB on the link: 0.13 s of a 100 Mbit/s link a minute).
 LINK_MEASURE_S = 60.0
+# Removed chunks a report decides on the model runner's thread at most (RAM lookups, ~1 us
+# each); more in one report (a flood of evictions) are asked on the report thread.
+MAX_REMOVED_INLINE = 1024
 
 
 def load_batch_for(io_threads: int, chunk_bytes: int) -> int:
@@ -146,7 +149,9 @@ class ConnectorWorker:
         self._prefetch_spares = spare_buffers(load_batch, layout.bytes_per_chunk)
         self._prefetch_counts: deque[int] = deque()  # chunks each prefetch batch read
         # Chunks a tier removed that no tier holds any more (reported `removed`, so that the
-        # scheduler stops planning loads of them), found on a thread of their own.
+        # scheduler stops planning loads of them): decided here when RAM can tell
+        # (`_report_removed`), else found on a thread of their own.
+        self._local = store if isinstance(store, LocalLookup) else None
         self._checker = io_pool(1, "kvtier-report", io_cores)
         self._gone: set[ChunkKey] = set()
         self._gone_lock = threading.Lock()
@@ -468,10 +473,7 @@ class ConnectorWorker:
             self._links_measured_s = now
             self._checker.submit(self._measure_links, self._links, self._load_batch)
         if removed:
-            # Whether another tier still holds it is asked off this thread: a lower tier's
-            # lookup hops through the store's stall guard (~90 us, a third of a chunk's
-            # gather, once per store when RAM is full); the answer joins a later report.
-            self._checker.submit(self._find_gone, removed)
+            self._report_removed(list(dict.fromkeys(removed)))
         with self._gone_lock:
             gone, self._gone = self._gone, set()
             priors, self._priors_s = self._priors_s, {}
@@ -487,6 +489,29 @@ class ConnectorWorker:
         self._report = KVTierWorkerMetadata()
         self._reported_through = report.stores_through
         return report
+
+    def _report_removed(self, keys: list[ChunkKey]) -> None:
+        """Report the `keys` (removed from a tier) that no tier holds any more. Those the RAM
+        tier answers for (held there or on their way below; no tier below it) are decided now,
+        `MAX_REMOVED_INLINE` at most, so that this report, the one of the step whose stores
+        evicted them, carries them: an engine that goes idle after it sends no other before
+        its next request, and a chunk the scheduler still believes held is offered to that
+        request, a load that fails and a recompute (issue 45: 116-145 chunks a run of
+        `kvtier bench trace` under LRU; tests/engine/test_evicted_chunks.py). Whether a
+        lower tier still holds the others is asked off this thread (its lookup hops through
+        the store's stall guard: ~90 us, a third of a chunk's gather); the answer joins a
+        later report. Model runner thread."""
+        unsure = keys
+        if self._local is not None:
+            unsure = keys[MAX_REMOVED_INLINE:]
+            for key in keys[:MAX_REMOVED_INLINE]:
+                held = self._local.contains_without_io(key)
+                if held is None:
+                    unsure.append(key)
+                elif not held:
+                    self._report.removed.add(key)
+        if unsure:
+            self._checker.submit(self._find_gone, unsure)
 
     def _measure_links(self, store: LinkMeasuring, load_batch: int) -> None:
         """Estimate each remote tier's seconds per chunk from its link, `load_batch` reads
