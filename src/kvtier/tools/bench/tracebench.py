@@ -110,8 +110,8 @@ class ConfigRun:
     predicted: dict[str, Any] = field(default_factory=dict)
     ttft_s: list[float] = field(default_factory=list)  # each completed request's
     # vLLM's external prefix-cache hits: what kvtier offered and vLLM took. More than
-    # kvtier_hit_tokens where a load failed: the scheduler's index learns a chunk's eviction
-    # from the workers a step late, and a hit offered on a chunk just evicted is recomputed.
+    # kvtier_hit_tokens where a load failed: a hit offered on a chunk evicted before its load
+    # is recomputed.
     kvtier_offered_tokens: int = 0
     kvtier_lookup_tokens: int = 0  # prompt tokens kvtier was asked about (past vLLM's hit)
     kvtier_counters: dict[str, float] = field(default_factory=dict)  # kvtier's, this run
