@@ -73,6 +73,30 @@ def test_ram_lookup_never_asks_the_tiers_below(tmp_path: Path, in_process_node: 
         asking.join(30)
 
 
+def test_a_slow_lookup_below_ram_is_not_a_node_down(tmp_path: Path, in_process_node: Node,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lookup of every tier that outlives its deadline (a remote store stalled) is a miss,
+    and the node's RAM still answers at once: the node is not marked down (which would make
+    every lookup and load a miss for `retry_s`)."""
+    with in_process_node(node_tiers(tmp_path, ram_chunks=4, disk_chunks=16)) as node:
+        # The deadline of the RAM lookups (3 s) is below the node's read deadline (5 s).
+        client, engine = connect(node.config.socket_path, timeout_s=3, retry_s=60)
+        client.slow_s = 0.5  # and the deadline of a lookup of every tier
+        _store_twice_ram(engine)
+        _evicted_to_disk(node, range(8))
+        (layout,) = node._layouts.values()
+        release = threading.Event()
+        monkeypatch.setattr(layout.store.tiers[1], "contains",
+                            lambda _key: release.wait(30))
+        try:
+            every = NodeProbe([client], ram_only=False)
+            assert every.contains_many([key(0)]) == [False]  # no answer within 0.5 s
+            assert NodeProbe([client]).contains_many([key(7)]) == [True]
+            assert client.failures == 0
+        finally:
+            release.set()
+
+
 def test_a_node_with_ram_only_needs_no_slow_lookup(tmp_path: Path, in_process_node: Node) -> None:
     with in_process_node(node_tiers(tmp_path, ram_chunks=4)) as node:
         client, _ = connect(node.config.socket_path)

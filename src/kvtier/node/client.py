@@ -82,6 +82,10 @@ log = logging.getLogger(__name__)
 TIER = RAM_TIER  # this engine's traffic with the node, as one tier (its counters)
 # After the node failed to answer, how long it is not asked (a miss at once meanwhile).
 RETRY_S = 2.0
+# How long a request the node answers through its tiers below RAM (a lookup of every tier, a
+# measure of their links) may take: the caller is off the engine's critical path (the
+# scheduler's locator gives up waiting after its own lookup_timeout_s).
+SLOW_S = 30.0
 # Slots remembered for reads in place (a key and an offset each: ~100 B); the oldest are
 # forgotten first (their chunks then borrowed).
 KNOWN_SLOTS = 1 << 16
@@ -93,12 +97,14 @@ class NodeClient:
     the slab of the node's current generation mapped once. Thread-safe."""
 
     def __init__(self, socket_path: str, layout: KVLayout, info: NamespaceInfo, *,
-                 timeout_s: float = 1.0, retry_s: float = RETRY_S,
+                 timeout_s: float = 1.0, retry_s: float = RETRY_S, slow_s: float = SLOW_S,
                  engine: str | None = None) -> None:
         """`engine`: who is asking, as the node's status and its `engine_quota` know this
-        engine (default host:pid: one engine process, whatever its threads)."""
+        engine (default host:pid: one engine process, whatever its threads). `slow_s`: the
+        deadline of requests answered through the node's tiers below RAM (`call`)."""
         self.socket_path = socket_path
         self.timeout_s = timeout_s
+        self.slow_s = slow_s
         self.retry_s = retry_s
         self._hello = Hello(dataclasses.asdict(layout), info.model, info.fingerprint,
                             info.weight_files,
@@ -115,24 +121,33 @@ class NodeClient:
         self.dma_registered = False  # the slab's mapping registered with CUDA (node/dma.py)
         self.failures = 0  # calls the node did not answer (each a miss or a dropped store)
 
-    def call(self, request: Request, reply: type[R]) -> R:
-        """`request`'s reply, within `timeout_s`.
+    def call(self, request: Request, reply: type[R], *, slow: bool = False) -> R:
+        """`request`'s reply, within `timeout_s`; or (`slow`) within `slow_s` for a request
+        the node answers through its tiers below RAM (a remote store's round trips), whose
+        lateness says nothing of the node: it drops only this thread's connection.
 
         Raises:
             NodeUnavailable: the node is down, stopped or restarting, refused, or was
-                marked down within the last `retry_s`.
+                marked down within the last `retry_s`; or it did not answer in time.
         """
         for retry in (False, True):
             sock = self._connection()
             try:
+                if slow:
+                    sock.settimeout(self.slow_s)
                 send(sock, request)
                 answer = receive_reply(sock)
+                if slow:
+                    sock.settimeout(self.timeout_s)
                 break
             except (OSError, NodeUnavailable) as exc:
                 # A connection the node closed (it restarted, or dropped us) is tried again
                 # at once on a new one; a node that does not answer within the deadline
                 # (stopped, overloaded) is not asked twice.
                 timed_out = isinstance(exc.__cause__ or exc, TimeoutError)
+                if timed_out and slow:
+                    self._drop_own()  # its answer would come late on it
+                    raise NodeUnavailable(f"no answer within {self.slow_s:g} s") from exc
                 self._broken(exc, down=retry or timed_out)
                 if retry or timed_out:
                     raise NodeUnavailable(str(exc)) from exc
@@ -279,14 +294,18 @@ class NodeClient:
             self._local.slab = self._slab
             self.welcome = welcome
 
-    def _broken(self, exc: BaseException, down: bool = True) -> None:
-        """This thread's connection failed: closed (the node ends its leases), every other
-        thread's connection of its epoch dropped at its next call, and (`down`) the node
-        not asked again for `retry_s`."""
+    def _drop_own(self) -> None:
+        """Close this thread's connection only (its leases end on the node)."""
         sock = getattr(self._local, "sock", None)
         self._local.sock = None
         if sock is not None:
             sock.close()
+
+    def _broken(self, exc: BaseException, down: bool = True) -> None:
+        """This thread's connection failed: closed (the node ends its leases), every other
+        thread's connection of its epoch dropped at its next call, and (`down`) the node
+        not asked again for `retry_s`."""
+        self._drop_own()
         with self._lock:
             first = self._local.epoch == self._epoch
             if first:
@@ -471,7 +490,7 @@ class NodeStore:
         the load-or-recompute rule's prior for a load from below the node's RAM (empty: the
         node has none, or is unavailable). Blocking (the node measures them)."""
         try:
-            links = self._client.call(MeasureLinks(), Answer).value
+            links = self._client.call(MeasureLinks(), Answer, slow=True).value
         except NodeUnavailable:
             return {}
         speeds = [LinkSpeed(float(rtt), float(bps)) for rtt, bps in links.values()] \
@@ -656,7 +675,8 @@ class NodeProbe:
         found = [True] * len(keys)
         for client in self._clients:
             try:
-                held = client.call(Lookup(list(keys), self._ram_only), Found).held
+                held = client.call(Lookup(list(keys), self._ram_only), Found,
+                                   slow=not self._ram_only).held
             except NodeUnavailable:
                 return [False] * len(keys)
             found = [f and h for f, h in zip(found, held)]
