@@ -19,7 +19,7 @@ import pytest
 from tierkit import key, make_tier, tier_settings
 
 from kvtier.core.layout import KVLayout
-from kvtier.core.tier import Failure
+from kvtier.core.tier import Failure, LinkProbe
 from kvtier.tiers import build_probe
 from kvtier.tiers.storeconfig import StoreConfig
 
@@ -81,3 +81,16 @@ def test_a_read_only_mount_without_this_layout_is_all_misses(
     assert tier.get_into(key(1), memoryview(bytearray(layout.bytes_per_chunk))).failure \
         is Failure.MISSING
     assert tier.put(key(1), memoryview(payload(1, layout))).failure is Failure.READ_ONLY
+
+
+def test_a_read_only_mount_measures_no_link_and_says_why(
+        remountable: Path, layout: KVLayout, caplog: pytest.LogCaptureFixture) -> None:
+    """The link probe writes a probe file (tiers/files/linkfile.py): read-only, none is
+    written and no estimate given (issue 45: the first loads are timed instead)."""
+    make_tier("shared", remountable, layout, capacity_chunks=8).close()
+    _mount("-o", "remount,ro", str(remountable))
+    tier = make_tier("shared", remountable, layout, capacity_chunks=8)
+    assert isinstance(tier, LinkProbe)
+    with caplog.at_level(logging.INFO):
+        assert tier.measure_link() is None
+    assert "read-only: no probe file can be written" in caplog.text

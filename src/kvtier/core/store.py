@@ -582,8 +582,9 @@ class TieredStore:
 
     # -- upkeep ----------------------------------------------------------------------------
     def measure_links(self) -> dict[str, LinkSpeed]:
-        """The speed of each tier that can measure its link (`LinkProbe`: the remote
-        ones) and answers now. Blocking (a few round trips each): any thread but a
+        """The speed of each tier that can measure its link (`LinkProbe`: redis, s3, a
+        shared directory, a disk) and answers now. Blocking (a few round trips each, at most
+        tiers.links.LINK_DEADLINE_S for a file or s3 tier): any thread but a
         latency-sensitive one."""
         speeds = {}
         for tier in self.tiers:

@@ -500,11 +500,14 @@ class LinkSpeed:
 
 @runtime_checkable
 class LinkProbe(Protocol):
-    """An optional ability of a tier across a network: measure its link in a few round trips
-    (no chunk read or written), so that a load's cost is estimated before its first load is
-    timed (issue 45: a slow link's first hits are recomputed, not loaded)."""
+    """An optional ability of a tier whose reads cross a link (a network, a network
+    filesystem, a disk that may be a network volume): measure it in a few round trips (no
+    chunk read or written; redis: pings and echoes, shared / disk: a probe file, s3: a probe
+    object), so that a load's cost is estimated before its first load is timed (issue 45: a
+    slow link's first hits are recomputed, not loaded)."""
 
     def measure_link(self) -> LinkSpeed | None:
-        """The link's speed now; None when the tier does not answer. Never raises for I/O.
-        Any thread; takes a few round trips (blocking)."""
+        """The link's speed now; None when the tier does not answer, or not within the
+        tier's deadline (kvtier.tiers.links). Never raises for I/O. Any thread; takes a few
+        round trips (blocking)."""
         ...

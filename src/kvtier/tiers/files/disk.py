@@ -54,6 +54,7 @@ from kvtier.core.tier import (
     OK,
     READ_ONLY,
     Failure,
+    LinkSpeed,
     Locality,
     Medium,
     TierCounters,
@@ -66,8 +67,10 @@ from kvtier.tiers.encoding import EncodedTierSettings, build_encoder
 from kvtier.tiers.files.chunkfiles import ChunkFiles
 from kvtier.tiers.files.chunktree import FileInventory, FileProbe, walk_chunks
 from kvtier.tiers.files.directories import check_directory
+from kvtier.tiers.files.linkfile import measure_directory, probe_bytes
 from kvtier.tiers.files.manifests import write_file_manifest
 from kvtier.tiers.files.retention_journal import RetentionJournal
+from kvtier.tiers.links import LINK_DEADLINE_S, BoundedMeasure
 from kvtier.tiers.manifest import NamespaceManifest
 from kvtier.tiers.retention import RetentionTierSettings, book_problems, build_book
 
@@ -136,6 +139,7 @@ class DiskTier:
         self._book = build_book(config, config.capacity, time.time)
         self._journal = RetentionJournal(self.files.directory, self.files.writable)
         self._dropped: set[ChunkKey] = set()  # removed while the index loads: not indexed
+        self._link = BoundedMeasure(self.name)
         self._loaded = threading.Event()
         self._loader = threading.Thread(target=self._rebuild_index, daemon=True,
                                         name=f"kvtier-index-{self.name}")
@@ -484,6 +488,38 @@ class DiskTier:
     def delete(self, key: ChunkKey) -> bool:
         return self._forget(key, corrupt=False)
 
+    def measure_link(self) -> LinkSpeed | None:
+        """See core.tier.LinkProbe. A local disk too: behind a "disk" may be a network block
+        device (a cloud volume of 125 MB/s restores a 4k-token hit of an 8B model slower than
+        a GPU recomputes it), and on a fast one the rule knows a hit's cost from the first
+        request. A probe file in the layout directory, written then read as a load reads
+        (tiers/files/linkfile.py), within links.LINK_DEADLINE_S, its bytes reserved in the
+        capacity as a write's are, never evicting for it. None (logged) when the directory is
+        read-only, the index still loads, the capacity has too little room, or the measure
+        fails or is late. Any thread."""
+        return self._link.measure(self._measure_with_probe_file)
+
+    def _measure_with_probe_file(self, deadline: float) -> LinkSpeed:
+        """`measure_directory` with its file's bytes reserved meanwhile. Raises OSError
+        (EROFS: read-only; ENOSPC: no room; EAGAIN: the index still loads, the room is not
+        known), LinkTimeout."""
+        if not self.files.writable:
+            raise OSError(errno.EROFS, "read-only: no probe file can be written")
+        if not self._loaded.is_set():
+            raise OSError(errno.EAGAIN, "the index is still loading: the room left in the "
+                          "capacity is not known yet")
+        with self._lock:
+            size = probe_bytes(self.capacity_bytes - self._used_bytes)
+            self._used_bytes += size  # a write in flight: not in the published usage
+            self._in_flight_bytes += size
+        try:
+            return measure_directory(self.files.root, self.files.layout_digest,
+                                     self.files.o_direct, self.files.file_mode, deadline, size)
+        finally:
+            with self._lock:
+                self._used_bytes -= size
+                self._in_flight_bytes -= size
+
     def stats(self) -> TierStats:
         ops = self.files.ops.snapshot()
         return replace(self._counters.snapshot(), meta_stats=ops.stats, meta_opens=ops.opens,
@@ -491,5 +527,7 @@ class DiskTier:
                        meta_other=ops.other)
 
     def close(self) -> None:
-        pass  # nothing buffered: every put is on disk when it returns
+        # Nothing buffered: every put is on disk when it returns. A link measure in flight
+        # is waited for a while (it removes its probe file).
+        self._link.wait_idle(LINK_DEADLINE_S)
 

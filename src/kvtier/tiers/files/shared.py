@@ -68,6 +68,7 @@ from kvtier.core.tier import (
     OK,
     READ_ONLY,
     Failure,
+    LinkSpeed,
     Locality,
     Medium,
     TierCounters,
@@ -81,9 +82,11 @@ from kvtier.tiers.files.chunkfiles import ChunkFiles, PendingWrite
 from kvtier.tiers.files.chunktree import FileInventory, FileProbe, key_of, scan_tree
 from kvtier.tiers.files.directories import check_directory
 from kvtier.tiers.files.filetree import sweep_layout_temps, unlink_file
+from kvtier.tiers.files.linkfile import measure_directory, probe_bytes
 from kvtier.tiers.files.manifests import write_file_manifest
 from kvtier.tiers.files.quota import LedgerState, QuotaLedger
 from kvtier.tiers.files.victims import VictimSampler
+from kvtier.tiers.links import LINK_DEADLINE_S, BoundedMeasure
 from kvtier.tiers.manifest import NamespaceManifest
 
 log = logging.getLogger(__name__)
@@ -158,6 +161,7 @@ class SharedTier:
         self._sampler = VictimSampler(self.files.root, self.files.ops)
         self.remeasures = 0  # re-measures of the directory this process ran
         self._remeasuring: threading.Thread | None = None  # a claimed re-measure, running
+        self._link = BoundedMeasure(self.name)
         self._open_quota()
 
     def _open_quota(self) -> None:
@@ -459,6 +463,33 @@ class SharedTier:
             self._counters.add(chunks=-1, used_bytes=-freed_bytes)
         self.events.removed(key)
 
+    def measure_link(self) -> LinkSpeed | None:
+        """See core.tier.LinkProbe: a probe file in the layout directory, written then read
+        as a load reads (tiers/files/linkfile.py), within links.LINK_DEADLINE_S. Its bytes are
+        reserved in the quota's ledger as a write's are, never evicting for it
+        (`linkfile.probe_bytes`). None (logged) when the directory is read-only, the quota
+        has too little room, or the measure fails or is late. Any thread."""
+        return self._link.measure(self._measure_with_probe_file)
+
+    def _measure_with_probe_file(self, deadline: float) -> LinkSpeed:
+        """`measure_directory` with its file's bytes reserved in the ledger meanwhile.
+        Raises OSError (EROFS: read-only; ENOSPC: no room in the quota, or its usage not
+        known), LinkTimeout."""
+        if self.ledger is None:
+            raise OSError(errno.EROFS, "read-only: no probe file can be written")
+        with self.ledger.locked() as ledger:
+            size = probe_bytes(self.capacity_bytes - ledger.used_bytes if ledger.valid else 0)
+            ledger.used_bytes += size
+            ledger.reserved_total += size
+            self._publish(ledger)
+        try:
+            return measure_directory(self.files.root, self.files.layout_digest,
+                                     self.files.o_direct, self.files.file_mode, deadline, size)
+        finally:
+            with self.ledger.locked() as ledger:
+                ledger.used_bytes -= size
+                self._publish(ledger)
+
     def stats(self) -> TierStats:
         ops = self.files.ops.snapshot()
         return replace(self._counters.snapshot(), meta_stats=ops.stats, meta_opens=ops.opens,
@@ -467,7 +498,9 @@ class SharedTier:
 
     def close(self) -> None:
         # Nothing buffered: every put is in the directory when it returns. A re-measure in
-        # flight is waited for a while (it holds the ledger's lock at its end).
+        # flight is waited for a while (it holds the ledger's lock at its end), and so is a
+        # link measure (it removes its probe file and gives its bytes back to the ledger).
+        self._link.wait_idle(LINK_DEADLINE_S)
         if self._remeasuring is not None:
             self._remeasuring.join(timeout=CLOSE_WAIT_S)
         if self.ledger is not None:

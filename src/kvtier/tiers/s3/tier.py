@@ -57,6 +57,7 @@ from kvtier.core.tier import (
     OK,
     UNAVAILABLE,
     Failure,
+    LinkSpeed,
     Locality,
     Medium,
     NamespaceManifest,
@@ -67,6 +68,7 @@ from kvtier.core.tier import (
 )
 from kvtier.errors import ConfigError, CorruptChunk, KeyNotHeld, TierUnavailable
 from kvtier.tiers.encoding import build_encoder
+from kvtier.tiers.links import LINK_DEADLINE_S, BoundedMeasure
 from kvtier.tiers.probe import TierProbe
 from kvtier.tiers.s3.client import (
     S3Errors,
@@ -87,6 +89,7 @@ from kvtier.tiers.s3.inventory import (
     put_lifecycle,
     write_manifest,
 )
+from kvtier.tiers.s3.link import measure_endpoint
 from kvtier.tiers.s3.lookup import NegativeCache
 
 log = logging.getLogger(__name__)
@@ -161,6 +164,7 @@ class S3Tier:
         # listing that overlapped one may have seen its object and not its count, or the reverse.
         self._changes = 0
         self._changing_now = 0
+        self._link = BoundedMeasure(self.name)
         self._check_bucket()
 
     # -- plumbing ----------------------------------------------------------------------------
@@ -468,6 +472,13 @@ class S3Tier:
         return True
 
     # -- upkeep ------------------------------------------------------------------------------
+    def measure_link(self) -> LinkSpeed | None:
+        """See core.tier.LinkProbe: a probe object PUT, HEADed and GOT, then deleted
+        (tiers/s3/link.py), within links.LINK_DEADLINE_S. None (logged) when the endpoint is
+        down, refuses, or the measure is late. Any thread."""
+        return self._link.measure(lambda deadline: measure_endpoint(
+            self._run, self._config.bucket, self.names, deadline))
+
     def available(self) -> bool:
         """Whether the endpoint is not marked down."""
         return not self.guard.down_endpoints()
@@ -476,6 +487,7 @@ class S3Tier:
         return self._counters.snapshot()
 
     def close(self) -> None:
+        self._link.wait_idle(LINK_DEADLINE_S)  # a link measure deletes its probe object
         self._heads.shutdown(wait=False, cancel_futures=True)
         for client in (self._client, self._head_client):
             client.close()

@@ -63,8 +63,9 @@ LOAD_BATCH = 8
 # while they hold at most this: a small chunk's read has fixed costs (open, header, checksum,
 # the disk's latency) that more reads in flight hide; a few large ones keep a disk busy.
 READ_AHEAD_BYTES = 32 << 20
-# How often the remote tiers' links are measured (the rule's prior for a tier not yet timed;
-# a few round trips and 3 x 2 x 256 KiB on the link: 0.13 s of a 100 Mbit/s link a minute).
+# How often the tiers' links are measured (the rule's prior for a tier not yet timed; a few
+# round trips and, on the link, redis 3 x 2 x 256 KiB: 0.13 s of a 100 Mbit/s link a minute;
+# s3 9 MiB, a shared directory 10 MiB: ~0.8 s of it, tiers/s3/link.py, tiers/files/linkfile.py).
 LINK_MEASURE_S = 60.0
 # Removed chunks a report decides on the model runner's thread at most (RAM lookups, ~1 us
 # each); more in one report (a flood of evictions) are asked on the report thread.
