@@ -63,3 +63,26 @@ def test_a_load_past_its_budget_returns_what_landed_and_the_node_serves_on(
         assert time.monotonic() - start >= SLOW_S - 0.1
         release.set()
         assert lend(engine, keys).chunks == expected([0, 1, 2])  # the tier is not stalled
+
+
+def test_a_load_given_more_than_the_clients_deadline_is_waited_for(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        in_process_node: Callable[..., AbstractContextManager[NodeServer]]) -> None:
+    """A budget past the client's deadline (a long prompt's recompute against a 2 s lookup
+    timeout) is the node's to use: reads below RAM that take longer than the deadline but
+    land within the budget are lent, and the node is not marked down."""
+    with in_process_node(node_tiers(tmp_path, ram_chunks=1, disk_chunks=8)) as node:
+        client, engine = connect(node.config.socket_path, timeout_s=0.5, retry_s=60)
+        assert put_chunks(engine, [0, 1]) == [True, False]
+        wait_for(lambda: _disk(node)["chunks"] == 2, 10, "the disk tier's writes")
+        real = DiskTier.get_into
+
+        def slow(self: DiskTier, *args: Any, **kwargs: Any) -> Any:
+            time.sleep(1.0)  # twice the client's deadline
+            return real(self, *args, **kwargs)
+
+        monkeypatch.setattr(DiskTier, "get_into", slow)
+        with engine.lend_as_landed([key(1)], [memoryview(bytearray(4096))], in_order=True,
+                                   until=time.monotonic() + 30) as lending:
+            assert [loan.index for loan in lending] == [0]
+        assert client.failures == 0

@@ -121,23 +121,26 @@ class NodeClient:
         self.dma_registered = False  # the slab's mapping registered with CUDA (node/dma.py)
         self.failures = 0  # calls the node did not answer (each a miss or a dropped store)
 
-    def call(self, request: Request, reply: type[R], *, slow: bool = False) -> R:
-        """`request`'s reply, within `timeout_s`; or (`slow`) within `slow_s` for a request
-        the node answers through its tiers below RAM (a remote store's round trips), whose
+    def call(self, request: Request, reply: type[R], *, slow: bool = False,
+             extra_s: float = 0.0) -> R:
+        """`request`'s reply, within `timeout_s` (plus `extra_s`: the time the node is given
+        for its own work, a load's budget); or (`slow`) within `slow_s` for a request the
+        node answers through its tiers below RAM (a remote store's round trips), whose
         lateness says nothing of the node: it drops only this thread's connection.
 
         Raises:
             NodeUnavailable: the node is down, stopped or restarting, refused, or was
                 marked down within the last `retry_s`; or it did not answer in time.
         """
+        deadline_s = self.slow_s if slow else self.timeout_s + extra_s
         for retry in (False, True):
             sock = self._connection()
             try:
-                if slow:
-                    sock.settimeout(self.slow_s)
+                if deadline_s != self.timeout_s:
+                    sock.settimeout(deadline_s)
                 send(sock, request)
                 answer = receive_reply(sock)
-                if slow:
+                if deadline_s != self.timeout_s:
                     sock.settimeout(self.timeout_s)
                 break
             except (OSError, NodeUnavailable) as exc:
@@ -397,8 +400,9 @@ class NodeStore:
         failed: str | None = None
         try:
             budget = None if until is None else max(0.0, until - time.monotonic())
+            # The node abandons its reads below RAM at the budget: it answers by then.
             lent = self._client.call(Borrow(list(keys), [Meta.of(m) for m in metas], budget),
-                                     Lent)
+                                     Lent, extra_s=budget or 0.0)
         except NodeUnavailable:
             lent, failed = Lent(0, [], [], None), RAM_TIER
         sent = iter(lent.data)  # the chunks at SEND offsets: RAM had no slot for them
