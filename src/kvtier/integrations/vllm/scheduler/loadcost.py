@@ -25,9 +25,10 @@ Loaded asynchronously, it costs the batch nothing and its own request one more s
     median step, so that the batch feels one gap of at most 1.2x (issue 13's ITL target);
   - else asynchronous.
 Before a tier's first timed load, its cost is its prior, where the workers estimated one at
-start-up from the tier's link (a remote tier's round trip and bandwidth: core.tier.LinkProbe,
-issue 45), so that a slow link's first hits are judged like any other; a tier with neither
-is unknown (None). Until a step time and the costs the hit needs are known: a hit held in RAM
+start-up from the tier's link (the round trip and bandwidth of a disk, a shared directory, a
+remote store, or, in node mode, the node's slowest remote tier: core.tier.LinkProbe, issue
+45), so that a slow link's first hits are judged like any other; a tier with neither is
+unknown (None). Until a step time and the costs the hit needs are known: a hit held in RAM
 inline, one below RAM asynchronous (the measured defaults: a RAM hit adds 0.3-8.3 ms at 1k-16k
 tokens, a disk hit 6-91 ms, docs/performance.md).
 
