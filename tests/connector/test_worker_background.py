@@ -115,6 +115,27 @@ def test_the_report_of_the_store_that_evicts_a_chunk_says_it_is_gone() -> None:
     w.close()
 
 
+def test_a_chunk_its_own_store_job_evicted_is_reported_gone_with_its_store() -> None:
+    """An asynchronous store job (the store thread) whose later chunk evicts an earlier one
+    from RAM, the only tier: the eviction reaches a report taken while the job is not yet
+    joined, its store the report of the step that joins it. The store's report says the
+    chunk is gone too: a scheduler told of the removal first, then of the store, would
+    believe it held."""
+    w = worker(ram_of(1, []))
+    locator = ChunkLocator({}, max_keys=64)
+    a, b = b"a" * 16, b"b" * 16
+    w.store(KVTierMetadata(stores=[ChunkTransfer(key=a, block_ids=(0, 1)),
+                                   ChunkTransfer(key=b, block_ids=(2, 3))],
+                           stores_async=True, step=1))
+    w._saving[0][2].result(5.0)  # the job ran; not joined
+    assert learn(locator, w) == {a}  # its events: a stored, then evicted by b
+    w.finish_stores()  # joined: a and b reported stored
+    learn(locator, w)
+    assert locator.locate("a", [a]) == MISS
+    assert locator.locate("b", [b]) == Located.prefix(1)
+    w.close()
+
+
 def test_removals_past_a_reports_bound_are_reported_later(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A report decides at most MAX_REMOVED_INLINE removed chunks on the model runner's

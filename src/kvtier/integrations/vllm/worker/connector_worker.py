@@ -371,6 +371,13 @@ class ConnectorWorker:
                 stored = {t.key for t in job.stored}
                 self._gone -= stored
                 self._stored_while_checking |= stored
+            if self._local is not None:
+                # Evicted before its job was joined (the job's own later chunks, a job
+                # beside it): that removal may have gone in an earlier report than this
+                # store, so it goes in this one too, else the scheduler would believe the
+                # chunk held.
+                self._report.removed.update(
+                    key for key in stored if self._local.contains_without_io(key) is False)
         for transfer in job.stored:
             self._report.stored.add(transfer.key)
             self._stats.add("stored_tokens",
