@@ -7,7 +7,7 @@ which the tiers turn into misses), for requests kvtier does not cache, and for t
 tools' servers.
 
 Primitives: `KVTierError`, `ConfigError`, `TierConfigError`, `TierUnavailable`,
-`CorruptChunk`, `CodecFailure`, `AuthFailure`, `KeyNotHeld`, `UncacheableRequest`,
+`LinkTimeout`, `CorruptChunk`, `CodecFailure`, `AuthFailure`, `KeyNotHeld`, `UncacheableRequest`,
 `WarmupError`, `ServerError`.
 """
 
@@ -48,6 +48,11 @@ class TierUnavailable(KVTierError):
 class NodeUnavailable(TierUnavailable):
     """The node's cache (`kvtier node`) did not answer in time, is down, stopped or
     restarting, or answered nonsense: the engine misses (kvtier.node.client)."""
+
+
+class LinkTimeout(KVTierError):
+    """A measure of a tier's link found its deadline passed between two of its steps (it
+    stops there; the tier gives no estimate: kvtier.tiers.links)."""
 
 
 class CorruptChunk(KVTierError):

@@ -10,7 +10,7 @@ timing is repeated only while the deadline leaves room for one more as long as t
 slow link is measured once rather than not at all), and parallel reads run on daemon threads
 (a read blocked in a hung mount must not hold up the interpreter's exit).
 
-Primitives: `BoundedMeasure`, `LinkTimeout`, `LINK_DEADLINE_S`, `check_deadline`, `best_of`,
+Primitives: `BoundedMeasure`, `LINK_DEADLINE_S`, `check_deadline`, `best_of`,
 `in_parallel`.
 """
 
@@ -22,16 +22,13 @@ import time
 from collections.abc import Callable, Sequence
 
 from kvtier.core.tier import LinkSpeed
+from kvtier.errors import LinkTimeout
 
 log = logging.getLogger(__name__)
 # A measure moves 5-10 MiB (a probe file's write and a round of reads; an s3 probe's PUT and
 # a round of GETs): 5 s covers a link down to ~20 Mbit/s to a directory, ~10 Mbit/s to s3;
 # a slower one (or a hung mount) gives no estimate.
 LINK_DEADLINE_S = 5.0
-
-
-class LinkTimeout(Exception):
-    """A measure found its deadline passed between two of its steps (it stops there)."""
 
 
 class BoundedMeasure:
