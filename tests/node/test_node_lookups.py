@@ -21,6 +21,8 @@ import pytest
 from nodekit import connect, key, node_tiers, put_chunks, wait_for
 
 from kvtier.core.keys import ChunkKey
+from kvtier.core.locator import ChunkLocator, Located
+from kvtier.errors import NodeUnavailable
 from kvtier.node.client import NodeProbe, NodeStore
 from kvtier.node.protocol import BELOW_TIER, RAM_TIER
 from kvtier.node.server import NodeServer
@@ -75,7 +77,7 @@ def test_ram_lookup_never_asks_the_tiers_below(tmp_path: Path, in_process_node: 
 
 def test_a_slow_lookup_below_ram_is_not_a_node_down(tmp_path: Path, in_process_node: Node,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """A lookup of every tier that outlives its deadline (a remote store stalled) is a miss,
+    """A lookup of every tier that outlives its deadline (a remote store stalled) fails,
     and the node's RAM still answers at once: the node is not marked down (which would make
     every lookup and load a miss for `retry_s`)."""
     with in_process_node(node_tiers(tmp_path, ram_chunks=4, disk_chunks=16)) as node:
@@ -89,8 +91,8 @@ def test_a_slow_lookup_below_ram_is_not_a_node_down(tmp_path: Path, in_process_n
         monkeypatch.setattr(layout.store.tiers[1], "contains",
                             lambda _key: release.wait(30))
         try:
-            every = NodeProbe([client], ram_only=False)
-            assert every.contains_many([key(0)]) == [False]  # no answer within 0.5 s
+            with pytest.raises(NodeUnavailable):  # no answer within 0.5 s: a miss
+                NodeProbe([client], ram_only=False).contains_many([key(0)])
             assert NodeProbe([client]).contains_many([key(7)]) == [True]
             assert client.failures == 0
         finally:
@@ -135,3 +137,30 @@ def test_the_node_measures_its_remote_tiers_links(tmp_path: Path, in_process_nod
         (speed,) = engine.measure_links().values()
         assert list(engine.measure_links()) == [BELOW_TIER]
         assert 0 < speed.round_trip_s < 5 and speed.bytes_per_s > 0
+
+
+def test_a_chunk_the_node_evicted_is_a_miss_not_a_stale_hit(tmp_path: Path,
+                                                           in_process_node: Node) -> None:
+    """Node mode's locator asks the node's RAM before its index of this engine's stores
+    (`index_first` False): another engine's stores evict them from the node's RAM, and no
+    report tells this engine. An evicted chunk is a miss, where the index would offer it (a
+    failed load, recomputed). A node down: the index answers (its slab is read in place)."""
+    with in_process_node(node_tiers(tmp_path, ram_chunks=4)) as node:
+        client, engine = connect(node.config.socket_path, timeout_s=30, retry_s=60)
+        _, neighbour = connect(node.config.socket_path, timeout_s=30, engine="neighbour")
+        mine = [key(i) for i in range(4)]
+        assert put_chunks(engine, range(4)) == [True] * 4
+        locators = {first: ChunkLocator({RAM_TIER: NodeProbe([client])}, max_keys=100,
+                                        index_first=first) for first in (True, False)}
+        for locator in locators.values():
+            locator.record_stored(mine)  # the worker's report
+            assert locator.locate("a", mine) == Located.prefix(4)
+        assert put_chunks(neighbour, range(10, 14)) == [True] * 4  # evicts every one of mine
+        assert locators[False].locate("b", mine) == Located.prefix(0)
+        assert locators[True].locate("b", mine) == Located.prefix(4)  # stale: what it fixes
+        assert locators[False].first_held([key(3), key(12)]) == 1  # not the evicted one
+        assert put_chunks(engine, range(2)) == [True] * 2
+        assert locators[False].locate("c", mine) == Located.prefix(2)
+    # The node is gone: what this engine stored (the index) is offered.
+    assert locators[False].locate("d", mine) == Located.prefix(4)
+    assert locators[False].first_held([key(9), key(3)]) == 1

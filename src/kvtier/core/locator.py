@@ -12,6 +12,10 @@ Two sources, in order:
      Redis that never replies) leaves the rest of the prefix a miss, and no slow probe is
      started until it returns (the scheduler goes on with the index and the local probes).
 A stale answer costs a failed load (reported to the engine and recomputed), never wrong KV.
+Where the inline probe answers for every chunk stored and evictions are not reported (node
+mode: the node's RAM, which every engine's stores evict from), it is asked first and the index
+only while it cannot answer (`index_first` False: a node down, whose slab the engine still
+reads in place), so that a chunk the node evicted is a miss, not a failed load.
 
 The probes are the tiers' (`kvtier.core.tier.Probe`, built by a tier class that is a
 `ProbeSource`).
@@ -32,6 +36,7 @@ from enum import Enum, auto
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.tier import BatchLookup, Probe
+from kvtier.errors import TierUnavailable
 
 log = logging.getLogger(__name__)
 FIRST_BATCH = 8  # keys in a batch probe's first ask (then 16, 32, ...)
@@ -132,17 +137,23 @@ class ChunkLocator:
     """Index + probes. Called from one thread (the scheduler's); probes run on its own."""
 
     def __init__(self, probes: Mapping[str, Probe], max_keys: int,
-                 timeout_s: float = 2.0) -> None:
+                 timeout_s: float = 2.0, index_first: bool = True) -> None:
         """Args:
             probes: the probes of the tiers this process can see (see `Probe`), by tier
-                name, fastest tier first.
+                name, fastest tier first. An inline probe that cannot answer now raises
+                TierUnavailable (then: the index alone).
             max_keys: the index's bound.
             timeout_s: how long a lookup may wait for the slow probes (then: a miss).
+            index_first: the index answers before the inline probes; False: they do, and
+                past what they find, the index's keys a slow probe found; the whole index
+                only while they cannot answer (see above).
         """
         self.index = ChunkIndex(max_keys)
+        self._index_first = index_first
         self._inline = [(name, p) for name, p in probes.items() if p.blocking_ok]
         self._all = list(probes.items())
-        self._slow = len(self._inline) < len(self._all)
+        self._slow_names = {name for name, p in probes.items() if not p.blocking_ok}
+        self._slow = bool(self._slow_names)
         self._pool = (ThreadPoolExecutor(2, thread_name_prefix="kvtier-probe") if self._slow
                       else None)
         self._timeout_s = timeout_s
@@ -162,8 +173,7 @@ class ChunkLocator:
     def locate(self, request_id: str, keys: Sequence[ChunkKey]) -> Located:
         """How many leading `keys` are held: HIT (or MISS), or RETRY while a slow probe for
         this request runs (ask again on a later call). Scheduler thread only."""
-        held = self.index.prefix_length(keys)
-        held = self._extend(held, keys, _probed_prefix(self._inline, keys[held:]))
+        held = self._held_now(keys)
         if held == len(keys) or not self._slow:
             self._pending.pop(request_id, None)
             return Located.prefix(held)
@@ -190,17 +200,43 @@ class ChunkLocator:
         found = future.result() if future.exception() is None else []
         return Located.prefix(max(held, self._extend(start, keys, found)))
 
+    def _held_now(self, keys: Sequence[ChunkKey]) -> int:
+        """Leading `keys` held by what answers at once: the index and the inline probes."""
+        if self._index_first:
+            held = self.index.prefix_length(keys)
+            return self._extend(held, keys, self._inline_prefix(keys[held:]))
+        try:  # what they find is indexed too: for when they cannot tell (a node down)
+            held = self._extend(0, keys, _probed_prefix(self._inline, keys))
+        except TierUnavailable:
+            return self.index.prefix_length(keys)  # what was stored or found, meanwhile
+        for key in keys[held:]:  # then what a slow probe found
+            if self.index.found_in(key) not in self._slow_names:
+                break
+            held += 1
+        return held
+
+    def _inline_prefix(self, keys: Sequence[ChunkKey]) -> list[str]:
+        try:
+            return _probed_prefix(self._inline, keys)
+        except TierUnavailable:
+            return []
+
     def first_held(self, keys: Sequence[ChunkKey]) -> int | None:
         """The index of the first of `keys` held (alternatives, e.g. a chunk's tails, longest
         first), or None: the index, then each inline probe asked once for all of them
         (`BatchLookup`: one round trip). Slow probes are not asked (a miss costs no RETRY):
         a chunk only they hold is found once an engine reports it stored. Scheduler thread."""
-        for i, key in enumerate(keys):
-            if key in self.index:
-                return i
+        indexed = next((i for i, key in enumerate(keys) if key in self.index), None)
+        if self._index_first and indexed is not None:
+            return indexed
         for name, probe in self._inline:
-            held = (probe.contains_many(list(keys)) if isinstance(probe, BatchLookup)
-                    else [probe.contains(key) for key in keys])
+            try:
+                held = (probe.contains_many(list(keys)) if isinstance(probe, BatchLookup)
+                        else [probe.contains(key) for key in keys])
+            except TierUnavailable:
+                if not self._index_first:
+                    return indexed  # what was stored, while the probe cannot tell
+                continue
             first = next((i for i, h in enumerate(held) if h), None)
             if first is not None:
                 self.index.add(keys[first], name)

@@ -659,7 +659,8 @@ class NodeProbe:
     tiers: one of the node's RAM (`ram_only`: an index lookup, asked inline on the
     scheduler's thread) and, where the node has tiers below RAM, one of every tier (a remote
     store's round trips: asked off that thread, `blocking_ok` False). Each call is bounded by
-    the client's deadline, and a node down answers "not held" at once."""
+    the client's deadline; a node down raises NodeUnavailable at once (the locator then
+    answers from what this engine stored: chunks it still reads in place)."""
 
     def __init__(self, clients: Sequence[NodeClient], *, ram_only: bool = True) -> None:
         self._clients = list(clients)
@@ -678,11 +679,8 @@ class NodeProbe:
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
         found = [True] * len(keys)
         for client in self._clients:
-            try:
-                held = client.call(Lookup(list(keys), self._ram_only), Found,
-                                   slow=not self._ram_only).held
-            except NodeUnavailable:
-                return [False] * len(keys)
+            held = client.call(Lookup(list(keys), self._ram_only), Found,
+                               slow=not self._ram_only).held
             found = [f and h for f, h in zip(found, held)]
         return found
 

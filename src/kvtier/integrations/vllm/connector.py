@@ -244,7 +244,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             locator = ChunkLocator({name: p for name, p in probes.items() if p is not None},
                                    self._config.index_keys(
                                        sum(layout.bytes_per_chunk for layout in layouts)),
-                                   timeout_s=self._config.store.lookup_timeout_s)
+                                   timeout_s=self._config.store.lookup_timeout_s,
+                                   # the node's RAM first: other engines evict from it
+                                   index_first=not self._config.node)
             events = vllm_config.kv_events_config
             self._scheduler = ConnectorScheduler(
                 self._config, block_size=self._block_size,
