@@ -12,9 +12,12 @@ OpenAI server on 127.0.0.1 serves the generated "bench" model (`kvtier.testing.t
     gathered on the store thread.
   - `kvtier-auto` (not run by default): the connector's default rule.
   - `kvtier-node` (not run by default): `kvtier-async`'s modes with the tiers in a `kvtier
-    node` process (the same memory tier, in its shared memory, over the same lower tier):
-    the engine only copies from the node's RAM; the disk or redis reads run off its
-    interpreter.
+    node` process (a memory tier in its shared memory, over the same lower tier): the engine
+    only copies from the node's RAM; the disk or redis reads run off its interpreter. The
+    node reads a chunk from below RAM into a RAM slot, which it lends: its RAM has room for
+    every arrival's load besides `memory_tier_chunks` (a node's RAM holds GBs; one that had
+    none would send the bytes over its socket), and is emptied after the warm-up (the node
+    restarted), so that the prefixes come back from below RAM, as in process.
   - `vllm-prefix` (not run by default): no kvtier, and vLLM's own prefix cache is not reset,
     so the arrivals hit it: the floor, what the arrivals' own new tokens cost the streams
     with a free load.
@@ -64,7 +67,7 @@ from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
@@ -91,6 +94,9 @@ from kvtier.tools.bench.serving.client import ClientConfig, run_workload
 from kvtier.tools.bench.serving.stats import Percentiles, RequestResult, percentiles
 from kvtier.tools.bench.serving.workloads import Turn, Workload
 from kvtier.tools.ops.server import free_port, running_server
+
+if TYPE_CHECKING:
+    from kvtier.tools.bench.node import BenchNode
 from kvtier.tools.ops.serving import GIB, ServeCommand, ServeConfig, build_command
 
 CONFIGS = ("vllm", "kvtier-sync", "kvtier-async")
@@ -447,9 +453,11 @@ async def _timed_phase(config: InterferenceConfig, cfg: ClientConfig,
 
 
 def _measure(config: InterferenceConfig, name: str, url: str, model: str,
-             stored: StoredChunks | None, progress: Callable[[str], None]) -> ConfigRun:
+             stored: StoredChunks | None, progress: Callable[[str], None],
+             cold_ram: Callable[[], None] | None = None) -> ConfigRun:
     """Phases 1-3 against a ready server (command and startup_s left for the caller);
-    `stored`: the lower tier to wait for after the warm-up (None: no kvtier).
+    `stored`: the lower tier to wait for after the warm-up (None: no kvtier); `cold_ram`:
+    empties kvtier's RAM after it (kvtier-node: the node restarted).
 
     Raises:
         ServerError: a warm-up request failed, or the prefix cache could not be reset.
@@ -468,6 +476,9 @@ def _measure(config: InterferenceConfig, name: str, url: str, model: str,
         raise ServerError(f"{name}: a warm-up request failed: {failed[0]}")
     if stored is not None:
         _wait_for_chunks(stored, config.chunks_stored())
+    if cold_ram is not None:
+        progress(f"{name}: the node restarted, its RAM empty")
+        cold_ram()
     keep = name == "vllm-prefix"  # the floor: the arrivals hit vLLM's own cache
     if not keep:
         asyncio.run(_reset_prefix_cache(url))
@@ -510,16 +521,20 @@ def _run_config(config: InterferenceConfig, name: str, model: Path, scratch: Pat
             stored = StoredChunks(remote.url, lambda: stored_chunks(remote.url))
         elif name.startswith("kvtier") and config.tier == "disk":
             stored = _disk_chunks(scratch / name / "disk")
-        node: str | None = None
+        node: BenchNode | None = None
         if name == "kvtier-node":
-            from kvtier.tools.bench.node import node_process
+            from kvtier.tools.bench.node import restartable_node
 
             progress(f"{name}: starting kvtier node")
             memory, *below = _tiers(config, name, scratch, redis_url)
-            node = stack.enter_context(node_process(
+            if below:  # room to stage every arrival's load (a node's RAM holds GBs)
+                memory["capacity"] += config.chunks_stored() * TOKENS_PER_CHUNK \
+                    * KV_BYTES_PER_TOKEN
+            node = stack.enter_context(restartable_node(
                 scratch / name, memory["capacity"], below,
                 {"write_queue_depth": max(1024, config.chunks_stored())}))
-        command = server_command(config, name, model, scratch, redis_url, node)
+        command = server_command(config, name, model, scratch, redis_url,
+                                 None if node is None else node.socket_path)
 
         def attempt() -> ConfigRun:
             progress(f"{name}: starting the server")
@@ -530,8 +545,11 @@ def _run_config(config: InterferenceConfig, name: str, model: Path, scratch: Pat
                 in_ram = name.startswith("kvtier") and config.tier == "memory"
                 source = stored
                 if in_ram:
-                    source = _memory_chunks(server.url) if node is None else _node_chunks(node)
-                run = _measure(config, name, server.url, str(model), source, progress)
+                    source = (_memory_chunks(server.url) if node is None
+                              else _node_chunks(node.socket_path))
+                cold_ram = None if node is None or in_ram else node.restart
+                run = _measure(config, name, server.url, str(model), source, progress,
+                               cold_ram)
                 return dataclasses.replace(run, command=command.display(),
                                            startup_s=startup_s, ping_ms=ping_ms)
 

@@ -14,7 +14,8 @@ timed over several trials (median):
     slab.
 Also timed: one control round trip (a one-key `Lookup`), the price of each call.
 
-Primitives: `NodeBenchConfig`, `NodeBenchResult`, `run_node_bench`, `node_process`.
+Primitives: `NodeBenchConfig`, `NodeBenchResult`, `run_node_bench`, `node_process`,
+`restartable_node` (`BenchNode`).
 """
 
 from __future__ import annotations
@@ -188,32 +189,65 @@ def node_process(root: Path, capacity: str | int, below: Sequence[dict[str, Any]
     `below` (their configs), and the store's other `settings` (e.g. write_queue_depth); its
     socket (also `kvtier bench ttft`'s kvtier-node engine). Its RAM slabs are removed when
     it stops (`--drop-ram`): a benchmark leaves nothing in /dev/shm."""
-    root = root.absolute()  # engines take the socket's absolute path only
-    root.mkdir(parents=True, exist_ok=True)
-    config = root / "node.yaml"
-    config.write_text(yaml.safe_dump(
-        {**(settings or {}), "tiers": [{"kind": "memory", "capacity": capacity}, *below]}))
-    socket_path = str(root / "node.sock")
-    name = f"bench-{os.getpid()}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvtier.node", "serve", "--config",
-         str(config), "--socket", socket_path, "--name", name, "--drop-ram"],
-        stdout=subprocess.DEVNULL, stderr=(root / "node.log").open("wb"))
-    try:
+    with restartable_node(root, capacity, below, settings) as node:
+        yield node.socket_path
+
+
+class BenchNode:
+    """`node_process`'s node, which a benchmark may restart (`restart`: its RAM empty, its
+    tiers below RAM as they were)."""
+
+    def __init__(self, root: Path, capacity: str | int, below: Sequence[dict[str, Any]],
+                 settings: dict[str, Any] | None) -> None:
+        self.root = root.absolute()  # engines take the socket's absolute path only
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.config = self.root / "node.yaml"
+        self.config.write_text(yaml.safe_dump(
+            {**(settings or {}), "tiers": [{"kind": "memory", "capacity": capacity}, *below]}))
+        self.socket_path = str(self.root / "node.sock")
+        self.name = f"bench-{os.getpid()}"
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        """Raises RuntimeError: the node did not answer within a minute."""
+        self._proc = proc = subprocess.Popen(
+            [sys.executable, "-m", "kvtier.node", "serve", "--config", str(self.config),
+             "--socket", self.socket_path, "--name", self.name, "--drop-ram"],
+            stdout=subprocess.DEVNULL, stderr=(self.root / "node.log").open("ab"))
         deadline = time.monotonic() + 60
         while True:
             try:
-                node_status(socket_path, timeout_s=1)
-                break
+                node_status(self.socket_path, timeout_s=1)
+                return
             except NodeUnavailable:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError("the node did not start: "
-                                       + (root / "node.log").read_text()[-2000:]) from None
+                                       + (self.root / "node.log").read_text()[-2000:]) from None
                 time.sleep(0.1)
-        yield socket_path
-    finally:
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
         proc.terminate()
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+    def restart(self) -> None:
+        """Stop (the RAM slabs dropped) and start again: the engines reconnect by themselves."""
+        self.stop()
+        self.start()
+
+
+@contextlib.contextmanager
+def restartable_node(root: Path, capacity: str | int, below: Sequence[dict[str, Any]] = (),
+                     settings: dict[str, Any] | None = None) -> Iterator[BenchNode]:
+    """`node_process`, as a `BenchNode`; stopped on exit."""
+    node = BenchNode(root, capacity, below, settings)
+    try:
+        node.start()
+        yield node
+    finally:
+        node.stop()

@@ -92,7 +92,8 @@ class ConnectorScheduler:
         self._loads = LoadPlanner(config.load_mode,
                                   config.tier_names(),
                                   several_groups, config.tokens_per_chunk,
-                                  config.load_when_for(kv_role))
+                                  config.load_when_for(kv_role),
+                                  stores_stay=not config.node)
         self._failures = LoadFailures()
         self._retire = False  # a cache reset since the last plan (reset_cache)
         self._stores = StorePlanner(

@@ -48,7 +48,8 @@ class LoadPlanner:
     (scheduler thread)."""
 
     def __init__(self, load_mode: str, tiers: Sequence[str], several_groups: bool,
-                 tokens_per_chunk: int, load_when: str = "faster") -> None:
+                 tokens_per_chunk: int, load_when: str = "faster",
+                 stores_stay: bool = True) -> None:
         """Args:
             load_mode: config.LOAD_MODES ("auto", "sync", "async").
             tiers: the names of the workers' tiers, fastest (RAM) first.
@@ -58,6 +59,9 @@ class LoadPlanner:
             several_groups: the model has several KV cache groups: every load is async
                 (vLLM 0.32 takes no block-level load failure then: it stops with a
                 RuntimeError; an asynchronous load fails by request, recomputed).
+            stores_stay: a chunk the workers stored is in the top tier until their events
+                say otherwise; False in node mode (another engine's stores evict it from
+                the node's RAM, unreported): where a chunk lies is what the lookup found.
         """
         if several_groups and load_mode == "sync":
             logger.warning("kvtier: load_mode 'sync' ignored: a model with several KV cache "
@@ -65,6 +69,7 @@ class LoadPlanner:
                            "request there)")
         self._mode = "async" if several_groups else load_mode
         self._top_tier = tiers[0]
+        self._stores_stay = stores_stay
         self._holders = Holders(tiers, HOLDERS_MAX_KEYS)
         self._costs = LoadCosts(tiers)
         self._steps = EngineSteps()
@@ -195,7 +200,7 @@ class LoadPlanner:
             self._costs.set_prior(tier, chunk_s)
         for sample in report.load_samples:
             self._costs.observe_load(sample)
-        for key in report.stored:  # stores go to the top tier
+        for key in report.stored if self._stores_stay else ():  # stores go to the top tier
             self._holders.stored(key, self._top_tier)
         for event in report.events:
             if event.kind is EventKind.STORED:
