@@ -67,6 +67,12 @@ READ_AHEAD_BYTES = 32 << 20
 # round trips and, on the link, redis 3 x 2 x 256 KiB: 0.13 s of a 100 Mbit/s link a minute;
 # s3 9 MiB, a shared directory 10 MiB: ~0.8 s of it, tiers/s3/link.py, tiers/files/linkfile.py).
 LINK_MEASURE_S = 60.0
+# A tier's prior is the best of its last LINK_WINDOW measures, and the first ones come
+# LINK_FIRST_S apart: a measure taken while the machine is busy (the engine starting up, a
+# burst of writes) reads a link slower than it is, and a tier cut by its prior is not tried
+# (offer.py), where one estimated too fast is: its first timed loads correct it.
+LINK_WINDOW = 3
+LINK_FIRST_S = 10.0
 # Removed chunks a report decides on the model runner's thread at most (RAM lookups, ~1 us
 # each); more in one report (a flood of evictions) are asked on the report thread.
 MAX_REMOVED_INLINE = 1024
@@ -179,9 +185,11 @@ class ConnectorWorker:
         # Measured again every LINK_MEASURE_S: a tier judged slow by its estimate is not
         # tried with users' requests (offer.py), so its estimate must follow its link.
         self._priors_s: dict[str, float] = {}
+        self._link_history: dict[str, deque[float]] = {}  # tier -> its last estimates
         self._links = store if isinstance(store, LinkMeasuring) else None
         self._load_batch = load_batch
         self._links_measured_s = -math.inf
+        self._link_measures = 0
 
     def place_states(self, meta: KVTierMetadata) -> None:
         """Copy asynchronously loaded states into the blocks this step's forward reads them
@@ -477,8 +485,10 @@ class ConnectorWorker:
             if event.kind == "removed":
                 removed.append(event.key)
         now = time.monotonic()
-        if self._links is not None and now >= self._links_measured_s + LINK_MEASURE_S:
+        every_s = LINK_MEASURE_S if self._link_measures >= LINK_WINDOW else LINK_FIRST_S
+        if self._links is not None and now >= self._links_measured_s + every_s:
             self._links_measured_s = now
+            self._link_measures += 1
             self._checker.submit(self._measure_links, self._links, self._load_batch)
         if removed:
             self._report_removed(list(dict.fromkeys(removed)))
@@ -524,8 +534,11 @@ class ConnectorWorker:
     def _measure_links(self, store: LinkMeasuring, load_batch: int) -> None:
         """Estimate each remote tier's seconds per chunk from its link, `load_batch` reads
         at once (report thread); the next report carries them (the scheduler logs them)."""
-        priors = {tier: speed.read_s(self._chunk_bytes, load_batch)
-                  for tier, speed in store.measure_links().items()}
+        priors = {}
+        for tier, speed in store.measure_links().items():
+            history = self._link_history.setdefault(tier, deque(maxlen=LINK_WINDOW))
+            history.append(speed.read_s(self._chunk_bytes, load_batch))
+            priors[tier] = min(history)
         if priors:
             logger.debug("kvtier: remote tiers' estimated restore seconds per chunk, before "
                         "any load: %s", {tier: round(s, 4) for tier, s in priors.items()})
