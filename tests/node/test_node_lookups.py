@@ -22,6 +22,7 @@ from nodekit import connect, key, node_tiers, put_chunks, wait_for
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.locator import ChunkLocator, Located
+from kvtier.core.tier import LinkSpeed
 from kvtier.errors import NodeUnavailable
 from kvtier.node.client import NodeProbe, NodeStore
 from kvtier.node.protocol import BELOW_TIER, RAM_TIER
@@ -126,17 +127,32 @@ def test_a_load_names_the_tier_it_came_from(tmp_path: Path, in_process_node: Nod
 
 
 def test_the_node_measures_its_remote_tiers_links(tmp_path: Path, in_process_node: Node,
-                                                  redis_url: str) -> None:
+                                                  redis_url: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The node measures its tiers' links itself, first at the layout's first hello (idle
+    then), and answers MeasureLinks with each tier's best of its last measures: one taken
+    while the node is busy does not make the engines' prior slow."""
     config: dict[str, Any] = node_tiers(tmp_path, ram_chunks=4, disk_chunks=16)
     with in_process_node(config) as node:
         _, engine = connect(node.config.socket_path, timeout_s=30)
-        assert engine.measure_links() == {}  # a local disk has no link
+        engine.flush(timeout_s=5)  # a round trip: the hello's measure has had its time
+        assert engine.measure_links() == {}  # a 64 KiB disk tier has no room to measure
     config["tiers"].append({"kind": "redis", "url": redis_url, "capacity": "1MiB"})
     with in_process_node(config) as node:
         _, engine = connect(node.config.socket_path, timeout_s=30)
-        (speed,) = engine.measure_links().values()
-        assert list(engine.measure_links()) == [BELOW_TIER]
+        links = wait_for(engine.measure_links, 30, "the first measure of the node's links")
+        assert list(links) == [BELOW_TIER]
+        (speed,) = links.values()
         assert 0 < speed.round_trip_s < 5 and speed.bytes_per_s > 0
+        # A measure while the node is busy reads the link slow: the answer keeps the best.
+        (layout,) = node._layouts.values()
+        monkeypatch.setattr(layout.store, "measure_links",
+                            lambda: {"redis": LinkSpeed(9.0, 1.0)})
+        monkeypatch.setattr(layout.links, "_measured_s", -float("inf"))  # a minute passed
+        engine.measure_links()
+        wait_for(lambda: not layout.links._running, 10, "the slow measure")
+        (kept,) = engine.measure_links().values()
+        assert kept == speed
 
 
 def test_a_chunk_the_node_evicted_is_a_miss_not_a_stale_hit(tmp_path: Path,

@@ -5,6 +5,8 @@ interpreter.
                one thread per engine connection, leases that end with the connection
   client.py    `NodeStore` (the connector's store in node mode), `NodeProbe` (its lookups)
   protocol.py  the control messages (msgspec), one round trip per load or step of stores
+  links.py     `NodeLinks`: the links of its tiers below RAM, measured by the node (the
+               engines' prior for a load from below its RAM)
   events.py    `NodeEvents`: the tiers' KV events for routers, once for the node's engines
                (`--events-endpoint`), in vLLM's wire format (eventwire.py, without vLLM)
   metrics.py   `NodeCollector`: the node's own Prometheus metrics (kvtier_node_*), read at

@@ -188,8 +188,9 @@ class Status(msgspec.Struct, tag=True):
 
 
 class MeasureLinks(msgspec.Struct, tag=True):
-    """The links of the node's remote tiers (`TieredStore.measure_links`), answered as an
-    `Answer` of {tier: [round trip s, bytes a second]}: the engine's prior for a load from
+    """The links of the node's tiers below RAM as the node measured them (`NodeLinks`: each
+    tier's best of its last measures), answered as an `Answer` of {tier: [round trip s,
+    bytes a second]} (empty until its first measure ends): the engine's prior for a load from
     below the node's RAM before one is timed."""
 
 

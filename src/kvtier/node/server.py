@@ -46,6 +46,7 @@ from kvtier.core.store import ChunkView, PendingPut, TieredStore
 from kvtier.errors import ConfigError
 from kvtier.node.eventpub import check_endpoint
 from kvtier.node.events import NodeEvents
+from kvtier.node.links import NodeLinks
 from kvtier.node.protocol import (
     HELD,
     MAX_FRAME,
@@ -156,6 +157,7 @@ class _Layout:
     memory: MemoryTier
     welcome: Welcome
     model: str  # its first engine's model (a label of the node's metrics)
+    links: NodeLinks  # its tiers' links, measured by the node (MeasureLinks' answer)
 
 
 @dataclass
@@ -292,10 +294,12 @@ class NodeServer:
             if self.events is not None:
                 self.events.add_layout(store, hello.model, layout.tokens_per_chunk,
                                        announce=layout.tp_rank == 0, clear=not recovering)
-            self._layouts[digest] = known = _Layout(store, memory, welcome, hello.model)
+            self._layouts[digest] = known = _Layout(store, memory, welcome, hello.model,
+                                                    NodeLinks(store, memory.chunk_bytes))
             log.info("kvtier node: layout %s (%s, %d B chunks): %d RAM slots in %s",
                      digest[:16], hello.model, memory.chunk_bytes, memory.num_slots,
                      welcome.shm_path)
+        known.links.refresh()  # while the node is idle: no store or load of it yet
         # A predecessor's slab (a restart) is recovered behind the engines' requests.
         threading.Thread(target=self._recover, args=(digest, memory), daemon=True,
                          name=f"kvtier-recover-{digest[:8]}").start()
@@ -585,8 +589,9 @@ def _answer(node: NodeServer, owner: int, layout: _Layout, request: Request,
         # One batch per remote tier below RAM, not a round trip per key.
         return Found(layout.store.contains_many(keys))
     if isinstance(request, MeasureLinks):
+        layout.links.refresh()  # in the background, when due: the answer is what is known
         return Answer({name: [speed.round_trip_s, speed.bytes_per_s]
-                       for name, speed in layout.store.measure_links().items()})
+                       for name, speed in layout.links.best().items()})
     if isinstance(request, Borrow):
         return node.borrow(owner, layout, request, spares)
     if isinstance(request, Reserve):

@@ -1,0 +1,63 @@
+"""The links of a node's tiers below RAM, measured by the node itself (`NodeLinks`): the prior
+of the engines' `node-below` tier (load-or-recompute, issue 45) before a load from it is timed.
+
+Each layout's are measured first when its first engine says hello, off the hello's thread (the
+node is idle then: no store or load of the layout yet), and again on a `MeasureLinks` once
+LINK_MEASURE_S has passed, in the background (the engine gets what is known at once). Each
+tier's answer is the best of its last LINK_WINDOW measures: a measure taken while the node is
+busy (an engine's stores going to disk, reads for other engines) reads a link slower than it
+is, and a tier judged slower than recompute by its prior alone is not tried; one judged too
+fast is, and its first timed loads correct it.
+
+Primitives: `NodeLinks`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+from kvtier.core.store import TieredStore
+from kvtier.core.tier import LinkSpeed
+
+LINK_MEASURE_S = 60.0  # a measure at most this often
+LINK_WINDOW = 3  # measures a tier's best is taken from
+
+
+class NodeLinks:
+    """One layout's tiers' links (see the module docstring). Thread-safe."""
+
+    def __init__(self, store: TieredStore, chunk_bytes: int) -> None:
+        self._store = store
+        self._chunk_bytes = chunk_bytes
+        self._lock = threading.Lock()
+        self._measures: dict[str, deque[LinkSpeed]] = {}
+        self._measured_s = -float("inf")
+        self._running = False
+
+    def refresh(self) -> None:
+        """Measure again on a thread of its own, unless one runs or LINK_MEASURE_S has not
+        passed since the last."""
+        with self._lock:
+            if self._running or time.monotonic() < self._measured_s + LINK_MEASURE_S:
+                return
+            self._running = True
+            self._measured_s = time.monotonic()
+        threading.Thread(target=self._measure, daemon=True, name="kvtier-node-links").start()
+
+    def best(self) -> dict[str, LinkSpeed]:
+        """Each measured tier's fastest link of its last LINK_WINDOW measures (for a chunk)."""
+        with self._lock:
+            return {tier: min(speeds, key=lambda s: s.read_s(self._chunk_bytes))
+                    for tier, speeds in self._measures.items() if speeds}
+
+    def _measure(self) -> None:
+        try:
+            speeds = self._store.measure_links()  # never raises for I/O
+        finally:
+            with self._lock:
+                self._running = False
+        with self._lock:
+            for tier, speed in speeds.items():
+                self._measures.setdefault(tier, deque(maxlen=LINK_WINDOW)).append(speed)
