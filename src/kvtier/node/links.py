@@ -1,13 +1,13 @@
 """The links of a node's tiers below RAM, measured by the node itself (`NodeLinks`): the prior
 of the engines' `node-below` tier (load-or-recompute, issue 45) before a load from it is timed.
 
-Each layout's are measured first when its first engine says hello, off the hello's thread (the
-node is idle then: no store or load of the layout yet), and again on a `MeasureLinks` once
-LINK_MEASURE_S has passed, in the background (the engine gets what is known at once). Each
-tier's answer is the best of its last LINK_WINDOW measures: a measure taken while the node is
-busy (an engine's stores going to disk, reads for other engines) reads a link slower than it
-is, and a tier judged slower than recompute by its prior alone is not tried; one judged too
-fast is, and its first timed loads correct it.
+Each layout's are measured on a `MeasureLinks` (an engine's worker asks at start-up, then
+every 10 s, then every minute), at most once a LINK_MEASURE_S, in the background: the engine
+gets what is known at once (nothing, the first time). Each tier's answer is the best of its last
+LINK_WINDOW measures: a measure taken while the node is busy (engines starting, their stores
+going to disk, reads for other engines) reads a link slower than it is, and a tier judged slower
+than recompute by its prior alone is not tried; one judged too fast is, and its first timed
+loads correct it.
 
 Primitives: `NodeLinks`.
 """
@@ -21,7 +21,7 @@ from collections import deque
 from kvtier.core.store import TieredStore
 from kvtier.core.tier import LinkSpeed
 
-LINK_MEASURE_S = 60.0  # a measure at most this often
+LINK_MEASURE_S = 10.0  # a measure at most this often (engines ask every 10-60 s)
 LINK_WINDOW = 3  # measures a tier's best is taken from
 
 

@@ -299,7 +299,6 @@ class NodeServer:
             log.info("kvtier node: layout %s (%s, %d B chunks): %d RAM slots in %s",
                      digest[:16], hello.model, memory.chunk_bytes, memory.num_slots,
                      welcome.shm_path)
-        known.links.refresh()  # while the node is idle: no store or load of it yet
         # A predecessor's slab (a restart) is recovered behind the engines' requests.
         threading.Thread(target=self._recover, args=(digest, memory), daemon=True,
                          name=f"kvtier-recover-{digest[:8]}").start()
