@@ -102,6 +102,7 @@ from kvtier.tiers.redis.config import RedisTierConfig
 from kvtier.tiers.redis.index import RedisLRUIndex
 from kvtier.tiers.redis.inventory import RedisInventory
 from kvtier.tiers.redis.manifest import redis_manifest_name, write_redis_manifest
+from kvtier.tiers.redis.replies import Place, read_into
 from kvtier.tiers.redis.write import abort_chunk, write_chunk
 
 log = logging.getLogger(__name__)
@@ -302,7 +303,8 @@ class RedisTier:
         start = time.perf_counter()
         names = self.names.values(key)
         try:
-            values = self._run(self._endpoint(names[0]), lambda c: self._fetch(c, names))
+            values = self._run(self._endpoint(names[0]),
+                               lambda c: self._fetch(c, names, self._placer(key, out)))
         except (TierUnavailable, redis.RedisError) as exc:
             log.debug("redis tier %r: read of %s failed (%s); a miss", self.name, key.hex(), exc)
             self._counters.add(misses=1)
@@ -332,7 +334,14 @@ class RedisTier:
         self._counters.add(hits=1, bytes_read=len(out), read_s=time.perf_counter() - start)
         return OK
 
-    def _fetch(self, client: Client, names: list[str]) -> list[bytes | None]:
+    def _fetch(self, client: Client, names: list[str], place: Place) -> list[Any]:
+        """The chunk's values: header and parts (None: missing); parts `place` puts in the
+        caller's buffer come back as views of it (tiers/redis/replies.py)."""
+        server = (client.get_redis_connection(client.get_node_from_key(names[0]))
+                  if isinstance(client, RedisCluster) else client)
+        values = read_into(server, names, place, self.ttl_ms)
+        if values is not None:
+            return values
         pipe = client.pipeline(transaction=False)
         # One MGET (the values share a slot): a consistent snapshot of the chunk. Through
         # execute_command because redis-py's ClusterPipeline blocks its mget() helper.
@@ -342,7 +351,36 @@ class RedisTier:
                 pipe.pexpire(name, self.ttl_ms)
         return pipe.execute()[0]  # type: ignore[no-any-return]
 
-    def _verify_into(self, key: ChunkKey, values: list[bytes | None], out: memoryview,
+    def _placer(self, key: ChunkKey, out: memoryview) -> Place:
+        """Where a read's values go: a part of a chunk stored as is straight into its place
+        in `out` (the header read first says so: valid, plain, the payload `out`'s size);
+        anything else (the header, an encoded chunk's parts, a header in doubt) as bytes,
+        for `_verify_into` to judge."""
+        plain: list[bool] = []  # the header's verdict, once
+
+        def place(index: int, length: int, earlier: list[Any]) -> memoryview | None:
+            if index == 0:
+                return None
+            if not plain:
+                plain.append(self._plain(key, earlier[0], len(out)))
+            offset = (index - 1) * self.part_bytes
+            if not plain[0] or length != min(self.part_bytes, len(out) - offset):
+                return None
+            return out[offset : offset + length]
+
+        return place
+
+    def _plain(self, key: ChunkKey, header: bytes | None, payload_bytes: int) -> bool:
+        """Whether `header` is a valid header of `key`'s chunk stored as is, of that size."""
+        if header is None or len(header) != HEADER_BYTES:
+            return False
+        try:
+            chunk = read_header(header, key, self.names.digest)
+        except (CorruptChunk, KeyNotHeld):  # judged (and counted) by _verify_into
+            return False
+        return chunk.plain and chunk.body_bytes == chunk.payload_bytes == payload_bytes
+
+    def _verify_into(self, key: ChunkKey, values: list[Any], out: memoryview,
                      tenant: str | None) -> bool:
         """Check the header and every part's size, decode the parts of a chunk of `tenant`
         into `out` (verifying checksums). False when a part the header needs is gone
@@ -375,7 +413,8 @@ class RedisTier:
             expected = min(self.part_bytes, chunk.body_bytes - offset)
             if len(part) != expected:
                 raise CorruptChunk(f"part {i} is {len(part)} bytes, expected {expected}")
-            body[offset : offset + expected] = part
+            if not (body is out and isinstance(part, memoryview)):  # placed already (_placer)
+                body[offset : offset + expected] = part
             offset += expected
         self.encoder.decode(key, chunk, body, out, tenant)
         return True

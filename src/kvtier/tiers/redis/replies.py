@@ -1,0 +1,175 @@
+"""A chunk read's replies taken off the socket straight into the caller's buffer.
+
+redis-py hands a bulk reply over as a `bytes` object, assembled through its `SocketBuffer`: a
+`recv` of `socket_read_size` (a fresh buffer each call), a copy into a `BytesIO`, a copy out
+of it, a slice dropping the CRLF; the tier then copies the payload into its destination. For
+a 2 MiB chunk that is five copies and ~4 ms of CPU a chunk on this project's VM, most of it
+under the GIL (docs/performance.md, "redis reads' copies"). `read_into` sends the tier's read
+(an MGET, then its PEXPIREs) on one of the client's pooled connections and parses the
+replies itself: each bulk value's bytes are `recv_into`'d where `place` says, a slice of the
+destination, one copy by the kernel.
+
+Only the RESP needed here is parsed (arrays of bulk strings or nulls, integers, simple
+strings, errors; RESP2 and RESP3). A connection whose parser holds unread bytes, or a parser
+this module does not know (hiredis), is not used: `read_into` returns None and the tier reads
+through redis-py. Any failure mid-reply disconnects the connection (never returned to the
+pool half-read); socket errors come out as redis-py's (ConnectionError, TimeoutError), error
+replies as `redis.ResponseError`, as from redis-py.
+
+Primitives: `read_into`, `Place`.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import redis
+from redis._parsers import _RESP2Parser, _RESP3Parser
+from redis.connection import Connection
+
+# Where value i of an MGET reply (`length` bytes) goes, given the values read before it: a
+# writable view of exactly that many bytes, or None (a new `bytes`).
+Place = Callable[[int, int, list[Any]], memoryview | None]
+LINE_READ = 16 << 10  # bytes asked of the socket for a line (a payload's first bytes come along)
+MAX_LINE = 64  # a RESP line here: "$<length>" or ":<integer>"; longer is not this protocol
+
+
+class _Replies:
+    """RESP replies read from one socket: lines through a small buffer, bulk payloads
+    straight into their destination."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._buffer = bytearray()
+
+    def line(self) -> bytes:
+        while (end := self._buffer.find(b"\r\n")) < 0:
+            if len(self._buffer) > MAX_LINE:
+                raise redis.ConnectionError("a reply line too long: not a RESP reply")
+            self._fill()
+        line = bytes(self._buffer[:end])
+        del self._buffer[: end + 2]
+        return line
+
+    def _fill(self) -> None:
+        data = self._sock.recv(LINE_READ)
+        if not data:
+            raise redis.ConnectionError("Connection closed by server.")
+        self._buffer += data
+
+    def into(self, view: memoryview) -> None:
+        """Exactly len(view) bytes of the stream into `view`, then its CRLF."""
+        buffered = min(len(self._buffer), len(view))
+        view[:buffered] = self._buffer[:buffered]
+        del self._buffer[:buffered]
+        view = view[buffered:]
+        while view:
+            got = self._sock.recv_into(view)
+            if not got:
+                raise redis.ConnectionError("Connection closed by server.")
+            view = view[got:]
+        while len(self._buffer) < 2:
+            self._fill()
+        if self._buffer[:2] != b"\r\n":
+            raise redis.ConnectionError("a bulk value not ended by CRLF: not a RESP reply")
+        del self._buffer[:2]
+
+    def value(self, index: int, place: Place | None, earlier: list[Any]) -> Any:
+        """One reply: an int, a str (simple string), bytes or a placed view, None (null);
+        an error reply raises ResponseError."""
+        line = self.line()
+        kind, rest = line[:1], line[1:]
+        if kind in (b"$", b"="):  # bulk string (RESP3 "=": verbatim, same framing)
+            length = int(rest)
+            if length < 0:
+                return None
+            view = None if place is None else place(index, length, earlier)
+            if view is None:
+                view = memoryview(bytearray(length))
+                self.into(view)
+                return bytes(view)
+            if len(view) != length:
+                raise ValueError(f"placed {len(view)} bytes for a value of {length}")
+            self.into(view)
+            return view
+        if kind == b"_":  # RESP3 null
+            return None
+        if kind == b":":
+            return int(rest)
+        if kind == b"+":
+            return rest.decode()
+        if kind == b"-":
+            raise redis.ResponseError(rest.decode(errors="replace"))
+        raise redis.ConnectionError(f"unexpected reply type {kind!r}")
+
+    def array(self, place: Place) -> list[Any] | None:
+        line = self.line()
+        if line[:1] == b"_" or line == b"*-1":
+            return None
+        if line[:1] == b"-":
+            raise redis.ResponseError(line[1:].decode(errors="replace"))
+        if line[:1] != b"*":
+            raise redis.ConnectionError(f"expected an array reply, got {line[:16]!r}")
+        values: list[Any] = []
+        for i in range(int(line[1:])):
+            values.append(self.value(i, place, values))
+        return values
+
+    @property
+    def drained(self) -> bool:
+        return not self._buffer
+
+
+def read_into(client: redis.Redis, names: Sequence[str], place: Place,
+              ttl_ms: int | None = None) -> list[Any] | None:
+    """MGET `names` (then PEXPIRE each to `ttl_ms`, when given) in one round trip on a pooled
+    connection of `client` (a standalone server's, or one Cluster node's), each value read
+    where `place` puts it; the values (None for a missing one). None: this client's
+    connection cannot be read here (see the module docstring): use redis-py.
+
+    Raises:
+        redis.ConnectionError, redis.TimeoutError: the socket failed or timed out.
+        redis.ResponseError: the server refused a command.
+    """
+    pool = client.connection_pool
+    conn = pool.get_connection()
+    try:
+        if not _readable(conn):
+            return None
+        commands: list[tuple[Any, ...]] = [("MGET", *names)]
+        if ttl_ms:
+            commands += [("PEXPIRE", name, ttl_ms) for name in names]
+        packed = conn.pack_commands(commands)  # type: ignore[no-untyped-call]
+        conn.send_packed_command(packed)  # type: ignore[no-untyped-call]
+        sock = conn._sock  # set by connect(), which send_packed_command ensures
+        assert sock is not None
+        replies = _Replies(sock)
+        try:
+            values = replies.array(place)
+            for _ in commands[1:]:
+                replies.value(0, None, [])
+        except TimeoutError as exc:
+            raise redis.TimeoutError(f"Timeout reading from socket: {exc}") from exc
+        except OSError as exc:
+            raise redis.ConnectionError(f"Error while reading from socket: {exc}") from exc
+        if not replies.drained:  # more bytes than the replies: the connection is unsure
+            raise redis.ConnectionError("bytes after the replies: connection dropped")
+        if values is None:
+            raise redis.ConnectionError("a null reply to MGET")
+        return values
+    except BaseException:
+        conn.disconnect()  # type: ignore[no-untyped-call]
+        raise
+    finally:
+        pool.release(conn)
+
+
+def _readable(conn: Connection) -> bool:
+    """Whether `conn` has redis-py's own parser (not hiredis) holding no unread bytes."""
+    parser = getattr(conn, "_parser", None)
+    if not isinstance(parser, (_RESP2Parser, _RESP3Parser)):
+        return False
+    buffer = parser._buffer  # None until connected: send_packed_command connects
+    return buffer is None or buffer.unread_bytes() == 0
