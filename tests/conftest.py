@@ -37,7 +37,6 @@ OPTIONAL_SKIPS = re.compile("|".join([
     r"CUDA|GPU",  # tests/gpu: CI has no GPU
     r"KVTIER_TEST_S3|real bucket",  # the variants for (or not for) a real S3 endpoint
     r"bounds capacity by a periodic listing|is not InPlace",  # a tier the case is not for
-    r"vLLM's AMX CPU attention dies",  # a crash in vLLM's kernel (test_node_failures.py)
 ]))
 
 

@@ -80,8 +80,9 @@ def inject_holds(hold_dir: Path) -> None:
 
 def main() -> None:
     model_dir, config, hold_dir = Path(sys.argv[1]), json.loads(sys.argv[2]), Path(sys.argv[3])
+    overrides = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}  # LLM(...) arguments
     inject_holds(hold_dir)
-    with start_engine(model_dir, config, processes=False) as llm:
+    with start_engine(model_dir, config, processes=False, **overrides) as llm:
         say({"ready": os.getpid()})
         for line in sys.stdin:
             command = json.loads(line)

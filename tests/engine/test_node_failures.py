@@ -42,6 +42,13 @@ from nodekit import NodeProcess, short_dir, unique_name, wait_for
 pytestmark = pytest.mark.vllm
 
 MAX_TOKENS = 16
+# vLLM 0.32's CPU attention on its AMX path (bf16 with blocks of a multiple of 32 tokens, the
+# only sizes it takes: cpu_attn._get_attn_isa) died with SIGILL inside
+# cpu_attention_with_kv_cache in these engines, 5 runs of 6 on 2026-11-29 (a crash in vLLM's
+# kernel, not kvtier's; 0 of 3 the next day). Where that path would be taken, the engines
+# compute in float32 (its "vec" path): the drill runs on every CPU.
+AMX_ATTENTION = bool(torch.cpu._is_amx_tile_supported())
+ENGINE_SETTINGS: dict[str, Any] = {"dtype": "float32"} if AMX_ATTENTION else {}
 START_S = 300  # engine 1's start: vLLM imported afresh beside engine 2's start (2 cores)
 
 
@@ -107,11 +114,11 @@ def engines(tiny_model_dir: Path, node: NodeProcess,
     hold_dir = tmp_path_factory.mktemp("holds")
     process = subprocess.Popen(
         [sys.executable, str(Path(__file__).with_name("node_engine.py")), str(tiny_model_dir),
-         json.dumps(config), str(hold_dir)],
+         json.dumps(config), str(hold_dir), json.dumps(ENGINE_SETTINGS)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
     one = Engine1(process, hold_dir)
     try:
-        with start_engine(tiny_model_dir, config) as two:
+        with start_engine(tiny_model_dir, config, **ENGINE_SETTINGS) as two:
             assert one.read(START_S) == {"ready": process.pid}
             yield one, two
     finally:
@@ -153,15 +160,6 @@ def test_two_engines_storing_the_same_chunks_at_once_keep_one_copy(
     assert metric(two, HITS) - hits == loadable(400)
 
 
-# vLLM 0.32's CPU attention on its AMX path (bf16, block size 32: cpu_attn._get_attn_isa)
-# died with SIGILL inside cpu_attention_with_kv_cache in this drill's engines, 5 runs of 6
-# on 2026-11-29 (code that had passed it an hour before too): a crash in vLLM's kernel, not
-# kvtier's; the drill runs where that path is not taken, until its trigger is found.
-AMX_ATTENTION = bool(torch.cpu._is_amx_tile_supported())
-
-
-@pytest.mark.skipif(AMX_ATTENTION, reason="vLLM's AMX CPU attention dies with SIGILL in this "
-                    "drill (27th session); runs on CPUs without AMX")
 def test_an_engine_killed_mid_load_and_mid_store_leaks_nothing(
         engines: tuple[Engine1, Any], node: NodeProcess) -> None:
     one, two = engines
