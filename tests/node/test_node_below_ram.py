@@ -45,8 +45,12 @@ def test_a_chunk_ram_declines_is_sent_to_the_disk_tier_and_comes_back(
         assert node.status()["leases"] == 0
         wait_for(lambda: _disk_tier(node)["chunks"] == 3, 10, "the disk tier's writes")
         assert engine.stats().tiers[0].dropped_writes == 0
-        # They come back from the disk through RAM, whole.
+        # They come back from the disk through RAM, whole, in a Borrow timed as one from
+        # below RAM (kvtier_node_borrow_seconds{source="below"}).
         assert lend(engine, [key(i) for i in range(3)]).chunks == expected(range(3))
+        borrows = node.status()["borrow_seconds"]
+        assert (borrows["below"]["count"], borrows["ram"]["count"]) == (1, 0)
+        assert borrows["below"]["sum"] > 0
 
 
 def test_a_store_into_a_ram_all_lent_goes_below_it(

@@ -121,6 +121,13 @@ def test_the_metrics_move_by_exactly_what_an_engine_did(metrics_node: NodeProces
     assert after[tier("chunks")] == 5
     assert after[tier("used_bytes")] == 5 * SLOT_BYTES
     assert after[tier("capacity_bytes")] == 16 * SLOT_BYTES
+    # The one Borrow, timed, from RAM alone; the tier's read and write seconds exported.
+    borrows = {source: after[("kvtier_node_borrow_seconds_count",
+                              (("node", name), ("source", source)))] for source in ("ram", "below")}
+    assert borrows == {"ram": 1, "below": 0}
+    assert after[("kvtier_node_borrow_seconds_bucket",
+                  (("le", "+Inf"), ("node", name), ("source", "ram")))] == 1
+    assert after[tier("read_seconds_total")] >= 0 and after[tier("write_seconds_total")] >= 0
     # Every loan released; one engine, on the connections its threads opened; one layout.
     assert after[node_sample("leases", name)] == 0
     assert after[node_sample("engines", name)] == 1

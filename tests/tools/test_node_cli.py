@@ -29,9 +29,12 @@ def test_status_shows_the_layouts_tiers_and_engines(tmp_path: Path,
                           LAYOUT.bytes_per_chunk)
         store.plan_puts([key(1)], [DEFAULT_META])
         assert store.put(key(1), memoryview(bytes(LAYOUT.bytes_per_chunk)))
+        with store.lend_as_landed([key(1), key(2)], [memoryview(bytearray(16))]) as lending:
+            assert len(list(lending)) == 1  # a Borrow: chunk 1 from RAM, then a miss
         assert main(["node", "status", "--socket", str(socket_path)]) == 0
         table = capsys.readouterr().out
         assert LAYOUT.digest()[:8] in table and "memory" in table and "engines:" in table
+        assert "borrows: ram 1 (mean " in table and "below 0" in table
         assert main(["node", "status", "--socket", str(socket_path), "--json"]) == 0
         status = json.loads(capsys.readouterr().out)
         assert status["layouts"][LAYOUT.digest()]["tiers"][0]["chunks"] == 1

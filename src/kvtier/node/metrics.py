@@ -31,7 +31,12 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from kvtier.node.server import COUNTERS
@@ -48,6 +53,11 @@ TIER_COUNTERS: dict[str, str] = {
     "dropped_writes": "Writes the tier did not store (I/O error, full disk, full queue)",
     "bytes_read": "Payload bytes read from the tier",
     "bytes_written": "Payload bytes written to the tier",
+}
+# TierStats field -> (name, help); exported as kvtier_node_tier_<name>_total.
+TIER_SECONDS: dict[str, tuple[str, str]] = {
+    "read_s": ("read_seconds", "Seconds the tier's reads took (over its hits: per chunk)"),
+    "write_s": ("write_seconds", "Seconds the tier's writes took (over its puts: per chunk)"),
 }
 # TierStats field -> help; exported as kvtier_node_tier_<field>.
 TIER_GAUGES: dict[str, str] = {
@@ -125,12 +135,30 @@ class NodeCollector(Collector):
             for labels, tier in rows:
                 counter.add_metric(labels, tier[name])
             yield counter
+        for field, (name, text) in TIER_SECONDS.items():
+            counter = CounterMetricFamily(f"{PREFIX}tier_{name}", text, labels=TIER_LABELS)
+            for labels, tier in rows:
+                counter.add_metric(labels, tier[field])
+            yield counter
         for name, text in TIER_GAUGES.items():
             gauge = GaugeMetricFamily(f"{PREFIX}tier_{name}", text, labels=TIER_LABELS)
             for labels, tier in rows:
                 gauge.add_metric(labels, tier[name])
             yield gauge
         yield from _engine_metrics(status)
+        yield _borrow_seconds(node, status["borrow_seconds"])
+
+
+def _borrow_seconds(node: list[str], by_source: dict[str, dict[str, Any]]) -> Metric:
+    """The Borrows' seconds (node/latency.py), per source: "ram" or "below"."""
+    histogram = HistogramMetricFamily(
+        PREFIX + "borrow_seconds", "Seconds a Borrow (an engine's load) took on the node: "
+        "source ram (every chunk from the RAM slab) or below (a tier below RAM read)",
+        labels=["node", "source"])
+    for source, seen in by_source.items():
+        histogram.add_metric([*node, source],
+                             [(str(le), count) for le, count in seen["buckets"]], seen["sum"])
+    return histogram
 
 
 def _engine_metrics(status: dict[str, Any]) -> Iterator[Metric]:

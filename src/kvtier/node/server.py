@@ -46,6 +46,7 @@ from kvtier.core.store import ChunkView, PendingPut, TieredStore
 from kvtier.errors import ConfigError
 from kvtier.node.eventpub import check_endpoint
 from kvtier.node.events import NodeEvents
+from kvtier.node.latency import Latencies
 from kvtier.node.links import NodeLinks
 from kvtier.node.protocol import (
     HELD,
@@ -187,6 +188,7 @@ class NodeServer:
         self._sockets: dict[int, socket.socket] = {}  # connection id -> its socket
         self._closed = threading.Event()  # set when `shutdown` has closed everything
         self.counters = NodeCounters()
+        self.borrow_seconds = Latencies()  # per source: RAM alone, or a tier below it
         self.events = None if config.events_endpoint is None else NodeEvents(
             config.events_endpoint, config.name,
             {t.tier_name: t.kind for t in config.store.tiers}, self.counters.add,
@@ -247,6 +249,7 @@ class NodeServer:
             "event_block_size": self.config.event_block_size,
             "connections": len(self._connections), "leases": leases,
             "counters": self.counters.snapshot(),
+            "borrow_seconds": self.borrow_seconds.snapshot(),
             "layouts": {digest: {
                 "model": layout.model, "shm_path": layout.welcome.shm_path,
                 "chunk_bytes": layout.welcome.chunk_bytes,
@@ -330,7 +333,8 @@ class NodeServer:
             spares = []
         while len(spares) < len(keys):
             spares.append(memoryview(mmap.mmap(-1, layout.memory.chunk_bytes)))
-        until = None if request.budget_s is None else time.monotonic() + request.budget_s
+        started = time.monotonic()
+        until = None if request.budget_s is None else started + request.budget_s
         # The connection's own list: a spare a late read may still write into is replaced
         # in it by the lending (an abandoned read), never handed to the next Borrow.
         lending = layout.store.lend_as_landed(keys, spares,
@@ -354,6 +358,10 @@ class NodeServer:
             self.counters.add("borrows")
             self.counters.add("lent_chunks", len(offsets) - len(sent))
             self.counters.add("sent_chunks", len(sent))
+            ram = layout.memory.name
+            below = any(tier != ram for tier in tiers) or failed not in (None, ram)
+            self.borrow_seconds.observe("below" if below else "ram",
+                                        time.monotonic() - started)
             if not offsets:
                 return Lent(0, [], [], failed)
             undo.pop_all()  # kept until Release, or the connection's end

@@ -13,9 +13,11 @@ pipeline on one connection, so a reader that sees the header sees every part. Th
 60 s TTL until one Lua script commits the header and lifts it, atomically, only if every part
 is there: a put that fails part-way (a full server) leaves no orphan (tiers/redis/write.py,
 `kvtier gc` sweeps any left by older versions). A read is one MGET of header and parts,
-verified (header, layout, key, sizes, checksum) before a byte is used, never unpickled. A
-missing part (the server evicted it alone), a value of the wrong size or a checksum mismatch
-is a counted miss, and the chunk's values are deleted.
+verified (header, layout, key, sizes, checksum) before a byte is used, never unpickled; a chunk
+stored as is comes off the socket straight into the reader's buffer (tiers/redis/replies.py:
+one copy, by the kernel, where redis-py makes five). A missing part (the server evicted it
+alone), a value of the wrong size or a checksum mismatch is a counted miss, and the chunk's
+values are deleted.
 
 Capacity: the tier enforces `capacity` when it is > 0, and leaves it to the server when it is 0.
   - capacity > 0: per namespace (prefix + layout) and across every client: a sorted set

@@ -66,4 +66,8 @@ def run_status(args: argparse.Namespace) -> int:
                           str(tier["hits"]), str(tier["misses"]), str(tier["puts"]))
     console.print(table)
     console.print(" ".join(f"{k}={v}" for k, v in status["counters"].items()))
+    console.print("borrows: " + ", ".join(
+        f"{source} {seen['count']}"
+        + (f" (mean {1e3 * seen['sum'] / seen['count']:.1f} ms)" if seen["count"] else "")
+        for source, seen in status.get("borrow_seconds", {}).items()))
     return 0
