@@ -40,6 +40,7 @@ Primitives: `TieredStore`, `StoreSettings`, `LookupResult`, `ChunkView`, `Pendin
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, MutableSequence, Sequence
@@ -65,6 +66,7 @@ from kvtier.core.tier import (
     Tier,
     TierResult,
     TierStats,
+    Warmable,
 )
 from kvtier.core.writebehind import FailureCounts, WriteBehind
 
@@ -183,6 +185,10 @@ class TieredStore:
         for tier in self.tiers:
             if isinstance(tier, EventSource):
                 tier.events.listen(self._on_tier_event)
+        warmable = [t for t in self.tiers if isinstance(t, Warmable)]
+        if warmable:  # connections for the reads in flight, before the first load needs them
+            threading.Thread(target=_warm, args=(warmable, settings.io_threads), daemon=True,
+                             name="kvtier-warm").start()
 
     def _on_tier_event(self, tier: str, kind: EventKind, key: ChunkKey) -> None:
         self._events.append(StoreEvent(kind, key, tier))  # deque.append is thread-safe
@@ -626,3 +632,12 @@ class TieredStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _warm(tiers: Sequence[Warmable], connections: int) -> None:
+    """Open each tier's connections for `connections` reads at once (`Warmable`)."""
+    for tier in tiers:
+        try:
+            tier.warm(connections)
+        except Exception:  # never raises, by contract: a bug costs the warm-up only
+            log.exception("kvtier: warming up a tier's connections failed")

@@ -258,6 +258,19 @@ class BatchLookup(Protocol):
         ...
 
 
+@runtime_checkable
+class Warmable(Protocol):
+    """An optional ability of a tier reached through connections (remote stores): open them
+    ahead of the first reads. `TieredStore` asks once, on a thread of its own, as it starts,
+    so that an engine's (or a node's) first load does not pay for a connection per read in
+    flight, each a round trip or more, taken while the load waits."""
+
+    def warm(self, connections: int) -> None:
+        """Open up to `connections` connections for reads. May block (a server slow to
+        answer); stops at the first failure; never raises."""
+        ...
+
+
 class Slot(Protocol):
     """The space `InPlace.reserve` hands out for one chunk."""
 

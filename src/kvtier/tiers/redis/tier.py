@@ -251,6 +251,28 @@ class RedisTier:
             groups.setdefault(self._endpoint(name), []).append(i)
         return groups
 
+    def warm(self, connections: int) -> None:
+        """`Warmable`: a standalone server's pool gets `connections` connections (each
+        connected and greeted now, not by a read in flight); a Cluster's are opened by the
+        reads (its pools are per node). Stops at the first failure, the server's circuit
+        breaker untouched (a read finds out)."""
+        client = self._connected()
+        if isinstance(client, RedisCluster):
+            return
+        pool = client.connection_pool
+        held: list[Any] = []
+        try:
+            while len(held) < connections and self._client is client:
+                held.append(pool.get_connection())  # connects, as a read would
+        except (redis.RedisError, OSError) as exc:
+            log.debug("redis tier %r: %d connections warmed, then %s", self.name, len(held),
+                      exc)
+        finally:
+            for conn in held:
+                pool.release(conn)
+            if self._client is not client:  # closed meanwhile: drop what this reopened
+                pool.disconnect()
+
     def measure_link(self) -> LinkSpeed | None:
         """See core.tier.LinkProbe: the best of LINK_PINGS pings (the round trip), and of
         LINK_ECHOES echoes of LINK_PROBE_BYTES (the payload crosses the link both ways);

@@ -1,0 +1,78 @@
+"""The redis tier's connections opened as its store starts (`Warmable`, core/store.py), against
+a real redis-server: a store's first load had paid a connection (and its greeting) per read in
+flight, inside the load's time (docs/performance.md, "A node's first load").
+
+The story: opening a store with a redis tier opens `io_threads` connections to the server in
+the background, which reads then use; closing the store closes them; a server that is down
+costs the warm-up one failed connect, never the tier's circuit breaker, and the store serves
+(misses) as before.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+import redis
+from tierkit import key, tiny_layout
+
+from kvtier.tiers import open_store
+from kvtier.tiers.redis.tier import RedisTier
+from kvtier.tiers.storeconfig import StoreConfig
+
+pytestmark = pytest.mark.redis
+LAYOUT = tiny_layout()
+THREADS = 6
+
+
+def _store_config(url: str) -> StoreConfig:
+    return StoreConfig.parse({"io_threads": THREADS, "tiers": [
+        {"kind": "memory", "capacity": "1MiB"},
+        {"kind": "redis", "url": url, "capacity": 0, "connect_timeout_ms": 300}]})
+
+
+def _clients(url: str) -> Callable[[], int]:
+    admin = redis.Redis.from_url(url)
+
+    def count() -> int:  # connections but the one asking
+        return len(admin.client_list()) - 1
+    return count
+
+
+def _wait(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_a_store_opens_its_reads_connections_as_it_starts(redis_url: str) -> None:
+    clients = _clients(redis_url)
+    assert clients() == 0
+    store = open_store(_store_config(redis_url), LAYOUT)
+    _wait(lambda: clients() == THREADS, f"{THREADS} connections")
+    # The reads use them: a load of a missing chunk opens none more.
+    out = memoryview(bytearray(LAYOUT.bytes_per_chunk))
+    assert store.get_into(key(1), out) is None
+    assert clients() == THREADS
+    store.close()
+    _wait(lambda: clients() == 0, "the connections closed")
+
+
+def test_a_server_down_at_start_costs_the_warm_up_only(redis_server: object) -> None:
+    url = redis_server.url  # type: ignore[attr-defined]
+    redis_server.stop()  # type: ignore[attr-defined]
+    store = open_store(_store_config(url), LAYOUT)
+    tier = store.tiers[1]
+    assert isinstance(tier, RedisTier)
+    started = time.monotonic()
+    tier.warm(THREADS)  # what the store's thread does: one failed connect, then it stops
+    assert time.monotonic() - started < 1.0
+    assert tier.guard.is_up(url.split("//")[1].split("/")[0])  # the breaker untouched
+    redis_server.start()  # type: ignore[attr-defined]
+    store.put(key(2), memoryview(bytes(LAYOUT.bytes_per_chunk)))
+    store.flush(10)
+    out = memoryview(bytearray(LAYOUT.bytes_per_chunk))
+    _wait(lambda: tier.get_into(key(2), out).ok, "the tier serving again")
+    store.close()
