@@ -17,7 +17,9 @@ OpenAI server on 127.0.0.1 serves the generated "bench" model (`kvtier.testing.t
     node reads a chunk from below RAM into a RAM slot, which it lends: its RAM has room for
     every arrival's load besides `memory_tier_chunks` (a node's RAM holds GBs; one that had
     none would send the bytes over its socket), and is emptied after the warm-up (the node
-    restarted), so that the prefixes come back from below RAM, as in process.
+    restarted, then one request of a chunk, so that the engine has reconnected and the node
+    built its store before the timed phase), so that the prefixes come back from below RAM,
+    as in process.
   - `vllm-prefix` (not run by default): no kvtier, and vLLM's own prefix cache is not reset,
     so the arrivals hit it: the floor, what the arrivals' own new tokens cost the streams
     with a free load.
@@ -457,7 +459,9 @@ def _measure(config: InterferenceConfig, name: str, url: str, model: str,
              cold_ram: Callable[[], None] | None = None) -> ConfigRun:
     """Phases 1-3 against a ready server (command and startup_s left for the caller);
     `stored`: the lower tier to wait for after the warm-up (None: no kvtier); `cold_ram`:
-    empties kvtier's RAM after it (kvtier-node: the node restarted).
+    empties kvtier's RAM after it (kvtier-node: the node restarted, then one request of a
+    chunk, so that the engine has reconnected and the node built its store before the timed
+    phase, as an engine in process has).
 
     Raises:
         ServerError: a warm-up request failed, or the prefix cache could not be reset.
@@ -479,6 +483,14 @@ def _measure(config: InterferenceConfig, name: str, url: str, model: str,
     if cold_ram is not None:
         progress(f"{name}: the node restarted, its RAM empty")
         cold_ram()
+        # The engine reconnects at its next call, and the node builds the layout's store
+        # (its RAM slab, its tiers' connections) at the engine's hello: one request of a
+        # chunk does both now, as an engine in process has its store long built, rather
+        # than the first arrival's load.
+        settle = Workload("reconnect", (Turn(-2, 0, prompt(TOKENS_PER_CHUNK + 16, 11), 1),),
+                          chained=False)
+        if not all(r.ok for r in asyncio.run(run_workload(settle, one_at_a_time)).results):
+            raise ServerError(f"{name}: the request after the node's restart failed")
     keep = name == "vllm-prefix"  # the floor: the arrivals hit vLLM's own cache
     if not keep:
         asyncio.run(_reset_prefix_cache(url))
