@@ -19,11 +19,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
+from redis.cluster import RedisCluster
+from redis_server import RedisClusterNodes
 from tierkit import key, make_tier
 
 from kvtier.core.layout import KVLayout
+from kvtier.tiers import open_store
 from kvtier.tiers.redis.replies import _readable, _Replies, read_into
 from kvtier.tiers.redis.tier import RedisTier
+from kvtier.tiers.storeconfig import StoreConfig
 
 pytestmark = pytest.mark.redis
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_size=64, dtype="bfloat16",
@@ -182,3 +186,28 @@ def test_a_damaged_reply_is_an_error_never_values(
         raw: bytes, error: type[Exception], replies_of: Callable[[bytes], _Replies]) -> None:
     with pytest.raises(error):
         replies_of(raw).array(lambda i, n, e: None)
+
+
+def test_a_cluster_read_from_a_node_that_moved_the_slot_follows_redis_py(
+        redis_cluster: RedisClusterNodes, monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path) -> None:
+    """A Cluster's read goes straight to the node its slot map names; one that answers MOVED
+    (a stale map, injected here) is read again through redis-py, which follows the
+    redirection: a hit, not a miss."""
+    store = open_store(StoreConfig.parse({"tiers": [
+        {"kind": "memory", "capacity": "1MiB"},
+        {"kind": "redis", "cluster_nodes": redis_cluster.addresses, "capacity": 0}]}), LAYOUT)
+    tier = store.tiers[1]
+    assert isinstance(tier, RedisTier)
+    tier.put(key(5), _payload(5))
+    out = memoryview(bytearray(LAYOUT.bytes_per_chunk))
+    assert tier.get_into(key(5), out).ok and bytes(out) == bytes(_payload(5))
+    client = tier._connected()
+    assert isinstance(client, RedisCluster)
+    owner = client.get_node_from_key(tier.names.header(key(5)))
+    wrong = next(n for n in client.get_primaries() if n.name != owner.name)
+    monkeypatch.setattr(client, "get_node_from_key", lambda *_a, **_k: wrong)
+    out[:] = bytes(len(out))
+    assert tier.get_into(key(5), out).ok and bytes(out) == bytes(_payload(5))
+    assert tier.guard.is_up(wrong.name) and tier.stats().misses == 0
+    store.close()

@@ -361,9 +361,16 @@ class RedisTier:
     def _fetch(self, client: Client, names: list[str], place: Place) -> list[Any]:
         """The chunk's values: header and parts (None: missing); parts `place` puts in the
         caller's buffer come back as views of it (tiers/redis/replies.py)."""
-        server = (client.get_redis_connection(client.get_node_from_key(names[0]))
-                  if isinstance(client, RedisCluster) else client)
-        values = read_into(server, names, place, self.ttl_ms)
+        values = None
+        if not isinstance(client, RedisCluster):
+            values = read_into(client, names, place, self.ttl_ms)
+        elif (node := client.get_node_from_key(names[0])) is not None:
+            try:
+                values = read_into(client.get_redis_connection(node), names, place,
+                                   self.ttl_ms)
+            except redis.ResponseError as exc:  # the slot moved: redis-py follows, and
+                if not str(exc).startswith(("MOVED", "ASK")):  # refreshes its slot map
+                    raise
         if values is not None:
             return values
         pipe = client.pipeline(transaction=False)
