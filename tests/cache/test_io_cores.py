@@ -130,18 +130,3 @@ def test_where_the_os_places_no_threads_a_setting_is_ignored_with_a_warning(
         assert resolve_io_cores("0,1") is None
         assert resolve_io_cores("auto", engine_bound=True) is None
     assert "ignored" in caplog.text
-
-
-def test_a_prestarted_pool_has_every_thread_before_its_first_call() -> None:
-    pool = io_pool(4, "kvtier-prestart-test", None, prestart=True)
-    try:
-        names = {t.name for t in threading.enumerate()}
-        assert {f"kvtier-prestart-test_{i}" for i in range(4)} <= names
-        assert pool.submit(lambda: 7).result(timeout=10) == 7  # the threads serve calls
-    finally:
-        pool.shutdown(wait=True)
-    lazy = io_pool(4, "kvtier-lazy-test", None)
-    try:
-        assert not [t for t in threading.enumerate() if t.name.startswith("kvtier-lazy-test")]
-    finally:
-        lazy.shutdown(wait=True)

@@ -55,7 +55,7 @@ class StallGuard:
         self._marked: dict[str, float] = {}  # tier -> when it was last marked stalled
 
     def _new_pool(self) -> ThreadPoolExecutor:
-        return io_pool(self._threads, "kvtier-read", self._cores, prestart=True)
+        return io_pool(self._threads, "kvtier-read", self._cores)
 
     def usable(self, tier: str) -> bool:
         """Whether a call to `tier` may go out now (False while it is stalled; the first

@@ -24,7 +24,6 @@ Primitives: `parse_io_cores`, `resolve_io_cores`, `io_pool`.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -34,7 +33,6 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 NODES = Path("/sys/devices/system/node")
-PRESTART_S = 5.0  # a prestarted pool's threads wait this long for each other, at most
 
 
 def parse_cpu_list(text: str) -> frozenset[int]:
@@ -108,26 +106,13 @@ def numa_nodes() -> list[frozenset[int]]:
     return nodes
 
 
-def io_pool(threads: int, name: str, cores: frozenset[int] | None,
-            prestart: bool = False) -> ThreadPoolExecutor:
+def io_pool(threads: int, name: str, cores: frozenset[int] | None) -> ThreadPoolExecutor:
     """A pool of `threads` threads named `name`_N, each placed on `cores` as it starts
-    (None: where the thread that starts it runs). `prestart`: every thread started now, not
-    one per call as calls come (ThreadPoolExecutor's way): the first load's reads then start
-    at once rather than each behind a thread's start, which on a busy machine took 0.3 s
-    (docs/performance.md, "A node's first load")."""
-    pool = (ThreadPoolExecutor(threads, thread_name_prefix=name) if cores is None else
-            ThreadPoolExecutor(threads, thread_name_prefix=name, initializer=_place,
-                               initargs=(cores,)))
-    if prestart:
-        barrier = threading.Barrier(threads)  # each call holds its thread: `threads` start
-        for _ in range(threads):
-            pool.submit(_arrive, barrier)
-    return pool
-
-
-def _arrive(barrier: threading.Barrier) -> None:
-    with contextlib.suppress(threading.BrokenBarrierError):
-        barrier.wait(timeout=PRESTART_S)
+    (None: where the thread that starts it runs)."""
+    if cores is None:
+        return ThreadPoolExecutor(threads, thread_name_prefix=name)
+    return ThreadPoolExecutor(threads, thread_name_prefix=name, initializer=_place,
+                              initargs=(cores,))
 
 
 def _place(cores: frozenset[int]) -> None:
