@@ -1,7 +1,8 @@
-"""Fault drills under a real vLLM engine (CPU backend): Redis killed mid-run and restarted,
-Redis slowed down by `DEBUG SLEEP`, and full filesystems under the disk and shared tiers. (Two
-servers writing the same prompts into one shared directory at once need `kvtier serve`: that
-drill is tests/tools/test_two_servers_one_directory.py.)
+"""Fault drills under a real vLLM engine (CPU backend): Redis killed mid-run and restarted, and
+Redis slowed down by `DEBUG SLEEP`. (Full filesystems under the disk and shared tiers:
+test_full_filesystems.py, an engine of its own module, as two engines built in one process
+must not be alive at once; two servers writing the same prompts into one shared directory at
+once need `kvtier serve`: tests/tools/test_two_servers_one_directory.py.)
 
 What every drill asserts: the engine does not crash, every request is answered, and its
 tokens equal the engine's own miss path (kvtier can cost hits, never a wrong token); plus
@@ -9,16 +10,12 @@ the counters the engine exports (vLLM's external prefix-cache hits, kvtier's per
 dropped writes, evictions). Latency bounds are generous: this 2-core machine runs other
 engines at the same time.
 
-Engines (start ~20-45 s each, at most two at once):
-  - one offline engine on memory (holds no chunk) -> redis, with a redis-server of the
-    module's own to kill, restart and slow down (200 ms socket timeouts, 1 s longest backoff);
-  - one offline engine on memory -> disk -> shared, both directories 1 MiB tmpfs mounts
-    (skipped where `mount` is not allowed) under 64 MiB quotas.
+The engine: one offline engine on memory (holds no chunk) -> redis, with a redis-server of
+the module's own to kill, restart and slow down (200 ms socket timeouts, 1 s longest backoff).
 """
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import threading
 import time
@@ -34,7 +31,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))  # vl
 import redis
 from redis_server import REDIS_SERVER, SKIP_REASON, RedisServer
 from vllm_harness import (
-    chunk_files,
     kvtier_counter,
     kvtier_transfer_config,
     metric,
@@ -211,59 +207,3 @@ def answers_ping(server: RedisServer) -> bool:
             return bool(c.ping())
     except redis.RedisError:
         return False
-
-
-# -- full filesystems under the disk and shared tiers ------------------------------------
-
-
-@pytest.fixture(scope="module")
-def full_fs_engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-                   ) -> Iterator[tuple[Any, Path, Path]]:
-    root = tmp_path_factory.mktemp("kvtier-full-fs")
-    mounts = [root / "disk", root / "shared"]
-    mounted: list[Path] = []
-    try:
-        for mountpoint in mounts:
-            mountpoint.mkdir()
-            done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs",
-                                   str(mountpoint)], capture_output=True, text=True, check=False)
-            if done.returncode != 0:
-                pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-            mounted.append(mountpoint)
-        tiers = [{"kind": "memory", "capacity": NO_CHUNK_MEMORY},
-                 {"kind": "disk", "path": str(mounts[0]), "capacity": "64MiB"},
-                 {"kind": "shared", "path": str(mounts[1]), "capacity": "64MiB"}]
-        config = kvtier_transfer_config(tiers, CHUNK)
-        # A deep queue: writes must be dropped by the full filesystem, not the queue.
-        config["kv_connector_extra_config"]["write_queue_depth"] = 1024
-        with start_engine(model_dir, config) as llm:
-            yield llm, mounts[0], mounts[1]
-    finally:
-        for mountpoint in mounted:
-            subprocess.run(["umount", "-l", str(mountpoint)], check=False)
-
-
-def test_full_filesystems_drop_writes_evict_and_never_change_a_token(
-        full_fs_engine: tuple[Any, Path, Path]) -> None:
-    llm, disk, shared = full_fs_engine
-    # 8 prompts x 8 chunks of 36 KiB files: twice what a 1 MiB filesystem holds.
-    prompts = random_prompts([500] * 8, seed=76)
-    expected = token_ids(llm, prompts, MAX_TOKENS)
-
-    def settled() -> bool:  # write-behind done: the file lists stop changing
-        before = (chunk_files(disk), chunk_files(shared))
-        time.sleep(1.0)
-        return (chunk_files(disk), chunk_files(shared)) == before
-
-    wait_until(settled, "the writes behind to settle", timeout_s=60)
-    hits = metric(llm, HITS)
-    assert run_fresh(llm, prompts) == expected  # what the filesystems kept is loaded
-    assert metric(llm, HITS) > hits
-    assert run_fresh(llm, prompts, skip_load=True) == expected  # the miss path
-    for tier, directory in (("disk", disk), ("shared", shared)):
-        assert kvtier_counter("tier_dropped_writes", tier=tier) > 0, tier
-        assert kvtier_counter("tier_evictions", tier=tier) > 0, tier
-        assert chunk_files(directory), f"the {tier} tier kept nothing"
-        assert not [p for p in directory.rglob("*") if p.name.endswith(".tmp")]
-    [fresh] = random_prompts([300], seed=77)
-    assert len(token_ids(llm, [fresh], MAX_TOKENS)[0]) == MAX_TOKENS
