@@ -77,3 +77,18 @@ def test_a_failed_load_saved_nothing_two_in_a_row_make_the_tier_slow() -> None:
     costs.observe_load(LoadSample((("redis", 1),), 1 * MS, failed=True))
     assert costs.chunk_s("redis") == float("inf")  # however quickly they failed
     assert not costs.inline({"redis": 1}, 1.0)
+
+
+def test_with_a_prior_the_first_slow_load_does_not_condemn_the_tier_a_second_does() -> None:
+    costs = LoadCosts(TIERS)
+    costs.set_prior("redis", 2 * MS)  # its link: fast
+    costs.observe_load(sample(3.0, redis=2))  # the first load, caught in a stall
+    assert costs.chunk_s("redis") == pytest.approx(2 * MS)
+    costs.observe_load(sample(3.0, redis=2))  # a second: the tier is slow now
+    assert costs.chunk_s("redis") == pytest.approx(1.5)
+    for _ in range(3):  # a full window of its own loads: the prior no longer counts
+        costs.observe_load(sample(8 * MS, redis=2))
+    assert costs.chunk_s("redis") == pytest.approx(4 * MS)
+    # Without a prior, the first load is all there is.
+    costs.observe_load(sample(3.0, disk=2))
+    assert costs.chunk_s("disk") == pytest.approx(1.5)

@@ -7,7 +7,10 @@ sample is one request's load (`LoadSample`): the chunks each tier lent and the t
 first read to the last scatter. A load that a tier failed (it erred, was down, or did not
 answer in time) saved nothing, as its request recomputes after the wait: it counts as an
 infinitely slow load of that tier (without that, a tier whose reads all time out would never
-look slow). One failure among fast loads does not move the median; two do. A load stopped at
+look slow). One failure among fast loads does not move the median; two do. Until a tier has
+TIER_WINDOW timed loads, its prior (below) stands in for the missing ones: a first load caught
+in a stall (this project's VM stops for 1-3 s at times) does not alone make a tier whose link
+is fast look slow for the rest of a run; a second slow one does. A load stopped at
 its budget (its expected recompute, issue 45) did not fail: its time so far over the chunks it
 lent and the one it waited for is its sample, a lower bound (finite, so the tier's cost stays
 a number the router weights and the trials can compare). A load that found
@@ -92,10 +95,17 @@ class LoadCosts:
         self._priors_s[tier] = chunk_s
 
     def chunk_s(self, tier: str) -> float | None:
-        """The tier's seconds per chunk restored: the median of its timed loads, or its
-        prior before one; None without either."""
+        """The tier's seconds per chunk restored: the median of its last TIER_WINDOW timed
+        loads, its prior standing in for those not taken yet (so that the first load, caught
+        in a stall, does not alone condemn a tier its link says is fast: two slow ones do);
+        the prior before any; None without either."""
         samples = self._samples.get(tier)
-        return statistics.median(samples) if samples else self._priors_s.get(tier)
+        prior = self._priors_s.get(tier)
+        if not samples:
+            return prior
+        if prior is None or len(samples) >= TIER_WINDOW:
+            return statistics.median(samples)
+        return statistics.median([*samples, *[prior] * (TIER_WINDOW - len(samples))])
 
     def last_s(self, tier: str) -> float | None:
         """The tier's seconds per chunk in its latest timed load; its prior before one
