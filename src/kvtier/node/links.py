@@ -2,8 +2,11 @@
 of the engines' `node-below` tier (load-or-recompute, issue 45) before a load from it is timed.
 
 Each layout's are measured on a `MeasureLinks` (an engine's worker asks at start-up, then
-every 10 s, then every minute), at most once a LINK_MEASURE_S, in the background: the engine
-gets what is known at once (nothing, the first time). Each tier's answer is the best of its last
+every 10 s, then every minute, on a thread of its own), at most once a LINK_MEASURE_S: the
+first ask waits for the measure (a node just restarted would otherwise answer nothing, and an
+engine whose next ask came after its first loads judged them with no prior: one stalled first
+load then cut the tier for the run), the later ones get what is known at once and a measure
+in the background. Each tier's answer is the best of its last
 LINK_WINDOW measures: a measure taken while the node is busy (engines starting, their stores
 going to disk, reads for other engines) reads a link slower than it is, and a tier judged slower
 than recompute by its prior alone is not tried; one judged too fast is, and its first timed
@@ -45,6 +48,21 @@ class NodeLinks:
             self._running = True
             self._measured_s = time.monotonic()
         threading.Thread(target=self._measure, daemon=True, name="kvtier-node-links").start()
+
+    def current(self) -> dict[str, LinkSpeed]:
+        """`best`, after measuring now when nothing is measured yet (the asking engine's
+        thread waits: its worker asks off the model runner's thread); else `refresh`."""
+        if self.best():
+            self.refresh()
+            return self.best()
+        with self._lock:  # nothing yet: measure on this thread (one at a time, when due)
+            due = not self._running and time.monotonic() >= self._measured_s + LINK_MEASURE_S
+            if due:
+                self._running = True
+                self._measured_s = time.monotonic()
+        if due:
+            self._measure()
+        return self.best()
 
     def best(self) -> dict[str, LinkSpeed]:
         """Each measured tier's fastest link of its last LINK_WINDOW measures (for a chunk)."""

@@ -595,10 +595,9 @@ def _answer(node: NodeServer, owner: int, layout: _Layout, request: Request,
             return Found([layout.memory.contains(key) for key in keys])
         # One batch per remote tier below RAM, not a round trip per key.
         return Found(layout.store.contains_many(keys))
-    if isinstance(request, MeasureLinks):
-        layout.links.refresh()  # in the background, when due: the answer is what is known
+    if isinstance(request, MeasureLinks):  # measured now the first time, then when due
         return Answer({name: [speed.round_trip_s, speed.bytes_per_s]
-                       for name, speed in layout.links.best().items()})
+                       for name, speed in layout.links.current().items()})
     if isinstance(request, Borrow):
         return node.borrow(owner, layout, request, spares)
     if isinstance(request, Reserve):
