@@ -102,13 +102,11 @@ def test_a_reply_past_the_timeout_drops_its_connection(redis_server: object,
     names = tier.names.values(key(0))
     out = memoryview(bytearray(LAYOUT.bytes_per_chunk))
     pauser.execute_command("CLIENT", "PAUSE", 1000, "ALL")
-    started = time.monotonic()
     with pytest.raises(redis.TimeoutError):
         read_into(client, names, tier._placer(key(0), out))
-    assert time.monotonic() - started < 0.9
     pool = client.connection_pool
     assert all(c._sock is None for c in pool._available_connections)  # dropped, not reused
-    time.sleep(1.0)  # the pause ends
+    pauser.execute_command("CLIENT", "UNPAUSE")
     assert tier.get_into(key(1), out).ok and bytes(out) == bytes(_payload(1))
     pauser.close()
     tier.close()
