@@ -12,6 +12,7 @@ slot stays intact until it is left.
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -235,6 +236,39 @@ def test_a_lending_in_order_waits_for_each_chunk_in_turn(
     threading.Timer(0.2, gate.set).start()
     with store.lend_as_landed([key(0), key(1)], spares, in_order=True) as lending:
         assert lent_tiers(lending) == [(0, "disk"), (1, "disk")]
+    store.close()
+
+
+def test_a_lending_says_whether_its_next_chunk_has_landed(
+        two_tier_store: TieredStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ready`: what a node checks before sending a part of its reply (node/stream.py)."""
+    store = two_tier_store
+    spares = [memoryview(bytearray(LAYOUT.bytes_per_chunk)) for _ in range(3)]
+    for i in range(3):
+        store.put(key(i), memoryview(payload(i)))  # keys 0 and 1 on disk only, 2 in memory
+    assert store.flush(timeout_s=5)
+    disk = store.tiers[1]
+    read = disk.get_into
+    gate = threading.Event()
+
+    def gated_read(k: ChunkKey, *args: Any) -> TierResult:
+        if k == key(1):
+            gate.wait(10)
+        return read(k, *args)
+
+    monkeypatch.setattr(disk, "get_into", gated_read)
+    with store.lend_as_landed([key(0), key(1), key(2)], spares, in_order=True) as lending:
+        assert next(lending).index == 0
+        assert not lending.ready()  # chunk 1's read is held
+        gate.set()
+        deadline = time.monotonic() + 10
+        while not lending.ready() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert lending.ready()
+        assert next(lending).index == 1
+        assert lending.ready()  # chunk 2 is in memory: lent where it lies
+        assert next(lending).index == 2
+        assert not lending.ready()  # nothing left
     store.close()
 
 

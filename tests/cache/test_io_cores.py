@@ -17,7 +17,13 @@ from typing import TypeVar
 import pytest
 from tierkit import key, tiny_layout
 
-from kvtier.core.threads import auto_cores, io_pool, parse_cpu_list, resolve_io_cores
+from kvtier.core.threads import (
+    auto_cores,
+    io_pool,
+    parse_cpu_list,
+    resolve_io_cores,
+    start_threads,
+)
 from kvtier.errors import ConfigError
 from kvtier.tiers import open_store
 from kvtier.tiers.storeconfig import StoreConfig
@@ -130,3 +136,17 @@ def test_where_the_os_places_no_threads_a_setting_is_ignored_with_a_warning(
         assert resolve_io_cores("0,1") is None
         assert resolve_io_cores("auto", engine_bound=True) is None
     assert "ignored" in caplog.text
+
+
+def test_a_pools_threads_are_started_at_once_when_asked() -> None:
+    """`start_threads` (a node's read pool: its first load does not start them one a read);
+    a pool otherwise starts a thread per call as calls come."""
+    pool = io_pool(4, "kvtier-start-test", None)
+    try:
+        assert not [t for t in threading.enumerate() if t.name.startswith("kvtier-start-test")]
+        start_threads(pool, 4)
+        names = {t.name for t in threading.enumerate()}
+        assert {f"kvtier-start-test_{i}" for i in range(4)} <= names
+        assert pool.submit(lambda: 7).result(timeout=10) == 7  # the threads serve calls
+    finally:
+        pool.shutdown(wait=True)

@@ -206,6 +206,13 @@ class Lending(Generic[V]):
             self._stop(i, started)
         raise StopIteration
 
+    def ready(self) -> bool:
+        """Whether the next chunk to lend has landed (`__next__` returns it without waiting
+        for a read); False also when none is started."""
+        if self._in_order:
+            return bool(self._started) and _landed(self._started[min(self._started)])
+        return any(_landed(started) for started in self._started.values())
+
     def _start(self) -> None:
         """Start chunks in key order while a spare is free: those lent in place first, so
         that no read started with them takes (evicts) the slot of one of them."""
@@ -323,3 +330,7 @@ class Lending(Generic[V]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _landed(started: _Started[V]) -> bool:
+    return started.read is None or started.read.done()

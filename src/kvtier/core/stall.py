@@ -12,7 +12,7 @@ The threads are replaced when a call is abandoned, so that stalled calls never q
 next ones behind them; abandoned threads are as many as the stalled calls, which the
 backoff keeps few.
 
-Primitives: `StallGuard` (usable, answered, stalled, call, submit, close).
+Primitives: `StallGuard` (usable, answered, stalled, call, submit, start_threads, close).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import ParamSpec, TypeVar
 
 from kvtier.core.guard import Guard
-from kvtier.core.threads import io_pool
+from kvtier.core.threads import io_pool, start_threads
 
 log = logging.getLogger(__name__)
 P = ParamSpec("P")
@@ -56,6 +56,12 @@ class StallGuard:
 
     def _new_pool(self) -> ThreadPoolExecutor:
         return io_pool(self._threads, "kvtier-read", self._cores)
+
+    def start_threads(self) -> None:
+        """Start every call thread now (`threads.start_threads`; blocks until they run)."""
+        with self._lock:
+            pool = self._pool
+        start_threads(pool, self._threads)
 
     def usable(self, tier: str) -> bool:
         """Whether a call to `tier` may go out now (False while it is stalled; the first

@@ -587,6 +587,13 @@ class TieredStore:
         return all(writer.flush(max(0.0, deadline - time.monotonic())) for writer in self._below)
 
     # -- upkeep ----------------------------------------------------------------------------
+    def start_reads(self) -> None:
+        """Start the read threads now, in the background: a long-lived store (a node's)
+        whose first load should not pay for them; otherwise each starts with a read that
+        finds no idle one."""
+        threading.Thread(target=self._calls.start_threads, daemon=True,
+                         name="kvtier-start-reads").start()
+
     def measure_links(self) -> dict[str, LinkSpeed]:
         """The speed of each tier that can measure its link (`LinkProbe`: redis, s3, a
         shared directory, a disk) and answers now. Blocking (a few round trips each, at most

@@ -19,7 +19,7 @@ The settings:
   - "inherit": the starting thread's mask, as Python does.
   - a list such as "2,3" or "6-7,14-15": those cores.
 
-Primitives: `parse_io_cores`, `resolve_io_cores`, `io_pool`.
+Primitives: `parse_io_cores`, `resolve_io_cores`, `io_pool`, `start_threads`.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 NODES = Path("/sys/devices/system/node")
+START_WAIT_S = 10.0  # `start_threads`: how long a started thread waits for the others, at most
 
 
 def parse_cpu_list(text: str) -> frozenset[int]:
@@ -113,6 +114,17 @@ def io_pool(threads: int, name: str, cores: frozenset[int] | None) -> ThreadPool
         return ThreadPoolExecutor(threads, thread_name_prefix=name)
     return ThreadPoolExecutor(threads, thread_name_prefix=name, initializer=_place,
                               initargs=(cores,))
+
+
+def start_threads(pool: ThreadPoolExecutor, threads: int) -> None:
+    """Start `threads` of `pool`'s threads now, where ThreadPoolExecutor starts one per call
+    as calls come, each start waiting for its thread to run (0.3 s on a busy machine: inside
+    a first load's time, docs/performance.md "A node's first load"). Blocks until they run;
+    each holds its thread until all are started, so that none is reused in their place."""
+    started = threading.Event()
+    for _ in range(threads):
+        pool.submit(started.wait, START_WAIT_S)
+    started.set()
 
 
 def _place(cores: frozenset[int]) -> None:

@@ -25,6 +25,7 @@ import dataclasses
 import logging
 import mmap
 import os
+import select
 import socket
 import threading
 import time
@@ -74,6 +75,7 @@ from kvtier.node.protocol import (
     receive_reply,
     send,
 )
+from kvtier.node.stream import LentStream, PartFuture
 from kvtier.tiers.eventfacts import ChunkInfo
 from kvtier.tiers.manifest import NamespaceInfo
 from kvtier.tiers.shmslab import SlabReader
@@ -149,13 +151,34 @@ class NodeClient:
                 # (stopped, overloaded) is not asked twice.
                 timed_out = isinstance(exc.__cause__ or exc, TimeoutError)
                 if timed_out and slow:
-                    self._drop_own()  # its answer would come late on it
+                    self.drop_own()  # its answer would come late on it
                     raise NodeUnavailable(f"no answer within {self.slow_s:g} s") from exc
                 self._broken(exc, down=retry or timed_out)
                 if retry or timed_out:
                     raise NodeUnavailable(str(exc)) from exc
         if isinstance(answer, Refused) or not isinstance(answer, reply):
             self._broken(RuntimeError(f"the node answered {answer!r}"))
+            raise NodeUnavailable(f"the node answered {answer!r}")
+        return answer
+
+    def receive(self, reply: type[R], timeout_s: float) -> R | None:
+        """The next reply on this thread's connection (a streamed reply's next part) if one
+        starts within `timeout_s`, read within `timeout_s` of the connection; else None.
+
+        Raises:
+            NodeUnavailable: this thread has no connection; it broke, a reply did not end in
+                time, or it is not a `reply` (the caller drops the connection: `drop_own`).
+        """
+        sock: socket.socket | None = getattr(self._local, "sock", None)
+        if sock is None:
+            raise NodeUnavailable("this thread's connection is gone")
+        try:
+            if not select.select([sock], [], [], timeout_s)[0]:
+                return None
+        except (OSError, ValueError) as exc:  # closed meanwhile
+            raise NodeUnavailable(str(exc)) from exc
+        answer = receive_reply(sock)
+        if not isinstance(answer, reply):
             raise NodeUnavailable(f"the node answered {answer!r}")
         return answer
 
@@ -297,7 +320,7 @@ class NodeClient:
             self._local.slab = self._slab
             self.welcome = welcome
 
-    def _drop_own(self) -> None:
+    def drop_own(self) -> None:
         """Close this thread's connection only (its leases end on the node)."""
         sock = getattr(self._local, "sock", None)
         self._local.sock = None
@@ -308,7 +331,7 @@ class NodeClient:
         """This thread's connection failed: closed (the node ends its leases), every other
         thread's connection of its epoch dropped at its next call, and (`down`) the node
         not asked again for `retry_s`."""
-        self._drop_own()
+        self.drop_own()
         with self._lock:
             first = self._local.epoch == self._epoch
             if first:
@@ -387,8 +410,9 @@ class NodeStore:
     def lend_as_landed(self, keys: Sequence[ChunkKey], spares: MutableSequence[memoryview],
                        metas: Sequence[ChunkMeta] = (), *, in_order: bool = False,
                        until: float | None = None) -> Lending[ChunkView]:
-        """The chunks the node lends in one round trip, in order until its first miss (a
-        node unavailable: a miss at the first chunk, charged to the tier "node"). `until`
+        """The chunks the node lends, in key order until its first miss (a node unavailable:
+        a miss at the first chunk, charged to the tier "node"): one streamed Borrow, each
+        chunk lent as soon as its part of the reply comes (node/stream.py). `until`
         (time.monotonic): the node abandons its reads below RAM not landed by then."""
         metas = list(metas) or [DEFAULT_META] * len(keys)
         if len(metas) != len(keys):
@@ -397,46 +421,52 @@ class NodeStore:
         if in_place is not None:
             return in_place
         start = time.perf_counter()
-        failed: str | None = None
+        budget = None if until is None else max(0.0, until - time.monotonic())
         try:
-            budget = None if until is None else max(0.0, until - time.monotonic())
             # The node abandons its reads below RAM at the budget: it answers by then.
-            lent = self._client.call(Borrow(list(keys), [Meta.of(m) for m in metas], budget),
-                                     Lent, extra_s=budget or 0.0)
+            first = self._client.call(Borrow(list(keys), [Meta.of(m) for m in metas], budget,
+                                             stream=True), Lent, extra_s=budget or 0.0)
         except NodeUnavailable:
-            lent, failed = Lent(0, [], [], None), RAM_TIER
-        sent = iter(lent.data)  # the chunks at SEND offsets: RAM had no slot for them
-        views = [ChunkView((memoryview(next(sent)) if offset == SEND else
-                            self._client.view(offset, self._chunk_bytes)).toreadonly(),
-                           self._engine_tier(tier))
-                 for offset, tier in zip(lent.offsets, lent.tiers)]
-        held = len(views)
+            first, unavailable = Lent(0, [], [], None), True
+        else:
+            unavailable = False
         generation = self._client.generation()
-        if generation is not None:
-            self._know([(key, generation, offset) for key, offset in zip(keys, lent.offsets)
-                        if offset >= 0])
-        self._counters.add(hits=held, misses=int(held < len(keys)),
-                           bytes_read=held * self._chunk_bytes,
-                           read_s=time.perf_counter() - start)
-        failed = failed or (None if lent.failed_tier is None
-                            else self._engine_tier(lent.failed_tier))
+        deadline_s = self._client.timeout_s + (budget or 0.0)
 
-        def missed(i: int, hold: Hold, _spare: memoryview) -> Future[ChunkView | None]:
-            hold.tier = failed
-            done: Future[ChunkView | None] = Future()
-            done.set_result(None)
-            return done
+        def views_of(part: Lent, first_index: int) -> list[ChunkView]:
+            sent = iter(part.data)  # the chunks at SEND offsets: RAM had no slot for them
+            views = [ChunkView((memoryview(next(sent)) if offset == SEND else
+                                self._client.view(offset, self._chunk_bytes)).toreadonly(),
+                               self._engine_tier(tier))
+                     for offset, tier in zip(part.offsets, part.tiers)]
+            if generation is not None:
+                self._know([(key, generation, offset) for key, offset
+                            in zip(keys[first_index:], part.offsets) if offset >= 0])
+            self._counters.add(hits=len(views), bytes_read=len(views) * self._chunk_bytes)
+            return views
 
-        lease_generation = self._client.generation()
+        stream = LentStream(first, views_of,
+                            lambda timeout_s: self._client.receive(Lent, timeout_s),
+                            self._engine_tier, deadline_s)
+        if unavailable:
+            stream.failed_tier = RAM_TIER  # the node: a miss at the first chunk
 
         def release() -> None:
-            if lent.lease and self._client.generation() == lease_generation:
-                self._client.tell(Release(lent.lease))
+            self._counters.add(misses=int(len(stream.views) < len(keys)),
+                               read_s=(stream.ended_at or time.perf_counter()) - start)
+            if not stream.ended and not stream.finish(self._client.timeout_s):
+                self._client.drop_own()  # a late part must not answer the next request;
+                return  # the lease ends with the connection
+            if stream.lease and self._client.generation() == generation:
+                self._client.tell(Release(stream.lease))
 
-        return _NodeLending(release, len(keys), spares, in_order=in_order,
-                            lend=lambda i, _hold: views[i] if i < held else None,
-                            read=missed, timeout_s=self._client.timeout_s,
-                            late=lambda _tier: None)
+        # Each chunk not in the first part waits for its part as long as the whole reply
+        # could take (the client's timeout and the load's budget, which the node uses).
+        return _NodeLending(release, len(keys), spares, in_order=True,
+                            lend=lambda i, _hold: stream.views[i] if i < len(stream.views)
+                            else None,
+                            read=lambda i, hold, _spare: PartFuture(stream, i, hold),
+                            timeout_s=deadline_s, late=lambda _tier: None)
 
     def _read_in_place(self, keys: Sequence[ChunkKey], spares: MutableSequence[memoryview],
                        in_order: bool) -> Lending[ChunkView] | None:

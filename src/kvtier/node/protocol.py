@@ -100,21 +100,29 @@ class Found(msgspec.Struct, tag=True):
 class Borrow(msgspec.Struct, tag=True):
     """Lend `keys` in order until the first miss, promoting chunks below RAM into RAM;
     `budget_s`: the engine's budget for this load (its recompute's time): reads not landed by
-    then are abandoned and the run ends there (None: the store's read deadline only)."""
+    then are abandoned and the run ends there (None: the store's read deadline only).
+    `stream`: answered in parts as the chunks land (`Lent.more`), so that the engine copies
+    the first while the node reads the rest; else one `Lent` once every read has ended."""
 
     keys: list[bytes]
     metas: list[Meta]
     budget_s: float | None = None
+    stream: bool = False
 
 
 class Lent(msgspec.Struct, tag=True):
+    """The chunks of a `Borrow`, in order; a streamed one's in parts, each part the chunks
+    that landed since the last (`more`: another part follows; the last part carries the
+    lease and the failed tier)."""
+
     lease: int  # ends with `Release`, or with the engine's connection
-    offsets: list[int]  # of keys[:len(offsets)] in the slab, or SEND: its bytes in `data`
+    offsets: list[int]  # of the part's keys in the slab, or SEND: its bytes in `data`
     tiers: list[str]  # the node's tier that held each
-    failed_tier: str | None  # the tier that failed the read of keys[len(offsets)], if one did
+    failed_tier: str | None  # the tier that failed the read of the key after the last lent
     # The bytes of the chunks at SEND offsets, in order: read from a tier below RAM where RAM
     # had no slot for them (full, every slot lent), a copy over the socket.
     data: list[bytes] = msgspec.field(default_factory=list)
+    more: bool = False
 
 
 class Release(msgspec.Struct, tag=True):

@@ -31,7 +31,7 @@ import socket
 import socketserver
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -286,6 +286,7 @@ class NodeServer:
                           hello.model, exc)
                 return Refused(f"the node cannot open this layout's tiers: {exc} (its RAM "
                                f"slab is {SHM_DIR / name})")
+            store.start_reads()  # the first Borrow's reads start at once
             memory = store.tiers[0]
             assert isinstance(memory, MemoryTier) and memory.shared_memory_path is not None
             welcome = Welcome(str(memory.shared_memory_path),
@@ -320,12 +321,13 @@ class NodeServer:
                      "node's slab, %d dropped (torn or damaged)", digest[:16], recovered,
                      dropped)
 
-    def borrow(self, owner: int, layout: _Layout, request: Borrow,
-               spares: list[memoryview]) -> Lent:
+    def borrow(self, owner: int, layout: _Layout, request: Borrow, spares: list[memoryview],
+               part: Callable[[Lent], None] | None = None) -> Lent:
         """Lend the request's chunks in order until the first miss, each in the RAM slab
         (a chunk below RAM is promoted by its read); a chunk RAM cannot take (read into a
         spare, which the engine cannot see) goes in the reply's `data` (SEND), up to half
-        a frame's bound, where the run ends."""
+        a frame's bound, where the run ends. `part` (a streamed Borrow): sent each part of the
+        reply but the last (returned) as soon as the next chunk has not landed yet."""
         keys = [ChunkKey(k) for k in request.keys]
         if self._lending_open(owner):
             # The connection's spares may still take an earlier lending's late reads (a run
@@ -340,32 +342,41 @@ class NodeServer:
         lending = layout.store.lend_as_landed(keys, spares,
                                               [m.chunk_meta() for m in request.metas],
                                               in_order=True, until=until)
-        offsets: list[int] = []
-        tiers: list[str] = []
-        sent: list[bytes] = []
+        reply = Lent(0, [], [], None)  # the part not sent yet
+        lent = sent = 0
+        ram = layout.memory.name
+        below = False  # a chunk came from below RAM
         with contextlib.ExitStack() as undo:
             undo.callback(lending.close)
             for loan in lending:
                 offset = layout.memory.offset_of(loan.view.data)
                 if offset is None:
-                    if (len(sent) + 1) * len(loan.view.data) > MAX_FRAME // 2:
+                    if (sent + 1) * len(loan.view.data) > MAX_FRAME // 2:
                         break
-                    sent.append(bytes(loan.view.data))  # the spare is the next Borrow's
+                    reply.data.append(bytes(loan.view.data))  # the spare is the next Borrow's
+                    sent += 1
                     offset = SEND
-                offsets.append(offset)
-                tiers.append(loan.view.tier)
-            failed = lending.failed_tier if lending.stopped_at == len(offsets) else None
+                reply.offsets.append(offset)
+                reply.tiers.append(loan.view.tier)
+                below = below or loan.view.tier != ram
+                lent += 1
+                if part is not None and lent < lending.stopped_at and not lending.ready():
+                    reply.more = True
+                    part(reply)
+                    reply = Lent(0, [], [], None)
+            failed = lending.failed_tier if lending.stopped_at == lent else None
             self.counters.add("borrows")
-            self.counters.add("lent_chunks", len(offsets) - len(sent))
-            self.counters.add("sent_chunks", len(sent))
-            ram = layout.memory.name
-            below = any(tier != ram for tier in tiers) or failed not in (None, ram)
+            self.counters.add("lent_chunks", lent - sent)
+            self.counters.add("sent_chunks", sent)
+            below = below or failed not in (None, ram)
             self.borrow_seconds.observe("below" if below else "ram",
                                         time.monotonic() - started)
-            if not offsets:
-                return Lent(0, [], [], failed)
+            reply.failed_tier = failed
+            if not lent:
+                return reply
             undo.pop_all()  # kept until Release, or the connection's end
-        return Lent(self._lease(owner, lending), offsets, tiers, failed, sent)
+        reply.lease = self._lease(owner, lending)
+        return reply
 
     def reserve(self, owner: int, layout: _Layout, request: Reserve, spare: memoryview
                 ) -> Reserved:
@@ -578,7 +589,8 @@ class _Handler(socketserver.BaseRequestHandler):
                     continue
                 if scratch is None:
                     scratch = memoryview(mmap.mmap(-1, layout.memory.chunk_bytes))
-                send(sock, _answer(node, owner, layout, request, spares, scratch))
+                send(sock, _answer(node, owner, layout, request, spares, scratch,
+                                   lambda part: send(sock, part)))
         except OSError:
             return  # the engine went away mid-message
         finally:
@@ -586,8 +598,10 @@ class _Handler(socketserver.BaseRequestHandler):
 
 
 def _answer(node: NodeServer, owner: int, layout: _Layout, request: Request,
-            spares: list[memoryview], scratch: memoryview) -> Reply:
-    """The reply to a request about the connection's layout."""
+            spares: list[memoryview], scratch: memoryview,
+            part: Callable[[Lent], None]) -> Reply:
+    """The reply to a request about the connection's layout (`part`: sends a part of a
+    streamed one)."""
     if isinstance(request, Lookup):
         node.counters.add("lookups")
         keys = [ChunkKey(k) for k in request.keys]
@@ -599,7 +613,7 @@ def _answer(node: NodeServer, owner: int, layout: _Layout, request: Request,
         return Answer({name: [speed.round_trip_s, speed.bytes_per_s]
                        for name, speed in layout.links.current().items()})
     if isinstance(request, Borrow):
-        return node.borrow(owner, layout, request, spares)
+        return node.borrow(owner, layout, request, spares, part if request.stream else None)
     if isinstance(request, Reserve):
         return node.reserve(owner, layout, request, scratch)
     if isinstance(request, Retain):
