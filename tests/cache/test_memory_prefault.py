@@ -59,6 +59,28 @@ def test_chunks_stored_while_it_commits_keep_their_bytes() -> None:
     memory.close()
 
 
+def rss_shmem_mib() -> float:
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("RssShmem:"))
+    return int(line.split()[1]) / 1024
+
+
+def test_a_shared_slab_is_mapped_in_the_background() -> None:
+    """A node's slab (/dev/shm): its pages are allocated with the file, but each still faults
+    on its first touch through this process's mapping until mapped."""
+    before = rss_shmem_mib()
+    config = MemoryTierConfig(kind="memory", capacity=f"{SLAB_MIB}MiB", pin="off",
+                              shared_memory=f"kvtier-test-prefault-{os.getpid()}")
+    memory = MemoryTier(config, LAYOUT)
+    try:
+        assert memory.prefaulting is not None
+        memory.prefaulting.join(timeout=60)
+        assert rss_shmem_mib() - before > SLAB_MIB * 0.9
+    finally:
+        memory.close()
+    assert memory.shared_memory_path is not None and not memory.shared_memory_path.exists()
+
+
 def test_closing_stops_it() -> None:
     memory = MemoryTier(MemoryTierConfig(kind="memory", capacity="4GiB", pin="off"),
                         tiny_layout(4))

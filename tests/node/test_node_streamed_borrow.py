@@ -3,7 +3,7 @@ the engine copies a load's first chunks while the node still reads the rest, whe
 after the last read made every load wait for its slowest chunk. A borrower that stops early
 reads the stream to its end and keeps its connection; a part that comes too late is a miss,
 and the connection is closed only after the chunks lent before it were released (the lease
-ends with it). And the node's read threads run before its first Borrow (`start_reads`).
+ends with it).
 
 An in-process node (`running_node`); faults injected: one disk read held until the test
 releases it.
@@ -138,20 +138,3 @@ def test_a_part_past_the_deadline_is_a_miss_and_the_connection_closes_after_the_
     assert node.status()["leases"] == 0
     assert lend(engine, KEYS).chunks == expected(range(3))  # on a new connection
     assert client.failures == 0  # the node was never taken for down
-
-
-def test_the_nodes_read_threads_run_before_its_first_borrow(
-        tmp_path: Path,
-        in_process_node: Callable[..., AbstractContextManager[NodeServer]]) -> None:
-    """ThreadPoolExecutor starts a thread per read as reads come, each start waiting for the
-    thread to run: on a busy machine the first Borrow after a node's start read its first
-    chunks one after another while the pool grew (docs/performance.md, "A node's first
-    load"). The node starts them as it builds a layout's store."""
-    before = set(threading.enumerate())
-    config = {**node_tiers(tmp_path, ram_chunks=8, disk_chunks=16), "io_threads": 3}
-    with in_process_node(config) as node:
-        client, _ = connect(node.config.socket_path)
-        assert client.welcomed() is not None  # the layout's store is built
-        wait_for(lambda: len([t for t in set(threading.enumerate()) - before
-                              if t.name.startswith("kvtier-read")]) == 3, 10,
-                 "the node's 3 read threads")

@@ -2,8 +2,9 @@
 use in node mode (`ChunkStore`), and `NodeProbe`, the scheduler's lookup through the node.
 
 Chunks are lent and filled in place in the node's shared-memory slab, mapped here; only
-offsets cross the socket, one round trip per load (`Borrow`) and one per step's stores
-(`Reserve`, from `plan_puts`); commits and releases are sent without waiting. A load of
+offsets cross the socket, one round trip per load (`Borrow`, its reply streamed in parts as
+the node's reads below RAM land: node/stream.py) and one per step's stores (`Reserve`, from
+`plan_puts`); commits and releases are sent without waiting. A load of
 chunks whose slots this engine knows (it stored them, or was lent them before) takes no round
 trip: it holds the slots by their locks in the slab's file (`kvtier.tiers.shmslab.SlabReader`,
 one syscall each on this thread, no wait for the node's thread to be scheduled), reads them
@@ -35,6 +36,8 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TypeVar
+
+import numpy as np
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
@@ -78,6 +81,7 @@ from kvtier.node.protocol import (
 from kvtier.node.stream import LentStream, PartFuture
 from kvtier.tiers.eventfacts import ChunkInfo
 from kvtier.tiers.manifest import NamespaceInfo
+from kvtier.tiers.prefault import prefault_in_background
 from kvtier.tiers.shmslab import SlabReader
 
 log = logging.getLogger(__name__)
@@ -121,6 +125,7 @@ class NodeClient:
         self._slab_fd = -1  # the mapped file, open: each thread's reader opens it again
         self.welcome: Welcome | None = None
         self.dma_registered = False  # the slab's mapping registered with CUDA (node/dma.py)
+        self._stop_prefault = threading.Event()  # the current mapping's (tiers/prefault.py)
         self.failures = 0  # calls the node did not answer (each a miss or a dropped store)
 
     def call(self, request: Request, reply: type[R], *, slow: bool = False,
@@ -316,6 +321,13 @@ class NodeClient:
                 log.info("kvtier: node %r restarted (generation %s): its slab mapped again",
                          welcome.node, welcome.generation)
             self.dma_registered = register_for_dma(mapping)  # a GPU engine's copies: DMA
+            # Its pages mapped in the background (a registered mapping's are): a first copy
+            # into or out of each would fault (tiers/prefault.py). The old one's no more.
+            self._stop_prefault.set()
+            self._stop_prefault = threading.Event()
+            if not self.dma_registered:
+                prefault_in_background(np.frombuffer(mapping, dtype=np.uint8),
+                                       f"node {welcome.node!r}'s slab", self._stop_prefault)
             self._slab = (welcome.generation, mapping)  # the old mapping: loans still out
             self._local.slab = self._slab
             self.welcome = welcome

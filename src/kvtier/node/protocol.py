@@ -1,7 +1,8 @@
 """The messages between an engine and its node (`kvtier node`), and their framing.
 
-One request, at most one reply, on a Unix stream socket: each message is msgspec's MessagePack
-of a tagged struct behind a 4-byte big-endian length. Every request of a load or a store
+One request, at most one reply (a streamed `Borrow`'s in parts, `Lent.more`), on a Unix stream
+socket: each message is msgspec's MessagePack of a tagged struct behind a 4-byte big-endian
+length. Every request of a load or a store
 carries all of that step's chunks (a `Borrow` of a request's hit, a `Reserve` of a step's
 stores): control round trips are per step, never per chunk. `Release`, `Touch`, `Commit`
 and `Describe` get no reply (the engine never waits for them). Chunk bytes never cross the

@@ -135,7 +135,10 @@ class MemoryTier:
             self._slab = self._allocate(self.num_slots * self.slot_bytes, config.pin)
         self._stop_prefault = threading.Event()
         self.prefaulting: threading.Thread | None = None  # running or finished; None: off
-        if config.prefault and not self.pinned and self._slab.nbytes and self._shared is None:
+        # A shared slab's pages exist (allocated with its file), but not in this process's
+        # page tables: a first write into each still faults (7x slower than into a mapped
+        # page here, docs/performance.md).
+        if config.prefault and not self.pinned and self._slab.nbytes:
             self.prefaulting = prefault_in_background(
                 self._slab, f"memory tier {self.name!r}", self._stop_prefault)
         self._index: dict[ChunkKey, int] = {}
