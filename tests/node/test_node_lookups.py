@@ -156,6 +156,23 @@ def test_the_node_measures_its_remote_tiers_links(tmp_path: Path, in_process_nod
         assert kept == speed
 
 
+def test_the_first_ask_answers_the_best_of_several_measures(tmp_path: Path,
+                                                           in_process_node: Node,
+                                                           monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    """A node just started measures its links while it is busy (its store, its engines'
+    first requests): one slow measure as the first answer made the engines judge its tiers
+    slower than recompute, and every hit of a run was recomputed."""
+    with in_process_node(node_tiers(tmp_path, ram_chunks=4, disk_chunks=16)) as node:
+        client, engine = connect(node.config.socket_path, timeout_s=30)
+        assert client.welcomed() is not None  # the layout's store is built
+        (layout,) = node._layouts.values()
+        fast = LinkSpeed(0.001, 1e9)
+        measures = iter([LinkSpeed(9.0, 1.0), fast, LinkSpeed(5.0, 1.0)])
+        monkeypatch.setattr(layout.store, "measure_links", lambda: {"disk": next(measures)})
+        assert engine.measure_links() == {BELOW_TIER: fast}
+
+
 def test_a_chunk_the_node_evicted_is_a_miss_not_a_stale_hit(tmp_path: Path,
                                                            in_process_node: Node) -> None:
     """Node mode's locator asks the node's RAM before its index of this engine's stores

@@ -2,15 +2,16 @@
 of the engines' `node-below` tier (load-or-recompute, issue 45) before a load from it is timed.
 
 Each layout's are measured on a `MeasureLinks` (an engine's worker asks at start-up, then
-every 10 s, then every minute, on a thread of its own), at most once a LINK_MEASURE_S: the
-first ask waits for the measure (a node just restarted would otherwise answer nothing, and an
-engine whose next ask came after its first loads judged them with no prior: one stalled first
-load then cut the tier for the run), the later ones get what is known at once and a measure
-in the background. Each tier's answer is the best of its last
-LINK_WINDOW measures: a measure taken while the node is busy (engines starting, their stores
-going to disk, reads for other engines) reads a link slower than it is, and a tier judged slower
-than recompute by its prior alone is not tried; one judged too fast is, and its first timed
-loads correct it.
+every 10 s, then every minute, on a thread of its own), at most once a LINK_MEASURE_S. The
+first ask waits for LINK_WINDOW measures taken back to back: a node just restarted would
+otherwise answer nothing (an engine whose next ask came after its first loads judged them
+with no prior, and one stalled first load cut the tier for the run), or one measure taken
+while it was busy starting (a tier judged slower than recompute by its prior alone is not
+tried: every hit of the run recomputed). The later asks get what is known at once and a
+measure in the background. Each tier's answer is the best of its last LINK_WINDOW measures: a
+measure taken while the node is busy (engines starting, their stores going to disk, reads for
+other engines) reads a link slower than it is; one judged too fast is tried, and its first
+timed loads correct it.
 
 Primitives: `NodeLinks`.
 """
@@ -60,8 +61,8 @@ class NodeLinks:
             if due:
                 self._running = True
                 self._measured_s = time.monotonic()
-        if due:
-            self._measure()
+        if due:  # several: one taken while the node is busy (just started) reads slow
+            self._measure(LINK_WINDOW)
         return self.best()
 
     def best(self) -> dict[str, LinkSpeed]:
@@ -70,12 +71,13 @@ class NodeLinks:
             return {tier: min(speeds, key=lambda s: s.read_s(self._chunk_bytes))
                     for tier, speeds in self._measures.items() if speeds}
 
-    def _measure(self) -> None:
+    def _measure(self, times: int = 1) -> None:
         try:
-            speeds = self._store.measure_links()  # never raises for I/O
+            for _ in range(times):
+                speeds = self._store.measure_links()  # never raises for I/O
+                with self._lock:
+                    for tier, speed in speeds.items():
+                        self._measures.setdefault(tier, deque(maxlen=LINK_WINDOW)).append(speed)
         finally:
             with self._lock:
                 self._running = False
-        with self._lock:
-            for tier, speed in speeds.items():
-                self._measures.setdefault(tier, deque(maxlen=LINK_WINDOW)).append(speed)
