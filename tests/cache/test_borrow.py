@@ -214,25 +214,33 @@ def test_a_lending_lends_the_first_landed_first_and_waits_for_the_rest_on_exit(
     store.close()
 
 
-def test_a_lending_in_order_waits_for_each_chunk_in_turn(
-        two_tier_store: TieredStore, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Models with state layers take their chunks in key order: chunk 1, landed first, waits
-    for chunk 0."""
-    store = two_tier_store
-    spares = [memoryview(bytearray(LAYOUT.bytes_per_chunk)) for _ in range(2)]
+def gated_disk_read(store: TieredStore, monkeypatch: pytest.MonkeyPatch, held: ChunkKey,
+                    wait_s: float) -> threading.Event:
+    """Chunks 0-2 put (0 and 1 on disk only, 2 in memory); the disk's read of `held` waits
+    for the event returned (at most `wait_s`)."""
     for i in range(3):
-        store.put(key(i), memoryview(payload(i)))  # keys 0 and 1 on disk only
+        store.put(key(i), memoryview(payload(i)))
     assert store.flush(timeout_s=5)
     disk = store.tiers[1]
     read = disk.get_into
     gate = threading.Event()
 
     def gated_read(k: ChunkKey, *args: Any) -> TierResult:
-        if k == key(0):
-            gate.wait(3)
+        if k == held:
+            gate.wait(wait_s)
         return read(k, *args)
 
     monkeypatch.setattr(disk, "get_into", gated_read)
+    return gate
+
+
+def test_a_lending_in_order_waits_for_each_chunk_in_turn(
+        two_tier_store: TieredStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Models with state layers take their chunks in key order: chunk 1, landed first, waits
+    for chunk 0."""
+    store = two_tier_store
+    spares = [memoryview(bytearray(LAYOUT.bytes_per_chunk)) for _ in range(2)]
+    gate = gated_disk_read(store, monkeypatch, key(0), 3)
     threading.Timer(0.2, gate.set).start()
     with store.lend_as_landed([key(0), key(1)], spares, in_order=True) as lending:
         assert lent_tiers(lending) == [(0, "disk"), (1, "disk")]
@@ -244,19 +252,7 @@ def test_a_lending_says_whether_its_next_chunk_has_landed(
     """`ready`: what a node checks before sending a part of its reply (node/stream.py)."""
     store = two_tier_store
     spares = [memoryview(bytearray(LAYOUT.bytes_per_chunk)) for _ in range(3)]
-    for i in range(3):
-        store.put(key(i), memoryview(payload(i)))  # keys 0 and 1 on disk only, 2 in memory
-    assert store.flush(timeout_s=5)
-    disk = store.tiers[1]
-    read = disk.get_into
-    gate = threading.Event()
-
-    def gated_read(k: ChunkKey, *args: Any) -> TierResult:
-        if k == key(1):
-            gate.wait(10)
-        return read(k, *args)
-
-    monkeypatch.setattr(disk, "get_into", gated_read)
+    gate = gated_disk_read(store, monkeypatch, key(1), 10)
     with store.lend_as_landed([key(0), key(1), key(2)], spares, in_order=True) as lending:
         assert next(lending).index == 0
         assert not lending.ready()  # chunk 1's read is held
