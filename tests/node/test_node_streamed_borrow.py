@@ -11,6 +11,8 @@ releases it.
 
 from __future__ import annotations
 
+import os
+import resource
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -138,3 +140,30 @@ def test_a_part_past_the_deadline_is_a_miss_and_the_connection_closes_after_the_
     assert node.status()["leases"] == 0
     assert lend(engine, KEYS).chunks == expected(range(3))  # on a new connection
     assert client.failures == 0  # the node was never taken for down
+
+
+def test_a_stream_is_read_on_a_socket_past_fd_setsize(
+        below_ram: tuple[NodeServer, HeldRead]) -> None:
+    """An engine process holds many files (vLLM's, its clients'): a connection's descriptor
+    past select()'s FD_SETSIZE (1024) still reads its parts."""
+    node, held = below_ram
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"this process may open {hard} files, not 1,200")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    padding = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        client, engine = connect(node.config.socket_path)
+        got = []
+        with engine.lend_as_landed(KEYS, _spare(), in_order=True) as lending:
+            for loan in lending:
+                with loan:
+                    got.append((loan.index, bytes(loan.view.data)))
+                if loan.index == 1:
+                    held.release.set()  # chunk 2 comes in a part of its own
+        assert got == expected(range(3))
+        assert client.failures == 0
+    finally:
+        for fd in padding:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

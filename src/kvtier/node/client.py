@@ -177,8 +177,10 @@ class NodeClient:
         sock: socket.socket | None = getattr(self._local, "sock", None)
         if sock is None:
             raise NodeUnavailable("this thread's connection is gone")
+        poller = select.poll()  # not select(): an engine's sockets may pass FD_SETSIZE
         try:
-            if not select.select([sock], [], [], timeout_s)[0]:
+            poller.register(sock, select.POLLIN)
+            if not poller.poll(max(0.0, timeout_s) * 1000):
                 return None
         except (OSError, ValueError) as exc:  # closed meanwhile
             raise NodeUnavailable(str(exc)) from exc
