@@ -4,6 +4,7 @@ interpreter.
   server.py    `NodeServer`: the tier stack per KV layout, its RAM slab in shared memory,
                one thread per engine connection, leases that end with the connection
   client.py    `NodeStore` (the connector's store in node mode), `NodeProbe` (its lookups)
+  stream.py    a Borrow's reply read in parts as the node's reads land (`LentStream`)
   protocol.py  the control messages (msgspec), one round trip per load or step of stores
   links.py     `NodeLinks`: the links of its tiers below RAM, measured by the node (the
                engines' prior for a load from below its RAM)
