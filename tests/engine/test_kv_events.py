@@ -137,9 +137,12 @@ def test_a_salted_prompt_announced_at_dynamos_block_size_scores_for_its_salt(
     kvtier = {"kv_connector": "KVTierConnector",
               "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both",
               # Tails off: the chunks' blocks are counted (a tail's events:
-              # tests/connector/test_router_events.py).
+              # tests/connector/test_router_events.py). Stores in the step: the prompt's
+              # chunks are one run, one event (Dynamo reads an event's cache namespace from
+              # its first block, which only a prompt's first chunk carries; async stores
+              # landing across two reports split the run, and the rest scored no match).
               "kv_connector_extra_config": {"tokens_per_chunk": TPC, "event_block_size": 16,
-                                            "tail_chunks": False,
+                                            "tail_chunks": False, "store_mode": "sync",
                                             "tiers": [{"kind": "memory",
                                                        "capacity": 8 * CHUNK_BYTES}]}}
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
