@@ -42,13 +42,14 @@ def set_counts(client: redis.Redis) -> tuple[int, int]:
 
 
 def headerless(client: redis.Redis, prefix: str = "kvtier:") -> dict[str, list[str]]:
-    """Chunk -> its values, for every chunk whose values exist without a header."""
+    """Chunk -> its values (sorted: SCAN's order changes as the keyspace does), for every
+    chunk whose values exist without a header."""
     groups: dict[str, list[str]] = {}
     for raw in client.scan_iter(match=f"{prefix}*"):
         name = raw.decode()
         if not name.endswith(":lru"):
             groups.setdefault(name.rpartition(":")[0], []).append(name)
-    return {base: names for base, names in groups.items() if base + ":h" not in names}
+    return {base: sorted(names) for base, names in groups.items() if base + ":h" not in names}
 
 
 def redis_config(url: str, **settings: Any) -> RedisTierConfig:
