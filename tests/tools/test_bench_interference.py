@@ -26,6 +26,7 @@ from kvtier.tools.bench.interference import (
 )
 from kvtier.tools.bench.prompts import KV_BYTES_PER_TOKEN
 from kvtier.tools.bench.serving.arrivals import arrival_schedule, gaps_in_window, token_times
+from kvtier.tools.bench.serving.stalls import Stall
 from kvtier.tools.bench.serving.stats import RequestResult
 from kvtier.tools.cli.bench_interference import config_from, figures_table, target_table
 
@@ -260,3 +261,32 @@ def test_the_json_names_the_tier_and_the_network(tmp_path: Path) -> None:
     assert data["config"]["tier"] == "redis" and data["config"]["net_delay_ms"] == 0.25
     assert data["config"]["net_bandwidth_gbps"] == 10.0 and data["runs"][0]["ping_ms"] == 0.9
     assert data["source"] == config.source
+
+
+def test_arrivals_a_machine_stall_touched_are_reported_apart() -> None:
+    """An arrival whose wait for its first token spans a stall of the machine measured the
+    machine: the TTFT of the others is shown beside that of all, with the stalls in the
+    window (one before the window is left out)."""
+    run = dataclasses.replace(_run("kvtier-node", (0.01,), (0.01,), ttfts=(0.2, 1.5, 0.3)),
+                              stalls=(Stall(0.2, 0.4), Stall(2.3, 2.8)))
+    assert run.window_s == (1.0, 3.5)
+    assert run.stalls_in_window == [Stall(2.3, 2.8)]
+    assert [r.start_s for r in run.unstalled_arrivals] == [1.0, 3.0]
+    assert run.unstalled_ttft.p50 == pytest.approx(0.25) and run.ttft.p50 == 0.3
+    figures = _rendered(figures_table(InterferenceResult(
+        InterferenceConfig(Path("."), Path(".")), (run,), 1.0, {})))
+    assert "(2 of 3)" in figures and "1, longest 500 ms" in figures
+    quiet = dataclasses.replace(run, stalls=())
+    assert len(quiet.unstalled_arrivals) == 3
+    assert "none" in _rendered(figures_table(InterferenceResult(
+        InterferenceConfig(Path("."), Path(".")), (quiet,), 1.0, {})))
+
+
+def test_the_json_lists_the_stalls_in_the_window(tmp_path: Path) -> None:
+    run = dataclasses.replace(_run("kvtier-node", (0.01,), (0.01,), ttfts=(0.2, 1.5)),
+                              stalls=(Stall(2.5, 3.0),))
+    InterferenceResult(InterferenceConfig(tmp_path, tmp_path), (run,), 1.0, {}).write_json(
+        tmp_path / "r.json")
+    (written,) = json.loads((tmp_path / "r.json").read_text())["runs"]
+    assert written["stalls_in_window"] == [{"start_s": 2.5, "end_s": 3.0}]
+    assert written["unstalled_ttft"]["count"] == 1

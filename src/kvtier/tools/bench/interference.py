@@ -49,7 +49,10 @@ The streams' ITL with arrivals counts the gaps whose later token came inside the
 window (from the first arrival sent to the last one answered), so streams that run past the
 window do not dilute it (`gaps_in_window`). Requests are sent by
 `kvtier.tools.bench.serving.client`; the schedule, the window and the server start's retries
-are `kvtier.tools.bench.serving.arrivals`'.
+are `kvtier.tools.bench.serving.arrivals`'. A watcher process (`serving.stalls`) notes where
+the machine itself stopped (100 ms or more in which no ordinary process ran: a paused VM, not
+a busy one): each configuration reports the stalls inside its arrival window, and its arrivals'
+TTFT over those that no stall touched, beside the TTFT of all of them.
 
 Primitives: `InterferenceConfig`, `timed_stream_tokens`, `ConfigRun`, `Check`, `checks`,
 `InterferenceResult`, `run_interference_bench`, `CONFIGS`, `TIERS`.
@@ -93,6 +96,7 @@ from kvtier.tools.bench.serving.arrivals import (
     token_times,
 )
 from kvtier.tools.bench.serving.client import ClientConfig, run_workload
+from kvtier.tools.bench.serving.stalls import Stall, StallWatch, watching
 from kvtier.tools.bench.serving.stats import Percentiles, RequestResult, percentiles
 from kvtier.tools.bench.serving.workloads import Turn, Workload
 from kvtier.tools.ops.server import free_port, running_server
@@ -212,6 +216,8 @@ class ConfigRun:
     arrivals: tuple[RequestResult, ...]  # the arrivals, in schedule order
     metrics: dict[str, float] | None  # counter deltas over the timed phase (promdiff)
     ping_ms: float | None = None  # tier "redis": PING round trip through the network, idle
+    # the machine's stalls (serving.stalls) during the timed phase, in seconds into it
+    stalls: tuple[Stall, ...] = ()
 
     @property
     def window_s(self) -> tuple[float, float]:
@@ -230,6 +236,23 @@ class ConfigRun:
     @property
     def ttft(self) -> Percentiles:
         return arrival_ttft(self.arrivals)
+
+    @property
+    def stalls_in_window(self) -> list[Stall]:
+        """The machine's stalls while the arrivals came."""
+        return [s for s in self.stalls if s.overlaps(*self.window_s)]
+
+    @property
+    def unstalled_arrivals(self) -> list[RequestResult]:
+        """The arrivals no stall of the machine touched before their first token: what
+        they measured is the code's, not the machine's stops."""
+        return [r for r in self.arrivals
+                if r.ttft_s is not None
+                and not any(s.overlaps(r.start_s, r.start_s + r.ttft_s) for s in self.stalls)]
+
+    @property
+    def unstalled_ttft(self) -> Percentiles:
+        return arrival_ttft(self.unstalled_arrivals)
 
     @property
     def itl_p99_ratio(self) -> float | None:
@@ -302,7 +325,9 @@ class InterferenceResult:
             data["runs"].append(dict(
                 asdict(run), window_s=run.window_s, baseline_itl=asdict(run.baseline_itl),
                 itl=asdict(run.itl), ttft=asdict(run.ttft), itl_p99_ratio=run.itl_p99_ratio,
-                streams_cover_window=run.streams_cover_window))
+                streams_cover_window=run.streams_cover_window,
+                stalls_in_window=[asdict(s) for s in run.stalls_in_window],
+                unstalled_ttft=asdict(run.unstalled_ttft)))
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(data, indent=2, default=str) + "\n")
 
@@ -433,14 +458,15 @@ def _node_chunks(socket_path: str) -> StoredChunks:
     return StoredChunks(socket_path, count)
 
 
-_Timed = tuple[list[RequestResult], list[RequestResult], dict[str, float] | None]
+# the streams, the arrivals, the counters' deltas, the phase's start (time.monotonic())
+_Timed = tuple[list[RequestResult], list[RequestResult], dict[str, float] | None, float]
 
 
 async def _timed_phase(config: InterferenceConfig, cfg: ClientConfig,
                        stream_tokens: int) -> _Timed:
     """Phase 3: the streams and, on schedule, the arrivals; and the counters' deltas."""
     before = await promdiff.scrape(cfg.url)
-    t0 = time.perf_counter()
+    t0, origin_s = time.perf_counter(), time.monotonic()
     streams = asyncio.create_task(send_after(
         streams_workload(config.streams, config.stream_prompt_tokens, stream_tokens, 500),
         dataclasses.replace(cfg, concurrency=config.streams), 0.0, t0))
@@ -451,17 +477,19 @@ async def _timed_phase(config: InterferenceConfig, cfg: ClientConfig,
     streamed = await streams
     after = await promdiff.scrape(cfg.url)
     metrics = promdiff.diff(before, after) if before is not None and after is not None else None
-    return streamed, arrived, metrics
+    return streamed, arrived, metrics, origin_s
 
 
 def _measure(config: InterferenceConfig, name: str, url: str, model: str,
              stored: StoredChunks | None, progress: Callable[[str], None],
-             cold_ram: Callable[[], None] | None = None) -> ConfigRun:
+             cold_ram: Callable[[], None] | None = None,
+             watch: StallWatch | None = None) -> ConfigRun:
     """Phases 1-3 against a ready server (command and startup_s left for the caller);
     `stored`: the lower tier to wait for after the warm-up (None: no kvtier); `cold_ram`:
     empties kvtier's RAM after it (kvtier-node: the node restarted, then one request of a
     chunk, so that the engine has reconnected and the node built its store before the timed
-    phase, as an engine in process has).
+    phase, as an engine in process has); `watch`: the machine's stalls, kept for the timed
+    phase.
 
     Raises:
         ServerError: a warm-up request failed, or the prefix cache could not be reset.
@@ -504,13 +532,15 @@ def _measure(config: InterferenceConfig, name: str, url: str, model: str,
     if not keep:
         asyncio.run(_reset_prefix_cache(url))
     progress(f"{name}: {config.streams} streams, {config.arrivals} arrivals")
-    streamed, arrived, metrics = asyncio.run(_timed_phase(config, cfg, tokens))
+    streamed, arrived, metrics, origin_s = asyncio.run(_timed_phase(config, cfg, tokens))
+    stalls = () if watch is None else tuple(
+        s.shifted(origin_s) for s in watch.stalls(origin_s, time.monotonic()))
     return ConfigRun(name, "", 0.0, warmup_s, tokens, baseline.results, tuple(streamed),
-                     tuple(arrived), metrics)
+                     tuple(arrived), metrics, stalls=stalls)
 
 
 def _run_config(config: InterferenceConfig, name: str, model: Path, scratch: Path,
-                progress: Callable[[str], None]) -> ConfigRun:
+                progress: Callable[[str], None], watch: StallWatch | None = None) -> ConfigRun:
     """Start configuration `name`'s server (and, for kvtier with tier "redis", a private
     redis-server behind the emulated network), measure, stop them. A start that fails
     because another engine on the machine holds the memory is retried after a minute.
@@ -561,7 +591,7 @@ def _run_config(config: InterferenceConfig, name: str, model: Path, scratch: Pat
                               else _node_chunks(node.socket_path))
                 cold_ram = None if node is None or in_ram else node.restart
                 run = _measure(config, name, server.url, str(model), source, progress,
-                               cold_ram)
+                               cold_ram, watch)
                 return dataclasses.replace(run, command=command.display(),
                                            startup_s=startup_s, ping_ms=ping_ms)
 
@@ -587,8 +617,9 @@ def run_interference_bench(config: InterferenceConfig,
     load_before = os.getloadavg()
     runs = []
     try:
-        for name in config.configs:
-            runs.append(_run_config(config, name, model, scratch, progress))
+        with watching() as watch:
+            for name in config.configs:
+                runs.append(_run_config(config, name, model, scratch, progress, watch))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return InterferenceResult(config, tuple(runs), time.perf_counter() - begin,

@@ -27,6 +27,7 @@ from kvtier.tools.bench.interference import (
     checks,
     run_interference_bench,
 )
+from kvtier.tools.bench.serving.stalls import STALL_S
 from kvtier.tools.cli.argtypes import (
     finite_float,
     non_negative_int,
@@ -133,6 +134,9 @@ def figures_table(result: InterferenceResult) -> Table:
         ("streams' ITL p50 / p99, with arrivals (ms)", lambda r: ms_p50_p99(r.itl)),
         ("ITL p99 with / without", lambda r: _x(r.itl_p99_ratio)),
         ("arrivals' TTFT p50 / p99 (ms)", lambda r: ms_p50_p99(r.ttft)),
+        ("  those no machine stall touched (ms)", lambda r: (
+            f"{ms_p50_p99(r.unstalled_ttft)} ({len(r.unstalled_arrivals)} of {len(r.arrivals)})")),
+        (f"machine stalls >= {STALL_S * 1000:.0f} ms, arrival window", _stalls),
         ("arrival window (s)", lambda r: "{:.1f}-{:.1f}".format(*r.window_s)),
         ("streams decode through it", lambda r: "yes" if r.streams_cover_window else "NO"),
         ("kvtier tokens loaded", lambda r: f"{r.counter('loaded_tokens_total'):,.0f}"),
@@ -150,6 +154,14 @@ def figures_table(result: InterferenceResult) -> Table:
                       f"{c.arrival_gap_s:g} s apart, prefixes "
                       f"{'/'.join(map(str, c.prefix_tokens))} tokens from {c.source}",
                       result.runs, rows)
+
+
+def _stalls(run: ConfigRun) -> str:
+    """The machine's stops while the arrivals came (a loaded machine has none this long)."""
+    stalls = run.stalls_in_window
+    if not stalls:
+        return "none"
+    return f"{len(stalls)}, longest {max(s.seconds for s in stalls) * 1000:,.0f} ms"
 
 
 def _x(ratio: float | None) -> str:

@@ -1,0 +1,115 @@
+"""Whether the machine stopped while a benchmark measured (`StallWatch`).
+
+A small process of its own wakes every TICK_S and writes down each wake that came STALL_S or
+more late: a stretch in which an ordinary process (nice 0, nothing to do but wake) could not
+run. On a machine that is merely busy the kernel's scheduler gives any runnable process a turn
+within a few tens of milliseconds; a gap of STALL_S means that the machine itself stopped (a
+virtual machine paused by its host, memory reclaim) or was held by work above the process's
+priority. Every process of the benchmark, kvtier's among them, stopped as well: a request whose
+time spans such a gap measured the machine, not the code (docs/performance.md, "A node's first
+load": this project's VMs stop for 1-3 s at times, no steal time counted).
+
+A process, not a thread: a thread of the bench would wait for its interpreter's lock and its
+event loop, and report the bench's own pauses as the machine's. It writes to a file as it
+goes (a line per stall, in `time.monotonic()` seconds, the same clock in every process of the
+machine) and exits when its parent does.
+
+Primitives: `StallWatch` (`watching()`: a context manager), `Stall`, `TICK_S`, `STALL_S`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+TICK_S = 0.01  # the watcher wakes this often
+STALL_S = 0.1  # a wake this late (past its tick) is a stall
+
+
+@dataclass(frozen=True, slots=True)
+class Stall:
+    """A stretch in which the watcher could not run, in `time.monotonic()` seconds."""
+
+    start_s: float  # when it should have woken
+    end_s: float  # when it woke
+
+    @property
+    def seconds(self) -> float:
+        return self.end_s - self.start_s
+
+    def overlaps(self, start_s: float, end_s: float) -> bool:
+        return self.start_s < end_s and start_s < self.end_s
+
+    def shifted(self, origin_s: float) -> Stall:
+        """The same stall in seconds since `origin_s` (a benchmark phase's start)."""
+        return Stall(self.start_s - origin_s, self.end_s - origin_s)
+
+
+class StallWatch:
+    """The watcher process and what it wrote down (see the module docstring)."""
+
+    def __init__(self, log: Path, tick_s: float = TICK_S, stall_s: float = STALL_S) -> None:
+        self._log = log
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", __name__, str(log), repr(tick_s), repr(stall_s)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+
+    def stalls(self, start_s: float = -float("inf"), end_s: float = float("inf")
+               ) -> list[Stall]:
+        """The stalls seen so far that overlap [start_s, end_s] (`time.monotonic()`)."""
+        try:
+            lines = self._log.read_text().splitlines()
+        except FileNotFoundError:  # the watcher has not started writing yet
+            return []
+        stalls = []
+        for line in lines:
+            fields = line.split()
+            if len(fields) == 2:  # a line being written has fewer
+                stall = Stall(float(fields[0]), float(fields[1]))
+                if stall.overlaps(start_s, end_s):
+                    stalls.append(stall)
+        return stalls
+
+    def stop(self) -> None:
+        self._proc.terminate()
+        try:
+            self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+
+@contextlib.contextmanager
+def watching(tick_s: float = TICK_S, stall_s: float = STALL_S) -> Iterator[StallWatch]:
+    """A `StallWatch` for the block's time; its process and its file removed afterwards."""
+    with tempfile.TemporaryDirectory(prefix="kvtier-stalls-") as directory:
+        watch = StallWatch(Path(directory) / "stalls.log", tick_s, stall_s)
+        try:
+            yield watch
+        finally:
+            watch.stop()
+
+
+def _watch(log: Path, tick_s: float, stall_s: float) -> None:
+    """The watcher's loop (its own process): a line "start end" per late wake."""
+    parent = os.getppid()
+    with log.open("a") as out:
+        last = time.monotonic()
+        while os.getppid() == parent:
+            time.sleep(tick_s)
+            now = time.monotonic()
+            if now - last - tick_s >= stall_s:
+                out.write(f"{last + tick_s:.6f} {now:.6f}\n")
+                out.flush()
+            last = now
+
+
+if __name__ == "__main__":
+    _watch(Path(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]))

@@ -1,0 +1,88 @@
+"""The benchmarks' stall watcher (`kvtier.tools.bench.serving.stalls`), a real process: stopped
+with SIGSTOP for a while, it sees the stop as a machine stall would look to it (it could not
+run); it ignores what is not a stall, keeps half-written lines out, and does not outlive the
+process that started it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+
+from kvtier.tools.bench.serving.stalls import STALL_S, TICK_S, Stall, StallWatch, watching
+
+T = TypeVar("T")
+STOP_S = 0.4
+
+
+def _wait_for(predicate: Callable[[], T], what: str, timeout_s: float = 30.0) -> T:
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} after {timeout_s} s")
+        time.sleep(0.02)
+    return value
+
+
+def test_a_stopped_stretch_is_a_stall_that_covers_it() -> None:
+    with watching() as watch:
+        _wait_for(watch._log.exists, "watcher's log")  # it runs its loop
+        stopped_s = time.monotonic()
+        os.kill(watch._proc.pid, signal.SIGSTOP)
+        time.sleep(STOP_S)
+        resumed_s = time.monotonic()
+        os.kill(watch._proc.pid, signal.SIGCONT)
+        stalls = _wait_for(lambda: [s for s in watch.stalls(stopped_s, resumed_s)
+                                    if s.seconds >= STOP_S - TICK_S], "stall of the stop")
+        (stall,) = stalls
+        assert stall.overlaps(stopped_s, resumed_s) and stall.end_s >= resumed_s
+        assert watch.stalls(resumed_s + 60, resumed_s + 120) == []  # nothing in the future
+
+
+def test_stalls_are_read_as_written_and_a_partial_line_waits() -> None:
+    with watching(stall_s=3600.0) as watch:  # no real stall is this long
+        _wait_for(watch._log.exists, "watcher's log")
+        with watch._log.open("a") as log:
+            log.write("10.0 10.5\n20.0 20.25\n30.0")
+        assert watch.stalls() == [Stall(10.0, 10.5), Stall(20.0, 20.25)]
+        assert watch.stalls(10.4, 19.0) == [Stall(10.0, 10.5)]
+        assert watch.stalls(10.5, 20.0) == []  # touching ends do not overlap
+    assert Stall(10.0, 10.5).shifted(9.0) == Stall(1.0, 1.5)
+    assert Stall(10.0, 10.5).seconds == pytest.approx(0.5)
+    assert STALL_S > 5 * TICK_S  # a stall is well past a late tick
+
+
+def test_the_watcher_ends_with_the_process_that_started_it() -> None:
+    parent = subprocess.run(
+        [sys.executable, "-c",
+         "import os, pathlib, tempfile, time\n"
+         "from kvtier.tools.bench.serving.stalls import StallWatch\n"
+         "watch = StallWatch(pathlib.Path(tempfile.mkdtemp()) / 'stalls.log')\n"
+         "print(watch._proc.pid, flush=True)\n"
+         "time.sleep(0.5)\n"
+         "os._exit(0)  # no stop(): a bench killed"],
+        capture_output=True, text=True, timeout=60, check=True)
+    pid = int(parent.stdout.split()[0])
+
+    def gone() -> bool:  # exited: no such process, or a zombie no one reaps (a bare PID 1)
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except FileNotFoundError:
+            return True
+        return stat.rpartition(")")[2].split()[0] in ("Z", "X")
+
+    _wait_for(gone, "exit of the orphaned watcher")
+
+
+def test_a_watch_stopped_twice_is_stopped(tmp_path: Path) -> None:
+    watch = StallWatch(tmp_path / "stalls.log")
+    watch.stop()
+    watch.stop()
+    assert watch._proc.returncode is not None
