@@ -12,6 +12,7 @@ import os
 import shlex
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -243,6 +244,32 @@ def test_running_server_waits_for_health_and_kills_the_whole_group(tmp_path):
         assert alive(child)
     assert server.proc is None
     assert not alive(child)  # the "engine core" went with it
+
+
+def state(pid: int) -> str:
+    """The process's state letter (R, S, T: stopped, Z...)."""
+    return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+
+
+def test_a_paused_server_is_stopped_whole_resumes_and_still_stops(tmp_path):
+    """`pause` stops every process of the server (the bench's other servers must not poll
+    the cores while one is measured), `resume` continues them, and `stop` ends a paused
+    one (its SIGTERM would otherwise wait for a SIGCONT)."""
+    cmd, child_pid = stand_in(tmp_path, "ok")
+    with running_server(cmd, log_path=tmp_path / "log", startup_timeout_s=30) as server:
+        assert server.proc is not None
+        pids = (server.proc.pid, int(child_pid.read_text()))
+        server.pause()
+        for pid in pids:
+            deadline = time.monotonic() + 10
+            while state(pid) != "T" and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert state(pid) == "T"
+        server.resume()
+        assert all(state(pid) != "T" for pid in pids)
+        server.wait_ready(10)  # it answers again
+        server.pause()
+    assert server.proc is None and not any(alive(pid) for pid in pids)
 
 
 def test_a_server_that_exits_early_raises_with_its_log(tmp_path):

@@ -4,8 +4,12 @@ kvtier and with kvtier under each eviction policy, beside the simulator's predic
 The slice (traceslice.py) is sent to one vLLM OpenAI server (CPU backend, the generated
 "bench" model) per configuration, all started side by side, one request at a time in the
 trace's order, each request to every server in turn (what matters is the cache's decisions;
-a request's TTFT is then its prefill alone, not the 2 cores' contention, and a change in the
-shared machine's load weighs on every configuration alike), one output token each:
+a change in the shared machine's load weighs on every configuration alike), one output token
+each. Only the server being sent to runs: the others are stopped (SIGSTOP) from SETTLE_S after
+their last answer (its stores landed) until their next request, as an idle vLLM busy-polls
+its queue for a second after each step: with three servers' polls running beside it, a
+request's TTFT was the 2 cores' contention (every configuration's p90 ~1 s, load average
+15-22), not its prefill:
   - `vllm`: plain vLLM, its own prefix cache only;
   - `lru`, `prefix`, ...: kvtier with one memory tier of `capacity_blocks` chunks (a chunk is
     a trace block: `block_tokens` tokens) under that `eviction:`.
@@ -58,6 +62,10 @@ PLAIN = "vllm"  # the configuration without kvtier
 POLICIES = ("lru", "prefix")  # kvtier's configurations by default: their eviction policy
 PRESET = "bench"  # the generated model: prefill dominates a request's time on 2 cores
 OUTPUT_TOKENS = 1  # per request: the TTFT is the measurement
+# A server runs this long past its answer before it is stopped: its last steps (the stores of
+# the request's chunks, which the scheduler holds it for) take a few ms here; one not done
+# by then ends as the server resumes, before its next request is looked up in most cases.
+SETTLE_S = 0.1
 # vLLM flags of every server: 32-token blocks (the CPU backend's minimum), no CUDA graphs, a
 # fixed seed (as the demo's servers).
 _VLLM_ARGS = ("--enforce-eager", "--block-size", "32", "--seed", "0")
@@ -271,7 +279,8 @@ def _send_interleaved(workload: Workload, servers: dict[str, VllmServer], model:
                       progress: Callable[[str], None]) -> dict[str, list[BenchRun]]:
     """Each request to every server in turn, one at a time, the servers' order rotating
     request by request: the machine's load (shared, it moves by 2x from minute to minute)
-    weighs on every configuration alike, so their TTFTs compare request by request."""
+    weighs on every configuration alike, so their TTFTs compare request by request. Each
+    server runs only for its request (`_paused`)."""
     names = list(servers)
     sent: dict[str, list[BenchRun]] = {name: [] for name in names}
     for i, turn in enumerate(workload.turns):
@@ -279,8 +288,21 @@ def _send_interleaved(workload: Workload, servers: dict[str, VllmServer], model:
             progress(f"request {i + 1}/{len(workload.turns)} to each of {', '.join(names)}")
         one = Workload(workload.name, (turn,), chained=workload.chained)
         for name in names[i % len(names):] + names[:i % len(names)]:
-            sent[name].append(bench_endpoint(one, _client(servers[name], model), name))
+            servers[name].resume()
+            with _paused(servers[name]):
+                sent[name].append(bench_endpoint(one, _client(servers[name], model), name))
     return sent
+
+
+@contextlib.contextmanager
+def _paused(server: VllmServer) -> Iterator[None]:
+    """The block, then SETTLE_S for the server to finish what its last request started (its
+    stores), then the server stopped (see the module docstring), whatever the block did."""
+    try:
+        yield
+    finally:
+        time.sleep(SETTLE_S)
+        server.pause()
 
 
 def _predict(trace: Trace, name: str, capacity_blocks: int,
@@ -332,8 +354,9 @@ def _server(config: TraceBenchConfig, name: str, model: Path, tier_bytes: int,
         # One uncounted request shorter than a chunk (so kvtier stores nothing of it): the
         # first prefill of a fresh server pays one-off costs.
         warm = tuple(TOKEN_LOW + i % 7 for i in range(config.spec.block_tokens - 1))
-        bench_endpoint(Workload("warm-up", (Turn(-1, 0, warm, OUTPUT_TOKENS),), chained=True),
-                       _client(server, model), "warm-up")
+        with _paused(server):
+            bench_endpoint(Workload("warm-up", (Turn(-1, 0, warm, OUTPUT_TOKENS),),
+                                    chained=True), _client(server, model), "warm-up")
         yield server
     finally:
         server.stop()

@@ -47,8 +47,8 @@ _LIVE: weakref.WeakSet[VllmServer] = weakref.WeakSet()
 @dataclass(eq=False)
 class VllmServer:
     """A vLLM server subprocess in its own process group. Start it with `start()` (or use
-    `running_server`); `stop()` is idempotent and kills the whole group. Not thread-safe:
-    one owner thread."""
+    `running_server`); `stop()` is idempotent and kills the whole group; `pause()` and
+    `resume()` stop and continue it. Not thread-safe: one owner thread."""
 
     command: ServeCommand
     log_path: Path | None = None  # stdout+stderr go here; None: inherit the caller's
@@ -98,6 +98,7 @@ class VllmServer:
             return None
         _LIVE.discard(self)
         pgid = proc.pid  # a session leader's pgid is its pid
+        _signal_group(pgid, signal.SIGCONT)  # a paused server takes its SIGTERM too
         _signal_group(pgid, signal.SIGTERM)
         try:
             proc.wait(grace_s)
@@ -112,6 +113,19 @@ class VllmServer:
         if self._log is not None:
             self._log.close()
         return proc.returncode
+
+    def pause(self) -> None:
+        """Stop every process of the server (SIGSTOP to its group) until `resume`: an idle
+        vLLM is not idle (its worker busy-polls its queue for a second after each step), and
+        servers measured in turn on a small machine would share its cores with the others'
+        polls."""
+        if self.proc is not None:
+            _signal_group(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Let a `pause`d server run again (SIGCONT to its group)."""
+        if self.proc is not None:
+            _signal_group(self.proc.pid, signal.SIGCONT)
 
     def _log_tail(self, lines: int = 40) -> str:
         if self.log_path is None or not self.log_path.exists():
