@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,5 @@ def test_returning_turns_come_back_from_kvtier_as_the_simulator_says(tmp_path: P
     assert predicted["kvtier_hit_tokens"] > 0
     assert run["kvtier_hit_tokens"] > 0 and run["engine_hit_tokens"] > 0
     assert run["tier_hit_ratios"].keys() <= {"memory"}
+    # stored in the step: the chunks are in the tier before the server is stopped
+    assert re.search(r'"store_mode": ?"sync"', doc["server_commands"]["prefix"])

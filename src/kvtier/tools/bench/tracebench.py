@@ -6,13 +6,14 @@ The slice (traceslice.py) is sent to one vLLM OpenAI server (CPU backend, the ge
 trace's order, each request to every server in turn (what matters is the cache's decisions;
 a change in the shared machine's load weighs on every configuration alike), one output token
 each. Only the server being sent to runs: the others are stopped (SIGSTOP) from SETTLE_S after
-their last answer (its stores landed) until their next request, as an idle vLLM busy-polls
+their last answer until their next request, as an idle vLLM busy-polls
 its queue for a second after each step: with three servers' polls running beside it, a
 request's TTFT was the 2 cores' contention (every configuration's p90 ~1 s, load average
 15-22), not its prefill:
   - `vllm`: plain vLLM, its own prefix cache only;
   - `lru`, `prefix`, ...: kvtier with one memory tier of `capacity_blocks` chunks (a chunk is
-    a trace block: `block_tokens` tokens) under that `eviction:`.
+    a trace block: `block_tokens` tokens) under that `eviction:`, storing in the step
+    (`store_mode: sync`: a request's chunks are in the tier before the next request comes).
 Every server gets the same engine KV cache, the smallest that holds the longest prompt, so
 vLLM's own cache keeps about one request and kvtier's tier decides what comes back. The
 simulator replays the same prompts through the same policy classes at the same capacity in
@@ -62,9 +63,9 @@ PLAIN = "vllm"  # the configuration without kvtier
 POLICIES = ("lru", "prefix")  # kvtier's configurations by default: their eviction policy
 PRESET = "bench"  # the generated model: prefill dominates a request's time on 2 cores
 OUTPUT_TOKENS = 1  # per request: the TTFT is the measurement
-# A server runs this long past its answer before it is stopped: its last steps (the stores of
-# the request's chunks, which the scheduler holds it for) take a few ms here; one not done
-# by then ends as the server resumes, before its next request is looked up in most cases.
+# A server runs this long past its answer before it is stopped (its stores are done by then:
+# in the step, `_server`), so that no bookkeeping of the answer's step is left for the
+# next request's time.
 SETTLE_S = 0.1
 # vLLM flags of every server: 32-token blocks (the CPU backend's minimum), no CUDA graphs, a
 # fixed seed (as the demo's servers).
@@ -336,9 +337,12 @@ def _cost_model() -> CostModel:
 def _server(config: TraceBenchConfig, name: str, model: Path, tier_bytes: int,
             kv_tokens: int) -> Iterator[VllmServer]:
     """The configuration's server, ready and warmed up; stopped on exit."""
-    extra = None if name == PLAIN else connector_config(
+    # Stores in the step (store_mode sync): a request's chunks are in the tier when its answer
+    # comes, as the simulator has them for the next request, however late the server is
+    # stopped (async stores land a step later, and the server may be stopped before).
+    extra = None if name == PLAIN else {**connector_config(
         [{"kind": "memory", "capacity": tier_bytes, "eviction": name}],
-        tokens_per_chunk=config.spec.block_tokens)
+        tokens_per_chunk=config.spec.block_tokens), "store_mode": "sync"}
     short = served_name(model)
     serve = ServeConfig(
         str(model), kvtier=name != PLAIN, extra_config=extra, port=free_port(),
