@@ -6,10 +6,9 @@ The slice (traceslice.py) is sent to one vLLM OpenAI server (CPU backend, the ge
 trace's order, each request to every server in turn (what matters is the cache's decisions;
 a change in the shared machine's load weighs on every configuration alike), one output token
 each. Only the server being sent to runs: the others are stopped (SIGSTOP) from SETTLE_S after
-their last answer until their next request, as an idle vLLM busy-polls
-its queue for a second after each step: with three servers' polls running beside it, a
-request's TTFT was the 2 cores' contention (every configuration's p90 ~1 s, load average
-15-22), not its prefill:
+their last answer until their next request, as an idle vLLM busy-polls its queue for a second
+after each step: with three servers' polls running beside it, a request's TTFT was the 2
+cores' contention (every configuration's p90 ~1 s, load average 15-22), not its prefill:
   - `vllm`: plain vLLM, its own prefix cache only;
   - `lru`, `prefix`, ...: kvtier with one memory tier of `capacity_blocks` chunks (a chunk is
     a trace block: `block_tokens` tokens) under that `eviction:`, storing in the step
