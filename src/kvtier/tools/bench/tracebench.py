@@ -280,7 +280,7 @@ def _send_interleaved(workload: Workload, servers: dict[str, VllmServer], model:
     """Each request to every server in turn, one at a time, the servers' order rotating
     request by request: the machine's load (shared, it moves by 2x from minute to minute)
     weighs on every configuration alike, so their TTFTs compare request by request. Each
-    server runs only for its request (`_paused`)."""
+    server runs only for its request (`_running`)."""
     names = list(servers)
     sent: dict[str, list[BenchRun]] = {name: [] for name in names}
     for i, turn in enumerate(workload.turns):
@@ -288,16 +288,16 @@ def _send_interleaved(workload: Workload, servers: dict[str, VllmServer], model:
             progress(f"request {i + 1}/{len(workload.turns)} to each of {', '.join(names)}")
         one = Workload(workload.name, (turn,), chained=workload.chained)
         for name in names[i % len(names):] + names[:i % len(names)]:
-            servers[name].resume()
-            with _paused(servers[name]):
+            with _running(servers[name]):
                 sent[name].append(bench_endpoint(one, _client(servers[name], model), name))
     return sent
 
 
 @contextlib.contextmanager
-def _paused(server: VllmServer) -> Iterator[None]:
-    """The block, then SETTLE_S for the server to finish what its last request started (its
-    stores), then the server stopped (see the module docstring), whatever the block did."""
+def _running(server: VllmServer) -> Iterator[None]:
+    """The server resumed for the block, then, SETTLE_S after it (whatever it did), stopped
+    (see the module docstring)."""
+    server.resume()
     try:
         yield
     finally:
@@ -357,7 +357,7 @@ def _server(config: TraceBenchConfig, name: str, model: Path, tier_bytes: int,
         # One uncounted request shorter than a chunk (so kvtier stores nothing of it): the
         # first prefill of a fresh server pays one-off costs.
         warm = tuple(TOKEN_LOW + i % 7 for i in range(config.spec.block_tokens - 1))
-        with _paused(server):
+        with _running(server):
             bench_endpoint(Workload("warm-up", (Turn(-1, 0, warm, OUTPUT_TOKENS),),
                                     chained=True), _client(server, model), "warm-up")
         yield server

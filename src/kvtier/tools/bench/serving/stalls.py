@@ -58,7 +58,8 @@ class StallWatch:
     def __init__(self, log: Path, tick_s: float = TICK_S, stall_s: float = STALL_S) -> None:
         self._log = log
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", __name__, str(log), repr(tick_s), repr(stall_s)],
+            [sys.executable, "-m", __name__, str(log), repr(tick_s), repr(stall_s),
+             str(os.getpid())],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
 
     def stalls(self, start_s: float = -float("inf"), end_s: float = float("inf")
@@ -97,9 +98,10 @@ def watching(tick_s: float = TICK_S, stall_s: float = STALL_S) -> Iterator[Stall
             watch.stop()
 
 
-def _watch(log: Path, tick_s: float, stall_s: float) -> None:
-    """The watcher's loop (its own process): a line "start end" per late wake."""
-    parent = os.getppid()
+def _watch(log: Path, tick_s: float, stall_s: float, parent: int) -> None:
+    """The watcher's loop (its own process): a line "start end" per late wake, while
+    `parent` (its starter's pid, given: one gone before this process ran is not its parent
+    any more) lives."""
     with log.open("a") as out:
         last = time.monotonic()
         while os.getppid() == parent:
@@ -112,4 +114,4 @@ def _watch(log: Path, tick_s: float, stall_s: float) -> None:
 
 
 if __name__ == "__main__":
-    _watch(Path(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]))
+    _watch(Path(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]))
