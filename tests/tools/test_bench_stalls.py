@@ -1,7 +1,8 @@
 """The benchmarks' stall watcher (`kvtier.tools.bench.serving.stalls`), a real process: stopped
 with SIGSTOP for a while, it sees the stop as a machine stall would look to it (it could not
-run); it ignores what is not a stall, keeps half-written lines out, and does not outlive the
-process that started it."""
+run, and was not waiting for a core); kept off its core by a real-time spinner, it sees a stall
+held by other work (it queued through it); it ignores what is not a stall, keeps half-written
+lines out, and does not outlive the process that started it."""
 
 from __future__ import annotations
 
@@ -44,18 +45,48 @@ def test_a_stopped_stretch_is_a_stall_that_covers_it() -> None:
         (stall,) = stalls
         assert stall.overlaps(stopped_s, resumed_s) and stall.end_s >= resumed_s
         assert watch.stalls(resumed_s + 60, resumed_s + 120) == []  # nothing in the future
+        assert stall.queued_s is not None and stall.held is False  # stopped, not queued
+
+
+# The spinner: pinned to the watcher's core, then real-time (SCHED_FIFO), it runs until done
+# and nothing of normal priority runs on that core meanwhile.
+SPIN = """
+import os, sys, time
+os.sched_setaffinity(0, {int(sys.argv[1])})
+os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+end = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end:
+    pass
+"""
+
+
+def test_a_stall_held_by_other_work_says_so() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("a real-time spinner needs root (CAP_SYS_NICE)")
+    with watching() as watch:
+        _wait_for(watch._log.exists, "watcher's log")
+        core = min(os.sched_getaffinity(watch._proc.pid))
+        os.sched_setaffinity(watch._proc.pid, {core})
+        began_s = time.monotonic()
+        subprocess.run([sys.executable, "-c", SPIN, str(core), str(STOP_S)], check=True,
+                       timeout=60)
+        stall = _wait_for(lambda: [s for s in watch.stalls(began_s, time.monotonic())
+                                   if s.seconds >= STALL_S], "stall of the spin")[0]
+        assert stall.held is True and stall.queued_s is not None
+        assert stall.queued_s <= stall.seconds + TICK_S
 
 
 def test_stalls_are_read_as_written_and_a_partial_line_waits() -> None:
     with watching(stall_s=3600.0) as watch:  # no real stall is this long
         _wait_for(watch._log.exists, "watcher's log")
         with watch._log.open("a") as log:
-            log.write("10.0 10.5\n20.0 20.25\n30.0")
-        assert watch.stalls() == [Stall(10.0, 10.5), Stall(20.0, 20.25)]
-        assert watch.stalls(10.4, 19.0) == [Stall(10.0, 10.5)]
+            log.write("10.0 10.5 0.4 0.0.\n20.0 20.25 - -.\n30.0 30.5 0.1 -")
+        assert watch.stalls() == [Stall(10.0, 10.5, 0.4, 0.0), Stall(20.0, 20.25)]
+        assert watch.stalls(10.4, 19.0) == [Stall(10.0, 10.5, 0.4, 0.0)]
         assert watch.stalls(10.5, 20.0) == []  # touching ends do not overlap
-    assert Stall(10.0, 10.5).shifted(9.0) == Stall(1.0, 1.5)
+    assert Stall(10.0, 10.5, 0.1).shifted(9.0) == Stall(1.0, 1.5, 0.1)
     assert Stall(10.0, 10.5).seconds == pytest.approx(0.5)
+    assert [Stall(0.0, 0.5, q).held for q in (0.3, 0.1, None)] == [True, False, None]
     assert STALL_S > 5 * TICK_S  # a stall is well past a late tick
 
 

@@ -41,6 +41,9 @@ CHUNK_BYTES = 32 * 1024  # the test model's KV for 64 tokens
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
 DOC_TOKENS = 4 * CHUNK  # a document of 4 chunks
 QUESTION = random_prompts([40], seed=999)[0]["prompt_token_ids"]
+# A TTL that a warm-up and a request beside another lane's engines end well within (no
+# wall-clock premise: scripts/test.sh runs the module beside others); its expiry is waited for.
+TTL_S = 15
 
 
 @pytest.fixture(scope="module")
@@ -136,17 +139,16 @@ def test_a_tenant_flooding_cannot_push_out_another_tenants_warm_set(server: Any)
     assert labelled(server, "tier_quota_evictions_total", tier="memory") >= 32
 
 
-@pytest.mark.timing  # the hit must come within the 3 s TTL
 def test_a_request_ttl_expires_its_chunks(server: Any) -> None:
     salt = "tenant-ttl"
     [doc] = docs(1, seed=5)
-    [result] = warm(WarmSettings(url=server.url, ttl_s=3, cache_salt=salt),
+    [result] = warm(WarmSettings(url=server.url, ttl_s=TTL_S, cache_salt=salt),
                     [WarmPrompt("short-lived", doc)])
     assert result.stored_tokens == DOC_TOKENS
-    assert ask(server, doc + QUESTION, salt) == DOC_TOKENS
+    assert ask(server, doc + QUESTION, salt) == DOC_TOKENS  # within the TTL
     expired = labelled(server, "tier_expired_total", tier="memory")
     failures = scrape(server, f"{PREFIX}load_failures_total")
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + TTL_S + 60
     while labelled(server, "tier_expired_total", tier="memory") == expired:
         assert time.monotonic() < deadline, "the chunks never expired"
         # Any engine step reclaims expired chunks and tells the scheduler: a short request.

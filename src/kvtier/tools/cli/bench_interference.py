@@ -161,7 +161,11 @@ def _stalls(run: ConfigRun) -> str:
     stalls = run.stalls_in_window
     if not stalls:
         return "none"
-    return f"{len(stalls)}, longest {max(s.seconds for s in stalls) * 1000:,.0f} ms"
+    text = f"{len(stalls)}, longest {max(s.seconds for s in stalls) * 1000:,.0f} ms"
+    held = [s for s in stalls if s.held]
+    if any(s.held is not None for s in stalls):  # what the watcher did through them
+        text += f"; {len(held)} held by other work, {len(stalls) - len(held)} stopped"
+    return text
 
 
 def _x(ratio: float | None) -> str:

@@ -14,6 +14,12 @@ event loop, and report the bench's own pauses as the machine's. It writes to a f
 goes (a line per stall, in `time.monotonic()` seconds, the same clock in every process of the
 machine) and exits when its parent does.
 
+Each stall says what the watcher did through it, from its own scheduler statistics
+(/proc/self/schedstat): `queued_s`, the time it spent runnable on a run queue. Near the whole
+stall: it woke on time and other work held both cores (the kernel's scheduler, a process of
+higher priority, the host's preemption of a vCPU, counted as `steal_s` where the host reports
+it); near 0: its timer itself fired late, as when the whole machine stops.
+
 Primitives: `StallWatch` (`watching()`: a context manager), `Stall`, `TICK_S`, `STALL_S`.
 """
 
@@ -26,7 +32,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 TICK_S = 0.01  # the watcher wakes this often
@@ -39,6 +45,14 @@ class Stall:
 
     start_s: float  # when it should have woken
     end_s: float  # when it woke
+    queued_s: float | None = None  # of it, runnable on a run queue (None: not known)
+    steal_s: float | None = None  # the vCPUs' time taken by the host meanwhile, all of them
+
+    @property
+    def held(self) -> bool | None:
+        """Whether other work held the cores (the watcher queued for most of the stall), not
+        the machine stopped; None where not known."""
+        return None if self.queued_s is None else self.queued_s >= self.seconds / 2
 
     @property
     def seconds(self) -> float:
@@ -49,7 +63,7 @@ class Stall:
 
     def shifted(self, origin_s: float) -> Stall:
         """The same stall in seconds since `origin_s` (a benchmark phase's start)."""
-        return Stall(self.start_s - origin_s, self.end_s - origin_s)
+        return replace(self, start_s=self.start_s - origin_s, end_s=self.end_s - origin_s)
 
 
 class StallWatch:
@@ -71,11 +85,9 @@ class StallWatch:
             return []
         stalls = []
         for line in lines:
-            fields = line.split()
-            if len(fields) == 2:  # a line being written has fewer
-                stall = Stall(float(fields[0]), float(fields[1]))
-                if stall.overlaps(start_s, end_s):
-                    stalls.append(stall)
+            stall = _parse(line)
+            if stall is not None and stall.overlaps(start_s, end_s):
+                stalls.append(stall)
         return stalls
 
     def stop(self) -> None:
@@ -98,19 +110,70 @@ def watching(tick_s: float = TICK_S, stall_s: float = STALL_S) -> Iterator[Stall
             watch.stop()
 
 
+def _parse(line: str) -> Stall | None:
+    """A line of the log as a `Stall`; None for a line still being written (no end mark)."""
+    fields = line.removesuffix(".").split()
+    if not line.endswith(".") or len(fields) != 4:
+        return None
+    start, end, queued, steal = fields
+    return Stall(float(start), float(end), _seconds(queued), _seconds(steal))
+
+
+def _seconds(field: str) -> float | None:
+    return None if field == "-" else float(field)
+
+
+class _Counters:
+    """What the watcher reads at every tick: its own time queued to run and the machine's
+    steal time, in seconds (None where the kernel does not say). A few microseconds a read."""
+
+    def __init__(self) -> None:
+        self._fds = {name: _open(path) for name, path in
+                     (("queued", "/proc/self/schedstat"), ("steal", "/proc/stat"))}
+
+    def read(self) -> tuple[float | None, float | None]:
+        return self._field("queued", 0, 1, 1e-9), self._field("steal", 0, 8, 0.01)
+
+    def _field(self, name: str, line: int, index: int, scale: float) -> float | None:
+        fd = self._fds[name]
+        if fd is None:
+            return None
+        try:  # steal: /proc/stat's first line "cpu user nice system idle iowait irq softirq
+            # steal ...", in USER_HZ (100 on Linux); queued: schedstat's "run wait slices", ns
+            return int(os.pread(fd, 512, 0).split(b"\n")[line].split()[index]) * scale
+        except (OSError, IndexError, ValueError):
+            return None
+
+
+def _open(path: str) -> int | None:
+    try:
+        return os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+
+
+def _delta(after: float | None, before: float | None) -> str:
+    return "-" if after is None or before is None else f"{after - before:.6f}"
+
+
 def _watch(log: Path, tick_s: float, stall_s: float, parent: int) -> None:
-    """The watcher's loop (its own process): a line "start end" per late wake, while
-    `parent` (its starter's pid, given: one gone before this process ran is not its parent
-    any more) lives."""
+    """The watcher's loop (its own process): a line "start end queued steal." per late wake
+    (see `Stall`; "-" where not known, the "." once the line is whole), while `parent` (its
+    starter's pid, given: one gone before this process ran is not its parent any more)
+    lives."""
+    counters = _Counters()
     with log.open("a") as out:
         last = time.monotonic()
+        queued, steal = counters.read()
         while os.getppid() == parent:
             time.sleep(tick_s)
             now = time.monotonic()
+            queued_now, steal_now = counters.read()
             if now - last - tick_s >= stall_s:
-                out.write(f"{last + tick_s:.6f} {now:.6f}\n")
+                out.write(f"{last + tick_s:.6f} {now:.6f} {_delta(queued_now, queued)} "
+                          f"{_delta(steal_now, steal)}.\n")
                 out.flush()
-            last = now
+            last, queued, steal = now, queued_now, steal_now
 
 
 if __name__ == "__main__":
