@@ -268,15 +268,14 @@ def test_arrivals_a_machine_stall_touched_are_reported_apart() -> None:
     machine: the TTFT of the others is shown beside that of all, with the stalls in the
     window (one before the window is left out)."""
     run = dataclasses.replace(_run("kvtier-node", (0.01,), (0.01,), ttfts=(0.2, 1.5, 0.3)),
-                              stalls=(Stall(0.2, 0.4), Stall(2.3, 2.8, 0.45, 0.0)))
+                              stalls=(Stall(0.2, 0.4), Stall(2.3, 2.8, 0.45, 0.3, 0.0)))
     assert run.window_s == (1.0, 3.5)
-    assert run.stalls_in_window == [Stall(2.3, 2.8, 0.45, 0.0)]
+    assert run.stalls_in_window == [Stall(2.3, 2.8, 0.45, 0.3, 0.0)]
     assert [r.start_s for r in run.unstalled_arrivals] == [1.0, 3.0]
     assert run.unstalled_ttft.p50 == pytest.approx(0.25) and run.ttft.p50 == 0.3
     figures = _rendered(figures_table(InterferenceResult(
         InterferenceConfig(Path("."), Path(".")), (run,), 1.0, {})))
-    assert "(2 of 3)" in figures and "1, longest 500 ms; 1 held by other work, 0 stopped" \
-        in figures
+    assert "(2 of 3)" in figures and "1, longest 500 ms; 1 host" in figures
     quiet = dataclasses.replace(run, stalls=())
     assert len(quiet.unstalled_arrivals) == 3
     assert "none" in _rendered(figures_table(InterferenceResult(
@@ -285,10 +284,10 @@ def test_arrivals_a_machine_stall_touched_are_reported_apart() -> None:
 
 def test_the_json_lists_the_stalls_in_the_window(tmp_path: Path) -> None:
     run = dataclasses.replace(_run("kvtier-node", (0.01,), (0.01,), ttfts=(0.2, 1.5)),
-                              stalls=(Stall(2.5, 3.0, 0.01, None),))
+                              stalls=(Stall(2.5, 3.0, 0.01, None, None),))
     InterferenceResult(InterferenceConfig(tmp_path, tmp_path), (run,), 1.0, {}).write_json(
         tmp_path / "r.json")
     (written,) = json.loads((tmp_path / "r.json").read_text())["runs"]
     assert written["stalls_in_window"] == [
-        {"start_s": 2.5, "end_s": 3.0, "queued_s": 0.01, "steal_s": None}]
+        {"start_s": 2.5, "end_s": 3.0, "queued_s": 0.01, "idle_s": None, "steal_s": None}]
     assert written["unstalled_ttft"]["count"] == 1

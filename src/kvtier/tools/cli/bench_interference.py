@@ -10,6 +10,7 @@ it, paired within one engine (its "0%-hit throughput" check)."""
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -162,9 +163,9 @@ def _stalls(run: ConfigRun) -> str:
     if not stalls:
         return "none"
     text = f"{len(stalls)}, longest {max(s.seconds for s in stalls) * 1000:,.0f} ms"
-    held = [s for s in stalls if s.held]
-    if any(s.held is not None for s in stalls):  # what the watcher did through them
-        text += f"; {len(held)} held by other work, {len(stalls) - len(held)} stopped"
+    causes = Counter(s.cause for s in stalls if s.cause is not None)
+    if causes:  # what went on through them (stalls.Stall.cause)
+        text += "; " + ", ".join(f"{n} {cause}" for cause, n in sorted(causes.items()))
     return text
 
 

@@ -14,11 +14,19 @@ event loop, and report the bench's own pauses as the machine's. It writes to a f
 goes (a line per stall, in `time.monotonic()` seconds, the same clock in every process of the
 machine) and exits when its parent does.
 
-Each stall says what the watcher did through it, from its own scheduler statistics
-(/proc/self/schedstat): `queued_s`, the time it spent runnable on a run queue. Near the whole
-stall: it woke on time and other work held both cores (the kernel's scheduler, a process of
-higher priority, the host's preemption of a vCPU, counted as `steal_s` where the host reports
-it); near 0: its timer itself fired late, as when the whole machine stops.
+Each stall says what went on through it (`Stall.cause`), from the watcher's own scheduler
+statistics (/proc/self/schedstat: its time runnable on a run queue, `queued_s`) and the
+machine's CPU times (/proc/stat: the cores' idle time, `idle_s`, and the host's steal time,
+`steal_s`, where the host reports it):
+  - "stopped": it was not runnable for most of it: its timer fired late, as when the whole
+    machine stops;
+  - "host": it was runnable while a core sat idle, which the guest's scheduler never allows:
+    the host had taken the virtual CPUs (this project's VMs count no steal time);
+  - "busy": it was runnable while both cores ran other work: contention inside the machine,
+    or the host's preemption charged to the work it interrupted (not told apart without
+    steal time).
+Seen here (31st session): the long stalls are "host" and "busy" in equal parts, in runs
+with and without kvtier's node.
 
 Primitives: `StallWatch` (`watching()`: a context manager), `Stall`, `TICK_S`, `STALL_S`.
 """
@@ -45,14 +53,21 @@ class Stall:
 
     start_s: float  # when it should have woken
     end_s: float  # when it woke
-    queued_s: float | None = None  # of it, runnable on a run queue (None: not known)
-    steal_s: float | None = None  # the vCPUs' time taken by the host meanwhile, all of them
+    queued_s: float | None = None  # of it, the watcher runnable on a run queue
+    idle_s: float | None = None  # the cores' idle time meanwhile, summed over them
+    steal_s: float | None = None  # the time the host took from the cores, summed
+    # (None: not known)
 
     @property
-    def held(self) -> bool | None:
-        """Whether other work held the cores (the watcher queued for most of the stall), not
-        the machine stopped; None where not known."""
-        return None if self.queued_s is None else self.queued_s >= self.seconds / 2
+    def cause(self) -> str | None:
+        """"stopped", "host" or "busy" (see the module docstring); None where not known."""
+        if self.queued_s is None:
+            return None
+        if self.queued_s < self.seconds / 2:
+            return "stopped"
+        if self.idle_s is None:
+            return None
+        return "host" if self.idle_s >= self.seconds / 2 else "busy"
 
     @property
     def seconds(self) -> float:
@@ -113,36 +128,30 @@ def watching(tick_s: float = TICK_S, stall_s: float = STALL_S) -> Iterator[Stall
 def _parse(line: str) -> Stall | None:
     """A line of the log as a `Stall`; None for a line still being written (no end mark)."""
     fields = line.removesuffix(".").split()
-    if not line.endswith(".") or len(fields) != 4:
+    if not line.endswith(".") or len(fields) != 5:
         return None
-    start, end, queued, steal = fields
-    return Stall(float(start), float(end), _seconds(queued), _seconds(steal))
-
-
-def _seconds(field: str) -> float | None:
-    return None if field == "-" else float(field)
+    start, end, *counters = fields
+    queued, idle, steal = (None if f == "-" else float(f) for f in counters)
+    return Stall(float(start), float(end), queued, idle, steal)
 
 
 class _Counters:
-    """What the watcher reads at every tick: its own time queued to run and the machine's
-    steal time, in seconds (None where the kernel does not say). A few microseconds a read."""
+    """What the watcher reads at every tick, in seconds (None where the kernel does not say):
+    its own time queued to run, the cores' idle time and the host's steal time. A few
+    microseconds a read."""
 
     def __init__(self) -> None:
-        self._fds = {name: _open(path) for name, path in
-                     (("queued", "/proc/self/schedstat"), ("steal", "/proc/stat"))}
+        self._schedstat = _open("/proc/self/schedstat")
+        self._stat = _open("/proc/stat")
 
-    def read(self) -> tuple[float | None, float | None]:
-        return self._field("queued", 0, 1, 1e-9), self._field("steal", 0, 8, 0.01)
-
-    def _field(self, name: str, line: int, index: int, scale: float) -> float | None:
-        fd = self._fds[name]
-        if fd is None:
-            return None
-        try:  # steal: /proc/stat's first line "cpu user nice system idle iowait irq softirq
-            # steal ...", in USER_HZ (100 on Linux); queued: schedstat's "run wait slices", ns
-            return int(os.pread(fd, 512, 0).split(b"\n")[line].split()[index]) * scale
-        except (OSError, IndexError, ValueError):
-            return None
+    def read(self) -> tuple[float | None, float | None, float | None]:
+        # schedstat: "run wait slices", in ns; /proc/stat's first line: "cpu user nice system
+        # idle iowait irq softirq steal ...", in USER_HZ (100 on Linux)
+        wait = _fields(self._schedstat, (1,))
+        cpu = _fields(self._stat, (4, 5, 8))
+        return (None if wait is None else wait[0] * 1e-9,
+                None if cpu is None else (cpu[0] + cpu[1]) * 0.01,
+                None if cpu is None else cpu[2] * 0.01)
 
 
 def _open(path: str) -> int | None:
@@ -152,28 +161,37 @@ def _open(path: str) -> int | None:
         return None
 
 
-def _delta(after: float | None, before: float | None) -> str:
-    return "-" if after is None or before is None else f"{after - before:.6f}"
+def _fields(fd: int | None, indexes: tuple[int, ...]) -> list[int] | None:
+    """Integer fields of the first line of the file open at `fd`."""
+    if fd is None:
+        return None
+    try:
+        line = os.pread(fd, 512, 0).split(b"\n", 1)[0].split()
+        return [int(line[i]) for i in indexes]
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _deltas(after: tuple[float | None, ...], before: tuple[float | None, ...]) -> str:
+    return " ".join("-" if a is None or b is None else f"{a - b:.6f}"
+                    for a, b in zip(after, before, strict=True))
 
 
 def _watch(log: Path, tick_s: float, stall_s: float, parent: int) -> None:
-    """The watcher's loop (its own process): a line "start end queued steal." per late wake
-    (see `Stall`; "-" where not known, the "." once the line is whole), while `parent` (its
-    starter's pid, given: one gone before this process ran is not its parent any more)
+    """The watcher's loop (its own process): a line "start end queued idle steal." per late
+    wake (see `Stall`; "-" where not known, the "." once the line is whole), while `parent`
+    (its starter's pid, given: one gone before this process ran is not its parent any more)
     lives."""
     counters = _Counters()
     with log.open("a") as out:
-        last = time.monotonic()
-        queued, steal = counters.read()
+        last, read = time.monotonic(), counters.read()
         while os.getppid() == parent:
             time.sleep(tick_s)
-            now = time.monotonic()
-            queued_now, steal_now = counters.read()
+            now, now_read = time.monotonic(), counters.read()
             if now - last - tick_s >= stall_s:
-                out.write(f"{last + tick_s:.6f} {now:.6f} {_delta(queued_now, queued)} "
-                          f"{_delta(steal_now, steal)}.\n")
+                out.write(f"{last + tick_s:.6f} {now:.6f} {_deltas(now_read, read)}.\n")
                 out.flush()
-            last, queued, steal = now, queued_now, steal_now
+            last, read = now, now_read
 
 
 if __name__ == "__main__":
