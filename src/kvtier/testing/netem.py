@@ -81,10 +81,12 @@ def delayed_proxy(target_host: str, target_port: int, delay_ms: float,
     if not 0 < target_port < 65536:
         raise ConfigError("target_port", target_port, "a port, 1-65535")
     _check_link(delay_ms, bandwidth_gbps)
+    # A session of its own: the network, not a share of the caller's CPU group (with Linux's
+    # autogroup, a session is one; kvtier.tools.bench.node.BenchNode.start says why).
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvtier.testing.netem", target_host, str(target_port),
          repr(delay_ms), repr(bandwidth_gbps or 0.0)], stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE)
+        stdout=subprocess.PIPE, start_new_session=True)
     assert proc.stdin is not None and proc.stdout is not None
     try:
         line = proc.stdout.readline()  # the port, once it listens; b"" if it died

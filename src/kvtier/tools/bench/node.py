@@ -209,11 +209,18 @@ class BenchNode:
         self._proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        """Raises RuntimeError: the node did not answer within a minute."""
+        """Raises RuntimeError: the node did not answer within a minute.
+
+        In a session of its own, as a node's service runs (a DaemonSet's pod, a systemd
+        unit: a CPU group of its own). In the benchmark's session it shared one scheduling
+        group (Linux's autogroup) with the bench's redis-server and proxy, and the vLLM
+        server's group, spinning on both cores, took them for up to 1.75 s at a time
+        (docs/performance.md, "The machine's stalls, explained")."""
         self._proc = proc = subprocess.Popen(
             [sys.executable, "-m", "kvtier.node", "serve", "--config", str(self.config),
              "--socket", self.socket_path, "--name", self.name, "--drop-ram"],
-            stdout=subprocess.DEVNULL, stderr=(self.root / "node.log").open("ab"))
+            stdout=subprocess.DEVNULL, stderr=(self.root / "node.log").open("ab"),
+            start_new_session=True)
         deadline = time.monotonic() + 60
         while True:
             try:

@@ -1,0 +1,55 @@
+"""The benchmarks' stand-ins for other services each run in a session of their own: the node
+(`BenchNode`, as a node's own service would), the private redis-server (`local_redis`, another
+machine's) and the emulated network (`delayed_proxy`). With Linux's autogroup a session is a
+CPU scheduling group: sharing the bench's, they were starved by the vLLM server's group for up
+to 1.75 s (docs/performance.md, "The machine's stalls, explained"). Real processes; their
+session read from /proc.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from kvtier.testing.netem import delayed_proxy
+from kvtier.tools.bench.node import restartable_node
+from kvtier.tools.bench.redis_baseline import local_redis
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.redis]
+
+
+def _children_running(module: str) -> list[int]:
+    """Pids of this process's children whose command line names `module`."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:  # exited meanwhile
+            continue
+        if int(fields[1]) == os.getpid() and module.encode() in cmdline:
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def _leads_its_own_session(pid: int) -> bool:
+    return os.getsid(pid) == pid != os.getsid(0)
+
+
+def test_the_bench_node_runs_in_a_session_of_its_own(tmp_path: Path) -> None:
+    with restartable_node(tmp_path / "node", "1MiB"):
+        (pid,) = _children_running("kvtier.node")
+        assert _leads_its_own_session(pid)
+
+
+def test_the_private_redis_and_the_emulated_network_run_in_sessions_of_their_own(
+        tmp_path: Path) -> None:
+    with local_redis(tmp_path) as url:
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        (redis_pid,) = _children_running("redis-server")
+        assert _leads_its_own_session(redis_pid)
+        with delayed_proxy("127.0.0.1", port, 0.0, None):
+            (proxy_pid,) = _children_running("kvtier.testing.netem")
+            assert _leads_its_own_session(proxy_pid)
