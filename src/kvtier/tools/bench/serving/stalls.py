@@ -2,12 +2,11 @@
 
 A small process of its own wakes every TICK_S and writes down each wake that came STALL_S or
 more late: a stretch in which an ordinary process (nice 0, nothing to do but wake) could not
-run. On a machine that is merely busy the kernel's scheduler gives any runnable process a turn
-within a few tens of milliseconds; a gap of STALL_S means that the machine itself stopped (a
-virtual machine paused by its host, memory reclaim) or was held by work above the process's
-priority. Every process of the benchmark, kvtier's among them, stopped as well: a request whose
-time spans such a gap measured the machine, not the code (docs/performance.md, "A node's first
-load": this project's VMs stop for 1-3 s at times, no steal time counted).
+run. The kernel's scheduler gives a runnable process of a fairly weighted group a turn within
+a few tens of milliseconds; a gap of STALL_S means that the machine itself stopped (a virtual
+machine paused by its host), or that the process's group had a small share of the cores
+(cgroups, and with Linux's autogroup, sessions: a group's share on a core follows where its
+tasks' load lies). A request whose time spans such a gap measured that, not the code.
 
 A process, not a thread: a thread of the bench would wait for its interpreter's lock and its
 event loop, and report the bench's own pauses as the machine's. It writes to a file as it
@@ -22,11 +21,14 @@ machine's CPU times (/proc/stat: the cores' idle time, `idle_s`, and the host's 
     machine stops;
   - "host": it was runnable while a core sat idle, which the guest's scheduler never allows:
     the host had taken the virtual CPUs (this project's VMs count no steal time);
-  - "busy": it was runnable while both cores ran other work: contention inside the machine,
+  - "busy": it was runnable while both cores ran other work: its group's small share (above),
     or the host's preemption charged to the work it interrupted (not told apart without
     steal time).
-Seen here (31st session): the long stalls are "host" and "busy" in equal parts, in runs
-with and without kvtier's node.
+Seen here (31st session): 22 stalls in 16 runs of `kvtier bench interference`, every one of
+them "busy": with autogroup on, the bench's session (then the node, redis-server and the
+proxy too) waited behind the vLLM server's, busy-polling on both cores, for up to 1.75 s.
+Those now run in sessions of their own, and the runs since have had none (docs/
+performance.md, "The machine's stalls, explained").
 
 Primitives: `StallWatch` (`watching()`: a context manager), `Stall`, `TICK_S`, `STALL_S`.
 """
