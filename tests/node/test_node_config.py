@@ -2,7 +2,8 @@
 must be a memory tier (its RAM, shared with its engines), and an engine's `node` must be an
 absolute socket path with no `tiers` of its own beside it (in node mode every tier is the
 node's: tiers set in the engine would be silently ignored). Also `kvtier node serve` with
-such a config: exit status 2 and the field named, no node started.
+such a config: exit status 2 and the field named, no node started. And its start-up warning
+where it shares a CPU group (a session, under the kernel's autogroup) with what started it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import ConnectorConfig
+from kvtier.node.cli import AUTOGROUP
 from kvtier.node.server import NodeConfig
 from kvtier.tiers.storeconfig import StoreConfig
 
@@ -61,3 +63,18 @@ def test_an_engines_node_setting_is_kept():
     config = ConnectorConfig.parse({"node": "/run/kvtier/node.sock"})
     assert config.node == "/run/kvtier/node.sock"
     assert config.tier_names() == ["node", "node-below"]  # its RAM, and the tiers below
+
+
+def _warns_of_its_cpu_group(new_session: bool) -> bool:
+    started = subprocess.run(
+        [sys.executable, "-c", "import logging; logging.basicConfig(); "
+         "from kvtier.node.cli import note_cpu_group; note_cpu_group()"],
+        capture_output=True, text=True, timeout=60, start_new_session=new_session)
+    assert started.returncode == 0, started.stderr
+    return "start it with setsid or as a service" in started.stderr
+
+
+def test_a_node_sharing_its_starters_session_under_autogroup_says_so() -> None:
+    autogroup = AUTOGROUP.exists() and AUTOGROUP.read_text().strip() == "1"
+    assert _warns_of_its_cpu_group(new_session=False) is autogroup  # this machine's setting
+    assert not _warns_of_its_cpu_group(new_session=True)  # its session's leader

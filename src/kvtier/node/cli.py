@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -28,6 +29,7 @@ from kvtier.node.server import NodeConfig, NodeServer
 from kvtier.tiers.storeconfig import StoreConfig
 
 DEFAULT_SOCKET = "/run/kvtier/node.sock"
+AUTOGROUP = Path("/proc/sys/kernel/sched_autogroup_enabled")
 log = logging.getLogger(__name__)
 
 
@@ -61,6 +63,7 @@ def serve(args: argparse.Namespace) -> int:
         ConfigError: a bad config file (the caller prints it and exits 2).
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    note_cpu_group()
     config = NodeConfig(StoreConfig.load(args.config), Path(args.socket),
                         keep_ram=not args.drop_ram, events_endpoint=args.events_endpoint,
                         event_block_size=args.event_block_size,
@@ -86,6 +89,22 @@ def serve(args: argparse.Namespace) -> int:
             log.info("kvtier node: metrics on http://%s:%d/metrics", args.metrics_host,
                      metrics.port)
         return _serve(node)
+
+
+def note_cpu_group() -> None:
+    """Warn where the node shares a CPU scheduling group with what started it: under Linux's
+    autogroup a session is one, and busy work in it delays every engine's loads (docs/
+    node.md, "Give it a CPU group of its own"). A systemd unit, a container or `setsid`
+    starts it as its session's leader."""
+    try:
+        autogroup = AUTOGROUP.read_text().strip() == "1"
+    except OSError:  # not Linux, or no autogroup
+        return
+    if autogroup and os.getsid(0) != os.getpid():
+        log.warning("kvtier node: it shares session %d, a CPU group under the kernel's "
+                    "autogroup, with the processes that started it: busy work there delays "
+                    "every engine's loads; start it with setsid or as a service",
+                    os.getsid(0))
 
 
 def _serve(node: NodeServer) -> int:
