@@ -1,9 +1,9 @@
 """The benchmarks' stand-ins for other services each run in a session of their own: the node
-(`BenchNode`, as a node's own service would), the private redis-server (`local_redis`, another
-machine's) and the emulated network (`delayed_proxy`). With Linux's autogroup a session is a
-CPU scheduling group: sharing the bench's, they were starved by the vLLM server's group for up
-to 1.75 s (docs/performance.md, "The machine's stalls, explained"). Real processes; their
-session read from /proc.
+(`BenchNode`, as a node's own service would), the private redis-server and moto server
+(`local_redis`, `local_s3`: another machine's) and the emulated network (`delayed_proxy`).
+With Linux's autogroup a session is a CPU scheduling group: sharing the bench's, they were
+starved by the vLLM server's group for up to 1.75 s (docs/performance.md, "The machine's
+stalls, explained"). Real processes; their session read from /proc.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import pytest
 from kvtier.testing.netem import delayed_proxy
 from kvtier.tools.bench.node import restartable_node
 from kvtier.tools.bench.redis_baseline import local_redis
+from kvtier.tools.bench.s3_baseline import local_s3
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.redis]
+pytestmark = [pytest.mark.timeout(120), pytest.mark.redis, pytest.mark.s3]
 
 
 def _children_running(module: str) -> list[int]:
@@ -53,3 +54,11 @@ def test_the_private_redis_and_the_emulated_network_run_in_sessions_of_their_own
         with delayed_proxy("127.0.0.1", port, 0.0, None):
             (proxy_pid,) = _children_running("kvtier.testing.netem")
             assert _leads_its_own_session(proxy_pid)
+
+
+def test_the_private_moto_server_runs_in_a_session_of_its_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVTIER_BENCH_S3_ENDPOINT", raising=False)  # the private one
+    with local_s3():
+        (pid,) = _children_running("moto.server")
+        assert _leads_its_own_session(pid)

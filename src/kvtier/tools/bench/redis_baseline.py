@@ -48,8 +48,8 @@ def local_redis(directory: Path | None = None) -> Iterator[str]:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
     work = Path(tempfile.mkdtemp(prefix=".kvtier-redis-", dir=directory))
-    # A session of its own: another machine's server, not a share of the caller's CPU
-    # group (BenchNode.start says why).
+    # A session of its own: another machine's server, not a share of the caller's CPU group
+    # (kvtier.tools.bench.node.BenchNode.start says why).
     proc = subprocess.Popen([server, "--bind", "127.0.0.1", "--port", str(port), "--save", "",
                              "--appendonly", "no", "--dir", str(work)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -59,8 +59,11 @@ def local_s3() -> Iterator[tuple[str, str]]:
         port = int(s.getsockname()[1])
     for name, value in BENCH_KEYS.items():
         os.environ.setdefault(name, value)
+    # A session of its own: another machine's server, not a share of the caller's CPU group
+    # (kvtier.tools.bench.node.BenchNode.start says why).
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
-                             str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
     url, bucket = f"http://127.0.0.1:{port}", "kvtier-bench"
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
