@@ -145,15 +145,16 @@ class _Counters:
     def __init__(self) -> None:
         self._schedstat = _open("/proc/self/schedstat")
         self._stat = _open("/proc/stat")
+        self._tick_s = 1 / os.sysconf("SC_CLK_TCK")  # /proc/stat's unit (USER_HZ)
 
     def read(self) -> tuple[float | None, float | None, float | None]:
         # schedstat: "run wait slices", in ns; /proc/stat's first line: "cpu user nice system
-        # idle iowait irq softirq steal ...", in USER_HZ (100 on Linux)
+        # idle iowait irq softirq steal ...", in USER_HZ
         wait = _fields(self._schedstat, (1,))
         cpu = _fields(self._stat, (4, 5, 8))
         return (None if wait is None else wait[0] * 1e-9,
-                None if cpu is None else (cpu[0] + cpu[1]) * 0.01,
-                None if cpu is None else cpu[2] * 0.01)
+                None if cpu is None else (cpu[0] + cpu[1]) * self._tick_s,
+                None if cpu is None else cpu[2] * self._tick_s)
 
 
 def _open(path: str) -> int | None:
