@@ -21,9 +21,10 @@ from kvtier.tools.bench.s3_baseline import local_s3
 pytestmark = [pytest.mark.timeout(120), pytest.mark.redis, pytest.mark.s3]
 
 
-def _children_running(module: str) -> list[int]:
-    """Pids of this process's children whose command line names `module`."""
-    pids = []
+def _children_running(module: str) -> set[int]:
+    """Pids of this process's children whose command line names `module` (the session's
+    fixtures may have their own: a test compares them before and after)."""
+    pids = set()
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rpartition(")")[2].split()
@@ -31,8 +32,13 @@ def _children_running(module: str) -> list[int]:
         except OSError:  # exited meanwhile
             continue
         if int(fields[1]) == os.getpid() and module.encode() in cmdline:
-            pids.append(int(stat.parent.name))
+            pids.add(int(stat.parent.name))
     return pids
+
+
+def _started(module: str, before: set[int]) -> int:
+    (pid,) = _children_running(module) - before
+    return pid
 
 
 def _leads_its_own_session(pid: int) -> bool:
@@ -40,25 +46,24 @@ def _leads_its_own_session(pid: int) -> bool:
 
 
 def test_the_bench_node_runs_in_a_session_of_its_own(tmp_path: Path) -> None:
+    before = _children_running("kvtier.node")
     with restartable_node(tmp_path / "node", "1MiB"):
-        (pid,) = _children_running("kvtier.node")
-        assert _leads_its_own_session(pid)
+        assert _leads_its_own_session(_started("kvtier.node", before))
 
 
 def test_the_private_redis_and_the_emulated_network_run_in_sessions_of_their_own(
         tmp_path: Path) -> None:
+    servers, proxies = _children_running("redis-server"), _children_running("kvtier.testing.netem")
     with local_redis(tmp_path) as url:
         port = int(url.rsplit(":", 1)[1].split("/")[0])
-        (redis_pid,) = _children_running("redis-server")
-        assert _leads_its_own_session(redis_pid)
+        assert _leads_its_own_session(_started("redis-server", servers))
         with delayed_proxy("127.0.0.1", port, 0.0, None):
-            (proxy_pid,) = _children_running("kvtier.testing.netem")
-            assert _leads_its_own_session(proxy_pid)
+            assert _leads_its_own_session(_started("kvtier.testing.netem", proxies))
 
 
 def test_the_private_moto_server_runs_in_a_session_of_its_own(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVTIER_BENCH_S3_ENDPOINT", raising=False)  # the private one
+    before = _children_running("moto.server")
     with local_s3():
-        (pid,) = _children_running("moto.server")
-        assert _leads_its_own_session(pid)
+        assert _leads_its_own_session(_started("moto.server", before))
