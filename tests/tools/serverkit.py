@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import sys
 import urllib.request
@@ -26,6 +27,8 @@ from vllm_harness import BLOCK_SIZE, MAX_MODEL_LEN, NUM_BLOCKS
 from kvtier.tools.ops.server import free_port
 from kvtier.tools.ops.serving import ServeCommand, ServeConfig, build_command
 
+RESERVED = "VLLM_CPU_NUM_OF_RESERVED_CPU"  # cores vLLM's CPU worker leaves to the others
+
 
 def server_command(model_dir: Path, extra: dict[str, Any], *, kv_role: str = "kv_both",
                    memory_utilization: float = 0.3,
@@ -34,14 +37,26 @@ def server_command(model_dir: Path, extra: dict[str, Any], *, kv_role: str = "kv
     tests' small settings; dev mode on (its /reset_prefix_cache endpoint empties vLLM's own
     cache). `memory_utilization`: the share of the NUMA node's memory vLLM checks is free at
     start-up (lower it to run two servers at once). `served_model_name`: vLLM's
-    --served-model-name (default: the directory)."""
+    --served-model-name (default: the directory).
+
+    The model runner runs in the engine core's process (VLLM_ENABLE_V1_MULTIPROCESSING=0:
+    vLLM's "uni" executor, as tests/engine's in-process engines have it): one process fewer
+    to import vLLM in, 5-10 s of each start. `kvtier serve` itself keeps vLLM's own worker
+    process, which the cases here do not look into (the tests of `kvtier serve`'s processes
+    start it as users do: test_bench_serve.py, test_demo*.py)."""
     command = build_command(ServeConfig(
         model=str(model_dir), extra_config=extra, port=free_port(), cpu=True, kv_role=kv_role,
         served_model_name=served_model_name,
         vllm_args=("--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override",
                    str(NUM_BLOCKS), "--gpu-memory-utilization", str(memory_utilization),
                    "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--seed", "0")))
-    return dataclasses.replace(command, env={**command.env, "VLLM_SERVER_DEV_MODE": "1"})
+    # The model runner's threads as vLLM's worker process binds them (its cores, less those
+    # reserved): more threads round a prefill differently with its batch's shape.
+    reserved = int(command.env.get(RESERVED, os.environ.get(RESERVED, "1")))
+    threads = max(1, len(os.sched_getaffinity(0)) - reserved)
+    return dataclasses.replace(command, env={**command.env, "VLLM_SERVER_DEV_MODE": "1",
+                                             "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                                             "OMP_NUM_THREADS": str(threads)})
 
 
 def post(url: str, body: dict[str, Any] | None = None, timeout_s: float = 300) -> Any:
