@@ -8,11 +8,9 @@
 #      - the rest (`-m "not vllm"`), then the engine tests marked `beside` (outputs and
 #        counters only: no premise that the machine is otherwise idle), its output printed
 #        when both lanes are done;
-#   2. with nothing else running, the tests that assert a wall-clock bound (`-m timing`): a
-#      deadline met, a call back within N seconds. Beside a busy lane a loaded core would fail
-#      them for no fault of kvtier's. Two lanes again, a core each: the engines' (`-m "timing
-#      and vllm"`, one engine at a time), and beside it the others' (`-m "timing and not
-#      vllm"`: stores, faults and nodes; printed when both are done).
+#   2. alone, the tests that assert a wall-clock bound (`-m timing`): a deadline met, a call
+#      back within N seconds. Beside another lane a loaded core would fail them for no fault
+#      of kvtier's.
 # Under KVTIER_TEST_STRICT=1 (set here) a test skipped for want of something on the machine
 # (redis-server, prometheus, a tmpfs mount...) fails instead: scripts/setup.sh installs them
 # all (tests/conftest.py lists the skips that stay skips: CUDA, real S3 endpoints).
@@ -72,25 +70,16 @@ for name in rest beside; do
 done
 
 echo
-echo "phase 2: the tests that assert wall-clock bounds: -m 'timing and vllm' here; alongside," \
-  "-m 'timing and not vllm' (printed after)"
-QUIET=1 lane timing-others -m "timing and not vllm" --durations=10 &
-others=$!
-trap 'kill "$others" 2>/dev/null || true; rm -rf "$logs"' EXIT
+echo "phase 2: alone, the tests that assert wall-clock bounds (-m timing)"
 timing_status=0
-lane timing -m "timing and vllm" --durations=15 || timing_status=$?
-wait "$others" || timing_status=$?
-echo
-echo "==== run alongside: $(cat "$logs/timing-others.result") ===="
-cat "$logs/timing-others.log"
+lane timing -m timing --durations=15 || timing_status=$?
 
 echo
 echo "==== skipped, and why (all lanes) ===="
 grep -h '^SKIPPED' "$logs"/*.log || echo "(none)"
 echo
 echo "==== lanes ===="
-cat "$logs/engines.result" "$logs/rest.result" "$logs/beside.result" "$logs/timing.result" \
-  "$logs/timing-others.result"
+cat "$logs/engines.result" "$logs/rest.result" "$logs/beside.result" "$logs/timing.result"
 for status in "$engines_status" "$second_status" "$timing_status"; do
   if [ "$status" -ne 0 ]; then
     exit "$status"
