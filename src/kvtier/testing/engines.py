@@ -26,6 +26,7 @@ def offline_engine(model_dir: Path, max_model_len: int, **overrides: Any) -> Ite
 
     `overrides` are any other `LLM(...)` arguments (kv_transfer_config, enable_prefix_caching).
     """
+    import psutil
     from vllm import LLM
 
     kwargs: dict[str, Any] = dict(
@@ -33,13 +34,38 @@ def offline_engine(model_dir: Path, max_model_len: int, **overrides: Any) -> Ite
         block_size=BLOCK_SIZE, max_model_len=max_model_len, max_num_batched_tokens=max_model_len,
         num_gpu_blocks_override=NUM_BLOCKS, disable_log_stats=False)
     kwargs.update(overrides)
+    before = _descendants()
     llm = LLM(**kwargs)
+    engine_pids = _descendants() - before  # its EngineCore and workers (none in process)
     try:
         yield llm
     finally:
-        llm.llm_engine.engine_core.shutdown()
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except psutil.NoSuchProcess:
+            # vLLM force-kills an EngineCore slow to exit by naming each of its children
+            # first, and one that exits meanwhile raises (vllm/utils/system_utils.py,
+            # kill_process_tree) before the rest are killed: kill what is left of them here.
+            _kill(engine_pids)
         del llm
         gc.collect()
+
+
+def _descendants() -> set[int]:
+    """Pids of this process's children, theirs, and so on."""
+    import psutil
+
+    return {child.pid for child in psutil.Process().children(recursive=True)}
+
+
+def _kill(pids: set[int]) -> None:
+    """SIGKILL those of `pids` still running (a pid gone, or reused by another process,
+    is left alone)."""
+    import psutil
+
+    for pid in pids & _descendants():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            psutil.Process(pid).kill()
 
 
 def counter(llm: Any, name: str) -> float:
