@@ -1,7 +1,8 @@
 """The prefix-aware eviction policy (kvtier.core.policies.prefix, issue 45): leaves of the tree
 of held prefixes leave first, ranked by recency plus a bonus per doubling of uses, a new
-chunk's bonus falling with its place in its run of new chunks; a chunk's uses outlive its
-eviction, boundedly; any tier can take it by name."""
+chunk's bonus falling with its place in its run of new chunks, the bonus's horizon learned
+from the traffic's reuse gaps; a chunk's uses outlive its eviction, boundedly; any tier can
+take it by name."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import numpy as np
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
-from kvtier.core.policies import POLICIES, Generations, PrefixPolicy, make_policy
-from kvtier.core.policies.prefix import MIN_REMEMBERED
+from kvtier.core.policies import POLICIES, Generations, LRUPolicy, PrefixPolicy, make_policy
+from kvtier.core.policies.prefix import HORIZON_GAPS, MIN_REMEMBERED
+from kvtier.core.policies.reusegaps import REFRESH
 from kvtier.core.retention import ChunkMeta
 from kvtier.tiers.memory import MemoryTier, MemoryTierConfig
 from kvtier.tiers.storeconfig import StoreConfig
@@ -108,6 +110,71 @@ def test_an_evicted_chunk_offered_again_keeps_its_uses_and_the_memory_is_bounded
         policy.insert(i)  # type: ignore[arg-type]
         policy.evict()
     assert len(policy._evicted_uses) == MIN_REMEMBERED
+
+
+def test_the_horizon_is_learned_from_the_reuse_gaps() -> None:
+    """No bonus before anything came back (recency alone); then HORIZON_GAPS median gaps,
+    less the tier's own turnover: 100 chunks read in turn come back every 100 operations."""
+    policy: PrefixPolicy[int] = PrefixPolicy(capacity=10)
+    for key in range(100):
+        policy.insert(key)
+    assert policy.bonus_ops == 0
+    for _ in range(2 * REFRESH // 100 + 1):
+        for key in range(100):
+            policy.touch(key)
+    assert HORIZON_GAPS * 100 / 1.19 <= policy.horizon_ops <= HORIZON_GAPS * 100 * 1.19
+    assert policy.bonus_ops == policy.horizon_ops - 10
+
+
+def _agent_sessions(requests: int, active: int) -> list[list[int]]:
+    """An agent fleet: `active` sessions at once, each turn the whole context so far plus 4
+    new chunks, a mean 15 turns a session, then never again."""
+    rng = random.Random(45)
+    live: list[tuple[list[int], list[int]]] = []  # (context, [turns left])
+    prompts: list[list[int]] = []
+    next_key = 0
+    while len(prompts) < requests:
+        while len(live) < active:
+            live.append(([], [1 + int(rng.expovariate(1 / 15))]))
+        context, left = rng.choice(live)
+        context.extend(range(next_key, next_key + 4))
+        next_key += 4
+        prompts.append(list(context))
+        left[0] -= 1
+        if not left[0]:
+            live.remove((context, left))
+    return prompts
+
+
+def _hit_ratio(prompts: list[list[int]], policy: LRUPolicy[int] | PrefixPolicy[int],
+               capacity: int) -> float:
+    """A tier of `capacity` chunks: a prompt hits its longest held prefix, then stores the
+    rest."""
+    held: set[int] = set()
+    hits = chunks = 0
+    for keys in prompts:
+        n = 0
+        while n < len(keys) and keys[n] in held:
+            policy.touch(keys[n])
+            n += 1
+        hits, chunks = hits + n, chunks + len(keys)
+        for i in range(n, len(keys)):
+            if len(held) >= capacity:
+                held.discard(policy.evict())  # type: ignore[arg-type]
+            held.add(keys[i])
+            policy.insert(keys[i], keys[i - 1] if i else None)
+    return hits / chunks
+
+
+def test_finished_agent_sessions_do_not_outlive_live_ones() -> None:
+    """An agent's turns come back within hundreds of operations and a session's early chunks
+    are read every turn: a bonus fixed for a chat trace's tens of thousands of operations
+    (a fixed 30,000, as before) keeps finished sessions' well-read chunks and evicts the live
+    ones' (a third of LRU's hits); the learned horizon keeps at least LRU's."""
+    prompts = _agent_sessions(3000, active=8)
+    lru = _hit_ratio(prompts, LRUPolicy(), 300)
+    assert _hit_ratio(prompts, PrefixPolicy(300), 300) >= lru
+    assert _hit_ratio(prompts, PrefixPolicy(300, horizon_ops=30_000), 300) < 0.5 * lru
 
 
 def test_a_small_tier_trims_a_newer_prompts_tail_before_an_older_prompts_head() -> None:

@@ -15,9 +15,17 @@ last turn of every conversation), while a chunk read once is read again far more
    the deeper chunk on a tie. A chunk evicted and offered again keeps its use count (a
    bounded memory of the evicted, `remembered` keys), so a conversation's second turn gets
    the bonus its first one could not earn. `bonus_ops` is the reuse horizon not already
-   covered by the tier's own turnover: `max(0, horizon_ops - capacity)`: a small tier needs it
+   covered by the tier's own turnover: `max(0, horizon - capacity)`: a small tier needs it
    to keep returning conversations through bursts of one-shot prompts; a tier as large as
    the horizon keeps them by recency alone, and the rule falls back to LRU over leaves.
+   The horizon is learned from the traffic: `HORIZON_GAPS` x the median gap, in operations,
+   between a chunk's last use and its next (a hit, or an evicted chunk stored again), over
+   the last ~65,000 such reuses (`ReuseGaps`); recency alone until 256 were seen. A
+   fixed bonus learned on one workload is wrong on another: a chat service's conversations
+   come back after tens of thousands of operations, an agent's turns after hundreds, and a
+   grace that outlives its traffic fills a small tier with finished sessions (a fixed
+   30,000-operation horizon kept 28% of the chunks LRU kept 52% of on an agent-like load,
+   docs/performance.md).
 3. **A new chunk's bonus falls with its place in the run of new chunks** it ends: a chunk
    used once, the n-th in a row of such chunks under its nearest chunk used more than once
    (or a first chunk), ranks `FIRST_RUN_SHARE x bonus_ops / n` above its last use. A
@@ -38,13 +46,14 @@ not here heads none. Deeper chunks cost more to recompute, but a deep
 chunk is only worth that while every chunk above it is held: the leaf rule is what keeps
 that value, and the depth breaks ties in favour of the parent.
 
-Cost: per put or hit O(log n) (a heap with stale entries skipped, rebuilt when mostly stale);
+Cost: per put or hit O(log n) (a heap with stale entries skipped, rebuilt when mostly stale)
+and a histogram count, plus every 256 reuses a read of that histogram's 192 buckets;
 memory per held chunk: its parent, rank, uses, depth, run and child count, plus the heap entry,
-and at most `remembered` counts of evicted chunks (`max(65536, 4 x capacity)`).
+and at most `remembered` counts and last uses of evicted chunks (`max(65536, 4 x capacity)`).
 A pinned or deleted parent (`remove`) leaves its children in place; they leave in their own
 rank order (the tier's lookup cannot reach them meanwhile).
 
-Primitives: `PrefixPolicy`, `HORIZON_OPS`, `FIRST_RUN_SHARE`.
+Primitives: `PrefixPolicy`, `HORIZON_GAPS`, `FIRST_RUN_SHARE`.
 """
 
 from __future__ import annotations
@@ -56,12 +65,15 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from kvtier.core.policies.reusegaps import ReuseGaps
+
 K = TypeVar("K", bound=Hashable)
 
-# The reuse horizon, in policy operations (puts and hits of the tier): measured on Mooncake's
-# conversation trace (`kvtier simulate --trace`, docs/performance.md), where a conversation's
-# next turn comes back a median 147 s later (~12,000 operations) and 25,000-35,000 ranks best.
-HORIZON_OPS = 30_000
+# The reuse horizon in median reuse gaps (rule 2). On Mooncake's conversation trace
+# (`kvtier simulate --trace`, docs/performance.md) the median gap is ~10,000 operations and a
+# fixed horizon of 25,000-35,000 ranked best: 2.6 gaps learns 25,000 there, and stays within
+# a point of LRU (or far above it) on agent, RAG and drifting loads where 30,000 did not.
+HORIZON_GAPS = 2.6
 # A new chunk's bonus at the head of a run, in bonus_ops (rule 3): on the same trace 1.25
 # keeps the most tokens over 0.5M-3M (1.0 and 1.5 within 0.15 points), never fewer than rule
 # 2 alone from 0.3M to 50M.
@@ -83,13 +95,18 @@ class _Chunk(Generic[K]):
 class PrefixPolicy(Generic[K]):
     """Evicts the leaf of lowest rank (module docstring). Not thread-safe: the tier locks."""
 
-    def __init__(self, capacity: int, horizon_ops: int = HORIZON_OPS) -> None:
-        """`capacity`: chunks the tier holds; `horizon_ops`: the reuse horizon (HORIZON_OPS)."""
-        self.bonus_ops = float(max(0, horizon_ops - capacity))
+    def __init__(self, capacity: int, horizon_ops: int | None = None) -> None:
+        """`capacity`: chunks the tier holds; `horizon_ops`: a fixed reuse horizon, in
+        operations (None: learned from the reuse gaps, module docstring)."""
+        self._capacity = capacity
+        self._gaps = None if horizon_ops is not None else ReuseGaps()
+        self.horizon_ops = float(horizon_ops or 0)
+        self.bonus_ops = float(max(0, self.horizon_ops - capacity))
         self._remembered = max(MIN_REMEMBERED, 4 * capacity)
         self._chunks: dict[K, _Chunk[K]] = {}
         self._leaves: list[tuple[float, int, int, K]] = []  # (rank, -depth, tiebreak, key)
-        self._evicted_uses: OrderedDict[K, int] = OrderedDict()
+        # evicted chunks: (uses, last use), oldest eviction first
+        self._evicted_uses: OrderedDict[K, tuple[int, int]] = OrderedDict()
         self._op = 0  # policy operations (inserts and hits): the clock of `last_op`
         self._pushes = 0  # heap pushes: orders equal ranks and depths
 
@@ -100,6 +117,9 @@ class PrefixPolicy(Generic[K]):
             self.touch(key)
             return
         self._op += 1
+        uses, last_op = self._evicted_uses.pop(key, (0, 0))
+        if uses:
+            self._reused(self._op - last_op)  # an evicted chunk came back
         above = self._chunks.get(parent) if parent is not None else None
         if above is None:
             run = 1 if parent is None else 0  # a first chunk heads a run; an orphan none
@@ -107,7 +127,7 @@ class PrefixPolicy(Generic[K]):
             run = 1 if above.uses > 1 else above.run + 1 if above.run else 0
         chunk = _Chunk(parent if above is not None else None,
                        0 if above is None else above.depth + 1, run,
-                       self._evicted_uses.pop(key, 0) + 1, self._op)
+                       uses + 1, self._op)
         self._chunks[key] = chunk
         if above is not None:
             above.children += 1  # no longer a leaf: its heap entry goes stale
@@ -119,6 +139,7 @@ class PrefixPolicy(Generic[K]):
         if chunk is None:
             return
         self._op += 1
+        self._reused(self._op - chunk.last_op)
         chunk.uses += 1
         chunk.last_op = self._op
         if chunk.children == 0:
@@ -145,7 +166,7 @@ class PrefixPolicy(Generic[K]):
     def _forget(self, key: K, chunk: _Chunk[K]) -> None:
         """Remember its uses (bounded) and make its parent a leaf again if it was the last
         child."""
-        self._evicted_uses[key] = chunk.uses
+        self._evicted_uses[key] = (chunk.uses, chunk.last_op)
         while len(self._evicted_uses) > self._remembered:
             self._evicted_uses.popitem(last=False)
         parent = chunk.parent
@@ -154,6 +175,16 @@ class PrefixPolicy(Generic[K]):
             above.children -= 1
             if above.children == 0:
                 self._push(parent, above)
+
+    def _reused(self, gap: int) -> None:
+        """A chunk was used again `gap` operations after its last use: learn the horizon
+        (rule 2), unless it is fixed."""
+        if self._gaps is None or not self._gaps.add(gap):
+            return
+        median = self._gaps.quantile(0.5)
+        if median is not None:
+            self.horizon_ops = HORIZON_GAPS * median
+            self.bonus_ops = max(0.0, self.horizon_ops - self._capacity)
 
     def _push(self, key: K, chunk: _Chunk[K]) -> None:
         """(Re)rank a leaf; entries it had in the heap go stale."""

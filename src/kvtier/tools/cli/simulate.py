@@ -25,7 +25,7 @@ from kvtier.tools.cli.argtypes import (
     output_file,
     positive_int,
 )
-from kvtier.tools.cli.simulate_trace import add_trace_arguments, run_trace
+from kvtier.tools.cli.simulate_trace import add_trace_arguments, run_trace, write_trace
 from kvtier.tools.sim.cost import MODEL_PRESETS
 from kvtier.tools.sim.engine import EngineConfig
 from kvtier.tools.sim.fleet import ROUTERS, SimConfig, simulate
@@ -123,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
     if args.trace is not None:
         return run_trace(args)
     cfg = config_from_args(args)
+    if args.write_trace is not None:
+        return write_trace(args, cfg.workload, cfg.requests)
     if args.sweep:
         param, values = parse_sweep(args.sweep)
         if param != "cpu_gb" and not cfg.tiers:

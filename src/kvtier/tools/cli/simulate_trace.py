@@ -4,12 +4,13 @@
     kvtier simulate --trace T.jsonl --capacity 1M,3M --policies lru,arc,prefix --json
     kvtier simulate --trace T.jsonl --plot hit-ratio.png
     kvtier simulate --trace T.jsonl --engines 2 --router round_robin   # + pooled vs private
+    kvtier simulate --workload agent --requests 20000 --write-trace agent.jsonl  # then --trace
 
 Trace formats: `kvtier.tools.sim.trace`; the replay: `kvtier.tools.sim.replay`; the optimum
 and its exact meaning: `kvtier.tools.sim.optimum`. Prefill seconds come from the `--model`,
 `--gpu` and `--tp` cost model of `kvtier simulate` (`CostModel.prefill_s`).
 
-Primitives: `add_trace_arguments(parser)`, `run_trace(args)`.
+Primitives: `add_trace_arguments(parser)`, `run_trace(args)`, `write_trace(args, config)`.
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
-from kvtier.tools.cli.argtypes import any_path, positive_int
+from kvtier.tools.cli.argtypes import any_path, output_file, positive_int
 from kvtier.tools.sim.replay import PolicySpec, Progress, parse_policy
 from kvtier.tools.sim.tracesweep import TraceSweep, parse_tokens
 
 if TYPE_CHECKING:
     from kvtier.tools.sim.pooling import Pooling
+    from kvtier.tools.sim.workload import WorkloadConfig
 
 DEFAULT_CAPACITIES = "300k,1M,3M,10M,30M"
 DEFAULT_POLICIES = "lru,arc,lru+admit2,prefix"
@@ -44,6 +46,9 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
                         f"(default {DEFAULT_POLICIES})")
     p.add_argument("--trace-block-tokens", type=positive_int, default=512,
                    help="with --trace: tokens a trace block (a chunk) holds (default 512)")
+    p.add_argument("--write-trace", type=output_file, metavar="FILE.jsonl",
+                   help="write the --workload's traffic (--requests, --seed, blocks of "
+                        "--trace-block-tokens) as a trace for --trace, and exit")
 
 
 def run_trace(args: argparse.Namespace) -> int:
@@ -81,6 +86,22 @@ def run_trace(args: argparse.Namespace) -> int:
         _print(sweep, specs)
         if pooling:
             _print_pooling(pooling, specs[0])
+    return 0
+
+
+def write_trace(args: argparse.Namespace, config: WorkloadConfig, requests: int) -> int:
+    """`--write-trace FILE`: the workload's traffic as a trace; returns the exit code.
+
+    Raises:
+        ConfigError: a bad block size.
+    """
+    from kvtier.tools.sim.trace import write_workload_trace
+
+    written = write_workload_trace(config, requests, args.trace_block_tokens, args.seed,
+                                   args.write_trace)
+    print(f"{args.write_trace}: {written:,} requests of the {args.workload} workload, blocks "
+          f"of {args.trace_block_tokens} tokens (kvtier simulate --trace "
+          f"{args.write_trace} --trace-block-tokens {args.trace_block_tokens})")
     return 0
 
 

@@ -15,7 +15,11 @@ so two requests share a key only where they share the whole prefix up to it, wha
 trace's hashes promise. A request carries its keys and, for each, its parent's key (-1 for
 the first block): what a prefix-aware policy is told on insert.
 
-Primitives: `TraceRequest`, `Trace`, `read_trace(path, block_tokens, limit)`, `ROOT`.
+`write_workload_trace` writes `kvtier simulate`'s synthetic traffic (`--workload`) in the
+generic format, so that any workload's policies can be compared as a trace's are.
+
+Primitives: `TraceRequest`, `Trace`, `read_trace(path, block_tokens, limit)`, `ROOT`,
+`write_workload_trace`.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.errors import ConfigError
+from kvtier.tools.sim.workload import WorkloadConfig, generate
 
 ROOT = -1  # the parent of a prompt's first block
 
@@ -150,3 +155,26 @@ def _int_list(value: object, field: str) -> list[int]:
     if not isinstance(value, list) or not all(type(v) is int for v in value):
         raise ConfigError(field, str(value)[:80], "a list of integers")
     return value
+
+
+def write_workload_trace(config: WorkloadConfig, requests: int, block_tokens: int, seed: int,
+                         path: str | Path) -> int:
+    """Write `requests` requests of synthetic traffic (`kvtier.tools.sim.workload`) to `path`
+    as a generic trace: each prompt's blocks of `block_tokens` as chained hashes (a partial
+    last one as 0: never stored), its length and arrival. Returns the requests written.
+
+    Raises:
+        ConfigError: requests < 0 or block_tokens < 1.
+        OSError: `path` cannot be written.
+    """
+    written = 0
+    with open(path, "w", encoding="utf-8") as out:
+        for request in generate(config, requests, block_tokens, seed):
+            full = request.prompt_tokens // block_tokens
+            # the partial last block: a placeholder hash (only full blocks are ever stored)
+            blocks = request.hashes[:full] + [0] * (request.prompt_tokens % block_tokens > 0)
+            out.write(json.dumps({"timestamp": round(request.arrival_s * 1e3),
+                                  "input_length": request.prompt_tokens,
+                                  "block_hashes": blocks}) + "\n")
+            written += 1
+    return written
