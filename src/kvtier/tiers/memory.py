@@ -71,6 +71,12 @@ class MemoryTierConfig(RetentionTierSettings):
     """Host RAM: one preallocated slab of fixed-size slots (pinned when CUDA is present)."""
 
     kind: Literal["memory"]
+    # RAM's default is the prefix policy: on Mooncake's conversation trace 2.06x LRU's hits
+    # at 1M tokens, on the simulator's agent, RAG and chat traffic at least 0.98x (most often
+    # far more); its heap costs O(log n) a put or hit of the slab's few thousand slots
+    # (docs/performance.md, "Replaying a trace"). A disk tier keeps LRU (CLOCK: its index
+    # must fit millions of chunks).
+    eviction: Literal["lru", "arc", "prefix"] = "prefix"
     pin: Literal["auto", "on", "off"] = "auto"  # page-locked memory for async GPU copies
     # Commit the slab's RAM in the background from the start (tiers/prefault.py), so that
     # no store pays a first-touch page fault; False: pages are committed as they are used.
