@@ -10,7 +10,9 @@
 #        when both lanes are done;
 #   2. alone, the tests that assert a wall-clock bound (`-m timing`): a deadline met, a call
 #      back within N seconds. Beside another lane a loaded core would fail them for no fault
-#      of kvtier's.
+#      of kvtier's; and as a machine of 2 cores is shared with its host's other tenants, a
+#      timing test that fails runs once more (pytest-rerunfailures, as CPython's CI reruns
+#      its failures): a bound missed twice fails the suite; a rerun is printed ("RERUN").
 # Under KVTIER_TEST_STRICT=1 (set here) a test skipped for want of something on the machine
 # (redis-server, prometheus, a tmpfs mount...) fails instead: scripts/setup.sh installs them
 # all (tests/conftest.py lists the skips that stay skips: CUDA, real S3 endpoints).
@@ -72,11 +74,14 @@ done
 echo
 echo "phase 2: alone, the tests that assert wall-clock bounds (-m timing)"
 timing_status=0
-lane timing -m timing --durations=15 || timing_status=$?
+lane timing -m timing --reruns 1 -raR --durations=15 || timing_status=$?
 
 echo
 echo "==== skipped, and why (all lanes) ===="
 grep -h '^SKIPPED' "$logs"/*.log || echo "(none)"
+echo
+echo "==== timing tests run twice (a bound missed once, met the second time) ===="
+grep -h '^RERUN' "$logs"/timing.log || echo "(none)"
 echo
 echo "==== lanes ===="
 cat "$logs/engines.result" "$logs/rest.result" "$logs/beside.result" "$logs/timing.result"
