@@ -222,8 +222,9 @@ def run_bench(config: BenchConfig, on_round: Callable[[str], None] = lambda _: N
                     groups.append(s3_subjects(bench, *s3_at, size_stack))
                 if "memory" in config.tiers:
                     groups[0].append(bench.tier("memory", size_stack))
+                settle = bench.copy()  # untimed, before the RAM group (see _run_round)
                 for trial in range(config.trials + 1):  # round 0 is the untimed warm-up
-                    _run_round(groups, trial, size, samples if trial else None)
+                    _run_round(groups, trial, size, samples if trial else None, settle)
                     on_round(f"{size / MIB:g} MiB, round {trial}/{config.trials}")
             measurements += [Measurement(subject, op, size, chunks, tuple(seconds))
                              for (subject, op, at), seconds in samples.items() if at == size]
@@ -234,13 +235,21 @@ def run_bench(config: BenchConfig, on_round: Callable[[str], None] = lambda _: N
 
 
 def _run_round(groups: list[list[Subject]], trial: int, size: int,
-               samples: dict[tuple[str, str, int], list[float]] | None) -> None:
+               samples: dict[tuple[str, str, int], list[float]] | None,
+               settle: Subject) -> None:
     """Every subject's put, then every subject's get, then cleanup.
 
     A tier runs right next to its ceiling (the groups), in an order rotated each trial, so
     a burst of load from another process hits both alike and `verdicts` can pair them.
+    The first group (copy and the memory tier) comes after the O_DIRECT groups of the op
+    before: `settle`, an untimed copy of the same bytes, runs first. On a VM the first large
+    copy after disk I/O (or an idle second) runs at half speed, whichever subject makes it,
+    so the two alternated at 0.5x and 1.5x each other round by round, and the memory tier
+    read 0.33-0.54x a copy; settled, 0.76-1.00x at the first chunk size of a run (as in a
+    loop of its own), though a later size still read 0.53-0.59x (docs/performance.md).
     """
     for op in ("put", "get"):
+        settle.put() if op == "put" else settle.get()
         for group in groups:
             shift = trial % len(group)
             for subject in group[shift:] + group[:shift]:
