@@ -5,7 +5,8 @@
 # but the package registry. It
 #   1. checks the GPU: nvidia-smi, then torch.cuda.is_available();
 #   2. installs kvtier without its dependencies (pip install --no-deps -e .) and then the
-#      dependencies pyproject.toml names, plus pytest and pytest-timeout; never torch or vllm
+#      dependencies pyproject.toml names (not openai: a bench client's), plus pytest and its
+#      plugins; never torch or vllm
 #      (the torch in place is checked to be the same afterwards); with --wheels, offline:
 #      from that folder of wheels (scripts/gpu-wheels.sh fetches them) and what is installed,
 #      kvtier itself from src/;
@@ -206,8 +207,8 @@ project = tomllib.load(open("pyproject.toml", "rb"))["project"]
 extras = project["optional-dependencies"]
 deps = project["dependencies"] + extras["tools"] + [d for d in extras["test"]
                                              if re.match(r"pytest", d)]
-for dep in deps:
-    if not re.match(r"(torch|vllm)\b", dep):
+for dep in deps:  # openai: the field's bench clients' (tools extra); no device step uses it
+    if not re.match(r"(torch|vllm|openai)\b", dep):
         print(dep)
 EOF
   )

@@ -10,9 +10,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 DIR=${1:-.whl}
 PYVER=${2:-3.12}
-# Seen missing from the lent H200's image (2026-11-27), with what they need.
+# Missing from the lent H200's image (seen 2026-11-27; msgspec, pyzmq and pytest-rerunfailures
+# from its package list of 2026-11-17), with what they need.
 NAMES=(blake3 pydantic pydantic-core annotated-types typing-inspection typing-extensions redis
-       zstandard lz4 cryptography cffi pycparser)
+       zstandard lz4 cryptography cffi pycparser msgspec pyzmq pytest-rerunfailures)
 pins=()
 for name in "${NAMES[@]}"; do
   version=$(python3 -c "import importlib.metadata as m, sys
