@@ -253,3 +253,28 @@ def test_any_tier_can_take_it_by_name_and_a_memory_tier_passes_parents() -> None
             assert view is not None
     assert tier.put(keys[3], data, ChunkMeta()).ok  # a new prompt: one chunk must go
     assert [tier.contains(k) for k in keys] == [True, True, False, True]
+
+
+def test_a_memory_tier_reports_the_horizon_its_policy_learned() -> None:
+    """The tier's stats carry what the policy learned (exported as the
+    `tier_policy_horizon_ops` gauge): 0 until enough reuses, then HORIZON_GAPS gaps of 8
+    operations (8 chunks read in turn); 0 for an LRU tier."""
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_size=8, dtype="float16",
+                      tokens_per_chunk=16)
+    data = memoryview(np.zeros(layout.bytes_per_chunk, dtype=np.uint8))
+    keys = [ChunkKey(bytes([i]) * 16) for i in range(8)]
+    learned = {}
+    for eviction in ("prefix", "lru"):
+        tier = MemoryTier(MemoryTierConfig(kind="memory", capacity=8 * 4096, eviction=eviction,
+                                           prefault=False), layout)
+        for key in keys:
+            assert tier.put(key, data, ChunkMeta()).ok
+        assert tier.stats().policy_horizon_ops == 0
+        for _ in range(2 * REFRESH // len(keys) + 1):
+            for key in keys:
+                with tier.borrow(key) as view:
+                    assert view is not None
+        learned[eviction] = tier.stats().policy_horizon_ops
+        tier.close()
+    assert HORIZON_GAPS * 8 / 1.19 <= learned["prefix"] <= HORIZON_GAPS * 8 * 1.19
+    assert learned["lru"] == 0

@@ -53,6 +53,19 @@ def test_store_counters_become_deltas_between_takes() -> None:
     assert second.data["gauges"]["tier_used_bytes"] == {"memory@0": 500}
 
 
+def test_the_learned_horizon_is_rank_zeros_not_a_sum_over_ranks() -> None:
+    """Each TP rank's tier learns from the same traffic: rank 0 reports it, others do not
+    (the export sums a gauge over ranks)."""
+    tier = TierStats(name="memory", policy_horizon_ops=25_000.0)
+    stats = StoreStats(tiers=(tier,), queued_writes=0, queue_drops={"memory": 0})
+    for rank, expected in ((0, {"memory@0": 25_000.0}), (1, None)):
+        delta = StatsDelta(rank=rank)
+        delta.observe_store(stats)
+        taken = delta.take()
+        assert taken is not None
+        assert taken.data["gauges"].get("tier_policy_horizon_ops") == expected
+
+
 def test_nothing_moved_means_no_stats() -> None:
     delta = StatsDelta()
     assert delta.take() is None

@@ -121,6 +121,7 @@ def test_the_metrics_move_by_exactly_what_an_engine_did(metrics_node: NodeProces
     assert after[tier("chunks")] == 5
     assert after[tier("used_bytes")] == 5 * SLOT_BYTES
     assert after[tier("capacity_bytes")] == 16 * SLOT_BYTES
+    assert after[tier("policy_horizon_ops")] == 0  # prefix, learned after 256 reuses
     # The one Borrow, timed, from RAM alone; the tier's read and write seconds exported.
     borrows = {source: after[("kvtier_node_borrow_seconds_count",
                               (("node", name), ("source", source)))] for source in ("ram", "below")}

@@ -146,6 +146,9 @@ class TierStats:
     chunks: int = 0  # chunks held now
     used_bytes: int = 0  # bytes held now (as stored, headers included)
     capacity_bytes: int = 0  # the tier's bound
+    # The eviction policy's reuse horizon, in operations: what `eviction: prefix` learned from
+    # the traffic (kvtier.core.policies.prefix); 0 for the other policies, or none learned yet.
+    policy_horizon_ops: float = 0.0
     # Metadata operations asked of the filesystem by a file tier (kvtier.tiers.files.fsops; 0 for
     # the others): on NFS each is a round trip to the server the fleet shares.
     meta_stats: int = 0  # stat/lstat calls

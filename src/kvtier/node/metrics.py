@@ -64,6 +64,8 @@ TIER_GAUGES: dict[str, str] = {
     "chunks": "Chunks the tier holds",
     "used_bytes": "Bytes the tier holds (as stored, headers included)",
     "capacity_bytes": "The tier's bound in bytes",
+    "policy_horizon_ops": "The reuse horizon the tier's eviction policy learned, in "
+                          "operations (eviction: prefix; 0 until learned, or another policy)",
 }
 # The layout's `engines` (status) field -> help; kvtier_node_engine_<field>.
 ENGINE_LABELS = ("layout", "model", "engine")

@@ -32,6 +32,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import ClassVar, Literal
 
@@ -550,7 +551,9 @@ class MemoryTier:
         return True
 
     def stats(self) -> TierStats:
-        return self._counters.snapshot()
+        with self._lock:
+            horizon = self._policy.horizon_ops
+        return replace(self._counters.snapshot(), policy_horizon_ops=horizon)
 
     def recover(self) -> tuple[int, int]:
         """Put into this slab the chunks a predecessor's shared slab held whole (kvtier

@@ -78,6 +78,12 @@ class Generations(Generic[K]):
         self._generations[self._current] = self._make()
 
     @property
+    def horizon_ops(self) -> float:
+        """The current generation's reuse horizon in operations, where its policy learns one
+        (`PrefixPolicy`, 0.0 until it has seen enough reuses); 0.0 for the others."""
+        return float(getattr(self._generations[self._current], "horizon_ops", 0.0))
+
+    @property
     def retired(self) -> int:
         """Keys resident in retired generations."""
         return len(self) - len(self._generations[self._current])

@@ -117,6 +117,9 @@ GAUGES: dict[str, str] = {
     "tier_used_bytes": "Bytes the tier holds now",
     "tier_capacity_bytes": "Bytes the tier may hold",
     "tier_chunks": "Chunks the tier holds now",
+    "tier_policy_horizon_ops": "The reuse horizon the tier's eviction policy learned from "
+                               "the traffic, in operations (puts and hits; eviction: prefix, "
+                               "0 until learned; 0 for the other policies)",
     "tier_pinned_bytes": "Bytes of pinned chunks (retain_s) the tier holds now",
     "tier_tenant_used_bytes": "Bytes a tenant's chunks take in the tier now (tenant as in "
                               "tier_tenant_evictions)",
@@ -218,6 +221,9 @@ class StatsDelta:
             self._gauges.setdefault("tier_used_bytes", {})[where] = tier.used_bytes
             self._gauges.setdefault("tier_capacity_bytes", {})[where] = tier.capacity_bytes
             self._gauges.setdefault("tier_chunks", {})[where] = tier.chunks
+            if self.rank == 0:  # each rank's shard sees the same traffic: not summed
+                self._gauges.setdefault("tier_policy_horizon_ops", {})[where] = \
+                    tier.policy_horizon_ops
         self._observe_retention(stats)
         for tier_name, by_reason in stats.failures.items():
             for reason, count in by_reason.items():
