@@ -278,3 +278,18 @@ def test_a_memory_tier_reports_the_horizon_its_policy_learned() -> None:
         tier.close()
     assert HORIZON_GAPS * 8 / 1.19 <= learned["prefix"] <= HORIZON_GAPS * 8 * 1.19
     assert learned["lru"] == 0
+
+
+def test_a_run_is_as_old_as_its_head_so_a_preempted_request_outlives_an_older_one() -> None:
+    """Rule 3 ranks a run of new chunks by its head's insertion: request A started first and
+    kept decoding (its chain grew to A4), B started after it and was preempted at B1. A's
+    chain goes first, from its end, though its newest chunk is newer than B's."""
+    policy: PrefixPolicy[str] = PrefixPolicy(capacity=8, horizon_ops=0)
+    policy.insert("A0")
+    policy.insert("B0")
+    policy.insert("A1", "A0")
+    policy.insert("B1", "B0")  # B is preempted here
+    for i in range(2, 5):
+        policy.insert(f"A{i}", f"A{i - 1}")
+    assert [policy.evict() for _ in range(5)] == ["A4", "A3", "A2", "A1", "A0"]
+    assert [policy.evict() for _ in range(2)] == ["B1", "B0"]

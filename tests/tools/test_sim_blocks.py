@@ -53,18 +53,18 @@ def _stack(*caps_gb: float, policy: str = "lru") -> TierStack:
 def test_write_through_demotes_victims_to_the_next_tier() -> None:
     stack = _stack(2, 3)
     for h in range(1, 6):
-        stack.store(h)
+        stack.store(h, None)
     cpu, nvme = stack.tiers
     assert cpu.resident == {4, 5} and nvme.resident == {1, 2, 3}
     for h in range(6, 8):
-        stack.store(h)
+        stack.store(h, None)
     assert nvme.resident == {3, 4, 5} and nvme.evicted_blocks == 2  # 1, 2 dropped
 
 
 def test_lookup_is_contiguous_and_promotes_lower_tier_hits() -> None:
     stack = _stack(2, 3)
     for h in range(1, 6):
-        stack.store(h)
+        stack.store(h, None)
     hashes = [1, 2, 3, 99, 4]
     assert stack.lookup(hashes, 0, 5) == [0, 3]  # stops at 99 although 4 is resident
     assert stack.tiers[0].resident == {2, 3}  # 1, 2, 3 promoted in order; 1 pushed out
@@ -87,11 +87,33 @@ def test_zero_capacity_tiers_are_left_out() -> None:
 def test_arc_keeps_a_reused_block_through_a_scan() -> None:
     lru, arc = _stack(4), _stack(4, policy="arc")
     for stack in (lru, arc):
-        stack.store(1)
+        stack.store(1, None)
         stack.lookup([1], 0, 1)  # 1 is used twice
         for h in range(100, 104):  # one-shot blocks stream through
-            stack.store(h)
+            stack.store(h, None)
     assert 1 not in lru.tiers[0].resident and 1 in arc.tiers[0].resident
+
+
+def test_tiers_take_their_kinds_default_policy_and_prefix_cuts_a_prompt_from_its_end() -> None:
+    """As kvtier's tiers: RAM `prefix`, disk `lru`; a prompt's blocks carry their parents,
+    so a full prefix tier evicts a prompt's last block (LRU: its first) and demotes it with
+    its parent."""
+    assert parse_tier("cpu=1GiB").policy == "prefix" and parse_tier("nvme=1GiB").policy == "lru"
+    assert parse_tier("cpu=1GiB:lru").policy == "lru"
+    firsts = {}
+    for policy in ("prefix", "lru"):
+        stack = _stack(3, 3, policy=policy)
+        prompt = [1, 2, 3]
+        for i, h in enumerate(prompt):
+            stack.store(h, prompt[i - 1] if i else None)
+        assert stack.lookup(prompt, 0, 3) == [3, 0]  # read first to last
+        stack.store(10, None)  # a new prompt: one block goes down to nvme
+        cpu, nvme = stack.tiers
+        firsts[policy] = 1 in cpu.resident
+        (demoted,) = nvme.resident
+        assert nvme.parents[demoted] == (prompt[prompt.index(demoted) - 1]
+                                         if demoted != 1 else None)
+    assert firsts == {"prefix": True, "lru": False}
 
 
 @pytest.mark.parametrize("text", ["cpu", "gpu=1GiB", "cpu=lots", "cpu=1GiB:fifo"])

@@ -39,9 +39,9 @@ def test_the_offer_is_the_prefix_that_loads_faster() -> None:
     slow = SimTier(TierSpec("shared", 10 * GB, 0.01, 0.0), block_bytes=GB)
     stack = TierStack([fast, slow], link_gbps=10.0, block_bytes=GB)
     for h in (1, 2):
-        fast.put(h)
+        fast.put(h, None)
     for h in (3, 4):
-        slow.put(h)
+        slow.put(h, None)
     found = stack.find([1, 2, 3, 4, 5], 0, 5)
     assert found == [0, 0, 1, 1]  # stops at 5: nowhere
     assert stack.load_costs() == ([0.0, 0.0], [0.1, 100.0])

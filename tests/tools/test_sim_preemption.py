@@ -35,15 +35,21 @@ def test_without_a_cpu_tier_preempted_requests_recompute(runs) -> None:  # type:
 
 
 def test_a_bigger_cpu_tier_recomputes_less_and_runs_faster(runs) -> None:  # type: ignore[no-untyped-def]
+    # Up to the size that holds what the preempted requests need (the 64 GB tier's figures:
+    # only unfinished last blocks are recomputed; 4 GB already holds it all with the memory
+    # tier's default policy, prefix), then the same.
     ordered = [runs[gb] for gb in sorted(runs)]
+    full = ordered[-1]
     recomputed = [r.recomputed_tokens for r in ordered]
-    assert all(a > b for a, b in pairwise(recomputed)), recomputed
+    assert all(a > b or a == b == full.recomputed_tokens
+               for a, b in pairwise(recomputed)), recomputed
     loaded = [r.loaded_tokens for r in ordered]
-    assert all(a < b for a, b in pairwise(loaded)), loaded
+    assert all(a < b or a == b == full.loaded_tokens for a, b in pairwise(loaded)), loaded
     # Throughput rises with the tier's size. Turning offload on costs a little per step
     # (connector, store copies), which a 0.5 GB tier (256 blocks) does not win back.
     with_tier = [r.throughput_tok_s for r in ordered[1:]]
-    assert all(a < b for a, b in pairwise(with_tier)), with_tier
+    assert all(a < b or a == b == full.throughput_tok_s
+               for a, b in pairwise(with_tier)), with_tier
     assert with_tier[-1] > ordered[0].throughput_tok_s * 1.05
 
 

@@ -28,7 +28,12 @@ last turn of every conversation), while a chunk read once is read again far more
    agent workload at 300k tokens; docs/performance.md).
 3. **A new chunk's bonus falls with its place in the run of new chunks** it ends: a chunk
    used once, the n-th in a row of such chunks under its nearest chunk used more than once
-   (or a first chunk), ranks `FIRST_RUN_SHARE x bonus_ops / n` above its last use. A
+   (or a first chunk), ranks `FIRST_RUN_SHARE x bonus_ops / n` above the insertion of its
+   run's head, not its own: a run stored over time (a request decoding) is as old as its
+   start, as LRU would rank its head. Ranked by its newest chunk instead, a request preempted
+   while decoding (frozen since) lost its chain to requests that had finished after it, whose
+   chains nobody reads again (`kvtier.tools.sim.batch`'s preemption batch at 3-4 GB:
+   33,893 / 34,749 tokens recomputed against LRU's 5,077 / 4,584; now 3,305 / 1,980). A
    prompt's first new chunks are read again more often than its tail (on the same trace 37%
    of the first new chunk after a shared first chunk against 24% past the 20th; after a
    conversation's held prefix 44% against 7-17% from the third on), and they are what a
@@ -88,6 +93,7 @@ class _Chunk(Generic[K]):
     run: int  # its place in the run of chunks used once it ends (rule 3); 0: heads none
     uses: int  # inserts and hits, remembered across evictions
     last_op: int  # the policy operation of its last use
+    run_op: int  # the policy operation its run's head was inserted at (rule 3)
     children: int = 0  # held chunks that extend it: it is a leaf at 0
     rank: float = 0.0  # its rank in the heap while a leaf
 
@@ -125,9 +131,10 @@ class PrefixPolicy(Generic[K]):
             run = 1 if parent is None else 0  # a first chunk heads a run; an orphan none
         else:
             run = 1 if above.uses > 1 else above.run + 1 if above.run else 0
+        run_op = above.run_op if above is not None and run > 1 else self._op
         chunk = _Chunk(parent if above is not None else None,
                        0 if above is None else above.depth + 1, run,
-                       uses + 1, self._op)
+                       uses + 1, self._op, run_op)
         self._chunks[key] = chunk
         if above is not None:
             above.children += 1  # no longer a leaf: its heap entry goes stale
@@ -189,10 +196,11 @@ class PrefixPolicy(Generic[K]):
     def _push(self, key: K, chunk: _Chunk[K]) -> None:
         """(Re)rank a leaf; entries it had in the heap go stale."""
         if chunk.uses > 1:
-            share = math.log2(chunk.uses)
+            chunk.rank = chunk.last_op + self.bonus_ops * math.log2(chunk.uses)
+        elif chunk.run:
+            chunk.rank = chunk.run_op + self.bonus_ops * FIRST_RUN_SHARE / chunk.run
         else:
-            share = FIRST_RUN_SHARE / chunk.run if chunk.run else 0.0
-        chunk.rank = chunk.last_op + self.bonus_ops * share
+            chunk.rank = chunk.last_op
         self._pushes += 1
         heapq.heappush(self._leaves, (chunk.rank, -chunk.depth, self._pushes, key))
         if len(self._leaves) > 2 * len(self._chunks) + 64:

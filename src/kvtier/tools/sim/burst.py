@@ -62,8 +62,8 @@ def burst_ttft(tokens: int, clients: int, file_gbps: float | None, load_when: st
         first = 1 + c * (blocks + 1)  # no block shared between prompts
         hashes = list(range(first, first + blocks + 1))
         if engine.tiers.enabled:
-            for h in hashes[:blocks]:
-                engine.tiers.store(h)
+            for i, h in enumerate(hashes[:blocks]):
+                engine.tiers.store(h, hashes[i - 1] if i else None)
         requests.append(Request(c, c, 0.0, tokens, 1, hashes, blocks))
     for req in requests:
         engine.submit(req)

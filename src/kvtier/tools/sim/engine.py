@@ -296,7 +296,7 @@ class Engine:
             if self.tiers.enabled:
                 store = self.tiers.store
                 for i in range(start, end):
-                    store(hashes[i])
+                    store(hashes[i], hashes[i - 1] if i else None)
                 self.store_debt_s += (end - start) * self.store_s_per_block
 
     def _start_decoding(self, req: Request) -> None:

@@ -40,7 +40,8 @@ class TierSpec:
     capacity_bytes: int  # bytes of KV it holds
     read_gbps: float  # effective read bandwidth of the medium, GB/s (the link caps it too)
     latency_s: float  # fixed cost of one load from it (lookup, I/O submission, RTT)
-    policy: str = "lru"  # eviction policy, one of kvtier.core.policies.POLICIES
+    policy: str = "lru"  # eviction policy, one of kvtier.core.policies.POLICIES (presets: the
+    # kind's default, as its config has it: `prefix` for memory)
     shared: bool = False  # one instance shared by every engine of the fleet (a REMOTE kind)
 
     def __post_init__(self) -> None:
@@ -55,10 +56,12 @@ class TierSpec:
 
 
 def _preset(name: str, kind: str, read_gbps: float, latency_s: float) -> TierSpec:
-    """The simulated tier `name` of kvtier tier `kind`: shared by the fleet when the kind's
-    class is REMOTE (`kvtier.core.tier.Tier.locality`)."""
+    """The simulated tier `name` of kvtier tier `kind`: its default eviction policy, shared
+    by the fleet when the kind's class is REMOTE (`kvtier.core.tier.Tier.locality`)."""
+    cls = tier_class(kind)
     return TierSpec(name, 0, read_gbps, latency_s,
-                    shared=tier_class(kind).locality is Locality.REMOTE)
+                    policy=cls.config_model.model_fields["eviction"].default,
+                    shared=cls.locality is Locality.REMOTE)
 
 
 # Each preset is a kvtier tier kind on typical hardware: bandwidths from
@@ -75,7 +78,8 @@ TIER_PRESETS: dict[str, TierSpec] = {
 
 
 def parse_tier(text: str) -> TierSpec:
-    """Parse "NAME=SIZE[:POLICY]", e.g. "cpu=64GiB" or "nvme=2TiB:arc".
+    """Parse "NAME=SIZE[:POLICY]", e.g. "cpu=64GiB" or "nvme=2TiB:arc" (no POLICY: the
+    kind's default).
 
     Raises:
         ConfigError: unknown tier name, bad size or unknown policy.
@@ -86,7 +90,7 @@ def parse_tier(text: str) -> TierSpec:
         raise ConfigError("tier", text, f"NAME=SIZE[:POLICY], NAME one of {list(TIER_PRESETS)}")
     size, _, policy = rest.partition(":")
     return replace(TIER_PRESETS[name], capacity_bytes=parse_size(size, f"tier.{name}"),
-                   policy=policy.strip().lower() or "lru")
+                   policy=policy.strip().lower() or TIER_PRESETS[name].policy)
 
 
 class SimTier:
@@ -99,6 +103,7 @@ class SimTier:
         "evicted_blocks",
         "hit_blocks",
         "loads",
+        "parents",
         "policy",
         "resident",
         "spec",
@@ -109,6 +114,9 @@ class SimTier:
         self.spec = spec
         self.capacity_blocks = int(spec.capacity_bytes // block_bytes)
         self.resident: set[int] = set()
+        # Each resident block's parent (the block before it in its prompt; None for a first
+        # block): the prefix policy ranks by it, as the memory tier does by ChunkMeta.parent.
+        self.parents: dict[int, int | None] = {}
         self.policy: EvictionPolicy[int] = make_policy(spec.policy, max(1, self.capacity_blocks))
         self.busy_until_s = 0.0  # when its read channel is free again
         self.hit_blocks = 0  # blocks served to the GPU (loaded)
@@ -117,13 +125,15 @@ class SimTier:
         self.evicted_blocks = 0  # blocks it pushed out
         self.loads = 0  # load operations served
 
-    def put(self, h: int) -> int | None:
-        """Make `h` resident (touching it if it is); return the victim it displaced, if any."""
+    def put(self, h: int, parent: int | None) -> tuple[int, int | None] | None:
+        """Make `h`, extending `parent`, resident (touching it if it is); return the victim it
+        displaced with the victim's parent, if any."""
         if h in self.resident:
             self.policy.touch(h)
             return None
         self.resident.add(h)
-        self.policy.insert(h)
+        self.parents[h] = parent
+        self.policy.insert(h, parent)
         self.stored_blocks += 1
         if len(self.resident) <= self.capacity_blocks:
             return None
@@ -131,7 +141,7 @@ class SimTier:
         assert victim is not None, "policy lost track of resident blocks"
         self.resident.discard(victim)
         self.evicted_blocks += 1
-        return victim
+        return victim, self.parents.pop(victim)
 
 
 class TierStack:
@@ -150,13 +160,14 @@ class TierStack:
         """Whether any tier can hold a block."""
         return bool(self.tiers)
 
-    def store(self, h: int) -> None:
-        """Write `h` through to the first tier, cascading victims downward."""
+    def store(self, h: int, parent: int | None) -> None:
+        """Write `h` (extending `parent`, None for a prompt's first block) through to the
+        first tier, cascading victims downward."""
         for tier in self.tiers:
-            victim = tier.put(h)
+            victim = tier.put(h, parent)
             if victim is None:
                 return
-            h = victim
+            h, parent = victim
 
     def lookup(self, hashes: list[int], start: int, end: int) -> list[int]:
         """Count contiguous hits of hashes[start:end] per tier, promoting lower-tier hits
@@ -198,7 +209,7 @@ class TierStack:
             tiers[k].hit_blocks += n
         if len(tiers) > 1 and any(counts[1:]):
             for i in range(start + counts[0], start + sum(counts)):
-                self.store(hashes[i])
+                self.store(hashes[i], hashes[i - 1] if i else None)
         return counts
 
     def load_costs(self) -> tuple[list[float], list[float]]:
