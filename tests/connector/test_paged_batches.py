@@ -118,3 +118,35 @@ def test_a_chunks_tail_is_its_blocks_then_its_last_again_and_loads_into_its_bloc
         back = torch.zeros(size, dtype=torch.uint8)
         bpc4.gather((5, 21, 22), back)
         assert torch.equal(back, alone), scatter
+
+
+@pytest.mark.parametrize(("dtype", "dim", "width"), [
+    (torch.bfloat16, DIM, torch.int64),  # 16 bytes a head's row: 2 int64, not 8 int16
+    (torch.uint8, DIM, torch.int64),  # fp8: 1 int64, not 8 uint8
+    (torch.bfloat16, 3, torch.int16),  # 6 bytes a row: no wider integer divides it
+])
+@pytest.mark.parametrize("layout", ["LBNHC", "BLHNC"])
+def test_the_kernels_move_the_widest_integers_the_rows_allow(layout: str, dtype: torch.dtype,
+                                                             dim: int, width: torch.dtype
+                                                             ) -> None:
+    """The gather / scatter kernels cost per element on a GPU (issue 47: a load lost ~6 ns
+    an element a chunk): a batch moves as few elements as the layout allows, bit for bit."""
+    kv = vllm_kv_caches(VllmCacheSpec(BS, HEADS, dim, dim, dtype), LAYERS, BLOCKS, layout)
+    paged = PagedKV(kv, BS, content="halves", torch_ops=True, null_block=NULL)
+    size = paged.layout(BS * BPC).bytes_per_chunk
+    batches = PagedBatches(paged, size)
+    rows = batches._sources[0].rows
+    assert rows.dtype == width
+    assert rows[0].numel() * rows.element_size() == HEADS * 2 * BS * dim * dtype.itemsize
+    before = [t.view(torch.uint8).clone() for t in paged.tensors]
+    sources = [ChunkTransfer(key(i), tuple(range(1 + i * BPC, 1 + (i + 1) * BPC)))
+               for i in range(CHUNKS)]
+    staged = torch.zeros(CHUNKS * size, dtype=torch.uint8)
+    batches.gather(batches.plan_gather(sources), staged)
+    targets = [ChunkTransfer(t.key, tuple(b + 20 for b in t.block_ids)) for t in sources]
+    batches.scatter(batches.plan_scatter(targets), staged)
+    for t, b in zip(paged.tensors, before):
+        v = t.view(torch.uint8)
+        for s, d in zip(sources, targets):
+            for bs, bd in zip(s.block_ids, d.block_ids):
+                assert torch.equal(v[bd], b[bs])
