@@ -10,9 +10,9 @@ shard directories.
 The directory is filled by writing files straight into kvtier's layout (sparse chunk files of
 the right size: a chunk's content is only read by a hit, and none is read here), then one
 tier re-measures it, as the first engine on a directory does (a walk of 3 x 10^4 files: a few
-seconds of this test's ~15; the first test has no wall-clock premise, only counts). The counts are the tiers' own
-(`TierStats.meta_*`, `kvtier.tiers.files.fsops`): opens, stats, unlinks, directory reads and the
-rest, per put, summed over the writers.
+seconds of this test's ~15; the first test has no wall-clock premise, only counts). The
+counts are the tiers' own (`TierStats.meta_*`, `kvtier.tiers.files.fsops`): opens, stats,
+unlinks, directory reads and the rest, per put, summed over the writers.
 """
 
 from __future__ import annotations
