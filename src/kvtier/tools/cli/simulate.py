@@ -56,7 +56,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         p.add_argument("--" + name.replace("_", "-").removesuffix("-rps"), dest=name,
                        type=finite_float, default=None, help=f"override the preset's {name}")
     p.add_argument("--tier", action="append", default=None, metavar="NAME=SIZE[:POLICY]",
-                   help="offload tier, fastest first (repeat); default cpu=64GiB; 'none'")
+                   help="offload tier, fastest first (repeat); default cpu=64GiB; 'none'. "
+                        "POLICY: an eviction policy (lru, arc, prefix); default the kind's "
+                        "(cpu: prefix, as kvtier's memory tier; the others: lru)")
     p.add_argument("--hbm-util", type=fraction, default=0.9, help="gpu_memory_utilization")
     p.add_argument("--load-when", default="faster", choices=LOAD_WHEN,
                    help="faster (default, the connector's load_when): load a tier hit only as "
