@@ -5,10 +5,9 @@
 #   1. two lanes side by side, one per core of a 2-core machine:
 #      - engines: the tests that start real vLLM engines (`-m vllm`; most run in this process,
 #        see tests/engine/vllm_harness.start_engine), in this terminal;
-#      - the rest (`-m "not vllm"`) with the engine tests marked `beside` (outputs and
-#        counters only: no premise that the machine is otherwise idle), in one pytest (one
-#        collection of the suite, ~20 s of a core), its output printed when both lanes are
-#        done;
+#      - the rest (`-m "not vllm"`), then the engine tests marked `beside` (outputs and
+#        counters only: no premise that the machine is otherwise idle), its output printed
+#        when both lanes are done;
 #   2. alone, the tests that assert a wall-clock bound (`-m timing`): a deadline met, a call
 #      back within N seconds. Beside another lane a loaded core would fail them for no fault
 #      of kvtier's; and as a machine of 2 cores is shared with its host's other tenants, a
@@ -50,9 +49,15 @@ lane() {  # lane NAME PYTEST-ARGS...: pytest, its output kept in $logs/NAME.log 
   return "$status"
 }
 
+second_lane() {
+  local status=0
+  QUIET=1 lane rest -m "not vllm and not timing" --durations=15 || status=$?
+  QUIET=1 lane beside -m "vllm and beside and not timing" --durations=10 || status=$?
+  return "$status"
+}
 echo "phase 1: engines (-m 'vllm and not beside and not timing') here; alongside, the rest" \
-  "(-m 'not timing and (not vllm or beside)', printed after)"
-QUIET=1 lane rest -m "not timing and (not vllm or beside)" --durations=25 &
+  "(-m 'not vllm and not timing'), then -m 'vllm and beside and not timing' (printed after)"
+second_lane &
 second=$!
 trap 'kill "$second" 2>/dev/null || true; rm -rf "$logs"' EXIT
 trap 'exit 130' INT TERM
@@ -60,9 +65,11 @@ engines_status=0
 lane engines -m "vllm and not beside and not timing" --durations=25 || engines_status=$?
 second_status=0
 wait "$second" || second_status=$?
-echo
-echo "==== run alongside: $(cat "$logs/rest.result") ===="
-cat "$logs/rest.log"
+for name in rest beside; do
+  echo
+  echo "==== run alongside: $(cat "$logs/$name.result") ===="
+  cat "$logs/$name.log"
+done
 
 echo
 echo "phase 2: alone, the tests that assert wall-clock bounds (-m timing)"
@@ -77,7 +84,7 @@ echo "==== timing tests run twice (a bound missed once, met the second time) ===
 grep -h '^RERUN' "$logs"/timing.log || echo "(none)"
 echo
 echo "==== lanes ===="
-cat "$logs/engines.result" "$logs/rest.result" "$logs/timing.result"
+cat "$logs/engines.result" "$logs/rest.result" "$logs/beside.result" "$logs/timing.result"
 for status in "$engines_status" "$second_status" "$timing_status"; do
   if [ "$status" -ne 0 ]; then
     exit "$status"
