@@ -293,3 +293,20 @@ def test_a_run_is_as_old_as_its_head_so_a_preempted_request_outlives_an_older_on
         policy.insert(f"A{i}", f"A{i - 1}")
     assert [policy.evict() for _ in range(5)] == ["A4", "A3", "A2", "A1", "A0"]
     assert [policy.evict() for _ in range(2)] == ["B1", "B0"]
+
+
+def test_the_learned_horizon_outlives_a_reset() -> None:
+    """A reset (a weight update in place: `Generations.retire`) starts a new generation of
+    the policy, which keeps the reuse gaps learned before it: the traffic is the same, and
+    a loop that updates its weights often would otherwise never learn a horizon."""
+    policy: Generations[int] = make_policy("prefix", 10)
+    for key in range(100):
+        policy.insert(key)
+    for _ in range(2 * REFRESH // 100 + 1):
+        for key in range(100):
+            policy.touch(key)
+    learned = policy.horizon_ops
+    assert learned > 0
+    policy.retire()
+    assert policy.horizon_ops == learned
+    assert policy.retired == 100

@@ -22,6 +22,7 @@ from kvtier.core.policies.arc import ARCPolicy
 from kvtier.core.policies.generations import Generations
 from kvtier.core.policies.lru import LRUPolicy
 from kvtier.core.policies.prefix import PrefixPolicy
+from kvtier.core.policies.reusegaps import ReuseGaps
 from kvtier.errors import ConfigError
 
 K = TypeVar("K", bound=Hashable)
@@ -61,8 +62,9 @@ def make_policy(name: str, capacity_chunks: int) -> Generations[K]:
         return Generations(LRUPolicy)
     if name == "arc":
         return Generations(lambda: ARCPolicy(capacity_chunks))
-    if name == "prefix":
-        return Generations(lambda: PrefixPolicy(capacity_chunks))
+    if name == "prefix":  # a reset keeps what was learned of the traffic's reuse gaps
+        gaps = ReuseGaps()
+        return Generations(lambda: PrefixPolicy(capacity_chunks, gaps=gaps))
     raise ConfigError("eviction", name, f"one of {POLICIES}")
 
 

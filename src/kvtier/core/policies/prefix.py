@@ -101,13 +101,19 @@ class _Chunk(Generic[K]):
 class PrefixPolicy(Generic[K]):
     """Evicts the leaf of lowest rank (module docstring). Not thread-safe: the tier locks."""
 
-    def __init__(self, capacity: int, horizon_ops: int | None = None) -> None:
+    def __init__(self, capacity: int, horizon_ops: int | None = None,
+                 gaps: ReuseGaps | None = None) -> None:
         """`capacity`: chunks the tier holds; `horizon_ops`: a fixed reuse horizon, in
-        operations (None: learned from the reuse gaps, module docstring)."""
+        operations (None: learned from the reuse gaps, module docstring); `gaps`: the reuse
+        gaps to learn it from, shared with a policy before this one (the tier's generation
+        before a reset: the traffic is the same), None: new ones."""
         self._capacity = capacity
-        self._gaps = None if horizon_ops is not None else ReuseGaps()
+        self._gaps: ReuseGaps | None = None
+        if horizon_ops is None:
+            self._gaps = gaps if gaps is not None else ReuseGaps()
         self.horizon_ops = float(horizon_ops or 0)
         self.bonus_ops = float(max(0, self.horizon_ops - capacity))
+        self._learn()
         self._remembered = max(MIN_REMEMBERED, 4 * capacity)
         self._chunks: dict[K, _Chunk[K]] = {}
         self._leaves: list[tuple[float, int, int, K]] = []  # (rank, -depth, tiebreak, key)
@@ -186,9 +192,12 @@ class PrefixPolicy(Generic[K]):
     def _reused(self, gap: int) -> None:
         """A chunk was used again `gap` operations after its last use: learn the horizon
         (rule 2), unless it is fixed."""
-        if self._gaps is None or not self._gaps.add(gap):
-            return
-        median = self._gaps.quantile(0.5)
+        if self._gaps is not None and self._gaps.add(gap):
+            self._learn()
+
+    def _learn(self) -> None:
+        """The horizon from the reuse gaps seen so far (none: as it was)."""
+        median = None if self._gaps is None else self._gaps.quantile(0.5)
         if median is not None:
             self.horizon_ops = HORIZON_GAPS * median
             self.bonus_ops = max(0.0, self.horizon_ops - self._capacity)
