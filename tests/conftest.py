@@ -5,6 +5,8 @@ from __future__ import annotations
 import gc
 import os
 import re
+import shutil
+import tempfile
 from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
@@ -101,10 +103,27 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     gc.freeze()
 
 
+_RPC_DIR = pytest.StashKey[str]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """vLLM's ZeroMQ sockets (`VLLM_RPC_BASE_PATH`, /tmp by default) in a folder of this run's,
+    removed at its end: an engine process killed by a test leaves its socket files behind
+    (thousands in /tmp after a day of runs)."""
+    if "VLLM_RPC_BASE_PATH" not in os.environ:
+        os.environ["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="kvtier-tests-vllm-rpc-")
+        config.stash[_RPC_DIR] = os.environ["VLLM_RPC_BASE_PATH"]
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     """The heap unfrozen for the interpreter's last collection (frozen objects outlive it:
-    triton's bindings then print hundreds of "leaked" functions)."""
+    triton's bindings then print hundreds of "leaked" functions); this run's socket folder
+    removed."""
     gc.unfreeze()
+    rpc_dir = config.stash.get(_RPC_DIR, None)
+    if rpc_dir is not None:
+        shutil.rmtree(rpc_dir, ignore_errors=True)
+        del os.environ["VLLM_RPC_BASE_PATH"]
 
 
 @pytest.fixture(autouse=True)
