@@ -140,6 +140,23 @@ def test_audit_table_and_list_rules(capsys):
     assert main(["audit", "vllm serve m", "--env", "NOEQUALS"]) == 2
 
 
+def test_audit_takes_a_command_line_as_typed_after_a_double_dash(capsys):
+    """`kvtier audit -- vllm serve ...`: the words after `--` are the command line (its
+    quoting as the shell had it); typed without `--`, its flags are refused with the hint."""
+    config = '{"kv_connector": "KVTierConnector", "kv_role": "kv_both"}'
+    quoted = f"vllm serve m --enforce-eager --kv-transfer-config '{config}'"
+    assert main(["audit", "--json", quoted]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert main(["audit", "--json", "--", *shlex.split(quoted)]) == 0
+    assert json.loads(capsys.readouterr().out) == one
+    assert "enforce-eager-workaround" in {f["rule"] for f in one["findings"]}
+    with pytest.raises(SystemExit) as exit_:
+        main(["audit", "vllm", "serve", "m", "--max-model-len", "100"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --max-model-len 100" in err and "after `--`" in err
+
+
 def test_audit_single_instance_local_disk_tier_exits_0_with_a_warning(capsys):
     # issue 14: the hash seed matters only where instances share the tier.
     fs_tier = json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import textwrap
 from typing import Any
@@ -28,11 +29,15 @@ _STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO:
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "audit", help="check a `vllm serve` command line or manifest for KV-cache pitfalls",
-        description="Input: a command line (quoted), a file holding one, or a Kubernetes "
-                    "YAML (container command/args/env). Exit 1 on any error-level finding "
-                    "(malformed input included), 2 when the input cannot be read.",
+        description="Input: a command line (quoted, or as typed after `--`: kvtier audit "
+                    "--json -- vllm serve MODEL --max-model-len 32768), a file holding one, "
+                    "or a Kubernetes YAML (container command/args/env). Exit 1 on any "
+                    "error-level finding (malformed input included), 2 when the input cannot "
+                    "be read.",
         epilog=_options_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("source", nargs="?", help="command line text or a file; '-' = stdin")
+    parser.add_argument("source", nargs="*",
+                        help="command line text or a file; '-' = stdin; after `--`, the "
+                             "command line's words as typed")
     parser.add_argument("--env", action="append", default=[], metavar="K=V",
                         help="an environment variable of the server (repeatable)")
     parser.add_argument("--vllm-version", help="vLLM release audited, e.g. 0.21.0 "
@@ -84,7 +89,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if not args.source:
         raise ConfigError("source", None, "a command line, a file, or '-' for stdin")
-    source = _read_stdin() if args.source == "-" else args.source
+    # Several words: a command line typed after `--` (its quoting as the shell had it).
+    source = shlex.join(args.source) if len(args.source) > 1 else args.source[0]
+    source = _read_stdin() if source == "-" else source
     model_config = _read_model_config(args.model_config) if args.model_config else None
     cmd = load_deployment(
         source, env=_env_pairs(args.env),

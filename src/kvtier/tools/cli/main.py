@@ -82,7 +82,11 @@ def main(argv: list[str] | None = None) -> int:
               "pip install 'kvtier[tools]'", file=sys.stderr)
         return 2
     _refuse_double_dash_values(parser, argv)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        hint = ("; a command line to audit goes in quotes or after `--`: kvtier audit -- "
+                "vllm serve MODEL --flag ..." if args.command == "audit" else "")
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
