@@ -3,6 +3,7 @@ ring that does not grow without bound."""
 
 from __future__ import annotations
 
+import gc
 import random
 
 from kvtier.core.policies.clock import ClockPolicy
@@ -52,3 +53,18 @@ def test_removed_keys_are_never_evicted_and_the_ring_stays_bounded() -> None:
                 resident.discard(victim)
         assert len(policy) == len(resident)
         assert len(policy._ring) <= 2 * len(resident) + 65, step
+
+
+def test_its_maps_are_out_of_the_collectors_walks() -> None:
+    """A disk tier's policy holds millions of keys: its maps of residents and referenced keys
+    are ones the garbage collector does not track (a set of 2 million keys took ~105 ms of
+    every full collection); only the ring, a list, is walked."""
+    policy: ClockPolicy[bytes] = ClockPolicy()
+    for i in range(1000):
+        policy.insert(i.to_bytes(16, "big"))
+    for i in range(0, 1000, 3):
+        policy.touch(i.to_bytes(16, "big"))
+    gc.collect()
+    assert not gc.is_tracked(policy._resident)
+    assert not gc.is_tracked(policy._referenced)
+    assert len(policy) == 1000

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import itertools
 import logging
 import mmap
@@ -303,6 +304,12 @@ class NodeServer:
             log.info("kvtier node: layout %s (%s, %d B chunks): %d RAM slots in %s",
                      digest[:16], hello.model, memory.chunk_bytes, memory.num_slots,
                      welcome.shm_path)
+        # The layout's tiers are built: the heap is frozen, as vLLM freezes an engine's once
+        # started (`freeze_gc_heap`), so that no full collection walks the maps that grow from
+        # here on (a disk tier's index of 2 million chunks: ~140 ms a collection, every
+        # connection's thread stopped meanwhile; frozen: none). Once a layout, a few ms.
+        gc.collect()
+        gc.freeze()
         # A predecessor's slab (a restart) is recovered behind the engines' requests.
         threading.Thread(target=self._recover, args=(digest, memory), daemon=True,
                          name=f"kvtier-recover-{digest[:8]}").start()
