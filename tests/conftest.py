@@ -96,9 +96,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def pytest_collection_finish(session: pytest.Session) -> None:
     """The heap built by collecting the suite (~760,000 objects: vLLM, torch, every test
     module) frozen, as vLLM freezes its own once started (`freeze_gc_heap`): each full
-    collection then scans what the tests made, not 0.4-0.6 s of it on 2 cores (one landed
-    inside a timed test in 20 of the timing lane's 46 tests, at times inside a 0.1 s budget's
-    window: test_slow_first_hits reran in 3 of 4 CI runs)."""
+    collection then scans what the tests made, not 0.4-0.6 s of it on 2 cores (one run of the
+    timing lane had 24 such collections inside 9 of its 46 tests, at times inside a 0.1 s
+    budget's window: test_slow_first_hits reran in 3 of 4 CI runs)."""
     gc.collect()
     gc.freeze()
 
