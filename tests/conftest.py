@@ -111,7 +111,7 @@ def pytest_configure(config: pytest.Config) -> None:
     removed at its end: an engine process killed by a test leaves its socket files behind
     (thousands in /tmp after a day of runs)."""
     if "VLLM_RPC_BASE_PATH" not in os.environ:
-        os.environ["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="kvtier-tests-vllm-rpc-")
+        os.environ["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="kvtier-tests-rpc-")
         config.stash[_RPC_DIR] = os.environ["VLLM_RPC_BASE_PATH"]
 
 

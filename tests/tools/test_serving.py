@@ -205,6 +205,10 @@ STAND_IN = textwrap.dedent("""\
     import http.server, os, subprocess, sys, time
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     open(sys.argv[2], "w").write(str(child.pid))
+    # As vLLM's processes do: a socket file where VLLM_RPC_BASE_PATH says, left when killed.
+    rpc = os.path.join(os.environ["VLLM_RPC_BASE_PATH"], "engine-core")
+    open(rpc, "w").close()
+    open(sys.argv[2] + ".rpc", "w").write(rpc)
     if sys.argv[3] == "crash":
         print("stand-in: failing on purpose", flush=True)
         sys.exit(3)
@@ -242,8 +246,11 @@ def test_running_server_waits_for_health_and_kills_the_whole_group(tmp_path):
         assert server.proc is not None and server.proc.poll() is None
         child = int(child_pid.read_text())
         assert alive(child)
+        rpc = Path(Path(f"{child_pid}.rpc").read_text())
+        assert rpc.exists() and rpc.parent.name.startswith("kvtier-rpc-")
     assert server.proc is None
     assert not alive(child)  # the "engine core" went with it
+    assert not rpc.parent.exists()  # its socket files' folder too
 
 
 def state(pid: int) -> str:

@@ -1,8 +1,11 @@
 """A vLLM OpenAI server as a subprocess that is always stopped, whole process group and all.
 
 The server is started in its own session (process group), so stopping it also stops vLLM's
-engine-core and worker processes, and nothing is left behind when the caller fails. What to
-run comes from `kvtier.tools.ops.serving.build_command`:
+engine-core and worker processes, and nothing is left behind when the caller fails: not its
+ZeroMQ socket files either (vLLM's `VLLM_RPC_BASE_PATH`, /tmp by default, where processes
+stopped together left 2-3 a server: each server gets a folder of its own there, removed with
+it). What to run comes from
+`kvtier.tools.ops.serving.build_command`:
 
     cmd = build_command(ServeConfig(model, kvtier=False, port=free_port(), vllm_args=(...)))
     with running_server(cmd, log_path=tmp / "vllm.log") as server:
@@ -17,9 +20,11 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -40,6 +45,8 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+RPC_PATH = "VLLM_RPC_BASE_PATH"  # where vLLM's processes put their ZeroMQ socket files
+
 # Servers not yet stopped, stopped at interpreter exit if their owner did not.
 _LIVE: weakref.WeakSet[VllmServer] = weakref.WeakSet()
 
@@ -54,6 +61,7 @@ class VllmServer:
     log_path: Path | None = None  # stdout+stderr go here; None: inherit the caller's
     proc: subprocess.Popen[bytes] | None = field(default=None, init=False)
     _log: IO[bytes] | None = field(default=None, init=False, repr=False)
+    _rpc_dir: str | None = field(default=None, init=False, repr=False)  # its sockets' folder
 
     @property
     def url(self) -> str:
@@ -64,8 +72,11 @@ class VllmServer:
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log = self.log_path.open("ab")
+        env = {**os.environ, **self.command.env}
+        self._rpc_dir = tempfile.mkdtemp(prefix="kvtier-rpc-", dir=env.get(RPC_PATH))
+        env[RPC_PATH] = self._rpc_dir
         self.proc = subprocess.Popen(
-            self.command.argv, env={**os.environ, **self.command.env}, stdin=subprocess.DEVNULL,
+            self.command.argv, env=env, stdin=subprocess.DEVNULL,
             stdout=self._log, stderr=subprocess.STDOUT if self._log else None,
             start_new_session=True)
         _LIVE.add(self)
@@ -112,6 +123,9 @@ class VllmServer:
         _signal_group(pgid, signal.SIGKILL)
         if self._log is not None:
             self._log.close()
+        if self._rpc_dir is not None:
+            shutil.rmtree(self._rpc_dir, ignore_errors=True)
+            self._rpc_dir = None
         return proc.returncode
 
     def pause(self) -> None:
