@@ -306,8 +306,9 @@ class NodeServer:
                      welcome.shm_path)
         # The layout's tiers are built: the heap is frozen, as vLLM freezes an engine's once
         # started (`freeze_gc_heap`), so that no full collection walks the maps that grow from
-        # here on (a disk tier's CLOCK ring of 2 million keys: ~30 ms a collection, every
-        # connection's thread stopped meanwhile; frozen: none). Once a layout, a few ms.
+        # here on (a disk tier's CLOCK ring of 2 million keys, rebuilt in place: ~30 ms a
+        # collection, every connection's thread stopped meanwhile; frozen: none). Once a
+        # layout, a few ms.
         gc.collect()
         gc.freeze()
         # A predecessor's slab (a restart) is recovered behind the engines' requests.

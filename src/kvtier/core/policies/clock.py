@@ -7,7 +7,8 @@ disk tier at 258 B a chunk (issue 28; the target is 200). Here a key costs a slo
 passed it, one in a map of referenced keys. The maps are dicts of keys to None, not sets: the
 garbage collector does not track a dict of bytes keys and None values, while it walks a set
 at every full collection (2 million keys: ~105 ms, every thread of the process stopped; a set
-costs ~34 B a key).
+costs ~34 B a key). The ring is a list, which it walks (~30 ms at 2 million) unless the heap
+was frozen with it in (vLLM's engines, `kvtier node`): it is rebuilt in place.
 
 Keys sit on a ring in insertion order; a hit marks its key referenced. To evict, the hand
 walks the ring: a referenced key loses its mark and is passed (its second chance), the first
@@ -93,7 +94,10 @@ class ClockPolicy(Generic[K]):
                 seen.add(key)
                 ring.append(key)
         ring.reverse()
-        self._ring, self._hand, self._free = ring, 0, None
+        # In place: a ring frozen out of the collector's walks (vLLM freezes an engine's heap
+        # once started, a node its own once a layout's tiers are built) stays so.
+        self._ring[:] = ring
+        self._hand, self._free = 0, None
 
     def __len__(self) -> int:
         return len(self._resident)
