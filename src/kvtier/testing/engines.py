@@ -1,24 +1,46 @@
 """Offline vLLM engines on the CPU backend, for the engine tests and the benchmarks that time
 prefills in-process (ttft, sharing).
 
+vLLM's processes put their ZeroMQ socket files where `VLLM_RPC_BASE_PATH` says, /tmp by
+default, and leave some behind at every shutdown (`kvtier bench ttft --quick`: 42 files): the
+first engine of a process gives it a folder of its own, removed at its exit
+(`own_rpc_folder`), unless its environment names one already.
+
 Primitives: `offline_engine` (an `LLM` with small CPU settings, shut down on exit), `counter`
 (one of vLLM's counters, summed over labels), `kvtier_counter` / `kvtier_gauge` (one of
-kvtier's, from this process's Prometheus registry), `quiet_engine_logs`, `BLOCK_SIZE`,
-`NUM_BLOCKS`.
+kvtier's, from this process's Prometheus registry), `quiet_engine_logs`, `own_rpc_folder`,
+`BLOCK_SIZE`, `NUM_BLOCKS`.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import logging
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 BLOCK_SIZE = 128  # tokens per vLLM block (the CPU backend's default)
 NUM_BLOCKS = 384  # the engine's own KV cache, in blocks
+RPC_PATH = "VLLM_RPC_BASE_PATH"
+
+
+def own_rpc_folder() -> str:
+    """The folder of vLLM's socket files for this process: the one its environment names, or
+    else a new one, named there (engines started later and their processes use it) and
+    removed when this process exits. Kept for the process's life, as vLLM's processes may
+    cache their environment."""
+    folder = os.environ.get(RPC_PATH)
+    if folder is None:
+        folder = os.environ[RPC_PATH] = tempfile.mkdtemp(prefix="kvtier-rpc-")
+        atexit.register(shutil.rmtree, folder, True)
+    return folder
+
 
 @contextlib.contextmanager
 def offline_engine(model_dir: Path, max_model_len: int, **overrides: Any) -> Iterator[Any]:
@@ -29,6 +51,7 @@ def offline_engine(model_dir: Path, max_model_len: int, **overrides: Any) -> Ite
     import psutil
     from vllm import LLM
 
+    own_rpc_folder()
     kwargs: dict[str, Any] = dict(
         model=str(model_dir), enforce_eager=True, gpu_memory_utilization=0.3, seed=0,
         block_size=BLOCK_SIZE, max_model_len=max_model_len, max_num_batched_tokens=max_model_len,
