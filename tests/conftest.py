@@ -5,8 +5,6 @@ from __future__ import annotations
 import gc
 import os
 import re
-import shutil
-import tempfile
 from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +16,7 @@ from s3_server import MOTO_SKIP, TEST_KEYS, MotoServer, S3Endpoint, moto_availab
 from tierkit import tiny_layout
 
 from kvtier.core.layout import KVLayout
+from kvtier.testing.engines import own_rpc_folder
 
 # Engines started by the tests (in-process LLM and servers) get the core binding they would
 # have without a KV connector: vLLM's CPU backend otherwise reserves one more core for any
@@ -103,27 +102,17 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     gc.freeze()
 
 
-_RPC_DIR = pytest.StashKey[str]()
-
-
 def pytest_configure(config: pytest.Config) -> None:
-    """vLLM's ZeroMQ sockets (`VLLM_RPC_BASE_PATH`, /tmp by default) in a folder of this run's,
-    removed at its end: an engine process killed by a test leaves its socket files behind
-    (thousands in /tmp after a day of runs)."""
-    if "VLLM_RPC_BASE_PATH" not in os.environ:
-        os.environ["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="kvtier-tests-rpc-")
-        config.stash[_RPC_DIR] = os.environ["VLLM_RPC_BASE_PATH"]
+    """vLLM's socket files in a folder of this run's, removed at its exit (`own_rpc_folder`):
+    an engine process killed by a test leaves its files behind (thousands in /tmp after a day
+    of runs); named before any engine starts, as vLLM's processes may cache it."""
+    own_rpc_folder()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     """The heap unfrozen for the interpreter's last collection (frozen objects outlive it:
-    triton's bindings then print hundreds of "leaked" functions); this run's socket folder
-    removed."""
+    triton's bindings then print hundreds of "leaked" functions)."""
     gc.unfreeze()
-    rpc_dir = config.stash.get(_RPC_DIR, None)
-    if rpc_dir is not None:
-        shutil.rmtree(rpc_dir, ignore_errors=True)
-        del os.environ["VLLM_RPC_BASE_PATH"]
 
 
 @pytest.fixture(autouse=True)
