@@ -62,10 +62,11 @@ def test_the_run_leaves_nothing_behind_in_its_directory(report: dict) -> None:
     assert report["_dir_after"] == ["bench-storage.json"]
 
 
+@pytest.mark.parametrize("sizes", ["0.001", "2,32,2MiB"])  # not 4 KiB-aligned; 2 MiB twice
 def test_a_bad_size_is_a_config_error_naming_the_field(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    sizes: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code = main(["bench", "storage", "--sizes", "0.001", "--dir", str(tmp_path),
+    code = main(["bench", "storage", "--sizes", sizes, "--dir", str(tmp_path),
                  "--json", str(tmp_path / "x.json")])
     assert code == 2
     assert "sizes" in capsys.readouterr().err and not (tmp_path / "x.json").exists()

@@ -66,6 +66,9 @@ class BenchConfig:
         for size in self.sizes_bytes:
             if size <= 0 or size % 4096:
                 raise ConfigError("sizes", size, "positive multiples of 4 KiB (O_DIRECT)")
+        if len(set(self.sizes_bytes)) < len(self.sizes_bytes):  # results are keyed by size
+            raise ConfigError("sizes", ",".join(f"{s / MIB:g}" for s in self.sizes_bytes),
+                              "each size once (MiB)")
         for tier in self.tiers:
             if tier not in TIERS:
                 raise ConfigError("tier", tier, f"one of {TIERS}")
