@@ -10,6 +10,7 @@ until released (the example tier, tiers/example.py, with a gate).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -160,6 +161,39 @@ def test_a_late_read_into_a_reserved_ram_slot_releases_it(tmp_path: object,
         assert [loan.view.tier for loan in lending] == [ram.name]
     assert store.put(key(2), memoryview(b"\x02" * CHUNK))
     assert store.put(key(3), memoryview(b"\x03" * CHUNK))
+
+
+@pytest.mark.timing
+def test_closing_with_a_write_that_hangs_returns_at_its_deadline(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A write-behind stuck in a tier that stopped answering (its `put` on a dead mount) is
+    not waited for past the close's deadline: an engine or a node shutting down would hang
+    for as long as the tier does. The write ends whenever the tier answers."""
+    release = threading.Event()
+
+    class HangingWrites(ExampleTier):
+        def put(self, key: ChunkKey, data: memoryview,
+                meta: ChunkMeta = DEFAULT_META) -> TierResult:
+            release.wait(30)
+            return super().put(key, data, meta)
+
+    nfs = example("nfs", HangingWrites)
+    store = TieredStore([example("ram"), nfs], StoreSettings(read_timeout_s=TIMEOUT_S))
+    try:
+        for i in range(3):
+            assert store.put(key(i), memoryview(bytes([i]) * CHUNK))
+        start = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="kvtier.core.store"):
+            store.close(flush_timeout_s=TIMEOUT_S)
+        assert time.monotonic() - start < TIMEOUT_S + 0.5
+        assert "3 queued writes not finished" in caplog.text
+    finally:
+        release.set()
+    writers = [t for t in threading.enumerate() if t.name.startswith("kvtier-write-nfs")]
+    for thread in writers:
+        thread.join(5)
+    assert writers and not any(t.is_alive() for t in writers)
+    assert nfs.contains(key(0))  # the running write ended once the tier answered
 
 
 @pytest.mark.timing

@@ -94,6 +94,7 @@ class NodeProcess:
     log_path: Path
     umask: int = 0o022
     args: tuple[str, ...] = ()
+    entry: tuple[str, ...] = ("-m", "kvtier.node")  # how python3 runs it: the module, or -c
     process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> NodeProcess:
@@ -104,7 +105,7 @@ class NodeProcess:
         """
         log = self.log_path.open("ab")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "kvtier.node", "serve",
+            [sys.executable, *self.entry, "serve",
              "--config", str(self.config_path), "--socket", str(self.socket_path),
              "--name", self.name, *self.args],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, umask=self.umask)

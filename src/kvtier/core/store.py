@@ -621,7 +621,9 @@ class TieredStore:
 
     def close(self, flush_timeout_s: float | None = None) -> None:
         """Finish queued writes (waiting at most `flush_timeout_s`; the writes still queued
-        then are dropped and logged), stop the store's threads and close every tier."""
+        then are dropped and logged, and those still running are not waited for: a tier that
+        stopped answering may hold them for ever), stop the store's threads and close every
+        tier."""
         if not self.flush(flush_timeout_s):
             for writer in self._below:
                 if writer.pending:
@@ -629,7 +631,7 @@ class TieredStore:
                                 "closing; dropped (a cache: those chunks miss later)",
                                 writer.tier.name, writer.pending, flush_timeout_s)
         for writer in self._below:
-            writer.close()
+            writer.close(wait=writer.pending == 0)
         self._calls.close()
         for tier in self.tiers:
             tier.close()

@@ -91,6 +91,8 @@ class WriteBehind:
         with self._idle:
             return self._idle.wait_for(lambda: self._pending == 0, timeout_s)
 
-    def close(self) -> None:
-        """Stop the threads: writes not started yet are dropped, running ones finish."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
+    def close(self, wait: bool = True) -> None:
+        """Stop the threads: writes not started yet are dropped; running ones finish, waited
+        for unless `wait` is False (a tier that stopped answering holds them for as long as
+        it does: they end whenever it answers)."""
+        self._pool.shutdown(wait=wait, cancel_futures=True)

@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from types import FrameType
 
@@ -54,10 +55,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="announce each chunk as chained blocks of this many tokens, as "
                              "the router expects (NVIDIA Dynamo: its kv_block_size); must "
                              "divide the engines' tokens_per_chunk (default: a block a chunk)")
+    parser.add_argument("--stop-flush-s", type=float, default=60.0, metavar="SECONDS",
+                        help="how long a stop waits for the writes queued behind RAM; the "
+                             "rest are dropped and logged, and a write stuck in a tier that "
+                             "stopped answering is not waited for (default 60: under the "
+                             "pod's termination grace period, 120 s in deploy/)")
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Run the node until SIGTERM or SIGINT.
+    """Run the node until SIGTERM or SIGINT. Exits the process itself (`os._exit`) where a
+    call into a tier that stopped answering outlives the node's close: the interpreter's exit
+    would wait for it, as long as the tier does (a dead mount: until the SIGKILL).
 
     Raises:
         ConfigError: a bad config file (the caller prints it and exits 2).
@@ -67,6 +75,7 @@ def serve(args: argparse.Namespace) -> int:
     config = NodeConfig(StoreConfig.load(args.config), Path(args.socket),
                         keep_ram=not args.drop_ram, events_endpoint=args.events_endpoint,
                         event_block_size=args.event_block_size,
+                        stop_flush_s=args.stop_flush_s,
                         **({"name": args.name} if args.name else {}))
     metrics: MetricsServer | None = None
     if args.metrics_port is not None:
@@ -88,7 +97,25 @@ def serve(args: argparse.Namespace) -> int:
             metrics.start(NodeCollector(node.status))
             log.info("kvtier node: metrics on http://%s:%d/metrics", args.metrics_host,
                      metrics.port)
-        return _serve(node)
+        code = _serve(node)
+    stuck = _running_calls(grace_s=1.0)
+    if stuck:
+        log.warning("kvtier node: stopped; %d calls into tiers that stopped answering are "
+                    "still running (%s): exiting without them", len(stuck), ", ".join(stuck))
+        logging.shutdown()
+        os._exit(code)
+    return code
+
+
+def _running_calls(grace_s: float) -> list[str]:
+    """The names of kvtier's threads still running a call `grace_s` from now (the stores are
+    closed: an idle thread of theirs ends at once). Daemon or not (a pool's threads inherit
+    that from the connection thread that started them), the exit joins a pool's threads."""
+    deadline = time.monotonic() + grace_s
+    threads = [t for t in threading.enumerate() if t.name.startswith("kvtier-")]
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return [t.name for t in threads if t.is_alive()]
 
 
 def note_cpu_group() -> None:

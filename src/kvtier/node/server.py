@@ -24,6 +24,7 @@ import dataclasses
 import gc
 import itertools
 import logging
+import math
 import mmap
 import os
 import re
@@ -106,6 +107,10 @@ class NodeConfig:
     # chained blocks: NVIDIA Dynamo's router drops blocks of another size than its own); None:
     # one block a chunk. A layout whose chunk it does not divide is announced a block a chunk.
     event_block_size: int | None = None
+    # How long a stop waits for the writes queued behind RAM (the rest are dropped and logged,
+    # and a write stuck in a tier that stopped answering is not waited for): under the pod's
+    # termination grace period (120 s in deploy/kubernetes-node), which ends in SIGKILL.
+    stop_flush_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not _NAME.fullmatch(self.name):
@@ -121,6 +126,8 @@ class NodeConfig:
         if block is not None and (isinstance(block, bool) or not isinstance(block, int)
                                   or block < 1):
             raise ConfigError("event_block_size", block, "a positive integer (tokens)")
+        if not 0 <= self.stop_flush_s < math.inf:
+            raise ConfigError("stop_flush_s", self.stop_flush_s, "seconds, 0 or more")
         if block is not None and self.events_endpoint is None:
             raise ConfigError("event_block_size", block,
                               "unset without an events endpoint (--events-endpoint)")
@@ -227,8 +234,9 @@ class NodeServer:
             for sock in sockets:  # else their threads go on serving from closed stores
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
+            deadline = time.monotonic() + self.config.stop_flush_s
             for layout in layouts:
-                layout.store.close()
+                layout.store.close(max(0.0, deadline - time.monotonic()))
             if self.events is not None:
                 self.events.close()  # after the stores: what their closing stored goes out
             with contextlib.suppress(FileNotFoundError):

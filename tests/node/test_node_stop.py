@@ -1,0 +1,105 @@
+"""A node stops within its `stop_flush_s` whatever its tiers do: the writes queued behind RAM
+are flushed until then, and a write stuck in a tier that stopped answering (a disk tier on a
+dead mount) is not waited for, neither by the close nor by the process's exit, so SIGTERM ends
+the node before the pod's grace period turns it into a SIGKILL (which leaves the socket
+behind). In-process (`running_node`) and as `kvtier node serve`, its disk tier's `put` hung
+(injected). The setting is checked where it is given.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from nodekit import NodeProcess, connect, node_tiers, put_chunks, wait_for, write_config
+
+from kvtier.core.keys import ChunkKey
+from kvtier.core.retention import DEFAULT_META, ChunkMeta
+from kvtier.core.tier import TierResult
+from kvtier.errors import ConfigError
+from kvtier.node.server import NodeConfig, running_node
+from kvtier.tiers.files.disk import DiskTier
+from kvtier.tiers.storeconfig import StoreConfig
+
+STOP_FLUSH_S = 0.5
+
+
+@pytest.mark.timing
+def test_a_stop_does_not_wait_for_a_tier_that_stopped_answering(
+        tmp_path: Path, socket_path: Path, node_name: str, monkeypatch: pytest.MonkeyPatch):
+    answer, writing = threading.Event(), threading.Event()
+    real_put = DiskTier.put
+
+    def hung_put(self: DiskTier, key: ChunkKey, data: memoryview,
+                 meta: ChunkMeta = DEFAULT_META) -> TierResult:
+        writing.set()
+        answer.wait(60)  # a dead mount: the write returns when the tier answers again
+        return real_put(self, key, data, meta)
+
+    monkeypatch.setattr(DiskTier, "put", hung_put)
+    config = NodeConfig(StoreConfig.parse(node_tiers(tmp_path, ram_chunks=8, disk_chunks=16)),
+                        socket_path, name=node_name, stop_flush_s=STOP_FLUSH_S)
+    try:
+        with running_node(config) as node:
+            _, engine = connect(node.config.socket_path)
+            assert put_chunks(engine, range(4)) == [True] * 4  # in RAM; behind it, queued
+            wait_for(writing.is_set, 10, "a write behind RAM in the disk tier")
+            engine.close()
+            start = time.monotonic()
+        stopped_s = time.monotonic() - start  # running_node's exit: the node's shutdown
+    finally:
+        answer.set()
+    assert stopped_s < STOP_FLUSH_S + 2.0, stopped_s
+    assert not socket_path.exists()
+
+
+@pytest.mark.parametrize("seconds", [-1.0, float("inf"), float("nan")])
+def test_a_bad_stop_flush_is_refused_naming_the_field(tmp_path: Path, seconds: float):
+    with pytest.raises(ConfigError) as raised:
+        NodeConfig(StoreConfig.parse(node_tiers(tmp_path, ram_chunks=8)),
+                   tmp_path / "node.sock", stop_flush_s=seconds)
+    assert raised.value.field == "stop_flush_s" and "stop_flush_s" in str(raised.value)
+
+
+# `python3 -m kvtier.node` with its disk tier's writes hung (a dead mount), for good: a write
+# that started marks `WRITING`.
+HUNG_NODE = """
+import os, sys, threading
+from kvtier.tiers.files.disk import DiskTier
+
+def hung_put(self, *args, **kwargs):
+    open(os.environ["WRITING"], "w").close()
+    threading.Event().wait(600)
+
+DiskTier.put = hung_put
+from kvtier.node.cli import main
+sys.exit(main())
+"""
+
+
+@pytest.mark.timing
+def test_kvtier_node_serve_exits_on_sigterm_past_a_hung_write(
+        tmp_path: Path, socket_path: Path, node_name: str, monkeypatch: pytest.MonkeyPatch):
+    writing = tmp_path / "WRITING"
+    monkeypatch.setenv("WRITING", str(writing))
+    config = write_config(tmp_path / "node.json",
+                          node_tiers(tmp_path, ram_chunks=8, disk_chunks=16))
+    node = NodeProcess(config, socket_path, node_name, tmp_path / "node.log",
+                       args=("--stop-flush-s", str(STOP_FLUSH_S)), entry=("-c", HUNG_NODE))
+    try:
+        node.start()
+        _, engine = connect(socket_path)
+        assert put_chunks(engine, range(4)) == [True] * 4
+        wait_for(writing.exists, 10, "a write behind RAM in the disk tier")
+        engine.close()
+        start = time.monotonic()
+        assert node.stop(timeout_s=30) == 0
+        stopped_s = time.monotonic() - start
+    finally:
+        node.kill()
+    log = (tmp_path / "node.log").read_text()
+    assert stopped_s < STOP_FLUSH_S + 5.0, (stopped_s, log)
+    assert "exiting without them" in log and "kvtier-write-disk" in log
+    assert not socket_path.exists()
