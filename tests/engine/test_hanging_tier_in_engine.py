@@ -1,16 +1,19 @@
 """A tier that stops answering inside a real vLLM run costs hits, never a hung engine
 (issue 12, item 6).
 
-The fault is injected at the file-open level in vLLM's own processes (the scheduler's
-EngineCore and the worker, both spawned; tests/engine/slow_files.py): every `open`/`stat` of a
-path under the shared tier's directory blocks for HANG_S while the flag is on (a dead
-hard-mounted NFS server does the same). The engine's kvtier settings bound lookups and reads
-to TIMEOUT_S. Requests must complete with the outputs of the clean
-run, each within the bound: the timeouts plus a few engine steps.
+The fault is injected at the file-open level in the engine's process (its scheduler, its
+worker and kvtier's threads; tests/engine/slow_files.py): every `open`/`stat` of a path under
+the shared tier's directory blocks for HANG_S while the flag is on (a dead hard-mounted NFS
+server does the same). The engine's kvtier settings bound lookups and reads to TIMEOUT_S.
+Requests must complete with the outputs of the clean run, each within the bound: the
+timeouts plus a few engine steps. Then the engine shuts down with calls still stuck in the
+tier (reads, lookups, writes behind RAM), in bounded time: kvtier's close waits for its
+write-behind until its flush deadline only (it waited for every stuck write: 212 s).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,11 +33,14 @@ MAX_TOKENS = 8
 # A request's worst latency while the tier hangs: its lookup's and its load's deadlines, plus
 # its prefill and decode on this 2-core machine (~1 s), with slack for a loaded CI host.
 BOUND_S = 2 * TIMEOUT_S + 4.0
+# A shutdown: kvtier's flush deadline (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS, 5 s, less 1 s),
+# then vLLM's own teardown; not the stuck calls' HANG_S each.
+SHUTDOWN_BOUND_S = 15.0
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[tuple[Any, Path, SlowFlag]]:
+def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+           engine_exit: contextlib.ExitStack) -> Iterator[tuple[Any, Path, SlowFlag]]:
     """An engine whose shared tier's file access blocks while the flag is on."""
     root = tmp_path_factory.mktemp("hanging-shared")
     config = kvtier_transfer_config({
@@ -44,9 +50,9 @@ def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
         "load_when": "always",
         "tiers": [{"kind": "memory", "capacity": "64KiB"},  # two chunks
                   {"kind": "shared", "path": str(root), "capacity": "64MiB"}]})
-    with slow_files(root, tmp_path_factory.mktemp("inject")) as flag, \
-            start_engine(tiny_model_dir, config) as llm:
-        yield llm, root, flag
+    with slow_files(root) as flag:
+        yield engine_exit.enter_context(start_engine(tiny_model_dir, config)), root, flag
+        engine_exit.close()  # the engine stops before the file calls are unwrapped
 
 
 def timed_run(llm: Any, prompt: dict[str, list[int]]) -> tuple[list[int], float]:
@@ -56,7 +62,7 @@ def timed_run(llm: Any, prompt: dict[str, list[int]]) -> tuple[list[int], float]
 
 
 def test_a_hanging_shared_tier_costs_hits_not_the_engine(
-        engine: tuple[Any, Path, SlowFlag]) -> None:
+        engine: tuple[Any, Path, SlowFlag], engine_exit: contextlib.ExitStack) -> None:
     llm, root, flag = engine
     held, unknown = random_prompts([400, 300], seed=90)
     clean_held, _ = timed_run(llm, held)  # stores its chunks: the scheduler's index has them
@@ -84,3 +90,11 @@ def test_a_hanging_shared_tier_costs_hits_not_the_engine(
           f"{held_s:.2f} s, unknown prefix {unknown_s:.2f} s, then {again_s:.2f} s")
     assert max(held_s, unknown_s, again_s) < BOUND_S
     assert again_s < TIMEOUT_S
+    # A new prompt's chunks go behind RAM into the hung tier: its write is stuck too.
+    [fresh] = random_prompts([300], seed=91)
+    token_ids(llm, [fresh], MAX_TOKENS)
+    start = time.monotonic()
+    engine_exit.close()  # the module's engine: this test is its last
+    shutdown_s = time.monotonic() - start
+    print(f"engine shutdown with calls stuck in the tier: {shutdown_s:.2f} s")
+    assert shutdown_s < SHUTDOWN_BOUND_S

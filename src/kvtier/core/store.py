@@ -283,8 +283,8 @@ class TieredStore:
         try:
             result = tier.get_into(key, out, meta)
         except Exception as exc:
-            log.warning("tier %r: read of %s failed (%s); trying the next", tier.name,
-                        key.hex(), exc)
+            log.warning("tier %r: read of %s failed (%s: %s); trying the next", tier.name,
+                        key.hex(), type(exc).__name__, exc)
             result = TierResult(Failure.RAISED)
         return self._counted(tier, result)
 
@@ -367,8 +367,8 @@ class TieredStore:
             try:
                 view = hold.enter_context(lender.borrow(key, meta))
             except Exception as exc:
-                log.warning("tier %r: read of %s failed (%s); trying the next", tier.name,
-                            key.hex(), exc)
+                log.warning("tier %r: read of %s failed (%s: %s); trying the next",
+                            tier.name, key.hex(), type(exc).__name__, exc)
                 self._failures.add(tier.name, Failure.RAISED)
                 continue
             if view is None:
@@ -409,8 +409,8 @@ class TieredStore:
                     view = spare if self._counted(tier, tier.get_into(key, spare, meta),
                                                   faults) else None
             except Exception as exc:
-                log.warning("tier %r: read of %s failed (%s); trying the next", tier.name,
-                            key.hex(), exc)
+                log.warning("tier %r: read of %s failed (%s: %s); trying the next",
+                            tier.name, key.hex(), type(exc).__name__, exc)
                 self._failures.add(tier.name, Failure.RAISED)
                 faults.append(tier.name)
                 view = None
