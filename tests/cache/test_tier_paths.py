@@ -2,6 +2,7 @@
 that is a file, lies under /proc or /sys, or cannot be written is a ConfigError naming the
 field, the value and the fix, at once, instead of a NotADirectoryError or PermissionError from
 a vLLM worker 45 s into start-up. A `shared` tier may be a read-only directory (it serves hits).
+A directory that does not answer (a dead mount) is accepted unchecked after a deadline.
 
 The unwritable directory is real: a read-only tmpfs when the tests run as root (root writes
 through any mode bits), a 0555 directory otherwise.
@@ -12,6 +13,8 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -125,3 +128,37 @@ def test_a_negative_size_says_so(text: str) -> None:
         StoreConfig.parse({"tiers": [{"kind": "memory", "capacity": text}]})
     assert caught.value.field == "config.tiers.0.memory.capacity"
     assert "must not be negative" in caught.value.allowed
+
+
+@pytest.mark.timing
+def test_a_directory_that_does_not_answer_is_accepted_unchecked(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A dead hard-mounted NFS server blocks a `stat` for ever: reading the config (an
+    engine's start) must not wait for it. The path is accepted unchecked after the check's
+    deadline, said so; the store leaves the tier out if it still does not answer
+    (tests/faults/test_stalled_tier.py)."""
+    from kvtier.tiers.files import directories
+
+    dead = tmp_path / "nfs" / "kvtier"
+    answer = threading.Event()
+    real_stat, real_lstat = os.stat, os.lstat
+
+    def hung(real: Any) -> Any:
+        def call(path: Any, *args: Any, **kwargs: Any) -> Any:
+            if str(path).startswith(str(tmp_path / "nfs")):
+                answer.wait(30)
+            return real(path, *args, **kwargs)
+        return call
+
+    monkeypatch.setattr(directories, "CHECK_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(os, "stat", hung(real_stat))
+    monkeypatch.setattr(os, "lstat", hung(real_lstat))
+    try:
+        start = time.monotonic()
+        config = StoreConfig.parse(_tier("shared", dead))
+        assert time.monotonic() - start < 1.5
+    finally:
+        answer.set()
+    assert _path(config) == dead
+    assert f"directory {dead} did not answer within 0.3 s" in caplog.text

@@ -8,7 +8,8 @@ server does the same). The engine's kvtier settings bound lookups and reads to T
 Requests must complete with the outputs of the clean run, each within the bound: the
 timeouts plus a few engine steps. Then the engine shuts down with calls still stuck in the
 tier (reads, lookups, writes behind RAM), in bounded time: kvtier's close waits for its
-write-behind until its flush deadline only (it waited for every stuck write: 212 s).
+write-behind until its flush deadline only (it waited for every stuck write: 212 s). And an
+engine whose shared directory hangs from the start starts, without that tier, and serves.
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ BOUND_S = 2 * TIMEOUT_S + 4.0
 # A shutdown: kvtier's flush deadline (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS, 5 s, less 1 s),
 # then vLLM's own teardown; not the stuck calls' HANG_S each.
 SHUTDOWN_BOUND_S = 15.0
+# A start with the shared directory hung from the start: vLLM's own (~10 s here, 25 s on a
+# slow CI hour), plus the config's directory check (5 s) and the store's stat (TIMEOUT_S) in
+# the scheduler and in the worker; not HANG_S for each of the calls into the directory
+# (130 s here before: a start on a dead mount never ended).
+START_BOUND_S = 60.0
 
 
 @pytest.fixture(scope="module")
@@ -98,3 +104,32 @@ def test_a_hanging_shared_tier_costs_hits_not_the_engine(
     shutdown_s = time.monotonic() - start
     print(f"engine shutdown with calls stuck in the tier: {shutdown_s:.2f} s")
     assert shutdown_s < SHUTDOWN_BOUND_S
+
+
+def test_an_engine_starts_and_serves_while_its_shared_tier_hangs(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The shared directory is on a dead mount from the start: the config's directory check
+    gives up on it, the scheduler's probe and the worker's store leave it out after their
+    deadlines (logged), and the engine serves from RAM. Before, every call into the directory
+    blocked the engine's start for as long as the mount."""
+    root = tmp_path / "dead-mount"
+    root.mkdir()  # where the flag lives
+    config = kvtier_transfer_config({
+        "tokens_per_chunk": 64, "read_timeout_s": TIMEOUT_S, "lookup_timeout_s": TIMEOUT_S,
+        "tiers": [{"kind": "memory", "capacity": "1MiB"},
+                  {"kind": "shared", "path": str(root), "capacity": "64MiB"}]})
+    [prompt] = random_prompts([300], seed=92)
+    with slow_files(root) as flag:
+        flag.on(HANG_S)
+        start = time.monotonic()
+        with start_engine(tiny_model_dir, config) as llm:
+            started_s = time.monotonic() - start
+            first, _ = timed_run(llm, prompt)
+            assert llm.reset_prefix_cache()
+            loaded = kvtier_counter("loaded_tokens")
+            again, again_s = timed_run(llm, prompt)
+            assert again == first
+            assert kvtier_counter("loaded_tokens") > loaded  # from RAM
+            assert again_s < BOUND_S
+    print(f"\nengine start with its shared tier's directory hung: {started_s:.1f} s")
+    assert started_s < START_BOUND_S

@@ -4,26 +4,32 @@ replies) costs hits, never a hung caller (issue 12, item 6).
 The store waits at most `read_timeout_s` for a read or a lookup of a tier below RAM: a read
 not finished by then is a miss counted as `timeout`, the tier is skipped at once by every
 later call, and used again as soon as it answers. The scheduler's locator waits at most
-`timeout_s` for a slow tier's probe. Faults are injected with tier doubles whose calls block
-until released (the example tier, tiers/example.py, with a gate).
+`timeout_s` for a slow tier's probe. A store's close does not wait for a write stuck in a
+tier past its flush deadline, and a tier whose directory hangs when the store opens is left
+out. Faults are injected with tier doubles whose calls block until released (the example
+tier, tiers/example.py, with a gate), or `os.stat` blocked under one directory.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
-from tierkit import key, make_tier, tiny_layout
+from tierkit import key, make_tier, tier_settings, tiny_layout
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.locator import ChunkLocator, LookupStatus
 from kvtier.core.retention import DEFAULT_META, ChunkMeta
 from kvtier.core.store import StoreSettings, TieredStore
 from kvtier.core.tier import TierResult
+from kvtier.tiers import build_probe, open_store
 from kvtier.tiers.example import ExampleTier, ExampleTierConfig
+from kvtier.tiers.storeconfig import StoreConfig
 
 LAYOUT = tiny_layout()
 CHUNK = LAYOUT.bytes_per_chunk
@@ -229,9 +235,53 @@ def test_a_lookup_that_hangs_leaves_the_rest_of_the_prefix_a_miss() -> None:
         locator.close()
 
 
+@pytest.mark.timing
+def test_a_tier_whose_directory_hangs_at_start_is_left_out(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A shared directory on a dead mount when the cache opens (an engine's start, a node's):
+    its first `stat` would block for ever, and the engine never start. The tier is left out
+    after `read_timeout_s` (its scheduler's probe after `lookup_timeout_s`), logged, and the
+    cache serves from the tiers that answer."""
+    answer = threading.Event()
+    real_stat = os.stat
+
+    def hung_stat(path: object, *args: object, **kwargs: object) -> os.stat_result:
+        if str(path).startswith(str(tmp_path / "shared")):
+            answer.wait(30)  # a dead mount: answers when the server comes back
+        return real_stat(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    config = StoreConfig.parse({"read_timeout_s": TIMEOUT_S, "lookup_timeout_s": TIMEOUT_S,
+                                "tiers": [tier_settings("memory", tmp_path, LAYOUT, 4),
+                                          tier_settings("disk", tmp_path, LAYOUT, 4),
+                                          tier_settings("shared", tmp_path, LAYOUT, 4)]})
+    monkeypatch.setattr(os, "stat", hung_stat)
+    try:
+        start = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="kvtier.tiers"):
+            store = open_store(config, LAYOUT)
+            probe = build_probe(config.tiers[2], [LAYOUT], config.lookup_timeout_s)
+        took_s = time.monotonic() - start
+        assert [tier.name for tier in store.tiers] == ["memory", "disk"]
+        assert probe is None
+        assert took_s < 2 * TIMEOUT_S + 1.0, took_s
+        assert caplog.text.count("tier 'shared': its directory") == 2
+        assert str(tmp_path / "shared") in caplog.text
+        assert store.put(key(1), memoryview(b"\x01" * CHUNK))  # served by the tiers that answer
+        assert store.flush(5)
+        assert store.tiers[1].contains(key(1))
+        store.close()
+    finally:
+        answer.set()
+    # Healthy again: the next opening has it.
+    monkeypatch.setattr(os, "stat", real_stat)
+    reopened = open_store(config, LAYOUT)
+    assert [tier.name for tier in reopened.tiers] == ["memory", "disk", "shared"]
+    reopened.close()
+
+
 def test_the_deadlines_are_validated_settings() -> None:
     from kvtier.errors import ConfigError
-    from kvtier.tiers.storeconfig import StoreConfig
 
     config = StoreConfig.parse({"tiers": [{"kind": "memory", "capacity": "1MiB"}],
                                 "read_timeout_s": 0.5, "lookup_timeout_s": 1})

@@ -12,7 +12,11 @@ The threads are replaced when a call is abandoned, so that stalled calls never q
 next ones behind them; abandoned threads are as many as the stalled calls, which the
 backoff keeps few.
 
-Primitives: `StallGuard` (usable, answered, stalled, call, submit, start_threads, close).
+A call made once, where no guard is kept (a tier's directory checked when its config is read,
+or stat-ed before it is opened), is bounded the same way by `call_within`.
+
+Primitives: `StallGuard` (usable, answered, stalled, call, submit, start_threads, close),
+`call_within`.
 """
 
 from __future__ import annotations
@@ -122,3 +126,22 @@ class StallGuard:
         with self._lock:
             pool, wait = self._pool, self._abandoned == 0
         pool.shutdown(wait=wait, cancel_futures=True)
+
+
+def call_within(fn: Callable[[], R], timeout_s: float, name: str) -> tuple[bool, R | None]:
+    """`fn()` on a daemon thread (named `name`), waited for at most `timeout_s`: (True, what
+    it returned), or (False, None) when it has not returned by then (it is left to finish
+    whenever it does: a daemon thread holds no process's exit). What it raises is raised."""
+    future: Future[R] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # handed to the caller
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    try:
+        return True, future.result(timeout_s)
+    except FutureTimeout:
+        return False, None

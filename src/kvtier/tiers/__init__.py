@@ -11,15 +11,27 @@ stored?" for processes that do not own the tier (vLLM's scheduler).
 workers pass one) also has each persistent tier record the namespace's manifest
 (tiers/manifest.py), read back by `kvtier inspect` and `kvtier gc --fingerprint`.
 
-Primitives: `open_store`, `build_tier`, `build_probe`, `store_settings`, `TIER_CLASSES`.
+A directory on a dead hard-mounted NFS server blocks every call into it for ever, the first
+`stat` of a tier's opening included: an engine (or a node) would never start. So a tier with a
+path below the first is opened only once its directory answers a `stat` within the store's
+`read_timeout_s` (a probe within `lookup_timeout_s`); else it is left out, logged, until the
+store is opened again (an engine's restart).
+
+Primitives: `open_store`, `build_tier`, `build_probe`, `store_settings`, `answers`,
+`TIER_CLASSES`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvtier.core.layout import KVLayout
+from kvtier.core.stall import call_within
 from kvtier.core.store import StoreSettings, TieredStore
 from kvtier.core.threads import resolve_io_cores
 from kvtier.core.tier import ManifestKeeper, Probe, ProbeSource, Tier
@@ -29,7 +41,9 @@ from kvtier.tiers.registry import TIER_CLASSES, tier_class
 if TYPE_CHECKING:
     from kvtier.tiers.storeconfig import StoreConfig, TierSettings
 
-__all__ = ["TIER_CLASSES", "build_probe", "build_tier", "open_store", "store_settings"]
+__all__ = ["TIER_CLASSES", "answers", "build_probe", "build_tier", "open_store",
+           "store_settings"]
+log = logging.getLogger(__name__)
 
 
 def build_tier(config: TierSettings, layout: KVLayout) -> Tier:
@@ -43,11 +57,40 @@ def build_tier(config: TierSettings, layout: KVLayout) -> Tier:
     return tier
 
 
-def build_probe(config: TierSettings, layouts: Sequence[KVLayout]) -> Probe | None:
+def build_probe(config: TierSettings, layouts: Sequence[KVLayout],
+                timeout_s: float | None = None) -> Probe | None:
     """A probe of the tier `config` names for chunks of all `layouts` (e.g. every TP rank's),
-    or None for a tier private to its process (memory)."""
+    or None for a tier private to its process (memory), and (with `timeout_s`) for one whose
+    directory does not answer within it (`answers`)."""
     cls = tier_class(config.kind)
-    return cls.probe(config, layouts) if isinstance(cls, ProbeSource) else None
+    if not isinstance(cls, ProbeSource):
+        return None
+    if timeout_s is not None and not _answers_or_say(config, timeout_s):
+        return None
+    return cls.probe(config, layouts)
+
+
+def answers(path: Path, timeout_s: float) -> bool:
+    """Whether `path` answers a `stat` within `timeout_s`, found or not (a missing directory
+    answers: its tier makes it). Asked on a daemon thread, left behind if it never returns."""
+
+    def stat() -> None:
+        with contextlib.suppress(OSError):
+            os.stat(path)
+
+    answered, _ = call_within(stat, timeout_s, "kvtier-path-stat")
+    return answered
+
+
+def _answers_or_say(config: TierSettings, timeout_s: float) -> bool:
+    """`answers` for a tier with a path (True for one without), logged when it does not."""
+    path = getattr(config, "path", None)
+    if path is None or answers(Path(path), timeout_s):
+        return True
+    log.warning("tier %r: its directory %s did not answer within %g s (a dead mount?): left "
+                "out, its chunks missed, until the cache is opened again (a restart)",
+                config.tier_name, path, timeout_s)
+    return False
 
 
 def store_settings(config: StoreConfig, engine_bound: bool = False) -> StoreSettings:
@@ -65,7 +108,8 @@ def store_settings(config: StoreConfig, engine_bound: bool = False) -> StoreSett
 
 def open_store(config: StoreConfig, layout: KVLayout, info: NamespaceInfo | None = None,
                engine_bound: bool = False) -> TieredStore:
-    """Build every tier `config` names, fastest first, and compose them into a store. With
+    """Build every tier `config` names, fastest first (one below the first whose directory
+    does not answer is left out: module docstring), and compose them into a store. With
     `info` (the model behind `layout`'s namespace), each persistent tier records the
     namespace's manifest (`ManifestKeeper`, tiers/manifest.py; a failure is only logged).
     `engine_bound`: opened on a thread whose cores the engine chose (a vLLM worker's model
@@ -77,8 +121,9 @@ def open_store(config: StoreConfig, layout: KVLayout, info: NamespaceInfo | None
     """
     tiers: list[Tier] = []
     try:
-        for tier_config in config.tiers:
-            tiers.append(build_tier(tier_config, layout))
+        for index, tier_config in enumerate(config.tiers):
+            if index == 0 or _answers_or_say(tier_config, config.read_timeout_s):
+                tiers.append(build_tier(tier_config, layout))
     except BaseException:
         for tier in tiers:
             tier.close()

@@ -238,7 +238,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                 if node.below_ram():  # the rest off the scheduler's thread, as in process
                     probes[NODE_BELOW_TIER] = NodeProbe(clients, ram_only=False)
             else:
-                probes = {tier.tier_name: build_probe(tier, layouts)
+                probes = {tier.tier_name: build_probe(tier, layouts,
+                                                      self._config.store.lookup_timeout_s)
                           for tier in self._config.store.tiers}
             # A key stands for one shard per rank: the index bound counts whole chunks.
             locator = ChunkLocator({name: p for name, p in probes.items() if p is not None},

@@ -10,15 +10,24 @@ able to write; a `shared` tier may be a read-only directory (it serves the hits 
 so only what cannot be used at all is refused for it.
 
 The check does no I/O beyond stat/access: it creates nothing (the tier creates its directory
-when it is built), so validating a config changes nothing on the machine.
+when it is built), so validating a config changes nothing on the machine. A directory that
+does not answer within `CHECK_TIMEOUT_S` (a dead hard-mounted NFS server blocks a stat for
+ever) is not checked, and said so: reading a config must not hang an engine's start, and the
+store leaves such a tier out when it opens (`kvtier.tiers.open_store`).
 
-Primitives: `check_directory`, `KERNEL_FILESYSTEMS`.
+Primitives: `check_directory`, `KERNEL_FILESYSTEMS`, `CHECK_TIMEOUT_S`.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
+
+from kvtier.core.stall import call_within
+
+log = logging.getLogger(__name__)
+CHECK_TIMEOUT_S = 5.0
 
 KERNEL_FILESYSTEMS = (Path("/proc"), Path("/sys"))
 _FIX = ("give a directory on a local or shared filesystem that exists and is writable by this "
@@ -41,6 +50,16 @@ def check_directory(path: Path, *, read_only_ok: bool) -> Path:
         ValueError: what is wrong and the fix (pydantic and `kvtier.config.parse_model` turn
             it into a ConfigError naming the field and the value).
     """
+    checked, _ = call_within(lambda: _check(path, read_only_ok), CHECK_TIMEOUT_S,
+                             "kvtier-path-check")
+    if not checked:
+        log.warning("kvtier: directory %s did not answer within %g s (a dead mount?): not "
+                    "checked", path, CHECK_TIMEOUT_S)
+    return path
+
+
+def _check(path: Path, read_only_ok: bool) -> None:
+    """`check_directory`'s checks, on a thread of their own."""
     full = Path(os.path.abspath(path))
     real = Path(os.path.realpath(full))
     for kernel in KERNEL_FILESYSTEMS:
@@ -57,13 +76,12 @@ def check_directory(path: Path, *, read_only_ok: bool) -> Path:
         if not os.access(existing, os.W_OK | os.X_OK):
             raise ValueError(f"does not exist and cannot be created: {_denied(existing)}; "
                              f"{_FIX}")
-        return path
+        return
     if not os.access(full, os.R_OK | os.X_OK):
         raise ValueError(f"the directory is not readable by this user (uid {os.getuid()}); "
                          f"chmod/chown it or {_FIX}")
     if not read_only_ok and not os.access(full, os.W_OK):
         raise ValueError(f"the directory is not writable: {_denied(full)}; {_FIX}")
-    return path
 
 
 def _denied(directory: Path) -> str:
