@@ -202,6 +202,20 @@ def test_closing_with_a_write_that_hangs_returns_at_its_deadline(
     assert nfs.contains(key(0))  # the running write ended once the tier answered
 
 
+def test_a_late_read_landing_after_the_close_is_stored_without_an_error(
+        tmp_path: Path) -> None:
+    """A read abandoned by a stalled tier lands whenever the tier answers, maybe after the
+    store closed: its promotion into a RAM tier closed full reserved a slot by evicting a
+    chunk the closed index no longer had (a KeyError, logged as a failed read)."""
+    ram = make_tier("memory", tmp_path, LAYOUT, 2)  # type: ignore[arg-type]
+    for i in range(2):
+        assert ram.put(key(i), memoryview(bytes([i]) * CHUNK))
+    ram.close()
+    for i in range(2, 5):  # the late promotions: the third evicts
+        assert ram.put(key(i), memoryview(bytes([i]) * CHUNK))
+    assert ram.contains(key(4)) and not ram.contains(key(0))
+
+
 @pytest.mark.timing
 def test_a_lookup_that_hangs_leaves_the_rest_of_the_prefix_a_miss() -> None:
     gate = threading.Event()

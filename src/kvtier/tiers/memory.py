@@ -574,6 +574,9 @@ class MemoryTier:
             self._shared.close(keep=self.keep_shared_memory)
         with self._lock:
             self._index.clear()
+            # A late read's promotion may still reserve a slot (a read abandoned by a stalled
+            # tier lands whenever it does): the policy forgets the chunks the index did.
+            self._policy = make_policy(self._config.eviction, self.num_slots)
             self._book = build_book(self._config, self.num_slots * self.slot_bytes,
                                     self._book.clock)
             self._engines = self._engine_book(self._book.clock)
