@@ -4,9 +4,11 @@ when redis-server is installed)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -74,6 +76,29 @@ def test_tier_path_under_a_file_fails(tmp_path):
     [check] = check_tier_paths({"tiers": [{"kind": "disk", "path": str(blocker / "kv"),
                                            "capacity": "1MiB"}]})
     assert check.status == "fail" and "not a directory" in check.detail
+
+
+def test_a_tier_path_that_does_not_answer_fails_in_bounded_time(tmp_path, monkeypatch):
+    """A dead hard-mounted NFS server blocks every call into its directory for ever: the
+    doctor, run to find out why, must say so rather than hang."""
+    from kvtier.tools.ops import doctor
+
+    dead, answer = tmp_path / "nfs", threading.Event()
+    real_stat = os.stat
+
+    def hung_stat(path, *args, **kwargs):
+        if str(path).startswith(str(dead)):
+            answer.wait(30)
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(doctor, "PATH_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(os, "stat", hung_stat)
+    try:
+        [check] = check_tier_paths({"tiers": [{"kind": "shared", "path": str(dead / "kv"),
+                                               "capacity": "1MiB"}]})
+    finally:
+        answer.set()
+    assert check.status == "fail" and "did not answer within 0.3 s" in check.detail
 
 
 def test_memory_check():

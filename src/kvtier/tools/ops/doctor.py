@@ -30,12 +30,14 @@ import sys
 import tempfile
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from kvtier.config import parse_model
+from kvtier.core.stall import call_within
 from kvtier.core.tier import Medium
 from kvtier.errors import ConfigError, NodeUnavailable
 from kvtier.integrations.vllm.config import (
@@ -61,6 +63,7 @@ REDIS_TIMEOUT_S = 1.0
 # size; a capacity not split is one quota for the whole directory.
 PER_ENGINE = "per engine: the total of its TP ranks, each holds 1/TP"
 WHOLE_DIRECTORY = "the whole directory's quota"
+PATH_TIMEOUT_S = 5.0  # a tier's directory that does not answer within it is a failed check
 
 
 def read_store(path: str | Path) -> dict[str, Any]:
@@ -165,7 +168,8 @@ def check_node(store: Mapping[str, Any]) -> list[Check]:
 
 def check_tier_paths(store: Mapping[str, Any]) -> list[Check]:
     """Each tier whose class `has_path`: directory writable (or creatable) with room for its
-    capacity."""
+    capacity, answering within PATH_TIMEOUT_S (a dead hard-mounted NFS server blocks every
+    call into it for ever: the doctor says so rather than hang)."""
     out = []
     for tier in _tiers(store):
         cls = tier_class(tier["kind"])
@@ -173,7 +177,12 @@ def check_tier_paths(store: Mapping[str, Any]) -> list[Check]:
             continue
         name = f"tier {tier.get('name') or tier['kind']}: {tier['path']}"
         scope = PER_ENGINE if cls.capacity_split_by_rank else WHOLE_DIRECTORY
-        out.append(_check_dir(name, Path(str(tier["path"])), tier.get("capacity", 0), scope))
+        answered, check = call_within(
+            partial(_check_dir, name, Path(str(tier["path"])), tier.get("capacity", 0), scope),
+            PATH_TIMEOUT_S, "kvtier-doctor-path")
+        out.append(check if answered and check is not None else Check(
+            name, "fail", f"did not answer within {PATH_TIMEOUT_S:g} s (a dead mount?): "
+                          "kvtier leaves this tier out while it does not"))
     return out
 
 
