@@ -81,7 +81,7 @@ def test_tier_path_under_a_file_fails(tmp_path):
 def test_a_tier_path_that_does_not_answer_fails_in_bounded_time(tmp_path, monkeypatch):
     """A dead hard-mounted NFS server blocks every call into its directory for ever: the
     doctor, run to find out why, must say so rather than hang."""
-    from kvtier.tools.ops import doctor
+    from kvtier.tiers.files import directories
 
     dead, answer = tmp_path / "nfs", threading.Event()
     real_stat = os.stat
@@ -91,7 +91,7 @@ def test_a_tier_path_that_does_not_answer_fails_in_bounded_time(tmp_path, monkey
             answer.wait(30)
         return real_stat(path, *args, **kwargs)
 
-    monkeypatch.setattr(doctor, "PATH_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(directories, "CHECK_TIMEOUT_S", 0.3)
     monkeypatch.setattr(os, "stat", hung_stat)
     try:
         [check] = check_tier_paths({"tiers": [{"kind": "shared", "path": str(dead / "kv"),

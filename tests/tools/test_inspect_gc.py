@@ -14,6 +14,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -140,6 +141,47 @@ def test_an_unreachable_redis_tier_is_reported_not_raised(
     assert main(["inspect", "--config", str(path), "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert "redis" in report["errors"] and report["namespaces"] == []
+
+
+@pytest.mark.timing
+def test_a_tier_on_a_dead_mount_is_reported_not_waited_for(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shared directory on a dead hard-mounted NFS server blocks every call into it for
+    ever: inspect and gc (a cron job) report it after the directory check's deadline, list or
+    collect the other tiers, and exit 1, rather than hang."""
+    import threading
+
+    from kvtier.tiers.files import directories
+
+    dead, answer = tmp_path / "nfs", threading.Event()
+
+    def hung(real: Any) -> Any:
+        def call(path: object = ".", *args: object, **kwargs: object) -> Any:
+            if str(path).startswith(str(dead)):
+                answer.wait(30)
+            return real(path, *args, **kwargs)
+        return call
+
+    path = tmp_path / "store.json"
+    path.write_text(json.dumps({"tiers": [
+        {"kind": "disk", "path": str(tmp_path / "d"), "capacity": "1MiB"},
+        {"kind": "shared", "path": str(dead / "kv"), "capacity": "1MiB"}]}))
+    monkeypatch.setattr(directories, "CHECK_TIMEOUT_S", 0.3)
+    for name in ("stat", "lstat", "scandir", "listdir", "open"):
+        monkeypatch.setattr(os, name, hung(getattr(os, name)))
+    try:
+        start = time.monotonic()
+        assert main(["inspect", "--config", str(path), "--json"]) == 1
+        report = json.loads(capsys.readouterr().out)
+        assert main(["gc", "--config", str(path), "--quota", "0", "--json"]) == 1
+        collected = json.loads(capsys.readouterr().out)
+        took_s = time.monotonic() - start
+    finally:
+        answer.set()
+    for errors in (report["errors"], collected["errors"]):
+        assert list(errors) == ["shared"] and "did not answer within 0.3 s" in errors["shared"]
+    assert took_s < 4 * 0.3 + 2.0, took_s  # two commands, each: the config's check, the stat
 
 
 def test_select_victims_rules() -> None:

@@ -25,10 +25,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from kvtier.core.tier import Inventory, InventorySource, StoredChunk
 from kvtier.errors import ConfigError
+from kvtier.tiers import answers
+from kvtier.tiers.files import directories
 from kvtier.tiers.manifest import NamespaceManifest
 from kvtier.tiers.registry import tier_class
 from kvtier.tiers.storeconfig import StoreConfig
@@ -88,9 +91,12 @@ def read_manifests(inventory: Inventory) -> dict[str, NamespaceManifest | None]:
     return inventory.manifests() if isinstance(inventory, ManifestSource) else {}
 
 
-def open_inventories(config: StoreConfig, tier: str | None = None) -> list[Inventory]:
+def open_inventories(config: StoreConfig, tier: str | None = None, *,
+                     unanswered: dict[str, str] | None = None) -> list[Inventory]:
     """An inventory per persistent tier of `config` (memory tiers live in a process: none),
-    or only the tier named `tier`.
+    or only the tier named `tier`. With `unanswered`, a tier whose directory does not answer
+    within `directories.CHECK_TIMEOUT_S` (a dead hard-mounted NFS server blocks every call
+    into it for ever) is left out and said there (tier name -> why), rather than hang.
 
     Raises:
         ConfigError: `tier` names no persistent tier of the config; a redis password file
@@ -102,6 +108,13 @@ def open_inventories(config: StoreConfig, tier: str | None = None) -> list[Inven
     if tier is not None and not chosen:
         names = [t.tier_name for t, _ in persistent]
         raise ConfigError("--tier", tier, f"a persistent tier of the config: {names}")
+    if unanswered is not None:
+        for t, _ in chosen:
+            path = getattr(t, "path", None)
+            if path is not None and not answers(Path(path), directories.CHECK_TIMEOUT_S):
+                unanswered[t.tier_name] = (f"{path} did not answer within "
+                                           f"{directories.CHECK_TIMEOUT_S:g} s (a dead mount?)")
+        chosen = [(t, source) for t, source in chosen if t.tier_name not in unanswered]
     return [source.open_inventory(t) for t, source in chosen]
 
 

@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     request.validate()
     outcomes: list[GcOutcome] = []
     errors: dict[str, str] = {}
-    for inventory in open_inventories(load_store(args.config), args.tier):
+    for inventory in open_inventories(load_store(args.config), args.tier, unanswered=errors):
         try:
             outcomes += run_gc([inventory], request)
         except Exception as exc:  # an unreachable tier is reported, the others still run

@@ -118,7 +118,7 @@ def _inventory(store: StoreConfig, only: str | None) -> tuple[list[NamespaceUsag
                                                                dict[str, str]]:
     rows: list[NamespaceUsage] = []
     errors: dict[str, str] = {}
-    for inventory in open_inventories(store, only):
+    for inventory in open_inventories(store, only, unanswered=errors):
         try:
             manifests = read_manifests(inventory)
             rows += summarize(inventory, list(inventory.chunks()), manifests)

@@ -47,6 +47,7 @@ from kvtier.integrations.vllm.config import (
     kvtier_transfer_config,
 )
 from kvtier.redaction import redact, redact_text
+from kvtier.tiers.files import directories
 from kvtier.tiers.redis.config import RedisTierConfig
 from kvtier.tiers.registry import TIER_CLASSES, config_model, tier_class
 from kvtier.tiers.s3.config import S3TierConfig
@@ -63,7 +64,6 @@ REDIS_TIMEOUT_S = 1.0
 # size; a capacity not split is one quota for the whole directory.
 PER_ENGINE = "per engine: the total of its TP ranks, each holds 1/TP"
 WHOLE_DIRECTORY = "the whole directory's quota"
-PATH_TIMEOUT_S = 5.0  # a tier's directory that does not answer within it is a failed check
 
 
 def read_store(path: str | Path) -> dict[str, Any]:
@@ -168,8 +168,8 @@ def check_node(store: Mapping[str, Any]) -> list[Check]:
 
 def check_tier_paths(store: Mapping[str, Any]) -> list[Check]:
     """Each tier whose class `has_path`: directory writable (or creatable) with room for its
-    capacity, answering within PATH_TIMEOUT_S (a dead hard-mounted NFS server blocks every
-    call into it for ever: the doctor says so rather than hang)."""
+    capacity, answering within `directories.CHECK_TIMEOUT_S` (a dead hard-mounted NFS server
+    blocks every call into it for ever: the doctor says so rather than hang)."""
     out = []
     for tier in _tiers(store):
         cls = tier_class(tier["kind"])
@@ -179,10 +179,10 @@ def check_tier_paths(store: Mapping[str, Any]) -> list[Check]:
         scope = PER_ENGINE if cls.capacity_split_by_rank else WHOLE_DIRECTORY
         answered, check = call_within(
             partial(_check_dir, name, Path(str(tier["path"])), tier.get("capacity", 0), scope),
-            PATH_TIMEOUT_S, "kvtier-doctor-path")
+            directories.CHECK_TIMEOUT_S, "kvtier-doctor-path")
         out.append(check if answered and check is not None else Check(
-            name, "fail", f"did not answer within {PATH_TIMEOUT_S:g} s (a dead mount?): "
-                          "kvtier leaves this tier out while it does not"))
+            name, "fail", f"did not answer within {directories.CHECK_TIMEOUT_S:g} s (a dead "
+                          "mount?): kvtier leaves this tier out while it does not"))
     return out
 
 
