@@ -254,7 +254,7 @@ def test_a_tier_whose_directory_hangs_at_start_is_left_out(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
     """A shared directory on a dead mount when the cache opens (an engine's start, a node's):
-    its first `stat` would block for ever, and the engine never start. The tier is left out
+    its first `stat` would block for ever, and the engine would never start. The tier is left out
     after `read_timeout_s` (its scheduler's probe after `lookup_timeout_s`), logged, and the
     cache serves from the tiers that answer."""
     answer = threading.Event()
