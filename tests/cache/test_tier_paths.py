@@ -157,7 +157,7 @@ def test_a_directory_that_does_not_answer_is_accepted_unchecked(
     try:
         start = time.monotonic()
         config = StoreConfig.parse(_tier("shared", dead))
-        assert time.monotonic() - start < 1.5
+        assert time.monotonic() - start < 5.0  # 30 s before: the hung stat's
     finally:
         answer.set()
     assert _path(config) == dead

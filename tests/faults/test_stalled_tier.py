@@ -191,7 +191,7 @@ def test_closing_with_a_write_that_hangs_returns_at_its_deadline(
         start = time.monotonic()
         with caplog.at_level(logging.WARNING, logger="kvtier.core.store"):
             store.close(flush_timeout_s=TIMEOUT_S)
-        assert time.monotonic() - start < TIMEOUT_S + 0.5
+        assert time.monotonic() - start < TIMEOUT_S + 3.0  # 30 s before: the hung put's
         assert "3 queued writes not finished" in caplog.text
     finally:
         release.set()
@@ -278,7 +278,7 @@ def test_a_tier_whose_directory_hangs_at_start_is_left_out(
         took_s = time.monotonic() - start
         assert [tier.name for tier in store.tiers] == ["memory", "disk"]
         assert probe is None
-        assert took_s < 2 * TIMEOUT_S + 1.0, took_s
+        assert took_s < 2 * TIMEOUT_S + 5.0, took_s  # 30 s before: the hung stat's
         assert caplog.text.count("tier 'shared': its directory") == 2
         assert str(tmp_path / "shared") in caplog.text
         assert store.put(key(1), memoryview(b"\x01" * CHUNK))  # served by the tiers that answer

@@ -51,7 +51,7 @@ def test_a_stop_does_not_wait_for_a_tier_that_stopped_answering(
         stopped_s = time.monotonic() - start  # running_node's exit: the node's shutdown
     finally:
         answer.set()
-    assert stopped_s < STOP_FLUSH_S + 2.0, stopped_s
+    assert stopped_s < STOP_FLUSH_S + 10.0, stopped_s  # 60 s before: the hung write's
     assert not socket_path.exists()
 
 
@@ -95,11 +95,11 @@ def test_kvtier_node_serve_exits_on_sigterm_past_a_hung_write(
         wait_for(writing.exists, 10, "a write behind RAM in the disk tier")
         engine.close()
         start = time.monotonic()
-        assert node.stop(timeout_s=30) == 0
+        assert node.stop(timeout_s=90) == 0
         stopped_s = time.monotonic() - start
     finally:
         node.kill()
     log = (tmp_path / "node.log").read_text()
-    assert stopped_s < STOP_FLUSH_S + 5.0, (stopped_s, log)
+    assert stopped_s < STOP_FLUSH_S + 15.0, (stopped_s, log)  # 1.7 s here; never before
     assert "exiting without them" in log and "kvtier-write-disk" in log
     assert not socket_path.exists()

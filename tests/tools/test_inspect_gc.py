@@ -181,7 +181,7 @@ def test_a_tier_on_a_dead_mount_is_reported_not_waited_for(
         answer.set()
     for errors in (report["errors"], collected["errors"]):
         assert list(errors) == ["shared"] and "did not answer within 0.3 s" in errors["shared"]
-    assert took_s < 4 * 0.3 + 2.0, took_s  # two commands, each: the config's check, the stat
+    assert took_s < 15.0, took_s  # two commands of 0.3 s waits each (1.5 s); 60 s before
 
 
 def test_select_victims_rules() -> None:
