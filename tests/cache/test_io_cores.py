@@ -18,8 +18,8 @@ import pytest
 from tierkit import key, tiny_layout
 
 from kvtier.core.threads import (
+    IOPool,
     auto_cores,
-    io_pool,
     parse_cpu_list,
     resolve_io_cores,
     start_threads,
@@ -80,7 +80,7 @@ def test_a_pool_started_from_a_bound_thread_runs_on_the_cores_it_is_given() -> N
     one = frozenset({min(CORES)})
 
     def placed(cores: frozenset[int] | None) -> frozenset[int]:
-        with io_pool(1, "kvtier-test", cores) as pool:
+        with IOPool(1, "kvtier-test", cores) as pool:
             return frozenset(pool.submit(os.sched_getaffinity, 0).result())
     assert bound_to(one, lambda: placed(None)) == one  # Python's way: the starter's core
     assert bound_to(one, lambda: placed(CORES)) == CORES
@@ -123,7 +123,7 @@ def test_cores_outside_the_allowed_set_are_refused_once_and_the_threads_stay(
         caplog: pytest.LogCaptureFixture) -> None:
     outside = frozenset({max(CORES) + 4096})  # no such core here
     with caplog.at_level("WARNING", logger="kvtier.core.threads"), \
-            io_pool(3, "kvtier-test", outside) as pool:
+            IOPool(3, "kvtier-test", outside) as pool:
         placed = [pool.submit(os.sched_getaffinity, 0) for _ in range(9)]
         assert {frozenset(f.result()) for f in placed} == {CORES}
     assert len([r for r in caplog.records if "cannot run I/O threads" in r.message]) == 1
@@ -141,7 +141,7 @@ def test_where_the_os_places_no_threads_a_setting_is_ignored_with_a_warning(
 def test_a_pools_threads_are_started_at_once_when_asked() -> None:
     """`start_threads` (a node's read pool: its first load does not start them one a read);
     a pool otherwise starts a thread per call as calls come."""
-    pool = io_pool(4, "kvtier-start-test", None)
+    pool = IOPool(4, "kvtier-start-test", None)
     try:
         assert not [t for t in threading.enumerate() if t.name.startswith("kvtier-start-test")]
         start_threads(pool, 4)

@@ -78,7 +78,7 @@ from vllm.v1.request import Request
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.locator import ChunkLocator
-from kvtier.core.threads import io_pool
+from kvtier.core.threads import IOPool
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.connector import KVTierConnector
 from kvtier.integrations.vllm.messages import KVTierMetadata, KVTierWorkerMetadata
@@ -319,8 +319,8 @@ class Replay:
         self.damage = damage
         self.damaged: ChunkKey | None = None
         self.late = LateStoreThread()
-        monkeypatch.setattr(worker_module, "io_pool", lambda threads, name, cores: self.late
-                            if name == "kvtier-store" else io_pool(threads, name, cores))
+        monkeypatch.setattr(worker_module, "IOPool", lambda threads, name, cores: self.late
+                            if name == "kvtier-store" else IOPool(threads, name, cores))
         self.kv = {name: torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * DIM, dtype=torch.bfloat16)
                    for name in layer_names()}
         self.paged = PagedKV(self.kv, BLOCK)

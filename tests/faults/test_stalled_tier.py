@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -200,6 +202,69 @@ def test_closing_with_a_write_that_hangs_returns_at_its_deadline(
         thread.join(5)
     assert writers and not any(t.is_alive() for t in writers)
     assert nfs.contains(key(0))  # the running write ended once the tier answered
+
+
+def test_a_tier_whose_close_hangs_is_left_to_end_on_its_own(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Under a close's deadline, a lower tier's own close (a shared directory's waits for
+    a measure of its link in flight, for a re-measure of its usage) that does not end is
+    not waited for: the store's close returns while that tier's close is still blocked."""
+    closing, release = threading.Event(), threading.Event()
+
+    class HangingClose(ExampleTier):
+        def close(self) -> None:
+            closing.set()
+            release.wait(60)
+
+    store = TieredStore([example("ram"), example("nfs", HangingClose)],
+                        StoreSettings(read_timeout_s=TIMEOUT_S))
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvtier.core.store"):
+            store.close(flush_timeout_s=TIMEOUT_S)
+        assert closing.is_set() and not release.is_set()
+        assert "'nfs': its close had not ended" in caplog.text
+    finally:
+        release.set()
+
+
+# A process whose store gave up a write stuck in its tier for good (a `put` on a dead mount:
+# here it waits on an event nobody sets), then ends: a script around `LLM(...)` after its
+# shutdown, a node, a CLI.
+EXIT_AFTER_A_HUNG_WRITE = """
+import threading
+from kvtier.core.keys import KEY_BYTES, ChunkKey
+from kvtier.core.layout import KVLayout
+from kvtier.core.store import StoreSettings, TieredStore
+from kvtier.tiers.example import ExampleTier, ExampleTierConfig
+
+LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_size=64, dtype="float16",
+                  tokens_per_chunk=16)
+
+class DeadMount(ExampleTier):
+    def put(self, key, data, meta=None):
+        threading.Event().wait()
+
+def example(name, cls=ExampleTier):
+    return cls(ExampleTierConfig(kind="example", name=name,
+                                 capacity=16 * LAYOUT.bytes_per_chunk), LAYOUT)
+
+store = TieredStore([example("ram"), example("nfs", DeadMount)],
+                    StoreSettings(read_timeout_s=0.3))
+store.put(ChunkKey(b"k" * KEY_BYTES), memoryview(bytes(LAYOUT.bytes_per_chunk)))
+store.close(flush_timeout_s=0.3)
+print("closed", flush=True)
+"""
+
+
+def test_a_process_ends_after_its_store_gave_up_a_write_that_never_returns() -> None:
+    """Python joins a ThreadPoolExecutor's threads at exit, waiting for the call each runs:
+    the process above never ended (a script around an in-process engine with a dead shared
+    mount, after its shutdown). kvtier's pools run daemon threads it does not wait for."""
+    done = subprocess.run([sys.executable, "-c", EXIT_AFTER_A_HUNG_WRITE],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["closed"]
+    assert "queued write" in done.stderr  # the close said what it gave up
 
 
 def test_a_late_read_landing_after_the_close_is_stored_without_an_error(

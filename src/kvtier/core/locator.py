@@ -30,11 +30,12 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from enum import Enum, auto
 
 from kvtier.core.keys import ChunkKey
+from kvtier.core.threads import IOPool
 from kvtier.core.tier import BatchLookup, Probe
 from kvtier.errors import TierUnavailable
 
@@ -154,7 +155,7 @@ class ChunkLocator:
         self._all = list(probes.items())
         self._slow_names = {name for name, p in probes.items() if not p.blocking_ok}
         self._slow = bool(self._slow_names)
-        self._pool = (ThreadPoolExecutor(2, thread_name_prefix="kvtier-probe") if self._slow
+        self._pool = (IOPool(2, "kvtier-probe") if self._slow
                       else None)
         self._timeout_s = timeout_s
         # request id -> (prefix held before the probe, the probe, when it started)

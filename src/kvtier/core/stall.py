@@ -25,12 +25,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import ParamSpec, TypeVar
 
 from kvtier.core.guard import Guard
-from kvtier.core.threads import io_pool, start_threads
+from kvtier.core.threads import IOPool, start_threads
 
 log = logging.getLogger(__name__)
 P = ParamSpec("P")
@@ -58,8 +58,8 @@ class StallGuard:
         self._abandoned = 0
         self._marked: dict[str, float] = {}  # tier -> when it was last marked stalled
 
-    def _new_pool(self) -> ThreadPoolExecutor:
-        return io_pool(self._threads, "kvtier-read", self._cores)
+    def _new_pool(self) -> IOPool:
+        return IOPool(self._threads, "kvtier-read", self._cores)
 
     def start_threads(self) -> None:
         """Start every call thread now (`threads.start_threads`; blocks until they run)."""

@@ -52,7 +52,7 @@ from kvtier.core.copies import CopyPool
 from kvtier.core.keys import ChunkKey
 from kvtier.core.loans import Hold, Lending
 from kvtier.core.retention import DEFAULT_META, ChunkMeta, RetentionStats
-from kvtier.core.stall import StallGuard
+from kvtier.core.stall import StallGuard, call_within
 from kvtier.core.tier import (
     BatchLookup,
     EventKind,
@@ -73,6 +73,7 @@ from kvtier.core.writebehind import FailureCounts, WriteBehind
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 MAX_PENDING_EVENTS = 1 << 16
+CLOSE_GRACE_S = 1.0  # a lower tier's close, at least, under a close's deadline
 
 
 @dataclass(frozen=True, slots=True)
@@ -623,7 +624,10 @@ class TieredStore:
         """Finish queued writes (waiting at most `flush_timeout_s`; the writes still queued
         then are dropped and logged, and those still running are not waited for: a tier that
         stopped answering may hold them for ever), stop the store's threads and close every
-        tier."""
+        tier. Under a `flush_timeout_s`, a tier below the top whose own close (a measure of
+        its link in flight, its index's last update) has not ended by then, or
+        `CLOSE_GRACE_S` after the flush, is left to end on its own."""
+        deadline = None if flush_timeout_s is None else time.monotonic() + flush_timeout_s
         if not self.flush(flush_timeout_s):
             for writer in self._below:
                 if writer.pending:
@@ -633,8 +637,15 @@ class TieredStore:
         for writer in self._below:
             writer.close(wait=writer.pending == 0)
         self._calls.close()
-        for tier in self.tiers:
-            tier.close()
+        self.tiers[0].close()
+        for tier in self.tiers[1:]:
+            if deadline is None:
+                tier.close()
+                continue
+            left_s = max(CLOSE_GRACE_S, deadline - time.monotonic())
+            if not call_within(tier.close, left_s, f"kvtier-close-{tier.name}")[0]:
+                log.warning("tier %r: its close had not ended %.1f s later (a tier that "
+                            "stopped answering); not waited for", tier.name, left_s)
 
     def __enter__(self) -> TieredStore:
         return self

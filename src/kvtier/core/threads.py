@@ -19,21 +19,35 @@ The settings:
   - "inherit": the starting thread's mask, as Python does.
   - a list such as "2,3" or "6-7,14-15": those cores.
 
-Primitives: `parse_io_cores`, `resolve_io_cores`, `io_pool`, `start_threads`.
+A pool's threads never hold the process's exit (`IOPool`): a ThreadPoolExecutor's threads
+are not daemons, and CPython joins them at exit, waiting for the call each one runs. A `stat`
+or a `write` on a dead hard-mounted NFS server stays in the kernel for ever, and so would a
+script's exit after its `LLM(...)` had shut down and given up those writes. kvtier needs no
+such wait: a close flushes what it can within its deadline, and a write cut short lands
+nothing (a temp file renamed into place, a Redis SET, an S3 PUT): a later miss.
+
+Primitives: `parse_io_cores`, `resolve_io_cores`, `IOPool`, `start_threads`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
-from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
+import time
+import weakref
+from collections.abc import Callable, Iterable
+from concurrent.futures import Executor, Future
 from pathlib import Path
+from typing import Any, ParamSpec, TypeVar
 
 log = logging.getLogger(__name__)
 NODES = Path("/sys/devices/system/node")
 START_WAIT_S = 10.0  # `start_threads`: how long a started thread waits for the others, at most
+P = ParamSpec("P")
+R = TypeVar("R")
+_Call = tuple[Future[Any], Callable[..., Any], tuple[Any, ...], dict[str, Any]]
 
 
 def parse_cpu_list(text: str) -> frozenset[int]:
@@ -107,17 +121,104 @@ def numa_nodes() -> list[frozenset[int]]:
     return nodes
 
 
-def io_pool(threads: int, name: str, cores: frozenset[int] | None) -> ThreadPoolExecutor:
-    """A pool of `threads` threads named `name`_N, each placed on `cores` as it starts
-    (None: where the thread that starts it runs)."""
-    if cores is None:
-        return ThreadPoolExecutor(threads, thread_name_prefix=name)
-    return ThreadPoolExecutor(threads, thread_name_prefix=name, initializer=_place,
-                              initargs=(cores,))
+class IOPool(Executor):
+    """ThreadPoolExecutor's behaviour (a thread started per call while none is idle, up to
+    `threads`; `shutdown(wait, cancel_futures)`; its threads end when it is shut down or
+    collected) on daemon threads that the process's exit does not wait for; `join` waits
+    for them with a timeout. Thread-safe."""
+
+    def __init__(self, threads: int, name: str, cores: frozenset[int] | None = None) -> None:
+        """Args:
+            threads: at most this many threads, named `name`_N.
+            cores: where each thread runs, placed as it starts (None: where its starter runs).
+        """
+        self._max = threads
+        self.name = name
+        self._cores = cores
+        self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
+        self._idle = _Idle()
+        self._threads: list[threading.Thread] = []
+        self._shut = False
+        weakref.finalize(self, self._calls.put, None)  # its threads hold no reference to it
+
+    def submit(self, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> Future[R]:
+        future: Future[R] = Future()
+        with self._idle.lock:
+            if self._shut:
+                raise RuntimeError(f"{self.name}: cannot schedule new calls after shutdown")
+            self._calls.put((future, fn, args, kwargs))
+            if self._idle.count:
+                self._idle.count -= 1
+            elif len(self._threads) < self._max:
+                thread = threading.Thread(target=_serve, daemon=True,
+                                          args=(self._calls, self._idle, self._cores),
+                                          name=f"{self.name}_{len(self._threads)}")
+                thread.start()
+                self._threads.append(thread)
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._idle.lock:
+            self._shut = True
+        if cancel_futures:
+            while True:
+                try:
+                    call = self._calls.get_nowait()
+                except queue.Empty:
+                    break
+                if call is not None:
+                    call[0].cancel()
+        self._calls.put(None)  # each thread passes it on as it ends
+        if wait:
+            self.join()
+
+    def join(self, timeout_s: float | None = None) -> bool:
+        """After `shutdown`: wait at most `timeout_s` (None: for ever) for the threads to
+        end; whether they all have (a call stuck in a dead tier may never return)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._idle.lock:
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return not any(thread.is_alive() for thread in threads)
 
 
-def start_threads(pool: ThreadPoolExecutor, threads: int) -> None:
-    """Start `threads` of `pool`'s threads now, where ThreadPoolExecutor starts one per call
+class _Idle:
+    """A pool's threads waiting for a call that no submitted call has claimed yet."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.count = 0
+
+
+def _serve(calls: queue.SimpleQueue[_Call | None], idle: _Idle,
+           cores: frozenset[int] | None) -> None:
+    """An `IOPool` thread: runs calls until it meets the end (None), which it passes on."""
+    if cores is not None:
+        _place(cores)
+    while (call := calls.get()) is not None:
+        future, fn, args, kwargs = call
+        del call
+        result: Any = None
+        error: BaseException | None = None
+        if running := future.set_running_or_notify_cancel():
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as exc:  # handed to the caller, as a pool's are
+                error = exc
+        with idle.lock:  # idle before the caller hears: its next call finds this thread
+            idle.count += 1
+        if running:
+            if error is None:
+                future.set_result(result)
+            else:
+                future.set_exception(error)
+        del future, fn, args, kwargs, result, error  # nothing of a call outlives it here
+    calls.put(None)
+
+
+def start_threads(pool: Executor, threads: int) -> None:
+    """Start `threads` of `pool`'s threads now, where a pool starts one per call
     as calls come, each start waiting for its thread to run (0.3 s on a busy machine: inside
     a first load's time, docs/performance.md "A node's first load"). Blocks until they run;
     each holds its thread until all are started, so that none is reused in their place."""

@@ -17,7 +17,7 @@ import threading
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.retention import DEFAULT_META, ChunkMeta
-from kvtier.core.threads import io_pool
+from kvtier.core.threads import IOPool
 from kvtier.core.tier import Failure, Tier
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class WriteBehind:
         self.drops = 0
         self._failures = failures
         self._slots = threading.BoundedSemaphore(depth)
-        self._pool = io_pool(threads, f"kvtier-write-{tier.name}", cores)
+        self._pool = IOPool(threads, f"kvtier-write-{tier.name}", cores)
         self._idle = threading.Condition()
         self._pending = 0
         # Keys queued or being written: held for `TieredStore.contains` (a chunk the top tier

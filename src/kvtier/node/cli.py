@@ -99,18 +99,15 @@ def serve(args: argparse.Namespace) -> int:
                      metrics.port)
         code = _serve(node)
     stuck = _running_calls(grace_s=1.0)
-    if stuck:
+    if stuck:  # daemon threads (core/threads.py): the exit does not wait for them
         log.warning("kvtier node: stopped; %d calls into tiers that stopped answering are "
                     "still running (%s): exiting without them", len(stuck), ", ".join(stuck))
-        logging.shutdown()
-        os._exit(code)
     return code
 
 
 def _running_calls(grace_s: float) -> list[str]:
     """The names of kvtier's threads still running a call `grace_s` from now (the stores are
-    closed: an idle thread of theirs ends at once). Daemon or not (a pool's threads inherit
-    that from the connection thread that started them), the exit joins a pool's threads."""
+    closed: an idle thread of theirs ends at once)."""
     deadline = time.monotonic() + grace_s
     threads = [t for t in threading.enumerate() if t.name.startswith("kvtier-")]
     for thread in threads:

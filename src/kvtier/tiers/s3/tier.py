@@ -40,7 +40,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import wait
 from contextlib import contextmanager
 from typing import Any, ClassVar, TypeVar
 
@@ -50,6 +50,7 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.policies import AdmissionFilter
 from kvtier.core.retention import DEFAULT_META, ChunkMeta
+from kvtier.core.threads import IOPool
 from kvtier.core.tier import (
     DECLINED,
     IO_ERROR,
@@ -144,8 +145,7 @@ class S3Tier:
         # HEADs of lookups wait no longer than the lookup's own deadline
         self._head_client = connect(config, self._session, config.lookup_concurrency,
                                     min(config.request_timeout_s, config.lookup_timeout_s))
-        self._heads = ThreadPoolExecutor(config.lookup_concurrency,
-                                         thread_name_prefix=f"kvtier-s3-{self.name}")
+        self._heads = IOPool(config.lookup_concurrency, f"kvtier-s3-{self.name}")
         self.guard = Guard(self.name, MIN_BACKOFF_S, config.retry_max_s)
         self._admission = AdmissionFilter(config.admit_after)
         self._counters = TierCounters(self.name, config.capacity)

@@ -39,7 +39,7 @@ from concurrent.futures import Future
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
-from kvtier.core.threads import io_pool
+from kvtier.core.threads import IOPool
 from kvtier.integrations.vllm.messages import (
     ChunkTransfer,
     KVTierMetadata,
@@ -138,10 +138,10 @@ class ConnectorWorker:
         self._spares = spare_buffers(load_batch, layout.bytes_per_chunk, pinned)
         # Asynchronous loads (vLLM's WAITING_FOR_REMOTE_KVS) run on one load thread with
         # spares of their own, while the model runner goes on with the other requests.
-        self._loader = io_pool(1, "kvtier-load", io_cores)
+        self._loader = IOPool(1, "kvtier-load", io_cores)
         self._async_spares = spare_buffers(load_batch, layout.bytes_per_chunk, pinned)
         # Asynchronous stores: a step's stores as one job on the store thread, in order.
-        self._saver = io_pool(1, "kvtier-store", io_cores)
+        self._saver = IOPool(1, "kvtier-store", io_cores)
         # Jobs not yet joined, oldest first: (epoch, plan step, job). The epoch counts binds
         # and step ends: a step's end joins the jobs of earlier epochs, the ones handed over
         # before the plan it ends was bound or before the previous step's end (vLLM's V2
@@ -152,14 +152,14 @@ class ConnectorWorker:
         self._reported_through = -1  # `stores_through` of the last report
         # Reads of chunks into the RAM tier ahead of their load (KVTierMetadata.prefetch), on
         # a thread of their own so that they never queue an asynchronous load behind them.
-        self._prefetcher = io_pool(1, "kvtier-prefetch", io_cores)
+        self._prefetcher = IOPool(1, "kvtier-prefetch", io_cores)
         self._prefetch_spares = spare_buffers(load_batch, layout.bytes_per_chunk)
         self._prefetch_counts: deque[int] = deque()  # chunks each prefetch batch read
         # Chunks a tier removed that no tier holds any more (reported `removed`, so that the
         # scheduler stops planning loads of them): decided here when RAM can tell
         # (`_report_removed`), else found on a thread of their own.
         self._local = store if isinstance(store, LocalLookup) else None
-        self._checker = io_pool(1, "kvtier-report", io_cores)
+        self._checker = IOPool(1, "kvtier-report", io_cores)
         self._gone: set[ChunkKey] = set()
         self._gone_lock = threading.Lock()
         self._stored_while_checking: set[ChunkKey] = set()  # stored during a `_find_gone`
@@ -558,17 +558,28 @@ class ConnectorWorker:
             self._gone |= gone - self._stored_while_checking
 
     def close(self, flush_timeout_s: float | None = None) -> None:
-        """Finish the store jobs (memory copies: they end), flush write-behind queues (the
-        two in at most `flush_timeout_s`) and close the store."""
+        """Finish the store jobs (memory copies: they end) and the running load (its reads
+        bounded by `read_timeout_s`), then, all in at most `flush_timeout_s`: the running
+        prefetch and lookups of removed chunks (a call stuck in a tier that stopped answering
+        is not waited for past it: those threads end whenever the tier answers), the
+        write-behind queues, the store."""
         deadline = None if flush_timeout_s is None else time.monotonic() + flush_timeout_s
         self.finish_stores()
         self._saver.shutdown(wait=True)
         self._loader.shutdown(wait=True, cancel_futures=True)
-        self._checker.shutdown(wait=True, cancel_futures=True)
-        self._prefetcher.shutdown(wait=True, cancel_futures=True)
+        for pool in (self._checker, self._prefetcher):
+            pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._checker, self._prefetcher):
+            if not pool.join(_left(deadline)):
+                logger.warning("kvtier: a %s call still running at the close's deadline; "
+                               "not waited for", pool.name)
         self._mover.close()
-        self._store.close(None if deadline is None
-                          else max(0.0, deadline - time.monotonic()))
+        self._store.close(_left(deadline))
+
+
+def _left(deadline: float | None) -> float | None:
+    """The seconds left until `deadline` (time.monotonic; None: no deadline), at least 0."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 def _until(budget_s: float | None) -> float | None:
