@@ -6,15 +6,15 @@ This module knows no tier: the store's config model (`StoreConfig`, `TierSetting
 the tier factory, in `kvtier.tiers.storeconfig`, and each tier's own fields in its tier
 module.
 
-Primitives: `FrozenModel` (the base of every config model), `ByteSize`, `parse_model`,
-`read_config_file`.
+Primitives: `FrozenModel` (the base of every config model), `ByteSize`, `PositiveByteSize`,
+`parse_model`, `read_config_file`.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, TypeVar, get_args
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
@@ -23,6 +23,9 @@ from kvtier.errors import ConfigError, TierConfigError
 from kvtier.units import parse_size
 
 ByteSize = Annotated[int, BeforeValidator(lambda v: parse_size(v, "capacity")), Field(ge=0)]
+# A tier that has no "0: no bound" (a file tier of 0 bytes would store nothing, silently).
+PositiveByteSize = Annotated[int, BeforeValidator(lambda v: parse_size(v, "capacity")),
+                             Field(gt=0)]
 Model = TypeVar("Model", bound=BaseModel)
 
 
@@ -52,8 +55,30 @@ def parse_model(model: type[Model], data: Any, where: str) -> Model:
             value, allowed = None, "a value is required here"
         field = ".".join(str(part) for part in (where, *loc))
         if error["type"] == "extra_forbidden":
-            allowed = "unknown field; allowed fields: " + ", ".join(sorted(model.model_fields))
+            allowed = "unknown field; allowed fields: " + ", ".join(
+                sorted(_model_at(model, loc[:-1]).model_fields))
         raise ConfigError(field, value, allowed) from None
+
+
+def _model_at(model: type[BaseModel], loc: tuple[int | str, ...]) -> type[BaseModel]:
+    """The model that `loc` (a pydantic error's location of a field) lies in, inside `model`:
+    a typo in a nested mapping lists that mapping's fields, not the outer model's."""
+    for part in loc:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            continue  # a list's index, or a mapping's key: the same model's items
+        inner = _models_in(field.annotation)
+        if not inner:
+            break
+        model = inner[0]
+    return model
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The models an annotation names (`Model`, `Model | None`, `list[Model]`, ...)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in get_args(annotation) for m in _models_in(arg)]
 
 
 def read_config_file(path: str | Path) -> Any:

@@ -35,9 +35,10 @@ class ConfigError(KVTierError, ValueError):
 
 
 class TierConfigError(ConfigError):
-    """A tier entry's ConfigError, whose `field` is already its path inside the store's
-    config (e.g. "tiers.0.disk.path"): the store config's parser prefixes it with where the
-    store config came from and nothing else."""
+    """A ConfigError whose `field` is already its path inside the model being parsed (a tier
+    entry's inside the store's config, e.g. "tiers.0.disk.path"; a cross-field check's
+    inside its tier, e.g. "encrypt_unsalted"): `kvtier.config.parse_model` prefixes it with
+    where that model came from and nothing else."""
 
 
 # -- tiers and chunks ------------------------------------------------------------------------

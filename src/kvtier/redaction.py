@@ -24,8 +24,9 @@ MASK = "***"
 SECRET_WORDS = ("pass", "pwd", "auth", "token", "secret", "cred", "apikey", "api_key",
                 "access_key", "private_key", "sig")
 _URL = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"<>`]+")
-# "user:password@host" without a scheme (e.g. a mistyped cluster node)
-_BARE_USERINFO = re.compile(r"(?<![:/\w])([\w.~%+-]*):([^\s@/'\"]+)@")
+# "user:password@host" without a scheme (e.g. a mistyped cluster node); never right after an
+# "@" (a topic such as llm-d's kv@pool:<pool>@<model> is no credential)
+_BARE_USERINFO = re.compile(r"(?<![:/\w@])([\w.~%+-]*):([^\s@/'\"]+)@")
 
 
 def _secret_name(name: str) -> bool:

@@ -128,6 +128,14 @@ def test_an_unknown_field_is_rejected_and_the_known_ones_listed() -> None:
     assert "write_queue_depth" in caught.value.allowed
 
 
+def test_a_typo_in_a_nested_mapping_lists_that_mappings_fields() -> None:
+    """`tenant_quota: {shares: 0.5}` listed the memory tier's fields, not `share` and `cap`."""
+    with pytest.raises(ConfigError) as caught:
+        StoreConfig.parse(_memory(tenant_quota={"shares": 0.5}))
+    assert caught.value.field == "config.tiers.0.memory.tenant_quota.shares"
+    assert caught.value.allowed == "unknown field; allowed fields: cap, share"
+
+
 def test_two_tiers_with_one_name_are_rejected_naming_the_name() -> None:
     """Two memory tiers without names would both be called "memory": stats and logs could
     not tell them apart. Naming them apart fixes it."""

@@ -52,7 +52,7 @@ def test_the_setting_is_auto_inherit_or_a_list_of_cores_and_anything_else_is_ref
     for good in ("inherit", "0", "0,2-3", "6-7,14-15"):
         assert StoreConfig.parse({"tiers": tiers, "io_cores": good}).io_cores == good
     assert parse_cpu_list("0,2-3") == {0, 2, 3}
-    for bad in ("all", "", "1-", "-1", "a,b", "2;3"):
+    for bad in ("all", "", "1-", "-1", "a,b", "2;3", "0-3000000", "8192"):
         with pytest.raises(ConfigError) as err:
             StoreConfig.parse({"tiers": tiers, "io_cores": bad})
         assert err.value.field == "config.io_cores" and "inherit" in err.value.allowed

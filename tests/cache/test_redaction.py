@@ -33,6 +33,12 @@ def test_text_and_nested_values_are_masked() -> None:
     assert redact_value(value) == {"tiers": [{"url": "redis://u:***@h"}, ("x:***@h:1",)], "n": 3}
 
 
+def test_a_topic_with_at_signs_is_no_credential() -> None:
+    """llm-d's pool topic read "kv@pool:***@<model>" in a config error's text."""
+    text = "llm-d splits the topic kv@pool:<pool>@<model> at '@'"
+    assert redact_text(text) == text
+
+
 def test_a_config_error_never_shows_a_credential() -> None:
     error = ConfigError("url", "redis://:pw@h/0?token=t0k", "not redis://:pw@h/0")
     assert "pw" not in str(error) and "t0k" not in str(error)

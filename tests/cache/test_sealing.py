@@ -181,7 +181,8 @@ def test_the_secret_comes_from_a_file_or_an_environment_variable(
 
 
 @pytest.mark.parametrize("problem", ["short file", "missing file", "unset env", "short env",
-                                     "both", "unsalted without secret"])
+                                     "both", "unsalted without secret", "empty env name",
+                                     "not an env name"])
 def test_unusable_secrets_are_config_errors_that_never_show_the_secret(
         problem: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     short = tmp_path / "short"
@@ -195,12 +196,15 @@ def test_unusable_secrets_are_config_errors_that_never_show_the_secret(
         "short env": {"encryption_secret_env": "KVTIER_SHORT"},
         "both": {"encryption_secret_file": str(short), "encryption_secret_env": "KVTIER_SHORT"},
         "unsalted without secret": {"encrypt_unsalted": True},
+        "empty env name": {"encryption_secret_env": ""},
+        "not an env name": {"encryption_secret_env": "a b=c"},
     }[problem]
     with pytest.raises(ConfigError) as err:
         config = StoreConfig.parse({"tiers": [disk(tmp_path, **options)]})
         build_tier(config.tiers[0], LAYOUT)
     assert "tooshort" not in str(err.value)
     assert "encrypt" in str(err.value)
+    assert err.value.field.startswith(("config.tiers.0.disk.", "disk."))  # which tier
 
 
 def test_no_key_material_in_logs_of_an_encrypting_tier(

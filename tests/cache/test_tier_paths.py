@@ -30,7 +30,7 @@ FIX = "writable by this user, or that can be created under a writable parent"
 
 
 def _tier(kind: str, path: Path | str, **fields: Any) -> dict[str, Any]:
-    return {"tiers": [{"kind": kind, "path": str(path), "capacity": "1GiB", **fields}]}
+    return {"tiers": [{"kind": kind, "path": str(path), "capacity": "1GiB"} | fields]}
 
 
 def _path(config: StoreConfig) -> Path:
@@ -120,6 +120,36 @@ def test_a_missing_directory_under_a_writable_parent_is_accepted_and_not_created
     assert list(tmp_path.iterdir()) == []
     monkeypatch.chdir(tmp_path)  # a relative path is taken from the working directory
     assert _path(StoreConfig.parse(_tier("disk", "kv"))) == Path("kv")
+
+
+@pytest.mark.parametrize("kind", ["disk", "shared"])
+def test_a_leading_tilde_is_the_users_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           kind: str) -> None:
+    """No shell expands `~` inside a JSON or YAML config: "~/kv" made a folder named "~"
+    in the engine's working directory."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    assert _path(StoreConfig.parse(_tier(kind, "~/kv"))) == tmp_path / "kv"
+
+
+def test_two_file_tiers_on_one_directory_are_refused(tmp_path: Path) -> None:
+    """Each would count the other's chunks as its own and evict them to its own capacity."""
+    with pytest.raises(ConfigError) as caught:
+        StoreConfig.parse({"tiers": [
+            {"kind": "memory", "capacity": "1GiB"},
+            {"kind": "disk", "path": str(tmp_path / "kv"), "capacity": "1GiB"},
+            {"kind": "shared", "path": str(tmp_path / "x" / ".." / "kv"), "capacity": "1GiB"}]})
+    assert caught.value.field == "config.tiers"
+    assert "'disk' and 'shared' share the directory" in caught.value.allowed
+
+
+@pytest.mark.parametrize("kind", ["disk", "shared"])
+def test_a_file_tier_of_capacity_zero_is_refused(tmp_path: Path, kind: str) -> None:
+    """It would store nothing, every write refused as full, and say nothing of it."""
+    with pytest.raises(ConfigError) as caught:
+        StoreConfig.parse(_tier(kind, tmp_path / "kv", capacity=0))
+    assert caught.value.field == f"config.tiers.0.{kind}.capacity"
+    assert "greater than 0" in caught.value.allowed
 
 
 @pytest.mark.parametrize("text", ["-5GiB", " -1", "-0.5 MiB"])

@@ -117,3 +117,14 @@ def test_pool_events_are_parsed_with_their_topic_and_refused_in_node_mode() -> N
     with pytest.raises(ConfigError, match="pool_events"):
         ConnectorConfig.parse({"node": "/run/kvtier.sock", "pool_events": {
             "endpoint": "tcp://epp:5558", "pool": "fleet", "model": "m"}})
+
+
+@pytest.mark.parametrize("key, value", [("io_cores", "2,3"), ("write_queue_depth", 3)])
+def test_store_settings_of_the_nodes_own_are_refused_in_node_mode(key: str, value: Any) -> None:
+    """An engine of a node runs no write queue or I/O thread of a tier: the setting would be
+    silently ignored."""
+    with pytest.raises(ConfigError) as error:
+        ConnectorConfig.parse({"node": "/run/kvtier.sock", key: value})
+    assert error.value.field == f"kv_connector_extra_config.{key}"
+    assert "none with node set" in error.value.allowed
+    ConnectorConfig.parse({key: value})  # without a node: a setting of this engine's store

@@ -22,6 +22,19 @@ def test_controls_are_read_and_bad_values_ignored() -> None:
         assert RequestControls.from_params({"retain_s": bad, "ttl_s": bad}) == RequestControls()
 
 
+def test_kv_transfer_params_not_an_object_are_ignored_by_the_scheduler(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's offline API hands `extra_args["kv_transfer_params"]` over as given: a list, a
+    string or a number raised AttributeError on the scheduler's thread (the engine down)."""
+    engine = Engine()
+    for i, params in enumerate(([("skip_load", True)], "skip_load", 5)):
+        req = request(f"r{i}", 200, params=params)  # type: ignore[arg-type]
+        with caplog.at_level("WARNING", logger="kvtier"):
+            engine.admit(req, list(range(7)))
+        assert f"ignoring kv_transfer_params={params!r}" in caplog.text
+        engine.sched.request_finished(req)
+
+
 def test_stores_carry_the_salt_pin_and_ttl_and_held_chunks_are_retained() -> None:
     engine = Engine()
     req = request("a", 200, salt="tenant-1", params={"retain_s": 60, "ttl_s": 120})

@@ -1,9 +1,11 @@
 """The node's settings are checked where they are given, naming the field: a node's first tier
-must be a memory tier (its RAM, shared with its engines), and an engine's `node` must be an
-absolute socket path with no `tiers` of its own beside it (in node mode every tier is the
-node's: tiers set in the engine would be silently ignored). Also `kvtier node serve` with
-such a config: exit status 2 and the field named, no node started. And its start-up warning
-where it shares a CPU group (a session, under the kernel's autogroup) with what started it.
+must be a memory tier (its RAM, shared with its engines), each of its other settings of its
+type and in its range (a ConfigError naming the field, the value and what is allowed: never a
+TypeError, nor nonsense kept), and an engine's `node` must be an absolute socket path with no
+`tiers` of its own beside it (in node mode every tier is the node's: tiers set in the engine
+would be silently ignored). Also `kvtier node serve` with such a config: exit status 2 and the
+field named, no node started. And its start-up warning where it shares a CPU group (a
+session, under the kernel's autogroup) with what started it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,6 +26,8 @@ from kvtier.tiers.storeconfig import StoreConfig
 
 pytestmark = pytest.mark.timeout(120)  # a hang fails here, not at the suite's 900 s
 
+MEMORY = {"tiers": [{"kind": "memory", "capacity": "1MiB"}]}
+SOCKET = Path("/run/kvtier/node.sock")
 DISK_FIRST = {"tiers": [{"kind": "disk", "path": "/tmp/kvtier-never-made", "capacity": "1GiB"},
                         {"kind": "memory", "capacity": "1GiB"}]}
 
@@ -44,6 +49,45 @@ def test_kvtier_node_serve_names_the_bad_field(tmp_path: Path):
     assert served.returncode == 2, served.stderr
     assert "tiers[0].kind" in served.stderr
     assert not (tmp_path / "node.sock").exists()
+
+
+@pytest.mark.parametrize(("field", "value", "allowed"), [
+    ("store", MEMORY, "a StoreConfig"),  # a dict, not parsed
+    ("socket_path", Path("run/kvtier/node.sock"), "an absolute path"),
+    ("socket_path", str(SOCKET), "pathlib.Path"),
+    ("socket_path", Path("/"), "an absolute path"),  # a directory
+    ("socket_path", Path("/run/kvtier/node\0.sock"), "no NUL"),
+    ("socket_path", Path("/" + "s" * 107), "at most 107 bytes"),  # sun_path's 108, with NUL
+    ("name", 5, "1-64 letters"),
+    ("max_layouts", 0, "a positive integer"),  # every engine refused
+    ("max_layouts", -3, "a positive integer"),
+    ("max_layouts", "4", "a positive integer"),
+    ("max_layouts", True, "a positive integer"),
+    ("max_layouts", 4.0, "a positive integer"),
+    ("keep_ram", "no", "True or False"),  # truthy: it kept the slabs
+    ("keep_ram", 0, "True or False"),
+    ("events_endpoint", 5557, "tcp://HOST:PORT"),
+    ("stop_flush_s", "5", "seconds"),
+    ("stop_flush_s", True, "seconds"),
+])
+def test_a_node_setting_of_the_wrong_type_or_range_is_refused(
+        field: str, value: object, allowed: str):
+    settings: dict[str, Any] = {"store": StoreConfig.parse(MEMORY), "socket_path": SOCKET,
+                                "name": "test-node", field: value}
+    with pytest.raises(ConfigError) as raised:
+        NodeConfig(**settings)
+    assert (raised.value.field, raised.value.value) == (field, value)
+    assert allowed in raised.value.allowed
+    assert f"{field}={value!r}" in str(raised.value)
+
+
+def test_a_node_setting_at_the_edge_of_its_range_is_kept():
+    edge = Path("/" + "s" * 106)  # 107 bytes, Linux's longest Unix socket path
+    config = NodeConfig(StoreConfig.parse(MEMORY), edge, name="n" * 64, max_layouts=1,
+                        keep_ram=False, events_endpoint="ipc:///run/kvtier/events",
+                        event_block_size=16, stop_flush_s=0)
+    assert (config.socket_path, config.max_layouts, config.stop_flush_s) == (edge, 1, 0)
+    assert NodeConfig(StoreConfig.parse(MEMORY), SOCKET, name="n", stop_flush_s=0.5)
 
 
 @pytest.mark.parametrize(("extra", "field"), [

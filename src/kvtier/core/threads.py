@@ -44,6 +44,7 @@ from typing import Any, ParamSpec, TypeVar
 
 log = logging.getLogger(__name__)
 NODES = Path("/sys/devices/system/node")
+MAX_CORE = 8191  # the highest core number a Linux kernel counts (NR_CPUS at most 8192)
 START_WAIT_S = 10.0  # `start_threads`: how long a started thread waits for the others, at most
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -61,7 +62,10 @@ def parse_cpu_list(text: str) -> frozenset[int]:
         first, dash, last = part.partition("-")
         if not first.isdigit() or (dash and not last.isdigit()):
             raise ValueError(f"{text!r} is not a list of cores like '2,3' or '6-7,14-15'")
-        cores.update(range(int(first), int(last or first) + 1))
+        low, high = int(first), int(last or first)
+        if high > MAX_CORE:  # a typo's range would be built here, core by core
+            raise ValueError(f"{text!r} names core {high}, past the {MAX_CORE} Linux allows")
+        cores.update(range(low, high + 1))
     if not cores:
         raise ValueError(f"{text!r} names no core")
     return frozenset(cores)

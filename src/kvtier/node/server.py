@@ -46,6 +46,7 @@ from kvtier.core.layout import KVLayout
 from kvtier.core.loans import Lending
 from kvtier.core.store import ChunkView, PendingPut, TieredStore
 from kvtier.errors import ConfigError
+from kvtier.node.eventpub import ALLOWED as ENDPOINTS
 from kvtier.node.eventpub import check_endpoint
 from kvtier.node.events import NodeEvents
 from kvtier.node.latency import Latencies
@@ -86,6 +87,7 @@ from kvtier.tiers.storeconfig import StoreConfig
 
 log = logging.getLogger(__name__)
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path on Linux: sun_path's 108, less its NUL
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,24 +115,59 @@ class NodeConfig:
     stop_flush_s: float = 60.0
 
     def __post_init__(self) -> None:
-        if not _NAME.fullmatch(self.name):
-            raise ConfigError("name", self.name, "1-64 letters, digits, '.', '_' or '-' "
-                              "(it names the node's slabs in /dev/shm)")
+        """Raises:
+            ConfigError: a setting of the wrong type or out of its range, naming it.
+        """
+        if not isinstance(self.store, StoreConfig):
+            raise ConfigError("store", self.store, "a StoreConfig (StoreConfig.parse or .load)")
         first = self.store.tiers[0]
         if first.kind != "memory":
             raise ConfigError("tiers[0].kind", first.kind,
                               "memory (the node shares its RAM tier with its engines)")
+        _check_socket_path(self.socket_path)
+        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
+            raise ConfigError("name", self.name, "1-64 letters, digits, '.', '_' or '-' "
+                              "(it names the node's slabs in /dev/shm)")
+        if not _is_int(self.max_layouts) or self.max_layouts < 1:
+            raise ConfigError("max_layouts", self.max_layouts,
+                              "a positive integer (layouts: models x TP ranks)")
+        if not isinstance(self.keep_ram, bool):
+            raise ConfigError("keep_ram", self.keep_ram, "True or False")
         if self.events_endpoint is not None:
+            if not isinstance(self.events_endpoint, str):
+                raise ConfigError("events_endpoint", self.events_endpoint,
+                                  f"{ENDPOINTS}, or None (nothing published)")
             check_endpoint(self.events_endpoint)
         block = self.event_block_size
-        if block is not None and (isinstance(block, bool) or not isinstance(block, int)
-                                  or block < 1):
+        if block is not None and (not _is_int(block) or block < 1):
             raise ConfigError("event_block_size", block, "a positive integer (tokens)")
-        if not 0 <= self.stop_flush_s < math.inf:
-            raise ConfigError("stop_flush_s", self.stop_flush_s, "seconds, 0 or more")
+        flush = self.stop_flush_s
+        if isinstance(flush, bool) or not isinstance(flush, (int, float)) \
+                or not 0 <= flush < math.inf:
+            raise ConfigError("stop_flush_s", flush, "seconds, a finite number 0 or more")
         if block is not None and self.events_endpoint is None:
             raise ConfigError("event_block_size", block,
                               "unset without an events endpoint (--events-endpoint)")
+
+
+def _is_int(value: object) -> bool:
+    """Whether `value` is an int (a bool is not one here: `True` layouts is a slip)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_socket_path(path: object) -> None:
+    """Raises ConfigError: `path` is no path a Unix socket can be bound on, or a relative one
+    (the engines name the node's socket by its absolute path)."""
+    if not isinstance(path, Path) or not path.is_absolute() or not path.name \
+            or "\0" in str(path):
+        raise ConfigError("socket_path", path,
+                          "an absolute path (a pathlib.Path) of the socket's file, no NUL")
+    size = len(os.fsencode(path))
+    if size > SOCKET_PATH_MAX:
+        raise ConfigError("socket_path", path,
+                          f"at most {SOCKET_PATH_MAX} bytes (this one has {size}): Linux "
+                          f"limits a Unix socket's path to its sun_path's 108 bytes, NUL "
+                          f"included")
 
 
 # The node's own counters (`NodeServer.counters`), each only ever added to.

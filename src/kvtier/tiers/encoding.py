@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from kvtier.core.chunkformat import ChunkEncoder
 from kvtier.core.codecs import CODEC_NAMES, LOSSY_CODECS, allowed_codecs, make_codec
 from kvtier.core.layout import KVLayout
 from kvtier.core.sealing import MIN_SECRET_BYTES, Sealer
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, TierConfigError
 from kvtier.tiers.storeconfig import TierSettings
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,15 @@ class EncodedTierSettings(TierSettings):
             raise ValueError(INLINE_REFUSED)
         return None
 
+    @field_validator("encryption_secret_env")
+    @classmethod
+    def _a_variable_name(cls, name: str | None) -> str | None:
+        # "" would mean no encryption, silently; a name is what `export NAME=...` takes.
+        if name is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise ValueError("the name of an environment variable (letters, digits and _, "
+                             "not starting with a digit), or leave it out")
+        return name
+
     @field_validator("codec")
     @classmethod
     def _known_codec(cls, codec: str) -> str:
@@ -82,11 +92,13 @@ class EncodedTierSettings(TierSettings):
 
     @model_validator(mode="after")
     def _one_secret_source(self) -> EncodedTierSettings:
+        # Each names the field to fix (a ValueError here would name the whole tier).
         if self.encryption_secret_file is not None and self.encryption_secret_env:
-            raise ValueError("encryption_secret_file or encryption_secret_env, not both")
+            raise TierConfigError("encryption_secret_env", self.encryption_secret_env,
+                                  "encryption_secret_file or encryption_secret_env, not both")
         if self.encrypt_unsalted and not self.encrypts:
-            raise ValueError("encrypt_unsalted needs encryption_secret_file or "
-                             "encryption_secret_env")
+            raise TierConfigError("encrypt_unsalted", True, "encrypt_unsalted needs "
+                                  "encryption_secret_file or encryption_secret_env")
         return self
 
     @property
@@ -107,10 +119,10 @@ def read_secret(config: EncodedTierSettings) -> bytes | None:
         try:
             secret = path.read_bytes().rstrip(b"\r\n")
         except OSError as exc:
-            raise ConfigError("encryption_secret_file", str(path),
+            raise ConfigError(f"{config.tier_name}.encryption_secret_file", str(path),
                               f"a readable file ({exc.strerror})") from None
         if len(secret) < MIN_SECRET_BYTES:
-            raise ConfigError("encryption_secret_file", str(path),
+            raise ConfigError(f"{config.tier_name}.encryption_secret_file", str(path),
                               f"a file holding a secret of at least {MIN_SECRET_BYTES} bytes "
                               "(e.g. `head -c 48 /dev/urandom | base64 > FILE`)")
         if path.stat().st_mode & 0o077:
@@ -120,7 +132,7 @@ def read_secret(config: EncodedTierSettings) -> bytes | None:
         name = config.encryption_secret_env
         value = os.environ.get(name, "").encode()
         if len(value) < MIN_SECRET_BYTES:
-            raise ConfigError("encryption_secret_env", name,
+            raise ConfigError(f"{config.tier_name}.encryption_secret_env", name,
                               f"an environment variable holding a secret of at least "
                               f"{MIN_SECRET_BYTES} bytes ({'unset' if not value else 'too short'})")
         return value

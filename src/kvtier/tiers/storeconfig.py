@@ -27,6 +27,7 @@ every tier's config model).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -121,6 +122,17 @@ class StoreConfig(FrozenModel):
         for name in names:
             if names.count(name) > 1:
                 raise ValueError(f"tier name {name!r} is used twice; give tiers distinct names")
+        # Two file tiers on one directory would each count the other's chunks as its own.
+        directories: dict[str, str] = {}
+        for tier in tiers:
+            path = getattr(tier, "path", None)
+            if path is None:
+                continue
+            real = os.path.normpath(os.path.abspath(path))  # no I/O: a dead mount hangs
+            if real in directories:
+                raise ValueError(f"tiers {directories[real]!r} and {tier.tier_name!r} share "
+                                 f"the directory {real}; give each tier its own")
+            directories[real] = tier.tier_name
         return tiers
 
     def per_rank(self, tp_world_size: int) -> StoreConfig:

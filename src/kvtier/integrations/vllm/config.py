@@ -42,6 +42,8 @@ DEFAULT_TIERS: tuple[dict[str, Any], ...] = ({"kind": "memory", "capacity": "2Gi
 CONNECTOR_KEYS = frozenset({"tokens_per_chunk", "index_max_keys", "load_mode", "store_mode",
                             "load_when", "node", "event_block_size", "pool_events",
                             "tail_chunks"})
+# Store settings that mean nothing to an engine of a node (the node's store has its own).
+NODE_OWN_KEYS = frozenset({"write_queue_depth", "io_cores"})
 # Keys the scheduler remembers as stored, in node mode (the node's capacity is its own).
 NODE_INDEX_KEYS = 1 << 20
 # How a hit is loaded: "sync" inside the step that needs it (the whole batch waits for it),
@@ -168,7 +170,7 @@ class ConnectorConfig:
         """
         extra = dict(extra or {})
         allowed = cls.known_keys()
-        unknown = sorted(set(extra) - allowed)
+        unknown = sorted(set(extra) - allowed, key=str)  # a YAML key may be a number
         if unknown:
             raise ConfigError(f"{where}.{unknown[0]}", extra[unknown[0]],
                               f"a known key: {sorted(allowed)}")
@@ -184,6 +186,10 @@ class ConnectorConfig:
                     raise ConfigError(f"{where}.tiers", extra["tiers"],
                                       "none with node set: the tiers are the node's "
                                       "(its own config, kvtier node serve --config)")
+                for own in NODE_OWN_KEYS & set(extra):
+                    raise ConfigError(f"{where}.{own}", extra[own],
+                                      "none with node set: the node's write queues and I/O "
+                                      "threads are its own (kvtier node serve --config)")
             elif name == "pool_events":
                 if "node" in extra or "node" in values:
                     raise ConfigError(f"{where}.pool_events", value,
@@ -320,6 +326,10 @@ class RequestControls:
         """Read the switches; a bad value is logged and ignored (one request's typo must not
         take down the engine), unknown keys are left for other connectors."""
         if not params:
+            return cls()
+        if not isinstance(params, Mapping):  # vLLM's offline API passes what it is given
+            logger.warning("kvtier: ignoring kv_transfer_params=%r (an object of kvtier's "
+                           "switches, see docs/retention.md)", params)
             return cls()
         skip_load = params.get("skip_load", False)
         skip_store = params.get("skip_store", False)

@@ -35,7 +35,8 @@ _FIX = ("give a directory on a local or shared filesystem that exists and is wri
 
 
 def check_directory(path: Path, *, read_only_ok: bool) -> Path:
-    """`path` unchanged when a tier can use it as its directory.
+    """`path` when a tier can use it as its directory, a leading `~` expanded (a shell
+    does not expand it in a JSON or YAML config: `~/kv` made a folder named `~`).
 
     Args:
         path: the configured directory (relative paths are taken from the working directory,
@@ -44,12 +45,13 @@ def check_directory(path: Path, *, read_only_ok: bool) -> Path:
             (a `shared` tier serving hits only).
 
     Returns:
-        `path`, as given.
+        `path`, as given but for a leading `~` (the user's home) or `~user`.
 
     Raises:
         ValueError: what is wrong and the fix (pydantic and `kvtier.config.parse_model` turn
             it into a ConfigError naming the field and the value).
     """
+    path = path.expanduser()
     checked, _ = call_within(lambda: _check(path, read_only_ok), CHECK_TIMEOUT_S,
                              "kvtier-path-check")
     if not checked:

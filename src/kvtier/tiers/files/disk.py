@@ -40,6 +40,7 @@ from typing import ClassVar, Literal
 import numpy as np
 from pydantic import Field, field_validator
 
+from kvtier.config import PositiveByteSize
 from kvtier.core.chunkformat import ALIGN_BYTES, HEADER_BYTES, failure_of
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
@@ -84,6 +85,7 @@ class DiskTierConfig(EncodedTierSettings, RetentionTierSettings):
     """A local directory (NVMe): one file per chunk, bounded, indexed at start-up."""
 
     kind: Literal["disk"]
+    capacity: PositiveByteSize  # bytes this tier may hold, e.g. "200GiB"
     path: Path  # directory; created 0700 when missing
     o_direct: Literal["auto", "on", "off"] = "auto"  # bypass the page cache when supported
     io_threads: int = Field(4, ge=1, le=64)  # parallel reads/writes against this directory

@@ -55,6 +55,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
 
+from kvtier.config import PositiveByteSize
 from kvtier.core.chunkformat import Encoded, failure_of
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
@@ -104,6 +105,7 @@ class SharedTierConfig(EncodedTierSettings):
     """A POSIX directory shared by many processes and nodes (NFS, CephFS, Lustre, ...)."""
 
     kind: Literal["shared"]
+    capacity: PositiveByteSize  # bytes this tier may hold, e.g. "200GiB"
     path: Path  # the shared directory; created 0700 when missing (see group_shared)
     group_shared: bool = False  # create directories 0770 / files 0660 for a shared group
     scan_interval_s: float = Field(30.0, gt=0)  # how often usage is re-measured for the quota
