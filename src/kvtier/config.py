@@ -17,9 +17,16 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar, get_args
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 
-from kvtier.errors import ConfigError, TierConfigError
+from kvtier.errors import ConfigError, FieldError, TierConfigError
 from kvtier.units import parse_size
 
 ByteSize = Annotated[int, BeforeValidator(lambda v: parse_size(v, "capacity")), Field(ge=0)]
@@ -30,9 +37,28 @@ Model = TypeVar("Model", bound=BaseModel)
 
 
 class FrozenModel(BaseModel):
-    """A config model: immutable, and an unknown field is an error."""
+    """A config model: immutable, an unknown field is an error, and so is true or false for
+    a number (pydantic takes `ttl_s: true` as a TTL of 1 s; a field with a parser of its
+    own, such as a `ByteSize`, says so itself)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, field in cls.model_fields.items():
+                value = data.get(name)
+                if isinstance(value, bool) and _numeric(field.annotation) and not any(
+                        isinstance(check, BeforeValidator) for check in field.metadata):
+                    raise FieldError(name, value, "a number, not true or false")
+        return data
+
+
+def _numeric(annotation: Any) -> bool:
+    """Whether a field takes numbers and no bool (`int`, `float | None`, ...)."""
+    kinds = set(get_args(annotation)) or {annotation}
+    return bool(kinds & {int, float}) and bool not in kinds
 
 
 def parse_model(model: type[Model], data: Any, where: str) -> Model:
@@ -47,6 +73,9 @@ def parse_model(model: type[Model], data: Any, where: str) -> Model:
         cause = error.get("ctx", {}).get("error")
         if isinstance(cause, TierConfigError):  # already names its path inside the model
             raise ConfigError(f"{where}.{cause.field}", cause.value, cause.allowed) from None
+        if isinstance(cause, FieldError):  # a field of the (maybe nested) model that raised it
+            field = ".".join(str(part) for part in (where, *loc, cause.field))
+            raise ConfigError(field, cause.value, cause.allowed) from None
         if isinstance(cause, ConfigError):
             allowed = cause.allowed
         elif isinstance(cause, ValueError):

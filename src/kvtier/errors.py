@@ -35,10 +35,15 @@ class ConfigError(KVTierError, ValueError):
 
 
 class TierConfigError(ConfigError):
-    """A ConfigError whose `field` is already its path inside the model being parsed (a tier
-    entry's inside the store's config, e.g. "tiers.0.disk.path"; a cross-field check's
-    inside its tier, e.g. "encrypt_unsalted"): `kvtier.config.parse_model` prefixes it with
-    where that model came from and nothing else."""
+    """A tier entry's ConfigError, whose `field` is already its path inside the store's
+    config (e.g. "tiers.0.disk.path"): the store config's parser prefixes it with where the
+    store config came from and nothing else."""
+
+
+class FieldError(ConfigError):
+    """A ConfigError a model's own check raises (a check across fields, or of a value before
+    the fields' own), naming one of that model's fields: `kvtier.config.parse_model` names it
+    by the model's place in the config (a pydantic ValueError there names the whole model)."""
 
 
 # -- tiers and chunks ------------------------------------------------------------------------

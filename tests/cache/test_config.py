@@ -90,6 +90,11 @@ def test_format_size_is_binary_and_readable() -> None:
     ({"tiers": []}, "tiers", [], "at least 1"),
     ({**_memory(), "write_queue_depth": 0}, "write_queue_depth", 0, "1"),
     ({**_memory(), "io_threads": 1000}, "io_threads", 1000, "64"),
+    # true or false for a number: pydantic took `ttl_s: true` as a TTL of 1 s
+    (_memory(ttl_s=True), "tiers.0.memory.ttl_s", True, "a number, not true or false"),
+    ({**_memory(), "write_queue_depth": True}, "write_queue_depth", True, "not true or false"),
+    (_memory(tenant_quota={"share": True}), "tiers.0.memory.tenant_quota.share", True,
+     "not true or false"),
 ])
 def test_every_bad_value_names_field_value_and_what_is_allowed(
     config: dict[str, Any], field: str, value: object, allowed: str,

@@ -177,8 +177,10 @@ def test_serve_config_file_takes_every_key_the_connector_takes(capsys, tmp_path)
     assert "index_max_key" in capsys.readouterr().err
 
     # Node mode: the tiers are the node's, and both is an error naming `tiers` (the node
-    # publishes its tiers' events: no pool_events either).
-    node = {key: value for key, value in every.items() if key not in ("tiers", "pool_events")}
+    # publishes its tiers' events: no pool_events either; its write queues and I/O threads
+    # are its own).
+    node = {key: value for key, value in every.items()
+            if key not in ("tiers", "pool_events", "write_queue_depth", "io_cores")}
     path.write_text(json.dumps({**node, "node": "/run/kvtier/node.sock"}))
     assert main(["serve", "./model", "--config", str(path), "--dry-run"]) == 0
     printed = capsys.readouterr().out.split("kv_connector_extra_config: ", 1)[1]

@@ -31,7 +31,7 @@ from kvtier.core.chunkformat import ChunkEncoder
 from kvtier.core.codecs import CODEC_NAMES, LOSSY_CODECS, allowed_codecs, make_codec
 from kvtier.core.layout import KVLayout
 from kvtier.core.sealing import MIN_SECRET_BYTES, Sealer
-from kvtier.errors import ConfigError, TierConfigError
+from kvtier.errors import ConfigError, FieldError
 from kvtier.tiers.storeconfig import TierSettings
 
 log = logging.getLogger(__name__)
@@ -94,10 +94,10 @@ class EncodedTierSettings(TierSettings):
     def _one_secret_source(self) -> EncodedTierSettings:
         # Each names the field to fix (a ValueError here would name the whole tier).
         if self.encryption_secret_file is not None and self.encryption_secret_env:
-            raise TierConfigError("encryption_secret_env", self.encryption_secret_env,
+            raise FieldError("encryption_secret_env", self.encryption_secret_env,
                                   "encryption_secret_file or encryption_secret_env, not both")
         if self.encrypt_unsalted and not self.encrypts:
-            raise TierConfigError("encrypt_unsalted", True, "encrypt_unsalted needs "
+            raise FieldError("encrypt_unsalted", True, "encrypt_unsalted needs "
                                   "encryption_secret_file or encryption_secret_env")
         return self
 

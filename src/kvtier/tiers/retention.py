@@ -12,19 +12,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sized
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-from kvtier.config import ByteSize
+from kvtier.config import ByteSize, FrozenModel
 from kvtier.core.keys import ChunkKey
 from kvtier.core.retention import RetentionBook, TenantQuota
 from kvtier.tiers.storeconfig import TierSettings
 
 
-class TenantQuotaSettings(BaseModel):
+class TenantQuotaSettings(FrozenModel):
     """What one tenant (one cache salt; requests without a salt are the "default" tenant)
     may hold of the tier: exactly one of `share` and `cap`."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     share: float | None = Field(None, gt=0, le=1)  # at most this share of the capacity
     cap: ByteSize | None = None  # at most this many bytes, e.g. "2GiB"

@@ -10,13 +10,21 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Literal
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from pydantic import Field, field_validator, model_validator
+from redis.connection import parse_url
 
 from kvtier.config import ByteSize
+from kvtier.errors import FieldError
 from kvtier.redaction import redact_text, url_credentials
 from kvtier.tiers.encoding import EncodedTierSettings
+
+# ttl_s goes to Redis in whole milliseconds: under 1 ms would be no TTL at all. No cache
+# keeps an idle chunk for more than a year: a longer TTL is taken for a typo.
+MIN_TTL_S = 0.001
+MAX_TTL_S = 365 * 24 * 3600
+_URL_EXAMPLE = "e.g. redis://127.0.0.1:6379/0"
 
 
 class RedisTierConfig(EncodedTierSettings):
@@ -30,13 +38,13 @@ class RedisTierConfig(EncodedTierSettings):
     kind: Literal["redis"]
     capacity: ByteSize = 0  # bytes the tier keeps per namespace; 0 = the server's maxmemory
     url: str = "redis://127.0.0.1:6379/0"  # standalone server; rediss:// for TLS; no password
-    cluster_nodes: tuple[str, ...] = ()  # "host:port" of some Redis Cluster nodes (replaces url)
+    cluster_nodes: tuple[str, ...] = ()  # "host:port" of some Redis Cluster nodes (not with url)
     tls: bool = False  # TLS to the server or cluster nodes (as a rediss:// url does)
     tls_ca_file: Path | None = None  # CA bundle that signed the server's certificate
     username: str | None = None  # ACL user; None = "default"
     password_file: Path | None = None  # file whose first line is the password (mode 0600)
     password_env: str | None = None  # env var holding the password (see class docstring)
-    ttl_s: float | None = Field(None, gt=0)  # expire chunks idle this long; None = never
+    ttl_s: float | None = None  # expire chunks idle this long (1 ms to 365 days); None = never
     part_bytes: ByteSize = 8 * 1024**2  # largest value written; larger chunks are split
     socket_timeout_ms: int = Field(200, ge=1)  # longest wait for a reply before "down"
     connect_timeout_ms: int = Field(200, ge=1)  # longest wait for a TCP/TLS connect
@@ -49,8 +57,7 @@ class RedisTierConfig(EncodedTierSettings):
     def _url_without_password(cls, url: str) -> str:
         # Any part of the URL: a userinfo-only check misses `?password=`, and redis-py
         # honours it over password_file (issue 12, item 8). ConfigError masks it when shown.
-        parts = urlsplit(url)
-        if parts.scheme not in ("redis", "rediss"):
+        if not url.startswith(("redis://", "rediss://")):  # as redis-py reads it: lowercase
             raise ValueError("a redis:// or rediss:// (TLS) URL")
         found = url_credentials(url)
         if found:
@@ -58,6 +65,27 @@ class RedisTierConfig(EncodedTierSettings):
                              "show in process listings, logs and shell history; put it in a "
                              "file named by password_file, or an environment variable named "
                              "by password_env")
+        return url
+
+    @field_validator("url")
+    @classmethod
+    def _url_port_and_database(cls, url: str) -> str:
+        # redis-py parses the URL only when the tier first connects (in a worker), and takes
+        # a bad database path for 0 and port 0 for 6379: checked here, naming the field.
+        parts = urlsplit(url)
+        try:
+            port_ok = parts.port is None or 1 <= parts.port <= 65535
+        except ValueError:  # not a number, or above 65535
+            port_ok = False
+        if not port_ok:
+            raise ValueError(f"a port from 1 to 65535 ({_URL_EXAMPLE})")
+        try:
+            options = parse_url(url)  # type: ignore[no-untyped-call]
+        except ValueError as exc:  # a query value it cannot convert, e.g. ?db=x
+            raise ValueError(f"a URL redis-py can parse ({exc}; {_URL_EXAMPLE})") from None
+        path_db = unquote(parts.path).strip("/")
+        if (path_db and not (path_db.isascii() and path_db.isdigit())) or options.get("db", 0) < 0:
+            raise ValueError(f"a database number >= 0 as the path ({_URL_EXAMPLE})")
         return url
 
     @field_validator("cluster_nodes")
@@ -68,9 +96,33 @@ class RedisTierConfig(EncodedTierSettings):
             if "@" in node or "/" in node:  # "user:pw@host:port" would pass as a host
                 raise ValueError(f"{redact_text(node)!r} is not host:port "
                                  "(no credentials here: use password_file or password_env)")
-            if not host or not port.isdigit():
+            if not host or not (port.isascii() and port.isdigit()):
                 raise ValueError(f"{node!r} is not host:port")
+            if not 1 <= int(port) <= 65535:
+                raise ValueError(f"{node!r}: a port from 1 to 65535")
         return nodes
+
+    @field_validator("ttl_s")
+    @classmethod
+    def _ttl_in_range(cls, ttl_s: float | None) -> float | None:
+        # Infinity overflowed the conversion to milliseconds when the tier was built.
+        if ttl_s is not None and not MIN_TTL_S <= ttl_s <= MAX_TTL_S:  # NaN fails this too
+            raise ValueError(f"seconds from {MIN_TTL_S} (1 ms) to {MAX_TTL_S} (365 days), "
+                             "or null: chunks never expire")
+        return ttl_s
+
+    @model_validator(mode="after")
+    def _one_server_and_password_source(self) -> RedisTierConfig:
+        # Either pair would leave one setting silently unused: the tier reaches a cluster
+        # through cluster_nodes alone, and reads password_env only without password_file.
+        # Each names the field that would go unused (a ValueError would name the whole tier).
+        if self.cluster_nodes and "url" in self.model_fields_set:
+            raise FieldError("url", self.url, "url or cluster_nodes, not both (url names "
+                             "one standalone server, cluster_nodes a Redis Cluster)")
+        if self.password_file is not None and self.password_env:
+            raise FieldError("password_env", self.password_env,
+                             "password_file or password_env, not both")
+        return self
 
     @model_validator(mode="after")
     def _ca_only_with_tls(self) -> RedisTierConfig:

@@ -13,6 +13,7 @@ Primitives: `S3TierConfig`, `INLINE_CREDENTIALS`.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -20,6 +21,7 @@ from urllib.parse import urlsplit
 from pydantic import Field, field_validator, model_validator
 
 from kvtier.config import ByteSize
+from kvtier.errors import FieldError
 from kvtier.redaction import MASK, url_credentials
 from kvtier.tiers.encoding import EncodedTierSettings
 
@@ -29,6 +31,11 @@ INLINE_CREDENTIALS = ("access_key_id", "secret_access_key", "session_token",
 _REFUSED = ("never inline: a key in the config sits in config files, process listings and "
             "logs; use the environment (AWS_ACCESS_KEY_ID, ...), a shared credentials file "
             "(credentials_file, profile), or an instance/IRSA role")
+# The characters any bucket name may have: AWS's rules for new buckets (lowercase letters,
+# digits, '.', '-', 3-63) are stricter than its legacy us-east-1 names and GCS's (which may
+# hold uppercase letters and '_', up to 255 and 222 characters): a space, a '/' or a '!' is
+# a typo everywhere.
+_BUCKET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{1,253}[A-Za-z0-9]")
 
 
 class S3TierConfig(EncodedTierSettings):
@@ -41,7 +48,7 @@ class S3TierConfig(EncodedTierSettings):
     capacity: ByteSize = 0  # bytes kvtier keeps per namespace (periodic listing); 0 = no bound
     bucket: str  # the bucket (created by the operator: the tier never creates one)
     endpoint_url: str | None = None  # e.g. https://minio.local:9000; None = AWS's for `region`
-    region: str = "us-east-1"  # the bucket's region (signing)
+    region: str = "us-east-1"  # the bucket's region (signing); never empty
     key_prefix: str = "kvtier"  # every object name starts with "<key_prefix>/"
     credentials_file: Path | None = None  # an AWS shared-credentials file (INI, mode 0600)
     profile: str | None = None  # profile in that file (or ~/.aws); None = AWS_PROFILE/default
@@ -108,14 +115,30 @@ class S3TierConfig(EncodedTierSettings):
         if found or "@" in parts.netloc:
             raise ValueError(f"no credentials in the URL ({'; '.join(found) or 'userinfo'}: "
                              f"shown as {MASK}); {_REFUSED}")
+        # botocore would fail on the first request, in a worker, rather than here
+        try:
+            port_ok = parts.port is None or 1 <= parts.port <= 65535
+        except ValueError:  # not a number, or above 65535
+            port_ok = False
+        if not port_ok:
+            raise ValueError("a port from 1 to 65535 (e.g. https://minio.local:9000)")
         return url.rstrip("/")
 
     @field_validator("bucket")
     @classmethod
     def _bucket(cls, bucket: str) -> str:
-        if not 3 <= len(bucket) <= 63 or "/" in bucket:
-            raise ValueError("a bucket name of 3 to 63 characters, no '/'")
+        if not _BUCKET_NAME.fullmatch(bucket) or ".." in bucket:
+            raise ValueError("a bucket name: letters, digits, '.' (never two in a row), '-' "
+                             "and '_', beginning and ending with a letter or digit, 3 to 63 "
+                             "characters on AWS (lowercase; legacy names up to 255)")
         return bucket
+
+    @field_validator("region")
+    @classmethod
+    def _region(cls, region: str) -> str:
+        if not region.strip():
+            raise ValueError("a region name such as 'us-east-1' (requests are signed for it)")
+        return region
 
     @field_validator("key_prefix")
     @classmethod
@@ -138,6 +161,13 @@ class S3TierConfig(EncodedTierSettings):
             raise ValueError("manage_lifecycle needs ttl_days (the rule's expiry)")
         if self.tls_ca_file is not None and not self.tls_verify:
             raise ValueError("tls_ca_file is set but tls_verify is false")
+        # Never dropped silently: the operator would believe the CA verifies a connection
+        # that is clear text (the redis tier refuses the same). Names the field to fix.
+        clear_text = self.endpoint_url is not None and urlsplit(self.endpoint_url).scheme == "http"
+        if self.tls_ca_file is not None and clear_text:
+            raise FieldError("tls_ca_file", str(self.tls_ca_file),
+                             f"no CA with a clear-text endpoint ({self.endpoint_url}): "
+                             "use an https:// endpoint_url, or leave tls_ca_file out")
         return self
 
     @property
