@@ -96,12 +96,31 @@ def test_sliding_window_model_loses_capacity_when_hma_must_be_off():
     assert "LMCache cannot serve" in (on.alternative("lmcache").refused or "")
 
 
-def test_notes_for_weights_not_fitting_and_tiny_host():
-    plan = make_plan(req("llama-3-70b", gpu=gpu_profile("l40s"), tp=1))
-    assert plan.live_sessions == 0
-    assert any("do not fit" in n for n in plan.notes)
+def test_weights_not_fitting_are_refused_and_a_tiny_host_noted():
+    # No command can serve it: none is printed (a note beside four commands, rc 0, before).
+    with pytest.raises(ConfigError, match=r"hbm=.*raise --tp or use a larger GPU"):
+        make_plan(req("llama-3-70b", gpu=gpu_profile("l40s"), tp=1))
     small = make_plan(req("llama-3-8b", host_ram_bytes=32 * GIB))
     assert any("mirror HBM" in n for n in small.notes)
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--host-ram", "0"], "--host-ram='0': a size above 0"),  # was: 256 GiB assumed
+    (["--nvme-path", "rel dir/kv"], "an absolute path"),  # was: file://rel dir/kv/
+    (["--params", "1e30"], "--params: '1e30': at most"),  # was: named the GPU's HBM
+    (["--hbm", "10GiB"], "raise --tp or use a larger GPU"),  # was: 4 commands and rc 0
+])
+def test_plan_refuses_input_it_cannot_plan_for(capsys: pytest.CaptureFixture[str],
+                                               args: list[str], said: str) -> None:
+    from kvtier.tools.cli.main import main
+
+    try:
+        code = main(["plan", str(CONFIGS / "llama-3-8b.json"), *args])
+    except SystemExit as exc:  # argparse's own refusal of a flag's value
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert said in err and "vllm serve" not in err
 
 
 def test_long_context_gets_block_size_and_batch_cap():

@@ -153,6 +153,10 @@ def test_tier_sessions_count_a_state_copy_per_chunk():
     assert cpu.capacity_bytes // once > 3 * cpu.warm_sessions
     # vLLM native offload keeps one state per sequence: its tier holds the "once" count
     assert plan.alternative("native").tiers[1].warm_sessions == cpu.capacity_bytes // once
+    # The plan's own tier table (and the router weights from it) are kvtier's tiers: they
+    # counted a session once, ~4x more than the alternatives' kvtier row said fit.
+    assert [t.warm_sessions for t in plan.tiers[1:]] == [t.warm_sessions
+                                                        for t in kvtier.tiers[1:]]
     assert any("does not grow with the context" in n and "121 chunks" in n
                for n in plan.notes)
 

@@ -50,6 +50,7 @@ from kvtier.tools.ops.vllm_versions import (
 from kvtier.units import format_size, parse_size
 
 _GIB = 1024**3
+MAX_PARAMS = 1e15  # parameters of a model, at most (the largest today: ~2e12)
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -64,14 +65,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="share of host RAM for the CPU tier (default 0.6)")
     p.add_argument("--nvme", help="NVMe space for the disk tier (default: a 4TB drive, said as "
                    "an assumption); 0 = none")
-    p.add_argument("--nvme-path", type=path_text, default="/mnt/nvme/kvtier")
+    p.add_argument("--nvme-path", type=absolute_path, default="/mnt/nvme/kvtier")
     p.add_argument("--nvme-gen", type=int, default=4, choices=(4, 5))
     p.add_argument("--pcie-gen", type=int, choices=(4, 5), help="default: the GPU's own")
     p.add_argument("--context", type=non_negative_int, default=0,
                    help="typical session length in tokens (default min(model max, 32768))")
     p.add_argument("--concurrency", type=positive_int, default=16, help="target live sessions")
     p.add_argument("--kv-dtype", default="bf16", help="bf16 or fp8")
-    p.add_argument("--params", type=positive_float,
+    p.add_argument("--params", type=param_count,
                    help="override the parameter count, e.g. 70.6e9")
     p.add_argument("--vllm-version", help="target vLLM release (default: installed, if any)")
     p.add_argument("--from-sglang", type=size_gb, metavar="GB_PER_RANK",
@@ -115,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         model=spec, model_ref=args.served_model or _model_ref(args.model, spec.name),
         gpu=gpu_profile(args.gpu, args.hbm), tp=args.tp,
         gpu_memory_utilization=args.gpu_memory_utilization,
-        host_ram_bytes=parse_size(args.host_ram, "host_ram") if args.host_ram else 0,
+        host_ram_bytes=_host_ram(args.host_ram),
         host_kv_fraction=args.host_kv_fraction,
         nvme_bytes=None if args.nvme is None else parse_size(args.nvme, "nvme"),
         nvme_path=args.nvme_path, nvme_gen=args.nvme_gen, pcie_gen=args.pcie_gen,
@@ -133,6 +134,35 @@ def run(args: argparse.Namespace) -> int:
         _print(plan)
         print_router_weights(Console(width=max(Console().width, 120)), weights)
     return 0
+
+
+def absolute_path(text: str) -> str:
+    """A directory's absolute path (`path_text`): the printed configs and LMCache's file://
+    URI name it from wherever the server starts."""
+    text = path_text(text)
+    if not text.startswith("/"):
+        raise argparse.ArgumentTypeError(f"{text!r}: an absolute path, e.g. /mnt/nvme/kvtier")
+    return text
+
+
+def param_count(text: str) -> float:
+    """A model's parameter count: > 0 and at most 1e15 (a typo's digits would size weights
+    no GPU holds, and say so of the GPU rather than of the count)."""
+    value = positive_float(text)
+    if value > MAX_PARAMS:
+        raise argparse.ArgumentTypeError(f"{text!r}: at most {MAX_PARAMS:g} (e.g. 70.6e9)")
+    return value
+
+
+def _host_ram(text: str | None) -> int:
+    """`--host-ram` in bytes; 0 when not given (the plan assumes a host's RAM)."""
+    if text is None:
+        return 0
+    size = parse_size(text, "host_ram")
+    if size == 0:
+        raise ConfigError("--host-ram", text, "a size above 0, e.g. 512GiB (leave it out "
+                          "to assume 256 GiB a GPU)")
+    return size
 
 
 def router_weights(plan: Plan, metrics_url: str | None = None,

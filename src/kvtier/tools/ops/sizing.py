@@ -114,8 +114,14 @@ def make_plan(req: PlanRequest) -> Plan:
     ctx = req.context_tokens or min(spec.max_position_embeddings or DEFAULT_CONTEXT_CAP,
                                     DEFAULT_CONTEXT_CAP)
     weights_gpu = math.ceil(spec.weights_bytes / tp)
-    kv_gpu = max(0, int(req.gpu.hbm_bytes * req.gpu_memory_utilization)
-                 - weights_gpu - RUNTIME_RESERVE_BYTES)
+    usable = int(req.gpu.hbm_bytes * req.gpu_memory_utilization)
+    kv_gpu = usable - weights_gpu - RUNTIME_RESERVE_BYTES
+    if kv_gpu <= 0:  # no command can serve it: none is printed
+        raise ConfigError("hbm", _gib_text(req.gpu.hbm_bytes),
+                          f"room for the weights ({_gib_text(weights_gpu)} a GPU at --tp {tp}) "
+                          f"and vLLM's runtime ({_gib_text(RUNTIME_RESERVE_BYTES)}) within "
+                          f"{req.gpu_memory_utilization:g} of it: raise --tp or use a larger "
+                          "GPU")
     reprefill = prefill_seconds(spec, ctx, req.gpu, tp)
     engines = max(1, req.node_engines)
     host_ram = req.host_ram_bytes or DEFAULT_HOST_RAM_PER_GPU * tp * engines
@@ -134,6 +140,11 @@ def make_plan(req: PlanRequest) -> Plan:
                          tokens_per_chunk=req.tokens_per_chunk)
     alts = build_alternatives(req, ctx, kv_gpu, cpu_gib, nvme_gib, reprefill, flags, chunks)
     native = next(a for a in alts if a.name == "native")
+    kvtier = next(a for a in alts if a.name == "kvtier")
+    # The tiers are kvtier's: where its chunks each carry a model's states, a session takes
+    # more room there than in HBM (the alternatives' kvtier row counts the same).
+    stored = chunks.session_bytes(ctx) if chunks is not None and kvtier.refused is None \
+        else None
     plan = Plan(
         request=req, context_tokens=ctx, weights_bytes=spec.weights_bytes,
         weights_per_gpu_bytes=weights_gpu, kv_bytes_per_token_rank=native.bytes_per_token_rank,
@@ -143,13 +154,12 @@ def make_plan(req: PlanRequest) -> Plan:
         reprefill_s=reprefill, hybrid_manager=native.hybrid_manager,
         hma_reason=native.hma_reason, cpu_tier_bytes=cpu_bytes,
         tiers=tier_estimates(req, native.session_bytes_total // tp, kv_gpu, cpu_bytes,
-                             int(nvme_gib * _GIB), reprefill),
+                             int(nvme_gib * _GIB), reprefill, stored),
         cpu_offload_gib=cpu_gib, cpu_tier_wanted_bytes=wanted, host_ram_bytes=host_ram,
         nvme_gib=nvme_gib, serve_flags=tuple(flags), alternatives=alts,
         assumptions=tuple(_assumptions(req, ctx, host_ram, nvme_gib)), chunks=chunks,
         node=None if not req.node_engines else plan_node(
-            req, ctx, host_ram, cpu_gib, nvme_gib, next(a for a in alts if a.name == "kvtier"),
-            tuple(flags), chunks))
+            req, ctx, host_ram, cpu_gib, nvme_gib, kvtier, tuple(flags), chunks))
     return _with_notes(plan, kv_gpu)
 
 
@@ -240,16 +250,16 @@ def _notes(plan: Plan, kv_gpu: int) -> list[str]:
                      f"{_gib_text(plan.host_ram_bytes // engines)} RAM{share} is "
                      f"{_gib_text(plan.cpu_tier_bytes)}; the commands use that (pass "
                      "--host-ram if the host has more)")
-    if kv_gpu == 0:
-        notes.append("the weights do not fit: raise --tensor-parallel-size or use a larger GPU")
-    elif plan.live_sessions < req.concurrency:
+    if plan.live_sessions < req.concurrency:
         notes.append(f"HBM holds {plan.live_sessions} live session(s) at {ctx} tokens, below "
                      f"the target {req.concurrency}: offload adds WARM sessions (no "
                      "re-prefill on return), not live ones; shorten the context or add GPUs "
                      "for more live sessions")
     if spec.max_position_embeddings and ctx > spec.max_position_embeddings:
         notes.append(f"context {ctx} exceeds the model's max_position_embeddings "
-                     f"({spec.max_position_embeddings})")
+                     f"({spec.max_position_embeddings}): vLLM refuses such a --max-model-len "
+                     "unless the model's rope scaling extends it (or "
+                     "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, at the outputs' risk)")
     if plan.cpu_tier_bytes <= kv_gpu * req.tp:
         notes.append("the CPU tier is not larger than the GPUs' KV cache: it would only "
                      "mirror HBM and add no hit rate; give it more host RAM or skip offload")
