@@ -141,6 +141,17 @@ def test_a_typo_in_a_nested_mapping_lists_that_mappings_fields() -> None:
     assert caught.value.allowed == "unknown field; allowed fields: cap, share"
 
 
+def test_a_ram_tier_behind_a_slower_one_is_refused() -> None:
+    """Tiers go fastest first: a disk tier first made every store wait for the disk, and the
+    RAM behind it held only what the disk already did."""
+    with pytest.raises(ConfigError) as caught:
+        StoreConfig.parse({"tiers": [{"kind": "disk", "path": X, "capacity": "1GiB"},
+                                     {"kind": "memory", "capacity": "1GiB"}]})
+    assert caught.value.field == "config.tiers"
+    assert "RAM first" in caught.value.allowed
+    StoreConfig.parse({"tiers": [{"kind": "disk", "path": X, "capacity": "1GiB"}]})  # alone
+
+
 def test_two_tiers_with_one_name_are_rejected_naming_the_name() -> None:
     """Two memory tiers without names would both be called "memory": stats and logs could
     not tell them apart. Naming them apart fixes it."""

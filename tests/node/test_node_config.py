@@ -28,8 +28,8 @@ pytestmark = pytest.mark.timeout(120)  # a hang fails here, not at the suite's 9
 
 MEMORY = {"tiers": [{"kind": "memory", "capacity": "1MiB"}]}
 SOCKET = Path("/run/kvtier/node.sock")
-DISK_FIRST = {"tiers": [{"kind": "disk", "path": "/tmp/kvtier-never-made", "capacity": "1GiB"},
-                        {"kind": "memory", "capacity": "1GiB"}]}
+# A store of its own (an engine's disk-only store), not a node's: no RAM to share.
+DISK_FIRST = {"tiers": [{"kind": "disk", "path": "/tmp/kvtier-never-made", "capacity": "1GiB"}]}
 
 
 def test_a_node_whose_first_tier_is_not_memory_is_refused(tmp_path: Path):

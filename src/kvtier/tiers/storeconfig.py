@@ -122,6 +122,14 @@ class StoreConfig(FrozenModel):
         for name in names:
             if names.count(name) > 1:
                 raise ValueError(f"tier name {name!r} is used twice; give tiers distinct names")
+        # Fastest first: every store waits for the first tier, and a RAM tier behind a
+        # slower one would hold only what that one already does.
+        slower = next((i for i, t in enumerate(tiers) if t.kind != "memory"), len(tiers))
+        for tier in tiers[slower + 1:]:
+            if tier.kind == "memory":
+                raise ValueError(f"tier {tier.tier_name!r} (memory) after "
+                                 f"{tiers[slower].tier_name!r} ({tiers[slower].kind}): tiers "
+                                 "go fastest first, RAM first")
         # Two file tiers on one directory would each count the other's chunks as its own.
         directories: dict[str, str] = {}
         for tier in tiers:
