@@ -167,6 +167,7 @@ def test_a_tier_on_a_dead_mount_is_reported_not_waited_for(
     path.write_text(json.dumps({"tiers": [
         {"kind": "disk", "path": str(tmp_path / "d"), "capacity": "1MiB"},
         {"kind": "shared", "path": str(dead / "kv"), "capacity": "1MiB"}]}))
+    (tmp_path / "d").mkdir()  # the disk tier has started: only the dead mount is reported
     monkeypatch.setattr(directories, "CHECK_TIMEOUT_S", 0.3)
     for name in ("stat", "lstat", "scandir", "listdir", "open"):
         monkeypatch.setattr(os, name, hung(getattr(os, name)))
@@ -182,6 +183,49 @@ def test_a_tier_on_a_dead_mount_is_reported_not_waited_for(
     for errors in (report["errors"], collected["errors"]):
         assert list(errors) == ["shared"] and "did not answer within 0.3 s" in errors["shared"]
     assert took_s < 15.0, took_s  # two commands of 0.3 s waits each (1.5 s); 60 s before
+
+
+def test_a_tier_directory_that_does_not_exist_is_reported_and_exits_1(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A tier creates its directory when it starts: a missing one is a wrong path, an
+    unmounted volume, or a tier never started on this machine. It was listed as an empty
+    tier with status 0; a cron job running gc saw success while gc never reached it. It is
+    reported, the other tiers still listed or collected, and the status is 1."""
+    missing = tmp_path / "typo" / "kv"
+    tiers = [{"kind": "disk", "name": "local", "path": str(tmp_path / "d"), "capacity": "1MiB"},
+             {"kind": "shared", "name": "fleet", "path": str(missing), "capacity": "1MiB"}]
+    config = tmp_path / "store.json"
+    config.write_text(json.dumps({"tiers": tiers}))
+    tier = build_tier(StoreConfig.parse({"tiers": tiers}).tiers[0], LAYOUT_A)
+    tier.put(key(1), memoryview(bytes(LAYOUT_A.bytes_per_chunk)))
+    tier.close()
+
+    assert main(["inspect", "--config", str(config), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert [r["tier"] for r in report["namespaces"]] == ["local"]
+    assert list(report["errors"]) == ["fleet"]
+    assert f"{missing} does not exist" in report["errors"]["fleet"]
+    assert main(["gc", "--config", str(config), "--quota", "0", "--dry-run", "--json"]) == 1
+    collected = json.loads(capsys.readouterr().out)
+    assert [o["tier"] for o in collected["outcomes"]] == ["local"]
+    assert list(collected["errors"]) == ["fleet"]
+    assert main(["inspect", "--config", str(config)]) == 1
+    assert f"tier fleet: not readable: {missing} does not exist" in \
+        " ".join(capsys.readouterr().out.split())
+    assert not missing.exists()  # reported, not created
+
+
+def test_a_config_without_a_persistent_tier_is_refused_naming_what_is_needed(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A memory tier lives in its engine's process: inspect listed an empty table and gc did
+    nothing, both with status 0."""
+    config = tmp_path / "store.json"
+    config.write_text(json.dumps({"tiers": [{"kind": "memory", "capacity": "1MiB"}]}))
+    for argv in (["inspect"], ["gc", "--quota", "0"]):
+        assert main([*argv, "--config", str(config)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "invalid config tiers=['memory']: at least one persistent tier (disk, " in err
+        assert "\n" not in err
 
 
 def test_select_victims_rules() -> None:

@@ -53,6 +53,7 @@ WORKDIR = Path(tempfile.mkdtemp(prefix="kvtier-odd-"))
 STORE = WORKDIR / "store.json"
 STORE.write_text(json.dumps({"tiers": [{"kind": "disk", "path": str(WORKDIR / "disk"),
                                          "capacity": "64MiB"}]}))
+(WORKDIR / "disk").mkdir()  # a tier's missing directory is reported, status 1 (inspect, gc)
 NODE_STORE = WORKDIR / "node.json"  # a node's tiers begin with RAM
 NODE_STORE.write_text(json.dumps({"tiers": [{"kind": "memory", "capacity": "1MiB"}]}))
 PROMPT = WORKDIR / "prompt.txt"

@@ -77,6 +77,7 @@ def store(tmp_path: Path) -> str:
         {"kind": "memory", "name": "cpu", "capacity": "64MiB"},
         {"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "64MiB"},
         {"kind": "redis", "url": "redis://127.0.0.1:9", "capacity": "64MiB"}]}))
+    (tmp_path / "disk").mkdir()  # the disk tier has started (a missing directory: status 1)
     return str(path)
 
 

@@ -86,3 +86,56 @@ def test_cli_bad_input_exits_2(argv: list[str], capsys: pytest.CaptureFixture[st
     assert code == 2
     err = capsys.readouterr().err
     assert "invalid config" in err or f"argument {argv[0]}" in err
+
+
+@pytest.mark.parametrize(("argv", "option", "needs"), [
+    (["--capacity", "1M"], "--capacity", "only with --trace"),
+    (["--policies", "lru"], "--policies", "only with --trace"),
+    (["--plot", "{tmp}/out.png"], "--plot", "only with --sweep or --trace"),
+    (["--trace-block-tokens", "16"], "--trace-block-tokens", "only with --trace or --write-trace"),
+    (["--trace", "{tmp}/t.jsonl", "--write-trace", "{tmp}/ww.jsonl"], "--write-trace",
+     "not with --trace"),
+    (["--sweep", "rate=2", "--write-trace", "{tmp}/ww.jsonl"], "--sweep",
+     "not with --write-trace"),
+    (["--validate", "--trace", "{tmp}/t.jsonl"], "--trace", "not with --validate"),
+])
+def test_an_option_of_a_mode_not_asked_for_is_refused_not_ignored(
+        argv: list[str], option: str, needs: str, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`--capacity 1M` alone ran the whole default simulation; `--plot` without a sweep wrote
+    no PNG and `--trace T --write-trace W` no W, each with status 0."""
+    (tmp_path / "t.jsonl").write_text('{"hash_ids": [1, 2]}\n', encoding="utf-8")
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert main(["simulate", "--requests", "200", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"kvtier: invalid config {option}=") and needs in err, err
+    assert "\n" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.jsonl"]  # nothing written
+
+
+def test_no_request_is_refused_before_any_trace_is_written(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--requests 0 wrote an empty trace (and suggested replaying it), or printed
+    `nan / nan / nan ms`."""
+    for extra in (["--write-trace", str(tmp_path / "w0.jsonl")], []):
+        with pytest.raises(SystemExit) as exc:
+            main(["simulate", "--requests", "0", *extra])
+        assert exc.value.code == 2
+        assert "argument --requests: '0': must be at least 1" in capsys.readouterr().err
+    assert not (tmp_path / "w0.jsonl").exists()
+
+
+def test_a_sweep_where_offload_never_pays_says_so_in_words(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--workload", "unique", "--requests", "200",
+                 "--sweep", "rate=3,6"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "offload never pays at the rate values swept" in out and "None" not in out
+
+
+def test_the_gpu_help_names_every_profile_cpu_included(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--gpu GPU h100, h200, a100, l40s, or cpu" in out

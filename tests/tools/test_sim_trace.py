@@ -225,3 +225,61 @@ def test_a_synthetic_workload_written_as_a_trace_replays_and_prefix_keeps_lrus_h
     for point in data["points"]:
         lru, prefix = point["policies"]
         assert prefix["hit_tokens"] >= lru["hit_tokens"], (workload, point["capacity_tokens"])
+
+
+def test_a_trace_read_in_the_wrong_block_size_is_refused_at_its_first_long_prompt(
+        tmp_path: Path) -> None:
+    """43 hashes of 512 tokens cannot be a prompt of 686 tokens (its last block may be
+    partial, never empty): a trace of 16-token blocks read as 512 once replayed as blocks of
+    512 (capacities 9,728 / 99,840, hit ratios off), silently. The error names the line, the
+    numbers and the size the line fits."""
+    path = tmp_path / "w16.jsonl"
+    path.write_text('{"block_hashes": [1], "input_length": 10}\n'  # fits either size
+                    + json.dumps({"block_hashes": list(range(43)), "input_length": 686})
+                    + "\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"trace line 2\.input_length=686: 43 blocks of 512 "
+                       r"tokens .* hold 21,505-22,016; the line fits blocks of 16 tokens: "
+                       r".*--trace-block-tokens 16"):
+        read_trace(path)
+    assert [len(r.keys) for r in read_trace(path, block_tokens=16).requests] == [0, 42]
+    path.write_text('{"hash_ids": [1, 2, 3], "input_length": 4}\n', encoding="utf-8")
+    with pytest.raises(ConfigError, match="no block size fits the line"):
+        read_trace(path, block_tokens=2)
+    path.write_text('{"hash_ids": [], "input_length": 5}\n', encoding="utf-8")
+    with pytest.raises(ConfigError, match="0 tokens with no hashes"):
+        read_trace(path)
+
+
+def test_a_written_trace_records_its_block_size_and_replays_in_it_unasked(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "w16.jsonl"
+    assert main(["simulate", "--workload", "chat", "--requests", "200", "--write-trace",
+                 str(path), "--trace-block-tokens", "16"]) == 0
+    assert "--trace-block-tokens" not in capsys.readouterr().out  # the replay needs none
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    assert {row["block_tokens"] for row in rows} == {16}
+    assert main(["simulate", "--trace", str(path), "--capacity", "10k,100k",
+                 "--policies", "lru", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["block_tokens"] == 16
+    assert [p["capacity_tokens"] for p in data["points"]] == [10_000, 100_000]
+    # Read in another size, it is refused, saying the size it records.
+    assert main(["simulate", "--trace", str(path), "--trace-block-tokens", "512"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "trace line 1.block_tokens=16" in err and "--trace-block-tokens 16)" in err
+    assert "\n" not in err
+    # One block size a trace: a line that records another is refused.
+    path.write_text('{"hash_ids": [1], "block_tokens": 16}\n'
+                    '{"hash_ids": [1, 2], "block_tokens": 32}\n', encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"trace line 2\.block_tokens=32: 16, the block size"):
+        read_trace(path)
+
+
+@pytest.mark.parametrize("capacity", ["100", "1", "0", "1M,511"])
+def test_a_capacity_below_one_block_is_refused_naming_the_block_size(
+        trace_file: Path, capacity: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """100 tokens once rounded down to 0 blocks: 0.0% (100% of an optimum of 0), silently."""
+    assert main(["simulate", "--trace", str(trace_file), "--capacity", capacity,
+                 "--policies", "lru"]) == 2
+    err = capsys.readouterr().err
+    assert "capacity" in err and "at least one block of the trace: 512 tokens" in err

@@ -18,7 +18,7 @@ live in a process and have nothing to inspect. An inventory that also offers
 
 Primitives: `StoredChunk`, `NamespaceUsage`, `Inventory` (protocol; both from
 kvtier.core.tier), `OrphanSource` and `ManifestSource` (its optional abilities),
-`open_inventories`, `read_manifests`, `summarize`, `UNKNOWN`.
+`persistent_tiers`, `open_inventories`, `read_manifests`, `summarize`, `UNKNOWN`.
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ from kvtier.errors import ConfigError
 from kvtier.tiers import answers
 from kvtier.tiers.files import directories
 from kvtier.tiers.manifest import NamespaceManifest
-from kvtier.tiers.registry import tier_class
-from kvtier.tiers.storeconfig import StoreConfig
+from kvtier.tiers.registry import public_kinds, tier_class
+from kvtier.tiers.storeconfig import StoreConfig, TierSettings
 
 __all__ = ["UNKNOWN", "Inventory", "ManifestSource", "NamespaceUsage", "OrphanSource",
-           "StoredChunk", "open_inventories", "read_manifests", "summarize"]
+           "StoredChunk", "open_inventories", "persistent_tiers", "read_manifests", "summarize"]
 UNKNOWN = "unknown"  # model and fingerprint of a namespace without a (valid) manifest
 
 
@@ -91,19 +91,32 @@ def read_manifests(inventory: Inventory) -> dict[str, NamespaceManifest | None]:
     return inventory.manifests() if isinstance(inventory, ManifestSource) else {}
 
 
+def persistent_tiers(config: StoreConfig) -> list[TierSettings]:
+    """The tiers of `config` whose storage outlives a process (their kind offers
+    inventories), in the config's order: what inspect and gc read."""
+    return [t for t in config.tiers if _inventory_source(t.kind) is not None]
+
+
 def open_inventories(config: StoreConfig, tier: str | None = None, *,
                      unanswered: dict[str, str] | None = None) -> list[Inventory]:
     """An inventory per persistent tier of `config` (memory tiers live in a process: none),
     or only the tier named `tier`. With `unanswered`, a tier whose directory does not answer
     within `directories.CHECK_TIMEOUT_S` (a dead hard-mounted NFS server blocks every call
-    into it for ever) is left out and said there (tier name -> why), rather than hang.
+    into it for ever), or does not exist, is left out and said there (tier name -> why),
+    rather than hang or be listed as empty: a tier creates its directory when it starts, so
+    a missing one is a wrong path, an unmounted volume, or a tier never started here.
 
     Raises:
-        ConfigError: `tier` names no persistent tier of the config; a redis password file
-            or variable is unusable.
+        ConfigError: `config` has no persistent tier; `tier` names none of them; a redis
+            password file or variable is unusable.
     """
     persistent = [(t, source) for t in config.tiers
                   if (source := _inventory_source(t.kind)) is not None]
+    if not persistent:
+        kinds = [k for k in public_kinds() if _inventory_source(k) is not None]
+        raise ConfigError("tiers", [t.kind for t in config.tiers],
+                          f"at least one persistent tier ({', '.join(kinds)}) to read: a "
+                          "memory tier lives in its engine's process, nothing outside holds it")
     chosen = [(t, source) for t, source in persistent if tier in (None, t.tier_name)]
     if tier is not None and not chosen:
         names = [t.tier_name for t, _ in persistent]
@@ -111,9 +124,15 @@ def open_inventories(config: StoreConfig, tier: str | None = None, *,
     if unanswered is not None:
         for t, _ in chosen:
             path = getattr(t, "path", None)
-            if path is not None and not answers(Path(path), directories.CHECK_TIMEOUT_S):
+            if path is None:
+                continue
+            if not answers(Path(path), directories.CHECK_TIMEOUT_S):
                 unanswered[t.tier_name] = (f"{path} did not answer within "
                                            f"{directories.CHECK_TIMEOUT_S:g} s (a dead mount?)")
+            elif not Path(path).exists():
+                unanswered[t.tier_name] = (f"{path} does not exist (a tier creates it when it "
+                                           "starts: a wrong path, an unmounted volume, or no "
+                                           "engine has used this tier here yet)")
         chosen = [(t, source) for t, source in chosen if t.tier_name not in unanswered]
     return [source.open_inventory(t) for t, source in chosen]
 

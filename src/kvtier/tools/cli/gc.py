@@ -6,7 +6,11 @@ what would go. Every run also deletes what failed writes left (redis parts witho
 `--orphans` does only that. Rules combine (see kvtier/tools/admin/gc.py).
 
 Exit codes: 0 done (also when no namespace matched: said so), 1 a tier's storage could not
-be read, 2 bad input.
+be read: no answer within 5 s (a dead mount), or its directory does not exist (a wrong path,
+an unmounted volume, or no engine has used the tier on this machine yet); each is said and
+the other tiers are still collected, and a cron job sees a gc that could not do its work,
+rather than a 0 for a tier it never reached. 2 bad input (a config without a persistent
+tier included: there is nothing for gc to collect).
 """
 
 from __future__ import annotations

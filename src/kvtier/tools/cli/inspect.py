@@ -11,8 +11,11 @@ Dynamo (kvtier.tools.ops.restorecost), in the table and as a table of its own; a
 engine's cache did and holds (kvtier.tools.ops.enginecache): the tokens it found, loaded, and
 found but did not load by reason, and the chunks and bytes each tier holds now.
 
-Exit codes: 0 listed, 1 a tier's storage could not be read, 2 bad input (an unreadable
-/metrics included).
+Exit codes: 0 listed, 1 a tier's storage could not be read (no answer within 5 s: a dead
+mount; its directory does not exist: a wrong path, an unmounted volume, or no engine has
+used the tier on this machine yet; each said, the other tiers still listed), 2 bad input (an
+unreadable /metrics included; a `--config` without a persistent tier, unless `--metrics`
+asks about the tiers' costs alone).
 """
 
 from __future__ import annotations
@@ -28,7 +31,13 @@ from rich.table import Table
 from kvtier.core.codecs import LOSSY_CODECS
 from kvtier.errors import ConfigError
 from kvtier.tiers.storeconfig import StoreConfig, TierSettings
-from kvtier.tools.admin.inventory import NamespaceUsage, open_inventories, read_manifests, summarize
+from kvtier.tools.admin.inventory import (
+    NamespaceUsage,
+    open_inventories,
+    persistent_tiers,
+    read_manifests,
+    summarize,
+)
 from kvtier.tools.cli.weights import print_router_weights
 from kvtier.tools.ops.doctor import read_store
 from kvtier.tools.ops.enginecache import EngineCache, parse_engine_cache
@@ -89,7 +98,10 @@ def run(args: argparse.Namespace) -> int:
         weights = measured_weights(costs, tier_media(store) if store else None)
     rows: list[NamespaceUsage] = []
     errors: dict[str, str] = {}
-    if store is not None:
+    # With --metrics, a config of memory tiers only still names the tiers' media.
+    listed = store is not None and not (args.metrics and args.tier is None
+                                        and not persistent_tiers(store))
+    if store is not None and listed:
         rows, errors = _inventory(store, args.tier)
     encodings = {t.tier_name: at_rest(t) for t in store.tiers} if store else {}
     if args.json:
@@ -102,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
                          indent=2))
         return 1 if errors else 0
     console = Console(width=max(Console().width, 180))
-    if store is not None:
+    if listed:
         console.print(_table(rows, encodings, {w.tier: w for w in weights} if costs else None))
     if costs is not None:
         print_router_weights(console, weights, costs.decisions)

@@ -5,6 +5,11 @@
     kvtier simulate --tier shared=2TiB --load-when always   # a naive cache: load every hit
     kvtier simulate --validate
     kvtier simulate --trace requests.jsonl --plot hit-ratio.png   # simulate_trace.py
+
+A command line runs one mode (a plain run, `--sweep`, `--trace`, `--write-trace` or
+`--validate`); an option of another mode (`--plot` without `--sweep` or `--trace`,
+`--capacity` without `--trace`, ...) is refused rather than silently ignored
+(`refuse_unused`).
 """
 
 from __future__ import annotations
@@ -21,11 +26,11 @@ from kvtier.tools.cli.argtypes import (
     finite_float,
     fraction,
     int_in,
-    non_negative_int,
     output_file,
     positive_int,
 )
 from kvtier.tools.cli.simulate_trace import add_trace_arguments, run_trace, write_trace
+from kvtier.tools.ops.hardware import GPU_PROFILES
 from kvtier.tools.sim.cost import MODEL_PRESETS
 from kvtier.tools.sim.engine import EngineConfig
 from kvtier.tools.sim.fleet import ROUTERS, SimConfig, simulate
@@ -41,12 +46,20 @@ DEFAULT_REQUESTS = 20_000
 _OVERRIDES = ("rate_rps", "think_s", "turns_mean", "system_tokens", "doc_prob",
               "user_tokens", "output_tokens", "max_context")
 
+# The modes of `kvtier simulate` besides a plain run: at most one a command line.
+MODES = ("--validate", "--trace", "--write-trace", "--sweep")
+# option -> the modes it belongs to (given without one of them, it is refused).
+MODE_OPTIONS = {"--capacity": ("--trace",), "--policies": ("--trace",),
+                "--trace-block-tokens": ("--trace", "--write-trace"),
+                "--plot": ("--sweep", "--trace")}
+
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("simulate", help="simulate serving with kvtier's tiers")
     p.add_argument("--model", default="llama-3.1-8b",
                    help=f"preset ({', '.join(MODEL_PRESETS)}) or path to a config.json")
-    p.add_argument("--gpu", default="h100", help="h100, h200, a100, l40s")
+    p.add_argument("--gpu", default="h100",
+                   help=f"{', '.join(GPU_PROFILES)}, or cpu (this machine's cores)")
     p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size per engine")
     p.add_argument("--engines", type=int_in(1, MAX_ENGINES), default=1,
                    help=f"engines in the fleet (1-{MAX_ENGINES})")
@@ -66,7 +79,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--block-tokens", type=positive_int, default=64)
     p.add_argument("--max-num-seqs", type=positive_int, default=256)
     p.add_argument("--max-batched-tokens", type=positive_int, default=8192)
-    p.add_argument("--requests", type=non_negative_int, default=None,
+    p.add_argument("--requests", type=positive_int, default=None,
                    help="requests to simulate (default 20000); with --trace: the first N")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sweep", metavar="PARAM=V1,V2,...",
@@ -118,8 +131,33 @@ def parse_sweep(text: str) -> tuple[str, list[float]]:
     return param, numbers
 
 
+def refuse_unused(args: argparse.Namespace) -> None:
+    """Refuse two modes at once, and an option of a mode not asked for (which would be
+    silently ignored).
+
+    Raises:
+        ConfigError: naming the option and the mode it needs.
+    """
+    def given(option: str) -> str | None:
+        value = getattr(args, option.removeprefix("--").replace("-", "_"))
+        return None if value is None or value is False else str(value)
+
+    modes = [mode for mode in MODES if given(mode) is not None]
+    if len(modes) > 1:
+        raise ConfigError(modes[1], given(modes[1]),
+                          f"not with {modes[0]}: one of {', '.join(MODES)} at a time")
+    for option, needs in MODE_OPTIONS.items():
+        if given(option) is not None and not set(needs) & set(modes):
+            raise ConfigError(option, given(option), f"only with {' or '.join(needs)}")
+
+
 def run(args: argparse.Namespace) -> int:
-    """Entry point of `kvtier simulate`; returns the exit code."""
+    """Entry point of `kvtier simulate`; returns the exit code.
+
+    Raises:
+        ConfigError: an invalid value, two modes, an option of a mode not asked for.
+    """
+    refuse_unused(args)
     if args.validate:
         return _run_validate(args.json)
     if args.trace is not None:
@@ -127,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     if args.write_trace is not None:
         return write_trace(args, cfg.workload, cfg.requests)
-    if args.sweep:
+    if args.sweep is not None:
         param, values = parse_sweep(args.sweep)
         if param != "cpu_gb" and not cfg.tiers:
             raise ConfigError("tier", "none", "at least one tier to compare against")
@@ -216,8 +254,11 @@ def _print_sweep(result: SweepResult, as_json: bool) -> None:
                       " ".join(f"{t.name} {t.hit_rate:.1%}" for t in o.tiers), p.verdict)
     console = Console()
     console.print(table)
-    console.print(f"offload starts to pay at {result.param} = {result.pays_from}; "
-                  f"only costs at {list(result.costs_at) or 'none'}")
+    pays = (f"offload never pays at the {result.param} values swept"
+            if result.pays_from is None
+            else f"offload starts to pay at {result.param} = {result.pays_from:g}")
+    costs = ", ".join(f"{value:g}" for value in result.costs_at) or "none"
+    console.print(f"{pays}; it only costs at {costs}")
 
 
 def _run_validate(as_json: bool) -> int:

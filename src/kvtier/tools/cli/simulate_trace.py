@@ -6,6 +6,11 @@
     kvtier simulate --trace T.jsonl --engines 2 --router round_robin   # + pooled vs private
     kvtier simulate --workload agent --requests 20000 --write-trace agent.jsonl  # then --trace
 
+`--capacity` and `--policies` go only with `--trace`, `--trace-block-tokens` with `--trace`
+or `--write-trace` (given elsewhere they are refused: `simulate.refuse_unused`). A trace
+written by `--write-trace` records its block size: replayed, it needs no
+`--trace-block-tokens`.
+
 Trace formats: `kvtier.tools.sim.trace`; the replay: `kvtier.tools.sim.replay`; the optimum
 and its exact meaning: `kvtier.tools.sim.optimum`. Prefill seconds come from the `--model`,
 `--gpu` and `--tp` cost model of `kvtier simulate` (`CostModel.prefill_s`).
@@ -24,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from kvtier.tools.cli.argtypes import any_path, output_file, positive_int
 from kvtier.tools.sim.replay import PolicySpec, Progress, parse_policy
+from kvtier.tools.sim.trace import DEFAULT_BLOCK_TOKENS
 from kvtier.tools.sim.tracesweep import TraceSweep, parse_tokens
 
 if TYPE_CHECKING:
@@ -39,16 +45,20 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", type=any_path, metavar="FILE.jsonl",
                    help="replay a request trace (Mooncake's format, or tokens / block_hashes "
                         "per line) through kvtier's policies: hit ratio vs capacity")
-    p.add_argument("--capacity", default=DEFAULT_CAPACITIES, metavar="TOKENS,...",
-                   help=f"with --trace: cache capacities in tokens (default {DEFAULT_CAPACITIES})")
-    p.add_argument("--policies", default=DEFAULT_POLICIES, metavar="POLICY,...",
+    p.add_argument("--capacity", metavar="TOKENS,...",
+                   help="with --trace: cache capacities in tokens, each at least one block "
+                        f"(default {DEFAULT_CAPACITIES})")
+    p.add_argument("--policies", metavar="POLICY,...",
                    help="with --trace: eviction policies, each optionally +admitN "
                         f"(default {DEFAULT_POLICIES})")
-    p.add_argument("--trace-block-tokens", type=positive_int, default=512,
-                   help="with --trace: tokens a trace block (a chunk) holds (default 512)")
+    p.add_argument("--trace-block-tokens", type=positive_int,
+                   help="with --trace: tokens a trace block (a chunk) holds (default: the size "
+                        f"the trace records, else {DEFAULT_BLOCK_TOKENS}, Mooncake's); with "
+                        f"--write-trace: the blocks to write (default {DEFAULT_BLOCK_TOKENS})")
     p.add_argument("--write-trace", type=output_file, metavar="FILE.jsonl",
                    help="write the --workload's traffic (--requests, --seed, blocks of "
-                        "--trace-block-tokens) as a trace for --trace, and exit")
+                        "--trace-block-tokens, which the trace records) as a trace for "
+                        "--trace, and exit")
 
 
 def run_trace(args: argparse.Namespace) -> int:
@@ -62,8 +72,10 @@ def run_trace(args: argparse.Namespace) -> int:
     from kvtier.tools.sim.trace import read_trace
     from kvtier.tools.sim.tracesweep import sweep_trace
 
-    specs = [parse_policy(name) for name in args.policies.split(",") if name.strip()]
-    capacities = [parse_tokens(text) for text in args.capacity.split(",") if text.strip()]
+    policies = DEFAULT_POLICIES if args.policies is None else args.policies
+    capacity = DEFAULT_CAPACITIES if args.capacity is None else args.capacity
+    specs = [parse_policy(name) for name in policies.split(",") if name.strip()]
+    capacities = [parse_tokens(text) for text in capacity.split(",") if text.strip()]
     cost = build_cost_model(model_spec(args.model), gpu_profile(args.gpu), args.tp)
     trace = read_trace(args.trace, args.trace_block_tokens, args.requests)
     total = len(trace.requests) * len(capacities) * (len(specs) + 1)
@@ -97,11 +109,11 @@ def write_trace(args: argparse.Namespace, config: WorkloadConfig, requests: int)
     """
     from kvtier.tools.sim.trace import write_workload_trace
 
-    written = write_workload_trace(config, requests, args.trace_block_tokens, args.seed,
-                                   args.write_trace)
+    block_tokens = args.trace_block_tokens or DEFAULT_BLOCK_TOKENS  # positive when given
+    written = write_workload_trace(config, requests, block_tokens, args.seed, args.write_trace)
     print(f"{args.write_trace}: {written:,} requests of the {args.workload} workload, blocks "
-          f"of {args.trace_block_tokens} tokens (kvtier simulate --trace "
-          f"{args.write_trace} --trace-block-tokens {args.trace_block_tokens})")
+          f"of {block_tokens} tokens, recorded in the trace (kvtier simulate --trace "
+          f"{args.write_trace})")
     return 0
 
 

@@ -9,6 +9,15 @@ A trace is JSON Lines, one request a line, in arrival order. Two formats are rea
   `{"block_hashes": [h0, ...], "input_length": tokens}` (prefix-block hashes, as Mooncake's;
   `input_length` defaults to a whole number of blocks). `timestamp` (ms) is optional.
 
+A line may record its block size, `"block_tokens": 16` (`write_workload_trace` does): a
+trace read without a block size is read in the size its lines record (512, Mooncake's, where
+none does); a trace whose lines disagree with it, or with the size it is read with, is
+refused. Mooncake's lines record none. A line's hashes are its prompt's blocks, the last one
+possibly partial but never empty: n hashes of `block_tokens` hold more than (n - 1) x
+`block_tokens` tokens and at most n x `block_tokens`. A trace read in the wrong block size
+breaks that on its first long prompt: it is refused there, with the sizes the line fits
+(a trace of 16-token blocks read as 512 would otherwise replay as blocks of 512, silently).
+
 Only a prompt's full blocks are ever stored (kvtier stores whole chunks). Each block gets a
 *chained* key, like kvtier's `ChunkKey`: an int interned from (parent key, block content),
 so two requests share a key only where they share the whole prefix up to it, whatever the
@@ -19,7 +28,7 @@ the first block): what a prefix-aware policy is told on insert.
 generic format, so that any workload's policies can be compared as a trace's are.
 
 Primitives: `TraceRequest`, `Trace`, `read_trace(path, block_tokens, limit)`, `ROOT`,
-`write_workload_trace`.
+`DEFAULT_BLOCK_TOKENS`, `write_workload_trace`.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from kvtier.errors import ConfigError
 from kvtier.tools.sim.workload import WorkloadConfig, generate
 
 ROOT = -1  # the parent of a prompt's first block
+DEFAULT_BLOCK_TOKENS = 512  # Mooncake's hash granularity: a trace that records no block size
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,19 +75,23 @@ class Trace:
         return sum(len(r.keys) for r in self.requests)
 
 
-def read_trace(path: str | Path, block_tokens: int = 512, limit: int | None = None) -> Trace:
+def read_trace(path: str | Path, block_tokens: int | None = None,
+               limit: int | None = None) -> Trace:
     """Read a trace file (either format, told apart line by line).
 
     Args:
         block_tokens: tokens a block holds: the hash granularity of a Mooncake trace (512),
-            the chunk size to cut `tokens` into for a generic one.
+            the chunk size to cut `tokens` into for a generic one. None: the size the trace's
+            lines record, else `DEFAULT_BLOCK_TOKENS`.
         limit: read at most this many requests (None: all).
     Raises:
         ConfigError: an unreadable file, a line that is not a JSON object of either format,
-            a non-positive `block_tokens`, an empty trace.
+            a line whose hashes do not fit its input length in blocks of the size read (or
+            that records another size), a non-positive `block_tokens`, an empty trace.
     """
-    if block_tokens < 1:
+    if block_tokens is not None and block_tokens < 1:
         raise ConfigError("block_tokens", block_tokens, "an integer >= 1")
+    size = _BlockSize(block_tokens)
     interned: dict[tuple[int, Hashable], int] = {}
     requests: list[TraceRequest] = []
     try:
@@ -86,20 +100,53 @@ def read_trace(path: str | Path, block_tokens: int = 512, limit: int | None = No
                 if limit is not None and len(requests) >= limit:
                     break
                 if line.strip():
-                    requests.append(_request(line, number, block_tokens, interned))
+                    requests.append(_request(line, number, size, interned))
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError("trace", str(path), f"a readable JSON Lines file ({exc})") from None
     if not requests:
         raise ConfigError("trace", str(path), "a file with at least one request")
-    return Trace(str(path), block_tokens, tuple(requests), len(interned))
+    return Trace(str(path), size.tokens or DEFAULT_BLOCK_TOKENS, tuple(requests), len(interned))
 
 
-def _request(line: str, number: int, block_tokens: int,
+class _BlockSize:
+    """A trace's block size while it is read: the caller's, or the first line's that records
+    one, or the default; every line after must agree with it."""
+
+    def __init__(self, given: int | None) -> None:
+        self.tokens = given  # None until a caller or a line fixes it
+        self.given = given is not None
+
+    def of(self, row: dict[str, object], where: str) -> int:
+        """The block size to read `row` in, fixing it on the first line.
+
+        Raises:
+            ConfigError: the line records a size that is not a positive integer, or another
+                size than the one the trace is read in.
+        """
+        recorded = row.get("block_tokens")
+        if recorded is None:
+            if self.tokens is None:
+                self.tokens = DEFAULT_BLOCK_TOKENS
+            return self.tokens
+        if type(recorded) is not int or recorded < 1:
+            raise ConfigError(f"{where}.block_tokens", recorded, "tokens a block holds, >= 1")
+        if self.tokens is not None and recorded != self.tokens:
+            why = (f"{self.tokens}, the block size it is read in: the trace records "
+                   f"{recorded} (--trace-block-tokens {recorded})"
+                   if self.given else f"{self.tokens}, the block size of the lines before it "
+                   "(one block size a trace)")
+            raise ConfigError(f"{where}.block_tokens", recorded, why)
+        self.tokens = recorded
+        return recorded
+
+
+def _request(line: str, number: int, size: _BlockSize,
              interned: dict[tuple[int, Hashable], int]) -> TraceRequest:
     """One line as a TraceRequest; its blocks' keys interned in `interned`.
 
     Raises:
-        ConfigError: not a JSON object of either format.
+        ConfigError: not a JSON object of either format; hashes that do not fit the input
+            length in blocks of the trace's size; another block size recorded.
     """
     where = f"trace line {number}"
     try:
@@ -108,6 +155,7 @@ def _request(line: str, number: int, block_tokens: int,
         raise ConfigError(where, line[:80], f"a JSON object ({exc.msg})") from None
     if not isinstance(row, dict):
         raise ConfigError(where, line[:80], "a JSON object")
+    block_tokens = size.of(row, where)
     blocks: list[Hashable]
     if "tokens" in row:
         tokens = _int_list(row["tokens"], where + ".tokens")
@@ -120,16 +168,45 @@ def _request(line: str, number: int, block_tokens: int,
             raise ConfigError(where, line[:80], "an object with hash_ids, block_hashes or tokens")
         hashes = _int_list(row[field], f"{where}.{field}")
         input_tokens = row.get("input_length", len(hashes) * block_tokens)
-        if not isinstance(input_tokens, int) or input_tokens < 0 \
-                or input_tokens > len(hashes) * block_tokens:
-            raise ConfigError(f"{where}.input_length", input_tokens,
-                              f"tokens in [0, {len(hashes)} blocks x {block_tokens}]")
+        if type(input_tokens) is not int or input_tokens < 0:
+            raise ConfigError(f"{where}.input_length", input_tokens, "tokens, an integer >= 0")
+        _check_blocks(len(hashes), input_tokens, block_tokens, where)
         blocks = list(hashes[:input_tokens // block_tokens])
     timestamp = row.get("timestamp", 0)
     if not isinstance(timestamp, int | float):
         raise ConfigError(f"{where}.timestamp", timestamp, "milliseconds, a number")
     keys, parents = _chain(blocks, interned)
     return TraceRequest(keys, parents, input_tokens, timestamp / 1e3)
+
+
+def _check_blocks(hashes: int, input_tokens: int, block_tokens: int, where: str) -> None:
+    """`hashes` blocks of `block_tokens`, the last possibly partial but never empty, must
+    hold `input_tokens`: more than (hashes - 1) blocks' tokens and at most hashes blocks'.
+
+    Raises:
+        ConfigError: they do not; it names the block sizes the line would fit.
+    """
+    low, high = max(hashes - 1, 0) * block_tokens, hashes * block_tokens
+    if low < input_tokens <= high or input_tokens == hashes == 0:
+        return
+    if not hashes or not input_tokens:
+        raise ConfigError(f"{where}.input_length", input_tokens,
+                          "0 tokens with no hashes, more with some (a block is never empty)")
+    # the sizes b with (hashes - 1) x b < input_tokens <= hashes x b
+    smallest = -(-input_tokens // hashes)
+    largest = (input_tokens - 1) // (hashes - 1) if hashes > 1 else None
+    if largest is not None and largest < smallest:
+        fits = "no block size fits the line"
+    elif largest == smallest:
+        fits = (f"the line fits blocks of {smallest} tokens: was the trace written in blocks "
+                f"of {smallest}? (--trace-block-tokens {smallest})")
+    else:
+        sizes = f"{smallest:,} or more" if largest is None else f"{smallest:,}-{largest:,}"
+        fits = (f"the line fits blocks of {sizes} tokens: was the trace written in another "
+                "block size? (--trace-block-tokens N)")
+    raise ConfigError(f"{where}.input_length", input_tokens,
+                      f"{hashes} block{'s' * (hashes != 1)} of {block_tokens} tokens (the last "
+                      f"one possibly partial, never empty) hold {low + 1:,}-{high:,}; {fits}")
 
 
 def _chain(blocks: Iterable[Hashable],
@@ -161,7 +238,8 @@ def write_workload_trace(config: WorkloadConfig, requests: int, block_tokens: in
                          path: str | Path) -> int:
     """Write `requests` requests of synthetic traffic (`kvtier.tools.sim.workload`) to `path`
     as a generic trace: each prompt's blocks of `block_tokens` as chained hashes (a partial
-    last one as 0: never stored), its length and arrival. Returns the requests written.
+    last one as 0: never stored), its length and arrival, and the block size (so that
+    `read_trace` reads it back in that size unasked). Returns the requests written.
 
     Raises:
         ConfigError: requests < 0 or block_tokens < 1.
@@ -175,6 +253,7 @@ def write_workload_trace(config: WorkloadConfig, requests: int, block_tokens: in
             blocks = request.hashes[:full] + [0] * (request.prompt_tokens % block_tokens > 0)
             out.write(json.dumps({"timestamp": round(request.arrival_s * 1e3),
                                   "input_length": request.prompt_tokens,
+                                  "block_tokens": block_tokens,
                                   "block_hashes": blocks}) + "\n")
             written += 1
     return written

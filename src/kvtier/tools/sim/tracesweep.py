@@ -93,12 +93,17 @@ def sweep_trace(trace: Trace, specs: list[PolicySpec], capacities_tokens: list[i
     rounded down to whole blocks), and once unbounded.
 
     Raises:
-        ConfigError: no policy, or no capacity.
+        ConfigError: no policy, no capacity, or a capacity below one block (it would hold
+            nothing: every policy at 0%, shown as 100% of an optimum of 0).
     """
     if not specs:
         raise ConfigError("policies", "", "at least one policy")
     if not capacities_tokens:
         raise ConfigError("capacity", "", "at least one capacity")
+    for tokens in capacities_tokens:
+        if tokens < trace.block_tokens:
+            raise ConfigError("capacity", tokens, f"at least one block of the trace: "
+                              f"{trace.block_tokens} tokens or more")
     points = []
     for tokens in capacities_tokens:
         blocks = tokens // trace.block_tokens
