@@ -58,6 +58,12 @@ EAGLE3 = ("--speculative-config "
 # and optionally the AuditOptions (default OPTS).
 NO_TRAFFIC = AuditOptions()  # --typical-context not given
 CASES = {
+    "not-a-vllm-command": (
+        ("ls -la /", {}, V32, Severity.ERROR),
+        ("vllm serve m", {}, V32, None)),
+    "unrecognized-vllm-argument": (
+        ("vllm serve m --max-modle-len 8192", {}, V21, Severity.ERROR),
+        ("vllm serve m --max_model_len=8192", {}, V21, None)),
     "max-model-len-traffic-unknown": (
         ("vllm serve m --max-model-len 200000", {}, V33, Severity.INFO, NO_TRAFFIC),
         ("vllm serve m --max-model-len 65536", {}, V33, None, NO_TRAFFIC)),

@@ -1,6 +1,7 @@
 """`kvtier audit`: check a `vllm serve` deployment for known KV-cache pitfalls.
 
-Exit codes: 0 no error-level finding, 1 at least one, 2 bad input.
+Exit codes: 0 no error-level finding, 1 at least one (the first also named on stderr, for
+the log of a CI job whose stdout went to a file), 2 bad input.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import json
 import shlex
 import sys
 import textwrap
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -17,10 +19,17 @@ from rich.table import Table
 
 from kvtier.errors import ConfigError
 from kvtier.tools.cli.argtypes import MAX_COUNT
-from kvtier.tools.ops.audit import AuditOptions, Severity, all_rules, load_deployment, run_audit
+from kvtier.tools.ops.audit import (
+    AuditOptions,
+    Finding,
+    Severity,
+    all_rules,
+    load_deployment,
+    run_audit,
+)
 from kvtier.tools.ops.audit.command import read_text_file
 from kvtier.tools.ops.hardware import gpu_profile
-from kvtier.tools.ops.modelspec import parse_model_config
+from kvtier.tools.ops.modelspec import load_model_spec
 from kvtier.tools.ops.vllm_versions import parse_version
 
 _STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
@@ -46,7 +55,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--typical-context", type=_positive_tokens, metavar="TOKENS",
                         help="p95-p99 context length of real traffic (see below)")
     parser.add_argument("--model-config", metavar="CONFIG_JSON",
-                        help="the model's config.json, for model-specific checks (see below)")
+                        help="the model's config.json (or its folder), for model-specific "
+                             "checks (see below)")
     parser.add_argument("--json", action="store_true", help="print findings as JSON")
     parser.add_argument("--list-rules", action="store_true", help="list the rules and exit")
     parser.set_defaults(func=run)
@@ -90,8 +100,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.source:
         raise ConfigError("source", None, "a command line, a file, or '-' for stdin")
     # Several words: a command line typed after `--` (its quoting as the shell had it).
-    source = shlex.join(args.source) if len(args.source) > 1 else args.source[0]
-    source = _read_stdin() if source == "-" else source
+    given = shlex.join(args.source) if len(args.source) > 1 else args.source[0]
+    source = _read_stdin() if given == "-" else given
     model_config = _read_model_config(args.model_config) if args.model_config else None
     cmd = load_deployment(
         source, env=_env_pairs(args.env),
@@ -99,14 +109,25 @@ def run(args: argparse.Namespace) -> int:
         model_config=model_config)
     findings = run_audit(cmd, AuditOptions(gpu=gpu_profile(args.gpu),
                                            typical_context_tokens=args.typical_context))
-    failed = any(f.severity is Severity.ERROR for f in findings)
+    errors = [f for f in findings if f.severity is Severity.ERROR]
     if args.json:
         print(json.dumps({"model": cmd.model, "vllm_version": cmd.vllm_version,
                           "findings": [f.to_dict() for f in findings],
-                          "ok": not failed}, indent=2))
+                          "ok": not errors}, indent=2))
     else:
         _print_table(findings)
-    return 1 if failed else 0
+    if errors:
+        print(_failure_line(given, errors), file=sys.stderr)
+    return 1 if errors else 0
+
+
+def _failure_line(source: str, errors: list[Finding]) -> str:
+    """One line: why the audit of `source` (as given: '-' for stdin) failed, from its first
+    error-level finding."""
+    shown = source if len(source) <= 60 else source[:57] + "..."
+    count = f"{len(errors)} error-level findings; the first, " if len(errors) > 1 else ""
+    return " ".join(f"kvtier audit: source {shown!r}: {count}{errors[0].rule}: "
+                    f"{errors[0].what}".split())
 
 
 def _print_table(findings: list[Any]) -> None:
@@ -144,22 +165,18 @@ def _read_stdin() -> str:
 
 
 def _read_model_config(path: str) -> dict[str, Any]:
-    """The model's config.json, checked by the parser the rules use.
+    """The model's config.json (`path`, or `path`/config.json for a model folder), checked by
+    the reader `kvtier plan` uses (modelspec.load_model_spec).
 
     Raises:
         ConfigError: naming --model-config when it is unreadable, not JSON, or not a model
             config (e.g. `text_config: 5`).
     """
     try:
-        data = json.loads(read_text_file(path, "--model-config"))
-    except json.JSONDecodeError as exc:
-        raise ConfigError("--model-config", path, f"valid JSON ({exc.msg})") from exc
-    except RecursionError as exc:
-        raise ConfigError("--model-config", path, "JSON nested less deeply") from exc
-    if not isinstance(data, dict):
-        raise ConfigError("--model-config", path, "a JSON object")
-    try:
-        parse_model_config(data)
-    except ConfigError as exc:
-        raise ConfigError("--model-config", path, f"a model config.json ({exc})") from exc
+        load_model_spec(path)
+    except ConfigError as exc:  # "model" is plan's name for the path; others name a key
+        allowed = exc.allowed if exc.field == "model" else f"a model config.json ({exc})"
+        raise ConfigError("--model-config", path, allowed) from exc
+    config = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
+    data: dict[str, Any] = json.loads(read_text_file(config, "--model-config"))
     return data

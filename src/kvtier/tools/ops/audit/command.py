@@ -7,10 +7,14 @@ Primitives:
     parse_kubernetes(text, env, version)    -- a Pod/Deployment/container YAML
     load_deployment(path_or_text, ...) -- any of the above, guessed from the content
 
-Flags are normalised: `--flag=value` and `--flag value` are the same, `_` and `-` in flag
-names are the same (vLLM accepts both), `-tp 8` is `--tensor-parallel-size 8`, and
-`--no-enable-prefix-caching` is kept as written. A repeated flag keeps its last value, as
-argparse does.
+Flags are read as vLLM's own parser reads them (vllm_flags.py, from a table generated from
+that parser): `--flag=value` and `--flag value` are the same, `_` and `-` in flag names are
+the same, `-tp 8` is `--tensor-parallel-size 8`, a unique prefix is its flag, a flag takes
+as many words as vLLM's parser gives it (none for `--enable-sleep-mode`), and
+`--no-enable-prefix-caching` is kept as written. A name vLLM does not know is kept as
+written, for the `unrecognized-vllm-argument` rule. A repeated flag keeps its last value, as
+argparse does. Input with no vLLM server command in it parses to a ServeCommand whose
+`entrypoint` is None, for the `not-a-vllm-command` rule.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import json
 import math
 import re
 import shlex
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +33,7 @@ from typing import Any
 import yaml
 
 from kvtier.errors import ConfigError
+from kvtier.tools.ops.audit.vllm_flags import read_arguments
 from kvtier.tools.ops.vllm_versions import (
     LMCACHE_CONNECTORS,
     NATIVE_CONNECTORS,
@@ -36,19 +41,8 @@ from kvtier.tools.ops.vllm_versions import (
     parse_version,
 )
 
-# vLLM flags that take no value (so the next token is not theirs).
-BOOLEAN_FLAGS = frozenset({
-    "--enable-prefix-caching", "--no-enable-prefix-caching", "--enforce-eager",
-    "--disable-hybrid-kv-cache-manager", "--calculate-kv-scales", "--trust-remote-code",
-    "--enable-expert-parallel", "--disable-log-requests", "--disable-log-stats",
-    "--enable-chunked-prefill", "--no-enable-chunked-prefill", "--enable-lora",
-    "--enable-auto-tool-choice", "--disable-custom-all-reduce", "--async-scheduling",
-    "--enable-log-requests", "--no-enable-expert-parallel", "--enable-eplb",
-    "--no-async-scheduling",
-})
-_SHORT_FLAGS = {"-tp": "--tensor-parallel-size", "-pp": "--pipeline-parallel-size",
-                "-dp": "--data-parallel-size", "-ep": "--enable-expert-parallel",
-                "-ac": "--attention-config"}
+# What comes before `serve`: the `vllm` command, or `python -m vllm.entrypoints.cli.main`.
+_SERVE_PROGRAMS = ("vllm", "vllm.entrypoints.cli.main")
 _ENV_ASSIGN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 _IMAGE_TAG = re.compile(r"vllm[-/\w.]*:v?(\d+\.\d+(?:\.\d+)?)")
 # vLLM's human-readable integers ("32k" = 32,000, "32K" = 32,768), for token-count flags.
@@ -73,6 +67,12 @@ class ServeCommand:
     replicas: int | None = None  # a Kubernetes Deployment/StatefulSet's replicas, when given
     # Mount paths of volumes that other pods see (NFS, CephFS, ...), from a manifest.
     shared_mounts: tuple[str, ...] = ()
+    # How the input starts vLLM: "vllm serve", "api_server", the image of `docker run IMAGE`
+    # or of a container, "arguments" (a bare argument list: a vLLM image's container args);
+    # None when the input holds no vLLM server command (then `model` and `flags` are empty)
+    entrypoint: str | None = "vllm serve"
+    argv: tuple[str, ...] = ()  # the words of the command the audit read, environment aside
+    extra_words: tuple[str, ...] = ()  # positional words after the model: vLLM refuses them
 
     def has(self, flag: str) -> bool:
         return flag in self.flags
@@ -166,11 +166,16 @@ def parse_argv(
         key, _, val = tokens.pop(0).partition("=")
         env_out.setdefault(key, val)
     version = vllm_version or _version_from_tokens(tokens)
-    tokens = _after_entrypoint(tokens)
-    model, flags = _parse_flags(tokens)
-    model = flags.pop("--model", None) or model
+    entrypoint, start = _entrypoint(tokens)
+    if entrypoint is None:
+        return ServeCommand(model=None, env=env_out, vllm_version=version,
+                            model_config=model_config, entrypoint=None, argv=tuple(tokens))
+    args = read_arguments(tokens[start:])
+    flags = dict(args.flags)
+    model = flags.pop("--model", None) or args.model
     return ServeCommand(model=model, flags=flags, env=env_out, vllm_version=version,
-                        model_config=model_config)
+                        model_config=model_config, entrypoint=entrypoint, argv=tuple(tokens),
+                        extra_words=args.extra_words)
 
 
 def parse_command_line(
@@ -202,7 +207,7 @@ def parse_command_line(
                                   f"valid shell quoting ({exc})") from exc
         if words[:1] == ["export"]:
             script_env.update(w.split("=", 1) for w in words[1:] if "=" in w)  # type: ignore
-        elif words and (not command or _is_entrypoint(words)):
+        elif words and (not command or _entrypoint(words)[0] not in (None, "arguments")):
             command = words  # the vLLM line wins over anything before it
     merged = {**script_env, **(env or {})}
     return parse_argv(command, merged, vllm_version, model_config)
@@ -237,9 +242,12 @@ def parse_kubernetes(
         except ValueError as exc:
             raise ConfigError("deployment", argv[-1][:80], f"valid shell quoting ({exc})") \
                 from exc
+    image = str(chosen.get("image", ""))
+    if _is_vllm_image(image) and _entrypoint(argv)[0] is None:
+        argv = [image, *argv]  # the image's own entrypoint, `vllm serve`, gets the args
     pod_env = {str(e["name"]): str(e["value"]) if "value" in e else "<valueFrom>"
                for e in _as_list(chosen.get("env")) if isinstance(e, dict) and "name" in e}
-    version = vllm_version or _version_from_tokens([str(chosen.get("image", ""))])
+    version = vllm_version or _version_from_tokens([image])
     cmd = parse_argv(argv, {**pod_env, **(env or {})}, version, model_config)
     return dataclasses.replace(cmd, replicas=_replicas(docs),
                                shared_mounts=_shared_mounts(docs, chosen))
@@ -254,14 +262,17 @@ def load_deployment(
     A file named *.yaml/*.yml/*.json is always read as YAML.
 
     Raises:
-        ConfigError: naming `source` when it names a file that does not exist or cannot be
-            read as UTF-8 text, or when its content is not valid shell or YAML.
+        ConfigError: naming `source` when it names a directory, a file that does not exist or
+            cannot be read as UTF-8 text, or when its content is not valid shell or YAML.
     """
-    is_path = len(source) < 4096 and "\n" not in source
+    is_path = bool(source.strip()) and len(source) < 4096 and "\n" not in source
     suffix = ""
-    if is_path and _is_file(source):
+    if is_path and _is_path(source, Path.is_dir):
+        raise ConfigError("source", source, "a file holding a command line or manifest, not "
+                          "a directory")
+    if is_path and _is_path(source, Path.is_file):
         text, suffix = read_text_file(source, "source"), Path(source).suffix.lower()
-    elif is_path and _FILE_LIKE.match(source.strip()) and not _is_entrypoint(source.split()):
+    elif is_path and _FILE_LIKE.match(source.strip()) and _entrypoint(source.split())[0] is None:
         raise ConfigError("source", source, "an existing file (no such file) or a quoted "
                           "`vllm serve ...` command line")
     else:
@@ -275,11 +286,12 @@ def load_deployment(
     return parse_command_line(text, env, vllm_version, model_config)
 
 
-def _is_file(source: str) -> bool:
-    """Whether `source` names a file; False for text no file could be named (a NUL byte, a
-    component longer than the OS allows: a long command line often has one)."""
+def _is_path(source: str, test: Callable[[Path], bool]) -> bool:
+    """Whether `source` names a path that passes `test` (Path.is_file, Path.is_dir); False
+    for text no path could be named (a NUL byte, a component longer than the OS allows: a
+    long command line often has one)."""
     try:
-        return Path(source).is_file()
+        return test(Path(source))
     except (OSError, ValueError):
         return False
 
@@ -381,54 +393,25 @@ def _containers(node: Any) -> Iterable[dict[str, Any]]:
             yield from _containers(value)
 
 
-def _is_entrypoint(words: Sequence[str]) -> bool:
-    text = " ".join(words)
-    return "vllm serve" in text or "api_server" in text or "vllm.entrypoints" in text
-
-
-def _after_entrypoint(tokens: list[str]) -> list[str]:
+def _entrypoint(tokens: Sequence[str]) -> tuple[str | None, int]:
+    """How `tokens` start a vLLM server, and the index where vLLM's arguments begin: see
+    `ServeCommand.entrypoint`; (None, len(tokens)) when they do not start one."""
     for i, tok in enumerate(tokens):
-        if tok == "serve" and i > 0 and tokens[i - 1].endswith("vllm"):
-            return tokens[i + 1:]
-        if tok.endswith("api_server") or tok.endswith("api_server.py"):
-            return tokens[i + 1:]
+        if tok == "serve" and i > 0 and tokens[i - 1].endswith(_SERVE_PROGRAMS):
+            return "vllm serve", i + 1
+        if "vllm" in tok and tok.endswith(("api_server", "api_server.py")):
+            return "api_server", i + 1
     # `docker run ... vllm/vllm-openai:TAG --flags`: flags start after the image.
     for i, tok in enumerate(tokens):
-        if _IMAGE_TAG.search(tok) or tok.startswith("vllm/vllm-openai"):
-            return tokens[i + 1:]
-    return tokens
+        if _is_vllm_image(tok):
+            return tok, i + 1
+    if tokens and tokens[0].startswith("-"):
+        return "arguments", 0
+    return None, len(tokens)
 
 
-def _parse_flags(tokens: list[str]) -> tuple[str | None, dict[str, str | None]]:
-    model: str | None = None
-    flags: dict[str, str | None] = {}
-    i = 0
-    while i < len(tokens):
-        tok = tokens[i]
-        i += 1
-        if not tok.startswith("-") or _is_number(tok):
-            model = model or tok
-            continue
-        name, eq, value = tok.partition("=")
-        name = _SHORT_FLAGS.get(name, name)
-        name = "--" + name.lstrip("-").replace("_", "-") if name.startswith("--") else name
-        if eq:
-            flags[name] = value
-        elif name in BOOLEAN_FLAGS or i >= len(tokens) or (
-                tokens[i].startswith("-") and not _is_number(tokens[i])):
-            flags[name] = None
-        else:
-            flags[name] = tokens[i]
-            i += 1
-    return model, flags
-
-
-def _is_number(tok: str) -> bool:
-    try:
-        float(tok)
-    except ValueError:
-        return False
-    return True
+def _is_vllm_image(word: str) -> bool:
+    return bool(_IMAGE_TAG.search(word)) or word.startswith("vllm/vllm-openai")
 
 
 def _version_from_tokens(tokens: Sequence[str]) -> Version | None:

@@ -24,6 +24,7 @@ from kvtier.tools.ops.modelspec import parse_model_config
 
 # One line per rule module; each registers its rules with @rule when imported.
 RULE_MODULES: tuple[str, ...] = (
+    "kvtier.tools.ops.audit.rules_arguments",
     "kvtier.tools.ops.audit.rules_input",
     "kvtier.tools.ops.audit.rules_state",
     "kvtier.tools.ops.audit.rules_offload",

@@ -1,6 +1,7 @@
 """Audit rules for input vLLM (or kvtier's connector) refuses at start-up: malformed flag
 values, a `--kv-transfer-config` that is not a JSON object, connector names vLLM does not
-know, and a kvtier connector config that kvtier's own schema rejects.
+know, and a kvtier connector config that kvtier's own schema rejects (rules_arguments.py:
+the command and the flags themselves).
 
 Each finding names the argument and what is wrong with it, at error level: a server started
 with such input fails, or silently runs without the feature.
@@ -176,7 +177,7 @@ def kvtier_connector_config(cmd: ServeCommand, _: AuditOptions) -> Iterator[Find
         except ConfigError as exc:
             yield Finding(
                 "kvtier-connector-config", Severity.ERROR,
-                f"{exc.field} = {_clip(repr(exc.value))}: it must be {exc.allowed}",
+                f"{exc.field} = {_clip(repr(exc.value))} is invalid: {exc.allowed}",
                 "kvtier's connector validates its config with this schema at start-up and "
                 "refuses to load, so vLLM does not start",
                 "fix the value; `kvtier serve --dry-run` prints a config the connector accepts",
