@@ -27,12 +27,9 @@ def test_calls_return_their_results_and_raise_their_exceptions() -> None:
         pool.shutdown()
 
 
-def test_an_idle_thread_takes_the_next_call_and_no_more_than_max_threads_start() -> None:
+def test_no_more_than_max_threads_start() -> None:
     pool = IOPool(3, "kvtier-t-count")
     try:
-        for _ in range(5):  # one after the other: one thread serves them all
-            pool.submit(int).result(5)
-        assert len(named("kvtier-t-count")) == 1
         gate = threading.Event()
         running = [pool.submit(gate.wait, 10) for _ in range(6)]  # more than 3 at once
         threads = named("kvtier-t-count")

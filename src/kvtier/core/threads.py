@@ -210,14 +210,14 @@ def _serve(calls: queue.SimpleQueue[_Call | None], idle: _Idle,
                 result = fn(*args, **kwargs)
             except BaseException as exc:  # handed to the caller, as a pool's are
                 error = exc
-        with idle.lock:  # idle before the caller hears: its next call finds this thread
-            idle.count += 1
         if running:
             if error is None:
                 future.set_result(result)
             else:
                 future.set_exception(error)
         del future, fn, args, kwargs, result, error  # nothing of a call outlives it here
+        with idle.lock:
+            idle.count += 1
     calls.put(None)
 
 
