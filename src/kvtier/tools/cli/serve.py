@@ -151,6 +151,12 @@ def served_names(model: str, name: str | None) -> tuple[str, ...]:
     return (short, model) if short is not None else ()
 
 
+# How long vLLM has to stop after `kvtier serve` is told to (then it is killed): well inside
+# what whoever stops kvtier serve waits before killing it (Kubernetes' 30 s grace, a test
+# harness's 20 s), or vLLM, in a process group of its own, would outlive it.
+STOP_GRACE_S = 10.0
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of `kvtier serve`; returns the exit code."""
     cfg = config_from_args(split_args(args))
@@ -185,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        code = server.stop()
+        code = server.stop(grace_s=STOP_GRACE_S)
     return 0 if code in (0, -15, None) else int(code)
 
 
