@@ -169,7 +169,7 @@ def test_a_store_gathers_what_the_forward_before_it_wrote(tmp_path: Path, seed: 
 
 
 def test_without_the_stream_wait_the_store_reads_the_blocks_too_early(tmp_path: Path) -> None:
-    with Rig(tmp_path, NoWaits(delays={"compute": 0.05})) as rig:
+    with Rig(tmp_path, NoWaits(delays={"compute": 0.5})) as rig:
         assert store_after_forward(rig) != []
 
 
@@ -262,7 +262,7 @@ def test_a_forward_after_an_inline_load_reads_the_loaded_kv(tmp_path: Path, seed
 
 
 def test_without_the_compute_wait_the_forward_reads_stale_blocks(tmp_path: Path) -> None:
-    with Rig(tmp_path, NoWaits(delays={"load": 0.02, "compute": 0.0})) as rig:
+    with Rig(tmp_path, NoWaits(delays={"load": 0.5, "compute": 0.0})) as rig:
         assert forward_after_inline_load(rig) != []
 
 

@@ -173,8 +173,11 @@ def test_a_store_gathers_the_kv_and_the_state_the_forward_wrote(tmp_path: Path,
         assert store_after_forward(rig) == []
 
 
+# The negative controls' stand-in work lasts long enough (0.5 s) that a thread scheduled late
+# on a loaded machine still sees it unfinished: with 0.05 s, a store thread that ran 50 ms late
+# read the fresh states and the control failed (once, in CI beside the engine lane).
 def test_without_the_stream_wait_the_store_gathers_stale_states(tmp_path: Path) -> None:
-    with Rig(tmp_path, NoWaits(delays={"compute": 0.05})) as rig:
+    with Rig(tmp_path, NoWaits(delays={"compute": 0.5})) as rig:
         assert any(b.startswith("state") for b in store_after_forward(rig))
 
 
@@ -186,7 +189,7 @@ def test_a_forward_after_an_inline_load_reads_the_loaded_kv_and_state(tmp_path: 
 
 
 def test_without_the_compute_wait_the_forward_reads_stale_states(tmp_path: Path) -> None:
-    with Rig(tmp_path, NoWaits(delays={"load": 0.02, "compute": 0.0})) as rig:
+    with Rig(tmp_path, NoWaits(delays={"load": 0.5, "compute": 0.0})) as rig:
         assert any(b.startswith("state") for b in forward_after_inline_load(rig))
 
 
