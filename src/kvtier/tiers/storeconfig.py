@@ -113,11 +113,12 @@ class StoreConfig(FrozenModel):
             return tiers
         return [_tier_config(item, index) for index, item in enumerate(tiers)]
 
-    # A field validator (not a model validator) so the ConfigError names "tiers" rather than
-    # the whole config (tests/cache/test_config.py).
+    # Names unique, RAM first, a directory a file tier. A field validator (not a model
+    # validator) so the ConfigError names "tiers" rather than the whole config
+    # (tests/cache/test_config.py).
     @field_validator("tiers")
     @classmethod
-    def _unique_names(cls, tiers: list[TierSettings]) -> list[TierSettings]:
+    def _tiers_fit_together(cls, tiers: list[TierSettings]) -> list[TierSettings]:
         names = [t.tier_name for t in tiers]
         for name in names:
             if names.count(name) > 1:
