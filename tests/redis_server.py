@@ -7,7 +7,6 @@ Primitives: `REDIS_SERVER`, `RedisServer`, `TlsRedisServer`, `RedisClusterNodes`
 
 from __future__ import annotations
 
-import random
 import shutil
 import socket
 import ssl
@@ -17,28 +16,19 @@ from pathlib import Path
 
 import redis
 
+from kvtier.testing import ports
+
 REDIS_SERVER = shutil.which("redis-server")
 REDIS_CLI = shutil.which("redis-cli")
 SKIP_REASON = "redis-server is not installed (scripts/setup.sh installs it with apt)"
 START_TIMEOUT_S = 10.0
+CLUSTER_BUS_OFFSET = 10_000  # a Cluster node also listens at its port + 10000
 
 
 def free_port(cluster_bus: bool = False) -> int:
-    """A free port on 127.0.0.1; with `cluster_bus`, one <= 55535 whose +10000 (the Cluster
-    bus port) is free too."""
-    if not cluster_bus:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return int(s.getsockname()[1])
-    for port in random.sample(range(20000, 45000), 200):
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", port))
-                b.bind(("127.0.0.1", port + 10000))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no free port pair for a cluster node")
+    """A free port on 127.0.0.1 (kvtier.testing.ports); with `cluster_bus`, one whose +10000
+    (the Cluster bus port) is free too."""
+    return ports.free_port(also=(CLUSTER_BUS_OFFSET,) if cluster_bus else ())
 
 
 class RedisServer:

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtier.testing.ports import free_port
+
 START_TIMEOUT_S = 20.0
 MOTO_SKIP = "moto[server] is not installed (pip install -e '.[test]')"
 TEST_KEYS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
@@ -41,12 +43,6 @@ def moto_available() -> bool:
             importlib.util.find_spec("flask") is not None
     except ImportError:  # `moto` itself absent
         return False
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass(frozen=True)

@@ -33,17 +33,11 @@ from nodekit import (
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.node.client import NodeProbe
+from kvtier.testing.ports import free_port
 
 pytestmark = pytest.mark.timeout(120)  # a hang fails here, not at the suite's 900 s
 
 Sample = tuple[str, tuple[tuple[str, str], ...]]  # (name, sorted labels)
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on now (the kernel's pick)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def scrape(port: int) -> dict[Sample, float]:

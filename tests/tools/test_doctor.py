@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.errors import ConfigError
+from kvtier.testing.ports import free_port
 from kvtier.tools.ops.doctor import (
     check_connector,
     check_memory,
@@ -166,15 +166,9 @@ def test_machine_checks_on_this_host():
     assert any("kvtier plan" in s for s in steps) and any("kvtier audit" in s for s in steps)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.timing
 def test_redis_unreachable_is_a_failed_check_quickly():
-    port = _free_port()
+    port = free_port()
     start = time.monotonic()
     [check] = check_redis({"tiers": [{"kind": "redis", "url": f"redis://127.0.0.1:{port}/0"}]})
     assert check.status == "fail" and "unreachable" in check.detail
@@ -185,7 +179,7 @@ def test_redis_unreachable_is_a_failed_check_quickly():
 @pytest.mark.redis
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
 def test_redis_reachable(tmp_path):
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(["redis-server", "--port", str(port), "--save", "",
                              "--appendonly", "no", "--dir", str(tmp_path)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -12,7 +12,8 @@ it). What to run comes from
         ...  # server.url answers /v1/completions and /metrics
 
 Primitives: `VllmServer` (start / wait_ready / stop), `running_server(cmd, ...)`,
-`free_port()`, `ServerError`.
+`free_port()` (kvtier.testing.ports: below the kernel's ephemeral ports, which vLLM's
+own processes take as a server starts), `ServerError`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -35,15 +35,8 @@ from pathlib import Path
 from typing import IO
 
 from kvtier.errors import ServerError
+from kvtier.testing.ports import free_port as free_port  # the tools pick their ports here
 from kvtier.tools.ops.serving import ServeCommand
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` right now (another process may take it before use)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
 
 RPC_PATH = "VLLM_RPC_BASE_PATH"  # where vLLM's processes put their ZeroMQ socket files
 
