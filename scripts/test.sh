@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
 # The README's test command: set everything up, then run the whole test suite as CI does.
 #
-# With no arguments every test runs once, in two phases:
-#   1. two lanes side by side, one per core of a 2-core machine:
-#      - engines: the tests that start real vLLM engines (`-m vllm`; most run in this process,
-#        see tests/engine/vllm_harness.start_engine), in this terminal;
-#      - the rest (`-m "not vllm"`), then the engine tests marked `beside` (outputs and
-#        counters only: no premise that the machine is otherwise idle), its output printed
-#        when both lanes are done;
-#   2. alone, the tests that assert a wall-clock bound (`-m timing`): a deadline met, a call
-#      back within N seconds. Beside another lane a loaded core would fail them for no fault
-#      of kvtier's; and as a machine of 2 cores is shared with its host's other tenants, a
-#      timing test that fails runs once more (pytest-rerunfailures, as CPython's CI reruns
-#      its failures): a bound missed twice fails the suite; a rerun is printed ("RERUN").
+# With no arguments every test runs once, in two phases, each keeping both cores of a 2-core
+# machine busy:
+#   1. the tests that start real vLLM engines (`-m "vllm and not timing"`; most run in the test's
+#      own process, see tests/engine/vllm_harness.start_engine) in two pytest-xdist workers,
+#      a module to a worker at a time (`--dist loadfile`: a module's engine is started once);
+#      the workers take the next module as they are free, so no hand-kept split balances them;
+#   2. the tests that assert a wall-clock bound (`-m timing`: a deadline met, a call back within
+#      N seconds), with the rest (`-m "not vllm and not timing"`: the cache, tiers, node, tools
+#      without an engine) beside them, their output printed when both are done. The timing
+#      tests' bounds sit 3-10x above what they measure on a core of their own; an engine lane
+#      beside them would leave them none, the rest (one Python thread, mostly) leaves them
+#      one. As a 2-core machine is shared with its host's other tenants, a timing test that
+#      fails runs once more (pytest-rerunfailures, as CPython's CI reruns its failures): a
+#      bound missed twice fails the suite; a rerun is printed ("RERUN").
 # Under KVTIER_TEST_STRICT=1 (set here) a test skipped for want of something on the machine
 # (redis-server, prometheus, a tmpfs mount...) fails instead: scripts/setup.sh installs them
 # all (tests/conftest.py lists the skips that stay skips: CUDA, real S3 endpoints).
@@ -49,32 +51,24 @@ lane() {  # lane NAME PYTEST-ARGS...: pytest, its output kept in $logs/NAME.log 
   return "$status"
 }
 
-second_lane() {
-  local status=0
-  QUIET=1 lane rest -m "not vllm and not timing" --durations=15 || status=$?
-  QUIET=1 lane beside -m "vllm and beside and not timing" --durations=10 || status=$?
-  return "$status"
-}
-echo "phase 1: engines (-m 'vllm and not beside and not timing') here; alongside, the rest" \
-  "(-m 'not vllm and not timing'), then -m 'vllm and beside and not timing' (printed after)"
-second_lane &
-second=$!
-trap 'kill "$second" 2>/dev/null || true; rm -rf "$logs"' EXIT
-trap 'exit 130' INT TERM
+echo "phase 1: the engine tests (-m 'vllm and not timing'), two workers (pytest-xdist)"
 engines_status=0
-lane engines -m "vllm and not beside and not timing" --durations=25 || engines_status=$?
-second_status=0
-wait "$second" || second_status=$?
-for name in rest beside; do
-  echo
-  echo "==== run alongside: $(cat "$logs/$name.result") ===="
-  cat "$logs/$name.log"
-done
+lane engines -m "vllm and not timing" -n 2 --dist loadfile --durations=25 || engines_status=$?
 
 echo
-echo "phase 2: alone, the tests that assert wall-clock bounds (-m timing)"
+echo "phase 2: the tests that assert wall-clock bounds (-m timing) here; alongside, the rest" \
+  "(-m 'not vllm and not timing', printed after)"
+QUIET=1 lane rest -m "not vllm and not timing" --durations=15 &
+rest=$!
+trap 'kill "$rest" 2>/dev/null || true; rm -rf "$logs"' EXIT
+trap 'exit 130' INT TERM
 timing_status=0
 lane timing -m timing --reruns 1 -raR --durations=15 || timing_status=$?
+rest_status=0
+wait "$rest" || rest_status=$?
+echo
+echo "==== run alongside: $(cat "$logs/rest.result") ===="
+cat "$logs/rest.log"
 
 echo
 echo "==== skipped, and why (all lanes) ===="
@@ -84,8 +78,8 @@ echo "==== timing tests run twice (a bound missed once, met the second time) ===
 grep -h '^RERUN' "$logs"/timing.log || echo "(none)"
 echo
 echo "==== lanes ===="
-cat "$logs/engines.result" "$logs/rest.result" "$logs/beside.result" "$logs/timing.result"
-for status in "$engines_status" "$second_status" "$timing_status"; do
+cat "$logs/engines.result" "$logs/timing.result" "$logs/rest.result"
+for status in "$engines_status" "$timing_status" "$rest_status"; do
   if [ "$status" -ne 0 ]; then
     exit "$status"
   fi

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from vllm_harness import metric, random_prompts, start_engine, token_ids
 
-pytestmark = [pytest.mark.vllm, pytest.mark.beside]  # no timing premise
+pytestmark = pytest.mark.vllm
 
 PLUGINS = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
 

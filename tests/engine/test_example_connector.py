@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from vllm_harness import metric, random_prompts, start_engine, token_ids
 
-pytestmark = [pytest.mark.vllm, pytest.mark.beside]  # no timing premise
+pytestmark = pytest.mark.vllm
 
 
 def test_example_connector_reloads_kv_with_identical_outputs(tiny_model_dir: Path,

@@ -35,7 +35,7 @@ from vllm_harness import (
 
 from kvtier.testing.tinymodel import make_preset_model
 
-pytestmark = [pytest.mark.vllm, pytest.mark.beside]  # no timing premise
+pytestmark = pytest.mark.vllm
 
 # CPU_MLA forces 16-token blocks: twice the harness's block count covers max_model_len.
 BLOCKS = {"num_gpu_blocks_override": 256}

@@ -38,7 +38,7 @@ from vllm_harness import (
     token_ids,
 )
 
-pytestmark = [pytest.mark.vllm, pytest.mark.beside]
+pytestmark = pytest.mark.vllm
 
 CHUNK = 64
 

