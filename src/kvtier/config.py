@@ -7,17 +7,19 @@ the tier factory, in `kvtier.tiers.storeconfig`, and each tier's own fields in i
 module.
 
 Primitives: `FrozenModel` (the base of every config model), `ByteSize`, `PositiveByteSize`,
-`parse_model`, `read_config_file`.
+`EnvVarName`, `parse_model`, `read_config_file`.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Annotated, Any, TypeVar, get_args
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -33,6 +35,19 @@ ByteSize = Annotated[int, BeforeValidator(lambda v: parse_size(v, "capacity")), 
 # A tier that has no "0: no bound" (a file tier of 0 bytes would store nothing, silently).
 PositiveByteSize = Annotated[int, BeforeValidator(lambda v: parse_size(v, "capacity")),
                              Field(gt=0)]
+
+
+def _variable_name(name: str) -> str:
+    # "" would fall back to a default, or to no secret, silently; a name is what `export
+    # NAME=...` takes.
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        raise ValueError("the name of an environment variable (letters, digits and _, not "
+                         "starting with a digit), or leave it out")
+    return name
+
+
+# A field naming the environment variable that holds a secret.
+EnvVarName = Annotated[str, AfterValidator(_variable_name)]
 Model = TypeVar("Model", bound=BaseModel)
 
 

@@ -72,6 +72,10 @@ def _s3(**fields: Any) -> dict[str, Any]:
     # password_env was read only without password_file (as the encryption secret's sources)
     (_redis(password_file="/etc/kvtier/redis-password", password_env="REDIS_PW"),
      "redis.password_env", "REDIS_PW", "password_file or password_env, not both"),
+    # "" fell back to KVTIER_REDIS_PASSWORD / REDIS_PASSWORD, silently
+    (_redis(password_env=""), "redis.password_env", "", "the name of an environment variable"),
+    (_redis(password_env="REDIS PW"), "redis.password_env", "REDIS PW",
+     "the name of an environment variable"),
     # the CA of a clear-text endpoint verifies nothing (the redis tier refuses the same)
     (_s3(endpoint_url="http://minio:9000", tls_ca_file="/etc/kvtier/ca.pem"), "s3.tls_ca_file",
      "/etc/kvtier/ca.pem", "use an https:// endpoint_url"),

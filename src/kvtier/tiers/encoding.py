@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from pathlib import Path
 from typing import Any
 
 from pydantic import field_validator, model_validator
 
+from kvtier.config import EnvVarName
 from kvtier.core.chunkformat import ChunkEncoder
 from kvtier.core.codecs import CODEC_NAMES, LOSSY_CODECS, allowed_codecs, make_codec
 from kvtier.core.layout import KVLayout
@@ -53,7 +53,7 @@ class EncodedTierSettings(TierSettings):
     # chunks of requests with a cache_salt are encrypted at rest (AES-256-GCM) when set.
     encryption_secret_file: Path | None = None
     # ... or the name of an environment variable holding it (not the secret itself).
-    encryption_secret_env: str | None = None
+    encryption_secret_env: EnvVarName | None = None
     # Also encrypt chunks of requests without a cache_salt (under the empty salt's key).
     encrypt_unsalted: bool = False
     # Refused: the secret itself never goes in the config (INLINE_REFUSED).
@@ -73,15 +73,6 @@ class EncodedTierSettings(TierSettings):
         if value is not None:
             raise ValueError(INLINE_REFUSED)
         return None
-
-    @field_validator("encryption_secret_env")
-    @classmethod
-    def _a_variable_name(cls, name: str | None) -> str | None:
-        # "" would mean no encryption, silently; a name is what `export NAME=...` takes.
-        if name is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
-            raise ValueError("the name of an environment variable (letters, digits and _, "
-                             "not starting with a digit), or leave it out")
-        return name
 
     @field_validator("codec")
     @classmethod

@@ -15,7 +15,7 @@ from urllib.parse import unquote, urlsplit
 from pydantic import Field, field_validator, model_validator
 from redis.connection import parse_url
 
-from kvtier.config import ByteSize
+from kvtier.config import ByteSize, EnvVarName
 from kvtier.errors import FieldError
 from kvtier.redaction import redact_text, url_credentials
 from kvtier.tiers.encoding import EncodedTierSettings
@@ -43,7 +43,7 @@ class RedisTierConfig(EncodedTierSettings):
     tls_ca_file: Path | None = None  # CA bundle that signed the server's certificate
     username: str | None = None  # ACL user; None = "default"
     password_file: Path | None = None  # file whose first line is the password (mode 0600)
-    password_env: str | None = None  # env var holding the password (see class docstring)
+    password_env: EnvVarName | None = None  # env var holding the password (see class docstring)
     ttl_s: float | None = None  # expire chunks idle this long (1 ms to 365 days); None = never
     part_bytes: ByteSize = 8 * 1024**2  # largest value written; larger chunks are split
     socket_timeout_ms: int = Field(200, ge=1)  # longest wait for a reply before "down"
