@@ -47,6 +47,14 @@ def _s3(**fields: Any) -> dict[str, Any]:
      "a database number >= 0"),
     (_redis(url="redis://127.0.0.1:1?db=x"), "redis.url", "redis://127.0.0.1:1?db=x",
      "'db'"),
+    # redis-py let a query option override the tier's own timeouts and TLS checks, and
+    # raised on first use for one it does not know
+    (_redis(url="redis://127.0.0.1:1/0?socket_timeout=30"), "redis.url",
+     "redis://127.0.0.1:1/0?socket_timeout=30", "no query option but db (found: socket_timeout)"),
+    (_redis(url="rediss://cache:6380/0?ssl_cert_reqs=none&db=1"), "redis.url",
+     "rediss://cache:6380/0?ssl_cert_reqs=none&db=1", "(found: ssl_cert_reqs)"),
+    (_redis(url="redis://127.0.0.1:1/0?foo"), "redis.url", "redis://127.0.0.1:1/0?foo",
+     "(found: foo)"),
     (_redis(cluster_nodes=["10.0.0.1:0"]), "redis.cluster_nodes", ["10.0.0.1:0"],
      "a port from 1 to 65535"),
     (_redis(cluster_nodes=["10.0.0.1:6379", "10.0.0.2:99999"]), "redis.cluster_nodes",

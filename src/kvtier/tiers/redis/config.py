@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Literal
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from pydantic import Field, field_validator, model_validator
 from redis.connection import parse_url
@@ -83,6 +83,15 @@ class RedisTierConfig(EncodedTierSettings):
             options = parse_url(url)  # type: ignore[no-untyped-call]
         except ValueError as exc:  # a query value it cannot convert, e.g. ?db=x
             raise ValueError(f"a URL redis-py can parse ({exc}; {_URL_EXAMPLE})") from None
+        # redis-py lets a query option override what the tier sets (socket_timeout: the
+        # tier's deadline; ssl_cert_reqs=none: no certificate check), and hands one it does
+        # not know to the connection, which raises on first use.
+        others = sorted(key for key, _ in parse_qsl(parts.query, keep_blank_values=True)
+                        if key != "db")
+        if others:
+            raise ValueError(f"no query option but db (found: {', '.join(others)}): the tier "
+                             "sets its own timeouts and TLS (socket_timeout_ms, "
+                             "connect_timeout_ms, tls, tls_ca_file)")
         path_db = unquote(parts.path).strip("/")
         if (path_db and not (path_db.isascii() and path_db.isdigit())) or options.get("db", 0) < 0:
             raise ValueError(f"a database number >= 0 as the path ({_URL_EXAMPLE})")
