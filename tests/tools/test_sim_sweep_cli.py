@@ -98,6 +98,12 @@ def test_cli_bad_input_exits_2(argv: list[str], capsys: pytest.CaptureFixture[st
     (["--sweep", "rate=2", "--write-trace", "{tmp}/ww.jsonl"], "--sweep",
      "not with --write-trace"),
     (["--validate", "--trace", "{tmp}/t.jsonl"], "--trace", "not with --validate"),
+    # options a mode never reads: a trace brings its requests, --validate its scenarios
+    (["--trace", "{tmp}/t.jsonl", "--tier", "cpu=1GiB"], "--tier", "not with --trace"),
+    (["--trace", "{tmp}/t.jsonl", "--rate", "3"], "--rate", "not with --trace"),
+    (["--write-trace", "{tmp}/ww.jsonl", "--tier", "disk=1TiB"], "--tier",
+     "not with --write-trace"),
+    (["--validate"], "--requests", "not with --validate"),
 ])
 def test_an_option_of_a_mode_not_asked_for_is_refused_not_ignored(
         argv: list[str], option: str, needs: str, tmp_path: Path,

@@ -8,8 +8,8 @@
 
 A command line runs one mode (a plain run, `--sweep`, `--trace`, `--write-trace` or
 `--validate`); an option of another mode (`--plot` without `--sweep` or `--trace`,
-`--capacity` without `--trace`, ...) is refused rather than silently ignored
-(`refuse_unused`).
+`--capacity` without `--trace`, ...) and one a mode never reads (`--tier` or `--rate` with
+`--trace`, ...) are refused rather than silently ignored (`refuse_unused`).
 """
 
 from __future__ import annotations
@@ -46,13 +46,26 @@ DEFAULT_REQUESTS = 20_000
 _OVERRIDES = ("rate_rps", "think_s", "turns_mean", "system_tokens", "doc_prob",
               "user_tokens", "output_tokens", "max_context")
 
+
+def _flag(override: str) -> str:
+    """The command-line option of a workload override ("rate_rps" -> "--rate")."""
+    return "--" + override.replace("_", "-").removesuffix("-rps")
+
+
 # The modes of `kvtier simulate` besides a plain run: at most one a command line.
 MODES = ("--validate", "--trace", "--write-trace", "--sweep")
 # option -> the modes it belongs to (given without one of them, it is refused).
 MODE_OPTIONS = {"--capacity": ("--trace",), "--policies": ("--trace",),
                 "--trace-block-tokens": ("--trace", "--write-trace"),
                 "--plot": ("--sweep", "--trace")}
-
+# option -> the modes that never read it (given with one of them, it is refused), and why.
+OPTION_DESTS = {"--tier": "tier", **{_flag(name): name for name in _OVERRIDES}}
+NOT_READ_BY = {"--tier": ("--trace", "--write-trace", "--validate"),
+               "--requests": ("--validate",),
+               **{_flag(name): ("--trace", "--validate") for name in _OVERRIDES}}
+IGNORES = {"--trace": "it replays the trace's requests into each --capacity",
+           "--write-trace": "it writes requests, not a run of tiers",
+           "--validate": "it runs its own scenarios"}
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("simulate", help="simulate serving with kvtier's tiers")
@@ -66,7 +79,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--router", default="session", choices=ROUTERS)
     p.add_argument("--workload", default="chat", choices=list(WORKLOAD_PRESETS))
     for name in _OVERRIDES:
-        p.add_argument("--" + name.replace("_", "-").removesuffix("-rps"), dest=name,
+        p.add_argument(_flag(name), dest=name,
                        type=finite_float, default=None, help=f"override the preset's {name}")
     p.add_argument("--tier", action="append", default=None, metavar="NAME=SIZE[:POLICY]",
                    help="offload tier, fastest first (repeat); default cpu=64GiB; 'none'. "
@@ -139,7 +152,10 @@ def refuse_unused(args: argparse.Namespace) -> None:
         ConfigError: naming the option and the mode it needs.
     """
     def given(option: str) -> str | None:
-        value = getattr(args, option.removeprefix("--").replace("-", "_"))
+        dest = OPTION_DESTS.get(option, option.removeprefix("--").replace("-", "_"))
+        value = getattr(args, dest)
+        if isinstance(value, list):  # an appended option: each value as given
+            value = " ".join(value)
         return None if value is None or value is False else str(value)
 
     modes = [mode for mode in MODES if given(mode) is not None]
@@ -149,6 +165,10 @@ def refuse_unused(args: argparse.Namespace) -> None:
     for option, needs in MODE_OPTIONS.items():
         if given(option) is not None and not set(needs) & set(modes):
             raise ConfigError(option, given(option), f"only with {' or '.join(needs)}")
+    for option, modes_not_reading in NOT_READ_BY.items():
+        if given(option) is not None and modes and modes[0] in modes_not_reading:
+            raise ConfigError(option, given(option),
+                              f"not with {modes[0]} ({IGNORES[modes[0]]}: it would be ignored)")
 
 
 def run(args: argparse.Namespace) -> int:
