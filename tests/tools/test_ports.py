@@ -3,6 +3,7 @@ vLLM's own processes take theirs as a server starts) and are free when picked.""
 
 from __future__ import annotations
 
+import random
 import socket
 from pathlib import Path
 
@@ -26,9 +27,20 @@ def test_a_port_in_use_is_never_picked(monkeypatch: pytest.MonkeyPatch) -> None:
         held.listen()
         taken = held.getsockname()[1]
         # The first candidate tried is the taken port (a fault injected: random order fixed).
-        monkeypatch.setattr(ports.random, "sample",
+        monkeypatch.setattr(ports._DRAW, "sample",
                             lambda population, k: [taken, *list(population)[:k - 1]])
         assert ports.free_port() != taken
+
+
+def test_a_seeded_global_generator_does_not_repeat_the_picks() -> None:
+    """vLLM seeds `random` (seed 0) in each process that builds an engine: two test processes
+    drew the same port for two servers started at once (one answered the other's health
+    check)."""
+    picks = []
+    for _ in range(2):
+        random.seed(0)
+        picks.append([ports.free_port() for _ in range(5)])
+    assert picks[0] != picks[1]
 
 
 def test_ports_with_an_offset_are_both_free() -> None:

@@ -5,7 +5,9 @@ kernel (bind to port 0) it comes from the ephemeral range, where every other pro
 port 0 and every outgoing connection takes ports too: vLLM's own processes take several while
 a server starts (torch.distributed's store, the engine's sockets), and once took the port just
 picked for a second server started beside the first ("Address already in use"). Picked here, a
-port lies below that range, where only explicit binds go.
+port lies below that range, where only explicit binds go, at random from the operating system's
+entropy: vLLM seeds Python's global generator (seed 0) in every process that builds an engine,
+and two test processes drawing from it picked the same port for servers started at once.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 LOWEST = 10_000  # under it: well-known and registered services' ports
 TRIES = 200
+_DRAW = random.SystemRandom()  # no seed reaches it
 
 
 def ephemeral_low() -> int:
@@ -39,7 +42,7 @@ def free_port(host: str = "127.0.0.1", *, also: tuple[int, ...] = ()) -> int:
             raise RuntimeError(f"no room below the ephemeral range ({EPHEMERAL_RANGE}) for "
                                f"ports {also} above another")
         return _kernel_pick(host)
-    for port in random.sample(range(LOWEST, top), min(TRIES, top - LOWEST)):
+    for port in _DRAW.sample(range(LOWEST, top), min(TRIES, top - LOWEST)):
         if _all_free(host, (port, *(port + offset for offset in also))):
             return port
     raise RuntimeError(f"no free port on {host} among {TRIES} tried in {LOWEST}-{top - 1}")
