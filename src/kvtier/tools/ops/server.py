@@ -33,6 +33,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
+from urllib.parse import urlsplit
+
+import psutil
 
 from kvtier.errors import ServerError
 from kvtier.testing.ports import free_port as free_port  # the tools pick their ports here
@@ -88,7 +91,9 @@ class VllmServer:
                                   f"was ready{self._log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
-                    if resp.status == 200:
+                    # Another server on the port answers too: this one then fails to bind it
+                    # and exits, which the next poll reports with its log.
+                    if resp.status == 200 and self._listens():
                         return
             except (urllib.error.URLError, OSError):
                 pass
@@ -133,6 +138,21 @@ class VllmServer:
         """Let a `pause`d server run again (SIGCONT to its group)."""
         if self.proc is not None:
             _signal_group(self.proc.pid, signal.SIGCONT)
+
+    def _listens(self) -> bool:
+        """Whether the socket listening on the server's port is its own (its process's or a
+        child's); True where the machine does not say (psutil.AccessDenied)."""
+        assert self.proc is not None
+        port = urlsplit(self.url).port
+        try:
+            root = psutil.Process(self.proc.pid)
+            ours = {root.pid} | {child.pid for child in root.children(recursive=True)}
+            return any(conn.pid in ours for conn in psutil.net_connections(kind="tcp")
+                       if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port)
+        except psutil.AccessDenied:
+            return True
+        except psutil.NoSuchProcess:
+            return False
 
     def _log_tail(self, lines: int = 40) -> str:
         if self.log_path is None or not self.log_path.exists():
