@@ -67,6 +67,7 @@ IGNORES = {"--trace": "it replays the trace's requests into each --capacity",
            "--write-trace": "it writes requests, not a run of tiers",
            "--validate": "it runs its own scenarios"}
 
+
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("simulate", help="simulate serving with kvtier's tiers")
     p.add_argument("--model", default="llama-3.1-8b",
