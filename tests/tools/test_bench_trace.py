@@ -154,6 +154,24 @@ def test_the_command_runs_plain_vllm_then_each_policy() -> None:
             config_from(_args(**overrides), Path("/s")).validate()
 
 
+def test_the_trace_block_size_is_the_one_the_trace_records(tmp_path: Path) -> None:
+    """A trace `kvtier simulate --write-trace` wrote in 16-token blocks was read in 512-token
+    ones unless --trace-block-tokens said so (an error at its first long prompt)."""
+    written = tmp_path / "w.jsonl"
+    written.write_text('{"hash_ids": [1, 2, 3], "input_length": 48, "block_tokens": 16}\n')
+    mooncake = tmp_path / "m.jsonl"
+    mooncake.write_text('{"hash_ids": [1, 2], "input_length": 1024}\n')
+    spec = config_from(_args(trace=written, trace_block_tokens=None, block_tokens=16),
+                       Path("/s")).spec
+    assert spec.trace_block_tokens == 16
+    assert config_from(_args(trace=mooncake, trace_block_tokens=None), Path("/s")).spec \
+        .trace_block_tokens == 512
+    given = config_from(_args(trace=written, trace_block_tokens=64), Path("/s")).spec
+    assert given.trace_block_tokens == 64  # as given (the slice then refuses the trace's 16)
+    with pytest.raises(ConfigError, match="trace"):
+        config_from(_args(trace=tmp_path / "none.jsonl", trace_block_tokens=None), Path("/s"))
+
+
 def _run(name: str, ttft: list[float], engine: int, kvtier: int, predicted: float) -> ConfigRun:
     return ConfigRun(name, requests=4, failures=[], prompt_tokens=1000, engine_hit_tokens=engine,
                      kvtier_hit_tokens=kvtier, tier_hit_ratios={"memory": 0.5},

@@ -38,6 +38,7 @@ from kvtier.tools.cli.argtypes import (
     work_dir,
 )
 from kvtier.tools.cli.bench import run_and_report, run_summary
+from kvtier.tools.sim.trace import read_trace
 from kvtier.tools.sim.tracesweep import parse_tokens
 
 MIB = 1 << 20
@@ -66,8 +67,9 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                              f"(a multiple of 32; default {DEFAULTS.block_tokens})")
     parser.add_argument("--max-blocks", type=positive_int, default=DEFAULTS.max_blocks,
                         help=f"full blocks a prompt keeps at most (default {DEFAULTS.max_blocks})")
-    parser.add_argument("--trace-block-tokens", type=positive_int, default=512,
-                        help="tokens of a trace block (default 512, Mooncake's)")
+    parser.add_argument("--trace-block-tokens", type=positive_int, default=None,
+                        help="tokens of a trace block (default: the size the trace records, "
+                             "else 512, Mooncake's)")
     parser.add_argument("--policy", action="append", metavar="EVICTION",
                         help=f"kvtier configurations, by eviction policy (repeatable; default "
                              f"{', '.join(POLICIES)})")
@@ -87,10 +89,13 @@ def config_from(args: argparse.Namespace, scratch: Path) -> TraceBenchConfig:
     """The run the arguments ask for (not yet validated).
 
     Raises:
-        ConfigError: a bad capacity.
+        ConfigError: a bad capacity; a trace unreadable where its block size is read.
     """
+    # A trace written by `kvtier simulate --write-trace` records its block size.
+    trace_block_tokens = (args.trace_block_tokens
+                          or read_trace(args.trace, limit=1).block_tokens)
     spec = SliceSpec(sample=args.sample, seed=args.seed, limit=args.limit,
-                     trace_block_tokens=args.trace_block_tokens, block_tokens=args.block_tokens,
+                     trace_block_tokens=trace_block_tokens, block_tokens=args.block_tokens,
                      max_blocks=args.max_blocks)
     policies = tuple(args.policy) if args.policy else POLICIES
     return TraceBenchConfig(
