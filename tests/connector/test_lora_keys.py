@@ -72,8 +72,9 @@ class Scheduler:
         return Request(f"r{self.count}", list(PROMPT), SamplingParams(max_tokens=4), None,
                        lora_request=lora)
 
-    def store(self, lora: LoRARequest | None) -> None:
-        """Run the prompt under `lora` once: its prefill stores its full chunks."""
+    def store(self, lora: LoRARequest | None, chunks: int = 3) -> None:
+        """Run the prompt under `lora` once, nothing loaded: its prefill stores `chunks` of
+        its full chunks (0: the request is not cached)."""
         req = self.request(lora)
         external, _ = self.sched.get_num_new_matched_tokens(req, 0)
         assert external == 0
@@ -87,7 +88,7 @@ class Scheduler:
                                                   num_computed_tokens=[], resumed_req_ids=set()),
             num_scheduled_tokens={req.request_id: len(PROMPT)}, preempted_req_ids=set())
         meta = self.sched.build_connector_meta(output)  # type: ignore[arg-type]
-        assert len(meta.stores) == 3
+        assert len(meta.stores) == chunks
         self.sched.update_connector_output(SimpleNamespace(  # type: ignore[arg-type]
             kv_connector_worker_meta=KVTierWorkerMetadata(
                 stored={t.key for t in meta.stores}, stores_through=meta.step)))
@@ -103,22 +104,62 @@ class Scheduler:
 
 
 def test_two_adapters_under_one_name_never_share_kv(tmp_path: Path) -> None:
-    """The name re-pointed at a retrained adapter (a new path), and at a retrained adapter
-    written over the old one in place (the same path): misses both times."""
+    """The name re-pointed at a retrained adapter (a new path: vLLM's server gives it a new
+    id), and at a retrained adapter written over the old one in place: misses every time."""
     sched = Scheduler()
     first = write_adapter(tmp_path / "support-v1", seed=1)
     sched.store(LoRARequest("support", 1, str(first)))
     assert sched.hit(LoRARequest("support", 1, str(first))) == HIT
     retrained = write_adapter(tmp_path / "support-v2", seed=2)
-    assert sched.hit(LoRARequest("support", 1, str(retrained))) == 0
-    # Rewritten in place (another mtime, other bytes): the old fingerprint is not reused.
+    assert sched.hit(LoRARequest("support", 2, str(retrained))) == 0
+    # Rewritten in place (another mtime, other bytes), read by a new id: the old fingerprint
+    # is not reused.
     write_adapter(first, seed=3)
     os.utime(first / "adapter_model.safetensors", ns=(1, 1))
-    assert sched.hit(LoRARequest("support", 1, str(first))) == 0
+    assert sched.hit(LoRARequest("support", 3, str(first))) == 0
     # Nor is a request without an adapter served an adapter's KV, or the other way round.
     assert sched.hit(None) == 0
     sched.store(None)
-    assert sched.hit(LoRARequest("support", 1, str(retrained))) == 0
+    assert sched.hit(LoRARequest("support", 2, str(retrained))) == 0
+
+
+def test_an_adapter_rewritten_under_its_id_is_not_cached_until_reloaded_in_place(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's workers keep the weights they loaded for an id whatever its files hold later:
+    a request of that id after its files changed computes with the old weights (or the new
+    ones, once the worker evicts the adapter and reads it again). Keyed by the files' new
+    content, its KV would be served to a request that runs the new weights (found by trying:
+    an engine served id 10's old-weights KV to id 11, which loaded the new files). kvtier
+    neither looks such a request up nor stores it, until a request reloads the adapter in place
+    (`load_inplace`), and says so once."""
+    sched = Scheduler()
+    adapter = write_adapter(tmp_path / "policy", seed=1)
+    sched.store(LoRARequest("policy", 10, str(adapter)))
+    write_adapter(adapter, seed=2)  # the trainer writes new weights over the old ones
+    os.utime(adapter / "adapter_model.safetensors", ns=(1, 1))
+    log = "kvtier.integrations.vllm.scheduler.request_keys"
+    with caplog.at_level(logging.WARNING, logger=log):
+        for _ in range(2):
+            assert sched.hit(LoRARequest("policy", 10, str(adapter))) == 0
+            sched.store(LoRARequest("policy", 10, str(adapter)), chunks=0)
+    assert sum("changed since vLLM's workers loaded it" in r.getMessage()
+               for r in caplog.records) == 1
+    # A new id loads the new files: its own KV, stored and found.
+    assert sched.hit(LoRARequest("policy-v2", 11, str(adapter))) == 0
+    sched.store(LoRARequest("policy-v2", 11, str(adapter)))
+    assert sched.hit(LoRARequest("policy-v2", 11, str(adapter))) == HIT
+    # Files put back as they were do not make id 10 known again (its worker may have read
+    # the new ones meanwhile); a reload in place does: its workers read the files now.
+    write_adapter(adapter, seed=1)
+    os.utime(adapter / "adapter_model.safetensors", ns=(2, 2))
+    assert sched.hit(LoRARequest("policy", 10, str(adapter))) == 0
+    write_adapter(adapter, seed=2)
+    os.utime(adapter / "adapter_model.safetensors", ns=(3, 3))
+    assert sched.hit(LoRARequest("policy", 10, str(adapter), load_inplace=True)) == HIT
+    assert sched.hit(LoRARequest("policy", 10, str(adapter))) == HIT
+    stats = sched.sched.take_stats()
+    assert stats is not None
+    assert sum(stats.data["counters"]["uncacheable_requests"].values()) == 5  # counted
 
 
 def test_one_adapter_at_two_paths_under_two_names_shares_kv(tmp_path: Path) -> None:

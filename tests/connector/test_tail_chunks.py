@@ -59,6 +59,27 @@ def test_only_a_tail_of_the_same_blocks_hits_a_shorter_one_is_another_key() -> N
     assert engine.admit(request("b", 300), list(range(20, 30))) == 256
 
 
+@pytest.mark.parametrize(("tokens", "tails"), [(352, [(8, 9, 10), (8, 9)]),
+                                                 (256, [(4, 5, 6)])])
+def test_a_prompt_that_ends_at_a_blocks_end_hits_as_far_again(
+        tokens: int, tails: list[tuple[int, ...]]) -> None:
+    """The same prompt again recomputes its last token, so a prompt of whole blocks hits a
+    block short of its end: in a tail one block shorter than its own, or, at a chunk's end,
+    in its last chunk's tail of all blocks but one, as vLLM's own prefix cache hits (found by
+    trying: 128 and 256 tokens over chunks of 64 hit 64 and 192 tokens, vLLM's own 96 and
+    224)."""
+    engine = Engine(tokens_per_chunk=CHUNK)
+    a = request("a", tokens)
+    blocks = list(range(tokens // 32))
+    engine.admit(a, blocks)
+    meta = engine.step(new={"a": (blocks, 0, tokens)})
+    assert [t.block_ids for t in meta.stores[tokens // CHUNK:]] == tails
+    engine.store_all(meta)
+    engine.sched.request_finished(a)
+    vllms_own = (tokens - 1) // 32 * 32
+    assert engine.admit(request("b", tokens), list(range(40, 40 + tokens // 32))) == vllms_own
+
+
 def test_a_hit_loads_a_tail_after_vllms_own_blocks() -> None:
     engine = Engine(tokens_per_chunk=CHUNK)
     prefill(engine, "a", 360, list(range(12)))

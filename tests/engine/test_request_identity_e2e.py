@@ -6,20 +6,26 @@ Requests whose token ids are equal while their KV differs never get each other's
     mixed prompts (token ids, then embeddings) share the chunks before the embeddings; the
     same embeddings again hit (kvtier keys them by content, as vLLM's block hash does);
   - images (the same `<image>` placeholder tokens): the same text with another image shares
-    only the chunk of text before the image; the same image again hits; two images swapped.
+    only the chunk of text before the image; the same image again hits; two images swapped;
+  - LoRA adapters: two adapters never share; one adapter's files at another path, under
+    another name, do (kvtier keys an adapter by its content); an adapter rewritten in place
+    under its id is not cached (its engine keeps the weights it loaded), and a new id of the
+    new files gets their own KV, never the old weights'.
 Every hit gives the miss path's tokens (kvtier bypassed: `skip_load`/`skip_store`). Controls
 inject the bug (keys from token ids only) and show that these checks catch it: a cross hit
 and another output.
 
-Two engines, one at a time (class-scoped), their engine cores in this process so that the
-controls can patch kvtier's request table: the "test" model with prompt embeds on, and a generated
-Idefics3-style vision-language model (tiny_vlm.py). Chunks of 64 tokens; vLLM's own prefix
-cache is reset before each request, so every hit is kvtier's.
+Three engines, one at a time (class-scoped), their engine cores in this process so that the
+controls can patch kvtier's request table: the "test" model with prompt embeds on, a generated
+Idefics3-style vision-language model (tiny_vlm.py), and the "test" model with LoRA on. Chunks
+of 64 tokens; vLLM's own prefix cache is reset before each request, so every hit is kvtier's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +33,14 @@ from typing import Any
 
 import pytest
 from tiny_vlm import IMAGE_TOKENS, image, make_tiny_idefics3, words
-from vllm_harness import greedy, kvtier_counter, kvtier_transfer_config, metric, start_engine
+from vllm_harness import (
+    greedy,
+    kvtier_counter,
+    kvtier_transfer_config,
+    metric,
+    random_prompts,
+    start_engine,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -52,13 +65,15 @@ class Outcome:
     uncacheable: float
 
 
-def run(llm: Any, prompt: dict[str, Any], params: dict[str, Any] | None = None) -> Outcome:
-    """Run one prompt after emptying vLLM's own prefix cache; counters are this run's."""
+def run(llm: Any, prompt: dict[str, Any], params: dict[str, Any] | None = None,
+        lora: Any = None) -> Outcome:
+    """Run one prompt (under LoRA adapter `lora`) after emptying vLLM's own prefix cache;
+    counters are this run's."""
     llm.reset_prefix_cache()
     before = (kvtier_counter("lookup_hit_tokens"), kvtier_counter("loaded_tokens"),
               metric(llm, "vllm:external_prefix_cache_hits"),
               kvtier_counter("uncacheable_requests"))
-    [output] = llm.generate([prompt], greedy(16, params), use_tqdm=False)
+    [output] = llm.generate([prompt], greedy(16, params), use_tqdm=False, lora_request=lora)
     after = (kvtier_counter("lookup_hit_tokens"), kvtier_counter("loaded_tokens"),
              metric(llm, "vllm:external_prefix_cache_hits"),
              kvtier_counter("uncacheable_requests"))
@@ -231,3 +246,84 @@ class TestImages:
         dog_after_cat = run(vlm, dog)
         assert dog_after_cat.hit_tokens == 192
         assert dog_after_cat.tokens != miss_dog
+
+
+# -- LoRA adapters ------------------------------------------------------------------------------
+
+def write_adapter(directory: Path, seed: int, rank: int = 8) -> str:
+    """A PEFT-style LoRA adapter of the "test" preset's attention (q, k, v), from `seed`,
+    strong enough that its outputs differ from the base model's and from other seeds'."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(directory.parent / "model")
+    width = config.hidden_size
+    kv_width = config.num_key_value_heads * (width // config.num_attention_heads)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config.num_hidden_layers):
+        for proj, out in (("q_proj", width), ("k_proj", kv_width), ("v_proj", kv_width)):
+            name = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            tensors[f"{name}.lora_A.weight"] = torch.randn(rank, width, generator=gen) / 2
+            tensors[f"{name}.lora_B.weight"] = torch.randn(out, rank, generator=gen) / 2
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.to(torch.bfloat16) for k, v in tensors.items()},
+              str(directory / "adapter_model.safetensors"))
+    (directory / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 16, "bias": "none",
+        "target_modules": ["q_proj", "k_proj", "v_proj"], "task_type": "CAUSAL_LM"}))
+    return str(directory)
+
+
+class TestLoraAdapters:
+    @pytest.fixture(scope="class")
+    def lora_llm(self, tmp_path_factory: pytest.TempPathFactory,
+                 tiny_model_dir: Path) -> Iterator[tuple[Any, Path]]:
+        root = tmp_path_factory.mktemp("lora")
+        (root / "model").symlink_to(tiny_model_dir)
+        with in_process_engine(tiny_model_dir, enable_lora=True, max_lora_rank=8,
+                               max_loras=2) as engine:
+            yield engine, root
+
+    def test_two_adapters_never_share_and_one_adapter_at_two_paths_does(
+            self, lora_llm: tuple[Any, Path]) -> None:
+        from vllm.lora.request import LoRARequest
+
+        llm, root = lora_llm
+        [prompt] = random_prompts([300], seed=41)
+        a = LoRARequest("a", 1, write_adapter(root / "a", seed=1))
+        b = LoRARequest("b", 2, write_adapter(root / "b", seed=2))
+        misses = [run(llm, prompt, BYPASS, lora).tokens for lora in (a, b, None)]
+        assert len({tuple(tokens) for tokens in misses}) == 3  # each adapter decides
+        run(llm, prompt, lora=a)
+        for lora, miss in ((b, misses[1]), (None, misses[2])):
+            other = run(llm, prompt, lora=lora)
+            assert (other.loaded_tokens, other.tokens) == (0, miss)
+        shutil.copytree(a.lora_path, root / "a-elsewhere")
+        copy = run(llm, prompt, lora=LoRARequest("a-copy", 3, str(root / "a-elsewhere")))
+        assert copy.loaded_tokens == copy.external_hits == loadable(300)
+        assert copy.tokens == misses[0]
+
+    def test_an_adapter_rewritten_under_its_id_is_not_cached_and_never_served_to_a_new_id(
+            self, lora_llm: tuple[Any, Path]) -> None:
+        """Found by trying: vLLM kept id 10's old weights after its files were rewritten,
+        kvtier stored that KV under the new files' fingerprint, and id 11, which loaded the
+        new files, was served it."""
+        from vllm.lora.request import LoRARequest
+
+        llm, root = lora_llm
+        [prompt] = random_prompts([300], seed=42)
+        path = write_adapter(root / "policy", seed=3)
+        old = LoRARequest("policy", 10, path)
+        run(llm, prompt, BYPASS, old)  # its engine loads the weights of seed 3
+        write_adapter(root / "policy", seed=4)  # a trainer writes new ones over them
+        stale = run(llm, prompt, lora=old)
+        assert (stale.loaded_tokens, stale.uncacheable) == (0, 1)
+        new = LoRARequest("policy-v2", 11, path)
+        miss = run(llm, prompt, BYPASS, new)
+        assert miss.tokens != stale.tokens  # control: the old weights answer otherwise
+        hit = run(llm, prompt, lora=new)
+        assert (hit.loaded_tokens, hit.tokens) == (0, miss.tokens)  # not the old KV
+        again = run(llm, prompt, lora=new)
+        assert (again.loaded_tokens, again.tokens) == (loadable(300), miss.tokens)

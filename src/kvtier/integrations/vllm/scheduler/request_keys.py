@@ -15,10 +15,11 @@ neither looked up nor stored, rather than keyed on a guess.
 LoRA and the cache salt are in the namespace (requeststate.py), so a text-only request, the
 common case, skips the extraction entirely (`needs_chunk_extras`). A LoRA adapter is named there
 by its content (`lora_identity`), not by the name and path vLLM's block hash uses: two adapters
-served under one name never share KV, and one adapter at two paths (two nodes) does.
+served under one name never share KV, and one adapter at two paths (two nodes) does. Its content
+is the one vLLM's workers loaded (`LoadedAdapters`), not what its files hold later.
 
 Primitives: `UncacheableRequest`, `needs_chunk_extras`, `chunk_extras`, `span_extras`,
-`encode_extra_keys`, `lora_identity`.
+`encode_extra_keys`, `lora_identity`, `LoadedAdapters`.
 """
 
 from __future__ import annotations
@@ -114,6 +115,51 @@ def lora_identity(lora: LoRARequest) -> tuple[str, ...]:
         logger.warning("kvtier: LoRA adapter %r (path %r) is keyed by its name and path: %s",
                        name, path, why)
     return (f"lora={name}", f"lora-path={path}")
+
+
+class LoadedAdapters:
+    """The LoRA adapters vLLM's workers hold, as the keys name them (scheduler thread).
+
+    A worker reads an adapter's files when it first runs a request of its `lora_int_id`, and
+    keeps those weights under the id, whatever the files hold later, until it evicts the
+    adapter (and reads it again) or a request reloads it in place (`load_inplace`). So an
+    adapter is named by its content when kvtier first sees its id, or sees a request that
+    reloads it in place. Files that change under an id with no reload in place leave unknown
+    which weights a worker computes with (the loaded ones, or the new ones once evicted and
+    read again): the id's requests are then neither looked up nor stored (UncacheableRequest),
+    until a request reloads it in place. Not seen: an adapter loaded ahead of its first request
+    (`LLM.llm_engine.add_lora`, a server's `/v1/load_lora_adapter`) and rewritten before that
+    request, with no reload in place.
+    """
+
+    def __init__(self, max_ids: int = 65_536) -> None:
+        # By id: the identity its workers' weights have; None: unknown since its files changed.
+        self._loaded: dict[int, tuple[str, ...] | None] = {}
+        self._max_ids = max_ids
+
+    def identity(self, lora: LoRARequest) -> tuple[str, ...]:
+        """The namespace entries of the adapter vLLM's workers run `lora`'s requests with.
+
+        Raises:
+            UncacheableRequest: its files changed since its workers loaded it.
+        """
+        now = lora_identity(lora)
+        lora_id = lora.lora_int_id
+        if lora.load_inplace or lora_id not in self._loaded:
+            if lora_id not in self._loaded and len(self._loaded) >= self._max_ids:
+                del self._loaded[next(iter(self._loaded))]
+            self._loaded[lora_id] = now
+            return now
+        loaded = self._loaded[lora_id]
+        if loaded == now:
+            return now
+        why = (f"LoRA adapter {lora.lora_name!r} (id {lora_id}, path {lora.lora_path!r}) "
+               "changed since vLLM's workers loaded it; its requests are not cached until "
+               "it is reloaded in place (load_inplace) or served under a new id")
+        if loaded is not None:
+            self._loaded[lora_id] = None
+            logger.warning("kvtier: %s", why)
+        raise UncacheableRequest(why)
 
 
 def encode_extra_keys(value: Any) -> bytes:

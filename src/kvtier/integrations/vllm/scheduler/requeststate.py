@@ -26,8 +26,8 @@ from kvtier.integrations.vllm.config import RequestControls
 from kvtier.integrations.vllm.metrics import StatsDelta
 from kvtier.integrations.vllm.scheduler.losthits import LookupHit
 from kvtier.integrations.vllm.scheduler.request_keys import (
+    LoadedAdapters,
     chunk_extras,
-    lora_identity,
     needs_chunk_extras,
     span_extras,
 )
@@ -124,15 +124,19 @@ class RequestTable:
         # Set by a cache reset (a weight update in place): in every key's namespace from then
         # on, so that no chunk stored before is ever found again (`start_epoch`).
         self._epoch: str | None = None
+        self._adapters = LoadedAdapters()
 
     def state(self, request: Request) -> RequestState:
         """The request's state, entered on first sight."""
         state = self._requests.get(request.request_id)
         if state is None:
-            state = RequestState(request=request, namespace=self._namespace(request),
+            namespace, keyed = self._namespace(request)
+            if not keyed:
+                self._stats.add("uncacheable_requests", 1)
+            state = RequestState(request=request, namespace=namespace,
                                  controls=RequestControls.from_params(
                                      request.kv_transfer_params).within_role(self._kv_role),
-                                 has_extras=needs_chunk_extras(request))
+                                 has_extras=needs_chunk_extras(request), uncacheable=not keyed)
             self._requests[request.request_id] = state
         return state
 
@@ -222,7 +226,10 @@ class RequestTable:
                     self._stats.add("uncacheable_requests", 1)
                 state.uncacheable = True
             else:
-                state.namespace = self._namespace(state.request)
+                state.namespace, keyed = self._namespace(state.request)
+                if not keyed and not state.uncacheable:
+                    self._stats.add("uncacheable_requests", 1)
+                    state.uncacheable = True
                 state.keys.clear()
                 state.stored_tails.clear()
                 state.num_planned_chunks = 0
@@ -261,16 +268,23 @@ class RequestTable:
             scheduled.append(ScheduledRequest(state, computed))
         return scheduled
 
-    def _namespace(self, request: Request) -> Namespace:
+    def _namespace(self, request: Request) -> tuple[Namespace, bool]:
+        """The request's namespace, and whether its KV can be keyed in it (not: its LoRA
+        adapter's weights are unknown, `LoadedAdapters`)."""
         extra = [CHUNK_ORDER, f"block-size={self._block_size}"]
+        keyed = True
         if self._epoch is not None:
             extra.append(f"epoch={self._epoch}")
         if self._group_label is not None:
             extra.append(self._group_label)
         if request.lora_request is not None:
-            # The adapter's content (request_keys.lora_identity): a name re-pointed at another
-            # adapter never reuses the old adapter's KV; one adapter at two paths shares it.
-            extra += lora_identity(request.lora_request)
+            # The adapter's content as its workers loaded it (request_keys.LoadedAdapters): a
+            # name re-pointed at another adapter never reuses the old adapter's KV; one adapter
+            # at two paths shares it.
+            try:
+                extra += self._adapters.identity(request.lora_request)
+            except UncacheableRequest:
+                keyed = False
         return Namespace(model_id=self._model_id, layout_digest=self._layout_digest,
                          weights_fingerprint=self._weights_fingerprint,
-                         cache_salt=request.cache_salt, extra=tuple(extra))
+                         cache_salt=request.cache_salt, extra=tuple(extra)), keyed

@@ -117,6 +117,13 @@ class StorePlanner:
             state.prompt_tail_planned = True
             self._plan_tail(state, self._limit(state, prompt_tokens, attention), attention,
                             out, step)
+            if prompt_tokens % self._block_size == 0:
+                # A prompt that ends at a block's end: the same prompt again (a retry, a
+                # regenerated answer) recomputes its last token, so its hit ends a block
+                # sooner, in a tail one block shorter (or, at a chunk's end, in its last
+                # chunk's tail), as vLLM's own prefix cache's hit would.
+                self._plan_tail(state, self._limit(state, prompt_tokens - 1, attention),
+                                attention, out, step)
 
     def _plan_chunks(self, state: RequestState, computed_tokens: int,
                      attention: list[list[int]], out: list[ChunkTransfer], step: int) -> None:
