@@ -65,6 +65,20 @@ def test_no_node_at_the_socket_is_a_miss(tmp_path: Path, socket_path: Path):
     assert_node_missed(socket_path)
 
 
+def test_a_slab_an_engine_cannot_map_is_a_miss(
+        tmp_path: Path, node_name: str,
+        in_process_node: Callable[..., AbstractContextManager[NodeServer]]):
+    """The node's slab removed from /dev/shm under it (an operator, systemd's RemoveIPC), or
+    not shared with the engine's container: a new engine's calls miss, as with no node.
+    Before: FileNotFoundError out of every call (the scheduler's lookups too)."""
+    with in_process_node(node_tiers(tmp_path, ram_chunks=8)) as node:
+        _client, engine = connect(node.config.socket_path)
+        assert put_chunks(engine, [0]) == [True]
+        [slab] = shm_files(node_name)
+        slab.unlink()
+        assert_node_missed(node.config.socket_path)
+
+
 @pytest.mark.timing
 def test_a_stopped_node_costs_one_deadline_then_nothing_until_it_answers_again(
         tmp_path: Path, start_node: Callable[..., NodeProcess]):

@@ -8,12 +8,24 @@ behind). In-process (`running_node`) and as `kvtier node serve`, its disk tier's
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from nodekit import NodeProcess, connect, node_tiers, put_chunks, wait_for, write_config
+from nodekit import (
+    LAYOUT,
+    NodeProcess,
+    connect,
+    expected,
+    key,
+    lend,
+    node_tiers,
+    put_chunks,
+    wait_for,
+    write_config,
+)
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.retention import DEFAULT_META, ChunkMeta
@@ -52,6 +64,47 @@ def test_a_stop_does_not_wait_for_a_tier_that_stopped_answering(
     finally:
         answer.set()
     assert stopped_s < STOP_FLUSH_S + 10.0, stopped_s  # 60 s before: the hung write's
+    assert not socket_path.exists()
+
+
+@pytest.mark.timeout(60)  # a stop that waits for the opening fails here
+def test_a_layout_whose_tiers_hang_opening_holds_up_no_other_engine_nor_the_stop(
+        tmp_path: Path, socket_path: Path, node_name: str, monkeypatch: pytest.MonkeyPatch):
+    """A second model's first engine, its layout's disk tier opening on a dead mount: the
+    first model's engines load and store, the node's status answers and its stop ends. Before:
+    the opening held the node's lock, and every lease, status and the stop waited for it."""
+    answer, opening = threading.Event(), threading.Event()
+    real_init = DiskTier.__init__
+    opened: list[DiskTier] = []
+
+    def hung_init(self: DiskTier, *args: object, **kwargs: object) -> None:
+        if opened:  # the second layout's
+            opening.set()
+            answer.wait(60)
+        real_init(self, *args, **kwargs)  # type: ignore[arg-type]
+        opened.append(self)
+
+    monkeypatch.setattr(DiskTier, "__init__", hung_init)
+    config = NodeConfig(StoreConfig.parse(node_tiers(tmp_path, ram_chunks=8, disk_chunks=16)),
+                        socket_path, name=node_name, stop_flush_s=STOP_FLUSH_S)
+    try:
+        with running_node(config) as node:
+            _, first = connect(socket_path)
+            assert put_chunks(first, [0]) == [True]
+            other = dataclasses.replace(LAYOUT, tokens_per_chunk=2 * LAYOUT.tokens_per_chunk)
+            second_client, second = connect(socket_path, other, timeout_s=60)
+            waiting = threading.Thread(target=put_chunks, args=(second, [1],
+                                                                other.bytes_per_chunk))
+            waiting.start()
+            wait_for(opening.is_set, 10, "the second layout's disk tier opening")
+            _, borrower_engine = connect(socket_path, engine="borrower")
+            assert lend(borrower_engine, [key(0)]).chunks == expected([0])
+            assert put_chunks(first, [2]) == [True]
+            assert node.status()["connections"] >= 2
+        waiting.join(10)  # its first call ended with the stop: a miss
+        assert not waiting.is_alive() and second_client.failures == 1
+    finally:
+        answer.set()
     assert not socket_path.exists()
 
 

@@ -299,7 +299,14 @@ class NodeClient:
             sock.close()
             self._mark_down(RuntimeError(f"the node refused: {welcome!r}"))
             raise NodeUnavailable(f"the node refused: {welcome!r}")
-        self._map(welcome)
+        try:
+            self._map(welcome)
+        except OSError as exc:  # its slab gone, not shared with this container, not ours
+            sock.close()
+            failure = OSError(exc.errno, f"the node's RAM slab {welcome.shm_path} cannot be "
+                                         f"mapped: {exc.strerror or exc}")
+            self._mark_down(failure)
+            raise NodeUnavailable(str(failure)) from exc
         self._local.sock, self._local.epoch = sock, self._epoch
         return sock
 

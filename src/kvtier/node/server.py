@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import gc
 import itertools
 import logging
@@ -31,6 +32,7 @@ import re
 import secrets
 import socket
 import socketserver
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -82,11 +84,13 @@ from kvtier.node.protocol import (
 from kvtier.tiers import open_store
 from kvtier.tiers.manifest import NamespaceInfo
 from kvtier.tiers.memory import MemoryTier
-from kvtier.tiers.shmslab import SHM_DIR
+from kvtier.tiers.shmslab import SHM_DIR, in_use
 from kvtier.tiers.storeconfig import StoreConfig
 
 log = logging.getLogger(__name__)
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+_SLAB_DIGEST = re.compile(r"[0-9a-f]{16}")  # a slab's name: kvtier-<node>-<its layout's>
+STALE_PROBE_S = 2.0  # how long a socket file's probe waits for a node to accept
 SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path on Linux: sun_path's 108, less its NUL
 
 
@@ -220,13 +224,22 @@ class NodeServer:
 
     def __init__(self, config: NodeConfig) -> None:
         """Raises:
-            OSError: the socket cannot be bound (a live node there: EADDRINUSE), nor the
-                events endpoint (events.py).
+            OSError: the socket cannot be bound (a live node there: EADDRINUSE; a file that
+                is not a socket: EEXIST), nor the events endpoint (events.py); a running
+                node has this node's name (EBUSY: their slabs would be one).
         """
+        for slab in sorted(SHM_DIR.glob(f"kvtier-{config.name}-*")):
+            if _SLAB_DIGEST.fullmatch(slab.name.removeprefix(f"kvtier-{config.name}-")) \
+                    and in_use(slab):
+                raise OSError(errno.EBUSY, f"a kvtier node named {config.name!r} is running "
+                                           f"on this host (its RAM slab {slab}): give each "
+                                           "node its own --name")
         self.config = config
         self.generation = secrets.token_hex(8)
         self._layouts: dict[str, _Layout] = {}
         self._lock = threading.Lock()
+        self._building = threading.Lock()  # a new layout's tiers opening (`layout_for`)
+        self._closing = False  # `shutdown` has begun
         self._leases: dict[int, tuple[int, Lending[ChunkView] | _Puts]] = {}  # -> owner
         self._lease_ids = itertools.count(1)
         self._connections: dict[int, str] = {}  # connection id -> engine
@@ -247,6 +260,8 @@ class NodeServer:
             raise
         self._server.node = self
         os.chmod(config.socket_path, 0o660)  # the node's group: its engines
+        bound = config.socket_path.stat()
+        self._socket_file = (bound.st_dev, bound.st_ino)  # removed at the end if still ours
 
     def serve_forever(self) -> None:
         """Serve until `shutdown` (from another thread: a signal's handler) has finished."""
@@ -263,6 +278,8 @@ class NodeServer:
         miss, then find the next node), close every store (writes behind RAM are flushed)
         and remove the socket and the shared memory."""
         try:
+            with self._lock:
+                self._closing = True
             self._server.shutdown()
             self._server.server_close()
             with self._lock:
@@ -277,7 +294,9 @@ class NodeServer:
             if self.events is not None:
                 self.events.close()  # after the stores: what their closing stored goes out
             with contextlib.suppress(FileNotFoundError):
-                self.config.socket_path.unlink()
+                found = self.config.socket_path.stat()
+                if (found.st_dev, found.st_ino) == self._socket_file:  # not a successor's
+                    self.config.socket_path.unlink()
         finally:
             self._closed.set()
 
@@ -314,41 +333,25 @@ class NodeServer:
         digest = layout.digest()
         with self._lock:
             known = self._layouts.get(digest)
-            if known is not None:
-                return known
-            if len(self._layouts) >= self.config.max_layouts:
-                return Refused(f"the node holds {len(self._layouts)} layouts (max_layouts)")
-            name = f"kvtier-{self.config.name}-{digest[:16]}"
-            recovering = (SHM_DIR / name).exists()  # a predecessor's slab, kept
-            tiers = [self.config.store.tiers[0].model_copy(update={"shared_memory": name}),
-                     *self.config.store.tiers[1:]]
-            try:
-                store = open_store(self.config.store.model_copy(update={"tiers": tiers}),
-                                   layout, NamespaceInfo(hello.model, hello.fingerprint,
-                                                         hello.weight_files))
-            except OSError as exc:  # /dev/shm full (ENOSPC), a tier's directory unwritable
-                log.error("kvtier node: layout %s (%s): its tiers cannot open (%s); engines "
-                          "of this layout are refused until they can", digest[:16],
-                          hello.model, exc)
-                return Refused(f"the node cannot open this layout's tiers: {exc} (its RAM "
-                               f"slab is {SHM_DIR / name})")
-            store.start_reads()  # the first Borrow's reads start at once
-            memory = store.tiers[0]
-            assert isinstance(memory, MemoryTier) and memory.shared_memory_path is not None
-            welcome = Welcome(str(memory.shared_memory_path),
-                              memory.num_slots * memory.slot_bytes, memory.chunk_bytes,
-                              self.generation, self.config.name,
-                              events=self.events is not None,
-                              tiers=[tier.name for tier in store.tiers])
-            memory.keep_shared_memory = self.config.keep_ram
-            if self.events is not None:
-                self.events.add_layout(store, hello.model, layout.tokens_per_chunk,
-                                       announce=layout.tp_rank == 0, clear=not recovering)
-            self._layouts[digest] = known = _Layout(store, memory, welcome, hello.model,
-                                                    NodeLinks(store, memory.chunk_bytes))
-            log.info("kvtier node: layout %s (%s, %d B chunks): %d RAM slots in %s",
-                     digest[:16], hello.model, memory.chunk_bytes, memory.num_slots,
-                     welcome.shm_path)
+        if known is not None:
+            return known
+        # Built one at a time, outside the node's lock: a tier that takes long to open (a
+        # dead mount) holds up other layouts' first engines, never the node's status, leases
+        # or stop.
+        with self._building:
+            with self._lock:
+                known = self._layouts.get(digest)
+                if known is not None:
+                    return known
+                if len(self._layouts) >= self.config.max_layouts:
+                    return Refused(f"the node holds {len(self._layouts)} layouts "
+                                   "(max_layouts)")
+                if self._closing:
+                    return Refused("the node is stopping")
+            built = self._build(digest, layout, hello)
+            if isinstance(built, Refused):
+                return built
+            known = built
         # The layout's tiers are built: the heap is frozen, as vLLM freezes an engine's once
         # started (`freeze_gc_heap`), so that no full collection walks the maps that grow from
         # here on (a disk tier's CLOCK ring of 2 million keys, rebuilt in place: ~30 ms a
@@ -357,9 +360,51 @@ class NodeServer:
         gc.collect()
         gc.freeze()
         # A predecessor's slab (a restart) is recovered behind the engines' requests.
-        threading.Thread(target=self._recover, args=(digest, memory), daemon=True,
+        threading.Thread(target=self._recover, args=(digest, known.memory), daemon=True,
                          name=f"kvtier-recover-{digest[:8]}").start()
         return known
+
+    def _build(self, digest: str, layout: KVLayout, hello: Hello) -> _Layout | Refused:
+        """Open the tiers of a new layout and enter it (unless the node stopped meanwhile)."""
+        name = f"kvtier-{self.config.name}-{digest[:16]}"
+        recovering = (SHM_DIR / name).exists()  # a predecessor's slab, kept
+        tiers = [self.config.store.tiers[0].model_copy(update={"shared_memory": name}),
+                 *self.config.store.tiers[1:]]
+        try:
+            store = open_store(self.config.store.model_copy(update={"tiers": tiers}),
+                               layout, NamespaceInfo(hello.model, hello.fingerprint,
+                                                     hello.weight_files))
+        except OSError as exc:  # /dev/shm full (ENOSPC), a tier's directory unwritable
+            log.error("kvtier node: layout %s (%s): its tiers cannot open (%s); engines "
+                      "of this layout are refused until they can", digest[:16],
+                      hello.model, exc)
+            return Refused(f"the node cannot open this layout's tiers: {exc} (its RAM "
+                           f"slab is {SHM_DIR / name})")
+        store.start_reads()  # the first Borrow's reads start at once
+        memory = store.tiers[0]
+        assert isinstance(memory, MemoryTier) and memory.shared_memory_path is not None
+        welcome = Welcome(str(memory.shared_memory_path),
+                          memory.num_slots * memory.slot_bytes, memory.chunk_bytes,
+                          self.generation, self.config.name,
+                          events=self.events is not None,
+                          tiers=[tier.name for tier in store.tiers])
+        memory.keep_shared_memory = self.config.keep_ram
+        built = _Layout(store, memory, welcome, hello.model,
+                        NodeLinks(store, memory.chunk_bytes))
+        with self._lock:
+            entered = not self._closing
+            if entered:
+                self._layouts[digest] = built
+        if not entered:  # the node stopped meanwhile
+            store.close(0.0)
+            return Refused("the node is stopping")
+        if self.events is not None:
+            self.events.add_layout(store, hello.model, layout.tokens_per_chunk,
+                                   announce=layout.tp_rank == 0, clear=not recovering)
+        log.info("kvtier node: layout %s (%s, %d B chunks): %d RAM slots in %s",
+                 digest[:16], hello.model, memory.chunk_bytes, memory.num_slots,
+                 welcome.shm_path)
+        return built
 
     def _recover(self, digest: str, memory: MemoryTier) -> None:
         try:
@@ -561,27 +606,38 @@ def _end(held: Lending[ChunkView] | _Puts) -> None:
 
 
 def _clear_stale_socket(path: Path) -> None:
-    """Remove a socket file a dead node left; refuse to start beside a live one.
+    """Remove a socket file a dead node left; refuse to start beside a live one, or over a
+    file that is not a socket.
 
     Raises:
-        OSError: EADDRINUSE, a node answers there.
+        OSError: EADDRINUSE, a node answers there (or accepts and does not answer: stopped);
+            EEXIST, a file that is not a socket.
     """
-    if not path.exists():
+    try:
+        found = path.lstat()
+    except FileNotFoundError:
         path.parent.mkdir(parents=True, exist_ok=True)
         return
+    if not stat.S_ISSOCK(found.st_mode):
+        raise OSError(errno.EEXIST, f"{path} exists and is not a socket: not replaced")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(STALE_PROBE_S)  # a stopped node's full queue would block a connect
     try:
         probe.connect(str(path))
-    except OSError:
+    except ConnectionRefusedError:  # no one listens: a dead node's file
         path.unlink()
         return
+    except (TimeoutError, BlockingIOError) as exc:  # its queue full: not accepting
+        raise OSError(errno.EADDRINUSE, f"a process listens on {path} and does not accept "
+                                        "(a kvtier node stopped?)") from exc
     finally:
         probe.close()
-    raise OSError(98, f"a kvtier node is already listening on {path}")
+    raise OSError(errno.EADDRINUSE, f"a kvtier node is already listening on {path}")
 
 
 class _Server(socketserver.ThreadingUnixStreamServer):
     daemon_threads = True
+    request_queue_size = socket.SOMAXCONN  # engines reconnecting at once after a restart
     node: NodeServer
 
 
