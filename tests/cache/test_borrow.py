@@ -348,6 +348,34 @@ def test_a_reservation_left_without_a_commit_or_by_an_error_stores_nothing() -> 
     assert tier.put(key(2), memoryview(payload(2)))  # the only slot was freed both times
 
 
+def test_a_reservation_that_evicted_and_was_left_leaves_the_gauges_true() -> None:
+    """A store given up (a node's reserved slot never committed) after its reservation evicted
+    a chunk: the tier's chunks and bytes say what it holds (they said 2 chunks, holding 1)."""
+    tier = memory_tier(2)
+    for i in range(2):
+        assert tier.put(key(i), memoryview(payload(i)))
+    with tier.reserve(key(5)) as slot:
+        assert not isinstance(slot, TierResult)  # evicted a chunk for it; never committed
+    held = sum(tier.contains(key(i)) for i in range(2))
+    assert held == 1
+    assert (tier.stats().chunks, tier.stats().used_bytes) == (held, held * tier.slot_bytes)
+
+
+def test_a_borrows_read_time_leaves_out_how_long_it_is_held(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node's engine holds a lent chunk while it copies it: the tier's read seconds were
+    that hold (3 s held read 3 s)."""
+    clock = [100.0]
+    monkeypatch.setattr("kvtier.tiers.memory.time.perf_counter", lambda: clock[0])
+    tier = memory_tier(1)
+    assert tier.put(key(0), memoryview(payload(0)))
+    with tier.borrow(key(0)) as view:
+        assert view is not None
+        clock[0] += 3.0  # the borrower copies for 3 s
+    assert tier.stats().hits == 1
+    assert tier.stats().read_s == 0.0
+
+
 def test_no_slot_for_a_held_chunk_nor_when_every_slot_is_pinned() -> None:
     tier = memory_tier(1)
     tier.put(key(0), memoryview(payload(0)))

@@ -189,3 +189,24 @@ def test_a_tier_that_raises_mid_reserve_leaks_no_slot(
         _fresh_client, fresh = connect(node.config.socket_path)
         assert put_chunks(fresh, [4, 5, 6]) == [True] * 3
         assert lend(fresh, [key(i) for i in (4, 5, 6)]).chunks == expected([4, 5, 6])
+
+
+def test_a_node_that_stops_hands_out_no_slot_an_engine_still_reads(
+        tmp_path: Path, in_process_node: Callable[..., AbstractContextManager[NodeServer]]):
+    """A stop ends every connection while their engines live on: a loan's slot is not given
+    back (a store of another engine, answered before its own connection ends, would write
+    into the slot the first still copies from: wrong bytes, seen at SIGTERM under load), and
+    no request is answered once the stop has begun."""
+    with in_process_node(node_tiers(tmp_path, ram_chunks=4)) as node:
+        _client, engine = connect(node.config.socket_path)
+        assert put_chunks(engine, range(4)) == [True] * 4
+        _other_client, borrower_engine = connect(node.config.socket_path, engine="borrower")
+        with borrower_engine.lend_as_landed([key(0)], [memoryview(bytearray(4096))]) as lending:
+            [loan] = list(lending)
+            assert node.status()["leases"] == 1
+            node.shutdown()
+            wait_for(lambda: node.status()["connections"] == 0, 10, "every connection ended")
+            assert node.status()["leases"] == 1  # kept: its slot is not handed out again
+            assert bytes(loan.view.data) == payload(0)
+            loan.release()
+        assert put_chunks(engine, [9]) == [False]  # not answered: a dropped store

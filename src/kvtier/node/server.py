@@ -300,6 +300,11 @@ class NodeServer:
         finally:
             self._closed.set()
 
+    @property
+    def closing(self) -> bool:
+        """Whether `shutdown` has begun (no request is answered from then on)."""
+        return self._closing
+
     def status(self) -> dict[str, Any]:
         """What `kvtier node status` prints: engines, leases, counters and each layout's
         tiers."""
@@ -550,12 +555,17 @@ class NodeServer:
             _end(entry[1])
 
     def disconnected(self, owner: int) -> None:
-        """A connection ended (the engine closed it, exited or was killed): its leases end."""
+        """A connection ended (the engine closed it, exited or was killed): its leases end;
+        not once the node stops (`shutdown` ends every connection while their engines live: a
+        slot one of them still copies from must not be handed to another's store meanwhile;
+        the next node recovers the slab as its records say)."""
         with self._lock:
-            mine = [lease for lease, (who, _) in self._leases.items() if who == owner]
-            ended = [self._leases.pop(lease)[1] for lease in mine]
             self._connections.pop(owner, None)
             self._sockets.pop(owner, None)
+            if self._closing:
+                return
+            mine = [lease for lease, (who, _) in self._leases.items() if who == owner]
+            ended = [self._leases.pop(lease)[1] for lease in mine]
         if ended:
             self.counters.add("disconnects_with_leases")
             log.info("kvtier node: a connection ended holding %d leases; released", len(ended))
@@ -661,7 +671,7 @@ class _Handler(socketserver.BaseRequestHandler):
                 except (msgspec.MsgspecError, ValueError) as exc:
                     send(sock, Refused(f"bad message: {exc}"))
                     return
-                if request is None:
+                if request is None or node.closing:
                     return
                 if isinstance(request, Hello):
                     answer = node.layout_for(request)

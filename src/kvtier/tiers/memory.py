@@ -243,12 +243,13 @@ class MemoryTier:
             self._counters.add(misses=1)
             yield None
             return
+        view = self.slot(index).data.toreadonly()
+        found_s = time.perf_counter() - start  # a read's time, not how long it is held
         try:
-            yield self.slot(index).data.toreadonly()
+            yield view
         finally:
             self._unpin(index)
-            self._counters.add(hits=1, bytes_read=self.chunk_bytes,
-                               read_s=time.perf_counter() - start)
+            self._counters.add(hits=1, bytes_read=self.chunk_bytes, read_s=found_s)
 
     def touch(self, keys: Sequence[ChunkKey]) -> int:
         """Engines read these chunks in place from the shared slab, without a borrow
@@ -423,6 +424,7 @@ class MemoryTier:
         if self._engines is not None:
             self._engines.forget(victim, evicted=True)
         index = self._index.pop(victim)
+        self._publish()  # held now: the slot's next chunk may never come (a store given up)
         if not self._claim(index):
             return None
         if index not in self._pins:
