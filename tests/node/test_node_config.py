@@ -39,15 +39,20 @@ def test_a_node_whose_first_tier_is_not_memory_is_refused(tmp_path: Path):
     assert "tiers[0].kind" in str(raised.value)
 
 
-def test_kvtier_node_serve_names_the_bad_field(tmp_path: Path):
-    config = tmp_path / "node.json"
-    config.write_text(json.dumps(DISK_FIRST))
+@pytest.mark.parametrize(("config", "flags", "named"), [
+    (DISK_FIRST, (), "tiers[0].kind"),
+    (MEMORY, ("--max-layouts", "0"), "max_layouts=0"),  # the flag docs/node.md lists
+])
+def test_kvtier_node_serve_names_the_bad_field(
+        tmp_path: Path, config: dict[str, Any], flags: tuple[str, ...], named: str):
+    path = tmp_path / "node.json"
+    path.write_text(json.dumps(config))
     served = subprocess.run(
-        [sys.executable, "-m", "kvtier.node", "serve", "--config",
-         str(config), "--socket", str(tmp_path / "node.sock"), "--name", tmp_path.name],
+        [sys.executable, "-m", "kvtier.node", "serve", "--config", str(path),
+         "--socket", str(tmp_path / "node.sock"), "--name", tmp_path.name, *flags],
         capture_output=True, text=True, timeout=60)
     assert served.returncode == 2, served.stderr
-    assert "tiers[0].kind" in served.stderr
+    assert named in served.stderr
     assert not (tmp_path / "node.sock").exists()
 
 

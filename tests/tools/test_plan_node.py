@@ -97,7 +97,7 @@ def test_the_printed_configs_are_what_the_node_and_the_engines_accept(tmp_path):
 
 
 @pytest.mark.parametrize("tp, layout_note", [(2, None), (4, "all 4 of the node's layouts"),
-                                             (8, "a node holds at most 4")])
+                                             (8, "its command sets --max-layouts 8")])
 def test_each_tp_rank_is_a_layout_and_the_node_holds_four(tp, layout_note):
     # Llama-3-70B, 2 engines on a 2 TiB node: each engine's share 1 TiB, its tier 614.4 GiB
     # (all its ranks); pooled, 1228.8 GiB over `tp` layouts.
@@ -113,6 +113,10 @@ def test_each_tp_rank_is_a_layout_and_the_node_holds_four(tp, layout_note):
         assert "layouts" not in notes
     else:
         assert layout_note in notes
+    # The node it prints holds every rank's layout.
+    assert ("--max-layouts" in node.node_command) == (tp > 4)
+    if tp > 4:
+        assert node.node_command.split()[-2:] == ["--max-layouts", str(tp)]
 
 
 def test_dev_shm_checks_the_slabs_and_a_warm_restart():

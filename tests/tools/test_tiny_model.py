@@ -23,6 +23,7 @@ from kvtier.testing.tinymodel import (
     PRESETS,
     TinyModelSpec,
     make_tiny_model,
+    preset_named,
     served_name,
     write_tokenizer,
 )
@@ -161,3 +162,24 @@ def test_the_qwen3_next_preset_alternates_linear_and_full_attention(tmp_path: Pa
     assert spec.kv_bytes_per_token() == 2 * 2 * 2 * 32 * 2
     assert spec.state_bytes() == 2 * (3 * 768 + 2 * 128 * 128) * 2
     assert PRESETS["test"].state_bytes() == 0
+
+
+def test_kvtier_serve_generates_the_embedded_model_it_is_named(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+        ) -> None:
+    """`kvtier serve kvtier-tiny`: the README's generated model, with no directory to make
+    first (a user found no documented way to make one)."""
+    from kvtier.tools.cli.main import main
+
+    assert (preset_named("kvtier-tiny"), preset_named("kvtier-bench")) == ("test", "bench")
+    assert preset_named("kvtier-nope") is None and preset_named("test") is None
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    args = ["serve", "kvtier-tiny", "--dry-run", "--memory", "64MiB", "--disk", "0"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    [model_dir] = (tmp_path / "cache" / "kvtier" / "models").iterdir()
+    assert served_name(model_dir) == "kvtier-tiny"
+    assert f"--model {model_dir}" in printed
+    assert f"--served-model-name kvtier-tiny {model_dir}" in printed
+    assert main(args) == 0  # the same directory again, not written anew
+    assert list((tmp_path / "cache" / "kvtier" / "models").iterdir()) == [model_dir]

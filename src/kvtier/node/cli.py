@@ -55,6 +55,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="announce each chunk as chained blocks of this many tokens, as "
                              "the router expects (NVIDIA Dynamo: its kv_block_size); must "
                              "divide the engines' tokens_per_chunk (default: a block a chunk)")
+    parser.add_argument("--max-layouts", type=int, default=4, metavar="N",
+                        help="KV layouts (models x tensor-parallel ranks) the node holds at "
+                             "once, each its own RAM slab; an engine of one more is refused "
+                             "and misses (default 4)")
     parser.add_argument("--stop-flush-s", type=float, default=60.0, metavar="SECONDS",
                         help="how long a stop waits for the writes queued behind RAM; the "
                              "rest are dropped and logged, and a write stuck in a tier that "
@@ -75,7 +79,7 @@ def serve(args: argparse.Namespace) -> int:
     config = NodeConfig(StoreConfig.load(args.config), Path(args.socket),
                         keep_ram=not args.drop_ram, events_endpoint=args.events_endpoint,
                         event_block_size=args.event_block_size,
-                        stop_flush_s=args.stop_flush_s,
+                        stop_flush_s=args.stop_flush_s, max_layouts=args.max_layouts,
                         **({"name": args.name} if args.name else {}))
     metrics: MetricsServer | None = None
     if args.metrics_port is not None:

@@ -332,6 +332,22 @@ def _write_weights(spec: TinyModelSpec, out: Path) -> None:
     model.save_pretrained(out, safe_serialization=True)
 
 
+def default_model_root() -> Path:
+    """Where the tools generate their models: $XDG_CACHE_HOME/kvtier/models, or
+    ~/.cache/kvtier/models."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvtier" / "models"
+
+
+def preset_named(name: str) -> str | None:
+    """The preset a served name names ("kvtier-tiny": "test", "kvtier-bench": "bench", ...),
+    or None."""
+    for preset in PRESETS:
+        if name == ("kvtier-tiny" if preset == "test" else f"kvtier-{preset}"):
+            return preset
+    return None
+
+
 def served_name(model_dir: str | os.PathLike[str]) -> str | None:
     """The short name to serve a generated model under: "kvtier-tiny" for the "test"
     preset, "kvtier-<preset>" for another preset, "kvtier-tiny-<digest>" for any other

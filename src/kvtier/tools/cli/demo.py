@@ -14,7 +14,6 @@ SIGTERM, an error).
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import signal
 import sys
@@ -36,6 +35,7 @@ from rich.status import Status
 from rich.table import Table
 
 from kvtier.errors import ServerError
+from kvtier.testing.tinymodel import default_model_root
 from kvtier.tools.bench.demo import PLANS, DemoEvents, DemoPlan, headline_lines, run_demo
 from kvtier.tools.bench.demo_node import NodeDemoResult, NodePhase, run_node_demo
 from kvtier.tools.bench.serving.report import summary_table
@@ -61,12 +61,6 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="the node scene: two engines sharing one `kvtier node`'s RAM, and an "
                         "engine restarted mid-conversation (demo-node.json, .png)")
     p.set_defaults(func=run)
-
-
-def default_model_dir() -> Path:
-    """$XDG_CACHE_HOME/kvtier/models, or ~/.cache/kvtier/models."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "kvtier" / "models"
 
 
 class ConsoleEvents(DemoEvents):
@@ -144,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     scene = run_node_demo if args.node else run_demo
     try:
         result = scene(plan, args.out, work_dir=work,
-                       model_root=args.model_dir or default_model_dir(), events=events)
+                       model_root=args.model_dir or default_model_root(), events=events)
     except ServerError as exc:
         events.close()
         console.print(f"[red]kvtier demo: {exc}[/red]")

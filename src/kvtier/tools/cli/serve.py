@@ -35,7 +35,12 @@ from pathlib import Path
 
 from kvtier.errors import ConfigError, ServerError
 from kvtier.redaction import redact_value
-from kvtier.testing.tinymodel import served_name
+from kvtier.testing.tinymodel import (
+    default_model_root,
+    make_preset_model,
+    preset_named,
+    served_name,
+)
 from kvtier.tools.cli.argtypes import any_path, port_number, positive_int
 from kvtier.tools.ops.server import VllmServer
 from kvtier.tools.ops.serving import (
@@ -58,7 +63,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                "cache_control markers ({\"type\": \"ephemeral\", \"ttl\": \"5m\"} on a "
                "message, content part or the request) pin the prompt up to them in kvtier "
                "for the TTL, within the tiers' max_pinned_share (docs/retention.md).")
-    p.add_argument("model", help="model name or local directory (vLLM's --model)")
+    p.add_argument("model", help="model name or local directory (vLLM's --model); "
+                                 "kvtier-tiny or kvtier-bench: kvtier's generated model, "
+                                 "written into ~/.cache/kvtier/models on first use")
     p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=port_number, default=8000,
                    help="listen port, 1-65535 (default 8000)")
@@ -133,10 +140,22 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
             raise ConfigError("tokens_per_chunk", args.tokens_per_chunk, "a positive integer")
         extra["tokens_per_chunk"] = args.tokens_per_chunk
     engine_kv = None if args.engine_kv is None else parse_size(args.engine_kv, "engine_kv")
-    return ServeConfig(model=args.model, kvtier=not args.no_kvtier, extra_config=extra,
+    model = embedded_model(args.model)
+    return ServeConfig(model=model, kvtier=not args.no_kvtier, extra_config=extra,
                        host=args.host, port=args.port, cpu=cpu, engine_kv_bytes=engine_kv,
                        vllm_args=tuple(vllm_args), kv_role=args.kv_role,
-                       served_model_name=served_names(args.model, args.served_model_name))
+                       served_model_name=served_names(model, args.served_model_name))
+
+
+def embedded_model(model: str) -> str:
+    """MODEL; for the served name of an embedded model (kvtier-tiny, kvtier-bench, ...) that
+    is no path here, the directory of that generated model (written now, or before)."""
+    preset = preset_named(model)
+    if preset is None or Path(model).exists():
+        return model
+    print(f"# kvtier serve: {model} is kvtier's generated model ({preset!r} preset)",
+          flush=True)
+    return str(make_preset_model(preset, default_model_root()))
 
 
 def served_names(model: str, name: str | None) -> tuple[str, ...]:

@@ -34,8 +34,8 @@ from kvtier.tools.ops.plan_request import PlanRequest
 from kvtier.units import format_size
 
 _GIB = 1024**3
-# The layouts a node holds at once (NodeConfig's default; `kvtier node serve` has no option
-# for it): one more engine layout is refused, and its engines miss.
+# The layouts a node holds at once by default (NodeConfig's; `kvtier node serve --max-layouts`):
+# one more engine layout is refused, and its engines miss.
 def _max_layouts() -> int:
     default = next(f.default for f in fields(NodeConfig) if f.name == "max_layouts")
     assert isinstance(default, int)  # NodeConfig declares it an int
@@ -125,6 +125,8 @@ def plan_node(req: PlanRequest, ctx: int, host_ram: int, cpu_gib: float, nvme_gi
     StoreConfig.parse(node_config, where=CONFIG_FILE)
     command = (f"kvtier node serve --config {CONFIG_FILE} --socket "
                f"{shlex.quote(req.node_socket)} --metrics-port {METRICS_PORT}")
+    if tp > MAX_LAYOUTS:
+        command += f" --max-layouts {tp}"
     transfer, engine_command = _engine(req, kvtier, shared)
     plan = NodePlan(
         engines=engines, layouts=tp, gpus=engines * tp, host_ram_bytes=host_ram,
@@ -179,9 +181,10 @@ def node_notes(node: NodePlan) -> list[str]:
     if node.refused is not None:
         notes.append(f"no node for this model: {node.refused}")
     if node.layouts > MAX_LAYOUTS:
-        notes.append(f"TP {node.layouts} brings {node.layouts} KV layouts (one per rank); a "
-                     f"node holds at most {MAX_LAYOUTS} (max_layouts, which `kvtier node "
-                     "serve` does not set): the ranks past it are refused and always miss")
+        notes.append(f"TP {node.layouts} brings {node.layouts} KV layouts (one per rank), past "
+                     f"a node's default {MAX_LAYOUTS}: its command sets --max-layouts "
+                     f"{node.layouts}, and another model (or TP size) on this node is refused "
+                     "and misses")
     elif node.layouts == MAX_LAYOUTS:
         notes.append(f"these engines take all {MAX_LAYOUTS} of the node's layouts: "
                      "another model (or TP size) on this node is refused and misses")
