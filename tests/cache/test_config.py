@@ -87,6 +87,9 @@ def test_format_size_is_binary_and_readable() -> None:
      "tiers.0.disk.o_direct", "yes", "auto"),
     ({"tiers": [{"kind": "shared", "capacity": 1, "path": X, "scan_interval_s": 0}]},
      "tiers.0.shared.scan_interval_s", 0, "0"),
+    # accepted and ignored before: its quota evicts by last use only
+    ({"tiers": [{"kind": "shared", "capacity": 1, "path": X, "eviction": "arc"}]},
+     "tiers.0.shared.eviction", "arc", "lru"),
     ({"tiers": []}, "tiers", [], "at least 1"),
     ({**_memory(), "write_queue_depth": 0}, "write_queue_depth", 0, "1"),
     ({**_memory(), "io_threads": 1000}, "io_threads", 1000, "64"),

@@ -241,6 +241,15 @@ def test_hma_flag_unknown_version_is_a_warning_not_an_error():
     assert [f.severity for f in found] == [Severity.WARNING]
 
 
+def test_kvtiers_connector_needs_no_hma_flag_whatever_the_version():
+    """kvtier's connector supports the hybrid manager on every release it runs on: with no
+    --vllm-version the audit told kvtier's users to add the flag (found by trying)."""
+    for version in (None, V20, V21, V32):
+        found = findings_of("offload-needs-hma-flag",
+                            (f"vllm serve m {transfer('KVTierConnector')}", {}, version, None))
+        assert found == [], version
+
+
 def test_native_offload_on_hybrid_model_at_v21_needs_no_flag():
     found = findings_of("offload-needs-hma-flag",
                         (f"vllm serve Qwen/Qwen3.5-35B-A3B {NATIVE} 100", {}, V21, None))

@@ -110,6 +110,8 @@ class SharedTierConfig(EncodedTierSettings):
     group_shared: bool = False  # create directories 0770 / files 0660 for a shared group
     scan_interval_s: float = Field(30.0, gt=0)  # how often usage is re-measured for the quota
     io_threads: int = Field(4, ge=1, le=64)  # parallel reads/writes against this directory
+    # Its quota evicts the chunk files least recently used (their mtimes): no other policy.
+    eviction: Literal["lru"] = "lru"
     # `capacity` is the whole directory's quota (every layout, engine and node: one ledger),
     # never split by rank (SharedTier.capacity_split_by_rank).
 

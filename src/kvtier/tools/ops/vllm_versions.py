@@ -149,15 +149,16 @@ def hma_verdict(version: Version | None, connector: str, hybrid_model: bool) -> 
     if connector in LMCACHE_CONNECTORS and hybrid_model:
         return HmaVerdict(True, "LMCache connectors cannot serve hybrid-attention models at "
                           "all (LMCache#3106); use native offload on v0.21.0+ instead")
+    if connector == CONNECTOR_CLASS:  # SupportsHMA (kvtier.integrations.vllm.groups)
+        # On every release it runs on (whatever the audited command's version).
+        return HmaVerdict(False, "kvtier's connector supports the hybrid manager "
+                          "(SupportsHMA: sliding-window groups keep their window)")
     if version is None:
         return HmaVerdict(None, "vLLM version unknown: releases v0.18-v0.20 need the flag "
                           "for every offload connector, v0.21.0+ not for native offload")
     if version < HMA_DEFAULT_SINCE:
         return HmaVerdict(False, f"the hybrid manager is not the default before "
                           f"{format_version(HMA_DEFAULT_SINCE)}")
-    if connector == CONNECTOR_CLASS:  # SupportsHMA (kvtier.integrations.vllm.groups)
-        return HmaVerdict(False, "kvtier's connector supports the hybrid manager "
-                          "(SupportsHMA: sliding-window groups keep their window)")
     if connector in NATIVE_CONNECTORS and version >= NATIVE_OFFLOAD_HMA_SINCE:
         return HmaVerdict(False, f"native offload works with the hybrid manager since "
                           f"{format_version(NATIVE_OFFLOAD_HMA_SINCE)}")
