@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import socket
 import struct
+from typing import Annotated
 
 import msgspec
 
-from kvtier.core.keys import ChunkKey
+from kvtier.core.keys import KEY_BYTES, ChunkKey
 from kvtier.core.retention import ChunkMeta
 from kvtier.errors import NodeUnavailable
 
@@ -35,6 +36,8 @@ HELD, SKIPPED, SEND = -1, -2, -3
 RAM_TIER, BELOW_TIER = "node", "node-below"
 MAX_FRAME = 64 << 20  # bytes: far above any control message (a frame past it is garbage)
 _LENGTH = struct.Struct(">I")
+# A chunk's key on the wire: a message with a key of another length is refused as it decodes.
+Key = Annotated[bytes, msgspec.Meta(min_length=KEY_BYTES, max_length=KEY_BYTES)]
 
 
 class Meta(msgspec.Struct, array_like=True):
@@ -43,7 +46,7 @@ class Meta(msgspec.Struct, array_like=True):
     tenant: str | None = None
     retain_until: float | None = None
     expires_at: float | None = None
-    parent: bytes | None = None
+    parent: Key | None = None
 
     @classmethod
     def of(cls, meta: ChunkMeta) -> Meta:
@@ -90,7 +93,7 @@ class Lookup(msgspec.Struct, tag=True):
     I/O: the answer the scheduler's thread may wait for); else in any tier, those below RAM
     asked with one batch each (a remote store's round trips)."""
 
-    keys: list[bytes]
+    keys: list[Key]
     ram_only: bool = False
 
 
@@ -105,10 +108,19 @@ class Borrow(msgspec.Struct, tag=True):
     `stream`: answered in parts as the chunks land (`Lent.more`), so that the engine copies
     the first while the node reads the rest; else one `Lent` once every read has ended."""
 
-    keys: list[bytes]
+    keys: list[Key]
     metas: list[Meta]
     budget_s: float | None = None
     stream: bool = False
+
+    def __post_init__(self) -> None:
+        _a_meta_a_key(self.keys, self.metas)
+
+
+def _a_meta_a_key(keys: list[bytes], metas: list[Meta]) -> None:
+    """Raises ValueError (a message refused as it decodes): not one meta a key."""
+    if len(metas) != len(keys):
+        raise ValueError(f"{len(metas)} metas for {len(keys)} keys")
 
 
 class Lent(msgspec.Struct, tag=True):
@@ -135,14 +147,17 @@ class Touch(msgspec.Struct, tag=True):
     slots' locks: `kvtier.tiers.shmslab.SlabReader`): recent for the node's policy, as a
     borrow is. No reply."""
 
-    keys: list[bytes]
+    keys: list[Key]
 
 
 class Reserve(msgspec.Struct, tag=True):
     """Slots for a step's stores, one per key (or HELD / SKIPPED / SEND)."""
 
-    keys: list[bytes]
+    keys: list[Key]
     metas: list[Meta]
+
+    def __post_init__(self) -> None:
+        _a_meta_a_key(self.keys, self.metas)
 
 
 class Reserved(msgspec.Struct, tag=True):
@@ -167,8 +182,8 @@ class Commit(msgspec.Struct, tag=True):
 class Described(msgspec.Struct, array_like=True):
     """A chunk as a KV event describes it (`kvtier.tiers.eventfacts.ChunkInfo` and its key)."""
 
-    key: bytes
-    parent: bytes | None
+    key: Key
+    parent: Key | None
     token_ids: bytes  # little-endian int32
     lora_name: str | None = None
     cache_salt: str | None = None
@@ -182,7 +197,7 @@ class Describe(msgspec.Struct, tag=True):
 
 
 class Retain(msgspec.Struct, tag=True):
-    key: bytes
+    key: Key
     meta: Meta
 
 

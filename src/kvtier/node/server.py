@@ -514,10 +514,10 @@ class NodeServer:
         self.counters.add("reserved_chunks", puts.open)
         return Reserved(self._lease(owner, puts) if puts.open else 0, offsets)
 
-    def commit(self, request: Commit) -> None:
+    def commit(self, owner: int, request: Commit) -> None:
         with self._lock:
             entry = self._leases.get(request.lease)
-        if entry is None or not isinstance(entry[1], _Puts):
+        if entry is None or entry[0] != owner or not isinstance(entry[1], _Puts):
             return
         puts = entry[1]
         if not 0 <= request.index < len(puts.blocks):
@@ -548,11 +548,14 @@ class NodeServer:
         if self.events is not None:
             self.events.describe(layout.model, request.chunks)
 
-    def release(self, lease: int) -> None:
+    def release(self, owner: int, lease: int) -> None:
+        """End connection `owner`'s `lease` (another connection's is not its to end)."""
         with self._lock:
-            entry = self._leases.pop(lease, None)
-        if entry is not None:
-            _end(entry[1])
+            entry = self._leases.get(lease)
+            if entry is None or entry[0] != owner:
+                return
+            del self._leases[lease]
+        _end(entry[1])
 
     def disconnected(self, owner: int) -> None:
         """A connection ended (the engine closed it, exited or was killed): its leases end;
@@ -684,7 +687,7 @@ class _Handler(socketserver.BaseRequestHandler):
                     send(sock, layout.welcome)
                     continue
                 if isinstance(request, Release):
-                    node.release(request.lease)
+                    node.release(owner, request.lease)
                     continue
                 if isinstance(request, Touch):
                     if layout is not None:
@@ -692,7 +695,7 @@ class _Handler(socketserver.BaseRequestHandler):
                         node.counters.add("read_in_place", len(request.keys))
                     continue
                 if isinstance(request, Commit):
-                    node.commit(request)
+                    node.commit(owner, request)
                     if request.reply:
                         send(sock, Answer(True))
                     continue
