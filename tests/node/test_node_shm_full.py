@@ -9,14 +9,16 @@ An in-process node (`running_node`), so that the fault can be injected into its 
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import logging
 import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
-from nodekit import connect, expected, key, lend, node_tiers, put_chunks, wait_for
+from nodekit import LAYOUT, connect, expected, key, lend, node_tiers, put_chunks, wait_for
 
 from kvtier.node.server import NodeServer
 from kvtier.tiers.shmslab import SHM_DIR
@@ -44,3 +46,27 @@ def test_a_full_dev_shm_refuses_the_layout_and_the_node_serves_on(
         wait_for(lambda: put_chunks(engine, [1]) == [True], 10, "the layout opened")
         assert lend(engine, [key(1)]).chunks == expected([1])
         assert len(node.status()["layouts"]) == 1
+
+
+def test_a_full_dev_shm_names_the_slabs_of_earlier_layouts_no_engine_asks_for(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        in_process_node: Callable[..., AbstractContextManager[NodeServer]]):
+    """A model upgraded across restarts leaves its old layout's slab (kept for a successor to
+    recover; its model may come back): when the new layout's slab finds no room, the error
+    says which slabs hold /dev/shm (it named only the new one)."""
+    config = node_tiers(tmp_path, ram_chunks=4)
+    with in_process_node(config) as node:
+        _client, engine = connect(node.config.socket_path)
+        assert put_chunks(engine, [1]) == [True]
+        [old_slab] = SHM_DIR.glob(f"kvtier-{node.config.name}-*")
+
+    def no_room(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    upgraded = dataclasses.replace(LAYOUT, tokens_per_chunk=2 * LAYOUT.tokens_per_chunk)
+    with in_process_node(config), caplog.at_level(logging.ERROR, "kvtier.node.server"):
+        monkeypatch.setattr(os, "posix_fallocate", no_room)
+        _client, engine = connect(node.config.socket_path, upgraded)
+        assert put_chunks(engine, [1], upgraded.bytes_per_chunk) == [False]
+    [error] = [r.getMessage() for r in caplog.records if "cannot open" in r.getMessage()]
+    assert f"earlier layouts no engine asks for now hold /dev/shm: {old_slab}" in error

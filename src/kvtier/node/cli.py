@@ -75,12 +75,14 @@ def serve(args: argparse.Namespace) -> int:
         ConfigError: a bad config file (the caller prints it and exits 2).
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    note_cpu_group()
+    if not Path(args.socket).is_absolute():  # named as given (a Path's repr, otherwise)
+        raise ConfigError("--socket", args.socket, "an absolute path")
     config = NodeConfig(StoreConfig.load(args.config), Path(args.socket),
                         keep_ram=not args.drop_ram, events_endpoint=args.events_endpoint,
                         event_block_size=args.event_block_size,
                         stop_flush_s=args.stop_flush_s, max_layouts=args.max_layouts,
                         **({"name": args.name} if args.name else {}))
+    note_cpu_group()  # once its settings hold: not before an error that ends it
     metrics: MetricsServer | None = None
     if args.metrics_port is not None:
         try:  # before the node opens its socket: a port in use leaves nothing behind

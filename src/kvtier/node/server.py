@@ -86,6 +86,7 @@ from kvtier.tiers.manifest import NamespaceInfo
 from kvtier.tiers.memory import MemoryTier
 from kvtier.tiers.shmslab import SHM_DIR, in_use
 from kvtier.tiers.storeconfig import StoreConfig
+from kvtier.units import format_size
 
 log = logging.getLogger(__name__)
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
@@ -380,11 +381,12 @@ class NodeServer:
                                layout, NamespaceInfo(hello.model, hello.fingerprint,
                                                      hello.weight_files))
         except OSError as exc:  # /dev/shm full (ENOSPC), a tier's directory unwritable
+            stale = self._unused_slabs() if exc.errno == errno.ENOSPC else ""
             log.error("kvtier node: layout %s (%s): its tiers cannot open (%s); engines "
-                      "of this layout are refused until they can", digest[:16],
-                      hello.model, exc)
+                      "of this layout are refused until they can%s", digest[:16],
+                      hello.model, exc, stale)
             return Refused(f"the node cannot open this layout's tiers: {exc} (its RAM "
-                           f"slab is {SHM_DIR / name})")
+                           f"slab is {SHM_DIR / name}){stale}")
         store.start_reads()  # the first Borrow's reads start at once
         memory = store.tiers[0]
         assert isinstance(memory, MemoryTier) and memory.shared_memory_path is not None
@@ -410,6 +412,21 @@ class NodeServer:
                  digest[:16], hello.model, memory.chunk_bytes, memory.num_slots,
                  welcome.shm_path)
         return built
+
+    def _unused_slabs(self) -> str:
+        """The slabs of this node's name that no running node holds (layouts of earlier
+        nodes: kept for a successor to recover, never swept, as their model may come back),
+        as a note for an error about a full /dev/shm; "" when there are none."""
+        prefix = f"kvtier-{self.config.name}-"
+        unused = []
+        for path in sorted(SHM_DIR.glob(prefix + "*")):
+            digest = path.name.removeprefix(prefix).removesuffix(".old")
+            with contextlib.suppress(OSError):
+                if _SLAB_DIGEST.fullmatch(digest) and not in_use(path):
+                    unused.append(f"{path} ({format_size(path.stat().st_size)})")
+        return "" if not unused else (
+            "; slabs of this node's earlier layouts no engine asks for now hold "
+            f"{SHM_DIR}: {', '.join(unused)} (remove those of models no longer served)")
 
     def _recover(self, digest: str, memory: MemoryTier) -> None:
         try:
