@@ -81,6 +81,8 @@ def test_an_unwritable_directory_drops_writes_and_keeps_what_it_holds(
             assert tier.put(key(i), memoryview(payload(i, layout))) == IO_ERROR
     assert tier.stats().dropped_writes == 4 and tier.stats().puts == 7
     assert "Permission denied" in caplog.text and key(10).hex() in caplog.text
+    # One line, not one a chunk (a flood while the directory stays unwritable).
+    assert sum("write of" in r.getMessage() for r in caplog.records) == 1
     assert not any(tier.contains(key(i)) for i in range(10, 14))
     assert all(_readable(tier, layout, i) for i in range(7)), "held chunks were lost"
     assert tier.stats().evictions == 0
@@ -88,6 +90,29 @@ def test_an_unwritable_directory_drops_writes_and_keeps_what_it_holds(
     assert tier.put(key(10), memoryview(payload(10, layout)))
     assert _readable(tier, layout, 10)
     assert _no_temp_files(tmp_path)
+
+
+def test_a_full_disk_tier_made_unwritable_evicts_no_chunk_for_writes_that_fail(
+    tmp_path: Path, layout: KVLayout, deny_writes_below: list[Path],
+) -> None:
+    """Full (8 of 8) when its directory turns read-only: a put evicted a held chunk, then its
+    write failed, and the next put the next chunk (a node's disk went from 8 to 6 chunks).
+    After one such failure, puts that need room are dropped without evicting for a while;
+    once a write succeeds again, puts evict as before."""
+    tier = make_tier("disk", tmp_path, layout, capacity_chunks=8)
+    for i in range(8):
+        assert tier.put(key(i), memoryview(payload(i, layout)))
+    deny_writes_below.append(tmp_path)
+    for i in range(10, 16):
+        assert tier.put(key(i), memoryview(payload(i, layout))) == IO_ERROR
+    assert tier.stats().dropped_writes == 6
+    assert tier.stats().evictions == 1  # the first put's, before its write failed
+    assert sum(bool(_readable(tier, layout, i)) for i in range(8)) == 7
+    deny_writes_below.clear()
+    assert tier.delete(key(7)) or not tier.contains(key(7))  # room for one: a put that fits
+    assert tier.put(key(20), memoryview(payload(20, layout)))  # is tried, and succeeds
+    assert tier.put(key(21), memoryview(payload(21, layout)))  # full: evicts again
+    assert _readable(tier, layout, 20) and _readable(tier, layout, 21)
 
 
 @pytest.mark.parametrize("kind", PERSISTENT)

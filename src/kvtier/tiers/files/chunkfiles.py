@@ -47,6 +47,7 @@ from kvtier.core.chunkformat import (
     stored_size,
 )
 from kvtier.core.keys import ChunkKey
+from kvtier.core.throttled import ThrottledWarning
 from kvtier.errors import CorruptChunk
 from kvtier.tiers.files.chunktree import TreeScan, chunk_parts, chunk_path, scan_tree
 from kvtier.tiers.files.filetree import (
@@ -93,6 +94,7 @@ class ChunkFiles:
         self.dir_mode, self.file_mode = dir_mode, file_mode
         self.directory = self.root / layout_digest
         self.ops = FsOps()  # the metadata operations asked of the filesystem (fsops.py)
+        self._cannot_remove = ThrottledWarning(log)  # every chunk, on a read-only directory
         self._local = threading.local()
         self.writable = self._prepare_directory()
         self.o_direct = o_direct != "off" and self.writable and self._probe_o_direct(
@@ -333,7 +335,8 @@ class ChunkFiles:
         try:
             return unlink_file(self.root, chunk_parts(self.layout_digest, key), self.ops)
         except OSError as exc:
-            log.warning("%s: cannot remove chunk %s (%s)", self.directory, key.hex(), exc)
+            self._cannot_remove.warning("%s: cannot remove chunk %s (%s)", self.directory,
+                                        key.hex(), exc)
             return None
 
     def scan(self) -> TreeScan:

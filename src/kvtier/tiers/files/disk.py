@@ -47,6 +47,7 @@ from kvtier.core.layout import KVLayout
 from kvtier.core.policies import AdmissionFilter, Generations, make_policy
 from kvtier.core.policies.clock import ClockPolicy
 from kvtier.core.retention import DEFAULT_META, ChunkMeta, RetentionStats
+from kvtier.core.throttled import ThrottledWarning
 from kvtier.core.tier import (
     DECLINED,
     FULL,
@@ -77,6 +78,11 @@ from kvtier.tiers.retention import RetentionTierSettings, book_problems, build_b
 
 log = logging.getLogger(__name__)
 ENOSPC_EVICT_CHUNKS = 4  # chunks evicted when the filesystem itself is full
+# After a write failed for want of permission (EACCES, EPERM, EROFS: a directory made read-only
+# under the tier), puts that would evict a held chunk to make room are dropped for this long
+# (a put that fits is still tried): each one evicted a chunk for a write that then failed.
+UNWRITABLE_BACKOFF_S = 5.0
+_NO_PERMISSION = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
 INDEX_WAIT_S = 0.5  # the constructor waits this long for the index (then it fills behind)
 INDEX_BATCH = 20_000  # chunks indexed per hold of the lock (hits proceed between batches)
 
@@ -121,6 +127,7 @@ class DiskTier:
 
     def __init__(self, config: DiskTierConfig, layout: KVLayout) -> None:
         self.name = config.tier_name
+        self._write_failed = ThrottledWarning(log)  # every write, on an unwritable disk
         self.capacity_bytes = config.capacity
         self.files = ChunkFiles(config.path, layout.digest(), layout.bytes_per_chunk,
                                 config.o_direct, encoder=build_encoder(config, layout))
@@ -134,6 +141,7 @@ class DiskTier:
             if config.eviction == "lru" \
             else make_policy(config.eviction, config.capacity // self.file_bytes)
         self._admission = AdmissionFilter(config.admit_after)
+        self._unwritable_until = 0.0  # see UNWRITABLE_BACKOFF_S (time.monotonic)
         self._lock = threading.Lock()
         self._counters = TierCounters(self.name, config.capacity)
         self.events = TierEvents(self.name)
@@ -264,8 +272,10 @@ class DiskTier:
             return TierResult(Failure.NO_KEY)
         except (CorruptChunk, OSError) as exc:
             self._forget(key, corrupt=isinstance(exc, CorruptChunk))
-            log.warning("disk tier %r: chunk %s unreadable (%s); treated as a miss",
-                        self.name, key.hex(), exc)
+            # Gone: evicted (or removed by `kvtier gc`) since its lookup, a race not a fault.
+            (log.info if isinstance(exc, FileNotFoundError) else log.warning)(
+                "disk tier %r: chunk %s unreadable (%s); treated as a miss", self.name,
+                key.hex(), exc)
             self._counters.add(misses=1)
             if isinstance(exc, CorruptChunk):
                 return TierResult(failure_of(exc))
@@ -321,6 +331,10 @@ class DiskTier:
         encoded = self.files.encode(key, data, meta.tenant)
         size = self.files.size_of(encoded)
         with self._lock:
+            if self._used_bytes + size > self.capacity_bytes \
+                    and time.monotonic() < self._unwritable_until:
+                self._counters.add(dropped_writes=1)
+                return IO_ERROR  # writes failed lately: no chunk evicted for this one
             if not self._make_tenant_room(meta.tenant, size):
                 self._counters.add(dropped_writes=1)
                 return FULL  # the tenant is at its quota with pinned chunks only
@@ -344,12 +358,16 @@ class DiskTier:
                 self._in_flight_bytes -= size
                 if exc.errno == errno.ENOSPC:  # the filesystem is fuller than our quota
                     self._evict_to(self._used_bytes - ENOSPC_EVICT_CHUNKS * self.file_bytes)
+                if exc.errno in _NO_PERMISSION:
+                    self._unwritable_until = time.monotonic() + UNWRITABLE_BACKOFF_S
             self._counters.add(dropped_writes=1)
             self._publish_usage()
-            log.warning("disk tier %r: write of %s failed (%s); dropped", self.name, key.hex(), exc)
+            self._write_failed.warning("disk tier %r: write of %s failed (%s); dropped",
+                                       self.name, key.hex(), exc)
             return FULL if exc.errno in (errno.ENOSPC, errno.EDQUOT) else IO_ERROR
         with self._lock:
             self._in_flight_bytes -= size
+            self._unwritable_until = 0.0  # writable again
             if key in self._index:  # a concurrent put of the same key won
                 self._used_bytes -= size
             else:

@@ -61,6 +61,7 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.policies import AdmissionFilter
 from kvtier.core.retention import DEFAULT_META, ChunkMeta
+from kvtier.core.throttled import ThrottledWarning
 from kvtier.core.tier import (
     DECLINED,
     FULL,
@@ -148,6 +149,7 @@ class SharedTier:
 
     def __init__(self, config: SharedTierConfig, layout: KVLayout) -> None:
         self.name = config.tier_name
+        self._write_failed = ThrottledWarning(log)  # every write, on an unwritable directory
         self.capacity_bytes = config.capacity
         self.scan_interval_s = config.scan_interval_s
         modes = (0o770, 0o660) if config.group_shared else (0o700, 0o600)
@@ -254,8 +256,8 @@ class SharedTier:
                     self._remeasure_behind()
         except OSError as exc:
             self._counters.add(dropped_writes=1)
-            log.warning("shared tier %r: write of %s failed (%s); dropped",
-                        self.name, key.hex(), exc)
+            self._write_failed.warning("shared tier %r: write of %s failed (%s); dropped",
+                                       self.name, key.hex(), exc)
             # Only a full filesystem is helped by evicting; EACCES or EIO must not evict 10%
             # of everyone's chunks on every failed write (tests/faults/test_write_failures.py).
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
