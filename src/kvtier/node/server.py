@@ -229,9 +229,8 @@ class NodeServer:
                 is not a socket: EEXIST), nor the events endpoint (events.py); a running
                 node has this node's name (EBUSY: their slabs would be one).
         """
-        for slab in sorted(SHM_DIR.glob(f"kvtier-{config.name}-*")):
-            if _SLAB_DIGEST.fullmatch(slab.name.removeprefix(f"kvtier-{config.name}-")) \
-                    and in_use(slab):
+        for slab in _slabs_of(config.name):
+            if in_use(slab):
                 raise OSError(errno.EBUSY, f"a kvtier node named {config.name!r} is running "
                                            f"on this host (its RAM slab {slab}): give each "
                                            "node its own --name")
@@ -417,12 +416,10 @@ class NodeServer:
         """The slabs of this node's name that no running node holds (layouts of earlier
         nodes: kept for a successor to recover, never swept, as their model may come back),
         as a note for an error about a full /dev/shm; "" when there are none."""
-        prefix = f"kvtier-{self.config.name}-"
         unused = []
-        for path in sorted(SHM_DIR.glob(prefix + "*")):
-            digest = path.name.removeprefix(prefix).removesuffix(".old")
+        for path in _slabs_of(self.config.name, aside=True):
             with contextlib.suppress(OSError):
-                if _SLAB_DIGEST.fullmatch(digest) and not in_use(path):
+                if not in_use(path):
                     unused.append(f"{path} ({format_size(path.stat().st_size)})")
         return "" if not unused else (
             "; slabs of this node's earlier layouts no engine asks for now hold "
@@ -633,6 +630,16 @@ def _end(held: Lending[ChunkView] | _Puts) -> None:
         held.blocks.clear()
     else:
         held.close()
+
+
+def _slabs_of(name: str, aside: bool = False) -> list[Path]:
+    """The RAM slabs of nodes named `name` in /dev/shm (kvtier-<name>-<layout>; not those of
+    a node whose name only starts like it), and with `aside` those a successor moved aside
+    (<slab>.old, until recovered)."""
+    prefix = f"kvtier-{name}-"
+    return [path for path in sorted(SHM_DIR.glob(prefix + "*"))
+            if _SLAB_DIGEST.fullmatch(path.name.removeprefix(prefix).removesuffix(
+                ".old" if aside else ""))]
 
 
 def _clear_stale_socket(path: Path) -> None:
