@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from nodekit import NodeProcess, shm_files, short_dir, unique_name, write_config
+from nodekit import NodeProcess, left_in_shm, short_dir, unique_name, write_config
 
 from kvtier.node.server import NodeConfig, NodeServer, running_node
 from kvtier.tiers.storeconfig import StoreConfig
@@ -32,7 +32,7 @@ def socket_path(tmp_path: Path) -> Iterator[Path]:
 def node_name(tmp_path: Path) -> Iterator[str]:
     name = unique_name(tmp_path)
     yield name
-    for path in shm_files(name):  # a node killed with SIGKILL leaves its slabs
+    for path in left_in_shm(name):  # a node killed with SIGKILL leaves its slabs
         path.unlink(missing_ok=True)
 
 

@@ -83,6 +83,12 @@ def shm_files(name: str) -> list[Path]:
     return sorted(SHM_DIR.glob(f"kvtier-{name}-*"))
 
 
+def left_in_shm(name: str) -> list[Path]:
+    """What a node named `name` killed with SIGKILL leaves in /dev/shm: its slabs and its
+    name's lock file."""
+    return [*shm_files(name), *SHM_DIR.glob(f"kvtier-{name}.lock")]
+
+
 @dataclass
 class NodeProcess:
     """`python3 -m kvtier.node serve` on `socket_path`, named `name` (its
@@ -156,7 +162,7 @@ class NodeProcess:
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait(timeout=20)
-        for path in shm_files(self.name):
+        for path in left_in_shm(self.name):
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
 

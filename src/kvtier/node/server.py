@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import fcntl
 import gc
 import itertools
 import logging
@@ -84,7 +85,7 @@ from kvtier.node.protocol import (
 from kvtier.tiers import open_store
 from kvtier.tiers.manifest import NamespaceInfo
 from kvtier.tiers.memory import MemoryTier
-from kvtier.tiers.shmslab import SHM_DIR, in_use
+from kvtier.tiers.shmslab import SHM_DIR
 from kvtier.tiers.storeconfig import StoreConfig
 from kvtier.units import format_size
 
@@ -229,11 +230,7 @@ class NodeServer:
                 is not a socket: EEXIST), nor the events endpoint (events.py); a running
                 node has this node's name (EBUSY: their slabs would be one).
         """
-        for slab in _slabs_of(config.name):
-            if in_use(slab):
-                raise OSError(errno.EBUSY, f"a kvtier node named {config.name!r} is running "
-                                           f"on this host (its RAM slab {slab}): give each "
-                                           "node its own --name")
+        self._name_lock: int | None = _hold_name(config.name)
         self.config = config
         self.generation = secrets.token_hex(8)
         self._layouts: dict[str, _Layout] = {}
@@ -257,6 +254,8 @@ class NodeServer:
         except BaseException:
             if self.events is not None:
                 self.events.close()
+            _let_go_of_name(config.name, self._name_lock)
+            self._name_lock = None
             raise
         self._server.node = self
         os.chmod(config.socket_path, 0o660)  # the node's group: its engines
@@ -298,6 +297,9 @@ class NodeServer:
                 if (found.st_dev, found.st_ino) == self._socket_file:  # not a successor's
                     self.config.socket_path.unlink()
         finally:
+            if self._name_lock is not None:  # a second shutdown: the name is another's now
+                _let_go_of_name(self.config.name, self._name_lock)
+                self._name_lock = None
             self._closed.set()
 
     @property
@@ -416,10 +418,12 @@ class NodeServer:
         """The slabs of this node's name that no running node holds (layouts of earlier
         nodes: kept for a successor to recover, never swept, as their model may come back),
         as a note for an error about a full /dev/shm; "" when there are none."""
+        with self._lock:  # this node's; no other node of its name runs (`_hold_name`)
+            mine = {f"kvtier-{self.config.name}-{digest[:16]}" for digest in self._layouts}
         unused = []
         for path in _slabs_of(self.config.name, aside=True):
             with contextlib.suppress(OSError):
-                if not in_use(path):
+                if path.name not in mine:
                     unused.append(f"{path} ({format_size(path.stat().st_size)})")
         return "" if not unused else (
             "; slabs of this node's earlier layouts no engine asks for now hold "
@@ -630,6 +634,44 @@ def _end(held: Lending[ChunkView] | _Puts) -> None:
         held.blocks.clear()
     else:
         held.close()
+
+
+def _hold_name(name: str) -> int:
+    """Hold the lock of node name `name` on this host (/dev/shm/kvtier-<name>.lock, an flock
+    held as long as the node runs, which the kernel drops when it ends): a node's name is its
+    slabs' names, and two nodes of one name would lend each other's slots. The lock's fd.
+
+    Raises:
+        OSError: EBUSY, a node of that name runs; no /dev/shm.
+    """
+    path = SHM_DIR / f"kvtier-{name}.lock"
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise OSError(errno.EBUSY, f"a kvtier node named {name!r} is running on this host "
+                                       f"(it holds {path}): give each node its own "
+                                       "--name") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            held = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            held = False
+        if held:
+            return fd
+        os.close(fd)  # a node that stopped meanwhile removed it: the path's file now
+
+
+def _let_go_of_name(name: str, fd: int) -> None:
+    """Remove the name's lock file, then drop the lock (so a node that opened the file before
+    it went finds, once it holds the lock, that the path names another file: `_hold_name`)."""
+    with contextlib.suppress(FileNotFoundError):
+        (SHM_DIR / f"kvtier-{name}.lock").unlink()
+    os.close(fd)
 
 
 def _slabs_of(name: str, aside: bool = False) -> list[Path]:

@@ -14,16 +14,13 @@ A pin or expiry extended later is written into the record (`record_meta`). Not k
 engine that stored a chunk through a node (`engine_quota`): a recovered chunk counts against
 no engine's quota.
 
-The node that made a file holds a write lock on a byte past its end (`_OWNER_AT`, an open file
-description lock) for as long as it runs (the kernel drops it when the node ends); a file so
-held is a running node's, never taken over (`in_use`: two nodes given one name on a host would
-otherwise lend each other's slots). A node that starts finds the file its predecessor left (a
-crash, a restart) and renames it aside (`<name>.old`, still mapped by engines of the old
-node: their late writes land there, never in the new slab); `recoverable` then yields each
-chunk of a valid record whose bytes still hash to its checksum (a torn or scribbled slot is
-dropped, counted), with its meta, to be put into the new slab (one whose expiry has passed
-is not), and the old file is removed. The file's pages are allocated when it is created
-(posix_fallocate): charged to the node, never to the engine that first writes a slot.
+A node that starts finds the file its predecessor left (a crash, a restart) and renames it
+aside (`<name>.old`, still mapped by engines of the old node: their late writes land there,
+never in the new slab); `recoverable` then yields each chunk of a valid record whose bytes
+still hash to its checksum (a torn or scribbled slot is dropped, counted), with its meta, to
+be put into the new slab (one whose expiry has passed is not), and the old file is removed.
+The file's pages are allocated when it is created (posix_fallocate): charged to the node,
+never to the engine that first writes a slot.
 
 **Reads in place without the node.** An engine that knows which slot holds a chunk (it stored
 it there, or was lent it before) reads it with no round trip to the node: it takes a shared
@@ -36,7 +33,7 @@ its slot up only once claimed. So while an engine's lock is held, the slot's byt
 record's chunk, whole. The kernel drops an engine's locks when it dies (no slot leaks), and a
 lock is one syscall on the engine's own thread: no wait for the node's thread to be scheduled.
 
-Primitives: `SharedSlab`, `SlabReader`, `SHM_DIR`, `slab_file_bytes`, `in_use`.
+Primitives: `SharedSlab`, `SlabReader`, `SHM_DIR`, `slab_file_bytes`.
 """
 
 from __future__ import annotations
@@ -69,7 +66,6 @@ _LEAVING = 2  # "valid": the chunk left while engines read it in place (not to b
 _FOOTER = struct.Struct("<8sQQQ32x")  # magic, slot_bytes, num_slots, chunk_bytes
 _FLOCK = struct.Struct("@hhqqi4x")  # Linux's struct flock: type, whence, start, len, pid
 _MAGIC = b"KVTSLAB2"  # records with meta (KVTSLAB1's, without, are not recovered)
-_OWNER_AT = 1 << 62  # the byte its node locks while it runs: past any file's end
 
 
 def slab_file_bytes(slot_bytes: int, num_slots: int) -> int:
@@ -86,14 +82,10 @@ class SharedSlab:
         """Create the file (a predecessor's renamed aside first, for `recoverable`).
 
         Raises:
-            OSError: no /dev/shm, a link at the path (ELOOP), no room for it (ENOSPC), or a
-                running node's file there (EBUSY).
+            OSError: no /dev/shm, a link at the path (ELOOP), or no room for it (ENOSPC).
         """
         self.path = SHM_DIR / name
         old = SHM_DIR / f"{name}.old"
-        if in_use(self.path):
-            raise OSError(errno.EBUSY, f"{self.path} is the slab of a running kvtier node "
-                                       "(each node on a host needs a name of its own)")
         with contextlib.suppress(FileNotFoundError):
             os.replace(self.path, old)
         # A predecessor's file, until recovered: just moved aside, or moved by an earlier
@@ -129,7 +121,6 @@ class SharedSlab:
         try:
             os.fchmod(fd, 0o660)  # the umask must not narrow what the node's group may map
             os.posix_fallocate(fd, 0, size)
-            _lock(fd, fcntl.F_WRLCK, _OWNER_AT)  # its node's, for as long as it runs
             return fd, mmap.mmap(fd, size, mmap.MAP_SHARED)
         except BaseException:
             os.close(fd)
@@ -253,8 +244,6 @@ class SharedSlab:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
         if self._fd >= 0:
-            # Its mapping holds the file's description (and so the lock) until unmapped.
-            _lock(self._fd, fcntl.F_UNLCK, _OWNER_AT)
             os.close(self._fd)
             self._fd = -1
 
@@ -305,24 +294,6 @@ class SlabReader:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-
-
-def in_use(path: Path) -> bool:
-    """Whether the slab at `path` is a running node's (its owner lock is held).
-
-    Raises:
-        OSError: it cannot be opened to ask (EACCES: another user's; ELOOP: a link).
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return False
-    try:
-        found = fcntl.fcntl(fd, fcntl.F_OFD_GETLK,
-                            _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, _OWNER_AT, 1, 0))
-    finally:
-        os.close(fd)
-    return bool(_FLOCK.unpack(found)[0] != fcntl.F_UNLCK)
 
 
 def _lock(fd: int, kind: int, at: int) -> bool:
