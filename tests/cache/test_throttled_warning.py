@@ -28,7 +28,7 @@ def test_a_repeated_warning_is_logged_once_an_interval_with_the_count_held_back(
         warning.warning("write of %d failed; dropped", 502)
     assert [r.getMessage() for r in caplog.records] == [
         "write of 0 failed; dropped",
-        "write of 501 failed; dropped (and 500 more like it in the last 10 s, not logged)",
+        "write of 501 failed; dropped (and 500 more like it since the last, not logged)",
         "write of 502 failed; dropped",
     ]
 

@@ -94,25 +94,43 @@ def test_an_unwritable_directory_drops_writes_and_keeps_what_it_holds(
 
 def test_a_full_disk_tier_made_unwritable_evicts_no_chunk_for_writes_that_fail(
     tmp_path: Path, layout: KVLayout, deny_writes_below: list[Path],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Full (8 of 8) when its directory turns read-only: a put evicted a held chunk, then its
-    write failed, and the next put the next chunk (a node's disk went from 8 to 6 chunks).
-    After one such failure, puts that need room are dropped without evicting for a while;
-    once a write succeeds again, puts evict as before."""
+    """Full when its directory turns read-only, its writes behind RAM several at once: each
+    put that found no room evicted a held chunk, then its write failed (a node's disk went from
+    8 to 6 chunks). After one such failure, a put that needs room is dropped without evicting
+    for a while; once a write succeeds again, puts evict as before."""
     tier = make_tier("disk", tmp_path, layout, capacity_chunks=8)
     for i in range(8):
         assert tier.put(key(i), memoryview(payload(i, layout)))
     deny_writes_below.append(tmp_path)
-    for i in range(10, 16):
-        assert tier.put(key(i), memoryview(payload(i, layout))) == IO_ERROR
-    assert tier.stats().dropped_writes == 6
-    assert tier.stats().evictions == 1  # the first put's, before its write failed
+    assert tier.put(key(10), memoryview(payload(10, layout))) == IO_ERROR  # evicted one
+    assert tier.stats().evictions == 1
+    # A write in flight holds the room the eviction made; the next put finds none.
+    writing, finish = threading.Event(), threading.Event()
+    real_write = tier.files.write
+
+    def slow_write(*args: object) -> None:
+        writing.set()
+        finish.wait(30)
+        real_write(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tier.files, "write", slow_write)
+    in_flight = threading.Thread(target=tier.put, args=(key(11), memoryview(payload(11, layout))))
+    in_flight.start()
+    assert writing.wait(30)
+    monkeypatch.setattr(tier.files, "write", real_write)
+    assert tier.put(key(12), memoryview(payload(12, layout))) == IO_ERROR
+    finish.set()
+    in_flight.join()
+    assert tier.stats().evictions == 1  # 2 before: the second put's eviction was for nothing
     assert sum(bool(_readable(tier, layout, i)) for i in range(8)) == 7
     deny_writes_below.clear()
-    assert tier.delete(key(7)) or not tier.contains(key(7))  # room for one: a put that fits
-    assert tier.put(key(20), memoryview(payload(20, layout)))  # is tried, and succeeds
+    assert tier.put(key(20), memoryview(payload(20, layout)))  # fits: tried, and stored
     assert tier.put(key(21), memoryview(payload(21, layout)))  # full: evicts again
-    assert _readable(tier, layout, 20) and _readable(tier, layout, 21)
+    assert tier.stats().evictions == 2
+    assert _readable(tier, layout, 21)
+    assert sum(bool(_readable(tier, layout, i)) for i in (*range(8), 20, 21)) == 8  # full
 
 
 @pytest.mark.parametrize("kind", PERSISTENT)

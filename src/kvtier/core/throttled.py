@@ -38,6 +38,6 @@ class ThrottledWarning:
             held_back, self._held_back = self._held_back, 0
             self._next_at = now + self._every_s
         if held_back:
-            message += " (and %d more like it in the last %.0f s, not logged)"
-            args = (*args, held_back, self._every_s)
+            message += " (and %d more like it since the last, not logged)"
+            args = (*args, held_back)
         self._logger.warning(message, *args)

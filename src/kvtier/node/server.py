@@ -403,7 +403,8 @@ class NodeServer:
             entered = not self._closing
             if entered:
                 self._layouts[digest] = built
-        if not entered:  # the node stopped meanwhile
+        if not entered:  # the node stopped meanwhile: its new slab, empty, is not kept (a
+            memory.keep_shared_memory = False  # successor would take it for the one aside)
             store.close(0.0)
             return Refused("the node is stopping")
         if self.events is not None:

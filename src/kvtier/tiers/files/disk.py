@@ -331,8 +331,9 @@ class DiskTier:
         encoded = self.files.encode(key, data, meta.tenant)
         size = self.files.size_of(encoded)
         with self._lock:
-            if self._used_bytes + size > self.capacity_bytes \
-                    and time.monotonic() < self._unwritable_until:
+            if time.monotonic() < self._unwritable_until and (
+                    self._used_bytes + size > self.capacity_bytes
+                    or self._book.over_quota(meta.tenant, size)):
                 self._counters.add(dropped_writes=1)
                 return IO_ERROR  # writes failed lately: no chunk evicted for this one
             if not self._make_tenant_room(meta.tenant, size):
