@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -72,12 +73,16 @@ class Scheduler:
         return Request(f"r{self.count}", list(PROMPT), SamplingParams(max_tokens=4), None,
                        lora_request=lora)
 
-    def store(self, lora: LoRARequest | None, chunks: int = 3) -> None:
+    def store(self, lora: LoRARequest | None, chunks: int = 3,
+              meanwhile: Callable[[], None] | None = None) -> None:
         """Run the prompt under `lora` once, nothing loaded: its prefill stores `chunks` of
-        its full chunks (0: the request is not cached)."""
+        its full chunks (0: the request is not cached); `meanwhile` runs between its lookup
+        and its step."""
         req = self.request(lora)
         external, _ = self.sched.get_num_new_matched_tokens(req, 0)
         assert external == 0
+        if meanwhile is not None:
+            meanwhile()
         blocks = list(range(7))
         self.sched.update_state_after_alloc(
             req, SimpleNamespace(get_block_ids=lambda: (blocks,)), 0)  # type: ignore[arg-type]
@@ -95,7 +100,12 @@ class Scheduler:
         self.sched.request_finished(req)
 
     def hit(self, lora: LoRARequest | None) -> int:
-        """Tokens kvtier would load for the prompt under `lora`."""
+        """Tokens kvtier would load for the prompt under `lora`, asked in a step of its own
+        (kvtier looks at an adapter's files once a step)."""
+        self.sched.build_connector_meta(SimpleNamespace(  # type: ignore[arg-type]
+            scheduled_new_reqs=[], preempted_req_ids=set(), num_scheduled_tokens={},
+            scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[],
+                                                  num_computed_tokens=[], resumed_req_ids=set())))
         req = self.request(lora)
         external, _ = self.sched.get_num_new_matched_tokens(req, 0)
         assert external is not None
@@ -123,15 +133,15 @@ def test_two_adapters_under_one_name_never_share_kv(tmp_path: Path) -> None:
     assert sched.hit(LoRARequest("support", 2, str(retrained))) == 0
 
 
-def test_an_adapter_rewritten_under_its_id_is_not_cached_until_reloaded_in_place(
+def test_an_adapter_rewritten_under_its_id_is_not_cached_under_that_id_again(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """vLLM's workers keep the weights they loaded for an id whatever its files hold later:
     a request of that id after its files changed computes with the old weights (or the new
     ones, once the worker evicts the adapter and reads it again). Keyed by the files' new
     content, its KV would be served to a request that runs the new weights (found by trying:
     an engine served id 10's old-weights KV to id 11, which loaded the new files). kvtier
-    neither looks such a request up nor stores it, until a request reloads the adapter in place
-    (`load_inplace`), and says so once."""
+    neither looks such a request up nor stores it, nor any of that id's from then on, and
+    says so once; the new files under a new id are cached."""
     sched = Scheduler()
     adapter = write_adapter(tmp_path / "policy", seed=1)
     sched.store(LoRARequest("policy", 10, str(adapter)))
@@ -149,17 +159,39 @@ def test_an_adapter_rewritten_under_its_id_is_not_cached_until_reloaded_in_place
     sched.store(LoRARequest("policy-v2", 11, str(adapter)))
     assert sched.hit(LoRARequest("policy-v2", 11, str(adapter))) == HIT
     # Files put back as they were do not make id 10 known again (its worker may have read
-    # the new ones meanwhile); a reload in place does: its workers read the files now.
+    # the new ones meanwhile), nor does a reload in place (its step is the workers').
     write_adapter(adapter, seed=1)
     os.utime(adapter / "adapter_model.safetensors", ns=(2, 2))
     assert sched.hit(LoRARequest("policy", 10, str(adapter))) == 0
-    write_adapter(adapter, seed=2)
-    os.utime(adapter / "adapter_model.safetensors", ns=(3, 3))
-    assert sched.hit(LoRARequest("policy", 10, str(adapter), load_inplace=True)) == HIT
-    assert sched.hit(LoRARequest("policy", 10, str(adapter))) == HIT
+    assert sched.hit(LoRARequest("policy", 10, str(adapter), load_inplace=True)) == 0
     stats = sched.sched.take_stats()
     assert stats is not None
-    assert sum(stats.data["counters"]["uncacheable_requests"].values()) == 5  # counted
+    assert sum(stats.data["counters"]["uncacheable_requests"].values()) == 6  # counted
+
+
+def test_a_request_whose_adapter_changes_before_its_step_stores_nothing(
+        tmp_path: Path) -> None:
+    """Keyed by its adapter's content at its lookup; the files rewritten before its step (a
+    worker that evicted the adapter reads the new ones): its KV is not its keys', not stored."""
+    sched = Scheduler()
+    adapter = write_adapter(tmp_path / "policy", seed=1)
+
+    def rewrite() -> None:
+        write_adapter(adapter, seed=2)
+        os.utime(adapter / "adapter_model.safetensors", ns=(1, 1))
+
+    sched.store(LoRARequest("policy", 10, str(adapter)), chunks=0, meanwhile=rewrite)
+    assert sched.hit(LoRARequest("policy", 10, str(adapter))) == 0
+
+
+def test_a_request_that_reloads_its_adapter_in_place_is_not_cached(tmp_path: Path) -> None:
+    """`load_inplace`: its workers read the files again at a step kvtier does not see."""
+    sched = Scheduler()
+    adapter = write_adapter(tmp_path / "policy", seed=1)
+    sched.store(LoRARequest("policy", 10, str(adapter)))
+    reload = LoRARequest("policy", 10, str(adapter), load_inplace=True)
+    assert sched.hit(reload) == 0
+    sched.store(reload, chunks=0)
 
 
 def test_one_adapter_at_two_paths_under_two_names_shares_kv(tmp_path: Path) -> None:

@@ -122,44 +122,64 @@ class LoadedAdapters:
 
     A worker reads an adapter's files when it first runs a request of its `lora_int_id`, and
     keeps those weights under the id, whatever the files hold later, until it evicts the
-    adapter (and reads it again) or a request reloads it in place (`load_inplace`). So an
-    adapter is named by its content when kvtier first sees its id, or sees a request that
-    reloads it in place. Files that change under an id with no reload in place leave unknown
-    which weights a worker computes with (the loaded ones, or the new ones once evicted and
-    read again): the id's requests are then neither looked up nor stored (UncacheableRequest),
-    until a request reloads it in place. Not seen: an adapter loaded ahead of its first request
-    (`LLM.llm_engine.add_lora`, a server's `/v1/load_lora_adapter`) and rewritten before that
-    request, with no reload in place.
+    adapter and reads it again (or a request reloads it, `load_inplace`). So an adapter is
+    named by its content when kvtier first sees its id, and the id's requests are cached only
+    while its files still hold that content: files that changed under an id leave unknown which
+    weights a worker computes with (the loaded ones, or the new ones once read again), and a
+    request that reloads its adapter in place changes them under the id at a step kvtier does
+    not see. Such requests are neither looked up nor stored (UncacheableRequest), nor are the
+    id's from then on (a new id is a new adapter); a request's stores check its adapter again
+    (`identity` each step: its files stat'ed at most once a step per id). Not seen: an adapter
+    loaded ahead of its first request (`LLM.llm_engine.add_lora`, a server's
+    `/v1/load_lora_adapter`) and rewritten before that request.
     """
 
     def __init__(self, max_ids: int = 65_536) -> None:
         # By id: the identity its workers' weights have; None: unknown since its files changed.
         self._loaded: dict[int, tuple[str, ...] | None] = {}
+        # Adapters (id, name, path) checked this step, and what they were found to be.
+        self._this_step: dict[tuple[int, str, str], tuple[str, ...] | None] = {}
         self._max_ids = max_ids
+
+    def new_step(self) -> None:
+        """A scheduler step begins: each id's files are looked at again when next asked."""
+        self._this_step.clear()
 
     def identity(self, lora: LoRARequest) -> tuple[str, ...]:
         """The namespace entries of the adapter vLLM's workers run `lora`'s requests with.
 
         Raises:
-            UncacheableRequest: its files changed since its workers loaded it.
+            UncacheableRequest: it is reloaded in place, or its files changed since its
+                workers loaded it.
         """
-        now = lora_identity(lora)
         lora_id = lora.lora_int_id
-        if lora.load_inplace or lora_id not in self._loaded:
-            if lora_id not in self._loaded and len(self._loaded) >= self._max_ids:
-                del self._loaded[next(iter(self._loaded))]
-            self._loaded[lora_id] = now
-            return now
-        loaded = self._loaded[lora_id]
+        if lora.load_inplace:
+            raise UncacheableRequest(f"LoRA adapter {lora.lora_name!r} (id {lora_id}) is "
+                                     "reloaded in place: its weights change under its id")
+        checked = (lora_id, str(lora.lora_name), str(lora.lora_path))
+        if checked in self._this_step:
+            known = self._this_step[checked]
+            if known is None:
+                raise UncacheableRequest(self._changed(lora))
+            return known
+        now = lora_identity(lora)
+        loaded = self._loaded.setdefault(lora_id, now)
+        if len(self._loaded) > self._max_ids:
+            del self._loaded[next(iter(self._loaded))]
         if loaded == now:
+            self._this_step[checked] = now
             return now
-        why = (f"LoRA adapter {lora.lora_name!r} (id {lora_id}, path {lora.lora_path!r}) "
-               "changed since vLLM's workers loaded it; its requests are not cached until "
-               "it is reloaded in place (load_inplace) or served under a new id")
+        self._this_step[checked] = None
         if loaded is not None:
             self._loaded[lora_id] = None
-            logger.warning("kvtier: %s", why)
-        raise UncacheableRequest(why)
+            logger.warning("kvtier: %s", self._changed(lora))
+        raise UncacheableRequest(self._changed(lora))
+
+    @staticmethod
+    def _changed(lora: LoRARequest) -> str:
+        return (f"LoRA adapter {lora.lora_name!r} (id {lora.lora_int_id}, path "
+                f"{lora.lora_path!r}) changed since vLLM's workers loaded it; its requests are "
+                "not cached (serve the new files under a new id)")
 
 
 def encode_extra_keys(value: Any) -> bytes:

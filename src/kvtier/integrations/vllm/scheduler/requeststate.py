@@ -238,6 +238,7 @@ class RequestTable:
         """Take in a step's schedule: preempted requests lose their blocks, scheduled ones
         gain theirs (a resumed one gets a full new list). The scheduled requests known here,
         new ones first, as vLLM lists them."""
+        self._adapters.new_step()
         for req_id in output.preempted_req_ids or ():
             if req_id in self._requests:
                 # Its blocks are freed; the resumed request gets a full new block list, and
@@ -267,6 +268,21 @@ class RequestTable:
             computed = cached.num_computed_tokens[i] + output.num_scheduled_tokens[req_id]
             scheduled.append(ScheduledRequest(state, computed))
         return scheduled
+
+    def adapter_unchanged(self, state: RequestState) -> bool:
+        """Whether the request's KV is still its keys' (its LoRA adapter's files unchanged
+        since its id was loaded: `LoadedAdapters`); if not, it is marked uncacheable and
+        counted. True for a request without an adapter."""
+        lora = state.request.lora_request
+        if lora is None or state.uncacheable:
+            return not state.uncacheable
+        try:
+            self._adapters.identity(lora)
+        except UncacheableRequest:
+            self._stats.add("uncacheable_requests", 1)
+            state.uncacheable = True
+            return False
+        return True
 
     def _namespace(self, request: Request) -> tuple[Namespace, bool]:
         """The request's namespace, and whether its KV can be keyed in it (not: its LoRA

@@ -104,7 +104,7 @@ class StorePlanner:
         """Append to `out` stores of the request's full chunks whose KV is computed once
         `computed_tokens` are (plan number `step`), then of its prompt's tail once its prompt
         is computed."""
-        if state.controls.skip_store or state.uncacheable:
+        if state.controls.skip_store or not self._requests.adapter_unchanged(state):
             return
         attention = self._groups.attention_ids(state.block_ids) if state.block_ids else []
         self._plan_chunks(state, computed_tokens, attention, out, step)
