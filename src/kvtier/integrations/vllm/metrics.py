@@ -65,7 +65,7 @@ COUNTERS: dict[str, str] = {
     "lookup_hit_tokens": "Prompt tokens kvtier could load (beyond vLLM's own cache)",
     "uncacheable_requests": "Requests neither looked up nor stored: their KV depends on "
                             "something kvtier cannot key (see request_keys.py: an unknown "
-                            "extra key, a LoRA adapter changed since it was loaded), or was "
+                            "extra key, a LoRA adapter changed or reloaded in place), or was "
                             "computed before a cache reset",
     "cache_resets": "Resets of the connector's cache (reset_prefix_cache(reset_connector=True), "
                     "e.g. after a weight update in place): chunks stored before are never "
