@@ -69,6 +69,7 @@ def test_kvtier_node_serve_names_the_bad_field(
     ("max_layouts", "4", "a positive integer"),
     ("max_layouts", True, "a positive integer"),
     ("max_layouts", 4.0, "a positive integer"),
+    ("max_layouts", 10**6, "at most 1024"),
     ("keep_ram", "no", "True or False"),  # truthy: it kept the slabs
     ("keep_ram", 0, "True or False"),
     ("events_endpoint", 5557, "tcp://HOST:PORT"),

@@ -92,6 +92,7 @@ from kvtier.units import format_size
 log = logging.getLogger(__name__)
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _SLAB_DIGEST = re.compile(r"[0-9a-f]{16}")  # a slab's name: kvtier-<node>-<its layout's>
+MAX_LAYOUTS_LIMIT = 1024  # --max-layouts' bound: far past any node's RAM for a slab each
 STALE_PROBE_S = 2.0  # how long a socket file's probe waits for a node to accept
 SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path on Linux: sun_path's 108, less its NUL
 
@@ -134,9 +135,10 @@ class NodeConfig:
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
             raise ConfigError("name", self.name, "1-64 letters, digits, '.', '_' or '-' "
                               "(it names the node's slabs in /dev/shm)")
-        if not _is_int(self.max_layouts) or self.max_layouts < 1:
+        if not _is_int(self.max_layouts) or not 1 <= self.max_layouts <= MAX_LAYOUTS_LIMIT:
             raise ConfigError("max_layouts", self.max_layouts,
-                              "a positive integer (layouts: models x TP ranks)")
+                              f"a positive integer, at most {MAX_LAYOUTS_LIMIT} (layouts: "
+                              "models x TP ranks, each a RAM slab of the tier's capacity)")
         if not isinstance(self.keep_ram, bool):
             raise ConfigError("keep_ram", self.keep_ram, "True or False")
         if self.events_endpoint is not None:
