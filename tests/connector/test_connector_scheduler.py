@@ -42,8 +42,8 @@ class Engine:
 
     last_plan: KVTierMetadata | None = None  # the plan of the last step
 
-    def __init__(self, **settings: Any) -> None:
-        self.locator = ChunkLocator({}, max_keys=1024)
+    def __init__(self, locator: ChunkLocator | None = None, **settings: Any) -> None:
+        self.locator = locator or ChunkLocator({}, max_keys=1024)
         config = ConnectorConfig.parse({"tokens_per_chunk": CHUNK, **settings})
         self.sched = ConnectorScheduler(config,
                                         block_size=BLOCK, model_id="tiny",
@@ -91,6 +91,40 @@ class Engine:
         keys = [t.key for t in meta.stores]
         self.report(stored=set(keys))
         return keys
+
+
+class NodeRam:
+    """A node's RAM as the scheduler's inline probe sees it: what it holds now (it evicts
+    without telling this engine)."""
+
+    blocking_ok = True
+
+    def __init__(self) -> None:
+        self.held: set[ChunkKey] = set()
+
+    def contains(self, key: ChunkKey) -> bool:
+        return key in self.held
+
+
+def test_in_node_mode_a_chunk_the_node_lost_is_stored_again_once_computed_again() -> None:
+    """The node evicted (or lost in a restart) the chunks this engine stored: the prompt
+    misses, is recomputed, and its chunks are stored again. Before: the engine's index of what
+    it stored (which answers only while the node is down) kept them from being stored ever
+    again, and the prompt missed on this engine for good (found by trying)."""
+    ram = NodeRam()
+    engine = Engine(ChunkLocator({"node": ram}, max_keys=1024, index_first=False))
+    a = request("a", 200)
+    assert engine.admit(a, list(range(7))) == 0
+    stored = engine.store_all(engine.step(new={"a": (list(range(7)), 0, 200)}))
+    assert len(stored) == 3
+    engine.sched.request_finished(a)
+    ram.held |= set(stored)
+    assert engine.admit(request("b", 200), list(range(10, 17))) == 192
+    ram.held.clear()  # evicted by other engines' stores, or the node restarted empty
+    c = request("c", 200)
+    assert engine.admit(c, list(range(20, 27))) == 0
+    meta = engine.step(new={"c": (list(range(20, 27)), 0, 200)})
+    assert [t.key for t in meta.stores] == stored
 
 
 def test_a_new_prompt_misses_and_its_prefill_stores_every_full_chunk() -> None:

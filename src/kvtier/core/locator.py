@@ -163,6 +163,12 @@ class ChunkLocator:
         self._stuck: Future[list[str]] | None = None  # a probe that outlived timeout_s
         self.timeouts = 0  # lookups that gave up waiting for a probe
 
+    @property
+    def index_first(self) -> bool:
+        """Whether the index says what the tiers hold (False: node mode, where the node evicts
+        chunks without reporting them, and the index answers only while the node cannot)."""
+        return self._index_first
+
     def record_stored(self, keys: Iterable[ChunkKey]) -> None:
         for key in keys:
             self.index.add(key)

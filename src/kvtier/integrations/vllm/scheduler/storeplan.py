@@ -142,7 +142,7 @@ class StorePlanner:
         for chunk in range(state.num_planned_chunks, full_chunks):
             key = keys[chunk]
             retain_s = controls.retain_s_for((chunk + 1) * self._tokens_per_chunk)
-            if key in self._locator.index or key in self._inflight:
+            if self._stored(key):
                 if retain_s is not None or controls.ttl_s is not None:
                     self._retains.append(ChunkTransfer(
                         key=key, block_ids=(), tenant=state.request.cache_salt,
@@ -196,6 +196,14 @@ class StorePlanner:
         for key in report.stored | report.skipped:
             self._inflight.pop(key, None)
 
+    def _stored(self, key: ChunkKey) -> bool:
+        """Whether `key` needs no store: on its way, or stored as far as the index knows, where
+        the index says what the tiers hold. Not in node mode: the node evicts chunks without a
+        word to this engine, whose index then would keep a chunk it computed again from ever
+        being stored again (a prompt the node lost missed on this engine for good); the node's
+        Reserve answers HELD for a chunk it holds, which costs no copy."""
+        return key in self._inflight or (self._locator.index_first and key in self._locator.index)
+
     def _full_chunks(self, state: RequestState, computed_tokens: int,
                      attention: list[list[int]]) -> int:
         """The request's chunks that are full, computed once `computed_tokens` are, and held
@@ -226,7 +234,7 @@ class StorePlanner:
         if not tails or tails[0].num_blocks != blocks:
             return
         key = tails[0].key
-        if key in state.stored_tails or key in self._locator.index or key in self._inflight:
+        if key in state.stored_tails or self._stored(key):
             return
         self._requests.remember_tail(state, tails[0])
         first = chunk * self._blocks_per_chunk
