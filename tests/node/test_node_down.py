@@ -106,6 +106,14 @@ def test_a_stopped_node_costs_one_deadline_then_nothing_until_it_answers_again(
     assert lend(borrower(client), [key(0)]).stopped_at == 0
     assert lend(engine, [key(0)]).chunks == expected([0])  # in place, still
     assert time.monotonic() - start < timeout_s / 2
+    # Nor later, while it stays stopped: its watch asks it, off the engine's threads. Before,
+    # each call after every retry_s waited out a deadline again (each process of an engine
+    # in turn: a node stopped for 20 s held the engine for 20 s).
+    time.sleep(retry_s * 1.5)
+    start = time.monotonic()
+    assert lend(borrower(client), [key(0)]).stopped_at == 0
+    assert put_chunks(engine, [1]) == [False]
+    assert time.monotonic() - start < timeout_s / 2
 
     node.resume()
     # The same client, once its back-off has passed: lent again, stores again.

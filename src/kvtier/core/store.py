@@ -39,6 +39,7 @@ Primitives: `TieredStore`, `StoreSettings`, `LookupResult`, `ChunkView`, `Pendin
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -592,8 +593,11 @@ class TieredStore:
         """Start the read threads now, in the background: a long-lived store (a node's)
         whose first load should not pay for them; otherwise each starts with a read that
         finds no idle one."""
-        threading.Thread(target=self._calls.start_threads, daemon=True,
-                         name="kvtier-start-reads").start()
+        def start() -> None:
+            with contextlib.suppress(RuntimeError):  # the store closed meanwhile: none
+                self._calls.start_threads()
+
+        threading.Thread(target=start, daemon=True, name="kvtier-start-reads").start()
 
     def measure_links(self) -> dict[str, LinkSpeed]:
         """The speed of each tier that can measure its link (`LinkProbe`: redis, s3, a

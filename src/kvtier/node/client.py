@@ -13,8 +13,11 @@ that holds another chunk by now is forgotten, and the load borrows as before.
 
 Nothing the node does wrong hurts the engine: every call has a deadline (`timeout_s`); a node
 that is down, stopped or answering nonsense is a miss (loads, lookups) or a dropped store,
-counted and logged, and it is not asked again for `retry_s` (the engine goes on at full speed
-meanwhile); the next call after that reconnects, and a restarted node's new slab is mapped
+counted and logged, and then not asked again on the engine's threads (they go on at full
+speed, missing) until a watch thread finds it answering (`Status`, every `retry_s`): a stopped
+or hung node costs one deadline, not one every `retry_s` on each of the engine's processes
+(the scheduler's and the worker's took turns at it: a node stopped for 20 s held the engine
+for 20 s). The next call after that reconnects, and a restarted node's new slab is mapped
 again. Each thread has its own connection: its leases end with it.
 
 Primitives: `NodeClient`, `NodeStore`, `NodeProbe`.
@@ -117,7 +120,7 @@ class NodeClient:
                             engine or f"{socket.gethostname()}:{os.getpid()}")
         self._local = threading.local()
         self._lock = threading.Lock()
-        self._down_until = 0.0
+        self._down = False  # not asked on the engine's threads until `_watch` sees it answer
         # Bumped when a connection breaks: every thread's older connection (to the same dead
         # node) is dropped at its next call, without another back-off of its own.
         self._epoch = 0
@@ -137,7 +140,8 @@ class NodeClient:
 
         Raises:
             NodeUnavailable: the node is down, stopped or restarting, refused, or was
-                marked down within the last `retry_s`; or it did not answer in time.
+                marked down and has not answered the watch since; or it did not answer in
+                time.
         """
         deadline_s = self.slow_s if slow else self.timeout_s + extra_s
         for retry in (False, True):
@@ -216,7 +220,7 @@ class NodeClient:
 
     def welcomed(self) -> Welcome | None:
         """The node's welcome, connecting this thread first if need be; None: the node is
-        unavailable (asked again after `retry_s`)."""
+        unavailable (asked again once it answers the watch)."""
         try:
             self._connection()
         except NodeUnavailable:
@@ -283,8 +287,8 @@ class NodeClient:
         if sock is not None:  # another thread found the node gone: so is this connection
             sock.close()
             self._local.sock = None
-        if time.monotonic() < self._down_until:
-            raise NodeUnavailable("the node was unreachable moments ago")
+        if self._down:
+            raise NodeUnavailable("the node has not answered since it failed")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self.timeout_s)
         try:
@@ -351,7 +355,7 @@ class NodeClient:
     def _broken(self, exc: BaseException, down: bool = True) -> None:
         """This thread's connection failed: closed (the node ends its leases), every other
         thread's connection of its epoch dropped at its next call, and (`down`) the node
-        not asked again for `retry_s`."""
+        not asked again until it answers the watch."""
         self.drop_own()
         with self._lock:
             first = self._local.epoch == self._epoch
@@ -361,13 +365,31 @@ class NodeClient:
             self._mark_down(exc)
 
     def _mark_down(self, exc: BaseException) -> None:
+        """The node failed a call: not asked on the engine's threads until the watch finds
+        it answering."""
         self.failures += 1
         with self._lock:
-            first = time.monotonic() >= self._down_until
-            self._down_until = time.monotonic() + self.retry_s
+            first, self._down = not self._down, True
         if first:
-            log.warning("kvtier: node at %s unavailable (%s): misses for %.1f s, then retried",
-                        self.socket_path, exc, self.retry_s)
+            log.warning("kvtier: node at %s unavailable (%s): misses until it answers again "
+                        "(asked every %.1f s, off the engine's threads)", self.socket_path, exc,
+                        self.retry_s)
+            threading.Thread(target=self._watch, name="kvtier-node-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        """Ask the node for its status every `retry_s` (each ask waits at most as long) until
+        it answers; then the engine's threads ask it again. A node that answers but refuses
+        this engine (its layout) fails their next call at once, and is watched again."""
+        while True:
+            time.sleep(self.retry_s)
+            try:
+                node_status(self.socket_path, timeout_s=max(self.timeout_s, self.retry_s))
+            except NodeUnavailable:
+                continue
+            with self._lock:
+                self._down = False
+            log.info("kvtier: node at %s answers again", self.socket_path)
+            return
 
     def close(self) -> None:
         sock = getattr(self._local, "sock", None)

@@ -390,7 +390,6 @@ class NodeServer:
                       hello.model, exc, stale)
             return Refused(f"the node cannot open this layout's tiers: {exc} (its RAM "
                            f"slab is {SHM_DIR / name}){stale}")
-        store.start_reads()  # the first Borrow's reads start at once
         memory = store.tiers[0]
         assert isinstance(memory, MemoryTier) and memory.shared_memory_path is not None
         welcome = Welcome(str(memory.shared_memory_path),
@@ -409,6 +408,7 @@ class NodeServer:
             memory.keep_shared_memory = False  # successor would take it for the one aside)
             store.close(0.0)
             return Refused("the node is stopping")
+        store.start_reads()  # the first Borrow's reads start at once
         if self.events is not None:
             self.events.add_layout(store, hello.model, layout.tokens_per_chunk,
                                    announce=layout.tp_rank == 0, clear=not recovering)
