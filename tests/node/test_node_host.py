@@ -22,6 +22,7 @@ import pytest
 from nodekit import connect, expected, key, lend, node_tiers, put_chunks, shm_files
 
 from kvtier.node.server import NodeConfig, NodeServer, running_node
+from kvtier.tiers.shmslab import SHM_DIR
 from kvtier.tiers.storeconfig import StoreConfig
 
 pytestmark = pytest.mark.timeout(120)
@@ -169,3 +170,18 @@ def test_engines_that_connect_at_once_are_all_answered(
         for thread in threads:
             thread.join()
         assert found == [True] * len(engines)
+
+
+def test_a_node_that_fails_to_start_lets_go_of_its_name(
+        tmp_path: Path, socket_path: Path, node_name: str,
+        node_at: Callable[..., AbstractContextManager[NodeServer]]) -> None:
+    """Its events endpoint cannot be bound: the start fails, and the name is free (it was
+    held, its lock file left in /dev/shm, until the process ended)."""
+    config = NodeConfig(StoreConfig.parse({"tiers": [{"kind": "memory", "capacity": "1MiB"}]}),
+                        socket_path, name=node_name,
+                        events_endpoint=f"ipc://{tmp_path}/no-such-directory/events")
+    with pytest.raises(OSError):
+        NodeServer(config)
+    assert not (SHM_DIR / f"kvtier-{node_name}.lock").exists()
+    with node_at(socket_path):
+        pass

@@ -232,7 +232,6 @@ class NodeServer:
                 is not a socket: EEXIST), nor the events endpoint (events.py); a running
                 node has this node's name (EBUSY: their slabs would be one).
         """
-        self._name_lock: int | None = _hold_name(config.name)
         self.config = config
         self.generation = secrets.token_hex(8)
         self._layouts: dict[str, _Layout] = {}
@@ -246,11 +245,13 @@ class NodeServer:
         self._closed = threading.Event()  # set when `shutdown` has closed everything
         self.counters = NodeCounters()
         self.borrow_seconds = Latencies()  # per source: RAM alone, or a tier below it
-        self.events = None if config.events_endpoint is None else NodeEvents(
-            config.events_endpoint, config.name,
-            {t.tier_name: t.kind for t in config.store.tiers}, self.counters.add,
-            block_size=config.event_block_size)
+        self._name_lock: int | None = _hold_name(config.name)
+        self.events: NodeEvents | None = None
         try:
+            if config.events_endpoint is not None:
+                self.events = NodeEvents(config.events_endpoint, config.name,
+                                         {t.tier_name: t.kind for t in config.store.tiers},
+                                         self.counters.add, block_size=config.event_block_size)
             _clear_stale_socket(config.socket_path)
             self._server = _Server(str(config.socket_path), _Handler)
         except BaseException:
