@@ -60,6 +60,21 @@ def test_a_successor_recovers_what_was_held_and_nothing_else(name: str) -> None:
     assert not list(SHM_DIR.glob(f"{name}*"))  # not kept: removed
 
 
+def test_a_smaller_successor_counts_the_chunks_it_kept(name: str) -> None:
+    """A node restarted with half the RAM recovers what fits, and says so (it counted every
+    chunk it put back, 8 where 4 were held)."""
+    first = tier(name)
+    for i in range(first.num_slots):
+        assert first.put(key(i), chunk(i)).ok
+    first.keep_shared_memory = True
+    first.close()
+    second = tier(name, chunks=4)
+    assert second.num_slots == first.num_slots // 2
+    assert second.recover() == (second.num_slots, 0)
+    assert sum(second.contains(key(i)) for i in range(first.num_slots)) == second.num_slots
+    second.close()
+
+
 def test_a_successor_keeps_each_chunks_tenant_pin_expiry_and_parent(name: str) -> None:
     """A pinned system prompt stays pinned across a node's restart, a tenant's chunks stay
     its own, the prefix policy keeps its tree; a chunk expired meanwhile is not recovered."""
