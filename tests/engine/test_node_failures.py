@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import select
 import signal
 import subprocess
 import sys
@@ -37,7 +36,7 @@ from test_node_mode import CHUNK, HITS, loadable, ram_chunks
 from vllm_harness import metric, random_prompts, start_engine, token_ids, transfer_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "node"))  # nodekit
-from nodekit import NodeProcess, short_dir, unique_name, wait_for
+from nodekit import Lines, NodeProcess, short_dir, unique_name, wait_for
 
 pytestmark = pytest.mark.vllm
 
@@ -58,12 +57,10 @@ class Engine1:
 
     process: subprocess.Popen[str]
     hold_dir: Path
+    lines: Lines  # its stdout's
 
     def read(self, timeout_s: float = 120) -> dict[str, Any]:
-        assert self.process.stdout is not None
-        ready, _, _ = select.select([self.process.stdout], [], [], timeout_s)
-        assert ready, f"engine 1 said nothing within {timeout_s} s"
-        line = self.process.stdout.readline()
+        line = self.lines.next(timeout_s, "engine 1")
         assert line, f"engine 1 exited ({self.process.poll()})"
         message: dict[str, Any] = json.loads(line)
         return message
@@ -116,7 +113,8 @@ def engines(tiny_model_dir: Path, node: NodeProcess,
         [sys.executable, str(Path(__file__).with_name("node_engine.py")), str(tiny_model_dir),
          json.dumps(config), str(hold_dir), json.dumps(ENGINE_SETTINGS)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
-    one = Engine1(process, hold_dir)
+    assert process.stdout is not None
+    one = Engine1(process, hold_dir, Lines(process.stdout))
     try:
         with start_engine(tiny_model_dir, config, **ENGINE_SETTINGS) as two:
             assert one.read(START_S) == {"ready": process.pid}

@@ -10,6 +10,7 @@ Primitives:
   - `payload`, `put_chunks`, `lend`, `expected`: chunks stored and lent back, with their
     bytes; `memory_tier`: the node's RAM tier in its status.
   - `wait_for(predicate, timeout_s, what)`: poll with a deadline.
+  - `Lines(stream)`: a child process's output, a line at a time, each within a deadline.
 """
 
 from __future__ import annotations
@@ -18,15 +19,17 @@ import contextlib
 import hashlib
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar
 
 from tierkit import footprint_bytes, key, tiny_layout
 
@@ -45,7 +48,8 @@ SLOT_BYTES = footprint_bytes("memory", LAYOUT)
 START_TIMEOUT_S = 30.0  # a node process answering its socket (a loaded 2-core machine)
 T = TypeVar("T")
 
-__all__ = ["INFO", "LAYOUT", "OTHER_LAYOUT", "SLOT_BYTES", "Borrowed", "NodeProcess", "connect",
+__all__ = ["INFO", "LAYOUT", "OTHER_LAYOUT", "SLOT_BYTES", "Borrowed", "Lines", "NodeProcess",
+           "connect",
            "expected", "key", "lend", "memory_tier", "node_tiers", "payload", "put_chunks",
            "shm_files", "short_dir", "unique_name", "wait_for", "write_config"]
 
@@ -64,6 +68,36 @@ def wait_for(predicate: Callable[[], T], timeout_s: float, what: str) -> T:
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout_s} s: {what} (last: {value!r})")
         time.sleep(0.02)
+
+
+class Lines:
+    """A child process's text output read on a thread of its own, a line at a time: `next`
+    waits at most its deadline. (select() on the pipe would not do: a line the file object
+    has read ahead into its buffer, with the one before it, leaves the pipe empty.)"""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self._lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
+
+    def _read(self, stream: IO[str]) -> None:
+        with contextlib.suppress(ValueError, OSError):  # closed under it
+            for line in stream:
+                self._lines.put(line)
+        self._lines.put("")  # the end
+
+    def next(self, timeout_s: float, what: str = "the process") -> str:
+        """The next line ("" once the stream ended).
+
+        Raises:
+            AssertionError: no line within `timeout_s`.
+        """
+        try:
+            line = self._lines.get(timeout=timeout_s)
+        except queue.Empty:
+            raise AssertionError(f"{what} said nothing within {timeout_s} s") from None
+        if not line:
+            self._lines.put(line)  # every later call sees the end too
+        return line
 
 
 def node_tiers(tmp_path: Path, ram_chunks: int, disk_chunks: int = 0,

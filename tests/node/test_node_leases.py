@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import select
 import signal
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 from nodekit import (
     LAYOUT,
+    Lines,
     NodeProcess,
     connect,
     expected,
@@ -62,14 +62,6 @@ sys.stdin.read()  # until killed
 """
 
 
-def read_line(process: subprocess.Popen[str], timeout_s: float) -> str:
-    """The process's next stdout line, within `timeout_s`."""
-    assert process.stdout is not None
-    ready, _, _ = select.select([process.stdout], [], [], timeout_s)
-    assert ready, f"no line from the engine within {timeout_s} s"
-    return process.stdout.readline()
-
-
 def test_an_engine_killed_holding_loans_and_slots_leaks_none(
         tmp_path: Path, start_node: Callable[..., NodeProcess]):
     node = start_node(node_tiers(tmp_path, ram_chunks=6))
@@ -80,7 +72,8 @@ def test_an_engine_killed_holding_loans_and_slots_leaks_none(
          str(Path(__file__).parent.parent)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        assert json.loads(read_line(engine, 30)) == {"lent": 2}
+        assert engine.stdout is not None
+        assert json.loads(Lines(engine.stdout).next(30, "the engine")) == {"lent": 2}
         # 4 of the node's 6 slots are the engine's: 1 read in place, 1 lent, 2 reserved (a
         # lease for the loan, one for the reservation).
         assert node.status()["leases"] == 2
