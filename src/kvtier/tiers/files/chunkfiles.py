@@ -8,7 +8,11 @@ O_EXCL temp file in the same directory, a short-write check, then a rename that 
 replaces (`filetree.rename_new`), so a reader (in this or another process, on this or another
 node) sees a whole file or none. Of two writers of the same chunk the first rename places it
 and the second finds it there and removes its own copy (identical bytes), so the shared
-tier's quota ledger counts the chunk once.
+tier's quota ledger counts the chunk once. Anything else found at the chunk's path is not a
+copy (the put answered OK and stored nothing, for ever): a link, a socket, a FIFO, a device
+or an empty directory is removed and the rename tried again; a directory that holds
+something is never deleted, and the write fails (a dropped write, its path in the warning;
+tests/faults/test_foreign_entries_at_chunk_paths.py).
 Reads and writes use O_DIRECT when the filesystem supports it (no page-cache copy) and fall
 back to buffered I/O otherwise. Shared by the disk and shared-directory tiers.
 
@@ -286,6 +290,8 @@ class ChunkFiles:
                 raise CorruptChunk(f"{name}: a symlink at a chunk path; not followed") from exc
             if exc.errno == errno.EINVAL and self.o_direct:  # O_DIRECT refused (not a file)
                 raise CorruptChunk(f"{name}: cannot be read as a chunk file ({exc})") from exc
+            if exc.errno in (errno.ENXIO, errno.ENODEV):  # a socket, a device without driver
+                raise CorruptChunk(f"{name}: not a regular file ({exc.strerror})") from exc
             raise
         try:
             mode = os.fstat(fd).st_mode
@@ -400,16 +406,60 @@ class PendingWrite:
 
         Raises:
             OSError: the rename failed (FileNotFoundError: the temp file was swept as stale
-                by another process); call `abort`.
+                by another process; IsADirectoryError: a directory that is not kvtier's is in
+                the way, `_clear_foreign`); call `abort`.
         """
         os.close(self._fd)
         self._fd = -1
         self.files.ops.add(other=1)
-        if not rename_new(self._dir_fd, self._temp, self._name):
+        placed = rename_new(self._dir_fd, self._temp, self._name)
+        if not placed and self._clear_foreign():
+            self.files.ops.add(other=1)
+            placed = rename_new(self._dir_fd, self._temp, self._name)
+        if not placed:
             return False
         self._temp = ""
         os.close(self._dir_fd)
         self._dir_fd = -1
+        return True
+
+    def _clear_foreign(self) -> bool:
+        """What the rename found at the chunk's path: another writer's chunk file (False:
+        it stays, this copy is not needed), or an entry kvtier did not write there, which
+        would otherwise turn every store of this key into a silent no-op. One that is
+        kvtier's to clear is removed, never through a link, and True says the rename may be
+        tried again: a link, a socket, a FIFO or a device (what `unlink_file` and the readers
+        remove from kvtier's layout too), or an empty directory. One extra lstat, only when
+        the chunk's path was taken.
+
+        Raises:
+            IsADirectoryError: a directory that holds something (or cannot be removed) is
+                there: it is never deleted, and this chunk cannot be stored until someone
+                removes it (the tiers count a dropped write, their warning names the path).
+            OSError: the entry could not be removed (EACCES, EROFS, ...).
+        """
+        self.files.ops.add(stats=1)
+        try:
+            info = os.stat(self._name, dir_fd=self._dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return True  # removed meanwhile: the rename may place this copy
+        if stat.S_ISREG(info.st_mode):
+            return False
+        path = self.files.path_of(self.key)
+        if stat.S_ISDIR(info.st_mode):
+            try:
+                self.files.ops.add(other=1)
+                os.rmdir(self._name, dir_fd=self._dir_fd)  # an empty one only
+            except OSError as exc:
+                raise IsADirectoryError(
+                    errno.EISDIR, "a directory kvtier did not make sits at this chunk's path "
+                    "and is not removed: remove it, or the chunk is never stored",
+                    str(path)) from exc
+        else:
+            self.files.ops.add(unlinks=1)
+            os.unlink(self._name, dir_fd=self._dir_fd)  # the link itself, never its target
+        log.info("%s: a %s that kvtier did not write sat at a chunk's path; removed",
+                 path, stat.filemode(info.st_mode))
         return True
 
     def abort(self) -> int:
