@@ -25,6 +25,8 @@ from tierkit import key, tiny_layout
 from kvtier.core.layout import KVLayout
 from kvtier.errors import ConfigError
 from kvtier.tiers import build_tier
+from kvtier.tiers.files.manifests import write_file_manifest
+from kvtier.tiers.manifest import NamespaceInfo, new_manifest
 from kvtier.tiers.storeconfig import StoreConfig
 from kvtier.tools.admin.gc import GcRequest, parse_duration, select_victims
 from kvtier.tools.admin.inventory import StoredChunk
@@ -115,6 +117,31 @@ def test_gc_by_age_removes_only_what_was_not_used_since(tmp_path: Path,
     out = cli_json(capsys, "gc", "--config", str(config), "--max-age", "1d")
     assert [(o["removed_chunks"], o["kept_chunks"]) for o in out["outcomes"]] == [(2, 2)]
     assert sorted((tmp_path / "d").rglob("*.kvc")) == files[2:]
+
+
+@pytest.mark.parametrize("model", ["[/]", "llama-3[fp8]", "[bold]m", "evil\x1b[31mred"])
+def test_a_model_name_is_shown_as_it_is_never_as_markup(
+        model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A manifest's model name (written from the served model name, or by anyone who can
+    write the directory) is text: "[/]" crashed inspect and gc (after gc had deleted),
+    "llama-3[fp8]" showed as "llama-3", an ANSI sequence reached the terminal raw."""
+    config = write_config(tmp_path, {"kind": "disk", "path": str(tmp_path / "d"),
+                                     "capacity": "1MiB"})
+    fill(config, LAYOUT_A, range(2))
+    manifest = new_manifest(LAYOUT_A, NamespaceInfo(model, "", 0))
+    assert write_file_manifest(tmp_path / "d", manifest, 0o644)
+    shown = model.replace("\x1b", "\\x1b")
+
+    assert main(["inspect", "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert shown in out and "\x1b" not in out
+    assert main(["gc", "--config", str(config), "--max-age", "1d"]) == 0
+    out = capsys.readouterr().out
+    assert shown in out and "\x1b" not in out
+    assert main(["gc", "--config", str(config), "--model", model, "--quota", "0"]) == 0
+    out = capsys.readouterr().out
+    assert shown in out and "\x1b" not in out
+    assert not list((tmp_path / "d").rglob("*.kvc")), "--model matched the name shown"
 
 
 def test_gc_needs_a_rule_and_a_known_tier(tmp_path: Path,

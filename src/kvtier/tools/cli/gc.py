@@ -24,7 +24,8 @@ from rich.table import Table
 
 from kvtier.tools.admin.gc import GcOutcome, GcRequest, parse_duration, run_gc
 from kvtier.tools.admin.inventory import open_inventories
-from kvtier.tools.cli.inspect import load_store, short_fingerprint
+from kvtier.tools.cli.inspect import load_store, print_errors, short_fingerprint
+from kvtier.tools.cli.literal import literal
 from kvtier.units import format_size, parse_size
 
 
@@ -70,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
                           "dry_run": args.dry_run, "unmatched": unmatched}, indent=2))
         return 1 if errors else 0
     if unmatched:
-        Console().print(unmatched)
+        Console().print(literal(unmatched))
         return 0
     verb = "would remove" if args.dry_run else "removed"
     table = Table(title=f"kvtier gc{' (dry run)' if args.dry_run else ''}")
@@ -79,14 +80,14 @@ def run(args: argparse.Namespace) -> int:
                    f"manifest {verb}"):
         table.add_column(column, no_wrap=column in ("namespace", "fingerprint"))
     for o in outcomes:
-        table.add_row(o.tier, o.namespace, o.model, short_fingerprint(o.fingerprint),
+        table.add_row(o.tier, literal(o.namespace), literal(o.model),
+                      literal(short_fingerprint(o.fingerprint)),
                       str(o.removed_chunks), format_size(o.removed_bytes), str(o.kept_chunks),
                       format_size(o.kept_bytes), str(o.removed_orphans),
                       "yes" if o.removed_manifest else "no")
     console = Console(width=max(Console().width, 180))
     console.print(table)
-    for tier, error in errors.items():
-        console.print(f"[bold red]tier {tier}: not readable: {error}[/]")
+    print_errors(console, errors)
     return 1 if errors else 0
 
 

@@ -27,6 +27,7 @@ from dataclasses import asdict
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from kvtier.core.codecs import LOSSY_CODECS
 from kvtier.errors import ConfigError
@@ -38,6 +39,7 @@ from kvtier.tools.admin.inventory import (
     read_manifests,
     summarize,
 )
+from kvtier.tools.cli.literal import literal
 from kvtier.tools.cli.weights import print_router_weights
 from kvtier.tools.ops.doctor import read_store
 from kvtier.tools.ops.enginecache import EngineCache, parse_engine_cache
@@ -121,9 +123,14 @@ def run(args: argparse.Namespace) -> int:
     if engine is not None:
         console.print(_lost_table(engine))
         console.print(_residency_table(engine))
-    for tier, error in errors.items():
-        console.print(f"[bold red]tier {tier}: not readable: {error}[/]")
+    print_errors(console, errors)
     return 1 if errors else 0
+
+
+def print_errors(console: Console, errors: dict[str, str]) -> None:
+    """Each tier that could not be read, with its error (shown literally)."""
+    for tier, error in errors.items():
+        console.print(literal(f"tier {tier}: not readable: {error}", style="bold red"))
 
 
 def _inventory(store: StoreConfig, only: str | None) -> tuple[list[NamespaceUsage],
@@ -153,9 +160,10 @@ def _table(rows: list[NamespaceUsage], encodings: dict[str, str],
         table.add_column(column, justify="right" if column in ("chunks", "bytes") else "left",
                          no_wrap=column in ("namespace", "fingerprint"))
     for r in rows:
-        cells = [r.tier, r.kind, encodings[r.tier], r.namespace, r.model,
-                 short_fingerprint(r.fingerprint), str(r.chunks), format_size(r.size_bytes),
-                 _ago(r.oldest_s), _ago(r.newest_s), "n/a" if r.hits is None else str(r.hits)]
+        cells: list[str | Text] = [
+            r.tier, r.kind, encodings[r.tier], literal(r.namespace), literal(r.model),
+            literal(short_fingerprint(r.fingerprint)), str(r.chunks), format_size(r.size_bytes),
+            _ago(r.oldest_s), _ago(r.newest_s), "n/a" if r.hits is None else str(r.hits)]
         if weights is not None:
             w = weights.get(r.tier)
             cost = None if w is None else w.restore_s_per_1k
