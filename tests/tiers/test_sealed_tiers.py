@@ -11,6 +11,7 @@ inspect` over an encrypting tier shows no key material: tests/tools/test_inspect
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from kvtier.core.chunkformat import HEADER_BYTES
 from kvtier.core.layout import KVLayout
 from kvtier.core.retention import DEFAULT_META, ChunkMeta, tenant_id
 from kvtier.core.store import TieredStore
-from kvtier.core.tier import OK, Failure, Tier
+from kvtier.core.tier import DECLINED, OK, Failure, Tier
 
 KINDS = ["disk", "shared", pytest.param("redis", marks=pytest.mark.redis),
          pytest.param("s3", marks=pytest.mark.s3)]
@@ -106,6 +107,30 @@ def test_an_engine_with_another_secret_cannot_read_them(kind: str, tmp_path: Pat
     assert result.failure is Failure.NO_KEY
     assert reader.contains(key(3))  # kept: engines with the first secret still read it
     reader.close()
+
+
+def test_a_rotated_secrets_chunks_age_out_of_a_shared_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the secret is rotated, the chunks sealed under the old one are kept (an engine
+    not yet restarted may read them) but this engine neither reads nor stores them fresh:
+    the shared tier's LRU is the files' mtimes, and its reads and puts touched them, so a hot
+    prefix stayed unreadable for ever and its new copy was never stored."""
+    old = sealed_tier("shared", tmp_path)
+    assert old.put(key(6), memoryview(payload(6)), A) == OK
+    old.close()
+    path = tmp_path / "shared"
+    chunk = next(p for p in path.rglob("*.kvc"))
+    os.utime(chunk, (1_000_000, 1_000_000))  # long unused: the first to go
+    monkeypatch.setenv("KVTIER_SEAL_SECRET", SECRET[::-1])
+    new = sealed_tier("shared", tmp_path)
+    out = memoryview(bytearray(LAYOUT.bytes_per_chunk))
+    assert new.get_into(key(6), out, A).failure is Failure.NO_KEY
+    assert new.put(key(6), memoryview(payload(6)), A) == DECLINED  # not stored: not ours
+    assert chunk.stat().st_mtime == 1_000_000, "neither the read nor the put touched it"
+    chunk.unlink()  # evicted, or removed by kvtier gc
+    assert new.put(key(6), memoryview(payload(6)), A) == OK
+    assert new.get_into(key(6), out, A) == OK and bytes(out) == payload(6)
+    new.close()
 
 
 def test_tampered_ciphertext_is_a_counted_miss(kind: str, tmp_path: Path) -> None:

@@ -221,8 +221,8 @@ class ChunkFiles:
         """Read, verify and decode the chunk `key` of `tenant` (`ChunkMeta.tenant`: a sealed
         chunk opens with its key only) into `out` (chunk_bytes long). Never blocks on
         anything but the medium: only a regular file of a chunk's size is read. With
-        `touch`, the access is recorded in the file's mtime as `touch` does, through the
-        open file (no second walk of its path).
+        `touch`, a chunk read whole has the access recorded in the file's mtime as `touch`
+        does, through the open file (no second walk of its path).
 
         `out` holds undefined bytes when this raises.
 
@@ -264,19 +264,19 @@ class ChunkFiles:
                 got = os.preadv(fd, [memoryview(staging)[:size]], 0)
                 header[:] = staging[:HEADER_BYTES]
                 body = memoryview(staging)[HEADER_BYTES:size]
-            if touch:
-                self._touch_open(fd)
+            if got != size:
+                raise CorruptChunk(f"short read: {got} of {size} bytes")
+            chunk = read_header(memoryview(header), key, self.layout_digest)
+            if stored_size(chunk.body_bytes) != size:
+                raise CorruptChunk(f"file is {size} bytes, its header says {chunk.body_bytes}")
+            if body is out and not chunk.plain:  # an encoded chunk of the plain size: rare
+                staging[HEADER_BYTES:size] = out
+                body = memoryview(staging)[HEADER_BYTES:size]
+            self.encoder.decode(key, chunk, body[: chunk.body_bytes], out, tenant)
+            if touch:  # only a chunk read whole: one sealed under a key not held here ages
+                self._touch_open(fd)  # out (a rotated secret's chunks), as a corrupt one goes
         finally:
             os.close(fd)
-        if got != size:
-            raise CorruptChunk(f"short read: {got} of {size} bytes")
-        chunk = read_header(memoryview(header), key, self.layout_digest)
-        if stored_size(chunk.body_bytes) != size:
-            raise CorruptChunk(f"file is {size} bytes, its header says {chunk.body_bytes}")
-        if body is out and not chunk.plain:  # an encoded chunk of the plain size: rare
-            staging[HEADER_BYTES:size] = out
-            body = memoryview(staging)[HEADER_BYTES:size]
-        self.encoder.decode(key, chunk, body[: chunk.body_bytes], out, tenant)
 
     def _open_regular(self, dir_fd: int, name: str) -> int:
         """An fd of the regular file `name`, opened for reading without blocking on a FIFO

@@ -48,6 +48,7 @@ import errno
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -100,6 +101,7 @@ STALE_MISSES = 4  # candidates in a row that freed nothing: the sample is stale,
 # the fleet spends at most 1/REMEASURE_DUTY of one writer's time walking, whatever it holds.
 REMEASURE_DUTY = 100
 CLOSE_WAIT_S = 10.0  # close() waits this long for a re-measure in flight
+NOT_OURS_KEPT = 4096  # keys remembered as sealed under a key this process lacks
 
 
 class SharedTierConfig(EncodedTierSettings):
@@ -168,6 +170,11 @@ class SharedTier:
         self.remeasures = 0  # re-measures of the directory this process ran
         self._remeasuring: threading.Thread | None = None  # a claimed re-measure, running
         self._link = BoundedMeasure(self.name)
+        # Chunks lately found sealed under a key this process lacks (another secret's: a
+        # rotated one): kept for whoever holds it, but never touched by this process's puts,
+        # so that they age out and this process's own copy is stored once they have gone.
+        self._not_ours: OrderedDict[ChunkKey, None] = OrderedDict()
+        self._not_ours_lock = threading.Lock()
         self._open_quota()
 
     def _open_quota(self) -> None:
@@ -205,6 +212,10 @@ class SharedTier:
         except KeyNotHeld as exc:  # not tampering: another engine may hold the key
             log.info("shared tier %r: chunk %s: %s; a miss, kept", self.name, key.hex(), exc)
             self._counters.add(misses=1)
+            with self._not_ours_lock:
+                self._not_ours[key] = None
+                if len(self._not_ours) > NOT_OURS_KEPT:
+                    self._not_ours.popitem(last=False)
             return TierResult(Failure.NO_KEY)
         except (CorruptChunk, OSError) as exc:
             if isinstance(exc, CorruptChunk):
@@ -227,8 +238,14 @@ class SharedTier:
             raise ValueError(f"chunk is {len(data)} bytes, this tier stores "
                              f"{self.files.chunk_bytes}")
         if self.files.exists(key):
+            with self._not_ours_lock:
+                not_ours = key in self._not_ours
+            if not_ours:  # left to age out (see __init__): this copy is not stored
+                return DECLINED
             self.files.touch(key)
             return OK
+        with self._not_ours_lock:
+            self._not_ours.pop(key, None)  # gone: the next copy stored is this process's
         if self.ledger is None:
             self._counters.add(dropped_writes=1)
             return READ_ONLY
