@@ -46,9 +46,10 @@ def test_a_stopped_stretch_is_a_stall_that_covers_it() -> None:
         assert stall.overlaps(stopped_s, resumed_s) and stall.end_s >= resumed_s
         assert watch.stalls(resumed_s + 60, resumed_s + 120) == []  # nothing in the future
         # Stopped, it was not runnable: the stop is not queued time (what follows the
-        # SIGCONT may be, on a busy machine: its cause is then not "stopped").
+        # SIGCONT, and the ticks around it, may be on a busy machine: 38 ms of a 0.4 s stall
+        # beside CI's other lane; were the stop counted queued, nothing would be left).
         assert stall.queued_s is not None
-        assert stall.seconds - stall.queued_s >= STOP_S - 2 * TICK_S
+        assert stall.seconds - stall.queued_s >= STOP_S / 2
 
 
 # The spinner: pinned to the watcher's core, then real-time (SCHED_FIFO), it runs until done
