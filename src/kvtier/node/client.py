@@ -47,7 +47,7 @@ from kvtier.core.layout import KVLayout
 from kvtier.core.loans import Hold, Lending
 from kvtier.core.retention import DEFAULT_META, ChunkMeta
 from kvtier.core.store import ChunkView, PendingPut, StoreEvent, StoreStats
-from kvtier.core.tier import LinkSpeed, TierCounters
+from kvtier.core.tier import Failure, LinkSpeed, TierCounters
 from kvtier.errors import NodeUnavailable
 from kvtier.node.dma import register_for_dma
 from kvtier.node.protocol import (
@@ -88,7 +88,7 @@ from kvtier.tiers.prefault import prefault_in_background
 from kvtier.tiers.shmslab import SlabReader
 
 log = logging.getLogger(__name__)
-TIER = RAM_TIER  # this engine's traffic with the node, as one tier (its counters)
+TIER = RAM_TIER  # this engine's traffic with the node (its counters), and its misses
 # After the node failed to answer, how long it is not asked (a miss at once meanwhile).
 RETRY_S = 2.0
 # How long a request the node answers through its tiers below RAM (a lookup of every tier, a
@@ -442,6 +442,14 @@ class NodeStore:
         self._client = client
         self._chunk_bytes = chunk_bytes
         self._counters = TierCounters(TIER, 0)
+        # The chunks the node read from its tiers below RAM for this engine's loads (and the
+        # stores RAM had no slot for, sent for those tiers), as the engine's tier
+        # `node-below`: `node` counts what came from the node's RAM, and every miss.
+        self._below = TierCounters(BELOW_TIER, 0)
+        # Calls to the node that failed, by reason (`Failure` value): the `node` tier's
+        # `tier_failures` on the engine's /metrics, as the store counts an in-process tier's.
+        self._failures: dict[str, int] = {}
+        self._failures_lock = threading.Lock()
         self._planned: dict[ChunkKey, _Planned] = {}
         self._planned_lock = threading.Lock()
         # Chunk -> (node generation, slab offset) where this engine stored it or was lent it
@@ -469,7 +477,8 @@ class NodeStore:
             # The node abandons its reads below RAM at the budget: it answers by then.
             first = self._client.call(Borrow(list(keys), [Meta.of(m) for m in metas], budget,
                                              stream=True), Lent, extra_s=budget or 0.0)
-        except NodeUnavailable:
+        except NodeUnavailable as exc:
+            self._failed(exc)
             first, unavailable = Lent(0, [], [], None), True
         else:
             unavailable = False
@@ -485,7 +494,10 @@ class NodeStore:
             if generation is not None:
                 self._know([(key, generation, offset) for key, offset
                             in zip(keys[first_index:], part.offsets) if offset >= 0])
-            self._counters.add(hits=len(views), bytes_read=len(views) * self._chunk_bytes)
+            below = sum(view.tier == BELOW_TIER for view in views)
+            self._counters.add(hits=len(views) - below,
+                               bytes_read=(len(views) - below) * self._chunk_bytes)
+            self._below.add(hits=below, bytes_read=below * self._chunk_bytes)
             return views
 
         stream = LentStream(first, views_of,
@@ -495,8 +507,15 @@ class NodeStore:
             stream.failed_tier = RAM_TIER  # the node: a miss at the first chunk
 
         def release() -> None:
+            # The load's time, shared by its chunks' tiers (one reply: not timed apart).
+            seconds = (stream.ended_at or time.perf_counter()) - start
+            below = sum(view.tier == BELOW_TIER for view in stream.views)
+            below_s = seconds * below / len(stream.views) if stream.views else 0.0
             self._counters.add(misses=int(len(stream.views) < len(keys)),
-                               read_s=(stream.ended_at or time.perf_counter()) - start)
+                               read_s=seconds - below_s)
+            self._below.add(read_s=below_s)
+            if stream.broken:  # the connection failed mid-stream (the node went away)
+                self._count_failure(Failure.UNAVAILABLE)
             if not stream.ended and not stream.finish(self._client.timeout_s):
                 self._client.drop_own()  # a late part must not answer the next request;
                 return  # the lease ends with the connection
@@ -603,7 +622,8 @@ class NodeStore:
     def contains(self, key: ChunkKey) -> bool:
         try:
             return self._client.call(Lookup([key]), Found).held[0]
-        except NodeUnavailable:
+        except NodeUnavailable as exc:
+            self._failed(exc)
             return False
 
     # -- stores -----------------------------------------------------------------------------
@@ -621,7 +641,8 @@ class NodeStore:
         try:
             reserved = self._client.call(Reserve(list(keys), [Meta.of(m) for m in metas]),
                                          Reserved)
-        except NodeUnavailable:
+        except NodeUnavailable as exc:
+            self._failed(exc)
             return
         generation = self._client.generation()
         last = max((i for i, offset in enumerate(reserved.offsets)
@@ -680,14 +701,15 @@ class NodeStore:
             else:  # the step's last: every commit before it is done when it is answered
                 try:
                     self._client.call(commit, Answer)
-                except NodeUnavailable:
+                except NodeUnavailable as exc:
+                    self._failed(exc)
                     filled = False  # maybe stored, maybe not: not reported stored
         put.stored = filled and not sent
         if put.stored and planned.generation is not None:
             self._know([(key, planned.generation, planned.offset)])
         if filled:
-            self._counters.add(puts=1, bytes_written=self._chunk_bytes,
-                               write_s=time.perf_counter() - start)
+            (self._below if sent else self._counters).add(
+                puts=1, bytes_written=self._chunk_bytes, write_s=time.perf_counter() - start)
 
     def put(self, key: ChunkKey, data: memoryview, meta: ChunkMeta = DEFAULT_META) -> bool:
         def copy(slot: memoryview) -> None:
@@ -698,7 +720,8 @@ class NodeStore:
     def retain(self, key: ChunkKey, meta: ChunkMeta) -> int:
         try:
             value = self._client.call(Retain(key, Meta.of(meta)), Answer).value
-        except NodeUnavailable:
+        except NodeUnavailable as exc:
+            self._failed(exc)
             return 0
         return value if isinstance(value, int) else 0
 
@@ -710,14 +733,33 @@ class NodeStore:
     def flush(self, timeout_s: float | None = None) -> bool:
         try:
             return self._client.call(Flush(timeout_s), Answer).value is True
-        except NodeUnavailable:
+        except NodeUnavailable as exc:
+            self._failed(exc)
             return False
 
+    def _failed(self, exc: NodeUnavailable) -> None:
+        """Count a call the node failed: `timeout` where it did not answer within the
+        deadline, `unavailable` otherwise (down, refused, restarting, or not asked while the
+        watch waits for it to answer: the in-process store's open circuit breaker)."""
+        cause: BaseException | None = exc
+        while cause is not None and not isinstance(cause, TimeoutError):
+            cause = cause.__cause__
+        self._count_failure(Failure.TIMEOUT if cause is not None else Failure.UNAVAILABLE)
+
+    def _count_failure(self, reason: Failure) -> None:
+        with self._failures_lock:
+            self._failures[reason.value] = self._failures.get(reason.value, 0) + 1
+
     def stats(self) -> StoreStats:
-        """This engine's traffic with the node, as one tier "node" (the node's own tiers: its
-        status, `kvtier node status`)."""
-        return StoreStats(tiers=(self._counters.snapshot(),), queued_writes=0,
-                          queue_drops={})
+        """This engine's traffic with the node, as two tiers (the node's own tiers: its
+        status, `kvtier node status`): "node", its RAM (and every miss), and "node-below",
+        what the node read from its tiers below RAM and the stores sent for them; and its
+        calls the node failed, by reason (a node down or stopped: `StoreStats.failures`, the
+        engine's `tier_failures`)."""
+        with self._failures_lock:
+            failures = {TIER: dict(self._failures)} if self._failures else {}
+        return StoreStats(tiers=(self._counters.snapshot(), self._below.snapshot()),
+                          queued_writes=0, queue_drops={}, failures=failures)
 
     def take_events(self) -> list[StoreEvent]:
         return []  # the node announces its own tiers' chunks, once for every engine
