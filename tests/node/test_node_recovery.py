@@ -6,6 +6,7 @@ scribbled slot is dropped (counted), a chunk evicted before the crash stays gone
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from nodekit import (
     expected,
     key,
     lend,
+    memory_tier,
     node_tiers,
     payload,
     put_chunks,
@@ -114,6 +116,33 @@ def test_a_clean_stop_keeps_ram_for_the_next_node_unless_told_to_drop_it(
     assert counters["recovered_chunks"] == 3
     _client, engine = connect(node.socket_path)
     assert lend(engine, [key(i) for i in range(3)]).chunks == expected(range(3))
+
+
+def test_an_engine_reading_in_place_lets_the_old_slab_go_after_a_restart(
+        tmp_path: Path, start_node: Callable[..., NodeProcess]) -> None:
+    """An engine thread that only reads in place (it knows its chunks' slots) asked the node
+    nothing, so after a restart it read the old node's slab for ever (removed from /dev/shm
+    by the new node, still mapped: a whole RAM tier kept alive beside the new one). Once the
+    slab is gone, its next load borrows from the node now serving."""
+    config = node_tiers(tmp_path, ram_chunks=8)
+    node = start_node(config)
+    client, engine = connect(node.socket_path)
+    assert put_chunks(engine, range(3)) == [True] * 3
+    first = client.generation()
+    assert lend(engine, [key(i) for i in range(3)]).chunks == expected(range(3))
+    # Read in place: the node told (Touch, no reply awaited), nothing asked.
+    wait_for(lambda: node.status()["counters"]["read_in_place"] == 3, 30, "the touches")
+    assert node.stop() == 0
+
+    node, counters = restarted(start_node, config, 3)
+    assert counters["recovered_chunks"] == 3
+    assert [p.name.endswith(".old") for p in shm_files(node.name)] == [False]  # removed
+    assert lend(engine, [key(i) for i in range(3)]).chunks == expected(range(3))
+    assert client.generation() not in (None, first)  # the new node's slab
+    assert memory_tier(node.status())["hits"] == 3  # lent by the node now serving
+    gc.collect()
+    maps = Path("/proc/self/maps").read_text()
+    assert f"{node.name}.old" not in maps and f"{node.name} (deleted)" not in maps
 
 
 def test_drop_ram_removes_the_slab_at_a_clean_stop(

@@ -238,11 +238,20 @@ class NodeClient:
         """This thread's reader of the slab it mapped last, with its generation (reads in
         place); None before this thread connected, or where the slab has no records to
         trust. A node that died since leaves its slab mapped and its chunks whole: they are
-        still read in place (a restarted node's slab is another generation)."""
+        still read in place (a restarted node's slab is another generation). A slab whose
+        file is gone (a restarted node recovered it and removed it) is let go by this thread
+        (None: its next load borrows, reconnecting to the node now serving): a thread that
+        only read in place kept a whole RAM tier of /dev/shm alive beside the new one."""
         slab: tuple[str, mmap.mmap] | None = getattr(self._local, "slab", None)
         if slab is None:
             return None
         mine: tuple[str, SlabReader | None] | None = getattr(self._local, "reader", None)
+        if mine is not None and mine[0] == slab[0] and mine[1] is not None \
+                and mine[1].removed():
+            mine[1].close()
+            self._local.reader = self._local.slab = None
+            self.drop_own()  # the old node's connection: the next call reconnects
+            return None
         if mine is None or mine[0] != slab[0]:
             if mine is not None and mine[1] is not None:
                 mine[1].close()

@@ -289,6 +289,15 @@ class SlabReader:
     def unlock(self, index: int) -> None:
         _lock(self._fd, fcntl.F_UNLCK, self._records_at + index * _RECORD.itemsize)
 
+    def removed(self) -> bool:
+        """Whether the slab's file is gone from /dev/shm (a restarted node recovered its
+        chunks and removed it, or an operator did): its pages are freed once no one maps it.
+        One fstat."""
+        try:
+            return os.fstat(self._fd).st_nlink == 0
+        except OSError:
+            return True
+
     def close(self) -> None:
         """Drop every lock this reader holds."""
         if self._fd >= 0:
