@@ -78,7 +78,8 @@ ENGINE_GAUGES: dict[str, str] = {
 NODE_GAUGES: dict[str, str] = {
     "connections": "Engine connections open (one per engine thread)",
     "leases": "Leases held: chunks lent for a load, slots reserved for stores",
-    "engines": "Engines connected",
+    "engines": "Engine processes connected (host:pid: an engine's scheduler and each of "
+               "its workers count apart)",
     "layouts": "KV layouts (models x TP ranks) the node holds a store for",
 }
 # NodeServer.counters -> help; kvtier_node_<name>_total.
