@@ -117,3 +117,24 @@ def test_a_socket_at_a_chunk_path_is_a_corrupt_entry_for_a_reader(
     assert tier.get_into(key(1), memoryview(bytearray(layout.bytes_per_chunk))) == CORRUPT
     assert not os.path.lexists(path), "removed from kvtier's layout"
     assert tier.stats().corrupt_reads == 1
+
+
+@pytest.mark.parametrize("what", ["directory", "fifo", "symlink"])
+def test_something_else_at_the_quota_ledgers_path_is_named_with_what_to_do(
+        what: str, tmp_path: Path, layout: KVLayout) -> None:
+    """The shared tier's ledger (ROOT/.kvtier-quota) found as a directory, a FIFO or a link
+    failed the tier's start with "Is a directory", "Illegal seek" (no path) or "Too many
+    levels of symbolic links": now one error naming the path, what is there and the remedy;
+    once it is removed, the tier starts and stores."""
+    ledger = tmp_path / "shared" / ".kvtier-quota"
+    _place(ledger, "empty directory" if what == "directory" else what)
+    with pytest.raises(OSError, match="remove it") as caught:
+        make_tier("shared", tmp_path, layout, capacity_chunks=8)
+    assert caught.value.filename == str(ledger)
+    if ledger.is_dir() and not ledger.is_symlink():
+        ledger.rmdir()
+    else:
+        ledger.unlink()
+    tier = make_tier("shared", tmp_path, layout, capacity_chunks=8)
+    assert tier.put(key(1), memoryview(payload(1, layout))) == OK
+    tier.close()

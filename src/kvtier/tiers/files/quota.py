@@ -54,6 +54,7 @@ import errno
 import fcntl
 import logging
 import os
+import stat
 import struct
 import threading
 from collections.abc import Iterator
@@ -92,12 +93,33 @@ class LedgerState:
 
 
 def _open_ledger(path: Path, file_mode: int) -> int:
+    """The ledger's file, opened (created if absent).
+
+    Raises:
+        OSError: it cannot be; one that is not a regular file (a directory, a link, a FIFO
+            someone left there: "Is a directory", "Illegal seek" later) names its path, what
+            it is and that it must be removed.
+    """
     flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
         fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, file_mode)
     except FileExistsError:
-        return os.open(path, flags)
-    os.fchmod(fd, file_mode)  # the umask must not narrow group_shared's 0660
+        pass
+    else:
+        os.fchmod(fd, file_mode)  # the umask must not narrow group_shared's 0660
+        return fd
+    try:
+        info = os.stat(path, follow_symlinks=False)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(errno.EINVAL, f"not kvtier's quota ledger (a "
+                          f"{stat.filemode(info.st_mode)} where a regular file belongs): "
+                          "remove it, kvtier creates the ledger again", str(path))
+        fd = os.open(path, flags | os.O_NONBLOCK)  # swapped for a FIFO meanwhile: no hang
+    except FileNotFoundError:  # removed meanwhile
+        return _open_ledger(path, file_mode)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not kvtier's quota ledger: remove it", str(path))
     return fd
 
 
