@@ -25,6 +25,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     model_validator,
 )
 
@@ -76,10 +77,23 @@ def _numeric(annotation: Any) -> bool:
     return bool(kinds & {int, float}) and bool not in kinds
 
 
-def parse_model(model: type[Model], data: Any, where: str) -> Model:
-    """Validate `data` into `model`, turning the first pydantic error into a ConfigError."""
+# The validation context of a config read by a command that only reads the tiers (`kvtier
+# inspect`): a directory it may read but not write is accepted (a monitoring user, a
+# read-only mount), where an engine would be refused it.
+READING_ONLY = {"reading_only": True}
+
+
+def reading_only(info: ValidationInfo) -> bool:
+    """Whether a validator runs for a config that is only read (`READING_ONLY`)."""
+    return bool(info.context and info.context.get("reading_only"))
+
+
+def parse_model(model: type[Model], data: Any, where: str,
+                context: dict[str, Any] | None = None) -> Model:
+    """Validate `data` into `model` (with pydantic's validation `context`), turning the first
+    pydantic error into a ConfigError."""
     try:
-        return model.model_validate(data)
+        return model.model_validate(data, context=context)
     except ConfigError as exc:  # raised by parse_size inside a validator
         raise ConfigError(f"{where}.{exc.field}", exc.value, exc.allowed) from None
     except ValidationError as exc:

@@ -106,6 +106,10 @@ def test_an_unwritable_disk_directory_is_refused_a_read_only_shared_one_is_serve
     if os.getuid() == 0:
         assert "read-only filesystem" in error.allowed
     assert _path(StoreConfig.parse(_tier("shared", read_only_dir))) == read_only_dir
+    # A command that only reads the tiers (kvtier inspect, as a monitoring user or on a
+    # read-only mount) is given the disk tier's directory.
+    assert _path(StoreConfig.parse(_tier("disk", read_only_dir), reading_only=True)) \
+        == read_only_dir
     for kind in ("disk", "shared"):
         error = _refused(kind, read_only_dir / "kvtier")
         assert "does not exist and cannot be created" in error.allowed

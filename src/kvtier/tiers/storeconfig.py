@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, SerializeAsAny, field_validator
+from pydantic import Field, SerializeAsAny, ValidationInfo, field_validator
 
-from kvtier.config import ByteSize, FrozenModel, parse_model, read_config_file
+from kvtier.config import READING_ONLY, ByteSize, FrozenModel, parse_model, read_config_file
 from kvtier.core.threads import parse_io_cores
 from kvtier.errors import ConfigError, TierConfigError
 from kvtier.tiers.registry import TIER_CLASSES, config_model, public_kinds, tier_class
@@ -56,8 +56,9 @@ class TierSettings(FrozenModel):
         return self.name or self.kind
 
 
-def _tier_config(item: object, index: int) -> object:
-    """One `tiers` entry as its kind's config model (an instance passes through).
+def _tier_config(item: object, index: int, context: dict[str, Any] | None) -> object:
+    """One `tiers` entry as its kind's config model (an instance passes through), validated
+    with the config's `context`.
 
     Raises:
         TierConfigError: no or an unknown kind, or an invalid value for that kind.
@@ -72,7 +73,7 @@ def _tier_config(item: object, index: int) -> object:
     if not isinstance(kind, str) or kind not in TIER_CLASSES:
         raise TierConfigError(f"tiers.{index}.kind", kind, f"one of {kinds}")
     try:
-        return parse_model(config_model(kind), item, f"tiers.{index}.{kind}")
+        return parse_model(config_model(kind), item, f"tiers.{index}.{kind}", context)
     except ConfigError as exc:
         raise TierConfigError(exc.field, exc.value, exc.allowed) from None
 
@@ -107,11 +108,11 @@ class StoreConfig(FrozenModel):
 
     @field_validator("tiers", mode="before")
     @classmethod
-    def _typed_tiers(cls, tiers: object) -> object:
+    def _typed_tiers(cls, tiers: object, info: ValidationInfo) -> object:
         """Each dict entry becomes its kind's model, found through the tier registry."""
         if not isinstance(tiers, list):
             return tiers
-        return [_tier_config(item, index) for index, item in enumerate(tiers)]
+        return [_tier_config(item, index, info.context) for index, item in enumerate(tiers)]
 
     # Names unique, RAM first, a directory a file tier. A field validator (not a model
     # validator) so the ConfigError names "tiers" rather than the whole config
@@ -164,13 +165,16 @@ class StoreConfig(FrozenModel):
         return self.model_copy(update={"tiers": tiers})
 
     @classmethod
-    def parse(cls, data: object, where: str = "config") -> StoreConfig:
-        """Validate a dict (from JSON, YAML or vLLM's kv_connector_extra_config).
+    def parse(cls, data: object, where: str = "config",
+              reading_only: bool = False) -> StoreConfig:
+        """Validate a dict (from JSON, YAML or vLLM's kv_connector_extra_config);
+        `reading_only`: for a command that only reads the tiers (a directory it cannot
+        write is accepted).
 
         Raises:
             ConfigError: naming `where.field`, the value and what is allowed.
         """
-        return parse_model(cls, data, where)
+        return parse_model(cls, data, where, READING_ONLY if reading_only else None)
 
     @classmethod
     def load(cls, path: str | Path) -> StoreConfig:

@@ -38,9 +38,9 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 import numpy as np
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
-from kvtier.config import PositiveByteSize
+from kvtier.config import PositiveByteSize, reading_only
 from kvtier.core.chunkformat import ALIGN_BYTES, HEADER_BYTES, failure_of
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
@@ -98,10 +98,11 @@ class DiskTierConfig(EncodedTierSettings, RetentionTierSettings):
 
     @field_validator("path")
     @classmethod
-    def _usable_directory(cls, path: Path) -> Path:
+    def _usable_directory(cls, path: Path, info: ValidationInfo) -> Path:
         # Checked here, not when the tier is built: a bad path would surface as a raw
         # NotADirectoryError/PermissionError in a vLLM worker ~45 s into start-up (issue 12).
-        return check_directory(path, read_only_ok=False)
+        # Read-only is for commands that only read it (kvtier inspect), not for an engine.
+        return check_directory(path, read_only_ok=reading_only(info))
 
 
 class DiskTier:

@@ -65,13 +65,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.set_defaults(func=run)
 
 
-def load_store(path: str) -> StoreConfig:
-    """A store config file, or a connector config with a `store` section.
+def load_store(path: str, reading_only: bool = False) -> StoreConfig:
+    """A store config file, or a connector config with a `store` section; `reading_only`:
+    for a command that only reads the tiers (directories it cannot write are accepted).
 
     Raises:
         ConfigError: unreadable or invalid.
     """
-    return StoreConfig.parse(read_store(path), where=path)
+    return StoreConfig.parse(read_store(path), where=path, reading_only=reading_only)
 
 
 def at_rest(tier: TierSettings) -> str:
@@ -90,7 +91,7 @@ def at_rest(tier: TierSettings) -> str:
 def run(args: argparse.Namespace) -> int:
     if not args.config and not args.metrics:
         raise ConfigError("config", None, "--config FILE, --metrics URL, or both")
-    store = load_store(args.config) if args.config else None
+    store = load_store(args.config, reading_only=True) if args.config else None
     weights: tuple[TierWeight, ...] = ()
     costs = None
     engine: EngineCache | None = None
