@@ -5,6 +5,8 @@ from __future__ import annotations
 import gc
 import os
 import re
+import shutil
+import subprocess
 from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
@@ -123,6 +125,32 @@ def _frozen_heap_for_timing(request: pytest.FixtureRequest) -> None:
     if request.node.get_closest_marker("timing") is not None:
         gc.collect()
         gc.freeze()
+
+
+@pytest.fixture
+def read_only_dir(tmp_path: Path) -> Iterator[Path]:
+    """An existing directory, holding one file, that this process cannot write into: a
+    read-only tmpfs when the tests run as root (root writes through any mode bits), a 0555
+    directory otherwise."""
+    directory = tmp_path / "ro"
+    directory.mkdir()
+    if os.getuid() != 0:
+        (directory / "chunk").write_bytes(b"x")
+        directory.chmod(0o555)
+        yield directory
+        directory.chmod(0o755)
+        return
+    mount = shutil.which("mount")
+    if mount is None or subprocess.run([mount, "-t", "tmpfs", "-o", "size=1m", "tmpfs",
+                                        str(directory)], check=False,
+                                       capture_output=True).returncode:
+        pytest.skip("running as root without the right to mount a read-only tmpfs")
+    try:
+        (directory / "chunk").write_bytes(b"x")
+        subprocess.run([mount, "-o", "remount,ro", str(directory)], check=True)
+        yield directory
+    finally:
+        subprocess.run(["umount", str(directory)], check=True)
 
 
 @pytest.fixture(scope="session")

@@ -11,11 +11,8 @@ through any mode bits), a 0555 directory otherwise.
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,30 +43,6 @@ def _refused(kind: str, path: Path | str) -> ConfigError:
     assert error.field == f"kvtier.yaml.tiers.0.{kind}.path"
     assert error.value == str(path) and str(path) in str(error)
     return error
-
-
-@pytest.fixture
-def read_only_dir(tmp_path: Path) -> Iterator[Path]:
-    """An existing directory, holding one file, that this process cannot write into."""
-    directory = tmp_path / "ro"
-    directory.mkdir()
-    if os.getuid() != 0:
-        (directory / "chunk").write_bytes(b"x")
-        directory.chmod(0o555)
-        yield directory
-        directory.chmod(0o755)
-        return
-    mount = shutil.which("mount")
-    if mount is None or subprocess.run([mount, "-t", "tmpfs", "-o", "size=1m", "tmpfs",
-                                        str(directory)], check=False,
-                                       capture_output=True).returncode:
-        pytest.skip("running as root without the right to mount a read-only tmpfs")
-    try:
-        (directory / "chunk").write_bytes(b"x")
-        subprocess.run([mount, "-o", "remount,ro", str(directory)], check=True)
-        yield directory
-    finally:
-        subprocess.run(["umount", str(directory)], check=True)
 
 
 @pytest.mark.parametrize("kind", ["disk", "shared"])

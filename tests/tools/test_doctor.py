@@ -70,6 +70,16 @@ def test_tier_path_writable_creatable_and_too_small(tmp_path):
     assert "per engine" in ok.detail and "whole directory" in creatable.detail
 
 
+def test_a_read_only_shared_directory_is_a_warning_a_disk_one_fails(read_only_dir):
+    """A shared tier on a read-only mount is served (the hits other nodes wrote): the doctor
+    said "fail" of it; a disk tier must write."""
+    shared, disk = check_tier_paths({"tiers": [
+        {"kind": "shared", "path": str(read_only_dir), "capacity": "1KiB"},
+        {"kind": "disk", "path": str(read_only_dir), "capacity": "1KiB"}]})
+    assert shared.status == "warn" and "served read-only" in shared.detail
+    assert disk.status == "fail" and "cannot write" in disk.detail
+
+
 def test_tier_path_under_a_file_fails(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")

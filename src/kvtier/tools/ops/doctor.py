@@ -178,7 +178,8 @@ def check_tier_paths(store: Mapping[str, Any]) -> list[Check]:
         name = f"tier {tier.get('name') or tier['kind']}: {tier['path']}"
         scope = PER_ENGINE if cls.capacity_split_by_rank else WHOLE_DIRECTORY
         answered, check = call_within(
-            partial(_check_dir, name, Path(str(tier["path"])), tier.get("capacity", 0), scope),
+            partial(_check_dir, name, Path(str(tier["path"])), tier.get("capacity", 0), scope,
+                    read_only_ok=tier["kind"] == "shared"),
             directories.CHECK_TIMEOUT_S, "kvtier-doctor-path")
         out.append(check if answered and check is not None else Check(
             name, "fail", f"did not answer within {directories.CHECK_TIMEOUT_S:g} s (a dead "
@@ -355,7 +356,10 @@ def transfer_config_json(store: Mapping[str, Any]) -> str:
     return json.dumps(kvtier_transfer_config(store), separators=(",", ":"))
 
 
-def _check_dir(name: str, path: Path, capacity: Any, scope: str) -> Check:
+def _check_dir(name: str, path: Path, capacity: Any, scope: str,
+               read_only_ok: bool = False) -> Check:
+    """`read_only_ok`: the tier serves an existing directory it cannot write (a shared
+    tier on a read-only mount: the hits other nodes wrote), a warning, not a failure."""
     existing = path
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
@@ -365,6 +369,9 @@ def _check_dir(name: str, path: Path, capacity: Any, scope: str) -> Check:
         with tempfile.NamedTemporaryFile(dir=existing, prefix=".kvtier-doctor-"):
             pass
     except OSError as exc:
+        if read_only_ok and existing == path:
+            return Check(name, "warn", f"read-only ({exc.strerror or exc}): served read-only, "
+                         "its hits loaded, nothing stored")
         return Check(name, "fail", f"cannot write in {existing}: {exc.strerror or exc}")
     free = shutil.disk_usage(existing).free
     want = _size(capacity)
