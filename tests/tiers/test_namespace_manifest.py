@@ -25,7 +25,7 @@ from tierkit import tiny_layout
 from kvtier.core.fingerprint import cached_model_fingerprint
 from kvtier.errors import ConfigError
 from kvtier.tiers import build_tier
-from kvtier.tiers.manifest import FILE_NAME
+from kvtier.tiers.manifest import FILE_NAME, NamespaceInfo, new_manifest, parse_manifest
 from kvtier.tiers.storeconfig import StoreConfig
 
 
@@ -123,3 +123,17 @@ def test_the_fingerprint_is_computed_once_per_process_and_again_after_an_update(
     assert second != first and len(computed) == 2 and second.weight_files == 1
 
 
+
+
+@pytest.mark.parametrize("field, value", [("created_s", float("nan")), ("created_s", 1e300),
+                                          ("created_s", -1), ("fingerprint", "not hex"),
+                                          ("fingerprint", "AB" * 16)])
+def test_a_manifest_with_a_value_no_kvtier_writes_is_not_one(field: str, value: Any) -> None:
+    """NaN or 1e300 as its time, a fingerprint that is no digest: not a manifest (its
+    namespace shows as unknown and the tier writes its own), never copied into the manifest
+    a tier writes next ("created_s": NaN is not JSON)."""
+    layout = tiny_layout()
+    good = new_manifest(layout, NamespaceInfo("m", "ab" * 16, 1))
+    assert parse_manifest(good.to_json(), layout.digest()) == good
+    doc = json.loads(good.to_json()) | {field: value}
+    assert parse_manifest(json.dumps(doc).encode(), layout.digest()) is None

@@ -45,6 +45,7 @@ from kvtier.core.tier import NamespaceManifest as NamespaceManifest  # re-export
 
 FILE_NAME = "manifest.json"
 MANIFEST_MAX_BYTES = 64 << 10  # a larger value is not a manifest of kvtier's
+_HEX = re.compile(r"(?:[0-9a-f]{32})?")  # a fingerprint (ModelFingerprint.digest) or none
 LAYOUT_NAME = re.compile(r"[0-9a-f]{32}")  # a namespace: a layout digest
 
 
@@ -86,6 +87,10 @@ def parse_manifest(data: bytes | None, namespace: str) -> NamespaceManifest | No
            for k, t in kinds.items()):
         return None
     if doc["namespace"] != namespace or doc["weight_files"] < 0:
+        return None
+    # A time that is a time (NaN or 1e300 were taken, and copied into the manifest a tier
+    # wrote next: "created_s": NaN is not JSON); a fingerprint of hex digits or none.
+    if not 0 <= doc["created_s"] < 1e11 or not _HEX.fullmatch(doc["fingerprint"]):
         return None
     return NamespaceManifest(doc["namespace"], doc["model"], doc["fingerprint"],
                              doc["weight_files"], doc["layout"], doc["kvtier_version"],
