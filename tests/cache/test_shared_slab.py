@@ -285,13 +285,13 @@ def test_a_chunk_that_left_is_not_read_in_place_again_nor_recovered(name: str) -
     store = tier(name, chunks=2)
     assert store.put(key(0), chunk(0)).ok
     assert store.put(key(1), chunk(1), ChunkMeta(expires_at=time.time() + 1.0)).ok
+    expiring = _slot_of(store, key(1))  # while it is held: within its second
     first, _ = _reader(store)
     second, _ = _reader(store)
     index = _slot_of(store, key(0))
     assert first.lock(index, key(0))
     assert store.delete(key(0))
     assert not second.lock(index, key(0))
-    expiring = _slot_of(store, key(1))
     time.sleep(1.1)  # past its expiry, whatever the machine's load
     assert not second.lock(expiring, key(1))
     store.keep_shared_memory = True

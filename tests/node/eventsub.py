@@ -8,6 +8,7 @@ Primitives: `Subscriber`.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import msgspec
@@ -59,6 +60,23 @@ class Subscriber:
                 with self._lock:
                     self.batches.append((topic.decode(), int.from_bytes(seq, "big"), batch))
                     self.frames.append((topic.decode(), payload))
+
+    def wait_connected(self, handshakes: int = 1, timeout_s: float = 30.0,
+                       settle_s: float = 0.3) -> None:
+        """Wait until `handshakes` publishers have connected, then `settle_s` more: a PUB
+        drops what it sends before the subscription (sent after the handshake, taken in by
+        the PUB's next send) has reached it. A node's first batch went out 3-9 ms after its
+        publisher connected: too soon on a loaded machine.
+
+        Raises:
+            AssertionError: fewer handshakes within `timeout_s`.
+        """
+        deadline = time.monotonic() + timeout_s
+        while self.handshakes < handshakes:
+            assert time.monotonic() < deadline, f"{self.handshakes} of {handshakes} " \
+                f"publishers connected within {timeout_s} s"
+            time.sleep(0.01)
+        time.sleep(settle_s)
 
     def events(self) -> list[tuple[str, Any]]:
         """Every event received so far, with its topic."""

@@ -60,6 +60,7 @@ def test_a_prompt_engine_a_stored_in_the_node_scores_for_engine_b_on_that_node(
     try:
         node = start_node(node_tiers(tmp_path, ram_chunks=4),
                           args=("--events-endpoint", subscriber.endpoint))
+        subscriber.wait_connected()
         endpoints = {"10.0.0.1:8000": node.name, "10.0.0.2:8000": node.name,  # A and B
                      "10.0.0.3:8000": "another-node"}
         client, engine_a = connect(node.socket_path)

@@ -86,6 +86,7 @@ def test_chunks_landing_in_and_leaving_the_node_are_announced_on_its_topic(
         tmp_path: Path, start_node: Callable[..., NodeProcess], subscriber: Subscriber):
     node = start_node(node_tiers(tmp_path, ram_chunks=4),
                       args=("--events-endpoint", subscriber.endpoint))
+    subscriber.wait_connected()  # its first batch (AllBlocksCleared) must not be dropped
     client, engine = connect(node.socket_path)
     probe = NodeProbe([client])
     assert probe.publishes_events()  # the node's Welcome says so: the scheduler describes
@@ -201,6 +202,7 @@ def test_event_block_size_announces_a_chunk_as_blocks_dynamo_scores_for_their_sa
     salt = "dynamo-cache-salt:tenant-a"
     node = start_node(node_tiers(tmp_path, ram_chunks=4),
                       args=("--events-endpoint", subscriber.endpoint, "--event-block-size", "4"))
+    subscriber.wait_connected()
     client, engine = connect(node.socket_path)
     probe = NodeProbe([client])
     probe.describe({key(i): ChunkInfo(key(i - 1) if i else None,
@@ -241,6 +243,7 @@ def test_an_event_block_size_a_layout_cannot_take_announces_its_chunks_whole(
                         name=node_name, keep_ram=False, events_endpoint=subscriber.endpoint,
                         event_block_size=5)  # does not divide the 16-token chunks
     with running_node(config):
+        subscriber.wait_connected()  # in process, the first batch went out within ms
         client, engine = connect(socket_path)
         describe(NodeProbe([client]), [0])
         assert put_chunks(engine, [0]) == [True]

@@ -576,8 +576,11 @@ class NodeServer:
             entry = self._leases.get(lease)
             if entry is None or entry[0] != owner:
                 return
-            del self._leases[lease]
+        # Ended, then uncounted: a status that shows no lease shows its slots free (a
+        # connection's requests come one at a time: nothing else ends it meanwhile).
         _end(entry[1])
+        with self._lock:
+            self._leases.pop(lease, None)
 
     def disconnected(self, owner: int) -> None:
         """A connection ended (the engine closed it, exited or was killed): its leases end;
@@ -590,12 +593,18 @@ class NodeServer:
             if self._closing:
                 return
             mine = [lease for lease, (who, _) in self._leases.items() if who == owner]
-            ended = [self._leases.pop(lease)[1] for lease in mine]
-        if ended:
-            self.counters.add("disconnects_with_leases")
-            log.info("kvtier node: a connection ended holding %d leases; released", len(ended))
+            ended = [self._leases[lease][1] for lease in mine]
+        # Ended while still counted, then uncounted and the disconnect counted at once: a
+        # status that shows no lease shows their slots free and the disconnect counted, and
+        # one that shows the disconnect counted shows no lease.
         for held in ended:
             _end(held)
+        if ended:
+            with self._lock:
+                for lease in mine:
+                    self._leases.pop(lease, None)
+                self.counters.add("disconnects_with_leases")
+            log.info("kvtier node: a connection ended holding %d leases; released", len(ended))
 
     def _lease(self, owner: int, held: Lending[ChunkView] | _Puts) -> int:
         with self._lock:
