@@ -245,3 +245,23 @@ def test_the_fingerprint_covers_every_file_and_is_computed_once_per_version(
     (adapter / "adapter_config.json").write_text(json.dumps(config))
     os.utime(adapter / "adapter_config.json", ns=(2, 2))
     assert adapter_fingerprint(adapter) != digest
+
+
+def test_a_waiting_request_whose_adapter_changed_is_not_looked_up_again(
+        tmp_path: Path) -> None:
+    """A request looked up before its adapter's files changed and asked again later (it
+    waited for blocks, or was preempted): its keys name the old content, which a worker that
+    evicted the adapter no longer computes with, so it is not looked up again (as its stores
+    are not: `adapter_unchanged`)."""
+    sched = Scheduler()
+    adapter = write_adapter(tmp_path / "policy", seed=1)
+    sched.store(LoRARequest("policy", 10, str(adapter)))
+    waiting = sched.request(LoRARequest("policy", 10, str(adapter)))
+    assert sched.sched.get_num_new_matched_tokens(waiting, 0)[0] == HIT
+    write_adapter(adapter, seed=2)
+    os.utime(adapter / "adapter_model.safetensors", ns=(1, 1))
+    sched.sched.build_connector_meta(SimpleNamespace(  # type: ignore[arg-type]
+        scheduled_new_reqs=[], preempted_req_ids=set(), num_scheduled_tokens={},
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[],
+                                              num_computed_tokens=[], resumed_req_ids=set())))
+    assert sched.sched.get_num_new_matched_tokens(waiting, 0)[0] == 0  # the next step's ask

@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 from nodekit import (
+    LAYOUT,
     NodeProcess,
+    borrower,
     connect,
     expected,
     key,
@@ -124,3 +126,26 @@ def test_a_stopped_node_does_not_stop_reads_in_place(
     wait_for(lambda: node.status()["counters"]["read_in_place"] == 3, 10,
              "the reads told once the node runs again")
 
+
+
+def test_a_slab_removed_under_a_running_node_ends_no_lease_still_read(
+        tmp_path: Path, in_process_node: Callable[..., AbstractContextManager[NodeServer]]):
+    """The slab's file removed while its node runs (an operator, systemd's RemoveIPC): a
+    thread that then loads must not close its connection to let the slab go, which ended
+    the leases of chunks it was still reading (an earlier load's loans, held until its
+    copies are done): the node gave their slots to other chunks under the reads."""
+    with in_process_node(node_tiers(tmp_path, ram_chunks=4)) as node:
+        client, _ = connect(node.config.socket_path, engine="a")
+        reading = borrower(client)
+        _, neighbour = connect(node.config.socket_path, engine="b")
+        assert put_chunks(neighbour, range(4)) == [True] * 4
+        assert lend(reading, [key(3)]).chunks == expected([3])  # an earlier step's
+        held = reading.lend_as_landed([key(0)], [memoryview(bytearray(LAYOUT.bytes_per_chunk))],
+                                      in_order=True)
+        [loan] = list(held)
+        _memory(node).shared_memory_path.unlink()
+        assert lend(reading, [key(1)]).chunks == expected([1])  # the step's next load
+        for i in range(10, 18):  # other chunks come
+            put_chunks(neighbour, [i])
+        assert loan.view.data.tobytes() == payload(0)  # still chunk 0's bytes
+        held.close()

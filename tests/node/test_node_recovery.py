@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from nodekit import (
+    LAYOUT,
     NodeProcess,
     connect,
     expected,
@@ -139,7 +140,8 @@ def test_an_engine_reading_in_place_lets_the_old_slab_go_after_a_restart(
     assert [p.name.endswith(".old") for p in shm_files(node.name)] == [False]  # removed
     assert lend(engine, [key(i) for i in range(3)]).chunks == expected(range(3))
     assert client.generation() not in (None, first)  # the new node's slab
-    assert memory_tier(node.status())["hits"] == 3  # lent by the node now serving
+    # Lent by the node now serving (its counters: once its tier has counted the loan).
+    wait_for(lambda: memory_tier(node.status())["hits"] == 3, 30, "the new node's 3 hits")
     gc.collect()
     maps = Path("/proc/self/maps").read_text()
     assert f"{node.name}.old" not in maps and f"{node.name} (deleted)" not in maps
@@ -154,3 +156,25 @@ def test_drop_ram_removes_the_slab_at_a_clean_stop(
     assert shm_files(node.name)
     assert node.stop() == 0
     assert shm_files(node.name) == []
+
+
+def test_a_load_held_in_place_survives_its_thread_letting_the_old_slab_go(
+        tmp_path: Path, start_node: Callable[..., NodeProcess]) -> None:
+    """A device mover's inline load keeps its in-place loans until the step ends, while the
+    model runner's thread loads the step's next request: if that load finds the old slab
+    removed (a restart's recovery done meanwhile), its thread's reader is closed under the
+    held loans, whose release then unlocked through a closed fd (ValueError out of the
+    worker's take_report: the engine crashed)."""
+    config = node_tiers(tmp_path, ram_chunks=8)
+    node = start_node(config)
+    _client, engine = connect(node.socket_path)
+    assert put_chunks(engine, range(3)) == [True] * 3
+    held = engine.lend_as_landed([key(0)], [memoryview(bytearray(LAYOUT.bytes_per_chunk))],
+                                 in_order=True)
+    [loan] = list(held)
+    assert loan.view.data.tobytes() == payload(0)
+    assert node.stop() == 0
+    node, _counters = restarted(start_node, config, 3)
+    assert [p.name.endswith(".old") for p in shm_files(node.name)] == [False]  # removed
+    assert lend(engine, [key(1), key(2)]).chunks == expected([1, 2])  # the next request
+    held.close()  # the step's end: the first request's loans go back

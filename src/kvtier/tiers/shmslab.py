@@ -45,6 +45,7 @@ import logging
 import mmap
 import os
 import struct
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -271,23 +272,38 @@ class SlabReader:
         self._records = np.frombuffer(mapping, dtype=_RECORD, count=num_slots,
                                       offset=self._records_at)
         self._fd = fd
+        # Slots held now (`lock` minus `unlock`), and whether `close` waits for them: loans
+        # still out keep their locks, and their `unlock` must not meet a closed fd.
+        self._held = 0
+        self._closing = False
+        self._held_lock = threading.Lock()
 
     def lock(self, index: int, key: ChunkKey) -> bool:
         """Hold slot `index` if its record names `key`, valid and unexpired: until
         `unlock`, its bytes are that chunk's, whole. False (nothing held): another chunk's,
         being written, gone, expired, or being claimed by the node this very moment."""
         at = self._records_at + index * _RECORD.itemsize
-        if not 0 <= index < len(self._records) or not _lock(self._fd, fcntl.F_RDLCK, at):
+        with self._held_lock:
+            if self._closing or not 0 <= index < len(self._records) \
+                    or not _lock(self._fd, fcntl.F_RDLCK, at):
+                return False
+            record = self._records[index]
+            if record["valid"] == 1 and bytes(record["key"]) == key and not (
+                    int(record["known"]) & _EXPIRES and record["expires_at"] <= time.time()):
+                self._held += 1
+                return True
+            _lock(self._fd, fcntl.F_UNLCK, at)
             return False
-        record = self._records[index]
-        if record["valid"] == 1 and bytes(record["key"]) == key and not (
-                int(record["known"]) & _EXPIRES and record["expires_at"] <= time.time()):
-            return True
-        _lock(self._fd, fcntl.F_UNLCK, at)
-        return False
 
     def unlock(self, index: int) -> None:
-        _lock(self._fd, fcntl.F_UNLCK, self._records_at + index * _RECORD.itemsize)
+        """Let slot `index` go (a closed reader's last one closes its file)."""
+        with self._held_lock:
+            if self._fd < 0:
+                return
+            _lock(self._fd, fcntl.F_UNLCK, self._records_at + index * _RECORD.itemsize)
+            self._held -= 1
+            if self._closing and self._held <= 0:
+                self._close_now()
 
     def removed(self) -> bool:
         """Whether the slab's file is gone from /dev/shm (a restarted node recovered its
@@ -299,7 +315,15 @@ class SlabReader:
             return True
 
     def close(self) -> None:
-        """Drop every lock this reader holds."""
+        """Lock nothing more; its file is closed (every lock dropped) once the slots held
+        now are unlocked: a loan still out (a load's copies not done yet) keeps its slot's
+        lock, so that the node leaves it alone until then."""
+        with self._held_lock:
+            self._closing = True
+            if self._held <= 0:
+                self._close_now()
+
+    def _close_now(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

@@ -115,6 +115,8 @@ class ConnectorScheduler:
         state.lookup_hit = None
         if state.controls.skip_load or state.load_failed:
             return 0, False
+        if not self._requests.adapter_unchanged(state):  # its LoRA adapter's files changed
+            return 0, False  # since its keys were made: its KV is not theirs any more
         # The last token is always recomputed: vLLM needs its logits.
         loadable_tokens = request.num_tokens - 1
         keys = self._requests.keys_for(state, loadable_tokens // self._tokens_per_chunk)
