@@ -128,8 +128,11 @@ def test_a_rotated_secrets_chunks_age_out_of_a_shared_directory(
     assert new.put(key(6), memoryview(payload(6)), A) == DECLINED  # not stored: not ours
     assert chunk.stat().st_mtime == 1_000_000, "neither the read nor the put touched it"
     chunk.unlink()  # evicted, or removed by kvtier gc
-    assert new.put(key(6), memoryview(payload(6)), A) == OK
+    other = sealed_tier("shared", tmp_path)  # another engine with the new secret stores it
+    assert other.put(key(6), memoryview(payload(6)), A) == OK
+    other.close()
     assert new.get_into(key(6), out, A) == OK and bytes(out) == payload(6)
+    assert new.put(key(6), memoryview(payload(6)), A) == OK  # one it reads: held, touched
     new.close()
 
 

@@ -227,6 +227,9 @@ class SharedTier:
                         self.name, key.hex(), exc)
             self._counters.add(misses=1)
             return TierResult(failure_of(exc)) if isinstance(exc, CorruptChunk) else IO_ERROR
+        if self._not_ours:
+            with self._not_ours_lock:
+                self._not_ours.pop(key, None)  # its copy now is one this process reads
         self._counters.add(hits=1, bytes_read=len(out), read_s=time.perf_counter() - start)
         return OK
 
