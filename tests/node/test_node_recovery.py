@@ -7,6 +7,7 @@ scribbled slot is dropped (counted), a chunk evicted before the crash stays gone
 from __future__ import annotations
 
 import gc
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,8 @@ from nodekit import (
     shm_files,
     wait_for,
 )
+
+from kvtier.node.client import NodeStore
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -62,6 +65,15 @@ def restarted(start_node: Callable[..., NodeProcess], config: dict[str, Any], to
     _client, engine = connect(node.socket_path)
     engine.contains(key(0))
     return node, recovered(node, total)
+
+
+def stored_on_another_thread(store: NodeStore, ids: list[int]) -> list[bool]:
+    """`put_chunks` on a thread of its own (an engine's store thread: its own connection)."""
+    out: list[list[bool]] = []
+    thread = threading.Thread(target=lambda: out.append(put_chunks(store, ids)))
+    thread.start()
+    thread.join(60)
+    return out[0]
 
 
 def test_a_crashed_nodes_chunks_are_back_in_ram_after_a_restart(
@@ -123,8 +135,9 @@ def test_an_engine_reading_in_place_lets_the_old_slab_go_after_a_restart(
         tmp_path: Path, start_node: Callable[..., NodeProcess]) -> None:
     """An engine thread that only reads in place (it knows its chunks' slots) asked the node
     nothing, so after a restart it read the old node's slab for ever (removed from /dev/shm
-    by the new node, still mapped: a whole RAM tier kept alive beside the new one). Once the
-    slab is gone, its next load borrows from the node now serving."""
+    by the new node, still mapped: a whole RAM tier kept alive beside the new one). Once
+    another of the engine's threads has mapped the new node's slab, its next load borrows
+    from the node now serving."""
     config = node_tiers(tmp_path, ram_chunks=8)
     node = start_node(config)
     client, engine = connect(node.socket_path)
@@ -138,6 +151,9 @@ def test_an_engine_reading_in_place_lets_the_old_slab_go_after_a_restart(
     node, counters = restarted(start_node, config, 3)
     assert counters["recovered_chunks"] == 3
     assert [p.name.endswith(".old") for p in shm_files(node.name)] == [False]  # removed
+    # The engine's store thread stores its next step: connected to the new node, whose slab
+    # it maps. Then the load thread loads.
+    assert stored_on_another_thread(engine, [5]) == [True]
     assert lend(engine, [key(i) for i in range(3)]).chunks == expected(range(3))
     assert client.generation() not in (None, first)  # the new node's slab
     # Lent by the node now serving (its counters: once its tier has counted the loan).
@@ -161,8 +177,8 @@ def test_drop_ram_removes_the_slab_at_a_clean_stop(
 def test_a_load_held_in_place_survives_its_thread_letting_the_old_slab_go(
         tmp_path: Path, start_node: Callable[..., NodeProcess]) -> None:
     """A device mover's inline load keeps its in-place loans until the step ends, while the
-    model runner's thread loads the step's next request: if that load finds the old slab
-    removed (a restart's recovery done meanwhile), its thread's reader is closed under the
+    model runner's thread loads the step's next request: if that load finds the restarted
+    node's slab mapped by another thread (its stores), its thread's reader is closed under the
     held loans, whose release then unlocked through a closed fd (ValueError out of the
     worker's take_report: the engine crashed)."""
     config = node_tiers(tmp_path, ram_chunks=8)
@@ -176,5 +192,6 @@ def test_a_load_held_in_place_survives_its_thread_letting_the_old_slab_go(
     assert node.stop() == 0
     node, _counters = restarted(start_node, config, 3)
     assert [p.name.endswith(".old") for p in shm_files(node.name)] == [False]  # removed
+    assert stored_on_another_thread(engine, [5]) == [True]  # the new node's slab mapped
     assert lend(engine, [key(1), key(2)]).chunks == expected([1, 2])  # the next request
     held.close()  # the step's end: the first request's loans go back

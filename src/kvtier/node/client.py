@@ -238,25 +238,28 @@ class NodeClient:
         """This thread's reader of the slab it mapped last, with its generation (reads in
         place); None before this thread connected, or where the slab has no records to
         trust. A node that died since leaves its slab mapped and its chunks whole: they are
-        still read in place (a restarted node's slab is another generation). A slab whose
-        file is gone (a restarted node recovered it and removed it) is no longer read in
-        place by this thread (None: its loads borrow; a dead node's connection fails and the
-        thread reconnects to the node now serving, mapping its slab and letting the old one
-        go): a thread that only read in place kept a whole RAM tier of /dev/shm alive beside
-        the new one. Neither its connection (a live node's: its leases are chunks this
-        thread may still be copying) nor the locks of its loans still out are dropped."""
+        still read in place (the engine serves its hits with no node). Once another of the
+        engine's threads has connected to a restarted node (its stores do, at their next
+        step) and mapped its slab, this thread's mapping and connection are the old node's:
+        they are let go (None: its next load borrows from the node now serving), or a
+        thread that only read in place kept a whole RAM tier of /dev/shm alive beside the
+        new one. The locks of its loans still out are kept until they are released."""
         slab: tuple[str, mmap.mmap] | None = getattr(self._local, "slab", None)
         if slab is None:
             return None
         mine: tuple[str, SlabReader | None] | None = getattr(self._local, "reader", None)
-        if mine is None or mine[0] != slab[0]:
+        newest = self._slab
+        if newest is not None and newest[0] != slab[0]:  # a restarted node's slab, mapped
             if mine is not None and mine[1] is not None:
                 mine[1].close()  # its loans still out keep their locks until released
+            self._local.reader = self._local.slab = None
+            self.drop_own()  # the old node's connection: the next call connects to the new
+            return None
+        if mine is None or mine[0] != slab[0]:
+            if mine is not None and mine[1] is not None:
+                mine[1].close()  # as above
             mine = (slab[0], self._open_reader(slab))
             self._local.reader = mine
-        elif mine[1] is not None and mine[1].removed():
-            mine[1].close()  # as above
-            mine = self._local.reader = (slab[0], None)
         return None if mine[1] is None else (mine[0], mine[1])
 
     def _open_reader(self, slab: tuple[str, mmap.mmap]) -> SlabReader | None:

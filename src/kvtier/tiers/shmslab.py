@@ -305,15 +305,6 @@ class SlabReader:
             if self._closing and self._held <= 0:
                 self._close_now()
 
-    def removed(self) -> bool:
-        """Whether the slab's file is gone from /dev/shm (a restarted node recovered its
-        chunks and removed it, or an operator did): its pages are freed once no one maps it.
-        One fstat."""
-        try:
-            return os.fstat(self._fd).st_nlink == 0
-        except OSError:
-            return True
-
     def close(self) -> None:
         """Lock nothing more; its file is closed (every lock dropped) once the slots held
         now are unlocked: a loan still out (a load's copies not done yet) keeps its slot's
