@@ -235,6 +235,30 @@ def test_a_slot_read_in_place_keeps_its_chunk_until_released(name: str) -> None:
     store.close()
 
 
+def test_a_slot_lent_twice_stays_held_until_its_last_loan_is_released(name: str) -> None:
+    """Two loans of one slot on one reader (two requests of a step sharing a prefix, their
+    copies in flight together): an OFD lock does not count, so the first release unlocked
+    the slot under the second loan's copy; and a reader closed with a loan out keeps it."""
+    store = tier(name, chunks=2)
+    assert store.put(key(0), chunk(0)).ok
+    reader, mapping = _reader(store)
+    index = _slot_of(store, key(0))
+    assert reader.lock(index, key(0)) and reader.lock(index, key(0))
+    assert not reader.lock(index, key(1))  # another chunk's name: refused, the slot held
+    reader.unlock(index)  # the first loan ends
+    reader.close()  # its thread moves to another slab: the second loan is still out
+    view = memoryview(mapping)[index * store.slot_bytes:][:store.chunk_bytes]
+    for i in range(1, 6):  # key 0 leaves; its slot is not reused while the loan is out
+        assert store.put(key(i), chunk(i)).ok
+        assert view == chunk(0)
+    reader.unlock(index)  # the last loan ends: the slot is let go, the file closed
+    for i in range(6, 10):
+        assert store.put(key(i), chunk(i)).ok
+    assert bytes(view) != bytes(chunk(0))  # reused
+    view.release()
+    store.close()
+
+
 def test_a_deleted_chunk_read_in_place_is_freed_once_released(name: str) -> None:
     store = tier(name, chunks=2)
     assert store.put(key(0), chunk(0)).ok
@@ -243,7 +267,8 @@ def test_a_deleted_chunk_read_in_place_is_freed_once_released(name: str) -> None
     assert reader.lock(index, key(0))
     assert store.delete(key(0))
     assert store.check() == []
-    reader.close()  # its locks dropped, as when its process dies
+    reader.unlock(index)
+    reader.close()
     for i in range(1, 5):
         assert store.put(key(i), chunk(i)).ok
     assert store.check() == []

@@ -272,9 +272,11 @@ class SlabReader:
         self._records = np.frombuffer(mapping, dtype=_RECORD, count=num_slots,
                                       offset=self._records_at)
         self._fd = fd
-        # Slots held now (`lock` minus `unlock`), and whether `close` waits for them: loans
-        # still out keep their locks, and their `unlock` must not meet a closed fd.
-        self._held = 0
+        # Slots held now, by how many loans (`lock` minus `unlock`): an OFD lock does not
+        # count, so one slot lent twice (two requests of a step sharing a prefix) is unlocked
+        # at its last loan's `unlock`, not its first; and whether `close` waits for them:
+        # loans still out keep their locks, and their `unlock` must not meet a closed fd.
+        self._held: dict[int, int] = {}
         self._closing = False
         self._held_lock = threading.Lock()
 
@@ -290,19 +292,23 @@ class SlabReader:
             record = self._records[index]
             if record["valid"] == 1 and bytes(record["key"]) == key and not (
                     int(record["known"]) & _EXPIRES and record["expires_at"] <= time.time()):
-                self._held += 1
+                self._held[index] = self._held.get(index, 0) + 1
                 return True
-            _lock(self._fd, fcntl.F_UNLCK, at)
+            if index not in self._held:  # held already by another loan: stays locked
+                _lock(self._fd, fcntl.F_UNLCK, at)
             return False
 
     def unlock(self, index: int) -> None:
         """Let slot `index` go (a closed reader's last one closes its file)."""
         with self._held_lock:
-            if self._fd < 0:
+            loans = self._held.pop(index, 0) - 1
+            if self._fd < 0 or loans < 0:
+                return
+            if loans:
+                self._held[index] = loans
                 return
             _lock(self._fd, fcntl.F_UNLCK, self._records_at + index * _RECORD.itemsize)
-            self._held -= 1
-            if self._closing and self._held <= 0:
+            if self._closing and not self._held:
                 self._close_now()
 
     def close(self) -> None:
@@ -311,7 +317,7 @@ class SlabReader:
         lock, so that the node leaves it alone until then."""
         with self._held_lock:
             self._closing = True
-            if self._held <= 0:
+            if not self._held:
                 self._close_now()
 
     def _close_now(self) -> None:
