@@ -98,6 +98,29 @@ def test_revision_dtype_and_quantization_are_part_of_it(tmp_path: Path) -> None:
     assert model_fingerprint(model, CONFIG, quantization="fp8").digest != base
 
 
+def test_engine_settings_are_part_of_it_and_none_keeps_the_old_digest(tmp_path: Path) -> None:
+    model = make_model(tmp_path / "tiny")
+    base = model_fingerprint(model, CONFIG).digest
+    assert model_fingerprint(model, CONFIG, settings={}).digest == base
+    long = model_fingerprint(model, CONFIG, settings={"longrope": "long"}).digest
+    short = model_fingerprint(model, CONFIG, settings={"longrope": "short"}).digest
+    assert len({base, long, short}) == 3
+
+
+def test_other_families_activations_and_routing_are_part_of_it(tmp_path: Path) -> None:
+    """Keys of other model families that change the KV with the same weights (GPT-2's
+    activation_function, Gemma's hidden_activation, DeepSeek's routing), edited at one path."""
+    model = make_model(tmp_path / "tiny")
+    for key, before, after in [("activation_function", "gelu_new", "relu"),
+                               ("hidden_activation", "gelu_pytorch_tanh", "gelu"),
+                               ("routed_scaling_factor", 2.5, 1.0),
+                               ("norm_topk_prob", True, False)]:
+        assert (model_fingerprint(model, CONFIG | {key: before}).digest
+                != model_fingerprint(model, CONFIG | {key: after}).digest), key
+    assert model_fingerprint(model, CONFIG).digest == model_fingerprint(
+        model, CONFIG | {"final_logit_softcapping": 30.0}).digest  # the logits only
+
+
 def test_pickled_checkpoints_are_sampled_at_both_ends(tmp_path: Path) -> None:
     model = tmp_path / "old"
     model.mkdir()

@@ -68,13 +68,15 @@ def start_engine(model_dir: Path, kv_transfer_config: dict[str, Any] | None = No
             and core binding, faults injected into them). None (the default): False, but True
             inside a block of `slow_files.injected` (its faults reach spawned processes only)
             or under KVTIER_TEST_ENGINE_PROCESSES=1 (to tell whether a failure is in-process).
-        **overrides: any other `LLM(...)` argument (e.g. num_gpu_blocks_override).
+        **overrides: any other `LLM(...)` argument (e.g. num_gpu_blocks_override;
+            max_model_len, MAX_MODEL_LEN unless given).
     """
     if kv_transfer_config is not None:
         overrides.setdefault("kv_transfer_config", kv_transfer_config)
     settings: dict[str, Any] = {"block_size": BLOCK_SIZE, "num_gpu_blocks_override": NUM_BLOCKS,
                                 "max_num_batched_tokens": None}  # None: vLLM's default
-    engine = offline_engine(model_dir, MAX_MODEL_LEN, **(settings | overrides))
+    max_model_len = overrides.pop("max_model_len", MAX_MODEL_LEN)
+    engine = offline_engine(model_dir, max_model_len, **(settings | overrides))
     if processes is None:
         processes = injecting() or os.environ.get("KVTIER_TEST_ENGINE_PROCESSES") == "1"
     if processes:

@@ -6,15 +6,20 @@ the same checkpoint at another path, on another node, does.
 
 It covers:
 - the revision and code revision, quantization method and model dtype, as given;
+- engine settings outside the config and the checkpoint files that change the KV (`settings`,
+  gathered by the connector: integrations/vllm/connector.py `kv_settings`), e.g. which LongRoPE
+  factors the engine's `--max-model-len` selects, or weights not read from the files at all
+  (`--load-format dummy`); none for most engines, which then keep the digest they had;
 - the HF config keys in `KV_CONFIG_KEYS` (and the same keys in a nested `text_config`): what
   shapes the hidden states, hence the K/V of every layer after the first;
 - the checkpoint's content, sampled (`weights_digest`): per `*.safetensors` file (sorted by
   file name) its name, size, a blake3 of its JSON header (names, dtypes, shapes, offsets) and
   the first 4 KiB of up to 256 of its tensors, spread evenly; where there is no safetensors
-  file, per `*.bin`/`*.pt`/`*.pth` file its name, size and its first and last MiB. A
-  re-trained or re-quantized checkpoint changes these; an edit confined to bytes that are not
-  sampled (one element deep inside a tensor) does not: the samples bound start-up reads (a few
-  MB per file) rather than prove equality.
+  file, per `*.bin`/`*.pt`/`*.pth` file its name, size and its first and last MiB (or the
+  files the engine loads where it names another kind: `weight_globs`, `--load-format pt`'s
+  `*.pt`). A re-trained or re-quantized checkpoint changes these; an edit confined to bytes
+  that are not sampled (one element deep inside a tensor) does not: the samples bound start-up
+  reads (a few MB per file) rather than prove equality.
 Never paths or mtimes: nodes mount models at different paths and copy them at different times.
 
 No vllm or torch here: the connector gathers the inputs (integrations/vllm/connector.py).
@@ -36,7 +41,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,6 +62,21 @@ KV_CONFIG_KEYS = (
     "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
     "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
     "quantization_config",
+    # Other families' names for what shapes the hidden states with the same weights (vLLM's
+    # model code reads them; a config edited in one of them at the same path changed the KV
+    # under the same fingerprint: tests/engine/test_engine_settings_e2e.py). Absent keys are
+    # skipped, so a model without them keeps its digest. Never a key vLLM's model code writes
+    # into the config as it builds the model (Llama 4's attn_temperature_tuning): the workers
+    # would fingerprint another config than the scheduler.
+    "activation_function", "hidden_activation", "hidden_act_param", "norm_eps",
+    "scale_attn_weights", "scale_attn_by_inverse_layer_idx", "use_parallel_residual",
+    "parallel_attn", "new_decoder_architecture", "alibi",
+    "apply_residual_connection_post_layernorm", "do_layer_norm_before",
+    "scale_emb", "scale_depth", "dim_model_base", "layer_rope_theta", "llama_4_scaling",
+    "attention_chunk_size", "no_rope_layers", "floor_scale", "attn_scale",
+    "dual_chunk_attention_config",
+    "routed_scaling_factor", "norm_topk_prob", "scoring_func", "topk_method", "n_group",
+    "topk_group",
 )
 SAMPLE_BYTES = 4096  # bytes read at the start of each sampled safetensors tensor
 SAMPLED_TENSORS_PER_FILE = 256
@@ -79,19 +99,24 @@ class ModelFingerprint:
 
 def model_fingerprint(model_dir: str | os.PathLike[str] | None, config: Mapping[str, Any], *,
                       revision: str | None = None, code_revision: str | None = None,
-                      quantization: str | None = None,
-                      dtype: str | None = None) -> ModelFingerprint:
+                      quantization: str | None = None, dtype: str | None = None,
+                      settings: Mapping[str, Any] | None = None,
+                      weight_globs: Sequence[str] | None = None) -> ModelFingerprint:
     """The fingerprint of a model (reads a few MB per checkpoint file; run once at start-up).
 
     Args:
         model_dir: the checkpoint's directory (or single file); None when not on disk.
         config: the model's HF config as a dict.
         revision, code_revision, quantization, dtype: as the engine was given them.
+        settings: engine settings beyond these that change the KV (JSON values); empty or
+            None: none (the digest is then the one a fingerprint without settings had).
+        weight_globs: the checkpoint files the engine loads (`weights_digest`), where not
+            the default.
 
     Raises:
         OSError: a checkpoint file could not be read.
     """
-    weights = weights_digest(model_dir) if model_dir is not None else None
+    weights = weights_digest(model_dir, weight_globs) if model_dir is not None else None
     picked = {"model": _kv_config(config)}
     text = config.get("text_config")
     if isinstance(text, Mapping):
@@ -100,6 +125,8 @@ def model_fingerprint(model_dir: str | os.PathLike[str] | None, config: Mapping[
         "revision": revision, "code_revision": code_revision, "quantization": quantization,
         "dtype": dtype, "config": picked, "weights": weights[0] if weights else None,
     }
+    if settings:  # absent otherwise: the digests of fingerprints made before settings existed
+        document["settings"] = dict(settings)
     encoded = json.dumps(document, sort_keys=True, default=str).encode()
     return ModelFingerprint(digest=blake3.blake3(b"kvtier-model-v1" + encoded).hexdigest(16),
                             weight_files=weights[1] if weights else 0)
@@ -109,6 +136,7 @@ def cached_model_fingerprint(
         model_dir: str | os.PathLike[str] | None, config: Mapping[str, Any], *,
         revision: str | None = None, code_revision: str | None = None,
         quantization: str | None = None, dtype: str | None = None,
+        settings: Mapping[str, Any] | None = None, weight_globs: Sequence[str] | None = None,
         on_computed: Callable[[ModelFingerprint], None] | None = None) -> ModelFingerprint:
     """`model_fingerprint`, computed once per process for the same arguments and checkpoint
     files (names, sizes, mtimes); `on_computed` is called when it was computed now (to log it
@@ -117,20 +145,21 @@ def cached_model_fingerprint(
     Raises:
         OSError: a checkpoint file could not be read.
     """
-    files = _checkpoint_files(Path(model_dir)) if model_dir is not None else []
+    files = _checkpoint_files(Path(model_dir), weight_globs) if model_dir is not None else []
     stats = []
     for path in files:
         info = path.stat()
         stats.append((path.name, info.st_size, info.st_mtime_ns))
     memo_key = json.dumps([str(model_dir), stats, revision, code_revision, quantization, dtype,
-                           dict(config)], sort_keys=True, default=str)
+                           dict(config), dict(settings or {}), list(weight_globs or [])],
+                          sort_keys=True, default=str)
     with _memo_lock:
         found = _memo.get(memo_key)
     if found is not None:
         return found
     fingerprint = model_fingerprint(model_dir, config, revision=revision,
                                     code_revision=code_revision, quantization=quantization,
-                                    dtype=dtype)
+                                    dtype=dtype, settings=settings, weight_globs=weight_globs)
     with _memo_lock:
         if len(_memo) >= _MEMO_ENTRIES:
             _memo.clear()
@@ -140,14 +169,17 @@ def cached_model_fingerprint(
     return fingerprint
 
 
-def weights_digest(model_dir: str | os.PathLike[str]) -> tuple[str, int] | None:
+def weights_digest(model_dir: str | os.PathLike[str],
+                   weight_globs: Sequence[str] | None = None) -> tuple[str, int] | None:
     """(hex digest, number of files) of a checkpoint's sampled content, or None when the
-    directory holds no checkpoint file kvtier knows.
+    directory holds no checkpoint file kvtier knows. `weight_globs`: the files to sample
+    (those an engine told to load another kind loads); None: its safetensors files, else its
+    pickled ones.
 
     Raises:
         OSError: a checkpoint file could not be read.
     """
-    files = _checkpoint_files(Path(model_dir))
+    files = _checkpoint_files(Path(model_dir), weight_globs)
     if not files:
         return None
     hasher = blake3.blake3(b"kvtier-weights-v1")
@@ -199,12 +231,15 @@ def adapter_fingerprint(directory: str | os.PathLike[str]) -> str | None:
     return digest
 
 
-def _checkpoint_files(root: Path) -> list[Path]:
+def _checkpoint_files(root: Path, weight_globs: Sequence[str] | None = None) -> list[Path]:
     """The checkpoint files `weights_digest` samples, sorted by name (none: [])."""
     if root.is_file():
         return [root]
     if not root.is_dir():
         return []
+    if weight_globs:
+        return sorted({p for pattern in weight_globs for p in root.glob(pattern)},
+                      key=lambda p: p.name)
     files = sorted(root.glob("*.safetensors"), key=lambda p: p.name)
     if not files:
         files = sorted((p for ext in ("*.bin", "*.pt", "*.pth") for p in root.glob(ext)),

@@ -47,6 +47,7 @@ from kvtier.core.tier import Probe
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.groups import NULL_BLOCK, ChunkGroups, chunk_groups
 from kvtier.integrations.vllm.kvformat import AttentionFormat, attention_format, chunk_layouts
+from kvtier.integrations.vllm.kvsettings import kv_settings, loaded_weights
 from kvtier.integrations.vllm.logs import adopt_vllm_logging
 from kvtier.integrations.vllm.messages import KVTierMetadata
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, KVTierPromMetrics
@@ -159,7 +160,8 @@ def scheduler_model_identity(vllm_config: VllmConfig) -> tuple[str, ModelFingerp
     fingerprint = cached_model_fingerprint(
         model_dir, model.hf_config.to_dict(), revision=model.revision,
         code_revision=model.code_revision, quantization=model.quantization,
-        dtype=str(model.dtype).removeprefix("torch."), on_computed=log_it)
+        dtype=str(model.dtype).removeprefix("torch."), settings=kv_settings(vllm_config),
+        weight_globs=loaded_weights(vllm_config), on_computed=log_it)
     return ("" if fingerprint.weight_files else model.model), fingerprint
 
 
