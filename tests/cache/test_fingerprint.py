@@ -121,6 +121,23 @@ def test_other_families_activations_and_routing_are_part_of_it(tmp_path: Path) -
         model, CONFIG | {"final_logit_softcapping": 30.0}).digest  # the logits only
 
 
+def test_a_multimodal_models_language_config_is_part_of_it(tmp_path: Path) -> None:
+    """The language model's config of InternVL (llm_config), others (language_config) and
+    Qwen2.5-Omni (thinker_config.text_config): an edit inside them at one path was not seen;
+    a model with none of them keeps its digest."""
+    model = make_model(tmp_path / "tiny")
+    def nested(outer: str, inner: str | None, act: str) -> dict[str, object]:
+        block = {"hidden_act": act, "rope_theta": 10000.0}
+        return CONFIG | {outer: {inner: block} if inner else block}
+
+    for outer, inner in [("llm_config", None), ("language_config", None),
+                         ("thinker_config", "text_config")]:
+        assert (model_fingerprint(model, nested(outer, inner, "silu")).digest
+                != model_fingerprint(model, nested(outer, inner, "gelu")).digest), outer
+    assert model_fingerprint(model, CONFIG).digest == model_fingerprint(
+        model, CONFIG | {"vision_config": {"hidden_act": "gelu"}}).digest
+
+
 def test_pickled_checkpoints_are_sampled_at_both_ends(tmp_path: Path) -> None:
     model = tmp_path / "old"
     model.mkdir()

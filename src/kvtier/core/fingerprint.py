@@ -10,8 +10,9 @@ It covers:
   gathered by the connector: integrations/vllm/connector.py `kv_settings`), e.g. which LongRoPE
   factors the engine's `--max-model-len` selects, or weights not read from the files at all
   (`--load-format dummy`); none for most engines, which then keep the digest they had;
-- the HF config keys in `KV_CONFIG_KEYS` (and the same keys in a nested `text_config`): what
-  shapes the hidden states, hence the K/V of every layer after the first;
+- the HF config keys in `KV_CONFIG_KEYS` (and the same keys in the sub-config of a multimodal
+  model's language model, `LANGUAGE_CONFIGS`): what shapes the hidden states, hence the K/V of
+  every layer after the first;
 - the checkpoint's content, sampled (`weights_digest`): per `*.safetensors` file (sorted by
   file name) its name, size, a blake3 of its JSON header (names, dtypes, shapes, offsets) and
   the first 4 KiB of up to 256 of its tensors, spread evenly; where there is no safetensors
@@ -78,6 +79,10 @@ KV_CONFIG_KEYS = (
     "routed_scaling_factor", "norm_topk_prob", "scoring_func", "topk_method", "n_group",
     "topk_group",
 )
+# Sub-configs that hold a multimodal model's language model, whose KV_CONFIG_KEYS count as the
+# top level's (and a `text_config` inside them: Qwen2.5-Omni's thinker_config.text_config);
+# an edit inside InternVL's llm_config was not seen.
+LANGUAGE_CONFIGS = ("text_config", "llm_config", "language_config", "thinker_config")
 SAMPLE_BYTES = 4096  # bytes read at the start of each sampled safetensors tensor
 SAMPLED_TENSORS_PER_FILE = 256
 OPAQUE_SAMPLE_BYTES = 1 << 20  # bytes read at each end of a .bin/.pt file
@@ -118,9 +123,13 @@ def model_fingerprint(model_dir: str | os.PathLike[str] | None, config: Mapping[
     """
     weights = weights_digest(model_dir, weight_globs) if model_dir is not None else None
     picked = {"model": _kv_config(config)}
-    text = config.get("text_config")
-    if isinstance(text, Mapping):
-        picked["text"] = _kv_config(text)
+    for name in LANGUAGE_CONFIGS:
+        nested = config.get(name)
+        if isinstance(nested, Mapping):
+            picked["text" if name == "text_config" else name] = _kv_config(nested)
+            inner = nested.get("text_config")
+            if name != "text_config" and isinstance(inner, Mapping):
+                picked[f"{name}.text_config"] = _kv_config(inner)
     document = {
         "revision": revision, "code_revision": code_revision, "quantization": quantization,
         "dtype": dtype, "config": picked, "weights": weights[0] if weights else None,
