@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 from slow_files import SlowFlag, slow_files
-from vllm_harness import kvtier_counter, random_prompts, start_engine, token_ids
+from vllm_harness import chunk_files, kvtier_counter, random_prompts, start_engine, token_ids
 
 from kvtier.integrations.vllm.config import kvtier_transfer_config
 
@@ -69,7 +69,7 @@ def test_a_hanging_shared_tier_costs_hits_not_the_engine(
     held, unknown = random_prompts([400, 300], seed=90)
     clean_held, _ = timed_run(llm, held)  # stores its chunks: the scheduler's index has them
     deadline = time.monotonic() + 30
-    while len(list(root.rglob("*.kvc"))) < 6 and time.monotonic() < deadline:
+    while len(chunk_files(root)) < 6 and time.monotonic() < deadline:
         time.sleep(0.1)  # written behind
     # A prompt kvtier never stored (its lookups probe the directory): its clean output.
     [clean_unknown] = token_ids(llm, [unknown], MAX_TOKENS, {"skip_store": True})

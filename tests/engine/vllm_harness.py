@@ -217,8 +217,11 @@ def kvtier_transfer_config(tiers: list[dict[str, Any]] | None = None,
 
 
 def chunk_files(root: Path) -> list[Path]:
-    """The chunk files under a disk or shared tier's directory, sorted."""
-    return sorted(Path(root).rglob("*.kvc"))
+    """The chunk files under a disk or shared tier's directory, sorted. Walked with os.walk,
+    which passes over a directory that goes as it is listed (a tier evicting its last chunk
+    removes it: rglob raised FileNotFoundError under a live engine's eviction)."""
+    return sorted(Path(directory) / name for directory, _, names in os.walk(root)
+                  for name in names if name.endswith(".kvc"))
 
 
 def settle(roots: list[Path], timeout_s: float = 30.0, quiet_s: float = 1.0) -> None:
