@@ -221,6 +221,46 @@ def test_remove_of_a_parent_frees_its_last_child_to_rank_alone() -> None:
     assert len(policy) == 1 and policy.evict() == "c0"
 
 
+def test_a_parent_removed_and_inserted_again_stays_evictable() -> None:
+    """A parent pinned (out of the policy) or deleted, then back (its pin ended, stored
+    again) is a new chunk: its old children leaving do not count it down. Counted down, it
+    went below zero children and was never a leaf again: never evicted, a slot lost for
+    good."""
+    policy: PrefixPolicy[str] = PrefixPolicy(capacity=10**6)
+    _chain(policy, "p", 2)
+    policy.remove("p0")  # pinned: out of the policy while p1 still extends it
+    policy.insert("p0")  # its pin ended: back, with no children
+    assert [policy.evict() for _ in range(3)] == ["p1", "p0", None]
+    assert len(policy) == 0
+    # Back under a new child: the old child leaving leaves it a parent.
+    _chain(policy, "q", 2)
+    policy.remove("q0")
+    policy.insert("q0")
+    policy.insert("r", "q0")
+    policy.remove("q1")
+    assert [policy.evict() for _ in range(4)] == ["r", "q0", None, None]
+
+
+def test_a_memory_tier_evicts_a_parent_whose_pin_ended() -> None:
+    """Through the memory tier: a pin (retain) takes a parent out of the policy, its end puts
+    it back; a tier of two slots keeps storing in both."""
+    now = [1000.0]
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_size=8, dtype="float16",
+                      tokens_per_chunk=16)  # 512 B a chunk, in a 4 KiB slot
+    tier = MemoryTier(MemoryTierConfig(kind="memory", capacity=2 * 4096, eviction="prefix",
+                                       prefault=False), layout, clock=lambda: now[0])
+    data = memoryview(np.zeros(layout.bytes_per_chunk, dtype=np.uint8))
+    keys = [ChunkKey(bytes([i]) * 16) for i in range(6)]
+    assert tier.put(keys[0], data).ok
+    assert tier.put(keys[1], data, ChunkMeta(parent=keys[0])).ok
+    assert tier.retain(keys[0], ChunkMeta(retain_until=now[0] + 10))
+    now[0] += 20  # the pin ends
+    for key in keys[2:]:
+        assert tier.put(key, data).ok
+    assert [tier.contains(k) for k in keys] == [False] * 4 + [True] * 2
+    assert tier.check() == []
+
+
 def test_the_heap_stays_bounded_under_many_reads() -> None:
     policy: PrefixPolicy[str] = PrefixPolicy(capacity=10**6)
     _chain(policy, "d", 8)

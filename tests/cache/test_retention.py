@@ -203,3 +203,31 @@ def test_without_settings_or_metadata_the_tier_records_nothing(tmp_path: Path) -
         put(with_quota, i)
     [default] = with_quota.retention_stats().tenants
     assert (default.tenant, default.chunks, default.evictions) == ("default", 4, 6)
+
+
+def test_a_chunk_stored_again_with_its_expiry_expires_once(tmp_path: Path) -> None:
+    """A request's expiry is absolute: a chunk evicted from RAM and promoted back from a lower
+    tier comes back with the same `expires_at`, and its first stay's heap entry is still
+    there. Both are due at once: it is removed once, not a second time (a KeyError that
+    dropped the next chunk's put, escaped `putting` to the engine's gather, and left the
+    chunks gauge counting the expired chunk)."""
+    clock = Clock()
+    top = memory(tmp_path, 1, clock, name="ram")
+    lower = memory(tmp_path, 8, clock, name="ram2")
+    ttl = ChunkMeta(expires_at=T0 + 60)
+    out = memoryview(bytearray(LAYOUT.bytes_per_chunk))
+    with TieredStore([top, lower]) as store:
+        assert store.put(key(0), memoryview(CHUNK), ttl)
+        store.flush()
+        assert store.put(key(1), memoryview(CHUNK))  # RAM's one slot: chunk 0 evicted...
+        store.flush()
+        assert store.get_into(key(0), out) == "ram2"  # ...and promoted back, same expiry
+        clock.now = T0 + 61
+        assert store.put(key(2), memoryview(CHUNK))  # RAM reclaims chunk 0's slot for it
+        with store.putting(key(3), memoryview(bytearray(LAYOUT.bytes_per_chunk))) as pending:
+            assert pending.data is not None
+            pending.data[:] = CHUNK
+        assert pending.stored
+        assert held(top, range(4)) == [3]
+        assert top.stats().chunks == 1 and top.check() == []
+        assert top.retention_stats().expired == 1

@@ -7,6 +7,7 @@ chunks first. Real memory tiers, through the registry and through a `TieredStore
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -103,6 +104,36 @@ def test_the_store_passes_the_tenant_down_and_counts_it(tmp_path: Path) -> None:
     # Written behind with their tenants: the example tier below keeps them all.
     example_usage = {u.tenant: u.chunks for u in stats.retention["example"].tenants}
     assert example_usage == {tenant_label("salt-B"): 3, tenant_label("salt-A"): 10}
+
+
+def test_a_tenants_puts_in_flight_at_once_count_against_its_quota(tmp_path: Path) -> None:
+    """A worker keeps a step's chunks in flight at once (`putting`: their DMAs): each slot
+    reserved counts against its tenant's quota until it is stored, as an engine's do. Else
+    each reservation passed the check with the others uncounted, and a tenant of a quarter of
+    the tier held three quarters."""
+    tiers = [make_tier("memory", tmp_path, LAYOUT, 4, tenant_quota={"share": 0.25}),
+             make_tier("example", tmp_path, LAYOUT, 64)]
+    tier = tiers[0]
+    assert isinstance(tier, MemoryTier)
+    with TieredStore(tiers) as store, ExitStack() as in_flight:
+        assert store.put(key(0), memoryview(CHUNK), meta=A)  # A at its one slot
+        puts = [in_flight.enter_context(store.putting(
+            key(i), memoryview(bytearray(LAYOUT.bytes_per_chunk)), meta=A)) for i in (1, 2, 3)]
+        # The first evicted A's own chunk 0; the others find A at its quota with nothing of
+        # its own left to evict: written below only (into the caller's spare).
+        assert [put.in_place for put in puts] == [True, False, False]
+        puts[1].cancel()
+        puts[2].cancel()
+        assert puts[0].data is not None
+        puts[0].data[:] = CHUNK
+        in_flight.close()
+        assert [put.stored for put in puts] == [True, False, False]
+        assert [tier.contains(key(i)) for i in range(4)] == [False, True, False, False]
+        assert {u.tenant: u.chunks for u in tier.retention_stats().tenants} == {
+            tenant_label("salt-A"): 1}
+        # B, meanwhile, is not held back by A's reservations.
+        assert store.put(key(10), memoryview(CHUNK), meta=B)
+        assert tier.check() == []
 
 
 def test_tenant_labels_are_bounded_and_never_the_salt() -> None:

@@ -6,9 +6,11 @@ same directory. Time is the tier's book clock, moved by the test (no sleeps).
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
 from tierkit import key, make_tier, tiny_layout
 
 from kvtier.core.retention import DEFAULT_META, ChunkMeta, tenant_label
@@ -129,3 +131,59 @@ def test_the_store_writes_pins_behind_to_disk(tmp_path: Path) -> None:
         store.flush()
         assert lower.meta_of(key(0)) == meta
         assert set(store.stats().retention) == {"memory", "disk"}
+
+
+def test_a_chunk_stored_again_without_metadata_gets_none_back_at_a_restart(
+        tmp_path: Path) -> None:
+    """The journal's lines of a chunk evicted or deleted since are void once its key is
+    stored again without a pin or expiry: a restart neither removes the new chunk for the
+    old one's expiry nor pins it with the old one's pin."""
+    import time
+
+    clock = Clock(time.time() - 1000)  # stored "1000 s ago"
+    tier = disk(tmp_path, 8, clock)
+    assert put(tier, 0, ChunkMeta(expires_at=clock.now + 60))  # a request's ttl_s
+    assert put(tier, 1, ChunkMeta(retain_until=clock.now + 7200))  # pinned for 2 h
+    assert put(tier, 2, ChunkMeta(expires_at=clock.now + 60))  # kept as it is
+    assert tier.delete(key(0)) and tier.delete(key(1))
+    assert put(tier, 0) and put(tier, 1)  # stored again, by requests asking nothing
+    assert tier.meta_of(key(0)) is None and tier.meta_of(key(1)) is None
+    again = disk(tmp_path, 8)  # restarted now: chunk 2's expiry has passed
+    assert held(again, [0, 1, 2]) == [0, 1]
+    assert again.meta_of(key(0)) is None and again.meta_of(key(1)) is None
+    assert again.retention_stats().expired == 1
+    assert again.check() == []
+    # A pin asked again is journaled again, and kept over the next restart.
+    until = time.time() + 3600
+    assert put(again, 1, ChunkMeta(retain_until=until))
+    assert disk(tmp_path, 8).meta_of(key(1)) == ChunkMeta(None, until, None)
+
+
+def test_a_tenants_writes_in_flight_at_once_count_against_its_quota(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The write-behind puts several chunks at once (`io_threads`): a tenant's write in
+    flight counts against its quota, or each concurrent put passed the check with the others
+    uncounted and the tenant ended over its quota."""
+    tier = disk(tmp_path, 8, tenant_quota={"share": 0.25})  # 2 chunks a tenant
+    assert put(tier, 0, ChunkMeta(tenant="A"))
+    writing, finish = threading.Event(), threading.Event()
+    real_write = tier.files.write
+
+    def slow_write(*args: object) -> None:
+        writing.set()
+        finish.wait(30)
+        real_write(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tier.files, "write", slow_write)
+    in_flight = threading.Thread(target=put, args=(tier, 1, ChunkMeta(tenant="A")))
+    in_flight.start()
+    assert writing.wait(30)
+    monkeypatch.setattr(tier.files, "write", real_write)
+    assert put(tier, 2, ChunkMeta(tenant="A"))  # A at its quota: evicts its own chunk 0
+    assert put(tier, 3, ChunkMeta(tenant="B"))  # another tenant: not held back
+    finish.set()
+    in_flight.join()
+    assert held(tier, range(4)) == [1, 2, 3]
+    usage = {u.tenant: u.chunks for u in tier.retention_stats().tenants}
+    assert usage == {tenant_label("A"): 2, tenant_label("B"): 1}
+    assert tier.check() == []

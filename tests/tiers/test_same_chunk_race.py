@@ -8,12 +8,14 @@ certain by a writer whose existence check says "not held" (the fault injected)."
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 from tierkit import key, make_tier, tiny_layout
 
+from kvtier.core.store import TieredStore
 from kvtier.tiers.files import filetree
 from kvtier.tiers.files.chunkfiles import ChunkFiles
 
@@ -71,3 +73,58 @@ def test_where_renames_cannot_refuse_the_second_copy_replaces_the_first(
         assert pending.complete()
     assert len(chunk_files(tmp_path)) == 1 and not list(tmp_path.rglob("*.tmp"))
     tier.close()
+
+
+def _landing(tier: Any, monkeypatch: pytest.MonkeyPatch, i: int) -> tuple[Any, Any]:
+    """A put of chunk `i` on a thread of its own, held after its file is in place and before
+    the tier indexes it; (the thread, the event that lets it finish)."""
+    written, finish = threading.Event(), threading.Event()
+    real_write = tier.files.write
+
+    def write_then_wait(*args: object) -> None:
+        real_write(*args)
+        written.set()
+        finish.wait(30)
+
+    monkeypatch.setattr(tier.files, "write", write_then_wait)
+    data = memoryview(bytes(range(256)) * (LAYOUT.bytes_per_chunk // 256))
+    landing = threading.Thread(target=tier.put, args=(key(i), data))
+    landing.start()
+    assert written.wait(30)
+    monkeypatch.setattr(tier.files, "write", real_write)
+    return landing, finish
+
+
+def test_a_chunk_deleted_while_its_write_lands_is_not_indexed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The delete removes the file the put just placed: the put, landing after it, must not
+    index a chunk whose file is gone (it counted against the capacity until a lookup found
+    it missing)."""
+    tier: Any = make_tier("disk", tmp_path, LAYOUT, 8)
+    landing, finish = _landing(tier, monkeypatch, 1)
+    assert tier.delete(key(1))
+    finish.set()
+    landing.join()
+    assert tier.check() == []
+    assert tier.stats().chunks == 0 and tier.stats().used_bytes == 0
+    tier.close()
+
+
+def test_a_chunk_evicted_while_its_second_writer_lands_is_not_indexed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two writers of one chunk (the write-behind's threads): the first indexes it, and its
+    eviction removes the one file before the second lands; the second must not index it
+    again without a file (nor report it stored again: it is not)."""
+    tier: Any = make_tier("disk", tmp_path, LAYOUT, 2)  # one chunk and one write in flight
+    store = TieredStore([make_tier("memory", tmp_path, LAYOUT, 0), tier])
+    landing, finish = _landing(tier, monkeypatch, 1)
+    data = memoryview(bytes(LAYOUT.bytes_per_chunk))
+    assert tier.put(key(1), data)  # the first writer: the second's file is there, indexed
+    assert tier.put(key(2), data)  # no room: chunk 1 evicted, its one file removed
+    finish.set()
+    landing.join()
+    assert [tier.contains(key(i)) for i in (1, 2)] == [False, True]
+    assert tier.check() == []
+    assert [(e.kind, e.key) for e in store.take_events()] == [
+        ("stored", key(1)), ("removed", key(1)), ("stored", key(2))]
+    store.close()

@@ -354,15 +354,17 @@ class RetentionBook:
 
     def due_expiries(self) -> list[ChunkKey]:
         """Resident chunks whose expiry has passed (the tier removes them and calls
-        `forget`); counted as expired."""
+        `forget`), each once; counted as expired. (The heap may hold one entry of a key
+        twice: a chunk forgotten and recorded again with the same `expires_at`, as one
+        evicted and promoted back from a lower tier is, leaves its old entry behind.)"""
         now = self.clock()
-        due: list[ChunkKey] = []
+        due: dict[ChunkKey, None] = {}
         while self._expiry_heap and self._expiry_heap[0][0] <= now:
             at, key = heapq.heappop(self._expiry_heap)
             if self._expires.get(key) == at:
-                due.append(key)
+                due[key] = None
         self.expired_count += len(due)
-        return due
+        return list(due)
 
     def lapsed_pins(self) -> list[ChunkKey]:
         """Chunks whose pin has ended (now unpinned: the tier puts them back in its policy)."""

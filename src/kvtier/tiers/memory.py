@@ -170,6 +170,10 @@ class MemoryTier:
         # tenants' book's. None: no engine quota.
         self._engines = self._engine_book(clock)
         self._reserving: Counter[str] = Counter()  # engine -> its slots reserved, not stored
+        # tenant -> its slots reserved, not stored (with a tenant_quota only): a tenant's
+        # puts in flight at once (a worker's gathers) count against its quota, as an
+        # engine's do, or each took a slot of its own past the quota.
+        self._tenant_reserving: Counter[str | None] = Counter()
 
     def _engine_book(self, clock: Callable[[], float]) -> RetentionBook | None:
         quota = self._config.engine_quota
@@ -322,6 +326,8 @@ class MemoryTier:
                 self._pins[index] = 1  # in neither the index nor the free list: ours alone
                 if self._engines is not None and meta.engine is not None:
                     self._reserving[meta.engine] += 1
+                if self._config.tenant_quota is not None:
+                    self._tenant_reserving[meta.tenant] += 1
                 if self._shared is not None:
                     self._shared.clear(index)  # about to be written
         if index is None:
@@ -383,7 +389,8 @@ class MemoryTier:
             if victim is None:
                 return None
             return self._evict_own(victim)
-        if self._book.over_quota(meta.tenant, self.slot_bytes):
+        if self._book.over_quota(
+                meta.tenant, self.slot_bytes * (1 + self._tenant_reserving[meta.tenant])):
             victim = self._book.own_victim(meta.tenant)
             if victim is None:
                 return None
@@ -391,11 +398,16 @@ class MemoryTier:
         return self._free_or_evicted()
 
     def _reserved_done(self, meta: ChunkMeta) -> None:
-        """A slot reserved for `meta.engine` was filled or given back. Lock held."""
+        """A slot reserved for `meta.engine` and `meta.tenant` was filled or given back.
+        Lock held."""
         if self._engines is not None and meta.engine is not None:
             self._reserving[meta.engine] -= 1
             if self._reserving[meta.engine] <= 0:
                 del self._reserving[meta.engine]
+        if self._config.tenant_quota is not None:
+            self._tenant_reserving[meta.tenant] -= 1
+            if self._tenant_reserving[meta.tenant] <= 0:
+                del self._tenant_reserving[meta.tenant]
 
     def _evict_own(self, victim: ChunkKey) -> int | None:
         """The slot of a quota's own victim, or (the victim is being read) any slot."""

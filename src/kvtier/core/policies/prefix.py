@@ -53,8 +53,9 @@ that value, and the depth breaks ties in favour of the parent.
 
 Cost: per put or hit O(log n) (a heap with stale entries skipped, rebuilt when mostly stale)
 and a histogram count, plus every 256 reuses a read of that histogram's 192 buckets;
-memory per held chunk: its parent, rank, uses, depth, run and child count, plus the heap entry,
-and at most `remembered` counts and last uses of evicted chunks (`max(65536, 4 x capacity)`).
+memory per held chunk: its parent, rank, uses, depth, run, insertion and child count, plus
+the heap entry, and at most `remembered` counts and last uses of evicted chunks
+(`max(65536, 4 x capacity)`).
 A pinned or deleted parent (`remove`) leaves its children in place; they leave in their own
 rank order (the tier's lookup cannot reach them meanwhile).
 
@@ -94,6 +95,7 @@ class _Chunk(Generic[K]):
     uses: int  # inserts and hits, remembered across evictions
     last_op: int  # the policy operation of its last use
     run_op: int  # the policy operation its run's head was inserted at (rule 3)
+    born: int  # the policy operation it was inserted at (which `parent` it extends)
     children: int = 0  # held chunks that extend it: it is a leaf at 0
     rank: float = 0.0  # its rank in the heap while a leaf
 
@@ -140,7 +142,7 @@ class PrefixPolicy(Generic[K]):
         run_op = above.run_op if above is not None and run > 1 else self._op
         chunk = _Chunk(parent if above is not None else None,
                        0 if above is None else above.depth + 1, run,
-                       uses + 1, self._op, run_op)
+                       uses + 1, self._op, run_op, self._op)
         self._chunks[key] = chunk
         if above is not None:
             above.children += 1  # no longer a leaf: its heap entry goes stale
@@ -184,7 +186,10 @@ class PrefixPolicy(Generic[K]):
             self._evicted_uses.popitem(last=False)
         parent = chunk.parent
         above = self._chunks.get(parent) if parent is not None else None
-        if parent is not None and above is not None:
+        # Only the parent it extended: one removed meanwhile (pinned, deleted) and inserted
+        # again since is a new chunk that never counted it among its children (counted
+        # off, it went below zero and was never a leaf again: never evicted).
+        if parent is not None and above is not None and above.born < chunk.born:
             above.children -= 1
             if above.children == 0:
                 self._push(parent, above)

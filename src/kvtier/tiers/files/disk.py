@@ -32,6 +32,7 @@ import logging
 import threading
 import time
 from array import array
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -136,6 +137,16 @@ class DiskTier:
         self._index: dict[ChunkKey, int] = {}  # key -> its file's bytes
         self._used_bytes = 0  # held + reserved by writes in flight
         self._in_flight_bytes = 0  # reserved by writes in flight
+        # tenant -> bytes its writes in flight reserved (with a tenant_quota only): the
+        # write-behind puts several chunks at once (io_threads), and each one's quota check
+        # must count the others', or a tenant's concurrent writes each passed it.
+        self._tenant_in_flight: Counter[str | None] | None = \
+            Counter() if config.tenant_quota is not None else None
+        # Keys with writes in flight, and those of them whose file was removed meanwhile
+        # (deleted, evicted as another writer's copy): such a write checks its file is there
+        # before indexing it, or the index held a chunk without a file.
+        self._writing: Counter[ChunkKey] = Counter()
+        self._clobbered: set[ChunkKey] = set()
         # "lru" is CLOCK here (second chance): an OrderedDict a chunk took ~116 B more, and
         # the index must fit 2 million chunks (issue 28; kvtier.core.policies.clock).
         self._policy: Generations[ChunkKey] = Generations(ClockPolicy) \
@@ -225,7 +236,7 @@ class DiskTier:
                 return
             self._used_bytes -= self._index.pop(victim, 0)
             self._book.forget(victim, evicted=True)
-            self.files.remove(victim)
+            self._remove_file(victim)
             self._counters.add(evictions=1)
             self.events.removed(victim)
 
@@ -290,7 +301,7 @@ class DiskTier:
 
     def _forget(self, key: ChunkKey, corrupt: bool) -> bool:
         """Drop a chunk from the index and the directory; whether either held it."""
-        with self._lock:
+        with self._lock:  # the file and the event too: a put of the key may be landing
             if not self._loaded.is_set():
                 self._dropped.add(key)  # the index thread must not add it back
             held = key in self._index
@@ -298,9 +309,9 @@ class DiskTier:
                 self._used_bytes -= self._index.pop(key)
                 self._policy.remove(key)
                 self._book.forget(key)
-        removed = self.files.remove(key) is not None
-        if held:
-            self.events.removed(key)
+            removed = self._remove_file(key) is not None
+            if held:
+                self.events.removed(key)
         if corrupt:
             self._counters.add(corrupt_reads=1)
         self._publish_usage()
@@ -332,12 +343,13 @@ class DiskTier:
         encoded = self.files.encode(key, data, meta.tenant)
         size = self.files.size_of(encoded)
         with self._lock:
+            tenant_bytes = size + self._tenant_writing(meta.tenant)
             if time.monotonic() < self._unwritable_until and (
                     self._used_bytes + size > self.capacity_bytes
-                    or self._book.over_quota(meta.tenant, size)):
+                    or self._book.over_quota(meta.tenant, tenant_bytes)):
                 self._counters.add(dropped_writes=1)
                 return IO_ERROR  # writes failed lately: no chunk evicted for this one
-            if not self._make_tenant_room(meta.tenant, size):
+            if not self._make_tenant_room(meta.tenant, tenant_bytes):
                 self._counters.add(dropped_writes=1)
                 return FULL  # the tenant is at its quota with pinned chunks only
             self._evict_to(self.capacity_bytes - size)
@@ -347,6 +359,8 @@ class DiskTier:
             if not full:
                 self._used_bytes += size  # reserve before writing
                 self._in_flight_bytes += size
+                self._tenant_wrote(meta.tenant, size)
+                self._writing[key] += 1
         if full:
             self._counters.add(dropped_writes=1)
             log.warning("disk tier %r: capacity held by writes in flight; %s dropped",
@@ -358,6 +372,8 @@ class DiskTier:
             with self._lock:
                 self._used_bytes -= size
                 self._in_flight_bytes -= size
+                self._tenant_wrote(meta.tenant, -size)
+                self._wrote(key)
                 if exc.errno == errno.ENOSPC:  # the filesystem is fuller than our quota
                     self._evict_to(self._used_bytes - ENOSPC_EVICT_CHUNKS * self.file_bytes)
                 if exc.errno in _NO_PERMISSION:
@@ -369,16 +385,27 @@ class DiskTier:
             return FULL if exc.errno in (errno.ENOSPC, errno.EDQUOT) else IO_ERROR
         with self._lock:
             self._in_flight_bytes -= size
+            self._tenant_wrote(meta.tenant, -size)
             self._unwritable_until = 0.0  # writable again
+            compact = False
+            clobbered = self._wrote(key)
             if key in self._index:  # a concurrent put of the same key won
                 self._used_bytes -= size
+            elif clobbered and not self.files.exists(key):
+                self._used_bytes -= size  # stored, then removed (deleted, evicted) meanwhile
             else:
                 self._index[key] = size
                 if not self._book.records(meta) or not self._book.record(key, meta, size):
                     self._policy.insert(key, meta.parent)  # pinned chunks stay out of it
                 self.events.stored(key)
+                # The journal's pin or expiry of this key, if any, was an earlier chunk's
+                # (evicted or deleted since): voided now, before a retain of this one (which
+                # takes the lock first) appends its own.
+                compact = meta.is_default and self._journal.forget(key, len(self._book))
         if not meta.is_default:
             self._journal_append(key)
+        elif compact:
+            self._compact_journal()
         self._counters.add(puts=1, bytes_written=len(data), write_s=time.perf_counter() - start)
         self._publish_usage()
         return OK
@@ -465,14 +492,44 @@ class DiskTier:
             meta = self._book.meta_of(key)
             live = len(self._book)
         if meta is not None and self._journal.append(key, meta, live):
-            with self._lock:
-                metas = self._book.metas()
-            self._journal.rewrite(metas)
+            self._compact_journal()
+
+    def _compact_journal(self) -> None:
+        with self._lock:
+            metas = self._book.metas()
+        self._journal.rewrite(metas)
 
     def _expire(self, key: ChunkKey) -> None:
         with self._lock:
             self._book.expired_count += key in self._index
         self._forget(key, corrupt=False)
+
+    def _remove_file(self, key: ChunkKey) -> int | None:
+        """`files.remove`, noted for a write of the key in flight (`_wrote`). Lock held."""
+        if key in self._writing:
+            self._clobbered.add(key)
+        return self.files.remove(key)
+
+    def _wrote(self, key: ChunkKey) -> bool:
+        """A write of `key` ended; whether its file was removed while it was in flight.
+        Lock held."""
+        clobbered = key in self._clobbered
+        self._writing[key] -= 1
+        if self._writing[key] <= 0:
+            del self._writing[key]
+            self._clobbered.discard(key)
+        return clobbered
+
+    def _tenant_writing(self, tenant: str | None) -> int:
+        """Bytes `tenant`'s writes in flight reserved (0 without a quota). Lock held."""
+        return 0 if self._tenant_in_flight is None else self._tenant_in_flight[tenant]
+
+    def _tenant_wrote(self, tenant: str | None, size: int) -> None:
+        """`size` bytes more (or, negative, fewer) of `tenant`'s in flight. Lock held."""
+        if self._tenant_in_flight is not None:
+            self._tenant_in_flight[tenant] += size
+            if self._tenant_in_flight[tenant] <= 0:
+                del self._tenant_in_flight[tenant]
 
     def _make_tenant_room(self, tenant: str | None, size: int) -> bool:
         """Evict `tenant`'s own LRU chunks while storing `size` bytes more would pass its
@@ -502,7 +559,7 @@ class DiskTier:
         """Remove a held chunk (out of the policy already). Lock held."""
         self._used_bytes -= self._index.pop(key, 0)
         self._book.forget(key, evicted=evicted)
-        self.files.remove(key)
+        self._remove_file(key)
         if evicted:
             self._counters.add(evictions=1)
         self.events.removed(key)

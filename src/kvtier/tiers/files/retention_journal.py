@@ -4,11 +4,13 @@ a restart keeps them (`kvtier.core.retention`).
 One JSON object a line in `<layout directory>/retention.jsonl` (a name the chunk scan skips):
 `{"key": HEX, "tenant": ID|null, "retain_until": S|null, "expires_at": S|null}`, appended
 (O_APPEND; a line is far below PIPE_BUF) whenever a chunk is stored or retained with metadata;
-the last line of a key wins. At start-up the tier reads it, applies the lines of chunks it
-still holds, and rewrites it compacted (a temp file renamed into place); it is compacted again
-once it holds many more lines than chunks with metadata. Tenants are `tenant_id`s (hashes),
-never salts. The file is untrusted input: a line that does not parse or has the wrong types
-is skipped (and counted); nothing is unpickled.
+the last line of a key wins. A chunk stored again without metadata (evicted or deleted since
+its lines were written) gets a line of nulls (`forget`): it has none now, and its old pin or
+expiry must not come back at a restart. At start-up the tier reads it, applies the lines of
+chunks it still holds, and rewrites it compacted (a temp file renamed into place); it is
+compacted again once it holds many more lines than chunks with metadata. Tenants are
+`tenant_id`s (hashes), never salts. The file is untrusted input: a line that does not parse
+or has the wrong types is skipped (and counted); nothing is unpickled.
 
 Primitives: `RetentionJournal`.
 """
@@ -24,7 +26,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from kvtier.core.keys import KEY_BYTES, ChunkKey
-from kvtier.core.retention import ChunkMeta
+from kvtier.core.retention import DEFAULT_META, ChunkMeta
 
 log = logging.getLogger(__name__)
 JOURNAL_NAME = "retention.jsonl"
@@ -40,6 +42,8 @@ class RetentionJournal:
         self.skipped_lines = 0  # lines that did not parse (untrusted input)
         self._lines = 0
         self._lock = threading.Lock()
+        # Keys whose last line in the file carries metadata (`forget` nulls it).
+        self._keys: set[ChunkKey] = set()
 
     def load(self) -> dict[ChunkKey, ChunkMeta]:
         """Every key's last metadata (an absent or unreadable journal: none)."""
@@ -57,13 +61,19 @@ class RetentionJournal:
             if parsed is None:
                 self.skipped_lines += bool(line.strip())
                 continue
-            entries[parsed[0]] = parsed[1]
+            if parsed[1].is_default:  # no metadata (`forget`): its earlier lines are void
+                entries.pop(parsed[0], None)
+            else:
+                entries[parsed[0]] = parsed[1]
+        with self._lock:
+            self._keys = set(entries)
         return entries
 
     def rewrite(self, entries: Iterable[tuple[ChunkKey, ChunkMeta]]) -> None:
         """Replace the journal by `entries` (atomically: a temp file renamed into place)."""
         if not self.writable:
             return
+        entries = list(entries)
         lines = [_line(key, meta) for key, meta in entries]
         temp = self.path.with_name(f".{JOURNAL_NAME}.{os.getpid()}.tmp")
         with self._lock:
@@ -75,6 +85,7 @@ class RetentionJournal:
                     out.writelines(lines)
                 os.replace(temp, self.path)
                 self._lines = len(lines)
+                self._keys = {key for key, meta in entries if not meta.is_default}
             except OSError as exc:
                 log.warning("retention journal %s not rewritten (%s)", self.path, exc)
 
@@ -85,18 +96,40 @@ class RetentionJournal:
             return False
         data = _line(key, meta).encode()
         with self._lock:
-            try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-                try:
-                    os.write(fd, data)
-                finally:
-                    os.close(fd)
-            except OSError as exc:
-                log.warning("retention journal %s: append failed (%s); a restart loses this "
-                            "chunk's pin/expiry", self.path, exc)
+            return self._append_locked(key, meta, data, live_entries)
+
+    def forget(self, key: ChunkKey, live_entries: int) -> bool:
+        """A chunk was stored anew without metadata: void what the journal has of it (a pin
+        or expiry of the chunk stored before under its key, evicted or deleted since), so that
+        a restart does not give it back. Appends a line only for a key the journal has
+        metadata of. True when the journal now wants a compaction, as `append`."""
+        if not self.writable or key not in self._keys:
+            return False
+        data = _line(key, DEFAULT_META).encode()
+        with self._lock:
+            if key not in self._keys:
                 return False
-            self._lines += 1
-            return self._lines > live_entries + COMPACT_SLACK_LINES
+            return self._append_locked(key, DEFAULT_META, data, live_entries)
+
+    def _append_locked(self, key: ChunkKey, meta: ChunkMeta, data: bytes,
+                       live_entries: int) -> bool:
+        """`data` (`key`'s line of `meta`) appended to the file; lock held."""
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            log.warning("retention journal %s: append failed (%s); a restart loses this "
+                        "chunk's pin/expiry", self.path, exc)
+            return False
+        self._lines += 1
+        if meta.is_default:
+            self._keys.discard(key)
+        else:
+            self._keys.add(key)
+        return self._lines > live_entries + COMPACT_SLACK_LINES
 
 
 def _line(key: ChunkKey, meta: ChunkMeta) -> str:
