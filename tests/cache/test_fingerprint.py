@@ -138,6 +138,20 @@ def test_a_multimodal_models_language_config_is_part_of_it(tmp_path: Path) -> No
         model, CONFIG | {"vision_config": {"hidden_act": "gelu"}}).digest
 
 
+def test_what_vllm_writes_into_a_language_sub_config_as_it_builds_the_model_changes_nothing(
+        tmp_path: Path) -> None:
+    """vLLM's Qwen3-Omni thinker sets thinker_config.architectures to the model's as each
+    worker builds the model: a tensor-parallel engine's scheduler (which never builds it) and
+    its workers must still agree on the digest (the storage namespace)."""
+    model = make_model(tmp_path / "tiny")
+    scheduler = CONFIG | {"architectures": ["Qwen3OmniMoeForConditionalGeneration"],
+                          "thinker_config": {"architectures": None, "hidden_act": "silu",
+                                             "text_config": {"hidden_act": "silu"}}}
+    worker = json.loads(json.dumps(scheduler))
+    worker["thinker_config"]["architectures"] = worker["architectures"]
+    assert model_fingerprint(model, scheduler).digest == model_fingerprint(model, worker).digest
+
+
 def test_pickled_checkpoints_are_sampled_at_both_ends(tmp_path: Path) -> None:
     model = tmp_path / "old"
     model.mkdir()

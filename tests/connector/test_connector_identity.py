@@ -141,3 +141,12 @@ def test_llama4_temperature_tuning_as_vllm_decides_it(tmp_path: Path) -> None:
     assert tuning(8192, {"attn_temperature_tuning": False},
                   {"attn_temperature_tuning": True}) == "on"
     assert "attn_temperature_tuning" not in kv_settings(vllm_config(model, {}, 65536))
+    # --max-model-len -1: built at the config's length (tuning on), then fitted to memory
+    # (32768 after the profile): still on.
+    fitted = vllm_config(model, config, 32768)
+    fitted.model_config.hf_config.architectures = config["architectures"]
+    fitted.model_config.try_get_generation_config = dict
+    fitted.model_config.override_generation_config = {}
+    fitted.model_config.original_max_model_len = -1
+    fitted.model_config.get_and_verify_max_len = lambda _length: 131072
+    assert kv_settings(fitted)["attn_temperature_tuning"] == "on"

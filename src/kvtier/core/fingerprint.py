@@ -83,6 +83,9 @@ KV_CONFIG_KEYS = (
 # top level's (and a `text_config` inside them: Qwen2.5-Omni's thinker_config.text_config);
 # an edit inside InternVL's llm_config was not seen.
 LANGUAGE_CONFIGS = ("text_config", "llm_config", "language_config", "thinker_config")
+# Keys of those sub-configs (other than text_config) left out: vLLM's model code sets them in
+# the workers' copy of the config only (see model_fingerprint).
+_SUB_CONFIG_SKIPPED = ("architectures",)
 SAMPLE_BYTES = 4096  # bytes read at the start of each sampled safetensors tensor
 SAMPLED_TENSORS_PER_FILE = 256
 OPAQUE_SAMPLE_BYTES = 1 << 20  # bytes read at each end of a .bin/.pt file
@@ -126,10 +129,16 @@ def model_fingerprint(model_dir: str | os.PathLike[str] | None, config: Mapping[
     for name in LANGUAGE_CONFIGS:
         nested = config.get(name)
         if isinstance(nested, Mapping):
-            picked["text" if name == "text_config" else name] = _kv_config(nested)
+            if name == "text_config":  # as before LANGUAGE_CONFIGS: the digests it had
+                picked["text"] = _kv_config(nested)
+                continue
+            # Not their `architectures`: vLLM's model code writes it as a worker builds the
+            # model (Qwen3-Omni's thinker: thinker_config.architectures = the model's), and a
+            # tensor-parallel engine's scheduler, which never builds it, would disagree.
+            picked[name] = _kv_config(nested, skip=_SUB_CONFIG_SKIPPED)
             inner = nested.get("text_config")
-            if name != "text_config" and isinstance(inner, Mapping):
-                picked[f"{name}.text_config"] = _kv_config(inner)
+            if isinstance(inner, Mapping):
+                picked[f"{name}.text_config"] = _kv_config(inner, skip=_SUB_CONFIG_SKIPPED)
     document = {
         "revision": revision, "code_revision": code_revision, "quantization": quantization,
         "dtype": dtype, "config": picked, "weights": weights[0] if weights else None,
@@ -256,8 +265,8 @@ def _checkpoint_files(root: Path, weight_globs: Sequence[str] | None = None) -> 
     return files
 
 
-def _kv_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    return {key: config[key] for key in KV_CONFIG_KEYS if key in config}
+def _kv_config(config: Mapping[str, Any], skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    return {key: config[key] for key in KV_CONFIG_KEYS if key in config and key not in skip}
 
 
 def _file_digest(path: Path) -> bytes:

@@ -51,9 +51,21 @@ def kv_settings(vllm_config: VllmConfig) -> dict[str, str]:
     if any(str(name).startswith("Llama4") for name in architectures):
         generation = dict(model.try_get_generation_config() or {})
         generation.update(model.override_generation_config or {})
-        tuning = generation.get("attn_temperature_tuning", model.max_model_len > 32768)
+        tuning = generation.get("attn_temperature_tuning", _built_max_len(model) > 32768)
         settings["attn_temperature_tuning"] = "on" if tuning else "off"
     return settings
+
+
+def _built_max_len(model: Any) -> int:
+    """The max_model_len the workers built the model with: under --max-model-len -1 (fit to
+    memory) vLLM lowers max_model_len after its profile, once the model is built with the
+    length the config allows (what Llama 4 decided its tuning by)."""
+    if getattr(model, "original_max_model_len", None) == -1:
+        try:
+            return int(model.get_and_verify_max_len(-1))
+        except (ValueError, TypeError):  # vLLM refuses it: the length it runs with
+            pass
+    return int(model.max_model_len)
 
 
 def _load_format(vllm_config: VllmConfig) -> str:
