@@ -17,9 +17,12 @@ import hashlib
 import json
 import subprocess
 import sys
+import threading
 import tomllib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.core.chunkformat import ALIGN_BYTES, HEADER_BYTES, stored_size
 from kvtier.core.keys import KEY_BYTES, ChunkKey
@@ -27,6 +30,9 @@ from kvtier.core.layout import KVLayout
 from kvtier.core.tier import Tier
 from kvtier.tiers import build_tier
 from kvtier.tiers.storeconfig import StoreConfig
+
+if TYPE_CHECKING:
+    import pytest
 
 TIER_KINDS = ("memory", "disk", "shared", "redis", "s3", "example")
 REDIS_URL: str | None = None  # the redis-server of the running test (tests/conftest.py)
@@ -99,6 +105,32 @@ def make_tier(kind: str, root: Path, layout: KVLayout, capacity_chunks: int,
     config = StoreConfig.parse({"tiers": [tier_settings(kind, root, layout, capacity_chunks,
                                                         **options)]})
     return build_tier(config.tiers[0], layout)
+
+
+@contextmanager
+def write_in_flight(tier: Any, monkeypatch: pytest.MonkeyPatch,
+                    put: Callable[[], object]) -> Iterator[None]:
+    """`put()` on a thread of its own, its file write held (a file tier's `files.write`)
+    while the block runs: a write in flight, as the write-behind's other threads see it.
+    Other writes go through; the held one finishes when the block ends."""
+    writing, finish = threading.Event(), threading.Event()
+    real_write = tier.files.write
+
+    def held_write(*args: object) -> None:
+        writing.set()
+        finish.wait(30)
+        real_write(*args)
+
+    monkeypatch.setattr(tier.files, "write", held_write)
+    in_flight = threading.Thread(target=put)
+    in_flight.start()
+    try:
+        assert writing.wait(30), "the put did not reach its write"
+        monkeypatch.setattr(tier.files, "write", real_write)
+        yield
+    finally:
+        finish.set()
+        in_flight.join(60)
 
 
 # -- the border between the cache and the tools (tests/cache, tests/connector) ---------------

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tierkit import key, make_tier, tiny_layout
+from tierkit import key, make_tier, tiny_layout, write_in_flight
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
@@ -107,22 +107,9 @@ def test_a_full_disk_tier_made_unwritable_evicts_no_chunk_for_writes_that_fail(
     assert tier.put(key(10), memoryview(payload(10, layout))) == IO_ERROR  # evicted one
     assert tier.stats().evictions == 1
     # A write in flight holds the room the eviction made; the next put finds none.
-    writing, finish = threading.Event(), threading.Event()
-    real_write = tier.files.write
-
-    def slow_write(*args: object) -> None:
-        writing.set()
-        finish.wait(30)
-        real_write(*args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(tier.files, "write", slow_write)
-    in_flight = threading.Thread(target=tier.put, args=(key(11), memoryview(payload(11, layout))))
-    in_flight.start()
-    assert writing.wait(30)
-    monkeypatch.setattr(tier.files, "write", real_write)
-    assert tier.put(key(12), memoryview(payload(12, layout))) == IO_ERROR
-    finish.set()
-    in_flight.join()
+    with write_in_flight(tier, monkeypatch,
+                         lambda: tier.put(key(11), memoryview(payload(11, layout)))):
+        assert tier.put(key(12), memoryview(payload(12, layout))) == IO_ERROR
     assert tier.stats().evictions == 1  # 2 before: the second put's eviction was for nothing
     assert sum(bool(_readable(tier, layout, i)) for i in range(8)) == 7
     deny_writes_below.clear()

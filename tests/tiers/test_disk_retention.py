@@ -6,12 +6,11 @@ same directory. Time is the tier's book clock, moved by the test (no sleeps).
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
-from tierkit import key, make_tier, tiny_layout
+from tierkit import key, make_tier, tiny_layout, write_in_flight
 
 from kvtier.core.retention import DEFAULT_META, ChunkMeta, tenant_label
 from kvtier.core.store import TieredStore
@@ -166,23 +165,9 @@ def test_a_tenants_writes_in_flight_at_once_count_against_its_quota(
     uncounted and the tenant ended over its quota."""
     tier = disk(tmp_path, 8, tenant_quota={"share": 0.25})  # 2 chunks a tenant
     assert put(tier, 0, ChunkMeta(tenant="A"))
-    writing, finish = threading.Event(), threading.Event()
-    real_write = tier.files.write
-
-    def slow_write(*args: object) -> None:
-        writing.set()
-        finish.wait(30)
-        real_write(*args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(tier.files, "write", slow_write)
-    in_flight = threading.Thread(target=put, args=(tier, 1, ChunkMeta(tenant="A")))
-    in_flight.start()
-    assert writing.wait(30)
-    monkeypatch.setattr(tier.files, "write", real_write)
-    assert put(tier, 2, ChunkMeta(tenant="A"))  # A at its quota: evicts its own chunk 0
-    assert put(tier, 3, ChunkMeta(tenant="B"))  # another tenant: not held back
-    finish.set()
-    in_flight.join()
+    with write_in_flight(tier, monkeypatch, lambda: put(tier, 1, ChunkMeta(tenant="A"))):
+        assert put(tier, 2, ChunkMeta(tenant="A"))  # A at its quota: evicts its own chunk 0
+        assert put(tier, 3, ChunkMeta(tenant="B"))  # another tenant: not held back
     assert held(tier, range(4)) == [1, 2, 3]
     usage = {u.tenant: u.chunks for u in tier.retention_stats().tenants}
     assert usage == {tenant_label("A"): 2, tenant_label("B"): 1}

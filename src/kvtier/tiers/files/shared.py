@@ -241,14 +241,15 @@ class SharedTier:
             raise ValueError(f"chunk is {len(data)} bytes, this tier stores "
                              f"{self.files.chunk_bytes}")
         if self.files.exists(key):
-            with self._not_ours_lock:
-                not_ours = key in self._not_ours
-            if not_ours:  # left to age out (see __init__): this copy is not stored
-                return DECLINED
+            if self._not_ours:
+                with self._not_ours_lock:
+                    if key in self._not_ours:  # left to age out (see __init__): not stored
+                        return DECLINED
             self.files.touch(key)
             return OK
-        with self._not_ours_lock:
-            self._not_ours.pop(key, None)  # gone: the next copy stored is this process's
+        if self._not_ours:
+            with self._not_ours_lock:
+                self._not_ours.pop(key, None)  # gone: the next copy stored is this process's
         if self.ledger is None:
             self._counters.add(dropped_writes=1)
             return READ_ONLY
