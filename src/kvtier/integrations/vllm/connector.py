@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
@@ -49,7 +50,7 @@ from kvtier.integrations.vllm.groups import NULL_BLOCK, ChunkGroups, chunk_group
 from kvtier.integrations.vllm.kvformat import AttentionFormat, attention_format, chunk_layouts
 from kvtier.integrations.vllm.kvsettings import kv_settings, loaded_weights
 from kvtier.integrations.vllm.logs import adopt_vllm_logging
-from kvtier.integrations.vllm.messages import KVTierMetadata
+from kvtier.integrations.vllm.messages import KVTierMetadata, WorkerIdentity
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, KVTierPromMetrics
 from kvtier.integrations.vllm.models import (
     HMA_ALTERNATIVE,
@@ -86,12 +87,14 @@ if TYPE_CHECKING:
 
 
 def engine_layouts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
-                   groups: ChunkGroups, tokens_per_chunk: int
+                   groups: ChunkGroups, tokens_per_chunk: int, fingerprint: str
                    ) -> tuple[AttentionFormat, list[KVLayout]]:
     """The attention layers' format and the chunk layout of every tensor-parallel rank, from
     vLLM's spec: the scheduler (keys, probes) and every worker (its rank's layout, and the
     format its tensors must hold) call this one function, so their digests agree.
-    `groups`: `chunk_groups` of `kv_cache_config` (which refuses groups kvtier cannot store).
+    `groups`: `chunk_groups` of `kv_cache_config` (which refuses groups kvtier cannot store);
+    `fingerprint`: the model's, which names the storage namespace too (`kvtier inspect`,
+    `kvtier gc --fingerprint`): the workers' (`KVTierConnector.set_xfer_handshake_metadata`).
 
     Raises:
         ConfigError: for a format kvtier cannot store (kvformat.attention_format).
@@ -104,9 +107,6 @@ def engine_layouts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
         raise refuse(model, f"attention groups of different formats {sorted(map(str, formats))}",
                      HMA_ALTERNATIVE)
     fmt = formats.pop()
-    # The model's fingerprint names the storage namespace too (`kvtier inspect`, `kvtier gc
-    # --fingerprint`); each worker computes the same one for the tiers it opens.
-    fingerprint = scheduler_model_identity(vllm_config)[1].digest
     return fmt, chunk_layouts(fmt, num_layers=groups.num_layers,
                               tokens_per_chunk=tokens_per_chunk,
                               tp_world_size=vllm_config.parallel_config.tensor_parallel_size,
@@ -162,7 +162,13 @@ def scheduler_model_identity(vllm_config: VllmConfig) -> tuple[str, ModelFingerp
         code_revision=model.code_revision, quantization=model.quantization,
         dtype=str(model.dtype).removeprefix("torch."), settings=kv_settings(vllm_config),
         weight_globs=loaded_weights(vllm_config), on_computed=log_it)
-    return ("" if fingerprint.weight_files else model.model), fingerprint
+    return model_id_for(vllm_config, fingerprint), fingerprint
+
+
+def model_id_for(vllm_config: VllmConfig, fingerprint: ModelFingerprint) -> str:
+    """The model's name in the keys' namespace: none for a checkpoint fingerprinted by its
+    files (copies at other paths share), the name it was served by otherwise."""
+    return "" if fingerprint.weight_files else str(vllm_config.model_config.model)
 
 
 def _hub_snapshot(vllm_config: VllmConfig) -> str | None:
@@ -226,40 +232,47 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                         self._block_size, parsed.tokens_per_chunk)
         self._scheduler: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | None = None
+        self._identity: ModelFingerprint | None = None  # the namespace's (both roles)
         if role == KVConnectorRole.SCHEDULER:
-            groups = chunk_groups(str(vllm_config.model_config.model), kv_cache_config)
-            _fmt, layouts = engine_layouts(vllm_config, kv_cache_config, groups,
-                                           self._config.tokens_per_chunk)
-            model_id, fingerprint = scheduler_model_identity(vllm_config)
-            node: NodeProbe | None = None
-            if self._config.node:  # a chunk counts when the node holds every rank's shard
-                info = namespace_info(vllm_config, fingerprint)
-                clients = [self._node_client(layout, info) for layout in layouts]
-                node = NodeProbe(clients)  # its RAM, asked inline
-                probes: dict[str, Probe | None] = {NODE_TIER: node}
-                if node.below_ram():  # the rest off the scheduler's thread, as in process
-                    probes[NODE_BELOW_TIER] = NodeProbe(clients, ram_only=False)
-            else:
-                probes = {tier.tier_name: build_probe(tier, layouts,
-                                                      self._config.store.lookup_timeout_s)
-                          for tier in self._config.store.tiers}
-            # A key stands for one shard per rank: the index bound counts whole chunks.
-            locator = ChunkLocator({name: p for name, p in probes.items() if p is not None},
-                                   self._config.index_keys(
-                                       sum(layout.bytes_per_chunk for layout in layouts)),
-                                   timeout_s=self._config.store.lookup_timeout_s,
-                                   # the node's RAM first: other engines evict from it
-                                   index_first=not self._config.node)
-            events = vllm_config.kv_events_config
-            self._scheduler = ConnectorScheduler(
-                self._config, block_size=self._block_size,
-                groups=groups,
-                model_id=model_id, layout_digest=layouts[0].digest(),
-                weights_fingerprint=fingerprint.digest, locator=locator,
-                tier_kinds={NODE_TIER: "memory"} if self._config.node else
-                {t.tier_name: t.kind for t in self._config.store.tiers},
-                emit_events=bool(events and events.enable_kv_cache_events),
-                kv_role=self._kv_transfer_config.kv_role, node=node)
+            model_id, self._identity = scheduler_model_identity(vllm_config)
+            self._scheduler = self._build_scheduler(model_id, self._identity)
+
+    def _build_scheduler(self, model_id: str, fingerprint: ModelFingerprint
+                         ) -> ConnectorScheduler:
+        """The scheduler side, its keys and probes in `fingerprint`'s namespace."""
+        vllm_config, kv_cache_config = self._vllm_config, self._kv_cache_config
+        groups = chunk_groups(str(vllm_config.model_config.model), kv_cache_config)
+        _fmt, layouts = engine_layouts(vllm_config, kv_cache_config, groups,
+                                       self._config.tokens_per_chunk, fingerprint.digest)
+        node: NodeProbe | None = None
+        if self._config.node:  # a chunk counts when the node holds every rank's shard
+            info = namespace_info(vllm_config, fingerprint)
+            clients = [self._node_client(layout, info) for layout in layouts]
+            node = NodeProbe(clients)  # its RAM, asked inline
+            probes: dict[str, Probe | None] = {NODE_TIER: node}
+            if node.below_ram():  # the rest off the scheduler's thread, as in process
+                probes[NODE_BELOW_TIER] = NodeProbe(clients, ram_only=False)
+        else:
+            probes = {tier.tier_name: build_probe(tier, layouts,
+                                                  self._config.store.lookup_timeout_s)
+                      for tier in self._config.store.tiers}
+        # A key stands for one shard per rank: the index bound counts whole chunks.
+        locator = ChunkLocator({name: p for name, p in probes.items() if p is not None},
+                               self._config.index_keys(
+                                   sum(layout.bytes_per_chunk for layout in layouts)),
+                               timeout_s=self._config.store.lookup_timeout_s,
+                               # the node's RAM first: other engines evict from it
+                               index_first=not self._config.node)
+        events = vllm_config.kv_events_config
+        return ConnectorScheduler(
+            self._config, block_size=self._block_size,
+            groups=groups,
+            model_id=model_id, layout_digest=layouts[0].digest(),
+            weights_fingerprint=fingerprint.digest, locator=locator,
+            tier_kinds={NODE_TIER: "memory"} if self._config.node else
+            {t.tier_name: t.kind for t in self._config.store.tiers},
+            emit_events=bool(events and events.enable_kv_cache_events),
+            kv_role=self._kv_transfer_config.kv_role, node=node)
 
     def _node_client(self, layout: KVLayout, info: NamespaceInfo) -> NodeClient:
         """A client of the node for `layout`'s chunks: its deadline is the store's lookup
@@ -331,7 +344,55 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._scheduler is not None
         return self._scheduler.reset_cache()
 
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]
+                                    ) -> None:
+        """Each worker's `WorkerIdentity`, once, as the engine starts (after the workers
+        registered their KV caches, before any request).
+
+        The workers' fingerprint names the namespace: vLLM's model code edits the model's
+        config as a worker builds it (PaliGemma's text_config.architectures, TeleChat2's
+        hidden_act, Isaac's M-RoPE sections, Llava's Pixtral case), in that worker's copy
+        only. A tensor-parallel engine's scheduler, which builds no model, fingerprinted the
+        config unedited: its probes named another namespace than the workers' tiers, so a
+        restart never found what was stored before (tests/engine/test_worker_namespace.py).
+        It takes the workers' namespace (logged). Workers that disagree among themselves are
+        logged as an error and left as they are (their chunks are then found only by the
+        scheduler's index of what they report stored, until a restart)."""
+        assert self._scheduler is not None and self._identity is not None
+        built = {(m.fingerprint, m.weight_files) for m in metadata.values()
+                 if isinstance(m, WorkerIdentity)}
+        if not built or built == {(self._identity.digest, self._identity.weight_files)}:
+            return
+        if len(built) > 1:
+            logger.error("kvtier: the workers fingerprint the model differently (%s; the "
+                         "scheduler %s): their chunks are in other namespaces, which a restart "
+                         "does not look up", ", ".join(sorted(d[:12] for d, _ in built)),
+                         self._identity.digest[:12])
+            return
+        digest, weight_files = built.pop()
+        logger.warning("kvtier: the workers built the model from a config the scheduler did "
+                       "not see (vLLM's model code edits it as it builds): namespace %s, "
+                       "the workers' fingerprint, not %s", digest[:12],
+                       self._identity.digest[:12])
+        old, self._identity = self._scheduler, ModelFingerprint(digest, weight_files)
+        self._scheduler = self._build_scheduler(
+            model_id_for(self._vllm_config, self._identity), self._identity)
+        old.close()
+
+    def set_xfer_handshake_metadata_pp_aware(
+            self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]) -> None:
+        """`set_xfer_handshake_metadata` over every (pipeline, tensor) rank's identity."""
+        self.set_xfer_handshake_metadata(dict(enumerate(metadata.values())))
+
     # -- worker side ----------------------------------------------------------------------
+
+    def get_handshake_metadata(self) -> WorkerIdentity | None:
+        """This worker's `WorkerIdentity` (vLLM collects it once its KV caches are
+        registered; `set_xfer_handshake_metadata`)."""
+        if self._worker is None or self._identity is None:
+            return None
+        return WorkerIdentity(self._identity.digest, self._identity.weight_files)
+
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Build the worker over vLLM's tensors (model runner thread).
@@ -350,8 +411,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
         groups = chunk_groups(str(self._vllm_config.model_config.model),
                               self._kv_cache_config)
+        _model_id, self._identity = scheduler_model_identity(self._vllm_config)
         fmt, layouts = engine_layouts(self._vllm_config, self._kv_cache_config, groups,
-                                      self._config.tokens_per_chunk)
+                                      self._config.tokens_per_chunk, self._identity.digest)
         # Chunk order: group by group (groups.py); state layers' states after the KV.
         # Layers that share another layer's KV (vLLM's KV sharing) are in no group: their
         # bytes are their target's, stored once.
@@ -376,11 +438,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         rank = get_tensor_model_parallel_rank()
         # The scheduler's layouts, this rank's: probes and stores agree by construction.
         layout = layouts[rank]
-        _model_id, fingerprint = scheduler_model_identity(self._vllm_config)
         if paged.kernel_split > 1:
             logger.info("kvtier: vLLM splits each %d-token block into %d kernel blocks",
                         self._block_size, paged.kernel_split)
-        info = namespace_info(self._vllm_config, fingerprint)
+        info = namespace_info(self._vllm_config, self._identity)
         store, io_cores = self._worker_store(layout, info, world, rank)
         # A prefill instance hands its KV over through the lower tiers: its steps wait for
         # their writes (a stalled tier is abandoned after read_timeout_s, like a read).

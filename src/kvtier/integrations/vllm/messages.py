@@ -11,8 +11,11 @@ depends on a block whose load failed and the scheduler has not yet acknowledged
 (`KVTierMetadata.acked_failed_blocks`), reports it `skipped`, and the scheduler plans it again
 once the recomputation has run.
 
-Primitives: `KVTierMetadata`, `KVTierWorkerMetadata` (and `ChunkTransfer`, `chunk_meta`,
-re-exported from transfers.py).
+Once, as the engine starts, each worker tells the scheduler the fingerprint of the model it built
+(`WorkerIdentity`, vLLM's connector handshake): see `KVTierConnector.set_xfer_handshake_metadata`.
+
+Primitives: `KVTierMetadata`, `KVTierWorkerMetadata`, `WorkerIdentity` (and `ChunkTransfer`,
+`chunk_meta`, re-exported from transfers.py).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
@@ -28,7 +32,8 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.store import StoreEvent
 from kvtier.integrations.vllm.transfers import ChunkTransfer, LoadSample, chunk_meta
 
-__all__ = ["ChunkTransfer", "KVTierMetadata", "KVTierWorkerMetadata", "chunk_meta"]
+__all__ = ["ChunkTransfer", "KVTierMetadata", "KVTierWorkerMetadata", "WorkerIdentity",
+           "chunk_meta"]
 
 
 @dataclass(slots=True)
@@ -130,3 +135,12 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
 def _slowest(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     """Each tier's slower estimate of two ranks' (a load waits for its slowest rank)."""
     return {tier: max(a.get(tier, 0.0), b.get(tier, 0.0)) for tier in a.keys() | b.keys()}
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerIdentity(KVConnectorHandshakeMetadata):
+    """Worker -> scheduler, once its KV caches are registered: the fingerprint of the model it
+    built (core/fingerprint.py `ModelFingerprint`'s fields), which names its tiers' namespace."""
+
+    fingerprint: str
+    weight_files: int
