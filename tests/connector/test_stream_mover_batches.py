@@ -304,3 +304,17 @@ def test_a_load_thread_takes_back_the_buffers_of_done_inline_loads(tmp_path: Pat
         rig.device.drain()
         rig.mover.release()
         assert blocks_hold(rig, range(24, 48), lambda b: value(b - 24, 5)) == []
+
+
+def test_chunks_the_store_holds_already_are_held_not_stored(tmp_path: Path) -> None:
+    """A step's chunks of which RAM holds some already: those are `held` (nothing copied,
+    not counted as written: tests/node/test_node_held_stores.py), the rest `stored`."""
+    with batched(tmp_path, StandInDevice(seed=4)) as rig:
+        rig.write(range(BLOCKS), 5)
+        moved = transfers(0)
+        first = rig.mover.store(moved[:2], "sync")
+        assert ([t.key for t in first.stored], first.held) == ([t.key for t in moved[:2]], [])
+        again = rig.mover.store(moved, "sync")
+        assert [t.key for t in again.held] == [t.key for t in moved[:2]]
+        assert [t.key for t in again.stored] == [t.key for t in moved[2:]]
+        assert stored_chunks_hold(rig, moved, lambda b: value(b, 5)) == []

@@ -121,6 +121,12 @@ class PendingPut:
         """Store nothing when the block ends (the fill failed or never finished)."""
         self.cancelled = True
 
+    @property
+    def held(self) -> bool:
+        """Whether the store held the chunk already: `stored`, and nothing was filled (no
+        bytes copied; the worker counts it apart from the chunks it wrote)."""
+        return self.stored and self.data is None
+
 
 @dataclass(frozen=True, slots=True)
 class StoreEvent:

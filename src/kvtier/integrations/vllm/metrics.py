@@ -83,8 +83,11 @@ COUNTERS: dict[str, str] = {
                              "load (stored once recomputed)",
     "dropped_window_chunks": "Chunks not stored because a sliding-window layer group had "
                              "freed blocks of them (tokens_per_chunk above the window)",
-    "stored_tokens": "Tokens stored from vLLM's KV cache",
-    "stored_bytes": "KV bytes stored from vLLM's KV cache",
+    "stored_tokens": "Tokens stored from vLLM's KV cache (written by this engine; not "
+                     "those kvtier held already: already_held_tokens)",
+    "stored_bytes": "KV bytes stored from vLLM's KV cache (written by this engine)",
+    "already_held_tokens": "Tokens a store found held already, so not written (stored "
+                           "before by this engine, or, through a node, by another)",
     "store_seconds": "Seconds the workers spent storing KV (copy out of blocks + top tier), "
                      "on the engine's thread or the store thread (store_mode)",
     "store_wait_seconds": "Seconds engine steps waited for stores: synchronous stores, or "

@@ -371,12 +371,14 @@ class ConnectorWorker:
         self._stats.add("store_wait_seconds", time.perf_counter() - start)
 
     def _record(self, job: StoreJob) -> None:
-        """Report a finished store job's chunks and count them (model runner thread)."""
-        if job.stored:
+        """Report a finished store job's chunks (written, or held already) and count them:
+        `stored_tokens` / `stored_bytes` what this engine wrote, `already_held_tokens` what
+        the store held already (model runner thread)."""
+        if job.stored or job.held:
             # Held again (e.g. a failed load's chunk, stored once recomputed): a check of
             # `_find_gone` made before this store must not report it removed after it.
             with self._gone_lock:
-                stored = {t.key for t in job.stored}
+                stored = {t.key for t in (*job.stored, *job.held)}
                 self._gone -= stored
                 self._stored_while_checking |= stored
             if self._local is not None:
@@ -391,6 +393,10 @@ class ConnectorWorker:
             self._stats.add("stored_tokens",
                             transfer.num_blocks * self._paged.block_size * self._token_scale)
             self._stats.add("stored_bytes", self._chunk_bytes)
+        for transfer in job.held:  # no bytes written: stored before (node mode: HELD)
+            self._report.stored.add(transfer.key)
+            self._stats.add("already_held_tokens",
+                            transfer.num_blocks * self._paged.block_size * self._token_scale)
         self._stats.add("store_seconds", job.seconds)
         self._stats.observe("store_step_seconds", job.seconds, job.mode)
 

@@ -25,7 +25,7 @@ from collections.abc import Callable, MutableSequence
 import torch
 
 from kvtier.core.keys import ChunkKey
-from kvtier.core.store import ChunkView
+from kvtier.core.store import ChunkView, PendingPut
 from kvtier.integrations.vllm.transfers import ChunkTransfer, LoadSample, chunk_meta
 from kvtier.integrations.vllm.worker.chunkstore import ChunkStore
 from kvtier.integrations.vllm.worker.device import Event
@@ -137,17 +137,20 @@ class CpuChunkMover:
         store thread: "async"). A chunk that raises is logged and not stored: a cache misses
         it later, the engine goes on."""
         start = time.perf_counter()
-        stored = []
+        stored: list[ChunkTransfer] = []
+        held: list[ChunkTransfer] = []
         self._store.plan_puts([t.key for t in transfers], [chunk_meta(t) for t in transfers])
         for transfer in transfers:
             try:
-                # A chunk the top tier holds already (e.g. a prefix vLLM itself had cached)
-                # counts as stored without a copy; lower tiers are asked off this thread.
-                if self._store_chunk(transfer):
-                    stored.append(transfer)
+                # A chunk the top tier holds already (e.g. a prefix vLLM itself had cached,
+                # or another engine stored through the node) is held without a copy; lower
+                # tiers are asked off this thread.
+                put = self._store_chunk(transfer)
+                if put.stored:
+                    (held if put.held else stored).append(transfer)
             except Exception:
                 logger.exception("kvtier: store of chunk %s failed", transfer.key.hex()[:16])
-        return StoreJob(stored, time.perf_counter() - start, mode)
+        return StoreJob(stored, time.perf_counter() - start, mode, held)
 
     def release(self) -> None:
         """Nothing is held past a call (mover.ChunkMover)."""
@@ -155,18 +158,15 @@ class CpuChunkMover:
     def close(self) -> None:
         """Nothing is queued (mover.ChunkMover)."""
 
-    def _store_chunk(self, transfer: ChunkTransfer) -> bool:
-        """Gather one chunk and put it in the store; True when stored."""
-        gathered: list[bool] = []
-
-        def gather(view: memoryview) -> None:
-            chunk = torch.frombuffer(view, dtype=torch.uint8)
-            self._paged.gather(transfer.block_ids, chunk, transfer.state_blocks)
-            gathered.append(self._paged.has_state(chunk))
-
+    def _store_chunk(self, transfer: ChunkTransfer) -> PendingPut:
+        """Gather one chunk and put it in the store; the put, ended (`stored`, `held`)."""
+        has_state: bool | None = None
         # Straight into a memory-tier slot (one copy), or into the mover's buffer first.
-        stored = self._store.put_from(transfer.key, gather, self._buffer,
-                                      meta=chunk_meta(transfer))
-        if stored and gathered and self._paged.state_bytes:
-            self._note_state(transfer.key, gathered[0])
-        return stored
+        with self._store.putting(transfer.key, self._buffer, chunk_meta(transfer)) as put:
+            if put.data is not None:
+                chunk = torch.frombuffer(put.data, dtype=torch.uint8)
+                self._paged.gather(transfer.block_ids, chunk, transfer.state_blocks)
+                has_state = self._paged.has_state(chunk)
+        if put.stored and has_state is not None and self._paged.state_bytes:
+            self._note_state(transfer.key, has_state)
+        return put

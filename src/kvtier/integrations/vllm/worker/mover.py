@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import MutableSequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvtier.integrations.vllm.transfers import ChunkTransfer, LoadSample
@@ -24,9 +24,12 @@ from kvtier.integrations.vllm.worker.device import Event
 class StoreJob:
     """One step's stores, done."""
 
-    stored: list[ChunkTransfer]  # the chunks the top tier now holds (or held already)
+    stored: list[ChunkTransfer]  # the chunks copied into the top tier, which holds them now
     seconds: float  # from the first gather to the last put
     mode: str  # "sync" (the step waited for them) or "async" (they ran while it went on)
+    # The chunks the store held already (`PendingPut.held`: nothing copied; stored before by
+    # this engine, or through a node by another): held all the same, but not written now.
+    held: list[ChunkTransfer] = field(default_factory=list)
 
 
 class ChunkMover(Protocol):

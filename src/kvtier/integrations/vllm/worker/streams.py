@@ -304,6 +304,7 @@ class StreamChunkMover:
         self._device.wait(self._store_stream, after or self.mark())
         self._store.plan_puts([t.key for t in transfers], [chunk_meta(t) for t in transfers])
         stored: list[ChunkTransfer] = []
+        held: list[ChunkTransfer] = []  # held already: nothing copied
         flight: deque[_Storing] = deque()  # oldest first
         batch: list[_Reserved] = []  # reserved, not queued yet
         try:
@@ -311,7 +312,7 @@ class StreamChunkMover:
                 if not batch and not self._store_slots:
                     self._end_stores(flight.popleft(), stored)
                 try:
-                    reserved = self._reserve(transfer, stored)
+                    reserved = self._reserve(transfer, held)
                 except Exception:  # a failed store is a future miss, never a dead thread
                     _log_failed_store(transfer)
                     continue
@@ -333,18 +334,18 @@ class StreamChunkMover:
                 reserved.exits.close()
             while flight:
                 self._end_stores(flight.popleft(), stored)
-        return StoreJob(stored, time.perf_counter() - start, mode)
+        return StoreJob(stored, time.perf_counter() - start, mode, held)
 
-    def _reserve(self, transfer: ChunkTransfer, stored: list[ChunkTransfer]) -> _Reserved | None:
+    def _reserve(self, transfer: ChunkTransfer, held: list[ChunkTransfer]) -> _Reserved | None:
         """Reserve the chunk's place in the store; None when there is nothing to copy (the
-        store holds it already: then it counts as stored, or takes it nowhere)."""
+        store holds it already: then it goes in `held`, or takes it nowhere)."""
         exits = ExitStack()
         put = exits.enter_context(self._store.putting(transfer.key, self._spare,
                                                       chunk_meta(transfer)))
         if put.data is None:
             exits.close()
-            if put.stored:
-                stored.append(transfer)
+            if put.held:
+                held.append(transfer)
             return None
         return _Reserved(transfer, put, exits)
 
