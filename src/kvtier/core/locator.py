@@ -15,7 +15,9 @@ A stale answer costs a failed load (reported to the engine and recomputed), neve
 Where the inline probe answers for every chunk stored and evictions are not reported (node
 mode: the node's RAM, which every engine's stores evict from), it is asked first and the index
 only while it cannot answer (`index_first` False: a node down, whose slab the engine still
-reads in place), so that a chunk the node evicted is a miss, not a failed load.
+reads in place), so that a chunk the node evicted is a miss, not a failed load. There the
+alternatives of `first_held` (a chunk's tails) that the inline probe does not find are asked of
+the slow probes as well (RETRY meanwhile): the index cannot say what the node holds below RAM.
 
 The probes are the tiers' (`kvtier.core.tier.Probe`, built by a tier class that is a
 `ProbeSource`).
@@ -27,12 +29,14 @@ Primitives: `ChunkIndex`, `ChunkLocator`, `Located` + `LookupStatus` (modelled o
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from enum import Enum, auto
+from typing import Any, Literal
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.threads import IOPool
@@ -56,7 +60,9 @@ class Located:
     """The answer of `ChunkLocator.locate`."""
 
     status: LookupStatus
-    num_chunks: int = 0  # leading chunks held (0 unless status is HIT)
+    # Leading chunks held (HIT); RETRY: those known held so far (what the index and the inline
+    # probes found), the slow probe asking about the rest; MISS: 0.
+    num_chunks: int = 0
 
     @staticmethod
     def prefix(num_chunks: int) -> Located:
@@ -65,7 +71,6 @@ class Located:
 
 
 MISS = Located(LookupStatus.MISS)
-RETRY = Located(LookupStatus.RETRY)
 
 
 class ChunkIndex:
@@ -121,6 +126,19 @@ def _probed_prefix(probes: Sequence[tuple[str, Probe]],
     return found
 
 
+def _first_found(probes: Sequence[tuple[str, Probe]], keys: Sequence[ChunkKey]
+                 ) -> tuple[int, str] | None:
+    """The first of `keys` (alternatives) that a probe finds, and that probe's tier: each
+    probe, fastest first, asked once for all of them (`BatchLookup`: one round trip)."""
+    for name, probe in probes:
+        held = (probe.contains_many(list(keys)) if isinstance(probe, BatchLookup)
+                else [probe.contains(key) for key in keys])
+        first = next((i for i, h in enumerate(held) if h), None)
+        if first is not None:
+            return first, name
+    return None
+
+
 def _holds(probe: Probe, j: int, answers: dict[int, tuple[int, list[bool]]],
            keys: Sequence[ChunkKey], i: int) -> bool:
     """Whether probe `j` finds `keys[i]`, from its batch answers (asking the next batch when
@@ -152,15 +170,24 @@ class ChunkLocator:
         self.index = ChunkIndex(max_keys)
         self._index_first = index_first
         self._inline = [(name, p) for name, p in probes.items() if p.blocking_ok]
+        self._slow_probes = [(name, p) for name, p in probes.items() if not p.blocking_ok]
         self._all = list(probes.items())
-        self._slow_names = {name for name, p in probes.items() if not p.blocking_ok}
+        self._slow_names = {name for name, _ in self._slow_probes}
         self._slow = bool(self._slow_names)
         self._pool = (IOPool(2, "kvtier-probe") if self._slow
                       else None)
         self._timeout_s = timeout_s
         # request id -> (prefix held before the probe, the probe, when it started)
         self._pending: dict[str, tuple[int, Future[list[str]], float]] = {}
-        self._stuck: Future[list[str]] | None = None  # a probe that outlived timeout_s
+        # request id -> (the first key its last finished probe did not find, when): the answer
+        # of its next lookup too within timeout_s (one that a RETRY of its tails' probe made,
+        # a step later), which then asks no second probe of the same keys.
+        self._missed: dict[str, tuple[ChunkKey, float]] = {}
+        # request id -> (alternatives asked, the slow probes' answer, when they started):
+        # `first_held` where the index cannot say what the tiers hold (node mode).
+        self._firsts: dict[str, tuple[tuple[ChunkKey, ...], Future[tuple[int, str] | None],
+                                      float]] = {}
+        self._stuck: Future[Any] | None = None  # a probe that outlived timeout_s
         self.timeouts = 0  # lookups that gave up waiting for a probe
 
     @property
@@ -181,7 +208,9 @@ class ChunkLocator:
         """How many leading `keys` are held: HIT (or MISS), or RETRY while a slow probe for
         this request runs (ask again on a later call). Scheduler thread only."""
         held = self._held_now(keys)
-        if held == len(keys) or not self._slow:
+        missed, when = self._missed.pop(request_id, (None, -math.inf))
+        if held == len(keys) or not self._slow or (
+                keys[held] == missed and time.monotonic() - when < self._timeout_s):
             self._pending.pop(request_id, None)
             return Located.prefix(held)
         pending = self._pending.get(request_id)
@@ -191,21 +220,34 @@ class ChunkLocator:
             assert self._pool is not None
             future = self._pool.submit(_probed_prefix, self._all, list(keys[held:]))
             self._pending[request_id] = (held, future, time.monotonic())
-            return RETRY
+            return Located(LookupStatus.RETRY, held)
         start, future, started = pending
-        if not future.done():
-            if time.monotonic() - started < self._timeout_s:
-                return RETRY
-            del self._pending[request_id]
-            self.timeouts += 1
-            self._stuck = future
-            log.warning("kvtier: a slow tier's lookup took over %.3g s; the rest of the "
-                        "prefix is a miss, and slow tiers are not asked until it answers",
-                        self._timeout_s)
-            return Located.prefix(held)
+        landed = self._landed(future, started)
+        if not landed:
+            if landed is None:
+                del self._pending[request_id]
+                return Located.prefix(held)
+            return Located(LookupStatus.RETRY, held)
         del self._pending[request_id]
         found = future.result() if future.exception() is None else []
-        return Located.prefix(max(held, self._extend(start, keys, found)))
+        held = max(held, self._extend(start, keys, found))
+        if held < len(keys):
+            self._missed[request_id] = (keys[held], time.monotonic())
+        return Located.prefix(held)
+
+    def _landed(self, future: Future[Any], started: float) -> bool | None:
+        """Whether a slow probe started at `started` has answered: False while it may still,
+        None once it took over `timeout_s` (a miss; it is the stuck probe from now on)."""
+        if future.done():
+            return True
+        if time.monotonic() - started < self._timeout_s:
+            return False
+        self.timeouts += 1
+        self._stuck = future
+        log.warning("kvtier: a slow tier's lookup took over %.3g s; the rest of the "
+                    "prefix is a miss, and slow tiers are not asked until it answers",
+                    self._timeout_s)
+        return None
 
     def _held_now(self, keys: Sequence[ChunkKey]) -> int:
         """Leading `keys` held by what answers at once: the index and the inline probes."""
@@ -228,27 +270,63 @@ class ChunkLocator:
         except TierUnavailable:
             return []
 
-    def first_held(self, keys: Sequence[ChunkKey]) -> int | None:
+    def first_held(self, keys: Sequence[ChunkKey], request_id: str | None = None
+                   ) -> int | Literal[LookupStatus.RETRY] | None:
         """The index of the first of `keys` held (alternatives, e.g. a chunk's tails, longest
         first), or None: the index, then each inline probe asked once for all of them
-        (`BatchLookup`: one round trip). Slow probes are not asked (a miss costs no RETRY):
-        a chunk only they hold is found once an engine reports it stored. Scheduler thread."""
+        (`BatchLookup`: one round trip). Where the index says what the tiers hold
+        (`index_first`, in process), slow probes are not asked (a miss costs no RETRY): a
+        chunk only they hold is found once an engine reports it stored. Where it does not
+        (node mode: the node's tiers below RAM are its slow probe, and the index only answers
+        while the node cannot), what a slow probe found is held, and else the slow probes are
+        asked, off this thread, for `request_id` (None: not asked): RETRY until they answer,
+        as `locate`'s. Scheduler thread."""
         indexed = next((i for i, key in enumerate(keys) if key in self.index), None)
         if self._index_first and indexed is not None:
             return indexed
         for name, probe in self._inline:
             try:
-                held = (probe.contains_many(list(keys)) if isinstance(probe, BatchLookup)
-                        else [probe.contains(key) for key in keys])
+                found = _first_found([(name, probe)], keys)
             except TierUnavailable:
                 if not self._index_first:
                     return indexed  # what was stored, while the probe cannot tell
                 continue
-            first = next((i for i, h in enumerate(held) if h), None)
-            if first is not None:
-                self.index.add(keys[first], name)
-                return first
-        return None
+            if found is not None:
+                self.index.add(keys[found[0]], name)
+                return found[0]
+        if self._index_first or not self._slow or request_id is None:
+            return None
+        found_below = next((i for i, key in enumerate(keys)
+                            if self.index.found_in(key) in self._slow_names), None)
+        if found_below is not None:
+            return found_below
+        return self._first_held_slowly(request_id, keys)
+
+    def _first_held_slowly(self, request_id: str, keys: Sequence[ChunkKey]
+                           ) -> int | Literal[LookupStatus.RETRY] | None:
+        """`first_held` of the slow probes, asked on the probe thread for `request_id`."""
+        asked = tuple(keys)
+        pending = self._firsts.pop(request_id, None)
+        if pending is not None and pending[0] != asked:  # the request's lookup moved on
+            pending[1].cancel()
+            pending = None
+        if pending is None:
+            if self._probes_stuck():
+                return None
+            assert self._pool is not None
+            future = self._pool.submit(_first_found, self._slow_probes, asked)
+            self._firsts[request_id] = (asked, future, time.monotonic())
+            return LookupStatus.RETRY
+        _, future, started = pending
+        landed = self._landed(future, started)
+        if landed is False:
+            self._firsts[request_id] = pending
+            return LookupStatus.RETRY
+        found = future.result() if landed and future.exception() is None else None
+        if found is None:
+            return None
+        self.index.add(keys[found[0]], found[1])
+        return found[0]
 
     def _probes_stuck(self) -> bool:
         """Whether a probe that outlived timeout_s is still running."""
@@ -269,10 +347,14 @@ class ChunkLocator:
         return start + len(found)
 
     def forget(self, request_id: str) -> None:
-        """Drop a finished request's pending probe."""
+        """Drop a finished request's pending probes."""
+        self._missed.pop(request_id, None)
         pending = self._pending.pop(request_id, None)
         if pending is not None:
             pending[1].cancel()
+        first = self._firsts.pop(request_id, None)
+        if first is not None:
+            first[1].cancel()
 
     def close(self) -> None:
         if self._pool is not None:

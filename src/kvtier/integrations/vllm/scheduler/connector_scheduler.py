@@ -28,7 +28,7 @@ import logging
 import math
 import time
 import uuid
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from kvtier.core.locator import ChunkLocator, LookupStatus
 from kvtier.integrations.vllm.config import ConnectorConfig
@@ -124,11 +124,18 @@ class ConnectorScheduler:
             return 0, False
         located = self._locator.locate(request.request_id, keys)
         if located.status is LookupStatus.RETRY:
+            if not self._locator.index_first:
+                # Node mode: the tails after the chunks known held so far are asked of the
+                # node's tiers below RAM meanwhile, so that where its probe finds no more
+                # chunks (a miss, most often) their answer comes with its own.
+                self._tail_hit(state, located.num_chunks, loadable_tokens)
             return None, False
         num_chunks = self._states.hit_end(keys, located.num_chunks)
         # Past the full chunks held, the longest tail of the next chunk held (a hit ends at
         # a block boundary: keys.tail_key).
         tail = self._tail_hit(state, num_chunks, loadable_tokens)
+        if tail is LookupStatus.RETRY:
+            return None, False
         hit_tokens = num_chunks * self._tokens_per_chunk + self._tail_tokens(tail)
         self._stats.add("lookup_tokens", max(0, request.num_tokens - num_computed_tokens))
         self._stats.add("lookup_hit_tokens", max(0, hit_tokens - num_computed_tokens))
@@ -282,17 +289,22 @@ class ConnectorScheduler:
     # -- helpers --------------------------------------------------------------------------
 
     def _tail_hit(self, state: RequestState, num_chunks: int, loadable_tokens: int
-                  ) -> Tail | None:
+                  ) -> Tail | Literal[LookupStatus.RETRY] | None:
         """The longest tail of chunk `num_chunks` (the first not held) that kvtier holds and
         that ends by `loadable_tokens`; None: none, or tails are off for this model (several
-        KV cache groups: hits end at chunk boundaries there)."""
+        KV cache groups: hits end at chunk boundaries there); RETRY: a slow probe is asking
+        (node mode: the node's tiers below RAM)."""
         if not self._tails or self._states.enabled:
             return None
         start = num_chunks * self._tokens_per_chunk
         tails = self._requests.tail_keys(state, num_chunks,
                                          (loadable_tokens - start) // self._block_size)
-        held = self._locator.first_held([t.key for t in tails]) if tails else None
-        return tails[held] if held is not None else None
+        if not tails:
+            return None
+        held = self._locator.first_held([t.key for t in tails], state.request.request_id)
+        if held is None or held is LookupStatus.RETRY:
+            return held
+        return tails[held]
 
     def _tail_tokens(self, tail: Tail | None) -> int:
         return tail.num_blocks * self._block_size if tail is not None else 0

@@ -201,7 +201,9 @@ class StorePlanner:
         the index says what the tiers hold. Not in node mode: the node evicts chunks without a
         word to this engine, whose index then would keep a chunk it computed again from ever
         being stored again (a prompt the node lost missed on this engine for good); the node's
-        Reserve answers HELD for a chunk it holds, which costs no copy."""
+        Reserve answers HELD for a chunk its RAM holds, which costs no copy (one it holds only
+        below RAM, which lookups find and loads promote, takes a RAM slot: the store's copy
+        promotes it, and its tiers below are not written again)."""
         return key in self._inflight or (self._locator.index_first and key in self._locator.index)
 
     def _full_chunks(self, state: RequestState, computed_tokens: int,
