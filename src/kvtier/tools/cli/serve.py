@@ -82,7 +82,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--tokens-per-chunk", type=positive_int,
                    help="tokens per stored chunk, a multiple of vLLM's --block-size (default "
                         "256; smaller chunks recompute less of a returning prompt's tail, at "
-                        "more chunks per prompt: docs/performance.md)")
+                        "more chunks per prompt: docs/performance.md). CPU backend without "
+                        "--block-size: a multiple of 32; one 128 does not divide gets a "
+                        "--block-size that divides it")
     p.add_argument("--engine-kv", help="CPU backend: the engine's own KV cache size "
                                        "(--kv-cache-memory-bytes; default a share of RAM)")
     p.add_argument("--kv-role", choices=KV_ROLES, default="kv_both",

@@ -42,7 +42,9 @@ from kvtier.integrations.vllm.config import (
 from kvtier.redaction import redact_text
 from kvtier.tiers.registry import tier_class
 from kvtier.tiers.storeconfig import StoreConfig
+from kvtier.tools.ops.chunkplan import CPU_BLOCK, CPU_KERNEL_BASE
 from kvtier.tools.ops.flags import kvtier_flags
+from kvtier.tools.ops.modelspec import load_model_spec
 from kvtier.units import format_size
 
 MIB = 1024**2
@@ -212,15 +214,9 @@ def build_command(cfg: ServeConfig) -> ServeCommand:
                 "every step slowed down (docs/performance.md, kvtier demo)")
         extra = dict(cfg.extra_config) if cfg.extra_config is not None else connector_config(
             default_tiers(cpu=cpu))
-        block = _flag_value(cfg.vllm_args, "--block-size")
-        wanted = ConnectorConfig.parse(extra).tokens_per_chunk
-        if block and int(block) > 0 and wanted % int(block):
-            tpc = int(block) * -(-wanted // int(block))
-            extra["tokens_per_chunk"] = tpc
-            notes.append(f"tokens_per_chunk={tpc}: the first multiple of --block-size {block} "
-                         f">= {wanted}")
+        block_flags = _fit_chunk_to_block(extra, cfg, cpu, notes)
         transfer = kvtier_transfer_config(extra)
-        argv += kvtier_flags(extra, disable_hma=False)
+        argv += kvtier_flags(extra, disable_hma=False) + block_flags
         argv += ["--middleware", CACHE_CONTROL_MIDDLEWARE]
         notes.append("--middleware: clients' cache_control markers pin the prompt up to them "
                      "in kvtier for their TTL (docs/retention.md)")
@@ -238,6 +234,59 @@ def build_command(cfg: ServeConfig) -> ServeCommand:
     argv += list(cfg.vllm_args)
     return ServeCommand(tuple(argv), env, f"http://{cfg.host}:{cfg.port}", transfer,
                         tuple(notes))
+
+
+def _fit_chunk_to_block(extra: dict[str, Any], cfg: ServeConfig, cpu: bool,
+                        notes: list[str]) -> list[str]:
+    """Make tokens_per_chunk (in `extra`, updated) a multiple of vLLM's block size, which
+    the connector requires at the engine's start: with `--block-size B` in vllm_args, the
+    first multiple of B from tokens_per_chunk up; on the CPU backend without one, where vLLM
+    picks 128-token blocks, a tokens_per_chunk the operator set that 128 does not divide gets
+    the largest block vLLM's CPU attention takes (a multiple of 32, at most 128) that divides
+    it. Models whose block vLLM sets itself (state layers: "align" mode; MLA: 16) are left
+    to vLLM. Returns the flags to add; appends why to `notes`.
+
+    Raises:
+        ConfigError: that tokens_per_chunk is not a multiple of 32 (no CPU block divides it).
+    """
+    block = _flag_value(cfg.vllm_args, "--block-size")
+    parsed = ConnectorConfig.parse(extra)
+    wanted = parsed.tokens_per_chunk
+    if block is not None:
+        if block.isdigit() and int(block) > 0 and wanted % int(block):
+            tpc = int(block) * -(-wanted // int(block))
+            extra["tokens_per_chunk"] = tpc
+            notes.append(f"tokens_per_chunk={tpc}: the first multiple of --block-size {block} "
+                         f">= {wanted}")
+        return []
+    if not cpu or not parsed.tokens_per_chunk_set or wanted % CPU_BLOCK == 0 \
+            or _block_set_by_vllm(cfg.model):
+        return []
+    if wanted % CPU_KERNEL_BASE:
+        raise ConfigError("tokens_per_chunk", wanted,
+                          f"a multiple of {CPU_KERNEL_BASE} on vLLM's CPU backend (its "
+                          f"attention takes blocks of a multiple of {CPU_KERNEL_BASE} tokens; "
+                          f"its default block is {CPU_BLOCK}), or pass vLLM a --block-size "
+                          "after `--` (tokens_per_chunk is then rounded up to a multiple of it)")
+    size = max(b for b in range(CPU_KERNEL_BASE, CPU_BLOCK + 1, CPU_KERNEL_BASE)
+               if wanted % b == 0)
+    notes.append(f"--block-size {size}: vLLM's CPU backend picks {CPU_BLOCK}-token blocks, "
+                 f"which tokens_per_chunk={wanted} is not a multiple of (the connector would "
+                 f"refuse to start); {size} is the largest block it takes that divides it")
+    return ["--block-size", str(size)]
+
+
+def _block_set_by_vllm(model: str) -> bool:
+    """Whether vLLM sets the block size of `model` (a local folder) itself: state layers
+    (the "align" mode raises it to hold a state page) or MLA (16 on the CPU backend). False
+    for a model whose config.json is not here or not readable (a plain model is assumed)."""
+    if not (Path(model) / "config.json").is_file():
+        return False
+    try:
+        spec = load_model_spec(model)
+    except ConfigError:
+        return False
+    return spec.state_layers > 0 or spec.mla is not None
 
 
 def per_rank_note(store: StoreConfig, tp: int) -> str:
