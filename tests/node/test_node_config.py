@@ -5,7 +5,8 @@ TypeError, nor nonsense kept), and an engine's `node` must be an absolute socket
 `tiers` of its own beside it (in node mode every tier is the node's: tiers set in the engine
 would be silently ignored). Also `kvtier node serve` with such a config: exit status 2 and the
 field named, no node started. And its start-up warning where it shares a CPU group (a
-session, under the kernel's autogroup) with what started it.
+session, under the kernel's autogroup) with what started it. A RAM tier larger than
+/dev/shm, where the node keeps it, is refused by `kvtier node serve` the same way.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.node.cli import AUTOGROUP
 from kvtier.node.server import NodeConfig
+from kvtier.tiers.shmslab import SHM_DIR, shm_size_bytes
 from kvtier.tiers.storeconfig import StoreConfig
+from kvtier.units import format_size
 
 pytestmark = pytest.mark.timeout(120)  # a hang fails here, not at the suite's 900 s
 
@@ -53,6 +56,24 @@ def test_kvtier_node_serve_names_the_bad_field(
         capture_output=True, text=True, timeout=60)
     assert served.returncode == 2, served.stderr
     assert named in served.stderr
+    assert not (tmp_path / "node.sock").exists()
+
+
+@pytest.mark.skipif(shm_size_bytes() is None, reason=f"no {SHM_DIR}")
+def test_kvtier_node_serve_refuses_a_ram_tier_larger_than_dev_shm(tmp_path: Path):
+    # The node used to start and serve, then refuse every engine: /dev/shm full (ENOSPC)
+    # when it created the first layout's slab, logged once per layout.
+    shm = shm_size_bytes()
+    assert shm is not None
+    path = tmp_path / "node.json"
+    path.write_text(json.dumps({"tiers": [{"kind": "memory", "capacity": shm + 2**30}]}))
+    served = subprocess.run(
+        [sys.executable, "-m", "kvtier.node", "serve", "--config", str(path),
+         "--socket", str(tmp_path / "node.sock"), "--name", tmp_path.name],
+        capture_output=True, text=True, timeout=60)
+    assert served.returncode == 2, served.stderr
+    assert f"{path}: tiers[0].capacity='{format_size(shm + 2**30)}'" in served.stderr
+    assert f"at most {format_size(shm)}, the size of {SHM_DIR}" in served.stderr
     assert not (tmp_path / "node.sock").exists()
 
 

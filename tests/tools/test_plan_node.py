@@ -39,9 +39,9 @@ def node_of(plan: Plan):
 def test_eight_engines_pool_their_private_tiers_into_one_slab():
     # A 1 TiB node, 8 engines at TP 1: each engine's share 128 GiB, 60% of it (the default
     # --host-kv-fraction) its private CPU tier, 76.8 GiB; the node holds the same bytes,
-    # 8 x 76.8 = 614.4 GiB, in the one layout's slab.
+    # 8 x 76.8 = 614.4 GiB, in the one layout's slab (its /dev/shm grown to the whole RAM).
     plan = make_plan(req("llama-3-8b", node_engines=8, host_ram_bytes=1024 * GIB,
-                         context_tokens=8192, nvme_bytes=0))
+                         node_shm_bytes=1024 * GIB, context_tokens=8192, nvme_bytes=0))
     node = node_of(plan)
     assert plan.cpu_offload_gib == 76.8  # each engine's in-process commands get its share
     memory = json.loads(_flag(plan, "kvtier", "--kv-transfer-config"))
@@ -50,7 +50,7 @@ def test_eight_engines_pool_their_private_tiers_into_one_slab():
     assert (node.engines, node.layouts, node.gpus) == (8, 1, 8)
     assert node.node_config == {"tiers": [{"kind": "memory", "capacity": "614.4GiB"}]}
     slab = int(614.4 * GIB)
-    assert node.slab_capacity_bytes == node.ram_tier_bytes == slab
+    assert node.slab_capacity_bytes == node.ram_tier_bytes == node.ram_tier_pooled_bytes == slab
     # 256-token chunks (the connector's default, a multiple of the 16-token block) of
     # 32 MiB, already 4 KiB-aligned: 614.4 GiB / 32 MiB = 19,660.8 slots -> 19,660.
     assert node.tokens_per_chunk == 256
@@ -65,10 +65,34 @@ def test_eight_engines_pool_their_private_tiers_into_one_slab():
     assert (node.pooled_tokens, node.private_tokens) == (slots * 256, private_slots * 256)
     assert (node.pooled_sessions, node.private_sessions) == (slots // 32, private_slots // 32)
     assert node.gain == pytest.approx(slots / private_slots) and 7.9 < node.gain < 8.1
-    # The default /dev/shm is half the node's RAM, 512 GiB: the 614.4 GiB slab does not fit.
+    assert node.shm_bytes_wanted == 1024 * GIB and node.shm_bytes_given
+    assert not any("/dev/shm" in n for n in node.notes if "warm restart" not in n)
+
+
+def test_the_default_ram_tier_is_held_to_what_dev_shm_holds():
+    # The same node with the default /dev/shm, half its RAM (512 GiB): the 614.4 GiB that the
+    # private tiers would pool was node.yaml's capacity, and the node could not create the
+    # slab (ENOSPC: every engine refused). The default is held to 90% of /dev/shm, and said.
+    plan = make_plan(req("llama-3-8b", node_engines=8, host_ram_bytes=1024 * GIB,
+                         context_tokens=8192, nvme_bytes=0))
+    node = node_of(plan)
     assert node.shm_bytes_wanted == 512 * GIB and not node.shm_bytes_given
-    assert any("do not fit the node's /dev/shm" in n for n in node.notes)
     assert any("/dev/shm is 512 GiB, half its RAM" in a for a in plan.assumptions)
+    assert node.ram_tier_pooled_bytes == int(614.4 * GIB)
+    room = 0.9 * 512 * GIB
+    assert room - GIB < node.shm_bytes <= room  # the slab's file, records and all
+    capacity = node.node_config["tiers"][0]["capacity"]
+    assert int(float(capacity.removesuffix("GiB")) * GIB) == node.slab_capacity_bytes
+    assert node.ram_tier_bytes == node.slab_capacity_bytes < node.ram_tier_pooled_bytes
+    notes = " ".join(node.notes)
+    assert "the node's RAM tier is held to " in notes and "10% of it left free" in notes
+    assert "do not fit" not in notes
+    # An explicit size (--from-sglang: each engine's tier) is kept; the notes say it does
+    # not fit (and `kvtier node serve` refuses such a config: test_node_cli.py).
+    explicit = node_of(make_plan(req("llama-3-8b", node_engines=8, host_ram_bytes=1024 * GIB,
+                                     cpu_tier_bytes=int(76.8 * GIB), nvme_bytes=0)))
+    assert explicit.ram_tier_bytes == explicit.ram_tier_pooled_bytes == int(614.4 * GIB)
+    assert any("do not fit the node's /dev/shm" in n for n in explicit.notes)
 
 
 def test_the_printed_configs_are_what_the_node_and_the_engines_accept(tmp_path):
@@ -102,7 +126,7 @@ def test_each_tp_rank_is_a_layout_and_the_node_holds_four(tp, layout_note):
     # Llama-3-70B, 2 engines on a 2 TiB node: each engine's share 1 TiB, its tier 614.4 GiB
     # (all its ranks); pooled, 1228.8 GiB over `tp` layouts.
     plan = make_plan(req("llama-3-70b", tp=tp, node_engines=2, host_ram_bytes=2048 * GIB,
-                         nvme_bytes=0))
+                         node_shm_bytes=2048 * GIB, nvme_bytes=0))
     node = node_of(plan)
     assert node.layouts == tp and node.gpus == 2 * tp
     capacity = 1228.8 / tp
@@ -120,12 +144,13 @@ def test_each_tp_rank_is_a_layout_and_the_node_holds_four(tp, layout_note):
 
 
 def test_dev_shm_checks_the_slabs_and_a_warm_restart():
-    def notes(**kw) -> str:
+    def notes(**kw) -> str:  # each engine's tier given (kept: the default is held to shm)
         plan = make_plan(req("llama-3-8b", node_engines=4, host_ram_bytes=512 * GIB,
-                             nvme_bytes=0, **kw))
+                             cpu_tier_bytes=int(76.8 * GIB), nvme_bytes=0, **kw))
         return " ".join(node_of(plan).notes)
 
     shm = node_of(make_plan(req("llama-3-8b", node_engines=4, host_ram_bytes=512 * GIB,
+                                node_shm_bytes=512 * GIB,
                                 nvme_bytes=0))).shm_bytes  # 4 x 76.8 GiB and records
     assert "do not fit" in notes(node_shm_bytes=shm - 1)
     # Room for the slabs, not for a restarted node's new ones beside its predecessor's.
@@ -143,7 +168,8 @@ def test_default_host_ram_is_the_nodes_gpus_and_each_engine_keeps_its_share():
     plan = make_plan(req("llama-3-8b", tp=2, node_engines=4))
     assert plan.host_ram_bytes == 8 * 256 * GIB == 4 * alone.host_ram_bytes
     assert plan.cpu_tier_bytes == alone.cpu_tier_bytes
-    assert node_of(plan).ram_tier_bytes == pytest.approx(4 * alone.cpu_tier_bytes, abs=GIB)
+    assert node_of(plan).ram_tier_pooled_bytes == pytest.approx(4 * alone.cpu_tier_bytes,
+                                                                abs=GIB)
     assert any("x 4 engines x TP 2" in a for a in plan.assumptions)
     assert any("4 engines on the node" in n for n in plan.notes)
     assert alone.node is None

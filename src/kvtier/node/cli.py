@@ -27,7 +27,9 @@ from kvtier.errors import ConfigError, NodeUnavailable
 from kvtier.node.client import node_status
 from kvtier.node.metrics import MetricsServer, NodeCollector
 from kvtier.node.server import NodeConfig, NodeServer
+from kvtier.tiers.shmslab import SHM_DIR, shm_size_bytes
 from kvtier.tiers.storeconfig import StoreConfig
+from kvtier.units import format_size
 
 DEFAULT_SOCKET = "/run/kvtier/node.sock"
 AUTOGROUP = Path("/proc/sys/kernel/sched_autogroup_enabled")
@@ -82,6 +84,7 @@ def serve(args: argparse.Namespace) -> int:
                         event_block_size=args.event_block_size,
                         stop_flush_s=args.stop_flush_s, max_layouts=args.max_layouts,
                         **({"name": args.name} if args.name else {}))
+    check_shm_room(config, args.config)
     note_cpu_group()  # once its settings hold: not before an error that ends it
     metrics: MetricsServer | None = None
     if args.metrics_port is not None:
@@ -109,6 +112,30 @@ def serve(args: argparse.Namespace) -> int:
         log.warning("kvtier node: stopped; %d calls into tiers that stopped answering are "
                     "still running (%s): exiting without them", len(stuck), ", ".join(stuck))
     return code
+
+
+def check_shm_room(config: NodeConfig, where: str) -> None:
+    """Refuse a RAM tier larger than /dev/shm, where the node puts it (a slab per KV layout):
+    the node would start, then refuse every engine, /dev/shm full at its first layout. Warn
+    when /dev/shm holds fewer slabs than `max_layouts`: the engines of one more are refused.
+
+    Raises:
+        ConfigError: naming the config's tiers[0].capacity, its value and /dev/shm's size.
+    """
+    shm = shm_size_bytes()
+    capacity = config.store.tiers[0].capacity
+    if shm is None:
+        return
+    if capacity > shm:
+        raise ConfigError(f"{where}: tiers[0].capacity", format_size(capacity),
+                          f"at most {format_size(shm)}, the size of {SHM_DIR}, where the node "
+                          "keeps its RAM tier (a slab per KV layout): lower it, or grow "
+                          f"{SHM_DIR} (mount -o remount,size=...)")
+    if capacity * config.max_layouts > shm:
+        log.warning("kvtier node: %s (%s) holds %d RAM slabs of %s, fewer than max_layouts "
+                    "(%d): engines of a layout past them are refused (/dev/shm full)",
+                    SHM_DIR, format_size(shm), shm // capacity, format_size(capacity),
+                    config.max_layouts)
 
 
 def _running_calls(grace_s: float) -> list[str]:

@@ -33,7 +33,7 @@ its slot up only once claimed. So while an engine's lock is held, the slot's byt
 record's chunk, whole. The kernel drops an engine's locks when it dies (no slot leaks), and a
 lock is one syscall on the engine's own thread: no wait for the node's thread to be scheduled.
 
-Primitives: `SharedSlab`, `SlabReader`, `SHM_DIR`, `slab_file_bytes`.
+Primitives: `SharedSlab`, `SlabReader`, `SHM_DIR`, `slab_file_bytes`, `shm_size_bytes`.
 """
 
 from __future__ import annotations
@@ -73,6 +73,16 @@ def slab_file_bytes(slot_bytes: int, num_slots: int) -> int:
     """The size of a slab's file: its slots, a record per slot and the footer (what it
     takes in /dev/shm; `kvtier plan --node-engines` sizes a node's /dev/shm with it)."""
     return num_slots * (slot_bytes + _RECORD.itemsize) + _FOOTER.size
+
+
+def shm_size_bytes() -> int | None:
+    """The size of SHM_DIR's file system (a tmpfs: half the RAM by default), used or not;
+    None where there is no SHM_DIR."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return None
+    return st.f_blocks * st.f_frsize
 
 
 class SharedSlab:

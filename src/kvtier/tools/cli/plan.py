@@ -29,7 +29,7 @@ from kvtier.tools.cli.argtypes import (
 )
 from kvtier.tools.cli.weights import print_router_weights
 from kvtier.tools.ops.attention_kernels import BackendChoice, choose_backend, describe_choice
-from kvtier.tools.ops.flags import sglang_per_rank_to_vllm_total
+from kvtier.tools.ops.flags import gib_number, sglang_per_rank_to_vllm_total
 from kvtier.tools.ops.hardware import gpu_profile
 from kvtier.tools.ops.modelspec import load_model_spec
 from kvtier.tools.ops.nodeplan import MAX_LAYOUTS, NodePlan
@@ -278,7 +278,9 @@ def _node_dict(node: NodePlan) -> dict[str, Any]:
             "gpus": node.gpus, "host_ram_bytes": node.host_ram_bytes,
             "private_tier_bytes": node.private_tier_bytes,
             "slab_capacity_bytes": node.slab_capacity_bytes,
-            "ram_tier_bytes": node.ram_tier_bytes, "tokens_per_chunk": node.tokens_per_chunk,
+            "ram_tier_bytes": node.ram_tier_bytes,
+            "ram_tier_pooled_bytes": node.ram_tier_pooled_bytes,
+            "tokens_per_chunk": node.tokens_per_chunk,
             "chunk_bytes_per_rank": node.chunk_bytes, "slot_bytes": node.slot_bytes,
             "slab_file_bytes": node.slab_file_bytes, "shm_bytes": node.shm_bytes,
             "shm_restart_bytes": node.shm_restart_bytes,
@@ -455,10 +457,14 @@ def _print_node(console: Console, node: NodePlan, ctx: int) -> None:
     if node.local_shm_bytes is not None:
         shm += f"; this machine's {SHM_DIR}: {format_size(node.local_shm_bytes)}"
     gain = "-" if math.isinf(node.gain) else f"{node.gain:.1f}x"
+    ram = f"{format_size(node.ram_tier_bytes)} ="
+    if node.ram_tier_bytes < node.ram_tier_pooled_bytes:
+        ram = (f"{gib_number(node.ram_tier_bytes / _GIB)} GiB, held to what the node's "
+               f"/dev/shm holds: not the {gib_number(node.ram_tier_pooled_bytes / _GIB)} GiB of")
     rows = [
         ("engines", f"{node.engines} x TP {node.layouts} = {node.gpus} GPUs; {node.layouts} KV "
          f"layout(s), one per TP rank (a node holds at most {MAX_LAYOUTS})"),
-        ("RAM tier", f"{format_size(node.ram_tier_bytes)} = {node.engines} x "
+        ("RAM tier", f"{ram} {node.engines} x "
          f"{format_size(node.private_tier_bytes)} (each engine's private CPU tier), pooled: "
          f"{format_size(node.slab_capacity_bytes)} per layout (node.yaml's memory capacity)"),
         ("/dev/shm", shm),

@@ -3,11 +3,12 @@
 The node pools the RAM that N engines would each hold as a private CPU tier: the same bytes,
 in a slab per KV layout in /dev/shm (one layout per TP rank of the model: each rank's
 workers of every engine share it), so a prefix several engines see is held once, not once
-per engine. This module says what the node needs (the slabs' bytes, the room in /dev/shm
-and in the host's RAM, the layouts against `NodeConfig.max_layouts`), what it gains (unique
-tokens and sessions, pooled against private: an upper bound, reached when every engine
-sees every prefix), and how to run it (its config, `kvtier node serve`, the engines'
-node-mode `--kv-transfer-config`).
+per engine; at most what the node's /dev/shm holds, a tenth of it left free (a slab that
+does not fit is never created: the node refuses its engines). This module says what the
+node needs (the slabs' bytes, the room in /dev/shm and in the host's RAM, the layouts against
+`NodeConfig.max_layouts`), what it gains (unique tokens and sessions, pooled against private:
+an upper bound, reached when every engine sees every prefix), and how to run it (its config,
+`kvtier node serve`, the engines' node-mode `--kv-transfer-config`).
 
 Primitives:
     NodePlan                       -- the node's sizing, commands and warnings (frozen)
@@ -46,6 +47,9 @@ MAX_LAYOUTS = _max_layouts()
 # The node's own memory beside its slabs (spares, write-behind queue, index): the margin
 # deploy/kubernetes-node/kvtier-node.yaml's memory request adds to the RAM tier.
 NODE_OVERHEAD_BYTES = 16 * _GIB
+# The share of the node's /dev/shm its default RAM tier leaves free: vLLM's shared-memory
+# queues (a few per engine) and torch's shared tensors live there too.
+SHM_HEADROOM = 0.1
 # The metrics port of the printed `kvtier node serve` (deploy/kubernetes-node's).
 METRICS_PORT = 9400
 # The node's config file in the printed commands.
@@ -62,7 +66,8 @@ class NodePlan:
     host_ram_bytes: int  # the node's RAM (given, or assumed per GPU)
     private_tier_bytes: int  # one engine's private CPU tier, all its ranks (the plan's)
     slab_capacity_bytes: int  # the node's memory tier capacity: per layout, in node.yaml
-    ram_tier_bytes: int  # all layouts: N private tiers' bytes, pooled
+    ram_tier_bytes: int  # all layouts: N private tiers' bytes, pooled, as /dev/shm holds
+    ram_tier_pooled_bytes: int  # all layouts: N private tiers' bytes, pooled
     tokens_per_chunk: int  # the chunk the engines store
     chunk_bytes: int  # one chunk on one rank
     slot_bytes: int  # its slot in the slab (aligned)
@@ -102,21 +107,28 @@ def plan_node(req: PlanRequest, ctx: int, host_ram: int, cpu_gib: float, nvme_gi
               ) -> NodePlan:
     """The node for `req.node_engines` engines of `req`'s model, each of which would hold a
     private CPU tier of `cpu_gib` (total of its ranks); `kvtier` is the plan's kvtier
-    alternative (its flags and refusal), `shared` the flags every command shares.
+    alternative (its flags and refusal), `shared` the flags every command shares. The node's
+    RAM tier pools those tiers, held to what the node's /dev/shm holds (SHM_HEADROOM of it
+    left free) unless the operator gave the tiers' size (`req.cpu_tier_bytes`).
 
     Raises:
         ConfigError: a node config or transfer config kvtier would refuse.
     """
     engines, tp = req.node_engines, req.tp
-    slab_gib = gib_number(cpu_gib * engines / tp)
-    slab = int(float(slab_gib) * _GIB)
     tpc, chunk = _chunk(req, chunks, kvtier, shared)
     slot = -(-chunk // ALIGN_BYTES) * ALIGN_BYTES
+    shm_wanted = req.node_shm_bytes or host_ram // 2
+    pooled_gib = cpu_gib * engines / tp
+    # A private tier's size the operator gave (--from-sglang) is kept, and the notes say
+    # when it does not fit; the default, a share of RAM, is held to what /dev/shm holds.
+    slab_gib = gib_number(pooled_gib if req.cpu_tier_bytes is not None
+                          else min(pooled_gib, _slab_room(shm_wanted, tp, slot) / _GIB))
+    slab = int(float(slab_gib) * _GIB)
+    pooled = int(float(gib_number(pooled_gib)) * _GIB)
     slots = slab // slot
     private_slots = int(cpu_gib * _GIB) // tp // slot
     per_session = -(-ctx // tpc)
     file_bytes = slab_file_bytes(slot, slots)
-    shm_wanted = req.node_shm_bytes or host_ram // 2
     tiers: list[dict[str, Any]] = [{"kind": "memory", "capacity": f"{slab_gib}GiB"}]
     if nvme_gib:
         tiers.append({"kind": "disk", "path": req.nvme_path,
@@ -131,7 +143,8 @@ def plan_node(req: PlanRequest, ctx: int, host_ram: int, cpu_gib: float, nvme_gi
     plan = NodePlan(
         engines=engines, layouts=tp, gpus=engines * tp, host_ram_bytes=host_ram,
         private_tier_bytes=int(cpu_gib * _GIB), slab_capacity_bytes=slab,
-        ram_tier_bytes=slab * tp, tokens_per_chunk=tpc, chunk_bytes=chunk, slot_bytes=slot,
+        ram_tier_bytes=slab * tp, ram_tier_pooled_bytes=pooled * tp,
+        tokens_per_chunk=tpc, chunk_bytes=chunk, slot_bytes=slot,
         slab_file_bytes=file_bytes, shm_bytes=file_bytes * tp, shm_bytes_wanted=shm_wanted,
         shm_bytes_given=bool(req.node_shm_bytes), local_shm_bytes=req.local_shm_bytes,
         pod_memory_bytes=file_bytes * tp + NODE_OVERHEAD_BYTES,
@@ -141,6 +154,14 @@ def plan_node(req: PlanRequest, ctx: int, host_ram: int, cpu_gib: float, nvme_gi
         engine_transfer_config=transfer, engine_command=engine_command,
         refused=kvtier.refused, notes=())
     return replace(plan, notes=tuple(node_notes(plan)))
+
+
+def _slab_room(shm_bytes: int, layouts: int, slot_bytes: int) -> int:
+    """The largest capacity of each of `layouts` slabs whose files fit in `shm_bytes` of
+    /dev/shm with SHM_HEADROOM of it left free (whole slots)."""
+    room = int(shm_bytes * (1 - SHM_HEADROOM)) // layouts - slab_file_bytes(slot_bytes, 0)
+    per_slot = slab_file_bytes(slot_bytes, 1) - slab_file_bytes(slot_bytes, 0)
+    return max(0, room) // per_slot * slot_bytes
 
 
 def _chunk(req: PlanRequest, chunks: ChunkPlan | None, kvtier: Alternative,
@@ -189,6 +210,12 @@ def node_notes(node: NodePlan) -> list[str]:
         notes.append(f"these engines take all {MAX_LAYOUTS} of the node's layouts: "
                      "another model (or TP size) on this node is refused and misses")
     where = "given" if node.shm_bytes_given else "half its RAM: a tmpfs's default"
+    if node.ram_tier_bytes < node.ram_tier_pooled_bytes:
+        notes.append(f"the node's RAM tier is held to {gib_number(node.ram_tier_bytes / _GIB)}"
+                     f" GiB, not the {gib_number(node.ram_tier_pooled_bytes / _GIB)} GiB of the "
+                     "engines' private tiers: its slabs live in /dev/shm, "
+                     f"{format_size(node.shm_bytes_wanted)} ({where}), {SHM_HEADROOM:.0%} of it "
+                     "left free; grow /dev/shm (--node-shm) for more")
     if node.shm_bytes > node.shm_bytes_wanted:
         notes.append(f"the slabs ({format_size(node.shm_bytes)}) do not fit the node's "
                      f"/dev/shm ({format_size(node.shm_bytes_wanted)}, {where}): grow it "
