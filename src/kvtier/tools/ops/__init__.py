@@ -8,6 +8,7 @@ Modules:
     costmodel   -- prefill FLOPs/seconds, decode step time, transfer time
     vllm_versions -- version gates and the hybrid-KV-manager decision
     flags       -- serve flags/env for kvtier, vLLM native offload and LMCache
+    cores       -- each CPU engine started beside others its own cores
     sizing      -- the plan
     audit/      -- `vllm serve` parser, findings, rule registry, rules_*.py
     doctor      -- installation checks

@@ -16,6 +16,7 @@ Primitives:
   - `default_tiers(...)`, `connector_config(...)`, `load_connector_config(path)`: the
     `kv_connector_extra_config` from the machine's free RAM and disk, flags, or a file.
   - `is_cpu_backend()`: whether the installed vLLM is the CPU build.
+  - `local_workers(args)`: a server's workers on this host (tensor x pipeline parallel).
 """
 
 from __future__ import annotations
@@ -205,7 +206,7 @@ def build_command(cfg: ServeConfig) -> ServeCommand:
     transfer = None
     if cfg.kvtier:
         if cpu and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ:
-            reserved = _cpu_reserved_cores(cfg.vllm_args)
+            reserved = local_workers(cfg.vllm_args)
             env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(reserved)
             notes.append(
                 f"VLLM_CPU_NUM_OF_RESERVED_CPU={reserved}: the CPU backend reserves one more "
@@ -321,15 +322,17 @@ def _flag_value(args: Sequence[str], flag: str) -> str | None:
     return None
 
 
-def _cpu_reserved_cores(vllm_args: Sequence[str]) -> int:
-    """Cores vLLM's CPU backend reserves for its other processes WITHOUT a KV connector: one
-    per local worker (tensor x pipeline parallel size; vllm/utils/ompmultiprocessing.py).
-    With a connector it reserves twice that; kvtier's connector needs no core of its own
-    (its copies run on the worker's thread, its write-behind threads share the worker's
-    cores), so a kvtier server gets the same binding as the same server without it."""
+def local_workers(args: Sequence[str]) -> int:
+    """The workers of a server on this host: tensor x pipeline parallel size in vLLM's
+    arguments (1 when absent or not a number). vLLM's CPU backend reserves one core per
+    worker for its other processes WITHOUT a KV connector (vllm/utils/ompmultiprocessing.py),
+    and twice that with one; kvtier's connector needs no core of its own (its copies run on
+    the worker's thread, its write-behind threads share the worker's cores), so a kvtier
+    server is given VLLM_CPU_NUM_OF_RESERVED_CPU = this: the binding of the same server
+    without it."""
     sizes = 1
     for flags in (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp")):
-        value = next((v for f in flags if (v := _flag_value(vllm_args, f)) is not None), None)
+        value = next((v for f in flags if (v := _flag_value(args, f)) is not None), None)
         if value is not None and value.isdigit() and int(value) > 0:
             sizes *= int(value)
     return sizes
