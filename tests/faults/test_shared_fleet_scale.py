@@ -28,7 +28,7 @@ import blake3
 import pytest
 from tierkit import key, make_tier, tiny_layout
 
-from kvtier.core.chunkformat import stored_size
+from kvtier.core.chunkformat import MAGIC, stored_size
 from kvtier.core.keys import ChunkKey
 from kvtier.tiers.files.chunktree import chunk_parts
 from kvtier.tiers.files.quota import QuotaLedger
@@ -42,7 +42,8 @@ LARGE = 30_000  # chunks held in the large directory (the small one: 1,000)
 
 
 def fill(root: Path, chunks: int) -> None:
-    """`chunks` sparse chunk files of LAYOUT under root/shared, as kvtier lays them out."""
+    """`chunks` sparse chunk files of LAYOUT under root/shared, as kvtier lays them out (each
+    begins with a header's magic: a real chunk's, as `filetree.counted_bytes` counts it)."""
     digest = LAYOUT.digest()
     made: set[tuple[str, ...]] = set()
     for i in range(chunks):
@@ -52,6 +53,7 @@ def fill(root: Path, chunks: int) -> None:
             directory.mkdir(parents=True, exist_ok=True, mode=0o700)
             made.add(parts[:-1])
         fd = os.open(directory / parts[-1], os.O_WRONLY | os.O_CREAT, 0o600)
+        os.pwrite(fd, MAGIC, 0)  # a sparse file without it counts what it allocates
         os.ftruncate(fd, FILE_BYTES)
         os.close(fd)
 

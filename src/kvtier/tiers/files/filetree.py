@@ -22,8 +22,11 @@ Directories kvtier creates get the tier's mode with the setgid bit kept: under a
 new directory, and an explicit chmod to 0770 would clear it, so later files would fall into
 the writer's primary group (issue 12, item 4; tests/faults/test_group_sharing.py).
 
+A file is counted at the bytes `counted_bytes` gives it, wherever it is met (a walk, a sample,
+an unlink), so that the shared tier's ledger subtracts for an unlink what a re-measure added.
+
 Primitives: `open_dir`, `make_root`, `lstat_file`, `unlink_file`, `rename_new`, `walk`, `Entry`,
-`sample_shards` (the shared tier's sampled eviction), `sweep_layout_temps`,
+`sample_shards` (the shared tier's sampled eviction), `sweep_layout_temps`, `counted_bytes`,
 `TEMP_STALE_S`, `is_temp_name`, `DIR_FLAGS`, `NOT_OURS`.
 """
 
@@ -41,6 +44,7 @@ from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtier.core.chunkformat import MAGIC
 from kvtier.tiers.files.fsops import NO_OPS, FsOps
 from kvtier.tiers.manifest import LAYOUT_NAME, is_layout_name
 
@@ -62,6 +66,36 @@ NOT_OURS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP})
 def is_temp_name(name: str) -> bool:
     """Whether `name` is one of kvtier's temp files (a chunk write, or an O_DIRECT probe)."""
     return bool(_CHUNK_TEMP.fullmatch(name) or _PROBE_TEMP.fullmatch(name))
+
+
+def counted_bytes(dir_fd: int, name: str, info: os.stat_result, ops: FsOps = NO_OPS) -> int:
+    """The bytes the regular file `name` in the directory `dir_fd` (its lstat: `info`) counts
+    for in a quota: its size, as kvtier reserves it. But a chunk file that allocates less than
+    half of its size and does not begin with a chunk header's magic is a sparse file kvtier
+    did not write (kvtier writes every byte of a chunk; `truncate -s 100G` at a chunk's path
+    evicted every real chunk of a shared directory for it, tests/faults/
+    test_sparse_foreign_files.py): it counts what it allocates, as `du` does. A temp file
+    counts its size (kvtier reserves it full-size, sparse, and fills it later).
+
+    Costs an open and an 8-byte read only for a chunk file that looks sparse: none where
+    files are allocated as written; one per file where the filesystem compresses, or reports
+    blocks late (ZFS, until its transaction group commits) or never (some FUSE mounts: 0).
+    A file that cannot be read counts its size (an upper bound). Never raises.
+    """
+    allocated = info.st_blocks * 512
+    if 2 * allocated >= info.st_size or is_temp_name(name):
+        return info.st_size
+    ops.add(opens=1)
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     dir_fd=dir_fd)
+        try:
+            head = os.pread(fd, len(MAGIC), 0)
+        finally:
+            os.close(fd)
+    except OSError:
+        return info.st_size
+    return info.st_size if head == MAGIC else allocated
 
 
 def open_dir(root: Path, parts: Sequence[str], create_mode: int | None = None,
@@ -166,8 +200,8 @@ def unlink_file(root: Path, parts: Sequence[str], ops: FsOps = NO_OPS,
 
     Returns:
         None when nothing was removed (absent, a directory, or behind a link); else the
-        bytes freed: the file's size, 0 for a link or special file, or for a regular file
-        with other hard links (which frees nothing).
+        bytes freed: the file's `counted_bytes`, 0 for a link or special file, or for a
+        regular file with other hard links (which frees nothing).
     Raises:
         OSError: other than absent/not-ours (EACCES, EROFS, ...).
     """
@@ -182,6 +216,8 @@ def unlink_file(root: Path, parts: Sequence[str], ops: FsOps = NO_OPS,
         info = os.stat(parts[-1], dir_fd=fd, follow_symlinks=False)
         if stat.S_ISDIR(info.st_mode) or (not_after is not None and info.st_mtime > not_after):
             return None
+        freed = counted_bytes(fd, parts[-1], info, ops) \
+            if stat.S_ISREG(info.st_mode) and info.st_nlink == 1 else 0
         ops.add(unlinks=1)
         os.unlink(parts[-1], dir_fd=fd)  # unlink never follows a link: it removes the link
     except OSError as exc:
@@ -190,9 +226,7 @@ def unlink_file(root: Path, parts: Sequence[str], ops: FsOps = NO_OPS,
         raise
     finally:
         os.close(fd)
-    if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:
-        return 0
-    return info.st_size
+    return freed
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,7 +236,7 @@ class Entry:
     layout_digest: str
     shard: tuple[str, str] | None  # (k0k1, k2k3); None for a file in the layout directory
     name: str
-    size_bytes: int
+    size_bytes: int  # what it counts for in a quota (`counted_bytes`); a sample's: st_size
     mtime: float
     temp: bool  # one of kvtier's temp files (not a chunk)
 
@@ -267,7 +301,7 @@ def walk(root: Path, layout_digests: Sequence[str] | None = None,
 def _walk_layout(root_fd: int, digest: str, ops: FsOps) -> Iterator[Entry]:
     for layout_fd in _subdir(root_fd, digest, ops):
         for name, info in _children(layout_fd, False, ops):
-            if _PROBE_TEMP.fullmatch(name):
+            if _PROBE_TEMP.fullmatch(name):  # a temp file: counted at its size
                 yield Entry(digest, None, name, info.st_size, info.st_mtime, True)
         for first, _ in _children(layout_fd, True, ops):
             if not _SHARD.fullmatch(first):
@@ -285,7 +319,8 @@ def _shard_files(parent_fd: int, digest: str, shard: tuple[str, str],
         for name, info in _children(shard_fd, False, ops):
             temp = bool(_CHUNK_TEMP.fullmatch(name))
             if temp or _CHUNK.fullmatch(name):
-                yield Entry(digest, shard, name, info.st_size, info.st_mtime, temp)
+                yield Entry(digest, shard, name, counted_bytes(shard_fd, name, info, ops),
+                            info.st_mtime, temp)
 
 
 def sample_shards(root: Path, rng: random.Random, ops: FsOps = NO_OPS,
@@ -393,7 +428,7 @@ def _sampled_files(parent_fd: int, digest: str, shard: tuple[str, str], rng: ran
             except FileNotFoundError:  # removed meanwhile
                 continue
             if stat.S_ISREG(info.st_mode):
-                temp = not name.endswith(".kvc")
+                temp = not name.endswith(".kvc")  # (its size as is: no read under the lock)
                 found.append(Entry(digest, shard, name, info.st_size, info.st_mtime, temp))
     return found
 

@@ -37,7 +37,7 @@ from typing import Any
 
 import blake3
 
-from kvtier.core.chunkformat import stored_size
+from kvtier.core.chunkformat import MAGIC, stored_size
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.errors import ConfigError, ShimUnavailable
@@ -98,6 +98,7 @@ def fill(root: Path, chunks: int) -> float:
             directory.mkdir(parents=True, exist_ok=True, mode=0o700)
             made.add(parts[:-1])
         fd = os.open(directory / parts[-1], os.O_WRONLY | os.O_CREAT, 0o600)
+        os.pwrite(fd, MAGIC, 0)  # a sparse file without it counts what it allocates
         os.ftruncate(fd, FILE_BYTES)
         os.close(fd)
     return time.monotonic() - began
