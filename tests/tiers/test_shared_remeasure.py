@@ -15,6 +15,7 @@ import pytest
 from tierkit import key, make_tier, tiny_layout
 
 import kvtier.tiers.files.shared as shared_module
+from kvtier.tiers.files.quota import QuotaLedger
 
 LAYOUT = tiny_layout()
 
@@ -44,3 +45,52 @@ def test_a_claimed_remeasure_walks_beside_the_put_that_claimed_it(
     tier.close()  # waits for the walk in flight
     assert tier.remeasures == 2
     assert tier.stats().chunks == 3 and tier.contains(key(1))
+
+
+YEAR_NS = 365 * 86400 * 10**9
+
+
+def full_tier(root: Path) -> Any:
+    """A shared tier whose quota of 8 chunks is full, with re-measures due every millisecond
+    from now (none while it was filled)."""
+    tier: Any = make_tier("shared", root, LAYOUT, 8)
+    for i in range(8):
+        assert tier.put(key(i), memoryview(bytes(LAYOUT.bytes_per_chunk)))
+    tier.scan_interval_s = 0.001
+    return tier
+
+
+def test_a_re_measure_claimed_from_the_future_is_taken_as_claimed_now(tmp_path: Path) -> None:
+    """The ledger's `claimed_ns` comes from the clock of whichever node claimed the last
+    re-measure. One from years ahead (a node whose clock is wrong, or a corrupt ledger) was
+    trusted: no writer claimed another re-measure until then, so a quota full of chunks that
+    were deleted behind kvtier's back (`kvtier gc`, an operator) dropped every write for
+    ever. A claim further ahead than FUTURE_CLAIM_S is taken as claimed now (counted, logged):
+    the next re-measure is due one interval later."""
+    tier = full_tier(tmp_path)
+    with tier.ledger.locked() as ledger:
+        ledger.claimed_ns = time.time_ns() + 100 * YEAR_NS
+    for path in (tmp_path / "shared").rglob("*.kvc"):
+        path.unlink()  # behind kvtier's back: the ledger still says 8 chunks
+    data = memoryview(bytes(LAYOUT.bytes_per_chunk))
+    stored, deadline = False, time.monotonic() + 10
+    while not stored and time.monotonic() < deadline:
+        stored = bool(tier.put(key(100), data))  # full, until a re-measure repairs it
+    tier.close()
+    assert stored, "no re-measure was claimed: the quota stays full of deleted files"
+    assert tier.future_claims == 1
+    with QuotaLedger(tmp_path / "shared", 0o600).locked() as ledger:
+        assert ledger.claimed_ns <= time.time_ns()
+        assert ledger.used_bytes == tier.file_bytes
+
+
+def test_a_re_measure_claimed_by_a_node_a_little_ahead_is_trusted(tmp_path: Path) -> None:
+    tier = full_tier(tmp_path)
+    ahead_ns = time.time_ns() + int(shared_module.FUTURE_CLAIM_S * 1e9) // 2
+    with tier.ledger.locked() as ledger:
+        ledger.claimed_ns = ahead_ns
+    assert tier.put(key(8), memoryview(bytes(LAYOUT.bytes_per_chunk)))  # evicts, claims none
+    with tier.ledger.locked() as ledger:
+        assert ledger.claimed_ns == ahead_ns
+    assert tier.future_claims == 0
+    tier.close()

@@ -10,7 +10,10 @@ little-endian int64 under an exclusive `flock` of that file:
     reserved_total  bytes ever reserved by writers (monotonic)
     completed_total bytes ever renamed into place by writers (monotonic)
     chunks          chunk files held, as counted by the writers (a gauge, not a bound)
-    claimed_ns      unix time (ns) the last re-measure of the directory was claimed
+    claimed_ns      unix time (ns) the last re-measure of the directory was claimed, by the
+                    claiming node's clock (one further ahead of a reader's than
+                    shared.FUTURE_CLAIM_S is taken as claimed now: a wrong clock or a
+                    corrupt ledger must not put off every re-measure)
     walk_ns         how long that walk took (0: unknown)
     repair          1: a writer found the usage over the quota with nothing left to evict,
                     and asks for a re-measure as soon as the interval allows

@@ -100,6 +100,12 @@ STALE_MISSES = 4  # candidates in a row that freed nothing: the sample is stale,
 # A re-measure of the directory waits at least this many times the last walk's duration:
 # the fleet spends at most 1/REMEASURE_DUTY of one writer's time walking, whatever it holds.
 REMEASURE_DUTY = 100
+# A re-measure claimed (`claimed_ns`, the claiming node's clock) further ahead of this node's
+# clock than this is taken as claimed now: trusted, no re-measure was due until then (a claim
+# of the year 2100: never), and the drift a re-measure repairs stayed. Nodes under NTP agree
+# within well under a second; a node this far ahead walks more often than the interval
+# (each claim of its is taken back), which its warnings on the other nodes name.
+FUTURE_CLAIM_S = 60.0
 CLOSE_WAIT_S = 10.0  # close() waits this long for a re-measure in flight
 NOT_OURS_KEPT = 4096  # keys remembered as sealed under a key this process lacks
 
@@ -168,6 +174,8 @@ class SharedTier:
         self._scan_lock = threading.Lock()  # one re-measure at a time in this process
         self._sampler = VictimSampler(self.files.root, self.files.ops)
         self.remeasures = 0  # re-measures of the directory this process ran
+        self.future_claims = 0  # claims found further ahead than FUTURE_CLAIM_S, taken back
+        self._claim_ahead = ThrottledWarning(log)  # every put, while a node's clock is ahead
         self._remeasuring: threading.Thread | None = None  # a claimed re-measure, running
         self._link = BoundedMeasure(self.name)
         # Chunks lately found sealed under a key this process lacks (another secret's: a
@@ -346,6 +354,7 @@ class SharedTier:
         when the ledger is not valid. Caller holds the lock."""
         now = time.time_ns()
         if ledger.valid:
+            self._bound_claim(ledger, now)
             wait_ns = self.scan_interval_s * 1e9
             if not ledger.repair:
                 wait_ns = max(wait_ns, REMEASURE_DUTY * ledger.walk_ns)
@@ -353,6 +362,18 @@ class SharedTier:
                 return False
         ledger.claimed_ns = now
         return True
+
+    def _bound_claim(self, ledger: LedgerState, now_ns: int) -> None:
+        """Take a claim from further ahead than FUTURE_CLAIM_S as claimed at `now_ns`
+        (counted in `future_claims`, logged). Caller holds the lock."""
+        ahead_s = (ledger.claimed_ns - now_ns) / 1e9
+        if ahead_s > FUTURE_CLAIM_S:
+            self.future_claims += 1
+            self._claim_ahead.warning(
+                "shared tier %r: %s's last re-measure was claimed %.0f s ahead of this "
+                "node's clock (a node's clock is wrong, or the ledger is corrupt); taken as "
+                "claimed now", self.name, self.files.root, ahead_s)
+            ledger.claimed_ns = now_ns
 
     def _write(self, pending: PendingWrite, data: Encoded) -> None:
         """Fill the reserved temp file (unlocked), then rename it into place under the lock.
@@ -415,7 +436,9 @@ class SharedTier:
                                      + ledger.reserved_total - reserved_before
                                      + ledger.completed_total - completed_before)
                 ledger.chunks = len(scan.chunks)
-                ledger.claimed_ns = max(ledger.claimed_ns, time.time_ns() - walk_ns)
+                now_ns = time.time_ns()
+                self._bound_claim(ledger, now_ns)
+                ledger.claimed_ns = max(ledger.claimed_ns, now_ns - walk_ns)
                 ledger.walk_ns, ledger.repair, ledger.valid = walk_ns, 0, True
                 self._sampler.forget()
                 if force or ledger.used_bytes + incoming_bytes > self.capacity_bytes:
