@@ -69,10 +69,21 @@ log = logging.getLogger(__name__)
 LEDGER_NAME = ".kvtier-quota"
 _FORMAT = struct.Struct("<qqqqqqq")
 _OLD_BYTES = 24  # the first three fields: the ledger of builds before issue 28
-# One fd and one thread lock per ledger file per process: flock is per open file on a local
-# filesystem but a POSIX lock on NFS (per process, released by closing ANY fd of the file),
-# so two tiers of one process must not each open the file.
-_OPEN: dict[str, tuple[int, threading.Lock, list[int]]] = {}  # path -> fd, lock, [users]
+
+
+@dataclass(slots=True)
+class _OpenLedger:
+    """The ledger's file as this process holds it: one fd and one thread lock per ledger
+    file per process (flock is per open file on a local filesystem but a POSIX lock on NFS:
+    per process, released by closing ANY fd of the file, so two tiers of one process must
+    not each open the file)."""
+
+    fd: int  # -1 once closed: closed under `lock`, so a holder of `lock` has a live fd
+    lock: threading.Lock
+    users: int = 0
+
+
+_OPEN: dict[str, _OpenLedger] = {}  # realpath of the root -> its ledger's file
 _OPEN_LOCK = threading.Lock()
 
 
@@ -137,33 +148,45 @@ class QuotaLedger:
         self._key = os.path.realpath(root)
         with _OPEN_LOCK:
             if self._key not in _OPEN:
-                _OPEN[self._key] = (_open_ledger(self.path, file_mode), threading.Lock(), [0])
-            self._fd, self._thread_lock, users = _OPEN[self._key]
-            users[0] += 1
+                _OPEN[self._key] = _OpenLedger(_open_ledger(self.path, file_mode),
+                                               threading.Lock())
+            self._open = _OPEN[self._key]
+            self._open.users += 1
         self._lock_works = True
         self._closed = False
 
     def close(self) -> None:
-        """Stop using the ledger; its file is closed when the process's last user closes."""
+        """Stop using the ledger (`locked` refuses from now on); its file is closed when the
+        process's last user closes, once a `locked` block in flight has ended."""
         with _OPEN_LOCK:
             if self._closed:
                 return
             self._closed = True
-            fd, _lock, users = _OPEN[self._key]
-            users[0] -= 1
-            if users[0] == 0:
+            self._open.users -= 1
+            if self._open.users == 0:
                 del _OPEN[self._key]
-                os.close(fd)
+                with self._open.lock:
+                    os.close(self._open.fd)
+                    self._open.fd = -1
 
     @contextmanager
     def locked(self) -> Iterator[LedgerState]:
         """The ledger, exclusively: no other thread or process holds it meanwhile. What the
         block changes in the state is written back when it exits (also on an exception:
-        the block's unlinks have happened)."""
-        with self._thread_lock:
-            self._flock(fcntl.LOCK_EX)
+        the block's unlinks have happened).
+
+        Raises:
+            OSError: EBADF once closed (a closed ledger's fd number may name another file of
+                the process by now: tests/faults/test_quota_ledger_file.py); the ledger's
+                file cannot be read or written.
+        """
+        with self._open.lock:
+            if self._closed or self._open.fd < 0:
+                raise OSError(errno.EBADF, "the quota ledger is closed", str(self.path))
+            fd = self._open.fd
+            self._flock(fd, fcntl.LOCK_EX)
             try:
-                raw = os.pread(self._fd, _FORMAT.size, 0)
+                raw = os.pread(fd, _FORMAT.size, 0)
                 if len(raw) >= _OLD_BYTES:  # an old build's ledger: the rest is zero
                     raw = raw.ljust(_FORMAT.size, b"\0")
                 values = _FORMAT.unpack(raw) if len(raw) == _FORMAT.size else (-1,) * 7
@@ -177,15 +200,15 @@ class QuotaLedger:
                 finally:
                     after = state._fields()
                     if state.valid and (after != before or not valid):
-                        os.pwrite(self._fd, _FORMAT.pack(*after), 0)
+                        os.pwrite(fd, _FORMAT.pack(*after), 0)
             finally:
-                self._flock(fcntl.LOCK_UN)
+                self._flock(fd, fcntl.LOCK_UN)
 
-    def _flock(self, operation: int) -> None:
+    def _flock(self, fd: int, operation: int) -> None:
         if not self._lock_works:
             return
         try:
-            fcntl.flock(self._fd, operation)
+            fcntl.flock(fd, operation)
         except OSError as exc:
             if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
                 raise
