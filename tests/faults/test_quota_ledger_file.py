@@ -3,18 +3,24 @@
 A ledger used after it was closed (a re-measure still walking when its tier's close() gave up
 waiting for it, CLOSE_WAIT_S; a put racing close) locked, read and wrote whatever file the
 process had opened since under the ledger's old descriptor number: 56 bytes of an unrelated
-file overwritten. A closed ledger refuses (OSError EBADF, a dropped write for a put).
+file overwritten. A closed ledger refuses (OSError EBADF, a dropped write for a put). And a
+ledger file removed or replaced under a running writer is opened again at its path.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import shutil
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+from tierkit import key, make_tier, tiny_layout
 
-from kvtier.tiers.files.quota import QuotaLedger
+from kvtier.core.tier import Failure
+from kvtier.tiers.files.quota import LEDGER_NAME, QuotaLedger
 
 
 def _fd_of(path: Path) -> int:
@@ -49,3 +55,28 @@ def test_a_closed_ledger_never_touches_the_file_its_descriptor_number_now_names(
         if fd != number:
             os.close(number)
     assert other.read_bytes() == b"precious" * 16
+
+
+def test_a_directory_emptied_under_a_writer_gets_one_ledger_again(tmp_path: Path) -> None:
+    """An operator empties the shared directory under running engines (`rm -rf`, `mkdir`;
+    a volume replaced). A running engine kept its quota in the deleted ledger's file, which
+    no one else sees: an engine started since keeps another at the path, and each fills the
+    quota on its own (on NFS the deleted file's handle goes stale: every put failed ESTALE).
+    A ledger removed or replaced is opened again at its path: a new ledger, re-measured."""
+    layout = tiny_layout()
+    data = memoryview(bytes(layout.bytes_per_chunk))
+    tier: Any = make_tier("shared", tmp_path, layout, 8)
+    for i in range(4):
+        assert tier.put(key(i), data)
+    root = tmp_path / "shared"
+    shutil.rmtree(root)
+    assert tier.put(key(10), data).failure is Failure.IO_ERROR  # gone: dropped, not made
+    root.mkdir(mode=0o700)
+    stored, deadline = False, time.monotonic() + 10
+    while not stored and time.monotonic() < deadline:
+        stored = bool(tier.put(key(10), data))  # a new ledger: dropped until re-measured
+    tier.close()
+    assert stored
+    assert (root / LEDGER_NAME).exists(), "the writer kept a ledger that no one else sees"
+    with QuotaLedger(root, 0o600).locked() as ledger:
+        assert ledger.valid and ledger.used_bytes == tier.file_bytes

@@ -48,6 +48,11 @@ filesystem; NFSv4, CephFS; Lustre mounted with -o flock), and (3) nothing but kv
 files to the tree. Where `flock` fails (ENOLCK) the ledger is used unlocked and the bound
 no longer holds (logged once).
 
+Each hold of the lock checks that the open file is still the one at the ledger's path (an
+fstat and a stat): a directory emptied or made again under running engines, or a ledger
+deleted, is opened again at its path (a new ledger: the next put re-measures), so that no
+writer keeps the quota in a file no one else sees.
+
 Primitives: `QuotaLedger` (locked, totals, close, path), `LedgerState`, `LEDGER_NAME`.
 """
 
@@ -78,7 +83,7 @@ class _OpenLedger:
     per process, released by closing ANY fd of the file, so two tiers of one process must
     not each open the file)."""
 
-    fd: int  # -1 once closed: closed under `lock`, so a holder of `lock` has a live fd
+    fd: int  # -1: closed (under `lock`), or to be opened again
     lock: threading.Lock
     users: int = 0
 
@@ -146,6 +151,7 @@ class QuotaLedger:
         """
         self.path = Path(root) / LEDGER_NAME
         self._key = os.path.realpath(root)
+        self._file_mode = file_mode
         with _OPEN_LOCK:
             if self._key not in _OPEN:
                 _OPEN[self._key] = _OpenLedger(_open_ledger(self.path, file_mode),
@@ -166,7 +172,8 @@ class QuotaLedger:
             if self._open.users == 0:
                 del _OPEN[self._key]
                 with self._open.lock:
-                    os.close(self._open.fd)
+                    if self._open.fd >= 0:
+                        os.close(self._open.fd)
                     self._open.fd = -1
 
     @contextmanager
@@ -181,10 +188,9 @@ class QuotaLedger:
                 file cannot be read or written.
         """
         with self._open.lock:
-            if self._closed or self._open.fd < 0:
+            if self._closed:
                 raise OSError(errno.EBADF, "the quota ledger is closed", str(self.path))
-            fd = self._open.fd
-            self._flock(fd, fcntl.LOCK_EX)
+            fd = self._locked_fd()
             try:
                 raw = os.pread(fd, _FORMAT.size, 0)
                 if len(raw) >= _OLD_BYTES:  # an old build's ledger: the rest is zero
@@ -203,6 +209,42 @@ class QuotaLedger:
                         os.pwrite(fd, _FORMAT.pack(*after), 0)
             finally:
                 self._flock(fd, fcntl.LOCK_UN)
+
+    def _locked_fd(self) -> int:
+        """The fd of the file at the ledger's path, flocked. A ledger file found removed or
+        replaced (the directory emptied or made again under running engines) is closed and
+        the path opened again: a writer must not keep the quota in a file no one else sees
+        (on NFS its handle goes stale: every put failed). A new ledger is not valid: the
+        next put re-measures. Caller holds the thread lock.
+
+        Raises:
+            OSError: the ledger cannot be opened again (the directory is gone: ENOENT).
+        """
+        while True:
+            if self._open.fd < 0:
+                self._open.fd = _open_ledger(self.path, self._file_mode)
+            fd = self._open.fd
+            self._flock(fd, fcntl.LOCK_EX)
+            if not self._replaced(fd):
+                return fd
+            log.warning("%s was removed or replaced under this writer (the directory emptied "
+                        "or made again?); opening the ledger at that path", self.path)
+            self._flock(fd, fcntl.LOCK_UN)
+            self._open.fd = -1
+            os.close(fd)
+
+    def _replaced(self, fd: int) -> bool:
+        """Whether `fd` is no longer the file at the ledger's path: two stats."""
+        try:
+            held = os.fstat(fd)
+            there = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            return True
+        except OSError as exc:
+            if exc.errno == errno.ESTALE:  # NFS: deleted by another node
+                return True
+            raise
+        return (held.st_dev, held.st_ino) != (there.st_dev, there.st_ino)
 
     def _flock(self, fd: int, operation: int) -> None:
         if not self._lock_works:
