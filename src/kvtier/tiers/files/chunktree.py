@@ -14,6 +14,7 @@ Primitives: `ChunkFile`, `TreeScan`, `scan_tree`, `walk_chunks`, `FoundChunk`, `
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -25,9 +26,12 @@ from kvtier.core.tier import StoredChunk
 from kvtier.tiers.files.filetree import TEMP_STALE_S, lstat_file, unlink_file, walk
 from kvtier.tiers.files.fsops import NO_OPS, FsOps
 from kvtier.tiers.files.manifests import file_manifests, remove_file_manifest
+from kvtier.tiers.files.quota import LEDGER_NAME, QuotaLedger
 from kvtier.tiers.manifest import NamespaceManifest, is_layout_name
 
+log = logging.getLogger(__name__)
 SUFFIX = ".kvc"
+GC_BATCH_FILES = 64  # files `FileInventory.remove` deletes per hold of the ledger's lock
 
 
 class ChunkFilesLike(Protocol):
@@ -166,10 +170,19 @@ class FileInventory:
     ROOT/<digest>/<k0k1>/<k2k3>/<key hex>.kvc. Reads stat data only; changes nothing. Lists
     and removes only regular chunk files of kvtier's layout, reached without following a
     link: `kvtier gc --namespace` must never delete a file outside the tree through a
-    symlinked directory (tests/faults/test_symlinks.py)."""
+    symlinked directory (tests/faults/test_symlinks.py).
 
-    def __init__(self, name: str, kind: str, root: Path) -> None:
+    With `ledger_mode` (a shared directory's), what `remove` deletes is taken off the
+    directory's quota ledger, under its lock, GC_BATCH_FILES files per hold, as the writers'
+    own evictions are: left there, the running writers' usage stayed what it was before gc
+    until their next re-measure, and each put evicted real chunks from a directory gc had
+    half emptied (tests/tools/test_gc_shared_quota.py)."""
+
+    def __init__(self, name: str, kind: str, root: Path, ledger_mode: int | None = None) -> None:
+        """`ledger_mode`: the file mode of the directory's quota ledger (a shared tier's;
+        None: it keeps none)."""
         self.name, self.kind, self.root = name, kind, Path(root)
+        self.ledger_mode = ledger_mode
 
     def chunks(self) -> Iterator[StoredChunk]:
         for entry in walk(self.root):
@@ -186,14 +199,43 @@ class FileInventory:
         return remove_file_manifest(self.root, namespace)
 
     def remove(self, chunks: Sequence[StoredChunk]) -> int:
+        ledger = self._ledger()
+        try:
+            return sum(self._remove_batch(chunks[i : i + GC_BATCH_FILES], ledger)
+                       for i in range(0, len(chunks), GC_BATCH_FILES))
+        finally:
+            if ledger is not None:
+                ledger.close()
+
+    def _remove_batch(self, chunks: Sequence[StoredChunk], ledger: QuotaLedger | None) -> int:
+        """Delete `chunks`, taken off `ledger` (if any) under one hold of its lock."""
         removed = 0
-        for chunk in chunks:
-            key = key_of(f"{chunk.key_hex}{SUFFIX}")
-            if key is None or key.hex() != chunk.key_hex or not is_layout_name(chunk.namespace):
-                continue  # not a name of kvtier's layout: never deleted
-            if unlink_file(self.root, chunk_parts(chunk.namespace, key)) is not None:
-                removed += 1
+        with ledger.locked() if ledger is not None else contextlib.nullcontext() as state:
+            for chunk in chunks:
+                key = key_of(f"{chunk.key_hex}{SUFFIX}")
+                if key is None or key.hex() != chunk.key_hex \
+                        or not is_layout_name(chunk.namespace):
+                    continue  # not a name of kvtier's layout: never deleted
+                freed = unlink_file(self.root, chunk_parts(chunk.namespace, key))
+                if freed is not None:
+                    removed += 1
+                    if state is not None:
+                        state.used_bytes -= freed
+                        state.chunks -= 1
         return removed
+
+    def _ledger(self) -> QuotaLedger | None:
+        """The directory's quota ledger, if it keeps one and one is there (gc creates none);
+        None when it cannot be opened (logged: the writers' usage stays high until their next
+        re-measure, as it did before gc kept it)."""
+        if self.ledger_mode is None or not (self.root / LEDGER_NAME).is_file():
+            return None
+        try:
+            return QuotaLedger(self.root, self.ledger_mode)
+        except OSError as exc:
+            log.warning("%s: cannot open the quota ledger (%s); what gc deletes is counted by "
+                        "the writers' next re-measure", self.root, exc)
+            return None
 
     def close(self) -> None:
         pass

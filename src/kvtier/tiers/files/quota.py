@@ -33,7 +33,9 @@ The writers keep `used_bytes` an upper bound of the real usage at every moment:
   replaces it and leaves `used` high by that copy until the next re-measure;
 - every unlink by kvtier (eviction, delete, a corrupt file, a failed write's temp file) is
   done under the lock and subtracts the bytes it freed;
-- deletions by others (kvtier gc, an operator, the stale-temp sweep) only make it high.
+- `kvtier gc` unlinks under the lock too and subtracts (chunktree.FileInventory);
+- deletions by others (an operator, an older kvtier gc, the stale-temp sweep) only make
+  it high.
 
 A re-measure corrects the drift without stopping the writers: read the two totals
 (T0), scan the directory unlocked, then under the lock set `used = scanned + (reserved since

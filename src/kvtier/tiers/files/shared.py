@@ -133,6 +133,11 @@ class SharedTierConfig(EncodedTierSettings):
         return check_directory(path, read_only_ok=True)
 
 
+def _modes(config: SharedTierConfig) -> tuple[int, int]:
+    """The (directory, file) modes of what the tier creates (see `group_shared`)."""
+    return (0o770, 0o660) if config.group_shared else (0o700, 0o600)
+
+
 class SharedTier:
     """Chunks as files in a directory shared with other processes. Thread-safe."""
 
@@ -153,14 +158,14 @@ class SharedTier:
 
     @classmethod
     def open_inventory(cls, config: SharedTierConfig) -> FileInventory:
-        return FileInventory(config.tier_name, config.kind, config.path)
+        return FileInventory(config.tier_name, config.kind, config.path, _modes(config)[1])
 
     def __init__(self, config: SharedTierConfig, layout: KVLayout) -> None:
         self.name = config.tier_name
         self._write_failed = ThrottledWarning(log)  # every write, on an unwritable directory
         self.capacity_bytes = config.capacity
         self.scan_interval_s = config.scan_interval_s
-        modes = (0o770, 0o660) if config.group_shared else (0o700, 0o600)
+        modes = _modes(config)
         self.files = ChunkFiles(config.path, layout.digest(), layout.bytes_per_chunk,
                                 "auto", *modes, encoder=build_encoder(config, layout))
         self.file_bytes = self.files.file_bytes

@@ -13,7 +13,8 @@ failed write left without a header), in the selected namespaces; `orphans_only` 
 that.
 
 Safe next to running engines: a chunk deleted under a reader is a miss for it (files are
-renamed into place and read whole; redis headers are deleted first).
+renamed into place and read whole; redis headers are deleted first), and what is deleted from
+a shared directory is taken off its quota ledger at once (chunktree.FileInventory).
 
 Primitives: `GcRequest`, `GcOutcome`, `select_victims`, `run_gc`, `parse_duration`.
 """
