@@ -10,6 +10,7 @@ ledger file removed or replaced under a running writer is opened again at its pa
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import shutil
 import time
@@ -80,3 +81,36 @@ def test_a_directory_emptied_under_a_writer_gets_one_ledger_again(tmp_path: Path
     assert (root / LEDGER_NAME).exists(), "the writer kept a ledger that no one else sees"
     with QuotaLedger(root, 0o600).locked() as ledger:
         assert ledger.valid and ledger.used_bytes == tier.file_bytes
+
+
+def test_a_forked_child_locks_the_ledger_against_its_parent(tmp_path: Path) -> None:
+    """A process that opened a shared tier and then forked (multiprocessing's default start
+    method on Linux) used the parent's ledger fd in the child: flock locks an open file
+    description, which the fork shares, so parent and child each took "the" lock while the
+    other held it (lost updates of the ledger, the quota's bound gone). A child opens the
+    ledger again: its lock excludes the parent's."""
+    ledger = QuotaLedger(tmp_path, 0o600)
+    parent_fd = _fd_of(ledger.path)
+    held_r, held_w = os.pipe()
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: hold the ledger until the parent says go
+        code = 1
+        try:
+            with ledger.locked():
+                os.write(held_w, b"1")
+                os.read(go_r, 1)
+            code = 0
+        finally:
+            os._exit(code)
+    try:
+        assert os.read(held_r, 1) == b"1"
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(parent_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.write(go_w, b"1")
+        _, status = os.waitpid(pid, 0)
+        for fd in (held_r, held_w, go_r, go_w):
+            os.close(fd)
+        ledger.close()
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -53,13 +53,15 @@ no longer holds (logged once).
 Each hold of the lock checks that the open file is still the one at the ledger's path (an
 fstat and a stat): a directory emptied or made again under running engines, or a ledger
 deleted, is opened again at its path (a new ledger: the next put re-measures), so that no
-writer keeps the quota in a file no one else sees.
+writer keeps the quota in a file no one else sees. A forked child opens the ledger again
+(flock locks an open file description, which a fork shares with the parent).
 
 Primitives: `QuotaLedger` (locked, totals, close, path), `LedgerState`, `LEDGER_NAME`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -69,7 +71,7 @@ import struct
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -88,10 +90,28 @@ class _OpenLedger:
     fd: int  # -1: closed (under `lock`), or to be opened again
     lock: threading.Lock
     users: int = 0
+    pid: int = field(default_factory=os.getpid)  # the process that opened it
 
 
 _OPEN: dict[str, _OpenLedger] = {}  # realpath of the root -> its ledger's file
 _OPEN_LOCK = threading.Lock()
+
+
+def _forget_in_child() -> None:
+    """After a fork, in the child: the parent's ledger files are not the child's. flock
+    locks an open file description, which a fork shares: a child locking the parent's fd
+    excluded nothing (tests/faults/test_quota_ledger_file.py). The child's ledgers open
+    their files again when next locked; the locks may have been held by a parent's thread."""
+    global _OPEN_LOCK
+    _OPEN_LOCK = threading.Lock()
+    for held in _OPEN.values():
+        with contextlib.suppress(OSError):
+            os.close(held.fd)
+        held.fd = -1
+    _OPEN.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 @dataclass(slots=True)
@@ -154,14 +174,19 @@ class QuotaLedger:
         self.path = Path(root) / LEDGER_NAME
         self._key = os.path.realpath(root)
         self._file_mode = file_mode
-        with _OPEN_LOCK:
-            if self._key not in _OPEN:
-                _OPEN[self._key] = _OpenLedger(_open_ledger(self.path, file_mode),
-                                               threading.Lock())
-            self._open = _OPEN[self._key]
-            self._open.users += 1
+        self._open = self._attach()
         self._lock_works = True
         self._closed = False
+
+    def _attach(self) -> _OpenLedger:
+        """This process's open ledger file (opened if it has none), one more user of it."""
+        with _OPEN_LOCK:
+            if self._key not in _OPEN:
+                _OPEN[self._key] = _OpenLedger(_open_ledger(self.path, self._file_mode),
+                                               threading.Lock())
+            held = _OPEN[self._key]
+            held.users += 1
+            return held
 
     def close(self) -> None:
         """Stop using the ledger (`locked` refuses from now on); its file is closed when the
@@ -170,6 +195,8 @@ class QuotaLedger:
             if self._closed:
                 return
             self._closed = True
+            if self._open.pid != os.getpid():  # a fork's child: the parent's, not its own
+                return
             self._open.users -= 1
             if self._open.users == 0:
                 del _OPEN[self._key]
@@ -189,6 +216,8 @@ class QuotaLedger:
                 the process by now: tests/faults/test_quota_ledger_file.py); the ledger's
                 file cannot be read or written.
         """
+        if self._open.pid != os.getpid() and not self._closed:  # a fork's child
+            self._open = self._attach()
         with self._open.lock:
             if self._closed:
                 raise OSError(errno.EBADF, "the quota ledger is closed", str(self.path))
