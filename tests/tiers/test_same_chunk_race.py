@@ -60,11 +60,34 @@ def test_a_chunk_file_written_twice_leaves_one_file(kind: str, tmp_path: Path) -
     tier.close()
 
 
-def test_where_renames_cannot_refuse_the_second_copy_replaces_the_first(
+def test_where_renames_cannot_refuse_a_hard_link_places_the_first_copy_only(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """NFS and some FUSE mounts refuse RENAME_NOREPLACE (EINVAL): the write still lands,
-    replacing the identical copy (the ledger stays high by one copy until a re-measure)."""
+    """NFS, CephFS and some FUSE mounts refuse RENAME_NOREPLACE (EINVAL): a replacing rename
+    let the second copy replace the first, and the shared quota's ledger counted both until
+    the next re-measure (at fleet scale hours apart, while many engines store the same
+    popular prefixes at once). A hard link refuses to replace (EEXIST) where they can make
+    one: the first copy stays, the second is removed by its writer, counted once."""
     monkeypatch.setattr(filetree, "_renames_new", [False])
+    first: Any = make_tier("shared", tmp_path, LAYOUT, 8)
+    late: Any = make_tier("shared", tmp_path, LAYOUT, 8)
+    data = memoryview(bytes(range(256)) * (LAYOUT.bytes_per_chunk // 256))
+    assert first.put(key(5), data)
+    one_file = first.stats().used_bytes
+    monkeypatch.setattr(late.files, "exists", lambda _key: False)  # it checked too early
+    assert late.put(key(5), data)
+    assert late.stats().used_bytes == one_file and late.stats().chunks == 1
+    assert len(chunk_files(tmp_path)) == 1 and not list(tmp_path.rglob("*.tmp"))
+    assert next(iter(chunk_files(tmp_path))).stat().st_nlink == 1
+    first.close()
+    late.close()
+
+
+def test_where_neither_renames_nor_links_can_refuse_the_second_copy_replaces_the_first(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without hard links either (some FUSE mounts): the write still lands, replacing the
+    identical copy (the ledger stays high by one copy until a re-measure)."""
+    monkeypatch.setattr(filetree, "_renames_new", [False])
+    monkeypatch.setattr(filetree, "_links_new", [False])
     tier: Any = make_tier("disk", tmp_path, LAYOUT, 8)
     data = memoryview(bytes(LAYOUT.bytes_per_chunk))
     racing = [tier.files.prepare_write(key(7)) for _ in range(2)]

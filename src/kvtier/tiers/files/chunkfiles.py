@@ -398,11 +398,12 @@ class PendingWrite:
         """Rename the filled temp file into place: readers see the whole chunk from now on.
         False when another writer renamed its copy of the chunk into place meanwhile (the
         caller asked whether it was held before writing, once: `Tier.put`): this one is
-        left as a temp file for `abort`. Where renames cannot refuse to replace (NFS:
-        `filetree.rename_new`) the other copy is replaced, and a quota ledger that counted
-        both stays high by one copy until the next re-measure (still an upper bound:
-        kvtier.tiers.files.quota); two writers hammering 24 keys under a 10-chunk quota had
-        counted 10 chunks for 4 files, and dropped writes for a full quota.
+        left as a temp file for `abort`. Where renames cannot refuse to replace (NFS) a hard
+        link places it (`filetree.rename_new`); where neither can, the other copy is
+        replaced, and a quota ledger that counted both stays high by one copy until the next
+        re-measure (still an upper bound: kvtier.tiers.files.quota); two writers hammering
+        24 keys under a 10-chunk quota had counted 10 chunks for 4 files, and dropped writes
+        for a full quota.
 
         Raises:
             OSError: the rename failed (FileNotFoundError: the temp file was swept as stale

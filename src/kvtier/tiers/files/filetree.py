@@ -249,13 +249,20 @@ _RENAME_NOREPLACE = 1  # renameat2(2): fail with EEXIST rather than replace the 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _renameat2 = getattr(_LIBC, "renameat2", None)  # glibc >= 2.28
 _renames_new = [_renameat2 is not None]  # False once a filesystem refused the flag
+_links_new = [True]  # False once a filesystem refused hard links
+# errnos of a filesystem that makes no hard links (FUSE mounts, some object-store gateways)
+_NO_LINKS = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS})
 
 
 def rename_new(dir_fd: int, source: str, target: str) -> bool:
     """Rename `source` to `target` in the directory `dir_fd` unless `target` exists: True
     when renamed, False when `target` was there (`source` is left as it was). One syscall,
     atomic (renameat2 RENAME_NOREPLACE). Where the filesystem or libc has no such flag (NFS,
-    some FUSE mounts: EINVAL, ENOSYS) it falls back to a replacing rename, and says True.
+    CephFS, some FUSE mounts: EINVAL, ENOSYS) a hard link to `target`, which refuses to
+    replace too (EEXIST), then an unlink of `source`: a replacing rename let the second of
+    two writers of one chunk replace the first, counted twice in the shared quota until a
+    re-measure (tests/tiers/test_same_chunk_race.py). Where there are no hard links either,
+    a replacing rename, and True.
 
     Raises:
         OSError: the rename failed otherwise (ENOENT: `source` is gone).
@@ -271,7 +278,30 @@ def rename_new(dir_fd: int, source: str, target: str) -> bool:
         if code not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
             raise OSError(code, os.strerror(code), source)
         _renames_new[0] = False
+    if _links_new[0]:
+        placed = _link_new(dir_fd, source, target)
+        if placed is not None:
+            return placed
     os.replace(source, target, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    return True
+
+
+def _link_new(dir_fd: int, source: str, target: str) -> bool | None:
+    """`rename_new` by a hard link and an unlink; None when the filesystem makes no links."""
+    try:
+        os.link(source, target, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+    except FileExistsError:
+        # NFS over a lossy link: a retransmitted LINK may answer EEXIST for the link that
+        # was made; then `source` has two names.
+        if os.stat(source, dir_fd=dir_fd, follow_symlinks=False).st_nlink < 2:
+            return False
+    except OSError as exc:
+        if exc.errno not in _NO_LINKS:
+            raise
+        _links_new[0] = False
+        return None
+    with contextlib.suppress(FileNotFoundError):  # swept as stale meanwhile
+        os.unlink(source, dir_fd=dir_fd)
     return True
 
 

@@ -29,8 +29,9 @@ The writers keep `used_bytes` an upper bound of the real usage at every moment:
 - it renames the temp file into place under the lock, never over another writer's copy of
   the same chunk (two writers racing on one chunk: each asked whether it was held first,
   once): the second finds it placed and unlinks its own temp file, subtracting it
-  (filetree.rename_new). Where the filesystem cannot refuse to replace (NFS) the rename
-  replaces it and leaves `used` high by that copy until the next re-measure;
+  (filetree.rename_new: where renames cannot refuse to replace, NFS, a hard link does).
+  Where neither can (a filesystem without hard links) the rename replaces it and leaves
+  `used` high by that copy until the next re-measure;
 - every unlink by kvtier (eviction, delete, a corrupt file, a failed write's temp file) is
   done under the lock and subtracts the bytes it freed;
 - `kvtier gc` unlinks under the lock too and subtracts (chunktree.FileInventory);
