@@ -162,7 +162,12 @@ class SharedTier:
 
     def __init__(self, config: SharedTierConfig, layout: KVLayout) -> None:
         self.name = config.tier_name
+        # Each repeats at every chunk while its cause lasts (tests/faults/
+        # test_shared_log_floods.py): a line now and then, with how many were held back.
         self._write_failed = ThrottledWarning(log)  # every write, on an unwritable directory
+        self._quota_full = ThrottledWarning(log)  # every put, while nothing can be evicted
+        self._evict_failed = ThrottledWarning(log)  # every victim, evictions refused (EACCES)
+        self._read_failed = ThrottledWarning(log)  # every read, on a failing mount (EIO)
         self.capacity_bytes = config.capacity
         self.scan_interval_s = config.scan_interval_s
         modes = _modes(config)
@@ -236,8 +241,8 @@ class SharedTier:
                 if freed is not None:
                     self._forgotten(key, freed)
                 self._counters.add(corrupt_reads=1)
-            log.warning("shared tier %r: chunk %s unreadable (%s); treated as a miss",
-                        self.name, key.hex(), exc)
+            self._read_failed.warning("shared tier %r: chunk %s unreadable (%s); treated as a "
+                                      "miss", self.name, key.hex(), exc)
             self._counters.add(misses=1)
             return TierResult(failure_of(exc)) if isinstance(exc, CorruptChunk) else IO_ERROR
         if self._not_ours:
@@ -279,8 +284,8 @@ class SharedTier:
             try:
                 if pending is None:
                     self._counters.add(dropped_writes=1)
-                    log.warning("shared tier %r: quota full and nothing left to evict; %s "
-                                "dropped", self.name, key.hex())
+                    self._quota_full.warning("shared tier %r: quota full and nothing left to "
+                                             "evict; %s dropped", self.name, key.hex())
                     return FULL
                 self._write(pending, encoded)
             finally:
@@ -467,8 +472,8 @@ class SharedTier:
                 freed = unlink_file(self.files.root, victim.parts(), self.files.ops,
                                     not_after=victim.mtime)
             except OSError as exc:
-                log.warning("shared tier %r: cannot evict from %s (%s)", self.name,
-                            self.files.root, exc)
+                self._evict_failed.warning("shared tier %r: cannot evict from %s (%s)",
+                                           self.name, self.files.root, exc)
                 misses += 1
                 continue
             if freed is None:  # read since it was sampled, or evicted by another process
