@@ -94,3 +94,39 @@ def test_a_re_measure_claimed_by_a_node_a_little_ahead_is_trusted(tmp_path: Path
         assert ledger.claimed_ns == ahead_ns
     assert tier.future_claims == 0
     tier.close()
+
+
+def test_writes_during_a_re_measure_are_not_counted_three_times(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A re-measure sets the usage to what its walk saw, plus the bytes reserved since it
+    began (files the walk may have passed by), plus the bytes renamed into place since (a
+    write in flight when it began, renamed under the walk, can hide both its names from a
+    directory listing). Every write during the walk was counted in both, and again if the
+    walk saw its file: 30 chunks held and 30 written during a walk of a 100-chunk quota
+    counted 120 chunks, and the re-measure evicted 30 real chunks from a directory of 60.
+    Only writes in flight when the walk began can hide so: what was renamed since counts up
+    to what was then in flight (none here). A write the walk also saw still counts twice."""
+    tier: Any = make_tier("shared", tmp_path, LAYOUT, 100)
+    data = memoryview(bytes(LAYOUT.bytes_per_chunk))
+    for i in range(30):
+        assert tier.put(key(i), data)
+    walking, release = threading.Event(), threading.Event()
+    real_scan = shared_module.scan_tree
+
+    def held_walk(*args: Any, **kwargs: Any) -> Any:
+        walking.set()
+        release.wait(timeout=10)
+        return real_scan(*args, **kwargs)
+
+    monkeypatch.setattr(shared_module, "scan_tree", held_walk)
+    remeasure = threading.Thread(target=tier.enforce_quota)
+    remeasure.start()
+    assert walking.wait(timeout=10)
+    for i in range(100, 130):
+        assert tier.put(key(i), data)
+    release.set()
+    remeasure.join()
+    assert tier.stats().evictions == 0
+    with tier.ledger.locked() as ledger:
+        assert ledger.used_bytes <= (60 + 30) * tier.file_bytes
+    tier.close()

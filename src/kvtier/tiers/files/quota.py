@@ -8,7 +8,9 @@ little-endian int64 under an exclusive `flock` of that file:
 
     used_bytes      an upper bound of the bytes of kvtier's files (chunk and temp files)
     reserved_total  bytes ever reserved by writers (monotonic)
-    completed_total bytes ever renamed into place by writers (monotonic)
+    completed_total bytes of writes ever ended (monotonic): renamed into place, or given
+                    back (a failed write's, a duplicate's, a link probe's); what was reserved
+                    and not ended is in flight (or a killed writer's)
     chunks          chunk files held, as counted by the writers (a gauge, not a bound)
     claimed_ns      unix time (ns) the last re-measure of the directory was claimed, by the
                     claiming node's clock (one further ahead of a reader's than
@@ -19,7 +21,9 @@ little-endian int64 under an exclusive `flock` of that file:
                     and asks for a re-measure as soon as the interval allows
 
 The first three are the ledger of builds before issue 28 (24 bytes); those builds read and
-write only them and leave the rest alone, so old and new writers share one bound. A ledger of
+write only them and leave the rest alone, so old and new writers share one bound (older
+builds add only renames to completed_total: their failed writes look in flight for ever, which
+only loosens a re-measure's count back to theirs). A ledger of
 24 bytes reads as "never re-measured" (claimed_ns 0).
 
 The writers keep `used_bytes` an upper bound of the real usage at every moment:
@@ -40,9 +44,13 @@ The writers keep `used_bytes` an upper bound of the real usage at every moment:
 
 A re-measure corrects the drift without stopping the writers: read the two totals
 (T0), scan the directory unlocked, then under the lock set `used = scanned + (reserved since
-T0) + (completed since T0)`. Every file present then was seen by the scan (it existed
-throughout), or was created (reserved) or renamed into place after T0, so the sum is still an
-upper bound.
+T0) + min(completed since T0, in flight at T0)`. Every file present then was seen by the scan
+(it existed throughout), or was created (reserved) after T0, or was in flight at T0 and
+renamed into place under the scan (a directory listing that spans a rename may show neither
+name: at most what was in flight at T0, and no more than what ended since), so the sum is
+still an upper bound. (Counting all that ended since T0 counted every write during the walk
+twice more: a walk under busy writers evicted real chunks for them.) A file created after T0
+that the scan also saw still counts twice, until the next re-measure.
 
 The bound, for any number of writers on any number of nodes: the bytes of kvtier's chunk
 and temp files in the directory never exceed the quota, provided (1) every writer is a

@@ -393,14 +393,15 @@ class SharedTier:
             pending.fill(data)
             with self.ledger.locked() as ledger:
                 if pending.complete():
-                    ledger.completed_total += pending.size_bytes
                     ledger.chunks += 1
                 else:  # another writer placed the same chunk: its copy is the one counted
                     ledger.used_bytes -= pending.abort()
+                ledger.completed_total += pending.size_bytes  # placed, or given back
                 self._publish(ledger)
         except BaseException:
             with self.ledger.locked() as ledger:
                 ledger.used_bytes -= pending.abort()
+                ledger.completed_total += pending.size_bytes
                 self._publish(ledger)
             raise
 
@@ -436,15 +437,20 @@ class SharedTier:
                 return
             self.remeasures += 1
             reserved_before, completed_before = self.ledger.totals()
+            in_flight = max(0, reserved_before - completed_before)  # writes not yet ended
             began = time.monotonic_ns()
             scan = scan_tree(self.files.root, ops=self.files.ops)
             walk_ns = time.monotonic_ns() - began
             with self.ledger.locked() as ledger:
-                # Every file present now was seen by the scan, or reserved or renamed into
-                # place since it started: an upper bound of the usage (kvtier.tiers.files.quota).
+                # Every file present now was seen by the scan, or reserved since it started,
+                # or was in flight then and renamed into place under it (a listing may miss
+                # both its names): an upper bound of the usage (kvtier.tiers.files.quota).
+                # Writes ended since count up to what was in flight: all of them counted every
+                # write during the walk twice more (tests/tiers/test_shared_remeasure.py).
+                ended = ledger.completed_total - completed_before
                 ledger.used_bytes = (sum(f.size_bytes for f in scan.chunks) + scan.temp_bytes
                                      + ledger.reserved_total - reserved_before
-                                     + ledger.completed_total - completed_before)
+                                     + min(ended, in_flight))
                 ledger.chunks = len(scan.chunks)
                 now_ns = time.time_ns()
                 self._bound_claim(ledger, now_ns)
@@ -548,6 +554,7 @@ class SharedTier:
         finally:
             with self.ledger.locked() as ledger:
                 ledger.used_bytes -= size
+                ledger.completed_total += size  # given back: not in flight any more
                 self._publish(ledger)
 
     def stats(self) -> TierStats:
