@@ -130,3 +130,25 @@ def test_writes_during_a_re_measure_are_not_counted_three_times(
     with tier.ledger.locked() as ledger:
         assert ledger.used_bytes <= (60 + 30) * tier.file_bytes
     tier.close()
+
+
+def test_a_re_measure_far_over_a_lowered_quota_evicts_one_batch_per_hold(
+        tmp_path: Path) -> None:
+    """Every writer waits on the ledger's lock while an eviction holds it, so an eviction
+    frees at most EVICT_BATCH_FILES files per hold and a quota lowered far below the usage is
+    reached over many writes. A re-measure evicted all the way down in one hold (at fleet
+    scale, millions of unlinks on NFS while every engine's puts waited): 200 chunks, then an
+    engine with a quota of 20 re-measured and evicted 182 files under one hold."""
+    data = memoryview(bytes(LAYOUT.bytes_per_chunk))
+    big: Any = make_tier("shared", tmp_path, LAYOUT, 200)
+    for i in range(200):
+        assert big.put(key(i), data)
+    big.close()
+    small: Any = make_tier("shared", tmp_path, LAYOUT, 20)  # the quota lowered
+    small.enforce_quota()
+    assert small.stats().evictions <= shared_module.EVICT_BATCH_FILES
+    for i in range(1000, 1010):  # each put frees the next batch
+        small.put(key(i), data)
+    with small.ledger.locked() as ledger:
+        assert ledger.used_bytes <= small.capacity_bytes
+    small.close()

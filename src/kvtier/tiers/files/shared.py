@@ -424,7 +424,8 @@ class SharedTier:
 
     def enforce_quota(self, incoming_bytes: int = 0, force: bool = False) -> None:
         """Re-measure the whole directory (every layout), then evict (sampled LRU) until it
-        fits the capacity with room for `incoming_bytes`. With `force` (the filesystem
+        fits the capacity with room for `incoming_bytes`, one batch at most (the writes that
+        follow free the next). With `force` (the filesystem
         itself is full), free down to the low watermark of what is held even when the quota
         is met. Sweeps kvtier's stale temp files (filetree.TEMP_STALE_S). Called by the
         writer that claimed the re-measure (`_claim_locked`), not on every writer's clock:
@@ -462,7 +463,11 @@ class SharedTier:
                     # 90% of the quota is above what the full filesystem holds (frees nothing).
                     limit = min(ledger.used_bytes, self.capacity_bytes) if force else \
                         self.capacity_bytes
-                    self._evict_locked(ledger, LOW_WATERMARK * limit - incoming_bytes)
+                    # One batch per hold, as `_evict_target`: far over (a quota lowered), the
+                    # next writes free the rest while the fleet's puts go on between them.
+                    batch = ledger.used_bytes - EVICT_BATCH_FILES * self.files.max_file_bytes
+                    self._evict_locked(ledger, max(LOW_WATERMARK * limit - incoming_bytes,
+                                                   batch))
                 self._publish(ledger)
 
     def _evict_locked(self, ledger: LedgerState, target_bytes: float) -> int:
