@@ -37,6 +37,7 @@ import mmap
 import os
 import stat
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -100,6 +101,7 @@ class ChunkFiles:
         self.ops = FsOps()  # the metadata operations asked of the filesystem (fsops.py)
         self._cannot_remove = ThrottledWarning(log)  # every chunk, on a read-only directory
         self._local = threading.local()
+        self._clock_ahead_s = 0.0  # the filesystem's clock minus this node's (`fs_now`)
         self.writable = self._prepare_directory()
         self.o_direct = o_direct != "off" and self.writable and self._probe_o_direct(
             o_direct == "on")
@@ -130,6 +132,7 @@ class ChunkFiles:
                          self.file_mode, dir_fd=dir_fd)
             try:
                 os.write(fd, self._buffers()[0])
+                self._saw_clock(fd)
             finally:
                 os.close(fd)
             return True
@@ -142,6 +145,20 @@ class ChunkFiles:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(name, dir_fd=dir_fd)
             os.close(dir_fd)
+
+    def fs_now(self) -> float:
+        """Now by the clock that stamps the directory's mtimes (on NFS the server's), as the
+        last file this process created there showed it against this node's clock. kvtier's
+        temp files are stale by their mtimes (filetree.TEMP_STALE_S): a node whose clock ran
+        minutes ahead of the server's swept every write in flight in the directory
+        (tests/faults/test_clock_skew.py). This node's clock until a file was created."""
+        return time.time() + self._clock_ahead_s
+
+    def _saw_clock(self, fd: int) -> None:
+        """Read the filesystem's clock off the mtime of `fd`, a file this process just
+        created or resized (`fs_now`)."""
+        self.ops.add(stats=1)
+        self._clock_ahead_s = os.fstat(fd).st_mtime - time.time()
 
     def _buffers(self) -> tuple[mmap.mmap, mmap.mmap]:
         """This thread's page-aligned (header, whole-file staging) buffers."""
@@ -211,6 +228,7 @@ class ChunkFiles:
             os.fchmod(fd, self.file_mode)  # the umask must not narrow group_shared's 0660
             self.ops.add(other=1)
             os.ftruncate(fd, pending.size_bytes)
+            self._saw_clock(fd)
         except BaseException:
             pending.abort()
             raise

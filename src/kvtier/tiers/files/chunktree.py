@@ -81,16 +81,17 @@ def chunk_path(root: Path, layout_digest: str, key: ChunkKey) -> Path:
 
 
 def scan_tree(root: Path, layout_digests: Sequence[str] | None = None,
-              sweep: bool = True, ops: FsOps = NO_OPS) -> TreeScan:
+              sweep: bool = True, ops: FsOps = NO_OPS, now_s: float | None = None) -> TreeScan:
     """Every chunk file of `layout_digests` (default: every layout) below `root`, found
     without following links (`filetree.walk`); with `sweep`, deletes kvtier's own temp files
-    older than TEMP_STALE_S on the way (a writer that died), and nothing else.
+    older than TEMP_STALE_S on the way (a writer that died), and nothing else. `now_s`: now
+    by the clock of the files' mtimes (`ChunkFiles.fs_now`; default this node's).
 
     Files whose names are not keys are skipped; a chunk's content is verified when read.
     Raises OSError when `root` cannot be listed.
     """
     found = TreeScan()
-    stale_before = time.time() - TEMP_STALE_S
+    stale_before = (time.time() if now_s is None else now_s) - TEMP_STALE_S
     for entry in walk(Path(root), layout_digests, ops):
         if entry.temp:
             if sweep and entry.mtime < stale_before:

@@ -51,8 +51,10 @@ from kvtier.tiers.manifest import LAYOUT_NAME, is_layout_name
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # A kvtier temp file older than this belongs to a writer that died: it is deleted by the next
 # scan (the shared tier's quota scan, every scan_interval_s; the disk tier's start-up scan).
-# A chunk write takes well under a second; a live writer whose temp file is swept anyway
-# (clock skew between nodes) only loses that one write (its rename fails: a dropped write).
+# A chunk write takes well under a second; a live writer whose temp file is swept anyway (a
+# write stalled this long) only loses that one write (its rename fails: a dropped write).
+# Ages are taken by the clock that stamps the mtimes (the shared tier's `ChunkFiles.fs_now`:
+# on NFS the server's), not by a node's own, which may run minutes ahead.
 TEMP_STALE_S = 120.0
 _SHARD = re.compile(r"[0-9a-f]{2}")
 _CHUNK = re.compile(r"[0-9a-f]{32}\.kvc")
@@ -410,10 +412,13 @@ def sample_shards(root: Path, rng: random.Random, ops: FsOps = NO_OPS,
             os.close(fd)
 
 
-def sweep_layout_temps(root: Path, digest: str, ops: FsOps = NO_OPS) -> int:
+def sweep_layout_temps(root: Path, digest: str, ops: FsOps = NO_OPS,
+                       now_s: float | None = None) -> int:
     """Delete kvtier's stale temp files (older than TEMP_STALE_S) in the layout directory
     ROOT/digest itself (an O_DIRECT probe's or a manifest's, of a writer killed meanwhile):
-    one directory read, an lstat per temp file. The number deleted; never raises."""
+    one directory read, an lstat per temp file. `now_s`: now by the clock of the files'
+    mtimes (default this node's). The number deleted; never raises."""
+    stale_before = (time.time() if now_s is None else now_s) - TEMP_STALE_S
     try:
         fd = open_dir(root, [digest], ops=ops)
     except OSError:
@@ -426,7 +431,7 @@ def sweep_layout_temps(root: Path, digest: str, ops: FsOps = NO_OPS) -> int:
         for name in names:
             ops.add(stats=1)
             info = os.stat(name, dir_fd=fd, follow_symlinks=False)
-            if stat.S_ISREG(info.st_mode) and info.st_mtime < time.time() - TEMP_STALE_S:
+            if stat.S_ISREG(info.st_mode) and info.st_mtime < stale_before:
                 ops.add(unlinks=1)
                 os.unlink(name, dir_fd=fd)
                 swept += 1

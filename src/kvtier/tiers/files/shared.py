@@ -182,7 +182,8 @@ class SharedTier:
         # a `.probe` file fails the constructor (tests/faults/test_read_only.py).
         self.ledger = QuotaLedger(self.files.root, modes[1]) if self.files.writable else None
         self._scan_lock = threading.Lock()  # one re-measure at a time in this process
-        self._sampler = VictimSampler(self.files.root, self.files.ops)
+        self._sampler = VictimSampler(self.files.root, self.files.ops,
+                                      clock=self.files.fs_now)
         self.remeasures = 0  # re-measures of the directory this process ran
         self.future_claims = 0  # claims found further ahead than FUTURE_CLAIM_S, taken back
         self._claim_ahead = ThrottledWarning(log)  # every put, while a node's clock is ahead
@@ -203,7 +204,8 @@ class SharedTier:
             return
         # The layout directory's own stale temp files (a killed writer's manifest or probe):
         # a re-measure sweeps them, but a restart need not walk the tree any more.
-        sweep_layout_temps(self.files.root, self.files.layout_digest, self.files.ops)
+        sweep_layout_temps(self.files.root, self.files.layout_digest, self.files.ops,
+                           self.files.fs_now())
         with self.ledger.locked() as ledger:
             claimed = self._claim_locked(ledger)
             self._publish(ledger)
@@ -440,7 +442,7 @@ class SharedTier:
             reserved_before, completed_before = self.ledger.totals()
             in_flight = max(0, reserved_before - completed_before)  # writes not yet ended
             began = time.monotonic_ns()
-            scan = scan_tree(self.files.root, ops=self.files.ops)
+            scan = scan_tree(self.files.root, ops=self.files.ops, now_s=self.files.fs_now())
             walk_ns = time.monotonic_ns() - began
             with self.ledger.locked() as ledger:
                 # Every file present now was seen by the scan, or reserved since it started,

@@ -25,6 +25,7 @@ import contextlib
 import random
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 from kvtier.tiers.files.filetree import TEMP_STALE_S, Entry, sample_shards
@@ -38,9 +39,12 @@ class VictimSampler:
     """Eviction candidates of the tree under `root`, every layout. Not thread-safe: the
     shared tier calls it under its ledger's lock."""
 
-    def __init__(self, root: Path, ops: FsOps, rng: random.Random | None = None) -> None:
+    def __init__(self, root: Path, ops: FsOps, rng: random.Random | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        """`clock`: now by the clock of the files' mtimes (`ChunkFiles.fs_now`)."""
         self.root = Path(root)
         self.ops = ops
+        self._clock = clock
         self.samples = 0  # samples taken (for tests and the bench)
         self._rng = rng or random.Random()
         self._pool: deque[Entry] = deque()
@@ -62,7 +66,7 @@ class VictimSampler:
 
     def _sample(self) -> None:
         self.samples += 1
-        stale_before = time.time() - TEMP_STALE_S
+        stale_before = self._clock() - TEMP_STALE_S
         chunks: list[Entry] = []
         stale: list[Entry] = []
         with contextlib.closing(sample_shards(self.root, self._rng, self.ops,
