@@ -23,6 +23,7 @@ from tierkit import key, make_tier
 
 from kvtier.core.layout import KVLayout
 from kvtier.tiers.files import chunkfiles, chunktree, filetree, victims
+from kvtier.tiers.files import shared as shared_module
 
 AHEAD_S = 600.0
 
@@ -50,5 +51,26 @@ def test_a_node_ahead_of_the_filesystem_does_not_sweep_writes_in_flight(
     in_flight.fill(data)
     assert in_flight.complete(), "the write in flight was swept as a killed writer's"
     assert writer.contains(key(1))
+    ahead.close()
+    writer.close()
+
+
+def test_a_node_ahead_of_the_filesystem_claims_re_measures_by_the_filesystems_clock(
+        tmp_path: Path, layout: KVLayout, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ledger's `claimed_ns` was stamped with the claiming node's clock: a node 10
+    minutes ahead put every other writer's next re-measure off by 10 minutes (or, past
+    FUTURE_CLAIM_S, had its claims taken back: a walk at every put of its). Claims are
+    stamped by the filesystem's clock, which every node reads alike."""
+    data = memoryview(bytes(layout.bytes_per_chunk))
+    writer: Any = make_tier("shared", tmp_path, layout, capacity_chunks=8)
+    for module in (chunkfiles, chunktree, filetree, victims, shared_module):
+        monkeypatch.setattr(module, "time", skewed_time())
+    ahead: Any = make_tier("shared", tmp_path, layout, capacity_chunks=8)
+    ahead.enforce_quota()
+    monkeypatch.undo()
+    with writer.ledger.locked() as ledger:
+        assert ledger.claimed_ns <= time.time_ns()
+    assert writer.put(key(1), data)
+    assert writer.future_claims == 0
     ahead.close()
     writer.close()

@@ -13,9 +13,9 @@ little-endian int64 under an exclusive `flock` of that file:
                     and not ended is in flight (or a killed writer's)
     chunks          chunk files held, as counted by the writers (a gauge, not a bound)
     claimed_ns      unix time (ns) the last re-measure of the directory was claimed, by the
-                    claiming node's clock (one further ahead of a reader's than
-                    shared.FUTURE_CLAIM_S is taken as claimed now: a wrong clock or a
-                    corrupt ledger must not put off every re-measure)
+                    filesystem's clock (ChunkFiles.fs_now; one further ahead than
+                    shared.FUTURE_CLAIM_S is taken as claimed now: a corrupt ledger must
+                    not put off every re-measure)
     walk_ns         how long that walk took (0: unknown)
     repair          1: a writer found the usage over the quota with nothing left to evict,
                     and asks for a re-measure as soon as the interval allows

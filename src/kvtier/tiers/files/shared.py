@@ -100,11 +100,11 @@ STALE_MISSES = 4  # candidates in a row that freed nothing: the sample is stale,
 # A re-measure of the directory waits at least this many times the last walk's duration:
 # the fleet spends at most 1/REMEASURE_DUTY of one writer's time walking, whatever it holds.
 REMEASURE_DUTY = 100
-# A re-measure claimed (`claimed_ns`, the claiming node's clock) further ahead of this node's
-# clock than this is taken as claimed now: trusted, no re-measure was due until then (a claim
-# of the year 2100: never), and the drift a re-measure repairs stayed. Nodes under NTP agree
-# within well under a second; a node this far ahead walks more often than the interval
-# (each claim of its is taken back), which its warnings on the other nodes name.
+# A re-measure claimed (`claimed_ns`, stamped by the filesystem's clock: `_now_ns`) further
+# ahead than this is taken as claimed now: trusted, no re-measure was due until then (a claim
+# of the year 2100: never), and the drift a re-measure repairs stayed. A corrupt ledger, or
+# an older kvtier that stamped claims by its node's clock, on a node this far ahead (which
+# then walks more often than the interval: each claim of its is taken back, and logged).
 FUTURE_CLAIM_S = 60.0
 CLOSE_WAIT_S = 10.0  # close() waits this long for a re-measure in flight
 NOT_OURS_KEPT = 4096  # keys remembered as sealed under a key this process lacks
@@ -364,7 +364,7 @@ class SharedTier:
         Due `scan_interval_s` after the last claim, or REMEASURE_DUTY times the last walk's
         duration if longer (a walk of 10^7 files is not repeated every 30 s), or at once
         when the ledger is not valid. Caller holds the lock."""
-        now = time.time_ns()
+        now = self._now_ns()
         if ledger.valid:
             self._bound_claim(ledger, now)
             wait_ns = self.scan_interval_s * 1e9
@@ -375,6 +375,12 @@ class SharedTier:
         ledger.claimed_ns = now
         return True
 
+    def _now_ns(self) -> int:
+        """Now (unix ns) by the filesystem's clock (`ChunkFiles.fs_now`), which every node
+        reads alike: claims stamped by a node's own clock, minutes ahead, put every other
+        writer's next re-measure off (tests/faults/test_clock_skew.py)."""
+        return int(self.files.fs_now() * 1e9)
+
     def _bound_claim(self, ledger: LedgerState, now_ns: int) -> None:
         """Take a claim from further ahead than FUTURE_CLAIM_S as claimed at `now_ns`
         (counted in `future_claims`, logged). Caller holds the lock."""
@@ -382,9 +388,10 @@ class SharedTier:
         if ahead_s > FUTURE_CLAIM_S:
             self.future_claims += 1
             self._claim_ahead.warning(
-                "shared tier %r: %s's last re-measure was claimed %.0f s ahead of this "
-                "node's clock (a node's clock is wrong, or the ledger is corrupt); taken as "
-                "claimed now", self.name, self.files.root, ahead_s)
+                "shared tier %r: %s's last re-measure was claimed %.0f s ahead of the "
+                "filesystem's clock (a corrupt ledger, or a writer of an older kvtier on a node "
+                "whose clock is wrong); taken as claimed now", self.name, self.files.root,
+                ahead_s)
             ledger.claimed_ns = now_ns
 
     def _write(self, pending: PendingWrite, data: Encoded) -> None:
@@ -455,7 +462,7 @@ class SharedTier:
                                      + ledger.reserved_total - reserved_before
                                      + min(ended, in_flight))
                 ledger.chunks = len(scan.chunks)
-                now_ns = time.time_ns()
+                now_ns = self._now_ns()
                 self._bound_claim(ledger, now_ns)
                 ledger.claimed_ns = max(ledger.claimed_ns, now_ns - walk_ns)
                 ledger.walk_ns, ledger.repair, ledger.valid = walk_ns, 0, True
