@@ -114,3 +114,18 @@ def test_a_forked_child_locks_the_ledger_against_its_parent(tmp_path: Path) -> N
             os.close(fd)
         ledger.close()
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_ledger_moved_away_is_opened_again_by_the_next_re_measure(tmp_path: Path) -> None:
+    """A ledger renamed away (or, on NFS, deleted on this node while open: renamed to
+    .nfsXXXX) keeps a link: a hold's fstat does not see it, a re-measure's stat of the path
+    does (two stats per re-measure, none per put: on NFS each is a round trip)."""
+    layout = tiny_layout()
+    tier: Any = make_tier("shared", tmp_path, layout, 8)
+    assert tier.put(key(1), memoryview(bytes(layout.bytes_per_chunk)))
+    root = tmp_path / "shared"
+    os.rename(root / LEDGER_NAME, root / "ledger-moved-away")
+    tier.enforce_quota()
+    tier.close()
+    with QuotaLedger(root, 0o600).locked() as ledger:
+        assert ledger.valid and ledger.used_bytes == tier.file_bytes and ledger.chunks == 1

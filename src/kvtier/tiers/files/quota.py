@@ -59,13 +59,15 @@ filesystem; NFSv4, CephFS; Lustre mounted with -o flock), and (3) nothing but kv
 files to the tree. Where `flock` fails (ENOLCK) the ledger is used unlocked and the bound
 no longer holds (logged once).
 
-Each hold of the lock checks that the open file is still the one at the ledger's path (an
-fstat and a stat): a directory emptied or made again under running engines, or a ledger
-deleted, is opened again at its path (a new ledger: the next put re-measures), so that no
-writer keeps the quota in a file no one else sees. A forked child opens the ledger again
+Each hold of the lock checks that the open file was not deleted (an fstat), and each
+re-measure that it is the one at the ledger's path (`verify_path`: a stat more): a directory
+emptied or made again under running engines, or a ledger deleted or moved, is opened again at
+its path (a new ledger: the next put re-measures), so that no writer keeps the quota in a
+file no one else sees. A forked child opens the ledger again
 (flock locks an open file description, which a fork shares with the parent).
 
-Primitives: `QuotaLedger` (locked, totals, close, path), `LedgerState`, `LEDGER_NAME`.
+Primitives: `QuotaLedger` (locked, verify_path, generation, close, path), `LedgerState`,
+`LEDGER_NAME`.
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ class _OpenLedger:
     fd: int  # -1: closed (under `lock`), or to be opened again
     lock: threading.Lock
     users: int = 0
+    generation: int = 0  # times the file was found gone and opened again
     pid: int = field(default_factory=os.getpid)  # the process that opened it
 
 
@@ -250,12 +253,38 @@ class QuotaLedger:
             finally:
                 self._flock(fd, fcntl.LOCK_UN)
 
+    @property
+    def generation(self) -> int:
+        """How many times this process found the ledger's file gone and opened it again (a
+        state read under another generation is another file's)."""
+        return self._open.generation
+
+    def verify_path(self) -> None:
+        """Open the ledger again if the file at its path is not the one held: one renamed
+        away, or deleted on this NFS client while open (renamed to .nfsXXXX: its link count
+        is not 0), which `locked`'s fstat does not see. Two stats: for the start of a
+        re-measure, not for every hold of the lock (on NFS each is a round trip).
+
+        Raises:
+            OSError: EBADF once closed; the ledger cannot be opened again.
+        """
+        if self._open.pid != os.getpid() and not self._closed:  # a fork's child
+            self._open = self._attach()
+        with self._open.lock:
+            if self._closed:
+                raise OSError(errno.EBADF, "the quota ledger is closed", str(self.path))
+            if self._open.fd >= 0 and self._moved(self._open.fd):
+                self._drop_fd()
+            if self._open.fd < 0:
+                self._open.fd = _open_ledger(self.path, self._file_mode)
+
     def _locked_fd(self) -> int:
-        """The fd of the file at the ledger's path, flocked. A ledger file found removed or
-        replaced (the directory emptied or made again under running engines) is closed and
-        the path opened again: a writer must not keep the quota in a file no one else sees
-        (on NFS its handle goes stale: every put failed). A new ledger is not valid: the
-        next put re-measures. Caller holds the thread lock.
+        """The fd of the ledger's file, flocked. A file found deleted (its link count 0, or
+        a stale NFS handle: the directory emptied or made again under running engines) is
+        closed and the path opened again: a writer must not keep the quota in a file no one
+        else sees (on NFS every put failed). A new ledger is not valid: the next put
+        re-measures. One fstat, which a flock on NFS has just revalidated. Caller holds the
+        thread lock.
 
         Raises:
             OSError: the ledger cannot be opened again (the directory is gone: ENOENT).
@@ -265,23 +294,38 @@ class QuotaLedger:
                 self._open.fd = _open_ledger(self.path, self._file_mode)
             fd = self._open.fd
             self._flock(fd, fcntl.LOCK_EX)
-            if not self._replaced(fd):
+            if not self._gone(fd):
                 return fd
-            log.warning("%s was removed or replaced under this writer (the directory emptied "
-                        "or made again?); opening the ledger at that path", self.path)
             self._flock(fd, fcntl.LOCK_UN)
-            self._open.fd = -1
-            os.close(fd)
+            self._drop_fd()
 
-    def _replaced(self, fd: int) -> bool:
-        """Whether `fd` is no longer the file at the ledger's path: two stats."""
+    def _drop_fd(self) -> None:
+        """Close the ledger's file, found gone: the next hold opens the one at the path."""
+        log.warning("%s was removed or replaced under this writer (the directory emptied or "
+                    "made again?); opening the ledger at that path", self.path)
+        os.close(self._open.fd)
+        self._open.fd = -1
+        self._open.generation += 1
+
+    @staticmethod
+    def _gone(fd: int) -> bool:
+        """Whether the file of `fd` was deleted: one fstat."""
+        try:
+            return os.fstat(fd).st_nlink == 0
+        except OSError as exc:
+            if exc.errno == errno.ESTALE:  # NFS: deleted by another node
+                return True
+            raise
+
+    def _moved(self, fd: int) -> bool:
+        """Whether `fd` is not the file at the ledger's path (gone, or another): two stats."""
         try:
             held = os.fstat(fd)
             there = os.stat(self.path, follow_symlinks=False)
         except FileNotFoundError:
             return True
         except OSError as exc:
-            if exc.errno == errno.ESTALE:  # NFS: deleted by another node
+            if exc.errno == errno.ESTALE:
                 return True
             raise
         return (held.st_dev, held.st_ino) != (there.st_dev, there.st_ino)
@@ -297,8 +341,3 @@ class QuotaLedger:
             self._lock_works = False
             log.warning("%s: flock unsupported here (%s); the shared quota is kept without a "
                         "lock and can be overshot by concurrent writers", self.path, exc)
-
-    def totals(self) -> tuple[int, int]:
-        """(reserved_total, completed_total) now: the start of a re-measure."""
-        with self.locked() as state:
-            return state.reserved_total, state.completed_total

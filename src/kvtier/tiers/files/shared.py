@@ -446,12 +446,17 @@ class SharedTier:
                                    used_bytes=sum(f.size_bytes for f in scan.chunks))
                 return
             self.remeasures += 1
-            reserved_before, completed_before = self.ledger.totals()
+            self.ledger.verify_path()  # the directory emptied or made again: its new ledger
+            with self.ledger.locked() as ledger:
+                reserved_before, completed_before = ledger.reserved_total, ledger.completed_total
+                generation = self.ledger.generation
             in_flight = max(0, reserved_before - completed_before)  # writes not yet ended
             began = time.monotonic_ns()
             scan = scan_tree(self.files.root, ops=self.files.ops, now_s=self.files.fs_now())
             walk_ns = time.monotonic_ns() - began
             with self.ledger.locked() as ledger:
+                if self.ledger.generation != generation:  # another file now: its totals are
+                    return  # not those; it is new, and the next put re-measures it
                 # Every file present now was seen by the scan, or reserved since it started,
                 # or was in flight then and renamed into place under it (a listing may miss
                 # both its names): an upper bound of the usage (kvtier.tiers.files.quota).
