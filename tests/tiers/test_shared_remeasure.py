@@ -152,3 +152,19 @@ def test_a_re_measure_far_over_a_lowered_quota_evicts_one_batch_per_hold(
     with small.ledger.locked() as ledger:
         assert ledger.used_bytes <= small.capacity_bytes
     small.close()
+
+
+def test_a_walk_recorded_as_lasting_for_years_puts_re_measures_off_a_day_at_most(
+        tmp_path: Path) -> None:
+    """The next re-measure waits REMEASURE_DUTY times the last walk's recorded duration. A
+    corrupt ledger's `walk_ns` (years) put every re-measure off for centuries, and the drift
+    they repair (files deleted behind kvtier's back: a usage held high, real chunks evicted
+    for it) stayed. The wait is at most REMEASURE_MAX_WAIT_S."""
+    tier: Any = make_tier("shared", tmp_path, LAYOUT, 8)
+    walks = tier.remeasures
+    with tier.ledger.locked() as ledger:
+        ledger.walk_ns = 10 * YEAR_NS
+        ledger.claimed_ns -= int((shared_module.REMEASURE_MAX_WAIT_S + 60) * 1e9)
+    assert tier.put(key(1), memoryview(bytes(LAYOUT.bytes_per_chunk)))  # claims one
+    tier.close()  # waits for it
+    assert tier.remeasures == walks + 1

@@ -25,9 +25,9 @@ written twice by racing writers), not a heartbeat. One writer re-measures for th
 fleet: the ledger records when a re-measure was last claimed and how long its walk took,
 and a writer claims the next one under the lock only when `scan_interval_s` has passed AND
 REMEASURE_DUTY times that walk's duration has (a walk of 10^7 files is not repeated every
-30 s); the others read its result. The claiming writer walks on a thread of its own, so its
-puts go on meanwhile (a walk of 10^6 files takes a minute of CPU; on NFS far longer). The
-re-measure also deletes kvtier's temp files older
+30 s), or a day has (REMEASURE_MAX_WAIT_S); the others read its result. The claiming writer
+walks on a thread of its own, so its puts go on meanwhile (a walk of 10^6 files takes a
+minute of CPU; on NFS far longer). The re-measure also deletes kvtier's temp files older
 than `filetree.TEMP_STALE_S` (120 s), and so does eviction where it samples: a killed
 writer's leftovers count against the quota until one of them finds them. Files that are not
 kvtier's own names in kvtier's own layout are never counted, swept or deleted. A write asks
@@ -100,6 +100,9 @@ STALE_MISSES = 4  # candidates in a row that freed nothing: the sample is stale,
 # A re-measure of the directory waits at least this many times the last walk's duration:
 # the fleet spends at most 1/REMEASURE_DUTY of one writer's time walking, whatever it holds.
 REMEASURE_DUTY = 100
+# ...but at most this long: a walk_ns of years (a corrupt ledger) put every re-measure off
+# for centuries. A walk of 10^7 files on NFS (half an hour) is then repeated daily (2%).
+REMEASURE_MAX_WAIT_S = 86400.0
 # A re-measure claimed (`claimed_ns`, stamped by the filesystem's clock: `_now_ns`) further
 # ahead than this is taken as claimed now: trusted, no re-measure was due until then (a claim
 # of the year 2100: never), and the drift a re-measure repairs stayed. A corrupt ledger, or
@@ -362,14 +365,16 @@ class SharedTier:
         """Whether this writer re-measures the directory now: one is due by the ledger, and
         claiming it there (`claimed_ns`) makes every other writer wait for the next one.
         Due `scan_interval_s` after the last claim, or REMEASURE_DUTY times the last walk's
-        duration if longer (a walk of 10^7 files is not repeated every 30 s), or at once
-        when the ledger is not valid. Caller holds the lock."""
+        duration if longer (a walk of 10^7 files is not repeated every 30 s; at most
+        REMEASURE_MAX_WAIT_S), or at once when the ledger is not valid. Caller holds the
+        lock."""
         now = self._now_ns()
         if ledger.valid:
             self._bound_claim(ledger, now)
             wait_ns = self.scan_interval_s * 1e9
             if not ledger.repair:
-                wait_ns = max(wait_ns, REMEASURE_DUTY * ledger.walk_ns)
+                wait_ns = max(wait_ns, min(REMEASURE_DUTY * ledger.walk_ns,
+                                           REMEASURE_MAX_WAIT_S * 1e9))
             if now < ledger.claimed_ns + wait_ns:
                 return False
         ledger.claimed_ns = now
