@@ -231,3 +231,37 @@ def test_a_chunk_stored_again_with_its_expiry_expires_once(tmp_path: Path) -> No
         assert held(top, range(4)) == [3]
         assert top.stats().chunks == 1 and top.check() == []
         assert top.retention_stats().expired == 1
+
+
+def test_a_chunk_back_from_a_pin_or_promoted_extends_its_parent_in_a_prefix_tier(
+        tmp_path: Path) -> None:
+    """A prefix policy evicts leaves only: a chunk held with its parent must extend it. A
+    chunk whose pin ends re-enters the policy, and one promoted from a lower tier enters it,
+    under its parent: the one its metadata named (kept by the tier's book), or else the one
+    the reader names. Entered as roots, each left its parent a leaf, evicted before it."""
+    clock = Clock()
+    top = memory(tmp_path, 2, clock, name="ram", eviction="prefix")
+    lower = memory(tmp_path, 8, clock, name="ram2")
+    with TieredStore([top, lower]) as store:
+        assert store.put(key(0), memoryview(CHUNK))
+        assert store.put(key(1), memoryview(CHUNK),
+                         ChunkMeta(retain_until=T0 + 5, parent=key(0)))
+        store.flush()
+        clock.now = T0 + 10  # the pin of 1 ended: back in the policy, under 0
+        assert store.put(key(2), memoryview(CHUNK), ChunkMeta(parent=key(1)))
+        assert held(top, [0, 1, 2]) == [0, 2], "the parent went before its child"
+        # Promoted: the lower tier's book names 0 (the pin, lapsed, is what it keeps of 1).
+        top.delete(key(2))
+        out = memoryview(bytearray(LAYOUT.bytes_per_chunk))
+        assert store.get_into(key(1), out) == "ram2"
+        assert store.put(key(3), memoryview(CHUNK))
+        assert held(top, [0, 1, 3]) == [0, 3]
+        # Promoted with metadata that names no parent (a tenant's): the reader's names it.
+        assert store.put(key(4), memoryview(CHUNK), ChunkMeta(tenant="t"))
+        store.flush()
+        top.delete(key(3))
+        top.delete(key(4))
+        assert store.put(key(5), memoryview(CHUNK))  # the parent, held before its child
+        assert store.get_into(key(4), out, ChunkMeta(parent=key(5))) == "ram2"
+        assert store.put(key(6), memoryview(CHUNK))
+        assert held(top, [4, 5, 6]) == [5, 6]

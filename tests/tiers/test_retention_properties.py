@@ -5,7 +5,9 @@ retains, deletions and the passing of time, in tiers of a few chunks. The clock 
 
 - A chunk read back has the bytes stored under its key, and never after its expiry.
 - No tier holds more than its capacity, and each tier's books agree with what it holds.
-- Every chunk in a tier's eviction policy can be evicted; and, nothing pinned, a flood of new
+- Every chunk in a tier's eviction policy can be evicted; a chunk that entered a prefix policy
+  while its parent was in it (stored, promoted, or back from a pin) extends it, so that the
+  parent is not a leaf to evict before it; and, nothing pinned, a flood of new
   chunks as large as a tier (LRU or prefix eviction, whose victims are the least recently
   used leaves) leaves that tier holding the flood alone.
 - A restart keeps on disk exactly the chunks it held that carry no expiry now (every expiry
@@ -24,6 +26,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from tierkit import key, tier_settings, tiny_layout
 
+from kvtier.core.policies import PrefixPolicy
 from kvtier.core.retention import ChunkMeta
 from kvtier.core.store import TieredStore
 from kvtier.tiers import build_tier
@@ -84,6 +87,25 @@ def _evictable(tier: MemoryTier | DiskTier) -> tuple[int, int]:
     return resident, evicted
 
 
+def _unlinked(tier: MemoryTier | DiskTier) -> list[tuple[int, int]]:
+    """(parent, chunk) pairs of a prefix policy where the chunk entered it after its parent
+    (both in it now) but does not extend it: the policy could evict the parent first."""
+    with tier._lock:
+        policies = list(tier._policy._generations.values())
+    found = []
+    for policy in policies:
+        if not isinstance(policy, PrefixPolicy):
+            continue
+        chunks = policy._chunks
+        for k, chunk in chunks.items():
+            i = int.from_bytes(k, "big")
+            parent = PARENTS.get(i)
+            above = chunks.get(parent) if parent is not None else None
+            if above is not None and above.born < chunk.born and chunk.parent != parent:
+                found.append((i - 1, i))
+    return found
+
+
 PUT = st.tuples(st.just("put"), st.integers(0, KEYS - 1), st.booleans())
 RETAIN = st.tuples(st.just("retain"), st.integers(0, KEYS - 1))
 OPS = st.lists(
@@ -112,10 +134,14 @@ NO_EXPIRY: list[float | None] = [None] * KEYS
 # the same on disk, for a parent deleted and stored again;
 @example(ops=[("put", 0, False), ("put", 1, False), ("delete", 0, 1), ("put", 0, False),
               ("flood",)], memory_eviction="lru", disk_eviction="prefix", expiry=NO_EXPIRY)
-# a chunk promoted back into RAM with its expiry expired twice at once (a KeyError).
+# a chunk promoted back into RAM with its expiry expired twice at once (a KeyError);
 @example(ops=[("put", 0, False), ("put", 1, False), ("put", 2, False), ("get", 0),
               ("advance", 40.0), ("put", 3, False)], memory_eviction="lru",
          disk_eviction="lru", expiry=[20.0, None, None, None])
+# a chunk promoted from disk with the pin it had there, ended, entered RAM's prefix policy
+# as a root: its parent, held there, was a leaf to evict before it.
+@example(ops=[("put", 0, False), ("put", 1, True), ("advance", 10.0), ("delete", 1, 0),
+              ("get", 1)], memory_eviction="prefix", disk_eviction="lru", expiry=NO_EXPIRY)
 @given(ops=OPS, memory_eviction=st.sampled_from(["lru", "arc", "prefix"]),
        disk_eviction=st.sampled_from(["lru", "prefix"]),
        expiry=st.lists(st.sampled_from([None, 20.0, 60.0]), min_size=KEYS, max_size=KEYS))
@@ -147,7 +173,9 @@ def test_retention_properties_hold_for_any_sequence_of_operations(
                 if op[0] == "put":
                     store.put(key(op[1]), memoryview(payload(op[1])), meta(op[1], op[2]))
                 elif op[0] == "get":
-                    served = store.get_into(key(op[1]), memoryview(out))
+                    # The reader names the chunk's parent, as a load of its prompt could.
+                    served = store.get_into(key(op[1]), memoryview(out),
+                                            ChunkMeta(parent=PARENTS[op[1]]))
                     if served:
                         assert bytes(out) == payload(op[1]), "another chunk's bytes"
                         at = expires.get(op[1])
@@ -181,6 +209,7 @@ def test_retention_properties_hold_for_any_sequence_of_operations(
                     assert tier.stats().chunks == len(held), "the chunks gauge is off"
                     resident, evictable = _evictable(tier)
                     assert evictable == resident, "a chunk its policy never evicts"
+                    assert _unlinked(tier) == [], "a chunk held apart from its parent"
                 assert memory.check() == [] and disk.check() == []
             # A restart: what the disk held, but for the chunks whose expiry passed meanwhile.
             everything = list(range(KEYS)) + list(range(FLOOD, FLOOD + DISK_CHUNKS * floods))

@@ -212,6 +212,10 @@ class RetentionBook:
         self._pin_heap: list[tuple[float, ChunkKey]] = []
         self._expires: dict[ChunkKey, float] = {}  # key -> expires at
         self._expiry_heap: list[tuple[float, ChunkKey]] = []
+        # key -> the chunk before it in its prompt, where its metadata named one: a pinned
+        # chunk re-enters a prefix policy under it when its pin ends, and a promoted chunk
+        # carries it up (without it, either was a root its parent could leave before).
+        self._parent: dict[ChunkKey, ChunkKey] = {}
         self.pinned_bytes = 0
         self.pins_refused = 0
         self.expired_count = 0
@@ -234,6 +238,8 @@ class RetentionBook:
             account.evictions = self._gone.pop(tenant, 0)
         account.used_bytes += size_bytes
         account.chunks += 1
+        if meta.parent is not None:
+            self._parent[key] = meta.parent
         expires_at = meta.expires_at
         if expires_at is None and self._ttl_s is not None:
             expires_at = self.clock() + self._ttl_s
@@ -262,6 +268,7 @@ class RetentionBook:
             del self._pinned[key]
             self.pinned_bytes -= size
         self._expires.pop(key, None)
+        self._parent.pop(key, None)
         if account.chunks == 0:
             del self._tenants[tenant]
             self._gone[tenant] = account.evictions
@@ -283,7 +290,8 @@ class RetentionBook:
         if key not in self._tenant_of:
             if meta.retain_until is None:
                 return False
-            return self.record(key, ChunkMeta(None, meta.retain_until, None), size_bytes)
+            return self.record(key, ChunkMeta(None, meta.retain_until, None, meta.parent),
+                               size_bytes)
         if meta.expires_at is not None and meta.expires_at > self._expires.get(key, math.inf):
             self._set_expiry(key, meta.expires_at)
         if meta.retain_until is None:
@@ -305,11 +313,17 @@ class RetentionBook:
     def meta_of(self, key: ChunkKey) -> ChunkMeta | None:
         if key not in self._tenant_of:
             return None
-        return ChunkMeta(self._tenant_of[key], self._pinned.get(key), self._expires.get(key))
+        return ChunkMeta(self._tenant_of[key], self._pinned.get(key), self._expires.get(key),
+                         self._parent.get(key))
+
+    def parent_of(self, key: ChunkKey) -> ChunkKey | None:
+        """The parent a recorded chunk's metadata named (None: none, or not recorded)."""
+        return self._parent.get(key)
 
     def metas(self) -> list[tuple[ChunkKey, ChunkMeta]]:
         """Every recorded chunk's metadata (a persistent tier's journal, compacted)."""
-        return [(key, ChunkMeta(tenant, self._pinned.get(key), self._expires.get(key)))
+        return [(key, ChunkMeta(tenant, self._pinned.get(key), self._expires.get(key),
+                                self._parent.get(key)))
                 for key, tenant in self._tenant_of.items()]
 
     def __len__(self) -> int:
@@ -367,7 +381,8 @@ class RetentionBook:
         return list(due)
 
     def lapsed_pins(self) -> list[ChunkKey]:
-        """Chunks whose pin has ended (now unpinned: the tier puts them back in its policy)."""
+        """Chunks whose pin has ended (now unpinned: the tier puts them back in its policy,
+        under `parent_of`)."""
         now = self.clock()
         lapsed: list[ChunkKey] = []
         while self._pin_heap and self._pin_heap[0][0] <= now:

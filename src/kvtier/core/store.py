@@ -46,7 +46,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, MutableSequence, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from kvtier.core.copies import CopyPool
@@ -439,7 +439,7 @@ class TieredStore:
         or when the loan it was for was abandoned meanwhile (the slot is released)."""
         with ExitStack() as reservation:
             slot = reservation.enter_context(
-                top.reserve(key, self._meta_of(tier, key) or meta))
+                top.reserve(key, self._promoted_meta(tier, key, meta)))
             target = spare if isinstance(slot, TierResult) else slot.data
             if not self._counted(tier, tier.get_into(key, target, meta), faults):
                 return None  # the slot is released here
@@ -453,10 +453,11 @@ class TieredStore:
                  top: bool = True) -> None:
         """Copy a chunk found at `level` into the faster tiers above it (the top one too
         unless `top` is False: it was filled in place), with its tenant, pin and expiry
-        where the tier it came from keeps them, else with the reader's `meta`."""
+        where the tier it came from keeps them, else with the reader's `meta`
+        (`_promoted_meta`)."""
         if level == 0:
             return
-        meta = self._meta_of(self.tiers[level], key) or meta
+        meta = self._promoted_meta(self.tiers[level], key, meta)
         if top:
             self._put_top(key, data, meta)
         if level > 1:
@@ -467,6 +468,17 @@ class TieredStore:
     def _meta_of(self, tier: Tier, key: ChunkKey) -> ChunkMeta | None:
         keeper = self._keepers.get(id(tier))
         return None if keeper is None else self._guarded(tier, None, keeper.meta_of, key)
+
+    def _promoted_meta(self, tier: Tier, key: ChunkKey, meta: ChunkMeta) -> ChunkMeta:
+        """What a chunk read from `tier` by a reader with `meta` is promoted with: the
+        tenant, pin and expiry `tier` keeps of it, else `meta`'s; its parent `tier`'s, else
+        the reader's (a tier's book may know none: it was restarted, or stored without one).
+        Without its parent a promoted chunk is a root in a prefix policy above, and its parent
+        could leave before it (tests/cache/test_retention.py)."""
+        kept = self._meta_of(tier, key)
+        if kept is None:
+            return meta
+        return kept if kept.parent is not None else replace(kept, parent=meta.parent)
 
     # -- writes ----------------------------------------------------------------------------
     def plan_puts(self, keys: Sequence[ChunkKey], metas: Sequence[ChunkMeta]) -> None:

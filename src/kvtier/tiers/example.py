@@ -229,7 +229,7 @@ class ExampleTier:
     def _reap(self) -> None:
         """Put chunks whose pin ended back in the policy; remove expired ones. Lock held."""
         for key in self._book.lapsed_pins():
-            self._policy.insert(key)
+            self._policy.insert(key, self._book.parent_of(key))
         for key in self._book.due_expiries():
             if key in self._chunks:
                 self._remove(key)

@@ -484,7 +484,7 @@ class MemoryTier:
         if not self._book.has_deadlines:
             return
         for key in self._book.lapsed_pins():
-            self._policy.insert(key)
+            self._policy.insert(key, self._book.parent_of(key))
         expired = [key for key in self._book.due_expiries() if key in self._index]
         for key in expired:
             self._remove(key)

@@ -549,7 +549,7 @@ class DiskTier:
         if not self._book.has_deadlines:
             return
         for key in self._book.lapsed_pins():
-            self._policy.insert(key)
+            self._policy.insert(key, self._book.parent_of(key))
         for key in self._book.due_expiries():
             if key in self._index:
                 self._policy.remove(key)
