@@ -1,22 +1,24 @@
 """Tenants, pins and expiry in the disk tier, and the journal that keeps them over a restart.
 
-Real disk tiers on `tmp_path`, built as a store builds them; a restart is a new tier on the
-same directory. Time is the tier's book clock, moved by the test (no sleeps).
+Real disk tiers on `tmp_path`, built as a store builds them (with the test's clock where it
+moves time: no sleeps); a restart is a new tier on the same directory.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
-from tierkit import key, make_tier, tiny_layout, write_in_flight
+from tierkit import key, make_tier, tier_settings, tiny_layout, write_in_flight
 
 from kvtier.core.retention import DEFAULT_META, ChunkMeta, tenant_label
 from kvtier.core.store import TieredStore
 from kvtier.core.tier import MetaKeeper
 from kvtier.tiers.files.disk import DiskTier
 from kvtier.tiers.files.retention_journal import JOURNAL_NAME
+from kvtier.tiers.storeconfig import StoreConfig
 
 LAYOUT = tiny_layout()
 CHUNK = bytes(range(256)) * (LAYOUT.bytes_per_chunk // 256)
@@ -31,10 +33,13 @@ class Clock:
 
 
 def disk(tmp_path: Path, chunks: int, clock: Clock | None = None, **options: Any) -> DiskTier:
-    tier = make_tier("disk", tmp_path, LAYOUT, chunks, **options)
+    if clock is None:
+        tier = make_tier("disk", tmp_path, LAYOUT, chunks, **options)
+    else:  # the tier's wall clock is the test's, its start-up index's too
+        config = StoreConfig.parse(
+            {"tiers": [tier_settings("disk", tmp_path, LAYOUT, chunks, **options)]})
+        tier = DiskTier(config.tiers[0], LAYOUT, clock=clock)  # type: ignore[arg-type]
     assert isinstance(tier, DiskTier) and isinstance(tier, MetaKeeper)
-    if clock is not None:
-        tier._book.clock = clock  # the tier reads wall-clock time; the test moves it
     return tier
 
 
@@ -172,3 +177,27 @@ def test_a_tenants_writes_in_flight_at_once_count_against_its_quota(
     usage = {u.tenant: u.chunks for u in tier.retention_stats().tenants}
     assert usage == {tenant_label("A"): 2, tenant_label("B"): 1}
     assert tier.check() == []
+
+
+def test_a_restart_brings_a_tenant_over_its_quota_down_to_it(tmp_path: Path) -> None:
+    """A tenant holding more than its quota at a restart (the quota was lowered) evicts its
+    own least recently used unpinned chunks down to it then, as its next put would have, in
+    its files' order (a hit touches its file); its pinned chunks stay, another tenant's too."""
+    clock = Clock(1_800_000_000.0)
+    tier = disk(tmp_path, 8, clock, tenant_quota={"share": 0.5})  # 4 chunks a tenant
+    assert put(tier, 0, ChunkMeta(tenant="A", retain_until=clock.now + 3600))
+    for i in (1, 2, 3):
+        assert put(tier, i, ChunkMeta(tenant="A"))
+    assert put(tier, 9, ChunkMeta(tenant="B"))
+    tier.close()
+    # The files' ages: 1 is A's least recently used unpinned chunk, then 3; 2 was read last.
+    for i, age_s in ((0, 50), (1, 40), (3, 30), (2, 10), (9, 45)):
+        then = clock.now - age_s
+        os.utime(tier.files.path_of(key(i)), (then, then))
+    again = disk(tmp_path, 8, clock, tenant_quota={"share": 0.25})  # 2 chunks a tenant
+    assert held(again, [0, 1, 2, 3, 9]) == [0, 2, 9]
+    a, b = tenant_label("A"), tenant_label("B")
+    usage = {u.tenant: u for u in again.retention_stats().tenants}
+    assert (usage[a].chunks, usage[a].evictions, usage[b].chunks) == (2, 2, 1)
+    assert again.retention_stats().quota_evictions == 2
+    assert again.check() == []

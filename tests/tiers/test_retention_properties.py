@@ -1,17 +1,23 @@
 """Properties of pins, expiries and eviction policies through a TieredStore (memory -> disk),
-checked by hypothesis on random sequences of puts (with pins, expiries and parents), reads,
-retains, deletions and the passing of time, in tiers of a few chunks. The clock is the test's
-(both tiers' books read it); every write behind lands before the next step.
+checked by hypothesis on random sequences of puts (with tenants, pins, expiries and parents),
+reads, retains, deletions, floods, restarts and the passing of time, in tiers of a few chunks.
+The clock is the test's (both tiers' books read it); every write behind lands before the next
+step.
 
 - A chunk read back has the bytes stored under its key, and never after its expiry.
 - No tier holds more than its capacity, and each tier's books agree with what it holds.
 - Every chunk in a tier's eviction policy can be evicted; a chunk that entered a prefix policy
-  while its parent was in it (stored, promoted, or back from a pin) extends it, so that the
-  parent is not a leaf to evict before it; and, nothing pinned, a flood of new
-  chunks as large as a tier (LRU or prefix eviction, whose victims are the least recently
-  used leaves) leaves that tier holding the flood alone.
-- A restart keeps on disk exactly the chunks it held that carry no expiry now (every expiry
-  a chunk carries has passed by then), with their bytes.
+  while its parent was in it (stored, promoted, or back from a pin; not one the disk found at
+  start-up: the journal keeps no parents) extends it, so that the parent is not a leaf to
+  evict before it; and, nothing pinned and no quota, a flood of new chunks as large as a
+  tier (LRU or prefix eviction, whose victims are the least recently used leaves) leaves
+  that tier holding the flood alone.
+- No tenant (each of the prompt's chunks has one, drawn; floods are the default tenant's)
+  holds more chunks of a tier than its quota, drawn, unless a restart lowered it below
+  chunks the tenant has pinned; a restart (the store reopened, its RAM empty, the disk's
+  quota drawn anew) brings every tenant down to its quota but for pinned chunks.
+- The last restart (no quota) keeps on disk exactly the chunks it held that carry no expiry
+  now (every expiry a chunk carries has passed by then), with their bytes.
 """
 
 from __future__ import annotations
@@ -24,10 +30,10 @@ from typing import Any
 
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from tierkit import key, tier_settings, tiny_layout
+from tierkit import footprint_bytes, key, tier_settings, tiny_layout
 
 from kvtier.core.policies import PrefixPolicy
-from kvtier.core.retention import ChunkMeta
+from kvtier.core.retention import ChunkMeta, tenant_label
 from kvtier.core.store import TieredStore
 from kvtier.tiers import build_tier
 from kvtier.tiers.files.disk import DiskTier
@@ -55,20 +61,41 @@ class Clock:
         return self.now
 
 
-def _config(root: Path, memory_eviction: str, disk_eviction: str) -> StoreConfig:
+def _config(root: Path, memory_eviction: str, disk_eviction: str,
+            quota: int | None = None) -> StoreConfig:
+    """Both tiers; `quota`: the chunks a tenant may hold of each (None: no quota)."""
+    def retention(kind: str) -> dict[str, Any]:
+        if quota is None:
+            return {}
+        return {"tenant_quota": {"cap": quota * footprint_bytes(kind, LAYOUT)}}
+
     return StoreConfig.parse({"tiers": [
         tier_settings("memory", root, LAYOUT, MEMORY_CHUNKS, eviction=memory_eviction,
-                      prefault=False),
+                      prefault=False, **retention("memory")),
         tier_settings("disk", root, LAYOUT, DISK_CHUNKS, eviction=disk_eviction,
-                      o_direct="off")]})
+                      o_direct="off", **retention("disk"))]})
 
 
 def _disk(config: StoreConfig, clock: Clock | None = None) -> DiskTier:
-    disk = build_tier(config.tiers[1], LAYOUT)
+    """The disk tier (on the test's clock, its start-up index's too; None: the real one)."""
+    disk = DiskTier(config.tiers[1], LAYOUT, clock=clock) if clock is not None \
+        else build_tier(config.tiers[1], LAYOUT)
     assert isinstance(disk, DiskTier) and disk.wait_loaded(30)
-    if clock is not None:
-        disk._book.clock = clock  # the tier reads wall-clock time; the test moves it
     return disk
+
+
+def _over_quota(tier: MemoryTier | DiskTier, quota: int | None,
+                tenants: dict[int, str | None], keys: list[int]) -> dict[str, bool]:
+    """Tenants (by label) holding more chunks of `tier` than `quota`, each with whether all
+    of those are pinned."""
+    if quota is None:
+        return {}
+    over = {u.tenant: True for u in tier.retention_stats().tenants if u.chunks > quota}
+    for i in _held(tier, keys):
+        label = tenant_label(tenants.get(i))
+        if label in over and (m := tier.meta_of(key(i))) is not None and m.retain_until is None:
+            over[label] = False
+    return over
 
 
 def _held(tier: MemoryTier | DiskTier, keys: range | list[int]) -> set[int]:
@@ -87,12 +114,13 @@ def _evictable(tier: MemoryTier | DiskTier) -> tuple[int, int]:
     return resident, evicted
 
 
-def _unlinked(tier: MemoryTier | DiskTier) -> list[tuple[int, int]]:
+def _unlinked(tier: MemoryTier | DiskTier, found: set[int]) -> list[tuple[int, int]]:
     """(parent, chunk) pairs of a prefix policy where the chunk entered it after its parent
-    (both in it now) but does not extend it: the policy could evict the parent first."""
+    (both in it now) but does not extend it: the policy could evict the parent first. But
+    for chunks in `found`: those a disk tier found at start-up know no parent (roots)."""
     with tier._lock:
         policies = list(tier._policy._generations.values())
-    found = []
+    pairs = []
     for policy in policies:
         if not isinstance(policy, PrefixPolicy):
             continue
@@ -101,9 +129,10 @@ def _unlinked(tier: MemoryTier | DiskTier) -> list[tuple[int, int]]:
             i = int.from_bytes(k, "big")
             parent = PARENTS.get(i)
             above = chunks.get(parent) if parent is not None else None
-            if above is not None and above.born < chunk.born and chunk.parent != parent:
-                found.append((i - 1, i))
-    return found
+            if above is not None and above.born < chunk.born and chunk.parent != parent \
+                    and i not in found:
+                pairs.append((i - 1, i))
+    return pairs
 
 
 PUT = st.tuples(st.just("put"), st.integers(0, KEYS - 1), st.booleans())
@@ -115,6 +144,7 @@ OPS = st.lists(
         st.tuples(st.just("delete"), st.integers(0, KEYS - 1), st.integers(0, 1)),
         st.tuples(st.just("advance"), st.sampled_from([1.0, 10.0, 40.0])),
         st.tuples(st.just("flood")),
+        st.tuples(st.just("restart"), st.sampled_from([None, 1, 2])),  # the new quota
     ),
     min_size=20, max_size=50,
 )
@@ -123,39 +153,52 @@ OPS = st.lists(
 NO_EXPIRY: list[float | None] = [None] * KEYS
 
 
+def case(ops: list[tuple[Any, ...]], memory_eviction: str, disk_eviction: str,
+         expiry: list[float | None] = NO_EXPIRY) -> Any:
+    """An explicit example: the default tenant's chunks, no quota."""
+    return example(ops=ops, memory_eviction=memory_eviction, disk_eviction=disk_eviction,
+                   expiry=expiry, tenants=[None] * KEYS, quota=None)
+
+
 @settings(max_examples=60, deadline=None, derandomize=True,  # the same examples each run
           suppress_health_check=[HealthCheck.too_slow])
 # Sequences that broke a property once (each stays a case):
 # a parent pinned while its child was held, back in RAM's prefix policy when its pin ended,
 # was counted down by its old child's eviction to -1 children: never evicted again;
-@example(ops=[("put", 0, False), ("put", 1, False), ("retain", 0), ("advance", 10.0),
-              ("put", 2, False)], memory_eviction="prefix", disk_eviction="lru",
-         expiry=NO_EXPIRY)
+@case([("put", 0, False), ("put", 1, False), ("retain", 0), ("advance", 10.0),
+       ("put", 2, False)], "prefix", "lru")
 # the same on disk, for a parent deleted and stored again;
-@example(ops=[("put", 0, False), ("put", 1, False), ("delete", 0, 1), ("put", 0, False),
-              ("flood",)], memory_eviction="lru", disk_eviction="prefix", expiry=NO_EXPIRY)
+@case([("put", 0, False), ("put", 1, False), ("delete", 0, 1), ("put", 0, False), ("flood",)],
+      "lru", "prefix")
 # a chunk promoted back into RAM with its expiry expired twice at once (a KeyError);
-@example(ops=[("put", 0, False), ("put", 1, False), ("put", 2, False), ("get", 0),
-              ("advance", 40.0), ("put", 3, False)], memory_eviction="lru",
-         disk_eviction="lru", expiry=[20.0, None, None, None])
+@case([("put", 0, False), ("put", 1, False), ("put", 2, False), ("get", 0), ("advance", 40.0),
+       ("put", 3, False)], "lru", "lru", expiry=[20.0, None, None, None])
 # a chunk promoted from disk with the pin it had there, ended, entered RAM's prefix policy
-# as a root: its parent, held there, was a leaf to evict before it.
-@example(ops=[("put", 0, False), ("put", 1, True), ("advance", 10.0), ("delete", 1, 0),
-              ("get", 1)], memory_eviction="prefix", disk_eviction="lru", expiry=NO_EXPIRY)
+# as a root: its parent, held there, was a leaf to evict before it;
+@case([("put", 0, False), ("put", 1, True), ("advance", 10.0), ("delete", 1, 0), ("get", 1)],
+      "prefix", "lru")
+# a restart that lowered the quota left a tenant over it (the disk applied no quota then).
+@case([("put", 0, False), ("put", 1, False), ("restart", 1)], "lru", "lru")
 @given(ops=OPS, memory_eviction=st.sampled_from(["lru", "arc", "prefix"]),
        disk_eviction=st.sampled_from(["lru", "prefix"]),
-       expiry=st.lists(st.sampled_from([None, 20.0, 60.0]), min_size=KEYS, max_size=KEYS))
+       expiry=st.lists(st.sampled_from([None, 20.0, 60.0]), min_size=KEYS, max_size=KEYS),
+       tenants=st.lists(st.sampled_from([None, "a"]), min_size=KEYS, max_size=KEYS),
+       quota=st.sampled_from([None, 1, 2]))
 def test_retention_properties_hold_for_any_sequence_of_operations(
     ops: list[tuple[Any, ...]], memory_eviction: str, disk_eviction: str,
-    expiry: list[float | None],
+    expiry: list[float | None], tenants: list[str | None], quota: int | None,
 ) -> None:
     # Stored "5000 s ago": every expiry has passed by the restart (real clock) at the end.
     clock = Clock(time.time() - 5000)
     expires: dict[int, float | None] = {}  # each chunk's expiry, fixed at its first put
+    tenant_of = dict(enumerate(tenants))  # flood chunks: the default tenant's
+    # Tenants a restart left over the disk's quota with pinned chunks (nothing evicts those).
+    pinned_over: set[str] = set()
+    found: set[int] = set()  # chunks the disk held since its last start-up
     floods = 0
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        config = _config(root, memory_eviction, disk_eviction)
+        config = _config(root, memory_eviction, disk_eviction, quota)
         memory = MemoryTier(config.tiers[0], LAYOUT, clock=clock)
         disk = _disk(config, clock)
         store = TieredStore([memory, disk])
@@ -166,16 +209,17 @@ def test_retention_properties_hold_for_any_sequence_of_operations(
                 if i not in expires:
                     after = expiry[i]
                     expires[i] = None if after is None else clock.now + after
-                return ChunkMeta(retain_until=clock.now + 5 if pin else None,
+                return ChunkMeta(tenant_of[i], retain_until=clock.now + 5 if pin else None,
                                  expires_at=expires[i], parent=PARENTS[i])
 
             for op in ops:
+                everything = list(range(KEYS)) + list(range(FLOOD, FLOOD + DISK_CHUNKS * floods))
                 if op[0] == "put":
                     store.put(key(op[1]), memoryview(payload(op[1])), meta(op[1], op[2]))
                 elif op[0] == "get":
                     # The reader names the chunk's parent, as a load of its prompt could.
                     served = store.get_into(key(op[1]), memoryview(out),
-                                            ChunkMeta(parent=PARENTS[op[1]]))
+                                            ChunkMeta(tenant_of[op[1]], parent=PARENTS[op[1]]))
                     if served:
                         assert bytes(out) == payload(op[1]), "another chunk's bytes"
                         at = expires.get(op[1])
@@ -186,38 +230,57 @@ def test_retention_properties_hold_for_any_sequence_of_operations(
                     store.tiers[op[2]].delete(key(op[1]))  # as by `kvtier gc`, or a fault
                 elif op[0] == "advance":
                     clock.now += op[1]
+                elif op[0] == "restart":  # the process: RAM empty, the disk reopened
+                    store.close()
+                    quota = op[1]
+                    config = _config(root, memory_eviction, disk_eviction, quota)
+                    memory = MemoryTier(config.tiers[0], LAYOUT, clock=clock)
+                    disk = _disk(config, clock)
+                    store = TieredStore([memory, disk])
+                    over = _over_quota(disk, quota, tenant_of, everything)
+                    assert all(over.values()), f"a restart left {over} over the quota"
+                    pinned_over = set(over)
+                    found = _held(disk, everything)
                 else:  # a flood of new unpinned chunks, as many as the disk holds
                     pinned = {t.name: t.retention_stats().pinned_chunks for t in (memory, disk)}
                     flood = [FLOOD + DISK_CHUNKS * floods + n for n in range(DISK_CHUNKS)]
                     floods += 1
                     for i in flood:
-                        assert store.put(key(i), memoryview(payload(i)))
+                        tenant_of[i] = None
+                        # (A quota may leave no room: the default tenant's chunks pinned.)
+                        assert store.put(key(i), memoryview(payload(i))) or quota is not None
                         assert store.flush(timeout_s=10)
-                    if pinned["memory"] == 0 and memory_eviction != "arc":  # ARC: scans lose
+                    # (A quota bounds the flood: its chunks are the default tenant's.)
+                    if quota is None and pinned["memory"] == 0 and memory_eviction != "arc":
                         assert _held(memory, range(FLOOD, flood[-1] + 1)) == set(
-                            flood[-MEMORY_CHUNKS:])
+                            flood[-MEMORY_CHUNKS:])  # (ARC: scans lose)
                         assert not _held(memory, range(KEYS)), "an unpinned chunk outlived it"
                     # (A disk's "lru" is CLOCK: a chunk read lately outlives unread ones.)
-                    if pinned["disk"] == 0 and disk_eviction == "prefix":
+                    if quota is None and pinned["disk"] == 0 and disk_eviction == "prefix":
                         assert _held(disk, flood) == set(flood)
                         assert not _held(disk, range(KEYS)), "an unpinned chunk outlived it"
                 assert store.flush(timeout_s=10)
+                everything = list(range(KEYS)) + list(range(FLOOD, FLOOD + DISK_CHUNKS * floods))
                 for tier, stats in zip(store.tiers, store.stats().tiers):
                     assert stats.used_bytes <= stats.capacity_bytes, stats
-                    held = _held(tier, range(KEYS)) | _held(
-                        tier, range(FLOOD, FLOOD + DISK_CHUNKS * floods))
-                    assert tier.stats().chunks == len(held), "the chunks gauge is off"
+                    assert tier.stats().chunks == len(_held(tier, everything)), \
+                        "the chunks gauge is off"
                     resident, evictable = _evictable(tier)
                     assert evictable == resident, "a chunk its policy never evicts"
-                    assert _unlinked(tier) == [], "a chunk held apart from its parent"
+                    if tier is disk:
+                        found &= _held(disk, everything)
+                    unlinked = _unlinked(tier, found if tier is disk else set())
+                    assert unlinked == [], "a chunk held apart from its parent"
+                    over = _over_quota(tier, quota, tenant_of, everything)
+                    assert set(over) <= pinned_over, f"{over} over the quota in {tier.name}"
                 assert memory.check() == [] and disk.check() == []
             # A restart: what the disk held, but for the chunks whose expiry passed meanwhile.
-            everything = list(range(KEYS)) + list(range(FLOOD, FLOOD + DISK_CHUNKS * floods))
             kept = {i for i in _held(disk, everything)
                     if (m := disk.meta_of(key(i))) is None or m.expires_at is None}
         finally:
             store.close()
-        again = _disk(config)
+        # (Without a quota: one would bring the tenants down to it, pins lapsed by then.)
+        again = _disk(_config(root, memory_eviction, disk_eviction))
         try:
             assert _held(again, everything) == kept
             for i in kept:

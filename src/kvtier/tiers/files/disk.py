@@ -33,7 +33,7 @@ import threading
 import time
 from array import array
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import ClassVar, Literal
@@ -127,7 +127,10 @@ class DiskTier:
     def open_inventory(cls, config: DiskTierConfig) -> FileInventory:
         return FileInventory(config.tier_name, config.kind, config.path)
 
-    def __init__(self, config: DiskTierConfig, layout: KVLayout) -> None:
+    def __init__(self, config: DiskTierConfig, layout: KVLayout, *,
+                 clock: Callable[[], float] = time.time) -> None:
+        """`clock`: wall-clock seconds for pins and expiry (a fake in tests: the start-up
+        index applies the journal's pins and expiries by it)."""
         self.name = config.tier_name
         self._write_failed = ThrottledWarning(log)  # every write, on an unwritable disk
         self.capacity_bytes = config.capacity
@@ -158,7 +161,7 @@ class DiskTier:
         self._counters = TierCounters(self.name, config.capacity)
         self.events = TierEvents(self.name)
         # Tenants, pins, expiry (kvtier.core.retention); the policy holds unpinned chunks.
-        self._book = build_book(config, config.capacity, time.time)
+        self._book = build_book(config, config.capacity, clock)
         self._journal = RetentionJournal(self.files.directory, self.files.writable)
         self._dropped: set[ChunkKey] = set()  # removed while the index loads: not indexed
         self._link = BoundedMeasure(self.name)
@@ -467,24 +470,26 @@ class DiskTier:
         return stats
 
     def _restore_retention(self) -> None:
-        """Apply the journal to the chunks found at start-up (an expired one is removed),
-        then rewrite it compacted. Start-up only (no other thread yet)."""
+        """Apply the journal to the chunks found at start-up: an expired one is removed, and
+        a tenant over its quota (lowered since, or the capacity) evicts its own least
+        recently used unpinned chunks down to it. Then rewrite the journal compacted.
+        Start-up only (the index thread, lock held)."""
         entries = self._journal.load()
-        for key, meta in entries.items():
-            size = self._index.get(key)
-            if size is None:
-                continue
+        # Every chunk, oldest first, where every chunk is recorded (a tenant's own LRU order
+        # is its files', as the policy's is); else the journal's chunks alone.
+        keys = list(self._index) if self._book.records_all \
+            else [key for key in entries if key in self._index]
+        for key in keys:
+            meta = entries.get(key, DEFAULT_META)
             if meta.expires_at is not None and meta.expires_at <= self._book.clock():
                 self._used_bytes -= self._index.pop(key)
                 self._policy.remove(key)
                 self.files.remove(key)
                 self._book.expired_count += 1
-            elif self._book.record(key, meta, size):
+            elif self._book.record(key, meta, self._index[key]):
                 self._policy.remove(key)
-        if self._book.records_all:
-            for key, size in self._index.items():
-                if key not in entries:
-                    self._book.record(key, DEFAULT_META, size)
+        for tenant in list(self._book.usage()):
+            self._make_tenant_room(tenant, 0)  # pinned chunks stay, over it if need be
         self._journal.rewrite((k, m) for k, m in self._book.metas() if k in entries)
 
     def _journal_append(self, key: ChunkKey) -> None:
