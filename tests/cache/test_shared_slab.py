@@ -326,3 +326,21 @@ def test_a_chunk_that_left_is_not_read_in_place_again_nor_recovered(name: str) -
     first.close()
     second.close()
     successor.close()
+
+
+def test_a_successor_dates_the_tiers_ttl_anew(name: str) -> None:
+    """The tier's own `ttl_s` is not a chunk's expiry: a retain records the chunk's pin in
+    the slab, not the expiry the tier's ttl_s gave it (a successor, which may have another
+    ttl_s, dates it anew, as a restarted disk tier does: docs/retention.md)."""
+    first = MemoryTier(MemoryTierConfig(kind="memory", capacity=8 * 4096 * 2,
+                                        shared_memory=name, ttl_s=3600), LAYOUT)
+    until = time.time() + 600
+    assert first.put(key(0), chunk(0)).ok
+    assert first.retain(key(0), ChunkMeta(retain_until=until))
+    first.keep_shared_memory = True
+    first.close()
+
+    slab = SharedSlab(name, first.slot_bytes, first.num_slots, first.chunk_bytes)
+    metas = {k: meta for k, _, meta in slab.recoverable(time.time())}
+    slab.close(keep=False)
+    assert metas == {key(0): ChunkMeta(retain_until=until)}

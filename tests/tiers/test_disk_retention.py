@@ -17,7 +17,7 @@ from kvtier.core.retention import DEFAULT_META, ChunkMeta, tenant_label
 from kvtier.core.store import TieredStore
 from kvtier.core.tier import MetaKeeper
 from kvtier.tiers.files.disk import DiskTier
-from kvtier.tiers.files.retention_journal import JOURNAL_NAME
+from kvtier.tiers.files.retention_journal import COMPACT_SLACK_LINES, JOURNAL_NAME
 from kvtier.tiers.storeconfig import StoreConfig
 
 LAYOUT = tiny_layout()
@@ -201,3 +201,30 @@ def test_a_restart_brings_a_tenant_over_its_quota_down_to_it(tmp_path: Path) -> 
     assert (usage[a].chunks, usage[a].evictions, usage[b].chunks) == (2, 2, 1)
     assert again.retention_stats().quota_evictions == 2
     assert again.check() == []
+
+
+def test_a_restart_dates_the_tiers_ttl_anew_even_after_a_compaction(tmp_path: Path) -> None:
+    """docs/retention.md: a chunk's own expiry (its request's `ttl_s`) survives a restart,
+    the tier's `ttl_s` starts anew, by the tier's `ttl_s` then. The journal keeps only the
+    former: neither a tenant's line nor a compaction mid-run (which writes every chunk the
+    book holds) may record the tier's expiry as the chunk's own."""
+    t0 = 1_800_000_000.0
+    clock = Clock(t0)
+    tier = disk(tmp_path, 8, clock, ttl_s=100)
+    assert put(tier, 0, ChunkMeta(tenant="A"))  # a line: its tenant
+    assert put(tier, 1)  # no line
+    assert put(tier, 2, ChunkMeta(expires_at=t0 + 500))  # its own expiry
+    journal = tier.files.directory / JOURNAL_NAME
+    for n in range(COMPACT_SLACK_LINES + 8):  # lines enough for a compaction
+        assert tier.retain(key(2), ChunkMeta(retain_until=t0 + 1 + n))
+    assert len(journal.read_text().splitlines()) < 10, "compacted"
+    tier.close()
+
+    clock.now = t0 + 50
+    again = disk(tmp_path, 8, clock, ttl_s=1000)
+    assert [again.meta_of(key(i)).expires_at for i in range(3)] == [  # type: ignore[union-attr]
+        t0 + 1050, t0 + 1050, t0 + 500]
+    again.close()
+    again = disk(tmp_path, 8, clock)  # no ttl_s now: only the request's expiry is left
+    assert [again.meta_of(key(i)) for i in range(3)] == [
+        ChunkMeta("A"), None, ChunkMeta(None, t0 + 8 + COMPACT_SLACK_LINES, t0 + 500)]

@@ -16,6 +16,8 @@ step.
   holds more chunks of a tier than its quota, drawn, unless a restart lowered it below
   chunks the tenant has pinned; a restart (the store reopened, its RAM empty, the disk's
   quota drawn anew) brings every tenant down to its quota but for pinned chunks.
+- A restart keeps each chunk's own expiry (its request's) and dates one the disk's `ttl_s`
+  gave anew, by the `ttl_s` drawn for it (none: the chunk no longer expires).
 - The last restart (no quota) keeps on disk exactly the chunks it held that carry no expiry
   now (every expiry a chunk carries has passed by then), with their bytes.
 """
@@ -62,12 +64,14 @@ class Clock:
 
 
 def _config(root: Path, memory_eviction: str, disk_eviction: str,
-            quota: int | None = None) -> StoreConfig:
-    """Both tiers; `quota`: the chunks a tenant may hold of each (None: no quota)."""
+            quota: int | None = None, ttl_s: float | None = None) -> StoreConfig:
+    """Both tiers; `quota`: the chunks a tenant may hold of each (None: no quota); `ttl_s`:
+    the disk's."""
     def retention(kind: str) -> dict[str, Any]:
-        if quota is None:
-            return {}
-        return {"tenant_quota": {"cap": quota * footprint_bytes(kind, LAYOUT)}}
+        settings: dict[str, Any] = {"ttl_s": ttl_s} if kind == "disk" else {}
+        if quota is not None:
+            settings["tenant_quota"] = {"cap": quota * footprint_bytes(kind, LAYOUT)}
+        return settings
 
     return StoreConfig.parse({"tiers": [
         tier_settings("memory", root, LAYOUT, MEMORY_CHUNKS, eviction=memory_eviction,
@@ -96,6 +100,18 @@ def _over_quota(tier: MemoryTier | DiskTier, quota: int | None,
         if label in over and (m := tier.meta_of(key(i))) is not None and m.retain_until is None:
             over[label] = False
     return over
+
+
+def _misdated(disk: DiskTier, keys: set[int], expires: dict[int, float | None],
+              ttl_s: float | None, now: float) -> list[int]:
+    """Chunks of a disk just started whose expiry is not their own (their request's), or,
+    without one, `ttl_s` from `now` (or none)."""
+    def dated(i: int) -> float | None:
+        own = expires.get(i)
+        return own if own is not None else None if ttl_s is None else now + ttl_s
+
+    return [i for i in sorted(keys)
+            if (None if (m := disk.meta_of(key(i))) is None else m.expires_at) != dated(i)]
 
 
 def _held(tier: MemoryTier | DiskTier, keys: range | list[int]) -> set[int]:
@@ -144,7 +160,9 @@ OPS = st.lists(
         st.tuples(st.just("delete"), st.integers(0, KEYS - 1), st.integers(0, 1)),
         st.tuples(st.just("advance"), st.sampled_from([1.0, 10.0, 40.0])),
         st.tuples(st.just("flood")),
-        st.tuples(st.just("restart"), st.sampled_from([None, 1, 2])),  # the new quota
+        # the quota and the disk's ttl_s after it
+        st.tuples(st.just("restart"), st.sampled_from([None, 1, 2]),
+                  st.sampled_from([None, 30.0, 100.0])),
     ),
     min_size=20, max_size=50,
 )
@@ -154,10 +172,10 @@ NO_EXPIRY: list[float | None] = [None] * KEYS
 
 
 def case(ops: list[tuple[Any, ...]], memory_eviction: str, disk_eviction: str,
-         expiry: list[float | None] = NO_EXPIRY) -> Any:
+         expiry: list[float | None] = NO_EXPIRY, ttl_s: float | None = None) -> Any:
     """An explicit example: the default tenant's chunks, no quota."""
     return example(ops=ops, memory_eviction=memory_eviction, disk_eviction=disk_eviction,
-                   expiry=expiry, tenants=[None] * KEYS, quota=None)
+                   expiry=expiry, tenants=[None] * KEYS, quota=None, ttl_s=ttl_s)
 
 
 @settings(max_examples=60, deadline=None, derandomize=True,  # the same examples each run
@@ -177,16 +195,20 @@ def case(ops: list[tuple[Any, ...]], memory_eviction: str, disk_eviction: str,
 # as a root: its parent, held there, was a leaf to evict before it;
 @case([("put", 0, False), ("put", 1, True), ("advance", 10.0), ("delete", 1, 0), ("get", 1)],
       "prefix", "lru")
-# a restart that lowered the quota left a tenant over it (the disk applied no quota then).
-@case([("put", 0, False), ("put", 1, False), ("restart", 1)], "lru", "lru")
+# a restart that lowered the quota left a tenant over it (the disk applied no quota then);
+@case([("put", 0, False), ("put", 1, False), ("restart", 1, None)], "lru", "lru")
+# a pinned chunk's journal line kept the expiry the disk's ttl_s gave it, as its own: a
+# restart without a ttl_s kept it (docs/retention.md: the tier's ttl_s starts anew).
+@case([("put", 0, True), ("restart", None, None)], "lru", "lru", ttl_s=30.0)
 @given(ops=OPS, memory_eviction=st.sampled_from(["lru", "arc", "prefix"]),
        disk_eviction=st.sampled_from(["lru", "prefix"]),
        expiry=st.lists(st.sampled_from([None, 20.0, 60.0]), min_size=KEYS, max_size=KEYS),
        tenants=st.lists(st.sampled_from([None, "a"]), min_size=KEYS, max_size=KEYS),
-       quota=st.sampled_from([None, 1, 2]))
+       quota=st.sampled_from([None, 1, 2]), ttl_s=st.sampled_from([None, 30.0]))
 def test_retention_properties_hold_for_any_sequence_of_operations(
     ops: list[tuple[Any, ...]], memory_eviction: str, disk_eviction: str,
     expiry: list[float | None], tenants: list[str | None], quota: int | None,
+    ttl_s: float | None,
 ) -> None:
     # Stored "5000 s ago": every expiry has passed by the restart (real clock) at the end.
     clock = Clock(time.time() - 5000)
@@ -198,7 +220,7 @@ def test_retention_properties_hold_for_any_sequence_of_operations(
     floods = 0
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        config = _config(root, memory_eviction, disk_eviction, quota)
+        config = _config(root, memory_eviction, disk_eviction, quota, ttl_s)
         memory = MemoryTier(config.tiers[0], LAYOUT, clock=clock)
         disk = _disk(config, clock)
         store = TieredStore([memory, disk])
@@ -212,8 +234,10 @@ def test_retention_properties_hold_for_any_sequence_of_operations(
                 return ChunkMeta(tenant_of[i], retain_until=clock.now + 5 if pin else None,
                                  expires_at=expires[i], parent=PARENTS[i])
 
+            def everything() -> list[int]:
+                return list(range(KEYS)) + list(range(FLOOD, FLOOD + DISK_CHUNKS * floods))
+
             for op in ops:
-                everything = list(range(KEYS)) + list(range(FLOOD, FLOOD + DISK_CHUNKS * floods))
                 if op[0] == "put":
                     store.put(key(op[1]), memoryview(payload(op[1])), meta(op[1], op[2]))
                 elif op[0] == "get":
@@ -232,15 +256,16 @@ def test_retention_properties_hold_for_any_sequence_of_operations(
                     clock.now += op[1]
                 elif op[0] == "restart":  # the process: RAM empty, the disk reopened
                     store.close()
-                    quota = op[1]
-                    config = _config(root, memory_eviction, disk_eviction, quota)
+                    quota, ttl_s = op[1], op[2]
+                    config = _config(root, memory_eviction, disk_eviction, quota, ttl_s)
                     memory = MemoryTier(config.tiers[0], LAYOUT, clock=clock)
                     disk = _disk(config, clock)
                     store = TieredStore([memory, disk])
-                    over = _over_quota(disk, quota, tenant_of, everything)
+                    over = _over_quota(disk, quota, tenant_of, everything())
                     assert all(over.values()), f"a restart left {over} over the quota"
                     pinned_over = set(over)
-                    found = _held(disk, everything)
+                    found = _held(disk, everything())
+                    assert _misdated(disk, found, expires, ttl_s, clock.now) == []
                 else:  # a flood of new unpinned chunks, as many as the disk holds
                     pinned = {t.name: t.retention_stats().pinned_chunks for t in (memory, disk)}
                     flood = [FLOOD + DISK_CHUNKS * floods + n for n in range(DISK_CHUNKS)]
@@ -260,29 +285,29 @@ def test_retention_properties_hold_for_any_sequence_of_operations(
                         assert _held(disk, flood) == set(flood)
                         assert not _held(disk, range(KEYS)), "an unpinned chunk outlived it"
                 assert store.flush(timeout_s=10)
-                everything = list(range(KEYS)) + list(range(FLOOD, FLOOD + DISK_CHUNKS * floods))
                 for tier, stats in zip(store.tiers, store.stats().tiers):
                     assert stats.used_bytes <= stats.capacity_bytes, stats
-                    assert tier.stats().chunks == len(_held(tier, everything)), \
-                        "the chunks gauge is off"
+                    held = _held(tier, everything())
+                    assert tier.stats().chunks == len(held), "the chunks gauge is off"
                     resident, evictable = _evictable(tier)
                     assert evictable == resident, "a chunk its policy never evicts"
                     if tier is disk:
-                        found &= _held(disk, everything)
+                        found &= held
                     unlinked = _unlinked(tier, found if tier is disk else set())
                     assert unlinked == [], "a chunk held apart from its parent"
-                    over = _over_quota(tier, quota, tenant_of, everything)
+                    over = _over_quota(tier, quota, tenant_of, everything())
                     assert set(over) <= pinned_over, f"{over} over the quota in {tier.name}"
                 assert memory.check() == [] and disk.check() == []
-            # A restart: what the disk held, but for the chunks whose expiry passed meanwhile.
-            kept = {i for i in _held(disk, everything)
-                    if (m := disk.meta_of(key(i))) is None or m.expires_at is None}
+            # A restart: what the disk held, but for the chunks whose expiry passed meanwhile
+            # (their own: the disk's ttl_s is dated anew, and there is none then).
+            known = everything()
+            kept = {i for i in _held(disk, known) if expires.get(i) is None}
         finally:
             store.close()
         # (Without a quota: one would bring the tenants down to it, pins lapsed by then.)
         again = _disk(_config(root, memory_eviction, disk_eviction))
         try:
-            assert _held(again, everything) == kept
+            assert _held(again, known) == kept
             for i in kept:
                 assert again.get_into(key(i), memoryview(out)).ok
                 assert bytes(out) == payload(i)

@@ -212,6 +212,9 @@ class RetentionBook:
         self._pin_heap: list[tuple[float, ChunkKey]] = []
         self._expires: dict[ChunkKey, float] = {}  # key -> expires at
         self._expiry_heap: list[tuple[float, ChunkKey]] = []
+        # Keys whose expiry is the tier's ttl_s, not their request's: a restart dates them
+        # anew (docs/retention.md), so a journal must not keep it (`lasting_meta`).
+        self._tier_dated: set[ChunkKey] = set()
         # key -> the chunk before it in its prompt, where its metadata named one: a pinned
         # chunk re-enters a prefix policy under it when its pin ends, and a promoted chunk
         # carries it up (without it, either was a root its parent could leave before).
@@ -243,6 +246,7 @@ class RetentionBook:
         expires_at = meta.expires_at
         if expires_at is None and self._ttl_s is not None:
             expires_at = self.clock() + self._ttl_s
+            self._tier_dated.add(key)
         if expires_at is not None:
             self._set_expiry(key, expires_at)
         until = meta.retain_until
@@ -268,6 +272,7 @@ class RetentionBook:
             del self._pinned[key]
             self.pinned_bytes -= size
         self._expires.pop(key, None)
+        self._tier_dated.discard(key)
         self._parent.pop(key, None)
         if account.chunks == 0:
             del self._tenants[tenant]
@@ -294,6 +299,7 @@ class RetentionBook:
                                size_bytes)
         if meta.expires_at is not None and meta.expires_at > self._expires.get(key, math.inf):
             self._set_expiry(key, meta.expires_at)
+            self._tier_dated.discard(key)  # the request's expiry now
         if meta.retain_until is None:
             return False
         if key in self._pinned:
@@ -320,11 +326,19 @@ class RetentionBook:
         """The parent a recorded chunk's metadata named (None: none, or not recorded)."""
         return self._parent.get(key)
 
-    def metas(self) -> list[tuple[ChunkKey, ChunkMeta]]:
-        """Every recorded chunk's metadata (a persistent tier's journal, compacted)."""
-        return [(key, ChunkMeta(tenant, self._pinned.get(key), self._expires.get(key),
-                                self._parent.get(key)))
-                for key, tenant in self._tenant_of.items()]
+    def lasting_meta(self, key: ChunkKey) -> ChunkMeta | None:
+        """A recorded chunk's metadata as a restart keeps it (a persistent tier's journal):
+        `meta_of` but for an expiry the tier's own ttl_s set, which a restart dates anew."""
+        if key not in self._tenant_of:
+            return None
+        expires_at = None if key in self._tier_dated else self._expires.get(key)
+        return ChunkMeta(self._tenant_of[key], self._pinned.get(key), expires_at,
+                         self._parent.get(key))
+
+    def lasting_metas(self) -> list[tuple[ChunkKey, ChunkMeta]]:
+        """Every recorded chunk's `lasting_meta` (a persistent tier's journal, compacted)."""
+        return [(key, meta) for key in self._tenant_of
+                if (meta := self.lasting_meta(key)) is not None]
 
     def __len__(self) -> int:
         return len(self._tenant_of)

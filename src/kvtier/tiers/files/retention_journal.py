@@ -1,5 +1,6 @@
 """The retention journal of a persistent tier: each chunk's tenant id, pin and expiry, so that
-a restart keeps them (`kvtier.core.retention`).
+a restart keeps them (`kvtier.core.retention`). Only a request's expiry: one the tier's own
+`ttl_s` gave starts anew at a restart (`RetentionBook.lasting_meta`, docs/retention.md).
 
 One JSON object a line in `<layout directory>/retention.jsonl` (a name the chunk scan skips):
 `{"key": HEX, "tenant": ID|null, "retain_until": S|null, "expires_at": S|null}`, appended
@@ -70,10 +71,11 @@ class RetentionJournal:
         return entries
 
     def rewrite(self, entries: Iterable[tuple[ChunkKey, ChunkMeta]]) -> None:
-        """Replace the journal by `entries` (atomically: a temp file renamed into place)."""
+        """Replace the journal by `entries` (atomically: a temp file renamed into place); an
+        entry without metadata (`is_default`) takes no line."""
         if not self.writable:
             return
-        entries = list(entries)
+        entries = [(key, meta) for key, meta in entries if not meta.is_default]
         lines = [_line(key, meta) for key, meta in entries]
         temp = self.path.with_name(f".{JOURNAL_NAME}.{os.getpid()}.tmp")
         with self._lock:
@@ -85,7 +87,7 @@ class RetentionJournal:
                     out.writelines(lines)
                 os.replace(temp, self.path)
                 self._lines = len(lines)
-                self._keys = {key for key, meta in entries if not meta.is_default}
+                self._keys = {key for key, _meta in entries}
             except OSError as exc:
                 log.warning("retention journal %s not rewritten (%s)", self.path, exc)
 
