@@ -155,6 +155,9 @@ def test_a_returning_prompt_loads_whole_chunks_and_the_step_stores_what_follows(
     meta = engine.step(new={"b": (blocks, 192, 68)})
     assert [(t.key, t.block_ids, t.first_block) for t in meta.loads["b"]] == [
         (stored[0], (10, 11), 0), (stored[1], (12, 13), 0), (stored[2], (14, 15), 0)]
+    # Each names its parent, as its store did: promoted from a lower tier into a "prefix"
+    # policy's RAM, a chunk extends its prefix there rather than make its parent a leaf.
+    assert [chunk_meta(t).parent for t in meta.loads["b"]] == [None, *stored[:-1]]
     [store] = meta.stores
     assert store.block_ids == (16, 17)
     # Its KV is computed over the loaded blocks: it names them, should a load fail.
@@ -339,6 +342,7 @@ def test_a_hit_below_ram_waiting_for_blocks_is_prefetched_into_ram_once(tmp_path
     assert engine.sched.get_num_new_matched_tokens(waiting, 0) == (192, True)
     prefetch = engine.step(cached={"a": ([], 200, 1)}).prefetch
     assert [t.key for t in prefetch] == held[1:]  # not chunk 0: in RAM
+    assert [t.parent for t in prefetch] == held[:-1]
     # Still waiting next step (asked again): not prefetched twice.
     engine.sched.get_num_new_matched_tokens(waiting, 0)
     assert engine.step(cached={"a": ([], 201, 1)}).prefetch == []

@@ -55,6 +55,8 @@ def test_stores_carry_the_salt_pin_and_ttl_and_held_chunks_are_retained() -> Non
     meta = engine.step(new={"b": (list(range(7)), 192, 8)})
     assert meta.stores == []
     assert [(t.key, t.retain_s) for t in meta.retains] == [(k, 600) for k in stored]
+    # Each names its parent: a pin's end puts the chunk back under it ("prefix" policy).
+    assert [t.parent for t in meta.retains] == [None, *stored[:-1]]
     # A request without retain_s / ttl_s retains nothing; its meta asks nothing.
     plain = request("c", 200, first=7000)
     engine.admit(plain, list(range(20, 27)))

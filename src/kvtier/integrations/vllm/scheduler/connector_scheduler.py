@@ -163,7 +163,8 @@ class ConnectorScheduler:
         others_running = (self._loads.by_cost
                           and self._requests.others_have_blocks(request.request_id))
         state.load_async = self._loads.loads_async(sources[:len(hit_keys)], others_running)
-        self._loads.want(request.request_id, hit_keys, request.cache_salt)
+        self._loads.want(request.request_id, hit_keys, request.cache_salt,
+                         keys[first_chunk - 1] if first_chunk else None)
         return offered_tokens - num_computed_tokens, state.load_async
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
@@ -313,7 +314,9 @@ class ConnectorScheduler:
                         end: int) -> list[ChunkTransfer]:
         """The loads of the request's tokens `start`..`end` (a hit: full chunks, then maybe
         the tail of the next, `state.tail`), into `block_ids` (per attention group); blocks
-        before `start` hold vLLM's own prefix and are not written."""
+        before `start` hold vLLM's own prefix and are not written. Each names its parent, as
+        its store did: a chunk promoted from a lower tier into a "prefix" policy's tier
+        extends its prefix there (a root, its parent would be a leaf to evict first)."""
         tpc, bpc = self._tokens_per_chunk, self._tokens_per_chunk // self._block_size
         controls = state.controls
         chunks = [(chunk, state.keys[chunk], bpc) for chunk in range(start // tpc, end // tpc)]
@@ -326,7 +329,8 @@ class ConnectorScheduler:
                               tenant=state.request.cache_salt,
                               retain_s=controls.retain_s_for(chunk * tpc
                                                              + blocks * self._block_size),
-                              ttl_s=controls.ttl_s)
+                              ttl_s=controls.ttl_s,
+                              parent=state.keys[chunk - 1] if chunk else None)
                 for chunk, key, blocks in chunks]
 
 

@@ -122,11 +122,15 @@ class LoadPlanner:
             return False
         return not self._costs.inline(Counter(sources), self._steps.step_s)
 
-    def want(self, request_id: str, keys: list[ChunkKey], tenant: str | None) -> None:
-        """A request (of `tenant`, its cache salt) waiting for blocks will load `keys`: read
-        those below RAM ahead (a tier that seals the tenant's chunks needs the tenant)."""
-        below_ram = [ChunkTransfer(key=key, block_ids=(), tenant=tenant)
-                     for key in keys if not self._holders.holds(key, self._top_tier)]
+    def want(self, request_id: str, keys: list[ChunkKey], tenant: str | None,
+             parent: ChunkKey | None) -> None:
+        """A request (of `tenant`, its cache salt) waiting for blocks will load `keys`, a run
+        of its chunks after `parent`: read those below RAM ahead (a tier that seals the
+        tenant's chunks needs the tenant; RAM's "prefix" policy, each one's parent)."""
+        parents = [parent, *keys[:-1]]
+        below_ram = [ChunkTransfer(key=key, block_ids=(), tenant=tenant, parent=before)
+                     for key, before in zip(keys, parents, strict=True)
+                     if not self._holders.holds(key, self._top_tier)]
         if below_ram:  # until vLLM allocates its blocks (`forget`)
             self._wanted[request_id] = below_ram
 

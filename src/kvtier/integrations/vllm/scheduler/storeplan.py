@@ -146,7 +146,8 @@ class StorePlanner:
                 if retain_s is not None or controls.ttl_s is not None:
                     self._retains.append(ChunkTransfer(
                         key=key, block_ids=(), tenant=state.request.cache_salt,
-                        retain_s=retain_s, ttl_s=controls.ttl_s))
+                        retain_s=retain_s, ttl_s=controls.ttl_s,
+                        parent=keys[chunk - 1] if chunk else None))
                 continue
             first = chunk * bpc
             blocks = ChunkGroups.flat(attention, first, bpc)
