@@ -56,6 +56,17 @@ def test_a_path_that_is_a_file_names_the_field_and_the_fix(tmp_path: Path, kind:
 
 
 @pytest.mark.parametrize("kind", ["disk", "shared"])
+@pytest.mark.parametrize("path", ["", "   "])
+def test_an_empty_path_is_refused_not_taken_for_the_working_directory(
+        kind: str, path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pathlib reads "" as ".": a Helm value or variable that came out empty made the tier
+    write its chunks into whatever directory the vLLM worker started in."""
+    monkeypatch.chdir(tmp_path)  # a writable working directory: the old code accepted it
+    error = _refused(kind, path)
+    assert "not an empty path" in error.allowed and FIX in error.allowed
+
+
+@pytest.mark.parametrize("kind", ["disk", "shared"])
 @pytest.mark.parametrize("path", ["/proc/kvtier", "/sys/kernel/kvtier", "/proc"])
 def test_kernel_filesystems_are_refused(kind: str, path: str) -> None:
     """As root, /proc and /sys look writable to access(2); the tier would fail (or poke a

@@ -15,7 +15,12 @@ does not answer within `CHECK_TIMEOUT_S` (a dead hard-mounted NFS server blocks 
 ever) is not checked, and said so: reading a config must not hang an engine's start, and the
 store leaves such a tier out when it opens (`kvtier.tiers.open_store`).
 
-Primitives: `check_directory`, `KERNEL_FILESYSTEMS`, `CHECK_TIMEOUT_S`.
+An empty `path` is refused before any of this: pathlib reads "" as ".", the working
+directory of whichever process opens the tier (a vLLM worker's, a cron job's), so a template
+whose variable came out empty (`path: "${KVTIER_DIR}"`) would fill a directory nobody chose.
+
+Primitives: `TierDirectory` (the `path` field's type), `check_directory`, `KERNEL_FILESYSTEMS`,
+`CHECK_TIMEOUT_S`.
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Annotated
+
+from pydantic import BeforeValidator
 
 from kvtier.core.stall import call_within
 
@@ -32,6 +40,18 @@ CHECK_TIMEOUT_S = 5.0
 KERNEL_FILESYSTEMS = (Path("/proc"), Path("/sys"))
 _FIX = ("give a directory on a local or shared filesystem that exists and is writable by this "
         "user, or that can be created under a writable parent")
+
+
+def _not_blank(value: object) -> object:
+    """`value` unless it is a blank string (see the module doc: "" is the working directory)."""
+    if isinstance(value, str) and not value.strip():
+        raise ValueError(f"a directory, not an empty path (pathlib takes it for the working "
+                         f"directory of the process that opens the tier); {_FIX}")
+    return value
+
+
+# A file tier's `path`: a blank string is refused before pydantic makes it a Path (".").
+TierDirectory = Annotated[Path, BeforeValidator(_not_blank)]
 
 
 def check_directory(path: Path, *, read_only_ok: bool) -> Path:

@@ -69,7 +69,7 @@ from kvtier.errors import CorruptChunk, KeyNotHeld
 from kvtier.tiers.encoding import EncodedTierSettings, build_encoder
 from kvtier.tiers.files.chunkfiles import ChunkFiles
 from kvtier.tiers.files.chunktree import FileInventory, FileProbe, walk_chunks
-from kvtier.tiers.files.directories import check_directory
+from kvtier.tiers.files.directories import TierDirectory, check_directory
 from kvtier.tiers.files.linkfile import measure_directory, probe_bytes
 from kvtier.tiers.files.manifests import write_file_manifest
 from kvtier.tiers.files.retention_journal import RetentionJournal
@@ -93,7 +93,7 @@ class DiskTierConfig(EncodedTierSettings, RetentionTierSettings):
 
     kind: Literal["disk"]
     capacity: PositiveByteSize  # bytes this tier may hold, e.g. "200GiB"
-    path: Path  # directory; created 0700 when missing
+    path: TierDirectory  # directory; created 0700 when missing
     o_direct: Literal["auto", "on", "off"] = "auto"  # bypass the page cache when supported
     io_threads: int = Field(4, ge=1, le=64)  # parallel reads/writes against this directory
 

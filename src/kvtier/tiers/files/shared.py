@@ -83,7 +83,7 @@ from kvtier.errors import CorruptChunk, KeyNotHeld
 from kvtier.tiers.encoding import EncodedTierSettings, build_encoder
 from kvtier.tiers.files.chunkfiles import ChunkFiles, PendingWrite
 from kvtier.tiers.files.chunktree import FileInventory, FileProbe, key_of, scan_tree
-from kvtier.tiers.files.directories import check_directory
+from kvtier.tiers.files.directories import TierDirectory, check_directory
 from kvtier.tiers.files.filetree import sweep_layout_temps, unlink_file
 from kvtier.tiers.files.linkfile import measure_directory, probe_bytes
 from kvtier.tiers.files.manifests import write_file_manifest
@@ -118,7 +118,7 @@ class SharedTierConfig(EncodedTierSettings):
 
     kind: Literal["shared"]
     capacity: PositiveByteSize  # bytes this tier may hold, e.g. "200GiB"
-    path: Path  # the shared directory; created 0700 when missing (see group_shared)
+    path: TierDirectory  # the shared directory; created 0700 when missing (see group_shared)
     group_shared: bool = False  # create directories 0770 / files 0660 for a shared group
     scan_interval_s: float = Field(30.0, gt=0)  # how often usage is re-measured for the quota
     io_threads: int = Field(4, ge=1, le=64)  # parallel reads/writes against this directory
