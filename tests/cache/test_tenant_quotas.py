@@ -156,6 +156,8 @@ def test_tenant_labels_are_bounded_and_never_the_salt() -> None:
     ({}, "exactly one of share"),
     ({"share": 0.5, "cap": "1GiB"}, "exactly one of share"),
     ({"cap": "lots"}, "size"),
+    ({"cap": 0}, "greater than 0"),  # every tenant would hold nothing: the tier stores nothing
+    ({"cap": "0GiB"}, "greater than 0"),
     ({"shares": 0.5}, "unknown field"),
 ])
 def test_bad_quotas_name_the_field_and_what_is_allowed(quota: dict[str, object],

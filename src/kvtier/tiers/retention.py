@@ -14,7 +14,7 @@ from collections.abc import Callable, Collection, Sized
 
 from pydantic import Field, model_validator
 
-from kvtier.config import ByteSize, FrozenModel
+from kvtier.config import FrozenModel, PositiveByteSize
 from kvtier.core.keys import ChunkKey
 from kvtier.core.retention import RetentionBook, TenantQuota
 from kvtier.tiers.storeconfig import TierSettings
@@ -25,7 +25,9 @@ class TenantQuotaSettings(FrozenModel):
     may hold of the tier: exactly one of `share` and `cap`."""
 
     share: float | None = Field(None, gt=0, le=1)  # at most this share of the capacity
-    cap: ByteSize | None = None  # at most this many bytes, e.g. "2GiB"
+    # At most this many bytes, e.g. "2GiB"; more than 0, as a share is: a cap of 0 left every
+    # tenant nothing, and the tier stored nothing, silently.
+    cap: PositiveByteSize | None = None
 
     @model_validator(mode="after")
     def _one_limit(self) -> TenantQuotaSettings:
