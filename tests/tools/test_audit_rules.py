@@ -374,6 +374,33 @@ def test_kvtier_config_checked_by_kvtiers_own_schema():
                       f"{transfer('KVTierConnector', tokens_per_chunk=256)}") == []
 
 
+def test_kvtier_config_in_dotted_words_is_read_as_vllm_builds_it():
+    """vLLM 0.32 builds --kv-transfer-config from `--kv-transfer-config.KEY VALUE` words
+    (values as JSON, "1k" as 1,000); the audit read only the JSON form and passed them all."""
+    dotted = ("vllm serve m --block-size 16 --kv-transfer-config.kv_connector KVTierConnector "
+              "--kv_transfer_config.kv_role=kv_both "
+              "--kv-transfer-config.kv_connector_extra_config.tokens_per_chunk 100 "
+              "--kv-transfer-config.kv_connector_extra_config.index_max_keys 1k")
+    cmd = parse_command_line(dotted)
+    assert cmd.transfer_config == {"kv_connector": "KVTierConnector", "kv_role": "kv_both",
+                                   "kv_connector_extra_config": {"tokens_per_chunk": 100,
+                                                                 "index_max_keys": 1000}}
+    [found] = [f for f in run_audit(cmd) if f.rule == "kvtier-connector-config"]
+    assert "tokens_per_chunk = 100" in found.what and "block_size (16)" in found.what
+
+
+def test_json_and_dotted_kv_transfer_config_together_is_an_error():
+    """vLLM appends the dotted words' object after the JSON and argparse keeps the last: the
+    JSON's connector is dropped, and the server runs without kvtier, silently."""
+    both = (f"vllm serve m {transfer('KVTierConnector')} "
+            "--kv-transfer-config.kv_connector_extra_config.tokens_per_chunk 512")
+    cmd = parse_command_line(both)
+    assert cmd.transfer_config == {"kv_connector_extra_config": {"tokens_per_chunk": 512}}
+    found = [f.what for f in run_audit(cmd) if f.rule == "malformed-kv-transfer-config"]
+    assert any("given as JSON and as --kv-transfer-config.KEY words" in w for w in found)
+    assert any("kv_connector is missing" in w for w in found)
+
+
 def test_kvtier_on_a_mamba_model_from_config_json_is_an_error():
     nemotron_h = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 4,
                   "hybrid_override_pattern": "M*M*"}

@@ -13,7 +13,9 @@ the same, `-tp 8` is `--tensor-parallel-size 8`, a unique prefix is its flag, a 
 as many words as vLLM's parser gives it (none for `--enable-sleep-mode`), and
 `--no-enable-prefix-caching` is kept as written. A name vLLM does not know is kept as
 written, for the `unrecognized-vllm-argument` rule. A repeated flag keeps its last value, as
-argparse does. Input with no vLLM server command in it parses to a ServeCommand whose
+argparse does. `--kv-transfer-config.KEY VALUE` words make the object vLLM builds of them,
+which replaces the JSON form (`ServeCommand.transfer_config`). Input with no vLLM server
+command in it parses to a ServeCommand whose
 `entrypoint` is None, for the `not-a-vllm-command` rule.
 """
 
@@ -100,9 +102,29 @@ class ServeCommand:
         value = self.number("--tensor-parallel-size")
         return int(value) if value is not None and value >= 1 and value == int(value) else 1
 
+    def dotted_object(self, flag: str) -> dict[str, Any] | None:
+        """The object vLLM builds from `flag.KEY VALUE` words (`--kv-transfer-config.kv_role
+        kv_both`), each value read as vLLM reads it; None when there are none."""
+        prefix, built = flag + ".", None
+        for name, raw in self.flags.items():
+            if not name.startswith(prefix) or raw is None:
+                continue
+            path = name[len(prefix):]
+            value = json.dumps(raw.split(",")) if path.endswith("+") else raw
+            nested: Any = _dotted_value(value)
+            for key in reversed(path.removesuffix("+").split(".")):
+                nested = {key: nested}
+            built = _merge(built or {}, nested)
+        return built
+
     @property
     def transfer_config(self) -> dict[str, Any] | None:
-        """The parsed `--kv-transfer-config` JSON (None when absent or not a JSON object)."""
+        """The KV transfer config vLLM reads: the object of `--kv-transfer-config.KEY` words
+        when there are any (vLLM passes it after the JSON form, and argparse keeps the last),
+        else the parsed `--kv-transfer-config` JSON (None when absent or not a JSON object)."""
+        dotted = self.dotted_object("--kv-transfer-config")
+        if dotted is not None:
+            return dotted
         raw = self.value("--kv-transfer-config")
         if not raw:
             return None
@@ -310,6 +332,36 @@ def read_text_file(path: str | Path, argument: str) -> str:
     except UnicodeDecodeError as exc:
         raise ConfigError(argument, str(path), f"UTF-8 text (byte {exc.start} is not)") \
             from exc
+
+
+def _dotted_value(raw: str) -> Any:
+    """A `--flag.key` word's value as vLLM's FlexibleArgumentParser reads it: JSON, else a
+    human-readable integer ("8k" 8,000, "8K" 8,192; no decimals with a binary suffix), else
+    the text."""
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, RecursionError):
+        pass
+    match = _HUMAN_INT.match(raw)
+    if match and (match.group(2).islower() or "." not in match.group(1)):
+        return int(float(match.group(1)) * _HUMAN_MULT[match.group(2)])
+    try:
+        return int(raw)
+    except ValueError:
+        return raw
+
+
+def _merge(into: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    """`update` merged into `into` as vLLM merges dotted keys: objects key by key, lists
+    joined, anything else replaced."""
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        elif isinstance(value, list) and isinstance(into.get(key), list):
+            into[key] = into[key] + value
+        else:
+            into[key] = value
+    return into
 
 
 def _json_problem(raw: str, exc: json.JSONDecodeError) -> str:

@@ -118,6 +118,17 @@ def malformed_transfer_config(cmd: ServeCommand, _: AuditOptions) -> Iterator[Fi
             "'{\"kv_connector\":\"OffloadingConnector\",\"kv_role\":\"kv_both\"}'",
         )
         return
+    dotted = cmd.dotted_object("--kv-transfer-config")
+    if dotted is not None and cmd.has("--kv-transfer-config"):
+        yield Finding(
+            "malformed-kv-transfer-config", Severity.ERROR,
+            "--kv-transfer-config is given as JSON and as --kv-transfer-config.KEY words "
+            f"({', '.join(sorted(dotted))})",
+            "vLLM builds one object of the dotted words and passes it after the JSON, and "
+            "argparse keeps the last: every key of the JSON (its kv_connector too) is dropped "
+            "without a word, and the server runs with the dotted keys alone",
+            "put every key in the JSON object, or give every key as a dotted word",
+        )
     for where, entry in _connector_entries(cmd.transfer_config):
         if not isinstance(entry, Mapping):
             yield _entry_finding(where, f"{_clip(str(entry))!r}, not a JSON object")
