@@ -374,6 +374,19 @@ def test_kvtier_config_checked_by_kvtiers_own_schema():
                       f"{transfer('KVTierConnector', tokens_per_chunk=256)}") == []
 
 
+def test_kvtier_tokens_per_chunk_against_vllms_default_block_on_cuda():
+    """Without --block-size a CUDA engine's block is its kernel's default (16): a chunk of
+    1,000 tokens is refused at start-up all the same, and the audit passed it."""
+    cmd = parse_command_line(f"vllm serve m {transfer('KVTierConnector', tokens_per_chunk=1000)}")
+    [found] = [f for f in run_audit(cmd) if f.rule == "kvtier-connector-config"]
+    assert "block_size (16)" in found.what and "vLLM's default block size on CUDA" in found.what
+    assert severities("kvtier-connector-config",
+                      f"vllm serve m {transfer('KVTierConnector', tokens_per_chunk=512)}") == []
+    # The CPU backend's default depends on the model: not judged.
+    assert [f for f in run_audit(cmd, AuditOptions(gpu=gpu_profile("cpu")))
+            if f.rule == "kvtier-connector-config"] == []
+
+
 def test_kvtier_config_in_dotted_words_is_read_as_vllm_builds_it():
     """vLLM 0.32 builds --kv-transfer-config from `--kv-transfer-config.KEY VALUE` words
     (values as JSON, "1k" as 1,000); the audit read only the JSON form and passed them all."""

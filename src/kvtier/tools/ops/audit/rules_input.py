@@ -21,6 +21,7 @@ from kvtier.errors import ConfigError
 from kvtier.tools.ops.audit.command import ServeCommand
 from kvtier.tools.ops.audit.finding import Finding, Severity
 from kvtier.tools.ops.audit.registry import AuditOptions, rule
+from kvtier.tools.ops.audit.rules_kernels import attention_choice
 
 # Connector names vLLM's KVConnectorFactory registers (v0.9-v0.32; older names kept so
 # auditing an older release does not flag them), plus kvtier's own.
@@ -170,11 +171,12 @@ def unknown_connector(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
             )
 
 
-@rule("kvtier-connector-config", "kvtier connector config its own schema rejects")
-def kvtier_connector_config(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
+@rule("kvtier-connector-config", "kvtier connector config its own schema rejects",
+      reads=("--gpu", "--model-config"))
+def kvtier_connector_config(cmd: ServeCommand, options: AuditOptions) -> Iterator[Finding]:
     from kvtier.integrations.vllm.config import ConnectorConfig  # imports no vllm/torch
 
-    block_size = cmd.value("--block-size")
+    block_size, block_source = _engine_block_size(cmd, options)
     for where, entry in _connector_entries(cmd.transfer_config):
         if not isinstance(entry, Mapping) or entry.get("kv_connector") != KVTIER_CONNECTOR:
             continue
@@ -183,16 +185,33 @@ def kvtier_connector_config(cmd: ServeCommand, _: AuditOptions) -> Iterator[Find
             continue  # malformed-kv-transfer-config reports it
         try:
             config = ConnectorConfig.parse(extra, where=f"{where}.kv_connector_extra_config")
-            if block_size is not None and _positive_int(block_size):
-                config.check_block_size(int(block_size))
+            if block_size is not None:
+                config.check_block_size(block_size)
         except ConfigError as exc:
+            source = block_source if exc.allowed.endswith(f"block_size ({block_size})") else ""
             yield Finding(
                 "kvtier-connector-config", Severity.ERROR,
-                f"{exc.field} = {_clip(repr(exc.value))} is invalid: {exc.allowed}",
+                f"{exc.field} = {_clip(repr(exc.value))} is invalid: {exc.allowed}{source}",
                 "kvtier's connector validates its config with this schema at start-up and "
                 "refuses to load, so vLLM does not start",
                 "fix the value; `kvtier serve --dry-run` prints a config the connector accepts",
             )
+
+
+def _engine_block_size(cmd: ServeCommand, options: AuditOptions) -> tuple[int | None, str]:
+    """vLLM's block size for `cmd` (None where it is not known: a malformed --block-size, the
+    CPU backend's default, which differs by model) and, when it is vLLM's default, a note
+    saying so for the finding. Without --block-size a CUDA engine's block is its attention
+    kernel's default (16; FlashMLA 64), and a tokens_per_chunk set to no multiple of it is
+    refused at start-up as surely as one against a stated --block-size."""
+    raw = cmd.value("--block-size")
+    if cmd.has("--block-size"):
+        return (int(raw), "") if raw is not None and _positive_int(raw) else (None, "")
+    choice = attention_choice(cmd, options)
+    if choice is None:
+        return None, ""
+    return choice.block_size, (" (vLLM's default block size on CUDA for this model: pass "
+                               "--block-size to choose another)")
 
 
 @functools.cache
