@@ -145,6 +145,35 @@ def test_serve_passes_a_cpu_block_for_its_chunk_size(capsys):
     assert "tokens_per_chunk=48: a multiple of 32" in capsys.readouterr().err
 
 
+def test_the_block_size_is_read_as_vllm_reads_it_and_a_bad_one_is_named():
+    """`--block_size 48` is vLLM's --block-size too: the chunk stayed 256, which the
+    connector refuses on blocks of 48. `--block-size=abc` was a bare int() ValueError."""
+    cmd = build_command(ServeConfig("m", extra_config=connector_config(TIERS), cpu=False,
+                                    vllm_args=("--block_size", "48")))
+    assert cmd.kv_transfer_config["kv_connector_extra_config"][  # type: ignore[index]
+        "tokens_per_chunk"] == 288
+    with pytest.raises(ConfigError) as refused:
+        build_command(ServeConfig("m", extra_config=connector_config(TIERS), cpu=False,
+                                  vllm_args=("--block-size=abc",)))
+    assert refused.value.field == "--block-size" and refused.value.value == "abc"
+
+
+@pytest.mark.parametrize("theirs", [
+    ("--kv-transfer-config", '{"kv_connector":"OffloadingConnector","kv_role":"kv_both"}'),
+    ("--kv_transfer_config.kv_connector_extra_config.tokens_per_chunk", "512"),
+])
+def test_a_kv_transfer_config_after_the_dashes_is_refused_with_kvtier(theirs):
+    """vLLM keeps the last --kv-transfer-config: one after `--` replaced kvtier's while the
+    printed notes still showed kvtier's tiers. Without kvtier it is the user's to give."""
+    with pytest.raises(ConfigError) as refused:
+        build_command(ServeConfig("m", extra_config=connector_config(TIERS), cpu=False,
+                                  vllm_args=theirs))
+    assert refused.value.field.startswith("--kv-transfer-config")
+    assert "--no-kvtier" in refused.value.allowed
+    baseline = build_command(ServeConfig("m", kvtier=False, cpu=False, vllm_args=theirs))
+    assert baseline.argv[-2:] == theirs
+
+
 def test_a_disaggregated_instance_carries_its_kv_role(capsys):
     cmd = build_command(ServeConfig("m", extra_config=connector_config(TIERS), cpu=False,
                                     kv_role="kv_producer"))

@@ -43,6 +43,7 @@ from kvtier.integrations.vllm.config import (
 from kvtier.redaction import redact_text
 from kvtier.tiers.registry import tier_class
 from kvtier.tiers.storeconfig import StoreConfig
+from kvtier.tools.ops.audit.vllm_flags import read_arguments
 from kvtier.tools.ops.chunkplan import CPU_BLOCK, CPU_KERNEL_BASE
 from kvtier.tools.ops.flags import kvtier_flags
 from kvtier.tools.ops.modelspec import load_model_spec
@@ -213,9 +214,11 @@ def build_command(cfg: ServeConfig) -> ServeCommand:
                 "core per worker whenever any KV connector is configured (meant for NIXL); on "
                 "a small machine that left no core for the engine core and API server, and "
                 "every step slowed down (docs/performance.md, kvtier demo)")
+        vllm_flags = read_arguments(cfg.vllm_args).flags
+        _refuse_a_second_transfer_config(vllm_flags)
         extra = dict(cfg.extra_config) if cfg.extra_config is not None else connector_config(
             default_tiers(cpu=cpu))
-        block_flags = _fit_chunk_to_block(extra, cfg, cpu, notes)
+        block_flags = _fit_chunk_to_block(extra, _block_size(vllm_flags), cfg, cpu, notes)
         transfer = kvtier_transfer_config(extra)
         argv += kvtier_flags(extra, disable_hma=False) + block_flags
         argv += ["--middleware", CACHE_CONTROL_MIDDLEWARE]
@@ -237,25 +240,25 @@ def build_command(cfg: ServeConfig) -> ServeCommand:
                         tuple(notes))
 
 
-def _fit_chunk_to_block(extra: dict[str, Any], cfg: ServeConfig, cpu: bool,
+def _fit_chunk_to_block(extra: dict[str, Any], block: int | None, cfg: ServeConfig, cpu: bool,
                         notes: list[str]) -> list[str]:
     """Make tokens_per_chunk (in `extra`, updated) a multiple of vLLM's block size, which
-    the connector requires at the engine's start: with `--block-size B` in vllm_args, the
-    first multiple of B from tokens_per_chunk up; on the CPU backend without one, where vLLM
-    picks 128-token blocks, a tokens_per_chunk the operator set that 128 does not divide gets
-    the largest block vLLM's CPU attention takes (a multiple of 32, at most 128) that divides
-    it. Models whose block vLLM sets itself (state layers: "align" mode; MLA: 16) are left
-    to vLLM. Returns the flags to add; appends why to `notes`.
+    the connector requires at the engine's start: with `block` (vLLM's --block-size in
+    vllm_args, `_block_size`), the first multiple of it from tokens_per_chunk up; on the CPU
+    backend without one, where vLLM picks 128-token blocks, a tokens_per_chunk the operator
+    set that 128 does not divide gets the largest block vLLM's CPU attention takes (a
+    multiple of 32, at most 128) that divides it. Models whose block vLLM sets itself (state
+    layers: "align" mode; MLA: 16) are left to vLLM. Returns the flags to add; appends why to
+    `notes`.
 
     Raises:
         ConfigError: that tokens_per_chunk is not a multiple of 32 (no CPU block divides it).
     """
-    block = _flag_value(cfg.vllm_args, "--block-size")
     parsed = ConnectorConfig.parse(extra)
     wanted = parsed.tokens_per_chunk
     if block is not None:
-        if block.isdigit() and int(block) > 0 and wanted % int(block):
-            tpc = int(block) * -(-wanted // int(block))
+        if wanted % block:
+            tpc = block * -(-wanted // block)
             extra["tokens_per_chunk"] = tpc
             notes.append(f"tokens_per_chunk={tpc}: the first multiple of --block-size {block} "
                          f">= {wanted}")
@@ -300,6 +303,32 @@ def per_rank_note(store: StoreConfig, tp: int) -> str:
     return (f"capacities are per engine, the total across its {tp} TP ranks: each rank "
             f"holds {shares}" + (f" ({', '.join(whole)}: one quota for the whole directory, "
                                  "enforced by every writer)" if whole else ""))
+
+
+def _refuse_a_second_transfer_config(vllm_flags: Mapping[str, str | None]) -> None:
+    """Raise ConfigError when vLLM's arguments set the KV transfer config that kvtier's flags
+    set: they come after kvtier's, and vLLM keeps the last, so kvtier's connector (or its
+    config) would be dropped while the printed command and notes still showed it."""
+    for flag, value in vllm_flags.items():
+        if flag == "--kv-transfer-config" or flag.startswith("--kv-transfer-config."):
+            raise ConfigError(flag, value, "none after `--` with kvtier: kvtier serve sets "
+                              "--kv-transfer-config itself (kvtier's settings: --config FILE; "
+                              "another connector: --no-kvtier)")
+
+
+def _block_size(vllm_flags: Mapping[str, str | None]) -> int | None:
+    """vLLM's --block-size in its arguments (`--block_size=48` as vLLM reads it), None when
+    not given.
+
+    Raises:
+        ConfigError: a value that is not a positive integer (vLLM refuses it too).
+    """
+    raw = vllm_flags.get("--block-size")
+    if raw is None:
+        return None
+    if not (raw.strip().isascii() and raw.strip().isdigit() and int(raw) > 0):
+        raise ConfigError("--block-size", raw, "a positive integer (tokens per KV block)")
+    return int(raw)
 
 
 def _tp_size(vllm_args: Sequence[str]) -> int:
