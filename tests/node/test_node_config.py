@@ -45,6 +45,9 @@ def test_a_node_whose_first_tier_is_not_memory_is_refused(tmp_path: Path):
 @pytest.mark.parametrize(("config", "flags", "named"), [
     (DISK_FIRST, (), "tiers[0].kind"),
     (MEMORY, ("--max-layouts", "0"), "max_layouts=0"),  # the flag docs/node.md lists
+    # `--name "$NODE_NAME"` with the variable unset: it was the host name (the pod's), so the
+    # events' topic named no Kubernetes node and a new pod found no slabs to recover
+    (MEMORY, ("--name", ""), "name=''"),
 ])
 def test_kvtier_node_serve_names_the_bad_field(
         tmp_path: Path, config: dict[str, Any], flags: tuple[str, ...], named: str):

@@ -83,7 +83,10 @@ def serve(args: argparse.Namespace) -> int:
                         keep_ram=not args.drop_ram, events_endpoint=args.events_endpoint,
                         event_block_size=args.event_block_size,
                         stop_flush_s=args.stop_flush_s, max_layouts=args.max_layouts,
-                        **({"name": args.name} if args.name else {}))
+                        # "" is refused, not the host name: `--name "$NODE_NAME"` with the
+                        # variable unset would name the slabs and the events' topic after the
+                        # pod, not the Kubernetes node (docs/node.md)
+                        **({"name": args.name} if args.name is not None else {}))
     check_shm_room(config, args.config)
     note_cpu_group()  # once its settings hold: not before an error that ends it
     metrics: MetricsServer | None = None
