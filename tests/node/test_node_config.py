@@ -48,6 +48,8 @@ def test_a_node_whose_first_tier_is_not_memory_is_refused(tmp_path: Path):
     # `--name "$NODE_NAME"` with the variable unset: it was the host name (the pod's), so the
     # events' topic named no Kubernetes node and a new pod found no slabs to recover
     (MEMORY, ("--name", ""), "name=''"),
+    # "" binds every interface: `--metrics-host "$HOST"` unset exposed the metrics
+    (MEMORY, ("--metrics-port", "9400", "--metrics-host", ""), "argument --metrics-host"),
 ])
 def test_kvtier_node_serve_names_the_bad_field(
         tmp_path: Path, config: dict[str, Any], flags: tuple[str, ...], named: str):

@@ -39,6 +39,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvtier.node.cli import listen_host as node_listen_host
 from kvtier.tools.cli import argtypes
 from kvtier.tools.cli.main import EXIT_BROKEN_PIPE, build_parser, main
 
@@ -166,6 +167,8 @@ NON_UTF8 = b"\xff\xfe".decode("utf-8", "surrogateescape")  # what argv bytes ff 
 ODD_UNICODE = "\u202e\uff11"  # a right-to-left override, a full-width digit one
 PATH_TYPES = {argtypes.any_path, argtypes.path_text, argtypes.output_file,
               argtypes.output_dir, argtypes.work_dir}
+# A listen address: "" would bind every interface (vLLM binds `args.host or ""`).
+LISTEN_TYPES = {argtypes.listen_host, node_listen_host}
 
 
 @dataclass(frozen=True)
@@ -199,6 +202,9 @@ def odd_values(action: argparse.Action) -> list[Odd]:
         return [Odd("", True), Odd("--", True), Odd("abc", True), Odd("nan", True),
                 Odd("-inf", True), Odd(ODD_UNICODE, True), Odd(HUGE, not huge_ok),
                 Odd("-1", False), Odd("0", False)]
+    if action.type in LISTEN_TYPES:
+        return [Odd("", True), Odd("  ", True), Odd("--", True), Odd(NON_UTF8, False),
+                Odd(ODD_UNICODE, False)]
     if action.type in PATH_TYPES:
         writes_file = action.type is argtypes.output_file
         wants_dir = action.type in (argtypes.output_dir, argtypes.work_dir)

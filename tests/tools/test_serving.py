@@ -19,7 +19,7 @@ import pytest
 
 from kvtier.errors import ConfigError, ServerError
 from kvtier.integrations.vllm.config import ConnectorConfig
-from kvtier.tools.cli.main import main
+from kvtier.tools.cli.main import build_parser, main
 from kvtier.tools.ops.server import free_port, running_server
 from kvtier.tools.ops.serving import (
     GIB,
@@ -172,6 +172,21 @@ def test_a_kv_transfer_config_after_the_dashes_is_refused_with_kvtier(theirs):
     assert "--no-kvtier" in refused.value.allowed
     baseline = build_command(ServeConfig("m", kvtier=False, cpu=False, vllm_args=theirs))
     assert baseline.argv[-2:] == theirs
+
+
+@pytest.mark.parametrize("argv", [
+    ["serve", "--host", "", "m"],
+    ["serve", "--host", "  ", "m"],
+    ["proxy", "--prefill", "http://127.0.0.1:8100", "--decode", "http://127.0.0.1:8200",
+     "--host", ""],
+])
+def test_an_empty_listen_address_is_refused(argv, capsys):
+    """vLLM binds `args.host or ""` and aiohttp "" too: every interface. `--host "$HOST"`
+    with the variable unset served the OpenAI API to the network instead of 127.0.0.1."""
+    with pytest.raises(SystemExit) as refused:
+        build_parser().parse_args(argv)
+    assert refused.value.code == 2
+    assert "argument --host" in capsys.readouterr().err
 
 
 def test_a_disaggregated_instance_carries_its_kv_role(capsys):

@@ -45,7 +45,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "kept for the next node on this --name to recover their chunks)")
     parser.add_argument("--metrics-port", type=_port, metavar="N",
                         help="serve Prometheus metrics on this port's /metrics (default: none)")
-    parser.add_argument("--metrics-host", default="127.0.0.1",
+    parser.add_argument("--metrics-host", type=listen_host, default="127.0.0.1",
                         help="the address the metrics port listens on (default 127.0.0.1: "
                              "this machine only; 0.0.0.0 for a scraper elsewhere)")
     parser.add_argument("--events-endpoint", metavar="ENDPOINT",
@@ -180,6 +180,18 @@ def _serve(node: NodeServer) -> int:
     node.serve_forever()
     stop.wait(timeout=60)
     return 0
+
+
+def listen_host(text: str) -> str:
+    """`--metrics-host`: an address, not blank ("" binds every interface: `--metrics-host
+    "$HOST"` with the variable unset exposed the metrics meant for 127.0.0.1). The tools'
+    `--host` options have their own (kvtier.tools.cli.argtypes.listen_host): the node,
+    below the tools, does not import them, and they do not import the node's server."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r}: an address such as 127.0.0.1 (this "
+                                         "machine only) or 0.0.0.0 (every interface), not "
+                                         "empty: empty listens on every interface")
+    return text
 
 
 def _port(text: str) -> int:

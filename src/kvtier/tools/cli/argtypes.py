@@ -1,7 +1,7 @@
 """argparse `type=` functions for numbers that must be finite and in range.
 
 Primitives: `finite_float`, `positive_float`, `fraction`, `positive_int`,
-`non_negative_int`, `int_in(low, high)`, `size_gb`, `port_number`, `path_text`,
+`non_negative_int`, `int_in(low, high)`, `size_gb`, `port_number`, `listen_host`, `path_text`,
 `output_file`, `output_dir` (their parent must exist), `work_dir` (a writable directory),
 `any_path`, `url_of(*schemes)` (`http_url`, `redis_url`).
 
@@ -102,6 +102,17 @@ def int_in(low: int, high: int) -> Callable[[str], int]:
         return value
 
     return whole_number
+
+
+def listen_host(text: str) -> str:
+    """An address to listen on, not blank: a socket bound to "" listens on every interface
+    (vLLM's server binds `args.host or ""`), so `--host "$HOST"` with the variable unset
+    exposed a server meant for 127.0.0.1 (kvtier.node.cli refuses it the same way)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r}: an address such as 127.0.0.1 (this "
+                                         "machine only) or 0.0.0.0 (every interface), not "
+                                         "empty: empty listens on every interface")
+    return text
 
 
 def port_number(text: str) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvtier.tools.cli.argtypes import http_url, port_number, positive_float
+from kvtier.tools.cli.argtypes import http_url, listen_host, port_number, positive_float
 from kvtier.tools.ops.disagg_proxy import ProxyConfig, run_proxy
 
 
@@ -21,7 +21,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="prefill instance base URL, e.g. http://127.0.0.1:8100")
     p.add_argument("--decode", required=True, type=http_url,
                    help="decode instance base URL")
-    p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    p.add_argument("--host", type=listen_host, default="127.0.0.1",
+                   help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=port_number, default=8000, help="listen port (default 8000)")
     p.add_argument("--request-timeout", type=positive_float, default=600.0, metavar="S",
                    help="one upstream request's limit in seconds (default 600)")

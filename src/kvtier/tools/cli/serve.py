@@ -41,7 +41,7 @@ from kvtier.testing.tinymodel import (
     preset_named,
     served_name,
 )
-from kvtier.tools.cli.argtypes import any_path, port_number, positive_int
+from kvtier.tools.cli.argtypes import any_path, listen_host, port_number, positive_int
 from kvtier.tools.ops.server import VllmServer
 from kvtier.tools.ops.serving import (
     KV_ROLES,
@@ -68,7 +68,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("model", help="model name or local directory (vLLM's --model); "
                                  "kvtier-tiny or kvtier-bench: kvtier's generated model, "
                                  "written into ~/.cache/kvtier/models on first use")
-    p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    p.add_argument("--host", type=listen_host, default="127.0.0.1",
+                   help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=port_number, default=8000,
                    help="listen port, 1-65535 (default 8000)")
     p.add_argument("--memory", help="kvtier memory tier size, e.g. 8GiB (default: a share of "
