@@ -105,7 +105,13 @@ def test_weights_not_fitting_are_refused_and_a_tiny_host_noted():
 
 
 @pytest.mark.parametrize("args, said", [
-    (["--host-ram", "0"], "--host-ram='0': a size above 0"),  # was: 256 GiB assumed
+    (["--host-ram", "0"], "--host-ram='0': a size of at least 1GiB"),  # was: 256 GiB assumed
+    # A unit left out: 64 B of RAM were planned (a CPU tier of 38 B, --kv-offloading-size 0),
+    # and --hbm 94 was refused as "hbm='0 GiB'", not as the 94 typed.
+    (["--host-ram", "64"], "--host-ram='64': a size of at least 1GiB, e.g. 512GiB (a bare "
+                           "number is bytes)"),
+    (["--hbm", "94"], "--hbm='94': a size of at least 1GiB"),
+    (["--nvme", "64"], "--nvme='64': a size of at least 1GiB"),  # was: no disk tier, no word
     (["--nvme-path", "rel dir/kv"], "an absolute path"),  # was: file://rel dir/kv/
     (["--params", "1e30"], "--params: '1e30': at most"),  # was: named the GPU's HBM
     (["--hbm", "10GiB"], "raise --tp or use a larger GPU"),  # was: 4 commands and rc 0

@@ -112,13 +112,16 @@ def run(args: argparse.Namespace) -> int:
     if args.from_sglang is not None:
         cpu_tier = int(sglang_per_rank_to_vllm_total(args.from_sglang, args.tp) * _GIB)
     spec = load_model_spec(args.model, int(args.params) if args.params else None)
+    if args.hbm is not None:
+        _machine_bytes(args.hbm, "--hbm", "94GiB")
     req = PlanRequest(
         model=spec, model_ref=args.served_model or _model_ref(args.model, spec.name),
         gpu=gpu_profile(args.gpu, args.hbm), tp=args.tp,
         gpu_memory_utilization=args.gpu_memory_utilization,
         host_ram_bytes=_host_ram(args.host_ram),
         host_kv_fraction=args.host_kv_fraction,
-        nvme_bytes=None if args.nvme is None else parse_size(args.nvme, "nvme"),
+        nvme_bytes=None if args.nvme is None else _machine_bytes(args.nvme, "--nvme", "3.5TiB",
+                                                                 zero_ok=True),
         nvme_path=args.nvme_path, nvme_gen=args.nvme_gen, pcie_gen=args.pcie_gen,
         context_tokens=args.context, concurrency=args.concurrency, kv_dtype=args.kv_dtype,
         vllm_version=version, cpu_tier_bytes=cpu_tier,
@@ -158,10 +161,25 @@ def _host_ram(text: str | None) -> int:
     """`--host-ram` in bytes; 0 when not given (the plan assumes a host's RAM)."""
     if text is None:
         return 0
-    size = parse_size(text, "host_ram")
-    if size == 0:
-        raise ConfigError("--host-ram", text, "a size above 0, e.g. 512GiB (leave it out "
-                          "to assume 256 GiB a GPU)")
+    return _machine_bytes(text, "--host-ram", "512GiB")
+
+
+# A machine's memory or drive below this is a unit left out: `--host-ram 64` was 64 bytes,
+# planned as such (a CPU tier of 38 B, `--kv-offloading-size 0` in the commands).
+MIN_MACHINE_BYTES = _GIB
+
+
+def _machine_bytes(text: str, option: str, example: str, zero_ok: bool = False) -> int:
+    """The size `text` of a machine's memory or drive, in bytes: at least MIN_MACHINE_BYTES
+    (or 0, where `zero_ok`: none).
+
+    Raises:
+        ConfigError: naming `option`, for a size that is no size or below 1 GiB.
+    """
+    size = parse_size(text, option)
+    if size < MIN_MACHINE_BYTES and not (zero_ok and size == 0):
+        raise ConfigError(option, text, f"a size of at least 1GiB, e.g. {example} (a bare "
+                          "number is bytes)" + (", or 0 for none" if zero_ok else ""))
     return size
 
 
@@ -201,9 +219,7 @@ def _node_request(args: argparse.Namespace) -> dict[str, Any]:
         return {}
     shm = 0
     if args.node_shm is not None:
-        shm = parse_size(args.node_shm, "--node-shm")
-        if shm <= 0:
-            raise ConfigError("--node-shm", args.node_shm, "a size > 0 (the node's /dev/shm)")
+        shm = _machine_bytes(args.node_shm, "--node-shm", "768GiB")
     local = shutil.disk_usage(SHM_DIR).total if SHM_DIR.is_dir() else None
     return {"node_engines": args.node_engines, "node_socket": args.node_socket or DEFAULT_SOCKET,
             "node_shm_bytes": shm, "local_shm_bytes": local}
