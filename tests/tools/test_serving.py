@@ -189,6 +189,33 @@ def test_an_empty_listen_address_is_refused(argv, capsys):
     assert "argument --host" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, option", [
+    (["serve", "--memory", "64", "m"], "--memory"),  # 64 B: "64GiB" was meant
+    (["serve", "--disk", "4096", "m"], "--disk"),
+    (["serve", "--engine-kv", "1", "m"], "--engine-kv"),
+    (["doctor", "--memory", "64"], "--memory"),
+    (["doctor", "--disk", "/mnt/nvme/kvtier:500"], "--disk"),
+    (["doctor", "--shared", "/mnt/shared/kvtier:10"], "--shared"),
+])
+def test_a_tier_sized_in_bytes_by_a_unit_left_out_is_refused(argv, option, capsys):
+    """A bare number is bytes: `--memory 64` was a memory tier of 64 B (it stores nothing,
+    and kvtier doctor said ok)."""
+    with pytest.raises(SystemExit) as refused:
+        build_parser().parse_args(argv)
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {option}" in err and "a bare number is bytes" in err
+
+
+def test_tier_sizes_a_machine_takes_and_none_are_kept():
+    parser = build_parser()
+    served = parser.parse_args(["serve", "--memory", "0", "--disk", "64MiB", "--engine-kv",
+                                "8MiB", "m"])
+    assert (served.memory, served.disk, served.engine_kv) == ("0", "64MiB", "8MiB")
+    doctor = parser.parse_args(["doctor", "--memory", "1MiB", "--disk", "/mnt/kv:1TiB"])
+    assert (doctor.memory, doctor.disk) == ("1MiB", ["/mnt/kv:1TiB"])
+
+
 def test_a_disaggregated_instance_carries_its_kv_role(capsys):
     cmd = build_command(ServeConfig("m", extra_config=connector_config(TIERS), cpu=False,
                                     kv_role="kv_producer"))

@@ -1,7 +1,8 @@
 """argparse `type=` functions for numbers that must be finite and in range.
 
 Primitives: `finite_float`, `positive_float`, `fraction`, `positive_int`,
-`non_negative_int`, `int_in(low, high)`, `size_gb`, `port_number`, `listen_host`, `path_text`,
+`non_negative_int`, `int_in(low, high)`, `size_gb`, `tier_size`, `tier_size_or_zero`,
+`path_and_tier_size`, `port_number`, `listen_host`, `path_text`,
 `output_file`, `output_dir` (their parent must exist), `work_dir` (a writable directory),
 `any_path`, `url_of(*schemes)` (`http_url`, `redis_url`).
 
@@ -20,12 +21,18 @@ import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 
+from kvtier.errors import ConfigError
 from kvtier.redaction import redact_text
+from kvtier.units import parse_size
 
 # A billion GB (an exabyte): larger sizes are typos.
 MAX_GB = 1e9
 # The longest file-name component Linux file systems take (NAME_MAX).
 NAME_MAX_BYTES = 255
+# A tier or KV cache a command line sizes below this is a unit left out: `--memory 64` was a
+# memory tier of 64 bytes, which holds no chunk ("8GiB" was meant). Config files may hold
+# smaller sizes (tests' tiers of a few chunks of a tiny model); a flag sizes a real machine's.
+MIN_TIER_BYTES = 1024**2
 # Larger counts (sessions, tokens, engines) are typos; they would make the tools allocate
 # or loop for hours.
 MAX_COUNT = 10**9
@@ -102,6 +109,38 @@ def int_in(low: int, high: int) -> Callable[[str], int]:
         return value
 
     return whole_number
+
+
+def _check_tier_size(text: str, zero_ok: bool) -> None:
+    try:
+        size = parse_size(text, "size")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc.allowed}") from None
+    if size < MIN_TIER_BYTES and not (zero_ok and size == 0):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a size such as 8GiB, at least 1MiB (a bare number is bytes)"
+            + (", or 0 for none" if zero_ok else ""))
+
+
+def tier_size(text: str) -> str:
+    """A tier's (or a KV cache's) size, at least MIN_TIER_BYTES; returned as given."""
+    _check_tier_size(text, zero_ok=False)
+    return text
+
+
+def tier_size_or_zero(text: str) -> str:
+    """`tier_size`, or 0 (none); returned as given."""
+    _check_tier_size(text, zero_ok=True)
+    return text
+
+
+def path_and_tier_size(text: str) -> str:
+    """PATH:SIZE with a `tier_size`; returned as given (text without a ':' too: the command
+    names what is missing)."""
+    _, sep, size = text.rpartition(":")
+    if sep and size:
+        _check_tier_size(size, zero_ok=False)
+    return text
 
 
 def listen_host(text: str) -> str:

@@ -17,6 +17,7 @@ from rich.table import Table
 
 from kvtier.integrations.vllm.config import CONNECTOR_MODULE, ConnectorConfig
 from kvtier.redaction import redact_text
+from kvtier.tools.cli.argtypes import path_and_tier_size, tier_size
 from kvtier.tools.ops.doctor import (
     check_store_config,
     machine_doctor,
@@ -33,9 +34,11 @@ _STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("doctor", help="check vLLM, the connector, tier paths and Redis")
     p.add_argument("config", nargs="?", help="kvtier config file (YAML or JSON)")
-    p.add_argument("--memory", help="memory tier capacity, e.g. 64GiB")
-    p.add_argument("--disk", action="append", default=[], metavar="PATH:SIZE")
-    p.add_argument("--shared", action="append", default=[], metavar="PATH:SIZE")
+    p.add_argument("--memory", type=tier_size, help="memory tier capacity, e.g. 64GiB")
+    p.add_argument("--disk", type=path_and_tier_size, action="append", default=[],
+                   metavar="PATH:SIZE")
+    p.add_argument("--shared", type=path_and_tier_size, action="append", default=[],
+                   metavar="PATH:SIZE")
     p.add_argument("--redis", metavar="URL",
                    help="e.g. redis://10.0.0.5:6379/0, no password: it is read from "
                         "KVTIER_REDIS_PASSWORD or REDIS_PASSWORD (a config file can name "

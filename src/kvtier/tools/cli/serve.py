@@ -41,7 +41,14 @@ from kvtier.testing.tinymodel import (
     preset_named,
     served_name,
 )
-from kvtier.tools.cli.argtypes import any_path, listen_host, port_number, positive_int
+from kvtier.tools.cli.argtypes import (
+    any_path,
+    listen_host,
+    port_number,
+    positive_int,
+    tier_size,
+    tier_size_or_zero,
+)
 from kvtier.tools.ops.server import VllmServer
 from kvtier.tools.ops.serving import (
     KV_ROLES,
@@ -72,12 +79,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=port_number, default=8000,
                    help="listen port, 1-65535 (default 8000)")
-    p.add_argument("--memory", help="kvtier memory tier size, e.g. 8GiB (default: a share of "
-                                    "the available RAM; 0: no memory tier)")
+    p.add_argument("--memory", type=tier_size_or_zero,
+                   help="kvtier memory tier size, e.g. 8GiB (default: a share of the "
+                        "available RAM; 0: no memory tier)")
     p.add_argument("--disk-path", type=any_path, help="kvtier disk tier directory "
                                                   "(default ~/.cache/kvtier/kv)")
-    p.add_argument("--disk", help="kvtier disk tier size (default: half the free space, at "
-                                  "most 100GiB; 0: no disk tier)")
+    p.add_argument("--disk", type=tier_size_or_zero,
+                   help="kvtier disk tier size (default: half the free space, at most "
+                        "100GiB; 0: no disk tier)")
     p.add_argument("--config", type=any_path, help="a kvtier store config file (YAML/JSON); "
                                                "replaces --memory/--disk/--disk-path")
     p.add_argument("--node", help="the socket of `kvtier node serve`: every tier is the "
@@ -85,11 +94,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--tokens-per-chunk", type=positive_int,
                    help="tokens per stored chunk, a multiple of vLLM's --block-size (default "
                         "256; smaller chunks recompute less of a returning prompt's tail, at "
-                        "more chunks per prompt: docs/performance.md). CPU backend without "
-                        "--block-size: a multiple of 32; one 128 does not divide gets a "
-                        "--block-size that divides it")
-    p.add_argument("--engine-kv", help="CPU backend: the engine's own KV cache size "
-                                       "(--kv-cache-memory-bytes; default a share of RAM)")
+                         "more chunks per prompt: docs/performance.md). CPU backend without "
+                         "--block-size: a multiple of 32; one 128 does not divide gets a "
+                         "--block-size that divides it")
+    p.add_argument("--engine-kv", type=tier_size,
+                   help="CPU backend: the engine's own KV cache size "
+                        "(--kv-cache-memory-bytes; default a share of RAM)")
     p.add_argument("--kv-role", choices=KV_ROLES, default="kv_both",
                    help="vLLM's kv_role: kv_producer (a disaggregated prefill instance: "
                         "only stores), kv_consumer (its decode instance: only loads); see "
