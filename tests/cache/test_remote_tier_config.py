@@ -32,6 +32,15 @@ def _s3(**fields: Any) -> dict[str, Any]:
     (_redis(ttl_s=0.0001), "redis.ttl_s", 0.0001, "1 ms"),
     (_redis(ttl_s=0), "redis.ttl_s", 0, "null"),
     (_redis(ttl_s=YEAR_S + 1), "redis.ttl_s", YEAR_S + 1, "365 days"),
+    # 1e15 ms raised OverflowError from socket.settimeout on the tier's first call, which the
+    # tier's error handling did not catch; .inf grew the backoff without end
+    (_redis(socket_timeout_ms=10**15), "redis.socket_timeout_ms", 10**15, "less than or equal"),
+    (_redis(connect_timeout_ms=10**15), "redis.connect_timeout_ms", 10**15,
+     "less than or equal"),
+    (_redis(retry_max_s=INF), "redis.retry_max_s", INF, "less than or equal to 3600"),
+    (_s3(retry_max_s=INF), "s3.retry_max_s", INF, "less than or equal to 3600"),
+    # a part larger than Redis takes in one value: every store of a chunk that large failed
+    (_redis(part_bytes="1GiB"), "redis.part_bytes", "1GiB", "1 KiB to 512 MiB"),
     # redis-py raised ValueError on first use, or took the bad part for its default
     (_redis(url="redis://127.0.0.1:notaport/0"), "redis.url", "redis://127.0.0.1:notaport/0",
      "a port from 1 to 65535"),

@@ -25,6 +25,7 @@ from kvtier.tiers.encoding import EncodedTierSettings
 MIN_TTL_S = 0.001
 MAX_TTL_S = 365 * 24 * 3600
 _URL_EXAMPLE = "e.g. redis://127.0.0.1:6379/0"
+MAX_PART_BYTES = 512 * 1024**2  # Redis's largest value (proto-max-bulk-len's default)
 
 
 class RedisTierConfig(EncodedTierSettings):
@@ -46,9 +47,14 @@ class RedisTierConfig(EncodedTierSettings):
     password_env: EnvVarName | None = None  # env var holding the password (see class docstring)
     ttl_s: float | None = None  # expire chunks idle this long (1 ms to 365 days); None = never
     part_bytes: ByteSize = 8 * 1024**2  # largest value written; larger chunks are split
-    socket_timeout_ms: int = Field(200, ge=1)  # longest wait for a reply before "down"
-    connect_timeout_ms: int = Field(200, ge=1)  # longest wait for a TCP/TLS connect
-    retry_max_s: float = Field(30.0, gt=0)  # longest backoff between retries of a down server
+    # Bounded as the s3 tier's are: a socket timeout past ~30 years (`1e15`) raised an
+    # OverflowError from the first call, which no tier call catches (redis-py hands it to
+    # settimeout).
+    socket_timeout_ms: int = Field(200, ge=1, le=600_000)  # longest wait for a reply: "down"
+    connect_timeout_ms: int = Field(200, ge=1, le=60_000)  # longest wait for a TCP/TLS connect
+    # Longest backoff between retries of a down server; at most an hour (`.inf` grew the
+    # backoff without end: a server back after a blip was skipped for days).
+    retry_max_s: float = Field(30.0, gt=0, le=3600)
     key_prefix: str = "kvtier:"  # prefix of every key this tier writes
     io_threads: int = Field(4, ge=1, le=64)  # write-behind threads the store gives this tier
 
@@ -144,8 +150,11 @@ class RedisTierConfig(EncodedTierSettings):
     @field_validator("part_bytes")
     @classmethod
     def _part_size(cls, size: int) -> int:
-        if size < 1024:
-            raise ValueError("at least 1 KiB (a few MiB is best; Redis allows 512 MiB a value)")
+        # Above 512 MiB (Redis's proto-max-bulk-len by default) a chunk that large was
+        # written in one value the server refuses: every store of it failed.
+        if not 1024 <= size <= MAX_PART_BYTES:
+            raise ValueError("1 KiB to 512 MiB (a few MiB is best; Redis allows 512 MiB a "
+                             "value)")
         return size
 
     @field_validator("key_prefix")

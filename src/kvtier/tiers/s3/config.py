@@ -71,7 +71,9 @@ class S3TierConfig(EncodedTierSettings):
     negative_cache_s: float = Field(1.0, ge=0, le=60)
     # A put throttled (503 SlowDown) is retried with backoff until this, then dropped
     write_timeout_s: float = Field(5.0, gt=0, le=600)
-    retry_max_s: float = Field(30.0, gt=0)  # longest backoff between retries of a down endpoint
+    # Longest backoff between retries of a down endpoint; at most an hour (`.inf` grew the
+    # backoff without end: an endpoint back after a blip was skipped for days).
+    retry_max_s: float = Field(30.0, gt=0, le=3600)
     # Objects expire this many days after they were written (a bucket lifecycle rule on the
     # prefix when manage_lifecycle, else the operator's rule: docs/s3.md); None = never
     ttl_days: int | None = Field(None, ge=1)
