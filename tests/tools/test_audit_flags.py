@@ -263,3 +263,15 @@ def test_model_config_may_be_the_model_folder_as_plan_takes_it(capsys, tmp_path)
     assert audit_json(capsys, command)[0] == 0  # without it, /models/x is not known as hybrid
     assert main(["audit", command, "--model-config", str(tmp_path)]) == 2  # no config.json
     assert "--model-config" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["audit", "--vllm-version", "", "vllm serve m"], "vllm_version=''"),
+    (["audit", "--model-config", "", "vllm serve m"], "--model-config=''"),
+    (["plan", str(CONFIGS / "llama-3-8b.json"), "--vllm-version", ""], "vllm_version=''"),
+])
+def test_an_empty_option_value_is_refused_not_taken_for_one_left_out(argv, named, capsys):
+    """`--vllm-version "$TAG"` with the variable unset audited the release of the image tag
+    (or none) and planned for the installed vLLM, without a word."""
+    assert main(argv) == 2
+    assert named in capsys.readouterr().err

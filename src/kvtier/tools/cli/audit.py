@@ -102,10 +102,14 @@ def run(args: argparse.Namespace) -> int:
     # Several words: a command line typed after `--` (its quoting as the shell had it).
     given = shlex.join(args.source) if len(args.source) > 1 else args.source[0]
     source = _read_stdin() if given == "-" else given
-    model_config = _read_model_config(args.model_config) if args.model_config else None
+    # `is not None`: an empty value (`--vllm-version "$TAG"`, the variable unset) is refused,
+    # not taken for an option left out
+    model_config = _read_model_config(args.model_config) \
+        if args.model_config is not None else None
     cmd = load_deployment(
         source, env=_env_pairs(args.env),
-        vllm_version=parse_version(args.vllm_version) if args.vllm_version else None,
+        vllm_version=parse_version(args.vllm_version) if args.vllm_version is not None
+        else None,
         model_config=model_config)
     findings = run_audit(cmd, AuditOptions(gpu=gpu_profile(args.gpu),
                                            typical_context_tokens=args.typical_context))
