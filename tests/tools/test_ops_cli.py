@@ -258,3 +258,21 @@ def test_doctor_without_arguments_checks_the_machine_and_says_what_next(capsys, 
     code = main(["doctor", "--connector-module", "kvtier_missing_connector_xyz"])
     text = capsys.readouterr().out
     assert code == 1 and "no config given" in text and "kvtier plan MODEL_DIR" in text
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["doctor", ""], "config=''"),  # was: the machine's checks alone, exit 0
+    (["inspect", "--config", ""], "config=''"),  # was: named as None
+])
+def test_an_empty_config_path_is_refused(argv, named, capsys):
+    """`kvtier doctor "$KVTIER_CONFIG"` with the variable unset checked the machine only and
+    passed: the config it was meant to check went unread, without a word."""
+    assert main(argv) == 2
+    assert named in capsys.readouterr().err
+
+
+def test_inspect_an_empty_metrics_url_is_refused(capsys, tmp_path):
+    config = tmp_path / "kvtier.yaml"
+    config.write_text(f"tiers:\n  - {{kind: disk, path: {tmp_path / 'kv'}, capacity: 1GiB}}\n")
+    assert main(["inspect", "--config", str(config), "--metrics", ""]) == 2  # was: skipped
+    assert "metrics=''" in capsys.readouterr().err

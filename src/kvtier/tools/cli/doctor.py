@@ -50,7 +50,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def run(args: argparse.Namespace) -> int:
     """Run the checks; see the module docstring for exit codes."""
-    if args.config:
+    if args.config is not None:  # "" (a variable unset) is refused, not the machine's check
         store = read_store(args.config)
     elif not (args.memory or args.disk or args.shared or args.redis):
         return _run_machine(args.connector_module, args.json)

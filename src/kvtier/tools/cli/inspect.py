@@ -89,13 +89,15 @@ def at_rest(tier: TierSettings) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    if not args.config and not args.metrics:
+    if args.config is None and args.metrics is None:
         raise ConfigError("config", None, "--config FILE, --metrics URL, or both")
-    store = load_store(args.config, reading_only=True) if args.config else None
+    # `is not None`: an empty value (`--config "$KVTIER_CONFIG"`, the variable unset) is
+    # refused by what reads it, not taken for the option left out
+    store = load_store(args.config, reading_only=True) if args.config is not None else None
     weights: tuple[TierWeight, ...] = ()
     costs = None
     engine: EngineCache | None = None
-    if args.metrics:
+    if args.metrics is not None:
         text = fetch_metrics(args.metrics)
         costs, engine = parse_restore_costs(text), parse_engine_cache(text)
         weights = measured_weights(costs, tier_media(store) if store else None)
