@@ -92,6 +92,37 @@ def test_kubernetes_deployment_picks_vllm_container_env_and_image_version():
     assert parse_kubernetes(K8S, vllm_version=(0, 21, 0)).vllm_version == (0, 21, 0)
 
 
+NODE_DAEMONSET = """
+spec:
+  template:
+    spec:
+      initContainers:
+        - name: dirs
+          image: registry.example.com/kvtier-vllm:v0.32.0
+          command: ["sh", "-c"]
+          args: ["chown 2000:2000 /run/kvtier && chmod 0750 /run/kvtier"]
+      containers:
+        - name: node
+          image: registry.example.com/kvtier-vllm:v0.32.0
+          command: ["kvtier", "node", "serve"]
+          args: ["--config", "/etc/kvtier/node.yaml"]
+"""
+
+
+def test_a_container_with_its_own_command_is_not_read_as_the_images_vllm():
+    """A `command` replaces the image's entrypoint: the init container's `chown` was read as
+    `vllm serve chown ...` (model 'chown', "words after the model"), because its image is a
+    vLLM one; kvtier's node DaemonSet (deploy/kubernetes-node) starts no vLLM at all."""
+    cmd = parse_kubernetes(NODE_DAEMONSET)
+    assert cmd.entrypoint is None and cmd.model is None
+    # the container that starts vLLM wins over one before it that only mentions it
+    serving = NODE_DAEMONSET.replace('["kvtier", "node", "serve"]', '["vllm", "serve"]').replace(
+        '["--config", "/etc/kvtier/node.yaml"]', '["meta-llama/Llama-3.1-8B-Instruct", "-tp", "2"]')
+    cmd = parse_kubernetes(serving)
+    assert cmd.model == "meta-llama/Llama-3.1-8B-Instruct" and cmd.tp == 2
+    assert cmd.vllm_version == (0, 32, 0)
+
+
 def test_bare_args_list_and_sh_dash_c(tmp_path):
     bare = load_deployment("args:\n- --model\n- m\n- --enforce-eager\n")
     assert bare.model == "m" and bare.has("--enforce-eager")

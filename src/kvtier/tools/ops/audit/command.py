@@ -241,7 +241,9 @@ def parse_kubernetes(
 ) -> ServeCommand:
     """Parse a Kubernetes manifest (any nesting), a container, or a bare `args` list.
 
-    The container whose command or args mention vLLM is used, else the first one with args.
+    The container whose command and args start vLLM is used, else the first that mentions
+    vLLM, else the first one with args; its `args` go to a vLLM image's own entrypoint only
+    when it sets no `command` (as Kubernetes runs it).
     Env entries with `valueFrom` are recorded as "<valueFrom>".
 
     Raises:
@@ -255,18 +257,20 @@ def parse_kubernetes(
         [{"args": d}] if _is_arg_list(d) else _containers(d))]
     if not containers:
         raise ConfigError("deployment", "YAML", "a container with `args` or `command`")
-    chosen = next((c for c in containers
-                   if "vllm" in json.dumps(c, default=str).lower()), containers[0])
-    argv = [str(a) for a in _as_list(chosen.get("command")) + _as_list(chosen.get("args"))]
-    if len(argv) >= 2 and argv[-2] == "-c":  # sh -c "vllm serve ..."
-        try:
-            argv = shlex.split(argv[-1])
-        except ValueError as exc:
-            raise ConfigError("deployment", argv[-1][:80], f"valid shell quoting ({exc})") \
-                from exc
+    # The container that starts vLLM; else the first that mentions it (an init container of
+    # a vLLM image that runs `sh -c "chown ..."` does not start it: kvtier's node DaemonSet).
+    argvs = [_container_argv(c) for c in containers]
+    chosen, argv = next(((c, a) for c, a in zip(containers, argvs)
+                         if _entrypoint(a)[0] not in (None, "arguments")), (None, []))
+    if chosen is None:
+        chosen = next((c for c in containers
+                       if "vllm" in json.dumps(c, default=str).lower()), containers[0])
+        argv = argvs[containers.index(chosen)]
     image = str(chosen.get("image", ""))
-    if _is_vllm_image(image) and _entrypoint(argv)[0] is None:
-        argv = [image, *argv]  # the image's own entrypoint, `vllm serve`, gets the args
+    if _is_vllm_image(image) and not chosen.get("command") and _entrypoint(argv)[0] is None:
+        # Kubernetes hands `args` to the image's own entrypoint (`vllm serve`) only when the
+        # container sets no `command`: a `command` replaces that entrypoint.
+        argv = [image, *argv]
     pod_env = {str(e["name"]): str(e["value"]) if "value" in e else "<valueFrom>"
                for e in _as_list(chosen.get("env")) if isinstance(e, dict) and "name" in e}
     version = vllm_version or _version_from_tokens([image])
@@ -425,6 +429,22 @@ def _volumes(node: Any) -> Iterable[dict[str, Any]]:
         for value in node.values():
             if isinstance(value, (dict, list)):
                 yield from _volumes(value)
+
+
+def _container_argv(container: Mapping[str, Any]) -> list[str]:
+    """A container's command and args as words (`sh -c "vllm serve ..."`: the script's).
+
+    Raises:
+        ConfigError: a `sh -c` script that is not valid shell quoting.
+    """
+    argv = [str(a) for a in _as_list(container.get("command")) + _as_list(container.get("args"))]
+    if len(argv) >= 2 and argv[-2] == "-c":  # sh -c "vllm serve ..."
+        try:
+            argv = shlex.split(argv[-1])
+        except ValueError as exc:
+            raise ConfigError("deployment", argv[-1][:80], f"valid shell quoting ({exc})") \
+                from exc
+    return argv
 
 
 def _is_arg_list(node: Any) -> bool:
