@@ -128,6 +128,47 @@ def test_moe_active_params_and_fp8_weights():
     assert spec("llama-3-8b").weights_bytes == pytest.approx(16.06e9, rel=0.01)
 
 
+LLAMA = load_model_spec(CONFIGS / "llama-3-8b.json")
+
+
+@pytest.mark.parametrize("quant, per_param", [
+    ({"quant_method": "mxfp4"}, 4.25 / 8),  # GPT-OSS: 4-bit values, a scale per 32
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False}, 0.5),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": False, "load_in_8bit": True}, 1.0),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
+        "group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int"}}}}, 0.5),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
+        "group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float"}}}}, 1.0),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, 0.5),
+    ({"quant_method": "modelopt", "quant_algo": "FP8"}, 1.0),
+    ({"quant_method": "awq", "bits": 4}, 0.5),
+])
+def test_quantized_weights_are_sized_by_their_format(quant, per_param):
+    """These 4-bit formats were sized as the checkpoint's bf16: twice to four times the
+    weights, and GPU KV that much smaller."""
+    import json
+
+    raw = json.loads((CONFIGS / "llama-3-8b.json").read_text()) | {"quantization_config": quant}
+    quantized = parse_model_config(raw)
+    assert quantized.weight_bytes_per_param == pytest.approx(per_param)
+    assert quantized.param_count == LLAMA.param_count
+
+
+def test_gpt_oss_120b_fits_the_one_80gb_gpu_it_is_made_for():
+    """MXFP4 experts: ~61 GiB of weights (its checkpoint: 65 GB); plan refused it on one H100
+    ("217.5 GiB a GPU at --tp 1")."""
+    from kvtier.tools.ops.hardware import gpu_profile
+    from kvtier.tools.ops.plan_request import PlanRequest
+    from kvtier.tools.ops.sizing import make_plan
+
+    oss = spec("gpt-oss-120b")
+    assert oss.param_count == pytest.approx(116.8e9, rel=0.02)  # published: 116.8B
+    assert 55 * 2**30 < oss.weights_bytes < 65 * 2**30
+    plan = make_plan(PlanRequest(model=oss, model_ref="openai/gpt-oss-120b",
+                                 gpu=gpu_profile("h100"), tp=1))
+    assert plan.live_sessions >= 1
+
+
 def test_param_override():
     assert load_model_spec(CONFIGS / "llama-3-8b.json", param_count=7_000_000_000).weights_bytes \
         == 14_000_000_000

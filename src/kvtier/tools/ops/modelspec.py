@@ -377,12 +377,36 @@ def _mla(cfg: Mapping[str, Any]) -> MlaSpec | None:
 
 
 def _weight_bytes(cfg: Mapping[str, Any], quant: Any) -> float:
+    """Bytes a weight takes, from the checkpoint's `quantization_config` (else its dtype).
+
+    The 4-bit formats other than GPTQ/AWQ's `bits` were read as the dtype's 2 bytes: GPT-OSS's
+    MXFP4 (120B: "217.5 GiB a GPU", refused on the one H100 it is made for), bitsandbytes,
+    compressed-tensors' W4A16 and ModelOpt's NVFP4.
+    """
     if isinstance(quant, Mapping):
         method = str(quant.get("quant_method", "")).lower()
-        bits = quant.get("bits") or quant.get("w_bit")
-        if bits:
-            return int(bits) / 8
+        bits = quant.get("bits") or quant.get("w_bit") or _compressed_tensors_bits(quant)
+        if isinstance(bits, int | float) and not isinstance(bits, bool) and bits > 0:
+            return float(bits) / 8
+        if method == "mxfp4":  # 4-bit values and a shared 8-bit scale per 32: 4.25 bits
+            return 4.25 / 8
+        if method == "bitsandbytes":
+            return 0.5 if quant.get("load_in_4bit") or quant.get("_load_in_4bit") else 1.0
+        if method == "modelopt" and "fp4" in str(quant.get("quant_algo", "")).lower():
+            return 0.5
         if "fp8" in method or method in ("fbgemm_fp8", "modelopt"):
             return 1.0
     dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
     return _TORCH_DTYPE_BYTES.get(dtype, 2.0)
+
+
+def _compressed_tensors_bits(quant: Mapping[str, Any]) -> Any:
+    """The weights' `num_bits` of a compressed-tensors config (its first group), or None."""
+    groups = quant.get("config_groups")
+    if not isinstance(groups, Mapping):
+        return None
+    for group in groups.values():
+        weights = group.get("weights") if isinstance(group, Mapping) else None
+        if isinstance(weights, Mapping):
+            return weights.get("num_bits")
+    return None
