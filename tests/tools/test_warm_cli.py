@@ -48,6 +48,10 @@ def test_bad_input_is_one_line_naming_what_is_wrong(tmp_path: Path,
         ([url], 2, "at least one prompt"),
         ([url, str(prompt), "--cache-salt-env", "KVTIER_NO_SUCH_VAR"], 2, "environment"),
         ([url, str(prompt)], 1, "server unreachable"),
+        # the engine ignores a retain_s or ttl_s of 1e9 s or more (logged there): the prompts
+        # were stored unpinned while warm reported the pin it sent
+        ([url, str(prompt), "--retain-s", "1e9"], 2, "argument --retain-s: '1e9': below"),
+        ([url, str(prompt), "--ttl-s", "99999999999"], 2, "argument --ttl-s"),
     ]
     for args, status, message in cases:
         code, err = run(args, capsys)

@@ -5,7 +5,8 @@ Primitives:
     `ConnectorConfig.known_keys()`: what the connector accepts, parsed once at the edge.
   - `kvtier_transfer_config(extra)`: vLLM's `kv_transfer_config` loading the connector with
     `extra`, validated by the same parser the connector runs.
-  - `CONNECTOR_CLASS`, `CONNECTOR_MODULE`, `CONNECTOR_KEYS`, `TOKENS_PER_CHUNK`.
+  - `CONNECTOR_CLASS`, `CONNECTOR_MODULE`, `CONNECTOR_KEYS`, `TOKENS_PER_CHUNK`,
+    `MAX_REQUEST_DURATION_S`.
   - `PoolEvents`: where the shared tiers' KV events go, once for the fleet.
   - `RequestControls.from_params(kv_transfer_params)` (per-request switches),
     `RequestControls.within_role(kv_role)` (what vLLM's kv_role leaves of them),
@@ -356,13 +357,19 @@ class RequestControls:
                        skip_store=self.skip_store or kv_role == "kv_consumer")
 
 
+# A request's retain_s / ttl_s must be below this (~31 years): a larger one is a typo (and
+# inf or NaN no duration); `kvtier warm` refuses what the engine would ignore.
+MAX_REQUEST_DURATION_S = 1e9
+
+
 def _duration(params: Mapping[str, Any], name: str) -> float | None:
     """A positive number of seconds from `params[name]`, or None (absent or invalid: logged
     and ignored, like every per-request switch)."""
     value = params.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e9:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not 0 < value < MAX_REQUEST_DURATION_S:
         logger.warning("kvtier: ignoring kv_transfer_params.%s=%r (a number of seconds > 0)",
                        name, value)
         return None

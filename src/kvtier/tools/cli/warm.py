@@ -20,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvtier.errors import ConfigError, WarmupError
+from kvtier.integrations.vllm.config import MAX_REQUEST_DURATION_S
 from kvtier.tools.cli.argtypes import any_path, http_url, positive_float
 from kvtier.tools.ops.warmup import (
     WarmResult,
@@ -43,9 +44,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help='JSONL of prompts: {"prompt": "..."} or {"prompt_token_ids": [...]}, '
                         'optionally "name" and "cache_salt" (repeatable)')
     p.add_argument("--model", help="served model name (default: the server's first model)")
-    p.add_argument("--retain-s", type=positive_float,
+    p.add_argument("--retain-s", type=request_seconds,
                    help="pin the prompts' chunks this many seconds (LRU never evicts them)")
-    p.add_argument("--ttl-s", type=positive_float,
+    p.add_argument("--ttl-s", type=request_seconds,
                    help="the prompts' chunks expire this many seconds after being stored")
     p.add_argument("--cache-salt-env", metavar="VAR",
                    help="read the tenant's cache_salt from this environment variable")
@@ -54,6 +55,17 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--timeout-s", type=positive_float, default=600.0,
                    help="per request (default 600)")
     p.set_defaults(func=run)
+
+
+def request_seconds(text: str) -> float:
+    """A request's retain_s / ttl_s: > 0 and below MAX_REQUEST_DURATION_S, which the engine
+    would log and ignore: the prompts were stored unpinned, and warm reported the pin it
+    sent."""
+    value = positive_float(text)
+    if value >= MAX_REQUEST_DURATION_S:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: below {MAX_REQUEST_DURATION_S:g} seconds (the engine ignores more)")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
