@@ -49,7 +49,7 @@ def test_kvtier_command_carries_the_exact_connector_schema():
     assert json.loads(flag(cmd.argv, "--kv-transfer-config")) == {
         "kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"tokens_per_chunk": 256, "tiers": TIERS}}
+        "kv_connector_extra_config": {"tiers": TIERS}}  # tokens_per_chunk: the connector's
     assert cmd.argv[-2:] == ("--max-model-len", "4096")  # user's args last, verbatim
     assert "--kv-cache-memory-bytes" not in cmd.argv  # GPU: vLLM's own default is fine
     assert cmd.url == "http://127.0.0.1:9000" and "--kv-transfer-config" in cmd.display()
@@ -91,10 +91,29 @@ def test_cpu_kvtier_server_keeps_the_baselines_core_binding(monkeypatch):
 
 
 def test_tokens_per_chunk_follows_an_unusual_block_size():
-    cmd = build_command(ServeConfig("m", extra_config=connector_config(TIERS), cpu=False,
+    cmd = build_command(ServeConfig("m", extra_config=connector_config(TIERS, 256), cpu=False,
                                     vllm_args=("--block-size", "48")))
     extra = cmd.kv_transfer_config["kv_connector_extra_config"]  # type: ignore[index]
     assert extra["tokens_per_chunk"] == 288  # the first multiple of 48 >= 256
+    # Left unset, it stays the connector's to pick from the engine's real block size.
+    unset = build_command(ServeConfig("m", extra_config=connector_config(TIERS), cpu=False,
+                                      vllm_args=("--block-size", "48")))
+    extra = unset.kv_transfer_config["kv_connector_extra_config"]  # type: ignore[index]
+    assert "tokens_per_chunk" not in extra
+    assert ConnectorConfig.parse(extra).for_block_size(48).tokens_per_chunk == 288
+    assert any("--block-size 48 >= 256 (288)" in note for note in unset.notes)
+
+
+def test_serve_leaves_the_chunk_of_a_state_layer_model_to_the_connector():
+    """vLLM's align mode gives a model with state layers blocks of hundreds of tokens (640
+    for the generated Qwen3-Next on the CPU backend): serve's tokens_per_chunk 256, always
+    set, was refused there at start-up ("a multiple of vLLM's block_size (640)"), where the
+    connector left to itself takes a multiple of the block."""
+    default = build_command(ServeConfig("m", extra_config=None, cpu=True))
+    extra = default.kv_transfer_config["kv_connector_extra_config"]  # type: ignore[index]
+    assert ConnectorConfig.parse(extra).for_block_size(640).tokens_per_chunk == 640
+    assert ConnectorConfig.parse(connector_config(TIERS)).for_block_size(640).tokens_per_chunk \
+        == 640
 
 
 def test_a_cpu_chunk_size_128_does_not_divide_gets_a_block_that_divides_it(tmp_path):
@@ -148,7 +167,7 @@ def test_serve_passes_a_cpu_block_for_its_chunk_size(capsys):
 def test_the_block_size_is_read_as_vllm_reads_it_and_a_bad_one_is_named():
     """`--block_size 48` is vLLM's --block-size too: the chunk stayed 256, which the
     connector refuses on blocks of 48. `--block-size=abc` was a bare int() ValueError."""
-    cmd = build_command(ServeConfig("m", extra_config=connector_config(TIERS), cpu=False,
+    cmd = build_command(ServeConfig("m", extra_config=connector_config(TIERS, 256), cpu=False,
                                     vllm_args=("--block_size", "48")))
     assert cmd.kv_transfer_config["kv_connector_extra_config"][  # type: ignore[index]
         "tokens_per_chunk"] == 288
@@ -260,9 +279,8 @@ def test_default_tiers_take_sizes_from_flags_or_the_machine(tmp_path):
 def test_config_file_is_validated_and_becomes_the_extra_config(tmp_path):
     good = tmp_path / "store.yaml"
     good.write_text("tiers:\n  - {kind: memory, capacity: 1GiB}\nio_threads: 2\n")
-    assert load_connector_config(good) == {
-        "tokens_per_chunk": 256, "tiers": [{"kind": "memory", "capacity": "1GiB"}],
-        "io_threads": 2}
+    assert load_connector_config(good) == {  # no tokens_per_chunk: the connector's to pick
+        "tiers": [{"kind": "memory", "capacity": "1GiB"}], "io_threads": 2}
     bad = tmp_path / "bad.yaml"
     bad.write_text("tiers:\n  - {kind: tape, capacity: 1GiB}\n")
     with pytest.raises(ConfigError):

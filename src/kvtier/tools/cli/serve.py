@@ -92,11 +92,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--node", help="the socket of `kvtier node serve`: every tier is the "
                    "node's, shared with the node's other engines and kept across restarts")
     p.add_argument("--tokens-per-chunk", type=positive_int,
-                   help="tokens per stored chunk, a multiple of vLLM's --block-size (default "
-                        "256; smaller chunks recompute less of a returning prompt's tail, at "
-                         "more chunks per prompt: docs/performance.md). CPU backend without "
-                         "--block-size: a multiple of 32; one 128 does not divide gets a "
-                         "--block-size that divides it")
+                   help="tokens per stored chunk, a multiple of vLLM's --block-size "
+                        "(default: the connector's, 256 or the first multiple of the engine's "
+                        "block above it; smaller chunks recompute less of a returning "
+                        "prompt's tail, at more chunks per prompt: docs/performance.md). CPU "
+                        "backend without --block-size: a multiple of 32; one 128 does not "
+                        "divide gets a --block-size that divides it")
     p.add_argument("--engine-kv", type=tier_size,
                    help="CPU backend: the engine's own KV cache size "
                         "(--kv-cache-memory-bytes; default a share of RAM)")

@@ -36,7 +36,6 @@ from kvtier.config import read_config_file
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.cachecontrol import MIDDLEWARE as CACHE_CONTROL_MIDDLEWARE
 from kvtier.integrations.vllm.config import (
-    TOKENS_PER_CHUNK,
     ConnectorConfig,
     kvtier_transfer_config,
 )
@@ -62,6 +61,9 @@ DISK_TIER_SHARE = 0.5
 DISK_TIER_MAX_BYTES = 100 * GIB
 # vLLM's kv_role values (see ServeConfig.kv_role).
 KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
+# vLLM's block size on CUDA when --block-size is not given (CacheConfig's; an attention
+# kernel may ask for a multiple of it, FlashMLA 64). The CPU backend's: chunkplan.CPU_BLOCK.
+CUDA_DEFAULT_BLOCK_SIZE = 16
 # Flags that size the engine's KV cache; when the user gives one, kvtier adds none.
 _KV_SIZE_FLAGS = ("--kv-cache-memory-bytes", "--gpu-memory-utilization",
                   "--num-gpu-blocks-override")
@@ -166,15 +168,19 @@ def default_tiers(*, cpu: bool, memory_bytes: int | None = None, disk_path: Path
 
 
 def connector_config(tiers: Sequence[Mapping[str, Any]],
-                     tokens_per_chunk: int = TOKENS_PER_CHUNK) -> dict[str, Any]:
-    """The kv_connector_extra_config for `tiers`."""
-    return {"tokens_per_chunk": tokens_per_chunk, "tiers": [dict(t) for t in tiers]}
+                     tokens_per_chunk: int | None = None) -> dict[str, Any]:
+    """The kv_connector_extra_config for `tiers`; `tokens_per_chunk` None leaves it to the
+    connector, which takes TOKENS_PER_CHUNK or, where that is no multiple of the engine's
+    block size (a model with state layers: vLLM's align mode makes blocks of 272-4,224
+    tokens), the first multiple of it above (set, 256 refused such a model at start-up)."""
+    chunk = {} if tokens_per_chunk is None else {"tokens_per_chunk": tokens_per_chunk}
+    return {**chunk, "tiers": [dict(t) for t in tiers]}
 
 
 def load_connector_config(path: str | Path) -> dict[str, Any]:
     """Read a connector config file (YAML or JSON) as a kv_connector_extra_config: any key
-    the connector accepts (`ConnectorConfig.known_keys()`), tokens_per_chunk defaulting to
-    TOKENS_PER_CHUNK.
+    the connector accepts (`ConnectorConfig.known_keys()`); tokens_per_chunk, when the file
+    sets none, is the connector's to pick (`connector_config`).
 
     Raises:
         ConfigError: unreadable file, bad syntax, an unknown key (named, with the file's
@@ -184,7 +190,7 @@ def load_connector_config(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, Mapping):
         raise ConfigError(str(path), type(data).__name__, "a mapping with a 'tiers' list")
     ConnectorConfig.parse(data, where=str(path))
-    return {"tokens_per_chunk": TOKENS_PER_CHUNK, **data}
+    return dict(data)
 
 
 def build_command(cfg: ServeConfig) -> ServeCommand:
@@ -244,7 +250,9 @@ def _fit_chunk_to_block(extra: dict[str, Any], block: int | None, cfg: ServeConf
                         notes: list[str]) -> list[str]:
     """Make tokens_per_chunk (in `extra`, updated) a multiple of vLLM's block size, which
     the connector requires at the engine's start: with `block` (vLLM's --block-size in
-    vllm_args, `_block_size`), the first multiple of it from tokens_per_chunk up; on the CPU
+    vllm_args, `_block_size`; on CUDA without one, for a tokens_per_chunk the operator set,
+    its default block), the first multiple of it from tokens_per_chunk up (one left unset
+    stays the connector's to pick from the engine's real block size); on the CPU
     backend without one, where vLLM picks 128-token blocks, a tokens_per_chunk the operator
     set that 128 does not divide gets the largest block vLLM's CPU attention takes (a
     multiple of 32, at most 128) that divides it. Models whose block vLLM sets itself (state
@@ -256,12 +264,20 @@ def _fit_chunk_to_block(extra: dict[str, Any], block: int | None, cfg: ServeConf
     """
     parsed = ConnectorConfig.parse(extra)
     wanted = parsed.tokens_per_chunk
+    whose = "--block-size"
+    if block is None and not cpu and parsed.tokens_per_chunk_set:
+        block, whose = CUDA_DEFAULT_BLOCK_SIZE, "vLLM's default block size on CUDA"
     if block is not None:
-        if wanted % block:
-            tpc = block * -(-wanted // block)
-            extra["tokens_per_chunk"] = tpc
-            notes.append(f"tokens_per_chunk={tpc}: the first multiple of --block-size {block} "
-                         f">= {wanted}")
+        if wanted % block == 0:
+            return []
+        tpc = block * -(-wanted // block)
+        if not parsed.tokens_per_chunk_set:  # the connector's to pick from the real block
+            notes.append(f"tokens_per_chunk: the connector's, the first multiple of "
+                         f"{whose} {block} >= {wanted} ({tpc})")
+            return []
+        extra["tokens_per_chunk"] = tpc
+        notes.append(f"tokens_per_chunk={tpc}: the first multiple of {whose} {block} "
+                     f">= {wanted}")
         return []
     if not cpu or not parsed.tokens_per_chunk_set or wanted % CPU_BLOCK == 0 \
             or _block_set_by_vllm(cfg.model):
