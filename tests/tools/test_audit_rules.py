@@ -363,6 +363,29 @@ def test_unknown_connector_in_a_multiconnector_child_and_kvtier_without_module_p
                       f"vllm serve m --kv-transfer-config '{custom}'") == []
 
 
+@pytest.mark.parametrize("connector, module, said", [
+    ("KVTierConnector", "kvtier.integration.vllm", "'kvtier.integration.vllm' is no module"),
+    ("KVTierConector", KVTIER_MODULE, "'KVTierConector' is not in kvtier.integrations.vllm"),
+    ("KVTierConnector", "kvtier..vllm", "is no module of kvtier"),
+])
+def test_a_typo_in_kvtiers_connector_or_module_is_an_error(connector, module, said):
+    """vLLM imports the module and takes the class from it at start-up; with a module path
+    the audit checked neither (nor kvtier's config, whose connector it no longer saw)."""
+    cfg = json.dumps({"kv_connector": connector, "kv_connector_module_path": module,
+                      "kv_role": "kv_both"})
+    cmd = parse_command_line(f"vllm serve m --kv-transfer-config '{cfg}'")
+    found = [f for f in run_audit(cmd) if f.rule == "unknown-kv-connector"]
+    assert [f.severity for f in found] == [Severity.ERROR] and said in found[0].what
+
+
+def test_kvtiers_connector_by_either_module_is_known():
+    for module in (KVTIER_MODULE, "kvtier.integrations.vllm.connector"):
+        cfg = json.dumps({"kv_connector": "KVTierConnector", "kv_connector_module_path": module,
+                          "kv_role": "kv_both"})
+        assert severities("unknown-kv-connector",
+                          f"vllm serve m --kv-transfer-config '{cfg}'") == []
+
+
 def test_kvtier_config_checked_by_kvtiers_own_schema():
     cmd = parse_command_line(f"vllm serve m {transfer('KVTierConnector', tokens_per_chunk='x')}")
     found = [f for f in run_audit(cmd) if f.rule == "kvtier-connector-config"]

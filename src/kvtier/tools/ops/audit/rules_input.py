@@ -149,7 +149,17 @@ def unknown_connector(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
         if not isinstance(entry, Mapping) or not entry.get("kv_connector"):
             continue
         name, module = str(entry["kv_connector"]), entry.get("kv_connector_module_path")
-        if name == KVTIER_CONNECTOR and not module:
+        kvtier_module = _kvtier_module_problem(name, module)
+        if kvtier_module is not None:
+            yield Finding(
+                "unknown-kv-connector", Severity.ERROR,
+                f"{where}: {kvtier_module}",
+                "vLLM imports kv_connector_module_path and takes the class named by "
+                "kv_connector from it, and fails at start-up when either is not there",
+                f'use "kv_connector": "{KVTIER_CONNECTOR}", "kv_connector_module_path": '
+                f'"{KVTIER_MODULE}"',
+            )
+        elif name == KVTIER_CONNECTOR and not module:
             yield Finding(
                 "unknown-kv-connector", Severity.INFO,
                 f"{where}.kv_connector is {name} without kv_connector_module_path",
@@ -212,6 +222,25 @@ def _engine_block_size(cmd: ServeCommand, options: AuditOptions) -> tuple[int | 
         return None, ""
     return choice.block_size, (" (vLLM's default block size on CUDA for this model: pass "
                                "--block-size to choose another)")
+
+
+def _kvtier_module_problem(name: str, module: Any) -> str | None:
+    """What is wrong with a connector entry naming one of kvtier's modules (this kvtier is the
+    one the server runs, so its modules are known here; another package's may be installed
+    only on the server), or None: a module kvtier does not have, or a class other than its
+    one connector."""
+    if not isinstance(module, str) or module.split(".")[0] != "kvtier":
+        return None
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent that is no package, an empty part
+        found = False
+    if not found:
+        return f"kv_connector_module_path {module!r} is no module of kvtier"
+    if name != KVTIER_CONNECTOR:
+        return (f"kv_connector {name!r} is not in {module} (kvtier's connector is "
+                f"{KVTIER_CONNECTOR!r})")
+    return None
 
 
 @functools.cache
