@@ -136,8 +136,9 @@ CASES = {
     "malformed-kv-transfer-config": (
         ("vllm serve m --kv-transfer-config '{\"kv_connector\":\"OffloadingConnector\"'", {},
          V21, Severity.ERROR),
-        ("vllm serve m --kv-transfer-config '{\"kv_connector\":\"OffloadingConnector\"}'", {},
-         V21, None)),
+        # with its kv_role: vLLM refuses a connector without one ("Please specify kv_role")
+        ("vllm serve m --kv-transfer-config "
+         "'{\"kv_connector\":\"OffloadingConnector\",\"kv_role\":\"kv_both\"}'", {}, V21, None)),
     "unknown-kv-connector": (
         (f"vllm serve m {transfer('OfloadingConnector', **CPU10)}", {}, V21, Severity.ERROR),
         (f"vllm serve m {transfer('OffloadingConnector', **CPU10)}", {}, V21, None)),
@@ -361,6 +362,29 @@ def test_unknown_connector_in_a_multiconnector_child_and_kvtier_without_module_p
     custom = json.dumps({"kv_connector": "MyConnector", "kv_connector_module_path": "my.mod"})
     assert severities("unknown-kv-connector",
                       f"vllm serve m --kv-transfer-config '{custom}'") == []
+
+
+@pytest.mark.parametrize("entry, said, severity", [
+    ({"kv_connector": "KVTierConnector"}, "kv_role is missing", Severity.ERROR),
+    ({"kv_connector": "KVTierConnector", "kv_role": "both"}, "'both', not one of",
+     Severity.ERROR),
+    ({"kv_connector": "KVTierConnector", "kv_role": "kv_both", "kv_conector_extra_config": {}},
+     "did you mean 'kv_connector_extra_config'", Severity.ERROR),
+    ({"kv_connector": "KVTierConnector", "kv_role": "kv_both", "buffer": 1},
+     "buffer is not a key of vLLM's KVTransferConfig", Severity.WARNING),  # on 0.32: error
+])
+def test_kv_transfer_config_keys_and_role_as_vllm_validates_them(entry, said, severity):
+    """vLLM's KVTransferConfig refuses an unknown key and a connector without a kv_role, or
+    with another role than its three, at start-up: the audit passed them (a misspelt
+    kv_connector_extra_config left kvtier's settings out of every check)."""
+    cfg = json.dumps({**entry, "kv_connector_module_path": KVTIER_MODULE})
+    cmd = parse_command_line(f"vllm serve m --kv-transfer-config '{cfg}'")
+    found = [f for f in run_audit(cmd) if f.rule == "malformed-kv-transfer-config"]
+    assert [f.severity for f in found] == [severity] and said in found[0].what
+    on_table = parse_command_line(f"vllm serve m --kv-transfer-config '{cfg}'",
+                                  vllm_version=V32)
+    assert [f.severity for f in run_audit(on_table)
+            if f.rule == "malformed-kv-transfer-config"] == [Severity.ERROR]
 
 
 @pytest.mark.parametrize("connector, module, said", [

@@ -22,6 +22,8 @@ from kvtier.tools.ops.audit.command import ServeCommand
 from kvtier.tools.ops.audit.finding import Finding, Severity
 from kvtier.tools.ops.audit.registry import AuditOptions, rule
 from kvtier.tools.ops.audit.rules_kernels import attention_choice
+from kvtier.tools.ops.audit.vllm_flags import TABLE_VERSION
+from kvtier.tools.ops.vllm_versions import Version
 
 # Connector names vLLM's KVConnectorFactory registers (v0.9-v0.32; older names kept so
 # auditing an older release does not flag them), plus kvtier's own.
@@ -36,6 +38,14 @@ KNOWN_CONNECTORS = frozenset({
 KVTIER_CONNECTOR = "KVTierConnector"
 KVTIER_MODULE = "kvtier.integrations.vllm"
 _REGISTERED = re.compile(r"register_connector\(\s*[\"'](\w+)[\"']")
+# vLLM 0.32's KVTransferConfig (vllm/config/kv_transfer.py): its keys (extra ones are refused)
+# and kv_role's values; earlier releases' kv_buffer_size, kv_rank, kv_parallel_size and
+# kv_ip are accepted without a word on them.
+KV_TRANSFER_KEYS = frozenset({
+    "kv_connector", "engine_id", "kv_buffer_device", "kv_role", "kv_port",
+    "kv_connector_extra_config", "kv_connector_module_path", "enable_permute_local_kv",
+    "kv_load_failure_policy", "kv_buffer_size", "kv_rank", "kv_parallel_size", "kv_ip"})
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 
 # Flag -> (what the value must be, check). Token-count flags take vLLM's "32k"/"32K" forms.
 _POSITIVE_INT = re.compile(r"^\s*\d+\s*$")
@@ -105,7 +115,8 @@ def malformed_flag_value(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding
         )
 
 
-@rule("malformed-kv-transfer-config", "--kv-transfer-config that is not a JSON object")
+@rule("malformed-kv-transfer-config", "--kv-transfer-config that vLLM refuses (not a JSON "
+      "object, a key its KVTransferConfig lacks, no or an unknown kv_role)")
 def malformed_transfer_config(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
     problem = cmd.transfer_config_problem
     if problem is not None:
@@ -136,6 +147,7 @@ def malformed_transfer_config(cmd: ServeCommand, _: AuditOptions) -> Iterator[Fi
             continue
         if not entry.get("kv_connector"):
             yield _entry_finding(f"{where}.kv_connector", "missing (no connector named)")
+        yield from _transfer_keys(where, entry, cmd.vllm_version)
         extra = entry.get("kv_connector_extra_config")
         if extra is not None and not isinstance(extra, Mapping):
             yield _entry_finding(f"{where}.kv_connector_extra_config",
@@ -271,9 +283,30 @@ def _connector_entries(cfg: Mapping[str, Any] | None,
             yield from _connector_entries(child, f"{where}.connectors[{i}]")
 
 
-def _entry_finding(where: str, problem: str) -> Finding:
+def _transfer_keys(where: str, entry: Mapping[str, Any],
+                   version: Version | None) -> Iterator[Finding]:
+    """Findings for an entry's keys and kv_role as vLLM's KVTransferConfig validates them
+    (vllm/config/kv_transfer.py: extra keys forbidden; a connector needs a kv_role, one of
+    KV_ROLES): each raises at start-up, and the audit passed them."""
+    for key in sorted(set(map(str, entry)) - KV_TRANSFER_KEYS):
+        close = difflib.get_close_matches(key, sorted(KV_TRANSFER_KEYS), n=1, cutoff=0.8)
+        on_table = version is not None and version[:2] == TABLE_VERSION[:2]
+        yield _entry_finding(
+            f"{where}.{key}", "not a key of vLLM's KVTransferConfig"
+            + (f" (did you mean {close[0]!r}?)" if close else
+               f" ({', '.join(sorted(KV_TRANSFER_KEYS))})"),
+            Severity.ERROR if close or on_table else Severity.WARNING)
+    role = entry.get("kv_role")
+    if entry.get("kv_connector") and role is None:
+        yield _entry_finding(f"{where}.kv_role", f"missing: one of {', '.join(KV_ROLES)} is "
+                             "required with a kv_connector")
+    elif role is not None and role not in KV_ROLES:
+        yield _entry_finding(f"{where}.kv_role", f"{role!r}, not one of {', '.join(KV_ROLES)}")
+
+
+def _entry_finding(where: str, problem: str, severity: Severity = Severity.ERROR) -> Finding:
     return Finding(
-        "malformed-kv-transfer-config", Severity.ERROR,
+        "malformed-kv-transfer-config", severity,
         f"{where} is {problem}",
         "vLLM reads the connector and its settings from these keys and fails at start-up",
         "give each connector entry a JSON object with kv_connector, kv_role and, where "
