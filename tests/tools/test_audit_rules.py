@@ -79,6 +79,11 @@ CASES = {
     "offload-size-per-gpu": (
         (f"vllm serve m -tp 8 {NATIVE} 200", {}, V21, Severity.WARNING),
         (f"vllm serve m -tp 8 {NATIVE} 1600", {}, V21, None)),
+    # vLLM overwrites kv_connector with its offload backend's: kvtier was never loaded
+    "offload-size-replaces-connector": (
+        (f"vllm serve m {NATIVE} 100 {transfer('KVTierConnector')}", {}, V32, Severity.ERROR),
+        (f"vllm serve m {NATIVE} 100 {transfer('OffloadingConnector', **CPU10)}", {}, V32,
+         None)),
     "offload-needs-hma-flag": (
         (f"vllm serve m {NATIVE} 100", {}, V20, Severity.ERROR),
         (f"vllm serve m {NATIVE} 100 {HMA}", {}, V20, None)),

@@ -54,6 +54,32 @@ def offload_size_per_gpu(cmd: ServeCommand, opts: AuditOptions) -> Iterator[Find
     )
 
 
+@rule("offload-size-replaces-connector",
+      "--kv-offloading-size beside a --kv-transfer-config connector: vLLM replaces it")
+def offload_size_replaces_connector(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
+    # vLLM 0.32, VllmConfig._post_init_kv_transfer_config: with --kv-offloading-size set, the
+    # kv_connector of --kv-transfer-config is overwritten with the offload backend's own (and
+    # kv_role with kv_both); the connector configured there is never loaded.
+    named = str((cmd.transfer_config or {}).get("kv_connector") or "")
+    if not cmd.has("--kv-offloading-size") or not named:
+        return
+    backend = (cmd.value("--kv-offloading-backend") or "native").lower()
+    own = "LMCacheMPConnector" if backend == "lmcache" else "OffloadingConnector"
+    if named in (own, "SimpleCPUOffloadConnector"):
+        return
+    yield Finding(
+        "offload-size-replaces-connector", Severity.ERROR,
+        f"--kv-offloading-size {cmd.value('--kv-offloading-size')} beside "
+        f"--kv-transfer-config's {named}",
+        f"vLLM makes --kv-offloading-size its own {own}: it overwrites kv_connector in "
+        f"--kv-transfer-config, so {named} is never loaded, and says nothing",
+        f"drop --kv-offloading-size (and --kv-offloading-backend) to run {named}"
+        + (" (kvtier's tiers are sized in its kv_connector_extra_config)"
+           if named == "KVTierConnector" else "")
+        + f", or drop --kv-transfer-config to run {own}",
+    )
+
+
 @rule("offload-needs-hma-flag", "offload without --disable-hybrid-kv-cache-manager",
       reads=("--model-config", "--vllm-version"))
 def offload_needs_hma(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
