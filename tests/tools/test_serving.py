@@ -180,6 +180,7 @@ def test_the_block_size_is_read_as_vllm_reads_it_and_a_bad_one_is_named():
 @pytest.mark.parametrize("theirs", [
     ("--kv-transfer-config", '{"kv_connector":"OffloadingConnector","kv_role":"kv_both"}'),
     ("--kv_transfer_config.kv_connector_extra_config.tokens_per_chunk", "512"),
+    ("--kv-offloading-size", "8"),  # vLLM overwrites kv_connector with OffloadingConnector
 ])
 def test_a_kv_transfer_config_after_the_dashes_is_refused_with_kvtier(theirs):
     """vLLM keeps the last --kv-transfer-config: one after `--` replaced kvtier's while the
@@ -187,7 +188,7 @@ def test_a_kv_transfer_config_after_the_dashes_is_refused_with_kvtier(theirs):
     with pytest.raises(ConfigError) as refused:
         build_command(ServeConfig("m", extra_config=connector_config(TIERS), cpu=False,
                                   vllm_args=theirs))
-    assert refused.value.field.startswith("--kv-transfer-config")
+    assert refused.value.field.startswith(("--kv-transfer-config", "--kv-offloading-size"))
     assert "--no-kvtier" in refused.value.allowed
     baseline = build_command(ServeConfig("m", kvtier=False, cpu=False, vllm_args=theirs))
     assert baseline.argv[-2:] == theirs

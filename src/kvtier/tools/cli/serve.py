@@ -67,7 +67,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "serve", help="start vLLM's OpenAI-compatible server with kvtier",
         description=__doc__.splitlines()[0],
         epilog="Arguments after `--` go to vLLM verbatim (with kvtier, all but "
-               "--kv-transfer-config, which kvtier sets: --config FILE takes its settings). "
+               "--kv-transfer-config, which kvtier sets, and --kv-offloading-size, with which "
+               "vLLM replaces kvtier: --config FILE takes its settings). "
                "With kvtier, requests' "
                "cache_control markers ({\"type\": \"ephemeral\", \"ttl\": \"5m\"} on a "
                "message, content part or the request) pin the prompt up to them in kvtier "

@@ -324,12 +324,18 @@ def per_rank_note(store: StoreConfig, tp: int) -> str:
 def _refuse_a_second_transfer_config(vllm_flags: Mapping[str, str | None]) -> None:
     """Raise ConfigError when vLLM's arguments set the KV transfer config that kvtier's flags
     set: they come after kvtier's, and vLLM keeps the last, so kvtier's connector (or its
-    config) would be dropped while the printed command and notes still showed it."""
+    config) would be dropped while the printed command and notes still showed it; or
+    --kv-offloading-size, with which vLLM (0.32, VllmConfig._post_init_kv_transfer_config)
+    overwrites kv_connector with its own offload connector."""
     for flag, value in vllm_flags.items():
         if flag == "--kv-transfer-config" or flag.startswith("--kv-transfer-config."):
             raise ConfigError(flag, value, "none after `--` with kvtier: kvtier serve sets "
                               "--kv-transfer-config itself (kvtier's settings: --config FILE; "
                               "another connector: --no-kvtier)")
+        if flag == "--kv-offloading-size":  # vLLM overwrites kv_connector with its own then
+            raise ConfigError(flag, value, "none with kvtier: vLLM replaces kvtier's "
+                              "connector with its native offload (kvtier's tiers: --memory, "
+                              "--disk or --config FILE; native offload: --no-kvtier)")
 
 
 def _block_size(vllm_flags: Mapping[str, str | None]) -> int | None:
