@@ -241,6 +241,49 @@ def test_a_parent_removed_and_inserted_again_stays_evictable() -> None:
     assert [policy.evict() for _ in range(4)] == ["r", "q0", None, None]
 
 
+def test_a_parent_that_comes_back_extends_the_children_held_meanwhile() -> None:
+    """A chunk stored while its parent was out of the policy (pinned, deleted, in another
+    tier) was a root; its parent, back (its pin ended, stored again, promoted), must not be
+    a leaf to evict before it: a child held without its parent is useless. Then the parent
+    is a leaf again once its children have left, and nothing of them is kept."""
+    policy: PrefixPolicy[str] = PrefixPolicy(capacity=10**6)
+    policy.insert("c1", "c0")  # c0 pinned meanwhile: c1 a root for now
+    policy.insert("c2", "c1")
+    policy.insert("d1", "c0")
+    policy.insert("c0")  # its pin ended: c1 and d1 extend it again
+    policy.touch("c1")  # read last: LRU's most recent
+    assert [policy.evict() for _ in range(5)] == ["c2", "d1", "c1", "c0", None]
+    # Children of chunks never inserted are forgotten with them: memory stays bounded.
+    for n in range(1000):
+        policy.insert(f"o{n}", f"gone{n}")
+    assert [policy.evict() for _ in range(1000)] and policy.evict() is None
+    assert policy._absent == {}
+    policy.insert("self", "self")  # a chunk naming itself stays a leaf (evictable)
+    assert policy.evict() == "self"
+
+
+def test_a_memory_tier_keeps_a_parent_whose_pin_ended_under_its_child() -> None:
+    """Through the memory tier: a parent pinned (out of the policy) when its child is stored,
+    its pin ends, the child is read: a new chunk evicts the child (the leaf), not the parent,
+    which held alone still serves a prefix."""
+    now = [1000.0]
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_size=8, dtype="float16",
+                      tokens_per_chunk=16)  # 512 B a chunk, in a 4 KiB slot
+    tier = MemoryTier(MemoryTierConfig(kind="memory", capacity=2 * 4096, eviction="prefix",
+                                       prefault=False), layout, clock=lambda: now[0])
+    data = memoryview(np.zeros(layout.bytes_per_chunk, dtype=np.uint8))
+    keys = [ChunkKey(bytes([i]) * 16) for i in range(3)]
+    assert tier.put(keys[0], data, ChunkMeta(retain_until=now[0] + 10)).ok
+    assert tier.put(keys[1], data, ChunkMeta(parent=keys[0])).ok
+    now[0] += 20  # the pin ends: keys[0] back in the policy
+    tier.retention_stats()  # (reaps lapsed pins, as the vLLM worker asks every step)
+    with tier.borrow(keys[1]) as view:
+        assert view is not None
+    assert tier.put(keys[2], data).ok  # a new prompt: one chunk must go
+    assert [tier.contains(k) for k in keys] == [True, False, True]
+    assert tier.check() == []
+
+
 def test_a_memory_tier_evicts_a_parent_whose_pin_ended() -> None:
     """Through the memory tier: a pin (retain) takes a parent out of the policy, its end puts
     it back; a tier of two slots keeps storing in both."""

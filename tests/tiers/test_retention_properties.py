@@ -6,10 +6,10 @@ step.
 
 - A chunk read back has the bytes stored under its key, and never after its expiry.
 - No tier holds more than its capacity, and each tier's books agree with what it holds.
-- Every chunk in a tier's eviction policy can be evicted; a chunk that entered a prefix policy
-  while its parent was in it (stored, promoted, or back from a pin; not one the disk found at
-  start-up: the journal keeps no parents) extends it, so that the parent is not a leaf to
-  evict before it; and, nothing pinned and no quota, a flood of new chunks as large as a
+- Every chunk in a tier's eviction policy can be evicted; a chunk in a prefix policy with its
+  parent (entered before or after it: stored, promoted, or back from a pin; not one the disk
+  found at start-up: the journal keeps no parents) extends it, so that the parent is not a
+  leaf to evict before it; and, nothing pinned and no quota, a flood of new chunks as large as a
   tier (LRU or prefix eviction, whose victims are the least recently used leaves) leaves
   that tier holding the flood alone.
 - No tenant (each of the prompt's chunks has one, drawn; floods are the default tenant's)
@@ -131,9 +131,11 @@ def _evictable(tier: MemoryTier | DiskTier) -> tuple[int, int]:
 
 
 def _unlinked(tier: MemoryTier | DiskTier, found: set[int]) -> list[tuple[int, int]]:
-    """(parent, chunk) pairs of a prefix policy where the chunk entered it after its parent
-    (both in it now) but does not extend it: the policy could evict the parent first. But
-    for chunks in `found`: those a disk tier found at start-up know no parent (roots)."""
+    """(parent, chunk) pairs of a prefix policy where the chunk does not extend its parent
+    though both are in it, whichever entered first (stored, promoted, back from a pin): the
+    policy could evict the parent first. But for chunks in `found`: those a disk tier found
+    at start-up know no parent (roots). And (-1, chunk) for a chunk whose count of children
+    (held or, for a chunk not in the policy, absent) is not the chunks extending it."""
     with tier._lock:
         policies = list(tier._policy._generations.values())
     pairs = []
@@ -141,13 +143,19 @@ def _unlinked(tier: MemoryTier | DiskTier, found: set[int]) -> list[tuple[int, i
         if not isinstance(policy, PrefixPolicy):
             continue
         chunks = policy._chunks
+        extending: dict[Any, int] = {}
         for k, chunk in chunks.items():
             i = int.from_bytes(k, "big")
             parent = PARENTS.get(i)
-            above = chunks.get(parent) if parent is not None else None
-            if above is not None and above.born < chunk.born and chunk.parent != parent \
+            if parent is not None and parent in chunks and chunk.parent != parent \
                     and i not in found:
                 pairs.append((i - 1, i))
+            if chunk.parent is not None:
+                extending[chunk.parent] = extending.get(chunk.parent, 0) + 1
+        counts = {k: c.children for k, c in chunks.items() if c.children}
+        counts.update({k: a.children for k, a in policy._absent.items()})
+        pairs += [(-1, int.from_bytes(k, "big")) for k in counts.keys() | extending.keys()
+                  if counts.get(k) != extending.get(k)]
     return pairs
 
 
@@ -194,6 +202,10 @@ def case(ops: list[tuple[Any, ...]], memory_eviction: str, disk_eviction: str,
 # a chunk promoted from disk with the pin it had there, ended, entered RAM's prefix policy
 # as a root: its parent, held there, was a leaf to evict before it;
 @case([("put", 0, False), ("put", 1, True), ("advance", 10.0), ("delete", 1, 0), ("get", 1)],
+      "prefix", "lru")
+# a parent pinned when its child was stored, back in RAM's prefix policy when its pin ended,
+# was a leaf beside its child (a root): evicted before it;
+@case([("put", 0, True), ("put", 1, False), ("advance", 10.0), ("get", 1), ("put", 2, False)],
       "prefix", "lru")
 # a restart that lowered the quota left a tenant over it (the disk applied no quota then);
 @case([("put", 0, False), ("put", 1, False), ("restart", 1, None)], "lru", "lru")

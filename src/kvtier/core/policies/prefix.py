@@ -44,20 +44,26 @@ last turn of every conversation), while a chunk read once is read again far more
 All three need the chunk's parent: `insert(key, parent)` (a tier passes `ChunkMeta.parent`).
 A chunk whose parent is unknown or not in this policy is ranked as a root: its prefix may
 be held by another tier (the lookup walks a prefix across tiers) or pinned here (a pinned
-chunk is out of the policy). Under rule 3 a chunk inserted with no parent heads a run as a
-first chunk does (the protocol does not tell them apart: so do chunks a disk tier finds at
-start-up, and chunks of a tier that passes no parents at all), one whose named parent is
-not here heads none. Deeper chunks cost more to recompute, but a deep
+chunk is out of the policy). When that parent enters (promoted, stored again, its pin
+ended), the chunks held that extend it are its children again, whichever entered first: a
+parent is never a leaf beside its child. Under rule 3 a chunk inserted with no parent heads
+a run as a first chunk does (the protocol does not tell them apart: so do chunks a disk
+tier finds at start-up, and chunks of a tier that passes no parents at all), one whose
+named parent is not here heads none. Deeper chunks cost more to recompute, but a deep
 chunk is only worth that while every chunk above it is held: the leaf rule is what keeps
 that value, and the depth breaks ties in favour of the parent.
 
 Cost: per put or hit O(log n) (a heap with stale entries skipped, rebuilt when mostly stale)
 and a histogram count, plus every 256 reuses a read of that histogram's 192 buckets;
-memory per held chunk: its parent, rank, uses, depth, run, insertion and child count, plus
-the heap entry, and at most `remembered` counts and last uses of evicted chunks
-(`max(65536, 4 x capacity)`).
+memory per held chunk: its parent, rank, uses, depth, run, last use, run start and child
+count, plus the heap entry, and at most `remembered` counts and last uses of evicted chunks
+(`max(65536, 4 x capacity)`); per chunk not held that held chunks extend, a count of them
+(`_Absent`, dropped with the last: never more than the chunks held), so that it takes them
+back in O(1) when it enters.
 A pinned or deleted parent (`remove`) leaves its children in place; they leave in their own
-rank order (the tier's lookup cannot reach them meanwhile).
+rank order (the tier's lookup cannot reach them meanwhile), or extend it again when it comes
+back. (Keys chain their prefix, so a parent named is never a chunk's descendant; a chunk
+naming itself is taken for a root.)
 
 Primitives: `PrefixPolicy`, `HORIZON_GAPS`, `FIRST_RUN_SHARE`.
 """
@@ -89,15 +95,21 @@ MIN_REMEMBERED = 1 << 16  # counts of evicted chunks kept at least (AdmissionFil
 
 @dataclass(slots=True)
 class _Chunk(Generic[K]):
-    parent: K | None  # the held chunk it extends when inserted (None: a root)
-    depth: int  # chunks above it when inserted
+    parent: K | None  # the chunk it extends, held or not (None: a root, or unknown)
+    depth: int  # chunks above it when inserted (its parent held then)
     run: int  # its place in the run of chunks used once it ends (rule 3); 0: heads none
     uses: int  # inserts and hits, remembered across evictions
     last_op: int  # the policy operation of its last use
     run_op: int  # the policy operation its run's head was inserted at (rule 3)
-    born: int  # the policy operation it was inserted at (which `parent` it extends)
     children: int = 0  # held chunks that extend it: it is a leaf at 0
     rank: float = 0.0  # its rank in the heap while a leaf
+
+
+@dataclass(slots=True)
+class _Absent:
+    """A chunk not held here that held chunks extend: it takes them back when it comes."""
+
+    children: int = 0  # held chunks that extend it (it is forgotten at 0)
 
 
 class PrefixPolicy(Generic[K]):
@@ -118,6 +130,8 @@ class PrefixPolicy(Generic[K]):
         self._learn()
         self._remembered = max(MIN_REMEMBERED, 4 * capacity)
         self._chunks: dict[K, _Chunk[K]] = {}
+        # Chunks not held that held chunks extend (each dropped with its last such child)
+        self._absent: dict[K, _Absent] = {}
         self._leaves: list[tuple[float, int, int, K]] = []  # (rank, -depth, tiebreak, key)
         # evicted chunks: (uses, last use), oldest eviction first
         self._evicted_uses: OrderedDict[K, tuple[int, int]] = OrderedDict()
@@ -125,7 +139,9 @@ class PrefixPolicy(Generic[K]):
         self._pushes = 0  # heap pushes: orders equal ranks and depths
 
     def insert(self, key: K, parent: K | None = None) -> None:
-        """`key` became resident, extending `parent` (None: a root, or unknown)."""
+        """`key` became resident, extending `parent` (None: a root, or unknown). Held
+        chunks that extend `key` and entered before it (while it was pinned, deleted or in
+        another tier) extend it again: it is no leaf while they are held."""
         chunk = self._chunks.get(key)
         if chunk is not None:
             self.touch(key)
@@ -134,19 +150,21 @@ class PrefixPolicy(Generic[K]):
         uses, last_op = self._evicted_uses.pop(key, (0, 0))
         if uses:
             self._reused(self._op - last_op)  # an evicted chunk came back
+        if parent == key:
+            parent = None  # extending itself, it would never be a leaf: never evicted
         above = self._chunks.get(parent) if parent is not None else None
         if above is None:
             run = 1 if parent is None else 0  # a first chunk heads a run; an orphan none
         else:
             run = 1 if above.uses > 1 else above.run + 1 if above.run else 0
         run_op = above.run_op if above is not None and run > 1 else self._op
-        chunk = _Chunk(parent if above is not None else None,
-                       0 if above is None else above.depth + 1, run,
-                       uses + 1, self._op, run_op, self._op)
+        waiting = self._absent.pop(key, None)  # its children held already
+        chunk = _Chunk(parent, 0 if above is None else above.depth + 1, run, uses + 1,
+                       self._op, run_op, 0 if waiting is None else waiting.children)
+        self._extend(parent, above)
         self._chunks[key] = chunk
-        if above is not None:
-            above.children += 1  # no longer a leaf: its heap entry goes stale
-        self._push(key, chunk)
+        if chunk.children == 0:
+            self._push(key, chunk)
 
     def touch(self, key: K) -> None:
         """A resident key was read: one more use, now."""
@@ -161,10 +179,13 @@ class PrefixPolicy(Generic[K]):
             self._push(key, chunk)
 
     def remove(self, key: K) -> None:
-        """`key` left for another reason than eviction (deleted, pinned, corrupt)."""
+        """`key` left for another reason than eviction (deleted, pinned, corrupt); the
+        chunks that extend it stay, to extend it again if it comes back."""
         chunk = self._chunks.pop(key, None)
         if chunk is not None:
             self._forget(key, chunk)
+            if chunk.children:
+                self._absent[key] = _Absent(chunk.children)
 
     def evict(self) -> K | None:
         """The leaf of lowest rank, forgotten as resident; None when nothing is resident."""
@@ -178,21 +199,34 @@ class PrefixPolicy(Generic[K]):
             return key
         return None
 
+    def _extend(self, parent: K | None, above: _Chunk[K] | None) -> None:
+        """Count one more child of `parent` (`above` where it is held, else absent)."""
+        if parent is None:
+            return
+        record = above if above is not None else self._absent.setdefault(parent, _Absent())
+        record.children += 1  # a leaf no more: a held parent's heap entry goes stale
+
     def _forget(self, key: K, chunk: _Chunk[K]) -> None:
-        """Remember its uses (bounded) and make its parent a leaf again if it was the last
-        child."""
+        """Remember its uses (bounded) and count it off its parent: a held parent it was the
+        last child of is a leaf again, an absent one is forgotten."""
         self._evicted_uses[key] = (chunk.uses, chunk.last_op)
         while len(self._evicted_uses) > self._remembered:
             self._evicted_uses.popitem(last=False)
         parent = chunk.parent
-        above = self._chunks.get(parent) if parent is not None else None
-        # Only the parent it extended: one removed meanwhile (pinned, deleted) and inserted
-        # again since is a new chunk that never counted it among its children (counted
-        # off, it went below zero and was never a leaf again: never evicted).
-        if parent is not None and above is not None and above.born < chunk.born:
+        if parent is None:
+            return
+        # Its parent counts it, held or absent: a chunk with children is never evicted,
+        # takes them along when removed (`remove`) and back when inserted again (`insert`).
+        above = self._chunks.get(parent)
+        if above is not None:
             above.children -= 1
             if above.children == 0:
                 self._push(parent, above)
+        else:
+            absent = self._absent[parent]
+            absent.children -= 1
+            if absent.children == 0:
+                del self._absent[parent]
 
     def _reused(self, gap: int) -> None:
         """A chunk was used again `gap` operations after its last use: learn the horizon
