@@ -178,6 +178,35 @@ def test_pins_and_expiry_go_down_the_write_behind_and_up_with_promotions(
         assert store.lookup([key(0)]).num_chunks == 0  # expired everywhere
 
 
+def test_a_promoted_chunk_carries_its_requests_expiry_not_the_lower_tiers_ttl(
+        tmp_path: Path) -> None:
+    """docs/retention.md: a tier's `ttl_s` dates the chunks whose request set no expiry,
+    from when they reach it. Promoted, a chunk carries its request's expiry up, not the
+    date the lower tier's `ttl_s` gave it: the top tier dates it by its own `ttl_s` (here
+    longer than the lower tier's, which would expire it first)."""
+    clock = Clock()
+    top = memory(tmp_path, 4, clock, name="ram", ttl_s=100)
+    lower = memory(tmp_path, 16, clock, name="ram2", ttl_s=10)
+    with TieredStore([top, lower]) as store:
+        assert store.put(key(0), memoryview(CHUNK))  # no expiry of its own
+        assert store.put(key(1), memoryview(CHUNK), ChunkMeta(expires_at=T0 + 60))
+        store.flush()
+        assert lower.meta_of(key(0)) == ChunkMeta()  # the lower tier's date is its own
+        for i in range(2):  # dropped from the top (as by a restart of it)
+            top.delete(key(i))
+        clock.now = T0 + 5
+        out = memoryview(bytearray(LAYOUT.bytes_per_chunk))
+        assert [store.get_into(key(i), out) for i in range(2)] == ["ram2", "ram2"]
+        assert top.meta_of(key(0)) == ChunkMeta()
+        assert top.meta_of(key(1)) == ChunkMeta(expires_at=T0 + 60)
+        clock.now = T0 + 50  # past the lower tier's ttl_s, within the top's
+        assert held(top, [0, 1]) == [0, 1] and held(lower, [0, 1]) == [1]
+        clock.now = T0 + 60  # the request's own expiry holds in the top tier too
+        assert held(top, [0, 1]) == [0]
+        clock.now = T0 + 105  # the top's own ttl_s, from the promotion
+        assert held(top, [0, 1]) == []
+
+
 def test_a_retain_never_shortens_a_chunks_life(tmp_path: Path) -> None:
     clock = Clock()
     tier = memory(tmp_path, 4, clock)

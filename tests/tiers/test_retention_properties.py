@@ -17,7 +17,9 @@ step.
   chunks the tenant has pinned; a restart (the store reopened, its RAM empty, the disk's
   quota drawn anew) brings every tenant down to its quota but for pinned chunks.
 - A restart keeps each chunk's own expiry (its request's) and dates one the disk's `ttl_s`
-  gave anew, by the `ttl_s` drawn for it (none: the chunk no longer expires).
+  gave anew, by the `ttl_s` drawn for it (none: the chunk no longer expires); RAM (no
+  `ttl_s`) holds every chunk, promoted or not, to its own expiry alone, never to a date the
+  disk's `ttl_s` gave it.
 - The last restart (no quota) keeps on disk exactly the chunks it held that carry no expiry
   now (every expiry a chunk carries has passed by then), with their bytes.
 """
@@ -102,16 +104,21 @@ def _over_quota(tier: MemoryTier | DiskTier, quota: int | None,
     return over
 
 
-def _misdated(disk: DiskTier, keys: set[int], expires: dict[int, float | None],
+def _misdated(tier: MemoryTier | DiskTier, keys: set[int], expires: dict[int, float | None],
               ttl_s: float | None, now: float) -> list[int]:
-    """Chunks of a disk just started whose expiry is not their own (their request's), or,
-    without one, `ttl_s` from `now` (or none)."""
+    """Chunks of `tier` whose expiry there is not their own (their request's), or, without
+    one, `ttl_s` from `now` (or none); or whose metadata (what a promotion carries) holds
+    another expiry than their own."""
     def dated(i: int) -> float | None:
         own = expires.get(i)
         return own if own is not None else None if ttl_s is None else now + ttl_s
 
-    return [i for i in sorted(keys)
-            if (None if (m := disk.meta_of(key(i))) is None else m.expires_at) != dated(i)]
+    def carried(i: int) -> float | None:
+        return None if (m := tier.meta_of(key(i))) is None else m.expires_at
+
+    with tier._lock:
+        applied = {i: tier._book.expires_at(key(i)) for i in keys}
+    return [i for i in sorted(keys) if applied[i] != dated(i) or carried(i) != expires.get(i)]
 
 
 def _held(tier: MemoryTier | DiskTier, keys: range | list[int]) -> set[int]:
@@ -207,6 +214,9 @@ def case(ops: list[tuple[Any, ...]], memory_eviction: str, disk_eviction: str,
 # was a leaf beside its child (a root): evicted before it;
 @case([("put", 0, True), ("put", 1, False), ("advance", 10.0), ("get", 1), ("put", 2, False)],
       "prefix", "lru")
+# a chunk promoted from a disk with a ttl_s carried the date it gave as its own into RAM;
+@case([("put", 0, False), ("put", 1, False), ("put", 2, False), ("get", 0)], "lru", "lru",
+      ttl_s=30.0)
 # a restart that lowered the quota left a tenant over it (the disk applied no quota then);
 @case([("put", 0, False), ("put", 1, False), ("restart", 1, None)], "lru", "lru")
 # a pinned chunk's journal line kept the expiry the disk's ttl_s gave it, as its own: a
@@ -307,6 +317,8 @@ def test_retention_properties_hold_for_any_sequence_of_operations(
                         found &= held
                     unlinked = _unlinked(tier, found if tier is disk else set())
                     assert unlinked == [], "a chunk held apart from its parent"
+                    if tier is memory:  # no ttl_s of its own: a lower tier's is not its
+                        assert _misdated(memory, held, expires, None, clock.now) == []
                     over = _over_quota(tier, quota, tenant_of, everything())
                     assert set(over) <= pinned_over, f"{over} over the quota in {tier.name}"
                 assert memory.check() == [] and disk.check() == []

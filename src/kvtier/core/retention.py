@@ -212,8 +212,8 @@ class RetentionBook:
         self._pin_heap: list[tuple[float, ChunkKey]] = []
         self._expires: dict[ChunkKey, float] = {}  # key -> expires at
         self._expiry_heap: list[tuple[float, ChunkKey]] = []
-        # Keys whose expiry is the tier's ttl_s, not their request's: a restart dates them
-        # anew (docs/retention.md), so a journal must not keep it (`lasting_meta`).
+        # Keys whose expiry is the tier's ttl_s, not their request's: not theirs to carry to
+        # another tier or across a restart (`meta_of`, docs/retention.md).
         self._tier_dated: set[ChunkKey] = set()
         # key -> the chunk before it in its prompt, where its metadata named one: a pinned
         # chunk re-enters a prefix policy under it when its pin ends, and a promoted chunk
@@ -317,28 +317,29 @@ class RetentionBook:
         return self._tenant_of.get(key)
 
     def meta_of(self, key: ChunkKey) -> ChunkMeta | None:
-        if key not in self._tenant_of:
-            return None
-        return ChunkMeta(self._tenant_of[key], self._pinned.get(key), self._expires.get(key),
-                         self._parent.get(key))
-
-    def parent_of(self, key: ChunkKey) -> ChunkKey | None:
-        """The parent a recorded chunk's metadata named (None: none, or not recorded)."""
-        return self._parent.get(key)
-
-    def lasting_meta(self, key: ChunkKey) -> ChunkMeta | None:
-        """A recorded chunk's metadata as a restart keeps it (a persistent tier's journal):
-        `meta_of` but for an expiry the tier's own ttl_s set, which a restart dates anew."""
+        """A recorded chunk's own metadata: its tenant, its pin and expiry, its parent; what
+        it carries to another tier (a promotion) and across a restart (a persistent tier's
+        journal). Not an expiry the tier's own ttl_s gave it: that is the tier's, and a tier
+        it reaches, or this one restarted, dates it by its own ttl_s (docs/retention.md)."""
         if key not in self._tenant_of:
             return None
         expires_at = None if key in self._tier_dated else self._expires.get(key)
         return ChunkMeta(self._tenant_of[key], self._pinned.get(key), expires_at,
                          self._parent.get(key))
 
-    def lasting_metas(self) -> list[tuple[ChunkKey, ChunkMeta]]:
-        """Every recorded chunk's `lasting_meta` (a persistent tier's journal, compacted)."""
+    def metas(self) -> list[tuple[ChunkKey, ChunkMeta]]:
+        """Every recorded chunk's `meta_of` (a persistent tier's journal, compacted)."""
         return [(key, meta) for key in self._tenant_of
-                if (meta := self.lasting_meta(key)) is not None]
+                if (meta := self.meta_of(key)) is not None]
+
+    def expires_at(self, key: ChunkKey) -> float | None:
+        """When a recorded chunk expires here: its own expiry, else the one the tier's ttl_s
+        gave it (None: never, or not recorded)."""
+        return self._expires.get(key)
+
+    def parent_of(self, key: ChunkKey) -> ChunkKey | None:
+        """The parent a recorded chunk's metadata named (None: none, or not recorded)."""
+        return self._parent.get(key)
 
     def __len__(self) -> int:
         return len(self._tenant_of)

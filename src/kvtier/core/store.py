@@ -471,7 +471,8 @@ class TieredStore:
 
     def _promoted_meta(self, tier: Tier, key: ChunkKey, meta: ChunkMeta) -> ChunkMeta:
         """What a chunk read from `tier` by a reader with `meta` is promoted with: the
-        tenant, pin and expiry `tier` keeps of it, else `meta`'s; its parent `tier`'s, else
+        tenant, pin and expiry `tier` keeps of it, else `meta`'s (its own: an expiry `tier`'s
+        `ttl_s` gave stays there, the top tier dates it by its own); its parent `tier`'s, else
         the reader's (a tier's book may know none: it was restarted, or stored without one).
         Without its parent a promoted chunk is a root in a prefix policy above, and its parent
         could leave before it (tests/cache/test_retention.py)."""

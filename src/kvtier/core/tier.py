@@ -397,7 +397,9 @@ class MetaKeeper(Protocol):
         ...
 
     def meta_of(self, key: ChunkKey) -> ChunkMeta | None:
-        """The metadata of a held chunk (carried along when it is promoted), or None."""
+        """A held chunk's own metadata, carried along when it is promoted: its request's
+        tenant, pin and expiry, and its parent; not an expiry the tier's own `ttl_s` gave it
+        (the tier above dates it by its own). None: not held, or nothing recorded."""
         ...
 
     def retention_stats(self) -> RetentionStats:

@@ -528,7 +528,7 @@ class MemoryTier:
                 return False
             if self._book.retain(key, meta, self.slot_bytes):
                 self._policy.remove(key)  # pinned now: out of the policy
-            kept = self._book.lasting_meta(key)  # a successor dates the tier's ttl_s anew
+            kept = self._book.meta_of(key)  # a successor dates the tier's ttl_s anew
             if self._shared is not None and kept is not None:
                 self._shared.record_meta(self._index[key], kept)
             return True

@@ -70,7 +70,7 @@ def book_problems(held: Collection[ChunkKey], policy: Sized, book: RetentionBook
     if len(policy) + pinned != len(held):
         problems.append(f"{len(held)} chunks held, {len(policy)} evictable and {pinned} "
                         "pinned")
-    strays = sum(key not in held for key, _meta in book.lasting_metas())
+    strays = sum(key not in held for key, _meta in book.metas())
     if strays:
         problems.append(f"{strays} chunks in the tenants' books that the tier does not hold")
     return problems

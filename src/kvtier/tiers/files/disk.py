@@ -490,18 +490,18 @@ class DiskTier:
                 self._policy.remove(key)
         for tenant in list(self._book.usage()):
             self._make_tenant_room(tenant, 0)  # pinned chunks stay, over it if need be
-        self._journal.rewrite((k, m) for k, m in self._book.lasting_metas() if k in entries)
+        self._journal.rewrite((k, m) for k, m in self._book.metas() if k in entries)
 
     def _journal_append(self, key: ChunkKey) -> None:
         with self._lock:
-            meta = self._book.lasting_meta(key)
+            meta = self._book.meta_of(key)
             live = len(self._book)
         if meta is not None and self._journal.append(key, meta, live):
             self._compact_journal()
 
     def _compact_journal(self) -> None:
         with self._lock:
-            metas = self._book.lasting_metas()
+            metas = self._book.metas()
         self._journal.rewrite(metas)
 
     def _expire(self, key: ChunkKey) -> None:

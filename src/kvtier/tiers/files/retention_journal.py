@@ -1,6 +1,6 @@
 """The retention journal of a persistent tier: each chunk's tenant id, pin and expiry, so that
 a restart keeps them (`kvtier.core.retention`). Only a request's expiry: one the tier's own
-`ttl_s` gave starts anew at a restart (`RetentionBook.lasting_meta`, docs/retention.md).
+`ttl_s` gave starts anew at a restart (`RetentionBook.meta_of`, docs/retention.md).
 
 One JSON object a line in `<layout directory>/retention.jsonl` (a name the chunk scan skips):
 `{"key": HEX, "tenant": ID|null, "retain_until": S|null, "expires_at": S|null}`, appended
