@@ -231,3 +231,27 @@ def test_a_restart_dates_the_tiers_ttl_anew_even_after_a_compaction(tmp_path: Pa
     again = disk(tmp_path, 8, clock)  # no ttl_s now: only the request's expiry is left
     assert [again.meta_of(key(i)) for i in range(3)] == [
         ChunkMeta("A"), None, ChunkMeta(None, t0 + 8 + COMPACT_SLACK_LINES, t0 + 500)]
+
+
+def test_a_shorter_request_expiry_leaves_a_chunk_without_its_own_one_unexpiring(
+        tmp_path: Path) -> None:
+    """docs/retention.md: a retain never shortens a chunk's life, and the tier's `ttl_s` is
+    the tier's. A chunk stored without an expiry of its own keeps none when a later request
+    asks an earlier expiry than the tier's `ttl_s` gave it: it expires at the tier's date,
+    and after a restart without `ttl_s` not at all, as in a tier that never had one."""
+    t0 = 1_800_000_000.0
+    clock = Clock(t0)
+    tier = disk(tmp_path, 8, clock, ttl_s=100)
+    assert put(tier, 0)  # no expiry of its own: the tier's, t0 + 100
+    assert put(tier, 1)
+    assert tier.retain(key(0), ChunkMeta(expires_at=t0 + 50))  # earlier: no effect
+    assert tier.retain(key(1), ChunkMeta(expires_at=t0 + 150))  # later: its own now
+    assert [tier.meta_of(key(i)).expires_at for i in range(2)] == [  # type: ignore[union-attr]
+        None, t0 + 150]
+    clock.now = t0 + 60
+    assert tier.contains(key(0)) and tier.contains(key(1))
+    tier.close()
+    again = disk(tmp_path, 8, clock)  # no ttl_s now
+    clock.now = t0 + 1000
+    assert again.contains(key(0)) and not again.contains(key(1))
+    again.close()

@@ -289,7 +289,9 @@ class RetentionBook:
 
     def retain(self, key: ChunkKey, meta: ChunkMeta, size_bytes: int) -> bool:
         """Extend a resident chunk's pin and expiry: a later pin or expiry wins, and a chunk
-        that never expires keeps never expiring (a retain never shortens a chunk's life).
+        that never expires keeps never expiring (a retain never shortens a chunk's life). An
+        expiry later than the one the tier's ttl_s gave becomes the chunk's own; an earlier
+        one leaves it without one (docs/retention.md: a restart without ttl_s keeps it).
         True when the chunk has just become pinned (the tier takes it out of its policy).
         A chunk not recorded yet (stored without metadata) is the default tenant's."""
         if key not in self._tenant_of:
