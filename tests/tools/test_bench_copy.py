@@ -6,6 +6,8 @@ it), and the command writes its JSON and markdown. Not timed tests: figures are 
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
 import subprocess
 import sys
@@ -13,11 +15,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from rich.console import Console
 
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.worker.paged import PagedKV
-from kvtier.tools.bench.copy import TARGET_RATIO, CopyBenchConfig, run_copy_bench, run_copy_sweep
-from kvtier.tools.cli.bench_copy import SWEEP_CHUNK_MIB
+from kvtier.tools.bench.copy import (
+    TARGET_RATIO,
+    CopyBenchConfig,
+    CopySweep,
+    Figure,
+    RunnerFigure,
+    run_copy_bench,
+    run_copy_sweep,
+)
+from kvtier.tools.cli.bench_copy import SWEEP_CHUNK_MIB, sizes_table
 from kvtier.tools.cli.main import main
 
 # 2 layers x 2 heads x 2 (K, V) x 64 x 2 bytes = 1 KiB a token: a block of 16 is 16 KiB.
@@ -109,3 +120,22 @@ def test_the_sweep_command_runs_without_vllm_and_writes_markdown(tmp_path: Path)
     assert [r["chunk_bytes"] >> 20 for r in data["results"]] == [2, 4, 8, 16, 32]
     table = md.read_text()
     assert table.count("\n| ") == 6 and "runner blocked" in table  # header + 5 sizes
+
+
+def test_the_chunk_size_table_fits_a_pipe_without_cutting_a_figure() -> None:
+    """Printed into a pipe (80 columns), the sweep's table once cut its load ratio and its
+    verdict to "0.7…" and "FA…" as soon as a runner's job took 10 ms: every cell must show
+    whole, here with wide figures (GB/s of two digits, a 133 ms job, loaded bytes that differ).
+    """
+    result = run_copy_sweep(CopyBenchConfig(**TINY, chunk_mib=(1 / 16,),  # type: ignore[arg-type]
+                                            blocks=32)).results[0]
+    wide = dataclasses.replace(
+        result, chunk_bytes=32 << 20, ratios={"store": 1.25, "load": 0.75}, verified=False,
+        figures=tuple(Figure(f.name, f.bytes_moved, (f.bytes_moved / 54.32e9,))
+                      for f in result.figures),
+        runner=RunnerFigure(chunks=16, blocked_s=0.02345, job_s=0.13345))
+    out = io.StringIO()
+    Console(file=out, width=80).print(sizes_table(CopySweep((wide, wide))))
+    text = out.getvalue()
+    assert "…" not in text
+    assert "54.32" in text and "0.75x" in text and "23.45/133.5" in text and "DIFFER" in text
