@@ -4,13 +4,16 @@ timed test: only what must hold whatever the machine's speed is checked."""
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from kvtier.errors import ConfigError
 from kvtier.tools.bench.fleet_fs import FleetConfig
+from kvtier.tools.cli.bench_fleet import directory_table, writers_table
 from kvtier.tools.cli.main import main
 
 
@@ -40,3 +43,21 @@ def test_bad_settings_name_the_field() -> None:
         FleetConfig(chunks=(10,)).validate()
     with pytest.raises(ConfigError, match="op_latency_ms"):
         FleetConfig(op_latency_ms=-1).validate()
+
+
+def test_the_tables_headers_show_whole_in_80_columns() -> None:
+    """Printed into a pipe (80 columns), the headers once read "CPU s/min/w…", "re-measu…",
+    "ops/ev…" and "RSS/ch…": rich cuts a header word wider than its column."""
+    run = {"writers": 4, "puts": 1188, "ops_per_put": 40.2, "put_ms": 17.63,
+           "cpu_ms_per_put": 0.98, "cpu_s_per_min_per_writer": 3.08, "remeasures_all_writers": 1}
+    disk = {"serving_after_s": 0.514, "index_complete_s": 1.23, "rss_bytes_per_chunk": 341,
+            "lookup_while_loading": {"ms": 0.09}}
+    size = {"chunks": 10_000, "writers": [run], "first_open_cpu_s": 0.27,
+            "eviction": {"evictions_per_s": 3194, "ops_per_eviction": 28.7}, "disk": disk}
+    report = {"config": {"op_latency_ms": 0.5, "emulate_latency": False}, "sizes": [size]}
+    console = Console(file=io.StringIO(), width=80)
+    console.print(writers_table(report), directory_table(report))
+    text = console.file.getvalue()  # type: ignore[attr-defined]
+    assert "…" not in text
+    for word in ("writer", "measures", "evict", "chunk"):
+        assert word in text
