@@ -57,6 +57,8 @@ TOOLS_DEPENDENCIES = frozenset({"rich", "matplotlib", "aiohttp"})
 # Exit status after stdout's reader went away (`kvtier audit --json | head`): 128 + SIGPIPE,
 # what a shell reports for a command killed by the broken pipe.
 EXIT_BROKEN_PIPE = 141
+# Exit status after Ctrl-C: 128 + SIGINT, as a shell reports it (and `kvtier demo` returns).
+EXIT_INTERRUPTED = 130
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
 
     Bad input is one line on stderr and status 2: a ConfigError anywhere, and a ValueError
     (UnicodeDecodeError included), which in these commands comes from converting what the
-    user gave. Other exceptions are bugs and keep their traceback; `-v` shows the traceback
-    of a ValueError too.
+    user gave. Ctrl-C is one line and status 130. Other exceptions are bugs and keep their
+    traceback; `-v` shows the traceback of a ValueError and of Ctrl-C too.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     # A value that is not UTF-8 (surrogate-escaped in argv) is echoed escaped, not as an
@@ -101,6 +103,13 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         _silence_stdout()
         return EXIT_BROKEN_PIPE
+    except KeyboardInterrupt:
+        # Ctrl-C is the user's choice, not a bug: one line, the shell's status for SIGINT.
+        # The commands' `with` blocks and `finally`s have run by now (temp dirs, servers).
+        if args.verbose:
+            raise
+        print(f"kvtier {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except ValueError as exc:
         if args.verbose:
             raise
