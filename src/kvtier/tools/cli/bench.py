@@ -2,7 +2,8 @@
 
 Primitives: `register`, `run_and_report` (what every in-process bench command does around its
 measurement: a spinner with its progress, its tables, its JSON), and what the commands' reports
-share: `ms_p50_p99`, `runs_table` (one column per run), `run_summary`.
+share: `ms_p50_p99`, `runs_table` (one column per run), `run_summary`; `given_or` (an
+option's value under --quick).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     from kvtier.tools.bench.serving.stats import Percentiles
 
 R = TypeVar("R")
+T = TypeVar("T")
 
 
 class NamedRun(Protocol):
@@ -60,6 +62,15 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     workloads = parser.add_subparsers(dest="workload", metavar="WORKLOAD", required=True)
     for name in WORKLOADS:
         importlib.import_module(name).register(workloads)
+
+
+def given_or(given: T | None, quick: bool, quick_value: T, default: T) -> T:
+    """An option's value: the one given on the command line (its parser default is None),
+    else --quick's, else the default. --quick sets only what the user left out:
+    `--quick --trials 9` runs 9 trials, as `bench storage` and `bench interference` do."""
+    if given is not None:
+        return given
+    return quick_value if quick else default
 
 
 def run_and_report(name: str, measure: Callable[[Callable[[str], None]], R],

@@ -18,7 +18,7 @@ from kvtier.tools.cli.argtypes import (
     positive_int,
     work_dir,
 )
-from kvtier.tools.cli.bench import run_and_report
+from kvtier.tools.cli.bench import given_or, run_and_report
 
 
 def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -32,12 +32,12 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     source.add_argument("--synthetic", action="store_true",
                         help="normal-distributed bf16 instead of KV (no engine; a smoke test)")
     parser.add_argument("--dtype", default="bfloat16", help="KV dtype of --kv-dir's chunks")
-    parser.add_argument("--prompts", type=positive_int, default=8,
+    parser.add_argument("--prompts", type=positive_int,
                         help="prompts the engine runs (8)")
     parser.add_argument("--prompt-tokens", type=positive_int, default=640,
                         help="tokens a prompt (640)")
-    parser.add_argument("--max-chunks", type=positive_int, default=64, help="chunks measured (64)")
-    parser.add_argument("--trials", type=positive_int, default=3, help="timed passes (median; 3)")
+    parser.add_argument("--max-chunks", type=positive_int, help="chunks measured (64)")
+    parser.add_argument("--trials", type=positive_int, help="timed passes (median; 3)")
     parser.add_argument("--dir", type=work_dir, default=Path("."),
                         help="where the temporary tiers go (the filesystem measured)")
     parser.add_argument("--ttft", type=non_negative_int, default=0, metavar="TOKENS",
@@ -45,7 +45,8 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                              "none, zstd, lz4 (one engine each; e.g. 4096)")
     parser.add_argument("--ttft-reps", type=positive_int, default=5,
                         help="timed hits per codec (5)")
-    parser.add_argument("--quick", action="store_true", help="2 prompts, 8 chunks, 1 trial")
+    parser.add_argument("--quick", action="store_true",
+                        help="2 prompts, 8 chunks, 1 trial (unless given)")
     parser.add_argument("--json", type=output_file, default=Path("results/bench-codecs.json"),
                         help="where to write the results (default results/bench-codecs.json)")
     parser.set_defaults(func=run)
@@ -56,10 +57,10 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.tools.bench.codecs_inputs import CodecsConfig
 
     config = CodecsConfig(kv_dir=args.kv_dir, synthetic=args.synthetic, dtype=args.dtype,
-                          prompts=2 if args.quick else args.prompts,
+                          prompts=given_or(args.prompts, args.quick, 2, 8),
                           prompt_tokens=args.prompt_tokens,
-                          max_chunks=8 if args.quick else args.max_chunks,
-                          trials=1 if args.quick else args.trials, work_dir=args.dir,
+                          max_chunks=given_or(args.max_chunks, args.quick, 8, 64),
+                          trials=given_or(args.trials, args.quick, 1, 3), work_dir=args.dir,
                           ttft_tokens=args.ttft, ttft_reps=args.ttft_reps)
     config.validate()
     run_and_report("codecs", lambda progress: run_codecs_bench(config, progress), render,

@@ -15,7 +15,7 @@ from rich.table import Table
 
 from kvtier.integrations.vllm.config import TOKENS_PER_CHUNK
 from kvtier.tools.cli.argtypes import output_file, positive_float, positive_int
-from kvtier.tools.cli.bench import run_and_report
+from kvtier.tools.cli.bench import given_or, run_and_report
 
 if TYPE_CHECKING:
     from kvtier.tools.bench.copy import CopyBenchConfig, CopyBenchResult, CopySweep
@@ -62,11 +62,11 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                         help="model layers (Llama-3-8B: 32)")
     parser.add_argument("--kv-heads", type=positive_int, default=8, help="KV heads (8)")
     parser.add_argument("--head-size", type=positive_int, default=128, help="head size (128)")
-    parser.add_argument("--trials", type=positive_int, default=5, help="timed trials (5)")
+    parser.add_argument("--trials", type=positive_int, help="timed trials (5)")
     parser.add_argument("--threads", type=positive_int,
                         help="torch CPU threads (default: torch's; 1 is steadier on a busy "
                              "machine)")
-    parser.add_argument("--quick", action="store_true", help="2 trials, 32 blocks")
+    parser.add_argument("--quick", action="store_true", help="2 trials, 32 blocks (unless given)")
     parser.add_argument("--json", type=output_file, default=Path("results/bench-copy.json"),
                         help="where to write the results (default results/bench-copy.json)")
     parser.add_argument("--markdown", type=output_file,
@@ -84,7 +84,7 @@ def config_from(args: argparse.Namespace) -> CopyBenchConfig:
                            kv_heads=args.kv_heads, head_size=args.head_size, dtype=args.dtype,
                            block_size=args.block_size, tokens_per_chunk=args.tokens_per_chunk,
                            chunk_mib=SWEEP_CHUNK_MIB if args.sweep else args.chunk_mib or (),
-                           blocks=blocks, trials=2 if args.quick else args.trials,
+                           blocks=blocks, trials=given_or(args.trials, args.quick, 2, 5),
                            threads=args.threads)
 
 

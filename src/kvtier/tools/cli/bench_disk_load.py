@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from rich.table import Table
 
 from kvtier.tools.cli.argtypes import output_file, positive_int
-from kvtier.tools.cli.bench import run_and_report
+from kvtier.tools.cli.bench import given_or, run_and_report
 
 if TYPE_CHECKING:
     from kvtier.tools.bench.diskload import DiskLoadResult
@@ -27,10 +27,10 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     parser.add_argument("--chunks", default="4,16",
                         help="chunks a load, comma-separated (4,16: 1k and 4k tokens of "
                              "`bench ttft`'s model, 2 MiB a chunk)")
-    parser.add_argument("--trials", type=positive_int, default=15, help="timed loads (15)")
+    parser.add_argument("--trials", type=positive_int, help="timed loads (15)")
     parser.add_argument("--dir", type=Path, default=None,
                         help="where the disk tier and the raw files go (default: a temp dir)")
-    parser.add_argument("--quick", action="store_true", help="5 trials")
+    parser.add_argument("--quick", action="store_true", help="5 trials (unless given)")
     parser.add_argument("--json", type=output_file,
                         default=Path("results/bench-disk-load.json"),
                         help="where to write the results (default "
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
         chunks = tuple(int(c) for c in args.chunks.split(","))
     except ValueError:
         raise ConfigError("--chunks", args.chunks, "comma-separated chunk counts") from None
-    config = DiskLoadConfig(chunks=chunks, trials=5 if args.quick else args.trials,
+    config = DiskLoadConfig(chunks=chunks, trials=given_or(args.trials, args.quick, 5, 15),
                             directory=args.dir)
     result = run_and_report("disk-load", lambda progress: run_disk_load_bench(config, progress),
                             render, lambda r: r.write_json(args.json), args.json)

@@ -20,22 +20,23 @@ from kvtier.tools.cli.argtypes import (
     positive_int,
     work_dir,
 )
-from kvtier.tools.cli.bench import run_and_report
+from kvtier.tools.cli.bench import given_or, run_and_report
 
-QUICK = {"chunks": (1_000, 10_000), "writers": (1, 4), "seconds": 3.0}
+QUICK: dict[str, Any] = {"chunks": (1_000, 10_000), "writers": (1, 4), "seconds": 3.0}
+FULL: dict[str, Any] = {"chunks": (100_000,), "writers": (1, 4), "seconds": 10.0}
 
 
 def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = workloads.add_parser(
         "fleet", help="a shared directory at fleet scale: metadata work per put, "
         "re-measures, eviction, disk-tier start-up", description=__doc__.splitlines()[0])
-    parser.add_argument("--chunks", type=positive_int, nargs="+", default=[100_000],
+    parser.add_argument("--chunks", type=positive_int, nargs="+",
                         help="directory sizes in 4 KiB chunks (100000)")
-    parser.add_argument("--writers", type=positive_int, nargs="+", default=[1, 4],
+    parser.add_argument("--writers", type=positive_int, nargs="+",
                         help="writer processes per run (1 4)")
     parser.add_argument("--rate", type=positive_float, default=100.0,
                         help="puts/s per writer (100)")
-    parser.add_argument("--seconds", type=positive_float, default=10.0,
+    parser.add_argument("--seconds", type=positive_float,
                         help="length of each writers' run (10)")
     parser.add_argument("--interval", type=positive_float, default=2.0,
                         help="the shared tier's scan_interval_s (2: the heartbeat shows in a "
@@ -49,7 +50,7 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     parser.add_argument("--skip-disk", action="store_true",
                         help="no disk-tier start-up figures")
     parser.add_argument("--quick", action="store_true",
-                        help="10^3 and 10^4 chunks, 3 s runs (~1 min)")
+                        help="10^3 and 10^4 chunks, 3 s runs (~1 min), unless given")
     parser.add_argument("--dir", type=work_dir, default=None,
                         help="build the directories here (default: a temp dir); a directory "
                         "already filled is reused")
@@ -58,15 +59,17 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
 
 
 def config_from(args: argparse.Namespace) -> FleetConfig:
-    settings: dict[str, Any] = {
-        "chunks": tuple(args.chunks), "writers": tuple(args.writers), "rate": args.rate,
-        "seconds": args.seconds, "interval": args.interval,
-        "op_latency_ms": args.op_latency_ms, "skip_disk": args.skip_disk,
-        "emulate_latency": args.emulate_latency,
-        "directory": args.dir}
-    if args.quick:
-        settings |= QUICK
-    return FleetConfig(**settings)
+    """The settings: each flag given, else --quick's, else the full run's."""
+    chunks = None if args.chunks is None else tuple(args.chunks)
+    writers = None if args.writers is None else tuple(args.writers)
+    return FleetConfig(chunks=given_or(chunks, args.quick, QUICK["chunks"], FULL["chunks"]),
+                       writers=given_or(writers, args.quick, QUICK["writers"],
+                                        FULL["writers"]),
+                       seconds=given_or(args.seconds, args.quick, QUICK["seconds"],
+                                        FULL["seconds"]),
+                       rate=args.rate, interval=args.interval,
+                       op_latency_ms=args.op_latency_ms, skip_disk=args.skip_disk,
+                       emulate_latency=args.emulate_latency, directory=args.dir)
 
 
 def run(args: argparse.Namespace) -> int:

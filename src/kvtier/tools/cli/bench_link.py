@@ -32,18 +32,18 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         "load-or-recompute rule vs loading every hit", description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=positive_int, default=4096,
                         help="cached prompt length (a multiple of 256; 4096)")
-    parser.add_argument("--gbps", default=DEFAULT_GBPS,
+    parser.add_argument("--gbps",
                         help=f"link speeds in Gbit/s, comma-separated ({DEFAULT_GBPS})")
     parser.add_argument("--delay-ms", type=finite_float, default=0.1,
                         help="one-way delay of the link (0.1 ms)")
-    parser.add_argument("--reps", type=positive_int, default=5,
+    parser.add_argument("--reps", type=positive_int,
                         help="timed pairs (hit, recompute) per speed (5)")
-    parser.add_argument("--warmup", type=non_negative_int, default=3,
+    parser.add_argument("--warmup", type=non_negative_int,
                         help="untimed hits after each change of link (3)")
     parser.add_argument("--config", action="append", choices=CONFIGS,
                         help="engine to run (repeatable; default both)")
     parser.add_argument("--quick", action="store_true",
-                        help="three speeds, fewer repetitions (~6 min)")
+                        help="three speeds, fewer repetitions (~6 min), unless given")
     parser.add_argument("--dir", type=work_dir, default=Path("."),
                         help="redis-server's scratch files go here")
     parser.add_argument("--model-root", type=output_dir, default=Path(".kvtier-models"),
@@ -54,14 +54,16 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
 
 
 def config_from(args: argparse.Namespace) -> LinkConfig:
+    """The settings: --quick's, then each flag given (LinkConfig's defaults: the help's)."""
     settings: dict[str, object] = dict(QUICK) if args.quick else {}
-    if not args.quick or args.gbps != DEFAULT_GBPS:
+    if args.gbps is not None:
         try:
             settings["gbps"] = tuple(float(g) for g in args.gbps.split(",") if g)
         except ValueError:
             raise ConfigError("gbps", args.gbps, "numbers, e.g. 8,1,0.1") from None
-    if not args.quick:
-        settings |= {"reps": args.reps, "warmup": args.warmup}
+    for name in ("reps", "warmup"):
+        if getattr(args, name) is not None:
+            settings[name] = getattr(args, name)
     return LinkConfig(directory=args.dir, model_root=args.model_root,
                       cached_tokens=args.tokens, delay_ms=args.delay_ms,
                       configs=tuple(args.config) if args.config else CONFIGS,

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from rich.table import Table
 
 from kvtier.tools.cli.argtypes import output_file, positive_int
-from kvtier.tools.cli.bench import run_and_report
+from kvtier.tools.cli.bench import given_or, run_and_report
 
 if TYPE_CHECKING:
     from kvtier.tools.bench.mover import MoverBenchResult
@@ -22,12 +22,12 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     parser = workloads.add_parser(
         "mover", help="the device mover's protocol overhead on a stand-in device vs the CPU "
                       "mover (no GPU needed)", description=__doc__.splitlines()[0])
-    parser.add_argument("--chunks", type=positive_int, default=32, help="chunks each way (32)")
+    parser.add_argument("--chunks", type=positive_int, help="chunks each way (32)")
     parser.add_argument("--layers", type=positive_int, default=8, help="model layers (8)")
     parser.add_argument("--tokens-per-chunk", type=positive_int, default=64,
                         help="tokens a chunk (64: 2 MiB with 8 layers, 8 heads of 128)")
-    parser.add_argument("--trials", type=positive_int, default=5, help="timed trials (5)")
-    parser.add_argument("--quick", action="store_true", help="8 chunks, 2 trials")
+    parser.add_argument("--trials", type=positive_int, help="timed trials (5)")
+    parser.add_argument("--quick", action="store_true", help="8 chunks, 2 trials (unless given)")
     parser.add_argument("--json", type=output_file, default=Path("results/bench-mover.json"),
                         help="where to write the results (default results/bench-mover.json)")
     parser.set_defaults(func=run)
@@ -36,9 +36,9 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
 def run(args: argparse.Namespace) -> int:
     from kvtier.tools.bench.mover import MoverBenchConfig, run_mover_bench
 
-    config = MoverBenchConfig(chunks=8 if args.quick else args.chunks, layers=args.layers,
-                              tokens_per_chunk=args.tokens_per_chunk,
-                              trials=2 if args.quick else args.trials)
+    config = MoverBenchConfig(chunks=given_or(args.chunks, args.quick, 8, 32),
+                              layers=args.layers, tokens_per_chunk=args.tokens_per_chunk,
+                              trials=given_or(args.trials, args.quick, 2, 5))
     result = run_and_report("mover", lambda progress: run_mover_bench(config, progress),
                             render, lambda r: r.write_json(args.json), args.json)
     return 0 if result.verified else 1

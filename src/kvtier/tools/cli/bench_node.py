@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from rich.table import Table
 
 from kvtier.tools.cli.argtypes import output_file, positive_int
-from kvtier.tools.cli.bench import run_and_report
+from kvtier.tools.cli.bench import given_or, run_and_report
 
 if TYPE_CHECKING:
     from kvtier.tools.bench.node import NodeBenchResult
@@ -22,12 +22,12 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     parser = workloads.add_parser(
         "node", help="RAM hits and stores through kvtier node vs in-process vs a raw copy",
         description=__doc__.splitlines()[0])
-    parser.add_argument("--chunks", type=positive_int, default=64,
+    parser.add_argument("--chunks", type=positive_int,
                         help="chunks a batch: a step's stores, a request's hit (64)")
     parser.add_argument("--chunk-kib", type=positive_int, default=2048,
                         help="KiB a chunk (2048)")
-    parser.add_argument("--trials", type=positive_int, default=5, help="timed trials (5)")
-    parser.add_argument("--quick", action="store_true", help="16 chunks, 2 trials")
+    parser.add_argument("--trials", type=positive_int, help="timed trials (5)")
+    parser.add_argument("--quick", action="store_true", help="16 chunks, 2 trials (unless given)")
     parser.add_argument("--json", type=output_file, default=Path("results/bench-node.json"),
                         help="where to write the results (default results/bench-node.json)")
     parser.set_defaults(func=run)
@@ -36,8 +36,9 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
 def run(args: argparse.Namespace) -> int:
     from kvtier.tools.bench.node import NodeBenchConfig, run_node_bench
 
-    config = NodeBenchConfig(chunks=16 if args.quick else args.chunks,
-                             chunk_kib=args.chunk_kib, trials=2 if args.quick else args.trials)
+    config = NodeBenchConfig(chunks=given_or(args.chunks, args.quick, 16, 64),
+                             chunk_kib=args.chunk_kib,
+                             trials=given_or(args.trials, args.quick, 2, 5))
     result = run_and_report("node", lambda progress: run_node_bench(config, progress),
                             render, lambda r: r.write_json(args.json), args.json)
     return 0 if result.verified else 1

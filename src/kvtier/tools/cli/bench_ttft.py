@@ -53,7 +53,8 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                         help="cached prompt lengths, comma-separated (multiples of the chunk: "
                         "256; qwen3-next 288); default 1024,4096,8192,16384 "
                         "(qwen3-next 1152,3456)")
-    parser.add_argument("--reps", type=non_negative_int, default=9, help="timed hits per point (9)")
+    parser.add_argument("--reps", type=non_negative_int,
+                        help="timed hits per point (9; --quick 15)")
     parser.add_argument("--engine", action="append", choices=ENGINES,
                         help="configuration to run (repeatable; default all but kvtier-node)")
     parser.add_argument("--dir", type=work_dir, default=Path("."),
@@ -84,7 +85,7 @@ def config_from(args: argparse.Namespace) -> TtftConfig:
             settings["cached_tokens"] = tuple(int(t) for t in args.tokens.split(",") if t)
         except ValueError:
             raise ConfigError("tokens", args.tokens, "integers, e.g. 1024,4096") from None
-    if not args.quick or args.reps != 9:
+    if args.reps is not None:
         settings["reps"] = args.reps
     return TtftConfig(directory=args.dir, model_root=args.model_root, model=args.model,
                       engines=tuple(args.engine) if args.engine else model.default_engines,
