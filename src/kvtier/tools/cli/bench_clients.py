@@ -36,7 +36,7 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     parser = workloads.add_parser(
         "clients", help="the field's benchmark clients (vLLM multi-turn, LMCache "
                         "long_doc_qa), unmodified, against vLLM with and without kvtier",
-        description=__doc__.splitlines()[0])
+        description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help="small sizes: 6 conversations, 3 documents (default: 24 "
                              "conversations of 4-6 turns, 8 at a time; 8 documents of ~2k "

@@ -24,7 +24,7 @@ from kvtier.tools.cli.bench import given_or, run_and_report
 def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = workloads.add_parser(
         "codecs", help="codec ratio, GB/s and capacity gain on real KV; encryption cost",
-        description=__doc__.splitlines()[0])
+        description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--kv-dir", type=any_path,
                         help="measure the chunk files of this kvtier disk/shared directory "

@@ -37,7 +37,7 @@ def mib_list(text: str) -> tuple[float, ...]:
 def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = workloads.add_parser(
         "copy", help="the connector's movers (paged KV <-> pinned host chunks) vs a raw copy",
-        description=__doc__.splitlines()[0],
+        description=__doc__.split("\n\n")[0],
     )
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--layout",

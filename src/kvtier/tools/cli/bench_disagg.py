@@ -36,7 +36,7 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     parser = workloads.add_parser(
         "disagg", help="disaggregated prefill through kvtier vs one instance: streams' ITL, "
         "long arrivals' TTFT and ITL",
-        description=__doc__.splitlines()[0])
+        description=__doc__.split("\n\n")[0])
     defaults = DisaggBenchConfig(Path("."), Path("."))
     parser.add_argument("--setup", action="append", choices=SETUPS,
                         help=f"setup to run (repeatable; default {', '.join(SETUPS)})")

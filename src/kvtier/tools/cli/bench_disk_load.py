@@ -23,7 +23,7 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     parser = workloads.add_parser(
         "disk-load", help="a disk hit's load (reads + copy into blocks) vs a raw O_DIRECT "
                           "read of the same bytes, and a store vs a raw write (no engine)",
-        description=__doc__.splitlines()[0])
+        description=__doc__.split("\n\n")[0])
     parser.add_argument("--chunks", default="4,16",
                         help="chunks a load, comma-separated (4,16: 1k and 4k tokens of "
                              "`bench ttft`'s model, 2 MiB a chunk)")

@@ -29,7 +29,7 @@ FULL: dict[str, Any] = {"chunks": (100_000,), "writers": (1, 4), "seconds": 10.0
 def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = workloads.add_parser(
         "fleet", help="a shared directory at fleet scale: metadata work per put, "
-        "re-measures, eviction, disk-tier start-up", description=__doc__.splitlines()[0])
+        "re-measures, eviction, disk-tier start-up", description=__doc__.split("\n\n")[0])
     parser.add_argument("--chunks", type=positive_int, nargs="+",
                         help="directory sizes in 4 KiB chunks (100000)")
     parser.add_argument("--writers", type=positive_int, nargs="+",

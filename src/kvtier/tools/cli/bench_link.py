@@ -29,7 +29,7 @@ DEFAULT_GBPS = "8,2,1,0.5,0.25,0.1"
 def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = workloads.add_parser(
         "link", help="TTFT of remote-tier hits as the link slows: recompute vs kvtier's "
-        "load-or-recompute rule vs loading every hit", description=__doc__.splitlines()[0])
+        "load-or-recompute rule vs loading every hit", description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=positive_int, default=4096,
                         help="cached prompt length (a multiple of 256; 4096)")
     parser.add_argument("--gbps",

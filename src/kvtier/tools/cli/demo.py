@@ -48,7 +48,7 @@ from kvtier.tools.ops.serving import ServeCommand
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "demo", help="see kvtier make returning conversations fast (vLLM, no downloads)",
-        description=__doc__.splitlines()[0])
+        description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true",
                    help="a smaller workload (about half the time; for CI)")
     p.add_argument("--out", type=output_dir, default=Path("results/demo"),

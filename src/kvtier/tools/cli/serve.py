@@ -65,7 +65,7 @@ from kvtier.units import parse_size
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "serve", help="start vLLM's OpenAI-compatible server with kvtier",
-        description=__doc__.splitlines()[0],
+        description=__doc__.split("\n\n")[0],
         epilog="Arguments after `--` go to vLLM verbatim (with kvtier, all but "
                "--kv-transfer-config, which kvtier sets, and --kv-offloading-size, with which "
                "vLLM replaces kvtier: --config FILE takes its settings). "
