@@ -23,10 +23,12 @@ Never a traceback, never a hang.
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
 import io
 import json
 import shlex
+import shutil
 import signal
 import tempfile
 import traceback
@@ -50,6 +52,9 @@ SECONDS_PER_RUN = 20  # generous: a hang on odd input is a finding too
 
 # Every run happens in WORKDIR (the commands' default output paths, results/..., land there).
 WORKDIR = Path(tempfile.mkdtemp(prefix="kvtier-odd-"))
+# Made at import, so also when the module is collected and not run: removed at exit either way
+# (every run of the suite once left one in /tmp).
+atexit.register(shutil.rmtree, WORKDIR, ignore_errors=True)
 (WORKDIR / "results").mkdir()
 STORE = WORKDIR / "store.json"
 STORE.write_text(json.dumps({"tiers": [{"kind": "disk", "path": str(WORKDIR / "disk"),
