@@ -253,6 +253,30 @@ def test_report_table_shows_hit_rates_per_kvtier_tier_and_ratios():
     assert "0.25x" in text  # TTFT p50 of "with" is a quarter of "without"
 
 
+def test_the_itl_row_compares_each_of_its_three_percentiles():
+    """The row shows ITL p50 / p90 / p99 for each run; its B / A cell once held p50's ratio
+    alone, which read as the ratio of all three (or of p99, the tail the row is read for)."""
+    from rich.console import Console
+
+    from kvtier.tools.bench.serving.client import WorkloadRun
+    from kvtier.tools.bench.serving.report import summary_table
+    from kvtier.tools.bench.serving.runner import BenchRun
+
+    def run(label: str, gaps: tuple[float, ...]) -> BenchRun:
+        results = (result(0.1, itl=gaps),)
+        return BenchRun(label, "http://x", "m", "multi-round", {},
+                        WorkloadRun(results, 1.0, True), summarize(results, 1.0), None, {})
+
+    steady = tuple([0.010] * 100)
+    tail = tuple([0.010] * 50 + [0.020] * 49 + [0.100])  # p50 1.5x, p90 2x, p99 2.08x
+    console = Console(record=True, width=200)
+    console.print(summary_table([run("a", steady), run("b", tail)]))
+    [row] = [line for line in console.export_text().splitlines() if "ITL p50" in line]
+    assert row.split("│")[-2].split() == ["1.50x", "/", "2.00x", "/", "2.08x"]
+    r = ratios(summarize([result(0.1, itl=steady)], 1.0), summarize([result(0.1, itl=tail)], 1.0))
+    assert (r["ITL p90"], r["ITL p99"]) == (pytest.approx(2.0), pytest.approx(2.08))
+
+
 def test_every_bench_help_renders(capsys):
     # argparse %-formats help strings: a stray "%" in a generator's docstring broke --help.
     from kvtier.tools.cli.main import main

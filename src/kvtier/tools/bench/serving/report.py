@@ -107,7 +107,8 @@ def _ratio_rows(runs: Sequence[BenchRun]) -> dict[str, str]:
         "TTFT p50 / p90 / p99 (ms)": " / ".join(fmt(r[k]) for k in ("TTFT p50", "TTFT p90",
                                                                      "TTFT p99")),
         "TTFT p50, returning turns (ms)": fmt(returning["TTFT p50"]),
-        "ITL p50 / p90 / p99 (ms)": fmt(r["ITL p50"]),
+        "ITL p50 / p90 / p99 (ms)": " / ".join(fmt(r[k]) for k in ("ITL p50", "ITL p90",
+                                                                    "ITL p99")),
         "latency p50 (ms)": fmt(r["latency p50"]),
     }
 

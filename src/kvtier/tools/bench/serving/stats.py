@@ -122,7 +122,8 @@ RATIO_FIELDS: tuple[tuple[str, str], ...] = (
     ("request throughput", "request_throughput_rps"),
     ("output tok/s", "output_throughput_tok_s"),
     ("TTFT p50", "ttft.p50"), ("TTFT p90", "ttft.p90"), ("TTFT p99", "ttft.p99"),
-    ("ITL p50", "itl.p50"), ("latency p50", "latency.p50"),
+    ("ITL p50", "itl.p50"), ("ITL p90", "itl.p90"), ("ITL p99", "itl.p99"),
+    ("latency p50", "latency.p50"),
 )
 
 
