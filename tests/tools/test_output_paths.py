@@ -71,6 +71,17 @@ def test_an_unusable_work_dir_is_one_line(command, directory, why) -> None:  # t
     assert len([line for line in err.splitlines() if "error:" in line]) == 1
 
 
+@pytest.mark.parametrize(("command", "option"), WRITERS)
+def test_a_path_that_cannot_be_written_is_refused_before_the_work(command, option) -> None:  # type: ignore[no-untyped-def]
+    """/proc takes no new file or directory: refused in one line, not a traceback when the
+    results are written after the measurement (`bench node --json /sys/x.json` once ran,
+    then crashed)."""
+    code, err = run_cli([*command, f"{option}=/proc/kvtier-out"])
+    assert code == 2, err
+    assert f"argument {option}: '/proc/kvtier-out': cannot be written" in err
+    assert "Traceback" not in err
+
+
 def test_a_directory_given_as_the_json_file_is_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
     code, err = run_cli(["bench", "storage", f"--json={tmp_path}"])
     assert code == 2 and "is a directory, not a file" in err

@@ -189,18 +189,39 @@ def _parent_exists(text: str) -> Path:
 
 def output_file(text: str) -> Path:
     """A file to write: its parent directory must exist already, since kvtier creates no
-    parent directories (issue 14: `--plot a/b/c.png` must not make a/b); not a directory."""
+    parent directories (issue 14: `--plot a/b/c.png` must not make a/b); not a directory;
+    and one that can be written, probed now: a benchmark writes its JSON after minutes of
+    work, and `--json /sys/x.json` (or a read-only mount, or a directory the user may not
+    write) failed only then, as a traceback."""
     path = _parent_exists(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file")
+    try:
+        if path.is_file():  # opened to append: nothing written, nothing truncated
+            path.open("ab").close()
+        elif not path.exists():  # a fifo or a device (/dev/stdout) is left alone
+            fd, probe = tempfile.mkstemp(prefix=".kvtier-probe-", dir=path.parent)
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: cannot be written ({exc.strerror or exc})") from None
     return path
 
 
 def output_dir(text: str) -> Path:
-    """A directory to write into (made if missing): its parent must exist already."""
+    """A directory to write into (made if missing): its parent must exist already, and, where
+    it is missing, take it (probed now, as for `output_file`). One that exists is not probed:
+    a read-only model cache (`--model-root`) that holds the model is only read."""
     path = _parent_exists(text)
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} exists and is not a directory")
+    if not path.exists():
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".kvtier-probe-", dir=path.parent))
+        except OSError as exc:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: cannot be written ({exc.strerror or exc})") from None
     return path
 
 
