@@ -6,6 +6,7 @@ size and ceiling it was asked for and writes them as positive numbers, never how
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -88,3 +89,21 @@ def test_an_interpreter_without_lmcache_is_reported_not_fatal(tmp_path: Path) ->
     assert "No module named 'lmcache'" in report["lmcache"]["error"]
     assert {m["subject"] for m in report["measurements"]} == {"copy", "direct", "direct_1file",
                                                               "memory"}
+
+
+def test_each_ceiling_a_tier_is_held_to_is_in_the_ceilings_table(tmp_path: Path) -> None:
+    """The memory tier's get is held to the copy timed beside the gets; the ceilings table once
+    showed only the copy timed beside the puts, under the header "copy"."""
+    from rich.console import Console
+
+    from kvtier.tools.bench.storage import BenchConfig, run_bench
+    from kvtier.tools.cli.bench_storage import ceiling_table
+
+    result = run_bench(BenchConfig(directory=tmp_path, sizes_bytes=(2 << 20,), tiers=("memory",),
+                                   trials=1, trial_bytes=4 << 20))
+    console = Console(record=True, width=200, file=io.StringIO())
+    console.print(ceiling_table(result))
+    text = console.export_text()
+    for v in result.verdicts:
+        assert f"{v.ceiling_gbps:.2f}" in text, (v.op, v.ceiling_gbps)
+    assert "copy (puts)" in text and "copy (gets)" in text

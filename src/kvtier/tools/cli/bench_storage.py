@@ -35,14 +35,16 @@ from kvtier.units import parse_size
 MAX_CHUNK_BYTES = 1 << 40  # 1 TiB: a larger chunk is a typo
 QUICK = {"trials": 3, "trial_bytes": 32 * MIB, "min_chunks": 2}  # ~10 s on a 2-core VM
 # (subject, op, column title) of the ceilings table
-CEILINGS = (("copy", "put", "copy"), ("direct", "put", "O_DIRECT write"),
-            ("direct", "get", "O_DIRECT read"), ("direct_1file", "put", "1-file write"),
-            ("direct_1file", "get", "1-file read"))
+# The copy is timed twice a round, beside the puts and beside the gets, and a tier's put and
+# get are each held to their own: both are shown (one column once showed the puts' alone).
+CEILINGS = (("copy", "put", "copy (puts)"), ("copy", "get", "copy (gets)"),
+            ("direct", "put", "O_DIRECT write"), ("direct", "get", "O_DIRECT read"),
+            ("direct_1file", "put", "1-file write"), ("direct_1file", "get", "1-file read"))
 
 
 CEILING_NAMES = {(subject, op): title for subject, op, title in CEILINGS} | {
-    ("copy", "get"): "copy", ("redis_raw", "put"): "raw SET", ("redis_raw", "get"): "raw GET",
-    ("s3_raw", "put"): "raw PUT", ("s3_raw", "get"): "raw GET"}
+    ("copy", "put"): "copy", ("copy", "get"): "copy", ("redis_raw", "put"): "raw SET",
+    ("redis_raw", "get"): "raw GET", ("s3_raw", "put"): "raw PUT", ("s3_raw", "get"): "raw GET"}
 
 
 def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
