@@ -38,6 +38,9 @@ fails a call is marked down and retried with exponential backoff up to `retry_ma
 is down, lookups and reads miss and writes are dropped (counted) in microseconds, without I/O.
 A call blocks at most `socket_timeout_ms` on an open connection, `connect_timeout_ms` +
 `socket_timeout_ms` on a new one: redis-py's own retries are off, as they would multiply that.
+A server that answers with an error reply other than OOM (NOPERM: an ACL user without EVAL,
+which every put's commit runs; a database index it does not have) is up: every such call
+misses or is dropped (counted), and the first of each kind is logged at warning.
 For a Cluster, start the servers with `cluster-require-full-coverage no`, so that a dead node
 costs only the chunks of its slots (with the default `yes` the whole cluster refuses queries once
 it notices).
@@ -189,6 +192,7 @@ class RedisTier:
         self.guard = Guard(self.name, MIN_BACKOFF_S, config.retry_max_s)
         self._admission = AdmissionFilter(config.admit_after)
         self._counters = TierCounters(self.name, config.capacity)
+        self._refusals: set[str] = set()  # kinds of error reply logged at warning already
         # What this client stores and removes (its index's evictions, bad chunks, deletes);
         # what the server drops alone (maxmemory, a TTL) is not seen: a router learns it as
         # a miss.
@@ -330,7 +334,7 @@ class RedisTier:
             values = self._run(self._endpoint(names[0]),
                                lambda c: self._fetch(c, names, self._placer(key, out)))
         except (TierUnavailable, redis.RedisError) as exc:
-            log.debug("redis tier %r: read of %s failed (%s); a miss", self.name, key.hex(), exc)
+            self._log_failure("read", key, exc)
             self._counters.add(misses=1)
             return UNAVAILABLE if isinstance(exc, TierUnavailable) else IO_ERROR
         if values[0] is None:
@@ -473,7 +477,7 @@ class RedisTier:
             used = names[: 1 + self._parts(len(encoded.body))]
             self._run(endpoint, lambda c: self._store(c, used, encoded.header, encoded.body))
         except (TierUnavailable, redis.RedisError) as exc:
-            log.debug("redis tier %r: write of %s dropped (%s)", self.name, key.hex(), exc)
+            self._log_failure("write", key, exc)
             self._counters.add(dropped_writes=1)
             return _write_failure(exc)
         self._counters.add(puts=1, bytes_written=len(data), write_s=time.perf_counter() - start)
@@ -483,6 +487,23 @@ class RedisTier:
         if self._manifest is not None:
             self._write_manifest()
         return OK
+
+    def _log_failure(self, action: str, key: ChunkKey, exc: Exception) -> None:
+        """Log a failed read or write: at debug while the server is down (the guard warned)
+        or full (OOM: expected under `noeviction`); an error reply of another kind at
+        warning, once per kind: NOPERM (an ACL user without a command the tier needs) or a
+        database index out of range fails every call while the server answers, so the
+        tier looks up and nothing else would tell the operator."""
+        kind = f"{type(exc).__name__} {str(exc).partition(' ')[0]}"  # "ResponseError DB"
+        if isinstance(exc, TierUnavailable) or _write_failure(exc) is FULL \
+                or kind in self._refusals:
+            log.debug("redis tier %r: %s of %s failed (%s); a miss or a dropped write",
+                      self.name, action, key.hex(), exc)
+            return
+        self._refusals.add(kind)
+        log.warning("redis tier %r: the server refused a %s (%s: %s); reads miss and writes "
+                    "are dropped while it does (logged once per kind of error)", self.name,
+                    action, type(exc).__name__, exc)
 
     def keep_manifest(self, manifest: NamespaceManifest) -> None:
         """Record the namespace's manifest (`ManifestKeeper`): written after the first chunk
