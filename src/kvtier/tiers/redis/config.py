@@ -26,6 +26,7 @@ MIN_TTL_S = 0.001
 MAX_TTL_S = 365 * 24 * 3600
 _URL_EXAMPLE = "e.g. redis://127.0.0.1:6379/0"
 MAX_PART_BYTES = 512 * 1024**2  # Redis's largest value (proto-max-bulk-len's default)
+MIN_PART_BYTES = 1024  # the smallest part_bytes: readers take no smaller part for a writer's
 
 
 class RedisTierConfig(EncodedTierSettings):
@@ -152,7 +153,7 @@ class RedisTierConfig(EncodedTierSettings):
     def _part_size(cls, size: int) -> int:
         # Above 512 MiB (Redis's proto-max-bulk-len by default) a chunk that large was
         # written in one value the server refuses: every store of it failed.
-        if not 1024 <= size <= MAX_PART_BYTES:
+        if not MIN_PART_BYTES <= size <= MAX_PART_BYTES:
             raise ValueError("1 KiB to 512 MiB (a few MiB is best; Redis allows 512 MiB a "
                              "value)")
         return size

@@ -13,7 +13,9 @@ pipeline on one connection, so a reader that sees the header sees every part. Th
 60 s TTL until one Lua script commits the header and lifts it, atomically, only if every part
 is there: a put that fails part-way (a full server) leaves no orphan (tiers/redis/write.py,
 `kvtier gc` sweeps any left by older versions). A read is one MGET of header and parts,
-verified (header, layout, key, sizes, checksum) before a byte is used, never unpickled; a chunk
+verified (header, layout, key, sizes, checksum) before a byte is used, never unpickled (a chunk
+another engine cut with another `part_bytes` is read by its first part's size, its parts past
+this tier's names in one more round trip: engines may differ, as in a rolling change); a chunk
 stored as is comes off the socket straight into the reader's buffer (tiers/redis/replies.py:
 one copy, by the kernel, where redis-py makes five). A missing part (the server evicted it
 alone), a value of the wrong size or a checksum mismatch is a counted miss, and the chunk's
@@ -103,7 +105,7 @@ from kvtier.tiers.manifest import NamespaceManifest
 from kvtier.tiers.probe import TierProbe
 from kvtier.tiers.redis.client import UNAVAILABLE as DOWN_ERRORS
 from kvtier.tiers.redis.client import Client, connect, read_password
-from kvtier.tiers.redis.config import RedisTierConfig
+from kvtier.tiers.redis.config import MIN_PART_BYTES, RedisTierConfig
 from kvtier.tiers.redis.index import RedisLRUIndex
 from kvtier.tiers.redis.inventory import RedisInventory
 from kvtier.tiers.redis.manifest import redis_manifest_name, write_redis_manifest
@@ -340,6 +342,15 @@ class RedisTier:
         if values[0] is None:
             self._counters.add(misses=1)
             return MISSING
+        more = self._more_names(key, values)
+        if more:  # written with a smaller part_bytes (another engine's): its other parts
+            try:
+                values = values + self._run(self._endpoint(names[0]),
+                                            lambda c: self._fetch(c, more, _as_bytes))
+            except (TierUnavailable, redis.RedisError) as exc:
+                self._log_failure("read", key, exc)
+                self._counters.add(misses=1)
+                return UNAVAILABLE if isinstance(exc, TierUnavailable) else IO_ERROR
         try:
             lost = not self._verify_into(key, values, out, meta.tenant)
         except KeyNotHeld as exc:  # not tampering: another engine may hold the key
@@ -392,14 +403,18 @@ class RedisTier:
         anything else (the header, an encoded chunk's parts, a header in doubt) as bytes,
         for `_verify_into` to judge."""
         plain: list[bool] = []  # the header's verdict, once
+        cut: list[int] = []  # the writer's part size: its first part's (`_writer_part_bytes`)
 
         def place(index: int, length: int, earlier: list[Any]) -> memoryview | None:
             if index == 0:
                 return None
             if not plain:
                 plain.append(self._plain(key, earlier[0], len(out)))
-            offset = (index - 1) * self.part_bytes
-            if not plain[0] or length != min(self.part_bytes, len(out) - offset):
+            if index == 1 and length > 0:
+                cut.append(length)
+            part = cut[0] if cut else self.part_bytes
+            offset = (index - 1) * part
+            if not plain[0] or offset >= len(out) or length != min(part, len(out) - offset):
                 return None
             return out[offset : offset + length]
 
@@ -414,6 +429,38 @@ class RedisTier:
         except (CorruptChunk, KeyNotHeld):  # judged (and counted) by _verify_into
             return False
         return chunk.plain and chunk.body_bytes == chunk.payload_bytes == payload_bytes
+
+    def _writer_part_bytes(self, parts: list[Any], body_bytes: int) -> int:
+        """The part size a body of `body_bytes` was cut with: its first part's size when
+        every part of `parts` that size implies has the size it implies (an engine with
+        another `part_bytes` wrote it: a rolling change of the setting), else this tier's
+        own (whose checks then find the chunk lost or corrupt). Parts the size implies
+        beyond `parts` are not judged: `_more_names` fetches them."""
+        first = parts[0] if parts else None
+        # No writer cuts finer than MIN_PART_BYTES: a shorter first part is damage (whose
+        # size would otherwise ask for up to a name per byte of the body).
+        if (first is None or not MIN_PART_BYTES <= len(first) <= body_bytes
+                or len(first) == self.part_bytes):
+            return self.part_bytes
+        size = len(first)
+        for i, part in enumerate(parts[: -(-body_bytes // size)]):
+            if part is None or len(part) != min(size, body_bytes - i * size):
+                return self.part_bytes
+        return size
+
+    def _more_names(self, key: ChunkKey, values: list[Any]) -> list[str]:
+        """The names of a chunk's parts beyond those read (`values`: header and parts),
+        when its writer cut it finer than this tier's `part_bytes` gives names for; [] for
+        any other chunk (its header unreadable included: `_verify_into` judges)."""
+        header = values[0]
+        if header is None or len(header) != HEADER_BYTES:
+            return []
+        try:
+            body_bytes = read_header(header, key, self.names.digest).body_bytes
+        except CorruptChunk:  # KeyNotHeld too
+            return []
+        needed = -(-body_bytes // self._writer_part_bytes(values[1:], body_bytes))
+        return self.names.values(key, needed)[len(values):]
 
     def _verify_into(self, key: ChunkKey, values: list[Any], out: memoryview,
                      tenant: str | None) -> bool:
@@ -432,7 +479,8 @@ class RedisTier:
         if chunk.payload_bytes != self.chunk_bytes:
             raise CorruptChunk(f"payload is {chunk.payload_bytes} bytes, expected "
                                f"{self.chunk_bytes}")
-        needed = self._parts(chunk.body_bytes)
+        part_bytes = self._writer_part_bytes(values[1:], chunk.body_bytes)
+        needed = max(1, -(-chunk.body_bytes // part_bytes))
         if needed > len(values) - 1:
             raise CorruptChunk(f"body of {chunk.body_bytes} bytes: more than this layout's "
                                f"{len(values) - 1} parts")
@@ -445,7 +493,7 @@ class RedisTier:
         offset = 0
         for i, part in enumerate(parts):
             assert part is not None
-            expected = min(self.part_bytes, chunk.body_bytes - offset)
+            expected = min(part_bytes, chunk.body_bytes - offset)
             if len(part) != expected:
                 raise CorruptChunk(f"part {i} is {len(part)} bytes, expected {expected}")
             if not (body is out and isinstance(part, memoryview)):  # placed already (_placer)
@@ -593,6 +641,11 @@ class RedisTier:
         client, self._client = self._client, None
         if client is not None:
             client.close()
+
+
+def _as_bytes(index: int, length: int, earlier: list[Any]) -> memoryview | None:
+    """A `Place` that places nothing: every value comes back as bytes."""
+    return None
 
 
 def _write_failure(exc: Exception) -> TierResult:
