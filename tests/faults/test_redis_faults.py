@@ -247,7 +247,7 @@ def test_acl_user_with_password_from_a_file(redis_server: RedisServer, tmp_path:
     admin = redis_server.client()
     admin.execute_command("ACL", "SETUSER", "kvcache", "on", ">s3cret-pw", "~kvtier:*",
                           "+@read", "+@write", "+@keyspace", "+@scripting", "+@connection",
-                          "-@dangerous")
+                          "+time", "-@dangerous")  # TIME: the LRU index's script (capacity)
     admin.execute_command("ACL", "SETUSER", "default", "off")
     password_file = tmp_path / "redis-password"
     password_file.write_text("s3cret-pw\n")

@@ -12,6 +12,7 @@ seen in the server's own command counters (SETs executed and SETs refused in one
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -22,6 +23,7 @@ from orphankit import (
     payload,
     redis_config,
     redis_tier,
+    squeeze,
     squeezed_puts,
 )
 from redis_server import RedisServer
@@ -92,4 +94,25 @@ def test_the_commit_lifts_the_part_ttl_to_the_tiers_own(redis_url: str) -> None:
     client = redis.Redis.from_url(redis_url)
     ttls = [client.pttl(name) for name in tier.names.values(key(1))]
     assert all(PART_TTL_MS < ttl <= 3_600_000 for ttl in ttls), ttls
+    tier.close()
+
+
+def test_a_chunk_whose_index_update_a_full_server_refuses_is_not_kept(
+        redis_server: RedisServer, tight: redis.Redis, caplog: pytest.LogCaptureFixture) -> None:
+    """capacity > 0: the server lets a put's commit in and, now over maxmemory, refuses the
+    LRU index's script (OOM) that should count it. Before the fix that chunk stayed, counted
+    by no index: never evicted (no TTL), beyond capacity, missing from `chunks`; found by
+    squeezing the server step by step. Now the put deletes it and reports the server full."""
+    tier = redis_tier(redis_server.url, capacity=20 * (4096 + LAYOUT.bytes_per_chunk))
+    with caplog.at_level(logging.DEBUG, logger="kvtier.tiers.redis.tier"):
+        for n, headroom in enumerate(range(0, 256 * 1024, 2 * 1024)):
+            squeeze(tight, headroom)
+            result = tier.put(key(n), payload(n))
+            headers = {raw.decode().split("{")[1][:32] for raw in tight.scan_iter("kvtier:*:h")}
+            indexed = {raw.decode() for raw in tight.zrange(tier.names.index, 0, -1)}
+            assert headers == indexed, f"put {n} ({result}): chunks the index does not count"
+    refusals = [r for r in caplog.records if "index update failed" in r.getMessage()
+                and "memory" in r.getMessage()]
+    assert refusals, "the index was never refused: the test proved nothing"
+    assert tier.stats().chunks == tight.zcard(tier.names.index)
     tier.close()

@@ -94,8 +94,10 @@ class RedisLRUIndex:
         """Whether hits wait to be flushed."""
         return bool(self._touched)
 
-    def update(self, new_hex: str) -> None:
-        """Add `new_hex` (unless ""), apply pending hits, evict beyond capacity."""
+    def update(self, new_hex: str) -> TierUnavailable | redis.RedisError | None:
+        """Add `new_hex` (unless ""), apply pending hits, evict beyond capacity. Returns
+        why the index was not updated (the server down, or its error reply: OOM on a full
+        server), else None."""
         with self._touch_lock:
             touched, self._touched = self._touched, set()
             self._touched_at = time.monotonic()
@@ -105,12 +107,13 @@ class RedisLRUIndex:
                 keys=[self.name], args=args, client=c))
         except (TierUnavailable, redis.RedisError) as exc:
             log.debug("redis tier %r: index update failed (%s)", self.tier_name, exc)
-            return
+            return exc
         victims = [v.decode() for v in flat[::2]]
         if victims:
             self._evict(victims)
             self._counters.add(evictions=len(victims))
         self._counters.set(chunks=int(held), used_bytes=int(held) * self.stored_bytes)
+        return None
 
     def remove(self, hex_keys: list[str]) -> None:
         """Drop chunks from the index (deleted, or found bad)."""

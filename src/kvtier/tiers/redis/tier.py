@@ -26,9 +26,10 @@ Capacity: the tier enforces `capacity` when it is > 0, and leaves it to the serv
     <prefix>{<digest>}:lru scores chunks by last use (server clock); one Lua script adds a new
     chunk, applies the hits batched since the last call, and pops the least recently used beyond
     capacity, atomically, so concurrent writers on many hosts never overshoot (see
-    tiers/redis/index.py). For a server shared with other data (which maxmemory eviction would
-    also throw out), or to split one server between namespaces. Costs one more round trip per
-    put, on the node holding the set.
+    tiers/redis/index.py); a chunk whose index update the server refuses (OOM right after
+    the chunk's commit, an ACL user without TIME) is deleted, not left uncounted. For a server
+    shared with other data (which maxmemory eviction would also throw out), or to split one
+    server between namespaces. Costs one more round trip per put, on the node holding the set.
   - capacity = 0 (recommended for a dedicated cache server or cluster): the server's `maxmemory`
     with `allkeys-lru` (or `allkeys-lfu`) evicts, with Redis's exact memory accounting, no extra
     round trip and no hot index key. With the default `noeviction` policy a full server refuses
@@ -524,14 +525,17 @@ class RedisTier:
             encoded = self.encoder.encode(key, data, meta.tenant)
             used = names[: 1 + self._parts(len(encoded.body))]
             self._run(endpoint, lambda c: self._store(c, used, encoded.header, encoded.body))
+            if self._index is not None and (refused := self._index.update(key.hex())):
+                # A chunk the index does not count is never evicted by it: a full server
+                # refuses the index's script (OOM) right after the chunk's commit.
+                self._discard(endpoint, used)
+                raise refused
         except (TierUnavailable, redis.RedisError) as exc:
             self._log_failure("write", key, exc)
             self._counters.add(dropped_writes=1)
             return _write_failure(exc)
         self._counters.add(puts=1, bytes_written=len(data), write_s=time.perf_counter() - start)
         self.events.stored(key)
-        if self._index is not None:
-            self._index.update(key.hex())
         if self._manifest is not None:
             self._write_manifest()
         return OK
@@ -585,6 +589,15 @@ class RedisTier:
                 log.debug("redis tier %r: parts of a failed write not deleted (%s)", self.name,
                           exc)
             raise
+
+    def _discard(self, endpoint: str, names: list[str]) -> None:
+        """Best-effort delete of the values of a chunk just stored that the index did not
+        count (DEL is allowed on a full server); left to `ttl_s` when the server is down."""
+        try:
+            self._run(endpoint, lambda c: c.delete(*names))
+        except (TierUnavailable, redis.RedisError) as exc:
+            log.info("redis tier %r: a chunk the index did not count was not deleted (%s)",
+                     self.name, exc)
 
     def delete(self, key: ChunkKey) -> bool:
         names = self.names.values(key)
