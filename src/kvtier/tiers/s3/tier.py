@@ -24,7 +24,8 @@ lookups and reads miss and writes are dropped (counted) without I/O. A throttled
 (503 SlowDown) backs off and retries until `write_timeout_s`, then is dropped
 (`throttled_writes`). Credentials that are missing, or refused by the server when the tier
 starts, are a ConfigError naming the field (s3_client.py); an endpoint down at start-up is
-not: the tier starts unavailable.
+not: the tier starts unavailable. Any other error answer (credentials revoked mid-run: 403)
+misses or drops the call, counted; the first of each error code is logged at warning.
 
 Capacity and expiry: `ttl_days` expires objects by age (a lifecycle rule on the prefix,
 written at start-up when `manage_lifecycle`); `capacity` > 0 bounds a namespace's bytes by a
@@ -154,6 +155,7 @@ class S3Tier:
         self.events = TierEvents(self.name)
         self._absent = NegativeCache(config.negative_cache_s)  # chunks found absent lately
         self._lock = threading.Lock()
+        self._refusals: set[str] = set()  # error codes logged at warning already
         self._manifest: NamespaceManifest | None = None
         # Monotonic time of the last capacity listing; none yet, so the first put lists. Not
         # 0.0: monotonic time counts from boot, and on a machine up for less than
@@ -229,6 +231,8 @@ class S3Tier:
         except self._errors.answered as exc:
             if is_absent(exc):
                 self._absent.remember(key)
+            else:
+                self._log_refusal("lookup", name, exc)
             return False
         return True
 
@@ -266,7 +270,10 @@ class S3Tier:
             return UNAVAILABLE
         except self._errors.answered as exc:
             self._counters.add(misses=1)
-            return MISSING if is_absent(exc) else IO_ERROR
+            if is_absent(exc):
+                return MISSING
+            self._log_refusal("read", name, exc)
+            return IO_ERROR
         try:
             self._verify_into(key, memoryview(data), out, meta.tenant)
         except KeyNotHeld as exc:  # not tampering: another engine may hold the key
@@ -348,6 +355,7 @@ class S3Tier:
         except self._errors.answered as exc:
             if is_absent(exc):
                 return None
+            self._log_refusal("write", name, exc)
             self._counters.add(dropped_writes=1)
             return IO_ERROR
 
@@ -373,8 +381,7 @@ class S3Tier:
                 if conditional and is_held(exc):
                     return HELD
                 if not is_throttle(exc):
-                    log.info("s3 tier %r: write of %s refused (%s); dropped", self.name,
-                             name, error_code(exc))
+                    self._log_refusal("write", name, exc)
                     return IO_ERROR
                 left = deadline - time.monotonic()
                 if left <= backoff:
@@ -385,6 +392,23 @@ class S3Tier:
                     return TierResult(Failure.TIMEOUT)
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
+
+    def _log_refusal(self, action: str, name: str, exc: BaseException) -> None:
+        """Log a lookup, read or write the endpoint answered with an error (not "absent"):
+        at warning the first time of each error code, then at debug. The endpoint is up, so
+        nothing else tells the operator: credentials revoked or expired mid-run (403
+        InvalidAccessKeyId, ExpiredToken) fail every call, reads and lookups silently."""
+        code = error_code(exc) or type(exc).__name__
+        with self._lock:
+            first = code not in self._refusals
+            self._refusals.add(code)
+        if not first:
+            log.debug("s3 tier %r: %s of %s refused (%s)", self.name, action, name, code)
+            return
+        hint = " (credentials refused: revoked or expired?)" if is_refused(exc) else ""
+        log.warning("s3 tier %r: %s answered a %s of %s with %s%s; lookups and reads miss and "
+                    "writes are dropped while it does (logged once per error code)",
+                    self.name, self.endpoint, action, name, code, hint)
 
     def keep_manifest(self, manifest: NamespaceManifest) -> None:
         """Record the namespace's manifest (`ManifestKeeper`): written after the first chunk
