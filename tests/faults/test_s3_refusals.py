@@ -1,4 +1,6 @@
-"""Credentials revoked mid-run, against moto's S3 server (an emulator) with authentication
+"""Requests the endpoint answers with a refusal, against moto's S3 server (an emulator).
+
+Credentials revoked mid-run: moto with authentication
 on after its first requests (INITIAL_NO_AUTH_ACTION_COUNT: the bucket's creation, the
 tier's start-up check and one put pass; every request after is refused, 403, as a revoked
 key or an expired session token is).
@@ -8,18 +10,28 @@ Found by an operator drill: before the fix reads and lookups refused this way lo
 nothing at all, and each refused put one line at info: an engine whose key was revoked said
 nothing at the default log level. Now the first refusal of each error code is a warning
 that says credentials were refused; the next ones are at debug (no log flood).
+
+Deletes refused per object: a user whose policy denies s3:DeleteObject gets a 200
+DeleteObjects reply listing AccessDenied for each key (moto answers so, as AWS does). Found
+by the same drill: the capacity listing took every object it asked to delete for gone, so
+`chunks`/`used_bytes` dropped below what the bucket holds, REMOVED events announced chunks
+still served, nothing was logged, and the bound was never kept. Now those objects stay
+counted, no event goes out, and the refusal is a warning.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
-from s3_server import MotoServer, moto_available
+from s3_server import MotoServer, S3Endpoint, moto_available
 from tierkit import key, tiny_layout
 
-from kvtier.core.tier import IO_ERROR, OK
+from kvtier.core.chunkformat import HEADER_BYTES
+from kvtier.core.keys import ChunkKey
+from kvtier.core.tier import IO_ERROR, OK, EventKind
 from kvtier.tiers import build_tier
 from kvtier.tiers.s3.tier import S3Tier
 from kvtier.tiers.storeconfig import StoreConfig
@@ -62,3 +74,47 @@ def test_credentials_revoked_mid_run_are_a_warning_not_silence(
         tier.close()
     finally:
         server.stop()
+
+
+def test_objects_the_server_refuses_to_delete_stay_counted_and_are_not_announced(
+        s3_session: S3Endpoint, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The refusal is injected at the client, in the reply's own shape: moto with
+    authentication on refuses the listing's own signed requests (SignatureDoesNotMatch), so a
+    real IAM policy cannot drive the listing there."""
+    layout = tiny_layout()
+    object_bytes = HEADER_BYTES + layout.bytes_per_chunk
+    tier = build_tier(StoreConfig.parse({"tiers": [{
+        "kind": "s3", **s3_session.settings(), "capacity": 3 * object_bytes,
+        "listing_interval_s": 3600}]}).tiers[0], layout)
+    assert isinstance(tier, S3Tier)
+    removed: list[ChunkKey] = []
+    tier.events.listen(lambda _tier, event, k: removed.append(k)
+                       if event is EventKind.REMOVED else None)
+    allowed = tier._client.delete_objects
+
+    def denied(**request: Any) -> dict[str, Any]:
+        return {"Deleted": [], "Errors": [
+            {"Key": o["Key"], "Code": "AccessDenied", "Message": "Access Denied"}
+            for o in request["Delete"]["Objects"]]}
+
+    monkeypatch.setattr(tier._client, "delete_objects", denied)
+    keys = [key(i) for i in range(6)]
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        for i, k in enumerate(keys):
+            assert tier.put(k, memoryview(bytes([i]) * layout.bytes_per_chunk)) == OK
+        if tier._listing is not None:
+            tier._listing.join(30)  # the first put's listing
+        tier.enforce_capacity()
+    stats = tier.stats()
+    assert (stats.chunks, stats.used_bytes, stats.evictions) == (6, 6 * object_bytes, 0)
+    assert removed == [] and tier.contains_many(keys) == [True] * 6
+    warnings = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+    assert len(warnings) == 1 and "AccessDenied" in warnings[0], warnings
+
+    monkeypatch.setattr(tier._client, "delete_objects", allowed)  # the right granted
+    tier.enforce_capacity()
+    stats = tier.stats()
+    assert (stats.chunks, stats.used_bytes, stats.evictions) == (3, 3 * object_bytes, 3)
+    assert len(removed) == 3 and not any(tier.contains_many(removed))
+    tier.close()

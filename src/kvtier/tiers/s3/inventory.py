@@ -76,22 +76,28 @@ def _list(client: Any, bucket: str, prefix: str, limit: int | None = None
                 return
 
 
-def _delete(client: Any, bucket: str, names: Sequence[str]) -> int:
-    """Delete objects by name, DELETE_BATCH a request; the number the server deleted."""
-    deleted = 0
+def _delete(client: Any, bucket: str, names: Sequence[str]) -> tuple[set[str], dict[str, str]]:
+    """Delete objects by name, DELETE_BATCH a request. Returns the names the server deleted,
+    and the error code of each it refused (a 200 reply that lists AccessDenied per key: no
+    s3:DeleteObject right)."""
+    deleted: set[str] = set()
+    refused: dict[str, str] = {}
     for start in range(0, len(names), DELETE_BATCH):
         batch = names[start : start + DELETE_BATCH]
         reply = client.delete_objects(Bucket=bucket, Delete={
             "Objects": [{"Key": name} for name in batch], "Quiet": False})
-        deleted += len(reply.get("Deleted", []))
-    return deleted
+        deleted.update(str(item.get("Key")) for item in reply.get("Deleted", []))
+        refused.update((str(item.get("Key")), str(item.get("Code") or "unknown"))
+                       for item in reply.get("Errors", []))
+    return deleted, refused
 
 
-def enforce_capacity(client: Any, config: S3TierConfig, names: S3Names,
-                     capacity_bytes: int) -> tuple[int, int, int, list[str]]:
+def enforce_capacity(client: Any, config: S3TierConfig, names: S3Names, capacity_bytes: int
+                     ) -> tuple[int, int, int, list[str], dict[str, str]]:
     """List a namespace's chunks and delete the least recently written beyond
     `capacity_bytes`. Returns (chunks kept, bytes kept, chunks deleted, the key hex of each
-    chunk it set out to delete).
+    chunk deleted, the error code of each object the server refused to delete: those are
+    counted as kept).
 
     Raises: botocore errors (the caller's circuit breaker classifies them).
     """
@@ -101,15 +107,17 @@ def enforce_capacity(client: Any, config: S3TierConfig, names: S3Names,
              if parse_chunk_name(config.key_prefix, item["Key"]) is not None]
     found.sort()
     used = sum(size for _t, _name, size in found)
-    victims: list[str] = []
+    victims: dict[str, int] = {}
     while found and used > capacity_bytes:
         _t, name, size = found.pop(0)
-        victims.append(name)
+        victims[name] = size
         used -= size
-    deleted = _delete(client, config.bucket, victims) if victims else 0
+    deleted, refused = _delete(client, config.bucket, list(victims)) if victims else (set(), {})
+    kept = [name for name in victims if name not in deleted]  # still there: still counted
     gone = [parsed[1] for name in victims
-            if (parsed := parse_chunk_name(config.key_prefix, name)) is not None]
-    return len(found), used, deleted, gone
+            if name in deleted and (parsed := parse_chunk_name(config.key_prefix, name))]
+    return (len(found) + len(kept), used + sum(victims[name] for name in kept), len(deleted),
+            gone, refused)
 
 
 def put_lifecycle(client: Any, config: S3TierConfig, log: logging.Logger) -> None:
@@ -176,7 +184,7 @@ class S3Inventory:
     def remove(self, chunks: Sequence[StoredChunk]) -> int:
         names = [name for chunk in chunks for name in chunk.locations
                  if parse_chunk_name(self.config.key_prefix, name) is not None]
-        return _delete(self.client, self.config.bucket, names)
+        return len(_delete(self.client, self.config.bucket, names)[0])
 
     def manifests(self) -> dict[str, NamespaceManifest | None]:
         """namespace -> its manifest (None: an object that is not a valid one)."""

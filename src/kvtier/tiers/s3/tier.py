@@ -73,6 +73,7 @@ from kvtier.tiers.encoding import build_encoder
 from kvtier.tiers.links import LINK_DEADLINE_S, BoundedMeasure
 from kvtier.tiers.probe import TierProbe
 from kvtier.tiers.s3.client import (
+    REFUSED_CODES,
     S3Errors,
     connect,
     credentials_source,
@@ -393,22 +394,26 @@ class S3Tier:
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
 
-    def _log_refusal(self, action: str, name: str, exc: BaseException) -> None:
-        """Log a lookup, read or write the endpoint answered with an error (not "absent"):
-        at warning the first time of each error code, then at debug. The endpoint is up, so
-        nothing else tells the operator: credentials revoked or expired mid-run (403
-        InvalidAccessKeyId, ExpiredToken) fail every call, reads and lookups silently."""
-        code = error_code(exc) or type(exc).__name__
+    def _log_refusal(self, action: str, name: str, exc: BaseException | str) -> None:
+        """Log a lookup, read, write or delete the endpoint answered with an error (not
+        "absent"; `exc` or its code): at warning the first time of each error code, then at
+        debug. The endpoint is up, so nothing else tells the operator: credentials revoked
+        or expired mid-run (403 InvalidAccessKeyId, ExpiredToken) fail every call, reads
+        and lookups silently; without s3:DeleteObject, capacity is never enforced."""
+        code = exc if isinstance(exc, str) else error_code(exc) or type(exc).__name__
         with self._lock:
             first = code not in self._refusals
             self._refusals.add(code)
         if not first:
             log.debug("s3 tier %r: %s of %s refused (%s)", self.name, action, name, code)
             return
-        hint = " (credentials refused: revoked or expired?)" if is_refused(exc) else ""
-        log.warning("s3 tier %r: %s answered a %s of %s with %s%s; lookups and reads miss and "
-                    "writes are dropped while it does (logged once per error code)",
-                    self.name, self.endpoint, action, name, code, hint)
+        hint = " (credentials refused: revoked, expired, or without this right?)" \
+            if code in REFUSED_CODES else ""
+        effect = ("chunks beyond capacity stay" if action == "delete" else
+                  "lookups and reads miss and writes are dropped")
+        log.warning("s3 tier %r: %s answered a %s of %s with %s%s; %s while it does (logged "
+                    "once per error code)", self.name, self.endpoint, action, name, code, hint,
+                    effect)
 
     def keep_manifest(self, manifest: NamespaceManifest) -> None:
         """Record the namespace's manifest (`ManifestKeeper`): written after the first chunk
@@ -454,12 +459,14 @@ class S3Tier:
                 # count would not be set (-1 matches nothing), run again.
                 changes = -1 if self._changing_now else self._changes
             try:
-                kept, used, evicted, gone = self._run(lambda c: enforce_capacity(
+                kept, used, evicted, gone, refused = self._run(lambda c: enforce_capacity(
                     c, self._config, self.names, self._config.capacity))
             except self._failed as exc:
                 log.info("s3 tier %r: capacity listing failed (%s)", self.name,
                          type(exc).__name__)
                 return
+            for name, code in refused.items():  # capacity is not enforced while it lasts
+                self._log_refusal("delete", name, code)
             self._counters.add(evictions=evicted)
             for hex_key in gone:  # whoever stored them: this process evicted them
                 self.events.removed(ChunkKey(bytes.fromhex(hex_key)))
@@ -488,7 +495,11 @@ class S3Tier:
             try:
                 head = self._run(lambda c: c.head_object(Bucket=bucket, Key=name))
                 self._run(lambda c: c.delete_object(Bucket=bucket, Key=name))
-            except self._failed:
+            except TierUnavailable:
+                return False
+            except self._errors.answered as exc:
+                if not is_absent(exc):
+                    self._log_refusal("delete", name, exc)
                 return False
             # What this process knows; the next capacity listing counts every writer's.
             self._counters.add(chunks=-1, used_bytes=-int(head.get("ContentLength", 0)))
