@@ -11,6 +11,7 @@ import http.client
 import logging
 import threading
 import time
+import tracemalloc
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -272,6 +273,30 @@ def test_foreign_objects_under_the_prefix_are_never_chunks(s3_session: S3Endpoin
     out = memoryview(bytearray(layout.bytes_per_chunk))
     assert tier.get_into(key(7), out).failure is Failure.CORRUPT
     inventory.close()
+    tier.close()
+
+
+def test_a_huge_foreign_object_at_a_chunks_name_is_not_read_into_memory(
+        s3_session: S3Endpoint) -> None:
+    """16 MiB of someone else's at a 4 KiB chunk's very name: a corrupt miss, removed, and
+    its body never read (the tier read any object whole before checking its size: found by
+    an operator drill, the read's peak memory was the object's size; one of gigabytes
+    would have taken the engine's memory). Measured with tracemalloc, not timed."""
+    layout = tiny_layout()
+    tier = shared_tier(s3_session, layout)
+    raw, name = s3_session.client(), tier.names.chunk(key(8))
+    size = 16 << 20
+    raw.put_object(Bucket=s3_session.bucket, Key=name, Body=bytes(size))
+    out = memoryview(bytearray(layout.bytes_per_chunk))
+    tracemalloc.start()
+    try:
+        result = tier.get_into(key(8), out)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert result.failure is Failure.CORRUPT and tier.stats().corrupt_reads == 1
+    assert peak < size // 4, f"{peak} bytes allocated to refuse a {size}-byte object"
+    assert tier.get_into(key(8), out) == MISSING  # removed
     tier.close()
 
 

@@ -11,7 +11,8 @@ partitions by key prefix). Next to them, <key_prefix>/<layout digest>/manifest.j
 so the server stores the whole object or nothing: a failed upload leaves no object; it is
 conditional (If-None-Match: *), so one round trip both decides "held already?" and stores. A read is
 one GET, verified (header, layout, key, sizes, checksums) before a byte is used, never
-unpickled; a short, corrupt or foreign object at a chunk's name is a counted miss, deleted.
+unpickled; a short, corrupt or foreign object at a chunk's name is a counted miss, deleted
+(one larger than any chunk of the tier is refused by its size, its body never read).
 
 Lookups (`contains_many`, `BatchLookup`, and the scheduler's probe): one HEAD per chunk,
 `lookup_concurrency` in flight, all within `lookup_timeout_s`; a key not answered by then is
@@ -133,6 +134,7 @@ class S3Tier:
         self.name = config.tier_name
         self.chunk_bytes = layout.bytes_per_chunk
         self.encoder = build_encoder(config, layout)
+        self._max_object_bytes = HEADER_BYTES + self.encoder.max_body_bytes
         self.names = S3Names(config.key_prefix, layout.digest())
         self.endpoint = config.endpoint_name
         self.throttled_writes = 0  # puts dropped after backing off from 503 SlowDown
@@ -263,8 +265,7 @@ class S3Tier:
         start = time.perf_counter()
         name = self.names.chunk(key)
         try:
-            data = self._run(lambda c: c.get_object(Bucket=self._config.bucket,
-                                                    Key=name)["Body"].read())
+            data = self._run(lambda c: self._get_object(c, name))
         except TierUnavailable as exc:
             log.debug("s3 tier %r: read of %s failed (%s); a miss", self.name, key.hex(), exc)
             self._counters.add(misses=1)
@@ -276,6 +277,9 @@ class S3Tier:
             self._log_refusal("read", name, exc)
             return IO_ERROR
         try:
+            if isinstance(data, int):
+                raise CorruptChunk(f"object is {data} bytes, more than this tier's chunks "
+                                   f"({self._max_object_bytes}); not read")
             self._verify_into(key, memoryview(data), out, meta.tenant)
         except KeyNotHeld as exc:  # not tampering: another engine may hold the key
             log.info("s3 tier %r: chunk %s: %s; a miss, kept", self.name, key.hex(), exc)
@@ -289,6 +293,17 @@ class S3Tier:
             return TierResult(failure_of(exc))
         self._counters.add(hits=1, bytes_read=len(out), read_s=time.perf_counter() - start)
         return OK
+
+    def _get_object(self, client: Any, name: str) -> bytes | int:
+        """Object `name`'s bytes, or its size (an int) when it is larger than any chunk of
+        this tier can be: its body is not read (a foreign object of gigabytes at a chunk's
+        name would be held in memory whole before the checks refuse it)."""
+        reply = client.get_object(Bucket=self._config.bucket, Key=name)
+        size = int(reply.get("ContentLength") or 0)
+        if size > self._max_object_bytes:
+            reply["Body"].close()
+            return size
+        return bytes(reply["Body"].read())
 
     def _verify_into(self, key: ChunkKey, data: memoryview, out: memoryview,
                      tenant: str | None) -> None:
