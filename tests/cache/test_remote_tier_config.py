@@ -64,6 +64,13 @@ def _s3(**fields: Any) -> dict[str, Any]:
      "rediss://cache:6380/0?ssl_cert_reqs=none&db=1", "(found: ssl_cert_reqs)"),
     (_redis(url="redis://127.0.0.1:1/0?foo"), "redis.url", "redis://127.0.0.1:1/0?foo",
      "(found: foo)"),
+    # redis-py took localhost for an empty host (a template's unset variable), ?db= over the
+    # path's database, the URL's user over `username`: each silently
+    (_redis(url="redis://:6379/0"), "redis.url", "redis://:6379/0", "a host"),
+    (_redis(url="redis://cache:6379/1?db=3"), "redis.url", "redis://cache:6379/1?db=3",
+     "one database"),
+    (_redis(url="redis://kvcache@cache:6379/0", username="other"), "redis.username", "other",
+     "not two different users"),
     (_redis(cluster_nodes=["10.0.0.1:0"]), "redis.cluster_nodes", ["10.0.0.1:0"],
      "a port from 1 to 65535"),
     (_redis(cluster_nodes=["10.0.0.1:6379", "10.0.0.2:99999"]), "redis.cluster_nodes",
@@ -116,6 +123,8 @@ def test_every_bad_remote_tier_value_names_field_value_and_what_is_allowed(
     _redis(url="redis://[::1]:6379", ttl_s=None),
     _redis(url="redis://kvcache@127.0.0.1:6379/0/"),  # an ACL user, no password
     _redis(url="redis://127.0.0.1:6379?db=2"),
+    _redis(url="redis://127.0.0.1:6379/2?db=2"),  # the same database twice
+    _redis(url="redis://kvcache@127.0.0.1:6379/0", username="kvcache"),
     _redis(cluster_nodes=["10.0.0.1:1", "10.0.0.2:65535"], tls=True),
     _redis(password_env="REDIS_PW"),
     _s3(),

@@ -102,6 +102,14 @@ class RedisTierConfig(EncodedTierSettings):
         path_db = unquote(parts.path).strip("/")
         if (path_db and not (path_db.isascii() and path_db.isdigit())) or options.get("db", 0) < 0:
             raise ValueError(f"a database number >= 0 as the path ({_URL_EXAMPLE})")
+        # redis-py takes ?db= over the path's, silently: given twice, they must agree.
+        if path_db and "db" in options and int(path_db) != options["db"]:
+            raise ValueError(f"one database: the path's ({path_db}) or ?db= ({options['db']}), "
+                             "not two")
+        # An empty host (a template's unset variable: redis://:6379/0) is localhost to
+        # redis-py: the tier would talk to whatever listens there.
+        if not parts.hostname:
+            raise ValueError(f"a host ({_URL_EXAMPLE})")
         return url
 
     @field_validator("cluster_nodes")
@@ -138,6 +146,11 @@ class RedisTierConfig(EncodedTierSettings):
         if self.password_file is not None and self.password_env:
             raise FieldError("password_env", self.password_env,
                              "password_file or password_env, not both")
+        # redis-py takes the URL's user over `username`, silently.
+        url_user = unquote(urlsplit(self.url).username or "")
+        if url_user and self.username is not None and self.username != url_user:
+            raise FieldError("username", self.username, f"the url's user ({url_user!r}) or "
+                             "username, not two different users")
         return self
 
     @model_validator(mode="after")
