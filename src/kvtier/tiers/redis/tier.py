@@ -32,9 +32,11 @@ Capacity: the tier enforces `capacity` when it is > 0, and leaves it to the serv
     server between namespaces. Costs one more round trip per put, on the node holding the set.
   - capacity = 0 (recommended for a dedicated cache server or cluster): the server's `maxmemory`
     with `allkeys-lru` (or `allkeys-lfu`) evicts, with Redis's exact memory accounting, no extra
-    round trip and no hot index key. With the default `noeviction` policy a full server refuses
-    writes: they are counted as dropped writes. `chunks`/`used_bytes` are then not tracked
-    (see `kvtier inspect`).
+    round trip and no hot index key. It evicts values, not chunks: a lookup calls a chunk held
+    only when its header and first part exist (`HELD`), and a chunk cut into several parts
+    can still lose a later one (a counted miss on read). With the default `noeviction`
+    policy a full server refuses writes: they are counted as dropped writes.
+    `chunks`/`used_bytes` are then not tracked (see `kvtier inspect`).
 
 Failures (tiers/guard.py): the tier starts with the server down; a server (a Cluster node) that
 fails a call is marked down and retried with exponential backoff up to `retry_max_s`; while it
@@ -122,6 +124,12 @@ MIN_BACKOFF_S = 0.25  # first retry of a server that failed
 LINK_PINGS = 3
 LINK_ECHOES = 3
 LINK_PROBE_BYTES = 256 << 10
+# A chunk is held when its header and its first part exist (EXISTS of both counts 2): the
+# server's allkeys-lru evicts values one by one, and a header alone (its first part evicted)
+# answered "held" to lookups that then failed to load, and kept puts from rewriting it. Every
+# chunk has a first part (whatever its part_bytes, codec); EXISTS also keeps that part as
+# recently used as its header, which lookups alone made the hotter of the two.
+HELD = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,27 +309,28 @@ class RedisTier:
 
     # -- lookups -----------------------------------------------------------------------------
     def contains(self, key: ChunkKey) -> bool:
-        header = self.names.header(key)
+        """Whether the chunk's header and first part both exist (`HELD` values)."""
+        names = self.names.values(key, 1)
         try:
-            return bool(self._run(self._endpoint(header), lambda c: c.exists(header)))
+            return self._run(self._endpoint(names[0]), lambda c: c.exists(*names)) == HELD
         except (TierUnavailable, redis.RedisError):
             return False
 
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
         """`contains` of each key: one pipelined round trip per server (Cluster node)."""
-        headers = [self.names.header(key) for key in keys]
+        probes = [self.names.values(key, 1) for key in keys]
         found = [False] * len(keys)
-        for endpoint, indexes in self._by_endpoint(headers).items():
+        for endpoint, indexes in self._by_endpoint([names[0] for names in probes]).items():
             def exists(client: Client, indexes: list[int] = indexes) -> list[Any]:
                 pipe = client.pipeline(transaction=False)
                 for i in indexes:
-                    pipe.exists(headers[i])
-                found: list[bool] = pipe.execute()
+                    pipe.exists(*probes[i])
+                found: list[int] = pipe.execute()
                 return found
 
             try:
                 for i, answer in zip(indexes, self._run(endpoint, exists)):
-                    found[i] = bool(answer)
+                    found[i] = answer == HELD
             except (TierUnavailable, redis.RedisError):
                 pass  # this server's keys stay "absent"
         return found
@@ -505,14 +514,14 @@ class RedisTier:
 
     # -- writes ------------------------------------------------------------------------------
     def put(self, key: ChunkKey, data: memoryview, meta: ChunkMeta = DEFAULT_META) -> TierResult:
-        """`Tier.put`: one EXISTS decides whether the chunk is held (a held one is only
-        touched: the server's own TTL and eviction date it, not `meta`)."""
+        """`Tier.put`: one EXISTS decides whether the chunk is held (`HELD`; a held one is
+        only touched: the server's own TTL and eviction date it, not `meta`)."""
         if len(data) != self.chunk_bytes:
             raise ValueError(f"chunk is {len(data)} bytes, this tier stores {self.chunk_bytes}")
         names = self.names.values(key)
         endpoint = self._endpoint(names[0])
         try:
-            if self._run(endpoint, lambda c: c.exists(names[0])):
+            if self._run(endpoint, lambda c: c.exists(*names[:2])) == HELD:
                 if self._index is not None:
                     self._index.touch(key)
                 return OK
