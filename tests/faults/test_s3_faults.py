@@ -140,6 +140,44 @@ def test_a_server_that_never_answers_never_hangs_the_tier(
         silent.close()
 
 
+def test_an_endpoint_that_is_not_an_s3_api_is_one_clear_error_at_start_up(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`endpoint_url` at a web server that answers 200 and a page to any GET or HEAD (an
+    object store's web console: MinIO's on :9001, its S3 API on :9000). Found in an
+    operator drill: the bucket check passed, then every lookup found every chunk and every
+    load failed as corrupt (a warning each). Now start-up HEADs an object no one writes, which
+    an S3 API answers 404, and refuses the endpoint naming `endpoint_url`."""
+    for name, value in TEST_KEYS.items():
+        monkeypatch.setenv(name, value)
+    page = b"<!doctype html><html><body>Object store console</body></html>"
+
+    class Console(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def do_HEAD(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(page)))
+            self.end_headers()
+
+        def do_GET(self) -> None:
+            self.do_HEAD()
+            self.wfile.write(page)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Console)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with pytest.raises(ConfigError) as refused:
+            s3_tier(url, tiny_layout())
+        assert refused.value.field == "endpoint_url" and refused.value.value == url
+        assert "an S3 API endpoint" in str(refused.value)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 class ThrottlingProxy:
     """An HTTP proxy in front of moto that answers the next `throttle` PUTs of chunk
     objects with 503 SlowDown (as S3 does under load), and forwards everything else."""

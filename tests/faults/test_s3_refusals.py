@@ -1,9 +1,9 @@
 """Requests the endpoint answers with a refusal, against moto's S3 server (an emulator).
 
-Credentials revoked mid-run: moto with authentication
-on after its first requests (INITIAL_NO_AUTH_ACTION_COUNT: the bucket's creation, the
-tier's start-up check and one put pass; every request after is refused, 403, as a revoked
-key or an expired session token is).
+Credentials revoked mid-run: moto with authentication on after its first requests
+(INITIAL_NO_AUTH_ACTION_COUNT: the bucket's creation, the tier's two start-up checks and one
+put pass; every request after is refused, 403, as a revoked key or an expired session token
+is).
 
 The endpoint answers, so the tier stays up: puts are dropped and reads miss, counted.
 Found by an operator drill: before the fix reads and lookups refused this way logged
@@ -47,7 +47,7 @@ def test_credentials_revoked_mid_run_are_a_warning_not_silence(
         pytest.skip("moto[server] is not installed")
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAREVOKED000000000")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "revoked-secret")
-    server = MotoServer(tmp_path / "moto", env={"INITIAL_NO_AUTH_ACTION_COUNT": "3"}).start()
+    server = MotoServer(tmp_path / "moto", env={"INITIAL_NO_AUTH_ACTION_COUNT": "4"}).start()
     layout = tiny_layout()
     try:
         tier = build_tier(StoreConfig.parse({"tiers": [{

@@ -24,7 +24,8 @@ Failures (core/guard.py): the endpoint failing a call (refused, reset, no reply 
 lookups and reads miss and writes are dropped (counted) without I/O. A throttled write
 (503 SlowDown) backs off and retries until `write_timeout_s`, then is dropped
 (`throttled_writes`). Credentials that are missing, or refused by the server when the tier
-starts, are a ConfigError naming the field (s3_client.py); an endpoint down at start-up is
+starts, and an endpoint that answers 200 for an object that does not exist (not an S3 API),
+are a ConfigError naming the field (s3_client.py); an endpoint down at start-up is
 not: the tier starts unavailable. Any other error answer (credentials revoked mid-run: 403)
 misses or drops the call, counted; the first of each error code is logged at warning.
 
@@ -41,6 +42,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import wait
 from contextlib import contextmanager
@@ -194,8 +196,27 @@ class S3Tier:
                                   f"an existing bucket on {self.endpoint}") from None
             log.warning("s3 tier %r: bucket check answered %s", self.name, error_code(exc))
             return
+        self._check_speaks_s3()
         if self._config.manage_lifecycle and self._config.ttl_days is not None:
             put_lifecycle(self._client, self._config, log)
+
+    def _check_speaks_s3(self) -> None:
+        """One HEAD of an object no one writes: an S3 API answers 404 (403 to a user
+        without s3:ListBucket). A web server that answers 200 to any path (an object
+        store's web console: MinIO's is :9001, its API :9000) passes the bucket check, and
+        then every lookup found every chunk, every load failed as corrupt.
+
+        Raises:
+            ConfigError: `endpoint_url` answered 200.
+        """
+        name = f"{self.names.namespace_prefix()}absent-{uuid.uuid4().hex}"
+        try:
+            self._run(lambda c: c.head_object(Bucket=self._config.bucket, Key=name))
+        except self._failed:  # no answer, or an error answer: not a web page
+            return
+        raise ConfigError("endpoint_url", self._config.endpoint_url or self.endpoint,
+                          "an S3 API endpoint: it answered 200 to a HEAD of an object that "
+                          "does not exist (a web console's port?)")
 
     def _run(self, call: Callable[[Any], T], client: Any = None) -> T:
         """`call(client)` through the endpoint's circuit breaker.
