@@ -116,3 +116,35 @@ def test_a_chunk_whose_index_update_a_full_server_refuses_is_not_kept(
     assert refusals, "the index was never refused: the test proved nothing"
     assert tier.stats().chunks == tight.zcard(tier.names.index)
     tier.close()
+
+
+@pytest.mark.parametrize("prefix", ["", "kvtier:"])
+def test_another_applications_keys_under_the_prefix_are_never_chunks_or_orphans(
+        redis_url: str, prefix: str) -> None:
+    """A server shared with an application whose keys use a 32-hex-digit hash tag (a UUID),
+    under the tier's prefix (all of them with key_prefix ""). Found in an operator drill:
+    the inventory took any `<x>:{<32 chars>}:<y>` for a chunk's value, so `kvtier gc
+    --orphans` deleted `session:{<uuid>}:data`, and `kvtier gc` listed `cart:{<uuid>}:h` as
+    a chunk to evict. Now only names of the tier's form count (a layout digest, a key in
+    hex, "h" or a part number), as the s3 inventory already required."""
+    client = redis.Redis.from_url(redis_url)
+    tier = redis_tier(redis_url, key_prefix=prefix)
+    assert tier.put(key(1), payload(1))
+    foreign = {f"{prefix}session:{{550e8400e29b41d4a716446655440000}}:data": b"a session",
+               f"{prefix}cart:{{550e8400e29b41d4a716446655440001}}:h": b"a cart",
+               f"{prefix}{LAYOUT.digest()}:{{{'Z' * 32}}}:0": b"not hex",
+               f"{prefix}config:manifest": b"{}"}
+    for name, value in foreign.items():
+        client.set(name, value)
+    inventory = RedisInventory("redis", redis_config(redis_url, key_prefix=prefix))
+    try:
+        assert [c.key_hex for c in inventory.chunks()] == [key(1).hex()]
+        assert inventory.orphans() == []
+        assert list(inventory.manifests()) in ([], [LAYOUT.digest()])
+        inventory.remove(list(inventory.chunks()))
+        inventory.remove_orphans(inventory.orphans())
+        assert {n: client.get(n) for n in foreign} == foreign, "a foreign key was deleted"
+    finally:
+        client.delete(*foreign, *tier.names.values(key(1)))
+        inventory.close()
+        tier.close()

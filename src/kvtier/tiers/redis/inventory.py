@@ -3,7 +3,7 @@
 writes left without a header (`orphans`, swept by `kvtier gc`), and the namespaces'
 manifests (<prefix><digest>:manifest, tiers/manifest.py: never taken for a chunk's value).
 
-Primitives: `RedisInventory`.
+Primitives: `RedisInventory`, `parse_value_name`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 from kvtier.core.keys import KEY_BYTES
 from kvtier.core.tier import StoredChunk
-from kvtier.tiers.manifest import NamespaceManifest, parse_manifest
+from kvtier.tiers.manifest import NamespaceManifest, is_layout_name, parse_manifest
 from kvtier.tiers.redis.client import connect, read_password
 from kvtier.tiers.redis.config import RedisTierConfig
 from kvtier.tiers.redis.manifest import redis_manifest_name
@@ -22,6 +22,7 @@ from kvtier.tiers.redis.write import abort_chunk
 
 SCAN_BATCH = 500  # Redis keys measured per pipelined round trip
 MANIFEST_SUFFIX = ":manifest"
+_HEX = frozenset("0123456789abcdef")
 
 
 class RedisInventory:
@@ -38,17 +39,14 @@ class RedisInventory:
         chunks: dict[tuple[str, str], list[str]] = {}
         indexes: dict[str, str] = {}
         for raw in self.client.scan_iter(match=f"{self.prefix}*", count=1000):
-            name = raw.decode()
+            name = raw.decode(errors="replace")
             rest = name[len(self.prefix):]
-            if rest.startswith("{") and rest.endswith("}:lru"):
+            if rest.startswith("{") and rest.endswith("}:lru") and is_layout_name(rest[1:-5]):
                 indexes[rest[1:-5]] = name
                 continue
-            if rest.endswith(MANIFEST_SUFFIX) and ":{" not in rest:
-                continue  # a namespace's manifest (see `manifests`)
-            namespace, _, tagged = rest.partition(":{")
-            key_hex, _, _part = tagged.partition("}:")
-            if namespace and len(key_hex) == 2 * KEY_BYTES:
-                chunks.setdefault((namespace, key_hex), []).append(name)
+            parsed = parse_value_name(rest)
+            if parsed is not None:
+                chunks.setdefault(parsed, []).append(name)
         return chunks, indexes
 
     def chunks(self) -> Iterator[StoredChunk]:
@@ -116,8 +114,8 @@ class RedisInventory:
         found: dict[str, NamespaceManifest | None] = {}
         for name in names:
             namespace = name[len(self.prefix):-len(MANIFEST_SUFFIX)]
-            if ":" in namespace or "{" in namespace:
-                continue  # a chunk's value whose part is named "manifest": not ours
+            if not is_layout_name(namespace):
+                continue  # another application's key, or a chunk's value: not a manifest
             found[namespace] = parse_manifest(self.client.get(name), namespace)
         return found
 
@@ -127,6 +125,20 @@ class RedisInventory:
 
     def close(self) -> None:
         self.client.close()
+
+
+def parse_value_name(rest: str) -> tuple[str, str] | None:
+    """(namespace, key hex) of a chunk's value name less the prefix,
+    "<digest>:{<key hex>}:h" or ":<part number>", or None for any other name: another
+    application's key under the prefix (`session:{<uuid hex>}:data`, with a prefix of "") is
+    never listed, so never deleted by `kvtier gc`."""
+    namespace, _, tagged = rest.partition(":{")
+    key_hex, _, part = tagged.partition("}:")
+    part_ok = part == "h" or (part.isascii() and part.isdigit())
+    if (not part_ok or not is_layout_name(namespace) or len(key_hex) != 2 * KEY_BYTES
+            or not set(key_hex) <= _HEX):
+        return None
+    return namespace, key_hex
 
 
 def _has_header(names: list[str]) -> bool:
