@@ -22,6 +22,7 @@ from tls_certs import Certs, make_certs, tls_redis_server
 from kvtier.core.layout import KVLayout
 from kvtier.core.store import TieredStore
 from kvtier.core.tier import UNAVAILABLE
+from kvtier.errors import ConfigError
 from kvtier.tiers import open_store
 from kvtier.tiers.storeconfig import StoreConfig
 
@@ -106,3 +107,19 @@ def test_a_tier_that_cannot_verify_or_speak_tls_fails_closed(
     assert why in caplog.text  # failed for the reason meant, not some other one
     with redis_store(layout, url=tls_server.url, tls_ca_file=str(tls_server.ca)) as trusted:
         assert trusted.lookup([key(0), key(1)]).tiers == ("redis",)  # key 1 never reached it
+
+
+@pytest.mark.parametrize("ca", ["missing", "not a certificate", "a directory"])
+def test_a_ca_file_that_cannot_be_loaded_is_a_config_error_naming_it(
+        tmp_path: Path, layout: KVLayout, ca: str) -> None:
+    """`tls_ca_file` at a wrong path (a secret mounted elsewhere), or at a file with no PEM
+    certificate: one ConfigError naming the field when the store opens. Found in an operator
+    drill: the TLS library read the file only when a connection opened, and the tier logged
+    "Error 2 connecting to 127.0.0.1:<port>. No such file or directory." as the server being
+    unavailable, retried for ever."""
+    path = {"missing": tmp_path / "missing.pem", "a directory": tmp_path,
+            "not a certificate": tmp_path / "ca.pem"}[ca]
+    (tmp_path / "ca.pem").write_text("not a certificate\n")
+    with pytest.raises(ConfigError) as refused:
+        redis_store(layout, url="rediss://127.0.0.1:6390/0", tls_ca_file=str(path))
+    assert refused.value.field.endswith("tls_ca_file") and refused.value.value == str(path)

@@ -348,6 +348,21 @@ def _no_aws_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
 
 
+@pytest.mark.parametrize("ca", ["missing", "not a certificate"])
+def test_a_ca_file_that_cannot_be_loaded_is_a_config_error_naming_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ca: str) -> None:
+    """`tls_ca_file` at a wrong path or at a file with no PEM certificate: a ConfigError
+    naming the field when the tier is built, before any request (found in the drill that
+    found the redis tier's: tests/faults/test_redis_tls.py)."""
+    for name, value in TEST_KEYS.items():
+        monkeypatch.setenv(name, value)
+    path = tmp_path / ("ca.pem" if ca == "not a certificate" else "missing.pem")
+    (tmp_path / "ca.pem").write_text("not a certificate\n")
+    with pytest.raises(ConfigError) as refused:
+        s3_tier("https://127.0.0.1:9", tiny_layout(), tls_ca_file=str(path))
+    assert refused.value.field == "tls_ca_file" and refused.value.value == str(path)
+
+
 def test_missing_credentials_are_one_clear_error_at_start_up(
         s3_server: MotoServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     layout = tiny_layout()

@@ -19,6 +19,7 @@ from kvtier.tiers.redis.client import connect, read_password
 from kvtier.tiers.redis.config import RedisTierConfig
 from kvtier.tiers.redis.manifest import redis_manifest_name
 from kvtier.tiers.redis.write import abort_chunk
+from kvtier.tiers.tlsfiles import check_ca_file
 
 SCAN_BATCH = 500  # Redis keys measured per pipelined round trip
 MANIFEST_SUFFIX = ":manifest"
@@ -32,6 +33,7 @@ class RedisInventory:
 
     def __init__(self, name: str, config: RedisTierConfig) -> None:
         self.name, self.kind, self.prefix = name, "redis", config.key_prefix
+        check_ca_file(config.tls_ca_file)
         self.client: Any = connect(config, read_password(config))
 
     def _values(self) -> tuple[dict[tuple[str, str], list[str]], dict[str, str]]:

@@ -114,6 +114,7 @@ from kvtier.tiers.redis.inventory import RedisInventory
 from kvtier.tiers.redis.manifest import redis_manifest_name, write_redis_manifest
 from kvtier.tiers.redis.replies import Place, read_into
 from kvtier.tiers.redis.write import abort_chunk, write_chunk
+from kvtier.tiers.tlsfiles import check_ca_file
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -158,7 +159,8 @@ class ChunkNames:
 class RedisTier:
     """Chunks in Redis/Valkey (standalone or Cluster). Thread-safe.
 
-    Raises (constructor): ConfigError when the password file or variable is unusable. A server
+    Raises (constructor): ConfigError when the password file or variable, or the CA file
+    (`tls_ca_file`), is unusable. A server
     that is down is not an error: the tier starts unavailable and keeps retrying.
     """
 
@@ -195,6 +197,7 @@ class RedisTier:
         self.cluster = bool(config.cluster_nodes)
         self._config = config
         self._password = read_password(config)
+        check_ca_file(config.tls_ca_file)
         # host:port only: the userinfo (an ACL user) stays out of logs and error messages
         self._server = ("cluster" if self.cluster
                         else urlsplit(config.url).netloc.rpartition("@")[2] or "server")

@@ -22,6 +22,7 @@ from typing import Any
 
 from kvtier.errors import ConfigError
 from kvtier.tiers.s3.config import S3TierConfig
+from kvtier.tiers.tlsfiles import check_ca_file
 
 log = logging.getLogger("kvtier.tiers.s3.tier")
 Client = Any  # a botocore S3 client (typed by boto3-stubs only)
@@ -137,8 +138,15 @@ def credentials_source(session: Any) -> str:
 def connect(config: S3TierConfig, session: Any, max_connections: int,
             read_timeout_s: float | None = None) -> Client:
     """A client of `session` for the tier's endpoint: its timeouts, TLS verification, and
-    botocore's retries off (the tier retries throttled writes within its own deadline)."""
+    botocore's retries off (the tier retries throttled writes within its own deadline).
+
+    Raises:
+        ConfigError: `tls_ca_file` is unreadable or holds no certificate (tiers/tlsfiles.py).
+    """
     from botocore.config import Config
+
+    if config.tls_verify:
+        check_ca_file(config.tls_ca_file)
 
     options: dict[str, Any] = {
         "connect_timeout": config.connect_timeout_s,
