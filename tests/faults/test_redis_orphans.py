@@ -148,3 +148,24 @@ def test_another_applications_keys_under_the_prefix_are_never_chunks_or_orphans(
         client.delete(*foreign, *tier.names.values(key(1)))
         inventory.close()
         tier.close()
+
+
+@pytest.mark.parametrize("prefix", ["kv?:", "kv*:", "kv[a]:", "kv\\:"])
+def test_a_prefix_with_glob_characters_lists_its_own_chunks_only(
+        redis_url: str, prefix: str) -> None:
+    """Two deployments share a server under key prefixes "kvX:" and one with a glob
+    character. Found in an operator drill: the inventory's SCAN took the prefix for a
+    pattern, so "kv?:" and "kv*:" listed (and `kvtier gc` evicted) the other deployment's
+    chunks, and "kv[a]:" and "kv\\:" listed none of their own (gc never cleaned them)."""
+    ours = redis_tier(redis_url, key_prefix=prefix)
+    theirs = redis_tier(redis_url, key_prefix="kvX:")
+    assert ours.put(key(1), payload(1)) and theirs.put(key(2), payload(2))
+    inventory = RedisInventory("redis", redis_config(redis_url, key_prefix=prefix))
+    try:
+        assert [c.key_hex for c in inventory.chunks()] == [key(1).hex()]
+        assert inventory.remove(list(inventory.chunks())) == 1
+        assert not ours.contains(key(1)) and theirs.contains(key(2))
+    finally:
+        inventory.close()
+        ours.close()
+        theirs.close()

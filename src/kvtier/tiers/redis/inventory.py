@@ -40,8 +40,10 @@ class RedisInventory:
         """(namespace, key hex) -> value names; namespace -> its LRU set's name."""
         chunks: dict[tuple[str, str], list[str]] = {}
         indexes: dict[str, str] = {}
-        for raw in self.client.scan_iter(match=f"{self.prefix}*", count=1000):
+        for raw in self.client.scan_iter(match=f"{_glob(self.prefix)}*", count=1000):
             name = raw.decode(errors="replace")
+            if not name.startswith(self.prefix):
+                continue
             rest = name[len(self.prefix):]
             if rest.startswith("{") and rest.endswith("}:lru") and is_layout_name(rest[1:-5]):
                 indexes[rest[1:-5]] = name
@@ -111,12 +113,12 @@ class RedisInventory:
     def manifests(self) -> dict[str, NamespaceManifest | None]:
         """namespace -> its manifest (None: a value that is not a valid one), for every
         namespace with a manifest value."""
-        names = sorted(raw.decode() for raw in self.client.scan_iter(
-            match=f"{self.prefix}*{MANIFEST_SUFFIX}", count=1000))
+        names = sorted(raw.decode(errors="replace") for raw in self.client.scan_iter(
+            match=f"{_glob(self.prefix)}*{MANIFEST_SUFFIX}", count=1000))
         found: dict[str, NamespaceManifest | None] = {}
         for name in names:
             namespace = name[len(self.prefix):-len(MANIFEST_SUFFIX)]
-            if not is_layout_name(namespace):
+            if not name.startswith(self.prefix) or not is_layout_name(namespace):
                 continue  # another application's key, or a chunk's value: not a manifest
             found[namespace] = parse_manifest(self.client.get(name), namespace)
         return found
@@ -127,6 +129,13 @@ class RedisInventory:
 
     def close(self) -> None:
         self.client.close()
+
+
+def _glob(prefix: str) -> str:
+    """`prefix` as a SCAN MATCH pattern of itself: its glob characters escaped (a prefix
+    "kv?:" matched another deployment's "kvX:" keys, which `kvtier gc` then deleted; one
+    with "[a]" matched none of its own)."""
+    return "".join("\\" + char if char in "*?[]\\" else char for char in prefix)
 
 
 def parse_value_name(rest: str) -> tuple[str, str] | None:
