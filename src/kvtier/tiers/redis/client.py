@@ -2,7 +2,7 @@
 the password, a client with the tier's timeouts and redis-py's retries off, and which errors mean
 "the server is not answering".
 
-Primitives: `Client`, `UNAVAILABLE`, `read_password`, `connect`.
+Primitives: `Client`, `UNAVAILABLE`, `read_password`, `connect`, `check_server_limits`.
 """
 
 from __future__ import annotations
@@ -95,3 +95,34 @@ def connect(config: RedisTierConfig, password: str | None) -> Client:
                             **common)
     except RedisClusterException as exc:  # "cannot be connected": no node answered
         raise redis.ConnectionError(str(exc)) from exc
+
+
+def check_server_limits(client: redis.Redis, tier_name: str, part_bytes: int,
+                        read_bytes: int) -> None:
+    """Warn when the server's own limits cut a tier's values: its largest part (`part_bytes`)
+    above the server's `proto-max-bulk-len` (it closes the connection on each put of one), a
+    chunk's read reply (`read_bytes`) above its hard `client-output-buffer-limit` for normal
+    clients (it closes it on each read). Either reads as the server down, again and again.
+    Skipped when CONFIG is refused (an ACL user without it, a managed server). Raises
+    nothing."""
+    try:
+        found = {**client.config_get("proto-max-bulk-len"),
+                 **client.config_get("client-output-buffer-limit")}
+    except (redis.RedisError, OSError):
+        return
+    limits = str(found.get("client-output-buffer-limit") or "").split()
+    try:
+        bulk = int(found.get("proto-max-bulk-len") or 0)
+        hard = int(limits[limits.index("normal") + 1]) if "normal" in limits[:-1] else 0
+    except ValueError:  # not this server's format: no warning rather than a wrong one
+        return
+    if bulk and part_bytes > bulk:
+        log.warning("redis tier %r: a chunk's largest part (%d bytes) is above the server's "
+                    "proto-max-bulk-len (%d): it drops the connection on each put of one, taken "
+                    "for the server down; set part_bytes <= %d", tier_name, part_bytes, bulk,
+                    bulk)
+    if hard and read_bytes > hard:
+        log.warning("redis tier %r: a chunk's read (%d bytes) is above the server's hard "
+                    "client-output-buffer-limit for normal clients (%d): it drops the "
+                    "connection on each read, taken for the server down; raise it",
+                    tier_name, read_bytes, hard)

@@ -107,7 +107,7 @@ from kvtier.tiers.encoding import build_encoder
 from kvtier.tiers.manifest import NamespaceManifest
 from kvtier.tiers.probe import TierProbe
 from kvtier.tiers.redis.client import UNAVAILABLE as DOWN_ERRORS
-from kvtier.tiers.redis.client import Client, connect, read_password
+from kvtier.tiers.redis.client import Client, check_server_limits, connect, read_password
 from kvtier.tiers.redis.config import MIN_PART_BYTES, RedisTierConfig
 from kvtier.tiers.redis.index import RedisLRUIndex
 from kvtier.tiers.redis.inventory import RedisInventory
@@ -273,7 +273,8 @@ class RedisTier:
         """`Warmable`: a standalone server's pool gets `connections` connections (each
         connected and greeted now, not by a read in flight); a Cluster's are opened by the
         reads (its pools are per node). Stops at the first failure, the server's circuit
-        breaker untouched (a read finds out)."""
+        breaker untouched (a read finds out). Then warns of server limits that cut this
+        tier's values (`client.check_server_limits`)."""
         client = self._connected()
         if isinstance(client, RedisCluster):
             return
@@ -290,6 +291,10 @@ class RedisTier:
                 pool.release(conn)
             if self._client is not client:  # closed meanwhile: drop what this reopened
                 pool.disconnect()
+        if held and self._client is client:  # the server answers: are its limits ours?
+            body_bytes = self.encoder.max_body_bytes
+            check_server_limits(client, self.name, min(self.part_bytes, body_bytes),
+                                HEADER_BYTES + body_bytes)
 
     def measure_link(self) -> LinkSpeed | None:
         """See core.tier.LinkProbe: the best of LINK_PINGS pings (the round trip), and of
