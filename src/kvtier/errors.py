@@ -7,8 +7,8 @@ which the tiers turn into misses), for requests kvtier does not cache, and for t
 tools' servers.
 
 Primitives: `KVTierError`, `ConfigError`, `TierConfigError`, `TierUnavailable`,
-`LinkTimeout`, `CorruptChunk`, `CodecFailure`, `AuthFailure`, `KeyNotHeld`, `UncacheableRequest`,
-`WarmupError`, `ServerError`.
+`DirectoryInUse`, `LinkTimeout`, `CorruptChunk`, `CodecFailure`, `AuthFailure`, `KeyNotHeld`,
+`UncacheableRequest`, `WarmupError`, `ServerError`.
 """
 
 from kvtier.redaction import redact_text, redact_value
@@ -49,6 +49,13 @@ class FieldError(ConfigError):
 # -- tiers and chunks ------------------------------------------------------------------------
 class TierUnavailable(KVTierError):
     """A tier cannot serve right now (directory unwritable, server down, ...)."""
+
+
+class DirectoryInUse(TierUnavailable, OSError):
+    """A disk tier's directory is owned by another open disk tier (another kvtier process,
+    or one of this process not closed): raised when the tier is opened, in one line naming
+    the directory, the owner's pid and the remedy (kvtier.tiers.files.owner). An OSError
+    too, as a directory a tier cannot use is elsewhere (`open_store`'s callers)."""
 
 
 class NodeUnavailable(TierUnavailable):

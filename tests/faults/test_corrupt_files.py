@@ -136,6 +136,7 @@ def test_a_damaged_file_on_disk_at_start_up_is_dropped_from_the_index(
     for i in (1, 2):
         tier.put(key(i), memoryview(payload(i, layout)))
     truncate(tier.files.path_of(key(1)), Path())  # type: ignore[attr-defined]
+    tier.close()
     restarted = make_tier("disk", tmp_path, layout, capacity_chunks=8)
     assert not restarted.contains(key(1)) and restarted.contains(key(2))
     assert restarted.stats().corrupt_reads == 1 and restarted.stats().chunks == 1

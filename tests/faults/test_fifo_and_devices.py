@@ -94,6 +94,7 @@ def test_a_fifo_is_never_counted_by_the_probe_nor_the_scan(kind: str, tmp_path: 
     probe = build_probe(config.tiers[0], [layout])
     assert probe is not None
     assert probe.contains(key(1)) and not probe.contains(key(2))
+    tier.close()
     restarted = make_tier(kind, tmp_path, layout, capacity_chunks=8)
     assert restarted.stats().chunks == 1
     assert not restarted.contains(key(2))

@@ -69,6 +69,7 @@ def test_a_chunk_deleted_while_the_index_loads_is_not_indexed(
     first = make_tier("disk", tmp_path, layout, capacity_chunks=8)
     for i in range(3):
         assert first.put(key(i), memoryview(payload(i, layout)))
+    first.close()
     gate, real_walk = threading.Event(), chunktree.walk_chunks
 
     def held_back(files: chunktree.ChunkFilesLike) -> Iterator[chunktree.FoundChunk]:

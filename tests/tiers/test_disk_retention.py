@@ -61,6 +61,7 @@ def test_a_pin_survives_a_flood_and_a_restart(tmp_path: Path) -> None:
         put(tier, i)
     assert held(tier, [0]) == [0]
     # A restart: the index is rebuilt from the files, the pin from the journal.
+    tier.close()
     again = disk(tmp_path, 8)
     assert again.meta_of(key(0)) == ChunkMeta("t", now + 3600, None)
     for i in range(200, 240):
@@ -83,6 +84,7 @@ def test_an_expiry_survives_a_restart_and_removes_the_chunk(tmp_path: Path) -> N
     path = tier.files.path_of(key(0))
     assert path.exists()
     # Restarted (real clock) after chunk 0's expiry: removed at start-up, file and all.
+    tier.close()
     again = disk(tmp_path, 8)
     assert held(again, [0, 1, 2]) == [1, 2]
     assert not path.exists()
@@ -116,6 +118,7 @@ def test_a_damaged_journal_costs_its_bad_lines_only(tmp_path: Path) -> None:
     journal.write_text("\n".join([lines[0], "{not json", '{"key": "zz"}', "[1, 2]",
                                   '{"key": "' + "00" * 16 + '", "retain_until": "soon"}',
                                   lines[1][: len(lines[1]) // 2]]) + "\n")
+    tier.close()
     again = disk(tmp_path, 8)
     assert again.meta_of(key(0)) is not None and again.meta_of(key(0)).retain_until  # type: ignore[union-attr]
     assert again.meta_of(key(1)) is None  # its line was cut: stored, unpinned
@@ -152,6 +155,7 @@ def test_a_chunk_stored_again_without_metadata_gets_none_back_at_a_restart(
     assert tier.delete(key(0)) and tier.delete(key(1))
     assert put(tier, 0) and put(tier, 1)  # stored again, by requests asking nothing
     assert tier.meta_of(key(0)) is None and tier.meta_of(key(1)) is None
+    tier.close()
     again = disk(tmp_path, 8)  # restarted now: chunk 2's expiry has passed
     assert held(again, [0, 1, 2]) == [0, 1]
     assert again.meta_of(key(0)) is None and again.meta_of(key(1)) is None
@@ -160,6 +164,7 @@ def test_a_chunk_stored_again_without_metadata_gets_none_back_at_a_restart(
     # A pin asked again is journaled again, and kept over the next restart.
     until = time.time() + 3600
     assert put(again, 1, ChunkMeta(retain_until=until))
+    again.close()
     assert disk(tmp_path, 8).meta_of(key(1)) == ChunkMeta(None, until, None)
 
 

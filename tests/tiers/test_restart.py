@@ -91,6 +91,7 @@ def test_a_restart_with_a_smaller_capacity_keeps_the_most_recent_chunks(
     for i in range(6):
         tier.put(key(i), memoryview(payload(i, layout)))
         time.sleep(0.02)
+    tier.close()
     smaller = make_tier("disk", tmp_path, layout, capacity_chunks=3)
     assert [i for i in range(6) if smaller.contains(key(i))] == [3, 4, 5]
     assert smaller.stats().evictions == 3

@@ -12,8 +12,10 @@ The index is a dict of 16-byte keys (file sizes interned) beside the policy's or
 docs/performance.md, "The shared tier at fleet scale", has its bytes per chunk.
 
 Capacity is reserved before a write so concurrent writes cannot overshoot it; a full
-filesystem (ENOSPC) evicts and counts the write as dropped. Assumes one store owns the
-directory; for a directory shared by processes use `shared`.
+filesystem (ENOSPC) evicts and counts the write as dropped. One open tier owns the layout
+directory, from its opening to its `close` or its process's end (an flock:
+tiers/files/owner.py): a second open, in another process or this one, raises
+DirectoryInUse. A directory several engines write is a `shared` tier's.
 
 With a `codec` (and/or encryption, `kvtier.tiers.encoding`) a chunk is encoded on the
 write-behind thread that puts it, before its room is reserved: the capacity counts the bytes
@@ -72,6 +74,7 @@ from kvtier.tiers.files.chunktree import FileInventory, FileProbe, walk_chunks
 from kvtier.tiers.files.directories import TierDirectory, check_directory
 from kvtier.tiers.files.linkfile import measure_directory, probe_bytes
 from kvtier.tiers.files.manifests import write_file_manifest
+from kvtier.tiers.files.owner import DirectoryOwner
 from kvtier.tiers.files.retention_journal import RetentionJournal
 from kvtier.tiers.links import LINK_DEADLINE_S, BoundedMeasure
 from kvtier.tiers.manifest import NamespaceManifest
@@ -86,6 +89,7 @@ UNWRITABLE_BACKOFF_S = 5.0
 _NO_PERMISSION = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
 INDEX_WAIT_S = 0.5  # the constructor waits this long for the index (then it fills behind)
 INDEX_BATCH = 20_000  # chunks indexed per hold of the lock (hits proceed between batches)
+INDEX_STOP_S = 5.0  # close waits this long for the start-up index to stop (then see close)
 
 
 class DiskTierConfig(EncodedTierSettings, RetentionTierSettings):
@@ -130,7 +134,12 @@ class DiskTier:
     def __init__(self, config: DiskTierConfig, layout: KVLayout, *,
                  clock: Callable[[], float] = time.time) -> None:
         """`clock`: wall-clock seconds for pins and expiry (a fake in tests: the start-up
-        index applies the journal's pins and expiries by it)."""
+        index applies the journal's pins and expiries by it).
+
+        Raises:
+            DirectoryInUse: another open disk tier owns the layout directory (until it
+                closes, or its process ends); OSError: the directory cannot be used.
+        """
         self.name = config.tier_name
         self._write_failed = ThrottledWarning(log)  # every write, on an unwritable disk
         self.capacity_bytes = config.capacity
@@ -165,6 +174,11 @@ class DiskTier:
         self._journal = RetentionJournal(self.files.directory, self.files.writable)
         self._dropped: set[ChunkKey] = set()  # removed while the index loads: not indexed
         self._link = BoundedMeasure(self.name)
+        # The directory's one owner (tiers/files/owner.py), before the index, which evicts,
+        # is built; a read-only directory, which this tier cannot change, takes none.
+        self._owner = DirectoryOwner(self.name, self.files.root, self.files.layout_digest,
+                                     self.files.file_mode) if self.files.writable else None
+        self._closing = threading.Event()
         self._loaded = threading.Event()
         self._loader = threading.Thread(target=self._rebuild_index, daemon=True,
                                         name=f"kvtier-index-{self.name}")
@@ -188,6 +202,8 @@ class DiskTier:
             order = np.argsort(np.asarray(mtimes, dtype=np.float64), kind="stable")
             interned: dict[int, int] = {}
             for start in range(0, len(order), INDEX_BATCH):
+                if self._closing.is_set():
+                    return
                 with self._lock:
                     for i in order[start:start + INDEX_BATCH].tolist():
                         key = keys[i]
@@ -198,6 +214,8 @@ class DiskTier:
                         self._policy.insert(key)
                         self._used_bytes += size
             del keys, sizes, mtimes, order
+            if self._closing.is_set():
+                return
             with self._lock:
                 self._restore_retention()
                 self._evict_to(self.capacity_bytes)
@@ -210,6 +228,8 @@ class DiskTier:
             log.exception("disk tier %r: the start-up index failed; serving without the "
                           "chunks it had not indexed", self.name)
         finally:
+            if self._closing.is_set():  # closed meanwhile, and not waited for: see close
+                self._give_up_directory()
             self._loaded.set()
 
     def _scan_compact(self) -> tuple[list[ChunkKey], array[int], array[float], int]:
@@ -219,6 +239,8 @@ class DiskTier:
         sizes, mtimes = array("q"), array("d")
         corrupt = 0
         for found in walk_chunks(self.files):
+            if self._closing.is_set():
+                break
             # Any size a chunk of this layout can take (encoded chunks are smaller, sealed
             # ones a page larger); the content is verified when read.
             size = found.size_bytes
@@ -611,7 +633,19 @@ class DiskTier:
                        meta_other=ops.other)
 
     def close(self) -> None:
-        # Nothing buffered: every put is on disk when it returns. A link measure in flight
-        # is waited for a while (it removes its probe file).
+        """Give the directory up to its next owner. Nothing is buffered: every put is on
+        disk when it returns. The start-up index stops (within a file or a batch: it evicts
+        and rewrites the journal, which the next owner's own index must not see happen) and
+        a link measure in flight is waited for a while (it removes its probe file); an
+        index not stopped within INDEX_STOP_S (a stalled directory) gives the directory up
+        when it stops."""
+        self._closing.set()
+        self._loader.join(INDEX_STOP_S)
         self._link.wait_idle(LINK_DEADLINE_S)
+        if not self._loader.is_alive():
+            self._give_up_directory()
+
+    def _give_up_directory(self) -> None:
+        if self._owner is not None:
+            self._owner.release()
 

@@ -1,0 +1,123 @@
+"""The owner of a disk tier's layout directory: one open disk tier at a time.
+
+A disk tier keeps its directory's index in memory and enforces its capacity alone. Two tiers
+on one directory (two engines on one host with the same model and disk path; vLLM's
+data-parallel ranks, which share one config) each exceeded the capacity by the other's
+files, evicted the other's chunks behind its index (failed loads, recomputed) and counted
+wrong. So a disk tier holds an exclusive `flock` of ROOT/<layout digest>/.kvtier-owner for
+its life: its `close` releases it, and the kernel does when the process ends, however it
+ends (a crash never leaves the directory locked). The file holds the owner's pid, for the
+message of a refused open only (a pid is never trusted to decide: the lock decides).
+
+Two tiers of one process conflict as well: flock locks an open file description, and each
+tier opens the file (but on NFS, whose flock is a per-process POSIX lock, only processes
+are told apart). A filesystem without flock (ENOLCK, EOPNOTSUPP) is used unlocked, with one
+warning.
+
+The file's name is none of kvtier's chunk or temp names: walks, scans, inventories, `kvtier
+gc` and the capacity never count or remove it (`filetree.walk`).
+
+Primitives: `DirectoryOwner` (release), `OWNER_NAME`.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import stat
+import threading
+from pathlib import Path
+
+from kvtier.errors import DirectoryInUse
+from kvtier.tiers.files.filetree import open_dir
+
+log = logging.getLogger(__name__)
+OWNER_NAME = ".kvtier-owner"
+_NO_FLOCK = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL})
+
+
+class DirectoryOwner:
+    """This tier's ownership of ROOT/<layout digest>, held until `release`. Thread-safe."""
+
+    def __init__(self, name: str, root: Path, layout_digest: str, file_mode: int) -> None:
+        """Take ownership of the layout directory (which must exist) for the tier `name`.
+
+        Raises:
+            DirectoryInUse: another open disk tier owns it (in another process, or in this
+                one: the message names the path, the owner's pid and the remedy).
+            OSError: the owner file cannot be opened (a link or a directory at its path).
+        """
+        self.path = Path(root) / layout_digest / OWNER_NAME
+        self._guard = threading.Lock()
+        dir_fd = open_dir(Path(root), [layout_digest])
+        try:
+            self._fd = _open_owner_file(dir_fd, file_mode, self.path)
+        finally:
+            os.close(dir_fd)
+        try:
+            self._lock(name)
+        except BaseException:
+            self.release()
+            raise
+
+    def _lock(self, name: str) -> None:
+        """flock the owner file and write this process's pid in it."""
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise DirectoryInUse(_in_use(name, self.path, _pid_in(self._fd))) from None
+        except OSError as exc:
+            if exc.errno not in _NO_FLOCK:
+                raise
+            log.warning("%s: flock unsupported here (%s); the disk tier %r does not keep "
+                        "other engines out of its directory (each must have a path of its "
+                        "own)", self.path, exc, name)
+            return
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+
+    def release(self) -> None:
+        """Give the directory up (closing the file drops the lock); a second call does
+        nothing. Any thread."""
+        with self._guard:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+
+def _open_owner_file(dir_fd: int, file_mode: int, path: Path) -> int:
+    """The owner file in the directory `dir_fd`, opened (created if absent), never through a
+    link, never a FIFO's open that waits.
+
+    Raises:
+        OSError: it cannot be opened, or is not a regular file (its path: remove it).
+    """
+    fd = os.open(OWNER_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+                 | os.O_CLOEXEC, file_mode, dir_fd=dir_fd)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not kvtier's owner file: remove it", str(path))
+    return fd
+
+
+def _pid_in(fd: int) -> int | None:
+    """The pid the owner wrote in its file; None when unreadable (not written yet)."""
+    try:
+        return int(os.pread(fd, 32, 0).decode())
+    except (OSError, ValueError):
+        return None
+
+
+def _in_use(name: str, path: Path, pid: int | None) -> str:
+    """The one-line message of a refused open: the path, its owner, the remedy."""
+    if pid == os.getpid():
+        owner = f"another disk tier of this process (pid {pid}), not closed"
+    else:
+        owner = f"another kvtier process (pid {pid if pid is not None else 'unknown'})"
+    return (f"disk tier {name!r}: {path.parent} is owned by {owner} (it holds the lock "
+            f"{path.name} there); a disk directory serves one engine at a time (that engine "
+            "alone keeps its index and capacity): give each engine a disk path of its own, "
+            "or use `kind: shared` for a directory several engines write (vLLM's "
+            "data-parallel ranks share one config)")
