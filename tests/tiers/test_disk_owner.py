@@ -20,11 +20,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tierkit import key, make_tier, tiny_layout
+from tierkit import key, make_tier, tier_settings, tiny_layout
 
+import kvtier.tiers
 from kvtier.errors import DirectoryInUse
 from kvtier.tiers.files import chunktree, disk, owner
 from kvtier.tiers.files.chunktree import FileInventory
+from kvtier.tiers.storeconfig import StoreConfig
 
 LAYOUT = tiny_layout()
 
@@ -159,3 +161,19 @@ def test_a_tier_closed_while_its_index_loads_gives_the_directory_up_once_the_ind
     assert again.stats().chunks == 4  # the closed tier evicted none of them
     again.close()
 
+
+
+def test_a_store_that_fails_to_open_leaves_its_disk_directory_free(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store whose opening fails after its tiers were built closes them: a node retrying the
+    layout must find its disk directory free, not owned by the failed attempt's tier."""
+    config = StoreConfig.parse({"tiers": [tier_settings("disk", tmp_path, LAYOUT, 4)]})
+
+    def broken(*args: object) -> None:
+        raise ValueError("injected: the store cannot be composed")
+
+    monkeypatch.setattr(kvtier.tiers, "TieredStore", broken)
+    with pytest.raises(ValueError, match="injected"):
+        kvtier.tiers.open_store(config, LAYOUT)
+    monkeypatch.undo()
+    kvtier.tiers.open_store(config, LAYOUT).close()

@@ -116,21 +116,22 @@ def open_store(config: StoreConfig, layout: KVLayout, info: NamespaceInfo | None
     runner), not the operator: `io_cores` "auto" may widen them (core/threads.py).
 
     Raises:
-        ConfigError: a tier's settings are unusable; OSError: a tier's directory cannot be
-            created. Tiers built before the failure are closed.
+        ConfigError: a tier's settings are unusable; DirectoryInUse: a disk tier's directory
+            is another open tier's; OSError: a tier's directory cannot be created. Tiers
+            built before the failure are closed.
     """
     tiers: list[Tier] = []
     try:
         for index, tier_config in enumerate(config.tiers):
             if index == 0 or _answers_or_say(tier_config, config.read_timeout_s):
                 tiers.append(build_tier(tier_config, layout))
-    except BaseException:
+        if info is not None:
+            manifest = new_manifest(layout, info)
+            for tier in tiers:
+                if isinstance(tier, ManifestKeeper):
+                    tier.keep_manifest(manifest)
+        return TieredStore(tiers, store_settings(config, engine_bound))
+    except BaseException:  # a disk tier left open would own its directory until exit
         for tier in tiers:
             tier.close()
         raise
-    if info is not None:
-        manifest = new_manifest(layout, info)
-        for tier in tiers:
-            if isinstance(tier, ManifestKeeper):
-                tier.keep_manifest(manifest)
-    return TieredStore(tiers, store_settings(config, engine_bound))
