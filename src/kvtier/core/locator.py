@@ -183,10 +183,12 @@ class ChunkLocator:
         # of its next lookup too within timeout_s (one that a RETRY of its tails' probe made,
         # a step later), which then asks no second probe of the same keys.
         self._missed: dict[str, tuple[ChunkKey, float]] = {}
-        # request id -> (alternatives asked, the slow probes' answer, when they started):
-        # `first_held` where the index cannot say what the tiers hold (node mode).
+        # request id -> (alternatives asked, the slow probes' answer, when they started, when
+        # their miss was first taken or None): `first_held` where the index cannot say what
+        # the tiers hold (node mode). A miss stays the answer of its next lookups within
+        # timeout_s: a lookup that RETRYs while its chunks' probe runs takes it and drops it.
         self._firsts: dict[str, tuple[tuple[ChunkKey, ...], Future[tuple[int, str] | None],
-                                      float]] = {}
+                                      float, float | None]] = {}
         self._stuck: Future[Any] | None = None  # a probe that outlived timeout_s
         self.timeouts = 0  # lookups that gave up waiting for a probe
 
@@ -280,7 +282,9 @@ class ChunkLocator:
         (node mode: the node's tiers below RAM are its slow probe, and the index only answers
         while the node cannot), what a slow probe found is held, and else the slow probes are
         asked, off this thread, for `request_id` (None: not asked): RETRY until they answer,
-        as `locate`'s. Scheduler thread."""
+        as `locate`'s; their miss answers the request's lookups of the same keys for
+        `timeout_s` (a lookup that RETRYs on its chunks' probe meanwhile takes it and drops
+        it). Scheduler thread."""
         indexed = next((i for i, key in enumerate(keys) if key in self.index), None)
         if self._index_first and indexed is not None:
             return indexed
@@ -305,9 +309,10 @@ class ChunkLocator:
     def _first_held_slowly(self, request_id: str, keys: Sequence[ChunkKey]
                            ) -> int | Literal[LookupStatus.RETRY] | None:
         """`first_held` of the slow probes, asked on the probe thread for `request_id`."""
-        asked = tuple(keys)
+        asked, now = tuple(keys), time.monotonic()
         pending = self._firsts.pop(request_id, None)
-        if pending is not None and pending[0] != asked:  # the request's lookup moved on
+        if pending is not None and (pending[0] != asked or (  # the lookup moved on, or
+                pending[3] is not None and now - pending[3] >= self._timeout_s)):  # old miss
             pending[1].cancel()
             pending = None
         if pending is None:
@@ -315,15 +320,18 @@ class ChunkLocator:
                 return None
             assert self._pool is not None
             future = self._pool.submit(_first_found, self._slow_probes, asked)
-            self._firsts[request_id] = (asked, future, time.monotonic())
+            self._firsts[request_id] = (asked, future, now, None)
             return LookupStatus.RETRY
-        _, future, started = pending
+        _, future, started, missed = pending
         landed = self._landed(future, started)
         if landed is False:
             self._firsts[request_id] = pending
             return LookupStatus.RETRY
         found = future.result() if landed and future.exception() is None else None
         if found is None:
+            if landed:  # the answer of the next lookups too, within timeout_s
+                self._firsts[request_id] = (asked, future, started,
+                                            now if missed is None else missed)
             return None
         self.index.add(keys[found[0]], found[1])
         return found[0]
