@@ -374,10 +374,13 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                        "not see (vLLM's model code edits it as it builds): namespace %s, "
                        "the workers' fingerprint, not %s", digest[:12],
                        self._identity.digest[:12])
-        old, self._identity = self._scheduler, ModelFingerprint(digest, weight_files)
+        # The old side closed first: it holds what only one may (a pool_events PUB socket
+        # bound to its endpoint: the new side's bind failed, EADDRINUSE, and the engine with
+        # it; tests/connector/test_handshake_rebuild.py).
+        self._scheduler.close()
+        self._identity = ModelFingerprint(digest, weight_files)
         self._scheduler = self._build_scheduler(
             model_id_for(self._vllm_config, self._identity), self._identity)
-        old.close()
 
     def set_xfer_handshake_metadata_pp_aware(
             self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]) -> None:
