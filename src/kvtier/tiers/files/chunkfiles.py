@@ -81,8 +81,11 @@ class ChunkFiles:
     def __init__(
         self, root: Path, layout_digest: str, chunk_bytes: int, o_direct: str = "auto",
         dir_mode: int = 0o700, file_mode: int = 0o600, encoder: ChunkEncoder | None = None,
+        fs_clock: bool = False,
     ) -> None:
         """`encoder`: how chunks are stored (a codec, a seal); None: as is (version 1).
+        `fs_clock`: read the filesystem's clock off the files it creates (`fs_now`; an fstat
+        per write): for a directory other nodes write to (the shared tier), not a disk tier.
 
         Raises:
             OSError: the directory cannot be used at all (nor read), or `o_direct` is "on"
@@ -102,6 +105,7 @@ class ChunkFiles:
         self._cannot_remove = ThrottledWarning(log)  # every chunk, on a read-only directory
         self._local = threading.local()
         self._clock_ahead_s = 0.0  # the filesystem's clock minus this node's (`fs_now`)
+        self._fs_clock = fs_clock  # whether writes read it (`_saw_clock`)
         self.writable = self._prepare_directory()
         self.o_direct = o_direct != "off" and self.writable and self._probe_o_direct(
             o_direct == "on")
@@ -151,12 +155,15 @@ class ChunkFiles:
         last file this process created there showed it against this node's clock. kvtier's
         temp files are stale by their mtimes (filetree.TEMP_STALE_S): a node whose clock ran
         minutes ahead of the server's swept every write in flight in the directory
-        (tests/faults/test_clock_skew.py). This node's clock until a file was created."""
+        (tests/faults/test_clock_skew.py). This node's clock until a file was created, and
+        always without `fs_clock`."""
         return time.time() + self._clock_ahead_s
 
     def _saw_clock(self, fd: int) -> None:
         """Read the filesystem's clock off the mtime of `fd`, a file this process just
-        created or resized (`fs_now`)."""
+        created or resized (`fs_now`); nothing unless `fs_clock`."""
+        if not self._fs_clock:
+            return
         self.ops.add(stats=1)
         self._clock_ahead_s = os.fstat(fd).st_mtime - time.time()
 

@@ -175,7 +175,8 @@ class SharedTier:
         self.scan_interval_s = config.scan_interval_s
         modes = _modes(config)
         self.files = ChunkFiles(config.path, layout.digest(), layout.bytes_per_chunk,
-                                "auto", *modes, encoder=build_encoder(config, layout))
+                                "auto", *modes, encoder=build_encoder(config, layout),
+                                fs_clock=True)
         self.file_bytes = self.files.file_bytes
         self._admission = AdmissionFilter(config.admit_after)
         self._counters = TierCounters(self.name, config.capacity)
