@@ -18,6 +18,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 import tomllib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -105,6 +106,21 @@ def make_tier(kind: str, root: Path, layout: KVLayout, capacity_chunks: int,
     config = StoreConfig.parse({"tiers": [tier_settings(kind, root, layout, capacity_chunks,
                                                         **options)]})
     return build_tier(config.tiers[0], layout)
+
+
+def put_once_remeasured(tier: Any, k: ChunkKey, data: memoryview, attempts: int = 100) -> bool:
+    """Put `k` into a shared tier whose quota only a re-measure can repair: after each put
+    refused, wait for the re-measure it claimed (its thread) to end, and for a moment (a
+    `scan_interval_s` of a few ms) before the next. Bounded by attempts, not by a clock: on a
+    loaded machine the walk takes what it takes."""
+    for _ in range(attempts):
+        if tier.put(k, data):
+            return True
+        walk = tier._remeasuring
+        if walk is not None:
+            walk.join()
+        time.sleep(min(tier.scan_interval_s, 0.01))
+    return False
 
 
 @contextmanager

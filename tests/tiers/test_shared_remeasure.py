@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tierkit import key, make_tier, tiny_layout
+from tierkit import key, make_tier, put_once_remeasured, tiny_layout
 
 import kvtier.tiers.files.shared as shared_module
 from kvtier.tiers.files.quota import QuotaLedger
@@ -73,9 +73,7 @@ def test_a_re_measure_claimed_from_the_future_is_taken_as_claimed_now(tmp_path: 
     for path in (tmp_path / "shared").rglob("*.kvc"):
         path.unlink()  # behind kvtier's back: the ledger still says 8 chunks
     data = memoryview(bytes(LAYOUT.bytes_per_chunk))
-    stored, deadline = False, time.monotonic() + 10
-    while not stored and time.monotonic() < deadline:
-        stored = bool(tier.put(key(100), data))  # full, until a re-measure repairs it
+    stored = put_once_remeasured(tier, key(100), data)  # full, until a re-measure repairs it
     tier.close()
     assert stored, "no re-measure was claimed: the quota stays full of deleted files"
     assert tier.future_claims == 1
