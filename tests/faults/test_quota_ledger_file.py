@@ -9,6 +9,7 @@ ledger file removed or replaced under a running writer is opened again at its pa
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -100,14 +101,19 @@ def test_a_forked_child_locks_the_ledger_against_its_parent(tmp_path: Path) -> N
             code = 0
         finally:
             os._exit(code)
+    # The child's ends only: a child that dies before it holds the lock ends the read (b"",
+    # a failure) instead of leaving the parent waiting on its own write end for ever.
+    os.close(held_w)
+    os.close(go_r)
     try:
-        assert os.read(held_r, 1) == b"1"
+        assert os.read(held_r, 1) == b"1", "the child could not lock the ledger"
         with pytest.raises(BlockingIOError):
             fcntl.flock(parent_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     finally:
-        os.write(go_w, b"1")
+        with contextlib.suppress(BrokenPipeError):  # the child gone already
+            os.write(go_w, b"1")
         _, status = os.waitpid(pid, 0)
-        for fd in (held_r, held_w, go_r, go_w):
+        for fd in (held_r, go_w):
             os.close(fd)
         ledger.close()
     assert os.waitstatus_to_exitcode(status) == 0
