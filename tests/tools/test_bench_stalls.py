@@ -97,12 +97,12 @@ def test_stalls_are_read_as_written_and_a_partial_line_waits() -> None:
     assert STALL_S > 5 * TICK_S  # a stall is well past a late tick
 
 
-def test_the_watcher_ends_with_the_process_that_started_it() -> None:
+def test_the_watcher_ends_with_the_process_that_started_it(tmp_path: Path) -> None:
     parent = subprocess.run(
         [sys.executable, "-c",
-         "import os, pathlib, tempfile\n"
+         "import os, pathlib\n"
          "from kvtier.tools.bench.serving.stalls import StallWatch\n"
-         "watch = StallWatch(pathlib.Path(tempfile.mkdtemp()) / 'stalls.log')\n"
+         f"watch = StallWatch(pathlib.Path({str(tmp_path)!r}) / 'stalls.log')\n"
          "print(watch._proc.pid, flush=True)\n"
          "os._exit(0)  # no stop(): a bench killed, maybe before the watcher ran"],
         capture_output=True, text=True, timeout=60, check=True)
