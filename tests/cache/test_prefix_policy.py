@@ -263,16 +263,25 @@ def test_a_parent_that_comes_back_extends_the_children_held_meanwhile() -> None:
     assert policy.evict() == "self"
 
 
+def _memory_tier(slots: int, now: list[float] | None = None, eviction: str = "prefix"
+                 ) -> tuple[MemoryTier, memoryview]:
+    """A memory tier of `slots` 4 KiB slots (on the clock `now[0]` if given), and a chunk's
+    bytes to put (512 B)."""
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_size=8, dtype="float16",
+                      tokens_per_chunk=16)
+    config = MemoryTierConfig(kind="memory", capacity=slots * 4096, eviction=eviction,
+                              prefault=False)
+    tier = (MemoryTier(config, layout) if now is None
+            else MemoryTier(config, layout, clock=lambda: now[0]))
+    return tier, memoryview(np.zeros(layout.bytes_per_chunk, dtype=np.uint8))
+
+
 def test_a_memory_tier_keeps_a_parent_whose_pin_ended_under_its_child() -> None:
     """Through the memory tier: a parent pinned (out of the policy) when its child is stored,
     its pin ends, the child is read: a new chunk evicts the child (the leaf), not the parent,
     which held alone still serves a prefix."""
     now = [1000.0]
-    layout = KVLayout(num_layers=1, num_kv_heads=1, head_size=8, dtype="float16",
-                      tokens_per_chunk=16)  # 512 B a chunk, in a 4 KiB slot
-    tier = MemoryTier(MemoryTierConfig(kind="memory", capacity=2 * 4096, eviction="prefix",
-                                       prefault=False), layout, clock=lambda: now[0])
-    data = memoryview(np.zeros(layout.bytes_per_chunk, dtype=np.uint8))
+    tier, data = _memory_tier(2, now)
     keys = [ChunkKey(bytes([i]) * 16) for i in range(3)]
     assert tier.put(keys[0], data, ChunkMeta(retain_until=now[0] + 10)).ok
     assert tier.put(keys[1], data, ChunkMeta(parent=keys[0])).ok
@@ -289,11 +298,7 @@ def test_a_memory_tier_evicts_a_parent_whose_pin_ended() -> None:
     """Through the memory tier: a pin (retain) takes a parent out of the policy, its end puts
     it back; a tier of two slots keeps storing in both."""
     now = [1000.0]
-    layout = KVLayout(num_layers=1, num_kv_heads=1, head_size=8, dtype="float16",
-                      tokens_per_chunk=16)  # 512 B a chunk, in a 4 KiB slot
-    tier = MemoryTier(MemoryTierConfig(kind="memory", capacity=2 * 4096, eviction="prefix",
-                                       prefault=False), layout, clock=lambda: now[0])
-    data = memoryview(np.zeros(layout.bytes_per_chunk, dtype=np.uint8))
+    tier, data = _memory_tier(2, now)
     keys = [ChunkKey(bytes([i]) * 16) for i in range(6)]
     assert tier.put(keys[0], data).ok
     assert tier.put(keys[1], data, ChunkMeta(parent=keys[0])).ok
@@ -321,12 +326,8 @@ def test_any_tier_can_take_it_by_name_and_a_memory_tier_passes_parents() -> None
     config = StoreConfig.parse({"tiers": [{"kind": "memory", "capacity": "1MiB",
                                            "eviction": "prefix"}]})
     assert config.tiers[0].eviction == "prefix"
-    layout = KVLayout(num_layers=1, num_kv_heads=1, head_size=8, dtype="float16",
-                      tokens_per_chunk=16)  # 512 B a chunk, in a 4 KiB slot
-    tier = MemoryTier(MemoryTierConfig(kind="memory", capacity=3 * 4096, eviction="prefix",
-                                       prefault=False), layout)
+    tier, data = _memory_tier(3)
     assert tier.num_slots == 3
-    data = memoryview(np.zeros(layout.bytes_per_chunk, dtype=np.uint8))
     keys = [ChunkKey(bytes([i]) * 16) for i in range(4)]
     parent = None
     for key in keys[:3]:
@@ -343,14 +344,10 @@ def test_a_memory_tier_reports_the_horizon_its_policy_learned() -> None:
     """The tier's stats carry what the policy learned (exported as the
     `tier_policy_horizon_ops` gauge): 0 until enough reuses, then HORIZON_GAPS gaps of 8
     operations (8 chunks read in turn); 0 for an LRU tier."""
-    layout = KVLayout(num_layers=1, num_kv_heads=1, head_size=8, dtype="float16",
-                      tokens_per_chunk=16)
-    data = memoryview(np.zeros(layout.bytes_per_chunk, dtype=np.uint8))
     keys = [ChunkKey(bytes([i]) * 16) for i in range(8)]
     learned = {}
     for eviction in ("prefix", "lru"):
-        tier = MemoryTier(MemoryTierConfig(kind="memory", capacity=8 * 4096, eviction=eviction,
-                                           prefault=False), layout)
+        tier, data = _memory_tier(8, eviction=eviction)
         for key in keys:
             assert tier.put(key, data, ChunkMeta()).ok
         assert tier.stats().policy_horizon_ops == 0
