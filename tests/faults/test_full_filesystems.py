@@ -8,6 +8,7 @@ module's engine alive (test_engine_faults.py's).
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -82,20 +83,32 @@ def test_full_filesystems_drop_writes_evict_and_never_change_a_token(
     prompts = random_prompts([500] * 8, seed=76)
     expected = token_ids(llm, prompts, MAX_TOKENS)
 
+    def files() -> list[list[Path]]:  # chunks, and temp files of writes in flight
+        return [chunk_files(disk), chunk_files(shared), temp_files(disk), temp_files(shared)]
+
     def settled() -> bool:  # write-behind done: the file lists stop changing
-        before = (chunk_files(disk), chunk_files(shared))
+        before = files()
         time.sleep(1.0)
-        return (chunk_files(disk), chunk_files(shared)) == before
+        return files() == before
 
     wait_until(settled, "the writes behind to settle", timeout_s=60)
     hits = metric(llm, HITS)
     assert run_fresh(llm, prompts) == expected  # what the filesystems kept is loaded
     assert metric(llm, HITS) > hits
     assert run_fresh(llm, prompts, skip_load=True) == expected  # the miss path
+    # Its stores (chunks the full filesystems had dropped) are written behind: a temp file
+    # seen before they settle is a write in flight, one left after them a leak.
+    wait_until(settled, "the writes behind to settle", timeout_s=60)
     for tier, directory in (("disk", disk), ("shared", shared)):
         assert kvtier_counter("tier_dropped_writes", tier=tier) > 0, tier
         assert kvtier_counter("tier_evictions", tier=tier) > 0, tier
         assert chunk_files(directory), f"the {tier} tier kept nothing"
-        assert not [p for p in directory.rglob("*") if p.name.endswith(".tmp")]
+        assert not temp_files(directory)
     [fresh] = random_prompts([300], seed=77)
     assert len(token_ids(llm, [fresh], MAX_TOKENS)[0]) == MAX_TOKENS
+
+
+def temp_files(root: Path) -> list[Path]:
+    """The temp files of kvtier's writes below `root` (a write in flight, or one leaked)."""
+    return sorted(Path(d) / f for d, _, names in os.walk(root) for f in names
+                  if f.endswith(".tmp"))
