@@ -17,6 +17,13 @@ by the same drill: the capacity listing took every object it asked to delete for
 `chunks`/`used_bytes` dropped below what the bucket holds, REMOVED events announced chunks
 still served, nothing was logged, and the bound was never kept. Now those objects stay
 counted, no event goes out, and the refusal is a warning.
+
+Absent objects answered 403: AWS answers a HEAD or GET of an object that does not exist with
+403 (AccessDenied), not 404, to credentials without s3:ListBucket, a common least-privilege
+policy. With `conditional_put: false` (or admission on) each put HEADs first: every put was
+dropped as refused, and lookups warned of refused credentials. The tier learns it from its
+start-up HEAD of an object no one writes; moto answers 404 whatever the policy, so the 403 is
+injected at the client, in AWS's reply shape.
 """
 
 from __future__ import annotations
@@ -31,8 +38,10 @@ from tierkit import key, tiny_layout
 
 from kvtier.core.chunkformat import HEADER_BYTES
 from kvtier.core.keys import ChunkKey
-from kvtier.core.tier import IO_ERROR, OK, EventKind
+from kvtier.core.tier import IO_ERROR, MISSING, OK, EventKind
 from kvtier.tiers import build_tier
+from kvtier.tiers.manifest import NamespaceInfo, new_manifest
+from kvtier.tiers.s3 import tier as s3_tier
 from kvtier.tiers.s3.tier import S3Tier
 from kvtier.tiers.storeconfig import StoreConfig
 
@@ -118,3 +127,48 @@ def test_objects_the_server_refuses_to_delete_stay_counted_and_are_not_announced
     assert (stats.chunks, stats.used_bytes, stats.evictions) == (3, 3 * object_bytes, 3)
     assert len(removed) == 3 and not any(tier.contains_many(removed))
     tier.close()
+
+
+def _absent_as_refused(http_response: Any, parsed: dict[str, Any], model: Any,
+                       **_: Any) -> None:
+    """What AWS answers a reader without s3:ListBucket for an object that does not exist."""
+    if http_response.status_code == 404:
+        code = "403" if model.name == "HeadObject" else "AccessDenied"
+        parsed["Error"] = {"Code": code, "Message": "Forbidden"}
+        parsed["ResponseMetadata"]["HTTPStatusCode"] = 403
+
+
+def test_absent_objects_answered_403_without_list_bucket_are_misses_and_puts_store(
+        s3_session: S3Endpoint, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    connect = s3_tier.connect
+
+    def connect_without_list_bucket(*args: Any, **kwargs: Any) -> Any:
+        client = connect(*args, **kwargs)
+        for operation in ("HeadObject", "GetObject"):
+            client.meta.events.register(f"after-call.s3.{operation}", _absent_as_refused)
+        return client
+
+    monkeypatch.setattr(s3_tier, "connect", connect_without_list_bucket)
+    layout = tiny_layout()
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        tier = build_tier(StoreConfig.parse({"tiers": [{
+            "kind": "s3", **s3_session.settings(), "conditional_put": False}]}).tiers[0],
+            layout)
+        assert isinstance(tier, S3Tier)
+        tier.keep_manifest(new_manifest(layout, NamespaceInfo("m", "", 0)))  # GET first
+        data = memoryview(bytes([7]) * layout.bytes_per_chunk)
+        out = memoryview(bytearray(layout.bytes_per_chunk))
+        assert tier.contains_many([key(1)]) == [False]
+        assert tier.get_into(key(2), out) == MISSING
+        assert tier.put(key(1), data) == OK
+        assert tier.contains_many([key(1)]) == [True]
+        assert tier.put(key(1), data) == OK  # held: not written again
+        assert tier.get_into(key(1), out) == OK and bytes(out) == bytes(data)
+        manifests = [o["Key"] for o in s3_session.client().list_objects_v2(
+            Bucket=s3_session.bucket, Prefix=tier.names.manifest()).get("Contents", [])]
+        stats = tier.stats()
+        tier.close()
+    assert (stats.puts, stats.dropped_writes) == (1, 0)
+    assert manifests == [tier.names.manifest()]
+    assert [r.getMessage() for r in caplog.records if r.name == LOGGER] == []

@@ -20,7 +20,7 @@ Primitives: `S3Names`, `S3Inventory`, `parse_chunk_name`, `enforce_capacity`,
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,15 +147,16 @@ def put_lifecycle(client: Any, config: S3TierConfig, log: logging.Logger) -> Non
              config.tier_name, rule_id, config.key_prefix, config.ttl_days)
 
 
-def write_manifest(client: Any, bucket: str, names: S3Names,
-                   manifest: NamespaceManifest) -> bool:
+def write_manifest(client: Any, bucket: str, names: S3Names, manifest: NamespaceManifest,
+                   says_absent: Callable[[BaseException], bool] = is_absent) -> bool:
     """Put `manifest` unless an equal one is there (keeping the first `created_s`). True
-    when written. Raises: botocore errors."""
+    when written. `says_absent`: whether a GET's error answer means no manifest yet (a 403
+    does too, to credentials without s3:ListBucket). Raises: botocore errors."""
     errors = S3Errors()
     try:
         current = client.get_object(Bucket=bucket, Key=names.manifest())["Body"].read()
     except errors.answered as exc:
-        if not is_absent(exc):
+        if not says_absent(exc):
             raise
         current = None
     if manifest.same_as(parse_manifest(current, manifest.namespace)):

@@ -161,6 +161,11 @@ class S3Tier:
         self._absent = NegativeCache(config.negative_cache_s)  # chunks found absent lately
         self._lock = threading.Lock()
         self._refusals: set[str] = set()  # error codes logged at warning already
+        # An absent object answers 403, not 404, to credentials without s3:ListBucket (AWS
+        # does not tell them what is not there); learnt from the start-up's HEAD of an
+        # object no one writes. Then a HEAD's 403 is an absent chunk: before, every put
+        # with `conditional_put: false` (or admission on) was dropped as refused.
+        self._absent_refused = False
         self._manifest: NamespaceManifest | None = None
         # Monotonic time of the last capacity listing; none yet, so the first put lists. Not
         # 0.0: monotonic time counts from boot, and on a machine up for less than
@@ -212,7 +217,14 @@ class S3Tier:
         name = f"{self.names.namespace_prefix()}absent-{uuid.uuid4().hex}"
         try:
             self._run(lambda c: c.head_object(Bucket=self._config.bucket, Key=name))
-        except self._failed:  # no answer, or an error answer: not a web page
+        except TierUnavailable:  # no answer: not a web page
+            return
+        except self._errors.answered as exc:  # an error answer: not a web page
+            if is_refused(exc):
+                self._absent_refused = True
+                log.info("s3 tier %r: %s answers 403 to a HEAD of an absent object (no "
+                         "s3:ListBucket): a 403 to a chunk's HEAD reads as absent", self.name,
+                         self.endpoint)
             return
         raise ConfigError("endpoint_url", self._config.endpoint_url or self.endpoint,
                           "an S3 API endpoint: it answered 200 to a HEAD of an object that "
@@ -253,7 +265,7 @@ class S3Tier:
         except TierUnavailable:
             return False
         except self._errors.answered as exc:
-            if is_absent(exc):
+            if self._says_absent(exc):
                 self._absent.remember(key)
             else:
                 self._log_refusal("lookup", name, exc)
@@ -293,7 +305,7 @@ class S3Tier:
             return UNAVAILABLE
         except self._errors.answered as exc:
             self._counters.add(misses=1)
-            if is_absent(exc):
+            if self._says_absent(exc):
                 return MISSING
             self._log_refusal("read", name, exc)
             return IO_ERROR
@@ -390,11 +402,16 @@ class S3Tier:
             self._counters.add(dropped_writes=1)
             return UNAVAILABLE
         except self._errors.answered as exc:
-            if is_absent(exc):
+            if self._says_absent(exc):
                 return None
             self._log_refusal("write", name, exc)
             self._counters.add(dropped_writes=1)
             return IO_ERROR
+
+    def _says_absent(self, exc: BaseException) -> bool:
+        """Whether an error answer to a HEAD or GET says the object is absent: 404, or 403
+        where the credentials cannot list the bucket (`_absent_refused`)."""
+        return is_absent(exc) or (self._absent_refused and is_refused(exc))
 
     def _upload(self, name: str, body: bytes, conditional: bool) -> TierResult:
         """One PUT (`conditional`: only if absent; HELD when it exists), retried after
@@ -461,7 +478,8 @@ class S3Tier:
         if manifest is None:
             return
         try:
-            self._run(lambda c: write_manifest(c, self._config.bucket, self.names, manifest))
+            self._run(lambda c: write_manifest(c, self._config.bucket, self.names, manifest,
+                                               self._says_absent))
         except self._failed as exc:
             log.warning("s3 tier %r: namespace manifest not written (%s); retried after the "
                         "next stored chunk", self.name, type(exc).__name__)
@@ -534,7 +552,7 @@ class S3Tier:
             except TierUnavailable:
                 return False
             except self._errors.answered as exc:
-                if not is_absent(exc):
+                if not self._says_absent(exc):
                     self._log_refusal("delete", name, exc)
                 return False
             # What this process knows; the next capacity listing counts every writer's.
