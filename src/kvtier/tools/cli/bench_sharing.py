@@ -42,7 +42,8 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     parser.add_argument("--recompute-reps", type=non_negative_int, default=3,
                         help="timed recomputes per prompt (3)")
     parser.add_argument("--source", action="append", choices=SOURCES,
-                        help="how B gets A's chunks (repeatable; default both)")
+                        help="how B gets A's chunks (repeatable; default: "
+                             f"{', '.join(SOURCES)})")
     parser.add_argument("--redis-url", type=redis_url, default=None,
                         help="an existing Redis (default: a private redis-server on 127.0.0.1)")
     parser.add_argument("--dir", type=work_dir, default=Path("."),
