@@ -88,3 +88,9 @@ def test_the_tier_table_names_only_fields_of_its_kind(kind: str) -> None:
     fields = set(config_model(kind).model_fields)
     named = set(SNAKE.findall(tier_rows()[kind]))
     assert named <= fields, named - fields
+
+
+def test_compression_names_every_kind_that_takes_a_codec() -> None:
+    first_line = section(REFERENCE, "Compression and encryption at rest").strip().splitlines()[0]
+    takes = {kind for kind in public_kinds() if "codec" in config_model(kind).model_fields}
+    assert set(re.findall(r"`(\w+)`", first_line)) == takes
