@@ -1,8 +1,9 @@
 """The operator pages' `kvtier` commands against the command's own parser: configuration.md's
 table of operator tools (which the README calls the full list) names every command and every
 `kvtier bench` workload, and nothing else; every `kvtier ...` command line in an operator page
-uses only options its (sub-)command has. Before this test the table lacked `kvtier proxy` and
-the benches `sharing`, `disagg`, `mover`, `prefix-repetition` and `long-doc`; and `kvtier bench
+uses only options its (sub-)command has, each with a value it takes (a lowercase word: an
+upper-case one is a placeholder). Before this test the table lacked `kvtier proxy` and the
+benches `sharing`, `disagg`, `mover`, `prefix-repetition` and `long-doc`; and `kvtier bench
 sharing --help` said its default was "both" of its three sources."""
 
 from __future__ import annotations
@@ -83,9 +84,18 @@ def test_every_command_line_uses_options_its_command_has(page: str) -> None:
         path = longest(words[1:])
         if not path:
             continue
-        options = {o for action in PARSERS[path]._actions for o in action.option_strings}
-        flags = {w.split("=", 1)[0] for w in words if re.fullmatch(r"--?[a-z][\w-]*(=.*)?", w)}
-        wrong += [f"{line}: {flag}" for flag in sorted(flags - options)]
+        actions = {o: action for action in PARSERS[path]._actions for o in action.option_strings}
+        for word, value in zip(words, [*words[1:], ""]):
+            flag = word.split("=", 1)[0]
+            if not re.fullmatch(r"--?[a-z][\w-]*", flag):
+                continue
+            if flag not in actions:
+                wrong.append(f"{line}: {flag}")
+                continue
+            value = word.split("=", 1)[1] if "=" in word else value
+            choices = actions[flag].choices
+            if choices and re.fullmatch(r"[a-z][\w.-]*", value) and value not in choices:
+                wrong.append(f"{line}: {flag} {value}")
     assert wrong == []
 
 
