@@ -3,7 +3,7 @@ puts its RAM tier there, and its engines map it), with a record per slot from wh
 restarted on the same name recovers the chunks it held.
 
 The file /dev/shm/<name> (mode 0660: the node's group) is laid out as
-    [slots: num_slots x slot_bytes][records: num_slots x 32 B][footer: 64 B]
+    [slots: num_slots x slot_bytes][records: num_slots x 96 B][footer: 64 B]
 so that a slot's offset in the file is its offset in the slab (what engines are told). A
 record is (key, xxh3-64 of the chunk's bytes, chunk bytes, valid) and the chunk's `ChunkMeta`
 as the tier keeps it (tenant, pin, expiry, parent: a pinned system prompt stays pinned across
