@@ -1,7 +1,8 @@
-"""A real redis-server squeezed until it refuses writes part-way, and what such writes leave:
+"""A real redis-server squeezed until it refuses writes, and what such writes could leave:
 the kit of the redis tier's orphan tests (tests/faults/test_redis_orphans.py: the tier leaves
-none; tests/tools/test_gc_redis_orphans.py: `kvtier gc` deletes those left anyway). Not named
-conftest.py: see tierkit.py. The squeezed server is tests/conftest.py's `tight` fixture.
+no partial chunk; tests/tools/test_gc_redis_orphans.py: `kvtier gc` deletes an older kvtier's
+values). Not named conftest.py: see tierkit.py. The squeezed server is tests/conftest.py's
+`tight` fixture.
 """
 
 from __future__ import annotations
@@ -35,21 +36,29 @@ def squeeze(client: redis.Redis, headroom_bytes: int) -> None:
     client.config_set("maxmemory", int(client.info("memory")["used_memory"]) + headroom_bytes)
 
 
-def set_counts(client: redis.Redis) -> tuple[int, int]:
-    """SETs the server executed and SETs it refused (INFO commandstats), so far."""
-    stats = client.info("commandstats").get("cmdstat_set", {})
+def hset_counts(client: redis.Redis) -> tuple[int, int]:
+    """HSETs the server executed and HSETs it refused (INFO commandstats), so far."""
+    stats = client.info("commandstats").get("cmdstat_hset", {})
     return int(stats.get("calls", 0)), int(stats.get("rejected_calls", 0))
 
 
-def headerless(client: redis.Redis, prefix: str = "kvtier:") -> dict[str, list[str]]:
-    """Chunk -> its values (sorted: SCAN's order changes as the keyspace does), for every
-    chunk whose values exist without a header."""
-    groups: dict[str, list[str]] = {}
-    for raw in client.scan_iter(match=f"{prefix}*"):
-        name = raw.decode()
-        if not name.endswith(":lru"):
-            groups.setdefault(name.rpartition(":")[0], []).append(name)
-    return {base: sorted(names) for base, names in groups.items() if base + ":h" not in names}
+def partial_chunks(client: redis.Redis, fields: int, prefix: str = "kvtier:") -> list[str]:
+    """The chunks' hashes (sorted) that lack their header or hold other than `fields`
+    fields (header and parts)."""
+    return sorted(raw.decode() for raw in client.scan_iter(match=f"{prefix}*:c")
+                  if client.hlen(raw) != fields or not client.hexists(raw, "h"))
+
+
+def older_values(tier: RedisTier, i: int, parts: int, header: bool = True) -> list[str]:
+    """The value names an older kvtier gave chunk `key(i)`: a header, then a value a part."""
+    base = tier.names.chunk(key(i)).removesuffix(":c") + ":"
+    return [base + "h"] * header + [base + str(n) for n in range(parts)]
+
+
+def older(client: redis.Redis, prefix: str = "kvtier:") -> list[str]:
+    """Every value name of an older kvtier's form under `prefix` (sorted)."""
+    return sorted(raw.decode() for raw in client.scan_iter(match=f"{prefix}*")
+                  if not raw.decode().endswith((":c", ":lru", ":manifest")))
 
 
 def redis_config(url: str, **settings: Any) -> RedisTierConfig:
@@ -66,14 +75,11 @@ def redis_tier(url: str, **settings: Any) -> RedisTier:
     return tier
 
 
-def squeezed_puts(tier: RedisTier, client: redis.Redis, first_key: int) -> Iterator[bool]:
-    """Puts under growing headroom; yields, for each refused put, whether the server
-    executed part of it (some SETs done, some refused) - a partial write."""
+def squeezed_puts(tier: RedisTier, client: redis.Redis, first_key: int) -> Iterator[int]:
+    """Puts under growing headroom; yields the key number of each refused put (FULL)."""
     for n, headroom in enumerate(range(0, 128 * 1024, HEADROOM_STEP)):
         squeeze(client, headroom)
-        before = set_counts(client)
         result = tier.put(key(first_key + n), payload(n))
-        after = set_counts(client)
         if not result.ok:
             assert result == FULL, result
-            yield after[0] > before[0] and after[1] > before[1]
+            yield first_key + n

@@ -46,7 +46,7 @@ def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
 
 
 def chunks_in_redis(server: RedisServer) -> int:
-    return sum(1 for _ in server.client().scan_iter(match="*:h"))
+    return sum(1 for _ in server.client().scan_iter(match="*:c"))
 
 
 def test_hits_load_async_from_the_shared_directory_then_from_redis(

@@ -112,7 +112,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory, redis_session: RedisServer
             chunks = sum(CHUNKS) + sum((len(p["prompt_token_ids"]) - 1) // CHUNK
                                        for p in WARMUP)
             deadline = time.monotonic() + 30
-            while (sum(1 for _ in redis_session.client().scan_iter(match="*:h")) < chunks
+            while (sum(1 for _ in redis_session.client().scan_iter(match="*:c")) < chunks
                    and time.monotonic() < deadline):
                 time.sleep(0.2)
             recompute_1k_s = kvtier_gauge("recompute_seconds_per_1k_tokens")

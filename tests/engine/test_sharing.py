@@ -65,7 +65,7 @@ def loadable(prompt_len: int) -> int:
 
 def redis_headers(server: RedisServer) -> set[bytes]:
     """The chunk headers kvtier wrote under this module's key prefix."""
-    return set(server.client().scan_iter(match=PREFIX + "*:h", count=1000))
+    return set(server.client().scan_iter(match=PREFIX + "*:c", count=1000))
 
 
 def wait_until(condition: Any, what: str, timeout_s: float = 30.0) -> None:

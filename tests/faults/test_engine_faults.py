@@ -92,7 +92,7 @@ def redis_engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 
 
 def redis_chunks(server: RedisServer) -> int:
-    return sum(1 for _ in server.client().scan_iter(match="kvtier:*:h", count=1000))
+    return sum(1 for _ in server.client().scan_iter(match="kvtier:*:c", count=1000))
 
 
 def run_fresh(llm: Any, prompts: list[dict[str, list[int]]], **params: Any) -> list[list[int]]:

@@ -182,26 +182,26 @@ def _stalled(client: redis.Redis) -> bool:
         return True
 
 
-def _corrupt(client: redis.Redis, names: list[str], how: str) -> None:
-    header, first, last = names[0], names[1], names[-1]
+def _corrupt(client: redis.Redis, name: str, how: str) -> None:
+    """Damage the chunk whose hash is `name` (header "h", parts "0".."2")."""
+    def flip(field: str, at: int, bit: int) -> None:
+        value = bytearray(client.hget(name, field) or b"")
+        value[at] ^= bit
+        client.hset(name, field, bytes(value))
+
     if how == "bit flip in the payload":
-        value = bytearray(client.get(first) or b"")
-        value[100] ^= 0x01
-        client.set(first, bytes(value))
+        flip("0", 100, 0x01)
     elif how == "bit flip in the header":
-        value = bytearray(client.get(header) or b"")
-        value[40] ^= 0x80
-        client.set(header, bytes(value))
+        flip("h", 40, 0x80)
     elif how == "truncated part":
-        client.set(last, (client.get(last) or b"")[:-10])
+        client.hset(name, "2", (client.hget(name, "2") or b"")[:-10])
     elif how == "truncated header":
-        client.set(header, (client.get(header) or b"")[:30])
+        client.hset(name, "h", (client.hget(name, "h") or b"")[:30])
     elif how == "part too long":
-        client.append(first, b"x")
+        client.hset(name, "0", (client.hget(name, "0") or b"") + b"x")
     elif how == "another chunk's values":  # valid data, stored under the wrong key
-        other = [n.replace(key(2).hex(), key(3).hex()) for n in names]
-        for src, dst in zip(other, names):
-            client.set(dst, client.get(src) or b"")
+        other = name.replace(key(2).hex(), key(3).hex())
+        client.hset(name, mapping=client.hgetall(other))
     else:
         raise AssertionError(how)
 
@@ -214,26 +214,25 @@ def test_corrupt_or_truncated_values_are_counted_misses_and_removed(
     tier = redis_tier(layout, url=redis_url)
     for i in (2, 3):
         assert tier.put(key(i), memoryview(payload(i, layout)))
-    names = tier.names.values(key(2))
-    assert len(names) == 4  # header + 3 parts of <= 1.5 KiB
+    name = tier.names.chunk(key(2))
     client = redis.Redis.from_url(redis_url)
-    _corrupt(client, names, how)
+    assert client.hlen(name) == 4  # header + 3 parts of <= 1.5 KiB
+    _corrupt(client, name, how)
     with caplog.at_level(logging.WARNING, logger="kvtier.tiers.redis.tier"):
         assert read(tier, 2, layout) is False
     assert "corrupt" in caplog.text
     stats = tier.stats()
     assert (stats.corrupt_reads, stats.misses) == (1, 1)
-    assert client.exists(*names) == 0, "corrupt values must be deleted"
+    assert client.exists(name) == 0, "corrupt values must be deleted"
     assert read(tier, 3, layout), "the other chunk is still served"
     assert tier.put(key(2), memoryview(payload(2, layout))) and read(tier, 2, layout)
 
 
-def test_a_part_evicted_by_the_server_is_a_miss_not_a_crash(redis_url: str,
-                                                             layout: KVLayout) -> None:
+def test_a_missing_part_is_a_miss_not_a_crash(redis_url: str, layout: KVLayout) -> None:
     tier = redis_tier(layout, url=redis_url)
     tier.put(key(4), memoryview(payload(4, layout)))
     client = redis.Redis.from_url(redis_url)
-    client.delete(tier.names.values(key(4))[2])
+    client.hdel(tier.names.chunk(key(4)), "1")
     assert read(tier, 4, layout) is False
     assert tier.stats().corrupt_reads == 0 and not tier.contains(key(4))
 
@@ -246,8 +245,9 @@ def test_acl_user_with_password_from_a_file(redis_server: RedisServer, tmp_path:
     unavailable (misses, dropped writes, no exception); a password in the URL is refused."""
     admin = redis_server.client()
     admin.execute_command("ACL", "SETUSER", "kvcache", "on", ">s3cret-pw", "~kvtier:*",
-                          "+@read", "+@write", "+@keyspace", "+@scripting", "+@connection",
-                          "+time", "-@dangerous")  # TIME: the LRU index's script (capacity)
+                          "+@read", "+@write", "+@keyspace", "+@scripting", "+@transaction",
+                          "+@connection", "+time", "-@dangerous")
+    # MULTI/EXEC: every put; EVAL and TIME: the LRU index's script (capacity > 0)
     admin.execute_command("ACL", "SETUSER", "default", "off")
     password_file = tmp_path / "redis-password"
     password_file.write_text("s3cret-pw\n")
@@ -292,20 +292,17 @@ def _slot_owners(cluster: RedisClusterNodes) -> Callable[[str], int]:
 @pytest.mark.timing
 def test_cluster_spreads_chunks_and_a_dead_node_costs_only_its_slots(
         redis_cluster: RedisClusterNodes) -> None:
-    """30 chunks of 3 parts over a 3-node cluster land on every node, each chunk's values on
+    """30 chunks of 3 parts over a 3-node cluster land on every node, each chunk (a hash) on
     one node. With one node killed, exactly the chunks of its slots miss, quickly; the others
     still hit, and writes to the live nodes still succeed."""
     layout = tiny_layout()
     tier = redis_tier(layout, cluster_nodes=redis_cluster.addresses)
     node_of = _slot_owners(redis_cluster)
-    owner = {i: node_of(tier.names.header(key(i))) for i in range(30)}
+    owner = {i: node_of(tier.names.chunk(key(i))) for i in range(30)}
     for i in range(30):
         assert tier.put(key(i), memoryview(payload(i, layout)))
     sizes = [node.client().dbsize() for node in redis_cluster.nodes]
-    assert all(size > 0 for size in sizes) and sum(sizes) == 30 * 4
-    for i in range(30):
-        names = tier.names.values(key(i))
-        assert {node_of(n) for n in names} == {owner[i]}
+    assert all(size > 0 for size in sizes) and sum(sizes) == 30  # a hash a chunk
 
     dead = owner[0]
     redis_cluster.nodes[dead].stop()
@@ -315,7 +312,7 @@ def test_cluster_spreads_chunks_and_a_dead_node_costs_only_its_slots(
         assert elapsed < 30 * BOUND_S
     found = tier.contains_many([key(i) for i in range(30)])
     assert found == [owner[i] != dead for i in range(30)]
-    alive = next(i for i in range(100, 200) if node_of(tier.names.header(key(i))) != dead)
+    alive = next(i for i in range(100, 200) if node_of(tier.names.chunk(key(i))) != dead)
     assert tier.put(key(alive), memoryview(payload(alive, layout)))
     tier.close()
 

@@ -1,25 +1,24 @@
-"""Redis puts that fail part-way leave nothing behind (issue 12, item 7), against a real
+"""Redis puts that the server refuses leave nothing behind (issue 12, item 7), against a real
 redis-server with a small `maxmemory` and `maxmemory-policy noeviction`.
 
-A 64 KiB chunk goes as 4 parts of 16 KiB then a header. With the server squeezed to a few
-KiB of headroom, it accepts the first parts and refuses the rest ("OOM command not allowed").
-Before the fix those parts stayed for ever: no header (never read), no TTL, no LRU entry.
-Now: parts carry a 60 s TTL until the header's commit lifts it, the tier deletes them when
-the server refuses the write, and `kvtier gc` deletes any still there (through the tier's
-inventory; gc itself: tests/tools/test_gc_redis_orphans.py). The partial writes are
-seen in the server's own command counters (SETs executed and SETs refused in one put).
+A 64 KiB chunk goes as a hash of 4 parts of 16 KiB and a header. With the server squeezed to
+a few KiB of headroom, it refuses the chunk ("OOM command not allowed"). When a chunk was a
+value per part, the server accepted the first parts and refused the rest, and those parts
+stayed (a TTL and a cleanup then bounded them). Now a chunk is one MULTI/EXEC transaction
+(tiers/redis/write.py): the server refuses it whole, so no hash is ever left partial; an older
+kvtier's values are orphans `kvtier gc` deletes (tests/tools/test_gc_redis_orphans.py).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import pytest
 import redis
 from orphankit import (
     LAYOUT,
-    headerless,
+    hset_counts,
+    partial_chunks,
     payload,
     redis_config,
     redis_tier,
@@ -30,70 +29,34 @@ from redis_server import RedisServer
 from tierkit import key
 
 from kvtier.tiers.redis.inventory import RedisInventory
-from kvtier.tiers.redis.write import PART_TTL_MS
 
 pytestmark = pytest.mark.redis
-def test_a_refused_put_deletes_its_parts_at_once(redis_server: RedisServer,
-                                                 tight: redis.Redis) -> None:
+
+
+def test_a_refused_put_leaves_no_part_of_its_chunk(redis_server: RedisServer,
+                                                   tight: redis.Redis) -> None:
     tier = redis_tier(redis_server.url)
-    partial = 0
-    for was_partial in squeezed_puts(tier, tight, 0):
-        partial += was_partial
-        assert headerless(tight) == {}, "a refused put left parts behind"
-    assert partial >= 1, "no put was refused part-way: the test proved nothing"
-    stats = tier.stats()
-    assert stats.dropped_writes >= partial and stats.puts >= 1
-    tier.close()
-
-
-def test_parts_left_by_a_failed_cleanup_expire_and_gc_deletes_them(
-        redis_server: RedisServer, tight: redis.Redis,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The cleanup itself fails (injected): the parts left carry the short TTL, so the
-    server deletes them within PART_TTL_MS, and the tier's inventory (what `kvtier gc
-    --orphans` runs on) deletes them now, leaving every committed chunk readable."""
-    def cleanup_fails(client: Any, names: list[str]) -> int:
-        raise redis.ConnectionError("injected: the connection dropped before the cleanup")
-
-    monkeypatch.setattr("kvtier.tiers.redis.tier.abort_chunk", cleanup_fails)
-    tier = redis_tier(redis_server.url)
-    assert any(list(squeezed_puts(tier, tight, 0)))  # every put made, some partial
+    refused = list(squeezed_puts(tier, tight, 0))
+    assert refused, "no put was refused: the test proved nothing"
+    assert hset_counts(tight)[1] > 0, "the server refused no HSET: the test proved nothing"
     tight.config_set("maxmemory", 0)
-    left = headerless(tight)
-    assert left, "a partial put must have left parts (the cleanup was disabled)"
-    for names in left.values():
-        for name in names:
-            assert 0 < tight.pttl(name) <= PART_TTL_MS, f"{name} has no short TTL"
-    committed = [i for i in range(32) if tier.contains(key(i))]
-    assert committed
-    for i in committed:  # a committed chunk's TTL was lifted by the commit
-        assert all(tight.pttl(n) == -1 for n in tier.names.values(key(i)))
-
-    # What `kvtier gc --orphans` runs on (tests/tools/test_gc_redis_orphans.py): the tier's
-    # inventory lists the parts left as orphans (listing deletes nothing), then removes them.
-    inventory = RedisInventory("redis", redis_config(redis_server.url))
-    try:
-        orphans = inventory.orphans()
-        assert sorted(n for o in orphans for n in o.locations) == \
-            sorted(n for names in left.values() for n in names)
-        assert headerless(tight) == left
-        inventory.remove_orphans(orphans)
-    finally:
-        inventory.close()
-    assert headerless(tight) == {}
-    out = bytearray(LAYOUT.bytes_per_chunk)
-    for i in committed:
-        assert tier.get_into(key(i), memoryview(out)).ok
+    assert partial_chunks(tight, fields=5) == [], "a refused put left part of a chunk"
+    assert not any(tier.contains(key(i)) for i in refused)
+    stats = tier.stats()
+    assert stats.dropped_writes >= len(refused) and stats.puts >= 1
+    out = memoryview(bytearray(LAYOUT.bytes_per_chunk))
+    for i in range(32):
+        if tier.contains(key(i)):
+            assert tier.get_into(key(i), out).ok and bytes(out) == bytes(payload(i))
     tier.close()
 
 
-def test_the_commit_lifts_the_part_ttl_to_the_tiers_own(redis_url: str) -> None:
-    """With `ttl_s`, the parts get the chunk's TTL, not the 60 s of an uncommitted part."""
+def test_a_chunk_carries_the_tiers_ttl(redis_url: str) -> None:
     tier = redis_tier(redis_url, ttl_s=3600)
     assert tier.put(key(1), payload(1))
     client = redis.Redis.from_url(redis_url)
-    ttls = [client.pttl(name) for name in tier.names.values(key(1))]
-    assert all(PART_TTL_MS < ttl <= 3_600_000 for ttl in ttls), ttls
+    assert 0 < client.pttl(tier.names.chunk(key(1))) <= 3_600_000
+    client.delete(tier.names.chunk(key(1)))
     tier.close()
 
 
@@ -108,7 +71,7 @@ def test_a_chunk_whose_index_update_a_full_server_refuses_is_not_kept(
         for n, headroom in enumerate(range(0, 256 * 1024, 2 * 1024)):
             squeeze(tight, headroom)
             result = tier.put(key(n), payload(n))
-            headers = {raw.decode().split("{")[1][:32] for raw in tight.scan_iter("kvtier:*:h")}
+            headers = {raw.decode().split("{")[1][:32] for raw in tight.scan_iter("kvtier:*:c")}
             indexed = {raw.decode() for raw in tight.zrange(tier.names.index, 0, -1)}
             assert headers == indexed, f"put {n} ({result}): chunks the index does not count"
     refusals = [r for r in caplog.records if "index update failed" in r.getMessage()
@@ -132,6 +95,7 @@ def test_another_applications_keys_under_the_prefix_are_never_chunks_or_orphans(
     assert tier.put(key(1), payload(1))
     foreign = {f"{prefix}session:{{550e8400e29b41d4a716446655440000}}:data": b"a session",
                f"{prefix}cart:{{550e8400e29b41d4a716446655440001}}:h": b"a cart",
+               f"{prefix}cart:{{550e8400e29b41d4a716446655440002}}:c": b"a cart",
                f"{prefix}{LAYOUT.digest()}:{{{'Z' * 32}}}:0": b"not hex",
                f"{prefix}config:manifest": b"{}"}
     for name, value in foreign.items():
@@ -145,7 +109,7 @@ def test_another_applications_keys_under_the_prefix_are_never_chunks_or_orphans(
         inventory.remove_orphans(inventory.orphans())
         assert {n: client.get(n) for n in foreign} == foreign, "a foreign key was deleted"
     finally:
-        client.delete(*foreign, *tier.names.values(key(1)))
+        client.delete(*foreign, tier.names.chunk(key(1)))
         inventory.close()
         tier.close()
 

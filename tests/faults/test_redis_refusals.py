@@ -1,6 +1,6 @@
 """A redis-server that answers every call with an error reply that is neither "down" nor
 "full", against a real redis-server on 127.0.0.1: an ACL user without a command the tier
-needs (NOPERM: here EVAL, which every put's commit runs), or a database index the server
+needs (NOPERM: here HSET, which every put runs), or a database index the server
 does not have (every new connection's SELECT fails).
 
 The server answers, so the tier stays up (no circuit breaker trips) and each put is a
@@ -30,12 +30,12 @@ def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
             if r.name == LOGGER and r.levelno >= logging.WARNING]
 
 
-def test_an_acl_user_without_eval_drops_writes_with_one_warning(
+def test_an_acl_user_without_hset_drops_writes_with_one_warning(
         redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
     admin = redis_server.client()
     admin.execute_command("ACL", "SETUSER", "kvcache", "on", ">kv-s3cret", "~kvtier:*", "+@all",
-                          "-eval")
+                          "-hset")
     monkeypatch.setenv("KVTIER_REDIS_PASSWORD", "kv-s3cret")
     tier = redis_tier(redis_server.url, username="kvcache")
     with caplog.at_level(logging.DEBUG, logger=LOGGER):
@@ -44,7 +44,7 @@ def test_an_acl_user_without_eval_drops_writes_with_one_warning(
     assert tier.stats().dropped_writes == 3 and tier.available()
     warnings = _warnings(caplog)
     assert len(warnings) == 1, warnings
-    assert "eval" in warnings[0] and "NoPermissionError" in warnings[0]
+    assert "hset" in warnings[0] and "NoPermissionError" in warnings[0]
     assert "kv-s3cret" not in caplog.text
     tier.close()
 

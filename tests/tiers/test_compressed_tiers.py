@@ -70,12 +70,12 @@ def test_a_compressed_tier_gives_back_every_byte(kind: str, codec: str, tmp_path
 
 
 def stored_bytes(kind: str, tmp_path: Path) -> int:
-    """What the tier's storage holds: file sizes, or the server's value lengths."""
+    """What the tier's storage holds: file sizes, or the lengths of the chunks' fields."""
     if kind != "redis":
         return sum(p.stat().st_size for p in (tmp_path / kind).rglob("*.kvc"))
     client = redis.Redis.from_url(str(tierkit.REDIS_URL))
-    return sum(int(client.strlen(name)) for name in client.scan_iter("kvtier:*")
-               if client.type(name) == b"string")  # not the LRU index
+    return sum(int(client.hstrlen(name, field)) for name in client.scan_iter("kvtier:*:c")
+               for field in client.hkeys(name))
 
 
 @pytest.mark.parametrize("codec", [*LOSSLESS, "fp8"])
@@ -165,9 +165,8 @@ def test_compressed_chunks_survive_a_restart(kind_: str, tmp_path: Path) -> None
 def _header_and_body(kind: str, tier: Tier, k: bytes) -> tuple[bytes, bytes]:
     if kind == "redis":
         client = redis.Redis.from_url(str(tierkit.REDIS_URL))
-        names = tier.names.values(k)  # type: ignore[attr-defined]
-        header = client.get(names[0])
-        return header, client.get(names[1]) or b""
+        name = tier.names.chunk(k)  # type: ignore[attr-defined]
+        return client.hget(name, "h"), client.hget(name, "0") or b""
     data = tier.files.path_of(k).read_bytes()  # type: ignore[attr-defined]
     return data[:HEADER_BYTES], data[HEADER_BYTES:]
 
@@ -175,9 +174,7 @@ def _header_and_body(kind: str, tier: Tier, k: bytes) -> tuple[bytes, bytes]:
 def _replace(kind: str, tier: Tier, k: bytes, header: bytes, body: bytes) -> None:
     if kind == "redis":
         client = redis.Redis.from_url(str(tierkit.REDIS_URL))
-        names = tier.names.values(k)  # type: ignore[attr-defined]
-        client.set(names[0], header)
-        client.set(names[1], body)
+        client.hset(tier.names.chunk(k), mapping={"h": header, "0": body})  # type: ignore[attr-defined]
         return
     tier.files.path_of(k).write_bytes(header + body)  # type: ignore[attr-defined]
 

@@ -38,36 +38,35 @@ def test_a_chunk_cut_with_another_part_bytes_is_read_not_deleted(
     reader = redis_tier(redis_url, part_bytes=reader_kib * KIB)
     client = redis.Redis.from_url(redis_url)
     i = writer_kib * 100 + reader_kib
+    name = writer.names.chunk(key(i))
     try:
         assert writer.put(key(i), payload(i))
-        stored = {n.decode() for n in client.keys(f"*{key(i).hex()}*")}
+        stored = set(client.hkeys(name))
         assert len(stored) == 1 + -(-LAYOUT.bytes_per_chunk // (writer_kib * KIB))
         assert _read(reader, i), "another engine's chunk was not read"
         assert _read(writer, i)
         stats = reader.stats()
         assert (stats.hits, stats.misses, stats.corrupt_reads) == (1, 0, 0)
-        assert {n.decode() for n in client.keys(f"*{key(i).hex()}*")} == stored
+        assert set(client.hkeys(name)) == stored
     finally:
-        client.delete(*client.keys(f"*{key(i).hex()}*"))
+        client.delete(name)
         writer.close()
         reader.close()
 
 
-def test_reading_a_chunk_cut_finer_refreshes_every_parts_ttl(redis_url: str) -> None:
+def test_reading_a_chunk_cut_finer_refreshes_its_ttl(redis_url: str) -> None:
     writer = redis_tier(redis_url, part_bytes=16 * KIB, ttl_s=3600)
     reader = redis_tier(redis_url, part_bytes=64 * KIB, ttl_s=3600)
     client = redis.Redis.from_url(redis_url)
+    name = writer.names.chunk(key(7))
     try:
         assert writer.put(key(7), payload(7))
-        names = writer.names.values(key(7))
-        assert len(names) == 5 and len(reader.names.values(key(7))) == 2
-        for name in names:
-            client.pexpire(name, 50_000)  # well below the tiers' ttl_s
+        assert client.hlen(name) == 5 and len(reader.names.fields()) == 2
+        client.pexpire(name, 50_000)  # well below the tiers' ttl_s
         assert _read(reader, 7)
-        assert all(client.pttl(name) > 50_000 for name in names), \
-            [client.pttl(name) for name in names]
+        assert client.pttl(name) > 50_000, client.pttl(name)
     finally:
-        client.delete(*writer.names.values(key(7)))
+        client.delete(name)
         writer.close()
         reader.close()
 
@@ -75,15 +74,15 @@ def test_reading_a_chunk_cut_finer_refreshes_every_parts_ttl(redis_url: str) -> 
 def test_a_first_part_shorter_than_any_writers_parts_is_corrupt_in_one_read(
         redis_url: str) -> None:
     """A 1-byte first part (damage, not another engine's cut: none cuts under 1 KiB) is a
-    corrupt chunk, judged on the one MGET: its size is never taken for a part size, which
-    asked the server for a name per byte of the chunk in a second MGET (65,535 names here;
+    corrupt chunk, judged on the one HMGET: its size is never taken for a part size, which
+    asked the server for a name per byte of the chunk in a second read (65,535 names here;
     millions for a large chunk)."""
     tier = redis_tier(redis_url, part_bytes=1024 * KIB)  # one part a 64 KiB chunk
     client = redis.Redis.from_url(redis_url)
     assert tier.put(key(9), payload(9))
-    client.set(tier.names.values(key(9))[1], b"x")
+    client.hset(tier.names.chunk(key(9)), "0", b"x")
     client.config_resetstat()
     out = memoryview(bytearray(LAYOUT.bytes_per_chunk))
     assert not tier.get_into(key(9), out).ok and tier.stats().corrupt_reads == 1
-    assert client.info("commandstats")["cmdstat_mget"]["calls"] == 1
+    assert client.info("commandstats")["cmdstat_hmget"]["calls"] == 1
     tier.close()

@@ -52,8 +52,8 @@ def test_a_plain_chunk_is_read_straight_into_the_buffer(redis_url: str, tmp_path
     tier = _tier(redis_url, tmp_path, part_bytes=16 << 10)  # 64 KiB: four parts
     tier.put(key(1), _payload(1))
     out = memoryview(bytearray(LAYOUT.bytes_per_chunk))
-    names = tier.names.values(key(1))
-    values = tier._fetch(tier._connected(), names, tier._placer(key(1), out))
+    values = tier._fetch(tier._connected(), tier.names.chunk(key(1)), tier.names.fields(),
+                         tier._placer(key(1), out))
     parts = [v for v in values[1:] if v is not None]
     assert len(parts) == 4
     assert all(isinstance(p, memoryview) and p.obj is out.obj for p in parts)
@@ -68,8 +68,8 @@ def test_an_encoded_chunk_goes_through_bytes(redis_url: str, tmp_path: Path) -> 
     data = memoryview(bytes(LAYOUT.bytes_per_chunk // 2) + bytes(_payload(2))[::2])
     tier.put(key(2), data)
     out = memoryview(bytearray(LAYOUT.bytes_per_chunk))
-    names = tier.names.values(key(2))
-    values = tier._fetch(tier._connected(), names, tier._placer(key(2), out))
+    values = tier._fetch(tier._connected(), tier.names.chunk(key(2)), tier.names.fields(),
+                         tier._placer(key(2), out))
     assert all(v is None or isinstance(v, bytes) for v in values)
     assert tier.get_into(key(2), out).ok and bytes(out) == bytes(data)
     tier.close()
@@ -78,15 +78,15 @@ def test_an_encoded_chunk_goes_through_bytes(redis_url: str, tmp_path: Path) -> 
 def test_a_corrupt_part_read_in_place_is_a_counted_miss(redis_url: str, tmp_path: Path) -> None:
     tier = _tier(redis_url, tmp_path)
     tier.put(key(3), _payload(3))
-    part = tier.names.values(key(3))[1]
+    name = tier.names.chunk(key(3))
     client = redis.Redis.from_url(redis_url)
-    damaged = bytearray(client.get(part) or b"")
+    damaged = bytearray(client.hget(name, "0") or b"")
     damaged[100] ^= 0xFF
-    client.set(part, bytes(damaged))
+    client.hset(name, "0", bytes(damaged))
     out = memoryview(bytearray(LAYOUT.bytes_per_chunk))
     assert tier.get_into(key(3), out).failure is not None
     assert tier.stats().corrupt_reads == 1
-    assert not client.exists(tier.names.header(key(3)))  # removed
+    assert not client.exists(name)  # removed
     tier.close()
 
 
@@ -99,11 +99,11 @@ def test_a_reply_past_the_timeout_drops_its_connection(redis_server: object,
     pauser = redis.Redis.from_url(url)
     client = tier._connected()
     assert isinstance(client, redis.Redis)
-    names = tier.names.values(key(0))
     out = memoryview(bytearray(LAYOUT.bytes_per_chunk))
     pauser.execute_command("CLIENT", "PAUSE", 1000, "ALL")
     with pytest.raises(redis.TimeoutError):
-        read_into(client, names, tier._placer(key(0), out))
+        read_into(client, tier.names.chunk(key(0)), tier.names.fields(),
+                  tier._placer(key(0), out))
     pool = client.connection_pool
     assert all(c._sock is None for c in pool._available_connections)  # dropped, not reused
     pauser.execute_command("CLIENT", "UNPAUSE")
@@ -202,7 +202,7 @@ def test_a_cluster_read_from_a_node_that_moved_the_slot_follows_redis_py(
     assert tier.get_into(key(5), out).ok and bytes(out) == bytes(_payload(5))
     client = tier._connected()
     assert isinstance(client, RedisCluster)
-    owner = client.get_node_from_key(tier.names.header(key(5)))
+    owner = client.get_node_from_key(tier.names.chunk(key(5)))
     wrong = next(n for n in client.get_primaries() if n.name != owner.name)
     monkeypatch.setattr(client, "get_node_from_key", lambda *_a, **_k: wrong)
     out[:] = bytes(len(out))

@@ -49,7 +49,7 @@ def test_a_remote_chunk_is_read_in_one_round_trip_and_a_vanished_one_is_a_counte
                 ("redis", payload(0)), ("redis", payload(2)), ("memory", payload(3))]
         with store.lend_as_landed([key(1)], spares) as lending:
             assert list(lending) == [] and lending.failed_tier is None  # absent: no fault
-        # One MGET per chunk read from redis (0, 1 and 2), no lookup before it.
-        assert calls(client, "mget") == 3
+        # One HMGET per chunk read from redis (0, 1 and 2), no lookup before it.
+        assert calls(client, "hmget") == 3
         assert calls(client, "exists") == 0
         assert store.stats().failures["redis"].get("missing") == 1

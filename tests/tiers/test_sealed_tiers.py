@@ -67,8 +67,10 @@ def raw_values(kind: str, tier: Tier, k: bytes) -> tuple[bytes, bytes]:
     """The chunk as stored: (header, body)."""
     if kind == "redis":
         client = redis.Redis.from_url(str(tierkit.REDIS_URL))
-        names = tier.names.values(k)  # type: ignore[attr-defined]
-        return client.get(names[0]), b"".join(client.get(n) or b"" for n in names[1:])
+        name = tier.names.chunk(k)  # type: ignore[attr-defined]
+        parts = client.hlen(name) - 1
+        return (client.hget(name, "h"),
+                b"".join(client.hget(name, str(n)) or b"" for n in range(parts)))
     if kind == "s3":
         data = tierkit.s3_object(tier, k)
         return data[:HEADER_BYTES], data[HEADER_BYTES:]
@@ -153,13 +155,11 @@ def test_tampered_ciphertext_is_a_counted_miss(kind: str, tmp_path: Path) -> Non
         8, "little")).ljust(HEADER_BYTES, b"\0")
     if kind == "redis":
         client = redis.Redis.from_url(str(tierkit.REDIS_URL))
-        names = tier.names.values(key(4))  # type: ignore[attr-defined]
-        client.set(names[0], forged_header)
+        name = tier.names.chunk(key(4))  # type: ignore[attr-defined]
+        client.hset(name, "h", forged_header)
         part = tier.part_bytes  # type: ignore[attr-defined]
-        for n, name in enumerate(names[1:]):
-            chunk = bytes(forged_body[n * part:(n + 1) * part])
-            if client.exists(name):
-                client.set(name, chunk)
+        for n in range(client.hlen(name) - 1):
+            client.hset(name, str(n), bytes(forged_body[n * part:(n + 1) * part]))
     elif kind == "s3":
         tierkit.s3_write(tier, key(4), forged_header + bytes(forged_body))
     else:

@@ -1,9 +1,11 @@
 """What a redis tier's server holds, as `kvtier.core.tier.Inventory` (`kvtier inspect`,
-`kvtier gc`), read from the server without building the tier, the parts that failed
-writes left without a header (`orphans`, swept by `kvtier gc`), and the namespaces'
-manifests (<prefix><digest>:manifest, tiers/manifest.py: never taken for a chunk's value).
+`kvtier gc`), read from the server without building the tier: the chunks (a hash each,
+<prefix><digest>:{<key hex>}:c), the values an older kvtier stored a chunk in (a value per
+part, "...:h", "...:0"...: no reader reads them, so they are `orphans`, swept by `kvtier gc`),
+and the namespaces' manifests (<prefix><digest>:manifest, tiers/manifest.py: never taken for
+a chunk's value).
 
-Primitives: `RedisInventory`, `parse_value_name`.
+Primitives: `RedisInventory`, `parse_value_name`, `CHUNK_SUFFIX`.
 """
 
 from __future__ import annotations
@@ -18,27 +20,29 @@ from kvtier.tiers.manifest import NamespaceManifest, is_layout_name, parse_manif
 from kvtier.tiers.redis.client import connect, read_password
 from kvtier.tiers.redis.config import RedisTierConfig
 from kvtier.tiers.redis.manifest import redis_manifest_name
-from kvtier.tiers.redis.write import abort_chunk
 from kvtier.tiers.tlsfiles import check_ca_file
 
 SCAN_BATCH = 500  # Redis keys measured per pipelined round trip
 MANIFEST_SUFFIX = ":manifest"
+CHUNK_SUFFIX = "c"  # a chunk's hash: <prefix><digest>:{<key hex>}:c (tiers/redis/tier.py)
 _HEX = frozenset("0123456789abcdef")
 
 
 class RedisInventory:
-    """A redis tier's values: <prefix><digest>:{<key hex>}:h|<part>, and LRU sets
-    <prefix>{<digest>}:lru. Reads with MEMORY USAGE and OBJECT IDLETIME, which do not touch
-    the values' LRU clock (a GET would make every chunk look just used)."""
+    """A redis tier's values: chunks <prefix><digest>:{<key hex>}:c, an older kvtier's
+    <prefix><digest>:{<key hex>}:h|<part>, and LRU sets <prefix>{<digest>}:lru. Reads with
+    MEMORY USAGE and OBJECT IDLETIME, which do not touch the values' LRU clock (a read would
+    make every chunk look just used)."""
 
     def __init__(self, name: str, config: RedisTierConfig) -> None:
         self.name, self.kind, self.prefix = name, "redis", config.key_prefix
         check_ca_file(config.tls_ca_file)
         self.client: Any = connect(config, read_password(config))
 
-    def _values(self) -> tuple[dict[tuple[str, str], list[str]], dict[str, str]]:
-        """(namespace, key hex) -> value names; namespace -> its LRU set's name."""
-        chunks: dict[tuple[str, str], list[str]] = {}
+    def _values(self) -> tuple[dict[tuple[str, str, bool], list[str]], dict[str, str]]:
+        """(namespace, key hex, of the older form) -> value names; namespace -> its LRU
+        set's name."""
+        chunks: dict[tuple[str, str, bool], list[str]] = {}
         indexes: dict[str, str] = {}
         for raw in self.client.scan_iter(match=f"{_glob(self.prefix)}*", count=1000):
             name = raw.decode(errors="replace")
@@ -54,25 +58,26 @@ class RedisInventory:
         return chunks, indexes
 
     def chunks(self) -> Iterator[StoredChunk]:
-        """Every committed chunk (a header and its parts)."""
+        """Every chunk (its hash)."""
         values, indexes = self._values()
-        yield from self._measure({c: n for c, n in values.items() if _has_header(n)}, indexes)
+        yield from self._measure({(ns, k): n for (ns, k, old), n in values.items() if not old},
+                                 indexes)
 
     def orphans(self) -> list[StoredChunk]:
-        """Payload parts without a header: no reader can reach them. Left by a write that
-        failed part-way before parts had a TTL (tiers/redis/write.py), or in flight right
-        now (its commit then finds a part missing and drops the write: never corrupt)."""
+        """An older kvtier's values of each chunk (a header, parts): no reader reads them
+        (tiers/redis/tier.py), and parts a failed write of that kvtier left without a
+        header. Today's writes leave none (tiers/redis/write.py)."""
         values, _indexes = self._values()
-        return list(self._measure({c: n for c, n in values.items() if not _has_header(n)}, {}))
+        return list(self._measure({(ns, k): n for (ns, k, old), n in values.items() if old},
+                                  {}))
 
     def remove_orphans(self, orphans: Sequence[StoredChunk]) -> int:
-        """Delete orphans' parts, each only while its chunk still has no header (a writer
-        may have committed it since). Returns the values deleted."""
-        deleted = 0
+        """Delete orphans' values (an engine still running an older kvtier loses those
+        chunks: a miss it recomputes). Returns the values deleted."""
+        pipe = self.client.pipeline(transaction=False)
         for orphan in orphans:
-            header = f"{self.prefix}{orphan.namespace}:{{{orphan.key_hex}}}:h"
-            deleted += abort_chunk(self.client, [header, *orphan.locations])
-        return deleted
+            pipe.delete(*orphan.locations)
+        return sum(int(deleted) for deleted in pipe.execute()) if orphans else 0
 
     def _measure(self, values: dict[tuple[str, str], list[str]],
                  indexes: dict[str, str]) -> Iterator[StoredChunk]:
@@ -86,9 +91,9 @@ class RedisInventory:
             batch = items[start : start + SCAN_BATCH]
             pipe = self.client.pipeline(transaction=False)
             for _chunk, names in batch:
-                for name in names:
-                    pipe.execute_command("MEMORY", "USAGE", name)
-                pipe.execute_command("OBJECT", "IDLETIME", min(names))  # the ":0" or ":h"
+                for name in names:  # SAMPLES 0: every field of a hash, not an estimate
+                    pipe.execute_command("MEMORY", "USAGE", name, "SAMPLES", 0)
+                pipe.execute_command("OBJECT", "IDLETIME", min(names))  # ":0" of older ones
             replies = pipe.execute(raise_on_error=False)
             position = 0
             for (namespace, key_hex), names in batch:
@@ -103,9 +108,7 @@ class RedisInventory:
     def remove(self, chunks: Sequence[StoredChunk]) -> int:
         pipe = self.client.pipeline(transaction=False)
         for chunk in chunks:
-            # Header first: a reader that finds no header finds no chunk.
-            names = sorted(chunk.locations, key=lambda n: not n.endswith(":h"))
-            pipe.delete(*names)
+            pipe.delete(*chunk.locations)
             pipe.zrem(f"{self.prefix}{{{chunk.namespace}}}:lru", chunk.key_hex)
         replies = pipe.execute()
         return sum(1 for deleted in replies[::2] if deleted)
@@ -138,19 +141,16 @@ def _glob(prefix: str) -> str:
     return "".join("\\" + char if char in "*?[]\\" else char for char in prefix)
 
 
-def parse_value_name(rest: str) -> tuple[str, str] | None:
-    """(namespace, key hex) of a chunk's value name less the prefix,
-    "<digest>:{<key hex>}:h" or ":<part number>", or None for any other name: another
-    application's key under the prefix (`session:{<uuid hex>}:data`, with a prefix of "") is
-    never listed, so never deleted by `kvtier gc`."""
+def parse_value_name(rest: str) -> tuple[str, str, bool] | None:
+    """(namespace, key hex, whether of an older kvtier) of a chunk's value name less the
+    prefix: "<digest>:{<key hex>}:c" (a chunk's hash), or an older kvtier's ":h" or
+    ":<part number>"; None for any other name: another application's key under the prefix
+    (`session:{<uuid hex>}:data`, with a prefix of "") is never listed, so never deleted by
+    `kvtier gc`."""
     namespace, _, tagged = rest.partition(":{")
-    key_hex, _, part = tagged.partition("}:")
-    part_ok = part == "h" or (part.isascii() and part.isdigit())
-    if (not part_ok or not is_layout_name(namespace) or len(key_hex) != 2 * KEY_BYTES
-            or not set(key_hex) <= _HEX):
+    key_hex, _, suffix = tagged.partition("}:")
+    old = suffix == "h" or (suffix.isascii() and suffix.isdigit())
+    if ((suffix != CHUNK_SUFFIX and not old) or not is_layout_name(namespace)
+            or len(key_hex) != 2 * KEY_BYTES or not set(key_hex) <= _HEX):
         return None
-    return namespace, key_hex
-
-
-def _has_header(names: list[str]) -> bool:
-    return any(name.endswith(":h") for name in names)
+    return namespace, key_hex, old

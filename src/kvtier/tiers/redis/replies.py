@@ -5,9 +5,9 @@ redis-py hands a bulk reply over as a `bytes` object, assembled through its `Soc
 of it, a slice dropping the CRLF; the tier then copies the payload into its destination. For
 a 2 MiB chunk that is five copies and ~4 ms of CPU a chunk on this project's VM, most of it
 under the GIL (docs/performance.md, "redis reads' copies"). `read_into` sends the tier's read
-(an MGET, then its PEXPIREs) on one of the client's pooled connections and parses the
-replies itself: each bulk value's bytes are `recv_into`'d where `place` says, a slice of the
-destination, one copy by the kernel.
+(an HMGET of the chunk's fields, then its PEXPIRE) on one of the client's pooled connections
+and parses the replies itself: each bulk value's bytes are `recv_into`'d where `place` says, a
+slice of the destination, one copy by the kernel.
 
 Only the RESP needed here is parsed (arrays of bulk strings or nulls, integers, simple
 strings, errors; RESP2 and RESP3). A connection whose parser holds unread bytes, or a parser
@@ -29,7 +29,7 @@ import redis
 from redis._parsers import _RESP2Parser, _RESP3Parser
 from redis.connection import Connection
 
-# Where value i of an MGET reply (`length` bytes) goes, given the values read before it: a
+# Where value i of an HMGET reply (`length` bytes) goes, given the values read before it: a
 # writable view of exactly that many bytes, or None (a new `bytes`).
 Place = Callable[[int, int, list[Any]], memoryview | None]
 LINE_READ = 16 << 10  # bytes asked of the socket for a line (a payload's first bytes come along)
@@ -122,12 +122,13 @@ class _Replies:
         return not self._buffer
 
 
-def read_into(client: redis.Redis, names: Sequence[str], place: Place,
+def read_into(client: redis.Redis, name: str, fields: Sequence[str], place: Place,
               ttl_ms: int | None = None) -> list[Any] | None:
-    """MGET `names` (then PEXPIRE each to `ttl_ms`, when given) in one round trip on a pooled
-    connection of `client` (a standalone server's, or one Cluster node's), each value read
-    where `place` puts it; the values (None for a missing one). None: this client's
-    connection cannot be read here (see the module docstring): use redis-py.
+    """HMGET `fields` of hash `name` (then PEXPIRE it to `ttl_ms`, when given) in one round
+    trip on a pooled connection of `client` (a standalone server's, or one Cluster node's),
+    each value read where `place` puts it; the values (None for a missing one, all None for a
+    missing hash). None: this client's connection cannot be read here (see the module
+    docstring): use redis-py.
 
     Raises:
         redis.ConnectionError, redis.TimeoutError: the socket failed or timed out.
@@ -138,9 +139,9 @@ def read_into(client: redis.Redis, names: Sequence[str], place: Place,
     try:
         if not _readable(conn):
             return None
-        commands: list[tuple[Any, ...]] = [("MGET", *names)]
+        commands: list[tuple[Any, ...]] = [("HMGET", name, *fields)]
         if ttl_ms:
-            commands += [("PEXPIRE", name, ttl_ms) for name in names]
+            commands.append(("PEXPIRE", name, ttl_ms))
         packed = conn.pack_commands(commands)  # type: ignore[no-untyped-call]
         conn.send_packed_command(packed)  # type: ignore[no-untyped-call]
         sock = conn._sock  # set by connect(), which send_packed_command ensures
@@ -157,7 +158,7 @@ def read_into(client: redis.Redis, names: Sequence[str], place: Place,
         if not replies.drained:  # more bytes than the replies: the connection is unsure
             raise redis.ConnectionError("bytes after the replies: connection dropped")
         if values is None:
-            raise redis.ConnectionError("a null reply to MGET")
+            raise redis.ConnectionError("a null reply to HMGET")
         return values
     except BaseException:
         conn.disconnect()  # type: ignore[no-untyped-call]

@@ -1,25 +1,32 @@
 """The redis tier: chunks in a Redis or Valkey server, or a Redis Cluster, shared by every
 engine that points at it.
 
-Stored values. A chunk is one header value plus N payload parts:
-    <prefix><layout digest>:{<key hex>}:h      kvtier's chunk header (core/chunkformat), verbatim
-    <prefix><layout digest>:{<key hex>}:0..N-1 the payload, cut into `part_bytes` slices
-One header for the whole chunk (payload size and xxh3 checksum of the whole payload), in a value
+Stored values. A chunk is ONE Redis hash, whose fields are its header and its payload parts:
+    <prefix><layout digest>:{<key hex>}:c   the chunk's hash (":c": this layout of values)
+        field "h"                            kvtier's chunk header (core/chunkformat), verbatim
+        fields "0".."N-1"                    the payload, cut into `part_bytes` slices
+One header for the whole chunk (payload size and xxh3 checksum of the whole payload), in a field
 of its own so the payload goes to the socket straight from the caller's buffer (no copy to glue a
 header on). The payload is not padded: the 4 KiB alignment of the format is for O_DIRECT files.
-The `{key hex}` hash tag puts a chunk's values in one Cluster slot (one node, one MGET), while
-distinct chunks spread over every node. A put sends the parts first and the header last, in one
-pipeline on one connection, so a reader that sees the header sees every part. The parts carry a
-60 s TTL until one Lua script commits the header and lifts it, atomically, only if every part
-is there: a put that fails part-way (a full server) leaves no orphan (tiers/redis/write.py,
-`kvtier gc` sweeps any left by older versions). A read is one MGET of header and parts,
-verified (header, layout, key, sizes, checksum) before a byte is used, never unpickled (a chunk
-another engine cut with another `part_bytes` is read by its first part's size, its parts past
-this tier's names in one more round trip: engines may differ, as in a rolling change); a chunk
-stored as is comes off the socket straight into the reader's buffer (tiers/redis/replies.py:
-one copy, by the kernel, where redis-py makes five). A missing part (the server evicted it
-alone), a value of the wrong size or a checksum mismatch is a counted miss, and the chunk's
-values are deleted.
+Why one hash, not a value per part (older kvtier versions: names ending ":h", ":0"...):
+the server's `maxmemory` eviction (allkeys-lru/-lfu, volatile-* with `ttl_s`) and its TTLs take
+keys, so a chunk now lives or dies whole; with values per part the server evicted a chunk's
+later parts alone, and lookups called "held" chunks that could not be read (a drill: 7 of 16).
+A chunk is held when its hash exists (one EXISTS), and held means loadable. Cheaper fixes were
+not correct: counting every part in the lookup does not know how many a compressed chunk has,
+and still leaves the parts' memory to the LRU one by one. Values of the older form are never
+read (a miss) and are listed as orphans, deleted by `kvtier gc --orphans` (or the server's
+eviction, as nothing touches them). The `{key hex}` hash tag keeps a chunk's hash, and the
+older values, in the slot of its key in a Redis Cluster, while distinct chunks spread over every
+node. A put is one MULTI/EXEC transaction, an HSET per field so no command carries the whole
+chunk, in one round trip: all of it or nothing, even on a full server (tiers/redis/write.py). A read
+is one HMGET of the header and parts, verified (header, layout, key, sizes, checksum) before a
+byte is used, never unpickled (a chunk another engine cut with another `part_bytes` is read by
+its first part's size, its parts past this tier's fields in one more round trip: engines may
+differ, as in a rolling change); a chunk stored as is comes off the socket straight into the
+reader's buffer (tiers/redis/replies.py: one copy, by the kernel, where redis-py makes five).
+A missing part (a hash another writer left short), a value of the wrong size or a checksum
+mismatch is a counted miss, and the chunk's hash is deleted.
 
 Capacity: the tier enforces `capacity` when it is > 0, and leaves it to the server when it is 0.
   - capacity > 0: per namespace (prefix + layout) and across every client: a sorted set
@@ -32,10 +39,8 @@ Capacity: the tier enforces `capacity` when it is > 0, and leaves it to the serv
     server between namespaces. Costs one more round trip per put, on the node holding the set.
   - capacity = 0 (recommended for a dedicated cache server or cluster): the server's `maxmemory`
     with `allkeys-lru` (or `allkeys-lfu`) evicts, with Redis's exact memory accounting, no extra
-    round trip and no hot index key. It evicts values, not chunks: a lookup calls a chunk held
-    only when its header and first part exist (`HELD`), and a chunk cut into several parts
-    can still lose a later one (a counted miss on read). With the default `noeviction`
-    policy a full server refuses writes: they are counted as dropped writes.
+    round trip and no hot index key; it evicts whole chunks (one hash each). With the default
+    `noeviction` policy a full server refuses writes: they are counted as dropped writes.
     `chunks`/`used_bytes` are then not tracked (see `kvtier inspect`).
 
 Failures (tiers/guard.py): the tier starts with the server down; a server (a Cluster node) that
@@ -43,8 +48,8 @@ fails a call is marked down and retried with exponential backoff up to `retry_ma
 is down, lookups and reads miss and writes are dropped (counted) in microseconds, without I/O.
 A call blocks at most `socket_timeout_ms` on an open connection, `connect_timeout_ms` +
 `socket_timeout_ms` on a new one: redis-py's own retries are off, as they would multiply that.
-A server that answers with an error reply other than OOM (NOPERM: an ACL user without EVAL,
-which every put's commit runs; a database index it does not have) is up: every such call
+A server that answers with an error reply other than OOM (NOPERM: an ACL user without HSET
+or EXEC, which every put runs; a database index it does not have) is up: every such call
 misses or is dropped (counted), and the first of each kind is logged at warning.
 For a Cluster, start the servers with `cluster-require-full-coverage no`, so that a dead node
 costs only the chunks of its slots (with the default `yes` the whole cluster refuses queries once
@@ -53,7 +58,7 @@ it notices).
 Codec and encryption (`codec`, `encryption_secret_file`/`_env`: tiers/encoding.py): a chunk
 is encoded on the write-behind thread that puts it and stored as a version 2 header plus as
 many parts as its body needs (a compressed chunk: fewer bytes and parts); a read fetches the
-header and every part name a chunk of this layout can have, and decodes into the caller's
+header and every part field a chunk of this layout can have, and decodes into the caller's
 buffer. A bounded tier (capacity > 0) still counts whole chunks of the uncompressed size;
 with capacity 0 the server's maxmemory counts real bytes, so compression holds more chunks.
 
@@ -110,10 +115,10 @@ from kvtier.tiers.redis.client import UNAVAILABLE as DOWN_ERRORS
 from kvtier.tiers.redis.client import Client, check_server_limits, connect, read_password
 from kvtier.tiers.redis.config import MIN_PART_BYTES, RedisTierConfig
 from kvtier.tiers.redis.index import RedisLRUIndex
-from kvtier.tiers.redis.inventory import RedisInventory
+from kvtier.tiers.redis.inventory import CHUNK_SUFFIX, RedisInventory
 from kvtier.tiers.redis.manifest import redis_manifest_name, write_redis_manifest
 from kvtier.tiers.redis.replies import Place, read_into
-from kvtier.tiers.redis.write import abort_chunk, write_chunk
+from kvtier.tiers.redis.write import HEADER_FIELD, part_field, write_chunk
 from kvtier.tiers.tlsfiles import check_ca_file
 
 log = logging.getLogger(__name__)
@@ -125,31 +130,25 @@ MIN_BACKOFF_S = 0.25  # first retry of a server that failed
 LINK_PINGS = 3
 LINK_ECHOES = 3
 LINK_PROBE_BYTES = 256 << 10
-# A chunk is held when its header and its first part exist (EXISTS of both counts 2): the
-# server's allkeys-lru evicts values one by one, and a header alone (its first part evicted)
-# answered "held" to lookups that then failed to load, and kept puts from rewriting it. Every
-# chunk has a first part (whatever its part_bytes, codec); EXISTS also keeps that part as
-# recently used as its header, which lookups alone made the hotter of the two.
-HELD = 2
 
 
 @dataclass(frozen=True, slots=True)
 class ChunkNames:
-    """Where the values of a namespace's chunks live (see the module docstring)."""
+    """Where a namespace's chunks live: a hash each (see the module docstring)."""
 
     prefix: str  # config.key_prefix
     digest: str  # the layout digest
-    parts: int  # payload parts per chunk
+    parts: int  # payload parts per chunk (at this tier's part_bytes, uncompressed)
 
-    def header(self, key: ChunkKey) -> str:
-        return f"{self.prefix}{self.digest}:{{{key.hex()}}}:h"
+    def chunk(self, key: ChunkKey) -> str:
+        """The name of `key`'s hash."""
+        return f"{self.prefix}{self.digest}:{{{key.hex()}}}:{CHUNK_SUFFIX}"
 
-    def values(self, key: ChunkKey, parts: int | None = None) -> list[str]:
+    def fields(self, parts: int | None = None) -> list[str]:
         """Header first, then the payload parts in order (`parts` of them; default all a
         chunk of the layout can have)."""
-        base = f"{self.prefix}{self.digest}:{{{key.hex()}}}:"
-        return [base + "h", *(base + str(i) for i in range(self.parts if parts is None
-                                                            else parts))]
+        count = self.parts if parts is None else parts
+        return [HEADER_FIELD, *(part_field(i) for i in range(count))]
 
     @property
     def index(self) -> str:
@@ -317,28 +316,28 @@ class RedisTier:
 
     # -- lookups -----------------------------------------------------------------------------
     def contains(self, key: ChunkKey) -> bool:
-        """Whether the chunk's header and first part both exist (`HELD` values)."""
-        names = self.names.values(key, 1)
+        """Whether the chunk's hash exists (it is written and evicted whole: loadable)."""
+        name = self.names.chunk(key)
         try:
-            return self._run(self._endpoint(names[0]), lambda c: c.exists(*names)) == HELD
+            return bool(self._run(self._endpoint(name), lambda c: c.exists(name)))
         except (TierUnavailable, redis.RedisError):
             return False
 
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
         """`contains` of each key: one pipelined round trip per server (Cluster node)."""
-        probes = [self.names.values(key, 1) for key in keys]
+        names = [self.names.chunk(key) for key in keys]
         found = [False] * len(keys)
-        for endpoint, indexes in self._by_endpoint([names[0] for names in probes]).items():
+        for endpoint, indexes in self._by_endpoint(names).items():
             def exists(client: Client, indexes: list[int] = indexes) -> list[Any]:
                 pipe = client.pipeline(transaction=False)
                 for i in indexes:
-                    pipe.exists(*probes[i])
+                    pipe.exists(names[i])
                 found: list[int] = pipe.execute()
                 return found
 
             try:
                 for i, answer in zip(indexes, self._run(endpoint, exists)):
-                    found[i] = answer == HELD
+                    found[i] = answer == 1
             except (TierUnavailable, redis.RedisError):
                 pass  # this server's keys stay "absent"
         return found
@@ -349,40 +348,31 @@ class RedisTier:
         if len(out) != self.chunk_bytes:
             raise ValueError(f"buffer is {len(out)} bytes, this tier's chunks {self.chunk_bytes}")
         start = time.perf_counter()
-        names = self.names.values(key)
+        name = self.names.chunk(key)
+        endpoint = self._endpoint(name)
         try:
-            values = self._run(self._endpoint(names[0]),
-                               lambda c: self._fetch(c, names, self._placer(key, out)))
+            values = self._run(endpoint, lambda c: self._fetch(
+                c, name, self.names.fields(), self._placer(key, out)))
+            if values[0] is None:
+                self._counters.add(misses=1)
+                return MISSING
+            more = self._more_fields(key, values)
+            if more:  # written with a smaller part_bytes (another engine's): its other parts
+                values = values + self._run(endpoint, lambda c: self._fetch(
+                    c, name, more, _as_bytes))
+            lost = not self._verify_into(key, values, out, meta.tenant)
         except (TierUnavailable, redis.RedisError) as exc:
             self._log_failure("read", key, exc)
             self._counters.add(misses=1)
             return UNAVAILABLE if isinstance(exc, TierUnavailable) else IO_ERROR
-        if values[0] is None:
-            self._counters.add(misses=1)
-            return MISSING
-        more = self._more_names(key, values)
-        if more:  # written with a smaller part_bytes (another engine's): its other parts
-            try:
-                values = values + self._run(self._endpoint(names[0]),
-                                            lambda c: self._fetch(c, more, _as_bytes))
-            except (TierUnavailable, redis.RedisError) as exc:
-                self._log_failure("read", key, exc)
-                self._counters.add(misses=1)
-                return UNAVAILABLE if isinstance(exc, TierUnavailable) else IO_ERROR
-        try:
-            lost = not self._verify_into(key, values, out, meta.tenant)
         except KeyNotHeld as exc:  # not tampering: another engine may hold the key
             log.info("redis tier %r: chunk %s: %s; a miss, kept", self.name, key.hex(), exc)
             self._counters.add(misses=1)
             return TierResult(Failure.NO_KEY)
         except CorruptChunk as exc:
-            log.warning("redis tier %r: chunk %s is corrupt (%s); removed, a miss", self.name,
-                        key.hex(), exc)
-            self._remove(key)
-            self._counters.add(misses=1, corrupt_reads=1)
-            return TierResult(failure_of(exc))
-        if lost:  # parts evicted by the server: the header is an orphan
-            log.info("redis tier %r: chunk %s lost a part; a miss", self.name, key.hex())
+            return self._corrupt(key, exc)
+        if lost:  # a hash without a part the header needs (not one this tier writes)
+            log.info("redis tier %r: chunk %s lacks a part; a miss", self.name, key.hex())
             self._remove(key)
             self._counters.add(misses=1)
             return MISSING
@@ -391,15 +381,27 @@ class RedisTier:
         self._counters.add(hits=1, bytes_read=len(out), read_s=time.perf_counter() - start)
         return OK
 
-    def _fetch(self, client: Client, names: list[str], place: Place) -> list[Any]:
-        """The chunk's values: header and parts (None: missing); parts `place` puts in the
-        caller's buffer come back as views of it (tiers/redis/replies.py)."""
+    def _corrupt(self, key: ChunkKey, exc: CorruptChunk) -> TierResult:
+        """A corrupt chunk found by a read: logged, removed, a counted miss."""
+        log.warning("redis tier %r: chunk %s is corrupt (%s); removed, a miss", self.name,
+                    key.hex(), exc)
+        self._remove(key)
+        self._counters.add(misses=1, corrupt_reads=1)
+        return TierResult(failure_of(exc))
+
+    def _fetch(self, client: Client, name: str, fields: list[str], place: Place) -> list[Any]:
+        """`fields` of the chunk's hash `name` (None: missing); parts `place` puts in the
+        caller's buffer come back as views of it (tiers/redis/replies.py).
+
+        Raises:
+            redis.RedisError: as `_run` says.
+        """
         values = None
         if not isinstance(client, RedisCluster):
-            values = read_into(client, names, place, self.ttl_ms)
-        elif (node := client.get_node_from_key(names[0])) is not None:
+            values = read_into(client, name, fields, place, self.ttl_ms)
+        elif (node := client.get_node_from_key(name)) is not None:
             try:
-                values = read_into(client.get_redis_connection(node), names, place,
+                values = read_into(client.get_redis_connection(node), name, fields, place,
                                    self.ttl_ms)
             except redis.ResponseError as exc:  # the slot moved: redis-py follows, and
                 if not str(exc).startswith(("MOVED", "ASK")):  # refreshes its slot map
@@ -407,12 +409,9 @@ class RedisTier:
         if values is not None:
             return values
         pipe = client.pipeline(transaction=False)
-        # One MGET (the values share a slot): a consistent snapshot of the chunk. Through
-        # execute_command because redis-py's ClusterPipeline blocks its mget() helper.
-        pipe.execute_command("MGET", *names)
+        pipe.hmget(name, fields)
         if self.ttl_ms:
-            for name in names:
-                pipe.pexpire(name, self.ttl_ms)
+            pipe.pexpire(name, self.ttl_ms)
         return pipe.execute()[0]  # type: ignore[no-any-return]
 
     def _placer(self, key: ChunkKey, out: memoryview) -> Place:
@@ -466,9 +465,9 @@ class RedisTier:
                 return self.part_bytes
         return size
 
-    def _more_names(self, key: ChunkKey, values: list[Any]) -> list[str]:
-        """The names of a chunk's parts beyond those read (`values`: header and parts),
-        when its writer cut it finer than this tier's `part_bytes` gives names for; [] for
+    def _more_fields(self, key: ChunkKey, values: list[Any]) -> list[str]:
+        """The fields of a chunk's parts beyond those read (`values`: header and parts),
+        when its writer cut it finer than this tier's `part_bytes` gives fields for; [] for
         any other chunk (its header unreadable included: `_verify_into` judges)."""
         header = values[0]
         if header is None or len(header) != HEADER_BYTES:
@@ -478,7 +477,7 @@ class RedisTier:
         except CorruptChunk:  # KeyNotHeld too
             return []
         needed = -(-body_bytes // self._writer_part_bytes(values[1:], body_bytes))
-        return self.names.values(key, needed)[len(values):]
+        return self.names.fields(needed)[len(values):]
 
     def _verify_into(self, key: ChunkKey, values: list[Any], out: memoryview,
                      tenant: str | None) -> bool:
@@ -522,14 +521,14 @@ class RedisTier:
 
     # -- writes ------------------------------------------------------------------------------
     def put(self, key: ChunkKey, data: memoryview, meta: ChunkMeta = DEFAULT_META) -> TierResult:
-        """`Tier.put`: one EXISTS decides whether the chunk is held (`HELD`; a held one is
-        only touched: the server's own TTL and eviction date it, not `meta`)."""
+        """`Tier.put`: one EXISTS decides whether the chunk is held (a held one is only
+        touched: the server's own TTL and eviction date it, not `meta`)."""
         if len(data) != self.chunk_bytes:
             raise ValueError(f"chunk is {len(data)} bytes, this tier stores {self.chunk_bytes}")
-        names = self.names.values(key)
-        endpoint = self._endpoint(names[0])
+        name = self.names.chunk(key)
+        endpoint = self._endpoint(name)
         try:
-            if self._run(endpoint, lambda c: c.exists(*names[:2])) == HELD:
+            if self._run(endpoint, lambda c: c.exists(name)):
                 if self._index is not None:
                     self._index.touch(key)
                 return OK
@@ -540,12 +539,14 @@ class RedisTier:
             start = time.perf_counter()
             # compressed / sealed, off the engine
             encoded = self.encoder.encode(key, data, meta.tenant)
-            used = names[: 1 + self._parts(len(encoded.body))]
-            self._run(endpoint, lambda c: self._store(c, used, encoded.header, encoded.body))
+            body = encoded.body.cast("B") if encoded.body.format != "B" else encoded.body
+            parts = self._parts(len(body))
+            self._run(endpoint, lambda c: write_chunk(c, name, parts, encoded.header, body,
+                                                      self.part_bytes, self.ttl_ms))
             if self._index is not None and (refused := self._index.update(key.hex())):
                 # A chunk the index does not count is never evicted by it: a full server
                 # refuses the index's script (OOM) right after the chunk's commit.
-                self._discard(endpoint, used)
+                self._discard(endpoint, name)
                 raise refused
         except (TierUnavailable, redis.RedisError) as exc:
             self._log_failure("write", key, exc)
@@ -593,33 +594,19 @@ class RedisTier:
                         "the next stored chunk", self.name, exc)
             self._manifest = manifest
 
-    def _store(self, client: Client, names: list[str], header: bytes, data: memoryview) -> None:
-        """Parts (short TTL) and an atomic commit of the header (tiers/redis/write.py); when
-        the server refuses part of it, the parts are deleted before the error goes up."""
-        view = data.cast("B") if data.format != "B" else data
+    def _discard(self, endpoint: str, name: str) -> None:
+        """Best-effort delete of a chunk just stored that the index did not count (DEL is
+        allowed on a full server); left to `ttl_s` when the server is down."""
         try:
-            write_chunk(client, names, header, view, self.part_bytes, self.ttl_ms)
-        except redis.ResponseError:
-            try:
-                abort_chunk(client, names)
-            except redis.RedisError as exc:  # the parts' TTL (PART_TTL_MS) still bounds them
-                log.debug("redis tier %r: parts of a failed write not deleted (%s)", self.name,
-                          exc)
-            raise
-
-    def _discard(self, endpoint: str, names: list[str]) -> None:
-        """Best-effort delete of the values of a chunk just stored that the index did not
-        count (DEL is allowed on a full server); left to `ttl_s` when the server is down."""
-        try:
-            self._run(endpoint, lambda c: c.delete(*names))
+            self._run(endpoint, lambda c: c.delete(name))
         except (TierUnavailable, redis.RedisError) as exc:
             log.info("redis tier %r: a chunk the index did not count was not deleted (%s)",
                      self.name, exc)
 
     def delete(self, key: ChunkKey) -> bool:
-        names = self.names.values(key)
+        name = self.names.chunk(key)
         try:
-            held = bool(self._run(self._endpoint(names[0]), lambda c: c.delete(*names)))
+            held = bool(self._run(self._endpoint(name), lambda c: c.delete(name)))
         except (TierUnavailable, redis.RedisError):
             return False
         if self._index is not None:
@@ -629,25 +616,24 @@ class RedisTier:
         return held
 
     def _remove(self, key: ChunkKey) -> None:
-        """Best-effort removal of a bad chunk's values and index entry."""
+        """Best-effort removal of a bad chunk's hash and index entry."""
         self._delete_values([key.hex()])
         if self._index is not None:
             self._index.remove([key.hex()])
 
     def _delete_values(self, hex_keys: Sequence[str]) -> None:
-        """Delete chunks' values (header first), one pipeline per server that is up; each
-        is removed from now on (evicted by the index, or found bad), whether or not its
-        delete reaches the server."""
+        """Delete chunks' hashes, one pipeline per server that is up; each is removed from
+        now on (evicted by the index, or found bad), whether or not its delete reaches the
+        server."""
         keys = [ChunkKey(bytes.fromhex(h)) for h in hex_keys]
         for key in keys:
             self.events.removed(key)
-        all_names = [self.names.values(key) for key in keys]
-        groups = self._by_endpoint([names[0] for names in all_names])
-        for endpoint, indexes in groups.items():
+        names = [self.names.chunk(key) for key in keys]
+        for endpoint, indexes in self._by_endpoint(names).items():
             def delete(client: Client, indexes: list[int] = indexes) -> None:
                 pipe = client.pipeline(transaction=False)
                 for i in indexes:
-                    pipe.delete(*all_names[i])
+                    pipe.delete(names[i])
                 pipe.execute()
 
             try:

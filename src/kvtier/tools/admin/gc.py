@@ -8,12 +8,12 @@ manifest matches neither); drop those idle longer than `max_age_s`; then drop th
 recently used until what is left of the selection fits `quota_bytes`. A namespace selection
 with neither rule drops the whole namespaces, their manifests included (an engine still
 serving one writes its manifest again when it restarts). Every run (a dry run only counts
-them) also deletes the orphans of tiers that can have some (`OrphanSource`: redis parts a
-failed write left without a header), in the selected namespaces; `orphans_only` does only
+them) also deletes the orphans of tiers that can have some (`OrphanSource`: redis values of
+an older kvtier, a value per part), in the selected namespaces; `orphans_only` does only
 that.
 
 Safe next to running engines: a chunk deleted under a reader is a miss for it (files are
-renamed into place and read whole; redis headers are deleted first), and what is deleted from
+renamed into place and read whole; a redis chunk is one hash), and what is deleted from
 a shared directory is taken off its quota ledger at once (chunktree.FileInventory).
 
 Primitives: `GcRequest`, `GcOutcome`, `select_victims`, `run_gc`, `parse_duration`.
@@ -51,7 +51,7 @@ class GcRequest:
     max_age_s: float | None = None  # evict chunks not used for longer than this
     namespace: str | None = None  # consider only this layout digest (alone: evict all of it)
     dry_run: bool = False  # report only
-    orphans_only: bool = False  # evict no chunk: only delete orphans (e.g. redis parts)
+    orphans_only: bool = False  # evict no chunk: only delete orphans (e.g. old redis values)
     # consider only namespaces whose manifest's fingerprint starts with this (>= 6 hex digits)
     fingerprint: str | None = None
     model: str | None = None  # consider only namespaces whose manifest names this model
@@ -111,7 +111,7 @@ class GcOutcome:
     kept_chunks: int
     kept_bytes: int
     dry_run: bool
-    removed_orphans: int = 0  # values left without a header by failed writes (redis parts)
+    removed_orphans: int = 0  # values no reader reaches (an older kvtier's redis values)
     removed_manifest: bool = False  # its manifest went (would go) with the whole namespace
     model: str = UNKNOWN  # the model its manifest names
     fingerprint: str = UNKNOWN  # the model fingerprint its manifest names ("none": none)

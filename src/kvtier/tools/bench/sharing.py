@@ -169,7 +169,7 @@ def _redis_chunks(url: str) -> int:
     import redis
 
     with redis.Redis.from_url(url, socket_timeout=5) as client:
-        return sum(1 for _ in client.scan_iter(match=KEY_PREFIX + "*:h", count=1000))
+        return sum(1 for _ in client.scan_iter(match=KEY_PREFIX + "*}:c", count=1000))
 
 
 def _measure_b(llm: Any, source: str, config: SharingConfig,

@@ -2,8 +2,9 @@
 by age (`--max-age 7d`), or whole namespaces: one (`--namespace DIGEST`), or every namespace
 of a model checkpoint, by its manifest (`--fingerprint PREFIX`, at least 6 hex digits of the
 fingerprint `kvtier inspect` shows, and/or `--model NAME`, as served); `--dry-run` reports
-what would go. Every run also deletes what failed writes left (redis parts without a header);
-`--orphans` does only that. Rules combine (see kvtier/tools/admin/gc.py).
+what would go. Every run also deletes what no reader reaches (redis values of an older kvtier:
+a value per part, not a chunk's hash); `--orphans` does only that. Rules combine (see
+kvtier/tools/admin/gc.py).
 
 Exit codes: 0 done (also when no namespace matched: said so), 1 a tier's storage could not
 be read: no answer within 5 s (a dead mount), or its directory does not exist (a wrong path,
@@ -41,8 +42,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--model", help="only namespaces of this model, its name as served (alone: "
                    "evict them)")
     p.add_argument("--orphans", action="store_true",
-                   help="evict no chunk, only delete what failed writes left behind (redis "
-                        "parts without a header; every gc run deletes them too)")
+                   help="evict no chunk, only delete what no reader reaches (redis values "
+                        "an older kvtier wrote; every gc run deletes them too)")
     p.add_argument("--dry-run", action="store_true", help="report, delete nothing")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)

@@ -61,11 +61,11 @@ def remote_redis(directory: Path, delay_ms: float,
 
 
 def stored_chunks(url: str, key_prefix: str = "kvtier:") -> int:
-    """Committed chunks of every namespace on the server at `url`: the redis tier's chunk
-    headers, `<key_prefix><digest>:{<key hex>}:h` (kvtier.tiers.redis.tier); payload parts, LRU
-    sets and manifests are not counted."""
+    """Chunks of every namespace on the server at `url`: the redis tier's chunk hashes,
+    `<key_prefix><digest>:{<key hex>}:c` (kvtier.tiers.redis.tier); LRU sets and manifests are
+    not counted."""
     client = redis.Redis.from_url(url)
     try:
-        return sum(1 for _ in client.scan_iter(match=f"{key_prefix}*}}:h", count=1000))
+        return sum(1 for _ in client.scan_iter(match=f"{key_prefix}*}}:c", count=1000))
     finally:
         client.close()
