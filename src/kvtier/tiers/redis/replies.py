@@ -9,6 +9,11 @@ under the GIL (docs/performance.md, "redis reads' copies"). `read_into` sends th
 and parses the replies itself: each bulk value's bytes are `recv_into`'d where `place` says, a
 slice of the destination, one copy by the kernel.
 
+`place` sees each value's length before a byte of it is read, and bounds the read: a value
+longer than any the chunk can hold (another application's, a corrupt writer's) is refused
+there (the `place` raises) and the connection dropped with the rest of it unread, so a
+hostile value of any size costs at most a socket buffer of memory, not its size.
+
 Only the RESP needed here is parsed (arrays of bulk strings or nulls, integers, simple
 strings, errors; RESP2 and RESP3). A connection whose parser holds unread bytes, or a parser
 this module does not know (hiredis), is not used: `read_into` returns None and the tier reads
@@ -30,7 +35,8 @@ from redis._parsers import _RESP2Parser, _RESP3Parser
 from redis.connection import Connection
 
 # Where value i of an HMGET reply (`length` bytes) goes, given the values read before it: a
-# writable view of exactly that many bytes, or None (a new `bytes`).
+# writable view of exactly that many bytes, or None (a new `bytes`); it raises to refuse the
+# value unread (read_into then drops the connection).
 Place = Callable[[int, int, list[Any]], memoryview | None]
 LINE_READ = 16 << 10  # bytes asked of the socket for a line (a payload's first bytes come along)
 MAX_LINE = 64  # a RESP line here: "$<length>" or ":<integer>"; longer is not this protocol
@@ -132,7 +138,8 @@ def read_into(client: redis.Redis, name: str, fields: Sequence[str], place: Plac
 
     Raises:
         redis.ConnectionError, redis.TimeoutError: the socket failed or timed out.
-        redis.ResponseError: the server refused a command.
+        redis.ResponseError: the server refused a command (WRONGTYPE: `name` is not a hash).
+        Whatever `place` raises (the connection is dropped, the value unread).
     """
     pool = client.connection_pool
     conn = pool.get_connection()

@@ -25,8 +25,10 @@ byte is used, never unpickled (a chunk another engine cut with another `part_byt
 its first part's size, its parts past this tier's fields in one more round trip: engines may
 differ, as in a rolling change); a chunk stored as is comes off the socket straight into the
 reader's buffer (tiers/redis/replies.py: one copy, by the kernel, where redis-py makes five).
-A missing part (a hash another writer left short), a value of the wrong size or a checksum
-mismatch is a counted miss, and the chunk's hash is deleted.
+Each value's length is judged before it is read: one longer than the chunk can hold is refused
+unread (the connection dropped). A missing part (a hash another writer left short), a value of
+the wrong size or kind (a foreign key at the chunk's name) or a checksum mismatch is a counted
+miss, and the chunk's hash is deleted.
 
 Capacity: the tier enforces `capacity` when it is > 0, and leaves it to the server when it is 0.
   - capacity > 0: per namespace (prefix + layout) and across every client: a sorted set
@@ -244,6 +246,7 @@ class RedisTier:
         Raises:
             TierUnavailable: the endpoint is down (no I/O was done) or just failed.
             redis.RedisError: any other failure of the call (e.g. OOM, a full server).
+            CorruptChunk: the server sent a value the call refused (`_bounded`).
         """
         if not self.guard.allow(endpoint):
             raise TierUnavailable(f"{endpoint} is down")
@@ -252,8 +255,8 @@ class RedisTier:
         except DOWN_ERRORS as exc:
             self.guard.failed(endpoint, exc)
             raise TierUnavailable(f"{endpoint}: {exc}") from exc
-        except redis.RedisError:
-            self.guard.succeeded(endpoint)  # it answered, with an error
+        except (redis.RedisError, CorruptChunk):
+            self.guard.succeeded(endpoint)  # it answered, with an error or a bad value
             raise
         self.guard.succeeded(endpoint)
         return result
@@ -359,9 +362,11 @@ class RedisTier:
             more = self._more_fields(key, values)
             if more:  # written with a smaller part_bytes (another engine's): its other parts
                 values = values + self._run(endpoint, lambda c: self._fetch(
-                    c, name, more, _as_bytes))
+                    c, name, more, self._bounded(_as_bytes, header_first=False)))
             lost = not self._verify_into(key, values, out, meta.tenant)
         except (TierUnavailable, redis.RedisError) as exc:
+            if _wrong_type(exc):  # not a hash: a foreign value at the chunk's name
+                return self._corrupt(key, CorruptChunk(f"not a chunk's hash ({exc})"))
             self._log_failure("read", key, exc)
             self._counters.add(misses=1)
             return UNAVAILABLE if isinstance(exc, TierUnavailable) else IO_ERROR
@@ -394,7 +399,8 @@ class RedisTier:
         caller's buffer come back as views of it (tiers/redis/replies.py).
 
         Raises:
-            redis.RedisError: as `_run` says.
+            CorruptChunk: a value longer than any of the chunk's (`_bounded`), left unread.
+            redis.RedisError: as `_run` says (WRONGTYPE: `name` is not a hash).
         """
         values = None
         if not isinstance(client, RedisCluster):
@@ -408,17 +414,31 @@ class RedisTier:
                     raise
         if values is not None:
             return values
+        # redis-py's own parser (hiredis, a slot that moved): no bound on a value's length.
         pipe = client.pipeline(transaction=False)
         pipe.hmget(name, fields)
         if self.ttl_ms:
             pipe.pexpire(name, self.ttl_ms)
         return pipe.execute()[0]  # type: ignore[no-any-return]
 
+    def _bounded(self, place: Place, header_first: bool = True) -> Place:
+        """`place`, refusing unread a value longer than any of a chunk of this layout (the
+        header's size, a body's largest): a foreign or corrupt value of any size is a
+        counted miss at the cost of a socket buffer, not of its size in memory."""
+        def bounded(index: int, length: int, earlier: list[Any]) -> memoryview | None:
+            limit = HEADER_BYTES if index == 0 and header_first else self.encoder.max_body_bytes
+            if length > limit:
+                raise CorruptChunk(f"a value of {length} bytes where at most {limit} fit; "
+                                   "not read")
+            return place(index, length, earlier)
+
+        return bounded
+
     def _placer(self, key: ChunkKey, out: memoryview) -> Place:
-        """Where a read's values go: a part of a chunk stored as is straight into its place
-        in `out` (the header read first says so: valid, plain, the payload `out`'s size);
-        anything else (the header, an encoded chunk's parts, a header in doubt) as bytes,
-        for `_verify_into` to judge."""
+        """Where a read's values go (bounded: `_bounded`): a part of a chunk stored as is
+        straight into its place in `out` (the header read first says so: valid, plain, the
+        payload `out`'s size); anything else (the header, an encoded chunk's parts, a header
+        in doubt) as bytes, for `_verify_into` to judge."""
         plain: list[bool] = []  # the header's verdict, once
         cut: list[int] = []  # the writer's part size: its first part's (`_writer_part_bytes`)
 
@@ -435,7 +455,7 @@ class RedisTier:
                 return None
             return out[offset : offset + length]
 
-        return place
+        return self._bounded(place)
 
     def _plain(self, key: ChunkKey, header: bytes | None, payload_bytes: int) -> bool:
         """Whether `header` is a valid header of `key`'s chunk stored as is, of that size."""
@@ -662,6 +682,12 @@ class RedisTier:
 def _as_bytes(index: int, length: int, earlier: list[Any]) -> memoryview | None:
     """A `Place` that places nothing: every value comes back as bytes."""
     return None
+
+
+def _wrong_type(exc: Exception) -> bool:
+    """Whether `exc` is the server's WRONGTYPE reply: the value at a chunk's name is not a
+    hash (another application's, or an older kvtier's: not a chunk)."""
+    return isinstance(exc, redis.ResponseError) and str(exc).startswith("WRONGTYPE")
 
 
 def _write_failure(exc: Exception) -> TierResult:
