@@ -1,14 +1,28 @@
 """The redis tier's connection to a Redis/Valkey server or a Redis Cluster (see tier.py):
-the password, a client with the tier's timeouts and redis-py's retries off, and which errors mean
-"the server is not answering".
+the password, a client with the tier's timeouts, TCP keepalive and redis-py's retries off, and
+which errors mean "the server is not answering".
 
-Primitives: `Client`, `UNAVAILABLE`, `read_password`, `connect`, `check_server_limits`.
+TCP keepalive (`KEEPALIVE_OPTIONS`), set by the tier whatever redis-py's version: redis-py
+before 8 (pyproject allows >= 5) leaves it off, 8 turns it on with its own timers. Without
+it a pooled connection whose peer vanished without a FIN or RST (a NAT or firewall that
+dropped the flow, a node powered off) stays open for ever, and the next call on it waits out
+`socket_timeout_ms` before the server is taken for down; with keepalive the kernel probes an
+idle connection and closes a dead one within about a minute and a half (so the next call
+fails at once, or takes a fresh connection), and the probes keep a NAT's idle timer (often
+350 s) from dropping a healthy flow. redis-py's
+`health_check_interval` is not used: it PINGs before a call on a connection idle that long,
+a round trip on the read's path, and with redis-py's retries off a failed PING fails the
+call just as the call itself would.
+
+Primitives: `Client`, `UNAVAILABLE`, `KEEPALIVE_OPTIONS`, `read_password`, `connect`,
+`check_server_limits`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 from typing import Any
 
 import redis
@@ -32,6 +46,14 @@ PASSWORD_ENVS = ("KVTIER_REDIS_PASSWORD", "REDIS_PASSWORD")
 # `sys.getswitchinterval()` (5 ms): 32 MiB in 64 KiB reads took 2.3 s against 28 ms alone,
 # in 2 MiB reads 0.24 s (docs/performance.md, "I/O threads' cores, and the GIL").
 READ_SIZE = 2 * 1024**2
+# TCP keepalive of an idle connection: the first probe after 60 s idle, then one each 10 s;
+# 3 unanswered close it (~90 s). Options a platform lacks are left to its defaults.
+# (macOS names the idle time TCP_KEEPALIVE.)
+KEEPALIVE_OPTIONS: dict[int, int] = {
+    getattr(socket, name): value
+    for name, value in (("TCP_KEEPIDLE" if hasattr(socket, "TCP_KEEPIDLE") else "TCP_KEEPALIVE",
+                         60), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3))
+    if hasattr(socket, name)}
 
 
 def read_password(config: RedisTierConfig) -> str | None:
@@ -78,6 +100,8 @@ def connect(config: RedisTierConfig, password: str | None) -> Client:
         "socket_connect_timeout": config.connect_timeout_ms / 1000,
         "retry": Retry(NoBackoff(), 0),
         "socket_read_size": READ_SIZE,
+        "socket_keepalive": True,
+        "socket_keepalive_options": KEEPALIVE_OPTIONS,
     }
     if config.tls_ca_file is not None:
         common["ssl_ca_certs"] = str(config.tls_ca_file)
