@@ -46,7 +46,7 @@ def test_a_hash_without_a_part_is_a_counted_miss_and_is_rewritten(redis_url: str
 
 
 @pytest.mark.parametrize(("policy", "part_bytes", "settings"), [
-    ("allkeys-lru", LAYOUT.bytes_per_chunk, {}),  # one part a chunk (8 MiB parts, most models)
+    ("allkeys-lru", LAYOUT.bytes_per_chunk, {}),  # one part a chunk (part_bytes >= the chunk)
     ("allkeys-lru", 16 * 1024, {}),  # four parts a chunk
     ("allkeys-lfu", 16 * 1024, {}),
     ("volatile-lru", 12 * 1024, {"ttl_s": 3600}),  # six parts; the server evicts TTL'd keys

@@ -47,7 +47,11 @@ class RedisTierConfig(EncodedTierSettings):
     password_file: Path | None = None  # file whose first line is the password (mode 0600)
     password_env: EnvVarName | None = None  # env var holding the password (see class docstring)
     ttl_s: float | None = None  # expire chunks idle this long (1 ms to 365 days); None = never
-    part_bytes: ByteSize = 8 * 1024**2  # largest value written; larger chunks are split
+    # The largest field of a chunk's hash; larger chunks are split. 1 MiB: the server copies
+    # each field it is sent (HSET), a block of 8 MiB or more from fresh pages each time: 8 MiB
+    # fields put an 8 MiB chunk at 0.6x raw SET, 1 MiB fields at 1.1-1.6x (its reads at 7-14x
+    # raw GET, against 4x; docs/performance.md).
+    part_bytes: ByteSize = 1024**2
     # Bounded as the s3 tier's are: a socket timeout past ~30 years (`1e15`) raised an
     # OverflowError from the first call, which no tier call catches (redis-py hands it to
     # settimeout).
