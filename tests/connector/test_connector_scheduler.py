@@ -105,6 +105,9 @@ class NodeRam:
     def contains(self, key: ChunkKey) -> bool:
         return key in self.held
 
+    def close(self) -> None:
+        return
+
 
 def test_in_node_mode_a_chunk_the_node_lost_is_stored_again_once_computed_again() -> None:
     """The node evicted (or lost in a restart) the chunks this engine stored: the prompt

@@ -4,19 +4,37 @@ holds what only one may hold: with `pool_events` on an endpoint it binds (tcp://
 router that connects to its engines configures it), the PUB socket. Built while the old one
 was still open, the new scheduler's bind failed (EADDRINUSE) and the engine did not start.
 
+The replaced side must also let go of what its probes opened: a redis tier's probe holds a
+connection per TP rank's layout, a node's probe its connections to the node (and its mapping
+of the node's RAM). Only the scheduler was closed, not its locator's probes: every engine
+start left their connections open beside the new side's.
+
 The shell's hooks are its own code (its __init__, which reads a VllmConfig, is skipped); its
 scheduler sides are real ConnectorSchedulers, built as `_build_scheduler` builds them for a
-fingerprint.
+fingerprint (the first test), or by `_build_scheduler` itself from vLLM's KV cache spec.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import socket
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("vllm")
+
+from redis_server import RedisServer
+from vllm import SamplingParams
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.request import Request
 
 from kvtier.core.fingerprint import ModelFingerprint
 from kvtier.core.locator import ChunkLocator
@@ -24,6 +42,8 @@ from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.connector import KVTierConnector
 from kvtier.integrations.vllm.messages import WorkerIdentity
 from kvtier.integrations.vllm.scheduler.connector_scheduler import ConnectorScheduler
+from kvtier.node.server import NodeConfig, running_node
+from kvtier.tiers.storeconfig import StoreConfig
 
 CHUNK, BLOCK = 64, 32
 
@@ -59,3 +79,97 @@ def test_the_workers_namespace_rebuilds_a_scheduler_that_binds_its_pool_events()
     finally:
         if shell._scheduler is not None:
             shell._scheduler.close()
+
+
+def connector_shell(extra_config: dict[str, Any], tp_size: int = 2) -> KVTierConnector:
+    """A scheduler-role shell whose side `_build_scheduler` builds for vLLM's spec of one
+    full-attention group, `tp_size` tensor-parallel ranks (a layout each), in namespace a."""
+    shell = KVTierConnector.__new__(KVTierConnector)
+    shell._vllm_config = SimpleNamespace(
+        model_config=SimpleNamespace(model="m", served_model_name=None),
+        cache_config=SimpleNamespace(cache_dtype="auto"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp_size), kv_events_config=None)
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16,
+                             dtype=torch.bfloat16)
+    shell._kv_cache_config = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["l0", "l1"], spec)])
+    shell._kv_transfer_config = SimpleNamespace(kv_role="kv_both")
+    shell._block_size = BLOCK
+    shell._config = ConnectorConfig.parse({"tokens_per_chunk": CHUNK, **extra_config})
+    shell._identity = ModelFingerprint("a" * 32, 0)
+    shell._scheduler = shell._build_scheduler("m", shell._identity)
+    return shell
+
+
+def look_up(shell: KVTierConnector, request_id: str) -> int:
+    """A prompt of two chunks looked up until the probes have answered: the tokens found."""
+    request = Request(request_id, list(range(2 * CHUNK + 1)), SamplingParams(max_tokens=1),
+                      None)
+    deadline = time.monotonic() + 10
+    while (found := shell.get_num_new_matched_tokens(request, 0)[0]) is None:
+        assert time.monotonic() < deadline, "the slow probes never answered"
+        time.sleep(0.01)
+    return found
+
+
+def wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_the_replaced_scheduler_closes_its_redis_probes_connections(
+        redis_server: RedisServer) -> None:
+    admin = redis_server.client()
+
+    def connections() -> int:  # the scheduler's: the server's, less this one
+        return len(admin.client_list()) - 1
+
+    shell = connector_shell({"tiers": [
+        {"kind": "redis", "url": redis_server.url, "capacity": "1MiB"}]})
+    try:
+        assert look_up(shell, "r1") == 0  # the probe of each TP rank's layout connects
+        one_side = connections()
+        assert one_side >= 2
+        old = shell._scheduler  # kept: closed must not wait for the collector
+        shell.set_xfer_handshake_metadata({0: WorkerIdentity("b" * 32, 0),
+                                           1: WorkerIdentity("b" * 32, 0)})
+        assert shell._scheduler is not old
+        assert look_up(shell, "r2") == 0
+        wait_for(lambda: connections() == one_side, "the old probes' connections to close")
+    finally:
+        if shell._scheduler is not None:
+            shell._scheduler.close()
+    wait_for(lambda: connections() == 0, "every probe's connection to close")
+
+
+def test_the_replaced_scheduler_closes_its_connections_to_the_node() -> None:
+    """Node mode: each TP rank's layout has a client of the node, connected as the side is
+    built; the node counts the connections it serves."""
+    folder = Path(tempfile.mkdtemp(prefix="kvn-", dir="/tmp"))  # AF_UNIX paths are short
+    name = f"t{os.getpid()}-rebuild"
+    config = NodeConfig(StoreConfig.parse({"tiers": [{"kind": "memory", "capacity": "1MiB"}]}),
+                        folder / "node.sock", name=name)
+    try:
+        with running_node(config) as node:
+            shell = connector_shell({"node": str(config.socket_path)})
+            try:
+                assert look_up(shell, "r1") == 0  # the client of each TP rank's layout
+                one_side = node.status()["connections"]
+                assert one_side >= 2
+                old = shell._scheduler  # kept: closed must not wait for the collector
+                shell.set_xfer_handshake_metadata({0: WorkerIdentity("b" * 32, 0),
+                                                   1: WorkerIdentity("b" * 32, 0)})
+                assert shell._scheduler is not old
+                assert look_up(shell, "r2") == 0
+                wait_for(lambda: node.status()["connections"] == one_side,
+                         "the old side's connections to the node to end")
+            finally:
+                if shell._scheduler is not None:
+                    shell._scheduler.close()
+            wait_for(lambda: node.status()["connections"] == 0, "every connection to end")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        for left in Path("/dev/shm").glob(f"kvtier-{name}*"):
+            left.unlink(missing_ok=True)

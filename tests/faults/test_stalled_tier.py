@@ -292,6 +292,9 @@ def test_a_lookup_that_hangs_leaves_the_rest_of_the_prefix_a_miss() -> None:
             gate.wait(30)
             return True
 
+        def close(self) -> None:
+            return
+
     locator = ChunkLocator({"stalled": HangingProbe()}, max_keys=64, timeout_s=TIMEOUT_S)
     locator.record_stored([key(0)])
     keys = [key(0), key(1), key(2)]

@@ -365,5 +365,13 @@ class ChunkLocator:
             first[1].cancel()
 
     def close(self) -> None:
+        """Stop asking, and close every probe (their connections and threads end). A probe
+        still running is waited for up to `timeout_s` (none is known stuck), so that none is
+        closed under a call that would reopen what it closed; its answer is dropped.
+        Scheduler thread."""
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+            if self._stuck is None or self._stuck.done():
+                self._pool.join(self._timeout_s)
+        for _name, probe in self._all:
+            probe.close()

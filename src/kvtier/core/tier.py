@@ -447,6 +447,13 @@ class Probe(Protocol):
 
     def contains(self, key: ChunkKey) -> bool: ...
 
+    def close(self) -> None:
+        """Release what asking opened (connections, threads, mappings); nothing else is
+        asked of it after. Its owner (the scheduler's `ChunkLocator`) calls it, from its own
+        close: a scheduler side rebuilt in another namespace leaked its probes' connections
+        otherwise (tests/connector/test_handshake_rebuild.py)."""
+        ...
+
 
 @runtime_checkable
 class ProbeSource(Protocol):

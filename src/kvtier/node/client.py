@@ -25,6 +25,7 @@ Primitives: `NodeClient`, `NodeStore`, `NodeProbe`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import mmap
@@ -129,6 +130,11 @@ class NodeClient:
         self.welcome: Welcome | None = None
         self.dma_registered = False  # the slab's mapping registered with CUDA (node/dma.py)
         self._stop_prefault = threading.Event()  # the current mapping's (tiers/prefault.py)
+        # Every thread's connection and slab reader, for `close` (a thread's own are in
+        # `_local`): the scheduler's lookups run on its thread and on its probe threads.
+        self._open: set[socket.socket] = set()
+        self._readers: set[SlabReader] = set()
+        self._closed = False  # `close` was called: nothing is asked of the node any more
         self.failures = 0  # calls the node did not answer (each a miss or a dropped store)
 
     def call(self, request: Request, reply: type[R], *, slow: bool = False,
@@ -251,13 +257,13 @@ class NodeClient:
         newest = self._slab
         if newest is not None and newest[0] != slab[0]:  # a restarted node's slab, mapped
             if mine is not None and mine[1] is not None:
-                mine[1].close()  # its loans still out keep their locks until released
+                self._close_reader(mine[1])  # its loans still out keep their locks until released
             self._local.reader = self._local.slab = None
             self.drop_own()  # the old node's connection: the next call connects to the new
             return None
         if mine is None or mine[0] != slab[0]:
             if mine is not None and mine[1] is not None:
-                mine[1].close()  # as above
+                self._close_reader(mine[1])  # as above
             mine = (slab[0], self._open_reader(slab))
             self._local.reader = mine
         return None if mine[1] is None else (mine[0], mine[1])
@@ -278,10 +284,23 @@ class NodeClient:
         if own < 0:
             return None
         try:
-            return SlabReader(own, slab[1])
+            reader = SlabReader(own, slab[1])
         except ValueError as exc:
             log.info("kvtier: the node's slab cannot be read in place (%s): loads borrow", exc)
             return None
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._readers.add(reader)
+        if closed:
+            reader.close()
+            return None
+        return reader
+
+    def _close_reader(self, reader: SlabReader) -> None:
+        with self._lock:
+            self._readers.discard(reader)
+        reader.close()
 
     def generation(self) -> str | None:
         """The node generation of this thread's connection; None: it has none. A lease or
@@ -297,8 +316,10 @@ class NodeClient:
         if sock is not None and self._local.epoch == self._epoch:
             return sock
         if sock is not None:  # another thread found the node gone: so is this connection
-            sock.close()
+            self._forget(sock)
             self._local.sock = None
+        if self._closed:
+            raise NodeUnavailable("this engine's client of the node is closed")
         if self._down:
             raise NodeUnavailable("the node has not answered since it failed")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -323,12 +344,27 @@ class NodeClient:
                                          f"mapped: {exc.strerror or exc}")
             self._mark_down(failure)
             raise NodeUnavailable(str(failure)) from exc
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._open.add(sock)
+        if closed:  # by another thread, meanwhile
+            sock.close()
+            raise NodeUnavailable("this engine's client of the node is closed")
         self._local.sock, self._local.epoch = sock, self._epoch
         return sock
+
+    def _forget(self, sock: socket.socket) -> None:
+        """Close one of this client's connections."""
+        with self._lock:
+            self._open.discard(sock)
+        sock.close()
 
     def _map(self, welcome: Welcome) -> None:
         """Map the slab of `welcome`'s generation (a restarted node's is a new file)."""
         with self._lock:
+            if self._closed:  # by another thread, meanwhile: `_connection` refuses
+                return
             if self._slab is not None and self._slab[0] == welcome.generation:
                 self._local.slab = self._slab
                 return
@@ -362,7 +398,7 @@ class NodeClient:
         sock = getattr(self._local, "sock", None)
         self._local.sock = None
         if sock is not None:
-            sock.close()
+            self._forget(sock)
 
     def _broken(self, exc: BaseException, down: bool = True) -> None:
         """This thread's connection failed: closed (the node ends its leases), every other
@@ -378,10 +414,10 @@ class NodeClient:
 
     def _mark_down(self, exc: BaseException) -> None:
         """The node failed a call: not asked on the engine's threads until the watch finds
-        it answering."""
+        it answering (a closed client is not watched: it asks nothing any more)."""
         self.failures += 1
         with self._lock:
-            first, self._down = not self._down, True
+            first, self._down = not self._down and not self._closed, True
         if first:
             log.warning("kvtier: node at %s unavailable (%s): misses until it answers again "
                         "(asked every %.1f s, off the engine's threads)", self.socket_path, exc,
@@ -404,14 +440,28 @@ class NodeClient:
             return
 
     def close(self) -> None:
-        sock = getattr(self._local, "sock", None)
-        if sock is not None:
+        """End every thread's connection (the node ends their leases and forgets them: its
+        status no longer counts this engine's), close the slab readers (each once its loans
+        still out end) and the slab's file, and stop mapping its pages; the mapping itself is
+        unmapped once no view of it is left. Nothing is asked of the node after: a call
+        raises NodeUnavailable. A second close does nothing. Any thread."""
+        with self._lock:
+            self._closed = True
+            socks, self._open = self._open, set()
+            readers, self._readers = self._readers, set()
+            fd, self._slab_fd = self._slab_fd, -1
+            self._slab = None
+        self._stop_prefault.set()
+        for sock in socks:
+            # shutdown wakes a thread waiting in recv on it (close alone does not)
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
             sock.close()
-            self._local.sock = None
-        mine: tuple[str, SlabReader | None] | None = getattr(self._local, "reader", None)
-        if mine is not None and mine[1] is not None:
-            mine[1].close()
-        self._local.reader = None
+        for reader in readers:
+            reader.close()
+        if fd >= 0:
+            os.close(fd)
+        self._local.sock = self._local.slab = self._local.reader = None
 
 
 class _NodeLending(Lending[ChunkView]):
@@ -810,6 +860,12 @@ class NodeProbe:
                                slow=not self._ram_only).held
             found = [f and h for f, h in zip(found, held)]
         return found
+
+    def close(self) -> None:
+        """Close its clients (the scheduler's RAM and below-RAM probes share them: a second
+        close does nothing): their connections end, and the node forgets them."""
+        for client in self._clients:
+            client.close()
 
     def publishes_events(self) -> bool:
         """Whether the node publishes KV events of its tiers (its welcome says so), and so

@@ -340,6 +340,9 @@ class ExampleProbe:
         return tiers is not None and all((tier := tiers.get(d)) is not None and tier.contains(key)
                    for d in self._digests)
 
+    def close(self) -> None:
+        """Nothing to release: the live tiers are their owners'."""
+
 
 class ExampleInventory:
     """`kvtier.core.tier.Inventory` of the live example tiers named `name`."""

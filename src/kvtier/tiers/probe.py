@@ -33,3 +33,8 @@ class TierProbe:
                     else [tier.contains(key) for key in keys])
             found = [f and h for f, h in zip(found, held)]
         return found
+
+    def close(self) -> None:
+        """Close every layout's tier object (their connections, their lookup threads)."""
+        for tier in self.tiers:
+            tier.close()

@@ -376,7 +376,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                        self._identity.digest[:12])
         # The old side closed first: it holds what only one may (a pool_events PUB socket
         # bound to its endpoint: the new side's bind failed, EADDRINUSE, and the engine with
-        # it; tests/connector/test_handshake_rebuild.py).
+        # it), and its probes' connections (redis, s3, the node's: left open beside the new
+        # side's, every engine start; tests/connector/test_handshake_rebuild.py).
         self._scheduler.close()
         self._identity = ModelFingerprint(digest, weight_files)
         self._scheduler = self._build_scheduler(

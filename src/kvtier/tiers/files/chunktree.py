@@ -165,6 +165,9 @@ class FileProbe:
         except OSError:  # e.g. EACCES or a stale NFS handle: a miss, never an error
             return False
 
+    def close(self) -> None:
+        """Nothing to release: each lookup opens and closes what it uses."""
+
 
 class FileInventory:
     """A disk or shared tier's directory as `kvtier.core.tier.Inventory`:

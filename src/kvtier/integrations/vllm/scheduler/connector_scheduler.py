@@ -284,6 +284,8 @@ class ConnectorScheduler:
         return self._stats.take()
 
     def close(self) -> None:
+        """Close the locator (its probes: their connections and threads) and the router
+        events' socket. Scheduler thread."""
         self._locator.close()
         self._events.close()
 
