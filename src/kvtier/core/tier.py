@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field, fields, replace
 from enum import StrEnum
@@ -452,6 +452,22 @@ class Probe(Protocol):
         asked of it after. Its owner (the scheduler's `ChunkLocator`) calls it, from its own
         close: a scheduler side rebuilt in another namespace leaked its probes' connections
         otherwise (tests/connector/test_handshake_rebuild.py)."""
+        ...
+
+
+@runtime_checkable
+class DirectoryOwnerSource(Protocol):
+    """An optional ability of a tier CLASS whose open takes its directory for itself (disk:
+    one engine at a time): refuse, without opening a tier, where another process's open tier
+    owns the directory a model's engine would open (`kvtier serve`, before vLLM starts)."""
+
+    @classmethod
+    def refuse_owned(cls, config: Any, models: Collection[str]) -> None:
+        """Raises:
+            DirectoryInUse: another process's open tier owns a directory of one of `models`
+                (a model's name as served) in the tier `config` names.
+            OSError: the tier's directory cannot be listed.
+        """
         ...
 
 

@@ -17,8 +17,11 @@ path below the first is opened only once its directory answers a `stat` within t
 `read_timeout_s` (a probe within `lookup_timeout_s`); else it is left out, logged, until the
 store is opened again (an engine's restart).
 
-Primitives: `open_store`, `build_tier`, `build_probe`, `store_settings`, `answers`,
-`TIER_CLASSES`.
+`refuse_owned` refuses, before an engine starts, what its tiers' opening would refuse a whole
+start-up later: a disk directory another engine owns.
+
+Primitives: `open_store`, `build_tier`, `build_probe`, `refuse_owned`, `store_settings`,
+`answers`, `TIER_CLASSES`.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,7 +37,8 @@ from kvtier.core.layout import KVLayout
 from kvtier.core.stall import call_within
 from kvtier.core.store import StoreSettings, TieredStore
 from kvtier.core.threads import resolve_io_cores
-from kvtier.core.tier import ManifestKeeper, Probe, ProbeSource, Tier
+from kvtier.core.tier import DirectoryOwnerSource, ManifestKeeper, Probe, ProbeSource, Tier
+from kvtier.errors import DirectoryInUse
 from kvtier.tiers.manifest import NamespaceInfo, new_manifest
 from kvtier.tiers.registry import TIER_CLASSES, tier_class
 
@@ -42,8 +46,9 @@ if TYPE_CHECKING:
     from kvtier.tiers.storeconfig import StoreConfig, TierSettings
 
 __all__ = ["TIER_CLASSES", "answers", "build_probe", "build_tier", "open_store",
-           "store_settings"]
+           "refuse_owned", "store_settings"]
 log = logging.getLogger(__name__)
+OWNER_CHECK_S = 5.0  # `refuse_owned`: how long a tier's directory may take to answer a stat
 
 
 def build_tier(config: TierSettings, layout: KVLayout) -> Tier:
@@ -68,6 +73,31 @@ def build_probe(config: TierSettings, layouts: Sequence[KVLayout],
     if timeout_s is not None and not _answers_or_say(config, timeout_s):
         return None
     return cls.probe(config, layouts)
+
+
+def refuse_owned(config: StoreConfig, models: Collection[str],
+                 timeout_s: float = OWNER_CHECK_S) -> None:
+    """Refuse now what opening `config`'s tiers in an engine of one of `models` (a model's
+    name as served) would refuse: a directory another process's open tier owns (a disk
+    tier's: `DirectoryOwnerSource`). Call it before starting that engine (`kvtier serve`),
+    never beside it. A directory that does not answer a `stat` within `timeout_s`, or cannot
+    be listed, is left to the engine's own open to judge.
+
+    Raises:
+        DirectoryInUse: in one line: the directory, the owner's pid, the remedy.
+    """
+    for tier in config.tiers:
+        cls = tier_class(tier.kind)
+        path = getattr(tier, "path", None)
+        if not isinstance(cls, DirectoryOwnerSource) or (
+                path is not None and not answers(Path(path), timeout_s)):
+            continue
+        try:
+            cls.refuse_owned(tier, models)
+        except DirectoryInUse:
+            raise
+        except OSError as exc:
+            log.info("tier %r: %s not checked for an owner (%s)", tier.tier_name, path, exc)
 
 
 def answers(path: Path, timeout_s: float) -> bool:

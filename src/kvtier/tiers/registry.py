@@ -4,9 +4,9 @@ One line per kind maps it to "module:Class". The class is the whole tier (`TierC
 built as `TierClass(config, layout)`, its `config_model` attribute is its config's pydantic
 model (a `kvtier.tiers.storeconfig.TierSettings` subclass with `kind: Literal["<kind>"]`), it
 states the kind's facts (`kvtier.core.tier.Tier`: medium, locality, ...), and it may offer the
-optional class-level abilities `probe` (`ProbeSource`) and `open_inventory`
-(`InventorySource`). Adding a tier kind is its module plus one line here (see
-`kvtier/tiers/example.py`).
+optional class-level abilities `probe` (`ProbeSource`), `open_inventory` (`InventorySource`)
+and `refuse_owned` (`DirectoryOwnerSource`). Adding a tier kind is its module plus one line
+here (see `kvtier/tiers/example.py`).
 
 Tier modules are imported lazily, when a config names their kind: a store without a redis
 tier never imports the redis client.

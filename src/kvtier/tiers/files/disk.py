@@ -35,7 +35,7 @@ import threading
 import time
 from array import array
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import ClassVar, Literal
@@ -74,7 +74,7 @@ from kvtier.tiers.files.chunktree import FileInventory, FileProbe, walk_chunks
 from kvtier.tiers.files.directories import TierDirectory, check_directory
 from kvtier.tiers.files.linkfile import measure_directory, probe_bytes
 from kvtier.tiers.files.manifests import write_file_manifest
-from kvtier.tiers.files.owner import DirectoryOwner
+from kvtier.tiers.files.owner import DirectoryOwner, refuse_owned
 from kvtier.tiers.files.retention_journal import RetentionJournal
 from kvtier.tiers.links import LINK_DEADLINE_S, BoundedMeasure
 from kvtier.tiers.manifest import NamespaceManifest
@@ -130,6 +130,12 @@ class DiskTier:
     @classmethod
     def open_inventory(cls, config: DiskTierConfig) -> FileInventory:
         return FileInventory(config.tier_name, config.kind, config.path)
+
+    @classmethod
+    def refuse_owned(cls, config: DiskTierConfig, models: Collection[str]) -> None:
+        """`DirectoryOwnerSource`: raise DirectoryInUse where another open disk tier owns a
+        layout directory of one of `models` under `config.path` (owner.refuse_owned)."""
+        refuse_owned(config.tier_name, config.path, models)
 
     def __init__(self, config: DiskTierConfig, layout: KVLayout, *,
                  clock: Callable[[], float] = time.time) -> None:

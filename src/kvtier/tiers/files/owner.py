@@ -17,7 +17,13 @@ warning.
 The file's name is none of kvtier's chunk or temp names: walks, scans, inventories, `kvtier
 gc` and the capacity never count or remove it (`filetree.walk`).
 
-Primitives: `DirectoryOwner` (release), `OWNER_NAME`.
+A vLLM engine opens its disk tier only once its model is loaded and its memory profiled
+(the workers' register_kv_caches; the scheduler's side is built after that), so a second
+server on the same directory learnt it was refused a whole start-up later. `refuse_owned`
+tells the operator before vLLM is started (`kvtier serve`): the directories of a model's
+namespaces (their manifests name the model) whose lock another process holds now.
+
+Primitives: `DirectoryOwner` (release), `refuse_owned`, `OWNER_NAME`.
 """
 
 from __future__ import annotations
@@ -28,10 +34,12 @@ import logging
 import os
 import stat
 import threading
+from collections.abc import Collection
 from pathlib import Path
 
 from kvtier.errors import DirectoryInUse
 from kvtier.tiers.files.filetree import open_dir
+from kvtier.tiers.files.manifests import file_manifests
 
 log = logging.getLogger(__name__)
 OWNER_NAME = ".kvtier-owner"
@@ -85,6 +93,55 @@ class DirectoryOwner:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
+
+
+def refuse_owned(name: str, root: Path, models: Collection[str]) -> None:
+    """Refuse, as an open would, where an open disk tier owns one of the layout directories
+    under `root` whose manifest names one of `models` (a model's name as served: an engine
+    of that model would open one of them). Nothing where none does, or none can be told
+    (no manifest, no owner file, flock unsupported: the tier's own open decides).
+
+    Each owner file is tried with a shared flock, without waiting, and let go at once: never
+    kept, so it refuses no one but an engine whose tier opens in those microseconds. Call it
+    before starting the engines it checks for, never beside them: their own lock would be
+    taken for another's.
+
+    Raises:
+        DirectoryInUse: the message of a refused open (the directory, the owner's pid, the
+            remedy), naming the tier `name`.
+        OSError: `root` cannot be listed (absent: nothing is refused).
+    """
+    for namespace, manifest in file_manifests(root).items():
+        if manifest is not None and manifest.model in models:
+            _refuse_if_locked(name, Path(root), namespace)
+
+
+def _refuse_if_locked(name: str, root: Path, namespace: str) -> None:
+    """Raise DirectoryInUse where another open file holds ROOT/`namespace`'s owner lock."""
+    path = root / namespace / OWNER_NAME
+    try:
+        dir_fd = open_dir(root, [namespace])
+    except OSError:
+        return  # gone meanwhile, or not a directory: no owner
+    try:
+        fd = os.open(OWNER_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     dir_fd=dir_fd)
+    except OSError:
+        return  # never owned (or a link: the open says so)
+    finally:
+        os.close(dir_fd)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise DirectoryInUse(_in_use(name, path, _pid_in(fd))) from None
+        except OSError as exc:
+            if exc.errno not in _NO_FLOCK:
+                raise
+    finally:
+        os.close(fd)  # the shared lock, if taken, with it
 
 
 def _open_owner_file(dir_fd: int, file_mode: int, path: Path) -> int:

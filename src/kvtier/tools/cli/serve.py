@@ -1,7 +1,9 @@
 """`kvtier serve MODEL [-- extra vllm args]`: vLLM's OpenAI server with kvtier configured.
 
 Prints the exact command first (so nothing is magic), then runs it in the foreground until
-Ctrl-C, and stops vLLM's whole process group on the way out. Thin layer over
+Ctrl-C, and stops vLLM's whole process group on the way out. Before vLLM starts, a disk
+directory that a running engine of the model owns is refused in one line (vLLM's own refusal
+came once the model was loaded: `refuse_owned_disks`). Thin layer over
 kvtier.tools.ops.serving
 and kvtier.tools.ops.server.
 
@@ -31,9 +33,11 @@ import argparse
 import json
 import signal
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
-from kvtier.errors import ConfigError, ServerError
+from kvtier.errors import ConfigError, DirectoryInUse, ServerError
+from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.redaction import redact_value
 from kvtier.testing.tinymodel import (
     default_model_root,
@@ -41,6 +45,7 @@ from kvtier.testing.tinymodel import (
     preset_named,
     served_name,
 )
+from kvtier.tiers import refuse_owned
 from kvtier.tools.cli.argtypes import (
     any_path,
     listen_host,
@@ -52,6 +57,7 @@ from kvtier.tools.cli.argtypes import (
 from kvtier.tools.ops.server import VllmServer
 from kvtier.tools.ops.serving import (
     KV_ROLES,
+    ServeCommand,
     ServeConfig,
     build_command,
     connector_config,
@@ -206,6 +212,11 @@ def run(args: argparse.Namespace) -> int:
     print(command.display(), flush=True)
     if args.dry_run:
         return 0
+    try:
+        refuse_owned_disks(cfg, command)
+    except DirectoryInUse as exc:
+        print(f"kvtier: {exc}", file=sys.stderr)
+        return 1
     server = VllmServer(command)
     # vLLM runs in its own process group (so that stop() reaches its engine processes); a
     # SIGTERM/SIGHUP to `kvtier serve` must therefore stop it explicitly, via `finally`.
@@ -229,6 +240,34 @@ def run(args: argparse.Namespace) -> int:
     finally:
         code = server.stop(grace_s=STOP_GRACE_S)
     return 0 if code in (0, -15, None) else int(code)
+
+
+def refuse_owned_disks(cfg: ServeConfig, command: ServeCommand) -> None:
+    """Refuse, before vLLM starts, a disk tier whose directory for this model another engine
+    owns: vLLM opens the tiers only once the model is loaded (tiers/files/owner.py), so the
+    refusal came a whole start-up later. A directory whose manifest names another model is
+    another engine's to share the path with.
+
+    Raises:
+        DirectoryInUse: the directory, its owner's pid and the remedy, in one line.
+    """
+    if command.kv_transfer_config is None:
+        return
+    extra = command.kv_transfer_config["kv_connector_extra_config"]
+    refuse_owned(ConnectorConfig.parse(extra).store, namespace_models(cfg, command.argv))
+
+
+def namespace_models(cfg: ServeConfig, argv: Sequence[str]) -> set[str]:
+    """The names that a manifest of this server's model may hold (the connector names a
+    namespace by the first served name, else --model): MODEL and the first value of each
+    --served-model-name in `argv`."""
+    names = {cfg.model}
+    for i, arg in enumerate(argv):
+        if arg == "--served-model-name" and i + 1 < len(argv):
+            names.add(argv[i + 1])
+        elif arg.startswith("--served-model-name="):
+            names.add(arg.split("=", 1)[1])
+    return names
 
 
 def _exit_on_signal(signum: int, _frame: object) -> None:
