@@ -447,6 +447,7 @@ class NodeClient:
         raises NodeUnavailable. A second close does nothing. Any thread."""
         with self._lock:
             self._closed = True
+            self._epoch += 1  # every thread's connection is dropped at its next call
             socks, self._open = self._open, set()
             readers, self._readers = self._readers, set()
             fd, self._slab_fd = self._slab_fd, -1
