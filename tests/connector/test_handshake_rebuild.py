@@ -20,6 +20,7 @@ import os
 import shutil
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +33,7 @@ import torch
 pytest.importorskip("vllm")
 
 from redis_server import RedisServer
+from s3_server import S3Endpoint
 from vllm import SamplingParams
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request
@@ -142,6 +144,28 @@ def test_the_replaced_scheduler_closes_its_redis_probes_connections(
         if shell._scheduler is not None:
             shell._scheduler.close()
     wait_for(lambda: connections() == 0, "every probe's connection to close")
+
+
+def test_the_replaced_scheduler_ends_its_s3_probes_lookup_threads(
+        s3_session: S3Endpoint) -> None:
+    def lookup_threads() -> int:  # each layout's tier asks its HEADs on threads of its own
+        return sum(t.name.startswith("kvtier-s3-") for t in threading.enumerate())
+
+    shell = connector_shell({"tiers": [
+        {"kind": "s3", "capacity": "1MiB", **s3_session.settings()}]})
+    try:
+        assert look_up(shell, "r1") == 0
+        one_side = lookup_threads()
+        assert one_side >= 2  # a TP rank's layout's at least each
+        old = shell._scheduler  # kept: closed must not wait for the collector
+        shell.set_xfer_handshake_metadata({0: WorkerIdentity("b" * 32, 0),
+                                           1: WorkerIdentity("b" * 32, 0)})
+        assert shell._scheduler is not old
+        assert look_up(shell, "r2") == 0
+        wait_for(lambda: lookup_threads() == one_side, "the old probes' threads to end")
+    finally:
+        if shell._scheduler is not None:
+            shell._scheduler.close()
 
 
 def test_the_replaced_scheduler_closes_its_connections_to_the_node() -> None:
