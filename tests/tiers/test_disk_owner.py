@@ -132,6 +132,28 @@ def test_without_flock_the_tier_opens_unlocked_with_one_warning(
     tier.close()
 
 
+def test_an_open_that_meets_a_checks_passing_shared_lock_tries_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvtier serve`'s check (owner.refuse_owned) holds a shared lock for an instant: an
+    engine whose tier opens then must not be refused for it."""
+    real_flock = owner.fcntl.flock
+    met: list[int] = []
+
+    def checked_at_that_instant(fd: int, operation: int) -> None:
+        if operation & owner.fcntl.LOCK_EX and not met:
+            met.append(fd)
+            raise BlockingIOError(errno.EWOULDBLOCK, "Resource temporarily unavailable")
+        real_flock(fd, operation)
+
+    monkeypatch.setattr(owner.fcntl, "flock", checked_at_that_instant)
+    tier = make_tier("disk", tmp_path, LAYOUT, capacity_chunks=4)
+    assert met  # it met the check's lock, and opened
+    monkeypatch.undo()
+    with pytest.raises(DirectoryInUse):  # owned: by this tier
+        make_tier("disk", tmp_path, LAYOUT, capacity_chunks=4)
+    tier.close()
+
+
 def test_a_tier_closed_while_its_index_loads_gives_the_directory_up_once_the_index_stopped(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A closed tier's start-up index must not go on evicting under the next owner: close

@@ -34,6 +34,7 @@ import logging
 import os
 import stat
 import threading
+import time
 from collections.abc import Collection
 from pathlib import Path
 
@@ -43,6 +44,9 @@ from kvtier.tiers.files.manifests import file_manifests
 
 log = logging.getLogger(__name__)
 OWNER_NAME = ".kvtier-owner"
+# How long an open tries the lock again before it refuses: `refuse_owned` holds a shared lock
+# for the microseconds between two calls; an owner holds the lock for its life.
+PROBE_GRACE_S = 0.05
 _NO_FLOCK = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL})
 
 
@@ -73,7 +77,7 @@ class DirectoryOwner:
     def _lock(self, name: str) -> None:
         """flock the owner file and write this process's pid in it."""
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _lock_exclusive(self._fd)
         except BlockingIOError:
             raise DirectoryInUse(_in_use(name, self.path, _pid_in(self._fd))) from None
         except OSError as exc:
@@ -95,6 +99,23 @@ class DirectoryOwner:
                 self._fd = -1
 
 
+def _lock_exclusive(fd: int) -> None:
+    """flock `fd` exclusively, trying again for PROBE_GRACE_S while another holds it.
+
+    Raises:
+        BlockingIOError: another still holds it; OSError: flock failed.
+    """
+    deadline = time.monotonic() + PROBE_GRACE_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise
+        time.sleep(PROBE_GRACE_S / 10)
+
+
 def refuse_owned(name: str, root: Path, models: Collection[str]) -> None:
     """Refuse, as an open would, where an open disk tier owns one of the layout directories
     under `root` whose manifest names one of `models` (a model's name as served: an engine
@@ -102,7 +123,7 @@ def refuse_owned(name: str, root: Path, models: Collection[str]) -> None:
     (no manifest, no owner file, flock unsupported: the tier's own open decides).
 
     Each owner file is tried with a shared flock, without waiting, and let go at once: never
-    kept, so it refuses no one but an engine whose tier opens in those microseconds. Call it
+    kept, so it refuses no one (an open that meets it tries again: PROBE_GRACE_S). Call it
     before starting the engines it checks for, never beside them: their own lock would be
     taken for another's.
 
