@@ -197,3 +197,30 @@ def test_the_replaced_scheduler_closes_its_connections_to_the_node() -> None:
         shutil.rmtree(folder, ignore_errors=True)
         for left in Path("/dev/shm").glob(f"kvtier-{name}*"):
             left.unlink(missing_ok=True)
+
+
+def test_a_scheduler_replaced_before_any_lookup_leaves_no_layout_on_the_node() -> None:
+    """vLLM's handshake comes before any request: the side built first must not have greeted
+    the node with its namespace's layouts (the node holds a RAM slab for each, for as long as
+    it runs). Before: building the side asked its first layout's welcome (whether the node has
+    tiers below RAM), which left that layout of a namespace no one uses on the node."""
+    folder = Path(tempfile.mkdtemp(prefix="kvn-", dir="/tmp"))
+    name = f"t{os.getpid()}-lazy"
+    config = NodeConfig(StoreConfig.parse({"tiers": [{"kind": "memory", "capacity": "1MiB"}]}),
+                        folder / "node.sock", name=name)
+    try:
+        with running_node(config) as node:
+            shell = connector_shell({"node": str(config.socket_path)})
+            try:
+                assert node.status()["layouts"] == {}
+                shell.set_xfer_handshake_metadata({0: WorkerIdentity("b" * 32, 0),
+                                                   1: WorkerIdentity("b" * 32, 0)})
+                assert look_up(shell, "r1") == 0
+                assert len(node.status()["layouts"]) == 2  # the workers' namespace's only
+            finally:
+                if shell._scheduler is not None:
+                    shell._scheduler.close()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        for left in Path("/dev/shm").glob(f"kvtier-{name}*"):
+            left.unlink(missing_ok=True)

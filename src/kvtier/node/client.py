@@ -846,10 +846,24 @@ class NodeProbe:
         self.blocking_ok = ram_only
 
     def below_ram(self) -> bool:
-        """Whether the node has tiers below RAM (its welcome says so); True when it is
-        unavailable now (it may have: it is asked again when back)."""
-        welcome = self._clients[0].welcomed() if self._clients else None
-        return welcome is None or len(welcome.tiers) != 1
+        """Whether the node has tiers below RAM; True when it cannot say now (it may have: it
+        is asked again when back). Asked of the node's status, which opens no layout: a
+        scheduler side replaced at vLLM's handshake, before any lookup, leaves no layout of
+        the namespace it was built in on the node (a slab of the node's RAM tier each:
+        tests/connector/test_handshake_rebuild.py)."""
+        if not self._clients:
+            return True
+        client = self._clients[0]
+        if client.welcome is not None:
+            return len(client.welcome.tiers) != 1
+        try:
+            tiers = node_status(client.socket_path, client.timeout_s).get("tiers")
+        except NodeUnavailable:
+            return True
+        if not isinstance(tiers, list):  # a node of an older kvtier: its welcome tells
+            welcome = client.welcomed()
+            return welcome is None or len(welcome.tiers) != 1
+        return len(tiers) != 1
 
     def contains(self, key: ChunkKey) -> bool:
         return self.contains_many([key])[0]

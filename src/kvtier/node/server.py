@@ -322,6 +322,7 @@ class NodeServer:
             "socket": str(self.config.socket_path), "engines": engines,
             "events_endpoint": self.config.events_endpoint,
             "event_block_size": self.config.event_block_size,
+            "tiers": [tier.tier_name for tier in self.config.store.tiers],
             "connections": len(self._connections), "leases": leases,
             "counters": self.counters.snapshot(),
             "borrow_seconds": self.borrow_seconds.snapshot(),
