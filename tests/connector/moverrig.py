@@ -44,9 +44,10 @@ class NoCopyWaits(StandInDevice):
 
 
 class MoverRig:
-    """`paged` (on `device`), `ram_chunks` chunks of RAM over a disk tier under `tmp`, the
-    mover (`staging` chunks of staging per direction, in batches of `batch` chunks: by default
-    2 buffers of one chunk, a chunk at a time), 4 spares; states noted to `note_state`."""
+    """`paged` (on `device`), `ram_chunks` chunks of RAM (0: none) over a disk tier under
+    `tmp`, the mover (`staging` chunks of staging per direction, in batches of `batch`
+    chunks: by default 2 buffers of one chunk, a chunk at a time), 4 spares; states noted to
+    `note_state`."""
 
     def __init__(self, tmp: Path, device: StandInDevice, paged: PagedKV, tokens_per_chunk: int,
                  ram_chunks: int = 16,
@@ -56,9 +57,10 @@ class MoverRig:
         layout = paged.layout(tokens_per_chunk)
         self.chunk_bytes = layout.bytes_per_chunk
         slot_bytes = -(-self.chunk_bytes // 4096) * 4096  # the memory tier's slots
+        ram = [{"kind": "memory", "capacity": ram_chunks * slot_bytes, "pin": "off"}] \
+            if ram_chunks else []  # none: a disk-only store (no slots: chunks go by spare)
         self.store: TieredStore = open_store(StoreConfig.parse({"tiers": [
-            {"kind": "memory", "capacity": ram_chunks * slot_bytes, "pin": "off"},
-            {"kind": "disk", "path": str(tmp / "disk"), "capacity": "64MiB"}]}), layout)
+            *ram, {"kind": "disk", "path": str(tmp / "disk"), "capacity": "64MiB"}]}), layout)
         self.device = device
         self.mover = StreamChunkMover(paged, self.store, self.chunk_bytes,
                                       note_state=note_state, device=device, staging=staging,

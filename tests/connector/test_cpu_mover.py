@@ -197,3 +197,28 @@ def test_a_load_reads_more_small_chunks_at_once_within_the_read_threads(
     """8 reads at once, more of chunks under 4 MiB (32 MiB in flight), never more than the
     store's read threads."""
     assert load_batch_for(io_threads, int(chunk_mib * 2**20)) == reads
+
+
+def test_a_disk_only_store_reports_chunks_it_held_as_held_not_stored(tmp_path: Path) -> None:
+    """A disk-only store (`tiers: [disk]`: no slots, each chunk gathered into the mover's
+    buffer and put): a step storing 4 chunks of which 2 were stored by the step before
+    reports those 2 as `held` (the worker's `already_held_tokens`), the other 2 as `stored`
+    (its `stored_tokens` / `stored_bytes`)."""
+    per_chunk = CHUNK // BLOCK
+    kv = vllm_kv_caches(VllmCacheSpec(BLOCK, 2, 64, 64, torch.bfloat16), 2, 4 * per_chunk,
+                        "LBNHC")
+    paged = PagedKV(kv, BLOCK, content="halves", torch_ops=False)
+    layout = paged.layout(CHUNK)
+    store = open_store(StoreConfig.parse({"tiers": [
+        {"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "64MiB"}]}), layout)
+    mover = CpuChunkMover(paged, store, layout.bytes_per_chunk, lambda _k, _s: None)
+    moved = [ChunkTransfer(key=ChunkKey(os.urandom(16)),
+                           block_ids=tuple(range(i * per_chunk, (i + 1) * per_chunk)))
+             for i in range(4)]
+    try:
+        first = mover.store(moved[:2], "sync")
+        assert (first.stored, first.held) == (moved[:2], [])
+        again = mover.store(moved, "sync")
+        assert (again.held, again.stored) == (moved[:2], moved[2:])
+    finally:
+        store.close()

@@ -306,10 +306,13 @@ def test_a_load_thread_takes_back_the_buffers_of_done_inline_loads(tmp_path: Pat
         assert blocks_hold(rig, range(24, 48), lambda b: value(b - 24, 5)) == []
 
 
-def test_chunks_the_store_holds_already_are_held_not_stored(tmp_path: Path) -> None:
-    """A step's chunks of which RAM holds some already: those are `held` (nothing copied,
-    not counted as written: tests/node/test_node_held_stores.py), the rest `stored`."""
-    with batched(tmp_path, StandInDevice(seed=4)) as rig:
+@pytest.mark.parametrize("ram_chunks", [16, 0], ids=["ram", "disk-only"])
+def test_chunks_the_store_holds_already_are_held_not_stored(tmp_path: Path,
+                                                            ram_chunks: int) -> None:
+    """A step's chunks of which the store holds some already: those are `held` (not counted
+    as written: tests/node/test_node_held_stores.py; with RAM nothing is copied, a disk-only
+    store finds them held by its put), the rest `stored`."""
+    with batched(tmp_path, StandInDevice(seed=4), ram_chunks=ram_chunks) as rig:
         rig.write(range(BLOCKS), 5)
         moved = transfers(0)
         first = rig.mover.store(moved[:2], "sync")

@@ -84,16 +84,19 @@ def test_a_chunk_another_engine_stored_is_held_not_stored(workers) -> None:  # t
     assert node.status()["counters"]["committed_chunks"] == 1  # the first engine's alone
 
 
-def test_in_process_a_chunk_held_already_is_counted_alike(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ram", [True, False], ids=["ram-and-disk", "disk-only"])
+def test_in_process_a_chunk_held_already_is_counted_alike(tmp_path: Path, ram: bool) -> None:
+    """Also with a disk-only store (`tiers: [disk]`), whose put alone finds the chunk held
+    (no RAM slot to reserve): before, its second store counted as stored."""
     paged = _paged(1)
     layout = paged.layout(TOKENS_PER_CHUNK)
-    tiers = [{"kind": "memory", "capacity": "1MiB"},
-             {"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "16MiB"}]
+    tiers = [{"kind": "memory", "capacity": "1MiB"}] if ram else []
+    tiers.append({"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "16MiB"})
     worker = ConnectorWorker(paged, layout, open_store(StoreConfig.parse({"tiers": tiers}),
                                                        layout))
     try:
         assert _store_chunk_1(worker)[1]["stored_tokens"] == TOKENS_PER_CHUNK
-        reported, counted = _store_chunk_1(worker)  # its RAM holds it: nothing written
+        reported, counted = _store_chunk_1(worker)  # its top tier holds it: nothing written
         assert reported == {key(1)}
         assert counted.get("stored_tokens", 0) == 0
         assert counted["already_held_tokens"] == TOKENS_PER_CHUNK

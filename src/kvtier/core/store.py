@@ -116,6 +116,9 @@ class PendingPut:
     in_place: bool  # `data` is the top tier's own slot (else the caller's spare, or None)
     stored: bool = False  # set when the block ends: as `put_from` returns
     cancelled: bool = False
+    # Set when the block ends: a top tier without slots (a disk-only store) found it held
+    # by its put (`TierResult.held`): `data` was filled, but nothing written.
+    found_held: bool = False
 
     def cancel(self) -> None:
         """Store nothing when the block ends (the fill failed or never finished)."""
@@ -124,8 +127,9 @@ class PendingPut:
     @property
     def held(self) -> bool:
         """Whether the store held the chunk already: `stored`, and nothing was filled (no
-        bytes copied; the worker counts it apart from the chunks it wrote)."""
-        return self.stored and self.data is None
+        bytes copied) or the top tier wrote nothing (`found_held`); the worker counts it
+        apart from the chunks it wrote."""
+        return self.stored and (self.data is None or self.found_held)
 
 
 @dataclass(frozen=True, slots=True)
@@ -491,13 +495,17 @@ class TieredStore:
         expiry (`meta`): in the top tier now, in the lower tiers behind (each tier's `put`
         decides whether it holds the chunk already). True when the top tier stored it (or
         already held it)."""
-        stored = self._put_top(key, data, meta)
+        stored = self._put_top(key, data, meta).ok
+        self._write_behind(key, data, meta)
+        return stored
+
+    def _write_behind(self, key: ChunkKey, data: memoryview, meta: ChunkMeta) -> None:
+        """Queue a copy of the chunk for each usable lower tier (see `_writers`)."""
         pending = self._writers()
         if pending:
             copy = self._copies.copy(data)  # the caller may reuse `data` once we return
             for writer in pending:
                 writer.submit(key, copy, meta)
-        return stored
 
     def retain(self, key: ChunkKey, meta: ChunkMeta) -> int:
         """Extend a held chunk's pin and expiry to `meta`'s in every tier that keeps them
@@ -565,7 +573,10 @@ class TieredStore:
         if self._reserver is None:
             put = PendingPut(spare, in_place=False)
             yield put
-            put.stored = not put.cancelled and self.put(key, spare, meta)
+            if not put.cancelled:
+                result = self._put_top(key, spare, meta)
+                self._write_behind(key, spare, meta)
+                put.stored, put.found_held = result.ok, result.held
             return
         with self._reserver.reserve(key, meta) as slot:
             if isinstance(slot, TierResult):
@@ -590,14 +601,16 @@ class TieredStore:
             writer.submit(key, copy, meta)
         put.stored = put.in_place
 
-    def _put_top(self, key: ChunkKey, data: memoryview, meta: ChunkMeta) -> bool:
+    def _put_top(self, key: ChunkKey, data: memoryview, meta: ChunkMeta) -> TierResult:
+        """The top tier's put, its failure (or exception) counted."""
         top = self.tiers[0]
         try:
             result = top.put(key, data, meta)
         except Exception as exc:
             log.warning("tier %r: write of %s failed (%s); dropped", top.name, key.hex(), exc)
             result = TierResult(Failure.RAISED)
-        return self._counted(top, result)
+        self._counted(top, result)
+        return result
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every write-behind queue is empty, `timeout_s` in all; False on

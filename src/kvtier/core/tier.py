@@ -107,6 +107,11 @@ class TierResult:
     """
 
     failure: Failure | None = None
+    # A put that succeeded without writing: the tier held the chunk already (`HELD`). The
+    # store reports it apart from the chunks it wrote (`PendingPut.held`): a store whose top
+    # tier has no slots to reserve learns it only from the put. Not compared: HELD == OK
+    # (both a success), told apart by this field alone.
+    held: bool = field(default=False, compare=False)
 
     @property
     def ok(self) -> bool:
@@ -117,6 +122,7 @@ class TierResult:
 
 
 OK = TierResult()
+HELD = TierResult(held=True)
 MISSING = TierResult(Failure.MISSING)
 CORRUPT = TierResult(Failure.CORRUPT)
 IO_ERROR = TierResult(Failure.IO_ERROR)
@@ -226,7 +232,7 @@ class Tier(Protocol):
     def put(self, key: ChunkKey, data: memoryview,
             meta: ChunkMeta = DEFAULT_META) -> TierResult:
         """Store one chunk's payload with its tenant, pin and expiry (`meta`); OK when it
-        is stored, or already was.
+        is stored, HELD (also a success) when it already was.
 
         The one place that decides whether the chunk is held: a held chunk is not
         rewritten (a tier that keeps metadata extends its pin and expiry to `meta`'s, as

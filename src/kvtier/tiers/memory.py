@@ -47,6 +47,7 @@ from kvtier.core.retention import DEFAULT_META, ChunkMeta, RetentionBook, Retent
 from kvtier.core.tier import (
     DECLINED,
     FULL,
+    HELD,
     MISSING,
     OK,
     Locality,
@@ -308,12 +309,12 @@ class MemoryTier:
     def reserve(self, key: ChunkKey,
                 meta: ChunkMeta = DEFAULT_META) -> Iterator[_Slot | TierResult]:
         """A free slot for `key`, stored with `meta` once committed and pinned until the
-        block exits (see `InPlace.reserve`); else why there is none: OK (held: `meta`'s pin
+        block exits (see `InPlace.reserve`); else why there is none: HELD (`meta`'s pin
         and expiry applied, as by `retain`), DECLINED or FULL."""
         if self.contains(key):
             if not meta.is_default:
                 self.retain(key, meta)
-            yield OK
+            yield HELD
             return
         if not self._admission.offer(key):
             yield DECLINED
@@ -332,7 +333,7 @@ class MemoryTier:
                     self._shared.clear(index)  # about to be written
         if index is None:
             if held or key in self._index:
-                yield OK
+                yield HELD
                 return
             self._counters.add(dropped_writes=1)
             yield FULL
@@ -577,7 +578,7 @@ class MemoryTier:
         if self._shared is None:
             return 0, 0
         put = [key for key, data, meta in self._shared.recoverable(time.time())
-               if self.put(key, data, meta) is OK]
+               if self.put(key, data, meta)]
         # Held at the end: a smaller RAM than the predecessor's evicts some as others come.
         return sum(map(self.contains, put)), self._shared.dropped
 

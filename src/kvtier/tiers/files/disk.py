@@ -54,6 +54,7 @@ from kvtier.core.throttled import ThrottledWarning
 from kvtier.core.tier import (
     DECLINED,
     FULL,
+    HELD,
     IO_ERROR,
     MISSING,
     OK,
@@ -361,7 +362,7 @@ class DiskTier:
         if self.contains(key):
             if not meta.is_default:
                 self.retain(key, meta)
-            return OK
+            return HELD
         if not self.files.writable:  # a read-only directory: serve what it holds
             self._counters.add(dropped_writes=1)
             return READ_ONLY

@@ -66,6 +66,7 @@ from kvtier.core.throttled import ThrottledWarning
 from kvtier.core.tier import (
     DECLINED,
     FULL,
+    HELD,
     IO_ERROR,
     MISSING,
     OK,
@@ -270,7 +271,7 @@ class SharedTier:
                     if key in self._not_ours:  # left to age out (see __init__): not stored
                         return DECLINED
             self.files.touch(key)
-            return OK
+            return HELD
         if self._not_ours:
             with self._not_ours_lock:
                 self._not_ours.pop(key, None)  # gone: the next copy stored is this process's

@@ -27,8 +27,9 @@ class StoreJob:
     stored: list[ChunkTransfer]  # the chunks copied into the top tier, which holds them now
     seconds: float  # from the first gather to the last put
     mode: str  # "sync" (the step waited for them) or "async" (they ran while it went on)
-    # The chunks the store held already (`PendingPut.held`: nothing copied; stored before by
-    # this engine, or through a node by another): held all the same, but not written now.
+    # The chunks the store held already (`PendingPut.held`: nothing copied, or nothing
+    # written by a top tier without slots; stored before by this engine, or through a node
+    # by another): held all the same, but not written now.
     held: list[ChunkTransfer] = field(default_factory=list)
 
 

@@ -304,13 +304,13 @@ class StreamChunkMover:
         self._device.wait(self._store_stream, after or self.mark())
         self._store.plan_puts([t.key for t in transfers], [chunk_meta(t) for t in transfers])
         stored: list[ChunkTransfer] = []
-        held: list[ChunkTransfer] = []  # held already: nothing copied
+        held: list[ChunkTransfer] = []  # held already: nothing copied, or nothing written
         flight: deque[_Storing] = deque()  # oldest first
         batch: list[_Reserved] = []  # reserved, not queued yet
         try:
             for transfer in transfers:
                 if not batch and not self._store_slots:
-                    self._end_stores(flight.popleft(), stored)
+                    self._end_stores(flight.popleft(), stored, held)
                 try:
                     reserved = self._reserve(transfer, held)
                 except Exception:  # a failed store is a future miss, never a dead thread
@@ -324,7 +324,7 @@ class StreamChunkMover:
                     self._queue_stores(batch, flight)
                     batch = []
                     while in_spare and flight:
-                        self._end_stores(flight.popleft(), stored)
+                        self._end_stores(flight.popleft(), stored, held)
             if batch:
                 self._queue_stores(batch, flight)
                 batch = []
@@ -333,7 +333,7 @@ class StreamChunkMover:
                 reserved.put.cancel()
                 reserved.exits.close()
             while flight:
-                self._end_stores(flight.popleft(), stored)
+                self._end_stores(flight.popleft(), stored, held)
         return StoreJob(stored, time.perf_counter() - start, mode, held)
 
     def _reserve(self, transfer: ChunkTransfer, held: list[ChunkTransfer]) -> _Reserved | None:
@@ -380,9 +380,11 @@ class StreamChunkMover:
             return
         flight.append(_Storing(batch, slot, done, hosts))
 
-    def _end_stores(self, storing: _Storing, stored: list[ChunkTransfer]) -> None:
+    def _end_stores(self, storing: _Storing, stored: list[ChunkTransfer],
+                    held: list[ChunkTransfer]) -> None:
         """Wait for a batch's DMAs and store its chunks (the blocks of their `putting`
-        end): no chunk is committed before its bytes are in place."""
+        end): no chunk is committed before its bytes are in place. Each goes in `stored`,
+        or in `held` when the store found it held (a top tier without slots)."""
         try:
             storing.done.synchronize()
         except Exception:
@@ -392,12 +394,12 @@ class StreamChunkMover:
             return
         try:
             for reserved, host in zip(storing.chunks, storing.hosts):
-                self._commit(reserved, host, stored)
+                self._commit(reserved, host, stored, held)
         finally:
             self._store_slots.append(storing.slot)
 
     def _commit(self, reserved: _Reserved, host: torch.Tensor,
-                stored: list[ChunkTransfer]) -> None:
+                stored: list[ChunkTransfer], held: list[ChunkTransfer]) -> None:
         """Store one chunk whose DMA is done; one that fails is logged and not stored."""
         has_state = False
         try:
@@ -411,7 +413,7 @@ class StreamChunkMover:
             _log_failed_store(reserved.transfer)
             return
         if reserved.put.stored:
-            stored.append(reserved.transfer)
+            (held if reserved.put.held else stored).append(reserved.transfer)
             if self._paged.state_bytes:
                 self._note_state(reserved.transfer.key, has_state)
 
