@@ -47,6 +47,7 @@ import msgspec
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.loans import Lending
+from kvtier.core.stall import call_within
 from kvtier.core.store import ChunkView, PendingPut, TieredStore
 from kvtier.errors import ConfigError
 from kvtier.node.eventpub import ALLOWED as ENDPOINTS
@@ -94,6 +95,11 @@ _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _SLAB_DIGEST = re.compile(r"[0-9a-f]{16}")  # a slab's name: kvtier-<node>-<its layout's>
 MAX_LAYOUTS_LIMIT = 1024  # --max-layouts' bound: far past any node's RAM for a slab each
 STALE_PROBE_S = 2.0  # how long a socket file's probe waits for a node to accept
+# What a Reserve may spend asking the tiers below RAM whether they hold the chunks RAM has no
+# slot for (an index lookup and a stat a disk tier, a batch a remote one); past it they are
+# sent, as without the question: a tier below RAM gone slow must not make the engine's
+# store call (its deadline: lookup_timeout_s, 1 s by default) wait for its read timeout.
+HELD_BELOW_BUDGET_S = 0.1
 SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path on Linux: sun_path's 108, less its NUL
 
 
@@ -506,11 +512,12 @@ class NodeServer:
 
     def reserve(self, owner: int, layout: _Layout, request: Reserve, spare: memoryview
                 ) -> Reserved:
-        """A RAM slot per key for the engine to fill, or HELD (stored already: the pin and
-        expiry of its meta applied), SEND (no RAM slot: declined, full, or the engine at
-        its `engine_quota` with every chunk of its own pinned, but a tier below RAM takes
-        the bytes the engine sends with its commit) or SKIPPED (no tier takes it). Each
-        chunk is the engine's (`ChunkMeta.engine`: its quota's)."""
+        """A RAM slot per key for the engine to fill, or HELD (stored already, in RAM or,
+        where RAM has no slot, below it: the pin and expiry of its meta applied), SEND (no
+        RAM slot: declined, full, or the engine at its `engine_quota` with every chunk of its
+        own pinned, but a tier below RAM takes the bytes the engine sends with its commit)
+        or SKIPPED (no tier takes it). Each chunk is the engine's (`ChunkMeta.engine`: its
+        quota's)."""
         offsets: list[int] = []
         puts = _Puts([], 0, layout.memory.chunk_bytes)
         engine = self._engine_of(owner)
@@ -531,11 +538,47 @@ class NodeServer:
                 offsets.append(SEND if offset is None else offset)
                 puts.blocks.append((block, put))
                 puts.open += 1
+            self._held_below(layout, request, engine, offsets, puts)
         except BaseException:
             _end(puts)  # slots reserved before a tier raised are given back, not leaked
             raise
         self.counters.add("reserved_chunks", puts.open)
         return Reserved(self._lease(owner, puts) if puts.open else 0, offsets)
+
+    @staticmethod
+    def _held_below(layout: _Layout, request: Reserve, engine: str | None,
+                    offsets: list[int], puts: _Puts) -> None:
+        """Turn each SEND whose chunk a tier below RAM holds already (or a write behind
+        carries) into HELD, its `putting` ended: the engine ships no bytes the node has (the
+        disk's put would drop them), and RAM, which has no slot, gets no promotion. One
+        batch per remote tier (`contains_many`), only for the SENDs: rare, RAM gives most
+        chunks a slot. Its meta's pin and expiry go to the tiers that hold it, as a HELD in
+        RAM gets them from `reserve`. All within `HELD_BELOW_BUDGET_S`, else they stay SENDs."""
+        sends = [i for i, offset in enumerate(offsets) if offset == SEND]
+        if not sends:
+            return
+        keys = [ChunkKey(request.keys[i]) for i in sends]
+        metas = [dataclasses.replace(request.metas[i].chunk_meta(), engine=engine)
+                 for i in sends]
+
+        def held_below() -> list[bool]:
+            found = layout.store.contains_many(keys)
+            for key, meta, held in zip(keys, metas, found):
+                if held and not meta.is_default:
+                    layout.store.retain(key, meta)
+            return found
+
+        answered, found = call_within(held_below, HELD_BELOW_BUDGET_S,
+                                      "kvtier-node-held-below")
+        for i, held in zip(sends, found if answered and found is not None else []):
+            taken = puts.blocks[i]
+            if not held or taken is None:
+                continue
+            block, put = taken
+            put.cancel()
+            block.__exit__(None, None, None)
+            puts.blocks[i], offsets[i] = None, HELD
+            puts.open -= 1
 
     def commit(self, owner: int, request: Commit) -> None:
         with self._lock:
