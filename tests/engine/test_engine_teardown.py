@@ -1,8 +1,10 @@
 """The engine harness's own clean-up (kvtier.testing.engines): where vLLM's shutdown of an
 engine core slow to exit raises half-way (a child gone while it named them), the harness kills
 the engine's processes left, and nothing else of the test's (its redis-server, say); the socket
-files vLLM leaves go to a folder of the process's, removed at its exit. No vLLM here: `sleep`
-processes stand for the engine's and the test's, a file for a socket."""
+files vLLM leaves go to a folder of the process's, removed at its exit; the shared memory files
+its TP ranks leave in /dev/shm are removed once its processes are gone, and no other
+process's. No vLLM here: `sleep` processes stand for the engine's and the test's, a file for
+a socket, a process mapping a file of /dev/shm for a TP rank."""
 
 from __future__ import annotations
 
@@ -50,3 +52,46 @@ def test_a_process_without_a_socket_folder_gets_one_removed_at_its_exit(tmp_path
                                                               str(named)},
                          capture_output=True, text=True, timeout=60, check=True)
     assert run.stdout.strip() == str(named) and (named / "engine-core").exists()
+
+
+MAPS_ONE = """import mmap, os, sys
+fd = os.open(sys.argv[1], os.O_CREAT | os.O_RDWR, 0o600)
+os.ftruncate(fd, 4096)
+region = mmap.mmap(fd, 4096)  # as vLLM's SHMManager maps its rank's file
+print("mapped", flush=True)
+sys.stdin.read()
+"""
+
+
+def _mapping(path: Path) -> subprocess.Popen[str]:
+    """A stand-in for a TP rank: a process that creates and maps `path`, until killed."""
+    process = subprocess.Popen([sys.executable, "-c", MAPS_ONE, str(path)], text=True,
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert process.stdout is not None and process.stdout.readline() == "mapped\n"
+    return process
+
+
+def test_an_engines_shared_memory_files_are_removed_once_its_processes_are_gone() -> None:
+    """vLLM's TP ranks leave their /dev/shm/vllm_dist_* files (kvtier.testing.vllmshm): the
+    files an engine's processes mapped are removed once those processes have ended (a zombie
+    counts as ended), not while one runs, and another process's are kept."""
+    from kvtier.testing.vllmshm import SHM_DIR, remove_when_gone, vllm_shm_maps
+
+    tag = f"vllm_dist_kvtier-test-{os.getpid()}"
+    ours, theirs = SHM_DIR / f"{tag}-cpushm_0", SHM_DIR / f"{tag}-other-cpushm_0"
+    engine, other = _mapping(ours), _mapping(theirs)
+    helper = subprocess.Popen(["sleep", "60"])  # the engine's, mapping none: not waited for
+    try:
+        maps = vllm_shm_maps([engine.pid, helper.pid])
+        assert maps == {engine.pid: {ours}}
+        assert remove_when_gone(maps, timeout_s=0.1) == []  # still runs
+        assert ours.exists()
+        engine.kill()  # not waited for: a zombie until reaped
+        assert remove_when_gone(maps) == [ours]
+        assert not ours.exists() and theirs.exists()
+    finally:
+        for process, path in ((engine, ours), (other, theirs), (helper, None)):
+            process.kill()
+            process.wait()
+            if path is not None:
+                path.unlink(missing_ok=True)

@@ -19,9 +19,11 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from vllm_harness import (
     chunk_files,
@@ -32,6 +34,8 @@ from vllm_harness import (
     start_engine,
     token_ids,
 )
+
+from kvtier.testing.vllmshm import vllm_shm_maps
 
 pytestmark = pytest.mark.vllm
 
@@ -56,14 +60,22 @@ def disk_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_model_dir: Path, disk_dir: Path) -> Iterator[Any]:
+def running(tiny_model_dir: Path, disk_dir: Path) -> Iterator[tuple[Any, ExitStack]]:
+    """The engine, and the stack whose close shuts it down (the module's last test does,
+    to see what it leaves; else the module's end)."""
     tiers = [{"kind": "memory", "capacity": MEMORY_BYTES},
              {"kind": "disk", "path": str(disk_dir), "capacity": DISK_BYTES}]
-    with pytest.MonkeyPatch.context() as env:
+    with ExitStack() as stack:
+        env = stack.enter_context(pytest.MonkeyPatch.context())
         env.setenv("VLLM_CPU_OMP_THREADS_BIND", _worker_binding())
-        with start_engine(tiny_model_dir, kvtier_transfer_config(tiers, CHUNK),
-                          tensor_parallel_size=2, processes=True) as engine:
-            yield engine
+        yield stack.enter_context(start_engine(
+            tiny_model_dir, kvtier_transfer_config(tiers, CHUNK), tensor_parallel_size=2,
+            processes=True)), stack
+
+
+@pytest.fixture(scope="module")
+def llm(running: tuple[Any, ExitStack]) -> Any:
+    return running[0]
 
 
 def _gauge(llm: Any, name: str, tier: str) -> float:
@@ -109,3 +121,17 @@ def test_each_rank_holds_half_of_the_engines_capacity(llm: Any, disk_dir: Path) 
         time.sleep(0.2)
     assert len(shards) == 2  # one layout directory per rank
     assert shards[0] == shards[1]  # the same chunks, one shard each
+
+
+def test_the_engine_leaves_no_shared_memory_behind(running: tuple[Any, ExitStack]) -> None:
+    """Its ranks' files for vLLM's CPU all-reduce (/dev/shm/vllm_dist_*, one a rank, which
+    vLLM's shutdown leaves) are gone once the engine is shut down (the harness removes
+    them: kvtier.testing.vllmshm). Last in the module: it shuts the engine down."""
+    llm, stack = running
+    token_ids(llm, random_prompts([130], seed=23))
+    maps = vllm_shm_maps(p.pid for p in psutil.Process().children(recursive=True))
+    files = set().union(*maps.values())
+    assert len(maps) == len(files) == 2  # a file a rank, each rank maps both
+    assert all(path.exists() for path in files)
+    stack.close()
+    assert [path for path in files if path.exists()] == []

@@ -4,7 +4,9 @@ prefills in-process (ttft, sharing).
 vLLM's processes put their ZeroMQ socket files where `VLLM_RPC_BASE_PATH` says, /tmp by
 default, and leave some behind at every shutdown (`kvtier bench ttft --quick`: 42 files): the
 first engine of a process gives it a folder of its own, removed at its exit
-(`own_rpc_folder`), unless its environment names one already.
+(`own_rpc_folder`), unless its environment names one already. The shared memory files of a
+tensor parallel engine's ranks, which vLLM leaves in /dev/shm, are removed once its
+processes have ended (`kvtier.testing.vllmshm`).
 
 Primitives: `offline_engine` (an `LLM` with small CPU settings, shut down on exit), `counter`
 (one of vLLM's counters, summed over labels), `kvtier_counter` / `kvtier_gauge` (one of
@@ -24,6 +26,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from kvtier.testing.vllmshm import remove_when_gone, vllm_shm_maps
 
 BLOCK_SIZE = 128  # tokens per vLLM block (the CPU backend's default)
 NUM_BLOCKS = 384  # the engine's own KV cache, in blocks
@@ -60,9 +64,12 @@ def offline_engine(model_dir: Path, max_model_len: int, **overrides: Any) -> Ite
     before = _descendants()
     llm = LLM(**kwargs)
     engine_pids = _descendants() - before  # its EngineCore and workers (none in process)
+    shm = vllm_shm_maps(engine_pids)  # its TP ranks' files, which vLLM leaves (vllmshm.py)
     try:
         yield llm
     finally:
+        for pid, files in vllm_shm_maps(engine_pids).items():
+            shm.setdefault(pid, set()).update(files)
         try:
             llm.llm_engine.engine_core.shutdown()
         except psutil.NoSuchProcess:
@@ -72,6 +79,8 @@ def offline_engine(model_dir: Path, max_model_len: int, **overrides: Any) -> Ite
             _kill(engine_pids)
         del llm
         gc.collect()
+        if shm:
+            remove_when_gone(shm)
 
 
 def _descendants() -> set[int]:
