@@ -2,7 +2,8 @@
 shared directory) fills the caller's spare and puts it: whether the chunk was held already is
 known only from that put. The second store of a chunk must read as held (`PendingPut.held`:
 the worker counts it as `already_held_tokens`, not as `stored_tokens` / `stored_bytes`), and
-the first as stored. The tier's index answers it: no lookup ahead of the put."""
+the first as stored. The tier answers it (its index; Redis its EXISTS, S3 its HEAD or its
+conditional PUT): no lookup ahead of the put."""
 
 from __future__ import annotations
 
@@ -21,12 +22,23 @@ def payload(i: int) -> bytes:
     return bytes([i % 251]) * LAYOUT.bytes_per_chunk
 
 
-@pytest.mark.parametrize("kind", ["disk", "shared"])
-def test_a_second_store_of_a_chunk_is_held_not_stored(tmp_path: Path, kind: str) -> None:
+@pytest.mark.parametrize(("kind", "options"), [
+    ("disk", {}), ("shared", {}),
+    pytest.param("redis", {}, marks=pytest.mark.redis),
+    pytest.param("s3", {}, marks=pytest.mark.s3),
+    pytest.param("s3", {"conditional_put": False}, marks=pytest.mark.s3)])
+def test_a_second_store_of_a_chunk_is_held_not_stored(
+        tmp_path: Path, kind: str, options: dict[str, object],
+        request: pytest.FixtureRequest) -> None:
     """Two puts of chunk 1 and one of chunk 2 into a one-tier store of `kind`: the second put
     of chunk 1 is held (nothing written: the tier's puts and bytes written stay as they were),
-    chunk 2 stored."""
-    tier = tier_settings(kind, tmp_path, LAYOUT, 8)
+    chunk 2 stored. Redis and S3 (both `conditional_put` forms) tell it from their EXISTS,
+    HEAD or conditional PUT."""
+    if kind == "redis":
+        request.getfixturevalue("redis_url")
+    if kind == "s3":
+        request.getfixturevalue("s3_session")
+    tier = tier_settings(kind, tmp_path, LAYOUT, 8, **options)
     store = open_store(StoreConfig.parse({"tiers": [tier]}), LAYOUT)
     spare = memoryview(bytearray(LAYOUT.bytes_per_chunk))
     try:

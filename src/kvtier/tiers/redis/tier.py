@@ -96,6 +96,7 @@ from kvtier.core.retention import DEFAULT_META, ChunkMeta
 from kvtier.core.tier import (
     DECLINED,
     FULL,
+    HELD,
     IO_ERROR,
     MISSING,
     OK,
@@ -551,7 +552,7 @@ class RedisTier:
             if self._run(endpoint, lambda c: c.exists(name)):
                 if self._index is not None:
                     self._index.touch(key)
-                return OK
+                return HELD
             if self.bounded and self.capacity_chunks == 0:
                 return FULL
             if not self._admission.offer(key):

@@ -57,6 +57,7 @@ from kvtier.core.retention import DEFAULT_META, ChunkMeta
 from kvtier.core.threads import IOPool
 from kvtier.core.tier import (
     DECLINED,
+    HELD,
     IO_ERROR,
     MISSING,
     OK,
@@ -103,7 +104,7 @@ T = TypeVar("T")
 MIN_BACKOFF_S = 0.25  # first retry of an endpoint that failed
 THROTTLE_BACKOFF_S = 0.05  # first wait after a 503 SlowDown (doubled each time)
 LISTING_TRIES = 3  # capacity listings run again when this process wrote during one
-HELD = TierResult()  # _upload's "the object exists already" (OK, not counted as a put)
+EXISTS = TierResult()  # _upload's "the object exists already" (HELD, not counted as a put)
 
 
 class S3Tier:
@@ -379,8 +380,8 @@ class S3Tier:
         with self._changing():
             result = self._upload(name, body, conditional)
             self._absent.forget(key)
-            if result is HELD:
-                return OK
+            if result is EXISTS:
+                return HELD
             if not result:
                 self._counters.add(dropped_writes=1)
                 return result
@@ -393,11 +394,11 @@ class S3Tier:
         return OK
 
     def _held(self, name: str) -> TierResult | None:
-        """A HEAD of object `name`: OK when it exists, None when absent, else the failure
+        """A HEAD of object `name`: HELD when it exists, None when absent, else the failure
         (counted as a dropped write)."""
         try:
             self._run(lambda c: c.head_object(Bucket=self._config.bucket, Key=name))
-            return OK
+            return HELD
         except TierUnavailable:
             self._counters.add(dropped_writes=1)
             return UNAVAILABLE
@@ -414,7 +415,7 @@ class S3Tier:
         return is_absent(exc) or (self._absent_refused and is_refused(exc))
 
     def _upload(self, name: str, body: bytes, conditional: bool) -> TierResult:
-        """One PUT (`conditional`: only if absent; HELD when it exists), retried after
+        """One PUT (`conditional`: only if absent; EXISTS when it exists), retried after
         throttling with doubling waits while `write_timeout_s` allows; a failure leaves no
         object (S3 stores a PUT whole or not at all)."""
         args: dict[str, Any] = {"Bucket": self._config.bucket, "Key": name, "Body": body}
@@ -433,7 +434,7 @@ class S3Tier:
                 return UNAVAILABLE
             except self._errors.answered as exc:
                 if conditional and is_held(exc):
-                    return HELD
+                    return EXISTS
                 if not is_throttle(exc):
                     self._log_refusal("write", name, exc)
                     return IO_ERROR
