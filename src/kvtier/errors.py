@@ -6,9 +6,9 @@ mistakes (`ConfigError`), for chunks that fail verification (`CorruptChunk` and 
 which the tiers turn into misses), for requests kvtier does not cache, and for the operator
 tools' servers.
 
-Primitives: `KVTierError`, `ConfigError`, `TierConfigError`, `TierUnavailable`,
-`DirectoryInUse`, `LinkTimeout`, `CorruptChunk`, `CodecFailure`, `AuthFailure`, `KeyNotHeld`,
-`UncacheableRequest`, `WarmupError`, `ServerError`.
+Primitives: `KVTierError`, `ConfigError`, `TierConfigError`, `NotEnoughMemory`,
+`TierUnavailable`, `DirectoryInUse`, `LinkTimeout`, `CorruptChunk`, `CodecFailure`,
+`AuthFailure`, `KeyNotHeld`, `UncacheableRequest`, `WarmupError`, `ServerError`.
 """
 
 from kvtier.redaction import redact_text, redact_value
@@ -44,6 +44,18 @@ class FieldError(ConfigError):
     """A ConfigError a model's own check raises (a check across fields, or of a value before
     the fields' own), naming one of that model's fields: `kvtier.config.parse_model` names it
     by the model's place in the config (a pydantic ValueError there names the whole model)."""
+
+
+class NotEnoughMemory(ConfigError):
+    """A benchmark's size option asks for more memory than the machine has available now:
+    refused before anything is allocated (kvtier.tools.bench.headroom), where the run ended
+    in an allocation error's traceback or the OOM killer. `field` is the option."""
+
+    def __init__(self, field: str, value: object, needed_bytes: int, available_bytes: int,
+                 allowed: str) -> None:
+        self.needed_bytes = needed_bytes
+        self.available_bytes = available_bytes
+        super().__init__(field, value, allowed)
 
 
 # -- tiers and chunks ------------------------------------------------------------------------

@@ -503,3 +503,31 @@ def test_non_utf8_model_config_for_plan(tmp_path):
 def test_simulate_workloads_that_cannot_fit_end_with_an_error(options, expected):
     outcome = run_cli(["simulate", "--requests=5", *options])
     assert outcome.code == expected and outcome.crash is None, outcome
+
+
+# --- sizes no machine has: refused before any work (kvtier.tools.bench.headroom) ---
+
+# Every bench that allocates by a size the command line gives, with a size in its option's
+# range that no machine holds. These ended in torch's allocation error or numpy's
+# MemoryError (a size just over the RAM free: the OOM killer) once their work started.
+BEYOND_MEMORY = [
+    (["bench", "copy", "--blocks=100000000"], "--blocks"),
+    (["bench", "copy", "--device=cpu", "--layers=100000"], "--layers"),
+    (["bench", "storage", "--sizes=100000"], "--sizes"),
+    (["bench", "storage", "--quick", "--trial-bytes=1000TiB"], "--trial-bytes"),
+    (["bench", "mover", "--chunks=100000000"], "--chunks"),
+    (["bench", "mover", "--tokens-per-chunk=1000000000"], "--tokens-per-chunk"),
+    (["bench", "node", "--chunk-kib=100000000"], "--chunk-kib"),
+    (["bench", "disk-load", "--chunks=4,100000000"], "--chunks"),
+]
+
+
+@pytest.mark.parametrize("argv, option", BEYOND_MEMORY, ids=lambda v: " ".join(v)
+                         if isinstance(v, list) else v)
+def test_a_size_beyond_the_machine_is_refused_before_work(argv, option):
+    with nothing_starts():
+        outcome = run_cli(argv)
+    line = error_line(outcome.stderr)
+    assert outcome.code == 2 and outcome.crash is None and line is not None, outcome
+    assert option in line and "the run needs" in line and "available (MemAvailable)" in line, \
+        line

@@ -53,6 +53,8 @@ from kvtier.integrations.vllm.worker.mover import ChunkMover
 from kvtier.integrations.vllm.worker.paged import PagedKV
 from kvtier.testing.vllmviews import LAYOUTS, VllmCacheSpec, vllm_kv_caches
 from kvtier.tiers.storeconfig import StoreConfig
+from kvtier.tools.bench.headroom import MemoryNeed, require_memory
+from kvtier.units import format_size
 
 TARGET_RATIO = 0.8  # issue 3, "GPU": kvtier's copy path >= 0.8x a raw pinned copy
 RUNNER_CHUNKS = 16  # a step's stores in the runner check: 16 chunks (a 4k-token prefill)
@@ -89,7 +91,8 @@ class CopyBenchConfig:
     threads: int | None = None  # torch CPU threads (None: torch's default)
 
     def validate(self) -> None:
-        """Raises ConfigError naming the first bad field."""
+        """Raises ConfigError naming the first bad field; NotEnoughMemory where the run's
+        buffers (`memory_need`) do not fit in the memory available."""
         for name in ("layers", "kv_heads", "head_size", "block_size", "tokens_per_chunk",
                      "blocks", "trials"):
             if getattr(self, name) < 1:
@@ -117,6 +120,22 @@ class CopyBenchConfig:
             if self.blocks % (tokens // self.block_size):
                 raise ConfigError("blocks", self.blocks, "a whole number of chunks "
                                   f"({tokens // self.block_size} blocks each)")
+        require_memory(self.memory_need())
+
+    def memory_need(self) -> MemoryNeed:
+        """What a run allocates: the paged KV (2 x blocks + 1: stored from and loaded into),
+        the raw copies' two buffers, the memory tier's slots and the loads' spares (the
+        largest chunk's). On CUDA the KV and one raw buffer are the device's; the rest is
+        pinned host RAM."""
+        block_bytes = self.block_size * self.bytes_per_token
+        moved = self.blocks * block_bytes
+        kv = (2 * self.blocks + 1) * block_bytes
+        host = moved + moved + LOAD_BATCH * max(self.chunk_tokens()) * self.bytes_per_token
+        what = (f"{self.blocks} blocks of {format_size(block_bytes)}: --layers x --kv-heads "
+                "x --head-size x --block-size")
+        if self.resolved_device() == "cuda":
+            return MemoryNeed("--blocks", self.blocks, host, kv + moved, what)
+        return MemoryNeed("--blocks", self.blocks, host + kv + moved, 0, what)
 
     def resolved_device(self) -> str:
         if self.device == "auto":

@@ -40,7 +40,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvtier.errors import ConfigError
+from kvtier.tools.bench.headroom import MemoryNeed, require_memory
 from kvtier.tools.bench.subjects import aligned_buffer, direct_read_s, direct_write_s
+from kvtier.units import format_size
 
 if TYPE_CHECKING:
     from kvtier.core.store import TieredStore
@@ -65,6 +67,8 @@ class DiskLoadConfig:
     directory: Path | None = None  # where the disk tier and the raw files go (a temp dir)
 
     def validate(self) -> None:
+        """Raises ConfigError naming the first bad field; NotEnoughMemory where the run's
+        buffers (`memory_need`) do not fit in the memory available."""
         for name in ("layers", "kv_heads", "head_size", "block_size", "tokens_per_chunk",
                      "trials"):
             if getattr(self, name) < 1:
@@ -74,6 +78,15 @@ class DiskLoadConfig:
         if self.tokens_per_chunk % self.block_size:
             raise ConfigError("tokens_per_chunk", self.tokens_per_chunk,
                               f"a multiple of the block size {self.block_size}")
+        require_memory(self.memory_need())
+
+    def memory_need(self) -> MemoryNeed:
+        """The paged KV of the largest point (its chunks stored from, as many loaded into),
+        the memory tier's two slots and the loads' 8 spares (bf16)."""
+        chunk = self.tokens_per_chunk * self.layers * 2 * self.kv_heads * self.head_size * 2
+        most = max(self.chunks)
+        return MemoryNeed("--chunks", most, (2 * most + 11) * chunk, 0,
+                          f"{most} chunks of {format_size(chunk)}, 2 copies")
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,6 +36,8 @@ from pathlib import Path
 import torch
 
 from kvtier.errors import ConfigError
+from kvtier.tools.bench.headroom import MemoryNeed, require_memory
+from kvtier.units import format_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +53,8 @@ class MoverBenchConfig:
     trials: int = 5
 
     def validate(self) -> None:
+        """Raises ConfigError naming the first bad field; NotEnoughMemory where the run's
+        buffers (`memory_need`) do not fit in the memory available."""
         for name in ("chunks", "layers", "kv_heads", "head_size", "block_size",
                      "tokens_per_chunk", "trials"):
             if getattr(self, name) < 1:
@@ -58,6 +62,15 @@ class MoverBenchConfig:
         if self.tokens_per_chunk % self.block_size:
             raise ConfigError("tokens_per_chunk", self.tokens_per_chunk,
                               f"a multiple of the block size {self.block_size}")
+        require_memory(self.memory_need())
+
+    def memory_need(self) -> MemoryNeed:
+        """The paged KV (the chunks stored from, the chunks loaded into), the memory tier's
+        slots and the loads' 8 spares (bf16)."""
+        chunk = self.tokens_per_chunk * self.layers * 2 * self.kv_heads * self.head_size * 2
+        return MemoryNeed("--chunks", self.chunks, (3 * self.chunks + 10) * chunk, 0,
+                          f"{self.chunks} chunks of {format_size(chunk)}: --layers x "
+                          "--tokens-per-chunk, 3 copies")
 
 
 @dataclass(frozen=True, slots=True)

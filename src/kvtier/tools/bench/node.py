@@ -47,6 +47,8 @@ from kvtier.node.protocol import Found, Lookup
 from kvtier.tiers import open_store
 from kvtier.tiers.manifest import NamespaceInfo
 from kvtier.tiers.storeconfig import StoreConfig
+from kvtier.tools.bench.headroom import MemoryNeed, require_memory
+from kvtier.units import format_size
 
 PATHS = ("raw", "in-process", "node")
 OPERATIONS = ("store", "load", "load, borrowed")
@@ -60,9 +62,20 @@ class NodeBenchConfig:
     round_trips: int = 500  # Lookups timed for the round trip
 
     def validate(self) -> None:
+        """Raises ConfigError naming the first bad field; NotEnoughMemory where the run's
+        buffers (`memory_need`) do not fit in the memory available."""
         for name in ("chunks", "chunk_kib", "trials", "round_trips"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, getattr(self, name), "a positive integer")
+        require_memory(self.memory_need())
+
+    def memory_need(self) -> MemoryNeed:
+        """A batch three times over: the engine's chunks, the in-process memory tier and the
+        node's (in shared memory, RAM too), each tier with its 16 MiB of slack."""
+        batch = self.chunks * self.layout().bytes_per_chunk
+        return MemoryNeed("--chunks", self.chunks, 3 * batch + (32 << 20), 0,
+                          f"{self.chunks} chunks of {format_size(self.chunk_kib << 10)} "
+                          "(--chunk-kib), 3 copies")
 
     def layout(self) -> KVLayout:
         """A layout whose chunk is `chunk_kib` KiB (bfloat16, 2 x 8 heads of 128 a layer)."""

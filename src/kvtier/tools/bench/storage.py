@@ -30,7 +30,9 @@ import numpy as np
 
 from kvtier.errors import ConfigError
 from kvtier.tiers.registry import tier_class
+from kvtier.tools.bench.headroom import MemoryNeed, require_memory
 from kvtier.tools.bench.subjects import LMCacheProcess, SizeBench, Subject
+from kvtier.units import format_size
 
 MIB = 1024**2
 TIERS = ("memory", "disk", "shared", "redis", "s3")
@@ -62,7 +64,8 @@ class BenchConfig:
     lmcache_python: str | None = None  # interpreter with lmcache installed, or None
 
     def validate(self) -> None:
-        """Raises ConfigError naming the first bad field."""
+        """Raises ConfigError naming the first bad field; NotEnoughMemory where a round's
+        buffers (`memory_need`) do not fit in the memory available."""
         for size in self.sizes_bytes:
             if size <= 0 or size % 4096:
                 raise ConfigError("sizes", size, "positive multiples of 4 KiB (O_DIRECT)")
@@ -78,6 +81,22 @@ class BenchConfig:
             raise ConfigError("min_chunks", self.min_chunks, "at least 1")
         if not 1 <= self.threads <= 64:
             raise ConfigError("threads", self.threads, "1 to 64")
+        require_memory(self.memory_need())
+
+    def memory_need(self) -> MemoryNeed:
+        """The largest size's round (its sizes are measured one after another): the chunks'
+        source and destination buffers, and a round's copy in each tier that holds it in
+        RAM (the memory tier; the private Redis server and S3 emulator, a tier's and a raw
+        subject's keys at once). Named by what sizes it: --trial-bytes where a round holds
+        more than `min_chunks` chunks, else the chunk size of --sizes."""
+        size = max(self.sizes_bytes, key=lambda s: self.chunks_for(s) * s)
+        round_bytes = self.chunks_for(size) * size
+        copies = 2 + ("memory" in self.tiers) + 2 * ("redis" in self.tiers) \
+            + 2 * ("s3" in self.tiers)
+        what = f"{self.chunks_for(size)} chunks of {format_size(size)}, {copies} copies"
+        if self.chunks_for(size) > self.min_chunks:
+            return MemoryNeed("--trial-bytes", self.trial_bytes, copies * round_bytes, 0, what)
+        return MemoryNeed("--sizes", f"{size / MIB:g}", copies * round_bytes, 0, what)
 
     def chunks_for(self, size_bytes: int) -> int:
         return max(self.min_chunks, self.trial_bytes // size_bytes)

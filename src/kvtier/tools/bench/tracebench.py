@@ -44,6 +44,7 @@ from typing import Any
 from kvtier.core.chunkformat import ALIGN_BYTES
 from kvtier.errors import ConfigError
 from kvtier.testing.tinymodel import PRESETS, make_preset_model, served_name
+from kvtier.tools.bench.headroom import MemoryNeed, require_memory
 from kvtier.tools.bench.serving.arrivals import machine
 from kvtier.tools.bench.serving.client import ClientConfig
 from kvtier.tools.bench.serving.promdiff import hit_rates, kvtier_counters
@@ -241,7 +242,8 @@ def run_trace_bench(config: TraceBenchConfig,
     """Cut the slice, predict each policy, run each configuration; see the module docstring.
 
     Raises:
-        ConfigError: a bad setting or trace.
+        ConfigError: a bad setting or trace; NotEnoughMemory where the servers' memory
+            tiers (--capacity) do not fit in the RAM available.
         kvtier.errors.ServerError: a server did not start (the message has its log's tail).
     """
     config.validate()
@@ -254,8 +256,11 @@ def run_trace_bench(config: TraceBenchConfig,
     # vLLM's pool less its null block, in chunks
     engine_blocks = (kv_tokens - ENGINE_BLOCK_TOKENS) // config.spec.block_tokens
     predictions = {name: _predict(trace, name, blocks, engine_blocks) for name in config.configs}
-    model = make_preset_model(PRESET, config.model_root)
     tier_bytes = memory_tier_bytes(blocks, config.spec.block_tokens)
+    tiers = sum(name != PLAIN for name in config.configs)  # their servers run side by side
+    require_memory(MemoryNeed("--capacity", config.capacity_tokens, tiers * tier_bytes, 0,
+                              f"{tiers} memory tier(s) of {blocks} chunks, a server each"))
+    model = make_preset_model(PRESET, config.model_root)
     # Each request a session of one turn: "chained" only to have the server send the answer's
     # token ids (`return_token_ids`): a byte-level token alone may decode to no text, which
     # the client would take for no token.

@@ -48,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--chunks", args.chunks, "comma-separated chunk counts") from None
     config = DiskLoadConfig(chunks=chunks, trials=given_or(args.trials, args.quick, 5, 15),
                             directory=args.dir)
+    config.validate()  # before the spinner: a size that cannot fit, in one line
     result = run_and_report("disk-load", lambda progress: run_disk_load_bench(config, progress),
                             render, lambda r: r.write_json(args.json), args.json)
     return 0 if result.verified else 1

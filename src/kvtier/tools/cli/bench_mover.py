@@ -39,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
     config = MoverBenchConfig(chunks=given_or(args.chunks, args.quick, 8, 32),
                               layers=args.layers, tokens_per_chunk=args.tokens_per_chunk,
                               trials=given_or(args.trials, args.quick, 2, 5))
+    config.validate()  # before the spinner: a size that cannot fit, in one line
     result = run_and_report("mover", lambda progress: run_mover_bench(config, progress),
                             render, lambda r: r.write_json(args.json), args.json)
     return 0 if result.verified else 1

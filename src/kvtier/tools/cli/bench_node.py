@@ -39,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
     config = NodeBenchConfig(chunks=given_or(args.chunks, args.quick, 16, 64),
                              chunk_kib=args.chunk_kib,
                              trials=given_or(args.trials, args.quick, 2, 5))
+    config.validate()  # before the spinner: a size that cannot fit, in one line
     result = run_and_report("node", lambda progress: run_node_bench(config, progress),
                             render, lambda r: r.write_json(args.json), args.json)
     return 0 if result.verified else 1
