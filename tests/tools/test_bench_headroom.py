@@ -98,7 +98,7 @@ def test_the_cli_refuses_before_the_spinner_in_one_line(
     ram[0] = 8 * MIB
     assert main(["bench", "mover", "--quick", "--chunks", "64"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("kvtier: invalid config --chunks=64: the run needs 404.0 MiB of "
+    assert err.startswith("kvtier: invalid config --chunks=64: the run needs 660.0 MiB of "
                           "host RAM (64 chunks of 2.0 MiB"), err
     assert err.endswith("8.0 MiB is available (MemAvailable)") and "\n" not in err
 

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.worker.streams import STAGING_BYTES
 from kvtier.tools.bench.headroom import MemoryNeed, require_memory
 from kvtier.units import format_size
 
@@ -66,9 +67,11 @@ class MoverBenchConfig:
 
     def memory_need(self) -> MemoryNeed:
         """The paged KV (the chunks stored from, the chunks loaded into), the memory tier's
-        slots and the loads' 8 spares (bf16)."""
+        slots, the loads' 8 spares (bf16), and the two stand-in device movers' staging
+        (STAGING_BYTES a direction, at least two chunks)."""
         chunk = self.tokens_per_chunk * self.layers * 2 * self.kv_heads * self.head_size * 2
-        return MemoryNeed("--chunks", self.chunks, (3 * self.chunks + 10) * chunk, 0,
+        staging = 2 * 2 * max(STAGING_BYTES, 2 * chunk)
+        return MemoryNeed("--chunks", self.chunks, (3 * self.chunks + 10) * chunk + staging, 0,
                           f"{self.chunks} chunks of {format_size(chunk)}: --layers x "
                           "--tokens-per-chunk, 3 copies")
 
