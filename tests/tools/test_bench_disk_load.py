@@ -32,7 +32,8 @@ def test_loads_come_back_byte_for_byte_and_are_split_into_reads_and_copy(
 def test_the_command_prints_a_table_and_writes_json(tmp_path: Path,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "disk-load.json"
-    scratch = tmp_path / "not" / "yet"  # made by the command
+    scratch = tmp_path / "scratch"  # an existing directory (`work_dir`), a temp dir made in it
+    scratch.mkdir()
     assert main(["bench", "disk-load", "--quick", "--chunks", "2", "--dir", str(scratch),
                  "--json", str(out)]) == 0
     assert scratch.is_dir() and list(scratch.iterdir()) == []

@@ -531,3 +531,13 @@ def test_a_size_beyond_the_machine_is_refused_before_work(argv, option):
     assert outcome.code == 2 and outcome.crash is None and line is not None, outcome
     assert option in line and "the run needs" in line and "available (MemAvailable)" in line, \
         line
+
+
+@pytest.mark.parametrize("directory", ["/proc", A_FILE, MISSING])
+def test_bench_disk_load_refuses_a_directory_it_cannot_use_before_work(directory):
+    """`--dir` was a bare Path: /proc or a file ended in a traceback from mkdtemp/mkdir once
+    the run had begun; it is a `work_dir`, as every other bench's --dir."""
+    with nothing_starts():
+        outcome = run_cli(["bench", "disk-load", "--quick", f"--dir={directory}"])
+    line = error_line(outcome.stderr)
+    assert outcome.code == 2 and line is not None and "--dir" in line, outcome

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
-from kvtier.tools.cli.argtypes import output_file, positive_int
+from kvtier.tools.cli.argtypes import output_file, positive_int, work_dir
 from kvtier.tools.cli.bench import given_or, run_and_report
 
 if TYPE_CHECKING:
@@ -28,8 +28,10 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                         help="chunks a load, comma-separated (4,16: 1k and 4k tokens of "
                              "`bench ttft`'s model, 2 MiB a chunk)")
     parser.add_argument("--trials", type=positive_int, help="timed loads (15)")
-    parser.add_argument("--dir", type=Path, default=None,
-                        help="where the disk tier and the raw files go (default: a temp dir)")
+    # work_dir: probed now; `--dir /proc` (or a file) was a traceback once the run began.
+    parser.add_argument("--dir", type=work_dir, default=None,
+                        help="a directory where a temp dir is made for the disk tier and the "
+                             "raw files (default: the system's temp dir)")
     parser.add_argument("--quick", action="store_true", help="5 trials (unless given)")
     parser.add_argument("--json", type=output_file,
                         default=Path("results/bench-disk-load.json"),
