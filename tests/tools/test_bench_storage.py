@@ -107,3 +107,19 @@ def test_each_ceiling_a_tier_is_held_to_is_in_the_ceilings_table(tmp_path: Path)
     for v in result.verdicts:
         assert f"{v.ceiling_gbps:.2f}" in text, (v.op, v.ceiling_gbps)
     assert "copy (puts)" in text and "copy (gets)" in text
+
+
+def test_the_help_says_what_the_default_and_quick_runs_move() -> None:
+    """--trial-bytes' help said "quick 64MiB" of a --quick that moves 32 MiB a round."""
+    from kvtier.tools.cli.bench_storage import config_from
+    from kvtier.tools.cli.main import build_parser
+
+    parser = build_parser()
+    storage = parser._subparsers._group_actions[0].choices["bench"]  # type: ignore[union-attr]
+    storage = storage._subparsers._group_actions[0].choices["storage"]
+    helps = {a.dest: a.help for a in storage._actions}
+    for argv in (["--quick"], []):
+        config = config_from(parser.parse_args(["bench", "storage", *argv]))
+        where = "quick" if argv else "default"
+        assert f"{where} {config.trial_bytes >> 20}MiB" in helps["trial_bytes"]
+        assert f"{where} {config.trials}" in helps["trials"]
