@@ -128,5 +128,5 @@ def test_storage_config_from_the_command_line_checks_the_same(tmp_path: Path,
                                                              ram: list[int]) -> None:
     parsed = argparse.Namespace(quick=True, trials=None, trial_bytes=None, lmcache_python=None,
                                 dir=tmp_path, sizes="4096", tier=["memory"], threads=1)
-    with pytest.raises(NotEnoughMemory, match=r"--sizes='4096'"):
+    with pytest.raises(NotEnoughMemory, match=r"--sizes='4096 MiB'"):
         bench_storage.config_from(parsed).validate()

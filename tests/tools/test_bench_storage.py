@@ -123,3 +123,19 @@ def test_the_help_says_what_the_default_and_quick_runs_move() -> None:
         where = "quick" if argv else "default"
         assert f"{where} {config.trial_bytes >> 20}MiB" in helps["trial_bytes"]
         assert f"{where} {config.trials}" in helps["trials"]
+
+
+def test_a_small_chunk_is_shown_in_kib(tmp_path: Path) -> None:
+    """`--sizes 4KiB` read "0.00390625 MiB" in both tables."""
+    from rich.console import Console
+
+    from kvtier.tools.bench.storage import BenchConfig, run_bench
+    from kvtier.tools.cli.bench_storage import ceiling_table, verdict_table
+
+    result = run_bench(BenchConfig(directory=tmp_path, sizes_bytes=(4096, 512 << 10),
+                                   tiers=("memory",), trials=1, trial_bytes=64 << 10))
+    console = Console(record=True, width=200, file=io.StringIO())
+    console.print(ceiling_table(result), verdict_table(result))
+    text = console.export_text()
+    assert "0.0039" not in text
+    assert text.count(" 4 KiB ") == 3 and text.count(" 0.5 MiB ") == 3, text

@@ -8,7 +8,8 @@ median of its trials; a tier's ratio to its ceiling is the median of the per-rou
 load from other processes on a small shared machine hits tiers and ceilings alike.
 Throughput is payload bytes over wall time, in GB/s (1e9 B/s).
 
-Primitives: `BenchConfig`, `Measurement`, `Verdict`, `BenchResult`, `run_bench`, `TARGETS`.
+Primitives: `BenchConfig`, `Measurement`, `Verdict`, `BenchResult`, `run_bench`, `TARGETS`,
+`size_label`.
 """
 
 from __future__ import annotations
@@ -70,8 +71,8 @@ class BenchConfig:
             if size <= 0 or size % 4096:
                 raise ConfigError("sizes", size, "positive multiples of 4 KiB (O_DIRECT)")
         if len(set(self.sizes_bytes)) < len(self.sizes_bytes):  # results are keyed by size
-            raise ConfigError("sizes", ",".join(f"{s / MIB:g}" for s in self.sizes_bytes),
-                              "each size once (MiB)")
+            raise ConfigError("sizes", ",".join(size_label(s) for s in self.sizes_bytes),
+                              "each size once")
         for tier in self.tiers:
             if tier not in TIERS:
                 raise ConfigError("tier", tier, f"one of {TIERS}")
@@ -96,7 +97,7 @@ class BenchConfig:
         what = f"{self.chunks_for(size)} chunks of {format_size(size)}, {copies} copies"
         if self.chunks_for(size) > self.min_chunks:
             return MemoryNeed("--trial-bytes", self.trial_bytes, copies * round_bytes, 0, what)
-        return MemoryNeed("--sizes", f"{size / MIB:g}", copies * round_bytes, 0, what)
+        return MemoryNeed("--sizes", size_label(size), copies * round_bytes, 0, what)
 
     def chunks_for(self, size_bytes: int) -> int:
         return max(self.min_chunks, self.trial_bytes // size_bytes)
@@ -177,6 +178,14 @@ class BenchResult:
         path.write_text(json.dumps(self.as_json(command), indent=2) + "\n")
 
 
+def size_label(size_bytes: int) -> str:
+    """A chunk size for a table: "0.5 MiB", "32 MiB"; under 256 KiB in KiB ("4 KiB", where
+    MiB read "0.00390625 MiB")."""
+    if size_bytes < MIB // 4:
+        return f"{size_bytes / 1024:g} KiB"
+    return f"{size_bytes / MIB:g} MiB"
+
+
 def rounds_total(config: BenchConfig) -> int:
     """How many rounds `run_bench` reports to `on_round` (warm-ups included)."""
     return len(config.sizes_bytes) * (config.trials + 1)
@@ -247,7 +256,7 @@ def run_bench(config: BenchConfig, on_round: Callable[[str], None] = lambda _: N
                 settle = bench.copy()  # untimed, before the RAM group (see _run_round)
                 for trial in range(config.trials + 1):  # round 0 is the untimed warm-up
                     _run_round(groups, trial, size, samples if trial else None, settle)
-                    on_round(f"{size / MIB:g} MiB, round {trial}/{config.trials}")
+                    on_round(f"{size_label(size)}, round {trial}/{config.trials}")
             measurements += [Measurement(subject, op, size, chunks, tuple(seconds))
                              for (subject, op, at), seconds in samples.items() if at == size]
     machine["loadavg_after"] = list(os.getloadavg())

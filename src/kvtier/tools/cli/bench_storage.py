@@ -28,6 +28,7 @@ from kvtier.tools.bench.storage import (
     BenchResult,
     rounds_total,
     run_bench,
+    size_label,
 )
 from kvtier.tools.cli.argtypes import non_negative_int, output_file, positive_int, work_dir
 from kvtier.units import parse_size
@@ -163,7 +164,7 @@ def ceiling_table(result: BenchResult) -> Table:
         table.add_column(title, justify="right")
     by_key = {(m.subject, m.op, m.size_bytes): m for m in result.measurements}
     for size in result.config.sizes_bytes:
-        table.add_row(f"{size / MIB:g} MiB", *(f"{by_key[(subject, op, size)].gbps:.2f}"
+        table.add_row(size_label(size), *(f"{by_key[(subject, op, size)].gbps:.2f}"
                                               for subject, op, _title in CEILINGS))
     return table
 
@@ -182,7 +183,7 @@ def verdict_table(result: BenchResult) -> Table:
         target = f">={v.target:g}x" if v.target is not None else "-"
         ceiling = f"{CEILING_NAMES[(v.ceiling, v.op)].removeprefix('O_DIRECT ')} " \
             f"{v.ceiling_gbps:.2f}"
-        table.add_row(v.tier, v.op, f"{v.size_bytes / MIB:g} MiB", f"{v.gbps:.2f}", ceiling,
+        table.add_row(v.tier, v.op, size_label(v.size_bytes), f"{v.gbps:.2f}", ceiling,
                       f"{v.ratio:.2f}x", target, mark)
     return table
 
