@@ -55,3 +55,34 @@ def test_kv_dir_measures_the_chunk_files_of_a_tier(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="kv_dir"):
         read_chunk_files(tmp_path / "empty", 4)
+
+
+def test_encryption_ratios_are_paired_over_enough_rounds_even_under_quick(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--quick` timed the encryption settings once (--trials 1), each setting's ops in a
+    fixed order, and the table divided the medians: sealed / in clear swung 0.89-2.47x from
+    run to run on a loaded 2-core VM. Now at least MIN_SEALING_ROUNDS rounds after an
+    untimed one, and a ratio is the median of each round's pair."""
+    from kvtier.tools.bench.codecs import MIN_SEALING_ROUNDS
+
+    out = tmp_path / "codecs.json"
+    assert main(["bench", "codecs", "--synthetic", "--quick", "--max-chunks", "2",
+                 "--dir", str(tmp_path), "--json", str(out)]) == 0
+    assert f"medians of {MIN_SEALING_ROUNDS} rounds" in " ".join(capsys.readouterr().out.split())
+    sealing = {s["setting"]: s for s in json.loads(out.read_text())["sealing"]}
+    for codec in ("none", "zstd"):
+        clear, sealed = sealing[f"{codec}, in clear"], sealing[f"{codec}, sealed"]
+        assert clear["tier_put_ratio"] == clear["tier_get_ratio"] == 1.0
+        assert sealed["tier_put_ratio"] > 0 and sealed["tier_get_ratio"] > 0
+
+
+def test_neither_setting_of_a_pair_always_goes_first() -> None:
+    from kvtier.tools.bench.codecs import SETTINGS, _time_round
+
+    def first_of_each_round(trial: int) -> list[tuple[str, bool]]:
+        calls: list[tuple[str, bool]] = []
+        _time_round({s: (lambda i, s=s: calls.append(s)) for s in SETTINGS}, 2, trial)
+        return calls
+
+    assert first_of_each_round(0) == [s for s in SETTINGS for _ in range(2)]
+    assert first_of_each_round(1) == [s for s in reversed(SETTINGS) for _ in range(2)]

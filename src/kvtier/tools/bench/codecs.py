@@ -30,7 +30,6 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -68,13 +67,18 @@ class CodecFigures:
 
 @dataclass(frozen=True, slots=True)
 class SealFigures:
-    """One setting's encode/decode (ChunkEncoder) and disk tier put/get GB/s."""
+    """One setting's encode/decode (ChunkEncoder) and disk tier put/get GB/s, and its tier's
+    put/get against the same codec's in clear, paired round by round."""
 
     setting: str  # e.g. "zstd, sealed"
     encode_gbps: float
     decode_gbps: float
     tier_put_gbps: float
     tier_get_gbps: float
+    # median over rounds of (in clear's seconds / this setting's) in the same round: 1.0 in
+    # clear; the figure ENCRYPTION_TARGET applies to
+    tier_put_ratio: float = 1.0
+    tier_get_ratio: float = 1.0
 
 
 @dataclass(slots=True)
@@ -149,13 +153,24 @@ def measure_codecs(chunks: Sequence[bytes], dtype: str, trials: int,
 
 
 SETTINGS = (("none", False), ("none", True), ("zstd", False), ("zstd", True))
+# Rounds of the encryption figures at least, whatever --trials says (--quick: 1): one takes
+# 0.3-0.6 s for 6 chunks of 2 MiB on a loaded 2-core VM, where one round's sealed / in clear
+# ratio swung 0.4-3.0x (the medians of 15 rounds' pairs: within +-12% over 4 runs).
+MIN_SEALING_ROUNDS = 15
+OPS = ("encode", "decode", "put", "get")
+Step = Callable[[int], object]  # one op on chunk i
 
 
 def measure_sealing(chunks: Sequence[bytes], dtype: str, trials: int, work_dir: Path,
                     progress: Callable[[str], None]) -> list[SealFigures]:
-    """ChunkEncoder and a disk tier, in clear and sealed, codec none and zstd. The settings
-    take turns within each trial (encode, decode, put, get each), so that the machine's
-    drift (other processes) falls on all of them alike; figures are medians over trials."""
+    """ChunkEncoder and a disk tier, in clear and sealed, codec none and zstd.
+
+    Each op runs for every setting back to back (`_time_round`), so that the machine's drift
+    (other processes, the disk's speed) falls on a sealed setting and its in-clear twin
+    alike, in at least MIN_SEALING_ROUNDS rounds after an untimed one (first touches, a fresh
+    directory). GB/s are medians over rounds; a sealed / in clear ratio is the median of each
+    round's pair (`SealFigures.tier_put_ratio`). Chunk by chunk turns, or each chunk's best
+    round, were no steadier on the loaded 2-core VM."""
     from kvtier.tiers import build_tier
     from kvtier.tiers.storeconfig import StoreConfig
 
@@ -163,76 +178,91 @@ def measure_sealing(chunks: Sequence[bytes], dtype: str, trials: int, work_dir: 
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_size=chunk_bytes // DTYPE_BYTES[dtype],
                       dtype=dtype, tokens_per_chunk=1, kv_factor=1)  # one chunk's bytes
     keys = [ChunkKey(i.to_bytes(16, "big")) for i in range(1, len(chunks) + 1)]
-    payload = chunk_bytes * len(chunks)
     views = [memoryview(c) for c in chunks]
     out = memoryview(bytearray(chunk_bytes))
+    rounds = max(trials, MIN_SEALING_ROUNDS)
     seconds: dict[tuple[str, bool], dict[str, list[float]]] = {
-        s: {"encode": [], "decode": [], "put": [], "get": []} for s in SETTINGS}
-
-    def timed(setting: tuple[str, bool], what: str, run: Callable[[], None]) -> None:
-        start = time.perf_counter()
-        run()
-        seconds[setting][what].append(time.perf_counter() - start)
-
+        s: {op: [] for op in OPS} for s in SETTINGS}
     with tempfile.TemporaryDirectory(dir=work_dir, prefix="kvtier-bench-codecs-") as tmp:
         secret_file = Path(tmp) / "secret"
         secret_file.write_bytes(BENCH_SECRET)
         secret_file.chmod(0o600)
-        encoders, tiers = {}, {}
+        steps: dict[tuple[str, bool], dict[str, Step]] = {}
+        tiers = []
         for codec, sealed in SETTINGS:
-            encoders[codec, sealed] = ChunkEncoder(layout.digest(), dtype, chunk_bytes, codec,
-                                                   Sealer(BENCH_SECRET) if sealed else None)
+            encoder = ChunkEncoder(layout.digest(), dtype, chunk_bytes, codec,
+                                   Sealer(BENCH_SECRET) if sealed else None)
             settings: dict[str, Any] = {"kind": "disk", "path": f"{tmp}/{codec}-{sealed}",
-                                        "capacity": 4 * payload + (64 << 20), "codec": codec}
+                                        "capacity": 4 * chunk_bytes * len(chunks) + (64 << 20),
+                                        "codec": codec}
             if sealed:
                 settings["encryption_secret_file"] = str(secret_file)
-            tiers[codec, sealed] = build_tier(StoreConfig.parse({"tiers": [settings]}).tiers[0],
-                                              layout)
-        for trial in range(trials):
-            progress(f"encryption: trial {trial + 1} of {trials}")
-            for setting in SETTINGS:
-                encoder, tier = encoders[setting], tiers[setting]
-                # (a sealed body lives in the encoding thread's buffer until its next encode)
-                encoded = [(item.header, bytes(item.body)) for item in
-                           (encoder.encode(k, v, BENCH_META.tenant)
-                            for k, v in zip(keys, views))]
-                timed(setting, "encode", partial(_encode_all, encoder, keys, views))
-                timed(setting, "decode", partial(_decode_all, encoder, keys, encoded,
-                                                 layout.digest(), out))
+            tiers.append(build_tier(StoreConfig.parse({"tiers": [settings]}).tiers[0], layout))
+            steps[codec, sealed] = _steps(encoder, tiers[-1], keys, views, layout.digest(), out)
+        for trial in range(rounds + 1):  # round 0: untimed
+            progress(f"encryption: round {trial} of {rounds}")
+            for tier in tiers:  # each round puts the chunks anew
                 for k in keys:
                     tier.delete(k)
-                timed(setting, "put", partial(_put_all, tier, keys, views))
-                timed(setting, "get", partial(_get_all, tier, keys, out))
-        for tier in tiers.values():
+            for op in OPS:
+                spent = _time_round({s: steps[s][op] for s in SETTINGS}, len(keys), trial)
+                for setting, s in spent.items():
+                    if trial:
+                        seconds[setting][op].append(s)
+        for tier in tiers:
             tier.close()
-    return [SealFigures(f"{codec}, {'sealed' if sealed else 'in clear'}",
-                        *(payload / statistics.median(seconds[codec, sealed][what]) / GB
-                          for what in ("encode", "decode", "put", "get")))
+    return [_seal_figures(codec, sealed, chunk_bytes * len(chunks), seconds)
             for codec, sealed in SETTINGS]
 
 
-def _encode_all(encoder: ChunkEncoder, keys: Sequence[ChunkKey],
-                views: Sequence[memoryview]) -> None:
-    for k, v in zip(keys, views):
-        encoder.encode(k, v, BENCH_META.tenant)
+def _steps(encoder: ChunkEncoder, tier: Any, keys: Sequence[ChunkKey],
+           views: Sequence[memoryview], digest: str, out: memoryview) -> dict[str, Step]:
+    """Each op on chunk i with one setting: encode, decode (of its encoding, made here),
+    the tier's put and get."""
+    # (a sealed body lives in the encoding thread's buffer until its next encode)
+    encoded = [(item.header, bytes(item.body)) for item in
+               (encoder.encode(k, v, BENCH_META.tenant) for k, v in zip(keys, views))]
 
-
-def _decode_all(encoder: ChunkEncoder, keys: Sequence[ChunkKey],
-                encoded: Sequence[tuple[bytes, bytes]], digest: str, out: memoryview) -> None:
-    for k, (header, body) in zip(keys, encoded):
-        encoder.decode(k, read_header(header, k, digest), memoryview(body), out,
+    def decode(i: int) -> None:
+        header, body = encoded[i]
+        encoder.decode(keys[i], read_header(header, keys[i], digest), memoryview(body), out,
                        BENCH_META.tenant)
 
-
-def _put_all(tier: Any, keys: Sequence[ChunkKey], views: Sequence[memoryview]) -> None:
-    for k, v in zip(keys, views):
-        tier.put(k, v, BENCH_META)
-
-
-def _get_all(tier: Any, keys: Sequence[ChunkKey], out: memoryview) -> None:
-    for k in keys:
-        if not tier.get_into(k, out, BENCH_META):
+    def get(i: int) -> None:
+        if not tier.get_into(keys[i], out, BENCH_META):
             raise RuntimeError(f"bench tier {tier.name}: a chunk did not read back")
+
+    return {"encode": lambda i: encoder.encode(keys[i], views[i], BENCH_META.tenant),
+            "decode": decode, "put": lambda i: tier.put(keys[i], views[i], BENCH_META),
+            "get": get}
+
+
+def _time_round(steps: dict[tuple[str, bool], Step], chunks: int,
+                trial: int) -> dict[tuple[str, bool], float]:
+    """Seconds each setting spent on one op over every chunk, one setting after another,
+    the order reversed every other round: neither of a pair always goes first (a warm
+    cache, the disk's speed after the other's writes)."""
+    spent = dict.fromkeys(steps, 0.0)
+    order = list(steps) if trial % 2 == 0 else list(reversed(steps))
+    for setting in order:
+        step = steps[setting]
+        start = time.perf_counter()
+        for i in range(chunks):
+            step(i)
+        spent[setting] = time.perf_counter() - start
+    return spent
+
+
+def _seal_figures(codec: str, sealed: bool, payload: int,
+                  seconds: dict[tuple[str, bool], dict[str, list[float]]]) -> SealFigures:
+    mine, clear = seconds[codec, sealed], seconds[codec, False]
+
+    def paired(op: str) -> float:
+        return statistics.median(c / m for c, m in zip(clear[op], mine[op], strict=True))
+
+    encode, decode, put, get = (payload / statistics.median(mine[op]) / GB for op in OPS)
+    return SealFigures(f"{codec}, {'sealed' if sealed else 'in clear'}", encode, decode, put,
+                       get, paired("put"), paired("get"))
 
 
 def run_codecs_bench(config: CodecsConfig, progress: Callable[[str], None]) -> CodecsResult:
