@@ -86,3 +86,14 @@ def test_neither_setting_of_a_pair_always_goes_first() -> None:
 
     assert first_of_each_round(0) == [s for s in SETTINGS for _ in range(2)]
     assert first_of_each_round(1) == [s for s in reversed(SETTINGS) for _ in range(2)]
+
+
+def test_a_dtype_is_refused_where_the_chunks_are_bf16_whatever_it_says(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--dtype says what --kv-dir's chunks hold; `--synthetic --dtype float32` measured the
+    synthetic bf16 as float32 (its byte planes, its fp8 codec) without a word."""
+    assert main(["bench", "codecs", "--synthetic", "--quick", "--dtype", "float32",
+                 "--dir", str(tmp_path), "--json", str(tmp_path / "c.json")]) == 2
+    err = capsys.readouterr().err
+    assert "dtype='float32'" in err and "bfloat16 without --kv-dir" in err, err
+    assert not (tmp_path / "c.json").exists()

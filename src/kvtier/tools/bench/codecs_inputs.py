@@ -24,7 +24,7 @@ class CodecsConfig:
 
     kv_dir: Path | None = None  # chunk files to measure; None: generate (or synthetic)
     synthetic: bool = False  # normal bf16 instead of an engine's KV
-    dtype: str = "bfloat16"  # the KV dtype of the chunks in kv_dir
+    dtype: str = "bfloat16"  # the KV dtype of the chunks in kv_dir (the others' are bf16)
     prompts: int = 8  # prompts the engine runs (generated KV and the fp8 outputs check)
     prompt_tokens: int = 640  # tokens per prompt
     max_tokens: int = 16  # tokens generated per prompt (fp8 outputs check)
@@ -42,6 +42,9 @@ class CodecsConfig:
         for name in ("prompts", "prompt_tokens", "max_tokens", "max_chunks", "trials"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, getattr(self, name), "an integer >= 1")
+        if self.kv_dir is None and self.dtype != "bfloat16":  # was measured as if it were
+            raise ConfigError("dtype", self.dtype, "bfloat16 without --kv-dir: the generated "
+                              "model's KV and --synthetic's chunks are bf16")
         if self.kv_dir is not None and not Path(self.kv_dir).is_dir():
             raise ConfigError("kv_dir", str(self.kv_dir), "a kvtier disk or shared directory")
 

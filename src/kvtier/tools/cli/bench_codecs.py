@@ -31,7 +31,9 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                              "(default: run the generated bench model through vLLM)")
     source.add_argument("--synthetic", action="store_true",
                         help="normal-distributed bf16 instead of KV (no engine; a smoke test)")
-    parser.add_argument("--dtype", default="bfloat16", help="KV dtype of --kv-dir's chunks")
+    parser.add_argument("--dtype", default="bfloat16",
+                        help="KV dtype of --kv-dir's chunks (the generated and the synthetic "
+                             "ones are bfloat16)")
     parser.add_argument("--prompts", type=positive_int,
                         help="prompts the engine runs (8)")
     parser.add_argument("--prompt-tokens", type=positive_int, default=640,
