@@ -17,6 +17,7 @@ from kvtier.errors import NotEnoughMemory
 from kvtier.tools.bench import headroom
 from kvtier.tools.bench.copy import CopyBenchConfig
 from kvtier.tools.bench.diskload import DiskLoadConfig
+from kvtier.tools.bench.fleet_fs import FleetConfig
 from kvtier.tools.bench.mover import MoverBenchConfig
 from kvtier.tools.bench.node import NodeBenchConfig
 from kvtier.tools.bench.storage import MIB, BenchConfig
@@ -41,12 +42,13 @@ def _quick_configs(tmp_path: Path) -> dict[str, object]:
                                    min_chunks=2),
             "mover": MoverBenchConfig(chunks=8, trials=2),
             "node": NodeBenchConfig(chunks=16, trials=2),
-            "disk-load": DiskLoadConfig(trials=5)}
+            "disk-load": DiskLoadConfig(trials=5),
+            "fleet": FleetConfig(chunks=(1_000, 10_000), seconds=3.0)}
 
 
 @pytest.mark.parametrize("bench, option", [
     ("copy", "--blocks"), ("storage", "--sizes"), ("mover", "--chunks"), ("node", "--chunks"),
-    ("disk-load", "--chunks")])
+    ("disk-load", "--chunks"), ("fleet", "--chunks")])
 def test_a_quick_run_fits_a_small_machine_and_is_refused_below_it(
         tmp_path: Path, ram: list[int], bench: str, option: str) -> None:
     config = _quick_configs(tmp_path)[bench]

@@ -519,6 +519,7 @@ BEYOND_MEMORY = [
     (["bench", "mover", "--tokens-per-chunk=1000000000"], "--tokens-per-chunk"),
     (["bench", "node", "--chunk-kib=100000000"], "--chunk-kib"),
     (["bench", "disk-load", "--chunks=4,100000000"], "--chunks"),
+    (["bench", "fleet", "--chunks=1000000000"], "--chunks"),
 ]
 
 

@@ -45,11 +45,15 @@ from kvtier.tiers import build_tier
 from kvtier.tiers.files.chunktree import chunk_parts
 from kvtier.tiers.storeconfig import StoreConfig
 from kvtier.tools.bench.emulators.fslatency import build_shim, shim_env
+from kvtier.tools.bench.headroom import MemoryNeed, require_memory
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_size=64, dtype="float16",
                   tokens_per_chunk=16)  # 4 KiB chunks
 FILE_BYTES = stored_size(LAYOUT.bytes_per_chunk)
 OPS = ("meta_stats", "meta_opens", "meta_unlinks", "meta_dir_reads", "meta_other")
+# A tier's index of a chunk file, at most (docs/performance.md: the disk tier's, 149 B a
+# chunk over 2 million chunks, its target <= 200): what a directory of --chunks costs in RAM.
+INDEX_BYTES_PER_CHUNK = 200
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +73,8 @@ class FleetConfig:
     skip_disk: bool = False  # no disk-tier start-up figures
 
     def validate(self) -> None:
-        """Raises ConfigError naming the first bad setting."""
+        """Raises ConfigError naming the first bad setting; NotEnoughMemory where the indexes
+        of the largest directory (`memory_need`) do not fit in the RAM available."""
         if not self.chunks or min(self.chunks) < 100:
             raise ConfigError("chunks", list(self.chunks), "sizes of at least 100 chunks")
         if not self.writers or min(self.writers) < 1:
@@ -79,11 +84,22 @@ class FleetConfig:
                 raise ConfigError(name, getattr(self, name), "a number above 0")
         if not self.op_latency_ms >= 0:
             raise ConfigError("op_latency_ms", self.op_latency_ms, "0 or more")
+        require_memory(self.memory_need())
         if self.emulate_latency:
             try:
                 build_shim()  # before any work: one line where none builds
             except ShimUnavailable as exc:
                 raise ConfigError("emulate_latency", True, str(exc)) from None
+
+
+    def memory_need(self) -> MemoryNeed:
+        """The disk tier's index of the largest directory at its start-up (none with
+        --skip-disk), INDEX_BYTES_PER_CHUNK a chunk: the part of the run measured to grow
+        with --chunks."""
+        most = max(self.chunks)
+        index = 0 if self.skip_disk else most * INDEX_BYTES_PER_CHUNK
+        return MemoryNeed("--chunks", most, index, 0,
+                          f"a disk tier's index of {most} chunks, {INDEX_BYTES_PER_CHUNK} B each")
 
 
 def fill(root: Path, chunks: int) -> float:
