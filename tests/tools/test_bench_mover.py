@@ -48,3 +48,17 @@ def test_the_command_prints_a_table_and_writes_json(tmp_path: Path, capsys) -> N
     assert main(["bench", "mover", "--quick", "--layers", "2", "--json", str(out)]) == 0
     assert "load-thread load" in capsys.readouterr().out
     assert '"ratios"' in out.read_text() and '"host_ratios"' in out.read_text()
+
+
+def test_the_ratio_columns_say_which_way_they_divide() -> None:
+    """Both were headed "ratio", which said neither what was divided nor which way."""
+    from rich.table import Table
+
+    from kvtier.tools.cli.bench_mover import render
+
+    result = run_mover_bench(MoverBenchConfig(chunks=2, layers=1, kv_heads=2, head_size=64,
+                                              trials=1))
+    tables = [t for t in render(result) if isinstance(t, Table)]
+    headers = [[str(c.header) for c in t.columns] for t in tables]
+    assert headers[0][-1] == "device / CPU"
+    assert headers[1][-1] == "batched / a chunk at a time (us)"

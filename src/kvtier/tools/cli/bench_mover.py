@@ -48,8 +48,9 @@ def run(args: argparse.Namespace) -> int:
 def render(result: MoverBenchResult) -> Iterable[Any]:
     table = Table(title=f"{result.config.chunks} chunks of {result.chunk_bytes >> 10} KiB each "
                         "way (median of trials)")
+    # The ratios' columns say which way they divide: "ratio" read as a speed-up either way.
     for column in ("operation", "CPU mover us/chunk", "device mover (stand-in) us/chunk",
-                   "ratio"):
+                   "device / CPU"):
         table.add_column(column, justify="left" if column == "operation" else "right")
     by = {(f.operation, f.mover): f.seconds_per_chunk for f in result.figures}
     for op in ("store", "inline load", "load-thread load"):
@@ -70,7 +71,7 @@ def host_table(result: MoverBenchResult) -> Table:
                         "the calling thread, calls (events, records, waits, runs, index "
                         "uploads and kernels; each chunk's DMA call not counted)")
     for column in ("operation", "a chunk at a time: us", "calls", "batched: us", "calls",
-                   "ratio (us)"):
+                   "batched / a chunk at a time (us)"):
         table.add_column(column, justify="left" if column == "operation" else "right")
     by = {(f.operation, f.mover): f for f in result.host}
     for op in ("store", "inline load", "load-thread load"):
