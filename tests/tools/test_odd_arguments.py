@@ -520,6 +520,8 @@ BEYOND_MEMORY = [
     (["bench", "node", "--chunk-kib=100000000"], "--chunk-kib"),
     (["bench", "disk-load", "--chunks=4,100000000"], "--chunks"),
     (["bench", "fleet", "--chunks=1000000000"], "--chunks"),
+    (["bench", "interference", "--memory-chunks=1000000000"], "--memory-chunks"),
+    (["bench", "pooling", "--ram=1000TiB"], "--ram"),
 ]
 
 

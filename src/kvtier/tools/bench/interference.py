@@ -79,6 +79,7 @@ import aiohttp
 from kvtier.errors import ConfigError, ServerError
 from kvtier.integrations.vllm.config import TOKENS_PER_CHUNK
 from kvtier.testing.tinymodel import PRESETS, make_preset_model
+from kvtier.tools.bench.headroom import MemoryNeed, require_memory
 from kvtier.tools.bench.prompts import KV_BYTES_PER_TOKEN
 from kvtier.tools.bench.serving import promdiff
 from kvtier.tools.bench.serving.arrivals import (
@@ -100,6 +101,7 @@ from kvtier.tools.bench.serving.stalls import Stall, StallWatch, watching
 from kvtier.tools.bench.serving.stats import Percentiles, RequestResult, percentiles
 from kvtier.tools.bench.serving.workloads import Turn, Workload
 from kvtier.tools.ops.server import free_port, running_server
+from kvtier.units import format_size
 
 if TYPE_CHECKING:
     from kvtier.tools.bench.node import BenchNode
@@ -142,7 +144,9 @@ class InterferenceConfig:
     request_timeout_s: float = 300.0  # one request's limit
 
     def validate(self) -> None:
-        """Raises ConfigError naming the first bad field."""
+        """Raises ConfigError naming the first bad field; NotEnoughMemory where the memory
+        tier of --memory-chunks does not fit in the RAM available (the engine's failed to
+        start, minutes in)."""
         for name in ("streams", "stream_prompt_tokens", "stream_tokens", "arrivals",
                      "new_tokens", "arrival_max_tokens", "memory_tier_chunks"):
             if getattr(self, name) < 1:
@@ -168,6 +172,13 @@ class InterferenceConfig:
             raise ConfigError("net_delay_ms", self.net_delay_ms, "milliseconds >= 0")
         if not (math.isfinite(self.net_bandwidth_gbps) and self.net_bandwidth_gbps > 0):
             raise ConfigError("net_bandwidth_gbps", self.net_bandwidth_gbps, "Gbit/s > 0")
+        if self.tier != "memory":  # tier memory: sized by the prefixes, which are bounded
+            chunk = TOKENS_PER_CHUNK * KV_BYTES_PER_TOKEN
+            require_memory(MemoryNeed(
+                "--memory-chunks", self.memory_tier_chunks,
+                self.memory_tier_chunks * chunk + self.engine_kv_bytes, 0,
+                f"a memory tier of {self.memory_tier_chunks} chunks of {format_size(chunk)} "
+                "beside the engine's KV cache"))
 
     @property
     def max_model_len(self) -> int:

@@ -36,6 +36,7 @@ from typing import Any
 from kvtier.errors import ConfigError
 from kvtier.testing.tinymodel import make_preset_model, served_name
 from kvtier.tools.bench.demo import DemoPlan, server_config, warm_up
+from kvtier.tools.bench.headroom import MemoryNeed, require_memory
 from kvtier.tools.bench.node import node_process
 from kvtier.tools.bench.serving.arrivals import machine
 from kvtier.tools.bench.serving.client import ClientConfig
@@ -44,6 +45,7 @@ from kvtier.tools.bench.serving.workloads import Turn, Workload
 from kvtier.tools.ops.cores import bind_apart
 from kvtier.tools.ops.server import VllmServer
 from kvtier.tools.ops.serving import build_command, connector_config
+from kvtier.units import format_size
 
 CONFIGS = ("private", "node")
 ENGINES = 2
@@ -60,11 +62,14 @@ class PoolingConfig:
     configs: tuple[str, ...] = CONFIGS
 
     def validate(self) -> None:
-        """Raises ConfigError naming the first bad field."""
+        """Raises ConfigError naming the first bad field; NotEnoughMemory where --ram does not
+        fit in the RAM available."""
         if self.plan.turns < 2:
             raise ConfigError("turns", self.plan.turns, "an integer >= 2 (returning turns)")
         if self.ram_bytes < ENGINES * (1 << 20):
             raise ConfigError("ram_bytes", self.ram_bytes, f">= {ENGINES} MiB")
+        require_memory(MemoryNeed("--ram", format_size(self.ram_bytes), self.ram_bytes, 0,
+                                  "kvtier's memory tiers, the node's or the engines'"))
         for name in self.configs:
             if name not in CONFIGS:
                 raise ConfigError("configs", name, f"some of {CONFIGS}")
