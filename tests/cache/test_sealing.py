@@ -15,6 +15,7 @@ import os
 import struct
 from pathlib import Path
 
+import numpy as np
 import pytest
 import xxhash
 from cryptography.hazmat.primitives import hashes
@@ -240,3 +241,43 @@ def test_no_key_material_in_logs_of_an_encrypting_tier(
     for secret in (SECRET.decode(), SECRET.hex(), derived_key(tenant_a).hex(),
                    "salt-of-tenant-a", "salt-of-tenant-b"):
         assert secret not in text
+
+
+def test_sealed_compressed_chunks_of_any_size_open_without_a_new_buffer_each() -> None:
+    """A zstd body's size differs chunk by chunk; the scratch buffer it is decrypted into was
+    made anew (zeroed) whenever the size changed, i.e. on nearly every sealed get: a sealed
+    zstd disk tier read at 0.57-0.68x the same tier in clear (`kvtier bench codecs`)."""
+    import tracemalloc
+
+    from kvtier.core import chunkformat
+
+    enc = encoder(codec="zstd")
+    rng = np.random.default_rng(0)
+    payloads = [bytes(PAYLOAD[:n]) + rng.bytes(len(PAYLOAD) - n)  # less and less compressible
+                for n in (len(PAYLOAD) // 2, len(PAYLOAD) // 4, len(PAYLOAD) // 8)]
+    sealed = []
+    for i, payload in enumerate(payloads):
+        item = enc.encode(key(i), memoryview(payload), "tenant-a")
+        sealed.append((item.header, bytes(item.body)))
+    assert len({len(body) for _, body in sealed}) == len(sealed)  # three sizes
+    out = bytearray(LAYOUT.bytes_per_chunk)
+
+    def open_all() -> None:
+        for i, (header, body) in enumerate(sealed):
+            enc.decode(key(i), read_header(header, key(i), LAYOUT.digest()), memoryview(body),
+                       memoryview(out), "tenant-a")
+            assert out == payloads[i]
+
+    open_all()  # the buffer grows to the largest body once
+    tracemalloc.start()
+    try:
+        for _ in range(3):
+            open_all()
+        # what chunkformat allocated meanwhile and still holds: the old scratch buffer (the
+        # codec's own temporaries come and go)
+        held = tracemalloc.take_snapshot().filter_traces(
+            [tracemalloc.Filter(True, chunkformat.__file__)])
+    finally:
+        tracemalloc.stop()
+    assert sum(stat.size for stat in held.statistics("filename")) < 1024, \
+        held.statistics("lineno")[:3]
