@@ -7,6 +7,9 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
+from kvtier.errors import ConfigError
 from kvtier.tiers.shmslab import SHM_DIR
 from kvtier.tools.bench.node import OPERATIONS, PATHS, NodeBenchConfig, run_node_bench
 from kvtier.tools.cli.main import main
@@ -32,3 +35,13 @@ def test_the_command_writes_its_figures(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     assert data["verified"] is True
     assert set(data["ratios"]) == set(OPERATIONS)
+
+
+def test_a_chunk_is_the_size_asked() -> None:
+    """`--chunk-kib 32` (or anything but a multiple of 64) measured 64 KiB chunks: the layout
+    was whole layers of 64 KiB; now any multiple of 4 KiB is exact."""
+    for kib in (4, 32, 100, 2048):
+        assert NodeBenchConfig(chunk_kib=kib).layout().bytes_per_chunk == kib * 1024, kib
+    assert NodeBenchConfig().layout().num_layers == 32  # the default's shape as before
+    with pytest.raises(ConfigError, match="chunk_kib"):
+        NodeBenchConfig(chunk_kib=6).validate()

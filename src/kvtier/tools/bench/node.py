@@ -67,6 +67,9 @@ class NodeBenchConfig:
         for name in ("chunks", "chunk_kib", "trials", "round_trips"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, getattr(self, name), "a positive integer")
+        if self.chunk_kib % 4:
+            raise ConfigError("chunk_kib", self.chunk_kib, "a multiple of 4 (KiB: a token of "
+                              "one layer of the bench's layout)")
         require_memory(self.memory_need())
 
     def memory_need(self) -> MemoryNeed:
@@ -78,11 +81,18 @@ class NodeBenchConfig:
                           "(--chunk-kib), 3 copies")
 
     def layout(self) -> KVLayout:
-        """A layout whose chunk is `chunk_kib` KiB (bfloat16, 2 x 8 heads of 128 a layer)."""
+        """A layout whose chunk is `chunk_kib` KiB (bfloat16, 2 x 8 heads of 128: 4 KiB a
+        token and layer): 16 tokens of chunk_kib / 64 layers, else (a size that is no
+        multiple of 64 KiB, which was rounded to one: `--chunk-kib 32` measured 64 KiB
+        chunks) chunk_kib / 4 tokens of one layer."""
         per_layer = 2 * 8 * 128 * 2 * 16  # bytes of 16 tokens of one layer
-        layers = max(1, self.chunk_kib * 1024 // per_layer)
+        layers, tokens = divmod(self.chunk_kib * 1024, per_layer)
+        if tokens:
+            layers, tokens = 1, self.chunk_kib // 4
+        else:
+            tokens = 16
         return KVLayout(num_layers=layers, num_kv_heads=8, head_size=128, dtype="bfloat16",
-                        tokens_per_chunk=16)
+                        tokens_per_chunk=tokens)
 
 
 @dataclass(frozen=True, slots=True)

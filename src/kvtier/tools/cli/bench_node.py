@@ -25,7 +25,7 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     parser.add_argument("--chunks", type=positive_int,
                         help="chunks a batch: a step's stores, a request's hit (64)")
     parser.add_argument("--chunk-kib", type=positive_int, default=2048,
-                        help="KiB a chunk (2048)")
+                        help="KiB a chunk, a multiple of 4 (2048)")
     parser.add_argument("--trials", type=positive_int, help="timed trials (5)")
     parser.add_argument("--quick", action="store_true", help="16 chunks, 2 trials (unless given)")
     parser.add_argument("--json", type=output_file, default=Path("results/bench-node.json"),
