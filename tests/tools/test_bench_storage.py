@@ -139,3 +139,17 @@ def test_a_small_chunk_is_shown_in_kib(tmp_path: Path) -> None:
     text = console.export_text()
     assert "0.0039" not in text
     assert text.count(" 4 KiB ") == 3 and text.count(" 0.5 MiB ") == 3, text
+
+
+
+def test_a_run_that_judges_no_target_does_not_say_all_are_met(tmp_path: Path) -> None:
+    """Chunks under 2 MiB (or tiers without a target) judge nothing: the summary read "all
+    targets met"."""
+    from kvtier.tools.bench.storage import BenchConfig, run_bench
+    from kvtier.tools.cli.bench_storage import summary
+
+    result = run_bench(BenchConfig(directory=tmp_path, sizes_bytes=(4096,), tiers=("memory",),
+                                   trials=1, trial_bytes=64 << 10))
+    assert all(v.passed is None for v in result.verdicts)
+    line = summary(result)
+    assert "no target judged" in line and "all targets met" not in line, line

@@ -193,6 +193,8 @@ def summary(result: BenchResult) -> str:
     before, after = result.machine["loadavg_before"][0], result.machine["loadavg_after"][0]
     fs = result.machine["filesystem"]
     verdict = f"[red]{len(failed)} below target[/]" if failed else "[green]all targets met[/]"
+    if all(v.passed is None for v in result.verdicts):  # "all targets met" of none judged
+        verdict = "[yellow]no target judged[/]"
     return (f"{verdict} (targets apply to chunks >= {TARGET_MIN_BYTES / MIB:g} MiB); "
             f"{result.wall_s:.0f} s; {result.config.threads} I/O thread(s); load average "
             f"{before:.2f} -> {after:.2f} on {result.machine['cpus']} CPUs; files on "
