@@ -109,12 +109,16 @@ def test_engine_settings_are_part_of_it_and_none_keeps_the_old_digest(tmp_path: 
 
 def test_other_families_activations_and_routing_are_part_of_it(tmp_path: Path) -> None:
     """Keys of other model families that change the KV with the same weights (GPT-2's
-    activation_function, Gemma's hidden_activation, DeepSeek's routing), edited at one path."""
+    activation_function, Gemma's hidden_activation, DeepSeek's routing, GPT-J's rotary_dim),
+    edited at one path."""
     model = make_model(tmp_path / "tiny")
     for key, before, after in [("activation_function", "gelu_new", "relu"),
                                ("hidden_activation", "gelu_pytorch_tanh", "gelu"),
                                ("routed_scaling_factor", 2.5, 1.0),
-                               ("norm_topk_prob", True, False)]:
+                               ("norm_topk_prob", True, False),
+                               ("rotary_dim", 64, 32),  # GPT-J's partial RoPE
+                               ("rope_local_base_freq", 10000.0, 1e6),  # sliding layers' RoPE
+                               ("key_multiplier", 1.0, 0.5)]:  # Falcon-H1's K scale
         assert (model_fingerprint(model, CONFIG | {key: before}).digest
                 != model_fingerprint(model, CONFIG | {key: after}).digest), key
     assert model_fingerprint(model, CONFIG).digest == model_fingerprint(

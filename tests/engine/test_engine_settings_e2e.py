@@ -14,7 +14,8 @@ gives (found by trying):
     files, the fingerprint sampled the safetensors ones;
   - a config edited at the same path in a key the fingerprint did not read: GPT-2's
     `activation_function` (Gemma's `hidden_activation`, DeepSeek's and Qwen-MoE's routing
-    keys alike: fingerprint.KV_CONFIG_KEYS).
+    keys alike: fingerprint.KV_CONFIG_KEYS), and GPT-J's `rotary_dim` (RoPE over part of each
+    head, a key transformers keeps as it is).
 Each case: engine A stores its prompts to a disk tier and stops; engine B (other settings, the
 same tier) serves them: no hit, and the tokens of its own miss path (kvtier bypassed:
 `skip_load`/`skip_store`), which differ from A's (the control that the setting changes the
@@ -177,3 +178,38 @@ def test_a_config_edited_at_the_same_path_never_shares(tiny_model_dir: Path,
                                                        tmp_path: Path) -> None:
     model = gpt2_model(tiny_model_dir, tmp_path)
     stored_then_restarted(model, tmp_path / "disk", {}, {}, edit=relu)
+
+
+def gptj_model(tiny_model_dir: Path, root: Path) -> Path:
+    """A tiny random GPT-J (bfloat16, the "test" model's tokenizer) rotating the first 16 of
+    each head's 32 dimensions, logits made decisive."""
+    import torch
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    torch.manual_seed(0)
+    config = GPTJConfig(n_embd=128, n_layer=2, n_head=4, n_inner=256, rotary_dim=16,
+                        vocab_size=512, n_positions=4096, initializer_range=0.1,
+                        bos_token_id=1, eos_token_id=2)
+    model = GPTJForCausalLM(config).to(torch.bfloat16)
+    with torch.no_grad():
+        model.transformer.wte.weight.mul_(3.0)
+    directory = root / "gptj"
+    model.save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / name, directory / name)
+    return directory
+
+
+def whole_heads_rotated(model_dir: Path) -> None:
+    """config.json edited in place: GPT-J's rotary_dim (which transformers keeps as it is,
+    unlike GPT-NeoX's rotary_pct) from 16 to all 32 dimensions, the same weights."""
+    path = model_dir / "config.json"
+    config = json.loads(path.read_text())
+    assert config["rotary_dim"] == 16
+    path.write_text(json.dumps(config | {"rotary_dim": 32}, indent=2))
+
+
+def test_gptjs_rotary_dim_edited_at_the_same_path_never_shares(tiny_model_dir: Path,
+                                                               tmp_path: Path) -> None:
+    model = gptj_model(tiny_model_dir, tmp_path)
+    stored_then_restarted(model, tmp_path / "disk", {}, {}, edit=whole_heads_rotated)

@@ -78,6 +78,18 @@ KV_CONFIG_KEYS = (
     "dual_chunk_attention_config",
     "routed_scaling_factor", "norm_topk_prob", "scoring_func", "topk_method", "n_group",
     "topk_group",
+    # RoPE, window, norm and scaling keys that transformers keeps as they are (it folds GPT-NeoX's
+    # rotary_pct into rope_parameters, not GPT-J's rotary_dim): an edit of GPT-J's rotary_dim at
+    # the same path was served the old chunks (tests/engine/test_engine_settings_e2e.py).
+    "rotary_dim", "rope_local_base_freq", "rope_local_theta", "swa_rope_theta",
+    "swa_rope_parameters", "rope_ratio", "partial_rotary_factors", "use_rope_layers",
+    "rope_scaling_layers", "interleaved_sliding_window", "sliding_window_size", "sliding_windows",
+    "layernorm_epsilon", "post_norm_eps", "mixer_rms_eps", "attention_in_multiplier",
+    "attention_out_multiplier", "key_multiplier", "ssm_in_multiplier", "ssm_out_multiplier",
+    "ssm_multipliers", "mlp_multipliers", "attention_value_scale", "mup_scale_factor",
+    "embedding_scale", "moe_routed_scaling_factor", "moe_router_scaling_factor", "route_scale",
+    "position_embedding_type",  # Granite-4 hybrid: "rope" or "nope"
+    "sliding_window_pattern", "compress_rope_theta", "hc_eps",
 )
 # Sub-configs that hold a multimodal model's language model, whose KV_CONFIG_KEYS count as the
 # top level's (and a `text_config` inside them: Qwen2.5-Omni's thinker_config.text_config);
