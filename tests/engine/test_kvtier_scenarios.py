@@ -284,3 +284,31 @@ def test_an_answer_ending_on_a_chunk_boundary_leaves_its_last_chunk_unstored(llm
     counters = Counters(llm)
     assert token_ids(llm, [turn2]) == expected
     assert counters.delta()["external_hits"] == CHUNK
+
+
+
+def test_a_prompt_logprobs_request_on_a_stored_prompt_loads_nothing(llm: Any) -> None:
+    """vLLM computes a request asking for prompt logprobs whole (it skips prefix-cache reads,
+    SamplingParams.skip_reading_prefix_cache), kvtier's hit included: nothing is loaded, and
+    every prompt position has the miss path's logprobs (a loaded prefix would have none)."""
+    from vllm import SamplingParams
+
+    def asking(kv_transfer_params: dict[str, Any] | None = None) -> Any:
+        extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
+        return SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
+                              prompt_logprobs=1, extra_args=extra)
+
+    def logprobs(output: Any) -> list[dict[int, float] | None]:
+        return [p and {t: lp.logprob for t, lp in p.items()} for p in output.prompt_logprobs]
+
+    [prompt] = random_prompts([300], seed=25)
+    token_ids(llm, [prompt], max_tokens=4)  # stores its chunks
+    assert llm.reset_prefix_cache()
+    counters = Counters(llm)
+    [hit] = llm.generate([prompt], asking(), use_tqdm=False)
+    assert counters.delta()["loaded_tokens"] == counters.delta()["external_hits"] == 0
+    assert llm.reset_prefix_cache()
+    [miss] = llm.generate([prompt], asking(BYPASS), use_tqdm=False)
+    assert list(hit.outputs[0].token_ids) == list(miss.outputs[0].token_ids)
+    assert len(hit.prompt_logprobs) == 300
+    assert logprobs(hit) == logprobs(miss)
