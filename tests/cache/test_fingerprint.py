@@ -175,3 +175,32 @@ def test_a_model_not_on_disk_is_fingerprinted_by_what_is_known(tmp_path: Path) -
     assert hub.weight_files == 0
     assert hub.digest == model_fingerprint(None, CONFIG, revision="main").digest
     assert hub.digest != model_fingerprint(None, CONFIG, revision="v2").digest
+
+
+def test_any_key_of_the_checkpoints_config_file_edited_in_place_changes_it(
+        tmp_path: Path) -> None:
+    """A key no list names (a trust_remote_code model's own scale, a family's RoPE name the
+    list lacked: GPT-J's rotary_dim was one) is read from config.json by the model's code: an
+    edit in place at the same path, same weights, must not be served the old KV."""
+    model = make_model(tmp_path / "tiny", config=CONFIG | {"my_attention_scale": 1.0})
+    before = fingerprint(model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(config | {"my_attention_scale": 0.5}))
+    assert fingerprint(model) != before
+
+
+def test_a_config_file_saved_again_elsewhere_or_reformatted_changes_nothing(
+        tmp_path: Path) -> None:
+    """Key order, whitespace, where it was saved from and by which transformers: not KV."""
+    model = make_model(tmp_path / "tiny")
+    before = fingerprint(model)
+    config = json.loads((model / "config.json").read_text())
+    resaved = dict(reversed(list(config.items()))) | {"_name_or_path": "/elsewhere",
+                                                      "transformers_version": "5.1.0"}
+    (model / "config.json").write_text(json.dumps(resaved, indent=2))
+    assert fingerprint(model) == before
+    (model / "params.json").write_text(json.dumps({"dim": 64, "n_layers": 2}))  # Mistral's
+    with_params = fingerprint(model)
+    assert with_params != before
+    (model / "params.json").write_text(json.dumps({"dim": 64, "n_layers": 4}))
+    assert fingerprint(model) != with_params

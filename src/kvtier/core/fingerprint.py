@@ -13,6 +13,10 @@ It covers:
 - the HF config keys in `KV_CONFIG_KEYS` (and the same keys in the sub-config of a multimodal
   model's language model, `LANGUAGE_CONFIGS`): what shapes the hidden states, hence the K/V of
   every layer after the first;
+- the checkpoint's own config files (`config.json`, Mistral's `params.json`), whole
+  (`config_files_digest`): a key `KV_CONFIG_KEYS` does not name (a `trust_remote_code` model's
+  own, a family's name the list lacks: GPT-J's `rotary_dim` was one) edited in place still
+  changes the namespace. When in doubt, miss: an edit that changes no KV costs one cold start;
 - the checkpoint's content, sampled (`weights_digest`): per `*.safetensors` file (sorted by
   file name) its name, size, a blake3 of its JSON header (names, dtypes, shapes, offsets) and
   the first 4 KiB of up to 256 of its tensors, spread evenly; where there is no safetensors
@@ -34,7 +38,7 @@ A LoRA adapter is keyed the same way, by what it holds rather than by its name o
 two adapters served under one name never share KV and one adapter at two paths does.
 
 Primitives: `KV_CONFIG_KEYS`, `ModelFingerprint`, `model_fingerprint`,
-`cached_model_fingerprint`, `weights_digest`, `adapter_fingerprint`.
+`cached_model_fingerprint`, `weights_digest`, `config_files_digest`, `adapter_fingerprint`.
 """
 
 from __future__ import annotations
@@ -98,6 +102,10 @@ LANGUAGE_CONFIGS = ("text_config", "llm_config", "language_config", "thinker_con
 # Keys of those sub-configs (other than text_config) left out: vLLM's model code sets them in
 # the workers' copy of the config only (see model_fingerprint).
 _SUB_CONFIG_SKIPPED = ("architectures",)
+# A checkpoint's config files, read whole (HF's; Mistral's format), less what says where and
+# by which transformers version they were saved (copies elsewhere, re-saved: the same KV).
+CONFIG_FILES = ("config.json", "params.json")
+_CONFIG_FILE_SKIPPED = ("_name_or_path", "_commit_hash", "transformers_version")
 SAMPLE_BYTES = 4096  # bytes read at the start of each sampled safetensors tensor
 SAMPLED_TENSORS_PER_FILE = 256
 OPAQUE_SAMPLE_BYTES = 1 << 20  # bytes read at each end of a .bin/.pt file
@@ -137,6 +145,7 @@ def model_fingerprint(model_dir: str | os.PathLike[str] | None, config: Mapping[
         OSError: a checkpoint file could not be read.
     """
     weights = weights_digest(model_dir, weight_globs) if model_dir is not None else None
+    config_files = config_files_digest(model_dir) if model_dir is not None else None
     picked = {"model": _kv_config(config)}
     for name in LANGUAGE_CONFIGS:
         nested = config.get(name)
@@ -157,6 +166,8 @@ def model_fingerprint(model_dir: str | os.PathLike[str] | None, config: Mapping[
     }
     if settings:  # absent otherwise: the digests of fingerprints made before settings existed
         document["settings"] = dict(settings)
+    if config_files is not None:  # absent: a single-file checkpoint, a model not on disk
+        document["config_files"] = config_files
     encoded = json.dumps(document, sort_keys=True, default=str).encode()
     return ModelFingerprint(digest=blake3.blake3(b"kvtier-model-v1" + encoded).hexdigest(16),
                             weight_files=weights[1] if weights else 0)
@@ -176,6 +187,8 @@ def cached_model_fingerprint(
         OSError: a checkpoint file could not be read.
     """
     files = _checkpoint_files(Path(model_dir), weight_globs) if model_dir is not None else []
+    if model_dir is not None and Path(model_dir).is_dir():  # edited in place: read again
+        files += [path for name in CONFIG_FILES if (path := Path(model_dir) / name).is_file()]
     stats = []
     for path in files:
         info = path.stat()
@@ -218,6 +231,35 @@ def weights_digest(model_dir: str | os.PathLike[str],
         hasher.update(len(name).to_bytes(4, "little") + name)
         hasher.update(_file_digest(path))
     return hasher.hexdigest(16), len(files)
+
+
+def config_files_digest(model_dir: str | os.PathLike[str]) -> str | None:
+    """A hex digest of the checkpoint's config files (`CONFIG_FILES`), each parsed and written
+    again with its keys sorted, less `_CONFIG_FILE_SKIPPED` (a file that is not a JSON object:
+    its bytes); None when `model_dir` is not a directory or holds none of them.
+
+    Raises:
+        OSError: a config file could not be read.
+    """
+    root = Path(model_dir)
+    if not root.is_dir():
+        return None
+    hasher = blake3.blake3(b"kvtier-config-files-v1")
+    found = False
+    for name in CONFIG_FILES:
+        try:
+            raw = (root / name).read_bytes()
+        except FileNotFoundError:
+            continue
+        try:
+            parsed = json.loads(raw)
+        except ValueError:
+            parsed = None
+        data = (json.dumps({k: v for k, v in parsed.items() if k not in _CONFIG_FILE_SKIPPED},
+                           sort_keys=True).encode() if isinstance(parsed, dict) else raw)
+        hasher.update(name.encode() + b"\0" + blake3.blake3(data).digest())
+        found = True
+    return hasher.hexdigest(16) if found else None
 
 
 def adapter_fingerprint(directory: str | os.PathLike[str]) -> str | None:
