@@ -27,7 +27,8 @@ The protocol every tier implements: `Tier`. The optional abilities, each a whole
   - `ManifestKeeper` + `NamespaceManifest`: record which model a namespace holds;
   - on the tier's CLASS, `ProbeSource` + `Probe`: "is this chunk stored?" for processes that
     do not own the tier, and `InventorySource` + `Inventory` + `StoredChunk`: what a
-    persistent tier's storage holds, for operators.
+    persistent tier's storage holds, for operators (`Removal`: what a removal guarded by use
+    did, tools/admin/inventory.py `UnusedRemoval`).
 Results and counters: `TierResult` + `Failure`, `TierStats` (snapshot), `TierCounters`
 (thread-safe counters), `EventKind`. Facts of a tier kind, class attributes of every tier:
 `Medium`, `Locality` (and the flags on `Tier`).
@@ -498,6 +499,14 @@ class StoredChunk:
     size_bytes: int  # bytes it takes in the tier (file size; Redis MEMORY USAGE of its values)
     last_used_s: float  # unix time of its last write or hit (mtime; LRU index or idle time)
     locations: tuple[str, ...]  # its file path, or its Redis value names
+
+
+@dataclass(frozen=True, slots=True)
+class Removal:
+    """What a removal guarded by use (`UnusedRemoval.remove_unused`) did."""
+
+    removed: int  # chunks deleted (those still there, unused since they were listed)
+    kept_used: tuple[StoredChunk, ...] = ()  # kept: read or written since they were listed
 
 
 class Inventory(Protocol):

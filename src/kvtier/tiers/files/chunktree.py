@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Protocol
 
 from kvtier.core.keys import KEY_BYTES, ChunkKey
-from kvtier.core.tier import StoredChunk
+from kvtier.core.tier import Removal, StoredChunk
 from kvtier.tiers.files.filetree import TEMP_STALE_S, lstat_file, unlink_file, walk
 from kvtier.tiers.files.fsops import NO_OPS, FsOps
 from kvtier.tiers.files.manifests import file_manifests, remove_file_manifest
@@ -147,6 +147,16 @@ def key_of(filename: str) -> ChunkKey | None:
         return None
 
 
+def _used_since(root: Path, parts: Sequence[str], listed_mtime: float) -> bool:
+    """Whether the file at `parts` is there with an mtime later than `listed_mtime` (a
+    removal that kept it: not gone, used since). One lstat, only for a file not removed."""
+    try:
+        info = lstat_file(root, parts)
+    except OSError:
+        return False
+    return info is not None and info.st_mtime > listed_mtime
+
+
 class FileProbe:
     """Answers "is this chunk stored?" for a chunk-file directory, from any process, with
     no side effects (no mkdir, no scan): an lstat per path component and layout, never
@@ -180,7 +190,8 @@ class FileInventory:
     directory's quota ledger, under its lock, GC_BATCH_FILES files per hold, as the writers'
     own evictions are: left there, the running writers' usage stayed what it was before gc
     until their next re-measure, and each put evicted real chunks from a directory gc had
-    half emptied (tests/tools/test_gc_shared_quota.py)."""
+    half emptied (tests/tools/test_gc_shared_quota.py). `remove_unused` keeps a file used
+    since it was listed (tests/tools/test_gc_used_since_listed.py)."""
 
     def __init__(self, name: str, kind: str, root: Path, ledger_mode: int | None = None) -> None:
         """`ledger_mode`: the file mode of the directory's quota ledger (a shared tier's;
@@ -203,30 +214,52 @@ class FileInventory:
         return remove_file_manifest(self.root, namespace)
 
     def remove(self, chunks: Sequence[StoredChunk]) -> int:
+        return self._remove(chunks, keep_used=False).removed
+
+    def remove_unused(self, chunks: Sequence[StoredChunk]) -> Removal:
+        """`UnusedRemoval` (tools/admin/inventory.py): each file is deleted only if its mtime,
+        which every hit touches (the shared tier's LRU order), is not later than the listing
+        saw, checked by the unlink itself (`unlink_file`'s `not_after`, under the ledger's
+        lock): a chunk an engine read after `kvtier gc` listed it stays, as a sampled victim
+        read since it was sampled stays in the tier's own eviction. Raises OSError."""
+        return self._remove(chunks, keep_used=True)
+
+    def _remove(self, chunks: Sequence[StoredChunk], keep_used: bool) -> Removal:
         ledger = self._ledger()
+        removed, kept = 0, []
         try:
-            return sum(self._remove_batch(chunks[i : i + GC_BATCH_FILES], ledger)
-                       for i in range(0, len(chunks), GC_BATCH_FILES))
+            for i in range(0, len(chunks), GC_BATCH_FILES):
+                done, used = self._remove_batch(chunks[i : i + GC_BATCH_FILES], ledger,
+                                                keep_used)
+                removed += done
+                kept += used
         finally:
             if ledger is not None:
                 ledger.close()
+        return Removal(removed, tuple(kept))
 
-    def _remove_batch(self, chunks: Sequence[StoredChunk], ledger: QuotaLedger | None) -> int:
-        """Delete `chunks`, taken off `ledger` (if any) under one hold of its lock."""
-        removed = 0
+    def _remove_batch(self, chunks: Sequence[StoredChunk], ledger: QuotaLedger | None,
+                      keep_used: bool) -> tuple[int, list[StoredChunk]]:
+        """Delete `chunks` (with `keep_used`, those unused since listed), taken off `ledger`
+        (if any) under one hold of its lock; (deleted, kept as used)."""
+        removed, kept = 0, []
         with ledger.locked() if ledger is not None else contextlib.nullcontext() as state:
             for chunk in chunks:
                 key = key_of(f"{chunk.key_hex}{SUFFIX}")
                 if key is None or key.hex() != chunk.key_hex \
                         or not is_layout_name(chunk.namespace):
                     continue  # not a name of kvtier's layout: never deleted
-                freed = unlink_file(self.root, chunk_parts(chunk.namespace, key))
+                parts = chunk_parts(chunk.namespace, key)
+                freed = unlink_file(self.root, parts,
+                                    not_after=chunk.last_used_s if keep_used else None)
                 if freed is not None:
                     removed += 1
                     if state is not None:
                         state.used_bytes -= freed
                         state.chunks -= 1
-        return removed
+                elif keep_used and _used_since(self.root, parts, chunk.last_used_s):
+                    kept.append(chunk)
+        return removed, kept
 
     def _ledger(self) -> QuotaLedger | None:
         """The directory's quota ledger, if it keeps one and one is there (gc creates none);

@@ -14,7 +14,11 @@ that.
 
 Safe next to running engines: a chunk deleted under a reader is a miss for it (files are
 renamed into place and read whole; a redis chunk is one hash), and what is deleted from
-a shared directory is taken off its quota ledger at once (chunktree.FileInventory).
+a shared directory is taken off its quota ledger at once (chunktree.FileInventory). A victim
+of `quota_bytes` or `max_age_s` was chosen for being least recently used when the tier was
+listed; one an engine read (or wrote again) between the listing and its deletion is hot now:
+where the storage records each use (a file's mtime: `UnusedRemoval`), it is kept, and counted
+in `GcOutcome.kept_used`. Whole namespaces go whatever their use.
 
 Primitives: `GcRequest`, `GcOutcome`, `select_victims`, `run_gc`, `parse_duration`.
 """
@@ -34,6 +38,7 @@ from kvtier.tools.admin.inventory import (
     ManifestSource,
     OrphanSource,
     StoredChunk,
+    UnusedRemoval,
     read_manifests,
 )
 
@@ -115,6 +120,8 @@ class GcOutcome:
     removed_manifest: bool = False  # its manifest went (would go) with the whole namespace
     model: str = UNKNOWN  # the model its manifest names
     fingerprint: str = UNKNOWN  # the model fingerprint its manifest names ("none": none)
+    # victims kept: read or written since gc listed them (in kept_*, not removed_*)
+    kept_used: int = 0
 
 
 def parse_duration(text: str, field: str = "--max-age") -> float:
@@ -177,12 +184,23 @@ def run_gc(inventories: Sequence[Inventory], request: GcRequest) -> list[GcOutco
         chosen = {n for n in namespaces if request.selects(n, manifests.get(n))}
         victims = [] if request.orphans_only else select_victims(
             chunks, request, time.time(), chosen)
+        kept_used: Sequence[StoredChunk] = ()
         if victims and not request.dry_run:
-            inventory.remove(victims)
+            kept_used = _remove(inventory, victims, request)
         dropped = _drop_manifests(inventory, request, chosen & set(manifests))
         outcomes += _outcomes(inventory.name, request, chosen, chunks, victims, orphans,
-                              manifests, dropped)
+                              manifests, dropped, kept_used)
     return outcomes
+
+
+def _remove(inventory: Inventory, victims: Sequence[StoredChunk],
+            request: GcRequest) -> Sequence[StoredChunk]:
+    """Delete `victims`; those kept for having been used since they were listed (only by
+    the least-recently-used rules, where the storage records use)."""
+    if request.whole_namespaces or not isinstance(inventory, UnusedRemoval):
+        inventory.remove(victims)
+        return ()
+    return inventory.remove_unused(victims).kept_used
 
 
 def _sweep_orphans(inventory: Inventory, request: GcRequest,
@@ -213,8 +231,10 @@ def _outcomes(tier: str, request: GcRequest, chosen: Collection[str],
               chunks: Sequence[StoredChunk], victims: Sequence[StoredChunk],
               orphans: Sequence[StoredChunk],
               manifests: Mapping[str, NamespaceManifest | None],
-              dropped: Collection[str]) -> list[GcOutcome]:
-    gone = {(c.namespace, c.key_hex) for c in victims}
+              dropped: Collection[str],
+              kept_used: Sequence[StoredChunk] = ()) -> list[GcOutcome]:
+    used = {(c.namespace, c.key_hex) for c in kept_used}
+    gone = {(c.namespace, c.key_hex) for c in victims} - used
     outcomes = []
     for namespace in sorted(chosen):
         mine = [c for c in chunks if c.namespace == namespace]
@@ -226,5 +246,6 @@ def _outcomes(tier: str, request: GcRequest, chosen: Collection[str],
             sum(c.size_bytes for c in mine) - removed_bytes, request.dry_run,
             sum(o.namespace == namespace for o in orphans), namespace in dropped,
             manifest.model if manifest else UNKNOWN,
-            (manifest.fingerprint or "none") if manifest else UNKNOWN))
+            (manifest.fingerprint or "none") if manifest else UNKNOWN,
+            sum(c.namespace == namespace for c in kept_used)))
     return outcomes

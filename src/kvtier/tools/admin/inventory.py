@@ -17,7 +17,8 @@ live in a process and have nothing to inspect. An inventory that also offers
 `ManifestSource` reads (and `kvtier gc` removes) manifests.
 
 Primitives: `StoredChunk`, `NamespaceUsage`, `Inventory` (protocol; both from
-kvtier.core.tier), `OrphanSource` and `ManifestSource` (its optional abilities),
+kvtier.core.tier), `OrphanSource`, `ManifestSource` and `UnusedRemoval` (its optional
+abilities), `Removal`,
 `persistent_tiers`, `open_inventories`, `read_manifests`, `summarize`, `UNKNOWN`.
 """
 
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from kvtier.core.tier import Inventory, InventorySource, StoredChunk
+from kvtier.core.tier import Inventory, InventorySource, Removal, StoredChunk
 from kvtier.errors import ConfigError
 from kvtier.tiers import answers
 from kvtier.tiers.files import directories
@@ -37,7 +38,8 @@ from kvtier.tiers.registry import public_kinds, tier_class
 from kvtier.tiers.storeconfig import StoreConfig, TierSettings
 
 __all__ = ["UNKNOWN", "Inventory", "ManifestSource", "NamespaceUsage", "OrphanSource",
-           "StoredChunk", "open_inventories", "persistent_tiers", "read_manifests", "summarize"]
+           "Removal", "StoredChunk", "UnusedRemoval", "open_inventories", "persistent_tiers",
+           "read_manifests", "summarize"]
 UNKNOWN = "unknown"  # model and fingerprint of a namespace without a (valid) manifest
 
 
@@ -83,6 +85,19 @@ class ManifestSource(Protocol):
 
     def remove_manifest(self, namespace: str) -> bool:
         """Delete `namespace`'s manifest; True when there was one."""
+        ...
+
+
+@runtime_checkable
+class UnusedRemoval(Protocol):
+    """An optional ability of an `Inventory` whose storage records each use of a chunk (a
+    file's mtime, which every hit touches): delete only what was not used since it was
+    listed. `kvtier gc --quota/--max-age` chose its victims for being least recently used;
+    one an engine read between the listing and the deletion is hot now and must stay."""
+
+    def remove_unused(self, chunks: Sequence[StoredChunk]) -> Removal:
+        """Delete these chunks, each unless used since it was listed (later than its
+        `last_used_s`), checked just before it goes. Raises what `Inventory.remove` raises."""
         ...
 
 

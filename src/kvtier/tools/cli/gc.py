@@ -77,16 +77,16 @@ def run(args: argparse.Namespace) -> int:
     verb = "would remove" if args.dry_run else "removed"
     table = Table(title=f"kvtier gc{' (dry run)' if args.dry_run else ''}")
     for column in ("tier", "namespace", "model", "fingerprint", f"{verb} chunks",
-                   f"{verb} bytes", "kept chunks", "kept bytes", f"{verb} orphans",
-                   f"manifest {verb}"):
+                   f"{verb} bytes", "kept chunks", "kept bytes", "kept in use",
+                   f"{verb} orphans", f"manifest {verb}"):
         table.add_column(column, no_wrap=column in ("namespace", "fingerprint"))
     for o in outcomes:
         table.add_row(o.tier, literal(o.namespace), literal(o.model),
                       literal(short_fingerprint(o.fingerprint)),
                       str(o.removed_chunks), format_size(o.removed_bytes), str(o.kept_chunks),
-                      format_size(o.kept_bytes), str(o.removed_orphans),
+                      format_size(o.kept_bytes), str(o.kept_used), str(o.removed_orphans),
                       "yes" if o.removed_manifest else "no")
-    console = Console(width=max(Console().width, 180))
+    console = Console(width=max(Console().width, 200))
     console.print(table)
     print_errors(console, errors)
     return 1 if errors else 0
