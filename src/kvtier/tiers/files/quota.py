@@ -66,8 +66,21 @@ its path (a new ledger: the next put re-measures), so that no writer keeps the q
 file no one else sees. A forked child opens the ledger again
 (flock locks an open file description, which a fork shares with the parent).
 
-Primitives: `QuotaLedger` (locked, verify_path, generation, close, path), `LedgerState`,
-`LEDGER_NAME`.
+One walk at a time for the fleet: a re-measure is claimed in the ledger (`claimed_ns`, by
+the shared tier) AND by an exclusive, non-blocking `flock` of ROOT/.kvtier-quota-walk held for
+the whole walk (`try_walk` / `end_walk`). A ledger that is new or corrupt (not valid) has no
+claim a writer can trust, nor one it can write (an invalid state is not written back): every
+writer of every process asked for a walk at every put, and N engines starting on one NFS
+directory each walked its millions of files, at once. The lock, not a time in the ledger, says
+a walk is in flight: the others see it held and go on (hits served, puts dropped until the
+walker's usage is in the ledger), and a walker that dies mid-walk holds it no longer (the
+kernel drops a dead process's flock; an NFS server, that client's lock at its lease's end),
+so the next put anywhere claims the walk again (tests/faults/test_one_walk_for_the_fleet.py).
+Where the lock cannot be taken at all (ENOLCK, a walk-lock file this user cannot open) each
+process walks on its own claims, as before (logged once).
+
+Primitives: `QuotaLedger` (locked, verify_path, generation, try_walk, end_walk, close, path),
+`LedgerState`, `LEDGER_NAME`, `WALK_LOCK_NAME`.
 """
 
 from __future__ import annotations
@@ -87,8 +100,10 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 LEDGER_NAME = ".kvtier-quota"
+WALK_LOCK_NAME = ".kvtier-quota-walk"  # flocked by the process that walks the directory
 _FORMAT = struct.Struct("<qqqqqqq")
 _OLD_BYTES = 24  # the first three fields: the ledger of builds before issue 28
+_NO_FLOCK = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL})  # flock unsupported
 
 
 @dataclass(slots=True)
@@ -103,6 +118,10 @@ class _OpenLedger:
     users: int = 0
     generation: int = 0  # times the file was found gone and opened again
     pid: int = field(default_factory=os.getpid)  # the process that opened it
+    walk_fd: int = -1  # ROOT/.kvtier-quota-walk, opened at the first claim of a walk
+    walking: bool = False  # this process claimed the walk (under `walk_lock`)
+    # guards walk_fd and walking; taken under `lock` (a claim is made holding the ledger)
+    walk_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 _OPEN: dict[str, _OpenLedger] = {}  # realpath of the root -> its ledger's file
@@ -117,9 +136,12 @@ def _forget_in_child() -> None:
     global _OPEN_LOCK
     _OPEN_LOCK = threading.Lock()
     for held in _OPEN.values():
-        with contextlib.suppress(OSError):
-            os.close(held.fd)
-        held.fd = -1
+        for fd in (held.fd, held.walk_fd):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)  # the parent's flocks stay the parent's
+        held.fd = held.walk_fd = -1
+        held.walking = False
     _OPEN.clear()
 
 
@@ -188,6 +210,7 @@ class QuotaLedger:
         self._file_mode = file_mode
         self._open = self._attach()
         self._lock_works = True
+        self._walk_lock_works = True  # False: flock or the lock file unusable (try_walk)
         self._closed = False
 
     def _attach(self) -> _OpenLedger:
@@ -212,10 +235,12 @@ class QuotaLedger:
             self._open.users -= 1
             if self._open.users == 0:
                 del _OPEN[self._key]
-                with self._open.lock:
-                    if self._open.fd >= 0:
-                        os.close(self._open.fd)
-                    self._open.fd = -1
+                with self._open.lock, self._open.walk_lock:
+                    for fd in (self._open.fd, self._open.walk_fd):
+                        if fd >= 0:
+                            os.close(fd)
+                    self._open.fd = self._open.walk_fd = -1
+                    self._open.walking = False
 
     @contextmanager
     def locked(self) -> Iterator[LedgerState]:
@@ -252,6 +277,71 @@ class QuotaLedger:
                         os.pwrite(fd, _FORMAT.pack(*after), 0)
             finally:
                 self._flock(fd, fcntl.LOCK_UN)
+
+    def try_walk(self) -> bool:
+        """Claim the walk of the directory (a re-measure) for this process: True when no
+        other process, nor another thread of this one, walks it now; this process then holds
+        it until `end_walk` (or its death). Never blocks: a caller under the ledger's lock
+        must not wait for a walk of millions of files. Any thread.
+
+        True as well where the lock cannot be used (flock unsupported, a lock file this
+        user may not open: logged once), as every claim was before it: an invalid ledger
+        must never wait for a walk no one can claim.
+        """
+        if self._open.pid != os.getpid() and not self._closed:  # a fork's child
+            self._open = self._attach()
+        held = self._open
+        with held.walk_lock:
+            if held.walking or self._closed:
+                return False
+            if self._walk_lock_works:
+                try:
+                    self._flock_walk(held)
+                except BlockingIOError:
+                    return False  # another process walks
+                except OSError as exc:
+                    self._walk_unlocked(held, exc)
+            held.walking = True
+            return True
+
+    def end_walk(self) -> None:
+        """Release the walk `try_walk` claimed (nothing if this process holds none). Any
+        thread: the claim is the process's, whichever thread walked."""
+        held = self._open
+        with held.walk_lock:
+            if not held.walking:
+                return
+            held.walking = False
+            if held.walk_fd >= 0:
+                with contextlib.suppress(OSError):
+                    fcntl.flock(held.walk_fd, fcntl.LOCK_UN)
+
+    def _flock_walk(self, held: _OpenLedger) -> None:
+        """Take the walk lock's flock, without waiting; its file opened first (again, if it
+        was deleted: the directory emptied under the writers, who lock the new one).
+
+        Raises:
+            BlockingIOError: another process holds it.
+            OSError: it cannot be opened or locked.
+        """
+        if held.walk_fd >= 0 and os.fstat(held.walk_fd).st_nlink == 0:
+            os.close(held.walk_fd)
+            held.walk_fd = -1
+        if held.walk_fd < 0:
+            held.walk_fd = _open_ledger(self.path.with_name(WALK_LOCK_NAME), self._file_mode)
+        fcntl.flock(held.walk_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    def _walk_unlocked(self, held: _OpenLedger, exc: OSError) -> None:
+        """The walk lock failed: this claim walks without it. Unusable here for good
+        (unsupported, or not this user's to open): every later claim too, logged once; else
+        (a directory gone or replaced) the next claim opens it again."""
+        if held.walk_fd >= 0:
+            os.close(held.walk_fd)
+            held.walk_fd = -1
+        if isinstance(exc, PermissionError) or exc.errno in _NO_FLOCK:
+            self._walk_lock_works = False
+            log.warning("%s: the walk lock %s cannot be used (%s); each writer walks the "
+                        "directory on its own claims", self.path.parent, WALK_LOCK_NAME, exc)
 
     @property
     def generation(self) -> int:
@@ -336,7 +426,7 @@ class QuotaLedger:
         try:
             fcntl.flock(fd, operation)
         except OSError as exc:
-            if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+            if exc.errno not in _NO_FLOCK:
                 raise
             self._lock_works = False
             log.warning("%s: flock unsupported here (%s); the shared quota is kept without a "

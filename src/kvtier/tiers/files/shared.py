@@ -25,7 +25,9 @@ written twice by racing writers), not a heartbeat. One writer re-measures for th
 fleet: the ledger records when a re-measure was last claimed and how long its walk took,
 and a writer claims the next one under the lock only when `scan_interval_s` has passed AND
 REMEASURE_DUTY times that walk's duration has (a walk of 10^7 files is not repeated every
-30 s), or a day has (REMEASURE_MAX_WAIT_S); the others read its result. The claiming writer
+30 s), or a day has (REMEASURE_MAX_WAIT_S), and no one walks now (the ledger's walk lock,
+which alone keeps a new or corrupt ledger, holding no claim, from being walked by every
+writer at once); the others read its result. The claiming writer
 walks on a thread of its own, so its puts go on meanwhile (a walk of 10^6 files takes a
 minute of CPU; on NFS far longer). The re-measure also deletes kvtier's temp files older
 than `filetree.TEMP_STALE_S` (120 s), and so does eviction where it samples: a killed
@@ -215,7 +217,10 @@ class SharedTier:
             claimed = self._claim_locked(ledger)
             self._publish(ledger)
         if claimed:
-            self.enforce_quota()
+            try:
+                self.enforce_quota()
+            finally:
+                self.ledger.end_walk()
 
     def keep_manifest(self, manifest: NamespaceManifest) -> None:
         """Write the namespace's manifest.json beside its chunks (`ManifestKeeper`);
@@ -364,12 +369,17 @@ class SharedTier:
         return max(LOW_WATERMARK * self.capacity_bytes - incoming_bytes, batch)
 
     def _claim_locked(self, ledger: LedgerState) -> bool:
-        """Whether this writer re-measures the directory now: one is due by the ledger, and
-        claiming it there (`claimed_ns`) makes every other writer wait for the next one.
+        """Whether this writer re-measures the directory now: one is due by the ledger, no
+        one walks it (the ledger's walk lock, `QuotaLedger.try_walk`, taken here and held
+        until the re-measure ends: the caller runs it, then `end_walk`), and claiming it in
+        the ledger (`claimed_ns`) makes every other writer wait for the next one.
         Due `scan_interval_s` after the last claim, or REMEASURE_DUTY times the last walk's
         duration if longer (a walk of 10^7 files is not repeated every 30 s; at most
-        REMEASURE_MAX_WAIT_S), or at once when the ledger is not valid. Caller holds the
-        lock."""
+        REMEASURE_MAX_WAIT_S), or at once when the ledger is not valid: a new or corrupt
+        ledger keeps no claim (it is not written back), and the walk lock alone keeps the
+        fleet from walking it N times over (tests/faults/test_one_walk_for_the_fleet.py).
+        Caller holds the ledger's lock."""
+        assert self.ledger is not None
         now = self._now_ns()
         if ledger.valid:
             self._bound_claim(ledger, now)
@@ -379,6 +389,8 @@ class SharedTier:
                                            REMEASURE_MAX_WAIT_S * 1e9))
             if now < ledger.claimed_ns + wait_ns:
                 return False
+        if not self.ledger.try_walk():
+            return False  # walked by another process (or thread) now
         ledger.claimed_ns = now
         return True
 
@@ -424,19 +436,21 @@ class SharedTier:
     def _remeasure_behind(self) -> None:
         """Run the re-measure this writer claimed on a thread of its own: a walk of millions
         of files (minutes on NFS) must not hold up this writer's puts, which go on under the
-        ledger's usage meanwhile. At most one at a time per process."""
-        if self._remeasuring is not None and self._remeasuring.is_alive():
-            return
+        ledger's usage meanwhile. At most one at a time per process: the claim holds the
+        walk lock (`_claim_locked`) until the thread has walked."""
         self._remeasuring = threading.Thread(target=self._remeasure_quietly, daemon=True,
                                              name=f"kvtier-remeasure-{self.name}")
         self._remeasuring.start()
 
     def _remeasure_quietly(self) -> None:
+        assert self.ledger is not None
         try:
             self.enforce_quota()
         except Exception as exc:  # a directory gone or the tier closed meanwhile
             log.warning("shared tier %r: re-measure of %s failed (%s); the next one is due "
                         "after scan_interval_s", self.name, self.files.root, exc)
+        finally:
+            self.ledger.end_walk()
 
     def enforce_quota(self, incoming_bytes: int = 0, force: bool = False) -> None:
         """Re-measure the whole directory (every layout), then evict (sampled LRU) until it
