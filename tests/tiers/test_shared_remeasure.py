@@ -166,3 +166,39 @@ def test_a_walk_recorded_as_lasting_for_years_puts_re_measures_off_a_day_at_most
     assert tier.put(key(1), memoryview(bytes(LAYOUT.bytes_per_chunk)))  # claims one
     tier.close()  # waits for it
     assert tier.remeasures == walks + 1
+
+
+def test_a_write_the_walk_also_saw_counts_twice_until_the_next_re_measure(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bound kvtier.tiers.files.quota states for a write during a walk: what the walk saw
+    plus what was reserved since it began counts a file written during the walk and listed by
+    it twice. Never low (5 files written while the walk was held, all of them then listed:
+    the usage is high by exactly those 5, the bytes reserved during the walk), and not
+    carried on: the next re-measure, with no writes during it, counts every file once."""
+    tier: Any = make_tier("shared", tmp_path, LAYOUT, 100)
+    data = memoryview(bytes(LAYOUT.bytes_per_chunk))
+    for i in range(10):
+        assert tier.put(key(i), data)
+    walking, release = threading.Event(), threading.Event()
+    real_scan = shared_module.scan_tree
+
+    def held_walk(*args: Any, **kwargs: Any) -> Any:
+        walking.set()
+        release.wait(timeout=10)
+        return real_scan(*args, **kwargs)
+
+    monkeypatch.setattr(shared_module, "scan_tree", held_walk)
+    remeasure = threading.Thread(target=tier.enforce_quota)
+    remeasure.start()
+    assert walking.wait(timeout=10)
+    for i in range(100, 105):  # written after the walk began, listed by it
+        assert tier.put(key(i), data)
+    release.set()
+    remeasure.join()
+    with tier.ledger.locked() as ledger:
+        assert ledger.used_bytes == (15 + 5) * tier.file_bytes
+    monkeypatch.setattr(shared_module, "scan_tree", real_scan)
+    tier.enforce_quota()
+    with tier.ledger.locked() as ledger:
+        assert ledger.used_bytes == 15 * tier.file_bytes and ledger.chunks == 15
+    tier.close()

@@ -49,8 +49,28 @@ T0) + min(completed since T0, in flight at T0)`. Every file present then was see
 renamed into place under the scan (a directory listing that spans a rename may show neither
 name: at most what was in flight at T0, and no more than what ended since), so the sum is
 still an upper bound. (Counting all that ended since T0 counted every write during the walk
-twice more: a walk under busy writers evicted real chunks for them.) A file created after T0
-that the scan also saw still counts twice, until the next re-measure.
+twice more: a walk under busy writers evicted real chunks for them.)
+
+A file created after T0 that the scan also saw counts twice (in `scanned` and in the bytes
+reserved since T0), until the next re-measure. Bounded, and on the safe side:
+- at most the bytes reserved during that walk (about half of them under steady writes: a
+  file lands in a shard directory the walk has not read yet about as often as in one it has
+  passed), the share of the cache rewritten while one walk ran;
+- it never accumulates: each re-measure sets `used` afresh, with only its own walk's
+  double count, and the writers' unlinks subtract only real files;
+- it is too high, never too low: the usage stays an upper bound (the quota is never
+  passed); the cost is that the directory evicts that many bytes early, holding up to
+  that much less than its quota until the next re-measure repairs it
+  (tests/tiers/test_shared_remeasure.py).
+Not repaired within the walk, because a walk cannot tell a file created after T0 from one
+that existed before and was read after T0: both have an mtime (and a ctime) after T0 (a hit
+touches the mtime: the LRU order), and NFS has no birth time. Telling them apart would need
+the writers to record what they create during a walk (a journal under the ledger's lock:
+millions of entries in a long walk on a busy fleet), a listing of each shard under the
+ledger's lock (the fleet's puts held for the whole walk, in slices), or a mark on touched
+files that older kvtier builds and an operator's `touch` do not keep: a subtraction of a
+file that was counted once makes the usage low, which breaks the bound, where the double
+count only wastes room for a while.
 
 The bound, for any number of writers on any number of nodes: the bytes of kvtier's chunk
 and temp files in the directory never exceed the quota, provided (1) every writer is a
