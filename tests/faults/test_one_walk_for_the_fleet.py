@@ -131,3 +131,17 @@ def test_a_walker_killed_mid_walk_does_not_stop_re_measures(tmp_path: Path) -> N
     tier.close()
     with QuotaLedger(tmp_path / "shared", 0o600).locked() as ledger:
         assert ledger.valid and ledger.chunks == 5
+
+
+def test_one_claim_of_the_walk_per_process_whatever_the_handle(tmp_path: Path) -> None:
+    """Two ledger handles of one process (two tiers on one directory) share one walk lock
+    file: on NFS a flock is a POSIX lock, held by the process, so a second file description
+    of this process would not exclude the first; the process's claim does."""
+    first, second = QuotaLedger(tmp_path, 0o600), QuotaLedger(tmp_path, 0o600)
+    assert first.try_walk()
+    assert not second.try_walk() and not first.try_walk()
+    first.end_walk()
+    assert second.try_walk()
+    second.end_walk()
+    first.close()
+    second.close()
