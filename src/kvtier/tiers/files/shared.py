@@ -213,13 +213,15 @@ class SharedTier:
         # a re-measure sweeps them, but a restart need not walk the tree any more.
         sweep_layout_temps(self.files.root, self.files.layout_digest, self.files.ops,
                            self.files.fs_now())
-        with self.ledger.locked() as ledger:
-            claimed = self._claim_locked(ledger)
-            self._publish(ledger)
-        if claimed:
-            try:
+        claimed = False
+        try:
+            with self.ledger.locked() as ledger:
+                claimed = self._claim_locked(ledger)
+                self._publish(ledger)
+            if claimed:
                 self.enforce_quota()
-            finally:
+        finally:
+            if claimed:  # walked, or never to be: the next claim is anyone's
                 self.ledger.end_walk()
 
     def keep_manifest(self, manifest: NamespaceManifest) -> None:
@@ -328,24 +330,35 @@ class SharedTier:
         the directory's re-measure (`_claim_locked`; the caller runs it, unlocked).
         Raises OSError when the temp file cannot be created."""
         assert self.ledger is not None
-        size = size or self.file_bytes  # a file of `size` bytes (default: a chunk as is)
-        with self.ledger.locked() as ledger:
-            if not ledger.valid:  # new, or reset by someone: re-measure before writing
-                return None, self._claim_locked(ledger)
-            before = ledger.used_bytes
-            if ledger.used_bytes + size > self.capacity_bytes:
-                self._evict_locked(ledger, self._evict_target(ledger, size))
-            if ledger.used_bytes + size > self.capacity_bytes:
-                # Still over: a dropped write. Far over (a quota lowered), the next writes
-                # evict the next batches; nothing freed: the usage may have drifted high.
-                ledger.repair = int(ledger.repair or ledger.used_bytes == before)
-                self._publish(ledger)
-                return None, self._claim_locked(ledger)
-            pending = self.files.prepare_write(key, size)
-            ledger.used_bytes += size
-            ledger.reserved_total += size
+        claimed = False
+        try:
+            with self.ledger.locked() as ledger:
+                pending, claimed = self._reserve_locked(ledger, key, size or self.file_bytes)
+        except BaseException:
+            if claimed:  # the ledger was not written back: no walk follows, none is held
+                self.ledger.end_walk()
+            raise
+        return pending, claimed
+
+    def _reserve_locked(self, ledger: LedgerState, key: ChunkKey, size: int,
+                        ) -> tuple[PendingWrite | None, bool]:
+        """`_reserve` of a file of `size` bytes, the ledger's lock held."""
+        if not ledger.valid:  # new, or reset by someone: re-measure before writing
+            return None, self._claim_locked(ledger)
+        before = ledger.used_bytes
+        if ledger.used_bytes + size > self.capacity_bytes:
+            self._evict_locked(ledger, self._evict_target(ledger, size))
+        if ledger.used_bytes + size > self.capacity_bytes:
+            # Still over: a dropped write. Far over (a quota lowered), the next writes
+            # evict the next batches; nothing freed: the usage may have drifted high.
+            ledger.repair = int(ledger.repair or ledger.used_bytes == before)
             self._publish(ledger)
-            return pending, self._claim_locked(ledger)
+            return None, self._claim_locked(ledger)
+        pending = self.files.prepare_write(key, size)
+        ledger.used_bytes += size
+        ledger.reserved_total += size
+        self._publish(ledger)
+        return pending, self._claim_locked(ledger)
 
     def _free_filesystem(self, incoming_bytes: int) -> None:
         """The filesystem itself is full: evict (sampled) down to the low watermark of what
