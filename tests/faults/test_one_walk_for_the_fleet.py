@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import multiprocessing
 import os
 import signal
@@ -94,7 +95,8 @@ def held_walker(root: Path) -> Iterator[tuple[Any, Connection]]:
             walker.join()
 
 
-def test_engines_started_on_a_corrupt_ledger_walk_it_once(tmp_path: Path) -> None:
+def test_engines_started_on_a_corrupt_ledger_walk_it_once(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     corrupt_directory(tmp_path)
     with held_walker(tmp_path) as (walker, conn):
         pipes = [CONTEXT.Pipe() for _ in range(OTHERS)]
@@ -108,7 +110,10 @@ def test_engines_started_on_a_corrupt_ledger_walk_it_once(tmp_path: Path) -> Non
         # and a tier of this process, its own ledger handle, built while the walk is held
         here: Any = make_tier("shared", tmp_path, LAYOUT, CAPACITY_CHUNKS, scan_interval_s=3600)
         assert here.remeasures == 0, "walked beside the walker"
-        assert not here.put(key(100), memoryview(bytes(LAYOUT.bytes_per_chunk)))
+        with caplog.at_level(logging.WARNING, logger="kvtier.tiers.files.shared"):
+            assert not here.put(key(100), memoryview(bytes(LAYOUT.bytes_per_chunk)))
+        # the put's drop says why: not a full quota (it was a quarter full)
+        assert "being measured" in caplog.text and "quota full" not in caplog.text
         for proc in others:
             proc.join(timeout=60)
             assert proc.exitcode == 0

@@ -294,12 +294,18 @@ class SharedTier:
         encoded = self.files.encode(key, data, meta.tenant)
         size = self.files.size_of(encoded)
         try:
-            pending, claimed = self._reserve(key, size)
+            pending, claimed, measuring = self._reserve(key, size)
             try:
                 if pending is None:
                     self._counters.add(dropped_writes=1)
-                    self._quota_full.warning("shared tier %r: quota full and nothing left to "
-                                             "evict; %s dropped", self.name, key.hex())
+                    if measuring:
+                        self._quota_full.warning("shared tier %r: the directory's usage is "
+                                                 "being measured (a new or reset quota "
+                                                 "ledger); %s dropped until it is", self.name,
+                                                 key.hex())
+                    else:
+                        self._quota_full.warning("shared tier %r: quota full and nothing left "
+                                                 "to evict; %s dropped", self.name, key.hex())
                     return FULL
                 self._write(pending, encoded)
             finally:
@@ -322,23 +328,25 @@ class SharedTier:
         return OK
 
     def _reserve(self, key: ChunkKey, size: int | None = None,
-                 ) -> tuple[PendingWrite | None, bool]:
+                 ) -> tuple[PendingWrite | None, bool, bool]:
         """Reserve room for one file in the shared quota (evicting first when needed) and
         create its full-size temp file, as one step under the ledger's lock (see
         kvtier.tiers.files.quota: that is what bounds the usage with many writers). Returns the
-        pending write (None when nothing is left to evict) and whether this writer claimed
-        the directory's re-measure (`_claim_locked`; the caller runs it, unlocked).
+        pending write (None when nothing is left to evict, or the usage is not measured yet),
+        whether this writer claimed the directory's re-measure (`_claim_locked`; the caller
+        runs it, unlocked), and whether the usage was not measured yet (a new or reset ledger).
         Raises OSError when the temp file cannot be created."""
         assert self.ledger is not None
         claimed = False
         try:
             with self.ledger.locked() as ledger:
+                measuring = not ledger.valid
                 pending, claimed = self._reserve_locked(ledger, key, size or self.file_bytes)
         except BaseException:
             if claimed:  # the ledger was not written back: no walk follows, none is held
                 self.ledger.end_walk()
             raise
-        return pending, claimed
+        return pending, claimed, measuring
 
     def _reserve_locked(self, ledger: LedgerState, key: ChunkKey, size: int,
                         ) -> tuple[PendingWrite | None, bool]:
