@@ -10,12 +10,21 @@ topic; a `tcp://HOST:PORT` endpoint is connected to (llm-d's EPP binds a SUB the
 engine), `tcp://*:PORT`, `tcp://[::]:PORT` and `ipc://PATH` are bound; the high-water mark is
 vLLM's (100,000 messages: past it a batch is dropped, never waited for).
 
-Primitives: `ALLOWED`, `check_endpoint`, `EventPublisher`.
+An `ipc://PATH` is a socket file: libzmq replaces whatever is at PATH when it binds, and leaves
+its file behind when it closes. So a publisher refuses a PATH another process still listens
+on (a second node would take a live node's routers), and removes its file when it closes if
+the file is still its own (not a successor's).
+
+Primitives: `ALLOWED`, `check_endpoint`, `ipc_path`, `EventPublisher`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
 import re
+import socket
 import time
 from collections.abc import Sequence
 
@@ -59,15 +68,26 @@ class EventPublisher:
         self._context = zmq.Context()
         self._pub = self._context.socket(zmq.PUB)
         self._pub.set_hwm(100_000)
+        self._ipc_file: tuple[str, int, int] | None = None  # (path, st_dev, st_ino) bound
+        path = ipc_path(endpoint)
         try:
+            if path is not None:
+                _refuse_a_live_listener(path, endpoint)
             if endpoint.startswith("ipc://") or "*" in endpoint or "::" in endpoint:
                 self._pub.bind(endpoint)
             else:
                 self._pub.connect(endpoint)
-        except zmq.ZMQError as exc:
+        except (zmq.ZMQError, OSError) as exc:
             self._pub.close(linger=0)
             self._context.term()
-            raise OSError(exc.errno, f"cannot publish KV events on {endpoint}: {exc}") from exc
+            if isinstance(exc, zmq.ZMQError):
+                raise OSError(exc.errno,
+                              f"cannot publish KV events on {endpoint}: {exc}") from exc
+            raise
+        if path is not None:
+            with contextlib.suppress(OSError):
+                bound = os.stat(path)
+                self._ipc_file = (path, bound.st_dev, bound.st_ino)
 
     def publish(self, topic: str, events: Sequence[Event]) -> None:
         """Send `events` as one batch on `topic` (nothing when there are none)."""
@@ -80,6 +100,41 @@ class EventPublisher:
             ts=time.time(), events=list(events), data_parallel_rank=0)))
 
     def close(self, linger_ms: int = 500) -> None:
-        """Close the socket: the last batches go out within `linger_ms`, or are dropped."""
+        """Close the socket: the last batches go out within `linger_ms`, or are dropped.
+        An ipc:// socket file is removed if it is still the one this publisher bound."""
         self._pub.close(linger=linger_ms)
         self._context.term()
+        if self._ipc_file is not None:
+            path, dev, ino = self._ipc_file
+            self._ipc_file = None
+            with contextlib.suppress(FileNotFoundError):
+                found = os.stat(path)
+                if (found.st_dev, found.st_ino) == (dev, ino):  # not a successor's
+                    os.unlink(path)
+
+
+def ipc_path(endpoint: str) -> str | None:
+    """The socket file of an `ipc://PATH` endpoint (None: another transport, or Linux's
+    abstract namespace, `ipc://@NAME`, which has no file)."""
+    if not endpoint.startswith("ipc://"):
+        return None
+    path = endpoint[len("ipc://"):]
+    return None if path.startswith("@") else path
+
+
+def _refuse_a_live_listener(path: str, endpoint: str) -> None:
+    """Raises OSError (EADDRINUSE) where a process listens on the socket file `path`: binding
+    would replace its file, and its subscribers would connect here from then on. A file no one
+    listens on (left by a killed node) is let be: the bind replaces it."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except TimeoutError:  # a listener whose backlog is full: live
+        pass
+    except OSError:  # nothing there, not a socket, or no one listening: the bind may go on
+        return
+    finally:
+        probe.close()
+    raise OSError(errno.EADDRINUSE, f"cannot publish KV events on {endpoint}: another process "
+                                    f"(a running node?) publishes there")
