@@ -379,6 +379,20 @@ def test_the_node_pod_memory_holds_its_ram_tier() -> None:
         memory["capacity"], "capacity") + 8 * 2**30
 
 
+def test_the_node_ram_tier_and_pod_memory_are_what_kvtier_plan_gives(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The overlay sizes the node as its comments say: eight 8B engines on a node of 1TiB RAM,
+    the host's /dev/shm half of it. Before, its 480GiB RAM tier left /dev/shm 32GiB of 512,
+    where the plan holds the tier to 90% of it (460.78GiB)."""
+    assert main(["plan", str(MODEL_CONFIG), "--node-engines", "8", "--host-ram", "1TiB",
+                 "--node-shm", "512GiB", "--vllm-version", "0.21.0", "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)["node"]
+    memory = next(t for t in node_tiers() if t["kind"] == "memory")
+    assert memory == planned["node_config"]["tiers"][0]
+    limit = node_container()["resources"]["limits"]["memory"]
+    assert quantity_bytes(limit) == -(-planned["pod_memory_bytes"] // 2**30) * 2**30
+
+
 def test_the_node_metrics_port_agrees_with_its_service() -> None:
     (port,) = node_container()["ports"]
     assert int(node_flag("--metrics-port")) == port["containerPort"]
