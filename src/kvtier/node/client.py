@@ -136,6 +136,10 @@ class NodeClient:
         self._readers: set[SlabReader] = set()
         self._closed = False  # `close` was called: nothing is asked of the node any more
         self.failures = 0  # calls the node did not answer (each a miss or a dropped store)
+        # The failure last logged, until a connection is welcomed: the same again is logged
+        # at debug. An engine the node refuses (its layout past max_layouts, /dev/shm full)
+        # is refused again after every watch, and logged a warning every retry_s before.
+        self._reported: str | None = None
 
     def call(self, request: Request, reply: type[R], *, slow: bool = False,
              extra_s: float = 0.0) -> R:
@@ -352,6 +356,7 @@ class NodeClient:
             sock.close()
             raise NodeUnavailable("this engine's client of the node is closed")
         self._local.sock, self._local.epoch = sock, self._epoch
+        self._reported = None  # welcomed: the next failure is news
         return sock
 
     def _forget(self, sock: socket.socket) -> None:
@@ -418,16 +423,21 @@ class NodeClient:
         self.failures += 1
         with self._lock:
             first, self._down = not self._down and not self._closed, True
+            again = self._reported == str(exc)
+            self._reported = str(exc)
         if first:
-            log.warning("kvtier: node at %s unavailable (%s): misses until it answers again "
-                        "(asked every %.1f s, off the engine's threads)", self.socket_path, exc,
-                        self.retry_s)
-            threading.Thread(target=self._watch, name="kvtier-node-watch", daemon=True).start()
+            log.log(logging.DEBUG if again else logging.WARNING,
+                    "kvtier: node at %s unavailable (%s): misses until it answers again "
+                    "(asked every %.1f s, off the engine's threads)", self.socket_path, exc,
+                    self.retry_s)
+            threading.Thread(target=self._watch, args=(again,), name="kvtier-node-watch",
+                             daemon=True).start()
 
-    def _watch(self) -> None:
+    def _watch(self, again: bool = False) -> None:
         """Ask the node for its status every `retry_s` (each ask waits at most as long) until
         it answers; then the engine's threads ask it again. A node that answers but refuses
-        this engine (its layout) fails their next call at once, and is watched again."""
+        this engine (its layout) fails their next call at once, and is watched again (`again`:
+        the failure was the one logged before, and its answer is logged at debug too)."""
         while True:
             time.sleep(self.retry_s)
             try:
@@ -436,7 +446,8 @@ class NodeClient:
                 continue
             with self._lock:
                 self._down = False
-            log.info("kvtier: node at %s answers again", self.socket_path)
+            log.log(logging.DEBUG if again else logging.INFO,
+                    "kvtier: node at %s answers again", self.socket_path)
             return
 
     def close(self) -> None:
