@@ -70,3 +70,27 @@ def test_a_full_dev_shm_names_the_slabs_of_earlier_layouts_no_engine_asks_for(
         assert put_chunks(engine, [1], upgraded.bytes_per_chunk) == [False]
     [error] = [r.getMessage() for r in caplog.records if "cannot open" in r.getMessage()]
     assert f"earlier layouts no engine asks for now hold /dev/shm: {old_slab}" in error
+
+
+def test_a_full_dev_shm_is_logged_once_however_often_its_engines_ask(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        in_process_node: Callable[..., AbstractContextManager[NodeServer]]):
+    """Each engine of the refused layout asks again every retry_s (2 s): the node logged an
+    error for each ask, as long as /dev/shm stayed full. The same error is said once."""
+    def no_room(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with in_process_node(node_tiers(tmp_path, ram_chunks=4)) as node, \
+            caplog.at_level(logging.ERROR, "kvtier.node.server"):
+        monkeypatch.setattr(os, "posix_fallocate", no_room)
+        _client, engine = connect(node.config.socket_path, retry_s=0.05)
+
+        def refused_four_times() -> bool:
+            assert put_chunks(engine, [1]) == [False]
+            return int(node.status()["counters"]["refused"]) >= 4
+
+        wait_for(refused_four_times, 30, "the layout refused 4 times")
+        errors = [r.getMessage() for r in caplog.records if "cannot open" in r.getMessage()]
+        assert len(errors) == 1, errors  # before: one per refusal
+        monkeypatch.undo()
+        wait_for(lambda: put_chunks(engine, [1]) == [True], 10, "the layout opened")

@@ -243,6 +243,10 @@ class NodeServer:
         self._layouts: dict[str, _Layout] = {}
         self._lock = threading.Lock()
         self._building = threading.Lock()  # a new layout's tiers opening (`layout_for`)
+        # Layout digest -> why its tiers last failed to open, as logged: each of its engines
+        # asks again every retry_s, and the same error is logged at debug (an error per ask
+        # before, for as long as /dev/shm was full). Held under `_building`.
+        self._failed_builds: dict[str, str] = {}
         self._closing = False  # `shutdown` has begun
         self._leases: dict[int, tuple[int, Lending[ChunkView] | _Puts]] = {}  # -> owner
         self._lease_ids = itertools.count(1)
@@ -393,9 +397,12 @@ class NodeServer:
                                                      hello.weight_files))
         except OSError as exc:  # /dev/shm full (ENOSPC), a tier's directory unwritable
             stale = self._unused_slabs() if exc.errno == errno.ENOSPC else ""
-            log.error("kvtier node: layout %s (%s): its tiers cannot open (%s); engines "
-                      "of this layout are refused until they can%s", digest[:16],
-                      hello.model, exc, stale)
+            said = f"{exc}{stale}"
+            again, self._failed_builds[digest] = self._failed_builds.get(digest) == said, said
+            log.log(logging.DEBUG if again else logging.ERROR,
+                    "kvtier node: layout %s (%s): its tiers cannot open (%s); engines "
+                    "of this layout are refused until they can%s", digest[:16],
+                    hello.model, exc, stale)
             return Refused(f"the node cannot open this layout's tiers: {exc} (its RAM "
                            f"slab is {SHM_DIR / name}){stale}")
         memory = store.tiers[0]
@@ -416,6 +423,7 @@ class NodeServer:
             memory.keep_shared_memory = False  # successor would take it for the one aside)
             store.close(0.0)
             return Refused("the node is stopping")
+        self._failed_builds.pop(digest, None)  # a later failure is news
         store.start_reads()  # the first Borrow's reads start at once
         if self.events is not None:
             self.events.add_layout(store, hello.model, layout.tokens_per_chunk,
