@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import socket
+import stat
 import subprocess
 import sys
 from collections.abc import Callable
@@ -33,6 +34,17 @@ def test_a_stopped_node_removes_its_ipc_socket_file(
     assert node.stop() == 0  # SIGTERM
     assert not events.exists()  # before: left behind, a socket no one listens on
     assert not socket_path.exists()
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o022])
+def test_the_ipc_socket_file_is_the_nodes_groups_whatever_the_umask(
+        tmp_path: Path, socket_path: Path, start_node: Callable[..., NodeProcess], umask: int):
+    """As the node's socket: 0660. Before: 0777 less the umask, so every user could read the
+    prompts' token ids (umask 000), or a router in the node's group could not connect (022)."""
+    events = socket_path.parent / "events.sock"
+    start_node(node_tiers(tmp_path, ram_chunks=4), umask=umask,
+               args=("--events-endpoint", f"ipc://{events}"))
+    assert stat.S_IMODE(events.stat().st_mode) == 0o660
 
 
 def test_a_node_refuses_the_ipc_endpoint_a_running_node_publishes_on(

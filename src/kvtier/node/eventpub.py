@@ -57,8 +57,11 @@ def check_endpoint(endpoint: str, field: str = "events_endpoint") -> str:
 class EventPublisher:
     """A PUB socket and each topic's next seq. One thread at a time (its owner's)."""
 
-    def __init__(self, endpoint: str, field: str = "events_endpoint") -> None:
-        """
+    def __init__(self, endpoint: str, field: str = "events_endpoint",
+                 ipc_mode: int | None = None) -> None:
+        """`ipc_mode`: an ipc:// socket file's mode once bound (None: as the umask leaves
+        it; libzmq binds it 0777 less the umask).
+
         Raises:
             ConfigError: a bad `endpoint` (naming `field`).
             OSError: it cannot be bound (a port in use, a directory missing).
@@ -86,6 +89,8 @@ class EventPublisher:
             raise
         if path is not None:
             with contextlib.suppress(OSError):
+                if ipc_mode is not None:
+                    os.chmod(path, ipc_mode)
                 bound = os.stat(path)
                 self._ipc_file = (path, bound.st_dev, bound.st_ino)
 

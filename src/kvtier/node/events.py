@@ -82,7 +82,9 @@ class NodeEvents:
             ConfigError: a bad `endpoint`.
             OSError: it cannot be bound (a port in use, a directory missing).
         """
-        self._publisher = EventPublisher(endpoint)
+        # An ipc:// file as the node's socket: its group's (a router in it), nobody else's
+        # (the events carry the prompts' token ids).
+        self._publisher = EventPublisher(endpoint, ipc_mode=0o660)
         self.endpoint = self._publisher.endpoint
         self._node = node
         self._block_size = block_size
