@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from nodekit import (
+    LAYOUT,
     NodeProcess,
     borrower,
     connect,
@@ -24,6 +25,7 @@ from nodekit import (
     key,
     lend,
     node_tiers,
+    payload,
     put_chunks,
 )
 
@@ -82,3 +84,22 @@ def test_a_stopped_node_counts_a_timeout_then_unavailable_calls(
         assert engine.stats().failures == {}  # its calls were all answered
     finally:
         node.resume()
+
+
+def test_a_store_planned_before_the_node_was_killed_is_not_counted_stored(
+        tmp_path: Path, start_node: Callable[..., NodeProcess]):
+    """A step's slots reserved, then the node killed (SIGKILL) before its chunks were filled:
+    each commit but the step's last is sent without an answer, and one that could not be sent
+    was still reported stored."""
+    node = start_node(node_tiers(tmp_path, ram_chunks=8))
+    _client, engine = connect(node.socket_path)
+    keys = [key(1), key(2), key(3)]
+    engine.plan_puts(keys, [DEFAULT_META] * len(keys))
+    node.kill()
+    spare = memoryview(bytearray(LAYOUT.bytes_per_chunk))
+    stored = [engine.put_from(k, lambda slot: slot.__setitem__(slice(None), payload(9)), spare)
+              for k in keys]
+    assert stored == [False] * 3  # before: [True, False, False], the first one "stored"
+    stats = engine.stats()
+    assert stats.tiers[0].puts == 0
+    assert stats.failures["node"]["unavailable"] >= 1

@@ -203,16 +203,18 @@ class NodeClient:
             raise NodeUnavailable(f"the node answered {answer!r}")
         return answer
 
-    def tell(self, request: Request) -> None:
+    def tell(self, request: Request) -> bool:
         """Send a request that gets no reply (Commit, Release); a failure only marks the
-        connection broken (its leases end with it on the node)."""
+        connection broken (its leases end with it on the node). False: not sent."""
         sock = getattr(self._local, "sock", None)
         if sock is None or self._local.epoch != self._epoch:
-            return  # the connection that holds the lease is gone: so is the lease
+            return False  # the connection that holds the lease is gone: so is the lease
         try:
             send(sock, request)
         except OSError as exc:
             self._broken(exc, down=False)  # the next call finds out
+            return False
+        return True
 
     def post(self, request: Request) -> bool:
         """Send a request that gets no reply (Describe) on this thread's connection,
@@ -771,7 +773,11 @@ class NodeStore:
             commit = Commit(planned.lease, planned.index, filled, reply=planned.last,
                             data=data)
             if not planned.last:
-                self._client.tell(commit)
+                # Not sent (the node died since the step's Reserve): never stored. It was
+                # counted stored, and put_from said True, for a chunk the node never had.
+                if not self._client.tell(commit) and filled:
+                    self._count_failure(Failure.UNAVAILABLE)
+                    filled = False
             else:  # the step's last: every commit before it is done when it is answered
                 try:
                     self._client.call(commit, Answer)
