@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -156,3 +157,14 @@ def test_kvtier_node_serve_exits_on_sigterm_past_a_hung_write(
     assert stopped_s < STOP_FLUSH_S + 15.0, (stopped_s, log)  # 1.7 s here; never before
     assert "exiting without them" in log and "kvtier-write-disk" in log
     assert not socket_path.exists()
+
+
+def test_a_stop_is_logged_with_its_signal_and_its_end(
+        tmp_path: Path, start_node: Callable[..., NodeProcess]):
+    """The pod's log says why the node went and that it finished (it said nothing: a node
+    killed at the grace period's end and one that stopped cleanly read the same)."""
+    node = start_node(node_tiers(tmp_path, ram_chunks=4))
+    assert node.stop() == 0
+    log = node.log_path.read_text()
+    assert f"kvtier node {node.name!r}: SIGTERM: stopping" in log
+    assert f"kvtier node {node.name!r}: stopped (RAM slabs kept for the next node)" in log

@@ -172,6 +172,10 @@ def _serve(node: NodeServer) -> int:
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
+        if not stop.is_set():  # the pod's log says why the node went, and when it is gone
+            log.info("kvtier node %r: %s: stopping (engines disconnected, writes behind RAM "
+                     "flushed for up to %g s)", node.config.name, signal.Signals(signum).name,
+                     node.config.stop_flush_s)
         stop.set()
         threading.Thread(target=node.shutdown, daemon=True).start()
 
@@ -179,6 +183,8 @@ def _serve(node: NodeServer) -> int:
     signal.signal(signal.SIGINT, on_signal)
     node.serve_forever()
     stop.wait(timeout=60)
+    log.info("kvtier node %r: stopped (RAM slabs %s)", node.config.name,
+             "kept for the next node" if node.config.keep_ram else "removed")
     return 0
 
 
