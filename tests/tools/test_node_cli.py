@@ -48,3 +48,22 @@ def test_serve_refuses_a_config_whose_first_tier_is_not_memory(tmp_path: Path) -
     assert main(["node", "serve", "--config", str(config), "--socket",
                  str(tmp_path / "n.sock")]) == 2
     assert not (tmp_path / "n.sock").exists()
+
+
+def test_status_prints_what_engines_call_themselves_verbatim(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An engine names itself in its Hello (any string), an operator its socket: the table
+    read both as rich markup, mangling them (`[b]` bold, `[/]` its end), or ending `kvtier
+    node status` with a MarkupError (a `[/]` with nothing to close)."""
+    socket_path = tmp_path / "n[b].sock"
+    config = NodeConfig(StoreConfig.parse({"tiers": [{"kind": "memory", "capacity": "1MiB"}]}),
+                        socket_path, name=f"cli-{tmp_path.name}"[:40], keep_ram=False)
+    with running_node(config):
+        client = NodeClient(str(socket_path), LAYOUT, NamespaceInfo("m", "", 0),
+                            engine="gpu[/]0 [bold]x")
+        store = NodeStore(client, LAYOUT.bytes_per_chunk)
+        assert not store.contains(key(1))  # connected: the node knows the engine
+        assert main(["node", "status", "--socket", str(socket_path)]) == 0
+        out = " ".join(capsys.readouterr().out.split())  # the console wraps at 80 columns
+        assert "engines: gpu[/]0 [bold]x" in out and "n[b].sock" in out
+        store.close()

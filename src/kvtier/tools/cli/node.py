@@ -20,6 +20,7 @@ import sys
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from kvtier.errors import NodeUnavailable
@@ -52,9 +53,12 @@ def run_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(status, indent=2))
         return 0
-    console.print(f"node [bold]{status['node']}[/bold] (generation {status['generation']}) "
-                  f"on {status['socket']}: {status['connections']} connections, "
-                  f"{status['leases']} leases; engines: {', '.join(status['engines']) or '-'}")
+    # Escaped: an engine names itself in its Hello (any string): read as markup, `gpu[/]0`
+    # ended the command with a MarkupError.
+    console.print(f"node [bold]{escape(status['node'])}[/bold] (generation "
+                  f"{status['generation']}) on {escape(status['socket'])}: "
+                  f"{status['connections']} connections, {status['leases']} leases; engines: "
+                  f"{escape(', '.join(status['engines'])) or '-'}")
     if status.get("events_endpoint"):
         console.print(f"KV events on {status['events_endpoint']} "
                       f"(topics kv@node:{status['node']}@<model>)", markup=False)
