@@ -11,7 +11,11 @@ expiry must not come back at a restart. At start-up the tier reads it, applies t
 chunks it still holds, and rewrites it compacted (a temp file renamed into place); it is
 compacted again once it holds many more lines than chunks with metadata. Tenants are
 `tenant_id`s (hashes), never salts. The file is untrusted input: a line that does not parse
-or has the wrong types is skipped (and counted); nothing is unpickled.
+or has the wrong types is skipped (and counted); nothing is unpickled. Nor is a link followed
+(O_NOFOLLOW), and the temp file is a new one (O_EXCL): whoever could write in the directory
+(one another user made before the tier did) and planted `retention.jsonl` or the temp's name as
+a symlink to the tier's user's files had the tier append JSON lines to, or truncate and
+overwrite, its target (tests/faults/test_journal_symlinks.py).
 
 Primitives: `RetentionJournal`.
 """
@@ -31,6 +35,8 @@ from kvtier.core.retention import DEFAULT_META, ChunkMeta
 
 log = logging.getLogger(__name__)
 JOURNAL_NAME = "retention.jsonl"
+# Opened without following a link at the name (a link there: ELOOP, an error not a write).
+_NO_LINKS = os.O_NOFOLLOW | os.O_CLOEXEC
 COMPACT_SLACK_LINES = 4096  # appended lines beyond the live entries before a compaction
 
 
@@ -50,7 +56,9 @@ class RetentionJournal:
         """Every key's last metadata (an absent or unreadable journal: none)."""
         entries: dict[ChunkKey, ChunkMeta] = {}
         try:
-            text = self.path.read_text(encoding="utf-8", errors="replace")
+            with os.fdopen(os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | _NO_LINKS), "rb"
+                           ) as file:
+                text = file.read().decode("utf-8", errors="replace")
         except FileNotFoundError:
             return entries
         except OSError as exc:
@@ -82,7 +90,8 @@ class RetentionJournal:
             if not lines and not self.path.exists():
                 return  # nothing to keep: no file
             try:
-                fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                temp.unlink(missing_ok=True)  # a dead process's of this pid (a link: itself)
+                fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NO_LINKS, 0o600)
                 with os.fdopen(fd, "w", encoding="utf-8") as out:
                     out.writelines(lines)
                 os.replace(temp, self.path)
@@ -117,7 +126,7 @@ class RetentionJournal:
                        live_entries: int) -> bool:
         """`data` (`key`'s line of `meta`) appended to the file; lock held."""
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NO_LINKS, 0o600)
             try:
                 os.write(fd, data)
             finally:
