@@ -351,6 +351,9 @@ class NodeServer:
             layout = msgspec.convert(hello.layout, KVLayout)
         except (msgspec.ValidationError, ConfigError) as exc:
             return Refused(f"bad layout: {exc}")
+        unservable = self._unservable(layout)
+        if unservable is not None:
+            return Refused(unservable)
         digest = layout.digest()
         with self._lock:
             known = self._layouts.get(digest)
@@ -384,6 +387,21 @@ class NodeServer:
         threading.Thread(target=self._recover, args=(digest, known.memory), daemon=True,
                          name=f"kvtier-recover-{digest[:8]}").start()
         return known
+
+    def _unservable(self, layout: KVLayout) -> str | None:
+        """Why no chunk of `layout` could pass through this node (None: some could): its RAM
+        has no slot of its size and a frame cannot carry it (a SEND). Refused before its tiers
+        are built: a Hello of absurd sizes (any user of the node's group may send one) raised
+        from its slab's header with a traceback, left its /dev/shm file behind, and one just
+        below that took one of `max_layouts` for a layout that stores nothing
+        (tests/node/test_node_hostile_layouts.py)."""
+        chunk_bytes = layout.bytes_per_chunk
+        capacity = self.config.store.tiers[0].capacity
+        if chunk_bytes <= capacity or chunk_bytes < MAX_FRAME // 2:
+            return None
+        return (f"bad layout: a chunk of {chunk_bytes} B; the node's RAM (tiers[0].capacity "
+                f"{capacity} B) has no slot of that size and a message carries at most "
+                f"{MAX_FRAME // 2} B of chunk")
 
     def _build(self, digest: str, layout: KVLayout, hello: Hello) -> _Layout | Refused:
         """Open the tiers of a new layout and enter it (unless the node stopped meanwhile)."""
