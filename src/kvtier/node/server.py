@@ -491,8 +491,8 @@ class NodeServer:
             # The connection's spares may still take an earlier lending's late reads (a run
             # cut at the frame's bound): this one reads into spares of its own.
             spares = []
-        while len(spares) < len(keys):
-            spares.append(memoryview(mmap.mmap(-1, layout.memory.chunk_bytes)))
+        if len(spares) < len(keys):
+            spares.extend(_spare_buffers(len(keys) - len(spares), layout.memory.chunk_bytes))
         started = time.monotonic()
         until = None if request.budget_s is None else started + request.budget_s
         # The connection's own list: a spare a late read may still write into is replaced
@@ -700,6 +700,20 @@ class NodeServer:
         """A connection accepted (ended by `shutdown` if still open then)."""
         with self._lock:
             self._sockets[owner] = sock
+
+
+def _spare_buffers(count: int, chunk_bytes: int) -> list[memoryview]:
+    """`count` page-aligned buffers of `chunk_bytes`, all in one anonymous mapping (its pages
+    taken only when a read writes them). A mapping each, as before, let one Borrow of as many
+    keys as a frame holds take the process's `vm.max_map_count`: every other engine's next
+    buffer failed (ENOMEM) and its connection dropped (tests/node/test_node_borrow_mappings.py).
+
+    Raises:
+        OSError: ENOMEM, the mapping is larger than the kernel allows (the connection ends).
+    """
+    stride = -(-chunk_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
+    whole = memoryview(mmap.mmap(-1, count * stride))
+    return [whole[i * stride:i * stride + chunk_bytes] for i in range(count)]
 
 
 def _sendable(put: PendingPut) -> bool:
