@@ -19,6 +19,8 @@ aside (`<name>.old`, still mapped by engines of the old node: their late writes 
 never in the new slab); `recoverable` then yields each chunk of a valid record whose bytes
 still hash to its checksum (a torn or scribbled slot is dropped, counted), with its meta, to
 be put into the new slab (one whose expiry has passed is not), and the old file is removed.
+Only a file of the node's own user is recovered: /dev/shm is writable by every user, and a
+slab's name is listed there, so another user could plant one of forged chunks at it.
 The file's pages are allocated when it is created (posix_fallocate): charged to the node,
 never to the engine that first writes a slot.
 
@@ -44,6 +46,7 @@ import fcntl
 import logging
 import mmap
 import os
+import stat
 import struct
 import threading
 import time
@@ -204,7 +207,7 @@ class SharedSlab:
         try:
             yield from self._recover(self.old, now_s)
         finally:
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(FileNotFoundError, PermissionError):  # another user's
                 self.old.unlink()
             self.old = None
 
@@ -212,7 +215,15 @@ class SharedSlab:
                  ) -> Iterator[tuple[ChunkKey, memoryview, ChunkMeta]]:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            size = os.fstat(fd).st_size
+            found = os.fstat(fd)
+            if found.st_uid != os.geteuid() or not stat.S_ISREG(found.st_mode):
+                # Any user may write /dev/shm and read a slab's name off it: a file another
+                # user planted there would have had its forged chunks lent to the engines
+                # (tests/cache/test_slab_foreign_files.py).
+                log.warning("%s: not a slab of this node's user (uid %d, not %d); not "
+                            "recovered", path, found.st_uid, os.geteuid())
+                return
+            size = found.st_size
             if size < _FOOTER.size:
                 return
             old = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
