@@ -46,6 +46,10 @@ from kvtier.tiers.eventblocks import ParentsFirst, router_blocks
 from kvtier.tiers.eventfacts import ChunkInfo, ChunkTokens, EventPlace, event_place
 
 log = logging.getLogger(__name__)
+TOKEN_BYTES = 4  # a token id in a description (`Described.token_ids`: little-endian int32)
+# The longest cache salt or LoRA name a description keeps (vLLM bounds neither; a longer one
+# only costs routers the hint of that chunk).
+MAX_NAME_CHARS = 4096
 Event = BlockStored | BlockRemoved | AllBlocksCleared
 
 
@@ -95,6 +99,8 @@ class NodeEvents:
         self._lock = threading.Lock()
         self._sources: list[_Source] = []
         self._tokens: dict[str, ChunkTokens] = {}  # model -> its recent chunks' tokens
+        # model -> the most tokens a chunk of its layouts holds: what a description may carry
+        self._chunk_tokens: dict[str, int] = {}
         self._topics: set[str] = set()  # the topics announced
         self._clear: set[str] = set()  # topics whose next batch starts with AllBlocksCleared
         log.info("kvtier node: KV events on %s (topics %s)", endpoint,
@@ -120,6 +126,7 @@ class NodeEvents:
             self._sources.append(_Source(store, model, topic, tokens_per_chunk, block,
                                          announce))
             self._tokens.setdefault(model, ChunkTokens(self._max_chunks))
+            self._chunk_tokens[model] = max(self._chunk_tokens.get(model, 0), tokens_per_chunk)
             if announce and topic not in self._topics:
                 self._topics.add(topic)
                 if clear:
@@ -127,13 +134,22 @@ class NodeEvents:
 
     def describe(self, model: str, chunks: Iterable[Described]) -> None:
         """Remember the token ids of chunks an engine of `model` plans to store (any
-        connection's thread)."""
+        connection's thread). A description larger than a chunk of the model's holds (token
+        ids past its tokens, a salt or LoRA name past `MAX_NAME_CHARS`) is not kept: the
+        count of descriptions is bounded, and such ones, from any user of the node's group,
+        held a frame's bytes each (16,384 of 64 MiB: the node's memory many times over;
+        tests/node/test_node_describe_bounds.py)."""
         described = 0
         with self._lock:
             tokens = self._tokens.get(model)
             if tokens is None:
                 return
+            most = self._chunk_tokens[model] * TOKEN_BYTES
             for chunk in chunks:
+                if len(chunk.token_ids) > most or len(chunk.token_ids) % TOKEN_BYTES \
+                        or len(chunk.cache_salt or "") > MAX_NAME_CHARS \
+                        or len(chunk.lora_name or "") > MAX_NAME_CHARS:
+                    continue
                 tokens.remember(ChunkKey(chunk.key), ChunkInfo(
                     None if chunk.parent is None else ChunkKey(chunk.parent), chunk.token_ids,
                     chunk.lora_name, chunk.cache_salt))
