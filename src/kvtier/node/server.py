@@ -816,6 +816,15 @@ class _Server(socketserver.ThreadingUnixStreamServer):
     request_queue_size = socket.SOMAXCONN  # engines reconnecting at once after a restart
     node: NodeServer
 
+    def server_bind(self) -> None:
+        """Bind the socket's file as the node's alone (0600, narrowed by the umask; Linux
+        takes a unix socket's file mode from its inode), widened to its group by `NodeServer`
+        once bound: bound with the process's mode bits, under umask 0 the file was 0777 until
+        that chmod, and any user of the host who connected meanwhile kept a connection
+        (tests/node/test_node_socket_bind.py)."""
+        os.fchmod(self.socket.fileno(), 0o600)
+        super().server_bind()
+
 
 class _Handler(socketserver.BaseRequestHandler):
     """One connection: its requests in order, on its own thread."""
