@@ -19,8 +19,12 @@ An empty `path` is refused before any of this: pathlib reads "" as ".", the work
 directory of whichever process opens the tier (a vLLM worker's, a cron job's), so a template
 whose variable came out empty (`path: "${KVTIER_DIR}"`) would fill a directory nobody chose.
 
-Primitives: `TierDirectory` (the `path` field's type), `check_directory`, `KERNEL_FILESYSTEMS`,
-`CHECK_TIMEOUT_S`.
+A `disk` tier's directory is its own: once the tier has made (or found) it, `check_owned`
+refuses one another user could have put chunk files in (its layout directory not this user's,
+or its root another user's but root's), since such files would be served as KV.
+
+Primitives: `TierDirectory` (the `path` field's type), `check_directory`, `check_owned`,
+`KERNEL_FILESYSTEMS`, `CHECK_TIMEOUT_S`.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from typing import Annotated
 from pydantic import BeforeValidator
 
 from kvtier.core.stall import call_within
+from kvtier.errors import ConfigError
 
 log = logging.getLogger(__name__)
 CHECK_TIMEOUT_S = 5.0
@@ -78,6 +83,32 @@ def check_directory(path: Path, *, read_only_ok: bool) -> Path:
         log.warning("kvtier: directory %s did not answer within %g s (a dead mount?): not "
                     "checked", path, CHECK_TIMEOUT_S)
     return path
+
+
+def check_owned(field: str, root: Path, directory: Path) -> None:
+    """Check that no other user could have put chunk files in a disk tier's `directory` (its
+    layout directory, under `root`): the directory must be this user's, and the root and each
+    directory above it this user's or root's (whoever owns one may swap the directories in it
+    at any time, as OpenSSH's StrictModes has it for ~/.ssh). A path
+    another user made first (/tmp/kvtier, made by someone else before the tier ran) had its
+    chunk files served as KV, forged ones included (tests/faults/test_foreign_disk_directory.py).
+
+    Raises:
+        ConfigError: `field` (the tier's path), naming the directory and its owner.
+    """
+    me = os.geteuid()
+    real = Path(os.path.realpath(root))
+    checks = [(directory, (me,)), *((above, (me, 0)) for above in (real, *real.parents))]
+    for path, allowed in checks:
+        try:
+            owner = os.stat(path, follow_symlinks=False).st_uid
+        except FileNotFoundError:  # a read-only root without the layout's directory: empty
+            continue
+        if owner not in allowed:
+            raise ConfigError(field, str(root),
+                              f"a directory of this user's (uid {me}): {path} belongs to uid "
+                              f"{owner}, who could put chunk files in it that would be served "
+                              f"as KV; give a directory this user owns (or creates)")
 
 
 def _check(path: Path, read_only_ok: bool) -> None:

@@ -72,7 +72,7 @@ from kvtier.errors import CorruptChunk, KeyNotHeld
 from kvtier.tiers.encoding import EncodedTierSettings, build_encoder
 from kvtier.tiers.files.chunkfiles import ChunkFiles
 from kvtier.tiers.files.chunktree import FileInventory, FileProbe, walk_chunks
-from kvtier.tiers.files.directories import TierDirectory, check_directory
+from kvtier.tiers.files.directories import TierDirectory, check_directory, check_owned
 from kvtier.tiers.files.linkfile import measure_directory, probe_bytes
 from kvtier.tiers.files.manifests import write_file_manifest
 from kvtier.tiers.files.owner import DirectoryOwner, refuse_owned
@@ -145,13 +145,15 @@ class DiskTier:
 
         Raises:
             DirectoryInUse: another open disk tier owns the layout directory (until it
-                closes, or its process ends); OSError: the directory cannot be used.
+                closes, or its process ends); OSError: the directory cannot be used;
+            ConfigError: another user could have put chunk files in it (`check_owned`).
         """
         self.name = config.tier_name
         self._write_failed = ThrottledWarning(log)  # every write, on an unwritable disk
         self.capacity_bytes = config.capacity
         self.files = ChunkFiles(config.path, layout.digest(), layout.bytes_per_chunk,
                                 config.o_direct, encoder=build_encoder(config, layout))
+        check_owned(f"{self.name}.path", self.files.root, self.files.directory)
         self.file_bytes = self.files.file_bytes  # a chunk stored as is (encoded: at most)
         self._index: dict[ChunkKey, int] = {}  # key -> its file's bytes
         self._used_bytes = 0  # held + reserved by writes in flight
