@@ -36,6 +36,7 @@ HELD, SKIPPED, SEND = -1, -2, -3
 RAM_TIER, BELOW_TIER = "node", "node-below"
 MAX_FRAME = 64 << 20  # bytes: far above any control message (a frame past it is garbage)
 _LENGTH = struct.Struct(">I")
+_PIECE = 1 << 20  # bytes a frame is read by: memory follows the bytes that came, not a header
 # A chunk's key on the wire: a message with a key of another length is refused as it decodes.
 Key = Annotated[bytes, msgspec.Meta(min_length=KEY_BYTES, max_length=KEY_BYTES)]
 
@@ -277,14 +278,18 @@ def _read_frame(sock: socket.socket) -> bytes | None:
 
 
 def _read_exactly(sock: socket.socket, size: int) -> bytes | None:
-    """`size` bytes, or None at a clean end of stream before the first byte."""
-    buffer = bytearray(size)
-    view, got = memoryview(buffer), 0
+    """`size` bytes, or None at a clean end of stream before the first byte. Read in pieces
+    of at most `_PIECE` bytes: a buffer of the length a header announced, allocated at once,
+    let any peer hold a frame's bound of the node's memory a connection by sending a header
+    and nothing more (tests/node/test_node_frame_memory.py)."""
+    pieces: list[bytes] = []
+    got = 0
     while got < size:
-        n = sock.recv_into(view[got:])
-        if n == 0:
+        piece = sock.recv(min(size - got, _PIECE))
+        if not piece:
             if got == 0:
                 return None
             raise ConnectionResetError("the connection closed mid-message")
-        got += n
-    return bytes(buffer)
+        pieces.append(piece)
+        got += len(piece)
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
