@@ -30,6 +30,7 @@ from pydantic import (
 )
 
 from kvtier.errors import ConfigError, FieldError, TierConfigError
+from kvtier.redaction import MASK, secret_field
 from kvtier.units import parse_size
 
 ByteSize = Annotated[int, BeforeValidator(lambda v: parse_size(v, "capacity")), Field(ge=0)]
@@ -115,6 +116,8 @@ def parse_model(model: type[Model], data: Any, where: str,
         if error["type"] == "extra_forbidden":
             allowed = "unknown field; allowed fields: " + ", ".join(
                 sorted(_model_at(model, loc[:-1]).model_fields))
+            if secret_field(loc[-1]):  # `password: ...` where no such field is
+                value = MASK
         raise ConfigError(field, value, allowed) from None
 
 

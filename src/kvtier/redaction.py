@@ -9,7 +9,8 @@ the redis tier's log lines (issue 12, item 8).
 
 Imports nothing of kvtier (kvtier.errors uses it).
 
-Primitives: `MASK`, `url_credentials`, `redact`, `redact_text`, `redact_value`.
+Primitives: `MASK`, `url_credentials`, `redact`, `redact_text`, `redact_value`,
+`secret_field`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,13 @@ _BARE_USERINFO = re.compile(r"(?<![:/\w@])([\w.~%+-]*):([^\s@/'\"]+)@")
 def _secret_name(name: str) -> bool:
     lowered = unquote(name).lower()
     return any(word in lowered for word in SECRET_WORDS)
+
+
+def secret_field(name: object) -> bool:
+    """Whether a config field named `name` would hold a credential by its name (`password`,
+    `secret`, `auth`, `credentials`, `*_key`...): a config error about an unknown field of
+    such a name shows MASK for its value (tests/cache/test_unknown_secret_fields.py)."""
+    return isinstance(name, str) and (_secret_name(name) or "key" in name.lower())
 
 
 def url_credentials(url: str) -> list[str]:

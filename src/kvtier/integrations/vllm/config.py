@@ -27,6 +27,7 @@ from kvtier.errors import ConfigError
 from kvtier.node.eventpub import check_endpoint
 from kvtier.node.protocol import BELOW_TIER as NODE_BELOW_TIER
 from kvtier.node.protocol import RAM_TIER as NODE_TIER
+from kvtier.redaction import MASK, secret_field
 from kvtier.tiers.storeconfig import StoreConfig
 
 logger = logging.getLogger(__name__)
@@ -173,8 +174,8 @@ class ConnectorConfig:
         allowed = cls.known_keys()
         unknown = sorted(set(extra) - allowed, key=str)  # a YAML key may be a number
         if unknown:
-            raise ConfigError(f"{where}.{unknown[0]}", extra[unknown[0]],
-                              f"a known key: {sorted(allowed)}")
+            value = MASK if secret_field(unknown[0]) else extra[unknown[0]]
+            raise ConfigError(f"{where}.{unknown[0]}", value, f"a known key: {sorted(allowed)}")
         values = {k: extra.pop(k) for k in CONNECTOR_KEYS if k in extra}
         for name, value in values.items():
             choices = {"load_mode": LOAD_MODES, "store_mode": STORE_MODES,
