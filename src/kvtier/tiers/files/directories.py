@@ -20,8 +20,8 @@ directory of whichever process opens the tier (a vLLM worker's, a cron job's), s
 whose variable came out empty (`path: "${KVTIER_DIR}"`) would fill a directory nobody chose.
 
 A `disk` tier's directory is its own: once the tier has made (or found) it, `check_owned`
-refuses one another user could have put chunk files in (its layout directory not this user's,
-or its root another user's but root's), since such files would be served as KV.
+refuses a layout directory another user owns (they could have put chunk files in it, which
+would be served as KV), and warns of a root under another user's directory.
 
 Primitives: `TierDirectory` (the `path` field's type), `check_directory`, `check_owned`,
 `KERNEL_FILESYSTEMS`, `CHECK_TIMEOUT_S`.
@@ -41,6 +41,7 @@ from kvtier.errors import ConfigError
 
 log = logging.getLogger(__name__)
 CHECK_TIMEOUT_S = 5.0
+_warned_owners: set[str] = set()  # directories of other users' a tier's path is under, logged
 
 KERNEL_FILESYSTEMS = (Path("/proc"), Path("/sys"))
 _FIX = ("give a directory on a local or shared filesystem that exists and is writable by this "
@@ -87,28 +88,39 @@ def check_directory(path: Path, *, read_only_ok: bool) -> Path:
 
 def check_owned(field: str, root: Path, directory: Path) -> None:
     """Check that no other user could have put chunk files in a disk tier's `directory` (its
-    layout directory, under `root`): the directory must be this user's, and the root and each
-    directory above it this user's or root's (whoever owns one may swap the directories in it
-    at any time, as OpenSSH's StrictModes has it for ~/.ssh). A path
-    another user made first (/tmp/kvtier, made by someone else before the tier ran) had its
-    chunk files served as KV, forged ones included (tests/faults/test_foreign_disk_directory.py).
+    layout directory, under `root`): it must be this user's (the tier makes it, 0700: one
+    another user made first, a /tmp/kvtier squatted before the tier ran, had its chunk files
+    served as KV, forged ones included: tests/faults/test_foreign_disk_directory.py). A `root`
+    or a directory above it of another user but root's (who may swap the directories in it at
+    any time, as OpenSSH's StrictModes has it for ~/.ssh) is a warning, not a refusal: an
+    engine in a container, as root, on a volume its host's user owns is the common case.
 
     Raises:
         ConfigError: `field` (the tier's path), naming the directory and its owner.
     """
     me = os.geteuid()
+    try:
+        owner = os.stat(directory, follow_symlinks=False).st_uid
+    except FileNotFoundError:  # a read-only root without the layout's directory: empty
+        owner = me
+    if owner != me:
+        raise ConfigError(field, str(root),
+                          f"a directory of this user's (uid {me}): {directory} belongs to uid "
+                          f"{owner}, who could put chunk files in it that would be served "
+                          f"as KV; give a directory this user owns (or creates)")
     real = Path(os.path.realpath(root))
-    checks = [(directory, (me,)), *((above, (me, 0)) for above in (real, *real.parents))]
-    for path, allowed in checks:
+    for above in (real, *real.parents):
         try:
-            owner = os.stat(path, follow_symlinks=False).st_uid
-        except FileNotFoundError:  # a read-only root without the layout's directory: empty
+            owner = os.stat(above, follow_symlinks=False).st_uid
+        except FileNotFoundError:
             continue
-        if owner not in allowed:
-            raise ConfigError(field, str(root),
-                              f"a directory of this user's (uid {me}): {path} belongs to uid "
-                              f"{owner}, who could put chunk files in it that would be served "
-                              f"as KV; give a directory this user owns (or creates)")
+        if owner not in (me, 0) and str(above) not in _warned_owners:
+            _warned_owners.add(str(above))
+            log.warning("%s %s: %s belongs to uid %d, who could replace the tier's directory "
+                        "with one of their chunk files (served as KV): use a directory only "
+                        "this user (uid %d) and root own, unless uid %d is trusted", field,
+                        root, above, owner, me, owner)
+            return
 
 
 def _check(path: Path, read_only_ok: bool) -> None:
