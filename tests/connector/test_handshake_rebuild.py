@@ -22,7 +22,8 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -121,6 +122,41 @@ def wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = 10) ->
         time.sleep(0.02)
 
 
+def handshake(shell: KVTierConnector) -> None:
+    """vLLM's handshake: both TP ranks' workers built the model in namespace "b" * 32."""
+    shell.set_xfer_handshake_metadata({0: WorkerIdentity("b" * 32, 0),
+                                       1: WorkerIdentity("b" * 32, 0)})
+
+
+def replace_after_a_lookup(shell: KVTierConnector, count: Callable[[], int], what: str) -> None:
+    """A lookup (each TP rank's layout's probe connects), then the handshake replaces the
+    side: after the new side's lookup, `count` (what the probes hold open) comes back to one
+    side's."""
+    assert look_up(shell, "r1") == 0
+    one_side = count()
+    assert one_side >= 2  # a TP rank's layout's at least each
+    old = shell._scheduler  # kept: closed must not wait for the collector
+    handshake(shell)
+    assert shell._scheduler is not old
+    assert look_up(shell, "r2") == 0
+    wait_for(lambda: count() == one_side, what)
+
+
+@contextmanager
+def node_socket(tag: str) -> Iterator[NodeConfig]:
+    """The config of a node with a 1 MiB RAM tier, its socket in a directory of its own
+    (AF_UNIX paths are short), its slabs removed after."""
+    folder = Path(tempfile.mkdtemp(prefix="kvn-", dir="/tmp"))
+    name = f"t{os.getpid()}-{tag}"
+    try:
+        yield NodeConfig(StoreConfig.parse({"tiers": [{"kind": "memory", "capacity": "1MiB"}]}),
+                         folder / "node.sock", name=name)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        for left in Path("/dev/shm").glob(f"kvtier-{name}*"):
+            left.unlink(missing_ok=True)
+
+
 def test_the_replaced_scheduler_closes_its_redis_probes_connections(
         redis_server: RedisServer) -> None:
     admin = redis_server.client()
@@ -131,15 +167,7 @@ def test_the_replaced_scheduler_closes_its_redis_probes_connections(
     shell = connector_shell({"tiers": [
         {"kind": "redis", "url": redis_server.url, "capacity": "1MiB"}]})
     try:
-        assert look_up(shell, "r1") == 0  # the probe of each TP rank's layout connects
-        one_side = connections()
-        assert one_side >= 2
-        old = shell._scheduler  # kept: closed must not wait for the collector
-        shell.set_xfer_handshake_metadata({0: WorkerIdentity("b" * 32, 0),
-                                           1: WorkerIdentity("b" * 32, 0)})
-        assert shell._scheduler is not old
-        assert look_up(shell, "r2") == 0
-        wait_for(lambda: connections() == one_side, "the old probes' connections to close")
+        replace_after_a_lookup(shell, connections, "the old probes' connections to close")
     finally:
         if shell._scheduler is not None:
             shell._scheduler.close()
@@ -154,49 +182,24 @@ def test_the_replaced_scheduler_ends_its_s3_probes_lookup_threads(
     shell = connector_shell({"tiers": [
         {"kind": "s3", "capacity": "1MiB", **s3_session.settings()}]})
     try:
-        assert look_up(shell, "r1") == 0
-        one_side = lookup_threads()
-        assert one_side >= 2  # a TP rank's layout's at least each
-        old = shell._scheduler  # kept: closed must not wait for the collector
-        shell.set_xfer_handshake_metadata({0: WorkerIdentity("b" * 32, 0),
-                                           1: WorkerIdentity("b" * 32, 0)})
-        assert shell._scheduler is not old
-        assert look_up(shell, "r2") == 0
-        wait_for(lambda: lookup_threads() == one_side, "the old probes' threads to end")
+        replace_after_a_lookup(shell, lookup_threads, "the old probes' threads to end")
     finally:
         if shell._scheduler is not None:
             shell._scheduler.close()
 
 
 def test_the_replaced_scheduler_closes_its_connections_to_the_node() -> None:
-    """Node mode: each TP rank's layout has a client of the node, connected as the side is
-    built; the node counts the connections it serves."""
-    folder = Path(tempfile.mkdtemp(prefix="kvn-", dir="/tmp"))  # AF_UNIX paths are short
-    name = f"t{os.getpid()}-rebuild"
-    config = NodeConfig(StoreConfig.parse({"tiers": [{"kind": "memory", "capacity": "1MiB"}]}),
-                        folder / "node.sock", name=name)
-    try:
-        with running_node(config) as node:
-            shell = connector_shell({"node": str(config.socket_path)})
-            try:
-                assert look_up(shell, "r1") == 0  # the client of each TP rank's layout
-                one_side = node.status()["connections"]
-                assert one_side >= 2
-                old = shell._scheduler  # kept: closed must not wait for the collector
-                shell.set_xfer_handshake_metadata({0: WorkerIdentity("b" * 32, 0),
-                                                   1: WorkerIdentity("b" * 32, 0)})
-                assert shell._scheduler is not old
-                assert look_up(shell, "r2") == 0
-                wait_for(lambda: node.status()["connections"] == one_side,
-                         "the old side's connections to the node to end")
-            finally:
-                if shell._scheduler is not None:
-                    shell._scheduler.close()
-            wait_for(lambda: node.status()["connections"] == 0, "every connection to end")
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-        for left in Path("/dev/shm").glob(f"kvtier-{name}*"):
-            left.unlink(missing_ok=True)
+    """Node mode: each TP rank's layout has a client of the node, connected at its first
+    lookup; the node counts the connections it serves."""
+    with node_socket("rebuild") as config, running_node(config) as node:
+        shell = connector_shell({"node": str(config.socket_path)})
+        try:
+            replace_after_a_lookup(shell, lambda: int(node.status()["connections"]),
+                                   "the old side's connections to the node to end")
+        finally:
+            if shell._scheduler is not None:
+                shell._scheduler.close()
+        wait_for(lambda: node.status()["connections"] == 0, "every connection to end")
 
 
 def test_a_scheduler_replaced_before_any_lookup_leaves_no_layout_on_the_node() -> None:
@@ -204,23 +207,13 @@ def test_a_scheduler_replaced_before_any_lookup_leaves_no_layout_on_the_node() -
     the node with its namespace's layouts (the node holds a RAM slab for each, for as long as
     it runs). Before: building the side asked its first layout's welcome (whether the node has
     tiers below RAM), which left that layout of a namespace no one uses on the node."""
-    folder = Path(tempfile.mkdtemp(prefix="kvn-", dir="/tmp"))
-    name = f"t{os.getpid()}-lazy"
-    config = NodeConfig(StoreConfig.parse({"tiers": [{"kind": "memory", "capacity": "1MiB"}]}),
-                        folder / "node.sock", name=name)
-    try:
-        with running_node(config) as node:
-            shell = connector_shell({"node": str(config.socket_path)})
-            try:
-                assert node.status()["layouts"] == {}
-                shell.set_xfer_handshake_metadata({0: WorkerIdentity("b" * 32, 0),
-                                                   1: WorkerIdentity("b" * 32, 0)})
-                assert look_up(shell, "r1") == 0
-                assert len(node.status()["layouts"]) == 2  # the workers' namespace's only
-            finally:
-                if shell._scheduler is not None:
-                    shell._scheduler.close()
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-        for left in Path("/dev/shm").glob(f"kvtier-{name}*"):
-            left.unlink(missing_ok=True)
+    with node_socket("lazy") as config, running_node(config) as node:
+        shell = connector_shell({"node": str(config.socket_path)})
+        try:
+            assert node.status()["layouts"] == {}
+            handshake(shell)
+            assert look_up(shell, "r1") == 0
+            assert len(node.status()["layouts"]) == 2  # the workers' namespace's only
+        finally:
+            if shell._scheduler is not None:
+                shell._scheduler.close()
