@@ -3,16 +3,22 @@
 A load that fails leaves blocks unfilled under a forward pass that vLLM runs anyway. So the
 blocks each plan loads are remembered for LOAD_CONFIRM_STEPS plans, and a store planned
 meanwhile names those its request's prefix depends on (`RecentLoads.before`), so that a
-worker can refuse it. The workers report the blocks whose load failed; the next plan
-acknowledges them (vLLM recomputes them from then on: stores need no longer avoid them).
-Chunks whose load found nothing, and stores the workers refused, are planned again, to be
-stored once vLLM has recomputed them (`LoadFailures.learn`).
+worker can refuse it. A load writes only into blocks vLLM just allocated to its request,
+never into blocks a request holds: so each of a request's blocks is checked once, when it
+first comes within a store's prefix, and a long prefill (a 128k-token prompt in 2k-token
+steps) or decode checks its new blocks each plan, not its whole prefix again.
+
+The workers report the blocks whose load failed; the next plan acknowledges them (vLLM
+recomputes them from then on: stores need no longer avoid them). Chunks whose load found
+nothing, and stores the workers refused, are planned again, to be stored once vLLM has
+recomputed them (`LoadFailures.learn`).
 
 Scheduler side, one thread. Primitives: `LoadFailures`, `RecentLoads`, `LOAD_CONFIRM_STEPS`.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -28,13 +34,15 @@ LOAD_CONFIRM_STEPS = 4
 
 @dataclass(frozen=True, slots=True)
 class RecentLoads:
-    """The recently loaded blocks of a request's prefix."""
+    """The recently loaded blocks of a request's prefix, by position."""
 
-    blocks: tuple[tuple[int, int], ...] = ()  # (position in its group, block id)
+    positions: tuple[int, ...] = ()  # ascending: each one's position in its group
+    blocks: tuple[int, ...] = ()  # block ids, at `positions`
 
     def before(self, end: int) -> tuple[int, ...]:
-        """Those at positions before `end`: the blocks a chunk ending there depends on."""
-        return tuple(b for i, b in self.blocks if i < end)
+        """Those at positions before `end`: the blocks a chunk ending there depends on (a
+        slice: the stores of a request's chunks cost no walk of its loaded blocks each)."""
+        return self.blocks[:bisect_left(self.positions, end)]
 
 
 class LoadFailures:
@@ -44,6 +52,8 @@ class LoadFailures:
         self._recent_loads: dict[int, int] = {}  # block -> the plan that loads it
         # Blocks whose failed load a worker reported, to acknowledge in the next plan.
         self._acked_failed_blocks: set[int] = set()
+        # Blocks checked for recent loads so far (`recent_loads`): what a plan's stores cost.
+        self.blocks_checked = 0
 
     def start_plan(self, meta: KVTierMetadata) -> None:
         """Acknowledge, in plan `meta` (its loads set), the failures reported since the last
@@ -57,14 +67,28 @@ class LoadFailures:
             oldest = meta.step - LOAD_CONFIRM_STEPS
             self._recent_loads = {b: s for b, s in self._recent_loads.items() if s > oldest}
 
-    def recent_loads(self, attention: list[list[int]], num_blocks: int) -> RecentLoads:
+    def recent_loads(self, state: RequestState, attention: list[list[int]],
+                     num_blocks: int) -> RecentLoads:
         """The recently loaded blocks among the first `num_blocks` of each attention group
-        (`attention`: a request's blocks per group); usually none."""
+        (`attention`: the request's blocks per group); usually none. Blocks checked by an
+        earlier call are not checked again (a held block is never loaded into: see above);
+        those found then are kept while their load is recent."""
+        checked = state.loads_checked_blocks
+        upto = min(num_blocks, min((len(ids) for ids in attention), default=0))
         if not self._recent_loads:
+            state.recent_loaded = []
+            state.loads_checked_blocks = max(checked, upto)
             return RecentLoads()
-        return RecentLoads(tuple((i, b) for ids in attention
-                                 for i, b in enumerate(ids[:num_blocks])
-                                 if b in self._recent_loads))
+        found = [(i, b) for i, b in state.recent_loaded if b in self._recent_loads]
+        if upto > checked:
+            self.blocks_checked += len(attention) * (upto - checked)
+            found += sorted((i, b) for ids in attention
+                            for i, b in enumerate(ids[checked:upto], checked)
+                            if b in self._recent_loads)
+            state.loads_checked_blocks = upto
+        state.recent_loaded = found
+        within = found[:bisect_left(found, (num_blocks, -1))]
+        return RecentLoads(tuple(i for i, _ in within), tuple(b for _, b in within))
 
     def learn(self, report: KVTierWorkerMetadata, requests: Iterable[RequestState]) -> None:
         """Take in the blocks whose load failed, and plan again the chunks of `requests` that

@@ -81,6 +81,18 @@ class RequestState:
     stored_tails: set[ChunkKey] = field(default_factory=set)
     # Its prompt's tail was planned (once its prompt was computed: storeplan.py).
     prompt_tail_planned: bool = False
+    # Its leading blocks already checked for recent loads, and those of them found recently
+    # loaded, (position, block id) by position (LoadFailures.recent_loads): a held block is
+    # never loaded into, so each is checked once, not every plan. Reset with its blocks.
+    loads_checked_blocks: int = 0
+    recent_loaded: list[tuple[int, int]] = field(default_factory=list)
+
+    def set_block_ids(self, block_ids: list[list[int]]) -> None:
+        """Its blocks are now `block_ids` (a first step, a resume, a preemption): none of
+        them is checked for recent loads yet."""
+        self.block_ids = block_ids
+        self.loads_checked_blocks = 0
+        self.recent_loaded = []
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,13 +255,13 @@ class RequestTable:
             if req_id in self._requests:
                 # Its blocks are freed; the resumed request gets a full new block list, and
                 # chunks it had not stored yet are stored when recomputed.
-                self._requests[req_id].block_ids = []
+                self._requests[req_id].set_block_ids([])
                 self._requests[req_id].num_planned_chunks = 0
         scheduled: list[ScheduledRequest] = []
         for new in output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is not None:
-                state.block_ids = [list(ids) for ids in new.block_ids]
+                state.set_block_ids([list(ids) for ids in new.block_ids])
                 computed = new.num_computed_tokens + output.num_scheduled_tokens[new.req_id]
                 scheduled.append(ScheduledRequest(state, computed, new.num_computed_tokens))
         cached = output.scheduled_cached_reqs
@@ -259,10 +271,10 @@ class RequestTable:
                 continue
             new_blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                state.block_ids = [list(ids) for ids in new_blocks] if new_blocks else []
+                state.set_block_ids([list(ids) for ids in new_blocks] if new_blocks else [])
             elif new_blocks:
                 if not state.block_ids:
-                    state.block_ids = [[] for _ in new_blocks]
+                    state.set_block_ids([[] for _ in new_blocks])
                 for ids, more in zip(state.block_ids, new_blocks):
                     ids.extend(more)
             computed = cached.num_computed_tokens[i] + output.num_scheduled_tokens[req_id]

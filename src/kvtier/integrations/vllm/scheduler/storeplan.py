@@ -137,7 +137,7 @@ class StorePlanner:
             return
         bpc = self._blocks_per_chunk
         states = self._groups.state_ids(state.block_ids) if state.block_ids else []
-        loaded = self._failures.recent_loads(attention, full_chunks * bpc)
+        loaded = self._failures.recent_loads(state, attention, full_chunks * bpc)
         controls = state.controls
         for chunk in range(state.num_planned_chunks, full_chunks):
             key = keys[chunk]
@@ -241,7 +241,7 @@ class StorePlanner:
             return
         self._requests.remember_tail(state, tails[0])
         first = chunk * self._blocks_per_chunk
-        loaded = self._failures.recent_loads(attention, first + blocks)
+        loaded = self._failures.recent_loads(state, attention, first + blocks)
         controls = state.controls
         out.append(ChunkTransfer(
             key=key, block_ids=ChunkGroups.flat(attention, first, blocks),
