@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.locator import ChunkIndex
@@ -41,6 +42,16 @@ PREFETCHED_MAX_KEYS = 1 << 14
 # A load's budget is its expected recompute, never under this: a short hit's recompute
 # estimate is a few ms, below the jitter of a thread's wake-up.
 MIN_LOAD_BUDGET_S = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class _Wanted:
+    """A waiting request's hit, to read ahead: its chunks `keys` after `parent`, of `tenant`
+    (its cache salt)."""
+
+    keys: Sequence[ChunkKey]
+    tenant: str | None
+    parent: ChunkKey | None
 
 
 class LoadPlanner:
@@ -74,9 +85,9 @@ class LoadPlanner:
         self._costs = LoadCosts(tiers)
         self._steps = EngineSteps()
         self._offer = HitOffer(self._costs, self._steps, tokens_per_chunk, load_when)
-        # Requests whose hit reads below RAM and that wait for blocks (a lookup, and no
+        # Requests whose hit may read below RAM and that wait for blocks (a lookup, and no
         # allocation after it): their chunks are prefetched into RAM.
-        self._wanted: dict[str, list[ChunkTransfer]] = {}
+        self._wanted: dict[str, _Wanted] = {}
         self._prefetched = ChunkIndex(PREFETCHED_MAX_KEYS)
         # Loads planned for the next plan, inline and asynchronous (request id -> chunks).
         self._pending: dict[str, list[ChunkTransfer]] = {}
@@ -122,17 +133,14 @@ class LoadPlanner:
             return False
         return not self._costs.inline(Counter(sources), self._steps.step_s)
 
-    def want(self, request_id: str, keys: list[ChunkKey], tenant: str | None,
+    def want(self, request_id: str, keys: Sequence[ChunkKey], tenant: str | None,
              parent: ChunkKey | None) -> None:
         """A request (of `tenant`, its cache salt) waiting for blocks will load `keys`, a run
         of its chunks after `parent`: read those below RAM ahead (a tier that seals the
-        tenant's chunks needs the tenant; RAM's "prefix" policy, each one's parent)."""
-        parents = [parent, *keys[:-1]]
-        below_ram = [ChunkTransfer(key=key, block_ids=(), tenant=tenant, parent=before)
-                     for key, before in zip(keys, parents, strict=True)
-                     if not self._holders.holds(key, self._top_tier)]
-        if below_ram:  # until vLLM allocates its blocks (`forget`)
-            self._wanted[request_id] = below_ram
+        tenant's chunks needs the tenant; RAM's "prefix" policy, each one's parent). O(1):
+        vLLM asks again about a request each step it waits, and only PREFETCH_PER_STEP
+        chunks a plan are read ahead (`_take_prefetch` looks at its chunks then)."""
+        self._wanted[request_id] = _Wanted(keys, tenant, parent)  # until vLLM allocates
 
     def forget(self, request_id: str) -> None:
         """The request got its blocks: it loads now, not ahead."""
@@ -175,13 +183,14 @@ class LoadPlanner:
         load, none the RAM tier is known to hold, each asked once until RAM evicts it."""
         chunks: list[ChunkTransfer] = []
         for wanted in self._wanted.values():
-            for chunk in wanted:
+            for i, key in enumerate(wanted.keys):
                 if len(chunks) == PREFETCH_PER_STEP:
                     return chunks
-                if (chunk.key not in self._prefetched
-                        and not self._holders.holds(chunk.key, self._top_tier)):
-                    self._prefetched.add(chunk.key)
-                    chunks.append(chunk)
+                if key not in self._prefetched and not self._holders.holds(key, self._top_tier):
+                    self._prefetched.add(key)
+                    chunks.append(ChunkTransfer(
+                        key=key, block_ids=(), tenant=wanted.tenant,
+                        parent=wanted.keys[i - 1] if i else wanted.parent))
         self._wanted.clear()  # a request still waiting is looked up again
         return chunks
 
