@@ -85,8 +85,9 @@ class Scheduler:
 
 def test_a_chunked_prefill_checks_each_block_for_recent_loads_once() -> None:
     """A long prompt prefilled 128 tokens a step while other requests load every step (their
-    loads are recent in every plan): each plan checks the 4 blocks its step adds. Before: it
-    checked the prompt's whole prefix each plan (a 128k-token prompt in 2k-token steps walked
+    loads are recent in every plan): each plan checks the 4 blocks its step adds (and the 4
+    an earlier loader loaded, as their load is confirmed). Before: it checked the prompt's
+    whole prefix each plan (a 128k-token prompt in 2k-token steps walked
     O(prompt) blocks per step, O(prompt^2) over its prefill)."""
     engine = Scheduler()
     steps = 48
@@ -112,7 +113,8 @@ def test_a_chunked_prefill_checks_each_block_for_recent_loads_once() -> None:
         assert meta.loads[f"load{step}"]
         assert len(meta.stores) >= 2  # its step's 2 chunks (the last: its prompt's tail too)
         long.num_computed_tokens = computed + STEP_TOKENS
-    assert max(checked_per_step) <= STEP_TOKENS // BLOCK, checked_per_step
+    loader_blocks = 2 * CHUNK // BLOCK
+    assert max(checked_per_step) <= STEP_TOKENS // BLOCK + loader_blocks, checked_per_step
 
 
 def test_stores_name_a_requests_loaded_blocks_while_their_load_is_recent() -> None:
@@ -137,3 +139,27 @@ def test_stores_name_a_requests_loaded_blocks_while_their_load_is_recent() -> No
         assert store.depends_on == (loaded if step < LOAD_CONFIRM_STEPS else ()), step
         computed += CHUNK
         req.num_computed_tokens = computed
+
+
+def test_a_big_loads_blocks_are_looked_at_a_few_times_not_every_plan() -> None:
+    """A 64-chunk hit loads 128 blocks, then the prompt's rest is prefilled 128 tokens a step:
+    its loaded blocks are looked at when the store that depends on them is planned, once more
+    when their load is confirmed, and as that plan forgets them; its new blocks once each.
+    Before: every plan walked every recent load (4 plans) and, per request storing, its
+    recently loaded blocks again."""
+    engine = Scheduler()
+    hit_chunks, rest_steps = 64, 8
+    engine.hold(prompt("held", hit_chunks * CHUNK, first=0), hit_chunks)
+    req = prompt("a", hit_chunks * CHUNK + rest_steps * STEP_TOKENS, first=0)
+    loaded_blocks = hit_chunks * CHUNK // BLOCK
+    blocks = engine.blocks(loaded_blocks + 4)
+    assert engine.admit(req, blocks) == hit_chunks * CHUNK
+    computed = hit_chunks * CHUNK
+    meta = engine.step(new={"a": (blocks, computed, STEP_TOKENS)}, cached={})
+    assert [t.depends_on for t in meta.stores] == [tuple(blocks[:loaded_blocks])] * 2
+    for _ in range(rest_steps - 1):
+        computed += STEP_TOKENS
+        req.num_computed_tokens = computed
+        engine.step(new={}, cached={"a": (engine.blocks(4), computed, STEP_TOKENS)})
+    prompt_blocks = len(req.prompt_token_ids) // BLOCK
+    assert engine.sched._failures.blocks_checked <= prompt_blocks + 2 * loaded_blocks

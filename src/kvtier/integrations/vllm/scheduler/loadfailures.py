@@ -18,12 +18,13 @@ Scheduler side, one thread. Primitives: `LoadFailures`, `RecentLoads`, `LOAD_CON
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from kvtier.integrations.vllm.messages import KVTierMetadata, KVTierWorkerMetadata
-from kvtier.integrations.vllm.scheduler.requeststate import RequestState
+from kvtier.integrations.vllm.scheduler.requeststate import RecentLoads, RequestState
+
+__all__ = ["LOAD_CONFIRM_STEPS", "LoadFailures", "RecentLoads"]
 
 # Engine steps during which a load's blocks count as unconfirmed (stores depending on them name
 # them). vLLM reports a step's outcome before it schedules the step after next (async
@@ -32,63 +33,73 @@ from kvtier.integrations.vllm.scheduler.requeststate import RequestState
 LOAD_CONFIRM_STEPS = 4
 
 
-@dataclass(frozen=True, slots=True)
-class RecentLoads:
-    """The recently loaded blocks of a request's prefix, by position."""
-
-    positions: tuple[int, ...] = ()  # ascending: each one's position in its group
-    blocks: tuple[int, ...] = ()  # block ids, at `positions`
-
-    def before(self, end: int) -> tuple[int, ...]:
-        """Those at positions before `end`: the blocks a chunk ending there depends on (a
-        slice: the stores of a request's chunks cost no walk of its loaded blocks each)."""
-        return self.blocks[:bisect_left(self.positions, end)]
-
-
 class LoadFailures:
     """Recent loads and acknowledged failures (scheduler thread)."""
 
     def __init__(self) -> None:
         self._recent_loads: dict[int, int] = {}  # block -> the plan that loads it
+        # The blocks each plan loaded, oldest first, while recent: confirmed a plan at a time.
+        self._loads_by_plan: deque[tuple[int, list[int]]] = deque()
+        self._confirmed_through = -1  # loads of the plans up to this one are confirmed
         # Blocks whose failed load a worker reported, to acknowledge in the next plan.
         self._acked_failed_blocks: set[int] = set()
-        # Blocks checked for recent loads so far (`recent_loads`): what a plan's stores cost.
+        # Blocks looked at for recent loads so far: a request's blocks checked (`recent_loads`),
+        # its recent ones checked again, loads confirmed (`start_plan`). What plans cost.
         self.blocks_checked = 0
 
     def start_plan(self, meta: KVTierMetadata) -> None:
         """Acknowledge, in plan `meta` (its loads set), the failures reported since the last
-        plan; note the blocks it loads and forget loads past the window."""
+        plan; note the blocks it loads and forget loads past the window (those of the plan
+        that leaves it: not every recent load again)."""
         meta.acked_failed_blocks, self._acked_failed_blocks = self._acked_failed_blocks, set()
-        for transfers in (meta.loads | meta.async_loads).values():
-            for transfer in transfers:
-                for block in transfer.written_blocks():
-                    self._recent_loads[block] = meta.step
-        if self._recent_loads:
-            oldest = meta.step - LOAD_CONFIRM_STEPS
-            self._recent_loads = {b: s for b, s in self._recent_loads.items() if s > oldest}
+        loaded = [block for transfers in (meta.loads | meta.async_loads).values()
+                  for transfer in transfers for block in transfer.written_blocks()]
+        for block in loaded:
+            self._recent_loads[block] = meta.step
+        if loaded:
+            self._loads_by_plan.append((meta.step, loaded))
+        self._confirmed_through = meta.step - LOAD_CONFIRM_STEPS
+        while self._loads_by_plan and self._loads_by_plan[0][0] <= self._confirmed_through:
+            step, blocks = self._loads_by_plan.popleft()
+            self.blocks_checked += len(blocks)
+            for block in blocks:
+                if self._recent_loads.get(block) == step:  # not loaded again since
+                    del self._recent_loads[block]
 
     def recent_loads(self, state: RequestState, attention: list[list[int]],
                      num_blocks: int) -> RecentLoads:
         """The recently loaded blocks among the first `num_blocks` of each attention group
         (`attention`: the request's blocks per group); usually none. Blocks checked by an
         earlier call are not checked again (a held block is never loaded into: see above);
-        those found then are kept while their load is recent."""
+        those found then are kept, as they were, until one of their loads is confirmed."""
         checked = state.loads_checked_blocks
         upto = min(num_blocks, min((len(ids) for ids in attention), default=0))
         if not self._recent_loads:
-            state.recent_loaded = []
+            state.recent_loads = RecentLoads()
             state.loads_checked_blocks = max(checked, upto)
-            return RecentLoads()
-        found = [(i, b) for i, b in state.recent_loaded if b in self._recent_loads]
+            return state.recent_loads
+        known = state.recent_loads
+        if known.since <= self._confirmed_through:  # some of them are confirmed since
+            self.blocks_checked += len(known.blocks)
+            known = self._recent([(i, b) for i, b in zip(known.positions, known.blocks)
+                                  if b in self._recent_loads])
         if upto > checked:
             self.blocks_checked += len(attention) * (upto - checked)
-            found += sorted((i, b) for ids in attention
-                            for i, b in enumerate(ids[checked:upto], checked)
-                            if b in self._recent_loads)
+            found = sorted((i, b) for ids in attention
+                           for i, b in enumerate(ids[checked:upto], checked)
+                           if b in self._recent_loads)
+            if found:
+                known = self._recent([*zip(known.positions, known.blocks), *found])
             state.loads_checked_blocks = upto
-        state.recent_loaded = found
-        within = found[:bisect_left(found, (num_blocks, -1))]
-        return RecentLoads(tuple(i for i, _ in within), tuple(b for _, b in within))
+        state.recent_loads = known
+        return known.upto(num_blocks)
+
+    def _recent(self, loaded: list[tuple[int, int]]) -> RecentLoads:
+        """`loaded`: (position, block) of recently loaded blocks, by position."""
+        if not loaded:
+            return RecentLoads()
+        return RecentLoads(tuple(i for i, _ in loaded), tuple(b for _, b in loaded),
+                           min(self._recent_loads[b] for _, b in loaded))
 
     def learn(self, report: KVTierWorkerMetadata, requests: Iterable[RequestState]) -> None:
         """Take in the blocks whose load failed, and plan again the chunks of `requests` that

@@ -7,12 +7,15 @@ and are extended chunk by chunk as its tokens become known (`RequestTable.keys_f
 step's schedule gives it its vLLM block ids, one list per KV cache group
 (`RequestTable.apply_schedule`).
 
-Primitives: `CHUNK_ORDER`, `RequestState`, `Tail`, `ScheduledRequest`, `RequestTable`.
+Primitives: `CHUNK_ORDER`, `RecentLoads`, `RequestState`, `Tail`, `ScheduledRequest`,
+`RequestTable`.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+from bisect import bisect_left
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -42,6 +45,27 @@ logger = logging.getLogger(__name__)
 # Label of the byte order inside a chunk (see paged.py); part of every key's namespace with
 # the block size it depends on, so a change of order can never serve old bytes.
 CHUNK_ORDER = "chunk-order=LBH2TD-v2"
+
+
+@dataclass(frozen=True, slots=True)
+class RecentLoads:
+    """The recently loaded blocks of a request's prefix, by position (loadfailures.py)."""
+
+    positions: tuple[int, ...] = ()  # ascending: each one's position in its group
+    blocks: tuple[int, ...] = ()  # block ids, at `positions`
+    since: float = math.inf  # the oldest plan that loaded one of them
+
+    def before(self, end: int) -> tuple[int, ...]:
+        """Those at positions before `end`: the blocks a chunk ending there depends on (a
+        slice: the stores of a request's chunks cost no walk of its loaded blocks each)."""
+        return self.blocks[:bisect_left(self.positions, end)]
+
+    def upto(self, end: int) -> RecentLoads:
+        """Those at positions before `end`."""
+        cut = bisect_left(self.positions, end)
+        if cut == len(self.positions):
+            return self
+        return RecentLoads(self.positions[:cut], self.blocks[:cut], self.since)
 
 
 @dataclass(slots=True)
@@ -82,17 +106,17 @@ class RequestState:
     # Its prompt's tail was planned (once its prompt was computed: storeplan.py).
     prompt_tail_planned: bool = False
     # Its leading blocks already checked for recent loads, and those of them found recently
-    # loaded, (position, block id) by position (LoadFailures.recent_loads): a held block is
-    # never loaded into, so each is checked once, not every plan. Reset with its blocks.
+    # loaded (LoadFailures.recent_loads): a held block is never loaded into, so each is
+    # checked once, not every plan. Reset with its blocks.
     loads_checked_blocks: int = 0
-    recent_loaded: list[tuple[int, int]] = field(default_factory=list)
+    recent_loads: RecentLoads = field(default_factory=RecentLoads)
 
     def set_block_ids(self, block_ids: list[list[int]]) -> None:
         """Its blocks are now `block_ids` (a first step, a resume, a preemption): none of
         them is checked for recent loads yet."""
         self.block_ids = block_ids
         self.loads_checked_blocks = 0
-        self.recent_loaded = []
+        self.recent_loads = RecentLoads()
 
 
 @dataclass(frozen=True, slots=True)
