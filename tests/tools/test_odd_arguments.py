@@ -544,3 +544,15 @@ def test_bench_disk_load_refuses_a_directory_it_cannot_use_before_work(directory
         outcome = run_cli(["bench", "disk-load", "--quick", f"--dir={directory}"])
     line = error_line(outcome.stderr)
     assert outcome.code == 2 and line is not None and "--dir" in line, outcome
+
+
+@pytest.mark.parametrize("argv, option", [
+    # two identical rows once (a count twice), as `bench storage --sizes` refuses a size twice
+    (["bench", "disk-load", "--chunks=4,4"], "chunks='4,4'"),
+])
+def test_a_setting_that_measures_nothing_is_refused_before_work(argv, option):
+    with nothing_starts():
+        outcome = run_cli(argv)
+    line = error_line(outcome.stderr)
+    assert outcome.code == 2 and outcome.crash is None and line is not None, outcome
+    assert option in line, line

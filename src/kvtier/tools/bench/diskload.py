@@ -75,6 +75,8 @@ class DiskLoadConfig:
                 raise ConfigError(name, getattr(self, name), "a positive integer")
         if not self.chunks or min(self.chunks) < 1:
             raise ConfigError("chunks", self.chunks, "one or more positive chunk counts")
+        if len(set(self.chunks)) < len(self.chunks):  # a count twice was two identical rows
+            raise ConfigError("chunks", ",".join(map(str, self.chunks)), "each count once")
         if self.tokens_per_chunk % self.block_size:
             raise ConfigError("tokens_per_chunk", self.tokens_per_chunk,
                               f"a multiple of the block size {self.block_size}")
