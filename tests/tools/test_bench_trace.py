@@ -154,6 +154,19 @@ def test_the_command_runs_plain_vllm_then_each_policy() -> None:
             config_from(_args(**overrides), Path("/s")).validate()
 
 
+def test_a_capacity_below_one_chunk_of_the_slice_is_refused() -> None:
+    """`--capacity 0` ran every policy against an empty memory tier; the least capacity
+    allowed is the one the slice scales to one chunk (`TraceSlice.scaled_blocks`)."""
+    least = 17_067  # 512 tokens a trace block at sample 0.03: 17,066.7 tokens a chunk
+    for capacity in ("0", str(least - 1)):
+        with pytest.raises(ConfigError, match=rf"capacity={int(capacity)}: .*17,067 tokens"):
+            config_from(_args(capacity=capacity), Path("/s")).validate()
+    config = config_from(_args(capacity=str(least)), Path("/s"))
+    config.validate()
+    assert round(least * config.spec.sample / config.spec.trace_block_tokens) == 1
+    config_from(_args(capacity="0", policy=[PLAIN], no_plain=True), Path("/s")).validate()
+
+
 def test_the_trace_block_size_is_the_one_the_trace_records(tmp_path: Path) -> None:
     """A trace `kvtier simulate --write-trace` wrote in 16-token blocks was read in 512-token
     ones unless --trace-block-tokens said so (an error at its first long prompt)."""

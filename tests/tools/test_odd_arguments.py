@@ -549,6 +549,8 @@ def test_bench_disk_load_refuses_a_directory_it_cannot_use_before_work(directory
 @pytest.mark.parametrize("argv, option", [
     # two identical rows once (a count twice), as `bench storage --sizes` refuses a size twice
     (["bench", "disk-load", "--chunks=4,4"], "chunks='4,4'"),
+    # every policy ran against an empty memory tier
+    (["bench", "trace", str(TRACE), "--capacity=0"], "capacity=0"),
 ])
 def test_a_setting_that_measures_nothing_is_refused_before_work(argv, option):
     with nothing_starts():

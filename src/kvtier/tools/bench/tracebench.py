@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import statistics
 import time
@@ -91,8 +92,14 @@ class TraceBenchConfig:
         if self.spec.block_tokens % ENGINE_BLOCK_TOKENS:
             raise ConfigError("block_tokens", self.spec.block_tokens,
                               f"a multiple of vLLM's block ({ENGINE_BLOCK_TOKENS} tokens)")
-        if self.capacity_tokens < 0:
-            raise ConfigError("capacity", self.capacity_tokens, "tokens >= 0")
+        # Below one chunk of the slice (`TraceSlice.scaled_blocks`) every policy ran against
+        # an empty memory tier: a run that measures nothing.
+        least = math.ceil(self.spec.trace_block_tokens / self.spec.sample)
+        if self.capacity_tokens < least and any(name != PLAIN for name in self.configs):
+            raise ConfigError("capacity", self.capacity_tokens,
+                              f"at least one chunk of the slice: {least:,} tokens of the trace "
+                              f"(a {self.spec.trace_block_tokens}-token block at sample "
+                              f"{self.spec.sample:g})")
         if not self.configs:
             raise ConfigError("configs", "", "at least one configuration")
         for name in self.configs:
