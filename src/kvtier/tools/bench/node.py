@@ -4,7 +4,10 @@ RAM tier in the engine's process, and a raw copy of the same bytes.
 The same chunks (the engine's side of a load: each lent chunk copied out, as the scatter
 would; of a store: each chunk copied in, as the gather would) go through three paths, each
 timed over several trials (median):
-  - raw: `numpy.copyto` of the bytes, chunk by chunk (the floor: the copy itself);
+  - raw: `numpy.copyto` of the bytes, chunk by chunk (the floor: the copy itself); a
+    store's into a buffer a chunk, as into the tier's slots, a load's all into one buffer,
+    as the loads' (a store's raw into one cache-warm buffer, as before, ran 2-2.5x faster
+    than into a batch of buffers here: a floor no store into a slab could reach);
   - in-process: a `TieredStore` of one memory tier (the connector's default mode);
   - node: a `kvtier node serve` process (its own interpreter, as deployed) and `NodeStore`:
     one `Reserve` round trip per batch of stores; a load of the chunks the engine stored reads
@@ -13,6 +16,18 @@ timed over several trials (median):
     ("load, borrowed"; in-process and raw: the same as "load"); chunks in its shared-memory
     slab.
 Also timed: one control round trip (a one-key `Lookup`), the price of each call.
+
+Before the timed trials, untimed warm-up trials store into every slot of both tiers once: a
+store into a slot never written pays a page fault a page (the slab's first touch; through
+the node, this process's first touch of the shared slab), 5-15x the copy. The tier's
+background prefault (tiers/prefault.py), on a thread of lowest priority, had not reached
+them on a loaded machine, and no prefault of the node's maps this process's pages: with one
+warm-up trial, `--quick`'s first timed trial stored 8 of its 16 chunks into fresh slots
+(through the node, 4,082 faults; 2.9x the next trial). Counted in the timed stores (this
+thread's, all trials): minor page faults (`store_faults`; 0 is the steady state measured)
+and involuntary context switches (`store_preempted`): on a loaded machine a batch's stores
+outlast a time slice and wait for the CPU (one trial's in-process stores 1,012 us a chunk
+of wall time, 275 us of CPU, once preempted), where the raw copy's short batch seldom does.
 
 Primitives: `NodeBenchConfig`, `NodeBenchResult`, `run_node_bench`, `node_process`,
 `restartable_node` (`BenchNode`).
@@ -24,6 +39,7 @@ import contextlib
 import json
 import mmap
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -73,12 +89,13 @@ class NodeBenchConfig:
         require_memory(self.memory_need())
 
     def memory_need(self) -> MemoryNeed:
-        """A batch three times over: the engine's chunks, the in-process memory tier and the
-        node's (in shared memory, RAM too), each tier with its 16 MiB of slack."""
+        """A batch four times over: the engine's chunks, the raw store's targets, the
+        in-process memory tier and the node's (in shared memory, RAM too), each tier with its
+        16 MiB of slack."""
         batch = self.chunks * self.layout().bytes_per_chunk
-        return MemoryNeed("--chunks", self.chunks, 3 * batch + (32 << 20), 0,
+        return MemoryNeed("--chunks", self.chunks, 4 * batch + (32 << 20), 0,
                           f"{self.chunks} chunks of {format_size(self.chunk_kib << 10)} "
-                          "(--chunk-kib), 3 copies")
+                          "(--chunk-kib), 4 copies")
 
     def layout(self) -> KVLayout:
         """A layout whose chunk is `chunk_kib` KiB (bfloat16, 2 x 8 heads of 128: 4 KiB a
@@ -101,6 +118,13 @@ class NodeBenchResult:
     chunk_bytes: int
     seconds_per_chunk: dict[str, dict[str, float]]  # operation -> path -> median
     round_trip_s: float  # median of one-key Lookups
+    # path -> minor page faults of the bench's thread in the timed stores, all trials (0:
+    # every slot written before; more: first touches timed, see the module docstring)
+    store_faults: dict[str, int]
+    # path -> the times the bench's thread was preempted in the timed stores: by the
+    # machine's other work, and through the node by the node's thread each Commit wakes
+    # (10-16 a trial of 16 chunks on 2 cores)
+    store_preempted: dict[str, int]
     verified: bool  # every load gave back the bytes stored
 
     def ratio(self, operation: str, path: str, baseline: str) -> float:
@@ -126,12 +150,17 @@ def run_node_bench(config: NodeBenchConfig, progress: Callable[[str], None]) -> 
     size = layout.bytes_per_chunk
     sources = [np.full(size, i % 251, dtype=np.uint8) for i in range(config.chunks)]
     out = np.empty(size, dtype=np.uint8)
+    targets = [np.empty(size, dtype=np.uint8) for _ in range(config.chunks)]  # a raw store's
     spares = [memoryview(mmap.mmap(-1, size)) for _ in range(4)]
     times: dict[str, dict[str, list[float]]] = {op: {p: [] for p in PATHS} for op in OPERATIONS}
     verified = True
-    # Room for one batch and a little: from the second trial on, slots are reused (evicting
-    # the last trial's chunks), as in steady state, not first-touched.
-    capacity = f"{config.chunks * size // (1 << 20) + 16}MiB"
+    faults, preempted = {"in-process": 0, "node": 0}, {"in-process": 0, "node": 0}
+    # Room for one batch and a little; the warm-ups store into every slot (at most
+    # capacity / chunk of them) once, so that the timed trials reuse slots (evicting the
+    # last trial's chunks), as in steady state, never first-touch them.
+    capacity_mib = config.chunks * size // (1 << 20) + 16
+    warm_ups = -(-(capacity_mib << 20) // size // config.chunks)
+    capacity = f"{capacity_mib}MiB"
     with tempfile.TemporaryDirectory(prefix="kvn-") as tmp, \
             node_process(Path(tmp), capacity) as socket_path:
         info = NamespaceInfo("bench-node", "", 0)
@@ -140,26 +169,27 @@ def run_node_bench(config: NodeBenchConfig, progress: Callable[[str], None]) -> 
             "in-process": open_store(StoreConfig.parse(
                 {"tiers": [{"kind": "memory", "capacity": capacity, "pin": "off"}]}), layout),
             "node": NodeStore(client, size)}
-        for trial in range(config.trials + 1):  # the first: a warm-up, not counted
-            progress(f"trial {trial} of {config.trials}")
+        for round_ in range(warm_ups + config.trials):
+            trial = round_ - warm_ups + 1  # <= 0: a warm-up, not counted
+            progress(f"trial {trial} of {config.trials}" if trial > 0 else
+                     f"warm-up {round_ + 1} of {warm_ups}")
             keys = [ChunkKey(os.urandom(16)) for _ in range(config.chunks)]
-            start = time.perf_counter()
-            for source in sources:
-                np.copyto(out, source)
-            raw = (time.perf_counter() - start) / config.chunks
+            raw_store, raw_load = _raw(sources, targets), _raw(sources, [out] * config.chunks)
             for path, store in stores.items():
                 stored = _store(store, keys, sources)
                 loaded, same = _load(store, keys, sources, out, spares)
                 verified = verified and same
-                if trial:
-                    times["store"][path].append(stored)
+                if trial > 0:
+                    faults[path] += stored.faults
+                    preempted[path] += stored.preempted
+                    times["store"][path].append(stored.seconds)
                     times["load"][path].append(loaded)
             borrowed, same = _load(NodeStore(client, size), keys, sources, out, spares)
             verified = verified and same
-            if trial:
-                times["store"]["raw"].append(raw)
-                times["load"]["raw"].append(raw)
-                times["load, borrowed"]["raw"].append(raw)
+            if trial > 0:
+                times["store"]["raw"].append(raw_store)
+                times["load"]["raw"].append(raw_load)
+                times["load, borrowed"]["raw"].append(raw_load)
                 times["load, borrowed"]["in-process"].append(times["load"]["in-process"][-1])
                 times["load, borrowed"]["node"].append(borrowed)
         progress("round trips")
@@ -173,12 +203,28 @@ def run_node_bench(config: NodeBenchConfig, progress: Callable[[str], None]) -> 
     return NodeBenchResult(
         config, size,
         {op: {p: statistics.median(v) for p, v in by.items()} for op, by in times.items()},
-        statistics.median(trips), verified)
+        statistics.median(trips), faults, preempted, verified)
 
 
-def _store(store: ChunkStore, keys: list[ChunkKey], sources: list[np.ndarray]) -> float:
-    """Seconds per chunk to store `sources` under `keys` (a step's stores)."""
+def _raw(sources: list[np.ndarray], targets: list[np.ndarray]) -> float:
+    """Seconds per chunk to copy each source into its target."""
+    start = time.perf_counter()
+    for source, target in zip(sources, targets):
+        np.copyto(target, source)
+    return (time.perf_counter() - start) / len(sources)
+
+
+@dataclass(frozen=True, slots=True)
+class _TimedStore:
+    seconds: float  # a chunk
+    faults: int  # minor page faults of this thread meanwhile
+    preempted: int  # involuntary context switches of this thread meanwhile
+
+
+def _store(store: ChunkStore, keys: list[ChunkKey], sources: list[np.ndarray]) -> _TimedStore:
+    """Store `sources` under `keys` (a step's stores), timed."""
     spare = memoryview(bytearray(len(sources[0])))
+    before = resource.getrusage(resource.RUSAGE_THREAD)
     start = time.perf_counter()
     store.plan_puts(keys, [DEFAULT_META] * len(keys))
     for key, source in zip(keys, sources):
@@ -187,7 +233,10 @@ def _store(store: ChunkStore, keys: list[ChunkKey], sources: list[np.ndarray]) -
         if not store.put_from(key, fill, spare):
             raise RuntimeError(f"a chunk was not stored ({type(store).__name__})")
     store.flush(30)
-    return (time.perf_counter() - start) / len(keys)
+    seconds = (time.perf_counter() - start) / len(keys)
+    after = resource.getrusage(resource.RUSAGE_THREAD)
+    return _TimedStore(seconds, after.ru_minflt - before.ru_minflt,
+                       after.ru_nivcsw - before.ru_nivcsw)
 
 
 def _load(store: ChunkStore, keys: list[ChunkKey], sources: list[np.ndarray], out: np.ndarray,
