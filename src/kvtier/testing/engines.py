@@ -4,9 +4,9 @@ prefills in-process (ttft, sharing).
 vLLM's processes put their ZeroMQ socket files where `VLLM_RPC_BASE_PATH` says, /tmp by
 default, and leave some behind at every shutdown (`kvtier bench ttft --quick`: 42 files): the
 first engine of a process gives it a folder of its own, removed at its exit
-(`own_rpc_folder`), unless its environment names one already. The shared memory files of a
-tensor parallel engine's ranks, which vLLM leaves in /dev/shm, are removed once its
-processes have ended (`kvtier.testing.vllmshm`).
+(`own_rpc_folder`), unless its environment names one already. The shared memory files
+vLLM leaves in /dev/shm (a tensor parallel engine's ranks', every engine core's RPC queue to
+its worker) are removed once its processes have ended (`kvtier.testing.vllmshm`).
 
 Primitives: `offline_engine` (an `LLM` with small CPU settings, shut down on exit), `counter`
 (one of vLLM's counters, summed over labels), `kvtier_counter` / `kvtier_gauge` (one of
