@@ -18,7 +18,9 @@ speed, missing) until a watch thread finds it answering (`Status`, every `retry_
 or hung node costs one deadline, not one every `retry_s` on each of the engine's processes
 (the scheduler's and the worker's took turns at it: a node stopped for 20 s held the engine
 for 20 s). The next call after that reconnects, and a restarted node's new slab is mapped
-again. Each thread has its own connection: its leases end with it.
+again. The dead node's slab is let go on every thread as soon as the node answers as a new
+generation (`_Slab`): a restarted node on a /dev/shm with room for one slab can create its
+own only then. Each thread has its own connection: its leases end with it.
 
 Primitives: `NodeClient`, `NodeStore`, `NodeProbe`.
 """
@@ -34,6 +36,7 @@ import select
 import socket
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, MutableSequence, Sequence
 from concurrent.futures import Future
@@ -50,7 +53,7 @@ from kvtier.core.retention import DEFAULT_META, ChunkMeta
 from kvtier.core.store import ChunkView, PendingPut, StoreEvent, StoreStats
 from kvtier.core.tier import Failure, LinkSpeed, TierCounters
 from kvtier.errors import NodeUnavailable
-from kvtier.node.dma import register_for_dma
+from kvtier.node.dma import register_for_dma, unregister_for_dma
 from kvtier.node.protocol import (
     BELOW_TIER,
     HELD,
@@ -125,15 +128,14 @@ class NodeClient:
         # Bumped when a connection breaks: every thread's older connection (to the same dead
         # node) is dropped at its next call, without another back-off of its own.
         self._epoch = 0
-        self._slab: tuple[str, mmap.mmap] | None = None  # (generation, mapping)
-        self._slab_fd = -1  # the mapped file, open: each thread's reader opens it again
+        self._slab: _Slab | None = None  # the node's current generation's, mapped
         self.welcome: Welcome | None = None
         self.dma_registered = False  # the slab's mapping registered with CUDA (node/dma.py)
         self._stop_prefault = threading.Event()  # the current mapping's (tiers/prefault.py)
-        # Every thread's connection and slab reader, for `close` (a thread's own are in
-        # `_local`): the scheduler's lookups run on its thread and on its probe threads.
+        # Every thread's connection, for `close` (a thread's own is in `_local`): the
+        # scheduler's lookups run on its thread and on its probe threads. Their slab readers
+        # are their slab's (`_Slab.readers`).
         self._open: set[socket.socket] = set()
-        self._readers: set[SlabReader] = set()
         self._closed = False  # `close` was called: nothing is asked of the node any more
         self.failures = 0  # calls the node did not answer (each a miss or a dropped store)
         # The failure last logged, until a connection is welcomed: the same again is logged
@@ -239,89 +241,99 @@ class NodeClient:
             return None
         return self.welcome
 
-    def view(self, offset: int, nbytes: int) -> memoryview:
-        """`nbytes` of the slab at `offset` (of the generation this thread was welcomed by:
-        offsets its connection was given; another thread may have mapped a newer one)."""
-        slab: tuple[str, mmap.mmap] | None = getattr(self._local, "slab", None)
-        assert slab is not None
-        return memoryview(slab[1])[offset:offset + nbytes]
+    def view(self, offset: int = 0, nbytes: int | None = None) -> memoryview:
+        """`nbytes` (None: all) of the slab from `offset` (of the generation this thread was
+        welcomed by: offsets its connection was given; another thread may have mapped a newer
+        one). The view keeps the mapping: a slab let go is unmapped once its last view is
+        gone.
+
+        Raises:
+            NodeUnavailable: this thread's slab was let go (the node answered as a new
+                generation since): its offsets mean nothing now.
+        """
+        slab: _Slab | None = getattr(self._local, "slab", None)
+        data = None if slab is None else slab.data
+        if data is None:
+            raise NodeUnavailable("the slab of this thread's node generation was let go")
+        return data[offset:None if nbytes is None else offset + nbytes].data
 
     def reader(self) -> tuple[str, SlabReader] | None:
         """This thread's reader of the slab it mapped last, with its generation (reads in
         place); None before this thread connected, or where the slab has no records to
         trust. A node that died since leaves its slab mapped and its chunks whole: they are
-        still read in place (the engine serves its hits with no node). Once another of the
-        engine's threads has connected to a restarted node (its stores do, at their next
-        step) and mapped its slab, this thread's mapping and connection are the old node's:
-        they are let go (None: its next load borrows from the node now serving), or a
-        thread that only read in place kept a whole RAM tier of /dev/shm alive beside the
-        new one. The locks of its loans still out are kept until they are released."""
-        slab: tuple[str, mmap.mmap] | None = getattr(self._local, "slab", None)
+        still read in place (the engine serves its hits with no node). Once the node answers
+        as a new generation (a restarted node), the old slab is let go (`_let_go`): this
+        thread's mapping and connection are the old node's, dropped here (None: its next
+        load borrows from the node now serving). The locks of its loans still out are kept
+        until they are released."""
+        slab: _Slab | None = getattr(self._local, "slab", None)
         if slab is None:
             return None
-        mine: tuple[str, SlabReader | None] | None = getattr(self._local, "reader", None)
-        newest = self._slab
-        if newest is not None and newest[0] != slab[0]:  # a restarted node's slab, mapped
-            if mine is not None and mine[1] is not None:
-                self._close_reader(mine[1])  # its loans still out keep their locks until released
+        if slab.data is None:  # let go: the node restarted
             self._local.reader = self._local.slab = None
             self.drop_own()  # the old node's connection: the next call connects to the new
             return None
-        if mine is None or mine[0] != slab[0]:
+        mine: tuple[_Slab, SlabReader | None] | None = getattr(self._local, "reader", None)
+        if mine is None or mine[0] is not slab:
             if mine is not None and mine[1] is not None:
-                self._close_reader(mine[1])  # as above
-            mine = (slab[0], self._open_reader(slab))
+                self._close_reader(mine[0], mine[1])  # its loans out keep their locks
+            mine = (slab, self._open_reader(slab))
             self._local.reader = mine
-        return None if mine[1] is None else (mine[0], mine[1])
+        return None if mine[1] is None else (slab.generation, mine[1])
 
-    def _open_reader(self, slab: tuple[str, mmap.mmap]) -> SlabReader | None:
+    def _open_reader(self, slab: _Slab) -> SlabReader | None:
         """A reader of `slab` for this thread: the mapped file opened again (a new open file
         description: its locks this thread's own), never the name, which a restarted node
-        reuses. None where it cannot be (the client mapped a newer generation meanwhile)."""
+        reuses. None where it cannot be (the slab was let go meanwhile)."""
         with self._lock:
-            fd = self._slab_fd if self._slab is not None and self._slab[0] == slab[0] else -1
+            data = slab.data  # None: let go, its file closed or about to be
             try:
-                own = -1 if fd < 0 else os.open(f"/proc/self/fd/{fd}",
-                                                os.O_RDONLY | os.O_CLOEXEC)
+                own = -1 if data is None or slab.fd < 0 else os.open(
+                    f"/proc/self/fd/{slab.fd}", os.O_RDONLY | os.O_CLOEXEC)
             except OSError as exc:
                 log.info("kvtier: the node's slab cannot be read in place (%s): loads borrow",
                          exc)
                 own = -1
-        if own < 0:
+        if own < 0 or data is None:
             return None
         try:
-            reader = SlabReader(own, slab[1])
+            reader = SlabReader(own, data)
         except ValueError as exc:
             log.info("kvtier: the node's slab cannot be read in place (%s): loads borrow", exc)
             return None
         with self._lock:
-            closed = self._closed
-            if not closed:
-                self._readers.add(reader)
-        if closed:
+            live = slab.data is not None  # not let go (nor closed) meanwhile
+            if live:
+                slab.readers.add(reader)
+        if not live:
             reader.close()
             return None
         return reader
 
-    def _close_reader(self, reader: SlabReader) -> None:
+    def _close_reader(self, slab: _Slab, reader: SlabReader) -> None:
         with self._lock:
-            self._readers.discard(reader)
+            slab.readers.discard(reader)
         reader.close()
 
     def generation(self) -> str | None:
-        """The node generation of this thread's connection; None: it has none. A lease or
-        slot of another generation is gone: never filled, released or committed (the node
-        after a restart reuses lease numbers and slab offsets for others' chunks)."""
+        """The node generation of this thread's connection; None: it has none, or its slab
+        was let go. A lease or slot of another generation is gone: never filled, released
+        or committed (the node after a restart reuses lease numbers and slab offsets for
+        others' chunks)."""
         if getattr(self._local, "sock", None) is None:
             return None
-        slab: tuple[str, mmap.mmap] | None = getattr(self._local, "slab", None)
-        return None if slab is None else slab[0]
+        slab: _Slab | None = getattr(self._local, "slab", None)
+        return None if slab is None or slab.data is None else slab.generation
 
     def _connection(self) -> socket.socket:
         sock: socket.socket | None = getattr(self._local, "sock", None)
-        if sock is not None and self._local.epoch == self._epoch:
+        slab: _Slab | None = getattr(self._local, "slab", None)
+        if sock is not None and self._local.epoch == self._epoch \
+                and slab is not None and slab.data is not None:
             return sock
-        if sock is not None:  # another thread found the node gone: so is this connection
+        if sock is not None:
+            # Another thread found the node gone, or its slab was let go (a new generation
+            # answers): so is this connection.
             self._forget(sock)
             self._local.sock = None
         if self._closed:
@@ -368,11 +380,12 @@ class NodeClient:
         sock.close()
 
     def _map(self, welcome: Welcome) -> None:
-        """Map the slab of `welcome`'s generation (a restarted node's is a new file)."""
+        """Map the slab of `welcome`'s generation (a restarted node's is a new file), and let
+        the last generation's go."""
         with self._lock:
             if self._closed:  # by another thread, meanwhile: `_connection` refuses
                 return
-            if self._slab is not None and self._slab[0] == welcome.generation:
+            if self._slab is not None and self._slab.generation == welcome.generation:
                 self._local.slab = self._slab
                 return
             fd = os.open(welcome.shm_path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -382,23 +395,37 @@ class NodeClient:
             except BaseException:
                 os.close(fd)
                 raise
-            if self._slab_fd >= 0:  # the old generation's: threads' readers have their own
-                os.close(self._slab_fd)
-            self._slab_fd = fd
-            if self._slab is not None:
+            old = self._let_go()
+            if old is not None:
                 log.info("kvtier: node %r restarted (generation %s): its slab mapped again",
                          welcome.node, welcome.generation)
-            self.dma_registered = register_for_dma(mapping)  # a GPU engine's copies: DMA
+            registered = register_for_dma(mapping)  # a GPU engine's copies: DMA
+            self.dma_registered = registered
+            slab = _Slab(welcome.generation, mapping, fd, registered)
             # Its pages mapped in the background (a registered mapping's are): a first copy
             # into or out of each would fault (tiers/prefault.py). The old one's no more.
-            self._stop_prefault.set()
             self._stop_prefault = threading.Event()
-            if not self.dma_registered:
-                prefault_in_background(np.frombuffer(mapping, dtype=np.uint8),
-                                       f"node {welcome.node!r}'s slab", self._stop_prefault)
-            self._slab = (welcome.generation, mapping)  # the old mapping: loans still out
-            self._local.slab = self._slab
+            if not registered and slab.data is not None:
+                prefault_in_background(slab.data, f"node {welcome.node!r}'s slab",
+                                       self._stop_prefault)
+            self._slab = self._local.slab = slab
             self.welcome = welcome
+        if old is not None:
+            old.close_files()
+
+    def _let_go(self) -> _Slab | None:
+        """Let the current slab go (under `_lock`): the node answers as another generation,
+        or the client closes. No new view or reader of it starts (`view`, `reader`); its
+        file is closed, and each thread's reader's once its loans out end (`close_files`, by
+        the caller, outside the lock), and the mapping is unmapped once its last view is
+        gone (a load still reading from it finishes first). Before, an engine kept a dead
+        node's slab mapped, its pages allocated, until it restarted: on a /dev/shm with room
+        for one slab, the restarted node could create none, and refused every engine."""
+        slab, self._slab = self._slab, None
+        if slab is not None:
+            self._stop_prefault.set()
+            slab.data = None
+        return slab
 
     def drop_own(self) -> None:
         """Close this thread's connection only (its leases end on the node)."""
@@ -443,11 +470,23 @@ class NodeClient:
         while True:
             time.sleep(self.retry_s)
             try:
-                node_status(self.socket_path, timeout_s=max(self.timeout_s, self.retry_s))
+                status = node_status(self.socket_path,
+                                     timeout_s=max(self.timeout_s, self.retry_s))
             except NodeUnavailable:
                 continue
+            generation = status.get("generation")
             with self._lock:
                 self._down = False
+                # Another generation answers: the node restarted, and the old one's slab is
+                # dead (no node serves it). Let go now, before the engine's threads ask it
+                # again: a new node on a /dev/shm with room for one slab creates its slab
+                # (for their Hello) only once this engine stops holding the old one's pages.
+                old = self._let_go() if self._slab is not None and isinstance(
+                    generation, str) and generation != self._slab.generation else None
+            if old is not None:
+                old.close_files()
+                log.info("kvtier: node at %s restarted (generation %s): the slab of "
+                         "generation %s let go", self.socket_path, generation, old.generation)
             log.log(logging.DEBUG if again else logging.INFO,
                     "kvtier: node at %s answers again", self.socket_path)
             return
@@ -462,20 +501,43 @@ class NodeClient:
             self._closed = True
             self._epoch += 1  # every thread's connection is dropped at its next call
             socks, self._open = self._open, set()
-            readers, self._readers = self._readers, set()
-            fd, self._slab_fd = self._slab_fd, -1
-            self._slab = None
-        self._stop_prefault.set()
+            slab = self._let_go()
         for sock in socks:
             # shutdown wakes a thread waiting in recv on it (close alone does not)
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
             sock.close()
+        if slab is not None:
+            slab.close_files()
+        self._local.sock = self._local.slab = self._local.reader = None
+
+
+class _Slab:
+    """One node generation's slab as a client maps it: its pages (`data`, None once let go),
+    the file (open: each thread's reader opens it again, `/proc/self/fd`) and the threads'
+    readers of it. Every view of the slab is a slice of `data`, so the mapping lives as long
+    as the last of them (a load reading from it when it is let go finishes): once let go, it
+    is unmapped when its last view is gone, and a registration for DMA ended just before."""
+
+    def __init__(self, generation: str, mapping: mmap.mmap, fd: int, registered: bool) -> None:
+        self.generation = generation
+        data = np.frombuffer(mapping, dtype=np.uint8)
+        self.data: np.ndarray | None = data
+        self.fd = fd
+        self.readers: set[SlabReader] = set()
+        if registered:
+            # Called when `data` (and so every view) is gone, before the mapping's own end
+            # (it holds the mapping until then): CUDA must not keep pages no longer mapped.
+            weakref.finalize(data, unregister_for_dma, mapping).atexit = False
+
+    def close_files(self) -> None:
+        """Close the slab's file and its readers' (each once its loans still out end)."""
+        readers, self.readers = self.readers, set()
         for reader in readers:
             reader.close()
+        fd, self.fd = self.fd, -1
         if fd >= 0:
             os.close(fd)
-        self._local.sock = self._local.slab = self._local.reader = None
 
 
 class _NodeLending(Lending[ChunkView]):
@@ -559,13 +621,24 @@ class NodeStore:
         else:
             unavailable = False
         generation = self._client.generation()
+        try:  # the whole slab, of the generation that lends: kept until the load ends
+            slab = None if unavailable else self._client.view()
+        except NodeUnavailable as exc:  # let go since the reply (the node restarted)
+            self._client.drop_own()  # the lease ends with the connection
+            self._failed(exc)
+            first, unavailable, slab = Lent(0, [], [], None), True, None
         deadline_s = self._client.timeout_s + (budget or 0.0)
 
         def views_of(part: Lent, first_index: int) -> list[ChunkView]:
             sent = iter(part.data)  # the chunks at SEND offsets: RAM had no slot for them
-            views = [ChunkView((memoryview(next(sent)) if offset == SEND else
-                                self._client.view(offset, self._chunk_bytes)).toreadonly(),
-                               self._engine_tier(tier))
+
+            def chunk(offset: int) -> memoryview:
+                if offset == SEND:
+                    return memoryview(next(sent))
+                assert slab is not None  # a part came: the borrow was answered
+                return slab[offset:offset + self._chunk_bytes]
+
+            views = [ChunkView(chunk(offset).toreadonly(), self._engine_tier(tier))
                      for offset, tier in zip(part.offsets, part.tiers)]
             if generation is not None:
                 self._know([(key, generation, offset) for key, offset
@@ -630,12 +703,17 @@ class NodeStore:
                         self._slots.pop(key, None)
                 return None
             held.append(index)
+        try:
+            views = [ChunkView(self._client.view(index * reader.slot_bytes,
+                                                 self._chunk_bytes).toreadonly(), RAM_TIER)
+                     for index in held]
+        except NodeUnavailable:  # the slab was let go meanwhile (the node restarted)
+            for taken in held:
+                reader.unlock(taken)
+            return None
         # Recent for the node's policy now, as a borrow is when lent (no reply awaited): a
         # chunk being read is the last the node should pick to evict.
         self._client.tell(Touch(list(keys)))
-        views = [ChunkView(self._client.view(index * reader.slot_bytes,
-                                             self._chunk_bytes).toreadonly(), RAM_TIER)
-                 for index in held]
         self._counters.add(hits=len(keys), bytes_read=len(keys) * self._chunk_bytes,
                            read_s=time.perf_counter() - start)
 
@@ -762,8 +840,13 @@ class NodeStore:
             yield PendingPut(None, in_place=False, stored=held)
             return
         sent = planned.offset == SEND
-        put = PendingPut(spare, in_place=False) if sent \
-            else PendingPut(self._client.view(planned.offset, self._chunk_bytes), in_place=True)
+        try:
+            put = PendingPut(spare, in_place=False) if sent else \
+                PendingPut(self._client.view(planned.offset, self._chunk_bytes), in_place=True)
+        except NodeUnavailable:  # the slab was let go since the check (the node restarted)
+            self._counters.add(dropped_writes=1)
+            yield PendingPut(None, in_place=False, stored=False)
+            return
         filled = False
         try:
             yield put

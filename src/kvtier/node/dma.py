@@ -4,9 +4,10 @@ The node's RAM tier is a file in /dev/shm that each engine maps (`NodeClient`); 
 engine's device mover copies chunks between it and the GPU. Pageable, each copy is staged by
 the driver; registered with `cudaHostRegister`, the mapping is DMA'd like the pinned slab of
 an in-process memory tier (tests/gpu/test_cuda_batches.py times the two). A registration
-lasts as long as its mapping: the client never unmaps a slab (loans may be out on it).
+lasts as long as its mapping: the client ends it (`unregister_for_dma`) when the last view of
+a slab it let go (a restarted node's predecessor's) is gone, just before it is unmapped.
 
-Primitives: `register_for_dma`.
+Primitives: `register_for_dma`, `unregister_for_dma`.
 """
 
 from __future__ import annotations
@@ -35,3 +36,20 @@ def register_for_dma(mapping: mmap.mmap) -> bool:
                     error)
         return False
     return True
+
+
+def unregister_for_dma(mapping: mmap.mmap) -> None:
+    """End `mapping`'s registration (`register_for_dma`), before it is unmapped: no copy
+    uses it any more. A failure is logged (the pages stay pinned until the process ends)."""
+    import torch  # registered: torch and CUDA are there
+
+    data = torch.frombuffer(mapping, dtype=torch.uint8)
+    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+    try:
+        error = int(cudart.cudaHostUnregister(data.data_ptr()))
+    except RuntimeError as exc:  # CUDA torn down: nothing left to unpin
+        log.warning("kvtier: the node's old slab could not be unregistered for DMA: %s", exc)
+        return
+    if error:
+        log.warning("kvtier: the node's old slab (%d B) could not be unregistered for DMA "
+                    "(CUDA error %d)", len(mapping), error)

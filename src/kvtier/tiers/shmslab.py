@@ -276,16 +276,19 @@ class SlabReader:
     thread and mapping: an OFD lock belongs to its open file, so two threads sharing one
     would release each other's."""
 
-    def __init__(self, fd: int, mapping: mmap.mmap) -> None:
-        """`mapping`: the whole slab file, mapped by the engine; `fd`: that same file opened
-        by this thread (an open file description of its own, closed by `close`; a file
-        opened again by its name might be a restarted node's).
+    def __init__(self, fd: int, mapping: mmap.mmap | np.ndarray) -> None:
+        """`mapping`: the whole slab file, mapped by the engine (or its bytes, as an array);
+        `fd`: that same file opened by this thread (an open file description of its own,
+        closed by `close`; a file opened again by its name might be a restarted node's).
+        Once closed, it neither holds the file nor keeps the mapping.
 
         Raises:
             ValueError: it is not a slab of this format (no records to trust).
         """
         size = len(mapping)
-        magic, slot_bytes, num_slots, _ = _FOOTER.unpack(mapping[size - _FOOTER.size:])
+        magic, slot_bytes, num_slots, _ = _FOOTER.unpack(np.frombuffer(
+            mapping, dtype=np.uint8, offset=size - _FOOTER.size).tobytes()) \
+            if size >= _FOOTER.size else (b"", 0, 0, 0)
         if magic != _MAGIC or slab_file_bytes(slot_bytes, num_slots) != size:
             os.close(fd)
             raise ValueError(f"not a kvtier slab with records ({magic!r})")
@@ -345,6 +348,9 @@ class SlabReader:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        # Its records' view no more: the engine unmaps a slab it let go (a dead node's) once
+        # nothing views it, so that its pages are freed for the restarted node's slab.
+        self._records = np.empty(0, dtype=_RECORD)
 
 
 def _lock(fd: int, kind: int, at: int) -> bool:
