@@ -45,7 +45,8 @@ from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.connector import KVTierConnector
 from kvtier.integrations.vllm.messages import WorkerIdentity
 from kvtier.integrations.vllm.scheduler.connector_scheduler import ConnectorScheduler
-from kvtier.node.server import NodeConfig, running_node
+from kvtier.node.config import NodeConfig
+from kvtier.node.server import running_node
 from kvtier.tiers.storeconfig import StoreConfig
 
 CHUNK, BLOCK = 64, 32

@@ -15,7 +15,8 @@ from gpurig import NEEDS_CUDA
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.node.client import NodeClient, NodeProbe, NodeStore
-from kvtier.node.server import NodeConfig, running_node
+from kvtier.node.config import NodeConfig
+from kvtier.node.server import running_node
 from kvtier.tiers.manifest import NamespaceInfo
 from kvtier.tiers.storeconfig import StoreConfig
 

@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 from nodekit import NodeProcess, left_in_shm, short_dir, unique_name, write_config
 
-from kvtier.node.server import NodeConfig, NodeServer, running_node
+from kvtier.node.config import NodeConfig
+from kvtier.node.server import NodeServer, running_node
 from kvtier.tiers.storeconfig import StoreConfig
 
 

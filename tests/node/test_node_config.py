@@ -22,7 +22,7 @@ import pytest
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.node.cli import AUTOGROUP
-from kvtier.node.server import NodeConfig
+from kvtier.node.config import NodeConfig
 from kvtier.tiers.shmslab import SHM_DIR, shm_size_bytes
 from kvtier.tiers.storeconfig import StoreConfig
 from kvtier.units import format_size

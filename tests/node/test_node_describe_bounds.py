@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from nodekit import INFO, LAYOUT, key, node_tiers, wait_for
 
+from kvtier.node.config import NodeConfig
 from kvtier.node.events import MAX_NAME_CHARS
 from kvtier.node.protocol import (
     Describe,
@@ -27,7 +28,7 @@ from kvtier.node.protocol import (
     receive_reply,
     send,
 )
-from kvtier.node.server import NodeConfig, NodeServer, running_node
+from kvtier.node.server import NodeServer, running_node
 from kvtier.tiers.storeconfig import StoreConfig
 
 pytestmark = pytest.mark.timeout(120)

@@ -41,8 +41,9 @@ from kvtier.core.layout import KVLayout
 from kvtier.errors import ConfigError
 from kvtier.node import cli
 from kvtier.node.client import NodeProbe
+from kvtier.node.config import NodeConfig
 from kvtier.node.eventwire import BlockRemoved, BlockStored, KVEventBatch
-from kvtier.node.server import NodeConfig, running_node
+from kvtier.node.server import running_node
 from kvtier.tiers.eventfacts import ChunkInfo
 from kvtier.tiers.storeconfig import StoreConfig
 

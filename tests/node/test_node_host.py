@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 from nodekit import connect, expected, key, lend, node_tiers, put_chunks, shm_files
 
-from kvtier.node.server import NodeConfig, NodeServer, running_node
+from kvtier.node.config import NodeConfig
+from kvtier.node.server import NodeServer, running_node
 from kvtier.tiers.shmslab import SHM_DIR
 from kvtier.tiers.storeconfig import StoreConfig
 

@@ -17,7 +17,8 @@ import pytest
 from nodekit import connect, node_tiers, put_chunks
 
 from kvtier.node import server
-from kvtier.node.server import NodeConfig, running_node
+from kvtier.node.config import NodeConfig
+from kvtier.node.server import running_node
 from kvtier.tiers.storeconfig import StoreConfig
 
 pytestmark = pytest.mark.timeout(120)

@@ -32,7 +32,8 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.retention import DEFAULT_META, ChunkMeta
 from kvtier.core.tier import TierResult
 from kvtier.errors import ConfigError
-from kvtier.node.server import NodeConfig, running_node
+from kvtier.node.config import NodeConfig
+from kvtier.node.server import running_node
 from kvtier.tiers.files.disk import DiskTier
 from kvtier.tiers.storeconfig import StoreConfig
 

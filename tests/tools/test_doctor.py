@@ -207,7 +207,8 @@ def test_redis_reachable(tmp_path):
 
 
 def test_node_mode_is_checked_by_asking_the_node(tmp_path):
-    from kvtier.node.server import NodeConfig, running_node
+    from kvtier.node.config import NodeConfig
+    from kvtier.node.server import running_node
     from kvtier.tiers.storeconfig import StoreConfig
     from kvtier.tools.ops.doctor import check_node
 

@@ -34,7 +34,7 @@ import pytest
 import yaml
 
 from kvtier.integrations.vllm.config import CONNECTOR_CLASS, ConnectorConfig
-from kvtier.node.server import NodeConfig
+from kvtier.node.config import NodeConfig
 from kvtier.tiers.shmslab import SHM_DIR
 from kvtier.tiers.storeconfig import StoreConfig
 from kvtier.tools.cli.main import main

@@ -11,7 +11,8 @@ from tierkit import key, tiny_layout
 
 from kvtier.core.retention import DEFAULT_META
 from kvtier.node.client import NodeClient, NodeStore
-from kvtier.node.server import NodeConfig, running_node
+from kvtier.node.config import NodeConfig
+from kvtier.node.server import running_node
 from kvtier.tiers.manifest import NamespaceInfo
 from kvtier.tiers.storeconfig import StoreConfig
 from kvtier.tools.cli.main import main

@@ -12,7 +12,7 @@ import pytest
 
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import ConnectorConfig
-from kvtier.node.server import NodeConfig
+from kvtier.node.config import NodeConfig
 from kvtier.tiers.storeconfig import StoreConfig
 from kvtier.tools.cli.main import main
 from kvtier.tools.ops.hardware import gpu_profile

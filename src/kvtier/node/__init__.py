@@ -3,6 +3,12 @@ interpreter.
 
   server.py    `NodeServer`: the tier stack per KV layout, its RAM slab in shared memory,
                one thread per engine connection, leases that end with the connection
+  config.py    `NodeConfig`: the node's settings, validated once (the tools read it too)
+  layouts.py   a layout's tiers opened, started and its RAM slab recovered (`ServedLayout`)
+  leases.py    what a lease holds (a lending, or `Puts`: reserved slots) and how one ends
+  connection.py  the listening socket and a connection's requests, dispatched in order
+  hostfiles.py   the node's name lock and slabs in /dev/shm, its socket's file
+  counters.py  `NodeCounters`: the node's own counters
   client.py    `NodeStore` (the connector's store in node mode), `NodeProbe` (its lookups)
   stream.py    a Borrow's reply read in parts as the node's reads land (`LentStream`)
   protocol.py  the control messages (msgspec), one round trip per load or step of stores

@@ -25,8 +25,9 @@ from types import FrameType
 
 from kvtier.errors import ConfigError, NodeUnavailable
 from kvtier.node.client import node_status
+from kvtier.node.config import NodeConfig
 from kvtier.node.metrics import MetricsServer, NodeCollector
-from kvtier.node.server import NodeConfig, NodeServer
+from kvtier.node.server import NodeServer
 from kvtier.tiers.shmslab import SHM_DIR, shm_size_bytes
 from kvtier.tiers.storeconfig import StoreConfig
 from kvtier.units import format_size

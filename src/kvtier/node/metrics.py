@@ -39,7 +39,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from kvtier.node.server import COUNTERS
+from kvtier.node.counters import COUNTERS
 
 PREFIX = "kvtier_node_"
 TIER_LABELS = ("layout", "tier", "model")

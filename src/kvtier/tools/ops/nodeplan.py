@@ -25,7 +25,7 @@ from typing import Any
 
 from kvtier.core.chunkformat import ALIGN_BYTES
 from kvtier.integrations.vllm.config import TOKENS_PER_CHUNK, kvtier_transfer_config
-from kvtier.node.server import NodeConfig
+from kvtier.node.config import NodeConfig
 from kvtier.tiers.shmslab import SHM_DIR, slab_file_bytes
 from kvtier.tiers.storeconfig import StoreConfig
 from kvtier.tools.ops.alternatives import Alternative, command_line

@@ -1,0 +1,177 @@
+"""The node's socket and its engines' connections: the listening socket (bound the node's
+alone, then given to its group), and a connection's requests read in order on a thread of its
+own. Here a request is dispatched; what it does to the node's stores and leases is the
+server's (`RequestServer`, the contract `NodeServer` keeps: the server imports this module,
+never the reverse).
+
+Primitives: `RequestServer`, `NodeSocketServer`, `ConnectionHandler`, `reply_to`.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import socketserver
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import msgspec
+
+from kvtier.core.keys import ChunkKey
+from kvtier.node.counters import NodeCounters
+from kvtier.node.layouts import ServedLayout
+from kvtier.node.protocol import (
+    Answer,
+    Borrow,
+    Commit,
+    Describe,
+    Flush,
+    Found,
+    Hello,
+    Lent,
+    Lookup,
+    MeasureLinks,
+    Refused,
+    Release,
+    Reply,
+    Request,
+    Reserve,
+    Reserved,
+    Retain,
+    Status,
+    Touch,
+    receive_request,
+    send,
+)
+
+
+class RequestServer(Protocol):
+    """What a connection asks of its node (`NodeServer`): the connection's lifecycle, and
+    what each request does to the node's layouts, leases and stores."""
+
+    counters: NodeCounters
+
+    @property
+    def closing(self) -> bool: ...
+    def opened(self, owner: int, sock: socket.socket) -> None: ...
+    def connected(self, owner: int, engine: str) -> None: ...
+    def disconnected(self, owner: int) -> None: ...
+    def layout_for(self, hello: Hello) -> ServedLayout | Refused: ...
+    def status(self) -> dict[str, Any]: ...
+    def release(self, owner: int, lease: int) -> None: ...
+    def commit(self, owner: int, request: Commit) -> None: ...
+    def describe(self, layout: ServedLayout, request: Describe) -> None: ...
+    def borrow(self, owner: int, layout: ServedLayout, request: Borrow,
+               spares: list[memoryview], part: Callable[[Lent], None] | None = None
+               ) -> Lent: ...
+    def reserve(self, owner: int, layout: ServedLayout, request: Reserve, spare: memoryview
+                ) -> Reserved: ...
+
+
+class NodeSocketServer(socketserver.ThreadingUnixStreamServer):
+    """The node's listening socket: a thread per connection, `node` serving them."""
+
+    daemon_threads = True
+    request_queue_size = socket.SOMAXCONN  # engines reconnecting at once after a restart
+    node: RequestServer
+
+    def server_bind(self) -> None:
+        """Bind the socket's file as the node's alone (0600, narrowed by the umask; Linux
+        takes a unix socket's file mode from its inode), widened to its group by `NodeServer`
+        once bound: bound with the process's mode bits, under umask 0 the file was 0777 until
+        that chmod, and any user of the host who connected meanwhile kept a connection
+        (tests/node/test_node_socket_bind.py)."""
+        os.fchmod(self.socket.fileno(), 0o600)
+        super().server_bind()
+
+
+class ConnectionHandler(socketserver.BaseRequestHandler):
+    """One connection: its requests in order, on its own thread."""
+
+    server: NodeSocketServer
+
+    def handle(self) -> None:
+        node = self.server.node
+        owner = id(self)
+        sock: socket.socket = self.request
+        layout: ServedLayout | None = None
+        spares: list[memoryview] = []
+        scratch: memoryview | None = None
+        node.opened(owner, sock)
+        try:
+            while True:
+                try:
+                    request = receive_request(sock)
+                except (msgspec.MsgspecError, ValueError) as exc:
+                    send(sock, Refused(f"bad message: {exc}"))
+                    return
+                if request is None or node.closing:
+                    return
+                if isinstance(request, Hello):
+                    answer = node.layout_for(request)
+                    if isinstance(answer, Refused):
+                        node.counters.add("refused")
+                        send(sock, answer)
+                        continue
+                    layout = answer
+                    node.connected(owner, request.engine)
+                    send(sock, layout.welcome)
+                    continue
+                if isinstance(request, Release):
+                    node.release(owner, request.lease)
+                    continue
+                if isinstance(request, Touch):
+                    if layout is not None:
+                        layout.memory.touch([ChunkKey(k) for k in request.keys])
+                        node.counters.add("read_in_place", len(request.keys))
+                    continue
+                if isinstance(request, Commit):
+                    node.commit(owner, request)
+                    if request.reply:
+                        send(sock, Answer(True))
+                    continue
+                if isinstance(request, Status):
+                    send(sock, Answer(node.status()))
+                    continue
+                if isinstance(request, Describe):
+                    if layout is not None:
+                        node.describe(layout, request)
+                    continue
+                if layout is None:
+                    send(sock, Refused("say Hello first"))
+                    continue
+                if scratch is None:
+                    scratch = memoryview(mmap.mmap(-1, layout.memory.chunk_bytes))
+                send(sock, reply_to(node, owner, layout, request, spares, scratch,
+                                    lambda part: send(sock, part)))
+        except OSError:
+            return  # the engine went away mid-message
+        finally:
+            node.disconnected(owner)
+
+
+def reply_to(node: RequestServer, owner: int, layout: ServedLayout, request: Request,
+             spares: list[memoryview], scratch: memoryview,
+             part: Callable[[Lent], None]) -> Reply:
+    """The reply to a request about the connection's layout (`part`: sends a part of a
+    streamed one)."""
+    if isinstance(request, Lookup):
+        node.counters.add("lookups")
+        keys = [ChunkKey(k) for k in request.keys]
+        if request.ram_only:
+            return Found([layout.memory.contains(key) for key in keys])
+        # One batch per remote tier below RAM, not a round trip per key.
+        return Found(layout.store.contains_many(keys))
+    if isinstance(request, MeasureLinks):  # measured now the first time, then when due
+        return Answer({name: [speed.round_trip_s, speed.bytes_per_s]
+                       for name, speed in layout.links.current().items()})
+    if isinstance(request, Borrow):
+        return node.borrow(owner, layout, request, spares, part if request.stream else None)
+    if isinstance(request, Reserve):
+        return node.reserve(owner, layout, request, scratch)
+    if isinstance(request, Retain):
+        return Answer(layout.store.retain(ChunkKey(request.key), request.meta.chunk_meta()))
+    if isinstance(request, Flush):
+        return Answer(layout.store.flush(request.timeout_s))
+    return Refused(f"unexpected {type(request).__name__}")

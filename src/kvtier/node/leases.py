@@ -1,0 +1,56 @@
+"""What a node's lease holds, and how one ends. A lease is a `Lending` (chunks lent to an
+engine for a load) or `Puts` (slots reserved for its stores); it ends at the engine's Release
+or commits, or with its connection, so an engine killed mid-load or mid-store leaks nothing.
+
+Primitives: `Puts`, `end_lease`, `spare_buffers`, `sendable`.
+"""
+
+from __future__ import annotations
+
+import mmap
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+from kvtier.core.loans import Lending
+from kvtier.core.store import ChunkView, PendingPut
+from kvtier.node.protocol import MAX_FRAME
+
+
+@dataclass
+class Puts:
+    """Slots reserved by one `Reserve`: each a `putting` block left open until its commit."""
+
+    blocks: list[tuple[AbstractContextManager[PendingPut], PendingPut] | None]
+    open: int
+    chunk_bytes: int
+
+
+def spare_buffers(count: int, chunk_bytes: int) -> list[memoryview]:
+    """`count` page-aligned buffers of `chunk_bytes`, all in one anonymous mapping (its pages
+    taken only when a read writes them). A mapping each, as before, let one Borrow of as many
+    keys as a frame holds take the process's `vm.max_map_count`: every other engine's next
+    buffer failed (ENOMEM) and its connection dropped (tests/node/test_node_borrow_mappings.py).
+
+    Raises:
+        OSError: ENOMEM, the mapping is larger than the kernel allows (the connection ends).
+    """
+    stride = -(-chunk_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
+    whole = memoryview(mmap.mmap(-1, count * stride))
+    return [whole[i * stride:i * stride + chunk_bytes] for i in range(count)]
+
+
+def sendable(put: PendingPut) -> bool:
+    """Whether a chunk RAM has no slot for can come with its commit (a frame's bound)."""
+    return put.data is not None and len(put.data) < MAX_FRAME // 2
+
+
+def end_lease(held: Lending[ChunkView] | Puts) -> None:
+    """End a lease: a lending's loans released; reserved slots never committed given back."""
+    if isinstance(held, Puts):
+        for taken in held.blocks:
+            if taken is not None:
+                taken[1].cancel()
+                taken[0].__exit__(None, None, None)
+        held.blocks.clear()
+    else:
+        held.close()
