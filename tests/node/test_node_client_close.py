@@ -52,3 +52,18 @@ def test_close_ends_the_connections_of_every_thread(tmp_path: Path,
         finally:
             done.set()
             other.join()
+
+
+def test_close_ends_the_watch_of_a_node_down(socket_path: Path) -> None:
+    """A client marked down watches the node (`Status` every retry_s) until it answers; a
+    closed client asks nothing any more, so its watch ends at its next tick. Before: the
+    watch thread polled the socket of a node that never came back for the process's life."""
+    client, _store = connect(socket_path, timeout_s=0.2, retry_s=0.05)  # no node there
+    before = set(threading.enumerate())
+    with pytest.raises(NodeUnavailable):
+        NodeProbe([client]).contains_many([key(0)])
+    watches = [t for t in set(threading.enumerate()) - before
+               if t.name == "kvtier-node-watch"]
+    assert len(watches) == 1, "the client is marked down, its watch running"
+    client.close()
+    wait_for(lambda: not watches[0].is_alive(), 10, "the closed client's watch to end")

@@ -466,9 +466,12 @@ class NodeClient:
         """Ask the node for its status every `retry_s` (each ask waits at most as long) until
         it answers; then the engine's threads ask it again. A node that answers but refuses
         this engine (its layout) fails their next call at once, and is watched again (`again`:
-        the failure was the one logged before, and its answer is logged at debug too)."""
+        the failure was the one logged before, and its answer is logged at debug too). A
+        closed client asks nothing any more: its watch ends at its next tick."""
         while True:
             time.sleep(self.retry_s)
+            if self._closed:
+                return
             try:
                 status = node_status(self.socket_path,
                                      timeout_s=max(self.timeout_s, self.retry_s))
