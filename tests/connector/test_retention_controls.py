@@ -29,10 +29,36 @@ def test_kv_transfer_params_not_an_object_are_ignored_by_the_scheduler(
     engine = Engine()
     for i, params in enumerate(([("skip_load", True)], "skip_load", 5)):
         req = request(f"r{i}", 200, params=params)  # type: ignore[arg-type]
-        with caplog.at_level("WARNING", logger="kvtier"):
+        with caplog.at_level("DEBUG", logger="kvtier"):
             engine.admit(req, list(range(7)))
         assert f"ignoring kv_transfer_params={params!r}" in caplog.text
         engine.sched.request_finished(req)
+
+
+def test_bad_params_of_api_users_are_logged_bounded_once_per_field(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """kv_transfer_params come from API users (an OpenAI request's extra body): a bad value
+    was logged in full, at warning, on every request, so a client could flood the engine's
+    log with text of its own (newlines, escapes, megabytes). Now its repr, bounded, at
+    warning once per field, then at debug, each counted (ignored_request_params)."""
+    engine = Engine()
+    flood = "x" * 100_000 + "\nINFO forged line\x1b[31m"
+    for i in range(20):
+        req = request(f"r{i}", 200, params={"skip_load": flood, "ttl_s": [flood] * 1000})
+        with caplog.at_level("DEBUG", logger="kvtier"):
+            engine.admit(req, list(range(7)))
+        engine.sched.request_finished(req)
+    ours = [r for r in caplog.records if "kv_transfer_params" in r.getMessage()]
+    assert len(ours) == 40
+    assert [r.levelname for r in ours].count("WARNING") == 2  # skip_load's, ttl_s's
+    assert {r.getMessage().split("=")[0] for r in ours if r.levelname == "WARNING"} == {
+        "kvtier: ignoring kv_transfer_params.skip_load",
+        "kvtier: ignoring kv_transfer_params.ttl_s"}
+    for record in ours:
+        text = record.getMessage()
+        assert len(text) < 400 and "\n" not in text and "\x1b" not in text
+    counters = engine.sched.take_stats().data["counters"]
+    assert counters["ignored_request_params"] == {"": 40}
 
 
 def test_stores_carry_the_salt_pin_and_ttl_and_held_chunks_are_retained() -> None:

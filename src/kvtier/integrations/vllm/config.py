@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.badparams import IgnoredParams
 from kvtier.node.eventpub import check_endpoint
 from kvtier.node.protocol import BELOW_TIER as NODE_BELOW_TIER
 from kvtier.node.protocol import RAM_TIER as NODE_TIER
@@ -31,6 +32,8 @@ from kvtier.redaction import MASK, secret_field
 from kvtier.tiers.storeconfig import StoreConfig
 
 logger = logging.getLogger(__name__)
+# Bad per-request switches of the callers that bring no `IgnoredParams` of their own.
+_IGNORED = IgnoredParams(logger)
 
 WHERE = "kv_connector_extra_config"
 # vLLM loads the connector as getattr(import_module(CONNECTOR_MODULE), CONNECTOR_CLASS).
@@ -324,31 +327,34 @@ class RequestControls:
         return max(pins, default=None)
 
     @classmethod
-    def from_params(cls, params: Mapping[str, Any] | None) -> RequestControls:
-        """Read the switches; a bad value is logged and ignored (one request's typo must not
-        take down the engine), unknown keys are left for other connectors."""
+    def from_params(cls, params: Mapping[str, Any] | None,
+                    ignored: IgnoredParams | None = None) -> RequestControls:
+        """Read the switches; a bad value is logged (by `ignored`: once per field at warning,
+        bounded, badparams.py; default this module's) and ignored (one request's typo must
+        not take down the engine), unknown keys are left for other connectors."""
         if not params:
             return cls()
+        ignored = ignored or _IGNORED
         if not isinstance(params, Mapping):  # vLLM's offline API passes what it is given
-            logger.warning("kvtier: ignoring kv_transfer_params=%r (an object of kvtier's "
-                           "switches, see docs/retention.md)", params)
+            ignored.ignore("", params, "an object of kvtier's switches, see docs/retention.md")
             return cls()
         skip_load = params.get("skip_load", False)
         skip_store = params.get("skip_store", False)
         limit = params.get("max_offload_tokens")
         if not isinstance(skip_load, bool):
-            logger.warning("kvtier: ignoring kv_transfer_params.skip_load=%r", skip_load)
+            ignored.ignore("skip_load", skip_load, "true or false")
             skip_load = False
         if not isinstance(skip_store, bool):
-            logger.warning("kvtier: ignoring kv_transfer_params.skip_store=%r", skip_store)
+            ignored.ignore("skip_store", skip_store, "true or false")
             skip_store = False
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
                                   or limit < 0):
-            logger.warning("kvtier: ignoring kv_transfer_params.max_offload_tokens=%r", limit)
+            ignored.ignore("max_offload_tokens", limit, "a number of tokens >= 0")
             limit = None
         return cls(skip_load=skip_load, skip_store=skip_store, max_offload_tokens=limit,
-                   retain_s=_duration(params, "retain_s"), ttl_s=_duration(params, "ttl_s"),
-                   retain_prefixes=_prefix_pins(params.get("retain_prefixes")))
+                   retain_s=_duration(params, "retain_s", ignored),
+                   ttl_s=_duration(params, "ttl_s", ignored),
+                   retain_prefixes=_prefix_pins(params.get("retain_prefixes"), ignored))
 
     def within_role(self, kv_role: str | None) -> RequestControls:
         """These switches as the engine's vLLM `kv_role` allows them: a "kv_producer" (a
@@ -363,21 +369,22 @@ class RequestControls:
 MAX_REQUEST_DURATION_S = 1e9
 
 
-def _duration(params: Mapping[str, Any], name: str) -> float | None:
+def _duration(params: Mapping[str, Any], name: str,
+              ignored: IgnoredParams | None) -> float | None:
     """A positive number of seconds from `params[name]`, or None (absent or invalid: logged
-    and ignored, like every per-request switch)."""
+    by `ignored`, if any, and ignored, like every per-request switch)."""
     value = params.get(name)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) \
             or not 0 < value < MAX_REQUEST_DURATION_S:
-        logger.warning("kvtier: ignoring kv_transfer_params.%s=%r (a number of seconds > 0)",
-                       name, value)
+        if ignored is not None:
+            ignored.ignore(name, value, "a number of seconds > 0")
         return None
     return float(value)
 
 
-def _prefix_pins(value: Any) -> tuple[PrefixPin, ...]:
+def _prefix_pins(value: Any, ignored: IgnoredParams) -> tuple[PrefixPin, ...]:
     """`kv_transfer_params.retain_prefixes`: a list of {"tokens": N > 0, "retain_s": S > 0};
     absent: none; anything else is logged and ignored, like every per-request switch."""
     if value is None:
@@ -387,13 +394,13 @@ def _prefix_pins(value: Any) -> tuple[PrefixPin, ...]:
         for item in value:
             if not isinstance(item, Mapping):
                 break
-            tokens, seconds = item.get("tokens"), _duration(item, "retain_s")
+            tokens, seconds = item.get("tokens"), _duration(item, "retain_s", None)
             if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1 \
                     or seconds is None:
                 break
             pins.append(PrefixPin(tokens, seconds))
         else:
             return tuple(pins)
-    logger.warning("kvtier: ignoring kv_transfer_params.retain_prefixes=%r (a list of "
-                   "{\"tokens\": N, \"retain_s\": seconds})", value)
+    ignored.ignore("retain_prefixes", value,
+                   'a list of at most 64 {"tokens": N, "retain_s": seconds}')
     return ()

@@ -67,6 +67,8 @@ COUNTERS: dict[str, str] = {
                             "something kvtier cannot key (see request_keys.py: an unknown "
                             "extra key, a LoRA adapter changed or reloaded in place), or was "
                             "computed before a cache reset",
+    "ignored_request_params": "Bad kv_transfer_params values of API requests, ignored "
+                              "(each field's first logged at warning, the rest at debug)",
     "cache_resets": "Resets of the connector's cache (reset_prefix_cache(reset_connector=True), "
                     "e.g. after a weight update in place): chunks stored before are never "
                     "offered to this engine again",

@@ -25,6 +25,7 @@ from vllm.v1.request import RequestStatus
 
 from kvtier.core.keys import ChunkKey, Namespace, chunk_keys, tail_key, tail_keys
 from kvtier.errors import UncacheableRequest
+from kvtier.integrations.vllm.badparams import IgnoredParams
 from kvtier.integrations.vllm.config import RequestControls
 from kvtier.integrations.vllm.metrics import StatsDelta
 from kvtier.integrations.vllm.scheduler.losthits import LookupHit
@@ -161,6 +162,8 @@ class RequestTable:
         # on, so that no chunk stored before is ever found again (`start_epoch`).
         self._epoch: str | None = None
         self._adapters = LoadedAdapters()
+        # Bad kv_transfer_params of API users: each field's first at warning (badparams.py).
+        self._ignored = IgnoredParams(logger)
 
     def state(self, request: Request) -> RequestState:
         """The request's state, entered on first sight."""
@@ -169,9 +172,12 @@ class RequestTable:
             namespace, keyed = self._namespace(request)
             if not keyed:
                 self._stats.add("uncacheable_requests", 1)
+            ignored = self._ignored.count
+            controls = RequestControls.from_params(request.kv_transfer_params, self._ignored)
+            if self._ignored.count > ignored:
+                self._stats.add("ignored_request_params", self._ignored.count - ignored)
             state = RequestState(request=request, namespace=namespace,
-                                 controls=RequestControls.from_params(
-                                     request.kv_transfer_params).within_role(self._kv_role),
+                                 controls=controls.within_role(self._kv_role),
                                  has_extras=needs_chunk_extras(request), uncacheable=not keyed)
             self._requests[request.request_id] = state
         return state
