@@ -37,7 +37,7 @@ TPC = 16
 KINDS = {"memory": "memory", "shared": "shared"}
 ENDPOINTS = {"10.0.0.1:8000": "n1", "10.0.0.2:8000": "n1", "10.0.0.3:8000": "n2"}  # A, B, C
 WEIGHTS = {"gpu": 1.0, "cpu": 0.8, "shared_storage": 0.4}  # PR #2586's defaults
-REQUEST = SimpleNamespace(lora_request=None, cache_salt=None)  # what remember reads of one
+REQUEST = SimpleNamespace(request_id="r", lora_request=None, cache_salt=None)  # what remember reads
 KEYS = [ChunkKey(bytes([i + 1]) * 16) for i in range(4)]
 TOKENS = list(range(4 * TPC))
 

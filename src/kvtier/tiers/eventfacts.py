@@ -9,13 +9,14 @@ while in `ChunkTokens`) and where a tier's chunks are (`event_place`: the `mediu
 `locality` facts of the tier's class, found by its kind in the registry; `ownership`
 `kvtier/<tier>`).
 
-Primitives: `ChunkInfo`, `ChunkTokens`, `EventPlace`, `event_place`.
+Primitives: `ChunkInfo`, `ChunkTokens`, `ChunkLookup`, `EventPlace`, `event_place`.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvtier.core.keys import ChunkKey
 from kvtier.tiers.registry import tier_class
@@ -47,6 +48,13 @@ class ChunkTokens:
 
     def get(self, key: ChunkKey) -> ChunkInfo | None:
         return self._chunks.get(key)
+
+
+class ChunkLookup(Protocol):
+    """Where a publisher finds a chunk's info: `ChunkTokens`, or the scheduler's
+    `LiveChunkInfos` (those of its live requests, then the recent)."""
+
+    def get(self, key: ChunkKey) -> ChunkInfo | None: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,10 +25,10 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 
 from kvtier.core.store import StoreEvent
 from kvtier.tiers.eventblocks import router_blocks
-from kvtier.tiers.eventfacts import ChunkTokens, EventPlace, event_place
+from kvtier.tiers.eventfacts import ChunkLookup, EventPlace, event_place
 
 
-def kv_events(store_events: Iterable[StoreEvent], tokens: ChunkTokens,
+def kv_events(store_events: Iterable[StoreEvent], tokens: ChunkLookup,
               tier_kinds: Mapping[str, str], tokens_per_chunk: int,
               block_size: int | None = None) -> list[KVCacheEvent]:
     """vLLM KV events for the tier events (`tier_kinds`: tier name -> kind), each chunk as

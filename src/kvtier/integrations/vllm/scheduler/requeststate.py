@@ -183,7 +183,9 @@ class RequestTable:
         return state
 
     def pop(self, request_id: str) -> RequestState | None:
-        """Forget an ended request; its state, if it was known."""
+        """Forget an ended request (its chunks' token ids for router events too); its state,
+        if it was known."""
+        self._events.forget(request_id)
         return self._requests.pop(request_id, None)
 
     def __iter__(self) -> Iterator[RequestState]:

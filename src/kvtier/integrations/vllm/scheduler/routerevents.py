@@ -1,7 +1,8 @@
 """The KV events the scheduler side hands vLLM for cache-aware routers (events.py: their form).
 
 Scheduler side, one thread. Enabled when vLLM runs with KV cache events on: the token ids of
-each chunk are remembered when its key is made (a stored event must carry them), and the
+each chunk are remembered when its key is made (a stored event must carry them), held while
+its request lives and for a while after (chunkinfos.py), and the
 workers' per-tier store events become vLLM events, queued until vLLM takes them. In node mode
 the node publishes its tiers' events itself (kvtier.node.events), and knows no token ids:
 when it says it publishes, the chunks are remembered here too and each step's planned stores
@@ -25,11 +26,12 @@ import numpy as np
 from kvtier.core.keys import ChunkKey
 from kvtier.core.store import StoreEvent
 from kvtier.integrations.vllm.config import PoolEvents
+from kvtier.integrations.vllm.scheduler.chunkinfos import LiveChunkInfos
 from kvtier.integrations.vllm.scheduler.events import kv_events
 from kvtier.node.eventpub import EventPublisher
 from kvtier.node.eventwire import BlockRemoved, BlockStored
 from kvtier.tiers.eventblocks import ParentsFirst, router_blocks
-from kvtier.tiers.eventfacts import ChunkInfo, ChunkTokens, event_place
+from kvtier.tiers.eventfacts import ChunkInfo, event_place
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent
@@ -65,7 +67,7 @@ class RouterEvents:
         # The tiers every engine hits (their class: REMOTE), announced on the pool's topic.
         self._shared = {name for name, kind in tier_kinds.items()
                         if event_place(name, kind).locality == "REMOTE"} if pool else set()
-        self._chunk_tokens = ChunkTokens()
+        self._chunk_tokens = LiveChunkInfos()
         self._queued: list[KVCacheEvent] = []
 
     @property
@@ -77,15 +79,19 @@ class RouterEvents:
     def remember(self, request: Request, keys: list[ChunkKey], tokens: Sequence[int],
                  parent: ChunkKey | None) -> None:
         """Keep the token ids of new chunks (`keys`, after `parent`) of `request` for the
-        events of their later stores."""
+        events of their later stores: while the request lives, then among the recent."""
         tpc = self._tokens_per_chunk
         ids = np.asarray(tokens, dtype="<i4")
         lora = request.lora_request.lora_name if request.lora_request else None
         for i, key in enumerate(keys):
-            self._chunk_tokens.remember(key, ChunkInfo(
+            self._chunk_tokens.remember(request.request_id, key, ChunkInfo(
                 parent=parent, token_ids=ids[i * tpc:(i + 1) * tpc].tobytes(), lora_name=lora,
                 cache_salt=request.cache_salt))
             parent = key
+
+    def forget(self, request_id: str) -> None:
+        """The request ended: its chunks' token ids are kept among the recent only."""
+        self._chunk_tokens.forget(request_id)
 
     def learn(self, store_events: Iterable[StoreEvent]) -> None:
         """Queue the events of what the workers' tiers stored and removed; those of shared
