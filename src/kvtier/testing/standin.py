@@ -5,10 +5,14 @@ It keeps CUDA's ordering model and makes every breach of it visible: each stream
 that runs its queued work in order, each piece after a random delay (seeded: between half
 the stream's maximum and its maximum), so work runs
 late and streams overtake each other; an event is a flag its stream sets when it reaches it;
-`wait` queues a wait for the flag on the stream. "Device memory" is host memory, filled with a
-poison byte when allocated. So a copy that reads a host buffer after its borrow ended, a
-gather that runs before the forward that writes its blocks, or a forward that reads blocks
-before their load has run, reads the wrong bytes, and the tests that check the bytes fail.
+`wait` queues a wait for the flag on the stream. As CUDA's, an event's record is the one
+made last when it is used: `wait` and `synchronize` wait for the record made before the call
+(none: nothing to wait for, even if the event is recorded before the stream gets there), and
+a record made again un-reaches the event until its stream gets to it. "Device memory" is
+host memory, filled with a poison byte when allocated. So a copy that reads a host buffer
+after its borrow ended, a gather that runs before the forward that writes its blocks, or a
+forward that reads blocks before their load has run, reads the wrong bytes, and the tests
+that check the bytes fail.
 
 `delays` maps a stream's name ("compute", or the name the mover gives it: "load", "load copy",
 "store", "store copy") to its maximum delay in seconds (default: the delay of its first word's
@@ -37,19 +41,25 @@ POISON = 0xA5
 
 
 class StandInEvent:
-    """An event: reached when its stream has run everything queued before `record`."""
+    """An event: reached when its stream has run everything queued before its last `record`."""
 
     def __init__(self) -> None:
-        self._reached = threading.Event()
-        self._recorded = False
+        # The flag of its last record, set when its stream gets there; None: never recorded.
+        # A new flag each record (CUDA's re-record): a wait queued before keeps the old one.
+        self._reached: threading.Event | None = None
         self.stream: StandInStream | None = None  # where it was last recorded
 
     def query(self) -> bool:
-        return not self._recorded or self._reached.is_set()
+        return self._reached is None or self._reached.is_set()
 
     def synchronize(self) -> None:
-        if self._recorded and not self._reached.wait(timeout=30):
-            raise TimeoutError("stand-in event never reached (a stream is stuck)")
+        _reach(self._reached)
+
+
+def _reach(reached: threading.Event | None) -> None:
+    """Wait for a record's flag (None: never recorded, nothing to wait for)."""
+    if reached is not None and not reached.wait(timeout=30):
+        raise TimeoutError("stand-in event never reached (a stream is stuck)")
 
 
 class StandInStream:
@@ -117,14 +127,17 @@ class StandInDevice:
 
     def record(self, event: Any, stream: Any) -> None:
         self.calls["record"] += 1
-        event._recorded = True
+        event._reached = reached = threading.Event()
         event.stream = stream
-        stream.put(event._reached.set)
+        stream.put(reached.set)
 
     def wait(self, stream: Any, event: Any) -> None:
         self.waits += 1
         self.calls["wait"] += 1
-        stream.put(event.synchronize)
+        # The record made before this call, as CUDA's cudaStreamWaitEvent: one made after
+        # it (a wait queued too early) is not waited for.
+        reached = event._reached
+        stream.put(lambda: _reach(reached))
 
     def run(self, stream: Any, work: Callable[[], Any]) -> None:
         self.calls["run"] += 1
@@ -143,10 +156,9 @@ class StandInDevice:
     def drain(self) -> None:
         """Wait until every stream has run what is queued on it so far."""
         for stream in list(self.streams):
-            event = StandInEvent()
-            event._recorded = True  # not through `record`: not one of `calls`
-            stream.put(event._reached.set)
-            event.synchronize()
+            reached = threading.Event()  # not through `record`: not one of `calls`
+            stream.put(reached.set)
+            _reach(reached)
 
     def close(self) -> None:
         """Stop the streams; raise what any of their work raised."""
