@@ -19,14 +19,26 @@
 #      chunks, load = host -> device, store = device -> host, each against a raw pinned copy),
 #      in bf16 LBNHC, fp8 LBNHC, bf16 BLHNC (2-32 MiB: a 32-layer bf16 block is 2 MiB) and a
 #      16-layer bf16 LBNHC model (1-32 MiB);
-#   5. writes everything under the results directory (default gpu-results/, which the script
-#      keeps out of git with its own .gitignore) and prints a summary: PASS/FAIL per chunk
-#      size against the 0.8x target (1 MiB: reported, not judged), the runner's blocked time
-#      per step of stores, and the node slab's copy speeds.
+#   5. writes everything under the results directory ($OUT where it is set, as on a lent
+#      device machine, else gpu-results/; kept out of git with its own .gitignore) and prints
+#      a summary: PASS/FAIL per chunk size against the 0.8x target (1 MiB: reported, not
+#      judged), the runner's blocked time per step of stores, and the node slab's copy speeds.
+#
+# Steps 2-4 run within --budget-s seconds in all (default 480: a lent GPU's 15 minutes hold
+# the machine's start, one run and a rerun of the summary; a full run took ~100 s on an H200):
+# each step gets what is left (`timeout`), one that runs out is killed and counts as failed,
+# and the steps after it are not run; the summary names them (timed-out.txt).
+#
+# --standin runs the same steps on a machine without a GPU, on the stand-in device where a
+# step has one, so that the run-book is known to work before a GPU is lent: no GPU check and
+# no install, the same tests (the CUDA ones skip), the same bench runs with --device cpu
+# --quick, and `kvtier bench mover --quick` (the device mover on the stand-in); no target is
+# judged (exit 0: every step ran, every test passed, every byte verified).
 #
 # Usage: bash scripts/gpu-check.sh [--results DIR] [--python PY] [--no-install] [--wheels DIR]
-#                                  [--quick] [--dry-run] [--summary-only]
-#   --results DIR   where the results go (default gpu-results)
+#                                  [--quick] [--dry-run] [--summary-only] [--budget-s S]
+#                                  [--standin]
+#   --results DIR   where the results go (default $OUT where set, else gpu-results)
 #   --python PY     the Python with the CUDA build of torch (default $PYTHON, else python3)
 #   --no-install    use the environment as it is (kvtier and its dependencies installed)
 #   --wheels DIR    install offline (a GPU machine that reaches no registry): the missing
@@ -35,14 +47,18 @@
 #   --quick         2 trials and 32 blocks per bench run instead of 5 and 512
 #   --dry-run       print the steps, run nothing
 #   --summary-only  only step 5, over the results a run left in DIR
+#   --budget-s S    seconds for steps 2-4 in all (default 480; see above)
+#   --standin       no GPU: the steps on the CPU stand-in (see above)
 #
 # Exit status: 0 tests passed and the target met at every chunk size; 1 a test failed, a
-# bench run failed or loaded bytes that differ; 2 no usable GPU (or bad arguments); 3 all
-# correct, but below the target at some chunk size.
+# bench run failed, a step ran out of the budget or loaded bytes differ; 2 no usable GPU (or
+# bad arguments); 3 all correct, but below the target at some chunk size.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-RESULTS=gpu-results
+RESULTS=${OUT:-gpu-results}
+BUDGET=480
+STANDIN=0
 PY=${PYTHON:-python3}
 INSTALL=1
 WHEELS=
@@ -58,10 +74,20 @@ while (($#)); do
     --quick) QUICK=(--quick); shift ;;
     --dry-run) DRY=1; shift ;;
     --summary-only) SUMMARY_ONLY=1; shift ;;
+    --budget-s) BUDGET=${2:?--budget-s needs seconds}; shift 2 ;;
+    --standin) STANDIN=1; shift ;;
     -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu-check: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
+[[ $BUDGET =~ ^[0-9]+$ ]] && ((BUDGET > 0)) ||
+  { echo "gpu-check: --budget-s $BUDGET: a whole number of seconds above 0" >&2; exit 2; }
+DEVICE=cuda
+if ((STANDIN)); then  # the steps that have a stand-in, on it (see above)
+  DEVICE=cpu INSTALL=0 QUICK=(--quick)
+  export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"  # kvtier from this checkout
+fi
+DEADLINE=$((SECONDS + BUDGET))
 
 # The bench runs: name, then `kvtier bench copy` arguments.
 BENCH_RUNS=(
@@ -74,18 +100,38 @@ TESTS=(tests/gpu tests/connector/test_stream_mover.py tests/connector/test_strea
 SLAB_TEST=tests/gpu/test_cuda_batches.py::test_a_node_slab_registered_for_dma_copies_at_pinned_speed
 
 say() { printf '\n== %s\n' "$*"; }
+
+# bounded NAME COMMAND...: COMMAND, killed once the budget is spent (status 124; NAME goes in
+# timed-out.txt); not run at all when less than 5 s of it is left.
+bounded() {
+  local name=$1 left=$((DEADLINE - SECONDS)) rc
+  shift
+  if ((left < 5)); then
+    echo "gpu-check: $name not run: the budget of $BUDGET s (--budget-s) is spent" >&2
+    echo "$name" >> "$RESULTS/timed-out.txt"
+    return 124
+  fi
+  timeout --kill-after=10 "$left" "$@"
+  rc=$?
+  if ((rc == 124 || rc == 137)); then
+    echo "gpu-check: $name killed: the budget of $BUDGET s (--budget-s) ran out" >&2
+    echo "$name" >> "$RESULTS/timed-out.txt"
+  fi
+  return "$rc"
+}
 fail() { printf 'gpu-check: FAIL: %s\n' "$1" >&2; exit "${2:-1}"; }
 
 summary() {
   say "5. summary"
   local names=()
   for run in "${BENCH_RUNS[@]}"; do names+=("${run%%|*}"); done
-  "$PY" - "$RESULTS" "${names[@]}" <<'EOF' | tee "$RESULTS/summary.md"
+  "$PY" - "$RESULTS" "$STANDIN" "${names[@]}" <<'EOF' | tee "$RESULTS/summary.md"
 import json, sys
 from pathlib import Path
 
 results = Path(sys.argv[1])
-names = sys.argv[2:]
+standin = sys.argv[2] == "1"  # no GPU: CUDA tests skip, no target is judged
+names = sys.argv[3:]
 
 
 def read(name: str, default: str = "") -> str:
@@ -95,13 +141,21 @@ def read(name: str, default: str = "") -> str:
 
 tests_rc = int(read("pytest.rc", "1"))
 cuda_skips = read("pytest.txt").count("needs a CUDA device")
-tests_ok = tests_rc == 0 and cuda_skips == 0
-print("# gpu-check summary\n")
+tests_ok = tests_rc == 0 and (cuda_skips == 0 or standin)
+timed_out = read("timed-out.txt").split()
+print(f"# gpu-check summary{' (--standin: the CPU stand-in, no GPU)' if standin else ''}\n")
+if timed_out:
+    print(f"- OUT OF BUDGET (--budget-s), killed or not run: {', '.join(timed_out)}")
 print(f"- GPU: {read('gpu.txt', 'unknown')}")
 print(f"- {read('torch.txt', 'torch: unknown').splitlines()[0]}")
 print(f"- tests (pytest tests/gpu tests/connector/test_stream_mover*.py): "
       f"{'PASS' if tests_ok else 'FAIL'} (exit status {tests_rc}; skip lines for want of "
       f"CUDA: {cuda_skips}); see pytest.txt")
+if standin:
+    mover_rc = read("mover.rc", "not run")
+    tests_ok = tests_ok and mover_rc == "0"
+    print(f"- kvtier bench mover --quick: {'ran' if mover_rc == '0' else 'FAIL'} "
+          f"(exit status {mover_rc}); see mover.json")
 slab = [line for line in read("shm-register.txt").splitlines() if line.startswith("node slab")]
 print(f"- {slab[0] if slab else 'node slab registered for DMA: no figures (see shm-register.txt)'}"
       "\n")
@@ -124,15 +178,22 @@ for name in names:
         runner = r["runner"]
         judged = r["chunk_bytes"] >= 2 * 2**20  # 1 MiB chunks: reported, not judged
         met = met and (r["passed"] or not judged)
+        judgement = "not judged" if standin else "PASS" if r["passed"] else \
+            "FAIL" if judged else "below (1 MiB)"
         print(f"| {name} | {r['chunk_bytes'] / 2**20:g} | {gbps['store']:.1f} | "
               f"{r['ratios']['store']:.2f}x | {gbps['load']:.1f} | {r['ratios']['load']:.2f}x | "
               f"{runner['blocked_s'] * 1e3:.2f} ms of {runner['job_s'] * 1e3:.1f} ms | "
               f"{'verified' if r['verified'] else 'DIFFER'} | "
-              f"{'PASS' if r['passed'] else 'FAIL' if judged else 'below (1 MiB)'} |")
+              f"{judgement} |")
+correct = correct and not timed_out
+if standin:
+    met = True  # a CPU's copies say nothing of a GPU's target
 verdict = "PASS" if correct and met else \
     "FAIL: correct, but below the target" if correct else "FAIL"
-print(f"\n**gpu-check: {verdict}** (target: store and load >= {target}x a raw pinned copy "
-      "at every chunk size from 2 MiB)")
+print(f"\n**gpu-check: {verdict}** " + (
+    "(the stand-in: every step ran, tests passed, bytes verified; no target judged)"
+    if standin else f"(target: store and load >= {target}x a raw pinned copy at every chunk "
+    "size from 2 MiB)"))
 sys.exit(0 if correct and met else 3 if correct else 1)
 EOF
   return "${PIPESTATUS[0]}"
@@ -144,9 +205,14 @@ if ((SUMMARY_ONLY)); then
 fi
 
 if ((DRY)); then
-  echo "gpu-check --dry-run: the steps, with $PY, results in $RESULTS/"
-  echo "1. nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader"
-  echo "   $PY -c 'import torch; assert torch.cuda.is_available()'"
+  echo "gpu-check --dry-run: the steps, with $PY, results in $RESULTS/, steps 2-4 within" \
+       "$BUDGET s"
+  if ((STANDIN)); then
+    echo "1. (--standin: no GPU; the CPU stand-in where a step has one)"
+  else
+    echo "1. nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader"
+    echo "   $PY -c 'import torch; assert torch.cuda.is_available()'"
+  fi
   if ((INSTALL)); then
     if [[ -n $WHEELS ]]; then
       echo "2. export PYTHONPATH=$PWD/src (kvtier from the checkout, not built)"
@@ -160,21 +226,30 @@ if ((DRY)); then
     echo "2. (--no-install: the environment as it is)"
   fi
   echo "3. $PY -m pytest ${TESTS[*]} -q -rs   > $RESULTS/pytest.txt, pytest.rc"
-  echo "   $PY -m pytest $SLAB_TEST -q -s   > $RESULTS/shm-register.txt"
+  ((STANDIN)) || echo "   $PY -m pytest $SLAB_TEST -q -s   > $RESULTS/shm-register.txt"
   for run in "${BENCH_RUNS[@]}"; do
-    echo "4. $PY -m kvtier.tools.cli.main bench copy --device cuda ${run#*|} ${QUICK[*]}" \
+    echo "4. $PY -m kvtier.tools.cli.main bench copy --device $DEVICE ${run#*|} ${QUICK[*]}" \
          "--json $RESULTS/copy-${run%%|*}.json --markdown $RESULTS/copy-${run%%|*}.md" \
          "  (exit status: copy-${run%%|*}.rc)"
   done
+  ((STANDIN)) && echo "4. $PY -m kvtier.tools.cli.main bench mover --quick" \
+    "--json $RESULTS/mover.json   (exit status: mover.rc)"
   echo "5. the summary: $RESULTS/summary.md (PASS/FAIL per chunk size, target 0.8x)"
   exit 0
 fi
 
 mkdir -p "$RESULTS" || fail "cannot create $RESULTS" 2
 echo '*' > "$RESULTS/.gitignore"  # results are never committed
-rm -f "$RESULTS"/copy-*.{json,md,rc} \
-  "$RESULTS"/{gpu.txt,torch.txt,pytest.txt,pytest.rc,shm-register.txt,summary.md}
+rm -f "$RESULTS"/copy-*.{json,md,rc} "$RESULTS"/{gpu.txt,torch.txt,pytest.txt,pytest.rc} \
+  "$RESULTS"/{shm-register.txt,summary.md,timed-out.txt,mover.json,mover.rc}
 
+if ((STANDIN)); then
+  say "1. no GPU (--standin): the CPU stand-in"
+  echo "none: the CPU stand-in (--standin)" > "$RESULTS/gpu.txt"
+  "$PY" -c 'import torch; print(f"torch {torch.__version__}, CUDA {torch.version.cuda}")' \
+    | tee "$RESULTS/torch.txt"
+  ((PIPESTATUS[0] == 0)) || fail "no torch in $PY (--python PY)" 2
+else  # (not indented: its heredoc's end must start its line)
 say "1. the GPU"
 command -v nvidia-smi >/dev/null ||
   fail "nvidia-smi not found: no NVIDIA driver on this machine (the run-book needs a GPU)" 2
@@ -197,6 +272,7 @@ if not torch.cuda.is_available():
 print(f"device: {torch.cuda.get_device_name(0)}")
 EOF
 ((PIPESTATUS[0] == 0)) || exit 2
+fi
 TORCH_BEFORE=$("$PY" -c 'import torch; print(torch.__version__)')
 
 if ((INSTALL)); then
@@ -219,9 +295,9 @@ EOF
     OFFLINE=(--no-index --find-links "$WHEELS")
     export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
   else
-    "$PY" -m pip install --no-deps -e . || fail "pip install --no-deps -e . failed"
+    bounded install "$PY" -m pip install --no-deps -e . || fail "pip install --no-deps -e . failed"
   fi
-  "$PY" -m pip install "${OFFLINE[@]}" "${DEPS[@]}" ||
+  bounded install "$PY" -m pip install "${OFFLINE[@]}" "${DEPS[@]}" ||
     fail "pip install of the dependencies failed${WHEELS:+ (a wheel missing from $WHEELS?)}"
   TORCH_AFTER=$("$PY" -c 'import torch; print(torch.__version__)')
   [[ $TORCH_AFTER == "$TORCH_BEFORE" ]] ||
@@ -231,20 +307,29 @@ fi
 say "3. the device tests"
 PYTEST_OPTS=()  # pyproject's addopts name --timeout: without pytest-timeout, drop them
 "$PY" -c 'import pytest_timeout' 2>/dev/null || PYTEST_OPTS=(-o addopts=)
-"$PY" -m pytest "${TESTS[@]}" -q -rs -p no:cacheprovider "${PYTEST_OPTS[@]}" 2>&1 \
+bounded tests "$PY" -m pytest "${TESTS[@]}" -q -rs -p no:cacheprovider "${PYTEST_OPTS[@]}" 2>&1 \
   | tee "$RESULTS/pytest.txt"
 echo "${PIPESTATUS[0]}" > "$RESULTS/pytest.rc"
 # The node slab's figures (printed by the test; its pass or fail counts in pytest.txt above).
-"$PY" -m pytest "$SLAB_TEST" -q -s -p no:cacheprovider "${PYTEST_OPTS[@]}" 2>&1 \
-  | tee "$RESULTS/shm-register.txt"
+if ((STANDIN)); then
+  echo "not run: --standin (a CUDA test)" > "$RESULTS/shm-register.txt"
+else
+  bounded node-slab "$PY" -m pytest "$SLAB_TEST" -q -s -p no:cacheprovider "${PYTEST_OPTS[@]}" \
+    2>&1 | tee "$RESULTS/shm-register.txt"
+fi
 
-say "4. kvtier bench copy --device cuda, 1-32 MiB chunks"
+say "4. kvtier bench copy --device $DEVICE, 1-32 MiB chunks"
 for run in "${BENCH_RUNS[@]}"; do
   name=${run%%|*}
   # shellcheck disable=SC2086  # the run's arguments are words
-  "$PY" -m kvtier.tools.cli.main bench copy --device cuda ${run#*|} "${QUICK[@]}" \
+  bounded "copy-$name" "$PY" -m kvtier.tools.cli.main bench copy --device "$DEVICE" ${run#*|} \
+    "${QUICK[@]}" \
     --json "$RESULTS/copy-$name.json" --markdown "$RESULTS/copy-$name.md"
   echo $? > "$RESULTS/copy-$name.rc"
 done
+if ((STANDIN)); then  # the device mover's ordering protocol, on the stand-in
+  bounded mover "$PY" -m kvtier.tools.cli.main bench mover --quick --json "$RESULTS/mover.json"
+  echo $? > "$RESULTS/mover.rc"
+fi
 
 summary
