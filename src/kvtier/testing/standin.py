@@ -22,6 +22,16 @@ wait is which). `calls` counts the calls made of it by kind ("event", "record", 
 "run"): on a GPU each is a CUDA call of the host's (`kvtier bench mover` reports them a
 chunk).
 
+What it cannot show, and the movers keep to by construction: a queued piece of work is a
+Python closure run whole when its stream gets to it, where CUDA runs its host side (the
+launches, the index uploads) at `run` and only the kernels and DMAs later. So a closure that
+reads Python state set after `run` returns would pass here and not on a GPU, and a closure
+keeps the host tensors it names alive here, where a GPU's DMA keeps nothing alive (a buffer
+freed after `run` is read freed): the movers build every closure's inputs before `run`, and
+keep each host buffer lent (`Loan.release_after`) or mapped (node/dma.py) until the work's
+event. `pinned` is pageable memory: on a GPU a copy from pageable memory is correct, staged
+by the driver, and slower (`kvtier bench copy` measures it there, not here).
+
 Primitives: `StandInDevice`, `StandInEvent`, `StandInStream`, `POISON`.
 """
 
