@@ -4,12 +4,14 @@ engine's threads that had read in place kept it (each reader's own file, each th
 mapping) for as long as the engine lived: on a /dev/shm with room for one slab (the shipped
 Kubernetes sizing), the restarted node could not create its slab and refused every engine
 (tests/node/test_node_shm_full_restart.py runs that case on a small tmpfs). Real
-`kvtier node serve` processes on one name."""
+`kvtier node serve` processes on one name. A GPU engine's registration of the old slab for
+DMA ends with it (the last test: CUDA's calls recorded)."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import mmap
 import os
 import threading
 from collections.abc import Callable
@@ -30,6 +32,7 @@ from nodekit import (
     wait_for,
 )
 
+from kvtier.node import client as node_client
 from kvtier.node.protocol import RAM_TIER
 from kvtier.tiers.shmslab import SHM_DIR
 
@@ -166,3 +169,42 @@ def test_loads_racing_the_let_go_lend_whole_chunks_or_miss(
         stop.set()
         assert loading.result(60) > 0
     assert wrong == []
+
+
+def test_a_slab_registered_for_dma_is_unregistered_after_its_last_loan_while_mapped(
+        tmp_path: Path, start_node: Callable[..., NodeProcess],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU engine's mapping of the slab is registered for DMA (node/dma.py; CUDA's calls
+    recorded here, there is no GPU): when a restarted node's slab replaces it, the old one's
+    registration ends once the last load copying from it ends, and before it is unmapped
+    (CUDA would keep pages no longer mapped). The new slab is registered in its turn."""
+    # The mappings' ids, not the mappings: a reference would keep one mapped.
+    registered: list[int] = []
+    unregistered: list[tuple[int, bool]] = []
+
+    def unregister(mapping: mmap.mmap) -> None:
+        unregistered.append((id(mapping), not mapping.closed and bool(held(old))))
+
+    monkeypatch.setattr(node_client, "register_for_dma",
+                        lambda mapping: registered.append(id(mapping)) is None)
+    monkeypatch.setattr(node_client, "unregister_for_dma", unregister)
+    config = node_tiers(tmp_path, ram_chunks=8)
+    node = start_node(config)
+    _client, engine = connect(node.socket_path)
+    assert put_chunks(engine, range(3)) == [True] * 3
+    keys = [key(i) for i in range(3)]
+    old = slab_inode(node.name)
+    spare = memoryview(bytearray(LAYOUT.bytes_per_chunk))
+    with engine.lend_as_landed(keys, [spare], in_order=True) as lending, \
+            ThreadPoolExecutor(1) as store_thread:
+        loans = list(lending)
+        assert [loan.view.tier for loan in loans] == [RAM_TIER] * 3  # read in place
+        assert node.stop() == 0
+        node = start_node(config)
+        assert store_thread.submit(put_chunks, engine, [5]).result(60) == [True]
+        assert len(registered) == 2  # the new slab's mapping too
+        gc.collect()
+        assert unregistered == []  # a load still copies from the old one
+    del loans, lending  # the load ended
+    wait_for(lambda: released(old), 30, "the old slab let go once the load ended")
+    assert unregistered == [(registered[0], True)]
