@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import logging
 import re
 import shutil
 import subprocess
@@ -34,6 +35,7 @@ import pytest
 import yaml
 
 from kvtier.integrations.vllm.config import CONNECTOR_CLASS, ConnectorConfig
+from kvtier.node.cli import check_shm_room
 from kvtier.node.config import NodeConfig
 from kvtier.tiers.shmslab import SHM_DIR
 from kvtier.tiers.storeconfig import StoreConfig
@@ -391,6 +393,25 @@ def test_the_node_ram_tier_and_pod_memory_are_what_kvtier_plan_gives(
     assert memory == planned["node_config"]["tiers"][0]
     limit = node_container()["resources"]["limits"]["memory"]
     assert quantity_bytes(limit) == -(-planned["pod_memory_bytes"] // 2**30) * 2**30
+
+
+def test_the_node_max_layouts_is_what_the_hosts_shm_holds(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """--max-layouts is the number of RAM slabs the host's /dev/shm (512GiB: the plan above)
+    holds, and the engines' layouts fit in it (one model at TP 1). Before, the default 4
+    stood beside a /dev/shm of one slab: the node warned "holds 1 RAM slab, fewer than
+    max_layouts (4)" at every start, and an engine of a second layout was let through to be
+    refused only when its slab could not be made."""
+    memory = next(t for t in node_tiers() if t["kind"] == "memory")
+    host_shm = parse_size("512GiB", "node-shm")
+    max_layouts = int(node_flag("--max-layouts"))
+    assert max_layouts == host_shm // parse_size(memory["capacity"], "capacity")
+    assert int(engine_flag("--tensor-parallel-size")) <= max_layouts  # a layout per rank
+    config = NodeConfig(StoreConfig.parse({"tiers": [memory]}), tmp_path / "node.sock",
+                        max_layouts=max_layouts)
+    with caplog.at_level(logging.WARNING, logger="kvtier.node.cli"):
+        check_shm_room(config, "kvtier-node-config.yaml", shm_bytes=host_shm)
+    assert [r.getMessage() for r in caplog.records] == []
 
 
 def test_the_node_metrics_port_agrees_with_its_service() -> None:

@@ -118,15 +118,16 @@ def serve(args: argparse.Namespace) -> int:
     return code
 
 
-def check_shm_room(config: NodeConfig, where: str) -> None:
+def check_shm_room(config: NodeConfig, where: str, shm_bytes: int | None = None) -> None:
     """Refuse a RAM tier larger than /dev/shm, where the node puts it (a slab per KV layout):
     the node would start, then refuse every engine, /dev/shm full at its first layout. Warn
     when /dev/shm holds fewer slabs than `max_layouts`: the engines of one more are refused.
+    `shm_bytes`: /dev/shm's size (default: this host's; a manifest's check gives its host's).
 
     Raises:
         ConfigError: naming the config's tiers[0].capacity, its value and /dev/shm's size.
     """
-    shm = shm_size_bytes()
+    shm = shm_size_bytes() if shm_bytes is None else shm_bytes
     capacity = config.store.tiers[0].capacity
     if shm is None:
         return
