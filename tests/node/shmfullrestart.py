@@ -4,7 +4,10 @@ old one: run by tests/node/test_node_shm_full_restart.py inside a mount namespac
 
 Prints one JSON line: the slab's and the tmpfs's sizes, whether the engine (the same
 NodeClient, never restarted) stores into the restarted node within DEADLINE_S, and whether a
-fresh engine is welcomed. Every node it started is killed, its files removed, before it ends.
+fresh engine is welcomed. With `idle` the engine asks nothing after the restart: the fresh
+engine's stores must reach the node within DEADLINE_S all the same (the idle engine lets the
+old slab go at the node's hang-up), the idle one's after them. Every node it started is
+killed, its files removed, before it ends.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from kvtier.tiers.shmslab import SHM_DIR
 DEADLINE_S = 20.0  # the engine's retries (every 0.2 s) after the restart
 
 
-def main(ram_chunks: int) -> dict[str, object]:
+def main(ram_chunks: int, idle: bool = False) -> dict[str, object]:
     work = Path(tempfile.mkdtemp(prefix="kvn-shm-", dir="/tmp"))
     config = write_config(work / "node.json", node_tiers(work, ram_chunks=ram_chunks))
     nodes: list[NodeProcess] = []
@@ -59,14 +62,15 @@ def main(ram_chunks: int) -> dict[str, object]:
             assert node.stop() == 0
             node = start()
             started = time.monotonic()
-            stored = _stored_within(engine, DEADLINE_S)
-            welcome_s = time.monotonic() - started  # a figure, not asserted
             _fresh, other = connect(node.socket_path, timeout_s=2.0, retry_s=0.2,
                                     engine="fresh")
+            first, then = (other, engine) if idle else (engine, other)
+            stored = _stored_within(first, DEADLINE_S)
+            welcome_s = time.monotonic() - started  # a figure, not asserted
             return {"slab_bytes": slab.stat().st_size if slab.exists() else None,
                     "shm_bytes": os.statvfs(SHM_DIR).f_blocks * os.statvfs(SHM_DIR).f_frsize,
                     "stored_after_restart": stored, "seconds_to_store": round(welcome_s, 2),
-                    "fresh_engine_stored": put_chunks(other, [7]) == [True],
+                    "other_engine_stored": put_chunks(then, [7]) == [True],
                     "refused": node.status()["counters"]["refused"]}
     finally:
         for started in nodes:
@@ -84,4 +88,4 @@ def _stored_within(engine: NodeStore, timeout_s: float) -> bool:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(int(sys.argv[1]))), flush=True)
+    print(json.dumps(main(int(sys.argv[1]), idle=sys.argv[2:] == ["idle"])), flush=True)

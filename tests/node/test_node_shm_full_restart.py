@@ -2,7 +2,8 @@
 tier of 460.78 GiB on a 512 GiB /dev/shm), an engine connected and reading in place: the
 restarted node drops its predecessor's slab to make room, and the engine, once the new node
 answers, lets its mapping and its readers' files of the old slab go, so that the new slab is
-created and the engine (and any other) is welcomed, without restarting it. Before, the old
+created and the engine (and any other) is welcomed, without restarting it; an idle engine
+(no request after the restart) too, at the node's hang-up of its connections. Before, the old
 slab's pages stayed allocated for as long as the engine lived: the new slab's creation failed
 (ENOSPC), and every engine was refused.
 
@@ -59,4 +60,16 @@ def test_a_restarted_node_on_a_one_slab_dev_shm_welcomes_the_engine_that_read_it
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["shm_bytes"] == SHM_BYTES
     assert result["stored_after_restart"], result
-    assert result["fresh_engine_stored"], result
+    assert result["other_engine_stored"], result
+
+
+def test_an_idle_engine_of_the_old_node_keeps_no_engine_refused(mount_namespace: None) -> None:
+    """The engine that read the old slab asks nothing after the restart: it lets the slab go at
+    the node's hang-up, and a fresh engine is welcomed (within DEADLINE_S: ~0.2 s after the
+    restart here). Before, the fresh engine was refused until the idle one's next request."""
+    run = _in_own_mount_namespace(sys.executable, str(HELPER), str(RAM_CHUNKS), "idle",
+                                  timeout_s=150)
+    assert run.returncode == 0, run.stdout + run.stderr
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["stored_after_restart"], result  # the fresh engine's
+    assert result["other_engine_stored"], result  # then the idle one's

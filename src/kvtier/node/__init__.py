@@ -10,6 +10,8 @@ interpreter.
   hostfiles.py   the node's name lock and slabs in /dev/shm, its socket's file
   counters.py  `NodeCounters`: the node's own counters
   client.py    `NodeStore` (the connector's store in node mode), `NodeProbe` (its lookups)
+  hangups.py   the node's hang-ups of an engine's idle connections, watched by one thread
+               (a restarted node's old slab let go though the engine asks nothing)
   stream.py    a Borrow's reply read in parts as the node's reads land (`LentStream`)
   protocol.py  the control messages (msgspec), one round trip per load or step of stores
   links.py     `NodeLinks`: the links of its tiers below RAM, measured by the node (the

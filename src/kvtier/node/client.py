@@ -19,8 +19,10 @@ or hung node costs one deadline, not one every `retry_s` on each of the engine's
 (the scheduler's and the worker's took turns at it: a node stopped for 20 s held the engine
 for 20 s). The next call after that reconnects, and a restarted node's new slab is mapped
 again. The dead node's slab is let go on every thread as soon as the node answers as a new
-generation (`_Slab`): a restarted node on a /dev/shm with room for one slab can create its
-own only then. Each thread has its own connection: its leases end with it.
+generation (`_Slab`), whether the engine asks it something or idles (the node's hang-up of
+its connections starts the watch: node/hangups.py): a restarted node on a /dev/shm with room
+for one slab can create its own only then. Each thread has its own connection: its leases
+end with it.
 
 Primitives: `NodeClient`, `NodeStore`, `NodeProbe`.
 """
@@ -54,6 +56,7 @@ from kvtier.core.store import ChunkView, PendingPut, StoreEvent, StoreStats
 from kvtier.core.tier import Failure, LinkSpeed, TierCounters
 from kvtier.errors import NodeUnavailable
 from kvtier.node.dma import register_for_dma, unregister_for_dma
+from kvtier.node.hangups import unwatch_hangup, watch_hangup
 from kvtier.node.protocol import (
     BELOW_TIER,
     HELD,
@@ -137,6 +140,7 @@ class NodeClient:
         # are their slab's (`_Slab.readers`).
         self._open: set[socket.socket] = set()
         self._closed = False  # `close` was called: nothing is asked of the node any more
+        self._checking = False  # a hang-up's watch asks the node's status (`_hung_up`)
         self.failures = 0  # calls the node did not answer (each a miss or a dropped store)
         # The failure last logged, until a connection is welcomed: the same again is logged
         # at debug. An engine the node refuses (its layout past max_layouts, /dev/shm full)
@@ -366,6 +370,9 @@ class NodeClient:
             closed = self._closed
             if not closed:
                 self._open.add(sock)
+                # Told when the node hangs up on it, idle or not (node/hangups.py): a
+                # restarted node's slab is then let go though this engine asks nothing.
+                watch_hangup(sock.fileno(), self._hung_up)
         if closed:  # by another thread, meanwhile
             sock.close()
             raise NodeUnavailable("this engine's client of the node is closed")
@@ -377,6 +384,7 @@ class NodeClient:
         """Close one of this client's connections."""
         with self._lock:
             self._open.discard(sock)
+            unwatch_hangup(sock.fileno())  # before its number is another file's
         sock.close()
 
     def _map(self, welcome: Welcome) -> None:
@@ -462,6 +470,20 @@ class NodeClient:
             threading.Thread(target=self._watch, args=(again,), name="kvtier-node-watch",
                              daemon=True).start()
 
+    def _hung_up(self) -> None:
+        """The node hung up one of this client's connections (on node/hangups.py's thread: it
+        stopped or died, or dropped that one). Its status is asked off the engine's threads
+        until it answers (`_watch_hangup`), and a new generation's answer lets the old slab go
+        at once: an idle engine kept it mapped until its next request, and a restarted node
+        on a /dev/shm with room for one slab refused every engine meanwhile. Not marked down:
+        the engine's next call connects again at once, as before."""
+        with self._lock:
+            start = not (self._closed or self._down or self._checking)
+            self._checking = self._checking or start
+        if start:
+            threading.Thread(target=_watch_hangup, args=(weakref.ref(self),),
+                             name="kvtier-node-hangup", daemon=True).start()
+
     def _watch(self, again: bool = False) -> None:
         """Ask the node for its status every `retry_s` (each ask waits at most as long) until
         it answers; then the engine's threads ask it again. A node that answers but refuses
@@ -477,22 +499,25 @@ class NodeClient:
                                      timeout_s=max(self.timeout_s, self.retry_s))
             except NodeUnavailable:
                 continue
-            generation = status.get("generation")
-            with self._lock:
-                self._down = False
-                # Another generation answers: the node restarted, and the old one's slab is
-                # dead (no node serves it). Let go now, before the engine's threads ask it
-                # again: a new node on a /dev/shm with room for one slab creates its slab
-                # (for their Hello) only once this engine stops holding the old one's pages.
-                old = self._let_go() if self._slab is not None and isinstance(
-                    generation, str) and generation != self._slab.generation else None
-            if old is not None:
-                old.close_files()
-                log.info("kvtier: node at %s restarted (generation %s): the slab of "
-                         "generation %s let go", self.socket_path, generation, old.generation)
+            self._answers(status.get("generation"))
             log.log(logging.DEBUG if again else logging.INFO,
                     "kvtier: node at %s answers again", self.socket_path)
             return
+
+    def _answers(self, generation: object) -> None:
+        """The node answered the watch as `generation`: asked on the engine's threads again,
+        and, another generation answering (the node restarted: the old one's slab is dead,
+        no node serves it), the old slab let go now, before the engine's threads ask it
+        again: a new node on a /dev/shm with room for one slab creates its slab (for their
+        Hello) only once this engine stops holding the old one's pages."""
+        with self._lock:
+            self._down = False
+            old = self._let_go() if self._slab is not None and isinstance(
+                generation, str) and generation != self._slab.generation else None
+        if old is not None:
+            old.close_files()
+            log.info("kvtier: node at %s restarted (generation %s): the slab of "
+                     "generation %s let go", self.socket_path, generation, old.generation)
 
     def close(self) -> None:
         """End every thread's connection (the node ends their leases and forgets them: its
@@ -504,6 +529,8 @@ class NodeClient:
             self._closed = True
             self._epoch += 1  # every thread's connection is dropped at its next call
             socks, self._open = self._open, set()
+            for sock in socks:
+                unwatch_hangup(sock.fileno())
             slab = self._let_go()
         for sock in socks:
             # shutdown wakes a thread waiting in recv on it (close alone does not)
@@ -513,6 +540,32 @@ class NodeClient:
         if slab is not None:
             slab.close_files()
         self._local.sock = self._local.slab = self._local.reader = None
+
+
+def _watch_hangup(ref: weakref.ref[NodeClient]) -> None:
+    """After a hang-up: ask the node's status every `retry_s` until it answers (`_answers`),
+    or its client is closed or gone (held weakly: a client no one holds, as a test's, is not
+    kept alive by this thread, which ends with it)."""
+    while True:
+        client = ref()
+        if client is None or client._closed:
+            return
+        retry_s, timeout_s, path = client.retry_s, client.timeout_s, client.socket_path
+        del client
+        time.sleep(retry_s)
+        try:
+            status = node_status(path, timeout_s=max(timeout_s, retry_s))
+        except NodeUnavailable:
+            continue
+        client = ref()
+        if client is None:
+            return
+        try:
+            if not client._closed:
+                client._answers(status.get("generation"))
+        finally:
+            client._checking = False
+        return
 
 
 class _Slab:
