@@ -18,6 +18,8 @@ interpreter.
                engines' prior for a load from below its RAM)
   events.py    `NodeEvents`: the tiers' KV events for routers, once for the node's engines
                (`--events-endpoint`), in vLLM's wire format (eventwire.py, without vLLM)
+  descriptions.py  a model's chunks' token ids for those events, kept while a tier holds
+               the chunk
   metrics.py   `NodeCollector`: the node's own Prometheus metrics (kvtier_node_*), read at
                each scrape of `kvtier node serve --metrics-port`
 

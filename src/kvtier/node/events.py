@@ -21,8 +21,9 @@ in vLLM's wire format (`eventwire.py`), for cache-aware routers:
     then what the predecessor announced is what the node holds (what leaves it is removed).
 
 A stored event needs the chunk's token ids, which the node never sees: the engines' schedulers
-send them (`Describe`, one message per step, of the chunks it plans to store), kept here for a
-while (`ChunkTokens`, per model); a chunk stored with no known tokens is not announced
+send them (`Describe`, one message per step, of the chunks it plans to store), kept here per
+model (`Descriptions`: as long as a tier of the node holds the chunk, within the node's
+capacity; the recent others); a chunk stored with no known tokens is not announced
 (counted), as in process. A thread drains every layout's store events every `interval_s`, and
 at once after a step's last commit (`wake`).
 
@@ -39,11 +40,12 @@ from dataclasses import dataclass, field
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.store import StoreEvent, TieredStore
+from kvtier.node.descriptions import Descriptions
 from kvtier.node.eventpub import EventPublisher
 from kvtier.node.eventwire import AllBlocksCleared, BlockRemoved, BlockStored
 from kvtier.node.protocol import Described
 from kvtier.tiers.eventblocks import ParentsFirst, router_blocks
-from kvtier.tiers.eventfacts import ChunkInfo, ChunkTokens, EventPlace, event_place
+from kvtier.tiers.eventfacts import ChunkInfo, EventPlace, event_place
 
 log = logging.getLogger(__name__)
 TOKEN_BYTES = 4  # a token id in a description (`Described.token_ids`: little-endian int32)
@@ -80,7 +82,8 @@ class NodeEvents:
         """`tier_kinds`: the node's tier name -> kind; `count(name, n)`: the node's counters
         (`described_chunks`, `events_stored`, `events_removed`, `stored_unannounced`);
         `block_size`: tokens a router's block (None: a chunk); `max_chunks`: descriptions
-        kept per model.
+        kept per model of chunks no tier holds (planned stores; those held are kept while
+        held: `Descriptions`).
 
         Raises:
             ConfigError: a bad `endpoint`.
@@ -98,7 +101,7 @@ class NodeEvents:
         self._max_chunks = max_chunks
         self._lock = threading.Lock()
         self._sources: list[_Source] = []
-        self._tokens: dict[str, ChunkTokens] = {}  # model -> its recent chunks' tokens
+        self._tokens: dict[str, Descriptions] = {}  # model -> its chunks' tokens
         # model -> the most tokens a chunk of its layouts holds: what a description may carry
         self._chunk_tokens: dict[str, int] = {}
         self._topics: set[str] = set()  # the topics announced
@@ -112,9 +115,11 @@ class NodeEvents:
         self._thread.start()
 
     def add_layout(self, store: TieredStore, model: str, tokens_per_chunk: int, *,
-                   announce: bool, clear: bool) -> None:
+                   announce: bool, clear: bool, chunk_bytes: int = 0) -> None:
         """Drain `store`'s events from now on; publish them if `announce`. `clear`: a topic
-        new to this node starts with AllBlocksCleared (False: its RAM is recovered)."""
+        new to this node starts with AllBlocksCleared (False: its RAM is recovered).
+        `chunk_bytes`: a chunk's bytes, to count the chunks its tiers hold (descriptions
+        kept while held: a tier without a bound, or 0 here, counts as `max_chunks`)."""
         topic = events_topic(self._node, model)
         block = self._block_size or tokens_per_chunk
         if tokens_per_chunk % block:
@@ -122,10 +127,14 @@ class NodeEvents:
                         "of a layout of %s: its chunks are announced a block each", block,
                         tokens_per_chunk, model)
             block = tokens_per_chunk
+        room = sum(t.capacity_bytes // chunk_bytes if t.capacity_bytes and chunk_bytes > 0
+                   else self._max_chunks for t in store.stats().tiers)  # chunks it holds
         with self._lock:
             self._sources.append(_Source(store, model, topic, tokens_per_chunk, block,
                                          announce))
-            self._tokens.setdefault(model, ChunkTokens(self._max_chunks))
+            tokens = self._tokens.setdefault(model, Descriptions(self._max_chunks))
+            if announce:
+                tokens.add_room(room)
             self._chunk_tokens[model] = max(self._chunk_tokens.get(model, 0), tokens_per_chunk)
             if announce and topic not in self._topics:
                 self._topics.add(topic)
@@ -212,9 +221,20 @@ class NodeEvents:
             with self._lock:
                 return tokens.get(key)
 
+        gone: list[ChunkKey] = []  # in no tier now: their descriptions kept for the removal
+        with self._lock:
+            for event in events:
+                if event.kind == "removed":
+                    if tokens.left(event.key, event.tier):
+                        gone.append(event.key)
+                else:
+                    tokens.landed(event.key, event.tier)
         size = source.block_size
         ordered = source.order.order(events, info_of, time.monotonic())
         blocks, unknown = router_blocks(ordered, info_of, source.tokens_per_chunk, size)
+        with self._lock:
+            for key in gone:
+                tokens.release(key)
         out: list[Event] = []
         stored = removed = 0
         for b in blocks:

@@ -93,7 +93,8 @@ def start_layout(built: ServedLayout, layout: KVLayout, digest: str,
     built.store.start_reads()  # the first Borrow's reads start at once
     if events is not None:
         events.add_layout(built.store, built.model, layout.tokens_per_chunk,
-                          announce=layout.tp_rank == 0, clear=not built.inherited)
+                          announce=layout.tp_rank == 0, clear=not built.inherited,
+                          chunk_bytes=built.memory.chunk_bytes)
     log.info("kvtier node: layout %s (%s, %d B chunks): %d RAM slots in %s",
              digest[:16], built.model, built.memory.chunk_bytes, built.memory.num_slots,
              built.welcome.shm_path)
