@@ -8,7 +8,6 @@ Real `kvtier node serve` processes on one name."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,11 +16,9 @@ import pytest
 from nodekit import NodeProcess, connect, expected, key, lend, node_tiers, put_chunks, wait_for
 from test_node_restart_lets_go import held, released, slab_inode
 
+from kvtier.node import hangups
+
 pytestmark = pytest.mark.timeout(120)
-
-
-def hangup_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "kvtier-node-hangups"]
 
 
 def test_an_idle_engine_lets_the_old_slab_go_once_the_restarted_node_answers(
@@ -49,12 +46,17 @@ def test_an_idle_engine_lets_the_old_slab_go_once_the_restarted_node_answers(
 
 
 def test_the_hangup_watch_ends_when_its_last_connection_closes(
-        tmp_path: Path, start_node: Callable[..., NodeProcess]) -> None:
+        tmp_path: Path, start_node: Callable[..., NodeProcess],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """One thread watches every client's connections of the process; it ends once none is
-    left (a closed client's), so no thread outlives the clients."""
+    left (a closed client's), so no thread outlives the clients. A watch of this test's own:
+    other tests' clients, not all closed, keep the process's."""
+    watch = hangups._Hangups()
+    monkeypatch.setattr(hangups, "_HANGUPS", watch)
     node = start_node(node_tiers(tmp_path, ram_chunks=8))
     _client, engine = connect(node.socket_path)
     assert put_chunks(engine, [1]) == [True]
-    assert hangup_threads()
+    thread = watch._thread
+    assert thread is not None and thread.is_alive()
     engine.close()
-    wait_for(lambda: not hangup_threads(), 30, "the hang-up watch's end")
+    wait_for(lambda: not thread.is_alive(), 30, "the hang-up watch's end")
