@@ -4,7 +4,8 @@ Runs in vLLM's engine-core process, on its main (scheduler) thread; never touche
 and never does blocking I/O. `ConnectorScheduler` answers vLLM's scheduler hooks and turns
 them into a per-step plan (`KVTierMetadata`) that the worker side executes, with a few
 collaborators, each owning its state:
-  - `RequestTable` (requeststate.py): per running request, its chunk keys and vLLM blocks;
+  - `RequestTable` (requeststate.py): per running request, its chunk keys and vLLM blocks
+    (and, in plannedkeys.py, key -> the requests that have it);
   - `LoadPlanner` (loadplan.py): how much of a hit to load (load or recompute, by measured
     cost: offer.py), inline or asynchronous, pending loads, prefetch;
   - `StorePlanner` (storeplan.py): stores per plan, in-flight keys, held requests;
@@ -152,6 +153,8 @@ class ConnectorScheduler:
             hit_keys = keys[first_chunk:num_chunks]
         offered_tokens = num_chunks * self._tokens_per_chunk + self._tail_tokens(tail)
         state.tail = tail
+        if tail is not None:
+            self._requests.note_tail(state, tail.key)
         # Counted once vLLM allocates (a lookup may repeat): losthits.py.
         state.decisions = cut.decisions
         state.lookup_hit = LookupHit(

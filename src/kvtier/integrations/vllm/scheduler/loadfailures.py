@@ -19,10 +19,13 @@ Scheduler side, one thread. Primitives: `LoadFailures`, `RecentLoads`, `LOAD_CON
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
 
 from kvtier.integrations.vllm.messages import KVTierMetadata, KVTierWorkerMetadata
-from kvtier.integrations.vllm.scheduler.requeststate import RecentLoads, RequestState
+from kvtier.integrations.vllm.scheduler.requeststate import (
+    RecentLoads,
+    RequestState,
+    RequestTable,
+)
 
 __all__ = ["LOAD_CONFIRM_STEPS", "LoadFailures", "RecentLoads"]
 
@@ -46,6 +49,8 @@ class LoadFailures:
         # Blocks looked at for recent loads so far: a request's blocks checked (`recent_loads`),
         # its recent ones checked again, loads confirmed (`start_plan`). What plans cost.
         self.blocks_checked = 0
+        # (key, request) pairs a report's failed chunks led to (`learn`): what reports cost.
+        self.keys_visited = 0
 
     def start_plan(self, meta: KVTierMetadata) -> None:
         """Acknowledge, in plan `meta` (its loads set), the failures reported since the last
@@ -101,9 +106,11 @@ class LoadFailures:
         return RecentLoads(tuple(i for i, _ in loaded), tuple(b for _, b in loaded),
                            min(self._recent_loads[b] for _, b in loaded))
 
-    def learn(self, report: KVTierWorkerMetadata, requests: Iterable[RequestState]) -> None:
+    def learn(self, report: KVTierWorkerMetadata, requests: RequestTable) -> None:
         """Take in the blocks whose load failed, and plan again the chunks of `requests` that
-        a load did not find or whose store a worker refused."""
+        a load did not find or whose store a worker refused: found through the index of
+        their keys (plannedkeys.py), so a report costs the chunks it names, not every live
+        request's planned keys."""
         self._acked_failed_blocks |= report.failed_blocks
         replan = report.missing | report.skipped
         if not replan:
@@ -113,13 +120,22 @@ class LoadFailures:
         # are stored once recomputed; otherwise a corrupt or vanished chunk would stay
         # missing and the next request with that prefix miss too
         # (tests/engine/test_kvtier_restart.py, damaged chunk files).
-        for state in requests:
+        cuts: dict[str, tuple[RequestState, int, bool]] = {}  # id -> its first, any missing
+        for key in replan:
+            missing = key in report.missing
             # A tail (keys.tail_key) that failed to load or store is planned again too.
-            state.stored_tails -= replan
-            if state.tail is not None and state.tail.key in report.missing:
-                state.load_failed = True
-            planned = state.keys[: state.num_planned_chunks]
-            failed = [i for i, key in enumerate(planned) if key in replan]
-            if failed:
-                state.num_planned_chunks = failed[0]
-                state.load_failed |= not report.missing.isdisjoint(planned)
+            for state in requests.tail_holders(key):
+                self.keys_visited += 1
+                state.stored_tails.discard(key)
+                if missing and state.tail is not None and state.tail.key == key:
+                    state.load_failed = True
+            for state, position in requests.chunk_holders(key):
+                self.keys_visited += 1
+                if position >= state.num_planned_chunks:
+                    continue  # not planned: nothing to undo
+                request_id = state.request.request_id
+                _, first, any_missing = cuts.get(request_id, (state, position, False))
+                cuts[request_id] = (state, min(first, position), any_missing or missing)
+        for state, first, any_missing in cuts.values():
+            state.num_planned_chunks = first
+            state.load_failed |= any_missing

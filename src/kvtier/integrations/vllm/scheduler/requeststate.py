@@ -29,6 +29,7 @@ from kvtier.integrations.vllm.badparams import IgnoredParams
 from kvtier.integrations.vllm.config import RequestControls
 from kvtier.integrations.vllm.metrics import StatsDelta
 from kvtier.integrations.vllm.scheduler.losthits import LookupHit
+from kvtier.integrations.vllm.scheduler.plannedkeys import PlannedKeys
 from kvtier.integrations.vllm.scheduler.request_keys import (
     LoadedAdapters,
     chunk_extras,
@@ -158,6 +159,8 @@ class RequestTable:
         self._stats = stats
         self._events = events
         self._requests: dict[str, RequestState] = {}
+        # Each key of their chains and tails -> the requests that have it (plannedkeys.py).
+        self._keys = PlannedKeys()
         # Set by a cache reset (a weight update in place): in every key's namespace from then
         # on, so that no chunk stored before is ever found again (`start_epoch`).
         self._epoch: str | None = None
@@ -186,10 +189,38 @@ class RequestTable:
         """Forget an ended request (its chunks' token ids for router events too); its state,
         if it was known."""
         self._events.forget(request_id)
-        return self._requests.pop(request_id, None)
+        state = self._requests.pop(request_id, None)
+        if state is not None:
+            self._keys.forget_chunks(request_id, state.keys)
+            self._keys.forget_tails(request_id)
+        return state
 
     def __iter__(self) -> Iterator[RequestState]:
         return iter(self._requests.values())
+
+    def chunk_holders(self, key: ChunkKey) -> Iterator[tuple[RequestState, int]]:
+        """The requests whose chain has chunk `key`, with its position there (planned or
+        not: `RequestState.num_planned_chunks` says)."""
+        for request_id, position in self._keys.chunk_holders(key).items():
+            yield self._requests[request_id], position  # live: see `_live`
+
+    def tail_holders(self, key: ChunkKey) -> Iterator[RequestState]:
+        """The requests that found tail `key` at a lookup or planned its store (some may
+        have neither now: a later lookup found another, or a report dropped it)."""
+        for request_id in self._keys.tail_holders(key):
+            yield self._requests[request_id]  # live: see `_live`
+
+    def note_tail(self, state: RequestState, key: ChunkKey) -> None:
+        """The request found tail `key` (its `tail`) or planned its store (`stored_tails`):
+        indexed, for reports that name it (`tail_holders`)."""
+        if self._live(state):
+            self._keys.add_tail(state.request.request_id, key)
+
+    def _live(self, state: RequestState) -> bool:
+        """Whether `state` is a running request's (not one that ended: its final stores
+        are planned after `pop`, and a key indexed then would stay, naming a request this
+        table no longer knows)."""
+        return self._requests.get(state.request.request_id) is state
 
     def others_have_blocks(self, request_id: str) -> bool:
         """Whether a request other than `request_id` runs (holds blocks)."""
@@ -220,6 +251,8 @@ class RequestTable:
             new_keys = chunk_keys(tokens, state.namespace, tpc, parent=parent, extras=extras)
             if self._events.enabled:
                 self._events.remember(state.request, new_keys, tokens, parent)
+            if self._live(state):
+                self._keys.add_chunks(state.request.request_id, have, new_keys)
             state.keys.extend(new_keys)
         return state.keys[:num_chunks]
 
@@ -274,6 +307,8 @@ class RequestTable:
                 if not keyed and not state.uncacheable:
                     self._stats.add("uncacheable_requests", 1)
                     state.uncacheable = True
+                self._keys.forget_chunks(state.request.request_id, state.keys)
+                self._keys.forget_tails(state.request.request_id)
                 state.keys.clear()
                 state.stored_tails.clear()
                 state.num_planned_chunks = 0

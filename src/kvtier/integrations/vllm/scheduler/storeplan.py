@@ -250,6 +250,7 @@ class StorePlanner:
             parent=state.keys[chunk - 1] if chunk else None))
         self._inflight[key] = step
         state.stored_tails.add(key)
+        self._requests.note_tail(state, key)
         state.last_store_step = step
 
     def _plan_final_stores(self, state: RequestState, step: int) -> bool:
