@@ -5,17 +5,28 @@ part, "...:h", "...:0"...: no reader reads them, so they are `orphans`, swept by
 and the namespaces' manifests (<prefix><digest>:manifest, tiers/manifest.py: never taken for
 a chunk's value).
 
-Primitives: `RedisInventory`, `parse_value_name`, `CHUNK_SUFFIX`.
+A chunk's last use is what the server records of it: its LRU set's score when the tier keeps
+one (`capacity` > 0: every hit, batched, tiers/redis/index.py), else its hash's idle time
+(OBJECT IDLETIME: every read of the hash resets it). `remove_unused` (`kvtier gc --quota` and
+`--max-age`) deletes a victim only if neither shows a use since the listing: the idle time
+is checked by the script that deletes it, atomically, to the second the server's LRU clock
+counts (`IDLE_SLACK_S`); the score just before (a hit reaches the set within
+index.TOUCH_FLUSH_S, and resets the idle time at once). Under an LFU `maxmemory-policy` the
+server keeps no idle time: without an LRU set nothing records a use, and the deletions follow
+the listing.
+
+Primitives: `RedisInventory`, `parse_value_name`, `CHUNK_SUFFIX`, `IDLE_SLACK_S`.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kvtier.core.keys import KEY_BYTES
-from kvtier.core.tier import StoredChunk
+from kvtier.core.tier import Removal, StoredChunk
 from kvtier.tiers.manifest import NamespaceManifest, is_layout_name, parse_manifest
 from kvtier.tiers.redis.client import connect, read_password
 from kvtier.tiers.redis.config import RedisTierConfig
@@ -26,6 +37,19 @@ SCAN_BATCH = 500  # Redis keys measured per pipelined round trip
 MANIFEST_SUFFIX = ":manifest"
 CHUNK_SUFFIX = "c"  # a chunk's hash: <prefix><digest>:{<key hex>}:c (tiers/redis/tier.py)
 _HEX = frozenset("0123456789abcdef")
+# How much less idle than expected a victim may look and still count as unused since it was
+# listed: OBJECT IDLETIME counts whole seconds of an LRU clock the server ticks every 100 ms
+# (at hz 10), once at the listing and again at the deletion.
+IDLE_SLACK_S = 3
+# KEYS: a chunk's values (its hash); ARGV[1]: the least idle time (s) it shows if nothing used
+# it since gc listed it. Deletes it unless it shows less (or the server keeps no idle time:
+# an LFU policy). 1: deleted, 0: gone already, -1: used since, kept.
+_DELETE_UNUSED = """
+local idle = redis.pcall('OBJECT', 'IDLETIME', KEYS[1])
+if not idle then return 0 end
+if type(idle) == 'number' and idle < tonumber(ARGV[1]) then return -1 end
+return redis.call('DEL', unpack(KEYS)) > 0 and 1 or 0
+"""
 
 
 class RedisInventory:
@@ -38,6 +62,8 @@ class RedisInventory:
         self.name, self.kind, self.prefix = name, "redis", config.key_prefix
         check_ca_file(config.tls_ca_file)
         self.client: Any = connect(config, read_password(config))
+        # (namespace, key hex) -> what the last listing saw of its use (`remove_unused`).
+        self._listed: dict[tuple[str, str], _ListedUse] = {}
 
     def _values(self) -> tuple[dict[tuple[str, str, bool], list[str]], dict[str, str]]:
         """(namespace, key hex, of the older form) -> value names; namespace -> its LRU
@@ -60,8 +86,9 @@ class RedisInventory:
     def chunks(self) -> Iterator[StoredChunk]:
         """Every chunk (its hash)."""
         values, indexes = self._values()
+        self._listed = {}  # this listing's, not an earlier one's
         yield from self._measure({(ns, k): n for (ns, k, old), n in values.items() if not old},
-                                 indexes)
+                                 indexes, self._listed)
 
     def orphans(self) -> list[StoredChunk]:
         """An older kvtier's values of each chunk (a header, parts): no reader reads them
@@ -79,8 +106,11 @@ class RedisInventory:
             pipe.delete(*orphan.locations)
         return sum(int(deleted) for deleted in pipe.execute()) if orphans else 0
 
-    def _measure(self, values: dict[tuple[str, str], list[str]],
-                 indexes: dict[str, str]) -> Iterator[StoredChunk]:
+    def _measure(self, values: dict[tuple[str, str], list[str]], indexes: dict[str, str],
+                 listed: dict[tuple[str, str], _ListedUse] | None = None,
+                 ) -> Iterator[StoredChunk]:
+        """The chunks (or orphans) of `values`, measured; what each showed of its use is kept
+        in `listed`, when given."""
         now = time.time()
         scores: dict[tuple[str, str], float] = {}
         for namespace, index in indexes.items():
@@ -101,17 +131,78 @@ class RedisInventory:
                 idle = replies[position + len(names)]
                 position += len(names) + 1
                 idle_s = float(idle) if isinstance(idle, int) else 0.0
+                score = scores.get((namespace, key_hex))
+                if listed is not None:
+                    listed[(namespace, key_hex)] = _ListedUse(
+                        now - idle_s if isinstance(idle, int) else None, score)
                 yield StoredChunk(
                     namespace, key_hex, sum(s for s in sizes if isinstance(s, int)),
-                    scores.get((namespace, key_hex), now - idle_s), tuple(sorted(names)))
+                    now - idle_s if score is None else score, tuple(sorted(names)))
 
     def remove(self, chunks: Sequence[StoredChunk]) -> int:
         pipe = self.client.pipeline(transaction=False)
         for chunk in chunks:
             pipe.delete(*chunk.locations)
-            pipe.zrem(f"{self.prefix}{{{chunk.namespace}}}:lru", chunk.key_hex)
+            pipe.zrem(self._index_name(chunk.namespace), chunk.key_hex)
         replies = pipe.execute()
         return sum(1 for deleted in replies[::2] if deleted)
+
+    def remove_unused(self, chunks: Sequence[StoredChunk]) -> Removal:
+        """`UnusedRemoval` (tools/admin/inventory.py): each chunk is deleted unless the server
+        recorded a use of it since the last listing (see the module's docstring): a chunk an
+        engine read after `kvtier gc` listed it stays. A chunk this inventory did not list is
+        taken as used last at its `last_used_s`. Raises redis.RedisError."""
+        removed, kept = 0, []
+        for start in range(0, len(chunks), SCAN_BATCH):
+            batch = chunks[start : start + SCAN_BATCH]
+            listed = [self._listed.get((c.namespace, c.key_hex), _ListedUse(c.last_used_s, None))
+                      for c in batch]
+            scored = self._scored_since(batch, listed)
+            now = time.time()
+            pipe = self.client.pipeline(transaction=False)
+            for chunk, use, used in zip(batch, listed, scored):
+                if not used:
+                    least_idle = -1 if use.idle_base_s is None else max(
+                        0, int(now - use.idle_base_s) - IDLE_SLACK_S)
+                    # EVAL by name: a cluster pipeline's `eval` is another method
+                    pipe.execute_command("EVAL", _DELETE_UNUSED, len(chunk.locations),
+                                         *chunk.locations, least_idle)
+            replies = iter(pipe.execute())
+            gone = []
+            for chunk, used in zip(batch, scored):
+                outcome = -1 if used else int(next(replies))
+                if outcome < 0:
+                    kept.append(chunk)
+                else:
+                    removed += outcome
+                    gone.append(chunk)
+            if gone:
+                pipe = self.client.pipeline(transaction=False)
+                for chunk in gone:
+                    pipe.zrem(self._index_name(chunk.namespace), chunk.key_hex)
+                pipe.execute()
+        return Removal(removed, tuple(kept))
+
+    def _scored_since(self, chunks: Sequence[StoredChunk], listed: Sequence[_ListedUse]
+                      ) -> list[bool]:
+        """Whether each chunk's LRU set scores a use later than the listing saw (False for
+        one not in a set when listed)."""
+        pipe = self.client.pipeline(transaction=False)
+        asked = [use.score_s is not None for use in listed]
+        for chunk, ask in zip(chunks, asked):
+            if ask:
+                pipe.zscore(self._index_name(chunk.namespace), chunk.key_hex)
+        scores = iter(pipe.execute() if any(asked) else [])
+        used = []
+        for use, ask in zip(listed, asked):
+            score = next(scores) if ask else None
+            used.append(score is not None and use.score_s is not None
+                        and score / 1e6 > use.score_s)
+        return used
+
+    def _index_name(self, namespace: str) -> str:
+        """The namespace's LRU set (tiers/redis/tier.py)."""
+        return f"{self.prefix}{{{namespace}}}:lru"
 
     def manifests(self) -> dict[str, NamespaceManifest | None]:
         """namespace -> its manifest (None: a value that is not a valid one), for every
@@ -132,6 +223,15 @@ class RedisInventory:
 
     def close(self) -> None:
         self.client.close()
+
+
+@dataclass(frozen=True, slots=True)
+class _ListedUse:
+    """What a listing saw of a chunk's use."""
+
+    idle_base_s: float | None  # unix time (this host's clock) its idle time started; None:
+    # the server keeps none (an LFU policy)
+    score_s: float | None  # its LRU set's score (the server's clock, s); None: in no set
 
 
 def _glob(prefix: str) -> str:

@@ -17,8 +17,10 @@ renamed into place and read whole; a redis chunk is one hash), and what is delet
 a shared directory is taken off its quota ledger at once (chunktree.FileInventory). A victim
 of `quota_bytes` or `max_age_s` was chosen for being least recently used when the tier was
 listed; one an engine read (or wrote again) between the listing and its deletion is hot now:
-where the storage records each use (a file's mtime: `UnusedRemoval`), it is kept, and counted
-in `GcOutcome.kept_used`. Whole namespaces go whatever their use.
+where the storage records each use (a file's mtime; a redis hash's idle time or LRU score:
+`UnusedRemoval`), it is kept, and counted in `GcOutcome.kept_used`. S3 records no read (an
+object's LastModified is its write): its deletions follow the listing. Whole namespaces go
+whatever their use.
 
 Primitives: `GcRequest`, `GcOutcome`, `select_victims`, `run_gc`, `parse_duration`.
 """

@@ -91,7 +91,8 @@ class ManifestSource(Protocol):
 @runtime_checkable
 class UnusedRemoval(Protocol):
     """An optional ability of an `Inventory` whose storage records each use of a chunk (a
-    file's mtime, which every hit touches): delete only what was not used since it was
+    file's mtime, which every hit touches; a redis hash's idle time, its LRU set's score;
+    not S3's LastModified, which reads leave): delete only what was not used since it was
     listed. `kvtier gc --quota/--max-age` chose its victims for being least recently used;
     one an engine read between the listing and the deletion is hot now and must stay."""
 
