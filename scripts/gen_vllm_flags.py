@@ -4,6 +4,10 @@
     python3 scripts/gen_vllm_flags.py          # rewrite the table (path: TABLE below)
     python3 scripts/gen_vllm_flags.py --check  # exit 1 if it is not the installed vLLM's
 
+A CUDA wheel's parser can be read on a machine without a GPU, unzipped rather than
+installed (the pure-Python part is enough): `VLLM_TARGET_DEVICE=cpu PYTHONPATH=DIR python3
+scripts/gen_vllm_flags.py`, DIR holding the wheel's `vllm/` (how the 0.33.0 table was made).
+
 The parser is built as `vllm serve` and `python -m vllm.entrypoints.openai.api_server` build
 theirs: a `FlexibleArgumentParser` given to vLLM's `make_arg_parser` (FrontendArgs, then
 AsyncEngineArgs.add_cli_args). Every option string is recorded with the number of values it
@@ -49,34 +53,64 @@ def serve_parser() -> argparse.ArgumentParser:
         from vllm.utils.argparse_utils import FlexibleArgumentParser
     except ImportError:  # releases before the module split
         from vllm.utils import FlexibleArgumentParser  # type: ignore[attr-defined,no-redef]
-    for module in ("vllm.entrypoints.launchers.cli_args", "vllm.entrypoints.openai.cli_args"):
+    for module in ("vllm.entrypoints.common.cli_args",  # 0.33
+                   "vllm.entrypoints.launchers.cli_args", "vllm.entrypoints.openai.cli_args"):
         try:
             make_arg_parser = importlib.import_module(module).make_arg_parser
             break
         except (ImportError, AttributeError):
             continue
     else:
-        raise SystemExit("no make_arg_parser in this vLLM (looked in launchers/ and openai/)")
+        raise SystemExit("no make_arg_parser in this vLLM "
+                         "(looked in common/, launchers/ and openai/)")
     return make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))  # type: ignore[no-any-return]
 
 
 def flag_table(parser: argparse.ArgumentParser) -> tuple[dict[str, str], dict[str, str]]:
-    """(flags, aliases) of `parser`: see the generated module's docstring."""
+    """(flags, aliases) of `parser`: see the generated module's docstring.
+
+    Every option string the parser accepts is read, the ones vLLM hides from its help too:
+    from 0.33 a boolean `--enable-x` is shown as `--enable-x` / `--disable-x` and
+    `--no-enable-x` stays accepted unseen (its parser's `_option_string_actions`, not the
+    action's `option_strings`). The audit's rules read a boolean as `--x` / `--no-x`, where
+    x is its field (`--no-enable-prefix-caching`), so `--disable-prefix-caching` is recorded
+    as an alias of `--no-enable-prefix-caching` and `--no-disable-x` of `--enable-x`.
+    """
+    accepted: dict[int, list[str]] = {}
+    actions: dict[int, argparse.Action] = {}
+    for option, action in parser._option_string_actions.items():
+        accepted.setdefault(id(action), []).append(option)
+        actions[id(action)] = action
     flags: dict[str, str] = {}
     aliases: dict[str, str] = {}
-    for action in parser._actions:
-        longs = [o for o in action.option_strings if o.startswith("--")]
+    for key, options in accepted.items():
+        action = actions[key]
+        longs = [o for o in options if o.startswith("--")]
         if not longs:
-            continue  # the positional model_tag
+            continue  # -h and other short-only options
         nargs = "1" if action.nargs is None else str(action.nargs)
-        # A BooleanOptionalAction's `--no-x` is a flag in its own right (the audit rules
-        # read `--no-enable-prefix-caching` as written); other long spellings are aliases.
-        canon = longs if isinstance(action, argparse.BooleanOptionalAction) else longs[:1]
-        for option in action.option_strings:
-            if option in canon:
+        if isinstance(action, argparse.BooleanOptionalAction):
+            # A boolean's `--no-x` is a flag in its own right (the audit rules read
+            # `--no-enable-prefix-caching` as written); other long spellings are aliases.
+            positive = "--" + action.dest.replace("_", "-")
+            if positive not in options:
+                positive = longs[0]
+            negative = "--no-" + positive[2:]
+            negatives = set(getattr(action, "negative_option_strings", ())) | {negative}
+            for option in options:
+                canon = negative if option in negatives else positive
+                if option == canon:
+                    flags[option] = nargs
+                else:
+                    aliases[option] = canon
+            continue
+        first = next(o for o in action.option_strings if o.startswith("--")) \
+            if any(o.startswith("--") for o in action.option_strings) else longs[0]
+        for option in options:
+            if option == first:
                 flags[option] = nargs
             else:
-                aliases[option] = canon[0]
+                aliases[option] = first
     return dict(sorted(flags.items())), dict(sorted(aliases.items()))
 
 

@@ -33,14 +33,14 @@ from kvtier.tools.ops.vllm_versions import installed_vllm_version
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "tests" / "data" / "configs"
-V21, V32 = (0, 21, 0), TABLE_VERSION
+V21, V33 = (0, 21, 0), TABLE_VERSION
 ARGS = "unrecognized-vllm-argument"
 OFFLOAD = '{"kv_connector":"OffloadingConnector","kv_role":"kv_both"}'
 TYPO = ("vllm serve meta-llama/Llama-3.1-8B --max-model-len 8192 "
         f"--kv-transfer-confg '{OFFLOAD}'")
 
 
-def found(command: str, rule: str | None = None, version=V32, **kw):
+def found(command: str, rule: str | None = None, version=V33, **kw):
     """(rule, severity) of the audit's findings on `command`, of `rule` only if given."""
     cmd = parse_command_line(command, vllm_version=version, **kw)
     return [(f.rule, f.severity) for f in run_audit(cmd) if rule in (None, f.rule)]
@@ -61,7 +61,7 @@ def audit_json(capsys, *argv: str) -> tuple[int, dict, str]:
 # -- the table ---------------------------------------------------------------------------------
 
 def test_the_table_knows_what_each_flag_takes():
-    assert VLLM_VERSION == "0.32.0" and TABLE_VERSION == (0, 32, 0)
+    assert VLLM_VERSION == "0.33.0" and TABLE_VERSION == (0, 33, 0)
     assert FLAGS["--enable-sleep-mode"] == FLAGS["--no-enable-prefix-caching"] == "0"
     assert FLAGS["--kv-transfer-config"] == FLAGS["--max-model-len"] == "1"
     assert FLAGS["--served-model-name"] == "+"
@@ -98,12 +98,12 @@ def test_a_misspelled_flag_is_an_error_that_names_the_flag_meant(capsys):
 
 def test_an_unknown_flag_is_an_error_on_the_tables_release_and_a_warning_elsewhere():
     command = "vllm serve m --max-model-len 8192 --bogus-flag 3"
-    assert found(command, ARGS, V32) == [(ARGS, Severity.ERROR)]
+    assert found(command, ARGS, V33) == [(ARGS, Severity.ERROR)]
     assert found(command, ARGS, V21) == [(ARGS, Severity.WARNING)]
     assert found(command, ARGS, None) == [(ARGS, Severity.WARNING)]
     cmd = parse_command_line(command, vllm_version=V21)
     [warning] = [f for f in run_audit(cmd) if f.rule == ARGS]
-    assert "v0.32.0" in warning.what and "v0.21.0" in warning.what
+    assert "v0.33.0" in warning.what and "v0.21.0" in warning.what
     assert "--bogus-flag 3" in warning.why
     assert cmd.model == "m" and cmd.number("--max-model-len") == 8192
 
@@ -140,25 +140,25 @@ def test_aliases_prefixes_and_dashes_read_as_the_flag_vllm_reads():
 
 def test_an_ambiguous_prefix_is_refused():
     assert lookup_flag("--max").status == "ambiguous"
-    cmd = parse_command_line("vllm serve m --max-num-queued 3", vllm_version=V32)
+    cmd = parse_command_line("vllm serve m --max-num-queued 3", vllm_version=V33)
     [finding] = [f for f in run_audit(cmd) if f.rule == ARGS]
     assert finding.severity is Severity.ERROR and "--max-num-queued-reqs" in finding.what
 
 
 def test_flags_of_older_releases_are_known_on_them_and_refused_on_the_tables():
     assert found("vllm serve m --swap-space 4 --disable-log-requests", ARGS, V21) == []
-    assert found("vllm serve m --swap-space 4", ARGS, V32) == [(ARGS, Severity.ERROR)]
+    assert found("vllm serve m --swap-space 4", ARGS, V33) == [(ARGS, Severity.ERROR)]
     # one finding per fact: calculate-kv-scales-deprecated reports this one
     assert [r for r, _ in found("vllm serve m --calculate-kv-scales")] == [
         "calculate-kv-scales-deprecated"]
 
 
 def test_a_value_given_to_a_flag_that_takes_none_and_a_second_positional_are_refused():
-    cmd = parse_command_line("vllm serve m --enable-prefix-caching=false", vllm_version=V32)
+    cmd = parse_command_line("vllm serve m --enable-prefix-caching=false", vllm_version=V33)
     [finding] = [f for f in run_audit(cmd) if f.rule == ARGS]
     assert finding.severity is Severity.ERROR and "--no-enable-prefix-caching" in finding.fix
     for command in ("vllm serve m --enable-prefix-caching false", "vllm serve m -- false"):
-        cmd = parse_command_line(command, vllm_version=V32)
+        cmd = parse_command_line(command, vllm_version=V33)
         assert cmd.model == "m" and cmd.extra_words == ("false",)
         assert [f.severity for f in run_audit(cmd) if f.rule == ARGS] == [Severity.ERROR]
 
@@ -275,3 +275,71 @@ def test_an_empty_option_value_is_refused_not_taken_for_one_left_out(argv, named
     (or none) and planned for the installed vLLM, without a word."""
     assert main(argv) == 2
     assert named in capsys.readouterr().err
+
+
+# -- vLLM 0.33: --enable-x / --disable-x, and flags newer than the release audited ---------------
+
+KVTIER = ('{"kv_connector":"KVTierConnector","kv_role":"kv_both",'
+          '"kv_connector_module_path":"kvtier.integrations.vllm.connector"}')
+
+
+def test_vllm_033s_disable_spellings_are_the_booleans_they_set():
+    """0.33 shows `--no-enable-x` as `--disable-x`: read as the boolean, so the rules about
+    it run (the 0.32 table called it a typo of --enable-x, and no rule saw it)."""
+    command = (f"vllm serve m --disable-prefix-caching --disable-chunked-prefill "
+               f"--enable-cascade-attn --kv-transfer-config '{KVTIER}'")
+    cmd = parse_command_line(command, vllm_version=V33)
+    assert cmd.has("--no-enable-prefix-caching") and cmd.has("--no-enable-chunked-prefill")
+    assert cmd.has("--no-disable-cascade-attn")
+    rules = found(command, version=V33)
+    assert (ARGS, Severity.ERROR) not in rules
+    assert ("offload-without-prefix-caching", Severity.ERROR) in rules
+    # the old spellings, which 0.33 still takes, read the same
+    assert lookup_flag("--no-enable-prefix-caching").status == "known"
+
+
+@pytest.mark.parametrize(("written", "meant"), [
+    ("--disable-prefix-caching", "--no-enable-prefix-caching"),
+    ("--monokernel", None),
+])
+def test_a_flag_new_in_033_is_an_error_auditing_an_older_release(written, meant):
+    command = f"vllm serve m {written}"
+    assert found(command, ARGS, (0, 32, 0)) == [(ARGS, Severity.ERROR)]
+    [finding] = [f for f in run_audit(parse_command_line(command, vllm_version=(0, 32, 0)))
+                 if f.rule == ARGS]
+    assert "v0.33.0 and later" in finding.what and "v0.32.0" in finding.what
+    assert (meant or "remove it") in finding.fix
+    assert found(command, ARGS, V33) == [] and found(command, ARGS, None) == []
+    # an old flag's old spelling stays one: no release is claimed for it
+    assert found("vllm serve m --disable-log-requests", ARGS, (0, 32, 0)) == []
+
+
+def test_the_table_script_records_the_spellings_vllm_hides_from_its_help():
+    """0.33's EnableDisableAction shows `--enable-x` / `--disable-x` and keeps `--no-enable-x`
+    registered but out of `option_strings`: the script reads the parser's registrations."""
+    import argparse
+
+    spec = importlib.util.spec_from_file_location("gen_vllm_flags",
+                                                  ROOT / "scripts" / "gen_vllm_flags.py")
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    class EnableDisable(argparse.BooleanOptionalAction):  # vLLM 0.33's, abridged
+        def __init__(self, option_strings, dest, **kwargs):
+            super().__init__(option_strings, dest, **kwargs)
+            inverse = option_strings[0].replace("--enable-", "--disable-")
+            self.negative_option_strings = {f"--no-{option_strings[0][2:]}", inverse}
+            self.option_strings = [*self.option_strings, inverse]
+
+    parser = argparse.ArgumentParser()
+    parser.register("action", "enable_disable", EnableDisable)
+    action = parser.add_argument("--enable-prefix-caching", action="enable_disable")
+    parser._option_string_actions["--disable-prefix-caching"] = action
+    action.option_strings = ["--enable-prefix-caching", "--disable-prefix-caching"]  # shown
+    parser.add_argument("--max-model-len", "--max-len")
+    flags, aliases = script.flag_table(parser)
+    assert flags == {"--enable-prefix-caching": "0", "--no-enable-prefix-caching": "0",
+                     "--max-model-len": "1", "--help": "0"}
+    assert aliases == {"--disable-prefix-caching": "--no-enable-prefix-caching",
+                       "--max-len": "--max-model-len", "-h": "--help"}

@@ -75,6 +75,9 @@ class ServeCommand:
     entrypoint: str | None = "vllm serve"
     argv: tuple[str, ...] = ()  # the words of the command the audit read, environment aside
     extra_words: tuple[str, ...] = ()  # positional words after the model: vLLM refuses them
+    # a flag of `flags` -> its name as written, where that was an alias or a prefix of it
+    # (`--disable-prefix-caching` for `--no-enable-prefix-caching`)
+    spellings: Mapping[str, str] = field(default_factory=dict)
 
     def has(self, flag: str) -> bool:
         return flag in self.flags
@@ -197,7 +200,7 @@ def parse_argv(
     model = flags.pop("--model", None) or args.model
     return ServeCommand(model=model, flags=flags, env=env_out, vllm_version=version,
                         model_config=model_config, entrypoint=entrypoint, argv=tuple(tokens),
-                        extra_words=args.extra_words)
+                        extra_words=args.extra_words, spellings=args.spellings)
 
 
 def parse_command_line(

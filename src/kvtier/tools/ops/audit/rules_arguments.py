@@ -5,7 +5,9 @@ older release, `--enable-prefix-caching=false`, a value after a flag that takes 
 vLLM exits at start-up on each of these. Flags are judged against the table of vLLM
 TABLE_VERSION's flags (vllm_flags.py): auditing another release, a name that table lacks
 may be a flag of that release, so it is a warning there, unless it is a near miss of a flag
-the table has ("did you mean ...?"), which is an error on any release.
+the table has ("did you mean ...?"), which is an error on any release. A flag the table's
+release added (`flag_since`: 0.33's `--disable-prefix-caching`) is an error on an older
+release audited.
 """
 
 from __future__ import annotations
@@ -16,7 +18,12 @@ from collections.abc import Iterator
 from kvtier.tools.ops.audit.command import ServeCommand
 from kvtier.tools.ops.audit.finding import Finding, Severity
 from kvtier.tools.ops.audit.registry import AuditOptions, rule
-from kvtier.tools.ops.audit.vllm_flags import TABLE_VERSION, FlagLookup, lookup_flag
+from kvtier.tools.ops.audit.vllm_flags import (
+    TABLE_VERSION,
+    FlagLookup,
+    flag_since,
+    lookup_flag,
+)
 from kvtier.tools.ops.vllm_versions import Version, format_version
 
 _RULE = "unrecognized-vllm-argument"
@@ -71,6 +78,11 @@ def unrecognized_argument(cmd: ServeCommand, _: AuditOptions) -> Iterator[Findin
             )
         elif found.nargs == "0" and value is not None and "." not in name:
             yield _value_on_switch(name, value, severity)
+        written = cmd.spellings.get(name, name)
+        since = flag_since(written)
+        if found.status == "known" and version is not None and since is not None \
+                and version < since:
+            yield _too_new(written, name, since, version)
     if cmd.extra_words:
         words = _clip(shlex.join(cmd.extra_words))
         yield Finding(
@@ -105,6 +117,19 @@ def _unknown(found: FlagLookup, shown: str, severity: Severity,
         "was not checked",
         "remove it or correct its name (`vllm serve --help=all` lists the flags of the "
         "release you run)",
+    )
+
+
+def _too_new(written: str, flag: str, since: Version, version: Version) -> Finding:
+    """A flag (or spelling) of a release newer than the one audited."""
+    older = flag if flag != written and flag_since(flag) is None else None
+    return Finding(
+        _RULE, Severity.ERROR,
+        f"{written} is a flag of vLLM {format_version(since)} and later, not of the audited "
+        f"{format_version(version)}",
+        f"vLLM {format_version(version)} exits at start-up: unrecognized arguments: {written}",
+        f"write {older} (what {written} means)" if older else
+        f"remove it, or run vLLM {format_version(since)} or later",
     )
 
 

@@ -22,7 +22,6 @@ from kvtier.tools.ops.audit.command import ServeCommand
 from kvtier.tools.ops.audit.finding import Finding, Severity
 from kvtier.tools.ops.audit.registry import AuditOptions, rule
 from kvtier.tools.ops.audit.rules_kernels import attention_choice
-from kvtier.tools.ops.audit.vllm_flags import TABLE_VERSION
 from kvtier.tools.ops.vllm_versions import Version
 
 # Connector names vLLM's KVConnectorFactory registers (v0.9-v0.32; older names kept so
@@ -38,14 +37,15 @@ KNOWN_CONNECTORS = frozenset({
 KVTIER_CONNECTOR = "KVTierConnector"
 KVTIER_MODULE = "kvtier.integrations.vllm"
 _REGISTERED = re.compile(r"register_connector\(\s*[\"'](\w+)[\"']")
-# vLLM 0.32's KVTransferConfig (vllm/config/kv_transfer.py): its keys (extra ones are refused)
-# and kv_role's values; earlier releases' kv_buffer_size, kv_rank, kv_parallel_size and
-# kv_ip are accepted without a word on them.
+# vLLM 0.32's and 0.33's KVTransferConfig (vllm/config/kv_transfer.py, the same in both): its
+# keys (extra ones are refused) and kv_role's values; earlier releases' kv_buffer_size,
+# kv_rank, kv_parallel_size and kv_ip are accepted without a word on them.
 KV_TRANSFER_KEYS = frozenset({
     "kv_connector", "engine_id", "kv_buffer_device", "kv_role", "kv_port",
     "kv_connector_extra_config", "kv_connector_module_path", "enable_permute_local_kv",
     "kv_load_failure_policy", "kv_buffer_size", "kv_rank", "kv_parallel_size", "kv_ip"})
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+KV_TRANSFER_KEYS_RELEASES = ((0, 32), (0, 33))  # the minor releases KV_TRANSFER_KEYS is of
 
 # Flag -> (what the value must be, check). Token-count flags take vLLM's "32k"/"32K" forms.
 _POSITIVE_INT = re.compile(r"^\s*\d+\s*$")
@@ -290,7 +290,7 @@ def _transfer_keys(where: str, entry: Mapping[str, Any],
     KV_ROLES): each raises at start-up, and the audit passed them."""
     for key in sorted(set(map(str, entry)) - KV_TRANSFER_KEYS):
         close = difflib.get_close_matches(key, sorted(KV_TRANSFER_KEYS), n=1, cutoff=0.8)
-        on_table = version is not None and version[:2] == TABLE_VERSION[:2]
+        on_table = version is not None and version[:2] in KV_TRANSFER_KEYS_RELEASES
         yield _entry_finding(
             f"{where}.{key}", "not a key of vLLM's KVTransferConfig"
             + (f" (did you mean {close[0]!r}?)" if close else

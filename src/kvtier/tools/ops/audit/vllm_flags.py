@@ -5,6 +5,7 @@ is not installed.
 Primitives:
     TABLE_VERSION      -- the vLLM release the table comes from
     RETIRED_FLAGS      -- flags older releases accepted that the table's release lacks
+    flag_since(name)   -- the release that added a flag of the table, when it is known
     FlagLookup         -- what vLLM's parser makes of one flag name (frozen)
     lookup_flag(name)  -- resolve an alias or a unique prefix, or say why vLLM refuses the name
     Arguments, read_arguments(argv) -- the model, flags and extra words of vLLM's arguments
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from kvtier.tools.ops.audit.vllm_flag_table import ALIASES, FLAGS, VLLM_VERSION
@@ -32,7 +33,6 @@ TABLE_VERSION: Version = parse_version(VLLM_VERSION)
 # recorded: the audit knows only that TABLE_VERSION lacks it.
 RETIRED_FLAGS: dict[str, str] = {
     "--calculate-kv-scales": "0",  # no effect from v0.19 (rules_kvcache reports it)
-    "--disable-log-requests": "0",  # became --no-enable-log-requests
     "--disable-async-output-proc": "0",  # V0 engine
     "--enable-reasoning": "0",  # implied by --reasoning-parser
     "--guided-decoding-backend": "1",  # became --structured-outputs-config.backend
@@ -44,6 +44,17 @@ RETIRED_FLAGS: dict[str, str] = {
     "--use-v2-block-manager": "0",  # V0 block manager
     "--worker-use-ray": "0",  # became --distributed-executor-backend ray
 }
+# Flags the table's release (0.33) added to 0.32's. 0.33 also shows each `--enable-x` /
+# `--no-enable-x` boolean as `--enable-x` / `--disable-x` (and `--disable-x` as `--enable-x`),
+# the old `--no-` forms still accepted: those new spellings are the table's aliases of a
+# `--no-` flag that begin otherwise (`--disable-prefix-caching` -> `--no-enable-prefix-caching`).
+# `--disable-log-requests` is such a spelling too, and a flag of releases before 0.2x: no
+# release is given for it.
+_ADDED_IN_0_33: frozenset[str] = frozenset({
+    "--monokernel", "--no-monokernel", "--reasoning-effort-map", "--sleep-mode-backend",
+    "--watchdog-config"})
+_SINCE_0_33: Version = (0, 33, 0)
+_OLD_SPELLINGS = frozenset({"--disable-log-requests"})
 _LONG_NAMES = sorted(set(FLAGS) | {a for a in ALIASES if a.startswith("--")})
 _CLOSE_CUTOFF = 0.75  # difflib ratio: --kv-transfer-confg matches, --bogus-flag does not
 
@@ -91,6 +102,18 @@ def lookup_flag(name: str) -> FlagLookup:
     return FlagLookup(name, "unknown", None, None)
 
 
+def flag_since(name: str) -> Version | None:
+    """The vLLM release that added `name` (a full flag or alias of the table), when the table
+    knows it (flags new in the table's release); None for older flags and unknown names."""
+    if name in _ADDED_IN_0_33:
+        return _SINCE_0_33
+    target = ALIASES.get(name)
+    if (target is not None and target.startswith("--no-") and not name.startswith("--no-")
+            and name not in _OLD_SPELLINGS):
+        return _SINCE_0_33
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class Arguments:
     """vLLM's arguments as its parser reads them."""
@@ -100,6 +123,8 @@ class Arguments:
     # known names as lookup_flag resolves them, unknown ones as written
     flags: Mapping[str, str | None]
     extra_words: tuple[str, ...]  # positional words after the model: vLLM refuses them
+    # a flag of `flags` -> its name as written, where that was an alias or a prefix of it
+    spellings: Mapping[str, str] = field(default_factory=dict)
 
 
 def _vllm_words(words: Sequence[str]) -> list[str]:
@@ -130,6 +155,7 @@ def read_arguments(argv: Sequence[str]) -> Arguments:
     words = _vllm_words(argv)
     model: str | None = None
     flags: dict[str, str | None] = {}
+    spellings: dict[str, str] = {}
     extra: list[str] = []
     i = 0
     while i < len(words):
@@ -153,6 +179,10 @@ def read_arguments(argv: Sequence[str]) -> Arguments:
             taken = [] if eq else words[i:i + 1]
         else:
             found = lookup_flag(name)
+            if found.flag is not None:  # a repeated flag: its last spelling
+                spellings.pop(found.flag, None)
+                if found.flag != name:
+                    spellings[found.flag] = name
             name = found.flag or name
             # A name argparse does not know takes no word; the one after it is the model, or,
             # once there is a model, an extra word vLLM names with it (`--bogus 3`).
@@ -160,7 +190,7 @@ def read_arguments(argv: Sequence[str]) -> Arguments:
             taken = [] if eq else _values(words, i, nargs)
         i += len(taken)
         flags[name] = value if eq else (" ".join(taken) if taken else None)
-    return Arguments(model, flags, tuple(extra))
+    return Arguments(model, flags, tuple(extra), spellings)
 
 
 def _values(words: Sequence[str], start: int, nargs: str) -> list[str]:
