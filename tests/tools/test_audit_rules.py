@@ -201,6 +201,10 @@ CASES = {
     "lmcache-not-bundled": (
         (f"vllm serve m {LMC}", {}, (0, 12, 0), Severity.WARNING),
         (f"vllm serve m {LMC} {HMA}", {}, (0, 14, 0), None)),
+    "connector-refuses-sleep-mode": (
+        (f"vllm serve m --enable-sleep-mode {transfer('KVTierConnector')}", {}, V33,
+         Severity.ERROR),
+        (f"vllm serve m {transfer('KVTierConnector')}", {}, V33, None)),
     "version-unknown": (
         (f"vllm serve m {NATIVE} 100", {}, None, Severity.INFO),
         (f"vllm serve m {NATIVE} 100", {}, V21, None)),

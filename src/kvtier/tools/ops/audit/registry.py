@@ -34,6 +34,7 @@ RULE_MODULES: tuple[str, ...] = (
     "kvtier.tools.ops.audit.rules_kernels",
     "kvtier.tools.ops.audit.rules_env",
     "kvtier.tools.ops.audit.rules_versions",
+    "kvtier.tools.ops.audit.rules_sleep",
 )
 # Model names whose layers mix attention kinds (sliding+full, linear/Mamba+full).
 _HYBRID_NAME = re.compile(
