@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import json
 import threading
 import urllib.error
@@ -130,3 +131,103 @@ def test_a_failed_prefill_leaves_the_prompt_to_the_decode_instance(failure: str)
         status, answer = post(url, BODY)
     assert status == 200 and json.loads(answer)["choices"][0]["text"] == "decode:16"
     assert decode.bodies == [BODY]
+
+
+# -- failures: the client is told, nothing hangs past the timeout, each is counted -------------
+
+class Stalling(Instance):
+    """A decode stand-in whose answer begins, then stalls until the proxy hangs up (past its
+    timeout; 30 s at most): a stream after its first event, a JSON body after its first
+    bytes."""
+
+    def __init__(self) -> None:
+        super().__init__("stalling")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        stream = bool(body.get("stream"))
+        response = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream" if stream else "application/json"})
+        if not stream:
+            response.content_length = 1000
+        await response.prepare(request)
+        await response.write(b'data: {"choices": [{"text": "0"}]}\n\n' if stream
+                             else b'{"choices": [')
+        deadline = asyncio.get_running_loop().time() + 30
+        while (request.transport is not None and not request.transport.is_closing()
+               and asyncio.get_running_loop().time() < deadline):
+            await asyncio.sleep(0.05)
+        return response
+
+
+class NotAnObject(Instance):
+    """A prefill stand-in that answers 200 with JSON that is not an object."""
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        self.bodies.append(await request.json())
+        return web.json_response(["not", "an", "object"])
+
+
+def get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def counters(url: str) -> dict[str, float]:
+    status, text = get(url + "/metrics")
+    assert status == 200
+    return {line.split()[0]: float(line.split()[1]) for line in text.decode().splitlines()
+            if line.startswith("kvtier_proxy_")}
+
+
+def test_a_decode_instance_down_is_a_502_with_a_json_error_and_counted() -> None:
+    prefill = Instance("prefill")
+    with prefill.running(), running_proxy(ProxyConfig(
+            prefill.url, f"http://127.0.0.1:{free_port()}", port=free_port(),
+            request_timeout_s=10)) as url:
+        status, answer = post(url, BODY)
+        assert status == 502 and "decode instance" in json.loads(answer)["error"]["message"]
+        status, answer = get(url + "/v1/models")  # was a 500 and a traceback
+        assert status == 502 and "decode instance" in json.loads(answer)["error"]["message"]
+        seen = counters(url)
+    assert seen["kvtier_proxy_requests_total"] == 1
+    assert seen["kvtier_proxy_decode_failed_total"] == 1
+    assert seen["kvtier_proxy_prefill_failed_total"] == 0
+
+
+def test_a_prefill_answer_that_is_not_an_object_leaves_the_prompt_to_decode() -> None:
+    prefill, decode = NotAnObject("prefill"), Instance("decode")
+    with prefill.running(), decode.running(), running_proxy(ProxyConfig(
+            prefill.url, decode.url, port=free_port(), request_timeout_s=10)) as url:
+        status, answer = post(url, BODY)  # was a 500: 'list' object has no attribute 'get'
+        seen = counters(url)
+    assert status == 200 and json.loads(answer)["choices"][0]["text"] == "decode:16"
+    assert seen["kvtier_proxy_prefill_failed_total"] == 1
+
+
+def test_a_stream_cut_off_past_the_timeout_ends_with_an_error_event_not_done() -> None:
+    prefill, decode = Instance("prefill"), Stalling()
+    with prefill.running(), decode.running(), running_proxy(ProxyConfig(
+            prefill.url, decode.url, port=free_port(), request_timeout_s=1)) as url:
+        status, answer = post(url, {**BODY, "stream": True})
+        seen = counters(url)
+    events = [json.loads(line[len("data: "):]) for line in answer.decode().splitlines()
+              if line.startswith("data: ")]
+    assert status == 200 and events[0] == {"choices": [{"text": "0"}]}
+    assert events[-1]["error"]["message"] == "decode instance: no answer within 1 s"
+    assert b"[DONE]" not in answer
+    assert seen["kvtier_proxy_decode_cut_total"] == 1
+
+
+def test_an_unstreamed_answer_cut_off_is_never_taken_for_a_whole_one() -> None:
+    prefill, decode = Instance("prefill"), Stalling()
+    with prefill.running(), decode.running(), running_proxy(ProxyConfig(
+            prefill.url, decode.url, port=free_port(), request_timeout_s=1)) as url:
+        with pytest.raises((http.client.IncompleteRead, ConnectionError)):
+            post(url, BODY)
+        seen = counters(url)
+    assert seen["kvtier_proxy_decode_cut_total"] == 1

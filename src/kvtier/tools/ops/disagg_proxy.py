@@ -16,12 +16,18 @@ served to a request under another. The prefill's `kv_transfer_params`, when it r
 (a MultiConnector composing kvtier with NixlConnector), go to the decode request.
 
 A prefill that fails for a bad request (4xx) is the answer (the decode instance would
-refuse it too); one that fails otherwise (5xx, refused connection, timeout) is logged and
-the request goes to the decode instance alone, which computes the prompt itself: a prefill
-instance down costs time to first token, never a request.
+refuse it too); one that fails otherwise (5xx, refused connection, timeout, a reply that is
+not a JSON object) is logged and the request goes to the decode instance alone, which
+computes the prompt itself: a prefill instance down costs time to first token, never a
+request. A decode instance that cannot be reached or does not answer in time is a 502 with
+a JSON error; one that fails after its answer began (a stream cut off, a stream past the
+timeout) ends the stream with an SSE error event (`data: {"error": ...}`) and no
+`[DONE]`, or cuts an unstreamed answer's connection, so that a client never takes half an
+answer for a whole one. Each of these is counted on the proxy's `/metrics` (`ProxyStats`).
 
-Primitives: `ProxyConfig`, `prefill_body(body)`, `build_app(config)`, `run_proxy(config)`
-(blocking, the `kvtier proxy` command), `running_proxy(config)` (in a thread: tests, benches).
+Primitives: `ProxyConfig`, `ProxyStats`, `prefill_body(body)`, `build_app(config)`,
+`run_proxy(config)` (blocking, the `kvtier proxy` command), `running_proxy(config)` (in a
+thread: tests, benches).
 """
 
 from __future__ import annotations
@@ -59,8 +65,39 @@ class ProxyConfig:
     request_timeout_s: float = 600.0  # one upstream request's limit, streaming included
 
 
+@dataclass(slots=True)
+class ProxyStats:
+    """What the proxy has done, as counters (`/metrics`, Prometheus text). Updated on the
+    proxy's event loop only, so no lock."""
+
+    requests: int = 0  # generate requests taken (a body that is not a JSON object excluded)
+    prefill_refused: int = 0  # answered by the prefill instance's 4xx
+    prefill_failed: int = 0  # prefill failed otherwise: the decode instance computed it
+    decode_failed: int = 0  # decode unreachable or no answer in time: a 502
+    decode_cut: int = 0  # decode failed after its answer began: the answer was cut off
+
+    def exposition(self) -> str:
+        """The counters in Prometheus' text format."""
+        lines = []
+        for name, value, about in (
+                ("requests", self.requests, "generate requests taken"),
+                ("prefill_refused", self.prefill_refused,
+                 "requests the prefill instance refused (4xx), its answer passed back"),
+                ("prefill_failed", self.prefill_failed,
+                 "prefills that failed (5xx, down, timeout): the decode instance computed"),
+                ("decode_failed", self.decode_failed,
+                 "requests answered 502: the decode instance down or past the timeout"),
+                ("decode_cut", self.decode_cut,
+                 "answers cut off: the decode instance failed after its answer began")):
+            metric = f"kvtier_proxy_{name}_total"
+            lines += [f"# HELP {metric} {about}", f"# TYPE {metric} counter",
+                      f"{metric} {value}"]
+        return "\n".join(lines) + "\n"
+
+
 _APP_CONFIG = web.AppKey("config", ProxyConfig)
 _APP_HTTP = web.AppKey("http", aiohttp.ClientSession)
+_APP_STATS = web.AppKey("stats", ProxyStats)
 
 
 def prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -75,11 +112,13 @@ def build_app(config: ProxyConfig) -> web.Application:
     """The proxy's aiohttp application (its client session opens with the app)."""
     app = web.Application()
     app[_APP_CONFIG] = config
+    app[_APP_STATS] = ProxyStats()
     app.cleanup_ctx.append(_client_session)
     for path in GENERATE_PATHS:
         app.router.add_post(path, _generate)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
     return app
 
 
@@ -92,6 +131,7 @@ async def _client_session(app: web.Application) -> AsyncIterator[None]:
 
 async def _generate(request: web.Request) -> web.StreamResponse:
     config, http = request.app[_APP_CONFIG], request.app[_APP_HTTP]
+    stats = request.app[_APP_STATS]
     try:
         body = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError):
@@ -99,29 +139,38 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     if not isinstance(body, dict):
         return web.json_response({"error": {"message": "the body is not an object"}},
                                  status=400)
+    stats.requests += 1
     headers = {h: request.headers[h] for h in _FORWARDED_HEADERS if h in request.headers}
     try:
         async with http.post(config.prefill_url + request.path, json=prefill_body(body),
                              headers=headers) as prefill:
             answer = await prefill.read()
             if 400 <= prefill.status < 500:
+                stats.prefill_refused += 1
                 return web.Response(body=answer, status=prefill.status,
                                     content_type=prefill.content_type)
             if prefill.status != 200:
                 raise aiohttp.ClientResponseError(prefill.request_info, (),
                                                   status=prefill.status)
-            params = json.loads(answer).get("kv_transfer_params")
+            reply = json.loads(answer)
+            if not isinstance(reply, dict):
+                raise ValueError(f"its answer is JSON {type(reply).__name__}, not an object")
+            params = reply.get("kv_transfer_params")
             if params:
                 body = {**body, "kv_transfer_params": params}
     except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+        stats.prefill_failed += 1
         logger.warning("kvtier proxy: prefill at %s failed (%s); the decode instance "
-                       "computes the prompt itself", config.prefill_url, exc)
+                       "computes the prompt itself", config.prefill_url,
+                       _describe(exc, request))
     return await _relay(request, http, config.decode_url + request.path, body, headers)
 
 
 async def _relay(request: web.Request, http: aiohttp.ClientSession, url: str,
                  body: Mapping[str, Any], headers: Mapping[str, str]) -> web.StreamResponse:
     """POST `body` to `url` and pass its response back as it arrives."""
+    stats = request.app[_APP_STATS]
+    response: web.StreamResponse | None = None
     try:
         async with http.post(url, json=body, headers=headers) as upstream:
             response = web.StreamResponse(status=upstream.status, headers={
@@ -132,15 +181,55 @@ async def _relay(request: web.Request, http: aiohttp.ClientSession, url: str,
             await response.write_eof()
             return response
     except (TimeoutError, aiohttp.ClientError) as exc:
-        return web.json_response({"error": {"message": f"decode instance: {exc}"}},
-                                 status=502)
+        message = f"decode instance: {_describe(exc, request)}"
+        if response is None:  # nothing sent yet: a plain 502
+            stats.decode_failed += 1
+            logger.warning("kvtier proxy: %s", message)
+            return web.json_response({"error": {"message": message}}, status=502)
+        stats.decode_cut += 1
+        logger.warning("kvtier proxy: %s, after its answer began: answer cut off", message)
+        return await _cut_off(request, response, message)
+
+
+async def _cut_off(request: web.Request, response: web.StreamResponse,
+                   message: str) -> web.StreamResponse:
+    """End an answer whose upstream failed midway so that the client sees it failed: a
+    stream gets an error event (as vLLM sends one) and no `[DONE]`; another body cannot be
+    marked, so its connection is closed before the body's end."""
+    if response.content_type == "text/event-stream":
+        event = json.dumps({"error": {"message": message, "type": "BadGateway",
+                                      "code": 502}})
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            await response.write(f"data: {event}\n\n".encode())
+            await response.write_eof()
+        return response
+    if request.transport is not None:
+        request.transport.close()
+    return response
 
 
 async def _models(request: web.Request) -> web.Response:
     config, http = request.app[_APP_CONFIG], request.app[_APP_HTTP]
-    async with http.get(config.decode_url + "/v1/models") as upstream:
-        return web.Response(body=await upstream.read(), status=upstream.status,
-                            content_type=upstream.content_type)
+    try:
+        async with http.get(config.decode_url + "/v1/models") as upstream:
+            return web.Response(body=await upstream.read(), status=upstream.status,
+                                content_type=upstream.content_type)
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        return web.json_response(
+            {"error": {"message": f"decode instance: {_describe(exc, request)}"}},
+            status=502)
+
+
+def _describe(exc: BaseException, request: web.Request) -> str:
+    """An upstream failure in one line (a timeout's own message is empty)."""
+    if isinstance(exc, TimeoutError):
+        return f"no answer within {request.app[_APP_CONFIG].request_timeout_s:g} s"
+    return str(exc) or type(exc).__name__
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    return web.Response(text=request.app[_APP_STATS].exposition(),
+                        content_type="text/plain", charset="utf-8")
 
 
 async def _health(request: web.Request) -> web.Response:
