@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import http.client
 import json
+import socket
 import threading
 import urllib.error
 import urllib.request
@@ -231,3 +232,16 @@ def test_an_unstreamed_answer_cut_off_is_never_taken_for_a_whole_one() -> None:
             post(url, BODY)
         seen = counters(url)
     assert seen["kvtier_proxy_decode_cut_total"] == 1
+
+
+def test_a_port_in_use_is_one_line_and_status_2(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtier.tools.cli.main import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = main(["proxy", "--prefill", "http://127.0.0.1:1", "--decode",
+                     "http://127.0.0.1:2", "--port", str(port)])
+    err = capsys.readouterr().err
+    assert code == 2 and "--port" in err and str(port) in err and len(err.splitlines()) == 1

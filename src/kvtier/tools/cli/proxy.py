@@ -2,13 +2,16 @@
 kv_producer and a kv_consumer vLLM instance sharing a kvtier tier (kvtier/tools/ops/disagg_proxy.py,
 docs/sharing.md).
 
-Exit codes: 0 stopped, 2 bad input.
+Exit codes: 0 stopped, 2 bad input (a port in use or an address not of this machine
+included).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 
+from kvtier.errors import ConfigError
 from kvtier.tools.cli.argtypes import http_url, listen_host, port_number, positive_float
 from kvtier.tools.ops.disagg_proxy import ProxyConfig, run_proxy
 
@@ -29,8 +32,21 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.set_defaults(func=run)
 
 
+# Bind failures that are the user's choice of --host / --port, not a bug.
+_BIND_ERRORS = {errno.EADDRINUSE: ("--port", "a port no other process listens on"),
+                errno.EACCES: ("--port", "a port this user may bind (>= 1024 unprivileged)"),
+                errno.EADDRNOTAVAIL: ("--host", "an address of this machine, or 0.0.0.0")}
+
+
 def run(args: argparse.Namespace) -> int:
-    run_proxy(ProxyConfig(prefill_url=args.prefill.rstrip("/"),
-                          decode_url=args.decode.rstrip("/"), host=args.host, port=args.port,
-                          request_timeout_s=args.request_timeout))
+    try:
+        run_proxy(ProxyConfig(prefill_url=args.prefill.rstrip("/"),
+                              decode_url=args.decode.rstrip("/"), host=args.host,
+                              port=args.port, request_timeout_s=args.request_timeout))
+    except OSError as exc:  # binding: one line, not a traceback
+        if exc.errno not in _BIND_ERRORS:
+            raise
+        field, allowed = _BIND_ERRORS[exc.errno]
+        value = args.port if field == "--port" else args.host
+        raise ConfigError(field, value, f"{allowed} ({exc.strerror or exc})") from None
     return 0
