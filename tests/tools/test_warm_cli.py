@@ -3,7 +3,9 @@ traceback (the real warm-up through a vLLM server is tests/engine/test_warmup_e2
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import threading
 from pathlib import Path
 
 import pytest
@@ -69,3 +71,52 @@ def test_prompts_from_text_and_jsonl_files(tmp_path: Path) -> None:
                        WarmPrompt("p.jsonl:1", "first"),
                        WarmPrompt("ids", [5, 6, 7], "tenant-9")]
     assert "tenant-9" not in repr(prompts)
+
+
+def test_a_byte_order_mark_is_not_part_of_the_prompt(tmp_path: Path) -> None:
+    """Windows editors start UTF-8 files with a BOM: kept, it became the prompt's first token
+    (a prefix no user request has: the warm-up was never hit) and made a JSONL's first line
+    invalid JSON."""
+    (tmp_path / "doc.txt").write_bytes("\ufeffa handbook".encode())
+    (tmp_path / "p.jsonl").write_bytes('\ufeff{"prompt": "first"}\n'.encode())
+    assert load_prompts([tmp_path / "doc.txt"], [tmp_path / "p.jsonl"]) == [
+        WarmPrompt("doc.txt", "a handbook"), WarmPrompt("p.jsonl:1", "first")]
+
+
+@pytest.mark.parametrize("reply", [
+    b"-ERR unknown command\r\n",  # not HTTP (a Redis port, say)
+    b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{\"data\":",  # a body cut short
+])
+def test_a_server_that_does_not_answer_http_is_one_line_and_status_1(
+        reply: bytes, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("a system prompt")
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.settimeout(0.1)  # the accept loop looks at `done` this often
+    port = listener.getsockname()[1]
+    done = threading.Event()
+
+    def answer() -> None:
+        while not done.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            with conn, contextlib.suppress(OSError):
+                conn.settimeout(10)
+                conn.recv(65536)
+                conn.sendall(reply)
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        for args in ([], ["--model", "m"]):  # /v1/models, then /v1/completions
+            code, err = run([f"http://127.0.0.1:{port}", str(prompt), *args], capsys)
+            assert code == 1 and "not an HTTP answer" in err and "Traceback" not in err, err
+            assert len(err.splitlines()) == 1, err
+    finally:
+        done.set()
+        thread.join(timeout=10)
+        listener.close()

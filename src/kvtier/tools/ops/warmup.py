@@ -20,6 +20,7 @@ Primitives: `WarmPrompt`, `WarmSettings`, `WarmResult`, `load_prompts`, `warm`,
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
 import time
@@ -122,8 +123,11 @@ def load_prompts(texts: Sequence[Path] = (), jsonl: Sequence[Path] = ()) -> list
 
 
 def _read(path: Path) -> str:
+    """The file's text. A UTF-8 byte order mark (Windows editors write one) is dropped: in a
+    prompt it would be a token the users' requests do not start with, so the warmed prefix
+    would never be hit; in a JSONL file it made the first line invalid JSON."""
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")
     except FileNotFoundError:
         raise ConfigError("prompt file", str(path), "an existing file") from None
     except (OSError, UnicodeDecodeError) as exc:
@@ -239,7 +243,7 @@ def _counters(base: str, timeout_s: float) -> tuple[float, float] | None:
     try:
         with urllib.request.urlopen(base + "/metrics", timeout=timeout_s) as response:
             text = response.read().decode()
-    except (OSError, ValueError):
+    except (OSError, ValueError, http.client.HTTPException):
         return None
     return metric_total(text, STORED), metric_total(text, LOADED)
 
@@ -276,8 +280,17 @@ def _request(request: urllib.request.Request, timeout_s: float) -> Any:
         raise WarmupError(f"{url}: server unreachable ({exc.reason})") from None
     except TimeoutError:
         raise WarmupError(f"{url}: no answer within {timeout_s:g} s") from None
+    except http.client.HTTPException as exc:  # a server that does not speak HTTP, a cut body
+        raise WarmupError(f"{url}: not an HTTP answer ({type(exc).__name__}: "
+                          f"{_clip(str(exc))})") from None
     except (OSError, ValueError) as exc:
         raise WarmupError(f"{url}: {type(exc).__name__}: {exc}") from None
+
+
+def _clip(text: str, limit: int = 120) -> str:
+    """`text` on one line, at most `limit` characters."""
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[:limit - 3] + "..."
 
 
 def _error_message(exc: urllib.error.HTTPError) -> str:
