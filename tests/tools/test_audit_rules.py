@@ -201,6 +201,11 @@ CASES = {
     "lmcache-not-bundled": (
         (f"vllm serve m {LMC}", {}, (0, 12, 0), Severity.WARNING),
         (f"vllm serve m {LMC} {HMA}", {}, (0, 14, 0), None)),
+    "native-offload-on-cpu-backend": (
+        (f"vllm serve m {transfer('OffloadingConnector', **CPU10)}",
+         {"VLLM_CPU_KVCACHE_SPACE": "8"}, V33, Severity.ERROR),
+        (f"vllm serve m {transfer('KVTierConnector')}", {"VLLM_CPU_KVCACHE_SPACE": "8"}, V33,
+         None)),
     "connector-refuses-sleep-mode": (
         (f"vllm serve m --enable-sleep-mode {transfer('KVTierConnector')}", {}, V33,
          Severity.ERROR),
@@ -673,3 +678,19 @@ def test_every_needs_and_reads_option_is_an_audit_option():
     options = {"--typical-context", "--model-config", "--gpu", "--vllm-version"}
     for r in all_rules():
         assert set(r.needs) | set(r.reads) <= options, r.id
+
+
+@pytest.mark.parametrize(("command", "env", "found"), [
+    (f"vllm serve m {NATIVE} 8", {"VLLM_CPU_KVCACHE_SPACE": "8"}, True),
+    (f"vllm serve m {NATIVE} 8 --kv-offloading-backend lmcache",
+     {"VLLM_CPU_KVCACHE_SPACE": "8"}, False),
+    (f"vllm serve m {transfer('OffloadingConnector', **TIERING)}",
+     {"VLLM_TARGET_DEVICE": "cpu"}, True),
+    (f"vllm serve m {NATIVE} 8", {}, False),  # CUDA: served
+])
+def test_native_offload_on_the_cpu_backend(command, env, found):
+    """vLLM's CPUOffloadingSpec (and the Tiering spec built on it) raises on the CPU backend
+    (seed 003: CUDA, ROCm and XPU only); the audit passed such a command."""
+    cmd = parse_command_line(command, env=env, vllm_version=V33)
+    rules = [f.rule for f in run_audit(cmd, OPTS)]
+    assert ("native-offload-on-cpu-backend" in rules) is found

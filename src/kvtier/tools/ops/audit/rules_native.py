@@ -328,3 +328,27 @@ def _as_int(value: Any) -> int | None:
 def _positive_int(value: Any) -> bool:
     number = _as_int(value)
     return number is not None and number > 0
+
+
+@rule("native-offload-on-cpu-backend", "vLLM's native CPU offload on its CPU backend, which "
+                                       "refuses it at start-up")
+def native_offload_on_cpu_backend(cmd: ServeCommand, options: AuditOptions) -> Iterator[Finding]:
+    """The guide: "The OffloadingConnector currently supports CUDA, ROCm, and XPU only";
+    vLLM 0.32 and 0.33's CPUOffloadingSpec.get_worker raises on another platform (the
+    TieringOffloadingSpec is one). `--kv-offloading-size` with the native backend builds the
+    same connector."""
+    if not on_cpu_backend(cmd, options):
+        return
+    wheres = [off.where for off in native_offloads(cmd) if off.builtin]
+    if cmd.has("--kv-offloading-size") and (
+            cmd.value("--kv-offloading-backend") or "native").lower() == "native":
+        wheres.append("--kv-offloading-size")
+    for where in wheres:
+        yield Finding(
+            "native-offload-on-cpu-backend", Severity.ERROR,
+            f"{where}: vLLM's native OffloadingConnector on vLLM's CPU backend",
+            "its worker raises 'CPU Offloading is currently only supported on CUDA-alike and "
+            "XPU GPUs' as the engine starts",
+            "on the CPU backend offload with kvtier's connector (its memory and disk tiers), "
+            "or drop the offload",
+        )
