@@ -694,3 +694,20 @@ def test_native_offload_on_the_cpu_backend(command, env, found):
     cmd = parse_command_line(command, env=env, vllm_version=V33)
     rules = [f.rule for f in run_audit(cmd, OPTS)]
     assert ("native-offload-on-cpu-backend" in rules) is found
+
+
+@pytest.mark.parametrize(("extra", "version", "warned"), [
+    ({**TIERING, "tier_poll_interval_s": 0.01}, V33, False),
+    ({**TIERING, "sync_load_budget_bytes": 1 << 20}, V33, False),
+    ({**CPU10, "sync_load_budget_bytes": 1 << 20}, None, False),
+    ({**CPU10, "tier_poll_interval_s": 0.01}, V33, True),  # the CPU spec does not read it
+    ({**TIERING, "tier_poll_interval_s": 0.01}, V32, True),  # 0.32 does not read it
+    ({**CPU10, "tier_pol_interval_s": 0.01}, V33, True),  # a typo stays one
+])
+def test_vllm_033s_offloading_keys_are_known(extra, version, warned):
+    """vLLM 0.33 reads `tier_poll_interval_s` (tiering spec) and `sync_load_budget_bytes`:
+    the audit called them unknown keys with no effect."""
+    cmd = parse_command_line(f"vllm serve m {transfer('OffloadingConnector', **extra)}",
+                             vllm_version=version)
+    found = [f for f in run_audit(cmd, OPTS) if f.rule == "offload-config-unknown-key"]
+    assert bool(found) is warned, [f.what for f in found]

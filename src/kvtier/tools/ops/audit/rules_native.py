@@ -18,7 +18,7 @@ from kvtier.tools.ops.audit.command import ServeCommand
 from kvtier.tools.ops.audit.finding import Finding, Severity
 from kvtier.tools.ops.audit.registry import AuditOptions, on_cpu_backend, rule
 from kvtier.tools.ops.audit.rules_kernels import attention_choice
-from kvtier.tools.ops.vllm_versions import format_version
+from kvtier.tools.ops.vllm_versions import Version, format_version
 
 CPU_SPEC, TIERING_SPEC = "CPUOffloadingSpec", "TieringOffloadingSpec"
 BUILTIN_SPECS = (CPU_SPEC, TIERING_SPEC)
@@ -31,6 +31,12 @@ EXTRA_KEYS = frozenset({
     "self_describing_kv_events", "spec_module_path", "backpressure",
     "blocks_per_chunk", "cache_policy_module_path",
 })
+# Keys vLLM 0.33 added: the scheduler's `sync_load_budget_bytes` (any spec) and the tiering
+# spec's `tier_poll_interval_s` -> (the release, the specs that read it).
+NEW_EXTRA_KEYS: dict[str, tuple[Version, tuple[str, ...]]] = {
+    "sync_load_budget_bytes": ((0, 33, 0), BUILTIN_SPECS),
+    "tier_poll_interval_s": ((0, 33, 0), (TIERING_SPEC,)),
+}
 EVICTION_POLICIES = ("lru", "arc", "prefix")
 # Secondary tier type -> its keys (besides `type`); the fs tier's come from the guide,
 # `locality`, `backpressure` and `module_path` from vLLM v0.32's tier factory. The other
@@ -240,19 +246,41 @@ def offload_config_values(cmd: ServeCommand, _: AuditOptions) -> Iterator[Findin
 
 @rule("offload-config-unknown-key", "OffloadingConnector keys the reference does not document")
 def offload_unknown_key(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
+    version = cmd.vllm_version
     for off in native_offloads(cmd):
         if not off.builtin:
             continue
         for key in sorted(set(off.extra) - EXTRA_KEYS - {"num_cpu_blocks"}):
-            close = difflib.get_close_matches(key, sorted(EXTRA_KEYS), n=1, cutoff=0.6)
+            if key in NEW_EXTRA_KEYS:
+                yield from _new_key(off, key, version)
+                continue
+            known = sorted(EXTRA_KEYS | set(NEW_EXTRA_KEYS))
+            close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
             yield Finding(
                 "offload-config-unknown-key", Severity.WARNING,
                 f"{off.key}.{key} is not an OffloadingConnector setting"
                 + (f" (did you mean {close[0]!r}?)" if close else ""),
                 "the connector ignores keys it does not know: the setting has no effect",
                 f"rename it to {close[0]!r}" if close else
-                f"remove it; the settings are {', '.join(sorted(EXTRA_KEYS))}",
+                f"remove it; the settings are {', '.join(known)}",
             )
+
+
+def _new_key(off: NativeOffload, key: str, version: Version | None) -> Iterator[Finding]:
+    """A key of a newer release: known there (with the specs that read it), ignored before."""
+    since, specs = NEW_EXTRA_KEYS[key]
+    too_old = version is not None and version < since
+    if not too_old and off.spec in specs:
+        return
+    why = (f"vLLM {format_version(version)} does not read it (it is read from "
+           f"{format_version(since)} on)" if too_old and version is not None else
+           f"only {', '.join(specs)} reads it")
+    yield Finding(
+        "offload-config-unknown-key", Severity.WARNING,
+        f"{off.key}.{key} has no effect here", f"{why}: the setting has no effect",
+        f"remove it, or run vLLM {format_version(since)} or later" if too_old else
+        f"remove it, or use spec_name {specs[0]}",
+    )
 
 
 def _check_tier(where: str, tier: Any) -> Iterator[Finding]:
