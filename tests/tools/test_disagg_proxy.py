@@ -12,6 +12,7 @@ import http.client
 import json
 import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -245,3 +246,36 @@ def test_a_port_in_use_is_one_line_and_status_2(capsys: pytest.CaptureFixture[st
                      "http://127.0.0.1:2", "--port", str(port)])
     err = capsys.readouterr().err
     assert code == 2 and "--port" in err and str(port) in err and len(err.splitlines()) == 1
+
+
+class Trickling(Instance):
+    """A decode stand-in that streams an event every 20 ms until its client (the proxy)
+    hangs up (30 s at most)."""
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        self.bodies.append(await request.json())
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        deadline = asyncio.get_running_loop().time() + 30
+        with contextlib.suppress(ConnectionError):
+            while asyncio.get_running_loop().time() < deadline:
+                await response.write(b'data: {"choices": [{"text": "x"}]}\n\n')
+                await asyncio.sleep(0.02)
+        return response
+
+
+def test_a_client_hanging_up_midstream_is_not_counted_as_a_decode_failure() -> None:
+    prefill, decode = Instance("prefill"), Trickling("decode")
+    with prefill.running(), decode.running(), running_proxy(ProxyConfig(
+            prefill.url, decode.url, port=free_port(), request_timeout_s=20)) as url:
+        request = urllib.request.Request(
+            url + "/v1/completions", json.dumps({**BODY, "stream": True}).encode(),
+            headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert response.read1(64).startswith(b"data: ")
+        deadline = time.monotonic() + 10
+        while counters(url)["kvtier_proxy_client_gone_total"] == 0:
+            assert time.monotonic() < deadline, counters(url)
+            time.sleep(0.05)
+        seen = counters(url)
+    assert seen["kvtier_proxy_decode_cut_total"] == 0

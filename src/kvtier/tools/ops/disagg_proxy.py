@@ -75,6 +75,7 @@ class ProxyStats:
     prefill_failed: int = 0  # prefill failed otherwise: the decode instance computed it
     decode_failed: int = 0  # decode unreachable or no answer in time: a 502
     decode_cut: int = 0  # decode failed after its answer began: the answer was cut off
+    client_gone: int = 0  # the client hung up before the answer's end (not a failure)
 
     def exposition(self) -> str:
         """The counters in Prometheus' text format."""
@@ -88,7 +89,9 @@ class ProxyStats:
                 ("decode_failed", self.decode_failed,
                  "requests answered 502: the decode instance down or past the timeout"),
                 ("decode_cut", self.decode_cut,
-                 "answers cut off: the decode instance failed after its answer began")):
+                 "answers cut off: the decode instance failed after its answer began"),
+                ("client_gone", self.client_gone,
+                 "answers the client hung up on before their end")):
             metric = f"kvtier_proxy_{name}_total"
             lines += [f"# HELP {metric} {about}", f"# TYPE {metric} counter",
                       f"{metric} {value}"]
@@ -186,6 +189,10 @@ async def _relay(request: web.Request, http: aiohttp.ClientSession, url: str,
             stats.decode_failed += 1
             logger.warning("kvtier proxy: %s", message)
             return web.json_response({"error": {"message": message}}, status=502)
+        if request.transport is None or request.transport.is_closing():
+            stats.client_gone += 1  # the write to the client failed, not the decode
+            logger.debug("kvtier proxy: the client hung up before the answer's end")
+            return response
         stats.decode_cut += 1
         logger.warning("kvtier proxy: %s, after its answer began: answer cut off", message)
         return await _cut_off(request, response, message)
