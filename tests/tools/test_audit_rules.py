@@ -181,6 +181,10 @@ CASES = {
         (f"vllm serve m {transfer(secondary_tiers=[{'type': 'fs'}], **TIERING)}", {}, V21,
          Severity.ERROR),
         (f"vllm serve m {transfer(secondary_tiers=[FS], **TIERING)}", {}, V21, None)),
+    "offload-fs-tier-unbounded": (
+        (f"vllm serve m {transfer(secondary_tiers=[FS], **TIERING)}", {}, V33,
+         Severity.WARNING),
+        (f"vllm serve m {transfer(**TIERING)}", {}, V33, None)),
     "offload-config-values": (
         (f"vllm serve m {transfer(eviction_policy='fifo', **CPU10)}", {}, V21, Severity.ERROR),
         (f"vllm serve m {transfer(eviction_policy='arc', **CPU10)}", {}, V21, None)),

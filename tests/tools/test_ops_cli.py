@@ -167,7 +167,7 @@ def test_audit_single_instance_local_disk_tier_exits_0_with_a_warning(capsys):
                                   "--vllm-version", "0.21.0", "--json"])
     assert code == 0
     assert [(f["rule"], f["severity"]) for f in out["findings"]] == [
-        ("shared-storage-hash-seed", "warning")]
+        ("shared-storage-hash-seed", "warning"), ("offload-fs-tier-unbounded", "warning")]
 
 
 @pytest.mark.parametrize("command", [

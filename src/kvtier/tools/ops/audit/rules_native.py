@@ -380,3 +380,27 @@ def native_offload_on_cpu_backend(cmd: ServeCommand, options: AuditOptions) -> I
             "on the CPU backend offload with kvtier's connector (its memory and disk tiers), "
             "or drop the offload",
         )
+
+
+@rule("offload-fs-tier-unbounded", "an fs secondary tier: vLLM never deletes its files")
+def fs_tier_unbounded(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
+    """llm-d's offloading guide (seed 002): "The storage connector does not handle cleanup or
+    eviction"; vLLM 0.33's FileSystemTierManager writes and reads block files and removes
+    none. The directory grows until the filesystem is full, and then stores fail."""
+    for off in native_offloads(cmd):
+        tiers = off.extra.get("secondary_tiers")
+        if off.spec != TIERING_SPEC or not isinstance(tiers, list):
+            continue
+        for i, tier in enumerate(tiers):
+            if not isinstance(tier, Mapping) or tier.get("type") != "fs":
+                continue
+            root = tier.get("root_dir", "its root_dir")
+            yield Finding(
+                "offload-fs-tier-unbounded", Severity.WARNING,
+                f"{off.key}.secondary_tiers[{i}] (fs, {root}) has no size limit",
+                "vLLM's fs tier never deletes a block file: the directory grows until the "
+                "filesystem is full, and then every store to it fails",
+                "run an evictor beside it (llm-d's PVC Evictor, or a cron that removes the "
+                "oldest files past a size), or give it a filesystem of its own with a quota; "
+                "kvtier's disk and shared tiers evict within their capacity",
+            )
