@@ -14,9 +14,10 @@ import gc
 import mmap
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 from nodekit import (
@@ -63,6 +64,30 @@ def held(inode: int) -> list[str]:
 def released(inode: int) -> bool:
     gc.collect()  # nothing left to the collector: refcounts alone must free it
     return not held(inode)
+
+
+@contextlib.contextmanager
+def restarted_under_a_load(tmp_path: Path, start_node: Callable[..., NodeProcess]
+                           ) -> Iterator[tuple[int, list[Any], Any]]:
+    """Three chunks stored and lent in place from the node's slab; the node restarted, and a
+    store on another thread welcomed by the new node (which lets the old slab go) while the
+    loans are held: (the old slab's inode, the loans, the engine's store), in the load."""
+    config = node_tiers(tmp_path, ram_chunks=8)
+    node = start_node(config)
+    _client, engine = connect(node.socket_path)
+    assert put_chunks(engine, range(3)) == [True] * 3
+    keys = [key(i) for i in range(3)]
+    old = slab_inode(node.name)
+    spare = memoryview(bytearray(LAYOUT.bytes_per_chunk))
+    with engine.lend_as_landed(keys, [spare], in_order=True) as lending, \
+            ThreadPoolExecutor(1) as store_thread:
+        loans = list(lending)
+        assert [loan.view.tier for loan in loans] == [RAM_TIER] * 3  # read in place
+        assert node.stop() == 0
+        start_node(config)
+        assert store_thread.submit(put_chunks, engine, [5]).result(60) == [True]
+        yield old, loans, engine
+        del loans
 
 
 def test_a_reader_on_another_thread_lets_go_when_a_new_generation_welcomes(
@@ -117,24 +142,11 @@ def test_a_load_reading_the_old_slab_when_it_is_let_go_finishes_with_whole_chunk
     """A load lent its chunks in place from the old slab; the slab is let go meanwhile (the
     store thread welcomed by the restarted node). The load's views stay the old chunks'
     bytes, whole, until it ends (never unmapped memory); then the old slab is gone."""
-    config = node_tiers(tmp_path, ram_chunks=8)
-    node = start_node(config)
-    _client, engine = connect(node.socket_path)
-    assert put_chunks(engine, range(3)) == [True] * 3
-    keys = [key(i) for i in range(3)]
-    old = slab_inode(node.name)
-    spare = memoryview(bytearray(LAYOUT.bytes_per_chunk))
-    with engine.lend_as_landed(keys, [spare], in_order=True) as lending, \
-            ThreadPoolExecutor(1) as store_thread:
-        loans = list(lending)
-        assert [loan.view.tier for loan in loans] == [RAM_TIER] * 3  # read in place
-        assert node.stop() == 0
-        node = start_node(config)
-        assert store_thread.submit(put_chunks, engine, [5]).result(60) == [True]
+    with restarted_under_a_load(tmp_path, start_node) as (old, loans, engine):
         assert lend(engine, [key(5)]).chunks == expected([5])  # this thread's next: new
         assert [bytes(loan.view.data) for loan in loans] == [c for _i, c in expected(range(3))]
         assert held(old)  # mapped while the load reads it
-    del loans, lending  # the load ended
+    del loans  # the load ended
     wait_for(lambda: released(old), 30, "the old slab let go once the load ended")
 
 
@@ -188,23 +200,10 @@ def test_a_slab_registered_for_dma_is_unregistered_after_its_last_loan_while_map
     monkeypatch.setattr(node_client, "register_for_dma",
                         lambda mapping: registered.append(id(mapping)) is None)
     monkeypatch.setattr(node_client, "unregister_for_dma", unregister)
-    config = node_tiers(tmp_path, ram_chunks=8)
-    node = start_node(config)
-    _client, engine = connect(node.socket_path)
-    assert put_chunks(engine, range(3)) == [True] * 3
-    keys = [key(i) for i in range(3)]
-    old = slab_inode(node.name)
-    spare = memoryview(bytearray(LAYOUT.bytes_per_chunk))
-    with engine.lend_as_landed(keys, [spare], in_order=True) as lending, \
-            ThreadPoolExecutor(1) as store_thread:
-        loans = list(lending)
-        assert [loan.view.tier for loan in loans] == [RAM_TIER] * 3  # read in place
-        assert node.stop() == 0
-        node = start_node(config)
-        assert store_thread.submit(put_chunks, engine, [5]).result(60) == [True]
+    with restarted_under_a_load(tmp_path, start_node) as (old, loans, _engine):
         assert len(registered) == 2  # the new slab's mapping too
         gc.collect()
         assert unregistered == []  # a load still copies from the old one
-    del loans, lending  # the load ended
+    del loans  # the load ended
     wait_for(lambda: released(old), 30, "the old slab let go once the load ended")
     assert unregistered == [(registered[0], True)]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,29 @@ import kvtier.tiers.files.shared as shared_module
 from kvtier.tiers.files.quota import QuotaLedger
 
 LAYOUT = tiny_layout()
+
+
+@contextmanager
+def walk_held(tier: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A re-measure of `tier` on a thread of its own, its walk held from before the block's
+    start to its end; the re-measure has ended after the block."""
+    walking, release = threading.Event(), threading.Event()
+    real_scan = shared_module.scan_tree
+
+    def held_walk(*args: Any, **kwargs: Any) -> Any:
+        walking.set()
+        release.wait(timeout=10)
+        return real_scan(*args, **kwargs)
+
+    monkeypatch.setattr(shared_module, "scan_tree", held_walk)
+    remeasure = threading.Thread(target=tier.enforce_quota)
+    remeasure.start()
+    try:
+        assert walking.wait(timeout=10)
+        yield
+    finally:
+        release.set()
+        remeasure.join()
 
 
 def test_a_claimed_remeasure_walks_beside_the_put_that_claimed_it(
@@ -108,22 +133,9 @@ def test_writes_during_a_re_measure_are_not_counted_three_times(
     data = memoryview(bytes(LAYOUT.bytes_per_chunk))
     for i in range(30):
         assert tier.put(key(i), data)
-    walking, release = threading.Event(), threading.Event()
-    real_scan = shared_module.scan_tree
-
-    def held_walk(*args: Any, **kwargs: Any) -> Any:
-        walking.set()
-        release.wait(timeout=10)
-        return real_scan(*args, **kwargs)
-
-    monkeypatch.setattr(shared_module, "scan_tree", held_walk)
-    remeasure = threading.Thread(target=tier.enforce_quota)
-    remeasure.start()
-    assert walking.wait(timeout=10)
-    for i in range(100, 130):
-        assert tier.put(key(i), data)
-    release.set()
-    remeasure.join()
+    with walk_held(tier, monkeypatch):
+        for i in range(100, 130):
+            assert tier.put(key(i), data)
     assert tier.stats().evictions == 0
     with tier.ledger.locked() as ledger:
         assert ledger.used_bytes <= (60 + 30) * tier.file_bytes
@@ -179,22 +191,10 @@ def test_a_write_the_walk_also_saw_counts_twice_until_the_next_re_measure(
     data = memoryview(bytes(LAYOUT.bytes_per_chunk))
     for i in range(10):
         assert tier.put(key(i), data)
-    walking, release = threading.Event(), threading.Event()
     real_scan = shared_module.scan_tree
-
-    def held_walk(*args: Any, **kwargs: Any) -> Any:
-        walking.set()
-        release.wait(timeout=10)
-        return real_scan(*args, **kwargs)
-
-    monkeypatch.setattr(shared_module, "scan_tree", held_walk)
-    remeasure = threading.Thread(target=tier.enforce_quota)
-    remeasure.start()
-    assert walking.wait(timeout=10)
-    for i in range(100, 105):  # written after the walk began, listed by it
-        assert tier.put(key(i), data)
-    release.set()
-    remeasure.join()
+    with walk_held(tier, monkeypatch):
+        for i in range(100, 105):  # written after the walk began, listed by it
+            assert tier.put(key(i), data)
     with tier.ledger.locked() as ledger:
         assert ledger.used_bytes == (15 + 5) * tier.file_bytes
     monkeypatch.setattr(shared_module, "scan_tree", real_scan)
