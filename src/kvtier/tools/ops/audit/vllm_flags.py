@@ -54,7 +54,7 @@ _ADDED_IN_0_33: frozenset[str] = frozenset({
     "--monokernel", "--no-monokernel", "--reasoning-effort-map", "--sleep-mode-backend",
     "--watchdog-config"})
 _SINCE_0_33: Version = (0, 33, 0)
-_OLD_SPELLINGS = frozenset({"--disable-log-requests"})
+OLD_SPELLINGS = frozenset({"--disable-log-requests"})
 _LONG_NAMES = sorted(set(FLAGS) | {a for a in ALIASES if a.startswith("--")})
 _CLOSE_CUTOFF = 0.75  # difflib ratio: --kv-transfer-confg matches, --bogus-flag does not
 
@@ -109,7 +109,7 @@ def flag_since(name: str) -> Version | None:
         return _SINCE_0_33
     target = ALIASES.get(name)
     if (target is not None and target.startswith("--no-") and not name.startswith("--no-")
-            and name not in _OLD_SPELLINGS):
+            and name not in OLD_SPELLINGS):
         return _SINCE_0_33
     return None
 
