@@ -120,3 +120,29 @@ def test_a_server_that_does_not_answer_http_is_one_line_and_status_1(
         done.set()
         thread.join(timeout=10)
         listener.close()
+
+
+def test_files_may_come_before_or_after_the_options(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`kvtier warm URL --model m FILE` was refused as "unrecognized arguments" (argparse
+    filled `files` with nothing before the options); every order now reaches the server,
+    which is down here (status 1), and an unknown option is still refused."""
+    first, second = tmp_path / "a.txt", tmp_path / "b.txt"
+    first.write_text("a system prompt")
+    second.write_text("another system prompt")
+    url = f"http://127.0.0.1:{closed_port()}"
+    orders = [
+        [url, str(first), "--model", "m", str(second)],
+        [url, "--model", "m", str(first), str(second)],
+        ["--model", "m", url, str(first), "--timeout-s", "5", str(second)],
+        [url, "--jsonl", str(tmp_path / "c.jsonl"), str(first)],
+    ]
+    (tmp_path / "c.jsonl").write_text('{"prompt": "third"}\n')
+    for args in orders:
+        code, err = run(args, capsys)
+        assert (code, "server unreachable" in err) == (1, True), (args, err)
+    with pytest.raises(SystemExit) as refused:
+        main(["warm", url, "--model", "m", str(first), "--no-such-flag"])
+    assert refused.value.code == 2
+    assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+    assert main(["-v", "warm", url, "--model", "m", str(first)]) == 1

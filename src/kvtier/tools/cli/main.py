@@ -85,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     _refuse_double_dash_values(parser, argv)
     args, unknown = parser.parse_known_args(argv)
+    if unknown and getattr(args, "intermixed_parser", None) is not None:
+        args, unknown = _parse_intermixed(args, argv)
     if unknown:
         hint = ("; a command line to audit goes in quotes or after `--`: kvtier audit -- "
                 "vllm serve MODEL --flag ..." if args.command == "audit" else "")
@@ -125,6 +127,19 @@ def _command_in(argv: list[str]) -> str | None:
     names = {name.rsplit(".", 1)[1] for name in COMMANDS}
     help_asked = any(a in ("-h", "--help") for a in argv[:argv.index(first)]) if first else True
     return first if first in names and not help_asked else None
+
+
+def _parse_intermixed(args: argparse.Namespace,
+                      argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """Parse again the words after the command with its own parser's
+    `parse_known_intermixed_args`, for a command that sets `intermixed_parser` (`kvtier warm
+    URL --model m FILE`): a plain parse fills a `nargs="*"` positional before the options and
+    leaves the files after them unrecognized. The top parser cannot parse intermixed (it has
+    sub-commands), and a fresh namespace keeps an `append` option from counting twice."""
+    sub: argparse.ArgumentParser = args.intermixed_parser
+    at = argv.index(args.command)  # the top parser's options (-v) take no value
+    fresh = argparse.Namespace(verbose=args.verbose, command=args.command)
+    return sub.parse_known_intermixed_args(argv[at + 1:], namespace=fresh)
 
 
 def _refuse_double_dash_values(parser: argparse.ArgumentParser, argv: list[str]) -> None:

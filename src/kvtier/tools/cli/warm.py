@@ -54,7 +54,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                                         "prefer --cache-salt-env)")
     p.add_argument("--timeout-s", type=positive_float, default=600.0,
                    help="per request (default 600)")
-    p.set_defaults(func=run)
+    # Files may follow the options (`kvtier warm URL --model m FILE`): main parses intermixed.
+    p.set_defaults(func=run, intermixed_parser=p)
 
 
 def request_seconds(text: str) -> float:
