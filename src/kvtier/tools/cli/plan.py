@@ -71,7 +71,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--context", type=non_negative_int, default=0,
                    help="typical session length in tokens (default min(model max, 32768))")
     p.add_argument("--concurrency", type=positive_int, default=16, help="target live sessions")
-    p.add_argument("--kv-dtype", default="bf16", help="bf16 or fp8")
+    p.add_argument("--kv-dtype", default="bf16",
+                   help="vLLM --kv-cache-dtype: bf16, fp8, int8_per_token_head, nvfp4, "
+                        "turboquant_k8v4, ... (default bf16)")
     p.add_argument("--params", type=param_count,
                    help="override the parameter count, e.g. 70.6e9")
     p.add_argument("--vllm-version", help="target vLLM release (default: installed, if any)")

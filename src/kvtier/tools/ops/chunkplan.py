@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtier.integrations.vllm.config import TOKENS_PER_CHUNK, ConnectorConfig
-from kvtier.tools.ops.modelspec import ModelSpec, kv_dtype_bytes, kv_footprint
+from kvtier.tools.ops.modelspec import ModelSpec, attention_token_bytes, kv_footprint
 from kvtier.tools.ops.statesize import align_block_size
 
 # vLLM's block size before alignment and its attention backend's smallest kernel block:
@@ -87,12 +87,7 @@ def plan_chunks(spec: ModelSpec, kv_dtype: str = "bf16", tp: int = 1, on_cpu: bo
     if spec.state is None or not spec.state_layers:
         return None
     fp = kv_footprint(spec, kv_dtype, tp)
-    if spec.mla is not None:
-        attn_token = (spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim) * kv_dtype_bytes(
-            kv_dtype)
-    else:
-        attn_token = 2 * max(1, spec.num_kv_heads // tp) * spec.head_dim * kv_dtype_bytes(
-            kv_dtype)
+    attn_token = attention_token_bytes(spec, kv_dtype, tp)
     base = CPU_KERNEL_BASE if on_cpu else CUDA_KERNEL_BASE
     asked = block_size or (CPU_BLOCK if on_cpu else CUDA_BLOCK)
     block = align_block_size(attn_token, spec.state.bytes_per_rank(tp), asked, base)

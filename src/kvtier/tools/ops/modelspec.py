@@ -4,7 +4,9 @@ Primitives:
     ModelSpec, MlaSpec     -- the architecture numbers the sizing math needs (frozen)
     load_model_spec(path)  -- read a config.json file (no downloads)
     parse_model_config(d)  -- the same from an already-parsed dict
-    kv_dtype_bytes(name)   -- bytes per KV element for a `--kv-cache-dtype` value
+    kv_dtype_bytes(name)   -- bytes per KV element for a plain `--kv-cache-dtype` value
+    attention_token_bytes(spec, kv_dtype, tp) -- one token in one attention layer, one rank
+                              (packed quantized dtypes too: kvdtypes.py)
     KVFootprint, kv_footprint(spec, kv_dtype, tp, hybrid_manager)
                            -- per-rank KV bytes per token, split by layer kind
     session_kv_bytes(fp, tokens) -- one sequence's KV on one rank at `tokens` context
@@ -31,15 +33,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kvtier.errors import ConfigError
+from kvtier.tools.ops.kvdtypes import layer_token_bytes, plain_dtype_bytes
 from kvtier.tools.ops.modelparams import MlaSpec, count_params, linear_state_bytes
 from kvtier.tools.ops.statesize import StateShape, state_shape
 
 LayerKind = Literal["full", "sliding", "linear"]
 
-_KV_DTYPE_BYTES = {
-    "auto": 2, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "half": 2,
-    "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_inc": 1,
-}
 _TORCH_DTYPE_BYTES = {"bfloat16": 2.0, "float16": 2.0, "float32": 4.0, "float8_e4m3fn": 1.0}
 # config.json `layer_types` / `layers_block_type` values -> our kinds.
 _LAYER_TYPE_NAMES: dict[str, LayerKind] = {
@@ -127,12 +126,16 @@ def kv_dtype_bytes(kv_dtype: str) -> int:
     """Bytes per cached element for a `--kv-cache-dtype` value ("auto" means BF16).
 
     Raises:
-        ConfigError: for an unknown dtype.
+        ConfigError: for an unknown dtype, and for a packed one (`nvfp4`, `turboquant_*`):
+            its size is per (token, head) slot, kvtier.tools.ops.kvdtypes.layer_token_bytes.
     """
-    key = kv_dtype.strip().lower()
-    if key not in _KV_DTYPE_BYTES:
-        raise ConfigError("kv_dtype", kv_dtype, f"one of {', '.join(sorted(_KV_DTYPE_BYTES))}")
-    return _KV_DTYPE_BYTES[key]
+    return plain_dtype_bytes(kv_dtype)
+
+
+def attention_token_bytes(spec: ModelSpec, kv_dtype: str, tp: int = 1) -> int:
+    """Bytes one token takes in one attention layer of `spec` on one rank (kvdtypes.py)."""
+    latent = spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim if spec.mla else None
+    return layer_token_bytes(kv_dtype, spec.head_dim, max(1, spec.num_kv_heads // tp), latent)
 
 
 def kv_footprint(
@@ -151,11 +154,7 @@ def kv_footprint(
     """
     if tp < 1:
         raise ConfigError("tp", tp, "an integer >= 1")
-    elem = kv_dtype_bytes(kv_dtype)
-    if spec.mla is not None:
-        per_layer = (spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim) * elem
-    else:
-        per_layer = 2 * max(1, spec.num_kv_heads // tp) * spec.head_dim * elem
+    per_layer = attention_token_bytes(spec, kv_dtype, tp)
     full, sliding = spec.count("full"), spec.count("sliding")
     # vLLM promotes sliding layers to full ones only beside full layers (kv_cache_utils.py,
     # _promote_local_kv_cache_specs): all-sliding Mistral keeps its window without HMA (#14).

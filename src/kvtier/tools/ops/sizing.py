@@ -32,7 +32,8 @@ from kvtier.tools.ops.attention_kernels import long_context_block
 from kvtier.tools.ops.chunkplan import ChunkPlan, plan_chunks
 from kvtier.tools.ops.costmodel import prefill_seconds
 from kvtier.tools.ops.flags import DISABLE_HMA, gib_number
-from kvtier.tools.ops.modelspec import ModelSpec, kv_dtype_bytes
+from kvtier.tools.ops.kvdtypes import check_kv_dtype
+from kvtier.tools.ops.modelspec import ModelSpec
 from kvtier.tools.ops.nodeplan import NodePlan, plan_node
 from kvtier.tools.ops.plan_request import PlanRequest
 from kvtier.units import format_size
@@ -174,7 +175,7 @@ def _validate(req: PlanRequest) -> None:
         raise ConfigError("context", req.context_tokens, "a token count >= 0 (0 = default)")
     if req.concurrency < 1:
         raise ConfigError("concurrency", req.concurrency, "an integer >= 1")
-    kv_dtype_bytes(req.kv_dtype)
+    check_kv_dtype(req.kv_dtype)
     _validate_tp(req.model, req.tp)
     _validate_node(req)
 
