@@ -279,3 +279,63 @@ def test_a_client_hanging_up_midstream_is_not_counted_as_a_decode_failure() -> N
             time.sleep(0.05)
         seen = counters(url)
     assert seen["kvtier_proxy_decode_cut_total"] == 0
+
+
+# -- a hanging prefill costs --prefill-timeout, not --request-timeout; decode 5xx counted ----
+
+class Hanging(Instance):
+    """A prefill stand-in that never answers (until the proxy hangs up; 30 s at most)."""
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        self.bodies.append(await request.json())
+        deadline = asyncio.get_running_loop().time() + 30
+        while (request.transport is not None and not request.transport.is_closing()
+               and asyncio.get_running_loop().time() < deadline):
+            await asyncio.sleep(0.05)
+        return web.json_response({"choices": [{"text": "too late"}]})
+
+
+def test_a_hanging_prefill_falls_back_to_decode_after_the_prefill_timeout() -> None:
+    """The request timeout (60 s here) is far above the client's 10 s: before, the prefill's
+    wait took the whole request timeout and the client gave up first."""
+    prefill, decode = Hanging("prefill"), Instance("decode")
+    with prefill.running(), decode.running(), running_proxy(ProxyConfig(
+            prefill.url, decode.url, port=free_port(), request_timeout_s=60,
+            prefill_timeout_s=0.5)) as url:
+        status, answer = post(url, BODY)
+        seen = counters(url)
+    assert status == 200 and json.loads(answer)["choices"][0]["text"] == "decode:16"
+    assert len(prefill.bodies) == 1 and decode.bodies == [BODY]
+    assert seen["kvtier_proxy_prefill_timed_out_total"] == 1
+    assert seen["kvtier_proxy_prefill_failed_total"] == 1
+
+
+def test_a_decode_5xx_is_passed_back_and_counted() -> None:
+    prefill, decode = Instance("prefill"), Instance("decode", status=503)
+    with prefill.running(), decode.running(), running_proxy(ProxyConfig(
+            prefill.url, decode.url, port=free_port(), request_timeout_s=10)) as url:
+        status, answer = post(url, BODY)
+        assert post(url, BODY)[0] == 503
+        seen = counters(url)
+    assert status == 503 and json.loads(answer)["error"]["message"] == "no"
+    assert seen["kvtier_proxy_decode_error_status_total"] == 2
+    assert seen["kvtier_proxy_decode_failed_total"] == 0
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--prefill-timeout", "0"], "argument --prefill-timeout"),
+    (["--prefill-timeout", "nan"], "argument --prefill-timeout"),
+    (["--prefill-timeout", "700"], "--prefill-timeout=700.0: at most --request-timeout (600 s)"),
+    (["--request-timeout", "30", "--prefill-timeout", "31"], "at most --request-timeout (30 s)"),
+])
+def test_a_bad_prefill_timeout_is_refused_naming_it(
+        flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtier.tools.cli.main import main
+
+    argv = ["proxy", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2",
+            "--port", str(free_port()), *flags]
+    try:
+        code = main(argv)
+    except SystemExit as refused:
+        code = int(refused.code or 0)
+    assert code == 2 and message in capsys.readouterr().err

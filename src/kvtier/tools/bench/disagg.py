@@ -270,8 +270,11 @@ def _run_setup(config: DisaggBenchConfig, name: str, model: Path, scratch: Path,
             if name == "single":
                 run = _measure(config, name, servers[0].url, servers[0].url, str(model), seed)
             else:
+                # the prefill keeps the whole limit: a slow CPU prefill is measured, not
+                # handed to the decode instance
                 proxy = ProxyConfig(servers[0].url, servers[1].url, port=free_port(),
-                                    request_timeout_s=config.request_timeout_s)
+                                    request_timeout_s=config.request_timeout_s,
+                                    prefill_timeout_s=config.request_timeout_s)
                 with running_proxy(proxy) as url:
                     run = _measure(config, name, url, servers[1].url, str(model), seed)
         streams, arrivals, metrics = run

@@ -29,6 +29,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--port", type=port_number, default=8000, help="listen port (default 8000)")
     p.add_argument("--request-timeout", type=positive_float, default=600.0, metavar="S",
                    help="one upstream request's limit in seconds (default 600)")
+    p.add_argument("--prefill-timeout", type=positive_float, default=60.0, metavar="S",
+                   help="a prefill's limit in seconds, at most --request-timeout; past it "
+                        "the decode instance computes the prompt itself (default 60)")
     p.set_defaults(func=run)
 
 
@@ -39,10 +42,14 @@ _BIND_ERRORS = {errno.EADDRINUSE: ("--port", "a port no other process listens on
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.prefill_timeout > args.request_timeout:
+        raise ConfigError("--prefill-timeout", args.prefill_timeout,
+                          f"at most --request-timeout ({args.request_timeout:g} s)")
     try:
         run_proxy(ProxyConfig(prefill_url=args.prefill.rstrip("/"),
                               decode_url=args.decode.rstrip("/"), host=args.host,
-                              port=args.port, request_timeout_s=args.request_timeout))
+                              port=args.port, request_timeout_s=args.request_timeout,
+                              prefill_timeout_s=args.prefill_timeout))
     except OSError as exc:  # binding: one line, not a traceback
         if exc.errno not in _BIND_ERRORS:
             raise

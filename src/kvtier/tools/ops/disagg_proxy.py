@@ -19,11 +19,14 @@ A prefill that fails for a bad request (4xx) is the answer (the decode instance 
 refuse it too); one that fails otherwise (5xx, refused connection, timeout, a reply that is
 not a JSON object) is logged and the request goes to the decode instance alone, which
 computes the prompt itself: a prefill instance down costs time to first token, never a
-request. A decode instance that cannot be reached or does not answer in time is a 502 with
-a JSON error; one that fails after its answer began (a stream cut off, a stream past the
-timeout) ends the stream with an SSE error event (`data: {"error": ...}`) and no
-`[DONE]`, or cuts an unstreamed answer's connection, so that a client never takes half an
-answer for a whole one. Each of these is counted on the proxy's `/metrics` (`ProxyStats`).
+request. A prefill has its own, shorter limit (`prefill_timeout_s`, 60 s): one that hangs
+costs that, not the whole `request_timeout_s`, before the decode instance takes over. A
+decode instance's 5xx answer is passed back as it is, and counted. A decode instance that
+cannot be reached or does not answer in time is a 502 with a JSON error; one that fails
+after its answer began (a stream cut off, a stream past the timeout) ends the stream with an
+SSE error event (`data: {"error": ...}`) and no `[DONE]`, or cuts an unstreamed answer's
+connection, so that a client never takes half an answer for a whole one. Each of these is
+counted on the proxy's `/metrics` (`ProxyStats`).
 
 Primitives: `ProxyConfig`, `ProxyStats`, `prefill_body(body)`, `build_app(config)`,
 `run_proxy(config)` (blocking, the `kvtier proxy` command), `running_proxy(config)` (in a
@@ -63,6 +66,9 @@ class ProxyConfig:
     host: str = "127.0.0.1"  # listen address
     port: int = 8000  # listen port
     request_timeout_s: float = 600.0  # one upstream request's limit, streaming included
+    # A prefill's limit (request_timeout_s if that is lower); past it the decode instance
+    # computes the prompt itself.
+    prefill_timeout_s: float = 60.0
 
 
 @dataclass(slots=True)
@@ -73,7 +79,9 @@ class ProxyStats:
     requests: int = 0  # generate requests taken (a body that is not a JSON object excluded)
     prefill_refused: int = 0  # answered by the prefill instance's 4xx
     prefill_failed: int = 0  # prefill failed otherwise: the decode instance computed it
+    prefill_timed_out: int = 0  # of prefill_failed: no answer within prefill_timeout_s
     decode_failed: int = 0  # decode unreachable or no answer in time: a 502
+    decode_error_status: int = 0  # decode answered 5xx: passed back as it is
     decode_cut: int = 0  # decode failed after its answer began: the answer was cut off
     client_gone: int = 0  # the client hung up before the answer's end (not a failure)
 
@@ -86,8 +94,12 @@ class ProxyStats:
                  "requests the prefill instance refused (4xx), its answer passed back"),
                 ("prefill_failed", self.prefill_failed,
                  "prefills that failed (5xx, down, timeout): the decode instance computed"),
+                ("prefill_timed_out", self.prefill_timed_out,
+                 "prefills past the prefill timeout (also in prefill_failed)"),
                 ("decode_failed", self.decode_failed,
                  "requests answered 502: the decode instance down or past the timeout"),
+                ("decode_error_status", self.decode_error_status,
+                 "decode answers with a 5xx status, passed back to the client"),
                 ("decode_cut", self.decode_cut,
                  "answers cut off: the decode instance failed after its answer began"),
                 ("client_gone", self.client_gone,
@@ -144,9 +156,11 @@ async def _generate(request: web.Request) -> web.StreamResponse:
                                  status=400)
     stats.requests += 1
     headers = {h: request.headers[h] for h in _FORWARDED_HEADERS if h in request.headers}
+    prefill_limit_s = min(config.prefill_timeout_s, config.request_timeout_s)
     try:
         async with http.post(config.prefill_url + request.path, json=prefill_body(body),
-                             headers=headers) as prefill:
+                             headers=headers,
+                             timeout=aiohttp.ClientTimeout(total=prefill_limit_s)) as prefill:
             answer = await prefill.read()
             if 400 <= prefill.status < 500:
                 stats.prefill_refused += 1
@@ -163,9 +177,11 @@ async def _generate(request: web.Request) -> web.StreamResponse:
                 body = {**body, "kv_transfer_params": params}
     except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
         stats.prefill_failed += 1
+        if isinstance(exc, TimeoutError):
+            stats.prefill_timed_out += 1
         logger.warning("kvtier proxy: prefill at %s failed (%s); the decode instance "
                        "computes the prompt itself", config.prefill_url,
-                       _describe(exc, request))
+                       _describe(exc, prefill_limit_s))
     return await _relay(request, http, config.decode_url + request.path, body, headers)
 
 
@@ -176,6 +192,10 @@ async def _relay(request: web.Request, http: aiohttp.ClientSession, url: str,
     response: web.StreamResponse | None = None
     try:
         async with http.post(url, json=body, headers=headers) as upstream:
+            if upstream.status >= 500:
+                stats.decode_error_status += 1
+                logger.warning("kvtier proxy: the decode instance answered %d; passed back",
+                               upstream.status)
             response = web.StreamResponse(status=upstream.status, headers={
                 "Content-Type": upstream.headers.get("Content-Type", "application/json")})
             await response.prepare(request)
@@ -184,7 +204,8 @@ async def _relay(request: web.Request, http: aiohttp.ClientSession, url: str,
             await response.write_eof()
             return response
     except (TimeoutError, aiohttp.ClientError) as exc:
-        message = f"decode instance: {_describe(exc, request)}"
+        limit_s = request.app[_APP_CONFIG].request_timeout_s
+        message = f"decode instance: {_describe(exc, limit_s)}"
         if response is None:  # nothing sent yet: a plain 502
             stats.decode_failed += 1
             logger.warning("kvtier proxy: %s", message)
@@ -222,15 +243,16 @@ async def _models(request: web.Request) -> web.Response:
             return web.Response(body=await upstream.read(), status=upstream.status,
                                 content_type=upstream.content_type)
     except (TimeoutError, aiohttp.ClientError) as exc:
-        return web.json_response(
-            {"error": {"message": f"decode instance: {_describe(exc, request)}"}},
-            status=502)
+        why = _describe(exc, config.request_timeout_s)
+        return web.json_response({"error": {"message": f"decode instance: {why}"}},
+                                 status=502)
 
 
-def _describe(exc: BaseException, request: web.Request) -> str:
-    """An upstream failure in one line (a timeout's own message is empty)."""
+def _describe(exc: BaseException, limit_s: float) -> str:
+    """An upstream failure in one line (a timeout's own message is empty): `limit_s` is the
+    timeout that applied."""
     if isinstance(exc, TimeoutError):
-        return f"no answer within {request.app[_APP_CONFIG].request_timeout_s:g} s"
+        return f"no answer within {limit_s:g} s"
     return str(exc) or type(exc).__name__
 
 
