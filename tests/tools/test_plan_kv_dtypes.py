@@ -65,3 +65,20 @@ def test_dtypes_plan_cannot_size_are_refused_by_name_not_guessed(dtype: str) -> 
     spec = load_model_spec(CONFIGS / "llama-3-8b.json")
     with pytest.raises(ConfigError, match=rf"kv_dtype.*{dtype}.*can size"):
         make_plan(PlanRequest(model=spec, gpu=gpu_profile("h100"), kv_dtype=dtype))
+
+
+@pytest.mark.parametrize(("dtype", "flag", "fp8_note"), [
+    ("bf16", None, False), ("fp8", "fp8", True), ("nvfp4", "nvfp4", False),
+    ("int8_per_token_head", "int8_per_token_head", False),
+    ("fp8_per_token_head", "fp8_per_token_head", False),  # scales computed, not calibrated
+])
+def test_the_printed_command_runs_the_dtype_the_plan_sized(dtype: str, flag: str | None,
+                                                         fp8_note: bool) -> None:
+    """The commands passed `--kv-cache-dtype` for fp8* only: a plan sized for nvfp4 printed
+    a command that runs a 16-bit cache, twice and more the bytes it sized."""
+    spec = load_model_spec(CONFIGS / "llama-3-8b.json")
+    plan = make_plan(PlanRequest(model=spec, gpu=gpu_profile("h100"), kv_dtype=dtype))
+    flags = plan.serve_flags  # every alternative's command has them
+    given = flags[flags.index("--kv-cache-dtype") + 1] if "--kv-cache-dtype" in flags else None
+    assert given == flag, flags
+    assert any(n.startswith("FP8 KV:") for n in plan.notes) == fp8_note

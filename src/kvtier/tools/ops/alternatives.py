@@ -31,6 +31,7 @@ from kvtier.tools.ops import flags as backend_flags
 from kvtier.tools.ops.chunkplan import ChunkPlan
 from kvtier.tools.ops.costmodel import transfer_seconds
 from kvtier.tools.ops.hardware import LinkProfile, dram_link, host_link, nvme_link
+from kvtier.tools.ops.kvdtypes import serve_flag_value
 from kvtier.tools.ops.modelspec import ModelSpec, hf_layer_types, kv_footprint, session_kv_bytes
 from kvtier.tools.ops.plan_request import PlanRequest
 from kvtier.tools.ops.restorecost import GPU_MEDIUM
@@ -99,8 +100,9 @@ def serve_flags(tp: int, gpu_memory_utilization: float, ctx: int, kv_dtype: str,
     the --block-size for long contexts, 32 unless the attention kernel needs more)."""
     out = ["--tensor-parallel-size", str(tp), "--gpu-memory-utilization",
            f"{gpu_memory_utilization:g}", "--max-model-len", str(ctx), _PREFIX]
-    if kv_dtype.lower().startswith("fp8"):
-        out += ["--kv-cache-dtype", kv_dtype.lower()]
+    cache_dtype = serve_flag_value(kv_dtype)  # the dtype the plan sized (nvfp4 too)
+    if cache_dtype is not None:
+        out += ["--kv-cache-dtype", cache_dtype]
     if ctx >= LONG_CONTEXT_BLOCK32:
         out += ["--block-size", str(long_block)]
     if ctx >= LONG_PROMPT_BATCH_CAP:

@@ -10,6 +10,8 @@ platform's RoPE split, an environment-chosen group size) are refused by name, no
     check_kv_dtype(name)                         -- ConfigError unless plan can size `name`
     layer_token_bytes(name, head_dim, kv_heads, mla_latent) -- bytes / token / layer on a rank
     plain_dtype_bytes(name)                      -- bytes per element of a plain dtype
+    serve_flag_value(name)  -- what `vllm serve --kv-cache-dtype` takes (None: the default)
+    per_tensor_fp8(name)    -- FP8 with one scale per tensor (the checkpoint's, or 1.0)
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import math
 
 from kvtier.errors import ConfigError
 
+_SIXTEEN_BIT = ("auto", "bf16", "bfloat16", "fp16", "float16", "half")
+_PER_TENSOR_FP8 = ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc")
 _PLAIN_BYTES = {
     "auto": 2, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "half": 2,
     "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_inc": 1,
@@ -70,6 +74,19 @@ def plain_dtype_bytes(kv_dtype: str) -> int:
         raise ConfigError("kv_dtype", kv_dtype, "a dtype of one size per element ("
                           f"{', '.join(sorted(_PLAIN_BYTES))}); it packs scales per head")
     return _PLAIN_BYTES[key]
+
+
+def serve_flag_value(kv_dtype: str) -> str | None:
+    """The `--kv-cache-dtype` value for the serve command, None for a 16-bit cache (vLLM's
+    default "auto" is the model's dtype; "bf16" is not one of vLLM's choices)."""
+    key = _key(kv_dtype)
+    return None if key in _SIXTEEN_BIT else key
+
+
+def per_tensor_fp8(kv_dtype: str) -> bool:
+    """FP8 with one k/v scale per tensor (from the checkpoint, else 1.0): the per-token-head
+    and DeepSeek MLA layouts compute their scales and are not."""
+    return _key(kv_dtype) in _PER_TENSOR_FP8
 
 
 def _head_slot_bytes(key: str, head_dim: int) -> int:

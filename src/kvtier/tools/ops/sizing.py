@@ -32,7 +32,7 @@ from kvtier.tools.ops.attention_kernels import long_context_block
 from kvtier.tools.ops.chunkplan import ChunkPlan, plan_chunks
 from kvtier.tools.ops.costmodel import prefill_seconds
 from kvtier.tools.ops.flags import DISABLE_HMA, gib_number
-from kvtier.tools.ops.kvdtypes import check_kv_dtype
+from kvtier.tools.ops.kvdtypes import check_kv_dtype, per_tensor_fp8
 from kvtier.tools.ops.modelspec import ModelSpec
 from kvtier.tools.ops.nodeplan import NodePlan, plan_node
 from kvtier.tools.ops.plan_request import PlanRequest
@@ -268,7 +268,7 @@ def _notes(plan: Plan, kv_gpu: int) -> list[str]:
         if tier.speedup < 1:
             notes.append(f"{tier.name}: loading a {ctx}-token session ({tier.load_s:.2f} s) "
                          f"is slower than re-prefilling it; this tier does not pay here")
-    if req.kv_dtype.lower().startswith("fp8"):
+    if per_tensor_fp8(req.kv_dtype):
         notes.append("FP8 KV: without calibrated k/v scales in the checkpoint vLLM uses "
                      "scale 1.0 and may clip outliers at long context; prefer BF16 KV + offload")
     notes += [n for alt in plan.alternatives for n in alt.notes]
