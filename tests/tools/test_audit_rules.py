@@ -715,3 +715,13 @@ def test_vllm_033s_offloading_keys_are_known(extra, version, warned):
                              vllm_version=version)
     found = [f for f in run_audit(cmd, OPTS) if f.rule == "offload-config-unknown-key"]
     assert bool(found) is warned, [f.what for f in found]
+
+
+@pytest.mark.parametrize("dtype", ["fp8_per_token_head", "fp8_ds_mla"])
+def test_fp8_layouts_with_computed_scales_need_no_checkpoint_scales(dtype):
+    """vLLM computes these layouts' scales per token and head (or per MLA blob): the rule,
+    which fired on every "fp8*" name, is for per-tensor FP8 only."""
+    cmd = parse_command_line(f"vllm serve m --kv-cache-dtype {dtype}")
+    assert not [f for f in run_audit(cmd) if f.rule == "fp8-kv-without-scales"]
+    cmd = parse_command_line("vllm serve m --kv-cache-dtype fp8_e5m2")
+    assert [f for f in run_audit(cmd) if f.rule == "fp8-kv-without-scales"]

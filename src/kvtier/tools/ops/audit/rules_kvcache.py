@@ -8,6 +8,7 @@ from kvtier.tools.ops.audit.command import ServeCommand
 from kvtier.tools.ops.audit.finding import Finding, Severity
 from kvtier.tools.ops.audit.registry import AuditOptions, model_traits, rule
 from kvtier.tools.ops.hardware import GpuProfile
+from kvtier.tools.ops.kvdtypes import per_tensor_fp8
 from kvtier.tools.ops.modelspec import parse_model_config
 from kvtier.tools.ops.vllm_versions import format_version
 
@@ -25,7 +26,7 @@ _GIB = 1024**3
       reads=("--model-config",))
 def fp8_kv(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
     dtype = (cmd.value("--kv-cache-dtype") or "auto").lower()
-    if not dtype.startswith("fp8"):
+    if not per_tensor_fp8(dtype):  # fp8_per_token_head, fp8_ds_mla compute their scales
         return
     quant = (cmd.model_config or {}).get("quantization_config") or {}
     if isinstance(quant, dict) and ("kv_cache_scheme" in quant or "kv_cache_quant_algo" in quant):
