@@ -82,3 +82,17 @@ def test_the_printed_command_runs_the_dtype_the_plan_sized(dtype: str, flag: str
     given = flags[flags.index("--kv-cache-dtype") + 1] if "--kv-cache-dtype" in flags else None
     assert given == flag, flags
     assert any(n.startswith("FP8 KV:") for n in plan.notes) == fp8_note
+
+
+@pytest.mark.parametrize(("dtype", "stores"), [
+    ("auto", True), ("fp8_e5m2", True), ("nvfp4", False), ("int8_per_token_head", False),
+    ("turboquant_k8v4", False)])
+def test_kvtier_is_refused_for_a_cache_its_connector_refuses(dtype: str, stores: bool) -> None:
+    """The connector refuses packed layouts at start-up (kvformat.attention_format): the
+    plan offered a kvtier command for them that vLLM would not start with."""
+    spec = load_model_spec(CONFIGS / "llama-3-8b.json")
+    plan = make_plan(PlanRequest(model=spec, gpu=gpu_profile("h100"), kv_dtype=dtype))
+    kvtier = plan.alternative("kvtier")
+    assert (kvtier.refused is None) == stores, kvtier.refused
+    assert stores or (dtype in str(kvtier.refused) and kvtier.command == "")
+    assert plan.alternative("native").refused is None

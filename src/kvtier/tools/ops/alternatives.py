@@ -31,7 +31,7 @@ from kvtier.tools.ops import flags as backend_flags
 from kvtier.tools.ops.chunkplan import ChunkPlan
 from kvtier.tools.ops.costmodel import transfer_seconds
 from kvtier.tools.ops.hardware import LinkProfile, dram_link, host_link, nvme_link
-from kvtier.tools.ops.kvdtypes import serve_flag_value
+from kvtier.tools.ops.kvdtypes import kvtier_stores, serve_flag_value
 from kvtier.tools.ops.modelspec import ModelSpec, hf_layer_types, kv_footprint, session_kv_bytes
 from kvtier.tools.ops.plan_request import PlanRequest
 from kvtier.tools.ops.restorecost import GPU_MEDIUM
@@ -154,7 +154,7 @@ def build_alternatives(
     out = []
     for name in NAMES:
         hma_on, reason, disable = _hma(name, req.vllm_version, hybrid, spec)
-        refused = _refusal(name, spec, req.vllm_version, hybrid)
+        refused = _refusal(name, spec, req.vllm_version, hybrid, req.kv_dtype)
         fp = kv_footprint(spec, req.kv_dtype, req.tp, hybrid_manager=hma_on)
         session_rank = session_kv_bytes(fp, ctx)
         cpu = 0 if name == "none" else int(cpu_gib * _GIB)
@@ -193,8 +193,13 @@ def _hma(name: str, version: Version | None, hybrid: bool,
     return verdict.required is False, verdict.reason, verdict.required is not False
 
 
-def _refusal(name: str, spec: ModelSpec, version: Version | None, hybrid: bool) -> str | None:
+def _refusal(name: str, spec: ModelSpec, version: Version | None, hybrid: bool,
+             kv_dtype: str) -> str | None:
     linear = spec.state_layers > 0
+    if name == "kvtier" and not kvtier_stores(kv_dtype):
+        return (f"kvtier refuses a --kv-cache-dtype {kv_dtype} cache: its scales or packing "
+                "live outside the per-token K and V kvtier stores; serve it with "
+                "--kv-cache-dtype auto or fp8 (per-tensor scales)")
     if name == "kvtier":
         # The plan's commands turn prefix caching on: vLLM's "align" mamba cache mode.
         traits = ModelTraits(

@@ -12,6 +12,7 @@ platform's RoPE split, an environment-chosen group size) are refused by name, no
     plain_dtype_bytes(name)                      -- bytes per element of a plain dtype
     serve_flag_value(name)  -- what `vllm serve --kv-cache-dtype` takes (None: the default)
     per_tensor_fp8(name)    -- FP8 with one scale per tensor (the checkpoint's, or 1.0)
+    kvtier_stores(name)     -- whether kvtier's connector stores a cache of that dtype
 """
 
 from __future__ import annotations
@@ -87,6 +88,13 @@ def per_tensor_fp8(kv_dtype: str) -> bool:
     """FP8 with one k/v scale per tensor (from the checkpoint, else 1.0): the per-token-head
     and DeepSeek MLA layouts compute their scales and are not."""
     return _key(kv_dtype) in _PER_TENSOR_FP8
+
+
+def kvtier_stores(kv_dtype: str) -> bool:
+    """Whether kvtier's connector stores this cache: plain elements only, the packed
+    layouts' scales live outside the K and V it stores and it refuses them at start-up
+    (kvtier.integrations.vllm.kvformat.attention_format)."""
+    return _key(kv_dtype) in _PLAIN_BYTES
 
 
 def _head_slot_bytes(key: str, head_dim: int) -> int:
