@@ -40,7 +40,8 @@ def test_a_new_remote_kind_is_reported_remote_by_the_kv_events(vault: StoreConfi
     from kvtier.core.keys import ChunkKey
     from kvtier.core.store import StoreEvent
     from kvtier.core.tier import EventKind
-    from kvtier.integrations.vllm.scheduler.events import ChunkTokens, kv_events
+    from kvtier.integrations.vllm.scheduler.events import kv_events
+    from kvtier.tiers.eventfacts import ChunkTokens
 
     key = ChunkKey(bytes(16))
     kinds = {t.tier_name: t.kind for t in vault.tiers}  # what the connector hands the scheduler
