@@ -57,7 +57,8 @@ def test_a_wait_queued_before_the_events_record_waits_for_nothing(backend: Backe
     try:
         device.record(event, slow)
         after = _mark(backend, waiting)
-        assert _reached_within(after, HELD_S / 2)
+        # a GPU's hold ends by itself after HELD_S; the stand-in's only at release()
+        assert _reached_within(after, HELD_S / 2 if backend.cuda else 30.0)
         assert not event.query()
     finally:
         release()
