@@ -306,7 +306,8 @@ def test_a_prompt_logprobs_request_on_a_stored_prompt_loads_nothing(llm: Any) ->
     assert llm.reset_prefix_cache()
     counters = Counters(llm)
     [hit] = llm.generate([prompt], asking(), use_tqdm=False)
-    assert counters.delta()["loaded_tokens"] == counters.delta()["external_hits"] == 0
+    delta = counters.delta()
+    assert delta["loaded_tokens"] == delta["external_hits"] == 0
     assert llm.reset_prefix_cache()
     [miss] = llm.generate([prompt], asking(BYPASS), use_tqdm=False)
     assert list(hit.outputs[0].token_ids) == list(miss.outputs[0].token_ids)
