@@ -147,6 +147,28 @@ def test_pt_files_loaded_beside_safetensors_never_share_with_them(tiny_model_dir
     stored_then_restarted(model, tmp_path / "disk", {}, {"load_format": "pt"})
 
 
+def saved_decisive(model: Any, tiny_model_dir: Path, directory: Path) -> Path:
+    """`model` in bfloat16, its embeddings scaled (decisive logits), saved in `directory`
+    with the "test" model's tokenizer."""
+    import torch
+
+    model = model.to(torch.bfloat16)
+    with torch.no_grad():
+        model.transformer.wte.weight.mul_(3.0)
+    model.save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / name, directory / name)
+    return directory
+
+
+def edit_config(model_dir: Path, key: str, before: object, after: object) -> None:
+    """config.json edited in place (`key` from `before` to `after`), the same weights."""
+    path = model_dir / "config.json"
+    config = json.loads(path.read_text())
+    assert config[key] == before
+    path.write_text(json.dumps(config | {key: after}, indent=2))
+
+
 def gpt2_model(tiny_model_dir: Path, root: Path) -> Path:
     """A tiny random GPT-2 (bfloat16, the "test" model's tokenizer), logits made decisive."""
     import torch
@@ -156,22 +178,12 @@ def gpt2_model(tiny_model_dir: Path, root: Path) -> Path:
     config = GPT2Config(n_embd=128, n_layer=2, n_head=4, n_inner=256, vocab_size=512,
                         n_positions=4096, initializer_range=0.1, bos_token_id=1,
                         eos_token_id=2)
-    model = GPT2LMHeadModel(config).to(torch.bfloat16)
-    with torch.no_grad():
-        model.transformer.wte.weight.mul_(3.0)
-    directory = root / "gpt2"
-    model.save_pretrained(directory)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tiny_model_dir / name, directory / name)
-    return directory
+    return saved_decisive(GPT2LMHeadModel(config), tiny_model_dir, root / "gpt2")
 
 
 def relu(model_dir: Path) -> None:
-    """config.json edited in place: another activation, the same weights."""
-    path = model_dir / "config.json"
-    config = json.loads(path.read_text())
-    assert config["activation_function"] != "relu"
-    path.write_text(json.dumps(config | {"activation_function": "relu"}, indent=2))
+    """Another activation."""
+    edit_config(model_dir, "activation_function", "gelu_new", "relu")
 
 
 def test_a_config_edited_at_the_same_path_never_shares(tiny_model_dir: Path,
@@ -190,23 +202,13 @@ def gptj_model(tiny_model_dir: Path, root: Path) -> Path:
     config = GPTJConfig(n_embd=128, n_layer=2, n_head=4, n_inner=256, rotary_dim=16,
                         vocab_size=512, n_positions=4096, initializer_range=0.1,
                         bos_token_id=1, eos_token_id=2)
-    model = GPTJForCausalLM(config).to(torch.bfloat16)
-    with torch.no_grad():
-        model.transformer.wte.weight.mul_(3.0)
-    directory = root / "gptj"
-    model.save_pretrained(directory)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tiny_model_dir / name, directory / name)
-    return directory
+    return saved_decisive(GPTJForCausalLM(config), tiny_model_dir, root / "gptj")
 
 
 def whole_heads_rotated(model_dir: Path) -> None:
-    """config.json edited in place: GPT-J's rotary_dim (which transformers keeps as it is,
-    unlike GPT-NeoX's rotary_pct) from 16 to all 32 dimensions, the same weights."""
-    path = model_dir / "config.json"
-    config = json.loads(path.read_text())
-    assert config["rotary_dim"] == 16
-    path.write_text(json.dumps(config | {"rotary_dim": 32}, indent=2))
+    """GPT-J's rotary_dim (which transformers keeps as it is, unlike GPT-NeoX's rotary_pct)
+    from 16 to all 32 dimensions of each head."""
+    edit_config(model_dir, "rotary_dim", 16, 32)
 
 
 def test_gptjs_rotary_dim_edited_at_the_same_path_never_shares(tiny_model_dir: Path,
