@@ -83,6 +83,25 @@ def test_a_byte_order_mark_is_not_part_of_the_prompt(tmp_path: Path) -> None:
         WarmPrompt("doc.txt", "a handbook"), WarmPrompt("p.jsonl:1", "first")]
 
 
+def read_request(conn: socket.socket) -> bytes:
+    """One HTTP request off `conn`, its head and its Content-Length body."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)
+    while len(body) < length:
+        chunk = conn.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
 @pytest.mark.parametrize("reply", [
     b"-ERR unknown command\r\n",  # not HTTP (a Redis port, say)
     b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{\"data\":",  # a body cut short
@@ -106,8 +125,9 @@ def test_a_server_that_does_not_answer_http_is_one_line_and_status_1(
                 continue
             with conn, contextlib.suppress(OSError):
                 conn.settimeout(10)
-                conn.recv(65536)
+                read_request(conn)  # whole: a close with unread bytes resets the connection
                 conn.sendall(reply)
+                conn.shutdown(socket.SHUT_WR)
 
     thread = threading.Thread(target=answer, daemon=True)
     thread.start()
