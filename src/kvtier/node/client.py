@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import mmap
 import os
@@ -60,6 +61,7 @@ from kvtier.node.hangups import unwatch_hangup, watch_hangup
 from kvtier.node.protocol import (
     BELOW_TIER,
     HELD,
+    MAX_KEYS,
     RAM_TIER,
     SEND,
     SKIPPED,
@@ -668,8 +670,10 @@ class NodeStore:
         start = time.perf_counter()
         budget = None if until is None else max(0.0, until - time.monotonic())
         try:
-            # The node abandons its reads below RAM at the budget: it answers by then.
-            first = self._client.call(Borrow(list(keys), [Meta.of(m) for m in metas], budget,
+            # The node abandons its reads below RAM at the budget: it answers by then. The
+            # chunks past MAX_KEYS (a node refuses more) are never lent: misses.
+            first = self._client.call(Borrow(list(keys[:MAX_KEYS]),
+                                             [Meta.of(m) for m in metas[:MAX_KEYS]], budget,
                                              stream=True), Lent, extra_s=budget or 0.0)
         except NodeUnavailable as exc:
             self._failed(exc)
@@ -769,7 +773,7 @@ class NodeStore:
             return None
         # Recent for the node's policy now, as a borrow is when lent (no reply awaited): a
         # chunk being read is the last the node should pick to evict.
-        self._client.tell(Touch(list(keys)))
+        self._client.tell(Touch(list(keys[:MAX_KEYS])))
         self._counters.add(hits=len(keys), bytes_read=len(keys) * self._chunk_bytes,
                            read_s=time.perf_counter() - start)
 
@@ -848,6 +852,7 @@ class NodeStore:
                 self._client.tell(Commit(planned.lease, planned.index, False))
         if not keys:
             return
+        keys, metas = keys[:MAX_KEYS], metas[:MAX_KEYS]  # the rest: a round trip each
         try:
             reserved = self._client.call(Reserve(list(keys), [Meta.of(m) for m in metas]),
                                          Reserved)
@@ -1025,12 +1030,14 @@ class NodeProbe:
         return self.contains_many([key])[0]
 
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        found = [True] * len(keys)
+        """Whether every layout's node holds each key; the keys past MAX_KEYS (a node
+        refuses more) are not asked: misses."""
+        found = [True] * min(len(keys), MAX_KEYS)
         for client in self._clients:
-            held = client.call(Lookup(list(keys), self._ram_only), Found,
+            held = client.call(Lookup(list(keys[:MAX_KEYS]), self._ram_only), Found,
                                slow=not self._ram_only).held
             found = [f and h for f, h in zip(found, held)]
-        return found
+        return found + [False] * (len(keys) - len(found))
 
     def close(self) -> None:
         """Close its clients (the scheduler's RAM and below-RAM probes share them: a second
@@ -1050,7 +1057,7 @@ class NodeProbe:
         if chunks and self._clients:
             self._clients[0].post(Describe([
                 Described(key, info.parent, info.token_ids, info.lora_name, info.cache_salt)
-                for key, info in chunks.items()]))
+                for key, info in itertools.islice(chunks.items(), MAX_KEYS)]))
 
 
 def node_status(socket_path: str, timeout_s: float = 5.0) -> dict[str, object]:

@@ -9,6 +9,7 @@ Primitives: `RequestServer`, `NodeSocketServer`, `ConnectionHandler`, `reply_to`
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import socket
@@ -44,6 +45,8 @@ from kvtier.node.protocol import (
     receive_request,
     send,
 )
+
+log = logging.getLogger(__name__)
 
 
 class RequestServer(Protocol):
@@ -98,12 +101,18 @@ class ConnectionHandler(socketserver.BaseRequestHandler):
         layout: ServedLayout | None = None
         spares: list[memoryview] = []
         scratch: memoryview | None = None
+        engine = "an engine not said yet"  # its Hello's, for the log
         node.opened(owner, sock)
         try:
             while True:
                 try:
                     request = receive_request(sock)
                 except (msgspec.MsgspecError, ValueError) as exc:
+                    # Logged and counted: an engine never sends one (a list past MAX_KEYS,
+                    # garbage), so one is another kvtier's, or a hostile user's of the group.
+                    node.counters.add("refused_messages")
+                    log.warning("kvtier node: a message from %s refused (%s); its connection "
+                                "closed", engine, exc)
                     send(sock, Refused(f"bad message: {exc}"))
                     return
                 if request is None or node.closing:
@@ -114,7 +123,7 @@ class ConnectionHandler(socketserver.BaseRequestHandler):
                         node.counters.add("refused")
                         send(sock, answer)
                         continue
-                    layout = answer
+                    layout, engine = answer, request.engine
                     node.connected(owner, request.engine)
                     send(sock, layout.welcome)
                     continue

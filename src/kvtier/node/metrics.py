@@ -96,6 +96,8 @@ NODE_COUNTERS: dict[str, str] = {
                    "socket",
     "lookups": "Lookup requests",
     "refused": "Hellos refused (bad layout, max_layouts reached)",
+    "refused_messages": "Messages refused as they decoded (malformed, a list of more keys "
+                        "than MAX_KEYS): the connection is closed",
     "disconnects_with_leases": "Connections that ended holding leases (released by the node)",
     "recovered_chunks": "Chunks recovered into RAM from the last node's slab at start-up",
     "recovery_dropped_chunks": "Chunks of the last node's slab dropped at start-up: torn or "

@@ -11,7 +11,7 @@ chunks whose slots the engine knows takes no round trip at all: it holds their s
 lock in the slab's file (`kvtier.tiers.shmslab.SlabReader`) and tells the node (`Touch`).
 
 Primitives: the messages, `Meta`, `send`, `receive_request`, `receive_reply`, `HELD`,
-`SKIPPED`, `SEND`, `RAM_TIER`, `BELOW_TIER`.
+`SKIPPED`, `SEND`, `RAM_TIER`, `BELOW_TIER`, `MAX_KEYS`.
 """
 
 from __future__ import annotations
@@ -39,6 +39,15 @@ _LENGTH = struct.Struct(">I")
 _PIECE = 1 << 20  # bytes a frame is read by: memory follows the bytes that came, not a header
 # A chunk's key on the wire: a message with a key of another length is refused as it decodes.
 Key = Annotated[bytes, msgspec.Meta(min_length=KEY_BYTES, max_length=KEY_BYTES)]
+# The most chunks one message names (a Lookup's, Borrow's, Reserve's or Touch's keys, a
+# Describe's chunks): one prompt of 16.7M tokens at the default 256 tokens a chunk (1M at 16),
+# past any served model's context. An engine never sends more (`NodeStore` cuts its lists
+# here: the chunks past it miss). A longer list is refused as it decodes and the connection
+# closed: any user of the node's group may send one, and a Borrow of 2 million keys (a
+# frame's 64 MiB holds 3 million) kept a thread of the node busy for 85 s submitting reads,
+# a Reserve for 24 s (tests/node/test_node_key_bounds.py).
+MAX_KEYS = 1 << 16
+Keys = Annotated[list[Key], msgspec.Meta(max_length=MAX_KEYS)]
 
 
 class Meta(msgspec.Struct, array_like=True):
@@ -56,6 +65,9 @@ class Meta(msgspec.Struct, array_like=True):
     def chunk_meta(self) -> ChunkMeta:
         return ChunkMeta(self.tenant, self.retain_until, self.expires_at,
                          None if self.parent is None else ChunkKey(self.parent))
+
+
+Metas = Annotated[list[Meta], msgspec.Meta(max_length=MAX_KEYS)]  # a meta a key
 
 
 class Hello(msgspec.Struct, tag=True):
@@ -94,7 +106,7 @@ class Lookup(msgspec.Struct, tag=True):
     I/O: the answer the scheduler's thread may wait for); else in any tier, those below RAM
     asked with one batch each (a remote store's round trips)."""
 
-    keys: list[Key]
+    keys: Keys
     ram_only: bool = False
 
 
@@ -109,8 +121,8 @@ class Borrow(msgspec.Struct, tag=True):
     `stream`: answered in parts as the chunks land (`Lent.more`), so that the engine copies
     the first while the node reads the rest; else one `Lent` once every read has ended."""
 
-    keys: list[Key]
-    metas: list[Meta]
+    keys: Keys
+    metas: Metas
     budget_s: float | None = None
     stream: bool = False
 
@@ -148,14 +160,14 @@ class Touch(msgspec.Struct, tag=True):
     slots' locks: `kvtier.tiers.shmslab.SlabReader`): recent for the node's policy, as a
     borrow is. No reply."""
 
-    keys: list[Key]
+    keys: Keys
 
 
 class Reserve(msgspec.Struct, tag=True):
     """Slots for a step's stores, one per key (or HELD / SKIPPED / SEND)."""
 
-    keys: list[Key]
-    metas: list[Meta]
+    keys: Keys
+    metas: Metas
 
     def __post_init__(self) -> None:
         _a_meta_a_key(self.keys, self.metas)
@@ -194,7 +206,7 @@ class Describe(msgspec.Struct, tag=True):
     """The chunks a step plans to store, for the node's KV events (it knows no token ids);
     sent by the scheduler when `Welcome.events`, no reply."""
 
-    chunks: list[Described]
+    chunks: Annotated[list[Described], msgspec.Meta(max_length=MAX_KEYS)]
 
 
 class Retain(msgspec.Struct, tag=True):
