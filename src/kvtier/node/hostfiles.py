@@ -17,7 +17,7 @@ import socket
 import stat
 from pathlib import Path
 
-from kvtier.tiers.shmslab import SHM_DIR
+from kvtier.tiers.shmslab import SHM_DIR, holder_of, is_own_file
 
 SLAB_DIGEST = re.compile(r"[0-9a-f]{16}")  # a slab's name: kvtier-<node>-<its layout's>
 STALE_PROBE_S = 2.0  # how long a socket file's probe waits for a node to accept
@@ -29,11 +29,17 @@ def hold_name(name: str) -> int:
     slabs' names, and two nodes of one name would lend each other's slots. The lock's fd.
 
     Raises:
-        OSError: EBUSY, a node of that name runs; no /dev/shm.
+        OSError: EBUSY, a node of that name runs; EACCES, another user's file (or a link,
+            a directory) holds the lock's name and this node may not remove it; no /dev/shm.
     """
     path = SHM_DIR / f"kvtier-{name}.lock"
     while True:
+        _clear_foreign(path)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        opened = os.fstat(fd)
+        if opened.st_uid != os.geteuid() or not stat.S_ISREG(opened.st_mode):
+            os.close(fd)  # another's, planted since `_clear_foreign`
+            continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -51,6 +57,35 @@ def hold_name(name: str) -> int:
         if held:
             return fd
         os.close(fd)  # a node that stopped meanwhile removed it: the path's file now
+
+
+def _clear_foreign(path: Path) -> None:
+    """Remove what another user (or a link, a directory) holds at the lock's name, when this
+    node may (root may, in sticky /dev/shm): any user of the host may create it first, and
+    one who held its flock had every node of that name refused as "running"
+    (tests/node/test_node_slab_squatted.py).
+
+    Raises:
+        OSError: EACCES, it stays (naming it and its owner).
+    """
+    if is_own_file(path):
+        return
+    try:
+        path.lstat()
+    except FileNotFoundError:
+        return
+    holder = holder_of(path)
+    try:
+        if path.is_dir() and not path.is_symlink():
+            path.rmdir()
+        else:
+            path.unlink()
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise OSError(errno.EACCES, f"{path}, this node's name's lock, is held by {holder}, "
+                                    f"which this node may not remove ({exc.strerror}): "
+                                    "remove it, or give the node another --name") from exc
 
 
 def let_go_of_name(name: str, fd: int) -> None:

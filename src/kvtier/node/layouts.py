@@ -22,7 +22,7 @@ from kvtier.node.protocol import MAX_FRAME, Hello, Welcome
 from kvtier.tiers import open_store
 from kvtier.tiers.manifest import NamespaceInfo
 from kvtier.tiers.memory import MemoryTier
-from kvtier.tiers.shmslab import SHM_DIR
+from kvtier.tiers.shmslab import SHM_DIR, is_own_file
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def open_layout(config: NodeConfig, digest: str, layout: KVLayout, hello: Hello,
         OSError: a tier cannot open (/dev/shm full: ENOSPC; a tier's directory unwritable).
     """
     name = slab_name(config.name, digest)
-    inherited = (SHM_DIR / name).exists()  # a predecessor's slab, kept
+    inherited = is_own_file(SHM_DIR / name)  # a predecessor's slab, kept
     tiers = [config.store.tiers[0].model_copy(update={"shared_memory": name}),
              *config.store.tiers[1:]]
     store = open_store(config.store.model_copy(update={"tiers": tiers}),

@@ -20,7 +20,10 @@ never in the new slab); `recoverable` then yields each chunk of a valid record w
 still hash to its checksum (a torn or scribbled slot is dropped, counted), with its meta, to
 be put into the new slab (one whose expiry has passed is not), and the old file is removed.
 Only a file of the node's own user is recovered: /dev/shm is writable by every user, and a
-slab's name is listed there, so another user could plant one of forged chunks at it.
+slab's name is listed there, so another user could plant one of forged chunks at it. Anything
+else at the slab's name (another user's file, a directory, a link) is left alone and the slab
+created at a fresh one (`<name>.<random>`, removed at `close`); a predecessor's file goes to a
+fresh aside name where `<name>.old` is taken.
 The file's pages are allocated when it is created (posix_fallocate): charged to the node,
 never to the engine that first writes a slot.
 
@@ -35,7 +38,8 @@ its slot up only once claimed. So while an engine's lock is held, the slot's byt
 record's chunk, whole. The kernel drops an engine's locks when it dies (no slot leaks), and a
 lock is one syscall on the engine's own thread: no wait for the node's thread to be scheduled.
 
-Primitives: `SharedSlab`, `SlabReader`, `SHM_DIR`, `slab_file_bytes`, `shm_size_bytes`.
+Primitives: `SharedSlab`, `SlabReader`, `SHM_DIR`, `slab_file_bytes`, `shm_size_bytes`,
+`is_own_file`, `holder_of`.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ import fcntl
 import logging
 import mmap
 import os
+import secrets
 import stat
 import struct
 import threading
@@ -78,6 +83,26 @@ def slab_file_bytes(slot_bytes: int, num_slots: int) -> int:
     return num_slots * (slot_bytes + _RECORD.itemsize) + _FOOTER.size
 
 
+def is_own_file(path: Path) -> bool:
+    """Whether `path` is a regular file (not a link) of this process's user."""
+    try:
+        found = path.lstat()
+    except OSError:
+        return False
+    return stat.S_ISREG(found.st_mode) and found.st_uid == os.geteuid()
+
+
+def holder_of(path: Path) -> str:
+    """What holds `path`, for a log: its kind and owner."""
+    try:
+        found = path.lstat()
+    except OSError as exc:
+        return f"something unreadable ({exc})"
+    kind = "a directory" if stat.S_ISDIR(found.st_mode) else "a link" \
+        if stat.S_ISLNK(found.st_mode) else "a file"
+    return f"{kind} of uid {found.st_uid} (this node is uid {os.geteuid()})"
+
+
 def shm_size_bytes() -> int | None:
     """The size of SHM_DIR's file system (a tmpfs: half the RAM by default), used or not;
     None where there is no SHM_DIR."""
@@ -96,15 +121,16 @@ class SharedSlab:
         """Create the file (a predecessor's renamed aside first, for `recoverable`).
 
         Raises:
-            OSError: no /dev/shm, a link at the path (ELOOP), or no room for it (ENOSPC).
+            OSError: no /dev/shm, or no room for it (ENOSPC).
         """
         self.path = SHM_DIR / name
-        old = SHM_DIR / f"{name}.old"
-        with contextlib.suppress(FileNotFoundError):
-            os.replace(self.path, old)
+        self._name = name
+        # Whether `path` is the name a successor recovers from (kept at `close(keep=True)`);
+        # not once a fresh name was taken (`_create`).
+        self._recoverable_name = True
         # A predecessor's file, until recovered: just moved aside, or moved by an earlier
         # try that found no room for the new one.
-        self.old: Path | None = old if old.exists() else None
+        self.old = self._move_aside(name)
         self.slot_bytes, self.num_slots, self.chunk_bytes = slot_bytes, num_slots, chunk_bytes
         size = slab_file_bytes(slot_bytes, num_slots)
         try:
@@ -127,11 +153,50 @@ class SharedSlab:
         self._mmap[size - _FOOTER.size:] = _FOOTER.pack(_MAGIC, slot_bytes, num_slots,
                                                         chunk_bytes)
 
+    def _move_aside(self, name: str) -> Path | None:
+        """Move a predecessor's file (a regular file of this user at `path`) aside for
+        `recoverable`, to `<name>.old`, or to a fresh name where another user's file, or a
+        directory, holds that one; the file aside (this user's), or None. Anything else at
+        `path` (another user's file, a directory, a link) is left where it is, unread
+        (`_create` then takes a fresh name)."""
+        old = SHM_DIR / f"{name}.old"
+        if is_own_file(self.path):
+            try:
+                os.replace(self.path, old)
+            except OSError:  # EPERM (another's, sticky /dev/shm), EISDIR: a fresh name
+                old = SHM_DIR / f"{name}.old-{secrets.token_hex(8)}"
+                try:
+                    os.replace(self.path, old)
+                except OSError as exc:
+                    log.warning("%s: the last node's slab cannot be moved aside (%s); not "
+                                "recovered", self.path, exc)
+                    with contextlib.suppress(OSError):
+                        self.path.unlink()
+        return old if is_own_file(old) else None
+
     def _create(self, size: int) -> tuple[int, mmap.mmap]:
         """The new file (kept open: the node's claims lock its bytes), its pages allocated,
-        mapped. Raises OSError (ENOSPC: no room)."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o660)
+        mapped; at a fresh name (`<name>.<random>`, logged) where something not this node's
+        holds its own: /dev/shm is every user's, and a slab's name is predictable, so any user
+        of the host could take it first. A directory there (moved aside by a node running as
+        root) refused the layout at every later start; another user's file, at the start of
+        a node not running as root (it may not move it). A slab at a fresh name is removed
+        at `close`: no successor looks for it (tests/node/test_node_slab_squatted.py).
+
+        Raises:
+            OSError: ENOSPC, no room.
+        """
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        while True:
+            try:
+                fd = os.open(self.path, flags, 0o660)
+                break
+            except FileExistsError:
+                log.warning("%s is held by %s: this slab is created at a fresh name (its "
+                            "chunks are not recovered by the next node while it stays: "
+                            "remove it)", self.path, holder_of(self.path))
+                self.path = SHM_DIR / f"{self._name}.{secrets.token_hex(8)}"
+                self._recoverable_name = False
         try:
             os.fchmod(fd, 0o660)  # the umask must not narrow what the node's group may map
             os.posix_fallocate(fd, 0, size)
@@ -262,7 +327,7 @@ class SharedSlab:
     def close(self, keep: bool) -> None:
         """Stop recording; the file is removed unless `keep` (for the next node to recover).
         Mappings of it stay valid until unmapped."""
-        if not keep:
+        if not keep or not self._recoverable_name:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
         if self._fd >= 0:
