@@ -32,6 +32,9 @@ def test_status_shows_the_layouts_tiers_and_engines(tmp_path: Path,
         assert store.put(key(1), memoryview(bytes(LAYOUT.bytes_per_chunk)))
         with store.lend_as_landed([key(1), key(2)], [memoryview(bytearray(16))]) as lending:
             assert len(list(lending)) == 1  # a Borrow: chunk 1 from RAM, then a miss
+            assert main(["node", "status", "--socket", str(socket_path)]) == 0
+            out = " ".join(capsys.readouterr().out.split())  # wrapped at 80 columns
+            assert "held: " in out and " 1 chunks (1 leases)" in out  # the loan, held
         assert main(["node", "status", "--socket", str(socket_path)]) == 0
         table = capsys.readouterr().out
         assert LAYOUT.digest()[:8] in table and "memory" in table and "engines:" in table

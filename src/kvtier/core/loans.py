@@ -305,6 +305,12 @@ class Lending(Generic[V]):
         if self._out.pop(hold, None) is not None and slot is not None:
             self._free.append(slot)
 
+    @property
+    def outstanding(self) -> int:
+        """Loans not released yet (what the borrower holds: a `kvtier node status` shows
+        each engine's). Any thread."""
+        return len(self._out)
+
     def close(self) -> None:
         """End the lending: wait for the reads nobody took (to their deadlines), wait for
         the events loans are released after, release every loan. Idempotent."""

@@ -2,7 +2,7 @@
 engine for a load) or `Puts` (slots reserved for its stores); it ends at the engine's Release
 or commits, or with its connection, so an engine killed mid-load or mid-store leaks nothing.
 
-Primitives: `Puts`, `end_lease`, `spare_buffers`, `sendable`.
+Primitives: `Puts`, `end_lease`, `spare_buffers`, `sendable`, `chunks_held`.
 """
 
 from __future__ import annotations
@@ -37,6 +37,11 @@ def spare_buffers(count: int, chunk_bytes: int) -> list[memoryview]:
     stride = -(-chunk_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
     whole = memoryview(mmap.mmap(-1, count * stride))
     return [whole[i * stride:i * stride + chunk_bytes] for i in range(count)]
+
+
+def chunks_held(held: Lending[ChunkView] | Puts) -> int:
+    """The chunks a lease holds: its loans not released, or its slots not committed."""
+    return held.open if isinstance(held, Puts) else held.outstanding
 
 
 def sendable(put: PendingPut) -> bool:

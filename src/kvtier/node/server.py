@@ -60,7 +60,7 @@ from kvtier.node.layouts import (
     start_layout,
     unservable,
 )
-from kvtier.node.leases import Puts, end_lease, sendable, spare_buffers
+from kvtier.node.leases import Puts, chunks_held, end_lease, sendable, spare_buffers
 from kvtier.node.protocol import (
     HELD,
     MAX_FRAME,
@@ -178,19 +178,28 @@ class NodeServer:
         return self._closing
 
     def status(self) -> dict[str, Any]:
-        """What `kvtier node status` prints: engines, leases, counters and each layout's
-        tiers."""
+        """What `kvtier node status` prints: engines, leases (and what each engine holds),
+        counters and each layout's tiers."""
         with self._lock:
             layouts = dict(self._layouts)
             leases = len(self._leases)
             engines = sorted(set(self._connections.values()))
+            holders = [(self._connections.get(who, "an engine not said"), lease)
+                       for who, lease in self._leases.values()]
+        # What each engine holds: a frozen one (SIGSTOP, a hung process) keeps its leases,
+        # their slots out of the RAM tier, until its connection ends (docs/node.md).
+        held: dict[str, dict[str, int]] = {}
+        for engine, lease in holders:
+            mine = held.setdefault(engine, {"leases": 0, "chunks": 0})
+            mine["leases"] += 1
+            mine["chunks"] += chunks_held(lease)
         return {
             "node": self.config.name, "generation": self.generation,
             "socket": str(self.config.socket_path), "engines": engines,
             "events_endpoint": self.config.events_endpoint,
             "event_block_size": self.config.event_block_size,
             "tiers": [tier.tier_name for tier in self.config.store.tiers],
-            "connections": len(self._connections), "leases": leases,
+            "connections": len(self._connections), "leases": leases, "held": held,
             "counters": self.counters.snapshot(),
             "borrow_seconds": self.borrow_seconds.snapshot(),
             "layouts": {digest: {

@@ -59,6 +59,10 @@ def run_status(args: argparse.Namespace) -> int:
                   f"{status['generation']}) on {escape(status['socket'])}: "
                   f"{status['connections']} connections, {status['leases']} leases; engines: "
                   f"{escape(', '.join(status['engines'])) or '-'}")
+    held = ", ".join(f"{engine} {mine['chunks']} chunks ({mine['leases']} leases)"
+                     for engine, mine in status.get("held", {}).items())
+    if held:
+        console.print(f"held: {held}", markup=False)
     if status.get("events_endpoint"):
         console.print(f"KV events on {status['events_endpoint']} "
                       f"(topics kv@node:{status['node']}@<model>)", markup=False)
