@@ -7,8 +7,13 @@ waiting 64k-token prompts looked up made 20,400 chunks, and the first request, s
 after, kept none of its 255, so its stores published no stored events (a router never
 learned that they were cached). So each live request holds its chunks' infos (memory in
 proportion to the live requests' tokens, ~4 bytes a token, as vLLM's own token lists), and
-an ended request's go to the bounded recent ones: for its stores still in flight, and the
-stored events of later moves between tiers.
+an ended request's go to the bounded recent ones: for its stores still in flight.
+
+Nothing is kept for the chunks the tiers hold (a disk may hold millions): a chunk read back
+into RAM from a tier below long after its store (a promotion, with its own stored event) is
+read for a request whose lookup made its key from its own tokens, full chunk or hit tail, so
+that request holds its info again (tests/connector/test_events_of_promoted_chunks.py). A
+removal needs none (its blocks: a chunk's, or a tail's known tokens' blocks).
 
 Scheduler side, one thread. Primitives: `LiveChunkInfos`.
 """

@@ -36,6 +36,7 @@ from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.groups import ChunkGroups
 from kvtier.integrations.vllm.messages import ChunkTransfer, KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, StatsDelta
+from kvtier.integrations.vllm.scheduler.chunkinfos import RECENT_CHUNKS
 from kvtier.integrations.vllm.scheduler.loadfailures import LoadFailures
 from kvtier.integrations.vllm.scheduler.loadplan import LoadPlanner
 from kvtier.integrations.vllm.scheduler.losthits import LookupHit
@@ -63,12 +64,13 @@ class ConnectorScheduler:
                  weights_fingerprint: str | None = None,
                  tier_kinds: dict[str, str] | None = None, emit_events: bool = False,
                  kv_role: str | None = "kv_both", groups: ChunkGroups | None = None,
-                 node: NodeProbe | None = None) -> None:
+                 node: NodeProbe | None = None, recent_chunks: int = RECENT_CHUNKS) -> None:
         """`kv_role` is vLLM's: a "kv_producer" never loads (every lookup answers 0), a
         "kv_consumer" never stores (RequestControls.within_role). `groups`: the model's KV
         cache groups (groups.py); None: one group. `emit_events`: vLLM publishes KV events
         (--kv-events-config); `tier_kinds`: tier name -> kind, for them. `node`: node mode's
-        node, which publishes its tiers' events itself (RouterEvents.describe)."""
+        node, which publishes its tiers' events itself (RouterEvents.describe).
+        `recent_chunks`: ended requests' chunks whose token ids events keep (chunkinfos.py)."""
         config = config.for_block_size(block_size)
         groups = groups or ChunkGroups(layer_names=((),), kinds=("full",))
         # Several KV cache groups in vLLM (attention and state): loads are asynchronous.
@@ -83,7 +85,8 @@ class ConnectorScheduler:
         self._stats = StatsDelta()
         self._step = 0  # plans built so far: the number of the last one
         self._events = RouterEvents(emit_events, tier_kinds or {}, config.tokens_per_chunk,
-                                    node, config.event_block_size, config.pool_events)
+                                    node, config.event_block_size, config.pool_events,
+                                    recent_chunks)
         self._requests = RequestTable(
             tokens_per_chunk=config.tokens_per_chunk, block_size=block_size,
             model_id=model_id, layout_digest=layout_digest,
@@ -155,6 +158,9 @@ class ConnectorScheduler:
         state.tail = tail
         if tail is not None:
             self._requests.note_tail(state, tail.key)
+            # Its read from a tier below RAM promotes it: the stored event needs its tokens,
+            # which its store's request may have taken long ago (full chunks': keys_for).
+            self._requests.remember_tail(state, tail)
         # Counted once vLLM allocates (a lookup may repeat): losthits.py.
         state.decisions = cut.decisions
         state.lookup_hit = LookupHit(

@@ -281,7 +281,8 @@ class RequestTable:
         return tails
 
     def remember_tail(self, state: RequestState, tail: Tail) -> None:
-        """Keep a tail's token ids for the router events of its store (when enabled)."""
+        """Keep a tail's token ids for the router events of its store, or of its promotion
+        into RAM by a hit's read (when enabled)."""
         if self._events.enabled:
             start = tail.chunk * self._tokens_per_chunk
             tokens = state.request.all_token_ids[start:start + tail.num_blocks * self._block_size]

@@ -26,7 +26,7 @@ import numpy as np
 from kvtier.core.keys import ChunkKey
 from kvtier.core.store import StoreEvent
 from kvtier.integrations.vllm.config import PoolEvents
-from kvtier.integrations.vllm.scheduler.chunkinfos import LiveChunkInfos
+from kvtier.integrations.vllm.scheduler.chunkinfos import RECENT_CHUNKS, LiveChunkInfos
 from kvtier.integrations.vllm.scheduler.events import kv_events
 from kvtier.node.eventpub import EventPublisher
 from kvtier.node.eventwire import BlockRemoved, BlockStored
@@ -45,12 +45,14 @@ class RouterEvents:
 
     def __init__(self, enabled: bool, tier_kinds: Mapping[str, str],
                  tokens_per_chunk: int, node: NodeProbe | None = None,
-                 block_size: int | None = None, pool: PoolEvents | None = None) -> None:
+                 block_size: int | None = None, pool: PoolEvents | None = None,
+                 recent_chunks: int = RECENT_CHUNKS) -> None:
         """`enabled`: vLLM publishes KV events (--kv-events-config); `tier_kinds`: tier
         name -> kind, for each event's medium and locality; `node`: the node of node mode,
         told the chunks of each step's stores when it publishes events; `block_size`: the
         events' block size (ConnectorConfig.event_block_size; None: one block a chunk);
-        `pool`: publish the shared tiers' events on the pool's topic instead.
+        `pool`: publish the shared tiers' events on the pool's topic instead;
+        `recent_chunks`: the chunks of ended requests whose token ids are kept (chunkinfos.py).
 
         Raises:
             OSError: the pool's endpoint cannot be bound.
@@ -67,7 +69,7 @@ class RouterEvents:
         # The tiers every engine hits (their class: REMOTE), announced on the pool's topic.
         self._shared = {name for name, kind in tier_kinds.items()
                         if event_place(name, kind).locality == "REMOTE"} if pool else set()
-        self._chunk_tokens = LiveChunkInfos()
+        self._chunk_tokens = LiveChunkInfos(recent_chunks)
         self._queued: list[KVCacheEvent] = []
 
     @property
