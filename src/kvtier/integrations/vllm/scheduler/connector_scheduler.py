@@ -266,6 +266,7 @@ class ConnectorScheduler:
         restart reading the same checkpoint files again is back in the first epoch and hits
         them. True: the reset cannot fail (vLLM reads False as a failed reset)."""
         epoch = uuid.uuid4().hex
+        self._events.reset()  # the old chunks are never announced stored again
         self._requests.start_epoch(epoch)
         self._loads.forget_all()
         self._retire = True

@@ -2,7 +2,8 @@
 
 Scheduler side, one thread. Enabled when vLLM runs with KV cache events on: the token ids of
 each chunk are remembered when its key is made (a stored event must carry them), held while
-its request lives and for a while after (chunkinfos.py), and the
+its request lives and for a while after (chunkinfos.py), dropped at a cache reset (`reset`:
+its old chunks are never announced stored again), and the
 workers' per-tier store events become vLLM events, queued until vLLM takes them. In node mode
 the node publishes its tiers' events itself (kvtier.node.events), and knows no token ids:
 when it says it publishes, the chunks are remembered here too and each step's planned stores
@@ -22,6 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
+from vllm.distributed.kv_events import BlockRemoved as VllmBlockRemoved
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.store import StoreEvent
@@ -69,6 +71,7 @@ class RouterEvents:
         # The tiers every engine hits (their class: REMOTE), announced on the pool's topic.
         self._shared = {name for name, kind in tier_kinds.items()
                         if event_place(name, kind).locality == "REMOTE"} if pool else set()
+        self._recent_chunks = recent_chunks
         self._chunk_tokens = LiveChunkInfos(recent_chunks)
         self._queued: list[KVCacheEvent] = []
 
@@ -94,6 +97,17 @@ class RouterEvents:
     def forget(self, request_id: str) -> None:
         """The request ended: its chunks' token ids are kept among the recent only."""
         self._chunk_tokens.forget(request_id)
+
+    def reset(self) -> None:
+        """A cache reset (`ConnectorScheduler.reset_cache`): the chunks keyed before it are
+        never offered to this engine again, and vLLM's own reset tells routers that every
+        block of the engine is gone (AllBlocksCleared, published before this step's events).
+        Their token ids are dropped, and the stored events not yet taken: a store of one of
+        them reported later (a write-behind landing on disk) is not announced, as for a chunk
+        whose ids are gone; removals still are (vLLM's reset may have failed, its blocks
+        held, and sent none); the chunks keyed from now on are remembered as before."""
+        self._chunk_tokens = LiveChunkInfos(self._recent_chunks)
+        self._queued = [e for e in self._queued if isinstance(e, VllmBlockRemoved)]
 
     def learn(self, store_events: Iterable[StoreEvent]) -> None:
         """Queue the events of what the workers' tiers stored and removed; those of shared
