@@ -6,7 +6,7 @@ stored. A bound on recent chunks alone (`ChunkTokens`, 16,384) lost them under l
 waiting 64k-token prompts looked up made 20,400 chunks, and the first request, scheduled
 after, kept none of its 255, so its stores published no stored events (a router never
 learned that they were cached). So each live request holds its chunks' infos (memory in
-proportion to the live requests' tokens, ~4 bytes a token, as vLLM's own token lists), and
+proportion to the live requests' tokens, ~5 bytes a token, its ids and their record), and
 an ended request's go to the bounded recent ones: for its stores still in flight.
 
 Nothing is kept for the chunks the tiers hold (a disk may hold millions): a chunk read back
@@ -23,7 +23,7 @@ from __future__ import annotations
 from kvtier.core.keys import ChunkKey
 from kvtier.tiers.eventfacts import ChunkInfo, ChunkTokens
 
-RECENT_CHUNKS = 16384  # the chunks of ended requests kept (~1 KiB per 256-token chunk)
+RECENT_CHUNKS = 16384  # the chunks of ended requests kept (~1.25 KiB per 256-token chunk)
 
 
 class LiveChunkInfos:
