@@ -15,7 +15,7 @@ a round trip on the read's path, and with redis-py's retries off a failed PING f
 call just as the call itself would.
 
 Primitives: `Client`, `UNAVAILABLE`, `KEEPALIVE_OPTIONS`, `read_password`, `connect`,
-`check_server_limits`.
+`check_server_limits`, `wrong_type`.
 """
 
 from __future__ import annotations
@@ -54,6 +54,12 @@ KEEPALIVE_OPTIONS: dict[int, int] = {
     for name, value in (("TCP_KEEPIDLE" if hasattr(socket, "TCP_KEEPIDLE") else "TCP_KEEPALIVE",
                          60), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3))
     if hasattr(socket, name)}
+
+
+def wrong_type(exc: BaseException) -> bool:
+    """Whether `exc` is the server's WRONGTYPE reply: the value at one of the tier's names is
+    of another type than the tier stores there (another application's, a hand-made one)."""
+    return isinstance(exc, redis.ResponseError) and str(exc).startswith("WRONGTYPE")
 
 
 def read_password(config: RedisTierConfig) -> str | None:

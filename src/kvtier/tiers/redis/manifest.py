@@ -9,7 +9,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+import redis
+
 from kvtier.tiers.manifest import NamespaceManifest, parse_manifest
+from kvtier.tiers.redis.client import wrong_type
 
 
 def redis_manifest_name(prefix: str, namespace: str) -> str:
@@ -25,7 +28,12 @@ def write_redis_manifest(client: Any, prefix: str, manifest: NamespaceManifest) 
         redis.RedisError: the server failed the call (the caller logs it).
     """
     name = redis_manifest_name(prefix, manifest.namespace)
-    current = parse_manifest(client.get(name), manifest.namespace)
+    try:
+        current = parse_manifest(client.get(name), manifest.namespace)
+    except redis.ResponseError as exc:  # a value of another type: no manifest, replaced
+        if not wrong_type(exc):  # (as a string that is not one is), not failed on each put
+            raise
+        current = None
     if manifest.same_as(current):
         return False
     if current is not None:

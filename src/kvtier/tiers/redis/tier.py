@@ -12,7 +12,9 @@ Why one hash, not a value per part (older kvtier versions: names ending ":h", ":
 the server's `maxmemory` eviction (allkeys-lru/-lfu, volatile-* with `ttl_s`) and its TTLs take
 keys, so a chunk now lives or dies whole; with values per part the server evicted a chunk's
 later parts alone, and lookups called "held" chunks that could not be read (a drill: 7 of 16).
-A chunk is held when its hash exists (one EXISTS), and held means loadable. Cheaper fixes were
+A chunk is held when its hash has its header field (one HEXISTS), and held means loadable: a
+hash without one (a field deleted behind the tier's back: no writer of today leaves one) or a
+value of another type at the name is not held, and the next put replaces it. Cheaper fixes were
 not correct: counting every part in the lookup does not know how many a compressed chunk has,
 and still leaves the parts' memory to the LRU one by one. Values of the older form are never
 read (a miss) and are listed as orphans, deleted by `kvtier gc --orphans` (or the server's
@@ -115,7 +117,13 @@ from kvtier.tiers.encoding import build_encoder
 from kvtier.tiers.manifest import NamespaceManifest
 from kvtier.tiers.probe import TierProbe
 from kvtier.tiers.redis.client import UNAVAILABLE as DOWN_ERRORS
-from kvtier.tiers.redis.client import Client, check_server_limits, connect, read_password
+from kvtier.tiers.redis.client import (
+    Client,
+    check_server_limits,
+    connect,
+    read_password,
+    wrong_type,
+)
 from kvtier.tiers.redis.config import MIN_PART_BYTES, RedisTierConfig
 from kvtier.tiers.redis.index import RedisLRUIndex
 from kvtier.tiers.redis.inventory import CHUNK_SUFFIX, RedisInventory
@@ -320,10 +328,11 @@ class RedisTier:
 
     # -- lookups -----------------------------------------------------------------------------
     def contains(self, key: ChunkKey) -> bool:
-        """Whether the chunk's hash exists (it is written and evicted whole: loadable)."""
+        """Whether the chunk's hash holds its header (it is written and evicted whole:
+        loadable; see `_held`)."""
         name = self.names.chunk(key)
         try:
-            return bool(self._run(self._endpoint(name), lambda c: c.exists(name)))
+            return self._run(self._endpoint(name), lambda c: _held(c, name))
         except (TierUnavailable, redis.RedisError):
             return False
 
@@ -335,13 +344,15 @@ class RedisTier:
             def exists(client: Client, indexes: list[int] = indexes) -> list[Any]:
                 pipe = client.pipeline(transaction=False)
                 for i in indexes:
-                    pipe.exists(names[i])
-                found: list[int] = pipe.execute()
+                    pipe.hexists(names[i], HEADER_FIELD)
+                # An error reply (WRONGTYPE: a foreign value at one name) is that key's
+                # answer, not every key's on this server.
+                found: list[Any] = pipe.execute(raise_on_error=False)
                 return found
 
             try:
                 for i, answer in zip(indexes, self._run(endpoint, exists)):
-                    found[i] = answer == 1
+                    found[i] = answer is True or answer == 1
             except (TierUnavailable, redis.RedisError):
                 pass  # this server's keys stay "absent"
         return found
@@ -357,16 +368,19 @@ class RedisTier:
         try:
             values = self._run(endpoint, lambda c: self._fetch(
                 c, name, self.names.fields(), self._placer(key, out)))
-            if values[0] is None:
-                self._counters.add(misses=1)
-                return MISSING
-            more = self._more_fields(key, values)
-            if more:  # written with a smaller part_bytes (another engine's): its other parts
-                values = values + self._run(endpoint, lambda c: self._fetch(
-                    c, name, more, self._bounded(_as_bytes, header_first=False)))
-            lost = not self._verify_into(key, values, out, meta.tenant)
+            if values[0] is None:  # no chunk, unless parts are there (their header deleted)
+                lost = any(value is not None for value in values[1:])
+                if not lost:
+                    self._counters.add(misses=1)
+                    return MISSING
+            else:
+                more = self._more_fields(key, values)
+                if more:  # written with a smaller part_bytes (another engine's): its other parts
+                    values = values + self._run(endpoint, lambda c: self._fetch(
+                        c, name, more, self._bounded(_as_bytes, header_first=False)))
+                lost = not self._verify_into(key, values, out, meta.tenant)
         except (TierUnavailable, redis.RedisError) as exc:
-            if _wrong_type(exc):  # not a hash: a foreign value at the chunk's name
+            if wrong_type(exc):  # not a hash: a foreign value at the chunk's name
                 return self._corrupt(key, CorruptChunk(f"not a chunk's hash ({exc})"))
             self._log_failure("read", key, exc)
             self._counters.add(misses=1)
@@ -377,8 +391,9 @@ class RedisTier:
             return TierResult(Failure.NO_KEY)
         except CorruptChunk as exc:
             return self._corrupt(key, exc)
-        if lost:  # a hash without a part the header needs (not one this tier writes)
-            log.info("redis tier %r: chunk %s lacks a part; a miss", self.name, key.hex())
+        if lost:  # a hash without its header or a part it needs (not one this tier writes)
+            log.info("redis tier %r: chunk %s lacks its header or a part; a miss, removed",
+                     self.name, key.hex())
             self._remove(key)
             self._counters.add(misses=1)
             return MISSING
@@ -497,6 +512,8 @@ class RedisTier:
             body_bytes = read_header(header, key, self.names.digest).body_bytes
         except CorruptChunk:  # KeyNotHeld too
             return []
+        if body_bytes > self.encoder.max_body_bytes:  # a forged header's: judged corrupt
+            return []  # unasked, not a field per byte of what it claims
         needed = -(-body_bytes // self._writer_part_bytes(values[1:], body_bytes))
         return self.names.fields(needed)[len(values):]
 
@@ -517,6 +534,9 @@ class RedisTier:
         if chunk.payload_bytes != self.chunk_bytes:
             raise CorruptChunk(f"payload is {chunk.payload_bytes} bytes, expected "
                                f"{self.chunk_bytes}")
+        if chunk.body_bytes > self.encoder.max_body_bytes:
+            raise CorruptChunk(f"body of {chunk.body_bytes} bytes: more than a chunk of this "
+                               f"layout's {self.encoder.max_body_bytes}")
         part_bytes = self._writer_part_bytes(values[1:], chunk.body_bytes)
         needed = max(1, -(-chunk.body_bytes // part_bytes))
         if needed > len(values) - 1:
@@ -542,14 +562,14 @@ class RedisTier:
 
     # -- writes ------------------------------------------------------------------------------
     def put(self, key: ChunkKey, data: memoryview, meta: ChunkMeta = DEFAULT_META) -> TierResult:
-        """`Tier.put`: one EXISTS decides whether the chunk is held (a held one is only
+        """`Tier.put`: one HEXISTS decides whether the chunk is held (a held one is only
         touched: the server's own TTL and eviction date it, not `meta`)."""
         if len(data) != self.chunk_bytes:
             raise ValueError(f"chunk is {len(data)} bytes, this tier stores {self.chunk_bytes}")
         name = self.names.chunk(key)
         endpoint = self._endpoint(name)
         try:
-            if self._run(endpoint, lambda c: c.exists(name)):
+            if self._run(endpoint, lambda c: _held(c, name)):
                 if self._index is not None:
                     self._index.touch(key)
                 return HELD
@@ -685,10 +705,20 @@ def _as_bytes(index: int, length: int, earlier: list[Any]) -> memoryview | None:
     return None
 
 
-def _wrong_type(exc: Exception) -> bool:
-    """Whether `exc` is the server's WRONGTYPE reply: the value at a chunk's name is not a
-    hash (another application's, or an older kvtier's: not a chunk)."""
-    return isinstance(exc, redis.ResponseError) and str(exc).startswith("WRONGTYPE")
+def _held(client: Client, name: str) -> bool:
+    """Whether hash `name` holds a chunk's header: a hash without one (a field deleted by
+    hand) is no chunk, and a value of another type at the name (WRONGTYPE) neither; a put
+    replaces either whole (its transaction's DEL).
+
+    Raises:
+        redis.RedisError: any other failure of the call.
+    """
+    try:
+        return bool(client.hexists(name, HEADER_FIELD))
+    except redis.ResponseError as exc:
+        if wrong_type(exc):
+            return False
+        raise
 
 
 def _write_failure(exc: Exception) -> TierResult:
