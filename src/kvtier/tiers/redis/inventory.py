@@ -15,6 +15,12 @@ index.TOUCH_FLUSH_S, and resets the idle time at once). Under an LFU `maxmemory-
 server keeps no idle time: without an LRU set nothing records a use, and the deletions follow
 the listing.
 
+A value of another type at a name of the tier's (a foreign string at an LRU set's or a
+manifest's name, a list at a chunk's) or a member of an LRU set that is no key never fails
+a listing or a deletion: such a set's scores are not used, such a manifest reads as none,
+and a chunk's name holding a foreign value is listed (a name of the tier's, deleted by
+whatever rule selects it).
+
 Primitives: `RedisInventory`, `parse_value_name`, `CHUNK_SUFFIX`, `IDLE_SLACK_S`.
 """
 
@@ -25,10 +31,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import redis
+
 from kvtier.core.keys import KEY_BYTES
 from kvtier.core.tier import Removal, StoredChunk
 from kvtier.tiers.manifest import NamespaceManifest, is_layout_name, parse_manifest
-from kvtier.tiers.redis.client import connect, read_password
+from kvtier.tiers.redis.client import connect, read_password, wrong_type
 from kvtier.tiers.redis.config import RedisTierConfig
 from kvtier.tiers.redis.manifest import redis_manifest_name
 from kvtier.tiers.tlsfiles import check_ca_file
@@ -106,6 +114,21 @@ class RedisInventory:
             pipe.delete(*orphan.locations)
         return sum(int(deleted) for deleted in pipe.execute()) if orphans else 0
 
+    def _scores(self, namespace: str, index: str) -> dict[tuple[str, str], float]:
+        """(namespace, key hex) -> last use (s, the server's clock) of the members of LRU set
+        `index` that are keys; {} when the value at its name is not a sorted set."""
+        scores: dict[tuple[str, str], float] = {}
+        try:
+            for member, score in self.client.zscan_iter(index, count=1000):
+                key_hex = member.decode(errors="replace")
+                if len(key_hex) == 2 * KEY_BYTES and set(key_hex) <= _HEX:
+                    scores[(namespace, key_hex)] = score / 1e6  # microseconds
+        except redis.ResponseError as exc:
+            if not wrong_type(exc):
+                raise
+            return {}
+        return scores
+
     def _measure(self, values: dict[tuple[str, str], list[str]], indexes: dict[str, str],
                  listed: dict[tuple[str, str], _ListedUse] | None = None,
                  ) -> Iterator[StoredChunk]:
@@ -114,8 +137,7 @@ class RedisInventory:
         now = time.time()
         scores: dict[tuple[str, str], float] = {}
         for namespace, index in indexes.items():
-            for member, score in self.client.zscan_iter(index, count=1000):
-                scores[(namespace, member.decode())] = score / 1e6  # microseconds
+            scores.update(self._scores(namespace, index))
         items = sorted(values.items())
         for start in range(0, len(items), SCAN_BATCH):
             batch = items[start : start + SCAN_BATCH]
@@ -144,7 +166,7 @@ class RedisInventory:
         for chunk in chunks:
             pipe.delete(*chunk.locations)
             pipe.zrem(self._index_name(chunk.namespace), chunk.key_hex)
-        replies = pipe.execute()
+        replies = _answers(pipe.execute(raise_on_error=False))
         return sum(1 for deleted in replies[::2] if deleted)
 
     def remove_unused(self, chunks: Sequence[StoredChunk]) -> Removal:
@@ -180,7 +202,7 @@ class RedisInventory:
                 pipe = self.client.pipeline(transaction=False)
                 for chunk in gone:
                     pipe.zrem(self._index_name(chunk.namespace), chunk.key_hex)
-                pipe.execute()
+                _answers(pipe.execute(raise_on_error=False))
         return Removal(removed, tuple(kept))
 
     def _scored_since(self, chunks: Sequence[StoredChunk], listed: Sequence[_ListedUse]
@@ -192,7 +214,7 @@ class RedisInventory:
         for chunk, ask in zip(chunks, asked):
             if ask:
                 pipe.zscore(self._index_name(chunk.namespace), chunk.key_hex)
-        scores = iter(pipe.execute() if any(asked) else [])
+        scores = iter(_answers(pipe.execute(raise_on_error=False)) if any(asked) else [])
         used = []
         for use, ask in zip(listed, asked):
             score = next(scores) if ask else None
@@ -214,7 +236,12 @@ class RedisInventory:
             namespace = name[len(self.prefix):-len(MANIFEST_SUFFIX)]
             if not name.startswith(self.prefix) or not is_layout_name(namespace):
                 continue  # another application's key, or a chunk's value: not a manifest
-            found[namespace] = parse_manifest(self.client.get(name), namespace)
+            try:
+                found[namespace] = parse_manifest(self.client.get(name), namespace)
+            except redis.ResponseError as exc:  # not a string: not a manifest
+                if not wrong_type(exc):
+                    raise
+                found[namespace] = None
         return found
 
     def remove_manifest(self, namespace: str) -> bool:
@@ -232,6 +259,19 @@ class _ListedUse:
     idle_base_s: float | None  # unix time (this host's clock) its idle time started; None:
     # the server keeps none (an LFU policy)
     score_s: float | None  # its LRU set's score (the server's clock, s); None: in no set
+
+
+def _answers(replies: list[Any]) -> list[Any]:
+    """A pipeline's replies (run with raise_on_error=False), a WRONGTYPE reply read as None
+    (a foreign value at an LRU set's name: nothing of the tier's there).
+
+    Raises:
+        redis.RedisError: any other error reply.
+    """
+    for reply in replies:
+        if isinstance(reply, Exception) and not wrong_type(reply):
+            raise reply
+    return [None if isinstance(reply, Exception) else reply for reply in replies]
 
 
 def _glob(prefix: str) -> str:
