@@ -24,8 +24,9 @@ node. A put is one MULTI/EXEC transaction, an HSET per field so no command carri
 chunk, in one round trip: all of it or nothing, even on a full server (tiers/redis/write.py). A read
 is one HMGET of the header and parts, verified (header, layout, key, sizes, checksum) before a
 byte is used, never unpickled (a chunk another engine cut with another `part_bytes` is read by
-its first part's size, its parts past this tier's fields in one more round trip: engines may
-differ, as in a rolling change); a chunk stored as is comes off the socket straight into the
+its first part's size, its parts past this tier's fields and its header again in one more
+round trip, a miss if the header changed meanwhile: engines may differ, as in a rolling
+change); a chunk stored as is comes off the socket straight into the
 reader's buffer (tiers/redis/replies.py: one copy, by the kernel, where redis-py makes five).
 Each value's length is judged before it is read: one longer than the chunk can hold is refused
 unread (the connection dropped). A missing part (a hash another writer left short), a value of
@@ -366,18 +367,18 @@ class RedisTier:
         name = self.names.chunk(key)
         endpoint = self._endpoint(name)
         try:
-            values = self._run(endpoint, lambda c: self._fetch(
-                c, name, self.names.fields(), self._placer(key, out)))
+            values = self._read_values(endpoint, name, key, out)
+            if values is None:
+                log.info("redis tier %r: chunk %s was written again while read; a miss",
+                         self.name, key.hex())
+                self._counters.add(misses=1)
+                return MISSING
             if values[0] is None:  # no chunk, unless parts are there (their header deleted)
                 lost = any(value is not None for value in values[1:])
                 if not lost:
                     self._counters.add(misses=1)
                     return MISSING
             else:
-                more = self._more_fields(key, values)
-                if more:  # written with a smaller part_bytes (another engine's): its other parts
-                    values = values + self._run(endpoint, lambda c: self._fetch(
-                        c, name, more, self._bounded(_as_bytes, header_first=False)))
                 lost = not self._verify_into(key, values, out, meta.tenant)
         except (TierUnavailable, redis.RedisError) as exc:
             if wrong_type(exc):  # not a hash: a foreign value at the chunk's name
@@ -401,6 +402,26 @@ class RedisTier:
             self._index.touch(key)
         self._counters.add(hits=1, bytes_read=len(out), read_s=time.perf_counter() - start)
         return OK
+
+    def _read_values(self, endpoint: str, name: str, key: ChunkKey,
+                     out: memoryview) -> list[Any] | None:
+        """The chunk's header and parts (None each that is missing), read by one HMGET; for
+        a chunk its writer cut finer than this tier's fields (another engine's part_bytes),
+        its other parts by a second one, which asks for the header again: None when the
+        header changed between the two (the chunk deleted or written again meanwhile: parts
+        of two writes are neither joined nor judged corrupt, and the new chunk stays).
+
+        Raises:
+            as `_run` and `_fetch`.
+        """
+        values = self._run(endpoint, lambda c: self._fetch(
+            c, name, self.names.fields(), self._placer(key, out)))
+        more = self._more_fields(key, values)
+        if not more:
+            return values
+        again = self._run(endpoint, lambda c: self._fetch(
+            c, name, [HEADER_FIELD, *more], self._bounded(_as_bytes)))
+        return values + again[1:] if again[0] == values[0] else None
 
     def _corrupt(self, key: ChunkKey, exc: CorruptChunk) -> TierResult:
         """A corrupt chunk found by a read: logged, removed, a counted miss."""
@@ -437,12 +458,12 @@ class RedisTier:
             pipe.pexpire(name, self.ttl_ms)
         return pipe.execute()[0]  # type: ignore[no-any-return]
 
-    def _bounded(self, place: Place, header_first: bool = True) -> Place:
+    def _bounded(self, place: Place) -> Place:
         """`place`, refusing unread a value longer than any of a chunk of this layout (the
         header's size, a body's largest): a foreign or corrupt value of any size is a
         counted miss at the cost of a socket buffer, not of its size in memory."""
         def bounded(index: int, length: int, earlier: list[Any]) -> memoryview | None:
-            limit = HEADER_BYTES if index == 0 and header_first else self.encoder.max_body_bytes
+            limit = HEADER_BYTES if index == 0 else self.encoder.max_body_bytes
             if length > limit:
                 raise CorruptChunk(f"a value of {length} bytes where at most {limit} fit; "
                                    "not read")
