@@ -5,8 +5,9 @@ gc listed the server's chunks, chose the least recently used, then deleted them 
 had happened since: a chunk an engine had just read went, and the engine's next request for
 it missed and recomputed. The deletion now asks the server first what it recorded of the
 chunk's use: its hash's idle time (every read resets it; checked by the script that deletes
-it), and, with `capacity` > 0, its LRU set's score (the only record under an LFU
-`maxmemory-policy`). The shared-directory twin: tests/tools/test_gc_used_since_listed.py.
+it), and, with `capacity` > 0, its LRU set's score (the only exact record under an LFU
+`maxmemory-policy`; without one, its LFU counter). The shared-directory twin:
+tests/tools/test_gc_used_since_listed.py.
 Against a real redis-server; a chunk's age is set on the server (RESTORE ... IDLETIME, or its
 LRU set's score), as the file tests set mtimes.
 """
@@ -135,6 +136,39 @@ def test_with_an_lfu_policy_the_lru_set_says_what_was_read(redis_server: RedisSe
     assert (outcome.removed_chunks, outcome.kept_used) == (3, 1)
     assert [m.decode() for m in client.zrange(index, 0, -1)] == [key(1).hex()]
     after.close()
+
+
+def test_with_an_lfu_policy_and_no_lru_set_the_lfu_counter_says_what_was_read(
+        redis_server: RedisServer) -> None:
+    """An LFU `maxmemory-policy` and `capacity` 0: the server records no time of use, so every
+    chunk is listed as used now and `--quota` takes victims in key order; a victim read since
+    the listing shows a higher LFU counter (OBJECT FREQ: a cold chunk's rises for certain on a
+    use) and stays. It went before: nothing else records a use there."""
+    client = redis_server.client()
+    client.config_set("maxmemory-policy", "allkeys-lfu")
+    engine = redis_tier(redis_server.url)
+    for i in range(4):
+        assert engine.put(key(i), payload(i))
+    for name in chunk_names(client):  # cold: LFU counter 0 (idle for minutes)
+        client.execute_command("RESTORE", name, 0, client.dump(name), "REPLACE", "FREQ", 0)
+    out = memoryview(bytearray(LAYOUT.bytes_per_chunk))
+
+    def engine_reads_one() -> None:
+        assert engine.get_into(key(2), out)  # its counter 0 -> 1
+
+    # A minute's decay between the read and the deletion would take the use back off the
+    # counter: start well inside a minute of the server's clock (this host's).
+    deadline = time.monotonic() + 20
+    while time.time() % 60 > 45 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    inventory = RacedInventory(redis_server.url, engine_reads_one)
+    try:
+        [outcome] = run_gc([inventory], GcRequest(quota_bytes=1))
+    finally:
+        inventory.close()
+    assert [engine.contains(key(i)) for i in range(4)] == [False, False, True, False]
+    assert (outcome.removed_chunks, outcome.kept_used) == (3, 1)
+    engine.close()
 
 
 def test_a_whole_namespace_goes_whatever_its_use(redis_url: str) -> None:

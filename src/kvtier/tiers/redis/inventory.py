@@ -11,9 +11,19 @@ one (`capacity` > 0: every hit, batched, tiers/redis/index.py), else its hash's 
 `--max-age`) deletes a victim only if neither shows a use since the listing: the idle time
 is checked by the script that deletes it, atomically, to the second the server's LRU clock
 counts (`IDLE_SLACK_S`); the score just before (a hit reaches the set within
-index.TOUCH_FLUSH_S, and resets the idle time at once). Under an LFU `maxmemory-policy` the
-server keeps no idle time: without an LRU set nothing records a use, and the deletions follow
-the listing.
+index.TOUCH_FLUSH_S, and resets the idle time at once). A chunk used within IDLE_SLACK_S
+after its last use before the listing shows no use since (the idle time's resolution).
+
+Under an LFU `maxmemory-policy` the server keeps no idle time, and without an LRU set
+(`capacity` 0) no time of use: every chunk is listed as used at the listing (`--max-age`
+selects none, `--quota` takes victims in the listing's order, not by use). A use since the
+listing is then its LFU counter (OBJECT FREQ) found higher by the deleting script than the
+listing saw. The counter is logarithmic: a use raises one of 5 or less (a new chunk's is 5,
+and it decays by one each `lfu-decay-time` minute the chunk is not used) for certain, a
+higher one c with probability 1 / ((c - 5) * lfu-log-factor + 1) (1/11 at 6 by default);
+and a decay between the use and the deletion (or between the listing and the use, when the
+listed counter was above 0) hides it. So a cold victim's use is seen unless the server's
+minute clock turns in that window; a hot one's mostly not.
 
 A value of another type at a name of the tier's (a foreign string at an LRU set's or a
 manifest's name, a list at a chunk's) or a member of an LRU set that is no key never fails
@@ -50,12 +60,18 @@ _HEX = frozenset("0123456789abcdef")
 # (at hz 10), once at the listing and again at the deletion.
 IDLE_SLACK_S = 3
 # KEYS: a chunk's values (its hash); ARGV[1]: the least idle time (s) it shows if nothing used
-# it since gc listed it. Deletes it unless it shows less (or the server keeps no idle time:
-# an LFU policy). 1: deleted, 0: gone already, -1: used since, kept.
+# it since gc listed it; ARGV[2]: its LFU counter when listed (-1: none seen). Deletes it
+# unless it shows less idle time, or, under an LFU policy (no idle time), a higher counter.
+# 1: deleted, 0: gone already, -1: used since, kept.
 _DELETE_UNUSED = """
 local idle = redis.pcall('OBJECT', 'IDLETIME', KEYS[1])
 if not idle then return 0 end
-if type(idle) == 'number' and idle < tonumber(ARGV[1]) then return -1 end
+if type(idle) == 'number' then
+  if idle < tonumber(ARGV[1]) then return -1 end
+elseif tonumber(ARGV[2]) >= 0 then
+  local freq = redis.pcall('OBJECT', 'FREQ', KEYS[1])
+  if type(freq) == 'number' and freq > tonumber(ARGV[2]) then return -1 end
+end
 return redis.call('DEL', unpack(KEYS)) > 0 and 1 or 0
 """
 
@@ -145,18 +161,21 @@ class RedisInventory:
             for _chunk, names in batch:
                 for name in names:  # SAMPLES 0: every field of a hash, not an estimate
                     pipe.execute_command("MEMORY", "USAGE", name, "SAMPLES", 0)
-                pipe.execute_command("OBJECT", "IDLETIME", min(names))  # ":0" of older ones
+                # ":0" of older ones; each an error reply under the other kind of policy
+                pipe.execute_command("OBJECT", "IDLETIME", min(names))
+                pipe.execute_command("OBJECT", "FREQ", min(names))
             replies = pipe.execute(raise_on_error=False)
             position = 0
             for (namespace, key_hex), names in batch:
                 sizes = replies[position : position + len(names)]
-                idle = replies[position + len(names)]
-                position += len(names) + 1
+                idle, freq = replies[position + len(names) : position + len(names) + 2]
+                position += len(names) + 2
                 idle_s = float(idle) if isinstance(idle, int) else 0.0
                 score = scores.get((namespace, key_hex))
                 if listed is not None:
                     listed[(namespace, key_hex)] = _ListedUse(
-                        now - idle_s if isinstance(idle, int) else None, score)
+                        now - idle_s if isinstance(idle, int) else None, score,
+                        freq if isinstance(freq, int) else None)
                 yield StoredChunk(
                     namespace, key_hex, sum(s for s in sizes if isinstance(s, int)),
                     now - idle_s if score is None else score, tuple(sorted(names)))
@@ -188,7 +207,8 @@ class RedisInventory:
                         0, int(now - use.idle_base_s) - IDLE_SLACK_S)
                     # EVAL by name: a cluster pipeline's `eval` is another method
                     pipe.execute_command("EVAL", _DELETE_UNUSED, len(chunk.locations),
-                                         *chunk.locations, least_idle)
+                                         *chunk.locations, least_idle,
+                                         -1 if use.freq is None else use.freq)
             replies = iter(pipe.execute())
             gone = []
             for chunk, used in zip(batch, scored):
@@ -259,6 +279,8 @@ class _ListedUse:
     idle_base_s: float | None  # unix time (this host's clock) its idle time started; None:
     # the server keeps none (an LFU policy)
     score_s: float | None  # its LRU set's score (the server's clock, s); None: in no set
+    freq: int | None = None  # its LFU counter (OBJECT FREQ); None: the server keeps none (an
+    # LRU policy)
 
 
 def _answers(replies: list[Any]) -> list[Any]:
