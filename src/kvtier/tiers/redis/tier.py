@@ -58,7 +58,8 @@ or EXEC, which every put runs; a database index it does not have) is up: every s
 misses or is dropped (counted), and the first of each kind is logged at warning.
 For a Cluster, start the servers with `cluster-require-full-coverage no`, so that a dead node
 costs only the chunks of its slots (with the default `yes` the whole cluster refuses queries once
-it notices).
+it notices). A resharding is followed: lookups, reads and deletes follow its
+ASK and MOVED redirections (redis-py), and a put into a migrating slot its ASK (write.py).
 
 Codec and encryption (`codec`, `encryption_secret_file`/`_env`: tiers/encoding.py): a chunk
 is encoded on the write-behind thread that puts it and stored as a version 2 header plus as

@@ -16,12 +16,22 @@ So nothing is ever left half-written (an older kvtier's separate values, which c
 fields written: a copy of the same chunk committed meanwhile by another writer (cut with
 another `part_bytes`) is replaced whole, never mixed with this one.
 
+In a Redis Cluster whose chunk's slot is migrating to another node (resharding), the slot's
+node answers a chunk it does not hold (a new one) with an ASK redirection, and the
+transaction with EXECABORT; redis-py does not follow it for a transaction. The transaction
+is then sent to the node ASK names, after ASKING (which holds through MULTI..EXEC): the
+chunk lands there, where the slot is going, instead of every new chunk of a migrating slot
+being dropped for as long as the resharding lasts.
+
 Primitives: `HEADER_FIELD`, `part_field`, `write_chunk`.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from redis.cluster import RedisCluster
+from redis.exceptions import AskError
 
 HEADER_FIELD = "h"  # the hash field of kvtier's chunk header; parts are "0".."N-1"
 
@@ -48,11 +58,32 @@ def write_chunk(client: Any, name: str, parts: int, header: bytes, payload: memo
         redis.ConnectionError, redis.TimeoutError: as the client raises them (nothing was
             written unless the EXEC reached the server).
     """
-    pipe = client.pipeline(transaction=True)
-    pipe.delete(name)
-    for i in range(parts):
-        pipe.hset(name, part_field(i), payload[i * part_bytes : (i + 1) * part_bytes])
-    pipe.hset(name, HEADER_FIELD, header)
+    commands: list[tuple[Any, ...]] = [("DEL", name)]
+    commands += [("HSET", name, part_field(i), payload[i * part_bytes : (i + 1) * part_bytes])
+                 for i in range(parts)]
+    commands.append(("HSET", name, HEADER_FIELD, header))
     if ttl_ms:
-        pipe.pexpire(name, ttl_ms)
+        commands.append(("PEXPIRE", name, ttl_ms))
+    pipe = client.pipeline(transaction=True)
+    for command in commands:
+        pipe.execute_command(*command)
+    try:
+        pipe.execute()
+    except AskError as exc:  # the slot is migrating: its new node takes the chunk
+        node = (client.get_node(host=exc.host, port=exc.port)  # type: ignore[no-untyped-call]
+                if isinstance(client, RedisCluster) else None)
+        if node is None or node.redis_connection is None:
+            raise
+        _write_asking(node.redis_connection, commands)
+
+
+def _write_asking(node: Any, commands: list[tuple[Any, ...]]) -> None:
+    """ASKING, then `commands` in MULTI/EXEC, on one Cluster node (a redis.Redis), in one
+    round trip. Raises as `write_chunk`."""
+    pipe = node.pipeline(transaction=False)
+    pipe.execute_command("ASKING")
+    pipe.execute_command("MULTI")
+    for command in commands:
+        pipe.execute_command(*command)
+    pipe.execute_command("EXEC")
     pipe.execute()
