@@ -12,6 +12,8 @@ the manifest's name failed the manifest's write, a warning after every put. Now 
 the header field is there (HEXISTS; a foreign type is not held), a put replaces whatever is
 at the name, parts without a header are a logged miss and removed, a body larger than any
 chunk's is corrupt before a field more is asked, and the manifest replaces a foreign value.
+Likewise the LRU set (`capacity` > 0): a string at its name failed every put's index update
+(WRONGTYPE), so every put was dropped; the index's script now replaces it.
 """
 
 from __future__ import annotations
@@ -121,6 +123,20 @@ def test_a_foreign_value_at_the_manifests_name_is_replaced_not_warned_on_each_pu
         assert "manifest not written" not in caplog.text
         written = parse_manifest(client.get(name), tier.names.digest)
         assert written is not None and written.model == "model"
+    finally:
+        client.flushdb()
+        tier.close()
+
+
+def test_a_foreign_value_at_the_lru_sets_name_is_replaced_and_puts_are_kept(
+        redis_url: str) -> None:
+    tier = redis_tier(redis_url, capacity=16 * LAYOUT.bytes_per_chunk)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        client.set(tier.names.index, b"another application's string")
+        assert [tier.put(key(i), payload(i)) for i in range(3)] == [OK] * 3
+        assert client.type(tier.names.index) == b"zset"
+        assert client.zcard(tier.names.index) == 3 and tier.stats().chunks == 3
     finally:
         client.flushdb()
         tier.close()

@@ -36,7 +36,11 @@ TOUCH_FLUSH_KEYS = 256  # ...or when this many are pending
 
 # KEYS[1] the namespace's LRU set; ARGV: capacity (chunks), TTL (ms, 0 = none), the new chunk
 # ("" for none), then chunks hit since the last call. Returns {chunks held, {victim, score...}}.
+# A value of another type at the set's name (the tier's own name) is replaced, as a put
+# replaces one at a chunk's: left there, it failed every put (WRONGTYPE), none stored.
 _INDEX_SCRIPT = """
+local kind = redis.call('TYPE', KEYS[1])['ok']
+if kind ~= 'zset' and kind ~= 'none' then redis.call('DEL', KEYS[1]) end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local ttl_ms = tonumber(ARGV[2])
