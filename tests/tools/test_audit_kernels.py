@@ -54,29 +54,30 @@ def test_default_block_is_16_or_the_smallest_the_kernel_takes():
     assert CUDA_BACKENDS["CUTLASS_MLA"].preferred_block() == 128
 
 
-@pytest.mark.parametrize("sm, mla, fp8, backend", [
-    (9, False, False, "FLASH_ATTN"),
-    (9, False, True, "FLASH_ATTN"),  # FA3 takes FP8 KV on Hopper
-    (8, False, True, "FLASHINFER"),  # FA2 does not: FlashInfer is next
-    (9, True, False, "FLASH_ATTN_MLA"),
-    (9, True, True, "FLASHMLA"),  # FlashAttention MLA takes no FP8 KV
-    (8, True, False, "TRITON_MLA"),  # FlashMLA and FA MLA are Hopper+ only
+@pytest.mark.parametrize("sm, mla, kv_dtype, backend", [
+    (9, False, "auto", "FLASH_ATTN"),
+    (9, False, "fp8", "FLASH_ATTN"),  # FA3 takes FP8 KV on Hopper
+    (8, False, "fp8", "FLASHINFER"),  # FA2 does not: FlashInfer is next
+    (9, True, "bf16", "FLASH_ATTN_MLA"),
+    (9, True, "fp8", "FLASHMLA"),  # FlashAttention MLA takes no FP8 KV
+    (8, True, "auto", "TRITON_MLA"),  # FlashMLA and FA MLA are Hopper+ only
 ])
-def test_vllm_backend_order_on_ampere_and_hopper(sm, mla, fp8, backend):
-    choice = choose_backend(sm, mla, fp8)
+def test_vllm_backend_order_on_ampere_and_hopper(sm, mla, kv_dtype, backend):
+    choice = choose_backend(sm, mla, kv_dtype)
     assert choice is not None and choice.backend is not None
     assert choice.backend.name == backend and choice.splits == 1
 
 
 def test_a_block_size_the_first_backend_refuses_falls_back():
-    choice = choose_backend(9, True, True, 32)
+    choice = choose_backend(9, True, "fp8", 32)
     assert choice.backend.name == "TRITON_MLA" and choice.precluded == ("FLASHMLA",)
-    assert long_context_block(9, True, True) == 64 and long_context_block(9, False, False) == 32
+    assert long_context_block(9, True, "fp8") == 64
+    assert long_context_block(9, False, "auto") == 32
 
 
 def test_unmodelled_gpus_and_unknown_backends_are_not_guessed():
-    assert choose_backend(10, False, False, 128) is None  # Blackwell's order differs
-    assert choose_backend(9, False, False, 128, named="ROCM_ATTN") is None
+    assert choose_backend(10, False, "auto", 128) is None  # Blackwell's order differs
+    assert choose_backend(9, False, "auto", 128, named="ROCM_ATTN") is None
 
 
 # --- block-size-kernel-split ---
@@ -172,3 +173,43 @@ def test_kvtier_line_on_033_with_its_defaults_stated_draws_no_finding_about_them
         assert cmd.model == "m"  # a boolean flag: it does not take the model as its value
         text = " ".join(f"{f.what} {f.why}" for f in run_audit(cmd)).lower()
         assert "async" not in text and "v2_model_runner" not in text
+
+
+# --- packed KV dtypes: each runs on the backends that declare it, not on FP8's ---
+
+@pytest.mark.parametrize("kv_dtype, backend", [
+    # vLLM 0.33 `supported_kv_cache_dtypes`: FlashAttention takes auto/fp8/fp8_e4m3 only
+    ("int8_per_token_head", "TRITON_ATTN"),  # triton_attn.py, per-token-head scales
+    ("fp8_per_token_head", "TRITON_ATTN"),  # "fp8..." but not per-tensor FP8
+    ("int4_per_token_head", "TRITON_ATTN"),
+    ("nvfp4", "FLASHINFER"),  # flashinfer.py: its FA2 path on SM80/90/120
+    ("turboquant_k8v4", "TURBOQUANT"),  # turboquant_attn.py takes only turboquant_*
+    ("fp8_e5m2", "FLASHINFER"),  # fa_utils.py: FlashAttention refuses e5m2
+])
+def test_packed_kv_dtypes_pick_the_backend_that_declares_them(kv_dtype, backend):
+    choice = choose_backend(9, False, kv_dtype)
+    assert choice is not None and choice.backend is not None
+    assert choice.backend.name == backend
+
+
+def test_a_kv_dtype_no_backend_takes_on_the_gpu_is_refused_not_guessed():
+    # nvfp4_4over6 needs SM100's trtllm-gen kernels; FP8 e5m2 has no MLA backend.
+    for mla, kv_dtype in ((False, "nvfp4_4over6"), (True, "fp8_e5m2")):
+        choice = choose_backend(9, mla, kv_dtype)
+        assert choice is not None and choice.backend is None and choice.dtype_refused
+    named = choose_backend(9, False, "int8_per_token_head", named="FLASH_ATTN")
+    assert named is not None and named.dtype_refused
+
+
+def test_nvfp4_block_128_is_split_by_flashinfer_not_taken_by_flash_attn():
+    # Under FP8's table FLASH_ATTN (any multiple of 16) took 128 as it is: no finding. With
+    # NVFP4 vLLM runs FlashInfer (16/32/64): each 128-token block is 2 kernel blocks of 64.
+    found = of("block-size-kernel-split",
+               "vllm serve meta-llama/Llama-3.1-8B --kv-cache-dtype nvfp4 --block-size 128")
+    assert [f.severity for f in found] == [Severity.INFO]
+    assert "FLASHINFER" in found[0].what and "2 kernel blocks of 64 tokens" in found[0].what
+
+
+def test_a_refused_dtype_is_not_called_a_block_size_problem():
+    assert of("block-size-no-kernel", "vllm serve meta-llama/Llama-3.1-8B --kv-cache-dtype "
+              "nvfp4_4over6 --block-size 32") == []

@@ -55,3 +55,17 @@ def test_table_prints_one_kernel_line(capsys):
     lines = [line for line in capsys.readouterr().out.splitlines() if "attention kernel" in line]
     assert len(lines) == 1
     assert "FLASHINFER" in lines[0] and "block 32 -> kernel block 32" in lines[0]
+
+
+def test_packed_kv_dtypes_name_their_own_kernel():
+    # vLLM 0.33: int8_per_token_head runs on Triton only, nvfp4 on FlashInfer (H100: its FA2
+    # path), turboquant_k8v4 on TurboQuant; FP8's FlashAttention takes none of them.
+    for kv_dtype, backend in (("int8_per_token_head", "TRITON_ATTN"), ("nvfp4", "FLASHINFER"),
+                              ("turboquant_k8v4", "TURBOQUANT")):
+        choice = plan_cli.attention_kernel(plan("llama-3-8b", kv_dtype=kv_dtype,
+                                                vllm_version=V33))
+        assert choice.backend.name == backend, kv_dtype
+    refused = plan_cli.attention_kernel(plan("llama-3-8b", kv_dtype="nvfp4_4over6",
+                                             vllm_version=V33))
+    assert refused.backend is None and refused.dtype_refused
+    assert "refuses to start" in plan_cli.describe_choice(refused)

@@ -342,8 +342,7 @@ def attention_kernel(plan: Plan) -> BackendChoice | None:
     if req.gpu.pcie_gen == 0:
         return None
     block = int(flags[flags.index("--block-size") + 1]) if "--block-size" in flags else None
-    return choose_backend(req.gpu.sm_major, req.model.mla is not None,
-                          req.kv_dtype.lower().startswith("fp8"), block)
+    return choose_backend(req.gpu.sm_major, req.model.mla is not None, req.kv_dtype, block)
 
 
 def _kernel_dict(choice: BackendChoice | None) -> dict[str, Any] | None:

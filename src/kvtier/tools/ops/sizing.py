@@ -134,7 +134,7 @@ def make_plan(req: PlanRequest) -> Plan:
     nvme_total = DEFAULT_NVME_BYTES if req.nvme_bytes is None else req.nvme_bytes
     nvme_gib = float(gib_number(nvme_total * NVME_USABLE_FRACTION / _GIB))
     long_block = 32 if req.gpu.pcie_gen == 0 else long_context_block(
-        req.gpu.sm_major, spec.mla is not None, req.kv_dtype.lower().startswith("fp8"))
+        req.gpu.sm_major, spec.mla is not None, req.kv_dtype)
     flags = serve_flags(req.tp, req.gpu_memory_utilization, ctx, req.kv_dtype, long_block)
     chunks = plan_chunks(spec, req.kv_dtype, tp, on_cpu=req.gpu.pcie_gen == 0,
                          block_size=long_block if "--block-size" in flags else None,

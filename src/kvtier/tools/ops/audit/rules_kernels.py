@@ -48,8 +48,8 @@ def attention_choice(cmd: ServeCommand, options: AuditOptions) -> BackendChoice 
     raw = (cmd.value("--block-size") or "").strip()
     if cmd.has("--block-size") and not (raw.isdigit() and int(raw) > 0):
         return None
-    fp8 = (cmd.value("--kv-cache-dtype") or "").lower().startswith("fp8")
-    return choose_backend(options.gpu.sm_major, model_traits(cmd).mla, fp8,
+    kv_dtype = (cmd.value("--kv-cache-dtype") or "auto").strip().lower()
+    return choose_backend(options.gpu.sm_major, model_traits(cmd).mla, kv_dtype,
                           int(raw) if raw else None, named_backend(cmd))
 
 
@@ -107,7 +107,7 @@ def kernel_split(cmd: ServeCommand, options: AuditOptions) -> Iterator[Finding]:
       "fastest backend", reads=("--gpu", "--model-config"))
 def no_kernel(cmd: ServeCommand, options: AuditOptions) -> Iterator[Finding]:
     choice = attention_choice(cmd, options) if _applies(cmd) else None
-    if choice is None:
+    if choice is None or choice.dtype_refused:  # the dtype, not the block: not this rule's
         return
     block, backend = choice.block_size, choice.backend
     if backend is None:
