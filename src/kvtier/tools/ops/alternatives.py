@@ -32,7 +32,14 @@ from kvtier.tools.ops.chunkplan import ChunkPlan
 from kvtier.tools.ops.costmodel import transfer_seconds
 from kvtier.tools.ops.hardware import LinkProfile, dram_link, host_link, nvme_link
 from kvtier.tools.ops.kvdtypes import kvtier_stores, serve_flag_value
-from kvtier.tools.ops.modelspec import ModelSpec, hf_layer_types, kv_footprint, session_kv_bytes
+from kvtier.tools.ops.modelspec import (
+    KVFootprint,
+    ModelSpec,
+    hf_layer_types,
+    kv_footprint,
+    session_kv_bytes,
+    stored_kv_bytes,
+)
 from kvtier.tools.ops.plan_request import PlanRequest
 from kvtier.tools.ops.restorecost import GPU_MEDIUM
 from kvtier.tools.ops.vllm_versions import (
@@ -159,7 +166,7 @@ def build_alternatives(
         session_rank = session_kv_bytes(fp, ctx)
         cpu = 0 if name == "none" else int(cpu_gib * _GIB)
         nvme = int(nvme_gib * _GIB) if name in ("kvtier", "lmcache") else 0
-        stored = chunks.session_bytes(ctx) if chunks and name == "kvtier" else None
+        stored = _stored_session_rank(name, fp, ctx, chunks)
         tiers = tier_estimates(req, session_rank, kv_gpu, cpu, nvme, reprefill, stored)
         own, env = _flags(name, req, cpu_gib, nvme_gib, disable)
         out.append(Alternative(
@@ -170,6 +177,24 @@ def build_alternatives(
             env=env, command="" if refused else command_line(req.model_ref, shared, own, env),
             stored_session_bytes_total=None if stored is None else stored * req.tp))
     return tuple(_with_capacity_notes(out))
+
+
+def _stored_session_rank(name: str, fp: KVFootprint, ctx: int,
+                         chunks: ChunkPlan | None) -> int | None:
+    """One session as alternative `name`'s CPU and NVMe tiers store it, on one rank, where
+    that is more than HBM holds of it; None where it is not.
+
+    Both offloaders store a chunk as its tokens are computed, every layer of it: a
+    sliding-window layer's chunks too (kvtier: integrations/vllm/groups.py, a chunk holds
+    every group; vLLM 0.33 native: offloading/scheduler.py stores every group's chunks and
+    loads only a window's). HBM keeps a sliding layer's window; a tier keeps the context.
+    """
+    if name == "none":
+        return None
+    if chunks is not None and name == "kvtier":
+        return chunks.session_bytes(ctx)
+    stored = stored_kv_bytes(fp, ctx)
+    return stored if stored > session_kv_bytes(fp, ctx) else None
 
 
 def command_line(model_ref: str, shared: list[str], own: list[str], env: dict[str, str]) -> str:

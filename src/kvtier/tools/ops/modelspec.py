@@ -9,12 +9,16 @@ Primitives:
                               (packed quantized dtypes too: kvdtypes.py)
     KVFootprint, kv_footprint(spec, kv_dtype, tp, hybrid_manager)
                            -- per-rank KV bytes per token, split by layer kind
-    session_kv_bytes(fp, tokens) -- one sequence's KV on one rank at `tokens` context
+    session_kv_bytes(fp, tokens) -- one sequence's KV on one rank at `tokens` context (HBM)
+    hma_padding_layers(full, sliding) -- padding layers of vLLM's hybrid manager's groups
+    stored_kv_bytes(fp, tokens)  -- the same as an offload tier stores it (no window)
     hf_layer_types(spec)   -- the layers as HF `layer_types` names (kvtier's model check)
 
 Layer kinds: "full" attention keeps KV for every token; "sliding" attention keeps at most
-`sliding_window` tokens. With `--disable-hybrid-kv-cache-manager` vLLM allocates sliding
-layers like full ones, but only in a model that has both kinds
+`sliding_window` tokens. In HBM vLLM's hybrid manager
+pads each kind to whole groups of equal size (`hma_padding_layers`); an offload tier stores a
+sliding layer's every chunk (`stored_kv_bytes`). With `--disable-hybrid-kv-cache-manager`
+vLLM allocates sliding layers like full ones, but only in a model that has both kinds
 (`_promote_local_kv_cache_specs` promotes only when full and sliding layers are present): a
 model whose layers are all sliding (Mistral-7B v0.1) keeps the window either way;
 "linear" (Mamba, gated DeltaNet, short convolution) keeps a fixed state per sequence and no
@@ -115,6 +119,10 @@ class KVFootprint:
     sliding_window: int | None  # None when no sliding layers are capped
     state_bytes_per_seq: int  # linear/Mamba layers: fixed per sequence
     tp: int  # ranks the instance has
+    # vLLM's hybrid manager pads each layer kind to a whole number of equal-size KV cache
+    # groups (hma_padding_layers): padding layers in HBM only, of a full / a sliding group
+    full_padding_bytes_per_token: int = 0
+    sliding_padding_bytes_per_token: int = 0
 
     @property
     def bytes_per_token(self) -> int:
@@ -162,6 +170,7 @@ def kv_footprint(
               and (hybrid_manager or full == 0))
     if not capped:
         full, sliding = full + sliding, 0
+    full_pad, sliding_pad = hma_padding_layers(full, sliding) if capped else (0, 0)
     state = spec.state_layers * (spec.state.bytes_per_rank(tp) if spec.state else
                                     -(-spec.linear_state_bytes // tp))
     return KVFootprint(
@@ -170,7 +179,27 @@ def kv_footprint(
         sliding_window=spec.sliding_window if capped else None,
         state_bytes_per_seq=state,
         tp=tp,
+        full_padding_bytes_per_token=full_pad * per_layer,
+        sliding_padding_bytes_per_token=sliding_pad * per_layer,
     )
+
+
+# vLLM (0.32, 0.33) kv_cache_planning.py `_get_kv_cache_groups_uniform_page_size`: a layer
+# kind is split into groups of `group_size` layers, the fewest layers of any kind, or the most
+# when that is below 1.5 x the fewest; the last group of a kind is padded up to it.
+_HMA_GROUP_SIZE_SPREAD = 1.5
+
+
+def hma_padding_layers(full: int, sliding: int) -> tuple[int, int]:
+    """(full, sliding) padding layers vLLM's hybrid manager adds to `full` full-attention and
+    `sliding` sliding-window layers: a padding layer takes a real layer's memory in every
+    block of its group. Gemma 3 27B's 10 full + 52 sliding layers: groups of 10, the sliding
+    ones 6 groups = 60 layers, 8 of them padding (vLLM logs "Add 8 padding layers")."""
+    if not full or not sliding:
+        return 0, 0
+    fewest, most = min(full, sliding), max(full, sliding)
+    group = most if most < fewest * _HMA_GROUP_SIZE_SPREAD else fewest
+    return -full % group, -sliding % group
 
 
 # A state family's name in HF `layer_types` (what kvtier's model check reads, models.py):
@@ -191,9 +220,16 @@ def hf_layer_types(spec: ModelSpec) -> tuple[str, ...]:
 def session_kv_bytes(fp: KVFootprint, tokens: int) -> int:
     """Bytes one sequence of `tokens` tokens holds on ONE rank (KV plus linear state)."""
     window = tokens if fp.sliding_window is None else min(tokens, fp.sliding_window)
-    return fp.full_bytes_per_token * tokens + fp.sliding_bytes_per_token * window + (
-        fp.state_bytes_per_seq
-    )
+    full = fp.full_bytes_per_token + fp.full_padding_bytes_per_token
+    sliding = fp.sliding_bytes_per_token + fp.sliding_padding_bytes_per_token
+    return full * tokens + sliding * window + fp.state_bytes_per_seq
+
+
+def stored_kv_bytes(fp: KVFootprint, tokens: int) -> int:
+    """Bytes one sequence of `tokens` tokens takes in an offload tier on ONE rank: every
+    token of every attention layer, a sliding layer's too (HBM frees what leaves its window;
+    a tier stored each chunk as it was computed), plus one copy of the linear state."""
+    return fp.bytes_per_token * tokens + fp.state_bytes_per_seq
 
 
 def load_model_spec(path: str | Path, param_count: int | None = None) -> ModelSpec:

@@ -142,10 +142,12 @@ def make_plan(req: PlanRequest) -> Plan:
     alts = build_alternatives(req, ctx, kv_gpu, cpu_gib, nvme_gib, reprefill, flags, chunks)
     native = next(a for a in alts if a.name == "native")
     kvtier = next(a for a in alts if a.name == "kvtier")
-    # The tiers are kvtier's: where its chunks each carry a model's states, a session takes
-    # more room there than in HBM (the alternatives' kvtier row counts the same).
-    stored = chunks.session_bytes(ctx) if chunks is not None and kvtier.refused is None \
-        else None
+    # A session takes more room in a tier than in HBM where kvtier's chunks each carry a
+    # model's states (the tiers are then kvtier's), and where sliding-window layers keep
+    # their window in HBM but every chunk in a tier (both offloaders: alternatives.py).
+    stored_owner = kvtier if chunks is not None and kvtier.refused is None else native
+    stored = None if stored_owner.stored_session_bytes_total is None \
+        else stored_owner.stored_session_bytes_total // tp
     plan = Plan(
         request=req, context_tokens=ctx, weights_bytes=spec.weights_bytes,
         weights_per_gpu_bytes=weights_gpu, kv_bytes_per_token_rank=native.bytes_per_token_rank,

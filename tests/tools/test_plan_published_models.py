@@ -1,0 +1,148 @@
+"""`kvtier plan`'s numbers for the field's published models, each checked by hand.
+
+The configs in tests/data/configs are the models' published Hugging Face config.json files
+(the fields sizing reads, as published). One attention layer keeps, per token and rank,
+2 (K and V) x KV heads on the rank x head_dim x bytes per element; MLA keeps one latent of
+kv_lora_rank + qk_rope_head_dim elements on every rank.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvtier.tools.ops.hardware import gpu_profile
+from kvtier.tools.ops.modelspec import (
+    hma_padding_layers,
+    kv_footprint,
+    load_model_spec,
+    session_kv_bytes,
+    stored_kv_bytes,
+)
+from kvtier.tools.ops.sizing import PlanRequest, make_plan
+
+CONFIGS = Path(__file__).parents[1] / "data" / "configs"
+KIB, MIB, GIB = 1024, 1024**2, 1024**3
+V33 = (0, 33, 0)
+
+
+def spec(model: str):
+    return load_model_spec(CONFIGS / f"{model}.json")
+
+
+def plan(model: str, **kw):
+    kw.setdefault("gpu", gpu_profile("h100"))
+    kw.setdefault("vllm_version", V33)
+    return make_plan(PlanRequest(model=spec(model), **kw))
+
+
+# (model, layers full/sliding/linear, BF16 bytes per token on one rank, by hand)
+PER_TOKEN = [
+    # 32 layers x 2 x 8 KV heads x 128 x 2 B = 131,072 B = 128 KiB
+    ("llama-3.1-8b", (32, 0, 0), 32 * 2 * 8 * 128 * 2),
+    # 80 layers x 2 x 8 x 128 x 2 B = 327,680 B = 320 KiB
+    ("llama-3.1-70b", (80, 0, 0), 80 * 2 * 8 * 128 * 2),
+    # 64 layers x 2 x 8 x 128 x 2 B = 262,144 B = 256 KiB
+    ("qwen3-32b", (64, 0, 0), 64 * 2 * 8 * 128 * 2),
+    # MoE changes no KV: 48 layers x 2 x 4 KV heads x 128 x 2 B = 98,304 B = 96 KiB
+    ("qwen3-30b-a3b", (48, 0, 0), 48 * 2 * 4 * 128 * 2),
+    # 12 of 48 layers attend (full_attention_interval 4): 12 x 2 x 2 x 256 x 2 B = 24 KiB;
+    # the 36 gated-DeltaNet layers keep a state per sequence instead
+    ("qwen3-next-80b-a3b", (12, 0, 36), 12 * 2 * 2 * 256 * 2),
+    # MLA: 61 layers x (512 + 64) latent x 2 B = 70,272 B (not 61 x 2 x 128 x 192 x 2)
+    ("deepseek-v3", (61, 0, 0), 61 * (512 + 64) * 2),
+    # 62 layers x 2 x 16 x 128 x 2 B = 507,904 B below the window (10 full, 52 sliding)
+    ("gemma-3-27b", (10, 52, 0), 62 * 2 * 16 * 128 * 2),
+    # 36 layers x 2 x 8 x 64 x 2 B = 73,728 B below the window (18 full, 18 sliding)
+    ("gpt-oss-120b", (18, 18, 0), 36 * 2 * 8 * 64 * 2),
+    # text_config: 40 layers x 2 x 8 x 128 x 2 B = 163,840 B = 160 KiB
+    ("mistral-small-3.1-24b", (40, 0, 0), 40 * 2 * 8 * 128 * 2),
+    # 46 layers (the MTP layer is not one of them) x 2 x 8 x 128 x 2 B = 188,416 B
+    ("glm-4.5-air", (46, 0, 0), 46 * 2 * 8 * 128 * 2),
+]
+
+
+@pytest.mark.parametrize("model, kinds, bf16", PER_TOKEN, ids=[m for m, _, _ in PER_TOKEN])
+def test_kv_bytes_per_token_bf16_and_fp8_match_the_hand_computation(model, kinds, bf16):
+    s = spec(model)
+    assert (s.count("full"), s.count("sliding"), s.count("linear")) == kinds
+    assert kv_footprint(s, "bf16").bytes_per_token == bf16
+    assert kv_footprint(s, "fp8").bytes_per_token == bf16 // 2  # one byte an element
+
+
+def test_qwen3_next_kv_heads_are_replicated_above_their_count():
+    # 2 KV heads on TP 4: each rank keeps one (vLLM replicates): 12 x 2 x 1 x 256 x 2 B.
+    assert kv_footprint(spec("qwen3-next-80b-a3b"), "bf16", 4).bytes_per_token == 12_288
+
+
+def test_deepseek_v3_latent_is_whole_on_every_rank():
+    assert kv_footprint(spec("deepseek-v3"), "bf16", 8).bytes_per_token == 70_272
+
+
+# --- vLLM's hybrid manager: group padding in HBM, every chunk in a tier ---
+
+def test_gemma3_sliding_layers_are_padded_to_whole_groups_in_hbm():
+    # vLLM kv_cache_planning.py: 10 full, 52 sliding -> groups of 10 (52 >= 1.5 x 10); the
+    # sliding layers take 6 groups = 60 layers, 8 of them padding ("Add 8 padding layers").
+    # A 32,768-token session on one rank: 10 x 8,192 x 32,768 + 60 x 8,192 x 1,024
+    # = 2,684,354,560 + 503,316,480 = 3,187,671,040 B (not 52 x ...: 3,120,562,176).
+    assert hma_padding_layers(10, 52) == (0, 8)
+    assert hma_padding_layers(18, 18) == (0, 0)  # gpt-oss: two groups of 18
+    assert hma_padding_layers(12, 13) == (1, 0)  # 13 < 1.5 x 12: groups of 13
+    fp = kv_footprint(spec("gemma-3-27b"))
+    assert session_kv_bytes(fp, 32768) == 3_187_671_040
+    assert plan("gemma-3-27b", context_tokens=32768).session_bytes_total == 3_187_671_040
+
+
+def test_gemma3_offload_tiers_store_every_chunk_of_the_sliding_layers():
+    # Both offloaders store a chunk as it is computed, with every layer in it (kvtier: a
+    # chunk holds every KV cache group; vLLM native: each group's chunks, loading only a
+    # window's). A 32,768-token session in a tier: 507,904 B x 32,768 = 16,642,998,272 B.
+    # The default CPU tier, 60% of 256 GiB = 164,926,744,166 B, holds 9 of them, not the 52
+    # that the HBM size (window-capped) gave.
+    fp = kv_footprint(spec("gemma-3-27b"))
+    assert stored_kv_bytes(fp, 32768) == 16_642_998_272
+    p = plan("gemma-3-27b", context_tokens=32768)
+    for name in ("native", "kvtier"):
+        alt = p.alternative(name)
+        assert alt.stored_session_bytes_total == 16_642_998_272, name
+        assert alt.tiers[1].name == "CPU DRAM" and alt.tiers[1].warm_sessions == 9, name
+    assert p.tiers[1].warm_sessions == 9
+
+
+def test_gpt_oss_120b_hbm_keeps_the_window_and_tiers_the_context():
+    # 18 full + 18 sliding (window 128) layers of 2 x 8 x 64 x 2 B = 2,048 B; no padding.
+    # HBM: 18 x 2,048 x 32,768 + 18 x 2,048 x 128 = 1,212,678,144 B; a tier stores
+    # 36 x 2,048 x 32,768 = 2,415,919,104 B.
+    p = plan("gpt-oss-120b", context_tokens=32768)
+    kvtier = p.alternative("kvtier")
+    assert kvtier.session_bytes_total == 1_212_678_144
+    assert kvtier.stored_session_bytes_total == 2_415_919_104
+
+
+def test_full_attention_models_store_what_hbm_holds():
+    assert plan("llama-3.1-8b", context_tokens=8192).alternative(
+        "kvtier").stored_session_bytes_total is None
+
+
+# --- the seeds' published numbers ---
+
+def test_offloading_blog_block_sizes_after_the_contiguous_layout():
+    # vLLM's KV offloading blog (v0.12.0 layout): one 16-token block of all layers is 2 MB
+    # for Llama-3.1-8B, 2 MB for DeepSeek-R1-Distill-32B (on TP 2: 4 KV heads a rank) and
+    # 0.5 MB for Llama-3.2-1B (16 layers x 2 x 8 x 64 x 2 B = 32 KiB a token).
+    assert kv_footprint(spec("llama-3.1-8b")).bytes_per_token * 16 == 2 * MIB
+    assert kv_footprint(spec("deepseek-r1-distill-qwen-32b"), tp=2).bytes_per_token * 16 \
+        == 2 * MIB
+    assert kv_footprint(spec("llama-3.2-1b")).bytes_per_token * 16 == 512 * KIB
+
+
+def test_llama31_70b_session_sizes_the_seeds_quote():
+    # A seed says an 8K-token Llama-3.1-70B session is "20GB wasted": it is 8,192 x 320 KiB
+    # = 2.5 GiB (20 GB would be 8 sessions). Another asks for "a 4K-token KV at 70B FP8
+    # (500 MB)": 4,096 x 160 KiB = 640 MiB.
+    s = spec("llama-3.1-70b")
+    assert session_kv_bytes(kv_footprint(s, "bf16"), 8192) == 5 * GIB // 2
+    assert session_kv_bytes(kv_footprint(s, "fp8"), 4096) == 640 * MIB
+    assert plan("llama-3.1-70b", tp=4, context_tokens=8192).session_bytes_total == 5 * GIB // 2
