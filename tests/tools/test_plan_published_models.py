@@ -8,6 +8,7 @@ kv_lora_rank + qk_rope_head_dim elements on every rank.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from kvtier.tools.ops.modelspec import (
     hma_padding_layers,
     kv_footprint,
     load_model_spec,
+    parse_model_config,
     session_kv_bytes,
     stored_kv_bytes,
 )
@@ -60,6 +62,9 @@ PER_TOKEN = [
     ("mistral-small-3.1-24b", (40, 0, 0), 40 * 2 * 8 * 128 * 2),
     # 46 layers (the MTP layer is not one of them) x 2 x 8 x 128 x 2 B = 188,416 B
     ("glm-4.5-air", (46, 0, 0), 46 * 2 * 8 * 128 * 2),
+    # 48 layers x 2 x 8 x 128 x 2 B = 196,608 B below the chunk: 12 NoPE layers attend to
+    # everything, 36 to their own 8192-token chunk
+    ("llama-4-scout", (12, 36, 0), 48 * 2 * 8 * 128 * 2),
 ]
 
 
@@ -80,6 +85,57 @@ def test_deepseek_v3_latent_is_whole_on_every_rank():
     assert kv_footprint(spec("deepseek-v3"), "bf16", 8).bytes_per_token == 70_272
 
 
+# --- Llama 4: chunked local attention ---
+
+def test_llama4_scout_chunked_layers_keep_one_chunk_in_hbm():
+    # vLLM llama4.py: a layer whose no_rope_layers entry is 0 is NoPE global attention; the
+    # others use ChunkedLocalAttention over attention_chunk_size = 8192 tokens. TP 4: 2 KV
+    # heads a rank, 2 x 2 x 128 x 2 B = 1,024 B a layer. A 131,072-token session on a rank:
+    # 12 x 1,024 x 131,072 + 36 x 1,024 x 8,192 = 1,912,602,624 B; x 4 ranks = 7,650,410,496
+    # (read as 48 full layers it was 25,769,803,776: 3.4x fewer live sessions).
+    s = spec("llama-4-scout")
+    assert s.sliding_window == 8192 and s.chunked_attention
+    p = plan("llama-4-scout", tp=4, context_tokens=131072)
+    native = p.alternative("native")
+    assert native.hybrid_manager and native.session_bytes_total == 7_650_410_496
+
+
+def test_llama4_scout_kvtier_runs_without_the_hybrid_manager():
+    # kvtier's connector refuses a ChunkedLocalAttentionSpec group (integrations/vllm/
+    # groups.py); with --disable-hybrid-kv-cache-manager vLLM promotes the chunked layers to
+    # full attention: 196,608 B x 131,072 tokens = 25,769,803,776 B a session.
+    kvtier = plan("llama-4-scout", tp=4, context_tokens=131072).alternative("kvtier")
+    assert kvtier.refused is None and not kvtier.hybrid_manager
+    assert "--disable-hybrid-kv-cache-manager" in kvtier.command
+    assert kvtier.session_bytes_total == 196_608 * 131_072
+
+
+def test_llama4_scout_and_maverick_parameters_count_the_shared_expert():
+    # Scout, per layer (all 48 MoE): 16 routed + 1 shared expert of 3 x 5120 x 8192
+    # (125,829,120 each) + router 5120 x 16; attention 2 x 5120 x 5120 + 2 x 5120 x 1024;
+    # embeddings 2 x 202,048 x 5120. Total 107.8B (published 109B with the vision tower),
+    # active (1 routed + shared) 17.2B (published 17B). Maverick: 128 experts on every second
+    # layer, dense layers of intermediate_size_mlp 16384: 400.7B (published 400B).
+    s = spec("llama-4-scout")
+    assert round(s.param_count / 1e9, 1) == 107.8
+    assert round(s.active_param_count / 1e9, 1) == 17.2
+    cfg = json.loads((CONFIGS / "llama-4-scout.json").read_text())
+    cfg["text_config"].update(num_local_experts=128, interleave_moe_layer_step=2)
+    maverick = parse_model_config(cfg)
+    assert round(maverick.param_count / 1e9, 1) == 400.7
+    assert round(maverick.active_param_count / 1e9, 1) == 17.2
+
+
+def test_llama4_without_no_rope_layers_takes_transformers_default():
+    # An empty `no_rope_layers` (as early Scout configs had) is transformers' default: every
+    # 4th layer NoPE (no_rope_layer_interval 4).
+    cfg = json.loads((CONFIGS / "llama-4-scout.json").read_text())
+    cfg["text_config"]["no_rope_layers"] = []
+    s = parse_model_config(cfg)
+    assert s.layer_kinds[:4] == ("sliding", "sliding", "sliding", "full")
+    assert s.count("full") == 12
+
+
 # --- vLLM's hybrid manager: group padding in HBM, every chunk in a tier ---
 
 def test_gemma3_sliding_layers_are_padded_to_whole_groups_in_hbm():
@@ -89,6 +145,7 @@ def test_gemma3_sliding_layers_are_padded_to_whole_groups_in_hbm():
     # = 2,684,354,560 + 503,316,480 = 3,187,671,040 B (not 52 x ...: 3,120,562,176).
     assert hma_padding_layers(10, 52) == (0, 8)
     assert hma_padding_layers(18, 18) == (0, 0)  # gpt-oss: two groups of 18
+    assert hma_padding_layers(12, 36) == (0, 0)  # Llama 4 Scout: 1 + 3 groups of 12
     assert hma_padding_layers(12, 13) == (1, 0)  # 13 < 1.5 x 12: groups of 13
     fp = kv_footprint(spec("gemma-3-27b"))
     assert session_kv_bytes(fp, 32768) == 3_187_671_040

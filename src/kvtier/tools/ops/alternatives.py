@@ -209,6 +209,12 @@ def _hma(name: str, version: Version | None, hybrid: bool,
     """(manager on, why, pass --disable-hybrid-kv-cache-manager) for alternative `name`."""
     if name == "none":
         return True, "no KV connector: vLLM keeps its hybrid KV cache manager", False
+    if name == "kvtier" and spec.chunked_attention:
+        # kvtier's connector refuses a ChunkedLocalAttentionSpec group (groups.py) with the
+        # manager on; off, vLLM promotes those layers to full attention, which it stores.
+        return False, ("kvtier stores full and sliding-window attention groups, not Llama "
+                       "4's chunked local attention: the manager goes off and vLLM "
+                       "allocates the chunked layers for the whole context"), True
     verdict = hma_verdict(version, _CONNECTORS[name], hybrid)
     if name == "native" and version is None and spec.state_layers:
         # Without the manager vLLM cannot serve Mamba/linear layers at all: the only

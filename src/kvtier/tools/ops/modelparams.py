@@ -108,17 +108,26 @@ def _mlp_params(cfg: Mapping[str, Any], hidden: int, layer: int) -> tuple[int, i
     dense_inter = int(cfg.get("intermediate_size") or 4 * hidden)
     dense_first = int(cfg.get("first_k_dense_replace") or 0)
     sparse_step = int(cfg.get("decoder_sparse_step") or 1)
+    # Llama 4: every `interleave_moe_layer_step`-th layer is MoE, with one shared expert of
+    # the experts' width beside the routed ones (vLLM llama4.py Llama4MoE); the other layers
+    # are dense MLPs of `intermediate_size_mlp`. Scout read 101.7B (the 48 shared experts'
+    # 6.0B missing) for its published 109B (107.7B of it the text model's).
+    llama4_step = cfg.get("interleave_moe_layer_step")
+    if llama4_step:
+        sparse_step = int(llama4_step)
+        dense_inter = int(cfg.get("intermediate_size_mlp") or dense_inter)
     mlp_only = set(cfg.get("mlp_only_layers") or ())
     is_moe = (experts > 0 and layer >= dense_first and layer not in mlp_only
               and (layer + 1) % sparse_step == 0)
     if not is_moe:
         dense = 3 * hidden * dense_inter
         return dense, dense
-    inter = int(cfg.get("moe_intermediate_size") or dense_inter)
+    inter = int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size")
+                or dense_inter)
     per_expert = 3 * hidden * inter
     shared_inter = int(cfg.get("shared_expert_intermediate_size") or 0)
-    shared = 3 * hidden * shared_inter if shared_inter else (
-        int(cfg.get("n_shared_experts") or 0) * per_expert)
+    shared_count = 1 if llama4_step else int(cfg.get("n_shared_experts") or 0)
+    shared = 3 * hidden * shared_inter if shared_inter else shared_count * per_expert
     router = hidden * experts
     top_k = int(cfg.get("num_experts_per_tok") or 1)
     return experts * per_expert + shared + router, top_k * per_expert + shared + router

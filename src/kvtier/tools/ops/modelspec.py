@@ -15,7 +15,8 @@ Primitives:
     hf_layer_types(spec)   -- the layers as HF `layer_types` names (kvtier's model check)
 
 Layer kinds: "full" attention keeps KV for every token; "sliding" attention keeps at most
-`sliding_window` tokens. In HBM vLLM's hybrid manager
+`sliding_window` tokens (Llama 4's chunked local attention, at most `attention_chunk_size`:
+its NoPE layers are full, the others see only their own chunk). In HBM vLLM's hybrid manager
 pads each kind to whole groups of equal size (`hma_padding_layers`); an offload tier stores a
 sliding layer's every chunk (`stored_kv_bytes`). With `--disable-hybrid-kv-cache-manager`
 vLLM allocates sliding layers like full ones, but only in a model that has both kinds
@@ -77,6 +78,9 @@ class ModelSpec:
     state: StateShape | None = None  # one "linear" layer's state shape; None without them
     # every layer runs a state mixer beside its attention (Falcon-H1): layer_kinds say "full"
     parallel_state: bool = False
+    # the "sliding" layers are Llama 4's chunked local attention (window: the chunk; vLLM's
+    # ChunkedLocalAttentionSpec), not a sliding window
+    chunked_attention: bool = False
 
     @property
     def num_layers(self) -> int:
@@ -294,6 +298,7 @@ def parse_model_config(
 _NUMERIC_FIELDS = ("sliding_window", "sliding_window_pattern", "head_dim", "num_key_value_heads",
                    "max_position_embeddings", "intermediate_size", "vocab_size",
                    "full_attention_interval", "attn_layer_period", "attn_layer_offset",
+                   "attention_chunk_size", "no_rope_layer_interval",
                    "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
                    "v_head_dim", "num_experts", "n_routed_experts", "num_experts_per_tok",
                    "moe_intermediate_size")
@@ -315,7 +320,9 @@ def _parse_model_config(raw: Mapping[str, Any], cfg: Mapping[str, Any], name: st
     kinds = _layer_kinds(cfg, _req_int(cfg, "num_hidden_layers"))
     mla = _mla(cfg)
     head_dim = int(cfg.get("head_dim") or hidden // heads)
-    spec_window = cfg.get("sliding_window") if "sliding" in kinds else None
+    chunked = "sliding" in kinds and bool(cfg.get("attention_chunk_size"))
+    spec_window = (cfg.get("attention_chunk_size") if chunked else cfg.get("sliding_window")) \
+        if "sliding" in kinds else None
     counted = count_params(cfg, kinds, mla, head_dim)
     return ModelSpec(
         name=name,
@@ -336,6 +343,7 @@ def _parse_model_config(raw: Mapping[str, Any], cfg: Mapping[str, Any], name: st
         architecture=_architecture(raw),
         encoder_decoder=bool(raw.get("is_encoder_decoder") or cfg.get("is_encoder_decoder")),
         params_estimated=not param_count,
+        chunked_attention=chunked,
         state=state_shape(cfg, hidden),
         # Falcon-H1 declares no layer pattern: attention and Mamba2 run side by side in each
         parallel_state=bool(cfg.get("mamba_d_ssm") or _model_type_of(raw, cfg) == "falcon_h1"),
@@ -383,6 +391,12 @@ def _layer_kinds(cfg: Mapping[str, Any], n: int) -> tuple[LayerKind, ...]:
     if cfg.get("attn_layer_period"):  # Jamba
         period, offset = int(cfg["attn_layer_period"]), int(cfg.get("attn_layer_offset", 0))
         return _pattern(n, lambda i: i % period == offset, "full", "linear")
+    if cfg.get("attention_chunk_size"):  # Llama 4: chunked local attention, NoPE layers full
+        no_rope = cfg.get("no_rope_layers") or []
+        if not (isinstance(no_rope, list) and len(no_rope) == n):  # transformers' default
+            every = int(cfg.get("no_rope_layer_interval") or 4)
+            no_rope = [int((i + 1) % every != 0) for i in range(n)]
+        return _pattern(n, lambda i: no_rope[i] == 0, "full", "sliding")
     if not cfg.get("sliding_window") or cfg.get("use_sliding_window") is False:
         return _pattern(n, lambda _: True, "full", "full")
     # Gemma 2 alternates local/global; Gemma 3 has `sliding_window_pattern` local:global.
