@@ -87,27 +87,32 @@ def test_deepseek_v3_latent_is_whole_on_every_rank():
 
 # --- Llama 4: chunked local attention ---
 
-def test_llama4_scout_chunked_layers_keep_one_chunk_in_hbm():
+def test_llama4_scout_chunked_layers_keep_one_chunk_only_where_vllm_keeps_the_manager():
     # vLLM llama4.py: a layer whose no_rope_layers entry is 0 is NoPE global attention; the
     # others use ChunkedLocalAttention over attention_chunk_size = 8192 tokens. TP 4: 2 KV
-    # heads a rank, 2 x 2 x 128 x 2 B = 1,024 B a layer. A 131,072-token session on a rank:
-    # 12 x 1,024 x 131,072 + 36 x 1,024 x 8,192 = 1,912,602,624 B; x 4 ranks = 7,650,410,496
-    # (read as 48 full layers it was 25,769,803,776: 3.4x fewer live sessions).
+    # heads a rank, 2 x 2 x 128 x 2 B = 1,024 B a layer. With the hybrid manager a
+    # 131,072-token session on a rank is 12 x 1,024 x 131,072 + 36 x 1,024 x 8,192
+    # = 1,912,602,624 B; x 4 ranks = 7,650,410,496 B.
     s = spec("llama-4-scout")
     assert s.sliding_window == 8192 and s.chunked_attention
+    kept = session_kv_bytes(kv_footprint(s, "bf16", 4), 131072) * 4
+    assert kept == 7_650_410_496
+    # But vLLM 0.21-0.33 (config/vllm.py) turn the manager off for chunked local attention
+    # unless VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1: by default the chunked
+    # layers are full ones, 48 x 4,096 B x 131,072 = 25,769,803,776 B, whatever the backend.
     p = plan("llama-4-scout", tp=4, context_tokens=131072)
-    native = p.alternative("native")
-    assert native.hybrid_manager and native.session_bytes_total == 7_650_410_496
+    for alt in p.alternatives:
+        assert not alt.hybrid_manager and alt.session_bytes_total == 25_769_803_776, alt.name
+    note = next(n for n in p.notes if n.startswith("chunked local attention"))
+    assert "VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1" in note and "7.1 GiB" in note
 
 
 def test_llama4_scout_kvtier_runs_without_the_hybrid_manager():
     # kvtier's connector refuses a ChunkedLocalAttentionSpec group (integrations/vllm/
-    # groups.py); with --disable-hybrid-kv-cache-manager vLLM promotes the chunked layers to
-    # full attention: 196,608 B x 131,072 tokens = 25,769,803,776 B a session.
+    # groups.py): its command turns the manager off even where the environment would keep it.
     kvtier = plan("llama-4-scout", tp=4, context_tokens=131072).alternative("kvtier")
     assert kvtier.refused is None and not kvtier.hybrid_manager
     assert "--disable-hybrid-kv-cache-manager" in kvtier.command
-    assert kvtier.session_bytes_total == 196_608 * 131_072
 
 
 def test_llama4_scout_and_maverick_parameters_count_the_shared_expert():

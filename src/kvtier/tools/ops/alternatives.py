@@ -61,6 +61,10 @@ _TITLES = {"none": "vLLM prefix cache only (no offload)", "native": "vLLM native
 _CONNECTORS = {"native": "OffloadingConnector", "kvtier": CONNECTOR_CLASS,
                "lmcache": "LMCacheConnectorV1"}
 _PREFIX = "--enable-prefix-caching"  # in the shared flags; dropped from each backend's own
+CHUNKED_HMA_ENV = "VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE"
+CHUNKED_HMA_REASON = (f"vLLM turns the hybrid manager off for chunked local attention (Llama "
+                      f"4) unless {CHUNKED_HMA_ENV}=1, and kvtier's connector stores full and "
+                      "sliding-window groups only: the chunked layers cost the whole context")
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,21 +211,27 @@ def command_line(model_ref: str, shared: list[str], own: list[str], env: dict[st
 def _hma(name: str, version: Version | None, hybrid: bool,
          spec: ModelSpec) -> tuple[bool, str, bool]:
     """(manager on, why, pass --disable-hybrid-kv-cache-manager) for alternative `name`."""
+    if spec.chunked_attention:
+        # vLLM (config/vllm.py; read in 0.21, 0.32, 0.33) turns the manager off for chunked
+        # local attention unless VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1;
+        # kvtier's connector refuses a ChunkedLocalAttentionSpec group (groups.py), so its
+        # command says so too, whatever the environment.
+        needs_flag = name != "none" and (name == "kvtier" or hma_verdict(
+            version, _CONNECTORS[name], False,
+            via_transfer_config=name != "native").required is True)
+        return False, CHUNKED_HMA_REASON, needs_flag
     if name == "none":
         return True, "no KV connector: vLLM keeps its hybrid KV cache manager", False
-    if name == "kvtier" and spec.chunked_attention:
-        # kvtier's connector refuses a ChunkedLocalAttentionSpec group (groups.py) with the
-        # manager on; off, vLLM promotes those layers to full attention, which it stores.
-        return False, ("kvtier stores full and sliding-window attention groups, not Llama "
-                       "4's chunked local attention: the manager goes off and vLLM "
-                       "allocates the chunked layers for the whole context"), True
-    verdict = hma_verdict(version, _CONNECTORS[name], hybrid)
+    verdict = hma_verdict(version, _CONNECTORS[name], hybrid,
+                          via_transfer_config=name != "native")
     if name == "native" and version is None and spec.state_layers:
         # Without the manager vLLM cannot serve Mamba/linear layers at all: the only
         # working native command is v0.21.0+'s, without the flag.
         return True, (f"Mamba/linear-attention layers need the manager: native offload "
                       f"keeps it on from {format_version(NATIVE_OFFLOAD_HMA_SINCE)}"), False
-    return verdict.required is False, verdict.reason, verdict.required is not False
+    # The flag where vLLM needs it or would turn the manager off anyway (LMCache): explicit
+    on = verdict.required is False and verdict.manager_on is not False
+    return on, verdict.reason, not on
 
 
 def _refusal(name: str, spec: ModelSpec, version: Version | None, hybrid: bool,
@@ -240,7 +250,8 @@ def _refusal(name: str, spec: ModelSpec, version: Version | None, hybrid: bool,
             state_prefix_caching=True)
         found = unsupported_reason(traits)
         return None if found is None else f"kvtier refuses this model: {found[0]}; {found[1]}"
-    if name == "lmcache" and hybrid:
+    # Llama 4's chunked layers run as one full-attention group (vLLM's default for them)
+    if name == "lmcache" and hybrid and not spec.chunked_attention:
         return ("LMCache cannot serve hybrid-attention models (LMCache#3106: its storage path "
                 "materialises one KV shape and fails on mixed attention groups)")
     if name == "native" and version is not None:

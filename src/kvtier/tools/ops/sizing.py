@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 
 from kvtier.errors import ConfigError
 from kvtier.tools.ops.alternatives import (
+    CHUNKED_HMA_ENV,
     Alternative,
     TierEstimate,
     build_alternatives,
@@ -33,7 +34,7 @@ from kvtier.tools.ops.chunkplan import ChunkPlan, plan_chunks
 from kvtier.tools.ops.costmodel import prefill_seconds
 from kvtier.tools.ops.flags import DISABLE_HMA, gib_number
 from kvtier.tools.ops.kvdtypes import check_kv_dtype, per_tensor_fp8
-from kvtier.tools.ops.modelspec import ModelSpec
+from kvtier.tools.ops.modelspec import ModelSpec, kv_footprint, session_kv_bytes
 from kvtier.tools.ops.nodeplan import NodePlan, plan_node
 from kvtier.tools.ops.plan_request import PlanRequest
 from kvtier.units import format_size
@@ -274,6 +275,8 @@ def _notes(plan: Plan, kv_gpu: int) -> list[str]:
         notes.append("FP8 KV: without calibrated k/v scales in the checkpoint vLLM uses "
                      "scale 1.0 and may clip outliers at long context; prefer BF16 KV + offload")
     notes += [n for alt in plan.alternatives for n in alt.notes]
+    if spec.chunked_attention:
+        notes.append(_chunked_note(plan))
     if plan.chunks is not None and plan.alternative("kvtier").refused is None:
         notes.append(state_note(plan.chunks, ctx))
     if req.tp > 1:
@@ -290,6 +293,18 @@ def _notes(plan: Plan, kv_gpu: int) -> list[str]:
                      "--disable-hybrid-kv-cache-manager (needed on v0.18-v0.20); pass "
                      "--vllm-version to decide")
     return notes
+
+
+def _chunked_note(plan: Plan) -> str:
+    """What Llama 4's chunked layers cost with vLLM's default, and with the manager kept."""
+    req, ctx = plan.request, plan.context_tokens
+    kept = session_kv_bytes(kv_footprint(req.model, req.kv_dtype, req.tp), ctx) * req.tp
+    return (f"chunked local attention: vLLM turns its hybrid KV cache manager off for it "
+            f"(config/vllm.py: 'a latency regression'), so its {req.model.count('sliding')} "
+            f"chunked layers keep the whole context: {_gib_text(plan.session_bytes_total)} a "
+            f"{ctx:,}-token session; {CHUNKED_HMA_ENV}=1 keeps one "
+            f"{req.model.sliding_window:,}-token chunk of them ({_gib_text(kept)}) with vLLM "
+            "alone or native offload, not with kvtier (it refuses a chunked group)")
 
 
 def state_note(chunks: ChunkPlan, ctx: int) -> str:

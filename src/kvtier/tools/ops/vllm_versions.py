@@ -4,8 +4,10 @@ Primitives:
     Version, parse_version(text)    -- "v0.21.0", "0.11.1rc2", "0.20.2+cu130" -> (0, 21, 0)
     installed_vllm_version()        -- the version pip has installed, without importing vllm
     Gate, GATES                     -- the version-gate table (first release of each feature)
-    hma_verdict(version, connector, hybrid_model) -> HmaVerdict
-                                    -- is `--disable-hybrid-kv-cache-manager` needed?
+    hma_verdict(version, connector, hybrid_model, via_transfer_config) -> HmaVerdict
+                                    -- is `--disable-hybrid-kv-cache-manager` needed, and
+                                       does the manager stay on without it?
+    offload_flags_connector(version, backend) -- the connector --kv-offloading-* makes
     ReleaseDefault, DEFAULTS, defaults_for(version)
                                     -- what a release turns on by itself on CUDA
 
@@ -32,6 +34,19 @@ LMCACHE_CONNECTORS = frozenset({"LMCacheConnectorV1", "LMCacheMPConnector"})
 HMA_DEFAULT_SINCE: Version = (0, 18, 0)
 # v0.21.0 integrated native offload with HMA (#41445, #41228, #39571, #35520).
 NATIVE_OFFLOAD_HMA_SINCE: Version = (0, 21, 0)
+# When neither --disable- nor --no-disable-hybrid-kv-cache-manager is given, vLLM decides the
+# manager in VllmConfig.__post_init__ (vllm/config/vllm.py), read in the wheels of each release:
+#   0.18.0-0.21.0: before the --kv-offloading-* flags make their connector, and off for ANY
+#     --kv-transfer-config (a warning): only the flags' connector, decided with the manager
+#     on, fails at start-up ("Connector X does not support HMA but HMA is enabled");
+#   0.24.0 (0.27.0, 0.32.0, 0.33.0): after the flags make theirs, off only for a connector
+#     without HMA support (KVConnectorFactory.supports_hma_config, a warning): never a failure.
+# 0.22 and 0.23 were not read.
+HMA_DECIDED_FIRST_BEFORE: Version = (0, 22, 0)
+HMA_AUTO_OFF_SINCE: Version = (0, 24, 0)
+# `--kv-offloading-backend lmcache` makes LMCacheConnectorV1 up to 0.21.0 and LMCacheMPConnector
+# from 0.24.0 (read in the same wheels; 0.22 and 0.23 taken as the later).
+LMCACHE_MP_BACKEND_SINCE: Version = (0, 22, 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +73,8 @@ GATES: tuple[Gate, ...] = (
     Gate("LMCache bundled in the x86 vllm/vllm-openai image", None, (0, 14, 0),
          "x86 images from July 2025 to v0.14.0 need `pip install lmcache` at start"),
     Gate("hybrid KV cache manager on by default", "--disable-hybrid-kv-cache-manager",
-         HMA_DEFAULT_SINCE, "offload connectors without HMA support need the flag"),
+         HMA_DEFAULT_SINCE, "the --kv-offloading-* flags' connectors without HMA support "
+         "need the flag (to v0.21; from v0.24 vLLM turns the manager off itself)"),
     Gate("native offload with the hybrid KV cache manager", None, NATIVE_OFFLOAD_HMA_SINCE,
          "native offload no longer needs --disable-hybrid-kv-cache-manager"),
 )
@@ -101,8 +117,20 @@ def defaults_for(version: Version | None) -> tuple[ReleaseDefault, ...]:
 class HmaVerdict:
     """Whether a deployment must pass `--disable-hybrid-kv-cache-manager`."""
 
-    required: bool | None  # None: the version is unknown, so it cannot be decided
+    required: bool | None  # None: the version is unknown (or unread), so it cannot be decided
     reason: str  # one sentence an operator can act on
+    # the manager stays on without the flag; False: vLLM turns it off (or needs the flag);
+    # None: not known
+    manager_on: bool | None = None
+
+
+def offload_flags_connector(version: Version | None, backend: str) -> str:
+    """The connector `--kv-offloading-backend BACKEND` (with --kv-offloading-size) makes."""
+    if backend.strip().lower() != "lmcache":
+        return "OffloadingConnector"
+    if version is not None and version < LMCACHE_MP_BACKEND_SINCE:
+        return "LMCacheConnectorV1"
+    return "LMCacheMPConnector"
 
 
 def parse_version(text: str) -> Version:
@@ -137,7 +165,8 @@ def gates_for_flag(flag: str) -> tuple[Gate, ...]:
     return tuple(g for g in GATES if g.flag == flag)
 
 
-def hma_verdict(version: Version | None, connector: str, hybrid_model: bool) -> HmaVerdict:
+def hma_verdict(version: Version | None, connector: str, hybrid_model: bool,
+                via_transfer_config: bool = False) -> HmaVerdict:
     """Decide whether `connector` on `version` needs `--disable-hybrid-kv-cache-manager`.
 
     Args:
@@ -145,22 +174,39 @@ def hma_verdict(version: Version | None, connector: str, hybrid_model: bool) -> 
         connector: the effective KV connector class name ("OffloadingConnector" for
             `--kv-offloading-backend native`).
         hybrid_model: the model mixes attention kinds (sliding + full, Mamba/linear + full).
+        via_transfer_config: the connector comes from `--kv-transfer-config`, not from the
+            `--kv-offloading-*` flags (up to v0.21 vLLM treats the two apart).
     """
     if connector in LMCACHE_CONNECTORS and hybrid_model:
         return HmaVerdict(True, "LMCache connectors cannot serve hybrid-attention models at "
-                          "all (LMCache#3106); use native offload on v0.21.0+ instead")
+                          "all (LMCache#3106); use native offload on v0.21.0+ instead", False)
     if connector == CONNECTOR_CLASS:  # SupportsHMA (kvtier.integrations.vllm.groups)
         # On every release it runs on (whatever the audited command's version).
         return HmaVerdict(False, "kvtier's connector supports the hybrid manager "
-                          "(SupportsHMA: sliding-window groups keep their window)")
+                          "(SupportsHMA: sliding-window groups keep their window)", True)
     if version is None:
-        return HmaVerdict(None, "vLLM version unknown: releases v0.18-v0.20 need the flag "
-                          "for every offload connector, v0.21.0+ not for native offload")
+        return HmaVerdict(None, "vLLM version unknown: releases v0.18-v0.21 fail at start-up "
+                          "for the --kv-offloading-* flags' connector without the flag, "
+                          "v0.21.0+ not for native offload, v0.24.0+ for none")
     if version < HMA_DEFAULT_SINCE:
         return HmaVerdict(False, f"the hybrid manager is not the default before "
-                          f"{format_version(HMA_DEFAULT_SINCE)}")
+                          f"{format_version(HMA_DEFAULT_SINCE)}", False)
     if connector in NATIVE_CONNECTORS and version >= NATIVE_OFFLOAD_HMA_SINCE:
         return HmaVerdict(False, f"native offload works with the hybrid manager since "
-                          f"{format_version(NATIVE_OFFLOAD_HMA_SINCE)}")
-    return HmaVerdict(True, f"{connector} does not support the hybrid manager on "
-                      f"{format_version(version)}; vLLM refuses to start without the flag")
+                          f"{format_version(NATIVE_OFFLOAD_HMA_SINCE)}",
+                          version >= HMA_AUTO_OFF_SINCE or not via_transfer_config)
+    name = format_version(version)
+    if version >= HMA_AUTO_OFF_SINCE:
+        return HmaVerdict(False, f"vLLM {name} turns the hybrid manager off by itself for "
+                          f"{connector}, which does not support it (a start-up warning, no "
+                          "failure)", False)
+    if version >= HMA_DECIDED_FIRST_BEFORE:
+        return HmaVerdict(None, f"vLLM {name} was not read: v0.21 fails at start-up without "
+                          "the flag for the --kv-offloading-* flags' connector, v0.24 turns "
+                          "the manager off by itself")
+    if via_transfer_config:
+        return HmaVerdict(False, f"vLLM {name} turns the hybrid manager off by itself for "
+                          "any --kv-transfer-config (a start-up warning, no failure; "
+                          "--no-disable-hybrid-kv-cache-manager keeps it)", False)
+    return HmaVerdict(True, f"{connector} does not support the hybrid manager on {name}; "
+                      "vLLM refuses to start without the flag", False)

@@ -40,6 +40,7 @@ from kvtier.tools.ops.vllm_versions import (
     LMCACHE_CONNECTORS,
     NATIVE_CONNECTORS,
     Version,
+    offload_flags_connector,
     parse_version,
 )
 
@@ -156,12 +157,18 @@ class ServeCommand:
         return None
 
     @property
+    def flags_connector(self) -> str | None:
+        """The connector `--kv-offloading-size` (and `--kv-offloading-backend`) makes, as the
+        audited release names it; None without those flags."""
+        if not self.has("--kv-offloading-size"):
+            return None
+        return offload_flags_connector(self.vllm_version,
+                                       self.value("--kv-offloading-backend") or "native")
+
+    @property
     def connectors(self) -> tuple[str, ...]:
         """Every KV connector in effect (MultiConnector children included)."""
-        names: list[str] = []
-        if self.has("--kv-offloading-size"):
-            backend = (self.value("--kv-offloading-backend") or "native").lower()
-            names.append("LMCacheMPConnector" if backend == "lmcache" else "OffloadingConnector")
+        names: list[str] = [] if self.flags_connector is None else [self.flags_connector]
         cfg = self.transfer_config
         if cfg:
             names.extend(_connector_names(cfg))

@@ -11,7 +11,12 @@ from kvtier.tools.ops.audit.command import ServeCommand
 from kvtier.tools.ops.audit.finding import Finding, Severity
 from kvtier.tools.ops.audit.registry import AuditOptions, model_traits, rule
 from kvtier.tools.ops.flags import DISABLE_HMA
-from kvtier.tools.ops.vllm_versions import NATIVE_CONNECTORS, format_version, hma_verdict
+from kvtier.tools.ops.vllm_versions import (
+    NATIVE_CONNECTORS,
+    HmaVerdict,
+    format_version,
+    hma_verdict,
+)
 
 _GIB = 1024**3
 
@@ -87,11 +92,12 @@ def offload_needs_hma(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
         return
     traits = model_traits(cmd)
     for connector in cmd.connectors:
-        verdict = hma_verdict(cmd.vllm_version, connector, traits.hybrid)
+        verdict = _verdict(cmd, connector, traits.hybrid)
         if verdict.required is False:
             continue
-        fix = f"add {DISABLE_HMA}" + ("" if verdict.required else
-                                      ", or pass --vllm-version so the audit can decide")
+        fix = f"add {DISABLE_HMA}" + (
+            "" if verdict.required else ", or pass --vllm-version so the audit can decide"
+            if cmd.vllm_version is None else " (it does no harm where vLLM needs none)")
         if traits.linear:  # the flag would stop vLLM itself (rules_state.py, issue 25)
             fix = ("do not add the flag: vLLM cannot run Mamba/linear-attention layers without "
                    "the hybrid manager; " + ("use vLLM v0.21.0+, whose native offload keeps it"
@@ -101,11 +107,19 @@ def offload_needs_hma(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
             "offload-needs-hma-flag",
             Severity.ERROR if verdict.required else Severity.WARNING,
             f"{connector} is configured without {DISABLE_HMA}",
-            f"{verdict.reason}; startup fails with 'Connector {connector} does not support "
-            "HMA but HMA is enabled'",
+            f"{verdict.reason}; " + ("startup fails" if verdict.required else "where it "
+                                     "does, startup fails")
+            + f" with 'Connector {connector} does not support HMA but HMA is enabled'",
             fix,
         )
         return
+
+
+def _verdict(cmd: ServeCommand, connector: str, hybrid: bool) -> HmaVerdict:
+    """`hma_verdict` for one of `cmd`'s connectors, by how it was configured (up to v0.21
+    vLLM turned the manager off for any --kv-transfer-config, not for the flags' connector)."""
+    return hma_verdict(cmd.vllm_version, connector, hybrid,
+                       via_transfer_config=connector != cmd.flags_connector)
 
 
 @rule("hma-flag-unneeded", "--disable-hybrid-kv-cache-manager kept where not needed",
@@ -114,8 +128,9 @@ def hma_flag_unneeded(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
     if not cmd.has(DISABLE_HMA) or cmd.vllm_version is None:
         return
     hybrid = model_traits(cmd).hybrid
-    verdicts = [hma_verdict(cmd.vllm_version, c, hybrid) for c in cmd.connectors]
-    if not verdicts or any(v.required is not False for v in verdicts):
+    verdicts = [_verdict(cmd, c, hybrid) for c in cmd.connectors]
+    # Where vLLM turns the manager off by itself the flag changes nothing: not this finding.
+    if not verdicts or any(v.required is not False or not v.manager_on for v in verdicts):
         return
     yield Finding(
         "hma-flag-unneeded", Severity.INFO,
