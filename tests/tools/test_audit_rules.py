@@ -76,6 +76,10 @@ CASES = {
     "cpu-offload-gb-not-kv": (
         ("vllm serve m --cpu-offload-gb 40", {}, V21, Severity.WARNING),
         (f"vllm serve m {NATIVE} 40", {}, V21, None)),
+    # vLLM turns offload on only with a size: the backend alone silently does nothing
+    "offload-backend-without-size": (
+        ("vllm serve m --kv-offloading-backend native", {}, V33, Severity.WARNING),
+        (f"vllm serve m {NATIVE} 40", {}, V33, None)),
     "offload-size-per-gpu": (
         (f"vllm serve m -tp 8 {NATIVE} 200", {}, V21, Severity.WARNING),
         (f"vllm serve m -tp 8 {NATIVE} 1600", {}, V21, None)),

@@ -51,11 +51,29 @@ def offload_size_per_gpu(cmd: ServeCommand, opts: AuditOptions) -> Iterator[Find
     yield Finding(
         "offload-size-per-gpu", Severity.WARNING,
         f"--kv-offloading-size {size:g} with TP={tp} gives each GPU {size / tp:.1f} GiB of "
-        f"host cache, under half of one {opts.gpu.name}'s usable memory ({floor_gib:.0f} GiB)",
+        f"host cache, under {floor_gib:.0f} GiB: half of what one {opts.gpu.name} gives vLLM "
+        f"at --gpu-memory-utilization {util:g}",
         "the flag is the TOTAL across TP ranks (SGLang's is per rank): a per-GPU number "
         "gives 1/TP of the intended tier, which mostly mirrors HBM and adds few hits",
         f"if {size:g} was meant per GPU, pass --kv-offloading-size {size * tp:g} "
         f"(= {size:g} x {tp}); `kvtier plan --from-sglang {size:g} --tp {tp}` does the math",
+    )
+
+
+@rule("offload-backend-without-size", "--kv-offloading-backend without --kv-offloading-size")
+def offload_backend_without_size(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
+    # vLLM (config/vllm.py _post_init_kv_transfer_config, read in 0.21.0 and 0.33.0): "KV
+    # offloading is only activated when kv_offloading_size is set"; the backend alone is
+    # accepted and does nothing.
+    if not cmd.has("--kv-offloading-backend") or cmd.has("--kv-offloading-size"):
+        return
+    backend = cmd.value("--kv-offloading-backend") or "native"
+    yield Finding(
+        "offload-backend-without-size", Severity.WARNING,
+        f"--kv-offloading-backend {backend} without --kv-offloading-size",
+        "vLLM turns offload on only when --kv-offloading-size is set: it starts without "
+        "offload and says nothing",
+        "add --kv-offloading-size <GiB, total across TP ranks>, e.g. `kvtier plan` sizes it",
     )
 
 
