@@ -123,22 +123,28 @@ def serve_flags(tp: int, gpu_memory_utilization: float, ctx: int, kv_dtype: str,
 
 def tier_estimates(
     req: PlanRequest, session_rank: int, kv_gpu: int, cpu_bytes: int, nvme_bytes: int,
-    reprefill: float, stored_rank: int | None = None,
+    reprefill: float, stored_rank: int | None = None, load_stored: bool = False,
 ) -> tuple[TierEstimate, ...]:
     """HBM, then the CPU tier (if `cpu_bytes`) and the NVMe tier (if `nvme_bytes`).
 
-    `session_rank` is what one session loads back (and holds in HBM) on one rank;
-    `stored_rank`, what it takes in a CPU or NVMe tier when that is more (kvtier's chunks of
-    a model with state layers each carry the states; a load reads one copy of them).
+    `session_rank` is what one session holds in HBM on one rank; `stored_rank`, what it
+    takes in a CPU or NVMe tier when that is more (kvtier's chunks of a model with state
+    layers each carry the states; a sliding-window layer's chunks are all stored). A load
+    moves `session_rank`, or with `load_stored` the stored bytes: kvtier reads and copies
+    whole chunks (tiers/files/chunkfiles.py `read_into`; worker/streams.py copies each chunk
+    to a staging buffer and scatters from there), vLLM's native offload only the groups'
+    blocks a hit needs.
     """
-    tp, session_total = req.tp, session_rank * req.tp
+    tp = req.tp
     stored_total = (stored_rank or session_rank) * tp
+    load_rank = stored_rank if load_stored and stored_rank else session_rank
+    load_total = load_rank * tp
     pcie = host_link(req.gpu, req.pcie_gen)
     # Each GPU pulls its own shard over its own link; all of them share host DRAM.
-    host_load = max(transfer_seconds(session_rank, pcie),
-                    transfer_seconds(session_total, dram_link()))
+    host_load = max(transfer_seconds(load_rank, pcie),
+                    transfer_seconds(load_total, dram_link()))
     disk = nvme_link(req.nvme_gen)
-    disk_load = max(transfer_seconds(session_total, disk), host_load)
+    disk_load = max(transfer_seconds(load_total, disk), host_load)
     tiers = [TierEstimate("GPU HBM", kv_gpu * tp, kv_gpu // session_rank, None, 0.0, math.inf,
                           GPU_MEDIUM)]
     if cpu_bytes:
@@ -171,7 +177,8 @@ def build_alternatives(
         cpu = 0 if name == "none" else int(cpu_gib * _GIB)
         nvme = int(nvme_gib * _GIB) if name in ("kvtier", "lmcache") else 0
         stored = _stored_session_rank(name, fp, ctx, chunks)
-        tiers = tier_estimates(req, session_rank, kv_gpu, cpu, nvme, reprefill, stored)
+        tiers = tier_estimates(req, session_rank, kv_gpu, cpu, nvme, reprefill, stored,
+                               load_stored=name == "kvtier")
         own, env = _flags(name, req, cpu_gib, nvme_gib, disable)
         out.append(Alternative(
             name=name, title=_TITLES[name], refused=refused, hybrid_manager=hma_on,

@@ -144,9 +144,11 @@ def make_plan(req: PlanRequest) -> Plan:
     native = next(a for a in alts if a.name == "native")
     kvtier = next(a for a in alts if a.name == "kvtier")
     # A session takes more room in a tier than in HBM where kvtier's chunks each carry a
-    # model's states (the tiers are then kvtier's), and where sliding-window layers keep
-    # their window in HBM but every chunk in a tier (both offloaders: alternatives.py).
-    stored_owner = kvtier if chunks is not None and kvtier.refused is None else native
+    # model's states, and where sliding-window layers keep their window in HBM but every
+    # chunk in a tier (both offloaders: alternatives.py). The tiers are then kvtier's (the
+    # NVMe tier is not native offload's), which loads whole chunks, unless it is refused.
+    stored_owner = kvtier if kvtier.refused is None and \
+        kvtier.stored_session_bytes_total is not None else native
     stored = None if stored_owner.stored_session_bytes_total is None \
         else stored_owner.stored_session_bytes_total // tp
     plan = Plan(
@@ -158,7 +160,8 @@ def make_plan(req: PlanRequest) -> Plan:
         reprefill_s=reprefill, hybrid_manager=native.hybrid_manager,
         hma_reason=native.hma_reason, cpu_tier_bytes=cpu_bytes,
         tiers=tier_estimates(req, native.session_bytes_total // tp, kv_gpu, cpu_bytes,
-                             int(nvme_gib * _GIB), reprefill, stored),
+                             int(nvme_gib * _GIB), reprefill, stored,
+                             load_stored=stored_owner is kvtier),
         cpu_offload_gib=cpu_gib, cpu_tier_wanted_bytes=wanted, host_ram_bytes=host_ram,
         nvme_gib=nvme_gib, serve_flags=tuple(flags), alternatives=alts,
         assumptions=tuple(_assumptions(req, ctx, host_ram, nvme_gib)), chunks=chunks,
