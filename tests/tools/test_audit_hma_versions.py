@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +21,7 @@ from kvtier.tools.ops.audit import Severity, parse_command_line, run_audit
 from kvtier.tools.ops.vllm_versions import hma_verdict
 
 RULE = "offload-needs-hma-flag"
+CONFIGS = Path(__file__).parents[1] / "data" / "configs"
 LMCACHE = "--kv-transfer-config " + shlex.quote(json.dumps(
     {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}))
 NATIVE_JSON = "--kv-transfer-config " + shlex.quote(json.dumps(
@@ -78,3 +80,30 @@ def test_an_unread_release_is_a_warning():
 def test_hma_verdict_by_release(version, connector, via_json, required, manager_on):
     verdict = hma_verdict(version, connector, False, via_transfer_config=via_json)
     assert (verdict.required, verdict.manager_on) == (required, manager_on)
+
+
+def test_gpt_oss_is_a_hybrid_attention_model_by_its_name():
+    # gpt-oss alternates sliding-window (128) and full attention layers
+    # (tests/data/configs/gpt-oss-120b.json): LMCache's mixed-group failure (LMCache#3106)
+    # applies; the audit, judging by name, did not know it.
+    cmd = parse_command_line(f"vllm serve openai/gpt-oss-120b {LMCACHE}", vllm_version=(0, 33, 0))
+    assert [f.severity for f in run_audit(cmd) if f.rule == "lmcache-hybrid-model"] == \
+        [Severity.ERROR]
+
+
+def test_llama4_config_is_not_called_hybrid_for_lmcache():
+    # Llama 4's chunked layers are one full-attention group with vLLM's default (the manager
+    # off for chunked attention): not LMCache's mixed-group failure.
+    config = json.loads((CONFIGS / "llama-4-scout.json").read_text())
+    cmd = parse_command_line(f"vllm serve /models/scout {LMCACHE}", vllm_version=(0, 33, 0),
+                             model_config=config)
+    assert [f for f in run_audit(cmd) if f.rule == "lmcache-hybrid-model"] == []
+
+
+def test_a_long_model_maximum_is_written_out_whole():
+    # Llama 4 Scout's max_position_embeddings, 10,485,760, read "1.04858e+07".
+    config = json.loads((CONFIGS / "llama-4-scout.json").read_text())
+    cmd = parse_command_line("vllm serve /models/scout", vllm_version=(0, 33, 0),
+                             model_config=config)
+    said = [f.what for f in run_audit(cmd) if f.rule == "max-model-len-traffic-unknown"]
+    assert said and said[0].startswith("--max-model-len 10485760 ")

@@ -38,8 +38,8 @@ RULE_MODULES: tuple[str, ...] = (
 )
 # Model names whose layers mix attention kinds (sliding+full, linear/Mamba+full).
 _HYBRID_NAME = re.compile(
-    r"qwen3[._-]?[56]|qwen3-next|gemma-?[234]|jamba|nemotron-h|granite-4|mamba|falcon-h1|"
-    r"minimax|zamba|bamba|plamo|lfm2", re.IGNORECASE)
+    r"qwen3[._-]?[56]|qwen3-next|gemma-?[234]|gpt-oss|jamba|nemotron-h|granite-4|mamba|"
+    r"falcon-h1|minimax|zamba|bamba|plamo|lfm2", re.IGNORECASE)
 # Of those, the names whose models hold Mamba / linear-attention state.
 _LINEAR_NAME = re.compile(
     r"qwen3[._-]?[56]|qwen3-next|jamba|nemotron-h|granite-4|mamba|falcon-h1|minimax|zamba|"
@@ -131,7 +131,10 @@ def model_traits(cmd: ServeCommand) -> ModelTraits:
     if cmd.model_config is not None:
         spec = parse_model_config(cmd.model_config)
         linear = spec.state_layers > 0
-        return ModelTraits(hybrid=spec.hybrid, known=True, linear=linear,
+        # Llama 4's chunked layers: vLLM turns the hybrid manager off for them by itself, so
+        # a connector sees one full-attention group (modelspec.ModelSpec.chunked_attention)
+        return ModelTraits(hybrid=spec.hybrid and not spec.chunked_attention, known=True,
+                           linear=linear,
                            mla=spec.mla is not None,
                            state_family=spec.state.family if linear and spec.state else None)
     name = cmd.model or ""

@@ -84,7 +84,7 @@ def max_model_len(cmd: ServeCommand, opts: AuditOptions) -> Iterator[Finding]:
         return
     yield Finding(
         "max-model-len-too-high", Severity.WARNING,
-        f"--max-model-len {mml:g} is {mml / need:.1f}x the typical context ({need} tokens)",
+        f"--max-model-len {mml:.0f} is {mml / need:.1f}x the typical context ({need} tokens)",
         "the scheduler reserves room for the longest allowed request, starving concurrency "
         "for the requests you actually get",
         f"set --max-model-len near the p95-p99 of real traffic, e.g. {need}",
@@ -107,7 +107,7 @@ def max_model_len_traffic_unknown(cmd: ServeCommand, opts: AuditOptions) -> Iter
         return
     yield Finding(
         "max-model-len-traffic-unknown", Severity.INFO,
-        f"--max-model-len {mml:g}{said}, and the context lengths of real traffic are not given",
+        f"--max-model-len {mml:.0f}{said}, and the context lengths of real traffic are not given",
         "the scheduler reserves room for the longest allowed request: when typical requests "
         "are far shorter (the operator's guide: 200k allowed, 8k typical) concurrency is "
         "starved for the requests you actually get",
@@ -124,14 +124,14 @@ def block_size(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
     if mml >= _LONG_CONTEXT and bs < 32:
         yield Finding(
             "block-size-long-context", Severity.INFO,
-            f"--max-model-len {mml:g} with block size {bs:g}",
+            f"--max-model-len {mml:.0f} with block size {bs:g}",
             "larger KV blocks cut internal fragmentation; a measurable win past ~128k tokens",
             "add --block-size 32",
         )
     elif mml < _SHORT_CONTEXT and bs >= 32:
         yield Finding(
             "block-size-long-context", Severity.INFO,
-            f"--block-size {bs:g} with --max-model-len {mml:g}",
+            f"--block-size {bs:g} with --max-model-len {mml:.0f}",
             "below ~32k tokens larger blocks are neutral or a slight loss (coarser prefix hits)",
             "drop --block-size (default 16) unless measured otherwise",
         )
@@ -153,7 +153,7 @@ def no_batched_tokens_cap(cmd: ServeCommand, opts: AuditOptions) -> Iterator[Fin
     default = vllm_default_batched_tokens(opts.gpu)
     yield Finding(
         "no-max-num-batched-tokens", Severity.WARNING,
-        f"--max-model-len {mml:g} with chunked prefill off and no --max-num-batched-tokens",
+        f"--max-model-len {mml:.0f} with chunked prefill off and no --max-num-batched-tokens",
         f"without chunked prefill vLLM raises the step cap from its default ({default} on "
         f"{opts.gpu.name}) to max_model_len: a burst of long prompts is prefilled in huge "
         "steps that starve decode and spike tail TTFT",
