@@ -232,3 +232,13 @@ def test_qwen3_next_kvtier_loads_every_chunks_state_copy():
     kvtier = plan("qwen3-next-80b-a3b", tp=4, context_tokens=32768).alternative("kvtier")
     assert kvtier.stored_session_bytes_total == 4 * 1_599_848_448
     assert kvtier.tiers[1].load_s == pytest.approx(1_599_848_448 / 50e9)
+
+
+def test_gpt_oss_120b_keeps_all_but_its_experts_in_bf16():
+    # vLLM's Mxfp4Config quantizes the routed experts only (quantization/mxfp4.py: linear
+    # layers unquantized). Experts: 36 layers x 128 x 3 x 2880 x 2880 = 114,661,785,600
+    # params at 4.25 bits = 60,914,073,600 B; the other 2,127,052,800 params (attention,
+    # router, embeddings) at 2 B = 4,254,105,600 B; 65,168,179,200 B = 60.7 GiB (OpenAI's
+    # model card: a 60.8 GiB checkpoint). All at 4.25 bits it read 57.8 GiB.
+    s = spec("gpt-oss-120b")
+    assert s.weights_bytes == pytest.approx(65_168_179_200, abs=1)

@@ -37,6 +37,7 @@ class ParamCount:
     total: int  # every parameter
     active: int  # parameters one token passes through (top-k experts for MoE)
     embedding: int  # input embedding + LM head (no FLOPs in prefill but one position)
+    routed_experts: int = 0  # the MoE layers' routed experts (shared ones not included)
 
 
 def count_params(
@@ -49,12 +50,14 @@ def count_params(
     attn = _mla_params(cfg, mla) if mla else _attention_params(cfg, head_dim)
     mixer = _linear_mixer_params(cfg, hidden)
     total = active = embed
+    routed = 0
     for i, kind in enumerate(kinds):
         layer = mixer if kind == "linear" else attn
-        mlp_total, mlp_active = _mlp_params(cfg, hidden, i)
+        mlp_total, mlp_active, mlp_routed = _mlp_params(cfg, hidden, i)
         total += layer + mlp_total
         active += layer + mlp_active
-    return ParamCount(total=total, active=active, embedding=embed)
+        routed += mlp_routed
+    return ParamCount(total=total, active=active, embedding=embed, routed_experts=routed)
 
 
 def linear_state_bytes(cfg: Mapping[str, Any], hidden: int) -> int:
@@ -101,8 +104,8 @@ def _linear_mixer_params(cfg: Mapping[str, Any], hidden: int) -> int:
     return 3 * hidden * d_inner  # in_proj (x and gate) + out_proj, ignoring small terms
 
 
-def _mlp_params(cfg: Mapping[str, Any], hidden: int, layer: int) -> tuple[int, int]:
-    """(total, active) MLP parameters of decoder layer `layer`."""
+def _mlp_params(cfg: Mapping[str, Any], hidden: int, layer: int) -> tuple[int, int, int]:
+    """(total, active, routed experts') MLP parameters of decoder layer `layer`."""
     experts = int(cfg.get("n_routed_experts") or cfg.get("num_experts")
                   or cfg.get("num_local_experts") or 0)
     dense_inter = int(cfg.get("intermediate_size") or 4 * hidden)
@@ -121,7 +124,7 @@ def _mlp_params(cfg: Mapping[str, Any], hidden: int, layer: int) -> tuple[int, i
               and (layer + 1) % sparse_step == 0)
     if not is_moe:
         dense = 3 * hidden * dense_inter
-        return dense, dense
+        return dense, dense, 0
     inter = int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size")
                 or dense_inter)
     per_expert = 3 * hidden * inter
@@ -130,4 +133,5 @@ def _mlp_params(cfg: Mapping[str, Any], hidden: int, layer: int) -> tuple[int, i
     shared = 3 * hidden * shared_inter if shared_inter else shared_count * per_expert
     router = hidden * experts
     top_k = int(cfg.get("num_experts_per_tok") or 1)
-    return experts * per_expert + shared + router, top_k * per_expert + shared + router
+    return (experts * per_expert + shared + router, top_k * per_expert + shared + router,
+            experts * per_expert)

@@ -39,7 +39,7 @@ from typing import Any, Literal
 
 from kvtier.errors import ConfigError
 from kvtier.tools.ops.kvdtypes import layer_token_bytes, plain_dtype_bytes
-from kvtier.tools.ops.modelparams import MlaSpec, count_params, linear_state_bytes
+from kvtier.tools.ops.modelparams import MlaSpec, ParamCount, count_params, linear_state_bytes
 from kvtier.tools.ops.statesize import StateShape, state_shape
 
 LayerKind = Literal["full", "sliding", "linear"]
@@ -338,7 +338,8 @@ def _parse_model_config(raw: Mapping[str, Any], cfg: Mapping[str, Any], name: st
         param_count=param_count or counted.total,
         active_param_count=min(counted.active, param_count) if param_count else counted.active,
         embedding_param_count=counted.embedding,
-        weight_bytes_per_param=_weight_bytes(cfg, outer_quant or cfg.get("quantization_config")),
+        weight_bytes_per_param=_weight_bytes(cfg, outer_quant or cfg.get("quantization_config"),
+                                             counted),
         max_position_embeddings=int(cfg.get("max_position_embeddings") or 0),
         architecture=_architecture(raw),
         encoder_decoder=bool(raw.get("is_encoder_decoder") or cfg.get("is_encoder_decoder")),
@@ -425,7 +426,7 @@ def _mla(cfg: Mapping[str, Any]) -> MlaSpec | None:
     )
 
 
-def _weight_bytes(cfg: Mapping[str, Any], quant: Any) -> float:
+def _weight_bytes(cfg: Mapping[str, Any], quant: Any, counted: ParamCount) -> float:
     """Bytes a weight takes, from the checkpoint's `quantization_config` (else its dtype).
 
     The 4-bit formats other than GPTQ/AWQ's `bits` were read as the dtype's 2 bytes: GPT-OSS's
@@ -438,13 +439,26 @@ def _weight_bytes(cfg: Mapping[str, Any], quant: Any) -> float:
         if isinstance(bits, int | float) and not isinstance(bits, bool) and bits > 0:
             return float(bits) / 8
         if method == "mxfp4":  # 4-bit values and a shared 8-bit scale per 32: 4.25 bits
-            return 4.25 / 8
+            # ... for the routed experts only: vLLM's Mxfp4Config quantizes RoutedExperts and
+            # leaves every linear layer (attention, router, LM head) and the embeddings in the
+            # checkpoint's dtype (quantization/mxfp4.py). gpt-oss-120b: 57.8 GiB read as all
+            # MXFP4, 60.6 GiB so (OpenAI's model card: a 60.8 GiB checkpoint).
+            if not counted.total or not counted.routed_experts:
+                return 4.25 / 8
+            rest = counted.total - counted.routed_experts
+            return (counted.routed_experts * 4.25 / 8 + rest * _dtype_bytes(cfg)) \
+                / counted.total
         if method == "bitsandbytes":
             return 0.5 if quant.get("load_in_4bit") or quant.get("_load_in_4bit") else 1.0
         if method == "modelopt" and "fp4" in str(quant.get("quant_algo", "")).lower():
             return 0.5
         if "fp8" in method or method in ("fbgemm_fp8", "modelopt"):
             return 1.0
+    return _dtype_bytes(cfg)
+
+
+def _dtype_bytes(cfg: Mapping[str, Any]) -> float:
+    """Bytes a weight of the checkpoint's `torch_dtype` takes (2 when unsaid)."""
     dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
     return _TORCH_DTYPE_BYTES.get(dtype, 2.0)
 
