@@ -242,3 +242,23 @@ def test_gpt_oss_120b_keeps_all_but_its_experts_in_bf16():
     # model card: a 60.8 GiB checkpoint). All at 4.25 bits it read 57.8 GiB.
     s = spec("gpt-oss-120b")
     assert s.weights_bytes == pytest.approx(65_168_179_200, abs=1)
+
+
+@pytest.mark.parametrize("quant, published_gb", [
+    # neuralmagic's Meta-Llama-3.1-8B-Instruct-FP8 (compressed-tensors, lm_head ignored):
+    # 6,979,321,856 linear params x 1 B + 2 x 128,256 x 4096 = 1,050,673,152 embedding and
+    # head params x 2 B = 9.08 GB; its checkpoint: 9.08 GB (all at 1 B it read 8.03 GB)
+    ({"quant_method": "compressed-tensors", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float"}}},
+      "ignore": ["lm_head"]}, 9.08),
+    # hugging-quants' AWQ INT4: 6.98e9 x 0.5 B + 1.05e9 x 2 B = 5.59 GB; its checkpoint:
+    # 5.73 GB (the rest: its group-128 scales and zeros, not modelled)
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True}, 5.73),
+])
+def test_quantized_llama31_8b_keeps_embedding_and_head_in_bf16(quant, published_gb):
+    cfg = json.loads((CONFIGS / "llama-3.1-8b.json").read_text())
+    s = parse_model_config(cfg | {"quantization_config": quant})
+    linear = s.param_count - 1_050_673_152
+    assert s.weights_bytes == pytest.approx(linear * quant.get("bits", 8) / 8
+                                            + 1_050_673_152 * 2, abs=1)
+    assert s.weights_bytes / 1e9 == pytest.approx(published_gb, rel=0.03)

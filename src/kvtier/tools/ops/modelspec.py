@@ -427,34 +427,49 @@ def _mla(cfg: Mapping[str, Any]) -> MlaSpec | None:
 
 
 def _weight_bytes(cfg: Mapping[str, Any], quant: Any, counted: ParamCount) -> float:
-    """Bytes a weight takes, from the checkpoint's `quantization_config` (else its dtype).
+    """Bytes a weight takes on average, from the checkpoint's `quantization_config` (else its
+    dtype).
+
+    A quantization covers vLLM's linear layers only: the input embedding and the LM head
+    (VocabParallelEmbedding / ParallelLMHead, not LinearBase) stay in the checkpoint's dtype,
+    unless the config quantizes the head (GPTQ's `lm_head`). MXFP4 covers the routed experts
+    only (quantization/mxfp4.py). Read as all-quantized, Llama-3.1-8B FP8 was 8.0 GB (its
+    checkpoint: 9.1 GB), its AWQ INT4 4.0 GB (5.7 GB), gpt-oss-120b 57.8 GiB (60.8 GiB).
+    """
+    dtype = _dtype_bytes(cfg)
+    quantized = _quantized_bytes(quant) if isinstance(quant, Mapping) else None
+    if quantized is None or not counted.total:
+        return dtype if quantized is None else quantized
+    assert isinstance(quant, Mapping)
+    if str(quant.get("quant_method", "")).lower() == "mxfp4":
+        covered = counted.routed_experts or counted.total
+    else:
+        input_embedding = int(cfg.get("vocab_size") or 0) * int(cfg["hidden_size"])
+        head_quantized = quant.get("lm_head") is True and counted.embedding > input_embedding
+        covered = counted.total - (input_embedding if head_quantized else counted.embedding)
+    return (covered * quantized + (counted.total - covered) * dtype) / counted.total
+
+
+def _quantized_bytes(quant: Mapping[str, Any]) -> float | None:
+    """Bytes of a quantized weight in `quant`'s format; None when it quantizes no weights.
 
     The 4-bit formats other than GPTQ/AWQ's `bits` were read as the dtype's 2 bytes: GPT-OSS's
     MXFP4 (120B: "217.5 GiB a GPU", refused on the one H100 it is made for), bitsandbytes,
     compressed-tensors' W4A16 and ModelOpt's NVFP4.
     """
-    if isinstance(quant, Mapping):
-        method = str(quant.get("quant_method", "")).lower()
-        bits = quant.get("bits") or quant.get("w_bit") or _compressed_tensors_bits(quant)
-        if isinstance(bits, int | float) and not isinstance(bits, bool) and bits > 0:
-            return float(bits) / 8
-        if method == "mxfp4":  # 4-bit values and a shared 8-bit scale per 32: 4.25 bits
-            # ... for the routed experts only: vLLM's Mxfp4Config quantizes RoutedExperts and
-            # leaves every linear layer (attention, router, LM head) and the embeddings in the
-            # checkpoint's dtype (quantization/mxfp4.py). gpt-oss-120b: 57.8 GiB read as all
-            # MXFP4, 60.6 GiB so (OpenAI's model card: a 60.8 GiB checkpoint).
-            if not counted.total or not counted.routed_experts:
-                return 4.25 / 8
-            rest = counted.total - counted.routed_experts
-            return (counted.routed_experts * 4.25 / 8 + rest * _dtype_bytes(cfg)) \
-                / counted.total
-        if method == "bitsandbytes":
-            return 0.5 if quant.get("load_in_4bit") or quant.get("_load_in_4bit") else 1.0
-        if method == "modelopt" and "fp4" in str(quant.get("quant_algo", "")).lower():
-            return 0.5
-        if "fp8" in method or method in ("fbgemm_fp8", "modelopt"):
-            return 1.0
-    return _dtype_bytes(cfg)
+    method = str(quant.get("quant_method", "")).lower()
+    bits = quant.get("bits") or quant.get("w_bit") or _compressed_tensors_bits(quant)
+    if isinstance(bits, int | float) and not isinstance(bits, bool) and bits > 0:
+        return float(bits) / 8
+    if method == "mxfp4":  # 4-bit values and a shared 8-bit scale per 32: 4.25 bits
+        return 4.25 / 8
+    if method == "bitsandbytes":
+        return 0.5 if quant.get("load_in_4bit") or quant.get("_load_in_4bit") else 1.0
+    if method == "modelopt" and "fp4" in str(quant.get("quant_algo", "")).lower():
+        return 0.5
+    if "fp8" in method or method in ("fbgemm_fp8", "modelopt"):
+        return 1.0
+    return None
 
 
 def _dtype_bytes(cfg: Mapping[str, Any]) -> float:
