@@ -80,6 +80,12 @@ CASES = {
     "offload-backend-without-size": (
         ("vllm serve m --kv-offloading-backend native", {}, V33, Severity.WARNING),
         (f"vllm serve m {NATIVE} 40", {}, V33, None)),
+    # from v0.24 the lmcache backend is LMCache's MP server: the size is not passed on
+    "lmcache-backend-is-mp": (
+        ("vllm serve m --kv-offloading-backend lmcache --kv-offloading-size 100", {}, V33,
+         Severity.WARNING),
+        ("vllm serve m --kv-offloading-backend lmcache --kv-offloading-size 100", {}, V21,
+         None)),
     "offload-size-per-gpu": (
         (f"vllm serve m -tp 8 {NATIVE} 200", {}, V21, Severity.WARNING),
         (f"vllm serve m -tp 8 {NATIVE} 1600", {}, V21, None)),

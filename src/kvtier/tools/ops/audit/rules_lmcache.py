@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from kvtier.tools.ops.audit.command import ServeCommand
 from kvtier.tools.ops.audit.finding import Finding, Severity
 from kvtier.tools.ops.audit.registry import AuditOptions, model_traits, rule
+from kvtier.tools.ops.vllm_versions import format_version
 
 # Relative difference between LMCache's total and vLLM's size that we call consistent.
 _TOLERANCE = 0.10
@@ -57,6 +58,31 @@ def lmcache_size_mismatch(cmd: ServeCommand, _: AuditOptions) -> Iterator[Findin
         "the scheduler then miscounts cache slots" + (
             ", and the host may be over-committed at startup (OOM kill)" if overcommit else ""),
         f"set LMCACHE_MAX_LOCAL_CPU_SIZE={total / tp:g} (= {total:g} / TP {tp})",
+    )
+
+
+@rule("lmcache-backend-is-mp", "--kv-offloading-backend lmcache: a standalone LMCache server, "
+      "not the size given", reads=("--vllm-version",))
+def lmcache_backend_is_mp(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
+    # vLLM's config/vllm.py _post_init_kv_transfer_config (0.24.0, 0.27.0, 0.33.0): the lmcache
+    # backend is LMCacheMPConnector and "kv_offloading_size is not propagated"; up to 0.21.0
+    # it was LMCacheConnectorV1 (in-process).
+    if cmd.flags_connector != "LMCacheMPConnector":
+        return
+    size = cmd.value("--kv-offloading-size")
+    release = "this release" if cmd.vllm_version is None else format_version(cmd.vllm_version)
+    yield Finding(
+        "lmcache-backend-is-mp", Severity.WARNING,
+        f"--kv-offloading-backend lmcache --kv-offloading-size {size} on {release}: vLLM "
+        "makes LMCacheMPConnector (LMCache in a separate server process)",
+        f"vLLM does not pass the {size} GiB on: the cache is the standalone LMCache server's, "
+        "sized by that server's own config, and vLLM connects to it (tcp://localhost:5555 "
+        "unless kv_connector_extra_config names another); without such a server there is no "
+        "LMCache tier" + ("" if cmd.vllm_version is not None else
+                          " (up to v0.21 this backend was in-process LMCacheConnectorV1)"),
+        "run an LMCache MP server sized for the tier, or for LMCache inside vLLM pass "
+        "--kv-transfer-config '{\"kv_connector\":\"LMCacheConnectorV1\",\"kv_role\":"
+        "\"kv_both\"}' with LMCACHE_MAX_LOCAL_CPU_SIZE (per rank) instead",
     )
 
 
