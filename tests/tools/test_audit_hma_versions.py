@@ -7,6 +7,10 @@ release's vllm/config/vllm.py decides it (read in the 0.18.0, 0.20.0, 0.21.0, 0.
   HMA support, fails at start-up: 'Connector X does not support HMA but HMA is enabled'.
 - 0.24 on: decided after, and turned off for any connector without HMA support (a warning):
   no connector fails for want of the flag.
+
+Then the model traits those rules read: which models are hybrid (gpt-oss by name; Llama 4's
+chunked attention, one full-attention group by vLLM's default, not), and context lengths as
+the findings write them.
 """
 
 from __future__ import annotations
