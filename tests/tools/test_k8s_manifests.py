@@ -24,6 +24,7 @@ import importlib.util
 import json
 import logging
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -394,6 +395,20 @@ def test_the_node_ram_tier_and_pod_memory_are_what_kvtier_plan_gives(
     limit = node_container()["resources"]["limits"]["memory"]
     assert quantity_bytes(limit) == -(-planned["pod_memory_bytes"] // 2**30) * 2**30
 
+
+def test_the_node_sizing_command_of_deploy_md_gives_the_overlays_tiers(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """deploy.md's `kvtier plan ... --node-engines 8` command, run as written, sizes the
+    overlay's RAM and disk tiers. Before, it passed `--nvme 8TB` (decimal: a 6705.52GiB disk
+    tier) where the overlay holds 7.2TiB (90% of 8TiB, the base's 1TiB per pod times 8)."""
+    text = (ROOT / "docs" / "deploy.md").read_text().replace("\\\n", " ")
+    line = next(line.strip() for line in text.splitlines()
+                if line.strip().startswith("kvtier plan ") and "--node-engines" in line)
+    assert main([*shlex.split(line)[1:], "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)["node"]["node_config"]["tiers"]
+    sizes = {t["kind"]: parse_size(t["capacity"], "capacity") for t in node_tiers()
+             if t["kind"] in ("memory", "disk")}
+    assert {t["kind"]: parse_size(t["capacity"], "capacity") for t in planned} == sizes
 
 def test_the_node_max_layouts_is_what_the_hosts_shm_holds(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
