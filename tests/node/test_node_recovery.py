@@ -174,6 +174,27 @@ def test_drop_ram_removes_the_slab_at_a_clean_stop(
     assert shm_files(node.name) == []
 
 
+
+def test_drop_ram_names_the_slabs_of_layouts_it_never_opened_at_its_stop(
+        tmp_path: Path, start_node: Callable[..., NodeProcess]) -> None:
+    """A node started with --drop-ram to be stopped cold, whose engines never came back,
+    removes no slab of its predecessor (a layout it never opened: its model may come back),
+    and its stop says so, naming the file. Before, it logged "RAM slabs removed" and left a
+    whole RAM tier in /dev/shm for the operator to find."""
+    config = node_tiers(tmp_path, ram_chunks=8)
+    node = start_node(config)
+    _client, engine = connect(node.socket_path)
+    assert put_chunks(engine, range(3)) == [True] * 3
+    assert node.stop() == 0
+    [slab] = shm_files(node.name)
+
+    node = start_node(config, args=("--drop-ram",))
+    assert node.stop() == 0
+    assert shm_files(node.name) == [slab]  # not its own: kept
+    stopped = node.log_path.read_text().splitlines()[-1]
+    assert "stopped" in stopped and str(slab) in stopped, stopped
+    assert "RAM slabs removed)" not in stopped
+
 def test_a_load_held_in_place_survives_its_thread_letting_the_old_slab_go(
         tmp_path: Path, start_node: Callable[..., NodeProcess]) -> None:
     """A device mover's inline load keeps its in-place loans until the step ends, while the

@@ -26,6 +26,7 @@ from types import FrameType
 from kvtier.errors import ConfigError, NodeUnavailable
 from kvtier.node.client import node_status
 from kvtier.node.config import NodeConfig
+from kvtier.node.hostfiles import slabs_of
 from kvtier.node.metrics import MetricsServer, NodeCollector
 from kvtier.node.server import NodeServer
 from kvtier.tiers.shmslab import SHM_DIR, shm_size_bytes
@@ -185,9 +186,27 @@ def _serve(node: NodeServer) -> int:
     signal.signal(signal.SIGINT, on_signal)
     node.serve_forever()
     stop.wait(timeout=60)
-    log.info("kvtier node %r: stopped (RAM slabs %s)", node.config.name,
-             "kept for the next node" if node.config.keep_ram else "removed")
+    log.info("kvtier node %r: stopped (%s)", node.config.name, _slabs_at_stop(node))
     return 0
+
+
+def _slabs_at_stop(node: NodeServer) -> str:
+    """What the stop line says of the RAM slabs, once the stores are closed. With --drop-ram,
+    the slabs of the node's name still in /dev/shm are named: an earlier node's layouts that
+    no engine asked this one for (it removes only its own; they are never swept, as their
+    model may come back). A node stopped cold to clean up had logged "RAM slabs removed" and
+    left a whole RAM tier there (tests/node/test_node_recovery.py)."""
+    if node.config.keep_ram:
+        return "RAM slabs kept for the next node"
+    left = []
+    for path in slabs_of(node.config.name, aside=True):
+        with contextlib.suppress(OSError):
+            left.append(f"{path} ({format_size(path.stat().st_size)})")
+    if not left:
+        return "RAM slabs removed"
+    return (f"its RAM slabs removed; left in {SHM_DIR}: {', '.join(left)}, of an earlier "
+            "node's layouts no engine asked this one for (remove those of models no longer "
+            "served)")
 
 
 def listen_host(text: str) -> str:
