@@ -20,7 +20,8 @@ from kvtier.tools.ops.enginecache import TierResidency, parse_engine_cache
 
 def metrics_text() -> str:
     """Two engines' series: 1,000 tokens found, 600 loaded, 256 cut by the rule, 128 lost to
-    a failed load, 16 declined by vLLM; a memory and a disk tier."""
+    a failed load, 16 declined by vLLM; a memory and a disk tier, and a redis tier of capacity 0
+    (the server's maxmemory bounds it: kvtier counts nothing there)."""
     reg = CollectorRegistry()
     lost = Counter(enginecache.LOST_COUNTER.removesuffix("_total"), "lost",
                    ["engine", "reason"], registry=reg)
@@ -38,6 +39,7 @@ def metrics_text() -> str:
         g = Gauge(enginecache.PREFIX + gauge, gauge, ["engine", "tier"], registry=reg)
         g.labels("0", "memory").set(values[0])
         g.labels("0", "disk").set(values[1])
+        g.labels("0", "redis").set(0)  # capacity 0: no index, nothing counted
     return generate_latest(reg).decode()
 
 
@@ -82,7 +84,8 @@ def test_engines_are_summed_and_every_reason_is_listed() -> None:
     assert cache.lost_tokens == {"recompute_faster": 256, "vllm_declined": 16,
                                  "load_failed": 128, "load_too_slow": 0, "no_state": 0}
     assert cache.residency == {"memory": TierResidency(10, 1 << 20, 4 << 20),
-                               "disk": TierResidency(200, 50 << 20, 1 << 30)}
+                               "disk": TierResidency(200, 50 << 20, 1 << 30),
+                               "redis": TierResidency(0, 0, 0)}
 
 
 def test_inspect_shows_lost_hits_by_reason_and_residency(
@@ -99,3 +102,15 @@ def test_inspect_shows_lost_hits_by_reason_and_residency(
     assert cache["lost_tokens"]["load_failed"] == 128
     assert cache["residency"]["memory"] == {"chunks": 10, "used_bytes": 1 << 20,
                                             "capacity_bytes": 4 << 20}
+
+
+def test_a_tier_without_a_bound_shows_no_count_rather_than_zero(
+        server: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A redis tier of capacity 0 (the default) keeps no index: its gauges are 0 whatever the
+    server holds. Its row read "0 / 0 B / 0 B" beside the chunks `--config`'s table counted on
+    the same server (a new user's redis tier looked empty and disabled)."""
+    assert main(["inspect", "--metrics", server]) == 0
+    out = capsys.readouterr().out
+    row = next(x for x in out.splitlines() if x.startswith("│ redis"))
+    assert "0 B" not in row and "no bound" in row
+    assert "not counted by the engine" in out

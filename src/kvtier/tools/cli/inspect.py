@@ -126,6 +126,8 @@ def run(args: argparse.Namespace) -> int:
     if engine is not None:
         console.print(_lost_table(engine))
         console.print(_residency_table(engine))
+        if any(h.capacity_bytes <= 0 for h in engine.residency.values()):
+            console.print(literal(UNCOUNTED))
     print_errors(console, errors)
     return 1 if errors else 0
 
@@ -190,14 +192,26 @@ def _lost_table(engine: EngineCache) -> Table:
 
 
 def _residency_table(engine: EngineCache) -> Table:
-    """What each tier holds now, as the engine sees it (its own layout's namespace)."""
+    """What each tier holds now, as the engine sees it (its own layout's namespace). A tier
+    of capacity 0 has no bound of kvtier's and no count to match (a redis tier's gauges stay
+    0, an s3 tier's count only this engine's stores, a node's tiers are the node's): its row
+    says so (`UNCOUNTED`) rather than "0 B", which read as an empty, disabled tier."""
     table = Table(title="residency now (the engine's tiers)")
     for column in ("tier", "chunks", "bytes", "capacity"):
         table.add_column(column, justify="left" if column == "tier" else "right")
     for tier, held in sorted(engine.residency.items()):
-        table.add_row(tier, f"{held.chunks:.0f}", format_size(int(held.used_bytes)),
-                      format_size(int(held.capacity_bytes)))
+        if held.capacity_bytes <= 0:
+            table.add_row(tier, "-", "-", "no bound")
+        else:
+            table.add_row(tier, f"{held.chunks:.0f}", format_size(int(held.used_bytes)),
+                          format_size(int(held.capacity_bytes)))
     return table
+
+
+# Printed under the residency table when a row is a tier of capacity 0.
+UNCOUNTED = ("-: not counted by the engine (a redis or s3 tier of capacity 0, bounded by the "
+             "server; a kvtier node's tiers): what it holds is in the table of --config, or "
+             "kvtier node status")
 
 
 def short_fingerprint(fingerprint: str) -> str:
