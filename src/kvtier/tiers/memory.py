@@ -25,8 +25,10 @@ so one engine's flood of new prompts cannot push its neighbours' warm sets out.
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
+import os
 import threading
 import time
 from collections import Counter
@@ -57,6 +59,7 @@ from kvtier.core.tier import (
     TierResult,
     TierStats,
 )
+from kvtier.errors import ConfigError
 from kvtier.tiers.prefault import prefault_in_background
 from kvtier.tiers.retention import (
     RetentionTierSettings,
@@ -65,6 +68,7 @@ from kvtier.tiers.retention import (
     build_book,
 )
 from kvtier.tiers.shmslab import SharedSlab
+from kvtier.units import format_size
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +202,19 @@ class MemoryTier:
                 log.warning("memory tier %r: pin=on but CUDA is not available; using pageable RAM",
                             self.name)
         # mmap gives page-aligned, lazily committed memory.
-        self._mmap = mmap.mmap(-1, max(size_bytes, 1))
+        try:
+            self._mmap = mmap.mmap(-1, max(size_bytes, 1))
+        except OSError as exc:
+            if exc.errno != errno.ENOMEM:
+                raise
+            # The kernel refused the mapping outright (its overcommit heuristic refuses one
+            # larger than RAM and swap): a capacity this host cannot hold, named as such
+            # rather than an OSError's traceback in vLLM's worker.
+            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            raise ConfigError(f"{self.name}.capacity", format_size(size_bytes),
+                              f"a slab this host can map: it has {format_size(ram)} of RAM "
+                              "(the kernel refused the mapping: ENOMEM); a capacity is per "
+                              "engine, each TP rank mapping its share") from None
         return np.frombuffer(self._mmap, dtype=np.uint8)[:size_bytes]
 
     def offset_of(self, view: memoryview) -> int | None:
