@@ -115,11 +115,19 @@ def parse_model(model: type[Model], data: Any, where: str,
         field = ".".join(str(part) for part in (where, *loc))
         if error["type"] == "extra_forbidden":
             allowed = "unknown field; allowed fields: " + ", ".join(
-                sorted(_model_at(model, loc[:-1]).model_fields))
+                _settable_fields(_model_at(model, loc[:-1])))
             if secret_field(loc[-1]):  # `password: ...` where no such field is
                 value = MASK
         raise ConfigError(field, value, allowed) from None
 
+
+
+def _settable_fields(model: type[BaseModel]) -> list[str]:
+    """`model`'s fields a config may set, sorted: not those typed `None`, which exist only to
+    be refused with a reason (a secret inline: `encryption_secret`, an s3 tier's
+    `access_key_id`), and which a typo's list of allowed fields had offered."""
+    return sorted(name for name, field in model.model_fields.items()
+                  if field.annotation is not type(None))
 
 def _model_at(model: type[BaseModel], loc: tuple[int | str, ...]) -> type[BaseModel]:
     """The model that `loc` (a pydantic error's location of a field) lies in, inside `model`:

@@ -144,6 +144,25 @@ def test_a_typo_in_a_nested_mapping_lists_that_mappings_fields() -> None:
     assert caught.value.allowed == "unknown field; allowed fields: cap, share"
 
 
+
+def test_a_typo_lists_no_field_that_is_always_refused() -> None:
+    """The fields that exist only to be refused (a secret inline: `encryption_secret`, an s3
+    tier's `access_key_id`...) were listed as allowed beside a typo's error: an operator who
+    took the list at its word was refused next."""
+    def listed(tier: dict[str, Any]) -> set[str]:
+        with pytest.raises(ConfigError) as caught:
+            StoreConfig.parse({"tiers": [{"kind": "memory", "capacity": "1GiB"}, tier]})
+        return set(caught.value.allowed.split("allowed fields: ", 1)[1].split(", "))
+
+    shared = listed({"kind": "shared", "path": "/tmp/kvtier-typo", "capacity": "1GiB",
+                     "codecc": "zstd"})
+    assert "encryption_secret_file" in shared and "encryption_secret" not in shared
+    s3 = listed({"kind": "s3", "bucket": "kv-cache", "region": "us-east-1", "regon": "x"})
+    assert "endpoint_url" in s3 and "credentials_file" in s3
+    assert not s3 & {"access_key_id", "secret_access_key", "aws_access_key_id",
+                     "encryption_secret"}
+
+
 def test_a_ram_tier_behind_a_slower_one_is_refused() -> None:
     """Tiers go fastest first: a disk tier first made every store wait for the disk, and the
     RAM behind it held only what the disk already did."""
