@@ -7,11 +7,14 @@ of use, without changing a byte of what stores put there meanwhile.
 
 from __future__ import annotations
 
+import logging
 import os
 
+import pytest
 from tierkit import key, tiny_layout
 
 from kvtier.core.layout import KVLayout
+from kvtier.tiers import memory as memory_module
 from kvtier.tiers.memory import MemoryTier, MemoryTierConfig
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=4, head_size=64, dtype="float16",
@@ -88,3 +91,20 @@ def test_closing_stops_it() -> None:
     assert memory.prefaulting is not None
     memory.prefaulting.join(timeout=5)
     assert not memory.prefaulting.is_alive()
+
+
+def test_a_slab_larger_than_the_available_ram_is_not_committed_ahead(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A capacity the host can map but not hold (20 GiB with 17 available): the prefault
+    would commit it whole at start-up, until the OOM killer ended a process. The host's
+    MemAvailable is injected (a real slab that large would starve the machine's tenants)."""
+    monkeypatch.setattr(memory_module, "available_bytes", lambda: (SLAB_MIB // 2) << 20,
+                        raising=False)
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.memory"):
+        big = tier(prefault=True)
+    try:
+        assert big.prefaulting is None
+        assert f"capacity {SLAB_MIB}.0 MiB is more than the {SLAB_MIB // 2}.0 MiB" in caplog.text
+        assert big.put(key(0), memoryview(os.urandom(LAYOUT.bytes_per_chunk))).ok
+    finally:
+        big.close()

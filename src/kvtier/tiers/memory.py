@@ -60,7 +60,7 @@ from kvtier.core.tier import (
     TierStats,
 )
 from kvtier.errors import ConfigError
-from kvtier.tiers.prefault import prefault_in_background
+from kvtier.tiers.prefault import available_bytes, prefault_in_background
 from kvtier.tiers.retention import (
     RetentionTierSettings,
     TenantQuotaSettings,
@@ -150,7 +150,7 @@ class MemoryTier:
         # A shared slab's pages exist (allocated with its file), but not in this process's
         # page tables: a first write into each still faults (7x slower than into a mapped
         # page here, docs/performance.md).
-        if config.prefault and not self.pinned and self._slab.nbytes:
+        if config.prefault and not self.pinned and self._slab.nbytes and self._fits_in_ram():
             self.prefaulting = prefault_in_background(
                 self._slab, f"memory tier {self.name!r}", self._stop_prefault)
         self._index: dict[ChunkKey, int] = {}
@@ -185,6 +185,24 @@ class MemoryTier:
         return None if quota is None else RetentionBook(
             self.num_slots * self.slot_bytes, quota=quota.quota(), max_pinned_share=0.0,
             clock=clock)
+
+    def _fits_in_ram(self) -> bool:
+        """Whether this process's own slab fits in the RAM the host has available now, so
+        that committing it in the background is safe. One larger (a capacity copied from a
+        bigger host: 20 GiB maps on a 23.5 GiB host with 17 available) would be committed
+        whole by the prefault at start-up, until the kernel's OOM killer ended a process,
+        this engine's or another's: it is warned of, naming the capacity, and left to commit
+        as chunks fill it. A node's slab in /dev/shm exists already (mapping it takes no
+        RAM)."""
+        available = None if self._shared is not None else available_bytes()
+        if available is None or self._slab.nbytes <= available:
+            return True
+        log.warning("memory tier %r: capacity %s is more than the %s of RAM this host has "
+                    "available: its pages are not committed ahead of use, and once chunks "
+                    "fill what the host has, the kernel's OOM killer ends a process (this "
+                    "engine or another); lower its capacity", self.name,
+                    format_size(self._slab.nbytes), format_size(available))
+        return False
 
     def _allocate(self, size_bytes: int, pin: str) -> np.ndarray:
         if pin != "off":

@@ -12,7 +12,7 @@ per call: `madvise(MADV_POPULATE_WRITE)` (Linux 5.14+) maps the pages writable w
 changing a byte, so it is safe while slots are already being filled, and ctypes releases
 the GIL for the call. On an older kernel the pages stay lazily committed (logged once).
 
-Primitives: `prefault_in_background`.
+Primitives: `prefault_in_background`, `available_bytes`.
 """
 
 from __future__ import annotations
@@ -76,3 +76,16 @@ def prefault_in_background(slab: np.ndarray, name: str,
                               name="kvtier-prefault", daemon=True)
     thread.start()
     return thread
+
+
+def available_bytes() -> int | None:
+    """The host's MemAvailable (what it can still commit without swapping or reclaiming
+    what is in use), in bytes; None where /proc/meminfo does not say."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
