@@ -8,7 +8,8 @@ tools' servers.
 
 Primitives: `KVTierError`, `ConfigError`, `TierConfigError`, `NotEnoughMemory`,
 `TierUnavailable`, `DirectoryInUse`, `LinkTimeout`, `CorruptChunk`, `CodecFailure`,
-`AuthFailure`, `KeyNotHeld`, `UncacheableRequest`, `WarmupError`, `ServerError`.
+`AuthFailure`, `KeyNotHeld`, `UncacheableRequest`, `HostBufferRaced`, `WarmupError`,
+`ServerError`.
 """
 
 from kvtier.redaction import redact_text, redact_value
@@ -117,6 +118,20 @@ class RequestFieldError(KVTierError, ValueError):
         self.value = value
         self.allowed = allowed
         super().__init__(f"invalid {field}={value!r}: {allowed}")
+
+
+# -- the test devices -----------------------------------------------------------------------
+class HostBufferRaced(KVTierError):
+    """The CPU stand-in device (kvtier.testing.standin) found a host buffer changed between the
+    `run` that queued a device read or write of it and the stream's turn to do it: on a GPU
+    the DMA would have moved the wrong bytes (a spare refilled, a slot reused, or a host read
+    or write before the copy's event)."""
+
+    def __init__(self, op: str, access: str, shape: tuple[int, ...], dtype: object) -> None:
+        self.op = op
+        self.access = access  # "read" or "write"
+        super().__init__(f"a host buffer ({dtype}, shape {list(shape)}) that {op} queued to "
+                         f"{access} was changed by the host before the stream ran it")
 
 
 # -- the operator tools ----------------------------------------------------------------------

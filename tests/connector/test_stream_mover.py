@@ -33,6 +33,7 @@ import torch
 from moverrig import MoverRig, NoCopyWaits, NoWaits
 from tierkit import key
 
+from kvtier.errors import HostBufferRaced
 from kvtier.integrations.vllm.transfers import ChunkTransfer
 from kvtier.integrations.vllm.worker.cpu import spare_buffers
 from kvtier.integrations.vllm.worker.paged import PagedKV
@@ -280,11 +281,13 @@ def test_an_inline_loads_ram_slot_stays_lent_until_its_copy_ran(tmp_path: Path,
 def test_a_slot_given_back_before_its_copy_ran_is_overwritten(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every event answers "reached" (a mover that trusts `query` blindly): the RAM slot is
-    given back and evicted before the slow copy reads it."""
+    given back and evicted before the slow copy reads it; the device names the race (the
+    slot changed between the copy's `run` and its turn on the stream)."""
     with Rig(tmp_path, StandInDevice(delays={"load": 0.05}), ram_chunks=1) as rig:
         monkeypatch.setattr(StandInEvent, "query", lambda self: True)
         assert borrowed_slot_outlives_eviction(rig) != []
         monkeypatch.undo()
+        assert any(isinstance(e, HostBufferRaced) for e in rig.device.take_errors())
 
 
 def test_many_chunks_through_two_staging_buffers(tmp_path: Path) -> None:

@@ -41,6 +41,7 @@ from test_stream_mover import (
 )
 from tierkit import key
 
+from kvtier.errors import HostBufferRaced
 from kvtier.integrations.vllm.transfers import ChunkTransfer
 from kvtier.integrations.vllm.worker.cpu import spare_buffers
 from kvtier.testing.standin import StandInDevice, StandInEvent, StandInStream
@@ -176,6 +177,7 @@ def test_a_batchs_slots_given_back_before_its_copy_ran_are_overwritten(
         monkeypatch.setattr(StandInEvent, "query", lambda self: True)
         assert batch_slots_outlive_eviction(rig) != []
         monkeypatch.undo()
+        assert any(isinstance(e, HostBufferRaced) for e in rig.device.take_errors())
 
 
 # -- failures within a batch ---------------------------------------------------------------

@@ -129,7 +129,7 @@ class Backend:
         if self.cuda:
             self.device.run(stream, lambda: torch.cuda._sleep(int(seconds * SLEEP_CYCLES_PER_S)))
         else:
-            self.device.run(stream, lambda: time.sleep(seconds))
+            self.device.enqueue(stream, lambda: time.sleep(seconds))  # a kernel's time
         event: Event = self.device.new_event()
         self.device.record(event, stream)
         return event

@@ -39,6 +39,7 @@ from gpurig import BS, CASE_IDS, CASES, SLEEP_CYCLES_PER_S, Backend, Case, refer
 from tierkit import key
 
 from kvtier.core.store import TieredStore
+from kvtier.errors import HostBufferRaced
 from kvtier.integrations.vllm.groups import NULL_BLOCK
 from kvtier.integrations.vllm.transfers import ChunkTransfer
 from kvtier.integrations.vllm.worker.cpu import spare_buffers
@@ -350,7 +351,7 @@ class LateCopies:
     `seconds` late, as behind a busy copy engine."""
 
     def __init__(self, inner: Any, cuda: bool, seconds: float) -> None:
-        self._inner, self._late = inner, set[int]()
+        self._inner, self._late, self._cuda = inner, set[int](), cuda
         self._pause: Callable[[], None] = (
             (lambda: torch.cuda._sleep(int(seconds * SLEEP_CYCLES_PER_S))) if cuda
             else (lambda: time.sleep(seconds)))
@@ -365,8 +366,8 @@ class LateCopies:
         return stream
 
     def run(self, stream: Any, work: Callable[[], Any]) -> None:
-        if id(stream) in self._late:
-            self._inner.run(stream, self._pause)
+        if id(stream) in self._late:  # a kernel's time: the stand-in's sleeps on its stream
+            (self._inner.run if self._cuda else self._inner.enqueue)(stream, self._pause)
         self._inner.run(stream, work)
 
 
@@ -402,7 +403,10 @@ def test_a_slot_given_back_before_its_copy_ran_is_overwritten(
     """Every event answers "reached": the RAM slot is given back and reused by the promotion
     before the late copy reads it. On CUDA this also shows that the copy reads the pinned
     slot asynchronously (from pageable memory it would be staged at once, and pass). The
-    copy into the device starts late (its DMA waits for nothing of vLLM's: it is made late)."""
+    copy into the device starts late (its DMA waits for nothing of vLLM's: it is made late).
+    The stand-in also names the race: the slot changed between the copy's `run` and its
+    turn on the stream."""
+    stand_in = backend.device
     backend.device = LateCopies(backend.device, backend.cuda, 0.03)
     rig = rig_factory(ram_chunks=1)
     event_type = torch.cuda.Event if backend.cuda else StandInEvent
@@ -411,6 +415,8 @@ def test_a_slot_given_back_before_its_copy_ran_is_overwritten(
         assert borrowed_slot_outlives_eviction(rig) != []
     finally:
         monkeypatch.undo()
+    if not backend.cuda:
+        assert any(isinstance(e, HostBufferRaced) for e in stand_in.take_errors())
 
 
 def test_many_chunks_through_two_staging_buffers(backend: Backend, rig_factory: Any) -> None:

@@ -29,7 +29,7 @@ def _hold(backend: Backend, stream: object) -> Callable[[], None]:
         backend.device.run(stream, lambda: torch.cuda._sleep(int(HELD_S * SLEEP_CYCLES_PER_S)))
         return lambda: None
     gate = threading.Event()
-    backend.device.run(stream, lambda: gate.wait(timeout=60))
+    backend.device.enqueue(stream, lambda: gate.wait(timeout=60))  # a kernel until release
     return gate.set
 
 

@@ -20,23 +20,36 @@ stream, "load" for "load copy", else `max_delay_s`), so a test can make one stre
 purpose. Each event remembers the stream it was recorded on (a test's device can tell which
 wait is which). `calls` counts the calls made of it by kind ("event", "record", "wait",
 "run"): on a GPU each is a CUDA call of the host's (`kvtier bench mover` reports them a
-chunk).
+chunk); and "sync", a `run` whose work waited for its stream (below).
 
-What it cannot show, and the movers keep to by construction: a queued piece of work is a
-Python closure run whole when its stream gets to it, where CUDA runs its host side (the
-launches, the index uploads) at `run` and only the kernels and DMAs later. So a closure that
-reads Python state set after `run` returns would pass here and not on a GPU, and a closure
-keeps the host tensors it names alive here, where a GPU's DMA keeps nothing alive (a buffer
-freed after `run` is read freed): the movers build every closure's inputs before `run`, and
-keep each host buffer lent (`Loan.release_after`) or mapped (node/dma.py) until the work's
-event. `pinned` is pageable memory: on a GPU a copy from pageable memory is correct, staged
-by the driver, and slower (`kvtier bench copy` measures it there, not here).
+A piece of work queued with `run` is split as CUDA splits it (standinwork.py): its host side
+(Python, index building, views, allocations) runs at `run` on the caller's thread, and only its
+tensor ops run late on the stream; so a closure that reads Python state set after `run`
+returns sees it as a GPU's launch would (not at all). Host memory (memory torch did not
+allocate: the store's slots and spares, numpy's index arrays, `pinned`) that a queued op reads
+or writes is snapshotted at `run` (a buffer it overwrites is poisoned first), and a buffer
+the host changed before the stream got to the op is `HostBufferRaced`, raised at `close`: on
+a GPU the DMA would have moved the wrong bytes. An op whose value the host needs (`.item()`,
+a data-dependent shape) is a host sync, as on CUDA, counted in `calls["sync"]` (a GPU's
+stall). `enqueue` (and `forward`) queue a closure whole instead: a test's stand-in for a
+kernel (a sleep, a gate, vLLM's forward) that runs when the stream gets to it.
 
-Primitives: `StandInDevice`, `StandInEvent`, `StandInStream`, `POISON`.
+What it still cannot show: a queued op keeps the host tensors it reads alive until it runs,
+where a GPU's DMA keeps nothing alive: a buffer freed after `run` (its last tensor gone, its
+memory given back to a pool or unmapped) is read intact here and freed there; the movers keep
+each host buffer lent (`Loan.release_after`) or mapped (node/dma.py) until the work's event,
+and torch's pinned memory is kept by its caching allocator until the copy is done. A snapshot
+compares bytes: a buffer rewritten with the same bytes is not a race here (nor wrong there).
+`pinned` is pageable memory: on a GPU a copy from pageable memory is correct, staged by the
+driver (so read at `run`), and slower (`kvtier bench copy` measures it there, not here). A
+factory op inside `run` (`torch.zeros`) fills at `run`, where CUDA fills on the stream.
+
+Primitives: `StandInDevice`, `StandInEvent`, `StandInStream`, `POISON` (standinwork.py's).
 """
 
 from __future__ import annotations
 
+import mmap
 import queue
 import random
 import threading
@@ -47,7 +60,9 @@ from typing import Any
 
 import torch
 
-POISON = 0xA5
+from kvtier.testing.standinwork import POISON, DeferredOp, Recorder, warm_up
+
+__all__ = ["POISON", "StandInDevice", "StandInEvent", "StandInStream"]
 
 
 class StandInEvent:
@@ -100,21 +115,48 @@ class StandInStream:
         self._thread.join(timeout=30)
 
 
+class _Ops:
+    """The tensor ops one `run` recorded, run in order when their stream gets to them."""
+
+    def __init__(self, ops: list[DeferredOp]) -> None:
+        self._ops = ops
+
+    def __call__(self) -> None:
+        errors = []
+        for op in self._ops:  # each runs (and ends its host accesses) even after an error
+            try:
+                op()
+            except Exception as error:
+                errors.append(error)
+        if errors:
+            raise errors[0]
+
+
 class StandInDevice:
     """`kvtier.integrations.vllm.device.Device` on the CPU (see the module docstring)."""
 
     name = "stand-in device (CPU threads)"
 
     def __init__(self, seed: int = 0, max_delay_s: float = 0.002,
-                 delays: dict[str, float] | None = None) -> None:
+                 delays: dict[str, float] | None = None, split_work: bool = True) -> None:
+        """`split_work`: `run` splits its work as CUDA does and checks the host buffers it
+        touches (see the module docstring); False: it queues the work whole, to run late
+        (`kvtier bench mover`: its figures are the mover's host work, not the stand-in's
+        recording of tensor ops and its snapshots, which cost more than CUDA's launches)."""
         self._rng = random.Random(seed)
         self._delays = delays or {}
         self._max_delay_s = max_delay_s
+        self._split_work = split_work
+        if split_work:
+            warm_up()
         self._lock = threading.Lock()
         self.streams: list[StandInStream] = []
         self.compute = self._stream("compute")
         self.waits = 0  # stream waits queued (a test can see that the mover orders its work)
         self.calls: Counter[str] = Counter()  # calls made of it, by kind
+        # Host spans queued ops read and write, with how many ops each (standinwork.py).
+        self._pending_lock = threading.Lock()
+        self._pending: dict[bool, Counter[tuple[int, int]]] = {False: Counter(), True: Counter()}
 
     def _stream(self, name: str) -> StandInStream:
         with self._lock:
@@ -150,25 +192,75 @@ class StandInDevice:
         stream.put(lambda: _reach(reached))
 
     def run(self, stream: Any, work: Callable[[], Any]) -> None:
+        """Run `work`'s host side now and queue its tensor ops on `stream` (see the module
+        docstring); an exception of the host side is raised here, as CUDA's launch errors."""
         self.calls["run"] += 1
+        if not self._split_work:
+            stream.put(work)
+            return
+        recorder = Recorder(self, lambda ops: stream.put(_Ops(ops)),
+                            lambda: _reach(self._marked(stream)))
+        try:
+            with recorder:
+                work()
+        finally:
+            recorder.flush()
+            if recorder.syncs:
+                self.calls["sync"] += recorder.syncs
+
+    def enqueue(self, stream: Any, work: Callable[[], Any]) -> None:
+        """Queue `work` whole on `stream`: it runs when the stream gets there (a test's
+        kernel: a sleep, a gate, a check of the bytes at that point)."""
         stream.put(work)
 
     def empty(self, nbytes: int) -> torch.Tensor:
         return torch.full((nbytes,), POISON, dtype=torch.uint8)
 
     def pinned(self, nbytes: int) -> torch.Tensor:
-        return torch.full((nbytes,), POISON, dtype=torch.uint8)
+        """Host memory (not torch's: a mapping), filled with the poison byte."""
+        tensor = torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=torch.uint8)[:nbytes]
+        return tensor.fill_(POISON)
 
     def forward(self, work: Callable[[], Any]) -> None:
-        """Queue a piece of vLLM's forward on the compute stream (a test's model)."""
+        """Queue a piece of vLLM's forward on the compute stream (a test's model), whole."""
         self.compute.put(work)
+
+    # -- the host spans queued ops touch (standinwork.Pending) -------------------------------
+    def note(self, spans: list[tuple[int, int]], writes: bool, add: bool) -> None:
+        """Count (`add`) or uncount queued ops' reads or writes of host `spans`."""
+        with self._pending_lock:
+            counts = self._pending[writes]
+            for where in spans:
+                counts[where] += 1 if add else -1
+                if counts[where] <= 0:
+                    del counts[where]
+
+    def overlaps(self, where: tuple[int, int], writes_only: bool) -> bool:
+        """Whether a queued op writes (or, unless `writes_only`, reads) bytes of `where`."""
+        start, end = where
+        with self._pending_lock:
+            kinds = [self._pending[True]] + ([] if writes_only else [self._pending[False]])
+            return any(s < end and start < e for counts in kinds for s, e in counts)
+
+    def _marked(self, stream: StandInStream) -> threading.Event:
+        """A flag its stream sets when it gets there (not a `record`: not one of `calls`)."""
+        reached = threading.Event()
+        stream.put(reached.set)
+        return reached
 
     def drain(self) -> None:
         """Wait until every stream has run what is queued on it so far."""
         for stream in list(self.streams):
-            reached = threading.Event()  # not through `record`: not one of `calls`
-            stream.put(reached.set)
-            _reach(reached)
+            _reach(self._marked(stream))
+
+    def take_errors(self) -> list[BaseException]:
+        """What the streams' work raised so far, oldest first per stream (then forgotten: a
+        test that expects an error takes it, and `close` raises the rest)."""
+        taken = []
+        for stream in list(self.streams):
+            taken += stream.errors
+            stream.errors = []
+        return taken
 
     def close(self) -> None:
         """Stop the streams; raise what any of their work raised."""

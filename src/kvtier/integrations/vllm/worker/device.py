@@ -7,9 +7,10 @@ reached when the stream's earlier work has run; a stream can be made to wait for
 the host can wait for one or ask whether it was reached. The compute stream is the one vLLM's
 forward runs on (`compute_stream`). Because the mover only orders its copies through this
 protocol, the same mover code runs in CI against a CPU stand-in (kvtier/testing/standin.py:
-copies on threads, events as flags, random delays), where every ordering bug a GPU would show
-— a slot reused before its copy ended, a block freed before its gather, a forward started
-before its load — corrupts data a test checks.
+a `run`'s host side at once and its copies later on threads, events as flags, random delays),
+where every ordering bug a GPU would show — a slot reused before its copy ended, a block
+freed before its gather, a forward started before its load, work that reads Python state
+set after its `run` — corrupts data a test checks or is named (`HostBufferRaced`).
 
 Primitives: `Device`, `Stream`, `Event`, `CudaDevice`.
 """
