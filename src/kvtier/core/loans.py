@@ -25,7 +25,12 @@ The borrower decides how long each chunk stays lent: `release` now (a host copy 
 reached, and waits for the oldest when it needs the spare back). Leaving the lending releases
 every loan still out.
 
-Primitives: `Lending`, `Loan`, `Hold`, `Completion`.
+A caller whose spares are not plain host memory (a device mover's: pinned, so that its copies
+are asynchronous) passes them as `SpareBuffers`, which carry their allocator: a replacement is
+made by it (plain memory there would make every later copy through that spare a staged,
+synchronous one on a GPU).
+
+Primitives: `Lending`, `Loan`, `Hold`, `Completion`, `SpareBuffers`.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import mmap
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, MutableSequence
+from collections.abc import Callable, Iterable, MutableSequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import AbstractContextManager, ExitStack
@@ -56,6 +61,24 @@ class Completion(Protocol):
     def synchronize(self) -> None:
         """Wait until it is reached."""
         ...
+
+
+class SpareBuffers(list[memoryview]):
+    """A caller's chunk buffers (a list) and the allocator they came from, which makes the
+    replacement of one an abandoned read may still write into (see the module docstring)."""
+
+    def __init__(self, buffers: Iterable[memoryview],
+                 allocate: Callable[[int], memoryview]) -> None:
+        super().__init__(buffers)
+        self.allocate = allocate  # nbytes -> a new buffer of their kind
+
+
+def _replacement(spares: MutableSequence[memoryview], nbytes: int) -> memoryview:
+    """A new spare for `spares`: of their allocator's (`SpareBuffers`), else plain memory
+    (page-aligned)."""
+    if isinstance(spares, SpareBuffers):
+        return spares.allocate(nbytes)
+    return memoryview(mmap.mmap(-1, nbytes))
 
 
 class Hold:
@@ -276,7 +299,7 @@ class Lending(Generic[V]):
             started.failed = tier = started.hold.tier
             started.hold.close()  # a late reserved slot is released by the read itself
             spare = self._spares[started.slot]
-            self._spares[started.slot] = memoryview(mmap.mmap(-1, len(spare)))  # page-aligned
+            self._spares[started.slot] = _replacement(self._spares, len(spare))
             if started.deadline >= self._until:  # the lending's deadline, not the read's
                 self.expired = True
             elif tier is not None:

@@ -25,6 +25,7 @@ from collections.abc import Callable, MutableSequence
 import torch
 
 from kvtier.core.keys import ChunkKey
+from kvtier.core.loans import SpareBuffers
 from kvtier.core.store import ChunkView, PendingPut
 from kvtier.integrations.vllm.transfers import ChunkTransfer, LoadSample, chunk_meta
 from kvtier.integrations.vllm.worker.chunkstore import ChunkStore
@@ -40,14 +41,18 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable",
 
 
 def spare_buffers(count: int, chunk_bytes: int,
-                  allocate: Callable[[int], torch.Tensor] | None = None) -> list[memoryview]:
+                  allocate: Callable[[int], torch.Tensor] | None = None) -> SpareBuffers:
     """`count` chunk buffers: of `allocate(nbytes)` (a device's pinned memory), or plain host
     memory, page-aligned so that a disk tier reads into them with O_DIRECT (torch's own
     allocations are 64-byte aligned: each read then landed in a staging buffer and was copied
-    once more) and allocated lazily by the OS (untouched until a slow tier is read into it)."""
+    once more) and allocated lazily by the OS (untouched until a slow tier is read into it).
+    A lending replaces one an abandoned read may still write into by the same allocator."""
     if allocate is not None:
-        return [allocate(chunk_bytes).numpy().data for _ in range(count)]
-    return [memoryview(mmap.mmap(-1, chunk_bytes)) for _ in range(count)]
+        device_allocate = allocate  # bound for the closure (mypy)
+        return SpareBuffers([allocate(chunk_bytes).numpy().data for _ in range(count)],
+                            lambda nbytes: device_allocate(nbytes).numpy().data)
+    return SpareBuffers([memoryview(mmap.mmap(-1, chunk_bytes)) for _ in range(count)],
+                        lambda nbytes: memoryview(mmap.mmap(-1, nbytes)))
 
 
 class CpuChunkMover:

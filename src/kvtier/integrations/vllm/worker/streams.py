@@ -193,7 +193,8 @@ class StreamChunkMover:
     # -- loads ----------------------------------------------------------------------------
     def load(self, transfers: list[ChunkTransfer], spares: MutableSequence[memoryview],
              after: Event | None = None, wait: bool = True, until: float | None = None) -> int:
-        """See mover.ChunkMover.load. `spares` must be pinned host memory."""
+        """See mover.ChunkMover.load. `spares` must be pinned host memory (`spare_buffers`
+        with the device's allocator: a spare replaced after an abandoned read stays pinned)."""
         started, lent_by, read_s = time.perf_counter(), Counter[str](), 0.0
         self._device.wait(self._load_stream, after or self.mark())
         inline = not wait
