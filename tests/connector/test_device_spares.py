@@ -5,7 +5,8 @@ A read not landed by its deadline is abandoned and its spare replaced in the cal
 pageable memory whatever the spares were: on a GPU every later copy through that spare is
 staged by the driver, synchronously (the inline load's thread is the model runner's), for the
 rest of the worker's life. Now the spares (`spare_buffers`) carry their allocator and the
-replacement comes from it.
+replacement comes from it; the stand-in counts the copies a GPU would stage
+(`stalls["pageable"]`).
 """
 
 from __future__ import annotations
@@ -62,4 +63,8 @@ def test_a_spare_replaced_after_an_abandoned_read_is_pinned_again(
         replaced = [i for i, (old, new) in enumerate(zip(before, spares)) if old is not new]
         assert replaced == [1]
         assert len(pinned) == 3  # the replacement is the device's pinned memory
-        assert len(spares[1]) == rig.chunk_bytes
+        # The next loads go through both spares: no copy a GPU would stage.
+        device.stalls.clear()
+        assert rig.mover.load(loaded, spares, wait=True) == 2
+        assert rig.mover.load(loaded[::-1], spares, wait=True) == 2
+        assert device.stalls["pageable"] == 0

@@ -20,7 +20,9 @@ stream, "load" for "load copy", else `max_delay_s`), so a test can make one stre
 purpose. Each event remembers the stream it was recorded on (a test's device can tell which
 wait is which). `calls` counts the calls made of it by kind ("event", "record", "wait",
 "run"): on a GPU each is a CUDA call of the host's (`kvtier bench mover` reports them a
-chunk); and "sync", a `run` whose work waited for its stream (below).
+chunk). `stalls` counts what would stall a GPU's host (below): "sync", a `run` whose work
+waited for its stream, and "pageable", a copy between device memory and host memory not from
+`pinned`.
 
 A piece of work queued with `run` is split as CUDA splits it (standinwork.py): its host side
 (Python, index building, views, allocations) runs at `run` on the caller's thread, and only its
@@ -30,9 +32,11 @@ allocate: the store's slots and spares, numpy's index arrays, `pinned`) that a q
 or writes is snapshotted at `run` (a buffer it overwrites is poisoned first), and a buffer
 the host changed before the stream got to the op is `HostBufferRaced`, raised at `close`: on
 a GPU the DMA would have moved the wrong bytes. An op whose value the host needs (`.item()`,
-a data-dependent shape) is a host sync, as on CUDA, counted in `calls["sync"]` (a GPU's
-stall). `enqueue` (and `forward`) queue a closure whole instead: a test's stand-in for a
-kernel (a sleep, a gate, vLLM's forward) that runs when the stream gets to it.
+a data-dependent shape) is a host sync, as on CUDA, counted in `stalls["sync"]` (a GPU's
+stall); a copy between device memory and host memory that is not the device's `pinned` is
+counted in `stalls["pageable"]` (a GPU's driver stages it, synchronously). `enqueue` (and
+`forward`) queue a closure whole instead: a test's stand-in for a kernel (a sleep, a gate,
+vLLM's forward) that runs when the stream gets to it.
 
 What it still cannot show: a queued op keeps the host tensors it reads alive until it runs,
 where a GPU's DMA keeps nothing alive: a buffer freed after `run` (its last tensor gone, its
@@ -40,9 +44,9 @@ memory given back to a pool or unmapped) is read intact here and freed there; th
 each host buffer lent (`Loan.release_after`) or mapped (node/dma.py) until the work's event,
 and torch's pinned memory is kept by its caching allocator until the copy is done. A snapshot
 compares bytes: a buffer rewritten with the same bytes is not a race here (nor wrong there).
-`pinned` is pageable memory: on a GPU a copy from pageable memory is correct, staged by the
-driver (so read at `run`), and slower (`kvtier bench copy` measures it there, not here). A
-factory op inside `run` (`torch.zeros`) fills at `run`, where CUDA fills on the stream.
+`pinned` is not page-locked: a copy a GPU would stage is counted, not slowed (`kvtier bench
+copy` measures that on a GPU). A factory op inside `run` (`torch.zeros`) fills at `run`,
+where CUDA fills on the stream.
 
 Primitives: `StandInDevice`, `StandInEvent`, `StandInStream`, `POISON` (standinwork.py's).
 """
@@ -54,6 +58,7 @@ import queue
 import random
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -154,9 +159,11 @@ class StandInDevice:
         self.compute = self._stream("compute")
         self.waits = 0  # stream waits queued (a test can see that the mover orders its work)
         self.calls: Counter[str] = Counter()  # calls made of it, by kind
+        self.stalls: Counter[str] = Counter()  # host syncs and pageable copies in `run`s
         # Host spans queued ops read and write, with how many ops each (standinwork.py).
         self._pending_lock = threading.Lock()
         self._pending: dict[bool, Counter[tuple[int, int]]] = {False: Counter(), True: Counter()}
+        self._pinned: set[tuple[int, int]] = set()  # spans of live `pinned` allocations
 
     def _stream(self, name: str) -> StandInStream:
         with self._lock:
@@ -206,7 +213,9 @@ class StandInDevice:
         finally:
             recorder.flush()
             if recorder.syncs:
-                self.calls["sync"] += recorder.syncs
+                self.stalls["sync"] += recorder.syncs
+            if recorder.pageable:
+                self.stalls["pageable"] += recorder.pageable
 
     def enqueue(self, stream: Any, work: Callable[[], Any]) -> None:
         """Queue `work` whole on `stream`: it runs when the stream gets there (a test's
@@ -217,9 +226,24 @@ class StandInDevice:
         return torch.full((nbytes,), POISON, dtype=torch.uint8)
 
     def pinned(self, nbytes: int) -> torch.Tensor:
-        """Host memory (not torch's: a mapping), filled with the poison byte."""
+        """Host memory (not torch's: a mapping), filled with the poison byte, known as
+        pinned until it is freed (copies from it are not `stalls["pageable"]`)."""
         tensor = torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=torch.uint8)[:nbytes]
+        start = tensor.data_ptr()
+        with self._pending_lock:
+            self._pinned.add((start, start + nbytes))
+        weakref.finalize(tensor, self._unpin, (start, start + nbytes)).atexit = False
         return tensor.fill_(POISON)
+
+    def _unpin(self, where: tuple[int, int]) -> None:
+        with self._pending_lock:
+            self._pinned.discard(where)
+
+    def is_pinned(self, where: tuple[int, int]) -> bool:
+        """Whether `where` lies in one of the device's `pinned` allocations."""
+        start, end = where
+        with self._pending_lock:
+            return any(s <= start and end <= e for s, e in self._pinned)
 
     def forward(self, work: Callable[[], Any]) -> None:
         """Queue a piece of vLLM's forward on the compute stream (a test's model), whole."""

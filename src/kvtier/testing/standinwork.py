@@ -13,8 +13,10 @@ torch dispatch mode (`Recorder`, thread-local) sees every aten op of the work:
   and written when the stream runs the op (what CUDA's caching allocator does);
 - an op whose result the host needs (`.item()`, `nonzero`, a data-dependent shape) is a host
   sync, as on CUDA: what was recorded goes to the stream, the caller waits for it, and the op
-  runs on the caller's thread (counted: `calls["sync"]`, a GPU's stall);
-- ops with no tensor argument (factories) run at once.
+  runs on the caller's thread (counted: `stalls["sync"]`, a GPU's stall);
+- ops with no tensor argument (factories) run at once;
+- a `copy_` between device memory and host memory the device did not pin (`pinned`) is
+  counted (`stalls["pageable"]`): on a GPU the driver stages it, synchronously.
 
 Host memory is memory torch did not allocate: a buffer's (`torch.frombuffer`: the store's
 slots, spares), numpy's (`torch.from_numpy`: index arrays) and the stand-in's `pinned` (its
@@ -89,6 +91,8 @@ class Pending(Protocol):
 
     def overlaps(self, where: tuple[int, int], writes_only: bool) -> bool: ...
 
+    def is_pinned(self, where: tuple[int, int]) -> bool: ...
+
 
 @dataclass(slots=True)
 class DeferredOp:
@@ -145,6 +149,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's, 
         self._sync = sync
         self.ops: list[DeferredOp] = []
         self.syncs = 0
+        self.pageable = 0  # copies between device memory and host memory not pinned
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
@@ -162,6 +167,8 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's, 
         # Only a copy_'s destination is overwritten whole: poisoned when nothing queued
         # touches it (an index_copy_ keeps the bytes it does not write).
         whole = func is torch.ops.aten.copy_.default
+        if whole and self._pageable_copy(args[0], args[1]):
+            self.pageable += 1
         accesses = [self._access(t, id(t) in written_ids, whole) for t in _unique(tensors)
                     if is_host(t)]
         self.ops.append(DeferredOp(func, args, kwargs, outputs, accesses, self._pending))
@@ -200,6 +207,16 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's, 
         return tree_map(lambda m: next(made) if isinstance(m, torch.Tensor) else m, meta), \
             outputs
 
+    def _pageable_copy(self, dst: Any, src: Any) -> bool:
+        """Whether a copy_ moves bytes between device memory and host memory the device did
+        not pin (on a GPU: staged by the driver, synchronously)."""
+        if not (isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor)):
+            return False
+        if is_host(dst) == is_host(src):
+            return False
+        host = dst if is_host(dst) else src
+        return host.numel() > 0 and not self._pending.is_pinned(span(host))
+
     def _access(self, tensor: torch.Tensor, writes: bool, whole: bool) -> HostAccess:
         """Note a host buffer the op reads or writes; snapshot it (see the module
         docstring), poisoning one it writes when no queued op touches it."""
@@ -219,6 +236,9 @@ class _NoPending:
 
     def overlaps(self, where: tuple[int, int], writes_only: bool) -> bool:
         return False
+
+    def is_pinned(self, where: tuple[int, int]) -> bool:
+        return True
 
 
 @functools.cache
