@@ -1,7 +1,9 @@
 """Ctrl-C during a benchmark: one line and the shell's status for SIGINT (130), no
-traceback, and the scratch files the run made removed (its `with` blocks ran).
+traceback, and the scratch files the run made removed (its `with` blocks ran). SIGTERM and
+SIGHUP (a service manager, a closed terminal) end it the same way, with the shell's status
+for them.
 
-A real `kvtier bench storage` in a child process gets a real SIGINT once its scratch
+A real `kvtier bench storage` in a child process gets a real signal once its scratch
 directory exists (it is then measuring); nothing is timed.
 """
 
@@ -13,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from kvtier.tools.cli.main import EXIT_INTERRUPTED
 
 
@@ -21,8 +25,9 @@ def _sigint_as_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def test_ctrl_c_during_bench_storage_is_one_line_status_130_and_no_scratch_left(
-        tmp_path: Path) -> None:
+def _measuring_bench_storage(tmp_path: Path) -> subprocess.Popen[str]:
+    """A `kvtier bench storage` of disk and memory, once it measures (something inside its
+    scratch directory: the directory's removal is registered)."""
     out = tmp_path / "storage.json"
     child = subprocess.Popen(
         [sys.executable, "-m", "kvtier.tools.cli.main", "bench", "storage", "--tier", "disk",
@@ -30,14 +35,23 @@ def test_ctrl_c_during_bench_storage_is_one_line_status_130_and_no_scratch_left(
          "--dir", str(tmp_path), "--json", str(out)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         preexec_fn=_sigint_as_default)
+    deadline = time.monotonic() + 120
     try:
-        deadline = time.monotonic() + 120
-        # Something inside its scratch directory: the directory's removal is registered, and
-        # it is measuring.
         while not list(tmp_path.glob(".kvtier-bench-*/*")):
             assert child.poll() is None, child.communicate()
             assert time.monotonic() < deadline, "no scratch directory after 120 s"
             time.sleep(0.05)
+    except BaseException:
+        child.kill()
+        child.communicate()
+        raise
+    return child
+
+
+def test_ctrl_c_during_bench_storage_is_one_line_status_130_and_no_scratch_left(
+        tmp_path: Path) -> None:
+    child = _measuring_bench_storage(tmp_path)
+    try:
         child.send_signal(signal.SIGINT)
         _, stderr = child.communicate(timeout=120)
     finally:
@@ -48,3 +62,39 @@ def test_ctrl_c_during_bench_storage_is_one_line_status_130_and_no_scratch_left(
     assert "Traceback" not in stderr
     assert stderr.strip().splitlines()[-1] == "kvtier bench: interrupted"
     assert list(tmp_path.iterdir()) == []  # neither scratch nor a half-written JSON
+
+
+@pytest.mark.parametrize("ending", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_or_sighup_during_bench_storage_leaves_no_scratch(
+        tmp_path: Path, ending: signal.Signals) -> None:
+    """Python's default for these signals ended the process where it stood: its scratch
+    directory (.kvtier-bench-*, 64 MiB files) stayed."""
+    child = _measuring_bench_storage(tmp_path)
+    try:
+        child.send_signal(ending)
+        _, stderr = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.communicate()
+    assert child.returncode == 128 + ending, stderr[-2000:]
+    assert "Traceback" not in stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_signal_ignored_stays_ignored_and_the_callers_handlers_come_back() -> None:
+    """`nohup kvtier bench ...` ignores SIGHUP: the command must not end on it; and a test
+    that calls `main` in its own process keeps its handlers."""
+    from kvtier.tools.cli.main import _signals_end_the_command
+
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    term = signal.getsignal(signal.SIGTERM)
+    try:
+        with _signals_end_the_command():
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            with pytest.raises(SystemExit) as ended:
+                signal.raise_signal(signal.SIGTERM)
+            assert ended.value.code == 128 + signal.SIGTERM
+        assert signal.getsignal(signal.SIGTERM) == term
+    finally:
+        signal.signal(signal.SIGHUP, before)

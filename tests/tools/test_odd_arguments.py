@@ -293,7 +293,8 @@ def _time_limit(seconds: int) -> Iterator[None]:
 
 @contextmanager
 def _signals_kept() -> Iterator[None]:
-    """serve and demo catch SIGTERM and SIGHUP; the test process keeps its own handlers."""
+    """`main` catches SIGTERM and SIGHUP while a command runs; the test process keeps its own
+    handlers."""
     saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         yield

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -130,10 +129,8 @@ def run(args: argparse.Namespace) -> int:
     console = Console(width=None if sys.stdout.isatty() else 120)
     events = ConsoleEvents(console)
     console.print(_intro(plan, args.node))
-    # vLLM runs in its own process group; SIGTERM/SIGHUP must unwind through the `finally`
-    # that stops it, as Ctrl-C does.
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _exit_on_signal)
+    # vLLM runs in its own process group; SIGTERM/SIGHUP unwind through the `finally` that
+    # stops it, as Ctrl-C does (main.ENDING_SIGNALS).
     work = Path(tempfile.mkdtemp(prefix="kvtier-demo-"))
     scene = run_node_demo if args.node else run_demo
     try:
@@ -223,6 +220,3 @@ def _keep_logs(work: Path, out: Path) -> None:
     for log in work.glob("*.log"):
         shutil.copy2(log, logs / log.name)
 
-
-def _exit_on_signal(signum: int, _frame: object) -> None:
-    raise SystemExit(128 + signum)

@@ -8,11 +8,15 @@ parser, so a command's heavy dependencies (vllm, matplotlib) load only where the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import io
 import logging
 import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 
 from kvtier import __version__
 from kvtier.errors import ConfigError
@@ -59,6 +63,10 @@ TOOLS_DEPENDENCIES = frozenset({"rich", "matplotlib", "aiohttp"})
 EXIT_BROKEN_PIPE = 141
 # Exit status after Ctrl-C: 128 + SIGINT, as a shell reports it (and `kvtier demo` returns).
 EXIT_INTERRUPTED = 130
+# Signals that end a command as Ctrl-C does, through its `with` blocks and `finally`s (its
+# scratch directories, servers, redis-server): Python's default for them ends the process
+# where it stands (`kvtier bench storage` stopped by SIGTERM left its .kvtier-bench-*).
+ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        code = int(args.func(args) or 0)
+        with _signals_end_the_command():
+            code = int(args.func(args) or 0)
         sys.stdout.flush()  # a broken pipe shows here when the output was buffered
         return code
     except ConfigError as exc:
@@ -118,6 +127,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvtier {args.command}: invalid input: {_one_line(exc)} (-v for details)",
               file=sys.stderr)
         return 2
+
+
+@contextlib.contextmanager
+def _signals_end_the_command() -> Iterator[None]:
+    """While the command runs, SIGTERM and SIGHUP raise SystemExit(128 + the signal), the
+    status a shell reports for a process they killed: the command's clean-up runs. A signal
+    ignored already stays ignored (`nohup kvtier bench ...`), and the caller's handlers are
+    back afterwards (tests call `main` in their own process). Only in the main thread, where
+    Python delivers signals."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.signal(sig, _exit_on_signal) for sig in ENDING_SIGNALS
+             if signal.getsignal(sig) is not signal.SIG_IGN}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():  # None: one set outside Python, as the default
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+
+
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _command_in(argv: list[str]) -> str | None:

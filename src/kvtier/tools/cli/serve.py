@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -219,9 +218,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     server = VllmServer(command)
     # vLLM runs in its own process group (so that stop() reaches its engine processes); a
-    # SIGTERM/SIGHUP to `kvtier serve` must therefore stop it explicitly, via `finally`.
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _exit_on_signal)
+    # SIGTERM/SIGHUP to `kvtier serve` stops it through `finally` (main.ENDING_SIGNALS).
     try:
         server.start()
         server.wait_ready()
@@ -269,6 +266,3 @@ def namespace_models(cfg: ServeConfig, argv: Sequence[str]) -> set[str]:
             names.add(arg.split("=", 1)[1])
     return names
 
-
-def _exit_on_signal(signum: int, _frame: object) -> None:
-    raise SystemExit(128 + signum)
