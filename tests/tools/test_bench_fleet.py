@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import io
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
 from rich.console import Console
 
 from kvtier.errors import ConfigError
-from kvtier.tools.bench.fleet_fs import FleetConfig
+from kvtier.tools.bench.fleet_fs import FleetConfig, run_fleet_bench
 from kvtier.tools.cli.bench_fleet import directory_table, writers_table
 from kvtier.tools.cli.main import main
 
@@ -36,6 +37,18 @@ def test_the_command_measures_writers_eviction_and_a_disk_start_up(tmp_path: Pat
     left = sum(1 for _ in (tmp_path / "shared-500").rglob("*.kvc"))
     assert 0 < left < 500 and size["disk"]["chunks"] == left
     assert size["projection"]["chunks"] == 10**7
+
+
+def test_a_run_without_a_directory_removes_its_own(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without --dir the run's directories (10^5 chunk files by default) were left in the
+    temp dir, a kvtier-fleet-* of no process's after every run."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    report = run_fleet_bench(FleetConfig(chunks=(100,), writers=(1,), seconds=0.2, rate=20,
+                                         interval=0.5, skip_disk=True))
+    assert report["sizes"][0]["writers"][0]["puts"] > 0
+    assert Path(report["config"]["directory"]).parent == tmp_path
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_bad_settings_name_the_field() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -49,7 +50,7 @@ def test_metadata_calls_under_the_directory_wait_and_others_do_not(tmp_path: Pat
     inside.mkdir()
     (inside / "f").write_bytes(b"x")
     (tmp_path / "nfs-sibling").mkdir()  # a path that starts like it, outside it
-    env = shim_env(inside, latency_ms=5.0)
+    env = shim_env(inside, latency_ms=5.0, cache=tmp_path / "cache")
     result = subprocess.run([sys.executable, "-c", CHILD, str(inside), str(tmp_path)],
                             env=env, capture_output=True, text=True, timeout=120, check=True)
     per_call = json.loads(result.stdout)
@@ -57,3 +58,20 @@ def test_metadata_calls_under_the_directory_wait_and_others_do_not(tmp_path: Pat
         assert per_call[name] >= 0.005, (name, per_call)
     assert per_call["utime_fd"] >= 0.010, per_call  # the open, then the touch through it
     assert per_call["outside"] < 0.005 and per_call["sibling"] < 0.005, per_call
+
+
+def test_the_shim_is_kept_in_the_users_cache_not_the_temp_dir(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Built into the temp dir, a kvtier-fslatency/ stayed there after every run (this
+    module's tests and `kvtier bench fleet --emulate-latency`), a folder of no process's."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    try:
+        shim = build_shim()
+    except ShimUnavailable as exc:
+        pytest.skip(str(exc))
+    assert shim.parent == tmp_path / "cache" / "kvtier" / "fslatency"
+    assert shim_env(tmp_path, 1.0)["LD_PRELOAD"].split()[0] == str(shim)
+    assert list(temp.iterdir()) == []

@@ -28,6 +28,7 @@ import contextlib
 import multiprocessing
 import os
 import random
+import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -69,7 +70,8 @@ class FleetConfig:
     # the writers' metadata calls really wait op_latency_ms each (fslatency's LD_PRELOAD
     # shim: an emulated NFS), instead of only the projection multiplying by it
     emulate_latency: bool = False
-    directory: Path | None = None  # where the directories are built (None: a temp dir)
+    # where the directories are built, kept for a later run (None: a temp dir, removed)
+    directory: Path | None = None
     skip_disk: bool = False  # no disk-tier start-up figures
 
     def validate(self) -> None:
@@ -261,7 +263,19 @@ def run_fleet_bench(config: FleetConfig,
     """Every size of `config.chunks`, in order; the report (JSON-ready): the settings and,
     per size, the figures listed in the module docstring."""
     config.validate()
-    base = config.directory or Path(tempfile.mkdtemp(prefix="kvtier-fleet-"))
+    if config.directory is not None:
+        return _run_sizes(config, config.directory, progress)
+    # No --dir: directories of 10^5-10^6 chunk files of the run's own, removed after it.
+    base = Path(tempfile.mkdtemp(prefix="kvtier-fleet-"))
+    try:
+        return _run_sizes(config, base, progress)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _run_sizes(config: FleetConfig, base: Path, progress: Callable[[str], None],
+               ) -> dict[str, Any]:
+    """`run_fleet_bench` with its directories under `base`."""
     report: dict[str, Any] = {"config": {**asdict(config), "directory": str(base)},
                               "sizes": []}
     for held in config.chunks:

@@ -52,8 +52,8 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     parser.add_argument("--quick", action="store_true",
                         help="10^3 and 10^4 chunks, 3 s runs (~1 min), unless given")
     parser.add_argument("--dir", type=work_dir, default=None,
-                        help="build the directories here (default: a temp dir); a directory "
-                        "already filled is reused")
+                        help="build the directories here, kept for a later run, which reuses "
+                        "a directory already filled (default: a temp dir, removed at the end)")
     parser.add_argument("--json", type=output_file, default=Path("results/bench-fleet.json"))
     parser.set_defaults(func=run)
 

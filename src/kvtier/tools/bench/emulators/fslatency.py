@@ -9,7 +9,8 @@ child processes. Calls through a directory file descriptor (`openat(dir_fd, ...)
 kvtier's file tiers walk their trees) are delayed when that descriptor's path is under the
 directory (read from /proc/self/fd, itself not delayed). Linux and glibc only.
 
-Primitives: `build_shim`, `shim_env` (both raise `kvtier.errors.ShimUnavailable`).
+Primitives: `build_shim`, `shim_env` (both raise `kvtier.errors.ShimUnavailable`),
+`default_cache`.
 """
 
 from __future__ import annotations
@@ -191,7 +192,8 @@ DIR *opendir(const char *path) {
 
 
 def build_shim(cache: Path | None = None) -> Path:
-    """The shim's shared object, compiled on first use (cached by its source's hash).
+    """The shim's shared object, compiled on first use into `cache` (default:
+    `default_cache()`), kept there by its source's hash.
 
     Raises:
         ShimUnavailable: no C compiler, or the build failed.
@@ -200,7 +202,7 @@ def build_shim(cache: Path | None = None) -> Path:
     if compiler is None or not Path("/proc/self/fd").is_dir():
         raise ShimUnavailable("emulating a filesystem's latency needs Linux and a C compiler")
     digest = hashlib.sha256(SOURCE.encode()).hexdigest()[:16]
-    cache = cache or Path(tempfile.gettempdir()) / "kvtier-fslatency"
+    cache = cache or default_cache()
     target = cache / f"fslatency-{digest}.so"
     if target.exists():
         return target
@@ -217,16 +219,24 @@ def build_shim(cache: Path | None = None) -> Path:
     return target
 
 
+def default_cache() -> Path:
+    """Where the shim is kept between runs: $XDG_CACHE_HOME/kvtier/fslatency, or
+    ~/.cache/kvtier/fslatency, beside the tools' generated models. Not the temp dir, where
+    a kvtier-fslatency/ stayed after every run (tests included), of no process's."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvtier" / "fslatency"
+
+
 def shim_env(directory: Path, latency_ms: float, env: dict[str, str] | None = None,
-             ) -> dict[str, str]:
+             cache: Path | None = None) -> dict[str, str]:
     """`env` (default: this process's) with the shim preloaded: every metadata call on a
-    path under `directory` waits `latency_ms` first.
+    path under `directory` waits `latency_ms` first. `cache`: as `build_shim`'s.
 
     Raises:
         ShimUnavailable: see `build_shim`.
     """
     out = dict(os.environ if env is None else env)
-    preload = str(build_shim())
+    preload = str(build_shim(cache))
     out["LD_PRELOAD"] = " ".join(p for p in (preload, out.get("LD_PRELOAD", "")) if p)
     out["KVTIER_FSLAT_DIR"] = str(Path(directory).resolve())
     out["KVTIER_FSLAT_US"] = str(round(latency_ms * 1000))
