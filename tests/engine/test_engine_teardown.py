@@ -3,8 +3,10 @@ engine core slow to exit raises half-way (a child gone while it named them), the
 the engine's processes left, and nothing else of the test's (its redis-server, say); the socket
 files vLLM leaves go to a folder of the process's, removed at its exit; the shared memory files
 its TP ranks leave in /dev/shm are removed once its processes are gone, and no other
-process's. No vLLM here: `sleep` processes stand for the engine's and the test's, a file for
-a socket, a process mapping a file of /dev/shm for a TP rank."""
+process's; its rendezvous file in the temp dir goes with a temp dir of the engine's own. No
+vLLM here: `sleep` processes stand for the engine's and the test's, a file for a socket, a
+process mapping a file of /dev/shm for a TP rank, one making a file in its temp dir for an
+engine's first worker."""
 
 from __future__ import annotations
 
@@ -12,7 +14,10 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+import pytest
 
 from kvtier.testing.engines import _descendants, _kill
 
@@ -136,3 +141,52 @@ def test_an_engine_cores_queue_file_is_removed_and_untracked(tmp_path: Path) -> 
     assert name.startswith("psm_") and removed.strip() == repr([name])
     assert not Path("/dev/shm", name).exists()
     assert "leaked" not in done.stderr, done.stderr
+
+
+RENDEZVOUS = """import os, sys, tempfile, time
+path = os.path.join(tempfile.gettempdir(), "vllm_dist_" + sys.argv[1])
+open(path, "w").close()  # as vLLM's first worker creates its FileStore's file
+print(path, flush=True)
+time.sleep(600)
+"""
+
+
+def _rendezvous(tag: str) -> tuple[subprocess.Popen[str], Path]:
+    """A stand-in for an engine's process: it makes a rendezvous file in its temp dir, and
+    lives until killed. The process and its file."""
+    process = subprocess.Popen([sys.executable, "-c", RENDEZVOUS, tag], text=True,
+                               stdout=subprocess.PIPE)
+    assert process.stdout is not None
+    return process, Path(process.stdout.readline().strip())
+
+
+def test_an_engines_temp_files_go_with_it_and_no_other_process_s(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM leaves its rendezvous file, `<temp dir>/vllm_dist_<uuid>`, when the engine's
+    processes are killed (kvtier.testing.vllmtmp): an engine's processes started with a temp
+    dir of their own leave it there, removed with the folder; another process's file in the
+    same temp dir, made meanwhile, is not touched; this process's temp dir is as it was."""
+    from kvtier.testing.vllmtmp import own_temp_dir, temp_dir_named
+
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    started = []
+    try:
+        with own_temp_dir() as folder:
+            with temp_dir_named(folder):
+                assert tempfile.gettempdir() == str(folder)  # an engine built in this process
+                started.append(_rendezvous("engine"))  # one it starts
+            other = _rendezvous("another-engine")  # not started by the engine: the host's
+            started.append(other)
+            assert started[0][1].parent == folder and other[1].parent == temp
+            started[0][0].kill()  # the engine's end: its file stays where it is
+            started[0][0].wait()
+        assert not folder.exists()
+        assert list(temp.iterdir()) == [other[1]]
+        assert tempfile.gettempdir() == str(temp) and os.environ["TMPDIR"] == str(temp)
+    finally:
+        for process, _ in started:
+            process.kill()
+            process.wait()

@@ -6,7 +6,9 @@ default, and leave some behind at every shutdown (`kvtier bench ttft --quick`: 4
 first engine of a process gives it a folder of its own, removed at its exit
 (`own_rpc_folder`), unless its environment names one already. The shared memory files
 vLLM leaves in /dev/shm (a tensor parallel engine's ranks', every engine core's RPC queue to
-its worker) are removed once its processes have ended (`kvtier.testing.vllmshm`).
+its worker) are removed once its processes have ended (`kvtier.testing.vllmshm`), and the
+files it leaves in the temp dir (its rendezvous file) with a temp dir of its own
+(`kvtier.testing.vllmtmp`).
 
 Primitives: `offline_engine` (an `LLM` with small CPU settings, shut down on exit), `counter`
 (one of vLLM's counters, summed over labels), `kvtier_counter` / `kvtier_gauge` (one of
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.testing.vllmshm import remove_when_gone, vllm_shm_maps
+from kvtier.testing.vllmtmp import own_temp_dir, temp_dir_named
 
 BLOCK_SIZE = 128  # tokens per vLLM block (the CPU backend's default)
 NUM_BLOCKS = 384  # the engine's own KV cache, in blocks
@@ -53,6 +56,10 @@ def offline_engine(model_dir: Path, max_model_len: int, **overrides: Any) -> Ite
     `overrides` are any other `LLM(...)` arguments (kv_transfer_config, enable_prefix_caching).
     """
     import psutil
+
+    # vLLM's lock folder for downloads is the temp dir its module finds at import, before
+    # the engine's own (removed with it) is named: imported here, it keeps the host's.
+    import vllm.model_executor.model_loader.weight_utils  # noqa: F401
     from vllm import LLM
 
     own_rpc_folder()
@@ -61,26 +68,28 @@ def offline_engine(model_dir: Path, max_model_len: int, **overrides: Any) -> Ite
         block_size=BLOCK_SIZE, max_model_len=max_model_len, max_num_batched_tokens=max_model_len,
         num_gpu_blocks_override=NUM_BLOCKS, disable_log_stats=False)
     kwargs.update(overrides)
-    before = _descendants()
-    llm = LLM(**kwargs)
-    engine_pids = _descendants() - before  # its EngineCore and workers (none in process)
-    shm = vllm_shm_maps(engine_pids)  # its TP ranks' files, which vLLM leaves (vllmshm.py)
-    try:
-        yield llm
-    finally:
-        for pid, files in vllm_shm_maps(engine_pids).items():
-            shm.setdefault(pid, set()).update(files)
+    with own_temp_dir() as temp:  # its rendezvous file, removed after it (vllmtmp.py)
+        before = _descendants()
+        with temp_dir_named(temp):
+            llm = LLM(**kwargs)
+        engine_pids = _descendants() - before  # its EngineCore and workers (none in process)
+        shm = vllm_shm_maps(engine_pids)  # its TP ranks' files, which vLLM leaves (vllmshm.py)
         try:
-            llm.llm_engine.engine_core.shutdown()
-        except psutil.NoSuchProcess:
-            # vLLM force-kills an EngineCore slow to exit by naming each of its children
-            # first, and one that exits meanwhile raises (vllm/utils/system_utils.py,
-            # kill_process_tree) before the rest are killed: kill what is left of them here.
-            _kill(engine_pids)
-        del llm
-        gc.collect()
-        if shm:
-            remove_when_gone(shm)
+            yield llm
+        finally:
+            for pid, files in vllm_shm_maps(engine_pids).items():
+                shm.setdefault(pid, set()).update(files)
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except psutil.NoSuchProcess:
+                # vLLM force-kills an EngineCore slow to exit by naming each of its children
+                # first, and one that exits meanwhile raises (vllm/utils/system_utils.py,
+                # kill_process_tree) before the rest are killed: kill what is left of them.
+                _kill(engine_pids)
+            del llm
+            gc.collect()
+            if shm:
+                remove_when_gone(shm)
 
 
 def _descendants() -> set[int]:

@@ -216,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
     except DirectoryInUse as exc:
         print(f"kvtier: {exc}", file=sys.stderr)
         return 1
-    server = VllmServer(command)
+    server = VllmServer(command, own_temp_dir=False)  # the host's: a production server
     # vLLM runs in its own process group (so that stop() reaches its engine processes); a
     # SIGTERM/SIGHUP to `kvtier serve` stops it through `finally` (main.ENDING_SIGNALS).
     try:

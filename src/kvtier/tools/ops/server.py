@@ -4,8 +4,9 @@ The server is started in its own session (process group), so stopping it also st
 engine-core and worker processes, and nothing is left behind when the caller fails: not its
 ZeroMQ socket files either (vLLM's `VLLM_RPC_BASE_PATH`, /tmp by default, where processes
 stopped together left 2-3 a server: each server gets a folder of its own there, removed with
-it). What to run comes from
-`kvtier.tools.ops.serving.build_command`:
+it), nor, unless it is a production server (`own_temp_dir=False`), the files vLLM leaves in
+its temp dir (its rendezvous file at every stop, kvtier.testing.vllmtmp): the same folder is
+its TMPDIR. What to run comes from `kvtier.tools.ops.serving.build_command`:
 
     cmd = build_command(ServeConfig(model, kvtier=False, port=free_port(), vllm_args=(...)))
     with running_server(cmd, log_path=tmp / "vllm.log") as server:
@@ -55,9 +56,12 @@ class VllmServer:
 
     command: ServeCommand
     log_path: Path | None = None  # stdout+stderr go here; None: inherit the caller's
+    # its temp dir (TMPDIR) is its own folder, removed at stop: False for a server that shares
+    # the host's with other processes (vLLM finds its weight cache daemon's socket there)
+    own_temp_dir: bool = True
     proc: subprocess.Popen[bytes] | None = field(default=None, init=False)
     _log: IO[bytes] | None = field(default=None, init=False, repr=False)
-    _rpc_dir: str | None = field(default=None, init=False, repr=False)  # its sockets' folder
+    _rpc_dir: str | None = field(default=None, init=False, repr=False)  # its files' folder
 
     @property
     def url(self) -> str:
@@ -71,6 +75,8 @@ class VllmServer:
         env = {**os.environ, **self.command.env}
         self._rpc_dir = tempfile.mkdtemp(prefix="kvtier-rpc-", dir=env.get(RPC_PATH))
         env[RPC_PATH] = self._rpc_dir
+        if self.own_temp_dir:
+            env["TMPDIR"] = self._rpc_dir
         self.proc = subprocess.Popen(
             self.command.argv, env=env, stdin=subprocess.DEVNULL,
             stdout=self._log, stderr=subprocess.STDOUT if self._log else None,
