@@ -116,6 +116,24 @@ def test_the_watcher_ends_with_the_process_that_started_it(tmp_path: Path) -> No
         return stat.rpartition(")")[2].split()[0] in ("Z", "X")
 
     _wait_for(gone, "exit of the orphaned watcher")
+    assert tmp_path.is_dir()  # a folder the watch was only given stays
+
+
+def test_a_killed_benchs_watch_leaves_no_folder(tmp_path: Path) -> None:
+    """A bench killed inside `watching()` (no `finally` runs) left its kvtier-stalls-*
+    folder in the temp dir; the orphaned watcher removes it."""
+    parent = subprocess.run(
+        [sys.executable, "-c",
+         "import os\n"
+         "from kvtier.tools.bench.serving.stalls import watching\n"
+         "with watching() as watch:\n"
+         "    print(watch._log.parent, flush=True)\n"
+         "    os._exit(0)  # as SIGKILL would"],
+        capture_output=True, text=True, timeout=60, check=True,
+        env={**os.environ, "TMPDIR": str(tmp_path)})
+    folder = Path(parent.stdout.split()[0])
+    assert folder.parent == tmp_path and folder.name.startswith("kvtier-stalls-")
+    _wait_for(lambda: not folder.exists(), "removal of the killed bench's folder")
 
 
 def test_a_watch_stopped_twice_is_stopped(tmp_path: Path) -> None:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -86,11 +87,14 @@ class Stall:
 class StallWatch:
     """The watcher process and what it wrote down (see the module docstring)."""
 
-    def __init__(self, log: Path, tick_s: float = TICK_S, stall_s: float = STALL_S) -> None:
+    def __init__(self, log: Path, tick_s: float = TICK_S, stall_s: float = STALL_S, *,
+                 owns_folder: bool = False) -> None:
+        """`owns_folder`: the log's folder is the watch's own, which the watcher removes if
+        the process that started it ends without `stop()` (a bench killed)."""
         self._log = log
         self._proc = subprocess.Popen(
             [sys.executable, "-m", __name__, str(log), repr(tick_s), repr(stall_s),
-             str(os.getpid())],
+             str(os.getpid()), str(int(owns_folder))],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
 
     def stalls(self, start_s: float = -float("inf"), end_s: float = float("inf")
@@ -118,9 +122,10 @@ class StallWatch:
 
 @contextlib.contextmanager
 def watching(tick_s: float = TICK_S, stall_s: float = STALL_S) -> Iterator[StallWatch]:
-    """A `StallWatch` for the block's time; its process and its file removed afterwards."""
+    """A `StallWatch` for the block's time; its process and its file removed afterwards (by
+    the watcher, if this process is killed: a kvtier-stalls-* stayed in the temp dir)."""
     with tempfile.TemporaryDirectory(prefix="kvtier-stalls-") as directory:
-        watch = StallWatch(Path(directory) / "stalls.log", tick_s, stall_s)
+        watch = StallWatch(Path(directory) / "stalls.log", tick_s, stall_s, owns_folder=True)
         try:
             yield watch
         finally:
@@ -180,11 +185,20 @@ def _deltas(after: tuple[float | None, ...], before: tuple[float | None, ...]) -
                     for a, b in zip(after, before, strict=True))
 
 
-def _watch(log: Path, tick_s: float, stall_s: float, parent: int) -> None:
+def _watch(log: Path, tick_s: float, stall_s: float, parent: int, owns_folder: bool) -> None:
     """The watcher's loop (its own process): a line "start end queued idle steal." per late
     wake (see `Stall`; "-" where not known, the "." once the line is whole), while `parent`
     (its starter's pid, given: one gone before this process ran is not its parent any more)
-    lives."""
+    lives; then, with `owns_folder`, the log's folder removed (`stop()` ends this process
+    first: its starter removes the folder then)."""
+    try:
+        _write_stalls(log, tick_s, stall_s, parent)
+    finally:
+        if owns_folder:
+            shutil.rmtree(log.parent, ignore_errors=True)
+
+
+def _write_stalls(log: Path, tick_s: float, stall_s: float, parent: int) -> None:
     counters = _Counters()
     with log.open("a") as out:
         last, read = time.monotonic(), counters.read()
@@ -198,4 +212,5 @@ def _watch(log: Path, tick_s: float, stall_s: float, parent: int) -> None:
 
 
 if __name__ == "__main__":
-    _watch(Path(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]))
+    _watch(Path(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]),
+           sys.argv[5] == "1")
