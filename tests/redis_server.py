@@ -52,7 +52,12 @@ class RedisServer:
                  "--appendonly", "no", "--dir", str(self.directory), "--enable-debug-command",
                  "local", *self.args],
                 stdout=log, stderr=subprocess.STDOUT)
-        self._wait_ready()
+        try:
+            self._wait_ready()
+        except BaseException:
+            # A fixture whose set-up raises is not torn down: the server would outlive the run.
+            self.stop()
+            raise
         return self
 
     def _listen_args(self) -> list[str]:
