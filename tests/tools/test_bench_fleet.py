@@ -6,9 +6,15 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import signal
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 from rich.console import Console
 
@@ -49,6 +55,40 @@ def test_a_run_without_a_directory_removes_its_own(tmp_path: Path,
     assert report["sizes"][0]["writers"][0]["puts"] > 0
     assert Path(report["config"]["directory"]).parent == tmp_path
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_stopped_by_sigterm_ends_its_writers_and_leaves_nothing(tmp_path: Path) -> None:
+    """SIGTERM to the command while its writers run: multiprocessing joined them at exit,
+    and they put for the rest of --seconds into the directory the run had removed, making it
+    again (a kvtier-fleet-* left in the temp dir). They are ended with the run now."""
+    (tmp_path / "tmp").mkdir()
+    child = subprocess.Popen(
+        [sys.executable, "-m", "kvtier.tools.cli.main", "bench", "fleet", "--chunks", "100",
+         "--writers", "2", "--seconds", "60", "--rate", "20", "--skip-disk",
+         "--json", str(tmp_path / "fleet.json")],
+        env={**os.environ, "TMPDIR": str(tmp_path / "tmp")}, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True)
+    writers: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(writers) < 2 or not list((tmp_path / "tmp").glob("kvtier-fleet-*/*/*/*")):
+            assert child.poll() is None, child.communicate()
+            assert time.monotonic() < deadline, "no writers putting after 120 s"
+            time.sleep(0.1)
+            writers = [p for p in psutil.Process(child.pid).children()
+                       if "resource_tracker" not in " ".join(p.cmdline())]
+        child.send_signal(signal.SIGTERM)
+        _, stderr = child.communicate(timeout=60)  # not the writers' 60 s
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.communicate()
+        for process in writers:
+            if process.is_running():
+                process.kill()
+    assert child.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    assert not [p for p in writers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert list((tmp_path / "tmp").iterdir()) == []
 
 
 def test_bad_settings_name_the_field() -> None:

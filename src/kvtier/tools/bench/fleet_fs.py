@@ -164,13 +164,12 @@ def run_writers(root: Path, n: int, capacity: int, args: FleetConfig) -> dict[st
     # seeds of their own per run: a later run must not put the keys an earlier one stored
     procs = [context.Process(target=writer, args=(str(root), (n << 8) + s, capacity, knobs,
                                                   start, results)) for s in range(1, n + 1)]
-    with _latency(root, args):
-        for proc in procs:
-            proc.start()
-    start.wait(timeout=600)
-    reports = [results.get(timeout=1200) for _ in procs]
-    for proc in procs:
-        proc.join()
+    with _ended(procs):
+        with _latency(root, args):
+            for proc in procs:
+                proc.start()
+        start.wait(timeout=600)
+        reports = [results.get(timeout=1200) for _ in procs]
     puts = sum(r["puts"] for r in reports)
     ops = {f: sum(r["ops"][f] for r in reports) for f in OPS}
     cpu = sum(r["cpu_s"] for r in reports)
@@ -183,6 +182,25 @@ def run_writers(root: Path, n: int, capacity: int, args: FleetConfig) -> dict[st
                                               2),
             "remeasures_all_writers": sum(r["remeasures"] for r in reports),
             "evictions": sum(r["evictions"] for r in reports)}
+
+
+@contextlib.contextmanager
+def _ended(procs: Sequence[multiprocessing.process.BaseProcess]) -> Iterator[None]:
+    """`procs` joined at the block's end; on an error or a signal, those still running are
+    terminated first. Joined as they were (multiprocessing joins its children at exit), a
+    run stopped by SIGTERM had its writers put on for the rest of --seconds, into the
+    directory the run had removed meanwhile: they made it again, left in the temp dir."""
+    try:
+        yield
+    except BaseException:
+        for proc in procs:
+            if proc.pid is not None and proc.is_alive():
+                proc.terminate()
+        raise
+    finally:
+        for proc in procs:
+            if proc.pid is not None:
+                proc.join()
 
 
 @contextlib.contextmanager
@@ -302,9 +320,9 @@ def _run_sizes(config: FleetConfig, base: Path, progress: Callable[[str], None],
             context = multiprocessing.get_context("spawn")
             results = context.Queue()
             proc = context.Process(target=disk_startup, args=(str(root), results))
-            proc.start()
-            size["disk"] = results.get(timeout=3600)
-            proc.join()
+            with _ended([proc]):
+                proc.start()
+                size["disk"] = results.get(timeout=3600)
         size["projection"] = projection(size["writers"], config.op_latency_ms,
                                         1e6 * walk_cpu / held)
         report["sizes"].append(size)
