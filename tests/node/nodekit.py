@@ -15,11 +15,13 @@ Primitives:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -277,10 +279,13 @@ def memory_tier(status: dict[str, Any], layout: KVLayout = LAYOUT) -> dict[str, 
 
 def short_dir(tmp_path: Path) -> Path:
     """`tmp_path`, or a shorter directory when a socket path in it would pass AF_UNIX's 108
-    bytes (a long --basetemp)."""
+    bytes (a long --basetemp), removed at this process's exit at the latest (the engine
+    tests' module fixtures never removed theirs: a kvn-* stayed in /tmp)."""
     if len(str(tmp_path / "node.sock")) < 100:
         return tmp_path
-    return Path(tempfile.mkdtemp(prefix="kvn-", dir="/tmp"))
+    directory = tempfile.mkdtemp(prefix="kvn-", dir="/tmp")
+    atexit.register(shutil.rmtree, directory, True)
+    return Path(directory)
 
 
 def unique_name(tmp_path: Path) -> str:
