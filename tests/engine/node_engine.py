@@ -10,6 +10,7 @@ one SIGKILL ends the engine, with every connection to the node it held.
 Commands on stdin, one JSON object a line, each answered with one JSON line on stdout:
   {"generate": [prompt, ...], "max_tokens": N} -> {"tokens": [[id, ...], ...]}
   {"reset": true}                              -> {"reset": true|false} (vLLM's prefix cache)
+  {"counter": NAME}                            -> {"counter": value} (kvtier's, summed)
 Holds, a fault injected (a copy that stalls, as a wedged worker's would): while
 HOLD_DIR/stores exists, a store that was given its slot in the node's slab waits before
 filling it (the Reserve's lease held) and says {"holding": "store"}; while HOLD_DIR/loads
@@ -37,6 +38,7 @@ from vllm_harness import greedy, start_engine
 from kvtier.core.retention import DEFAULT_META, ChunkMeta
 from kvtier.core.store import PendingPut
 from kvtier.node.client import NodeStore
+from kvtier.testing.engines import kvtier_counter
 
 _said = threading.Lock()
 _out = os.fdopen(os.dup(1), "w")  # the protocol's stdout; fd 1 (vLLM's logs) goes to stderr
@@ -92,6 +94,8 @@ def main() -> None:
                 say({"tokens": [list(o.outputs[0].token_ids) for o in outputs]})
             elif command.get("reset"):
                 say({"reset": bool(llm.reset_prefix_cache())})
+            elif "counter" in command:
+                say({"counter": kvtier_counter(command["counter"])})
 
 
 if __name__ == "__main__":

@@ -101,6 +101,11 @@ def test_kvtier_node_serve_refuses_a_ram_tier_larger_than_dev_shm(tmp_path: Path
     ("events_endpoint", 5557, "tcp://HOST:PORT"),
     ("stop_flush_s", "5", "seconds"),
     ("stop_flush_s", True, "seconds"),
+    ("lease_timeout_s", 0, "above 0"),  # every lending taken back at once
+    ("lease_timeout_s", -1.0, "above 0"),
+    ("lease_timeout_s", float("inf"), "a finite number"),
+    ("lease_timeout_s", "60", "seconds"),
+    ("lease_timeout_s", True, "seconds"),
 ])
 def test_a_node_setting_of_the_wrong_type_or_range_is_refused(
         field: str, value: object, allowed: str):
@@ -120,6 +125,8 @@ def test_a_node_setting_at_the_edge_of_its_range_is_kept():
                         event_block_size=16, stop_flush_s=0)
     assert (config.socket_path, config.max_layouts, config.stop_flush_s) == (edge, 1, 0)
     assert NodeConfig(StoreConfig.parse(MEMORY), SOCKET, name="n", stop_flush_s=0.5)
+    assert NodeConfig(StoreConfig.parse(MEMORY), SOCKET, name="n",
+                      lease_timeout_s=0.25).lease_timeout_s == 0.25
 
 
 @pytest.mark.parametrize(("extra", "field"), [

@@ -56,7 +56,7 @@ def test_eight_engines_pool_their_private_tiers_into_one_slab():
     assert node.tokens_per_chunk == 256
     assert node.chunk_bytes == node.slot_bytes == 256 * LLAMA_8B_TOKEN_BYTES == 32 * MIB
     slots, private_slots = 19_660, 2_457  # 76.8 GiB / 32 MiB = 2,457.6
-    assert node.slab_file_bytes == slots * (32 * MIB + 96) + 64  # a 96 B record a slot
+    assert node.slab_file_bytes == slots * (32 * MIB + 96 + 8) + 64  # a record, a stamp
     assert node.shm_bytes == node.slab_file_bytes
     assert node.shm_restart_bytes == 2 * node.shm_bytes
     assert node.pod_memory_bytes == node.shm_bytes + 16 * GIB

@@ -106,6 +106,14 @@ class ChunkView:
 
     data: memoryview  # the payload, read-only (a tier's own memory, or the caller's spare)
     tier: str  # the name of the tier that served it
+    # Asked once a copy out of `data` is done: False when its bytes may have been another
+    # chunk's meanwhile (a node's lending taken back, its slot written again: node/client.py),
+    # so that copy is a failed load, never used. None: nothing can change them while lent.
+    unchanged: Callable[[], bool] | None = None
+
+    def copied_whole(self) -> bool:
+        """Whether a copy out of `data`, done now, is this chunk (`unchanged`)."""
+        return self.unchanged is None or self.unchanged()
 
 
 @dataclass(slots=True)

@@ -68,6 +68,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "rest are dropped and logged, and a write stuck in a tier that "
                              "stopped answering is not waited for (default 60: under the "
                              "pod's termination grace period, 120 s in deploy/)")
+    parser.add_argument("--lease-timeout-s", type=float, default=60.0, metavar="SECONDS",
+                        help="how long an engine may hold chunks lent for a load before "
+                             "the node takes them back (an engine frozen or hung: its "
+                             "copies, if it wakes, are failed loads, recomputed); far above "
+                             "any real load (default 60)")
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -85,6 +90,7 @@ def serve(args: argparse.Namespace) -> int:
                         keep_ram=not args.drop_ram, events_endpoint=args.events_endpoint,
                         event_block_size=args.event_block_size,
                         stop_flush_s=args.stop_flush_s, max_layouts=args.max_layouts,
+                        lease_timeout_s=args.lease_timeout_s,
                         # "" is refused, not the host name: `--name "$NODE_NAME"` with the
                         # variable unset would name the slabs and the events' topic after the
                         # pod, not the Kubernetes node (docs/node.md)

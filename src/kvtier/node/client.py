@@ -94,7 +94,7 @@ from kvtier.node.stream import LentStream, PartFuture
 from kvtier.tiers.eventfacts import ChunkInfo
 from kvtier.tiers.manifest import NamespaceInfo
 from kvtier.tiers.prefault import prefault_in_background
-from kvtier.tiers.shmslab import SlabReader
+from kvtier.tiers.shmslab import SlabReader, SlotStamps
 
 log = logging.getLogger(__name__)
 TIER = RAM_TIER  # this engine's traffic with the node (its counters), and its misses
@@ -126,7 +126,7 @@ class NodeClient:
         self.retry_s = retry_s
         self._hello = Hello(dataclasses.asdict(layout), info.model, info.fingerprint,
                             info.weight_files,
-                            engine or f"{socket.gethostname()}:{os.getpid()}")
+                            engine or f"{socket.gethostname()}:{os.getpid()}", stamps=True)
         self._local = threading.local()
         self._lock = threading.Lock()
         self._down = False  # not asked on the engine's threads until `_watch` sees it answer
@@ -652,6 +652,10 @@ class NodeStore:
         # (reads in place); a slot that holds another chunk by now is forgotten when tried.
         self._slots: OrderedDict[ChunkKey, tuple[str, int]] = OrderedDict()
         self._slots_lock = threading.Lock()
+        # Copies of lent chunks whose slot the node had written again by the time the copy
+        # was done (a lending taken back: this engine was frozen past the node's
+        # lease_timeout_s): failed loads, each recomputed. Logged at the first.
+        self.reused_copies = 0
 
     # -- loads ------------------------------------------------------------------------------
     def lend_as_landed(self, keys: Sequence[ChunkKey], spares: MutableSequence[memoryview],
@@ -689,6 +693,8 @@ class NodeStore:
             first, unavailable, slab = Lent(0, [], [], None), True, None
         deadline_s = self._client.timeout_s + (budget or 0.0)
 
+        stamps: list[SlotStamps | None] = []  # the slab's, read once a part carries stamps
+
         def views_of(part: Lent, first_index: int) -> list[ChunkView]:
             sent = iter(part.data)  # the chunks at SEND offsets: RAM had no slot for them
 
@@ -698,8 +704,15 @@ class NodeStore:
                 assert slab is not None  # a part came: the borrow was answered
                 return slab[offset:offset + self._chunk_bytes]
 
-            views = [ChunkView(chunk(offset).toreadonly(), self._engine_tier(tier))
-                     for offset, tier in zip(part.offsets, part.tiers)]
+            if part.stamps and not stamps and slab is not None:
+                stamps.append(self._stamps_of(slab))
+            marks = part.stamps if len(part.stamps) == len(part.offsets) \
+                else [-1] * len(part.offsets)
+            views = [ChunkView(chunk(offset).toreadonly(), self._engine_tier(tier),
+                               self._unchanged(stamps[0], keys[first_index + n], offset, mark)
+                               if stamps and offset >= 0 and mark >= 0 else None)
+                     for n, (offset, tier, mark) in enumerate(zip(part.offsets, part.tiers,
+                                                                  marks))]
             if generation is not None:
                 self._know([(key, generation, offset) for key, offset
                             in zip(keys[first_index:], part.offsets) if offset >= 0])
@@ -738,6 +751,39 @@ class NodeStore:
                             else None,
                             read=lambda i, hold, _spare: PartFuture(stream, i, hold),
                             timeout_s=deadline_s, late=lambda _tier: None)
+
+    @staticmethod
+    def _stamps_of(slab: memoryview) -> SlotStamps | None:
+        """The stamps of `slab` (the whole file, as mapped); None for a slab without them."""
+        try:
+            return SlotStamps(np.frombuffer(slab, dtype=np.uint8))
+        except ValueError:
+            return None
+
+    def _unchanged(self, stamps: SlotStamps | None, key: ChunkKey, offset: int, stamp: int
+                   ) -> Callable[[], bool] | None:
+        """A lent chunk's check after its copy (`ChunkView.unchanged`): whether its slot's
+        stamp is still the one it was lent with. A slot written again since (the node took
+        the lending back, this engine frozen past its lease_timeout_s, and gave the slot to
+        another chunk) is counted and logged (the first time; then at debug), and the copy
+        a failed load."""
+        if stamps is None:
+            return None
+
+        def unchanged() -> bool:
+            if stamps.unchanged(offset, stamp):
+                return True
+            self._counters.add(misses=1)
+            with self._failures_lock:
+                self.reused_copies += 1
+                first = self.reused_copies == 1
+            log.log(logging.WARNING if first else logging.DEBUG,
+                    "kvtier: chunk %s: its slot in the node's slab was given to another chunk "
+                    "during its copy (its lending taken back: this engine held it past the "
+                    "node's lease_timeout_s); a failed load, recomputed", key.hex()[:16])
+            return False
+
+        return unchanged
 
     def _read_in_place(self, keys: Sequence[ChunkKey], spares: MutableSequence[memoryview],
                        in_order: bool) -> Lending[ChunkView] | None:
@@ -831,7 +877,7 @@ class NodeStore:
             if view is None:
                 return None
             out[:] = view.data
-            return view.tier
+            return view.tier if view.copied_whole() else None
 
     def contains(self, key: ChunkKey) -> bool:
         try:

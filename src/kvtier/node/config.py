@@ -47,6 +47,14 @@ class NodeConfig:
     # and a write stuck in a tier that stopped answering is not waited for): under the pod's
     # termination grace period (120 s in deploy/kubernetes-node), which ends in SIGKILL.
     stop_flush_s: float = 60.0
+    # How long an engine may hold chunks lent for a load (a `Borrow`'s lease) before the node
+    # takes them back: an engine frozen (SIGSTOP) or hung pins their slots no longer. Each
+    # lent slot carries its stamp, which the engine reads again once its copy is done: a slot
+    # given to another chunk meanwhile makes that copy a failed load (recomputed), never
+    # wrong KV. Far above any real load (a load's copies take milliseconds to seconds).
+    # Never from an engine of an older kvtier, which does not check (`Hello.stamps`).
+    # Slots reserved for stores are not taken back (docs/node.md: a late write).
+    lease_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         """Raises:
@@ -80,6 +88,12 @@ class NodeConfig:
         if isinstance(flush, bool) or not isinstance(flush, (int, float)) \
                 or not 0 <= flush < math.inf:
             raise ConfigError("stop_flush_s", flush, "seconds, a finite number 0 or more")
+        lease = self.lease_timeout_s
+        if isinstance(lease, bool) or not isinstance(lease, (int, float)) \
+                or not 0 < lease < math.inf:
+            raise ConfigError("lease_timeout_s", lease,
+                              "seconds, a finite number above 0 (how long a load's chunks "
+                              "stay lent before the node takes them back)")
         if block is not None and self.events_endpoint is None:
             raise ConfigError("event_block_size", block,
                               "unset without an events endpoint (--events-endpoint)")

@@ -1,8 +1,12 @@
 """What a node's lease holds, and how one ends. A lease is a `Lending` (chunks lent to an
 engine for a load) or `Puts` (slots reserved for its stores); it ends at the engine's Release
-or commits, or with its connection, so an engine killed mid-load or mid-store leaks nothing.
+or commits, or with its connection, so an engine killed mid-load or mid-store leaks nothing;
+a lending also when it is held past the node's `lease_timeout_s` (`overdue`: an engine
+frozen or hung), its slots' stamps telling the engine, if it wakes, that its copies may be
+another chunk's.
 
-Primitives: `Puts`, `end_lease`, `spare_buffers`, `sendable`, `chunks_held`.
+Primitives: `Lease`, `Puts`, `end_lease`, `overdue`, `spare_buffers`, `sendable`,
+`chunks_held`.
 """
 
 from __future__ import annotations
@@ -23,6 +27,25 @@ class Puts:
     blocks: list[tuple[AbstractContextManager[PendingPut], PendingPut] | None]
     open: int
     chunk_bytes: int
+
+
+@dataclass(slots=True)
+class Lease:
+    """A lease as the node keeps it: its connection, what it holds, and since when
+    (time.monotonic)."""
+
+    owner: int
+    held: Lending[ChunkView] | Puts
+    since: float
+
+
+def overdue(lease: Lease, now: float, timeout_s: float) -> bool:
+    """Whether `lease` is one the node takes back at `now`: a lending held past `timeout_s`.
+    Never reserved slots: an engine frozen before its write into one may write it when it
+    wakes, so a slot given to another chunk meanwhile would hold a mix of both (no stamp read
+    after a write could undo it); they stay the engine's until its commit or its
+    connection's end (docs/node.md)."""
+    return not isinstance(lease.held, Puts) and now - lease.since > timeout_s
 
 
 def spare_buffers(count: int, chunk_bytes: int) -> list[memoryview]:

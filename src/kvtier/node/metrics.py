@@ -99,6 +99,9 @@ NODE_COUNTERS: dict[str, str] = {
     "refused_messages": "Messages refused as they decoded (malformed, a list of more keys "
                         "than MAX_KEYS): the connection is closed",
     "disconnects_with_leases": "Connections that ended holding leases (released by the node)",
+    "leases_expired": "Lendings taken back from engines that held them past lease_timeout_s "
+                      "(frozen or hung)",
+    "expired_chunks": "Chunks of the lendings taken back",
     "recovered_chunks": "Chunks recovered into RAM from the last node's slab at start-up",
     "recovery_dropped_chunks": "Chunks of the last node's slab dropped at start-up: torn or "
                                "damaged (their checksum did not match)",

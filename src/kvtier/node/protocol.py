@@ -79,6 +79,10 @@ class Hello(msgspec.Struct, tag=True):
     fingerprint: str
     weight_files: int
     engine: str  # who is asking (host:pid), for the node's logs and status
+    # It reads each lent slot's stamp again after its copy (`Lent.stamps`): only then may
+    # the node take a lending of its back (`NodeConfig.lease_timeout_s`); an engine of an
+    # older kvtier (False) would copy a slot given to another chunk as its own.
+    stamps: bool = False
 
 
 class Welcome(msgspec.Struct, tag=True):
@@ -149,6 +153,11 @@ class Lent(msgspec.Struct, tag=True):
     # had no slot for them (full, every slot lent), a copy over the socket.
     data: list[bytes] = msgspec.field(default_factory=list)
     more: bool = False
+    # Each offset's slot stamp as lent (`kvtier.tiers.shmslab.SlotStamps`; -1 at SEND): the
+    # engine reads it again once its copy is done, a node that took the lending back
+    # (`NodeConfig.lease_timeout_s`) may have given the slot to another chunk since. Empty
+    # from a node of an older kvtier (which takes nothing back).
+    stamps: list[int] = msgspec.field(default_factory=list)
 
 
 class Release(msgspec.Struct, tag=True):

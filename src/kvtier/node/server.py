@@ -8,8 +8,10 @@ copies of an in-process hit plus one control round trip per request.
 
 Each engine thread holds one connection (a Unix stream socket, mode 0660: the node's group);
 a connection's leases (chunks lent for a load, slots reserved for stores) end with it, so an
-engine killed mid-load or mid-store leaks nothing. Each connection is served on a thread of
-its own: a slow tier read for one engine holds up no other engine.
+engine killed mid-load or mid-store leaks nothing; a load's lease ends too once held past
+`NodeConfig.lease_timeout_s` (an engine frozen or hung), each lent slot's stamp telling the
+engine, if it wakes, whether the slot was written again under its copy. Each connection is
+served on a thread of its own: a slow tier read for one engine holds up no other engine.
 
 With an events endpoint (`NodeConfig.events_endpoint`), the node publishes its tiers' KV
 events for cache-aware routers, once for all its engines (events.py).
@@ -60,7 +62,15 @@ from kvtier.node.layouts import (
     start_layout,
     unservable,
 )
-from kvtier.node.leases import Puts, chunks_held, end_lease, sendable, spare_buffers
+from kvtier.node.leases import (
+    Lease,
+    Puts,
+    chunks_held,
+    end_lease,
+    overdue,
+    sendable,
+    spare_buffers,
+)
 from kvtier.node.protocol import (
     HELD,
     MAX_FRAME,
@@ -105,9 +115,17 @@ class NodeServer:
         # before, for as long as /dev/shm was full). Held under `_building`.
         self._failed_builds: dict[str, str] = {}
         self._closing = False  # `shutdown` has begun
-        self._leases: dict[int, tuple[int, Lending[ChunkView] | Puts]] = {}  # -> owner
+        self._leases: dict[int, Lease] = {}
+        # Leases taken out of `_leases` by whoever ends them (a Release, a connection's end,
+        # the lease timeout: one of them ends each), until ended: still counted by `status`
+        # (shown held until their slots are free), and their connection's spares still
+        # theirs (`_lending_open`).
+        self._ending: dict[int, Lease] = {}
         self._lease_ids = itertools.count(1)
         self._connections: dict[int, str] = {}  # connection id -> engine
+        # Connections whose engine checks lent slots' stamps after its copies (`Hello.stamps`):
+        # only their lendings are taken back (`_take_back_overdue`).
+        self._checking: set[int] = set()
         self._sockets: dict[int, socket.socket] = {}  # connection id -> its socket
         self._closed = threading.Event()  # set when `shutdown` has closed everything
         self.counters = NodeCounters()
@@ -131,6 +149,8 @@ class NodeServer:
         os.chmod(config.socket_path, 0o660)  # the node's group: its engines
         bound = config.socket_path.stat()
         self._socket_file = (bound.st_dev, bound.st_ino)  # removed at the end if still ours
+        threading.Thread(target=self._take_back_overdue, name="kvtier-node-leases",
+                         daemon=True).start()
 
     def serve_forever(self) -> None:
         """Serve until `shutdown` (from another thread: a signal's handler) has finished."""
@@ -182,12 +202,14 @@ class NodeServer:
         counters and each layout's tiers."""
         with self._lock:
             layouts = dict(self._layouts)
-            leases = len(self._leases)
+            every = [*self._leases.values(), *self._ending.values()]
+            leases = len(every)
             engines = sorted(set(self._connections.values()))
-            holders = [(self._connections.get(who, "an engine not said"), lease)
-                       for who, lease in self._leases.values()]
-        # What each engine holds: a frozen one (SIGSTOP, a hung process) keeps its leases,
-        # their slots out of the RAM tier, until its connection ends (docs/node.md).
+            holders = [(self._connections.get(lease.owner, "an engine not said"), lease.held)
+                       for lease in every]
+        # What each engine holds: a frozen one (SIGSTOP, a hung process) keeps its reserved
+        # slots out of the RAM tier until its connection ends, its lendings until
+        # lease_timeout_s (docs/node.md).
         held: dict[str, dict[str, int]] = {}
         for engine, lease in holders:
             mine = held.setdefault(engine, {"leases": 0, "chunks": 0})
@@ -332,6 +354,8 @@ class NodeServer:
                     sent += 1
                     offset = SEND
                 reply.offsets.append(offset)
+                stamp = None if offset == SEND else layout.memory.stamp_at(offset)
+                reply.stamps.append(-1 if stamp is None else stamp)  # read while lent
                 reply.tiers.append(loan.view.tier)
                 below = below or loan.view.tier != ram
                 lent += 1
@@ -426,9 +450,9 @@ class NodeServer:
     def commit(self, owner: int, request: Commit) -> None:
         with self._lock:
             entry = self._leases.get(request.lease)
-        if entry is None or entry[0] != owner or not isinstance(entry[1], Puts):
+        if entry is None or entry.owner != owner or not isinstance(entry.held, Puts):
             return
-        puts = entry[1]
+        puts = entry.held
         if not 0 <= request.index < len(puts.blocks):
             return
         taken, puts.blocks[request.index] = puts.blocks[request.index], None
@@ -458,16 +482,63 @@ class NodeServer:
             self.events.describe(layout.model, request.chunks)
 
     def release(self, owner: int, lease: int) -> None:
-        """End connection `owner`'s `lease` (another connection's is not its to end)."""
+        """End connection `owner`'s `lease` (another connection's is not its to end; one
+        taken back meanwhile is ended already)."""
         with self._lock:
             entry = self._leases.get(lease)
-            if entry is None or entry[0] != owner:
+            if entry is None or entry.owner != owner:
                 return
-        # Ended, then uncounted: a status that shows no lease shows its slots free (a
-        # connection's requests come one at a time: nothing else ends it meanwhile).
-        end_lease(entry[1])
+        self._end([lease])
+
+    def _end(self, leases: list[int], counted: str | None = None) -> dict[int, Lease]:
+        """End `leases` (those still held: another thread may have taken one first); those
+        this call ended. Ended, then uncounted, and `counted` added to at once where
+        one was ended: a status that shows no lease shows its slots free and its counter
+        added to."""
         with self._lock:
-            self._leases.pop(lease, None)
+            mine = {lease: self._leases.pop(lease) for lease in leases if lease in self._leases}
+            self._ending.update(mine)
+        try:
+            for entry in mine.values():
+                end_lease(entry.held)
+        finally:
+            with self._lock:
+                for lease in mine:
+                    self._ending.pop(lease, None)
+                if mine and counted is not None:
+                    self.counters.add(counted)
+        return mine
+
+    def _take_back_overdue(self) -> None:
+        """Take back every lending held past `lease_timeout_s` (checked a few times a
+        timeout, at most every second) by an engine that checks its slots' stamps (an older
+        one's never: it would take another chunk's bytes for its own), until the node
+        stops: an engine frozen or hung with its connection open pins their slots no
+        longer. Its copies, if it wakes, find their slots' stamps changed where a slot was
+        written again since (a failed load, recomputed: `Lent.stamps`). The node's own
+        thread."""
+        timeout_s = self.config.lease_timeout_s
+        while not self._closed.wait(min(1.0, timeout_s / 4)):
+            now = time.monotonic()
+            with self._lock:
+                if self._closing:
+                    return
+                due = [lease for lease, entry in self._leases.items()
+                       if entry.owner in self._checking and overdue(entry, now, timeout_s)]
+                held = {lease: chunks_held(self._leases[lease].held) for lease in due}
+            ended = self._end(due) if due else {}
+            if not ended:
+                continue
+            chunks = sum(held[lease] for lease in ended)
+            with self._lock:
+                engines = sorted({self._connections.get(entry.owner, "an engine not said")
+                                  for entry in ended.values()})
+            self.counters.add("leases_expired", len(ended))
+            self.counters.add("expired_chunks", chunks)
+            log.warning("kvtier node: %d lending(s) of %d chunk(s) held past %g s taken back "
+                        "from %s (frozen or hung?): their slots may be reused; if it wakes, "
+                        "its copies of reused slots are failed loads", len(ended), chunks,
+                        timeout_s, ", ".join(engines))
 
     def disconnected(self, owner: int) -> None:
         """A connection ended (the engine closed it, exited or was killed): its leases end;
@@ -476,42 +547,43 @@ class NodeServer:
         the next node recovers the slab as its records say)."""
         with self._lock:
             self._connections.pop(owner, None)
+            self._checking.discard(owner)
             self._sockets.pop(owner, None)
             if self._closing:
                 return
-            mine = [lease for lease, (who, _) in self._leases.items() if who == owner]
-            ended = [self._leases[lease][1] for lease in mine]
-        # Ended while still counted, then uncounted and the disconnect counted at once: a
-        # status that shows no lease shows their slots free and the disconnect counted, and
-        # one that shows the disconnect counted shows no lease.
-        for held in ended:
-            end_lease(held)
+            mine = [lease for lease, entry in self._leases.items() if entry.owner == owner]
+        # Ended while still counted (`_end`), then uncounted: a status that shows no lease
+        # shows their slots free.
+        ended = self._end(mine, "disconnects_with_leases")
         if ended:
-            with self._lock:
-                for lease in mine:
-                    self._leases.pop(lease, None)
-                self.counters.add("disconnects_with_leases")
-            log.info("kvtier node: a connection ended holding %d leases; released", len(ended))
+            log.info("kvtier node: a connection ended holding %d leases; released",
+                     len(ended))
 
     def _lease(self, owner: int, held: Lending[ChunkView] | Puts) -> int:
         with self._lock:
             lease = next(self._lease_ids)
-            self._leases[lease] = (owner, held)
+            self._leases[lease] = Lease(owner, held, time.monotonic())
             return lease
 
     def _lending_open(self, owner: int) -> bool:
-        """Whether a lending of connection `owner` is not released yet."""
+        """Whether a lending of connection `owner` is not ended yet."""
         with self._lock:
-            return any(who == owner and not isinstance(held, Puts)
-                       for who, held in self._leases.values())
+            return any(entry.owner == owner and not isinstance(entry.held, Puts)
+                       for entry in (*self._leases.values(), *self._ending.values()))
 
     def _engine_of(self, owner: int) -> str | None:
         with self._lock:
             return self._connections.get(owner)
 
-    def connected(self, owner: int, engine: str) -> None:
+    def connected(self, owner: int, engine: str, stamps: bool) -> None:
+        """Connection `owner` is `engine`'s; `stamps`: it checks lent slots' stamps after
+        its copies (its lendings may be taken back: `_take_back_overdue`)."""
         with self._lock:
             self._connections[owner] = engine
+            if stamps:
+                self._checking.add(owner)
+            else:
+                self._checking.discard(owner)
 
     def opened(self, owner: int, sock: socket.socket) -> None:
         """A connection accepted (ended by `shutdown` if still open then)."""

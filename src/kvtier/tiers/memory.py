@@ -243,6 +243,12 @@ class MemoryTier:
         offset = start - base
         return offset if offset >= 0 and offset + len(view) <= self._slab.nbytes else None
 
+    def stamp_at(self, offset: int) -> int | None:
+        """The stamp of the slot at `offset` in the shared slab (bumped before the slot is
+        written again: `SharedSlab.clear`), for a lending of its chunk, read while it is
+        lent; None for a slab not shared (no engine copies out of it)."""
+        return None if self._shared is None else self._shared.stamp(offset // self.slot_bytes)
+
     def slot(self, index: int) -> np.ndarray:
         """The bytes of slot `index` (chunk_bytes long)."""
         start = index * self.slot_bytes

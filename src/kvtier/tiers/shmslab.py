@@ -3,7 +3,8 @@ puts its RAM tier there, and its engines map it), with a record per slot from wh
 restarted on the same name recovers the chunks it held.
 
 The file /dev/shm/<name> (mode 0660: the node's group) is laid out as
-    [slots: num_slots x slot_bytes][records: num_slots x 96 B][footer: 64 B]
+    [slots: num_slots x slot_bytes][records: num_slots x 96 B][stamps: num_slots x 8 B]
+    [footer: 64 B]
 so that a slot's offset in the file is its offset in the slab (what engines are told). A
 record is (key, xxh3-64 of the chunk's bytes, chunk bytes, valid) and the chunk's `ChunkMeta`
 as the tier keeps it (tenant, pin, expiry, parent: a pinned system prompt stays pinned across
@@ -24,6 +25,15 @@ slab's name is listed there, so another user could plant one of forged chunks at
 else at the slab's name (another user's file, a directory, a link) is left alone and the slab
 created at a fresh one (`<name>.<random>`, removed at `close`); a predecessor's file goes to a
 fresh aside name where `<name>.old` is taken.
+**Stamps.** A slot's stamp (a 64-bit count) is bumped before the slot is written again
+(`clear`): a node lends a chunk with its slot's stamp, and the engine reads the stamp again
+once its copy out of the slot is done (`SlotStamps`). The same stamp: the slot was not
+written since the lending, so what the engine copied is the chunk. Another: the node took the
+lending back (`NodeConfig.lease_timeout_s`, an engine frozen past it) and gave the slot to
+another chunk meanwhile: the copy is the wrong KV, and the load a failed one. The order: the
+node writes the stamp before the slot's new bytes, and the engine reads the stamp after its
+copy's reads (x86-64 keeps both orders; a device's copy is done when its event is).
+
 The file's pages are allocated when it is created (posix_fallocate): charged to the node,
 never to the engine that first writes a slot.
 
@@ -38,8 +48,8 @@ its slot up only once claimed. So while an engine's lock is held, the slot's byt
 record's chunk, whole. The kernel drops an engine's locks when it dies (no slot leaks), and a
 lock is one syscall on the engine's own thread: no wait for the node's thread to be scheduled.
 
-Primitives: `SharedSlab`, `SlabReader`, `SHM_DIR`, `slab_file_bytes`, `shm_size_bytes`,
-`is_own_file`, `holder_of`.
+Primitives: `SharedSlab`, `SlabReader`, `SlotStamps`, `SHM_DIR`, `slab_file_bytes`,
+`shm_size_bytes`, `is_own_file`, `holder_of`.
 """
 
 from __future__ import annotations
@@ -74,13 +84,16 @@ _PARENT, _TENANT, _RETAIN, _EXPIRES = 1, 2, 4, 8
 _LEAVING = 2  # "valid": the chunk left while engines read it in place (not to be read again)
 _FOOTER = struct.Struct("<8sQQQ32x")  # magic, slot_bytes, num_slots, chunk_bytes
 _FLOCK = struct.Struct("@hhqqi4x")  # Linux's struct flock: type, whence, start, len, pid
-_MAGIC = b"KVTSLAB2"  # records with meta (KVTSLAB1's, without, are not recovered)
+_STAMP = np.dtype("<u8")  # a slot's stamp: bumped before the slot is written again
+# Records with meta and a stamp a slot (KVTSLAB1's and KVTSLAB2's are not recovered: a node
+# upgraded to stamps starts with a cold RAM once).
+_MAGIC = b"KVTSLAB3"
 
 
 def slab_file_bytes(slot_bytes: int, num_slots: int) -> int:
     """The size of a slab's file: its slots, a record per slot and the footer (what it
     takes in /dev/shm; `kvtier plan --node-engines` sizes a node's /dev/shm with it)."""
-    return num_slots * (slot_bytes + _RECORD.itemsize) + _FOOTER.size
+    return num_slots * (slot_bytes + _RECORD.itemsize + _STAMP.itemsize) + _FOOTER.size
 
 
 def is_own_file(path: Path) -> bool:
@@ -150,6 +163,8 @@ class SharedSlab:
         self.slots = np.frombuffer(self._mmap, dtype=np.uint8, count=slab_bytes)
         self._records = np.frombuffer(self._mmap, dtype=_RECORD, count=num_slots,
                                       offset=slab_bytes)
+        self._stamps = np.frombuffer(self._mmap, dtype=_STAMP, count=num_slots,
+                                     offset=slab_bytes + num_slots * _RECORD.itemsize)
         self._mmap[size - _FOOTER.size:] = _FOOTER.pack(_MAGIC, slot_bytes, num_slots,
                                                         chunk_bytes)
 
@@ -239,8 +254,15 @@ class SharedSlab:
         record["known"] = known
 
     def clear(self, index: int) -> None:
-        """Slot `index` is about to be written (a free slot: no engine reads it in place)."""
+        """Slot `index` is about to be written (a free slot: no engine reads it in place):
+        its record made invalid and its stamp bumped, both before the new bytes (an engine
+        that still copies a lending of it, taken back, sees the stamp changed)."""
         self._records["valid"][index] = 0
+        self._stamps[index] += 1
+
+    def stamp(self, index: int) -> int:
+        """Slot `index`'s stamp now (what a lending of its chunk carries)."""
+        return int(self._stamps[index])
 
     def claim(self, index: int) -> bool:
         """Clear slot `index`'s record (its chunk left) unless an engine reads the slot in
@@ -416,6 +438,33 @@ class SlabReader:
         # Its records' view no more: the engine unmaps a slab it let go (a dead node's) once
         # nothing views it, so that its pages are freed for the restarted node's slab.
         self._records = np.empty(0, dtype=_RECORD)
+
+
+class SlotStamps:
+    """An engine's view of a slab's stamps (see the module docstring): whether a slot is still
+    as it was lent, read after the copy out of it is done."""
+
+    def __init__(self, mapping: mmap.mmap | np.ndarray) -> None:
+        """`mapping`: the whole slab file, as the engine maps it.
+
+        Raises:
+            ValueError: it is not a slab of this format (no stamps to read).
+        """
+        size = len(mapping)
+        magic, slot_bytes, num_slots, _ = _FOOTER.unpack(np.frombuffer(
+            mapping, dtype=np.uint8, offset=size - _FOOTER.size).tobytes()) \
+            if size >= _FOOTER.size else (b"", 0, 0, 0)
+        if magic != _MAGIC or slab_file_bytes(slot_bytes, num_slots) != size:
+            raise ValueError(f"not a kvtier slab with stamps ({magic!r})")
+        self.slot_bytes = slot_bytes
+        self._stamps = np.frombuffer(mapping, dtype=_STAMP, count=num_slots,
+                                     offset=num_slots * (slot_bytes + _RECORD.itemsize))
+
+    def unchanged(self, offset: int, stamp: int) -> bool:
+        """Whether the slot at `offset` (of the slab) still has `stamp`: not written again
+        since a lending of it carried that stamp. Read after the copy out of it is done."""
+        index = offset // self.slot_bytes
+        return 0 <= index < len(self._stamps) and int(self._stamps[index]) == stamp
 
 
 def _lock(fd: int, kind: int, at: int) -> bool:

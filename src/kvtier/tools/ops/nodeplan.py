@@ -71,7 +71,7 @@ class NodePlan:
     tokens_per_chunk: int  # the chunk the engines store
     chunk_bytes: int  # one chunk on one rank
     slot_bytes: int  # its slot in the slab (aligned)
-    slab_file_bytes: int  # one layout's file in /dev/shm: slots, records, footer
+    slab_file_bytes: int  # one layout's file in /dev/shm: slots, records, stamps, footer
     shm_bytes: int  # every layout's file
     shm_bytes_wanted: int  # the node's /dev/shm: given (--node-shm), else half its RAM
     shm_bytes_given: bool  # shm_bytes_wanted was given, not assumed

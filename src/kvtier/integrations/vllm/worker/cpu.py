@@ -106,6 +106,10 @@ class CpuChunkMover:
                 with loan:
                     if not self._scatter(transfers[loan.index], loan.view):
                         return loan.index
+                    if not loan.view.copied_whole():
+                        # Its slot was another chunk's by the end of the copy (a node's
+                        # lending taken back): its blocks hold no KV of it; recomputed.
+                        return loan.index
                     lent_by[loan.view.tier] += 1
                 reading = time.perf_counter()
             read_s += time.perf_counter() - reading

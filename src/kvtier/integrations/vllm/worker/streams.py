@@ -20,7 +20,9 @@ index upload, a kernel, a DMA, two events, a stream wait: ~100-130 us on an H200
 its DMA (~40 us) (issue 47). On the load thread the call waits
 for `done` before the load is reported (vLLM schedules the request only then). Inline, the
 compute stream waits for `done` instead, so the forward starts no earlier than its KV is in
-place and the host never waits for the copy; the loans (which keep the RAM slots from being
+place and the host never waits for the copy (but for chunks a node lent: their slots'
+stamps are checked once their copy is done, before the load is reported, as on the load
+thread: `ChunkView.unchanged`); the loans (which keep the RAM slots from being
 reused) and the staging buffers are returned once `done` is reached (`release`, once a step).
 Each chunk stays lent until its batch's `done` (`Loan.release_after`): its spare then takes
 another read.
@@ -203,6 +205,9 @@ class StreamChunkMover:
         in_spares = 0  # of them, read into the caller's spares
         stateless: int | None = None  # a chunk that holds no state the load needs
         in_place = True  # every chunk lent where it lies (none in a spare)
+        # Chunks whose slot may be another chunk's by the end of their copy (a node's
+        # lending taken back): checked once the copies are done, before the load is reported.
+        checked: list[tuple[int, ChunkView]] = []
         with ExitStack() as held:
             # Chunks are queued a batch at a time as their reads land, the first landed first
             # (in order for models with state layers, as the CPU mover's); their host bytes
@@ -221,6 +226,8 @@ class StreamChunkMover:
                     break
                 in_place = in_place and loan.in_place
                 lent_by[loan.view.tier] += 1
+                if loan.view.unchanged is not None:
+                    checked.append((loan.index, loan.view))
                 batch.append(loan)
                 in_spares += not loan.in_place
                 if len(batch) == self._batch or in_spares >= len(spares):
@@ -237,8 +244,11 @@ class StreamChunkMover:
             # stopped at a miss. An inline load of chunks lent in place (RAM) does not: the
             # compute stream waits for its copies, and the loans (which keep the RAM slots
             # from being reused) and staging buffers are returned once they are done
-            # (`release`, once a step).
-            if copies and inline and in_place and loaded == len(transfers):
+            # (`release`, once a step). Chunks a node lent do not go that way: a lending
+            # the node took back (this engine frozen past its lease_timeout_s) may have had
+            # its slot written again under the copy, which only a check once the copy is
+            # done tells, before vLLM is told the load is done.
+            if copies and inline and in_place and loaded == len(transfers) and not checked:
                 last = copies[-1][0]  # one load stream: the load's copies are before it
                 self._device.wait(self._device.compute_stream(), last)
                 with self._pending_lock:
@@ -247,6 +257,10 @@ class StreamChunkMover:
             elif copies:
                 copies[-1][0].synchronize()
                 self._give_back([s for _, s in copies], self._load_slots)
+                for index, view in checked:  # in key order, as node lendings are
+                    if index < loaded and not view.copied_whole():
+                        loaded = index  # its blocks and the rest are recomputed
+                        break
         if loaded < len(transfers):
             if stateless is None and lending.failed_tier is not None:
                 lent_by[lending.failed_tier] += 1  # a failed read costs its tier its time
