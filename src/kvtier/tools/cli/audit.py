@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.versions import example_versions
 from kvtier.tools.cli.argtypes import MAX_COUNT
 from kvtier.tools.ops.audit import (
     AuditOptions,
@@ -49,8 +50,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                              "command line's words as typed")
     parser.add_argument("--env", action="append", default=[], metavar="K=V",
                         help="an environment variable of the server (repeatable)")
-    parser.add_argument("--vllm-version", help="vLLM release audited, e.g. 0.21.0 "
-                        "(default: the image tag in the input, if any)")
+    parser.add_argument("--vllm-version", help=f"vLLM release audited, e.g. "
+                        f"{example_versions()} (default: the image tag in the input, if any)")
     parser.add_argument("--gpu", default="h100", help="GPU the server runs on (default h100)")
     parser.add_argument("--typical-context", type=_positive_tokens, metavar="TOKENS",
                         help="p95-p99 context length of real traffic (see below)")
@@ -104,13 +105,12 @@ def run(args: argparse.Namespace) -> int:
     source = _read_stdin() if given == "-" else given
     # `is not None`: an empty value (`--vllm-version "$TAG"`, the variable unset) is refused,
     # not taken for an option left out
+    version = parse_version(args.vllm_version, "--vllm-version") \
+        if args.vllm_version is not None else None
     model_config = _read_model_config(args.model_config) \
         if args.model_config is not None else None
-    cmd = load_deployment(
-        source, env=_env_pairs(args.env),
-        vllm_version=parse_version(args.vllm_version) if args.vllm_version is not None
-        else None,
-        model_config=model_config)
+    cmd = load_deployment(source, env=_env_pairs(args.env), vllm_version=version,
+                          model_config=model_config)
     findings = run_audit(cmd, AuditOptions(gpu=gpu_profile(args.gpu),
                                            typical_context_tokens=args.typical_context))
     errors = [f for f in findings if f.severity is Severity.ERROR]

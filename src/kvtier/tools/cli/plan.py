@@ -109,8 +109,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def run(args: argparse.Namespace) -> int:
     """Compute and print the plan. Raises ConfigError on bad input (exit 2)."""
-    version = parse_version(args.vllm_version) if args.vllm_version is not None \
-        else installed_vllm_version()
+    version = parse_version(args.vllm_version, "--vllm-version") \
+        if args.vllm_version is not None else installed_vllm_version()
     cpu_tier = None
     if args.from_sglang is not None:
         cpu_tier = int(sglang_per_rank_to_vllm_total(args.from_sglang, args.tp) * _GIB)

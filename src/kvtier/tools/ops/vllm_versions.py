@@ -23,6 +23,7 @@ from importlib import metadata
 
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import CONNECTOR_CLASS
+from kvtier.integrations.vllm.versions import example_versions
 
 Version = tuple[int, int, int]
 _VERSION = re.compile(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?")
@@ -133,15 +134,19 @@ def offload_flags_connector(version: Version | None, backend: str) -> str:
     return "LMCacheMPConnector"
 
 
-def parse_version(text: str) -> Version:
+def parse_version(text: str, field: str = "vllm_version") -> Version:
     """Parse a vLLM version string ("v0.21.0", "0.20.2+cu130", "0.11.1rc2").
+
+    Args:
+        field: what the error names: the option (`--vllm-version`) where a user typed it.
 
     Raises:
         ConfigError: when no MAJOR.MINOR[.PATCH] prefix is found.
     """
     match = _VERSION.match(str(text))
     if not match:
-        raise ConfigError("vllm_version", text, "a version such as 0.21.0 or v0.20.2")
+        raise ConfigError(field, text, f"a version such as {example_versions()} "
+                          "(a leading v and a local label are accepted: v0.33.1+cu130)")
     return int(match.group(1)), int(match.group(2)), int(match.group(3) or 0)
 
 

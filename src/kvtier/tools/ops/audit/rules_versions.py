@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from kvtier.integrations.vllm.versions import example_versions
 from kvtier.tools.ops.audit.command import ServeCommand
 from kvtier.tools.ops.audit.finding import Finding, Severity
 from kvtier.tools.ops.audit.registry import AuditOptions, rule
@@ -54,5 +55,6 @@ def version_unknown(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
             "the vLLM version is not known (no --vllm-version, no image tag)",
             "offload flags and their companions changed across v0.11-v0.21; some checks "
             "could not decide",
-            "pass --vllm-version (e.g. 0.21.0) or audit the manifest with its image tag",
+            f"pass --vllm-version (e.g. {example_versions()}) or audit the manifest with its "
+            "image tag",
         )
