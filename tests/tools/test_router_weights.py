@@ -175,6 +175,18 @@ def test_unreadable_metrics_or_nothing_to_inspect_exits_2(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "invalid config" in err and len(err.strip().splitlines()) == 1
+    if "--metrics" in argv:  # the option as typed, its value (not a config field metrics=)
+        assert f"--metrics={argv[-1]!r}" in err and " metrics=" not in err
+
+
+@pytest.mark.parametrize("command", [["inspect"], PLAN])
+@pytest.mark.parametrize("url", ["127.0.0.1:8000/metrics", "ftp://example/metrics", ""])
+def test_a_metrics_value_that_is_no_http_url_says_what_is(
+        command: list[str], url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*command, "--metrics", url]) == 2  # "": an unset variable, not left out
+    err = capsys.readouterr().err
+    assert f"--metrics={url!r}" in err
+    assert "http(s) URL" in err and "http://HOST:PORT/metrics" in err
 
 
 def test_a_path_that_is_not_metrics_exits_2(server: str,

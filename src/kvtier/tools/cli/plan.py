@@ -197,7 +197,9 @@ def router_weights(plan: Plan, metrics_url: str | None = None,
     per_1k = 1000 / plan.context_tokens if plan.context_tokens else 0.0
     rows = [tier_weight(t.name, "model", t.medium, t.load_s * per_1k, plan.reprefill_s * per_1k)
             for t in plan.tiers]
-    if metrics_url:
+    # `is not None`: an empty --metrics ("$METRICS_URL", the variable unset) is refused by
+    # fetch_metrics, as `kvtier inspect` refuses it, not taken for the option left out
+    if metrics_url is not None:
         store = None
         if store_config:
             from kvtier.tools.cli.inspect import load_store

@@ -63,6 +63,9 @@ _STATIC_KEYS: dict[str, dict[str, str]] = {
     Medium.STORAGE.value: {"dynamo": "disk"},
 }
 METRICS_TIMEOUT_S = 5.0
+# The option `kvtier inspect` and `kvtier plan` take the URL from: their errors name it, as a
+# user typed it (not as a config field, `metrics=`).
+METRICS_OPTION = "--metrics"
 
 
 def router_weight(restore_s: float, recompute_s: float) -> float:
@@ -110,25 +113,28 @@ def parse_restore_costs(text: str) -> RestoreCosts:
 
 def fetch_metrics(url: str, timeout_s: float = METRICS_TIMEOUT_S) -> str:
     """The Prometheus text of a vLLM server's /metrics. `url` is the endpoint, or the
-    server's base URL (then /metrics is appended). Any thread.
+    server's base URL (then /metrics is appended): the value of the commands' `--metrics`
+    option, which the errors name. Any thread.
 
     Raises:
         ConfigError: the URL is not http(s), or does not answer with a metrics text.
     """
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ConfigError("metrics", url, "an http(s) URL of a vLLM /metrics endpoint")
-    if parts.path in ("", "/"):
-        url = url.rstrip("/") + "/metrics"
+        raise ConfigError(METRICS_OPTION, url, "an http(s) URL of a kvtier-served vLLM's "
+                          "/metrics endpoint (http://HOST:PORT/metrics) or of the server "
+                          "(http://HOST:PORT)")
+    endpoint = url.rstrip("/") + "/metrics" if parts.path in ("", "/") else url
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        with urllib.request.urlopen(endpoint, timeout=timeout_s) as response:
             return str(response.read().decode())
     except urllib.error.HTTPError as exc:
-        raise ConfigError("metrics", url, f"a /metrics endpoint (HTTP {exc.code})") from None
+        raise ConfigError(METRICS_OPTION, url,
+                          f"a /metrics endpoint ({endpoint}: HTTP {exc.code})") from None
     except (OSError, ValueError) as exc:  # URLError, a timeout, a body that is not text
         reason = getattr(exc, "reason", exc)
-        raise ConfigError("metrics", url,
-                          f"a reachable /metrics endpoint (unreachable: {reason})") from None
+        raise ConfigError(METRICS_OPTION, url, f"a reachable /metrics endpoint ({endpoint} "
+                          f"unreachable: {reason})") from None
 
 
 @dataclass(frozen=True, slots=True)
