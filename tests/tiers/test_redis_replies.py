@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
+from redis._parsers import _RESP2Parser
 from redis.cluster import RedisCluster
 from redis_server import RedisClusterNodes
 from tierkit import key, make_tier
@@ -184,6 +185,24 @@ def test_a_damaged_reply_is_an_error_never_values(
         raw: bytes, error: type[Exception], replies_of: Callable[[bytes], _Replies]) -> None:
     with pytest.raises(error):
         replies_of(raw).array(lambda i, n, e: None)
+
+
+@pytest.mark.parametrize("text", [
+    "LOADING Redis is loading the dataset in memory", "MOVED 3999 127.0.0.1:6381",
+    "ASK 3999 127.0.0.1:6381", "MASTERDOWN Link with MASTER is down",
+    "TRYAGAIN Multiple keys request during rehashing of slot",
+    "BUSY Redis is busy running a script.", "OOM command not allowed", "ERR boom"])
+def test_an_error_reply_is_the_exception_redis_py_makes_of_it(
+        text: str, replies_of: Callable[[bytes], _Replies]) -> None:
+    """LOADING (a restarted server loading its dataset) is redis-py's BusyLoadingError, a
+    ConnectionError the tier backs off from, not a refusal; a read's own parser once made
+    every error reply a plain ResponseError."""
+    expected = type(_RESP2Parser.parse_error(text))
+    with pytest.raises(expected) as raised:
+        replies_of(b"-" + text.encode() + b"\r\n").array(lambda i, n, e: None)
+    assert type(raised.value) is expected
+    if text.startswith("LOADING"):
+        assert isinstance(raised.value, redis.ConnectionError)
 
 
 def test_a_cluster_read_from_a_node_that_moved_the_slot_follows_redis_py(

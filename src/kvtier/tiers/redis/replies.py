@@ -19,7 +19,11 @@ strings, errors; RESP2 and RESP3). A connection whose parser holds unread bytes,
 this module does not know (hiredis), is not used: `read_into` returns None and the tier reads
 through redis-py. Any failure mid-reply disconnects the connection (never returned to the
 pool half-read); socket errors come out as redis-py's (ConnectionError, TimeoutError), error
-replies as `redis.ResponseError`, as from redis-py.
+replies as the exception the connection's own redis-py parser makes of them (`parse_error`):
+a server still loading its dataset after a restart (LOADING) is a `BusyLoadingError`, one of
+redis-py's ConnectionErrors, so the tier backs off from it as from a read through redis-py;
+MOVED and ASK are `MovedError`/`AskError`, MASTERDOWN a `ClusterDownError`, OOM an
+`OutOfMemoryError`; BUSY (a script running) stays a plain ResponseError, as in redis-py.
 
 Primitives: `read_into`, `Place`.
 """
@@ -38,6 +42,8 @@ from redis.connection import Connection
 # writable view of exactly that many bytes, or None (a new `bytes`); it raises to refuse the
 # value unread (read_into then drops the connection).
 Place = Callable[[int, int, list[Any]], memoryview | None]
+# What an error reply's text becomes: a parser class's `parse_error` (its table of codes).
+ErrorOf = Callable[[str], redis.RedisError]
 LINE_READ = 16 << 10  # bytes asked of the socket for a line (a payload's first bytes come along)
 MAX_LINE = 64  # a RESP line here: "$<length>" or ":<integer>"; longer is not this protocol
 
@@ -46,9 +52,13 @@ class _Replies:
     """RESP replies read from one socket: lines through a small buffer, bulk payloads
     straight into their destination."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket,
+                 error_of: ErrorOf = _RESP2Parser.parse_error) -> None:
         self._sock = sock
         self._buffer = bytearray()
+        # The connection's parser's table, not one of ours: a Cluster node's connection
+        # knows MOVED and ASK on every redis-py release (older ones set a ClusterParser).
+        self._error_of = error_of
 
     def line(self) -> bytes:
         while (end := self._buffer.find(b"\r\n")) < 0:
@@ -107,15 +117,19 @@ class _Replies:
         if kind == b"+":
             return rest.decode()
         if kind == b"-":
-            raise redis.ResponseError(rest.decode(errors="replace"))
+            raise self._error(rest)
         raise redis.ConnectionError(f"unexpected reply type {kind!r}")
+
+    def _error(self, text: bytes) -> redis.RedisError:
+        """The exception of error reply `text` (without its "-"), as redis-py makes it."""
+        return self._error_of(text.decode(errors="replace"))
 
     def array(self, place: Place) -> list[Any] | None:
         line = self.line()
         if line[:1] == b"_" or line == b"*-1":
             return None
         if line[:1] == b"-":
-            raise redis.ResponseError(line[1:].decode(errors="replace"))
+            raise self._error(line[1:])
         if line[:1] != b"*":
             raise redis.ConnectionError(f"expected an array reply, got {line[:16]!r}")
         values: list[Any] = []
@@ -137,8 +151,10 @@ def read_into(client: redis.Redis, name: str, fields: Sequence[str], place: Plac
     docstring): use redis-py.
 
     Raises:
-        redis.ConnectionError, redis.TimeoutError: the socket failed or timed out.
-        redis.ResponseError: the server refused a command (WRONGTYPE: `name` is not a hash).
+        redis.ConnectionError, redis.TimeoutError: the socket failed or timed out, or the
+            server is not serving yet (BusyLoadingError: LOADING).
+        redis.ResponseError: the server refused a command (WRONGTYPE: `name` is not a hash;
+            MovedError, AskError: a Cluster node that does not hold the slot now).
         Whatever `place` raises (the connection is dropped, the value unread).
     """
     pool = client.connection_pool
@@ -153,7 +169,7 @@ def read_into(client: redis.Redis, name: str, fields: Sequence[str], place: Plac
         conn.send_packed_command(packed)  # type: ignore[no-untyped-call]
         sock = conn._sock  # set by connect(), which send_packed_command ensures
         assert sock is not None
-        replies = _Replies(sock)
+        replies = _Replies(sock, type(conn._parser).parse_error)
         try:
             values = replies.array(place)
             for _ in commands[1:]:

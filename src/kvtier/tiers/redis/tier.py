@@ -55,7 +55,8 @@ A call blocks at most `socket_timeout_ms` on an open connection, `connect_timeou
 `socket_timeout_ms` on a new one: redis-py's own retries are off, as they would multiply that.
 A server that answers with an error reply other than OOM (NOPERM: an ACL user without HSET
 or EXEC, which every put runs; a database index it does not have) is up: every such call
-misses or is dropped (counted), and the first of each kind is logged at warning.
+misses or is dropped (counted), and the first of each kind is logged at warning. One still
+loading its dataset (LOADING, after a restart) is down, as redis-py's BusyLoadingError says.
 For a Cluster, start the servers with `cluster-require-full-coverage no`, so that a dead node
 costs only the chunks of its slots (with the default `yes` the whole cluster refuses queries once
 it notices). A resharding is followed: lookups, reads and deletes follow its
@@ -79,6 +80,7 @@ Primitives: `RedisTier`, `ChunkNames`. The config model is `RedisTierConfig`
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -89,7 +91,7 @@ from urllib.parse import urlsplit
 
 import redis
 from redis.cluster import RedisCluster
-from redis.exceptions import OutOfMemoryError, RedisClusterException, SlotNotCoveredError
+from redis.exceptions import AskError, OutOfMemoryError, RedisClusterException, SlotNotCoveredError
 
 from kvtier.core.chunkformat import HEADER_BYTES, failure_of, read_header
 from kvtier.core.guard import Guard
@@ -444,12 +446,11 @@ class RedisTier:
         if not isinstance(client, RedisCluster):
             values = read_into(client, name, fields, place, self.ttl_ms)
         elif (node := client.get_node_from_key(name)) is not None:
-            try:
+            # The slot moved (AskError, or MovedError, one of them): redis-py follows, below,
+            # and refreshes its slot map.
+            with contextlib.suppress(AskError):
                 values = read_into(client.get_redis_connection(node), name, fields, place,
                                    self.ttl_ms)
-            except redis.ResponseError as exc:  # the slot moved: redis-py follows, and
-                if not str(exc).startswith(("MOVED", "ASK")):  # refreshes its slot map
-                    raise
         if values is not None:
             return values
         # redis-py's own parser (hiredis, a slot that moved): no bound on a value's length.
