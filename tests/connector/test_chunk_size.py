@@ -28,3 +28,14 @@ def test_a_chunk_size_the_operator_set_is_kept_or_refused() -> None:
     with pytest.raises(ConfigError, match=r"tokens_per_chunk.*multiple of vLLM's block_size "
                        r"\(4224\)"):
         ConnectorConfig.parse({"tokens_per_chunk": 256}).for_block_size(4224)
+
+
+def test_a_refused_chunk_size_names_the_field_value_block_and_multiples_near_it() -> None:
+    """The README's config with tokens_per_chunk 100 on an engine of 16-token blocks: the
+    refusal at engine start says what to write instead."""
+    with pytest.raises(ConfigError) as refused:
+        ConnectorConfig.parse({"tokens_per_chunk": 100}).for_block_size(16)
+    message = str(refused.value)
+    assert "kv_connector_extra_config.tokens_per_chunk=100" in message
+    assert "multiple of vLLM's block_size (16), e.g. 96 or 112" in message
+    assert "--block-size" in message and "leave it unset" in message

@@ -13,6 +13,7 @@ import pytest
 
 from kvtier.tools.ops.audit import (
     AuditOptions,
+    Finding,
     Severity,
     all_rules,
     parse_command_line,
@@ -454,12 +455,33 @@ def test_kvtier_tokens_per_chunk_against_vllms_default_block_on_cuda():
     1,000 tokens is refused at start-up all the same, and the audit passed it."""
     cmd = parse_command_line(f"vllm serve m {transfer('KVTierConnector', tokens_per_chunk=1000)}")
     [found] = [f for f in run_audit(cmd) if f.rule == "kvtier-connector-config"]
-    assert "block_size (16)" in found.what and "vLLM's default block size on CUDA" in found.what
+    assert "not a multiple of vLLM's default block size on CUDA (16)" in found.what
+    assert "e.g. 992 or 1008" in found.fix and "--block-size" in found.fix
     assert severities("kvtier-connector-config",
                       f"vllm serve m {transfer('KVTierConnector', tokens_per_chunk=512)}") == []
-    # The CPU backend's default depends on the model: not judged.
-    assert [f for f in run_audit(cmd, AuditOptions(gpu=gpu_profile("cpu")))
-            if f.rule == "kvtier-connector-config"] == []
+
+
+def test_kvtier_tokens_per_chunk_against_vllms_default_block_on_the_cpu_backend():
+    """The README's config with a tokens_per_chunk of 100, or of 48, on vLLM's CPU backend
+    (default block 128) passed the audit and failed at engine start; for an MLA model the
+    block depends on the CPU (16 without AMX, whatever --block-size says): a warning."""
+    cpu = AuditOptions(gpu=gpu_profile("cpu"))
+
+    def found(model: str, tokens: int, flags: str = "") -> list[Finding]:
+        cmd = parse_command_line(f"vllm serve {model} {flags} "
+                                 f"{transfer('KVTierConnector', tokens_per_chunk=tokens)}")
+        return [f for f in run_audit(cmd, cpu) if f.rule == "kvtier-connector-config"]
+
+    for tokens in (100, 48):
+        [finding] = found("m", tokens)
+        assert finding.severity is Severity.ERROR
+        assert f"tokens_per_chunk = {tokens} is not a multiple of vLLM's default block size " \
+               "on the CPU backend (128" in finding.what
+    assert found("m", 512) == [] and found("m", 48, "--block-size 16") == []
+    [mla] = found("deepseek-ai/DeepSeek-V2-Lite", 256, "--block-size 96")
+    assert mla.severity is Severity.WARNING and "depends on the CPU" in mla.why
+    assert [f.severity for f in found("deepseek-ai/DeepSeek-V2-Lite", 100)] == [Severity.ERROR]
+    assert found("deepseek-ai/DeepSeek-V2-Lite", 256) == []
 
 
 def test_kvtier_config_in_dotted_words_is_read_as_vllm_builds_it():
@@ -474,7 +496,7 @@ def test_kvtier_config_in_dotted_words_is_read_as_vllm_builds_it():
                                    "kv_connector_extra_config": {"tokens_per_chunk": 100,
                                                                  "index_max_keys": 1000}}
     [found] = [f for f in run_audit(cmd) if f.rule == "kvtier-connector-config"]
-    assert "tokens_per_chunk = 100" in found.what and "block_size (16)" in found.what
+    assert "tokens_per_chunk = 100 is not a multiple of --block-size 16" in found.what
 
 
 def test_json_and_dotted_kv_transfer_config_together_is_an_error():

@@ -8,6 +8,8 @@ Primitives:
   - `CONNECTOR_CLASS`, `CONNECTOR_MODULE`, `CONNECTOR_KEYS`, `TOKENS_PER_CHUNK`,
     `MAX_REQUEST_DURATION_S`.
   - `PoolEvents`: where the shared tiers' KV events go, once for the fleet.
+  - `chunk_sizes_allowed(tokens_per_chunk, block_size)`: what a tokens_per_chunk vLLM's
+    block does not divide may be instead, in words (the connector's and the tools').
   - `RequestControls.from_params(kv_transfer_params)` (per-request switches),
     `RequestControls.within_role(kv_role)` (what vLLM's kv_role leaves of them),
     `RequestControls.retain_s_for(end_tokens)` (a chunk's pin), `PrefixPin`.
@@ -274,7 +276,18 @@ class ConnectorConfig:
         unset (`for_block_size` picks one)."""
         if self.tokens_per_chunk_set and self.tokens_per_chunk % block_size:
             raise ConfigError(f"{WHERE}.tokens_per_chunk", self.tokens_per_chunk,
-                              f"a multiple of vLLM's block_size ({block_size})")
+                              chunk_sizes_allowed(self.tokens_per_chunk, block_size))
+
+
+def chunk_sizes_allowed(tokens_per_chunk: int, block_size: int) -> str:
+    """What a tokens_per_chunk of vLLM's `block_size` may be, with the multiples nearest to
+    `tokens_per_chunk` as examples: the connector's refusal at engine start and the
+    operator tools' checks ahead of it (kvtier audit, kvtier doctor) word it alike."""
+    below = tokens_per_chunk // block_size * block_size
+    nearest = " or ".join(str(m) for m in (below, below + block_size) if m > 0)
+    return (f"a multiple of vLLM's block_size ({block_size}), e.g. {nearest} (the block is "
+            "the engine's --block-size, or its platform's default); or leave it unset: "
+            f"kvtier picks the smallest multiple of the block from {TOKENS_PER_CHUNK} tokens")
 
 
 def kvtier_transfer_config(extra: Mapping[str, Any] | None = None) -> dict[str, Any]:

@@ -6,6 +6,7 @@ Primitives:
     read_store(path)            -- a kvtier config file -> the store dict (tiers...)
     store_from_flags(...)       -- the same from --memory/--disk/--shared/--redis
     check_vllm(), check_connector(module), check_store_config(store),
+    check_chunk_size(store) (tokens_per_chunk against vLLM's default block here),
     check_tier_paths(store), check_memory(store), check_redis(store), ping_redis(config),
     check_node(store) (node mode: the node answers; /dev/shm's room)
     run_doctor(store, connector_module) -> list[Check]
@@ -44,14 +45,17 @@ from kvtier.integrations.vllm.config import (
     CONNECTOR_CLASS,
     CONNECTOR_MODULE,
     ConnectorConfig,
+    chunk_sizes_allowed,
     kvtier_transfer_config,
 )
+from kvtier.integrations.vllm.versions import running_vllm
 from kvtier.redaction import redact, redact_text
 from kvtier.tiers.files import directories
 from kvtier.tiers.redis.config import RedisTierConfig
 from kvtier.tiers.registry import TIER_CLASSES, config_model, tier_class
 from kvtier.tiers.s3.config import S3TierConfig
 from kvtier.tiers.shmslab import SHM_DIR
+from kvtier.tools.ops.chunkfit import engine_blocks, misfits
 from kvtier.tools.ops.machine import Check as Check  # re-exported: doctor's result type
 from kvtier.tools.ops.machine import Status, check_host_ram, check_pinned_memory
 from kvtier.tools.ops.machine import check_vllm as check_vllm  # re-exported
@@ -138,6 +142,32 @@ def check_store_config(store: Mapping[str, Any]) -> Check:
     if store.get("node"):
         return Check("config", "ok", f"node mode: the tiers of the node at {store['node']}")
     return Check("config", "ok", f"{len(store['tiers'])} tier(s) valid")
+
+
+def check_chunk_size(store: Mapping[str, Any]) -> list[Check]:
+    """A tokens_per_chunk set in the config against vLLM's default block size on this
+    machine's vLLM build (kvtier.tools.ops.chunkfit; unknown without vLLM: CUDA's and the CPU
+    backend's both), so that a size the engine would refuse at start is said ahead. A
+    warning, not a failure: doctor sees no command line, whose --block-size may divide it
+    (`kvtier audit` judges the command line). Nothing for an invalid config
+    (check_store_config reports it) or a chunk size left to the connector."""
+    try:
+        config = ConnectorConfig.parse(store, where="store")
+    except ConfigError:
+        return []
+    if not config.tokens_per_chunk_set:
+        return []
+    tokens = config.tokens_per_chunk
+    on_cpu = is_cpu_backend() if running_vllm() is not None else None
+    blocks = engine_blocks(None, on_cpu)
+    bad = misfits(tokens, blocks)
+    if not bad:
+        return [Check("tokens_per_chunk", "ok", f"{tokens}: a multiple of "
+                      + " and of ".join(b.source for b in blocks))]
+    return [Check("tokens_per_chunk", "warn",
+                  f"{tokens} is not a multiple of {bad[0].source}: the engine refuses it at "
+                  f"start unless its --block-size divides {tokens}. Allowed: "
+                  + chunk_sizes_allowed(tokens, bad[0].size))]
 
 
 def check_node(store: Mapping[str, Any]) -> list[Check]:
@@ -310,8 +340,8 @@ def _redis_target(tier: Mapping[str, Any]) -> str:
 def run_doctor(store: Mapping[str, Any], connector_module: str = CONNECTOR_MODULE) -> list[Check]:
     """Every check, in the order an operator fixes them; any URL in them redacted."""
     checks = [check_vllm(), check_connector(connector_module), check_store_config(store),
-              *check_node(store), check_memory(store), *check_tier_paths(store),
-              *check_redis(store)]
+              *check_chunk_size(store), *check_node(store), check_memory(store),
+              *check_tier_paths(store), *check_redis(store)]
     return [Check(redact_text(c.name), c.status, redact_text(c.detail)) for c in checks]
 
 

@@ -20,8 +20,9 @@ from typing import Any
 from kvtier.errors import ConfigError
 from kvtier.tools.ops.audit.command import ServeCommand
 from kvtier.tools.ops.audit.finding import Finding, Severity
-from kvtier.tools.ops.audit.registry import AuditOptions, rule
+from kvtier.tools.ops.audit.registry import AuditOptions, model_traits, on_cpu_backend, rule
 from kvtier.tools.ops.audit.rules_kernels import attention_choice
+from kvtier.tools.ops.chunkfit import EngineBlock, engine_blocks, misfits
 from kvtier.tools.ops.vllm_versions import Version
 
 # Connector names vLLM's KVConnectorFactory registers (v0.9-v0.32; older names kept so
@@ -193,12 +194,12 @@ def unknown_connector(cmd: ServeCommand, _: AuditOptions) -> Iterator[Finding]:
             )
 
 
-@rule("kvtier-connector-config", "kvtier connector config its own schema rejects",
+@rule("kvtier-connector-config", "kvtier connector config its own schema rejects, or a "
+      "tokens_per_chunk the engine's block size does not divide",
       reads=("--gpu", "--model-config"))
 def kvtier_connector_config(cmd: ServeCommand, options: AuditOptions) -> Iterator[Finding]:
     from kvtier.integrations.vllm.config import ConnectorConfig  # imports no vllm/torch
 
-    block_size, block_source = _engine_block_size(cmd, options)
     for where, entry in _connector_entries(cmd.transfer_config):
         if not isinstance(entry, Mapping) or entry.get("kv_connector") != KVTIER_CONNECTOR:
             continue
@@ -207,33 +208,66 @@ def kvtier_connector_config(cmd: ServeCommand, options: AuditOptions) -> Iterato
             continue  # malformed-kv-transfer-config reports it
         try:
             config = ConnectorConfig.parse(extra, where=f"{where}.kv_connector_extra_config")
-            if block_size is not None:
-                config.check_block_size(block_size)
         except ConfigError as exc:
-            source = block_source if exc.allowed.endswith(f"block_size ({block_size})") else ""
             yield Finding(
                 "kvtier-connector-config", Severity.ERROR,
-                f"{exc.field} = {_clip(repr(exc.value))} is invalid: {exc.allowed}{source}",
+                f"{exc.field} = {_clip(repr(exc.value))} is invalid: {exc.allowed}",
                 "kvtier's connector validates its config with this schema at start-up and "
                 "refuses to load, so vLLM does not start",
                 "fix the value; `kvtier serve --dry-run` prints a config the connector accepts",
             )
+            continue
+        if config.tokens_per_chunk_set:
+            yield from _chunk_block_findings(
+                f"{where}.kv_connector_extra_config.tokens_per_chunk", config.tokens_per_chunk,
+                _engine_blocks(cmd, options), cmd.has("--block-size"))
 
 
-def _engine_block_size(cmd: ServeCommand, options: AuditOptions) -> tuple[int | None, str]:
-    """vLLM's block size for `cmd` (None where it is not known: a malformed --block-size, the
-    CPU backend's default, which differs by model) and, when it is vLLM's default, a note
-    saying so for the finding. Without --block-size a CUDA engine's block is its attention
-    kernel's default (16; FlashMLA 64), and a tokens_per_chunk set to no multiple of it is
-    refused at start-up as surely as one against a stated --block-size."""
+def _chunk_block_findings(field: str, tokens: int, blocks: tuple[EngineBlock, ...],
+                          block_given: bool) -> Iterator[Finding]:
+    """An error when a block the engine uses, or every block it may use, does not divide
+    `tokens` (the connector refuses it at start-up); a warning when only one it may use does
+    not (an MLA model's on the CPU backend, which depends on the CPU)."""
+    from kvtier.integrations.vllm.config import chunk_sizes_allowed
+
+    bad = misfits(tokens, blocks)
+    if not bad:
+        return
+    certain = [b for b in bad if b.certain]
+    shown = certain[:1] or bad
+    block = shown[0]
+    sure = bool(certain) or len(bad) == len(blocks)
+    depends = "" if sure else (
+        "; the block depends on the CPU: vLLM's CPU backend runs an MLA model with 16-token "
+        "blocks on a CPU without AMX, whatever --block-size says")
+    yield Finding(
+        "kvtier-connector-config", Severity.ERROR if sure else Severity.WARNING,
+        f"{field} = {tokens} is not a multiple of {' nor of '.join(b.source for b in shown)}",
+        "a kvtier chunk holds whole vLLM blocks: the connector refuses this tokens_per_chunk "
+        f"at engine start (naming it and the engine's block_size), so vLLM does not "
+        f"start{depends}",
+        chunk_sizes_allowed(tokens, block.size)
+        + ("" if block_given else "; or pass --block-size to state the block"),
+    )
+
+
+def _engine_blocks(cmd: ServeCommand, options: AuditOptions) -> tuple[EngineBlock, ...]:
+    """The block sizes vLLM may run `cmd` with (none where not known: a malformed
+    --block-size, an attention backend on CUDA the audit does not model). Without
+    --block-size a CUDA engine's block is its attention kernel's default (16; FlashMLA 64);
+    the CPU backend's is 128, or for an MLA model 16 on a CPU without AMX (chunkfit.py)."""
     raw = cmd.value("--block-size")
-    if cmd.has("--block-size"):
-        return (int(raw), "") if raw is not None and _positive_int(raw) else (None, "")
+    if cmd.has("--block-size") and not (raw is not None and _positive_int(raw)):
+        return ()
+    block_size = int(raw) if raw is not None else None
+    if on_cpu_backend(cmd, options):
+        return engine_blocks(block_size, on_cpu=True, mla=model_traits(cmd).mla)
+    if block_size is not None:
+        return engine_blocks(block_size, on_cpu=False)
     choice = attention_choice(cmd, options)
     if choice is None:
-        return None, ""
-    return choice.block_size, (" (vLLM's default block size on CUDA for this model: pass "
-                               "--block-size to choose another)")
+        return ()
+    return engine_blocks(None, on_cpu=False, cuda_default=choice.block_size)
 
 
 def _kvtier_module_problem(name: str, module: Any) -> str | None:
