@@ -168,9 +168,8 @@ def test_inspect_table_has_the_restore_columns(
 
 @pytest.mark.parametrize("argv", [["inspect", "--metrics", "http://127.0.0.1:9"],
                                   [*PLAN, "--metrics", "http://127.0.0.1:9/metrics"],
-                                  ["inspect", "--metrics", "ftp://example/metrics"],
-                                  ["inspect"]])
-def test_unreadable_metrics_or_nothing_to_inspect_exits_2(
+                                  ["inspect", "--metrics", "ftp://example/metrics"]])
+def test_unreadable_metrics_exits_2(
         argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -187,6 +186,23 @@ def test_a_metrics_value_that_is_no_http_url_says_what_is(
     err = capsys.readouterr().err
     assert f"--metrics={url!r}" in err
     assert "http(s) URL" in err and "http://HOST:PORT/metrics" in err
+
+
+def test_nothing_to_inspect_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as ended:  # argparse's error: usage, then the option names
+        main(["inspect"])
+    assert ended.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: kvtier inspect")
+    assert "give --config FILE, --metrics URL, or both" in err and "config=None" not in err
+
+
+@pytest.mark.parametrize("metrics", [[], ["--metrics", "http://127.0.0.1:9/metrics"]])
+def test_an_empty_store_config_is_refused_not_left_out(
+        metrics: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    # "$STORE_CONFIG" with the variable unset: refused by name, not planned without it
+    assert main([*PLAN, *metrics, "--store-config", ""]) == 2
+    assert "--store-config=''" in capsys.readouterr().err
 
 
 def test_a_path_that_is_not_metrics_exits_2(server: str,

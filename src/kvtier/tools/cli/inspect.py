@@ -30,7 +30,6 @@ from rich.table import Table
 from rich.text import Text
 
 from kvtier.core.codecs import LOSSY_CODECS
-from kvtier.errors import ConfigError
 from kvtier.tiers.storeconfig import StoreConfig, TierSettings
 from kvtier.tools.admin.inventory import (
     NamespaceUsage,
@@ -62,7 +61,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                         "and the router weights they imply")
     p.add_argument("--tier", help="only this tier (its name in the config)")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, usage_error=p.error)
 
 
 def load_store(path: str, reading_only: bool = False) -> StoreConfig:
@@ -90,7 +89,7 @@ def at_rest(tier: TierSettings) -> str:
 
 def run(args: argparse.Namespace) -> int:
     if args.config is None and args.metrics is None:
-        raise ConfigError("config", None, "--config FILE, --metrics URL, or both")
+        args.usage_error("give --config FILE, --metrics URL, or both")  # exits 2
     # `is not None`: an empty value (`--config "$KVTIER_CONFIG"`, the variable unset) is
     # refused by what reads it, not taken for the option left out
     store = load_store(args.config, reading_only=True) if args.config is not None else None

@@ -201,7 +201,7 @@ def router_weights(plan: Plan, metrics_url: str | None = None,
     # fetch_metrics, as `kvtier inspect` refuses it, not taken for the option left out
     if metrics_url is not None:
         store = None
-        if store_config:
+        if store_config is not None:
             from kvtier.tools.cli.inspect import load_store
 
             store = load_store(store_config)
@@ -236,7 +236,7 @@ def _store_tokens_per_chunk(path: str | None) -> int | None:
     Raises:
         ConfigError: naming --store-config, for a file that cannot be read as a kvtier config.
     """
-    if not path:
+    if path is None:  # an empty one ("$CONFIG", the variable unset) is refused below
         return None
     from kvtier.tools.ops.doctor import read_store
 

@@ -21,13 +21,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtier.integrations.vllm.config import TOKENS_PER_CHUNK, ConnectorConfig
+from kvtier.tools.ops.attention_kernels import DEFAULT_BLOCK_SIZE
 from kvtier.tools.ops.modelspec import ModelSpec, attention_token_bytes, kv_footprint
 from kvtier.tools.ops.statesize import align_block_size
 
 # vLLM's block size before alignment and its attention backend's smallest kernel block:
 # FlashAttention on CUDA (16, MultipleOf(16)); the CPU backend (128, MultipleOf(32)). Not
 # modelled: FA4's fixed page for head size 256 on Blackwell, the 128 floor of MLA hybrids.
-CUDA_BLOCK, CUDA_KERNEL_BASE = 16, 16
+CUDA_BLOCK, CUDA_KERNEL_BASE = DEFAULT_BLOCK_SIZE, 16
 CPU_BLOCK, CPU_KERNEL_BASE = 128, 32
 
 

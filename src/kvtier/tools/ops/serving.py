@@ -43,7 +43,7 @@ from kvtier.redaction import redact_text
 from kvtier.tiers.registry import tier_class
 from kvtier.tiers.storeconfig import StoreConfig
 from kvtier.tools.ops.audit.vllm_flags import read_arguments
-from kvtier.tools.ops.chunkplan import CPU_BLOCK, CPU_KERNEL_BASE
+from kvtier.tools.ops.chunkplan import CPU_BLOCK, CPU_KERNEL_BASE, CUDA_BLOCK
 from kvtier.tools.ops.flags import kvtier_flags
 from kvtier.tools.ops.modelspec import load_model_spec
 from kvtier.units import format_size
@@ -61,9 +61,6 @@ DISK_TIER_SHARE = 0.5
 DISK_TIER_MAX_BYTES = 100 * GIB
 # vLLM's kv_role values (see ServeConfig.kv_role).
 KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
-# vLLM's block size on CUDA when --block-size is not given (CacheConfig's; an attention
-# kernel may ask for a multiple of it, FlashMLA 64). The CPU backend's: chunkplan.CPU_BLOCK.
-CUDA_DEFAULT_BLOCK_SIZE = 16
 # Flags that size the engine's KV cache; when the user gives one, kvtier adds none.
 _KV_SIZE_FLAGS = ("--kv-cache-memory-bytes", "--gpu-memory-utilization",
                   "--num-gpu-blocks-override")
@@ -266,7 +263,7 @@ def _fit_chunk_to_block(extra: dict[str, Any], block: int | None, cfg: ServeConf
     wanted = parsed.tokens_per_chunk
     whose = "--block-size"
     if block is None and not cpu and parsed.tokens_per_chunk_set:
-        block, whose = CUDA_DEFAULT_BLOCK_SIZE, "vLLM's default block size on CUDA"
+        block, whose = CUDA_BLOCK, "vLLM's default block size on CUDA"
     if block is not None:
         if wanted % block == 0:
             return []

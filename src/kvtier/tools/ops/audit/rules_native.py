@@ -47,7 +47,6 @@ TIER_KEYS: dict[str, frozenset[str] | None] = {
     "obj": None, "p2p": None, "kvcr": None, "example": None,
 }
 TIER_REQUIRED = {"fs": ("root_dir",)}
-DEFAULT_GPU_BLOCK_SIZE = DEFAULT_BLOCK_SIZE  # vLLM's default on CUDA
 # The release whose OffloadingConnector reads cpu_bytes_to_use instead of num_cpu_blocks.
 CPU_BYTES_SINCE = (0, 14, 0)
 
@@ -150,12 +149,12 @@ def _gpu_block_size(cmd: ServeCommand, options: AuditOptions) -> tuple[int, str,
     if raw is not None and _positive_int(raw):
         return int(raw), f"--block-size {int(raw)}", True
     if cmd.has("--block-size") or on_cpu_backend(cmd, options):
-        return DEFAULT_GPU_BLOCK_SIZE, f"vLLM's default GPU block size {DEFAULT_GPU_BLOCK_SIZE}", \
+        return DEFAULT_BLOCK_SIZE, f"vLLM's default GPU block size {DEFAULT_BLOCK_SIZE}", \
             False
     choice = attention_choice(cmd, options)
-    size = choice.block_size if choice is not None else DEFAULT_GPU_BLOCK_SIZE
+    size = choice.block_size if choice is not None else DEFAULT_BLOCK_SIZE
     backend = choice.backend.name if choice is not None and choice.backend else ""
-    kernel = f" for {backend}" if size != DEFAULT_GPU_BLOCK_SIZE else ""
+    kernel = f" for {backend}" if size != DEFAULT_BLOCK_SIZE else ""
     return size, f"vLLM's default block size on CUDA ({size}{kernel})", True
 
 
