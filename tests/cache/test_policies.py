@@ -196,6 +196,27 @@ def test_retired_keys_leave_before_any_key_inserted_after(make: object) -> None:
     assert set(victims[len(old):]) == set("xyzc") and policy.evict() is None
 
 
+def test_a_key_leaving_says_whether_it_was_retired() -> None:
+    """`left_retired` after each removal and eviction: what a tier's removal event carries
+    (a router told at the reset that the retired keys are gone is not told again)."""
+    policy: Generations[str] = Generations(LRUPolicy)
+    for key in "abc":
+        policy.insert(key)
+    assert policy.evict() == "a" and not policy.left_retired  # no reset yet
+    policy.retire()
+    policy.remove("c")  # deleted, expired, found corrupt
+    assert policy.left_retired
+    policy.insert("x")
+    policy.remove("x")
+    assert not policy.left_retired
+    policy.remove("pinned")  # not resident (a pinned chunk is out of the policy)
+    assert not policy.left_retired
+    policy.insert("y")
+    assert policy.evict() == "b" and policy.left_retired
+    assert policy.evict() == "y" and not policy.left_retired
+    assert policy.evict() is None and not policy.left_retired
+
+
 def test_generations_pile_up_only_while_keys_are_retired() -> None:
     """Resets with nothing held, or many in a row, add no empty generation; once the
     retired keys are gone the policy is one generation again, with no per-key record."""

@@ -99,7 +99,7 @@ def test_a_request_ttl_expires_its_chunks(tmp_path: Path) -> None:
     clock = Clock()
     tier = memory(tmp_path, 8, clock)
     removed: list[tuple[EventKind, bytes]] = []
-    tier.events.listen(lambda _tier, kind, k: removed.append((kind, bytes(k))))
+    tier.events.listen(lambda _tier, kind, k, _retired: removed.append((kind, bytes(k))))
     put(tier, 0, ChunkMeta(expires_at=T0 + 600))
     put(tier, 1)
     out = memoryview(bytearray(LAYOUT.bytes_per_chunk))

@@ -22,6 +22,7 @@ from vllm.v1.kv_cache_interface import (
     MambaSpec,
     SlidingWindowSpec,
 )
+from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
 from kvtier.core.locator import ChunkLocator
@@ -152,7 +153,7 @@ def step(sched: ConnectorScheduler, rid: str, blocks: tuple[list[int], ...], com
         num_scheduled_tokens={rid: scheduled}, preempted_req_ids=set())
     meta = sched.build_connector_meta(output)  # type: ignore[arg-type]
     assert all(t.groups == 2 for t in meta.stores)
-    sched.update_connector_output(SimpleNamespace(  # type: ignore[arg-type]
+    sched.update_connector_output(KVConnectorOutput(
         kv_connector_worker_meta=KVTierWorkerMetadata(stored={t.key for t in meta.stores})))
     return [t.block_ids for t in meta.stores]
 

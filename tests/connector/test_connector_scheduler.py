@@ -15,6 +15,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from vllm import SamplingParams
+from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
 from kvtier.core.keys import ChunkKey
@@ -83,8 +84,8 @@ class Engine:
         plan = self.last_plan
         lag = 1 if plan is not None and plan.stores_async else 0
         fields.setdefault("stores_through", (plan.step if plan is not None else 0) - lag)
-        self.sched.update_connector_output(  # type: ignore[arg-type]
-            SimpleNamespace(kv_connector_worker_meta=KVTierWorkerMetadata(**fields)))
+        self.sched.update_connector_output(
+            KVConnectorOutput(kv_connector_worker_meta=KVTierWorkerMetadata(**fields)))
 
     def store_all(self, meta: KVTierMetadata) -> list[ChunkKey]:
         """A worker that stores every planned chunk and says so."""

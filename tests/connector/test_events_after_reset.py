@@ -13,8 +13,6 @@ reports them.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 pytest.importorskip("vllm")
@@ -22,6 +20,7 @@ pytest.importorskip("vllm")
 from test_connector_scheduler import Engine, request
 from test_events_of_promoted_chunks import BLOCK, CHUNK, events_engine, stored_in
 from vllm.distributed.kv_events import BlockRemoved, KVCacheEvent
+from vllm.v1.outputs import KVConnectorOutput
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.store import StoreEvent
@@ -34,7 +33,7 @@ PROMPT = 2 * CHUNK + 8  # two chunks (and no tail: fewer than a block past them)
 def report(engine: Engine, kind: EventKind, tier: str, keys: list[ChunkKey]
            ) -> list[KVCacheEvent]:
     """The workers' tier `tier` stored or removed `keys`: the KV events made of it."""
-    engine.sched.update_connector_output(SimpleNamespace(  # type: ignore[arg-type]
+    engine.sched.update_connector_output(KVConnectorOutput(
         kv_connector_worker_meta=KVTierWorkerMetadata(
             stored=set(keys) if kind is EventKind.STORED else set(),
             events=[StoreEvent(kind, key, tier) for key in keys],

@@ -18,7 +18,6 @@ block size (event_block_size), where a tail is announced as its blocks.
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -27,6 +26,7 @@ pytest.importorskip("vllm")
 from test_connector_scheduler import Engine, request
 from tierkit import tier_settings, tiny_layout
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from vllm.v1.outputs import KVConnectorOutput
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.locator import ChunkLocator
@@ -63,7 +63,7 @@ class Worker:
         for transfer in meta.stores:
             assert self.store.put(transfer.key, memoryview(self.chunk))
         assert self.store.flush(timeout_s=30)
-        self.engine.sched.update_connector_output(SimpleNamespace(  # type: ignore[arg-type]
+        self.engine.sched.update_connector_output(KVConnectorOutput(
             kv_connector_worker_meta=KVTierWorkerMetadata(
                 stored={t.key for t in meta.stores}, events=self.store.take_events(),
                 stores_through=meta.step)))

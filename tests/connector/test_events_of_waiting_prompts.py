@@ -11,14 +11,13 @@ flight. Real vLLM `Request`s, the scheduler side alone (test_connector_scheduler
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 pytest.importorskip("vllm")
 
 from test_connector_scheduler import Engine, request
 from vllm.distributed.kv_events import BlockStored
+from vllm.v1.outputs import KVConnectorOutput
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.locator import ChunkLocator
@@ -47,7 +46,7 @@ def events_engine() -> Engine:
 def stored_events(engine: Engine, keys: list[ChunkKey]) -> tuple[list[ChunkKey], list[int]]:
     """The workers stored `keys` in the memory tier: the chunks announced stored, and their
     token ids, in the order of the events."""
-    engine.sched.update_connector_output(SimpleNamespace(  # type: ignore[arg-type]
+    engine.sched.update_connector_output(KVConnectorOutput(
         kv_connector_worker_meta=KVTierWorkerMetadata(
             stored=set(keys), events=[StoreEvent(EventKind.STORED, k, "memory") for k in keys],
             stores_through=engine.last_plan.step if engine.last_plan else 0)))

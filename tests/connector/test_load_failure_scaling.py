@@ -19,6 +19,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from vllm import SamplingParams
+from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
 from kvtier.core.keys import ChunkKey
@@ -71,8 +72,8 @@ class Engine:
         """A worker's report; the (key, request) pairs it visited."""
         before = self.sched._failures.keys_visited
         fields.setdefault("stores_through", self.step_no)
-        self.sched.update_connector_output(  # type: ignore[arg-type]
-            SimpleNamespace(kv_connector_worker_meta=KVTierWorkerMetadata(**fields)))
+        self.sched.update_connector_output(
+            KVConnectorOutput(kv_connector_worker_meta=KVTierWorkerMetadata(**fields)))
         return self.sched._failures.keys_visited - before
 
     def state(self, rid: str) -> RequestState:

@@ -31,6 +31,7 @@ import torch
 from safetensors.torch import save_file
 from vllm import SamplingParams
 from vllm.lora.request import LoRARequest
+from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
 from kvtier.core.fingerprint import adapter_fingerprint
@@ -94,7 +95,7 @@ class Scheduler:
             num_scheduled_tokens={req.request_id: len(PROMPT)}, preempted_req_ids=set())
         meta = self.sched.build_connector_meta(output)  # type: ignore[arg-type]
         assert len(meta.stores) == chunks
-        self.sched.update_connector_output(SimpleNamespace(  # type: ignore[arg-type]
+        self.sched.update_connector_output(KVConnectorOutput(
             kv_connector_worker_meta=KVTierWorkerMetadata(
                 stored={t.key for t in meta.stores}, stores_through=meta.step)))
         self.sched.request_finished(req)

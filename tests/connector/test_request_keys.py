@@ -22,6 +22,7 @@ pytest.importorskip("vllm")
 import torch
 from vllm import SamplingParams
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
 from kvtier.core.keys import Namespace, chunk_keys
@@ -82,7 +83,7 @@ class Engine:
                                                   num_computed_tokens=[], resumed_req_ids=set()),
             num_scheduled_tokens={req.request_id: req.num_tokens}, preempted_req_ids=set())
         stored = [t.key for t in self.sched.build_connector_meta(output).stores]  # type: ignore
-        self.sched.update_connector_output(SimpleNamespace(  # type: ignore[arg-type]
+        self.sched.update_connector_output(KVConnectorOutput(
             kv_connector_worker_meta=KVTierWorkerMetadata(stored=set(stored))))
         self.sched.request_finished(req)
         return stored

@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from vllm import SamplingParams
+from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
 from kvtier.core.keys import ChunkKey
@@ -70,7 +71,7 @@ class Scheduler:
             num_scheduled_tokens={r: n for r, (_, _, n) in (new | cached).items()},
             preempted_req_ids=set())
         meta = self.sched.build_connector_meta(output)  # type: ignore[arg-type]
-        self.sched.update_connector_output(SimpleNamespace(  # type: ignore[arg-type]
+        self.sched.update_connector_output(KVConnectorOutput(
             kv_connector_worker_meta=KVTierWorkerMetadata(
                 stored={t.key for t in meta.stores}, stores_through=meta.step)))
         return meta

@@ -53,7 +53,7 @@ def _place(path: Path, what: str) -> None:
 def _stored_events(tier: object) -> list[bytes]:
     stored: list[bytes] = []
     tier.events.listen(  # type: ignore[attr-defined]
-        lambda _tier, kind, k: stored.append(k) if kind is EventKind.STORED else None)
+        lambda _tier, kind, k, _retired: stored.append(k) if kind is EventKind.STORED else None)
     return stored
 
 

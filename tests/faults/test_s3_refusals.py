@@ -98,7 +98,7 @@ def test_objects_the_server_refuses_to_delete_stay_counted_and_are_not_announced
         "listing_interval_s": 3600}]}).tiers[0], layout)
     assert isinstance(tier, S3Tier)
     removed: list[ChunkKey] = []
-    tier.events.listen(lambda _tier, event, k: removed.append(k)
+    tier.events.listen(lambda _tier, event, k, _retired: removed.append(k)
                        if event is EventKind.REMOVED else None)
     allowed = tier._client.delete_objects
 

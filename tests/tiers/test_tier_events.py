@@ -15,7 +15,7 @@ from tierkit import key, make_tier
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.store import StoreEvent
-from kvtier.core.tier import EventKind, EventSource
+from kvtier.core.tier import EventKind, EventSource, Retiring
 from kvtier.tiers import open_store
 from kvtier.tiers.storeconfig import StoreConfig
 
@@ -83,7 +83,7 @@ def test_a_remote_tier_reports_its_stores_evictions_and_deletes(kind: str,
     tier = make_tier(kind, tmp_path, LAYOUT, capacity_chunks=2)
     assert isinstance(tier, EventSource)
     seen: list[tuple[EventKind, ChunkKey]] = []
-    tier.events.listen(lambda _tier, event, k: seen.append((event, k)))
+    tier.events.listen(lambda _tier, event, k, _retired: seen.append((event, k)))
     try:
         for i in range(3):
             assert tier.put(key(i), _data(i)).ok
@@ -99,5 +99,33 @@ def test_a_remote_tier_reports_its_stores_evictions_and_deletes(kind: str,
         assert not tier.delete(key(0))  # gone already: nothing more to announce
         assert seen[-1] == (EventKind.REMOVED, key(2))
         assert [k for event, k in seen if event is EventKind.REMOVED] == [key(0), key(2)]
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize("kind", ["memory", "disk", "example"])
+def test_a_retired_chunks_removal_says_so_and_a_chunk_stored_since_does_not(
+        kind: str, tmp_path: Path) -> None:
+    """A tier that retires (this engine's cache reset: routers were told every chunk it held
+    is gone) marks the removals of the chunks it held then, evicted or deleted; a chunk
+    stored since, or stored again since, leaves unmarked (its removal is news to a router)."""
+    tier = make_tier(kind, tmp_path, LAYOUT, capacity_chunks=3)
+    assert isinstance(tier, EventSource) and isinstance(tier, Retiring)
+    removed: list[tuple[ChunkKey, bool]] = []
+    tier.events.listen(lambda _tier, event, k, retired: removed.append((k, retired))
+                       if event is EventKind.REMOVED else None)
+    try:
+        for i in range(3):
+            assert tier.put(key(i), _data(i)).ok
+        tier.retire()
+        assert tier.delete(key(0))
+        assert tier.put(key(3), _data(3)).ok
+        assert tier.put(key(4), _data(4)).ok  # room made: the retired key(1) leaves
+        assert tier.delete(key(3))
+        assert tier.put(key(2), _data(2)).ok  # held already
+        assert removed == [(key(0), True), (key(1), True), (key(3), False)]
+        for i in (5, 6, 7):
+            assert tier.put(key(i), _data(i)).ok
+        assert removed[3:] == [(key(2), True), (key(4), False)]
     finally:
         tier.close()

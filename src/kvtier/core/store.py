@@ -147,6 +147,9 @@ class StoreEvent:
     kind: EventKind  # a str enum: compares equal to "stored" / "removed"
     key: ChunkKey
     tier: str  # the tier's name
+    # A removal of a chunk the tier held when it last retired (`Retiring`: this engine's
+    # cache reset) and not stored since: vLLM's AllBlocksCleared announced it gone already.
+    retired: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,8 +213,8 @@ class TieredStore:
             threading.Thread(target=_warm, args=(warmable, settings.io_threads), daemon=True,
                              name="kvtier-warm").start()
 
-    def _on_tier_event(self, tier: str, kind: EventKind, key: ChunkKey) -> None:
-        self._events.append(StoreEvent(kind, key, tier))  # deque.append is thread-safe
+    def _on_tier_event(self, tier: str, kind: EventKind, key: ChunkKey, retired: bool) -> None:
+        self._events.append(StoreEvent(kind, key, tier, retired))  # deque.append: thread-safe
 
     def take_events(self) -> list[StoreEvent]:
         """Chunks stored in and removed from each tier since the last call, in order."""

@@ -334,9 +334,9 @@ class EventKind(StrEnum):
     REMOVED = "removed"  # evicted, deleted, or found corrupt
 
 
-# (tier name, kind, key). Called on the tier's thread, possibly under its lock: a listener
-# must only record, never block or call back into the tier.
-TierListener = Callable[[str, EventKind, ChunkKey], None]
+# (tier name, kind, key, retired). Called on the tier's thread, possibly under its lock: a
+# listener must only record, never block or call back into the tier.
+TierListener = Callable[[str, EventKind, ChunkKey, bool], None]
 
 
 class TierEvents:
@@ -351,11 +351,14 @@ class TierEvents:
 
     def stored(self, key: ChunkKey) -> None:
         if self._listener is not None:
-            self._listener(self.tier_name, EventKind.STORED, key)
+            self._listener(self.tier_name, EventKind.STORED, key, False)
 
-    def removed(self, key: ChunkKey) -> None:
+    def removed(self, key: ChunkKey, retired: bool = False) -> None:
+        """`key` left the tier; `retired`: it was held when the tier last retired what it
+        held (`Retiring`) and not stored since (the engine's reset told routers it was gone:
+        vLLM's AllBlocksCleared)."""
         if self._listener is not None:
-            self._listener(self.tier_name, EventKind.REMOVED, key)
+            self._listener(self.tier_name, EventKind.REMOVED, key, retired)
 
 
 @runtime_checkable
@@ -374,7 +377,8 @@ class Retiring(Protocol):
 
     def retire(self) -> None:
         """Every chunk held now is evicted before any chunk stored from now on; none is
-        removed yet (a restart on the old weights may use them). O(1), no I/O."""
+        removed yet (a restart on the old weights may use them). O(1), no I/O. When one
+        leaves, its removal event says it was retired (`TierEvents.removed`)."""
         ...
 
 

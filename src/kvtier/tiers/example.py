@@ -32,7 +32,9 @@ How to write a tier, by the example of this one:
      pin and expiry, in a `kvtier.core.retention.RetentionBook`);
    - `ManifestKeeper`: `keep_manifest` (which model the namespace's chunks belong to);
    - `Retiring`: `retire` (what is held now leaves first: this engine's weights changed;
-     only for a tier this engine alone writes, never a shared one);
+     only for a tier this engine alone writes, never a shared one); a retired chunk's
+     removal event says so (`TierEvents.removed(key, retired=...)`, from the policy's
+     `left_retired`);
    - `Checkable`: `check` (its books against its storage; the contract suite runs it);
    - on the class, `ProbeSource`: `probe(config, layouts)`, a side-effect-free "is this
      chunk stored?" for processes that do not own the tier, and `InventorySource`:
@@ -224,7 +226,8 @@ class ExampleTier:
         if not evicted:
             self._policy.remove(key)
         self._book.forget(key, evicted=evicted)
-        self.events.removed(key)
+        # Out of the policy just now (removed here, or evicted by the caller): retired or not.
+        self.events.removed(key, retired=self._policy.left_retired)
 
     def _reap(self) -> None:
         """Put chunks whose pin ended back in the policy; remove expired ones. Lock held."""

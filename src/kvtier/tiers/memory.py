@@ -469,10 +469,11 @@ class MemoryTier:
         return None
 
     def _evict(self, victim: ChunkKey) -> int | None:
-        """Evict `victim` (out of the policy already); its slot, or None when it is being
-        read (its last borrower frees it). Caller holds the lock."""
+        """Evict `victim` (just taken out of the policy: its `left_retired` is the victim's);
+        its slot, or None when it is being read (its last borrower frees it). Caller holds
+        the lock."""
         self._counters.add(evictions=1)
-        self.events.removed(victim)
+        self.events.removed(victim, retired=self._policy.left_retired)
         self._book.forget(victim, evicted=True)
         if self._engines is not None:
             self._engines.forget(victim, evicted=True)
@@ -490,6 +491,7 @@ class MemoryTier:
         lock; the caller publishes the counters."""
         index = self._index.pop(key)
         self._policy.remove(key)
+        retired = self._policy.left_retired
         self._book.forget(key)
         if self._engines is not None:
             self._engines.forget(key)
@@ -498,7 +500,7 @@ class MemoryTier:
                 self._orphans.add(index)
             else:
                 self._free.append(index)
-        self.events.removed(key)
+        self.events.removed(key, retired=retired)
 
     def _claim(self, index: int) -> bool:
         """A chunk left slot `index`: its shared-memory record cleared, unless an engine

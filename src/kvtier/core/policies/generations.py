@@ -6,7 +6,10 @@ are kept (a restart on the old weights may use them) but must leave before anyth
 since. `Generations` wraps any policy: `retire()` closes the current generation, and the next
 victim is always taken from the oldest generation that still holds keys, in that generation's
 own policy order. A key's generation is found in O(1), so reads and removals cost the same
-however many resets have happened; a generation is dropped as soon as it is empty.
+however many resets have happened; a generation is dropped as soon as it is empty. After each
+removal or eviction `left_retired` says whether the key left a retired generation: a router
+told at the reset that every chunk held then is gone is not told again
+(kvtier.core.tier.TierEvents).
 
 Primitives: `Generations`.
 """
@@ -38,6 +41,9 @@ class Generations(Generic[K]):
         # Generations oldest first (a dict keeps insertion order); the last is the current one.
         self._generations: dict[int, EvictionPolicy[K]] = {0: make()}
         self._generation_of: dict[K, int] = {}
+        # Whether the key the last `remove` or `evict` took out was resident in a retired
+        # generation (False where `remove` found it nowhere: a pinned chunk, out of the policy).
+        self.left_retired = False
 
     def insert(self, key: K, parent: K | None = None) -> None:
         """A key became resident (again: a retired key stored anew joins the current one),
@@ -55,16 +61,24 @@ class Generations(Generic[K]):
         self._generations[self._generation_of.get(key, self._oldest)].touch(key)
 
     def remove(self, key: K) -> None:
+        """A key left for another reason than eviction; `left_retired` says from where."""
         generation = self._generation_of.pop(key, self._oldest)
-        self._generations[generation].remove(key)
+        policy = self._generations[generation]
+        retired = generation != self._current
+        resident = len(policy) if retired else 0
+        policy.remove(key)  # a no-op where it is not resident
+        self.left_retired = retired and len(policy) < resident
         self._drop_if_empty(generation)
 
     def evict(self) -> K | None:
-        """The next victim: from the oldest generation holding keys."""
+        """The next victim: from the oldest generation holding keys (`left_retired`: a
+        retired one)."""
+        self.left_retired = False
         for generation, policy in list(self._generations.items()):
             key = policy.evict()
             if key is not None:
                 self._generation_of.pop(key, None)
+                self.left_retired = generation != self._current
                 self._drop_if_empty(generation)
                 return key
             self._drop_if_empty(generation)

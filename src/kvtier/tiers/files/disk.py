@@ -272,7 +272,7 @@ class DiskTier:
             self._book.forget(victim, evicted=True)
             self._remove_file(victim)
             self._counters.add(evictions=1)
-            self.events.removed(victim)
+            self.events.removed(victim, retired=self._policy.left_retired)
 
     def _publish_usage(self) -> None:
         with self._lock:
@@ -345,7 +345,7 @@ class DiskTier:
                 self._book.forget(key)
             removed = self._remove_file(key) is not None
             if held:
-                self.events.removed(key)
+                self.events.removed(key, retired=self._policy.left_retired)
         if corrupt:
             self._counters.add(corrupt_reads=1)
         self._publish_usage()
@@ -592,13 +592,15 @@ class DiskTier:
                 self._drop(key, evicted=False)
 
     def _drop(self, key: ChunkKey, evicted: bool) -> None:
-        """Remove a held chunk (out of the policy already). Lock held."""
+        """Remove a held chunk (just taken out of the policy: its `left_retired` is the
+        chunk's). Lock held."""
+        retired = self._policy.left_retired
         self._used_bytes -= self._index.pop(key, 0)
         self._book.forget(key, evicted=evicted)
         self._remove_file(key)
         if evicted:
             self._counters.add(evictions=1)
-        self.events.removed(key)
+        self.events.removed(key, retired=retired)
 
     def delete(self, key: ChunkKey) -> bool:
         return self._forget(key, corrupt=False)

@@ -31,6 +31,8 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Literal
 
+from vllm.v1.request import RequestStatus
+
 from kvtier.core.locator import ChunkLocator, LookupStatus
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.groups import ChunkGroups
@@ -100,6 +102,9 @@ class ConnectorScheduler:
                                   stores_stay=not config.node)
         self._failures = LoadFailures()
         self._retire = False  # a cache reset since the last plan (reset_cache)
+        # Ended requests whose blocks vLLM keeps until the workers report them (finished
+        # sending or receiving): vLLM's own cache reset fails while any does.
+        self._kept: set[str] = set()
         self._stores = StorePlanner(
             tokens_per_chunk=config.tokens_per_chunk, block_size=block_size, groups=groups,
             stores_async=stores_async(config.store_mode, several_groups, kv_role),
@@ -231,7 +236,9 @@ class ConnectorScheduler:
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        """Learn which chunks the workers stored, and which loads found nothing."""
+        """Learn which chunks the workers stored, which loads found nothing, and which ended
+        requests' blocks vLLM frees now."""
+        self._kept -= (output.finished_sending or set()) | (output.finished_recving or set())
         report = output.kv_connector_worker_meta
         if not isinstance(report, KVTierWorkerMetadata):
             return
@@ -249,6 +256,8 @@ class ConnectorScheduler:
         (vLLM's finished_sending: StorePlanner.end_request)."""
         state = self._requests.pop(request.request_id)
         held = self._stores.end_request(request.request_id, state, self._step)
+        if held or request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            self._kept.add(request.request_id)  # its load, or its stores, hold its blocks
         # A request ends as a step's output is taken in: that step's time, before any idle.
         self._loads.step_ended(time.monotonic())
         self._loads.end(request.request_id)
@@ -264,10 +273,14 @@ class ConnectorScheduler:
         and the next plan has each worker retire what its own tiers hold (they leave first
         when space is needed; shared tiers keep them for engines on the old weights). A
         restart reading the same checkpoint files again is back in the first epoch and hits
-        them. True: the reset cannot fail (vLLM reads False as a failed reset)."""
+        them. True: the reset cannot fail (vLLM reads False as a failed reset).
+
+        vLLM's own reset, just before, failed if a request held blocks: then it announced
+        nothing cleared, and routers still credit the retired chunks until they leave."""
         epoch = uuid.uuid4().hex
-        self._events.reset()  # the old chunks are never announced stored again
-        self._requests.start_epoch(epoch)
+        holding = self._requests.start_epoch(epoch)
+        # The old chunks are never announced stored again, nor removed after a clear.
+        self._events.reset(cleared=not holding and not self._kept)
         self._loads.forget_all()
         self._retire = True
         self._stats.add("cache_resets", 1)

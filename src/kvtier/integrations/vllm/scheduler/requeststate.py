@@ -289,17 +289,20 @@ class RequestTable:
             parent = state.keys[tail.chunk - 1] if tail.chunk else None
             self._events.remember(state.request, [tail.key], tokens, parent)
 
-    def start_epoch(self, epoch: str) -> None:
+    def start_epoch(self, epoch: str) -> int:
         """The engine's weights changed in place (vLLM's reset_cache): keys from now on live
         in a namespace that names `epoch`, so no chunk stored before is found again. A request
         known now that holds KV computed before (computed tokens, or an asynchronous load of
         old chunks on its way) is never stored or looked up again: its KV is the old weights'
         (counted as uncacheable). Others (waiting, or preempted by the reset: their KV is
-        gone) are keyed anew."""
+        gone) are keyed anew. The requests holding KV (and so vLLM's blocks: its own reset
+        failed while they do)."""
         self._epoch = epoch
+        holding = 0
         for state in self._requests.values():
             if state.request.num_computed_tokens > 0 \
                     or state.request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                holding += 1
                 if not state.uncacheable:
                     self._stats.add("uncacheable_requests", 1)
                 state.uncacheable = True
@@ -313,6 +316,7 @@ class RequestTable:
                 state.keys.clear()
                 state.stored_tails.clear()
                 state.num_planned_chunks = 0
+        return holding
 
     def apply_schedule(self, output: SchedulerOutput) -> list[ScheduledRequest]:
         """Take in a step's schedule: preempted requests lose their blocks, scheduled ones

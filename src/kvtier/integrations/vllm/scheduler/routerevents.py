@@ -3,7 +3,8 @@
 Scheduler side, one thread. Enabled when vLLM runs with KV cache events on: the token ids of
 each chunk are remembered when its key is made (a stored event must carry them), held while
 its request lives and for a while after (chunkinfos.py), dropped at a cache reset (`reset`:
-its old chunks are never announced stored again), and the
+its old chunks are never announced stored again, nor, once vLLM's AllBlocksCleared announced
+them gone, removed again), and the
 workers' per-tier store events become vLLM events, queued until vLLM takes them. In node mode
 the node publishes its tiers' events itself (kvtier.node.events), and knows no token ids:
 when it says it publishes, the chunks are remembered here too and each step's planned stores
@@ -74,6 +75,9 @@ class RouterEvents:
         self._recent_chunks = recent_chunks
         self._chunk_tokens = LiveChunkInfos(recent_chunks)
         self._queued: list[KVCacheEvent] = []
+        # Whether removals of retired chunks (StoreEvent.retired) are announced: not after a
+        # reset whose AllBlocksCleared went out (`reset`).
+        self._announce_retired = True
 
     @property
     def enabled(self) -> bool:
@@ -98,20 +102,32 @@ class RouterEvents:
         """The request ended: its chunks' token ids are kept among the recent only."""
         self._chunk_tokens.forget(request_id)
 
-    def reset(self) -> None:
+    def reset(self, cleared: bool) -> None:
         """A cache reset (`ConnectorScheduler.reset_cache`): the chunks keyed before it are
-        never offered to this engine again, and vLLM's own reset tells routers that every
-        block of the engine is gone (AllBlocksCleared, published before this step's events).
-        Their token ids are dropped, and the stored events not yet taken: a store of one of
-        them reported later (a write-behind landing on disk) is not announced, as for a chunk
-        whose ids are gone; removals still are (vLLM's reset may have failed, its blocks
-        held, and sent none); the chunks keyed from now on are remembered as before."""
+        never offered to this engine again. Their token ids are dropped, and the stored
+        events not yet taken: a store of one of them reported later (a write-behind landing
+        on disk) is not announced, as for a chunk whose ids are gone; the chunks keyed from
+        now on are remembered as before.
+
+        `cleared`: vLLM's own reset succeeded, so it tells routers that every block of the
+        engine is gone (AllBlocksCleared, published before this step's events). The chunks
+        the engine's tiers retire then (RAM, a local disk) are not announced removed when
+        they leave: llm-d keys a block by its tokens, and the removal of an old copy took the
+        new copy of the same prompt off its index
+        (tests/connector/test_router_view_after_reset.py). Not `cleared` (vLLM's reset
+        failed: a request held blocks, and no clear went out), the router still credits
+        them, and their removals are announced, until a reset that clears. Removals queued
+        now go out either way."""
         self._chunk_tokens = LiveChunkInfos(self._recent_chunks)
         self._queued = [e for e in self._queued if isinstance(e, VllmBlockRemoved)]
+        self._announce_retired = not cleared
 
     def learn(self, store_events: Iterable[StoreEvent]) -> None:
         """Queue the events of what the workers' tiers stored and removed; those of shared
-        tiers, with a pool, published on its topic at once."""
+        tiers, with a pool, published on its topic at once. A retired chunk's removal is
+        dropped after a reset that cleared (`reset`)."""
+        if not self._announce_retired:
+            store_events = [e for e in store_events if not e.retired]
         events = self._order.order(store_events, self._chunk_tokens.get, time.monotonic())
         if self._shared:
             self._publish_pool([e for e in events if e.tier in self._shared])

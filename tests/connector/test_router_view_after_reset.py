@@ -1,0 +1,171 @@
+"""After a cache reset, evicting an old copy of a prompt leaves a router crediting the new one.
+
+`reset_prefix_cache(reset_connector=True)` (a weight update in place): vLLM announces every
+block of the engine gone (AllBlocksCleared), kvtier's tiers retire what they hold, and the
+same prompt is stored again under new keys and announced. llm-d keys a block by its tokens,
+not kvtier's key (tests/node/llmdrules.py): when the retired old copy was later evicted from
+RAM, its BlockRemoved took the new copy of the same prompt off llm-d's index for RAM too,
+and the prompt scored as if RAM held none of it. The clear had already told the router the
+old copy was gone: a retired chunk's removal is not announced after it. When vLLM's own
+reset failed (a request held blocks: no clear went out), the router still holds the old
+copies, and their removals are announced as before.
+
+The scheduler side with a real store (RAM over disk, files in tmp_path) standing in for the
+worker, retiring its tiers when a plan says so; the router is llm-d's rules, fed the
+events as vLLM's publisher sends them (AllBlocksCleared first, as vLLM's reset queues it).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+
+pytest.importorskip("vllm")
+
+from test_connector_scheduler import Engine, request
+from test_events_of_promoted_chunks import BLOCK, CHUNK, LAYOUT, events_engine
+from tierkit import tier_settings
+from vllm.distributed.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    KVCacheEvent,
+    KVEventBatch,
+)
+from vllm.v1.outputs import KVConnectorOutput
+
+from kvtier.core.keys import ChunkKey
+from kvtier.core.store import TieredStore
+from kvtier.integrations.vllm.messages import KVTierMetadata, KVTierWorkerMetadata
+from kvtier.tiers import open_store
+from kvtier.tiers.storeconfig import StoreConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "node"))  # the router's side
+from llmdrules import Indexer
+
+PROMPT = 2 * CHUNK + 8  # two chunks (8 of vLLM's blocks), and no tail
+POD, MODEL = "10.0.0.1:8000", "m"
+TOPIC = f"kv@{POD}@{MODEL}"
+WEIGHTS = {"gpu": 1.0, "cpu": 0.8, "storage": 0.2}
+IN_RAM, ON_DISK = 8 * 0.8, 8 * 0.2  # the prompt's 8 blocks in RAM (and disk), on disk only
+
+
+class Worker:
+    """The worker side over a real store (RAM: 4 chunks, disk: 64): retires its tiers when a
+    plan says so, stores what it plans, reports the tiers' events; vLLM's publisher sends
+    them to a router running llm-d's rules."""
+
+    def __init__(self, engine: Engine, tmp_path: Path) -> None:
+        self.engine = engine
+        self.store: TieredStore = open_store(StoreConfig.parse({"tiers": [
+            tier_settings("memory", tmp_path, LAYOUT, 4),
+            tier_settings("disk", tmp_path, LAYOUT, 64)]}), LAYOUT)
+        self.chunk = bytearray(LAYOUT.bytes_per_chunk)
+        self.router = Indexer(block_size=BLOCK, weights=WEIGHTS)
+        self.published: list[KVCacheEvent] = []
+        self.cleared = False  # vLLM's reset succeeded: its clear goes out with the next batch
+
+    def run(self, meta: KVTierMetadata) -> None:
+        if meta.retire:
+            self.store.retire()
+        for transfer in meta.stores:
+            assert self.store.put(transfer.key, memoryview(self.chunk))
+        assert self.store.flush(timeout_s=30)
+        # The plan's stores are done: the blocks kept for them are free (finished_sending).
+        self.engine.sched.update_connector_output(KVConnectorOutput(
+            finished_sending=set(meta.held), kv_connector_worker_meta=KVTierWorkerMetadata(
+                stored={t.key for t in meta.stores}, events=self.store.take_events(),
+                stores_through=meta.step)))
+        events: list[KVCacheEvent] = [AllBlocksCleared()] if self.cleared else []
+        self.cleared = False
+        events += self.engine.sched.take_events()
+        self.published += events
+        self.router.receive(TOPIC, msgspec.msgpack.encode(KVEventBatch(ts=0.0, events=events)))
+
+    def prefill(self, rid: str, first: int, settle: bool = True) -> None:
+        """The prompt from `first`, computed and ended; `settle`: then vLLM steps on while
+        its blocks are kept for its stores, and idles (a reset finds every block free)."""
+        req = request(rid, PROMPT, first=first)
+        blocks = list(range(PROMPT // BLOCK + 1))
+        assert self.engine.admit(req, blocks) == 0
+        self.run(self.engine.step(new={rid: (blocks, 0, PROMPT)}))
+        assert self.engine.sched.request_finished(req)  # stores in flight: blocks kept
+        for _ in range(2 if settle else 0):
+            self.run(self.engine.step())
+
+    def score(self, first: int) -> float | None:
+        return self.router.score(list(range(first, first + PROMPT)), MODEL, {POD: "n1"}).get(POD)
+
+    def removed(self) -> list[ChunkKey]:
+        return [ChunkKey(h) for e in self.published if isinstance(e, BlockRemoved)
+                for h in e.block_hashes]
+
+
+@pytest.fixture
+def worker(tmp_path: Path) -> Iterator[Worker]:
+    worker = Worker(events_engine(), tmp_path)
+    yield worker
+    worker.store.close()
+
+
+def test_evicting_the_retired_copy_of_a_prompt_leaves_its_new_copy_credited(
+        worker: Worker) -> None:
+    worker.prefill("a", first=1000)
+    assert worker.score(1000) == pytest.approx(IN_RAM)
+    assert worker.engine.sched.reset_cache()
+    worker.cleared = True  # vLLM's reset succeeded: every block of the engine gone
+    worker.prefill("again", first=1000)  # the same prompt under new keys, announced
+    assert worker.score(1000) == pytest.approx(IN_RAM)
+
+    # Another prompt fills RAM: the retired old copy of "a" leaves first.
+    worker.prefill("b", first=10**6)
+    assert worker.score(1000) == pytest.approx(IN_RAM), "the new copy taken off with the old"
+    assert worker.removed() == []  # the clear told the router already
+
+    # The new copy leaves RAM in turn: that removal goes out.
+    worker.prefill("c", first=2 * 10**6)
+    assert worker.score(1000) == pytest.approx(ON_DISK)
+    assert len(worker.removed()) == 8
+
+
+def test_when_vllms_reset_failed_the_retired_copies_removals_still_go_out(
+        worker: Worker) -> None:
+    """A request holds blocks at the reset: vLLM's own reset fails, no clear goes out."""
+    worker.prefill("a", first=1000)
+    running = request("running", PROMPT, first=5 * 10**6)
+    blocks = list(range(PROMPT // BLOCK + 1))
+    assert worker.engine.admit(running, blocks) == 0
+    worker.run(worker.engine.step(new={"running": (blocks, 0, BLOCK)}))
+    running.num_computed_tokens = BLOCK  # as vLLM's scheduler counts the step's tokens
+    assert worker.engine.sched.reset_cache()
+    assert worker.score(1000) == pytest.approx(IN_RAM)  # the old copy, as the router knows
+
+    worker.prefill("b", first=10**6)
+    worker.prefill("c", first=2 * 10**6)
+    # RAM evicted the retired copy of "a": the router hears it (it was never cleared).
+    assert worker.score(1000) == pytest.approx(ON_DISK)
+    assert len(worker.removed()) == 8
+
+
+def test_a_reset_while_an_ended_requests_blocks_are_kept_announces_removals(
+        worker: Worker) -> None:
+    """vLLM keeps an ended request's blocks until its stores are done (finished_sending):
+    a reset before then fails in vLLM, and the old copies' removals go out."""
+    worker.prefill("a", first=1000, settle=False)
+    assert worker.engine.sched.reset_cache()
+    worker.prefill("b", first=10**6)
+    worker.prefill("c", first=2 * 10**6)
+    assert worker.score(1000) == pytest.approx(ON_DISK)
+    assert len(worker.removed()) == 8
+
+    # The next reset finds every block free: vLLM clears, and retired copies leave quietly.
+    assert worker.engine.sched.reset_cache()
+    worker.cleared = True
+    worker.prefill("b again", first=10**6)
+    worker.prefill("d", first=3 * 10**6)  # RAM evicts the retired "c"
+    assert worker.score(2 * 10**6) is None  # cleared (RAM and disk), never stored since
+    assert worker.score(10**6) == pytest.approx(IN_RAM)
+    assert len(worker.removed()) == 8
