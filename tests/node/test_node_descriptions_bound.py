@@ -69,3 +69,25 @@ def test_a_chunk_never_described_keeps_nothing() -> None:
     d.landed(key(0), "memory")
     assert d.get(key(0)) is None
     assert not d.left(key(0), "memory")
+
+
+def test_copies_of_the_same_tokens_are_counted_per_tier() -> None:
+    """Two keys of the same tokens (a reset engine's new epoch), after parents of the same
+    tokens: while one is held in a tier, the other leaving it is no news to a router; in
+    another tier, or once the other's description is pushed out of the held ones, it is."""
+    d = Descriptions(max_recent=8)
+    d.add_room(4)
+    for k, parent in ((1, None), (2, 1), (11, None), (12, 11)):  # 11, 12: 1, 2 again
+        d.remember(key(k), ChunkInfo(None if parent is None else key(parent),
+                                     (k % 10).to_bytes(4, "little"), None, None))
+        d.landed(key(k), "memory")
+    d.landed(key(2), "disk")
+    assert not d.left(key(2), "disk") and not d.copy_held(key(2), "disk")
+    assert d.left(key(2), "memory") and d.copy_held(key(2), "memory")  # 12 has its tokens
+    d.release(key(2))
+    assert d.left(key(12), "memory") and not d.copy_held(key(12), "memory")  # the last one
+    for k in (3, 4):  # past the room of 4: 1's description goes to the recent ones
+        d.remember(key(k), info(k))
+        d.landed(key(k), "memory")
+    assert d.get(key(1)) == ChunkInfo(None, (1).to_bytes(4, "little"), None, None)
+    assert d.left(key(11), "memory") and not d.copy_held(key(11), "memory")

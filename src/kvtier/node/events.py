@@ -24,8 +24,10 @@ A stored event needs the chunk's token ids, which the node never sees: the engin
 send them (`Describe`, one message per step, of the chunks it plans to store), kept here per
 model (`Descriptions`: as long as a tier of the node holds the chunk, within the node's
 capacity; the recent others); a chunk stored with no known tokens is not announced
-(counted), as in process. A thread drains every layout's store events every `interval_s`, and
-at once after a step's last commit (`wake`).
+(counted), as in process. A chunk's removal is not announced while the tier holds another
+chunk of the same tokens (a reset engine's new epoch beside the old copy: a router keys blocks
+by their tokens; `Descriptions.copy_held`). A thread drains every layout's store events every
+`interval_s`, and at once after a step's last commit (`wake`).
 
 Primitives: `events_topic`, `NodeEvents` (its socket: `kvtier.node.eventpub`).
 """
@@ -222,13 +224,18 @@ class NodeEvents:
                 return tokens.get(key)
 
         gone: list[ChunkKey] = []  # in no tier now: their descriptions kept for the removal
+        kept: list[StoreEvent] = []  # less removals of chunks whose tokens the tier holds still
         with self._lock:
             for event in events:
                 if event.kind == "removed":
                     if tokens.left(event.key, event.tier):
                         gone.append(event.key)
+                    if tokens.copy_held(event.key, event.tier):
+                        continue  # a router keys blocks by their tokens: it has them there
                 else:
                     tokens.landed(event.key, event.tier)
+                kept.append(event)
+        events = kept
         size = source.block_size
         ordered = source.order.order(events, info_of, time.monotonic())
         blocks, unknown = router_blocks(ordered, info_of, source.tokens_per_chunk, size)
