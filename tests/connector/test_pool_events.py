@@ -128,3 +128,24 @@ def test_store_settings_of_the_nodes_own_are_refused_in_node_mode(key: str, valu
     assert error.value.field == f"kv_connector_extra_config.{key}"
     assert "none with node set" in error.value.allowed
     ConnectorConfig.parse({key: value})  # without a node: a setting of this engine's store
+
+
+@pytest.mark.parametrize("cleared", [True, False])
+def test_after_a_reset_removals_of_older_chunks_go_out_only_if_nothing_cleared_them(
+        cleared: bool) -> None:
+    """vLLM's AllBlocksCleared (its reset succeeded) told routers every chunk of before the
+    reset is gone from this engine, whatever the tier: their removals on vLLM's stream are
+    not announced again (llm-d would take a new copy of the same tokens off with them); a
+    chunk keyed since is removed as ever. Without a clear, they all go out."""
+    engine = routerevents.RouterEvents(True, KINDS, TPC)
+    engine.remember(REQUEST, KEYS[:2], TOKENS[:2 * TPC], None)
+    engine.learn(events(EventKind.STORED, "shared", KEYS[:2]))
+    assert len(engine.take()) == 1
+    engine.reset(cleared=cleared)
+    engine.remember(REQUEST, KEYS[2:], TOKENS[2 * TPC:], KEYS[1])
+    engine.learn(events(EventKind.STORED, "memory", KEYS[2:])
+                 + events(EventKind.REMOVED, "shared", KEYS[:2])
+                 + events(EventKind.REMOVED, "memory", KEYS[3:]))
+    removed = [ChunkKey(h) for e in engine.take() if type(e).__name__ == "BlockRemoved"
+               for h in e.block_hashes]
+    assert removed == (KEYS[3:] if cleared else KEYS[:2] + KEYS[3:])

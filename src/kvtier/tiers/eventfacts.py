@@ -15,6 +15,7 @@ Primitives: `ChunkInfo`, `ChunkTokens`, `ChunkLookup`, `EventPlace`, `event_plac
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import KeysView
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -48,6 +49,9 @@ class ChunkTokens:
 
     def get(self, key: ChunkKey) -> ChunkInfo | None:
         return self._chunks.get(key)
+
+    def keys(self) -> KeysView[ChunkKey]:
+        return self._chunks.keys()
 
 
 class ChunkLookup(Protocol):

@@ -58,6 +58,10 @@ class LiveChunkInfos:
             del self._holders[key]
             self._recent.remember(key, self._live.pop(key))
 
+    def keys(self) -> frozenset[ChunkKey]:
+        """The chunks whose infos are held: the live requests', and the recent ones."""
+        return frozenset(self._live.keys() | self._recent.keys())
+
     def get(self, key: ChunkKey) -> ChunkInfo | None:
         """`key`'s info, if a live request holds it or it is among the recent ones."""
         info = self._live.get(key)

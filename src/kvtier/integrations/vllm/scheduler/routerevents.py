@@ -75,9 +75,12 @@ class RouterEvents:
         self._recent_chunks = recent_chunks
         self._chunk_tokens = LiveChunkInfos(recent_chunks)
         self._queued: list[KVCacheEvent] = []
-        # Whether removals of retired chunks (StoreEvent.retired) are announced: not after a
-        # reset whose AllBlocksCleared went out (`reset`).
+        # Whether removals of chunks of before the last reset are announced on vLLM's stream:
+        # not after a reset whose AllBlocksCleared went out (`reset`). Those chunks: the ones
+        # a tier retired then (StoreEvent.retired), and the ones keyed shortly before it
+        # (`_old_keys`: a write-behind that lands later, a chunk pinned then, in any tier).
         self._announce_retired = True
+        self._old_keys: frozenset[ChunkKey] = frozenset()
 
     @property
     def enabled(self) -> bool:
@@ -110,24 +113,28 @@ class RouterEvents:
         now on are remembered as before.
 
         `cleared`: vLLM's own reset succeeded, so it tells routers that every block of the
-        engine is gone (AllBlocksCleared, published before this step's events). The chunks
-        the engine's tiers retire then (RAM, a local disk) are not announced removed when
-        they leave: llm-d keys a block by its tokens, and the removal of an old copy took the
-        new copy of the same prompt off its index
-        (tests/connector/test_router_view_after_reset.py). Not `cleared` (vLLM's reset
-        failed: a request held blocks, and no clear went out), the router still credits
-        them, and their removals are announced, until a reset that clears. Removals queued
-        now go out either way."""
+        engine is gone (AllBlocksCleared, published before this step's events), and no chunk
+        keyed before is announced stored after it: their removals on vLLM's stream are no
+        news. They are not announced: llm-d keys a block by its tokens, and the removal of an
+        old copy took the new copy of the same prompt off its index
+        (tests/connector/test_router_view_after_reset.py). Those chunks are the ones the
+        engine's tiers retire then (RAM, a local disk: flagged by the tier), and those whose
+        ids are dropped now (the live and recent ones: a write-behind landing later, a
+        shared tier's copy). Not `cleared` (vLLM's reset failed: a request held blocks, and
+        no clear went out), the router still credits them, and their removals are
+        announced, until a reset that clears. Removals queued now go out either way, and on
+        the pool's topic (never cleared) always."""
+        self._old_keys = self._chunk_tokens.keys()
         self._chunk_tokens = LiveChunkInfos(self._recent_chunks)
         self._queued = [e for e in self._queued if isinstance(e, VllmBlockRemoved)]
         self._announce_retired = not cleared
 
     def learn(self, store_events: Iterable[StoreEvent]) -> None:
         """Queue the events of what the workers' tiers stored and removed; those of shared
-        tiers, with a pool, published on its topic at once. A retired chunk's removal is
-        dropped after a reset that cleared (`reset`)."""
+        tiers, with a pool, published on its topic at once. After a reset that cleared, the
+        removals of chunks of before it are dropped from vLLM's stream (`reset`)."""
         if not self._announce_retired:
-            store_events = [e for e in store_events if not e.retired]
+            store_events = [e for e in store_events if not self._cleared_already(e)]
         events = self._order.order(store_events, self._chunk_tokens.get, time.monotonic())
         if self._shared:
             self._publish_pool([e for e in events if e.tier in self._shared])
@@ -135,6 +142,12 @@ class RouterEvents:
         if self._vllm_events:
             self._queued.extend(kv_events(events, self._chunk_tokens, self._tier_kinds,
                                           self._tokens_per_chunk, self._block_size))
+
+    def _cleared_already(self, event: StoreEvent) -> bool:
+        """Whether `event` removes, on vLLM's stream, a chunk of before the last reset (which
+        cleared): the router has nothing of it there."""
+        return event.kind == "removed" and event.tier not in self._shared and (
+            event.retired or event.key in self._old_keys)
 
     def _publish_pool(self, events: list[StoreEvent]) -> None:
         """One batch on the pool's topic: medium the pool's, locality REMOTE."""
