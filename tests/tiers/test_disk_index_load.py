@@ -38,9 +38,10 @@ def test_hits_are_served_while_the_index_loads(tmp_path: Path, layout: KVLayout,
     gate = threading.Event()
     real_walk = chunktree.walk_chunks
 
-    def held_back(files: chunktree.ChunkFilesLike) -> Iterator[chunktree.FoundChunk]:
+    def held_back(files: chunktree.ChunkFilesLike,
+                  owned: bool = False) -> Iterator[chunktree.FoundChunk]:
         gate.wait(30)
-        yield from real_walk(files)
+        yield from real_walk(files, owned)
 
     monkeypatch.setattr(disk, "walk_chunks", held_back)
     began = time.monotonic()
@@ -72,8 +73,9 @@ def test_a_chunk_deleted_while_the_index_loads_is_not_indexed(
     first.close()
     gate, real_walk = threading.Event(), chunktree.walk_chunks
 
-    def held_back(files: chunktree.ChunkFilesLike) -> Iterator[chunktree.FoundChunk]:
-        found = list(real_walk(files))  # the walk saw all three ...
+    def held_back(files: chunktree.ChunkFilesLike,
+                  owned: bool = False) -> Iterator[chunktree.FoundChunk]:
+        found = list(real_walk(files, owned))  # the walk saw all three ...
         gate.wait(30)  # ... before the delete below
         yield from found
 

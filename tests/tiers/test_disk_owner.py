@@ -165,8 +165,9 @@ def test_a_tier_closed_while_its_index_loads_gives_the_directory_up_once_the_ind
     first.close()
     gate, real_walk = threading.Event(), chunktree.walk_chunks
 
-    def stalled(files: chunktree.ChunkFilesLike) -> Iterator[chunktree.FoundChunk]:
-        found = list(real_walk(files))
+    def stalled(files: chunktree.ChunkFilesLike,
+                owned: bool = False) -> Iterator[chunktree.FoundChunk]:
+        found = list(real_walk(files, owned))
         gate.wait(30)
         yield from found
 

@@ -120,16 +120,24 @@ class FoundChunk:
     mtime: float
 
 
-def walk_chunks(files: ChunkFilesLike) -> Iterator[FoundChunk]:
+def walk_chunks(files: ChunkFilesLike, owned: bool = False) -> Iterator[FoundChunk]:
     """The chunk files of one layout, one at a time, with no path object per file (the
     disk tier's start-up index of millions of files: `scan_tree` keeps a `Path` each).
     Sweeps stale temp files on the way when the tree is writable; counts into `files.ops`.
+
+    `owned`: the caller holds the layout directory's owner lock (tiers/files/owner.py) and
+    writes no chunk until this walk ends (the disk tier's start-up index): no writer of a
+    chunk temp file is alive, so every one is swept, however young. A node restarted within
+    TEMP_STALE_S of a crash (a supervisor's restart) kept the dead writes' temp files, never
+    counted against the capacity, until a restart that came later than that; a crash loop
+    left one a crash for weeks (a leak soak: one to three files per SIGKILL).
     """
     root, digest = Path(files.root), files.layout_digest
     stale_before = time.time() - TEMP_STALE_S
     for entry in walk(root, [digest], files.ops):
         if entry.temp:
-            if files.writable and entry.mtime < stale_before:
+            dead = entry.mtime < stale_before or (owned and entry.shard is not None)
+            if files.writable and dead:
                 with contextlib.suppress(OSError):
                     unlink_file(root, entry.parts(), files.ops)
             continue

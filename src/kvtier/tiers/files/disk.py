@@ -247,7 +247,8 @@ class DiskTier:
         keys: list[ChunkKey] = []
         sizes, mtimes = array("q"), array("d")
         corrupt = 0
-        for found in walk_chunks(self.files):
+        owned = self._owner is not None and self._owner.locked  # every temp file is dead
+        for found in walk_chunks(self.files, owned):
             if self._closing.is_set():
                 break
             # Any size a chunk of this layout can take (encoded chunks are smaller, sealed

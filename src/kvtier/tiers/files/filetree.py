@@ -50,7 +50,8 @@ from kvtier.tiers.manifest import LAYOUT_NAME, is_layout_name
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # A kvtier temp file older than this belongs to a writer that died: it is deleted by the next
-# scan (the shared tier's quota scan, every scan_interval_s; the disk tier's start-up scan).
+# scan (the shared tier's quota scan, every scan_interval_s; the disk tier's start-up scan,
+# which sweeps every chunk temp file, however young, where it holds the owner lock).
 # A chunk write takes well under a second; a live writer whose temp file is swept anyway (a
 # write stalled this long) only loses that one write (its rename fails: a dropped write).
 # Ages are taken by the clock that stamps the mtimes (the shared tier's `ChunkFiles.fs_now`:

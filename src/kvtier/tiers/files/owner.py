@@ -63,6 +63,9 @@ class DirectoryOwner:
         """
         self.path = Path(root) / layout_digest / OWNER_NAME
         self._guard = threading.Lock()
+        # Whether the flock is held: False where the filesystem has none (used unlocked,
+        # other writers possible), and once released.
+        self.locked = False
         dir_fd = open_dir(Path(root), [layout_digest])
         try:
             self._fd = _open_owner_file(dir_fd, file_mode, self.path)
@@ -87,6 +90,7 @@ class DirectoryOwner:
                         "other engines out of its directory (each must have a path of its "
                         "own)", self.path, exc, name)
             return
+        self.locked = True
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
 
@@ -97,6 +101,7 @@ class DirectoryOwner:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
+                self.locked = False
 
 
 def _lock_exclusive(fd: int) -> None:
