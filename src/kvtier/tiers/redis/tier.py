@@ -39,8 +39,9 @@ Capacity: the tier enforces `capacity` when it is > 0, and leaves it to the serv
     chunk, applies the hits batched since the last call, and pops the least recently used beyond
     capacity, atomically, so concurrent writers on many hosts never overshoot (see
     tiers/redis/index.py); a chunk whose index update the server refuses (OOM right after
-    the chunk's commit, an ACL user without TIME) is deleted, not left uncounted. For a server
-    shared with other data (which maxmemory eviction would also throw out), or to split one
+    the chunk's commit, an ACL user without TIME) is deleted, not left uncounted, and so is
+    one evicted whose delete failed, with a later eviction (tiers/redis/undeleted.py). For a
+    server shared with other data (which maxmemory eviction would also throw out), or to split one
     server between namespaces. Costs one more round trip per put, on the node holding the set.
   - capacity = 0 (recommended for a dedicated cache server or cluster): the server's `maxmemory`
     with `allkeys-lru` (or `allkeys-lfu`) evicts, with Redis's exact memory accounting, no extra
@@ -133,6 +134,7 @@ from kvtier.tiers.redis.index import RedisLRUIndex
 from kvtier.tiers.redis.inventory import CHUNK_SUFFIX, RedisInventory
 from kvtier.tiers.redis.manifest import redis_manifest_name, write_redis_manifest
 from kvtier.tiers.redis.replies import Place, read_into
+from kvtier.tiers.redis.undeleted import OwedDeletes
 from kvtier.tiers.redis.write import HEADER_FIELD, part_field, write_chunk
 from kvtier.tiers.tlsfiles import check_ca_file
 
@@ -226,6 +228,7 @@ class RedisTier:
         # a miss.
         self.events = TierEvents(self.name)
         self._manifest: NamespaceManifest | None = None  # written after the next put
+        self._owed = OwedDeletes()  # let go, their deletes failed: retried (undeleted.py)
         self._index = (RedisLRUIndex(self.name, self.names.index, self.capacity_chunks,
                                      self.ttl_ms, self.stored_bytes, self._counters,
                                      self._run_for, self._delete_values)
@@ -592,7 +595,10 @@ class RedisTier:
         name = self.names.chunk(key)
         endpoint = self._endpoint(name)
         try:
-            if self._run(endpoint, lambda c: _held(c, name)):
+            # Evicted, its delete failed: its hash is outside the index. Stored anew (a HELD
+            # would leave it uncounted); owed its delete until then (declined, a failure).
+            owed = key.hex() in self._owed
+            if not owed and self._run(endpoint, lambda c: _held(c, name)):
                 if self._index is not None:
                     self._index.touch(key)
                 return HELD
@@ -607,10 +613,12 @@ class RedisTier:
             parts = self._parts(len(body))
             self._run(endpoint, lambda c: write_chunk(c, name, parts, encoded.header, body,
                                                       self.part_bytes, self.ttl_ms))
+            if owed:
+                self._owed.discard(key.hex())  # its hash is this chunk's now
             if self._index is not None and (refused := self._index.update(key.hex())):
                 # A chunk the index does not count is never evicted by it: a full server
                 # refuses the index's script (OOM) right after the chunk's commit.
-                self._discard(endpoint, name)
+                self._discard(endpoint, key)
                 raise refused
         except (TierUnavailable, redis.RedisError) as exc:
             self._log_failure("write", key, exc)
@@ -658,14 +666,16 @@ class RedisTier:
                         "the next stored chunk", self.name, exc)
             self._manifest = manifest
 
-    def _discard(self, endpoint: str, name: str) -> None:
+    def _discard(self, endpoint: str, key: ChunkKey) -> None:
         """Best-effort delete of a chunk just stored that the index did not count (DEL is
-        allowed on a full server); left to `ttl_s` when the server is down."""
+        allowed on a full server); owed (deleted with a later eviction) when it fails."""
+        name = self.names.chunk(key)
         try:
             self._run(endpoint, lambda c: c.delete(name))
         except (TierUnavailable, redis.RedisError) as exc:
-            log.info("redis tier %r: a chunk the index did not count was not deleted (%s)",
-                     self.name, exc)
+            log.info("redis tier %r: a chunk the index did not count was not deleted (%s); "
+                     "deleted with a later eviction", self.name, exc)
+            self._owed.owe([key.hex()])
 
     def delete(self, key: ChunkKey) -> bool:
         name = self.names.chunk(key)
@@ -688,10 +698,13 @@ class RedisTier:
     def _delete_values(self, hex_keys: Sequence[str]) -> None:
         """Delete chunks' hashes, one pipeline per server that is up; each is removed from
         now on (evicted by the index, or found bad), whether or not its delete reaches the
-        server."""
+        server. Those owed a delete since an earlier one failed (`OwedDeletes`) go with
+        them; those whose delete fails now are owed it."""
         keys = [ChunkKey(bytes.fromhex(h)) for h in hex_keys]
         for key in keys:
             self.events.removed(key)
+        hex_keys = [*hex_keys, *self._owed.take()]
+        keys += [ChunkKey(bytes.fromhex(h)) for h in hex_keys[len(keys):]]
         names = [self.names.chunk(key) for key in keys]
         for endpoint, indexes in self._by_endpoint(names).items():
             def delete(client: Client, indexes: list[int] = indexes) -> None:
@@ -703,9 +716,10 @@ class RedisTier:
             try:
                 self._run(endpoint, delete)
             except (TierUnavailable, redis.RedisError) as exc:
-                # Left to the TTL or the server's maxmemory; the index no longer counts them.
-                log.info("redis tier %r: %d evicted chunk(s) not deleted (%s)", self.name,
-                         len(indexes), exc)
+                # The index no longer counts them: owed a delete (redis/undeleted.py).
+                log.info("redis tier %r: %d evicted chunk(s) not deleted (%s); deleted "
+                         "with a later eviction", self.name, len(indexes), exc)
+                self._owed.owe(hex_keys[i] for i in indexes)
 
     # -- upkeep ------------------------------------------------------------------------------
     def available(self) -> bool:
