@@ -12,7 +12,9 @@ The index is a dict of 16-byte keys (file sizes interned) beside the policy's or
 docs/performance.md, "The shared tier at fleet scale", has its bytes per chunk.
 
 Capacity is reserved before a write so concurrent writes cannot overshoot it; a full
-filesystem (ENOSPC) evicts and counts the write as dropped. One open tier owns the layout
+filesystem (ENOSPC) evicts and counts the write as dropped; a victim's file that cannot be
+removed (the directory gone read-only) is removed once a write succeeds again, not left
+beyond the capacity until a restart. One open tier owns the layout
 directory, from its opening to its `close` or its process's end (an flock:
 tiers/files/owner.py): a second open, in another process or this one, raises
 DirectoryInUse. A directory several engines write is a `shared` tier's.
@@ -30,6 +32,7 @@ keeps pins and expiries.
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import threading
 import time
@@ -88,6 +91,10 @@ ENOSPC_EVICT_CHUNKS = 4  # chunks evicted when the filesystem itself is full
 # (a put that fits is still tried): each one evicted a chunk for a write that then failed.
 UNWRITABLE_BACKOFF_S = 5.0
 _NO_PERMISSION = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
+# Files owed their removal (see DiskTier._remove_owed), at most (past it, left to a restart's
+# index, as before); and how many a successful write retries, under the tier's lock.
+MAX_UNREMOVED = 1 << 16
+REMOVE_BATCH = 64
 INDEX_WAIT_S = 0.5  # the constructor waits this long for the index (then it fills behind)
 INDEX_BATCH = 20_000  # chunks indexed per hold of the lock (hits proceed between batches)
 INDEX_STOP_S = 5.0  # close waits this long for the start-up index to stop (then see close)
@@ -182,6 +189,7 @@ class DiskTier:
         self._book = build_book(config, config.capacity, clock)
         self._journal = RetentionJournal(self.files.directory, self.files.writable)
         self._dropped: set[ChunkKey] = set()  # removed while the index loads: not indexed
+        self._unremoved: set[ChunkKey] = set()  # let go, their files not removed (EROFS)
         self._link = BoundedMeasure(self.name)
         # The directory's one owner (tiers/files/owner.py), before the index, which evicts,
         # is built; a read-only directory, which this tier cannot change, takes none.
@@ -422,6 +430,8 @@ class DiskTier:
             self._in_flight_bytes -= size
             self._tenant_wrote(meta.tenant, -size)
             self._unwritable_until = 0.0  # writable again
+            if self._unremoved:
+                self._remove_owed()
             compact = False
             clobbered = self._wrote(key)
             if key in self._index:  # a concurrent put of the same key won
@@ -542,10 +552,27 @@ class DiskTier:
         self._forget(key, corrupt=False)
 
     def _remove_file(self, key: ChunkKey) -> int | None:
-        """`files.remove`, noted for a write of the key in flight (`_wrote`). Lock held."""
+        """`files.remove`, noted for a write of the key in flight (`_wrote`); a file that
+        cannot be removed is owed its removal (`_remove_owed`). Lock held."""
         if key in self._writing:
             self._clobbered.add(key)
-        return self.files.remove(key)
+        return self.files.remove(key, self._unremoved if len(self._unremoved) < MAX_UNREMOVED
+                                 else None)
+
+    def _remove_owed(self) -> None:
+        """Remove the files whose removal failed (an eviction in a directory that went
+        read-only, EIO): the index no longer counted them, and each stayed on disk beyond
+        the capacity until a restart's index (a leak soak: one more file per read-only
+        episode). Called once a write succeeds (the directory is writable again), at most
+        REMOVE_BATCH files a time; a key stored again is the new chunk's file, kept. Lock
+        held."""
+        for key in list(itertools.islice(self._unremoved, REMOVE_BATCH)):
+            self._unremoved.discard(key)
+            if key in self._index or key in self._writing:
+                continue
+            self.files.remove(key, self._unremoved)
+            if key in self._unremoved:  # still failing: the next write tries again
+                return
 
     def _wrote(self, key: ChunkKey) -> bool:
         """A write of `key` ended; whether its file was removed while it was in flight.
