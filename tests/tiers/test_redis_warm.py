@@ -5,19 +5,21 @@ flight, inside the load's time (docs/performance.md, "A node's first load").
 The story: opening a store with a redis tier opens `io_threads` connections to the server in
 the background, which reads then use; closing the store closes them; a server that is down
 costs the warm-up one failed connect, never the tier's circuit breaker, and the store serves
-(misses) as before.
+(misses) as before; a tier closed under the warm-up (a store opened and closed at once)
+raises nothing from it.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import redis
 from tierkit import key, tiny_layout
 
-from kvtier.tiers import open_store
+from kvtier.tiers import build_tier, open_store
 from kvtier.tiers.redis.tier import RedisTier
 from kvtier.tiers.storeconfig import StoreConfig
 
@@ -79,3 +81,28 @@ def test_a_server_down_at_start_costs_the_warm_up_only(redis_server: object) -> 
     out = memoryview(bytearray(LAYOUT.bytes_per_chunk))
     _wait(lambda: tier.get_into(key(2), out).ok, "the tier serving again")
     store.close()
+
+
+def test_a_tier_closed_while_it_warms_up_raises_nothing(
+        redis_server: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store opened and closed at once (`kvtier inspect`, a leak soak's open/close
+    cycles): its tier closes under the warm-up's first greeting. redis-py then read from the
+    socket `close` took (AttributeError), which the store's warm-up thread logged at error,
+    with its traceback."""
+    import redis.connection
+
+    url = redis_server.url  # type: ignore[attr-defined]
+    clients = _clients(url)
+    tier = build_tier(_store_config(url).tiers[1], LAYOUT)  # no store: no warm-up thread
+    assert isinstance(tier, RedisTier)
+    real_read = redis.connection.AbstractConnection.read_response
+
+    def closed_under_it(self: Any, *args: Any, **kwargs: Any) -> Any:
+        tier.close()  # the fault: another thread closes the tier mid-greeting
+        return real_read(self, *args, **kwargs)
+
+    monkeypatch.setattr(redis.connection.AbstractConnection, "read_response",
+                        closed_under_it)
+    tier.warm(THREADS)  # `Warmable.warm` never raises
+    monkeypatch.undo()
+    _wait(lambda: clients() == 0, "the connections closed")

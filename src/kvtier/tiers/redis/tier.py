@@ -304,6 +304,13 @@ class RedisTier:
         except (redis.RedisError, OSError) as exc:
             log.debug("redis tier %r: %d connections warmed, then %s", self.name, len(held),
                       exc)
+        except Exception as exc:
+            if self._client is client:
+                raise
+            # Closed under a connection's greeting: redis-py's reader of the socket `close`
+            # took raises AttributeError or ValueError (a store opened and closed at once,
+            # as `kvtier inspect` does: a traceback at error in a leak soak's cycles).
+            log.debug("redis tier %r: closed while warming up (%r)", self.name, exc)
         finally:
             for conn in held:
                 pool.release(conn)
