@@ -139,8 +139,9 @@ class NodeClient:
         self._stop_prefault = threading.Event()  # the current mapping's (tiers/prefault.py)
         # Every thread's connection, for `close` (a thread's own is in `_local`): the
         # scheduler's lookups run on its thread and on its probe threads. Their slab readers
-        # are their slab's (`_Slab.readers`).
-        self._open: set[socket.socket] = set()
+        # are their slab's (`_Slab.readers`). Each with the thread it is for: a thread's end
+        # does not close them (`_forget_ended_threads` does).
+        self._open: dict[socket.socket, threading.Thread] = {}
         self._closed = False  # `close` was called: nothing is asked of the node any more
         self._checking = False  # a hang-up's watch asks the node's status (`_hung_up`)
         self.failures = 0  # calls the node did not answer (each a miss or a dropped store)
@@ -310,7 +311,7 @@ class NodeClient:
         with self._lock:
             live = slab.data is not None  # not let go (nor closed) meanwhile
             if live:
-                slab.readers.add(reader)
+                slab.readers[reader] = threading.current_thread()
         if not live:
             reader.close()
             return None
@@ -318,7 +319,7 @@ class NodeClient:
 
     def _close_reader(self, slab: _Slab, reader: SlabReader) -> None:
         with self._lock:
-            slab.readers.discard(reader)
+            slab.readers.pop(reader, None)
         reader.close()
 
     def generation(self) -> str | None:
@@ -346,6 +347,7 @@ class NodeClient:
             raise NodeUnavailable("this engine's client of the node is closed")
         if self._down:
             raise NodeUnavailable("the node has not answered since it failed")
+        self._forget_ended_threads()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self.timeout_s)
         try:
@@ -371,7 +373,7 @@ class NodeClient:
         with self._lock:
             closed = self._closed
             if not closed:
-                self._open.add(sock)
+                self._open[sock] = threading.current_thread()
                 # Told when the node hangs up on it, idle or not (node/hangups.py): a
                 # restarted node's slab is then let go though this engine asks nothing.
                 watch_hangup(sock.fileno(), self._hung_up)
@@ -382,10 +384,27 @@ class NodeClient:
         self._reported = None  # welcomed: the next failure is news
         return sock
 
+    def _forget_ended_threads(self) -> None:
+        """Close the connections and slab readers of threads that ended: a thread's are its
+        own (`_local`), and its end closed neither, so a caller whose threads come and go (a
+        pool that replaces them) kept one connection a thread open, its fd here and on the
+        node, its leases held there, until `close` (a leak soak: 100 threads, 100 more of
+        each). Called as a thread connects: they are never more than the live threads'."""
+        with self._lock:
+            socks = [sock for sock, thread in self._open.items() if not thread.is_alive()]
+            slab = self._slab
+            readers = [] if slab is None else [
+                reader for reader, thread in slab.readers.items() if not thread.is_alive()]
+        for sock in socks:
+            self._forget(sock)
+        if slab is not None:
+            for reader in readers:
+                self._close_reader(slab, reader)
+
     def _forget(self, sock: socket.socket) -> None:
         """Close one of this client's connections."""
         with self._lock:
-            self._open.discard(sock)
+            self._open.pop(sock, None)
             unwatch_hangup(sock.fileno())  # before its number is another file's
         sock.close()
 
@@ -530,7 +549,7 @@ class NodeClient:
         with self._lock:
             self._closed = True
             self._epoch += 1  # every thread's connection is dropped at its next call
-            socks, self._open = self._open, set()
+            socks, self._open = list(self._open), {}
             for sock in socks:
                 unwatch_hangup(sock.fileno())
             slab = self._let_go()
@@ -582,7 +601,7 @@ class _Slab:
         data = np.frombuffer(mapping, dtype=np.uint8)
         self.data: np.ndarray | None = data
         self.fd = fd
-        self.readers: set[SlabReader] = set()
+        self.readers: dict[SlabReader, threading.Thread] = {}  # each with its thread
         if registered:
             # Called when `data` (and so every view) is gone, before the mapping's own end
             # (it holds the mapping until then): CUDA must not keep pages no longer mapped.
@@ -590,7 +609,7 @@ class _Slab:
 
     def close_files(self) -> None:
         """Close the slab's file and its readers' (each once its loans still out end)."""
-        readers, self.readers = self.readers, set()
+        readers, self.readers = list(self.readers), {}
         for reader in readers:
             reader.close()
         fd, self.fd = self.fd, -1
