@@ -58,6 +58,7 @@ from kvtier.core.tier import Failure, LinkSpeed, TierCounters
 from kvtier.errors import NodeUnavailable
 from kvtier.node.dma import register_for_dma, unregister_for_dma
 from kvtier.node.hangups import unwatch_hangup, watch_hangup
+from kvtier.node.inflight import WritesInFlight
 from kvtier.node.protocol import (
     BELOW_TIER,
     HELD,
@@ -149,6 +150,11 @@ class NodeClient:
         # at debug. An engine the node refuses (its layout past max_layouts, /dev/shm full)
         # is refused again after every watch, and logged a warning every retry_s before.
         self._reported: str | None = None
+        # Copies in flight into slots each connection reserved (`start_writing`): such a
+        # connection ended (a call timed out on it, `close`) is kept open until they are
+        # done, else the node would free the slots under them (node/inflight.py).
+        self._writes = WritesInFlight()
+        self.parked = 0  # connections whose close waited for copies into their slots
 
     def call(self, request: Request, reply: type[R], *, slow: bool = False,
              extra_s: float = 0.0) -> R:
@@ -402,11 +408,47 @@ class NodeClient:
                 self._close_reader(slab, reader)
 
     def _forget(self, sock: socket.socket) -> None:
-        """Close one of this client's connections."""
+        """Close one of this client's connections, or, while copies into slots it reserved
+        are in flight, leave it open and unused until they are done (`end_writing`)."""
         with self._lock:
             self._open.pop(sock, None)
             unwatch_hangup(sock.fileno())  # before its number is another file's
-        sock.close()
+            kept = self._writes.park(sock)
+            self.parked += kept
+        if not kept:
+            sock.close()
+
+    def current_connection(self) -> socket.socket | None:
+        """The calling thread's connection (what its Reserve's slots belong to); None: it
+        has none."""
+        sock: socket.socket | None = getattr(self._local, "sock", None)
+        return sock
+
+    def start_writing(self, connection: socket.socket | None, generation: str | None
+                      ) -> bool:
+        """Whether the calling thread may write the slots `connection` (its connection at
+        their Reserve, of the node's `generation`) reserved: only while that is still its
+        connection, not to be dropped, of a slab not let go; `connection` is then kept open
+        until `end_writing`, however it ends meanwhile (the node frees a connection's
+        reserved slots when it ends: a copy into one after would overwrite another engine's
+        chunk). False: the reservation is gone or going; nothing may be written."""
+        if connection is None or self.current_connection() is not connection \
+                or self._local.epoch != self._epoch or self.generation() != generation:
+            return False
+        with self._lock:
+            if self._closed or connection not in self._open:
+                return False
+            self._writes.start(connection)
+        return True
+
+    def end_writing(self, connection: socket.socket) -> None:
+        """A write `start_writing` allowed is done, or will never be (any thread, once no
+        copy into the slot can still run); the last of a connection ended meanwhile closes it
+        (the node frees its slots then)."""
+        with self._lock:
+            close = self._writes.end(connection)
+        if close:
+            connection.close()
 
     def _map(self, welcome: Welcome) -> None:
         """Map the slab of `welcome`'s generation (a restarted node's is a new file), and let
@@ -552,8 +594,10 @@ class NodeClient:
             socks, self._open = list(self._open), {}
             for sock in socks:
                 unwatch_hangup(sock.fileno())
+            kept = {sock for sock in socks if self._writes.park(sock)}  # copies in flight
+            self.parked += len(kept)
             slab = self._let_go()
-        for sock in socks:
+        for sock in socks - kept:
             # shutdown wakes a thread waiting in recv on it (close alone does not)
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
@@ -640,6 +684,7 @@ class _Planned:
     index: int
     offset: int  # or HELD / SKIPPED / SEND
     generation: str | None  # of the node that reserved it (a restarted node's is gone)
+    connection: socket.socket | None  # that reserved it: its slots end with it
     last: bool = False  # the reservation's last slot: its commit is waited for
 
     @property
@@ -925,11 +970,13 @@ class NodeStore:
             self._failed(exc)
             return
         generation = self._client.generation()
+        connection = self._client.current_connection()
         last = max((i for i, offset in enumerate(reserved.offsets)
                     if offset >= 0 or offset == SEND), default=-1)
         with self._planned_lock:
             for i, (key, offset) in enumerate(zip(keys, reserved.offsets)):
-                self._planned[key] = _Planned(reserved.lease, i, offset, generation, i == last)
+                self._planned[key] = _Planned(reserved.lease, i, offset, generation,
+                                              connection, i == last)
 
     def _slot(self, key: ChunkKey, meta: ChunkMeta) -> _Planned | None:
         with self._planned_lock:
@@ -956,15 +1003,26 @@ class NodeStore:
         is `spare`, sent with the commit (not `stored`: not in RAM, as in process)."""
         start = time.perf_counter()
         planned = self._slot(key, meta)
-        if planned is not None and planned.is_open \
-                and planned.generation != self._client.generation():
-            planned = None  # reserved from a node since restarted: its slot is someone else's
+        if planned is not None and planned.is_open and not self._client.start_writing(
+                planned.connection, planned.generation):
+            # Its connection ended, or is to be dropped (the node frees its slots), or the
+            # node restarted since: the slot may be someone else's.
+            planned = None
         if planned is None or not planned.is_open:
             held = planned is not None and planned.offset == HELD
             if (planned is not None and planned.offset == SKIPPED) or planned is None:
                 self._counters.add(dropped_writes=1)
             yield PendingPut(None, in_place=False, stored=held)
             return
+        assert planned.connection is not None  # start_writing said so
+        try:  # the connection is kept open until nothing can write the slot any more
+            yield from self._fill(key, planned, spare, start)
+        finally:
+            self._client.end_writing(planned.connection)
+
+    def _fill(self, key: ChunkKey, planned: _Planned, spare: memoryview, start: float
+              ) -> Iterator[PendingPut]:
+        """`putting`'s block for a slot (or SEND) reserved on a connection kept open."""
         sent = planned.offset == SEND
         try:
             put = PendingPut(spare, in_place=False) if sent else \
