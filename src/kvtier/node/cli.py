@@ -71,8 +71,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lease-timeout-s", type=float, default=60.0, metavar="SECONDS",
                         help="how long an engine may hold chunks lent for a load before "
                              "the node takes them back (an engine frozen or hung: its "
-                             "copies, if it wakes, are failed loads, recomputed); far above "
-                             "any real load (default 60)")
+                             "copies, if it wakes, are failed loads, recomputed), and how long "
+                             "a reply may go unread before its connection is closed; far "
+                             "above any real load (default 60)")
 
 
 def serve(args: argparse.Namespace) -> int:

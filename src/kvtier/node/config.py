@@ -53,7 +53,9 @@ class NodeConfig:
     # given to another chunk meanwhile makes that copy a failed load (recomputed), never
     # wrong KV. Far above any real load (a load's copies take milliseconds to seconds).
     # Never from an engine of an older kvtier, which does not check (`Hello.stamps`).
-    # Slots reserved for stores are not taken back (docs/node.md: a late write).
+    # Slots reserved for stores are not taken back (docs/node.md: a late write). Also how
+    # long a reply may go without progress before the node gives it up and closes the
+    # connection (a frozen engine's; what it may still write kept until its process exits).
     lease_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:

@@ -102,6 +102,10 @@ NODE_COUNTERS: dict[str, str] = {
     "leases_expired": "Lendings taken back from engines that held them past lease_timeout_s "
                       "(frozen or hung)",
     "expired_chunks": "Chunks of the lendings taken back",
+    "send_timeouts": "Connections closed for a reply their engine took nothing of within "
+                     "lease_timeout_s (frozen or hung): the slots it may still write kept",
+    "quarantines_ended": "Engines closed by send_timeouts whose kept slots were freed "
+                         "once their process was gone",
     "recovered_chunks": "Chunks recovered into RAM from the last node's slab at start-up",
     "recovery_dropped_chunks": "Chunks of the last node's slab dropped at start-up: torn or "
                                "damaged (their checksum did not match)",

@@ -11,13 +11,16 @@ a connection's leases (chunks lent for a load, slots reserved for stores) end wi
 engine killed mid-load or mid-store leaks nothing; a load's lease ends too once held past
 `NodeConfig.lease_timeout_s` (an engine frozen or hung), each lent slot's stamp telling the
 engine, if it wakes, whether the slot was written again under its copy. Each connection is
-served on a thread of its own: a slow tier read for one engine holds up no other engine.
+served on a thread of its own: a slow tier read for one engine holds up no other engine; a
+reply a frozen engine takes nothing of for `lease_timeout_s` is given up and its connection
+closed, what the engine may still write kept until its process is gone (quarantine.py).
 
 With an events endpoint (`NodeConfig.events_endpoint`), the node publishes its tiers' KV
 events for cache-aware routers, once for all its engines (events.py).
 
 Its parts: config.py (`NodeConfig`), counters.py, hostfiles.py (its name's lock, its socket's
 file), layouts.py (a layout's tiers opened, started, recovered), leases.py (what a lease holds),
+quarantine.py (a frozen engine's leases, kept past its connection),
 connection.py (the socket and a connection's requests); here, the node's state and what each
 request does to it.
 
@@ -35,6 +38,7 @@ import logging
 import os
 import secrets
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -85,6 +89,7 @@ from kvtier.node.protocol import (
     Reserve,
     Reserved,
 )
+from kvtier.node.quarantine import Quarantine
 from kvtier.tiers.shmslab import SHM_DIR
 from kvtier.units import format_size
 
@@ -127,6 +132,10 @@ class NodeServer:
         # only their lendings are taken back (`_take_back_overdue`).
         self._checking: set[int] = set()
         self._sockets: dict[int, socket.socket] = {}  # connection id -> its socket
+        # Connections closed for a reply their engine took nothing of within
+        # lease_timeout_s (`stalled`), whose leases the engine may still write or copy: kept
+        # until its process is gone (node/quarantine.py).
+        self._quarantined: dict[int, Quarantine] = {}
         self._closed = threading.Event()  # set when `shutdown` has closed everything
         self.counters = NodeCounters()
         self.borrow_seconds = Latencies()  # per source: RAM alone, or a tier below it
@@ -187,6 +196,10 @@ class NodeServer:
                 if (found.st_dev, found.st_ino) == self._socket_file:  # not a successor's
                     self.config.socket_path.unlink()
         finally:
+            with self._lock:
+                quarantined, self._quarantined = list(self._quarantined.values()), {}
+            for quarantine in quarantined:
+                quarantine.close()
             if self._name_lock is not None:  # a second shutdown: the name is another's now
                 let_go_of_name(self.config.name, self._name_lock)
                 self._name_lock = None
@@ -205,8 +218,7 @@ class NodeServer:
             every = [*self._leases.values(), *self._ending.values()]
             leases = len(every)
             engines = sorted(set(self._connections.values()))
-            holders = [(self._connections.get(lease.owner, "an engine not said"), lease.held)
-                       for lease in every]
+            holders = [(self._engine_name(lease.owner), lease.held) for lease in every]
         # What each engine holds: a frozen one (SIGSTOP, a hung process) keeps its reserved
         # slots out of the RAM tier until its connection ends, its lendings until
         # lease_timeout_s (docs/node.md).
@@ -519,6 +531,7 @@ class NodeServer:
         thread."""
         timeout_s = self.config.lease_timeout_s
         while not self._closed.wait(min(1.0, timeout_s / 4)):
+            self._release_quarantined()
             now = time.monotonic()
             with self._lock:
                 if self._closing:
@@ -547,17 +560,66 @@ class NodeServer:
         the next node recovers the slab as its records say)."""
         with self._lock:
             self._connections.pop(owner, None)
+            checking = owner in self._checking
             self._checking.discard(owner)
             self._sockets.pop(owner, None)
             if self._closing:
                 return
-            mine = [lease for lease, entry in self._leases.items() if entry.owner == owner]
+            quarantined = owner in self._quarantined
+            # A stalled engine's reserved slots, and the lendings of one that checks no
+            # stamps, stay its own until its process is gone (`stalled`).
+            mine = [lease for lease, entry in self._leases.items() if entry.owner == owner
+                    and not (quarantined and (isinstance(entry.held, Puts) or not checking))]
+            kept = quarantined and any(entry.owner == owner for lease, entry
+                                       in self._leases.items() if lease not in mine)
+            if quarantined and not kept:
+                self._quarantined.pop(owner).close()
         # Ended while still counted (`_end`), then uncounted: a status that shows no lease
         # shows their slots free.
         ended = self._end(mine, "disconnects_with_leases")
         if ended:
             log.info("kvtier node: a connection ended holding %d leases; released",
                      len(ended))
+
+    def _engine_name(self, owner: int) -> str:
+        """Connection `owner`'s engine, as the status and the log name it (under `_lock`)."""
+        quarantined = self._quarantined.get(owner)
+        return quarantined.engine if quarantined is not None else self._connections.get(
+            owner, "an engine not said")
+
+    def stalled(self, owner: int) -> None:
+        """Connection `owner`'s engine took nothing of a reply within `lease_timeout_s`
+        (frozen: SIGSTOP, a hung process): the connection is closed (its thread was blocked
+        in the send until the engine woke), and its leases that the engine may still write
+        or copy when it wakes are quarantined until its process is gone (`disconnected`)."""
+        with self._lock:
+            sock = self._sockets.get(owner)
+            engine = self._engine_name(owner)
+            if sock is None or self._closing:
+                return
+        quarantine = Quarantine.of(engine, sock)
+        with self._lock:
+            self._quarantined[owner] = quarantine
+        self.counters.add("send_timeouts")
+        log.warning("kvtier node: %s (pid %s) took nothing of a reply for %g s (frozen or "
+                    "hung?): its connection closed; the slots it may still write are kept "
+                    "until its process is gone", engine, quarantine.pid or "unknown",
+                    self.config.lease_timeout_s)
+
+    def _release_quarantined(self) -> None:
+        """End the quarantined leases of engines whose process is gone (the node's own
+        thread)."""
+        with self._lock:
+            gone = [owner for owner, q in self._quarantined.items() if q.gone()]
+            ended = [self._quarantined.pop(owner) for owner in gone]
+            leases = [lease for lease, entry in self._leases.items() if entry.owner in gone]
+        for quarantine in ended:
+            quarantine.close()
+        self._end(leases)
+        if ended:
+            self.counters.add("quarantines_ended", len(ended))
+            log.info("kvtier node: %s gone: %d lease(s) it held freed",
+                     ", ".join(q.engine for q in ended), len(leases))
 
     def _lease(self, owner: int, held: Lending[ChunkView] | Puts) -> int:
         with self._lock:
@@ -586,7 +648,12 @@ class NodeServer:
                 self._checking.discard(owner)
 
     def opened(self, owner: int, sock: socket.socket) -> None:
-        """A connection accepted (ended by `shutdown` if still open then)."""
+        """A connection accepted (ended by `shutdown` if still open then). Its sends give up
+        after `lease_timeout_s` without progress (`stalled`): a frozen engine's reply held
+        its thread for as long as it stayed frozen, a 32 MiB reply's for ever."""
+        whole, fraction = divmod(self.config.lease_timeout_s, 1.0)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                        struct.pack("ll", int(whole), int(fraction * 1e6)))
         with self._lock:
             self._sockets[owner] = sock
 

@@ -1,0 +1,120 @@
+"""An engine frozen (SIGSTOP) while the node sends it a large reply (a load's chunks carried
+in the reply: RAM had no free slot for them). Before, the node's thread for that connection
+blocked in the send for as long as the engine stayed frozen. Now the send gives up after
+`--lease-timeout-s` without progress and the connection is closed; but the slots the engine
+reserved on it are not freed while its process lives (it may wake and write them in place:
+another chunk given one meanwhile would be overwritten): they stay its own until the process
+is gone, then go back to the RAM tier.
+
+A real `kvtier node serve`, and a real engine process stopped with SIGSTOP.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from nodekit import (
+    LAYOUT,
+    Lines,
+    NodeProcess,
+    connect,
+    expected,
+    key,
+    lend,
+    node_tiers,
+    put_chunks,
+    wait_for,
+)
+
+pytestmark = pytest.mark.timeout(120)
+RAM, DISK, LOADED = 8, 600, 512  # chunks: the load's reply carries 512 x 4 KiB
+
+# An engine that reserves every RAM slot for its stores (not written yet), asks for a load
+# whose chunks come in the reply (RAM has no slot for them) and reads none of it, says so,
+# and on its next line of input writes its reserved slots (late) and says what it stored.
+ENGINE = """
+import json, sys
+sys.path[:0] = [sys.argv[3], sys.argv[4]]  # tests/node, tests
+from nodekit import connect, key, payload
+from kvtier.core.layout import KVLayout
+from kvtier.core.retention import DEFAULT_META
+from kvtier.node.protocol import Borrow, Meta, send
+layout = KVLayout(**json.loads(sys.argv[2]))
+ram, loaded = int(sys.argv[5]), int(sys.argv[6])
+client, store = connect(sys.argv[1], layout, engine="frozen", timeout_s=30.0)
+mine = [1000 + i for i in range(ram)]
+store.plan_puts([key(i) for i in mine], [DEFAULT_META] * ram)
+send(client._local.sock, Borrow([key(i) for i in range(loaded)],
+                                [Meta.of(DEFAULT_META)] * loaded))  # its reply never read
+print(json.dumps({"asked": True}), flush=True)
+sys.stdin.readline()  # stopped here
+spare = memoryview(bytearray(4096))
+def fill(i):
+    def write(slot):
+        slot[:] = payload(i)
+    return write
+late = [store.put_from(key(i), fill(i), spare) for i in mine]
+print(json.dumps({"late_puts": late}), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_reply_a_frozen_engine_never_reads_ends_its_connection_not_its_slots(
+        tmp_path: Path, start_node: Callable[..., NodeProcess]) -> None:
+    node = start_node(node_tiers(tmp_path, ram_chunks=RAM, disk_chunks=DISK),
+                      args=("--lease-timeout-s", "1"))
+    neighbour_client, neighbour = connect(node.socket_path, engine="neighbour")
+    # The chunks of the load: RAM's first, the rest (sent with their commits) on disk.
+    assert sum(put_chunks(neighbour, range(LOADED))) == RAM
+    assert neighbour.flush(30)
+    engine = subprocess.Popen(
+        [sys.executable, "-c", ENGINE, str(node.socket_path),
+         json.dumps(dataclasses.asdict(LAYOUT)), str(Path(__file__).parent),
+         str(Path(__file__).parent.parent), str(RAM), str(LOADED)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert engine.stdin is not None and engine.stdout is not None
+        said = Lines(engine.stdout)
+        assert json.loads(said.next(30, "the engine")) == {"asked": True}
+        engine.send_signal(signal.SIGSTOP)
+        # The node gives up the send (a second without progress) and closes the connection.
+        wait_for(lambda: node.status()["counters"].get("send_timeouts") == 1, 30,
+                 "the node to give up its reply to the frozen engine")
+        wait_for(lambda: "frozen" not in node.status()["engines"], 10,
+                 "the frozen engine's connection closed")
+        # Its reserved slots (every RAM slot) are still its own: the neighbour's next
+        # chunks find no RAM slot (they go to disk), none is given a slot the engine may
+        # still write.
+        assert node.status()["held"] == {"frozen": {"leases": 1, "chunks": RAM}}
+        ids = list(range(2000, 2000 + RAM))
+        assert put_chunks(neighbour, ids) == [False] * RAM
+        assert neighbour.flush(30)  # on disk
+        # The engine wakes and writes its reserved slots, late: none of the neighbour's
+        # chunks is overwritten (its connection is gone: none of its chunks is stored).
+        engine.send_signal(signal.SIGCONT)
+        engine.stdin.write("wake\n")
+        engine.stdin.flush()
+        assert json.loads(said.next(30, "the engine, woken")) == {"late_puts": [False] * RAM}
+        assert lend(neighbour, [key(i) for i in ids]).chunks == expected(ids)
+        assert node.status()["held"] == {"frozen": {"leases": 1, "chunks": RAM}}
+    finally:
+        engine.send_signal(signal.SIGCONT)
+        engine.kill()
+        engine.wait(timeout=20)
+        for stream in (engine.stdin, engine.stdout):
+            if stream is not None:
+                stream.close()
+    # Its process gone, its slots are freed: a step of RAM stores all land in RAM again.
+    wait_for(lambda: node.status()["held"] == {}, 30, "the dead engine's slots freed")
+    assert node.status()["counters"]["quarantines_ended"] == 1
+    ids = list(range(3000, 3000 + RAM))
+    assert put_chunks(neighbour, ids) == [True] * RAM
+    assert lend(neighbour, [key(i) for i in ids]).chunks == expected(ids)
+    neighbour_client.close()
