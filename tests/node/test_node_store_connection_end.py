@@ -26,6 +26,7 @@ from nodekit import borrower, connect, expected, lend, put_chunks, wait_for
 from tierkit import key
 
 from kvtier.integrations.vllm.transfers import ChunkTransfer
+from kvtier.integrations.vllm.worker.cpu import CpuChunkMover
 from kvtier.integrations.vllm.worker.paged import PagedKV
 from kvtier.integrations.vllm.worker.streams import StreamChunkMover
 from kvtier.node.config import NodeConfig
@@ -136,4 +137,51 @@ def test_slots_still_being_copied_into_are_never_freed_for_another_engine(
         mover.close()
         device.close()
         client.close()
+        neighbour_client.close()
+
+
+def test_a_client_closed_mid_gather_frees_the_slot_only_once_the_gather_is_done(
+        node: NodeServer) -> None:
+    """The CPU mover gathers straight into its reserved slot; the client closed meanwhile (by
+    another thread: the engine shutting down) keeps that connection open until the gather
+    is done. Before, the node freed the slot at the close, the neighbour stored a chunk
+    there, and the gather, finishing, overwrote it."""
+    paged = PagedKV(vllm_kv_caches(VllmCacheSpec(BS, 2, 8, 8, torch.bfloat16), 2, 16,
+                                   "LBNHC"), BS, content="halves")
+    layout = paged.layout(BS * BPC)
+    nbytes = layout.bytes_per_chunk
+    client, store = connect(str(node.config.socket_path), layout, engine="engine")
+    neighbour_client, neighbour = connect(str(node.config.socket_path), layout,
+                                          engine="neighbour")
+    gathering, gate = threading.Event(), threading.Event()
+    gather = paged.gather
+
+    def slow_gather(*args: Any, **kwargs: Any) -> Any:  # a gather slow to finish
+        gathering.set()
+        gate.wait(timeout=60)
+        return gather(*args, **kwargs)
+
+    paged.gather = slow_gather  # type: ignore[method-assign]
+    mover = CpuChunkMover(paged, store, nbytes, lambda _k, _s: None)
+    try:
+        with ThreadPoolExecutor(1) as store_thread:
+            job = store_thread.submit(
+                mover.store, [ChunkTransfer(key=key(0), block_ids=(0, 1))], "async")
+            wait_for(gathering.is_set, 30, "the gather into the reserved slot")
+            client.close()
+            wait_for(lambda: "engine" not in node.status()["held"] or client.parked >= 1, 30,
+                     "the node to free the slot, or the engine to keep its connection")
+            stored = put_chunks(neighbour, range(100, 100 + RAM_CHUNKS), nbytes)
+            gate.set()
+            assert job.result(timeout=60).stored == []  # its client closed: not committed
+        ids = [100 + i for i, ok in enumerate(stored) if ok]
+        # Every chunk the neighbour stored holds its own bytes, none the late gather's...
+        assert lend(borrower(neighbour_client, layout), [key(i) for i in ids],
+                    nbytes).chunks == expected(ids, nbytes)
+        # ...and it got every slot but the one being gathered into.
+        assert len(ids) == RAM_CHUNKS - 1
+        wait_for(lambda: "engine" not in node.status()["held"], 30,
+                 "the engine's slot to be freed")
+    finally:
+        gate.set()
         neighbour_client.close()
