@@ -1047,10 +1047,16 @@ class NodeStore:
                     filled = False
             else:  # the step's last: every commit before it is done when it is answered
                 try:
-                    self._client.call(commit, Answer)
+                    applied = self._client.call(commit, Answer).value
                 except NodeUnavailable as exc:
                     self._failed(exc)
                     filled = False  # maybe stored, maybe not: not reported stored
+                else:
+                    # False: the slot was not the connection's that sent it (the call's
+                    # retry, on a new connection, to a node restarted since): not stored.
+                    if applied is False and filled:
+                        self._count_failure(Failure.UNAVAILABLE)
+                        filled = False
         put.stored = filled and not sent
         if put.stored and planned.generation is not None:
             self._know([(key, planned.generation, planned.offset)])

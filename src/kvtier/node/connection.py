@@ -64,7 +64,7 @@ class RequestServer(Protocol):
     def layout_for(self, hello: Hello) -> ServedLayout | Refused: ...
     def status(self) -> dict[str, Any]: ...
     def release(self, owner: int, lease: int) -> None: ...
-    def commit(self, owner: int, request: Commit) -> None: ...
+    def commit(self, owner: int, request: Commit) -> bool: ...
     def describe(self, layout: ServedLayout, request: Describe) -> None: ...
     def borrow(self, owner: int, layout: ServedLayout, request: Borrow,
                spares: list[memoryview], part: Callable[[Lent], None] | None = None
@@ -137,9 +137,9 @@ class ConnectionHandler(socketserver.BaseRequestHandler):
                         node.counters.add("read_in_place", len(request.keys))
                     continue
                 if isinstance(request, Commit):
-                    node.commit(owner, request)
+                    applied = node.commit(owner, request)
                     if request.reply:
-                        send(sock, Answer(True))
+                        send(sock, Answer(applied))
                     continue
                 if isinstance(request, Status):
                     send(sock, Answer(node.status()))

@@ -189,10 +189,11 @@ class Reserved(msgspec.Struct, tag=True):
 
 class Commit(msgspec.Struct, tag=True):
     """Reserved slot `index` of `lease` filled (stored from now on), or not (`filled` False:
-    given back). `reply`: answered (`Answer(True)`) once done, and so every commit sent
-    before it on the connection: the last of a step's, so that the engine reports its
-    chunks stored only once any engine's next lookup finds them. `data`: the chunk's bytes
-    for a SEND slot (none in the slab)."""
+    given back). `reply`: answered once done, and so every commit sent before it on the
+    connection: the last of a step's, so that the engine reports its chunks stored only once
+    any engine's next lookup finds them (`Answer(False)`: no slot of this connection's, as a
+    restarted node's, nothing done: not stored; a node before this answered True). `data`:
+    the chunk's bytes for a SEND slot (none in the slab)."""
 
     lease: int
     index: int

@@ -459,17 +459,20 @@ class NodeServer:
             puts.blocks[i], offsets[i] = None, HELD
             puts.open -= 1
 
-    def commit(self, owner: int, request: Commit) -> None:
+    def commit(self, owner: int, request: Commit) -> bool:
+        """Commit (or give back) slot `request.index` of connection `owner`'s reservation;
+        False: no such slot of its (another connection's lease, one ended, a lease of a node
+        before a restart), nothing done."""
         with self._lock:
             entry = self._leases.get(request.lease)
         if entry is None or entry.owner != owner or not isinstance(entry.held, Puts):
-            return
+            return False
         puts = entry.held
         if not 0 <= request.index < len(puts.blocks):
-            return
+            return False
         taken, puts.blocks[request.index] = puts.blocks[request.index], None
         if taken is None:
-            return
+            return False
         block, put = taken
         if not put.in_place:  # a SEND: the bytes come with the commit (the spare is shared)
             if request.data is not None and len(request.data) == puts.chunk_bytes:
@@ -487,6 +490,7 @@ class NodeServer:
         if puts.open == 0:
             with self._lock:
                 self._leases.pop(request.lease, None)
+        return True
 
     def describe(self, layout: ServedLayout, request: Describe) -> None:
         """Token ids of chunks an engine of `layout`'s model plans to store, for the events."""
