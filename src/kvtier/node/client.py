@@ -960,9 +960,18 @@ class NodeStore:
         for planned in stale:
             if planned.is_open and planned.generation == self._client.generation():
                 self._client.tell(Commit(planned.lease, planned.index, False))
-        if not keys:
+        self._reserve(keys, metas)
+
+    def _reserve(self, keys: Sequence[ChunkKey], metas: Sequence[ChunkMeta]) -> None:
+        """Reserve a slot for each key (once: a key twice in a step is reserved for its first
+        store, its second a round trip of its own; reserved twice, the first slot was never
+        committed nor given back until the connection ended), beside those planned."""
+        unique: dict[ChunkKey, ChunkMeta] = {}
+        for key, meta in zip(keys, metas):
+            unique.setdefault(key, meta)
+        keys, metas = list(unique)[:MAX_KEYS], list(unique.values())[:MAX_KEYS]  # the rest:
+        if not keys:  # a round trip each
             return
-        keys, metas = keys[:MAX_KEYS], metas[:MAX_KEYS]  # the rest: a round trip each
         try:
             reserved = self._client.call(Reserve(list(keys), [Meta.of(m) for m in metas]),
                                          Reserved)
@@ -981,8 +990,8 @@ class NodeStore:
     def _slot(self, key: ChunkKey, meta: ChunkMeta) -> _Planned | None:
         with self._planned_lock:
             planned = self._planned.pop(key, None)
-        if planned is None:  # not planned: a round trip of its own
-            self.plan_puts([key], [meta])
+        if planned is None:  # not planned: a round trip of its own; the step's others stay
+            self._reserve([key], [meta])
             with self._planned_lock:
                 planned = self._planned.pop(key, None)
         return planned
