@@ -593,9 +593,10 @@ class NodeServer:
 
     def stalled(self, owner: int) -> None:
         """Connection `owner`'s engine took nothing of a reply within `lease_timeout_s`
-        (frozen: SIGSTOP, a hung process): the connection is closed (its thread was blocked
-        in the send until the engine woke), and its leases that the engine may still write
-        or copy when it wakes are quarantined until its process is gone (`disconnected`)."""
+        (frozen: SIGSTOP, a hung process): the connection is closed (its thread would
+        otherwise stay in the send for as long as the engine stays frozen), and its leases
+        that the engine may still write or copy when it wakes are quarantined until its
+        process is gone (`disconnected`)."""
         with self._lock:
             sock = self._sockets.get(owner)
             engine = self._engine_name(owner)
