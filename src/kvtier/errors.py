@@ -134,6 +134,12 @@ class HostBufferRaced(KVTierError):
                          f"{access} was changed by the host before the stream ran it")
 
 
+class HostSync(KVTierError):
+    """The CPU stand-in device's recorder met an op whose result the host needs (a scalar, a
+    shape only the data tells): internal to kvtier.testing.standinwork, which then runs the
+    op at once, as a GPU's host would wait for it."""
+
+
 # -- the operator tools ----------------------------------------------------------------------
 class WarmupError(KVTierError):
     """`kvtier warm`: the server cannot be used (unreachable, not an OpenAI-compatible vLLM,

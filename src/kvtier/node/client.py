@@ -597,7 +597,7 @@ class NodeClient:
             kept = {sock for sock in socks if self._writes.park(sock)}  # copies in flight
             self.parked += len(kept)
             slab = self._let_go()
-        for sock in socks - kept:
+        for sock in (s for s in socks if s not in kept):
             # shutdown wakes a thread waiting in recv on it (close alone does not)
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)

@@ -45,7 +45,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from kvtier.errors import HostBufferRaced
+from kvtier.errors import HostBufferRaced, HostSync
 
 POISON = 0xA5
 
@@ -130,10 +130,6 @@ def _poisoned_like(meta: torch.Tensor) -> torch.Tensor:
     out = torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype)
     torch.empty(0, dtype=torch.uint8).set_(out.untyped_storage()).fill_(POISON)
     return out
-
-
-class HostSync(Exception):
-    """An op whose result the host needs (internal: `Recorder` runs it synchronously)."""
 
 
 class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's, untyped
