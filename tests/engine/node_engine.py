@@ -37,7 +37,7 @@ from vllm_harness import greedy, start_engine
 
 from kvtier.core.retention import DEFAULT_META, ChunkMeta
 from kvtier.core.store import PendingPut
-from kvtier.node.client import NodeStore
+from kvtier.node.nodestore import NodeStore
 from kvtier.testing.engines import kvtier_counter
 
 _said = threading.Lock()

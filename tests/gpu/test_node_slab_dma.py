@@ -24,8 +24,10 @@ from gpurig import NEEDS_CUDA
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.node import client as node_client
-from kvtier.node.client import NodeClient, NodeProbe, NodeStore
+from kvtier.node.client import NodeClient
 from kvtier.node.config import NodeConfig
+from kvtier.node.nodestore import NodeStore
+from kvtier.node.probe import NodeProbe
 from kvtier.node.server import running_node
 from kvtier.tiers.manifest import NamespaceInfo
 from kvtier.tiers.storeconfig import StoreConfig

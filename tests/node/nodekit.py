@@ -39,7 +39,8 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.retention import DEFAULT_META
 from kvtier.errors import NodeUnavailable
-from kvtier.node.client import NodeClient, NodeStore, node_status
+from kvtier.node.client import NodeClient, node_status
+from kvtier.node.nodestore import NodeStore
 from kvtier.tiers.manifest import NamespaceInfo
 from kvtier.tiers.shmslab import SHM_DIR
 

@@ -34,7 +34,7 @@ from nodekit import (
     write_config,
 )
 
-from kvtier.node.client import NodeStore
+from kvtier.node.nodestore import NodeStore
 from kvtier.tiers.shmslab import SHM_DIR
 
 DEADLINE_S = 20.0  # the engine's retries (every 0.2 s) after the restart

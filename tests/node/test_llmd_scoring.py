@@ -24,8 +24,8 @@ from llmdrules import Indexer, parse_topic
 from nodekit import LAYOUT, NodeProcess, connect, key, node_tiers, put_chunks, wait_for
 
 from kvtier.core.keys import ChunkKey
-from kvtier.node.client import NodeProbe
 from kvtier.node.eventwire import BlockStored, KVEventBatch, frames
+from kvtier.node.probe import NodeProbe
 from kvtier.tiers.eventfacts import ChunkInfo
 
 pytest.importorskip("vllm.distributed.kv_events")  # the Subscriber decodes with vLLM's too

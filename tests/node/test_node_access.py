@@ -37,7 +37,7 @@ from nodekit import (
 )
 
 from kvtier.errors import NodeUnavailable
-from kvtier.node.client import NodeProbe
+from kvtier.node.probe import NodeProbe
 from kvtier.node.protocol import MAX_FRAME, Found, Lookup, Refused, Welcome, receive_reply, send
 from kvtier.node.server import NodeServer
 

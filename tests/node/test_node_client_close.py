@@ -18,7 +18,7 @@ import pytest
 from nodekit import connect, key, node_tiers, wait_for
 
 from kvtier.errors import NodeUnavailable
-from kvtier.node.client import NodeProbe
+from kvtier.node.probe import NodeProbe
 from kvtier.node.server import NodeServer
 
 pytestmark = pytest.mark.timeout(60)

@@ -31,8 +31,8 @@ from nodekit import connect, key, lend, node_tiers, put_chunks
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtier.node.client import NodeProbe
 from kvtier.node.metrics import MetricsServer, NodeCollector
+from kvtier.node.probe import NodeProbe
 from kvtier.node.server import NodeServer
 
 pytestmark = pytest.mark.timeout(120)

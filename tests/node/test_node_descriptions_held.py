@@ -26,7 +26,7 @@ from nodekit import (
 )
 
 from kvtier.core.keys import ChunkKey
-from kvtier.node.client import NodeProbe
+from kvtier.node.probe import NodeProbe
 from kvtier.tiers.eventfacts import ChunkInfo
 
 pytest.importorskip("vllm.distributed.kv_events")  # the subscriber's decoder

@@ -36,7 +36,7 @@ from nodekit import (
 
 from kvtier.core.retention import DEFAULT_META
 from kvtier.errors import NodeUnavailable
-from kvtier.node.client import NodeProbe
+from kvtier.node.probe import NodeProbe
 from kvtier.node.server import NodeServer
 
 pytestmark = pytest.mark.timeout(120)  # a hang fails here, not at the suite's 900 s

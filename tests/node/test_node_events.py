@@ -40,9 +40,9 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.errors import ConfigError
 from kvtier.node import cli
-from kvtier.node.client import NodeProbe
 from kvtier.node.config import NodeConfig
 from kvtier.node.eventwire import BlockRemoved, BlockStored, KVEventBatch
+from kvtier.node.probe import NodeProbe
 from kvtier.node.server import running_node
 from kvtier.tiers.eventfacts import ChunkInfo
 from kvtier.tiers.storeconfig import StoreConfig

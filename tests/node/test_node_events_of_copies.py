@@ -24,7 +24,7 @@ from eventsub import Subscriber
 from llmdrules import Indexer
 from nodekit import LAYOUT, NodeProcess, connect, key, node_tiers, put_chunks, wait_for
 
-from kvtier.node.client import NodeProbe
+from kvtier.node.probe import NodeProbe
 from kvtier.tiers.eventfacts import ChunkInfo
 
 pytest.importorskip("vllm.distributed.kv_events")  # the Subscriber decodes with vLLM's too

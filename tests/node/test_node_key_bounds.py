@@ -28,7 +28,7 @@ from nodekit import (
     put_chunks,
 )
 
-from kvtier.node.client import NodeProbe
+from kvtier.node.probe import NodeProbe
 from kvtier.node.protocol import (
     MAX_KEYS,
     Borrow,

@@ -24,8 +24,9 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.locator import ChunkLocator, Located
 from kvtier.core.tier import LinkSpeed
 from kvtier.errors import NodeUnavailable
-from kvtier.node.client import NodeProbe, NodeStore
 from kvtier.node.links import LINK_WINDOW
+from kvtier.node.nodestore import NodeStore
+from kvtier.node.probe import NodeProbe
 from kvtier.node.protocol import BELOW_TIER, RAM_TIER
 from kvtier.node.server import NodeServer
 

@@ -32,7 +32,7 @@ from nodekit import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtier.node.client import NodeProbe
+from kvtier.node.probe import NodeProbe
 from kvtier.testing.ports import free_port
 
 pytestmark = pytest.mark.timeout(120)  # a hang fails here, not at the suite's 900 s

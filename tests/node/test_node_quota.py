@@ -21,8 +21,8 @@ from nodekit import LAYOUT, SLOT_BYTES, connect, key, lend, node_tiers, put_chun
 
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import ConnectorConfig
-from kvtier.node.client import NodeProbe
 from kvtier.node.metrics import NodeCollector
+from kvtier.node.probe import NodeProbe
 from kvtier.node.server import NodeServer
 
 pytestmark = pytest.mark.timeout(120)

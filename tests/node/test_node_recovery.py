@@ -28,7 +28,7 @@ from nodekit import (
     wait_for,
 )
 
-from kvtier.node.client import NodeStore
+from kvtier.node.nodestore import NodeStore
 
 pytestmark = pytest.mark.timeout(120)
 

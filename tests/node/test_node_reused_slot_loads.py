@@ -32,8 +32,8 @@ from kvtier.integrations.vllm.transfers import ChunkTransfer
 from kvtier.integrations.vllm.worker.cpu import CpuChunkMover, spare_buffers
 from kvtier.integrations.vllm.worker.paged import PagedKV
 from kvtier.integrations.vllm.worker.streams import StreamChunkMover
-from kvtier.node.client import NodeStore
 from kvtier.node.config import NodeConfig
+from kvtier.node.nodestore import NodeStore
 from kvtier.node.server import NodeServer, running_node
 from kvtier.testing.standin import StandInDevice
 from kvtier.testing.vllmviews import VllmCacheSpec, vllm_kv_caches

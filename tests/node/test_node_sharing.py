@@ -31,7 +31,7 @@ from nodekit import (
     wait_for,
 )
 
-from kvtier.node.client import NodeProbe
+from kvtier.node.probe import NodeProbe
 from kvtier.node.server import NodeServer
 from kvtier.tiers.shmslab import SHM_DIR
 

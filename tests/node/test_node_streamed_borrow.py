@@ -24,7 +24,7 @@ import pytest
 from nodekit import LAYOUT, connect, expected, key, lend, node_tiers, put_chunks, wait_for
 
 from kvtier.core.keys import ChunkKey
-from kvtier.node.client import NodeStore
+from kvtier.node.nodestore import NodeStore
 from kvtier.node.protocol import BELOW_TIER
 from kvtier.node.server import NodeServer
 from kvtier.tiers.files.disk import DiskTier

@@ -33,7 +33,9 @@ from kvtier.core.retention import DEFAULT_META
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.messages import KVTierMetadata
 from kvtier.integrations.vllm.scheduler.connector_scheduler import ConnectorScheduler
-from kvtier.node.client import NodeClient, NodeProbe, NodeStore
+from kvtier.node.client import NodeClient
+from kvtier.node.nodestore import NodeStore
+from kvtier.node.probe import NodeProbe
 from kvtier.node.protocol import BELOW_TIER, RAM_TIER
 from kvtier.node.server import NodeServer
 

@@ -14,7 +14,9 @@ from tierkit import key, tiny_layout
 
 from kvtier.core.retention import DEFAULT_META
 from kvtier.errors import NodeUnavailable
-from kvtier.node.client import NodeClient, NodeProbe, NodeStore, node_status
+from kvtier.node.client import NodeClient, node_status
+from kvtier.node.nodestore import NodeStore
+from kvtier.node.probe import NodeProbe
 from kvtier.tiers.manifest import NamespaceInfo
 from kvtier.tiers.shmslab import SHM_DIR
 from kvtier.tools.bench.node import restartable_node

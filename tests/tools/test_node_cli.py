@@ -10,8 +10,9 @@ import pytest
 from tierkit import key, tiny_layout
 
 from kvtier.core.retention import DEFAULT_META
-from kvtier.node.client import NodeClient, NodeStore
+from kvtier.node.client import NodeClient
 from kvtier.node.config import NodeConfig
+from kvtier.node.nodestore import NodeStore
 from kvtier.node.server import running_node
 from kvtier.tiers.manifest import NamespaceInfo
 from kvtier.tiers.storeconfig import StoreConfig

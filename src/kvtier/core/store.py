@@ -499,7 +499,7 @@ class TieredStore:
     # -- writes ----------------------------------------------------------------------------
     def plan_puts(self, keys: Sequence[ChunkKey], metas: Sequence[ChunkMeta]) -> None:
         """Nothing to do ahead: each put takes its slot as it comes (the node's store,
-        kvtier.node.client.NodeStore, reserves a step's slots in one round trip here)."""
+        kvtier.node.nodestore.NodeStore, reserves a step's slots in one round trip here)."""
 
     def put(self, key: ChunkKey, data: memoryview, meta: ChunkMeta = DEFAULT_META) -> bool:
         """Store a chunk (exactly layout.bytes_per_chunk bytes) with its tenant, pin and

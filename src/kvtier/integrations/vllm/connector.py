@@ -66,7 +66,9 @@ from kvtier.integrations.vllm.worker.connector_worker import (
     PagedKV,
     load_batch_for,
 )
-from kvtier.node.client import NodeClient, NodeProbe, NodeStore
+from kvtier.node.client import NodeClient
+from kvtier.node.nodestore import NodeStore
+from kvtier.node.probe import NodeProbe
 from kvtier.node.protocol import BELOW_TIER as NODE_BELOW_TIER
 from kvtier.node.protocol import RAM_TIER as NODE_TIER
 from kvtier.tiers import build_probe, open_store

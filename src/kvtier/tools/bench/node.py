@@ -58,7 +58,8 @@ from kvtier.core.layout import KVLayout
 from kvtier.core.retention import DEFAULT_META
 from kvtier.errors import ConfigError, NodeUnavailable
 from kvtier.integrations.vllm.worker.chunkstore import ChunkStore
-from kvtier.node.client import NodeClient, NodeStore, node_status
+from kvtier.node.client import NodeClient, node_status
+from kvtier.node.nodestore import NodeStore
 from kvtier.node.protocol import Found, Lookup
 from kvtier.tiers import open_store
 from kvtier.tiers.manifest import NamespaceInfo

@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-    from kvtier.node.client import NodeProbe
+    from kvtier.node.probe import NodeProbe
 
 logger = logging.getLogger(__name__)
 

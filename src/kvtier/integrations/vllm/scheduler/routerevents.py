@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.request import Request
 
-    from kvtier.node.client import NodeProbe
+    from kvtier.node.probe import NodeProbe
 
 
 class RouterEvents:
