@@ -6,7 +6,7 @@ The server evicts keys one by one. When a chunk was a header value plus a value 
 it evicted a chunk's later parts alone: lookups (header and first part) called such a chunk
 held, the engine planned a load that then missed, and a put of it was skipped as held. Found
 in an operator drill: 7 of 16 chunks lookups called held could not be read. A chunk is now
-one hash (tiers/redis/tier.py), written whole in one transaction and evicted whole: held
+one hash (tiers/redis/names.py), written whole in one transaction and evicted whole: held
 means loadable.
 """
 

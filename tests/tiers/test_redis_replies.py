@@ -53,8 +53,9 @@ def test_a_plain_chunk_is_read_straight_into_the_buffer(redis_url: str, tmp_path
     tier = _tier(redis_url, tmp_path, part_bytes=16 << 10)  # 64 KiB: four parts
     tier.put(key(1), _payload(1))
     out = memoryview(bytearray(LAYOUT.bytes_per_chunk))
-    values = tier._fetch(tier._connected(), tier.names.chunk(key(1)), tier.names.fields(),
-                         tier._placer(key(1), out))
+    reader = tier._reader
+    values = reader._fetch(tier._connected(), tier.names.chunk(key(1)), tier.names.fields(),
+                           reader._placer(key(1), out))
     parts = [v for v in values[1:] if v is not None]
     assert len(parts) == 4
     assert all(isinstance(p, memoryview) and p.obj is out.obj for p in parts)
@@ -69,8 +70,9 @@ def test_an_encoded_chunk_goes_through_bytes(redis_url: str, tmp_path: Path) -> 
     data = memoryview(bytes(LAYOUT.bytes_per_chunk // 2) + bytes(_payload(2))[::2])
     tier.put(key(2), data)
     out = memoryview(bytearray(LAYOUT.bytes_per_chunk))
-    values = tier._fetch(tier._connected(), tier.names.chunk(key(2)), tier.names.fields(),
-                         tier._placer(key(2), out))
+    reader = tier._reader
+    values = reader._fetch(tier._connected(), tier.names.chunk(key(2)), tier.names.fields(),
+                           reader._placer(key(2), out))
     assert all(v is None or isinstance(v, bytes) for v in values)
     assert tier.get_into(key(2), out).ok and bytes(out) == bytes(data)
     tier.close()
@@ -104,7 +106,7 @@ def test_a_reply_past_the_timeout_drops_its_connection(redis_server: object,
     pauser.execute_command("CLIENT", "PAUSE", 1000, "ALL")
     with pytest.raises(redis.TimeoutError):
         read_into(client, tier.names.chunk(key(0)), tier.names.fields(),
-                  tier._placer(key(0), out))
+                  tier._reader._placer(key(0), out))
     pool = client.connection_pool
     assert all(c._sock is None for c in pool._available_connections)  # dropped, not reused
     pauser.execute_command("CLIENT", "UNPAUSE")

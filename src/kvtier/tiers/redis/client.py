@@ -2,6 +2,15 @@
 the password, a client with the tier's timeouts, TCP keepalive and redis-py's retries off, and
 which errors mean "the server is not answering".
 
+A call blocks at most `socket_timeout_ms` on an open connection, `connect_timeout_ms` +
+`socket_timeout_ms` on a new one: redis-py's own retries are off, as they would multiply that.
+Credentials: `password_file` or an environment variable (config.py); never the URL or argv.
+TLS: `rediss://` or `tls: true`, verified against `tls_ca_file` or the system CAs.
+For a Cluster, start the servers with `cluster-require-full-coverage no`, so that a dead node
+costs only the chunks of its slots (with the default `yes` the whole cluster refuses queries once
+it notices). A resharding is followed: lookups, reads and deletes follow its ASK and MOVED
+redirections (redis-py), and a put into a migrating slot its ASK (write.py).
+
 TCP keepalive (`KEEPALIVE_OPTIONS`), set by the tier whatever redis-py's version: redis-py
 before 8 (pyproject allows >= 5) leaves it off, 8 turns it on with its own timers. Without
 it a pooled connection whose peer vanished without a FIN or RST (a NAT or firewall that

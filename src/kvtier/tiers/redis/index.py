@@ -1,4 +1,18 @@
-"""The redis tier's LRU capacity index, used when `capacity` > 0 (see tiers/redis/tier.py).
+"""The redis tier's capacity: its LRU index when `capacity` > 0; the server's own when it is 0.
+
+  - capacity > 0: per namespace (prefix + layout) and across every client (the index,
+    below). A chunk whose index update the server refuses (OOM right after the chunk's
+    commit, an ACL user without TIME) is deleted, not left uncounted, and so is one evicted
+    whose delete failed, with a later eviction (tiers/redis/undeleted.py). For a server
+    shared with other data (which maxmemory eviction would also throw out), or to split one
+    server between namespaces. Costs one more round trip per put, on the node holding the
+    set. Counts whole chunks of the uncompressed size, compressed or not.
+  - capacity = 0 (recommended for a dedicated cache server or cluster): the server's `maxmemory`
+    with `allkeys-lru` (or `allkeys-lfu`) evicts, with Redis's exact memory accounting (real
+    bytes: compression holds more chunks), no extra round trip and no hot index key; it evicts
+    whole chunks (one hash each, tiers/redis/names.py). With the default `noeviction` policy a
+    full server refuses writes: they are counted as dropped writes. `chunks`/`used_bytes` are
+    then not tracked (see `kvtier inspect`).
 
 One sorted set per namespace (prefix + layout), <prefix>{<digest>}:lru, scores chunks by last use
 on the server's clock, so every client on every host shares one recency order. One Lua script

@@ -31,7 +31,7 @@ a listing or a deletion: such a set's scores are not used, such a manifest reads
 and a chunk's name holding a foreign value is listed (a name of the tier's, deleted by
 whatever rule selects it).
 
-Primitives: `RedisInventory`, `parse_value_name`, `CHUNK_SUFFIX`, `IDLE_SLACK_S`.
+Primitives: `RedisInventory`, `parse_value_name`, `IDLE_SLACK_S`.
 """
 
 from __future__ import annotations
@@ -49,11 +49,11 @@ from kvtier.tiers.manifest import NamespaceManifest, is_layout_name, parse_manif
 from kvtier.tiers.redis.client import connect, read_password, wrong_type
 from kvtier.tiers.redis.config import RedisTierConfig
 from kvtier.tiers.redis.manifest import redis_manifest_name
+from kvtier.tiers.redis.names import CHUNK_SUFFIX
 from kvtier.tiers.tlsfiles import check_ca_file
 
 SCAN_BATCH = 500  # Redis keys measured per pipelined round trip
 MANIFEST_SUFFIX = ":manifest"
-CHUNK_SUFFIX = "c"  # a chunk's hash: <prefix><digest>:{<key hex>}:c (tiers/redis/tier.py)
 _HEX = frozenset("0123456789abcdef")
 # How much less idle than expected a victim may look and still count as unused since it was
 # listed: OBJECT IDLETIME counts whole seconds of an LRU clock the server ticks every 100 ms
@@ -116,7 +116,7 @@ class RedisInventory:
 
     def orphans(self) -> list[StoredChunk]:
         """An older kvtier's values of each chunk (a header, parts): no reader reads them
-        (tiers/redis/tier.py), and parts a failed write of that kvtier left without a
+        (tiers/redis/names.py), and parts a failed write of that kvtier left without a
         header. Today's writes leave none (tiers/redis/write.py)."""
         values, _indexes = self._values()
         return list(self._measure({(ns, k): n for (ns, k, old), n in values.items() if old},
@@ -243,7 +243,7 @@ class RedisInventory:
         return used
 
     def _index_name(self, namespace: str) -> str:
-        """The namespace's LRU set (tiers/redis/tier.py)."""
+        """The namespace's LRU set (tiers/redis/index.py)."""
         return f"{self.prefix}{{{namespace}}}:lru"
 
     def manifests(self) -> dict[str, NamespaceManifest | None]:

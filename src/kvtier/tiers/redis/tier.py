@@ -1,100 +1,45 @@
 """The redis tier: chunks in a Redis or Valkey server, or a Redis Cluster, shared by every
-engine that points at it.
-
-Stored values. A chunk is ONE Redis hash, whose fields are its header and its payload parts:
-    <prefix><layout digest>:{<key hex>}:c   the chunk's hash (":c": this layout of values)
-        field "h"                            kvtier's chunk header (core/chunkformat), verbatim
-        fields "0".."N-1"                    the payload, cut into `part_bytes` slices
-One header for the whole chunk (payload size and xxh3 checksum of the whole payload), in a field
-of its own so the payload goes to the socket straight from the caller's buffer (no copy to glue a
-header on). The payload is not padded: the 4 KiB alignment of the format is for O_DIRECT files.
-Why one hash, not a value per part (older kvtier versions: names ending ":h", ":0"...):
-the server's `maxmemory` eviction (allkeys-lru/-lfu, volatile-* with `ttl_s`) and its TTLs take
-keys, so a chunk now lives or dies whole; with values per part the server evicted a chunk's
-later parts alone, and lookups called "held" chunks that could not be read (a drill: 7 of 16).
-A chunk is held when its hash has its header field (one HEXISTS), and held means loadable: a
-hash without one (a field deleted behind the tier's back: no writer of today leaves one) or a
-value of another type at the name is not held, and the next put replaces it. Cheaper fixes were
-not correct: counting every part in the lookup does not know how many a compressed chunk has,
-and still leaves the parts' memory to the LRU one by one. Values of the older form are never
-read (a miss) and are listed as orphans, deleted by `kvtier gc --orphans` (or the server's
-eviction, as nothing touches them). The `{key hex}` hash tag keeps a chunk's hash, and the
-older values, in the slot of its key in a Redis Cluster, while distinct chunks spread over every
-node. A put is one MULTI/EXEC transaction, an HSET per field so no command carries the whole
-chunk, in one round trip: all of it or nothing, even on a full server (tiers/redis/write.py). A read
-is one HMGET of the header and parts, verified (header, layout, key, sizes, checksum) before a
-byte is used, never unpickled (a chunk another engine cut with another `part_bytes` is read by
-its first part's size, its parts past this tier's fields and its header again in one more
-round trip, a miss if the header changed meanwhile: engines may differ, as in a rolling
-change); a chunk stored as is comes off the socket straight into the
-reader's buffer (tiers/redis/replies.py: one copy, by the kernel, where redis-py makes five).
-Each value's length is judged before it is read: one longer than the chunk can hold is refused
-unread (the connection dropped). A missing part (a hash another writer left short), a value of
-the wrong size or kind (a foreign key at the chunk's name) or a checksum mismatch is a counted
-miss, and the chunk's hash is deleted.
-
-Capacity: the tier enforces `capacity` when it is > 0, and leaves it to the server when it is 0.
-  - capacity > 0: per namespace (prefix + layout) and across every client: a sorted set
-    <prefix>{<digest>}:lru scores chunks by last use (server clock); one Lua script adds a new
-    chunk, applies the hits batched since the last call, and pops the least recently used beyond
-    capacity, atomically, so concurrent writers on many hosts never overshoot (see
-    tiers/redis/index.py); a chunk whose index update the server refuses (OOM right after
-    the chunk's commit, an ACL user without TIME) is deleted, not left uncounted, and so is
-    one evicted whose delete failed, with a later eviction (tiers/redis/undeleted.py). For a
-    server shared with other data (which maxmemory eviction would also throw out), or to split one
-    server between namespaces. Costs one more round trip per put, on the node holding the set.
-  - capacity = 0 (recommended for a dedicated cache server or cluster): the server's `maxmemory`
-    with `allkeys-lru` (or `allkeys-lfu`) evicts, with Redis's exact memory accounting, no extra
-    round trip and no hot index key; it evicts whole chunks (one hash each). With the default
-    `noeviction` policy a full server refuses writes: they are counted as dropped writes.
-    `chunks`/`used_bytes` are then not tracked (see `kvtier inspect`).
+engine that points at it. `RedisTier` answers the tier contract and owns its outcomes (the
+counters, events, the namespace manifest, a bad chunk's removal) and its circuit breaker; the
+work on the server lies beside it:
+    names.py      a chunk's hash and its fields: one hash a chunk, so it lives or dies whole
+    write.py      a put: one MULTI/EXEC transaction, all of it or nothing
+    read.py       a read: one HMGET, verified before a byte is used
+    index.py      capacity: the tier's LRU index (capacity > 0) or the server's maxmemory (0)
+    undeleted.py  the deletes of chunks let go whose delete failed, retried
+    client.py     the connection: timeouts, keepalive, credentials, TLS, a Cluster's nodes
+A chunk is encoded (`codec`, encryption: tiers/encoding.py) on the write-behind thread that
+puts it. What a read finds bad (a part missing, a value of the wrong size or kind, a checksum
+mismatch) is a counted miss, and the chunk's hash is deleted.
 
 Failures (tiers/guard.py): the tier starts with the server down; a server (a Cluster node) that
 fails a call is marked down and retried with exponential backoff up to `retry_max_s`; while it
 is down, lookups and reads miss and writes are dropped (counted) in microseconds, without I/O.
-A call blocks at most `socket_timeout_ms` on an open connection, `connect_timeout_ms` +
-`socket_timeout_ms` on a new one: redis-py's own retries are off, as they would multiply that.
 A server that answers with an error reply other than OOM (NOPERM: an ACL user without HSET
 or EXEC, which every put runs; a database index it does not have) is up: every such call
 misses or is dropped (counted), and the first of each kind is logged at warning. One still
 loading its dataset (LOADING, after a restart) is down, as redis-py's BusyLoadingError says.
-For a Cluster, start the servers with `cluster-require-full-coverage no`, so that a dead node
-costs only the chunks of its slots (with the default `yes` the whole cluster refuses queries once
-it notices). A resharding is followed: lookups, reads and deletes follow its
-ASK and MOVED redirections (redis-py), and a put into a migrating slot its ASK (write.py).
-
-Codec and encryption (`codec`, `encryption_secret_file`/`_env`: tiers/encoding.py): a chunk
-is encoded on the write-behind thread that puts it and stored as a version 2 header plus as
-many parts as its body needs (a compressed chunk: fewer bytes and parts); a read fetches the
-header and every part field a chunk of this layout can have, and decodes into the caller's
-buffer. A bounded tier (capacity > 0) still counts whole chunks of the uncompressed size;
-with capacity 0 the server's maxmemory counts real bytes, so compression holds more chunks.
 
 TTL: `ttl_s` expires chunks idle that long; each hit refreshes it.
-Credentials: `password_file` or an environment variable (config.py); never the URL or argv.
-TLS: `rediss://` or `tls: true`, verified against `tls_ca_file` or the system CAs.
-(Both in tiers/redis/client.py, with the client's timeouts.)
 
-Primitives: `RedisTier`, `ChunkNames`. The config model is `RedisTierConfig`
-(tiers/redis/config.py), the operator's view `RedisInventory` (tiers/redis/inventory.py).
+Primitives: `RedisTier`. The config model is `RedisTierConfig` (tiers/redis/config.py), the
+operator's view `RedisInventory` (tiers/redis/inventory.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 from urllib.parse import urlsplit
 
 import redis
 from redis.cluster import RedisCluster
-from redis.exceptions import AskError, OutOfMemoryError, RedisClusterException, SlotNotCoveredError
+from redis.exceptions import OutOfMemoryError, RedisClusterException, SlotNotCoveredError
 
-from kvtier.core.chunkformat import HEADER_BYTES, failure_of, read_header
+from kvtier.core.chunkformat import HEADER_BYTES, failure_of
 from kvtier.core.guard import Guard
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
@@ -129,13 +74,14 @@ from kvtier.tiers.redis.client import (
     read_password,
     wrong_type,
 )
-from kvtier.tiers.redis.config import MIN_PART_BYTES, RedisTierConfig
+from kvtier.tiers.redis.config import RedisTierConfig
 from kvtier.tiers.redis.index import RedisLRUIndex
-from kvtier.tiers.redis.inventory import CHUNK_SUFFIX, RedisInventory
+from kvtier.tiers.redis.inventory import RedisInventory
 from kvtier.tiers.redis.manifest import redis_manifest_name, write_redis_manifest
-from kvtier.tiers.redis.replies import Place, read_into
+from kvtier.tiers.redis.names import HEADER_FIELD, ChunkNames
+from kvtier.tiers.redis.read import ChunkReader
 from kvtier.tiers.redis.undeleted import OwedDeletes
-from kvtier.tiers.redis.write import HEADER_FIELD, part_field, write_chunk
+from kvtier.tiers.redis.write import write_chunk
 from kvtier.tiers.tlsfiles import check_ca_file
 
 log = logging.getLogger(__name__)
@@ -147,29 +93,6 @@ MIN_BACKOFF_S = 0.25  # first retry of a server that failed
 LINK_PINGS = 3
 LINK_ECHOES = 3
 LINK_PROBE_BYTES = 256 << 10
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkNames:
-    """Where a namespace's chunks live: a hash each (see the module docstring)."""
-
-    prefix: str  # config.key_prefix
-    digest: str  # the layout digest
-    parts: int  # payload parts per chunk (at this tier's part_bytes, uncompressed)
-
-    def chunk(self, key: ChunkKey) -> str:
-        """The name of `key`'s hash."""
-        return f"{self.prefix}{self.digest}:{{{key.hex()}}}:{CHUNK_SUFFIX}"
-
-    def fields(self, parts: int | None = None) -> list[str]:
-        """Header first, then the payload parts in order (`parts` of them; default all a
-        chunk of the layout can have)."""
-        count = self.parts if parts is None else parts
-        return [HEADER_FIELD, *(part_field(i) for i in range(count))]
-
-    @property
-    def index(self) -> str:
-        return f"{self.prefix}{{{self.digest}}}:lru"
 
 
 class RedisTier:
@@ -229,6 +152,8 @@ class RedisTier:
         self.events = TierEvents(self.name)
         self._manifest: NamespaceManifest | None = None  # written after the next put
         self._owed = OwedDeletes()  # let go, their deletes failed: retried (undeleted.py)
+        self._reader = ChunkReader(self.names, self.encoder, self.chunk_bytes,
+                                   self.part_bytes, self.ttl_ms)
         self._index = (RedisLRUIndex(self.name, self.names.index, self.capacity_chunks,
                                      self.ttl_ms, self.stored_bytes, self._counters,
                                      self._run_for, self._delete_values)
@@ -262,7 +187,7 @@ class RedisTier:
         Raises:
             TierUnavailable: the endpoint is down (no I/O was done) or just failed.
             redis.RedisError: any other failure of the call (e.g. OOM, a full server).
-            CorruptChunk: the server sent a value the call refused (`_bounded`).
+            CorruptChunk: the server sent a value the call refused (`ChunkReader`).
         """
         if not self.guard.allow(endpoint):
             raise TierUnavailable(f"{endpoint} is down")
@@ -374,13 +299,16 @@ class RedisTier:
     # -- reads -------------------------------------------------------------------------------
     def get_into(self, key: ChunkKey, out: memoryview,
                  meta: ChunkMeta = DEFAULT_META) -> TierResult:
+        """`Tier.get_into`: the reader (read.py) fetches and verifies the chunk; here each
+        outcome is counted and logged, and a chunk found bad or incomplete is removed."""
         if len(out) != self.chunk_bytes:
             raise ValueError(f"buffer is {len(out)} bytes, this tier's chunks {self.chunk_bytes}")
         start = time.perf_counter()
         name = self.names.chunk(key)
         endpoint = self._endpoint(name)
         try:
-            values = self._read_values(endpoint, name, key, out)
+            values = self._reader.read_values(lambda call: self._run(endpoint, call), name,
+                                              key, out)
             if values is None:
                 log.info("redis tier %r: chunk %s was written again while read; a miss",
                          self.name, key.hex())
@@ -392,7 +320,7 @@ class RedisTier:
                     self._counters.add(misses=1)
                     return MISSING
             else:
-                lost = not self._verify_into(key, values, out, meta.tenant)
+                lost = not self._reader.verify_into(key, values, out, meta.tenant)
         except (TierUnavailable, redis.RedisError) as exc:
             if wrong_type(exc):  # not a hash: a foreign value at the chunk's name
                 return self._corrupt(key, CorruptChunk(f"not a chunk's hash ({exc})"))
@@ -416,26 +344,6 @@ class RedisTier:
         self._counters.add(hits=1, bytes_read=len(out), read_s=time.perf_counter() - start)
         return OK
 
-    def _read_values(self, endpoint: str, name: str, key: ChunkKey,
-                     out: memoryview) -> list[Any] | None:
-        """The chunk's header and parts (None each that is missing), read by one HMGET; for
-        a chunk its writer cut finer than this tier's fields (another engine's part_bytes),
-        its other parts by a second one, which asks for the header again: None when the
-        header changed between the two (the chunk deleted or written again meanwhile: parts
-        of two writes are neither joined nor judged corrupt, and the new chunk stays).
-
-        Raises:
-            as `_run` and `_fetch`.
-        """
-        values = self._run(endpoint, lambda c: self._fetch(
-            c, name, self.names.fields(), self._placer(key, out)))
-        more = self._more_fields(key, values)
-        if not more:
-            return values
-        again = self._run(endpoint, lambda c: self._fetch(
-            c, name, [HEADER_FIELD, *more], self._bounded(_as_bytes)))
-        return values + again[1:] if again[0] == values[0] else None
-
     def _corrupt(self, key: ChunkKey, exc: CorruptChunk) -> TierResult:
         """A corrupt chunk found by a read: logged, removed, a counted miss."""
         log.warning("redis tier %r: chunk %s is corrupt (%s); removed, a miss", self.name,
@@ -443,155 +351,6 @@ class RedisTier:
         self._remove(key)
         self._counters.add(misses=1, corrupt_reads=1)
         return TierResult(failure_of(exc))
-
-    def _fetch(self, client: Client, name: str, fields: list[str], place: Place) -> list[Any]:
-        """`fields` of the chunk's hash `name` (None: missing); parts `place` puts in the
-        caller's buffer come back as views of it (tiers/redis/replies.py).
-
-        Raises:
-            CorruptChunk: a value longer than any of the chunk's (`_bounded`), left unread.
-            redis.RedisError: as `_run` says (WRONGTYPE: `name` is not a hash).
-        """
-        values = None
-        if not isinstance(client, RedisCluster):
-            values = read_into(client, name, fields, place, self.ttl_ms)
-        elif (node := client.get_node_from_key(name)) is not None:
-            # The slot moved (AskError, or MovedError, one of them): redis-py follows, below,
-            # and refreshes its slot map.
-            with contextlib.suppress(AskError):
-                values = read_into(client.get_redis_connection(node), name, fields, place,
-                                   self.ttl_ms)
-        if values is not None:
-            return values
-        # redis-py's own parser (hiredis, a slot that moved): no bound on a value's length.
-        pipe = client.pipeline(transaction=False)
-        pipe.hmget(name, fields)
-        if self.ttl_ms:
-            pipe.pexpire(name, self.ttl_ms)
-        return pipe.execute()[0]  # type: ignore[no-any-return]
-
-    def _bounded(self, place: Place) -> Place:
-        """`place`, refusing unread a value longer than any of a chunk of this layout (the
-        header's size, a body's largest): a foreign or corrupt value of any size is a
-        counted miss at the cost of a socket buffer, not of its size in memory."""
-        def bounded(index: int, length: int, earlier: list[Any]) -> memoryview | None:
-            limit = HEADER_BYTES if index == 0 else self.encoder.max_body_bytes
-            if length > limit:
-                raise CorruptChunk(f"a value of {length} bytes where at most {limit} fit; "
-                                   "not read")
-            return place(index, length, earlier)
-
-        return bounded
-
-    def _placer(self, key: ChunkKey, out: memoryview) -> Place:
-        """Where a read's values go (bounded: `_bounded`): a part of a chunk stored as is
-        straight into its place in `out` (the header read first says so: valid, plain, the
-        payload `out`'s size); anything else (the header, an encoded chunk's parts, a header
-        in doubt) as bytes, for `_verify_into` to judge."""
-        plain: list[bool] = []  # the header's verdict, once
-        cut: list[int] = []  # the writer's part size: its first part's (`_writer_part_bytes`)
-
-        def place(index: int, length: int, earlier: list[Any]) -> memoryview | None:
-            if index == 0:
-                return None
-            if not plain:
-                plain.append(self._plain(key, earlier[0], len(out)))
-            if index == 1 and length > 0:
-                cut.append(length)
-            part = cut[0] if cut else self.part_bytes
-            offset = (index - 1) * part
-            if not plain[0] or offset >= len(out) or length != min(part, len(out) - offset):
-                return None
-            return out[offset : offset + length]
-
-        return self._bounded(place)
-
-    def _plain(self, key: ChunkKey, header: bytes | None, payload_bytes: int) -> bool:
-        """Whether `header` is a valid header of `key`'s chunk stored as is, of that size."""
-        if header is None or len(header) != HEADER_BYTES:
-            return False
-        try:
-            chunk = read_header(header, key, self.names.digest)
-        except (CorruptChunk, KeyNotHeld):  # judged (and counted) by _verify_into
-            return False
-        return chunk.plain and chunk.body_bytes == chunk.payload_bytes == payload_bytes
-
-    def _writer_part_bytes(self, parts: list[Any], body_bytes: int) -> int:
-        """The part size a body of `body_bytes` was cut with: its first part's size when
-        every part of `parts` that size implies has the size it implies (an engine with
-        another `part_bytes` wrote it: a rolling change of the setting), else this tier's
-        own (whose checks then find the chunk lost or corrupt). Parts the size implies
-        beyond `parts` are not judged: `_more_names` fetches them."""
-        first = parts[0] if parts else None
-        # No writer cuts finer than MIN_PART_BYTES: a shorter first part is damage (whose
-        # size would otherwise ask for up to a name per byte of the body).
-        if (first is None or not MIN_PART_BYTES <= len(first) <= body_bytes
-                or len(first) == self.part_bytes):
-            return self.part_bytes
-        size = len(first)
-        for i, part in enumerate(parts[: -(-body_bytes // size)]):
-            if part is None or len(part) != min(size, body_bytes - i * size):
-                return self.part_bytes
-        return size
-
-    def _more_fields(self, key: ChunkKey, values: list[Any]) -> list[str]:
-        """The fields of a chunk's parts beyond those read (`values`: header and parts),
-        when its writer cut it finer than this tier's `part_bytes` gives fields for; [] for
-        any other chunk (its header unreadable included: `_verify_into` judges)."""
-        header = values[0]
-        if header is None or len(header) != HEADER_BYTES:
-            return []
-        try:
-            body_bytes = read_header(header, key, self.names.digest).body_bytes
-        except CorruptChunk:  # KeyNotHeld too
-            return []
-        if body_bytes > self.encoder.max_body_bytes:  # a forged header's: judged corrupt
-            return []  # unasked, not a field per byte of what it claims
-        needed = -(-body_bytes // self._writer_part_bytes(values[1:], body_bytes))
-        return self.names.fields(needed)[len(values):]
-
-    def _verify_into(self, key: ChunkKey, values: list[Any], out: memoryview,
-                     tenant: str | None) -> bool:
-        """Check the header and every part's size, decode the parts of a chunk of `tenant`
-        into `out` (verifying checksums). False when a part the header needs is gone
-        (evicted by the server).
-
-        Raises:
-            CorruptChunk (AuthFailure, CodecFailure): see ChunkEncoder.decode.
-        """
-        header = values[0]
-        assert header is not None
-        if len(header) != HEADER_BYTES:
-            raise CorruptChunk(f"header value is {len(header)} bytes, expected {HEADER_BYTES}")
-        chunk = read_header(header, key, self.names.digest)
-        if chunk.payload_bytes != self.chunk_bytes:
-            raise CorruptChunk(f"payload is {chunk.payload_bytes} bytes, expected "
-                               f"{self.chunk_bytes}")
-        if chunk.body_bytes > self.encoder.max_body_bytes:
-            raise CorruptChunk(f"body of {chunk.body_bytes} bytes: more than a chunk of this "
-                               f"layout's {self.encoder.max_body_bytes}")
-        part_bytes = self._writer_part_bytes(values[1:], chunk.body_bytes)
-        needed = max(1, -(-chunk.body_bytes // part_bytes))
-        if needed > len(values) - 1:
-            raise CorruptChunk(f"body of {chunk.body_bytes} bytes: more than this layout's "
-                               f"{len(values) - 1} parts")
-        parts = values[1 : 1 + needed]
-        if None in parts:
-            return False
-        # A chunk stored as is is cut straight into `out`; an encoded one is joined first.
-        body = out if chunk.plain and chunk.body_bytes == len(out) \
-            else memoryview(bytearray(chunk.body_bytes))
-        offset = 0
-        for i, part in enumerate(parts):
-            assert part is not None
-            expected = min(part_bytes, chunk.body_bytes - offset)
-            if len(part) != expected:
-                raise CorruptChunk(f"part {i} is {len(part)} bytes, expected {expected}")
-            if not (body is out and isinstance(part, memoryview)):  # placed already (_placer)
-                body[offset : offset + expected] = part
-            offset += expected
-        self.encoder.decode(key, chunk, body, out, tenant)
-        return True
 
     # -- writes ------------------------------------------------------------------------------
     def put(self, key: ChunkKey, data: memoryview, meta: ChunkMeta = DEFAULT_META) -> TierResult:
@@ -742,11 +501,6 @@ class RedisTier:
         client, self._client = self._client, None
         if client is not None:
             client.close()
-
-
-def _as_bytes(index: int, length: int, earlier: list[Any]) -> memoryview | None:
-    """A `Place` that places nothing: every value comes back as bytes."""
-    return None
 
 
 def _held(client: Client, name: str) -> bool:

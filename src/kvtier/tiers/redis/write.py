@@ -1,4 +1,4 @@
-"""How the redis tier writes a chunk: all of it or nothing (see tiers/redis/tier.py for the
+"""How the redis tier writes a chunk: all of it or nothing (see tiers/redis/names.py for the
 chunk's hash and its fields).
 
 A chunk is one Redis hash, written by one MULTI/EXEC transaction in one round trip:
@@ -23,7 +23,7 @@ is then sent to the node ASK names, after ASKING (which holds through MULTI..EXE
 chunk lands there, where the slot is going, instead of every new chunk of a migrating slot
 being dropped for as long as the resharding lasts.
 
-Primitives: `HEADER_FIELD`, `part_field`, `write_chunk`.
+Primitives: `write_chunk`.
 """
 
 from __future__ import annotations
@@ -33,12 +33,7 @@ from typing import Any
 from redis.cluster import RedisCluster
 from redis.exceptions import AskError
 
-HEADER_FIELD = "h"  # the hash field of kvtier's chunk header; parts are "0".."N-1"
-
-
-def part_field(index: int) -> str:
-    """The hash field of payload part `index`."""
-    return str(index)
+from kvtier.tiers.redis.names import HEADER_FIELD, part_field
 
 
 def write_chunk(client: Any, name: str, parts: int, header: bytes, payload: memoryview,

@@ -62,7 +62,7 @@ def remote_redis(directory: Path, delay_ms: float,
 
 def stored_chunks(url: str, key_prefix: str = "kvtier:") -> int:
     """Chunks of every namespace on the server at `url`: the redis tier's chunk hashes,
-    `<key_prefix><digest>:{<key hex>}:c` (kvtier.tiers.redis.tier); LRU sets and manifests are
+    `<key_prefix><digest>:{<key hex>}:c` (kvtier.tiers.redis.names); LRU sets and manifests are
     not counted."""
     client = redis.Redis.from_url(url)
     try:
