@@ -373,7 +373,15 @@ class NodeServer:
                 lent += 1
                 if part is not None and lent < lending.stopped_at and not lending.ready():
                     reply.more = True
-                    part(reply)
+                    try:
+                        part(reply)
+                    except BaseException:
+                        # The engine has the earlier parts' offsets: the load is its lease,
+                        # ended with its connection, or quarantined with it (a send timed
+                        # out: an engine that checks no stamps may copy them when it wakes).
+                        undo.pop_all()
+                        self._lease(owner, lending)
+                        raise
                     reply = Lent(0, [], [], None)
             failed = lending.failed_tier if lending.stopped_at == lent else None
             self.counters.add("borrows")
