@@ -13,10 +13,13 @@ next ones behind them; abandoned threads are as many as the stalled calls, which
 backoff keeps few.
 
 A call made once, where no guard is kept (a tier's directory checked when its config is read,
-or stat-ed before it is opened), is bounded the same way by `call_within`.
+or stat-ed before it is opened), is bounded the same way by `call_within`. Calls made often
+where no guard is kept (the node's question to the tiers below RAM at each store) go through
+`CallSlots`: a few threads, and a call asked while every one is held (by calls a hung tier
+never answers) is not made, so that the calls left to finish cannot grow without bound.
 
 Primitives: `StallGuard` (usable, answered, stalled, call, submit, start_threads, close),
-`call_within`.
+`call_within`, `CallSlots`.
 """
 
 from __future__ import annotations
@@ -145,3 +148,42 @@ def call_within(fn: Callable[[], R], timeout_s: float, name: str) -> tuple[bool,
         return True, future.result(timeout_s)
     except FutureTimeout:
         return False, None
+
+
+class CallSlots:
+    """At most `threads` calls in flight at once, each on a daemon thread of a pool of that
+    many: a call a hung tier never answers keeps its thread (and its slot) until it returns,
+    and one asked while every slot is held is not made (`submit` returns None). A thread
+    per call, as `call_within` starts, let a tier below the node's RAM that hangs (a redis
+    behind a stalled link, which answers a batch only at its socket timeout) pile up a thread
+    per store for as long as it hung (tests/node/test_node_held_below_bounded.py).
+    Thread-safe."""
+
+    def __init__(self, threads: int, name: str) -> None:
+        """Args:
+            threads: calls in flight at once, each on a thread named `name`_N.
+        """
+        self._pool = IOPool(threads, name)
+        self._free = threading.BoundedSemaphore(threads)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def submit(self, fn: Callable[[], R]) -> Future[R] | None:
+        """`fn()` on a free thread (the caller waits for its future, with a timeout of its
+        own); None, and nothing done, when every slot is held or the slots are closed."""
+        if not self._free.acquire(blocking=False):
+            return None
+        with self._lock:
+            future = None if self._closed else self._pool.submit(fn)
+        if future is None:
+            self._free.release()
+            return None
+        future.add_done_callback(lambda _: self._free.release())
+        return future
+
+    def close(self) -> None:
+        """No call from now on; the threads end once their calls return (never waited for:
+        a hung call may never return)."""
+        with self._lock:
+            self._closed = True
+            self._pool.shutdown(wait=False, cancel_futures=True)

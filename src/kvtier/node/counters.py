@@ -13,7 +13,8 @@ COUNTERS = ("borrows", "lent_chunks", "read_in_place", "reserved_chunks",
             "committed_chunks",
             "received_chunks", "sent_chunks", "lookups",
             "refused", "refused_messages", "disconnects_with_leases", "leases_expired",
-            "expired_chunks", "send_timeouts", "quarantines_ended", "recovered_chunks",
+            "expired_chunks", "send_timeouts", "quarantines_ended", "held_below_skipped",
+            "recovered_chunks",
             "recovery_dropped_chunks",
             "described_chunks", "events_stored", "events_removed", "stored_unannounced")
 

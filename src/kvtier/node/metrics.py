@@ -106,6 +106,9 @@ NODE_COUNTERS: dict[str, str] = {
                      "lease_timeout_s (frozen or hung): the slots it may still write kept",
     "quarantines_ended": "Engines closed by send_timeouts whose kept slots were freed "
                          "once their process was gone",
+    "held_below_skipped": "Stores whose chunks RAM had no slot for were not checked against "
+                          "the tiers below RAM (every check thread held: a tier below hangs): "
+                          "their bytes were asked for",
     "recovered_chunks": "Chunks recovered into RAM from the last node's slab at start-up",
     "recovery_dropped_chunks": "Chunks of the last node's slab dropped at start-up: torn or "
                                "damaged (their checksum did not match)",

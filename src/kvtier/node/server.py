@@ -42,6 +42,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import msgspec
@@ -49,7 +50,7 @@ import msgspec
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.loans import Lending
-from kvtier.core.stall import call_within
+from kvtier.core.stall import CallSlots
 from kvtier.core.store import ChunkView
 from kvtier.errors import ConfigError
 from kvtier.node.config import NodeConfig
@@ -99,6 +100,10 @@ log = logging.getLogger(__name__)
 # sent, as without the question: a tier below RAM gone slow must not make the engine's
 # store call (its deadline: lookup_timeout_s, 1 s by default) wait for its read timeout.
 HELD_BELOW_BUDGET_S = 0.1
+# Those questions in flight at once (`CallSlots`): one a tier below RAM never answers keeps
+# its thread until it does, and a store asked while all are held is not asked about (its
+# chunks stay SENDs; counted: `held_below_skipped`).
+HELD_BELOW_THREADS = 4
 
 
 class NodeServer:
@@ -139,6 +144,7 @@ class NodeServer:
         self._closed = threading.Event()  # set when `shutdown` has closed everything
         self.counters = NodeCounters()
         self.borrow_seconds = Latencies()  # per source: RAM alone, or a tier below it
+        self._held_below_calls = CallSlots(HELD_BELOW_THREADS, "kvtier-node-held-below")
         self._name_lock: int | None = hold_name(config.name)
         self.events: NodeEvents | None = None
         try:
@@ -200,6 +206,7 @@ class NodeServer:
                 quarantined, self._quarantined = list(self._quarantined.values()), {}
             for quarantine in quarantined:
                 quarantine.close()
+            self._held_below_calls.close()
             if self._name_lock is not None:  # a second shutdown: the name is another's now
                 let_go_of_name(self.config.name, self._name_lock)
                 self._name_lock = None
@@ -432,15 +439,16 @@ class NodeServer:
         self.counters.add("reserved_chunks", puts.open)
         return Reserved(self._lease(owner, puts) if puts.open else 0, offsets)
 
-    @staticmethod
-    def _held_below(layout: ServedLayout, request: Reserve, engine: str | None,
+    def _held_below(self, layout: ServedLayout, request: Reserve, engine: str | None,
                     offsets: list[int], puts: Puts) -> None:
         """Turn each SEND whose chunk a tier below RAM holds already (or a write behind
         carries) into HELD, its `putting` ended: the engine ships no bytes the node has (the
         disk's put would drop them), and RAM, which has no slot, gets no promotion. One
         batch per remote tier (`contains_many`), only for the SENDs: rare, RAM gives most
         chunks a slot. Its meta's pin and expiry go to the tiers that hold it, as a HELD in
-        RAM gets them from `reserve`. All within `HELD_BELOW_BUDGET_S`, else they stay SENDs."""
+        RAM gets them from `reserve`. All within `HELD_BELOW_BUDGET_S`, else they stay SENDs,
+        as they do when `HELD_BELOW_THREADS` questions are in flight already (a tier below
+        RAM hanging)."""
         sends = [i for i, offset in enumerate(offsets) if offset == SEND]
         if not sends:
             return
@@ -455,9 +463,15 @@ class NodeServer:
                     layout.store.retain(key, meta)
             return found
 
-        answered, found = call_within(held_below, HELD_BELOW_BUDGET_S,
-                                      "kvtier-node-held-below")
-        for i, held in zip(sends, found if answered and found is not None else []):
+        asked = self._held_below_calls.submit(held_below)
+        if asked is None:
+            self.counters.add("held_below_skipped")
+            return
+        try:
+            found = asked.result(HELD_BELOW_BUDGET_S)
+        except FutureTimeout:
+            return
+        for i, held in zip(sends, found):
             taken = puts.blocks[i]
             if not held or taken is None:
                 continue
