@@ -38,6 +38,7 @@ from kvtier.core.fingerprint import adapter_fingerprint
 from kvtier.core.locator import ChunkLocator
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.messages import KVTierWorkerMetadata
+from kvtier.integrations.vllm.scheduler import request_keys
 from kvtier.integrations.vllm.scheduler.connector_scheduler import ConnectorScheduler
 
 CHUNK, BLOCK = 64, 32
@@ -266,3 +267,29 @@ def test_a_waiting_request_whose_adapter_changed_is_not_looked_up_again(
         scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[],
                                               num_computed_tokens=[], resumed_req_ids=set())))
     assert sched.sched.get_num_new_matched_tokens(waiting, 0)[0] == 0  # the next step's ask
+
+
+def test_adapters_keyed_by_name_and_path_are_remembered_as_logged_up_to_a_bound(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The adapters whose fallback was logged are an LRU of `MAX_WARNED_ADAPTERS`: each logged
+    once while remembered, the least recently seen forgotten (logged again if it comes back),
+    so a stream of distinct unreadable adapters holds bounded memory."""
+    bound = request_keys.MAX_WARNED_ADAPTERS
+
+    def remote(i: int) -> LoRARequest:
+        return LoRARequest(f"bounded-{i}", 1, f"org/bounded-adapter-{i}")
+
+    def warnings_for(lora: LoRARequest) -> int:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger=request_keys.__name__):
+            request_keys.lora_identity(lora)
+        return sum("keyed by its name and path" in r.getMessage() for r in caplog.records)
+
+    assert warnings_for(remote(0)) == 1
+    assert warnings_for(remote(1)) == 1
+    assert warnings_for(remote(0)) == 0  # remembered, and now the most recently seen
+    for i in range(2, bound + 1):  # `bound` adapters seen since remote(1): it is forgotten
+        assert warnings_for(remote(i)) == 1
+    assert warnings_for(remote(0)) == 0
+    assert warnings_for(remote(1)) == 1
+    assert warnings_for(remote(bound)) == 0

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import struct
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
@@ -38,7 +39,12 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
-_warned_adapters: set[tuple[str, str]] = set()  # (name, path) fallbacks already logged
+
+# How many adapters keyed by name and path (`lora_identity`) are remembered as already logged:
+# each is logged once while remembered, the least recently seen forgotten past this many (and
+# logged again if it comes back), so a stream of distinct such adapters holds bounded memory.
+MAX_WARNED_ADAPTERS = 1024
+_warned_adapters: OrderedDict[tuple[str, str], None] = OrderedDict()  # (name, path), LRU order
 
 
 def needs_chunk_extras(request: Request) -> bool:
@@ -100,7 +106,8 @@ def lora_identity(lora: LoRARequest) -> tuple[str, ...]:
     """The namespace entries that name a LoRA adapter: its content's fingerprint
     (`adapter_fingerprint` of its directory, read once per adapter version), or, where its path
     is not a local directory (or cannot be read), its name and path, as vLLM's block hash
-    does (logged once per adapter: such adapters share KV by name and path only). Scheduler
+    does (logged once per adapter while it is among the `MAX_WARNED_ADAPTERS` such adapters
+    last seen: they share KV by name and path only). Scheduler
     thread (reads the adapter's files the first time it sees them)."""
     name, path = str(lora.lora_name), str(lora.lora_path)
     try:
@@ -110,11 +117,23 @@ def lora_identity(lora: LoRARequest) -> tuple[str, ...]:
         digest, why = None, f"its files could not be read ({e})"
     if digest is not None:
         return (f"lora-content={digest}",)
-    if (name, path) not in _warned_adapters:
-        _warned_adapters.add((name, path))
+    if _first_warning(name, path):
         logger.warning("kvtier: LoRA adapter %r (path %r) is keyed by its name and path: %s",
                        name, path, why)
     return (f"lora={name}", f"lora-path={path}")
+
+
+def _first_warning(name: str, path: str) -> bool:
+    """Whether the adapter's fallback is not remembered as logged (then it is, as the most
+    recently seen; the least recently seen forgotten past `MAX_WARNED_ADAPTERS`)."""
+    adapter = (name, path)
+    if adapter in _warned_adapters:
+        _warned_adapters.move_to_end(adapter)
+        return False
+    _warned_adapters[adapter] = None
+    if len(_warned_adapters) > MAX_WARNED_ADAPTERS:
+        _warned_adapters.popitem(last=False)
+    return True
 
 
 class LoadedAdapters:
