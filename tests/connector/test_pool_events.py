@@ -149,3 +149,19 @@ def test_after_a_reset_removals_of_older_chunks_go_out_only_if_nothing_cleared_t
     removed = [ChunkKey(h) for e in engine.take() if type(e).__name__ == "BlockRemoved"
                for h in e.block_hashes]
     assert removed == (KEYS[3:] if cleared else KEYS[:2] + KEYS[3:])
+
+
+def test_the_keys_of_chunks_keyed_before_resets_kept_are_bounded() -> None:
+    """`OLD_KEYS_PER_RECENT` x `recent_chunks` of them (never fewer than the last reset
+    dropped): past that, the oldest are forgotten, and their removals go out again."""
+    engine = routerevents.RouterEvents(True, KINDS, TPC, recent_chunks=1)
+    bound = routerevents.OLD_KEYS_PER_RECENT
+    batches = [[ChunkKey(bytes([100 + i, j]) * 8) for j in range(2)]
+               for i in range(bound // 2 + 1)]
+    for batch in batches:  # each reset clears, with the 2 chunks keyed since the one before
+        engine.remember(REQUEST, batch, TOKENS[:2 * TPC], None)
+        engine.reset(cleared=True)
+    engine.learn([event for batch in batches
+                  for event in events(EventKind.REMOVED, "memory", batch)])
+    removed = [ChunkKey(h) for e in engine.take() for h in e.block_hashes]
+    assert removed == batches[0]

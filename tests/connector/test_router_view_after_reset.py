@@ -8,7 +8,8 @@ RAM, its BlockRemoved took the new copy of the same prompt off llm-d's index for
 and the prompt scored as if RAM held none of it. The clear had already told the router the
 old copy was gone: a retired chunk's removal is not announced after it. When vLLM's own
 reset failed (a request held blocks: no clear went out), the router still holds the old
-copies, and their removals are announced as before.
+copies, and their removals are announced as before; but not those of copies a clear before
+it took off (a failed reset clears nothing, and credits nothing again).
 
 The scheduler side with a real store (RAM over disk, files in tmp_path) standing in for the
 worker, retiring its tiers when a plan says so; the router is llm-d's rules, fed the
@@ -149,11 +150,7 @@ def test_when_vllms_reset_failed_the_retired_copies_removals_still_go_out(
         worker: Worker) -> None:
     """A request holds blocks at the reset: vLLM's own reset fails, no clear goes out."""
     worker.prefill("a", first=1000)
-    running = request("running", PROMPT, first=5 * 10**6)
-    blocks = list(range(PROMPT // BLOCK + 1))
-    assert worker.engine.admit(running, blocks) == 0
-    worker.run(worker.engine.step(new={"running": (blocks, 0, BLOCK)}))
-    running.num_computed_tokens = BLOCK  # as vLLM's scheduler counts the step's tokens
+    hold_blocks(worker, "running", first=5 * 10**6)
     assert worker.engine.sched.reset_cache()
     assert worker.score(1000) == pytest.approx(IN_RAM)  # the old copy, as the router knows
 
@@ -199,5 +196,61 @@ def test_a_chunk_of_before_the_reset_landing_after_it_is_removed_unannounced(
     assert worker.score(1000) == pytest.approx(IN_RAM)
     worker.report(*(StoreEvent(EventKind.STORED, k, "disk") for k in old),
                   *(StoreEvent(EventKind.REMOVED, k, "disk") for k in old))
+    assert worker.removed() == []
+    assert worker.score(1000) == pytest.approx(IN_RAM)
+
+
+def hold_blocks(worker: Worker, rid: str, first: int) -> None:
+    """A request computing its prompt, holding blocks: vLLM's own reset fails now."""
+    running = request(rid, PROMPT, first=first)
+    blocks = list(range(PROMPT // BLOCK + 1))
+    assert worker.engine.admit(running, blocks) == 0
+    worker.run(worker.engine.step(new={rid: (blocks, 0, BLOCK)}))
+    running.num_computed_tokens = BLOCK  # as vLLM's scheduler counts the step's tokens
+
+
+def test_a_failed_reset_after_a_clear_leaves_the_cleared_copies_removals_unannounced(
+        worker: Worker) -> None:
+    """The clear told the router every chunk of before it was gone; a failed reset after it
+    clears nothing, and brings none of them back: the retired copy of "a" from before the
+    clear leaves RAM quietly, and the copy keyed between the two resets (still credited)
+    is announced removed."""
+    worker.prefill("a", first=1000)
+    assert worker.engine.sched.reset_cache()
+    worker.cleared = True
+    worker.prefill("again", first=1000)  # the same prompt under new keys, announced
+    hold_blocks(worker, "running", first=5 * 10**6)
+    assert worker.engine.sched.reset_cache()  # vLLM's failed: no clear goes out
+    assert worker.score(1000) == pytest.approx(IN_RAM)
+
+    worker.prefill("b", first=10**6)  # RAM evicts the retired copy of "a" of before the clear
+    assert worker.removed() == []
+    assert worker.score(1000) == pytest.approx(IN_RAM), "the credited copy taken off with it"
+    worker.prefill("c", first=2 * 10**6)  # and the copy "again", credited since the clear
+    assert worker.score(1000) == pytest.approx(ON_DISK)
+    assert len(worker.removed()) == 8
+
+
+def test_a_chunk_keyed_before_a_failed_reset_is_removed_unannounced_after_the_next_clear(
+        worker: Worker) -> None:
+    """A failed reset between two clears: the chunks keyed before it are forgotten by the
+    router at the second clear, and their late removal (a write-behind landing then) is no
+    news, as for those keyed just before the clear."""
+    worker.prefill("a", first=1000)
+    first_copy = worker.stored_keys()
+    assert worker.engine.sched.reset_cache()
+    worker.cleared = True
+    worker.prefill("again", first=1000, settle=False)  # its blocks kept for its stores
+    second_copy = worker.stored_keys()[len(first_copy):]
+    assert len(second_copy) == 2
+    assert worker.engine.sched.reset_cache()  # vLLM's failed: "again" still credited
+    for _ in range(2):  # its stores are done: its blocks are free
+        worker.run(worker.engine.step())
+    assert worker.engine.sched.reset_cache()
+    worker.cleared = True
+    worker.prefill("third", first=1000)
+    assert worker.score(1000) == pytest.approx(IN_RAM)
+    worker.report(*(StoreEvent(EventKind.STORED, k, "disk") for k in first_copy + second_copy),
+                  *(StoreEvent(EventKind.REMOVED, k, "disk") for k in first_copy + second_copy))
     assert worker.removed() == []
     assert worker.score(1000) == pytest.approx(IN_RAM)

@@ -19,6 +19,7 @@ Primitives: `RouterEvents`.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -41,6 +42,10 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from kvtier.node.probe import NodeProbe
+
+# The keys of chunks keyed before a reset kept (`RouterEvents.reset`), per recent chunk kept:
+# a few resets' worth of recent chunks (~100 bytes a key).
+OLD_KEYS_PER_RECENT = 4
 
 
 class RouterEvents:
@@ -75,12 +80,16 @@ class RouterEvents:
         self._recent_chunks = recent_chunks
         self._chunk_tokens = LiveChunkInfos(recent_chunks)
         self._queued: list[KVCacheEvent] = []
-        # Whether removals of chunks of before the last reset are announced on vLLM's stream:
-        # not after a reset whose AllBlocksCleared went out (`reset`). Those chunks: the ones
-        # a tier retired then (StoreEvent.retired), and the ones keyed shortly before it
-        # (`_old_keys`: a write-behind that lands later, a chunk pinned then, in any tier).
-        self._announce_retired = True
-        self._old_keys: frozenset[ChunkKey] = frozenset()
+        # The removals on vLLM's stream of chunks keyed before the last reset that cleared
+        # (its AllBlocksCleared went out) are not announced (`reset`). Those chunks: the ones
+        # known keyed before it (`_cleared_keys`: dropped at it, or at a failed reset before
+        # it, the oldest forgotten past `_max_old_keys`: a write-behind that lands later, a
+        # chunk pinned then, in any tier), and, while no reset failed since it, every one a
+        # tier retired (StoreEvent.retired: all were retired at a reset up to it).
+        self._cleared_keys: dict[ChunkKey, None] = {}
+        self._uncleared_keys: dict[ChunkKey, None] = {}  # dropped at failed resets since
+        self._retired_cleared = False
+        self._max_old_keys = OLD_KEYS_PER_RECENT * recent_chunks
 
     @property
     def enabled(self) -> bool:
@@ -122,18 +131,30 @@ class RouterEvents:
         ids are dropped now (the live and recent ones: a write-behind landing later, a
         shared tier's copy). Not `cleared` (vLLM's reset failed: a request held blocks, and
         no clear went out), the router still credits them, and their removals are
-        announced, until a reset that clears. Removals queued now go out either way, and on
-        the pool's topic (never cleared) always."""
-        self._old_keys = self._chunk_tokens.keys()
+        announced, until a reset that clears; those of chunks of before an earlier reset
+        that cleared are not (a failed reset clears nothing, nor makes the router credit
+        again what it forgot), except a retired chunk not known keyed before that reset (the
+        flag does not say which reset retired it, and the failed one's are credited).
+        Removals queued now go out either way, and on the pool's topic (never cleared)
+        always. The keys known keyed before a reset: the live and recent ones at it (or at
+        a failed reset before it), at most `OLD_KEYS_PER_RECENT` x `recent_chunks` kept (the
+        oldest forgotten first, those dropped at the last reset never)."""
+        dropped = self._chunk_tokens.keys()
         self._chunk_tokens = LiveChunkInfos(self._recent_chunks)
         self._queued = [e for e in self._queued if isinstance(e, VllmBlockRemoved)]
-        self._announce_retired = not cleared
+        self._uncleared_keys.update(dict.fromkeys(dropped))
+        _keep_newest(self._uncleared_keys, max(self._max_old_keys, len(dropped)))
+        if cleared:
+            self._cleared_keys.update(self._uncleared_keys)
+            _keep_newest(self._cleared_keys, max(self._max_old_keys, len(self._uncleared_keys)))
+            self._uncleared_keys = {}
+        self._retired_cleared = cleared
 
     def learn(self, store_events: Iterable[StoreEvent]) -> None:
         """Queue the events of what the workers' tiers stored and removed; those of shared
         tiers, with a pool, published on its topic at once. After a reset that cleared, the
         removals of chunks of before it are dropped from vLLM's stream (`reset`)."""
-        if not self._announce_retired:
+        if self._cleared_keys or self._retired_cleared:
             store_events = [e for e in store_events if not self._cleared_already(e)]
         events = self._order.order(store_events, self._chunk_tokens.get, time.monotonic())
         if self._shared:
@@ -144,10 +165,10 @@ class RouterEvents:
                                           self._tokens_per_chunk, self._block_size))
 
     def _cleared_already(self, event: StoreEvent) -> bool:
-        """Whether `event` removes, on vLLM's stream, a chunk of before the last reset (which
-        cleared): the router has nothing of it there."""
+        """Whether `event` removes, on vLLM's stream, a chunk of before the last reset that
+        cleared: the router has nothing of it there."""
         return event.kind == "removed" and event.tier not in self._shared and (
-            event.retired or event.key in self._old_keys)
+            event.key in self._cleared_keys or (event.retired and self._retired_cleared))
 
     def _publish_pool(self, events: list[StoreEvent]) -> None:
         """One batch on the pool's topic: medium the pool's, locality REMOTE."""
@@ -183,3 +204,9 @@ class RouterEvents:
         """The events queued since the last call (vLLM's connector take_events)."""
         events, self._queued = self._queued, []
         return events
+
+
+def _keep_newest(keys: dict[ChunkKey, None], count: int) -> None:
+    """Drop the oldest of `keys` (insertion order) past the `count` newest."""
+    for key in list(itertools.islice(keys, max(0, len(keys) - count))):
+        del keys[key]
