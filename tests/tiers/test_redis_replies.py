@@ -20,13 +20,14 @@ import numpy as np
 import pytest
 import redis
 from redis._parsers import _RESP2Parser
-from redis.cluster import RedisCluster
+from redis.cluster import ClusterNode, RedisCluster
 from redis_server import RedisClusterNodes
 from tierkit import key, make_tier
 
 from kvtier.core.layout import KVLayout
 from kvtier.tiers import open_store
-from kvtier.tiers.redis.replies import _readable, _Replies, read_into
+from kvtier.tiers.redis.read import ChunkReader
+from kvtier.tiers.redis.replies import Replies, readable
 from kvtier.tiers.redis.tier import RedisTier
 from kvtier.tiers.storeconfig import StoreConfig
 
@@ -44,6 +45,11 @@ def _tier(url: str, tmp_path: Path, **options: object) -> RedisTier:
     return tier
 
 
+def _reader(tier: RedisTier) -> ChunkReader:
+    """A reader of `tier`'s chunks, as the tier builds its own."""
+    return ChunkReader(tier.names, tier.encoder, tier.chunk_bytes, tier.part_bytes, tier.ttl_ms)
+
+
 def _payload(i: int) -> memoryview:
     rng = np.random.default_rng(i)
     return memoryview(rng.integers(0, 255, LAYOUT.bytes_per_chunk, dtype=np.uint8).tobytes())
@@ -53,9 +59,9 @@ def test_a_plain_chunk_is_read_straight_into_the_buffer(redis_url: str, tmp_path
     tier = _tier(redis_url, tmp_path, part_bytes=16 << 10)  # 64 KiB: four parts
     tier.put(key(1), _payload(1))
     out = memoryview(bytearray(LAYOUT.bytes_per_chunk))
-    reader = tier._reader
-    values = reader._fetch(tier._connected(), tier.names.chunk(key(1)), tier.names.fields(),
-                           reader._placer(key(1), out))
+    client = redis.Redis.from_url(redis_url)
+    values = _reader(tier).fetch(client, tier.names.chunk(key(1)), key(1), out)
+    client.close()
     parts = [v for v in values[1:] if v is not None]
     assert len(parts) == 4
     assert all(isinstance(p, memoryview) and p.obj is out.obj for p in parts)
@@ -70,9 +76,9 @@ def test_an_encoded_chunk_goes_through_bytes(redis_url: str, tmp_path: Path) -> 
     data = memoryview(bytes(LAYOUT.bytes_per_chunk // 2) + bytes(_payload(2))[::2])
     tier.put(key(2), data)
     out = memoryview(bytearray(LAYOUT.bytes_per_chunk))
-    reader = tier._reader
-    values = reader._fetch(tier._connected(), tier.names.chunk(key(2)), tier.names.fields(),
-                           reader._placer(key(2), out))
+    client = redis.Redis.from_url(redis_url)
+    values = _reader(tier).fetch(client, tier.names.chunk(key(2)), key(2), out)
+    client.close()
     assert all(v is None or isinstance(v, bytes) for v in values)
     assert tier.get_into(key(2), out).ok and bytes(out) == bytes(data)
     tier.close()
@@ -100,17 +106,21 @@ def test_a_reply_past_the_timeout_drops_its_connection(redis_server: object,
     for i in range(2):
         tier.put(key(i), _payload(i))
     pauser = redis.Redis.from_url(url)
-    client = tier._connected()
-    assert isinstance(client, redis.Redis)
+    client = redis.Redis.from_url(url, socket_timeout=0.3)  # as the tier's, 300 ms
+    reader = _reader(tier)
     out = memoryview(bytearray(LAYOUT.bytes_per_chunk))
+    assert reader.fetch(client, tier.names.chunk(key(1)), key(1), out)  # a connection pooled
     pauser.execute_command("CLIENT", "PAUSE", 1000, "ALL")
     with pytest.raises(redis.TimeoutError):
-        read_into(client, tier.names.chunk(key(0)), tier.names.fields(),
-                  tier._reader._placer(key(0), out))
+        reader.fetch(client, tier.names.chunk(key(0)), key(0), out)
     pool = client.connection_pool
     assert all(c._sock is None for c in pool._available_connections)  # dropped, not reused
     pauser.execute_command("CLIENT", "UNPAUSE")
+    out[:] = bytes(len(out))
+    values = reader.fetch(client, tier.names.chunk(key(1)), key(1), out)
+    assert reader.verify_into(key(1), values, out, None) and bytes(out) == bytes(_payload(1))
     assert tier.get_into(key(1), out).ok and bytes(out) == bytes(_payload(1))
+    client.close()
     pauser.close()
     tier.close()
 
@@ -123,24 +133,24 @@ def test_a_connection_with_unread_bytes_is_left_to_redis_py(redis_url: str) -> N
     time.sleep(0.1)  # both replies arrive; the first read buffers the second
     assert conn.read_response() in (b"PONG", "PONG", True)
     if conn._parser._buffer.unread_bytes():
-        assert not _readable(conn)
+        assert not readable(conn)
     conn.read_response()
-    assert _readable(conn)
+    assert readable(conn)
     client.connection_pool.release(conn)
     client.close()
 
 
 @pytest.fixture
-def replies_of() -> Iterator[Callable[[bytes], _Replies]]:
+def replies_of() -> Iterator[Callable[[bytes], Replies]]:
     """A parser over a socket that receives `raw` (in pieces) and then its end."""
     sockets: list[socket.socket] = []
 
-    def replies(raw: bytes) -> _Replies:
+    def replies(raw: bytes) -> Replies:
         ours, theirs = socket.socketpair()
         ours.settimeout(2)
         sockets.append(ours)
         threading.Thread(target=_feed, args=(theirs, raw), daemon=True).start()
-        return _Replies(ours)
+        return Replies(ours)
 
     yield replies
     for sock in sockets:
@@ -160,7 +170,7 @@ def _feed(theirs: socket.socket, raw: bytes) -> None:
 
 
 def test_replies_are_parsed_into_their_places(
-        replies_of: Callable[[bytes], _Replies]) -> None:
+        replies_of: Callable[[bytes], Replies]) -> None:
     replies = replies_of(b"*4\r\n$5\r\nhello\r\n$-1\r\n_\r\n$10\r\n0123456789\r\n:1\r\n+OK\r\n")
     target = bytearray(10)
 
@@ -184,7 +194,7 @@ def test_replies_are_parsed_into_their_places(
     (b"*1\r\n$" + b"9" * 100, redis.ConnectionError),  # a line without end
 ])
 def test_a_damaged_reply_is_an_error_never_values(
-        raw: bytes, error: type[Exception], replies_of: Callable[[bytes], _Replies]) -> None:
+        raw: bytes, error: type[Exception], replies_of: Callable[[bytes], Replies]) -> None:
     with pytest.raises(error):
         replies_of(raw).array(lambda i, n, e: None)
 
@@ -195,7 +205,7 @@ def test_a_damaged_reply_is_an_error_never_values(
     "TRYAGAIN Multiple keys request during rehashing of slot",
     "BUSY Redis is busy running a script.", "OOM command not allowed", "ERR boom"])
 def test_an_error_reply_is_the_exception_redis_py_makes_of_it(
-        text: str, replies_of: Callable[[bytes], _Replies]) -> None:
+        text: str, replies_of: Callable[[bytes], Replies]) -> None:
     """LOADING (a restarted server loading its dataset) is redis-py's BusyLoadingError, a
     ConnectionError the tier backs off from, not a refusal; a read's own parser once made
     every error reply a plain ResponseError."""
@@ -221,12 +231,17 @@ def test_a_cluster_read_from_a_node_that_moved_the_slot_follows_redis_py(
     tier.put(key(5), _payload(5))
     out = memoryview(bytearray(LAYOUT.bytes_per_chunk))
     assert tier.get_into(key(5), out).ok and bytes(out) == bytes(_payload(5))
-    client = tier._connected()
-    assert isinstance(client, RedisCluster)
-    owner = client.get_node_from_key(tier.names.chunk(key(5)))
-    wrong = next(n for n in client.get_primaries() if n.name != owner.name)
-    monkeypatch.setattr(client, "get_node_from_key", lambda *_a, **_k: wrong)
+    owner = RedisCluster.get_node_from_key
+    wrong: list[str] = []
+
+    def stale(client: RedisCluster, name: str, replica: bool = False) -> ClusterNode:
+        right = owner(client, name, replica)
+        node = next(n for n in client.get_primaries() if n.name != right.name)
+        wrong.append(node.name)
+        return node
+
+    monkeypatch.setattr(RedisCluster, "get_node_from_key", stale)  # the reader's only
     out[:] = bytes(len(out))
     assert tier.get_into(key(5), out).ok and bytes(out) == bytes(_payload(5))
-    assert tier.guard.is_up(wrong.name) and tier.stats().misses == 0
+    assert wrong and tier.guard.is_up(wrong[0]) and tier.stats().misses == 0
     store.close()

@@ -62,16 +62,27 @@ class ChunkReader:
         of two writes are neither joined nor judged corrupt, and the new chunk stays).
 
         Raises:
-            as `run` and `_fetch`.
+            as `run` and `fetch`.
         """
-        values = run(lambda c: self._fetch(c, name, self.names.fields(),
-                                           self._placer(key, out)))
+        values = run(lambda c: self.fetch(c, name, key, out))
         more = self._more_fields(key, values)
         if not more:
             return values
         again = run(lambda c: self._fetch(c, name, [HEADER_FIELD, *more],
                                           self._bounded(_as_bytes)))
         return values + again[1:] if again[0] == values[0] else None
+
+    def fetch(self, client: Client, name: str, key: ChunkKey, out: memoryview) -> list[Any]:
+        """One HMGET on `client` of `key`'s chunk, the hash `name`: its header and the parts
+        this tier's fields name (None each that is missing), with no circuit breaker and no
+        second round trip (`read_values` does both, and `verify_into` judges the values).
+        The parts of a chunk stored as is come back as views of `out`, read into it off the
+        socket; any other value as bytes. Any thread.
+
+        Raises:
+            as `_fetch`.
+        """
+        return self._fetch(client, name, self.names.fields(), self._placer(key, out))
 
     def _fetch(self, client: Client, name: str, fields: list[str], place: Place) -> list[Any]:
         """`fields` of the chunk's hash `name` (None: missing); parts `place` puts in the

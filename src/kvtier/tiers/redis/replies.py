@@ -25,7 +25,8 @@ redis-py's ConnectionErrors, so the tier backs off from it as from a read throug
 MOVED and ASK are `MovedError`/`AskError`, MASTERDOWN a `ClusterDownError`, OOM an
 `OutOfMemoryError`; BUSY (a script running) stays a plain ResponseError, as in redis-py.
 
-Primitives: `read_into`, `Place`.
+Primitives: `read_into`, `Place`; `Replies` (the parser) and `readable` (whether a
+connection can be read here), beneath it.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ LINE_READ = 16 << 10  # bytes asked of the socket for a line (a payload's first 
 MAX_LINE = 64  # a RESP line here: "$<length>" or ":<integer>"; longer is not this protocol
 
 
-class _Replies:
+class Replies:
     """RESP replies read from one socket: lines through a small buffer, bulk payloads
     straight into their destination."""
 
@@ -160,7 +161,7 @@ def read_into(client: redis.Redis, name: str, fields: Sequence[str], place: Plac
     pool = client.connection_pool
     conn = pool.get_connection()
     try:
-        if not _readable(conn):
+        if not readable(conn):
             return None
         commands: list[tuple[Any, ...]] = [("HMGET", name, *fields)]
         if ttl_ms:
@@ -169,7 +170,7 @@ def read_into(client: redis.Redis, name: str, fields: Sequence[str], place: Plac
         conn.send_packed_command(packed)  # type: ignore[no-untyped-call]
         sock = conn._sock  # set by connect(), which send_packed_command ensures
         assert sock is not None
-        replies = _Replies(sock, type(conn._parser).parse_error)
+        replies = Replies(sock, type(conn._parser).parse_error)
         try:
             values = replies.array(place)
             for _ in commands[1:]:
@@ -190,7 +191,7 @@ def read_into(client: redis.Redis, name: str, fields: Sequence[str], place: Plac
         pool.release(conn)
 
 
-def _readable(conn: Connection) -> bool:
+def readable(conn: Connection) -> bool:
     """Whether `conn` has redis-py's own parser (not hiredis) holding no unread bytes."""
     parser = getattr(conn, "_parser", None)
     if not isinstance(parser, (_RESP2Parser, _RESP3Parser)):
