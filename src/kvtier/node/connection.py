@@ -9,6 +9,7 @@ Primitives: `RequestServer`, `NodeSocketServer`, `ConnectionHandler`, `reply_to`
 
 from __future__ import annotations
 
+import itertools
 import logging
 import mmap
 import os
@@ -47,6 +48,11 @@ from kvtier.node.protocol import (
 )
 
 log = logging.getLogger(__name__)
+# Each connection's number, as the node's leases, engines and quarantines know it: never
+# reused. `id()` of its handler was, as soon as the handler was gone (CPython hands its memory
+# to the next object): a later engine's connection could be a quarantined one's, its leases
+# shown as the frozen engine's, kept and ended with them (tests/node/test_node_owner_numbers.py).
+_OWNERS = itertools.count(1)
 
 
 class RequestServer(Protocol):
@@ -97,7 +103,7 @@ class ConnectionHandler(socketserver.BaseRequestHandler):
 
     def handle(self) -> None:
         node = self.server.node
-        owner = id(self)
+        owner = next(_OWNERS)  # atomic under the GIL
         sock: socket.socket = self.request
         layout: ServedLayout | None = None
         spares: list[memoryview] = []
