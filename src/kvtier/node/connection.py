@@ -4,7 +4,8 @@ own. Here a request is dispatched; what it does to the node's stores and leases 
 server's (`RequestServer`, the contract `NodeServer` keeps: the server imports this module,
 never the reverse).
 
-Primitives: `RequestServer`, `NodeSocketServer`, `ConnectionHandler`, `reply_to`.
+Primitives: `RequestServer`, `NodeSocketServer`, `ConnectionHandler`, `reply_to`,
+`send_timeout`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import mmap
 import os
 import socket
 import socketserver
+import struct
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -53,6 +55,9 @@ log = logging.getLogger(__name__)
 # to the next object): a later engine's connection could be a quarantined one's, its leases
 # shown as the frozen engine's, kept and ended with them (tests/node/test_node_owner_numbers.py).
 _OWNERS = itertools.count(1)
+# The longest send timeout set on a connection (68 years: a C long's seconds on any Linux);
+# a longer lease_timeout_s gives it this one.
+MAX_SEND_TIMEOUT_S = 2**31 - 1
 
 
 class RequestServer(Protocol):
@@ -194,3 +199,13 @@ def reply_to(node: RequestServer, owner: int, layout: ServedLayout, request: Req
     if isinstance(request, Flush):
         return Answer(layout.store.flush(request.timeout_s))
     return Refused(f"unexpected {type(request).__name__}")
+
+
+def send_timeout(seconds: float) -> bytes:
+    """`SO_SNDTIMEO`'s struct timeval for `seconds`: its whole seconds a C long, at most
+    `MAX_SEND_TIMEOUT_S` (a lease_timeout_s past a long's range, as 1e20 for "never take a
+    lending back", failed every connection as it was opened: the node served no engine),
+    and never zero (a zero timeval is no timeout at all: a lease_timeout_s under a
+    microsecond)."""
+    micros = max(1, min(round(seconds * 1e6), MAX_SEND_TIMEOUT_S * 1_000_000))
+    return struct.pack("ll", *divmod(micros, 1_000_000))

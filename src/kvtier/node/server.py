@@ -38,7 +38,6 @@ import logging
 import os
 import secrets
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -54,7 +53,7 @@ from kvtier.core.stall import CallSlots
 from kvtier.core.store import ChunkView
 from kvtier.errors import ConfigError
 from kvtier.node.config import NodeConfig
-from kvtier.node.connection import ConnectionHandler, NodeSocketServer
+from kvtier.node.connection import ConnectionHandler, NodeSocketServer, send_timeout
 from kvtier.node.counters import NodeCounters
 from kvtier.node.events import NodeEvents
 from kvtier.node.hostfiles import clear_stale_socket, hold_name, let_go_of_name, slabs_of
@@ -678,9 +677,8 @@ class NodeServer:
         """A connection accepted (ended by `shutdown` if still open then). Its sends give up
         after `lease_timeout_s` without progress (`stalled`): a frozen engine's reply held
         its thread for as long as it stayed frozen, a 32 MiB reply's for ever."""
-        whole, fraction = divmod(self.config.lease_timeout_s, 1.0)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                        struct.pack("ll", int(whole), int(fraction * 1e6)))
+                        send_timeout(self.config.lease_timeout_s))
         with self._lock:
             self._sockets[owner] = sock
 
