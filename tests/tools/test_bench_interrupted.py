@@ -103,3 +103,44 @@ def test_a_signal_ignored_stays_ignored_and_the_callers_handlers_come_back() -> 
         assert signal.getsignal(signal.SIGTERM) == term
     finally:
         signal.signal(signal.SIGHUP, before)
+
+
+def test_a_second_ending_signal_does_not_cut_the_first_ones_clean_up_short(
+        tmp_path: Path) -> None:
+    """SIGTERM and SIGHUP at once (a service manager and a closed terminal, or a signal to
+    the process group and one to the process): the second raised SystemExit again inside the
+    `with` blocks the first was unwinding, and the scratch directory stayed."""
+    child = _measuring_bench_storage(tmp_path)
+    try:
+        child.send_signal(signal.SIGTERM)
+        child.send_signal(signal.SIGHUP)
+        _, stderr = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.communicate()
+    # Python runs pending handlers lowest signal first: whichever it saw first ended it.
+    assert child.returncode in (128 + signal.SIGTERM, 128 + signal.SIGHUP), stderr[-2000:]
+    assert "Traceback" not in stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_ending_signal_inside_the_clean_up_is_ignored_until_the_command_has_ended(
+        ) -> None:
+    from kvtier.tools.cli.main import _signals_end_the_command
+
+    hup = signal.signal(signal.SIGHUP, signal.SIG_DFL)  # not as under nohup
+    cleaned_up = False
+    try:
+        with _signals_end_the_command():
+            with pytest.raises(SystemExit) as ended:
+                try:
+                    signal.raise_signal(signal.SIGTERM)
+                finally:
+                    signal.raise_signal(signal.SIGHUP)  # must not raise inside the clean-up
+                    cleaned_up = True
+            assert ended.value.code == 128 + signal.SIGTERM
+        assert cleaned_up
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_DFL  # the caller's, back
+    finally:
+        signal.signal(signal.SIGHUP, hup)

@@ -135,11 +135,13 @@ def _signals_end_the_command() -> Iterator[None]:
     status a shell reports for a process they killed: the command's clean-up runs. A signal
     ignored already stays ignored (`nohup kvtier bench ...`), and the caller's handlers are
     back afterwards (tests call `main` in their own process). Only in the main thread, where
-    Python delivers signals."""
+    Python delivers signals. The first such signal ends the command; the rest are ignored
+    until it has (`_EndOnce`)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    saved = {sig: signal.signal(sig, _exit_on_signal) for sig in ENDING_SIGNALS
+    end_once = _EndOnce()
+    saved = {sig: signal.signal(sig, end_once) for sig in ENDING_SIGNALS
              if signal.getsignal(sig) is not signal.SIG_IGN}
     try:
         yield
@@ -148,8 +150,20 @@ def _signals_end_the_command() -> Iterator[None]:
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
 
-def _exit_on_signal(signum: int, _frame: object) -> None:
-    raise SystemExit(128 + signum)
+class _EndOnce:
+    """The handler of the ending signals while a command runs: the first raises
+    SystemExit(128 + the signal); the rest do nothing. One more (a terminal's SIGHUP after a
+    service manager's SIGTERM, a second SIGTERM) raised again inside the clean-up the first
+    started, and left its scratch, servers and temp dirs. (Not SIG_IGN from the handler: a
+    signal already pending then is reported by Python as a traceback on stderr.)"""
+
+    def __init__(self) -> None:
+        self.ended = False
+
+    def __call__(self, signum: int, _frame: object) -> None:
+        if not self.ended:
+            self.ended = True
+            raise SystemExit(128 + signum)
 
 
 def _command_in(argv: list[str]) -> str | None:
