@@ -77,3 +77,38 @@ def test_a_chunk_stored_again_keeps_its_file(
     assert chunk_files(tmp_path) == CAPACITY
     assert tier.check() == []  # type: ignore[attr-defined]
     tier.close()
+
+
+def test_one_file_that_never_goes_does_not_keep_the_others(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file whose unlink keeps failing once the directory is writable again (EIO on its
+    inode, a shard directory another user made read-only) was tried first at every write,
+    and the retries stopped at it: the files owed after it stayed, for good."""
+    failed: set[tuple[str, ...]] = set()  # the files whose unlink failed in the episode
+    stuck: list[tuple[str, ...]] = []  # the first of them tried again: fails for ever
+    read_only = [False]
+    real = chunkfiles.unlink_file
+
+    def unlink_file(root: Path, parts: Any, *args: Any, **kwargs: Any) -> int | None:
+        path = tuple(parts)
+        if not read_only[0] and path in failed and not stuck:
+            stuck.append(path)
+        if read_only[0] or path in stuck:
+            failed.add(path)
+            raise OSError(errno.EIO, "Input/output error (injected)")
+        return real(root, parts, *args, **kwargs)
+
+    monkeypatch.setattr(chunkfiles, "unlink_file", unlink_file)
+    tier = make_tier("disk", tmp_path, LAYOUT, capacity_chunks=CAPACITY)
+    for i in range(CAPACITY):
+        assert tier.put(key(i), DATA)
+    read_only[0] = True
+    for i in range(10, 13):  # each evicts one, whose file stays
+        assert tier.put(key(i), DATA)
+    read_only[0] = False
+    for i in range(20, 26):
+        assert tier.put(key(i), DATA)
+    assert len(stuck) == 1
+    assert chunk_files(tmp_path) == CAPACITY + 1  # the stuck one only
+    assert tier.stats().chunks == CAPACITY
+    tier.close()

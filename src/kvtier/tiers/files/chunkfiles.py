@@ -359,18 +359,18 @@ class ChunkFiles:
         finally:
             os.close(dir_fd)
 
-    def remove(self, key: ChunkKey, failed: set[ChunkKey] | None = None) -> int | None:
+    def remove(self, key: ChunkKey, failed: dict[ChunkKey, None] | None = None) -> int | None:
         """Delete the chunk's file (or whatever non-directory sits at its path, never
         through a link). None when nothing was removed; else the bytes that freed (0 for a
         link or special file). Never raises: a read-only directory keeps its files (logged,
-        and the key added to `failed` when given: the disk tier removes them later)."""
+        and the key added last to `failed` when given: the disk tier removes them later)."""
         try:
             return unlink_file(self.root, chunk_parts(self.layout_digest, key), self.ops)
         except OSError as exc:
             self._cannot_remove.warning("%s: cannot remove chunk %s (%s)", self.directory,
                                         key.hex(), exc)
             if failed is not None:
-                failed.add(key)
+                failed[key] = None  # last of its keys (insertion order)
             return None
 
     def scan(self) -> TreeScan:

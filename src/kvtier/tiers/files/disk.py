@@ -189,7 +189,8 @@ class DiskTier:
         self._book = build_book(config, config.capacity, clock)
         self._journal = RetentionJournal(self.files.directory, self.files.writable)
         self._dropped: set[ChunkKey] = set()  # removed while the index loads: not indexed
-        self._unremoved: set[ChunkKey] = set()  # let go, their files not removed (EROFS)
+        # Let go, their files not removed (EROFS), oldest first: see _remove_owed.
+        self._unremoved: dict[ChunkKey, None] = {}
         self._link = BoundedMeasure(self.name)
         # The directory's one owner (tiers/files/owner.py), before the index, which evicts,
         # is built; a read-only directory, which this tier cannot change, takes none.
@@ -565,13 +566,18 @@ class DiskTier:
         the capacity until a restart's index (a leak soak: one more file per read-only
         episode). Called once a write succeeds (the directory is writable again), at most
         REMOVE_BATCH files a time; a key stored again is the new chunk's file, kept. Lock
-        held."""
+        held.
+
+        A removal that fails again ends the batch (the directory still read-only: one
+        failed unlink a write) and puts its key last: one file that never goes (EIO on its
+        inode, a shard directory made read-only) was tried first at every write, and the
+        files owed after it stayed for good."""
         for key in list(itertools.islice(self._unremoved, REMOVE_BATCH)):
-            self._unremoved.discard(key)
+            del self._unremoved[key]
             if key in self._index or key in self._writing:
                 continue
             self.files.remove(key, self._unremoved)
-            if key in self._unremoved:  # still failing: the next write tries again
+            if key in self._unremoved:  # still failing, now last: the next write goes on
                 return
 
     def _wrote(self, key: ChunkKey) -> bool:
