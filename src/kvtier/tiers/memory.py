@@ -187,7 +187,8 @@ class MemoryTier:
             clock=clock)
 
     def _fits_in_ram(self) -> bool:
-        """Whether this process's own slab fits in the RAM the host has available now, so
+        """Whether this process's own slab fits in the RAM the host has available now (a
+        container: that its cgroup's memory limit leaves, `available_bytes`), so
         that committing it in the background is safe. One larger (a capacity copied from a
         bigger host: 20 GiB maps on a 23.5 GiB host with 17 available) would be committed
         whole by the prefault at start-up, until the kernel's OOM killer ended a process,
@@ -198,9 +199,10 @@ class MemoryTier:
         if available is None or self._slab.nbytes <= available:
             return True
         log.warning("memory tier %r: capacity %s is more than the %s of RAM this host has "
-                    "available: its pages are not committed ahead of use, and once chunks "
-                    "fill what the host has, the kernel's OOM killer ends a process (this "
-                    "engine or another); lower its capacity", self.name,
+                    "available (or its cgroup's memory limit leaves): its pages are not "
+                    "committed ahead of use, and once chunks fill what the host has, the "
+                    "kernel's OOM killer ends a process (this engine or another); lower its "
+                    "capacity", self.name,
                     format_size(self._slab.nbytes), format_size(available))
         return False
 
