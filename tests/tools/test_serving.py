@@ -277,6 +277,24 @@ def test_default_tiers_take_sizes_from_flags_or_the_machine(tmp_path):
         default_tiers(cpu=True, memory_bytes=0, disk_bytes=0)
 
 
+def test_the_default_memory_tier_fits_in_the_containers_memory_limit(tmp_path, monkeypatch):
+    """In a pod /proc/meminfo shows the host's RAM: the memory tier and a CPU engine's KV
+    cache were sized from it, and the pod OOM-killed by its own limit. A cgroup v2 tree of
+    real files whose pod leaves 1 GiB is pointed at."""
+    from kvtier.tiers import prefault
+
+    pod = tmp_path / "cgroup" / "pod"
+    pod.mkdir(parents=True)
+    (pod / "memory.max").write_text(f"{2 * GIB}\n")
+    (pod / "memory.current").write_text(f"{GIB}\n")
+    self_cgroup = tmp_path / "self-cgroup"
+    self_cgroup.write_text("0::/pod\n")
+    monkeypatch.setattr(prefault, "CGROUP_ROOT", tmp_path / "cgroup")
+    monkeypatch.setattr(prefault, "SELF_CGROUP", self_cgroup)
+    sized = default_tiers(cpu=False, disk_path=tmp_path, disk_bytes=0)
+    assert sized == [{"kind": "memory", "capacity": "512MiB"}]  # GPU_MEMORY_TIER_SHARE of 1 GiB
+
+
 def test_config_file_is_validated_and_becomes_the_extra_config(tmp_path):
     good = tmp_path / "store.yaml"
     good.write_text("tiers:\n  - {kind: memory, capacity: 1GiB}\nio_threads: 2\n")

@@ -40,6 +40,7 @@ from kvtier.integrations.vllm.config import (
     kvtier_transfer_config,
 )
 from kvtier.redaction import redact_text
+from kvtier.tiers.prefault import available_bytes
 from kvtier.tiers.registry import tier_class
 from kvtier.tiers.storeconfig import StoreConfig
 from kvtier.tools.ops.audit.vllm_flags import read_arguments
@@ -116,14 +117,13 @@ def is_cpu_backend() -> bool:
 
 
 def mem_available_bytes() -> int:
-    """MemAvailable from /proc/meminfo (free + reclaimable); total RAM / 2 where unreadable."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    """The RAM this process can still commit (tiers/prefault.py `available_bytes`: MemAvailable,
+    or less where its cgroup's memory limit leaves less: in a pod, /proc/meminfo is the
+    host's, and tiers sized from it were OOM-killed by the pod's limit); total RAM / 2 where
+    neither says."""
+    available = available_bytes()
+    if available is not None:
+        return available
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 
 
