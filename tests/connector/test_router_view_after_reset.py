@@ -21,6 +21,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -254,3 +255,50 @@ def test_a_chunk_keyed_before_a_failed_reset_is_removed_unannounced_after_the_ne
                   *(StoreEvent(EventKind.REMOVED, k, "disk") for k in first_copy + second_copy))
     assert worker.removed() == []
     assert worker.score(1000) == pytest.approx(IN_RAM)
+
+
+def test_a_reset_while_an_aborted_requests_load_is_in_flight_announces_removals(
+        tmp_path: Path) -> None:
+    """A request waiting for its asynchronous load is aborted: vLLM keeps its blocks until
+    the load is reported done (finished_recving), so a reset before then fails in vLLM. vLLM
+    marks the request finished before it tells the connector, so the request's status never
+    said WAITING_FOR_REMOTE_KVS there: the reset was taken as cleared, and the retired copies'
+    removals were dropped while the router still credited them."""
+    from vllm.v1.request import RequestStatus
+
+    from kvtier.core.locator import ChunkLocator
+    from kvtier.integrations.vllm.config import ConnectorConfig
+    from kvtier.integrations.vllm.scheduler.connector_scheduler import ConnectorScheduler
+
+    engine = events_engine()
+    engine.sched = ConnectorScheduler(
+        ConnectorConfig.parse({"tokens_per_chunk": CHUNK, "event_block_size": BLOCK,
+                               "load_mode": "async"}),
+        block_size=BLOCK, model_id="tiny", layout_digest="0" * 32,
+        locator=ChunkLocator({}, max_keys=1024), tier_kinds={"memory": "memory", "disk": "disk"},
+        emit_events=True)
+    worker = Worker(engine, tmp_path)
+    try:
+        worker.prefill("a", first=1000)
+        loading = request("loading", PROMPT, first=1000)
+        hit, load_async = engine.sched.get_num_new_matched_tokens(loading, 0)
+        assert hit == 2 * CHUNK and load_async
+        blocks = list(range(100, 100 + PROMPT // BLOCK + 1))
+        engine.sched.update_state_after_alloc(
+            loading, SimpleNamespace(get_block_ids=lambda: (blocks,)), hit)
+        loading.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        plan = engine.step()
+        assert "loading" in plan.async_loads
+        worker.run(plan)  # the load is under way on the worker: not reported done yet
+        # Aborted, as vLLM's finish_requests does it: status first, then the connector.
+        loading.status = RequestStatus.FINISHED_ABORTED
+        assert not engine.sched.request_finished(loading)
+        assert engine.sched.reset_cache()  # vLLM's own failed: the loading blocks are kept
+
+        worker.prefill("b", first=10**6)
+        worker.prefill("c", first=2 * 10**6)
+        # RAM evicted the retired copy of "a": the router hears it (it was never cleared).
+        assert worker.score(1000) == pytest.approx(ON_DISK)
+        assert len(worker.removed()) == 8
+    finally:
+        worker.store.close()

@@ -31,8 +31,6 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Literal
 
-from vllm.v1.request import RequestStatus
-
 from kvtier.core.locator import ChunkLocator, LookupStatus
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.groups import ChunkGroups
@@ -105,6 +103,9 @@ class ConnectorScheduler:
         # Ended requests whose blocks vLLM keeps until the workers report them (finished
         # sending or receiving): vLLM's own cache reset fails while any does.
         self._kept: set[str] = set()
+        # Requests whose asynchronous load is not reported done (finished_recving) yet: vLLM
+        # keeps the blocks of one that ends meanwhile until it is (its finish_requests).
+        self._receiving: set[str] = set()
         self._stores = StorePlanner(
             tokens_per_chunk=config.tokens_per_chunk, block_size=block_size, groups=groups,
             stores_async=stores_async(config.store_mode, several_groups, kv_role),
@@ -209,6 +210,7 @@ class ConnectorScheduler:
         self._loads.add_load(request.request_id, transfers, state.load_async, start, end)
         if state.load_async:
             self._stats.add("async_loads", 1)
+            self._receiving.add(request.request_id)
         state.num_planned_chunks = max(state.num_planned_chunks, end // self._tokens_per_chunk)
 
     # -- per step -------------------------------------------------------------------------
@@ -239,6 +241,7 @@ class ConnectorScheduler:
         """Learn which chunks the workers stored, which loads found nothing, and which ended
         requests' blocks vLLM frees now."""
         self._kept -= (output.finished_sending or set()) | (output.finished_recving or set())
+        self._receiving -= output.finished_recving or set()
         report = output.kv_connector_worker_meta
         if not isinstance(report, KVTierWorkerMetadata):
             return
@@ -256,8 +259,12 @@ class ConnectorScheduler:
         (vLLM's finished_sending: StorePlanner.end_request)."""
         state = self._requests.pop(request.request_id)
         held = self._stores.end_request(request.request_id, state, self._step)
-        if held or request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-            self._kept.add(request.request_id)  # its load, or its stores, hold its blocks
+        # Its load not reported done, or its stores, hold its blocks. (Not its status: vLLM
+        # marks it finished before it calls here, WAITING_FOR_REMOTE_KVS or not.)
+        loading = request.request_id in self._receiving
+        self._receiving.discard(request.request_id)
+        if held or loading:
+            self._kept.add(request.request_id)
         # A request ends as a step's output is taken in: that step's time, before any idle.
         self._loads.step_ended(time.monotonic())
         self._loads.end(request.request_id)
