@@ -95,7 +95,8 @@ NODE_COUNTERS: dict[str, str] = {
     "sent_chunks": "Chunks lent from a tier below RAM that RAM had no slot for, sent over the "
                    "socket",
     "lookups": "Lookup requests",
-    "refused": "Hellos refused (bad layout, max_layouts reached)",
+    "refused": "Hellos refused (max_layouts reached, a bad layout, a layout's tiers that "
+               "cannot open: /dev/shm full); the node logs each reason once",
     "refused_messages": "Messages refused as they decoded (malformed, a list of more keys "
                         "than MAX_KEYS): the connection is closed",
     "disconnects_with_leases": "Connections that ended holding leases (released by the node)",
@@ -104,8 +105,8 @@ NODE_COUNTERS: dict[str, str] = {
     "expired_chunks": "Chunks of the lendings taken back",
     "send_timeouts": "Connections closed for a reply their engine took nothing of within "
                      "lease_timeout_s (frozen or hung): the slots it may still write kept",
-    "quarantines_ended": "Engines closed by send_timeouts whose kept slots were freed "
-                         "once their process was gone",
+    "quarantines_ended": "Connections closed by send_timeouts whose kept slots were freed "
+                         "once their engine's process was gone",
     "held_below_skipped": "Stores whose chunks RAM had no slot for were not checked against "
                           "the tiers below RAM (every check thread held: a tier below hangs): "
                           "their bytes were asked for",

@@ -20,7 +20,8 @@ events for cache-aware routers, once for all its engines (events.py).
 
 Its parts: config.py (`NodeConfig`), counters.py, hostfiles.py (its name's lock, its socket's
 file), layouts.py (a layout's tiers opened, started, recovered), leases.py (what a lease holds),
-quarantine.py (a frozen engine's leases, kept past its connection),
+quarantine.py (a frozen engine's leases, kept past its connection), refusals.py (why an
+engine was refused, logged),
 connection.py (the socket and a connection's requests); here, the node's state and what each
 request does to it.
 
@@ -90,6 +91,7 @@ from kvtier.node.protocol import (
     Reserved,
 )
 from kvtier.node.quarantine import Quarantine
+from kvtier.node.refusals import Refusals
 from kvtier.tiers.shmslab import SHM_DIR
 from kvtier.units import format_size
 
@@ -119,10 +121,10 @@ class NodeServer:
         self._layouts: dict[str, ServedLayout] = {}
         self._lock = threading.Lock()
         self._building = threading.Lock()  # a new layout's tiers opening (`layout_for`)
-        # Layout digest -> why its tiers last failed to open, as logged: each of its engines
-        # asks again every retry_s, and the same error is logged at debug (an error per ask
-        # before, for as long as /dev/shm was full). Held under `_building`.
+        # Layout digest -> why its tiers last failed to open, as logged: its engines ask again
+        # every retry_s, the same error logged at debug. Held under `_building`.
         self._failed_builds: dict[str, str] = {}
+        self.refusals = Refusals()  # the other refusals of Hellos, logged once a reason
         self._closing = False  # `shutdown` has begun
         self._leases: dict[int, Lease] = {}
         # Leases taken out of `_leases` by whoever ends them (a Release, a connection's end,
@@ -256,10 +258,10 @@ class NodeServer:
         try:
             layout = msgspec.convert(hello.layout, KVLayout)
         except (msgspec.ValidationError, ConfigError) as exc:
-            return Refused(f"bad layout: {exc}")
+            return self.refusals.refuse(hello, f"bad layout: {exc}")
         refusal = unservable(layout, self.config.store.tiers[0].capacity)
         if refusal is not None:
-            return Refused(refusal)
+            return self.refusals.refuse(hello, refusal)
         digest = layout.digest()
         with self._lock:
             known = self._layouts.get(digest)
@@ -274,8 +276,8 @@ class NodeServer:
                 if known is not None:
                     return known
                 if len(self._layouts) >= self.config.max_layouts:
-                    return Refused(f"the node holds {len(self._layouts)} layouts "
-                                   "(max_layouts)")
+                    return self.refusals.refuse(hello, f"the node holds {len(self._layouts)} "
+                                                "layouts (max_layouts)", "raise --max-layouts")
                 if self._closing:
                     return Refused("the node is stopping")
             built = self._build(digest, layout, hello)
