@@ -581,12 +581,12 @@ class NodeServer:
                         timeout_s, ", ".join(engines))
 
     def disconnected(self, owner: int) -> None:
-        """A connection ended (the engine closed it, exited or was killed): its leases end;
-        not once the node stops (`shutdown` ends every connection while their engines live: a
-        slot one of them still copies from must not be handed to another's store meanwhile;
-        the next node recovers the slab as its records say)."""
+        """A connection ended (the engine closed it, exited or was killed): its leases end,
+        logged naming the engine; not once the node stops (`shutdown` ends every connection
+        while their engines live: a slot one of them still copies from must not go to another's
+        store meanwhile; the next node recovers the slab as its records say)."""
         with self._lock:
-            self._connections.pop(owner, None)
+            engine = self._connections.pop(owner, None) or "an engine not said"
             checking = owner in self._checking
             self._checking.discard(owner)
             self._sockets.pop(owner, None)
@@ -601,12 +601,12 @@ class NodeServer:
                                        in self._leases.items() if lease not in mine)
             if quarantined and not kept:
                 self._quarantined.pop(owner).close()
-        # Ended while still counted (`_end`), then uncounted: a status that shows no lease
-        # shows their slots free.
-        ended = self._end(mine, "disconnects_with_leases")
-        if ended:
-            log.info("kvtier node: a connection ended holding %d leases; released",
-                     len(ended))
+            held = {lease: chunks_held(self._leases[lease].held) for lease in mine}
+        ended = self._end(mine, "disconnects_with_leases")  # counted while they end: a
+        if ended:  # status that shows no lease shows their slots free
+            log.info("kvtier node: a connection of %s ended holding %d lease(s) of %d "
+                     "chunk(s) (closed, exited or killed); released", engine, len(ended),
+                     sum(held[lease] for lease in ended))
 
     def _engine_name(self, owner: int) -> str:
         """Connection `owner`'s engine, as the status and the log name it (under `_lock`)."""
