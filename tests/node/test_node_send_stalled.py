@@ -93,6 +93,8 @@ def test_a_reply_a_frozen_engine_never_reads_ends_its_connection_not_its_slots(
         # chunks find no RAM slot (they go to disk), none is given a slot the engine may
         # still write.
         assert node.status()["held"] == {"frozen": {"leases": 1, "chunks": RAM}}
+        # The status says whose they are: the engine closed, by its pid (to kill it).
+        assert node.status()["quarantined"] == {"frozen": engine.pid}
         ids = list(range(2000, 2000 + RAM))
         assert put_chunks(neighbour, ids) == [False] * RAM
         assert neighbour.flush(30)  # on disk
@@ -114,6 +116,7 @@ def test_a_reply_a_frozen_engine_never_reads_ends_its_connection_not_its_slots(
     # Its process gone, its slots are freed: a step of RAM stores all land in RAM again.
     wait_for(lambda: node.status()["held"] == {}, 30, "the dead engine's slots freed")
     assert node.status()["counters"]["quarantines_ended"] == 1
+    assert node.status()["quarantined"] == {}
     ids = list(range(3000, 3000 + RAM))
     assert put_chunks(neighbour, ids) == [True] * RAM
     assert lend(neighbour, [key(i) for i in ids]).chunks == expected(ids)

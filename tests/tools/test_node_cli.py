@@ -72,3 +72,26 @@ def test_status_prints_what_engines_call_themselves_verbatim(
         out = " ".join(capsys.readouterr().out.split())  # the console wraps at 80 columns
         assert "engines: gpu[/]0 [bold]x" in out and "n[b].sock" in out
         store.close()
+
+
+def test_status_names_the_engines_whose_connection_the_node_closed(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A frozen engine's connection closed for a reply it never read keeps its slots until its
+    process ends (tests/node/test_node_send_stalled.py checks the node's `quarantined`): the
+    table names it and its pid, the one to kill to get them back; a pid the node cannot see
+    (another pid namespace) says they stay until the node stops. Before, the table showed
+    such an engine only in `held`, not among the engines, with nothing to say why."""
+    socket_path = tmp_path / "n.sock"
+    config = NodeConfig(StoreConfig.parse({"tiers": [{"kind": "memory", "capacity": "1MiB"}]}),
+                        socket_path, name=f"cli-{tmp_path.name}"[:40], keep_ram=False)
+    with running_node(config) as node:
+        status = node.status()
+    assert status["quarantined"] == {}
+    # As a node reports two such engines (the fault: their replies never read).
+    status["quarantined"] = {"host:4242": 4242, "pod:7": 0}
+    monkeypatch.setattr("kvtier.tools.cli.node.node_status", lambda _socket: status)
+    assert main(["node", "status", "--socket", str(socket_path)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert ("closed, kept until the process ends: host:4242 (pid 4242), pod:7 (pid not "
+            "visible: until the node stops)") in out

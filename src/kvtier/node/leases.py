@@ -6,12 +6,13 @@ frozen or hung), its slots' stamps telling the engine, if it wakes, that its cop
 another chunk's.
 
 Primitives: `Lease`, `Puts`, `end_lease`, `overdue`, `spare_buffers`, `sendable`,
-`chunks_held`.
+`chunks_held`, `held_by`.
 """
 
 from __future__ import annotations
 
 import mmap
+from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
@@ -65,6 +66,20 @@ def spare_buffers(count: int, chunk_bytes: int) -> list[memoryview]:
 def chunks_held(held: Lending[ChunkView] | Puts) -> int:
     """The chunks a lease holds: its loans not released, or its slots not committed."""
     return held.open if isinstance(held, Puts) else held.outstanding
+
+
+def held_by(holders: Iterable[tuple[str, Lending[ChunkView] | Puts]]
+            ) -> dict[str, dict[str, int]]:
+    """What each engine of `holders` (engine, lease) holds: {engine: {"leases", "chunks"}}, the
+    status's `held`. A frozen engine (SIGSTOP, a hung process) keeps its reserved slots until
+    its connection ends, or, where the node closed it for a reply never read, until its
+    process is gone (quarantine.py); its lendings until lease_timeout_s (docs/node.md)."""
+    held: dict[str, dict[str, int]] = {}
+    for engine, lease in holders:
+        mine = held.setdefault(engine, {"leases": 0, "chunks": 0})
+        mine["leases"] += 1
+        mine["chunks"] += chunks_held(lease)
+    return held
 
 
 def sendable(put: PendingPut) -> bool:

@@ -72,6 +72,7 @@ from kvtier.node.leases import (
     Puts,
     chunks_held,
     end_lease,
+    held_by,
     overdue,
     sendable,
     spare_buffers,
@@ -227,21 +228,17 @@ class NodeServer:
             leases = len(every)
             engines = sorted(set(self._connections.values()))
             holders = [(self._engine_name(lease.owner), lease.held) for lease in every]
-        # What each engine holds: a frozen one (SIGSTOP, a hung process) keeps its reserved
-        # slots out of the RAM tier until its connection ends, its lendings until
-        # lease_timeout_s (docs/node.md).
-        held: dict[str, dict[str, int]] = {}
-        for engine, lease in holders:
-            mine = held.setdefault(engine, {"leases": 0, "chunks": 0})
-            mine["leases"] += 1
-            mine["chunks"] += chunks_held(lease)
+            # Engines whose connection was closed (a reply never read), by pid (0: not
+            # visible, their leases kept until the node stops).
+            quarantined = {q.engine: q.pid for q in self._quarantined.values()}
         return {
             "node": self.config.name, "generation": self.generation,
             "socket": str(self.config.socket_path), "engines": engines,
             "events_endpoint": self.config.events_endpoint,
             "event_block_size": self.config.event_block_size,
             "tiers": [tier.tier_name for tier in self.config.store.tiers],
-            "connections": len(self._connections), "leases": leases, "held": held,
+            "connections": len(self._connections), "leases": leases, "held": held_by(holders),
+            "quarantined": quarantined,
             "counters": self.counters.snapshot(),
             "borrow_seconds": self.borrow_seconds.snapshot(),
             "layouts": {digest: {

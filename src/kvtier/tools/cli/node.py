@@ -63,6 +63,13 @@ def run_status(args: argparse.Namespace) -> int:
                      for engine, mine in status.get("held", {}).items())
     if held:
         console.print(f"held: {held}", markup=False)
+    # Engines whose connection the node closed (a reply never read: frozen or hung): what
+    # they held stays theirs until their process ends; killing it gives the slots back.
+    closed = ", ".join(f"{engine} (pid {pid})" if pid else f"{engine} (pid not visible: "
+                       "until the node stops)"
+                       for engine, pid in status.get("quarantined", {}).items())
+    if closed:
+        console.print(f"closed, kept until the process ends: {closed}", markup=False)
     if status.get("events_endpoint"):
         console.print(f"KV events on {status['events_endpoint']} "
                       f"(topics kv@node:{status['node']}@<model>)", markup=False)
