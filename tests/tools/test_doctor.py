@@ -207,10 +207,16 @@ def test_redis_reachable(tmp_path):
 
 
 def test_node_mode_is_checked_by_asking_the_node(tmp_path):
+    from tierkit import key, tiny_layout
+
+    from kvtier.node.client import NodeClient
     from kvtier.node.config import NodeConfig
+    from kvtier.node.nodestore import NodeStore
     from kvtier.node.server import running_node
+    from kvtier.tiers.manifest import NamespaceInfo
     from kvtier.tiers.storeconfig import StoreConfig
     from kvtier.tools.ops.doctor import check_node
+    from kvtier.units import format_size, parse_size
 
     socket_path = tmp_path / "node.sock"
     config = tmp_path / "engine.json"
@@ -220,10 +226,19 @@ def test_node_mode_is_checked_by_asking_the_node(tmp_path):
     assert check_tier_paths(store) == [] and check_memory(store).status == "skip"
     [down] = check_node(store)
     assert down.status == "fail" and "kvtier node serve" in down.detail
-    node = NodeConfig(StoreConfig.parse({"tiers": [{"kind": "memory", "capacity": "1MiB"}]}),
+    node = NodeConfig(StoreConfig.parse({"tiers": [{"kind": "memory", "capacity": "64KiB"}]}),
                       socket_path, name=f"doctor-{tmp_path.name}"[:60], keep_ram=False)
-    with running_node(node):
+    with running_node(node) as server:
+        layout = tiny_layout()
+        engine = NodeStore(NodeClient(str(socket_path), layout, NamespaceInfo("m", "", 0)),
+                           layout.bytes_per_chunk)
+        assert not engine.contains(key(1))  # a Hello: its layout's slab made
         answered, shm = check_node(store)
+        [slab] = [Path(layout["shm_path"]) for layout in server.status()["layouts"].values()]
+        # The slab's file: its slots, and a record and a stamp a slot, not the capacity.
+        assert f"slabs take {format_size(slab.stat().st_size)}" in shm.detail
+        assert slab.stat().st_size > parse_size("64KiB") + 16 * (96 + 8)  # 16 slots
+        engine.close()
     assert answered.status == "ok" and node.name in answered.detail
     assert shm.name.startswith("shared memory") and shm.status == "ok"
     assert check_node({"tiers": []}) == []  # not node mode: nothing to ask
