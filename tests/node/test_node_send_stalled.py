@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import signal
 import subprocess
 import sys
@@ -32,6 +33,12 @@ from nodekit import (
     put_chunks,
     wait_for,
 )
+
+from kvtier.core.retention import DEFAULT_META
+from kvtier.node.config import NodeConfig
+from kvtier.node.protocol import Borrow, Meta, send
+from kvtier.node.server import running_node
+from kvtier.tiers.storeconfig import StoreConfig
 
 pytestmark = pytest.mark.timeout(120)
 RAM, DISK, LOADED = 8, 600, 512  # chunks: the load's reply carries 512 x 4 KiB
@@ -121,3 +128,32 @@ def test_a_reply_a_frozen_engine_never_reads_ends_its_connection_not_its_slots(
     assert put_chunks(neighbour, ids) == [True] * RAM
     assert lend(neighbour, [key(i) for i in ids]).chunks == expected(ids)
     neighbour_client.close()
+
+
+def test_a_stalled_engine_the_node_cannot_watch_is_said_kept_until_the_node_stops(
+        tmp_path: Path, socket_path: Path, node_name: str, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine in another pid namespace than the node's (the shipped Kubernetes deployment:
+    its peer pid reads 0) cannot be watched: what it holds stays until the node stops, and
+    the node's log and status say so. Before, the log said "(pid unknown) ... kept until its
+    process is gone", which never came. The fault: the pid not visible."""
+    monkeypatch.setattr("kvtier.node.quarantine.peer_pid", lambda _sock: 0)
+    caplog.set_level(logging.WARNING, logger="kvtier.node")
+    config = NodeConfig(StoreConfig.parse(node_tiers(tmp_path, RAM, DISK)), socket_path,
+                        name=node_name, lease_timeout_s=1.0)
+    with running_node(config) as node:
+        neighbour_client, neighbour = connect(socket_path, engine="neighbour")
+        assert sum(put_chunks(neighbour, range(LOADED))) == RAM
+        assert neighbour.flush(30)
+        client, store = connect(socket_path, engine="unwatched", timeout_s=30.0)
+        mine = [key(1000 + i) for i in range(RAM)]
+        store.plan_puts(mine, [DEFAULT_META] * RAM)
+        send(client._local.sock, Borrow([key(i) for i in range(LOADED)],
+                                        [Meta.of(DEFAULT_META)] * LOADED))  # never read
+        wait_for(lambda: node.status()["counters"]["send_timeouts"] == 1, 30,
+                 "the node to give up its reply")
+        assert node.status()["quarantined"] == {"unwatched": 0}
+        [said] = [r.getMessage() for r in caplog.records if "took nothing" in r.getMessage()]
+        assert "(pid not visible)" in said and "kept until the node stops" in said, said
+        for engine in (client, neighbour_client):
+            engine.close()

@@ -62,6 +62,12 @@ class Quarantine:
                 pass
         return cls(engine, pid, pidfd, exited)
 
+    @property
+    def watched(self) -> bool:
+        """Whether its end will be seen: its process is watched (or gone already); if not,
+        its leases are kept until the node stops."""
+        return self.pidfd >= 0 or self.exited
+
     def gone(self) -> bool:
         """Whether the engine's process has exited (a pidfd is readable then)."""
         if self.pidfd < 0:

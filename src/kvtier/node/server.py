@@ -628,8 +628,10 @@ class NodeServer:
         self.counters.add("send_timeouts")
         log.warning("kvtier node: %s (pid %s) took nothing of a reply for %g s (frozen or "
                     "hung?): its connection closed; the slots it may still write are kept "
-                    "until its process is gone", engine, quarantine.pid or "unknown",
-                    self.config.lease_timeout_s)
+                    "until %s", engine, quarantine.pid or "not visible",
+                    self.config.lease_timeout_s, "its process is gone" if quarantine.watched
+                    else "the node stops (its process cannot be watched from here: another "
+                    "pid namespace, or a kernel before 5.3)")
 
     def _release_quarantined(self) -> None:
         """End the quarantined leases of engines whose process is gone (the node's own
