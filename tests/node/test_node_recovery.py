@@ -7,6 +7,7 @@ scribbled slot is dropped (counted), a chunk evicted before the crash stays gone
 from __future__ import annotations
 
 import gc
+import struct
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -216,3 +217,29 @@ def test_a_load_held_in_place_survives_its_thread_letting_the_old_slab_go(
     assert stored_on_another_thread(engine, [5]) == [True]  # the new node's slab mapped
     assert lend(engine, [key(1), key(2)]).chunks == expected([1, 2])  # the next request
     held.close()  # the step's end: the first request's loans go back
+
+
+def test_a_slab_of_an_older_format_is_said_so_and_not_recovered(
+        tmp_path: Path, start_node: Callable[..., NodeProcess]) -> None:
+    """A node upgraded to stamped slabs (KVTSLAB3) finds its predecessor's slab of the format
+    before (records, no stamps): not recovered, and the log says it is an upgrade, once.
+    Before, it said "not a slab of this layout", which sent an operator looking for a
+    model or layout change."""
+    config = node_tiers(tmp_path, ram_chunks=8)
+    node = filled_then_crashed(start_node, config, range(3))
+    [slab] = shm_files(node.name)
+    data = slab.read_bytes()
+    footer = struct.Struct("<8sQQQ32x")  # magic, slot_bytes, num_slots, chunk_bytes
+    _magic, slot_bytes, num_slots, chunk_bytes = footer.unpack(data[-footer.size:])
+    slab.write_bytes(data[:num_slots * (slot_bytes + 96)]  # the slots and their records
+                     + footer.pack(b"KVTSLAB2", slot_bytes, num_slots, chunk_bytes))
+    node = start_node(config)
+    _client, engine = connect(node.socket_path)
+    assert not engine.contains(key(0))
+
+    def said() -> list[str]:
+        return [line for line in node.log_path.read_text().splitlines() if "KVTSLAB2" in line]
+
+    [line] = wait_for(said, 30, "the node's word on the older slab")
+    assert "older kvtier's format" in line and "empty RAM" in line, line
+    assert node.status()["counters"]["recovered_chunks"] == 0

@@ -325,6 +325,11 @@ class SharedSlab:
     def _valid_chunks(self, path: Path, old: mmap.mmap, size: int, now_s: float
                       ) -> Iterator[tuple[ChunkKey, memoryview, ChunkMeta]]:
         magic, slot_bytes, num_slots, chunk_bytes = _FOOTER.unpack(old[size - _FOOTER.size:])
+        if magic != _MAGIC and magic.startswith(_MAGIC[:-1]):  # an upgrade: said as one
+            log.warning("%s: a slab of an older kvtier's format (%s; this one writes %s, with a "
+                        "stamp a slot); not recovered: this layout starts with an empty RAM, "
+                        "once", path, magic.decode("ascii", "replace"), _MAGIC.decode())
+            return
         if magic != _MAGIC or (slot_bytes, chunk_bytes) != (self.slot_bytes, self.chunk_bytes) \
                 or slab_file_bytes(slot_bytes, num_slots) != size:
             log.warning("%s: not a slab of this layout (%r, %d B slots); not recovered",
