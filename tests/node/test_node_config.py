@@ -106,6 +106,8 @@ def test_kvtier_node_serve_refuses_a_ram_tier_larger_than_dev_shm(tmp_path: Path
     ("lease_timeout_s", float("inf"), "a finite number"),
     ("lease_timeout_s", "60", "seconds"),
     ("lease_timeout_s", True, "seconds"),
+    ("lease_timeout_s", 1e300, "at most 31,536,000"),  # finite: every connection then reset
+    ("stop_flush_s", 1e13, "at most 31,536,000"),
 ])
 def test_a_node_setting_of_the_wrong_type_or_range_is_refused(
         field: str, value: object, allowed: str):
@@ -127,6 +129,9 @@ def test_a_node_setting_at_the_edge_of_its_range_is_kept():
     assert NodeConfig(StoreConfig.parse(MEMORY), SOCKET, name="n", stop_flush_s=0.5)
     assert NodeConfig(StoreConfig.parse(MEMORY), SOCKET, name="n",
                       lease_timeout_s=0.25).lease_timeout_s == 0.25
+    year = 365 * 86400
+    assert NodeConfig(StoreConfig.parse(MEMORY), SOCKET, name="n", lease_timeout_s=year,
+                      stop_flush_s=year).lease_timeout_s == year
 
 
 @pytest.mark.parametrize(("extra", "field"), [
@@ -161,3 +166,21 @@ def test_a_node_sharing_its_starters_session_under_autogroup_says_so() -> None:
     autogroup = AUTOGROUP.exists() and AUTOGROUP.read_text().strip() == "1"
     assert _warns_of_its_cpu_group(new_session=False) is autogroup  # this machine's setting
     assert not _warns_of_its_cpu_group(new_session=True)  # its session's leader
+
+
+def test_a_node_of_the_longest_lease_timeout_serves_its_engines(tmp_path: Path,
+                                                                socket_path: Path,
+                                                                node_name: str) -> None:
+    """A year, the bound, is a send timeout each connection takes (a finite 1e300 passed the
+    check before, and every connection was reset as it opened)."""
+    from nodekit import connect, node_tiers, put_chunks
+
+    from kvtier.node.server import running_node
+
+    config = NodeConfig(StoreConfig.parse(node_tiers(tmp_path, ram_chunks=4)), socket_path,
+                        name=node_name, lease_timeout_s=365 * 86400, stop_flush_s=365 * 86400)
+    with running_node(config) as node:
+        client, store = connect(socket_path)
+        assert put_chunks(store, [0]) == [True]
+        assert node.status()["counters"]["committed_chunks"] == 1
+        client.close()

@@ -7,7 +7,6 @@ Primitives: `NodeConfig`, `MAX_LAYOUTS_LIMIT`, `SOCKET_PATH_MAX`.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import socket
@@ -21,6 +20,10 @@ from kvtier.tiers.storeconfig import StoreConfig
 
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 MAX_LAYOUTS_LIMIT = 1024  # --max-layouts' bound: far past any node's RAM for a slab each
+# The longest stop_flush_s and lease_timeout_s: a year. Far past any use, and within what the
+# kernel's and Python's timeouts take (a finite 1e300 passed the check, then every
+# connection's send timeout failed to pack: each engine's connection reset, a traceback each).
+MAX_SECONDS = 365 * 86400
 SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path on Linux: sun_path's 108, less its NUL
 
 
@@ -88,14 +91,15 @@ class NodeConfig:
             raise ConfigError("event_block_size", block, "a positive integer (tokens)")
         flush = self.stop_flush_s
         if isinstance(flush, bool) or not isinstance(flush, (int, float)) \
-                or not 0 <= flush < math.inf:
-            raise ConfigError("stop_flush_s", flush, "seconds, a finite number 0 or more")
+                or not 0 <= flush <= MAX_SECONDS:
+            raise ConfigError("stop_flush_s", flush,
+                              f"seconds, a finite number 0 or more, at most {MAX_SECONDS:,}")
         lease = self.lease_timeout_s
         if isinstance(lease, bool) or not isinstance(lease, (int, float)) \
-                or not 0 < lease < math.inf:
+                or not 0 < lease <= MAX_SECONDS:
             raise ConfigError("lease_timeout_s", lease,
-                              "seconds, a finite number above 0 (how long a load's chunks "
-                              "stay lent before the node takes them back)")
+                              f"seconds, a finite number above 0, at most {MAX_SECONDS:,} (how "
+                              "long a load's chunks stay lent before the node takes them back)")
         if block is not None and self.events_endpoint is None:
             raise ConfigError("event_block_size", block,
                               "unset without an events endpoint (--events-endpoint)")
