@@ -124,6 +124,10 @@ def test_a_reply_a_frozen_engine_never_reads_ends_its_connection_not_its_slots(
     wait_for(lambda: node.status()["held"] == {}, 30, "the dead engine's slots freed")
     assert node.status()["counters"]["quarantines_ended"] == 1
     assert node.status()["quarantined"] == {}
+    # The node's log says why they were kept and when they were freed.
+    log = node.log_path.read_text()
+    assert "frozen (pid " in log and "kept until its process is gone" in log
+    assert "frozen: process ended; the 1 lease(s) kept since its connection was closed" in log
     ids = list(range(3000, 3000 + RAM))
     assert put_chunks(neighbour, ids) == [True] * RAM
     assert lend(neighbour, [key(i) for i in ids]).chunks == expected(ids)

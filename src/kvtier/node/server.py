@@ -645,7 +645,8 @@ class NodeServer:
         self._end(leases)
         if ended:
             self.counters.add("quarantines_ended", len(ended))
-            log.info("kvtier node: %s gone: %d lease(s) it held freed",
+            log.info("kvtier node: %s: process ended; the %d lease(s) kept since its "
+                     "connection was closed freed",
                      ", ".join(q.engine for q in ended), len(leases))
 
     def _lease(self, owner: int, held: Lending[ChunkView] | Puts) -> int:
