@@ -203,9 +203,8 @@ def reply_to(node: RequestServer, owner: int, layout: ServedLayout, request: Req
 
 def send_timeout(seconds: float) -> bytes:
     """`SO_SNDTIMEO`'s struct timeval for `seconds`: its whole seconds a C long, at most
-    `MAX_SEND_TIMEOUT_S` (a lease_timeout_s past a long's range, as 1e20 for "never take a
-    lending back", failed every connection as it was opened: the node served no engine),
-    and never zero (a zero timeval is no timeout at all: a lease_timeout_s under a
-    microsecond)."""
+    `MAX_SEND_TIMEOUT_S` (NodeConfig bounds lease_timeout_s at a year: a value past a long's
+    range failed every connection as it was opened, and the node served no engine), and never
+    zero (a zero timeval is no timeout at all: a lease_timeout_s under a microsecond)."""
     micros = max(1, min(round(seconds * 1e6), MAX_SEND_TIMEOUT_S * 1_000_000))
     return struct.pack("ll", *divmod(micros, 1_000_000))
