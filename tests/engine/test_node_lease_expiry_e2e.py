@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -56,10 +57,14 @@ def engines(tiny_model_dir: Path, node: NodeProcess,
                               "lookup_timeout_s": 1.0, "tail_chunks": False})
     hold_dir = tmp_path / "holds"
     hold_dir.mkdir()
+    # Its temp dir the test's: killed, it leaves its engine's (vLLM's rendezvous file).
+    temp = tmp_path / "engine1-tmp"
+    temp.mkdir()
     process = subprocess.Popen(
         [sys.executable, str(Path(__file__).with_name("node_engine.py")), str(tiny_model_dir),
          json.dumps(config), str(hold_dir), json.dumps(ENGINE_SETTINGS)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "TMPDIR": str(temp)})
     assert process.stdout is not None
     one = Engine1(process, hold_dir, Lines(process.stdout))
     try:
