@@ -41,6 +41,7 @@ from kvtier.core.retention import DEFAULT_META
 from kvtier.errors import NodeUnavailable
 from kvtier.node.client import NodeClient, node_status
 from kvtier.node.nodestore import NodeStore
+from kvtier.node.protocol import Hello
 from kvtier.tiers.manifest import NamespaceInfo
 from kvtier.tiers.shmslab import SHM_DIR
 
@@ -292,3 +293,10 @@ def short_dir(tmp_path: Path) -> Path:
 def unique_name(tmp_path: Path) -> str:
     """A node name no other test (or test run) uses: the slabs' names come from it."""
     return f"t{os.getpid()}-{tmp_path.name}"[:60]
+
+
+def older_hello(*args: Any, **kwargs: Any) -> Hello:
+    """The Hello of an engine of an older kvtier (it says nothing of stamps: it checks no lent
+    slot's stamp, and may write a slot after closing its connection): patched over
+    `kvtier.node.client.Hello`."""
+    return Hello(*args, **{**kwargs, "stamps": False})

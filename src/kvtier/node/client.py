@@ -180,6 +180,9 @@ class NodeClient:
         sock = getattr(self._local, "sock", None)
         if sock is None or self._local.epoch != self._epoch:
             return False  # the connection that holds the lease is gone: so is the lease
+        if ended_by_node(sock):
+            self._broken(ConnectionResetError("the node ended the connection"), down=False)
+            return False
         try:
             send(sock, request)
         except OSError as exc:
@@ -636,3 +639,12 @@ def node_status(socket_path: str, timeout_s: float = 5.0) -> dict[str, object]:
     if not isinstance(answer, Answer) or not isinstance(answer.value, dict):
         raise NodeUnavailable(f"the node answered {answer!r}")
     return answer.value
+
+
+def ended_by_node(sock: socket.socket) -> bool:
+    """Whether the node has ended its side of `sock` (`POLLRDHUP`: a stalled connection's,
+    shut for writing while the node reads and drops what comes: a commit sent on it would
+    be taken for sent, its chunk reported stored; or the node stopped). One poll, no wait."""
+    poller = select.poll()
+    poller.register(sock, select.POLLRDHUP)
+    return bool(poller.poll(0))

@@ -48,6 +48,7 @@ from kvtier.node.protocol import (
     receive_request,
     send,
 )
+from kvtier.node.quarantine import await_hang_up
 
 log = logging.getLogger(__name__)
 # Each connection's number, as the node's leases, engines and quarantines know it: never
@@ -71,7 +72,8 @@ class RequestServer(Protocol):
     def opened(self, owner: int, sock: socket.socket) -> None: ...
     def connected(self, owner: int, engine: str, stamps: bool) -> None: ...
     def disconnected(self, owner: int) -> None: ...
-    def stalled(self, owner: int) -> None: ...
+    def stalled(self, owner: int) -> bool: ...
+    def hung_up(self, owner: int) -> None: ...
     def layout_for(self, hello: Hello) -> ServedLayout | Refused: ...
     def status(self) -> dict[str, Any]: ...
     def release(self, owner: int, lease: int) -> None: ...
@@ -114,6 +116,7 @@ class ConnectionHandler(socketserver.BaseRequestHandler):
         spares: list[memoryview] = []
         scratch: memoryview | None = None
         engine = "an engine not said yet"  # its Hello's, for the log
+        stalled = False
         node.opened(owner, sock)
         try:
             while True:
@@ -167,12 +170,15 @@ class ConnectionHandler(socketserver.BaseRequestHandler):
                 send(sock, reply_to(node, owner, layout, request, spares, scratch,
                                     lambda part: send(sock, part)))
         except BlockingIOError:  # a send's timeout (SO_SNDTIMEO): the engine reads nothing
-            node.stalled(owner)
+            stalled = node.stalled(owner)
             return
         except OSError:
             return  # the engine went away mid-message
         finally:
             node.disconnected(owner)
+            if stalled:  # what it may still write is quarantined until it hangs up
+                await_hang_up(sock)
+                node.hung_up(owner)
 
 
 def reply_to(node: RequestServer, owner: int, layout: ServedLayout, request: Request,

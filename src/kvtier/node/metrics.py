@@ -106,7 +106,7 @@ NODE_COUNTERS: dict[str, str] = {
     "send_timeouts": "Connections closed for a reply their engine took nothing of within "
                      "lease_timeout_s (frozen or hung): the slots it may still write kept",
     "quarantines_ended": "Connections closed by send_timeouts whose kept slots were freed "
-                         "once their engine's process was gone",
+                         "once their engine closed its end or its process was gone",
     "held_below_skipped": "Stores whose chunks RAM had no slot for were not checked against "
                           "the tiers below RAM (every check thread held: a tier below hangs): "
                           "their bytes were asked for",

@@ -9,10 +9,14 @@ freed now, another chunk given one of them meanwhile would be overwritten (reser
 or read as this engine's (the lendings of an engine that checks no stamps). So those leases
 are quarantined: held, shown in the status as the engine's, until the process that opened
 the connection is gone (its pid from `SO_PEERCRED`, watched through a pidfd: a pid reused
-by another process is never taken for it). A peer whose pid the node cannot see (another
-pid namespace: 0) or watch keeps them until the node stops.
+by another process is never taken for it), or, for an engine that checks stamps, until it
+closes its end of the connection (`await_hang_up`): such an engine closes a connection only
+once no copy into its slots is in flight (node/inflight.py), and writes no slot reserved on
+a connection it closed; and a process's end closes its sockets, whatever pid namespace it
+lives in. An older engine whose pid the node cannot see (another pid namespace: 0) or watch
+keeps them until the node stops.
 
-Primitives: `Quarantine`, `peer_pid`.
+Primitives: `Quarantine`, `peer_pid`, `await_hang_up`.
 """
 
 from __future__ import annotations
@@ -39,16 +43,19 @@ def peer_pid(sock: socket.socket) -> int:
 
 @dataclass
 class Quarantine:
-    """A closed connection's engine: its name (the status's), pid and pidfd (-1: not watched,
-    its leases kept until the node stops)."""
+    """A closed connection's engine: its name (the status's), pid and pidfd (-1: not
+    watched), whether its hang-up ends it (`checking`: an engine that checks stamps), and its
+    socket, shut for writing, until the engine closes its end."""
 
     engine: str
     pid: int
     pidfd: int
+    checking: bool
+    sock: socket.socket
     exited: bool = False  # gone before it could be watched
 
     @classmethod
-    def of(cls, engine: str, sock: socket.socket) -> Quarantine:
+    def of(cls, engine: str, sock: socket.socket, checking: bool) -> Quarantine:
         """The quarantine of `sock`'s peer, watched from now (while its connection is still
         open: its pid is still its own)."""
         pid = peer_pid(sock)
@@ -60,13 +67,14 @@ class Quarantine:
                 exited = True
             except (OSError, AttributeError):  # Linux < 5.3: not watched
                 pass
-        return cls(engine, pid, pidfd, exited)
+        return cls(engine, pid, pidfd, checking, sock, exited)
 
     @property
     def watched(self) -> bool:
-        """Whether its end will be seen: its process is watched (or gone already); if not,
+        """Whether its end will be seen: its process is watched (or gone already), or it
+        closes its end of the connection when nothing can write its slots any more; if not,
         its leases are kept until the node stops."""
-        return self.pidfd >= 0 or self.exited
+        return self.pidfd >= 0 or self.exited or self.checking
 
     def gone(self) -> bool:
         """Whether the engine's process has exited (a pidfd is readable then)."""
@@ -80,3 +88,17 @@ class Quarantine:
         fd, self.pidfd = self.pidfd, -1
         if fd >= 0:
             os.close(fd)
+
+
+def await_hang_up(sock: socket.socket) -> None:
+    """Shut `sock` for writing (the engine, when it wakes, reads what was sent, then the
+    end of the connection) and return once the engine has closed its end: its process
+    exited, or it closed the connection. What it sends meanwhile is read and dropped (a
+    commit's bytes must not block it in its send). Returns at once where the socket is shut
+    already (the node stops: `NodeServer.shutdown`)."""
+    try:
+        sock.shutdown(socket.SHUT_WR)
+        while sock.recv(65536):
+            pass
+    except OSError:
+        pass  # reset, or shut by the node's shutdown: ended either way

@@ -190,7 +190,8 @@ class NodeServer:
             self._server.server_close()
             with self._lock:
                 layouts, self._layouts = list(self._layouts.values()), {}
-                sockets = list(self._sockets.values())
+                sockets = [*self._sockets.values(),
+                           *(q.sock for q in self._quarantined.values())]
             for sock in sockets:  # else their threads go on serving from closed stores
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
@@ -611,43 +612,53 @@ class NodeServer:
         return quarantined.engine if quarantined is not None else self._connections.get(
             owner, "an engine not said")
 
-    def stalled(self, owner: int) -> None:
+    def stalled(self, owner: int) -> bool:
         """Connection `owner`'s engine took nothing of a reply within `lease_timeout_s`
         (frozen: SIGSTOP, a hung process): the connection is closed (its thread would
         otherwise stay in the send for as long as the engine stays frozen), and its leases
         that the engine may still write or copy when it wakes are quarantined until its
-        process is gone (`disconnected`)."""
-        with self._lock:
+        process is gone or, for an engine that checks stamps, until it closes its end of the
+        connection (`hung_up`); True: the caller awaits that hang-up."""
+        with self._lock:  # one hold: a `shutdown` meanwhile shuts its socket too
             sock = self._sockets.get(owner)
             engine = self._engine_name(owner)
+            checking = owner in self._checking
             if sock is None or self._closing:
-                return
-        quarantine = Quarantine.of(engine, sock)
-        with self._lock:
-            self._quarantined[owner] = quarantine
+                return False
+            quarantine = self._quarantined[owner] = Quarantine.of(engine, sock, checking)
         self.counters.add("send_timeouts")
+        until = ("it closes the connection or its process is gone" if checking else
+                 "its process is gone" if quarantine.watched else
+                 "the node stops (its process cannot be watched from here: another pid "
+                 "namespace, or a kernel before 5.3)")
         log.warning("kvtier node: %s (pid %s) took nothing of a reply for %g s (frozen or "
                     "hung?): its connection closed; the slots it may still write are kept "
                     "until %s", engine, quarantine.pid or "not visible",
-                    self.config.lease_timeout_s, "its process is gone" if quarantine.watched
-                    else "the node stops (its process cannot be watched from here: another "
-                    "pid namespace, or a kernel before 5.3)")
+                    self.config.lease_timeout_s, until)
+        return checking
 
-    def _release_quarantined(self) -> None:
-        """End the quarantined leases of engines whose process is gone (the node's own
-        thread)."""
+    def hung_up(self, owner: int) -> None:
+        """The engine of stalled connection `owner` closed its end (it exited, or closed the
+        connection with no copy into its slots in flight): its quarantined leases end."""
+        self._release_quarantined([owner], "closed its connection")
+
+    def _release_quarantined(self, owners: list[int] | None = None,
+                             why: str = "process ended") -> None:
+        """End the quarantined leases of `owners` (None: of the engines whose process is
+        gone: the node's own thread)."""
         with self._lock:
-            gone = [owner for owner, q in self._quarantined.items() if q.gone()]
-            ended = [self._quarantined.pop(owner) for owner in gone]
-            leases = [lease for lease, entry in self._leases.items() if entry.owner in gone]
+            if owners is None:
+                owners = [owner for owner, q in self._quarantined.items() if q.gone()]
+            owners = [owner for owner in owners if owner in self._quarantined]
+            ended = [self._quarantined.pop(owner) for owner in owners]
+            leases = [lease for lease, entry in self._leases.items() if entry.owner in owners]
         for quarantine in ended:
             quarantine.close()
         self._end(leases)
         if ended:
             self.counters.add("quarantines_ended", len(ended))
-            log.info("kvtier node: %s: process ended; the %d lease(s) kept since its "
-                     "connection was closed freed",
-                     ", ".join(q.engine for q in ended), len(leases))
+            log.info("kvtier node: %s: %s; the %d lease(s) kept since its connection was "
+                     "closed freed", ", ".join(q.engine for q in ended), why, len(leases))
 
     def _lease(self, owner: int, held: Lending[ChunkView] | Puts) -> int:
         with self._lock:
