@@ -35,7 +35,7 @@ def test_status_shows_the_layouts_tiers_and_engines(tmp_path: Path,
             assert len(list(lending)) == 1  # a Borrow: chunk 1 from RAM, then a miss
             assert main(["node", "status", "--socket", str(socket_path)]) == 0
             out = " ".join(capsys.readouterr().out.split())  # wrapped at 80 columns
-            assert "held: " in out and " 1 chunks (1 leases)" in out  # the loan, held
+            assert "held: " in out and " 1 chunk (1 lease)" in out  # the loan, held
         assert main(["node", "status", "--socket", str(socket_path)]) == 0
         table = capsys.readouterr().out
         assert LAYOUT.digest()[:8] in table and "memory" in table and "engines:" in table
@@ -77,11 +77,12 @@ def test_status_prints_what_engines_call_themselves_verbatim(
 def test_status_names_the_engines_whose_connection_the_node_closed(
         tmp_path: Path, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A frozen engine's connection closed for a reply it never read keeps its slots until its
-    process ends (tests/node/test_node_send_stalled.py checks the node's `quarantined`): the
-    table names it and its pid, the one to kill to get them back; a pid the node cannot see
-    (another pid namespace) says they stay until the node stops. Before, the table showed
-    such an engine only in `held`, not among the engines, with nothing to say why."""
+    """A frozen engine's connection ended for a reply it never read keeps its slots until it
+    closes its end or its process ends (tests/node/test_node_send_stalled.py checks the
+    node's `quarantined`): the table names it and its pid, the one to kill to get them back
+    (a pid the node cannot see: another pid namespace). Before, the table showed such an
+    engine only in `held`, not among the engines, with nothing to say why; and counts of one
+    read "1 connections"."""
     socket_path = tmp_path / "n.sock"
     config = NodeConfig(StoreConfig.parse({"tiers": [{"kind": "memory", "capacity": "1MiB"}]}),
                         socket_path, name=f"cli-{tmp_path.name}"[:40], keep_ram=False)
@@ -93,5 +94,10 @@ def test_status_names_the_engines_whose_connection_the_node_closed(
     monkeypatch.setattr("kvtier.tools.cli.node.node_status", lambda _socket: status)
     assert main(["node", "status", "--socket", str(socket_path)]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert ("closed, kept until the process ends: host:4242 (pid 4242), pod:7 (pid not "
-            "visible: until the node stops)") in out
+    assert ("ended, kept until the engine closes its end or exits: host:4242 (pid 4242), "
+            "pod:7 (pid not visible)") in out
+    assert "0 connections, 0 leases" in out
+    status.update(connections=1, leases=1, held={"host:4242": {"chunks": 1, "leases": 1}})
+    assert main(["node", "status", "--socket", str(socket_path)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "1 connection, 1 lease;" in out and "held: host:4242 1 chunk (1 lease)" in out

@@ -57,19 +57,22 @@ def run_status(args: argparse.Namespace) -> int:
     # ended the command with a MarkupError.
     console.print(f"node [bold]{escape(status['node'])}[/bold] (generation "
                   f"{status['generation']}) on {escape(status['socket'])}: "
-                  f"{status['connections']} connections, {status['leases']} leases; engines: "
+                  f"{counted(status['connections'], 'connection')}, "
+                  f"{counted(status['leases'], 'lease')}; engines: "
                   f"{escape(', '.join(status['engines'])) or '-'}")
-    held = ", ".join(f"{engine} {mine['chunks']} chunks ({mine['leases']} leases)"
+    held = ", ".join(f"{engine} {counted(mine['chunks'], 'chunk')} "
+                     f"({counted(mine['leases'], 'lease')})"
                      for engine, mine in status.get("held", {}).items())
     if held:
         console.print(f"held: {held}", markup=False)
-    # Engines whose connection the node closed (a reply never read: frozen or hung): what
-    # they held stays theirs until their process ends; killing it gives the slots back.
-    closed = ", ".join(f"{engine} (pid {pid})" if pid else f"{engine} (pid not visible: "
-                       "until the node stops)"
+    # Engines whose connection the node ended (a reply never read: frozen or hung): what they
+    # held stays theirs until they close their end (they do once woken) or their process
+    # ends; killing it gives the slots back.
+    closed = ", ".join(f"{engine} (pid {pid or 'not visible'})"
                        for engine, pid in status.get("quarantined", {}).items())
     if closed:
-        console.print(f"closed, kept until the process ends: {closed}", markup=False)
+        console.print(f"ended, kept until the engine closes its end or exits: {closed}",
+                      markup=False)
     if status.get("events_endpoint"):
         console.print(f"KV events on {status['events_endpoint']} "
                       f"(topics kv@node:{status['node']}@<model>)", markup=False)
@@ -86,3 +89,8 @@ def run_status(args: argparse.Namespace) -> int:
         + (f" (mean {1e3 * seen['sum'] / seen['count']:.1f} ms)" if seen["count"] else "")
         for source, seen in status.get("borrow_seconds", {}).items()))
     return 0
+
+
+def counted(n: int, noun: str) -> str:
+    """`n` and `noun`, plural unless one ("1 connection", "2 leases")."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
