@@ -639,8 +639,11 @@ class NodeServer:
 
     def hung_up(self, owner: int) -> None:
         """The engine of stalled connection `owner` closed its end (it exited, or closed the
-        connection with no copy into its slots in flight): its quarantined leases end."""
-        self._release_quarantined([owner], "closed its connection")
+        connection with no copy into its slots in flight): its quarantined leases end; not
+        once the node stops (`shutdown` shut its socket: the engine may still write them,
+        and the next node recovers the slab as its records say, as `disconnected`)."""
+        if not self._closing:
+            self._release_quarantined([owner], "closed its connection")
 
     def _release_quarantined(self, owners: list[int] | None = None,
                              why: str = "process ended") -> None:
