@@ -13,10 +13,6 @@ own (node_engine.py: its load held by a file), engine 2 in the test's process.
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,12 +20,12 @@ from typing import Any
 
 import pytest
 import yaml
-from test_node_failures import ENGINE_SETTINGS, MAX_TOKENS, START_S, Engine1
+from node_engine_pair import MAX_TOKENS, Engine1, engine_pair
 from test_node_mode import CHUNK
-from vllm_harness import random_prompts, start_engine, token_ids, transfer_config
+from vllm_harness import random_prompts, token_ids
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "node"))  # nodekit
-from nodekit import Lines, NodeProcess, short_dir, unique_name, wait_for
+from nodekit import NodeProcess, short_dir, unique_name, wait_for
 
 pytestmark = pytest.mark.vllm
 LEASE_TIMEOUT_S = 2.0
@@ -50,34 +46,8 @@ def node(tmp_path: Path) -> Iterator[NodeProcess]:
 @pytest.fixture
 def engines(tiny_model_dir: Path, node: NodeProcess,
             tmp_path: Path) -> Iterator[tuple[Engine1, Any]]:
-    """Engine 1 (a process: its loads asynchronous, on its load thread, so that one can be
-    held) and engine 2 (this process), started side by side."""
-    config = transfer_config({"node": str(node.socket_path), "tokens_per_chunk": CHUNK,
-                              "load_when": "always", "load_mode": "async",
-                              "lookup_timeout_s": 1.0, "tail_chunks": False})
-    hold_dir = tmp_path / "holds"
-    hold_dir.mkdir()
-    # Its temp dir the test's: killed, it leaves its engine's (vLLM's rendezvous file).
-    temp = tmp_path / "engine1-tmp"
-    temp.mkdir()
-    process = subprocess.Popen(
-        [sys.executable, str(Path(__file__).with_name("node_engine.py")), str(tiny_model_dir),
-         json.dumps(config), str(hold_dir), json.dumps(ENGINE_SETTINGS)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
-        env={**os.environ, "TMPDIR": str(temp)})
-    assert process.stdout is not None
-    one = Engine1(process, hold_dir, Lines(process.stdout))
-    try:
-        with start_engine(tiny_model_dir, config, **ENGINE_SETTINGS) as two:
-            assert one.read(START_S) == {"ready": process.pid}
-            yield one, two
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            process.kill()
-        process.wait(timeout=30)
-        for pipe in (process.stdin, process.stdout):
-            if pipe is not None:
-                pipe.close()
+    with engine_pair(tiny_model_dir, node, tmp_path / "engine1") as pair:
+        yield pair
 
 
 def _ram_slots(node: NodeProcess) -> int:
