@@ -1,5 +1,6 @@
 """Test helpers shared by tests/cache, tests/tiers, tests/faults, tests/connector and
-tests/tools: chunk keys (`key`), a tiny layout, and one way to configure any tier by kind.
+tests/tools: chunk keys (`key`), a tiny layout, one way to configure any tier by kind, and
+`until` (a condition polled to a deadline: a tier back after its backoff).
 (Not named conftest.py, so that `from tierkit import` never picks up another folder's
 conftest module.)
 
@@ -41,6 +42,16 @@ S3_ENDPOINT: Any = None  # the s3_server.S3Endpoint of the running test (tests/c
 # Kinds whose capacity is enforced by a periodic listing, not on every put (the s3 tier:
 # tests/tiers/test_s3_tier.py checks its bound): the suite's exact-capacity tests skip them.
 PERIODIC_CAPACITY = frozenset({"s3"})
+
+
+def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    """Whether `condition()` held within `timeout_s`, asked every 50 ms."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def key(i: int) -> ChunkKey:

@@ -38,6 +38,10 @@ def _s3(**fields: Any) -> dict[str, Any]:
     (_redis(connect_timeout_ms=10**15), "redis.connect_timeout_ms", 10**15,
      "less than or equal"),
     (_redis(retry_max_s=INF), "redis.retry_max_s", INF, "less than or equal to 3600"),
+    # a lookup's budget: its own reply deadline, within a minute
+    (_redis(lookup_timeout_ms=0), "redis.lookup_timeout_ms", 0, "greater than or equal to 1"),
+    (_redis(lookup_timeout_ms=60_001), "redis.lookup_timeout_ms", 60_001,
+     "less than or equal to 60000"),
     (_s3(retry_max_s=INF), "s3.retry_max_s", INF, "less than or equal to 3600"),
     # a part larger than Redis takes in one value: every store of a chunk that large failed
     (_redis(part_bytes="1GiB"), "redis.part_bytes", "1GiB", "1 KiB to 512 MiB"),

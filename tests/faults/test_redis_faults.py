@@ -23,7 +23,7 @@ from redis.backoff import NoBackoff
 from redis.cluster import key_slot
 from redis.retry import Retry
 from redis_server import REDIS_CLI, RedisClusterNodes, RedisServer
-from tierkit import key, tier_settings, tiny_layout
+from tierkit import key, tier_settings, tiny_layout, until
 
 from kvtier.core.layout import KVLayout
 from kvtier.errors import ConfigError
@@ -56,15 +56,6 @@ def timed(call: Callable[[], T]) -> tuple[T, float]:
     start = time.monotonic()
     result = call()
     return result, time.monotonic() - start
-
-
-def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def read(tier: RedisTier, i: int, layout: KVLayout) -> bool:

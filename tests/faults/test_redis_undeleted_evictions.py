@@ -48,11 +48,11 @@ def test_chunks_evicted_while_their_deletes_fail_are_deleted_later(
     run = tier._run
     failing = [FAULTS]
 
-    def deletes_fail(endpoint: str, call: Callable[[Any], Any]) -> Any:
+    def deletes_fail(endpoint: str, call: Callable[[Any], Any], **options: Any) -> Any:
         if call.__name__ == "delete" and failing[0]:
             failing[0] -= 1
             raise TierUnavailable("injected: the server did not answer the delete")
-        return run(endpoint, call)
+        return run(endpoint, call, **options)  # options: a lookup's
 
     monkeypatch.setattr(tier, "_run", deletes_fail)
     for i in range(CAPACITY, CAPACITY + FAULTS):  # each evicts one, whose delete fails
@@ -78,11 +78,11 @@ def test_a_chunk_stored_again_after_its_delete_failed_is_counted_and_kept(
     run = tier._run
     failing = [1]
 
-    def delete_fails(endpoint: str, call: Callable[[Any], Any]) -> Any:
+    def delete_fails(endpoint: str, call: Callable[[Any], Any], **options: Any) -> Any:
         if call.__name__ == "delete" and failing[0]:
             failing[0] -= 1
             raise TierUnavailable("injected: the server did not answer the delete")
-        return run(endpoint, call)
+        return run(endpoint, call, **options)  # options: a lookup's
 
     monkeypatch.setattr(tier, "_run", delete_fails)
     assert tier.put(key(CAPACITY), data)  # evicts key(0): its delete fails

@@ -37,13 +37,17 @@ class _Breaker:
 class Guard:
     """Per-endpoint circuit breakers of one tier. Thread-safe."""
 
-    def __init__(self, name: str, min_backoff_s: float = 0.5, max_backoff_s: float = 30.0) -> None:
+    def __init__(self, name: str, min_backoff_s: float = 0.5, max_backoff_s: float = 30.0,
+                 *, effect: str = "lookups miss and writes are dropped") -> None:
         """Args:
             name: the tier's name, for logs.
             min_backoff_s: wait before the first retry of an endpoint that failed.
             max_backoff_s: the longest wait between retries.
+            effect: what an endpoint down costs, for the warning of each outage (a guard of
+                one kind of call says that only those calls are skipped).
         """
         self.name = name
+        self.effect = effect
         self.min_backoff_s = min(min_backoff_s, max_backoff_s)
         self.max_backoff_s = max_backoff_s
         self._lock = threading.Lock()
@@ -83,9 +87,9 @@ class Guard:
             breaker.down, breaker.probing = True, False
         # Once per outage at warning level; the retries' failures only at debug.
         if first:
-            log.warning("tier %r: %s is unavailable (%s: %s); lookups miss and writes are "
-                        "dropped until it answers again (retry in %.2g s)", self.name,
-                        endpoint, type(error).__name__, error, wait_s)
+            log.warning("tier %r: %s is unavailable (%s: %s); %s until it answers again "
+                        "(retry in %.2g s)", self.name, endpoint, type(error).__name__, error,
+                        self.effect, wait_s)
         else:
             log.debug("tier %r: %s still unavailable (%s); retry in %.2g s", self.name,
                       endpoint, error, wait_s)

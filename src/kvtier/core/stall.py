@@ -155,8 +155,9 @@ class CallSlots:
     many: a call a hung tier never answers keeps its thread (and its slot) until it returns,
     and one asked while every slot is held is not made (`submit` returns None). A thread
     per call, as `call_within` starts, let a tier below the node's RAM that hangs (a redis
-    behind a stalled link, which answers a batch only at its socket timeout) pile up a thread
-    per store for as long as it hung (tests/node/test_node_held_below_bounded.py).
+    behind a stalled link, which answers a batch only at its deadline: its lookup_timeout_ms;
+    a file tier on a dead NFS mount, never) pile up a thread per store for as long as it hung
+    (tests/node/test_node_held_below_bounded.py).
     Thread-safe."""
 
     def __init__(self, threads: int, name: str) -> None:

@@ -4,6 +4,7 @@ which errors mean "the server is not answering".
 
 A call blocks at most `socket_timeout_ms` on an open connection, `connect_timeout_ms` +
 `socket_timeout_ms` on a new one: redis-py's own retries are off, as they would multiply that.
+Lookups have a client of their own, whose reply deadline is `lookup_timeout_ms` (tier.py).
 Credentials: `password_file` or an environment variable (config.py); never the URL or argv.
 TLS: `rediss://` or `tls: true`, verified against `tls_ca_file` or the system CAs.
 For a Cluster, start the servers with `cluster-require-full-coverage no`, so that a dead node
@@ -100,8 +101,10 @@ def read_password(config: RedisTierConfig) -> str | None:
     return None
 
 
-def connect(config: RedisTierConfig, password: str | None) -> Client:
-    """A client for the server or cluster `config` names, with its timeouts and no retries.
+def connect(config: RedisTierConfig, password: str | None, *,
+            socket_timeout_ms: int | None = None) -> Client:
+    """A client for the server or cluster `config` names, with its timeouts and no retries;
+    `socket_timeout_ms`: a reply's deadline other than the config's (the lookups' client).
 
     A standalone client connects on first use; a cluster client asks a node for the slot map
     now.
@@ -111,7 +114,7 @@ def connect(config: RedisTierConfig, password: str | None) -> Client:
     """
     common: dict[str, Any] = {
         "username": config.username, "password": password,
-        "socket_timeout": config.socket_timeout_ms / 1000,
+        "socket_timeout": (socket_timeout_ms or config.socket_timeout_ms) / 1000,
         "socket_connect_timeout": config.connect_timeout_ms / 1000,
         "retry": Retry(NoBackoff(), 0),
         "socket_read_size": READ_SIZE,

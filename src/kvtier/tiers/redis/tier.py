@@ -15,6 +15,11 @@ mismatch) is a counted miss, and the chunk's hash is deleted.
 Failures (tiers/guard.py): the tier starts with the server down; a server (a Cluster node) that
 fails a call is marked down and retried with exponential backoff up to `retry_max_s`; while it
 is down, lookups and reads miss and writes are dropped (counted) in microseconds, without I/O.
+Lookups wait on a request's path (the node's checks, a failed load's report): they have a
+client of their own whose replies are due within `lookup_timeout_ms`, whatever
+`socket_timeout_ms` the transfers have. A lookup whose reply is late is a miss, counted
+(`lookup_timeouts`); the server's lookups, not the server, are marked down (`lookup_guard`,
+logged once an episode) and miss at once until a retry answers in time.
 A server that answers with an error reply other than OOM (NOPERM: an ACL user without HSET
 or EXEC, which every put runs; a database index it does not have) is up: every such call
 misses or is dropped (counted), and the first of each kind is logged at warning. One still
@@ -141,8 +146,12 @@ class RedisTier:
         self._server = ("cluster" if self.cluster
                         else urlsplit(config.url).netloc.rpartition("@")[2] or "server")
         self._client: Client | None = None
+        self._lookup_client: Client | None = None  # replies due within lookup_timeout_ms
         self._client_lock = threading.Lock()
         self.guard = Guard(self.name, MIN_BACKOFF_S, config.retry_max_s)
+        # Keyed "<endpoint> (lookups)": a server whose lookups ran late, its transfers on.
+        self.lookup_guard = Guard(self.name, MIN_BACKOFF_S, config.retry_max_s,
+                                  effect="lookups miss at once (reads and writes go on)")
         self._admission = AdmissionFilter(config.admit_after)
         self._counters = TierCounters(self.name, config.capacity)
         self._refusals: set[str] = set()  # kinds of error reply logged at warning already
@@ -171,9 +180,18 @@ class RedisTier:
                     self._client = connect(self._config, self._password)
         return self._client
 
+    def _lookups_connected(self) -> Client:
+        if self._lookup_client is None:
+            with self._client_lock:
+                if self._lookup_client is None:
+                    self._lookup_client = connect(
+                        self._config, self._password,
+                        socket_timeout_ms=self._config.lookup_timeout_ms)
+        return self._lookup_client
+
     def _endpoint(self, name: str) -> str:
         """The server holding value `name`: a Cluster node's "host:port", or the server."""
-        client = self._client
+        client = self._client or self._lookup_client
         if not isinstance(client, RedisCluster):  # standalone, or a cluster not reached yet
             return self._server
         try:
@@ -181,8 +199,10 @@ class RedisTier:
         except (RedisClusterException, SlotNotCoveredError, IndexError, KeyError):
             return self._server
 
-    def _run(self, endpoint: str, call: Callable[[Client], T]) -> T:
-        """`call(client)` through `endpoint`'s circuit breaker.
+    def _run(self, endpoint: str, call: Callable[[Client], T], *, lookup: bool = False) -> T:
+        """`call(client)` through `endpoint`'s circuit breaker; `lookup`: on the lookups'
+        client, and a late reply (redis.TimeoutError) of a server up is raised as it is, the
+        server not marked down (`_lookup` marks its lookups).
 
         Raises:
             TierUnavailable: the endpoint is down (no I/O was done) or just failed.
@@ -192,14 +212,43 @@ class RedisTier:
         if not self.guard.allow(endpoint):
             raise TierUnavailable(f"{endpoint} is down")
         try:
-            result = call(self._connected())
+            result = call(self._lookups_connected() if lookup else self._connected())
         except DOWN_ERRORS as exc:
+            if lookup and isinstance(exc, redis.TimeoutError) and self.guard.is_up(endpoint):
+                raise
             self.guard.failed(endpoint, exc)
             raise TierUnavailable(f"{endpoint}: {exc}") from exc
         except (redis.RedisError, CorruptChunk):
             self.guard.succeeded(endpoint)  # it answered, with an error or a bad value
             raise
         self.guard.succeeded(endpoint)
+        return result
+
+    def _lookup(self, endpoint: str, call: Callable[[Client], T]) -> T:
+        """`call` on the lookups' client (`_run`), through `endpoint`'s lookups' breaker: a
+        reply late past `lookup_timeout_ms` is counted (`lookup_timeouts`) and marks the
+        endpoint's lookups down, so the next ones miss at once until a retry answers in time.
+
+        Raises: as `_run` (TierUnavailable for a late reply or lookups marked down).
+        """
+        lookups = f"{endpoint} (lookups)"
+        if not self.lookup_guard.allow(lookups):
+            raise TierUnavailable(f"{lookups}: skipped, one ran past lookup_timeout_ms")
+        try:
+            result = self._run(endpoint, call, lookup=True)
+        except redis.TimeoutError as exc:
+            self._counters.add(lookup_timeouts=1)
+            self.lookup_guard.failed(lookups, TimeoutError(
+                f"no reply within lookup_timeout_ms ({self._config.lookup_timeout_ms} ms)"))
+            raise TierUnavailable(f"{lookups}: {exc}") from exc
+        except TierUnavailable as exc:  # the server down: a probe of its lookups failed too
+            if not self.lookup_guard.is_up(lookups):
+                self.lookup_guard.failed(lookups, exc)
+            raise
+        except Exception:  # an error reply, a bad value: the server answered in time
+            self.lookup_guard.succeeded(lookups)
+            raise
+        self.lookup_guard.succeeded(lookups)
         return result
 
     def _run_for(self, name: str, call: Callable[[Client], T]) -> T:
@@ -214,23 +263,36 @@ class RedisTier:
 
     def warm(self, connections: int) -> None:
         """`Warmable`: a standalone server's pool gets `connections` connections (each
-        connected and greeted now, not by a read in flight); a Cluster's are opened by the
-        reads (its pools are per node). Stops at the first failure, the server's circuit
-        breaker untouched (a read finds out). Then warns of server limits that cut this
-        tier's values (`client.check_server_limits`)."""
+        connected and greeted now, not by a read in flight), and the lookups' pool one; a
+        Cluster's are opened by the calls (its pools are per node). Stops at the first
+        failure, the server's circuit breaker untouched (a read finds out). Then warns of
+        server limits that cut this tier's values (`client.check_server_limits`)."""
         client = self._connected()
         if isinstance(client, RedisCluster):
             return
+        warmed = self._warm_pool(client, connections, lambda: self._client)
+        if warmed and self._client is client:  # the server answers: are its limits ours?
+            lookups = self._lookups_connected()
+            if isinstance(lookups, redis.Redis):
+                self._warm_pool(lookups, 1, lambda: self._lookup_client)
+            body_bytes = self.encoder.max_body_bytes
+            check_server_limits(client, self.name, min(self.part_bytes, body_bytes),
+                                HEADER_BYTES + body_bytes)
+
+    def _warm_pool(self, client: redis.Redis, connections: int,
+                   current: Callable[[], Client | None]) -> int:
+        """Open up to `connections` connections of `client`'s pool while `current()` is it
+        (the tier not closed meanwhile); how many opened."""
         pool = client.connection_pool
         held: list[Any] = []
         try:
-            while len(held) < connections and self._client is client:
+            while len(held) < connections and current() is client:
                 held.append(pool.get_connection())  # connects, as a read would
         except (redis.RedisError, OSError) as exc:
             log.debug("redis tier %r: %d connections warmed, then %s", self.name, len(held),
                       exc)
         except Exception as exc:
-            if self._client is client:
+            if current() is client:
                 raise
             # Closed under a connection's greeting: redis-py's reader of the socket `close`
             # took raises AttributeError or ValueError (a store opened and closed at once,
@@ -239,12 +301,9 @@ class RedisTier:
         finally:
             for conn in held:
                 pool.release(conn)
-            if self._client is not client:  # closed meanwhile: drop what this reopened
+            if current() is not client:  # closed meanwhile: drop what this reopened
                 pool.disconnect()
-        if held and self._client is client:  # the server answers: are its limits ours?
-            body_bytes = self.encoder.max_body_bytes
-            check_server_limits(client, self.name, min(self.part_bytes, body_bytes),
-                                HEADER_BYTES + body_bytes)
+        return len(held)
 
     def measure_link(self) -> LinkSpeed | None:
         """See core.tier.LinkProbe: the best of LINK_PINGS pings (the round trip), and of
@@ -271,7 +330,7 @@ class RedisTier:
         loadable; see `_held`)."""
         name = self.names.chunk(key)
         try:
-            return self._run(self._endpoint(name), lambda c: _held(c, name))
+            return self._lookup(self._endpoint(name), lambda c: _held(c, name))
         except (TierUnavailable, redis.RedisError):
             return False
 
@@ -290,7 +349,7 @@ class RedisTier:
                 return found
 
             try:
-                for i, answer in zip(indexes, self._run(endpoint, exists)):
+                for i, answer in zip(indexes, self._lookup(endpoint, exists)):
                     found[i] = answer is True or answer == 1
             except (TierUnavailable, redis.RedisError):
                 pass  # this server's keys stay "absent"
@@ -498,9 +557,10 @@ class RedisTier:
     def close(self) -> None:
         if self._index is not None and self._index.pending and self.available():
             self._index.update("")
-        client, self._client = self._client, None
-        if client is not None:
-            client.close()
+        for client in (self._client, self._lookup_client):
+            if client is not None:
+                client.close()
+        self._client = self._lookup_client = None
 
 
 def _held(client: Client, name: str) -> bool:
