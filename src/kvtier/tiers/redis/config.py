@@ -62,7 +62,7 @@ class RedisTierConfig(EncodedTierSettings):
     # backoff, while reads and writes go on under socket_timeout_ms. A lookup waits on a
     # request's path (the node's checks, a failed load's report); socket_timeout_ms raised
     # for large transfers held each one that long on a server that stopped answering.
-    lookup_timeout_ms: int = Field(100, ge=1, le=60_000)
+    lookup_timeout_ms: int = Field(200, ge=1, le=60_000)
     # Longest backoff between retries of a down server; at most an hour (`.inf` grew the
     # backoff without end: a server back after a blip was skipped for days).
     retry_max_s: float = Field(30.0, gt=0, le=3600)
