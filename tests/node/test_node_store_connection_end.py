@@ -83,7 +83,7 @@ def test_slots_still_being_copied_into_are_never_freed_for_another_engine(
 
     def slow_reserve(owner: int, *args: Any, **kwargs: Any) -> Any:
         nonlocal reserves
-        if node._engine_of(owner) == "engine":
+        if node.book.engine_of(owner) == "engine":
             reserves += 1
             if reserves == 2:
                 go.wait(timeout=60)
@@ -94,7 +94,7 @@ def test_slots_still_being_copied_into_are_never_freed_for_another_engine(
         return reserve(owner, *args, **kwargs)
 
     def noted_disconnect(owner: int) -> None:
-        mine = node._engine_of(owner) == "engine"
+        mine = node.book.engine_of(owner) == "engine"
         disconnect(owner)
         if mine:
             disconnected.set()

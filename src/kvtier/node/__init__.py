@@ -2,9 +2,11 @@
 interpreter.
 
   server.py    `NodeServer`: the tier stack per KV layout, its RAM slab in shared memory,
-               one thread per engine connection, leases that end with the connection
+               one thread per engine connection, what each request does to the stores
   config.py    `NodeConfig`: the node's settings, validated once (the tools read it too)
   layouts.py   a layout's tiers opened, started and its RAM slab recovered (`ServedLayout`)
+  leasebook.py  `LeaseBook`: the engines' connections and their leases, which end with
+               the connection, a Release, the lease timeout or a quarantine
   leases.py    what a lease holds (a lending, or `Puts`: reserved slots) and how one ends
   connection.py  the listening socket and a connection's requests, dispatched in order
   hostfiles.py   the node's name lock and slabs in /dev/shm, its socket's file

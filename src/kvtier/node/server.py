@@ -19,11 +19,11 @@ With an events endpoint (`NodeConfig.events_endpoint`), the node publishes its t
 events for cache-aware routers, once for all its engines (events.py).
 
 Its parts: config.py (`NodeConfig`), counters.py, hostfiles.py (its name's lock, its socket's
-file), layouts.py (a layout's tiers opened, started, recovered), leases.py (what a lease holds),
-quarantine.py (a frozen engine's leases, kept past its connection), refusals.py (why an
-engine was refused, logged),
-connection.py (the socket and a connection's requests); here, the node's state and what each
-request does to it.
+file), layouts.py (a layout's tiers opened, started, recovered), leasebook.py (its engines'
+connections and their leases: entered, ended, taken back, quarantined), leases.py (what a
+lease holds), quarantine.py (a frozen engine's leases, kept past its connection), refusals.py
+(why an engine was refused, logged), connection.py (the socket and a connection's requests);
+here, the node's layouts, its start and stop, and what each request does to its stores.
 
 Primitives: `NodeServer`, `running_node`.
 """
@@ -34,7 +34,6 @@ import contextlib
 import dataclasses
 import errno
 import gc
-import itertools
 import logging
 import os
 import secrets
@@ -49,9 +48,7 @@ import msgspec
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
-from kvtier.core.loans import Lending
 from kvtier.core.stall import CallSlots
-from kvtier.core.store import ChunkView
 from kvtier.errors import ConfigError
 from kvtier.node.config import NodeConfig
 from kvtier.node.connection import ConnectionHandler, NodeSocketServer, send_timeout
@@ -67,16 +64,8 @@ from kvtier.node.layouts import (
     start_layout,
     unservable,
 )
-from kvtier.node.leases import (
-    Lease,
-    Puts,
-    chunks_held,
-    end_lease,
-    held_by,
-    overdue,
-    sendable,
-    spare_buffers,
-)
+from kvtier.node.leasebook import LeaseBook
+from kvtier.node.leases import Puts, end_lease, sendable, spare_buffers
 from kvtier.node.protocol import (
     HELD,
     MAX_FRAME,
@@ -91,7 +80,6 @@ from kvtier.node.protocol import (
     Reserve,
     Reserved,
 )
-from kvtier.node.quarantine import Quarantine
 from kvtier.node.refusals import Refusals
 from kvtier.tiers.shmslab import SHM_DIR
 from kvtier.units import format_size
@@ -120,31 +108,16 @@ class NodeServer:
         self.config = config
         self.generation = secrets.token_hex(8)
         self._layouts: dict[str, ServedLayout] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # `_layouts`, `_closing`
         self._building = threading.Lock()  # a new layout's tiers opening (`layout_for`)
         # Layout digest -> why its tiers last failed to open, as logged: its engines ask again
         # every retry_s, the same error logged at debug. Held under `_building`.
         self._failed_builds: dict[str, str] = {}
         self.refusals = Refusals()  # the other refusals of Hellos, logged once a reason
         self._closing = False  # `shutdown` has begun
-        self._leases: dict[int, Lease] = {}
-        # Leases taken out of `_leases` by whoever ends them (a Release, a connection's end,
-        # the lease timeout: one of them ends each), until ended: still counted by `status`
-        # (shown held until their slots are free), and their connection's spares still
-        # theirs (`_lending_open`).
-        self._ending: dict[int, Lease] = {}
-        self._lease_ids = itertools.count(1)
-        self._connections: dict[int, str] = {}  # connection id -> engine
-        # Connections whose engine checks lent slots' stamps after its copies (`Hello.stamps`):
-        # only their lendings are taken back (`_take_back_overdue`).
-        self._checking: set[int] = set()
-        self._sockets: dict[int, socket.socket] = {}  # connection id -> its socket
-        # Connections closed for a reply their engine took nothing of within
-        # lease_timeout_s (`stalled`), whose leases the engine may still write or copy: kept
-        # until its process is gone (node/quarantine.py).
-        self._quarantined: dict[int, Quarantine] = {}
         self._closed = threading.Event()  # set when `shutdown` has closed everything
         self.counters = NodeCounters()
+        self.book = LeaseBook(config.lease_timeout_s, self.counters)  # connections, leases
         self.borrow_seconds = Latencies()  # per source: RAM alone, or a tier below it
         self._held_below_calls = CallSlots(HELD_BELOW_THREADS, "kvtier-node-held-below")
         self._name_lock: int | None = hold_name(config.name)
@@ -166,7 +139,7 @@ class NodeServer:
         os.chmod(config.socket_path, 0o660)  # the node's group: its engines
         bound = config.socket_path.stat()
         self._socket_file = (bound.st_dev, bound.st_ino)  # removed at the end if still ours
-        threading.Thread(target=self._take_back_overdue, name="kvtier-node-leases",
+        threading.Thread(target=self.book.take_back_overdue, name="kvtier-node-leases",
                          daemon=True).start()
 
     def serve_forever(self) -> None:
@@ -186,13 +159,13 @@ class NodeServer:
         try:
             with self._lock:
                 self._closing = True
+            self.book.stop()
             self._server.shutdown()
             self._server.server_close()
             with self._lock:
                 layouts, self._layouts = list(self._layouts.values()), {}
-                sockets = [*self._sockets.values(),
-                           *(q.sock for q in self._quarantined.values())]
-            for sock in sockets:  # else their threads go on serving from closed stores
+            # Else their threads go on serving from closed stores.
+            for sock in self.book.sockets():
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
             deadline = time.monotonic() + self.config.stop_flush_s
@@ -205,10 +178,7 @@ class NodeServer:
                 if (found.st_dev, found.st_ino) == self._socket_file:  # not a successor's
                     self.config.socket_path.unlink()
         finally:
-            with self._lock:
-                quarantined, self._quarantined = list(self._quarantined.values()), {}
-            for quarantine in quarantined:
-                quarantine.close()
+            self.book.close()
             self._held_below_calls.close()
             if self._name_lock is not None:  # a second shutdown: the name is another's now
                 let_go_of_name(self.config.name, self._name_lock)
@@ -225,21 +195,15 @@ class NodeServer:
         counters and each layout's tiers."""
         with self._lock:
             layouts = dict(self._layouts)
-            every = [*self._leases.values(), *self._ending.values()]
-            leases = len(every)
-            engines = sorted(set(self._connections.values()))
-            holders = [(self._engine_name(lease.owner), lease.held) for lease in every]
-            # Engines whose connection was closed (a reply never read), by pid (0: not
-            # visible, their leases kept until the node stops).
-            quarantined = {q.engine: q.pid for q in self._quarantined.values()}
+        book = self.book.holdings()
         return {
             "node": self.config.name, "generation": self.generation,
-            "socket": str(self.config.socket_path), "engines": engines,
+            "socket": str(self.config.socket_path), "engines": book.engines,
             "events_endpoint": self.config.events_endpoint,
             "event_block_size": self.config.event_block_size,
             "tiers": [tier.tier_name for tier in self.config.store.tiers],
-            "connections": len(self._connections), "leases": leases, "held": held_by(holders),
-            "quarantined": quarantined,
+            "connections": book.connections, "leases": book.leases, "held": book.held,
+            "quarantined": book.quarantined,
             "counters": self.counters.snapshot(),
             "borrow_seconds": self.borrow_seconds.snapshot(),
             "layouts": {digest: {
@@ -344,7 +308,7 @@ class NodeServer:
         a frame's bound, where the run ends. `part` (a streamed Borrow): sent each part of the
         reply but the last (returned) as soon as the next chunk has not landed yet."""
         keys = [ChunkKey(k) for k in request.keys]
-        if self._lending_open(owner):
+        if self.book.lending_open(owner):
             # The connection's spares may still take an earlier lending's late reads (a run
             # cut at the frame's bound): this one reads into spares of its own.
             spares = []
@@ -386,7 +350,7 @@ class NodeServer:
                         # ended with its connection, or quarantined with it (a send timed
                         # out: an engine that checks no stamps may copy them when it wakes).
                         undo.pop_all()
-                        self._lease(owner, lending)
+                        self.book.lease(owner, lending)
                         raise
                     reply = Lent(0, [], [], None)
             failed = lending.failed_tier if lending.stopped_at == lent else None
@@ -400,7 +364,7 @@ class NodeServer:
             if not lent:
                 return reply
             undo.pop_all()  # kept until Release, or the connection's end
-        reply.lease = self._lease(owner, lending)
+        reply.lease = self.book.lease(owner, lending)
         return reply
 
     def reserve(self, owner: int, layout: ServedLayout, request: Reserve, spare: memoryview
@@ -413,7 +377,7 @@ class NodeServer:
         quota's)."""
         offsets: list[int] = []
         puts = Puts([], 0, layout.memory.chunk_bytes)
-        engine = self._engine_of(owner)
+        engine = self.book.engine_of(owner)
         try:
             for key, meta in zip(request.keys, request.metas):
                 chunk_meta = dataclasses.replace(meta.chunk_meta(), engine=engine)
@@ -436,7 +400,7 @@ class NodeServer:
             end_lease(puts)  # slots reserved before a tier raised are given back, not leaked
             raise
         self.counters.add("reserved_chunks", puts.open)
-        return Reserved(self._lease(owner, puts) if puts.open else 0, offsets)
+        return Reserved(self.book.lease(owner, puts) if puts.open else 0, offsets)
 
     def _held_below(self, layout: ServedLayout, request: Reserve, engine: str | None,
                     offsets: list[int], puts: Puts) -> None:
@@ -484,11 +448,9 @@ class NodeServer:
         """Commit (or give back) slot `request.index` of connection `owner`'s reservation;
         False: no such slot of its (another connection's lease, one ended, a lease of a node
         before a restart), nothing done."""
-        with self._lock:
-            entry = self._leases.get(request.lease)
-        if entry is None or entry.owner != owner or not isinstance(entry.held, Puts):
+        puts = self.book.puts_of(owner, request.lease)
+        if puts is None:
             return False
-        puts = entry.held
         if not 0 <= request.index < len(puts.blocks):
             return False
         taken, puts.blocks[request.index] = puts.blocks[request.index], None
@@ -509,8 +471,7 @@ class NodeServer:
             self.events.wake()  # the step's last commit: its chunks are announced now
         puts.open -= 1
         if puts.open == 0:
-            with self._lock:
-                self._leases.pop(request.lease, None)
+            self.book.committed(request.lease)
         return True
 
     def describe(self, layout: ServedLayout, request: Describe) -> None:
@@ -518,185 +479,35 @@ class NodeServer:
         if self.events is not None:
             self.events.describe(layout.model, request.chunks)
 
-    def release(self, owner: int, lease: int) -> None:
-        """End connection `owner`'s `lease` (another connection's is not its to end; one
-        taken back meanwhile is ended already)."""
-        with self._lock:
-            entry = self._leases.get(lease)
-            if entry is None or entry.owner != owner:
-                return
-        self._end([lease])
-
-    def _end(self, leases: list[int], counted: str | None = None) -> dict[int, Lease]:
-        """End `leases` (those still held: another thread may have taken one first); those
-        this call ended. Ended, then uncounted, and `counted` added to at once where
-        one was ended: a status that shows no lease shows its slots free and its counter
-        added to."""
-        with self._lock:
-            mine = {lease: self._leases.pop(lease) for lease in leases if lease in self._leases}
-            self._ending.update(mine)
-        try:
-            for entry in mine.values():
-                end_lease(entry.held)
-        finally:
-            with self._lock:
-                for lease in mine:
-                    self._ending.pop(lease, None)
-                if mine and counted is not None:
-                    self.counters.add(counted)
-        return mine
-
-    def _take_back_overdue(self) -> None:
-        """Take back every lending held past `lease_timeout_s` (checked a few times a
-        timeout, at most every second) by an engine that checks its slots' stamps (an older
-        one's never: it would take another chunk's bytes for its own), until the node
-        stops: an engine frozen or hung with its connection open pins their slots no
-        longer. Its copies, if it wakes, find their slots' stamps changed where a slot was
-        written again since (a failed load, recomputed: `Lent.stamps`). The node's own
-        thread."""
-        timeout_s = self.config.lease_timeout_s
-        while not self._closed.wait(min(1.0, timeout_s / 4)):
-            self._release_quarantined()
-            now = time.monotonic()
-            with self._lock:
-                if self._closing:
-                    return
-                due = [lease for lease, entry in self._leases.items()
-                       if entry.owner in self._checking and overdue(entry, now, timeout_s)]
-                held = {lease: chunks_held(self._leases[lease].held) for lease in due}
-            ended = self._end(due) if due else {}
-            if not ended:
-                continue
-            chunks = sum(held[lease] for lease in ended)
-            with self._lock:
-                engines = sorted({self._connections.get(entry.owner, "an engine not said")
-                                  for entry in ended.values()})
-            self.counters.add("leases_expired", len(ended))
-            self.counters.add("expired_chunks", chunks)
-            log.warning("kvtier node: %d lending(s) of %d chunk(s) held past %g s taken back "
-                        "from %s (frozen or hung?): their slots may be reused; if it wakes, "
-                        "its copies of reused slots are failed loads", len(ended), chunks,
-                        timeout_s, ", ".join(engines))
-
-    def disconnected(self, owner: int) -> None:
-        """A connection ended (the engine closed it, exited or was killed): its leases end,
-        logged naming the engine; not once the node stops (`shutdown` ends every connection
-        while their engines live: a slot one of them still copies from must not go to another's
-        store meanwhile; the next node recovers the slab as its records say)."""
-        with self._lock:
-            engine = self._connections.pop(owner, None) or "an engine not said"
-            checking = owner in self._checking
-            self._checking.discard(owner)
-            self._sockets.pop(owner, None)
-            if self._closing:
-                return
-            quarantined = owner in self._quarantined
-            # A stalled engine's reserved slots, and the lendings of one that checks no
-            # stamps, stay its own until its process is gone (`stalled`).
-            mine = [lease for lease, entry in self._leases.items() if entry.owner == owner
-                    and not (quarantined and (isinstance(entry.held, Puts) or not checking))]
-            kept = quarantined and any(entry.owner == owner for lease, entry
-                                       in self._leases.items() if lease not in mine)
-            if quarantined and not kept:
-                self._quarantined.pop(owner).close()
-            held = {lease: chunks_held(self._leases[lease].held) for lease in mine}
-        ended = self._end(mine, "disconnects_with_leases")  # counted while they end: a
-        if ended:  # status that shows no lease shows their slots free
-            log.info("kvtier node: a connection of %s ended holding %d lease(s) of %d "
-                     "chunk(s) (closed, exited or killed); released", engine, len(ended),
-                     sum(held[lease] for lease in ended))
-
-    def _engine_name(self, owner: int) -> str:
-        """Connection `owner`'s engine, as the status and the log name it (under `_lock`)."""
-        quarantined = self._quarantined.get(owner)
-        return quarantined.engine if quarantined is not None else self._connections.get(
-            owner, "an engine not said")
-
-    def stalled(self, owner: int) -> bool:
-        """Connection `owner`'s engine took nothing of a reply within `lease_timeout_s`
-        (frozen: SIGSTOP, a hung process): the connection is closed (its thread would
-        otherwise stay in the send for as long as the engine stays frozen), and its leases
-        that the engine may still write or copy when it wakes are quarantined until its
-        process is gone or, for an engine that checks stamps, until it closes its end of the
-        connection (`hung_up`); True: the caller awaits that hang-up."""
-        with self._lock:  # one hold: a `shutdown` meanwhile shuts its socket too
-            sock = self._sockets.get(owner)
-            engine = self._engine_name(owner)
-            checking = owner in self._checking
-            if sock is None or self._closing:
-                return False
-            quarantine = self._quarantined[owner] = Quarantine.of(engine, sock, checking)
-        self.counters.add("send_timeouts")
-        until = ("it closes the connection or its process is gone" if checking else
-                 "its process is gone" if quarantine.watched else
-                 "the node stops (its process cannot be watched from here: another pid "
-                 "namespace, or a kernel before 5.3)")
-        log.warning("kvtier node: %s (pid %s) took nothing of a reply for %g s (frozen or "
-                    "hung?): its connection closed; the slots it may still write are kept "
-                    "until %s", engine, quarantine.pid or "not visible",
-                    self.config.lease_timeout_s, until)
-        return checking
-
-    def hung_up(self, owner: int) -> None:
-        """The engine of stalled connection `owner` closed its end (it exited, or closed the
-        connection with no copy into its slots in flight): its quarantined leases end; not
-        once the node stops (`shutdown` shut its socket: the engine may still write them,
-        and the next node recovers the slab as its records say, as `disconnected`)."""
-        if not self._closing:
-            self._release_quarantined([owner], "closed its connection")
-
-    def _release_quarantined(self, owners: list[int] | None = None,
-                             why: str = "process ended") -> None:
-        """End the quarantined leases of `owners` (None: of the engines whose process is
-        gone: the node's own thread)."""
-        with self._lock:
-            if owners is None:
-                owners = [owner for owner, q in self._quarantined.items() if q.gone()]
-            owners = [owner for owner in owners if owner in self._quarantined]
-            ended = [self._quarantined.pop(owner) for owner in owners]
-            leases = [lease for lease, entry in self._leases.items() if entry.owner in owners]
-        for quarantine in ended:
-            quarantine.close()
-        self._end(leases)
-        if ended:
-            self.counters.add("quarantines_ended", len(ended))
-            log.info("kvtier node: %s: %s; the %d lease(s) kept since its connection was "
-                     "closed freed", ", ".join(q.engine for q in ended), why, len(leases))
-
-    def _lease(self, owner: int, held: Lending[ChunkView] | Puts) -> int:
-        with self._lock:
-            lease = next(self._lease_ids)
-            self._leases[lease] = Lease(owner, held, time.monotonic())
-            return lease
-
-    def _lending_open(self, owner: int) -> bool:
-        """Whether a lending of connection `owner` is not ended yet."""
-        with self._lock:
-            return any(entry.owner == owner and not isinstance(entry.held, Puts)
-                       for entry in (*self._leases.values(), *self._ending.values()))
-
-    def _engine_of(self, owner: int) -> str | None:
-        with self._lock:
-            return self._connections.get(owner)
-
-    def connected(self, owner: int, engine: str, stamps: bool) -> None:
-        """Connection `owner` is `engine`'s; `stamps`: it checks lent slots' stamps after
-        its copies (its lendings may be taken back: `_take_back_overdue`)."""
-        with self._lock:
-            self._connections[owner] = engine
-            if stamps:
-                self._checking.add(owner)
-            else:
-                self._checking.discard(owner)
-
+    # -- a connection's lifecycle and its leases: the book's ---------------------------------
     def opened(self, owner: int, sock: socket.socket) -> None:
         """A connection accepted (ended by `shutdown` if still open then). Its sends give up
         after `lease_timeout_s` without progress (`stalled`): a frozen engine's reply held
         its thread for as long as it stayed frozen, a 32 MiB reply's for ever."""
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
                         send_timeout(self.config.lease_timeout_s))
-        with self._lock:
-            self._sockets[owner] = sock
+        self.book.opened(owner, sock)
+
+    def connected(self, owner: int, engine: str, stamps: bool) -> None:
+        """Connection `owner` is `engine`'s (`LeaseBook.connected`)."""
+        self.book.connected(owner, engine, stamps)
+
+    def disconnected(self, owner: int) -> None:
+        """A connection ended: its leases end (`LeaseBook.disconnected`)."""
+        self.book.disconnected(owner)
+
+    def stalled(self, owner: int) -> bool:
+        """A reply went unread for `lease_timeout_s`: the connection's leases quarantined
+        (`LeaseBook.stalled`); True: the caller awaits its hang-up."""
+        return self.book.stalled(owner)
+
+    def hung_up(self, owner: int) -> None:
+        """A stalled connection's engine closed its end (`LeaseBook.hung_up`)."""
+        self.book.hung_up(owner)
+
+    def release(self, owner: int, lease: int) -> None:
+        """End connection `owner`'s `lease` (`LeaseBook.release`)."""
+        self.book.release(owner, lease)
 
 
 @contextlib.contextmanager
