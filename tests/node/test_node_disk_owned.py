@@ -29,7 +29,7 @@ def test_a_disk_directory_owned_elsewhere_refuses_the_layout_until_its_owner_clo
         in_process_node: Callable[..., AbstractContextManager[NodeServer]]) -> None:
     owner = make_tier("disk", tmp_path, LAYOUT, capacity_chunks=4)  # the node's disk path
     with in_process_node(node_tiers(tmp_path, ram_chunks=4, disk_chunks=4)) as node, \
-            caplog.at_level(logging.ERROR, "kvtier.node.server"):
+            caplog.at_level(logging.ERROR, "kvtier.node.layouts"):
         client, engine = connect(node.config.socket_path, retry_s=0.2)
         assert put_chunks(engine, [1]) == [False]  # a miss: the layout was refused
         assert client.failures >= 1

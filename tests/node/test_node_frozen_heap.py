@@ -42,7 +42,7 @@ def test_a_layouts_tiers_as_built_are_out_of_the_collectors_walks(
     with in_process_node(node_tiers(tmp_path, ram_chunks=4, disk_chunks=16)) as node:
         _, engine = connect(node.config.socket_path)
         assert not engine.contains(key(0))  # its first request's hello opens the tiers
-        (layout,) = node._layouts.values()
+        (layout,) = node.layouts.served().values()
         assert [type(t).__name__ for t in layout.store.tiers] == ["MemoryTier", "DiskTier"]
         assert walked_from(layout.store.tiers[0]) == []
         assert walked_from(layout.store.tiers[1]) == []

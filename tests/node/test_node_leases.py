@@ -162,7 +162,7 @@ def test_a_tier_that_raises_mid_reserve_leaks_no_slot(
         # A long back-off: after the failed Reserve this engine asks the node nothing more.
         _client, engine = connect(node.config.socket_path, retry_s=30)
         assert put_chunks(engine, [0]) == [True]  # the layout's store exists now
-        [layout] = node._layouts.values()
+        [layout] = node.layouts.served().values()
         real = layout.store.putting
 
         def raises_on_the_third_key(keys_done: list[int]):  # type: ignore[no-untyped-def]

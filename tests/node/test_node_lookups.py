@@ -42,7 +42,7 @@ def _store_twice_ram(engine: NodeStore) -> None:
 
 def _evicted_to_disk(node: NodeServer, ids: range) -> None:
     """Wait until the disk tier below RAM holds chunks `ids`."""
-    (layout,) = node._layouts.values()
+    (layout,) = node.layouts.served().values()
     disk = layout.store.tiers[1]
     wait_for(lambda: all(disk.contains(key(i)) for i in ids), 10, "the disk tier's writes")
 
@@ -59,7 +59,7 @@ def test_ram_lookup_never_asks_the_tiers_below(tmp_path: Path, in_process_node: 
         assert every.contains_many([key(i) for i in range(8)]) == [True] * 8
 
         # The disk tier stalls (a remote store over a dead link): the RAM lookup answers.
-        (layout,) = node._layouts.values()
+        (layout,) = node.layouts.served().values()
         release, asked = threading.Event(), threading.Event()
 
         def stalled(_key: ChunkKey) -> bool:
@@ -89,7 +89,7 @@ def test_a_slow_lookup_below_ram_is_not_a_node_down(tmp_path: Path, in_process_n
         client.slow_s = 0.5  # and the deadline of a lookup of every tier
         _store_twice_ram(engine)
         _evicted_to_disk(node, range(8))
-        (layout,) = node._layouts.values()
+        (layout,) = node.layouts.served().values()
         release = threading.Event()
         monkeypatch.setattr(layout.store.tiers[1], "contains",
                             lambda _key: release.wait(30))
@@ -149,7 +149,7 @@ def test_the_node_measures_its_remote_tiers_links(tmp_path: Path, in_process_nod
         assert 0 < speed.round_trip_s < 5 and speed.bytes_per_s > 0
         # A measure while the node is busy reads the link slow: the answer keeps the best of
         # the measures still in the window (the slow one pushed out the oldest).
-        (layout,) = node._layouts.values()
+        (layout,) = node.layouts.served().values()
         (window,) = layout.links._measures.values()
         measured = list(window)
         assert len(measured) == LINK_WINDOW and speed in measured
@@ -172,7 +172,7 @@ def test_the_first_ask_answers_the_best_of_several_measures(tmp_path: Path,
     with in_process_node(node_tiers(tmp_path, ram_chunks=4, disk_chunks=16)) as node:
         client, engine = connect(node.config.socket_path, timeout_s=30)
         assert client.welcomed() is not None  # the layout's store is built
-        (layout,) = node._layouts.values()
+        (layout,) = node.layouts.served().values()
         fast = LinkSpeed(0.001, 1e9)
         measures = iter([LinkSpeed(9.0, 1.0), fast, LinkSpeed(5.0, 1.0)])
         monkeypatch.setattr(layout.store, "measure_links", lambda: {"disk": next(measures)})

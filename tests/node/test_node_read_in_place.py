@@ -38,7 +38,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _memory(node: NodeServer) -> MemoryTier:
-    (layout,) = node._layouts.values()
+    (layout,) = node.layouts.served().values()
     return layout.memory
 
 

@@ -64,7 +64,7 @@ def test_a_full_dev_shm_names_the_slabs_of_earlier_layouts_no_engine_asks_for(
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     upgraded = dataclasses.replace(LAYOUT, tokens_per_chunk=2 * LAYOUT.tokens_per_chunk)
-    with in_process_node(config), caplog.at_level(logging.ERROR, "kvtier.node.server"):
+    with in_process_node(config), caplog.at_level(logging.ERROR, "kvtier.node.layouts"):
         monkeypatch.setattr(os, "posix_fallocate", no_room)
         _client, engine = connect(node.config.socket_path, upgraded)
         assert put_chunks(engine, [1], upgraded.bytes_per_chunk) == [False]
@@ -81,7 +81,7 @@ def test_a_full_dev_shm_is_logged_once_however_often_its_engines_ask(
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     with in_process_node(node_tiers(tmp_path, ram_chunks=4)) as node, \
-            caplog.at_level(logging.ERROR, "kvtier.node.server"):
+            caplog.at_level(logging.ERROR, "kvtier.node.layouts"):
         monkeypatch.setattr(os, "posix_fallocate", no_room)
         _client, engine = connect(node.config.socket_path, retry_s=0.05)
 

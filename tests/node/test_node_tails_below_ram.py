@@ -147,7 +147,7 @@ def test_a_stalled_tier_below_ram_costs_a_tails_lookup_its_deadline_only(
         locator = ChunkLocator({RAM_TIER: NodeProbe([client]),
                                 BELOW_TIER: NodeProbe([client], ram_only=False)},
                                max_keys=1024, timeout_s=0.5, index_first=False)
-        (layout,) = node._layouts.values()
+        (layout,) = node.layouts.served().values()
         release = threading.Event()
         monkeypatch.setattr(layout.store.tiers[1], "contains", lambda _key: release.wait(30))
         tails = [key(7), key(8)]

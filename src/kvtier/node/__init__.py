@@ -4,7 +4,8 @@ interpreter.
   server.py    `NodeServer`: the tier stack per KV layout, its RAM slab in shared memory,
                one thread per engine connection, what each request does to the stores
   config.py    `NodeConfig`: the node's settings, validated once (the tools read it too)
-  layouts.py   a layout's tiers opened, started and its RAM slab recovered (`ServedLayout`)
+  layouts.py   the layouts it serves, each built at its first engine's Hello
+               (`ServedLayouts`): its tiers opened, started, its RAM slab recovered
   leasebook.py  `LeaseBook`: the engines' connections and their leases, which end with
                the connection, a Release, the lease timeout or a quarantine
   leases.py    what a lease holds (a lending, or `Puts`: reserved slots) and how one ends

@@ -1,28 +1,39 @@
-"""A KV layout as the node serves it: its tiers opened from the node's config, its RAM slab
+"""The KV layouts a node serves: a layout's tiers opened from the node's config, its RAM slab
 named after the node and the layout in /dev/shm (a predecessor's recovered), and what its
-engines are told at their Hello. Apart from the server, which decides when a layout is built
-and holds the ones built; here is how one is opened, started and recovered.
+engines are told at their Hello; and the node's set of them (`ServedLayouts`), each built at
+its first engine's Hello, one at a time, outside the lock its engines' lookups take. Apart
+from the server, which answers requests from a layout's store.
 
-Primitives: `ServedLayout`, `slab_name`, `unservable`, `open_layout`, `start_layout`,
-`recover_ram`.
+Primitives: `ServedLayout`, `ServedLayouts`, `slab_name`, `unservable`, `open_layout`,
+`start_layout`, `recover_ram`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import gc
 import logging
+import threading
 from dataclasses import dataclass
+
+import msgspec
 
 from kvtier.core.layout import KVLayout
 from kvtier.core.store import TieredStore
+from kvtier.errors import ConfigError
 from kvtier.node.config import NodeConfig
 from kvtier.node.counters import NodeCounters
 from kvtier.node.events import NodeEvents
+from kvtier.node.hostfiles import slabs_of
 from kvtier.node.links import NodeLinks
-from kvtier.node.protocol import MAX_FRAME, Hello, Welcome
+from kvtier.node.protocol import MAX_FRAME, Hello, Refused, Welcome
+from kvtier.node.refusals import Refusals
 from kvtier.tiers import open_store
 from kvtier.tiers.manifest import NamespaceInfo
 from kvtier.tiers.memory import MemoryTier
 from kvtier.tiers.shmslab import SHM_DIR, is_own_file
+from kvtier.units import format_size
 
 log = logging.getLogger(__name__)
 
@@ -114,3 +125,127 @@ def recover_ram(digest: str, memory: MemoryTier, counters: NodeCounters) -> None
         log.info("kvtier node: layout %s: %d chunks recovered into RAM from the last "
                  "node's slab, %d dropped (torn or damaged)", digest[:16], recovered,
                  dropped)
+
+
+class ServedLayouts:
+    """The layouts a node serves: each built at its first engine's Hello, one at a time, at
+    most `NodeConfig.max_layouts`, until the node stops (`stop`). Thread-safe: each
+    connection's thread asks for its engine's."""
+
+    def __init__(self, config: NodeConfig, generation: str, events: NodeEvents | None,
+                 counters: NodeCounters) -> None:
+        self.config = config
+        self.generation = generation  # the node's, told its engines in the Welcome
+        self.events = events  # the node's KV events, a built layout's tiers added to them
+        self.counters = counters
+        self.refusals = Refusals()  # the other refusals of Hellos, logged once a reason
+        self._layouts: dict[str, ServedLayout] = {}
+        self._lock = threading.Lock()  # `_layouts`, `_stopping`
+        self._stopping = False  # `stop`: no layout is entered from then on
+        self._building = threading.Lock()  # a new layout's tiers opening (`layout_for`)
+        # Layout digest -> why its tiers last failed to open, as logged: its engines ask again
+        # every retry_s, the same error logged at debug. Held under `_building`.
+        self._failed_builds: dict[str, str] = {}
+
+    def served(self) -> dict[str, ServedLayout]:
+        """The layouts built, by digest (a copy: the status reads it)."""
+        with self._lock:
+            return dict(self._layouts)
+
+    def stop(self) -> None:
+        """The node stops: no layout is entered from now on (one whose tiers are opening
+        meanwhile is closed, its engine refused)."""
+        with self._lock:
+            self._stopping = True
+
+    def take_all(self) -> list[ServedLayout]:
+        """The layouts built, taken out (the node closes their stores once its connections
+        are shut)."""
+        with self._lock:
+            layouts, self._layouts = list(self._layouts.values()), {}
+        return layouts
+
+    def layout_for(self, hello: Hello) -> ServedLayout | Refused:
+        """The store of the engine's layout, built at its first engine's hello."""
+        try:
+            layout = msgspec.convert(hello.layout, KVLayout)
+        except (msgspec.ValidationError, ConfigError) as exc:
+            return self.refusals.refuse(hello, f"bad layout: {exc}")
+        refusal = unservable(layout, self.config.store.tiers[0].capacity)
+        if refusal is not None:
+            return self.refusals.refuse(hello, refusal)
+        digest = layout.digest()
+        with self._lock:
+            known = self._layouts.get(digest)
+        if known is not None:
+            return known
+        # Built one at a time, outside `_lock`: a tier that takes long to open (a dead mount)
+        # holds up other layouts' first engines, never the node's status, leases or stop.
+        with self._building:
+            with self._lock:
+                known = self._layouts.get(digest)
+                if known is not None:
+                    return known
+                if len(self._layouts) >= self.config.max_layouts:
+                    return self.refusals.refuse(hello, f"the node holds {len(self._layouts)} "
+                                                "layouts (max_layouts)", "raise --max-layouts")
+                if self._stopping:
+                    return Refused("the node is stopping")
+            built = self._build(digest, layout, hello)
+            if isinstance(built, Refused):
+                return built
+            known = built
+        # The layout's tiers are built: the heap is frozen, as vLLM freezes an engine's once
+        # started (`freeze_gc_heap`), so that no full collection walks the maps that grow from
+        # here on (a disk tier's CLOCK ring of 2 million keys, rebuilt in place: ~30 ms a
+        # collection, every connection's thread stopped meanwhile; frozen: none). Once a
+        # layout, a few ms.
+        gc.collect()
+        gc.freeze()
+        # A predecessor's slab (a restart) is recovered behind the engines' requests.
+        threading.Thread(target=recover_ram, args=(digest, known.memory, self.counters),
+                         daemon=True, name=f"kvtier-recover-{digest[:8]}").start()
+        return known
+
+    def _build(self, digest: str, layout: KVLayout, hello: Hello) -> ServedLayout | Refused:
+        """Open the tiers of a new layout and enter it (unless the node stopped meanwhile:
+        `stop`)."""
+        try:
+            built = open_layout(self.config, digest, layout, hello, self.generation,
+                                events=self.events is not None)
+        except OSError as exc:  # /dev/shm full (ENOSPC), a tier's directory unwritable
+            stale = self._unused_slabs() if exc.errno == errno.ENOSPC else ""
+            said = f"{exc}{stale}"
+            again, self._failed_builds[digest] = self._failed_builds.get(digest) == said, said
+            log.log(logging.DEBUG if again else logging.ERROR,
+                    "kvtier node: layout %s (%s): its tiers cannot open (%s); engines "
+                    "of this layout are refused until they can%s", digest[:16],
+                    hello.model, exc, stale)
+            return Refused(f"the node cannot open this layout's tiers: {exc} (its RAM "
+                           f"slab is {SHM_DIR / slab_name(self.config.name, digest)}){stale}")
+        with self._lock:
+            entered = not self._stopping
+            if entered:
+                self._layouts[digest] = built
+        if not entered:  # the node stopped meanwhile: its new slab, empty, is not kept (a
+            built.memory.keep_shared_memory = False  # successor would take it for the one aside)
+            built.store.close(0.0)
+            return Refused("the node is stopping")
+        self._failed_builds.pop(digest, None)  # a later failure is news
+        start_layout(built, layout, digest, self.events)
+        return built
+
+    def _unused_slabs(self) -> str:
+        """The slabs of this node's name that no running node holds (layouts of earlier
+        nodes: kept for a successor to recover, never swept, as their model may come back),
+        as a note for an error about a full /dev/shm; "" when there are none."""
+        with self._lock:  # this node's; no other node of its name runs (`hold_name`)
+            mine = {slab_name(self.config.name, digest) for digest in self._layouts}
+        unused = []
+        for path in slabs_of(self.config.name, aside=True):
+            with contextlib.suppress(OSError):
+                if path.name not in mine:
+                    unused.append(f"{path} ({format_size(path.stat().st_size)})")
+        return "" if not unused else (
+            "; slabs of this node's earlier layouts no engine asks for now hold "
+            f"{SHM_DIR}: {', '.join(unused)} (remove those of models no longer served)")

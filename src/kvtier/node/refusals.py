@@ -25,7 +25,7 @@ MAX_REMEMBERED = 256
 
 
 class Refusals:
-    """The refusals the node logged (the `NodeServer`'s; thread-safe)."""
+    """The refusals the node logged (its `ServedLayouts`'; thread-safe)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

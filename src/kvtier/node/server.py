@@ -19,11 +19,12 @@ With an events endpoint (`NodeConfig.events_endpoint`), the node publishes its t
 events for cache-aware routers, once for all its engines (events.py).
 
 Its parts: config.py (`NodeConfig`), counters.py, hostfiles.py (its name's lock, its socket's
-file), layouts.py (a layout's tiers opened, started, recovered), leasebook.py (its engines'
-connections and their leases: entered, ended, taken back, quarantined), leases.py (what a
-lease holds), quarantine.py (a frozen engine's leases, kept past its connection), refusals.py
-(why an engine was refused, logged), connection.py (the socket and a connection's requests);
-here, the node's layouts, its start and stop, and what each request does to its stores.
+file), layouts.py (the layouts it serves, each built at its first engine's Hello: its tiers
+opened, started, recovered), leasebook.py (its engines' connections and their leases:
+entered, ended, taken back, quarantined), leases.py (what a lease holds), quarantine.py (a
+frozen engine's leases, kept past its connection), refusals.py (why an engine was refused,
+logged), connection.py (the socket and a connection's requests); here, the node's start and
+stop, its status, and what each request does to its stores.
 
 Primitives: `NodeServer`, `running_node`.
 """
@@ -32,8 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
-import gc
 import logging
 import os
 import secrets
@@ -44,26 +43,15 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-import msgspec
-
 from kvtier.core.keys import ChunkKey
-from kvtier.core.layout import KVLayout
 from kvtier.core.stall import CallSlots
-from kvtier.errors import ConfigError
 from kvtier.node.config import NodeConfig
 from kvtier.node.connection import ConnectionHandler, NodeSocketServer, send_timeout
 from kvtier.node.counters import NodeCounters
 from kvtier.node.events import NodeEvents
-from kvtier.node.hostfiles import clear_stale_socket, hold_name, let_go_of_name, slabs_of
+from kvtier.node.hostfiles import clear_stale_socket, hold_name, let_go_of_name
 from kvtier.node.latency import Latencies
-from kvtier.node.layouts import (
-    ServedLayout,
-    open_layout,
-    recover_ram,
-    slab_name,
-    start_layout,
-    unservable,
-)
+from kvtier.node.layouts import ServedLayout, ServedLayouts
 from kvtier.node.leasebook import LeaseBook
 from kvtier.node.leases import Puts, end_lease, sendable, spare_buffers
 from kvtier.node.protocol import (
@@ -80,9 +68,6 @@ from kvtier.node.protocol import (
     Reserve,
     Reserved,
 )
-from kvtier.node.refusals import Refusals
-from kvtier.tiers.shmslab import SHM_DIR
-from kvtier.units import format_size
 
 log = logging.getLogger(__name__)
 # What a Reserve may spend asking the tiers below RAM whether they hold the chunks RAM has no
@@ -107,13 +92,6 @@ class NodeServer:
         """
         self.config = config
         self.generation = secrets.token_hex(8)
-        self._layouts: dict[str, ServedLayout] = {}
-        self._lock = threading.Lock()  # `_layouts`, `_closing`
-        self._building = threading.Lock()  # a new layout's tiers opening (`layout_for`)
-        # Layout digest -> why its tiers last failed to open, as logged: its engines ask again
-        # every retry_s, the same error logged at debug. Held under `_building`.
-        self._failed_builds: dict[str, str] = {}
-        self.refusals = Refusals()  # the other refusals of Hellos, logged once a reason
         self._closing = False  # `shutdown` has begun
         self._closed = threading.Event()  # set when `shutdown` has closed everything
         self.counters = NodeCounters()
@@ -135,6 +113,7 @@ class NodeServer:
             let_go_of_name(config.name, self._name_lock)
             self._name_lock = None
             raise
+        self.layouts = ServedLayouts(config, self.generation, self.events, self.counters)
         self._server.node = self
         os.chmod(config.socket_path, 0o660)  # the node's group: its engines
         bound = config.socket_path.stat()
@@ -157,13 +136,12 @@ class NodeServer:
         miss, then find the next node), close every store (writes behind RAM are flushed)
         and remove the socket and the shared memory."""
         try:
-            with self._lock:
-                self._closing = True
+            self._closing = True
+            self.layouts.stop()
             self.book.stop()
             self._server.shutdown()
             self._server.server_close()
-            with self._lock:
-                layouts, self._layouts = list(self._layouts.values()), {}
+            layouts = self.layouts.take_all()
             # Else their threads go on serving from closed stores.
             for sock in self.book.sockets():
                 with contextlib.suppress(OSError):
@@ -193,8 +171,7 @@ class NodeServer:
     def status(self) -> dict[str, Any]:
         """What `kvtier node status` prints: engines, leases (and what each engine holds),
         counters and each layout's tiers."""
-        with self._lock:
-            layouts = dict(self._layouts)
+        layouts = self.layouts.served()
         book = self.book.holdings()
         return {
             "node": self.config.name, "generation": self.generation,
@@ -216,89 +193,9 @@ class NodeServer:
 
     # -- requests ---------------------------------------------------------------------------
     def layout_for(self, hello: Hello) -> ServedLayout | Refused:
-        """The store of the engine's layout, built at its first engine's hello."""
-        try:
-            layout = msgspec.convert(hello.layout, KVLayout)
-        except (msgspec.ValidationError, ConfigError) as exc:
-            return self.refusals.refuse(hello, f"bad layout: {exc}")
-        refusal = unservable(layout, self.config.store.tiers[0].capacity)
-        if refusal is not None:
-            return self.refusals.refuse(hello, refusal)
-        digest = layout.digest()
-        with self._lock:
-            known = self._layouts.get(digest)
-        if known is not None:
-            return known
-        # Built one at a time, outside the node's lock: a tier that takes long to open (a
-        # dead mount) holds up other layouts' first engines, never the node's status, leases
-        # or stop.
-        with self._building:
-            with self._lock:
-                known = self._layouts.get(digest)
-                if known is not None:
-                    return known
-                if len(self._layouts) >= self.config.max_layouts:
-                    return self.refusals.refuse(hello, f"the node holds {len(self._layouts)} "
-                                                "layouts (max_layouts)", "raise --max-layouts")
-                if self._closing:
-                    return Refused("the node is stopping")
-            built = self._build(digest, layout, hello)
-            if isinstance(built, Refused):
-                return built
-            known = built
-        # The layout's tiers are built: the heap is frozen, as vLLM freezes an engine's once
-        # started (`freeze_gc_heap`), so that no full collection walks the maps that grow from
-        # here on (a disk tier's CLOCK ring of 2 million keys, rebuilt in place: ~30 ms a
-        # collection, every connection's thread stopped meanwhile; frozen: none). Once a
-        # layout, a few ms.
-        gc.collect()
-        gc.freeze()
-        # A predecessor's slab (a restart) is recovered behind the engines' requests.
-        threading.Thread(target=recover_ram, args=(digest, known.memory, self.counters),
-                         daemon=True, name=f"kvtier-recover-{digest[:8]}").start()
-        return known
-
-    def _build(self, digest: str, layout: KVLayout, hello: Hello) -> ServedLayout | Refused:
-        """Open the tiers of a new layout and enter it (unless the node stopped meanwhile)."""
-        try:
-            built = open_layout(self.config, digest, layout, hello, self.generation,
-                                events=self.events is not None)
-        except OSError as exc:  # /dev/shm full (ENOSPC), a tier's directory unwritable
-            stale = self._unused_slabs() if exc.errno == errno.ENOSPC else ""
-            said = f"{exc}{stale}"
-            again, self._failed_builds[digest] = self._failed_builds.get(digest) == said, said
-            log.log(logging.DEBUG if again else logging.ERROR,
-                    "kvtier node: layout %s (%s): its tiers cannot open (%s); engines "
-                    "of this layout are refused until they can%s", digest[:16],
-                    hello.model, exc, stale)
-            return Refused(f"the node cannot open this layout's tiers: {exc} (its RAM "
-                           f"slab is {SHM_DIR / slab_name(self.config.name, digest)}){stale}")
-        with self._lock:
-            entered = not self._closing
-            if entered:
-                self._layouts[digest] = built
-        if not entered:  # the node stopped meanwhile: its new slab, empty, is not kept (a
-            built.memory.keep_shared_memory = False  # successor would take it for the one aside)
-            built.store.close(0.0)
-            return Refused("the node is stopping")
-        self._failed_builds.pop(digest, None)  # a later failure is news
-        start_layout(built, layout, digest, self.events)
-        return built
-
-    def _unused_slabs(self) -> str:
-        """The slabs of this node's name that no running node holds (layouts of earlier
-        nodes: kept for a successor to recover, never swept, as their model may come back),
-        as a note for an error about a full /dev/shm; "" when there are none."""
-        with self._lock:  # this node's; no other node of its name runs (`hold_name`)
-            mine = {slab_name(self.config.name, digest) for digest in self._layouts}
-        unused = []
-        for path in slabs_of(self.config.name, aside=True):
-            with contextlib.suppress(OSError):
-                if path.name not in mine:
-                    unused.append(f"{path} ({format_size(path.stat().st_size)})")
-        return "" if not unused else (
-            "; slabs of this node's earlier layouts no engine asks for now hold "
-            f"{SHM_DIR}: {', '.join(unused)} (remove those of models no longer served)")
+        """The store of the engine's layout, built at its first engine's hello
+        (`ServedLayouts.layout_for`)."""
+        return self.layouts.layout_for(hello)
 
     def borrow(self, owner: int, layout: ServedLayout, request: Borrow, spares: list[memoryview],
                part: Callable[[Lent], None] | None = None) -> Lent:
