@@ -56,10 +56,13 @@ def test_serve_refuses_a_config_whose_first_tier_is_not_memory(tmp_path: Path) -
 
 
 def test_status_prints_what_engines_call_themselves_verbatim(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """An engine names itself in its Hello (any string), an operator its socket: the table
     read both as rich markup, mangling them (`[b]` bold, `[/]` its end), or ending `kvtier
     node status` with a MarkupError (a `[/]` with nothing to close)."""
+    # Wide: at 80 columns a long temp path (an xdist worker's) wrapped inside "n[b].sock".
+    monkeypatch.setenv("COLUMNS", "400")
     socket_path = tmp_path / "n[b].sock"
     config = NodeConfig(StoreConfig.parse({"tiers": [{"kind": "memory", "capacity": "1MiB"}]}),
                         socket_path, name=f"cli-{tmp_path.name}"[:40], keep_ram=False)
