@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
+import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +34,7 @@ from kvtier.tiers.manifest import NamespaceManifest, is_layout_name
 log = logging.getLogger(__name__)
 SUFFIX = ".kvc"
 GC_BATCH_FILES = 64  # files `FileInventory.remove` deletes per hold of the ledger's lock
+CLOCK_FILE_PREFIX = ".kvtier-clock-"  # `FileInventory.now_s`'s file in the root, removed at once
 
 
 class ChunkFilesLike(Protocol):
@@ -213,6 +216,35 @@ class FileInventory:
             if key is not None:  # temp files are not chunks
                 yield StoredChunk(entry.layout_digest, key.hex(), entry.size_bytes, entry.mtime,
                                   (str(self.root.joinpath(*entry.parts())),))
+
+    def now_s(self) -> float:
+        """`StorageClock`: now by the clock that stamps the directory's mtimes (on NFS the
+        server's), read off a file created in the root and removed at once (walks and
+        inventories never list the root's files); this host's clock where none can be
+        created (a read-only mount, a user who may only read: logged). Never raises."""
+        name = f"{CLOCK_FILE_PREFIX}{uuid.uuid4().hex}.tmp"
+        try:
+            root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as exc:
+            return self._hosts_clock(exc)
+        try:
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o600, dir_fd=root_fd)
+            try:
+                return os.fstat(fd).st_mtime
+            finally:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=root_fd)
+        except OSError as exc:
+            return self._hosts_clock(exc)
+        finally:
+            os.close(root_fd)
+
+    def _hosts_clock(self, exc: OSError) -> float:
+        log.warning("%s: the directory's clock cannot be read (%s); ages are taken by this "
+                    "host's clock", self.root, exc)
+        return time.time()
 
     def manifests(self) -> dict[str, NamespaceManifest | None]:
         """Each layout directory's manifest.json (`ManifestSource`, tiers/manifest.py)."""

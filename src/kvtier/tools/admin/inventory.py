@@ -17,13 +17,14 @@ live in a process and have nothing to inspect. An inventory that also offers
 `ManifestSource` reads (and `kvtier gc` removes) manifests.
 
 Primitives: `StoredChunk`, `NamespaceUsage`, `Inventory` (protocol; both from
-kvtier.core.tier), `OrphanSource`, `ManifestSource` and `UnusedRemoval` (its optional
-abilities), `Removal`,
+kvtier.core.tier), `OrphanSource`, `ManifestSource`, `UnusedRemoval` and `StorageClock`
+(its optional abilities), `storage_now`, `Removal`,
 `persistent_tiers`, `open_inventories`, `read_manifests`, `summarize`, `UNKNOWN`.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,8 +39,8 @@ from kvtier.tiers.registry import public_kinds, tier_class
 from kvtier.tiers.storeconfig import StoreConfig, TierSettings
 
 __all__ = ["UNKNOWN", "Inventory", "ManifestSource", "NamespaceUsage", "OrphanSource",
-           "Removal", "StoredChunk", "UnusedRemoval", "open_inventories", "persistent_tiers",
-           "read_manifests", "summarize"]
+           "Removal", "StorageClock", "StoredChunk", "UnusedRemoval", "open_inventories",
+           "persistent_tiers", "read_manifests", "storage_now", "summarize"]
 UNKNOWN = "unknown"  # model and fingerprint of a namespace without a (valid) manifest
 
 
@@ -100,6 +101,27 @@ class UnusedRemoval(Protocol):
         """Delete these chunks, each unless used since it was listed (later than its
         `last_used_s`), checked just before it goes. Raises what `Inventory.remove` raises."""
         ...
+
+
+@runtime_checkable
+class StorageClock(Protocol):
+    """An optional ability of an `Inventory` whose times of use (`StoredChunk.last_used_s`)
+    are stamped by the storage's own clock, not this host's (a file's mtime: on NFS the
+    server's): now by that clock, so that an age is one clock's difference. A gc host whose
+    clock ran 10 minutes ahead took, with `--max-age 15m`, every chunk idle for 5 minutes
+    for an idle one (tests/tools/test_gc_clock_skew.py). Redis' times are this host's (its
+    clock less the server's idle time): it needs none."""
+
+    def now_s(self) -> float:
+        """Unix time now by the storage's clock; this host's where it cannot be read.
+        Never raises."""
+        ...
+
+
+def storage_now(inventory: Inventory) -> float:
+    """Now by the clock `inventory`'s times of use are stamped by (`StorageClock`), or by
+    this host's."""
+    return inventory.now_s() if isinstance(inventory, StorageClock) else time.time()
 
 
 def read_manifests(inventory: Inventory) -> dict[str, NamespaceManifest | None]:

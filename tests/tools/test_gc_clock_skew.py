@@ -1,0 +1,91 @@
+"""`kvtier gc --max-age` on a host whose clock is not the shared directory's.
+
+A chunk file's mtime (its last use: every hit touches it) is stamped by the filesystem's
+clock (on NFS the server's); gc measured its age against the clock of the host it ran on (a
+cron job on any node, an operator's laptop). Run from a host 10 minutes ahead, `--max-age 15m`
+deleted every chunk idle for more than 5 minutes, chunks the fleet was reading included; from
+a host behind, it kept idle ones. gc now reads the filesystem's clock off a file it creates
+in the tier's root and removes at once (`FileInventory.now_s`).
+
+The gc host's clock is skewed by replacing `time` in gc's module (the fault injected); the
+directory, its chunks and their mtimes are real.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tierkit import key, tiny_layout
+
+from kvtier.tiers import build_tier
+from kvtier.tiers.files.chunktree import FileInventory
+from kvtier.tiers.files.shared import SharedTierConfig
+from kvtier.tools.admin import gc as gc_module
+from kvtier.tools.admin.gc import GcRequest, run_gc
+
+LAYOUT = tiny_layout()
+AHEAD_S = 600.0
+MAX_AGE_S = 900.0
+IDLE_S = (300.0, 600.0, 1200.0, 1800.0)  # how long each chunk has been idle
+
+
+def skewed_time(ahead_s: float) -> types.SimpleNamespace:
+    """The `time` module as a host `ahead_s` ahead of the filesystem sees it."""
+    return types.SimpleNamespace(time=lambda: time.time() + ahead_s,
+                                 monotonic=time.monotonic, perf_counter=time.perf_counter)
+
+
+def engine_with_idle_chunks(root: Path) -> Any:
+    """A running shared tier holding one chunk per IDLE_S, each last used that long ago by
+    the filesystem's clock (this host's, for a local directory)."""
+    engine: Any = build_tier(SharedTierConfig(kind="shared", path=root, capacity=64 * 8192),
+                             LAYOUT)
+    data = memoryview(bytes(LAYOUT.bytes_per_chunk))
+    now = time.time()
+    for i, idle_s in enumerate(IDLE_S):
+        assert engine.put(key(i), data)
+        os.utime(engine.files.path_of(key(i)), (now - idle_s, now - idle_s))
+    return engine
+
+
+@pytest.mark.parametrize("ahead_s", [AHEAD_S, -AHEAD_S], ids=["ahead", "behind"])
+def test_max_age_is_measured_by_the_filesystems_clock(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ahead_s: float) -> None:
+    engine = engine_with_idle_chunks(tmp_path / "shared")
+    monkeypatch.setattr(gc_module, "time", skewed_time(ahead_s))
+    inventory = FileInventory("shared", "shared", tmp_path / "shared", 0o600)
+    [outcome] = run_gc([inventory], GcRequest(max_age_s=MAX_AGE_S))
+    held = [engine.contains(key(i)) for i in range(len(IDLE_S))]
+    assert held == [idle_s <= MAX_AGE_S for idle_s in IDLE_S], \
+        f"a gc host {ahead_s:+.0f} s off the filesystem's clock took ages by its own"
+    assert outcome.removed_chunks == 2
+    assert not [p for p in (tmp_path / "shared").iterdir() if p.is_file()
+                and not p.name.startswith(".kvtier-quota")], "gc left its clock file"
+    engine.close()
+
+
+def test_a_read_only_root_falls_back_to_the_hosts_clock(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where gc cannot create a file in the root (a dry run by a user who may only read),
+    ages are taken by this host's clock, as before, and nothing fails."""
+    engine = engine_with_idle_chunks(tmp_path / "shared")
+    inventory = FileInventory("shared", "shared", tmp_path / "shared", 0o600)
+    real_open = os.open
+
+    def refused(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if flags & os.O_CREAT and ".kvtier-clock-" in os.fspath(path):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refused)
+    assert abs(inventory.now_s() - time.time()) < 60
+    [outcome] = run_gc([inventory], GcRequest(max_age_s=MAX_AGE_S, dry_run=True))
+    assert outcome.removed_chunks == 2 and outcome.dry_run
+    monkeypatch.undo()
+    assert all(engine.contains(key(i)) for i in range(len(IDLE_S)))
+    engine.close()
