@@ -126,6 +126,37 @@ def test_a_damaged_journal_costs_its_bad_lines_only(tmp_path: Path) -> None:
     assert held(again, [0, 1]) == [0, 1]
 
 
+def test_a_short_append_costs_its_own_line_only(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full filesystem cut an append short (write(2) took part of the line): the next
+    line was appended to the torn one, and that chunk lost its pin at the restart too. A
+    short append is now taken back (the file cut to where the line began)."""
+    import time
+
+    from kvtier.tiers.files import retention_journal
+
+    now = time.time()
+    tier = disk(tmp_path, 8)
+    assert put(tier, 0, ChunkMeta(retain_until=now + 600))
+    real_write = os.write
+
+    def short_write(fd: int, data: bytes) -> int:  # ENOSPC after part of the line
+        return real_write(fd, data[: len(data) // 2])
+
+    monkeypatch.setattr(retention_journal.os, "write", short_write)
+    assert put(tier, 1, ChunkMeta(retain_until=now + 600))
+    monkeypatch.undo()
+    assert put(tier, 2, ChunkMeta(retain_until=now + 600))
+    tier.close()
+    again = disk(tmp_path, 8)
+    assert again.meta_of(key(0)) == ChunkMeta(None, now + 600, None)
+    assert again.meta_of(key(1)) is None  # its line was not written: stored, unpinned
+    assert again.meta_of(key(2)) == ChunkMeta(None, now + 600, None), \
+        "the line appended after a short one was lost with it"
+    assert again._journal.skipped_lines == 0
+    again.close()
+
+
 def test_the_store_writes_pins_behind_to_disk(tmp_path: Path) -> None:
     import time
 

@@ -4,7 +4,8 @@ a restart keeps them (`kvtier.core.retention`). Only a request's expiry: one the
 
 One JSON object a line in `<layout directory>/retention.jsonl` (a name the chunk scan skips):
 `{"key": HEX, "tenant": ID|null, "retain_until": S|null, "expires_at": S|null}`, appended
-(O_APPEND; a line is far below PIPE_BUF) whenever a chunk is stored or retained with metadata;
+(O_APPEND; a line is far below PIPE_BUF; one cut short by a full filesystem is cut off again,
+so that the next line does not join it) whenever a chunk is stored or retained with metadata;
 the last line of a key wins. A chunk stored again without metadata (evicted or deleted since
 its lines were written) gets a line of nulls (`forget`): it has none now, and its old pin or
 expiry must not come back at a restart. At start-up the tier reads it, applies the lines of
@@ -22,6 +23,7 @@ Primitives: `RetentionJournal`.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -128,7 +130,7 @@ class RetentionJournal:
         try:
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NO_LINKS, 0o600)
             try:
-                os.write(fd, data)
+                _append_whole(fd, data)
             finally:
                 os.close(fd)
         except OSError as exc:
@@ -141,6 +143,22 @@ class RetentionJournal:
         else:
             self._keys.add(key)
         return self._lines > live_entries + COMPACT_SLACK_LINES
+
+
+def _append_whole(fd: int, data: bytes) -> None:
+    """Append `data` (one line) to the file `fd` (O_APPEND; its one writer holds the lock),
+    or nothing: a write cut short (a full filesystem) is cut off the file again, else the
+    next line was appended to the torn one and lost with it at a restart
+    (tests/tiers/test_disk_retention.py).
+
+    Raises:
+        OSError: the write failed (ENOSPC for a short one).
+    """
+    size_before = os.fstat(fd).st_size
+    written = os.write(fd, data)
+    if written != len(data):
+        os.ftruncate(fd, size_before)
+        raise OSError(errno.ENOSPC, f"short write: {written} of {len(data)} bytes")
 
 
 def _line(key: ChunkKey, meta: ChunkMeta) -> str:
