@@ -83,7 +83,16 @@ class LinkTimeout(KVTierError):
 
 class CorruptChunk(KVTierError):
     """Stored chunk data failed verification (magic, version, layout, key, size or checksum).
-    The tier that read it removes it and reports a miss."""
+    The tier that read it removes it and reports a miss.
+
+    `file_id`: (st_dev, st_ino, st_ctime_ns) of the chunk file that failed, where a file
+    tier read one (`kvtier.tiers.files.filetree.file_id`): that file is the one removed, never
+    a good copy another writer placed at its path since
+    (tests/faults/test_corrupt_copy_replaced.py)."""
+
+    def __init__(self, *args: object, file_id: tuple[int, int, int] | None = None) -> None:
+        super().__init__(*args)
+        self.file_id = file_id
 
 
 class CodecFailure(CorruptChunk):

@@ -56,6 +56,8 @@ from kvtier.core.throttled import ThrottledWarning
 from kvtier.errors import CorruptChunk
 from kvtier.tiers.files.chunktree import TreeScan, chunk_parts, chunk_path, scan_tree
 from kvtier.tiers.files.filetree import (
+    FileId,
+    file_id,
     lstat_file,
     make_root,
     open_dir,
@@ -256,7 +258,8 @@ class ChunkFiles:
             CorruptChunk: the file is short, long, not a regular file (a FIFO, a device, a
                 symlink, or a link on the way), or fails header or checksum verification;
                 KeyNotHeld / AuthFailure / CodecFailure (CorruptChunks): it cannot be opened
-                or decoded here (`kvtier.core.chunkformat.failure_of` tells which).
+                or decoded here (`kvtier.core.chunkformat.failure_of` tells which). Its
+                `file_id` names the file read, for `remove`.
             OSError: any other read failure.
         """
         parts = chunk_parts(self.layout_digest, key)
@@ -271,37 +274,46 @@ class ChunkFiles:
             fd = self._open_regular(dir_fd, parts[-1])
         finally:
             os.close(dir_fd)
-        header, staging = self._buffers()
         try:
-            size = os.fstat(fd).st_size
-            if size % ALIGN_BYTES or not HEADER_BYTES < size <= self.max_file_bytes:
-                raise CorruptChunk(f"file is {size} bytes, not a chunk file of this layout "
-                                   f"(at most {self.max_file_bytes})")
-            # A chunk stored as is lands in `out` straight from the medium (O_DIRECT, no
-            # bounce); an encoded one (smaller, or larger by a seal) in the staging buffer,
-            # then is decoded into `out`.
-            in_place = size == self.file_bytes and _aligned(out) \
-                and len(out) == size - HEADER_BYTES
-            if in_place:
-                got = os.preadv(fd, [header, out], 0)
-                body = out
-            else:
-                got = os.preadv(fd, [memoryview(staging)[:size]], 0)
-                header[:] = staging[:HEADER_BYTES]
-                body = memoryview(staging)[HEADER_BYTES:size]
-            if got != size:
-                raise CorruptChunk(f"short read: {got} of {size} bytes")
-            chunk = read_header(memoryview(header), key, self.layout_digest)
-            if stored_size(chunk.body_bytes) != size:
-                raise CorruptChunk(f"file is {size} bytes, its header says {chunk.body_bytes}")
-            if body is out and not chunk.plain:  # an encoded chunk of the plain size: rare
-                staging[HEADER_BYTES:size] = out
-                body = memoryview(staging)[HEADER_BYTES:size]
-            self.encoder.decode(key, chunk, body[: chunk.body_bytes], out, tenant)
-            if touch:  # only a chunk read whole: one sealed under a key not held here ages
-                self._touch_open(fd)  # out (a rotated secret's chunks), as a corrupt one goes
+            info = os.fstat(fd)
+            self._read_open(key, fd, info.st_size, out, tenant, touch)
+        except CorruptChunk as exc:  # this file: not what is at the path when it is removed
+            exc.file_id = exc.file_id or file_id(info)
+            raise
         finally:
             os.close(fd)
+
+    def _read_open(self, key: ChunkKey, fd: int, size: int, out: memoryview,
+                   tenant: str | None, touch: bool) -> None:
+        """`read_into`'s read, verification and decoding of the open chunk file `fd` (of
+        `size` bytes). Raises what `read_into` raises."""
+        header, staging = self._buffers()
+        if size % ALIGN_BYTES or not HEADER_BYTES < size <= self.max_file_bytes:
+            raise CorruptChunk(f"file is {size} bytes, not a chunk file of this layout "
+                               f"(at most {self.max_file_bytes})")
+        # A chunk stored as is lands in `out` straight from the medium (O_DIRECT, no
+        # bounce); an encoded one (smaller, or larger by a seal) in the staging buffer,
+        # then is decoded into `out`.
+        in_place = size == self.file_bytes and _aligned(out) \
+            and len(out) == size - HEADER_BYTES
+        if in_place:
+            got = os.preadv(fd, [header, out], 0)
+            body = out
+        else:
+            got = os.preadv(fd, [memoryview(staging)[:size]], 0)
+            header[:] = staging[:HEADER_BYTES]
+            body = memoryview(staging)[HEADER_BYTES:size]
+        if got != size:
+            raise CorruptChunk(f"short read: {got} of {size} bytes")
+        chunk = read_header(memoryview(header), key, self.layout_digest)
+        if stored_size(chunk.body_bytes) != size:
+            raise CorruptChunk(f"file is {size} bytes, its header says {chunk.body_bytes}")
+        if body is out and not chunk.plain:  # an encoded chunk of the plain size: rare
+            staging[HEADER_BYTES:size] = out
+            body = memoryview(staging)[HEADER_BYTES:size]
+        self.encoder.decode(key, chunk, body[: chunk.body_bytes], out, tenant)
+        if touch:  # only a chunk read whole: one sealed under a key not held here ages
+            self._touch_open(fd)  # out (a rotated secret's chunks), as a corrupt one goes
 
     def _open_regular(self, dir_fd: int, name: str) -> int:
         """An fd of the regular file `name`, opened for reading without blocking on a FIFO
@@ -337,6 +349,16 @@ class ChunkFiles:
         except OSError:
             return False
 
+    def replaced(self, key: ChunkKey, read: FileId) -> bool:
+        """Whether a file other than `read` (a `CorruptChunk`'s `file_id`) is at the
+        chunk's path now: a copy placed since that file was read. One lstat per
+        component; never raises (an error: False)."""
+        try:
+            info = lstat_file(self.root, chunk_parts(self.layout_digest, key), self.ops)
+        except OSError:
+            return False
+        return info is not None and file_id(info) != read
+
     def _touch_open(self, fd: int) -> None:
         self.ops.add(other=1)
         # a read-only directory, or another user's file: the order is only advisory
@@ -359,13 +381,17 @@ class ChunkFiles:
         finally:
             os.close(dir_fd)
 
-    def remove(self, key: ChunkKey, failed: dict[ChunkKey, None] | None = None) -> int | None:
+    def remove(self, key: ChunkKey, failed: dict[ChunkKey, None] | None = None,
+               same_file: FileId | None = None) -> int | None:
         """Delete the chunk's file (or whatever non-directory sits at its path, never
-        through a link). None when nothing was removed; else the bytes that freed (0 for a
+        through a link); with `same_file` (a `CorruptChunk`'s `file_id`), only if it is
+        still that file.
+        None when nothing was removed; else the bytes that freed (0 for a
         link or special file). Never raises: a read-only directory keeps its files (logged,
         and the key added last to `failed` when given: the disk tier removes them later)."""
         try:
-            return unlink_file(self.root, chunk_parts(self.layout_digest, key), self.ops)
+            return unlink_file(self.root, chunk_parts(self.layout_digest, key), self.ops,
+                               same_file=same_file)
         except OSError as exc:
             self._cannot_remove.warning("%s: cannot remove chunk %s (%s)", self.directory,
                                         key.hex(), exc)

@@ -76,6 +76,7 @@ from kvtier.tiers.encoding import EncodedTierSettings, build_encoder
 from kvtier.tiers.files.chunkfiles import ChunkFiles
 from kvtier.tiers.files.chunktree import FileInventory, FileProbe, walk_chunks
 from kvtier.tiers.files.directories import TierDirectory, check_directory, check_owned
+from kvtier.tiers.files.filetree import FileId
 from kvtier.tiers.files.linkfile import measure_directory, probe_bytes
 from kvtier.tiers.files.manifests import write_file_manifest
 from kvtier.tiers.files.owner import DirectoryOwner, refuse_owned
@@ -327,7 +328,8 @@ class DiskTier:
             self._counters.add(misses=1)
             return TierResult(Failure.NO_KEY)
         except (CorruptChunk, OSError) as exc:
-            self._forget(key, corrupt=isinstance(exc, CorruptChunk))
+            self._forget(key, corrupt=isinstance(exc, CorruptChunk),
+                         read=exc.file_id if isinstance(exc, CorruptChunk) else None)
             # Gone: evicted (or removed by `kvtier gc`) since its lookup, a race not a fault.
             (log.info if isinstance(exc, FileNotFoundError) else log.warning)(
                 "disk tier %r: chunk %s unreadable (%s); treated as a miss", self.name,
@@ -343,17 +345,19 @@ class DiskTier:
         self._counters.add(hits=1, bytes_read=len(out), read_s=time.perf_counter() - start)
         return OK
 
-    def _forget(self, key: ChunkKey, corrupt: bool) -> bool:
-        """Drop a chunk from the index and the directory; whether either held it."""
+    def _forget(self, key: ChunkKey, corrupt: bool, read: FileId | None = None) -> bool:
+        """Drop a chunk from the index and the directory; whether either held it. With `read`
+        (a corrupt file's `file_id`), nothing if a copy stored since (indexed) is there."""
         with self._lock:  # the file and the event too: a put of the key may be landing
-            if not self._loaded.is_set():
+            kept = read is not None and self.files.replaced(key, read)
+            if not self._loaded.is_set() and not kept:
                 self._dropped.add(key)  # the index thread must not add it back
-            held = key in self._index
+            held = key in self._index and not kept
             if held:
                 self._used_bytes -= self._index.pop(key)
                 self._policy.remove(key)
                 self._book.forget(key)
-            removed = self._remove_file(key) is not None
+            removed = not kept and self._remove_file(key, read) is not None
             if held:
                 self.events.removed(key, retired=self._policy.left_retired)
         if corrupt:
@@ -552,13 +556,13 @@ class DiskTier:
             self._book.expired_count += key in self._index
         self._forget(key, corrupt=False)
 
-    def _remove_file(self, key: ChunkKey) -> int | None:
-        """`files.remove`, noted for a write of the key in flight (`_wrote`); a file that
-        cannot be removed is owed its removal (`_remove_owed`). Lock held."""
+    def _remove_file(self, key: ChunkKey, same_file: FileId | None = None) -> int | None:
+        """`files.remove` (with `same_file`, that file only), noted for a write of the key in
+        flight (`_wrote`); one that cannot be removed is owed it (`_remove_owed`). Lock held."""
         if key in self._writing:
             self._clobbered.add(key)
         return self.files.remove(key, self._unremoved if len(self._unremoved) < MAX_UNREMOVED
-                                 else None)
+                                 else None, same_file)
 
     def _remove_owed(self) -> None:
         """Remove the files whose removal failed (an eviction in a directory that went

@@ -25,7 +25,8 @@ the writer's primary group (issue 12, item 4; tests/faults/test_group_sharing.py
 A file is counted at the bytes `counted_bytes` gives it, wherever it is met (a walk, a sample,
 an unlink), so that the shared tier's ledger subtracts for an unlink what a re-measure added.
 
-Primitives: `open_dir`, `make_root`, `lstat_file`, `unlink_file`, `rename_new`, `walk`, `Entry`,
+Primitives: `open_dir`, `make_root`, `lstat_file`, `unlink_file`, `file_id`, `FileId`,
+`rename_new`, `walk`, `Entry`,
 `sample_shards` (the shared tier's sampled eviction), `sweep_layout_temps`, `counted_bytes`,
 `TEMP_STALE_S`, `is_temp_name`, `DIR_FLAGS`, `NOT_OURS`.
 """
@@ -194,12 +195,25 @@ def lstat_file(root: Path, parts: Sequence[str],
     return info if stat.S_ISREG(info.st_mode) else None
 
 
+# A file's identity (`file_id`): st_dev, st_ino, st_ctime_ns.
+FileId = tuple[int, int, int]
+
+
+def file_id(info: os.stat_result) -> FileId:
+    """The identity of the file `info` is a stat of: its device and inode, and its change
+    time, since ext4 gives a freed inode number to the next file at once (a copy of a chunk
+    placed since its last file was removed has a later change time, but within the clock's
+    tick; the same inode is then taken for the same file, as before)."""
+    return (info.st_dev, info.st_ino, info.st_ctime_ns)
+
+
 def unlink_file(root: Path, parts: Sequence[str], ops: FsOps = NO_OPS,
-                not_after: float | None = None) -> int | None:
+                not_after: float | None = None, same_file: FileId | None = None) -> int | None:
     """Delete the regular file root/parts... (never through a link, never anything but a
     regular file, or a symlink/FIFO/device sitting at a chunk path of kvtier's layout);
     with `not_after`, only if its mtime is not later (an eviction's victim read since it
-    was chosen is kept).
+    was chosen is kept); with `same_file`, only if it is that file (`file_id`: a corrupt
+    one read, not a copy placed since).
 
     Returns:
         None when nothing was removed (absent, a directory, or behind a link); else the
@@ -217,7 +231,8 @@ def unlink_file(root: Path, parts: Sequence[str], ops: FsOps = NO_OPS,
     try:
         ops.add(stats=1)
         info = os.stat(parts[-1], dir_fd=fd, follow_symlinks=False)
-        if stat.S_ISDIR(info.st_mode) or (not_after is not None and info.st_mtime > not_after):
+        if stat.S_ISDIR(info.st_mode) or (not_after is not None and info.st_mtime > not_after) \
+                or (same_file is not None and file_id(info) != same_file):
             return None
         freed = counted_bytes(fd, parts[-1], info, ops) \
             if stat.S_ISREG(info.st_mode) and info.st_nlink == 1 else 0

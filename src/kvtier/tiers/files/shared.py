@@ -87,7 +87,7 @@ from kvtier.tiers.encoding import EncodedTierSettings, build_encoder
 from kvtier.tiers.files.chunkfiles import ChunkFiles, PendingWrite
 from kvtier.tiers.files.chunktree import FileInventory, FileProbe, key_of, scan_tree
 from kvtier.tiers.files.directories import TierDirectory, check_directory
-from kvtier.tiers.files.filetree import sweep_layout_temps, unlink_file
+from kvtier.tiers.files.filetree import FileId, sweep_layout_temps, unlink_file
 from kvtier.tiers.files.linkfile import measure_directory, probe_bytes
 from kvtier.tiers.files.manifests import write_file_manifest
 from kvtier.tiers.files.quota import LedgerState, QuotaLedger
@@ -250,8 +250,8 @@ class SharedTier:
                     self._not_ours.popitem(last=False)
             return TierResult(Failure.NO_KEY)
         except (CorruptChunk, OSError) as exc:
-            if isinstance(exc, CorruptChunk):
-                freed = self._unlink(key)
+            if isinstance(exc, CorruptChunk):  # the file read: a copy placed since stays
+                freed = self._unlink(key, exc.file_id)
                 if freed is not None:
                     self._forgotten(key, freed)
                 self._counters.add(corrupt_reads=1)
@@ -561,13 +561,14 @@ class SharedTier:
         self._counters.add(evictions=evicted)
         return evicted
 
-    def _unlink(self, key: ChunkKey) -> int | None:
-        """Delete this layout's chunk file, accounted in the ledger; the bytes that freed,
-        None if none was there."""
+    def _unlink(self, key: ChunkKey, same_file: FileId | None = None) -> int | None:
+        """Delete this layout's chunk file (with `same_file`, only that file: a corrupt one
+        read, not a good copy another writer placed since), accounted in the ledger; the
+        bytes that freed, None if none was there."""
         if self.ledger is None:
-            return self.files.remove(key)
+            return self.files.remove(key, same_file=same_file)
         with self.ledger.locked() as ledger:
-            freed = self.files.remove(key)
+            freed = self.files.remove(key, same_file=same_file)
             if freed is not None:
                 ledger.used_bytes -= freed
                 ledger.chunks -= 1
