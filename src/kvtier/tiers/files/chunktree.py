@@ -70,6 +70,9 @@ class TreeScan:
     temp_bytes: int = 0  # size of kvtier temp files younger than TEMP_STALE_S
     temp_files: int = 0
     swept: int = 0  # stale kvtier temp files deleted by the scan
+    # directories the scan could not open (EACCES: another user's), paths below the root:
+    # what they hold is not in `chunks` nor `temp_bytes`
+    unreadable: list[str] = field(default_factory=list)
 
 
 def chunk_parts(layout_digest: str, key: ChunkKey) -> tuple[str, str, str, str]:
@@ -90,12 +93,13 @@ def scan_tree(root: Path, layout_digests: Sequence[str] | None = None,
     older than TEMP_STALE_S on the way (a writer that died), and nothing else. `now_s`: now
     by the clock of the files' mtimes (`ChunkFiles.fs_now`; default this node's).
 
-    Files whose names are not keys are skipped; a chunk's content is verified when read.
+    Files whose names are not keys are skipped; a chunk's content is verified when read;
+    directories this process may not open are skipped and listed (`TreeScan.unreadable`).
     Raises OSError when `root` cannot be listed.
     """
     found = TreeScan()
     stale_before = (time.time() if now_s is None else now_s) - TEMP_STALE_S
-    for entry in walk(Path(root), layout_digests, ops):
+    for entry in walk(Path(root), layout_digests, ops, found.unreadable):
         if entry.temp:
             if sweep and entry.mtime < stale_before:
                 try:

@@ -324,10 +324,12 @@ def _link_new(dir_fd: int, source: str, target: str) -> bool | None:
 
 
 def walk(root: Path, layout_digests: Sequence[str] | None = None,
-         ops: FsOps = NO_OPS) -> Iterator[Entry]:
+         ops: FsOps = NO_OPS, unreadable: list[str] | None = None) -> Iterator[Entry]:
     """Every regular chunk and kvtier temp file below `root` (of `layout_digests`, or of
     every layout), found with directory fds and lstat only: links, special files, foreign
-    names and directories kvtier does not make are neither entered nor reported.
+    names and directories kvtier does not make are neither entered nor reported. A
+    directory this process may not open (EACCES: another user's) is skipped, its path
+    below `root` added to `unreadable` when given: what it holds was not seen.
 
     Raises:
         OSError: `root` itself cannot be opened (absent: nothing is yielded).
@@ -341,29 +343,31 @@ def walk(root: Path, layout_digests: Sequence[str] | None = None,
         names = layout_digests if layout_digests is not None else [
             n for n, _ in _children(root_fd, True, ops) if is_layout_name(n)]
         for digest in names:
-            yield from _walk_layout(root_fd, digest, ops)
+            yield from _walk_layout(root_fd, digest, ops, unreadable)
     finally:
         os.close(root_fd)
 
 
-def _walk_layout(root_fd: int, digest: str, ops: FsOps) -> Iterator[Entry]:
-    for layout_fd in _subdir(root_fd, digest, ops):
+def _walk_layout(root_fd: int, digest: str, ops: FsOps,
+                 unreadable: list[str] | None) -> Iterator[Entry]:
+    for layout_fd in _subdir(root_fd, digest, ops, unreadable, digest):
         for name, info in _children(layout_fd, False, ops):
             if _PROBE_TEMP.fullmatch(name):  # a temp file: counted at its size
                 yield Entry(digest, None, name, info.st_size, info.st_mtime, True)
         for first, _ in _children(layout_fd, True, ops):
             if not _SHARD.fullmatch(first):
                 continue
-            for first_fd in _subdir(layout_fd, first, ops):
+            for first_fd in _subdir(layout_fd, first, ops, unreadable, f"{digest}/{first}"):
                 for second, _ in _children(first_fd, True, ops):
                     if _SHARD.fullmatch(second):
-                        yield from _shard_files(first_fd, digest, (first, second), ops)
+                        yield from _shard_files(first_fd, digest, (first, second), ops,
+                                                unreadable)
 
 
-def _shard_files(parent_fd: int, digest: str, shard: tuple[str, str],
-                 ops: FsOps) -> Iterator[Entry]:
+def _shard_files(parent_fd: int, digest: str, shard: tuple[str, str], ops: FsOps,
+                 unreadable: list[str] | None = None) -> Iterator[Entry]:
     """The chunk and temp files of the shard directory `shard[1]` under `parent_fd`."""
-    for shard_fd in _subdir(parent_fd, shard[1], ops):
+    for shard_fd in _subdir(parent_fd, shard[1], ops, unreadable, "/".join((digest, *shard))):
         for name, info in _children(shard_fd, False, ops):
             temp = bool(_CHUNK_TEMP.fullmatch(name))
             if temp or _CHUNK.fullmatch(name):
@@ -503,12 +507,16 @@ def _typed_dirs(fd: int, pattern: re.Pattern[str], ops: FsOps) -> list[str]:
                 if pattern.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
 
 
-def _subdir(parent_fd: int, name: str, ops: FsOps) -> Iterator[int]:
-    """Zero or one fd of the real directory `name` (closed after use)."""
+def _subdir(parent_fd: int, name: str, ops: FsOps, unreadable: list[str] | None = None,
+            path: str = "") -> Iterator[int]:
+    """Zero or one fd of the real directory `name` (closed after use); one this process may
+    not open (EACCES) adds `path` (its path below the root) to `unreadable`, when given."""
     ops.add(opens=1)
     try:
         fd = os.open(name, DIR_FLAGS, dir_fd=parent_fd)
     except OSError as exc:
+        if exc.errno == errno.EACCES and unreadable is not None:
+            unreadable.append(path or name)
         if exc.errno in NOT_OURS or exc.errno == errno.EACCES:
             return
         raise

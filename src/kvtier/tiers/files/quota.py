@@ -49,7 +49,9 @@ T0) + min(completed since T0, in flight at T0)`. Every file present then was see
 renamed into place under the scan (a directory listing that spans a rename may show neither
 name: at most what was in flight at T0, and no more than what ended since), so the sum is
 still an upper bound. (Counting all that ended since T0 counted every write during the walk
-twice more: a walk under busy writers evicted real chunks for them.)
+twice more: a walk under busy writers evicted real chunks for them.) A walk that could not
+open a directory (another user's: EACCES) did not see every file: its sum is then taken no
+lower than the ledger's usage (the shared tier logs which directories).
 
 A file created after T0 that the scan also saw counts twice (in `scanned` and in the bytes
 reserved since T0), until the next re-measure. Bounded, and on the safe side:

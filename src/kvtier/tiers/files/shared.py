@@ -505,10 +505,13 @@ class SharedTier:
                 # Writes ended since count up to what was in flight: all of them counted every
                 # write during the walk twice more (tests/tiers/test_shared_remeasure.py).
                 ended = ledger.completed_total - completed_before
-                ledger.used_bytes = (sum(f.size_bytes for f in scan.chunks) + scan.temp_bytes
-                                     + ledger.reserved_total - reserved_before
-                                     + min(ended, in_flight))
-                ledger.chunks = len(scan.chunks)
+                measured = (sum(f.size_bytes for f in scan.chunks) + scan.temp_bytes
+                            + ledger.reserved_total - reserved_before + min(ended, in_flight))
+                if scan.unreadable:  # what it holds was not seen: no lower than the ledger
+                    self._unreadable_parts(scan.unreadable)
+                    measured = max(measured, ledger.used_bytes if ledger.valid else 0)
+                ledger.used_bytes = measured
+                ledger.chunks = max(len(scan.chunks), ledger.chunks if scan.unreadable else 0)
                 now_ns = self._now_ns()
                 self._bound_claim(ledger, now_ns)
                 ledger.claimed_ns = max(ledger.claimed_ns, now_ns - walk_ns)
@@ -525,6 +528,17 @@ class SharedTier:
                     self._evict_locked(ledger, max(LOW_WATERMARK * limit - incoming_bytes,
                                                    batch))
                 self._publish(ledger)
+
+    def _unreadable_parts(self, paths: list[str]) -> None:
+        """Say that a re-measure could not read `paths` (below the root): their files were
+        not counted, and the usage is kept no lower than the ledger's (an engine of another
+        user whose directories its group cannot read: the root is not setgid to the group,
+        tests/faults/test_shared_unreadable_directories.py). Lock held."""
+        log.warning("shared tier %r: the re-measure of %s could not read %d directories "
+                    "(%s%s; another user's, not readable by this one: make the root setgid "
+                    "to the engines' common group, docs/sharing.md); the usage is kept no "
+                    "lower than the ledger's", self.name, self.files.root, len(paths),
+                    ", ".join(paths[:3]), ", ..." if len(paths) > 3 else "")
 
     def _evict_locked(self, ledger: LedgerState, target_bytes: float) -> int:
         """Delete sampled least recently used files (`VictimSampler`, every layout) until
