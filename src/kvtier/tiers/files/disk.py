@@ -379,9 +379,9 @@ class DiskTier:
             if not meta.is_default:
                 self.retain(key, meta)
             return HELD
-        if not self.files.writable:  # a read-only directory: serve what it holds
-            self._counters.add(dropped_writes=1)
-            return READ_ONLY
+        if not self.files.writable or (self._owner is not None and not self._owner.keep()):
+            self._counters.add(dropped_writes=1)  # read-only; or removed, another's now
+            return IO_ERROR if self.files.writable else READ_ONLY
         if self.files.max_file_bytes > self.capacity_bytes:
             return FULL
         if not self._admission.offer(key):

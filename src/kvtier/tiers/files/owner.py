@@ -14,6 +14,12 @@ tier opens the file (but on NFS, whose flock is a per-process POSIX lock, only p
 are told apart). A filesystem without flock (ENOLCK, EOPNOTSUPP) is used unlocked, with one
 warning.
 
+The lock is on the owner file, not on the path: a layout directory removed under its owner
+(an operator clearing the cache with `rm -rf`) took the lock with it, the tier's next put made
+the directory again, and a second engine opened it unrefused. The owner takes the new
+directory's lock at its next put (`keep`, within KEEP_CHECK_S), and one whose directory
+another engine took first writes no more (tests/faults/test_disk_directory_removed.py).
+
 The file's name is none of kvtier's chunk or temp names: walks, scans, inventories, `kvtier
 gc` and the capacity never count or remove it (`filetree.walk`).
 
@@ -23,7 +29,7 @@ server on the same directory learnt it was refused a whole start-up later. `refu
 tells the operator before vLLM is started (`kvtier serve`): the directories of a model's
 namespaces (their manifests name the model) whose lock another process holds now.
 
-Primitives: `DirectoryOwner` (release), `refuse_owned`, `OWNER_NAME`.
+Primitives: `DirectoryOwner` (keep, release), `refuse_owned`, `OWNER_NAME`.
 """
 
 from __future__ import annotations
@@ -47,14 +53,20 @@ OWNER_NAME = ".kvtier-owner"
 # How long an open tries the lock again before it refuses: `refuse_owned` holds a shared lock
 # for the microseconds between two calls; an owner holds the lock for its life.
 PROBE_GRACE_S = 0.05
+# How often `keep` looks at the owner file (an fstat): not at every put, which asks the
+# filesystem for nothing else (tests/tiers/test_disk_put_syscalls.py); a second engine takes
+# a whole start-up to open its tier, far longer.
+KEEP_CHECK_S = 1.0
 _NO_FLOCK = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL})
 
 
 class DirectoryOwner:
     """This tier's ownership of ROOT/<layout digest>, held until `release`. Thread-safe."""
 
-    def __init__(self, name: str, root: Path, layout_digest: str, file_mode: int) -> None:
-        """Take ownership of the layout directory (which must exist) for the tier `name`.
+    def __init__(self, name: str, root: Path, layout_digest: str, file_mode: int,
+                 dir_mode: int = 0o700) -> None:
+        """Take ownership of the layout directory (which must exist) for the tier `name`;
+        `dir_mode`: the mode it is made again with (`keep`).
 
         Raises:
             DirectoryInUse: another open disk tier owns it (in another process, or in this
@@ -62,6 +74,11 @@ class DirectoryOwner:
             OSError: the owner file cannot be opened (a link or a directory at its path).
         """
         self.path = Path(root) / layout_digest / OWNER_NAME
+        self._name, self._root, self._digest = name, Path(root), layout_digest
+        self._modes = (dir_mode, file_mode)
+        self._lost = False  # another tier took the directory, made again, first (`keep`)
+        self._retake = False  # removed, and not made again and locked yet (`keep`)
+        self._next_check = 0.0  # time.monotonic() of `keep`'s next look at the file
         self._guard = threading.Lock()
         # Whether the flock is held: False where the filesystem has none (used unlocked,
         # other writers possible), and once released.
@@ -94,14 +111,58 @@ class DirectoryOwner:
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
 
+    def keep(self) -> bool:
+        """Whether this tier still owns its layout directory. One removed under it (its
+        owner file gone with it) is taken again: made again if need be, its owner file
+        created and locked, unless another tier holds that lock (False from then on, logged:
+        the directory is that tier's). False, tried again at the next call, when it cannot
+        be made again (the root gone). One fstat while the owner file is there, at most one
+        each KEEP_CHECK_S; True where the filesystem has no flock, and once released. Any
+        thread."""
+        with self._guard:
+            if self._lost:
+                return False
+            now = time.monotonic()
+            if not self._retake and (now < self._next_check or not self.locked):
+                return True
+            self._next_check = now + KEEP_CHECK_S
+            if not self._retake and os.fstat(self._fd).st_nlink > 0:
+                return True
+            self._close_fd()
+            self._retake = True
+            try:
+                dir_fd = open_dir(self._root, [self._digest], self._modes[0])
+                try:
+                    self._fd = _open_owner_file(dir_fd, self._modes[1], self.path)
+                finally:
+                    os.close(dir_fd)
+                self._lock(self._name)
+            except (DirectoryInUse, OSError) as exc:
+                self._close_fd()
+                self._lost = isinstance(exc, DirectoryInUse)
+                (log.error if self._lost else log.warning)(
+                    "disk tier %r: %s was removed under it and is not its own again (%s)%s",
+                    self._name, self.path.parent, exc,
+                    "; it writes no more until it restarts" if self._lost else "")
+                return False
+            self._retake = False
+            log.warning("disk tier %r: %s was removed under it; made again, and owned",
+                        self._name, self.path.parent)
+            return True
+
+    def _close_fd(self) -> None:
+        """Close the owner file (its lock with it), if open. Caller holds the guard."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        self.locked = False
+
     def release(self) -> None:
         """Give the directory up (closing the file drops the lock); a second call does
         nothing. Any thread."""
         with self._guard:
-            if self._fd >= 0:
-                os.close(self._fd)
-                self._fd = -1
-                self.locked = False
+            self._close_fd()
+            self._retake = False
 
 
 def _lock_exclusive(fd: int) -> None:
