@@ -131,6 +131,16 @@ def test_groups_kvtier_cannot_store_are_refused_naming_the_model(specs: tuple[ob
     assert "my/model" in str(caught.value) and "OffloadingConnector" in str(caught.value)
 
 
+def test_a_non_causal_attention_group_is_refused_naming_the_model() -> None:
+    """A Prefix LM's layers (vLLM's `non_causal` spec): a prefix's KV depends on what follows
+    it, which no chunk key covers (tests/engine/test_prefix_lm_refused.py)."""
+    prefix_lm = dataclasses.replace(full(), non_causal=True)
+    with pytest.raises(ConfigError, match="non-causal") as caught:
+        chunk_groups("my/model", spec_config(prefix_lm))
+    assert "my/model" in str(caught.value)
+    assert chunk_groups("my/model", spec_config(full())).kinds == ("full",)
+
+
 def request(rid: str, num_tokens: int) -> Request:
     return Request(rid, list(range(1000, 1000 + num_tokens)), SamplingParams(max_tokens=4),
                    None)

