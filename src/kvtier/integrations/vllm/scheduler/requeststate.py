@@ -84,8 +84,6 @@ class RequestState:
     lookup_computed_tokens: int = 0
     # Chunks already planned (loaded, stored or found in the index).
     num_planned_chunks: int = 0
-    # Whether its chunks carry extra key bytes (multimodal, prompt embeds: request_keys.py).
-    has_extras: bool = False
     # Its KV depends on something kvtier cannot key: never looked up, never stored.
     uncacheable: bool = False
     # Its last lookup's hit is loaded asynchronously (the request waits for it).
@@ -112,6 +110,15 @@ class RequestState:
     # checked once, not every plan. Reset with its blocks.
     loads_checked_blocks: int = 0
     recent_loads: RecentLoads = field(default_factory=RecentLoads)
+
+    @property
+    def has_extras(self) -> bool:
+        """Whether its chunks carry extra key bytes (multimodal, prompt embeds:
+        request_keys.py), asked of the request each time: a streaming-input session (vLLM's
+        resumable request, one id for all its input chunks) may bring its first image with a
+        later input chunk, and the chunks after it were keyed as text (a text request of the
+        same token ids then loaded the image's KV: tests/engine/test_streaming_sessions.py)."""
+        return needs_chunk_extras(self.request)
 
     def set_block_ids(self, block_ids: list[list[int]]) -> None:
         """Its blocks are now `block_ids` (a first step, a resume, a preemption): none of
@@ -181,7 +188,7 @@ class RequestTable:
                 self._stats.add("ignored_request_params", self._ignored.count - ignored)
             state = RequestState(request=request, namespace=namespace,
                                  controls=controls.within_role(self._kv_role),
-                                 has_extras=needs_chunk_extras(request), uncacheable=not keyed)
+                                 uncacheable=not keyed)
             self._requests[request.request_id] = state
         return state
 
