@@ -359,6 +359,25 @@ def test_a_hit_below_ram_waiting_for_blocks_is_prefetched_into_ram_once(tmp_path
     assert meta.prefetch == [] and [t.key for t in meta.loads["b"]] == held
 
 
+def test_a_request_that_skips_prefix_cache_reads_is_neither_offered_nor_prefetched(
+        tmp_path: Any) -> None:
+    """A request asking for prompt logprobs (vLLM's `skip_reading_prefix_cache`: computed
+    whole, vLLM drops any connector hit) waits for blocks: kvtier offers it nothing and reads
+    none of its chunks below RAM ahead (before, an asynchronous hit was offered and read)."""
+    from kvtier.core.store import StoreEvent
+    from kvtier.core.tier import EventKind
+
+    engine = Engine(**two_tiers(tmp_path))
+    first = request("a", 200)
+    engine.admit(first, list(range(7)))
+    held = engine.store_all(engine.step(new={"a": (list(range(7)), 0, 200)}))
+    engine.report(events=[StoreEvent(EventKind.REMOVED, key, "memory") for key in held[1:]])
+    logprobs = Request("b", list(range(1000, 1200)),
+                       SamplingParams(max_tokens=4, prompt_logprobs=1), None)
+    assert engine.sched.get_num_new_matched_tokens(logprobs, 0) == (0, False)
+    assert engine.step(cached={"a": ([], 200, 1)}).prefetch == []
+
+
 def test_a_prefetch_carries_its_requests_tenant(tmp_path: Any) -> None:
     """A tier that seals a tenant's chunks opens them with that tenant's key: the prefetch of
     a salted request's chunks says whose they are (before, bare keys: a process that had not

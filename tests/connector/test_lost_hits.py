@@ -73,6 +73,24 @@ def test_tokens_vllm_does_not_take_are_counted_declined_once_however_often_it_as
     assert lost(engine) == {"vllm_declined": 3 * CHUNK}
 
 
+def test_a_request_that_skips_prefix_cache_reads_is_offered_nothing_and_its_hit_declined(
+        ) -> None:
+    """Prompt logprobs need every prompt token's logits: vLLM computes the request whole
+    (`skip_reading_prefix_cache`), and kvtier offers nothing rather than rely on vLLM's
+    scheduler to drop the hit (test_connector_scheduler: nor reads it ahead)."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    engine = Engine()
+    stored_prompt(engine)
+    req = Request("b", list(range(1000, 1200)), SamplingParams(max_tokens=4, prompt_logprobs=1),
+                  None)
+    assert req.skip_reading_prefix_cache
+    assert engine.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    allocate(engine, req, list(range(10, 17)), 0)
+    assert lost(engine) == {"vllm_declined": 3 * CHUNK}
+
+
 def test_tokens_in_vllms_own_cache_are_not_found_so_never_lost() -> None:
     engine = Engine()
     stored_prompt(engine)

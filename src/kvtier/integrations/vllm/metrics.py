@@ -159,7 +159,8 @@ DECISIONS = ("loaded", "trial", "recompute_faster")
 # Counted by the scheduler (scheduler/losthits.py) when vLLM allocates a request's blocks:
 #   recompute_faster: cut by the load-or-recompute rule (offer.py), vLLM recomputes them;
 #   vllm_declined: offered, but vLLM allocated fewer external tokens (its own cache's
-#     partial block, a sliding-window replay, a request that skips prefix-cache reads).
+#     partial block, a sliding-window replay), or found for a request that skips
+#     prefix-cache reads (offered nothing: vLLM would take nothing).
 # Counted by the worker that ran the load (rank 0; worker/connector_worker.py):
 #   load_failed: the load stopped at a chunk a tier did not deliver (gone or corrupt since
 #     the lookup, a tier that erred, was down, stalled or timed out) and the rest of that

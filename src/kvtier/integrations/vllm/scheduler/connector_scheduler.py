@@ -174,6 +174,12 @@ class ConnectorScheduler:
             offered_tokens=max(0, offered_tokens - num_computed_tokens))
         if offered_tokens <= num_computed_tokens:
             return 0, False
+        if request.skip_reading_prefix_cache:
+            # vLLM computes such a request whole (prompt logprobs need the logits of every
+            # prompt token; token-wise pooling, every hidden state) and its scheduler drops a
+            # connector's hit for it (0.32, 0.33): kvtier offers none itself, reads nothing
+            # ahead for it, and the hit is counted lost as declined (losthits.py).
+            return 0, False
         # A scan of the running requests, made only where the answer is weighed.
         others_running = (self._loads.by_cost
                           and self._requests.others_have_blocks(request.request_id))

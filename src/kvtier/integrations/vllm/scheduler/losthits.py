@@ -8,7 +8,8 @@ blocks, and only the last one counts. So a lookup leaves a `LookupHit` on its re
 allocation turns it into tokens lost by reason (metrics.LOST_HIT_REASONS):
   - recompute_faster: found, cut by the rule (a trial offers the whole hit: nothing lost);
   - vllm_declined: offered, not taken (vLLM keeps its own cache's partial block, replays a
-    sliding window, or the request skips prefix-cache reads).
+    sliding window), or not offered to a request that skips prefix-cache reads (vLLM would
+    take none of it: connector_scheduler.py).
 What the workers fail to load of what vLLM took is theirs to count (load_failed, no_state:
 worker/connector_worker.py).
 
