@@ -519,8 +519,9 @@ class DiskTier:
     def _restore_retention(self) -> None:
         """Apply the journal to the chunks found at start-up: an expired one is removed, and
         a tenant over its quota (lowered since, or the capacity) evicts its own least
-        recently used unpinned chunks down to it. Then rewrite the journal compacted.
-        Start-up only (the index thread, lock held)."""
+        recently used unpinned chunks down to it. Then rewrite the journal compacted (killed
+        rewrites' temp files swept first). Start-up only (the index thread, lock held)."""
+        self._journal.sweep_temps(self._owner is not None and self._owner.locked)
         entries = self._journal.load()
         # Every chunk, oldest first, where every chunk is recorded (a tenant's own LRU order
         # is its files', as the policy's is); else the journal's chunks alone.

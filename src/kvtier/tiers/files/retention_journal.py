@@ -18,7 +18,17 @@ or has the wrong types is skipped (and counted); nothing is unpickled. Nor is a 
 a symlink to the tier's user's files had the tier append JSON lines to, or truncate and
 overwrite, its target (tests/faults/test_journal_symlinks.py).
 
-Primitives: `RetentionJournal`.
+Durability: a rewrite's temp file is fsync'd before it is renamed over the journal, else a
+power loss soon after could leave the renamed journal empty (the data not yet written back,
+XFS and others: every pin and expiry lost). The directory is not fsync'd after the rename,
+as for chunk files, which the tier never fsyncs (a cache: a chunk lost to a power loss is a
+miss): the rename lost leaves the journal of before, whole, and loses only the lines appended
+since, as appends are never fsync'd either. A rewrite killed before its rename leaves
+`.retention.jsonl.<pid>.tmp`: the tier's start-up sweeps it (`sweep_temps`) by the rule of
+its chunk temp files (every one where it holds the owner lock: no other process rewrites the
+journal; else those older than `filetree.TEMP_STALE_S`).
+
+Primitives: `RetentionJournal`, `is_journal_temp`.
 """
 
 from __future__ import annotations
@@ -28,18 +38,28 @@ import json
 import logging
 import math
 import os
+import re
+import stat
 import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
 from kvtier.core.keys import KEY_BYTES, ChunkKey
 from kvtier.core.retention import DEFAULT_META, ChunkMeta
+from kvtier.tiers.files.filetree import TEMP_STALE_S
 
 log = logging.getLogger(__name__)
 JOURNAL_NAME = "retention.jsonl"
 # Opened without following a link at the name (a link there: ELOOP, an error not a write).
 _NO_LINKS = os.O_NOFOLLOW | os.O_CLOEXEC
 COMPACT_SLACK_LINES = 4096  # appended lines beyond the live entries before a compaction
+_TEMP = re.compile(r"\.retention\.jsonl\.\d+\.tmp")  # a rewrite's temp file (its pid)
+
+
+def is_journal_temp(name: str) -> bool:
+    """Whether `name` is a journal rewrite's temp file, `.retention.jsonl.<pid>.tmp`."""
+    return bool(_TEMP.fullmatch(name))
 
 
 class RetentionJournal:
@@ -81,8 +101,8 @@ class RetentionJournal:
         return entries
 
     def rewrite(self, entries: Iterable[tuple[ChunkKey, ChunkMeta]]) -> None:
-        """Replace the journal by `entries` (atomically: a temp file renamed into place); an
-        entry without metadata (`is_default`) takes no line."""
+        """Replace the journal by `entries` (atomically: a temp file, fsync'd, renamed into
+        place); an entry without metadata (`is_default`) takes no line."""
         if not self.writable:
             return
         entries = [(key, meta) for key, meta in entries if not meta.is_default]
@@ -96,11 +116,42 @@ class RetentionJournal:
                 fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NO_LINKS, 0o600)
                 with os.fdopen(fd, "w", encoding="utf-8") as out:
                     out.writelines(lines)
+                    out.flush()
+                    os.fsync(out.fileno())  # else a power loss may leave the renamed one empty
                 os.replace(temp, self.path)
                 self._lines = len(lines)
                 self._keys = {key for key, _meta in entries}
             except OSError as exc:
                 log.warning("retention journal %s not rewritten (%s)", self.path, exc)
+
+    def sweep_temps(self, owned: bool) -> int:
+        """Delete the temp files of rewrites killed before their rename (regular files
+        only; nothing else is touched): every one when `owned` (the caller holds the
+        directory's owner lock, and only its owner rewrites the journal: their writers are
+        dead), else those older than TEMP_STALE_S. Start-up only. The number deleted; never
+        raises (a read-only directory: none)."""
+        if not self.writable:
+            return 0
+        stale_before = time.time() - TEMP_STALE_S
+        swept = 0
+        with self._lock:  # not this process's own rewrite in flight
+            try:
+                with os.scandir(self.path.parent) as entries:
+                    names = [e.name for e in entries if is_journal_temp(e.name)]
+            except OSError:
+                return 0  # no directory yet: nothing to sweep
+            for name in names:
+                try:
+                    info = os.lstat(self.path.parent / name)
+                    if stat.S_ISREG(info.st_mode) and (owned or info.st_mtime < stale_before):
+                        os.unlink(self.path.parent / name)
+                        swept += 1
+                except OSError as exc:  # removed meanwhile, or not ours to remove
+                    log.warning("retention journal %s: %s not swept (%s)", self.path, name, exc)
+        if swept:
+            log.info("retention journal %s: %d temp file(s) of a rewrite killed before its "
+                     "rename swept", self.path, swept)
+        return swept
 
     def append(self, key: ChunkKey, meta: ChunkMeta, live_entries: int) -> bool:
         """Record a chunk's metadata; True when the journal now wants a compaction (more
