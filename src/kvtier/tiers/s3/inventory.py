@@ -13,6 +13,10 @@ Only names of kvtier's form are taken for chunks (<prefix>/<32 hex digest>/<2 he
 the shard matching the key); anything else under the prefix is a foreign object, listed by
 no one and deleted by no one (tests/faults/test_s3_faults.py).
 
+An object's age (`kvtier gc --max-age`, `kvtier inspect`) is measured by the server's clock,
+which stamped its LastModified, not by the clock of the host gc runs on (`S3Inventory.now_s`,
+tiers/s3/serverclock.py).
+
 Primitives: `S3Names`, `S3Inventory`, `parse_chunk_name`, `enforce_capacity`,
 `put_lifecycle`, `write_manifest`.
 """
@@ -20,6 +24,7 @@ Primitives: `S3Names`, `S3Inventory`, `parse_chunk_name`, `enforce_capacity`,
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +34,9 @@ from kvtier.core.tier import StoredChunk
 from kvtier.tiers.manifest import FILE_NAME, NamespaceManifest, is_layout_name, parse_manifest
 from kvtier.tiers.s3.client import S3Errors, connect, is_absent, open_session
 from kvtier.tiers.s3.config import S3TierConfig
+from kvtier.tiers.s3.serverclock import ServerClock
 
+log = logging.getLogger(__name__)
 DELETE_BATCH = 1000  # keys per DeleteObjects request (the S3 maximum)
 _HEX = frozenset("0123456789abcdef")
 
@@ -173,6 +180,7 @@ class S3Inventory:
         self.config = config
         self.client: Any = connect(config, open_session(config), 16,
                                    max(config.request_timeout_s, 30.0))
+        self.server_clock = ServerClock(self.client)
 
     def chunks(self) -> Iterator[StoredChunk]:
         """Every chunk object (a listing: no object is read, none looks used)."""
@@ -181,6 +189,26 @@ class S3Inventory:
             if parsed is not None:
                 yield StoredChunk(parsed[0], parsed[1], int(item["Size"]),
                                   item["LastModified"].timestamp(), (item["Key"],))
+
+    def now_s(self) -> float:
+        """`StorageClock`: now by the server's clock, which stamps LastModified: the `Date`
+        of its last answer (the listing gc has just made) plus the time passed since; a
+        request of its own (a listing of one object) when none answered yet; this host's
+        clock where no answer carries a Date (logged). Never raises."""
+        now = self.server_clock.now_s()
+        if now is None:
+            errors = S3Errors()
+            try:
+                self.client.list_objects_v2(Bucket=self.config.bucket, MaxKeys=1,
+                                            Prefix=self.config.key_prefix + "/")
+            except (*errors.answered, *errors.down):
+                pass  # an error answer carries a Date as well; none: this host's clock
+            now = self.server_clock.now_s()
+        if now is None:
+            log.warning("s3 tier %r: the server's answers carry no Date; ages are taken by "
+                        "this host's clock", self.name)
+            return time.time()
+        return now
 
     def remove(self, chunks: Sequence[StoredChunk]) -> int:
         names = [name for chunk in chunks for name in chunk.locations

@@ -5,13 +5,13 @@ what a real run deletes. Order of the rules, per tier: keep only the chunks of t
 namespaces (`namespace`, and/or those whose manifest matches `fingerprint` (a prefix of at
 least 6 hex digits) or `model` (its name as served): tiers/manifest.py; a namespace without a
 manifest matches neither); drop those idle longer than `max_age_s` (idle by the clock that
-stamped their times of use, `StorageClock`: a shared directory's, not this host's); then drop
-the least recently used until what is left of the selection fits `quota_bytes`. A namespace
-selection with neither rule drops the whole namespaces, their manifests included (an engine
-still serving one writes its manifest again when it restarts). Every run (a dry run only counts
-them) also deletes the orphans of tiers that can have some (`OrphanSource`: redis values of
-an older kvtier, a value per part), in the selected namespaces; `orphans_only` does only
-that.
+stamped their times of use, `StorageClock`: a shared directory's or an S3 server's, not
+this host's); then drop the least recently used until what is left of the selection fits
+`quota_bytes`. A namespace selection with neither rule drops the whole namespaces, their
+manifests included (an engine still serving one writes its manifest again when it restarts).
+Every run (a dry run only counts them) also deletes the orphans of tiers that can have some
+(`OrphanSource`: redis values of an older kvtier, a value per part), in the selected
+namespaces; `orphans_only` does only that.
 
 Safe next to running engines: a chunk deleted under a reader is a miss for it (files are
 renamed into place and read whole; a redis chunk is one hash), and what is deleted from
@@ -186,8 +186,9 @@ def run_gc(inventories: Sequence[Inventory], request: GcRequest) -> list[GcOutco
         namespaces = {c.namespace for c in chunks} | {o.namespace for o in orphans} \
             | set(manifests)
         chosen = {n for n in namespaces if request.selects(n, manifests.get(n))}
-        # Ages by the clock that stamped the times of use (a shared directory's), not this
-        # host's: a gc host minutes ahead deleted chunks the fleet was reading.
+        # Ages by the clock that stamped the times of use (a shared directory's, an S3
+        # server's), not this host's: a gc host minutes ahead deleted chunks the fleet was
+        # reading.
         now_s = storage_now(inventory) if request.max_age_s is not None else time.time()
         victims = [] if request.orphans_only else select_victims(
             chunks, request, now_s, chosen)

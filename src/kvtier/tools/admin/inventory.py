@@ -107,10 +107,11 @@ class UnusedRemoval(Protocol):
 class StorageClock(Protocol):
     """An optional ability of an `Inventory` whose times of use (`StoredChunk.last_used_s`)
     are stamped by the storage's own clock, not this host's (a file's mtime: on NFS the
-    server's): now by that clock, so that an age is one clock's difference. A gc host whose
-    clock ran 10 minutes ahead took, with `--max-age 15m`, every chunk idle for 5 minutes
-    for an idle one (tests/tools/test_gc_clock_skew.py). Redis' times are this host's (its
-    clock less the server's idle time): it needs none."""
+    server's; an S3 object's LastModified: the S3 server's): now by that clock, so that an
+    age is one clock's difference. A gc host whose clock ran 10 minutes ahead took, with
+    `--max-age 15m`, every chunk idle for 5 minutes for an idle one
+    (tests/tools/test_gc_clock_skew.py, test_gc_s3_clock_skew.py). Redis' times are this
+    host's (its clock less the server's idle time): it needs none."""
 
     def now_s(self) -> float:
         """Unix time now by the storage's clock; this host's where it cannot be read.
