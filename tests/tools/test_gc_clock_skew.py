@@ -1,11 +1,14 @@
-"""`kvtier gc --max-age` on a host whose clock is not the shared directory's.
+"""`kvtier gc --max-age` and `kvtier inspect`'s ages on a host whose clock is not the shared
+directory's.
 
 A chunk file's mtime (its last use: every hit touches it) is stamped by the filesystem's
 clock (on NFS the server's); gc measured its age against the clock of the host it ran on (a
 cron job on any node, an operator's laptop). Run from a host 10 minutes ahead, `--max-age 15m`
 deleted every chunk idle for more than 5 minutes, chunks the fleet was reading included; from
 a host behind, it kept idle ones. gc now reads the filesystem's clock off a file it creates
-in the tier's root and removes at once (`FileInventory.now_s`).
+in the tier's root and removes at once (`FileInventory.now_s`). `kvtier inspect` showed each
+namespace's least and most recently used as "N ago" by the host's clock as well: it now takes
+them by the same clock.
 
 The gc host's clock is skewed by replacing `time` in gc's module (the fault injected); the
 directory, its chunks and their mtimes are real.
@@ -14,12 +17,14 @@ directory, its chunks and their mtimes are real.
 from __future__ import annotations
 
 import os
+import re
 import time
 import types
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from tierkit import key, tiny_layout
 
 from kvtier.tiers import build_tier
@@ -27,6 +32,8 @@ from kvtier.tiers.files.chunktree import FileInventory
 from kvtier.tiers.files.shared import SharedTierConfig
 from kvtier.tools.admin import gc as gc_module
 from kvtier.tools.admin.gc import GcRequest, run_gc
+from kvtier.tools.cli import inspect as inspect_module
+from kvtier.tools.cli.main import main
 
 LAYOUT = tiny_layout()
 AHEAD_S = 600.0
@@ -89,3 +96,22 @@ def test_a_read_only_root_falls_back_to_the_hosts_clock(tmp_path: Path,
     monkeypatch.undo()
     assert all(engine.contains(key(i)) for i in range(len(IDLE_S)))
     engine.close()
+
+
+@pytest.mark.parametrize("ahead_s", [AHEAD_S, -AHEAD_S], ids=["ahead", "behind"])
+def test_inspect_shows_ages_by_the_filesystems_clock(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        ahead_s: float) -> None:
+    engine = engine_with_idle_chunks(tmp_path / "shared")
+    engine.close()
+    config = tmp_path / "store.yaml"
+    config.write_text(yaml.safe_dump({"tiers": [
+        {"kind": "shared", "path": str(tmp_path / "shared"), "capacity": 64 * 8192}]}))
+    monkeypatch.setattr(inspect_module, "time", skewed_time(ahead_s))
+    capsys.readouterr()
+    assert main(["inspect", "--config", str(config)]) == 0
+    shown = [float(m) for m in re.findall(r"(\d+\.\d)m ago", capsys.readouterr().out)]
+    expected = [max(IDLE_S) / 60, min(IDLE_S) / 60]  # oldest, newest
+    assert len(shown) == 2 and all(abs(s - e) < 0.5 for s, e in zip(shown, expected)), \
+        f"inspect showed {shown} minutes ago, not {expected}: a host {ahead_s:+.0f} s off " \
+        "the filesystem's clock"

@@ -1,8 +1,11 @@
 """`kvtier inspect --config FILE`: what each persistent tier holds, per namespace (layout
 digest): the model it is the KV of and its fingerprint (from the namespace's manifest;
 "unknown" without one: data of an older kvtier, or a store opened without a model), how the
-tier stores chunks at rest (codec, encryption), chunks, bytes, least and most recently used.
-Reads storage only; changes nothing. `--json` gives the whole fingerprint.
+tier stores chunks at rest (codec, encryption), chunks, bytes, least and most recently used
+(how long ago by the clock that stamped those times, as `kvtier gc --max-age` measures them:
+a shared directory's, read off an empty file created in its root and removed at once; an S3
+server's; `inventory.storage_now`). Reads storage only; changes nothing but that file.
+`--json` gives the whole fingerprint, and the times of use as Unix times.
 
 `kvtier inspect --metrics URL` (with or without `--config`) adds what a hit on each tier
 costs on a running kvtier-served vLLM: its measured restore seconds per 1k tokens, the
@@ -36,6 +39,7 @@ from kvtier.tools.admin.inventory import (
     open_inventories,
     persistent_tiers,
     read_manifests,
+    storage_now,
     summarize,
 )
 from kvtier.tools.cli.literal import literal
@@ -105,8 +109,9 @@ def run(args: argparse.Namespace) -> int:
     # With --metrics, a config of memory tiers only still names the tiers' media.
     listed = store is not None and not (args.metrics and args.tier is None
                                         and not persistent_tiers(store))
+    clocks: dict[str, float] = {}  # tier -> now by its storage's clock (the table's ages)
     if store is not None and listed:
-        rows, errors = _inventory(store, args.tier)
+        rows, errors = _inventory(store, args.tier, None if args.json else clocks)
     encodings = {t.tier_name: at_rest(t) for t in store.tiers} if store else {}
     if args.json:
         print(json.dumps({"namespaces": [asdict(r) | {"at_rest": encodings[r.tier]} for r in rows],
@@ -119,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
         return 1 if errors else 0
     console = Console(width=max(Console().width, 180))
     if listed:
-        console.print(_table(rows, encodings, {w.tier: w for w in weights} if costs else None))
+        console.print(_table(rows, encodings, {w.tier: w for w in weights} if costs else None,
+                             clocks))
     if costs is not None:
         print_router_weights(console, weights, costs.decisions)
     if engine is not None:
@@ -137,14 +143,18 @@ def print_errors(console: Console, errors: dict[str, str]) -> None:
         console.print(literal(f"tier {tier}: not readable: {error}", style="bold red"))
 
 
-def _inventory(store: StoreConfig, only: str | None) -> tuple[list[NamespaceUsage],
-                                                               dict[str, str]]:
+def _inventory(store: StoreConfig, only: str | None, clocks: dict[str, float] | None = None,
+               ) -> tuple[list[NamespaceUsage], dict[str, str]]:
+    """Each tier's rows, and the error of each that could not be read; with `clocks`, each
+    tier's now by its storage's clock is put there (the table's ages, as gc takes them)."""
     rows: list[NamespaceUsage] = []
     errors: dict[str, str] = {}
     for inventory in open_inventories(store, only, unanswered=errors):
         try:
             manifests = read_manifests(inventory)
             rows += summarize(inventory, list(inventory.chunks()), manifests)
+            if clocks is not None:
+                clocks[inventory.name] = storage_now(inventory)
         except Exception as exc:  # an unreachable tier is reported, the others still listed
             errors[inventory.name] = f"{type(exc).__name__}: {exc}"
         finally:
@@ -153,8 +163,9 @@ def _inventory(store: StoreConfig, only: str | None) -> tuple[list[NamespaceUsag
 
 
 def _table(rows: list[NamespaceUsage], encodings: dict[str, str],
-           weights: dict[str, TierWeight] | None) -> Table:
-    """The inventory; with `weights` (--metrics), each tier's restore cost and weight."""
+           weights: dict[str, TierWeight] | None, clocks: dict[str, float]) -> Table:
+    """The inventory; with `weights` (--metrics), each tier's restore cost and weight.
+    `clocks`: each tier's now by its storage's clock, that its ages are taken by."""
     table = Table(title="kvtier inspect")
     columns = ["tier", "kind", "at rest", "namespace", "model", "fingerprint", "chunks",
                "bytes", "oldest", "newest", "hits"]
@@ -167,7 +178,8 @@ def _table(rows: list[NamespaceUsage], encodings: dict[str, str],
         cells: list[str | Text] = [
             r.tier, r.kind, encodings[r.tier], literal(r.namespace), literal(r.model),
             literal(short_fingerprint(r.fingerprint)), str(r.chunks), format_size(r.size_bytes),
-            _ago(r.oldest_s), _ago(r.newest_s), "n/a" if r.hits is None else str(r.hits)]
+            _ago(r.oldest_s, clocks.get(r.tier)), _ago(r.newest_s, clocks.get(r.tier)),
+            "n/a" if r.hits is None else str(r.hits)]
         if weights is not None:
             w = weights.get(r.tier)
             cost = None if w is None else w.restore_s_per_1k
@@ -219,10 +231,11 @@ def short_fingerprint(fingerprint: str) -> str:
     return fingerprint[:12] if len(fingerprint) == 32 else fingerprint
 
 
-def _ago(when_s: float | None) -> str:
+def _ago(when_s: float | None, now_s: float | None) -> str:
+    """How long before `now_s` (the storage's clock; None: this host's) `when_s` was."""
     if when_s is None:
         return "-"
-    age = max(0.0, time.time() - when_s)
+    age = max(0.0, (time.time() if now_s is None else now_s) - when_s)
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
         if age >= size:
             return f"{age / size:.1f}{unit} ago"
