@@ -96,6 +96,40 @@ def test_a_plot_in_an_existing_directory_is_written(tmp_path) -> None:  # type: 
     assert plot.stat().st_size > 0
 
 
+# (command, option) for every option of `kvtier` that names an image to write.
+PLOTTERS = [
+    (["simulate", "--sweep", "cpu_gb=0,16", "--requests", "5"], "--plot"),
+    (["simulate", "--trace", "/nonexistent.jsonl"], "--plot"),
+    (["bench", "trace", "/nonexistent.jsonl"], "--plot"),
+    (["bench", "link"], "--png"),
+]
+
+
+@pytest.mark.parametrize(("command", "option"), PLOTTERS)
+@pytest.mark.parametrize("name", ["hit-ratio", "hit-ratio.txt", "hit-ratio.json"])
+def test_a_plot_named_without_an_image_suffix_is_refused_before_the_work(  # type: ignore[no-untyped-def]
+        command, option, name, tmp_path) -> None:
+    """matplotlib takes the format from the suffix: `--plot hit-ratio` wrote hit-ratio.png,
+    not the file named, and `--plot hit-ratio.txt` failed only after the run."""
+    pytest.importorskip("matplotlib")
+    code, err = run_cli([*command, f"{option}={tmp_path / name}"])
+    assert code == 2, err
+    assert f"argument {option}: '{tmp_path / name}': a file name ending in an image format: " \
+        ".png, or one of " in err and ".svg" in err, err
+    assert "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["hit.svg", "hit.PNG", "hit.pdf"])
+def test_a_plot_takes_any_image_format_matplotlib_writes(name, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / name
+    code, err = run_cli(["simulate", "--sweep", "cpu_gb=0,16", "--requests", "20",
+                         "--json", f"--plot={plot}"])
+    assert code == 0, err
+    assert [p.name for p in tmp_path.iterdir()] == [name] and plot.stat().st_size > 0
+
+
 @pytest.mark.parametrize("argv", [
     ["simulate", "--requests", "300", "--json"],
     ["plan", CONFIG, "--vllm-version", "0.21.0", "--json"],

@@ -3,7 +3,8 @@
 Primitives: `finite_float`, `positive_float`, `fraction`, `positive_int`,
 `non_negative_int`, `int_in(low, high)`, `size_gb`, `tier_size`, `tier_size_or_zero`,
 `path_and_tier_size`, `port_number`, `listen_host`, `path_text`,
-`output_file`, `output_dir` (their parent must exist), `work_dir` (a writable directory),
+`output_file`, `plot_file` (an output file whose suffix names an image format), `output_dir`
+(their parent must exist), `work_dir` (a writable directory),
 `any_path`, `url_of(*schemes)` (`http_url`, `redis_url`).
 
 argparse turns their `ArgumentTypeError` into "kvtier CMD: error: argument --x: ..." and
@@ -206,6 +207,21 @@ def output_file(text: str) -> Path:
     except OSError as exc:
         raise argparse.ArgumentTypeError(
             f"{text!r}: cannot be written ({exc.strerror or exc})") from None
+    return path
+
+
+def plot_file(text: str) -> Path:
+    """An image to write (`--plot`, `--png`): an `output_file` whose suffix is a format
+    matplotlib writes. matplotlib reads the format from the suffix: `--plot hit` wrote
+    hit.png, not the file asked for, and `--plot hit.txt` failed only after the work."""
+    path = output_file(text)
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    if path.suffix[1:].lower() not in formats:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a file name ending in an image format: .png, or one of "
+            f"{', '.join('.' + f for f in formats if f != 'png')}")
     return path
 
 

@@ -17,6 +17,7 @@ from kvtier.tools.cli.argtypes import (
     non_negative_int,
     output_dir,
     output_file,
+    plot_file,
     positive_int,
     work_dir,
 )
@@ -49,7 +50,7 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     parser.add_argument("--model-root", type=output_dir, default=Path(".kvtier-models"),
                         help="where the generated bench model is cached")
     parser.add_argument("--json", type=output_file, default=Path("results/bench-link.json"))
-    parser.add_argument("--png", type=output_file, default=Path("results/bench-link.png"))
+    parser.add_argument("--png", type=plot_file, default=Path("results/bench-link.png"))
     parser.set_defaults(func=run)
 
 

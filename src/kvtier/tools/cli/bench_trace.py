@@ -34,6 +34,7 @@ from kvtier.tools.cli.argtypes import (
     fraction,
     output_dir,
     output_file,
+    plot_file,
     positive_int,
     work_dir,
 )
@@ -80,7 +81,7 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     parser.add_argument("--model-root", type=output_dir, default=Path(".kvtier-models"),
                         help="where the generated bench model is cached")
     parser.add_argument("--json", type=output_file, default=Path("results/bench-trace.json"))
-    parser.add_argument("--plot", type=output_file, metavar="FILE.png",
+    parser.add_argument("--plot", type=plot_file, metavar="FILE.png",
                         help="also a PNG: TTFT distributions, prefill saved vs the simulator")
     parser.set_defaults(func=run)
 

@@ -26,7 +26,7 @@ from kvtier.tools.cli.argtypes import (
     finite_float,
     fraction,
     int_in,
-    output_file,
+    plot_file,
     positive_int,
 )
 from kvtier.tools.cli.simulate_trace import add_trace_arguments, run_trace, write_trace
@@ -98,7 +98,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sweep", metavar="PARAM=V1,V2,...",
                    help=f"sweep one of {', '.join(SWEEP_PARAMS)}")
-    p.add_argument("--plot", type=output_file, metavar="OUT.png",
+    p.add_argument("--plot", type=plot_file, metavar="OUT.png",
                    help="with --sweep or --trace: write a PNG")
     p.add_argument("--validate", action="store_true",
                    help="compare the model with published figures and exit")
