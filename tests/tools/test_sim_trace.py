@@ -283,3 +283,46 @@ def test_a_capacity_below_one_block_is_refused_naming_the_block_size(
                  "--policies", "lru"]) == 2
     err = capsys.readouterr().err
     assert "capacity" in err and "at least one block of the trace: 512 tokens" in err
+
+
+def _one_prefix_trace(tmp_path: Path) -> Path:
+    """20 requests of 3 shared 16-token blocks and a partial one: all to one engine by their
+    first block, so the other engines' private caches hit nothing."""
+    path = tmp_path / "one-prefix.jsonl"
+    path.write_text("".join(json.dumps({"block_hashes": [1, 2, 3, 100 + i],
+                                        "input_length": 61}) + "\n" for i in range(20)))
+    return path
+
+
+def _strict_json(text: str) -> object:
+    def refuse(constant: str) -> object:
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_pooling_against_private_caches_that_hit_nothing_is_valid_json(  # type: ignore[no-untyped-def]
+        tmp_path: Path, capsys) -> None:
+    """The gain of a pooled cache over private ones that hit nothing has no value: `--json`
+    printed `"gain": Infinity` (not JSON: strict parsers refuse it), the table `infx`."""
+    trace = str(_one_prefix_trace(tmp_path))
+    argv = ["simulate", "--trace", trace, "--trace-block-tokens", "16", "--capacity", "48",
+            "--policies", "lru", "--engines", "3"]
+    assert main([*argv, "--json"]) == 0
+    [point] = _strict_json(capsys.readouterr().out)["pooling"]  # type: ignore[index]
+    assert point["private_hit_ratio"] == 0 and point["pooled_hit_ratio"] > 0.7
+    assert point["gain"] is None
+    assert main(argv) == 0
+    assert "inf" not in capsys.readouterr().out
+
+
+def test_a_capacity_below_a_block_an_engine_is_refused_before_the_replay(  # type: ignore[no-untyped-def]
+        tmp_path: Path, capsys) -> None:
+    """With --engines N, each private cache gets capacity / N: below one block it holds
+    nothing, and the private hit ratio read 0% however the trace shares prefixes."""
+    code = main(["simulate", "--trace", str(_one_prefix_trace(tmp_path)),
+                 "--trace-block-tokens", "16", "--capacity", "64,32", "--engines", "3"])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == ""
+    assert "capacity=32: with 3 engines, at least 3 blocks of the trace (48 tokens)" \
+        in captured.err

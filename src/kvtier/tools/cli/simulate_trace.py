@@ -78,6 +78,11 @@ def run_trace(args: argparse.Namespace) -> int:
     capacities = [parse_tokens(text) for text in capacity.split(",") if text.strip()]
     cost = build_cost_model(model_spec(args.model), gpu_profile(args.gpu), args.tp)
     trace = read_trace(args.trace, args.trace_block_tokens, args.requests)
+    if args.engines > 1:  # before the sweep's minutes, not after them
+        from kvtier.tools.sim.pooling import check_capacity
+
+        for tokens in capacities:
+            check_capacity(tokens, trace.block_tokens, args.engines)
     total = len(trace.requests) * len(capacities) * (len(specs) + 1)
     sweep = _with_progress(lambda done: sweep_trace(trace, specs, capacities, cost, done),
                            args.json, total)
@@ -129,7 +134,8 @@ def _print_pooling(pooling: list[Pooling], spec: PolicySpec) -> None:
         table.add_column(column, justify="right")
     for p in pooling:
         table.add_row(f"{p.capacity_tokens:,}", f"{p.pooled_hit_ratio:.1%}",
-                      f"{p.private_hit_ratio:.1%}", f"{p.gain:.2f}x")
+                      f"{p.private_hit_ratio:.1%}",
+                      "-" if p.gain is None else f"{p.gain:.2f}x")
     Console().print(table)
 
 

@@ -10,7 +10,10 @@ capacity / engines. Pooled: every request through one cache of the whole capacit
 node's RAM tier, which every engine reads). Both through kvtier's policy classes
 (`replay.replay`).
 
-Primitives: `ROUTES`, `split`, `Pooling`, `compare`.
+Private caches get the whole blocks of capacity / engines: a capacity below one block an
+engine would leave them empty (every private hit ratio 0), so it is refused.
+
+Primitives: `ROUTES`, `split`, `Pooling`, `check_capacity`, `compare`.
 """
 
 from __future__ import annotations
@@ -55,15 +58,33 @@ class Pooling:
     private_hit_ratio: float
 
     @property
-    def gain(self) -> float:
-        """Pooled over private (inf when private hits nothing)."""
+    def gain(self) -> float | None:
+        """Pooled over private; None when private hits nothing (no ratio: JSON has no
+        infinity, and `--json` printed `Infinity`, which strict parsers refuse)."""
         return (self.pooled_hit_ratio / self.private_hit_ratio if self.private_hit_ratio
-                else float("inf"))
+                else None)
+
+
+def check_capacity(capacity_tokens: int, block_tokens: int, engines: int) -> None:
+    """Refuse a capacity that gives an engine's private cache less than one block.
+
+    Raises:
+        ConfigError: capacity_tokens // block_tokens < engines.
+    """
+    if capacity_tokens // block_tokens < engines:
+        raise ConfigError("capacity", capacity_tokens,
+                          f"with {engines} engines, at least {engines} blocks of the trace "
+                          f"({engines * block_tokens:,} tokens): one block a private cache")
 
 
 def compare(trace: Trace, spec: PolicySpec, capacity_blocks: int, cost: CostModel,
             engines: int, route: str) -> Pooling:
-    """Replay `trace` pooled and split over `engines` at `capacity_blocks` in all."""
+    """Replay `trace` pooled and split over `engines` at `capacity_blocks` in all.
+
+    Raises:
+        ConfigError: fewer blocks than engines (`check_capacity`), engines < 1, a bad route.
+    """
+    check_capacity(capacity_blocks * trace.block_tokens, trace.block_tokens, engines)
     pooled = replay(trace, spec, capacity_blocks, cost)
     hits = sum(replay(share, spec, capacity_blocks // engines, cost).hit_tokens
                for share in split(trace, engines, route))
