@@ -326,3 +326,15 @@ def test_a_capacity_below_a_block_an_engine_is_refused_before_the_replay(  # typ
     assert code == 2 and captured.out == ""
     assert "capacity=32: with 3 engines, at least 3 blocks of the trace (48 tokens)" \
         in captured.err
+
+
+def test_a_small_traces_prefill_saved_reads_in_tokens_and_fractions_of_a_second(  # type: ignore[no-untyped-def]
+        tmp_path: Path, capsys) -> None:
+    """912 tokens saved read "0.0M / 0 s" in the table and the unbounded line: as if
+    nothing were saved."""
+    assert main(["simulate", "--trace", str(_one_prefix_trace(tmp_path)),
+                 "--trace-block-tokens", "16", "--capacity", "64", "--policies", "lru"]) == 0
+    out = capsys.readouterr().out
+    assert "0.0M" not in out and " 0 s of 0 s" not in out
+    assert "unbounded: 912 tokens, 0.032 s of 0.043 s of prefill" in out
+    assert "912 / 0.032 s" in out

@@ -173,13 +173,23 @@ def _print(sweep: TraceSweep, specs: list[PolicySpec]) -> None:
         saved.add_column(name, justify="right")
     for point in sweep.points:
         saved.add_row(f"{point.capacity_tokens:,}",
-                      *[f"{r.hit_tokens / 1e6:,.1f}M / {r.prefill_s_saved:,.0f} s"
+                      *[f"{_tokens(r.hit_tokens)} / {_seconds(r.prefill_s_saved)}"
                         for r in (*point.policies, point.optimum)])
     un = sweep.unbounded
     console = Console()
     console.print(table)
     console.print(saved)
-    console.print(f"unbounded: {un.hit_tokens / 1e6:,.1f}M tokens, {un.prefill_s_saved:,.0f} s "
-                  f"of {un.prefill_s_total:,.0f} s of prefill. The optimum is Belady's MIN over "
+    console.print(f"unbounded: {_tokens(un.hit_tokens)} tokens, {_seconds(un.prefill_s_saved)} "
+                  f"of {_seconds(un.prefill_s_total)} of prefill. The optimum is Belady's MIN over "
                   "blocks with the prefix constraint: the exact optimum of hit blocks at that "
                   "capacity (kvtier.tools.sim.optimum).")
+
+
+def _tokens(count: int) -> str:
+    """Millions for a production trace; a small one's count whole (912 tokens read 0.0M)."""
+    return f"{count / 1e6:,.1f}M" if count >= 100_000 else f"{count:,}"
+
+
+def _seconds(seconds: float) -> str:
+    """Whole seconds, or two significant digits below 10 s (0.032 s of prefill read 0 s)."""
+    return f"{seconds:,.0f} s" if seconds >= 10 or seconds == 0 else f"{seconds:.2g} s"
