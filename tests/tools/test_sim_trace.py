@@ -338,3 +338,22 @@ def test_a_small_traces_prefill_saved_reads_in_tokens_and_fractions_of_a_second(
     assert "0.0M" not in out and " 0 s of 0 s" not in out
     assert "unbounded: 912 tokens, 0.032 s of 0.043 s of prefill" in out
     assert "912 / 0.032 s" in out
+
+
+@pytest.mark.parametrize(("text", "allowed"), [
+    ("1.5", "a whole number of tokens (1.5 is not)"),
+    ("17.5", "a whole number of tokens (17.5 is not)"),
+    ("1e20", "(0 to 1e+15)"), ("-3", "(0 to 1e+15)"), ("nan", "(0 to 1e+15)")])
+def test_a_capacity_that_is_no_whole_token_count_is_refused_as_typed(text: str,
+                                                                     allowed: str) -> None:
+    """"1.5" was read as 1 token and refused as `capacity=1`, a value nobody typed; "17.5"
+    was taken as 17 tokens."""
+    with pytest.raises(ConfigError) as refused:
+        parse_tokens(text)
+    assert refused.value.value == text and allowed in refused.value.allowed
+
+
+def test_a_token_count_with_a_suffix_is_exact() -> None:
+    """Floats made 1.001M 1,000,999 tokens and 2.01k 2,009."""
+    assert [parse_tokens(t) for t in ("1.001M", "2.01k", "4.06k", "1e3", "0")] == \
+        [1_001_000, 2_010, 4_060, 1000, 0]

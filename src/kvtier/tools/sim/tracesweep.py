@@ -10,6 +10,7 @@ Primitives: `TraceSweep`, `CapacityPoint`, `sweep_trace`, `parse_tokens`.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from kvtier.errors import ConfigError
@@ -19,22 +20,27 @@ from kvtier.tools.sim.replay import PolicySpec, Progress, ReplayResult, replay
 from kvtier.tools.sim.trace import Trace
 
 _SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9}
+MAX_TOKENS = 10**15  # a larger capacity is a typo
 
 
 def parse_tokens(text: str) -> int:
     """"300k", "1M", "2.5m", "1000000": a token count.
 
     Raises:
-        ConfigError: not a non-negative number with an optional k/M/G suffix.
+        ConfigError: not a non-negative number with an optional k/M/G suffix, not a whole
+            number of tokens ("1.5"), or MAX_TOKENS or more.
     """
     value = text.strip().lower()
     scale = _SUFFIXES.get(value[-1:], 1)
-    try:
-        tokens = float(value[:-1] if scale != 1 else value) * scale
-    except ValueError:
-        tokens = -1.0
-    if not 0 <= tokens < 1e15:
-        raise ConfigError("capacity", text, "a token count like 300k, 1M, 2.5M or 1000000")
+    try:  # decimal: 1.001M is 1,001,000 tokens, where a float made it 1000999.9999999999
+        tokens = Decimal(value[:-1] if scale != 1 else value) * scale
+    except InvalidOperation:
+        tokens = Decimal(-1)
+    if not (tokens.is_finite() and 0 <= tokens < MAX_TOKENS):
+        raise ConfigError("capacity", text, "a token count like 300k, 1M, 2.5M or 1000000 "
+                          f"(0 to {MAX_TOKENS:.0e})")
+    if tokens != int(tokens):  # "1.5" was read as 1 token, and refused as 'capacity=1'
+        raise ConfigError("capacity", text, f"a whole number of tokens ({tokens:f} is not)")
     return int(tokens)
 
 
