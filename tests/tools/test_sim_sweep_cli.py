@@ -145,3 +145,22 @@ def test_the_gpu_help_names_every_profile_cpu_included(
         main(["simulate", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "--gpu GPU h100, h200, a100, l40s, or cpu" in out
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "1e400"])
+def test_a_sweep_value_that_is_not_finite_is_refused_naming_the_sweep(
+        value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--sweep cpu_gb=0,nan` ended as "invalid input: cannot convert float NaN to integer",
+    naming neither the option nor what it takes."""
+    assert main(["simulate", "--requests", "10", "--sweep", f"cpu_gb=0,{value}"]) == 2
+    err = capsys.readouterr().err
+    assert f"invalid config sweep='cpu_gb=0,{value}': PARAM=V1,V2,... with finite numeric " \
+        "values" in err, err
+
+
+def test_a_sweep_where_offload_never_costs_says_so_in_words(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """It read "it only costs at none"."""
+    assert main(["simulate", "--requests", "50", "--sweep", "rate=1e-300"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "only costs at none" not in out and "it costs at none of them" in out

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import asdict
 from typing import Any
@@ -140,6 +141,8 @@ def parse_sweep(text: str) -> tuple[str, list[float]]:
         numbers = [float(v) for v in values.split(",") if v.strip()]
     except ValueError as exc:
         raise ConfigError("sweep", text, "PARAM=V1,V2,... with numeric values") from exc
+    if not all(map(math.isfinite, numbers)):  # nan escaped as "cannot convert float NaN"
+        raise ConfigError("sweep", text, "PARAM=V1,V2,... with finite numeric values")
     if param not in SWEEP_PARAMS or not numbers:
         raise ConfigError("sweep", text, f"PARAM=V1,V2,... with PARAM in {SWEEP_PARAMS}")
     return param, numbers
@@ -278,8 +281,9 @@ def _print_sweep(result: SweepResult, as_json: bool) -> None:
     pays = (f"offload never pays at the {result.param} values swept"
             if result.pays_from is None
             else f"offload starts to pay at {result.param} = {result.pays_from:g}")
-    costs = ", ".join(f"{value:g}" for value in result.costs_at) or "none"
-    console.print(f"{pays}; it only costs at {costs}")
+    costs = (f"it only costs at {', '.join(f'{value:g}' for value in result.costs_at)}"
+             if result.costs_at else "it costs at none of them")  # was "only costs at none"
+    console.print(f"{pays}; {costs}")
 
 
 def _run_validate(as_json: bool) -> int:
