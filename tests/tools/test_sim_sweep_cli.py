@@ -164,3 +164,12 @@ def test_a_sweep_where_offload_never_costs_says_so_in_words(
     assert main(["simulate", "--requests", "50", "--sweep", "rate=1e-300"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "only costs at none" not in out and "it costs at none of them" in out
+
+
+@pytest.mark.parametrize("rate", ["-1", "0"])
+def test_a_rate_that_is_not_positive_is_told_what_is_allowed(
+        rate: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """--rate -1 was told "a number >= 0", and --rate 0 then "requests per second > 0"."""
+    assert main(["simulate", "--requests", "10", "--rate", rate]) == 2
+    assert "workload.rate_rps=" in (err := capsys.readouterr().err)
+    assert "requests per second > 0" in err and ">= 0" not in err

@@ -50,12 +50,12 @@ class WorkloadConfig:
     max_context: int = 32768  # a session ends before a turn would pass this
 
     def __post_init__(self) -> None:
+        if not self.rate_rps > 0:  # first: -1 was told "a number >= 0", then 0 refused
+            raise ConfigError("workload.rate_rps", self.rate_rps, "requests per second > 0")
         for f in fields(self):
             value = getattr(self, f.name)
             if value < 0 or (isinstance(value, float) and math.isnan(value)):
                 raise ConfigError(f"workload.{f.name}", value, "a number >= 0")
-        if self.rate_rps <= 0:
-            raise ConfigError("workload.rate_rps", self.rate_rps, "requests per second > 0")
         if self.turns_mean < 1:
             raise ConfigError("workload.turns_mean", self.turns_mean, "a mean >= 1")
         if self.doc_prob > 1:
