@@ -242,3 +242,20 @@ def test_node_mode_is_checked_by_asking_the_node(tmp_path):
     assert answered.status == "ok" and node.name in answered.detail
     assert shm.name.startswith("shared memory") and shm.status == "ok"
     assert check_node({"tiers": []}) == []  # not node mode: nothing to ask
+
+
+@pytest.mark.parametrize("flag", [["--memory", "999TiB"], ["--redis", "redis://127.0.0.1:1/0"],
+                                  ["--disk", "/proc/x:1GiB"], ["--shared", "/tmp/sh:100TiB"]])
+def test_a_config_and_tier_flags_at_once_are_refused_not_half_checked(  # type: ignore[no-untyped-def]
+        flag, tmp_path, capsys) -> None:
+    """With a config file the tier flags were ignored: `doctor store.yaml --memory 999TiB
+    --redis URL` checked neither, said "no redis tier configured" and exited 0."""
+    from kvtier.tools.cli.main import main
+
+    config = tmp_path / "store.yaml"
+    config.write_text(json.dumps({"tiers": [{"kind": "disk", "path": str(tmp_path / "d"),
+                                             "capacity": "64MiB"}]}))
+    assert main(["doctor", str(config), *flag]) == 2
+    err = capsys.readouterr().err
+    assert f"invalid config config='{config}': a config file alone: {flag[0]} would be " \
+        "ignored" in err, err

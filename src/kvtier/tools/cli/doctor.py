@@ -15,6 +15,7 @@ import json
 from rich.console import Console
 from rich.table import Table
 
+from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import CONNECTOR_MODULE, ConnectorConfig
 from kvtier.redaction import redact_text
 from kvtier.tools.cli.argtypes import path_and_tier_size, tier_size
@@ -49,7 +50,19 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the checks; see the module docstring for exit codes."""
+    """Run the checks; see the module docstring for exit codes.
+
+    Raises:
+        ConfigError: an unreadable or invalid config, a bad tier flag, or a config and tier
+            flags at once.
+    """
+    flags = [name for name, given in (("--memory", args.memory), ("--disk", args.disk),
+                                      ("--shared", args.shared), ("--redis", args.redis))
+             if given]
+    if args.config is not None and flags:  # the flags were ignored: unchecked, said "ok"
+        raise ConfigError("config", args.config, f"a config file alone: {', '.join(flags)} "
+                          "would be ignored (a config's tiers are its own: add the tier to "
+                          "the file, or check the flags without it)")
     if args.config is not None:  # "" (a variable unset) is refused, not the machine's check
         store = read_store(args.config)
     elif not (args.memory or args.disk or args.shared or args.redis):
