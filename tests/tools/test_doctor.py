@@ -259,3 +259,22 @@ def test_a_config_and_tier_flags_at_once_are_refused_not_half_checked(  # type: 
     err = capsys.readouterr().err
     assert f"invalid config config='{config}': a config file alone: {flag[0]} would be " \
         "ignored" in err, err
+
+
+def test_the_config_is_taken_as_inspect_and_gc_take_it(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """`kvtier doctor --config X` (as `kvtier inspect --config X`) was "kvtier: error:
+    unrecognized arguments: --config"."""
+    from kvtier.tools.cli.main import main
+
+    config = tmp_path / "store.yaml"
+    config.write_text(json.dumps({"tiers": [{"kind": "disk", "path": str(tmp_path / "d"),
+                                             "capacity": "64MiB"}]}))
+    cheap = ["--connector-module", "kvtier.units", "--json"]  # no vLLM import
+    capsys.readouterr()
+    main(["doctor", str(config), *cheap])
+    positional = json.loads(capsys.readouterr().out)
+    main(["doctor", "--config", str(config), *cheap])
+    assert json.loads(capsys.readouterr().out)["kv_transfer_config"] \
+        == positional["kv_transfer_config"] is not None
+    assert main(["doctor", str(config), "--config", str(config)]) == 2
+    assert "--config=" in capsys.readouterr().err

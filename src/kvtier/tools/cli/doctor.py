@@ -35,6 +35,10 @@ _STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("doctor", help="check vLLM, the connector, tier paths and Redis")
     p.add_argument("config", nargs="?", help="kvtier config file (YAML or JSON)")
+    # as `kvtier inspect` and `gc` take it: `doctor --config X` was "kvtier: error:
+    # unrecognized arguments: --config", from the top-level parser
+    p.add_argument("--config", dest="config_option", metavar="CONFIG",
+                   help="the same, as inspect and gc take it")
     p.add_argument("--memory", type=tier_size, help="memory tier capacity, e.g. 64GiB")
     p.add_argument("--disk", type=path_and_tier_size, action="append", default=[],
                    metavar="PATH:SIZE")
@@ -56,6 +60,11 @@ def run(args: argparse.Namespace) -> int:
         ConfigError: an unreadable or invalid config, a bad tier flag, or a config and tier
             flags at once.
     """
+    if args.config_option is not None:
+        if args.config is not None:
+            raise ConfigError("--config", args.config_option,
+                              f"one config file (also given: {args.config})")
+        args.config = args.config_option
     flags = [name for name, given in (("--memory", args.memory), ("--disk", args.disk),
                                       ("--shared", args.shared), ("--redis", args.redis))
              if given]
