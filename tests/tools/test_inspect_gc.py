@@ -294,3 +294,16 @@ def test_inspect_says_how_each_tier_stores_chunks_at_rest_and_names_no_secret(
     assert main(["inspect", "--config", str(config)]) == 0
     out = capsys.readouterr().out
     assert "fp8 (LOSSY)" in out and str(secret) not in out and "s" * 48 not in out
+
+
+def test_a_dry_runs_table_reads_would_remove_in_every_column(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Its last column read "manifest would remove"."""
+    config = write_config(tmp_path, {"kind": "disk", "path": str(tmp_path / "disk"),
+                                     "capacity": "64MiB"})
+    fill(config, LAYOUT_A, range(0, 2))
+    capsys.readouterr()
+    assert main(["gc", "--config", str(config), "--quota", "0", "--dry-run"]) == 0
+    header = " ".join(capsys.readouterr().out.split())
+    assert "would remove orphans" in header and "would remove manifest" in header
+    assert "manifest would remove" not in header

@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     table = Table(title=f"kvtier gc{' (dry run)' if args.dry_run else ''}")
     for column in ("tier", "namespace", "model", "fingerprint", f"{verb} chunks",
                    f"{verb} bytes", "kept chunks", "kept bytes", "kept in use",
-                   f"{verb} orphans", f"manifest {verb}"):
+                   f"{verb} orphans", f"{verb} manifest"):
         table.add_column(column, no_wrap=column in ("namespace", "fingerprint"))
     for o in outcomes:
         table.add_row(o.tier, literal(o.namespace), literal(o.model),
