@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+from contextlib import redirect_stdout
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ from kvtier.tools.bench.tracebench import (
     plot_trace_bench,
 )
 from kvtier.tools.bench.traceslice import SliceSpec, block_token_ids, slice_trace
-from kvtier.tools.cli.bench_trace import comparison_table, config_from, trace_table
+from kvtier.tools.cli.bench_trace import comparison_table, config_from, trace_table, write_results
 from kvtier.tools.sim.cost import CostModel, build_cost_model, model_spec
 from kvtier.tools.sim.enginereplay import replay_behind_engine
 from kvtier.tools.sim.replay import parse_policy, replay
@@ -217,6 +218,13 @@ def test_the_tables_show_ratios_to_plain_vllm_and_to_lru(tmp_path: Path) -> None
     assert "33.3% (33.3%); memory 50%" in text and "332" in text  # loaded / asked; offered
     png = plot_trace_bench(result, tmp_path / "trace.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The command says where the plot went (it wrote it without a word).
+    written = io.StringIO()
+    with redirect_stdout(written):
+        write_results(result, argparse.Namespace(json=tmp_path / "t.json",
+                                                 plot=tmp_path / "t.png"), "kvtier bench trace")
+    assert f"plot written to {tmp_path / 't.png'}" in written.getvalue()
+    assert (tmp_path / "t.png").stat().st_size and json.loads((tmp_path / "t.json").read_text())
     data = result.to_dict("kvtier bench trace t.jsonl")
     assert data["runs"][2]["saved_ratio"] == pytest.approx(0.4)
     assert json.loads(json.dumps(data))["capacity_blocks"] == 59

@@ -173,3 +173,11 @@ def test_a_rate_that_is_not_positive_is_told_what_is_allowed(
     assert main(["simulate", "--requests", "10", "--rate", rate]) == 2
     assert "workload.rate_rps=" in (err := capsys.readouterr().err)
     assert "requests per second > 0" in err and ">= 0" not in err
+
+
+def test_a_sweeps_table_says_where_the_plot_went(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plot = tmp_path / "sweep.png"
+    assert main(["simulate", "--requests", "20", "--sweep", "cpu_gb=0,16",
+                 "--plot", str(plot)]) == 0
+    assert f"plot written to {plot}" in capsys.readouterr().out and plot.stat().st_size

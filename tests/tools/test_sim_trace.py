@@ -357,3 +357,14 @@ def test_a_token_count_with_a_suffix_is_exact() -> None:
     """Floats made 1.001M 1,000,999 tokens and 2.01k 2,009."""
     assert [parse_tokens(t) for t in ("1.001M", "2.01k", "4.06k", "1e3", "0")] == \
         [1_001_000, 2_010, 4_060, 1000, 0]
+
+
+def test_the_table_says_where_the_plot_went(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """The PNG was written without a word of where; --json keeps stdout to the JSON."""
+    plot = tmp_path / "hit.png"
+    argv = ["simulate", "--trace", str(_one_prefix_trace(tmp_path)), "--trace-block-tokens",
+            "16", "--capacity", "64", "--policies", "lru", "--plot", str(plot)]
+    assert main(argv) == 0
+    assert f"plot written to {plot}" in capsys.readouterr().out
+    assert main([*argv, "--json"]) == 0
+    json.loads(capsys.readouterr().out)

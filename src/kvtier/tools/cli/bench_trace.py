@@ -115,14 +115,16 @@ def run(args: argparse.Namespace) -> int:
         run_and_report("trace", lambda progress: run_trace_bench(config, progress),
                        lambda r: (trace_table(r), comparison_table(r),
                                   run_summary(r.wall_s, r.machine, r.runs, notes(r))),
-                       lambda r: _write(r, args, command), args.json)
+                       lambda r: write_results(r, args, command), args.json)
     return 0
 
 
-def _write(result: TraceBenchResult, args: argparse.Namespace, command: str) -> None:
+def write_results(result: TraceBenchResult, args: argparse.Namespace, command: str) -> None:
+    """Write the JSON and, with --plot, the PNG, saying where the PNG went."""
     result.write_json(args.json, command)
     if args.plot is not None:
         plot_trace_bench(result, args.plot)
+        print(f"plot written to {args.plot}")  # beside run_and_report's line for the JSON
 
 
 def trace_table(result: TraceBenchResult) -> Table:

@@ -200,6 +200,8 @@ def run(args: argparse.Namespace) -> int:
 
             plot_sweep(result, args.plot, _title(cfg, param))
         _print_sweep(result, args.json)
+        if args.plot and not args.json:  # where the image went
+            print(f"plot written to {args.plot}")
         return 0
     report = _with_progress(lambda cb: simulate(cfg, lambda i: cb(i, cfg.requests)),
                             args.json, "requests", cfg.requests)

@@ -103,6 +103,8 @@ def run_trace(args: argparse.Namespace) -> int:
         _print(sweep, specs)
         if pooling:
             _print_pooling(pooling, specs[0])
+        if args.plot:  # where the image went (--json keeps stdout to the JSON)
+            print(f"plot written to {args.plot}")
     return 0
 
 
