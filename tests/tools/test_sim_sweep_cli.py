@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -181,3 +182,11 @@ def test_a_sweeps_table_says_where_the_plot_went(
     assert main(["simulate", "--requests", "20", "--sweep", "cpu_gb=0,16",
                  "--plot", str(plot)]) == 0
     assert f"plot written to {plot}" in capsys.readouterr().out and plot.stat().st_size
+
+
+def test_a_slow_runs_request_rate_does_not_read_zero(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """20 requests served over hours read "0 tok/s (0.00 req/s)"."""
+    assert main(["simulate", "--requests", "20", "--rate", "0.001"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r" 0\.[1-9]\d? tok/s \(0\.00[1-9]\d? req/s\)", out), out

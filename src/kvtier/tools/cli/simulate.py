@@ -244,7 +244,8 @@ def _print_report(cfg: SimConfig, r: SimReport) -> None:
         ("requests (completed / in flight / rejected)",
          f"{r.completed} / {r.in_flight} / {r.rejected}"),
         ("simulated time", f"{r.sim_s:,.1f} s"),
-        ("throughput", f"{r.throughput_tok_s:,.0f} tok/s ({r.requests_per_s:,.2f} req/s)"),
+        ("throughput", f"{_rate(r.throughput_tok_s, 10)} tok/s "
+                       f"({_rate(r.requests_per_s, 0.1)} req/s)"),
         ("TTFT p50 / p99 / mean",
          f"{r.ttft_p50_s * 1e3:,.1f} / {r.ttft_p99_s * 1e3:,.1f} / {r.ttft_mean_s * 1e3:,.1f} ms"),
         ("GPU prefix hit rate", f"{r.gpu_hit_rate:.1%}"),
@@ -258,6 +259,14 @@ def _print_report(cfg: SimConfig, r: SimReport) -> None:
     for name, value in rows:
         table.add_row(name, value)
     Console().print(table)
+
+
+def _rate(per_s: float, small: float) -> str:
+    """Whole numbers from 10, two decimals from 0.1, else two significant digits: a slow
+    run's 0.0017 req/s and 0.66 tok/s read "0.00" and "0"."""
+    if per_s >= max(small, 10):
+        return f"{per_s:,.0f}"
+    return f"{per_s:,.2f}" if per_s >= small else f"{per_s:.2g}"
 
 
 def _print_sweep(result: SweepResult, as_json: bool) -> None:
