@@ -50,14 +50,16 @@ def server() -> Iterator[str]:
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            if self.path != "/metrics":
+            if self.path not in ("/metrics", "/page"):
                 self.send_error(404)
                 return
+            # /page: another service's answer, as a wrong port or a proxy's login page gives
+            page = b"<html><body>hello</body></html>\n" if self.path == "/page" else body
             self.send_response(200)
             self.send_header("Content-Type", "text/plain; version=0.0.4")
-            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Content-Length", str(len(page)))
             self.end_headers()
-            self.wfile.write(body)
+            self.wfile.write(page)
 
         def log_message(self, *args: object) -> None:
             pass
@@ -209,3 +211,14 @@ def test_a_path_that_is_not_metrics_exits_2(server: str,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["inspect", "--metrics", server + "/nope"]) == 2
     assert "HTTP 404" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["inspect"], PLAN])
+def test_an_answer_that_is_not_prometheus_text_exits_2_naming_the_option(
+        command: list[str], server: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A page that is not Prometheus text ended as "invalid input: could not convert string
+    to float", naming neither --metrics nor its URL."""
+    assert main([*command, "--metrics", server + "/page"]) == 2
+    err = capsys.readouterr().err
+    assert f"--metrics='{server}/page'" in err
+    assert "answered with something other than Prometheus metrics" in err

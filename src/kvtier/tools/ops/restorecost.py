@@ -117,7 +117,7 @@ def fetch_metrics(url: str, timeout_s: float = METRICS_TIMEOUT_S) -> str:
     option, which the errors name. Any thread.
 
     Raises:
-        ConfigError: the URL is not http(s), or does not answer with a metrics text.
+        ConfigError: the URL is not http(s), or does not answer with a Prometheus text.
     """
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.netloc:
@@ -127,7 +127,7 @@ def fetch_metrics(url: str, timeout_s: float = METRICS_TIMEOUT_S) -> str:
     endpoint = url.rstrip("/") + "/metrics" if parts.path in ("", "/") else url
     try:
         with urllib.request.urlopen(endpoint, timeout=timeout_s) as response:
-            return str(response.read().decode())
+            text = str(response.read().decode())
     except urllib.error.HTTPError as exc:
         raise ConfigError(METRICS_OPTION, url,
                           f"a /metrics endpoint ({endpoint}: HTTP {exc.code})") from None
@@ -135,6 +135,13 @@ def fetch_metrics(url: str, timeout_s: float = METRICS_TIMEOUT_S) -> str:
         reason = getattr(exc, "reason", exc)
         raise ConfigError(METRICS_OPTION, url, f"a reachable /metrics endpoint ({endpoint} "
                           f"unreachable: {reason})") from None
+    try:  # another service on that port: "invalid input: could not convert string to float"
+        for _ in text_string_to_metric_families(text):
+            pass
+    except ValueError as exc:
+        raise ConfigError(METRICS_OPTION, url, f"a /metrics endpoint ({endpoint} answered "
+                          f"with something other than Prometheus metrics: {exc})") from None
+    return text
 
 
 @dataclass(frozen=True, slots=True)
