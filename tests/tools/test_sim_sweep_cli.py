@@ -105,12 +105,23 @@ def test_cli_bad_input_exits_2(argv: list[str], capsys: pytest.CaptureFixture[st
     (["--write-trace", "{tmp}/ww.jsonl", "--tier", "disk=1TiB"], "--tier",
      "not with --write-trace"),
     (["--validate"], "--requests", "not with --validate"),
+    # the simulated engine's and the workload's options: a trace replays no engine, and
+    # `--block-tokens 16` (meant as the trace's block) read the trace in blocks of 512
+    (["--trace", "{tmp}/t.jsonl", "--block-tokens", "16"], "--block-tokens", "not with --trace"),
+    (["--trace", "{tmp}/t.jsonl", "--workload", "rag"], "--workload", "not with --trace"),
+    (["--trace", "{tmp}/t.jsonl", "--seed", "3"], "--seed", "not with --trace"),
+    (["--trace", "{tmp}/t.jsonl", "--load-when", "always"], "--load-when", "not with --trace"),
+    (["--trace", "{tmp}/t.jsonl", "--hbm-util", "0.5"], "--hbm-util", "not with --trace"),
+    (["--trace", "{tmp}/t.jsonl", "--max-num-seqs", "4"], "--max-num-seqs", "not with --trace"),
+    (["--write-trace", "{tmp}/ww.jsonl", "--max-batched-tokens", "512"],
+     "--max-batched-tokens", "not with --write-trace"),
 ])
 def test_an_option_of_a_mode_not_asked_for_is_refused_not_ignored(
         argv: list[str], option: str, needs: str, tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
     """`--capacity 1M` alone ran the whole default simulation; `--plot` without a sweep wrote
-    no PNG and `--trace T --write-trace W` no W, each with status 0."""
+    no PNG and `--trace T --write-trace W` no W, each with status 0; `--trace T
+    --block-tokens 16` replayed T in its own block size, the option ignored."""
     (tmp_path / "t.jsonl").write_text('{"hash_ids": [1, 2]}\n', encoding="utf-8")
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     assert main(["simulate", "--requests", "200", *argv]) == 2
@@ -190,3 +201,17 @@ def test_a_slow_runs_request_rate_does_not_read_zero(
     assert main(["simulate", "--requests", "20", "--rate", "0.001"]) == 0
     out = capsys.readouterr().out
     assert re.search(r" 0\.[1-9]\d? tok/s \(0\.00[1-9]\d? req/s\)", out), out
+
+
+def test_the_engine_options_still_shape_a_plain_run(capsys: pytest.CaptureFixture[str]) -> None:
+    """Their defaults now apply after the check; given, they still reach the simulation."""
+    assert main(["simulate", "--requests", "60", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)["config"]
+    assert main(["simulate", "--requests", "60", "--block-tokens", "16", "--max-num-seqs", "8",
+                 "--workload", "rag", "--seed", "2", "--json"]) == 0
+    given = json.loads(capsys.readouterr().out)["config"]
+    assert (plain["engine"]["block_tokens"], plain["engine"]["max_num_seqs"], plain["seed"]) \
+        == (64, 256, 0)
+    assert (given["engine"]["block_tokens"], given["engine"]["max_num_seqs"], given["seed"]) \
+        == (16, 8, 2)
+    assert given["workload"]["doc_prob"] > plain["workload"]["doc_prob"]  # rag's documents

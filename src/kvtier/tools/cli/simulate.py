@@ -61,8 +61,18 @@ MODE_OPTIONS = {"--capacity": ("--trace",), "--policies": ("--trace",),
                 "--plot": ("--sweep", "--trace")}
 # option -> the modes that never read it (given with one of them, it is refused), and why.
 OPTION_DESTS = {"--tier": "tier", **{_flag(name): name for name in _OVERRIDES}}
+# The simulated engine's options and the workload's: given with a mode that never reads
+# them they were ignored (`--trace T --block-tokens 16`, meant as the trace's block size).
+_ENGINE_OPTIONS = ("--hbm-util", "--load-when", "--block-tokens", "--max-num-seqs",
+                   "--max-batched-tokens")
+# dest -> its default, applied after refuse_unused (argparse's default is None: not given).
+DEFAULTS = {"hbm_util": 0.9, "load_when": "faster", "block_tokens": 64, "max_num_seqs": 256,
+            "max_batched_tokens": 8192, "seed": 0, "workload": "chat"}
 NOT_READ_BY = {"--tier": ("--trace", "--write-trace", "--validate"),
                "--requests": ("--validate",),
+               **{option: ("--trace", "--write-trace", "--validate")
+                  for option in _ENGINE_OPTIONS},
+               "--workload": ("--trace", "--validate"), "--seed": ("--trace", "--validate"),
                **{_flag(name): ("--trace", "--validate") for name in _OVERRIDES}}
 IGNORES = {"--trace": "it replays the trace's requests into each --capacity",
            "--write-trace": "it writes requests, not a run of tiers",
@@ -79,7 +89,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--engines", type=int_in(1, MAX_ENGINES), default=1,
                    help=f"engines in the fleet (1-{MAX_ENGINES})")
     p.add_argument("--router", default="session", choices=ROUTERS)
-    p.add_argument("--workload", default="chat", choices=list(WORKLOAD_PRESETS))
+    p.add_argument("--workload", choices=list(WORKLOAD_PRESETS), help="default chat")
     for name in _OVERRIDES:
         p.add_argument(_flag(name), dest=name,
                        type=finite_float, default=None, help=f"override the preset's {name}")
@@ -87,16 +97,18 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="offload tier, fastest first (repeat); default cpu=64GiB; 'none'. "
                         "POLICY: an eviction policy (lru, arc, prefix); default the kind's "
                         "(cpu: prefix, as kvtier's memory tier; the others: lru)")
-    p.add_argument("--hbm-util", type=fraction, default=0.9, help="gpu_memory_utilization")
-    p.add_argument("--load-when", default="faster", choices=LOAD_WHEN,
+    p.add_argument("--hbm-util", type=fraction, help="gpu_memory_utilization (default 0.9)")
+    p.add_argument("--load-when", choices=LOAD_WHEN,
                    help="faster (default, the connector's load_when): load a tier hit only as "
                         "far as it loads faster than it recomputes; always: every hit (naive)")
-    p.add_argument("--block-tokens", type=positive_int, default=64)
-    p.add_argument("--max-num-seqs", type=positive_int, default=256)
-    p.add_argument("--max-batched-tokens", type=positive_int, default=8192)
+    p.add_argument("--block-tokens", type=positive_int,
+                   help="vLLM's block size in the simulated engine (default 64; a trace's "
+                        "block is --trace-block-tokens)")
+    p.add_argument("--max-num-seqs", type=positive_int, help="default 256")
+    p.add_argument("--max-batched-tokens", type=positive_int, help="default 8192")
     p.add_argument("--requests", type=positive_int, default=None,
                    help="requests to simulate (default 20000); with --trace: the first N")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, help="the workload's seed (default 0)")
     p.add_argument("--sweep", metavar="PARAM=V1,V2,...",
                    help=f"sweep one of {', '.join(SWEEP_PARAMS)}")
     p.add_argument("--plot", type=plot_file, metavar="OUT.png",
@@ -182,6 +194,9 @@ def run(args: argparse.Namespace) -> int:
         ConfigError: an invalid value, two modes, an option of a mode not asked for.
     """
     refuse_unused(args)
+    for dest, default in DEFAULTS.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, default)
     if args.validate:
         return _run_validate(args.json)
     if args.trace is not None:
