@@ -215,3 +215,14 @@ def test_the_engine_options_still_shape_a_plain_run(capsys: pytest.CaptureFixtur
     assert (given["engine"]["block_tokens"], given["engine"]["max_num_seqs"], given["seed"]) \
         == (16, 8, 2)
     assert given["workload"]["doc_prob"] > plain["workload"]["doc_prob"]  # rag's documents
+
+
+@pytest.mark.parametrize(("sweep", "option", "value"), [
+    ("rate=1,2", "--rate", "3"), ("hbm_util=0.5,0.9", "--hbm-util", "0.3")])
+def test_the_swept_parameters_own_option_is_refused_not_ignored(
+        sweep: str, option: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--sweep rate=1,2 --rate 3` ran at 1 and 2 without a word of the 3."""
+    assert main(["simulate", "--requests", "20", "--sweep", sweep, option, value]) == 2
+    err = capsys.readouterr().err
+    assert f"invalid config {option}={float(value)!r}: not with --sweep {sweep} (the sweep " \
+        "sets it at each value: it would be ignored)" in err, err

@@ -68,6 +68,9 @@ _ENGINE_OPTIONS = ("--hbm-util", "--load-when", "--block-tokens", "--max-num-seq
 # dest -> its default, applied after refuse_unused (argparse's default is None: not given).
 DEFAULTS = {"hbm_util": 0.9, "load_when": "faster", "block_tokens": 64, "max_num_seqs": 256,
             "max_batched_tokens": 8192, "seed": 0, "workload": "chat"}
+# A swept parameter's own option: the sweep sets it at each value (`--sweep rate=1,2
+# --rate 3` ran at 1 and 2 without a word of the 3).
+SWEPT_OPTIONS = {"rate": "--rate", "hbm_util": "--hbm-util"}
 NOT_READ_BY = {"--tier": ("--trace", "--write-trace", "--validate"),
                "--requests": ("--validate",),
                **{option: ("--trace", "--write-trace", "--validate")
@@ -194,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
         ConfigError: an invalid value, two modes, an option of a mode not asked for.
     """
     refuse_unused(args)
+    given_values = {"--rate": args.rate_rps, "--hbm-util": args.hbm_util}
     for dest, default in DEFAULTS.items():
         if getattr(args, dest) is None:
             setattr(args, dest, default)
@@ -206,6 +210,10 @@ def run(args: argparse.Namespace) -> int:
         return write_trace(args, cfg.workload, cfg.requests)
     if args.sweep is not None:
         param, values = parse_sweep(args.sweep)
+        option = SWEPT_OPTIONS.get(param)
+        if option is not None and given_values.get(option) is not None:
+            raise ConfigError(option, given_values[option], f"not with --sweep {args.sweep} "
+                              "(the sweep sets it at each value: it would be ignored)")
         if param != "cpu_gb" and not cfg.tiers:
             raise ConfigError("tier", "none", "at least one tier to compare against")
         result = _with_progress(lambda cb: sweep(cfg, param, values, cb), args.json,
