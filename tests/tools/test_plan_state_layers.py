@@ -199,3 +199,20 @@ def test_plan_cli_prints_the_chunk_and_takes_the_operators(capsys, tmp_path):
     assert "kvtier chunk" in text and "272 tokens = 1 block of 272 (align mode)" in text
     assert "bytes per chunk" in text and "3.2 MiB KV + 9.4 MiB state" in text
     assert main([*argv, "--tokens-per-chunk", "256"]) == 2
+
+
+@pytest.mark.parametrize(("extra", "block"), [([], 16), (["--gpu", "cpu"], 128),
+                                              (["--context", "200000"], 32)])
+def test_an_attention_only_models_chunk_is_checked_against_the_block_too(  # type: ignore[no-untyped-def]
+        extra, block, capsys) -> None:
+    """For a model without state layers --tokens-per-chunk went into the printed kvtier
+    command unchecked: `--tokens-per-chunk 7` gave a command the connector refuses at
+    start-up (not a multiple of vLLM's block)."""
+    argv = ["plan", str(CONFIGS / "llama-3.1-8b.json"), "--vllm-version", "0.33.0", *extra]
+    assert main([*argv, "--tokens-per-chunk", "7"]) == 2
+    assert f"tokens_per_chunk=7: a multiple of vLLM's block_size ({block})" \
+        in capsys.readouterr().err
+    assert main([*argv, "--tokens-per-chunk", str(4 * block), "--json"]) == 0
+    kvtier = next(a for a in json.loads(capsys.readouterr().out)["alternatives"]
+                  if a["name"] == "kvtier")
+    assert f'"tokens_per_chunk":{4 * block}' in kvtier["command"]

@@ -90,8 +90,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                         "model with state layers; with --metrics, each measured tier is filed "
                         "under its medium (the static guess it replaces)")
     p.add_argument("--tokens-per-chunk", type=positive_int, metavar="N",
-                   help="kvtier's tokens_per_chunk for a model with state layers (a multiple of "
-                        "vLLM's block size; default: --store-config's, else kvtier's pick)")
+                   help="kvtier's tokens_per_chunk in its command, which sizes the chunks of "
+                        "a model with state layers (a multiple of vLLM's block size; default: "
+                        "--store-config's, else kvtier's pick)")
     p.add_argument("--node-engines", type=positive_int, metavar="N",
                    help="N engines of this model (each --tp ranks) on one node: size one "
                         "`kvtier node` for them (its RAM tier in /dev/shm, the prefixes it "

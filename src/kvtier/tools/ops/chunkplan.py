@@ -75,7 +75,9 @@ class ChunkPlan:
 def plan_chunks(spec: ModelSpec, kv_dtype: str = "bf16", tp: int = 1, on_cpu: bool = False,
                 block_size: int | None = None,
                 tokens_per_chunk: int | None = None) -> ChunkPlan | None:
-    """The chunks kvtier stores for `spec`, or None when it has no state layers.
+    """The chunks kvtier stores for `spec`, or None when it has no state layers (its
+    `tokens_per_chunk` is checked against vLLM's block all the same: the plan's kvtier
+    command sets it, and an attention-only model's engine refuses it at start-up too).
 
     Args:
         on_cpu: vLLM's CPU backend (its default block and kernel alignment differ).
@@ -86,6 +88,9 @@ def plan_chunks(spec: ModelSpec, kv_dtype: str = "bf16", tp: int = 1, on_cpu: bo
             (the connector refuses it at start-up the same way).
     """
     if spec.state is None or not spec.state_layers:
+        if tokens_per_chunk is not None:  # printed in the kvtier command: checked alike
+            ConnectorConfig.parse({"tokens_per_chunk": tokens_per_chunk}).check_block_size(
+                block_size or (CPU_BLOCK if on_cpu else CUDA_BLOCK))
         return None
     fp = kv_footprint(spec, kv_dtype, tp)
     attn_token = attention_token_bytes(spec, kv_dtype, tp)
