@@ -148,11 +148,26 @@ def test_the_command_runs_plain_vllm_then_each_policy() -> None:
     config.validate()
     only = config_from(_args(policy=["arc"], no_plain=True, capacity="300k"), Path("/s"))
     assert only.configs == ("arc",) and only.capacity_tokens == 300_000
-    for overrides, field in (({"policy": ["lru+admit2"]}, "configs"),
+    for overrides, field in (({"policy": ["lru+admit2"]}, "policy"),
                              ({"block_tokens": 48}, "block_tokens"),
                              ({"sample": 2.0}, "sample")):
         with pytest.raises(ConfigError, match=field):
             config_from(_args(**overrides), Path("/s")).validate()
+
+
+@pytest.mark.parametrize(("policies", "allowed"), [
+    (["lru+admit2"], "one of lru, arc, prefix (a memory tier's eviction"),
+    (["clock"], "one of lru, arc, prefix"),
+    (["lru", "prefix", "lru"], "each policy once"),
+    (["vllm"], "each policy once (vllm, the run without kvtier, comes first unless --no-plain)")])
+def test_a_policy_is_refused_naming_the_option_and_a_repeat_too(policies: list[str],
+                                                                allowed: str) -> None:
+    """`--policy lru+admit2` was refused as `configs='lru+admit2': vllm or a memory tier's
+    eviction`, naming no option; `--policy lru --policy lru` started a second lru server,
+    its results filed under the same name."""
+    with pytest.raises(ConfigError) as refused:
+        config_from(_args(policy=policies), Path("/s")).validate()
+    assert refused.value.field == "policy" and allowed in refused.value.allowed
 
 
 def test_a_capacity_below_one_chunk_of_the_slice_is_refused() -> None:

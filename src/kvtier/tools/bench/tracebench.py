@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.core.chunkformat import ALIGN_BYTES
+from kvtier.core.policies import POLICIES as MEMORY_EVICTIONS
 from kvtier.errors import ConfigError
 from kvtier.testing.tinymodel import PRESETS, make_preset_model, served_name
 from kvtier.tools.bench.headroom import MemoryNeed, require_memory
@@ -102,11 +103,15 @@ class TraceBenchConfig:
                               f"{self.spec.sample:g})")
         if not self.configs:
             raise ConfigError("configs", "", "at least one configuration")
-        for name in self.configs:
-            if name != PLAIN:
-                parse_policy(name)
-                if "+admit" in name or name == "clock":
-                    raise ConfigError("configs", name, f"{PLAIN} or a memory tier's eviction")
+        for i, name in enumerate(self.configs):
+            if name != PLAIN and name not in MEMORY_EVICTIONS:  # named as --policy takes it
+                raise ConfigError("policy", name, f"one of {', '.join(MEMORY_EVICTIONS)} (a "
+                                  "memory tier's eviction; the simulator's +admitN and clock "
+                                  "are not)")
+            if name in self.configs[:i]:  # a second server run, its results under one name
+                raise ConfigError("policy", name, "each policy once" + (
+                    f" ({PLAIN}, the run without kvtier, comes first unless --no-plain)"
+                    if name == PLAIN else ""))
 
 
 @dataclass(frozen=True, slots=True)
