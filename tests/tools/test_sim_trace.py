@@ -368,3 +368,12 @@ def test_the_table_says_where_the_plot_went(tmp_path: Path, capsys) -> None:  # 
     assert f"plot written to {plot}" in capsys.readouterr().out
     assert main([*argv, "--json"]) == 0
     json.loads(capsys.readouterr().out)
+
+
+def test_a_policy_or_capacity_given_twice_is_replayed_once(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """`--policies lru,lru --capacity 64,64` replayed the trace four times: two columns and
+    two rows of the same name."""
+    assert main(["simulate", "--trace", str(_one_prefix_trace(tmp_path)), "--trace-block-tokens",
+                 "16", "--capacity", "64,64", "--policies", "lru, lru,prefix", "--json"]) == 0
+    [point] = json.loads(capsys.readouterr().out)["points"]
+    assert [r["policy"] for r in point["policies"]] == ["lru", "prefix"]

@@ -74,8 +74,11 @@ def run_trace(args: argparse.Namespace) -> int:
 
     policies = DEFAULT_POLICIES if args.policies is None else args.policies
     capacity = DEFAULT_CAPACITIES if args.capacity is None else args.capacity
-    specs = [parse_policy(name) for name in policies.split(",") if name.strip()]
-    capacities = [parse_tokens(text) for text in capacity.split(",") if text.strip()]
+    # each once: "lru,lru" replayed the trace twice into two columns of the same name
+    specs = [parse_policy(name) for name in
+             dict.fromkeys(name.strip() for name in policies.split(",") if name.strip())]
+    capacities = list(dict.fromkeys(parse_tokens(text) for text in capacity.split(",")
+                                    if text.strip()))
     cost = build_cost_model(model_spec(args.model), gpu_profile(args.gpu), args.tp)
     trace = read_trace(args.trace, args.trace_block_tokens, args.requests)
     if args.engines > 1:  # before the sweep's minutes, not after them
