@@ -537,7 +537,8 @@ def test_a_size_beyond_the_machine_is_refused_before_work(argv, option):
         line
 
 
-@pytest.mark.parametrize("directory", ["/proc", A_FILE, MISSING])
+@pytest.mark.parametrize("directory", ["/proc", A_FILE, MISSING],
+                         ids=["proc", "a-file", "missing"])  # A_FILE: a temp path, per process
 def test_bench_disk_load_refuses_a_directory_it_cannot_use_before_work(directory):
     """`--dir` was a bare Path: /proc or a file ended in a traceback from mkdtemp/mkdir once
     the run had begun; it is a `work_dir`, as every other bench's --dir."""
