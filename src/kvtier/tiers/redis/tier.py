@@ -16,8 +16,8 @@ Failures (tiers/guard.py): the tier starts with the server down; a server (a Clu
 fails a call is marked down and retried with exponential backoff up to `retry_max_s`; while it
 is down, lookups and reads miss and writes are dropped (counted) in microseconds, without I/O.
 Lookups wait on a request's path (the node's checks, a failed load's report): they have a
-client of their own whose replies are due within `lookup_timeout_ms`, whatever
-`socket_timeout_ms` the transfers have. A lookup whose reply is late is a miss, counted
+client of their own whose replies are due within `lookup_timeout_ms` (unset: as the
+transfers', `socket_timeout_ms`). A lookup whose reply is late is a miss, counted
 (`lookup_timeouts`); the server's lookups, not the server, are marked down (`lookup_guard`,
 logged once an episode) and miss at once until a retry answers in time.
 A server that answers with an error reply other than OOM (NOPERM: an ACL user without HSET
@@ -186,7 +186,7 @@ class RedisTier:
                 if self._lookup_client is None:
                     self._lookup_client = connect(
                         self._config, self._password,
-                        socket_timeout_ms=self._config.lookup_timeout_ms)
+                        socket_timeout_ms=self._config.lookup_deadline_ms)
         return self._lookup_client
 
     def _endpoint(self, name: str) -> str:
@@ -239,7 +239,7 @@ class RedisTier:
         except redis.TimeoutError as exc:
             self._counters.add(lookup_timeouts=1)
             self.lookup_guard.failed(lookups, TimeoutError(
-                f"no reply within lookup_timeout_ms ({self._config.lookup_timeout_ms} ms)"))
+                f"no reply within lookup_timeout_ms ({self._config.lookup_deadline_ms} ms)"))
             raise TierUnavailable(f"{lookups}: {exc}") from exc
         except TierUnavailable as exc:  # the server down: a probe of its lookups failed too
             if not self.lookup_guard.is_up(lookups):
