@@ -41,6 +41,10 @@ def test_an_idle_engine_lets_the_old_slab_go_once_the_restarted_node_answers(
         assert client.failures == 0  # no call was made: nothing failed
         # Its threads' next calls go to the new node.
         assert put_chunks(engine, [5]) == [True]
+        # The new node recovers the old slab's chunks on a thread of its own once the layout
+        # is opened (by that put): a lend before it is done misses (a loaded CI-like run).
+        wait_for(lambda: node.status()["counters"]["recovered_chunks"] == 3, 30,
+                 "the restarted node to recover the old slab's chunks")
         assert load_thread.submit(lend, engine, keys).result(60).chunks == expected(range(3))
     engine.close()
 
