@@ -134,16 +134,24 @@ def _process_state_kept() -> Iterator[None]:
     that vLLM's own processes keep to themselves: it caches vLLM's environment variables (an
     engine built later would not see its test's variables), freezes the garbage collector's
     heap (the engine's cycles would never be collected), replaces torch.set_num_threads with a
-    no-op, and a worker may bind this process to some of its cores. The heap is left frozen
+    no-op, a worker may bind this process to some of its cores, and a worker keeps its KV
+    connector in a global, which only its shutdown ends (a start that failed left it: the next
+    engine here took another model's connector for its own). The heap is left frozen
     once the engine's cycles are collected: in a process that collected the whole suite a
     full collection takes 0.4-0.5 s, and each engine's start makes one (`freeze_gc_heap`)."""
     import gc
+
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
 
     cores = os.sched_getaffinity(0)
     set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
     try:
         yield
     finally:
+        # vLLM's worker keeps its connector in a global, ended by the worker's shutdown: an
+        # engine whose start failed (a model kvtier refuses) left it, and the next engine of
+        # this process took it for its own (another model's config: refused again).
+        ensure_kv_transfer_shutdown()
         _uncache_vllm_env()
         if gc.get_freeze_count():  # no engine shut down (vLLM's shutdown unfreezes the heap
             gc.unfreeze()  # and `offline_engine` then collects it): its cycles are collected
