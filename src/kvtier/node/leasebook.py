@@ -67,6 +67,10 @@ class LeaseBook:
         # lease_timeout_s (`stalled`), whose leases the engine may still write or copy: kept
         # until its process is gone (node/quarantine.py).
         self._quarantined: dict[int, Quarantine] = {}
+        # Stalled connections whose thread awaits the engine's hang-up (`stalled` to
+        # `hung_up`), quarantined or not (a quarantine that kept nothing ends with the
+        # connection): shut by `shutdown`, else the thread and its socket outlive the node.
+        self._awaiting: dict[int, socket.socket] = {}
 
     # -- the node's lifecycle ----------------------------------------------------------------
     def stop(self) -> None:
@@ -78,10 +82,12 @@ class LeaseBook:
             self._stopping = True
 
     def sockets(self) -> list[socket.socket]:
-        """The sockets of the open connections and of the quarantined ones (shut by
-        `shutdown`: else their threads go on serving from closed stores)."""
+        """The sockets of the open connections, of the quarantined ones and of those
+        awaiting their engine's hang-up (shut by `shutdown`: else their threads go on
+        serving from closed stores, or reading a frozen engine's bytes past the node's end)."""
         with self._lock:
-            return [*self._sockets.values(), *(q.sock for q in self._quarantined.values())]
+            return [*self._sockets.values(), *(q.sock for q in self._quarantined.values()),
+                    *self._awaiting.values()]
 
     def close(self) -> None:
         """The node has stopped: the quarantines' watches are let go and
@@ -166,6 +172,8 @@ class LeaseBook:
             if sock is None or self._stopping:
                 return False
             quarantine = self._quarantined[owner] = Quarantine.of(engine, sock, checking)
+            if checking:
+                self._awaiting[owner] = sock
         self.counters.add("send_timeouts")
         until = ("it closes the connection or its process is gone" if checking else
                  "its process is gone" if quarantine.watched else
@@ -182,6 +190,8 @@ class LeaseBook:
         connection with no copy into its slots in flight): its quarantined leases end; not
         once the node stops (`shutdown` shut its socket: the engine may still write them,
         and the next node recovers the slab as its records say, as `disconnected`)."""
+        with self._lock:
+            self._awaiting.pop(owner, None)
         if not self._stopping:
             self._release_quarantined([owner], "closed its connection")
 
