@@ -557,10 +557,13 @@ class RedisTier:
     def close(self) -> None:
         if self._index is not None and self._index.pending and self.available():
             self._index.update("")
-        for client in (self._client, self._lookup_client):
+        # Let go of the clients before closing them: a warm-up meanwhile (`_warm_pool`) then
+        # sees the tier closed and drops the connections it reopened.
+        clients = (self._client, self._lookup_client)
+        self._client = self._lookup_client = None
+        for client in clients:
             if client is not None:
                 client.close()
-        self._client = self._lookup_client = None
 
 
 def _held(client: Client, name: str) -> bool:
