@@ -115,3 +115,24 @@ def test_inspect_shows_ages_by_the_filesystems_clock(
     assert len(shown) == 2 and all(abs(s - e) < 0.5 for s, e in zip(shown, expected)), \
         f"inspect showed {shown} minutes ago, not {expected}: a host {ahead_s:+.0f} s off " \
         "the filesystem's clock"
+
+
+def test_a_clock_file_a_killed_gc_left_is_swept_by_the_next(tmp_path: Path) -> None:
+    """A gc or inspect killed between the clock file's create and its unlink left it in the
+    root for good (nothing else lists the root's files): the next reading of the clock removes
+    those older than an hour by the directory's clock, and leaves a younger one (another
+    reader's, in flight)."""
+    root = tmp_path / "shared"
+    root.mkdir()
+    left = root / ".kvtier-clock-0123456789abcdef.tmp"
+    in_flight = root / ".kvtier-clock-fedcba9876543210.tmp"
+    other = root / ".kvtier-quota"  # not a clock file: never touched
+    for path in (left, in_flight, other):
+        path.write_bytes(b"")
+    hours_ago = time.time() - 2 * 3600
+    os.utime(left, (hours_ago, hours_ago))
+    os.utime(other, (hours_ago, hours_ago))
+    FileInventory("shared", "shared", root, 0o600).now_s()
+    assert not left.exists()
+    assert in_flight.exists() and other.exists()
+    assert sorted(p.name for p in root.iterdir()) == sorted([in_flight.name, other.name])

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 SUFFIX = ".kvc"
 GC_BATCH_FILES = 64  # files `FileInventory.remove` deletes per hold of the ledger's lock
 CLOCK_FILE_PREFIX = ".kvtier-clock-"  # `FileInventory.now_s`'s file in the root, removed at once
+CLOCK_FILE_STALE_S = 3600.0  # a clock file this old was left by a gc or inspect killed
 
 
 class ChunkFilesLike(Protocol):
@@ -235,11 +236,13 @@ class FileInventory:
             fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                          | os.O_CLOEXEC, 0o600, dir_fd=root_fd)
             try:
-                return os.fstat(fd).st_mtime
+                now = os.fstat(fd).st_mtime
             finally:
                 os.close(fd)
                 with contextlib.suppress(OSError):
                     os.unlink(name, dir_fd=root_fd)
+            _sweep_clock_files(root_fd, now)
+            return now
         except OSError as exc:
             return self._hosts_clock(exc)
         finally:
@@ -320,3 +323,18 @@ class FileInventory:
 
     def close(self) -> None:
         pass
+
+
+def _sweep_clock_files(root_fd: int, now: float) -> None:
+    """Remove the clock files of `FileInventory.now_s` calls killed between their create and
+    unlink (a gc or inspect stopped there left one in the root for good), those older than
+    `CLOCK_FILE_STALE_S` by the directory's clock `now` (a younger one may be another's, in
+    flight)."""
+    with contextlib.suppress(OSError), os.scandir(root_fd) as entries:
+        for entry in entries:
+            if not (entry.name.startswith(CLOCK_FILE_PREFIX) and entry.name.endswith(".tmp")):
+                continue
+            with contextlib.suppress(OSError):
+                if entry.is_file(follow_symlinks=False) and \
+                        now - entry.stat(follow_symlinks=False).st_mtime > CLOCK_FILE_STALE_S:
+                    os.unlink(entry.name, dir_fd=root_fd)
