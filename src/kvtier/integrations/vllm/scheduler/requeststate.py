@@ -19,7 +19,7 @@ from bisect import bisect_left
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vllm.v1.request import RequestStatus
 
@@ -77,6 +77,10 @@ class RequestState:
     request: Request
     controls: RequestControls
     namespace: Namespace
+    # The sampling params `controls` were read from: a streaming-input session (vLLM's
+    # resumable request) gets each input piece's own, kv_transfer_params with them
+    # (`RequestTable.state` reads them again when this is no longer the request's).
+    controls_source: object = None
     keys: list[ChunkKey] = field(default_factory=list)
     # Its vLLM block ids, one list per KV cache group (none before its first step).
     block_ids: list[list[int]] = field(default_factory=list)
@@ -176,21 +180,37 @@ class RequestTable:
         self._ignored = IgnoredParams(logger)
 
     def state(self, request: Request) -> RequestState:
-        """The request's state, entered on first sight."""
+        """The request's state, entered on first sight; its controls read again when a
+        streaming-input session's next piece brought new sampling params (module doc)."""
         state = self._requests.get(request.request_id)
         if state is None:
             namespace, keyed = self._namespace(request)
             if not keyed:
                 self._stats.add("uncacheable_requests", 1)
-            ignored = self._ignored.count
-            controls = RequestControls.from_params(request.kv_transfer_params, self._ignored)
-            if self._ignored.count > ignored:
-                self._stats.add("ignored_request_params", self._ignored.count - ignored)
             state = RequestState(request=request, namespace=namespace,
-                                 controls=controls.within_role(self._kv_role),
+                                 controls=self._controls(request.kv_transfer_params),
+                                 controls_source=request.sampling_params,
                                  uncacheable=not keyed)
             self._requests[request.request_id] = state
+        elif request.sampling_params is not state.controls_source:
+            # vLLM replaces a session's sampling params with each input piece's
+            # (Scheduler._update_request_as_session) but leaves `request.kv_transfer_params`
+            # the first piece's: the piece's own switches are in its extra_args (a later
+            # piece's skip_store stops stores from then on: test_streaming_controls.py).
+            params = request.sampling_params
+            extra = params.extra_args if params is not None else None
+            state.controls = self._controls(extra.get("kv_transfer_params") if extra else None)
+            state.controls_source = params
         return state
+
+    def _controls(self, params: Any) -> RequestControls:
+        """The switches of `params` (a request's kv_transfer_params) within the engine's
+        role, bad values counted as ignored."""
+        ignored = self._ignored.count
+        controls = RequestControls.from_params(params, self._ignored)
+        if self._ignored.count > ignored:
+            self._stats.add("ignored_request_params", self._ignored.count - ignored)
+        return controls.within_role(self._kv_role)
 
     def pop(self, request_id: str) -> RequestState | None:
         """Forget an ended request (its chunks' token ids for router events too); its state,
