@@ -53,6 +53,21 @@ def test_store_counters_become_deltas_between_takes() -> None:
     assert second.data["gauges"]["tier_used_bytes"] == {"memory@0": 500}
 
 
+def test_a_tiers_late_lookups_are_exported() -> None:
+    """A remote tier's lookups past their deadline (redis lookup_timeout_ms, s3
+    lookup_timeout_s) were in its stats and `kvtier node status` but not in /metrics."""
+    delta = StatsDelta(rank=0)
+    tier = TierStats(name="redis", lookup_timeouts=2)
+    delta.observe_store(StoreStats(tiers=(tier,), queued_writes=0, queue_drops={}))
+    taken = delta.take()
+    assert taken is not None and taken.data["counters"]["tier_lookup_timeouts"] == {"redis": 2}
+    prom = KVTierPromMetrics(_VllmConfig(), {Counter: Counter, Gauge: Gauge, Histogram: Histogram},
+                             ["model_name", "engine"], {0: ["tiny", 0]})
+    prom.observe(taken.data)
+    labels = {"model_name": "tiny", "engine": "0", "tier": "redis"}
+    assert REGISTRY.get_sample_value("vllm:kvtier_tier_lookup_timeouts_total", labels) == 2
+
+
 def test_the_learned_horizon_is_rank_zeros_not_a_sum_over_ranks() -> None:
     """Each TP rank's tier learns from the same traffic: rank 0 reports it, others do not
     (the export sums a gauge over ranks)."""

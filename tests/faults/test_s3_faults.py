@@ -111,6 +111,32 @@ def test_lookups_alone_find_a_restarted_server_again(s3_server: MotoServer) -> N
     tier2.close()
 
 
+def test_a_lookup_past_lookup_timeout_s_is_counted_as_a_lookup_timeout(
+        s3_server: MotoServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """HEADs held back (the fault: each waits for a release) past `lookup_timeout_s`: the
+    lookup misses and is counted in `lookup_timeouts`, as the redis tier counts its late
+    lookups (exported as vllm:kvtier_tier_lookup_timeouts_total); one in time is not."""
+    layout = tiny_layout()
+    tier = s3_tier(s3_server.url, layout, lookup_timeout_s=0.2)
+    assert tier.put(key(1), memoryview(payload(1, layout))) == OK
+    assert tier.contains_many([key(1), key(2)]) == [True, False]
+    assert tier.stats().lookup_timeouts == 0
+    release = threading.Event()
+    head = tier._head
+
+    def held_head(k: Any) -> bool:
+        release.wait(10)
+        return head(k)
+
+    monkeypatch.setattr(tier, "_head", held_head)
+    try:
+        assert tier.contains_many([key(1), key(2)]) == [False, False]
+        assert tier.stats().lookup_timeouts == 1
+    finally:
+        release.set()
+        tier.close()
+
+
 @pytest.mark.timing
 def test_a_server_that_never_answers_never_hangs_the_tier(
         monkeypatch: pytest.MonkeyPatch) -> None:

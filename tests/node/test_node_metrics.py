@@ -112,6 +112,7 @@ def test_the_metrics_move_by_exactly_what_an_engine_did(metrics_node: NodeProces
     assert after[tier("evictions_total")] == 0
     assert after[tier("corrupt_reads_total")] == 0
     assert after[tier("dropped_writes_total")] == 0
+    assert after[tier("lookup_timeouts_total")] == 0
     assert after[tier("chunks")] == 5
     assert after[tier("used_bytes")] == 5 * SLOT_BYTES
     assert after[tier("capacity_bytes")] == 16 * SLOT_BYTES

@@ -149,7 +149,8 @@ class TierStats:
     puts: int = 0  # chunks stored
     evictions: int = 0  # chunks removed to make room
     corrupt_reads: int = 0  # reads that failed verification (and were removed)
-    # Lookups whose reply was not in within the tier's lookup budget: misses (redis)
+    # Lookups whose reply was not in within the tier's lookup budget: misses (redis
+    # lookup_timeout_ms, s3 lookup_timeout_s)
     lookup_timeouts: int = 0
     dropped_writes: int = 0  # puts not stored: I/O error, no space, queue full
     chunks: int = 0  # chunks held now

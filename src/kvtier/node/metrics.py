@@ -51,6 +51,8 @@ TIER_COUNTERS: dict[str, str] = {
     "evictions": "Chunks evicted from the tier to make room",
     "corrupt_reads": "Chunks that failed verification (treated as misses, removed)",
     "dropped_writes": "Writes the tier did not store (I/O error, full disk, full queue)",
+    "lookup_timeouts": "Lookups not answered within the tier's lookup deadline (redis "
+                       "lookup_timeout_ms, s3 lookup_timeout_s): misses",
     "bytes_read": "Payload bytes read from the tier",
     "bytes_written": "Payload bytes written to the tier",
 }

@@ -59,6 +59,8 @@ COUNTERS: dict[str, str] = {
     "tier_evictions": "Chunks evicted from the tier to make room",
     "tier_corrupt_reads": "Chunks that failed verification (treated as misses, removed)",
     "tier_dropped_writes": "Writes the tier did not store (I/O error, full disk, full queue)",
+    "tier_lookup_timeouts": "Lookups not answered within the tier's lookup deadline (redis "
+                            "lookup_timeout_ms, s3 lookup_timeout_s): misses",
     "tier_failures": "Tier calls the store made that failed, by reason (kvtier.core.tier.Failure:"
                      " missing, corrupt, io_error, unavailable, timeout, full, declined, ...)",
     "lookup_tokens": "Prompt tokens the scheduler asked kvtier about",
@@ -180,7 +182,7 @@ _TIER_FIELDS = {  # counter -> TierStats field (queries = hits + misses, handled
     "tier_hits": "hits", "tier_bytes_read": "bytes_read", "tier_bytes_written": "bytes_written",
     "tier_read_seconds": "read_s", "tier_write_seconds": "write_s",
     "tier_evictions": "evictions", "tier_corrupt_reads": "corrupt_reads",
-    "tier_dropped_writes": "dropped_writes",
+    "tier_dropped_writes": "dropped_writes", "tier_lookup_timeouts": "lookup_timeouts",
     "tier_meta_stats": "meta_stats", "tier_meta_opens": "meta_opens",
     "tier_meta_unlinks": "meta_unlinks", "tier_meta_dir_reads": "meta_dir_reads",
     "tier_meta_other": "meta_other",

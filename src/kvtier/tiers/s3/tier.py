@@ -16,8 +16,9 @@ unpickled; a short, corrupt or foreign object at a chunk's name is a counted mis
 
 Lookups (`contains_many`, `BatchLookup`, and the scheduler's probe): one HEAD per chunk,
 `lookup_concurrency` in flight, all within `lookup_timeout_s`; a key not answered by then is
-absent. A chunk found absent is remembered for `negative_cache_s` (a prompt's lookup is
-asked again every scheduler step while it waits), and forgotten when this tier stores it.
+absent (a lookup that ran late is counted: `lookup_timeouts`). A chunk found absent is
+remembered for `negative_cache_s` (a prompt's lookup is asked again every scheduler step while
+it waits), and forgotten when this tier stores it.
 
 Failures (core/guard.py): the endpoint failing a call (refused, reset, no reply within
 `request_timeout_s`) is marked down and retried with backoff up to `retry_max_s`; meanwhile
@@ -286,6 +287,8 @@ class S3Tier:
         # (an `allow` here would claim the probe and leave it unreported: stuck down).
         futures = [self._heads.submit(self._head, key) for key in keys]
         done, late = wait(futures, timeout=self._config.lookup_timeout_s)
+        if late:  # one lookup past its deadline, as the redis tier counts a late reply
+            self._counters.add(lookup_timeouts=1)
         for future in late:
             future.cancel()
         return [f in done and not f.cancelled() and f.exception() is None and f.result()
