@@ -16,6 +16,7 @@ directory, its chunks and their mtimes are real.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
@@ -115,6 +116,31 @@ def test_inspect_shows_ages_by_the_filesystems_clock(
     assert len(shown) == 2 and all(abs(s - e) < 0.5 for s, e in zip(shown, expected)), \
         f"inspect showed {shown} minutes ago, not {expected}: a host {ahead_s:+.0f} s off " \
         "the filesystem's clock"
+
+
+@pytest.mark.parametrize("ahead_s", [AHEAD_S, -AHEAD_S], ids=["ahead", "behind"])
+def test_inspect_json_gives_the_ages_by_the_filesystems_clock(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        ahead_s: float) -> None:
+    """`--json` gave the times of use as Unix times only: a script had to take its own host's
+    clock for "how long ago", the skew the table no longer has. It gives each namespace's ages
+    too (`oldest_age_s`, `newest_age_s`), in seconds by the directory's clock."""
+    engine = engine_with_idle_chunks(tmp_path / "shared")
+    engine.close()
+    config = tmp_path / "store.yaml"
+    config.write_text(yaml.safe_dump({"tiers": [
+        {"kind": "shared", "path": str(tmp_path / "shared"), "capacity": 64 * 8192}]}))
+    monkeypatch.setattr(inspect_module, "time", skewed_time(ahead_s))
+    capsys.readouterr()
+    assert main(["inspect", "--config", str(config), "--json"]) == 0
+    [row] = json.loads(capsys.readouterr().out)["namespaces"]
+    assert row["oldest_s"] <= row["newest_s"]  # the Unix times, as before
+    ages = (row["oldest_age_s"], row["newest_age_s"])
+    assert abs(ages[0] - max(IDLE_S)) < 30 and abs(ages[1] - min(IDLE_S)) < 30, \
+        f"inspect --json gave ages {ages}, not {(max(IDLE_S), min(IDLE_S))}: a host " \
+        f"{ahead_s:+.0f} s off the filesystem's clock"
+    assert not [p for p in (tmp_path / "shared").iterdir()
+                if p.name.startswith(".kvtier-clock-")], "inspect left its clock file"
 
 
 def test_a_clock_file_a_killed_gc_left_is_swept_by_the_next(tmp_path: Path) -> None:

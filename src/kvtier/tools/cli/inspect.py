@@ -5,7 +5,8 @@ tier stores chunks at rest (codec, encryption), chunks, bytes, least and most re
 (how long ago by the clock that stamped those times, as `kvtier gc --max-age` measures them:
 a shared directory's, read off an empty file created in its root and removed at once; an S3
 server's; `inventory.storage_now`). Reads storage only; changes nothing but that file.
-`--json` gives the whole fingerprint, and the times of use as Unix times.
+`--json` gives the whole fingerprint, the times of use as Unix times (`oldest_s`,
+`newest_s`) and their ages in seconds by that clock (`oldest_age_s`, `newest_age_s`).
 
 `kvtier inspect --metrics URL` (with or without `--config`) adds what a hit on each tier
 costs on a running kvtier-served vLLM: its measured restore seconds per 1k tokens, the
@@ -109,12 +110,12 @@ def run(args: argparse.Namespace) -> int:
     # With --metrics, a config of memory tiers only still names the tiers' media.
     listed = store is not None and not (args.metrics and args.tier is None
                                         and not persistent_tiers(store))
-    clocks: dict[str, float] = {}  # tier -> now by its storage's clock (the table's ages)
+    clocks: dict[str, float] = {}  # tier -> now by its storage's clock (the ages)
     if store is not None and listed:
-        rows, errors = _inventory(store, args.tier, None if args.json else clocks)
+        rows, errors = _inventory(store, args.tier, clocks)
     encodings = {t.tier_name: at_rest(t) for t in store.tiers} if store else {}
     if args.json:
-        print(json.dumps({"namespaces": [asdict(r) | {"at_rest": encodings[r.tier]} for r in rows],
+        print(json.dumps({"namespaces": [_json_row(r, encodings, clocks) for r in rows],
                           "errors": errors,
                           **({"restore_costs": asdict(costs), "router_weight_formula":
                               WEIGHT_FORMULA, "router_weights": [asdict(w) for w in weights]}
@@ -146,7 +147,7 @@ def print_errors(console: Console, errors: dict[str, str]) -> None:
 def _inventory(store: StoreConfig, only: str | None, clocks: dict[str, float] | None = None,
                ) -> tuple[list[NamespaceUsage], dict[str, str]]:
     """Each tier's rows, and the error of each that could not be read; with `clocks`, each
-    tier's now by its storage's clock is put there (the table's ages, as gc takes them)."""
+    tier's now by its storage's clock is put there (the ages, as gc takes them)."""
     rows: list[NamespaceUsage] = []
     errors: dict[str, str] = {}
     for inventory in open_inventories(store, only, unanswered=errors):
@@ -187,6 +188,16 @@ def _table(rows: list[NamespaceUsage], encodings: dict[str, str],
                       "-" if w is None or w.weight is None else f"{w.weight:.2f}"]
         table.add_row(*cells)
     return table
+
+
+def _json_row(row: NamespaceUsage, encodings: dict[str, str],
+              clocks: dict[str, float]) -> dict[str, object]:
+    """A namespace's row of `--json`: its fields, how its tier stores chunks at rest, and the
+    ages of its times of use, in seconds by its tier's storage clock (None without chunks)."""
+    now_s = clocks.get(row.tier)
+    return asdict(row) | {"at_rest": encodings[row.tier],
+                          "oldest_age_s": _age_s(row.oldest_s, now_s),
+                          "newest_age_s": _age_s(row.newest_s, now_s)}
 
 
 def _lost_table(engine: EngineCache) -> Table:
@@ -231,11 +242,19 @@ def short_fingerprint(fingerprint: str) -> str:
     return fingerprint[:12] if len(fingerprint) == 32 else fingerprint
 
 
+def _age_s(when_s: float | None, now_s: float | None) -> float | None:
+    """Seconds before `now_s` (the storage's clock; None: this host's) `when_s` was, at
+    least 0; None without a `when_s`."""
+    if when_s is None:
+        return None
+    return max(0.0, (time.time() if now_s is None else now_s) - when_s)
+
+
 def _ago(when_s: float | None, now_s: float | None) -> str:
     """How long before `now_s` (the storage's clock; None: this host's) `when_s` was."""
-    if when_s is None:
+    age = _age_s(when_s, now_s)
+    if age is None:
         return "-"
-    age = max(0.0, (time.time() if now_s is None else now_s) - when_s)
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
         if age >= size:
             return f"{age / size:.1f}{unit} ago"
