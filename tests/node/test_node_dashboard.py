@@ -191,11 +191,12 @@ def test_the_node_faults_panel_charts_every_fault_the_node_counts() -> None:
     """What goes wrong on a node, each counted, is on its faults panel: before, a frozen
     engine's lendings taken back (`leases_expired`), its replies given up (`send_timeouts`),
     messages refused and stores not checked below RAM were on /metrics and in the status
-    but charted nowhere."""
+    but charted nowhere; so were a tier's lookups past its deadline (`tier_lookup_timeouts`:
+    misses of chunks the tier holds)."""
     [faults] = [panel for panel in panels_by_row()["kvtier node"]
                 if panel["title"] == "Node faults (per second)"]
     charted = " ".join(target["expr"] for target in faults["targets"])
-    for counter in ("tier_corrupt_reads", "tier_dropped_writes", "refused", "refused_messages",
-                    "disconnects_with_leases", "leases_expired", "send_timeouts",
-                    "held_below_skipped"):
+    for counter in ("tier_corrupt_reads", "tier_dropped_writes", "tier_lookup_timeouts",
+                    "refused", "refused_messages", "disconnects_with_leases", "leases_expired",
+                    "send_timeouts", "held_below_skipped"):
         assert f"kvtier_node_{counter}_total" in charted, counter

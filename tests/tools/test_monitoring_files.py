@@ -55,3 +55,23 @@ def test_every_panel_has_a_query_on_a_templated_datasource() -> None:
         assert panel["targets"], panel["title"]
         assert panel["datasource"]["uid"] == "${datasource}"
 
+
+
+def test_every_tier_fault_kvtier_counts_is_charted_and_alerted() -> None:
+    """Each way a tier call goes wrong that an engine counts is on a panel of the Faults row
+    and in an alert: before, a lookup past the redis or s3 tier's deadline
+    (vllm:kvtier_tier_lookup_timeouts_total, a miss of a chunk the tier holds) was exported
+    but charted nowhere, and no alert said that lookups kept missing for want of time."""
+    rows: dict[str, list[str]] = {}
+    row = ""
+    for panel in json.loads(DASHBOARD.read_text())["panels"]:
+        if panel["type"] == "row":
+            row = panel["title"]
+        rows.setdefault(row, []).extend(t["expr"] for t in panel.get("targets", []))
+    charted = " ".join(rows["Faults"])
+    alerted = ALERTS.read_text()
+    for counter in ("tier_failures", "tier_corrupt_reads", "tier_dropped_writes",
+                    "tier_lookup_timeouts"):
+        series = f"vllm:kvtier_{counter}_total"
+        assert series in charted, f"{series} is on no panel of the Faults row"
+        assert series in alerted, f"no alert over {series}"
