@@ -17,7 +17,7 @@ from tierkit import key, make_tier
 
 from kvtier.core.layout import KVLayout
 from kvtier.core.tier import OK, Failure
-from kvtier.tiers.files import chunktree, disk
+from kvtier.tiers.files import chunktree, disk, diskscan
 
 
 def payload(i: int, layout: KVLayout) -> bytes:
@@ -43,7 +43,7 @@ def test_hits_are_served_while_the_index_loads(tmp_path: Path, layout: KVLayout,
         gate.wait(30)
         yield from real_walk(files, owned)
 
-    monkeypatch.setattr(disk, "walk_chunks", held_back)
+    monkeypatch.setattr(diskscan, "walk_chunks", held_back)
     began = time.monotonic()
     tier = make_tier("disk", tmp_path, layout, capacity_chunks=32)
     assert time.monotonic() - began < disk.INDEX_WAIT_S + 1.0
@@ -79,7 +79,7 @@ def test_a_chunk_deleted_while_the_index_loads_is_not_indexed(
         gate.wait(30)  # ... before the delete below
         yield from found
 
-    monkeypatch.setattr(disk, "walk_chunks", held_back)
+    monkeypatch.setattr(diskscan, "walk_chunks", held_back)
     tier = make_tier("disk", tmp_path, layout, capacity_chunks=8)
     assert tier.delete(key(1))  # not indexed yet, but held on disk: removed
     gate.set()

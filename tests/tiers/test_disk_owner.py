@@ -24,7 +24,7 @@ from tierkit import key, make_tier, tier_settings, tiny_layout
 
 import kvtier.tiers
 from kvtier.errors import DirectoryInUse
-from kvtier.tiers.files import chunktree, disk, owner
+from kvtier.tiers.files import chunktree, disk, diskscan, owner
 from kvtier.tiers.files.chunktree import FileInventory
 from kvtier.tiers.storeconfig import StoreConfig
 
@@ -171,7 +171,7 @@ def test_a_tier_closed_while_its_index_loads_gives_the_directory_up_once_the_ind
         gate.wait(30)
         yield from found
 
-    monkeypatch.setattr(disk, "walk_chunks", stalled)
+    monkeypatch.setattr(diskscan, "walk_chunks", stalled)
     monkeypatch.setattr(disk, "INDEX_STOP_S", 0.01)
     smaller = make_tier("disk", tmp_path, LAYOUT, capacity_chunks=2)  # would evict 2
     smaller.close()  # its index still walks

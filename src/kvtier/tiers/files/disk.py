@@ -8,8 +8,7 @@ waits at most INDEX_WAIT_S for it (a small directory is indexed by then), and me
 lookup of a key not indexed yet asks the directory (one stat, as `contains` confirms a held
 key anyway), so hits are served while the index fills; puts wait for it (the capacity is
 only known once every file is counted; the write-behind queue drops meanwhile, counted).
-The index is a dict of 16-byte keys (file sizes interned) beside the policy's order:
-docs/performance.md, "The shared tier at fleet scale", has its bytes per chunk.
+The walk is tiers/files/diskscan.py's, the index in memory tiers/files/diskindex.py's.
 
 Capacity is reserved before a write so concurrent writes cannot overshoot it; a full
 filesystem (ENOSPC) evicts and counts the write as dropped; a victim's file that cannot be
@@ -26,33 +25,31 @@ files really take, so a compressed tier holds more chunks in the same capacity.
 Tenants, pins and expiry (`kvtier.core.retention`, settings `tenant_quota`, `ttl_s`,
 `max_pinned_share`) work as in the memory tier; each chunk's metadata is appended to a
 retention journal in the layout directory (`tiers/files/retention_journal.py`) so that a restart
-keeps pins and expiries.
+keeps pins and expiries (tiers/files/diskretention.py).
+
+This module: the config, the tier's facts, its start-up, and the data path (lookups, reads,
+writes, the link's measure). Primitives: `DiskTierConfig`, `DiskTier`.
 """
 
 from __future__ import annotations
 
 import errno
-import itertools
 import logging
 import threading
 import time
-from array import array
-from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import ClassVar, Literal
 
-import numpy as np
 from pydantic import Field, ValidationInfo, field_validator
 
 from kvtier.config import PositiveByteSize, reading_only
-from kvtier.core.chunkformat import ALIGN_BYTES, HEADER_BYTES, failure_of
+from kvtier.core.chunkformat import failure_of
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
-from kvtier.core.policies import AdmissionFilter, Generations, make_policy
-from kvtier.core.policies.clock import ClockPolicy
-from kvtier.core.retention import DEFAULT_META, ChunkMeta, RetentionStats
+from kvtier.core.policies import AdmissionFilter
+from kvtier.core.retention import DEFAULT_META, ChunkMeta
 from kvtier.core.throttled import ThrottledWarning
 from kvtier.core.tier import (
     DECLINED,
@@ -66,24 +63,22 @@ from kvtier.core.tier import (
     LinkSpeed,
     Locality,
     Medium,
-    TierCounters,
-    TierEvents,
     TierResult,
     TierStats,
 )
 from kvtier.errors import CorruptChunk, KeyNotHeld
 from kvtier.tiers.encoding import EncodedTierSettings, build_encoder
 from kvtier.tiers.files.chunkfiles import ChunkFiles
-from kvtier.tiers.files.chunktree import FileInventory, FileProbe, walk_chunks
+from kvtier.tiers.files.chunktree import FileInventory, FileProbe
 from kvtier.tiers.files.directories import TierDirectory, check_directory, check_owned
-from kvtier.tiers.files.filetree import FileId
+from kvtier.tiers.files.diskretention import DiskRetention
+from kvtier.tiers.files.diskscan import scan_chunk_files
 from kvtier.tiers.files.linkfile import measure_directory, probe_bytes
 from kvtier.tiers.files.manifests import write_file_manifest
 from kvtier.tiers.files.owner import DirectoryOwner, refuse_owned
-from kvtier.tiers.files.retention_journal import RetentionJournal
 from kvtier.tiers.links import LINK_DEADLINE_S, BoundedMeasure
 from kvtier.tiers.manifest import NamespaceManifest
-from kvtier.tiers.retention import RetentionTierSettings, book_problems, build_book
+from kvtier.tiers.retention import RetentionTierSettings
 
 log = logging.getLogger(__name__)
 ENOSPC_EVICT_CHUNKS = 4  # chunks evicted when the filesystem itself is full
@@ -92,12 +87,7 @@ ENOSPC_EVICT_CHUNKS = 4  # chunks evicted when the filesystem itself is full
 # (a put that fits is still tried): each one evicted a chunk for a write that then failed.
 UNWRITABLE_BACKOFF_S = 5.0
 _NO_PERMISSION = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
-# Files owed their removal (see DiskTier._remove_owed), at most (past it, left to a restart's
-# index, as before); and how many a successful write retries, under the tier's lock.
-MAX_UNREMOVED = 1 << 16
-REMOVE_BATCH = 64
 INDEX_WAIT_S = 0.5  # the constructor waits this long for the index (then it fills behind)
-INDEX_BATCH = 20_000  # chunks indexed per hold of the lock (hits proceed between batches)
 INDEX_STOP_S = 5.0  # close waits this long for the start-up index to stop (then see close)
 
 
@@ -119,7 +109,7 @@ class DiskTierConfig(EncodedTierSettings, RetentionTierSettings):
         return check_directory(path, read_only_ok=reading_only(info))
 
 
-class DiskTier:
+class DiskTier(DiskRetention):
     """Chunks as files in a local directory, within `capacity` bytes. Thread-safe."""
 
     # A node-local directory; each TP rank enforces its share of the capacity.
@@ -156,87 +146,37 @@ class DiskTier:
                 closes, or its process ends); OSError: the directory cannot be used;
             ConfigError: another user could have put chunk files in it (`check_owned`).
         """
-        self.name = config.tier_name
+        files = ChunkFiles(config.path, layout.digest(), layout.bytes_per_chunk,
+                           config.o_direct, encoder=build_encoder(config, layout))
+        check_owned(f"{config.tier_name}.path", files.root, files.directory)
+        # The index, the retention book and journal (diskindex.py, diskretention.py).
+        super().__init__(config, config.capacity, files, clock)
         self._write_failed = ThrottledWarning(log)  # every write, on an unwritable disk
-        self.capacity_bytes = config.capacity
-        self.files = ChunkFiles(config.path, layout.digest(), layout.bytes_per_chunk,
-                                config.o_direct, encoder=build_encoder(config, layout))
-        check_owned(f"{self.name}.path", self.files.root, self.files.directory)
-        self.file_bytes = self.files.file_bytes  # a chunk stored as is (encoded: at most)
-        self._index: dict[ChunkKey, int] = {}  # key -> its file's bytes
-        self._used_bytes = 0  # held + reserved by writes in flight
-        self._in_flight_bytes = 0  # reserved by writes in flight
-        # tenant -> bytes its writes in flight reserved (with a tenant_quota only): the
-        # write-behind puts several chunks at once (io_threads), and each one's quota check
-        # must count the others', or a tenant's concurrent writes each passed it.
-        self._tenant_in_flight: Counter[str | None] | None = \
-            Counter() if config.tenant_quota is not None else None
-        # Keys with writes in flight, and those of them whose file was removed meanwhile
-        # (deleted, evicted as another writer's copy): such a write checks its file is there
-        # before indexing it, or the index held a chunk without a file.
-        self._writing: Counter[ChunkKey] = Counter()
-        self._clobbered: set[ChunkKey] = set()
-        # "lru" is CLOCK here (second chance): an OrderedDict a chunk took ~116 B more, and
-        # the index must fit 2 million chunks (issue 28; kvtier.core.policies.clock).
-        self._policy: Generations[ChunkKey] = Generations(ClockPolicy) \
-            if config.eviction == "lru" \
-            else make_policy(config.eviction, config.capacity // self.file_bytes)
         self._admission = AdmissionFilter(config.admit_after)
         self._unwritable_until = 0.0  # see UNWRITABLE_BACKOFF_S (time.monotonic)
-        self._lock = threading.Lock()
-        self._counters = TierCounters(self.name, config.capacity)
-        self.events = TierEvents(self.name)
-        # Tenants, pins, expiry (kvtier.core.retention); the policy holds unpinned chunks.
-        self._book = build_book(config, config.capacity, clock)
-        self._journal = RetentionJournal(self.files.directory, self.files.writable)
-        self._dropped: set[ChunkKey] = set()  # removed while the index loads: not indexed
-        # Let go, their files not removed (EROFS), oldest first: see _remove_owed.
-        self._unremoved: dict[ChunkKey, None] = {}
         self._link = BoundedMeasure(self.name)
         # The directory's one owner (tiers/files/owner.py), before the index, which evicts,
         # is built; a read-only directory, which this tier cannot change, takes none.
         self._owner = DirectoryOwner(self.name, self.files.root, self.files.layout_digest,
                                      self.files.file_mode) if self.files.writable else None
-        self._closing = threading.Event()
-        self._loaded = threading.Event()
         self._loader = threading.Thread(target=self._rebuild_index, daemon=True,
                                         name=f"kvtier-index-{self.name}")
         self._loader.start()
         self._loaded.wait(INDEX_WAIT_S)
 
-    @property
-    def index_loaded(self) -> bool:
-        """Whether every chunk in the directory at start-up is indexed."""
-        return self._loaded.is_set()
-
-    def wait_loaded(self, timeout_s: float | None = None) -> bool:
-        """Wait for the start-up index; True when it is complete. Any thread."""
-        return self._loaded.wait(timeout_s)
-
     def _rebuild_index(self) -> None:
         """The index thread: walk the directory, then index its chunks oldest first, in
         batches under the lock; then retention, and eviction to the capacity."""
         try:
-            keys, sizes, mtimes, corrupt = self._scan_compact()
-            order = np.argsort(np.asarray(mtimes, dtype=np.float64), kind="stable")
-            interned: dict[int, int] = {}
-            for start in range(0, len(order), INDEX_BATCH):
-                if self._closing.is_set():
-                    return
-                with self._lock:
-                    for i in order[start:start + INDEX_BATCH].tolist():
-                        key = keys[i]
-                        if key in self._index or key in self._dropped:
-                            continue  # stored or removed since the walk saw it
-                        size = interned.setdefault(sizes[i], sizes[i])
-                        self._index[key] = size
-                        self._policy.insert(key)
-                        self._used_bytes += size
-            del keys, sizes, mtimes, order
+            scanned = scan_chunk_files(self.files, self._owns_directory(), self._closing)
+            if not self._index_scanned(scanned):
+                return
+            corrupt = scanned.corrupt
+            del scanned
             if self._closing.is_set():
                 return
             with self._lock:
-                self._restore_retention()
+                self._restore_retention(self._owns_directory())
                 self._evict_to(self.capacity_bytes)
                 self._dropped.clear()
             self._counters.add(corrupt_reads=corrupt)
@@ -251,45 +191,10 @@ class DiskTier:
                 self._give_up_directory()
             self._loaded.set()
 
-    def _scan_compact(self) -> tuple[list[ChunkKey], array[int], array[float], int]:
-        """(keys, file sizes, mtimes) of this layout's chunk files, as compact as Python
-        allows (no object per file but its key), and how many were removed as corrupt."""
-        keys: list[ChunkKey] = []
-        sizes, mtimes = array("q"), array("d")
-        corrupt = 0
-        owned = self._owner is not None and self._owner.locked  # every temp file is dead
-        for found in walk_chunks(self.files, owned):
-            if self._closing.is_set():
-                break
-            # Any size a chunk of this layout can take (encoded chunks are smaller, sealed
-            # ones a page larger); the content is verified when read.
-            size = found.size_bytes
-            if size % ALIGN_BYTES or not HEADER_BYTES < size <= self.files.max_file_bytes:
-                self.files.remove(found.key)
-                corrupt += 1
-                continue
-            keys.append(found.key)
-            sizes.append(size)
-            mtimes.append(found.mtime)
-        return keys, sizes, mtimes, corrupt
-
-    def _evict_to(self, limit_bytes: int) -> None:
-        """Evict by policy until usage <= limit. Caller holds the lock."""
-        while self._used_bytes > limit_bytes:
-            victim = self._policy.evict()
-            if victim is None:
-                return
-            self._used_bytes -= self._index.pop(victim, 0)
-            self._book.forget(victim, evicted=True)
-            self._remove_file(victim)
-            self._counters.add(evictions=1)
-            self.events.removed(victim, retired=self._policy.left_retired)
-
-    def _publish_usage(self) -> None:
-        with self._lock:
-            # held bytes, without writes in flight (a sum over the index was O(chunks) a put)
-            chunks, used = len(self._index), self._used_bytes - self._in_flight_bytes
-        self._counters.set(chunks=chunks, used_bytes=used)
+    def _owns_directory(self) -> bool:
+        """Whether this tier holds the directory's lock: every temp file in it is then a dead
+        writer's, removed by the walk and the journal's sweep."""
+        return self._owner is not None and self._owner.locked
 
     def keep_manifest(self, manifest: NamespaceManifest) -> None:
         """Write the namespace's manifest.json beside its chunks (`ManifestKeeper`);
@@ -344,26 +249,6 @@ class DiskTier:
                 self._book.touch(key)
         self._counters.add(hits=1, bytes_read=len(out), read_s=time.perf_counter() - start)
         return OK
-
-    def _forget(self, key: ChunkKey, corrupt: bool, read: FileId | None = None) -> bool:
-        """Drop a chunk from the index and the directory; whether either held it. With `read`
-        (a corrupt file's `file_id`), nothing if a copy stored since (indexed) is there."""
-        with self._lock:  # the file and the event too: a put of the key may be landing
-            kept = read is not None and self.files.replaced(key, read)
-            if not self._loaded.is_set() and not kept:
-                self._dropped.add(key)  # the index thread must not add it back
-            held = key in self._index and not kept
-            if held:
-                self._used_bytes -= self._index.pop(key)
-                self._policy.remove(key)
-                self._book.forget(key)
-            removed = not kept and self._remove_file(key, read) is not None
-            if held:
-                self.events.removed(key, retired=self._policy.left_retired)
-        if corrupt:
-            self._counters.add(corrupt_reads=1)
-        self._publish_usage()
-        return held or removed
 
     def put(self, key: ChunkKey, data: memoryview, meta: ChunkMeta = DEFAULT_META) -> TierResult:
         """`Tier.put`: a held chunk (the index, confirmed by one stat) is not rewritten but
@@ -460,186 +345,10 @@ class DiskTier:
         self._publish_usage()
         return OK
 
-    def check(self) -> list[str]:
-        """`Checkable`: the index against the directory (one file a chunk, of the indexed
-        size), the used bytes against the index, the eviction order against the index."""
-        self._loaded.wait()
-        on_disk = {found.key: found.size_bytes for found in walk_chunks(self.files)}
-        with self._lock:
-            problems = book_problems(self._index.keys(), self._policy, self._book)
-            missing = self._index.keys() - on_disk.keys()
-            if missing:
-                problems.append(f"{len(missing)} indexed chunks have no file")
-            unindexed = on_disk.keys() - self._index.keys()
-            if unindexed:
-                problems.append(f"{len(unindexed)} chunk files are not indexed")
-            resized = sum(on_disk[key] != size for key, size in self._index.items()
-                          if key in on_disk)
-            if resized:
-                problems.append(f"{resized} chunk files differ from their indexed size")
-            held = sum(self._index.values())
-            if self._used_bytes - self._in_flight_bytes != held:
-                problems.append(f"used bytes {self._used_bytes - self._in_flight_bytes} are not "
-                                f"the indexed chunks' {held}")
-            if self._in_flight_bytes:
-                problems.append(f"{self._in_flight_bytes} bytes reserved by writes in flight")
-            if held > self.capacity_bytes:
-                problems.append(f"{held} bytes held over the capacity {self.capacity_bytes}")
-            return problems
-
     def retire(self) -> None:
         """`Retiring`: what is held now is evicted before what is stored from now on."""
         with self._lock:
             self._policy.retire()
-
-    # -- tenants, pins, expiry (MetaKeeper) ---------------------------------------------------
-    def retain(self, key: ChunkKey, meta: ChunkMeta) -> bool:
-        """Extend a held chunk's pin and expiry (`MetaKeeper`); False when not held."""
-        with self._lock:
-            size = self._index.get(key)
-            if size is None:
-                return False
-            if self._book.retain(key, meta, size):
-                self._policy.remove(key)  # pinned now: out of the policy
-        self._journal_append(key)
-        return True
-
-    def meta_of(self, key: ChunkKey) -> ChunkMeta | None:
-        with self._lock:
-            return self._book.meta_of(key)
-
-    def retention_stats(self) -> RetentionStats:
-        """Pins, expiries and per-tenant usage (expired chunks are reclaimed first)."""
-        with self._lock:
-            self._reap()
-            stats = self._book.stats()
-        self._publish_usage()
-        return stats
-
-    def _restore_retention(self) -> None:
-        """Apply the journal to the chunks found at start-up: an expired one is removed, and
-        a tenant over its quota (lowered since, or the capacity) evicts its own least
-        recently used unpinned chunks down to it. Then rewrite the journal compacted (killed
-        rewrites' temp files swept first). Start-up only (the index thread, lock held)."""
-        self._journal.sweep_temps(self._owner is not None and self._owner.locked)
-        entries = self._journal.load()
-        # Every chunk, oldest first, where every chunk is recorded (a tenant's own LRU order
-        # is its files', as the policy's is); else the journal's chunks alone.
-        keys = list(self._index) if self._book.records_all \
-            else [key for key in entries if key in self._index]
-        for key in keys:
-            meta = entries.get(key, DEFAULT_META)
-            if meta.expires_at is not None and meta.expires_at <= self._book.clock():
-                self._used_bytes -= self._index.pop(key)
-                self._policy.remove(key)
-                self.files.remove(key)
-                self._book.expired_count += 1
-            elif self._book.record(key, meta, self._index[key]):
-                self._policy.remove(key)
-        for tenant in list(self._book.usage()):
-            self._make_tenant_room(tenant, 0)  # pinned chunks stay, over it if need be
-        self._journal.rewrite((k, m) for k, m in self._book.metas() if k in entries)
-
-    def _journal_append(self, key: ChunkKey) -> None:
-        with self._lock:
-            meta = self._book.meta_of(key)
-            live = len(self._book)
-        if meta is not None and self._journal.append(key, meta, live):
-            self._compact_journal()
-
-    def _compact_journal(self) -> None:
-        with self._lock:
-            metas = self._book.metas()
-        self._journal.rewrite(metas)
-
-    def _expire(self, key: ChunkKey) -> None:
-        with self._lock:
-            self._book.expired_count += key in self._index
-        self._forget(key, corrupt=False)
-
-    def _remove_file(self, key: ChunkKey, same_file: FileId | None = None) -> int | None:
-        """`files.remove` (with `same_file`, that file only), noted for a write of the key in
-        flight (`_wrote`); one that cannot be removed is owed it (`_remove_owed`). Lock held."""
-        if key in self._writing:
-            self._clobbered.add(key)
-        return self.files.remove(key, self._unremoved if len(self._unremoved) < MAX_UNREMOVED
-                                 else None, same_file)
-
-    def _remove_owed(self) -> None:
-        """Remove the files whose removal failed (an eviction in a directory that went
-        read-only, EIO): the index no longer counted them, and each stayed on disk beyond
-        the capacity until a restart's index (a leak soak: one more file per read-only
-        episode). Called once a write succeeds (the directory is writable again), at most
-        REMOVE_BATCH files a time; a key stored again is the new chunk's file, kept. Lock
-        held.
-
-        A removal that fails again ends the batch (the directory still read-only: one
-        failed unlink a write) and puts its key last: one file that never goes (EIO on its
-        inode, a shard directory made read-only) was tried first at every write, and the
-        files owed after it stayed for good."""
-        for key in list(itertools.islice(self._unremoved, REMOVE_BATCH)):
-            del self._unremoved[key]
-            if key in self._index or key in self._writing:
-                continue
-            self.files.remove(key, self._unremoved)
-            if key in self._unremoved:  # still failing, now last: the next write goes on
-                return
-
-    def _wrote(self, key: ChunkKey) -> bool:
-        """A write of `key` ended; whether its file was removed while it was in flight.
-        Lock held."""
-        clobbered = key in self._clobbered
-        self._writing[key] -= 1
-        if self._writing[key] <= 0:
-            del self._writing[key]
-            self._clobbered.discard(key)
-        return clobbered
-
-    def _tenant_writing(self, tenant: str | None) -> int:
-        """Bytes `tenant`'s writes in flight reserved (0 without a quota). Lock held."""
-        return 0 if self._tenant_in_flight is None else self._tenant_in_flight[tenant]
-
-    def _tenant_wrote(self, tenant: str | None, size: int) -> None:
-        """`size` bytes more (or, negative, fewer) of `tenant`'s in flight. Lock held."""
-        if self._tenant_in_flight is not None:
-            self._tenant_in_flight[tenant] += size
-            if self._tenant_in_flight[tenant] <= 0:
-                del self._tenant_in_flight[tenant]
-
-    def _make_tenant_room(self, tenant: str | None, size: int) -> bool:
-        """Evict `tenant`'s own LRU chunks while storing `size` bytes more would pass its
-        quota; False when only pinned ones are left. Reaps pins and expiries first. Caller
-        holds the lock."""
-        self._reap()
-        while self._book.over_quota(tenant, size):
-            victim = self._book.own_victim(tenant)
-            if victim is None:
-                return False
-            self._policy.remove(victim)
-            self._drop(victim, evicted=True)
-        return True
-
-    def _reap(self) -> None:
-        """Put chunks whose pin ended back in the policy; remove expired ones. Lock held."""
-        if not self._book.has_deadlines:
-            return
-        for key in self._book.lapsed_pins():
-            self._policy.insert(key, self._book.parent_of(key))
-        for key in self._book.due_expiries():
-            if key in self._index:
-                self._policy.remove(key)
-                self._drop(key, evicted=False)
-
-    def _drop(self, key: ChunkKey, evicted: bool) -> None:
-        """Remove a held chunk (just taken out of the policy: its `left_retired` is the
-        chunk's). Lock held."""
-        retired = self._policy.left_retired
-        self._used_bytes -= self._index.pop(key, 0)
-        self._book.forget(key, evicted=evicted)
-        self._remove_file(key)
-        if evicted:
-            self._counters.add(evictions=1)
-        self.events.removed(key, retired=retired)
 
     def delete(self, key: ChunkKey) -> bool:
         return self._forget(key, corrupt=False)

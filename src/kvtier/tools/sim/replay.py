@@ -31,7 +31,7 @@ from kvtier.tools.sim.trace import ROOT, Trace, TraceRequest
 
 Progress = Callable[[int], None]  # called with how many requests were replayed since the last call
 PROGRESS_EVERY = 2000  # requests between progress calls
-# "clock" is what the disk tier runs for `eviction: lru` (tiers/files/disk.py)
+# "clock" is what the disk tier runs for `eviction: lru` (tiers/files/diskindex.py)
 REPLAY_POLICIES = (*POLICIES, "clock")
 # Admission filters remember this many keys per slot of the tier, at least the tier's own
 # default (AdmissionFilter's 65,536): enough to see a second offer a conversation turn later.
