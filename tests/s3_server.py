@@ -10,7 +10,8 @@ process on 127.0.0.1 on a free port, or a real endpoint named by the environment
 Tests that must stop or break the server (tests/faults) need the emulator and skip against a
 real endpoint. (Not named conftest.py: imported by name.)
 
-Primitives: `S3Endpoint`, `MotoServer`, `real_endpoint`, `MOTO_SKIP`, `moto_available`.
+Primitives: `S3Endpoint`, `MotoServer`, `real_endpoint`, `MOTO_SKIP`, `moto_available`,
+`without_list_bucket`.
 """
 
 from __future__ import annotations
@@ -140,3 +141,22 @@ class SilentServer:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def without_list_bucket(client: Any) -> Any:
+    """`client`, its answers made AWS's to credentials without s3:ListBucket (moto answers
+    404 whatever the policy): 403 to a HEAD of the bucket (HeadBucket needs s3:ListBucket)
+    and to a HEAD or GET of an object that does not exist, in AWS's reply shape (a HEAD's
+    error has no body: its code is its status)."""
+    for operation in ("HeadBucket", "HeadObject", "GetObject"):
+        client.meta.events.register(f"after-call.s3.{operation}", _answer_without_list_bucket)
+    return client
+
+
+def _answer_without_list_bucket(http_response: Any, parsed: dict[str, Any], model: Any,
+                                **_: Any) -> None:
+    if http_response.status_code == 404 or model.name == "HeadBucket":
+        http_response.status_code = 403
+        code = "AccessDenied" if model.name == "GetObject" else "403"
+        parsed["Error"] = {"Code": code, "Message": "Forbidden"}
+        parsed["ResponseMetadata"]["HTTPStatusCode"] = 403

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from s3_server import MotoServer, S3Endpoint, free_port
+from s3_server import MotoServer, S3Endpoint, free_port, without_list_bucket
 
 from kvtier.tools.ops.doctor import check_redis
 from kvtier.tools.sim.tiers import parse_tier
@@ -59,6 +59,21 @@ def test_doctor_reports_refused_credentials(tmp_path: Path,
         server.stop()
     assert check.status == "fail" and "403" in check.detail
     assert SECRET not in check.detail
+
+
+@pytest.mark.s3
+def test_doctor_passes_credentials_without_list_bucket_unless_a_capacity_lists(
+        s3_session: S3Endpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    """AWS answers a HEAD of the bucket 403 to credentials without s3:ListBucket, which the
+    tier needs only to list for a capacity: the doctor reported them refused."""
+    import kvtier.tiers.s3.client as s3_client
+    connect = s3_client.connect
+    monkeypatch.setattr(s3_client, "connect",
+                        lambda *args, **kwargs: without_list_bucket(connect(*args, **kwargs)))
+    [check] = check_redis({"tiers": [{"kind": "s3", **s3_session.settings()}]})
+    assert check.status == "ok" and "no s3:ListBucket" in check.detail, check
+    [check] = check_redis({"tiers": [{"kind": "s3", **s3_session.settings(), "capacity": "1GiB"}]})
+    assert check.status == "fail" and "s3:ListBucket" in check.detail, check
 
 
 def test_the_simulator_has_an_s3_preset_shared_by_the_fleet() -> None:

@@ -12,12 +12,13 @@ CRC32 upload checksums; the data path is this module and s3.py, so a faster clie
 change of one module.
 
 Primitives: `Client`, `S3Errors`, `error_code`, `is_throttle`, `is_absent`, `is_refused`,
-`open_session`, `connect`, `credentials_source`.
+`refusal_of_credentials`, `open_session`, `connect`, `credentials_source`.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from kvtier.errors import ConfigError
@@ -80,6 +81,28 @@ def is_absent(exc: BaseException) -> bool:
 def is_refused(exc: BaseException) -> bool:
     """The server refused the credentials or their rights (403)."""
     return error_code(exc) in REFUSED_CODES or _status(exc) == 403
+
+
+def refusal_of_credentials(get_absent: Callable[[], object],
+                           answered: tuple[type[BaseException], ...]) -> str:
+    """After a HEAD of the bucket answered 403: the error code that refuses the credentials
+    ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", ...; "NoSuchBucket": no
+    such bucket), or "" where the server knows them and denied the HEAD only. AWS answers
+    HeadBucket 403 to credentials without s3:ListBucket, which the tier needs only with a
+    `capacity` (docs/s3.md): least-privilege credentials were refused at start-up. A HEAD's
+    answer has no body to tell the two apart; `get_absent` (a GET of an object no one writes)
+    has: AccessDenied, or the object absent, from a server that knows the credentials.
+
+    Raises: what `get_absent` raises but an `answered` error (the endpoint down).
+    """
+    try:
+        get_absent()
+    except answered as exc:
+        code = error_code(exc)
+        if code == "AccessDenied" or (is_absent(exc) and code != "NoSuchBucket"):
+            return ""
+        return code or "403"
+    return ""
 
 
 def open_session(config: S3TierConfig) -> Any:

@@ -1,7 +1,7 @@
 """The s3 tier's config model (kind "s3"); see kvtier/tiers/s3/tier.py for the tier.
 
-In a module of its own (not s3.py) because the client code (s3_client.py), the operator's
-inventory (s3_inventory.py) and `kvtier doctor` read it without importing the tier.
+In a module of its own (not tier.py) because the client code (client.py), the operator's
+inventory (inventory.py) and `kvtier doctor` read it without importing the tier.
 
 Credentials are never part of the config: the standard places (environment, the shared
 credentials file, a profile, instance or IRSA roles: botocore's chain), or a file named by

@@ -26,13 +26,13 @@ lookups and reads miss and writes are dropped (counted) without I/O. A throttled
 (503 SlowDown) backs off and retries until `write_timeout_s`, then is dropped
 (`throttled_writes`). Credentials that are missing, or refused by the server when the tier
 starts, and an endpoint that answers 200 for an object that does not exist (not an S3 API),
-are a ConfigError naming the field (s3_client.py); an endpoint down at start-up is
+are a ConfigError naming the field (client.py); an endpoint down at start-up is
 not: the tier starts unavailable. Any other error answer (credentials revoked mid-run: 403)
 misses or drops the call, counted; the first of each error code is logged at warning.
 
 Capacity and expiry: `ttl_days` expires objects by age (a lifecycle rule on the prefix,
 written at start-up when `manage_lifecycle`); `capacity` > 0 bounds a namespace's bytes by a
-listing at most every `listing_interval_s` (s3_inventory.py states its cost).
+listing at most every `listing_interval_s` (inventory.py states its cost).
 
 Primitives: `S3Tier`. The config model is `S3TierConfig` (tiers/s3/config.py), the
 operator's view `S3Inventory` (tiers/s3/inventory.py).
@@ -88,6 +88,7 @@ from kvtier.tiers.s3.client import (
     is_refused,
     is_throttle,
     open_session,
+    refusal_of_credentials,
 )
 from kvtier.tiers.s3.config import S3TierConfig
 from kvtier.tiers.s3.inventory import (
@@ -184,28 +185,46 @@ class S3Tier:
     # -- plumbing ----------------------------------------------------------------------------
     def _check_bucket(self) -> None:
         """One HEAD of the bucket: refused credentials or no such bucket are ConfigErrors
-        now (one clear error at start-up); no answer leaves the tier starting down."""
+        now (one clear error at start-up); no answer leaves the tier starting down. A HEAD
+        refused to credentials the server knows (no s3:ListBucket) is no error
+        (`refusal_of_credentials`; tests/faults/test_s3_refusals.py)."""
         try:
-            self._run(lambda c: c.head_bucket(Bucket=self._config.bucket))
+            try:
+                self._run(lambda c: c.head_bucket(Bucket=self._config.bucket))
+            except self._errors.answered as exc:
+                if not is_refused(exc):
+                    raise
+                absent = f"{self.names.namespace_prefix()}absent-{uuid.uuid4().hex}"
+                refused = refusal_of_credentials(lambda: self._run(lambda c: c.get_object(
+                    Bucket=self._config.bucket, Key=absent)), self._errors.answered)
+                if refused:
+                    raise self._refusal(f"{error_code(exc)}, then {refused}", refused) from None
+                log.info("s3 tier %r: %s refuses a HEAD of bucket %r to these credentials "
+                         "(no s3:ListBucket: needed only with a capacity)", self.name,
+                         self.endpoint, self._config.bucket)
         except TierUnavailable as exc:
             log.warning("s3 tier %r: %s does not answer (%s); starting unavailable, retried "
                         "with backoff", self.name, self.endpoint, exc)
             return
         except self._errors.answered as exc:
-            how = credentials_source(self._session)
-            if is_refused(exc):
-                field = "credentials_file" if self._config.credentials_file else "credentials"
-                raise ConfigError(field, f"from {how}", f"credentials {self.endpoint} accepts "
-                                  f"for bucket {self._config.bucket!r} (it answered "
-                                  f"{error_code(exc)})") from None
             if is_absent(exc):
-                raise ConfigError("bucket", self._config.bucket,
-                                  f"an existing bucket on {self.endpoint}") from None
+                raise self._refusal(error_code(exc), "NoSuchBucket") from None
             log.warning("s3 tier %r: bucket check answered %s", self.name, error_code(exc))
             return
         self._check_speaks_s3()
         if self._config.manage_lifecycle and self._config.ttl_days is not None:
             put_lifecycle(self._client, self._config, log)
+
+    def _refusal(self, answered: str, code: str) -> ConfigError:
+        """The ConfigError of a start-up refused: no such bucket (`code` NoSuchBucket), else
+        the credentials. `answered`: what the server answered, for the message."""
+        if code == "NoSuchBucket":
+            return ConfigError("bucket", self._config.bucket,
+                               f"an existing bucket on {self.endpoint}")
+        field = "credentials_file" if self._config.credentials_file else "credentials"
+        return ConfigError(field, f"from {credentials_source(self._session)}",
+                           f"credentials {self.endpoint} accepts for bucket "
+                           f"{self._config.bucket!r} (it answered {answered})")
 
     def _check_speaks_s3(self) -> None:
         """One HEAD of an object no one writes: an S3 API answers 404 (403 to a user

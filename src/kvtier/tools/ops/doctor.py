@@ -29,6 +29,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import uuid
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -306,13 +307,7 @@ def ping_s3(config: S3TierConfig) -> Check:
     """HEAD an s3 tier's bucket the way the tier connects: its endpoint, region, TLS
     verification and CA file, credentials from `credentials_file`/`profile` or the standard
     places; with REDIS_TIMEOUT_S timeouts. Says where the credentials came from, never them."""
-    from kvtier.tiers.s3.client import (
-        S3Errors,
-        connect,
-        credentials_source,
-        error_code,
-        open_session,
-    )
+    from kvtier.tiers.s3.client import S3Errors, connect, credentials_source, open_session
 
     name = f"s3 {_s3_target(config.model_dump())}"
     quick = config.model_copy(update={"connect_timeout_s": REDIS_TIMEOUT_S,
@@ -324,18 +319,40 @@ def ping_s3(config: S3TierConfig) -> Check:
         return Check(name, "fail", str(exc))
     client = connect(quick, session, 1)
     try:
-        client.head_bucket(Bucket=config.bucket)
-    except errors.answered as exc:
-        return Check(name, "fail", f"the bucket check answered {error_code(exc)} (403: the "
-                     "credentials are refused; 404: no such bucket)")
+        refused, listed = _bucket_answer(client, config, errors)
     except errors.down as exc:
         return Check(name, "fail", f"unreachable: {redact_text(type(exc).__name__)}")
     finally:
         client.close()
+    if refused:
+        return Check(name, "fail", f"the bucket check answered {refused} (403: the "
+                     "credentials are refused; 404: no such bucket)")
+    if not listed and config.capacity > 0:
+        return Check(name, "fail", "a HEAD of the bucket refused (no s3:ListBucket), which "
+                     "the capacity's listing needs")
     tls = "TLS verified" if (config.endpoint_url or "https:").startswith("https:") and \
         config.tls_verify else "no TLS verification"
     return Check(name, "ok", f"bucket answered ({tls}; credentials from "
-                 f"{credentials_source(session)})")
+                 f"{credentials_source(session)}"
+                 f"{'' if listed else '; no s3:ListBucket: its objects answered'})")
+
+
+def _bucket_answer(client: Any, config: S3TierConfig, errors: Any) -> tuple[str, bool]:
+    """What refused the tier's credentials ("": nothing), and whether the bucket's HEAD
+    answered (False: refused to credentials the server knows, as the tier starts anyway:
+    `refusal_of_credentials`). Raises: `errors.down`."""
+    from kvtier.tiers.s3.client import error_code, is_refused, refusal_of_credentials
+
+    try:
+        client.head_bucket(Bucket=config.bucket)
+    except errors.answered as exc:
+        if not is_refused(exc):
+            return error_code(exc), False
+        refused = refusal_of_credentials(lambda: client.get_object(
+            Bucket=config.bucket, Key=f"{config.key_prefix}/absent-{uuid.uuid4().hex}"),
+            errors.answered)
+        return (f"{error_code(exc)}, then {refused}" if refused else ""), False
+    return "", True
 
 
 def _s3_target(tier: Mapping[str, Any]) -> str:
