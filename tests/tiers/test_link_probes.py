@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from s3_server import MotoServer, S3Endpoint
@@ -193,6 +194,29 @@ def test_an_endpoints_link_is_measured_with_a_probe_object_then_deleted(
     sane(tier.measure_link())
     assert probe_objects(s3_session, tier) == []
     tier.close()
+
+
+def _delete_refused(**_: object) -> tuple[SimpleNamespace, dict[str, object]]:
+    """AWS's answer to a DeleteObject without s3:DeleteObject (the object stays)."""
+    return SimpleNamespace(status_code=403), {
+        "Error": {"Code": "AccessDenied", "Message": "Access Denied"},
+        "ResponseMetadata": {"HTTPStatusCode": 403}}
+
+
+@pytest.mark.s3
+def test_without_delete_rights_the_link_is_measured_and_leaves_one_probe_object(
+        s3_session: S3Endpoint) -> None:
+    """s3.md's permissions give s3:DeleteObject only to a tier with a capacity. A measure
+    whose delete was refused failed (no estimate), and each left a fresh 1 MiB object: one
+    a worker a minute. Now the measure counts, and the next ones reuse the object left."""
+    tier = s3_tier(s3_session)
+    tier._client.meta.events.register("before-call.s3.DeleteObject", _delete_refused)
+    for _ in range(3):
+        sane(tier.measure_link())
+    assert len(probe_objects(s3_session, tier)) == 1
+    tier.close()
+    s3_session.client().delete_object(Bucket=s3_session.bucket,
+                                      Key=probe_objects(s3_session, tier)[0])
 
 
 @pytest.mark.s3

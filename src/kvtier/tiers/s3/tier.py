@@ -98,7 +98,7 @@ from kvtier.tiers.s3.inventory import (
     put_lifecycle,
     write_manifest,
 )
-from kvtier.tiers.s3.link import measure_endpoint
+from kvtier.tiers.s3.link import ProbeObject, measure_endpoint
 from kvtier.tiers.s3.lookup import NegativeCache
 
 log = logging.getLogger(__name__)
@@ -180,6 +180,7 @@ class S3Tier:
         self._changes = 0
         self._changing_now = 0
         self._link = BoundedMeasure(self.name)
+        self._probe = ProbeObject(self.names)  # the link's probe object (link.py)
         self._check_bucket()
 
     # -- plumbing ----------------------------------------------------------------------------
@@ -589,7 +590,7 @@ class S3Tier:
         (tiers/s3/link.py), within links.LINK_DEADLINE_S. None (logged) when the endpoint is
         down, refuses, or the measure is late. Any thread."""
         return self._link.measure(lambda deadline: measure_endpoint(
-            self._run, self._config.bucket, self.names, deadline))
+            self._run, self._config.bucket, self.names, deadline, probe=self._probe))
 
     def available(self) -> bool:
         """Whether the endpoint is not marked down."""
