@@ -1,8 +1,9 @@
 """configuration.md's list of the commands a redis tier's ACL user needs, granted as written
-to a real redis-server's user and no more: the tier stores, finds, reads and deletes chunks
-(bounded: evicts too), and `kvtier inspect` and `kvtier gc` run. The list once left `ZREM` to
-a bounded tier's engines: a gc by that list deleted the chunks it chose, then failed on the
-LRU set's ZREM, and reported the tier "not readable" with exit status 1."""
+to a real redis-server's user (or a Redis Cluster's) and no more: the tier stores, finds,
+reads and deletes chunks (bounded: evicts too), and `kvtier inspect` and `kvtier gc` run. The
+list once left `ZREM` to a bounded tier's engines: a gc by that list deleted the chunks it
+chose, then failed on the LRU set's ZREM, and reported the tier "not readable" with exit
+status 1. Nor did it name what a Cluster's client asks (its slots, the command table)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import redis
 import yaml
-from redis_server import RedisServer
+from redis_server import RedisClusterNodes, RedisServer
 from tierkit import footprint_bytes, key, tiny_layout, until
 
 from kvtier.core.retention import DEFAULT_META
@@ -79,6 +80,29 @@ def test_an_unbounded_tier_and_the_tools_run_on_the_documented_commands(
     assert 0 < len(admin.keys("kvtier:*")) < 5
     assert main(["gc", "--config", str(config), "--namespace", LAYOUT.digest()]) == 0
     assert admin.keys("kvtier:*") == []
+
+
+def test_a_cluster_tier_runs_on_the_documented_commands(redis_cluster: RedisClusterNodes,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """redis-py's cluster client asks each node its slots and the command table: without
+    them it found "no cluster" and the tier dropped every write."""
+    commands = [f"+{name.lower()}" for after in ("it needs", "with `cluster_nodes`")
+                for name in granted(after)]
+    for node in redis_cluster.nodes:
+        node.client().execute_command("ACL", "SETUSER", "kv", "reset", "on", f">{PASSWORD}",
+                                      "~kvtier:*", *commands)
+    monkeypatch.setenv("KV_PW", PASSWORD)
+    config = StoreConfig.parse({"tiers": [{
+        "kind": "redis", "cluster_nodes": redis_cluster.addresses, "username": "kv",
+        "password_env": "KV_PW", "part_bytes": 1536, "retry_max_s": 0.5}]})
+    tier = build_tier(config.tiers[0], LAYOUT)
+    try:
+        data = memoryview(bytes(range(256)) * (LAYOUT.bytes_per_chunk // 256))
+        assert all(tier.put(key(i), data, DEFAULT_META) for i in range(6))
+        assert tier.contains_many([key(i) for i in range(6)]) == [True] * 6
+        assert tier.stats().dropped_writes == 0
+    finally:
+        tier.close()
 
 
 def test_a_bounded_tier_runs_on_the_documented_commands(
