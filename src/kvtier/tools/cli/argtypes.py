@@ -5,7 +5,8 @@ Primitives: `finite_float`, `positive_float`, `fraction`, `positive_int`,
 `path_and_tier_size`, `port_number`, `listen_host`, `path_text`,
 `output_file`, `plot_file` (an output file whose suffix names an image format), `output_dir`
 (their parent must exist), `work_dir` (a writable directory),
-`any_path`, `url_of(*schemes)` (`http_url`, `redis_url`).
+`any_path`, `url_of(*schemes)` (`http_url`, `redis_url`); and one `action=`: `AppendOnce`
+(a repeatable option whose values are kept once each).
 
 argparse turns their `ArgumentTypeError` into "kvtier CMD: error: argument --x: ..." and
 exit status 2, before a command runs; `float("inf")`, `float("nan")` and "1e400" are refused
@@ -262,6 +263,19 @@ def work_dir(text: str) -> Path:
 def any_path(text: str) -> Path:
     """`path_text` as a Path (it need not exist)."""
     return Path(path_text(text))
+
+
+class AppendOnce(argparse.Action):
+    """`action=AppendOnce`: a repeatable option (`--config vllm --config kvtier-async`), its
+    values in the order first given, each once. With `append`, a configuration named twice
+    started its engines twice (minutes each on a CPU), both runs reported under one name."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        given = list(getattr(namespace, self.dest, None) or ())  # a copy: never the default
+        if values not in given:
+            given.append(values)
+        setattr(namespace, self.dest, given)
 
 
 def url_of(*schemes: str) -> Callable[[str], str]:

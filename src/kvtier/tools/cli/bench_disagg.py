@@ -20,6 +20,7 @@ from kvtier.tools.bench.disagg import (
     run_disagg_bench,
 )
 from kvtier.tools.cli.argtypes import (
+    AppendOnce,
     finite_float,
     non_negative_int,
     output_dir,
@@ -38,7 +39,7 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         "long arrivals' TTFT and ITL",
         description=__doc__.split("\n\n")[0])
     defaults = DisaggBenchConfig(Path("."), Path("."))
-    parser.add_argument("--setup", action="append", choices=SETUPS,
+    parser.add_argument("--setup", action=AppendOnce, choices=SETUPS,
                         help=f"setup to run (repeatable; default {', '.join(SETUPS)})")
     parser.add_argument("--streams", type=non_negative_int,
                         help=f"K decoding streams ({defaults.streams})")

@@ -30,6 +30,7 @@ from kvtier.tools.bench.interference import (
 )
 from kvtier.tools.bench.serving.stalls import STALL_S
 from kvtier.tools.cli.argtypes import (
+    AppendOnce,
     finite_float,
     non_negative_int,
     output_dir,
@@ -52,7 +53,7 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         "prefixes load from kvtier's disk tier (or a redis tier across an emulated network): "
         "vLLM alone, kvtier sync loads, async loads.")
     defaults = InterferenceConfig(Path("."), Path("."))
-    parser.add_argument("--config", action="append", choices=CHOICES,
+    parser.add_argument("--config", action=AppendOnce, choices=CHOICES,
                         help=f"configuration to run (repeatable; default {', '.join(CONFIGS)})")
     parser.add_argument("--streams", type=non_negative_int,
                         help=f"K decoding streams ({defaults.streams})")

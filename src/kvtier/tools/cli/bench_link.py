@@ -13,6 +13,7 @@ from kvtier.errors import ConfigError
 from kvtier.testing.engines import quiet_engine_logs
 from kvtier.tools.bench.linksweep import CONFIGS, LinkConfig, LinkResult, run_link_bench
 from kvtier.tools.cli.argtypes import (
+    AppendOnce,
     finite_float,
     non_negative_int,
     output_dir,
@@ -41,7 +42,7 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                         help="timed pairs (hit, recompute) per speed (5)")
     parser.add_argument("--warmup", type=non_negative_int,
                         help="untimed hits after each change of link (3)")
-    parser.add_argument("--config", action="append", choices=CONFIGS,
+    parser.add_argument("--config", action=AppendOnce, choices=CONFIGS,
                         help="engine to run (repeatable; default both)")
     parser.add_argument("--quick", action="store_true",
                         help="three speeds, fewer repetitions (~6 min), unless given")

@@ -22,7 +22,7 @@ from kvtier.tools.bench.pooling import (
     PoolingResult,
     run_pooling_bench,
 )
-from kvtier.tools.cli.argtypes import output_dir, output_file, work_dir
+from kvtier.tools.cli.argtypes import AppendOnce, output_dir, output_file, work_dir
 from kvtier.tools.cli.bench import run_and_report, run_summary
 from kvtier.units import parse_size
 
@@ -38,7 +38,7 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                         help="the demo's quick chat (4 users x 3 turns; default: 8 x 4)")
     parser.add_argument("--ram", help="kvtier RAM in all, e.g. 96MiB (default: what every "
                                       "user's history takes, once)")
-    parser.add_argument("--config", action="append", choices=CONFIGS,
+    parser.add_argument("--config", action=AppendOnce, choices=CONFIGS,
                         help="configurations to run (repeatable; default both)")
     parser.add_argument("--dir", type=work_dir, default=Path("."),
                         help="a scratch directory (logs, the node's socket) goes here")

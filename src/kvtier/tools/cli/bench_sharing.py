@@ -22,6 +22,7 @@ from kvtier.tools.bench.sharing import (
     run_sharing_bench,
 )
 from kvtier.tools.cli.argtypes import (
+    AppendOnce,
     non_negative_int,
     output_dir,
     output_file,
@@ -41,7 +42,7 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                         help="timed hits per prompt (5)")
     parser.add_argument("--recompute-reps", type=non_negative_int, default=3,
                         help="timed recomputes per prompt (3)")
-    parser.add_argument("--source", action="append", choices=SOURCES,
+    parser.add_argument("--source", action=AppendOnce, choices=SOURCES,
                         help="how B gets A's chunks (repeatable; default: "
                              f"{', '.join(SOURCES)})")
     parser.add_argument("--redis-url", type=redis_url, default=None,

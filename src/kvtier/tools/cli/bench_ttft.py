@@ -27,7 +27,13 @@ from kvtier.tools.bench.ttft import (
     pool_results,
     run_ttft_bench,
 )
-from kvtier.tools.cli.argtypes import non_negative_int, output_dir, output_file, work_dir
+from kvtier.tools.cli.argtypes import (
+    AppendOnce,
+    non_negative_int,
+    output_dir,
+    output_file,
+    work_dir,
+)
 from kvtier.tools.cli.bench import run_and_report
 
 # A raw read or copy whose slowest trial took this many times its fastest: the medium's own
@@ -55,7 +61,7 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                         "(qwen3-next 1152,3456)")
     parser.add_argument("--reps", type=non_negative_int,
                         help="timed hits per point (9; --quick 15)")
-    parser.add_argument("--engine", action="append", choices=ENGINES,
+    parser.add_argument("--engine", action=AppendOnce, choices=ENGINES,
                         help="configuration to run (repeatable; default all but kvtier-node)")
     parser.add_argument("--dir", type=work_dir, default=Path("."),
                         help="scratch dirs (disk tier, ExampleConnector, O_DIRECT) go here")
