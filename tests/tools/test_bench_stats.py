@@ -121,6 +121,17 @@ def test_token_ids_stay_in_the_requested_range():
         TokenRange.parse("500:3")
 
 
+@pytest.mark.parametrize(("text", "allowed"), [
+    ("500:3", "LOW:HIGH with 0 <= LOW < HIGH"), ("5:5", "LOW:HIGH with 0 <= LOW < HIGH"),
+    ("3", "LOW:HIGH, two integers"), ("a:9", "LOW:HIGH, two integers")])
+def test_token_ids_out_of_order_are_refused_saying_so(text: str, allowed: str) -> None:
+    """`--token-ids 500:3` was refused as "LOW:HIGH, two integers": the range's own refusal
+    (a ConfigError, a ValueError) was caught as a number that did not parse."""
+    with pytest.raises(ConfigError) as refused:
+        TokenRange.parse(text)
+    assert refused.value.allowed == allowed
+
+
 def test_multi_round_history_grows_by_answer_and_new_user_tokens():
     w = multi_round(users=2, turns=3, first_len=50, user_len=10, output_len=4, seed=0)
     assert w.chained

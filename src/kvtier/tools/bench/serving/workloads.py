@@ -50,9 +50,10 @@ class TokenRange:
         """Parse "LOW:HIGH". Raises ConfigError."""
         low, _, high = text.partition(":")
         try:
-            return cls(int(low), int(high))
+            bounds = int(low), int(high)
         except ValueError:
             raise ConfigError("token_ids", text, "LOW:HIGH, two integers") from None
+        return cls(*bounds)  # outside the try: its ConfigError is a ValueError too
 
 
 @dataclass(frozen=True, slots=True)
