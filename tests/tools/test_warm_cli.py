@@ -61,6 +61,32 @@ def test_bad_input_is_one_line_naming_what_is_wrong(tmp_path: Path,
         assert message in err and "Traceback" not in err, (args, err)
 
 
+
+def test_an_empty_salt_or_model_and_two_salts_are_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--cache-salt "$SALT"` with the variable unset warmed the prompts with no salt, outside
+    the tenant, and said nothing (a JSONL line's empty "cache_salt" and an empty
+    --cache-salt-env variable were refused); `--model "$MODEL"` unset warmed the server's
+    first model; --cache-salt beside --cache-salt-env was dropped. Each is refused before any
+    request (nothing listens at the URL: a request would fail with status 1)."""
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("a system prompt")
+    url = f"http://127.0.0.1:{closed_port()}"
+    monkeypatch.setenv("KVTIER_TEST_SALT", "tenant-a")
+    cases = [
+        ([url, str(prompt), "--cache-salt", ""], "--cache-salt"),
+        ([url, str(prompt), "--model", ""], "--model"),
+        ([url, str(prompt), "--model", " "], "--model"),
+        ([url, str(prompt), "--cache-salt", "x", "--cache-salt-env", "KVTIER_TEST_SALT"],
+         "--cache-salt"),
+    ]
+    for args, option in cases:
+        code, err = run(args, capsys)
+        assert (code, len(err.splitlines())) == (2, 1), (args, err)
+        assert option in err and "server unreachable" not in err, (args, err)
+
+
 def test_prompts_from_text_and_jsonl_files(tmp_path: Path) -> None:
     (tmp_path / "doc.txt").write_text("a document\nof two lines\n")
     (tmp_path / "p.jsonl").write_text('{"prompt": "first"}\n\n'

@@ -71,6 +71,16 @@ def request_seconds(text: str) -> float:
 
 def run(args: argparse.Namespace) -> int:
     salt = args.cache_salt
+    # `is not None`: an empty value (`--cache-salt "$SALT"`, the variable unset) is refused,
+    # not taken for an option left out (the prompts were warmed outside the tenant)
+    if salt is not None and args.cache_salt_env is not None:
+        raise ConfigError("--cache-salt", "...", "either --cache-salt or --cache-salt-env, "
+                          "not both")
+    if salt == "":
+        raise ConfigError("--cache-salt", salt, "a non-empty salt (the tenant's cache_salt)")
+    if args.model is not None and not args.model.strip():
+        raise ConfigError("--model", args.model, "a served model's name (leave --model out "
+                          "for the server's first model)")
     if args.cache_salt_env is not None:
         salt = os.environ.get(args.cache_salt_env)
         if not salt:
