@@ -41,6 +41,7 @@ from kvtier.tools.cli.argtypes import (
 )
 
 _NOT_SIZES = ("seed", "token_ids")
+DEFAULT_URL = "http://127.0.0.1:8000"
 
 
 def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -58,8 +59,8 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", type=http_url, default="http://127.0.0.1:8000",
-                   help="server base URL (default http://127.0.0.1:8000)")
+    p.add_argument("--url", type=http_url,
+                   help=f"server base URL (default {DEFAULT_URL})")
     p.add_argument("--compare", nargs=2, type=http_url, metavar=("URL_A", "URL_B"),
                    help="run the same workload against two endpoints, one after the other, "
                         "and print B/A ratios")
@@ -109,6 +110,16 @@ def build_workload(args: argparse.Namespace) -> Workload:
     return workload
 
 
+def check_endpoint_options(args: argparse.Namespace) -> None:
+    """Refuse what the run would drop: --url beside --compare, an empty --model (`--model
+    "$MODEL"`, the variable unset, sent the server's first model). Raises ConfigError."""
+    if args.compare and args.url is not None:
+        raise ConfigError("--url", args.url, "either --url or --compare URL_A URL_B, not both")
+    if args.model is not None and not args.model.strip():
+        raise ConfigError("--model", args.model, "a served model's name (leave --model out "
+                          "for the first the server lists)")
+
+
 def _client_config(args: argparse.Namespace, url: str, workload: Workload) -> ClientConfig:
     """Resolve the model (asking the server) and check that the prompts fit its context."""
     try:
@@ -127,8 +138,9 @@ def _client_config(args: argparse.Namespace, url: str, workload: Workload) -> Cl
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of the serving workloads; returns 0, or 1 when a request failed."""
+    check_endpoint_options(args)
     workload = build_workload(args)
-    urls = list(args.compare) if args.compare else [args.url]
+    urls = list(args.compare) if args.compare else [args.url or DEFAULT_URL]
     labels = ["A", "B"] if args.compare else [urls[0]]
     configs = [_client_config(args, url, workload) for url in urls]
     console = Console()
