@@ -109,12 +109,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--engine-kv", type=tier_size,
                    help="CPU backend: the engine's own KV cache size "
                         "(--kv-cache-memory-bytes; default a share of RAM)")
-    p.add_argument("--kv-role", choices=KV_ROLES, default="kv_both",
+    p.add_argument("--kv-role", choices=KV_ROLES,
                    help="vLLM's kv_role: kv_producer (a disaggregated prefill instance: "
                         "only stores), kv_consumer (its decode instance: only loads); see "
                         "`kvtier proxy` (default kv_both)")
     p.add_argument("--no-kvtier", action="store_true",
-                   help="start the same server without kvtier (a baseline)")
+                   help="start the same server without kvtier (a baseline; kvtier's own "
+                        "options, tiers, --tokens-per-chunk, --kv-role, are refused)")
     p.add_argument("--served-model-name", metavar="NAME",
                    help="the model's name in the API (vLLM's --served-model-name; default: "
                         "MODEL, or for a generated kvtier model a short name such as "
@@ -137,8 +138,18 @@ def split_args(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+# The options only kvtier reads (dests): the baseline server, --no-kvtier, refuses them.
+KVTIER_ONLY = ("memory", "disk", "disk_path", "config", "node", "tokens_per_chunk", "kv_role")
+
+
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     """The ServeConfig the arguments describe. Raises ConfigError."""
+    if args.no_kvtier:  # the baseline dropped them: a server with no tier, or no kv_role
+        given = next((name for name in KVTIER_ONLY if getattr(args, name) is not None), None)
+        if given is not None:
+            raise ConfigError("--" + given.replace("_", "-"), str(getattr(args, given)),
+                              "not with --no-kvtier: the server without kvtier reads no "
+                              "tier, chunk or kv_role option")
     vllm_args = list(args.vllm_args)
     cpu = is_cpu_backend()
     extra = None
@@ -167,7 +178,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     model = embedded_model(args.model)
     return ServeConfig(model=model, kvtier=not args.no_kvtier, extra_config=extra,
                        host=args.host, port=args.port, cpu=cpu, engine_kv_bytes=engine_kv,
-                       vllm_args=tuple(vllm_args), kv_role=args.kv_role,
+                       vllm_args=tuple(vllm_args), kv_role=args.kv_role or "kv_both",
                        served_model_name=served_names(model, args.served_model_name))
 
 
