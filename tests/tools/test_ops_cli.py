@@ -140,6 +140,16 @@ def test_audit_table_and_list_rules(capsys):
     assert main(["audit", "vllm serve m", "--env", "NOEQUALS"]) == 2
 
 
+
+def test_audit_list_rules_json_is_json(capsys):
+    """`kvtier audit --list-rules --json` printed the text listing: --json was dropped."""
+    assert main(["audit", "--list-rules", "--json"]) == 0
+    rules = json.loads(capsys.readouterr().out)
+    by_id = {rule["id"]: rule for rule in rules}
+    assert "offload-size-per-gpu" in by_id and all(rule["summary"] for rule in rules)
+    assert "--typical-context" in by_id["max-model-len-too-high"]["needs"]
+    assert "--model-config" in by_id["block-size-kernel-split"]["reads"]
+
 def test_audit_takes_a_command_line_as_typed_after_a_double_dash(capsys):
     """`kvtier audit -- vllm serve ...`: the words after `--` are the command line (its
     quoting as the shell had it); typed without `--`, its flags are refused with the hint."""

@@ -58,7 +58,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--model-config", metavar="CONFIG_JSON",
                         help="the model's config.json (or its folder), for model-specific "
                              "checks (see below)")
-    parser.add_argument("--json", action="store_true", help="print findings as JSON")
+    parser.add_argument("--json", action="store_true",
+                        help="print findings (with --list-rules, the rules) as JSON")
     parser.add_argument("--list-rules", action="store_true", help="list the rules and exit")
     parser.set_defaults(func=run)
 
@@ -94,6 +95,10 @@ def _positive_tokens(text: str) -> int:
 def run(args: argparse.Namespace) -> int:
     """Run the audit; see the module docstring for exit codes."""
     if args.list_rules:
+        if args.json:
+            print(json.dumps([{"id": r.id, "summary": r.summary, "needs": list(r.needs),
+                               "reads": list(r.reads)} for r in all_rules()], indent=2))
+            return 0
         for r in all_rules():
             inputs = ", ".join([f"needs {o}" for o in r.needs] + [f"reads {o}" for o in r.reads])
             print(f"{r.id:34} {r.summary}" + (f" [{inputs}]" if inputs else ""))
