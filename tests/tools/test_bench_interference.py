@@ -230,6 +230,9 @@ def test_the_memory_variant_holds_every_prefix_in_ram_with_no_tier_below() -> No
     assert memory["capacity"] >= config.chunks_stored() * TOKENS_PER_CHUNK * KV_BYTES_PER_TOKEN
     with pytest.raises(ConfigError, match="net_delay_ms"):
         config_from(_args(tier="memory", net_delay_ms=1.0))
+    # the memory tier is sized to hold every prefix: --memory-chunks was dropped
+    with pytest.raises(ConfigError, match="--memory-chunks"):
+        config_from(_args(tier="memory", memory_tier_chunks=4))
 
 
 def _rendered(table: object) -> str:

@@ -68,7 +68,8 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                              "256 (" + ",".join(map(str, defaults.prefix_tokens)) + ")")
     parser.add_argument("--memory-chunks", type=non_negative_int, dest="memory_tier_chunks",
                         help="kvtier's memory tier (the node's, for kvtier-node), in chunks "
-                             f"({defaults.memory_tier_chunks})")
+                             f"({defaults.memory_tier_chunks}; --tier memory sizes it to hold "
+                             "every prefix)")
     parser.add_argument("--tier", choices=TIERS,
                         help="the tier the arrivals' prefixes come back from, below a "
                              f"{defaults.memory_tier_chunks}-chunk memory tier ({defaults.tier}); "
@@ -102,6 +103,9 @@ def config_from(args: argparse.Namespace) -> InterferenceConfig:
     for name in ("net_delay_ms", "net_bandwidth_gbps"):
         if getattr(args, name) is not None and settings.get("tier") != "redis":
             raise ConfigError(name, getattr(args, name), "only with --tier redis")
+    if args.memory_tier_chunks is not None and settings.get("tier") == "memory":
+        raise ConfigError("--memory-chunks", args.memory_tier_chunks, "not with --tier memory "
+                          "(its memory tier is sized to hold every prefix)")
     if args.prefix_tokens is not None:
         try:
             settings["prefix_tokens"] = tuple(int(t) for t in args.prefix_tokens.split(",") if t)
