@@ -53,6 +53,20 @@ def test_the_command_writes_json_and_refuses_a_partial_chunk(tmp_path: Path) -> 
         CopyBenchConfig(blocks=15).validate()
 
 
+@pytest.mark.parametrize("sizes", [["--chunk-mib", "2,4"], ["--sweep"]])
+def test_a_chunk_in_tokens_beside_chunk_sizes_is_refused(sizes: list[str]) -> None:
+    """--chunk-mib and --sweep measure their own sizes: --tokens-per-chunk beside them was
+    dropped without a word (its help says "instead of")."""
+    from kvtier.tools.cli.bench_copy import config_from
+    from kvtier.tools.cli.main import build_parser
+
+    args = build_parser().parse_args(["bench", "copy", *sizes, "--tokens-per-chunk", "64"])
+    with pytest.raises(ConfigError, match="--tokens-per-chunk"):
+        config_from(args)
+    alone = build_parser().parse_args(["bench", "copy", "--tokens-per-chunk", "64"])
+    assert config_from(alone).tokens_per_chunk == 64
+
+
 @pytest.mark.parametrize(("layout", "dtype"), [
     ("cpu", "bfloat16"), ("LBNHC", "bfloat16"), ("LBHNC", "bfloat16"), ("BLHNC", "bfloat16"),
     ("LBNHC", "fp8"), ("BLHNC", "fp8")])

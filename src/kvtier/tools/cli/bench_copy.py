@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from rich import box
 from rich.table import Table
 
+from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import TOKENS_PER_CHUNK
 from kvtier.tools.cli.argtypes import output_file, positive_float, positive_int
 from kvtier.tools.cli.bench import given_or, run_and_report
@@ -50,8 +51,9 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                         help=f"scattered blocks each way (default {CUDA_BLOCKS} on CUDA, "
                              f"{CPU_BLOCKS} on CPU)")
     parser.add_argument("--block-size", type=positive_int, default=16, help="vLLM block size (16)")
-    parser.add_argument("--tokens-per-chunk", type=positive_int, default=TOKENS_PER_CHUNK,
-                        help=f"kvtier chunk ({TOKENS_PER_CHUNK}); see --chunk-mib")
+    parser.add_argument("--tokens-per-chunk", type=positive_int,
+                        help=f"kvtier chunk ({TOKENS_PER_CHUNK}); not with --chunk-mib or "
+                             "--sweep, which set the chunks measured")
     sizes = parser.add_mutually_exclusive_group()
     sizes.add_argument("--chunk-mib", type=mib_list,
                        help="chunk sizes in MiB, comma-separated (each a whole number of "
@@ -77,12 +79,16 @@ def register(workloads: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
 def config_from(args: argparse.Namespace) -> CopyBenchConfig:
     from kvtier.tools.bench.copy import CopyBenchConfig
 
+    if args.tokens_per_chunk is not None and (args.sweep or args.chunk_mib):
+        raise ConfigError("--tokens-per-chunk", args.tokens_per_chunk, "not with "
+                          "--chunk-mib or --sweep, which set the chunk sizes measured")
     base = CopyBenchConfig(device=args.device)
     blocks = args.blocks or (32 if args.quick else
                              CUDA_BLOCKS if base.resolved_device() == "cuda" else CPU_BLOCKS)
     return CopyBenchConfig(device=args.device, layout=args.layout, layers=args.layers,
                            kv_heads=args.kv_heads, head_size=args.head_size, dtype=args.dtype,
-                           block_size=args.block_size, tokens_per_chunk=args.tokens_per_chunk,
+                           block_size=args.block_size,
+                           tokens_per_chunk=args.tokens_per_chunk or TOKENS_PER_CHUNK,
                            chunk_mib=SWEEP_CHUNK_MIB if args.sweep else args.chunk_mib or (),
                            blocks=blocks, trials=given_or(args.trials, args.quick, 2, 5),
                            threads=args.threads)
