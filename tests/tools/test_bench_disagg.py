@@ -28,6 +28,19 @@ def test_quick_settings_then_flags_and_refusals(tmp_path: Path) -> None:
     assert main(["bench", "disagg", "--streams", "0"]) == 2
 
 
+@pytest.mark.parametrize("workload", ["disagg", "interference"])
+def test_a_negative_gap_is_refused_naming_the_gap_alone(workload: str) -> None:
+    """`--gap-s -1` was refused as "arrival_gap_s=(-1.0, 1.0)": the gap and the lead, which
+    no option sets, as one value."""
+    from kvtier.tools.cli import bench_interference
+
+    settings = bench_interference.config_from if workload == "interference" else config_from
+    args = build_parser().parse_args(["bench", workload, "--gap-s=-1"])
+    with pytest.raises(ConfigError) as refused:
+        settings(args).validate()
+    assert (refused.value.field, refused.value.value) == ("arrival_gap_s", -1.0)
+
+
 def result(start_s: float, ttft_s: float, gaps: tuple[float, ...]) -> RequestResult:
     return RequestResult(session=0, turn=0, prompt_tokens=1, output_tokens=len(gaps) + 1,
                          start_s=start_s, ttft_s=ttft_s,

@@ -98,9 +98,9 @@ class DisaggBenchConfig:
                 raise ConfigError(name, getattr(self, name), "an integer >= 1")
         if self.chunk_tokens % 128:
             raise ConfigError("chunk_tokens", self.chunk_tokens, "a multiple of 128")
-        if self.arrival_gap_s < 0 or self.lead_s < 0:
-            raise ConfigError("arrival_gap_s", (self.arrival_gap_s, self.lead_s),
-                              "seconds >= 0")
+        for name in ("arrival_gap_s", "lead_s"):  # each its own value (one is an option)
+            if getattr(self, name) < 0:
+                raise ConfigError(name, getattr(self, name), "seconds >= 0")
         if self.max_model_len > PRESETS["bench"].max_position_embeddings:
             raise ConfigError("arrival_tokens", self.arrival_tokens,
                               "prompt + generated tokens within the bench model's "

@@ -151,9 +151,9 @@ class InterferenceConfig:
                      "new_tokens", "arrival_max_tokens", "memory_tier_chunks"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, getattr(self, name), "an integer >= 1")
-        if self.arrival_gap_s < 0 or self.lead_s < 0:
-            raise ConfigError("arrival_gap_s", (self.arrival_gap_s, self.lead_s),
-                              "seconds >= 0")
+        for name in ("arrival_gap_s", "lead_s"):  # each its own value (one is an option)
+            if getattr(self, name) < 0:
+                raise ConfigError(name, getattr(self, name), "seconds >= 0")
         if not self.prefix_tokens:
             raise ConfigError("prefix_tokens", "", "at least one length")
         for n in self.prefix_tokens:
