@@ -55,6 +55,7 @@ from kvtier.tools.cli.argtypes import (
     tier_size,
     tier_size_or_zero,
 )
+from kvtier.tools.ops.audit.vllm_flags import read_arguments
 from kvtier.tools.ops.server import VllmServer
 from kvtier.tools.ops.serving import (
     KV_ROLES,
@@ -73,9 +74,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p = subparsers.add_parser(
         "serve", help="start vLLM's OpenAI-compatible server with kvtier",
         description=__doc__.split("\n\n")[0],
-        epilog="Arguments after `--` go to vLLM verbatim (with kvtier, all but "
+        epilog="Arguments after `--` go to vLLM verbatim; refused there: --model, --host "
+               "and --port (MODEL, --host and --port set them), a KV cache size beside "
+               "--engine-kv, --served-model-name beside kvtier serve's, and with kvtier "
                "--kv-transfer-config, which kvtier sets, and --kv-offloading-size, with which "
-               "vLLM replaces kvtier: --config FILE takes its settings). "
+               "vLLM replaces kvtier (--config FILE takes its settings). "
                "With kvtier, requests' "
                "cache_control markers ({\"type\": \"ephemeral\", \"ttl\": \"5m\"} on a "
                "message, content part or the request) pin the prompt up to them in kvtier "
@@ -151,6 +154,10 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                               "not with --no-kvtier: the server without kvtier reads no "
                               "tier, chunk or kv_role option")
     vllm_args = list(args.vllm_args)
+    if args.served_model_name is not None and \
+            "--served-model-name" in read_arguments(vllm_args).flags:  # vLLM keeps the last
+        raise ConfigError("--served-model-name", args.served_model_name, "either kvtier "
+                          "serve's --served-model-name or vLLM's after `--`, not both")
     cpu = is_cpu_backend()
     extra = None
     if not args.no_kvtier:

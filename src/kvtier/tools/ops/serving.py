@@ -197,6 +197,8 @@ def build_command(cfg: ServeConfig) -> ServeCommand:
         ConfigError: an extra_config the connector would refuse (ConnectorConfig.parse).
     """
     cpu = is_cpu_backend() if cfg.cpu is None else cfg.cpu
+    vllm_flags = read_arguments(cfg.vllm_args).flags
+    _refuse_a_second_setting(vllm_flags, cfg)
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", cfg.model,
             "--host", cfg.host, "--port", str(cfg.port)]
     notes: list[str] = []
@@ -217,7 +219,6 @@ def build_command(cfg: ServeConfig) -> ServeCommand:
                 "core per worker whenever any KV connector is configured (meant for NIXL); on "
                 "a small machine that left no core for the engine core and API server, and "
                 "every step slowed down (docs/performance.md, kvtier demo)")
-        vllm_flags = read_arguments(cfg.vllm_args).flags
         _refuse_a_second_transfer_config(vllm_flags)
         extra = dict(cfg.extra_config) if cfg.extra_config is not None else connector_config(
             default_tiers(cpu=cpu))
@@ -316,6 +317,26 @@ def per_rank_note(store: StoreConfig, tp: int) -> str:
     return (f"capacities are per engine, the total across its {tp} TP ranks: each rank "
             f"holds {shares}" + (f" ({', '.join(whole)}: one quota for the whole directory, "
                                  "enforced by every writer)" if whole else ""))
+
+
+# The flags the command sets from ServeConfig's fields (`kvtier serve`'s MODEL, --host,
+# --port). Given again in vllm_args, vLLM keeps the last: `kvtier serve m -- --port 9000`
+# served on 9000 while kvtier serve waited for, and announced, port 8000.
+_SET_FROM_CONFIG = {"--model": "MODEL", "--host": "--host", "--port": "--port"}
+
+
+def _refuse_a_second_setting(vllm_flags: Mapping[str, str | None], cfg: ServeConfig) -> None:
+    """Raise ConfigError when vLLM's arguments set what `cfg` sets: the command's --model,
+    --host or --port, or the engine's KV cache size beside `engine_kv_bytes` (vLLM's flag
+    won, the size asked was dropped)."""
+    for flag, option in _SET_FROM_CONFIG.items():
+        if flag in vllm_flags:
+            raise ConfigError(flag, vllm_flags[flag], f"none after `--`: kvtier serve sets "
+                              f"it (its {option})")
+    given = next((flag for flag in _KV_SIZE_FLAGS if flag in vllm_flags), None)
+    if cfg.engine_kv_bytes is not None and given is not None:
+        raise ConfigError("--engine-kv", format_size(cfg.engine_kv_bytes),
+                          f"either --engine-kv or {given} after `--`, not both")
 
 
 def _refuse_a_second_transfer_config(vllm_flags: Mapping[str, str | None]) -> None:
