@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from kvtier.errors import ConfigError
 from kvtier.tools.cli import (
     bench_disagg,
     bench_interference,
@@ -46,3 +47,18 @@ def test_a_configuration_named_twice_runs_once_in_the_order_first_given(
         workload: str, option: str, first: str, second: str, field: str) -> None:
     argv = [option, first, option, second, option, first]
     assert tuple(getattr(_settings(workload, argv), field)) == (first, second)
+
+
+@pytest.mark.parametrize(("workload", "argv", "field"), [
+    ("ttft", ["--tokens", "1024,4096,1024"], "cached_tokens"),
+    ("sharing", ["--tokens", "1024,1024"], "cached_tokens"),
+    ("link", ["--gbps", "8,2,8"], "gbps"),
+])
+def test_a_length_or_speed_given_twice_is_refused(workload: str, argv: list[str],
+                                                  field: str) -> None:
+    """`bench ttft --tokens 1024,1024` measured the same prompt length twice (its second
+    prompt, the same as the first, already stored), two rows under one length; `bench link
+    --gbps 8,8` re-ran a link speed. Refused, as `bench disk-load --chunks 4,4` is."""
+    with pytest.raises(ConfigError) as refused:
+        _settings(workload, argv).validate()
+    assert refused.value.field == field and "once" in refused.value.allowed

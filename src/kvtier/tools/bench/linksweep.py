@@ -74,6 +74,8 @@ class LinkConfig:
                               f"a multiple of {TOKENS_PER_CHUNK}")
         if not self.gbps or any(not (math.isfinite(g) and g > 0) for g in self.gbps):
             raise ConfigError("gbps", self.gbps, "link speeds in Gbit/s > 0")
+        if len(set(self.gbps)) < len(self.gbps):  # a speed twice was a second sweep point
+            raise ConfigError("gbps", ",".join(f"{g:g}" for g in self.gbps), "each speed once")
         if not (math.isfinite(self.delay_ms) and self.delay_ms >= 0):
             raise ConfigError("delay_ms", self.delay_ms, "milliseconds >= 0")
         for name in ("prompts", "reps"):

@@ -39,6 +39,8 @@ def check_settings(settings: Any, cached_tokens: Sequence[int], counts: Iterable
     longest = PRESETS[preset].max_position_embeddings - NEW_TOKENS
     if max(cached_tokens) > longest:
         raise ConfigError("cached_tokens", max(cached_tokens), f"at most {longest}")
+    if len(set(cached_tokens)) < len(cached_tokens):  # its prompt again: stored already
+        raise ConfigError("cached_tokens", ",".join(map(str, cached_tokens)), "each length once")
     for name in counts:
         if getattr(settings, name) < 1:
             raise ConfigError(name, getattr(settings, name), "at least 1")
