@@ -16,7 +16,9 @@ import pytest
 
 from kvtier.errors import ConfigError
 from kvtier.tools.cli import (
+    bench_copy,
     bench_disagg,
+    bench_fleet,
     bench_interference,
     bench_link,
     bench_pooling,
@@ -30,8 +32,9 @@ def _settings(workload: str, argv: list[str]) -> Any:
     args = build_parser().parse_args(["bench", workload, *argv])
     if workload == "pooling":
         return bench_pooling.config_from(args, Path("/scratch"))
-    module = {"disagg": bench_disagg, "interference": bench_interference, "link": bench_link,
-              "sharing": bench_sharing, "ttft": bench_ttft}[workload]
+    module = {"copy": bench_copy, "disagg": bench_disagg, "fleet": bench_fleet,
+              "interference": bench_interference, "link": bench_link, "sharing": bench_sharing,
+              "ttft": bench_ttft}[workload]
     return module.config_from(args)
 
 
@@ -53,12 +56,17 @@ def test_a_configuration_named_twice_runs_once_in_the_order_first_given(
     ("ttft", ["--tokens", "1024,4096,1024"], "cached_tokens"),
     ("sharing", ["--tokens", "1024,1024"], "cached_tokens"),
     ("link", ["--gbps", "8,2,8"], "gbps"),
+    ("fleet", ["--chunks", "1000", "1000"], "chunks"),
+    ("fleet", ["--writers", "4", "1", "4"], "writers"),
+    ("copy", ["--device", "cpu", "--chunk-mib", "2,4,2"], "chunk_mib"),
 ])
 def test_a_length_or_speed_given_twice_is_refused(workload: str, argv: list[str],
                                                   field: str) -> None:
     """`bench ttft --tokens 1024,1024` measured the same prompt length twice (its second
     prompt, the same as the first, already stored), two rows under one length; `bench link
-    --gbps 8,8` re-ran a link speed. Refused, as `bench disk-load --chunks 4,4` is."""
+    --gbps 8,8` re-ran a link speed, `bench fleet --writers 4 4` a run of the writers,
+    `bench copy --chunk-mib 2,2` a chunk size.
+    Refused, as `bench disk-load --chunks 4,4` is."""
     with pytest.raises(ConfigError) as refused:
         _settings(workload, argv).validate()
     assert refused.value.field == field and "once" in refused.value.allowed

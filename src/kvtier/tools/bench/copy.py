@@ -113,6 +113,9 @@ class CopyBenchConfig:
             if not mib > 0 or blocks != round(blocks):
                 raise ConfigError("chunk_mib", mib, "a whole number of blocks of "
                                   f"{block_bytes / MiB:g} MiB")
+        if len(set(self.chunk_mib)) < len(self.chunk_mib):  # a size twice: a second run
+            raise ConfigError("chunk_mib", ",".join(f"{m:g}" for m in self.chunk_mib),
+                              "each size once")
         for tokens in self.chunk_tokens():
             if tokens % self.block_size:
                 raise ConfigError("tokens_per_chunk", tokens,

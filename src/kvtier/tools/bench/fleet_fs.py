@@ -81,6 +81,10 @@ class FleetConfig:
             raise ConfigError("chunks", list(self.chunks), "sizes of at least 100 chunks")
         if not self.writers or min(self.writers) < 1:
             raise ConfigError("writers", list(self.writers), "counts of at least 1")
+        for name in ("chunks", "writers"):  # one given twice was a second, identical run
+            values = list(getattr(self, name))
+            if len(set(values)) < len(values):
+                raise ConfigError(name, values, "each once")
         for name in ("rate", "seconds", "interval"):
             if not getattr(self, name) > 0:
                 raise ConfigError(name, getattr(self, name), "a number above 0")
