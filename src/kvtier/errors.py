@@ -9,8 +9,10 @@ tools' servers.
 Primitives: `KVTierError`, `ConfigError`, `TierConfigError`, `NotEnoughMemory`,
 `TierUnavailable`, `DirectoryInUse`, `LinkTimeout`, `CorruptChunk`, `CodecFailure`,
 `AuthFailure`, `KeyNotHeld`, `UncacheableRequest`, `HostBufferRaced`, `WarmupError`,
-`ServerError`.
+`ServerError`, `GcStopped`.
 """
+
+from typing import Any
 
 from kvtier.redaction import redact_text, redact_value
 
@@ -168,3 +170,15 @@ class ClientFailed(KVTierError):
 class ShimUnavailable(KVTierError):
     """A benchmark's emulated filesystem latency cannot run here (no C compiler, not Linux, or
     its shim did not build): `kvtier.tools.bench.emulators.fslatency`."""
+
+
+class GcStopped(KVTierError):
+    """`kvtier gc` stopped partway through a tier's deletions (a command the storage refused,
+    a connection dropped): what it had removed by then is in `outcomes` (the tiers' before it
+    too; kvtier.tools.admin.gc.GcOutcome), counted by listing the tier again (`counted`: False
+    where that listing failed too), and `cause` is what stopped it."""
+
+    def __init__(self, tier: str, cause: BaseException, outcomes: list[Any],
+                 counted: bool) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.tier, self.cause, self.outcomes, self.counted = tier, cause, outcomes, counted

@@ -33,7 +33,7 @@ import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, GcStopped
 from kvtier.tiers.manifest import NamespaceManifest
 from kvtier.tools.admin.inventory import (
     UNKNOWN,
@@ -176,29 +176,58 @@ def run_gc(inventories: Sequence[Inventory], request: GcRequest) -> list[GcOutco
     Raises:
         ConfigError: no rule in `request`, or a malformed one.
         OSError, redis.RedisError: a tier's storage could not be listed.
+        GcStopped: a deletion failed partway (with what was removed by then).
     """
     request.validate()
     outcomes: list[GcOutcome] = []
     for inventory in inventories:
-        manifests = read_manifests(inventory)
-        orphans = _sweep_orphans(inventory, request, manifests)
-        chunks = list(inventory.chunks())
-        namespaces = {c.namespace for c in chunks} | {o.namespace for o in orphans} \
-            | set(manifests)
-        chosen = {n for n in namespaces if request.selects(n, manifests.get(n))}
-        # Ages by the clock that stamped the times of use (a shared directory's, an S3
-        # server's), not this host's: a gc host minutes ahead deleted chunks the fleet was
-        # reading.
-        now_s = storage_now(inventory) if request.max_age_s is not None else time.time()
-        victims = [] if request.orphans_only else select_victims(
-            chunks, request, now_s, chosen)
+        try:
+            outcomes += _collect(inventory, request)
+        except GcStopped as stopped:
+            stopped.outcomes[:0] = outcomes  # the tiers' before it
+            raise
+    return outcomes
+
+
+def _collect(inventory: Inventory, request: GcRequest) -> list[GcOutcome]:
+    """`run_gc` of one tier."""
+    manifests = read_manifests(inventory)
+    orphans = _orphans(inventory, request, manifests)
+    if orphans and not request.dry_run and isinstance(inventory, OrphanSource):
+        try:
+            inventory.remove_orphans(orphans)
+        except Exception as exc:  # how many went is not known
+            raise GcStopped(inventory.name, exc, [], counted=False) from exc
+    chunks = list(inventory.chunks())
+    namespaces = {c.namespace for c in chunks} | {o.namespace for o in orphans} \
+        | set(manifests)
+    chosen = {n for n in namespaces if request.selects(n, manifests.get(n))}
+    # Ages by the clock that stamped the times of use (a shared directory's, an S3 server's),
+    # not this host's: a gc host minutes ahead deleted chunks the fleet was reading.
+    now_s = storage_now(inventory) if request.max_age_s is not None else time.time()
+    victims = [] if request.orphans_only else select_victims(chunks, request, now_s, chosen)
+    try:
         kept_used: Sequence[StoredChunk] = ()
         if victims and not request.dry_run:
             kept_used = _remove(inventory, victims, request)
         dropped = _drop_manifests(inventory, request, chosen & set(manifests))
-        outcomes += _outcomes(inventory.name, request, chosen, chunks, victims, orphans,
-                              manifests, dropped, kept_used)
-    return outcomes
+    except Exception as exc:  # stopped partway: what went is counted by listing again
+        gone = _no_longer_listed(inventory, victims)
+        raise GcStopped(inventory.name, exc, [] if gone is None else _outcomes(
+            inventory.name, request, chosen, chunks, gone, orphans, manifests, set()),
+            counted=gone is not None) from exc
+    return _outcomes(inventory.name, request, chosen, chunks, victims, orphans, manifests,
+                     dropped, kept_used)
+
+
+def _no_longer_listed(inventory: Inventory,
+                      victims: Sequence[StoredChunk]) -> list[StoredChunk] | None:
+    """Those of `victims` the tier no longer lists (None: it could not be listed)."""
+    try:
+        listed = {(c.namespace, c.key_hex) for c in inventory.chunks()}
+    except Exception:  # the storage gone too
+        return None
+    return [c for c in victims if (c.namespace, c.key_hex) not in listed]
 
 
 def _remove(inventory: Inventory, victims: Sequence[StoredChunk],
@@ -211,16 +240,13 @@ def _remove(inventory: Inventory, victims: Sequence[StoredChunk],
     return inventory.remove_unused(victims).kept_used
 
 
-def _sweep_orphans(inventory: Inventory, request: GcRequest,
-                   manifests: Mapping[str, NamespaceManifest | None]) -> list[StoredChunk]:
-    """Delete (unless a dry run) the orphans of `request`'s namespaces; those orphans."""
+def _orphans(inventory: Inventory, request: GcRequest,
+             manifests: Mapping[str, NamespaceManifest | None]) -> list[StoredChunk]:
+    """The orphans of `request`'s namespaces."""
     if not isinstance(inventory, OrphanSource):
         return []
-    orphans = [o for o in inventory.orphans()
-               if request.selects(o.namespace, manifests.get(o.namespace))]
-    if orphans and not request.dry_run:
-        inventory.remove_orphans(orphans)
-    return orphans
+    return [o for o in inventory.orphans()
+            if request.selects(o.namespace, manifests.get(o.namespace))]
 
 
 def _drop_manifests(inventory: Inventory, request: GcRequest,

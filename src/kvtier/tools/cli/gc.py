@@ -10,7 +10,9 @@ Exit codes: 0 done (also when no namespace matched: said so), 1 a tier's storage
 be read: no answer within 5 s (a dead mount), or its directory does not exist (a wrong path,
 an unmounted volume, or no engine has used the tier on this machine yet); each is said and
 the other tiers are still collected, and a cron job sees a gc that could not do its work,
-rather than a 0 for a tier it never reached. 2 bad input (a config without a persistent
+rather than a 0 for a tier it never reached; or a deletion failed partway (a command the
+storage refused, a connection dropped): said, and what it had removed by then is reported.
+2 bad input (a config without a persistent
 tier included: there is nothing for gc to collect).
 """
 
@@ -23,6 +25,7 @@ from dataclasses import asdict
 from rich.console import Console
 from rich.table import Table
 
+from kvtier.errors import GcStopped
 from kvtier.tools.admin.gc import GcOutcome, GcRequest, parse_duration, run_gc
 from kvtier.tools.admin.inventory import open_inventories
 from kvtier.tools.cli.inspect import load_store, print_errors, short_fingerprint
@@ -59,18 +62,25 @@ def run(args: argparse.Namespace) -> int:
     request.validate()
     outcomes: list[GcOutcome] = []
     errors: dict[str, str] = {}
+    stopped: dict[str, str] = {}
     for inventory in open_inventories(load_store(args.config), args.tier, unanswered=errors):
         try:
             outcomes += run_gc([inventory], request)
+        except GcStopped as exc:  # what it removed before is reported
+            outcomes += exc.outcomes
+            stopped[inventory.name] = str(exc) if exc.counted else \
+                f"{exc} (what it removed could not be counted: the tier could not be listed)"
         except Exception as exc:  # an unreachable tier is reported, the others still run
             errors[inventory.name] = f"{type(exc).__name__}: {exc}"
         finally:
             inventory.close()
-    unmatched = _unmatched(request) if not outcomes and not errors else None
+    failed = 1 if errors or stopped else 0
+    unmatched = _unmatched(request) if not outcomes and not failed else None
     if args.json:
         print(json.dumps({"outcomes": [asdict(o) for o in outcomes], "errors": errors,
-                          "dry_run": args.dry_run, "unmatched": unmatched}, indent=2))
-        return 1 if errors else 0
+                          "stopped": stopped, "dry_run": args.dry_run,
+                          "unmatched": unmatched}, indent=2))
+        return failed
     if unmatched:
         Console().print(literal(unmatched))
         return 0
@@ -89,7 +99,10 @@ def run(args: argparse.Namespace) -> int:
     console = Console(width=max(Console().width, 200))
     console.print(table)
     print_errors(console, errors)
-    return 1 if errors else 0
+    for tier, error in stopped.items():
+        console.print(literal(f"tier {tier}: stopped partway, the table counts what it had "
+                              f"removed: {error}", style="bold red"))
+    return failed
 
 
 def _unmatched(request: GcRequest) -> str | None:
