@@ -77,7 +77,8 @@ def open_layout(config: NodeConfig, digest: str, layout: KVLayout, hello: Hello,
     and `events` (whether the node publishes events) go to its engines' Welcome.
 
     Raises:
-        OSError: a tier cannot open (/dev/shm full: ENOSPC; a tier's directory unwritable).
+        OSError: a tier cannot open (/dev/shm full: ENOSPC; a tier's directory unwritable);
+        ConfigError: a tier refuses what it finds (a disk tier's directory another user's).
     """
     name = slab_name(config.name, digest)
     inherited = is_own_file(SHM_DIR / name)  # a predecessor's slab, kept
@@ -213,8 +214,13 @@ class ServedLayouts:
         try:
             built = open_layout(self.config, digest, layout, hello, self.generation,
                                 events=self.events is not None)
-        except OSError as exc:  # /dev/shm full (ENOSPC), a tier's directory unwritable
-            stale = self._unused_slabs() if exc.errno == errno.ENOSPC else ""
+        except (OSError, ConfigError) as exc:
+            # /dev/shm full (ENOSPC), a tier's directory unwritable, or a tier refusing what
+            # it found (a disk tier's layout directory another user made: a ConfigError, which
+            # raised out of the Hello, a traceback each try, its engines taking the node for
+            # down: tests/node/test_node_disk_owned.py).
+            full = isinstance(exc, OSError) and exc.errno == errno.ENOSPC
+            stale = self._unused_slabs() if full else ""
             said = f"{exc}{stale}"
             again, self._failed_builds[digest] = self._failed_builds.get(digest) == said, said
             log.log(logging.DEBUG if again else logging.ERROR,
