@@ -64,6 +64,22 @@ def test_kvtier_node_serve_names_the_bad_field(
     assert not (tmp_path / "node.sock").exists()
 
 
+def test_kvtier_node_serve_names_a_socket_it_cannot_bind(tmp_path: Path):
+    # A directory the node may not create a file in (here procfs; a /run/kvtier of another
+    # user's is the common case): the bind's error names no path, and the node said only
+    # "kvtier node: [Errno 2] No such file or directory", naming neither setting nor file.
+    socket_path = Path(f"/proc/kvtier-{tmp_path.name}.sock")
+    path = tmp_path / "node.json"
+    path.write_text(json.dumps(MEMORY))
+    served = subprocess.run(
+        [sys.executable, "-m", "kvtier.node", "serve", "--config", str(path),
+         "--socket", str(socket_path), "--name", tmp_path.name],
+        capture_output=True, text=True, timeout=60)
+    assert served.returncode == 2, served.stderr
+    # Its errno's text too (ENOENT as root, EACCES for another user: procfs creates nothing).
+    assert f"socket_path {socket_path}: cannot listen there (" in served.stderr, served.stderr
+
+
 @pytest.mark.skipif(shm_size_bytes() is None, reason=f"no {SHM_DIR}")
 def test_kvtier_node_serve_refuses_a_ram_tier_larger_than_dev_shm(tmp_path: Path):
     # The node used to start and serve, then refuse every engine: /dev/shm full (ENOSPC)

@@ -41,6 +41,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
 from typing import Any
 
 from kvtier.core.keys import ChunkKey
@@ -106,7 +107,7 @@ class NodeServer:
                                          {t.tier_name: t.kind for t in config.store.tiers},
                                          self.counters.add, block_size=config.event_block_size)
             clear_stale_socket(config.socket_path)
-            self._server = NodeSocketServer(str(config.socket_path), ConnectionHandler)
+            self._server = _listen(config.socket_path)
         except BaseException:
             if self.events is not None:
                 self.events.close()
@@ -405,6 +406,23 @@ class NodeServer:
     def release(self, owner: int, lease: int) -> None:
         """End connection `owner`'s `lease` (`LeaseBook.release`)."""
         self.book.release(owner, lease)
+
+
+def _listen(path: Path) -> NodeSocketServer:
+    """The node's listening socket at `path`.
+
+    Raises:
+        OSError: it cannot be bound, naming `path` (a bind's error names no file: a
+            directory the node may not write, a /run/kvtier of another user's, said only
+            "[Errno 13] Permission denied": tests/node/test_node_config.py).
+    """
+    try:
+        return NodeSocketServer(str(path), ConnectionHandler)
+    except OSError as exc:
+        if exc.filename is not None:
+            raise
+        raise OSError(exc.errno, f"socket_path {path}: cannot listen there "
+                                 f"({exc.strerror or exc})") from exc
 
 
 @contextlib.contextmanager
