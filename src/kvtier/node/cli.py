@@ -182,10 +182,18 @@ def _serve(node: NodeServer) -> int:
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
-        if not stop.is_set():  # the pod's log says why the node went, and when it is gone
-            log.info("kvtier node %r: %s: stopping (engines disconnected, writes behind RAM "
-                     "flushed for up to %g s)", node.config.name, signal.Signals(signum).name,
-                     node.config.stop_flush_s)
+        if stop.is_set():
+            # One stop: a second started another shutdown, which found nothing left to close
+            # and ended at once, and the process with it, cutting the first's flush short
+            # (its writes lost: tests/node/test_node_second_signal.py). SIGKILL ends it now.
+            log.info("kvtier node %r: %s: already stopping (writes behind RAM flushed for "
+                     "up to %g s; SIGKILL to end it now)", node.config.name,
+                     signal.Signals(signum).name, node.config.stop_flush_s)
+            return
+        # The pod's log says why the node went, and when it is gone.
+        log.info("kvtier node %r: %s: stopping (engines disconnected, writes behind RAM "
+                 "flushed for up to %g s)", node.config.name, signal.Signals(signum).name,
+                 node.config.stop_flush_s)
         stop.set()
         threading.Thread(target=node.shutdown, daemon=True).start()
 
