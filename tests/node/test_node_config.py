@@ -50,6 +50,10 @@ def test_a_node_whose_first_tier_is_not_memory_is_refused(tmp_path: Path):
     (MEMORY, ("--name", ""), "name=''"),
     # "" binds every interface: `--metrics-host "$HOST"` unset exposed the metrics
     (MEMORY, ("--metrics-port", "9400", "--metrics-host", ""), "argument --metrics-host"),
+    # the node names its slabs itself (kvtier-<name>-<layout>): a name given here was dropped
+    # without a word, the slab not where the operator looked for it
+    ({"tiers": [{**MEMORY["tiers"][0], "shared_memory": "kv-slab"}]}, (),
+     "tiers[0].shared_memory='kv-slab'"),
 ])
 def test_kvtier_node_serve_names_the_bad_field(
         tmp_path: Path, config: dict[str, Any], flags: tuple[str, ...], named: str):

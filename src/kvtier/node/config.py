@@ -71,6 +71,13 @@ class NodeConfig:
         if first.kind != "memory":
             raise ConfigError("tiers[0].kind", first.kind,
                               "memory (the node shares its RAM tier with its engines)")
+        shared = getattr(first, "shared_memory", None)
+        if shared is not None:
+            # The node names each layout's slab (kvtier-<name>-<layout>): one named here was
+            # dropped without a word (tests/node/test_node_config.py).
+            raise ConfigError("tiers[0].shared_memory", shared,
+                              "unset: the node names its slabs /dev/shm/kvtier-<name>-<layout> "
+                              "(--name)")
         _check_socket_path(self.socket_path)
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
             raise ConfigError("name", self.name, "1-64 letters, digits, '.', '_' or '-' "
