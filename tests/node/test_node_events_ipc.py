@@ -108,6 +108,39 @@ def test_a_publisher_refused_a_live_path_says_so_with_eaddrinuse(socket_path: Pa
     assert not events.exists()
 
 
+@pytest.mark.parametrize("what", ["a regular file", "a link to one"])
+def test_a_publisher_never_replaces_a_file_that_is_not_a_socket(socket_path: Path, what: str):
+    """libzmq unlinks whatever is at PATH as it binds: an ipc:// path naming a file by mistake
+    (the node's config, a typo) deleted it, and the node served on (its stop then removed its
+    own socket there: the file was gone for good). Refused, as the node's --socket is."""
+    precious = socket_path.parent / "node.yaml"
+    precious.write_text("tiers: []\n")
+    events = precious if what == "a regular file" else socket_path.parent / "events.sock"
+    if events != precious:
+        events.symlink_to(precious)
+    with pytest.raises(OSError) as refused:
+        EventPublisher(f"ipc://{events}")
+    assert refused.value.errno == errno.EEXIST and str(events) in str(refused.value)
+    assert precious.read_text() == "tiers: []\n" and events.exists()
+
+
+def test_serve_refuses_an_ipc_endpoint_at_a_file_and_leaves_it(tmp_path: Path, socket_path: Path):
+    config = write_config(tmp_path / "node.json", node_tiers(tmp_path, ram_chunks=4))
+    name = tmp_path.name[:60]
+    try:
+        served = subprocess.run(
+            [sys.executable, "-m", "kvtier.node", "serve", "--config", str(config), "--socket",
+             str(socket_path), "--name", name, "--events-endpoint", f"ipc://{config}"],
+            capture_output=True, text=True, timeout=60)
+    finally:
+        for path in left_in_shm(name):
+            path.unlink(missing_ok=True)
+    assert served.returncode == 2, served.stderr
+    assert f"cannot publish KV events on ipc://{config}" in served.stderr
+    assert "not a socket" in served.stderr
+    assert config.is_file() and not socket_path.exists()
+
+
 @pytest.mark.parametrize(("endpoint", "path"), [
     ("ipc:///run/kvtier/events", "/run/kvtier/events"), ("ipc://@kvtier-events", None),
     ("tcp://127.0.0.1:5557", None)])

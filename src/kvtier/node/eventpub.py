@@ -12,8 +12,9 @@ vLLM's (100,000 messages: past it a batch is dropped, never waited for).
 
 An `ipc://PATH` is a socket file: libzmq replaces whatever is at PATH when it binds, and leaves
 its file behind when it closes. So a publisher refuses a PATH another process still listens
-on (a second node would take a live node's routers), and removes its file when it closes if
-the file is still its own (not a successor's).
+on (a second node would take a live node's routers) or where something other than a socket
+is (a file named by mistake: libzmq deleted it), and removes its file when it closes if the
+file is still its own (not a successor's).
 
 Primitives: `ALLOWED`, `check_endpoint`, `ipc_path`, `EventPublisher`.
 """
@@ -25,6 +26,7 @@ import errno
 import os
 import re
 import socket
+import stat
 import time
 from collections.abc import Sequence
 
@@ -75,6 +77,7 @@ class EventPublisher:
         path = ipc_path(endpoint)
         try:
             if path is not None:
+                _refuse_a_file(path, endpoint)
                 _refuse_a_live_listener(path, endpoint)
             if endpoint.startswith("ipc://") or "*" in endpoint or "::" in endpoint:
                 self._pub.bind(endpoint)
@@ -125,6 +128,20 @@ def ipc_path(endpoint: str) -> str | None:
         return None
     path = endpoint[len("ipc://"):]
     return None if path.startswith("@") else path
+
+
+def _refuse_a_file(path: str, endpoint: str) -> None:
+    """Raises OSError (EEXIST) where something other than a socket is at `path` (a file, a
+    link, a directory): libzmq unlinks whatever is there as it binds, and an ipc:// path
+    naming a file by mistake (the node's config, a typo) deleted it
+    (tests/node/test_node_events_ipc.py). Never replaced, as the node's own socket's path."""
+    try:
+        found = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(found.st_mode):
+        raise OSError(errno.EEXIST, f"cannot publish KV events on {endpoint}: {path} exists "
+                                    "and is not a socket: not replaced")
 
 
 def _refuse_a_live_listener(path: str, endpoint: str) -> None:
