@@ -43,7 +43,7 @@ def test_a_gc_stopped_partway_reports_what_it_removed(
     config = write_config(tmp_path, tier_config(kind, tmp_path, request))
     fill(config, LAYOUT, None, range(6))
     capsys.readouterr()
-    assert main(["gc", "--config", str(config), "--max-age", "0s", "--json"]) == 1
+    assert main(["gc", "--config", str(config), "--quota", "0", "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert report["errors"] == {}
     [stopped] = report["stopped"].values()
@@ -53,6 +53,6 @@ def test_a_gc_stopped_partway_reports_what_it_removed(
     assert outcome["kept_chunks"] == 6 - GONE_BEFORE_THE_FAULT
     assert len(held(config, LAYOUT, range(6))) == 6 - GONE_BEFORE_THE_FAULT
 
-    assert main(["gc", "--config", str(config), "--max-age", "0s"]) == 1
+    assert main(["gc", "--config", str(config), "--quota", "0"]) == 1
     out = capsys.readouterr().out
     assert "stopped partway" in out and "not readable" not in out
