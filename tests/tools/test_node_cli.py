@@ -10,6 +10,7 @@ import pytest
 from tierkit import key, tiny_layout
 
 from kvtier.core.retention import DEFAULT_META
+from kvtier.node.cli import main as node_main
 from kvtier.node.client import NodeClient
 from kvtier.node.config import NodeConfig
 from kvtier.node.nodestore import NodeStore
@@ -104,3 +105,24 @@ def test_status_names_the_engines_whose_connection_the_node_closed(
     assert main(["node", "status", "--socket", str(socket_path)]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "1 connection, 1 lease;" in out and "held: host:4242 1 chunk (1 lease)" in out
+
+
+@pytest.mark.parametrize("argv", [["node", "status", "--socket", ""],
+                                  ["node", "status", "--socket", " "],
+                                  ["node", "serve", "--config", "node.yaml", "--socket", ""]])
+def test_an_empty_socket_is_a_usage_error_not_a_node_down(
+        argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """`--socket "$NODE_SOCKET"` with the variable unset: exit 2 naming the option (status
+    said "no node answers", exit 1: a node down to a probe)."""
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    assert "--socket" in capsys.readouterr().err
+
+
+def test_the_nodes_own_entry_point_refuses_an_empty_socket_too(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stop:
+        node_main(["status", "--socket", ""])
+    assert stop.value.code == 2
+    assert "--socket" in capsys.readouterr().err

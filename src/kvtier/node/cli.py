@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="store config file (YAML or JSON)")
-    parser.add_argument("--socket", default=DEFAULT_SOCKET, help=f"(default {DEFAULT_SOCKET})")
+    add_socket_argument(parser)
     parser.add_argument("--name", help="the node's name (default: the host name)")
     parser.add_argument("--drop-ram", action="store_true",
                         help="remove the RAM slabs from /dev/shm when the node stops (default: "
@@ -224,6 +224,20 @@ def _slabs_at_stop(node: NodeServer) -> str:
             "served)")
 
 
+def add_socket_argument(parser: argparse.ArgumentParser) -> None:
+    """`--socket`: the node's Unix socket, not blank (`--socket "$NODE_SOCKET"` with the
+    variable unset: status reported "no node answers", exit 1, a usage error taken for a
+    node down)."""
+    parser.add_argument("--socket", default=DEFAULT_SOCKET, type=_socket_path,
+                        help=f"(default {DEFAULT_SOCKET})")
+
+
+def _socket_path(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r}: the node's socket path, not empty")
+    return text
+
+
 def listen_host(text: str) -> str:
     """`--metrics-host`: an address, not blank ("" binds every interface: `--metrics-host
     "$HOST"` with the variable unset exposed the metrics meant for 127.0.0.1). The tools'
@@ -250,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     actions = parser.add_subparsers(dest="action", required=True)
     add_serve_arguments(actions.add_parser("serve", help="run the node"))
     status = actions.add_parser("status", help="the node's status, as JSON")
-    status.add_argument("--socket", default=DEFAULT_SOCKET, help=f"(default {DEFAULT_SOCKET})")
+    add_socket_argument(status)
     # Taken as `kvtier node status --json` takes it: a probe written for one runs as the other.
     status.add_argument("--json", action="store_true", help="JSON (as without it)")
     args = parser.parse_args(argv)

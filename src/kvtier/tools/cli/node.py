@@ -25,7 +25,7 @@ from rich.table import Table
 
 from kvtier.errors import NodeUnavailable
 from kvtier.node import cli as node_cli
-from kvtier.node.cli import DEFAULT_SOCKET, add_serve_arguments
+from kvtier.node.cli import add_serve_arguments, add_socket_argument
 from kvtier.node.client import node_status
 from kvtier.units import format_size
 
@@ -37,7 +37,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     add_serve_arguments(serve)
     serve.set_defaults(func=node_cli.serve)
     status = actions.add_parser("status", help="what a running node holds and serves")
-    status.add_argument("--socket", default=DEFAULT_SOCKET, help=f"(default {DEFAULT_SOCKET})")
+    add_socket_argument(status)
     status.add_argument("--json", action="store_true")
     status.set_defaults(func=run_status)
 
