@@ -39,7 +39,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import TOKENS_PER_CHUNK, kvtier_transfer_config
+from kvtier.redaction import redact_text
 from kvtier.testing.engines import counter, offline_engine
 from kvtier.testing.tinymodel import make_preset_model
 from kvtier.tools.bench.prompts import KV_BYTES_PER_TOKEN, NEW_TOKENS, bench_prompt, check_settings
@@ -64,6 +66,11 @@ class SharingConfig:
         """Raises ConfigError naming the first bad field."""
         check_settings(self, self.cached_tokens, ("reps", "recompute_reps"),
                        ("sources", self.sources, SOURCES))
+        if self.redis_url is not None and "redis" not in self.sources:
+            # Dropped without a word: `--source node --redis-url URL` reported no Redis run
+            raise ConfigError("redis_url", redact_text(self.redis_url),
+                              "a Redis for the redis source: add --source redis, or leave "
+                              "--redis-url out")
 
     @property
     def max_model_len(self) -> int:
