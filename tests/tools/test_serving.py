@@ -67,6 +67,27 @@ def test_baseline_is_the_same_server_without_the_connector():
     assert any("CPU backend" in note for note in cmd.notes)
 
 
+def test_engine_kv_sizes_the_engines_cache_on_cuda_too():
+    """`kvtier serve --engine-kv 8GiB` on a GPU machine started vLLM with its default (0.92 of
+    the GPU) and said nothing of the size asked."""
+    cmd = build_command(ServeConfig("m", kvtier=False, cpu=False, engine_kv_bytes=8 << 30))
+    assert flag(cmd.argv, "--kv-cache-memory-bytes") == str(8 << 30)
+    assert not any("CPU backend" in note for note in cmd.notes)
+    assert "--kv-cache-memory-bytes" not in build_command(
+        ServeConfig("m", kvtier=False, cpu=False)).argv
+
+
+def test_engine_kv_beside_the_cpu_backends_kv_cache_variable_is_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM would take one of the two sizes: which one, nothing said."""
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
+    with pytest.raises(ConfigError, match="VLLM_CPU_KVCACHE_SPACE") as refused:
+        build_command(ServeConfig("m", kvtier=False, cpu=True, engine_kv_bytes=64 << 20))
+    assert refused.value.field == "--engine-kv"
+    assert "--kv-cache-memory-bytes" not in build_command(
+        ServeConfig("m", kvtier=False, cpu=True)).argv  # the variable alone sizes it
+
+
 def test_a_users_kv_cache_size_flag_wins_on_cpu():
     cmd = build_command(ServeConfig("m", kvtier=False, cpu=True,
                                     vllm_args=("--gpu-memory-utilization=0.3",)))

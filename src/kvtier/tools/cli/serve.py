@@ -110,8 +110,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                         "backend without --block-size: a multiple of 32; one 128 does not "
                         "divide gets a --block-size that divides it")
     p.add_argument("--engine-kv", type=tier_size,
-                   help="CPU backend: the engine's own KV cache size "
-                        "(--kv-cache-memory-bytes; default a share of RAM)")
+                   help="the engine's own KV cache size (vLLM's --kv-cache-memory-bytes; "
+                        "default: vLLM's, on the CPU backend a share of RAM)")
     p.add_argument("--kv-role", choices=KV_ROLES,
                    help="vLLM's kv_role: kv_producer (a disaggregated prefill instance: "
                         "only stores), kv_consumer (its decode instance: only loads); see "

@@ -79,7 +79,7 @@ class ServeConfig:
     host: str = "127.0.0.1"  # listen address
     port: int = 8000  # listen port (see free_port())
     cpu: bool | None = None  # CPU backend settings; None: detect (is_cpu_backend())
-    engine_kv_bytes: int | None = None  # CPU backend: engine KV cache; None: a share of RAM
+    engine_kv_bytes: int | None = None  # engine KV cache; None: vLLM's (CPU: a share of RAM)
     vllm_args: tuple[str, ...] = ()  # passed to vLLM verbatim, after kvtier's own flags
     # vLLM's kv_role: "kv_producer" for a disaggregated prefill instance (only stores),
     # "kv_consumer" for its decode instance (only loads); see ops/disagg_proxy.py.
@@ -202,10 +202,16 @@ def build_command(cfg: ServeConfig) -> ServeCommand:
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", cfg.model,
             "--host", cfg.host, "--port", str(cfg.port)]
     notes: list[str] = []
-    if cpu and not any(_has_flag(cfg.vllm_args, f) for f in _KV_SIZE_FLAGS) \
+    kv_bytes = cfg.engine_kv_bytes  # on any backend (on CUDA it was dropped unsaid)
+    if kv_bytes is not None and cpu and os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        raise ConfigError("--engine-kv", format_size(kv_bytes), "either --engine-kv or "
+                          "VLLM_CPU_KVCACHE_SPACE (set in the environment), not both")
+    if kv_bytes is None and cpu and not any(_has_flag(cfg.vllm_args, f) for f in _KV_SIZE_FLAGS) \
             and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-        kv_bytes = cfg.engine_kv_bytes or _floor_mib(mem_available_bytes() * CPU_ENGINE_KV_SHARE)
+        kv_bytes = _floor_mib(mem_available_bytes() * CPU_ENGINE_KV_SHARE)
+    if kv_bytes is not None:
         argv += ["--kv-cache-memory-bytes", str(kv_bytes)]
+    if kv_bytes is not None and cpu:
         notes.append("CPU backend: the default --gpu-memory-utilization (0.92) fails at start-up; "
                      f"the engine's KV cache is set to {kv_bytes // MIB} MiB of host RAM")
     env: dict[str, str] = {}
