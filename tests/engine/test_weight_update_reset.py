@@ -18,6 +18,9 @@ One in-process engine (memory + disk tier), then a second on the same disk tier 
      after the reset, with the same outputs;
   4. a new engine on the same checkpoint files and disk tier: the first pass's chunks hit again,
      with the first pass's outputs.
+Between them, the reset right after a rollout: `generate` in the trainer's process returns
+while the request it ended keeps its blocks for the stores of its last chunks, and vLLM's reset
+fails on them; kvtier's `reset_prefix_cache` steps the engine until they are stored.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from vllm_harness import (
     start_engine,
     token_ids,
 )
+
+from kvtier.integrations.vllm import reset_prefix_cache
 
 pytestmark = pytest.mark.vllm
 
@@ -84,17 +89,6 @@ def served(llm: Any) -> tuple[list[list[int]], float, float]:
             kvtier_counter("loaded_tokens") - loaded)
 
 
-def reset(llm: Any, *, connector: bool) -> None:
-    """vLLM's reset, as an RL loop calls it between generation and the next rollout. vLLM
-    refuses it (False) while a block is held, e.g. for a store one step longer; it holds for
-    one step at most, so a few tries settle it. kvtier's reset_cache itself returns True."""
-    for _ in range(50):
-        if llm.reset_prefix_cache(reset_connector=connector):
-            return
-        llm.generate([{"prompt_token_ids": [5, 6]}], use_tqdm=False)  # one more step
-    pytest.fail("vLLM's reset_prefix_cache never succeeded")
-
-
 def scale_embeddings(model: Any) -> None:
     """The update: new embedding rows, loaded the way RL trainers push weights
     (`model.load_weights`, name by name)."""
@@ -110,21 +104,52 @@ def test_a_reset_after_an_update_in_place_serves_no_old_kv(engine: Any, disk_roo
     first, _, _ = served(engine)
     FIRST_PASS[:] = first
     settle([disk_root / "disk"])
-    reset(engine, connector=False)  # vLLM's cache only: kvtier serves the pass
+    reset_prefix_cache(engine, reset_connector=False)  # vLLM's cache only: kvtier serves the pass
     again, external, loaded = served(engine)
     assert external > 0 and loaded > 0 and again == first
     resets = kvtier_counter("cache_resets")
 
     engine.apply_model(scale_embeddings)
-    reset(engine, connector=True)
+    reset_prefix_cache(engine)
     updated, external, loaded = served(engine)
     assert (external, loaded) == (0, 0), "kvtier offered KV stored before the reset"
     assert kvtier_counter("cache_resets") - resets == 1
     assert updated != first, "control: the update must change the outputs"
 
-    reset(engine, connector=False)  # kvtier keeps caching on the new weights
+    reset_prefix_cache(engine, reset_connector=False)  # kvtier keeps caching on the new weights
     hits, external, loaded = served(engine)
     assert external > 0 and loaded > 0 and hits == updated
+
+
+def test_a_reset_right_after_a_rollout_waits_for_the_blocks_kvtier_keeps(engine: Any) -> None:
+    """An engine in the trainer's process steps only inside `generate`, which returns while
+    the request it ended keeps its blocks for the stores of its last chunks (planned for the
+    next step): vLLM's reset then fails (with reset_running_requests=True, as `LLM.sleep()`
+    resets: RuntimeError). kvtier's reset steps the engine until they are stored, then
+    resets, once."""
+    llm_engine = engine.llm_engine
+    # The harness steps test engines while their scheduler holds requests, as vLLM's
+    # engine-core process does: off here, as in a trainer's process.
+    drain = llm_engine.__dict__.pop("has_unfinished_requests")
+    try:
+        scheduler = llm_engine.engine_core.engine_core.scheduler
+        stored = kvtier_counter("tier_bytes_written", tier="memory")
+        # Its KV ends on a chunk boundary as it ends (200 + 57 - 1 = 4 x 64 tokens): the last
+        # chunk is stored by the last step's stores or the next plan's.
+        token_ids(engine, random_prompts([200], seed=43), max_tokens=57)
+        assert scheduler.requests, "premise: the ended request kept (its blocks held)"
+        with pytest.raises(RuntimeError, match="Failed to reset KV cache"):
+            engine.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
+        resets = kvtier_counter("cache_resets")
+
+        reset_prefix_cache(engine, reset_running_requests=True)
+        assert not scheduler.requests
+        token_ids(engine, [{"prompt_token_ids": [5, 6]}], 1)  # a step reports the stats
+        assert kvtier_counter("cache_resets") - resets == 1
+        assert kvtier_counter("tier_bytes_written", tier="memory") > stored, \
+            "the kept request's last chunks were stored before its blocks were let go"
+    finally:
+        llm_engine.has_unfinished_requests = drain
 
 
 def test_a_restart_on_the_original_files_hits_the_first_pass_again(
