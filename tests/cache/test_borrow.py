@@ -39,24 +39,34 @@ def memory_tier(slots: int) -> MemoryTier:
     return MemoryTier(MemoryTierConfig(kind="memory", capacity=capacity, pin="off"), LAYOUT)
 
 
-def test_a_borrowed_slot_survives_eviction_and_is_freed_by_its_borrower() -> None:
-    tier = memory_tier(2)
-    assert isinstance(tier, InPlace)
-    tier.put(key(0), memoryview(payload(0)))
-    tier.put(key(1), memoryview(payload(1)))
+def test_a_borrowed_chunk_is_not_evicted_while_lent() -> None:
+    """A lent chunk is being read (a load): evicting it frees no slot until the loan ends and
+    loses a chunk in use, so puts evict the others. Before: every put evicted the lent chunk
+    (its slot orphaned until returned) and the next victim with it."""
+    tier = memory_tier(3)
+    for i in range(3):
+        tier.put(key(i), memoryview(payload(i)))
     with tier.borrow(key(0)) as view:
         assert view is not None and view.readonly and bytes(view) == payload(0)
-        # Two more puts evict both chunks; key 0's slot is pinned, so both land in key 1's
-        # slot, one after the other, and what the borrower reads never changes.
-        tier.put(key(2), memoryview(payload(2)))
-        tier.put(key(3), memoryview(payload(3)))
-        assert not tier.contains(key(0))
-        assert bytes(view) == payload(0)
-    # Key 0's slot is free again once the borrower left: the next put takes it.
-    tier.put(key(4), memoryview(payload(4)))
-    assert tier.contains(key(3)) and tier.contains(key(4))
-    with tier.borrow(key(4)) as view:
-        assert view is not None and bytes(view) == payload(4)
+        for i in (3, 4, 5):  # the policy's victims: keys 1, 2, 0 (lent: skipped), then 3
+            assert tier.put(key(i), memoryview(payload(i))) == OK
+        assert tier.contains(key(0)) and bytes(view) == payload(0)
+        assert [i for i in range(6) if tier.contains(key(i))] == [0, 4, 5]
+        assert tier.stats().evictions == 3  # one a put
+    with tier.borrow(key(0)) as view:
+        assert view is not None and bytes(view) == payload(0)
+
+
+def test_a_put_finding_every_chunk_lent_is_declined_and_loses_none() -> None:
+    tier = memory_tier(2)
+    for i in range(2):
+        tier.put(key(i), memoryview(payload(i)))
+    with tier.borrow(key(0)), tier.borrow(key(1)):
+        assert tier.put(key(2), memoryview(payload(2))) == FULL
+        assert tier.contains(key(0)) and tier.contains(key(1))
+        assert tier.stats().evictions == 0
+    assert tier.put(key(2), memoryview(payload(2))) == OK  # lent no more: one evicted
+    assert tier.stats().evictions == 1 and not tier.check()
 
 
 def test_a_chunk_deleted_while_borrowed_keeps_its_bytes_until_returned() -> None:
@@ -326,14 +336,15 @@ def test_a_reserved_slot_is_stored_on_commit_and_stays_intact_until_left() -> No
         assert not tier.contains(key(0))  # not before the commit
         slot.commit()
         assert tier.contains(key(0))
-        # Two puts evict key 0 (and then key 1: key 0's slot is pinned, so key 2 takes
-        # key 1's); what the block reads never changes.
+        # Two puts: key 1 takes the free slot, key 2 key 1's (key 0, its slot pinned while
+        # the reservation is open, is not evicted); what the block reads never changes.
         tier.put(key(1), memoryview(payload(1)))
         tier.put(key(2), memoryview(payload(2)))
-        assert not tier.contains(key(0)) and bytes(slot.data) == payload(0)
-    assert tier.stats().puts == 3 and tier.stats().chunks == 1
-    assert tier.put(key(3), memoryview(payload(3)))  # key 0's slot, freed on leaving
-    assert tier.stats().chunks == 2 and tier.stats().evictions == 2
+        assert tier.contains(key(0)) and not tier.contains(key(1))
+        assert bytes(slot.data) == payload(0)
+    assert tier.stats().puts == 3 and tier.stats().chunks == 2
+    assert tier.put(key(3), memoryview(payload(3)))
+    assert tier.stats().chunks == 2 and tier.stats().evictions == 2 and not tier.check()
 
 
 def test_a_reservation_left_without_a_commit_or_by_an_error_stores_nothing() -> None:

@@ -459,16 +459,28 @@ class MemoryTier:
         return index if index is not None else self._free_or_evicted()
 
     def _free_or_evicted(self) -> int | None:
-        """A free slot, else one evicted by policy; None when every chunk is pinned."""
+        """A free slot, else one evicted by policy; None when every chunk is lent. A victim
+        lent out (`borrow`: a load reads it now) is not evicted: its slot would come free
+        only when the loan ends, and the chunk, in use, would be lost for nothing (every
+        lent chunk went so, each put taking the next victim as well); it goes back to the
+        policy as just read."""
         if self._read_in_place:
             self._reclaim()
         if self._free:
             return self._free.pop()
-        while (victim := self._policy.evict()) is not None:
-            index = self._evict(victim)
-            if index is not None:
-                return index
-        return None
+        lent: list[ChunkKey] = []
+        try:
+            while (victim := self._policy.evict()) is not None:
+                if self._index[victim] in self._pins:
+                    lent.append(victim)
+                    continue
+                index = self._evict(victim)
+                if index is not None:
+                    return index
+            return None
+        finally:
+            for key in lent:
+                self._policy.insert(key, self._book.parent_of(key))
 
     def _evict(self, victim: ChunkKey) -> int | None:
         """Evict `victim` (just taken out of the policy: its `left_retired` is the victim's);
