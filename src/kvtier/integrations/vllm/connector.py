@@ -338,6 +338,13 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         """`request_finished` with the hybrid KV cache manager on (`SupportsHMA`)."""
         return self.request_finished(request, block_ids[0] if block_ids else [])
 
+    def has_pending_block_frees(self) -> bool:
+        """vLLM (0.32 on) asks this when no block is left for a running request: True while
+        blocks kvtier keeps for ended requests' stores are about to come back, and the
+        scheduler then waits a step for them rather than preempt a request
+        (scheduler.has_pending_block_frees)."""
+        return self._scheduler is not None and self._scheduler.has_pending_block_frees()
+
     def reset_cache(self) -> bool:
         """vLLM's reset_prefix_cache(reset_connector=True), e.g. after a weight update in
         place: no chunk stored before is offered to this engine again (scheduler.reset_cache;

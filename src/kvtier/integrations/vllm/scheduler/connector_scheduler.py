@@ -55,6 +55,12 @@ if TYPE_CHECKING:
     from kvtier.node.probe import NodeProbe
 
 logger = logging.getLogger(__name__)
+# Plans after a request ended during which vLLM's scheduler waits for the blocks kept for it
+# rather than preempt a running request: they normally come back within two or three (the
+# stores of its last chunks are planned in the next plan and joined by the end of the one
+# after it); a tier stalling them must not hold the engine back for long.
+PENDING_FREE_PLANS = 8
+
 
 class ConnectorScheduler:
     """Scheduler-side logic behind KVTierConnector's scheduler hooks (one thread)."""
@@ -101,8 +107,10 @@ class ConnectorScheduler:
         self._failures = LoadFailures()
         self._retire = False  # a cache reset since the last plan (reset_cache)
         # Ended requests whose blocks vLLM keeps until the workers report them (finished
-        # sending or receiving): vLLM's own cache reset fails while any does.
-        self._kept: set[str] = set()
+        # sending or receiving), with the plan they ended after: vLLM's own cache reset fails
+        # while any does, and its scheduler waits for them rather than preempt
+        # (has_pending_block_frees).
+        self._kept: dict[str, int] = {}
         # Requests whose asynchronous load is not reported done (finished_recving) yet: vLLM
         # keeps the blocks of one that ends meanwhile until it is (its finish_requests).
         self._receiving: set[str] = set()
@@ -246,7 +254,8 @@ class ConnectorScheduler:
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """Learn which chunks the workers stored, which loads found nothing, and which ended
         requests' blocks vLLM frees now."""
-        self._kept -= (output.finished_sending or set()) | (output.finished_recving or set())
+        for request_id in (output.finished_sending or set()) | (output.finished_recving or set()):
+            self._kept.pop(request_id, None)
         self._receiving -= output.finished_recving or set()
         report = output.kv_connector_worker_meta
         if not isinstance(report, KVTierWorkerMetadata):
@@ -270,13 +279,20 @@ class ConnectorScheduler:
         loading = request.request_id in self._receiving
         self._receiving.discard(request.request_id)
         if held or loading:
-            self._kept.add(request.request_id)
+            self._kept[request.request_id] = self._step
         # A request ends as a step's output is taken in: that step's time, before any idle.
         self._loads.step_ended(time.monotonic())
         self._loads.end(request.request_id)
         self._states.forget(request.request_id)
         self._locator.forget(request.request_id)
         return held
+
+    def has_pending_block_frees(self) -> bool:
+        """Whether blocks kept for ended requests come back soon: those kept for their stores
+        (or a load) within the last `PENDING_FREE_PLANS` plans. vLLM's scheduler, finding no
+        block for a running request, then waits a step for them rather than preempt one (its
+        KV recomputed); blocks kept longer (a stalled tier) no longer hold it back."""
+        return any(self._step - step <= PENDING_FREE_PLANS for step in self._kept.values())
 
     def reset_cache(self) -> bool:
         """vLLM's reset_prefix_cache(reset_connector=True), e.g. after a weight update in
