@@ -20,7 +20,9 @@ One in-process engine (memory + disk tier), then a second on the same disk tier 
      with the first pass's outputs.
 Between them, the reset right after a rollout: `generate` in the trainer's process returns
 while the request it ended keeps its blocks for the stores of its last chunks, and vLLM's reset
-fails on them; kvtier's `reset_prefix_cache` steps the engine until they are stored.
+fails on them; kvtier's `reset_prefix_cache` steps the engine until they are stored. And a
+reset that preempts running requests mid-generation: they resume, loaded from kvtier, with the
+miss path's outputs.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any
 
 import pytest
 from vllm_harness import (
+    greedy,
     kvtier_counter,
     kvtier_transfer_config,
     metric,
@@ -152,6 +155,33 @@ def test_a_reset_right_after_a_rollout_waits_for_the_blocks_kvtier_keeps(engine:
         llm_engine.has_unfinished_requests = drain
 
 
+def test_requests_a_reset_preempts_resume_with_the_miss_paths_outputs(engine: Any) -> None:
+    """reset_prefix_cache(reset_running_requests=True) mid-generation: vLLM preempts the
+    running requests and resumes them in its next step, where kvtier (not reset) loads their
+    chunks stored before while it settles their preemption (vllm#57810's case)."""
+    prompts = random_prompts([330, 270], seed=44)
+    clean = token_ids(engine, prompts, 40, {"skip_load": True, "skip_store": True})
+    token_ids(engine, prompts, 40)  # stores their chunks
+    reset_prefix_cache(engine, reset_connector=False)
+    llm_engine = engine.llm_engine
+    for i, prompt in enumerate(prompts):
+        llm_engine.add_request(f"preempted-{i}", prompt, greedy(40))
+    outputs: dict[str, list[int]] = {}
+    steps = 0
+    while llm_engine.has_unfinished_requests():
+        steps += 1
+        if steps == 12:
+            loaded = kvtier_counter("loaded_tokens")
+            assert llm_engine.reset_prefix_cache(reset_running_requests=True)
+        for out in llm_engine.step():
+            if out.finished:
+                outputs[out.request_id] = list(out.outputs[0].token_ids)
+    assert steps > 12
+    assert [outputs[f"preempted-{i}"] for i in range(2)] == clean
+    # vLLM counts a resumed request's hits apart (not in external_prefix_cache_hits).
+    assert kvtier_counter("loaded_tokens") - loaded > 0, "resumed from kvtier"
+
+
 def test_a_restart_on_the_original_files_hits_the_first_pass_again(
         tiny_model_dir: Path, disk_root: Path, engine: Any,
         engine_exit: contextlib.ExitStack) -> None:
@@ -162,3 +192,4 @@ def test_a_restart_on_the_original_files_hits_the_first_pass_again(
     with in_process(tiny_model_dir, disk_root) as restarted:
         outputs, external, _ = served(restarted)
     assert external > 0 and outputs == FIRST_PASS
+
