@@ -37,6 +37,7 @@ from nodekit import (
 )
 
 from kvtier.errors import NodeUnavailable
+from kvtier.node.client import default_engine_name
 from kvtier.node.probe import NodeProbe
 from kvtier.node.protocol import MAX_FRAME, Found, Lookup, Refused, Welcome, receive_reply, send
 from kvtier.node.server import NodeServer
@@ -65,7 +66,8 @@ def test_socket_and_slab_are_for_the_nodes_group_and_status_shows_its_engines(
     shown = kvtier_node("status", "--socket", str(node.socket_path))
     assert shown.returncode == 0, shown.stderr
     status = json.loads(shown.stdout)
-    assert status["engines"] == [f"{socket.gethostname()}:{os.getpid()}"]
+    assert status["engines"] == [default_engine_name()]
+    assert default_engine_name().startswith(f"{socket.gethostname()}:{os.getpid()}:")
     assert status["node"] == node.name and status["connections"] == 1
     layout = status["layouts"][LAYOUT.digest()]
     assert layout["shm_path"] == client.welcome.shm_path
@@ -73,6 +75,39 @@ def test_socket_and_slab_are_for_the_nodes_group_and_status_shows_its_engines(
     assert (layout["tiers"][0]["chunks"], layout["tiers"][0]["puts"]) == (1, 1)
     # The table form prints too; no node at a socket: exit status 1.
     assert kvtier_node("status", "--socket", str(tmp_path / "none.sock")).returncode == 1
+
+
+SAME_PID = """
+import os, sys
+pid = int(sys.argv[2])
+os.getpid = lambda: pid  # the fault: another pid namespace's process with this pid
+from nodekit import connect, put_chunks
+client, engine = connect(sys.argv[1])
+assert put_chunks(engine, [1]) == [True]
+print("connected", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_engines_of_one_host_with_one_pid_are_two_engines(
+        tmp_path: Path, start_node: Callable[..., NodeProcess]):
+    """Pods sharing the host's network share its hostname, and their pid namespaces may give
+    their engines one pid: host:pid named them as one engine (one row, one quota)."""
+    node = start_node(node_tiers(tmp_path, ram_chunks=8))
+    _, engine = connect(node.socket_path)
+    assert put_chunks(engine, [0]) == [True]
+    other = subprocess.Popen(
+        [sys.executable, "-c", SAME_PID, str(node.socket_path), str(os.getpid())],
+        cwd=Path(__file__).parent, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env=os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        assert other.stdout is not None and other.stdout.readline() == "connected\n"
+        shown = kvtier_node("status", "--socket", str(node.socket_path))
+        engines = json.loads(shown.stdout)["engines"]
+    finally:
+        other.communicate("", timeout=30)
+    assert len(engines) == 2 and default_engine_name() in engines
+    assert all(name.startswith(f"{socket.gethostname()}:{os.getpid()}:") for name in engines)
 
 
 def garbage_answer(socket_path: Path, frame: bytes) -> tuple[object, bytes]:

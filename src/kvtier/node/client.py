@@ -16,7 +16,7 @@ its connections starts the watch: node/hangups.py): a restarted node on a /dev/s
 for one slab can create its own only then. Each thread has its own connection: its leases
 end with it, but while copies into slots it reserved are in flight (node/inflight.py).
 
-Primitives: `NodeClient`, `node_status`.
+Primitives: `NodeClient`, `node_status`, `default_engine_name`.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import dataclasses
 import logging
 import mmap
 import os
+import secrets
 import select
 import socket
 import threading
@@ -65,6 +66,16 @@ RETRY_S = 2.0
 # scheduler's locator gives up waiting after its own lookup_timeout_s).
 SLOW_S = 30.0
 R = TypeVar("R", bound=Reply)
+# Drawn once a process: engines in pods that share the host's network (and so its hostname)
+# may have one pid in their own pid namespaces, and host:pid alone named them as one engine
+# (one status row, one engine_quota). A forked child differs by its pid.
+_PROCESS_TAG = secrets.token_hex(2)
+
+
+def default_engine_name() -> str:
+    """This process as the node names an engine: host:pid:tag (tag: 4 hex digits drawn once
+    a process)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{_PROCESS_TAG}"
 
 
 class NodeClient:
@@ -75,7 +86,8 @@ class NodeClient:
                  timeout_s: float = 1.0, retry_s: float = RETRY_S, slow_s: float = SLOW_S,
                  engine: str | None = None) -> None:
         """`engine`: who is asking, as the node's status and its `engine_quota` know this
-        engine (default host:pid: one engine process, whatever its threads). `slow_s`: the
+        engine (default `default_engine_name()`: one engine process, whatever its threads).
+        `slow_s`: the
         deadline of requests answered through the node's tiers below RAM (`call`)."""
         self.socket_path = socket_path
         self.timeout_s = timeout_s
@@ -83,7 +95,7 @@ class NodeClient:
         self.retry_s = retry_s
         self._hello = Hello(dataclasses.asdict(layout), info.model, info.fingerprint,
                             info.weight_files,
-                            engine or f"{socket.gethostname()}:{os.getpid()}", stamps=True)
+                            engine or default_engine_name(), stamps=True)
         self._local = threading.local()
         self._lock = threading.Lock()
         self._down = False  # not asked on the engine's threads until `_watch` sees it answer

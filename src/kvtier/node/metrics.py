@@ -9,7 +9,7 @@ name starts with `kvtier_node_` (an engine's own are `vllm:kvtier_*`, on vLLM's 
     tier's counters (`TIER_COUNTERS`, `kvtier_node_tier_<name>_total`) and gauges
     (`TIER_GAUGES`, `kvtier_node_tier_<name>`);
   - per layout and engine, with the RAM tier's `engine_quota` (labels `layout`, `model`,
-    `engine`: host:pid): `ENGINE_GAUGES` (`kvtier_node_engine_<name>`) and its chunks evicted
+    `engine`: host:pid:tag): `ENGINE_GAUGES` (`kvtier_node_engine_<name>`) and its chunks evicted
     (`kvtier_node_engine_evictions_total`);
   - the node's (label `node`, its name): `NODE_GAUGES` and its `NodeServer.counters`
     (`kvtier_node_<name>_total`), and `kvtier_node_info` (1, with the node's generation).
@@ -80,7 +80,7 @@ ENGINE_GAUGES: dict[str, str] = {
 NODE_GAUGES: dict[str, str] = {
     "connections": "Engine connections open (one per engine thread)",
     "leases": "Leases held: chunks lent for a load, slots reserved for stores",
-    "engines": "Engine processes connected (host:pid: an engine's scheduler and each of "
+    "engines": "Engine processes connected (host:pid:tag: an engine's scheduler and each of "
                "its workers count apart)",
     "layouts": "KV layouts (models x TP ranks) the node holds a store for",
 }

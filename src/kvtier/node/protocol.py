@@ -78,7 +78,7 @@ class Hello(msgspec.Struct, tag=True):
     model: str
     fingerprint: str
     weight_files: int
-    engine: str  # who is asking (host:pid), for the node's logs and status
+    engine: str  # who is asking (host:pid:tag: client.default_engine_name), for logs and status
     # It reads each lent slot's stamp again after its copy (`Lent.stamps`): only then may
     # the node take a lending of its back (`NodeConfig.lease_timeout_s`); an engine of an
     # older kvtier (False) would copy a slot given to another chunk as its own.
