@@ -4,7 +4,8 @@ complete` never replaces: `filetree.rename_new`). The shared tier's quota ledger
 the chunk once: with replacing renames it counted both copies until the next re-measure, and
 two processes hammering 24 keys under a 10-chunk quota ended with 10 chunks counted for 4
 files, evicting real chunks for phantom ones (test_shared_two_processes). The race is made
-certain by a writer whose existence check says "not held" (the fault injected)."""
+certain by a writer whose existence check says "not held" (the fault injected). And a reader
+that finds a chunk's file gone while a put of it lands keeps the put's copy."""
 
 from __future__ import annotations
 
@@ -151,3 +152,55 @@ def test_a_chunk_evicted_while_its_second_writer_lands_is_not_indexed(
     assert [(e.kind, e.key) for e in store.take_events()] == [
         ("stored", key(1)), ("removed", key(1)), ("stored", key(2))]
     store.close()
+
+
+def _evicted_then_stored_again(tier: Any, monkeypatch: pytest.MonkeyPatch, i: int,
+                               fresh: memoryview) -> None:
+    """The fault: chunk i's file goes (an eviction, `kvtier gc`) after the tier found it
+    indexed, and a put of the same chunk lands before the reader's miss is taken in."""
+    files: ChunkFiles = tier.files
+    read_into, exists = files.read_into, files.exists
+    calls = {"read": 0, "exists": 0}
+
+    def racing_read(key_: Any, out: memoryview, *args: Any, **kwargs: Any) -> None:
+        calls["read"] += 1
+        if calls["read"] == 1:
+            files.remove(key_)
+            try:
+                read_into(key_, out, *args, **kwargs)
+            finally:
+                assert tier.put(key_, fresh)
+        read_into(key_, out, *args, **kwargs)
+
+    def racing_exists(key_: Any) -> bool:
+        calls["exists"] += 1
+        if calls["exists"] == 1 and key_ == key(i):
+            files.remove(key_)
+            found = exists(key_)
+            assert tier.put(key_, fresh)
+            return found
+        return exists(key_)
+
+    monkeypatch.setattr(files, "read_into", racing_read)
+    monkeypatch.setattr(files, "exists", racing_exists)
+
+
+@pytest.mark.parametrize("path", ["get_into", "contains"])
+def test_a_copy_stored_while_a_reader_found_the_file_gone_is_kept(
+        path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader that finds a chunk's file gone drops the chunk; a put of it that landed
+    meanwhile stored a fresh copy, which it dropped too (a miss for good, the file removed)."""
+    tier: Any = make_tier("disk", tmp_path, LAYOUT, 8)
+    old = memoryview(bytes(LAYOUT.bytes_per_chunk))
+    fresh = memoryview(bytes([7]) * LAYOUT.bytes_per_chunk)
+    assert tier.put(key(3), old)
+    _evicted_then_stored_again(tier, monkeypatch, 3, fresh)
+    out = bytearray(LAYOUT.bytes_per_chunk)
+    if path == "get_into":
+        assert not tier.get_into(key(3), memoryview(out))  # its read found no file: a miss
+    else:
+        assert tier.contains(key(3))  # the fresh copy, landed as it looked
+    monkeypatch.undo()
+    assert tier.contains(key(3)) and tier.get_into(key(3), memoryview(out)) and out == fresh
+    assert tier.check() == []
+    tier.close()

@@ -214,8 +214,8 @@ class DiskTier(DiskRetention):
             return False
         if self.files.exists(key):  # a regular file, reached without following a link
             return True
-        self._forget(key, corrupt=False)
-        return False
+        self._forget(key, corrupt=False, absent=True)
+        return key in self._index  # a copy a racing put landed meanwhile is kept
 
     def get_into(self, key: ChunkKey, out: memoryview,
                  meta: ChunkMeta = DEFAULT_META) -> TierResult:
@@ -234,7 +234,8 @@ class DiskTier(DiskRetention):
             return TierResult(Failure.NO_KEY)
         except (CorruptChunk, OSError) as exc:
             self._forget(key, corrupt=isinstance(exc, CorruptChunk),
-                         read=exc.file_id if isinstance(exc, CorruptChunk) else None)
+                         read=exc.file_id if isinstance(exc, CorruptChunk) else None,
+                         absent=isinstance(exc, FileNotFoundError))
             # Gone: evicted (or removed by `kvtier gc`) since its lookup, a race not a fault.
             (log.info if isinstance(exc, FileNotFoundError) else log.warning)(
                 "disk tier %r: chunk %s unreadable (%s); treated as a miss", self.name,
