@@ -206,15 +206,16 @@ def _collect(inventory: Inventory, request: GcRequest) -> list[GcOutcome]:
     # not this host's: a gc host minutes ahead deleted chunks the fleet was reading.
     now_s = storage_now(inventory) if request.max_age_s is not None else time.time()
     victims = [] if request.orphans_only else select_victims(chunks, request, now_s, chosen)
+    dropped: set[str] = set()  # the namespaces whose manifest went (would go), so far
     try:
         kept_used: Sequence[StoredChunk] = ()
         if victims and not request.dry_run:
             kept_used = _remove(inventory, victims, request)
-        dropped = _drop_manifests(inventory, request, chosen & set(manifests))
+        _drop_manifests(inventory, request, chosen & set(manifests), dropped)
     except Exception as exc:  # stopped partway: what went is counted by listing again
         gone = _no_longer_listed(inventory, victims)
         raise GcStopped(inventory.name, exc, [] if gone is None else _outcomes(
-            inventory.name, request, chosen, chunks, gone, orphans, manifests, set()),
+            inventory.name, request, chosen, chunks, gone, orphans, manifests, dropped),
             counted=gone is not None) from exc
     return _outcomes(inventory.name, request, chosen, chunks, victims, orphans, manifests,
                      dropped, kept_used)
@@ -250,15 +251,16 @@ def _orphans(inventory: Inventory, request: GcRequest,
 
 
 def _drop_manifests(inventory: Inventory, request: GcRequest,
-                    namespaces: Collection[str]) -> set[str]:
+                    namespaces: Collection[str], dropped: set[str]) -> None:
     """Remove (unless a dry run) the manifests of the namespaces a whole-namespace
-    selection evicts; the namespaces whose manifest went (would go)."""
+    selection evicts, each added to `dropped` as it goes (would go): a removal that fails
+    leaves there those that went before it (they were reported kept)."""
     if not request.whole_namespaces or not isinstance(inventory, ManifestSource):
-        return set()
-    if not request.dry_run:
-        for namespace in namespaces:
+        return
+    for namespace in sorted(namespaces):
+        if not request.dry_run:
             inventory.remove_manifest(namespace)
-    return set(namespaces)
+        dropped.add(namespace)
 
 
 def _outcomes(tier: str, request: GcRequest, chosen: Collection[str],
