@@ -103,9 +103,16 @@ def load_prompts(texts: Sequence[Path] = (), jsonl: Sequence[Path] = ()) -> list
     """The prompts of text files (one each, the whole text) and JSONL files (one a line).
 
     Raises:
-        ConfigError: a missing or unreadable file, an empty one, a line that is not a JSON
-            object with a non-empty "prompt" (text) or "prompt_token_ids" (integers).
+        ConfigError: a missing or unreadable file, an empty one, one named twice (its
+            prompts were warmed twice), a line that is not a JSON object with a non-empty
+            "prompt" (text) or "prompt_token_ids" (integers).
     """
+    named: set[Path] = set()
+    for path in [*texts, *jsonl]:
+        if path.resolve() in named:
+            raise ConfigError("prompt file", str(path), "each file named once (it is named "
+                              "twice: its prompts would be warmed twice)")
+        named.add(path.resolve())
     prompts: list[WarmPrompt] = []
     for path in texts:
         text = _read(path)
