@@ -26,6 +26,8 @@ from vllm_harness import start_engine, transfer_config
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "node"))  # nodekit
 from nodekit import Lines, NodeProcess
 
+from kvtier.node.client import engine_pid
+
 MAX_TOKENS = 16
 # vLLM 0.32's CPU attention on its AMX path (bf16 with blocks of a multiple of 32 tokens, the
 # only sizes it takes: cpu_attn._get_attn_isa) died with SIGILL inside
@@ -69,7 +71,7 @@ class Engine1:
 
     def connected(self, node: NodeProcess) -> bool:
         """Whether the node lists a connection of this process."""
-        return any(e.endswith(f":{self.process.pid}") for e in node.status()["engines"])
+        return self.process.pid in map(engine_pid, node.status()["engines"])
 
 
 @contextlib.contextmanager

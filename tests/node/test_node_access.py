@@ -37,7 +37,7 @@ from nodekit import (
 )
 
 from kvtier.errors import NodeUnavailable
-from kvtier.node.client import default_engine_name
+from kvtier.node.client import default_engine_name, engine_pid
 from kvtier.node.probe import NodeProbe
 from kvtier.node.protocol import MAX_FRAME, Found, Lookup, Refused, Welcome, receive_reply, send
 from kvtier.node.server import NodeServer
@@ -108,6 +108,8 @@ def test_engines_of_one_host_with_one_pid_are_two_engines(
         other.communicate("", timeout=30)
     assert len(engines) == 2 and default_engine_name() in engines
     assert all(name.startswith(f"{socket.gethostname()}:{os.getpid()}:") for name in engines)
+    assert [engine_pid(name) for name in engines] == [os.getpid()] * 2
+    assert engine_pid("frozen") is None and engine_pid("a:b:c") is None
 
 
 def garbage_answer(socket_path: Path, frame: bytes) -> tuple[object, bytes]:

@@ -91,9 +91,9 @@ def test_an_engine_killed_holding_loans_and_slots_leaks_none(
 
     wait_for(lambda: node.status()["leases"] == 0, 10, "the killed engine's leases ended")
     assert node.status()["counters"]["disconnects_with_leases"] == 1
-    # The node's log names the engine (host:pid) whose connection ended holding them.
+    # The node's log names the engine (host:pid:tag) whose connection ended holding them.
     ended = [line for line in node.log_path.read_text().splitlines() if "ended holding" in line]
-    assert len(ended) == 1 and f":{engine.pid} " in ended[0], ended
+    assert len(ended) == 1 and f":{engine.pid}:" in ended[0], ended
     assert "2 lease(s) of 3 chunk(s)" in ended[0]  # the loan, the 2 slots reserved
     # Every slot is usable again: a step of 6 stores fills RAM, and all 6 are lent at once.
     assert put_chunks(neighbour, range(20, 26)) == [True] * 6

@@ -16,7 +16,7 @@ its connections starts the watch: node/hangups.py): a restarted node on a /dev/s
 for one slab can create its own only then. Each thread has its own connection: its leases
 end with it, but while copies into slots it reserved are in flight (node/inflight.py).
 
-Primitives: `NodeClient`, `node_status`, `default_engine_name`.
+Primitives: `NodeClient`, `node_status`, `default_engine_name`, `engine_pid`.
 """
 
 from __future__ import annotations
@@ -76,6 +76,13 @@ def default_engine_name() -> str:
     """This process as the node names an engine: host:pid:tag (tag: 4 hex digits drawn once
     a process)."""
     return f"{socket.gethostname()}:{os.getpid()}:{_PROCESS_TAG}"
+
+
+def engine_pid(name: str) -> int | None:
+    """The pid a `default_engine_name` names (in its own pid namespace); None for a name
+    given otherwise."""
+    parts = name.rsplit(":", 2)
+    return int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
 
 
 class NodeClient:

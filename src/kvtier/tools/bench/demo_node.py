@@ -224,12 +224,12 @@ def _crash(server: VllmServer, socket_path: str) -> list[int]:
     holds the node's connections: the node ends their leases), then stop the rest of it (its
     API server, whose exit cleans up the shared memory vLLM's processes made: a SIGKILL of
     the whole group left ~400 MiB of it in /dev/shm). The pids killed."""
-    from kvtier.node.client import node_status
+    from kvtier.node.client import engine_pid, node_status
 
     assert server.proc is not None
     engines = node_status(socket_path)["engines"]
     assert isinstance(engines, list)
-    pids = [int(str(e).rsplit(":", 1)[1]) for e in engines]
+    pids = [pid for pid in map(engine_pid, map(str, engines)) if pid is not None]
     mine = [pid for pid in pids if _group_of(pid) == server.proc.pid]
     for pid in mine:
         with contextlib.suppress(ProcessLookupError):
