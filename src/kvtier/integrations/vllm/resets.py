@@ -5,11 +5,12 @@ one or two engine steps after it ended (`StorePlanner.end_request`: the stores o
 chunks run in the next plan). vLLM's block-pool reset fails while any block is held:
 `reset_prefix_cache()` returns False, and with `reset_running_requests=True` it raises
 "Failed to reset KV cache even when all the running requests are preempted" (running requests
-are preempted, ended ones are not), as `LLM.sleep()` and `pause_generation(clear_cache=True)`
-do on an engine in the caller's process. vLLM's engine-core process steps on until the blocks
-are released and its sleep and pause wait for that; an engine in the caller's process
+are preempted, ended ones are not), as `LLM.sleep()` does on an engine in the caller's process
+(its pause resets that way). vLLM's engine-core process steps on until the blocks are released,
+and its sleep and pause wait for that; an engine in the caller's process
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the `external_launcher` of RL trainers) steps only inside
-`generate`, which returns before: there a reset right after a rollout always failed.
+`generate`, which returns before: there a reset right after a rollout failed whenever its last
+request ended with chunks still to store (tests/engine/test_weight_update_reset.py).
 
 Primitives: `release_held_blocks` (steps an engine in this process until no ended request
 holds blocks), `reset_prefix_cache` (vLLM's, once they are released; retried until it succeeds
