@@ -75,6 +75,28 @@ def test_a_tenant_over_its_share_evicts_its_own_lru_chunk_first(tmp_path: Path) 
     assert tier.stats().chunks == 4
 
 
+def test_a_tenant_over_its_share_keeps_its_chunk_a_load_reads(tmp_path: Path) -> None:
+    """Its least recently used chunk lent out (a load reads it in place): evicting it frees
+    no slot until the loan ends, and a second of its chunks went for the put. The next one
+    goes instead, and a tenant whose chunks are all lent gets no slot."""
+    tier = memory(tmp_path, 8, tenant_quota={"share": 0.5})
+    for i in range(4):
+        tier.put(key(i), memoryview(CHUNK), A)
+    out = memoryview(bytearray(LAYOUT.bytes_per_chunk))
+    with tier.borrow(key(0), A) as view:  # a load reads 0 in place
+        assert view is not None
+        for i in (1, 2, 3):
+            assert tier.get_into(key(i), out, A)  # 0 is A's least recently used again
+        assert tier.put(key(4), memoryview(CHUNK), A)
+        assert [i for i in range(5) if tier.contains(key(i))] == [0, 2, 3, 4]
+        assert tier.stats().evictions == 1
+        with tier.borrow(key(2), A), tier.borrow(key(3), A), tier.borrow(key(4), A):
+            assert not tier.put(key(5), memoryview(CHUNK), A)  # every chunk of A's lent
+            assert [i for i in range(6) if tier.contains(key(i))] == [0, 2, 3, 4]
+    assert tier.put(key(5), memoryview(CHUNK), A) and tier.stats().evictions == 2
+    assert not tier.check()
+
+
 def test_a_cap_in_bytes_bounds_each_tenant(tmp_path: Path) -> None:
     slot = 4096  # one tiny chunk's slot
     tier = memory(tmp_path, 10, tenant_quota={"cap": 3 * slot})

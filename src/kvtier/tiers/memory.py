@@ -422,19 +422,19 @@ class MemoryTier:
     def _take_slot(self, meta: ChunkMeta) -> int | None:
         """A free slot for a chunk stored with `meta`: one of its engine's own chunks when
         that engine is at its quota, or one of its tenant's own when the tenant is at its
-        quota (None when all of them are pinned), else a free one, else one evicted by
-        policy (never a pinned chunk). Caller holds the lock."""
+        quota (None when all of them are pinned or lent), else a free one, else one evicted
+        by policy (never a pinned or lent chunk). Caller holds the lock."""
         self._reap()
         if self._engines is not None and meta.engine is not None and self._engines.over_quota(
                 meta.engine, self.slot_bytes * (1 + self._reserving[meta.engine])):
-            victim = self._engines.own_victim(meta.engine,
-                                              lambda key: not self._book.is_pinned(key))
+            victim = self._engines.own_victim(
+                meta.engine, lambda key: not self._book.is_pinned(key) and not self._lent(key))
             if victim is None:
                 return None
             return self._evict_own(victim)
         if self._book.over_quota(
                 meta.tenant, self.slot_bytes * (1 + self._tenant_reserving[meta.tenant])):
-            victim = self._book.own_victim(meta.tenant)
+            victim = self._book.own_victim(meta.tenant, lambda key: not self._lent(key))
             if victim is None:
                 return None
             return self._evict_own(victim)
@@ -458,12 +458,16 @@ class MemoryTier:
         index = self._evict(victim)
         return index if index is not None else self._free_or_evicted()
 
+    def _lent(self, key: ChunkKey) -> bool:
+        """Whether held chunk `key` is lent out (`borrow`: a load reads it now). Evicting it
+        frees its slot only when the loan ends and loses a chunk in use for nothing (every
+        lent victim went so, each put taking the next victim as well): no eviction takes
+        it. Lock held."""
+        return self._index.get(key, -1) in self._pins
+
     def _free_or_evicted(self) -> int | None:
-        """A free slot, else one evicted by policy; None when every chunk is lent. A victim
-        lent out (`borrow`: a load reads it now) is not evicted: its slot would come free
-        only when the loan ends, and the chunk, in use, would be lost for nothing (every
-        lent chunk went so, each put taking the next victim as well); it goes back to the
-        policy as just read."""
+        """A free slot, else one evicted by policy; None when every chunk is lent. A lent
+        victim (`_lent`) goes back to the policy as just read."""
         if self._read_in_place:
             self._reclaim()
         if self._free:
@@ -471,7 +475,7 @@ class MemoryTier:
         lent: list[ChunkKey] = []
         try:
             while (victim := self._policy.evict()) is not None:
-                if self._index[victim] in self._pins:
+                if self._lent(victim):
                     lent.append(victim)
                     continue
                 index = self._evict(victim)
