@@ -94,8 +94,8 @@ class NodeClient:
                  engine: str | None = None) -> None:
         """`engine`: who is asking, as the node's status and its `engine_quota` know this
         engine (default `default_engine_name()`: one engine process, whatever its threads).
-        `slow_s`: the
-        deadline of requests answered through the node's tiers below RAM (`call`)."""
+        `slow_s`: the deadline of requests answered through the node's tiers below RAM
+        (`call`)."""
         self.socket_path = socket_path
         self.timeout_s = timeout_s
         self.slow_s = slow_s
