@@ -144,3 +144,35 @@ def test_an_ending_signal_inside_the_clean_up_is_ignored_until_the_command_has_e
         assert signal.getsignal(signal.SIGHUP) == signal.SIG_DFL  # the caller's, back
     finally:
         signal.signal(signal.SIGHUP, hup)
+
+
+def test_an_ending_signal_a_library_wrapped_still_ends_the_command_with_its_status(
+        ) -> None:
+    """SIGTERM while pydantic built a validator (a tier's module imported lazily as the
+    bench reached it): pydantic's SchemaError wrapped the handler's SystemExit, and the
+    command ended in a traceback (CI, 47th session). The fault: a library that wraps it."""
+    import argparse
+
+    from kvtier.tools.cli.main import _run_command
+
+    def command(_args: argparse.Namespace) -> int:
+        try:
+            signal.raise_signal(signal.SIGTERM)
+        except SystemExit as exc:
+            raise RuntimeError("a library's own error") from exc
+        return 0
+
+    def failing(_args: argparse.Namespace) -> int:
+        raise RuntimeError("no signal")
+
+    hup = signal.signal(signal.SIGHUP, signal.SIG_DFL)  # not as under nohup
+    term = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        with pytest.raises(SystemExit) as ended:
+            _run_command(argparse.Namespace(func=command))
+        assert ended.value.code == 128 + signal.SIGTERM
+        with pytest.raises(RuntimeError, match="no signal"):  # without a signal: as it is
+            _run_command(argparse.Namespace(func=failing))
+    finally:
+        signal.signal(signal.SIGHUP, hup)
+        signal.signal(signal.SIGTERM, term)

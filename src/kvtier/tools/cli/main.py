@@ -104,8 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        with _signals_end_the_command():
-            code = int(args.func(args) or 0)
+        code = _run_command(args)
         sys.stdout.flush()  # a broken pipe shows here when the output was buffered
         return code
     except ConfigError as exc:
@@ -129,8 +128,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _run_command(args: argparse.Namespace) -> int:
+    """`args.func` while ending signals end it (`_signals_end_the_command`). A signal's
+    SystemExit that a library wrapped in an error of its own still ends the command with the
+    signal's status: pydantic, building a validator as a lazily imported tier's module loaded
+    when SIGTERM came, raised a SchemaError, a traceback (CI, 47th session)."""
+    with _signals_end_the_command() as ending:
+        try:
+            return int(args.func(args) or 0)
+        except Exception:
+            if ending is not None and ending.status is not None:
+                raise SystemExit(ending.status) from None
+            raise
+
+
 @contextlib.contextmanager
-def _signals_end_the_command() -> Iterator[None]:
+def _signals_end_the_command() -> Iterator[_EndOnce | None]:
     """While the command runs, SIGTERM and SIGHUP raise SystemExit(128 + the signal), the
     status a shell reports for a process they killed: the command's clean-up runs. A signal
     ignored already stays ignored (`nohup kvtier bench ...`), and the caller's handlers are
@@ -138,13 +151,13 @@ def _signals_end_the_command() -> Iterator[None]:
     Python delivers signals. The first such signal ends the command; the rest are ignored
     until it has (`_EndOnce`)."""
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield None
         return
     end_once = _EndOnce()
     saved = {sig: signal.signal(sig, end_once) for sig in ENDING_SIGNALS
              if signal.getsignal(sig) is not signal.SIG_IGN}
     try:
-        yield
+        yield end_once
     finally:
         for sig, handler in saved.items():  # None: one set outside Python, as the default
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)
@@ -158,12 +171,12 @@ class _EndOnce:
     signal already pending then is reported by Python as a traceback on stderr.)"""
 
     def __init__(self) -> None:
-        self.ended = False
+        self.status: int | None = None  # 128 + the signal that ended the command
 
     def __call__(self, signum: int, _frame: object) -> None:
-        if not self.ended:
-            self.ended = True
-            raise SystemExit(128 + signum)
+        if self.status is None:
+            self.status = 128 + signum
+            raise SystemExit(self.status)
 
 
 def _command_in(argv: list[str]) -> str | None:
