@@ -8,16 +8,13 @@
 #      a module to a worker at a time (`--dist loadfile`: a module's engine is started once);
 #      the workers take the next module as they are free, so no hand-kept split balances them;
 #   2. the tests that assert a wall-clock bound (`-m timing`: a deadline met, a call back within
-#      N seconds), with the tools' tests without an engine (`-m "not vllm and not timing"
-#      tests/tools`, about as long) beside them, their output printed when both are done. The
-#      timing tests' bounds sit 3-10x above what they measure on a core of their own; an
-#      engine lane beside them would leave them none, the tools' lane (one Python thread,
-#      mostly) leaves them one. As a 2-core machine is shared with its host's other tenants,
-#      a timing test that fails runs once more (pytest-rerunfailures, as CPython's CI reruns
-#      its failures): a bound missed twice fails the suite; a rerun is printed ("RERUN");
-#   3. the rest without an engine (the cache, tiers, node, connector, faults) in two
-#      pytest-xdist workers, a module to a worker at a time: with the whole rest in phase 2's
-#      second lane, one core idled for its last ~4 minutes, the timing lane done.
+#      N seconds), with the rest (`-m "not vllm and not timing"`: the cache, tiers, node, tools
+#      without an engine) beside them, their output printed when both are done. The timing
+#      tests' bounds sit 3-10x above what they measure on a core of their own; an engine lane
+#      beside them would leave them none, the rest (one Python thread, mostly) leaves them
+#      one. As a 2-core machine is shared with its host's other tenants, a timing test that
+#      fails runs once more (pytest-rerunfailures, as CPython's CI reruns its failures): a
+#      bound missed twice fails the suite; a rerun is printed ("RERUN").
 # Under KVTIER_TEST_STRICT=1 (set here) a test skipped for want of something on the machine
 # (redis-server, prometheus, a tmpfs mount...) fails instead: scripts/setup.sh installs them
 # all (tests/conftest.py lists the skips that stay skips: CUDA, real S3 endpoints).
@@ -59,27 +56,19 @@ engines_status=0
 lane engines -m "vllm and not timing" -n 2 --dist loadfile --durations=25 || engines_status=$?
 
 echo
-echo "phase 2: the tests that assert wall-clock bounds (-m timing) here; alongside, the tools'" \
-  "tests without an engine (-m 'not vllm and not timing' tests/tools, printed after)"
-QUIET=1 lane tools -m "not vllm and not timing" tests/tools --durations=15 &
-tools=$!
-trap 'kill "$tools" 2>/dev/null || true; rm -rf "$logs"' EXIT
+echo "phase 2: the tests that assert wall-clock bounds (-m timing) here; alongside, the rest" \
+  "(-m 'not vllm and not timing', printed after)"
+QUIET=1 lane rest -m "not vllm and not timing" --durations=15 &
+rest=$!
+trap 'kill "$rest" 2>/dev/null || true; rm -rf "$logs"' EXIT
 trap 'exit 130' INT TERM
 timing_status=0
 lane timing -m timing --reruns 1 -raR --durations=15 || timing_status=$?
-tools_status=0
-wait "$tools" || tools_status=$?
-trap 'rm -rf "$logs"' EXIT
-echo
-echo "==== run alongside: $(cat "$logs/tools.result") ===="
-cat "$logs/tools.log"
-
-echo
-echo "phase 3: the rest (-m 'not vllm and not timing', outside tests/tools), two workers" \
-  "(pytest-xdist)"
 rest_status=0
-lane rest -m "not vllm and not timing" --ignore=tests/tools -n 2 --dist loadfile \
-  --durations=15 || rest_status=$?
+wait "$rest" || rest_status=$?
+echo
+echo "==== run alongside: $(cat "$logs/rest.result") ===="
+cat "$logs/rest.log"
 
 echo
 echo "==== skipped, and why (all lanes) ===="
@@ -89,8 +78,8 @@ echo "==== timing tests run twice (a bound missed once, met the second time) ===
 grep -h '^RERUN' "$logs"/timing.log || echo "(none)"
 echo
 echo "==== lanes ===="
-cat "$logs/engines.result" "$logs/timing.result" "$logs/tools.result" "$logs/rest.result"
-for status in "$engines_status" "$timing_status" "$tools_status" "$rest_status"; do
+cat "$logs/engines.result" "$logs/timing.result" "$logs/rest.result"
+for status in "$engines_status" "$timing_status" "$rest_status"; do
   if [ "$status" -ne 0 ]; then
     exit "$status"
   fi
