@@ -37,7 +37,7 @@
 #
 # Usage: bash scripts/gpu-check.sh [--results DIR] [--python PY] [--no-install] [--wheels DIR]
 #                                  [--quick] [--dry-run] [--summary-only] [--budget-s S]
-#                                  [--standin]
+#                                  [--standin] [--tests "PATH ..."]
 #   --results DIR   where the results go (default $OUT where set, else gpu-results)
 #   --python PY     the Python with the CUDA build of torch (default $PYTHON, else python3)
 #   --no-install    use the environment as it is (kvtier and its dependencies installed)
@@ -49,6 +49,9 @@
 #   --summary-only  only step 5, over the results a run left in DIR
 #   --budget-s S    seconds for steps 2-4 in all (default 480; see above)
 #   --standin       no GPU: the steps on the CPU stand-in (see above)
+#   --tests "PATH ..."  step 3 runs these pytest paths instead (a rerun of the one that
+#                   failed, within a lease; the suite's test of the run-book, whose device
+#                   tests the suite runs anyway)
 #
 # Exit status: 0 tests passed and the target met at every chunk size; 1 a test failed, a
 # bench run failed, a step ran out of the budget or loaded bytes differ; 2 no usable GPU (or
@@ -63,6 +66,7 @@ PY=${PYTHON:-python3}
 INSTALL=1
 WHEELS=
 QUICK=()
+TESTS_GIVEN=()
 DRY=0
 SUMMARY_ONLY=0
 while (($#)); do
@@ -76,6 +80,7 @@ while (($#)); do
     --summary-only) SUMMARY_ONLY=1; shift ;;
     --budget-s) BUDGET=${2:?--budget-s needs seconds}; shift 2 ;;
     --standin) STANDIN=1; shift ;;
+    --tests) read -ra TESTS_GIVEN <<< "${2:?--tests needs pytest paths}"; shift 2 ;;
     -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu-check: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -97,6 +102,7 @@ BENCH_RUNS=(
   "bf16-LBNHC-16layers|--dtype bfloat16 --layout LBNHC --layers 16 --chunk-mib 1,2,4,8,16,32"
 )
 TESTS=(tests/gpu tests/connector/test_stream_mover.py tests/connector/test_stream_mover_batches.py)
+((${#TESTS_GIVEN[@]})) && TESTS=("${TESTS_GIVEN[@]}")
 SLAB_TEST=tests/gpu/test_cuda_batches.py::test_a_node_slab_registered_for_dma_copies_at_pinned_speed
 
 say() { printf '\n== %s\n' "$*"; }
@@ -148,7 +154,7 @@ if timed_out:
     print(f"- OUT OF BUDGET (--budget-s), killed or not run: {', '.join(timed_out)}")
 print(f"- GPU: {read('gpu.txt', 'unknown')}")
 print(f"- {read('torch.txt', 'torch: unknown').splitlines()[0]}")
-print(f"- tests (pytest tests/gpu tests/connector/test_stream_mover*.py): "
+print(f"- tests (pytest {read('tests.txt', 'tests/gpu tests/connector/test_stream_mover*.py')}): "
       f"{'PASS' if tests_ok else 'FAIL'} (exit status {tests_rc}; skip lines for want of "
       f"CUDA: {cuda_skips}); see pytest.txt")
 if standin:
@@ -240,7 +246,7 @@ fi
 
 mkdir -p "$RESULTS" || fail "cannot create $RESULTS" 2
 echo '*' > "$RESULTS/.gitignore"  # results are never committed
-rm -f "$RESULTS"/copy-*.{json,md,rc} "$RESULTS"/{gpu.txt,torch.txt,pytest.txt,pytest.rc} \
+rm -f "$RESULTS"/copy-*.{json,md,rc} "$RESULTS"/{gpu.txt,torch.txt,pytest.txt,pytest.rc,tests.txt} \
   "$RESULTS"/{shm-register.txt,summary.md,timed-out.txt,mover.json,mover.rc}
 
 if ((STANDIN)); then
@@ -307,6 +313,7 @@ fi
 say "3. the device tests"
 PYTEST_OPTS=()  # pyproject's addopts name --timeout: without pytest-timeout, drop them
 "$PY" -c 'import pytest_timeout' 2>/dev/null || PYTEST_OPTS=(-o addopts=)
+echo "${TESTS[*]}" > "$RESULTS/tests.txt"
 bounded tests "$PY" -m pytest "${TESTS[@]}" -q -rs -p no:cacheprovider "${PYTEST_OPTS[@]}" 2>&1 \
   | tee "$RESULTS/pytest.txt"
 echo "${PIPESTATUS[0]}" > "$RESULTS/pytest.rc"

@@ -24,6 +24,13 @@ from kvtier.testing.engines import own_rpc_folder
 # have without a KV connector: vLLM's CPU backend otherwise reserves one more core for any
 # connector, which on a 2-core machine slows every step several-fold (`kvtier serve` sets it too).
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+# vLLM compiles a few helpers with inductor even in an eager engine (prompt and sample
+# logprobs' ranks, top-k/top-p, some custom ops): on a bare machine a helper's first use in a
+# process compiled for 20-50 s of a test (a prompt-logprobs test: 2.8 s with the compile
+# cache warm, 20.6 s cold alone, 53 s in CI's engine lane). kvtier never runs inside them:
+# the tests' engines and servers run them as plain PyTorch. KVTIER_TEST_COMPILE=1 keeps them.
+if os.environ.get("KVTIER_TEST_COMPILE") != "1":
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 
 @pytest.fixture

@@ -101,8 +101,8 @@ def test_a_loaded_prefix_changes_cpu_mla_outputs_with_vllms_own_connector(
 
 
 def test_kvtier_refuses_mla_on_vllm_cpu_in_one_line(
-        mla_dir: Path, capfd: pytest.CaptureFixture[str]) -> None:
+        mla_dir: Path) -> None:
     config = kvtier_transfer_config([{"kind": "memory", "capacity": "8MiB"}], 64)
-    line = refusal_line(mla_dir, config, capfd, **BLOCKS)
+    line = refusal_line(mla_dir, config, **BLOCKS)
     assert str(mla_dir) in line and "DeepseekV2ForCausalLM" in line
     assert "CPU_MLA" in line and "AMX_MLA" in line and "without kvtier's connector" in line

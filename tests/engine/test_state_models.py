@@ -66,11 +66,11 @@ def lfm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_without_prefix_caching_a_conv_hybrid_is_refused_in_one_line(
-        lfm2_dir: Path, capfd: pytest.CaptureFixture[str]) -> None:
+        lfm2_dir: Path) -> None:
     """No states kept, nothing to store: the engine does not start, and the reason is kvtier's
     one line. (First in the module: the other engine is not running yet.)"""
     config = kvtier_transfer_config([{"kind": "memory", "capacity": "8MiB"}], CHUNK)
-    line = refusal_line(lfm2_dir, config, capfd, enable_prefix_caching=False)
+    line = refusal_line(lfm2_dir, config, enable_prefix_caching=False)
     assert str(lfm2_dir) in line and "Lfm2ForCausalLM" in line
     assert "conv state layers without prefix caching" in line
     assert "turn prefix caching on" in line

@@ -18,6 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu-check.sh"
+DEVICE_TESTS = "tests/gpu/test_event_records.py"
 RUNS = ("bf16-LBNHC", "fp8-LBNHC", "bf16-BLHNC", "bf16-LBNHC-16layers")
 
 
@@ -30,11 +31,15 @@ def _run(results: Path, *args: str, timeout_s: float = 900) -> subprocess.Comple
 
 @pytest.mark.slow
 def test_the_run_book_runs_end_to_end_on_the_stand_in(tmp_path: Path) -> None:
-    done = _run(tmp_path)
+    # Its device tests (~190, 26 s of this test's 72) run in this suite anyway: one of their
+    # files here (`--tests`), as an operator reruns the one that failed within a lease.
+    done = _run(tmp_path, "--tests", DEVICE_TESTS)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     summary = (tmp_path / "summary.md").read_text()
     assert "gpu-check: PASS" in summary and "--standin" in summary
+    assert f"tests (pytest {DEVICE_TESTS}): PASS" in summary
     assert (tmp_path / "pytest.rc").read_text().strip() == "0"
+    assert " passed" in (tmp_path / "pytest.txt").read_text()
     for name in RUNS:
         assert (tmp_path / f"copy-{name}.rc").read_text().strip() == "0"
         data = json.loads((tmp_path / f"copy-{name}.json").read_text())
@@ -62,6 +67,7 @@ def test_its_results_go_under_out_where_it_is_set(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert f"results in {out}/" in done.stdout
     assert "--device cpu" in done.stdout and "--device cuda" not in done.stdout
+    assert "pytest tests/gpu tests/connector/test_stream_mover.py" in done.stdout  # the default
 
 
 @pytest.mark.parametrize("budget", ["0", "x", "-5"])
