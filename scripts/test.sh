@@ -3,18 +3,24 @@
 #
 # With no arguments every test runs once, in two phases, each keeping both cores of a 2-core
 # machine busy:
-#   1. the tests that start real vLLM engines (`-m "vllm and not timing"`; most run in the test's
-#      own process, see tests/engine/vllm_harness.start_engine) in two pytest-xdist workers,
-#      a module to a worker at a time (`--dist loadfile`: a module's engine is started once);
-#      the workers take the next module as they are free, so no hand-kept split balances them;
-#   2. the tests that assert a wall-clock bound (`-m timing`: a deadline met, a call back within
-#      N seconds), with the rest (`-m "not vllm and not timing"`: the cache, tiers, node, tools
-#      without an engine) beside them, their output printed when both are done. The timing
-#      tests' bounds sit 3-10x above what they measure on a core of their own; an engine lane
-#      beside them would leave them none, the rest (one Python thread, mostly) leaves them
-#      one. As a 2-core machine is shared with its host's other tenants, a timing test that
-#      fails runs once more (pytest-rerunfailures, as CPython's CI reruns its failures): a
-#      bound missed twice fails the suite; a rerun is printed ("RERUN").
+#   1. the tests that start real vLLM engines, the slow ones and the node's (`-m "(vllm or
+#      slow or node) and not timing"`; engines mostly in the test's own process, see
+#      tests/engine/vllm_harness.start_engine; slow: vLLM servers, whole commands,
+#      simulations; node: tests/node, `kvtier node` processes, ~140 s of a core, here so that
+#      the rest below takes about as long as the timing lane) in two pytest-xdist workers, a
+#      module to a worker at a time (`--dist loadfile`: a module's engine is started once);
+#      the workers take the next module as they are free, so no hand-kept split balances
+#      them, the modules with a slow test first (tests/conftest.py; `--no-loadscope-reorder`
+#      keeps that order);
+#   2. the tests that assert a wall-clock bound (`-m timing`: a deadline met, a call back
+#      within N seconds), with the rest (`-m "not vllm and not slow and not node and not
+#      timing"`: the cache, tiers, connector, tools) beside them, their output printed when
+#      both are done. The timing tests' bounds sit 3-10x above what they measure on a core of
+#      their own; an engine lane beside them would leave them none, the rest (one Python
+#      thread, mostly) leaves them one. As a 2-core machine is shared with its host's other
+#      tenants, a timing test that fails runs once more (pytest-rerunfailures, as CPython's CI
+#      reruns its failures): a bound missed twice fails the suite; a rerun is printed
+#      ("RERUN").
 # Under KVTIER_TEST_STRICT=1 (set here) a test skipped for want of something on the machine
 # (redis-server, prometheus, a tmpfs mount...) fails instead: scripts/setup.sh installs them
 # all (tests/conftest.py lists the skips that stay skips: CUDA, real S3 endpoints).
@@ -51,14 +57,16 @@ lane() {  # lane NAME PYTEST-ARGS...: pytest, its output kept in $logs/NAME.log 
   return "$status"
 }
 
-echo "phase 1: the engine tests (-m 'vllm and not timing'), two workers (pytest-xdist)"
+echo "phase 1: the engine, slow and node tests (-m '(vllm or slow or node) and not timing')," \
+  "two workers (pytest-xdist)"
 engines_status=0
-lane engines -m "vllm and not timing" -n 2 --dist loadfile --durations=25 || engines_status=$?
+lane engines -m "(vllm or slow or node) and not timing" -n 2 --dist loadfile --no-loadscope-reorder \
+  --durations=25 || engines_status=$?
 
 echo
 echo "phase 2: the tests that assert wall-clock bounds (-m timing) here; alongside, the rest" \
-  "(-m 'not vllm and not timing', printed after)"
-QUIET=1 lane rest -m "not vllm and not timing" --durations=15 &
+  "(-m 'not vllm and not slow and not node and not timing', printed after)"
+QUIET=1 lane rest -m "not vllm and not slow and not node and not timing" --durations=15 &
 rest=$!
 trap 'kill "$rest" 2>/dev/null || true; rm -rf "$logs"' EXIT
 trap 'exit 130' INT TERM

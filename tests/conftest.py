@@ -91,14 +91,27 @@ def pytest_make_collect_report(collector: pytest.Collector
     return report
 
 
+NODE_TESTS = Path(__file__).parent / "node"
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by the markers added here
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests parametrized with kind="redis" (the tier contract suite) need redis-server."""
+    """Tests parametrized with kind="redis" (the tier contract suite) need redis-server;
+    tests/node's are marked `node`; modules with a slow test first."""
     for item in items:
+        if NODE_TESTS in item.path.parents:
+            item.add_marker(pytest.mark.node)
         callspec = getattr(item, "callspec", None)
         if callspec is not None and callspec.params.get("kind") == "redis":
             item.add_marker(pytest.mark.redis)
         if callspec is not None and callspec.params.get("kind") == "s3":
             item.add_marker(pytest.mark.s3)
+    # Modules holding a slow test run first, each module's tests together and in their order:
+    # scripts/test.sh hands the engine phase's modules to its two workers in this order, one
+    # to whichever is free (--no-loadscope-reorder; xdist's own order, most tests first, left
+    # the one-test server modules of 1-2 minutes last, the other worker idle meanwhile).
+    slow_modules = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_modules)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

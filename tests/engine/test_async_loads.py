@@ -27,7 +27,7 @@ from vllm_harness import (
 
 from kvtier.core.chunkformat import HEADER_BYTES
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 CHUNK = 64
 MAX_TOKENS = 12

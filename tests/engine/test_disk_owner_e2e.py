@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from vllm_harness import kvtier_transfer_config, start_engine
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 def test_a_second_engine_on_an_owned_disk_path_is_refused_in_one_line(

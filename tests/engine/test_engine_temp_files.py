@@ -12,7 +12,7 @@ import psutil
 import pytest
 from vllm_harness import start_engine
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 def test_an_engine_whose_worker_was_killed_leaves_no_rendezvous_file(

@@ -37,7 +37,7 @@ from vllm_harness import (
 
 from kvtier.testing.vllmshm import vllm_shm_maps
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 CHUNK = 64
 MIB = 1024**2

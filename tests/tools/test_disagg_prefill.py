@@ -34,7 +34,7 @@ from kvtier.integrations.vllm.metrics import PREFIX
 from kvtier.tools.ops.disagg_proxy import ProxyConfig, running_proxy
 from kvtier.tools.ops.server import VllmServer, free_port
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 CHUNK = 64
 MAX_TOKENS = 16

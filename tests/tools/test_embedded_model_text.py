@@ -28,7 +28,7 @@ from vllm_harness import start_engine
 from kvtier.tools.cli.serve import served_names
 from kvtier.tools.ops.server import running_server
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 CHUNK = 64
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"

@@ -52,7 +52,7 @@ from vllm_harness import random_prompts
 from kvtier.integrations.vllm.metrics import PREFIX
 from kvtier.tools.ops.server import free_port, running_server
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "kvtier-dashboard.json"

