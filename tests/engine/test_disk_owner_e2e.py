@@ -5,8 +5,9 @@ remedy (tiers/files/owner.py). Before, it started: each engine exceeded the capa
 other's files and evicted the other's chunks behind its index.
 
 The owner runs in this process; the refused engine in vLLM's own processes (its worker raises
-as it opens its store, which vLLM's front end reports as a failed start), as `refusal_line`
-does for kvtier's refusals of a model.
+as it opens its store, which vLLM's front end reports as a failed start): the suite's check
+that a refusal raised in the engine core process reaches the user as its one line
+(`refusal_line` checks kvtier's refusals of a model in the test's process).
 """
 
 from __future__ import annotations
