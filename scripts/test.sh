@@ -60,8 +60,8 @@ lane() {  # lane NAME PYTEST-ARGS...: pytest, its output kept in $logs/NAME.log 
 echo "phase 1: the engine, slow and node tests (-m '(vllm or slow or node) and not timing')," \
   "two workers (pytest-xdist)"
 engines_status=0
-lane engines -m "(vllm or slow or node) and not timing" -n 2 --dist loadfile --no-loadscope-reorder \
-  --durations=25 || engines_status=$?
+lane engines -m "(vllm or slow or node) and not timing" -n 2 --dist loadfile \
+  --no-loadscope-reorder --durations=25 || engines_status=$?
 
 echo
 echo "phase 2: the tests that assert wall-clock bounds (-m timing) here; alongside, the rest" \
