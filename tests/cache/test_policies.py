@@ -196,6 +196,31 @@ def test_retired_keys_leave_before_any_key_inserted_after(make: object) -> None:
     assert set(victims[len(old):]) == set("xyzc") and policy.evict() is None
 
 
+@pytest.mark.parametrize("name", ["lru", "arc", "prefix", "clock"])
+def test_kept_keys_are_passed_over_and_stay_where_they_rank(name: str) -> None:
+    """`evict(keep=...)`: a tier's chunk being read (lent) must stay; the policy takes the
+    next victim, leaves the kept key resident where it ranked (no new use, no ARC ghost),
+    and answers None when every resident is kept. In a retired generation too."""
+    policy: Generations[str] = Generations(ClockPolicy) if name == "clock" \
+        else make_policy(name, 8)
+    for key in "abc":
+        policy.insert(key)
+    policy.retire()
+    policy.insert("d")
+    assert policy.evict(keep=lambda key: key in "ab") == "c" and policy.left_retired
+    assert policy.evict(keep=lambda key: True) is None and len(policy) == 3
+    victims = [policy.evict() for _ in range(3)]
+    assert sorted(victims[:2]) == ["a", "b"] and victims[2] == "d"  # retired ones first
+    assert name == "clock" or victims[:2] == ["a", "b"]  # the clock's hand moved on
+    if name == "arc":  # the kept keys were never ghosts: no target moved
+        arc: ARCPolicy[str] = ARCPolicy(8)
+        for key in "ab":
+            arc.insert(key)
+        assert arc.evict(keep=lambda key: key == "a") == "b"
+        arc.insert("x")
+        assert arc.p == 0.0 and arc.evict() == "a"
+
+
 def test_a_key_leaving_says_whether_it_was_retired() -> None:
     """`left_retired` after each removal and eviction: what a tier's removal event carries
     (a router told at the reset that the retired keys are gone is not told again)."""

@@ -294,6 +294,28 @@ def test_a_memory_tier_keeps_a_parent_whose_pin_ended_under_its_child() -> None:
     assert tier.check() == []
 
 
+def test_a_lent_leaf_stays_a_leaf_and_its_parent_no_victim() -> None:
+    """Through the memory tier: the policy's first victim is lent (a load reads it), so the
+    policy passes it over and the next leaf goes, never the parent under the lent chunk; the
+    next put evicts a leaf again. Before: the lent victim was taken out and put back as a
+    root after the put, its parent a leaf meanwhile and the put's victim, the child held
+    without its prefix."""
+    tier, data = _memory_tier(3)
+    keys = [ChunkKey(bytes([i]) * 16) for i in range(5)]
+    assert tier.put(keys[0], data).ok
+    assert tier.put(keys[1], data, ChunkMeta(parent=keys[0])).ok
+    assert tier.put(keys[2], data).ok
+    with tier.borrow(keys[1]) as lent:  # keys[1] read first, so the victim below
+        assert lent is not None
+        with tier.borrow(keys[2]) as view:
+            assert view is not None
+        assert tier.put(keys[3], data).ok  # victim keys[1] is lent: keys[2] goes
+    assert [tier.contains(k) for k in keys[:4]] == [True, True, False, True]
+    assert tier.put(keys[4], data).ok  # a leaf goes: keys[1], read before keys[3] came
+    assert [tier.contains(k) for k in keys] == [True, False, False, True, True]
+    assert tier.check() == []
+
+
 def test_a_memory_tier_evicts_a_parent_whose_pin_ended() -> None:
     """Through the memory tier: a pin (retain) takes a parent out of the policy, its end puts
     it back; a tier of two slots keeps storing in both."""

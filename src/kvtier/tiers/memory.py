@@ -466,25 +466,18 @@ class MemoryTier:
         return self._index.get(key, -1) in self._pins
 
     def _free_or_evicted(self) -> int | None:
-        """A free slot, else one evicted by policy; None when every chunk is lent. A lent
-        victim (`_lent`) goes back to the policy as just read."""
+        """A free slot, else one evicted by policy; None when every chunk is lent. The policy
+        passes lent chunks over (`_lent`), leaving them where they rank (a prefix policy's
+        parent under a lent chunk is no candidate meanwhile; ARC counts no ghost)."""
         if self._read_in_place:
             self._reclaim()
         if self._free:
             return self._free.pop()
-        lent: list[ChunkKey] = []
-        try:
-            while (victim := self._policy.evict()) is not None:
-                if self._lent(victim):
-                    lent.append(victim)
-                    continue
-                index = self._evict(victim)
-                if index is not None:
-                    return index
-            return None
-        finally:
-            for key in lent:
-                self._policy.insert(key, self._book.parent_of(key))
+        while (victim := self._policy.evict(keep=self._lent)) is not None:
+            index = self._evict(victim)
+            if index is not None:
+                return index
+        return None
 
     def _evict(self, victim: ChunkKey) -> int | None:
         """Evict `victim` (just taken out of the policy: its `left_retired` is the victim's);

@@ -14,7 +14,7 @@ Primitives: `EvictionPolicy` (protocol), `make_policy`, `POLICIES`, `Generations
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Protocol, TypeVar
 
 from kvtier.core.policies.admission import AdmissionFilter
@@ -42,8 +42,10 @@ class EvictionPolicy(Protocol[K]):
     def remove(self, key: K) -> None:
         """A key left for another reason than eviction (delete, corruption)."""
 
-    def evict(self) -> K | None:
-        """Choose the next victim and forget it as resident; None when nothing is resident."""
+    def evict(self, keep: Callable[[K], bool] | None = None) -> K | None:
+        """Choose the next victim and forget it as resident; None when nothing is resident.
+        `keep`: residents that must stay now (a chunk being read) are passed over, resident
+        and ranked as they were; None when every resident is kept."""
 
     def __len__(self) -> int: ...
 

@@ -12,7 +12,7 @@ cannot see whether that key is a B2 ghost; the tie case `|T1| == p` then evicts 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
@@ -56,17 +56,20 @@ class ARCPolicy(Generic[K]):
         for resident in (self._t1, self._t2):
             resident.pop(key, None)
 
-    def evict(self) -> K | None:
-        if self._t1 and (len(self._t1) > self.p or not self._t2):
-            key, _ = self._t1.popitem(last=False)
-            self._b1[key] = None
-        elif self._t2:
-            key, _ = self._t2.popitem(last=False)
-            self._b2[key] = None
-        else:
-            return None
-        self._trim_ghosts()
-        return key
+    def evict(self, keep: Callable[[K], bool] | None = None) -> K | None:
+        """REPLACE: the LRU end of T1 while T1 is over its target (or T2 is empty), else of
+        T2; a list whose every key is kept yields to the other."""
+        lists = [(self._t1, self._b1), (self._t2, self._b2)]
+        if not (self._t1 and (len(self._t1) > self.p or not self._t2)):
+            lists.reverse()
+        for resident, ghosts in lists:
+            key = next((k for k in resident if keep is None or not keep(k)), None)
+            if key is not None:
+                del resident[key]
+                ghosts[key] = None
+                self._trim_ghosts()
+                return key
+        return None
 
     def _trim_ghosts(self) -> None:
         while self._b1 and len(self._t1) + len(self._b1) > self.capacity:

@@ -24,7 +24,7 @@ Primitives: `ClockPolicy`.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
@@ -62,12 +62,19 @@ class ClockPolicy(Generic[K]):
         self._referenced.pop(key, None)
         self._compact_if_stale()
 
-    def evict(self) -> K | None:
-        while self._resident:
+    def evict(self, keep: Callable[[K], bool] | None = None) -> K | None:
+        """The first unmarked resident from the hand on, not kept: kept keys are passed,
+        marks and all; None when every resident is kept (two turns of the hand)."""
+        steps = 2 * len(self._ring) + 1  # a turn clears the marks, the next finds a victim
+        while self._resident and steps:
+            steps -= 1
             if self._hand >= len(self._ring):
                 self._hand = 0
             key = self._ring[self._hand]
             if key is None or key not in self._resident:  # a free or stale slot
+                self._hand += 1
+                continue
+            if keep is not None and keep(key):
                 self._hand += 1
                 continue
             if key in self._referenced:  # its second chance

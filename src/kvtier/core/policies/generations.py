@@ -70,12 +70,12 @@ class Generations(Generic[K]):
         self.left_retired = retired and len(policy) < resident
         self._drop_if_empty(generation)
 
-    def evict(self) -> K | None:
-        """The next victim: from the oldest generation holding keys (`left_retired`: a
-        retired one)."""
+    def evict(self, keep: Callable[[K], bool] | None = None) -> K | None:
+        """The next victim not kept: from the oldest generation holding one (`left_retired`:
+        a retired one)."""
         self.left_retired = False
         for generation, policy in list(self._generations.items()):
-            key = policy.evict()
+            key = policy.evict(keep)
             if key is not None:
                 self._generation_of.pop(key, None)
                 self.left_retired = generation != self._current

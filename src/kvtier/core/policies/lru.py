@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
@@ -26,11 +26,13 @@ class LRUPolicy(Generic[K]):
     def remove(self, key: K) -> None:
         self._order.pop(key, None)
 
-    def evict(self) -> K | None:
-        if not self._order:
-            return None
-        key, _ = self._order.popitem(last=False)
-        return key
+    def evict(self, keep: Callable[[K], bool] | None = None) -> K | None:
+        if keep is None:
+            return self._order.popitem(last=False)[0] if self._order else None
+        victim = next((key for key in self._order if not keep(key)), None)
+        if victim is not None:
+            del self._order[victim]
+        return victim
 
     def __len__(self) -> int:
         return len(self._order)

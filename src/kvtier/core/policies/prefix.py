@@ -73,7 +73,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -187,17 +187,27 @@ class PrefixPolicy(Generic[K]):
             if chunk.children:
                 self._absent[key] = _Absent(chunk.children)
 
-    def evict(self) -> K | None:
-        """The leaf of lowest rank, forgotten as resident; None when nothing is resident."""
-        while self._leaves:
-            rank, _, _, key = heapq.heappop(self._leaves)
-            chunk = self._chunks.get(key)
-            if chunk is None or chunk.children or chunk.rank != rank:
-                continue  # stale: evicted, extended or used since it was pushed
-            del self._chunks[key]
-            self._forget(key, chunk)
-            return key
-        return None
+    def evict(self, keep: Callable[[K], bool] | None = None) -> K | None:
+        """The leaf of lowest rank not kept, forgotten as resident; None when no such leaf.
+        Kept leaves stay leaves: their parents are not candidates meanwhile."""
+        kept: list[tuple[float, int, int, K]] = []
+        try:
+            while self._leaves:
+                entry = heapq.heappop(self._leaves)
+                rank, _, _, key = entry
+                chunk = self._chunks.get(key)
+                if chunk is None or chunk.children or chunk.rank != rank:
+                    continue  # stale: evicted, extended or used since it was pushed
+                if keep is not None and keep(key):
+                    kept.append(entry)
+                    continue
+                del self._chunks[key]
+                self._forget(key, chunk)
+                return key
+            return None
+        finally:
+            for entry in kept:
+                heapq.heappush(self._leaves, entry)
 
     def _extend(self, parent: K | None, above: _Chunk[K] | None) -> None:
         """Count one more child of `parent` (`above` where it is held, else absent)."""
