@@ -5,7 +5,8 @@ it removed whatever sat at the chunk's path by then: two engines reading a corru
 a popular prefix at once, the first removed it, its engine recomputed and stored the chunk
 again, and the second, its removal late (it waits for the shared directory's ledger lock,
 which the fleet holds in turn), deleted that good copy. A reader now removes the file it
-read, and only that one (its device and inode), on the shared and the disk tier.
+read, and only that one (its device and inode), on the shared and the disk tier; the disk
+tier, which drops a file that fails to read (EIO), drops that file only too.
 
 The race is made certain by running the other engine's steps inside the reader's failed
 read (the fault injected); the files, the tiers and the corruption are real.
@@ -13,6 +14,7 @@ read (the fault injected); the files, the tiers and the corruption are real.
 
 from __future__ import annotations
 
+import errno
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -114,4 +116,35 @@ def test_a_disk_reader_keeps_the_good_copy_its_own_write_stored_since(
     assert tier.contains(key(1))
     assert tier.get_into(key(1), out) and bytes(out) == CHUNK
     assert tier.check() == []
+    tier.close()
+
+
+def test_a_disk_reader_failing_with_eio_keeps_the_copy_stored_since(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same race with a read error instead of corruption (EIO from the medium once the
+    file is open): the tier drops the file it read, not the copy stored since; a file that
+    fails so with no copy stored since is dropped (a miss, counted)."""
+    tier: Any = make_tier("disk", tmp_path, LAYOUT, capacity_chunks=8)
+    assert tier.put(key(1), memoryview(CHUNK)) and tier.put(key(2), memoryview(CHUNK))
+    path = tier.files.path_of(key(1))
+
+    def stored_again() -> None:
+        after_a_tick(path)
+        assert tier.delete(key(1))
+        assert tier.put(key(1), memoryview(CHUNK))
+
+    def failing_read(read_key: Any, *args: Any) -> None:  # the file is open: the medium fails
+        if read_key == key(1):
+            stored_again()
+        raise OSError(errno.EIO, "Input/output error (injected)")
+
+    monkeypatch.setattr(tier.files, "_read_open", failing_read)
+    out = memoryview(bytearray(LAYOUT.bytes_per_chunk))
+    assert tier.get_into(key(1), out).failure is Failure.IO_ERROR
+    assert tier.get_into(key(2), out).failure is Failure.IO_ERROR
+    monkeypatch.undo()
+    assert path.exists(), "the failed read dropped the copy stored since"
+    assert tier.contains(key(1)) and tier.get_into(key(1), out) and bytes(out) == CHUNK
+    assert not tier.files.path_of(key(2)).exists() and not tier.contains(key(2))
+    assert tier.stats().misses == 2 and tier.check() == []
     tier.close()

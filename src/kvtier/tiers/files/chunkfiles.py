@@ -53,7 +53,7 @@ from kvtier.core.chunkformat import (
 )
 from kvtier.core.keys import ChunkKey
 from kvtier.core.throttled import ThrottledWarning
-from kvtier.errors import CorruptChunk
+from kvtier.errors import CorruptChunk, UnreadableChunk
 from kvtier.tiers.files.chunktree import TreeScan, chunk_parts, chunk_path, scan_tree
 from kvtier.tiers.files.filetree import (
     FileId,
@@ -260,7 +260,9 @@ class ChunkFiles:
                 KeyNotHeld / AuthFailure / CodecFailure (CorruptChunks): it cannot be opened
                 or decoded here (`kvtier.core.chunkformat.failure_of` tells which). Its
                 `file_id` names the file read, for `remove`.
-            OSError: any other read failure.
+            UnreadableChunk: the file opened failed to read (an OSError; its `file_id` as
+                above).
+            OSError: any other failure (the file could not be opened).
         """
         parts = chunk_parts(self.layout_digest, key)
         try:
@@ -276,10 +278,13 @@ class ChunkFiles:
             os.close(dir_fd)
         try:
             info = os.fstat(fd)
-            self._read_open(key, fd, info.st_size, out, tenant, touch)
-        except CorruptChunk as exc:  # this file: not what is at the path when it is removed
-            exc.file_id = exc.file_id or file_id(info)
-            raise
+            try:
+                self._read_open(key, fd, info.st_size, out, tenant, touch)
+            except CorruptChunk as exc:  # this file: not what is at the path when removed
+                exc.file_id = exc.file_id or file_id(info)
+                raise
+            except OSError as exc:
+                raise UnreadableChunk(exc, file_id(info)) from exc
         finally:
             os.close(fd)
 
@@ -350,7 +355,7 @@ class ChunkFiles:
             return False
 
     def replaced(self, key: ChunkKey, read: FileId) -> bool:
-        """Whether a file other than `read` (a `CorruptChunk`'s `file_id`) is at the
+        """Whether a file other than `read` (a failed read's `file_id`) is at the
         chunk's path now: a copy placed since that file was read. One lstat per
         component; never raises (an error: False)."""
         try:
@@ -384,7 +389,7 @@ class ChunkFiles:
     def remove(self, key: ChunkKey, failed: dict[ChunkKey, None] | None = None,
                same_file: FileId | None = None) -> int | None:
         """Delete the chunk's file (or whatever non-directory sits at its path, never
-        through a link); with `same_file` (a `CorruptChunk`'s `file_id`), only if it is
+        through a link); with `same_file` (a failed read's `file_id`), only if it is
         still that file.
         None when nothing was removed; else the bytes that freed (0 for a
         link or special file). Never raises: a read-only directory keeps its files (logged,

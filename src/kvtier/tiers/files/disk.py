@@ -66,7 +66,7 @@ from kvtier.core.tier import (
     TierResult,
     TierStats,
 )
-from kvtier.errors import CorruptChunk, KeyNotHeld
+from kvtier.errors import CorruptChunk, KeyNotHeld, UnreadableChunk
 from kvtier.tiers.encoding import EncodedTierSettings, build_encoder
 from kvtier.tiers.files.chunkfiles import ChunkFiles
 from kvtier.tiers.files.chunktree import FileInventory, FileProbe
@@ -233,8 +233,9 @@ class DiskTier(DiskRetention):
             self._counters.add(misses=1)
             return TierResult(Failure.NO_KEY)
         except (CorruptChunk, OSError) as exc:
-            self._forget(key, corrupt=isinstance(exc, CorruptChunk),
-                         read=exc.file_id if isinstance(exc, CorruptChunk) else None,
+            # The file read (corrupt, or EIO once open) goes, not a copy a put landed since.
+            read = exc.file_id if isinstance(exc, (CorruptChunk, UnreadableChunk)) else None
+            self._forget(key, corrupt=isinstance(exc, CorruptChunk), read=read,
                          absent=isinstance(exc, FileNotFoundError))
             # Gone: evicted (or removed by `kvtier gc`) since its lookup, a race not a fault.
             (log.info if isinstance(exc, FileNotFoundError) else log.warning)(

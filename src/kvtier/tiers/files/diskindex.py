@@ -121,10 +121,10 @@ class DiskIndex:
     def _forget(self, key: ChunkKey, corrupt: bool, read: FileId | None = None,
                 absent: bool = False) -> bool:
         """Drop a chunk from the index and the directory; whether either held it. With `read`
-        (a corrupt file's `file_id`), nothing if a copy stored since (indexed) is there; with
-        `absent` (its file was found missing), nothing if a file is there now: a put that
-        landed since (it dropped that fresh copy, a miss; a write still in flight lands after
-        the removal, as before). Takes the lock."""
+        (the `file_id` of a file that failed its read: corrupt, EIO), nothing if a copy stored
+        since (indexed) is there; with `absent` (its file was found missing), nothing if a
+        file is there now: a put that landed since (it dropped that fresh copy, a miss; a
+        write still in flight lands after the removal, as before). Takes the lock."""
         with self._lock:  # the file and the event too: a put of the key may be landing
             kept = (read is not None and self.files.replaced(key, read)) \
                 or (absent and self.files.exists(key))
