@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
@@ -42,9 +43,12 @@ def test_a_chain_is_cut_back_from_its_end_even_when_its_start_was_read_last() ->
     assert policy.evict() is None and len(policy) == 0
 
 
-def test_a_parent_is_never_evicted_while_a_child_is_held_under_random_traffic() -> None:
+@pytest.mark.parametrize("lending", [False, True], ids=["", "lending"])
+def test_a_parent_is_never_evicted_while_a_child_is_held_under_random_traffic(
+        lending: bool) -> None:
     """Branching prompts (a shared system prompt, conversations, one-shot prompts) inserted
-    and read at random in a small tier: every victim is a leaf of what is held."""
+    and read at random in a small tier: every victim is a leaf of what is held. `lending`:
+    the prompt read is lent meanwhile (a load), so evictions pass over it (`keep`)."""
     rng = random.Random(45)
     policy: PrefixPolicy[int] = PrefixPolicy(capacity=64, horizon_ops=500)
     parent_of: dict[int, int | None] = {}
@@ -63,10 +67,17 @@ def test_a_parent_is_never_evicted_while_a_child_is_held_under_random_traffic() 
             for key in chain:
                 policy.touch(key)
             parent = tip
+        lent = set(chain) if lending else set()
         for _ in range(rng.randint(1, 4)):
             key, next_key = next_key, next_key + 1
             if len(held) >= 64:
-                victim = policy.evict()
+                victim = policy.evict(keep=lent.__contains__)
+                if victim is None:  # every leaf is lent
+                    parents = {parent_of[k] for k in held}
+                    assert all(k in lent for k in held if k not in parents)
+                    victim = policy.evict()
+                else:
+                    assert victim not in lent, "evicted a lent chunk"
                 assert victim is not None  # it may be `parent`: a leaf until extended
                 assert all(parent_of[k] != victim for k in held), "evicted a parent"
                 held.discard(victim)
