@@ -97,10 +97,11 @@ class CorruptChunk(KVTierError):
         self.file_id = file_id
 
 
-class UnreadableChunk(OSError):
-    """A chunk file a tier opened failed to read (EIO: a bad sector, a lost device): the
-    OSError as raised, and the `file_id` of the file read, so that a tier dropping it
-    drops that file only, never a copy stored at its path since (as `CorruptChunk`)."""
+class UnreadableChunk(KVTierError, OSError):
+    """A chunk file a tier opened failed to read (EIO: a bad sector, a lost device): an
+    OSError with the errno raised, and the `file_id` of the file read, so that a tier
+    dropping it drops that file only, never a copy stored at its path since (as
+    `CorruptChunk`)."""
 
     def __init__(self, cause: OSError, file_id: tuple[int, int, int]) -> None:
         super().__init__(cause.errno, cause.strerror)
