@@ -89,9 +89,11 @@ def test_an_engine_killed_holding_loans_and_slots_leaks_none(
         engine.stdin.close()
         engine.stdout.close()
 
-    wait_for(lambda: node.status()["leases"] == 0, 10, "the killed engine's leases ended")
+    # The node's log names the engine (host:pid:tag) whose connection ended holding them,
+    # just after their end (which the status shows at once).
+    wait_for(lambda: node.status()["leases"] == 0 and "ended holding" in node.log_path.read_text(),
+             10, "the killed engine's leases ended, and logged")
     assert node.status()["counters"]["disconnects_with_leases"] == 1
-    # The node's log names the engine (host:pid:tag) whose connection ended holding them.
     ended = [line for line in node.log_path.read_text().splitlines() if "ended holding" in line]
     assert len(ended) == 1 and f":{engine.pid}:" in ended[0], ended
     assert "2 lease(s) of 3 chunk(s)" in ended[0]  # the loan, the 2 slots reserved
