@@ -377,3 +377,14 @@ def test_a_policy_or_capacity_given_twice_is_replayed_once(tmp_path: Path, capsy
                  "16", "--capacity", "64,64", "--policies", "lru, lru,prefix", "--json"]) == 0
     [point] = json.loads(capsys.readouterr().out)["points"]
     assert [r["policy"] for r in point["policies"]] == ["lru", "prefix"]
+
+
+def test_a_list_option_repeated_adds_up(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """`--capacity 64 --capacity 32,64 --policies lru --policies prefix` replays both
+    capacities and both policies: a repeated list option replayed its last alone."""
+    assert main(["simulate", "--trace", str(_one_prefix_trace(tmp_path)), "--trace-block-tokens",
+                 "16", "--capacity", "64", "--capacity", "32,64", "--policies", "lru",
+                 "--policies", "prefix", "--json"]) == 0
+    points = json.loads(capsys.readouterr().out)["points"]
+    assert [p["capacity_tokens"] for p in points] == [64, 32]
+    assert all([r["policy"] for r in p["policies"]] == ["lru", "prefix"] for p in points)

@@ -45,12 +45,13 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", type=any_path, metavar="FILE.jsonl",
                    help="replay a request trace (Mooncake's format, or tokens / block_hashes "
                         "per line) through kvtier's policies: hit ratio vs capacity")
-    p.add_argument("--capacity", metavar="TOKENS,...",
+    # Lists that add up when repeated: `--capacity 1M --capacity 3M` replayed 3M alone.
+    p.add_argument("--capacity", metavar="TOKENS,...", action="append",
                    help="with --trace: cache capacities in tokens, each at least one block "
-                        f"(default {DEFAULT_CAPACITIES})")
-    p.add_argument("--policies", metavar="POLICY,...",
+                        f"(default {DEFAULT_CAPACITIES}; repeat to add more)")
+    p.add_argument("--policies", metavar="POLICY,...", action="append",
                    help="with --trace: eviction policies, each optionally +admitN "
-                        f"(default {DEFAULT_POLICIES})")
+                        f"(default {DEFAULT_POLICIES}; repeat to add more)")
     p.add_argument("--trace-block-tokens", type=positive_int,
                    help="with --trace: tokens a trace block (a chunk) holds (default: the size "
                         f"the trace records, else {DEFAULT_BLOCK_TOKENS}, Mooncake's); with "
@@ -72,8 +73,8 @@ def run_trace(args: argparse.Namespace) -> int:
     from kvtier.tools.sim.trace import read_trace
     from kvtier.tools.sim.tracesweep import sweep_trace
 
-    policies = DEFAULT_POLICIES if args.policies is None else args.policies
-    capacity = DEFAULT_CAPACITIES if args.capacity is None else args.capacity
+    policies = DEFAULT_POLICIES if args.policies is None else ",".join(args.policies)
+    capacity = DEFAULT_CAPACITIES if args.capacity is None else ",".join(args.capacity)
     # each once: "lru,lru" replayed the trace twice into two columns of the same name
     specs = [parse_policy(name) for name in
              dict.fromkeys(name.strip() for name in policies.split(",") if name.strip())]
